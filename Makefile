@@ -1,0 +1,34 @@
+# Quick start: `make demo` and `make test`. Both create/update .venv and install what they need.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed-stamp
+# torch_npu's wheel is installed only to *read* its API docs (npufuse api); it is never imported.
+TORCH_NPU := torch-npu==2.14.0
+
+.PHONY: venv demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml constraints-dev.txt
+	$(PIP) install -q -c constraints-dev.txt torch==2.13.0 numpy
+	$(PIP) install -q -c constraints-dev.txt -e '.[dev]'
+	$(PIP) install -q --no-deps $(TORCH_NPU)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m npufuse demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) demo-out .npufuse

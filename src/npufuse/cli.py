@@ -1,0 +1,83 @@
+"""Command line: ``main(argv) -> int``, one module per verb.
+
+Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
+Verb modules are imported lazily so ``npufuse api`` does not pay for importing torch.
+
+Exit codes: 0 ok, 1 findings/rejections a CI gate wants, 2 usage or input error (one line on
+stderr, never a traceback for bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from typing import Sequence
+
+from npufuse import __version__
+
+# verb -> (module, one-line help). Order is the order shown in --help.
+VERBS: dict[str, tuple[str, str]] = {
+    "scan": ("npufuse.scan.command", "stage 1: find replaceable sites, write report.md and .npufuse/scan.json"),
+    "profile": ("npufuse.profile.command", "mine Ascend profiler output for fusable operator sequences"),
+    "apply": ("npufuse.rewrite.command", "stage 2 gate: rewrite accepted candidates behind a switch"),
+    "revert": ("npufuse.rewrite.revert_command", "restore the original code of rewritten sites"),
+    "verify": ("npufuse.verify.command", "operator-level and end-to-end checks of applied candidates"),
+    "merge-jsonl": ("npufuse.verify.merge_command", "merge baseline and fused JSONL runs"),
+    "report": ("npufuse.report.command", "render the validation report (html)"),
+    "status": ("npufuse.status_command", "the task list: every candidate and where it stands"),
+    "api": ("npufuse.api_docs", "signature, constraints and returns of a torch_npu API"),
+    "emulate": ("npufuse.emulate.command", "list the emulated torch_npu APIs"),
+    "demo": ("npufuse.demo", "the whole flow on the bundled example model, on CPU"),
+}
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def _available_verbs() -> dict[str, tuple[str, str]]:
+    found = {}
+    for verb, (module, help_text) in VERBS.items():
+        if importlib.util.find_spec(module) is not None:
+            found[verb] = (module, help_text)
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="npufuse",
+        description="Find hand-written PyTorch that Ascend NPUs run faster as one torch_npu fused "
+        "operator; rewrite accepted sites behind a switch; prove each replacement.",
+    )
+    parser.add_argument("--version", action="version", version=f"npufuse {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for verb, (module, help_text) in _available_verbs().items():
+        verb_parser = sub.add_parser(verb, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(verb_parser)
+        verb_parser.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    if not getattr(args, "verb", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._module.run(args) or 0)
+    except UsageError as exc:
+        print(f"npufuse {args.verb}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"npufuse {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
