@@ -1,0 +1,1 @@
+"""Fusion patterns: one file per pattern id (see ``base.py`` for the contract)."""

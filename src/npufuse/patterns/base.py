@@ -1,0 +1,132 @@
+"""What a pattern is, and what it hands to the rest of npufuse.
+
+A pattern is one class in one file of this package (``patterns/<id>.py``), in the Fixit style:
+it carries its own ``FUSE`` and ``KEEP`` examples, which are its tests. It
+
+* detects sites in a parsed module (``detect``), returning :class:`Finding` for replaceable
+  sites and :class:`NearMiss` (with the blocking reason) for look-alikes — never a silent skip;
+* writes the fused-branch statements for a finding (``Finding.fused``): real code using the
+  ``torch_npu`` name, producing exactly the original statements' live-out values (same names,
+  same dtype and shape, or the same ``return``). The guard, the switch and the verbatim original
+  fallback are added around it by :mod:`npufuse.rewrite.codegen` — the single generator used by
+  both the stage-1 report and ``npufuse apply``;
+* provides an eager ``reference`` (ground truth shared by the op check and the benchmarks).
+
+Adding a fusion is one file here: the registry (``npufuse.patterns.registry``) finds every
+``Pattern`` subclass, and the tests parametrize over it.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Union
+
+if TYPE_CHECKING:
+    from npufuse.scan.dataflow import ModuleInfo, Scope
+
+
+@dataclass
+class Risk:
+    """A reason the replacement may misbehave or disappoint; shown per candidate in the report."""
+
+    kind: str  # dynamic_shape | non_contiguous | dtype | autocast | inference_only | host_sync | layout | numerics | other
+    detail: str
+
+
+@dataclass
+class Finding:
+    """A replaceable site. Spans are 1-based inclusive lines of whole statements in one block."""
+
+    pattern: str
+    qualname: str  # innermost function holding the computation ("<module>" at top level)
+    line: int
+    end_line: int
+    params: dict[str, Any]  # what the replacement needs (eps, weight, offset, upcast, order, ...)
+    fused: str  # fused-branch statements, dedented, without guard or marker
+    guard_tensor: str  # expression of a tensor live at the span start; fused only if it is on NPU
+    confidence: str = "high"  # high | medium | low
+    variant: str = ""  # short name of the matched spelling, e.g. "hf_llama", "t5", "one_plus_weight"
+    risks: list[Risk] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # facts for the report (e.g. "activation chosen by config")
+    training_ok: bool = True  # False when the fused API has no backward
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class NearMiss:
+    """A look-alike that must not be replaced as-is, with the reason."""
+
+    pattern: str
+    qualname: str
+    line: int
+    end_line: int
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Result = Union[Finding, NearMiss]
+
+
+@dataclass(frozen=True)
+class Fuse:
+    """An example that must be found.
+
+    ``expect`` is a subset of the finding's ``params`` (plus optionally ``variant``/``qualname``).
+    ``run`` (optional) is Python executed in the module's namespace after ``torch.manual_seed(0)``:
+    it must set ``out`` (a tensor or tuple of tensors) and may set ``leaves`` (tensors whose grads
+    are compared after ``out.sum().backward()``). The test harness runs it on the original module
+    and on the rewritten module under the emulator (switch on), and compares outputs, dtypes and
+    gradients, and that the fused API was called.
+    """
+
+    code: str
+    expect: dict[str, Any] = field(default_factory=dict)
+    run: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Keep:
+    """A near miss: must produce no Finding for this pattern, and a NearMiss whose reason contains
+    ``reason`` (case-insensitive) — or, with ``reason=""``, nothing at all (plainly unrelated code)."""
+
+    code: str
+    reason: str = ""
+    name: str = ""
+
+
+class Pattern:
+    """Base class of a fusion pattern. Subclasses set the class attributes and implement detect."""
+
+    id: ClassVar[str]
+    api: ClassVar[str]  # e.g. "torch_npu.npu_rms_norm"
+    title: ClassVar[str]
+    #: the fused API has a backward (training-safe); False = inference only
+    training_ok: ClassVar[bool] = True
+    #: memory | compute | launch — the usual bound of the unfused code (refined by assess)
+    bound: ClassVar[str] = "memory"
+    FUSE: ClassVar[list[Fuse]] = []
+    KEEP: ClassVar[list[Keep]] = []
+
+    def detect(self, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
+        """Yield findings and near misses inside ``scope`` (one function body or the module body)."""
+        raise NotImplementedError
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        """Value estimate: ``{"bound": ..., "estimate": "...", ...}``; ``config`` holds shapes read
+        from the repo's config (hidden_size, num_attention_heads, ...), possibly empty."""
+        return {"bound": self.bound, "estimate": "no estimate for this pattern yet"}
+
+    @staticmethod
+    def reference(*args: Any, **kwargs: Any) -> Any:
+        """Eager ground truth of what the matched code computes (used by op checks and benches)."""
+        raise NotImplementedError
+
+
+def node_span(node: ast.AST) -> tuple[int, int]:
+    return node.lineno, getattr(node, "end_lineno", node.lineno) or node.lineno

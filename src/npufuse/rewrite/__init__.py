@@ -1,0 +1,1 @@
+"""Rewrites: the guarded fused branch around the verbatim original (see codegen.py)."""

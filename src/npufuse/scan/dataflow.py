@@ -1,0 +1,241 @@
+"""The parsed view of one module that every detector shares.
+
+A file is parsed once (``ast``); :class:`ModuleInfo` indexes it (imports and their aliases,
+module-level helper functions, classes, ``ACT2FN``-style tables) and :class:`Scope` is one
+function body (or the module body) with its local assignments, so a detector can follow a value
+through ``x = ...`` chains and into small helpers defined in the same module (``rotate_half``,
+``repeat_kv``). Detection is by what code computes, never by class or model names.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from typing import Iterator
+
+# Canonical names for the aliases real code uses.
+_CANONICAL_MODULES = {
+    "torch": "torch",
+    "torch.nn": "torch.nn",
+    "torch.nn.functional": "torch.nn.functional",
+    "torch.optim": "torch.optim",
+}
+
+# Calls/methods that only change dtype (or nothing numerically): stripped by ``strip_casts``.
+CAST_METHODS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous"}
+
+
+def dotted(node: ast.AST | None) -> str | None:
+    """``a.b.c`` for Name/Attribute chains, else None. ``self.weight`` -> "self.weight"."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def source_of(module: "ModuleInfo", node: ast.AST) -> str:
+    """The exact source text of ``node`` (what the report and templates quote)."""
+    return ast.get_source_segment(module.source, node) or ast.unparse(node)
+
+
+@dataclass
+class Scope:
+    """One function body (or the module body) and its local assignments, in order."""
+
+    qualname: str
+    node: ast.AST  # FunctionDef / AsyncFunctionDef / Module
+    class_name: str | None = None
+    body: list[ast.stmt] = field(default_factory=list)
+    # name -> [(statement, value)] in source order; tuple targets record the whole value with an index
+    assignments: dict[str, list[tuple[ast.stmt, ast.expr]]] = field(default_factory=dict)
+
+    @property
+    def args(self) -> list[str]:
+        if isinstance(self.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = self.node.args
+            return [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+        return []
+
+    def definition(self, name: str, before_line: int | None = None) -> ast.expr | None:
+        """The value last assigned to ``name`` before ``before_line`` (None if a parameter/unknown)."""
+        best = None
+        for stmt, value in self.assignments.get(name, []):
+            if before_line is None or stmt.lineno < before_line:
+                best = value
+        return best
+
+    def resolve(self, node: ast.expr, before_line: int | None = None, depth: int = 8) -> ast.expr:
+        """Follow a bare Name through single local assignments (``h = x.float()`` -> ``x.float()``)."""
+        while depth and isinstance(node, ast.Name):
+            value = self.definition(node.id, before_line if before_line is not None else getattr(node, "lineno", None))
+            if value is None:
+                break
+            before_line = getattr(value, "lineno", before_line)
+            node = value
+            depth -= 1
+        return node
+
+    def uses_after(self, name: str, line: int) -> bool:
+        """Is ``name`` read anywhere in this scope after ``line``? (live-out check for near misses)."""
+        for n in ast.walk(self.node):
+            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > line:
+                return True
+        return False
+
+    def statements(self) -> Iterator[tuple[list[ast.stmt], int, ast.stmt]]:
+        """Every statement with the block (list) holding it and its index — spans must stay in one block."""
+        yield from _walk_blocks(self.body)
+
+
+def _walk_blocks(block: list[ast.stmt]) -> Iterator[tuple[list[ast.stmt], int, ast.stmt]]:
+    for i, stmt in enumerate(block):
+        yield block, i, stmt
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue  # nested definitions are their own scopes
+        for name in ("body", "orelse", "finalbody"):
+            inner = getattr(stmt, name, None)
+            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                yield from _walk_blocks(inner)
+        for handler in getattr(stmt, "handlers", []) or []:
+            yield from _walk_blocks(handler.body)
+        for case in getattr(stmt, "cases", []) or []:
+            yield from _walk_blocks(case.body)
+
+
+@dataclass
+class ModuleInfo:
+    """One parsed file: source, tree, import aliases, helper functions, classes."""
+
+    path: str  # relative to the scanned root, '/'-separated
+    source: str
+    tree: ast.Module
+    aliases: dict[str, str] = field(default_factory=dict)  # local name -> canonical dotted name
+    functions: dict[str, ast.FunctionDef] = field(default_factory=dict)  # module-level defs
+    classes: dict[str, ast.ClassDef] = field(default_factory=dict)
+    scopes: list[Scope] = field(default_factory=list)
+
+    @classmethod
+    def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
+        tree = tree if tree is not None else ast.parse(source)
+        info = cls(path=path, source=source, tree=tree)
+        info._index()
+        return info
+
+    @property
+    def lines(self) -> list[str]:
+        return self.source.splitlines(keepends=True)
+
+    def canonical(self, node: ast.AST | None) -> str | None:
+        """Dotted name with import aliases resolved: ``F.silu`` -> ``torch.nn.functional.silu``."""
+        name = dotted(node)
+        if name is None:
+            return None
+        head, _, rest = name.partition(".")
+        if head in self.aliases:
+            full = self.aliases[head]
+            return f"{full}.{rest}" if rest else full
+        return name
+
+    def call_name(self, node: ast.AST) -> str | None:
+        """Canonical name of the callee if ``node`` is a call of a plain/dotted name."""
+        if isinstance(node, ast.Call):
+            return self.canonical(node.func)
+        return None
+
+    def helper(self, name: str) -> ast.FunctionDef | None:
+        """A small module-level function by name (followed by detectors: rotate_half, repeat_kv)."""
+        return self.functions.get(name)
+
+    # -- indexing -------------------------------------------------------------------------
+    def _index(self) -> None:
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname:
+                        self.aliases[a.asname] = a.name
+                    else:
+                        self.aliases.setdefault(a.name.split(".")[0], a.name.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    self.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in self.tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.functions[node.name] = node  # type: ignore[assignment]
+            elif isinstance(node, ast.ClassDef):
+                self.classes[node.name] = node
+        self.scopes = [_make_scope("<module>", self.tree, None, self.tree.body)]
+        self._collect_scopes(self.tree.body, prefix="", class_name=None)
+
+    def _collect_scopes(self, body: list[ast.stmt], prefix: str, class_name: str | None) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                self._collect_scopes(node.body, f"{prefix}{node.name}.", node.name)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                qual = f"{prefix}{node.name}"
+                self.scopes.append(_make_scope(qual, node, class_name, node.body))
+                self._collect_scopes(node.body, f"{qual}.", None)
+
+
+def _make_scope(qualname: str, node: ast.AST, class_name: str | None, body: list[ast.stmt]) -> Scope:
+    scope = Scope(qualname=qualname, node=node, class_name=class_name, body=body)
+    for _block, _i, stmt in _walk_blocks(body):
+        targets: list[ast.expr] = []
+        value = None
+        if isinstance(stmt, ast.Assign):
+            targets, value = stmt.targets, stmt.value
+        elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) and stmt.value is not None:
+            targets, value = [stmt.target], stmt.value
+            if isinstance(stmt, ast.AugAssign):  # x *= y  ==  x = x * y
+                value = ast.copy_location(ast.BinOp(left=ast.Name(dotted(stmt.target) or "_", ast.Load()), op=stmt.op, right=stmt.value), stmt)
+        for target in targets:
+            if isinstance(target, ast.Name):
+                scope.assignments.setdefault(target.id, []).append((stmt, value))
+            elif isinstance(target, (ast.Tuple, ast.List)):
+                for k, elt in enumerate(target.elts):
+                    if isinstance(elt, ast.Name):
+                        sub = ast.copy_location(ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load()), value)
+                        scope.assignments.setdefault(elt.id, []).append((stmt, sub))
+    return scope
+
+
+def strip_casts(node: ast.expr) -> tuple[ast.expr, list[str]]:
+    """Remove dtype-only wrappers (``x.to(torch.float32)``, ``.float()``, ``.type_as(y)``).
+
+    Returns the inner expression and the casts removed (outermost first, as source-ish text),
+    so detectors can record where the fp32 upcast happens and which dtype comes out.
+    """
+    casts: list[str] = []
+    while (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in CAST_METHODS
+    ):
+        casts.append(ast.unparse(node)[len(ast.unparse(node.func.value)) :])
+        node = node.func.value
+    return node, casts
+
+
+def const_value(node: ast.AST | None) -> object:
+    """Python value of a literal (incl. negative numbers), else a sentinel ``...``."""
+    try:
+        return ast.literal_eval(node) if node is not None else ...
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return ...
+
+
+def keyword(call: ast.Call, name: str, position: int | None = None) -> ast.expr | None:
+    """Argument ``name`` of a call, by keyword or by position."""
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    if position is not None and len(call.args) > position and not any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
+        return call.args[position]
+    return None
+
+
+def same_expr(a: ast.AST | None, b: ast.AST | None) -> bool:
+    return a is not None and b is not None and ast.dump(a) == ast.dump(b)
