@@ -4,8 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-stamp
-# torch_npu's wheel is installed only to *read* its API docs (npufuse api); it is never imported.
+# torch_npu's wheel is unpacked only to *read* its API docs (npufuse api); it is never imported.
+# It goes to its own folder, not site-packages: its torch backend entry point would make every
+# `import torch` try to load the CANN runtime and fail. npufuse api finds it via NPUFUSE_TORCH_NPU_PATH.
 TORCH_NPU := torch-npu==2.14.0
+TORCH_NPU_DOCS := $(VENV)/torch-npu-docs
 
 .PHONY: venv demo test bench clean
 
@@ -16,16 +19,16 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints-dev.txt
 	$(PIP) install -q -c constraints-dev.txt torch==2.13.0 numpy
 	$(PIP) install -q -c constraints-dev.txt -e '.[dev]'
-	$(PIP) install -q --no-deps $(TORCH_NPU)
+	$(PIP) install -q --no-deps --upgrade --target $(TORCH_NPU_DOCS) $(TORCH_NPU)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m npufuse demo
+	NPUFUSE_TORCH_NPU_PATH=$(TORCH_NPU_DOCS) $(PY) -m npufuse demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	NPUFUSE_TORCH_NPU_PATH=$(TORCH_NPU_DOCS) $(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
