@@ -70,7 +70,7 @@ _GELU_MODES = {0: "none", 1: "tanh"}
 def npu_geglu(
     self: torch.Tensor, dim: int = -1, approximate: int = 1, activate_left: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GeGLU: split self in halves (A, B) along dim; out = A * gelu(B) (or gelu(A) * B if activate_left); returns (out, out_gelu).
+    """GeGLU: halves (A, B) along dim; out = A * gelu(B), or gelu(A) * B if activate_left; returns (out, out_gelu).
 
     ``approximate``: 0 = erf GELU (``F.gelu`` default), **1 = tanh (the default)**.
     ``activate_left=False`` (default) activates the **second** half: ``out = A * gelu(B)``,

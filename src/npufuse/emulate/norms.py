@@ -175,7 +175,7 @@ def npu_add_layer_norm(
     epsilon: float = 1e-05,
     additional_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Residual add then LayerNorm: x = x1 + x2, y = (x - mean) * rstd * gamma + beta; returns (y, mean, rstd, x).
+    """x = x1 + x2, then LayerNorm over gamma's dims: y = (x - mean) * rstd * gamma + beta; returns (y, mean, rstd, x).
 
     The sum and the statistics are computed in fp32 (``x1.float() + x2.float()``, biased variance,
     ``rstd = 1/sqrt(var + epsilon)``) over the last ``gamma.dim()`` dims; ``y`` and ``x`` are
@@ -245,7 +245,7 @@ def npu_group_norm_silu(
     group: int,
     eps: float = 1e-05,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GroupNorm over channel dim 1 followed by SiLU: out = silu(group_norm(input) * weight + bias); returns (out, mean, rstd).
+    """silu(group_norm(input, group, weight, bias, eps)) over channel dim 1; returns (out, mean, rstd).
 
     Statistics per (sample, group) in fp32 with biased variance, ``rstd = 1/sqrt(var + eps)``;
     ``out`` rounded once to ``input.dtype``. ``mean``/``rstd`` have shape ``(N, group)`` and

@@ -1,0 +1,687 @@
+"""Column-tolerant loading of Ascend PyTorch Profiler output.
+
+Reads the ``*_ascend_pt/ASCEND_PROFILER_OUTPUT/`` files (any subset that exists) or a bare
+``kernel_details.csv``. Column names differ between CANN / torch_npu versions, so every CSV is
+read through an alias table and the loader reports which header it used for each field.
+
+Nothing here raises for bad *content*: a malformed file, row or cell becomes a :class:`Problem`
+(file, row, column, message) and the readable rest is still returned. Only the caller decides
+whether the remainder is enough to go on.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+OUTPUT_DIR = "ASCEND_PROFILER_OUTPUT"
+KNOWN_FILES = ("kernel_details.csv", "op_statistic.csv", "operator_details.csv", "trace_view.json",
+               "step_trace_time.csv")
+# A row-level problem is reported this many times per (file, column); the rest are counted.
+MAX_PROBLEMS_PER_KIND = 5
+csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # call stacks in operator_details are long
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something in the input that could not be read; crosses file boundaries as data."""
+
+    file: str
+    message: str
+    row: int | None = None        # 1-based physical line in the file (header = 1)
+    column: str | None = None
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.row is not None:
+            where += f", row {self.row}"
+        if self.column:
+            where += f", column '{self.column}'"
+        return f"{where}: {self.message}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "row": self.row, "column": self.column, "message": self.message}
+
+
+class _ProblemLog:
+    """Collects problems, capping repeats of the same kind so a broken 1M-row file stays readable."""
+
+    def __init__(self) -> None:
+        self.items: list[Problem] = []
+        self._seen: dict[tuple[str, str | None, str], int] = {}
+
+    def add(self, file: str, message: str, row: int | None = None, column: str | None = None,
+            kind: str = "") -> None:
+        key = (file, column, kind or message)
+        n = self._seen.get(key, 0) + 1
+        self._seen[key] = n
+        if n <= MAX_PROBLEMS_PER_KIND:
+            self.items.append(Problem(file, message, row, column))
+
+    def finish(self) -> list[Problem]:
+        out = list(self.items)
+        for (file, column, kind), n in self._seen.items():
+            if n > MAX_PROBLEMS_PER_KIND:
+                out.append(Problem(file, f"{n - MAX_PROBLEMS_PER_KIND} more rows with the same problem "
+                                         f"({kind})", None, column))
+        return out
+
+
+# ------------------------------------------------------------------------------------ columns
+
+# canonical field -> header spellings seen across CANN / torch_npu versions (compared after
+# lower-casing and dropping spaces/underscores, so "Stream Id" == "stream_id").
+KERNEL_ALIASES: dict[str, tuple[str, ...]] = {
+    "type": ("Type", "OP Type", "Op Type", "Kernel Type"),
+    "name": ("Name", "Op Name", "OP Name", "Kernel Name"),
+    "stream": ("Stream ID", "Stream Id"),
+    "start": ("Start Time(us)", "Task Start Time(us)", "Start Time", "Start Time(ns)"),
+    "duration": ("Duration(us)", "Task Duration(us)", "Duration", "Duration(ns)"),
+    "wait": ("Wait Time(us)", "Task Wait Time(us)", "Wait Time"),
+    "step": ("Step Id", "Step ID", "Step"),
+    "core": ("Accelerator Core", "Task Type", "Core Type"),
+    "in_shapes": ("Input Shapes",),
+    "in_dtypes": ("Input Data Types",),
+    "out_shapes": ("Output Shapes",),
+    "out_dtypes": ("Output Data Types",),
+    "device": ("Device_id", "Device ID", "Device Id"),
+}
+OP_STAT_ALIASES: dict[str, tuple[str, ...]] = {
+    "type": ("OP Type", "Op Type", "Type"),
+    "core": ("Core Type", "Accelerator Core"),
+    "count": ("Count",),
+    "total": ("Total Time(us)", "Total Time"),
+}
+STEP_ALIASES: dict[str, tuple[str, ...]] = {
+    "step": ("Step", "Step Id", "Step ID"),
+    "computing": ("Computing",),
+    "free": ("Free",),
+    "stage": ("Stage",),
+    "communication": ("Communication(Not Overlapped)",),
+}
+OPERATOR_ALIASES: dict[str, tuple[str, ...]] = {
+    "name": ("Name",),
+    "stack": ("Call Stack",),
+    "device_total": ("Device Total Duration(us)",),
+    "host_total": ("Host Total Duration(us)",),
+}
+
+
+def _norm(header: str) -> str:
+    return re.sub(r"[\s_]", "", header.strip().lower())
+
+
+@dataclass
+class ColumnMap:
+    """Which header each canonical field came from, and what was left unused."""
+
+    used: dict[str, str] = field(default_factory=dict)        # field -> header as written
+    index: dict[str, int] = field(default_factory=dict)       # field -> column index
+    ignored: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        metrics = [h for h in self.ignored if re.match(r"(?i)(aic|aiv)_", h)]
+        other = [h for h in self.ignored if h not in metrics]
+        return {"used": dict(self.used), "ignored_metric_columns": len(metrics), "ignored": other}
+
+
+def resolve_columns(header: list[str], aliases: dict[str, tuple[str, ...]]) -> ColumnMap:
+    """Map canonical fields to header positions; the first alias present wins."""
+    cm = ColumnMap()
+    normed = {}
+    for i, h in enumerate(header):
+        normed.setdefault(_norm(h), i)
+    for fld, names in aliases.items():
+        for name in names:
+            i = normed.get(_norm(name))
+            if i is not None:
+                cm.used[fld] = header[i].strip()
+                cm.index[fld] = i
+                break
+    taken = set(cm.index.values())
+    cm.ignored = [h.strip() for i, h in enumerate(header) if i not in taken and h.strip()]
+    return cm
+
+
+# ------------------------------------------------------------------------------------ kernels
+
+@dataclass
+class KernelTable:
+    """Device kernels of one rank, column-wise (numpy arrays), in file order."""
+
+    source: str
+    types: list[str]              # vocabulary; ``type_code`` indexes it
+    type_code: np.ndarray         # int32
+    start: np.ndarray             # float64, us (row order if the file has no start column)
+    dur: np.ndarray               # float64, us
+    wait: np.ndarray | None       # float64, us
+    stream: np.ndarray            # int64 (0 when the file has no stream column)
+    step: np.ndarray | None       # int64, -1 where unknown
+    shape_keys: list[tuple[str, str, str, str]]   # (in_shapes, in_dtypes, out_shapes, out_dtypes)
+    shape_code: np.ndarray        # int32 index into shape_keys
+    names: list[str] = field(default_factory=list)  # vocabulary of kernel names (optional)
+    name_code: np.ndarray | None = None
+    columns: ColumnMap = field(default_factory=ColumnMap)
+    backend: str = "csv"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return int(self.dur.shape[0])
+
+
+def _type_from_name(name: str) -> str:
+    # torch_npu kernel names look like "aclnnCast_CastAiCore_Cast": the op type is the last part
+    return name.rsplit("_", 1)[-1] if "_" in name else name
+
+
+def _encode(values: list[str]) -> tuple[list[str], np.ndarray]:
+    vocab: dict[str, int] = {}
+    codes = np.fromiter((vocab.setdefault(v, len(vocab)) for v in values), dtype=np.int32,
+                        count=len(values))
+    return list(vocab), codes
+
+
+def read_kernel_details(path: Path, *, backend: str = "auto") -> tuple[KernelTable | None, list[Problem]]:
+    """Read one kernel_details.csv. Returns (table or None, problems).
+
+    ``backend``: "auto" (polars when importable, else the stdlib csv module), "polars" or "csv".
+    The csv path is also the fallback whenever polars refuses a file (ragged rows), because it
+    can name the exact row that is broken.
+    """
+    log = _ProblemLog()
+    fname = str(path)
+    try:
+        with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
+            header = next(csv.reader(fp), None)
+    except OSError as exc:
+        return None, [Problem(fname, f"cannot read: {exc.strerror or exc}")]
+    if not header or not any(h.strip() for h in header):
+        return None, [Problem(fname, "empty file (no header row)")]
+    cm = resolve_columns(header, KERNEL_ALIASES)
+    if "duration" not in cm.index or ("type" not in cm.index and "name" not in cm.index):
+        missing = [f for f in ("type", "duration") if f not in cm.index and not (f == "type" and "name" in cm.index)]
+        want = " / ".join(KERNEL_ALIASES[m][0] for m in missing)
+        return None, [Problem(fname, f"no known kernel columns: missing {want}; header has "
+                                     f"{', '.join(h.strip() for h in header[:8])}{' ...' if len(header) > 8 else ''}",
+                              row=1)]
+    table = None
+    if backend in ("auto", "polars"):
+        table = _read_kernels_polars(path, cm, log, strict=backend == "polars")
+    if table is None:
+        table = _read_kernels_csv(path, header, cm, log)
+    if table is not None:
+        if "start" not in cm.index:
+            table.notes.append("no start-time column: kernels ordered as written")
+        if "stream" not in cm.index:
+            table.notes.append("no stream column: all kernels taken as one stream")
+        if "step" not in cm.index:
+            table.notes.append("no Step Id column: steps from trace_view.json if present")
+        if table.n == 0:
+            log.add(fname, "no kernel rows", kind="empty")
+            table = None
+    return table, log.finish()
+
+
+def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _ProblemLog) -> KernelTable | None:
+    fname = str(path)
+    ix = cm.index
+    ncols = len(header)
+    i_type, i_name = ix.get("type"), ix.get("name")
+    i_dur, i_start, i_wait = ix["duration"], ix.get("start"), ix.get("wait")
+    i_stream, i_step = ix.get("stream"), ix.get("step")
+    shape_ix = [ix.get(k) for k in ("in_shapes", "in_dtypes", "out_shapes", "out_dtypes")]
+    need = max(i for i in (i_type, i_name, i_dur, i_start) if i is not None)
+    types: list[str] = []
+    names: list[str] = []
+    durs: list[str] = []
+    starts: list[str] = []
+    waits: list[str] = []
+    streams: list[str] = []
+    steps: list[str] = []
+    lines: list[int] = []
+    shape_vocab: dict[tuple[str, str, str, str], int] = {}
+    shape_codes: list[int] = []
+    empty4 = ("", "", "", "")
+    try:
+        with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
+            reader = csv.reader(fp)
+            next(reader, None)
+            for row in reader:
+                if len(row) <= need:
+                    if row:
+                        log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated?); skipped",
+                                row=reader.line_num, kind="short row")
+                    continue
+                lines.append(reader.line_num)
+                t = row[i_type] if i_type is not None else ""
+                if i_name is not None:
+                    names.append(row[i_name])
+                    if not t:
+                        t = _type_from_name(row[i_name])
+                types.append(t)
+                durs.append(row[i_dur])
+                if i_start is not None:
+                    starts.append(row[i_start])
+                if i_wait is not None:
+                    waits.append(row[i_wait] if i_wait < len(row) else "")
+                if i_stream is not None:
+                    streams.append(row[i_stream])
+                if i_step is not None:
+                    steps.append(row[i_step])
+                key = tuple(row[i] if i is not None and i < len(row) else "" for i in shape_ix) \
+                    if shape_ix[0] is not None else empty4
+                code = shape_vocab.get(key)  # type: ignore[arg-type]
+                if code is None:
+                    code = shape_vocab[key] = len(shape_vocab)  # type: ignore[index]
+                shape_codes.append(code)
+    except csv.Error as exc:
+        log.add(fname, f"CSV parse error: {exc}; rows after it were not read", row=None, kind="csv error")
+    except OSError as exc:
+        log.add(fname, f"cannot read: {exc.strerror or exc}")
+        return None
+    n = len(durs)
+    keep = np.ones(n, dtype=bool)
+    dur = _floats(durs, lines, keep, fname, cm.used["duration"], log, required=True)
+    start = _floats(starts, lines, keep, fname, cm.used.get("start", ""), log, required=True) \
+        if i_start is not None else np.arange(n, dtype=np.float64)
+    wait = _floats(waits, lines, None, fname, cm.used.get("wait", ""), log, required=False) \
+        if i_wait is not None else None
+    stream = _ints(streams, 0) if i_stream is not None else np.zeros(n, dtype=np.int64)
+    step = _ints(steps, -1) if i_step is not None else None
+    vocab, tcode = _encode(types)
+    nvocab, ncode = _encode(names) if names else ([], None)
+    table = KernelTable(source=fname, types=vocab, type_code=tcode, start=start, dur=dur, wait=wait,
+                        stream=stream, step=step, shape_keys=list(shape_vocab) or [empty4],
+                        shape_code=np.asarray(shape_codes, dtype=np.int32) if shape_codes
+                        else np.zeros(n, dtype=np.int32),
+                        names=nvocab, name_code=ncode, columns=cm, backend="csv")
+    return _drop(table, keep)
+
+
+def _floats(values: list[str], lines: list[int], keep: np.ndarray | None, fname: str, column: str,
+            log: _ProblemLog, required: bool) -> np.ndarray:
+    try:
+        # float() strips whitespace, which covers torch_npu's "<ts>\t" start-time cells
+        return np.fromiter(map(float, values), dtype=np.float64, count=len(values))
+    except ValueError:
+        pass
+    out = np.empty(len(values), dtype=np.float64)
+    for i, v in enumerate(values):
+        try:
+            out[i] = float(v)
+        except ValueError:
+            out[i] = np.nan
+            if required and keep is not None:
+                keep[i] = False
+                log.add(fname, f"'{v.strip()[:40]}' is not a number; row skipped", row=lines[i], column=column,
+                        kind="not a number")
+            elif v.strip() not in ("", "N/A", "NA", "-"):
+                log.add(fname, f"'{v.strip()[:40]}' is not a number; taken as unknown", row=lines[i],
+                        column=column, kind="not a number")
+    return out
+
+
+def _ints(values: list[str], default: int) -> np.ndarray:
+    try:
+        return np.fromiter(map(int, values), dtype=np.int64, count=len(values))
+    except ValueError:
+        out = np.empty(len(values), dtype=np.int64)
+        for i, v in enumerate(values):
+            try:
+                out[i] = int(float(v))
+            except ValueError:
+                out[i] = default
+        return out
+
+
+def _drop(table: KernelTable, keep: np.ndarray) -> KernelTable:
+    if keep.all():
+        return table
+    for attr in ("type_code", "start", "dur", "wait", "stream", "step", "shape_code", "name_code"):
+        arr = getattr(table, attr)
+        if arr is not None:
+            setattr(table, attr, arr[keep])
+    return table
+
+
+def _read_kernels_polars(path: Path, cm: ColumnMap, log: _ProblemLog, strict: bool) -> KernelTable | None:
+    try:
+        import polars as pl
+    except ImportError:
+        if strict:
+            log.add(str(path), "polars is not installed; read with the csv module")
+        return None
+    fname = str(path)
+    cols = list(dict.fromkeys(cm.used.values()))
+    try:
+        # everything as text: numeric columns are validated below so bad cells name their row
+        df = pl.read_csv(path, columns=[c for c in cols], infer_schema=False, encoding="utf8-lossy",
+                         quote_char='"', raise_if_empty=False)
+    except Exception:   # polars raises several error types for ragged/corrupt files
+        return None     # the csv path re-reads it and names the broken row
+    # column names as polars saw them (it keeps surrounding whitespace of headers)
+    by_field = {f: h for f, h in cm.used.items()}
+    for f, h in list(by_field.items()):
+        if h not in df.columns:
+            alt = [c for c in df.columns if c.strip() == h]
+            if not alt:
+                return None
+            by_field[f] = alt[0]
+    n = df.height
+    keep = np.ones(n, dtype=bool)
+
+    def num(fld: str, required: bool) -> np.ndarray:
+        s = df[by_field[fld]].str.strip_chars()
+        v = s.cast(pl.Float64, strict=False)
+        bad = v.is_null() & s.is_not_null()
+        if not required:
+            bad = bad & ~s.is_in(["", "N/A", "NA", "-"])
+        if required:
+            bad = bad | s.is_null()
+        if bad.any():
+            idx = np.flatnonzero(bad.to_numpy())
+            raw = s.to_list()
+            for i in idx:
+                # header is line 1 and torch_npu cells never hold newlines, so row = index + 2
+                if required:
+                    keep[i] = False
+                    log.add(fname, f"'{(raw[i] or '').strip()[:40]}' is not a number; row skipped",
+                            row=int(i) + 2, column=cm.used[fld], kind="not a number")
+                else:
+                    log.add(fname, f"'{(raw[i] or '').strip()[:40]}' is not a number; taken as unknown",
+                            row=int(i) + 2, column=cm.used[fld], kind="not a number")
+        return v.fill_null(float("nan")).to_numpy().astype(np.float64, copy=False)
+
+    def codes(fld: str) -> tuple[list[str], np.ndarray]:
+        s = df[by_field[fld]].fill_null("")
+        r = s.rank("dense").to_numpy().astype(np.int32) - 1
+        return s.unique().sort().to_list(), r
+
+    dur = num("duration", True)
+    start = num("start", True) if "start" in by_field else np.arange(n, dtype=np.float64)
+    wait = num("wait", False) if "wait" in by_field else None
+
+    def ints(fld: str, default: int) -> np.ndarray:
+        v = df[by_field[fld]].str.strip_chars().cast(pl.Float64, strict=False).fill_null(default)
+        return v.to_numpy().astype(np.int64)
+
+    stream = ints("stream", 0) if "stream" in by_field else np.zeros(n, dtype=np.int64)
+    step = ints("step", -1) if "step" in by_field else None
+    if "type" in by_field:
+        types, tcode = codes("type")
+    else:
+        names_, ncode_ = codes("name")
+        types, tcode = _encode([_type_from_name(x) for x in names_])
+        tcode = tcode[ncode_]
+    names, ncode = codes("name") if "name" in by_field else ([], None)
+    if "type" in by_field and "name" in by_field and "" in types:
+        # rows with an empty Type: fall back to the kernel name
+        fixed = [t if t else "" for t in types]
+        empty = types.index("")
+        rows = np.flatnonzero(tcode == empty)
+        extra = {_type_from_name(names[ncode[i]]) for i in rows} if ncode is not None else set()
+        for t in sorted(extra):
+            if t not in fixed:
+                fixed.append(t)
+        for i in rows:
+            tcode[i] = fixed.index(_type_from_name(names[ncode[i]]))  # type: ignore[index]
+        types = fixed
+    shape_fields = [f for f in ("in_shapes", "in_dtypes", "out_shapes", "out_dtypes")]
+    if all(f in by_field for f in shape_fields):
+        key = pl.concat_str([df[by_field[f]].fill_null("") for f in shape_fields], separator="\x1f")
+        skeys, scode = codes_of(key)
+        shape_keys = [tuple(k.split("\x1f")) for k in skeys]  # type: ignore[misc]
+    else:
+        shape_keys, scode = [("", "", "", "")], np.zeros(n, dtype=np.int32)
+    table = KernelTable(source=fname, types=types, type_code=tcode.astype(np.int32), start=start, dur=dur,
+                        wait=wait, stream=stream, step=step, shape_keys=shape_keys,  # type: ignore[arg-type]
+                        shape_code=scode, names=names, name_code=ncode, columns=cm, backend="polars")
+    return _drop(table, keep)
+
+
+def codes_of(series: Any) -> tuple[list[str], np.ndarray]:
+    """Dense integer codes of a polars string Series and its sorted vocabulary."""
+    r = series.rank("dense").to_numpy().astype(np.int32) - 1
+    return series.unique().sort().to_list(), r
+
+
+# ------------------------------------------------------------------------------------ other CSVs
+
+def _read_rows(path: Path, aliases: dict[str, tuple[str, ...]], need: Iterable[str],
+               log: _ProblemLog) -> tuple[ColumnMap | None, list[tuple[int, dict[str, str]]]]:
+    fname = str(path)
+    rows: list[tuple[int, dict[str, str]]] = []
+    try:
+        with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
+            reader = csv.reader(fp)
+            header = next(reader, None)
+            if not header or not any(h.strip() for h in header):
+                log.add(fname, "empty file (no header row)")
+                return None, []
+            cm = resolve_columns(header, aliases)
+            missing = [aliases[f][0] for f in need if f not in cm.index]
+            if missing:
+                log.add(fname, f"missing column(s) {', '.join(missing)}; file not used", row=1)
+                return None, []
+            for row in reader:
+                if not row:
+                    continue
+                if len(row) < len(header) and max(cm.index.values()) >= len(row):
+                    log.add(fname, f"row has {len(row)} fields, header has {len(header)} (truncated?); skipped",
+                            row=reader.line_num, kind="short row")
+                    continue
+                rows.append((reader.line_num, {f: row[i] for f, i in cm.index.items()}))
+    except csv.Error as exc:
+        log.add(fname, f"CSV parse error: {exc}; rows after it were not read")
+        return None, rows
+    except OSError as exc:
+        log.add(fname, f"cannot read: {exc.strerror or exc}")
+        return None, []
+    return cm, rows
+
+
+def _num(v: str, fname: str, line: int, column: str, log: _ProblemLog) -> float | None:
+    try:
+        return float(v)
+    except ValueError:
+        log.add(fname, f"'{v.strip()[:40]}' is not a number; cell ignored", row=line, column=column,
+                kind="not a number")
+        return None
+
+
+@dataclass
+class StepTimes:
+    source: str
+    steps: dict[int, dict[str, float]]   # step -> {"stage", "computing", "free", ...}
+    columns: ColumnMap
+
+
+def read_step_trace_time(path: Path) -> tuple[StepTimes | None, list[Problem]]:
+    """Per-step totals (Stage = step time, Free = device idle) from step_trace_time.csv."""
+    log = _ProblemLog()
+    cm, rows = _read_rows(path, STEP_ALIASES, ("stage",), log)
+    if cm is None:
+        return None, log.finish()
+    steps: dict[int, dict[str, float]] = {}
+    for k, (line, r) in enumerate(rows):
+        try:
+            sid = int(float(r.get("step", k + 1) or k + 1))
+        except ValueError:
+            sid = k + 1
+        vals = {}
+        for f in ("stage", "computing", "free", "communication"):
+            if f in r:
+                v = _num(r[f], str(path), line, cm.used[f], log)
+                if v is not None:
+                    vals[f] = v
+        if "stage" in vals:
+            # several devices in one file: add up per step
+            cur = steps.setdefault(sid, {})
+            for f, v in vals.items():
+                cur[f] = cur.get(f, 0.0) + v
+    return StepTimes(str(path), steps, cm), log.finish()
+
+
+@dataclass
+class OpStatistic:
+    source: str
+    rows: list[dict[str, Any]]   # {"type", "core", "count", "total_us"}
+    columns: ColumnMap
+
+
+def read_op_statistic(path: Path) -> tuple[OpStatistic | None, list[Problem]]:
+    """Kernel totals by OP Type: used for totals when kernel_details.csv is absent."""
+    log = _ProblemLog()
+    cm, rows = _read_rows(path, OP_STAT_ALIASES, ("type", "total"), log)
+    if cm is None:
+        return None, log.finish()
+    out = []
+    for line, r in rows:
+        total = _num(r["total"], str(path), line, cm.used["total"], log)
+        if total is None:
+            continue
+        count = _num(r.get("count", "0") or "0", str(path), line, cm.used.get("count", "Count"), log) or 0
+        out.append({"type": r["type"], "core": r.get("core", ""), "count": int(count), "total_us": total})
+    return OpStatistic(str(path), out, cm), log.finish()
+
+
+@dataclass
+class OperatorDetails:
+    source: str
+    rows: int
+    with_stack: int
+    columns: ColumnMap
+
+
+def read_operator_details(path: Path) -> tuple[OperatorDetails | None, list[Problem]]:
+    """Only summarised: it tells whether the run recorded call stacks (with_stack=True)."""
+    log = _ProblemLog()
+    cm, rows = _read_rows(path, OPERATOR_ALIASES, ("name",), log)
+    if cm is None:
+        return None, log.finish()
+    with_stack = sum(1 for _, r in rows if r.get("stack", "").strip())
+    return OperatorDetails(str(path), len(rows), with_stack, cm), log.finish()
+
+
+# ------------------------------------------------------------------------------------ trace
+
+def read_trace_view(path: Path) -> tuple[list[dict[str, Any]] | None, list[Problem]]:
+    """The chrome-trace event list of trace_view.json (a list, or {"traceEvents": [...]})."""
+    fname = str(path)
+    try:
+        with open(path, "rb") as fp:
+            data = json.load(fp)
+    except json.JSONDecodeError as exc:
+        return None, [Problem(fname, f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+                              row=exc.lineno)]
+    except UnicodeDecodeError as exc:
+        return None, [Problem(fname, f"not valid JSON: bad encoding at byte {exc.start}")]
+    except OSError as exc:
+        return None, [Problem(fname, f"cannot read: {exc.strerror or exc}")]
+    if isinstance(data, dict):
+        data = data.get("traceEvents")
+    if not isinstance(data, list):
+        return None, [Problem(fname, "not a chrome trace: expected a list of events or {\"traceEvents\": [...]}")]
+    events = [e for e in data if isinstance(e, dict)]
+    probs = []
+    if len(events) < len(data):
+        probs.append(Problem(fname, f"{len(data) - len(events)} entries are not event objects; ignored"))
+    return events, probs
+
+
+# ------------------------------------------------------------------------------------ discovery
+
+@dataclass
+class RankSource:
+    """The files of one rank (one *_ascend_pt result, or a bare CSV)."""
+
+    label: str                 # what the user passed / the folder name
+    rank: int | None
+    files: dict[str, Path]     # known file name -> path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "rank": self.rank, "files": {k: str(v) for k, v in self.files.items()}}
+
+
+def _rank_of(output_dir: Path) -> int | None:
+    root = output_dir.parent if output_dir.name == OUTPUT_DIR else output_dir
+    for info in sorted(root.glob("profiler_info*.json")):
+        try:
+            with open(info, encoding="utf-8") as fp:
+                rid = json.load(fp).get("rank_id")
+            if isinstance(rid, int) and rid >= 0:
+                return rid
+        except (OSError, ValueError, AttributeError):
+            pass
+        m = re.search(r"profiler_info_(\d+)\.json$", info.name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _files_in(d: Path) -> dict[str, Path]:
+    return {name: d / name for name in KNOWN_FILES if (d / name).is_file()}
+
+
+def discover(paths: list[str]) -> tuple[list[RankSource], list[Problem]]:
+    """Find profiler results under each path: *_ascend_pt folders, ASCEND_PROFILER_OUTPUT folders,
+    a flat folder of the known files, or one file (a bare kernel_details.csv / trace_view.json)."""
+    sources: list[RankSource] = []
+    problems: list[Problem] = []
+    for raw in paths:
+        p = Path(raw)
+        if not p.exists():
+            problems.append(Problem(raw, "no such file or directory"))
+            continue
+        if p.is_file():
+            role = p.name if p.name in KNOWN_FILES else ("trace_view.json" if p.suffix == ".json"
+                                                         else "kernel_details.csv")
+            sources.append(RankSource(raw, None, {role: p}))
+            continue
+        found: list[Path] = []
+        direct = _files_in(p)
+        if direct:
+            found.append(p)
+        else:
+            for dirpath, dirnames, _ in os.walk(p):
+                dirnames.sort()
+                depth = Path(dirpath).relative_to(p).parts
+                if len(depth) > 5:   # profiler results sit a few levels down at most
+                    dirnames[:] = []
+                    continue
+                d = Path(dirpath)
+                if d.name == OUTPUT_DIR or (d != p and _files_in(d) and d.parent.name != OUTPUT_DIR):
+                    if _files_in(d):
+                        found.append(d)
+                        dirnames[:] = []
+        if not found:
+            problems.append(Problem(raw, f"no Ascend profiler output here (looked for {OUTPUT_DIR}/ with "
+                                         f"{', '.join(KNOWN_FILES)})"))
+            continue
+        for d in found:
+            label = str(d.parent if d.name == OUTPUT_DIR else d)
+            sources.append(RankSource(label, _rank_of(d), _files_in(d)))
+    # ranks must be distinct: unknown or clashing ones get the next free number
+    used: set[int] = set()
+    for s in sources:
+        if s.rank is not None and s.rank not in used:
+            used.add(s.rank)
+        else:
+            s.rank = None
+    nxt = 0
+    for s in sources:
+        if s.rank is None:
+            while nxt in used:
+                nxt += 1
+            s.rank = nxt
+            used.add(nxt)
+    return sources, problems

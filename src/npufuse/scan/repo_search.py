@@ -1,0 +1,352 @@
+"""What the repository already has: torch_npu calls and wrappers, NPU guards, and switches.
+
+One ``ast.walk`` per file (:func:`file_facts`) collects
+
+* ``existing``: ``torch_npu`` imports and calls, functions wrapping them, ``is_torch_npu_available``
+  style guards, and sites npufuse already rewrote (its marker);
+* ``switches``: arguments, config fields and environment variables named for fusion / NPU /
+  flash (``--use-fused-rmsnorm``, ``config.use_flash_attn``, ``os.getenv("USE_NPU_FUSION")``);
+* shape sources for :mod:`npufuse.scan.config_shapes`, training markers, bf16 use;
+* spans that already have a ``torch_npu`` branch, so their eager fallback is not proposed again.
+
+:func:`choose_switch` then applies DESIGN.md rule 1 for a candidate: the repo's existing switch
+relevant to the pattern > a new config field where the module has a config > the environment
+variable ``NPUFUSE_<ID>`` > none.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from npufuse.rewrite.codegen import Switch, env_switch
+from npufuse.scan import config_shapes
+from npufuse.scan.dataflow import ModuleInfo, Scope, dotted
+
+# A name is a switch candidate when it mentions one of these.
+SWITCH_NAME = re.compile(r"fus(e|ed|ion)|npu|ascend|flash|liger", re.IGNORECASE)
+# Words (separators removed, lower case) that tie a switch to a pattern.
+PATTERN_WORDS: dict[str, tuple[str, ...]] = {
+    "rms_norm": ("rmsnorm", "rms"),
+    "add_rms_norm": ("addrmsnorm", "rmsnorm", "rms"),
+    "swiglu": ("swiglu", "silu", "mlp"),
+    "geglu": ("geglu", "gelu", "mlp"),
+    "rope": ("rope", "rotary", "rotate", "posemb"),
+    "attention": ("flash", "attn", "attention", "sdpa"),
+    "sdpa": ("flash", "attn", "attention", "sdpa"),
+    "moe_experts": ("moe", "expert", "gmm", "groupedmatmul"),
+    "fused_optimizer": ("optim", "adam", "sgd", "lamb"),
+    "affinity_index_put": ("affinity", "indexput"),
+    "affinity_where": ("affinity", "where"),
+}
+_ALL_WORDS = {w for words in PATTERN_WORDS.values() for w in words}
+_NEGATIVE = re.compile(r"^(disable|no|without|skip)[_-]", re.IGNORECASE)
+
+GUARD_CALLS = {"is_torch_npu_available", "is_npu_available", "is_torch_npu_avaliable", "npu_is_available"}
+ENV_READS = {"os.environ.get", "os.getenv", "os.environ.setdefault", "environ.get", "getenv"}
+
+
+@dataclass
+class FileFacts:
+    existing: list[dict[str, Any]] = field(default_factory=list)
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    config_sources: list[config_shapes.ConfigSource] = field(default_factory=list)
+    training: list[str] = field(default_factory=list)  # "file:line: what" (first few)
+    bf16: bool = False
+    # spans (start, end, where) whose code already has a torch_npu branch beside it
+    fused_spans: list[tuple[int, int, str]] = field(default_factory=list)
+    # spans inside an npufuse-rewritten ``if``: (start, end, pattern)
+    npufuse_spans: list[tuple[int, int, str]] = field(default_factory=list)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def switch_relevance(pattern: str, name: str) -> int:
+    """2: the switch names this pattern; 1: a generic fusion switch; 0: unrelated."""
+    n = _norm(name)
+    if any(w in n for w in PATTERN_WORDS.get(pattern, ())):
+        return 2
+    if "fus" in n and not any(w in n for w in _ALL_WORDS):
+        return 1
+    return 0
+
+
+def _const_str(node: ast.AST | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def file_facts(module: ModuleInfo) -> FileFacts:
+    """Everything :mod:`repo_search` needs from one parsed file, in one walk of its tree."""
+    facts = FileFacts()
+    path = module.path
+    npu_call_lines: list[tuple[int, str]] = []
+    ifs: list[ast.If] = []
+    functions: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
+    seen: set[tuple[int, str, str]] = set()
+
+    def existing(line: int, what: str, kind: str, **extra: Any) -> None:
+        if (line, what, kind) not in seen:
+            seen.add((line, what, kind))
+            facts.existing.append({"file": path, "line": line, "what": what, "kind": kind, **extra})
+
+    def switch(line: int, name: str, kind: str, **extra: Any) -> None:
+        if SWITCH_NAME.search(name):
+            facts.switches.append({"file": path, "line": line, "name": name, "kind": kind, **extra})
+
+    for node in ast.walk(module.tree):
+        t = type(node)
+        if t is ast.Call:
+            name = module.canonical(node.func) or ""
+            last = name.rsplit(".", 1)[-1]
+            if name.startswith("torch_npu."):
+                npu_call_lines.append((node.lineno, name))
+                existing(node.lineno, f"{name} call", "call", api=name)
+            elif last in GUARD_CALLS or name in ("torch.npu.is_available", "torch_npu.npu.is_available"):
+                existing(node.lineno, f"guard: {last}()", "guard")
+            elif last == "find_spec" and node.args and _const_str(node.args[0]) == "torch_npu":
+                existing(node.lineno, 'guard: find_spec("torch_npu")', "guard")
+            elif last == "hasattr" and len(node.args) == 2 and _const_str(node.args[1]) == "npu":
+                existing(node.lineno, 'guard: hasattr(torch, "npu")', "guard")
+            if name in ENV_READS and node.args:
+                var = _const_str(node.args[0])
+                if var:
+                    default = config_shapes._literal(node.args[1]) if len(node.args) > 1 else None
+                    switch(node.lineno, var, "env", default=default if isinstance(default, (str, int, bool)) else None)
+            if isinstance(node.func, ast.Attribute):
+                attr = node.func.attr
+                if attr == "add_argument":
+                    dest = config_shapes.argparse_dest(node)
+                    if dest:
+                        switch(node.lineno, dest, "argument")
+                    shaped = config_shapes.argparse_value(node)
+                    if shaped:
+                        facts.config_sources.append(config_shapes.ConfigSource(path, node.lineno, "argparse", f"--{dest.replace('_', '-')}" if dest else "argparse", {shaped[0]: shaped[1]}))
+                elif attr == "backward" and len(facts.training) < 3:
+                    facts.training.append(f"{path}:{node.lineno}: {dotted(node.func) or '.backward'}()")
+                elif attr == "step" and "optim" in (dotted(node.func.value) or "").lower() and len(facts.training) < 3:
+                    facts.training.append(f"{path}:{node.lineno}: {dotted(node.func)}()")
+            if last.endswith("Trainer") and last[:1].isupper() and len(facts.training) < 3:
+                facts.training.append(f"{path}:{node.lineno}: {last}(...)")
+        elif t is ast.Attribute:
+            if node.attr == "bfloat16":
+                facts.bf16 = True
+            elif node.attr == "is_npu" and isinstance(node.ctx, ast.Load):
+                existing(node.lineno, "guard: .is_npu", "guard")
+            elif isinstance(node.ctx, ast.Load) and SWITCH_NAME.search(node.attr):
+                base = dotted(node.value) or ""
+                if base.split(".")[-1] in ("config", "cfg", "model_config"):
+                    switch(node.lineno, node.attr, "config_field", read=f"{base}.{node.attr}")
+        elif t is ast.Subscript:
+            if (module.canonical(node.value) or "") in ("os.environ", "environ"):
+                var = _const_str(node.slice)
+                if var:
+                    switch(node.lineno, var, "env", default=None)
+        elif t is ast.Compare:
+            if len(node.ops) == 1 and isinstance(node.ops[0], ast.In) and (module.canonical(node.comparators[0]) or "") in ("os.environ", "environ"):
+                var = _const_str(node.left)
+                if var:
+                    switch(node.lineno, var, "env", default=None)
+            elif any(_const_str(c) == "npu" for c in [node.left, *node.comparators]):
+                existing(node.lineno, 'guard: device type == "npu"', "guard")
+        elif t is ast.Import:
+            for a in node.names:
+                if a.name.split(".")[0] == "torch_npu":
+                    existing(node.lineno, f"import {a.name}", "import")
+        elif t is ast.ImportFrom:
+            if (node.module or "").split(".")[0] == "torch_npu":
+                existing(node.lineno, f"from {node.module} import {', '.join(a.name for a in node.names)}", "import")
+            for a in node.names:
+                if a.name in GUARD_CALLS:
+                    existing(node.lineno, f"guard import: {a.name}", "guard")
+        elif t is ast.ClassDef:
+            src = config_shapes.class_source(path, node)
+            if src is not None:
+                facts.config_sources.append(src)
+            if config_shapes.CONFIG_CLASS.search(node.name) or config_shapes._is_dataclass(node):
+                for name, line in _class_fields(node):
+                    switch(line, name, "config_field", owner=node.name)
+        elif t is ast.If:
+            ifs.append(node)
+        elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+            functions.append(node)
+        elif t is ast.Constant and isinstance(node.value, str) and node.value in ("bfloat16", "bf16"):
+            facts.bf16 = True
+
+    if npu_call_lines:
+        for fn in functions:
+            inside = sorted({api for line, api in npu_call_lines if fn.lineno <= line <= (fn.end_lineno or fn.lineno)})
+            if inside:
+                existing(fn.lineno, f"wrapper {fn.name}() around {', '.join(inside)}", "wrapper", api=inside[0], name=fn.name)
+    _branches(module, ifs, npu_call_lines, facts)
+    facts.existing.sort(key=lambda e: (e["line"], e["kind"], e["what"]))
+    facts.switches.sort(key=lambda s: (s["line"], s["name"], s["kind"]))
+    return facts
+
+
+def _class_fields(cls: ast.ClassDef) -> list[tuple[str, int]]:
+    out = []
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            out.append((stmt.target.id, stmt.lineno))
+        elif isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
+            a = stmt.args
+            out += [(x.arg, stmt.lineno) for x in (*a.args, *a.kwonlyargs) if x.arg != "self"]
+    return out
+
+
+def _span(block: list[ast.stmt]) -> tuple[int, int]:
+    return block[0].lineno, block[-1].end_lineno or block[-1].lineno
+
+
+def _branches(module: ModuleInfo, ifs: list[ast.If], npu_calls: list[tuple[int, str]], facts: FileFacts) -> None:
+    """Spans whose eager code sits beside a torch_npu branch (already fused by hand or by us)."""
+    lines = module.source.splitlines()
+    rewritten = "_npufuse_on_npu" in module.source  # only files npufuse rewrote need the check
+
+    def has_npu(block: list[ast.stmt]) -> bool:
+        if not block:
+            return False
+        a, b = _span(block)
+        return any(a <= line <= b for line, _ in npu_calls)
+
+    for node in ifs:
+        if rewritten and any(isinstance(n, ast.Name) and n.id == "_npufuse_on_npu" for n in ast.walk(node.test)):
+            marker = lines[node.lineno - 1] if node.lineno <= len(lines) else ""
+            m = re.search(r"#\s*npufuse:\s*([a-z_]+)", marker)
+            pid = m.group(1) if m else "?"
+            a, b = node.lineno, node.end_lineno or node.lineno
+            facts.npufuse_spans.append((a, b, pid))
+            facts.existing.append({"file": module.path, "line": a, "what": f"npufuse-rewritten site ({pid})", "kind": "npufuse_site"})
+            continue
+        body_npu, else_npu = has_npu(node.body), has_npu(node.orelse)
+        where = f"line {node.lineno}"
+        if body_npu and node.orelse and not else_npu:
+            facts.fused_spans.append((*_span(node.orelse), where))
+        elif else_npu and not body_npu:
+            facts.fused_spans.append((*_span(node.body), where))
+    # ``if on_npu: return torch_npu.op(...)`` followed by the eager code in the same block.
+    for block in _blocks(module.tree):
+        for i, stmt in enumerate(block):
+            if isinstance(stmt, ast.If) and not stmt.orelse and has_npu(stmt.body) and isinstance(stmt.body[-1], (ast.Return, ast.Raise)) and i + 1 < len(block):
+                facts.fused_spans.append((*_span(block[i + 1:]), f"line {stmt.lineno}"))
+
+
+def _blocks(tree: ast.AST):
+    for node in ast.walk(tree):
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+# -- switch choice ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SiteContext:
+    """What a guard expression can reach at a site (computed where the AST is at hand)."""
+
+    config_expr: str | None = None  # "self.config" | "config" | None
+    args_expr: str | None = None  # "args" when argparse results are in scope
+    self_attrs: tuple[str, ...] = ()  # attributes the class stores on self
+
+
+def site_context(module: ModuleInfo, scope: Scope) -> SiteContext:
+    config_expr = None
+    self_attrs: set[str] = set()
+    if scope.class_name and scope.class_name in module.classes and "self" in scope.args[:1]:
+        cls = module.classes[scope.class_name]
+        self_attrs = _self_attributes(module, cls)
+        if "config" in self_attrs:
+            config_expr = "self.config"
+    if config_expr is None and "config" in scope.args:
+        config_expr = "config"
+    args_expr = None
+    if "args" in scope.args:
+        args_expr = "args"
+    else:
+        for _stmt, value in scope.assignments.get("args", []):
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("parse_args", "parse_known_args"):
+                args_expr = "args"
+    return SiteContext(config_expr, args_expr, tuple(sorted(self_attrs)))
+
+
+def _self_attributes(module: ModuleInfo, cls: ast.ClassDef, depth: int = 3) -> set[str]:
+    """``self.x`` assigned in the class (or a base class defined in the same module), or
+    ``self.config`` read anywhere in it (HF models set it in a library base class)."""
+    out: set[str] = set()
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if isinstance(node.ctx, ast.Store) or node.attr == "config":
+                out.add(node.attr)
+    if depth:
+        for base in cls.bases:
+            name = dotted(base)
+            if name in module.classes and module.classes[name] is not cls:
+                out |= _self_attributes(module, module.classes[name], depth - 1)
+    return out
+
+
+def _switch_expr(sw: dict[str, Any], ctx: SiteContext) -> str | None:
+    name = sw["name"]
+    kind = sw["kind"]
+    if kind == "env":
+        default = sw.get("default")
+        default = "1" if default is True else "0" if default in (None, False) else str(default)
+        expr = f'_npufuse_os.environ.get("{name}", "{default}").strip().lower() in ("1", "true", "on", "yes")'
+    elif kind == "config_field":
+        if name in ctx.self_attrs:
+            expr = f"self.{name}"
+        elif ctx.config_expr:
+            expr = f'getattr({ctx.config_expr}, "{name}", False)'
+        else:
+            return None
+    elif kind == "argument":
+        if not ctx.args_expr:
+            return None
+        expr = f'getattr({ctx.args_expr}, "{name}", False)'
+    else:
+        return None
+    return f"not {expr}" if _NEGATIVE.match(name) else expr
+
+
+_KIND_PREF = {"config_field": 0, "argument": 1, "env": 2}
+
+
+def choose_switch(pattern: str, ctx: SiteContext, switches: list[dict[str, Any]], mode: str = "auto") -> tuple[Switch, dict[str, Any] | None, list[str]]:
+    """DESIGN.md rule 1 for one site. Returns the switch, the repo switch it reuses (if any),
+    and notes for the report (e.g. a relevant switch that this site cannot reach)."""
+    notes: list[str] = []
+    if mode == "none":
+        return Switch("none"), None, notes
+    if mode == "env":
+        return env_switch(pattern), None, notes
+    relevant = [(switch_relevance(pattern, s["name"]), s) for s in switches]
+    relevant = [(r, s) for r, s in relevant if r]
+    relevant.sort(key=lambda rs: (-rs[0], _KIND_PREF.get(rs[1]["kind"], 9), rs[1]["file"], rs[1]["line"], rs[1]["name"]))
+    unreachable: list[dict[str, Any]] = []
+    for _r, sw in relevant:
+        expr = _switch_expr(sw, ctx)
+        if expr is not None:
+            return Switch("existing", expr=expr), sw, notes
+        unreachable.append(sw)
+    if unreachable:
+        names = sorted({f"`{s['name']}` ({s['file']}:{s['line']})" for s in unreachable})
+        notes.append(f"repo switch {', '.join(names[:3])} is not reachable from this site; wire it by hand to control this site with it")
+    if ctx.config_expr == "self.config":
+        return Switch("new_field", expr=f'getattr(self.config, "use_npu_{pattern}", True)'), None, notes
+    return env_switch(pattern), None, notes
+
+
+def switch_json(switch: Switch, reused: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": switch.kind, "expr": switch.expr, "name": switch.name, "describe": switch.describe()}
+    if reused is not None:
+        out["reuses"] = {"file": reused["file"], "line": reused["line"], "name": reused["name"], "kind": reused["kind"]}
+    return out
+
+
+__all__ = ["FileFacts", "file_facts", "SiteContext", "site_context", "choose_switch", "switch_json", "switch_relevance"]

@@ -1,0 +1,265 @@
+"""Which files a scan reads: Python sources under a root, in a stable order.
+
+Honours ``.gitignore`` (the root's, nested ones, and those of enclosing folders up to the git
+work tree top, plus ``.git/info/exclude``), skips virtualenvs, build/dist/cache folders and VCS
+metadata, follows folder symlinks once (a link back to an ancestor is reported as a loop, never
+followed), and names every path relative to the root with ``/``. Problems are returned as
+:class:`Failure` entries, never raised: one bad folder must not stop the scan.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pathspec
+
+# Folder names never descended into, with the reason shown in the report.
+SKIP_DIRS: dict[str, str] = {
+    ".git": "version control",
+    ".hg": "version control",
+    ".svn": "version control",
+    ".venv": "virtualenv",
+    "venv": "virtualenv",
+    "site-packages": "installed packages",
+    "dist-packages": "installed packages",
+    "node_modules": "node_modules",
+    "__pycache__": "cache",
+    ".mypy_cache": "cache",
+    ".pytest_cache": "cache",
+    ".ruff_cache": "cache",
+    ".hypothesis": "cache",
+    ".ipynb_checkpoints": "cache",
+    ".cache": "cache",
+    ".tox": "test environments",
+    ".nox": "test environments",
+    ".eggs": "build output",
+    "build": "build output",
+    "dist": "build output",
+    ".npufuse": "npufuse state",
+}
+
+PYTHON_SUFFIXES = (".py",)
+# Shape sources read by config_shapes (small JSON/YAML files named for configuration).
+DATA_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A file (or folder, ending in ``/``) that could not be scanned, and why."""
+
+    file: str
+    kind: str  # binary | encoding | syntax | too_large | unreadable | symlink_loop | broken_symlink | detector_error | assess_error
+    error: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "error": self.error, "kind": self.kind}
+
+
+@dataclass
+class WalkResult:
+    root: Path  # folder every path below is relative to
+    files: list[str] = field(default_factory=list)  # Python sources
+    data_files: list[str] = field(default_factory=list)  # config.json / *config*.yaml candidates
+    failed: list[Failure] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # folders not descended: {"path", "reason"}
+
+
+def is_data_file(rel: str) -> bool:
+    """Configuration files that may carry model shapes (``config.json``, ``configs/x.yaml``)."""
+    name = rel.rsplit("/", 1)[-1].lower()
+    parent = rel.rsplit("/", 2)[-2].lower() if rel.count("/") else ""
+    if not name.endswith(DATA_SUFFIXES):
+        return False
+    return "config" in name or parent in ("config", "configs", "conf")
+
+
+def _skip_reason(path: Path, name: str) -> str | None:
+    if name in SKIP_DIRS:
+        return SKIP_DIRS[name]
+    if name.endswith(".egg-info"):
+        return "build output"
+    # A virtualenv or conda env under any name: its marker file says so.
+    try:
+        if (path / "pyvenv.cfg").is_file():
+            return "virtualenv"
+        if (path / "conda-meta").is_dir():
+            return "conda environment"
+    except OSError:
+        return None
+    return None
+
+
+class _Ignore:
+    """Stacked gitignore specs: the deepest file with a matching pattern decides (git's rule)."""
+
+    def __init__(self, specs: list[tuple[str, pathspec.GitIgnoreSpec]]):
+        self.specs = specs  # (base relative to the walk root with trailing '/', or a '../' prefix form)
+
+    def with_dir(self, base: str, folder: Path) -> "_Ignore":
+        spec = _read_spec(folder / ".gitignore")
+        return _Ignore(self.specs + [(base, spec)]) if spec is not None else self
+
+    def ignored(self, rel: str, is_dir: bool) -> bool:
+        verdict = None
+        for base, spec in self.specs:
+            if base.startswith("@"):  # an enclosing folder: prefix is the path from it to the root
+                sub = base[1:] + rel
+            elif rel.startswith(base) or not base:
+                sub = rel[len(base):]
+            else:
+                continue
+            res = spec.check_file(sub + "/" if is_dir else sub)
+            if res.include is not None:
+                verdict = res.include
+        return bool(verdict)
+
+
+def _read_spec(path: Path) -> pathspec.GitIgnoreSpec | None:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return pathspec.GitIgnoreSpec.from_lines(text.splitlines())
+
+
+def _enclosing_specs(root: Path) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
+    """.gitignore files of folders above ``root`` up to the git work tree top (if any)."""
+    try:
+        real = root.resolve()
+    except OSError:
+        return []
+    chain: list[Path] = []
+    top = None
+    for folder in [real, *real.parents]:
+        chain.append(folder)
+        if (folder / ".git").exists():
+            top = folder
+            break
+    if top is None:
+        return []
+    specs: list[tuple[str, pathspec.GitIgnoreSpec]] = []
+    exclude = _read_spec(top / ".git" / "info" / "exclude") if (top / ".git").is_dir() else None
+    above = list(reversed(chain[1:]))  # top .. root's parent (root's own .gitignore comes later)
+    if exclude is not None:
+        specs.append(("@" + _prefix(top, real), exclude))
+    for folder in above:
+        spec = _read_spec(folder / ".gitignore")
+        if spec is not None:
+            specs.append(("@" + _prefix(folder, real), spec))
+    return specs
+
+
+def _prefix(ancestor: Path, root: Path) -> str:
+    rel = root.relative_to(ancestor).as_posix()
+    return "" if rel == "." else rel + "/"
+
+
+def walk(target: Path | str) -> WalkResult:
+    """Python files under ``target`` (a folder or one file). ``target`` must exist (the caller
+    turns a missing path into a usage error)."""
+    target = Path(target)
+    if not target.is_dir():
+        # One file: scanned whatever its name; gitignore does not apply to an explicit path.
+        result = WalkResult(root=target.parent)
+        rel = target.name
+        try:
+            target.stat()
+        except OSError as exc:
+            result.failed.append(_os_failure(rel, exc))
+            return result
+        result.files.append(rel)
+        return result
+
+    result = WalkResult(root=target)
+    ignore = _Ignore(_enclosing_specs(target)).with_dir("", target)
+    seen_dirs: set[tuple[int, int]] = set()
+    seen_files: set[tuple[int, int]] = set()
+    try:
+        st = target.stat()
+        seen_dirs.add((st.st_dev, st.st_ino))
+    except OSError as exc:
+        result.failed.append(_os_failure("./", exc))
+        return result
+    _walk_dir(target, "", ignore, [(st.st_dev, st.st_ino)], seen_dirs, seen_files, result)
+    result.files.sort()
+    result.data_files.sort()
+    result.failed.sort(key=lambda f: (f.file, f.kind))
+    result.skipped.sort(key=lambda s: s["path"])
+    return result
+
+
+def _walk_dir(
+    folder: Path,
+    rel_dir: str,
+    ignore: _Ignore,
+    ancestors: list[tuple[int, int]],
+    seen_dirs: set[tuple[int, int]],
+    seen_files: set[tuple[int, int]],
+    result: WalkResult,
+) -> None:
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        result.failed.append(_os_failure(rel_dir or "./", exc))
+        return
+    for entry in entries:
+        rel = rel_dir + entry.name
+        path = Path(entry.path)
+        try:
+            is_link = entry.is_symlink()
+            st = os.stat(entry.path)  # follows links; ELOOP for a link to itself
+        except OSError as exc:
+            if entry.name.endswith(PYTHON_SUFFIXES) or _is_link_quiet(entry):
+                result.failed.append(_os_failure(rel, exc, link=True))
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            reason = _skip_reason(path, entry.name)
+            if reason is None and ignore.ignored(rel, is_dir=True):
+                reason = ".gitignore"
+            if reason is not None:
+                result.skipped.append({"path": rel + "/", "reason": reason})
+                continue
+            ident = (st.st_dev, st.st_ino)
+            if ident in ancestors:
+                result.failed.append(Failure(rel + "/", "symlink_loop", "symlink loop: the link points back to one of its own parent folders (not followed)"))
+                continue
+            if ident in seen_dirs:
+                if is_link:
+                    result.skipped.append({"path": rel + "/", "reason": "symlink to a folder already scanned"})
+                continue
+            seen_dirs.add(ident)
+            _walk_dir(path, rel + "/", ignore.with_dir(rel + "/", path), ancestors + [ident], seen_dirs, seen_files, result)
+        elif stat.S_ISREG(st.st_mode):
+            if ignore.ignored(rel, is_dir=False):
+                continue
+            if entry.name.endswith(PYTHON_SUFFIXES):
+                ident = (st.st_dev, st.st_ino)
+                if ident in seen_files:
+                    continue  # the same file reached through a symlink: scanned once
+                seen_files.add(ident)
+                result.files.append(rel)
+            elif is_data_file(rel):
+                result.data_files.append(rel)
+
+
+def _is_link_quiet(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_symlink()
+    except OSError:
+        return False
+
+
+def _os_failure(rel: str, exc: OSError, link: bool = False) -> Failure:
+    if exc.errno == errno.ELOOP:
+        return Failure(rel, "symlink_loop", "symlink loop: the link resolves to itself (too many levels of symbolic links)")
+    if exc.errno == errno.ENOENT and link:
+        return Failure(rel, "broken_symlink", "broken symlink: its target does not exist")
+    if isinstance(exc, PermissionError):
+        return Failure(rel, "unreadable", "unreadable: permission denied")
+    return Failure(rel, "unreadable", f"unreadable: {exc.strerror or exc}")
