@@ -207,7 +207,8 @@ def test_real_every_doc_splits_into_sections(real_root):
     docs = api_docs.load_api_docs(real_root)
     with_params = [n for n, d in docs.items() if d.section("parameters")]
     with_description = [n for n, d in docs.items() if d.section("description")]
-    assert len(with_params) >= 225 and len(with_description) >= 230
+    # 2.14: npu_transpose_quant_batchmatmul's doc is empty; a few docs have no description text
+    assert len(with_params) >= 233 and len(with_description) >= 231
     # a heading never leaks into a body as an unsplit line
     for name, doc in docs.items():
         for section in doc.sections:

@@ -6,8 +6,6 @@ softmax, @V, with keep-matrices built from tril/triu — it shares no code with 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -86,6 +84,11 @@ def to_layout(x, layout):
     return x
 
 
+def pack(x):
+    """BNSD with equal lengths -> TND."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
 def qkv(b=2, nq=4, nkv=4, sq=6, skv=6, d=8, dv=None, dtype=torch.float32):
     dv = d if dv is None else dv
     return (
@@ -104,7 +107,12 @@ def close(actual, expected, dtype=torch.float32):
 
 def test_registry_entries():
     assert REGISTRY["npu_fusion_attention"].autograd is True and REGISTRY["npu_fusion_attention"].spec == "5.1"
-    for name, spec in (("npu_prompt_flash_attention", "5.3"), ("npu_incre_flash_attention", "5.4"), ("npu_fused_infer_attention_score", "5.5")):
+    inference = {
+        "npu_prompt_flash_attention": "5.3",
+        "npu_incre_flash_attention": "5.4",
+        "npu_fused_infer_attention_score": "5.5",
+    }
+    for name, spec in inference.items():
         assert REGISTRY[name].autograd is False and REGISTRY[name].spec == spec
         assert REGISTRY[name].summary
 
@@ -205,14 +213,16 @@ def test_layouts_equal_bnsd(layout):
     q, k, v = qkv(b=b, nq=n, nkv=2, sq=sq, skv=skv, d=d, dv=dv)
     want = fa(q, k, v, n, "BNSD", scale=0.3, atten_mask=TRIU, sparse_mode=3)
     if layout == "TND":
-        pack = lambda x: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731
         got = fa(pack(q), pack(k), pack(v), n, "TND", scale=0.3, atten_mask=TRIU, sparse_mode=3,
                  actual_seq_qlen=[sq, 2 * sq], actual_seq_kvlen=[skv, 2 * skv], softmax_layout="TND")
         close(got[0], pack(want[0]))
         close(got[1], want[1].transpose(1, 2).reshape(b * sq, n, 8))
         assert got[6] == want[6]
     else:
-        got = fa(to_layout(q, layout.upper()), to_layout(k, layout.upper()), to_layout(v, layout.upper()), n, layout, scale=0.3, atten_mask=TRIU, sparse_mode=3)
+        got = fa(
+            to_layout(q, layout.upper()), to_layout(k, layout.upper()), to_layout(v, layout.upper()), n, layout,
+            scale=0.3, atten_mask=TRIU, sparse_mode=3,
+        )
         close(got[0], to_layout(want[0], layout.upper()))
         close(got[1], want[1])
 
@@ -227,8 +237,11 @@ def test_tnd_varlen_equals_per_sequence_attention():
     ck = torch.tensor(skv_lens).cumsum(0).tolist()
     for mode in (None, 2, 3):
         kw = {} if mode is None else {"atten_mask": TRIU, "sparse_mode": mode}
-        out, smax, ssum, _, _, _, numels = fa(q, k, v, n, "TND", scale=0.5, actual_seq_qlen=cq, actual_seq_kvlen=ck, **kw)
-        assert out.shape == (10, n, d) and smax.shape == (10, n, 8) and numels == n * sum(a * c for a, c in zip(sq_lens, skv_lens))
+        out, smax, ssum, _, _, _, numels = fa(
+            q, k, v, n, "TND", scale=0.5, actual_seq_qlen=cq, actual_seq_kvlen=ck, **kw,
+        )
+        assert out.shape == (10, n, d) and smax.shape == (10, n, 8)
+        assert numels == n * sum(a * c for a, c in zip(sq_lens, skv_lens))
         qs, ks = 0, 0
         for lq, lk in zip(sq_lens, skv_lens):
             if lq:
@@ -269,7 +282,10 @@ def test_gqa_mqa_head_mapping(nkv):
     close(out[0], ref_attention(q, k, v, scale=0.3))
     g = 4 // nkv
     for h in range(4):  # head h uses kv head h // (Nq / Nkv)
-        close(out[0][:, h], ref_attention(q[:, h:h + 1], k[:, h // g:h // g + 1], v[:, h // g:h // g + 1], scale=0.3)[:, 0])
+        close(
+            out[0][:, h],
+            ref_attention(q[:, h:h + 1], k[:, h // g:h // g + 1], v[:, h // g:h // g + 1], scale=0.3)[:, 0],
+        )
     # BSH derives Nkv from H_k / D
     out_bsh = fa(to_layout(q, "BSH"), to_layout(k, "BSH"), to_layout(v, "BSH"), 4, "BSH", scale=0.3)[0]
     close(out_bsh, to_layout(out[0], "BSH"))
@@ -319,7 +335,10 @@ def test_dropout_with_explicit_mask_is_deterministic():
     packed = (bits << torch.arange(8)).sum(-1).to(torch.uint8)
     close(fa(q, k, v, 4, "BNSD", scale=0.3, keep_prob=0.7, dropout_mask=packed)[0], res[0])
     # keep_prob == 1: no dropout at all
-    close(fa(q, k, v, 4, "BNSD", scale=0.3, dropout_mask=torch.zeros(numels, dtype=torch.uint8))[0], ref_attention(q, k, v, scale=0.3))
+    close(
+        fa(q, k, v, 4, "BNSD", scale=0.3, dropout_mask=torch.zeros(numels, dtype=torch.uint8))[0],
+        ref_attention(q, k, v, scale=0.3),
+    )
 
 
 def test_dropout_generated_mask_replays_from_seed_offset():
@@ -388,12 +407,20 @@ def test_fa_rejections():
     _raises(ValueError, "atten_mask", fa, q, k, v, 4, "BNSD", atten_mask=~TRIU, sparse_mode=3)  # wrong polarity
     _raises(ValueError, "padding_mask", fa, q, k, v, 4, "BNSD", padding_mask=torch.zeros(1))
     _raises(ValueError, "head_num", fa, q, k, v, 8, "BNSD")
-    _raises(ValueError, "atten_mask", fa, q, k, v, 4, "BNSD", atten_mask=torch.zeros(2, 4, 1, 6, dtype=torch.bool))  # BN1S not broadcast
+    _raises(
+        ValueError, "atten_mask", fa, q, k, v, 4, "BNSD", atten_mask=torch.zeros(2, 4, 1, 6, dtype=torch.bool),
+    )
     _raises(ValueError, "keep_prob", fa, q, k, v, 4, "BNSD", keep_prob=0.0)
     _raises(ValueError, "sparse_mode", fa, q, k, v, 4, "BNSD", sparse_mode=7)
-    _raises(ValueError, "sparse_mode", fa, q, k, v, 4, "BNSD", atten_mask=torch.zeros(2, 1, 6, 6, dtype=torch.bool), sparse_mode=5)
+    _raises(
+        ValueError, "sparse_mode", fa, q, k, v, 4, "BNSD", atten_mask=torch.zeros(2, 1, 6, 6, dtype=torch.bool),
+        sparse_mode=5,
+    )
     _raises(ValueError, "softmax_layout", fa, q, k, v, 4, "BNSD", softmax_layout="TND")
-    _raises(ValueError, "next_tockens", fa, q, k, v, 4, "BNSD", atten_mask=TRIU, sparse_mode=4, pre_tockens=-3, next_tockens=1)
+    _raises(
+        ValueError, "next_tockens", fa, q, k, v, 4, "BNSD", atten_mask=TRIU, sparse_mode=4, pre_tockens=-3,
+        next_tockens=1,
+    )
     _raises(TypeError, "sink", fa, q, k, v, 4, "BNSD", sink=torch.zeros(4, dtype=torch.float16))
     _raises(TypeError, "value", fa, q, k, v.half(), 4, "BNSD")
     _raises(ValueError, "value", fa, q, k, v.repeat(1, 1, 1, 2), 4, "BNSD")  # Dv > Dk
@@ -432,7 +459,10 @@ def test_pfa_layouts_gqa_and_lengths():
     # per-batch valid lengths: bottom-right causal per batch, later queries zero, later keys ignored
     out = pfa(q, k, v, input_layout="BNSD", actual_seq_lengths=[5, 3], actual_seq_lengths_kv=[9, 6], **kw)
     close(out[0], want[0], H)
-    close(out[1, :, :3], ref_attention(q[1:, :, :3], k[1:, :, :6], v[1:, :, :6], scale=0.25, keep=tril_keep(3, 6, 3))[0], H)
+    close(
+        out[1, :, :3], ref_attention(q[1:, :, :3], k[1:, :, :6], v[1:, :, :6], scale=0.25, keep=tril_keep(3, 6, 3))[0],
+        H,
+    )
     assert torch.all(out[1, :, 3:] == 0)
 
 
@@ -449,7 +479,10 @@ def test_pfa_tnd_bf16():
         want = ref_attention(q[q0:q0 + lq].transpose(0, 1)[None], k[k0:k0 + lk].transpose(0, 1)[None],
                              v[k0:k0 + lk].transpose(0, 1)[None], scale=d ** -0.5, keep=tril_keep(lq, lk, lk - lq))
         close(out[q0:q0 + lq], want[0].transpose(0, 1), torch.bfloat16)
-    _raises(ValueError, "sparse_mode", pfa, q, k, v, num_heads=n, input_layout="TND", actual_seq_lengths=[2, 5], actual_seq_lengths_kv=[4, 7], sparse_mode=2, atten_mask=TRIU)
+    _raises(
+        ValueError, "sparse_mode", pfa, q, k, v, num_heads=n, input_layout="TND", actual_seq_lengths=[2, 5],
+        actual_seq_lengths_kv=[4, 7], sparse_mode=2, atten_mask=TRIU,
+    )
 
 
 def test_ifa_decode_lengths_mask_gqa():
@@ -464,8 +497,9 @@ def test_ifa_decode_lengths_mask_gqa():
     assert out.shape == (b, 1, n * d) and out.dtype == H
     keep = (~mask) & (torch.arange(skv) < torch.tensor(lens).view(b, 1, 1, 1))
     close(out, to_layout(ref_attention(q, k, v, scale=0.25, keep=keep), "BSH"), H)
-    close(ifa(q, k, v, num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", scale_value=0.25, atten_mask=mask.view(b, skv)),
-          ref_attention(q, k, v, scale=0.25, keep=~mask), H)
+    out = ifa(q, k, v, num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", scale_value=0.25,
+              atten_mask=mask.view(b, skv))
+    close(out, ref_attention(q, k, v, scale=0.25, keep=~mask), H)
 
 
 def test_ifa_rejections():
@@ -492,7 +526,12 @@ def test_fia_prefill_decode_and_lse():
     close(out, ref_attention(q, k, v, scale=0.25, keep=~pad), H)  # default next_tokens is INT_MAX here
     assert lse.shape == (b, n, sq, 1) and lse.dtype == torch.float32
     close(lse[..., 0], torch.logsumexp(ref_logits(q, k, 0.25, ~pad), -1))
-    close(out, pfa(q, k, v, atten_mask=pad, num_heads=n, num_key_value_heads=nkv, scale_value=0.25, input_layout="BNSD", next_tokens=INT_MAX), H)
+    close(
+        out,
+        pfa(q, k, v, atten_mask=pad, num_heads=n, num_key_value_heads=nkv, scale_value=0.25, input_layout="BNSD",
+            next_tokens=INT_MAX),
+        H,
+    )
     out, lse = fia(q, k, v, atten_mask=TRIU, sparse_mode=2, **kw)
     close(out, ref_attention(q, k, v, scale=0.25, keep=tril_keep(sq, skv, 0)), H)
     assert lse.shape == (0,) and lse.dtype == torch.float32
@@ -502,15 +541,22 @@ def test_fia_prefill_decode_and_lse():
     q1 = q[:, :, :1].contiguous()
     m1 = pad[:, 0, 0, :]
     out, lse = fia(q1, k, v, atten_mask=m1, sparse_mode=3, next_tokens=-5, softmax_lse_flag=True, **kw)
-    close(out, ifa(q1, k, v, atten_mask=m1, num_heads=n, num_key_value_heads=nkv, scale_value=0.25, input_layout="BNSD"), H)
+    close(
+        out, ifa(q1, k, v, atten_mask=m1, num_heads=n, num_key_value_heads=nkv, scale_value=0.25, input_layout="BNSD"),
+        H,
+    )
     assert lse.shape == (b, n, 1, 1)
 
 
 def test_fia_rejections():
     q, k, v = qkv(b=1, nq=4, nkv=4, sq=4, skv=4, d=16, dtype=H)
     kw = dict(num_heads=4, input_layout="BNSD")
-    for name, val in (("query_rope", q), ("key_rope", k), ("key_shared_prefix", k), ("block_table", torch.zeros(1, 1, dtype=torch.int32)),
-                      ("quant_scale2", torch.ones(1)), ("antiquant_scale", torch.ones(2)), ("query_padding_size", torch.zeros(1, dtype=torch.int64))):
+    unsupported = {
+        "query_rope": q, "key_rope": k, "key_shared_prefix": k, "block_table": torch.zeros(1, 1, dtype=torch.int32),
+        "quant_scale2": torch.ones(1), "antiquant_scale": torch.ones(2),
+        "query_padding_size": torch.zeros(1, dtype=torch.int64),
+    }
+    for name, val in unsupported.items():
         _raises(ValueError, name, fia, q, k, v, **{name: val}, **kw)
     _raises(ValueError, "antiquant_mode", fia, q, k, v, antiquant_mode=1, **kw)
     _raises(ValueError, "sparse_mode", fia, q, k, v, sparse_mode=9, **kw)
@@ -523,7 +569,10 @@ def test_fia_rejections():
     _raises(ValueError, "query", fia, q.transpose(2, 3), k, v, **kw)  # non-contiguous
     _raises(ValueError, "padding_mask", pfa, q, k, v, padding_mask=torch.zeros(1), **kw)
     _raises(ValueError, "deq_scale1", pfa, q, k, v, deq_scale1=torch.ones(1), **kw)
-    _raises(ValueError, "num_key_value_heads", pfa, to_layout(q, "BSH"), to_layout(k[:, :2], "BSH"), to_layout(v[:, :2], "BSH"), num_heads=4)
+    _raises(
+        ValueError, "num_key_value_heads", pfa, to_layout(q, "BSH"), to_layout(k[:, :2], "BSH"),
+        to_layout(v[:, :2], "BSH"), num_heads=4,
+    )
 
 
 def test_inference_ops_are_forward_only():

@@ -107,6 +107,11 @@ def test_scaled_masked_softmax_rejects(xs, ms, mask_dtype, kw, exc, arg):
 def test_scaled_masked_softmax_rejects_fp64_x():
     with pytest.raises(TypeError, match="npu_scaled_masked_softmax: x"):
         npu_scaled_masked_softmax(torch.randn(1, 1, 32, 32, dtype=torch.float64), torch.zeros(1, 1, 32, 32, dtype=torch.bool))
+    with pytest.raises(TypeError, match="npu_scaled_masked_softmax: scale"):
+        npu_scaled_masked_softmax(torch.randn(1, 1, 32, 32), torch.zeros(1, 1, 32, 32, dtype=torch.bool), "0.5")
+    # a 0-dim tensor is a valid Scalar
+    out = npu_scaled_masked_softmax(torch.ones(1, 1, 32, 32), torch.zeros(1, 1, 32, 32, dtype=torch.bool), torch.tensor(0.5))
+    torch.testing.assert_close(out, torch.full((1, 1, 32, 32), 1 / 32))
 
 
 # ---- npu_dropout_with_add_softmax -------------------------------------------------------------

@@ -1,8 +1,8 @@
 """``npufuse api NAME`` / ``npufuse api --list``: torch_npu's own API docs, read statically.
 
 torch_npu cannot be imported without the CANN runtime, so nothing here imports it. The wheel is
-located with ``importlib.util.find_spec`` (which only searches, never executes) and three kinds of
-files inside it are parsed:
+located with ``importlib.util.find_spec`` (which only searches, never executes; see
+``ENV_TORCH_NPU_PATH`` for a wheel unpacked outside site-packages) and these files are parsed:
 
 * ``_op_plugin_docs.py`` - module-level ``_add_torch_npu_docstr("name", doc)`` calls;
 * ``op_plugin/atb/_atb_api_docs.py`` - ``_add_torch_npu_atb_docstr`` calls nested in a function;
@@ -138,8 +138,9 @@ class RawDoc:
 
 
 def _line_starts(data: bytes) -> list[int]:
+    """Byte offset of each line as ast numbers them (it treats CRLF, LF and a lone CR as breaks)."""
     starts = [0]
-    for match in re.finditer(rb"\n", data):
+    for match in re.finditer(rb"\r\n|\r|\n", data):
         starts.append(match.end())
     return starts
 
@@ -179,14 +180,19 @@ def _clean_doc(text: str) -> str:
     return textwrap.dedent("\n".join(lines)).rstrip()
 
 
+def _parse_quietly(source: str, path: Path) -> ast.Module:
+    with warnings.catch_warnings():
+        # the wheel's files hold LaTeX like "\end" in non-raw strings: invalid-escape warnings
+        # about torch_npu's code, not something our user can act on
+        warnings.simplefilter("ignore")
+        return ast.parse(source, filename=str(path))
+
+
 def parse_doc_file(path: Path, helper: str, rel: str, top_level_only: bool) -> list[RawDoc]:
     """All ``helper("name", doc)`` calls of one file, duplicates kept, in file order."""
     data = path.read_bytes()
     source = data.decode("utf-8")
-    with warnings.catch_warnings():
-        # the docs hold LaTeX like "\end" in non-raw strings: invalid-escape warnings, not ours
-        warnings.simplefilter("ignore")
-        tree = ast.parse(source, filename=str(path))
+    tree = _parse_quietly(source, path)
     if top_level_only:
         # _op_plugin_docs.py: the calls are module-level statements; walking the whole tree
         # would also find the helper's definition body (which has no such call, but be exact).
@@ -263,7 +269,7 @@ _ALL_HEADINGS = {**_WEAK_HEADINGS, **_STRONG_HEADINGS}
 _HEADING_RE = re.compile(
     r"^\s*(?P<deco>#{1,6}\s*|[-*•·]\s*|\d+\s*[.、)]\s*)?(?:\*\*|【)?"
     r"(?P<word>" + "|".join(sorted(map(re.escape, _ALL_HEADINGS), key=len, reverse=True)) + r")"
-    r"(?:\*\*|】)?\s*(?:(?P<colon>[:：])\s*(?P<rest>.*))?$"
+    r"(?:\*\*|】)?\s*(?:[(（][^)）]*[)）])?\s*(?:(?P<colon>[:：])\s*(?P<rest>.*))?$"
 )
 
 
@@ -446,7 +452,8 @@ def compare_prototype(doc_prototype: str, schemas: list[str]) -> list[str]:
     return notes
 
 
-_PROTO_PREFIX = r"(?:torch_npu\.(?:atb\.|npu\.)?|custom\.|func:\s*)?"
+# "torch_npu. npu_geglu(" (sic) occurs in 2.14; custom./func: prefixes in a few docs
+_PROTO_PREFIX = r"(?:torch_npu\.\s*(?:atb\.|npu\.)?|custom\.|func:\s*)?"
 _RETURN_RE = re.compile(r"\s*->\s*(?:(?=\()|([A-Za-z_][\w.]*(?:\([a-z]!?\))?(?:\[\])?\??))")
 
 
@@ -470,6 +477,7 @@ def _prototype_spans(text: str, name: str) -> list[tuple[int, int, str]]:
         proto = re.sub(r"\s+", " ", text[match.start() : end]).strip()
         proto = re.sub(r"\(\s+", "(", re.sub(r"\s+\)", ")", proto))
         proto = re.sub(r"^(?:custom\.|func:\s*)", "", proto)
+        proto = re.sub(r"^torch_npu\.\s+", "torch_npu.", proto)
         if not proto.startswith("torch_npu."):
             proto = ("torch_npu.atb." if name.startswith("atb.") else "torch_npu.") + proto
         spans.append((match.start(), end, proto))
@@ -649,11 +657,17 @@ class ApiDoc:
     def section(self, key: str) -> str:
         """Body of all sections with this key (repeated headings are joined)."""
         bodies = [s.body for s in self.sections if s.key == key and s.body]
+        if key == "parameters" and not bodies and not self.name.startswith("optim."):
+            # some docs list the parameters right under the prototype, without a heading
+            rest = _strip_prototypes("\n".join(s.body for s in self.sections if s.key == "prototype"), self.name)
+            bodies = [rest] if rest else []
         if key == "description":
             # text before the first heading is the prototype and/or (npu_mish) the description
             preamble = "\n".join(s.body for s in self.sections if s.key == "preamble")
             if preamble and not self.name.startswith("optim."):
                 preamble = _strip_prototypes(preamble, self.name)
+                # sibling prototypes (npu_iou's doc also shows npu_ptiou's) are not description
+                preamble = _tidy(re.sub(r"(?m)^\s*torch_npu\.[\w.]+\s*\(.*\)\s*->.*$", "", preamble))
             if preamble:
                 bodies.insert(0, preamble)
         return "\n\n".join(bodies)
@@ -665,8 +679,9 @@ class ApiDoc:
         if self.doc is None:
             return []
         # prefer the prototype section, then the text before the first heading, then anywhere
+        # but the examples (their calls have no "->" and would pass for prototypes)
         for keys in (("prototype",), ("preamble",), None):
-            text = "\n".join(s.body for s in self.sections if keys is None or s.key in keys)
+            text = "\n".join(s.body for s in self.sections if (s.key != "examples" if keys is None else s.key in keys))
             found = find_prototypes(text, self.name)
             if found:
                 return found
@@ -783,7 +798,7 @@ def _param_docs(text: str, names: list[str]) -> dict[str, str]:
     if not text or not names:
         return {}
     starts = re.compile(
-        r"^\s*(?:[-*•·]\s*)?(?:\*\*)?(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?:\*\*)?\s*(?:[(（:：]|\s-\s)"
+        r"^\s*(?:[-*•·]\s*)?(?:\*\*)?(?:[A-Za-z][\w\[\]?]*\s+)?(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?:\*\*)?\s*(?:[(（:：]|\s-\s)"
     )
     docs: dict[str, list[str]] = {}
     current: str | None = None
@@ -801,10 +816,11 @@ def _param_docs(text: str, names: list[str]) -> dict[str, str]:
 
 
 def _optim_sections(doc: str) -> list[Section]:
-    description, _, args = doc.partition("Args:")
-    sections = [Section("description", "", _tidy(description))]
-    if args.strip():
-        sections.append(Section("parameters", "Args:", _tidy(args)))
+    """Google-style class docstrings: the text, then "Args:" (or "Arguments:")."""
+    parts = re.split(r"^\s*(Args|Arguments):\s*$", doc, maxsplit=1, flags=re.M)
+    sections = [Section("description", "", _tidy(parts[0]))]
+    if len(parts) == 3 and parts[2].strip():
+        sections.append(Section("parameters", parts[1] + ":", _tidy(parts[2])))
     return sections
 
 
@@ -818,7 +834,7 @@ def _optim_docs(root: Path) -> dict[str, tuple[str, str, int, str]]:
         return {}
     exported: list[str] = []
     modules: dict[str, str] = {}
-    for stmt in ast.parse(init.read_text(encoding="utf-8")).body:
+    for stmt in _parse_quietly(init.read_text(encoding="utf-8"), init).body:
         if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in stmt.targets):
             exported = [e.value for e in getattr(stmt.value, "elts", []) if isinstance(e, ast.Constant)]
         elif isinstance(stmt, ast.ImportFrom) and stmt.level == 1 and stmt.module:
@@ -831,7 +847,7 @@ def _optim_docs(root: Path) -> dict[str, tuple[str, str, int, str]]:
         if not module or not path.is_file():
             continue
         source = path.read_text(encoding="utf-8")
-        tree = ast.parse(source)
+        tree = _parse_quietly(source, path)
         constants = {
             t.id: ast.get_source_segment(source, s.value)
             for s in tree.body
@@ -1125,23 +1141,24 @@ def _render(api: ApiDoc) -> None:
             else:
                 body(text)
     if api.summary is not None:
-        _render_summary(api.summary, heading, body, full=api.doc is None)
+        _render_summary(api.summary, heading, body, full=api.doc is None, constraints=not api.section("constraints"))
     for note in api.notes:
         console.print()
         console.print(Text("note: " + note, style="dim"), soft_wrap=not tty)
 
 
-def _render_summary(summary: Summary, heading: Any, body: Any, *, full: bool) -> None:
-    """Our own summary: the whole of it when the wheel has no doc, else just the notes."""
+def _render_summary(summary: Summary, heading: Any, body: Any, *, full: bool, constraints: bool) -> None:
+    """Our own summary: all of it when the wheel has no doc, else the notes (and our constraints
+    where the wheel's doc has none, e.g. the optimizers' docstrings)."""
     autograd = ("yes" if summary.autograd else "no") + (f" ({summary.autograd_note})" if summary.autograd_note else "")
     if full:
         heading("Summary")
         body(summary.summary)
         heading("Returns")
         body(summary.returns)
-        if summary.constraints:
-            heading("Constraints")
-            body("\n".join(f"• {c}" for c in summary.constraints))
+    if (full or constraints) and summary.constraints:
+        heading("Constraints" + ("" if full else " (npufuse)"))
+        body("\n".join(f"• {c}" for c in summary.constraints))
     heading(f"npufuse notes ({summary.spec} of the npufuse torch_npu spec)")
     lines = [f"autograd: {autograd}"] + [f"• {p}" for p in summary.pitfalls]
     body("\n".join(lines))

@@ -22,7 +22,6 @@ from typing import Sequence
 import torch
 
 from npufuse.emulate.checks import (
-    FLOATS,
     dtype_name,
     forward_only,
     require,
@@ -109,7 +108,10 @@ def _cumulative_to_lengths(api: str, arg: str, cum: list[int], total: int, total
     prev = 0
     lengths = []
     for x in norm:
-        require(api, arg, x >= prev, f"must be cumulative (non-decreasing, >= 0) end offsets without a leading 0, got {cum}")
+        require(
+            api, arg, x >= prev,
+            f"must be cumulative (non-decreasing, >= 0) end offsets without a leading 0, got {cum}",
+        )
         lengths.append(x - prev)
         prev = x
     require(api, arg, prev == total, f"last non-zero value ({prev}) must equal {total_name} ({total})")
@@ -410,7 +412,9 @@ def _dropout_keep(
 
 _FA_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 _FA_MODES = {"TND": (0, 1, 2, 3, 4, 6, 7, 8), "": (0, 1, 2, 3, 4, 5, 6)}
-_MODE_NAMES = {5: "prefix", 6: "prefix compressed", 7: "varlen split rightDown", 8: "varlen split leftUp", 9: "tree mask"}
+_MODE_NAMES = {
+    5: "prefix", 6: "prefix compressed", 7: "varlen split rightDown", 8: "varlen split leftUp", 9: "tree mask"
+}
 
 
 @emulated(FA, autograd=True, spec="5.1")
@@ -482,7 +486,10 @@ def npu_fusion_attention(
     require_same_dtype(api, "value", value, "query", query)
     head_num = _int(api, "head_num", head_num)
     layout = _str(api, "input_layout", input_layout).upper()
-    require(api, "input_layout", layout in _FA_LAYOUTS, f"must be one of {', '.join(_FA_LAYOUTS)} (case-insensitive), got {input_layout!r}")
+    require(
+        api, "input_layout", layout in _FA_LAYOUTS,
+        f"must be one of {', '.join(_FA_LAYOUTS)} (case-insensitive), got {input_layout!r}",
+    )
     require(api, "head_num", 1 <= head_num <= 256, f"must lie in [1, 256], got {head_num}")
     _reject(api, padding_mask=padding_mask)
     scale = _float(api, "scale", scale)
@@ -499,9 +506,14 @@ def npu_fusion_attention(
             raise TypeError(f"{api}: {name} must be a bool, got {type(flag).__name__}")
     softmax_layout = _str(api, "softmax_layout", softmax_layout)
     require(api, "softmax_layout", softmax_layout in ("", "TND"), f"must be '' or 'TND', got {softmax_layout!r}")
-    require(api, "softmax_layout", softmax_layout == "" or layout == "TND", "'TND' is only allowed with input_layout TND")
+    require(
+        api, "softmax_layout", softmax_layout == "" or layout == "TND", "'TND' is only allowed with input_layout TND",
+    )
     allowed_modes = _FA_MODES["TND" if layout == "TND" else ""]
-    require(api, "sparse_mode", sparse_mode in allowed_modes, f"{sparse_mode} is not supported with input_layout {layout} (allowed: {list(allowed_modes)})")
+    require(
+        api, "sparse_mode", sparse_mode in allowed_modes,
+        f"{sparse_mode} is not supported with input_layout {layout} (allowed: {list(allowed_modes)})",
+    )
     if prefix is not None:
         raise ValueError(f"{api}: prefix is used only by sparse_mode 5/6, which the npufuse emulation does not emulate")
     qlen = _int_list(api, "actual_seq_qlen", actual_seq_qlen)
@@ -511,14 +523,29 @@ def npu_fusion_attention(
     if layout == "TND":
         for name, t in (("query", query), ("key", key), ("value", value)):
             require_rank(api, name, t, 3)
-        require(api, "actual_seq_qlen", qlen is not None, "is required for input_layout TND (cumulative ends, no leading 0)")
-        require(api, "actual_seq_kvlen", kvlen is not None, "is required for input_layout TND (cumulative ends, no leading 0)")
-        require(api, "actual_seq_kvlen", len(kvlen) == len(qlen), f"must have as many entries as actual_seq_qlen ({len(qlen)}), got {len(kvlen)}")
+        require(
+            api, "actual_seq_qlen", qlen is not None,
+            "is required for input_layout TND (cumulative ends, no leading 0)",
+        )
+        require(
+            api, "actual_seq_kvlen", kvlen is not None,
+            "is required for input_layout TND (cumulative ends, no leading 0)",
+        )
+        require(
+            api, "actual_seq_kvlen", len(kvlen) == len(qlen),
+            f"must have as many entries as actual_seq_qlen ({len(qlen)}), got {len(kvlen)}",
+        )
         sq_lens = _cumulative_to_lengths(api, "actual_seq_qlen", qlen, query.shape[0], "query's T")
         skv_lens = _cumulative_to_lengths(api, "actual_seq_kvlen", kvlen, key.shape[0], "key's T")
-        require(api, "head_num", query.shape[1] == head_num, f"({head_num}) must equal query's N ({query.shape[1]}) for TND")
+        require(
+            api, "head_num", query.shape[1] == head_num,
+            f"({head_num}) must equal query's N ({query.shape[1]}) for TND",
+        )
         nq, d, nkv, dv = query.shape[1], query.shape[2], key.shape[1], value.shape[2]
-        require(api, "value", value.shape[:2] == key.shape[:2], f"shape {list(value.shape)} must match key {list(key.shape)} except D")
+        require(
+            api, "value", value.shape[:2] == key.shape[:2],
+            f"shape {list(value.shape)} must match key {list(key.shape)} except D",
+        )
     else:
         require(api, "actual_seq_qlen", qlen is None, f"is only used with input_layout TND (got layout {layout})")
         require(api, "actual_seq_kvlen", kvlen is None, f"is only used with input_layout TND (got layout {layout})")
@@ -541,10 +568,22 @@ def npu_fusion_attention(
             nq, d, nkv, dv = query.shape[ndim], query.shape[3], key.shape[ndim], value.shape[3]
             require(api, "head_num", nq == head_num, f"({head_num}) must equal query's N ({nq}) for {layout}")
             require(api, "value", value.shape[ndim] == nkv, f"N ({value.shape[ndim]}) must equal key's N ({nkv})")
-        require(api, "key", key.shape[bdim] == query.shape[bdim], f"batch ({key.shape[bdim]}) must equal query's ({query.shape[bdim]})")
-        require(api, "value", value.shape[bdim] == key.shape[bdim] and value.shape[sdim] == key.shape[sdim], f"shape {list(value.shape)} must match key {list(key.shape)} except D")
-    require(api, "key", nkv > 0 and nq % nkv == 0, f"heads ({nkv}) must divide query heads ({nq}) (GQA needs Nq % Nkv == 0)")
-    require(api, "key", key.shape[-1] == d or layout in ("BSH", "SBH"), f"head dim ({key.shape[-1]}) must equal query's ({d})")
+        require(
+            api, "key", key.shape[bdim] == query.shape[bdim],
+            f"batch ({key.shape[bdim]}) must equal query's ({query.shape[bdim]})",
+        )
+        require(
+            api, "value", value.shape[bdim] == key.shape[bdim] and value.shape[sdim] == key.shape[sdim],
+            f"shape {list(value.shape)} must match key {list(key.shape)} except D",
+        )
+    require(
+        api, "key", nkv > 0 and nq % nkv == 0,
+        f"heads ({nkv}) must divide query heads ({nq}) (GQA needs Nq % Nkv == 0)",
+    )
+    require(
+        api, "key", key.shape[-1] == d or layout in ("BSH", "SBH"),
+        f"head dim ({key.shape[-1]}) must equal query's ({d})",
+    )
     require(api, "query", 1 <= d <= 768, f"head dim D={d} must lie in [1, 768]")
     require(api, "value", 1 <= dv <= d, f"head dim Dv={dv} must lie in [1, Dk={d}] (Dk >= Dv)")
 
@@ -567,16 +606,26 @@ def npu_fusion_attention(
         if mode in (2, 3, 4):
             _check_compressed(api, atten_mask, mode, [(COMPRESSED, COMPRESSED)])
         elif layout == "TND":
-            require(api, "atten_mask", tuple(atten_mask.shape) == (sq, skv), f"for TND must be [maxSq, maxSkv] = [{sq}, {skv}], got {list(atten_mask.shape)}")
+            require(
+                api, "atten_mask", tuple(atten_mask.shape) == (sq, skv),
+                f"for TND must be [maxSq, maxSkv] = [{sq}, {skv}], got {list(atten_mask.shape)}",
+            )
             user_mask = atten_mask.bool().view(1, 1, sq, skv)
             for bi, (lq, lk) in enumerate(zip(sq_lens, skv_lens)):
                 if lq and lk and bool(user_mask[0, 0, :lq, :lk].all(dim=-1).any()):
-                    raise ValueError(f"{api}: atten_mask has a fully masked row in sequence {bi}; TND masks must not pad rows")
+                    raise ValueError(
+                        f"{api}: atten_mask has a fully masked row in sequence {bi}; TND masks must not pad rows"
+                    )
         else:
             dims = {"B": b, "N": nq, "Sq": sq, "Skv": skv}
-            user_mask = _mask_4d(api, atten_mask, ("B N Sq Skv", "B 1 Sq Skv", "1 1 Sq Skv", "Sq Skv"), dims, padded_ok=False)
+            user_mask = _mask_4d(
+                api, atten_mask, ("B N Sq Skv", "B 1 Sq Skv", "1 1 Sq Skv", "Sq Skv"), dims, padded_ok=False,
+            )
         if mode in (0, 4):
-            require(api, "next_tockens", pre + nxt >= 0, f"and pre_tockens must leave a non-empty band (pre_tockens + next_tockens >= 0), got {pre} + {nxt}")
+            require(
+                api, "next_tockens", pre + nxt >= 0,
+                f"and pre_tockens must leave a non-empty band (pre_tockens + next_tockens >= 0), got {pre} + {nxt}",
+            )
 
     # ---- pse / sink
     pse_f = None
@@ -586,8 +635,15 @@ def npu_fusion_attention(
         require(api, "pse", layout != "TND", "with input_layout TND is not emulated by npufuse")
         require_rank(api, "pse", pse, 4)
         ps = tuple(pse.shape)
-        require(api, "pse", not (ps[2] == 1024 and sq != 1024 and ps[2] != sq), "in ALiBi-compressed form ([*, N, 1024, Skv]) is not emulated by npufuse")
-        require(api, "pse", ps in ((b, nq, sq, skv), (b, nq, 1, skv), (1, nq, sq, skv)), f"shape {list(ps)} not supported; expected [{b}, {nq}, {sq}, {skv}], [{b}, {nq}, 1, {skv}] or [1, {nq}, {sq}, {skv}]")
+        require(
+            api, "pse", not (ps[2] == 1024 and sq != 1024),
+            "in ALiBi-compressed form ([*, N, 1024, Skv]) is not emulated by npufuse",
+        )
+        require(
+            api, "pse", ps in ((b, nq, sq, skv), (b, nq, 1, skv), (1, nq, sq, skv)),
+            f"shape {list(ps)} not supported; expected [{b}, {nq}, {sq}, {skv}], [{b}, {nq}, 1, {skv}] "
+            f"or [1, {nq}, {sq}, {skv}]",
+        )
         pse_f = pse.float()
     sink_f = None
     if sink is not None:
@@ -607,16 +663,22 @@ def npu_fusion_attention(
     drop_keep = None
     out_seed = out_offset = 0
     if keep_prob < 1.0:
-        drop_keep, out_seed, out_offset = _dropout_keep(api, (b, nq, sq, skv), numels, valid, keep_prob, dropout_mask, seed, offset, device)
+        drop_keep, out_seed, out_offset = _dropout_keep(
+            api, (b, nq, sq, skv), numels, valid, keep_prob, dropout_mask, seed, offset, device,
+        )
 
-    out, row_max, row_sum = _attend(qf, kf, vf, scale=scale, keep=keep, pse=pse_f, sink=sink_f, drop_keep=drop_keep, keep_prob=keep_prob)
+    out, row_max, row_sum = _attend(
+        qf, kf, vf, scale=scale, keep=keep, pse=pse_f, sink=sink_f, drop_keep=drop_keep, keep_prob=keep_prob,
+    )
 
     if layout == "TND":
         out = _unpad_varlen(out, sq_lens)  # [T, N, Dv]
         row_max, row_sum = (_unpad_varlen(t.unsqueeze(-1), sq_lens).squeeze(-1) for t in (row_max, row_sum))  # [T, N]
         if softmax_layout == "":
             t_total = row_max.shape[0]
-            row_max, row_sum = (x.t().unsqueeze(-1).expand(nq, t_total, 8).contiguous().view(t_total, nq, 8) for x in (row_max, row_sum))
+            row_max, row_sum = (
+                x.t().unsqueeze(-1).expand(nq, t_total, 8).contiguous().view(t_total, nq, 8) for x in (row_max, row_sum)
+            )
         else:
             row_max, row_sum = (x.unsqueeze(-1).expand(*x.shape, 8).contiguous() for x in (row_max, row_sum))
     else:
@@ -667,7 +729,9 @@ def _infer_attention(
     for name, t in (("query", query), ("key", key), ("value", value)):
         require_tensor(api, name, t)
         if t.dtype == torch.int8 or t.dtype == torch.int32:
-            raise TypeError(f"{api}: {name} has dtype {dtype_name(t.dtype)}: quantised inputs are not emulated by npufuse")
+            raise TypeError(
+                f"{api}: {name} has dtype {dtype_name(t.dtype)}: quantised inputs are not emulated by npufuse"
+            )
         require_dtype(api, name, t, _HALF_FLOATS)
         if contiguous:
             require_contiguous(api, name, t)
@@ -681,8 +745,14 @@ def _infer_attention(
     num_key_value_heads = _int(api, "num_key_value_heads", num_key_value_heads)
     require(api, "num_heads", 1 <= num_heads <= 256, f"must lie in [1, 256], got {num_heads}")
     nkv = num_key_value_heads or num_heads
-    require(api, "num_key_value_heads", 0 <= num_key_value_heads and num_heads % nkv == 0, f"({num_key_value_heads}) must divide num_heads ({num_heads}) (0 = num_heads)")
-    require(api, "num_key_value_heads", num_heads // nkv <= 64, f"num_heads / num_key_value_heads must be <= 64, got {num_heads // nkv}")
+    require(
+        api, "num_key_value_heads", 0 <= num_key_value_heads and num_heads % nkv == 0,
+        f"({num_key_value_heads}) must divide num_heads ({num_heads}) (0 = num_heads)",
+    )
+    require(
+        api, "num_key_value_heads", num_heads // nkv <= 64,
+        f"num_heads / num_key_value_heads must be <= 64, got {num_heads // nkv}",
+    )
     scale = _float(api, "scale" if api == FIA else "scale_value", scale)
     sparse_mode, pre, nxt = _int(api, "sparse_mode", sparse_mode), _int(api, pre_arg, pre), _int(api, next_arg, nxt)
 
@@ -695,27 +765,45 @@ def _infer_attention(
         hq, hk, hv = query.shape[2], key.shape[2], value.shape[2]
         require(api, "num_heads", hq % num_heads == 0, f"({num_heads}) must divide query's H ({hq})")
         d = hq // num_heads
-        require(api, "num_key_value_heads", hk == nkv * d, f"({nkv} after 0 -> num_heads) times D ({d}) must equal key's H ({hk})")
+        require(
+            api, "num_key_value_heads", hk == nkv * d,
+            f"({nkv} after 0 -> num_heads) times D ({d}) must equal key's H ({hk})",
+        )
         bdim, sdim = 0, 1
     elif tnd:
         require(api, "num_heads", query.shape[1] == num_heads, f"({num_heads}) must equal query's N ({query.shape[1]})")
-        require(api, "num_key_value_heads", key.shape[1] == nkv, f"({nkv} after 0 -> num_heads) must equal key's N ({key.shape[1]})")
+        require(
+            api, "num_key_value_heads", key.shape[1] == nkv,
+            f"({nkv} after 0 -> num_heads) must equal key's N ({key.shape[1]})",
+        )
         d = query.shape[2]
         bdim = sdim = None
     else:
         ndim, sdim = (2, 1) if layout == "BSND" else (1, 2)
         bdim = 0
-        require(api, "num_heads", query.shape[ndim] == num_heads, f"({num_heads}) must equal query's N ({query.shape[ndim]}) for {layout}")
-        require(api, "num_key_value_heads", key.shape[ndim] == nkv, f"({nkv} after 0 -> num_heads) must equal key's N ({key.shape[ndim]}) for {layout}")
+        require(
+            api, "num_heads", query.shape[ndim] == num_heads,
+            f"({num_heads}) must equal query's N ({query.shape[ndim]}) for {layout}",
+        )
+        require(
+            api, "num_key_value_heads", key.shape[ndim] == nkv,
+            f"({nkv} after 0 -> num_heads) must equal key's N ({key.shape[ndim]}) for {layout}",
+        )
         d = query.shape[3]
         require(api, "key", key.shape[3] == d, f"head dim ({key.shape[3]}) must equal query's ({d})")
     if tnd:
         require(api, "key", key.shape[2] == d, f"head dim ({key.shape[2]}) must equal query's ({d})")
-        require(api, "value", value.shape[:2] == key.shape[:2], f"shape {list(value.shape)} must match key {list(key.shape)} except D")
+        require(
+            api, "value", value.shape[:2] == key.shape[:2],
+            f"shape {list(value.shape)} must match key {list(key.shape)} except D",
+        )
         dv = value.shape[2]
     else:
         require(api, "value", value.shape == key.shape, f"shape {list(value.shape)} must equal key's {list(key.shape)}")
-        require(api, "key", key.shape[bdim] == query.shape[bdim], f"batch ({key.shape[bdim]}) must equal query's ({query.shape[bdim]})")
+        require(
+            api, "key", key.shape[bdim] == query.shape[bdim],
+            f"batch ({key.shape[bdim]}) must equal query's ({query.shape[bdim]})",
+        )
         dv = d
     require(api, "query", 1 <= d <= 512 and dv <= 512, f"head dim must lie in [1, 512], got D={d}, Dv={dv}")
 
@@ -736,14 +824,22 @@ def _infer_attention(
     if tnd:
         require(api, q_lens_arg, q_lens is not None, "is required for input_layout TND (cumulative)")
         require(api, kv_lens_arg, kv_lens is not None, "is required for input_layout TND (cumulative)")
-        require(api, kv_lens_arg, len(kv_lens) == len(q_lens), f"must have as many entries as {q_lens_arg} ({len(q_lens)})")
+        require(
+            api, kv_lens_arg, len(kv_lens) == len(q_lens), f"must have as many entries as {q_lens_arg} ({len(q_lens)})",
+        )
         sq_lens = _cumulative_to_lengths(api, q_lens_arg, q_lens, query.shape[0], "query's T")
         skv_lens = _cumulative_to_lengths(api, kv_lens_arg, kv_lens, key.shape[0], "key's T")
         # documented TND constraints (PFA §5.3 / FIA): bf16, equal heads, D 192, Dv 128/192
         require(api, "query", query.dtype == torch.bfloat16, "must be bfloat16 for input_layout TND", TypeError)
         require(api, "query", query.shape[0] <= 65536, f"T ({query.shape[0]}) must be <= 65536 for TND")
-        require(api, "num_heads", num_heads in (8, 16, 32, 64, 128) and nkv == num_heads, "must be 8/16/32/64/128 and equal to the kv heads for TND")
-        require(api, "query", d == 192 and dv in (128, 192), f"TND needs Dq = Dk = 192 and Dv in (128, 192), got D={d}, Dv={dv}")
+        require(
+            api, "num_heads", num_heads in (8, 16, 32, 64, 128) and nkv == num_heads,
+            "must be 8/16/32/64/128 and equal to the kv heads for TND",
+        )
+        require(
+            api, "query", d == 192 and dv in (128, 192),
+            f"TND needs Dq = Dk = 192 and Dv in (128, 192), got D={d}, Dv={dv}",
+        )
         require(api, "pse_shift", pse_shift is None, "is not supported with input_layout TND")
         qf, kf, vf = _pad_varlen(qf, sq_lens), _pad_varlen(kf, skv_lens), _pad_varlen(vf, skv_lens)
     else:
@@ -769,14 +865,29 @@ def _infer_attention(
     else:
         require(api, "sparse_mode", sparse_mode in (0, 1, 2, 3, 4), f"must be 0-4 (emulated), got {sparse_mode}")
         if tnd:
-            ok = (sparse_mode == 0 and atten_mask is None) or (sparse_mode == 3 and atten_mask is not None) or (api == FIA and sparse_mode == 4 and atten_mask is not None)
-            require(api, "sparse_mode", ok, "with TND must be 0 without atten_mask or 3 (FIA: 3/4) with the compressed atten_mask")
+            has_mask = atten_mask is not None
+            ok = (sparse_mode == 0 and not has_mask) or (sparse_mode == 3 and has_mask) or (
+                api == FIA and sparse_mode == 4 and has_mask
+            )
+            require(
+                api, "sparse_mode", ok,
+                "with TND must be 0 without atten_mask or 3 (FIA: 3/4) with the compressed atten_mask",
+            )
             if sparse_mode == 3:
-                require(api, q_lens_arg, all(a <= c for a, c in zip(sq_lens, skv_lens)), "per-batch lengths must not exceed the kv lengths for sparse_mode 3 with TND")
+                require(
+                    api, q_lens_arg, all(a <= c for a, c in zip(sq_lens, skv_lens)),
+                    "per-batch lengths must not exceed the kv lengths for sparse_mode 3 with TND",
+                )
             if sparse_mode == 4:
-                require(api, pre_arg, all(pre >= -a and nxt >= -c for a, c in zip(sq_lens, skv_lens)), "must satisfy pre_tokens >= -q_len and next_tokens >= -kv_len for TND band")
+                require(
+                    api, pre_arg, all(pre >= -a and nxt >= -c for a, c in zip(sq_lens, skv_lens)),
+                    "must satisfy pre_tokens >= -q_len and next_tokens >= -kv_len for TND band",
+                )
         if sparse_mode in (2, 3, 4):
-            require(api, "atten_mask", atten_mask is not None, f"is required for sparse_mode {sparse_mode} (the compressed 2048x2048 mask)")
+            require(
+                api, "atten_mask", atten_mask is not None,
+                f"is required for sparse_mode {sparse_mode} (the compressed 2048x2048 mask)",
+            )
         if sparse_mode == 1 and mode1_needs_mask:
             require(api, "atten_mask", atten_mask is not None, "is required for sparse_mode 1 (allMask)")
         if atten_mask is not None:
@@ -790,7 +901,10 @@ def _infer_attention(
             else:
                 user_mask = _mask_4d(api, atten_mask, mask_patterns, dims, padded_ok=True)
             if mode in (0, 4):
-                require(api, next_arg, pre + nxt >= 0, f"and {pre_arg} must leave a non-empty band ({pre_arg} + {next_arg} >= 0), got {pre} + {nxt}")
+                require(
+                    api, next_arg, pre + nxt >= 0,
+                    f"and {pre_arg} must leave a non-empty band ({pre_arg} + {next_arg} >= 0), got {pre} + {nxt}",
+                )
 
     # ---- pse_shift (added after scaling: UNCERTAIN, spec §5.3)
     pse_f = None
@@ -799,7 +913,10 @@ def _infer_attention(
         require_same_dtype(api, "pse_shift", pse_shift, "query", query)
         require_rank(api, "pse_shift", pse_shift, 4)
         ps = tuple(pse_shift.shape)
-        require(api, "pse_shift", ps[0] in (1, b) and ps[1] == nq and ps[2] >= sq and ps[3] >= skv, f"shape {list(ps)} not supported; expected [{b} or 1, {nq}, >= {sq}, >= {skv}]")
+        require(
+            api, "pse_shift", ps[0] in (1, b) and ps[1] == nq and ps[2] >= sq and ps[3] >= skv,
+            f"shape {list(ps)} not supported; expected [{b} or 1, {nq}, >= {sq}, >= {skv}]",
+        )
         if contiguous:
             require_contiguous(api, "pse_shift", pse_shift)
         if api == IFA:
@@ -808,7 +925,10 @@ def _infer_attention(
 
     keep = _build_keep(sq, skv, device, mask=user_mask, mode=mode, pre=pre, nxt=nxt, sq_lens=sq_lens, skv_lens=skv_lens)
     out, row_max, row_sum = _attend(qf, kf, vf, scale=scale, keep=keep, pse=pse_f, pse_before_scale=False)
-    lse = torch.where(row_sum > 0, row_max + torch.log(torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))), torch.full_like(row_sum, float("-inf")))
+    lse = torch.where(
+        row_sum > 0, row_max + torch.log(torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))),
+        torch.full_like(row_sum, float("-inf")),
+    )
     if tnd:
         out = _unpad_varlen(out, sq_lens)
         lse = _unpad_varlen(lse.unsqueeze(-1), sq_lens)  # [T, N, 1]
@@ -865,7 +985,10 @@ def npu_prompt_flash_attention(
     actual_seq_lengths are zero; quantised arguments and padding_mask raise ValueError.
     """
     api = PFA
-    _reject(api, padding_mask=padding_mask, deq_scale1=deq_scale1, quant_scale1=quant_scale1, deq_scale2=deq_scale2, quant_scale2=quant_scale2, quant_offset2=quant_offset2)
+    _reject(
+        api, padding_mask=padding_mask, deq_scale1=deq_scale1, quant_scale1=quant_scale1, deq_scale2=deq_scale2,
+        quant_scale2=quant_scale2, quant_offset2=quant_offset2,
+    )
     out, _ = _infer_attention(
         api, query, key, value, layout=input_layout, layouts=("BSH", "BSND", "BNSD", "BNSD_BSND", "TND"),
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale_value,
@@ -919,9 +1042,20 @@ def npu_incre_flash_attention(
     (block_table, block_size != 0), kv_padding_size (left padding), padding_mask.
     """
     api = IFA
-    _reject(api, padding_mask=padding_mask, antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset, block_table=block_table, dequant_scale1=dequant_scale1, quant_scale1=quant_scale1, dequant_scale2=dequant_scale2, quant_scale2=quant_scale2, quant_offset2=quant_offset2, kv_padding_size=kv_padding_size)
-    require(api, "block_size", _int(api, "block_size", block_size) == 0, "is only used with block_table (PagedAttention), which is not emulated; pass 0")
-    require(api, "inner_precise", _int(api, "inner_precise", inner_precise) in (0, 1), f"must be 0 or 1, got {inner_precise}")
+    _reject(
+        api, padding_mask=padding_mask, antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset,
+        block_table=block_table, dequant_scale1=dequant_scale1, quant_scale1=quant_scale1,
+        dequant_scale2=dequant_scale2, quant_scale2=quant_scale2, quant_offset2=quant_offset2,
+        kv_padding_size=kv_padding_size,
+    )
+    require(
+        api, "block_size", _int(api, "block_size", block_size) == 0,
+        "is only used with block_table (PagedAttention), which is not emulated; pass 0",
+    )
+    require(
+        api, "inner_precise", _int(api, "inner_precise", inner_precise) in (0, 1),
+        f"must be 0 or 1, got {inner_precise}",
+    )
     out, _ = _infer_attention(
         api, query, key, value, layout=input_layout, layouts=("BSH", "BNSD", "BSND"),
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale_value,
@@ -1009,9 +1143,19 @@ def npu_fused_infer_attention_score(
         actual_shared_prefix_len=actual_shared_prefix_len, query_rope=query_rope, key_rope=key_rope,
         key_rope_antiquant_scale=key_rope_antiquant_scale,
     )
-    for name, val in (("block_size", block_size), ("antiquant_mode", antiquant_mode), ("key_antiquant_mode", key_antiquant_mode), ("value_antiquant_mode", value_antiquant_mode)):
-        require(api, name, _int(api, name, val) == 0, "is only used by PagedAttention / antiquant paths, which are not emulated; pass 0")
-    require(api, "inner_precise", _int(api, "inner_precise", inner_precise) in (0, 1, 2, 3), f"must be 0-3, got {inner_precise}")
+    modes = {
+        "block_size": block_size, "antiquant_mode": antiquant_mode,
+        "key_antiquant_mode": key_antiquant_mode, "value_antiquant_mode": value_antiquant_mode,
+    }
+    for name, val in modes.items():
+        require(
+            api, name, _int(api, name, val) == 0,
+            "is only used by PagedAttention / antiquant paths, which are not emulated; pass 0",
+        )
+    require(
+        api, "inner_precise", _int(api, "inner_precise", inner_precise) in (0, 1, 2, 3),
+        f"must be 0-3, got {inner_precise}",
+    )
     if not isinstance(softmax_lse_flag, bool):
         raise TypeError(f"{api}: softmax_lse_flag must be a bool, got {type(softmax_lse_flag).__name__}")
     if _int(api, "sparse_mode", sparse_mode) == 9:

@@ -83,7 +83,7 @@ def npu_rotary_mul(
     rotary_mode: str = "half",
     rotate: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """RoPE ``x*cos + R(x)*sin`` with R = rotate_half ('half') or rotate_interleave ('interleave').
+    """RoPE x*cos + R(x)*sin with R = rotate_half ('half') or rotate_interleave ('interleave').
 
     ``self`` is the 4-D input (BNSD, BSND or SBND; the op takes no layout argument, so the
     layout is inferred from how ``r1``/``r2`` broadcast), ``r1`` is cos and ``r2`` is sin, both
@@ -99,6 +99,8 @@ def npu_rotary_mul(
     (SBND) in half mode, only the position-only 11SD/1S1D/S11D in interleave mode (no per-batch
     cos). half: B < 1000 and N < 1000, and B*N <= 1024 when cos/sin need grads; interleave:
     B*N < 1000. ``'quarter'``/``'interleave-half'`` exist only on Ascend 950 and are rejected.
+    cos/sin values are expected in [-1, 1]; that data range is not checked (it would need a
+    host sync).
 
     Autograd: yes for ``self``, ``r1``, ``r2``; none when ``rotate`` is given (backward raises).
 

@@ -29,14 +29,18 @@ _DROPOUT_NC_ALIGN = 32
 _MASK_ALIGN = 128  # DropOutGenMaskV3 buffer length is rounded up to a multiple of 128
 
 
-def _require_scalar(api: str, arg: str, value: object) -> None:
+def _require_scalar(api: str, arg: str, value: object) -> float:
+    """A Scalar argument: a real Python number or a 0-dim real tensor (as the op binding accepts)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
+        return float(value)
     require(
         api,
         arg,
         isinstance(value, numbers.Real) and not isinstance(value, bool),
-        f"must be a Python number (Scalar), got {type(value).__name__}",
+        f"must be a real number (Scalar), got {type(value).__name__}",
         TypeError,
     )
+    return float(value)  # type: ignore[arg-type]
 
 
 @emulated("npu_scaled_masked_softmax", autograd=True, spec="6.1")
@@ -63,7 +67,7 @@ def npu_scaled_masked_softmax(
     require_tensor(api, "mask", mask)
     require_dtype(api, "x", x)
     require_dtype(api, "mask", mask, (torch.bool,))
-    _require_scalar(api, "scale", scale)
+    scale = _require_scalar(api, "scale", scale)
     require(api, "fixed_triu_mask", isinstance(fixed_triu_mask, bool), "must be a bool", TypeError)
     require(api, "fixed_triu_mask", not fixed_triu_mask, "must be False (True is reserved and not supported)")
     require_rank(api, "x", x, 4)
@@ -129,7 +133,7 @@ def npu_dropout_with_add_softmax(
     prob: float,
     dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """softmax(x1 + alpha*self, dim) followed by dropout with DROP probability ``prob``.
+    """softmax(x1 + alpha*self, dim), then dropout with DROP probability prob; result is [2].
 
     Returns ``(mask, softmax_out, dropout_out)`` — the usable result is **``[2]``**:
     ``dropout_out = softmax_out * keep / (1 - prob)``. ``mask`` is the flat uint8 keep buffer
@@ -154,8 +158,8 @@ def npu_dropout_with_add_softmax(
     require_tensor(api, "x1", x1)
     require_dtype(api, "self", self)
     require_same_dtype(api, "x1", x1, "self", self)
-    _require_scalar(api, "alpha", alpha)
-    _require_scalar(api, "prob", prob)
+    alpha = _require_scalar(api, "alpha", alpha)
+    prob = _require_scalar(api, "prob", prob)
     require(api, "dim", isinstance(dim, int) and not isinstance(dim, bool), "must be an int", TypeError)
     require(api, "prob", 0.0 <= prob < 1.0, f"is the drop probability and must be in [0, 1), got {prob}")
     require_rank(api, "self", self, 4)
@@ -165,7 +169,7 @@ def npu_dropout_with_add_softmax(
     require(api, "self", (n * c) % _DROPOUT_NC_ALIGN == 0, f"N*C must be a multiple of {_DROPOUT_NC_ALIGN}, got {n}*{c}={n * c}")
     require(api, "dim", dim in (-1, 3), f"must be -1 (the last axis), got {dim}")
     keep = (torch.rand(self.shape, device=self.device) >= prob).float()
-    return _DropoutAddSoftmax.apply(self, x1, float(alpha), float(prob), -1, keep)
+    return _DropoutAddSoftmax.apply(self, x1, alpha, prob, -1, keep)
 
 
 _CONFUSION_DTYPES = (

@@ -42,6 +42,7 @@ class HostOp:
     end: float
     frames: tuple[Frame, ...] | None = None    # outermost first
     chain: tuple[int, ...] | None = None       # invocation ids, outermost first
+    chain_kind: str | None = None              # "stack" | "module" | "autograd"
     module: str | None = None                  # innermost nn.Module / autograd node label
     step: int | None = None
     launch: float | None = None                # host time of the kernel launch (CANN api)
@@ -180,6 +181,7 @@ def analyze_trace(events: list[dict[str, Any]], source: str) -> TraceInfo:
                         frames = parse_stack(stack)
                         cached = stack_cache[stack] = (frames, _stack_chain(frames, interner))
                     op.frames, op.chain = cached
+                    op.chain_kind = "stack"
                     info.has_stacks = True
                 op_at[(pid, tid, ts)] = len(ops)
                 ops.append(op)
@@ -289,12 +291,14 @@ def _attach_spans(ops: list[HostOp], spans: dict[Any, list[tuple[float, float, s
                 # exact module identity: one invocation id per module call (span)
                 op.chain = tuple(interner.get(("mod", tid, s[4]), s[3]) for s in mods)
                 op.module = mods[-1][3]
+                op.chain_kind = "module"
             elif op.chain is None:
                 bwd = [s for s in live if s[2] == "bwd"]
                 if bwd:
                     s = bwd[-1]
                     op.chain = (interner.get(("bwd", tid, s[4]), f"autograd {s[3]}"),)
                     op.module = f"autograd {s[3]}"
+                    op.chain_kind = "autograd"
             if op.module is None:
                 opt = [s for s in live if s[2] == "opt"]
                 if opt:

@@ -17,7 +17,6 @@ variable ``NPUFUSE_<ID>`` (default), or none (only "torch_npu importable and ten
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass
 
 from npufuse.patterns.base import Finding
@@ -79,54 +78,40 @@ def original_text(source: str, finding: Finding) -> str:
     return "".join(lines[finding.line - 1 : finding.end_line])
 
 
+def site_edit(finding: Finding, switch: Switch, tag: str = ""):
+    """The libcst edit for one finding (see :mod:`npufuse.rewrite.transform`)."""
+    from npufuse.rewrite.transform import SiteEdit
+
+    return SiteEdit(
+        line=finding.line,
+        end_line=finding.end_line,
+        fused=finding.fused,
+        guard=guard_expression(finding, switch),
+        pattern=finding.pattern,
+        tag=tag or str(finding.line),
+    )
+
+
 def render_site(source: str, finding: Finding, switch: Switch) -> str:
-    """The guarded replacement of the site, indented as the original; the else branch is the
-    original text byte for byte (re-indented one level, nothing else changed)."""
-    original = original_text(source, finding)
-    first = original.splitlines()[0] if original else ""
-    indent = first[: len(first) - len(first.lstrip())]
-    step = "    "
-    fused_lines = textwrap.dedent(finding.fused).strip("\n").splitlines()
-    marker = MARKER.format(pattern=finding.pattern)
-    out = [f"{indent}if {guard_expression(finding, switch)}:  {marker}\n"]
-    out += [f"{indent}{step}{ln}\n" if ln.strip() else "\n" for ln in fused_lines]
-    out.append(f"{indent}else:\n")
-    out += [f"{step}{ln}" if ln.strip() else ln for ln in original.splitlines(keepends=True)]
-    if not out[-1].endswith("\n"):
-        out[-1] += "\n"
-    return "".join(out)
+    """The guarded replacement of one site exactly as ``npufuse apply`` writes it: the lines of
+    the rewritten file holding the new ``if``/``else`` (the else branch holds the original
+    statements byte for byte). Raises ``ValueError`` if the site cannot be rewritten."""
+    from npufuse.rewrite.transform import rewrite_source
+
+    outcome = rewrite_source(source, [site_edit(finding, switch, "site")], prelude=False)
+    if outcome.skipped:
+        raise ValueError(outcome.skipped[0][1])
+    first, last = outcome.spans["site"]
+    return "".join(outcome.text.splitlines(keepends=True)[first - 1 : last])
 
 
 def splice(source: str, findings: list[Finding], switches: dict[int, Switch] | None = None) -> str:
-    """Text-level rewrite of ``source`` with every finding guarded and the prelude added.
+    """Rewrite ``source`` with every finding guarded and the prelude added — the same libcst
+    transform ``npufuse apply`` runs (used to show and exercise replacements in tests)."""
+    from npufuse.rewrite.transform import rewrite_source
 
-    Used to show and exercise replacements (report, example tests). ``npufuse apply`` does the
-    same edit with libcst on the user's file; both call :func:`render_site`.
-    """
-    lines = source.splitlines(keepends=True)
-    for f in sorted(findings, key=lambda f: f.line, reverse=True):
-        switch = (switches or {}).get(f.line) or env_switch(f.pattern)
-        lines[f.line - 1 : f.end_line] = [render_site(source, f, switch)]
-    body = "".join(lines)
-    if PRELUDE_MARKER in body:
-        return body
-    return _insert_prelude(body)
-
-
-def _insert_prelude(body: str) -> str:
-    """After the module docstring, ``from __future__`` imports and the leading import block."""
-    import ast
-
-    tree = ast.parse(body)
-    insert_after = 0
-    for i, node in enumerate(tree.body):
-        is_doc = i == 0 and isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant) and isinstance(node.value.value, str)
-        if is_doc or isinstance(node, (ast.Import, ast.ImportFrom)):
-            insert_after = node.end_lineno or node.lineno
-        else:
-            break
-    lines = body.splitlines(keepends=True)
-    head, tail = lines[:insert_after], lines[insert_after:]
-    if head and not head[-1].endswith("\n"):
-        head[-1] += "\n"
-    return "".join(head) + ("\n" if head else "") + PRELUDE + "\n\n" + "".join(tail)
+    edits = [site_edit(f, (switches or {}).get(f.line) or env_switch(f.pattern)) for f in findings]
+    outcome = rewrite_source(source, edits)
+    if outcome.skipped:
+        raise ValueError("; ".join(f"line {e.line}: {why}" for e, why in outcome.skipped))
+    return outcome.text

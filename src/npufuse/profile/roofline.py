@@ -1,0 +1,180 @@
+"""Value assessment of an op sequence: bytes, FLOPs, arithmetic intensity, bound, speed-up limit.
+
+Estimates only. Bytes come from the kernels' shapes and dtypes as kernel_details.csv prints them;
+FLOPs are counted for matmuls exactly (2*M*N*K) and for element-wise kernels as a few per element.
+The fused kernel is assumed to read the sequence's external inputs and write its last outputs once
+(an input whose shape and dtype equal an earlier output of the sequence is taken as internal).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Peak numbers of the SoC. Defaults: Atlas A2 training series (Ascend 910B class)."""
+
+    soc: str = "Atlas A2 (Ascend 910B class), nominal"
+    peak_bw_gbs: float = 1600.0      # HBM bandwidth, GB/s
+    peak_tflops: float = 313.0       # FP16/BF16 cube peak, TFLOP/s
+    launch_us: float = 2.0           # the shortest a fused kernel can take (launch + tail)
+    host_gap_us: float = 10.0        # without a trace, idle gaps above this count as host-bound
+
+    @property
+    def ridge(self) -> float:
+        """FLOP/byte where the roofline turns from memory- to compute-bound."""
+        return self.peak_tflops * 1e12 / (self.peak_bw_gbs * 1e9)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ridge_flop_per_byte"] = round(self.ridge, 1)
+        return d
+
+
+_DTYPE_BYTES = {"BF16": 2, "BFLOAT16": 2, "FLOAT16": 2, "FP16": 2, "HALF": 2, "FLOAT": 4, "FLOAT32": 4,
+                "FP32": 4, "DOUBLE": 8, "FLOAT64": 8, "INT64": 8, "UINT64": 8, "INT32": 4, "UINT32": 4,
+                "INT16": 2, "UINT16": 2, "INT8": 1, "UINT8": 1, "BOOL": 1, "HIFLOAT8": 1, "FLOAT8_E4M3FN": 1,
+                "FLOAT8_E5M2": 1, "INT4": 0.5, "COMPLEX64": 8}
+_MATMUL = re.compile(r"(?i)(matmul|batchmatmul|grouped_?matmul|gemm|conv)")
+_HEAVY = re.compile(r"(?i)(softmax|gelu|swish|silu|layernorm|groupnorm|rmsnorm|exp|log|tanh|sigmoid)")
+
+
+def dtype_bytes(name: str) -> float | None:
+    n = name.strip().upper()
+    if n.startswith("DT_"):
+        n = n[3:]
+    return _DTYPE_BYTES.get(n)
+
+
+@lru_cache(maxsize=65536)
+def parse_shapes(text: str) -> tuple[tuple[int, ...] | None, ...]:
+    """'"4,2048,4096;4,2048,1"' -> ((4, 2048, 4096), (4, 2048, 1)); '' inside -> () (a scalar)."""
+    t = text.strip().strip('"').strip()
+    if not t:
+        return ()
+    out: list[tuple[int, ...] | None] = []
+    for part in t.split(";"):
+        part = part.strip().strip('"').strip()
+        if not part:
+            out.append(())
+            continue
+        try:
+            out.append(tuple(int(d) for d in part.split(",") if d.strip()))
+        except ValueError:
+            out.append(None)   # symbolic or unknown dims
+    return tuple(out)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+@dataclass
+class KernelCost:
+    inputs: list[tuple[tuple[int, ...], str, float]]    # (shape, dtype, bytes)
+    outputs: list[tuple[tuple[int, ...], str, float]]
+    flops: float
+    known: bool
+
+    @property
+    def bytes(self) -> float:
+        return sum(b for _, _, b in self.inputs) + sum(b for _, _, b in self.outputs)
+
+
+@lru_cache(maxsize=65536)
+def kernel_cost(ktype: str, key: tuple[str, str, str, str]) -> KernelCost:
+    in_s, in_d, out_s, out_d = key
+    ins = _tensors(in_s, in_d)
+    outs = _tensors(out_s, out_d)
+    known = ins is not None and outs is not None and bool(outs)
+    ins, outs = ins or [], outs or []
+    flops = 0.0
+    if known:
+        out_el = sum(_numel(s) for s, _, _ in outs)
+        if _MATMUL.search(ktype) and ins and ins[0][0]:
+            flops = 2.0 * out_el * ins[0][0][-1]
+        elif _HEAVY.search(ktype):
+            flops = 5.0 * max(out_el, sum(_numel(s) for s, _, _ in ins))
+        else:
+            flops = float(max(out_el, sum(_numel(s) for s, _, _ in ins)))
+    return KernelCost(ins, outs, flops, known)
+
+
+def _tensors(shapes: str, dtypes: str) -> list[tuple[tuple[int, ...], str, float]] | None:
+    if not shapes.strip().strip('"') and not dtypes.strip():
+        return None
+    sh = parse_shapes(shapes)
+    dts = [d.strip() for d in dtypes.strip().strip('"').split(";")] if dtypes.strip() else []
+    out = []
+    for i, s in enumerate(sh):
+        if s is None:
+            return None
+        dt = dts[i] if i < len(dts) else (dts[-1] if dts else "")
+        b = dtype_bytes(dt)
+        if b is None:
+            return None
+        out.append((s, dt, _numel(s) * b))
+    return out
+
+
+def assess(types: list[str], keys: list[tuple[str, str, str, str]], span_us: float, kernel_us: float,
+           a: Assumptions) -> dict[str, Any]:
+    """Roofline row for one occurrence of a sequence (``span_us`` first start to last end)."""
+    n = len(types)
+    costs = [kernel_cost(t, k) for t, k in zip(types, keys)]
+    known = bool(costs) and all(c.known for c in costs)
+    bw = a.peak_bw_gbs * 1e3          # bytes per us
+    fl = a.peak_tflops * 1e6          # FLOP per us
+    gaps = max(0.0, span_us - kernel_us)
+    row: dict[str, Any] = {"kernels": n, "span_us": round(span_us, 3), "kernel_us": round(kernel_us, 3),
+                           "gap_us": round(gaps, 3)}
+    notes: list[str] = []
+    if known:
+        unfused = sum(c.bytes for c in costs)
+        flops = sum(c.flops for c in costs)
+        produced: dict[tuple[tuple[int, ...], str], int] = {}
+        external = 0.0
+        for c in costs:
+            for s, d, b in c.inputs:
+                if produced.get((s, d)):
+                    continue
+                external += b
+            for s, d, _ in c.outputs:
+                produced[(s, d)] = produced.get((s, d), 0) + 1
+        fused = external + sum(b for _, _, b in costs[-1].outputs)
+        ai = flops / unfused if unfused else 0.0
+        t_fused = max(fused / bw, flops / fl, a.launch_us)
+        t_roof_unfused = sum(max(c.bytes / bw, c.flops / fl) for c in costs)
+        row.update(bytes=int(unfused), bytes_fused=int(fused), flops=int(flops),
+                   intensity=round(ai, 2), roofline_us=round(t_roof_unfused, 3),
+                   fused_min_us=round(t_fused, 3))
+        if t_roof_unfused > kernel_us * 1.05 and kernel_us > 0:
+            notes.append("measured kernels run faster than the roofline estimate: check --peak-bw/--peak-tflops "
+                         "or the shapes")
+    else:
+        ai = None
+        # no shapes: the only safe bound counts the gaps and launches between kernels
+        t_fused = max(kernel_us, a.launch_us)
+        row.update(bytes=None, bytes_fused=None, flops=None, intensity=None, roofline_us=None,
+                   fused_min_us=round(t_fused, 3))
+        notes.append("no shapes/dtypes: bytes unknown; the bound counts only gaps between kernels")
+    mean_k = kernel_us / n if n else 0.0
+    if n > 1 and (gaps >= kernel_us or mean_k < 2 * a.launch_us):
+        verdict = "launch-bound"
+    elif ai is None:
+        verdict = "unknown"
+    elif ai < a.ridge:
+        verdict = "memory-bound"
+    else:
+        verdict = "compute-bound"
+    speedup = span_us / t_fused if t_fused > 0 else 1.0
+    if speedup < 1.0:
+        notes.append("fused lower bound is not below the measured time: no gain predicted")
+        speedup = 1.0
+    row.update(verdict=verdict, speedup_max=round(speedup, 2), notes=notes)
+    return row

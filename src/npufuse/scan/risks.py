@@ -1,0 +1,278 @@
+"""Generic risks of a candidate, added to what its detector reports.
+
+Two halves, because the process pool only ships plain results back:
+
+* :func:`local_risks` needs the AST (runs where the file was parsed): dynamic shapes,
+  non-contiguous inputs, autocast regions, host syncs in the generated fused code;
+* :func:`repo_risks` needs repo-wide facts (runs after all files are in): the API's dtype
+  support against what the repo uses, and an inference-only API in a repo that trains.
+
+A generic risk is dropped when the detector already reported one of the same kind (the
+detector knows the site better). Every risk carries a level (low / medium / high) for the
+summary table and the suggested order.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any, Iterator
+
+from npufuse.patterns.base import Finding, Pattern, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope
+
+LEVELS = ("none", "low", "medium", "high")
+# Level of a detector-reported risk, by kind (detectors report kind and detail only).
+KIND_LEVEL = {
+    "inference_only": "high",
+    "host_sync": "medium",
+    "dynamic_shape": "medium",
+    "autocast": "medium",
+    "layout": "medium",
+    "numerics": "medium",
+    "non_contiguous": "low",
+    "dtype": "low",
+    "other": "medium",
+}
+
+# Documented dtype support of each pattern's fused API (shared/specs/torch_npu_api.md).
+API_DTYPES: dict[str, tuple[str, str]] = {
+    "rms_norm": ("fp16, bf16 and fp32", "bf16 is unsupported on Atlas 310P, which also needs x and weight in one dtype"),
+    "add_rms_norm": ("fp16, bf16 and fp32 (weight in the dtype of x)", "bf16 is unsupported on Atlas 310P"),
+    "swiglu": ("fp16, bf16 and fp32", "documented for Atlas A2/A3"),
+    "geglu": ("fp16, bf16 and fp32", "bf16 needs Atlas A2 or newer"),
+    "rope": ("fp16, bf16 and fp32 (cos/sin are cast to the input dtype)", "bf16 is unsupported on Atlas 310P"),
+    "attention": ("fp16, bf16 and fp32 (q, k, v in one dtype)", "Atlas A2/A3 only: not available on 310P"),
+    "sdpa": ("fp16, bf16 and fp32 (q, k, v in one dtype)", "Atlas A2/A3 only: not available on 310P"),
+    "moe_experts": ("fp16, bf16 and fp32", "npu_grouped_matmul gives fp32 output only with single tensors; bf16 is unsupported on Atlas 310P"),
+    "fused_optimizer": ("fp32 and fp16 parameters", "bf16 parameters raise TypeError in torch_npu.optim.NpuFused*"),
+}
+
+SHAPE_SENSITIVE = {"attention", "sdpa", "rope", "moe_experts"}
+VARLEN_ARG = re.compile(r"cu_seq|max_seqlen|seq_lens|seqlens|seq_lengths|input_lengths|actual_seq|^lengths$")
+DATA_DEPENDENT = {"nonzero", "unique", "unique_consecutive", "masked_select", "bincount", "argwhere"}
+HOST_SYNC = {"item", "tolist", "cpu", "numpy"}
+VIEW_METHODS = {"transpose", "permute", "t", "swapaxes", "swapdims", "movedim", "moveaxis", "expand", "expand_as", "narrow", "unfold", "as_strided", "diagonal"}
+VIEW_ATTRS = {"T", "mT", "H", "mH"}
+STRIDE_KEEPING = {"to", "float", "half", "bfloat16", "double", "type", "type_as"}  # preserve_format
+
+
+def risk(kind: str, detail: str, level: str | None = None, source: str = "scan") -> dict[str, Any]:
+    return {"kind": kind, "detail": detail, "level": level or KIND_LEVEL.get(kind, "medium"), "source": source}
+
+
+def detector_risks(finding: Finding) -> list[dict[str, Any]]:
+    out = []
+    for r in finding.risks:
+        if isinstance(r, Risk):
+            out.append(risk(str(r.kind), str(r.detail), source="detector"))
+    return out
+
+
+def merge(detector: list[dict[str, Any]], generic: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    kinds = {r["kind"] for r in detector}
+    return detector + [r for r in generic if r["kind"] not in kinds]
+
+
+def overall_level(risks: list[dict[str, Any]]) -> str:
+    best = "none"
+    for r in risks:
+        if LEVELS.index(r.get("level", "medium")) > LEVELS.index(best):
+            best = r.get("level", "medium")
+    return best
+
+
+def _seg(module: ModuleInfo, node: ast.AST, limit: int = 80) -> str:
+    text = ast.get_source_segment(module.source, node) or ast.unparse(node)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _scope_nodes(scope: Scope) -> Iterator[ast.AST]:
+    """Expression nodes of the scope's own statements (not of nested functions or classes)."""
+    for _block, _i, stmt in scope.statements():
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for child in ast.iter_child_nodes(stmt):
+            if isinstance(child, ast.stmt) or isinstance(child, (ast.excepthandler, ast.match_case)):
+                continue
+            yield from ast.walk(child)
+
+
+def _site_statements(scope: Scope, finding: Finding) -> list[ast.stmt]:
+    out = []
+    for _block, _i, stmt in scope.statements():
+        if stmt.lineno >= finding.line and (stmt.end_lineno or stmt.lineno) <= finding.end_line:
+            out.append(stmt)
+    return out
+
+
+def _ancestors(scope: Scope, line: int) -> list[ast.stmt]:
+    """Compound statements of the scope enclosing ``line`` (outermost first)."""
+    chain: list[ast.stmt] = []
+    block = scope.body
+    while True:
+        for stmt in block:
+            if stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno) and stmt.lineno != line:
+                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    return chain
+                inner = [b for b in _child_blocks(stmt) if b and b[0].lineno <= line <= (b[-1].end_lineno or b[-1].lineno)]
+                if not inner:
+                    return chain
+                chain.append(stmt)
+                block = inner[0]
+                break
+        else:
+            return chain
+
+
+def _child_blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
+    blocks = [getattr(stmt, n) for n in ("body", "orelse", "finalbody") if isinstance(getattr(stmt, n, None), list)]
+    blocks += [h.body for h in getattr(stmt, "handlers", []) or []]
+    blocks += [c.body for c in getattr(stmt, "cases", []) or []]
+    return blocks
+
+
+def local_risks(module: ModuleInfo, scope: Scope, finding: Finding, pattern: Pattern) -> list[dict[str, Any]]:
+    """Risks read off the code around the site (needs the parsed module)."""
+    out: list[dict[str, Any]] = []
+    out += _dynamic_shape(module, scope, finding, pattern)
+    out += _non_contiguous(module, scope, finding)
+    out += _autocast(module, scope, finding)
+    out += _host_sync(finding)
+    out += _fp64(module, scope)
+    return out
+
+
+def _dynamic_shape(module: ModuleInfo, scope: Scope, finding: Finding, pattern: Pattern) -> list[dict[str, Any]]:
+    varlen = [a for a in scope.args if VARLEN_ARG.search(a)]
+    if varlen:
+        return [risk("dynamic_shape", f"the function takes variable-length batches (`{varlen[0]}` argument): every new shape can compile a new kernel or graph (torch.compile, aclgraph); pad to a few fixed lengths or check the API's varlen (TND) form")]
+    if pattern.id == "moe_experts":
+        return [risk("dynamic_shape", "tokens per expert depend on the router output (data-dependent shapes): group lists change every step, so graph mode recompiles and a Python group list needs a host sync")]
+    if pattern.id not in SHAPE_SENSITIVE:
+        return []
+    shape_read = data_dep = None
+    for node in _scope_nodes(scope):
+        if data_dep is None and isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in DATA_DEPENDENT:
+                data_dep = node
+            elif module.canonical(f) == "torch.where" and len(node.args) == 1:
+                data_dep = node
+        if shape_read is None:
+            if isinstance(node, ast.Attribute) and node.attr == "shape" and isinstance(node.ctx, ast.Load):
+                shape_read = node
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size":
+                shape_read = node
+    if data_dep is not None:
+        return [risk("dynamic_shape", f"data-dependent shapes (`{_seg(module, data_dep)}`, line {data_dep.lineno}): shapes change with the data, so graph mode recompiles")]
+    if shape_read is not None:
+        return [risk("dynamic_shape", f"the sequence length is read from the input at runtime (`{_seg(module, shape_read)}`, line {shape_read.lineno}): if batches vary in length, each new shape can compile a new kernel or graph (torch.compile, aclgraph); pad to a few fixed lengths", level="low")]
+    return []
+
+
+def _view_origin(module: ModuleInfo, expr: ast.AST | None) -> str | None:
+    """Source of the view op if ``expr`` evaluates to a (likely) non-contiguous view."""
+    node = expr
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STRIDE_KEEPING:
+        node = node.func.value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in VIEW_METHODS:
+        return f".{node.func.attr}({', '.join(_seg(module, a, 20) for a in node.args)})"
+    if isinstance(node, ast.Attribute) and node.attr in VIEW_ATTRS:
+        return f".{node.attr}"
+    if isinstance(node, ast.Subscript):
+        sl = node.slice
+        elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+        # a slice or `...` anywhere but a lone leading position gives strided memory
+        if len(elts) > 1 and any(isinstance(e, ast.Slice) for e in elts[1:]):
+            return f"[{_seg(module, sl, 30)}]"
+        if len(elts) == 1 and isinstance(sl, ast.Slice) and sl.step is not None:
+            return f"[{_seg(module, sl, 30)}]"
+    return None
+
+
+def _non_contiguous(module: ModuleInfo, scope: Scope, finding: Finding) -> list[dict[str, Any]]:
+    if scope.qualname == "<module>":
+        return []
+    found: list[str] = []
+    seen: set[str] = set()
+    for stmt in _site_statements(scope, finding):
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in seen and node.id != "self":
+                seen.add(node.id)
+                value = scope.definition(node.id, finding.line)
+                if value is None:
+                    continue
+                origin = _view_origin(module, value) or _view_origin(module, scope.resolve(value, getattr(value, "lineno", None)))
+                if origin:
+                    found.append(f"`{node.id}` (`{origin}`, line {value.lineno})")
+    if not found:
+        return []
+    made = ".contiguous()" in finding.fused
+    tail = "the replacement makes it contiguous (one extra copy)" if made else "check the fused API accepts it, or the layout it names matches"
+    return [risk("non_contiguous", f"non-contiguous view feeding the site: {', '.join(found[:3])}; {tail}")]
+
+
+def _is_autocast(module: ModuleInfo, node: ast.AST) -> bool:
+    target = node.func if isinstance(node, ast.Call) else node
+    name = module.canonical(target) or ""
+    return name.rsplit(".", 1)[-1] in ("autocast", "custom_fwd", "custom_bwd")
+
+
+def _autocast(module: ModuleInfo, scope: Scope, finding: Finding) -> list[dict[str, Any]]:
+    hits: list[str] = []
+    for stmt in _ancestors(scope, finding.line):
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):
+            for item in stmt.items:
+                if _is_autocast(module, item.context_expr):
+                    hits.append(f"`with {_seg(module, item.context_expr)}` (line {stmt.lineno})")
+    fn = scope.node
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        for d in fn.decorator_list:
+            if _is_autocast(module, d):
+                hits.append(f"decorator `@{_seg(module, d)}` (line {d.lineno})")
+    if not hits:
+        return []
+    return [risk("autocast", f"the site runs under autocast ({'; '.join(hits)}): the fused op sees the dtypes autocast leaves and its output dtype must match what the original produced there (DESIGN rule 2); check the op against autocast's cast lists")]
+
+
+def _host_sync(finding: Finding) -> list[dict[str, Any]]:
+    try:
+        tree = ast.parse(finding.fused)
+    except (SyntaxError, ValueError):
+        return []
+    calls = sorted({f".{n.func.attr}()" for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in HOST_SYNC})
+    if not calls:
+        return []
+    return [risk("host_sync", f"the replacement calls {', '.join(calls)}: a device-to-host sync on every call (the API takes Python values here); keep it out of hot loops")]
+
+
+def _fp64(module: ModuleInfo, scope: Scope) -> list[dict[str, Any]]:
+    if scope.qualname == "<module>":
+        return []
+    for node in _scope_nodes(scope):
+        if (isinstance(node, ast.Attribute) and node.attr in ("float64", "double") and (module.canonical(node) or "").startswith("torch.")) or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "double"
+        ):
+            return [risk("dtype", f"the function uses float64 (line {node.lineno}): the fused APIs reject fp64; the guard must keep fp64 inputs on the original code", level="medium")]
+    return []
+
+
+def repo_risks(finding: Finding, pattern: Pattern, *, training: list[str], bf16: bool) -> list[dict[str, Any]]:
+    """Risks that need repo-wide facts: dtype support vs the repo's dtypes, inference-only APIs."""
+    out: list[dict[str, Any]] = []
+    dtypes = API_DTYPES.get(pattern.id)
+    if dtypes is not None:
+        supported, caveat = dtypes
+        if pattern.id == "fused_optimizer" and bf16:
+            out.append(risk("dtype", f"the repo uses bf16 and {caveat}; keep bf16 parameters on the original optimizer (or use `torch.optim.AdamW(fused=True)` where the stack supports it)", level="high"))
+        else:
+            used = "; the repo uses bf16" if bf16 else ""
+            out.append(risk("dtype", f"{pattern.api} takes {supported}; {caveat}{used}", level="low"))
+    if not finding.training_ok or not pattern.training_ok:
+        if training:
+            out.append(risk("inference_only", f"{pattern.api} has no backward, and this repo trains ({training[0]}): the fused branch must only run without autograd (`not torch.is_grad_enabled()`), or the backward will fail", level="high"))
+        else:
+            out.append(risk("inference_only", f"{pattern.api} has no backward; no training code was found in the scanned tree, but if this model is trained elsewhere the fused branch must be off under autograd", level="medium"))
+    return out
