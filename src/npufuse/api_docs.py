@@ -325,7 +325,9 @@ class Param:
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
     """Split on `sep` outside brackets and quotes."""
-    parts, depth, quote, current = [], 0, "", []
+    parts: list[str] = []
+    current: list[str] = []
+    depth, quote = 0, ""
     for char in text:
         if quote:
             quote = "" if char == quote else quote

@@ -1,0 +1,607 @@
+"""The scan: read each file once, parse it once, run every detector over every scope, then
+assemble candidates (switch, replacement, value, risks) in a stable order.
+
+Per file (:func:`analyze_file`, run in a process pool for large trees): read with a size limit,
+decode (PEP 263 cookie, BOM), ``ast.parse``, index (:class:`ModuleInfo`), run the detectors,
+collect repo facts and the risks that need the AST. Every problem becomes a :class:`Failure`
+entry for that file; a detector that raises loses only its own results for that file.
+
+Across files (:func:`scan_repo`): config shapes, switches and training markers are merged, each
+finding gets an id, a key, a switch (DESIGN.md rule 1), its replacement from
+:func:`npufuse.rewrite.codegen.render_site` (exactly what ``apply`` writes), a value from its
+pattern's ``assess`` and its risks. :meth:`ScanResult.to_json` is the scan.json of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import tokenize
+import traceback
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from npufuse import __version__
+from npufuse.patterns.base import Finding, NearMiss, Pattern
+from npufuse.rewrite.codegen import original_text, render_site
+from npufuse.scan import config_shapes, repo_search, risks
+from npufuse.scan.dataflow import ModuleInfo, Scope
+from npufuse.scan.walk import Failure, _os_failure, walk
+
+DEFAULT_MAX_FILE_BYTES = 10 * 1024 * 1024
+# Below this many files a process pool costs more (start-up, pickling) than it saves.
+PARALLEL_MIN_FILES = 48
+CONFIDENCE_RANK = {"high": 0, "medium": 1, "low": 2}
+
+
+class UnknownPatternError(ValueError):
+    """``only`` named a pattern id that does not exist."""
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+
+
+@dataclass
+class Hit:
+    """A validated finding and what was learnt about it where the AST was at hand."""
+
+    finding: Finding
+    context: repo_search.SiteContext
+    local_risks: list[dict[str, Any]]
+    code: str  # the site's original lines
+
+
+@dataclass
+class FileOutcome:
+    file: str
+    parsed: bool = False
+    sha256: str | None = None
+    lines: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    hits: list[Hit] = field(default_factory=list)
+    near_misses: list[dict[str, Any]] = field(default_factory=list)
+    facts: repo_search.FileFacts | None = None
+    source: str | None = None  # kept only when the file has hits (the replacement needs it)
+
+
+# -- reading and parsing -----------------------------------------------------------------------
+
+_PY2_HINTS = [
+    (re.compile(r"^\s*print\s+[^\s(=.,)\[]"), "print statement"),
+    (re.compile(r"^\s*exec\s+[\"'\w]"), "exec statement"),
+    (re.compile(r"except\s+[\w.()\s]+,\s*\w+\s*:"), "`except X, e:`"),
+    (re.compile(r"^\s*raise\s+[\w.]+\s*,"), "`raise E, msg`"),
+    (re.compile(r"\bur[\"']"), "ur'' string literal"),
+    (re.compile(r"<>"), "`<>` operator"),
+    (re.compile(r"`[^`]+`"), "backtick repr"),
+]
+
+
+def _py2_hint(exc: SyntaxError, text: str) -> str:
+    msg = exc.msg or ""
+    if "Missing parentheses in call to 'print'" in msg:
+        return " (this looks like Python 2 code: print statement; npufuse scans Python 3)"
+    if "Missing parentheses in call to 'exec'" in msg:
+        return " (this looks like Python 2 code: exec statement; npufuse scans Python 3)"
+    if "leading zeros in decimal integer literals" in msg:
+        return " (this looks like Python 2 code: old octal literal; npufuse scans Python 3)"
+    line = exc.text if exc.text else (text.splitlines()[exc.lineno - 1] if exc.lineno and exc.lineno <= len(text.splitlines()) else "")
+    for rx, what in _PY2_HINTS:
+        if rx.search(line or ""):
+            return f" (this looks like Python 2 code: {what}; npufuse scans Python 3)"
+    return ""
+
+
+def read_source(path: Path, rel: str, max_bytes: int) -> tuple[str | None, str | None, Failure | None]:
+    """(text, sha256 of the bytes, failure). Binary, undecodable, huge and unreadable files fail."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        return None, None, _os_failure(rel, exc, link=path.is_symlink())
+    if size > max_bytes:
+        return None, None, Failure(rel, "too_large", f"skipped: {size / 1e6:.1f} MB is over the {max_bytes / 1e6:g} MB limit (--max-file-mb)")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return None, None, _os_failure(rel, exc)
+    sha = hashlib.sha256(data).hexdigest()
+    if b"\x00" in data:
+        return None, sha, Failure(rel, "binary", "binary file (contains NUL bytes), not Python source")
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as exc:  # a coding cookie naming an unknown codec, or a BOM/cookie clash
+        return None, sha, Failure(rel, "encoding", f"bad encoding declaration: {exc.msg if hasattr(exc, 'msg') else exc}")
+    try:
+        text = data.decode(encoding)
+    except (UnicodeDecodeError, LookupError) as exc:
+        if isinstance(exc, UnicodeDecodeError):
+            line = data.count(b"\n", 0, exc.start) + 1
+            declared = "UTF-8 (no coding cookie)" if encoding in ("utf-8", "utf-8-sig") else f"{encoding} (its coding cookie)"
+            return None, sha, Failure(rel, "encoding", f"not valid {declared}: byte 0x{data[exc.start]:02x} on line {line}; save the file as UTF-8 or declare its encoding (PEP 263)")
+        return None, sha, Failure(rel, "encoding", f"unknown encoding {encoding!r}")
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text, sha, None
+
+
+def parse_source(rel: str, text: str) -> tuple[ast.Module | None, Failure | None]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences etc. are not ours to print
+            return ast.parse(text, filename=rel), None
+    except SyntaxError as exc:
+        where = f"line {exc.lineno}" if exc.lineno else "unknown line"
+        return None, Failure(rel, "syntax", f"SyntaxError: {where}: {exc.msg}{_py2_hint(exc, text)}")
+    except (ValueError, MemoryError, RecursionError) as exc:
+        return None, Failure(rel, "syntax", f"cannot parse: {type(exc).__name__}: {exc}")
+
+
+# -- one file ------------------------------------------------------------------------------------
+
+
+def _where(exc: BaseException) -> str:
+    """file:line of the innermost frame in a pattern module (else the innermost frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+    inner = [f for f in frames if "patterns" in f.filename.replace("\\", "/")] or frames
+    f = inner[-1]
+    return f"{Path(f.filename).name}:{f.lineno}"
+
+
+def _valid_span(scope: Scope, line: int, end_line: int) -> bool:
+    """Whole statements of one block: what codegen can wrap in an if/else."""
+    for block, i, stmt in scope.statements():
+        if stmt.lineno == line:
+            for later in block[i:]:
+                if (later.end_lineno or later.lineno) == end_line:
+                    return True
+    return False
+
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth < 6 and isinstance(value, dict):
+        return {str(k): _jsonable(v, depth + 1) for k, v in value.items()}
+    if depth < 6 and isinstance(value, (list, tuple)):
+        return [_jsonable(v, depth + 1) for v in value]
+    if isinstance(value, ast.AST):
+        return ast.unparse(value)
+    return str(value)
+
+
+def _inside(spans: Iterable[tuple[int, int, str]], line: int, end_line: int) -> str | None:
+    for a, b, where in spans:
+        if a <= line and end_line <= b:
+            return where
+    return None
+
+
+def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:
+    """Everything one file contributes to the scan. Never raises for bad input."""
+    out = FileOutcome(rel)
+    text, sha, failure = read_source(root / rel, rel, options.max_file_bytes)
+    out.sha256 = sha
+    if failure is not None:
+        out.failures.append(failure)
+        return out
+    assert text is not None
+    tree, failure = parse_source(rel, text)
+    if failure is not None:
+        out.failures.append(failure)
+        return out
+    out.lines = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
+    try:
+        module = ModuleInfo.from_source(rel, text, tree)
+        facts = repo_search.file_facts(module)
+    except (Exception, RecursionError) as exc:  # a pathological file must not stop the scan
+        out.failures.append(Failure(rel, "syntax", f"cannot index: {type(exc).__name__}: {exc}"))
+        return out
+    out.parsed = True
+    out.facts = facts
+    n_lines = len(text.splitlines())
+    errors: dict[str, list[Any]] = {}
+
+    def fail(pid: str, scope: Scope, message: str) -> None:
+        entry = errors.setdefault(pid, [message, scope.qualname, 0])
+        entry[2] += 1
+
+    for scope in module.scopes:
+        for pattern in patterns:
+            try:
+                results = list(pattern.detect(module, scope))
+            except (Exception, RecursionError) as exc:
+                fail(pattern.id, scope, f"raised {type(exc).__name__}: {exc} (at {_where(exc)})")
+                continue
+            for r in results:
+                if isinstance(r, Finding):
+                    problem = _finding_problem(r, pattern, scope, n_lines)
+                    if problem:
+                        fail(pattern.id, scope, problem)
+                        continue
+                    already = _inside(facts.npufuse_spans, r.line, r.end_line)
+                    if already is not None:
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, "already rewritten by npufuse (inside its guarded `if`)")))
+                        continue
+                    beside = _inside(facts.fused_spans, r.line, r.end_line)
+                    if beside is not None:
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, f"already has a torch_npu branch beside it (the `if` at {beside}); this is its fallback")))
+                        continue
+                    try:
+                        local = risks.local_risks(module, scope, r, pattern)
+                    except (Exception, RecursionError) as exc:  # our own analysis failing must not lose the finding
+                        local = [risks.risk("other", f"npufuse could not analyse risks here ({type(exc).__name__}: {exc})")]
+                    r.params = _jsonable(r.params)
+                    out.hits.append(Hit(r, repo_search.site_context(module, scope), local, original_text(text, r)))
+                elif isinstance(r, NearMiss):
+                    if not isinstance(r.reason, str) or not r.reason.strip() or not isinstance(r.line, int):
+                        fail(pattern.id, scope, "yielded a near miss without a reason or line")
+                        continue
+                    out.near_misses.append(_near(rel, r))
+                else:
+                    fail(pattern.id, scope, f"yielded a {type(r).__name__}, not a Finding or NearMiss")
+    for pid in sorted(errors):
+        message, qual, count = errors[pid]
+        more = f" and {count - 1} more scope(s)" if count > 1 else ""
+        out.failures.append(Failure(rel, "detector_error", f"detector {pid} {message} in {qual}{more}; its results for this file are incomplete"))
+    if out.hits:
+        out.source = text
+    return out
+
+
+def _finding_problem(f: Finding, pattern: Pattern, scope: Scope, n_lines: int) -> str | None:
+    if f.pattern != pattern.id:
+        return f"yielded a finding for pattern {f.pattern!r}"
+    if not (isinstance(f.line, int) and isinstance(f.end_line, int) and 1 <= f.line <= f.end_line <= n_lines):
+        return f"yielded an invalid span {f.line}-{f.end_line}"
+    if not isinstance(f.fused, str) or not f.fused.strip() or not isinstance(f.guard_tensor, str) or not f.guard_tensor.strip():
+        return f"yielded a finding without fused code or guard tensor (line {f.line})"
+    if not _valid_span(scope, f.line, f.end_line):
+        return f"yielded span {f.line}-{f.end_line}, which is not whole statements of one block"
+    return None
+
+
+def _near(rel: str, m: NearMiss) -> dict[str, Any]:
+    return {"pattern": m.pattern, "file": rel, "qualname": m.qualname, "line": m.line, "end_line": m.end_line, "reason": m.reason}
+
+
+# -- many files ---------------------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(root: str, patterns: Sequence[Pattern], options: ScanOptions) -> None:
+    _WORKER.update(root=Path(root), patterns=patterns, options=options)
+
+
+def _analyze_batch(batch: list[str]) -> list[FileOutcome]:
+    return [analyze_file(_WORKER["root"], rel, _WORKER["patterns"], _WORKER["options"]) for rel in batch]
+
+
+def _pool_context():
+    import multiprocessing
+
+    # fork: workers inherit the loaded patterns (also ones registered in-process, e.g. by tests)
+    # and skip re-importing; elsewhere the platform default (spawn) pickles them.
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return None
+
+
+def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None) -> list[FileOutcome]:
+    total = len(files)
+    jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    results: dict[str, FileOutcome] = {}
+    done = 0
+    if jobs > 1 and total >= PARALLEL_MIN_FILES:
+        # Small batches, largest files first: both cores stay busy to the end.
+        order = sorted(files, key=lambda r: _size(root / r), reverse=True)
+        size = max(1, min(16, total // (jobs * 12)))
+        batches = [order[i:i + size] for i in range(0, total, size)]
+        try:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options)) as ex:
+                futures = [ex.submit(_analyze_batch, b) for b in batches]
+                for fut in as_completed(futures):
+                    for outcome in fut.result():
+                        results[outcome.file] = outcome
+                        done += 1
+                        if progress:
+                            progress(done, total)
+        except Exception:  # a broken pool (unpicklable pattern, killed worker): finish in-process
+            pass
+    for rel in files:
+        if rel not in results:
+            results[rel] = analyze_file(root, rel, patterns, options)
+            done += 1
+            if progress:
+                progress(min(done, total), total)
+    return [results[rel] for rel in files]
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+# -- the result ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ScanResult:
+    root: str
+    files_scanned: int
+    lines_scanned: int
+    files_failed: list[Failure]
+    candidates: list[dict[str, Any]]
+    near_misses: list[dict[str, Any]]
+    existing: list[dict[str, Any]]
+    switches: list[dict[str, Any]]
+    patterns: list[str]
+    patterns_missing: list[str]
+    skipped: list[dict[str, str]]
+    shape_sources: list[dict[str, Any]]
+    training: list[str]
+    suggested_order: list[int]
+    assumptions: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """scan.json (DESIGN.md), fields in the documented order, then npufuse's extras."""
+        return {
+            "tool": "npufuse",
+            "version": __version__,
+            "root": self.root,
+            "files_scanned": self.files_scanned,
+            "files_failed": [f.to_json() for f in self.files_failed],
+            "candidates": self.candidates,
+            "near_misses": self.near_misses,
+            "existing": self.existing,
+            "switches": self.switches,
+            "lines_scanned": self.lines_scanned,
+            "patterns": self.patterns,
+            "patterns_missing": self.patterns_missing,
+            "skipped": self.skipped,
+            "shape_sources": self.shape_sources,
+            "training": self.training,
+            "suggested_order": self.suggested_order,
+            "assumptions": self.assumptions,
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n"
+
+
+def registry_patterns() -> tuple[Pattern, ...]:
+    """The installed detectors (a seam tests replace with fakes)."""
+    from npufuse.patterns.registry import all_patterns
+
+    return all_patterns()
+
+
+def select_patterns(only: Iterable[str] | None, patterns: Sequence[Pattern] | None = None) -> tuple[list[Pattern], list[str]]:
+    """(patterns to run, ids asked for that have no detector in this build)."""
+    from npufuse.patterns.registry import PATTERN_IDS
+
+    available = list(patterns) if patterns is not None else list(registry_patterns())
+    if only is None:
+        return available, sorted(set(PATTERN_IDS) - {p.id for p in available}, key=PATTERN_IDS.index) if patterns is None else []
+    wanted = [w.strip() for w in only if w.strip()]
+    known = set(PATTERN_IDS) | {p.id for p in available}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise UnknownPatternError(f"unknown pattern id {', '.join(repr(u) for u in unknown)}; known ids: {', '.join(sorted(known))}")
+    chosen = [p for p in available if p.id in wanted]
+    missing = [w for w in wanted if w not in {p.id for p in available}]
+    return chosen, missing
+
+
+def _root_label(target: Path) -> str:
+    base = target if target.is_dir() else target.parent
+    text = os.path.normpath(str(base))
+    return text.replace(os.sep, "/")
+
+
+def scan_repo(
+    root: str | os.PathLike[str],
+    *,
+    only: Iterable[str] | None = None,
+    patterns: Sequence[Pattern] | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    jobs: int | None = None,
+    switch_mode: str = "auto",
+    overrides: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ScanResult:
+    """Scan a folder or one file. Raises FileNotFoundError for a missing ``root`` and
+    :class:`UnknownPatternError` for an unknown id in ``only``; everything else is reported in
+    the result. ``overrides`` (e.g. ``{"batch_size": 8}``) beat shapes read from the repo."""
+    target = Path(root)
+    if not target.exists() and not target.is_symlink():
+        raise FileNotFoundError(f"{root}: no such file or folder")
+    chosen, missing = select_patterns(only, patterns)
+    options = ScanOptions(max_file_bytes=max_file_bytes)
+    walked = walk(target)
+    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress)
+
+    failed: list[Failure] = list(walked.failed)
+    near: list[dict[str, Any]] = []
+    existing: list[dict[str, Any]] = []
+    switches: list[dict[str, Any]] = []
+    sources: list[config_shapes.ConfigSource] = []
+    training: list[str] = []
+    bf16 = False
+    scanned = lines = 0
+    for o in outcomes:
+        failed += o.failures
+        near += o.near_misses
+        if o.parsed:
+            scanned += 1
+            lines += o.lines
+        if o.facts is not None:
+            existing += o.facts.existing
+            switches += o.facts.switches
+            sources += o.facts.config_sources
+            training += o.facts.training
+            bf16 = bf16 or o.facts.bf16
+    for rel in walked.data_files:
+        src, found = config_shapes.load_data_file(walked.root, rel)
+        if src is not None:
+            sources.append(src)
+            bf16 = bf16 or str(src.values.get("torch_dtype", "")).lower() in ("bfloat16", "bf16")
+        switches += found
+
+    existing.sort(key=lambda e: (e["file"], e["line"], e["what"]))
+    switches.sort(key=lambda s: (s["file"], s["line"], s["name"], s["kind"]))
+    near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))
+    failed.sort(key=lambda f: (f.file, f.kind, f.error))
+    sources.sort(key=lambda s: (s.file, s.line, s.kind))
+    by_id = {p.id: p for p in chosen}
+    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed)
+    failed.sort(key=lambda f: (f.file, f.kind, f.error))
+    return ScanResult(
+        root=_root_label(target),
+        files_scanned=scanned,
+        lines_scanned=lines,
+        files_failed=failed,
+        candidates=candidates,
+        near_misses=near,
+        existing=existing,
+        switches=switches,
+        patterns=[p.id for p in chosen],
+        patterns_missing=missing,
+        skipped=walked.skipped,
+        shape_sources=[s.to_json() for s in sources],
+        training=sorted(training)[:5],
+        suggested_order=suggested_order(candidates),
+        assumptions={
+            "defaults": dict(config_shapes.DEFAULT_ASSUMPTIONS),
+            "overrides": {k: v for k, v in (overrides or {}).items() if v is not None},
+            "hardware": "Atlas A2 (910B) roofline figures (npufuse.scan.value)",
+            "switch_mode": switch_mode,
+            "max_file_bytes": max_file_bytes,
+        },
+    )
+
+
+def _candidates(
+    outcomes: list[FileOutcome],
+    patterns: dict[str, Pattern],
+    switches: list[dict[str, Any]],
+    existing: list[dict[str, Any]],
+    sources: list[config_shapes.ConfigSource],
+    training: list[str],
+    bf16: bool,
+    switch_mode: str,
+    overrides: dict[str, Any],
+    failed: list[Failure],
+) -> list[dict[str, Any]]:
+    order = {pid: i for i, pid in enumerate(patterns)}
+    hits = [(o, h) for o in outcomes for h in o.hits]
+    hits.sort(key=lambda oh: (oh[0].file, oh[1].finding.line, oh[1].finding.end_line, order.get(oh[1].finding.pattern, 99), oh[1].finding.pattern))
+    wrappers = [e for e in existing if e.get("api")]
+    keys: dict[str, int] = {}
+    out: list[dict[str, Any]] = []
+    for n, (o, h) in enumerate(hits, start=1):
+        f = h.finding
+        pattern = patterns[f.pattern]
+        key = f"{f.pattern}@{o.file}:{f.qualname}"
+        keys[key] = keys.get(key, 0) + 1
+        if keys[key] > 1:
+            key = f"{key}#{keys[key]}"
+        switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, switches, switch_mode)
+        assert o.source is not None
+        replacement = render_site(o.source, f, switch)
+        shapes = config_shapes.shapes_for(o.file, sources, overrides)
+        value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
+        generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16)
+        merged = risks.merge(risks.detector_risks(f), generic)
+        related = [{"file": e["file"], "line": e["line"], "what": e["what"]} for e in wrappers if e.get("api") == pattern.api]
+        out.append({
+            "id": n,
+            "key": key,
+            "pattern": f.pattern,
+            "api": pattern.api,
+            "file": o.file,
+            "qualname": f.qualname,
+            "line": f.line,
+            "end_line": f.end_line,
+            "confidence": f.confidence,
+            "params": f.params,
+            "value": value,
+            "risks": merged,
+            "replacement": replacement,
+            "title": getattr(pattern, "title", f.pattern),
+            "variant": f.variant,
+            "notes": [str(x) for x in f.notes] + notes,
+            "training_ok": bool(f.training_ok and pattern.training_ok),
+            "fused": f.fused,
+            "guard_tensor": f.guard_tensor,
+            "switch": repo_search.switch_json(switch, reused),
+            "code": h.code,
+            "file_sha256": o.sha256,
+            "shapes": shapes,
+            "related_existing": related,
+            "risk_level": "none",
+        })
+    _mark_overlaps(out)
+    for c in out:
+        c["risk_level"] = risks.overall_level(c["risks"])
+    return out
+
+
+def _assess(pattern: Pattern, finding: Finding, config: dict[str, Any], rel: str, failed: list[Failure]) -> dict[str, Any]:
+    try:
+        value = pattern.assess(finding, config)
+        if not isinstance(value, dict):
+            raise TypeError(f"returned {type(value).__name__}, not a dict")
+    except Exception as exc:
+        failed.append(Failure(rel, "assess_error", f"{pattern.id}.assess raised {type(exc).__name__}: {exc} (at {_where(exc)}) for line {finding.line}"))
+        return {"bound": getattr(pattern, "bound", "memory"), "estimate": f"no estimate: the assessment failed ({type(exc).__name__})", "speedup_bound": None, "verdict": "unknown"}
+    value = _jsonable(value)
+    value.setdefault("bound", getattr(pattern, "bound", "memory"))
+    value.setdefault("estimate", "")
+    return value
+
+
+def _mark_overlaps(cands: list[dict[str, Any]]) -> None:
+    by_file: dict[str, list[dict[str, Any]]] = {}
+    for c in cands:
+        by_file.setdefault(c["file"], []).append(c)
+    for group in by_file.values():
+        for a in group:
+            for b in group:
+                if a is not b and a["line"] <= b["end_line"] and b["line"] <= a["end_line"]:
+                    a["risks"].append(risks.risk("other", f"overlaps candidate {b['id']} ({b['pattern']}, lines {b['line']}-{b['end_line']}): accept only one of them", level="medium"))
+
+
+def suggested_order(cands: list[dict[str, Any]]) -> list[int]:
+    """Low risk first; within a risk level the larger roofline speed-up bound first (symbolic
+    estimates after numeric ones); then higher confidence; then id. Stable by construction."""
+
+    def key(c: dict[str, Any]) -> tuple[Any, ...]:
+        level = risks.overall_level(c["risks"])
+        bound = c["value"].get("speedup_bound") if isinstance(c.get("value"), dict) else None
+        numeric = isinstance(bound, (int, float)) and not isinstance(bound, bool)
+        return (risks.LEVELS.index(level), 0 if numeric else 1, -(bound if numeric else 0.0), CONFIDENCE_RANK.get(c["confidence"], 3), c["id"])
+
+    return [c["id"] for c in sorted(cands, key=key)]
+
+
+ORDER_RULE = (
+    "lowest risk level first (none, low, medium, high); within a level, the largest roofline "
+    "speed-up bound first (numeric estimates before symbolic ones); then higher confidence; then id"
+)
