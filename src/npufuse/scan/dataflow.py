@@ -239,3 +239,42 @@ def keyword(call: ast.Call, name: str, position: int | None = None) -> ast.expr 
 
 def same_expr(a: ast.AST | None, b: ast.AST | None) -> bool:
     return a is not None and b is not None and ast.dump(a) == ast.dump(b)
+
+
+def replace_segments(module: "ModuleInfo", stmt: ast.stmt, replacements: list[tuple[ast.AST, str]]) -> str:
+    """Source of ``stmt`` with the source of each given sub-node replaced by a text.
+
+    Used to write a fused statement that keeps everything around the matched expression
+    (``q_embed = torch.cat([<rope>, q_pass], -1)``, ``x = <attention>.transpose(1, 2)``) byte for
+    byte. The result is dedented by the statement's own indentation (continuation lines keep
+    their relative indentation). Sub-nodes must lie inside ``stmt`` and not overlap.
+    """
+    lines = module.source.splitlines(keepends=True)
+    first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
+    # ast offsets are UTF-8 byte columns: work on bytes so non-ASCII source stays aligned
+    chunk = [ln.encode("utf-8") for ln in lines[first - 1 : last]]
+    starts = [0]
+    for ln in chunk:
+        starts.append(starts[-1] + len(ln))
+    text = b"".join(chunk)
+
+    def offset(line: int, col: int) -> int:
+        return starts[line - first] + col
+
+    begin = offset(first, stmt.col_offset)
+    end = offset(last, stmt.end_col_offset or 0)
+    spans = sorted(
+        ((offset(n.lineno, n.col_offset), offset(n.end_lineno or n.lineno, n.end_col_offset or 0), new) for n, new in replacements),
+        key=lambda t: t[0],
+    )
+    out, pos = [], begin
+    for a, b, new in spans:
+        if a < pos or b > end:
+            raise ValueError("replace_segments: overlapping or out-of-statement node")
+        out.append(text[pos:a].decode("utf-8"))
+        out.append(new)
+        pos = b
+    out.append(text[pos:end].decode("utf-8"))
+    result = "".join(out)
+    indent = " " * stmt.col_offset
+    return "\n".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in result.split("\n"))

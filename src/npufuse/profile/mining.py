@@ -1,0 +1,606 @@
+"""Sequence mining over one rank's op stream: knowledge-base matches, frequent n-grams, gaps.
+
+The one invariant: a reported sequence never stitches ops of two modules together.
+
+* Every op carries a *scope chain* (see trace.py). A window of ops is one module's when its
+  chains share a non-empty common prefix (the scope) **and at least one op of the window sits
+  directly in that scope**: the scope is the code that issued the sequence, the rest are its
+  callees (``apply_rotary_pos_emb`` calling ``rotate_half``; a decoder layer's residual add followed
+  by its child norm). Two sibling modules under one parent fail the second condition, two
+  unrelated modules the first.
+* Frequent n-grams are stricter still: counted only inside runs of ops with the *same* innermost
+  scope, so they never need the check.
+* Without call stacks the scope is unknown: windows are only bounded by stream and step, and every
+  finding says its module could not be confirmed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from npufuse.profile.kb import KnowledgeBase, RegionRule, SequenceRule, sanitize
+from npufuse.profile.readers import KernelTable
+from npufuse.profile.roofline import parse_shapes
+from npufuse.profile.trace import HostOp, TraceInfo, kernel_links
+
+
+@dataclass
+class OpStream:
+    """One rank's ops in (stream, start) order, column-wise."""
+
+    rank: int
+    level: str                    # "kernel" (device kernels) or "host" (aten ops, no device data)
+    vocab: list[str]
+    code: np.ndarray
+    start: np.ndarray
+    dur: np.ndarray
+    stream: np.ndarray
+    step: np.ndarray
+    op: np.ndarray                # index into trace.ops, -1 unknown
+    shape_code: np.ndarray
+    shape_keys: list[tuple[str, str, str, str]]
+    trace: TraceInfo | None = None
+    name_vocab: list[str] = field(default_factory=list)
+    name_code: np.ndarray | None = None
+    step_source: str = "none"
+
+    def __post_init__(self) -> None:
+        self.end = self.start + self.dur
+        n = self.code.shape[0]
+        hard = np.ones(n, dtype=bool)
+        if n > 1:
+            hard[1:] = (self.stream[1:] != self.stream[:-1]) | (
+                (self.step[1:] != self.step[:-1]) & (self.step[1:] >= 0) & (self.step[:-1] >= 0))
+        self.hard = hard
+        self.chains: list[tuple[int, ...] | None] | None = None
+        self.scope = np.full(n, -1, dtype=np.int64)
+        if self.trace is not None and (self.op >= 0).any():
+            ops = self.trace.ops
+            chains: list[tuple[int, ...] | None] = [None] * n
+            for i in np.flatnonzero(self.op >= 0).tolist():
+                c = ops[self.op[i]].chain
+                chains[i] = c
+                if c:
+                    self.scope[i] = c[-1]
+            self.chains = chains
+        self.has_chain = self.scope >= 0
+        self._cs = np.concatenate([[0], np.cumsum(self.has_chain)])
+
+    @property
+    def n(self) -> int:
+        return int(self.code.shape[0])
+
+    @property
+    def confirmed_fraction(self) -> float:
+        return float(self.has_chain.mean()) if self.n else 0.0
+
+    def tokens(self, i: int, j: int) -> tuple[str, ...]:
+        return tuple(self.vocab[c] for c in self.code[i:j].tolist())
+
+    def host_op(self, i: int) -> HostOp | None:
+        o = int(self.op[i])
+        return self.trace.ops[o] if (self.trace is not None and o >= 0) else None
+
+    # ------------------------------------------------------------------ module rule
+    def scope_of(self, i: int, j: int) -> tuple[str, Any, Any]:
+        """("ok", site, key) | ("unconfirmed", None, None) | ("reject", reason, None) for ops [i, j)."""
+        known = int(self._cs[j] - self._cs[i])
+        if known == 0:
+            return "unconfirmed", None, None
+        if known < j - i:
+            return "reject", "some ops have no call stack / module while others do", None
+        assert self.chains is not None
+        chs = [c for c in self.chains[i:j] if c is not None]
+        first = chs[0]
+        depth = len(first)
+        for c in chs[1:]:
+            m = min(depth, len(c))
+            k = 0
+            while k < m and c[k] == first[k]:
+                k += 1
+            depth = k
+            if depth == 0:
+                break
+        labels = self.trace.invocation_labels  # type: ignore[union-attr]
+        if depth == 0:
+            names = list(dict.fromkeys(labels[c[-1]] for c in chs))
+            return "reject", "spans modules " + " | ".join(names), None
+        if not any(len(c) == depth for c in chs):
+            names = list(dict.fromkeys(labels[c[depth]] for c in chs))
+            return "reject", f"spans sibling modules {' | '.join(names)} inside {labels[first[depth - 1]]}", None
+        return "ok", *self._site(i, j, depth)
+
+    def _site(self, i: int, j: int, depth: int) -> tuple[dict[str, Any], Any]:
+        ops = [self.host_op(k) for k in range(i, j)]
+        op0 = ops[0]
+        assert op0 is not None and op0.chain is not None
+        labels = self.trace.invocation_labels  # type: ignore[union-attr]
+        if op0.chain_kind == "stack" and op0.frames:
+            fr = op0.frames[depth - 1]
+            lines = sorted({o.frames[depth - 1].line for o in ops if o and o.frames and len(o.frames) >= depth})
+            inner = list(dict.fromkeys(str(o.frames[-1]) for o in ops if o and o.frames))
+            site = {"file": fr.file, "line": fr.line, "lines": lines, "function": fr.func,
+                    "frames": inner, "module": None, "stack": [str(f) for f in op0.frames[: depth - 1]]}
+            return site, ("stack", fr.file, fr.func, tuple(lines))
+        label = labels[op0.chain[depth - 1]]
+        site = {"module": label, "file": None, "line": None, "lines": [], "function": None, "frames": [],
+                "stack": []}
+        if op0.frames:
+            fr = op0.frames[-1]
+            site.update(file=fr.file, line=fr.line, lines=[fr.line], function=fr.func,
+                        frames=list(dict.fromkeys(str(o.frames[-1]) for o in ops if o and o.frames)))
+        return site, (op0.chain_kind, label, site["file"], site["line"])
+
+
+def build_kernel_stream(rank: int, table: KernelTable, trace: TraceInfo | None) -> OpStream:
+    order = np.lexsort((table.start, table.stream))
+    start = table.start[order]
+    stream = table.stream[order]
+    op = kernel_links(trace, stream, start) if trace is not None else np.full(order.shape[0], -1, np.int64)
+    step_src = "none"
+    if table.step is not None and (table.step >= 0).any():
+        step = table.step[order]
+        step_src = "Step Id column"
+    else:
+        step = np.full(order.shape[0], -1, dtype=np.int64)
+        if trace is not None and trace.steps:
+            ops = trace.ops
+            for i in np.flatnonzero(op >= 0).tolist():
+                s = ops[op[i]].step
+                if s is not None:
+                    step[i] = s
+            if (step >= 0).any():
+                step_src = "ProfilerStep spans of trace_view.json"
+    return OpStream(rank=rank, level="kernel", vocab=table.types, code=table.type_code[order], start=start,
+                    dur=table.dur[order], stream=stream, step=step, op=op, shape_code=table.shape_code[order],
+                    shape_keys=table.shape_keys, trace=trace, name_vocab=table.names,
+                    name_code=table.name_code[order] if table.name_code is not None else None,
+                    step_source=step_src)
+
+
+def build_host_stream(rank: int, trace: TraceInfo) -> OpStream | None:
+    """Top-level aten ops per thread: the op stream of a trace that has no device kernels."""
+    idx: list[int] = []
+    sid: list[int] = []
+    for k, tid in enumerate(sorted(trace.host_streams, key=str)):
+        idx.extend(trace.host_streams[tid])
+        sid.extend([k] * len(trace.host_streams[tid]))
+    if not idx:
+        return None
+    ops = trace.ops
+    vocab: dict[str, int] = {}
+    code = np.array([vocab.setdefault(sanitize(ops[i].name), len(vocab)) for i in idx], dtype=np.int32)
+    start = np.array([ops[i].ts for i in idx])
+    dur = np.array([ops[i].end - ops[i].ts for i in idx])
+    stream = np.array(sid, dtype=np.int64)
+    order = np.lexsort((start, stream))
+    step = np.array([ops[i].step if ops[i].step is not None else -1 for i in idx], dtype=np.int64)
+    return OpStream(rank=rank, level="host", vocab=list(vocab), code=code[order], start=start[order],
+                    dur=dur[order], stream=stream[order], step=step[order],
+                    op=np.array(idx, dtype=np.int64)[order], shape_code=np.zeros(len(idx), dtype=np.int32),
+                    shape_keys=[("", "", "", "")], trace=trace,
+                    step_source="ProfilerStep spans of trace_view.json" if (step >= 0).any() else "none")
+
+
+# ---------------------------------------------------------------------------------- findings
+
+@dataclass
+class Finding:
+    """All occurrences of one pattern with one token sequence at one source site."""
+
+    pattern: str
+    api: str
+    kind: str
+    tokens: tuple[str, ...]
+    level: str
+    first: int
+    length: int
+    site: dict[str, Any] | None
+    confirmed: bool
+    caveat: str | None = None
+    source: str = ""
+    count: int = 0
+    kernel_us: float = 0.0
+    span_us: float = 0.0
+    kernels: int = 0
+    steps: set[int] = field(default_factory=set)
+    subsumed: Counter[str] = field(default_factory=Counter)
+    aten: list[str] = field(default_factory=list)
+    note: str | None = None
+
+
+@dataclass
+class Rejected:
+    pattern: str
+    tokens: tuple[str, ...]
+    reason: str
+    count: int = 0
+    first_site: list[str] = field(default_factory=list)
+
+
+class Miner:
+    """Runs the knowledge base over one OpStream; results in ``findings`` / ``rejected``."""
+
+    def __init__(self, st: OpStream, kb: KnowledgeBase) -> None:
+        self.st = st
+        self.kb = kb
+        self.claimed = np.full(st.n, -1, dtype=np.int32)     # index into self.findings
+        self.findings: list[Finding] = []
+        self._by_key: dict[Any, int] = {}
+        self.rejected: dict[Any, Rejected] = {}
+        self._string()
+
+    # token string: "Cast Pows ReduceMean | Cast ..." with '|' at stream/step boundaries
+    def _string(self) -> None:
+        st = self.st
+        words = [sanitize(t) for t in st.vocab]
+        v = len(words)
+        brk = np.zeros(st.n, dtype=bool)
+        if st.n > 1:
+            brk[:-1] = st.hard[1:]
+        pieces = [w + " " for w in words] + [w + " | " for w in words]
+        c2 = st.code.astype(np.int64) + v * brk
+        lens = np.array([len(p) for p in pieces], dtype=np.int64)[c2] if st.n else np.zeros(0, np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lens)]) if st.n else np.zeros(1, np.int64)
+        self.text = "".join(np.array(pieces, dtype=object)[c2].tolist()) if st.n else ""
+
+    def _tok(self, pos: int) -> int:
+        return int(np.searchsorted(self.offsets, pos, side="right")) - 1
+
+    def _tok_end(self, pos: int) -> int:
+        return int(np.searchsorted(self.offsets, pos, side="left"))
+
+    def _add(self, rule_id: str, api: str, kind: str, i: int, j: int, site: Any, site_key: Any, confirmed: bool,
+             caveat: str | None = None, source: str = "", tokens: tuple[str, ...] | None = None,
+             note: str | None = None) -> int:
+        st = self.st
+        toks = tokens if tokens is not None else st.tokens(i, j)
+        key = (rule_id, toks, site_key)
+        g = self._by_key.get(key)
+        if g is None:
+            aten = []
+            for k in range(i, j):
+                op = st.host_op(k)
+                aten.append(op.name if op else "")
+            f = Finding(rule_id, api, kind, toks, st.level, i, j - i, site, confirmed, caveat, source,
+                        aten=aten if any(aten) else [], note=note)
+            g = self._by_key[key] = len(self.findings)
+            self.findings.append(f)
+        f = self.findings[g]
+        f.count += 1
+        f.kernels += j - i
+        f.kernel_us += float(st.dur[i:j].sum())
+        f.span_us += float(st.end[i:j].max() - st.start[i])
+        s = int(st.step[i])
+        if s >= 0:
+            f.steps.add(s)
+        self.claimed[i:j] = g
+        return g
+
+    def _reject(self, rule_id: str, i: int, j: int, reason: str) -> None:
+        toks = self.st.tokens(i, j)
+        r = self.rejected.setdefault((rule_id, toks, reason), Rejected(rule_id, toks, reason))
+        r.count += 1
+        if not r.first_site:
+            for k in range(i, j):
+                op = self.st.host_op(k)
+                if op and op.frames:
+                    r.first_site.append(str(op.frames[-1]))
+
+    def _check(self, rule: SequenceRule, m: Any, i: int) -> bool:
+        for name, k in rule.checks:
+            if name == "residual_add":
+                a, b = m.span(f"e{k}")
+                if a == b:
+                    return False
+                t = self._tok(a)
+                key = self.st.shape_keys[int(self.st.shape_code[t])]
+                shapes = parse_shapes(key[0])
+                if shapes and (len(shapes) < 2 or shapes[0] != shapes[1] or not shapes[0]):
+                    return False   # "+ eps" or a broadcast bias, not a residual add
+        return True
+
+    # ------------------------------------------------------------------ sequence rules
+    def run_sequences(self) -> None:
+        st = self.st
+        for rule in self.kb.sequences:
+            rx = rule.kernels if st.level == "kernel" else rule.aten
+            if rx is None:
+                continue
+            pos = 0
+            text = self.text
+            while True:
+                m = rx.search(text, pos)
+                if m is None:
+                    break
+                if m.end() == m.start():
+                    pos = m.end() + 1
+                    continue
+                i, j = self._tok(m.start()), self._tok_end(m.end())
+                owners = self.claimed[i:j]
+                if (owners >= 0).any():
+                    owner = self.findings[int(owners[owners >= 0][0])]
+                    if rule.id in self.kb_subsumes(owner.pattern):
+                        owner.subsumed[rule.id] += 1
+                    pos = m.end()
+                    continue
+                if not self._check(rule, m, i):
+                    pos = int(self.offsets[i + 1])
+                    continue
+                status, site, key = st.scope_of(i, j)
+                if status == "reject":
+                    self._reject(rule.id, i, j, site)
+                    pos = int(self.offsets[i + 1])
+                    continue
+                self._add(rule.id, rule.api, "sequence", i, j, site, key, status == "ok", rule.caveat, rule.source)
+                pos = m.end()
+
+    def kb_subsumes(self, pattern: str) -> list[str]:
+        for r in self.kb.sequences:
+            if r.id == pattern:
+                return r.subsumes
+        return []
+
+    # ------------------------------------------------------------------ loops (per-expert matmuls)
+    def run_loops(self) -> None:
+        st = self.st
+        if st.level != "kernel" or st.n < 8:
+            return
+        cb = np.cumsum(st.hard)
+        for rule in self.kb.loops:
+            hit = np.array([bool(rule.contains.match(sanitize(t))) for t in st.vocab], dtype=bool)
+            for p in range(2, rule.max_period + 1):
+                if st.n <= p * rule.min_repeats:
+                    break
+                eq = (st.code[p:] == st.code[:-p]) & (st.scope[p:] == st.scope[:-p]) & (cb[p:] == cb[:-p])
+                for r, length in _runs(eq, p * (rule.min_repeats - 1)):
+                    total = length + p
+                    reps = total // p
+                    block = st.code[r:r + p]
+                    if not hit[block].any() or (self.claimed[r:r + reps * p] >= 0).mean() > 0.5:
+                        continue
+                    pos = [q for q in range(p) if hit[block[q]]]
+                    varied = False
+                    known = False
+                    for q in pos:
+                        codes = {int(st.shape_code[r + k * p + q]) for k in range(reps)}
+                        if any(st.shape_keys[c][0].strip('" ') for c in codes):
+                            known = True
+                        varied |= len(codes) > 1
+                    if (known and not varied) or (not known and st.scope[r] < 0):
+                        continue   # identical repeats (layers) or nothing to tell experts apart
+                    status, site, key = st.scope_of(r, r + reps * p)
+                    if status == "reject":
+                        self._reject(rule.id, r, r + p, site)
+                        continue
+                    g = self._add(rule.id, rule.api, "loop", r, r + reps * p, site, key, status == "ok",
+                                  source=rule.source, tokens=st.tokens(r, r + p),
+                                  note=f"{reps} repeats of a {p}-kernel block")
+                    self.findings[g].note = f"{reps} repeats of a {p}-kernel block (per-expert loop)"
+
+    # ------------------------------------------------------------------ regions (optimizers)
+    def run_regions(self) -> None:
+        for rule in self.kb.regions:
+            self._optimizer_spans(rule)
+            self._named_runs(rule)
+            self._small_runs(rule)
+
+    def _region_add(self, rule: RegionRule, i_idx: np.ndarray, label: str | None, note: str) -> None:
+        st = self.st
+        i, j = int(i_idx[0]), int(i_idx[-1]) + 1
+        api = rule.api.replace("{optimizer}", label) if label else \
+            rule.api.replace("{optimizer}", "<Optimizer>") + " (the NpuFused* class of the optimizer in use)"
+        op = st.host_op(i)
+        site, key = None, None
+        if op is not None and op.frames:
+            fr = op.frames[-1]
+            site = {"file": fr.file, "line": fr.line, "lines": [fr.line], "function": fr.func,
+                    "frames": [str(fr)], "module": op.module, "stack": [str(f) for f in op.frames[:-1]]}
+            key = ("stack", fr.file, fr.func, fr.line)
+        elif op is not None and op.module:
+            site = {"module": op.module, "file": None, "line": None, "lines": [], "function": None,
+                    "frames": [], "stack": []}
+            key = ("module", op.module)
+        types = list(dict.fromkeys(st.vocab[c] for c in st.code[i_idx].tolist()))
+        g = self._add(rule.id, api, "region", i, j, site, key, site is not None, source=rule.source,
+                      tokens=tuple(types), note=note)
+        f = self.findings[g]
+        # _add counted the whole [i, j) range; a region counts only its own kernels
+        extra = (j - i) - i_idx.size
+        if extra:
+            f.kernels -= extra
+            f.kernel_us -= float(st.dur[i:j].sum() - st.dur[i_idx].sum())
+        self.claimed[i_idx] = g
+
+    def _optimizer_spans(self, rule: RegionRule) -> None:
+        st = self.st
+        tr = st.trace
+        if rule.span is None or tr is None or not tr.optimizer_spans or not (st.op >= 0).any():
+            return
+        linked = np.flatnonzero(st.op >= 0)
+        ops = tr.ops
+        ts = np.array([ops[o].ts for o in st.op[linked].tolist()])
+        tids = [ops[o].tid for o in st.op[linked].tolist()]
+        for cls, tid, a, b in tr.optimizer_spans:
+            if rule.skip_optimizer is not None and rule.skip_optimizer.match(cls):
+                continue
+            mask = (ts >= a) & (ts <= b) & np.array([t == tid for t in tids])
+            idx = linked[mask]
+            idx = idx[self.claimed[idx] < 0]
+            if idx.size:
+                self._region_add(rule, idx, cls, f"Optimizer.step#{cls}.step: {idx.size} kernels per step")
+
+    def _named_runs(self, rule: RegionRule) -> None:
+        st = self.st
+        if rule.kernel_names is None or st.name_code is None or not st.name_vocab:
+            return
+        hit = np.array([bool(rule.kernel_names.match(n)) for n in st.name_vocab], dtype=bool)[st.name_code]
+        hit &= self.claimed < 0
+        for r, length in _runs(hit, 2, breaks=st.hard):
+            idx = np.arange(r, r + length)
+            self._region_add(rule, idx, None, f"{length} multi-tensor (foreach) optimizer kernels in a row")
+
+    def _small_runs(self, rule: RegionRule) -> None:
+        st = self.st
+        if rule.small_types is None or st.level != "kernel":
+            return
+        ok_t = np.array([bool(rule.small_types.match(sanitize(t))) for t in st.vocab], dtype=bool)
+        hit = ok_t[st.code] & (st.dur <= rule.small_max_us) & (self.claimed < 0)
+        for r, length in _runs(hit, rule.small_min, breaks=st.hard):
+            idx = np.arange(r, r + length)
+            self._region_add(rule, idx, None, f"{length} small element-wise kernels in a row "
+                                              f"(per-parameter optimizer updates?)")
+
+
+def _runs(mask: np.ndarray, min_len: int, breaks: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """(start, length) of runs of True at least ``min_len`` long; ``breaks[i]`` starts a new run."""
+    if mask.size == 0:
+        return []
+    m = mask.astype(np.int8)
+    starts = np.flatnonzero(np.diff(np.concatenate([[0], m])) == 1)
+    ends = np.flatnonzero(np.diff(np.concatenate([m, [0]])) == -1) + 1
+    out = []
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        if breaks is not None:
+            cuts = [a] + [k for k in np.flatnonzero(breaks[a + 1:b]).tolist() for k in [k + a + 1]] + [b]
+            for x, y in zip(cuts[:-1], cuts[1:]):
+                if y - x >= min_len:
+                    out.append((x, y - x))
+        elif b - a >= min_len:
+            out.append((a, b - a))
+    return out
+
+
+# ---------------------------------------------------------------------------------- n-grams
+
+@dataclass
+class NGram:
+    tokens: tuple[str, ...]
+    first: int
+    count: int
+    kernel_us: float
+    span_us: float
+    pattern: str | None = None     # knowledge-base pattern claiming most of its occurrences
+    mapped_by: str = ""            # "kb" (all occurrences inside a KB match) | "fullmatch" | ""
+
+
+def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: KnowledgeBase,
+                nmin: int = 2, nmax: int = 8, top: int = 10, min_count: int = 2
+                ) -> tuple[list[NGram], list[NGram]]:
+    """Most frequent n-grams (by count, by total time) inside same-scope runs of one stream."""
+    n_all = st.n
+    if n_all < nmin:
+        return [], []
+    v = max(2, len(st.vocab))
+    nmax = max(nmin, min(nmax, int(62 // math.log2(v + 1))))
+    seg_start = st.hard | np.concatenate([[True], st.scope[1:] != st.scope[:-1]])
+    seg = np.cumsum(seg_start)
+    codes = st.code.astype(np.int64)
+    csum = np.concatenate([[0.0], np.cumsum(st.dur)])
+    key = codes.copy()
+    cands: list[tuple[int, int, int, float, float, np.ndarray]] = []   # (n, key, count, kt, span, positions)
+    for n in range(2, nmax + 1):
+        key = key[:-1] * v + codes[n - 1:]
+        m = key.shape[0]
+        if m <= 0:
+            break
+        valid = seg[:m] == seg[n - 1:]
+        pos = np.flatnonzero(valid)
+        if pos.size == 0:
+            break
+        k = key[pos]
+        uniq, inv, counts = np.unique(k, return_inverse=True, return_counts=True)
+        if n < nmin:
+            continue
+        kt = np.bincount(inv, weights=csum[pos + n] - csum[pos])
+        span = np.bincount(inv, weights=st.end[pos + n - 1] - st.start[pos])
+        good = counts >= min_count
+        if not good.any():
+            break
+        sel = set(np.argsort(-np.where(good, kt, -1))[: top * 4].tolist())
+        sel |= set(np.argsort(-np.where(good, counts, -1))[: top * 4].tolist())
+        for u in sel:
+            if not good[u]:
+                continue
+            cands.append((n, int(uniq[u]), int(counts[u]), float(kt[u]), float(span[u]), pos[inv == u]))
+    by_time = _diverse(st, sorted(cands, key=lambda c: -c[3]), top)
+    by_count = _diverse(st, sorted(cands, key=lambda c: (-c[2], -c[0])), top)
+    out: list[list[NGram]] = []
+    for lst in (by_time, by_count):
+        res = []
+        for n, _, count, kt, span, positions in lst:
+            p0 = int(positions[0])
+            g = NGram(st.tokens(p0, p0 + n), p0, count, kt, span)
+            owners = claimed[(positions[:, None] + np.arange(n)[None, :]).ravel()]
+            if (owners >= 0).all():
+                c = Counter(owners.tolist()).most_common(1)[0][0]
+                g.pattern, g.mapped_by = findings[c].pattern, "kb"
+            else:
+                name = kb.fullmatch(list(g.tokens), st.level)
+                if name:
+                    g.pattern, g.mapped_by = name, "fullmatch"
+            res.append(g)
+        out.append(res)
+    return out[0], out[1]
+
+
+def _diverse(st: OpStream, ranked: list[tuple[int, int, int, float, float, np.ndarray]], top: int
+             ) -> list[tuple[int, int, int, float, float, np.ndarray]]:
+    """Greedy pick: skip an n-gram whose occurrences are mostly inside already picked ones, so the
+    list is not ten shifted windows of the same repeating layer."""
+    covered = np.zeros(st.n, dtype=bool)
+    out = []
+    for c in ranked:
+        n, positions = c[0], c[5]
+        win = (positions[:, None] + np.arange(n)[None, :]).ravel()
+        if covered[win].mean() > 0.5:
+            continue
+        covered[win] = True
+        out.append(c)
+        if len(out) >= top:
+            break
+    return out
+
+
+# ---------------------------------------------------------------------------------- gaps
+
+def gap_report(st: OpStream, host_gap_us: float) -> dict[str, Any]:
+    """Idle device time between consecutive kernels of a stream, split into host-bound gaps (the
+    next kernel was launched only after the previous one ended) and other waits."""
+    if st.level != "kernel" or st.n < 2:
+        return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
+                "method": "none", "largest": []}
+    same = st.stream[1:] == st.stream[:-1]
+    step_change = (st.step[1:] != st.step[:-1]) & same
+    gap = np.where(same, np.clip(st.start[1:] - st.end[:-1], 0, None), 0.0)
+    between = float(gap[step_change].sum())
+    gap = np.where(step_change, 0.0, gap)
+    launch = np.full(st.n, np.nan)
+    if st.trace is not None:
+        ops = st.trace.ops
+        for i in np.flatnonzero(st.op >= 0).tolist():
+            o = ops[st.op[i]]
+            launch[i] = o.launch if o.launch is not None else o.ts
+    nxt_launch = launch[1:]
+    by_trace = ~np.isnan(nxt_launch)
+    host = np.where(by_trace, nxt_launch >= st.end[:-1] - 1e-3, gap > host_gap_us) & (gap > 0)
+    host_us = float(gap[host].sum())
+    order = np.argsort(-gap)[:5]
+    largest = []
+    for k in order.tolist():
+        if gap[k] <= 0:
+            break
+        largest.append({"gap_us": round(float(gap[k]), 3), "after": st.vocab[st.code[k]],
+                        "before": st.vocab[st.code[k + 1]], "step": int(st.step[k + 1]),
+                        "host_bound": bool(host[k])})
+    method = "trace launch times" if by_trace.any() else f"gaps > {host_gap_us:g} us (no trace: suspected)"
+    if by_trace.any() and not by_trace.all():
+        method = f"trace launch times where linked, else gaps > {host_gap_us:g} us"
+    return {"wait_us": round(float(gap[~host].sum()), 3), "host_bound_us": round(host_us, 3),
+            "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3), "method": method,
+            "largest": largest}
