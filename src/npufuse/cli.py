@@ -40,7 +40,11 @@ class UsageError(Exception):
 def _available_verbs() -> dict[str, tuple[str, str]]:
     found = {}
     for verb, (module, help_text) in VERBS.items():
-        if importlib.util.find_spec(module) is not None:
+        try:
+            present = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package is not there (verb not built yet)
+            present = False
+        if present:
             found[verb] = (module, help_text)
     return found
 
