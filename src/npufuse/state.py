@@ -35,7 +35,10 @@ class CandidateState:
     file: str
     qualname: str = ""
     status: str = "pending"
-    applied: dict[str, Any] | None = None  # {"switch": ..., "span": [a, b], "file_sha256_after": ...}
+    # set while the site is rewritten in its file (npufuse.rewrite.ledger documents the keys):
+    # {"switch": {...}, "switch_description": ..., "guard": ..., "span": [a, b],
+    #  "file_sha256_before": ..., "file_sha256_after": ..., "backup": ..., "scan_span": [l, e]}
+    applied: dict[str, Any] | None = None
     evidence: dict[str, Any] = field(default_factory=dict)  # "op", "e2e", "perf" -> facts
     verdict: str | None = None  # e.g. "replace: faster", "do not replace: accuracy", "no measurable change"
     reasons: list[str] = field(default_factory=list)
@@ -47,6 +50,8 @@ class State:
     path: Path
     scan_sha256: str = ""
     candidates: dict[int, CandidateState] = field(default_factory=dict)
+    # file writes begun but not yet confirmed (apply/revert journal; see npufuse.rewrite.ledger)
+    pending: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def load(cls, state_dir: Path | str = STATE_DIR) -> "State":
@@ -58,6 +63,7 @@ class State:
             except (OSError, json.JSONDecodeError) as exc:
                 raise ValueError(f"{path}: unreadable state file ({exc}); move it away to start over") from exc
             state.scan_sha256 = raw.get("scan_sha256", "")
+            state.pending = list(raw.get("pending", []))
             for item in raw.get("candidates", []):
                 c = CandidateState(**item)
                 state.candidates[c.id] = c
@@ -88,6 +94,7 @@ class State:
             "tool": "npufuse",
             "scan_sha256": self.scan_sha256,
             "candidates": [asdict(c) for _, c in sorted(self.candidates.items())],
+            "pending": self.pending,
         }
 
     def save(self) -> None:

@@ -62,6 +62,52 @@ class SequenceRule:
     source: str = ""
     kernels_text: str = ""
     aten_text: str = ""
+    kernel_elems: list[tuple[re.Pattern[str], str]] = field(default_factory=list)
+    aten_elems: list[tuple[re.Pattern[str], str]] = field(default_factory=list)
+    followed_by: re.Pattern[str] | None = None
+
+
+def elements(text: str, where: str) -> list[tuple[re.Pattern[str], str]]:
+    """'A|B - C?' -> [(regex matching one token name, quantifier), ...]."""
+    out = []
+    for elem in (e.strip() for e in text.split(" - ")):
+        m = _QUANT.search(elem)
+        quant = m.group(1) if m else ""
+        names = elem[: m.start()] if m else elem
+        out.append((re.compile(_alt(names, where) + "$"), quant))
+    return out
+
+
+def compile_for_vocab(elems: list[tuple[re.Pattern[str], str]], vocab: list[str],
+                      followed_by: re.Pattern[str] | None = None) -> re.Pattern[str] | None:
+    """The pattern as a regex over a string with one character per token (see mining.Miner):
+    each element becomes a character class of the vocabulary entries it matches. None when a
+    required element matches nothing in this vocabulary (the rule cannot fire)."""
+    def cls(rx: re.Pattern[str]) -> str | None:
+        chars = [token_char(c) for c, name in enumerate(vocab) if rx.match(name)]
+        return "[" + "".join(chars) + "]" if chars else None
+
+    out = []
+    for k, (rx, quant) in enumerate(elems):
+        c = cls(rx)
+        if c is None:
+            if quant in ("?",) or quant.startswith("{0"):
+                continue
+            return None
+        out.append(f"(?P<e{k}>{c}{quant})")
+    if followed_by is not None:
+        c = cls(followed_by)
+        if c is None:
+            return None
+        out.append(f"(?={c})")
+    return re.compile("".join(out))
+
+
+TOKEN_BASE = 0x4E00   # CJK block: thousands of code points that are never regex syntax
+
+
+def token_char(code: int) -> str:
+    return chr(TOKEN_BASE + code)
 
 
 @dataclass
@@ -159,7 +205,10 @@ def load_kb(path: Path | None = None) -> tuple[KnowledgeBase | None, list[Proble
                     aten=compile_sequence(p["aten"], where) if p.get("aten") else None,
                     checks=checks, subsumes=[str(x) for x in p.get("subsumes") or []],
                     caveat=p.get("caveat"), source=str(p.get("source", "")),
-                    kernels_text=str(p.get("kernels", "")), aten_text=str(p.get("aten", ""))))
+                    kernels_text=str(p.get("kernels", "")), aten_text=str(p.get("aten", "")),
+                    kernel_elems=elements(p["kernels"], where) if p.get("kernels") else [],
+                    aten_elems=elements(p["aten"], where) if p.get("aten") else [],
+                    followed_by=re.compile(_alt(p["followed_by"], where) + "$") if p.get("followed_by") else None))
             elif kind == "loop":
                 loops.append(LoopRule(str(p["id"]), str(p["api"]), str(p.get("what", "")),
                                       re.compile("^" + _alt(p["contains"], where) + "$"),

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from npufuse.profile.kb import KnowledgeBase, RegionRule, SequenceRule, sanitize
+from npufuse.profile.kb import TOKEN_BASE, KnowledgeBase, RegionRule, SequenceRule, compile_for_vocab, sanitize
 from npufuse.profile.readers import KernelTable
 from npufuse.profile.roofline import parse_shapes
 from npufuse.profile.trace import HostOp, TraceInfo, kernel_links
@@ -235,25 +235,34 @@ class Miner:
         self.rejected: dict[Any, Rejected] = {}
         self._string()
 
-    # token string: "Cast Pows ReduceMean | Cast ..." with '|' at stream/step boundaries
+    # token string: one character per op (its vocabulary code) and '|' at stream/step boundaries,
+    # so every pattern is a sequence of character classes and the regex engine scans in C
     def _string(self) -> None:
         st = self.st
-        words = [sanitize(t) for t in st.vocab]
-        v = len(words)
-        brk = np.zeros(st.n, dtype=bool)
-        if st.n > 1:
-            brk[:-1] = st.hard[1:]
-        pieces = [w + " " for w in words] + [w + " | " for w in words]
-        c2 = st.code.astype(np.int64) + v * brk
-        lens = np.array([len(p) for p in pieces], dtype=np.int64)[c2] if st.n else np.zeros(0, np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(lens)]) if st.n else np.zeros(1, np.int64)
-        self.text = "".join(np.array(pieces, dtype=object)[c2].tolist()) if st.n else ""
+        self.words = [sanitize(t) for t in st.vocab]
+        before = st.hard.copy()
+        if st.n:
+            before[0] = False
+        pos = np.arange(st.n, dtype=np.int64) + np.cumsum(before)
+        total = int(pos[-1]) + 1 if st.n else 0
+        buf = np.full(total, ord("|"), dtype=np.uint32)
+        buf[pos] = TOKEN_BASE + st.code.astype(np.uint32)
+        self.text = buf.astype("<u4").tobytes().decode("utf-32-le")
+        self.tok_of = np.full(total + 1, -1, dtype=np.int64)
+        self.tok_of[pos] = np.arange(st.n)
+        self.pos_of = np.append(pos, total)
 
-    def _tok(self, pos: int) -> int:
-        return int(np.searchsorted(self.offsets, pos, side="right")) - 1
+    def _tok(self, p: int) -> int:
+        return int(self.tok_of[p])
 
-    def _tok_end(self, pos: int) -> int:
-        return int(np.searchsorted(self.offsets, pos, side="left"))
+    def _tok_end(self, p: int) -> int:
+        return int(self.tok_of[p - 1]) + 1
+
+    def _rx(self, rule: SequenceRule) -> Any:
+        elems = rule.kernel_elems if self.st.level == "kernel" else rule.aten_elems
+        if not elems:
+            return None
+        return compile_for_vocab(elems, self.words, rule.followed_by if self.st.level == "kernel" else None)
 
     def _add(self, rule_id: str, api: str, kind: str, i: int, j: int, site: Any, site_key: Any, confirmed: bool,
              caveat: str | None = None, source: str = "", tokens: tuple[str, ...] | None = None,
@@ -307,38 +316,146 @@ class Miner:
 
     # ------------------------------------------------------------------ sequence rules
     def run_sequences(self) -> None:
+        """Each rule scans the whole token string once (finditer, in C); matches are then
+        accepted in bulk where the module is unknown, and one by one where call stacks exist."""
         st = self.st
         for rule in self.kb.sequences:
-            rx = rule.kernels if st.level == "kernel" else rule.aten
+            rx = self._rx(rule)
             if rx is None:
                 continue
-            pos = 0
-            text = self.text
-            while True:
-                m = rx.search(text, pos)
-                if m is None:
-                    break
-                if m.end() == m.start():
-                    pos = m.end() + 1
-                    continue
-                i, j = self._tok(m.start()), self._tok_end(m.end())
-                owners = self.claimed[i:j]
-                if (owners >= 0).any():
-                    owner = self.findings[int(owners[owners >= 0][0])]
-                    if rule.id in self.kb_subsumes(owner.pattern):
-                        owner.subsumed[rule.id] += 1
-                    pos = m.end()
-                    continue
-                if not self._check(rule, m, i):
-                    pos = int(self.offsets[i + 1])
-                    continue
-                status, site, key = st.scope_of(i, j)
+            if rule.checks:
+                gs = [f"e{k}" for _, k in rule.checks]
+                spans = [(m.start(), m.end(), *(x for g in gs for x in m.span(g))) for m in rx.finditer(self.text)
+                         if m.end() > m.start()]
+            else:
+                spans = [m.span() for m in rx.finditer(self.text) if m.end() > m.start()]
+            if not spans:
+                continue
+            arr = np.array(spans, dtype=np.int64)
+            texts = None
+            i = self.tok_of[arr[:, 0]]
+            j = self.tok_of[arr[:, 1] - 1] + 1
+            cc = self._claimed_cs()
+            overlap = (cc[j] - cc[i]) > 0
+            if overlap.any():
+                self._count_subsumed(rule, i[overlap], j[overlap])
+            ok = ~overlap
+            for k, (name, _) in enumerate(rule.checks):
+                a_, b_ = arr[:, 2 + 2 * k], arr[:, 3 + 2 * k]
+                tok = self.tok_of[a_]
+                ok &= (b_ > a_) & self._residual()[st.shape_code[np.clip(tok, 0, st.n - 1)]]
+            known = st._cs[j] - st._cs[i]
+            bulk = np.flatnonzero(ok & (known == 0))
+            if bulk.size:
+                self._add_bulk(rule, i[bulk], j[bulk], arr[bulk, 0], arr[bulk, 1])
+            retry: list[tuple[int, int]] = []
+            for k in np.flatnonzero(ok & (known > 0)).tolist():
+                ii, jj = int(i[k]), int(j[k])
+                status, site, key = st.scope_of(ii, jj)
                 if status == "reject":
-                    self._reject(rule.id, i, j, site)
-                    pos = int(self.offsets[i + 1])
+                    self._reject(rule.id, ii, jj, site)
+                    retry.append((ii + 1, jj))
                     continue
-                self._add(rule.id, rule.api, "sequence", i, j, site, key, status == "ok", rule.caveat, rule.source)
-                pos = m.end()
+                self._add(rule.id, rule.api, "sequence", ii, jj, site, key, status == "ok", rule.caveat,
+                          rule.source)
+            for start_tok, stop_tok in retry:
+                self._search_from(rule, rx, start_tok, stop_tok)
+
+    def _search_from(self, rule: SequenceRule, rx: Any, start_tok: int, stop_tok: int) -> None:
+        """After a cross-module rejection: a shorter match may start inside the rejected one."""
+        st = self.st
+        pos = int(self.pos_of[start_tok])
+        stop = int(self.pos_of[stop_tok])
+        while pos < stop:
+            m = rx.search(self.text, pos)
+            if m is None or m.start() >= stop:
+                return
+            i, j = self._tok(m.start()), self._tok_end(m.end())
+            if m.end() == m.start() or (self.claimed[i:j] >= 0).any() or not self._check(rule, m, i):
+                pos = int(self.pos_of[i + 1])
+                continue
+            status, site, key = st.scope_of(i, j)
+            if status == "reject":
+                self._reject(rule.id, i, j, site)
+                pos = int(self.pos_of[i + 1])
+                continue
+            self._add(rule.id, rule.api, "sequence", i, j, site, key, status == "ok", rule.caveat, rule.source)
+            pos = m.end()
+
+    def _same_run(self, members: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
+        """All matches in ``members`` spell the same tokens (checked exactly, vectorised)."""
+        codes = self.st.code
+        i = self.tok_of[a[members]]
+        n = int(b[members[0]] - a[members[0]])
+        if n <= 0:
+            return True
+        win = codes[(i[:, None] + np.arange(n)[None, :]).clip(0, codes.size - 1)]
+        return bool((win == win[0]).all())
+
+    def _claimed_cs(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.claimed >= 0)])
+
+    def _residual(self) -> np.ndarray:
+        """Per shape key: does the kernel look like a residual add (two equal, non-scalar inputs)?
+        Unknown shapes pass, so data without shapes still matches."""
+        if getattr(self, "_res", None) is None:
+            res = []
+            for key in self.st.shape_keys:
+                sh = parse_shapes(key[0])
+                res.append(not sh or (len(sh) >= 2 and sh[0] == sh[1] and bool(sh[0])))
+            self._res = np.array(res, dtype=bool)
+        return self._res
+
+    def _count_subsumed(self, rule: SequenceRule, i: np.ndarray, j: np.ndarray) -> None:
+        own = np.where(self.claimed[i] >= 0, self.claimed[i], self.claimed[np.maximum(j - 1, 0)])
+        for g, n in Counter(own.tolist()).items():
+            if g >= 0 and rule.id in self.kb_subsumes(self.findings[g].pattern):
+                self.findings[g].subsumed[rule.id] += n
+
+    def _add_bulk(self, rule: SequenceRule, i: np.ndarray, j: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        """Accept many unconfirmed-module matches at once, grouped by their token sequence."""
+        st = self.st
+        if getattr(self, "_csum", None) is None:
+            self._csum = np.concatenate([[0.0], np.cumsum(st.dur)])
+        kt = self._csum[j] - self._csum[i]
+        end_pad = np.append(st.end, -np.inf)
+        idx = np.empty(2 * i.size, dtype=np.int64)
+        idx[0::2], idx[1::2] = i, j
+        span = np.maximum.reduceat(end_pad, idx)[0::2] - st.start[i]
+        # the matches of one rule differ only in optional elements: few distinct texts, found by
+        # (length, first, last token) and then confirmed on the text itself
+        sig = (j - i) * (1 << 40) + st.code[i].astype(np.int64) * (1 << 20) + st.code[j - 1]
+        by_text: dict[str, list[int]] = {}
+        _, first_of, inv = np.unique(sig, return_index=True, return_inverse=True)
+        for u, f0 in enumerate(first_of.tolist()):
+            members = np.flatnonzero(inv == u)
+            if members.size == 1 or len({self.text[a[k]:b[k]] for k in members[:: max(1, members.size // 64)]
+                                         .tolist()}) == 1 and self._same_run(members, a, b):
+                by_text.setdefault(self.text[a[f0]:b[f0]], []).extend(members.tolist())
+            else:
+                for k in members.tolist():
+                    by_text.setdefault(self.text[a[k]:b[k]], []).append(k)
+        for t, ks in by_text.items():
+            sel = np.array(ks, dtype=np.int64)
+            toks = tuple(st.vocab[ord(ch) - TOKEN_BASE] for ch in t)
+            key = (rule.id, toks, None)
+            g = self._by_key.get(key)
+            if g is None:
+                i0 = int(i[sel[0]])
+                g = self._by_key[key] = len(self.findings)
+                self.findings.append(Finding(rule.id, rule.api, "sequence", st.tokens(i0, int(j[sel[0]])),
+                                             st.level, i0, int(j[sel[0]] - i0), None, False, rule.caveat,
+                                             rule.source))
+            f = self.findings[g]
+            f.count += int(sel.size)
+            f.kernels += int((j[sel] - i[sel]).sum())
+            f.kernel_us += float(kt[sel].sum())
+            f.span_us += float(span[sel].sum())
+            steps = st.step[i[sel]]
+            f.steps |= set(np.unique(steps[steps >= 0]).tolist())
+            lens = j[sel] - i[sel]
+            flat = np.repeat(i[sel] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+            self.claimed[flat] = g
 
     def kb_subsumes(self, pattern: str) -> list[str]:
         for r in self.kb.sequences:
@@ -461,19 +578,16 @@ def _runs(mask: np.ndarray, min_len: int, breaks: np.ndarray | None = None) -> l
     """(start, length) of runs of True at least ``min_len`` long; ``breaks[i]`` starts a new run."""
     if mask.size == 0:
         return []
-    m = mask.astype(np.int8)
-    starts = np.flatnonzero(np.diff(np.concatenate([[0], m])) == 1)
-    ends = np.flatnonzero(np.diff(np.concatenate([m, [0]])) == -1) + 1
-    out = []
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        if breaks is not None:
-            cuts = [a] + [k for k in np.flatnonzero(breaks[a + 1:b]).tolist() for k in [k + a + 1]] + [b]
-            for x, y in zip(cuts[:-1], cuts[1:]):
-                if y - x >= min_len:
-                    out.append((x, y - x))
-        elif b - a >= min_len:
-            out.append((a, b - a))
-    return out
+    m = mask.astype(bool)
+    prev_off = np.concatenate([[True], ~m[:-1]])
+    first = m & (prev_off | breaks) if breaks is not None else m & prev_off
+    starts = np.flatnonzero(first)
+    if starts.size == 0:
+        return []
+    run_id = np.cumsum(first)[m]          # 1-based run number of every True position
+    lens = np.bincount(run_id, minlength=starts.size + 1)[1:]
+    keep = lens >= min_len
+    return list(zip(starts[keep].tolist(), lens[keep].tolist()))
 
 
 # ---------------------------------------------------------------------------------- n-grams

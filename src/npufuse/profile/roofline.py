@@ -148,14 +148,19 @@ def assess(types: list[str], keys: list[tuple[str, str, str, str]], span_us: flo
                 produced[(s, d)] = produced.get((s, d), 0) + 1
         fused = external + sum(b for _, _, b in costs[-1].outputs)
         ai = flops / unfused if unfused else 0.0
-        t_fused = max(fused / bw, flops / fl, a.launch_us)
         t_roof_unfused = sum(max(c.bytes / bw, c.flops / fl) for c in costs)
+        bw_eff, fl_eff = bw, fl
+        if kernel_us > 0 and t_roof_unfused > kernel_us * 1.05:
+            # the kernels moved more bytes per us than the assumed peak allows: the peak (or the
+            # shapes) are off; bound the fused kernel with what was observed instead
+            bw_eff = max(bw, unfused / kernel_us)
+            fl_eff = max(fl, flops / kernel_us)
+            notes.append(f"measured kernels beat the roofline ({unfused / kernel_us / 1e3:,.0f} GB/s observed): "
+                         f"check --peak-bw/--peak-tflops or the shapes; the bound uses the observed rate")
+        t_fused = max(fused / bw_eff, flops / fl_eff, a.launch_us)
         row.update(bytes=int(unfused), bytes_fused=int(fused), flops=int(flops),
                    intensity=round(ai, 2), roofline_us=round(t_roof_unfused, 3),
                    fused_min_us=round(t_fused, 3))
-        if t_roof_unfused > kernel_us * 1.05 and kernel_us > 0:
-            notes.append("measured kernels run faster than the roofline estimate: check --peak-bw/--peak-tflops "
-                         "or the shapes")
     else:
         ai = None
         # no shapes: the only safe bound counts the gaps and launches between kernels

@@ -17,12 +17,16 @@ variable ``NPUFUSE_<ID>`` (default), or none (only "torch_npu importable and ten
 
 from __future__ import annotations
 
+import ast
+import re
 from dataclasses import dataclass
 
 from npufuse.patterns.base import Finding
 
 MARKER = "# npufuse: {pattern}"
 PRELUDE_MARKER = "# npufuse: torch_npu availability"
+# Closes the prelude so revert removes exactly the lines apply inserted (blank lines included).
+PRELUDE_END = "# npufuse: end of torch_npu availability"
 
 PRELUDE = f'''{PRELUDE_MARKER} (checked once per module; the file imports without torch_npu)
 import os as _npufuse_os
@@ -41,13 +45,16 @@ def _npufuse_on_npu(tensor) -> bool:
 def _npufuse_switch(name: str) -> bool:
     """Environment switch of one fused site: on unless set to 0/false/off."""
     return _npufuse_os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+{PRELUDE_END}
 '''
 
 
 @dataclass(frozen=True)
 class Switch:
-    kind: str  # "existing" | "new_field" | "env" | "none"
-    expr: str = ""  # for existing/new_field: a Python expression, e.g. "self.config.use_fused_rmsnorm"
+    kind: str  # "existing" | "new_field" | "env" | "user" | "none"
+    expr: str = ""  # for existing/new_field/user: a Python expression, e.g. "self.config.use_fused_rmsnorm"
     name: str = ""  # for env: the variable name
 
     def describe(self) -> str:
@@ -55,7 +62,43 @@ class Switch:
             return f"environment variable {self.name} (on by default; set {self.name}=0 to use the original code)"
         if self.kind in ("existing", "new_field"):
             return f"{'existing switch' if self.kind == 'existing' else 'new switch'} `{self.expr}`"
+        if self.kind == "user":
+            return f"switch `{self.expr}` (given with --switch)"
         return "no switch: fused whenever torch_npu is importable and the tensor is on an NPU"
+
+    def off_hint(self) -> str:
+        """How a user turns the original code back on, in one phrase."""
+        if self.kind == "env":
+            return f"{self.name}=0"
+        if self.kind in ("existing", "new_field", "user"):
+            return f"make `{self.expr}` false"
+        return "no switch: `npufuse revert` restores the original"
+
+    def to_json(self) -> dict[str, str]:
+        return {"kind": self.kind, "expr": self.expr, "name": self.name, "describe": self.describe()}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> "Switch":
+        """From scan.json's ``switch`` object (extra keys such as ``reuses`` are ignored)."""
+        if not isinstance(data, dict) or data.get("kind") not in ("existing", "new_field", "env", "user", "none"):
+            raise ValueError(f"not a switch: {data!r}")
+        return cls(str(data["kind"]), expr=str(data.get("expr") or ""), name=str(data.get("name") or ""))
+
+
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def parse_switch(text: str) -> Switch:
+    """``--switch``: an UPPER_CASE identifier is an environment variable, anything else a
+    Python expression used as is. Raises ``ValueError`` for an expression that does not parse."""
+    text = text.strip()
+    if _ENV_NAME.fullmatch(text):
+        return Switch("env", name=text)
+    try:
+        ast.parse(text, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"--switch {text!r} is neither an UPPER_CASE environment variable name nor a Python expression ({exc.msg})") from None
+    return Switch("user", expr=text)
 
 
 def env_switch(pattern: str, candidate_id: int | None = None) -> Switch:
@@ -67,14 +110,25 @@ def guard_expression(finding: Finding, switch: Switch) -> str:
     on_npu = f"_npufuse_on_npu({finding.guard_tensor})"
     if switch.kind == "env":
         return f'{on_npu} and _npufuse_switch("{switch.name}")'
-    if switch.kind in ("existing", "new_field"):
-        return f"{on_npu} and {switch.expr}"
+    if switch.kind in ("existing", "new_field", "user"):
+        # parenthesised: a user's `a or b` must not bind looser than the device check
+        expr = switch.expr if switch.kind != "user" else f"({switch.expr})"
+        return f"{on_npu} and {expr}"
     return on_npu
+
+
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def source_lines(text: str) -> list[str]:
+    """Lines with their ends, split only where Python (ast, libcst) counts a line: ``str.splitlines``
+    also splits at form feeds and U+2028, which would shift every line number after one."""
+    return _LINE.findall(text)
 
 
 def original_text(source: str, finding: Finding) -> str:
     """The site's statements exactly as in the file (whole lines, with their indentation)."""
-    lines = source.splitlines(keepends=True)
+    lines = source_lines(source)
     return "".join(lines[finding.line - 1 : finding.end_line])
 
 
@@ -102,7 +156,7 @@ def render_site(source: str, finding: Finding, switch: Switch) -> str:
     if outcome.skipped:
         raise ValueError(outcome.skipped[0][1])
     first, last = outcome.spans["site"]
-    return "".join(outcome.text.splitlines(keepends=True)[first - 1 : last])
+    return "".join(source_lines(outcome.text)[first - 1 : last])
 
 
 def splice(source: str, findings: list[Finding], switches: dict[int, Switch] | None = None) -> str:

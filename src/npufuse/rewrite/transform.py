@@ -12,6 +12,10 @@ and adds the availability prelude once per module. ``revert_source`` does the in
 marked ``if`` is replaced by its ``else`` statements, and the prelude goes when no marked site
 is left. Every other byte of the file is untouched. Results and reasons are returned, never
 raised, for sites that cannot be edited.
+
+The prelude is inserted and removed as one exact block of text (``codegen.PRELUDE`` between its
+start and end marker comments): blank lines belong to the *next* statement in libcst, so a
+node-level insert could not tell on removal which blank lines were ours.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from npufuse.rewrite.codegen import MARKER, PRELUDE, PRELUDE_MARKER
 
@@ -52,7 +56,7 @@ def is_marker(comment: cst.Comment | None) -> str | None:
     """Pattern id if ``comment`` is an npufuse site marker."""
     if comment is not None and comment.value.startswith(MARKER_PREFIX):
         rest = comment.value[len(MARKER_PREFIX) :].strip()
-        if rest and not rest.startswith("torch_npu availability"):
+        if rest and not rest.startswith("torch_npu availability") and not rest.startswith("end of torch_npu availability"):
             return rest.split()[0]
     return None
 
@@ -63,6 +67,10 @@ def _marked_if(node: cst.CSTNode) -> str | None:
     return None
 
 
+def _several_statements(node: cst.CSTNode) -> bool:
+    return isinstance(node, cst.SimpleStatementLine) and len(node.body) > 1
+
+
 class _SiteRewriter(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
@@ -70,8 +78,8 @@ class _SiteRewriter(cst.CSTTransformer):
         super().__init__()
         self.pending = {e.line: e for e in edits}
         self.applied: list[SiteEdit] = []
-        self.reasons: dict[int, str] = {}
-        self.new_ifs: dict[str, cst.If] = {}
+        self.reasons: dict[SiteEdit, str] = {}
+        self.new_ifs: list[tuple[str, cst.If]] = []
 
     # Both kinds of statement containers: module body and indented blocks.
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
@@ -80,30 +88,41 @@ class _SiteRewriter(cst.CSTTransformer):
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
         return updated.with_changes(body=self._rewrite_body(original.body, updated.body))
 
+    def _line(self, node: cst.CSTNode, end: bool = False) -> int:
+        pos = self.get_metadata(PositionProvider, node)
+        return pos.end.line if end else pos.start.line
+
+    def _skip(self, edit: SiteEdit, why: str) -> None:
+        self.reasons[edit] = why
+        self.pending.pop(edit.line, None)
+
     def _rewrite_body(self, original_body, updated_body) -> list:
         out = []
         i = 0
         orig = list(original_body)
         upd = list(updated_body)
         while i < len(orig):
-            start = self.get_metadata(PositionProvider, orig[i]).start.line
-            edit = self.pending.get(start)
+            edit = self.pending.get(self._line(orig[i]))
             if edit is None:
                 out.append(upd[i])
                 i += 1
                 continue
             if _marked_if(orig[i]):
-                self.reasons[edit.line] = "already fused: this site is an npufuse-marked branch"
-                self.pending.pop(start)
+                self._skip(edit, "already fused: this site is an npufuse-marked branch")
                 out.append(upd[i])
                 i += 1
                 continue
             j = i
-            while j < len(orig) and self.get_metadata(PositionProvider, orig[j]).end.line < edit.end_line:
+            while j < len(orig) and self._line(orig[j], end=True) < edit.end_line:
                 j += 1
-            if j >= len(orig) or self.get_metadata(PositionProvider, orig[j]).end.line != edit.end_line:
-                self.reasons[edit.line] = f"lines {edit.line}-{edit.end_line} are not whole statements of one block"
-                self.pending.pop(start)
+            if j >= len(orig) or self._line(orig[j], end=True) != edit.end_line:
+                self._skip(edit, f"lines {edit.line}-{edit.end_line} are not whole statements of one block")
+                out.append(upd[i])
+                i += 1
+                continue
+            if _several_statements(orig[i]) or _several_statements(orig[j]):
+                # `a = 1; b = 2`: the span cannot say which of the statements on the line it means
+                self._skip(edit, f"lines {edit.line}-{edit.end_line} share a line with other statements (`;`); split them first")
                 out.append(upd[i])
                 i += 1
                 continue
@@ -116,8 +135,12 @@ class _SiteRewriter(cst.CSTTransformer):
                 fused_body = cst.parse_module(textwrap.dedent(edit.fused).strip("\n") + "\n").body
                 test = cst.parse_expression(edit.guard)
             except cst.ParserSyntaxError as exc:
-                self.reasons[edit.line] = f"generated code does not parse: {exc.message}"
-                self.pending.pop(start)
+                self._skip(edit, f"generated code does not parse: {exc.message}")
+                out.extend(upd[i : j + 1])
+                i = j + 1
+                continue
+            if not fused_body:
+                self._skip(edit, "generated fused code is empty")
                 out.extend(upd[i : j + 1])
                 i = j + 1
                 continue
@@ -133,12 +156,32 @@ class _SiteRewriter(cst.CSTTransformer):
                 orelse=cst.Else(body=cst.IndentedBlock(body=originals)),
                 leading_lines=leading,
             )
-            self.new_ifs[edit.tag or str(edit.line)] = node
+            self.new_ifs.append((edit.tag or str(edit.line), node))
             self.applied.append(edit)
-            self.pending.pop(start)
+            self.pending.pop(edit.line)
             out.append(node)
             i = j + 1
         return out
+
+
+def _overlaps(edits: list[SiteEdit]) -> tuple[list[SiteEdit], list[tuple[SiteEdit, str]]]:
+    """Refuse overlapping spans up front: a site nested in another's span would put a rewritten
+    branch inside the other's fallback, which then would no longer be the original code."""
+    kept: list[SiteEdit] = []
+    refused: list[tuple[SiteEdit, str]] = []
+    for e in sorted(edits, key=lambda e: (e.line, e.end_line)):
+        if e.end_line < e.line:
+            refused.append((e, f"invalid span {e.line}-{e.end_line}"))
+            continue
+        clash = next((k for k in kept if k.line <= e.end_line and e.line <= k.end_line), None)
+        if clash is not None:
+            refused.append((e, f"overlaps site {clash.tag or clash.line} (lines {clash.line}-{clash.end_line}); accept only one of them"))
+        else:
+            kept.append(e)
+    return kept, refused
+
+
+# -- the prelude: one exact block of text ------------------------------------------------------
 
 
 def _prelude_index(body: list) -> int:
@@ -155,63 +198,90 @@ def _prelude_index(body: list) -> int:
     return idx
 
 
-def has_prelude(module: cst.Module) -> bool:
-    return PRELUDE_MARKER in module.code
+def has_prelude(code: str) -> bool:
+    return PRELUDE_MARKER in code
 
 
-def _prelude_statements() -> list:
-    parsed = cst.parse_module(PRELUDE)
-    body = list(parsed.body)
-    # The marker comment is the prelude module's header; keep it on the first statement.
-    body[0] = body[0].with_changes(leading_lines=(cst.EmptyLine(), *parsed.header, *body[0].leading_lines))
-    return body
+def _prelude_text(newline: str) -> str:
+    return PRELUDE.replace("\n", newline)
 
 
-def add_prelude(module: cst.Module) -> cst.Module:
-    """Insert the availability prelude once (recognised later by its marker comment)."""
-    if has_prelude(module):
-        return module
-    body = list(module.body)
-    idx = _prelude_index(body)
-    return module.with_changes(body=body[:idx] + _prelude_statements() + body[idx:])
+def add_prelude(module: cst.Module) -> str:
+    """The module's code with the availability prelude inserted once: after the docstring,
+    ``__future__`` and leading imports, one blank line above it when anything precedes it."""
+    code = module.code
+    if has_prelude(code):
+        return code
+    idx = _prelude_index(list(module.body))
+    # The module's text up to the insertion point: header + the leading statements.
+    prefix = "".join(module.code_for_node(n) for n in (*module.header, *list(module.body)[:idx]))
+    if not code.startswith(prefix):  # cannot happen for a parsed module; never corrupt the file
+        raise ValueError("cannot place the npufuse prelude in this module")
+    nl = module.default_newline
+    sep = nl if prefix else ""
+    return prefix + sep + _prelude_text(nl) + code[len(prefix) :]
 
 
-def remove_prelude(module: cst.Module) -> cst.Module:
-    """Drop exactly the statements ``add_prelude`` inserted, so apply + revert is byte-identical."""
-    want = [cst.Module(body=[s]).code for s in _prelude_statements()]
-    body = list(module.body)
-    n = len(want)
-    for k in range(len(body) - n + 1):
-        if [cst.Module(body=[s]).code for s in body[k : k + n]] == want:
-            return module.with_changes(body=body[:k] + body[k + n :])
-    return module
+def remove_prelude(code: str, newline: str = "\n") -> tuple[str, bool]:
+    """Drop exactly the text ``add_prelude`` inserted, so apply + revert is byte-identical.
+    Returns (code, removed); an edited prelude is left in place (``removed`` False)."""
+    block = _prelude_text(newline)
+    at = code.find(block)
+    if at < 0 or code.find(block, at + 1) >= 0:
+        return code, False
+    start = at
+    if at > 0:
+        # add_prelude put exactly one blank line above the block when anything preceded it
+        if code[:at].endswith(newline + newline):
+            start = at - len(newline)
+    return code[:start] + code[at + len(block) :], True
+
+
+# -- rewrite and revert --------------------------------------------------------------------------
+
+
+class _MarkedCollector(cst.CSTVisitor):
+    """Marked ifs in document order (node identity), to map new ifs to their positions."""
+
+    def __init__(self) -> None:
+        self.nodes: list[cst.If] = []
+
+    def visit_If(self, node: cst.If) -> None:
+        if _marked_if(node):
+            self.nodes.append(node)
 
 
 def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) -> RewriteOutcome:
     """Apply ``edits`` to ``source``; unparseable source raises ``cst.ParserSyntaxError``."""
     module = cst.parse_module(source)
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    rewriter = _SiteRewriter(edits)
-    new = wrapper.visit(rewriter)
+    usable, refused = _overlaps(edits)
+    rewriter = _SiteRewriter(usable)
+    new = MetadataWrapper(module, unsafe_skip_copy=True).visit(rewriter)
     outcome = RewriteOutcome(text=source)
     outcome.applied = list(rewriter.applied)
+    why = dict(refused)
     for e in edits:
-        if e not in rewriter.applied:
-            outcome.skipped.append((e, rewriter.reasons.get(e.line, f"no statement starts at line {e.line}")))
+        if e in why:
+            outcome.skipped.append((e, why[e]))
+        elif e not in rewriter.applied:
+            outcome.skipped.append((e, rewriter.reasons.get(e, f"line {e.line} does not start a statement of an indented block (one-line `if x: ...` bodies are not rewritten)")))
     if not rewriter.applied:
         return outcome
-    if prelude:
-        new = add_prelude(new)
-    outcome.text = new.code
-    # Where each new if/else block landed, for the report and the state file.
-    positions = MetadataWrapper(cst.parse_module(outcome.text)).resolve(PositionProvider)
-    rendered = {new.code_for_node(n): tag for tag, n in rewriter.new_ifs.items()}
-    for node, pos in positions.items():
-        if isinstance(node, cst.If) and _marked_if(node):
-            code = new.code_for_node(node)
-            tag = rendered.get(code)
-            if tag is not None and tag not in outcome.spans:
-                outcome.spans[tag] = (pos.start.line, pos.end.line)
+    outcome.text = add_prelude(new) if prelude else new.code
+    # Where each new if/else block landed: the k-th marked if of `new` is the k-th of the text
+    # (the prelude holds no marked if), so positions map by order, identity picks ours.
+    collector = _MarkedCollector()
+    new.visit(collector)
+    wrapper = MetadataWrapper(cst.parse_module(outcome.text))
+    positions = wrapper.resolve(PositionProvider)
+    final = _MarkedCollector()
+    wrapper.module.visit(final)
+    tag_of = {id(node): tag for tag, node in rewriter.new_ifs}
+    for ours, there in zip(collector.nodes, final.nodes):
+        tag = tag_of.get(id(ours))
+        if tag is not None:
+            pos = positions[there]
+            outcome.spans[tag] = (pos.start.line, pos.end.line)
     return outcome
 
 
@@ -250,7 +320,7 @@ class _MarkedFinder(cst.CSTVisitor):
 
 
 def marked_sites(source: str) -> list[MarkedSite]:
-    """Every npufuse-marked if/else in ``source``, in order."""
+    """Every npufuse-marked if/else in ``source``, in order (qualname as the scan spells it)."""
     finder = _MarkedFinder()
     MetadataWrapper(cst.parse_module(source)).visit(finder)
     return finder.sites
@@ -274,7 +344,12 @@ class _Reverter(cst.CSTTransformer):
         out = []
         for orig, upd in zip(original_body, updated_body):
             line = self.get_metadata(PositionProvider, orig).start.line
-            if _marked_if(orig) and (self.lines is None or line in self.lines) and isinstance(upd.orelse, cst.Else):
+            if (
+                _marked_if(orig)
+                and (self.lines is None or line in self.lines)
+                and isinstance(upd.orelse, cst.Else)
+                and upd.orelse.body.body
+            ):
                 restored = list(upd.orelse.body.body)
                 restored[0] = restored[0].with_changes(leading_lines=(*upd.leading_lines, *restored[0].leading_lines))
                 out.extend(restored)
@@ -284,13 +359,31 @@ class _Reverter(cst.CSTTransformer):
         return out
 
 
-def revert_source(source: str, lines: set[int] | None = None) -> tuple[str, list[int]]:
-    """Replace marked ifs (all, or those starting at ``lines``) by their else statements."""
+@dataclass
+class RevertOutcome:
+    text: str
+    reverted: list[int] = field(default_factory=list)  # start lines (in the input) of reverted ifs
+    notes: list[str] = field(default_factory=list)
+
+
+def revert_source(source: str, lines: set[int] | None = None) -> RevertOutcome:
+    """Replace marked ifs (all, or those starting at ``lines``) by their else statements; the
+    prelude goes with the last one."""
     module = cst.parse_module(source)
     reverter = _Reverter(lines)
     new = MetadataWrapper(module, unsafe_skip_copy=True).visit(reverter)
+    outcome = RevertOutcome(text=source)
+    if lines is not None:
+        missing = sorted(set(lines) - set(reverter.reverted))
+        if missing:
+            outcome.notes.append(f"no npufuse-marked if/else with an else branch starts at line(s) {', '.join(map(str, missing))}")
     if not reverter.reverted:
-        return source, []
-    if not marked_sites(new.code):
-        new = remove_prelude(new)
-    return new.code, reverter.reverted
+        return outcome
+    outcome.reverted = sorted(reverter.reverted)
+    text = new.code
+    if not marked_sites(text) and has_prelude(text):
+        text, removed = remove_prelude(text, module.default_newline)
+        if not removed:
+            outcome.notes.append("the npufuse prelude was edited by hand; left in place")
+    outcome.text = text
+    return outcome

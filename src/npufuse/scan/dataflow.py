@@ -267,14 +267,19 @@ def replace_segments(module: "ModuleInfo", stmt: ast.stmt, replacements: list[tu
         ((offset(n.lineno, n.col_offset), offset(n.end_lineno or n.lineno, n.end_col_offset or 0), new) for n, new in replacements),
         key=lambda t: t[0],
     )
+    indent = " " * stmt.col_offset
+
+    def dedent(piece: str) -> str:
+        # only the original source's continuation lines carry the statement's indentation
+        lines_ = piece.split("\n")
+        return "\n".join([lines_[0]] + [ln[len(indent):] if ln.startswith(indent) else ln for ln in lines_[1:]])
+
     out, pos = [], begin
     for a, b, new in spans:
         if a < pos or b > end:
             raise ValueError("replace_segments: overlapping or out-of-statement node")
-        out.append(text[pos:a].decode("utf-8"))
+        out.append(dedent(text[pos:a].decode("utf-8")))
         out.append(new)
         pos = b
-    out.append(text[pos:end].decode("utf-8"))
-    result = "".join(out)
-    indent = " " * stmt.col_offset
-    return "\n".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in result.split("\n"))
+    out.append(dedent(text[pos:end].decode("utf-8")))
+    return "".join(out)

@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
-from npufuse.rewrite.codegen import original_text, render_site
-from npufuse.scan import config_shapes, repo_search, risks
+from npufuse.rewrite.codegen import original_text
+from npufuse.scan import config_shapes, replacement, repo_search, risks
 from npufuse.scan.dataflow import ModuleInfo, Scope
 from npufuse.scan.walk import Failure, _os_failure, walk
 
@@ -59,6 +59,7 @@ class Hit:
     context: repo_search.SiteContext
     local_risks: list[dict[str, Any]]
     code: str  # the site's original lines
+    body: tuple[str, str] | None = None  # precomputed replacement text after the `if` line (replacement.fast_body)
 
 
 @dataclass
@@ -214,6 +215,8 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
     out.facts = facts
     n_lines = len(text.splitlines())
     errors: dict[str, list[Any]] = {}
+    fast_lines: list[str] | None = None
+    indent: str | None = None
 
     def fail(pid: str, scope: Scope, message: str) -> None:
         entry = errors.setdefault(pid, [message, scope.qualname, 0])
@@ -245,7 +248,14 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
                     except (Exception, RecursionError) as exc:  # our own analysis failing must not lose the finding
                         local = [risks.risk("other", f"npufuse could not analyse risks here ({type(exc).__name__}: {exc})")]
                     r.params = _jsonable(r.params)
-                    out.hits.append(Hit(r, repo_search.site_context(module, scope), local, original_text(text, r)))
+                    if fast_lines is None:
+                        fast_lines = text.splitlines(keepends=True) if replacement.splitlines_match(text) else []
+                        indent = replacement.default_indent(tree, fast_lines) if fast_lines else None
+                    try:
+                        body = replacement.fast_body(fast_lines, r, indent) if fast_lines and indent else None
+                    except Exception:  # the fast path declines; render_site will do it
+                        body = None
+                    out.hits.append(Hit(r, repo_search.site_context(module, scope), local, original_text(text, r), body))
                 elif isinstance(r, NearMiss):
                     if not isinstance(r.reason, str) or not r.reason.strip() or not isinstance(r.line, int):
                         fail(pattern.id, scope, "yielded a near miss without a reason or line")
@@ -257,8 +267,8 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
         message, qual, count = errors[pid]
         more = f" and {count - 1} more scope(s)" if count > 1 else ""
         out.failures.append(Failure(rel, "detector_error", f"detector {pid} {message} in {qual}{more}; its results for this file are incomplete"))
-    if out.hits:
-        out.source = text
+    if any(h.body is None for h in out.hits):
+        out.source = text  # only render_site (libcst) needs the whole file
     return out
 
 
@@ -470,8 +480,9 @@ def scan_repo(
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
     sources.sort(key=lambda s: (s.file, s.line, s.kind))
     by_id = {p.id: p for p in chosen}
-    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed)
+    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed, near, walked.root)
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
+    near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))
     return ScanResult(
         root=_root_label(target),
         files_scanned=scanned,
@@ -508,6 +519,8 @@ def _candidates(
     switch_mode: str,
     overrides: dict[str, Any],
     failed: list[Failure],
+    near: list[dict[str, Any]],
+    root: Path,
 ) -> list[dict[str, Any]]:
     order = {pid: i for i, pid in enumerate(patterns)}
     hits = [(o, h) for o in outcomes for h in o.hits]
@@ -515,16 +528,23 @@ def _candidates(
     wrappers = [e for e in existing if e.get("api")]
     keys: dict[str, int] = {}
     out: list[dict[str, Any]] = []
-    for n, (o, h) in enumerate(hits, start=1):
+    n = 0
+    for o, h in hits:
         f = h.finding
         pattern = patterns[f.pattern]
+        switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, switches, switch_mode)
+        try:
+            text = replacement.render(o.source if o.source is not None else (lambda o=o: _reread(root, o)), f, switch, h.body)
+        except Exception as exc:  # codegen cannot rewrite this site: a near miss, with the reason
+            reason = f"npufuse could not generate the replacement ({type(exc).__name__}: {exc})"
+            near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line, "reason": reason})
+            failed.append(Failure(o.file, "render_error", f"{f.pattern} at line {f.line}: {reason}"))
+            continue
+        n += 1
         key = f"{f.pattern}@{o.file}:{f.qualname}"
         keys[key] = keys.get(key, 0) + 1
         if keys[key] > 1:
             key = f"{key}#{keys[key]}"
-        switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, switches, switch_mode)
-        assert o.source is not None
-        replacement = render_site(o.source, f, switch)
         shapes = config_shapes.shapes_for(o.file, sources, overrides)
         value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
         generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16)
@@ -543,7 +563,7 @@ def _candidates(
             "params": f.params,
             "value": value,
             "risks": merged,
-            "replacement": replacement,
+            "replacement": text,
             "title": getattr(pattern, "title", f.pattern),
             "variant": f.variant,
             "notes": [str(x) for x in f.notes] + notes,
@@ -561,6 +581,16 @@ def _candidates(
     for c in out:
         c["risk_level"] = risks.overall_level(c["risks"])
     return out
+
+
+def _reread(root: Path, o: FileOutcome) -> str:
+    """The file's text again (for the rare site the fast renderer leaves to libcst)."""
+    text, sha, failure = read_source(root / o.file, o.file, 1 << 62)
+    if failure is not None or text is None:
+        raise OSError(failure.error if failure else "unreadable")
+    if sha != o.sha256:
+        raise OSError("the file changed during the scan")
+    return text
 
 
 def _assess(pattern: Pattern, finding: Finding, config: dict[str, Any], rel: str, failed: list[Failure]) -> dict[str, Any]:
@@ -589,19 +619,37 @@ def _mark_overlaps(cands: list[dict[str, Any]]) -> None:
 
 
 def suggested_order(cands: list[dict[str, Any]]) -> list[int]:
-    """Low risk first; within a risk level the larger roofline speed-up bound first (symbolic
-    estimates after numeric ones); then higher confidence; then id. Stable by construction."""
+    """Low risk first; within a risk level the largest measured time first (when a profile was
+    joined), then the largest roofline speed-up bound (symbolic estimates after numeric ones);
+    then higher confidence; then id. Stable by construction."""
 
     def key(c: dict[str, Any]) -> tuple[Any, ...]:
         level = risks.overall_level(c["risks"])
+        measured = (c.get("profile") or {}).get("time_us")
+        has_time = isinstance(measured, (int, float)) and measured > 0
         bound = c["value"].get("speedup_bound") if isinstance(c.get("value"), dict) else None
         numeric = isinstance(bound, (int, float)) and not isinstance(bound, bool)
-        return (risks.LEVELS.index(level), 0 if numeric else 1, -(bound if numeric else 0.0), CONFIDENCE_RANK.get(c["confidence"], 3), c["id"])
+        return (
+            risks.LEVELS.index(level),
+            0 if has_time else 1,
+            -(measured if has_time else 0.0),
+            0 if numeric else 1,
+            -(bound if numeric else 0.0),
+            CONFIDENCE_RANK.get(c["confidence"], 3),
+            c["id"],
+        )
 
     return [c["id"] for c in sorted(cands, key=key)]
 
 
-ORDER_RULE = (
-    "lowest risk level first (none, low, medium, high); within a level, the largest roofline "
-    "speed-up bound first (numeric estimates before symbolic ones); then higher confidence; then id"
-)
+def order_rule(with_profile: bool = False) -> str:
+    """The suggested-order rule in words (printed in the report)."""
+    measured = "the largest measured time in the joined profile first, then " if with_profile else ""
+    return (
+        "lowest risk level first (none, low, medium, high); within a level, "
+        f"{measured}the largest roofline speed-up bound first (numeric estimates before symbolic ones); "
+        "then higher confidence; then id"
+    )
+
+
+ORDER_RULE = order_rule()

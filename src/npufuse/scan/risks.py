@@ -269,10 +269,10 @@ def repo_risks(finding: Finding, pattern: Pattern, *, training: list[str], bf16:
             out.append(risk("dtype", f"the repo uses bf16 and {caveat}; keep bf16 parameters on the original optimizer (or use `torch.optim.AdamW(fused=True)` where the stack supports it)", level="high"))
         else:
             used = "; the repo uses bf16" if bf16 else ""
-            out.append(risk("dtype", f"{pattern.api} takes {supported}; {caveat}{used}", level="low"))
+            out.append(risk("dtype", f"`{pattern.api}` takes {supported}; {caveat}{used}", level="low"))
     if not finding.training_ok or not pattern.training_ok:
         if training:
-            out.append(risk("inference_only", f"{pattern.api} has no backward, and this repo trains ({training[0]}): the fused branch must only run without autograd (`not torch.is_grad_enabled()`), or the backward will fail", level="high"))
+            out.append(risk("inference_only", f"`{pattern.api}` has no backward, and this repo trains (`{training[0]}`): the fused branch must only run without autograd (`not torch.is_grad_enabled()`), or the backward will fail", level="high"))
         else:
-            out.append(risk("inference_only", f"{pattern.api} has no backward; no training code was found in the scanned tree, but if this model is trained elsewhere the fused branch must be off under autograd", level="medium"))
+            out.append(risk("inference_only", f"`{pattern.api}` has no backward; no training code was found in the scanned tree, but if this model is trained elsewhere the fused branch must be off under autograd", level="medium"))
     return out

@@ -1,0 +1,143 @@
+"""Benchmark `npufuse profile` on a large generated kernel_details.csv.
+
+    .venv/bin/python bench/profile.py                 # 1,000,000 rows, every available reader
+    .venv/bin/python bench/profile.py --rows 200000 --reader csv
+    .venv/bin/python bench/profile.py --input DIR     # an existing profiler result
+
+Each measurement runs in a fresh child process so its peak memory (ru_maxrss) is its own.
+Targets (issue 6): under 5 s and under 1 GiB for 1,000,000 rows on the 2-core CI machine.
+When the msprof-analyze CLI is on PATH (or given with --msprof), its advisor runs on the same
+input and the time ratio is printed. Generated files go to a temp folder and are deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATOR = ROOT.parent / "shared" / "tools" / "gen_ascend_profile.py"
+TARGET_S = 5.0
+TARGET_MIB = 1024.0
+
+CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from npufuse.profile.analysis import analyze, Options
+from npufuse.profile.readers import read_kernel_details
+from pathlib import Path
+path, reader, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+t1 = time.perf_counter()
+if mode == "read":
+    table, probs = read_kernel_details(Path(path), backend=reader)
+    rows = table.n if table else 0
+    backend = table.backend if table else None
+else:
+    r = analyze([path], Options(backend=reader))
+    rows = r["inputs"][0]["ops"] if r["inputs"] else 0
+    backend = (r["inputs"][0]["files"].get("kernel_details.csv") or {}).get("reader") if r["inputs"] else None
+t2 = time.perf_counter()
+print(json.dumps({"rows": rows, "import_s": t1 - t0, "run_s": t2 - t1, "backend": backend,
+                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def _child(path: Path, reader: str, mode: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", CHILD, str(path), reader, mode], capture_output=True, text=True,
+                         env=env, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"benchmark child failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _generate(rows: int, where: Path) -> Path:
+    if not GENERATOR.is_file():
+        raise SystemExit(f"generator not found: {GENERATOR}")
+    t = time.perf_counter()
+    subprocess.run([sys.executable, str(GENERATOR), "--out", str(where), "--kernel-rows", str(rows)], check=True,
+                   stdout=subprocess.DEVNULL)
+    print(f"generated {rows:,} kernel rows in {time.perf_counter() - t:.1f} s")
+    return next(where.glob("*_ascend_pt"))
+
+
+def _msprof(cli: str, result_dir: Path) -> float | None:
+    out = Path(tempfile.mkdtemp(prefix="msprof-out-"))
+    try:
+        t = time.perf_counter()
+        proc = subprocess.run([cli, "advisor", "all", "-d", str(result_dir), "-o", str(out)],
+                              capture_output=True, text=True, check=False, timeout=1800)
+        dt = time.perf_counter() - t
+        if proc.returncode != 0:
+            print(f"msprof-analyze advisor failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+            return None
+        return dt
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"msprof-analyze advisor did not run: {exc}")
+        return None
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--input", help="an existing *_ascend_pt folder (default: generate one)")
+    ap.add_argument("--reader", choices=("all", "csv", "polars"), default="all")
+    ap.add_argument("--msprof", help="msprof-analyze executable (default: look on PATH)")
+    ap.add_argument("--keep", action="store_true", help="keep the generated folder")
+    args = ap.parse_args()
+    tmp = None
+    if args.input:
+        result_dir = Path(args.input)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="npufuse-bench-"))
+        result_dir = _generate(args.rows, tmp)
+    csv_path = next(result_dir.rglob("kernel_details.csv"))
+    size = csv_path.stat().st_size
+    print(f"input: {csv_path} ({size / 2**20:.0f} MiB)")
+    readers = ["csv", "polars"] if args.reader == "all" else [args.reader]
+    if "polars" in readers and importlib.util.find_spec("polars") is None:
+        print("polars is not installed: skipping the polars reader")
+        readers.remove("polars")
+    ok = True
+    best = None
+    try:
+        for reader in readers:
+            for mode in ("read", "full"):
+                r = _child(csv_path, reader, mode)
+                rate = r["rows"] / r["run_s"] if r["run_s"] > 0 else float("inf")
+                label = "read kernel_details.csv" if mode == "read" else "full profile (read+mine+assess)"
+                print(f"{reader:>6} | {label:<32} | {r['rows']:>9,} rows | {r['run_s']:6.2f} s | "
+                      f"{rate:>12,.0f} rows/s | peak {r['peak_mib']:7.0f} MiB | import {r['import_s']:.2f} s")
+                if mode == "full":
+                    met = r["run_s"] < TARGET_S and r["peak_mib"] < TARGET_MIB
+                    ok &= met or reader != "polars" and "polars" in readers
+                    if best is None or r["run_s"] < best:
+                        best = r["run_s"]
+        print(f"target: < {TARGET_S:g} s and < {TARGET_MIB:g} MiB for the full profile")
+        cli = args.msprof or shutil.which("msprof-analyze")
+        if cli and best:
+            dt = _msprof(cli, result_dir)
+            if dt is not None:
+                print(f"msprof-analyze advisor all: {dt:.2f} s -> npufuse is {dt / best:.1f}x faster")
+        else:
+            print("msprof-analyze not found on PATH: no ratio (pip install msprof-analyze, or --msprof PATH)")
+    finally:
+        if tmp is not None and not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp is not None:
+            print(f"kept {tmp}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,848 @@
+"""Value tracking, spans and text splicing shared by the norm and gated-activation patterns.
+
+Private to ``npufuse.patterns`` (the registry skips ``_``-prefixed modules). A detector walks a
+value backwards from the statement that produces it: :class:`Ctx` says where an expression is
+evaluated (which scope, at which statement, and — inside an inlined helper — what its
+parameters are bound to); :func:`follow` steps through a local name to its definition and records
+the statement in a :class:`Trace`; :func:`plan_span` turns the traced statements into a
+whole-statement span in one block (or the reason it cannot); :func:`render` writes an expression
+seen anywhere in the trace as source text valid at the fused statement; :func:`splice` replaces
+sub-expressions of a statement by text, preserving everything else byte for byte.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from npufuse.scan.dataflow import CAST_METHODS, ModuleInfo, Scope, const_value, dotted
+
+# Statements whose body may not run (or runs repeatedly): a value defined inside is conditional.
+_CONDITIONAL = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Match) if hasattr(ast, "Match") else (ast.If, ast.For, ast.AsyncFor, ast.While)
+
+_FLOAT_DTYPES = {
+    "torch.float32": "torch.float32",
+    "torch.float": "torch.float32",
+    "torch.float16": "torch.float16",
+    "torch.half": "torch.float16",
+    "torch.bfloat16": "torch.bfloat16",
+    "torch.float64": "torch.float64",
+    "torch.double": "torch.float64",
+}
+_CAST_METHOD_DTYPE = {"float": "torch.float32", "half": "torch.float16", "bfloat16": "torch.bfloat16", "double": "torch.float64"}
+
+
+# --------------------------------------------------------------------------------------------
+# per-scope statement index (cached on the Scope object: scopes live as long as their module)
+
+
+@dataclass
+class StmtIndex:
+    parent: dict[int, ast.stmt | None]  # id(stmt) -> enclosing compound statement (None: top of scope)
+    block: dict[int, tuple[list[ast.stmt], int]]  # id(stmt) -> (block holding it, index)
+    by_line: dict[int, ast.stmt]  # first statement starting on a line
+    stmts: list[ast.stmt]
+
+
+def stmt_index(scope: Scope) -> StmtIndex:
+    cached = scope.__dict__.get("_npufuse_stmt_index")
+    if cached is not None:
+        return cached
+    parent: dict[int, ast.stmt | None] = {}
+    block: dict[int, tuple[list[ast.stmt], int]] = {}
+    by_line: dict[int, ast.stmt] = {}
+    stmts: list[ast.stmt] = []
+
+    def walk(body: list[ast.stmt], owner: ast.stmt | None) -> None:
+        for i, stmt in enumerate(body):
+            parent[id(stmt)] = owner
+            block[id(stmt)] = (body, i)
+            by_line.setdefault(stmt.lineno, stmt)
+            stmts.append(stmt)
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            for name in ("body", "orelse", "finalbody"):
+                inner = getattr(stmt, name, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    walk(inner, stmt)
+            for handler in getattr(stmt, "handlers", []) or []:
+                walk(handler.body, stmt)
+            for case in getattr(stmt, "cases", []) or []:
+                walk(case.body, stmt)
+
+    walk(scope.body, None)
+    idx = StmtIndex(parent, block, by_line, stmts)
+    scope.__dict__["_npufuse_stmt_index"] = idx
+    return idx
+
+
+def ancestors(idx: StmtIndex, stmt: ast.stmt) -> list[ast.stmt]:
+    out: list[ast.stmt] = []
+    cur = idx.parent.get(id(stmt))
+    while cur is not None:
+        out.append(cur)
+        cur = idx.parent.get(id(cur))
+    return out
+
+
+def scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
+    table = module.__dict__.get("_npufuse_scope_of")
+    if table is None:
+        table = {id(s.node): s for s in module.scopes}
+        module.__dict__["_npufuse_scope_of"] = table
+    return table.get(id(fn))
+
+
+_CALLED = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
+
+
+def functions_matching(module: ModuleInfo, tag: str, pred) -> set[str]:
+    """Names of functions/methods whose own text satisfies ``pred(text)``, closed over calls by
+    name (a helper calling such a helper counts). Text-only, so it costs no AST walk; cached per
+    module under ``tag``."""
+    cache = module.__dict__.setdefault("_npufuse_mentions", {})
+    if tag in cache:
+        return cache[tag]
+    lines = module_lines(module)
+    found: set[str] = set()
+    calls: dict[str, set[str]] = {}
+    for s in module.scopes:
+        fn = s.node
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        text = "".join(lines[fn.lineno - 1 : fn.end_lineno or fn.lineno])
+        if pred(text):
+            found.add(fn.name)
+        calls.setdefault(fn.name, set()).update(_CALLED.findall(text))
+    changed = True
+    while changed:
+        changed = False
+        for name, called in calls.items():
+            if name not in found and called & found:
+                found.add(name)
+                changed = True
+    cache[tag] = found
+    return found
+
+
+def module_lines(module: ModuleInfo) -> list[str]:
+    cached = module.__dict__.get("_npufuse_lines")
+    if cached is None:
+        cached = module.source.splitlines(keepends=True)
+        module.__dict__["_npufuse_lines"] = cached
+    return cached
+
+
+def source_of(module: ModuleInfo, node: ast.AST) -> str:
+    """Exact source of a node (``ast.get_source_segment`` re-splits the whole file per call)."""
+    lines = module_lines(module)
+    l0, l1 = node.lineno - 1, (node.end_lineno or node.lineno) - 1  # type: ignore[attr-defined]
+    c0, c1 = node.col_offset, node.end_col_offset  # type: ignore[attr-defined]
+    if l0 == l1:
+        return lines[l0].encode("utf-8")[c0:c1].decode("utf-8")
+    parts = [lines[l0].encode("utf-8")[c0:].decode("utf-8")]
+    parts += lines[l0 + 1 : l1]
+    parts.append(lines[l1].encode("utf-8")[:c1].decode("utf-8"))
+    return "".join(parts)
+
+
+def scope_text(module: ModuleInfo, scope: Scope) -> str:
+    """Source of a scope (cheap prefilter for detectors: skip scopes without the right words)."""
+    if isinstance(scope.node, ast.Module):
+        return module.source
+    lines = module_lines(module)
+    return "".join(lines[scope.node.lineno - 1 : (scope.node.end_lineno or scope.node.lineno)])
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation context and tracing
+
+
+@dataclass
+class Ctx:
+    """Where an expression is evaluated: scope, the statement line, helper parameter bindings."""
+
+    scope: Scope
+    line: int
+    bind: dict[str, tuple[ast.expr, "Ctx"]] = field(default_factory=dict)
+    depth: int = 0  # 0 = the scope being scanned; >0 = inside an inlined helper
+
+    def at(self, line: int) -> "Ctx":
+        return Ctx(self.scope, line, self.bind, self.depth)
+
+
+@dataclass
+class Trace:
+    """Statements of the scanned scope a match reads through (the span is built from them)."""
+
+    stmts: dict[int, ast.stmt] = field(default_factory=dict)
+    # conditional definitions met while following names: (def stmt, enclosing compound stmt)
+    conditional: list[tuple[ast.stmt, ast.stmt]] = field(default_factory=list)
+
+    def add(self, stmt: ast.stmt) -> None:
+        self.stmts[id(stmt)] = stmt
+
+    def copy(self) -> "Trace":
+        return Trace(dict(self.stmts), list(self.conditional))
+
+
+def definition(ctx: Ctx, name: str) -> tuple[ast.stmt, ast.expr] | None:
+    """The statement and value last assigning ``name`` before ``ctx.line`` in ``ctx.scope``.
+
+    Unlike a purely textual lookup, a definition in the other branch of an ``if`` that also holds
+    the use (``if a: x = f() else: use(x)``) does not reach the use and is skipped.
+    """
+    cands = [(stmt, value) for stmt, value in ctx.scope.assignments.get(name, []) if stmt.lineno < ctx.line]
+    if not cands:
+        return None
+    idx = stmt_index(ctx.scope)
+    use = idx.by_line.get(ctx.line)
+    for stmt, value in reversed(cands):
+        if use is None or not _exclusive(idx, stmt, use):
+            return stmt, value
+    return None
+
+
+def _exclusive(idx: StmtIndex, a: ast.stmt, b: ast.stmt) -> bool:
+    """Are ``a`` and ``b`` in different branches of one ``if`` (never both executed)?"""
+    chain_a = [a] + ancestors(idx, a)
+    chain_b = {id(x) for x in [b] + ancestors(idx, b)}
+    prev = a
+    for anc in chain_a[1:]:
+        if id(anc) in chain_b:
+            if isinstance(anc, ast.If):
+                in_body_a = any(s is prev for s in anc.body)
+                prev_b = b
+                for x in [b] + ancestors(idx, b):
+                    if idx.parent.get(id(x)) is anc:
+                        prev_b = x
+                        break
+                in_body_b = any(s is prev_b for s in anc.body)
+                return in_body_a != in_body_b
+            return False
+        prev = anc
+    return False
+
+
+def follow(node: ast.expr, ctx: Ctx, trace: Trace | None = None, *, allow_conditional: bool = False) -> tuple[ast.expr, Ctx, ast.stmt | None]:
+    """One step through a Name: its bound helper argument or its local definition.
+
+    Returns ``(value, ctx_of_value, defining_stmt)``; a Name that is a parameter (or global, or
+    only conditionally defined when ``allow_conditional`` is false) comes back unchanged with
+    ``defining_stmt`` None.
+    """
+    if not isinstance(node, ast.Name):
+        return node, ctx, None
+    if node.id in ctx.bind:
+        value, vctx = ctx.bind[node.id]
+        return value, vctx, None
+    d = definition(ctx, node.id)
+    if d is None:
+        return node, ctx, None
+    stmt, value = d
+    idx = stmt_index(ctx.scope)
+    use = idx.by_line.get(ctx.line)
+    use_anc = {id(a) for a in ancestors(idx, use)} if use is not None else set()
+    for anc in ancestors(idx, stmt):
+        if isinstance(anc, _CONDITIONAL) and id(anc) not in use_anc:
+            if not allow_conditional:
+                return node, ctx, None
+            if trace is not None and ctx.depth == 0:
+                trace.conditional.append((stmt, anc))
+            break
+    if trace is not None and ctx.depth == 0:
+        trace.add(stmt)
+    return value, ctx.at(stmt.lineno), stmt
+
+
+def peel(node: ast.expr, ctx: Ctx, trace: Trace | None = None, *, through=None, allow_conditional: bool = False) -> tuple[ast.expr, Ctx]:
+    """Follow names while their definition satisfies ``through(value)`` (all names when None)."""
+    for _ in range(32):
+        if not isinstance(node, ast.Name):
+            return node, ctx
+        value, vctx, stmt = follow(node, ctx, None, allow_conditional=allow_conditional)
+        if value is node:
+            return node, ctx
+        if through is not None and not through(value):
+            return node, ctx
+        if trace is not None:
+            follow(node, ctx, trace, allow_conditional=allow_conditional)
+        node, ctx = value, vctx
+    return node, ctx
+
+
+def is_cast(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CAST_METHODS
+
+
+def key(node: ast.expr, ctx: Ctx, depth: int = 0) -> str:
+    """A dtype-insensitive identity of a value: names resolved to their definitions, casts dropped.
+
+    Two expressions with the same key compute the same tensor (up to dtype), e.g. the squared
+    operand of the variance and the normalized operand of an RMSNorm.
+    """
+    if depth > 40:
+        return "<deep>"
+    while is_cast(node):
+        node = node.func.value  # type: ignore[union-attr]
+    if isinstance(node, ast.Name):
+        value, vctx, stmt = follow(node, ctx)
+        if value is node:
+            return f"${node.id}@{ctx.scope.qualname}"
+        return key(value, vctx, depth + 1)
+    if isinstance(node, ast.AST):
+        parts = [type(node).__name__]
+        for fname, val in ast.iter_fields(node):
+            if fname in ("ctx", "type_comment", "kind"):
+                continue
+            if isinstance(val, ast.expr):
+                parts.append(key(val, ctx, depth + 1))
+            elif isinstance(val, list):
+                parts.append("[" + ",".join(key(v, ctx, depth + 1) if isinstance(v, ast.expr) else (ast.dump(v) if isinstance(v, ast.AST) else repr(v)) for v in val) + "]")
+            elif isinstance(val, ast.AST):
+                parts.append(ast.dump(val))
+            else:
+                parts.append(repr(val))
+        return "(" + " ".join(parts) + ")"
+    return repr(node)
+
+
+def depends_on(node: ast.expr, ctx: Ctx, target_key: str) -> bool:
+    """Does ``node`` read (through local definitions) the value whose key is ``target_key``?"""
+    k = key(node, ctx)
+    return target_key in k
+
+
+# --------------------------------------------------------------------------------------------
+# small AST predicates
+
+
+def call_name(module: ModuleInfo, node: ast.AST) -> str | None:
+    return module.call_name(node)
+
+
+def method_call(node: ast.AST, *names: str) -> ast.Call | None:
+    """``node`` if it is ``<recv>.<name>(...)`` for one of ``names``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
+        return node
+    return None
+
+
+def arg(call: ast.Call, name: str, position: int | None) -> ast.expr | None:
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    if position is not None and len(call.args) > position and not any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
+        return call.args[position]
+    return None
+
+
+def const_dim(node: ast.expr | None) -> object:
+    """A literal dim (``-1``, ``(-1,)``, ``[-1]`` -> -1), else ``...``."""
+    v = const_value(node)
+    if isinstance(v, (tuple, list)) and len(v) == 1:
+        v = v[0]
+    return v
+
+
+def is_last_dim_expr(node: ast.expr | None) -> bool:
+    """``-1`` or ``x.dim() - 1`` / ``x.ndim - 1`` / ``len(x.shape) - 1``."""
+    if node is None:
+        return False
+    if const_dim(node) == -1:
+        return True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and const_value(node.right) == 1:
+        left = node.left
+        if isinstance(left, ast.Attribute) and left.attr == "ndim":
+            return True
+        if isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr in ("dim", "ndimension"):
+            return True
+        if isinstance(left, ast.Call) and isinstance(left.func, ast.Name) and left.func.id == "len":
+            return True
+    return False
+
+
+def torch_name(module: ModuleInfo) -> str | None:
+    """The name this module binds to the ``torch`` package (``torch`` almost always)."""
+    for local, full in module.aliases.items():
+        if full == "torch":
+            return local
+    return None
+
+
+def cast_dtype(module: ModuleInfo, cast: ast.Call, ctx: Ctx, trace: Trace | None = None) -> tuple[str, ast.expr | None, Ctx] | None:
+    """What dtype a cast produces: ``("torch.float32", None, ctx)`` for fixed dtypes, ``("like",
+    t, tctx)`` for ``.to(t.dtype)`` / ``.type_as(t)`` (``t`` evaluated in ``tctx``), ``("same", ...)``
+    for ``.contiguous()``, ``("expr", e, ectx)`` for a dtype-valued parameter; None if it is not a
+    plain dtype cast (``.to(device)``). Names holding the dtype are followed (and traced)."""
+    attr = cast.func.attr  # type: ignore[union-attr]
+    if attr == "contiguous":
+        return ("same", None, ctx)
+    if attr in _CAST_METHOD_DTYPE and not cast.args:
+        return (_CAST_METHOD_DTYPE[attr], None, ctx)
+    if attr == "type_as" and len(cast.args) == 1:
+        return ("like", cast.args[0], ctx)
+    if attr in ("to", "type"):
+        target = arg(cast, "dtype", 0)
+        if target is None or len(cast.args) > 1:
+            return None
+        return dtype_of_expr(module, target, ctx, trace)
+    return None
+
+
+def dtype_of_expr(module: ModuleInfo, node: ast.expr, ctx: Ctx, trace: Trace | None = None, depth: int = 0) -> tuple[str, ast.expr | None, Ctx] | None:
+    """A dtype-valued expression: ``torch.bfloat16`` or ``t.dtype`` (followed through names)."""
+    if depth > 8:
+        return None
+    canon = module.canonical(node)
+    if canon in _FLOAT_DTYPES:
+        return (_FLOAT_DTYPES[canon], None, ctx)
+    if isinstance(node, ast.Attribute) and node.attr == "dtype":
+        return ("like", node.value, ctx)
+    if isinstance(node, ast.Name):
+        value, vctx, stmt = follow(node, ctx)
+        if value is not node:
+            found = dtype_of_expr(module, value, vctx, trace, depth + 1)
+            if found is not None and trace is not None:
+                follow(node, ctx, trace)
+            return found
+        return ("expr", node, ctx)  # a parameter holding a dtype: used as is
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# rendering expressions as source valid at the fused statement
+
+
+class RenderError(Exception):
+    pass
+
+
+@dataclass
+class SpanPlan:
+    block: list[ast.stmt]
+    start: int  # index in block
+    end: int  # index in block (the root statement)
+    dropped: list[ast.stmt]  # traced statements the fused code replaces
+    kept: list[ast.stmt]  # statements inside the span emitted verbatim, in order
+    line: int
+    end_line: int
+
+    dropped_ids: set[int] = field(default_factory=set)  # dropped statements and everything nested in them
+
+    @property
+    def stmts(self) -> list[ast.stmt]:
+        return self.block[self.start : self.end + 1]
+
+    def is_dropped(self, stmt: ast.stmt) -> bool:
+        return id(stmt) in self.dropped_ids
+
+    def kept_writes_after(self, name: str, line: int) -> bool:
+        """Does a kept statement assign ``name`` after ``line`` (so the name changed meaning)?"""
+        return any(s.lineno > line and name in names_written(s) for s in self.kept)
+
+
+def render(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) -> str:
+    """``node`` (evaluated in ``ctx``) as source text valid where the fused root statement runs.
+
+    Helper parameters become the caller's arguments; names defined by statements the fused code
+    drops are replaced by their (rendered) definitions; other names are kept. Raises
+    :class:`RenderError` when a name cannot be expressed there.
+    """
+    changed = [False]
+
+    def sub(n: ast.expr, c: Ctx, depth: int) -> ast.expr:
+        if depth > 24:
+            raise RenderError("expression too deep")
+        if isinstance(n, ast.Name):
+            if n.id in c.bind:
+                value, vctx = c.bind[n.id]
+                changed[0] = True
+                return sub(value, vctx, depth + 1)
+            d = definition(c, n.id)
+            if d is None:
+                return n
+            stmt, value = d
+            if c.depth > 0:  # a helper's local: inline its definition
+                changed[0] = True
+                return sub(value, c.at(stmt.lineno), depth + 1)
+            if plan is not None and plan.is_dropped(stmt):
+                changed[0] = True
+                return _paren(sub(value, c.at(stmt.lineno), depth + 1))
+            if plan is not None and stmt.lineno >= plan.line and not any(s is stmt for s in plan.kept):
+                raise RenderError(f"`{n.id}` is assigned inside the span")
+            if plan is not None and plan.kept_writes_after(n.id, stmt.lineno):
+                raise RenderError(f"`{n.id}` is reassigned inside the span")
+            return n
+        new = _copy_shallow(n)
+        for fname, val in ast.iter_fields(n):
+            if isinstance(val, ast.expr):
+                setattr(new, fname, sub(val, c, depth + 1))
+            elif isinstance(val, list):
+                setattr(new, fname, [sub(v, c, depth + 1) if isinstance(v, ast.expr) else _sub_kw(v, c, depth) for v in val])
+            elif isinstance(val, ast.AST):
+                setattr(new, fname, _sub_kw(val, c, depth))
+        return new
+
+    def _sub_kw(v: object, c: Ctx, depth: int) -> object:
+        if isinstance(v, ast.keyword):
+            k = ast.keyword(arg=v.arg, value=sub(v.value, c, depth + 1))
+            return k
+        if isinstance(v, ast.comprehension):
+            raise RenderError("comprehension")
+        return v
+
+    out = sub(node, ctx, 0)
+    if not changed[0] and ctx.depth == 0 and hasattr(node, "end_col_offset"):
+        return source_of(module, node)
+    return ast.unparse(out)
+
+
+def _paren(n: ast.expr) -> ast.expr:
+    return n
+
+
+def _copy_shallow(n: ast.AST) -> ast.AST:
+    new = type(n)()
+    for fname, val in ast.iter_fields(n):
+        setattr(new, fname, val)
+    for attr in ("lineno", "col_offset", "end_lineno", "end_col_offset"):
+        if hasattr(n, attr):
+            setattr(new, attr, getattr(n, attr))
+    return new
+
+
+def render_name_ok(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) -> str | None:
+    try:
+        return render(module, node, ctx, plan)
+    except RenderError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# spans
+
+
+def names_read(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def names_written(stmt: ast.stmt) -> set[str]:
+    out: set[str] = set()
+    targets: list[ast.expr] = []
+    if isinstance(stmt, ast.Assign):
+        targets = list(stmt.targets)
+    elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
+        targets = [stmt.target]
+    elif isinstance(stmt, (ast.If, ast.With, ast.For, ast.While, ast.Try)):
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                out.add(n.id)
+        return out
+    for t in targets:
+        for n in ast.walk(t):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                out.add(n.id)
+    return out
+
+
+def _is_cheap(stmt: ast.stmt) -> bool:
+    """Metadata and view statements (``dt = x.dtype``, ``a, b = t.chunk(2, -1)``): re-running them
+    costs no kernel, so they may stay verbatim in the fused code when their names are used later."""
+    if not isinstance(stmt, ast.Assign):
+        return False
+    v = stmt.value
+    if isinstance(v, ast.Attribute) and v.attr in ("dtype", "shape", "device", "ndim"):
+        return True
+    if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr in ("size", "dim", "chunk", "split", "view", "unbind"):
+        return True
+    return False
+
+
+def plan_span(scope: Scope, root: ast.stmt, trace: Trace, reads: set[str] | None = None) -> SpanPlan | str:
+    """Whole statements in ``root``'s block covering every traced statement, or why not.
+
+    Traced statements in nested blocks count as their ancestor in the root's block (a T5-style
+    ``if weight is half: cast`` is one statement of the span). Statements between the traced
+    ones are kept verbatim if they do not read a dropped intermediate. A dropped intermediate
+    read after the span is a near miss (``intermediate ... reused after the fused region``),
+    unless its statement is cheap (dtype/shape/view), which is then kept verbatim.
+    """
+    idx = stmt_index(scope)
+    loc = idx.block.get(id(root))
+    if loc is None:
+        return "statement not found"
+    block, end = loc
+    start = end
+    members: dict[int, ast.stmt] = {id(root): root}
+    for stmt in trace.stmts.values():
+        cur: ast.stmt | None = stmt
+        while cur is not None and idx.block.get(id(cur), (None, 0))[0] is not block:
+            cur = idx.parent.get(id(cur))
+        if cur is None:
+            return "part of the computation is in another block (control flow)"
+        i = idx.block[id(cur)][1]
+        if i > end:
+            return "part of the computation comes after its result"
+        start = min(start, i)
+        members[id(cur)] = cur
+    span = block[start : end + 1]
+    line = span[0].lineno
+    end_line = root.end_lineno or root.lineno
+    # whole lines only: nothing else may share the span's first or last line
+    if start > 0 and (block[start - 1].end_lineno or 0) >= line:
+        return "statement shares a line with another"
+    if end + 1 < len(block) and block[end + 1].lineno <= end_line:
+        return "statement shares a line with another"
+    dropped = [s for s in span if id(s) in members and s is not root]
+    kept = [s for s in span if id(s) not in members]
+    live_after = _names_used_after(scope, end_line)
+    root_writes = names_written(root)
+    for s in list(dropped):
+        for name in names_written(s):
+            if name in root_writes:
+                continue
+            if name in live_after:
+                if _is_cheap(s):
+                    dropped.remove(s)
+                    kept.append(s)
+                    break
+                return f"intermediate `{name}` reused after the fused region"
+    kept.sort(key=lambda s: s.lineno)
+    dropped_names = set().union(*(names_written(s) for s in dropped)) if dropped else set()
+    for s in kept:
+        clash = names_read(s) & dropped_names
+        if clash:
+            return f"intermediate `{sorted(clash)[0]}` is used by another statement inside the fused region"
+    dropped_ids = {id(n) for s in dropped for n in ast.walk(s) if isinstance(n, ast.stmt)}
+    return SpanPlan(block, start, end, dropped, kept, line, end_line, dropped_ids)
+
+
+def _names_used_after(scope: Scope, line: int) -> set[str]:
+    out: set[str] = set()
+    for n in ast.walk(scope.node):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno > line:
+            out.add(n.id)
+    return out
+
+
+def loop_carried(scope: Scope, stmt: ast.stmt, names: set[str]) -> bool:
+    """Is ``stmt`` inside a loop whose body reads one of ``names`` before ``stmt``?"""
+    idx = stmt_index(scope)
+    for anc in ancestors(idx, stmt):
+        if isinstance(anc, (ast.For, ast.While, ast.AsyncFor)):
+            for n in ast.walk(anc):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in names and n.lineno < stmt.lineno:
+                    return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# text
+
+
+def splice(module: ModuleInfo, stmt: ast.stmt, replacements: list[tuple[ast.AST, str]]) -> str:
+    """The statement's source lines (dedented) with each node's text replaced; byte-exact elsewhere."""
+    lines = module_lines(module)
+    first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
+    raw = [ln.encode("utf-8") for ln in lines[first - 1 : last]]
+    # replace right-to-left so earlier offsets stay valid
+    for node, text in sorted(replacements, key=lambda r: (r[0].lineno, r[0].col_offset), reverse=True):
+        l0, c0 = node.lineno - first, node.col_offset
+        l1, c1 = (node.end_lineno or node.lineno) - first, node.end_col_offset or 0
+        head = raw[l0][:c0]
+        tail = raw[l1][c1:]
+        raw[l0 : l1 + 1] = [head + text.encode("utf-8") + tail]
+    text = b"".join(raw).decode("utf-8")
+    # the first line starts at the statement's column: drop that indentation from every line
+    return textwrap.dedent(text).rstrip("\n")
+
+
+def stmt_source(module: ModuleInfo, stmt: ast.stmt) -> str:
+    return splice(module, stmt, [])
+
+
+def block_source(module: ModuleInfo, stmts: list[ast.stmt]) -> str:
+    """Verbatim source of consecutive statements, dedented (comments between them kept)."""
+    lines = module_lines(module)
+    text = "".join(lines[stmts[0].lineno - 1 : (stmts[-1].end_lineno or stmts[-1].lineno)])
+    return textwrap.dedent(text).rstrip("\n")
+
+
+def indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + ln if ln.strip() else ln for ln in text.splitlines())
+
+
+def already_fused(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> str | None:
+    """Why a site needs no rewrite: it sits in the fallback of an existing torch_npu/npufuse branch."""
+    idx = stmt_index(scope)
+    child: ast.stmt = stmt
+    for anc in ancestors(idx, stmt):
+        if isinstance(anc, ast.If):
+            test = ast.unparse(anc.test).lower()
+            in_else = any(s is child for s in anc.orelse) or _contains(anc.orelse, stmt)
+            if in_else and ("npu" in test):
+                if "_npufuse_" in test:
+                    return "already rewritten by npufuse"
+                return "already has a torch_npu branch"
+        child = anc
+    return None
+
+
+def _contains(block: list[ast.stmt], stmt: ast.stmt) -> bool:
+    for s in block:
+        for n in ast.walk(s):
+            if n is stmt:
+                return True
+    return False
+
+
+def iter_exprs_topdown(node: ast.AST) -> Iterator[ast.expr]:
+    """Expression nodes of a statement, outermost first (not into nested function bodies)."""
+    stack = [node]
+    while stack:
+        n = stack.pop(0)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and n is not node:
+            continue
+        if isinstance(n, ast.expr):
+            yield n
+        stack[0:0] = list(ast.iter_child_nodes(n))
+
+
+def simple_stmt(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, (ast.Return, ast.Assign, ast.AnnAssign, ast.Expr))
+
+
+def init_assignments(module: ModuleInfo, class_name: str | None) -> dict[str, ast.expr]:
+    """``self.<attr> = <value>`` in the class's ``__init__`` (last one wins), for module lookups."""
+    if not class_name or class_name not in module.classes:
+        return {}
+    cached = module.__dict__.setdefault("_npufuse_init", {})
+    if class_name in cached:
+        return cached[class_name]
+    out: dict[str, ast.expr] = {}
+    cls = module.classes[class_name]
+    for item in cls.body:
+        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+            for n in ast.walk(item):
+                if isinstance(n, ast.Assign):
+                    for t in n.targets:
+                        d = dotted(t)
+                        if d and d.startswith("self.") and d.count(".") == 1:
+                            out[d[5:]] = n.value
+                elif isinstance(n, ast.AnnAssign) and n.value is not None:
+                    d = dotted(n.target)
+                    if d and d.startswith("self.") and d.count(".") == 1:
+                        out[d[5:]] = n.value
+    cached[class_name] = out
+    return out
+
+
+def init_params(module: ModuleInfo, class_name: str | None) -> dict[str, ast.expr | None]:
+    """Parameters of the class's ``__init__`` with their defaults."""
+    if not class_name or class_name not in module.classes:
+        return {}
+    for item in module.classes[class_name].body:
+        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+            a = item.args
+            pos = [*a.posonlyargs, *a.args]
+            defaults: list[ast.expr | None] = [None] * (len(pos) - len(a.defaults)) + list(a.defaults)
+            out = {p.arg: d for p, d in zip(pos, defaults)}
+            for p, d in zip(a.kwonlyargs, a.kw_defaults):
+                out[p.arg] = d
+            return out
+    return {}
+
+
+def method(module: ModuleInfo, class_name: str | None, name: str) -> ast.FunctionDef | None:
+    if not class_name or class_name not in module.classes:
+        return None
+    for item in module.classes[class_name].body:
+        if isinstance(item, ast.FunctionDef) and item.name == name:
+            return item
+    return None
+
+
+def bind_call(module: ModuleInfo, call: ast.Call, fn: ast.FunctionDef, ctx: Ctx, is_method: bool) -> Ctx | None:
+    """The context of ``fn``'s body with its parameters bound to ``call``'s arguments."""
+    scope = scope_of(module, fn)
+    if scope is None or ctx.depth >= 3:
+        return None
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    bind: dict[str, tuple[ast.expr, Ctx]] = {}
+    args = list(call.args)
+    if any(isinstance(x, ast.Starred) for x in args) or any(k.arg is None for k in call.keywords):
+        return None
+    if is_method:
+        if not params:
+            return None
+        recv = call.func.value  # type: ignore[union-attr]
+        bind[params[0]] = (recv, ctx)
+        params = params[1:]
+    if len(args) > len(params):
+        return None
+    for p, v in zip(params, args):
+        bind[p] = (v, ctx)
+    kwonly = [p.arg for p in a.kwonlyargs]
+    for k in call.keywords:
+        if k.arg not in params and k.arg not in kwonly:
+            return None
+        bind[k.arg] = (k.value, ctx)  # type: ignore[index]
+    defaults = dict(zip(params[len(params) - len(a.defaults) :] if a.defaults else [], a.defaults))
+    for p, d in zip(kwonly, a.kw_defaults):
+        if d is not None:
+            defaults[p] = d
+    line = fn.body[0].lineno if fn.body else fn.lineno
+    hctx = Ctx(scope, line, {}, ctx.depth + 1)
+    for p in params + kwonly:
+        if p not in bind:
+            if p in defaults:
+                bind[p] = (defaults[p], hctx)
+            else:
+                return None
+    hctx.bind = bind
+    return hctx
+
+
+def helper_return(fn: ast.FunctionDef) -> ast.Return | None:
+    """The single ``return <expr>`` ending a small helper (straight-line body), else None."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if not body or len(body) > 8:
+        return None
+    if not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    for s in body[:-1]:
+        if not _straight(s):
+            return None
+    return body[-1]
+
+
+def _straight(s: ast.stmt) -> bool:
+    """An assignment, or an ``if`` holding only assignments (T5's "cast if the weight is half")."""
+    if isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        return True
+    if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
+        return True
+    if isinstance(s, ast.If):
+        return all(_straight(x) for x in s.body) and all(_straight(x) for x in s.orelse)
+    return False
+
+
+def resolve_callee(module: ModuleInfo, call: ast.Call, ctx: Ctx) -> tuple[ast.FunctionDef, bool] | None:
+    """A helper defined in this module that ``call`` invokes: ``self.m(...)`` in the same class,
+    or a module-level ``f(...)``."""
+    f = call.func
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and ctx.scope.class_name:
+        m = method(module, ctx.scope.class_name, f.attr)
+        if m is not None:
+            return m, True
+        return None
+    if isinstance(f, ast.Name) and f.id not in ctx.bind and definition(ctx, f.id) is None:
+        fn = module.helper(f.id)
+        if isinstance(fn, ast.FunctionDef):
+            return fn, False
+    return None

@@ -1,0 +1,2234 @@
+"""attention: eager Q@Kᵀ -> scale -> mask -> softmax -> dropout -> @V -> ``torch_npu.npu_fusion_attention``.
+
+The matcher reads a block of statements with a small symbolic interpreter: every local
+assignment becomes a reference to its value, ``if mask is not None: scores = scores + mask``
+becomes a conditional value, and the probabilities feeding the final ``@ V`` are walked back
+through dropout, softmax, mask, scale and the QKᵀ product to the q/k/v tensors live before the
+site. The site (span) is the statements that walk touched, from the first to the ``@ V``;
+the fused statement replaces the ``@ V`` expression in place, so the output keeps its name,
+shape ([B,N,S,D] unless the code itself lays it out differently) and dtype.
+
+Decisions (spec §5.1, §13; field_lessons items 7-8):
+
+* **masks** become npu_fusion_attention's bool mask, True = masked: ``masked_fill(c, -inf)``
+  passes ``c`` itself; ``torch.where(keep, s, -inf)`` passes ``~keep``; an additive float mask
+  passes ``mask < 0`` — exact for 0/−inf (or large negative) masks, stated as a risk. A float
+  *bias* (ALiBi, relative position) is a near miss: it maps to ``pse``, whose scaling placement
+  is UNCERTAIN in 2.14 (spec §14). A ``[B,1,1,Skv]`` padding mask is expanded over the query
+  rows (the op does not broadcast it, diffusers#14380).
+* **causal** masks proven from the code (a ``tril`` buffer registered in ``__init__``, a local
+  ``tril``/``triu``) use ``sparse_mode`` 2 (top-left: ``[:T, :T]`` slices, ``tril(ones(L, S))``)
+  or 3 (bottom-right: GPT-2's ``bias[:, :, k - q : k, :k]``) with the cached 2048×2048 mask;
+  anything else is passed explicitly with sparse_mode 0.
+* **returned probabilities** (HF ``return attn_output, attn_weights``): the fused op does not
+  materialise them, so the fused branch returns ``None`` in their place, as transformers' own
+  sdpa/flash paths do, with a risk saying so; probabilities *used* for anything else (stored,
+  multiplied by a head mask, ...) make the site a near miss.
+* **GQA**: ``repeat_kv`` (followed and verified) / ``repeat_interleave`` on the head dim is
+  dropped — npu_fusion_attention groups query heads onto kv heads natively.
+* **scale** is always explicit (the op's default is 1.0), **keep_prob** = 1 − p only while the
+  original dropout is active.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, replace_segments, source_of
+from npufuse.scan.value import estimate, symbolic
+
+MATMULS = {"torch.matmul", "torch.bmm"}
+SOFTMAXES = {"torch.nn.functional.softmax", "torch.softmax", "torch.nn.functional.softmax", "torch.special.softmax"}
+DROPOUTS = {"torch.nn.functional.dropout", "torch.dropout"}
+_CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "contiguous"}
+_BIAS_WORDS = ("alibi", "bias", "position", "rel_pos", "relative", "pos_")
+MAX_HEAD_DIM = 768  # npu_fusion_attention: D in [1, 768]
+
+
+class Miss(Exception):
+    """A look-alike that must not be fused; the message is the near-miss reason."""
+
+
+# =============================================================================================
+# Symbolic values over one block
+# =============================================================================================
+class Ref(ast.expr):
+    """A local variable's value at one point: ``name`` assigned by top-level statement ``idx`` of
+    the block (``-1``: the value the name had before the block), ``value`` its symbolic value
+    (None before the block)."""
+
+    _fields = ("value",)
+
+    def __init__(self, name: str, idx: int, value: ast.expr | None, origin: ast.AST | None = None) -> None:
+        super().__init__()
+        self.name, self.idx, self.value, self.origin = name, idx, value, origin
+
+
+class Cond(ast.expr):
+    """Value of a name after ``if test: ...`` (``body`` when the test holds, else ``orelse``)."""
+
+    _fields = ("test", "body", "orelse")
+
+
+class Undef(ast.expr):
+    """Not assigned on this path."""
+
+    _fields = ()
+
+
+class Opaque(ast.expr):
+    """Assigned somewhere the interpreter does not follow (loop, with, try, nested def)."""
+
+    _fields = ()
+
+
+def _assigned_names(stmts: Iterable[ast.stmt]) -> set[str]:
+    """Names bound anywhere inside the statements (not inside nested function/class bodies)."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            out.add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for s in stmts:
+        visit(s)
+    return out
+
+
+def _terminates(stmts: list[ast.stmt]) -> bool:
+    return bool(stmts) and isinstance(stmts[-1], (ast.Raise, ast.Return, ast.Continue, ast.Break))
+
+
+class BlockInterp:
+    """Runs the statements of one block symbolically; ``before[i]`` is the environment before
+    top-level statement ``i``."""
+
+    def __init__(self, block: list[ast.stmt]) -> None:
+        self.block = block
+        self.pre: dict[str, Ref] = {}
+        self.before: list[dict[str, ast.expr]] = []
+        self.assigned = [_assigned_names([s]) for s in block]
+        env: dict[str, ast.expr] = {}
+        for i, stmt in enumerate(block):
+            self.before.append(dict(env))
+            self._exec([stmt], env, i)
+        self.after = env
+
+    # -- expressions
+    def sym(self, node: ast.AST, env: dict[str, ast.expr]) -> Any:
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            if node.id in env:
+                return env[node.id]
+            ref = self.pre.get(node.id)
+            if ref is None:
+                ref = self.pre[node.id] = Ref(node.id, -1, None, node)
+            return ref
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return node  # own scopes: left as written
+        if isinstance(node, ast.AST):
+            new = copy.copy(node)
+            for name, value in ast.iter_fields(node):
+                if isinstance(value, list):
+                    setattr(new, name, [self.sym(v, env) if isinstance(v, ast.AST) else v for v in value])
+                elif isinstance(value, ast.AST):
+                    setattr(new, name, self.sym(value, env))
+            return new
+        return node
+
+    # -- statements
+    def _bind(self, target: ast.expr, value: ast.expr, env: dict[str, ast.expr], i: int, stmt: ast.stmt) -> None:
+        if isinstance(target, ast.Name):
+            env[target.id] = Ref(target.id, i, value, stmt)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            if any(isinstance(e, ast.Starred) for e in target.elts):
+                for n in _assigned_names([ast.Expr(target)]):
+                    env[n] = Ref(n, i, Opaque(), stmt)
+                return
+            for k, elt in enumerate(target.elts):
+                if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+                    part = value.elts[k]
+                else:
+                    part = ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load())
+                self._bind(elt, part, env, i, stmt)
+        # attribute / subscript targets: side effects on objects, no local binding
+
+    def _exec(self, stmts: list[ast.stmt], env: dict[str, ast.expr], i: int) -> None:
+        for stmt in stmts:
+            if isinstance(stmt, ast.Assign):
+                value = self.sym(stmt.value, env)
+                for t in stmt.targets:
+                    self._bind(t, value, env, i, stmt)
+            elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+                self._bind(stmt.target, self.sym(stmt.value, env), env, i, stmt)
+            elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
+                cur = self.sym(ast.Name(stmt.target.id, ast.Load()), env)
+                value = ast.copy_location(ast.BinOp(left=cur, op=stmt.op, right=self.sym(stmt.value, env)), stmt)
+                self._bind(stmt.target, value, env, i, stmt)
+            elif isinstance(stmt, ast.If):
+                test = self.sym(stmt.test, env)
+                then_env, else_env = dict(env), dict(env)
+                self._exec(stmt.body, then_env, i)
+                self._exec(stmt.orelse, else_env, i)
+                then_live, else_live = not _terminates(stmt.body), not _terminates(stmt.orelse)
+                if not then_live and else_live:
+                    env.clear(), env.update(else_env)
+                    continue
+                if then_live and not else_live:
+                    env.clear(), env.update(then_env)
+                    continue
+                for name in set(then_env) | set(else_env):
+                    a, b = then_env.get(name), else_env.get(name)
+                    if a is b:
+                        env[name] = a  # type: ignore[assignment]
+                    else:
+                        cond = Cond()
+                        cond.test, cond.body, cond.orelse = test, a if a is not None else Undef(), b if b is not None else Undef()
+                        env[name] = Ref(name, i, cond, stmt)
+            elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or type(stmt).__name__ in ("TryStar", "Match"):
+                for name in _assigned_names([stmt]):
+                    env[name] = Ref(name, i, Opaque(), stmt)
+            elif isinstance(stmt, ast.Delete):
+                for name in _assigned_names([stmt]):
+                    env.pop(name, None)
+
+    def assigned_in(self, name: str, lo: int, hi: int) -> bool:
+        """Is ``name`` bound by a top-level statement with index in [lo, hi)?"""
+        return any(name in self.assigned[j] for j in range(max(lo, 0), min(hi, len(self.block))))
+
+
+def deref(node: Any, seen: set[int] | None = None) -> Any:
+    """Follow Refs with a known value; records each statement index in ``seen``."""
+    while isinstance(node, Ref) and node.value is not None and not isinstance(node.value, Opaque):
+        if seen is not None and node.idx >= 0:
+            seen.add(node.idx)
+        node = node.value
+    return node
+
+
+def walk_sym(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
+    """Every node of a symbolic tree, through Refs (each Ref visited once)."""
+    stack, visited = [node], set()
+    while stack and limit:
+        limit -= 1
+        n = stack.pop()
+        if not isinstance(n, ast.AST) or id(n) in visited:
+            continue
+        visited.add(id(n))
+        yield n
+        if isinstance(n, Ref):
+            if n.value is not None:
+                stack.append(n.value)
+            continue
+        for _name, value in ast.iter_fields(n):
+            if isinstance(value, list):
+                stack.extend(v for v in value if isinstance(v, ast.AST))
+            elif isinstance(value, ast.AST):
+                stack.append(value)
+
+
+_META_ATTRS = {"dtype", "shape", "device", "ndim", "is_cuda", "is_npu"}
+_META_CALLS = {"size", "dim", "numel", "get_device"}
+
+
+def is_meta(node: Any) -> bool:
+    """``t.shape`` / ``t.dtype`` / ``t.size(-1)``: reads metadata, not values."""
+    if isinstance(node, ast.Attribute) and node.attr in _META_ATTRS:
+        return True
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _META_CALLS
+
+
+def walk_values(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
+    """Like :func:`walk_sym` but not into metadata reads (the dtype of the scores is not the scores)."""
+    stack, visited = [node], set()
+    while stack and limit:
+        limit -= 1
+        n = stack.pop()
+        if not isinstance(n, ast.AST) or id(n) in visited or is_meta(n):
+            continue
+        visited.add(id(n))
+        yield n
+        if isinstance(n, Ref):
+            if n.value is not None:
+                stack.append(n.value)
+            continue
+        for _name, value in ast.iter_fields(n):
+            if isinstance(value, list):
+                stack.extend(v for v in value if isinstance(v, ast.AST))
+            elif isinstance(value, ast.AST):
+                stack.append(value)
+
+
+def ref_names(node: Any) -> set[str]:
+    return {n.name for n in walk_sym(node) if isinstance(n, Ref)} | {n.id for n in walk_sym(node) if isinstance(n, ast.Name)}
+
+
+# =============================================================================================
+# Rendering symbolic leaves back to source valid at the span start
+# =============================================================================================
+class Renderer:
+    """Source text of a symbolic expression, in terms of names live at block statement ``start``."""
+
+    def __init__(self, module: ModuleInfo, interp: BlockInterp, start: int, repeat_of: dict[int, Any]) -> None:
+        self.module, self.interp, self.start = module, interp, start
+        self.repeat_of = repeat_of  # id(repeat call sym) -> un-repeated operand sym
+
+    def text(self, node: Any) -> str:
+        return ast.unparse(self._ast(node))
+
+    def _name_or_inline(self, ref: Ref) -> ast.expr:
+        if ref.idx < self.start:
+            if self.interp.assigned_in(ref.name, ref.idx + 1 if ref.idx >= 0 else 0, self.start):
+                if ref.idx >= 0 and ref.value is not None and not isinstance(ref.value, Opaque):
+                    return self._inline(ref.value)
+                raise Miss(f"`{ref.name}` is reassigned before the attention starts: its earlier value is not available")
+            return ast.Name(ref.name, ast.Load())
+        if ref.value is None or isinstance(ref.value, Opaque):
+            raise Miss(f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
+        return self._inline(ref.value)
+
+    def _inline(self, value: Any) -> ast.expr:
+        if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult) or isinstance(n, ast.Call) and dotted(_plain(n.func)) in ("torch.matmul", "torch.einsum", "torch.bmm") for n in walk_sym(value)):
+            raise Miss("an input of the fused call (mask / scale) is computed from the attention scores themselves")
+        inner = self._ast(value)
+        text = ast.unparse(inner)
+        return ast.Name(text if _is_atom(inner) else f"({text})", ast.Load())
+
+    def _ast(self, node: Any) -> ast.expr:
+        if isinstance(node, Ref):
+            return self._name_or_inline(node)
+        if isinstance(node, Cond):
+            if isinstance(node.body, Undef) or isinstance(node.orelse, Undef):
+                raise Miss("a value defined on one branch only feeds the attention")
+            return ast.IfExp(test=self._ast(node.test), body=self._ast(node.body), orelse=self._ast(node.orelse))
+        if isinstance(node, (Undef, Opaque)):
+            raise Miss("a value npufuse cannot follow feeds the attention")
+        # x.shape[-2] of repeat_kv(x, n) is x.shape[-2]: no need to repeat to read a size
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape" and _int_in(node.slice, -1, -2):
+            base = self._unrepeat(node.value.value)
+            if base is not None:
+                return ast.Subscript(value=ast.Attribute(value=self._ast(base), attr="shape", ctx=ast.Load()), slice=node.slice, ctx=ast.Load())
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size" and len(node.args) == 1 and _int_in(node.args[0], -1, -2):
+            base = self._unrepeat(node.func.value)
+            if base is not None:
+                return ast.Call(func=ast.Attribute(value=self._ast(base), attr="size", ctx=ast.Load()), args=node.args, keywords=[])
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return node
+        new = copy.copy(node)
+        for name, value in ast.iter_fields(node):
+            if isinstance(value, list):
+                setattr(new, name, [self._kw(v) if isinstance(v, ast.keyword) else self._ast(v) if isinstance(v, ast.expr) else v for v in value])
+            elif isinstance(value, ast.expr):
+                setattr(new, name, self._ast(value))
+        return new
+
+    def _kw(self, kw: ast.keyword) -> ast.keyword:
+        return ast.keyword(arg=kw.arg, value=self._ast(kw.value))
+
+    def _unrepeat(self, node: Any) -> Any:
+        seen: set[int] = set()
+        n = deref(node, seen)
+        if id(n) in self.repeat_of and all(i >= self.start for i in seen):
+            return self.repeat_of[id(n)]
+        return None
+
+
+def _is_atom(node: ast.AST) -> bool:
+    return isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.Constant))
+
+
+def _int_in(node: ast.AST | None, *values: int) -> bool:
+    v = const_value(node)
+    return isinstance(v, int) and not isinstance(v, bool) and v in values
+
+
+def atom(text: str) -> str:
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return f"({text})"
+    return text if _is_atom(node) else f"({text})"
+
+
+def is_simple(text: str) -> bool:
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return False
+    return dotted(node) is not None
+
+
+# =============================================================================================
+# Helpers shared with the sdpa pattern
+# =============================================================================================
+def causal_cache_lines(device_of: str) -> tuple[list[str], str]:
+    """Statements that fetch (building once per device) the compressed causal mask sparse_mode
+    2/3 read, and the expression naming it. The rewritten file must not import npufuse and its
+    prelude is fixed, so the cache is a module global created on first use."""
+    lines = [
+        '_npufuse_masks = globals().setdefault("_npufuse_causal_masks", {})  # device -> compressed causal mask, built once',
+        f"if {device_of}.device not in _npufuse_masks:",
+        f"    _npufuse_masks[{device_of}.device] = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device={device_of}.device), diagonal=1)",
+    ]
+    return lines, f"_npufuse_masks[{device_of}.device]"
+
+
+def mask_shape_lines(var: str, sq: str, maybe_none: bool, three_d: bool = False) -> list[str]:
+    """Bring a bool mask to a shape npu_fusion_attention accepts ([B,N,Sq,Skv], [B,1,Sq,Skv],
+    [1,1,Sq,Skv], [Sq,Skv]): a padding mask [B,1,1,Skv] is expanded over the query rows, the op
+    does not broadcast it (diffusers#14380)."""
+    guard = f"{var} is not None and " if maybe_none else ""
+    if three_d:
+        return [f"if {guard}{var}.dim() == 3:", f"    {var} = {var}.unsqueeze(1)  # [B*N, Sq, Skv] -> [B*N, 1, Sq, Skv]"]
+    return [
+        f"if {guard}{var}.dim() == 4 and {var}.shape[2] != {sq}:",
+        f"    {var} = {var}.expand(-1, -1, {sq}, -1).contiguous()  # the op does not broadcast [B,1,1,Skv] over the query rows",
+    ]
+
+
+def fa_call(q: str, k: str, v: str, head_num: str, layout: str, kwargs: list[tuple[str, str]]) -> str:
+    """The npu_fusion_attention call (result ``[0]``), on one line when it is short."""
+    args = [q, k, v, head_num, f'"{layout}"'] + [f"{a}={b}" for a, b in kwargs]
+    one = f"torch_npu.npu_fusion_attention({', '.join(args)})[0]"
+    if len(one) <= 110:
+        return one
+    body = ",\n    ".join([", ".join(args[:5])] + args[5:])
+    return f"torch_npu.npu_fusion_attention(\n    {body},\n)[0]"
+
+
+@dataclass
+class RepeatInfo:
+    n_rep: str
+    head_dim: int  # dim of the input that is repeated (1 in BNSD, 2 in BSND)
+    grouped: bool  # True: each kv head repeated n_rep times in a row (what FA's GQA does)
+
+
+def repeat_info(module: ModuleInfo, call: ast.AST) -> RepeatInfo | None:
+    """``repeat_kv(x, n)`` (helper followed: expand + reshape over a new axis after the head dim),
+    ``torch.repeat_interleave(x, n, dim=h)`` / ``x.repeat_interleave(n, dim=h)``; ``x.repeat(1, n, 1, 1)``
+    tiles heads (not grouped)."""
+    if not isinstance(call, ast.Call):
+        return None
+    name = module.call_name(call)
+    if isinstance(call.func, ast.Attribute) and call.func.attr == "repeat_interleave" and name != "torch.repeat_interleave":
+        n = keyword(call, "repeats", 0)
+        dim = keyword(call, "dim", 1)
+        if n is not None and isinstance(const_value(dim), int):
+            return RepeatInfo(ast.unparse(n), int(const_value(dim)), True)  # type: ignore[arg-type]
+        return None
+    if name == "torch.repeat_interleave" and call.args:
+        n = keyword(call, "repeats", 1)
+        dim = keyword(call, "dim", 2)
+        if n is not None and isinstance(const_value(dim), int):
+            return RepeatInfo(ast.unparse(n), int(const_value(dim)), True)  # type: ignore[arg-type]
+        return None
+    if isinstance(call.func, ast.Attribute) and call.func.attr == "repeat" and len(call.args) == 4:
+        for h, a in enumerate(call.args):
+            if const_value(a) != 1:
+                return RepeatInfo(ast.unparse(a), h, False)
+        return None
+    if isinstance(call.func, ast.Name) and len(call.args) == 2:
+        fn = module.helper(call.func.id)
+        if fn is None:
+            return None
+        h = _repeat_helper_dim(fn)
+        if h is not None:
+            return RepeatInfo(ast.unparse(call.args[1]), h, True)
+    return None
+
+
+def _repeat_helper_dim(fn: ast.FunctionDef) -> int | None:
+    """HF/Meta ``repeat_kv``: ``x[:, :, None, :, :].expand(b, n_kv, n_rep, s, d)`` then
+    ``.reshape(b, n_kv * n_rep, s, d)`` (directly or through a local) -> the head dim is the one
+    before the inserted axis (1 for HF BNSD, 2 for Meta BSND); ``x.repeat_interleave(n, dim=h)``."""
+    rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    if not rets or not any(
+        isinstance(r.value, ast.Call) and isinstance(r.value.func, ast.Attribute) and r.value.func.attr in ("reshape", "view", "repeat_interleave")
+        for r in rets
+    ):
+        return None
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "expand":
+            sub = node.func.value
+            if isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.Tuple):
+                elts = sub.slice.elts
+                nones = [j for j, e in enumerate(elts) if isinstance(e, ast.Constant) and e.value is None]
+                if len(nones) == 1 and nones[0] >= 1 and len(elts) == 5:
+                    return nones[0] - 1
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "repeat_interleave":
+            dim = keyword(node, "dim", 1)
+            if isinstance(const_value(dim), int):
+                return int(const_value(dim))  # type: ignore[arg-type]
+    return None
+
+
+def head_dim_constant(module: ModuleInfo, scope: Scope, scale_nodes: Iterable[ast.AST]) -> int | None:
+    """A head dim written as a literal: in the scale (``1 / math.sqrt(64)``, ``80 ** -0.5``) or as
+    ``self.head_dim = 72`` in the class's ``__init__``."""
+    for n in scale_nodes:
+        for sub in walk_sym(n):
+            if isinstance(sub, ast.Call) and dotted(sub.func) in ("math.sqrt", "np.sqrt", "numpy.sqrt") and sub.args:
+                v = const_value(sub.args[0])
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+            if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Pow) and const_value(sub.right) in (-0.5, 0.5):
+                v = const_value(sub.left)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+    cls = module.classes.get(scope.class_name or "")
+    if cls is not None:
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) in ("self.head_dim", "self.head_size", "self.d_head", "self.dim_head"):
+                v = const_value(node.value)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+    return None
+
+
+def head_dim_problem(d: int | None) -> str | None:
+    if d is None:
+        return None
+    if d > MAX_HEAD_DIM:
+        return f"head_dim {d} exceeds npu_fusion_attention's limit of {MAX_HEAD_DIM}"
+    if d % 16:
+        return f"head_dim {d} is not a multiple of 16 (the fused attention kernels' tiling; MindSpore's twin op requires it)"
+    return None
+
+
+def attention_value(finding: Finding, config: dict[str, Any], title: str) -> dict[str, Any]:
+    """Roofline of one attention call: the eager code writes and re-reads the S×S scores several times."""
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if not (hidden and heads):
+        return symbolic(
+            "memory",
+            f"{title}: the eager path materialises the B·N·S² scores and moves them through ~5 kernels "
+            "(matmul out, scale, mask add, softmax in fp32, cast; dropout adds one) — about 20 bytes per score "
+            "vs. reading q/k/v and writing o once in the fused kernel; memory-bound on S². Shapes unknown.",
+        )
+    kv = config.get("num_key_value_heads") or heads
+    d = config.get("head_dim") or hidden // heads
+    b = config.get("batch_size", 1)
+    s = config.get("seq_length", 4096)
+    itemsize = 2
+    scores = b * heads * s * s
+    qkvo = (2 * b * s * heads * d + 2 * b * s * kv * d) * itemsize
+    per_score = 2 + 4 + 4 + (2 + 4) + (4 + 2) + 2  # matmul out, scale r/w, mask r/w, softmax fp32, cast, read by @V
+    kernels = 6
+    if finding.params.get("dropout", "none") != "none":
+        per_score += 4
+        kernels += 1
+    if finding.params.get("gqa"):
+        qkvo += 2 * b * s * heads * d * itemsize  # repeat_kv copies
+        kernels += 2
+    mask_bytes = b * s * s * itemsize if finding.params.get("mask_kind") not in ("none", "causal") else 0
+    before = qkvo + scores * per_score + mask_bytes
+    after = qkvo + (mask_bytes // itemsize if mask_bytes else 0)
+    res = estimate(
+        bytes_before=before, bytes_after=after, kernels_before=kernels, kernels_after=1,
+        flops=4 * scores * d,
+        shapes=f"B={b}, S={s}{' (assumed)' if 'seq_length' not in config else ''}, heads={heads}, kv_heads={kv}, head_dim={d}, bf16",
+    )
+    res["estimate"] = (
+        f"eager attention is memory-bound on the S×S scores: {scores * per_score / 1e6:.0f} MB of score traffic per call; "
+        + res["estimate"]
+    )
+    return res
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, atten_mask: torch.Tensor | None = None,
+                    scale: float | None = None, causal: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
+    """Ground truth in BNSD: softmax(q kᵀ·scale, masked where ``atten_mask`` is True) @ v, GQA by head groups."""
+    nq, nkv = q.shape[1], k.shape[1]
+    if nq != nkv:
+        k = k.repeat_interleave(nq // nkv, dim=1)
+        v = v.repeat_interleave(nq // nkv, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        sq, skv = s.shape[-2], s.shape[-1]
+        s = s.masked_fill(torch.ones(sq, skv, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if atten_mask is not None:
+        s = s.masked_fill(atten_mask.bool(), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if dropout_p:
+        p = torch.nn.functional.dropout(p, dropout_p)
+    return (p @ v.float()).to(q.dtype)
+
+
+# =============================================================================================
+# The matcher
+# =============================================================================================
+@dataclass
+class MaskTerm:
+    kind: str  # additive | masked (bool, True = masked) | keep (bool, True = attend)
+    node: Any
+    cond: Any = None  # symbolic test under which the term applies
+    negate_cond: bool = False
+    causal: str | None = None  # top_left | bottom_right when provably causal
+    fill: str = ""
+
+
+@dataclass
+class Operand:
+    leaf: Any
+    layout: str  # BNSD | BSND | 3D
+    repeat: RepeatInfo | None = None
+
+
+@dataclass
+class Chain:
+    q: Operand | None = None
+    k: Operand | None = None
+    v: Operand | None = None
+    scale_num: list[Any] = field(default_factory=list)
+    scale_den: list[Any] = field(default_factory=list)
+    masks: list[MaskTerm] = field(default_factory=list)
+    dropout: tuple[str, Any, Any] | None = None  # ("dropout", p node, active node or None) -- rendered at the site
+    dropout_cond: Any = None
+    softmax_dtype: str = ""
+    out_layout: str = "BNSD"
+    seen: set[int] = field(default_factory=set)
+    probs_objs: set[int] = field(default_factory=set)  # ids of symbolic values that are the probabilities
+    score_objs: set[int] = field(default_factory=set)
+    risks: list[Risk] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    confidence: str = "high"
+    spelling: list[str] = field(default_factory=list)
+
+
+def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
+    spec = const_value(node)
+    if not isinstance(spec, str):
+        return None
+    spec = spec.replace(" ", "")
+    m = re.fullmatch(r"([\w.]+),([\w.]+)->([\w.]+)", spec)
+    if not m:
+        return None
+    return m.group(1).replace("...", "BH"), m.group(2).replace("...", "BH"), m.group(3).replace("...", "BH")
+
+
+def _layout_of(sub: str, b: str, n: str, s: str, d: str) -> str | None:
+    pos = {c: i for i, c in enumerate(sub)}
+    if len(sub) != 4 or set(sub) != {b, n, s, d}:
+        return None
+    order = sorted([(pos[b], "B"), (pos[n], "N"), (pos[s], "S"), (pos[d], "D")])
+    text = "".join(c for _, c in order)
+    return text if text in ("BNSD", "BSND") else None
+
+
+class _Matcher:
+    def __init__(self, module: ModuleInfo, scope: Scope, interp: BlockInterp) -> None:
+        self.module, self.scope, self.interp = module, scope, interp
+        self.repeat_of: dict[int, Any] = {}
+
+    # -- classification helpers
+    def method(self, node: Any, *names: str) -> bool:
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+
+    def is_matmul(self, node: Any) -> tuple[Any, Any, str] | None:
+        """(a, b, kind) of a matmul-like node: ``a @ b``, ``torch.matmul``, ``torch.bmm``, ``a.matmul(b)``, einsum."""
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            return node.left, node.right, "@"
+        if isinstance(node, ast.Call):
+            name = self._fn(node)
+            if name in MATMULS and len(node.args) == 2:
+                return node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul"
+            if name == "torch.einsum" and len(node.args) == 3:
+                return node.args[1], node.args[2], "einsum"
+            if self.method(node, "matmul", "bmm") and len(node.args) == 1:
+                return node.func.value, node.args[0], node.func.attr
+        return None
+
+    def _fn(self, call: ast.Call) -> str | None:
+        func = call.func
+        name = dotted(func) if not isinstance(func, Ref) else None
+        if isinstance(func, Ref):
+            name = func.name if func.idx == -1 else None
+        elif isinstance(func, ast.Attribute):
+            base = func.value
+            parts = [func.attr]
+            while isinstance(base, ast.Attribute):
+                parts.append(base.attr)
+                base = base.value
+            if isinstance(base, Ref) and base.idx == -1:
+                name = ".".join([base.name] + list(reversed(parts)))
+            elif isinstance(base, ast.Name):
+                name = ".".join([base.id] + list(reversed(parts)))
+            else:
+                return None
+        if name is None:
+            return None
+        head, _, rest = name.partition(".")
+        full = self.module.aliases.get(head)
+        if full:
+            return f"{full}.{rest}" if rest else full
+        return name
+
+    def src(self, node: Any) -> str:
+        """Shallow source for messages: variables by name, never inlined."""
+        try:
+            return ast.unparse(_plain(node))
+        except Exception:
+            return "<expression>"
+
+    def has_qk(self, node: Any) -> bool:
+        for n in walk_sym(node):
+            if self.is_matmul(n) is not None:
+                return True
+        return False
+
+    def has_softmax(self, node: Any) -> bool:
+        """A softmax reachable without crossing a matmul (an earlier attention's output feeding a
+        projection is not "probabilities modified after softmax")."""
+        stack, visited = [node], set()
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, ast.AST) or id(n) in visited or len(visited) > 4000:
+                continue
+            visited.add(id(n))
+            if self.softmax_of(n) is not None:
+                return True
+            if self.is_matmul(n) is not None:
+                continue
+            if isinstance(n, Ref):
+                if n.value is not None:
+                    stack.append(n.value)
+                continue
+            for _f, value in ast.iter_fields(n):
+                if isinstance(value, list):
+                    stack.extend(v for v in value if isinstance(v, ast.AST))
+                elif isinstance(value, ast.AST):
+                    stack.append(value)
+        return False
+
+    # -- softmax
+    def softmax_of(self, node: Any) -> tuple[Any, Any, Any] | None:
+        """(input, dim node, dtype node) if ``node`` is a softmax call."""
+        if not isinstance(node, ast.Call):
+            return None
+        name = self._fn(node)
+        if name in SOFTMAXES and node.args:
+            return node.args[0], keyword(node, "dim", 1), keyword(node, "dtype", 2)
+        # self.softmax = nn.Softmax(dim=-1) in __init__, then self.softmax(x)
+        if _is_self_attr(node.func):
+            ctor = self._module_attr_ctor(node.func)
+            if ctor is not None and self.module.canonical(ctor.func) == "torch.nn.Softmax" and len(node.args) == 1:
+                return node.args[0], keyword(ctor, "dim", 0), None
+            return None
+        if self.method(node, "softmax") and name not in SOFTMAXES:
+            return node.func.value, keyword(node, "dim", 0), keyword(node, "dtype", 1)
+        if isinstance(node.func, ast.Call) and self.module.canonical(getattr(node.func, "func", None)) == "torch.nn.Softmax" and len(node.args) == 1:
+            return node.args[0], keyword(node.func, "dim", 0), None
+        return None
+
+    def _module_attr_ctor(self, func: Any) -> ast.Call | None:
+        """The ``__init__`` constructor call of ``self.<attr>`` (``self.attn_drop = nn.Dropout(p)``)."""
+        if not _is_self_attr(func):
+            return None
+        cls = self.module.classes.get(self.scope.class_name or "")
+        if cls is None:
+            return None
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) == f"self.{func.attr}" and isinstance(node.value, ast.Call):
+                return node.value
+        return None
+
+    # -- dropout
+    def dropout_of(self, node: Any) -> tuple[Any, Any, Any] | None:
+        """(input, p, active) of a dropout: ``F.dropout(x, p, training)`` (training defaults to True)
+        or a ``nn.Dropout`` module (``self.attn_dropout(x)``: p and training read off the module).
+        p / active are symbolic nodes (rendered at the site) or None for "always active"."""
+        if not isinstance(node, ast.Call):
+            return None
+        name = self._fn(node)
+        if name in DROPOUTS and node.args:
+            p = keyword(node, "p", 1)
+            train = keyword(node, "training", 2) if name != "torch.dropout" else keyword(node, "train", 2)
+            return node.args[0], p if p is not None else ast.Constant(0.5), train
+        if len(node.args) == 1 and not node.keywords and isinstance(node.func, (ast.Attribute, Ref)):
+            ctor = self._module_attr_ctor(node.func)
+            attr = self.src(node.func)
+            known = ctor is not None and self.module.canonical(ctor.func) == "torch.nn.Dropout"
+            # a dropout module whose construction is not visible (passed in, built elsewhere): by name
+            if known or (ctor is None and "drop" in attr.lower()):
+                p = ast.Attribute(value=node.func, attr="p", ctx=ast.Load())
+                return node.args[0], p, ast.Attribute(value=node.func, attr="training", ctx=ast.Load())
+        return None
+
+    # -- the chain
+    def match(self, pv: tuple[Any, Any, str], anchor: ast.AST) -> Chain | None:
+        p_node, v_node, kind = pv
+        chain = Chain()
+        scores = self.peel_probs(p_node, chain)
+        if scores is None:
+            return None
+        if kind == "einsum":
+            spec = _einsum_spec(anchor.args[0])  # type: ignore[attr-defined]
+            if spec is None:
+                raise Miss("einsum for P@V with a subscript npufuse does not parse")
+            ps, vs, os_ = spec
+            if len(ps) != 4 or len(vs) != 4 or len(os_) != 4:
+                raise Miss("einsum over other than 4-D operands")
+            b, n, i, j = ps
+            dvar = (set(vs) - {b, n, j}).pop() if len(set(vs) - {b, n, j}) == 1 else None
+            if dvar is None or set(os_) != {b, n, i, dvar}:
+                raise Miss("einsum for P@V does not contract the key axis")
+            v_layout = _layout_of(vs, b, n, j, dvar)
+            chain.out_layout = _layout_of(os_, b, n, i, dvar) or ""
+            if v_layout is None or not chain.out_layout:
+                raise Miss("einsum layouts other than BNSD/BSND")
+            chain.v = self.peel_operand(v_node, "v", v_layout, chain)
+        else:
+            layout = "3D" if kind == "bmm" else "BNSD"
+            chain.out_layout = layout
+            chain.v = self.peel_operand(v_node, "v", layout, chain)
+        self.peel_scores(scores, chain, stop=None, cond=None)
+        if chain.q is None or chain.k is None:
+            raise Miss("no Q@Kᵀ product found under the softmax")
+        return chain
+
+    def peel_probs(self, node: Any, chain: Chain) -> Any:
+        """Walk from the P of P@V to the softmax; returns the softmax input or None (not attention)."""
+        for _ in range(40):
+            chain.probs_objs.add(id(node))
+            node = deref(node, chain.seen)
+            chain.probs_objs.add(id(node))
+            if self.method(node, *_CASTS) and (node.func.attr != "to" or len(node.args) + len(node.keywords) <= 2):
+                node = node.func.value
+                continue
+            drop = self.dropout_of(node)
+            if drop is not None:
+                x, p, active = drop
+                if chain.dropout is not None:
+                    raise Miss("two dropouts on the attention probabilities")
+                chain.dropout = ("dropout", p, active)
+                node = x
+                continue
+            if isinstance(node, Cond):
+                a, b = node.body, node.orelse
+                inner_a = self._strip_dropout(a, chain)
+                inner_b = self._strip_dropout(b, chain)
+                if inner_a is not None and inner_a[0] is b:
+                    chain.dropout = ("dropout", inner_a[1], inner_a[2])
+                    chain.dropout_cond = (node.test, False)
+                    node = b
+                    continue
+                if inner_b is not None and inner_b[0] is a:
+                    chain.dropout = ("dropout", inner_b[1], inner_b[2])
+                    chain.dropout_cond = (node.test, True)
+                    node = a
+                    continue
+                if self.has_softmax(node):
+                    raise Miss(
+                        f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
+                        f"(`{self._first_diff(a, b)}`): the fused op has no hook for it"
+                    )
+                return None
+            sm = self.softmax_of(node)
+            if sm is not None:
+                x, dim, dtype = sm
+                dim_v = const_value(dim) if dim is not None else None
+                if dim is None:
+                    raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
+                if dim_v not in (-1, 3):
+                    raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim")
+                if dtype is not None:
+                    chain.softmax_dtype = self.src(dtype)
+                chain.spelling.append("softmax")
+                return x
+            if self.has_softmax(node):
+                raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
+            return None
+        return None
+
+    def _strip_dropout(self, node: Any, chain: Chain) -> tuple[Any, Any, Any] | None:
+        return self.dropout_of(deref(node, chain.seen))
+
+    def _first_diff(self, a: Any, b: Any) -> str:
+        for n in (a, b):
+            if not isinstance(n, Undef):
+                return self.src(deref(n))
+        return "?"
+
+    def peel_scores(self, node: Any, chain: Chain, stop: Any, cond: tuple[Any, bool] | None) -> None:
+        """Walk the softmax input down to Q@Kᵀ, collecting scale factors and mask terms."""
+        for _ in range(60):
+            if stop is not None and node is stop:
+                return
+            chain.score_objs.add(id(node))
+            node = deref(node, chain.seen)
+            if stop is not None and node is stop:
+                return
+            chain.score_objs.add(id(node))
+            if self.method(node, *_CASTS):
+                node = node.func.value
+                continue
+            if isinstance(node, Cond):
+                a, b = node.body, node.orelse
+                if isinstance(a, Undef) or isinstance(b, Undef):
+                    raise Miss("the attention scores are defined on one branch only")
+                if self._derived(a, b):
+                    self.peel_scores(a, chain, stop=b, cond=(node.test, False))
+                    node = b
+                    continue
+                if self._derived(b, a):
+                    self.peel_scores(b, chain, stop=a, cond=(node.test, True))
+                    node = a
+                    continue
+                raise Miss(f"the attention scores depend on `if {self.src(node.test)}` in a way npufuse does not convert")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+                left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
+                if left_qk == right_qk:
+                    raise Miss(f"scores added to scores (`{self.src(node)}`)")
+                base, term = (node.left, node.right) if left_qk else (node.right, node.left)
+                self.add_additive(term, chain, cond)
+                node = base
+                continue
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+                left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
+                if left_qk == right_qk:
+                    raise Miss(f"unsupported product on the attention scores (`{self.src(node)}`)")
+                if isinstance(node.op, ast.Div) and right_qk:
+                    raise Miss(f"scores in a denominator (`{self.src(node)}`)")
+                base, factor = (node.left, node.right) if left_qk else (node.right, node.left)
+                if cond is not None:
+                    raise Miss(f"the scale is applied only under `if {self.src(cond[0])}`")
+                self.add_scale(factor, isinstance(node.op, ast.Div), chain)
+                node = base
+                continue
+            if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
+                self.add_bool(node.args[0], node.args[1], "masked", chain, cond)
+                node = node.func.value
+                continue
+            if isinstance(node, ast.Call) and self._fn(node) == "torch.where" and len(node.args) == 3:
+                c, x, y = node.args
+                if self._reaches(x, stop) and not self._reaches(y, stop):
+                    self.add_bool(c, y, "keep", chain, cond)
+                    node = x
+                    continue
+                if self._reaches(y, stop) and not self._reaches(x, stop):
+                    self.add_bool(c, x, "masked", chain, cond)
+                    node = y
+                    continue
+                raise Miss(f"torch.where on the scores npufuse does not convert (`{self.src(node)}`)")
+            mm = self.is_matmul(node)
+            if mm is not None and stop is None:
+                self.parse_qk(node, mm, chain)
+                return
+            raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
+        raise Miss("attention score chain too long to follow")
+
+    def _reaches(self, node: Any, stop: Any) -> bool:
+        """Does ``node`` lead to the scores (the QK product, or ``stop`` inside a branch)?"""
+        for n in walk_values(node):
+            if stop is not None and n is stop:
+                return True
+            if stop is None and self.is_matmul(n) is not None:
+                return True
+        return False
+
+    def _derived(self, a: Any, b: Any) -> bool:
+        return any(n is b for n in walk_sym(a)) and a is not b
+
+    # -- scale and masks
+    def add_scale(self, factor: Any, divide: bool, chain: Chain) -> None:
+        text = self.src(factor)
+        for n in walk_sym(factor):
+            if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith("torch.finfo"):
+                raise Miss(
+                    f"the scale `{text}` is a tensor: npu_fusion_attention takes a Python float, and converting it "
+                    "would add a host sync"
+                )
+            if self.method(n, "exp", "sigmoid") or isinstance(n, ast.Call) and self.method(n, "item"):
+                raise Miss(f"the scale `{text}` is a tensor (learned / computed): npu_fusion_attention takes a Python float")
+        (chain.scale_den if divide else chain.scale_num).append(factor)
+
+    def add_additive(self, term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> None:
+        names = {n.lower() for n in ref_names(term)}
+        inner = deref(term)
+        text = self.src(term)
+        summed = isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and not any(
+            isinstance(x, ast.Constant) for x in (inner.left, inner.right)
+        )
+        if summed or any(w in n for n in names for w in _BIAS_WORDS) and not any("mask" in n for n in names):
+            raise Miss(
+                f"a float bias is added to the scores (`{text}`: ALiBi / relative position): it maps to "
+                "npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14); "
+                "converting it to a bool mask would be wrong"
+            )
+        term_obj = MaskTerm("additive", term, cond[0] if cond else None, cond[1] if cond else False)
+        if not any("mask" in n for n in names):
+            chain.confidence = "medium"
+            chain.risks.append(Risk("numerics", f"`{text}` is added to the scores and treated as a 0/−inf mask; if it carries graded values (a bias), do not accept"))
+        causal = self._additive_causal(term)
+        if causal:
+            term_obj.causal = causal
+        chain.masks.append(term_obj)
+
+    def add_bool(self, c: Any, fill: Any, kind: str, chain: Chain, cond: tuple[Any, bool] | None) -> None:
+        deref(fill, chain.seen)  # ``mask_value = torch.finfo(scores.dtype).min``: part of the masking step
+        ok, finite = self._fill_ok(fill)
+        if not ok:
+            raise Miss(f"masked with `{self.src(fill)}`, not −inf or a large negative value: not a mask npufuse converts")
+        term = MaskTerm(kind, c, cond[0] if cond else None, cond[1] if cond else False, fill=self.src(fill))
+        term.causal = self._bool_causal(c, kind)
+        if finite:
+            chain.notes.append(
+                f"masked positions are filled with `{self.src(fill)}` (finite): identical except for fully masked rows, "
+                "which the fused op returns as zeros instead of a uniform average"
+            )
+        chain.masks.append(term)
+
+    def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
+        """(is a masking value, is finite)."""
+        fill = deref(fill)
+        if isinstance(fill, ast.Call) and self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like") and len(fill.args) >= 1:
+            fill = deref(fill.args[1] if self._fn(fill) != "torch.tensor" and len(fill.args) > 1 else fill.args[0])
+        text = self.src(fill).replace(" ", "")
+        if re.fullmatch(r"(-float\(['\"]inf['\"]\)|float\(['\"]-inf['\"]\)|-(math|torch|np|numpy)\.inf|-inf|float\(['\"]-Infinity['\"]\))", text):
+            return True, False
+        if ".finfo(" in text and (text.endswith(".min") or text.startswith("-") and text.endswith(".max")):
+            return True, True
+        v = const_value(fill)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if v == float("-inf"):
+                return True, False
+            return (v <= -1e4), True
+        return False, True
+
+    def _tril_keep(self, node: Any) -> str | None:
+        """'tril' if ``node`` is (a slice of) a lower-triangular keep matrix: a ``tril`` buffer from
+        ``__init__`` or a local ``torch.tril(torch.ones(...))``. Returns the slicing kind."""
+        node = deref(node)
+        while self.method(node, "bool", "to", "view", "reshape", "type_as", "unsqueeze"):
+            node = deref(node.func.value)
+        sliced = None
+        if isinstance(node, ast.Subscript):
+            sliced = node
+            node = deref(node.value)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, Ref) and node.value.name == "self" and node.value.idx == -1:
+            if not self._buffer_is_tril(node.attr):
+                return None
+            return self._slice_kind(sliced)
+        if self._is_local_tri(node, "tril", 0):
+            return "top_left" if sliced is None else None
+        return None
+
+    def _slice_kind(self, sub: Any) -> str | None:
+        if sub is None:
+            return None
+        sl = sub.slice
+        elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+        if len(elts) != 4 or not all(isinstance(e, ast.Slice) for e in elts):
+            return None
+        rows, cols = elts[2], elts[3]
+        if rows.lower is None and cols.lower is None and rows.upper is not None and cols.upper is not None and rows.step is None and cols.step is None:
+            if ast.dump(_plain(rows.upper)) == ast.dump(_plain(cols.upper)):
+                return "top_left"
+        # GPT-2: bias[:, :, key_length - query_length : key_length, :key_length]
+        if rows.lower is not None and rows.upper is not None and cols.lower is None and cols.upper is not None:
+            lo = deref(rows.lower)
+            if isinstance(lo, ast.BinOp) and isinstance(lo.op, ast.Sub) and ast.dump(_plain(lo.left)) == ast.dump(_plain(rows.upper)) == ast.dump(_plain(cols.upper)):
+                return "bottom_right"
+        return None
+
+    def _buffer_is_tril(self, attr: str) -> bool:
+        cls = self.module.classes.get(self.scope.class_name or "")
+        if cls is None:
+            return False
+        for node in ast.walk(cls):
+            value = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register_buffer" and len(node.args) >= 2 and const_value(node.args[0]) == attr:
+                value = node.args[1]
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) == f"self.{attr}":
+                value = node.value
+            if value is not None:
+                for sub in ast.walk(value):
+                    if self._is_local_tri(sub, "tril", 0):
+                        return True
+        return False
+
+    def _is_local_tri(self, node: Any, which: str, diagonal: int) -> bool:
+        """``torch.tril(torch.ones(...))`` / ``torch.ones(...).tril()`` with the given diagonal."""
+        node = deref(node) if isinstance(node, Ref) else node
+        if not isinstance(node, ast.Call):
+            return False
+        if self.method(node, which) and not (isinstance(node.func.value, (ast.Name, Ref)) and self._fn(node) == f"torch.{which}"):
+            inner, diag = node.func.value, keyword(node, "diagonal", 0)
+        elif self._fn(node) == f"torch.{which}" and node.args:
+            inner, diag = node.args[0], keyword(node, "diagonal", 1)
+        else:
+            return False
+        d = const_value(diag) if diag is not None else 0
+        inner = deref(inner) if isinstance(inner, Ref) else inner
+        while self.method(inner, "bool", "to", "float"):
+            inner = inner.func.value
+        return d == diagonal and isinstance(inner, ast.Call) and (self._fn(inner) or dotted(inner.func) or "") in ("torch.ones", "torch.ones_like", "ones")
+
+    def _bool_causal(self, c: Any, kind: str) -> str | None:
+        c = deref(c)
+        if kind == "keep":
+            return self._tril_keep(c)
+        # masked: tril == 0 / ~tril / tril.logical_not() / triu(ones, 1)
+        if isinstance(c, ast.Compare) and len(c.ops) == 1 and isinstance(c.ops[0], ast.Eq) and const_value(c.comparators[0]) in (0, False):
+            return self._tril_keep(c.left)
+        if isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.Invert):
+            return self._tril_keep(c.operand)
+        if self.method(c, "logical_not"):
+            return self._tril_keep(c.func.value)
+        base = c
+        while self.method(base, "bool", "to", "view", "unsqueeze"):
+            base = deref(base.func.value)
+        if self._is_local_tri(base, "triu", 1):
+            return "top_left"
+        return None
+
+    def _additive_causal(self, term: Any) -> str | None:
+        t = deref(term)
+        if isinstance(t, ast.Call):
+            inner = t.func.value if self.method(t, "triu") else (t.args[0] if self._fn(t) == "torch.triu" and t.args else None)
+            diag = keyword(t, "diagonal", 0 if self.method(t, "triu") else 1)
+            inner = deref(inner) if inner is not None else None
+            if inner is not None and const_value(diag) == 1 and isinstance(inner, ast.Call) and self._fn(inner) == "torch.full":
+                ok, finite = self._fill_ok(inner.args[1]) if len(inner.args) > 1 else (False, True)
+                if ok and not finite:
+                    return "top_left"
+        return None
+
+    # -- Q@Kᵀ
+    def parse_qk(self, node: Any, mm: tuple[Any, Any, str], chain: Chain) -> None:
+        a, b, kind = mm
+        if kind == "einsum":
+            spec = _einsum_spec(node.args[0])
+            if spec is None:
+                raise Miss("einsum for Q@Kᵀ with a subscript npufuse does not parse")
+            qs, ks, os_ = spec
+            if len(qs) != 4 or len(ks) != 4 or len(os_) != 4:
+                raise Miss("einsum over other than 4-D operands")
+            bb, n, i, j = os_
+            dvar = set(qs) - {bb, n, i}
+            if len(dvar) != 1 or set(ks) != {bb, n, j} | dvar:
+                raise Miss("einsum for Q@Kᵀ that is not a contraction over the head dim")
+            d = dvar.pop()
+            ql, kl = _layout_of(qs, bb, n, i, d), _layout_of(ks, bb, n, j, d)
+            if ql is None or kl is None:
+                raise Miss("einsum layouts other than BNSD/BSND")
+            chain.q = self.peel_operand(a, "q", ql, chain)
+            chain.k = self.peel_operand(b, "k", kl, chain)
+            chain.spelling.append("einsum")
+            return
+        layout = "3D" if kind == "bmm" else "BNSD"
+        chain.spelling.append(kind)
+        chain.q = self.peel_operand(a, "q", layout, chain)
+        kt = b
+        for _ in range(10):
+            kt_d = self._deref_op(kt, chain)
+            if isinstance(kt_d, ast.BinOp) and isinstance(kt_d.op, (ast.Mult, ast.Div)):
+                left_t = self._has_tensor_op(kt_d.left)
+                factor, base = (kt_d.right, kt_d.left) if left_t or isinstance(kt_d.op, ast.Div) else (kt_d.left, kt_d.right)
+                self.add_scale(factor, isinstance(kt_d.op, ast.Div), chain)
+                kt = base
+                continue
+            if self.method(kt_d, "transpose") and len(kt_d.args) == 2:
+                dims = {const_value(x) for x in kt_d.args}
+                if dims in ({-2, -1}, {2, 3}) or (layout == "3D" and dims in ({1, 2}, {-2, -1})):
+                    chain.k = self.peel_operand(kt_d.func.value, "k", layout, chain)
+                    return
+                raise Miss(f"key transposed over dims {sorted(d for d in dims if isinstance(d, int))}, not the last two")
+            if isinstance(kt_d, ast.Attribute) and kt_d.attr in ("mT", "T") and layout != "3D":
+                chain.k = self.peel_operand(kt_d.value, "k", layout, chain)
+                return
+            if self.method(kt_d, "permute") and len(kt_d.args) == 4:
+                perm = tuple(const_value(x) for x in kt_d.args)
+                if perm == (0, 1, 3, 2):
+                    chain.k = self.peel_operand(kt_d.func.value, "k", "BNSD", chain)
+                    return
+                if perm == (0, 2, 3, 1):
+                    chain.k = self.peel_operand(kt_d.func.value, "k", "BSND", chain)
+                    return
+            raise Miss(f"the key operand `{self.src(b)}` is not a transpose of K")
+
+    def _has_tensor_op(self, node: Any) -> bool:
+        return any(self.method(n, "transpose", "permute") or isinstance(n, Ref) and n.idx >= 0 for n in walk_sym(node))
+
+    def _deref_op(self, node: Any, chain: Chain) -> Any:
+        """Follow a Ref only when its value is a layout/scale/repeat step on another variable, so
+        projections and caches before the attention stay outside the site."""
+        while isinstance(node, Ref) and node.value is not None and not isinstance(node.value, Opaque):
+            v = node.value
+            if self._is_step(v):
+                if node.idx >= 0:
+                    chain.seen.add(node.idx)
+                node = v
+                continue
+            break
+        return node
+
+    def _is_step(self, v: Any) -> bool:
+        if self.method(v, "transpose", "permute", "contiguous", "mT"):
+            inner = v.func.value
+        elif isinstance(v, ast.Attribute) and v.attr in ("mT", "T"):
+            inner = v.value
+        elif isinstance(v, ast.BinOp) and isinstance(v.op, (ast.Mult, ast.Div)):
+            return isinstance(v.left, Ref) or isinstance(v.right, Ref)
+        elif isinstance(v, ast.Call) and repeat_info(self.module, _plain(v)) is not None:
+            inner = self._repeat_input(v)
+        else:
+            return False
+        return isinstance(inner, Ref) or self._is_step(inner)
+
+    def _repeat_input(self, call: ast.Call) -> Any:
+        """The tensor a repeat call repeats: ``repeat_kv(x, n)`` / ``torch.repeat_interleave(x, ...)`` / ``x.repeat_interleave(...)``."""
+        if isinstance(call.func, ast.Attribute) and call.func.attr in ("repeat_interleave", "repeat") and self._fn(call) != "torch.repeat_interleave":
+            return call.func.value
+        return call.args[0]
+
+    def peel_operand(self, node: Any, role: str, layout: str, chain: Chain) -> Operand:
+        rep: RepeatInfo | None = None
+        for _ in range(20):
+            node = self._deref_op(node, chain)
+            if self.method(node, "contiguous"):
+                node = node.func.value
+                continue
+            if self.method(node, "transpose") and len(node.args) == 2 and layout != "3D":
+                dims = {const_value(x) for x in node.args}
+                if dims == {1, 2}:
+                    layout = "BSND" if layout == "BNSD" else "BNSD"
+                    node = node.func.value
+                    continue
+                break
+            if self.method(node, "permute") and len(node.args) == 4 and layout != "3D":
+                if tuple(const_value(x) for x in node.args) == (0, 2, 1, 3):
+                    layout = "BSND" if layout == "BNSD" else "BNSD"
+                    node = node.func.value
+                    continue
+                break
+            if isinstance(node, ast.Call):
+                info = repeat_info(self.module, _plain(node))
+                if info is not None:
+                    if role == "q":
+                        raise Miss("the query heads are repeated: not a GQA form npu_fusion_attention takes")
+                    if not info.grouped:
+                        raise Miss(
+                            f"kv heads are tiled with `.repeat` (query head h uses kv head h % Nkv); npu_fusion_attention's "
+                            "GQA groups contiguous query heads onto one kv head (repeat_kv / repeat_interleave)"
+                        )
+                    want = {"BNSD": 1, "BSND": 2}.get(layout)
+                    if want is None or info.head_dim not in (want, want - 4):
+                        raise Miss(f"kv repeated over dim {info.head_dim}, which is not the head dim of the {layout} tensor")
+                    if rep is not None:
+                        raise Miss("kv heads repeated twice")
+                    rep = info
+                    inner = self._repeat_input(node)
+                    self.repeat_of[id(node)] = inner
+                    node = inner
+                    continue
+            if role in ("q", "k") and isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+                lt, rt = self._tensorish(node.left), self._tensorish(node.right)
+                if lt != rt:
+                    base, factor = (node.left, node.right) if lt else (node.right, node.left)
+                    if isinstance(node.op, ast.Div) and not lt:
+                        break
+                    self.add_scale(factor, isinstance(node.op, ast.Div), chain)
+                    node = base
+                    continue
+            break
+        return Operand(node, layout, rep)
+
+    def _tensorish(self, node: Any) -> bool:
+        """Heuristic: a variable (not self.x / a number / math call) is the tensor side of ``q * scale``."""
+        n = node
+        if isinstance(n, Ref) and n.name != "self":
+            return True
+        if isinstance(n, ast.Call) and (self.method(n, "transpose", "permute", "view", "reshape", "contiguous") or self._fn(n) in ("torch.matmul",)):
+            return True
+        return False
+
+
+def _is_self_attr(func: Any) -> bool:
+    return isinstance(func, ast.Attribute) and isinstance(func.value, Ref) and func.value.name == "self" and func.value.idx == -1
+
+
+def _plain(node: Any) -> Any:
+    """Symbolic tree -> ast with Refs as Names (for messages, structural comparisons and helper checks)."""
+    if isinstance(node, Ref):
+        return ast.Name(node.name, ast.Load())
+    if isinstance(node, Cond):
+        return ast.IfExp(test=_plain(node.test), body=_plain(node.body), orelse=_plain(node.orelse))
+    if isinstance(node, (Undef, Opaque)):
+        return ast.Name("<undefined>", ast.Load())
+    if not isinstance(node, ast.AST):
+        return node
+    new = copy.copy(node)
+    for name, value in ast.iter_fields(node):
+        if isinstance(value, list):
+            setattr(new, name, [_plain(v) for v in value])
+        elif isinstance(value, ast.AST):
+            setattr(new, name, _plain(value))
+    return new
+
+
+# =============================================================================================
+# The pattern
+# =============================================================================================
+class AttentionPattern(Pattern):
+    id = "attention"
+    api = "torch_npu.npu_fusion_attention"
+    title = "Eager attention (QKᵀ, scale, mask, softmax, dropout, @V) as one npu_fusion_attention"
+    training_ok = True
+    bound = "memory"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        blocks: dict[int, list[ast.stmt]] = {}
+        for block, _i, _stmt in scope.statements():
+            blocks.setdefault(id(block), block)
+        for block in blocks.values():
+            if not any(self._anchors(module, s) for s in block):
+                continue
+            interp = BlockInterp(block)
+            matcher_done: set[int] = set()
+            for i, stmt in enumerate(block):
+                for node, pv in self._anchors(module, stmt):
+                    if id(node) in matcher_done:
+                        continue
+                    matcher_done.add(id(node))
+                    res = self._site(module, scope, interp, i, stmt, node, pv)
+                    if res is not None:
+                        yield res
+
+    def _anchors(self, module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.AST, tuple[Any, Any, str]]]:
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
+            return []
+        out = []
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+                out.append((node, (node.left, node.right, "@")))
+            elif isinstance(node, ast.Call):
+                name = module.call_name(node)
+                if name in MATMULS and len(node.args) == 2:
+                    out.append((node, (node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul")))
+                elif name == "torch.einsum" and len(node.args) == 3:
+                    out.append((node, (node.args[1], node.args[2], "einsum")))
+        return out
+
+    def _site(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, e: int, stmt: ast.stmt, node: ast.AST, pv: tuple[Any, Any, str]) -> Result | None:
+        matcher = _Matcher(module, scope, interp)
+        env = interp.before[e]
+        sym_pv = (interp.sym(pv[0], env), interp.sym(pv[1], env), pv[2])
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        try:
+            chain = matcher.match(sym_pv, node)
+            if chain is None:
+                return None
+            return self._finding(module, scope, interp, matcher, chain, e, stmt, node)
+        except Miss as miss:
+            return NearMiss(self.id, scope.qualname, line, end, str(miss))
+
+    # -- building the finding ---------------------------------------------------------------
+    def _finding(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, matcher: _Matcher, chain: Chain, e: int, stmt: ast.stmt, node: ast.AST) -> Finding | NearMiss:
+        s = min(chain.seen | {e})
+        sole_causal = len(chain.masks) == 1 and chain.masks[0].causal is not None and chain.masks[0].cond is None
+        if sole_causal:
+            # the causal mask becomes sparse_mode + the cached compressed mask: the statements that
+            # build it inside the site (``i, j = sim.shape[-2:]``, ``causal_mask = torch.triu(...)``) go
+            for n in walk_values(chain.masks[0].node):
+                if isinstance(n, Ref) and n.idx >= s:
+                    chain.seen.add(n.idx)
+        block = interp.block
+        span_line, end_line = block[s].lineno, stmt.end_lineno or stmt.lineno
+        assert chain.q and chain.k and chain.v
+        d = head_dim_constant(module, scope, chain.scale_num + chain.scale_den)
+        problem = head_dim_problem(d)
+        if problem:
+            raise_miss = NearMiss(self.id, scope.qualname, span_line, end_line, problem)
+            return raise_miss
+        r = Renderer(module, interp, s, matcher.repeat_of)
+        try:
+            q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
+        except Miss as miss:
+            return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+        if (chain.k.repeat is None) != (chain.v.repeat is None):
+            return NearMiss(self.id, scope.qualname, span_line, end_line, "keys and values are not repeated alike (GQA on one of them only)")
+        lines: list[str] = []
+        # statements of the span that are not attention steps
+        internal: set[str] = set()
+        for j in range(s, e):
+            if j in chain.seen:
+                internal |= interp.assigned[j]
+        for j in range(s, e):
+            if j in chain.seen:
+                continue
+            other = block[j]
+            reads = {n.id for n in ast.walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            if reads & internal:
+                if _is_check(other):
+                    continue  # a shape assert on an intermediate: the fused op checks shapes itself
+                used = sorted(reads & internal)
+                probs = [n for n in used if id(interp.before[j].get(n)) in chain.probs_objs]
+                if probs:
+                    return NearMiss(
+                        self.id, scope.qualname, span_line, end_line,
+                        f"the attention probabilities (`{probs[0]}`) are used at line {other.lineno}; the fused op does not materialise them",
+                    )
+                return NearMiss(
+                    self.id, scope.qualname, span_line, end_line,
+                    f"line {other.lineno} between the attention steps uses intermediate `{sorted(reads & internal)[0]}`",
+                )
+            if interp.assigned[j] & (ref_names(chain.q.leaf) | ref_names(chain.k.leaf) | ref_names(chain.v.leaf)):
+                return NearMiss(self.id, scope.qualname, span_line, end_line, f"line {other.lineno} reassigns an input of the attention inside the site")
+            lines.append(_statement_text(module, other))
+        # live-outs: names computed inside the span and read after it
+        pv_nodes = {id(n) for n in ast.walk(node)}
+        in_final = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in pv_nodes}
+        none_probs: list[str] = []
+        risks = list(chain.risks)
+        for name in sorted(internal):
+            if name in _targets(stmt):
+                continue
+            used_after = scope.uses_after(name, end_line)
+            if not (used_after or name in in_final):
+                continue
+            final = interp.before[e].get(name)
+            is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
+            if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
+                none_probs.append(name)
+                continue
+            what = "the attention probabilities" if is_probs else f"intermediate `{name}`"
+            return NearMiss(
+                self.id, scope.qualname, span_line, end_line,
+                f"{what} (`{name}`) are used after the attention; the fused op does not materialise them" if is_probs
+                else f"{what} is used after the attention; the fused op does not produce it",
+            )
+        # q/k/v in the call's layout
+        layouts = {chain.q.layout, chain.k.layout, chain.v.layout}
+        three_d = chain.q.layout == "3D"
+        temps: list[str] = []
+
+        def bind(text: str, tag: str) -> str:
+            if is_simple(text):
+                return text
+            var = f"_npufuse_{tag}"
+            temps.append(f"{var} = {text}")
+            return var
+
+        q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
+        if three_d:
+            if layouts != {"3D"}:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, "bmm attention mixing 3-D and 4-D operands")
+            layout = "BNSD"
+            q_a, k_a, v_a = (f"{atom(x)}.unsqueeze(1)" for x in (q_n, k_n, v_n))
+            head_num, sq = "1", f"{atom(q_n)}.shape[1]"
+        elif len(layouts) == 1:
+            layout = chain.q.layout
+            q_a, k_a, v_a = q_n, k_n, v_n
+            head_num = f"{atom(q_n)}.shape[{1 if layout == 'BNSD' else 2}]"
+            sq = f"{atom(q_n)}.shape[{2 if layout == 'BNSD' else 1}]"
+        else:
+            layout = "BNSD"
+            q_a, k_a, v_a = (
+                (f"{atom(x)}.transpose(1, 2).contiguous()" if op.layout == "BSND" else x)
+                for x, op in ((q_n, chain.q), (k_n, chain.k), (v_n, chain.v))
+            )
+            head_num = f"{atom(q_a)}.shape[1]"
+            sq = f"{atom(q_a)}.shape[2]"
+            risks.append(Risk("layout", "q/k/v arrive in different layouts: the BSND ones are transposed and copied to BNSD"))
+        if layout == "BNSD" and not three_d:
+            q_a, k_a, v_a = (f"{atom(x)}.contiguous()" if not x.endswith(".contiguous()") else x for x in (q_a, k_a, v_a))
+            risks.append(Risk("non_contiguous", "q/k/v are made contiguous for the BNSD call; HF's transposed [B,N,S,D] views are copied (3 tensors of B·S·N·D, small next to the S² scores)"))
+        lines += temps
+        # scale
+        try:
+            num = [r.text(x) for x in chain.scale_num]
+            den = [r.text(x) for x in chain.scale_den]
+        except Miss as miss:
+            return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+        scale = " * ".join(atom(x) if len(num) > 1 else x for x in num) if num else ""
+        if den:
+            den_t = atom(den[0]) if len(den) == 1 else "(" + " * ".join(atom(x) for x in den) + ")"
+            scale = f"{atom(scale) if scale else '1.0'} / {den_t}"
+        scale = scale or "1.0"
+        kwargs: list[tuple[str, str]] = []
+        # masks
+        mask_kind, sparse = "none", 0
+        causal_terms = [m for m in chain.masks if m.causal]
+        try:
+            if sole_causal:
+                sparse = 2 if causal_terms[0].causal == "top_left" else 3
+                cache, mask_expr = causal_cache_lines(q_n if not three_d else q_n)
+                lines += cache
+                kwargs.append(("atten_mask", mask_expr))
+                mask_kind = "causal"
+            elif chain.masks:
+                mask_lines, maybe_none = self._mask_lines(r, chain.masks)
+                lines += mask_lines
+                if not all(m.causal for m in chain.masks):
+                    lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d)
+                kwargs.append(("atten_mask", "_npufuse_mask"))
+                kinds = {m.kind for m in chain.masks}
+                mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep"}[m.kind]) for m in chain.masks))
+                if "additive" in kinds:
+                    risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked): exact for 0/−inf (or large negative) masks such as HF's and BERT's; a mask carrying graded negative values would be binarised"))
+                if any(m.causal for m in chain.masks):
+                    chain.notes.append("the causal mask is passed explicitly (sparse_mode 0): it is combined with another mask or conditional")
+            test_texts = [r.text(m.cond) for m in chain.masks if m.cond is not None]
+        except Miss as miss:
+            return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+        kwargs.append(("scale", scale))
+        # dropout
+        dropout_text = "none"
+        if chain.dropout is not None:
+            _kind, p_node, active_node = chain.dropout
+            try:
+                p_text = r.text(p_node)
+                conds = []
+                if chain.dropout_cond is not None:
+                    t = r.text(chain.dropout_cond[0])
+                    conds.append(f"not ({t})" if chain.dropout_cond[1] else t)
+                if active_node is not None and const_value(active_node) is not True:
+                    conds.append(r.text(active_node))
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+            if const_value(ast.parse(p_text, mode="eval").body) in (0, 0.0):
+                dropout_text = "p = 0"
+            else:
+                keep = f"1.0 - {atom(p_text)}"
+                if conds:
+                    keep = f"({keep}) if {' and '.join(atom(c) if len(conds) > 1 else c for c in conds)} else 1.0"
+                kwargs.append(("keep_prob", keep))
+                dropout_text = p_text
+                risks.append(Risk("numerics", "dropout masks come from the NPU's Philox stream: statistically equivalent to torch's, not bit-identical (compare with dropout off)"))
+        if sparse:
+            kwargs.append(("sparse_mode", str(sparse)))
+        call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)
+        if three_d:
+            call = f"{call}.squeeze(1)"
+        if layout != chain.out_layout and not three_d:
+            call = f"{call}.transpose(1, 2)"
+        for name in none_probs:
+            lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
+        lines.append(replace_segments(module, stmt, [(node, call)]))
+        if none_probs:
+            risks.append(Risk("other", f"`{', '.join(none_probs)}` (the attention probabilities) is None in the fused branch: a caller asking for output_attentions gets None — turn the switch off for such runs"))
+        gqa = chain.k.repeat.n_rep if chain.k.repeat else None
+        params: dict[str, Any] = {
+            "scale": scale,
+            "mask_kind": mask_kind,
+            "mask": [self._mask_desc(r, m) for m in chain.masks],
+            "mask_conditions": test_texts,
+            "causal": bool(causal_terms),
+            "sparse_mode": sparse,
+            "dropout": dropout_text,
+            "layout": layout if not three_d else "3D (bmm) -> BNSD with N=1",
+            "output_layout": chain.out_layout,
+            "gqa": gqa,
+            "q": q_t, "k": k_t, "v": v_t,
+            "returns_probs": none_probs[0] if none_probs else None,
+            "head_dim": d,
+        }
+        if chain.softmax_dtype:
+            params["softmax_dtype"] = chain.softmax_dtype
+        if d is None:
+            chain.notes.append("head_dim is not a literal here: npu_fusion_attention needs D ≤ 768 (fused kernels prefer multiples of 16)")
+        risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
+        variant = "+".join(dict.fromkeys(chain.spelling)) + (f"+gqa" if gqa else "") + (f"+{mask_kind}" if mask_kind != "none" else "")
+        return Finding(
+            pattern=self.id, qualname=scope.qualname, line=span_line, end_line=end_line, params=params,
+            fused="\n".join(lines), guard_tensor=self._guard(q_t), confidence=chain.confidence,
+            variant=variant, risks=risks, notes=chain.notes,
+        )
+
+    @staticmethod
+    def _guard(q_text: str) -> str:
+        node = ast.parse(q_text, mode="eval").body
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"):
+                return n.id
+        return q_text
+
+    def _mask_desc(self, r: Renderer, m: MaskTerm) -> str:
+        kind = m.causal or m.kind
+        try:
+            text = r.text(m.node)
+        except Miss:
+            text = ast.unparse(_plain(m.node))
+        return f"{kind}: {text}"
+
+    def _mask_lines(self, r: Renderer, masks: list[MaskTerm]) -> tuple[list[str], bool]:
+        """Statements building ``_npufuse_mask`` (True = masked) from every mask term."""
+        lines: list[str] = []
+        have = False  # a mask tensor certainly exists so far
+        maybe = False  # _npufuse_mask may be None
+        for m in masks:
+            t = r.text(m.node)
+            if m.kind == "additive":
+                b = f"{atom(t)} < 0"
+            elif m.kind == "masked":
+                b = t
+            else:
+                b = f"~{atom(t)}"
+            cond = None
+            if m.cond is not None:
+                c = r.text(m.cond)
+                cond = f"not {atom(c)}" if m.negate_cond else c
+            if not lines:
+                if cond is None:
+                    lines.append(f"_npufuse_mask = {b}  # True = masked" + (" (additive 0/-inf mask)" if m.kind == "additive" else ""))
+                    have = True
+                else:
+                    lines.append(f"_npufuse_mask = ({b}) if {cond} else None  # True = masked")
+                    maybe = True
+                continue
+            combine = f"_npufuse_mask | ({b})" if have and not maybe else f"({b}) if _npufuse_mask is None else _npufuse_mask | ({b})"
+            if cond is None:
+                lines.append(f"_npufuse_mask = {combine}")
+                if maybe:
+                    maybe, have = False, True
+            else:
+                lines.append(f"if {cond}:")
+                lines.append(f"    _npufuse_mask = {combine}")
+        return lines, maybe
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        return attention_value(finding, config, "eager attention")
+
+    @staticmethod
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, atten_mask: torch.Tensor | None = None,
+                  scale: float | None = None, causal: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
+        """Eager attention in BNSD (``atten_mask`` True = masked; top-left causal)."""
+        return eager_attention(q, k, v, atten_mask, scale, causal, dropout_p)
+
+    FUSE: list = []
+    KEEP: list = []
+
+
+def _targets(stmt: ast.stmt) -> set[str]:
+    if isinstance(stmt, ast.Assign):
+        return _assigned_names([ast.Assign(targets=stmt.targets, value=ast.Constant(0))])
+    if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) and isinstance(stmt.target, ast.Name):
+        return {stmt.target.id}
+    return set()
+
+
+def _is_check(stmt: ast.stmt) -> bool:
+    """``if <cond>: raise ...`` or ``assert ...``: a sanity check with no effect on values."""
+    if isinstance(stmt, ast.Assert):
+        return True
+    return isinstance(stmt, ast.If) and not stmt.orelse and all(isinstance(s, ast.Raise) for s in stmt.body)
+
+
+def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> str:
+    lines = module.source.splitlines()[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    return "\n".join(ln[indent:] if ln[:indent].strip() == "" else ln for ln in lines)
+
+
+def _parents(root: ast.AST) -> dict[int, ast.AST]:
+    out: dict[int, ast.AST] = {}
+    for n in ast.walk(root):
+        for c in ast.iter_child_nodes(n):
+            out[id(c)] = n
+    return out
+
+
+def _packaging_use(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """Is this load of a name only packaged into a return value (tuple / conditional tuple)?"""
+    cur = node
+    while True:
+        parent = parents.get(id(cur))
+        if parent is None:
+            return False
+        if isinstance(parent, ast.Return):
+            return True
+        if isinstance(parent, (ast.Tuple, ast.List)) or (isinstance(parent, ast.IfExp) and cur is not parent.test):
+            cur = parent
+            continue
+        if isinstance(parent, ast.Assign) and cur is parent.value and all(isinstance(t, ast.Name) for t in parent.targets):
+            return True  # outputs = (attn_output, attn_weights) ...: packaged for the caller
+        return False
+
+
+def _only_returned(scope: Scope, name: str, after: int) -> bool:
+    parents = _parents(scope.node)
+    for n in ast.walk(scope.node):
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > after:
+            if not _packaging_use(n, parents):
+                return False
+    return True
+
+
+def _only_returned_in(stmt: ast.stmt, name: str, skip: set[int]) -> bool:
+    parents = _parents(stmt)
+    for n in ast.walk(stmt):
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and id(n) not in skip:
+            if not _packaging_use(n, parents):
+                return False
+    return True
+
+
+# =============================================================================================
+# Examples (the tests): real-model spellings, short
+# =============================================================================================
+_HF_REPEAT_KV = '''
+import torch
+from torch import nn
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(batch, num_key_value_heads, seqlen, head_dim) -> (batch, num_attention_heads, seqlen, head_dim)"""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+'''
+
+_HF_MASK = '''
+def _hf_mask(b, sq, skv, dtype=torch.float32, pad=2):
+    """HF 4-D additive mask [B, 1, Sq, Skv]: 0 = attend, finfo.min = masked (causal + left padding of batch 0)."""
+    keep = torch.ones(sq, skv, dtype=torch.bool).tril(skv - sq)[None, None].repeat(b, 1, 1, 1)
+    keep[0, :, :, :pad] = False
+    keep[0, :, :pad, :pad] = torch.eye(pad, dtype=torch.bool)  # padded rows still see themselves
+    return torch.zeros(b, 1, sq, skv, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+class _Mod:
+    training = False
+    num_key_value_groups = 2
+'''
+
+AttentionPattern.FUSE = [
+    Fuse(
+        name="hf_llama_eager_gqa",
+        # transformers >= 4.48 eager_attention_forward (Llama / Qwen2 / Mistral)
+        code=_HF_REPEAT_KV + '''
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        causal_mask = attention_mask[:, :, :, : key_states.shape[-2]]
+        attn_weights = attn_weights + causal_mask
+
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+
+    return attn_output, attn_weights
+''' + _HF_MASK,
+        expect={"gqa": "module.num_key_value_groups", "mask_kind": "additive_float", "scale": "scaling", "returns_probs": "attn_weights",
+                "layout": "BNSD", "dropout": "dropout", "q": "query", "k": "key", "qualname": "eager_attention_forward"},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 2, 8, 16, requires_grad=True)
+v = torch.randn(2, 2, 8, 16, requires_grad=True)
+out = eager_attention_forward(_Mod(), q, k, v, _hf_mask(2, 8, 8), 16 ** -0.5)[0]
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="hf_eager_fp16_no_mask",
+        # same function, fp16, attention_mask=None (the conditional mask is skipped at run time)
+        code=_HF_REPEAT_KV + '''
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        causal_mask = attention_mask[:, :, :, : key_states.shape[-2]]
+        attn_weights = attn_weights + causal_mask
+
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+
+    return attn_output, attn_weights
+''' + _HF_MASK,
+        expect={"softmax_dtype": "torch.float32"},
+        run='''
+q = torch.randn(1, 4, 16, 32).half().requires_grad_()
+k = torch.randn(1, 2, 16, 32).half().requires_grad_()
+v = torch.randn(1, 2, 16, 32).half().requires_grad_()
+out = eager_attention_forward(_Mod(), q, k, v, None, 32 ** -0.5)[0]
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="nanogpt_causal_buffer",
+        # karpathy/nanoGPT CausalSelfAttention, the slow path
+        code='''
+import math
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd=64, n_head=4, block_size=32, dropout=0.1, flash=False):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
+        self.flash = flash
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if self.flash:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+''',
+        expect={"causal": True, "sparse_mode": 2, "mask_kind": "causal", "scale": "1.0 / math.sqrt(k.size(-1))", "qualname": "CausalSelfAttention.forward"},
+        run='''
+m = CausalSelfAttention().eval()
+x = torch.randn(2, 16, 64, requires_grad=True)
+out = m(x)
+leaves = [x, m.c_attn.weight]
+''',
+    ),
+    Fuse(
+        name="meta_llama_bsnd_gqa",
+        # Meta's reference llama model.py: repeat_kv on BSND, transposes, additive mask param
+        code='''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """torch.repeat_interleave(x, dim=2, repeats=n_rep)"""
+    bs, slen, n_kv_heads, head_dim = x.shape
+    if n_rep == 1:
+        return x
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, slen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=64, n_heads=4, n_kv_heads=2):
+        super().__init__()
+        self.n_local_heads, self.n_local_kv_heads = n_heads, n_kv_heads
+        self.n_rep = n_heads // n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, mask):
+        bsz, seqlen, _ = x.shape
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        keys = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        values = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+
+        # repeat k/v heads if n_kv_heads < n_heads
+        keys = repeat_kv(keys, self.n_rep)  # (bs, cache_len + seqlen, n_local_heads, head_dim)
+        values = repeat_kv(values, self.n_rep)  # (bs, cache_len + seqlen, n_local_heads, head_dim)
+
+        xq = xq.transpose(1, 2)  # (bs, n_local_heads, seqlen, head_dim)
+        keys = keys.transpose(1, 2)  # (bs, n_local_heads, cache_len + seqlen, head_dim)
+        values = values.transpose(1, 2)  # (bs, n_local_heads, cache_len + seqlen, head_dim)
+        scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(self.head_dim)
+        if mask is not None:
+            scores = scores + mask  # (bs, n_local_heads, seqlen, cache_len + seqlen)
+        scores = F.softmax(scores.float(), dim=-1).type_as(xq)
+        output = torch.matmul(scores, values)  # (bs, n_local_heads, seqlen, head_dim)
+        output = output.transpose(1, 2).contiguous().view(bsz, seqlen, -1)
+        return self.wo(output)
+''',
+        expect={"layout": "BSND", "gqa": "self.n_rep", "mask_kind": "additive_float", "scale": "1.0 / math.sqrt(self.head_dim)",
+                "q": "xq", "k": "keys", "v": "values"},
+        run='''
+m = Attention()
+x = torch.randn(2, 8, 64, requires_grad=True)
+mask = torch.full((8, 8), float("-inf")).triu(1)
+out = m(x, mask)
+leaves = [x, m.wq.weight, m.wk.weight]
+''',
+    ),
+    Fuse(
+        name="bert_padding_mask",
+        # HF BertSelfAttention (pre-4.48 style), [B,1,1,S] extended additive mask, no head mask
+        code='''
+import math
+import torch
+from torch import nn
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, hidden_size=64, num_attention_heads=4, attention_probs_dropout_prob=0.1):
+        super().__init__()
+        self.num_attention_heads = num_attention_heads
+        self.attention_head_size = int(hidden_size / num_attention_heads)
+        self.all_head_size = self.num_attention_heads * self.attention_head_size
+        self.query = nn.Linear(hidden_size, self.all_head_size)
+        self.key = nn.Linear(hidden_size, self.all_head_size)
+        self.value = nn.Linear(hidden_size, self.all_head_size)
+        self.dropout = nn.Dropout(attention_probs_dropout_prob)
+
+    def transpose_for_scores(self, x):
+        new_x_shape = x.size()[:-1] + (self.num_attention_heads, self.attention_head_size)
+        x = x.view(new_x_shape)
+        return x.permute(0, 2, 1, 3)
+
+    def forward(self, hidden_states, attention_mask=None):
+        query_layer = self.transpose_for_scores(self.query(hidden_states))
+        key_layer = self.transpose_for_scores(self.key(hidden_states))
+        value_layer = self.transpose_for_scores(self.value(hidden_states))
+
+        # Take the dot product between "query" and "key" to get the raw attention scores.
+        attention_scores = torch.matmul(query_layer, key_layer.transpose(-1, -2))
+        attention_scores = attention_scores / math.sqrt(self.attention_head_size)
+        if attention_mask is not None:
+            # Apply the attention mask is (precomputed for all layers in BertModel forward() function)
+            attention_scores = attention_scores + attention_mask
+
+        # Normalize the attention scores to probabilities.
+        attention_probs = nn.functional.softmax(attention_scores, dim=-1)
+        attention_probs = self.dropout(attention_probs)
+        context_layer = torch.matmul(attention_probs, value_layer)
+
+        context_layer = context_layer.permute(0, 2, 1, 3).contiguous()
+        new_context_layer_shape = context_layer.size()[:-2] + (self.all_head_size,)
+        return context_layer.view(new_context_layer_shape)
+
+
+def extended_mask(mask):
+    return (1.0 - mask[:, None, None, :].float()) * -10000.0
+''',
+        expect={"mask_kind": "additive_float", "scale": "1.0 / math.sqrt(self.attention_head_size)", "dropout": "self.dropout.p",
+                "q": "query_layer", "qualname": "BertSelfAttention.forward"},
+        run='''
+m = BertSelfAttention().eval()
+h = torch.randn(2, 8, 64, requires_grad=True)
+pad = torch.ones(2, 8)
+pad[1, 5:] = 0
+out = m(h, extended_mask(pad))
+leaves = [h, m.query.weight, m.value.weight]
+''',
+    ),
+    Fuse(
+        name="timm_vit_prescaled_q",
+        # timm vision_transformer.Attention, the non-fused path (q scaled before the product)
+        code='''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=64, num_heads=4, attn_drop=0.0, fused_attn=False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.fused_attn = fused_attn
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            q = q * self.scale
+            attn = q @ k.transpose(-2, -1)
+            attn = attn.softmax(dim=-1)
+            attn = self.attn_drop(attn)
+            x = attn @ v
+
+        x = x.transpose(1, 2).reshape(B, N, C)
+        return self.proj(x)
+''',
+        expect={"scale": "self.scale", "mask_kind": "none", "dropout": "self.attn_drop.p", "q": "q", "qualname": "Attention.forward"},
+        run='''
+m = Attention().eval()
+x = torch.randn(2, 10, 64, requires_grad=True)
+out = m(x)
+leaves = [x, m.qkv.weight]
+''',
+    ),
+    Fuse(
+        name="annotated_transformer_keep_mask",
+        # harvardnlp "The Annotated Transformer": keep-polarity mask, -1e9 fill, probabilities returned
+        code='''
+import math
+import torch
+
+
+def attention(query, key, value, mask=None, dropout=None):
+    "Compute 'Scaled Dot Product Attention'"
+    d_k = query.size(-1)
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -1e9)
+    p_attn = scores.softmax(dim=-1)
+    if dropout is not None:
+        p_attn = dropout(p_attn)
+    return torch.matmul(p_attn, value), p_attn
+''',
+        expect={"mask_kind": "bool_masked", "returns_probs": "p_attn", "scale": "1.0 / math.sqrt(d_k)", "mask_conditions": ["mask is not None"]},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+mask = torch.ones(2, 1, 1, 8, dtype=torch.long)
+mask[0, ..., 6:] = 0
+out = attention(q, k, v, mask, dropout=torch.nn.Dropout(0.1).eval())[0]
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="gpt2_bottom_right_causal_kv_cache",
+        # GPT-2 style: tril buffer sliced bottom-right ([k - q : k, :k]), torch.where keep-mask, Sq < Skv
+        code='''
+import torch
+from torch import nn
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, max_positions=64):
+        super().__init__()
+        self.register_buffer(
+            "bias",
+            torch.tril(torch.ones((max_positions, max_positions), dtype=torch.bool)).view(1, 1, max_positions, max_positions),
+            persistent=False,
+        )
+        self.attn_dropout = nn.Dropout(0.1)
+
+    def _attn(self, query, key, value):
+        attn_weights = torch.matmul(query, key.transpose(-1, -2))
+        attn_weights = attn_weights / (value.size(-1) ** 0.5)
+        query_length, key_length = query.size(-2), key.size(-2)
+        causal_mask = self.bias[:, :, key_length - query_length : key_length, :key_length]
+        mask_value = torch.finfo(attn_weights.dtype).min
+        attn_weights = torch.where(causal_mask, attn_weights, mask_value)
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+        attn_weights = self.attn_dropout(attn_weights)
+        attn_output = torch.matmul(attn_weights, value)
+        return attn_output
+''',
+        expect={"sparse_mode": 3, "causal": True, "scale": "1.0 / (value.size(-1) ** 0.5)"},
+        run='''
+m = GPT2Attention().eval()
+q = torch.randn(2, 4, 4, 16, requires_grad=True)   # 4 new tokens
+k = torch.randn(2, 4, 12, 16, requires_grad=True)  # 8 cached + 4 new
+v = torch.randn(2, 4, 12, 16, requires_grad=True)
+out = m._attn(q, k, v)
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="einsum_cross_attention_triu_top_left",
+        # lucidrains / diffusers-style einsum, local triu mask top-left with Sq != Skv
+        code='''
+import torch
+from torch import nn
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, dim_head=16):
+        super().__init__()
+        self.scale = dim_head ** -0.5
+
+    def forward(self, q, k, v, causal=True):
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        i, j = sim.shape[-2:]
+        causal_mask = torch.triu(torch.ones(i, j, dtype=torch.bool, device=q.device), diagonal=1)
+        sim = sim.masked_fill(causal_mask, float("-inf"))
+        attn = sim.softmax(dim=-1)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return out
+''',
+        expect={"sparse_mode": 2, "scale": "self.scale", "mask_kind": "causal", "layout": "BNSD"},
+        run='''
+m = CrossAttention()
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 10, 16, requires_grad=True)
+v = torch.randn(2, 4, 10, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+''',
+    ),
+]
+
+AttentionPattern.KEEP = [
+    Keep(
+        name="alibi_bias",
+        # BLOOM/MPT-style ALiBi bias added to the scores: a float bias, not a mask
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+def alibi_attention(q, k, v, alibi, scale):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores + alibi
+    probs = F.softmax(scores, dim=-1)
+    return torch.matmul(probs, v)
+''',
+        reason="float bias",
+    ),
+    Keep(
+        name="bert_head_mask",
+        code='''
+import math
+import torch
+from torch import nn
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, head_mask=None, **kwargs):
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask[:, :, :, : key.shape[-2]]
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    if head_mask is not None:
+        attn_weights = attn_weights * head_mask
+    attn_output = torch.matmul(attn_weights, value)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+''',
+        reason="modified after softmax",
+    ),
+    Keep(
+        name="softmax_over_queries",
+        code='''
+import torch
+
+
+def odd_attention(q, k, v):
+    w = torch.softmax(q @ k.transpose(-2, -1) * 0.125, dim=1)
+    return w @ v
+''',
+        reason="softmax over dim 1",
+    ),
+    Keep(
+        name="head_dim_72",
+        # DiT-XL style head_dim 72 as a literal
+        code='''
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = 72
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, q, k, v):
+        attn = (q @ k.transpose(-2, -1)) * self.scale
+        attn = attn.softmax(dim=-1)
+        return attn @ v
+''',
+        reason="not a multiple of 16",
+    ),
+    Keep(
+        name="gemma2_softcap",
+        code='''
+import torch
+from torch import nn
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, softcap=50.0):
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    attn_weights = attn_weights / softcap
+    attn_weights = torch.tanh(attn_weights)
+    attn_weights = attn_weights * softcap
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(attn_weights, value)
+''',
+        reason="unsupported operation on the attention scores",
+    ),
+    Keep(
+        name="probs_stored_for_visualisation",
+        code='''
+import torch
+from torch import nn
+
+
+class VisAttention(nn.Module):
+    def forward(self, q, k, v):
+        attn = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        attn = attn.softmax(dim=-1)
+        self.last_attn = attn
+        return attn @ v
+''',
+        reason="the attention probabilities (`attn`) are used",
+    ),
+    Keep(
+        name="kv_tiled_with_repeat",
+        code='''
+import torch
+
+
+def gqa_tiled(q, k, v, n_rep):
+    k = k.repeat(1, n_rep, 1, 1)
+    v = v.repeat(1, n_rep, 1, 1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    return torch.matmul(scores.softmax(-1), v)
+''',
+        reason="tiled",
+    ),
+    Keep(
+        name="swin_v2_learned_logit_scale",
+        code='''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, heads=4):
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones((heads, 1, 1))))
+
+    def forward(self, q, k, v):
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        logit_scale = torch.clamp(self.logit_scale, max=4.6052).exp()
+        attn = attn * logit_scale
+        attn = attn.softmax(dim=-1)
+        return attn @ v
+''',
+        reason="is a tensor",
+    ),
+]

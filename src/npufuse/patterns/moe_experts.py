@@ -1,0 +1,2159 @@
+"""``moe_experts``: a Python loop over MoE experts → permute + grouped matmul + unpermute.
+
+Hand-written MoE layers dispatch tokens one expert at a time: for every expert they find its
+tokens (``torch.where`` over a one-hot mask, a comparison with the flat expert index, or a slice
+of tokens pre-sorted by expert), run the expert MLP on them and add the weighted result back.
+That is ~10 small kernels and a host sync per expert. On Ascend the whole layer is
+
+    npu_moe_token_permute → npu_grouped_matmul (gate|up) → npu_swiglu → npu_grouped_matmul (down)
+    → npu_moe_token_unpermute (weights the k copies of each token and sums them)
+
+with per-expert token counts passed to the grouped matmul as a device tensor (no host sync).
+
+Forms recognised (by what the loop computes, not by names):
+
+* routing: ``one_hot(idx, E).permute(2, 1, 0)`` masks + ``torch.where(mask[e])`` (HF Mixtral,
+  Qwen2/3-MoE, OLMoE, transformers v5 experts), ``torch.where(idx == e)``; loops over
+  ``range(E)``, over the experts that received tokens (``expert_hit`` / ``unique``), over
+  ``enumerate(self.experts)``; DeepSeek's ``y[flat_idx == i] = expert(x[flat_idx == i])`` and
+  its ``moe_infer`` loop over ``tokens_per_expert.cpu().numpy()`` counts of pre-sorted tokens;
+* experts: per-expert modules whose forward is ``down(act(gate(x)) * up(x))``, ``down(act(gate_up
+  (x)).chunk ...)`` or ``fc2(act(fc1(x)))`` over bias-free ``nn.Linear``; or stacked 3-D
+  parameters indexed by the expert (``F.linear(x, self.gate_up_proj[e])`` = ``[E, 2I, H]``
+  out×in, ``x @ self.w1[e]`` = ``[E, H, I]`` in×out).
+
+Training: ``npu_grouped_matmul`` has no backward in torch_npu 2.14, so the fused text carries a
+small ``torch.autograd.Function`` (defined once per module, cached in the module's globals)
+whose backward is two more grouped matmuls: dx = grouped ``dy @ Wᵀ`` and dW = K-grouped
+``xᵀ @ dy`` (``group_type=2``), the form LlamaFactory, veomni and torchtitan's NPU kernels use.
+Expert weights therefore keep their gradients; per-expert ``nn.Linear`` weights are stacked into
+``[E, K, N]`` views every call (a copy; autograd flows back to every Linear).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional
+
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, source_of
+from npufuse.scan.value import estimate, symbolic
+
+_ID = "moe_experts"
+_ONE_HOT = {"torch.nn.functional.one_hot"}
+_LINEAR = {"torch.nn.functional.linear"}
+_MATMUL = {"torch.matmul", "torch.mm"}
+_SILU = {"torch.nn.functional.silu"}
+_SIGMOID = {"torch.sigmoid", "torch.nn.functional.sigmoid"}
+# Activation classes whose instance ``self.act(x)`` applies a known elementwise function.
+_SILU_CLASSES = {"torch.nn.SiLU"}
+_ACT_CLASSES = {"torch.nn.GELU", "torch.nn.ReLU", "torch.nn.SiLU", "torch.nn.Tanh", "torch.nn.Sigmoid", "torch.nn.Mish", "torch.nn.ReLU6", "torch.nn.LeakyReLU"}
+_ACT_FUNCS = {
+    "torch.nn.functional.gelu", "torch.nn.functional.relu", "torch.relu", "torch.nn.functional.mish",
+    "torch.tanh", "torch.nn.functional.leaky_relu", "torch.nn.functional.relu6",
+}
+_CASTS = {"to", "float", "half", "bfloat16", "type", "type_as"}
+_DEFAULT_TOKENS = 4096
+
+# Prefix of every name the fused text introduces (never clashes with user code).
+P = "_npufuse_"
+
+
+class _Miss(Exception):
+    """A look-alike that must not be replaced; the message is the near-miss reason."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Symbolic values of the loop body / expert forward
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class V:
+    """One symbolic value: ``kind`` plus its operands (see ``_Eval``)."""
+
+    kind: str
+    args: tuple = ()
+
+
+@dataclass
+class _Act:
+    kind: str  # "silu" | "config" (object chosen by config: runtime check) | "call" (template with {x})
+    text: str = ""  # config: attribute path on the owner ("act_fn"); call: template
+    owner: str = "self"  # "self" (the block) or "expert" (per-expert module): who owns self.<attr>
+
+    def describe(self) -> str:
+        if self.kind == "silu":
+            return "silu"
+        if self.kind == "config":
+            return f"config ({self.owner}.{self.text})"
+        return self.text.replace("{x}", "x")
+
+
+@dataclass
+class _Mlp:
+    """The expert MLP, whatever its weight layout."""
+
+    layout: str  # "per_expert_linear" | "stacked"
+    gated: bool
+    act: _Act
+    # per-expert Linear attribute names, or stacked parameter texts with orientation
+    gate: str = ""
+    up: str = ""
+    gate_up: str = ""  # one fused projection whose output is chunked [gate | up]
+    down: str = ""
+    fc1: str = ""  # plain (non-gated) first projection
+    orient: dict[str, str] = field(default_factory=dict)  # stacked: text -> "out_in" | "in_out"
+    weights_at: str = "after_down"  # where the routing weights multiply: after_down | before_down | inside_expert | none
+
+
+@dataclass
+class _Site:
+    """Everything the fused text needs."""
+
+    routing: str  # "mask_where" | "flat_mask" | "sorted_counts"
+    loop: str  # "range" | "expert_hit" | "enumerate_experts" | "counts"
+    tokens: str  # token tensor (R1/R2: [T, H] or [T*K, H]; R3: sorted [T*K, H])
+    indices: str = ""  # expert indices ([T, K], or flat [T*K]); "" for sorted_counts
+    probs: str = ""  # routing weights [T, K] ("" when applied outside the loop)
+    counts: str = ""  # sorted_counts: per-expert count tensor
+    num_experts: str = ""  # as the report shows it
+    bins: str = ""  # number of groups as the fused text computes it
+    experts_list: str = ""  # expression of the per-expert module list (per_expert_linear)
+    top_k: str = ""
+    mlp: Optional[_Mlp] = None
+    out_name: str = ""
+    out_mode: str = "assign"  # "assign" (fresh accumulator in the span) | "add" (accumulate into it)
+    out_dtype: str = ""
+    first_line: int = 0
+    last_line: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The pattern
+# ---------------------------------------------------------------------------------------------
+
+
+class MoeExperts(Pattern):
+    id = _ID
+    api = "torch_npu.npu_grouped_matmul"
+    title = "MoE expert loop → npu_moe_token_permute + npu_grouped_matmul + npu_moe_token_unpermute"
+    training_ok = True  # the fused text wraps the grouped matmul in an autograd.Function
+    bound = "launch"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        if not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
+            return  # no torch in this file
+        for block, i, stmt in scope.statements():
+            if not isinstance(stmt, ast.For):
+                continue
+            looks = _looks_like_moe(module, stmt)
+            try:
+                site = _analyze_loop(module, scope, block, i, stmt)
+            except _Miss as miss:
+                if looks:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                continue
+            if site is None:
+                if looks:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                                   "not a token dispatch: the loop does not select tokens per expert and combine the outputs")
+                continue
+            yield _finding(module, scope, site)
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        return _assess(finding, config)
+
+    @staticmethod
+    def reference(x: Any, indices: Any, probs: Any, w13: Any, w2: Any, gated: bool = True) -> Any:
+        """Eager top-k MoE: x [T, H], indices/probs [T, K], w13 [E, H, 2I] (or [E, H, I] plain, relu-free
+        silu), w2 [E, I, H]; returns sum_k probs[t, k] * expert_{indices[t, k]}(x[t]) in x's dtype."""
+        import torch
+        import torch.nn.functional as F
+
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(w13.shape[0]):
+            tok, kpos = torch.where(indices == e)
+            if tok.numel() == 0:
+                continue
+            h = x[tok].float() @ w13[e].float()
+            if gated:
+                g, u = h.chunk(2, dim=-1)
+                h = F.silu(g) * u
+            else:
+                h = F.silu(h)
+            y = h @ w2[e].float()
+            out.index_add_(0, tok, y * probs[tok, kpos, None].float())
+        return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loop analysis
+# ---------------------------------------------------------------------------------------------
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    out: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+    return out
+
+
+def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
+    """Worth a near miss when not fused: the loop is about experts or scatters rows back."""
+    header = _names_in(loop.iter) | _names_in(loop.target)
+    if any("expert" in n.lower() for n in header):
+        return True
+    for n in ast.walk(loop):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("index_add_", "index_add"):
+            return True
+        if isinstance(n, ast.Attribute) and n.attr == "experts":
+            return True
+    return False
+
+
+def _canon(module: ModuleInfo, node: ast.AST) -> str:
+    return module.canonical(node) or ""
+
+
+def _assigned(stmts: list[ast.stmt]) -> set[str]:
+    """Names bound by these statements (targets, loop variables, with-as, walrus)."""
+    out: set[str] = set()
+    for s in stmts:
+        for n in ast.walk(s):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                out.add(n.id)
+    return out
+
+
+def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
+    if loop.orelse:
+        raise _Miss("the expert loop has an else clause")
+    body_names = _names_in(loop)
+    if any("capacity" in n.lower() for n in body_names):
+        raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
+    if any("shared" in n.lower() for n in body_names):
+        raise _Miss("a shared expert is mixed into the tokens inside the expert loop: not expressible as one grouped matmul")
+    ev = _Eval(module, scope, loop)
+    ev.run_header()
+    ev.run_body(loop.body)
+    return ev.finish(block, i)
+
+
+class _Eval:
+    """Abstract interpretation of one expert loop (or one expert forward): what each name holds.
+
+    Kinds of values (``V.kind``): ``eidx`` (the expert index), ``mask_e`` (the one-hot mask of
+    this expert), ``where`` (its ``torch.where`` pair), ``tok`` / ``kpos`` (token rows and their
+    top-k slot), ``x`` / ``x_sorted`` (the expert's input rows of a token tensor), ``flatmask``
+    (``flat_idx == e``), ``rw`` (routing weight column), ``expert`` / ``indexed`` (an expert
+    module), ``mod_out`` (its output), ``proj`` / ``half`` / ``act`` / ``sigmoid`` / ``glu``
+    (MLP pieces), ``scaled`` (times the routing weight), ``count`` / ``start`` / ``end``
+    (DeepSeek's pre-sorted slices), ``outer`` (a name from before the loop), ``unknown``.
+    """
+
+    def __init__(self, module: ModuleInfo, scope: Scope, loop: ast.For, expert_init: Optional[dict[str, ast.expr]] = None) -> None:
+        self.m = module
+        self.scope = scope
+        self.loop = loop
+        self.expert_init = expert_init  # set when evaluating a per-expert module's forward
+        self.env: dict[str, V] = {}
+        self.eidx: set[str] = set()  # names holding the expert index
+        self.loop_kind = ""
+        self.num_experts = ""  # as the report shows it
+        self.bins = ""  # as the fused text computes it
+        self.experts_list = ""
+        self.counts_name = ""  # counts loop: the count iterable
+        self.count_source = ""  # the device tensor behind it
+        self.start_name = ""  # counts loop: running start offset
+        self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
+        self.masks: dict[str, tuple[str, str, str]] = {}  # mask name -> (indices, num_classes, orientation)
+        self.flat: set[str] = set()  # flat expert-index names compared with the loop index
+        self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
+        self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
+        self.where_indices = ""
+        self.probs = ""
+
+    # -- header ---------------------------------------------------------------------------
+
+    def run_header(self) -> None:
+        loop, m = self.loop, self.m
+        it, tgt = loop.iter, loop.target
+        if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and it.args:
+            if not (isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts)):
+                raise _Miss("enumerate loop target is not `index, item`")
+            inner = it.args[0]
+            idx_name, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
+            self.eidx.add(idx_name)
+            if self._is_expert_container(inner):
+                self.loop_kind = "enumerate_experts"
+                self.experts_list = f"list({source_of(m, inner)})"
+                self.num_experts = f"len({source_of(m, _container_of(inner))})"
+                self.bins = f"len({P}experts)"
+                self.env[item_name] = V("expert", (None,))
+                return
+            if isinstance(inner, ast.Name):
+                self.loop_kind = "counts"
+                self.counts_name = inner.id
+                self.env[item_name] = V("count")
+                return
+            raise _Miss("enumerate loop over something that is neither the experts nor per-expert token counts")
+        if not isinstance(tgt, ast.Name):
+            raise _Miss("the loop target is not a single expert index")
+        self.eidx.add(tgt.id)
+        if isinstance(it, ast.Call) and dotted(it.func) == "range":
+            if len(it.args) != 1:
+                raise _Miss("range(...) with a start/step: not a loop over all experts")
+            self.loop_kind = "range"
+            self.num_experts = self.bins = source_of(m, it.args[0])
+            return
+        if self._is_expert_container(it):
+            raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing)")
+        self.loop_kind = "expert_hit"  # only the experts that received tokens: checked in _check_hit
+
+    def _is_expert_container(self, node: ast.expr) -> bool:
+        base = _container_of(node)
+        d = dotted(base) or ""
+        return isinstance(base, ast.Attribute) and d.split(".")[-1].lower().endswith("experts")
+
+    # -- statements -----------------------------------------------------------------------
+
+    def run_body(self, body: list[ast.stmt]) -> None:
+        for stmt in body:
+            self.stmt(stmt)
+
+    def stmt(self, s: ast.stmt) -> None:
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
+            return  # docstring / bare string
+        if isinstance(s, ast.If):
+            # `if top_x.shape[0] == 0: continue`, `if expert_idx == self.num_experts: continue`
+            if s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body):
+                raise _Miss(f"conditional code inside the expert loop: `if {ast.unparse(s.test)[:50]}`")
+            self._check_skip(s.test)
+            return
+        if isinstance(s, ast.Assign) and len(s.targets) == 1:
+            self._assign(s, s.targets[0])
+            return
+        if isinstance(s, ast.AugAssign):
+            tgt = s.target
+            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind == "tok":
+                self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
+                return
+            if isinstance(tgt, ast.Name) and tgt.id == self.start_name and isinstance(s.op, ast.Add) and self.ev(s.value).kind == "count":
+                self.env[tgt.id] = V("end")  # start_idx += num_tokens
+                return
+            raise _Miss(f"unrecognised update in the expert loop: `{ast.unparse(s)[:60]}`")
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
+            self._call_stmt(s.value)
+            return
+        if isinstance(s, (ast.Continue, ast.Pass)):
+            return
+        raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
+
+    def _assign(self, s: ast.Assign, tgt: ast.expr) -> None:
+        if isinstance(tgt, ast.Name):
+            if tgt.id in self.eidx and self._is_eidx(s.value):
+                return  # expert_idx = expert_idx[0] / int(expert_idx) / expert_idx.item()
+            self.env[tgt.id] = self.ev(s.value)
+            return
+        if isinstance(tgt, ast.Tuple) and all(isinstance(e, ast.Name) for e in tgt.elts):
+            names = [e.id for e in tgt.elts]  # type: ignore[union-attr]
+            val = self.ev(s.value)
+            if val.kind == "where" and len(names) == 2:
+                order = ("kpos", "tok") if val.args[0] == "kt" else ("tok", "kpos")
+                self.env[names[0]], self.env[names[1]] = V(order[0]), V(order[1])
+                return
+            if val.kind == "tuple" and len(val.args) == len(names):
+                for n, v in zip(names, val.args):
+                    self.env[n] = v
+                return
+            raise _Miss(f"unrecognised unpacking in the expert loop: `{ast.unparse(s)[:60]}`")
+        if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name):
+            # DeepSeek: y[flat_topk_idx == i] = expert(x[flat_topk_idx == i])
+            sel = self.ev(tgt.slice)
+            if sel.kind != "flatmask":
+                raise _Miss(f"rows are written through `{ast.unparse(tgt)[:50]}`, not selected by an expert-index "
+                            "comparison (router masks, e.g. capacity-limited ones, are not supported)")
+            self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(s.value)), sel.args[0]))
+            return
+        raise _Miss(f"unrecognised assignment in the expert loop: `{ast.unparse(s)[:60]}`")
+
+    def _call_stmt(self, call: ast.Call) -> None:
+        f = call.func
+        if isinstance(f, ast.Attribute) and f.attr == "index_add_" and isinstance(f.value, ast.Name):
+            dim, index, source = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
+            if index is None or source is None or not (isinstance(dim, ast.Constant) and dim.value == 0):
+                raise _Miss(f"unrecognised accumulation `{ast.unparse(call)[:60]}`")
+            if self.ev(index).kind != "tok":
+                raise _Miss("not a token dispatch: rows are added back at an index that is not the expert's selected tokens")
+            self.results.append(("accumulate", f.value.id, self.ev(_strip_casts(source)), None))
+            return
+        if isinstance(f, ast.Attribute) and f.attr == "append" and isinstance(f.value, ast.Name) and len(call.args) == 1:
+            self.results.append(("append", f.value.id, self.ev(_strip_casts(call.args[0])), None))
+            return
+        raise _Miss(f"the expert loop calls `{ast.unparse(call)[:60]}`, which the fused layer would not")
+
+    def _check_skip(self, test: ast.expr) -> None:
+        """``continue`` guards that skip experts without tokens (or the sentinel index == E)."""
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.LtE)):
+            left, right = test.left, test.comparators[0]
+            if self._is_eidx(left):
+                self.sentinel = source_of(self.m, right)  # dead when the mask has exactly that many classes
+                return
+            if isinstance(right, ast.Constant) and right.value == 0 and self._size_kind(left) in ("tok", "kpos", "count", "x", "x_sorted"):
+                return
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x"):
+            return
+        raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _size_kind(self, node: ast.expr) -> str:
+        """Kind of the value whose size ``node`` reads (``top_x.shape[0]``, ``len(top_x)``, ``top_x.numel()``)."""
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            return self.ev(node.value.value).kind
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("numel", "size", "any", "nelement"):
+            return self.ev(node.func.value).kind
+        if isinstance(node, ast.Call) and dotted(node.func) == "len" and node.args:
+            return self.ev(node.args[0]).kind
+        return self.ev(node).kind
+
+    def _is_eidx(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in self.eidx
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == 0:
+            return self._is_eidx(node.value)
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute) and node.func.attr in ("item", "squeeze") and self._is_eidx(node.func.value):
+                return True
+            if dotted(node.func) == "int" and len(node.args) == 1 and self._is_eidx(node.args[0]):
+                return True
+        return False
+
+    # -- expressions ----------------------------------------------------------------------
+
+    def ev(self, node: ast.AST) -> V:
+        if isinstance(node, ast.Name):
+            if node.id in self.eidx:
+                return V("eidx")
+            if node.id in self.env:
+                return self.env[node.id]
+            if node.id == self.start_name:
+                return V("start")
+            return V("outer", (node.id,))
+        if self._is_eidx(node):
+            return V("eidx")
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+            left, right = node.left, node.comparators[0]
+            for a, b in ((left, right), (right, left)):
+                if self._is_eidx(b) and isinstance(a, ast.Name) and a.id not in self.env and a.id not in self.eidx:
+                    return V("flatmask", (a.id,))
+            return V("unknown", (ast.unparse(node),))
+        if isinstance(node, ast.Subscript):
+            return self._subscript(node)
+        if isinstance(node, ast.Call):
+            return self._call(node)
+        if isinstance(node, ast.BinOp):
+            if isinstance(node.op, ast.Mult):
+                return self._product(node)
+            if isinstance(node.op, ast.MatMult):
+                return self._project(self.ev(node.left), node.right, "matmul")
+            if isinstance(node.op, ast.Add) and self.loop_kind == "counts":
+                a, b = self.ev(node.left), self.ev(node.right)
+                for one, other, other_node in ((a, b, node.right), (b, a, node.left)):
+                    if one.kind == "count" and other.kind in ("outer", "start") and isinstance(other_node, ast.Name):
+                        self.start_name = other_node.id
+                        return V("end")  # end_idx = start_idx + num_tokens
+        return V("unknown", (ast.unparse(node),))
+
+    def _part_kind(self, p: ast.expr) -> str:
+        if isinstance(p, ast.Constant) and p.value is None:
+            return "none"
+        if isinstance(p, ast.Slice):
+            return "all" if p.lower is None and p.upper is None and p.step is None else "slice"
+        return self.ev(p).kind
+
+    def _subscript(self, node: ast.Subscript) -> V:
+        base = self.ev(node.value)
+        sl = node.slice
+        parts = list(sl.elts) if isinstance(sl, ast.Tuple) else [sl]
+        if base.kind == "outer":
+            name = base.args[0]
+            kinds = [self._part_kind(p) for p in parts]
+            if kinds == ["eidx"] and self._mask_info(name) is not None:
+                return V("mask_e", (name,))  # expert_mask[expert_idx]
+            if kinds in (["tok"], ["none", "tok"], ["tok", "all"]):
+                return V("x", (name,))  # hidden_states[top_x] / [None, top_x]
+            if kinds == ["flatmask"]:
+                self.flat.add(self.ev(sl).args[0])
+                return V("x", (name,))  # hidden_states[flat_topk_idx == i]
+            if kinds in (["tok", "kpos"], ["tok", "kpos", "none"]):
+                self._set_probs(name)
+                return V("rw" if kinds[-1] == "none" else "rw_pre")  # routing_weights[top_x, idx, None]
+            if kinds in (["kpos", "tok"], ["kpos", "tok", "none"]):
+                raise _Miss("routing weights are indexed [k, token]: layout not recognised")
+            if kinds == ["slice"] and isinstance(sl, ast.Slice) and sl.step is None and sl.lower is not None and sl.upper is not None:
+                if self.ev(sl.lower).kind == "start" and self.ev(sl.upper).kind == "end":
+                    return V("x_sorted", (name,))  # sorted_tokens[start_idx:end_idx]
+        if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
+            order = ("kpos", "tok") if base.args[0] == "kt" else ("tok", "kpos")
+            return V(order[sl.value])
+        if base.kind == "rw_pre" and [self._part_kind(p) for p in parts] == ["all", "none"]:
+            return V("rw")  # w[top_x, idx][:, None]
+        if base.kind in ("tok", "kpos") and [self._part_kind(p) for p in parts] == ["all"]:
+            return base
+        if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in ast.walk(sl)):
+            return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
+        return V("unknown", (ast.unparse(node),))
+
+    def _set_probs(self, name: str) -> None:
+        if self.probs and self.probs != name:
+            raise _Miss("two different routing-weight tensors in one loop")
+        self.probs = name
+
+    def _mask_info(self, name: str) -> Optional[tuple[str, str, str]]:
+        """(indices, num_classes, orientation) when ``name`` is ``one_hot(indices, E).permute(...)``."""
+        if name in self.masks:
+            return self.masks[name]
+        node: Optional[ast.expr] = self.scope.definition(name, self.loop.lineno)
+        orient, permuted = "tk", False
+        for _ in range(8):
+            if isinstance(node, ast.Name):
+                node = self.scope.definition(node.id, getattr(node, "lineno", self.loop.lineno))
+                continue
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "permute":
+                dims = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
+                if len(dims) == 1 and isinstance(node.args[0], ast.Tuple):
+                    dims = [a.value if isinstance(a, ast.Constant) else None for a in node.args[0].elts]
+                if dims == [2, 1, 0]:
+                    orient = "kt"
+                elif dims == [2, 0, 1]:
+                    orient = "tk"
+                else:
+                    return None
+                permuted = True
+                node = node.func.value
+                continue
+            if isinstance(node, ast.Call) and _canon(self.m, node.func) in _ONE_HOT:
+                idx, ncls = keyword(node, "input", 0), keyword(node, "num_classes", 1)
+                if not isinstance(idx, ast.Name) or ncls is None or not permuted:
+                    return None
+                info = (idx.id, source_of(self.m, ncls), orient)
+                self.masks[name] = info
+                return info
+            return None
+        return None
+
+    def _call(self, node: ast.Call) -> V:
+        m, f = self.m, node.func
+        name = _canon(m, f)
+        if isinstance(f, ast.Attribute):
+            attr = f.attr
+            if self.expert_init is not None and isinstance(f.value, ast.Name) and f.value.id == "self":
+                return self._expert_attr_call(node, attr)
+            recv = self.ev(f.value)
+            if attr == "contiguous" and not node.args:
+                return recv
+            if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
+                return recv
+            if attr == "tolist" and recv.kind in ("tok", "kpos"):
+                return recv
+            if attr == "squeeze" and recv.kind == "mask_e":
+                return recv
+            if attr == "nonzero" and recv.kind == "mask_e" and any(k.arg == "as_tuple" for k in node.keywords):
+                return V("where", (self.masks[recv.args[0]][2],))
+            if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and self.ev(node.args[1]).kind == "tok":
+                return V("x", recv.args)
+            if attr == "unsqueeze" and recv.kind == "rw_pre":
+                return V("rw")
+            if attr in _CASTS and recv.kind in ("rw", "rw_pre"):
+                return recv
+            if attr == "chunk" and recv.kind == "proj":
+                return self._chunk(recv, node, method=True)
+        if name == "torch.where" and len(node.args) == 1 and not node.keywords:
+            arg = self.ev(node.args[0])
+            if arg.kind == "mask_e":
+                return V("where", (self.masks[arg.args[0]][2],))
+            if arg.kind == "flatmask":  # torch.where(selected_experts == e) over [T, K] indices
+                if self.where_indices and self.where_indices != arg.args[0]:
+                    raise _Miss("tokens are selected from two different expert-index tensors")
+                self.where_indices = arg.args[0]
+                return V("where", ("tk",))
+            return V("unknown", (ast.unparse(node),))
+        if name == "torch.chunk" and node.args:
+            v = self.ev(node.args[0])
+            if v.kind == "proj":
+                return self._chunk(v, node, method=False)
+        if name in _LINEAR and len(node.args) >= 2:
+            if len(node.args) > 2 or keyword(node, "bias") is not None:
+                raise _Miss("the stacked expert projection has a bias")
+            return self._project(self.ev(node.args[0]), node.args[1], "linear")
+        if name in _MATMUL and len(node.args) == 2:
+            return self._project(self.ev(node.args[0]), node.args[1], "matmul")
+        if name in _SILU and node.args:
+            return V("act", (_Act("silu"), self.ev(node.args[0])))
+        if name in _SIGMOID and node.args:
+            return V("sigmoid", (self.ev(node.args[0]),))
+        if name in _ACT_FUNCS and node.args:
+            return V("act", (_Act("call", _template(node)), self.ev(node.args[0])))
+        # calling an expert module: expert_layer(x) / self.experts[e](x)
+        fv = self.ev(f)
+        if fv.kind == "indexed":
+            fv = self._expert_from_indexed(fv.args[0])
+        if fv.kind == "expert":
+            args = [self.ev(a) for a in node.args]
+            if node.keywords or not args or args[0].kind not in ("x", "x_sorted"):
+                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`, not on the selected tokens")
+            if len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
+                raise _Miss("the expert takes extra arguments besides the tokens and routing weights")
+            return V("mod_out", (args[0], len(args) == 2))
+        # self.act_fn(x) of a stacked-experts module
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 1:
+            act = _activation_attr(m, self.scope, f.attr, owner="self")
+            if act is not None:
+                return V("act", (act, self.ev(node.args[0])))
+        return V("unknown", (ast.unparse(node),))
+
+    def _expert_attr_call(self, node: ast.Call, attr: str) -> V:
+        """``self.<linear>(v)`` / ``self.<act>(v)`` inside a per-expert module's forward."""
+        assert self.expert_init is not None
+        value = self.expert_init.get(attr)
+        if len(node.args) != 1 or node.keywords or value is None:
+            raise _Miss(f"the expert calls `{ast.unparse(node)[:50]}`, which is not an nn.Linear or a known activation")
+        arg = self.ev(node.args[0])
+        if isinstance(value, ast.Call) and _canon(self.m, value.func) == "torch.nn.Linear":
+            if arg.kind not in ("x", "glu", "act", "scaled"):
+                raise _Miss(f"expert projection `{attr}` is applied to an unrecognised value")
+            return V("proj", (("mod", attr, "out_in"), arg))
+        act = _activation_value(self.m, value, attr, "expert")
+        if act is not None:
+            return V("act", (act, arg))
+        if isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] == "Dropout":
+            raise _Miss("dropout inside the expert")
+        raise _Miss(f"the expert calls `self.{attr}`, which is not an nn.Linear or a known activation")
+
+    def _expert_from_indexed(self, node: ast.Subscript) -> V:
+        if not self._is_expert_container(node.value):
+            return V("unknown", (ast.unparse(node),))
+        if self.template is not None and ast.dump(self.template) != ast.dump(node):
+            raise _Miss("two different expert expressions in one loop")
+        self.template = node
+        return V("expert", (node,))
+
+    def _chunk(self, v: V, node: ast.Call, method: bool) -> V:
+        args = node.args if method else node.args[1:]
+        n = args[0] if args else keyword(node, "chunks")
+        dim = keyword(node, "dim", 1 if method else 2)
+        if not (isinstance(n, ast.Constant) and n.value == 2):
+            raise _Miss("the projection output is chunked into more than two parts")
+        if dim is None or const_value(dim) != -1:
+            raise _Miss("the gate/up projection is split along a dim other than the last")
+        return V("tuple", (V("half", (v, 0)), V("half", (v, 1))))
+
+    def _project(self, src: V, weight: ast.expr, how: str) -> V:
+        """``x @ W[e]`` / ``F.linear(x, W[e])`` with ``W`` a stacked parameter of this module."""
+        w, transposed = weight, False
+        if isinstance(w, ast.Attribute) and w.attr == "T":
+            w, transposed = w.value, True
+        elif isinstance(w, ast.Call) and isinstance(w.func, ast.Attribute) and w.func.attr in ("t", "transpose") and _is_last_two(w):
+            w, transposed = w.func.value, True
+        if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and isinstance(w.value, ast.Attribute)
+                and isinstance(w.value.value, ast.Name) and w.value.value.id == "self"):
+            raise _Miss(f"expert weight `{ast.unparse(weight)[:50]}` is not a stacked parameter indexed by the expert")
+        if how == "linear":
+            orient = "in_out" if transposed else "out_in"
+        else:
+            orient = "out_in" if transposed else "in_out"
+        if src.kind not in ("x", "x_sorted", "glu", "act", "scaled"):
+            raise _Miss("a stacked expert projection is applied to something other than the tokens or the hidden activation")
+        return V("proj", (("stk", dotted(w.value) or "", orient), src))
+
+    def _product(self, node: ast.BinOp) -> V:
+        factors = [self.ev(f) for f in _factors(node)]
+        rws = [f for f in factors if f.kind == "rw"]
+        if len(rws) > 1:
+            raise _Miss("the routing weight multiplies twice")
+        core = self._core_product([f for f in factors if f.kind != "rw"])
+        return V("scaled", (core,)) if rws else core
+
+    def _core_product(self, fs: list[V]) -> V:
+        if len(fs) == 1:
+            return fs[0]
+        acts = [f for f in fs if f.kind == "act"]
+        sig = [f for f in fs if f.kind == "sigmoid"]
+        others = [f for f in fs if f.kind not in ("act", "sigmoid")]
+        if len(acts) == 1 and not sig and len(others) == 1:
+            return V("glu", (acts[0].args[0], acts[0].args[1], others[0]))  # act(gate) * up
+        if len(sig) == 1 and not acts and sig[0].args[0] in others:
+            g = sig[0].args[0]  # gate * sigmoid(gate) (* up)
+            rest = list(others)
+            rest.remove(g)
+            if not rest:
+                return V("act", (_Act("silu"), g))
+            if len(rest) == 1:
+                return V("glu", (_Act("silu"), g, rest[0]))
+        return V("unknown", ("product",))
+
+    # -- results --------------------------------------------------------------------------
+
+    def finish(self, block: list[ast.stmt], i: int) -> Optional[_Site]:
+        if not self.results:
+            return None
+        if len(self.results) > 1:
+            raise _Miss("the loop writes its output more than once per expert")
+        mode, target, contrib, extra = self.results[0]
+        if mode == "accumulate":
+            return self._finish_mask_where(block, i, target, contrib)
+        if mode == "assign":
+            return self._finish_flat(block, i, target, contrib, extra)
+        return self._finish_sorted(block, i, target, contrib)
+
+    def _mlp(self, contrib: V, weighted: bool) -> _Mlp:
+        scaled = contrib.kind == "scaled"
+        core = contrib.args[0] if scaled else contrib
+        if core.kind == "mod_out":
+            mlp = _expert_module_mlp(self, core.args[1])
+            if core.args[1]:
+                scaled = True
+                mlp.weights_at = "inside_expert"
+        else:
+            mlp = _mlp_from(core, layout="stacked", owner="self")
+            if mlp.weights_at == "before_down":
+                scaled = True
+        if weighted and not scaled:
+            raise _Miss("expert outputs are added without routing weights")
+        if not weighted and scaled:
+            raise _Miss("routing weights applied inside a loop that assigns rows")
+        if not weighted:
+            mlp.weights_at = "after_loop"
+        elif mlp.weights_at not in ("inside_expert", "before_down"):
+            mlp.weights_at = "after_down"
+        return mlp
+
+    def _finish_mask_where(self, block: list[ast.stmt], i: int, acc: str, contrib: V) -> _Site:
+        mlp = self._mlp(contrib, weighted=True)
+        if len(self.masks) > 1:
+            raise _Miss("two different expert masks in one loop")
+        if self.masks:
+            indices, ncls, _ = next(iter(self.masks.values()))
+        elif self.where_indices:
+            indices, ncls = self.where_indices, ""
+        else:
+            raise _Miss("tokens are not selected from a one-hot expert mask or the expert indices")
+        if not self.probs:
+            raise _Miss("no routing weights found")
+        if self.sentinel and self.sentinel != ncls:
+            raise _Miss(f"tokens routed to the sentinel expert index {self.sentinel} are skipped: permute would keep them")
+        if self.loop_kind == "expert_hit":
+            self._check_hit(indices)
+            self.num_experts = self.bins = ncls
+        elif self.loop_kind == "counts":
+            raise _Miss("the loop runs over token counts but selects tokens by mask")
+        if not self.bins:
+            if mlp.layout == "stacked":
+                self.num_experts = self.bins = f"{_first_weight(mlp)}.shape[0]"
+            else:
+                self.num_experts = f"len({self._container_text()})"
+                self.bins = f"len({P}experts)"
+        site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
+                     probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc)
+        site.top_k = _top_k(self.scope, indices, self.loop.lineno)
+        self._experts_list(site)
+        self._span(block, i, site, acc, extra={*self.masks, *self._hit_names()})
+        return site
+
+    def _finish_flat(self, block: list[ast.stmt], i: int, acc: str, contrib: V, flat: str) -> _Site:
+        mlp = self._mlp(contrib, weighted=False)
+        if self.flat - {flat}:
+            raise _Miss("tokens are selected and written back with different index tensors")
+        if self.loop_kind not in ("range", "enumerate_experts"):
+            raise _Miss("flat-index expert loop that is not over range(E) or enumerate(experts)")
+        site = _Site(routing="flat_mask", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=flat,
+                     num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc)
+        site.top_k = "1 (tokens repeated per routed expert before the loop)"
+        self._experts_list(site)
+        self._span(block, i, site, acc, extra=set(), fresh_init_required=True)
+        return site
+
+    def _finish_sorted(self, block: list[ast.stmt], i: int, lst: str, contrib: V) -> _Site:
+        if self.loop_kind != "counts":
+            raise _Miss("expert outputs are appended to a list but the loop is not over per-expert token counts")
+        mlp = self._mlp(contrib, weighted=False)
+        counts = self._count_tensor()
+        site = _Site(routing="sorted_counts", loop="counts", tokens=self._tokens_name(contrib), counts=counts,
+                     num_experts=f"len({counts})", bins=f"len({counts})", mlp=mlp)
+        site.top_k = "(tokens pre-sorted by expert)"
+        self._experts_list(site)
+        self._span_sorted(block, i, site, lst)
+        return site
+
+    def _check_hit(self, indices: str) -> None:
+        """The experts iterated must be derived from the routing alone (a superset of those with tokens)."""
+        it = self.loop.iter
+        root: Optional[ast.expr] = it
+        if isinstance(it, ast.Name):
+            root = self.scope.definition(it.id, self.loop.lineno)
+            if root is None:
+                raise _Miss(f"the experts iterated (`{it.id}`) are not derived from the routing in this function")
+        assert root is not None
+        allowed = {"sum", "nonzero", "unique", "squeeze", "flatten", "view", "reshape", "tolist", "ne", "gt", "any", "long", "int"}
+        roots = set(self.masks) | {indices}
+        if not any(isinstance(n, ast.Name) and n.id in roots for n in ast.walk(root)):
+            raise _Miss("the experts iterated are not derived from the routing mask or indices")
+        for n in ast.walk(root):
+            if isinstance(n, ast.Subscript) and not (isinstance(n.slice, ast.Constant) and n.slice.value == 0):
+                raise _Miss("the loop runs over a subset of the experts that received tokens")
+            if isinstance(n, ast.Call):
+                if isinstance(n.func, ast.Attribute) and n.func.attr in allowed:
+                    continue
+                if _canon(self.m, n.func) in ("torch.greater", "torch.gt", "torch.unique", "torch.nonzero", "torch.where", "torch.ne"):
+                    continue
+                raise _Miss(f"the experts iterated come from `{ast.unparse(n)[:50]}`, not only from the routing")
+
+    def _hit_names(self) -> set[str]:
+        it = self.loop.iter
+        return {it.id} if isinstance(it, ast.Name) else set()
+
+    def _container_text(self) -> str:
+        if self.template is not None:
+            return ast.unparse(self.template.value)
+        return "self.experts"
+
+    def _tokens_name(self, contrib: V) -> str:
+        found: set[str] = set()
+
+        def walk(v: Any) -> None:
+            if isinstance(v, V):
+                if v.kind in ("x", "x_sorted"):
+                    found.add(v.args[0])
+                for a in v.args:
+                    walk(a)
+            elif isinstance(v, tuple):
+                for a in v:
+                    walk(a)
+
+        walk(contrib)
+        if len(found) != 1:
+            raise _Miss("the expert inputs are not rows of one token tensor")
+        return found.pop()
+
+    def _count_tensor(self) -> str:
+        """``tokens_per_expert`` before ``.cpu().numpy()``: the per-expert counts still on the device."""
+        node = self.scope.definition(self.counts_name, self.loop.lineno)
+        inner, hops = node, 0
+        while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("cpu", "numpy", "tolist", "detach"):
+            inner, hops = inner.func.value, hops + 1
+        if hops == 0 or not isinstance(inner, ast.Name):
+            raise _Miss(f"the per-expert counts `{self.counts_name}` are not a tensor moved to the host in this function")
+        self.count_source = inner.id
+        return inner.id
+
+    def _experts_list(self, site: _Site) -> None:
+        mlp = site.mlp
+        assert mlp is not None
+        if mlp.layout != "per_expert_linear":
+            return
+        if self.loop_kind == "enumerate_experts":
+            site.experts_list = self.experts_list
+            return
+        if self.template is None:
+            raise _Miss("the expert module is not indexed by the expert")
+        t = copy.deepcopy(self.template)
+        for n in ast.walk(t):
+            if isinstance(n, ast.Name) and n.id in self.eidx:
+                n.id = f"{P}i"
+        bins = site.bins if site.bins != f"len({P}experts)" else f"len({self._container_text()})"
+        site.experts_list = f"[{ast.unparse(t)} for {P}i in range({bins})]"
+
+    # -- spans ----------------------------------------------------------------------------
+
+    def _span(self, block: list[ast.stmt], i: int, site: _Site, acc: str, extra: set[str], fresh_init_required: bool = False) -> None:
+        """The loop plus the statements right before it that only build its accumulator and masks."""
+        loop_end = self.loop.end_lineno or self.loop.lineno
+        start, init = i, None
+        j = i - 1
+        while j >= 0:
+            s = block[j]
+            names = _assigned([s])
+            simple = isinstance(s, (ast.Assign, ast.AnnAssign)) or (isinstance(s, ast.With) and all(isinstance(b, ast.Assign) for b in s.body))
+            if not simple or not names or not names <= ({acc} | extra):
+                break
+            if any(self.scope.uses_after(n, loop_end) for n in names - {acc}):
+                break
+            if acc in names:
+                init = s
+            start = j
+            j -= 1
+        if init is None and fresh_init_required:
+            raise _Miss(f"`{acc}` is not freshly allocated right before the loop: rows no expert writes would keep old values")
+        if init is not None:
+            site.out_dtype, site.out_mode = self._init_dtype(init, acc), "assign"
+        else:
+            site.out_dtype, site.out_mode = f"{acc}.dtype", "add"
+        site.first_line, site.last_line = block[start].lineno, loop_end
+        self._check_span(block[start : i + 1], site, {acc}, loop_end)
+
+    def _span_sorted(self, block: list[ast.stmt], i: int, site: _Site, lst: str) -> None:
+        miss = _Miss("the per-expert outputs are not concatenated (torch.cat) right after the loop")
+        if i + 1 >= len(block):
+            raise miss
+        nxt = block[i + 1]
+        if not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)):
+            raise miss
+        val = nxt.value.body if isinstance(nxt.value, ast.IfExp) else nxt.value
+        if not (isinstance(val, ast.Call) and _canon(self.m, val.func) == "torch.cat" and val.args
+                and isinstance(val.args[0], ast.Name) and val.args[0].id == lst):
+            raise miss
+        allowed = {lst, self.counts_name, self.start_name}
+        start, j = i, i - 1
+        while j >= 0:
+            s = block[j]
+            names = _assigned([s])
+            if not isinstance(s, ast.Assign) or not names or not names <= allowed:
+                break
+            start, j = j, j - 1
+        site.out_name, site.out_mode, site.out_dtype = nxt.targets[0].id, "assign", ""
+        site.first_line, site.last_line = block[start].lineno, nxt.end_lineno or nxt.lineno
+        cdef = self.scope.definition(site.counts, site.first_line)
+        if isinstance(cdef, ast.Call) and isinstance(cdef.func, ast.Attribute) and cdef.func.attr in ("cpu", "numpy", "tolist"):
+            raise _Miss(f"`{site.counts}` is already on the host before the loop")
+        self._check_span(block[start : i + 2], site, {site.out_name}, site.last_line)
+
+    def _check_span(self, stmts: list[ast.stmt], site: _Site, produced: set[str], end: int) -> None:
+        inside = _assigned(stmts)
+        for n in sorted(inside - produced):
+            if self.scope.uses_after(n, end):
+                raise _Miss(f"`{n}` (set in the expert loop) is used after it; the fused layer does not produce it")
+        for name in (site.tokens, site.indices, site.probs):
+            if name and name in inside and name != site.counts:
+                raise _Miss(f"`{name}` is reassigned inside the expert loop")
+
+    def _init_dtype(self, s: ast.stmt, acc: str) -> str:
+        value = s.value if isinstance(s, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(s, ast.With):
+            for b in s.body:
+                if isinstance(b, ast.Assign) and acc in _assigned([b]):
+                    value = b.value
+        if not isinstance(value, ast.Call):
+            raise _Miss(f"`{acc}` is not initialised with zeros/empty right before the loop")
+        name = _canon(self.m, value.func)
+        dt = keyword(value, "dtype")
+        f = value.func
+        if name in ("torch.zeros_like", "torch.empty_like") and value.args:
+            return source_of(self.m, dt) if dt is not None else f"{source_of(self.m, value.args[0])}.dtype"
+        if name in ("torch.zeros", "torch.empty"):
+            return source_of(self.m, dt) if dt is not None else "torch.get_default_dtype()"
+        if isinstance(f, ast.Attribute) and f.attr in ("new_zeros", "new_empty"):
+            return source_of(self.m, dt) if dt is not None else f"{source_of(self.m, f.value)}.dtype"
+        raise _Miss(f"`{acc}` starts from `{ast.unparse(value)[:50]}`, not zeros: rows no expert writes would differ")
+
+
+def _container_of(node: ast.expr) -> ast.expr:
+    """``self.experts`` of ``self.experts`` / ``self.experts.values()``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "values" and not node.args:
+        return node.func.value
+    return node
+
+
+def _first_weight(mlp: "_Mlp") -> str:
+    return mlp.gate_up or mlp.gate or mlp.fc1
+
+
+def _is_last_two(call: ast.Call) -> bool:
+    if call.func.attr == "t":  # type: ignore[union-attr]
+        return not call.args
+    try:
+        dims = sorted(ast.literal_eval(a) for a in call.args)
+    except ValueError:
+        return False
+    return dims in ([0, 1], [-2, -1])
+
+
+def _factors(node: ast.expr) -> list[ast.expr]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _factors(node.left) + _factors(node.right)
+    return [node]
+
+
+def _strip_casts(node: ast.expr) -> ast.expr:
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _CASTS:
+        node = node.func.value
+    return node
+
+
+def _template(call: ast.Call) -> str:
+    """``F.gelu(h, approximate="tanh")`` -> ``F.gelu({x}, approximate="tanh")`` (first argument replaced)."""
+    c = copy.deepcopy(call)
+    c.args[0] = ast.Name("__X__", ast.Load())
+    return ast.unparse(c).replace("__X__", "{x}")
+
+
+def _top_k(scope: Scope, indices: str, line: int) -> str:
+    """The k of ``w, idx = torch.topk(scores, k, dim=-1)`` feeding the indices, else a runtime expression."""
+    node = scope.definition(indices, line)
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call):
+        call = node.value
+        f = dotted(call.func) or ""
+        if f.endswith("topk"):
+            k = keyword(call, "k", 1 if f.startswith("torch") else 0)
+            if k is not None:
+                return ast.unparse(k)
+    return f"{indices}.shape[-1]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert MLPs
+# ---------------------------------------------------------------------------------------------
+
+
+def _class_init_assigns(module: ModuleInfo, cls: ast.ClassDef, seen: Optional[set[str]] = None) -> dict[str, ast.expr]:
+    """``self.<attr> = value`` in ``__init__`` of ``cls`` and its same-module bases (subclass wins)."""
+    seen = seen or set()
+    out: dict[str, ast.expr] = {}
+    for base in cls.bases:
+        b = dotted(base)
+        if b and b in module.classes and b not in seen:
+            seen.add(b)
+            out.update(_class_init_assigns(module, module.classes[b], seen))
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            for s in ast.walk(node):
+                if isinstance(s, ast.Assign):
+                    for t in s.targets:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            out[t.attr] = s.value
+    return out
+
+
+def _method(module: ModuleInfo, cls: ast.ClassDef, name: str) -> Optional[ast.FunctionDef]:
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    for base in cls.bases:
+        b = dotted(base)
+        if b and b in module.classes and b != cls.name:
+            found = _method(module, module.classes[b], name)
+            if found is not None:
+                return found
+    return None
+
+
+def _activation_value(module: ModuleInfo, value: ast.expr, attr: str, owner: str) -> Optional[_Act]:
+    if isinstance(value, ast.Subscript) and (dotted(value.value) or "").split(".")[-1] == "ACT2FN":
+        return _Act("config", attr, owner)
+    if isinstance(value, ast.Call):
+        name = _canon(module, value.func)
+        if (dotted(value.func) or "").split(".")[-1] in ("get_activation", "get_act_fn", "get_activation_fn"):
+            return _Act("config", attr, owner)
+        if name in _SILU_CLASSES:
+            return _Act("silu")
+        if name in _ACT_CLASSES:
+            return _Act("call", f"{{owner}}.{attr}({{x}})", owner)
+    name = _canon(module, value)
+    if name in _SILU:
+        return _Act("silu")
+    return None
+
+
+def _activation_attr(module: ModuleInfo, scope: Scope, attr: str, owner: str) -> Optional[_Act]:
+    if scope.class_name is None or scope.class_name not in module.classes:
+        return None
+    value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)
+    return _activation_value(module, value, attr, owner) if value is not None else None
+
+
+def _expert_class(ev: _Eval) -> ast.ClassDef:
+    """The class of the per-expert modules, from ``self.experts = nn.ModuleList([...])``."""
+    m, scope = ev.m, ev.scope
+    container = ev.template.value if ev.template is not None else None
+    if container is None and ev.loop_kind == "enumerate_experts":
+        container = ev.loop.iter.args[0]  # type: ignore[attr-defined]
+        if isinstance(container, ast.Call):
+            container = container.func.value  # type: ignore[attr-defined]
+    attr = container.attr if isinstance(container, ast.Attribute) else None
+    if attr is None or scope.class_name is None or scope.class_name not in m.classes:
+        raise _Miss("the expert modules are not attributes of this class")
+    value = _class_init_assigns(m, m.classes[scope.class_name]).get(attr)
+    if value is None:
+        raise _Miss(f"`self.{attr}` is not built in this class's __init__")
+    elt = value
+    if isinstance(elt, ast.Call) and (dotted(elt.func) or "").split(".")[-1] in ("ModuleList", "Sequential") and elt.args:
+        elt = elt.args[0]
+    if isinstance(elt, (ast.ListComp, ast.GeneratorExp)):
+        elt = elt.elt
+    elif isinstance(elt, ast.BinOp) and isinstance(elt.op, ast.Mult) and isinstance(elt.left, ast.List) and len(elt.left.elts) == 1:
+        elt = elt.left.elts[0]
+    elif isinstance(elt, ast.List) and elt.elts:
+        classes = {dotted(e.func) for e in elt.elts if isinstance(e, ast.Call)}
+        if len(classes) != 1 or len(classes) == 1 and not all(isinstance(e, ast.Call) for e in elt.elts):
+            raise _Miss("the experts have different architectures per index")
+        elt = elt.elts[0]
+    else:
+        raise _Miss(f"`self.{attr}` is not a ModuleList of expert modules")
+    calls = [elt]
+    if isinstance(elt, ast.IfExp):
+        calls = [c for c in (elt.body, elt.orelse) if not (isinstance(c, ast.Constant) and c.value is None)]
+    names = {dotted(c.func) for c in calls if isinstance(c, ast.Call)}
+    if len(names) != 1 or not all(isinstance(c, ast.Call) for c in calls):
+        raise _Miss("the experts have different architectures per index")
+    cls_name = names.pop()
+    if cls_name not in m.classes:
+        raise _Miss(f"the expert class `{cls_name}` is not defined in this file")
+    return m.classes[cls_name]
+
+
+def _expert_module_mlp(ev: _Eval, rw_inside: bool) -> _Mlp:
+    """The MLP of the per-expert module class, read off its ``__init__`` and ``forward``."""
+    m = ev.m
+    cls = _expert_class(ev)
+    fwd = _method(m, cls, "forward")
+    if fwd is None:
+        raise _Miss(f"the expert class `{cls.name}` has no forward")
+    params = [a.arg for a in fwd.args.args[1:]]
+    if not params:
+        raise _Miss("the expert forward takes no input")
+    init = _class_init_assigns(m, cls)
+    sub_scope = Scope(qualname=f"{cls.name}.forward", node=fwd, class_name=cls.name, body=fwd.body)
+    sub = _Eval(m, sub_scope, ev.loop, expert_init=init)
+    sub.env[params[0]] = V("x", ("<expert input>",))
+    if rw_inside:
+        if len(params) < 2:
+            raise _Miss("the expert is called with routing weights it does not take")
+        sub.env[params[1]] = V("rw")
+    ret: Optional[V] = None
+    for s in fwd.body:
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
+            continue  # docstring
+        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], (ast.Name, ast.Tuple)):
+            sub._assign(s, s.targets[0])
+            continue
+        if isinstance(s, ast.Return) and s.value is not None:
+            ret = sub.ev(s.value)
+            break
+        raise _Miss(f"the expert forward does more than an MLP: `{ast.unparse(s)[:60]}`")
+    if ret is None:
+        raise _Miss("the expert forward has no return")
+    scaled_inside = ret.kind == "scaled"
+    if rw_inside and not scaled_inside:
+        raise _Miss("the expert takes the routing weights but does not just scale its output")
+    if scaled_inside and not rw_inside:
+        raise _Miss("the expert scales its output by something other than the routing weights")
+    mlp = _mlp_from(ret.args[0] if scaled_inside else ret, layout="per_expert_linear", owner="expert")
+    for attr in sorted({mlp.gate, mlp.up, mlp.gate_up, mlp.down, mlp.fc1} - {""}):
+        bias = keyword(init[attr], "bias", 2)  # type: ignore[arg-type]
+        if not (isinstance(bias, ast.Constant) and bias.value is False):
+            raise _Miss(f"the expert Linear layers have a bias (`{attr}`): not passed to the grouped matmul")
+    return mlp
+
+
+def _wkey(proj: V) -> tuple[str, str]:
+    key = proj.args[0]
+    return key[1], key[2]
+
+
+def _mlp_from(out: V, layout: str, owner: str) -> _Mlp:
+    """Read the MLP IR off the output value: proj(down, glu|act(proj(...)))."""
+    if out.kind != "proj":
+        raise _Miss("the expert output is not a projection of its hidden activation")
+    down, down_orient = _wkey(out)
+    hidden = out.args[1]
+    weights_at = ""
+    if hidden.kind == "scaled":
+        hidden = hidden.args[0]
+        weights_at = "before_down"
+    orient = {down: down_orient}
+    if hidden.kind == "glu":
+        act, g, u = hidden.args
+        if g.kind == "half" and u.kind == "half" and g.args[0] == u.args[0] and (g.args[1], u.args[1]) == (0, 1):
+            proj = g.args[0]
+            _need_input(proj)
+            gu, o = _wkey(proj)
+            orient[gu] = o
+            mlp = _Mlp(layout, True, _own(act, owner), gate_up=gu, down=down, orient=orient)
+        elif g.kind == "half" and u.kind == "half":
+            raise _Miss("the activation is applied to the second half of the gate/up projection")
+        elif g.kind == "proj" and u.kind == "proj":
+            _need_input(g)
+            _need_input(u)
+            gn, go = _wkey(g)
+            un, uo = _wkey(u)
+            if go != uo:
+                raise _Miss("gate and up stacked weights have different layouts")
+            orient[gn], orient[un] = go, uo
+            mlp = _Mlp(layout, True, _own(act, owner), gate=gn, up=un, down=down, orient=orient)
+        else:
+            raise _Miss("the gated activation does not multiply two projections of the tokens")
+    elif hidden.kind == "act":
+        act, p = hidden.args
+        if p.kind != "proj":
+            raise _Miss("the activation is not applied to a projection of the tokens")
+        _need_input(p)
+        f1, o1 = _wkey(p)
+        orient[f1] = o1
+        mlp = _Mlp(layout, False, _own(act, owner), fc1=f1, down=down, orient=orient)
+    else:
+        raise _Miss("the expert is not act(gate(x)) * up(x) -> down, nor fc2(act(fc1(x)))")
+    if weights_at:
+        mlp.weights_at = weights_at
+    return mlp
+
+
+def _need_input(proj: V) -> None:
+    if proj.args[1].kind not in ("x", "x_sorted"):
+        raise _Miss("a first-layer expert projection is not applied to the selected tokens")
+
+
+def _own(act: _Act, owner: str) -> _Act:
+    return _Act(act.kind, act.text, owner if act.kind != "silu" else act.owner)
+
+
+# ---------------------------------------------------------------------------------------------
+# The finding and its fused text
+# ---------------------------------------------------------------------------------------------
+
+_GMM_FUNCTION = f'''\
+# npu_grouped_matmul has no backward in torch_npu 2.14: this autograd.Function gives it one
+# (dx = grouped dy @ W^T, dW = K-grouped x^T @ dy), defined once per module and cached in globals().
+{P}gmm = globals().get("{P}gmm_fn")
+if {P}gmm is None:
+    class _NpufuseGroupedMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, counts):
+            ctx.save_for_backward(x, weight, counts)
+            return torch_npu.npu_grouped_matmul(
+                [x], [weight], group_list=counts, split_item=2, group_type=0, group_list_type=1
+            )[0]
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight, counts = ctx.saved_tensors
+            dy = dy.contiguous()
+            dx = dw = None
+            if ctx.needs_input_grad[0]:
+                dx = torch_npu.npu_grouped_matmul(
+                    [dy], [weight.transpose(1, 2)], group_list=counts, split_item=2, group_type=0, group_list_type=1
+                )[0]
+            if ctx.needs_input_grad[1]:
+                dw = torch_npu.npu_grouped_matmul(
+                    [x.t()], [dy], group_list=counts, split_item=3, group_type=2, group_list_type=1
+                )[0]
+            return dx, dw, None
+
+    {P}gmm = globals()["{P}gmm_fn"] = _NpufuseGroupedMatmul.apply
+'''
+
+
+def _stacked_weight(text: str, orient: str) -> str:
+    """A stacked parameter as the grouped matmul's logical [E, K, N] (a view, never a copy)."""
+    return f"{text}.transpose(1, 2)" if orient == "out_in" else text
+
+
+def _weights_text(site: _Site) -> tuple[list[str], str, str]:
+    """Lines building ``_npufuse_w1`` ([E, H, 2I] or [E, H, I]) and ``_npufuse_w2`` ([E, I, H])."""
+    mlp = site.mlp
+    assert mlp is not None
+    lines: list[str] = []
+    if mlp.layout == "per_expert_linear":
+        lines.append(f"{P}experts = {site.experts_list}")
+        e = f"{P}e"
+        lines.append("# nn.Linear weights are [out, in]: stack them (a copy per call; autograd flows back to each")
+        lines.append("# expert's Linear) and pass logical [E, in, out] transposed views to the grouped matmul")
+        if mlp.gated and mlp.gate_up:
+            lines.append(f"{P}w1 = torch.stack([{e}.{mlp.gate_up}.weight for {e} in {P}experts]).transpose(1, 2)")
+        elif mlp.gated:
+            lines.append(f"{P}w1 = torch.stack([{P}w for {e} in {P}experts for {P}w in ({e}.{mlp.gate}.weight, {e}.{mlp.up}.weight)])")
+            lines.append(f"{P}w1 = {P}w1.unflatten(0, (-1, 2)).flatten(1, 2).transpose(1, 2)  # [E, H, 2I]: gate | up")
+        else:
+            lines.append(f"{P}w1 = torch.stack([{e}.{mlp.fc1}.weight for {e} in {P}experts]).transpose(1, 2)")
+        lines.append(f"{P}w2 = torch.stack([{e}.{mlp.down}.weight for {e} in {P}experts]).transpose(1, 2)")
+        return lines, f"{P}w1", f"{P}w2"
+    o = mlp.orient
+    if mlp.gated and mlp.gate_up:
+        w1 = _stacked_weight(mlp.gate_up, o[mlp.gate_up])
+    elif mlp.gated:
+        dim = 1 if o[mlp.gate] == "out_in" else 2
+        lines.append("# separate stacked gate and up parameters: concatenated per call (a copy), gate first")
+        lines.append(f"{P}w1 = {_stacked_weight(f'torch.cat(({mlp.gate}, {mlp.up}), dim={dim})', o[mlp.gate])}")
+        w1 = f"{P}w1"
+    else:
+        w1 = _stacked_weight(mlp.fc1, o[mlp.fc1])
+    w2 = _stacked_weight(mlp.down, o[mlp.down])
+    return lines, w1, w2
+
+
+def _act_text(site: _Site) -> list[str]:
+    mlp = site.mlp
+    assert mlp is not None
+    act = mlp.act
+    h = f"{P}h"
+    owner = f"{P}experts[0]" if act.owner == "expert" else "self"
+    if mlp.gated:
+        if act.kind == "silu":
+            return [f"{h} = torch_npu.npu_swiglu({h}, dim=-1)  # silu(gate) * up"]
+        apply = f"{owner}.{act.text}({P}g)" if act.kind == "config" else act.text.format(owner=owner, x=f"{P}g")
+        generic = [
+            f"{P}g, {P}u = {h}.chunk(2, dim=-1)",
+            f"{h} = {apply} * {P}u",
+        ]
+        if act.kind == "config":
+            return [
+                f"if isinstance({owner}.{act.text}, torch.nn.SiLU):",
+                f"    {h} = torch_npu.npu_swiglu({h}, dim=-1)  # silu(gate) * up",
+                "else:  # activation chosen by config: applied exactly as the experts do",
+                *("    " + g for g in generic),
+            ]
+        return generic
+    if act.kind == "silu":
+        return [f"{h} = torch.nn.functional.silu({h})"]
+    if act.kind == "config":
+        return [f"{h} = {owner}.{act.text}({h})"]
+    return [f"{h} = {act.text.format(owner=owner, x=h)}"]
+
+
+def _fused_text(site: _Site) -> str:
+    mlp = site.mlp
+    assert mlp is not None
+    lines: list[str] = [_GMM_FUNCTION.rstrip("\n")]
+    wlines, w1, w2 = _weights_text(site)
+    lines += wlines
+    if site.routing == "sorted_counts":
+        lines += [
+            f"# {site.tokens} is already sorted by expert; {site.counts} holds the per-expert counts on the device",
+            f"{P}counts = {site.counts}.to(torch.int64)",
+            f"{P}x = {site.tokens}",
+        ]
+    else:
+        e = site.bins
+        lines += [
+            f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {site.indices})",
+            "# per-expert token counts without a host sync (histc over [0, E): exact integer bins)",
+            f"{P}counts = torch.histc({site.indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
+        ]
+    h = f"{P}h"
+    lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
+    lines += _act_text(site)
+    lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+    out = site.out_name
+    if site.routing == "sorted_counts":
+        lines.append(f"{out} = {h}")
+    else:
+        probs = f", probs={site.probs}.to({h}.dtype)" if site.routing == "mask_where" else ""
+        result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
+        if site.out_mode == "assign":
+            lines.append(f"{out} = {result}.to({site.out_dtype})")
+        else:
+            lines.append(f"{out}.add_({result}.to({out}.dtype))")
+    return "\n".join(lines) + "\n"
+
+
+def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
+    mlp = site.mlp
+    assert mlp is not None
+    weights: dict[str, str] = {}
+    for role in ("gate", "up", "gate_up", "down", "fc1"):
+        val = getattr(mlp, role)
+        if val:
+            weights[role] = val
+    if mlp.layout == "per_expert_linear":
+        layout = "per_expert_linear"
+    else:
+        orients = set(mlp.orient.values())
+        layout = "stacked_" + (orients.pop() if len(orients) == 1 else "mixed")
+    activation = ("silu_gated" if mlp.act.kind == "silu" else f"gated:{mlp.act.describe()}") if mlp.gated else f"plain:{mlp.act.describe()}"
+    params: dict[str, Any] = {
+        "num_experts": site.num_experts,
+        "top_k": site.top_k,
+        "layout": layout,
+        "weights": weights,
+        "activation": activation,
+        "conditional": mlp.act.kind == "config",
+        "routing_weights": mlp.weights_at,
+        "routing": site.routing,
+        "loop": site.loop,
+        "tokens": site.tokens,
+        "indices": site.indices or None,
+        "probs": site.probs or None,
+        "counts": site.counts or None,
+        "output": site.out_name,
+        "output_dtype": site.out_dtype or None,
+    }
+    risks = [
+        Risk("dynamic_shape", "per-expert token counts are data dependent: the fused path keeps every shape static "
+             "([tokens*top_k, hidden]) and passes the counts to npu_grouped_matmul as a device tensor; the grouped "
+             "matmul's tiling still follows the counts, so step times vary with routing"),
+        Risk("dtype", "npu_moe_token_permute/unpermute and npu_grouped_matmul take fp16/bf16/fp32 on Atlas A2/A3; the "
+             "routing weights are cast to the activation dtype for unpermute (the original may multiply in fp32)"),
+        Risk("autocast", "torch_npu ops do not follow autocast: the grouped matmul runs in the tokens' dtype (expert "
+             "weights are cast to it), as autocast would for bf16 tokens"),
+    ]
+    notes = [
+        "npu_grouped_matmul has no backward in torch_npu 2.14: the fused text wraps it in an autograd.Function whose "
+        "backward is two grouped matmuls (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy), so training "
+        "keeps expert gradients; the Function is defined once per module and cached in the module's globals()",
+        "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
+        "nonzero / .cpu()",
+    ]
+    if mlp.layout == "per_expert_linear":
+        risks.append(Risk("other", "per-expert nn.Linear weights are stacked into [E, K, N] every call: 3*E weight copies "
+                          "per forward (and the stack is kept for backward when training). For many experts this can "
+                          "cost more than the loop saves; storing the experts as stacked parameters once (the "
+                          "transformers v5 layout) removes the copy"))
+    if mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
+        risks.append(Risk("other", "separate stacked gate/up parameters are concatenated every call (one copy); a fused "
+                          "[E, 2I, H] gate_up parameter avoids it"))
+    if mlp.act.kind == "config":
+        notes.append("activation chosen by config: the fused text uses npu_swiglu when it is nn.SiLU and the experts' "
+                     "own activation otherwise")
+    if mlp.weights_at == "before_down":
+        notes.append("routing weights multiply the hidden activation before the (bias-free, linear) down projection: "
+                     "equal to weighting the expert output, which npu_moe_token_unpermute does")
+    if site.routing == "flat_mask":
+        notes.append("tokens were repeated per routed expert before the loop and the routing weights are applied "
+                     "after it (left as is); unpermute restores the repeated rows in order")
+        risks.append(Risk("numerics", f"every value of {site.indices} must be in [0, {site.num_experts}): rows with "
+                          "other values are left uninitialised by the original and make the grouped matmul fail"))
+    if site.routing == "sorted_counts":
+        notes.append(f"{site.tokens} is already sorted by expert, so only the expert MLPs are replaced; "
+                     f"{site.counts} stays on the device (the original moves it to the host)")
+    if site.loop == "expert_hit":
+        notes.append("the loop visits only experts that received tokens; the grouped matmul skips empty groups itself")
+    variant = {"mask_where": "one_hot_where", "flat_mask": "flat_index_mask", "sorted_counts": "sorted_counts"}[site.routing]
+    if mlp.layout == "stacked":
+        variant += "_stacked"
+    return Finding(
+        pattern=_ID,
+        qualname=scope.qualname,
+        line=site.first_line,
+        end_line=site.last_line,
+        params=params,
+        fused=_fused_text(site),
+        guard_tensor=site.tokens,
+        confidence="high" if mlp.act.kind == "silu" and mlp.gated else "medium",
+        variant=variant,
+        risks=risks,
+        notes=notes,
+        training_ok=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Value
+# ---------------------------------------------------------------------------------------------
+
+
+def _assess(finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+    h = config.get("hidden_size")
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    e = config.get("num_experts")
+    k = config.get("num_experts_per_tok") or 2
+    p = finding.params
+    gated = str(p.get("activation", "")).startswith(("silu", "gated"))
+    if not (h and inter and e):
+        return symbolic(
+            "launch",
+            "per expert ~10 kernels and a host sync (where/nonzero, gather, 2-3 matmuls, activation, scale, "
+            "index_add) become ~8 kernels for the whole layer; the gain grows with the number of experts and "
+            "shrinks when tokens per expert are large (compute-bound) or when per-expert Linear weights must be "
+            "stacked every call",
+        )
+    tokens = (config.get("batch_size") or 0) * (config.get("seq_len") or 0)
+    assumed = ""
+    if not tokens:
+        tokens, assumed = _DEFAULT_TOKENS, f"; {_DEFAULT_TOKENS} tokens assumed (no batch/sequence size found)"
+    b = 4 if str(config.get("torch_dtype", "bfloat16")) in ("float32", "float") else 2
+    rows = tokens * k
+    n_mats = 3 if gated else 2
+    weights = n_mats * e * inter * h * b
+    flops = 2.0 * rows * h * inter * n_mats
+    act_in = 2 * inter if gated else inter
+    # unfused: every expert gathers its rows, runs its matmuls, scales and scatters back
+    bytes_before = weights + rows * b * (3 * h + 2 * act_in + inter + 3 * h)
+    kernels_before = e * (11 if gated else 10) + 5
+    # fused: permute, gmm (gate|up), swiglu, gmm (down), unpermute
+    bytes_after = weights + rows * b * (2 * h + act_in + act_in + inter + inter + h + h) + tokens * h * b * 2
+    kernels_after = 9
+    if p.get("layout") == "per_expert_linear":
+        bytes_after += 2 * weights  # stacking copies: read + write every expert weight
+        kernels_after += 3
+    shapes = f"tokens={tokens}, hidden={h}, expert_intermediate={inter}, experts={e}, top_k={k}{assumed}"
+    out = estimate(bytes_before=bytes_before, bytes_after=bytes_after, kernels_before=kernels_before,
+                   kernels_after=kernels_after, flops=flops, shapes=shapes)
+    out["host_syncs_before"] = e + 1
+    out["host_syncs_after"] = 0
+    if p.get("layout") == "per_expert_linear" and out.get("speedup_bound", 2) < 1.05:
+        out["verdict"] = "likely little gain or a loss: stacking per-expert weights every call costs about as much as the loop saves"
+    out["estimate"] += f"; host syncs per call: {e + 1} before, 0 after (not in the bound)"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples (they are the tests)
+# ---------------------------------------------------------------------------------------------
+
+_HEAD = '''\
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU()}
+'''
+
+_MIXTRAL_MLP = '''
+class MixtralBlockSparseTop2MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ffn_dim = config.intermediate_size
+        self.hidden_dim = config.hidden_size
+        self.w1 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
+        self.w2 = nn.Linear(self.ffn_dim, self.hidden_dim, bias=False)
+        self.w3 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states):
+        current_hidden_states = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+        current_hidden_states = self.w2(current_hidden_states)
+        return current_hidden_states
+'''
+
+_MIXTRAL_INIT = '''
+class MixtralSparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.hidden_dim = config.hidden_size
+        self.ffn_dim = config.intermediate_size
+        self.num_experts = config.num_local_experts
+        self.top_k = config.num_experts_per_tok
+        self.gate = nn.Linear(self.hidden_dim, self.num_experts, bias=False)
+        self.experts = nn.ModuleList([MixtralBlockSparseTop2MLP(config) for _ in range(self.num_experts)])
+'''
+
+_CFG = "cfg = SimpleNamespace(hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, hidden_act='silu')\n"
+
+_MIXTRAL_V4 = _HEAD + _MIXTRAL_MLP + _MIXTRAL_INIT + '''
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+'''
+
+_MIXTRAL_RUN = _CFG + '''\
+blk = MixtralSparseMoeBlock(cfg)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = blk(x)
+leaves = [x, blk.gate.weight, blk.experts[0].w1.weight, blk.experts[1].w3.weight, blk.experts[2].w2.weight]
+'''
+
+_MIXTRAL_436 = _HEAD + '''
+class MixtralBLockSparseTop2MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, routing_weights):
+        current_hidden_states = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+        current_hidden_states = self.w2(current_hidden_states)
+        return routing_weights * current_hidden_states
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.hidden_dim = config.hidden_size
+        self.num_experts = config.num_local_experts
+        self.top_k = config.num_experts_per_tok
+        self.gate = nn.Linear(self.hidden_dim, self.num_experts, bias=False)
+        self.experts = nn.ModuleList([MixtralBLockSparseTop2MLP(config) for _ in range(self.num_experts)])
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.shape[0] == 0:
+                continue
+            # in torch it is faster to index using lists than torch tensors
+            top_x_list = top_x.tolist()
+            idx_list = idx.tolist()
+            current_state = hidden_states[None, top_x_list].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state, routing_weights[top_x_list, idx_list, None])
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+'''
+
+_QWEN2_MOE = _HEAD + '''
+class Qwen2MoeMLP(nn.Module):
+    def __init__(self, config, intermediate_size=None):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2MoeSparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            [Qwen2MoeMLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(self.num_experts)]
+        )
+        self.shared_expert = Qwen2MoeMLP(config, intermediate_size=config.shared_expert_intermediate_size)
+        self.shared_expert_gate = torch.nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """ """
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        # router_logits: (batch * sequence_length, n_experts)
+        router_logits = self.gate(hidden_states)
+
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        # we cast back to the input dtype
+        routing_weights = routing_weights.to(hidden_states.dtype)
+
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+
+        # One hot encode the selected experts to create an expert mask
+        # this will be used to easily index which expert is going to be sollicitated
+        expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+
+        # Loop over all available experts in the model and perform the computation on each expert
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+
+            # Index the correct hidden states and compute the expert hidden state for
+            # the current expert. We need to make sure to multiply the output hidden
+            # states by `routing_weights` on the corresponding tokens (top-1 and top-2)
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+
+            # However `index_add_` only support torch tensors for indexing so we'll use
+            # the `top_x` tensor here.
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+
+        shared_expert_output = self.shared_expert(hidden_states)
+        shared_expert_output = F.sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output
+
+        final_hidden_states = final_hidden_states + shared_expert_output
+
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+'''
+
+_QWEN2_RUN = '''\
+cfg = SimpleNamespace(hidden_size=16, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, hidden_act="silu",
+                      moe_intermediate_size=12, shared_expert_intermediate_size=20)
+blk = Qwen2MoeSparseMoeBlock(cfg)
+x = torch.randn(3, 4, 16, requires_grad=True)
+out = blk(x)
+leaves = [x, blk.experts[3].gate_proj.weight, blk.experts[0].up_proj.weight, blk.experts[5].down_proj.weight]
+'''
+
+_QWEN3_V5 = _HEAD + '''
+class Qwen3MoeExperts(nn.Module):
+    """Collection of expert weights stored as 3D tensors."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[token_idx]
+            gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            current_hidden_states = self.act_fn(gate) * up
+            current_hidden_states = nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])
+            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+
+        return final_hidden_states
+'''
+
+_QWEN3_V5_RUN = '''\
+cfg = SimpleNamespace(hidden_size=16, num_experts=5, moe_intermediate_size=8, hidden_act="silu")
+ex = Qwen3MoeExperts(cfg)
+with torch.no_grad():
+    ex.gate_up_proj.normal_(0, 0.2)
+    ex.down_proj.normal_(0, 0.2)
+x = torch.randn(9, 16, requires_grad=True)
+top_k_weights, top_k_index = torch.randn(9, 5).softmax(-1).topk(2, dim=-1)
+top_k_weights.requires_grad_(True)
+out = ex(x, top_k_index, top_k_weights)
+leaves = [x, ex.gate_up_proj, ex.down_proj, top_k_weights]
+'''
+
+_DEEPSEEK_V2 = _HEAD + '''
+class DeepseekV2MLP(nn.Module):
+    def __init__(self, config, hidden_size=None, intermediate_size=None):
+        super().__init__()
+        self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+        self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts_per_tok = config.num_experts_per_tok
+        self.experts = nn.ModuleList(
+            [DeepseekV2MLP(config, intermediate_size=config.moe_intermediate_size) for i in range(config.n_routed_experts)]
+        )
+        self.gate = nn.Linear(config.hidden_size, config.n_routed_experts, bias=False)
+
+    def forward(self, hidden_states):
+        orig_shape = hidden_states.shape
+        scores = self.gate(hidden_states).softmax(dim=-1, dtype=torch.float32)
+        topk_weight, topk_idx = torch.topk(scores, k=self.num_experts_per_tok, dim=-1, sorted=False)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        topk_idx = topk_idx.view(-1, self.num_experts_per_tok)
+        topk_weight = topk_weight.view(-1, self.num_experts_per_tok)
+        flat_topk_idx = topk_idx.view(-1)
+        hidden_states = hidden_states.repeat_interleave(self.num_experts_per_tok, dim=0)
+        y = torch.empty_like(hidden_states)
+        for i, expert in enumerate(self.experts):
+            y[flat_topk_idx == i] = expert(hidden_states[flat_topk_idx == i])
+        y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)
+        y = y.to(hidden_states.dtype).view(*orig_shape)
+        return y
+'''
+
+_DEEPSEEK_V2_RUN = '''\
+cfg = SimpleNamespace(hidden_size=16, intermediate_size=40, moe_intermediate_size=8, n_routed_experts=6,
+                      num_experts_per_tok=2, hidden_act="silu")
+moe = DeepseekV2MoE(cfg)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[1].gate_proj.weight, moe.experts[4].down_proj.weight]
+'''
+
+_DEEPSEEK_V3 = _HEAD + '''
+class DeepseekV3MLP(nn.Module):
+    def __init__(self, config, hidden_size=None, intermediate_size=None):
+        super().__init__()
+        self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+        self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts_per_tok = config.num_experts_per_tok
+        self.ep_size = 1
+        self.experts_per_rank = config.n_routed_experts
+        self.ep_rank = 0
+        self.experts = nn.ModuleList(
+            [
+                (
+                    DeepseekV3MLP(config, intermediate_size=config.moe_intermediate_size)
+                    if i >= self.ep_rank * self.experts_per_rank and i < (self.ep_rank + 1) * self.experts_per_rank
+                    else None
+                )
+                for i in range(config.n_routed_experts)
+            ]
+        )
+
+    @torch.no_grad()
+    def moe_infer(self, x, topk_ids, topk_weight):
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        idxs = topk_ids.view(-1).argsort()
+        sorted_tokens = x[idxs // topk_ids.shape[1]]
+        sorted_tokens_shape = sorted_tokens.shape
+        tokens_per_expert = tokens_per_expert.cpu().numpy()
+
+        outputs = []
+        start_idx = 0
+        for i, num_tokens in enumerate(tokens_per_expert):
+            end_idx = start_idx + num_tokens
+            if num_tokens == 0:
+                continue
+            expert = self.experts[i + self.ep_rank * self.experts_per_rank]
+            tokens_for_this_expert = sorted_tokens[start_idx:end_idx]
+            expert_out = expert(tokens_for_this_expert)
+            outputs.append(expert_out)
+            start_idx = end_idx
+
+        outs = torch.cat(outputs, dim=0) if len(outputs) else sorted_tokens.new_empty(0)
+
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs
+        final_out = (
+            new_x.view(*topk_ids.shape, -1)
+            .type(topk_weight.dtype)
+            .mul_(topk_weight.unsqueeze(dim=-1))
+            .sum(dim=1)
+            .type(new_x.dtype)
+        )
+        return final_out
+'''
+
+_DEEPSEEK_V3_RUN = '''\
+cfg = SimpleNamespace(hidden_size=16, intermediate_size=40, moe_intermediate_size=8, n_routed_experts=8,
+                      num_experts_per_tok=3, hidden_act="silu")
+moe = DeepseekV3MoE(cfg)
+x = torch.randn(11, 16)
+topk_weight, topk_ids = torch.randn(11, 8).softmax(-1).topk(3, dim=-1)
+out = moe.moe_infer(x, topk_ids, topk_weight)
+'''
+
+_CUSTOM_IN_OUT = _HEAD + '''
+class GroupedExperts(nn.Module):
+    """A user's own MoE: experts stored [E, in, out], tokens picked per expert with torch.where."""
+
+    def __init__(self, dim, hidden_dim, num_experts):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * dim ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * hidden_dim ** -0.5)
+
+    def forward(self, x, indices, scores):
+        out = torch.zeros_like(x)
+        for e in torch.unique(indices):
+            token_idx, slot = torch.where(indices == e)
+            h = x[token_idx]
+            h = F.silu(h @ self.w1[e]) * (h @ self.w3[e]) * scores[token_idx, slot, None]
+            out.index_add_(0, token_idx, h @ self.w2[e])
+        return out
+'''
+
+_CUSTOM_IN_OUT_RUN = '''\
+ex = GroupedExperts(16, 24, 6)
+x = torch.randn(10, 16, requires_grad=True)
+scores, indices = torch.randn(10, 6).softmax(-1).topk(2, dim=-1)
+out = ex(x, indices, scores)
+leaves = [x, ex.w1, ex.w3, ex.w2]
+'''
+
+_PLAIN_GELU = _HEAD + '''
+class ExpertFFN(nn.Module):
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff, bias=False)
+        self.fc2 = nn.Linear(d_ff, d_model, bias=False)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        x = self.fc1(x)
+        x = self.act(x)
+        return self.fc2(x)
+
+
+class Top2MoE(nn.Module):
+    def __init__(self, d_model, d_ff, num_experts):
+        super().__init__()
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.experts = nn.ModuleList([ExpertFFN(d_model, d_ff) for _ in range(num_experts)])
+
+    def forward(self, x):
+        probs = self.router(x).softmax(dim=-1)
+        weights, chosen = probs.topk(2, dim=-1)
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        y = x.new_zeros(x.shape)
+        for i, expert in enumerate(self.experts):
+            k_idx, t_idx = torch.where(mask[i])
+            y.index_add_(0, t_idx, expert(x[t_idx]) * weights[t_idx, k_idx].unsqueeze(-1))
+        return y
+'''
+
+_PLAIN_GELU_RUN = '''\
+moe = Top2MoE(16, 32, 4)
+x = torch.randn(12, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.router.weight, moe.experts[2].fc1.weight, moe.experts[3].fc2.weight]
+'''
+
+_KEEP_CAPACITY = _HEAD + _MIXTRAL_MLP + _MIXTRAL_INIT + '''
+        self.expert_capacity = config.expert_capacity
+
+    def forward(self, hidden_states, routing_weights, selected_experts):
+        final_hidden_states = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            idx, top_x = idx[: self.expert_capacity], top_x[: self.expert_capacity]
+            current_state = hidden_states[top_x]
+            current_hidden_states = self.experts[expert_idx](current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states)
+        return final_hidden_states
+'''
+
+_KEEP_SHARED_INSIDE = _HEAD + _MIXTRAL_MLP + _MIXTRAL_INIT + '''
+        self.shared_expert = MixtralBlockSparseTop2MLP(config)
+
+    def forward(self, hidden_states, routing_weights, selected_experts):
+        final_hidden_states = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[top_x]
+            out = self.experts[expert_idx](current_state) + self.shared_expert(current_state) / self.top_k
+            final_hidden_states.index_add_(0, top_x, out * routing_weights[top_x, idx, None])
+        return final_hidden_states
+'''
+
+_KEEP_HETERO = _HEAD + _MIXTRAL_MLP + '''
+class SmallExpert(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class HeteroMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_local_experts
+        self.experts = nn.ModuleList(
+            [MixtralBlockSparseTop2MLP(config) if i % 2 == 0 else SmallExpert(config) for i in range(self.num_experts)]
+        )
+
+    def forward(self, hidden_states, routing_weights, selected_experts):
+        final_hidden_states = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current_hidden_states = self.experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states)
+        return final_hidden_states
+'''
+
+_KEEP_RGCN = _HEAD + '''
+class RGCNLayer(nn.Module):
+    """Relational graph conv: one Linear per edge type, messages scattered to destination nodes."""
+
+    def __init__(self, dim, num_relations):
+        super().__init__()
+        self.num_relations = num_relations
+        self.rel_lins = nn.ModuleList([nn.Linear(dim, dim, bias=False) for _ in range(num_relations)])
+
+    def forward(self, x, src, dst, edge_type):
+        out = torch.zeros_like(x)
+        for rel in range(self.num_relations):
+            mask = edge_type == rel
+            out.index_add_(0, dst[mask], self.rel_lins[rel](x[src[mask]]))
+        return out
+'''
+
+_KEEP_SEQUENTIAL = _HEAD + _MIXTRAL_MLP + '''
+class ExpertChain(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.experts = nn.ModuleList([MixtralBlockSparseTop2MLP(config) for _ in range(config.num_local_experts)])
+
+    def forward(self, hidden_states):
+        for expert in self.experts:
+            hidden_states = hidden_states + expert(hidden_states)
+        return hidden_states
+'''
+
+_KEEP_SWITCH = _HEAD + '''
+class SwitchTransformersDenseActDense(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.act = nn.ReLU()
+
+    def forward(self, hidden_states):
+        return self.wo(self.act(self.wi(hidden_states)))
+
+
+class SwitchTransformersSparseMLP(nn.Module):
+    def __init__(self, config, expert_class=SwitchTransformersDenseActDense):
+        super().__init__()
+        self.router = SwitchTransformersTop1Router(config)
+        self.experts = nn.ModuleList([expert_class(config) for _ in range(config.num_experts)])
+
+    def forward(self, hidden_states):
+        router_mask, router_probs, router_logits = self.router(hidden_states)
+        expert_index = torch.argmax(router_mask, dim=-1)
+        next_states = hidden_states.clone()
+        for idx, expert in enumerate(self.experts):
+            token_indices = router_mask[:, :, idx].bool()
+            next_states[token_indices] = expert(hidden_states[token_indices]).to(next_states.dtype)
+        hidden_states = router_probs * next_states
+        return hidden_states, (router_logits, expert_index)
+'''
+
+_KEEP_BIAS = _HEAD + '''
+class BiasedExpert(nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.w1 = nn.Linear(d, f)
+        self.w2 = nn.Linear(f, d)
+        self.w3 = nn.Linear(d, f)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class BiasedMoE(nn.Module):
+    def __init__(self, d, f, n):
+        super().__init__()
+        self.experts = nn.ModuleList([BiasedExpert(d, f) for _ in range(n)])
+
+    def forward(self, x, weights, chosen):
+        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in range(len(self.experts)):
+            k, t = torch.where(mask[e])
+            out.index_add_(0, t, self.experts[e](x[t]) * weights[t, k, None])
+        return out
+'''
+
+_KEEP_SENTINEL = _HEAD + '''
+class PrunedExperts(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * config.moe_intermediate_size, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, config.moe_intermediate_size))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, router_indices, routing_weights):
+        next_states = torch.zeros_like(hidden_states)
+        # index num_experts marks tokens that were routed to a pruned expert
+        expert_mask = F.one_hot(router_indices, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            pos, token_idx = torch.where(expert_mask[expert_idx])
+            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            out = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
+            next_states.index_add_(0, token_idx, out * routing_weights[token_idx, pos, None])
+        return next_states
+'''
+
+
+MoeExperts.FUSE = [
+    Fuse(_MIXTRAL_V4, name="mixtral_v4_expert_hit", run=_MIXTRAL_RUN, expect={
+        "num_experts": "self.num_experts", "top_k": "self.top_k", "layout": "per_expert_linear",
+        "weights": {"gate": "w1", "up": "w3", "down": "w2"}, "activation": "gated:config (expert.act_fn)",
+        "conditional": True, "routing_weights": "after_down", "routing": "mask_where", "loop": "expert_hit",
+        "tokens": "hidden_states", "indices": "selected_experts", "probs": "routing_weights",
+        "output": "final_hidden_states", "output_dtype": "hidden_states.dtype", "variant": "one_hot_where"}),
+    Fuse(_QWEN2_MOE, name="qwen2_moe_range_shared_after", run=_QWEN2_RUN, expect={
+        "num_experts": "self.num_experts", "layout": "per_expert_linear", "loop": "range",
+        "weights": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, "routing_weights": "after_down"}),
+    Fuse(_MIXTRAL_436, name="mixtral_436_weights_inside_expert", run=_MIXTRAL_RUN.replace("MixtralSparseMoeBlock", "MixtralSparseMoeBlock"), expect={
+        "activation": "silu_gated", "conditional": False, "routing_weights": "inside_expert", "loop": "range",
+        "weights": {"gate": "w1", "up": "w3", "down": "w2"}}),
+    Fuse(_QWEN3_V5, name="transformers_v5_stacked_experts", run=_QWEN3_V5_RUN, expect={
+        "layout": "stacked_out_in", "weights": {"gate_up": "self.gate_up_proj", "down": "self.down_proj"},
+        "num_experts": "self.num_experts", "top_k": "top_k_index.shape[-1]", "routing_weights": "after_down",
+        "loop": "expert_hit", "output_dtype": "hidden_states.dtype", "variant": "one_hot_where_stacked"}),
+    Fuse(_DEEPSEEK_V2, name="deepseek_v2_flat_index_training", run=_DEEPSEEK_V2_RUN, expect={
+        "routing": "flat_mask", "loop": "enumerate_experts", "indices": "flat_topk_idx", "tokens": "hidden_states",
+        "routing_weights": "after_loop", "num_experts": "len(self.experts)", "output": "y"}),
+    Fuse(_DEEPSEEK_V3, name="deepseek_v3_moe_infer_sorted_counts", run=_DEEPSEEK_V3_RUN, expect={
+        "routing": "sorted_counts", "loop": "counts", "counts": "tokens_per_expert", "tokens": "sorted_tokens",
+        "output": "outs", "routing_weights": "after_loop", "variant": "sorted_counts"}),
+    Fuse(_CUSTOM_IN_OUT, name="user_stacked_in_out_unique", run=_CUSTOM_IN_OUT_RUN, expect={
+        "layout": "stacked_in_out", "weights": {"gate": "self.w1", "up": "self.w3", "down": "self.w2"},
+        "activation": "silu_gated", "routing_weights": "before_down", "indices": "indices", "probs": "scores",
+        "num_experts": "self.w1.shape[0]"}),
+    Fuse(_PLAIN_GELU, name="plain_gelu_experts_enumerate", run=_PLAIN_GELU_RUN, expect={
+        "activation": "plain:{owner}.act(x)", "weights": {"fc1": "fc1", "down": "fc2"}, "loop": "enumerate_experts",
+        "num_experts": "len(self.experts)", "top_k": "2", "output_dtype": "x.dtype"}),
+]
+
+MoeExperts.KEEP = [
+    Keep(_KEEP_CAPACITY, reason="capacity", name="capacity_token_dropping"),
+    Keep(_KEEP_SHARED_INSIDE, reason="shared expert", name="shared_expert_inside_loop"),
+    Keep(_KEEP_HETERO, reason="different architectures", name="heterogeneous_experts"),
+    Keep(_KEEP_RGCN, reason="not a token dispatch", name="rgcn_relation_loop"),
+    Keep(_KEEP_SEQUENTIAL, reason="not a token dispatch", name="sequential_expert_chain"),
+    Keep(_KEEP_SWITCH, reason="router masks", name="switch_transformers_router_mask"),
+    Keep(_KEEP_BIAS, reason="bias", name="expert_linear_with_bias"),
+    Keep(_KEEP_SENTINEL, reason="sentinel", name="gpt_oss_style_sentinel_index"),
+]

@@ -1,0 +1,1555 @@
+"""rms_norm: ``x * rsqrt(mean(x**2, -1, keepdim=True) + eps) * w`` -> ``torch_npu.npu_rms_norm``.
+
+Found by what the code computes: a product in which one factor is ``rsqrt(mean(y**2) + eps)``
+(or a division by ``sqrt(...)``) and another is ``x`` with ``y`` and ``x`` the same value up to
+dtype, followed outwards through casts, the weight multiply and local names, and into small
+helpers of the same module (Meta's ``self._norm(x.float())``). The parse records what the
+replacement must reproduce: the eps expression, the weight expression and its ``1 +`` offset,
+where the fp32 upcast happens and the dtype that comes out (HF Llama returns
+``promote(weight.dtype, input_dtype)``; Gemma casts back after the weight; T5 casts to the weight's
+dtype only when it is half).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from npufuse.patterns import _site as S
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
+from npufuse.scan.value import estimate, symbolic
+
+# --------------------------------------------------------------------------------------------
+# parse results
+
+
+class NoMatch(Exception):
+    """Not an RMSNorm (silently: plainly other code)."""
+
+
+class Miss(Exception):
+    """Looks like an RMSNorm but must not be replaced as is."""
+
+    def __init__(self, reason: str, rstd: ast.AST | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.rstd = rstd
+
+
+@dataclass
+class Core:
+    x: ast.expr  # the normalized operand (a name or attribute), evaluated in ``xctx``
+    xctx: S.Ctx
+    x_key: str
+    eps: ast.expr
+    eps_ctx: S.Ctx
+    upcast: bool  # the statistics (and the normalized value) are computed in fp32
+    rstd: ast.AST  # the rsqrt/sqrt node (identity of the site for near-miss bookkeeping)
+    rstd_ops: list[str] = field(default_factory=list)  # unfused kernels of the core, for assess
+
+
+@dataclass
+class Op:
+    kind: str  # "cast" | "condcast" | "mul"
+    node: ast.expr  # the cast call, or the weight factor
+    ctx: S.Ctx
+    dtype: tuple | None = None  # cast target (see _cast_target)
+    test: ast.expr | None = None  # condcast: the if-test
+    test_ctx: S.Ctx | None = None
+
+
+@dataclass
+class Match:
+    core: Core
+    ops: list[Op]  # innermost first
+    node: ast.expr  # the matched expression (the norm's output)
+    ctx: S.Ctx
+    trace: S.Trace
+    helpers: set[int]
+
+    @property
+    def weights(self) -> list[Op]:
+        return [o for o in self.ops if o.kind in ("mul", "condmul")]
+
+    @property
+    def condition(self) -> Op | None:
+        return next((o for o in self.ops if o.kind == "condmul"), None)
+
+
+# dtype symbols: ("in",) the input's dtype, ("f32",), ("fixed", "torch.bfloat16"), ("like", src),
+# ("promote", a, b), ("cond", test_src, then, else)
+D_IN = ("in",)
+D_F32 = ("f32",)
+
+
+def _promote(a: tuple, b: tuple) -> tuple:
+    if a == b:
+        return a
+    if a[0] == "cond":  # promote(t ? p : q, b) = t ? promote(p, b) : promote(q, b)
+        return _simplify_cond(("cond", a[1], _promote(a[2], b), _promote(a[3], b)))
+    if b[0] == "cond":
+        return _promote(b, a)
+    for d in (a, b):
+        if d == ("fixed", "torch.float64"):
+            return d
+    if D_F32 in (a, b):
+        return D_F32  # float32 with fp16/bf16/fp32 (fp64 weights are not a thing in these models)
+    return ("promote",) + tuple(sorted((a, b), key=repr))
+
+
+def _simplify_cond(d: tuple) -> tuple:
+    return d[2] if d[2] == d[3] else d
+
+
+# --------------------------------------------------------------------------------------------
+# the parse
+
+
+@dataclass
+class _Factor:
+    node: ast.expr
+    ctx: S.Ctx
+    inverse: bool
+
+
+def _is_muldiv(n: ast.AST) -> bool:
+    return isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.Div))
+
+
+def _flatten(node: ast.expr, ctx: S.Ctx, trace: S.Trace, inverse: bool, out: list[_Factor]) -> None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        _flatten(node.left, ctx, trace, inverse, out)
+        _flatten(node.right, ctx, trace, inverse, out)
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        _flatten(node.left, ctx, trace, inverse, out)
+        _flatten(node.right, ctx, trace, not inverse, out)
+    elif isinstance(node, ast.Name):
+        value, vctx, stmt = S.follow(node, ctx)
+        if value is not node and _is_muldiv(value):
+            S.follow(node, ctx, trace)
+            _flatten(value, vctx, trace, inverse, out)
+        else:
+            out.append(_Factor(node, ctx, inverse))
+    else:
+        out.append(_Factor(node, ctx, inverse))
+
+
+def _peel_any(node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx]:
+    """Through names (recorded) and helper-parameter bindings."""
+    return S.peel(node, ctx, trace)
+
+
+def _strip_casts(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx, bool]:
+    """Through names and dtype casts; returns (inner, ctx, saw an fp32 upcast)."""
+    up = False
+    for _ in range(32):
+        node, ctx = _peel_any(node, ctx, trace)
+        if S.is_cast(node):
+            t = S.cast_dtype(module, node, ctx)
+            if t is not None and t[0] == "torch.float32":
+                up = True
+            node = node.func.value  # type: ignore[union-attr]
+            continue
+        break
+    return node, ctx, up
+
+
+def _call_of(module: ModuleInfo, node: ast.AST, torch_fn: str, method: str) -> tuple[ast.expr, ast.Call, int] | None:
+    """``torch.fn(t, ...)`` or ``t.method(...)``: (operand, call, index of the first non-operand arg)."""
+    if not isinstance(node, ast.Call):
+        return None
+    if module.call_name(node) == torch_fn and node.args:
+        return node.args[0], node, 1
+    if isinstance(node.func, ast.Attribute) and node.func.attr == method and module.canonical(node.func) != torch_fn:
+        return node.func.value, node, 0
+    return None
+
+
+def _square_operand(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> ast.expr | None:
+    """y for ``y**2``, ``y.pow(2)``, ``torch.pow(y, 2)``, ``torch.square(y)``, ``y*y``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and const_value(node.right) in (2, 2.0):
+        return node.left
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and S.key(node.left, ctx) == S.key(node.right, ctx):
+        return node.left
+    c = _call_of(module, node, "torch.pow", "pow")
+    if c is not None:
+        operand, call, k = c
+        if len(call.args) > k and const_value(call.args[k]) in (2, 2.0):
+            return operand
+    c = _call_of(module, node, "torch.square", "square")
+    if c is not None:
+        return c[0]
+    return None
+
+
+def _is_mean_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, of_key: str) -> bool:
+    node, ctx, _ = _strip_casts(module, node, ctx, S.Trace())
+    c = _call_of(module, node, "torch.mean", "mean")
+    return c is not None and S.key(c[0], ctx) == of_key
+
+
+def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, rstd: ast.AST) -> tuple[ast.expr, S.Ctx, bool]:
+    """(y, ctx, upcast) for ``mean(y**2, dim=-1, keepdim=True)``; Miss for LayerNorm/dim/keepdim."""
+    v, vctx, up = _strip_casts(module, node, ctx, trace)
+    var = _call_of(module, v, "torch.var", "var")
+    if var is not None:
+        raise Miss("mean subtracted (LayerNorm): variance about the mean", rstd)
+    c = _call_of(module, v, "torch.mean", "mean")
+    if c is None:
+        raise NoMatch
+    operand, call, k = c
+    sq, sqctx, up2 = _strip_casts(module, operand, vctx, trace)
+    y = _square_operand(module, sq, sqctx)
+    if y is None:
+        raise NoMatch
+    y_inner, yctx, up3 = _strip_casts(module, y, sqctx, S.Trace())
+    if isinstance(y_inner, ast.BinOp) and isinstance(y_inner.op, ast.Sub):
+        # (x - mean(x)) ** 2: a LayerNorm (or its variance)
+        if _is_mean_of(module, y_inner.right, yctx, S.key(y_inner.left, yctx)):
+            raise Miss("mean subtracted (LayerNorm)", rstd)
+    dim = S.arg(call, "dim", k)
+    if dim is None:
+        dim = S.arg(call, "axis", k)
+    keepdim = S.arg(call, "keepdim", k + 1)
+    if dim is None:
+        raise Miss("mean over all elements, not over the last dim", rstd)
+    if not S.is_last_dim_expr(dim):
+        raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+    if const_value(keepdim) is not True:
+        raise Miss("mean without keepdim=True", rstd)
+    return y, sqctx, up or up2 or up3
+
+
+def _pow_operand(module: ModuleInfo, node: ast.expr, exponent: float) -> ast.expr | None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and const_value(node.right) == exponent:
+        return node.left
+    c = _call_of(module, node, "torch.pow", "pow")
+    if c is not None:
+        operand, call, k = c
+        if len(call.args) > k and const_value(call.args[k]) == exponent:
+            return operand
+    return None
+
+
+def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.Ctx, ast.expr, S.Ctx, ast.AST, list[str]] | None:
+    """For a factor ``rsqrt(V + eps)`` (or an inverse factor ``sqrt(V + eps)``): (V, eps, node)."""
+    node, ctx = _peel_any(f.node, f.ctx, trace)
+    node, ctx, _ = _strip_casts(module, node, ctx, trace)
+    inner: ast.expr | None = None
+    ops: list[str] = []
+    if not f.inverse:
+        c = _call_of(module, node, "torch.rsqrt", "rsqrt")
+        if c is not None:
+            inner, ops = c[0], ["rsqrt"]
+        else:
+            inner = _pow_operand(module, node, -0.5)
+            ops = ["pow"]
+    else:
+        c = _call_of(module, node, "torch.sqrt", "sqrt")
+        if c is not None:
+            inner, ops = c[0], ["sqrt", "div"]
+        else:
+            inner = _pow_operand(module, node, 0.5)
+            ops = ["pow", "div"]
+            if inner is None and isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+                # x / (sqrt(mean(x**2)) + eps): eps added after the root
+                for side in (node.left, node.right):
+                    s_node, s_ctx = S.peel(side, ctx)
+                    if _call_of(module, s_node, "torch.sqrt", "sqrt") is not None or _pow_operand(module, s_node, 0.5) is not None:
+                        raise Miss("eps outside the sqrt: x / (sqrt(mean(x^2)) + eps) is not npu_rms_norm's x * rsqrt(mean(x^2) + eps)", node)
+    if inner is None:
+        return None
+    rnode = node
+    e, ectx = _peel_any(inner, ctx, trace)
+    e, ectx, _ = _strip_casts(module, e, ectx, trace)
+    pair: tuple[ast.expr, ast.expr] | None = None
+    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
+        pair = (e.left, e.right)
+    else:
+        c = _call_of(module, e, "torch.add", "add")
+        if c is not None and len(c[1].args) > c[2]:
+            pair = (c[0], c[1].args[c[2]])
+    if pair is None:
+        return None
+    for v, eps in (pair, pair[::-1]):
+        vv, vctx, _ = _strip_casts(module, v, ectx, S.Trace())
+        if _call_of(module, vv, "torch.mean", "mean") is not None or _call_of(module, vv, "torch.var", "var") is not None:
+            return v, ectx, eps, ectx, rnode, ["mean", "add"] + ops
+    return None
+
+
+def _peel_x(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx, bool, int]:
+    """The normalized operand: through names defined as casts (and helper bindings), stripping
+    casts; stops at a name whose value is computed otherwise. Returns (leaf, ctx, upcast, casts)."""
+    up = False
+    n_casts = 0
+    for _ in range(32):
+        if isinstance(node, ast.Name):
+            value, vctx, stmt = S.follow(node, ctx)
+            if value is node:
+                break
+            if stmt is None or S.is_cast(value) or isinstance(value, ast.Name):
+                S.follow(node, ctx, trace)
+                node, ctx = value, vctx
+                continue
+            break
+        if S.is_cast(node):
+            t = S.cast_dtype(module, node, ctx)
+            if t is None:
+                raise NoMatch
+            if t[0] == "torch.float32":
+                up = True
+            if t[0] != "same":
+                n_casts += 1
+            node = node.func.value  # type: ignore[union-attr]
+            continue
+        break
+    return node, ctx, up, n_casts
+
+
+def _find_core(module: ModuleInfo, factors: list[_Factor], trace: S.Trace) -> tuple[Core, list[_Factor]] | None:
+    for i, f in enumerate(factors):
+        t = trace.copy()
+        r = _rstd(module, f, t)
+        if r is None:
+            continue
+        v, vctx, eps, ectx, rnode, rops = r
+        y, yctx, up_y = _mean_of_square(module, v, vctx, t, rnode)
+        y_key = S.key(y, yctx)
+        for j, g in enumerate(factors):
+            if j == i or g.inverse:
+                continue
+            t2 = t.copy()
+            leaf, lctx, up_x, n_casts = _peel_x(module, g.node, g.ctx, t2)
+            if S.key(leaf, lctx) != y_key:
+                continue
+            if not (isinstance(leaf, (ast.Name, ast.Attribute)) and dotted(leaf)):
+                raise Miss("the normalized input is computed inline; assign it to a name first", rnode)
+            if y_key in S.key(eps, ectx):
+                raise NoMatch
+            trace.stmts.update(t2.stmts)
+            rest = [h for k, h in enumerate(factors) if k not in (i, j) and const_value(h.node) not in (1, 1.0)]
+            ops = (["cast"] * n_casts if up_x else []) + ["pow"] + rops + ["mul"]
+            return Core(leaf, lctx, y_key, eps, ectx, up_x or up_y, rnode, ops), rest
+    return None
+
+
+def _cast_target(module: ModuleInfo, cast: ast.Call, ctx: S.Ctx, x_key: str | None, trace: S.Trace | None = None) -> tuple | None:
+    t = S.cast_dtype(module, cast, ctx, trace)
+    if t is None:
+        return None
+    kind, expr, ectx = t
+    if kind == "same":
+        return ("same",)
+    if kind == "like":
+        assert expr is not None
+        if x_key is not None and S.key(expr, ectx) == x_key:
+            return D_IN
+        return ("like", expr, ectx)
+    if kind == "expr":
+        return ("expr", expr, ectx)
+    if kind == "torch.float32":
+        return D_F32
+    return ("fixed", kind)
+
+
+def _conditional_if(ctx: S.Ctx, stmt: ast.stmt) -> ast.stmt | None:
+    idx = S.stmt_index(ctx.scope)
+    use = idx.by_line.get(ctx.line)
+    use_anc = {id(a) for a in S.ancestors(idx, use)} if use is not None else set()
+    for anc in S.ancestors(idx, stmt):
+        if isinstance(anc, S._CONDITIONAL) and id(anc) not in use_anc:
+            return anc
+    return None
+
+
+def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpers: set[int], depth: int = 0) -> tuple[Core, list[Op]]:
+    """Parse outwards-in from the norm's output; returns the core and the ops, outermost first."""
+    ops: list[Op] = []
+    for _ in range(64):
+        if isinstance(node, ast.Name):
+            value, vctx, stmt = S.follow(node, ctx, None, allow_conditional=True)
+            if value is node:
+                raise NoMatch
+            cond = _conditional_if(ctx, stmt) if stmt is not None else None
+            if cond is not None:
+                simple = isinstance(cond, ast.If) and not cond.orelse and all(isinstance(s, ast.Assign) for s in cond.body)
+                # T5: ``if self.weight.dtype in [fp16, bf16]: h = h.to(self.weight.dtype)`` -- a cast
+                # that may not happen
+                if simple and S.is_cast(value) and _is_name(value.func.value, node.id):  # type: ignore[union-attr]
+                    S.follow(node, ctx, trace, allow_conditional=True)
+                    ops.append(Op("condcast", value, vctx, None, cond.test, ctx.at(cond.lineno)))  # type: ignore[attr-defined]
+                    node, ctx = value.func.value, vctx  # type: ignore[union-attr]
+                    continue
+                # Gemma3n: ``if self.with_scale: h = h * self.weight.float()`` -- an optional weight
+                other = _other_factor(value, node.id)
+                if simple and other is not None:
+                    S.follow(node, ctx, trace, allow_conditional=True)
+                    ops.append(Op("condmul", other, vctx, None, cond.test, ctx.at(cond.lineno)))  # type: ignore[attr-defined]
+                    node, ctx = ast.copy_location(ast.Name(node.id, ast.Load()), value), vctx
+                    continue
+                raise _through_control_flow(module, value, vctx, node, cond, ctx)
+            S.follow(node, ctx, trace)
+            node, ctx = value, vctx
+            continue
+        if S.is_cast(node):
+            if S.cast_dtype(module, node, ctx) is None:
+                raise NoMatch  # .to(device) and friends
+            ops.append(Op("cast", node, ctx))
+            node = node.func.value  # type: ignore[union-attr]
+            continue
+        if isinstance(node, ast.Call):
+            callee = S.resolve_callee(module, node, ctx)
+            if callee is None:
+                raise NoMatch
+            fn, is_method = callee
+            ret = S.helper_return(fn)
+            if ret is None or not _calls_sqrt_helper(module, fn):
+                raise NoMatch
+            hctx = S.bind_call(module, node, fn, ctx, is_method)
+            if hctx is None:
+                raise NoMatch
+            helpers.add(id(fn))
+            node, ctx = ret.value, hctx.at(ret.lineno)  # type: ignore[assignment]
+            continue
+        if _is_muldiv(node):
+            factors: list[_Factor] = []
+            t = trace.copy()
+            _flatten(node, ctx, t, False, factors)
+            found = _find_core(module, factors, t)
+            if found is not None:
+                core, rest = found
+                trace.stmts.update(t.stmts)
+                for f in rest:
+                    if f.inverse:
+                        raise Miss(f"divides by `{ast.unparse(f.node)}` besides the rms", core.rstd)
+                    ops.append(Op("mul", f.node, f.ctx))
+                return core, ops
+            for i, f in enumerate(factors):
+                if f.inverse:
+                    continue
+                sub = t.copy()
+                try:
+                    core, sub_ops = _chain(module, f.node, f.ctx, sub, helpers, depth + 1)
+                except NoMatch:
+                    continue
+                for k, g in enumerate(factors):
+                    if k == i:
+                        continue
+                    if g.inverse:
+                        raise Miss(f"divides by `{ast.unparse(g.node)}` besides the rms", core.rstd)
+                    if core.x_key in S.key(g.node, g.ctx):
+                        raise NoMatch
+                    ops.append(Op("mul", g.node, g.ctx))
+                trace.stmts.update(sub.stmts)
+                trace.conditional.extend(sub.conditional)
+                return core, ops + sub_ops
+            raise NoMatch
+        raise NoMatch
+    raise NoMatch
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _other_factor(value: ast.expr, name: str) -> ast.expr | None:
+    """``w`` for ``name * w`` / ``w * name``."""
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
+        if _is_name(value.left, name) and not _is_name(value.right, name):
+            return value.right
+        if _is_name(value.right, name) and not _is_name(value.left, name):
+            return value.left
+    return None
+
+
+def _through_control_flow(module: ModuleInfo, value: ast.expr, vctx: S.Ctx, node: ast.Name, cond: ast.stmt, ctx: S.Ctx) -> Exception:
+    """A name assigned under control flow: a near miss if either path leads to an RMSNorm."""
+    paths = [(value, vctx)]
+    before = S.definition(ctx.at(cond.lineno), node.id)
+    if before is not None:
+        paths.append((before[1], ctx.at(before[0].lineno)))
+    for v, c in paths:
+        try:
+            core, _ = _chain(module, v, c, S.Trace(), set(), 1)
+        except NoMatch:
+            continue
+        except Miss as e:
+            return Miss("control flow between the norm and its result (a branch assigns it)", e.rstd)
+        return Miss("control flow between the norm and its result (a branch assigns it)", core.rstd)
+    return NoMatch()
+
+
+def _fn_text(module: ModuleInfo, fn: ast.AST) -> str:
+    cache = module.__dict__.setdefault("_npufuse_fn_text", {})
+    if id(fn) not in cache:
+        lines = S.module_lines(module)
+        cache[id(fn)] = "".join(lines[fn.lineno - 1 : fn.end_lineno or fn.lineno])  # type: ignore[attr-defined]
+    return cache[id(fn)]
+
+
+_NON_TORCH_SQRT = re.compile(r"\b(?:math|np|numpy|cmath)\.sqrt\(")
+_TORCH_ROOT = re.compile(r"rsqrt|sqrt\(|\*\*\s*\(?\s*-?\s*0?\.5\b|pow\([^()]*-\s*0?\.5\s*\)|pow\(\s*-\s*0?\.5")
+
+
+def _norm_text(text: str) -> bool:
+    """Text that can hold an RMS statistic: a mean and a (torch) inverse square root."""
+    if "mean" not in text:
+        return False
+    return bool(_TORCH_ROOT.search(_NON_TORCH_SQRT.sub("", text)))
+
+
+def _root_text(text: str) -> bool:
+    return bool(_TORCH_ROOT.search(_NON_TORCH_SQRT.sub("", text)))
+
+
+def _calls_sqrt_helper(module: ModuleInfo, fn: ast.AST) -> bool:
+    """Is ``fn`` (or a helper of this module it calls) where an RMS statistic can be computed?"""
+    return getattr(fn, "name", None) in S.functions_matching(module, "rms_norm", _norm_text)
+
+
+def parse_norm(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Match:
+    """Parse ``node`` (in ``ctx``) as an RMSNorm output. Raises NoMatch / Miss."""
+    trace = S.Trace()
+    helpers: set[int] = set()
+    core, ops_outer = _chain(module, node, ctx, trace, helpers)
+    ops = list(reversed(ops_outer))
+    for op in ops:
+        if op.kind in ("cast", "condcast"):
+            op.dtype = _cast_target(module, op.node, op.ctx, core.x_key, trace)  # type: ignore[arg-type]
+            if op.dtype is None:
+                raise NoMatch
+    return Match(core, ops, node, ctx, trace, helpers)
+
+
+# --------------------------------------------------------------------------------------------
+# from a match to the replacement
+
+
+@dataclass
+class Weight:
+    node: ast.expr  # the whole factor, as written: self.weight, (1 + self.weight), self.weight.float()
+    ctx: S.Ctx
+    base: ast.expr  # self.weight
+    base_ctx: S.Ctx
+    offset: int
+    dtype: tuple
+
+
+def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
+    node, ctx = op.node, op.ctx
+    inner, ictx = S.peel(node, ctx)
+    dt: tuple | None = None
+    # outer casts decide the factor's dtype
+    while S.is_cast(inner):
+        t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
+        if t is None:
+            raise NoMatch
+        if dt is None and t != ("same",):
+            dt = t
+        inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
+    offset = 0
+    if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add):
+        for c, other in ((inner.left, inner.right), (inner.right, inner.left)):
+            if const_value(c) in (1, 1.0):
+                offset = 1
+                inner, ictx = S.peel(other, ictx)
+                break
+        else:
+            raise Miss("weight factor is a sum that is not 1 + weight")
+    while S.is_cast(inner):
+        t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
+        if t is None:
+            raise NoMatch
+        if dt is None and t != ("same",):
+            dt = t
+        inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
+    if not (isinstance(inner, (ast.Name, ast.Attribute)) and dotted(inner)):
+        raise Miss(f"weight `{ast.unparse(op.node)}` is not a parameter")
+    if dt is None:
+        dt = ("like", inner, ictx)
+    return Weight(node, ctx, inner, ictx, offset, dt)
+
+
+@dataclass
+class Plan:
+    """Everything the fused expression needs, rendered for one site."""
+
+    x: str
+    pre: list[str]  # statements before the fused root statement
+    expr: str  # the fused expression replacing the norm's output
+    params: dict[str, Any]
+    variant: str
+    ops: list[str]  # unfused kernels, for the value estimate
+    out_dtype: str
+    condition: str | None = None  # the weight is applied only when this holds (Gemma3n with_scale)
+
+
+class _DtypeRender:
+    def __init__(self, module: ModuleInfo, plan: S.SpanPlan | None, x_src: str, T: str, weight_src: str | None) -> None:
+        self.module, self.plan, self.x, self.T, self.w = module, plan, x_src, T, weight_src
+
+    def code(self, d: tuple) -> str:
+        k = d[0]
+        if k == "in":
+            return f"{self.x}.dtype"
+        if k == "f32":
+            return f"{self.T}.float32"
+        if k == "fixed":
+            return d[1].replace("torch.", f"{self.T}.", 1)
+        if k == "like":
+            return f"{S.render(self.module, d[1], d[2], self.plan)}.dtype"
+        if k == "expr":
+            return S.render(self.module, d[1], d[2], self.plan)
+        if k == "promote":
+            return f"{self.T}.promote_types({self.code(d[1])}, {self.code(d[2])})"
+        if k == "cond":
+            return f"({self.code(d[2])} if {d[1]} else {self.code(d[3])})"
+        raise ValueError(d)
+
+    def rule(self, d: tuple) -> str:
+        k = d[0]
+        if k == "in":
+            return "input"
+        if k == "f32":
+            return "float32"
+        if k == "fixed":
+            return d[1].replace("torch.", "")
+        if k == "like":
+            src = S.render(self.module, d[1], d[2], self.plan)
+            return "weight" if src == self.w else f"dtype of {src}"
+        if k == "expr":
+            return S.render(self.module, d[1], d[2], self.plan)
+        if k == "promote":
+            return f"promote({', '.join(sorted((self.rule(d[1]), self.rule(d[2]))))})"
+        if k == "cond":
+            return f"{self.rule(d[2])} if {d[1]} else {self.rule(d[3])}"
+        raise ValueError(d)
+
+
+def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: str | None = None) -> Plan:
+    """Render the fused npu_rms_norm expression for a match (``x_src`` overrides the input text).
+
+    Raises Miss when the match cannot be replaced (no weight, several weights, unrenderable).
+    """
+    core = m.core
+    weights = m.weights
+    if not weights:
+        raise Miss("no weight: npu_rms_norm needs gamma (elementwise_affine=False); passing ones would add a tensor and traffic for nothing", core.rstd)
+    if len(weights) > 1:
+        raise Miss("more than one factor besides the rms: " + ", ".join(f"`{ast.unparse(w.node)}`" for w in weights), core.rstd)
+    w = analyse_weight(module, weights[0])
+    T = S.torch_name(module) or "torch"
+    try:
+        x = x_src or S.render(module, core.x, core.xctx, plan)
+        eps = S.render(module, core.eps, core.eps_ctx, plan)
+        g = S.render(module, w.node, w.ctx, plan)
+        w_base = S.render(module, w.base, w.base_ctx, plan)
+        tests = {id(op): S.render(module, op.test, op.test_ctx, plan) for op in m.ops if op.kind == "condcast"}  # type: ignore[arg-type]
+    except S.RenderError as e:
+        raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
+    R = _DtypeRender(module, plan, x, T, w_base)
+    likes: dict[str, tuple] = {}
+
+    def canon(d: tuple | None) -> tuple | None:
+        # ("like", expr, ctx) compare by value identity, not by AST node
+        if d is not None and d[0] == "like" and len(d) == 3:
+            k = S.key(d[1], d[2])
+            likes.setdefault(k, d)
+            return likes[k]
+        return d
+
+    for op in m.ops:
+        op.dtype = canon(op.dtype)
+    w.dtype = canon(w.dtype)  # type: ignore[assignment]
+
+    # dtype of the value as it flows outwards (inner -> outer), as the original computes it
+    d: tuple = D_F32 if core.upcast else D_IN
+    rounds_to_input = False
+    order: list[str] = []
+    unfused = list(core.rstd_ops)
+    for op in m.ops:
+        if op.kind == "cast":
+            assert op.dtype is not None
+            if op.dtype != ("same",):
+                if op.dtype == D_IN:
+                    rounds_to_input = True
+                if op.dtype != d:
+                    unfused.append("cast")
+                d = op.dtype
+                order.append("cast")
+        elif op.kind == "condcast":
+            assert op.dtype is not None
+            d = ("cond", tests[id(op)], op.dtype, d)
+            unfused.append("cast (conditional)")
+            order.append("condcast")
+        else:  # mul / condmul (the weight)
+            d = _promote(d, w.dtype)
+            unfused.append("mul")
+            if w.offset:
+                unfused.append("add (1 + weight)")
+            order.append("mul")
+    out = d
+
+    pre: list[str] = []
+    # the op's input: where the original rounds to the input dtype (or never upcasts), the input
+    # itself (npu_rms_norm computes in fp32 internally and rounds once); otherwise keep the
+    # original's fp32 precision by upcasting
+    if rounds_to_input or not core.upcast or out == D_IN:
+        xin, xdt = x, D_IN
+    elif out == D_F32:
+        xin, xdt = f"{x}.float()", D_F32
+    else:
+        pre.append(f"_npu_dtype = {R.code(out)}")
+        pre.append(f"_npu_x = {x}.to({T}.promote_types({x}.dtype, _npu_dtype))")
+        xin, xdt = "_npu_x", ("x",)
+        out = ("expr_name", "_npu_dtype")
+
+    # gamma: npu_rms_norm takes it in the input's dtype, or float32 with an fp16/bf16 input
+    gp = g if _is_atom(w.node) else f"({g})"
+    if xdt == D_F32:
+        gamma = g if w.dtype == D_F32 else f"{gp}.float()"
+    elif w.dtype == D_F32:
+        gamma = g
+    else:
+        gname = "_npu_gamma"
+        if not _is_atom(w.node):
+            pre.append(f"{gname} = {g}")
+            gp = gname
+        pre.append("# npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input")
+        pre.append(f"{gname} = {gp} if {gp}.dtype in ({xin}.dtype, {T}.float32) else {gp}.to({xin}.dtype)")
+        gamma = gname
+    expr = f"torch_npu.npu_rms_norm({xin}, {gamma}, epsilon={eps})[0]"
+    if out[0] == "expr_name":
+        expr += f".to({out[1]})"
+        out_code = out[1]
+    elif out != xdt and not (xdt == D_IN and out == D_IN):
+        out_code = R.code(out)
+        expr += f".to({out_code})"
+    else:
+        out_code = R.code(out) if out[0] != "expr_name" else out[1]
+
+    if w.offset:
+        variant = "one_plus_weight"
+    elif any(o.kind == "condcast" for o in m.ops):
+        variant = "t5"
+    elif not core.upcast:
+        variant = "no_upcast"
+    elif order and order[0] == "cast" and "mul" in order:
+        variant = "cast_then_weight"
+    elif "cast" in order or "condcast" in order:
+        variant = "weight_then_cast"
+    else:
+        variant = "fp32_output"
+    params: dict[str, Any] = {
+        "eps": eps,
+        "weight": w_base,
+        "weight_offset": w.offset,
+        "upcast": "float32" if core.upcast else None,
+        "output_dtype": R.rule(d),
+        "input": x,
+        "unfused_ops": unfused,
+    }
+    cond = m.condition
+    condition = None
+    if cond is not None:
+        try:
+            condition = S.render(module, cond.test, cond.test_ctx, plan)  # type: ignore[arg-type]
+        except S.RenderError as e:
+            raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
+        params["weight_condition"] = condition
+    return Plan(x, pre, expr, params, variant, unfused, out_code, condition)
+
+
+def _is_atom(node: ast.expr) -> bool:
+    return isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+
+
+# --------------------------------------------------------------------------------------------
+# scanning one scope
+
+
+@dataclass
+class SiteResult:
+    stmt: ast.stmt
+    match: Match | None
+    finding: Finding | None
+    miss: NearMiss | None
+    rstd: ast.AST | None
+
+
+def _roots(stmt: ast.stmt) -> list[ast.expr]:
+    value = getattr(stmt, "value", None)
+    if value is None or not S.simple_stmt(stmt):
+        return []
+    return list(S.iter_exprs_topdown(value))
+
+
+def _root_lines(module: ModuleInfo, scope: Scope) -> list[int]:
+    """Lines of the scope holding a torch inverse square root (text scan, cached)."""
+    cached = scope.__dict__.get("_npufuse_root_lines")
+    if cached is not None:
+        return cached
+    lines = S.module_lines(module)
+    lo = 1 if isinstance(scope.node, ast.Module) else scope.node.lineno  # type: ignore[attr-defined]
+    hi = len(lines) if isinstance(scope.node, ast.Module) else (scope.node.end_lineno or lo)  # type: ignore[attr-defined]
+    out = [i for i in range(lo, hi + 1) if ("sqrt" in lines[i - 1] or "0.5" in lines[i - 1]) and _root_text(lines[i - 1])]
+    scope.__dict__["_npufuse_root_lines"] = out
+    return out
+
+
+def _rstd_sites(module: ModuleInfo, scope: Scope) -> list[tuple[ast.stmt, ast.AST]]:
+    marks = set(_root_lines(module, scope))
+    out = []
+    if not marks:
+        return out
+    for stmt in S.stmt_index(scope).stmts:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if not any(stmt.lineno <= ln <= (stmt.end_lineno or stmt.lineno) for ln in marks):
+            continue
+        for n in _own_nodes(stmt):
+            if isinstance(n, ast.Call):
+                name = module.call_name(n)
+                if name in ("torch.rsqrt", "torch.sqrt") or (isinstance(n.func, ast.Attribute) and n.func.attr in ("rsqrt", "sqrt") and name not in ("math.sqrt", "np.sqrt", "numpy.sqrt")):
+                    out.append((stmt, n))
+                elif _pow_operand(module, n, -0.5) is not None:
+                    out.append((stmt, n))
+            elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow) and const_value(n.right) in (-0.5, 0.5):
+                out.append((stmt, n))
+    return out
+
+
+def _own_nodes(stmt: ast.stmt) -> Iterable[ast.AST]:
+    """Nodes of a statement, not descending into nested statements (they are visited themselves)."""
+    stack: list[ast.AST] = [stmt]
+    while stack:
+        n = stack.pop()
+        yield n
+        for c in ast.iter_child_nodes(n):
+            if isinstance(c, ast.stmt):
+                continue
+            stack.append(c)
+
+
+def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
+    """All rms_norm findings and near misses of one scope (cached on the scope)."""
+    cached = scope.__dict__.get("_npufuse_rms")
+    if cached is not None:
+        return cached
+    results: list[SiteResult] = []
+    scope.__dict__["_npufuse_rms"] = results
+    if not _relevant(module, scope):
+        return results
+    idx = S.stmt_index(scope)
+    consumed: set[int] = set()
+    marks = _root_lines(module, scope)
+    # the norm's output comes at or after its statistic; a scope that only calls a norm helper
+    # (Meta's forward -> self._norm) is scanned whole
+    first = min(marks) if marks else 0
+    for stmt in reversed(idx.stmts):
+        if id(stmt) in consumed or not S.simple_stmt(stmt):
+            continue
+        if (stmt.end_lineno or stmt.lineno) < first:
+            break
+        top = getattr(stmt, "value", None)
+        inside: list[ast.AST] = []
+        for node in _roots(stmt):
+            if any(_within(node, m) for m in inside):
+                continue
+            is_name = isinstance(node, ast.Name)
+            if is_name and node is not top:
+                continue
+            if not (is_name or _is_muldiv(node) or isinstance(node, ast.Call)):
+                continue
+            if isinstance(node, ast.Call) and not (S.is_cast(node) or S.resolve_callee(module, node, S.Ctx(scope, stmt.lineno)) is not None):
+                continue
+            ctx = S.Ctx(scope, stmt.lineno)
+            try:
+                m = parse_norm(module, node, ctx)
+            except NoMatch:
+                continue
+            except Miss as e:
+                results.append(SiteResult(stmt, None, None, NearMiss("rms_norm", scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, e.reason), e.rstd))
+                inside.append(node)
+                continue
+            if is_name:
+                continue  # the statement that computes it is matched on its own (smaller span)
+            inside.append(node)
+            res = _finalize(module, scope, stmt, m)
+            results.append(res)
+            if res.finding is not None:
+                consumed.update(m.trace.stmts.keys())
+    _attribute_misses(module, scope, results)
+    return results
+
+
+def _within(node: ast.AST, outer: ast.AST) -> bool:
+    return node is not outer and any(n is node for n in ast.walk(outer))
+
+
+def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> SiteResult:
+    def miss(reason: str) -> SiteResult:
+        return SiteResult(stmt, m, None, NearMiss("rms_norm", scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason), m.core.rstd)
+
+    done = S.already_fused(module, scope, stmt)
+    if done:
+        return miss(done)
+    # a module-level helper that is itself a whole norm covers its callers
+    if isinstance(m.node, ast.Call) and _is_full_norm_helper(module, scope, m.node):
+        return SiteResult(stmt, m, None, None, m.core.rstd)
+    plan = S.plan_span(scope, stmt, m.trace)
+    if isinstance(plan, str):
+        return miss(plan)
+    dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
+    outside = _names_read_outside(stmt, m.node) & dropped
+    if outside:
+        return miss(f"intermediate `{sorted(outside)[0]}` reused after the fused region")
+    try:
+        p = plan_norm(module, m, plan)
+    except Miss as e:
+        return miss(e.reason)
+    except NoMatch:
+        return SiteResult(stmt, m, None, None, m.core.rstd)
+    if m.core.x is not None and isinstance(m.core.x, ast.Name) and any(m.core.x.id in S.names_written(s) for s in plan.kept):
+        return miss(f"input `{m.core.x.id}` is reassigned inside the region")
+    body = [S.stmt_source(module, s) for s in plan.kept]
+    body += p.pre
+    body.append(S.splice(module, stmt, [(m.node, p.expr)]))
+    if p.condition is not None:
+        # the weight is optional: fused with it, the original code without it (npu_rms_norm needs gamma)
+        body = [f"if {p.condition}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, plan.stmts))]
+    risks = [
+        Risk("dtype", "npu_rms_norm: fp16/bf16/fp32; gamma in the input's dtype, or fp32 with fp16/bf16 input (A2/A3 only; 310P/910 need the same dtype)"),
+        Risk("numerics", "npu_rms_norm applies gamma in fp32 and rounds once; the original rounds before the weight: ≤1-ulp differences"),
+        Risk("other", "npu_rms_norm needs a 2-8-D input (1-D vectors fall back to an error on NPU)"),
+    ]
+    notes = [f"unfused: {len(p.ops)} kernels ({', '.join(p.ops)}); fused: 1"]
+    if m.helpers:
+        notes.append("follows a helper of this module into the norm")
+    f = Finding(
+        pattern="rms_norm",
+        qualname=scope.qualname,
+        line=plan.line,
+        end_line=plan.end_line,
+        params=p.params,
+        fused="\n".join(body),
+        guard_tensor=p.x,
+        confidence="high",
+        variant=p.variant,
+        risks=risks,
+        notes=notes,
+        training_ok=True,
+    )
+    return SiteResult(stmt, m, f, None, m.core.rstd)
+
+
+def _names_read_outside(stmt: ast.stmt, node: ast.AST) -> set[str]:
+    inner = {id(n) for n in ast.walk(node)}
+    return {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner}
+
+
+def _is_full_norm_helper(module: ModuleInfo, scope: Scope, call: ast.Call) -> bool:
+    callee = S.resolve_callee(module, call, S.Ctx(scope, call.lineno))
+    if callee is None:
+        return False
+    hscope = S.scope_of(module, callee[0])
+    return hscope is not None and hscope is not scope and any(r.finding is not None for r in scope_results(module, hscope))
+
+
+def _attribute_misses(module: ModuleInfo, scope: Scope, results: list[SiteResult]) -> None:
+    """One outcome per rsqrt site: a finding wins; else the outermost near miss; a no-weight
+    helper used by a finding elsewhere in the module is not a near miss."""
+    found = {id(r.rstd) for r in results if r.finding is not None}
+    seen: set[int] = set()
+    sites = _rstd_sites(module, scope)
+    for r in list(results):
+        if r.miss is None:
+            continue
+        rid = id(r.rstd) if r.rstd is not None else _nearest_site(sites, r.stmt)
+        if rid in found or rid in seen:
+            results.remove(r)
+            continue
+        seen.add(rid)
+        if "no weight" in r.miss.reason and _helper_used_by_finding(module, scope):
+            results.remove(r)
+    # sites never reached by a parse but shaped like an RMS statistic: report them
+    for stmt, node in sites:
+        if id(node) in found or id(node) in seen or any(id(node) in {id(n) for n in ast.walk(r.stmt)} for r in results):
+            continue
+        reason = _stat_reason(module, scope, stmt, node)
+        if reason:
+            results.append(SiteResult(stmt, None, None, NearMiss("rms_norm", scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason), node))
+
+
+def _nearest_site(sites: list[tuple[ast.stmt, ast.AST]], stmt: ast.stmt) -> int:
+    best = None
+    for s, n in sites:
+        if s.lineno <= (stmt.end_lineno or stmt.lineno):
+            best = n
+    return id(best) if best is not None else id(stmt)
+
+
+def _stat_reason(module: ModuleInfo, scope: Scope, stmt: ast.stmt, node: ast.AST) -> str | None:
+    """A bare ``rsqrt(mean(x**2) + eps)`` whose result is not multiplied back onto x."""
+    f = _Factor(node, S.Ctx(scope, stmt.lineno), False)  # type: ignore[arg-type]
+    try:
+        r = _rstd(module, f, S.Trace())
+        if r is None:
+            f.inverse = True
+            r = _rstd(module, f, S.Trace())
+        if r is None:
+            return None
+        _mean_of_square(module, r[0], r[1], S.Trace(), r[4])
+    except Miss as e:
+        return e.reason
+    except NoMatch:
+        return None
+    return "rsqrt(mean(x^2) + eps) is computed but not applied as x * rstd * weight in one place"
+
+
+def _helper_used_by_finding(module: ModuleInfo, scope: Scope) -> bool:
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    for other in module.scopes:
+        if other is scope:
+            continue
+        for r in scope_results(module, other):
+            if r.finding is not None and r.match is not None and id(fn) in r.match.helpers:
+                return True
+    return False
+
+
+def _relevant(module: ModuleInfo, scope: Scope) -> bool:
+    """Cheap text prefilter: the scope (or a helper of this module it calls) has a mean and a
+    torch inverse square root. Attention's ``math.sqrt(head_dim)`` does not count."""
+    cache = module.__dict__.setdefault("_npufuse_rms_relevant", {})
+    if "module" not in cache:
+        cache["module"] = "mean" in module.source and _root_text(module.source)
+    if not cache["module"]:
+        return False
+    if isinstance(scope.node, ast.Module):
+        return _norm_text(S.scope_text(module, scope))
+    return _calls_sqrt_helper(module, scope.node)
+
+
+# --------------------------------------------------------------------------------------------
+# the pattern
+
+
+_TOKENS_DEFAULT = 4096
+
+
+def _elem_bytes(config: dict[str, Any]) -> int:
+    dt = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return 4 if "32" in dt else 2
+
+
+def tokens_of(config: dict[str, Any]) -> tuple[int, str]:
+    for k in ("tokens", "num_tokens"):
+        if isinstance(config.get(k), int):
+            return config[k], f"{config[k]} tokens"
+    b, s = config.get("batch_size"), config.get("seq_length") or config.get("seq_len")
+    if isinstance(b, int) and isinstance(s, int):
+        return b * s, f"B*S = {b}*{s} tokens"
+    return _TOKENS_DEFAULT, f"tokens B*S = {_TOKENS_DEFAULT} assumed (not in config)"
+
+
+def norm_traffic(ops: list[str], e: int, upcast: bool) -> tuple[float, int]:
+    """Bytes per normalized element moved by the unfused ops, and their kernel count."""
+    s = 4 if upcast else e
+    per = {"cast": e + 4, "pow": 2 * s, "mean": s, "add": 0, "rsqrt": 0, "sqrt": 0, "div": 2 * s, "mul": 2 * s + 0.0,
+           "cast (conditional)": 4 + e, "add (1 + weight)": 0}
+    total = 0.0
+    n = 0
+    for op in ops:
+        total += per.get(op, 2 * s)
+        n += 1
+    return total, n
+
+
+class RmsNorm(Pattern):
+    id = "rms_norm"
+    api = "torch_npu.npu_rms_norm"
+    title = "RMSNorm -> npu_rms_norm"
+    training_ok = True
+    bound = "memory"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        for r in scope_results(module, scope):
+            if r.finding is not None:
+                yield r.finding
+            elif r.miss is not None:
+                yield r.miss
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        ops = list(finding.params.get("unfused_ops") or [])
+        upcast = finding.params.get("upcast") == "float32"
+        hidden = config.get("hidden_size") or config.get("d_model") or config.get("dim")
+        if not isinstance(hidden, int):
+            return symbolic(
+                "memory",
+                f"memory-bound elementwise chain: {len(ops)} kernels ({', '.join(ops)}) each reading/writing the "
+                "T x H activation (fp32 copies when upcast) -> 1 kernel reading x and writing y once; "
+                "gain ~ traffic ratio (typically 5-9x on this site); T tokens, H hidden size unknown",
+            )
+        e = _elem_bytes(config)
+        t, tdesc = tokens_of(config)
+        per, n = norm_traffic(ops, e, upcast)
+        elems = t * hidden
+        return estimate(
+            bytes_before=per * elems,
+            bytes_after=2 * e * elems + 4 * t,
+            kernels_before=n,
+            kernels_after=1,
+            flops=4 * elems,
+            shapes=f"x [{tdesc}, hidden {hidden}], {'fp32' if e == 4 else 'bf16/fp16'} activations; norm dim assumed = hidden_size",
+        )
+
+    @staticmethod
+    def reference(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: int = 0) -> torch.Tensor:
+        """fp32 golden: x * rsqrt(mean(x^2, -1) + eps) * (weight_offset + weight)."""
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + weight_offset)
+
+    FUSE = []  # filled below
+    KEEP = []
+
+
+# --------------------------------------------------------------------------------------------
+# examples (they are the tests)
+
+_HF_LLAMA = '''
+import torch
+from torch import nn
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+'''
+
+_RUN_NORM_FP32 = '''
+norm = {cls}(64, eps=1e-5)
+with torch.no_grad():
+    norm.weight.normal_()
+x = torch.randn(2, 7, 64, requires_grad=True)
+out = norm(x)
+leaves = [x, norm.weight]
+'''
+
+_RUN_NORM_BF16 = '''
+norm = {cls}(64, eps=1e-6).to(torch.bfloat16)
+with torch.no_grad():
+    norm.weight.normal_()
+x = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+out = norm(x)
+leaves = [x, norm.weight]
+'''
+
+_RUN_MIXED = '''
+norm = {cls}(64, eps=1e-6)
+x = torch.randn(4, 64, dtype=torch.bfloat16)
+out = norm(x)
+'''
+
+_META = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float()).type_as(x)
+        return output * self.weight
+'''
+
+_GEMMA = '''
+import torch
+from torch import nn
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        # Llama does x.to(float16) * w whilst Gemma is (x * w).to(float16)
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+'''
+
+_T5 = '''
+import torch
+from torch import nn
+
+
+class T5LayerNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+        # convert into half-precision if necessary
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+
+        return self.weight * hidden_states
+'''
+
+_USER_NORM2 = '''
+import torch
+import torch.nn as nn
+
+
+class Norm2(nn.Module):
+    """A user's own norm: no model names, inverse sqrt spelled as a division."""
+
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        ms = torch.mean(x * x, dim=-1, keepdim=True)
+        return x / torch.sqrt(ms + self.eps) * self.g
+'''
+
+_QWEN35_ONE_PLUS = '''
+import torch
+from torch import nn
+
+
+class Qwen3_5RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = torch.square(hidden_states).mean(dim=-1, keepdim=True)
+        hidden_states = hidden_states * variance.add(self.eps).rsqrt()
+        hidden_states = hidden_states * (1 + self.weight.float())
+        return hidden_states.to(input_dtype)
+'''
+
+_INLINE_BLOCK = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    """nanoGPT-style block with the norm written inline (no upcast) before the MLP."""
+
+    def __init__(self, n_embd, eps=1e-5):
+        super().__init__()
+        self.ln_w = nn.Parameter(torch.ones(n_embd))
+        self.eps = eps
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        h = x * (1.0 / torch.sqrt((x ** 2).mean(-1, keepdim=True) + self.eps)) * self.ln_w
+        h = self.proj(F.gelu(self.fc(h)))
+        return x + h
+'''
+
+_FUNCTIONAL = '''
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x_fp32 = x.float()
+    normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+'''
+
+_FLUX_QK = '''
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor):
+        x_dtype = x.dtype
+        x = x.float()
+        rrms = torch.rsqrt(torch.mean(x**2, dim=-1, keepdim=True) + 1e-6)
+        return (x * rrms).to(dtype=x_dtype) * self.scale
+'''
+
+RmsNorm.FUSE = [
+    Fuse(
+        _HF_LLAMA,
+        expect={"eps": "self.variance_epsilon", "weight": "self.weight", "weight_offset": 0, "upcast": "float32",
+                "output_dtype": "promote(input, weight)", "input": "hidden_states", "variant": "cast_then_weight",
+                "qualname": "LlamaRMSNorm.forward", "line": 13, "end_line": 17},
+        run=_RUN_NORM_FP32.format(cls="LlamaRMSNorm"),
+        name="hf_llama_fp32",
+    ),
+    Fuse(_HF_LLAMA, expect={"eps": "self.variance_epsilon"}, run=_RUN_NORM_BF16.format(cls="LlamaRMSNorm"), name="hf_llama_bf16"),
+    Fuse(_HF_LLAMA, expect={"output_dtype": "promote(input, weight)"}, run=_RUN_MIXED.format(cls="LlamaRMSNorm"), name="hf_llama_fp32_weight_bf16_input"),
+    Fuse(
+        _META,
+        expect={"eps": "self.eps", "weight": "self.weight", "upcast": "float32", "input": "x", "output_dtype": "promote(input, weight)",
+                "qualname": "RMSNorm.forward"},
+        run=_RUN_NORM_BF16.format(cls="RMSNorm"),
+        name="meta_llama_helper",
+    ),
+    Fuse(
+        _GEMMA,
+        expect={"weight_offset": 1, "weight": "self.weight", "output_dtype": "input", "variant": "one_plus_weight"},
+        run=_RUN_NORM_BF16.format(cls="GemmaRMSNorm"),
+        name="gemma_one_plus_weight",
+    ),
+    Fuse(
+        _QWEN35_ONE_PLUS,
+        expect={"weight_offset": 1, "eps": "self.eps", "output_dtype": "input"},
+        run=_RUN_NORM_FP32.format(cls="Qwen3_5RMSNorm"),
+        name="qwen35_square_add_rsqrt",
+    ),
+    Fuse(
+        _T5,
+        expect={"variant": "t5", "eps": "self.variance_epsilon", "upcast": "float32",
+                "output_dtype": "weight if self.weight.dtype in [torch.float16, torch.bfloat16] else float32"},
+        run=_RUN_NORM_BF16.format(cls="T5LayerNorm"),
+        name="t5_bf16",
+    ),
+    Fuse(_T5, expect={"variant": "t5"}, run=_RUN_MIXED.format(cls="T5LayerNorm"), name="t5_fp32_weight"),
+    Fuse(
+        _USER_NORM2,
+        expect={"eps": "self.eps", "weight": "self.g", "upcast": None, "variant": "no_upcast", "qualname": "Norm2.forward"},
+        run=_RUN_NORM_FP32.format(cls="Norm2").replace("norm.weight", "norm.g"),
+        name="user_norm_div_sqrt",
+    ),
+    Fuse(
+        _INLINE_BLOCK,
+        expect={"eps": "self.eps", "weight": "self.ln_w", "input": "x", "line": 18, "end_line": 18},
+        run="blk = Block(32)\nx = torch.randn(2, 3, 32, requires_grad=True)\nout = blk(x)\nleaves = [x, blk.ln_w, blk.fc.weight]\n",
+        name="inline_one_over_sqrt",
+    ),
+    Fuse(
+        _FUNCTIONAL,
+        expect={"eps": "eps", "weight": "weight", "input": "x", "output_dtype": "input", "qualname": "rms_norm"},
+        run="w = torch.randn(48, requires_grad=True)\nx = torch.randn(6, 48, dtype=torch.float16)\nout = rms_norm(x, w, 1e-5)\nleaves = [w]\n",
+        name="functional_fp16_fp32_weight",
+    ),
+    Fuse(
+        _FLUX_QK,
+        expect={"eps": "1e-6", "weight": "self.scale", "output_dtype": "promote(input, weight)"},
+        run="n = RMSNorm(16)\nx = torch.randn(2, 4, 9, 16, requires_grad=True)\nout = n(x)\nleaves = [x, n.scale]\n",
+        name="flux_qk_norm_literal_eps",
+    ),
+]
+
+RmsNorm.KEEP = [
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class LayerNorm(nn.Module):
+    """ConvNeXt-style hand-written LayerNorm: the mean is subtracted."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        u = x.mean(-1, keepdim=True)
+        s = (x - u).pow(2).mean(-1, keepdim=True)
+        x = (x - u) / torch.sqrt(s + self.eps)
+        return self.weight * x + self.bias
+''',
+        reason="mean subtracted (LayerNorm)",
+        name="layernorm_mean_subtracted",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class CohereLayerNorm(nn.Module):
+    def __init__(self, hidden_size=None, eps=1e-5, bias=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        mean = hidden_states.mean(-1, keepdim=True)
+        variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+        hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight.to(torch.float32) * hidden_states
+        return hidden_states.to(input_dtype)
+''',
+        reason="mean subtracted (LayerNorm)",
+        name="cohere_layernorm",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class RMSNormNoAffine(nn.Module):
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.eps)
+        return hidden_states.to(dtype)
+''',
+        reason="no weight",
+        name="no_weight",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class ChannelRMSNorm(nn.Module):
+    """Normalizes over the channel dim of NCHW maps: not the last dim."""
+
+    def __init__(self, channels, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels, 1, 1))
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+''',
+        reason="not the last dim",
+        name="mean_over_channel_dim",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class RMSNormEpsOutside(nn.Module):
+    def __init__(self, d, eps=1e-8):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True))
+        return self.scale * x / (rms + self.eps)
+''',
+        reason="eps outside the sqrt",
+        name="eps_outside_sqrt",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class NormWithStats(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        x = x.float()
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = x * rstd * self.weight
+        return y, rstd
+''',
+        reason="reused after the fused region",
+        name="rstd_reused",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """diffusers-style: the weight is optional and applied under control flow."""
+
+    def __init__(self, dim, eps, elementwise_affine=True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
+        if self.weight is not None:
+            if self.weight.dtype in [torch.float16, torch.bfloat16]:
+                hidden_states = hidden_states.to(self.weight.dtype)
+            hidden_states = hidden_states * self.weight
+        else:
+            hidden_states = hidden_states.to(input_dtype)
+        return hidden_states
+''',
+        reason="control flow",
+        name="diffusers_optional_weight",
+    ),
+    Keep(
+        '''
+import math
+import torch
+
+
+def scaled_dot(q, k):
+    # a plain 1/sqrt(d) scale, not a norm
+    return q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+''',
+        name="attention_scale_unrelated",
+    ),
+]

@@ -1,0 +1,1150 @@
+"""rope: rotary position embedding written out by hand -> ``torch_npu.npu_rotary_mul``.
+
+Three spellings compute the same rotation (spec §4.1):
+
+* **half** (GPT-NeoX / HF Llama): ``t*cos + rotate_half(t)*sin`` with
+  ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])`` (slicing or chunk), cos/sin ``cat(freqs, freqs)``;
+* **interleave** (GPT-J ``rotate_every_two``, Cohere): ``stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2)``,
+  cos/sin ``repeat_interleave(2)``;
+* **complex** (Meta's reference llama): ``view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * freqs_cis)``,
+  which is the interleave rotation with ``cos = freqs_cis.real.repeat_interleave(2)`` and
+  ``sin = freqs_cis.imag.repeat_interleave(2)``.
+
+The rotation helper is followed into its definition in the same module and verified, never
+trusted by name: a ``rotate_half`` with the sign on the other half rotates the other way and is
+a near miss. The site is the statement(s) holding the expression; the fused statement keeps
+everything around it (``torch.cat([<rope>, q_pass], -1)`` of partial rotary, ``.to(dtype)``, a
+``return``) byte for byte, so live-outs are the original names by construction.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, same_expr, source_of, strip_casts
+from npufuse.scan.value import estimate, symbolic
+
+_NEG_CALLS = {"torch.neg", "torch.negative"}
+_CAT = {"torch.cat", "torch.concat", "torch.concatenate"}
+_STACK = {"torch.stack"}
+_DTYPE_NAMES = {
+    "torch.float32": "float32", "torch.float": "float32", "torch.float16": "float16", "torch.half": "float16",
+    "torch.bfloat16": "bfloat16", "torch.float64": "float64", "torch.double": "float64",
+}
+_CAST_TOKENS = {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}
+# npu_rotary_mul: D even and < 896 (spec §4.1)
+_MAX_D = 896
+
+
+# -- small AST helpers -------------------------------------------------------------------------
+def _resolve(scope: Scope, node: ast.expr) -> ast.expr:
+    """Follow a Name through local assignments, including ``a, b = x, y`` tuple unpacking."""
+    for _ in range(12):
+        if isinstance(node, ast.Name):
+            value = scope.definition(node.id, getattr(node, "lineno", None))
+            if value is None:
+                return node
+            node = value
+            continue
+        # ``a, b = (x, y)`` is recorded as Subscript(Tuple, k): pick the element
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, (ast.Tuple, ast.List))
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, int)
+            and node.slice.value < len(node.value.elts)
+        ):
+            node = node.value.elts[node.slice.value]
+            continue
+        return node
+    return node
+
+
+def _is_int(node: ast.AST | None, *values: int) -> bool:
+    v = const_value(node)
+    return isinstance(v, int) and not isinstance(v, bool) and v in values
+
+
+def _method(node: ast.AST, *names: str) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+
+
+def _atom(text: str) -> str:
+    """Parenthesise ``text`` unless it is already an atom (name, attribute, call, subscript)."""
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return f"({text})"
+    if isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.Constant)):
+        return text
+    return f"({text})"
+
+
+def _ident(text: str) -> str:
+    """A readable identifier fragment for a temp name derived from an expression."""
+    out = "".join(c if c.isalnum() else "_" for c in text).strip("_")
+    while "__" in out:
+        out = out.replace("__", "_")
+    return (out or "x")[:24]
+
+
+def _dtype_token(scope: Scope, node: ast.expr, depth: int = 4) -> str | None:
+    """The dtype an expression statically has, when a cast says so (``.float()``, ``.to(torch.bfloat16)``,
+    ``.to(x.dtype)`` -> "like:x"); None when unknown."""
+    if depth == 0:
+        return None
+    node = _resolve(scope, node)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        attr = node.func.attr
+        if attr in _CAST_TOKENS and not node.args:
+            return _CAST_TOKENS[attr]
+        if attr in ("to", "type"):
+            arg = keyword(node, "dtype", 0)
+            if arg is not None:
+                name = ast.unparse(arg)
+                if name in _DTYPE_NAMES:
+                    return _DTYPE_NAMES[name]
+                if isinstance(arg, ast.Attribute) and arg.attr == "dtype":
+                    return "like:" + ast.unparse(arg.value)
+        if attr == "type_as" and node.args:
+            return "like:" + ast.unparse(node.args[0])
+        if attr in ("contiguous", "unsqueeze", "squeeze", "view", "reshape", "transpose", "permute", "expand", "repeat_interleave", "flatten"):
+            return _dtype_token(scope, node.func.value, depth - 1)
+    if isinstance(node, ast.Subscript):
+        return _dtype_token(scope, node.value, depth - 1)
+    return None
+
+
+# -- the rotation helper ---------------------------------------------------------------------------
+@dataclass
+class _Rotation:
+    kind: str | None  # "half" | "interleave" | None (not a rotation)
+    reason: str = ""  # why it is not the standard one (near miss), empty when it simply isn't one
+    name: str = ""  # helper name for the report
+
+
+def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
+    """The definition of a called helper: a module function, or ``self.f`` / ``Cls.f`` in this class."""
+    if isinstance(func, ast.Name):
+        fn = module.helper(func.id)
+        if fn is not None:
+            return fn, func.id
+        origin = module.aliases.get(func.id)
+        return None, f"{func.id}" + (f" (imported from {origin.rsplit('.', 1)[0]})" if origin else "")
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        cls = module.classes.get(scope.class_name or "") if func.value.id == "self" else module.classes.get(func.value.id)
+        if cls is not None:
+            for node in cls.body:
+                if isinstance(node, ast.FunctionDef) and node.name == func.attr:
+                    return node, f"{cls.name}.{func.attr}"
+    return None, ast.unparse(func)
+
+
+def _scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
+    for s in module.scopes:
+        if s.node is fn:
+            return s
+    return None
+
+
+class _Halves:
+    """Recognises the two halves (or the even/odd lanes) of a tensor ``x`` given by a predicate."""
+
+    def __init__(self, scope: Scope, is_x) -> None:
+        self.scope = scope
+        self.is_x = is_x
+
+    def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
+        sl = sub.slice
+        if isinstance(sl, ast.Tuple):
+            *lead, last = sl.elts
+            ok_lead = all(
+                (isinstance(e, ast.Constant) and e.value is Ellipsis)
+                or (isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None)
+                for e in lead
+            )
+            has_ellipsis = any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in lead)
+            # without an Ellipsis, ``x[:, :, :, s]`` is the last dim of a 4-D tensor (what the op takes)
+            if ok_lead and isinstance(last, ast.Slice) and (has_ellipsis or len(sl.elts) == 4):
+                return last
+        return None
+
+    def _is_half_point(self, node: ast.expr | None) -> bool:
+        """``x.shape[-1] // 2`` / ``x.size(-1) // 2`` / ``int(x.shape[-1] / 2)``, possibly via a local."""
+        if node is None:
+            return False
+        node = _resolve(self.scope, node)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "int" and node.args:
+            node = node.args[0]
+            if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
+                return False
+        elif not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv)):
+            return False
+        if not _is_int(node.right, 2):
+            return False
+        size = _resolve(self.scope, node.left)
+        if isinstance(size, ast.Subscript) and isinstance(size.value, ast.Attribute) and size.value.attr == "shape":
+            return self.is_x(size.value.value) and _is_int(size.slice, -1, 3)
+        if _method(size, "size") and size.args:
+            return self.is_x(size.func.value) and _is_int(size.args[0], -1, 3)
+        return False
+
+    def part(self, node: ast.expr) -> str | None:
+        """'first' / 'second' half, 'even' / 'odd' lanes of x, or None."""
+        node = _resolve(self.scope, node)
+        if isinstance(node, ast.Subscript):
+            base = node.value
+            # x.chunk(2, -1)[k] / torch.chunk(x, 2, dim=-1)[k] (also reached through tuple unpacking)
+            if isinstance(base, ast.Call) and _is_int(node.slice, 0, 1):
+                k = const_value(node.slice)
+                if self._is_split(base):
+                    return "first" if k == 0 else "second"
+            if self.is_x(base):
+                sl = self._last_dim_slice(node)
+                if sl is None:
+                    return None
+                if sl.step is None:
+                    if sl.lower is None and self._is_half_point(sl.upper):
+                        return "first"
+                    if sl.upper is None and self._is_half_point(sl.lower):
+                        return "second"
+                elif _is_int(sl.step, 2) and sl.upper is None:
+                    if sl.lower is None or _is_int(sl.lower, 0):
+                        return "even"
+                    if _is_int(sl.lower, 1):
+                        return "odd"
+        return None
+
+    def _is_split(self, call: ast.Call) -> bool:
+        if not isinstance(call.func, ast.Attribute):
+            return False
+        name = call.func.attr
+        if isinstance(call.func.value, ast.Name) and call.func.value.id == "torch" and call.args:
+            x, rest = call.args[0], call.args[1:]
+        else:
+            x, rest = call.func.value, list(call.args)
+        if not self.is_x(x):
+            return False
+        dim = keyword(call, "dim") or (rest[1] if len(rest) > 1 else None)
+        if not _is_int(dim, -1, 3):
+            return False
+        if name == "chunk":
+            return bool(rest) and _is_int(rest[0], 2) or _is_int(keyword(call, "chunks"), 2)
+        if name == "split":
+            size = rest[0] if rest else keyword(call, "split_size_or_sections")
+            return self._is_half_point(size)
+        return False
+
+    def neg_of(self, node: ast.expr) -> ast.expr | None:
+        node = _resolve(self.scope, node)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return node.operand
+        if _method(node, "neg", "negative") and not node.args:
+            return node.func.value
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ast.unparse(node.func) in _NEG_CALLS and node.args:
+            return node.args[0]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            for a, b in ((node.left, node.right), (node.right, node.left)):
+                if const_value(a) == -1:
+                    return b
+        return None
+
+
+def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
+    """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)``."""
+    fn = ast.unparse(call.func)
+    if fn not in names and not (isinstance(call.func, ast.Attribute) and call.func.attr in {n.split(".")[-1] for n in names} and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch"):
+        return None
+    if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
+        return None
+    dim = keyword(call, "dim", 1)
+    if not _is_int(dim, -1, 3, 4):
+        return None
+    a, b = call.args[0].elts
+    return a, b
+
+
+def _classify_pair(halves: _Halves, a: ast.expr, b: ast.expr, lanes: tuple[str, str]) -> tuple[bool, str]:
+    """Is ``(a, b)`` == ``(-x_second, x_first)`` (lanes = ("first","second") or ("even","odd"))?
+
+    Returns (standard, reason-if-a-rotation-but-not-standard)."""
+    lo, hi = lanes
+    na, nb = halves.neg_of(a), halves.neg_of(b)
+    pa = halves.part(na) if na is not None else halves.part(a)
+    pb = halves.part(nb) if nb is not None else halves.part(b)
+    if na is not None and nb is None and pa == hi and pb == lo:
+        return True, ""
+    if {pa, pb} == {lo, hi}:
+        if na is None and nb is not None and pa == hi:
+            return False, f"the rotation computes cat(x2, -x1) instead of cat(-x2, x1): sign flipped, it rotates the other way"
+        return False, "the rotation is not the standard cat(-x2, x1) of the two halves (halves swapped or sign placement differs)"
+    return False, ""
+
+
+def _rotation_expr(scope: Scope, expr: ast.expr, is_x) -> _Rotation:
+    """Classify an expression as the half / interleave rotation of x (predicate ``is_x``)."""
+    halves = _Halves(scope, is_x)
+    expr = _resolve(scope, expr)
+    # half: torch.cat((-x2, x1), dim=-1)
+    if isinstance(expr, ast.Call):
+        pair = _pair_of(expr, _CAT)
+        if pair is not None:
+            ok, reason = _classify_pair(halves, *pair, ("first", "second"))
+            if ok:
+                return _Rotation("half")
+            if reason:
+                return _Rotation(None, reason)
+            ok, reason = _classify_pair(halves, *pair, ("even", "odd"))
+            if reason:
+                return _Rotation(None, "cat of the even/odd lanes is not a rotation npu_rotary_mul computes (interleave needs stack(-x_odd, x_even, -1).flatten(-2))")
+        # interleave: stack((-x2, x1), -1) flattened over the last two dims
+        inner = None
+        if _method(expr, "flatten"):
+            start = keyword(expr, "start_dim", 0)
+            end = keyword(expr, "end_dim", 1)
+            if _is_int(start, -2, 3) and (end is None or _is_int(end, -1)):
+                inner = expr.func.value
+        elif _method(expr, "reshape", "view") and expr.args:
+            text = ast.unparse(expr)
+            if ".shape" in text or ".size(" in text:
+                inner = expr.func.value
+        elif isinstance(expr.func, ast.Name) and expr.func.id == "rearrange" and len(expr.args) >= 2:
+            # einops: rearrange(stack(...), "... d j -> ... (d j)") merges the pair axis into the last dim
+            pattern = const_value(expr.args[1])
+            if isinstance(pattern, str) and re.fullmatch(r"\.\.\.(\w+)(\w+)->\.\.\.\(\1\2\)", pattern.replace(" ", "")) is None:
+                spaced = pattern.split("->")
+                if len(spaced) == 2:
+                    lhs, rhs = spaced[0].split(), spaced[1].replace("(", " ( ").replace(")", " ) ").split()
+                    if len(lhs) == 3 and lhs[0] == "..." and rhs == ["...", "(", lhs[1], lhs[2], ")"]:
+                        inner = expr.args[0]
+            elif isinstance(pattern, str):
+                inner = expr.args[0]
+        if inner is not None:
+            inner = _resolve(scope, inner)
+            if isinstance(inner, ast.Call):
+                pair = _pair_of(inner, _STACK)
+                if pair is not None:
+                    ok, reason = _classify_pair(halves, *pair, ("even", "odd"))
+                    if ok:
+                        return _Rotation("interleave")
+                    if reason:
+                        return _Rotation(None, reason.replace("cat(", "stack("))
+    return _Rotation(None)
+
+
+def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr) -> _Rotation:
+    """Is ``node`` the rotation of ``x``: a helper call ``R(x)`` (followed and verified) or inline?"""
+    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x):
+        fn, name = _helper_def(module, scope, node.func)
+        if fn is None:
+            if "rotate" in name.lower() or "rot" in name.lower():
+                return _Rotation(None, f"rotation helper `{name}` is not defined in this module: it cannot be verified", name)
+            return _Rotation(None)
+        hscope = _scope_of(module, fn)
+        params = [a.arg for a in fn.args.args]
+        if isinstance(node.func, ast.Attribute) and params and params[0] in ("self", "cls") and not any(
+            isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list
+        ):
+            params = params[1:]
+        if hscope is None or not params:
+            return _Rotation(None)
+        pname = params[0]
+        rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+        if len(rets) != 1:
+            return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
+
+        def is_param(n: ast.AST) -> bool:
+            return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
+
+        rot = _rotation_expr(hscope, rets[0].value, is_param)
+        rot.name = name
+        if rot.kind is None and not rot.reason and ("rot" in name.lower()):
+            rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
+        return rot
+    # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    rot = _rotation_expr(scope, node, lambda n: same_expr(n, x))
+    rot.name = "inline"
+    return rot
+
+
+# -- cos/sin layout ---------------------------------------------------------------------------------
+@dataclass
+class _CosInfo:
+    rank: int | None = None  # statically known rank, else None
+    batch_free: bool = False  # provably no batch-dependent leading dim (interleave mode needs this)
+    layout: str = ""  # description for the report
+    unsqueeze_dim: str | None = None
+
+
+def _cos_info(scope: Scope, node: ast.expr, module: ModuleInfo) -> _CosInfo:
+    """What can be said statically about a cos/sin operand's shape."""
+    node = _resolve(scope, node)
+    info = _CosInfo()
+    # casts / repeat_interleave / cat(freqs, freqs) keep the shape pattern
+    while True:
+        if _method(node, "to", "float", "half", "bfloat16", "type_as", "contiguous", "type"):
+            node = _resolve(scope, node.func.value)
+            continue
+        if _method(node, "repeat_interleave"):
+            node = _resolve(scope, node.func.value)
+            continue
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("torch.repeat_interleave",) and node.args:
+            node = _resolve(scope, node.args[0])
+            continue
+        break
+    if _method(node, "unsqueeze") and node.args:
+        dim = node.args[0]
+        inner = _resolve(scope, node.func.value)
+        if _method(inner, "unsqueeze") and _is_int(inner.args[0] if inner.args else None, 0):
+            # x.unsqueeze(0).unsqueeze(k): leading dim is 1
+            info.rank = None
+            info.batch_free = True
+            info.layout = "1S1D (x BSND)" if _is_int(dim, 2) else "11SD (x BNSD)" if _is_int(dim, 1, 0) else ""
+            return info
+        if _is_int(dim, 0):
+            info.batch_free = True
+            info.layout = "leading singleton dim"
+            return info
+        d = ast.unparse(dim)
+        info.unsqueeze_dim = d
+        if _is_int(dim, 1):
+            info.layout = "B1SD (x BNSD; cos [B,S,D] unsqueezed at 1)"
+        elif _is_int(dim, 2):
+            info.layout = "BS1D (x BSND; cos [B,S,D] unsqueezed at 2)"
+        elif _is_int(dim, -2):
+            info.layout = "[..., S, 1, D] (x [..., S, N, D]: BS1D for BSND x)"
+        else:
+            default = _param_default(scope, d)
+            info.layout = f"cos.unsqueeze({d})" + (
+                f": B1SD (x BNSD) with the default {d}={default}, BS1D (x BSND) with {d}=2" if default == "1" else ""
+            )
+        return info
+    if isinstance(node, ast.Subscript):
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if any(isinstance(e, ast.Constant) and e.value is None for e in elts):
+            if not any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts):
+                info.rank = len(elts)
+            info.batch_free = isinstance(elts[0], ast.Constant) and elts[0].value is None
+            pattern = "".join("1" if (isinstance(e, ast.Constant) and e.value is None) else "x" for e in elts)
+            info.layout = {"1x1x": "1S1D (x BSND)", "11xx": "11SD (x BNSD)", "x1xx": "B1SD (x BNSD)", "xx1x": "BS1D (x BSND)"}.get(
+                pattern, f"index pattern {pattern}"
+            )
+            return info
+    if _method(node, "view", "reshape") and node.args:
+        args = node.args
+        if len(args) == 1 and isinstance(args[0], ast.Starred):
+            # reshape_for_broadcast-style ``freqs.view(*shape)``: not followed further here
+            return info
+        if not any(isinstance(a, ast.Starred) for a in args):
+            info.rank = len(args)
+            info.batch_free = _is_int(args[0], 1)
+            info.layout = "view " + ", ".join(ast.unparse(a) for a in args)
+            return info
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        fn = module.helper(node.func.id)
+        if fn is not None and _broadcast_helper(fn):
+            info.batch_free = True
+            info.layout = f"{node.func.id}(): 1S1D (x BSND)"
+            return info
+    return info
+
+
+def _param_default(scope: Scope, name: str) -> str | None:
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    args = fn.args.args
+    defaults = fn.args.defaults
+    for a, d in zip(args[len(args) - len(defaults) :], defaults):
+        if a.arg == name:
+            return ast.unparse(d)
+    for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults):
+        if a.arg == name and d is not None:
+            return ast.unparse(d)
+    return None
+
+
+def _broadcast_helper(fn: ast.FunctionDef) -> bool:
+    """Meta's ``reshape_for_broadcast``: ``shape = [d if i == 1 or i == ndim - 1 else 1 ...]``;
+    ``return freqs.view(*shape)`` — every dim but S and D becomes 1 (batch-independent)."""
+    comps = [n for n in ast.walk(fn) if isinstance(n, ast.ListComp)]
+    rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    if not comps or len(rets) != 1 or not _method(rets[0].value, "view", "reshape"):
+        return False
+    return any(isinstance(c.elt, ast.IfExp) and const_value(c.elt.orelse) == 1 for c in comps)
+
+
+# -- matching one expression ------------------------------------------------------------------------
+@dataclass
+class _Match:
+    node: ast.expr  # the expression replaced by the fused call
+    mode: str  # half | interleave | complex
+    x: ast.expr  # rotated tensor as written
+    cos: str  # cos/sin expressions as the fused call takes them
+    sin: str
+    cos_node: ast.expr | None
+    sin_node: ast.expr | None
+    x_text: str
+    cos_info: _CosInfo = field(default_factory=_CosInfo)
+    rotary_dim: str = "full"
+    prep: list[str] = field(default_factory=list)  # statements computing cos/sin for the fused call
+    x_dtype: str | None = None
+    cs_dtype: str | None = None
+
+
+def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return node.left, node.right
+    return None
+
+
+class RopePattern(Pattern):
+    id = "rope"
+    api = "torch_npu.npu_rotary_mul"
+    title = "Rotary position embedding (half / interleaved / complex) as one npu_rotary_mul"
+    training_ok = True
+    bound = "memory"
+
+    # ---------------------------------------------------------------------------------------------
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        runs: list[tuple[list[ast.stmt], list[tuple[int, ast.stmt, list[_Match]]]]] = []
+        for block, i, stmt in scope.statements():
+            if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
+                continue
+            matches: list[_Match] = []
+            for node in self._candidates(stmt):
+                res = self._match(module, scope, node)
+                if isinstance(res, str):
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, res)
+                elif res is not None:
+                    matches.append(res)
+            if not matches:
+                continue
+            if runs and runs[-1][0] is block and runs[-1][1][-1][0] == i - 1:
+                runs[-1][1].append((i, stmt, matches))
+            else:
+                runs.append((block, [(i, stmt, matches)]))
+        for _block, items in runs:
+            yield self._finding(module, scope, items)
+
+    @staticmethod
+    def _candidates(stmt: ast.stmt) -> list[ast.expr]:
+        """Outermost sub-expressions shaped like a rotation: ``a*c + b*s`` or ``view_as_real(..)``."""
+        found: list[ast.expr] = []
+
+        def visit(node: ast.AST) -> None:
+            if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.ClassDef)):
+                return
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
+                found.append(node)
+                return
+            if _method(node, "flatten") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
+                found.append(node)
+                return
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+        visit(stmt)
+        return found
+
+    def _match(self, module: ModuleInfo, scope: Scope, node: ast.expr) -> _Match | str | None:
+        if isinstance(node, ast.BinOp):
+            return self._match_real(module, scope, node)
+        return self._match_complex(module, scope, node)
+
+    def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:
+        t1, t2 = _mult_factors(node.left), _mult_factors(node.right)
+        assert t1 and t2
+        best_reason = ""
+        for rot_term, plain_term in ((t1, t2), (t2, t1)):
+            for r_idx in (0, 1):
+                r_node, sin = rot_term[r_idx], rot_term[1 - r_idx]
+                for x_idx in (0, 1):
+                    x, cos = plain_term[x_idx], plain_term[1 - x_idx]
+                    rot = _rotation_call(module, scope, r_node, x)
+                    if rot.kind is None:
+                        best_reason = best_reason or rot.reason
+                        continue
+                    return self._build_real(module, scope, node, rot.kind, x, cos, sin)
+        return best_reason or None
+
+    def _build_real(self, module: ModuleInfo, scope: Scope, node: ast.expr, mode: str, x: ast.expr, cos: ast.expr, sin: ast.expr) -> _Match | str:
+        cinfo = _cos_info(scope, cos, module)
+        sinfo = _cos_info(scope, sin, module)
+        if cinfo.rank not in (None, 4):
+            return (
+                f"cos/sin are {cinfo.rank}-D ({cinfo.layout}): npu_rotary_mul takes 4-D x and cos/sin broadcast as "
+                "11SD/B1SD/BNSD (x BNSD), 1S1D/BS1D/BSND (x BSND) or S11D/SB1D/SBND (x SBND)"
+            )
+        if mode == "interleave" and not (cinfo.batch_free and sinfo.batch_free):
+            return (
+                f"interleave mode with cos/sin that may depend on the batch (`{source_of(module, cos)}`: {cinfo.layout or 'shape not known'}): "
+                "npu_rotary_mul's interleave mode takes only 11SD / 1S1D / S11D cos/sin (no per-batch positions)"
+            )
+        rotary_dim = "full"
+        d: object = ...
+        xr = _resolve(scope, x)
+        if isinstance(xr, ast.Subscript) and xr is not x:
+            sl = _Halves(scope, lambda n: True)._last_dim_slice(xr)
+            if sl is not None and sl.lower is None and sl.step is None and sl.upper is not None:
+                rotary_dim = source_of(module, sl.upper)
+                d = const_value(_resolve(scope, sl.upper))
+        if isinstance(d, int) and not isinstance(d, bool):
+            if d % 2:
+                return f"rotary dim {d} is odd: npu_rotary_mul needs an even head dim"
+            if d >= _MAX_D:
+                return f"rotary dim {d} is not below {_MAX_D}, the npu_rotary_mul limit"
+        return _Match(
+            node=node, mode=mode, x=x, cos=source_of(module, cos), sin=source_of(module, sin), cos_node=cos, sin_node=sin,
+            x_text=source_of(module, x), cos_info=cinfo, rotary_dim=rotary_dim,
+            x_dtype=_dtype_token(scope, x), cs_dtype=self._same_token(_dtype_token(scope, cos), _dtype_token(scope, sin)),
+        )
+
+    @staticmethod
+    def _same_token(a: str | None, b: str | None) -> str | None:
+        return a if a is not None and a == b else None
+
+    def _match_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
+        """``torch.view_as_real(xc * freqs).flatten(3)`` with ``xc = view_as_complex(x.float().reshape(..., -1, 2))``."""
+        start = keyword(node, "start_dim", 0)
+        if not _is_int(start, 3, -2):
+            return None
+        real = node.func.value
+        if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
+            return None
+        prod = real.args[0]
+        for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+            val = _resolve(scope, xc)
+            if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
+                continue
+            pairs = val.args[0]
+            cast = None
+            base = pairs
+            # x.float().reshape(*x.shape[:-1], -1, 2) or x.reshape(...).float()
+            if _method(base, "float") or (_method(base, "to") and ast.unparse(base.args[0] if base.args else base).endswith("float32")):
+                cast, base = "float32", base.func.value
+            if not (_method(base, "reshape", "view") and base.args and _is_int(base.args[-1], 2)):
+                return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
+            x = base.func.value
+            if cast is None and (_method(x, "float") or (_method(x, "to") and x.args and ast.unparse(x.args[0]).endswith("float32"))):
+                cast = "float32"
+            finfo = _cos_info(scope, freqs, module)
+            if not finfo.batch_free:
+                return (
+                    f"complex rope with `{source_of(module, freqs)}` not provably batch-independent: the interleave "
+                    "mode of npu_rotary_mul takes only 11SD / 1S1D / S11D cos/sin"
+                )
+            f_src = _atom(source_of(module, freqs))
+            xc_src = _atom(source_of(module, xc))
+            tag = _ident(source_of(module, freqs))
+            cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+            prep = [
+                f"# complex form = interleave rotation: cos/sin are freqs' real/imag parts, one per lane pair",
+                f"{cos} = {f_src}.real.repeat_interleave(2, dim=-1)",
+                f"{sin} = {f_src}.imag.repeat_interleave(2, dim=-1)",
+            ]
+            cinfo = _CosInfo(batch_free=True, layout=finfo.layout or "batch-independent")
+            return _Match(
+                node=node, mode="complex", x=x, cos=cos, sin=sin, cos_node=None, sin_node=None,
+                # view_as_real(xc) is xc's float pairs again: a free view of the tensor already cast
+                x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
+                x_dtype=cast, cs_dtype=None,
+            )
+        return None
+
+    # ---------------------------------------------------------------------------------------------
+    def _finding(self, module: ModuleInfo, scope: Scope, items: list[tuple[int, ast.stmt, list[_Match]]]) -> Finding:
+        lines: list[str] = []
+        emitted_prep: set[str] = set()
+        dtype_vars: dict[tuple[str, str, str], str] = {}
+        all_matches = [m for _, _, ms in items for m in ms]
+        risks: list[Risk] = []
+        notes: list[str] = []
+        promoted = False
+        for _i, stmt, matches in items:
+            reps: list[tuple[ast.AST, str]] = []
+            for m in matches:
+                for p in m.prep:
+                    if p not in emitted_prep:
+                        lines.append(p)
+                        emitted_prep.add(p)
+                x, c, s = m.x_text, m.cos, m.sin
+                same = m.x_dtype is not None and m.x_dtype == m.cs_dtype
+                if m.mode == "complex" and m.x_dtype == "float32":
+                    same = True  # complex64 freqs: real/imag are float32 like the upcast x
+                if not same:
+                    key = (x, c, s)
+                    var = dtype_vars.get(key)
+                    if var is None:
+                        var = f"_npufuse_{_ident(x)}_dtype"
+                        dtype_vars[key] = var
+                        lines.append(
+                            f"{var} = torch.promote_types(torch.promote_types({_atom(x)}.dtype, {_atom(c)}.dtype), {_atom(s)}.dtype)"
+                        )
+                    promoted = True
+                    x, c, s = f"{_atom(x)}.to({var})", f"{_atom(c)}.to({var})", f"{_atom(s)}.to({var})"
+                mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
+                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg})"))
+            lines.append(replace_segments(module, stmt, reps))
+        if promoted:
+            lines.insert(0, "# the eager q*cos promotes to the wider dtype (fp32 cos with a bf16 q gives fp32); npu_rotary_mul")
+            lines.insert(1, "# computes in x's dtype, so x, cos and sin are brought to that dtype first (a no-op when equal)")
+        first = all_matches[0]
+        mode = first.mode
+        if any(m.rotary_dim != "full" for m in all_matches):
+            notes.append(
+                "partial rotary: only the rotated slice goes through npu_rotary_mul; the pass-through part is concatenated by the original code"
+            )
+        ci = first.cos_info
+        risks.append(
+            Risk(
+                "layout",
+                "npu_rotary_mul takes 4-D x with cos/sin broadcast as 11SD/B1SD/BNSD (x BNSD), 1S1D/BS1D/BSND (x BSND) or S11D/SB1D/SBND (x SBND)"
+                + (" — interleave mode only the batch-independent 11SD/1S1D/S11D" if mode != "half" else "")
+                + f"; cos here: {ci.layout or 'as passed by the caller (shape not visible in this function)'}",
+            )
+        )
+        if any(isinstance(_resolve(scope, m.x), ast.Subscript) for m in all_matches):
+            risks.append(Risk("non_contiguous", "the rotated tensor is a slice view (partial rotary): a strided input"))
+        risks.append(Risk("other", "npu_rotary_mul saves x for backward even when cos/sin need no grad: slightly more activation memory than the eager code"))
+        if mode == "complex":
+            notes.append("complex form: cos/sin are rebuilt from freqs_cis each call (real/imag, repeat_interleave(2)); precompute them once per step to save two small kernels")
+        params: dict[str, Any] = {
+            "mode": mode,
+            "rotary_dim": first.rotary_dim,
+            "cos": first.cos if mode != "complex" else "freqs.real.repeat_interleave(2)",
+            "sin": first.sin if mode != "complex" else "freqs.imag.repeat_interleave(2)",
+            "cos_layout": ci.layout,
+            "targets": [m.x_text if m.mode != "complex" else source_of(module, strip_casts(m.x)[0]) for m in all_matches],
+            "dtype": "promoted to the wider of x and cos/sin" if promoted else "x dtype",
+        }
+        if ci.unsqueeze_dim is not None:
+            params["unsqueeze_dim"] = ci.unsqueeze_dim
+        if mode == "complex":
+            params["freqs"] = source_of(module, self._complex_freqs(first))
+        first_stmt, last_stmt = items[0][1], items[-1][1]
+        guard = self._guard(first)
+        variant = {"half": "rotate_half", "interleave": "rotate_every_two", "complex": "complex_freqs_cis"}[mode]
+        if first.rotary_dim != "full":
+            variant += "_partial"
+        return Finding(
+            pattern=self.id, qualname=scope.qualname, line=first_stmt.lineno, end_line=last_stmt.end_lineno or last_stmt.lineno,
+            params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
+            risks=risks, notes=notes,
+        )
+
+    @staticmethod
+    def _complex_freqs(m: _Match) -> ast.expr:
+        prod = m.node.func.value.args[0]  # type: ignore[attr-defined]
+        return prod.right if ast.unparse(prod.left) in m.x_text else prod.left
+
+    @staticmethod
+    def _guard(m: _Match) -> str:
+        """A tensor live at the span start: the first plain name inside the rotated tensor's expression."""
+        for n in ast.walk(m.x):
+            if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"):
+                return n.id
+        return ast.unparse(m.x)
+
+    # ---------------------------------------------------------------------------------------------
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        n_targets = max(1, len(finding.params.get("targets", [])))
+        hidden = config.get("hidden_size")
+        heads = config.get("num_attention_heads")
+        if not (hidden and heads):
+            return symbolic(
+                "memory",
+                f"memory-bound elementwise chain: per rotated tensor of E elements the eager code runs ~5 kernels "
+                f"(mul, neg, cat, mul, add) moving ~10·E·bytes; npu_rotary_mul reads x once and writes once (~2·E·bytes); "
+                f"{n_targets} tensor(s) at this site; shapes unknown",
+            )
+        kv = config.get("num_key_value_heads") or heads
+        d = config.get("head_dim") or hidden // heads
+        b, s = config.get("batch_size", 1), config.get("seq_length", 4096)
+        elems = [b * s * heads * d] + [b * s * kv * d] * (n_targets - 1)
+        cs = 2 * b * s * d  # cos + sin (B1SD), read by each mul
+        itemsize = 2
+        before = sum(10 * e + 2 * cs for e in elems) * itemsize
+        after = sum(2 * e + 2 * cs for e in elems) * itemsize
+        res = estimate(
+            bytes_before=before, bytes_after=after, kernels_before=5 * n_targets, kernels_after=n_targets,
+            flops=sum(4 * e for e in elems),
+            shapes=f"B={b}, S={s}{' (assumed)' if 'seq_length' not in config else ''}, heads={heads}, kv_heads={kv}, head_dim={d}, bf16",
+        )
+        return res
+
+    @staticmethod
+    def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "half") -> torch.Tensor:
+        """Eager rotary embedding: ``x*cos + R(x)*sin`` with R = rotate_half or the interleaved rotation."""
+        if mode == "half":
+            x1, x2 = x.chunk(2, dim=-1)
+            rot = torch.cat((-x2, x1), dim=-1)
+        elif mode in ("interleave", "complex"):
+            rot = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        else:
+            raise ValueError(f"unknown rotary mode {mode!r}")
+        return x * cos + rot * sin
+
+    # -- examples ---------------------------------------------------------------------------------
+    FUSE = []  # filled below
+    KEEP = []
+
+
+_HF_ROTATE_HALF = '''
+import torch
+
+
+def rotate_half(x):
+    """Rotates half the hidden dims of the input."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+'''
+
+_HF_COS = '''
+def _cos_sin(b, s, d, dtype=torch.float32):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    pos = torch.arange(s).float()[None, :].expand(b, s)
+    freqs = pos[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+'''
+
+RopePattern.FUSE = [
+    Fuse(
+        name="hf_llama",
+        code=_HF_ROTATE_HALF + '''
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+''' + _HF_COS,
+        expect={"mode": "half", "rotary_dim": "full", "cos": "cos", "unsqueeze_dim": "unsqueeze_dim", "targets": ["q", "k"], "qualname": "apply_rotary_pos_emb"},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 2, 8, 16, requires_grad=True)
+cos, sin = _cos_sin(2, 8, 16)
+out = apply_rotary_pos_emb(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+    Fuse(
+        name="hf_bf16_q_fp32_cos",
+        # the eager code promotes bf16 q * fp32 cos to fp32: the fused branch must return fp32 too
+        code=_HF_ROTATE_HALF + '''
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+''' + _HF_COS,
+        expect={"mode": "half", "dtype": "promoted to the wider of x and cos/sin"},
+        run='''
+q = torch.randn(1, 4, 6, 32).bfloat16().requires_grad_()
+k = torch.randn(1, 4, 6, 32).bfloat16().requires_grad_()
+cos, sin = _cos_sin(1, 6, 32, torch.float32)
+out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+leaves = [q, k]
+''',
+    ),
+    Fuse(
+        name="chunk_bsnd_unsqueeze2",
+        # rotate_half by chunk; q in BSND with cos unsqueezed at dim 2 (BS1D)
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q, cos, sin):
+    cos = cos.unsqueeze(2)
+    sin = sin.unsqueeze(2)
+    return q * cos + rotate_half(q) * sin
+''' + _HF_COS,
+        expect={"mode": "half", "cos_layout": "BS1D (x BSND; cos [B,S,D] unsqueezed at 2)", "targets": ["q"]},
+        run='''
+q = torch.randn(2, 8, 4, 16, requires_grad=True)
+cos, sin = _cos_sin(2, 8, 16)
+out = apply_rope(q, cos, sin)
+leaves = [q]
+''',
+    ),
+    Fuse(
+        name="phi_partial_rotary",
+        # Phi / GPT-NeoX (transformers >= 4.48): rotary_dim = cos.shape[-1] < head_dim
+        code=_HF_ROTATE_HALF + '''
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+    # Keep half or full tensor for later concatenation
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+
+    # Apply rotary embeddings on the first half or full tensor
+    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+
+    # Concatenate back to full shape
+    q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    k_embed = torch.cat([k_embed, k_pass], dim=-1)
+    return q_embed, k_embed
+''' + _HF_COS,
+        expect={"mode": "half", "rotary_dim": "rotary_dim", "targets": ["q_rot", "k_rot"], "variant": "rotate_half_partial"},
+        run='''
+q = torch.randn(2, 4, 8, 32, requires_grad=True)
+k = torch.randn(2, 4, 8, 32, requires_grad=True)
+cos, sin = _cos_sin(2, 8, 16)
+out = apply_rotary_pos_emb(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+    Fuse(
+        name="neox_rotary_ndims_inline_cat",
+        # older GPT-NeoX spelling: a method slicing self.rotary_ndims, the rope inline in the cat
+        code=_HF_ROTATE_HALF + '''
+import torch.nn as nn
+
+
+class NeoXRotary(nn.Module):
+    def __init__(self, head_size, rotary_pct=0.25):
+        super().__init__()
+        self.rotary_ndims = int(head_size * rotary_pct)
+
+    def forward(self, query, cos, sin):
+        cos = cos[:, None, :, :]
+        sin = sin[:, None, :, :]
+        query_rot = query[..., : self.rotary_ndims]
+        query_pass = query[..., self.rotary_ndims :]
+        query = torch.cat((query_rot * cos + rotate_half(query_rot) * sin, query_pass), dim=-1)
+        return query
+''' + _HF_COS,
+        expect={"mode": "half", "rotary_dim": "self.rotary_ndims", "cos_layout": "B1SD (x BNSD)", "qualname": "NeoXRotary.forward"},
+        run='''
+m = NeoXRotary(64)
+query = torch.randn(2, 4, 8, 64, requires_grad=True)
+cos, sin = _cos_sin(2, 8, 16)
+out = m(query, cos, sin)
+leaves = [query]
+''',
+    ),
+    Fuse(
+        name="qwen2_vl_vision_fp32",
+        # Qwen2-VL vision tower style: upcast to fp32, rotate, cast back (here with 4-D BSND x)
+        code=_HF_ROTATE_HALF + '''
+
+def apply_rotary_pos_emb_vision(q, k, cos, sin):
+    orig_q_dtype = q.dtype
+    orig_k_dtype = k.dtype
+    q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    q_embed = q_embed.to(orig_q_dtype)
+    k_embed = k_embed.to(orig_k_dtype)
+    return q_embed, k_embed
+''' + _HF_COS,
+        expect={"mode": "half", "dtype": "x dtype", "targets": ["q", "k"]},
+        run='''
+q = torch.randn(1, 16, 4, 32).half().requires_grad_()
+k = torch.randn(1, 16, 4, 32).half().requires_grad_()
+cos, sin = _cos_sin(1, 16, 32)
+out = apply_rotary_pos_emb_vision(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+    Fuse(
+        name="interleaved_batch_free",
+        # GPT-J rotate_every_two with a batch-independent 1S1D cos/sin table (interleave mode)
+        code='''
+import torch
+
+
+def rotate_every_two(x):
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.flatten(-2)
+
+
+def apply_rotary_emb(x, sin, cos):
+    sin = torch.repeat_interleave(sin, 2, dim=-1)[None, :, None, :]
+    cos = torch.repeat_interleave(cos, 2, dim=-1)[None, :, None, :]
+    return (x * cos) + (rotate_every_two(x) * sin)
+
+
+def _tables(s, d):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(s).float()[:, None] * inv
+    return freqs.sin(), freqs.cos()
+''',
+        expect={"mode": "interleave", "cos_layout": "1S1D (x BSND)", "targets": ["x"], "variant": "rotate_every_two"},
+        run='''
+x = torch.randn(2, 8, 4, 16, requires_grad=True)
+sin, cos = _tables(8, 16)
+out = apply_rotary_emb(x, sin, cos)
+leaves = [x]
+''',
+    ),
+    Fuse(
+        name="meta_llama_complex",
+        # Meta's reference llama model.py
+        code='''
+import torch
+
+
+def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor):
+    ndim = x.ndim
+    assert 0 <= 1 < ndim
+    assert freqs_cis.shape == (x.shape[1], x.shape[-1])
+    shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis.view(*shape)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = reshape_for_broadcast(freqs_cis, xq_)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+''',
+        expect={"mode": "complex", "freqs": "freqs_cis", "targets": ["xq", "xk"], "variant": "complex_freqs_cis"},
+        run='''
+xq = torch.randn(2, 8, 4, 16).bfloat16().requires_grad_()
+xk = torch.randn(2, 8, 2, 16).bfloat16().requires_grad_()
+freqs_cis = precompute_freqs_cis(16, 8)
+out = apply_rotary_emb(xq, xk, freqs_cis)
+leaves = [xq, xk]
+''',
+    ),
+]
+
+RopePattern.KEEP = [
+    Keep(
+        name="sign_flipped_rotate_half",
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((x2, -x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+''',
+        reason="sign flipped",
+    ),
+    Keep(
+        name="gptj_per_batch_interleave",
+        # HF GPT-J: sin/cos gathered by position_ids are [B, S, D/2] -> BS1D, per batch
+        code='''
+import torch
+
+
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.flatten(-2)  # in einsum notation: rearrange(x, '... d j -> ... (d j)')
+
+
+def apply_rotary_pos_emb(tensor: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+    cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+    return (tensor * cos) + (rotate_every_two(tensor) * sin)
+''',
+        reason="interleave mode with cos/sin that may depend on the batch",
+    ),
+    Keep(
+        name="odd_partial_rotary_dim",
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_partial(q, cos, sin):
+    q_rot, q_pass = q[..., :33], q[..., 33:]
+    q_rot = q_rot * cos + rotate_half(q_rot) * sin
+    return torch.cat((q_rot, q_pass), dim=-1)
+''',
+        reason="rotary dim 33 is odd",
+    ),
+    Keep(
+        name="three_d_cos",
+        # cos/sin indexed to 3-D: the fused op takes 4-D only
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_3d(t, cos, sin):
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    return t * cos + rotate_half(t) * sin
+''',
+        reason="cos/sin are 3-D",
+    ),
+    Keep(
+        name="imported_rotate_half",
+        code='''
+import torch
+from other_models.modeling import rotate_half
+
+
+def apply_rotary(q, cos, sin):
+    return q * cos + rotate_half(q) * sin
+''',
+        reason="not defined in this module",
+    ),
+    Keep(
+        name="plain_scaled_sum",
+        # a weighted sum of two products is not a rotation: nothing to report
+        code='''
+import torch
+
+
+def mix(a, b, wa, wb):
+    return a * wa + torch.tanh(b) * wb
+''',
+    ),
+]

@@ -1,0 +1,298 @@
+"""``analyze(paths) -> dict``: read every rank, mine it, assess value, merge the ranks.
+
+The returned dict is the profile result that crosses stage boundaries (``npufuse profile
+--format json`` prints it; ``join.join_with_scan`` consumes it). Plain data only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from npufuse import __version__
+from npufuse.profile.kb import KnowledgeBase, load_kb
+from npufuse.profile.mining import Finding, Miner, NGram, OpStream, build_host_stream, build_kernel_stream, \
+    gap_report, mine_ngrams
+from npufuse.profile.readers import KernelTable, Problem, RankSource, discover, read_kernel_details, \
+    read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view, _encode, _type_from_name
+from npufuse.profile.roofline import Assumptions, assess
+from npufuse.profile.trace import TraceInfo, analyze_trace
+
+
+@dataclass
+class Options:
+    backend: str = "auto"          # kernel_details reader: auto | polars | csv
+    kb_path: Path | None = None
+    assumptions: Assumptions = field(default_factory=Assumptions)
+    top: int = 10
+    nmax: int = 8
+
+
+def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
+    """Profile result for the given folders/files. Never raises for bad input content: unreadable
+    parts are listed in ``problems``; ``usable`` is False when nothing could be mined."""
+    opt = options or Options()
+    kb, problems = load_kb(opt.kb_path)
+    sources, found_problems = discover(paths)
+    problems += found_problems
+    ranks: list[dict[str, Any]] = []
+    all_findings: list[dict[str, Any]] = []
+    all_rejected: list[dict[str, Any]] = []
+    all_ngrams: dict[str, list[dict[str, Any]]] = {"by_time": [], "by_count": []}
+    gaps: list[dict[str, Any]] = []
+    step_total = 0.0
+    device_total = 0.0
+    for src in sources:
+        r = _analyze_rank(src, kb, opt, problems)
+        ranks.append(r["input"])
+        all_findings += r["fusions"]
+        all_rejected += r["rejected"]
+        for k in all_ngrams:
+            all_ngrams[k] += r["sequences"][k]
+        if r["gaps"]:
+            gaps.append(r["gaps"])
+        step_total += r["step_time_us"]
+        device_total += r["device_time_us"]
+    fusions = _merge(all_findings, step_total)
+    seqs = {k: _merge(v, step_total)[: opt.top] for k, v in all_ngrams.items()}
+    seqs["by_count"].sort(key=lambda s: (-s["count"], -len(s["kernels"])))
+    unmapped = [s for s in _merge(all_ngrams["by_time"], step_total) if not s.get("pattern")][: opt.top]
+    confirmed = [r["module_confirmed_fraction"] for r in ranks if r.get("ops")]
+    usable = any(r.get("ops") for r in ranks)
+    result: dict[str, Any] = {
+        "tool": "npufuse", "version": __version__, "kind": "profile", "usable": usable,
+        "knowledge_base": kb.path if kb else None,
+        "assumptions": opt.assumptions.to_dict(),
+        "inputs": ranks,
+        "problems": [p.to_dict() for p in problems],
+        "module_confirmed": bool(confirmed) and min(confirmed) >= 0.5,
+        "module_note": _module_note(ranks),
+        "totals": {"ranks": len(ranks), "step_time_us": round(step_total, 3),
+                   "device_time_us": round(device_total, 3)},
+        "fusions": fusions,
+        "rejected": _merge_rejected(all_rejected),
+        "sequences": seqs,
+        "unmapped": unmapped,
+        "gaps": _sum_gaps(gaps, step_total),
+    }
+    for k, f in enumerate(result["fusions"], 1):
+        f["id"] = f"S{k}"
+    return result
+
+
+def _module_note(ranks: list[dict[str, Any]]) -> str:
+    fr = [r.get("module_confirmed_fraction", 0.0) for r in ranks if r.get("ops")]
+    if not fr:
+        return "no op sequence could be read"
+    if min(fr) >= 0.99:
+        return "module of every op confirmed from trace_view.json call stacks / module events"
+    if max(fr) == 0.0:
+        return ("module could not be confirmed (no call stacks / module events linked): sequences are bounded "
+                "by stream contiguity and step boundaries only")
+    return (f"module confirmed for {min(fr):.0%}-{max(fr):.0%} of ops; findings without a location could not be "
+            f"confirmed")
+
+
+def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, problems: list[Problem]
+                  ) -> dict[str, Any]:
+    files: dict[str, Any] = {}
+    table: KernelTable | None = None
+    trace: TraceInfo | None = None
+    steps = None
+    if "kernel_details.csv" in src.files:
+        p = src.files["kernel_details.csv"]
+        table, probs = read_kernel_details(p, backend=opt.backend)
+        problems += probs
+        files["kernel_details.csv"] = {"path": str(p), "rows": table.n if table else 0,
+                                       "columns": table.columns.to_dict() if table else None,
+                                       "reader": table.backend if table else None,
+                                       "notes": table.notes if table else []}
+    if "trace_view.json" in src.files:
+        p = src.files["trace_view.json"]
+        events, probs = read_trace_view(p)
+        problems += probs
+        if events is not None:
+            trace = analyze_trace(events, str(p))
+        files["trace_view.json"] = {"path": str(p), "events": len(events) if events else 0,
+                                    "call_stacks": bool(trace and trace.has_stacks),
+                                    "module_events": bool(trace and trace.has_modules)}
+    if "step_trace_time.csv" in src.files:
+        p = src.files["step_trace_time.csv"]
+        steps, probs = read_step_trace_time(p)
+        problems += probs
+        files["step_trace_time.csv"] = {"path": str(p), "steps": len(steps.steps) if steps else 0,
+                                        "columns": steps.columns.to_dict() if steps else None}
+    op_stat = None
+    if "op_statistic.csv" in src.files:
+        p = src.files["op_statistic.csv"]
+        op_stat, probs = read_op_statistic(p)
+        problems += probs
+        files["op_statistic.csv"] = {"path": str(p), "rows": len(op_stat.rows) if op_stat else 0,
+                                     "columns": op_stat.columns.to_dict() if op_stat else None}
+    if "operator_details.csv" in src.files:
+        p = src.files["operator_details.csv"]
+        od, probs = read_operator_details(p)
+        problems += probs
+        files["operator_details.csv"] = {"path": str(p), "rows": od.rows if od else 0,
+                                         "with_call_stack": od.with_stack if od else 0,
+                                         "columns": od.columns.to_dict() if od else None}
+    rank = int(src.rank or 0)
+    st: OpStream | None = None
+    if table is not None:
+        st = build_kernel_stream(rank, table, trace)
+    elif trace is not None and trace.device:
+        st = build_kernel_stream(rank, _table_from_trace(trace), trace)
+    elif trace is not None and trace.host_streams:
+        st = build_host_stream(rank, trace)
+    info: dict[str, Any] = {"rank": rank, "label": src.label, "files": files, "ops": st.n if st else 0,
+                            "level": st.level if st else None,
+                            "streams": int(np.unique(st.stream).size) if st else 0,
+                            "step_source": st.step_source if st else "none",
+                            "module_confirmed_fraction": round(st.confirmed_fraction, 4) if st else 0.0}
+    out: dict[str, Any] = {"input": info, "fusions": [], "rejected": [], "sequences": {"by_time": [], "by_count": []},
+                           "gaps": None, "step_time_us": 0.0, "device_time_us": 0.0}
+    if op_stat is not None:
+        info["op_statistic_top"] = sorted(op_stat.rows, key=lambda r: -r["total_us"])[:10]
+    if st is None or st.n == 0:
+        if op_stat is not None:
+            out["device_time_us"] = sum(r["total_us"] for r in op_stat.rows)
+            info["note"] = "op_statistic.csv only: totals by kernel type, no sequences"
+        return out
+    step_us = _step_time(st, steps)
+    out["step_time_us"] = step_us
+    out["device_time_us"] = float(st.dur.sum()) if st.level == "kernel" else 0.0
+    info["steps"] = sorted({int(s) for s in np.unique(st.step).tolist() if s >= 0})
+    if kb is None:
+        return out
+    miner = Miner(st, kb)
+    miner.run_sequences()
+    miner.run_loops()
+    miner.run_regions()
+    a = opt.assumptions
+    out["fusions"] = [_finding_dict(st, f, a) for f in miner.findings]
+    out["rejected"] = [{"pattern": r.pattern, "kernels": list(r.tokens), "count": r.count, "reason": r.reason,
+                        "frames": r.first_site, "ranks": [rank]} for r in miner.rejected.values()]
+    by_time, by_count = mine_ngrams(st, miner.claimed, miner.findings, kb, nmax=opt.nmax, top=opt.top)
+    out["sequences"] = {"by_time": [_ngram_dict(st, g, a) for g in by_time],
+                        "by_count": [_ngram_dict(st, g, a) for g in by_count]}
+    out["gaps"] = gap_report(st, a.host_gap_us) | {"rank": rank}
+    return out
+
+
+def _table_from_trace(trace: TraceInfo) -> KernelTable:
+    """Device kernels from trace_view.json's "Ascend Hardware" lanes (no shapes there)."""
+    dev = trace.device
+    types, code = _encode([_type_from_name(d[0]) for d in dev])
+    names, ncode = _encode([d[0] for d in dev])
+    n = len(dev)
+    return KernelTable(source=trace.source, types=types, type_code=code, start=np.array([d[2] for d in dev]),
+                       dur=np.array([d[3] for d in dev]), wait=None,
+                       stream=np.array([d[1] for d in dev], dtype=np.int64), step=None,
+                       shape_keys=[("", "", "", "")], shape_code=np.zeros(n, dtype=np.int32), names=names,
+                       name_code=ncode, backend="trace_view.json")
+
+
+def _step_time(st: OpStream, steps: Any) -> float:
+    if steps is not None and steps.steps:
+        present = {int(s) for s in np.unique(st.step).tolist() if s >= 0}
+        chosen = [v["stage"] for k, v in steps.steps.items() if not present or k in present]
+        if chosen:
+            return float(sum(chosen))
+    if (st.step >= 0).any():
+        total = 0.0
+        for s in np.unique(st.step[st.step >= 0]).tolist():
+            m = st.step == s
+            total += float(st.end[m].max() - st.start[m].min())
+        return total
+    return float(st.end.max() - st.start.min()) if st.n else 0.0
+
+
+def _keys(st: OpStream, i: int, j: int) -> list[tuple[str, str, str, str]]:
+    return [st.shape_keys[int(c)] for c in st.shape_code[i:j].tolist()]
+
+
+def _finding_dict(st: OpStream, f: Finding, a: Assumptions) -> dict[str, Any]:
+    i, j = f.first, f.first + f.length
+    per_k = f.kernels / f.count if f.count else 0
+    roof = assess(st.tokens(i, j), _keys(st, i, j), f.span_us / f.count, f.kernel_us / f.count, a)
+    if f.kind == "region":
+        roof["kernels"] = round(per_k, 1)
+    return {"pattern": f.pattern, "api": f.api, "kind": f.kind, "level": f.level, "kernels": list(f.tokens),
+            "aten": f.aten, "count": f.count, "kernels_launched": f.kernels, "time_us": round(f.span_us, 3),
+            "kernel_time_us": round(f.kernel_us, 3), "steps": len(f.steps), "ranks": [st.rank],
+            "module_confirmed": f.confirmed, "location": f.site, "roofline": roof, "caveat": f.caveat,
+            "note": f.note, "subsumes": dict(f.subsumed), "source": f.source,
+            "shapes": [k[0].strip('"') for k in _keys(st, i, j)][:12]}
+
+
+def _ngram_dict(st: OpStream, g: NGram, a: Assumptions) -> dict[str, Any]:
+    n = len(g.tokens)
+    i, j = g.first, g.first + n
+    status, site, _ = st.scope_of(i, j)
+    roof = assess(list(g.tokens), _keys(st, i, j), g.span_us / g.count, g.kernel_us / g.count, a)
+    return {"kernels": list(g.tokens), "count": g.count, "kernels_launched": g.count * n,
+            "time_us": round(g.span_us, 3), "kernel_time_us": round(g.kernel_us, 3), "pattern": g.pattern,
+            "mapped_by": g.mapped_by, "ranks": [st.rank], "module_confirmed": status == "ok",
+            "location": site if status == "ok" else None, "roofline": roof,
+            "shapes": [k[0].strip('"') for k in _keys(st, i, j)][:12]}
+
+
+def _loc_key(loc: dict[str, Any] | None) -> str:
+    if not loc:
+        return ""
+    return json.dumps([loc.get("file"), loc.get("function"), loc.get("lines"), loc.get("module")])
+
+
+def _merge(items: list[dict[str, Any]], step_total: float) -> list[dict[str, Any]]:
+    """One entry per (pattern, kernels, location) over all ranks; shares against all ranks' steps."""
+    merged: dict[Any, dict[str, Any]] = {}
+    for it in items:
+        key = (it.get("pattern"), tuple(it["kernels"]), _loc_key(it.get("location")))
+        cur = merged.get(key)
+        if cur is None:
+            merged[key] = dict(it, ranks=list(it["ranks"]))
+            continue
+        for f in ("count", "kernels_launched", "time_us", "kernel_time_us", "steps"):
+            if f in it:
+                cur[f] = round(cur.get(f, 0) + it[f], 3)
+        cur["ranks"] = sorted(set(cur["ranks"]) | set(it["ranks"]))
+        for k, v in (it.get("subsumes") or {}).items():
+            cur["subsumes"][k] = cur["subsumes"].get(k, 0) + v
+    out = list(merged.values())
+    for it in out:
+        share = it["time_us"] / step_total if step_total > 0 else 0.0
+        it["share"] = round(share, 6)
+        s = it["roofline"]["speedup_max"]
+        # Amdahl: what the whole step could gain at most if this sequence hit its bound
+        it["step_saving_max"] = round(share * (1 - 1 / s), 6) if s > 0 else 0.0
+    out.sort(key=lambda x: -x["time_us"])
+    return out
+
+
+def _merge_rejected(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    merged: dict[Any, dict[str, Any]] = {}
+    for it in items:
+        key = (it["pattern"], tuple(it["kernels"]), it["reason"])
+        if key in merged:
+            merged[key]["count"] += it["count"]
+            merged[key]["ranks"] = sorted(set(merged[key]["ranks"]) | set(it["ranks"]))
+        else:
+            merged[key] = dict(it)
+    return sorted(merged.values(), key=lambda x: -x["count"])
+
+
+def _sum_gaps(gaps: list[dict[str, Any]], step_total: float) -> dict[str, Any]:
+    if not gaps:
+        return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
+                "method": "none", "per_rank": []}
+    tot = {k: round(sum(g[k] for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us")}
+    tot["host_bound_gaps"] = sum(g["host_bound_gaps"] for g in gaps)
+    tot["method"] = "; ".join(dict.fromkeys(g["method"] for g in gaps))
+    tot["host_bound_share"] = round(tot["host_bound_us"] / step_total, 6) if step_total else 0.0
+    tot["wait_share"] = round(tot["wait_us"] / step_total, 6) if step_total else 0.0
+    tot["per_rank"] = gaps
+    return tot

@@ -1,0 +1,155 @@
+"""``report.md`` of ``npufuse scan``: a jinja2 template over the plain scan.json data.
+
+Everything taken from the scanned repository is escaped where it is prose (reasons, details,
+errors) and quoted as code where it is code (paths, names, expressions: inline code spans; the
+matched code and the replacement: fenced blocks whose fence is longer than any backtick run
+inside). The output has no timestamps and a fixed ordering, so it can be diffed and golden-tested.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from npufuse.rewrite.codegen import PRELUDE
+
+_TEMPLATES = Path(__file__).parent / "templates"
+_PROSE_SPECIAL = re.compile(r"([\\`*_{}\[\]<>|#~!])")
+_LINE_START = re.compile(r"^(\s*)([-+=]|\d+[.)])(?=\s|$)", re.MULTILINE)
+
+
+def md(text: Any) -> str:
+    """Markdown-escape prose from the repository (one line: newlines become spaces)."""
+    s = " ".join(str(text).split())
+    s = _PROSE_SPECIAL.sub(r"\\\1", s)
+    s = s.replace("&", "&amp;")
+    return _LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), s)
+
+
+def code(text: Any, table: bool = False) -> str:
+    """An inline code span that survives any backticks inside (and ``|`` inside tables)."""
+    s = " ".join(str(text).split())
+    longest = max((len(m) for m in re.findall(r"`+", s)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") or (s.startswith(" ") and s.strip()) else ""
+    out = f"{fence}{pad}{s}{pad}{fence}"
+    return out.replace("|", "\\|") if table else out
+
+
+_SPAN = re.compile(r"`([^`]+)`")
+
+
+def prose(text: Any, table: bool = False) -> str:
+    """Prose that may quote code between backticks (as npufuse's own messages and detector
+    reasons do): the quoted parts become safe code spans, everything else is escaped."""
+    s = " ".join(str(text).split())
+    out, pos = [], 0
+    for m in _SPAN.finditer(s):
+        out.append(md(s[pos : m.start()]))
+        out.append(code(m.group(1), table=table))
+        pos = m.end()
+    out.append(md(s[pos:]))
+    return "".join(out)
+
+
+def tprose(text: Any) -> str:
+    return prose(text, table=True)
+
+
+def tcode(text: Any) -> str:
+    return code(text, table=True)
+
+
+def cell(text: Any) -> str:
+    return md(text)
+
+
+def fence(text: str, lang: str = "python") -> str:
+    """A fenced block around ``text`` verbatim (fence longer than any backtick run inside)."""
+    longest = max((len(m) for m in re.findall(r"`{3,}", text)), default=0)
+    bar = "`" * max(3, longest + 1)
+    body = text if text.endswith("\n") else text + "\n"
+    return f"{bar}{lang}\n{body}{bar}"
+
+
+def value_label(value: dict[str, Any]) -> str:
+    bound = value.get("bound", "?")
+    speedup = value.get("speedup_bound")
+    if isinstance(speedup, (int, float)) and not isinstance(speedup, bool):
+        return f"≤{speedup:.2f}× ({bound})"
+    return f"{bound}, symbolic"
+
+
+def risk_label(c: dict[str, Any]) -> str:
+    n = len(c.get("risks", []))
+    return f"{c.get('risk_level', 'none')} ({n})" if n else "none"
+
+
+def _shapes_line(shapes: dict[str, Any]) -> str:
+    """``hidden_size=1024, num_attention_heads=16 (from config.json); batch_size=4 (assumed)``,
+    grouped by where the values come from, as prose with code spans."""
+    groups: dict[str, list[str]] = {}
+    for key in sorted(shapes):
+        entry = shapes[key]
+        groups.setdefault(str(entry.get("from")), []).append(f"`{key}={entry.get('value')}`")
+    parts = []
+    for origin in sorted(groups, key=lambda o: (o in ("assumed", "command line"), o)):
+        label = origin if origin in ("assumed", "command line") else f"from `{origin}`"
+        parts.append(f"{', '.join(groups[origin])} ({label})")
+    return "; ".join(parts)
+
+
+def switch_text(switch: dict[str, Any]) -> str:
+    """How a candidate's fused branch is switched, as prose with code spans."""
+    kind = switch.get("kind")
+    if kind == "env":
+        name = switch.get("name", "")
+        return f"the environment variable `{name}` (on by default; `{name}=0` runs the original code)"
+    if kind == "existing":
+        reused = switch.get("reuses") or {}
+        where = f", the repo's {reused.get('kind', 'switch').replace('_', ' ')} `{reused.get('name')}` from `{reused.get('file')}:{reused.get('line')}`" if reused else ""
+        return f"the existing switch `{switch.get('expr')}`{where}"
+    if kind == "new_field":
+        return f"a new config field, read as `{switch.get('expr')}` (on unless the config sets it false)"
+    return "no switch: the fused branch runs whenever torch_npu is importable and the tensor is on an NPU"
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
+        autoescape=False,  # Markdown: escaping is explicit, per context (md / code / fence)
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(
+        md=md, code=code, tcode=tcode, cell=cell, prose=prose, tprose=tprose, fence=fence,
+        value_label=value_label, risk_label=risk_label, shapes_line=_shapes_line, switch_text=switch_text,
+    )
+    return env
+
+
+def render_markdown(scan: dict[str, Any], *, state_path: str = ".npufuse/scan.json", order_rule: str = "", profile_section: str | None = None) -> str:
+    """The report for one scan (``ScanResult.to_json()``)."""
+    by_id = {c["id"]: c for c in scan["candidates"]}
+    order = [by_id[i] for i in scan.get("suggested_order", []) if i in by_id]
+    rewritten = sorted({c["file"] for c in scan["candidates"]})
+    first_ids = [c["id"] for c in order if c.get("risk_level") in ("none", "low")][:3] or [c["id"] for c in order][:2]
+    existing = [e for e in scan["existing"]]
+    text = _env().get_template("report.md.j2").render(
+        scan=scan,
+        candidates=scan["candidates"],
+        order=order,
+        order_rule=order_rule,
+        prelude=PRELUDE,
+        rewritten=rewritten,
+        first_ids=first_ids,
+        existing=existing,
+        state_path=state_path,
+        profile_section=profile_section,
+    )
+    return text.rstrip("\n") + "\n"

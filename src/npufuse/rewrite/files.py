@@ -1,0 +1,99 @@
+"""The source files ``apply`` and ``revert`` touch: read exactly, write back in the same encoding,
+stay inside the scanned root, keep a backup, and leave files with uncommitted work alone.
+
+Bytes are decoded without newline translation (libcst keeps ``\\r\\n``), with the file's own
+PEP 263 encoding and BOM, so an unchanged text encodes back to the identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import subprocess
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+
+class FileProblem(ValueError):
+    """A file that cannot be read, decoded or safely addressed; the message names the file."""
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    rel: str  # path relative to the root, as scan.json spells it (posix separators)
+    path: Path
+    data: bytes
+    encoding: str  # codec of the file, e.g. "utf-8", "utf-8-sig" (BOM), "latin-1"
+    text: str
+
+    @property
+    def sha256(self) -> str:
+        return sha256_bytes(self.data)
+
+    def encode(self, text: str) -> bytes:
+        try:
+            return text.encode(self.encoding)
+        except UnicodeEncodeError as exc:
+            raise FileProblem(f"{self.rel}: the rewritten text cannot be written as {self.encoding} ({exc.reason})") from None
+
+
+def safe_path(root: Path, rel: str) -> Path:
+    """``root/rel`` for a path from scan.json; refuses absolute paths and anything that leaves
+    the root (``..``, or a symlink pointing outside), so a tampered scan cannot write elsewhere."""
+    pure = PurePosixPath(rel.replace("\\", "/"))
+    if not rel or pure.is_absolute() or ".." in pure.parts or (len(rel) > 1 and rel[1] == ":"):
+        raise FileProblem(f"{rel!r}: not a path inside the scanned root; refusing (is scan.json edited by hand?)")
+    path = root / Path(*pure.parts)
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        raise FileProblem(f"{rel}: resolves outside the scanned root ({path.resolve()}); refusing") from None
+    return path
+
+
+def read_source_file(root: Path, rel: str) -> SourceFile:
+    path = safe_path(root, rel)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileProblem(f"{rel}: listed in the scan but missing under {root}") from None
+    except OSError as exc:
+        raise FileProblem(f"{rel}: cannot read ({exc.strerror or exc})") from None
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        text = data.decode(encoding)
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        raise FileProblem(f"{rel}: cannot decode ({exc})") from None
+    if encoding == "utf-8" and text.startswith("\ufeff"):  # BOM without detect_encoding noticing
+        encoding, text = "utf-8-sig", text[1:]
+    return SourceFile(rel=rel, path=path, data=data, encoding=encoding, text=text)
+
+
+def backup_path(state_dir: Path, rel: str) -> Path:
+    """Where the original of ``rel`` is kept: ``<state_dir>/backup/<rel>``."""
+    return Path(state_dir) / "backup" / Path(*PurePosixPath(rel.replace("\\", "/")).parts)
+
+
+def git_changes(root: Path, path: Path) -> str | None:
+    """``git status --porcelain`` line(s) of ``path`` when ``root`` is inside a git work tree and
+    the file has uncommitted (or untracked) changes; None when clean, not a repo, or no git."""
+    git = shutil.which("git")
+    if git is None:
+        return None
+    try:
+        inside = subprocess.run([git, "-C", str(root), "rev-parse", "--is-inside-work-tree"], capture_output=True, text=True, timeout=30)
+        if inside.returncode != 0 or inside.stdout.strip() != "true":
+            return None
+        status = subprocess.run([git, "-C", str(path.parent), "status", "--porcelain", "--", path.name], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if status.returncode != 0:
+        return None
+    out = status.stdout.strip()
+    return out or None

@@ -1,0 +1,177 @@
+"""The replacement text of a candidate: :func:`npufuse.rewrite.codegen.render_site`'s output,
+computed without libcst where that is provably the same text.
+
+``render_site`` runs the libcst transform ``npufuse apply`` uses (two full parses of the file
+per site): exact, but ~100x the cost of ``ast.parse`` — too slow to run for every candidate of a
+large scan. For the sites that make up nearly all real code, libcst's output is a plain function
+of the lines: the ``if`` header at the site's indentation, each fused statement line at one
+level deeper (continuation lines verbatim), ``else:``, then the original lines with one
+indentation level added to every line that starts a logical line (continuation lines, strings
+and bracketed comments verbatim). :func:`fast_body` produces that text and returns None whenever
+a case is not covered by this rule (tabs, CR line ends, stray whitespace-only or comment lines
+whose owner libcst decides, multi-level first indents in the fused code, ...); those sites go to
+``render_site`` itself. tests/test_scan_replacement.py checks the two agree on many real spans.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import textwrap
+import tokenize
+from typing import Callable
+
+from npufuse.patterns.base import Finding
+from npufuse.rewrite.codegen import MARKER, Switch, guard_expression, render_site
+
+# libcst's indent when a module has no indented block (libcst._parser.detect_config).
+FALLBACK_INDENT = "    "
+_NON_LOGICAL = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE, tokenize.ENDMARKER)
+
+
+def default_indent(tree: ast.Module, lines: list[str]) -> str:
+    """The file's first indentation (libcst's ``default_indent``): the leading whitespace of the
+    first statement that starts a line at a column > 0."""
+    best: tuple[int, str] | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and node.col_offset > 0 and node.lineno <= len(lines):
+            text = lines[node.lineno - 1]
+            ws = text[: node.col_offset]
+            if not ws.strip() and (best is None or node.lineno < best[0]):
+                best = (node.lineno, ws)
+    return best[1] if best else FALLBACK_INDENT
+
+
+def _ws(row: str) -> str:
+    return row[: len(row) - len(row.lstrip(" "))]
+
+
+def _classify(text: str) -> list[str] | None:
+    """Per physical line: "logical" (starts a logical line), "comment" (comment-only, between
+    statements), "blank" (between statements), "cont" (inside brackets), "string" (inside a
+    multi-line string token). None for what the fast path does not cover (backslash
+    continuations, tokenizer errors)."""
+    rows = text.split("\n")
+    if rows and rows[-1] == "":
+        rows.pop()
+    kinds = ["cont"] * len(rows)
+    at_start = True
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            row = tok.start[0] - 1
+            if tok.end[0] > tok.start[0] and tok.type not in (tokenize.NEWLINE, tokenize.NL):
+                for r in range(tok.start[0], tok.end[0]):
+                    if r < len(kinds):
+                        kinds[r] = "string"
+            if tok.type == tokenize.NEWLINE:
+                at_start = True
+            elif at_start and tok.type == tokenize.NL and kinds[row] == "cont":
+                kinds[row] = "blank"
+            elif at_start and tok.type == tokenize.COMMENT:
+                kinds[row] = "comment"
+            elif at_start and tok.type not in _NON_LOGICAL:
+                kinds[row] = "logical"
+                at_start = False
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return None
+    for i, row in enumerate(rows[:-1]):
+        if kinds[i + 1] != "string" and row.rstrip().endswith("\\"):
+            return None  # backslash continuation: libcst keeps its whitespace its own way
+    return kinds
+
+
+def _reindent(rows: list[str], kinds: list[str], add: str, top: str) -> list[str] | None:
+    """libcst's rendering of ``rows`` moved one block deeper: a row that libcst indents (a
+    logical line; a bracket continuation, comment or blank row that starts with its owning
+    block's indentation) gets ``add`` in front, the rest stays verbatim. ``top`` is the
+    indentation of the block the rows sit in. None when a row's owner is ambiguous."""
+    out: list[str] = []
+    seen: list[str] = []  # indentations of logical rows so far
+    owner = top
+    for i, (row, kind) in enumerate(zip(rows, kinds)):
+        body = row[:-1] if row.endswith("\n") else row
+        if kind == "logical":
+            owner = _ws(body)
+            seen.append(owner)
+            out.append(add + row)
+        elif kind == "string":
+            out.append(row)
+        elif kind == "cont":
+            out.append(add + row if body.startswith(owner) else row)
+        else:  # blank / comment: owned by the next statement or by a block closing here
+            nxt = next((_ws(rows[k]) for k in range(i + 1, len(rows)) if kinds[k] == "logical"), None)
+            if nxt is None:
+                return None
+            cands = {nxt, owner} | {w for w in seen if len(nxt) <= len(w) <= len(owner)}
+            decisions = {body.startswith(c) for c in cands}
+            if len(decisions) != 1:
+                return None
+            out.append(add + row if decisions.pop() else row)
+    return out
+
+
+def fast_body(lines: list[str], finding: Finding, indent: str) -> tuple[str, str] | None:
+    """(site indentation, everything after the ``if`` header line) as libcst renders it, or None
+    when the rule above does not provably apply."""
+    if not indent or indent.strip(" "):
+        return None
+    span = lines[finding.line - 1 : finding.end_line]
+    if not span or not span[-1].endswith("\n") or any("\r" in ln or "\t" in ln for ln in span):
+        return None
+    site = _ws(span[0])
+    if not span[0].strip() or span[0].lstrip().startswith("#"):
+        return None
+    kinds = _classify("".join(span))
+    if kinds is None or len(kinds) != len(span) or kinds[0] != "logical":
+        return None
+    fused = textwrap.dedent(finding.fused).strip("\n")
+    if "\t" in fused or "\r" in fused:
+        return None
+    try:
+        ast.parse(fused)
+    except (SyntaxError, ValueError):
+        return None
+    frows = [r + "\n" for r in fused.split("\n")]
+    fkinds = _classify(fused + "\n")
+    if fkinds is None or len(fkinds) != len(frows) or fkinds[0] != "logical":
+        return None
+    # libcst re-renders the fused code's first indentation unit as the file's: equal text only
+    # when the fused code indents by exactly the file's unit.
+    indented = [_ws(r) for r, k in zip(frows, fkinds) if k == "logical" and _ws(r)]
+    if indented and indented[0] != indent:
+        return None
+    fused_out = _reindent(frows, fkinds, site + indent, "")
+    orig_out = _reindent(span, kinds, indent, site)
+    if fused_out is None or orig_out is None:
+        return None
+    # What follows the site: a deeper comment or a whitespace-only row right after it is
+    # re-attached by libcst to the new else block; leave those cases to render_site.
+    for row in lines[finding.end_line : finding.end_line + 50]:
+        if row == "\n":
+            continue
+        stripped = row.strip()
+        if not stripped or "\r" in row:
+            return None
+        if stripped.startswith("#") and len(_ws(row)) > len(site):
+            return None
+        break
+    return site, "".join(fused_out) + f"{site}else:\n" + "".join(orig_out)
+
+
+def _simple_guard(guard: str) -> bool:
+    return guard == guard.strip() and "\n" not in guard and "#" not in guard and "\\" not in guard
+
+
+def render(source: str | Callable[[], str], finding: Finding, switch: Switch, body: tuple[str, str] | None) -> str:
+    """render_site's text: the precomputed fast body when there is one, else render_site on the
+    file (``source`` may be a callable that reads it only when needed)."""
+    guard = guard_expression(finding, switch)
+    if body is not None and _simple_guard(guard):
+        site, rest = body
+        return f"{site}if {guard}:  {MARKER.format(pattern=finding.pattern)}\n{rest}"
+    return render_site(source() if callable(source) else source, finding, switch)
+
+
+def splitlines_match(source: str) -> bool:
+    """codegen splits on every Unicode line break; the fast path assumes only ``\\n``."""
+    return "\r" not in source and len(source.splitlines()) == source.count("\n") + (0 if source.endswith("\n") or not source else 1)

@@ -1,0 +1,565 @@
+"""``npufuse verify op ID``: operator-level accuracy of one applied candidate, forward and backward.
+
+The user's *rewritten* function is imported (under the emulator when there is no real
+torch_npu: backend "emulated") and called three times on the same inputs
+(:mod:`npufuse.verify.inputs`):
+
+1. **golden** — the original branch (switch off) in fp32 (float64 stays float64);
+2. **original** — the original branch in the model's low precision;
+3. **fused** — the fused branch (switch on) in the model's low precision.
+
+Off/on: the ``_npufuse_switch("NAME")`` env variable of the guard; for other switch kinds the
+module's ``torch_npu`` global is set to ``None`` (``_npufuse_on_npu`` is then False). Each run
+seeds torch identically and runs the module in eval mode (dropout would make runs
+incomparable). Backward uses one fixed random cotangent per output (``sum()`` would hide
+softmax-like bugs: its gradient through a softmax is zero) and collects the gradients of every
+floating input and parameter.
+
+Per tensor (outputs, input grads, parameter grads), fused vs golden:
+
+* ``cosine``, ``max_abs``, ``max_rel`` (relative error per element ``|f-g| / max(|g|, 0.1·rms_row(g))``,
+  the floor keeping near-zero elements from dominating), ``row_cos_min``; for attention/softmax
+  patterns also ``argmax_agree`` (fraction of rows whose argmax matches);
+* the **seed criterion**: cosine > 0.999 or max_abs < 1e-4;
+* the **relative-error bound**, per element: ``err_f ≤ factor · max(err_o, rms_row(err_o)) + floor(dtype)``
+  where ``err_o`` is the original code's own low-precision error against the same golden. The
+  row RMS of ``err_o`` stands in where the original happens to round exactly; ``floor`` is one
+  ulp of the low-precision dtype (bf16 2^-7, fp16 2^-10; fp32 1e-5 for reordered reductions).
+  Cosine is blind to a per-row scale error (a row off by 2% among many barely moves it); this
+  rule is not. ``factor`` defaults to 2.0 (``--factor``);
+* finiteness (a NaN/Inf the golden does not have fails), same shape, same dtype as the original
+  (DESIGN rule 2), a gradient wherever the original has one.
+
+It also requires the emulator/real call counters to show calls *from the candidate's site*
+with the switch on, and none with it off ("fused branch never executed" otherwise).
+Results: ``.npufuse/op_<ID>.jsonl`` (one line per compared tensor, then a summary line) and the
+state evidence ``op``; a failure → ``accuracy_failed`` with the numbers, a pass → ``e2e_checking``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from npufuse.cli import UsageError
+from npufuse.safe_write import write_text_atomic
+from npufuse.verify import inputs as inp
+from npufuse.verify.candidate import Candidate, update_state
+from npufuse.verify.probe import SiteCounter, instrument
+
+SEED_COSINE = 0.999
+SEED_MAX_ABS = 1e-4
+DEFAULT_FACTOR = 2.0
+REL_FLOOR = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-5, torch.float64: 1e-12}
+DENOM_FRACTION = 0.1  # elements below 10% of their row's RMS are measured against that 10%
+ROWWISE_PATTERNS = ("attention", "sdpa", "softmax")
+
+
+@dataclass
+class OpOptions:
+    capture: str | None = None
+    capture_timeout: float = 600.0
+    capture_max_mb: int = 512
+    shell: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    shapes: list[str] = field(default_factory=list)
+    dtype: str | None = None
+    init: dict[str, Any] = field(default_factory=dict)
+    batch: int | None = None
+    seq_len: int | None = None
+    factor: float = DEFAULT_FACTOR
+    seed: int = 0
+    backend: str = "auto"  # auto | emulated (tests; "real" needs an NPU)
+
+
+@dataclass
+class TensorCheck:
+    name: str
+    kind: str  # output | grad_input | grad_param
+    shape: list[int]
+    dtype: str
+    golden_dtype: str
+    cosine: float | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    orig_cosine: float | None = None
+    orig_max_abs: float | None = None
+    orig_max_rel: float | None = None
+    bound_floor: float | None = None
+    violations: int = 0
+    worst: dict[str, Any] | None = None  # the element furthest over its bound
+    row_cos_min: float | None = None
+    argmax_agree: float | None = None
+    seed_ok: bool = False
+    rel_ok: bool = False
+    passed: bool = False
+    problem: str | None = None  # why it failed, in words
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: _clean(v) for k, v in asdict(self).items()}
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+# -- the backend ---------------------------------------------------------------------------------
+
+
+def real_torch_npu() -> Any:
+    """The real torch_npu module when it imports and an NPU is present, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is None:
+        return None
+    try:
+        import torch_npu  # noqa: F401
+
+        return torch_npu if torch.npu.is_available() else None  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+@contextlib.contextmanager
+def backend(choice: str) -> Iterator[tuple[str, str, Any]]:
+    """(label, device, torch_npu module) with the stand-in installed when emulating."""
+    real = None if choice == "emulated" else real_torch_npu()
+    if real is not None:
+        yield "real", "npu", real
+        return
+    from npufuse import emulate
+
+    with emulate.install() as emu:
+        yield "emulated", "cpu", emu.module
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+
+def _flatten(out: Any, prefix: str = "out") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(out, torch.Tensor):
+        return [(prefix, out)]
+    if isinstance(out, (tuple, list)):
+        return [t for i, o in enumerate(out) for t in _flatten(o, f"{prefix}[{i}]")]
+    if isinstance(out, dict):
+        return [t for k, o in out.items() for t in _flatten(o, f"{prefix}[{k!r}]")]
+    return []
+
+
+def _leaves(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in _flatten(obj, prefix) if t.is_floating_point()]
+
+
+@dataclass
+class RunResult:
+    outputs: list[tuple[str, torch.Tensor]]
+    grads: dict[str, torch.Tensor | None]
+    backward_error: str | None = None
+    site_calls: int = 0
+
+
+class Switcher:
+    """Turns one site's fused branch on or off (env switch, else the module's torch_npu global)."""
+
+    def __init__(self, module: Any, env_name: str | None, npu_module: Any) -> None:
+        self.module, self.env_name, self.npu_module = module, env_name, npu_module
+        self.saved_env = os.environ.get(env_name) if env_name else None
+
+    def set(self, on: bool) -> None:
+        if self.env_name:
+            os.environ[self.env_name] = "1" if on else "0"
+        else:
+            self.module.torch_npu = self.npu_module if on else None
+
+    def restore(self) -> None:
+        if self.env_name:
+            if self.saved_env is None:
+                os.environ.pop(self.env_name, None)
+            else:
+                os.environ[self.env_name] = self.saved_env
+        else:
+            self.module.torch_npu = self.npu_module
+
+
+def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, device: str, seed: int, cotangent_seed: int, counter: SiteCounter, do_backward: bool) -> RunResult:
+    args, kwargs, instance = inp.clone_inputs(inputs, dtype)
+    if device != "cpu":
+        args, kwargs = _to(args, device), _to(kwargs, device)
+        if isinstance(instance, torch.nn.Module):
+            instance = instance.to(device)
+    leaves = _leaves(args, "input") + _leaves(kwargs, "input")
+    for _, t in leaves:
+        t.requires_grad_(True)
+    if isinstance(instance, torch.nn.Module):
+        instance.eval()
+    before = counter.site_total
+    torch.manual_seed(seed)
+    call_args = ([instance] if target.owner is not None else []) + list(args)
+    out = target.fn(*call_args, **kwargs)
+    outs = _flatten(out)
+    result = RunResult(outs, {})
+    diff = [(n, o) for n, o in outs if o.is_floating_point() and o.requires_grad]
+    if do_backward and diff:
+        gen = torch.Generator().manual_seed(cotangent_seed)
+        # rounded to the low precision first: the golden must see the very cotangent the
+        # low-precision runs see, or its own rounding would count as their error
+        cots = [torch.randn(o.shape, generator=gen).to(inputs.dtype).to(device=o.device, dtype=o.dtype) for _, o in diff]
+        try:
+            torch.autograd.backward([o for _, o in diff], cots)
+        except Exception as exc:
+            result.backward_error = f"{type(exc).__name__}: {exc}"
+        named = list(leaves)
+        if isinstance(instance, torch.nn.Module):
+            named += [(f"param:{n}", p) for n, p in instance.named_parameters() if p.is_floating_point()]
+        result.grads = {n: (t.grad.detach() if t.grad is not None else None) for n, t in named}
+    result.site_calls = counter.site_total - before
+    return result
+
+
+def _to(obj: Any, device: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+# -- comparing ------------------------------------------------------------------------------------
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.flatten(), b.flatten()
+    na, nb = a.norm(), b.norm()
+    if a.numel() == 0 or (na == 0 and nb == 0):
+        return 1.0
+    if na == 0 or nb == 0:
+        return 0.0
+    return float(torch.dot(a, b) / (na * nb))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    return t.reshape(-1, t.shape[-1])
+
+
+def rel_errors(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-element ``|x-g| / max(|g|, 0.1·rms_row(g))`` (float64, rows = last dim)."""
+    gr = _rows(g)
+    rms = gr.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    denom = torch.maximum(gr.abs(), DENOM_FRACTION * rms).clamp_min(torch.finfo(torch.float64).tiny)
+    return ((_rows(x) - gr).abs() / denom).reshape(g.shape)
+
+
+def compare(name: str, kind: str, golden: torch.Tensor, orig: torch.Tensor, fused: torch.Tensor, factor: float, rowwise: bool) -> TensorCheck:
+    c = TensorCheck(name, kind, list(fused.shape), str(fused.dtype).replace("torch.", ""), str(golden.dtype).replace("torch.", ""))
+    if fused.shape != orig.shape:
+        c.problem = f"shape {tuple(fused.shape)} differs from the original's {tuple(orig.shape)}"
+        return c
+    if fused.dtype != orig.dtype:
+        c.problem = f"dtype {c.dtype} differs from the original's {str(orig.dtype).replace('torch.', '')}"
+        return c
+    g = golden.detach().double().cpu()
+    o = orig.detach().double().cpu()
+    f = fused.detach().double().cpu()
+    g_ok = torch.isfinite(g)
+    bad = ~torch.isfinite(f) & g_ok
+    if bool(bad.any()):
+        c.problem = f"{int(bad.sum())} non-finite values (NaN/Inf) where the fp32 golden is finite"
+        return c
+    # compare only where the golden is finite (e.g. a fully masked row may be NaN in both)
+    mask = g_ok & torch.isfinite(f) & torch.isfinite(o)
+    g, o, f = (torch.where(mask, t, torch.zeros_like(t)) for t in (g, o, f))
+    c.cosine, c.orig_cosine = _cos(f, g), _cos(o, g)
+    c.max_abs = float((f - g).abs().max()) if f.numel() else 0.0
+    c.orig_max_abs = float((o - g).abs().max()) if o.numel() else 0.0
+    ef, eo = rel_errors(f, g), rel_errors(o, g)
+    c.max_rel = float(ef.max()) if ef.numel() else 0.0
+    c.orig_max_rel = float(eo.max()) if eo.numel() else 0.0
+    floor = REL_FLOOR.get(orig.dtype, 1e-5)
+    c.bound_floor = floor
+    eo_rows = _rows(eo)
+    local = eo_rows.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    bound = (factor * torch.maximum(eo_rows, local) + floor).reshape(eo.shape)
+    over = ef - bound
+    c.violations = int((over > 0).sum())
+    if c.violations:
+        idx = int(over.flatten().argmax())
+        pos = list(torch.unravel_index(torch.tensor(idx), ef.shape)) if ef.dim() else []
+        c.worst = {
+            "index": [int(p) for p in pos],
+            "golden": float(g.flatten()[idx]),
+            "fused": float(f.flatten()[idx]),
+            "original": float(o.flatten()[idx]),
+            "rel_err": float(ef.flatten()[idx]),
+            "bound": float(bound.flatten()[idx]),
+        }
+    if g.dim() >= 1 and g.shape[-1] > 1 and g.numel():
+        gr, fr = _rows(g), _rows(f)
+        norms = gr.norm(dim=-1) * fr.norm(dim=-1)
+        live = norms > 0
+        if bool(live.any()):
+            rc = (gr * fr).sum(-1)[live] / norms[live]
+            c.row_cos_min = float(rc.min())
+        if rowwise:
+            c.argmax_agree = float((gr.argmax(-1) == fr.argmax(-1)).double().mean())
+    c.seed_ok = c.cosine > SEED_COSINE or c.max_abs < SEED_MAX_ABS
+    c.rel_ok = c.violations == 0
+    c.passed = c.seed_ok and c.rel_ok
+    if not c.seed_ok:
+        c.problem = f"cosine {c.cosine:.6f} ≤ {SEED_COSINE} and max abs error {c.max_abs:.3g} ≥ {SEED_MAX_ABS}"
+    elif not c.rel_ok:
+        w = c.worst or {}
+        c.problem = (
+            f"{c.violations} of {f.numel()} elements over the relative-error bound (worst at {w.get('index')}: "
+            f"rel err {w.get('rel_err', 0):.3g} > bound {w.get('bound', 0):.3g} = {factor}×the original's own error + {floor:.3g}); "
+            f"cosine {c.cosine:.6f} alone would have passed"
+        )
+    return c
+
+
+# -- the check ------------------------------------------------------------------------------------
+
+
+@dataclass
+class OpReport:
+    candidate: int
+    pattern: str
+    qualname: str
+    file: str
+    backend: str
+    passed: bool
+    reasons: list[str]
+    checks: list[TensorCheck]
+    inputs: dict[str, Any]
+    calls: dict[str, Any]
+    factor: float
+    backward: str  # "checked" | "skipped: ..."
+    jsonl: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        worst = max((c for c in self.checks if c.max_rel is not None), key=lambda c: c.max_rel or 0, default=None)
+        return {
+            "candidate": self.candidate,
+            "check": "op",
+            "summary": True,
+            "pattern": self.pattern,
+            "qualname": self.qualname,
+            "file": self.file,
+            "backend": self.backend,
+            "passed": self.passed,
+            "reasons": self.reasons,
+            "factor": self.factor,
+            "seed_criterion": f"cosine > {SEED_COSINE} or max_abs < {SEED_MAX_ABS}",
+            "rel_rule": "err_f <= factor*max(err_o, rms_row(err_o)) + floor(dtype) per element, vs the fp32 golden",
+            "backward": self.backward,
+            "inputs": self.inputs,
+            "calls": self.calls,
+            "tensors": len(self.checks),
+            "min_cosine": min((c.cosine for c in self.checks if c.cosine is not None), default=None),
+            "max_rel": worst.max_rel if worst else None,
+            "jsonl": self.jsonl,
+        }
+
+
+def _fused_has_backward(cand: Candidate, backend_label: str) -> bool:
+    if not cand.training_ok:
+        return False
+    if backend_label == "emulated":
+        from npufuse.emulate.registry import REGISTRY
+
+        apis = [a for a in cand.apis if a in REGISTRY]
+        return all(REGISTRY[a].autograd for a in apis) if apis else True
+    return True
+
+
+def run_op_check(cand: Candidate, opts: OpOptions, capture_path: Path | None = None) -> OpReport:
+    """The check itself (no state changes): import, build inputs, three runs, compare."""
+    assert cand.site is not None
+    dtype = inp.parse_dtype(opts.dtype) if opts.dtype else None
+    values = cand.config_shapes()
+    with backend(opts.backend) as (label, device, npu_module):
+        counter = SiteCounter(str(cand.path), (cand.site.line, cand.site.end_line))
+        undo = instrument(npu_module, counter)
+        try:
+            with inp.user_module(cand.root, cand.file) as module:
+                target = inp.resolve_target(module, cand.qualname)
+                if capture_path is not None:
+                    inputs = inp.from_capture(capture_path, module, target, values, dtype, opts.init, opts.seed)
+                else:
+                    inputs = inp.from_config_or_shapes(module, target, values, opts.shapes, dtype, opts.init, opts.batch, opts.seq_len, opts.seed)
+                golden_dtype = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+                switch = Switcher(module, cand.site.env_switch, npu_module)
+                try:
+                    return _three_runs(cand, opts, target, inputs, golden_dtype, device, label, counter, switch)
+                finally:
+                    switch.restore()
+        finally:
+            undo()
+
+
+def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: inp.CallInputs, golden_dtype: torch.dtype, device: str, label: str, counter: SiteCounter, switch: Switcher) -> OpReport:
+    reasons: list[str] = []
+    backward_ok = _fused_has_backward(cand, label)
+    seed, cot = opts.seed, opts.seed + 1
+    switch.set(False)
+    try:
+        golden = _run(target, inputs, golden_dtype, device, seed, cot, counter, True)
+        orig = _run(target, inputs, None, device, seed, cot, counter, True)
+    except UsageError:
+        raise
+    except Exception as exc:
+        shapes = json.dumps(inputs.shapes)[:300]
+        raise UsageError(f"the original {target.qualname} raised {type(exc).__name__}: {exc} on the {inputs.source} inputs {shapes}; give --shape/--init or use --capture") from None
+    off_calls = golden.site_calls + orig.site_calls
+    switch.set(True)
+    try:
+        fused = _run(target, inputs, None, device, seed, cot, counter, backward_ok)
+    except Exception as exc:
+        fused = None
+        reasons.append(f"the fused branch raised {type(exc).__name__}: {exc}")
+    calls = {"site_calls_on": fused.site_calls if fused else counter.site_total - off_calls, "site_calls_off": off_calls, "by_api": dict(counter.calls), "site_by_api": dict(counter.site_calls)}
+    checks: list[TensorCheck] = []
+    backward = "checked"
+    differentiable = bool(golden.grads) and any(g is not None for g in golden.grads.values())
+    if not differentiable:
+        backward = "skipped: the original is not differentiable on these inputs"
+    elif not backward_ok:
+        backward = "skipped: the fused API has no backward (inference-only candidate): forward checked only"
+    if fused is not None:
+        if off_calls:
+            reasons.append(f"the switch did not turn the fused branch off: {off_calls} torch_npu call(s) from the site with it off")
+        if fused.site_calls == 0:
+            apis = ", ".join(cand.apis) or "torch_npu"
+            reasons.append(f"fused branch never executed: no {apis} call from {cand.file}:{cand.site.line}-{cand.site.end_line} with the switch on (guard: {cand.site.guard.splitlines()[0].strip()})")
+        rowwise = cand.pattern in ROWWISE_PATTERNS
+        if len(fused.outputs) != len(orig.outputs):
+            reasons.append(f"the fused branch returns {len(fused.outputs)} tensors, the original {len(orig.outputs)}")
+        for (name, g), (_, o), (_, f) in zip(golden.outputs, orig.outputs, fused.outputs):
+            if g.is_floating_point():
+                checks.append(compare(name, "output", g, o, f, opts.factor, rowwise))
+            elif not torch.equal(o.cpu(), f.cpu()):
+                checks.append(TensorCheck(name, "output", list(f.shape), str(f.dtype), str(g.dtype), problem="integer output differs from the original"))
+        if differentiable and backward_ok:
+            if fused.backward_error:
+                reasons.append(f"the fused backward raised {fused.backward_error}")
+            for name, gg in golden.grads.items():
+                og, fg = orig.grads.get(name), fused.grads.get(name)
+                kind = "grad_param" if name.startswith("param:") else "grad_input"
+                if gg is None:
+                    if fg is not None and bool((fg != 0).any()):
+                        checks.append(TensorCheck(f"grad {name}", kind, list(fg.shape), str(fg.dtype), "", problem="the fused branch gives a gradient where the original has none"))
+                    continue
+                if fg is None or og is None:
+                    checks.append(TensorCheck(f"grad {name}", kind, list(gg.shape), "", str(gg.dtype), problem="no gradient reaches it through the fused branch (the original has one)"))
+                    continue
+                checks.append(compare(f"grad {name}", kind, gg, og, fg, opts.factor, False))
+        for c in checks:
+            if c.problem:
+                reasons.append(f"{c.name}: {c.problem}")
+    passed = not reasons
+    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward)
+
+
+# -- capture --------------------------------------------------------------------------------------
+
+
+def capture_inputs(cand: Candidate, opts: OpOptions, progress: Any = None) -> Path:
+    """Run ``--capture`` with the probe; returns the saved first call of the target."""
+    from npufuse.verify import probe, runner
+
+    assert opts.capture is not None
+    work = cand.state_dir / f"op_{cand.id}.capture"
+    _clean_dir(work)
+    out = work / "call.pt"
+    cfg = {
+        "mode": "capture",
+        "out_dir": str(work / "probe"),
+        "runner_pid": os.getpid(),
+        "runner_pgid": os.getpgrp(),
+        "emulate": "auto",
+        "capture": {"file": str(cand.path.resolve()), "qualname": cand.qualname, "out": str(out), "max_bytes": opts.capture_max_mb << 20},
+    }
+    cfg_path = work / "probe.json"
+    cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
+    probe.write_bootstrap(work / "site")
+    try:
+        cmd = runner.split_command(opts.capture, opts.shell)
+    except ValueError as exc:
+        raise UsageError(f"--capture: {exc}") from None
+    env = runner.child_env(opts.env, cfg_path, work / "site")
+    if progress:
+        progress(f"capturing the inputs of {cand.qualname}: {opts.capture}")
+    try:
+        res = runner.run_child(cmd, env=env, cwd=cand.root, timeout_s=opts.capture_timeout, log_path=work / "capture.log", should_stop=lambda: "captured" if out.exists() else None)
+    except OSError as exc:
+        raise UsageError(f"--capture: cannot start {opts.capture!r}: {exc}") from None
+    if not out.exists():
+        errors = probe.read_counters(work / "probe")["errors"]
+        why = errors[0] if errors else f"the command ended ({res.describe_exit()}) without calling {cand.qualname} of {cand.file}"
+        tail = " | ".join(res.tail[-3:])
+        raise UsageError(f"--capture: {why}" + (f"; last output: {tail}" if tail else "") + " (a target in the launched script itself, run as __main__, cannot be hooked)")
+    return out
+
+
+def _clean_dir(path: Path) -> None:
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+# -- the verb -------------------------------------------------------------------------------------
+
+
+def verify_op(cand: Candidate, opts: OpOptions, progress: Any = None) -> OpReport:
+    """Run the op check with state transitions: accuracy_checking → accuracy_failed | e2e_checking."""
+    previous = cand.status if cand.status != "accuracy_checking" else "pending"
+    update_state(cand, status="accuracy_checking", note="op check started")
+    try:
+        capture_path = capture_inputs(cand, opts, progress) if opts.capture else None
+        report = run_op_check(cand, opts, capture_path)
+    except BaseException as exc:
+        # a usage problem or an interrupt is no verdict on the candidate: back to where it was
+        update_state(cand, status=previous, note=f"op check not completed: {type(exc).__name__}: {exc}"[:300])
+        raise
+    path = cand.state_dir / f"op_{cand.id}.jsonl"
+    lines = [json.dumps({"candidate": cand.id, "check": "op", "backend": report.backend, **c.to_json()}) for c in report.checks]
+    report.jsonl = str(path)
+    lines.append(json.dumps(report.summary()))
+    write_text_atomic(path, "\n".join(lines) + "\n")
+    evidence = report.summary()
+    evidence["checks"] = [c.to_json() for c in report.checks]
+
+    def mutate(entry: Any) -> None:
+        entry.evidence["op"] = evidence
+        if report.passed:
+            worst = evidence.get("max_rel")
+            entry.reasons = [r for r in entry.reasons if not r.startswith("op check")]
+            entry.reasons.append(
+                f"op check passed ({report.backend}): {len(report.checks)} tensors, min cosine {evidence['min_cosine']:.6f}, "
+                f"max rel error {worst:.3g} within {report.factor}× the original's own error; backward {report.backward}"
+                if evidence["min_cosine"] is not None and worst is not None
+                else f"op check passed ({report.backend}); backward {report.backward}"
+            )
+        else:
+            entry.verdict = "do not replace: accuracy"
+            entry.reasons = [f"op check failed ({report.backend}): {r}" for r in report.reasons]
+
+    if report.passed:
+        update_state(cand, mutate, status="e2e_checking", note="op check passed")
+    else:
+        update_state(cand, mutate, status="accuracy_failed", note="; ".join(report.reasons)[:300])
+    return report
