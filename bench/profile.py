@@ -36,6 +36,7 @@ from npufuse.profile.readers import read_kernel_details
 from pathlib import Path
 path, reader, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 t1 = time.perf_counter()
+ru0 = resource.getrusage(resource.RUSAGE_SELF)
 if mode == "read":
     table, probs = read_kernel_details(Path(path), backend=reader)
     rows = table.n if table else 0
@@ -45,7 +46,9 @@ else:
     rows = r["inputs"][0]["ops"] if r["inputs"] else 0
     backend = (r["inputs"][0]["files"].get("kernel_details.csv") or {}).get("reader") if r["inputs"] else None
 t2 = time.perf_counter()
-print(json.dumps({"rows": rows, "import_s": t1 - t0, "run_s": t2 - t1, "backend": backend,
+ru1 = resource.getrusage(resource.RUSAGE_SELF)
+cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+print(json.dumps({"rows": rows, "cpu_s": cpu, "import_s": t1 - t0, "run_s": t2 - t1, "backend": backend,
                   "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -117,13 +120,14 @@ def main() -> int:
                 rate = r["rows"] / r["run_s"] if r["run_s"] > 0 else float("inf")
                 label = "read kernel_details.csv" if mode == "read" else "full profile (read+mine+assess)"
                 print(f"{reader:>6} | {label:<32} | {r['rows']:>9,} rows | {r['run_s']:6.2f} s | "
-                      f"{rate:>12,.0f} rows/s | peak {r['peak_mib']:7.0f} MiB | import {r['import_s']:.2f} s")
+                      f"{rate:>12,.0f} rows/s | cpu {r['cpu_s']:6.2f} s | peak {r['peak_mib']:7.0f} MiB")
                 if mode == "full":
                     met = r["run_s"] < TARGET_S and r["peak_mib"] < TARGET_MIB
                     ok &= met or reader != "polars" and "polars" in readers
                     if best is None or r["run_s"] < best:
                         best = r["run_s"]
-        print(f"target: < {TARGET_S:g} s and < {TARGET_MIB:g} MiB for the full profile")
+        print(f"target: < {TARGET_S:g} s and < {TARGET_MIB:g} MiB for the full profile "
+              f"(wall time; cpu = user+sys, the figure to trust on a loaded machine: load {os.getloadavg()[0]:.1f})")
         cli = args.msprof or shutil.which("msprof-analyze")
         if cli and best:
             dt = _msprof(cli, result_dir)

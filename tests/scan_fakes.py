@@ -123,3 +123,29 @@ class FakeExploding(Pattern):
 
 
 FAKES = (FakeRmsNorm(), FakeAddRmsNorm(), FakeSdpa(), FakeOptimizer(), FakeExploding())
+
+
+# -- fixture helpers ------------------------------------------------------------------------
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "fixtures" / "scan_repo"
+
+
+def copy_fixture(dest: Path) -> Path:
+    """The fixture repo copied under ``dest`` (a real .gitignore, plus folders git would not
+    keep: .venv, build, __pycache__, node_modules). Returns the copy's root."""
+    root = dest / "scan_repo"
+    shutil.copytree(FIXTURE, root)
+    (root / "dot-gitignore").rename(root / ".gitignore")
+    for folder in (".venv/lib", "build/lib", "model/__pycache__", "node_modules/pkg", "dist"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        (root / folder / "hidden.py").write_text("import torch\nx = torch.rsqrt(torch.ones(1))\n")
+    return root
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}

@@ -354,6 +354,29 @@ def test_reads_the_verifiers_own_formats(project: Path) -> None:
     assert c2["series"]["nonfinite_loss"]["fused"] == [30] and c2["series"]["fused_loss"][-1] is None
 
 
+@pytest.mark.parametrize(
+    "evidence, verdict, reasons",
+    [
+        ({"op": "passed"}, {"text": "odd"}, "one reason as a string"),
+        ({"op": {"checks": {"out": {"cos": 0.99, "max_abs_error": 1e-3, "ok": True}}}}, "replace", []),
+        ({"op": {"results": [1, 2]}, "e2e": [], "perf": {"speedup": "fast", "ci": [1]}}, None, None),
+        ([], "", [3]),
+    ],
+)
+def test_odd_evidence_shapes_render(project: Path, evidence, verdict, reasons) -> None:
+    path = project / ".npufuse" / "state.json"
+    raw = json.loads(path.read_text(encoding="utf-8"))  # edited as a user would, not via State.save
+    c = next(c for c in raw["candidates"] if c["id"] == 2)
+    c["evidence"], c["verdict"], c["reasons"] = evidence, verdict, reasons
+    path.write_text(json.dumps(raw), encoding="utf-8")
+    data = report_html.build_report_data(project / ".npufuse", ids=[2])
+    page = report_html.render_html(data)
+    assert report_html.extract_report_data(page) == json.loads(json.dumps(data))
+    if isinstance(evidence, dict) and isinstance(evidence.get("op"), dict) and "checks" in evidence["op"]:
+        row = data["candidates"][0]["op"]["rows"][0]
+        assert row["name"] == "out" and row["cosine"] == 0.99 and row["passed"] is True
+
+
 def test_records_without_candidate_field(project: Path) -> None:
     bare = project / "bare.jsonl"
     _write_jsonl(bare, [{k: v for k, v in r.items() if k != "candidate"} for r in _steps(9, "baseline", 5, base_time=0.1)])

@@ -96,9 +96,6 @@ def scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
     return table.get(id(fn))
 
 
-_CALLED = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
-
-
 def functions_matching(module: ModuleInfo, tag: str, pred) -> set[str]:
     """Names of functions/methods whose own text satisfies ``pred(text)``, closed over calls by
     name (a helper calling such a helper counts). Text-only, so it costs no AST walk; cached per
@@ -107,8 +104,8 @@ def functions_matching(module: ModuleInfo, tag: str, pred) -> set[str]:
     if tag in cache:
         return cache[tag]
     lines = module_lines(module)
+    texts: dict[str, list[str]] = {}
     found: set[str] = set()
-    calls: dict[str, set[str]] = {}
     for s in module.scopes:
         fn = s.node
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -116,14 +113,15 @@ def functions_matching(module: ModuleInfo, tag: str, pred) -> set[str]:
         text = "".join(lines[fn.lineno - 1 : fn.end_lineno or fn.lineno])
         if pred(text):
             found.add(fn.name)
-        calls.setdefault(fn.name, set()).update(_CALLED.findall(text))
-    changed = True
-    while changed:
-        changed = False
-        for name, called in calls.items():
-            if name not in found and called & found:
-                found.add(name)
-                changed = True
+        else:
+            texts.setdefault(fn.name, []).append(text)
+    new = set(found)
+    while new and texts:
+        called = re.compile(r"\b(?:" + "|".join(re.escape(n) for n in sorted(new)) + r")\s*\(")
+        new = {name for name, ts in texts.items() if name not in found and any(called.search(t) for t in ts)}
+        found |= new
+        for name in new:
+            texts.pop(name, None)
     cache[tag] = found
     return found
 
@@ -701,15 +699,18 @@ def _contains(block: list[ast.stmt], stmt: ast.stmt) -> bool:
 
 
 def iter_exprs_topdown(node: ast.AST) -> Iterator[ast.expr]:
-    """Expression nodes of a statement, outermost first (not into nested function bodies)."""
-    stack = [node]
+    """Expression nodes of a statement in preorder (a node before anything inside it), not into
+    nested function bodies or lambdas."""
+    stack: list[ast.AST] = [node]
     while stack:
-        n = stack.pop(0)
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and n is not node:
+        n = stack.pop()
+        if n is not node and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             continue
         if isinstance(n, ast.expr):
             yield n
-        stack[0:0] = list(ast.iter_child_nodes(n))
+        children = list(ast.iter_child_nodes(n))
+        children.reverse()
+        stack.extend(children)
 
 
 def simple_stmt(stmt: ast.stmt) -> bool:

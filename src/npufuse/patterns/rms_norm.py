@@ -403,9 +403,19 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
             ops.append(Op("cast", node, ctx))
             node = node.func.value  # type: ignore[union-attr]
             continue
+        if isinstance(node, ast.IfExp):
+            for branch in (node.body, node.orelse):
+                found = _probe(module, branch, ctx)
+                if found is not None:
+                    raise Miss("control flow (a conditional expression) between the norm and its result", found)
+            raise NoMatch
         if isinstance(node, ast.Call):
             callee = S.resolve_callee(module, node, ctx)
             if callee is None:
+                if isinstance(node.func, ast.Attribute) and depth == 0:
+                    found = _probe(module, node.func.value, ctx)
+                    if found is not None:
+                        raise Miss(f"`.{node.func.attr}()` between the norm and its weight (grouped or reshaped norm: npu_rms_norm normalizes over gamma's trailing dims)", found)
                 raise NoMatch
             fn, is_method = callee
             ret = S.helper_return(fn)
@@ -454,6 +464,17 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
     raise NoMatch
 
 
+def _probe(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> ast.AST | None:
+    """The rsqrt node of an RMS core reachable from ``node``, if any (for near-miss reasons)."""
+    try:
+        core, _ = _chain(module, node, ctx, S.Trace(), set(), 1)
+    except NoMatch:
+        return None
+    except Miss as e:
+        return e.rstd or node
+    return core.rstd
+
+
 def _is_name(node: ast.AST, name: str) -> bool:
     return isinstance(node, ast.Name) and node.id == name
 
@@ -493,19 +514,17 @@ def _fn_text(module: ModuleInfo, fn: ast.AST) -> str:
     return cache[id(fn)]
 
 
-_NON_TORCH_SQRT = re.compile(r"\b(?:math|np|numpy|cmath)\.sqrt\(")
-_TORCH_ROOT = re.compile(r"rsqrt|sqrt\(|\*\*\s*\(?\s*-?\s*0?\.5\b|pow\([^()]*-\s*0?\.5\s*\)|pow\(\s*-\s*0?\.5")
+# a torch inverse square root: rsqrt, .sqrt()/torch.sqrt (not math/np), ** -0.5, pow(.., -0.5)
+_TORCH_ROOT = re.compile(r"rsqrt|(?<!math\.)(?<!np\.)(?<!numpy\.)\bsqrt\(|\*\*\s*\(?\s*-?\s*0?\.5\b|pow\([^()]*-\s*0?\.5\s*\)")
+
+
+def _root_text(text: str) -> bool:
+    return ("sqrt" in text or "0.5" in text or ".5" in text) and bool(_TORCH_ROOT.search(text))
 
 
 def _norm_text(text: str) -> bool:
     """Text that can hold an RMS statistic: a mean and a (torch) inverse square root."""
-    if "mean" not in text:
-        return False
-    return bool(_TORCH_ROOT.search(_NON_TORCH_SQRT.sub("", text)))
-
-
-def _root_text(text: str) -> bool:
-    return bool(_TORCH_ROOT.search(_NON_TORCH_SQRT.sub("", text)))
+    return "mean" in text and _root_text(text)
 
 
 def _calls_sqrt_helper(module: ModuleInfo, fn: ast.AST) -> bool:
@@ -783,11 +802,18 @@ class SiteResult:
     rstd: ast.AST | None
 
 
-def _roots(stmt: ast.stmt) -> list[ast.expr]:
+def _roots(stmt: ast.stmt) -> Iterable[ast.expr]:
+    """Candidate outputs of a norm in a statement, outermost first: products/divisions, calls
+    (casts, helpers) and the statement's whole value when it is a bare name."""
     value = getattr(stmt, "value", None)
     if value is None or not S.simple_stmt(stmt):
-        return []
-    return list(S.iter_exprs_topdown(value))
+        return
+    if isinstance(value, ast.Name):
+        yield value
+        return
+    for n in S.iter_exprs_topdown(value):
+        if isinstance(n, ast.Call) or _is_muldiv(n):
+            yield n
 
 
 def _root_lines(module: ModuleInfo, scope: Scope) -> list[int]:
@@ -976,7 +1002,7 @@ def _attribute_misses(module: ModuleInfo, scope: Scope, results: list[SiteResult
             results.remove(r)
             continue
         seen.add(rid)
-        if "no weight" in r.miss.reason and _helper_used_by_finding(module, scope):
+        if _helper_used_by_finding(module, scope) or (r.rstd is not None and _claimed_by_caller(module, scope, r.rstd)):
             results.remove(r)
     # sites never reached by a parse but shaped like an RMS statistic: report them
     for stmt, node in sites:
@@ -1011,6 +1037,22 @@ def _stat_reason(module: ModuleInfo, scope: Scope, stmt: ast.stmt, node: ast.AST
     except NoMatch:
         return None
     return "rsqrt(mean(x^2) + eps) is computed but not applied as x * rstd * weight in one place"
+
+
+def _claimed_by_caller(module: ModuleInfo, scope: Scope, rstd: ast.AST) -> bool:
+    """A helper's near miss is reported once, at the caller that inlines it (same rsqrt node)."""
+    if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    name = scope.node.name
+    for other in module.scopes:
+        if other is scope or not isinstance(other.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if name not in S.scope_text(module, other):
+            continue
+        for r in scope_results(module, other):
+            if r.rstd is rstd and r.stmt is not None and other is not scope:
+                return True
+    return False
 
 
 def _helper_used_by_finding(module: ModuleInfo, scope: Scope) -> bool:

@@ -645,8 +645,7 @@ class RopePattern(Pattern):
             tag = _ident(source_of(module, freqs))
             cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
             prep = [
-                f"# complex form = interleave rotation: cos/sin are freqs' real/imag parts, one per lane pair",
-                f"{cos} = {f_src}.real.repeat_interleave(2, dim=-1)",
+                f"{cos} = {f_src}.real.repeat_interleave(2, dim=-1)  # complex form = interleave rotation: cos of each lane pair",
                 f"{sin} = {f_src}.imag.repeat_interleave(2, dim=-1)",
             ]
             cinfo = _CosInfo(batch_free=True, layout=finfo.layout or "batch-independent")
@@ -684,8 +683,10 @@ class RopePattern(Pattern):
                     if var is None:
                         var = f"_npufuse_{_ident(x)}_dtype"
                         dtype_vars[key] = var
+                        # eager x*cos promotes (bf16 x, fp32 cos -> fp32); npu_rotary_mul computes in x's dtype
                         lines.append(
                             f"{var} = torch.promote_types(torch.promote_types({_atom(x)}.dtype, {_atom(c)}.dtype), {_atom(s)}.dtype)"
+                            "  # the eager x*cos dtype (wider of x, cos, sin)"
                         )
                     promoted = True
                     x, c, s = f"{_atom(x)}.to({var})", f"{_atom(c)}.to({var})", f"{_atom(s)}.to({var})"
@@ -693,8 +694,10 @@ class RopePattern(Pattern):
                 reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg})"))
             lines.append(replace_segments(module, stmt, reps))
         if promoted:
-            lines.insert(0, "# the eager q*cos promotes to the wider dtype (fp32 cos with a bf16 q gives fp32); npu_rotary_mul")
-            lines.insert(1, "# computes in x's dtype, so x, cos and sin are brought to that dtype first (a no-op when equal)")
+            notes.append(
+                "dtype: the eager q*cos promotes to the wider dtype (an fp32 cos with a bf16 q gives fp32) while npu_rotary_mul "
+                "computes in x's dtype, so x, cos and sin are brought to the promoted dtype first (a no-op when they already agree)"
+            )
         first = all_matches[0]
         mode = first.mode
         if any(m.rotary_dim != "full" for m in all_matches):

@@ -616,38 +616,45 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
     seg = np.cumsum(seg_start)
     codes = st.code.astype(np.int64)
     csum = np.concatenate([[0.0], np.cumsum(st.dur)])
-    key = codes.copy()
-    cands: list[tuple[int, int, int, float, float, np.ndarray]] = []   # (n, key, count, kt, span, positions)
+    # level by level, an n-gram id is (id of its (n-1)-gram prefix, last code): the key space stays
+    # (distinct prefixes x vocabulary), small enough for bincount, so no level needs a sort
+    prev = codes + 1                     # 1-gram ids, 0 = not a valid window
+    cands: list[tuple[int, int, int, float, float, Any]] = []   # (n, id, count, kt, span, positions)
     for n in range(2, nmax + 1):
-        key = key[:-1] * v + codes[n - 1:]
-        m = key.shape[0]
+        m = n_all - n + 1
         if m <= 0:
             break
-        valid = seg[:m] == seg[n - 1:]
-        pos = np.flatnonzero(valid)
-        if pos.size == 0:
-            break
-        k = key[pos]
-        uniq, inv, counts = np.unique(k, return_inverse=True, return_counts=True)
-        if n < nmin:
-            continue
-        kt = np.bincount(inv, weights=csum[pos + n] - csum[pos])
-        span = np.bincount(inv, weights=st.end[pos + n - 1] - st.start[pos])
+        valid = (prev[:m] > 0) & (seg[:m] == seg[n - 1:])
+        key = np.where(valid, prev[:m] * v + codes[n - 1:], 0)
+        present = np.bincount(key, minlength=1) > 0
+        present[0] = False
+        remap = np.cumsum(present)
+        ids = np.where(valid, remap[key], 0)
+        d = int(remap[-1]) + 1
+        counts = np.bincount(ids, minlength=d)
+        counts[0] = 0
+        w_kt = np.where(valid, csum[n:n + m] - csum[:m], 0.0)
+        w_span = np.where(valid, st.end[n - 1:n - 1 + m] - st.start[:m], 0.0)
+        kt = np.bincount(ids, weights=w_kt, minlength=d)
+        span = np.bincount(ids, weights=w_span, minlength=d)
+        prev = ids
         good = counts >= min_count
         if not good.any():
             break
-        sel = set(np.argsort(-np.where(good, kt, -1))[: top * 4].tolist())
-        sel |= set(np.argsort(-np.where(good, counts, -1))[: top * 4].tolist())
+        sel = set(np.argsort(-np.where(good, kt, -1))[: top * 2].tolist())
+        sel |= set(np.argsort(-np.where(good, counts, -1))[: top * 2].tolist())
+        level_ids = ids
         for u in sel:
-            if not good[u]:
-                continue
-            cands.append((n, int(uniq[u]), int(counts[u]), float(kt[u]), float(span[u]), pos[inv == u]))
+            if good[u]:
+                cands.append((n, int(u), int(counts[u]), float(kt[u]), float(span[u]),
+                              _Positions(level_ids, int(u))))
     by_time = _diverse(st, sorted(cands, key=lambda c: -c[3]), top)
     by_count = _diverse(st, sorted(cands, key=lambda c: (-c[2], -c[0])), top)
     out: list[list[NGram]] = []
     for lst in (by_time, by_count):
         res = []
-        for n, _, count, kt, span, positions in lst:
+        for n, _, count, kt, span, lazy in lst:
+            positions = lazy.get()
             p0 = int(positions[0])
             g = NGram(st.tokens(p0, p0 + n), p0, count, kt, span)
             owners = claimed[(positions[:, None] + np.arange(n)[None, :]).ravel()]
@@ -663,6 +670,18 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
     return out[0], out[1]
 
 
+class _Positions:
+    """Start positions of one n-gram, computed only when the greedy pick looks at it."""
+
+    def __init__(self, ids: np.ndarray, u: int) -> None:
+        self.ids, self.u, self._pos = ids, u, None
+
+    def get(self) -> np.ndarray:
+        if self._pos is None:
+            self._pos = np.flatnonzero(self.ids == self.u)
+        return self._pos
+
+
 def _diverse(st: OpStream, ranked: list[tuple[int, int, int, float, float, np.ndarray]], top: int
              ) -> list[tuple[int, int, int, float, float, np.ndarray]]:
     """Greedy pick: skip an n-gram whose occurrences are mostly inside already picked ones, so the
@@ -670,7 +689,7 @@ def _diverse(st: OpStream, ranked: list[tuple[int, int, int, float, float, np.nd
     covered = np.zeros(st.n, dtype=bool)
     out = []
     for c in ranked:
-        n, positions = c[0], c[5]
+        n, positions = c[0], c[5].get()
         win = (positions[:, None] + np.arange(n)[None, :]).ravel()
         if covered[win].mean() > 0.5:
             continue

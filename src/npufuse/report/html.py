@@ -346,7 +346,8 @@ def _code_section(cid: int, scan_cand: dict[str, Any] | None, scan_present: bool
     replacement = scan_cand.get("replacement") if isinstance(scan_cand.get("replacement"), str) else None
     if replacement is None and original is None:
         return {"present": False, "missing": f"scan.json candidate {cid} carries neither its code nor a replacement.", "diff": []}
-    diff = _diff_rows(original or "", replacement or "", int(scan_cand.get("line") or 1)) if original and replacement else []
+    line = scan_cand.get("line") if isinstance(scan_cand.get("line"), int) else 1
+    diff = _diff_rows(original or "", replacement or "", line) if original and replacement else []
     return {
         "present": True,
         "original": original,
@@ -644,7 +645,14 @@ def _candidate(
     looked_in: str,
 ) -> dict[str, Any]:
     in_state = cand is not None
-    cand = cand or {"id": cid, "status": "not_applied", "evidence": {}, "reasons": []}
+    cand = dict(cand or {"id": cid, "status": "not_applied", "evidence": {}, "reasons": []})
+    # state.json is hand-editable and written by several commands: coerce shapes, never crash
+    if not isinstance(cand.get("evidence"), dict):
+        cand["evidence"] = {}
+    reasons = cand.get("reasons")
+    cand["reasons"] = [reasons] if isinstance(reasons, str) else (list(reasons) if isinstance(reasons, list) else [])
+    verdict = cand.get("verdict")
+    cand["verdict"] = None if verdict in (None, "") else (verdict if isinstance(verdict, str) else json.dumps(_jsonable(verdict)))
     src = scan_cand or {}
     applied = bool(cand.get("applied"))
     warmup, assumed = _warmup(cand)
@@ -690,7 +698,7 @@ def _candidate(
         "status_label": STATUS_LABELS.get(status, status),
         "verdict": cand.get("verdict"),
         "verdict_class": _verdict_class(cand.get("verdict")),
-        "reasons": [str(r) for r in cand.get("reasons") or []],
+        "reasons": [str(r) for r in cand["reasons"]],
         "applied": _jsonable(applied_info) if applied else None,
         "switch": str(applied_info.get("switch_description") or _first(src.get("switch"), "description", "expr", "name", default="") or ""),
         "backend": backend,
@@ -737,7 +745,7 @@ def build_report_data(
         if actual != scan_sha:
             warnings.append(f"{scan_path} changed since `npufuse apply` (sha256 differs from the state's): the code shown is the current scan's")
     by_id_state = {int(c["id"]): c for c in state_cands}
-    scan_list = [c for c in (scan or {}).get("candidates", []) if isinstance(c, dict) and "id" in c]
+    scan_list = [c for c in (scan or {}).get("candidates", []) if isinstance(c, dict) and isinstance(c.get("id"), int)]
     scan_by_id = {int(c["id"]): c for c in scan_list}
     scan_by_key = {c.get("key"): c for c in scan_list}
     if ids:
@@ -923,8 +931,17 @@ def extract_report_data(html: str) -> dict[str, Any]:
 
 
 def write_report(data: dict[str, Any], out: Path | str) -> Path:
-    from npufuse.safe_write import write_text_atomic
+    import os
+
+    from npufuse.safe_write import write_bytes_atomic
 
     out = Path(out)
-    write_text_atomic(out, render_html(data))
+    # A new report gets the usual 0666 & ~umask (it is meant to be shared and opened); the
+    # atomic writer's temp file alone would leave it 0600. An existing file keeps its mode.
+    mode = None
+    if not out.exists():
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    write_bytes_atomic(out, render_html(data).encode("utf-8"), mode=mode)
     return out

@@ -103,6 +103,9 @@ def _py2_hint(exc: SyntaxError, text: str) -> str:
     return ""
 
 
+_COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)", re.MULTILINE)
+
+
 def read_source(path: Path, rel: str, max_bytes: int) -> tuple[str | None, str | None, Failure | None]:
     """(text, sha256 of the bytes, failure). Binary, undecodable, huge and unreadable files fail."""
     try:
@@ -110,7 +113,7 @@ def read_source(path: Path, rel: str, max_bytes: int) -> tuple[str | None, str |
     except OSError as exc:
         return None, None, _os_failure(rel, exc, link=path.is_symlink())
     if size > max_bytes:
-        return None, None, Failure(rel, "too_large", f"skipped: {size / 1e6:.1f} MB is over the {max_bytes / 1e6:g} MB limit (--max-file-mb)")
+        return None, None, Failure(rel, "too_large", f"skipped: {size / 2**20:.1f} MB is over the {max_bytes / 2**20:g} MB limit (--max-file-mb)")
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -120,8 +123,11 @@ def read_source(path: Path, rel: str, max_bytes: int) -> tuple[str | None, str |
         return None, sha, Failure(rel, "binary", "binary file (contains NUL bytes), not Python source")
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-    except SyntaxError as exc:  # a coding cookie naming an unknown codec, or a BOM/cookie clash
-        return None, sha, Failure(rel, "encoding", f"bad encoding declaration: {exc.msg if hasattr(exc, 'msg') else exc}")
+    except SyntaxError as exc:
+        cookie = _COOKIE.search(b"\n".join(data.split(b"\n", 2)[:2]))
+        if cookie is not None:  # a coding cookie naming an unknown codec, or a BOM/cookie clash
+            return None, sha, Failure(rel, "encoding", f"bad encoding declaration {cookie.group(1).decode('ascii', 'replace')!r}: {getattr(exc, 'msg', exc)}")
+        encoding = "utf-8"  # undecodable bytes in the first two lines: report them as such below
     try:
         text = data.decode(encoding)
     except (UnicodeDecodeError, LookupError) as exc:

@@ -1,0 +1,705 @@
+"""sdpa: a call of ``F.scaled_dot_product_attention`` -> ``torch_npu.npu_fusion_attention``.
+
+torch_npu's own SDPA reaches the fused FlashAttention kernel only with a boolean mask (or
+``is_causal`` without one) and when grads are required (transformers#41143); otherwise it runs
+the decomposed path. Calling npu_fusion_attention directly always takes the fused kernel.
+
+The call is replaced in place inside its statement (``x = <fa>.transpose(1, 2)`` keeps
+the rest), with these conversions (spec §5.1, §13):
+
+* **mask**: SDPA's bool mask is True = *keep*, the op's is True = *masked* -> ``~mask``; an
+  additive float mask -> ``mask < 0`` (exact for 0/−inf masks; a risk). When the mask's dtype
+  cannot be known statically the fused code branches on ``mask.dtype == torch.bool`` at run
+  time (metadata only, no host sync). A float *bias* passed as ``attn_mask`` (ALiBi / T5
+  position bias) is a near miss. ``[B,1,1,Skv]`` / ``[B,N,1,Skv]`` masks are expanded over the
+  query rows (the op does not broadcast them, diffusers#14380).
+* **is_causal**: SDPA's causal is top-left aligned (``tril(ones(L, S))``) -> ``sparse_mode=2``
+  with the cached 2048×2048 mask; a run-time ``is_causal`` expression selects it at run time.
+  ``attn_mask`` together with ``is_causal=True`` is a near miss (backends disagree: the
+  documented reference rejects it, the CPU kernel intersects them).
+* **scale**: SDPA's default ``1/sqrt(D)`` is written out (the op's default is 1.0); a scale
+  that may be None (``scale=scaling``) keeps SDPA's fallback.
+* **dropout**: ``keep_prob = 1 - dropout_p`` with the caller's own expression
+  (``self.dropout if self.training else 0.0``).
+* **GQA**: ``enable_gqa=True`` or ``repeat_kv`` right before the call (dropped: the op groups
+  query heads onto kv heads natively).
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from npufuse.patterns.attention import (
+    _BIAS_WORDS,
+    atom,
+    attention_value,
+    causal_cache_lines,
+    fa_call,
+    head_dim_constant,
+    head_dim_problem,
+    is_simple,
+    mask_shape_lines,
+    repeat_info,
+)
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, source_of
+
+SDPA_NAMES = {
+    "torch.nn.functional.scaled_dot_product_attention",
+    "torch._C._nn.scaled_dot_product_attention",
+}
+_BOOL_CALLS = {"torch.tril", "torch.triu", "torch.logical_not", "torch.logical_and", "torch.logical_or", "torch.eq", "torch.ne", "torch.isin"}
+
+
+def _resolve(scope: Scope, node: ast.expr) -> ast.expr:
+    for _ in range(12):
+        if not isinstance(node, ast.Name):
+            return node
+        value = scope.definition(node.id, getattr(node, "lineno", None))
+        if value is None:
+            return node
+        node = value
+    return node
+
+
+class SdpaPattern(Pattern):
+    id = "sdpa"
+    api = "torch_npu.npu_fusion_attention"
+    title = "F.scaled_dot_product_attention as one npu_fusion_attention"
+    training_ok = True
+    bound = "memory"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        for block, i, stmt in scope.statements():
+            if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
+                continue
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Call) and module.call_name(node) in SDPA_NAMES:
+                    res = self._site(module, scope, block, i, stmt, node)
+                    if res is not None:
+                        yield res
+
+    # ---------------------------------------------------------------------------------------------
+    def _site(self, module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt, call: ast.Call) -> Result:
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+
+        def miss(reason: str) -> NearMiss:
+            return NearMiss(self.id, scope.qualname, line, end, reason)
+
+        if any(isinstance(a, ast.Starred) for a in call.args):
+            return miss("arguments passed with `*`: which one is the mask / causal flag is not visible")
+        q, k, v = (keyword(call, n, p) for n, p in (("query", 0), ("key", 1), ("value", 2)))
+        if q is None or k is None or v is None:
+            return miss("query/key/value not all visible in the call")
+        mask = keyword(call, "attn_mask", 3)
+        dropout = keyword(call, "dropout_p", 4)
+        causal = keyword(call, "is_causal", 5)
+        scale = keyword(call, "scale")
+        gqa = keyword(call, "enable_gqa")
+        kwargs_passed = [kw for kw in call.keywords if kw.arg is None]
+        risks: list[Risk] = []
+        notes: list[str] = []
+        confidence = "high"
+        if kwargs_passed:
+            confidence = "medium"
+            risks.append(Risk("other", f"`**{ast.unparse(kwargs_passed[0].value)}` is not forwarded to the fused call: only enable_gqa is meaningful there and npu_fusion_attention does GQA natively; check it carries nothing else"))
+        if mask is not None and const_value(mask) is None and isinstance(mask, ast.Constant):
+            mask = None
+        causal_v = const_value(causal) if causal is not None else False
+        if mask is not None and causal_v is True:
+            return miss(
+                "both attn_mask and is_causal=True are set: SDPA backends disagree (the documented reference "
+                "rejects it, the CPU kernel intersects them), so there is no single meaning to convert"
+            )
+        d = head_dim_constant(module, scope, [scale] if scale is not None else [])
+        problem = head_dim_problem(d)
+        if problem:
+            return miss(problem)
+
+        # GQA: ``k = repeat_kv(k, n)`` right before the call is dropped (the op groups heads itself)
+        start = i
+        k_src, v_src = source_of(module, k), source_of(module, v)
+        rep_k, rep_v = self._strip_inline_repeat(module, k), self._strip_inline_repeat(module, v)
+        n_rep = None
+        if rep_k is not None and rep_v is not None:
+            k_src, v_src, n_rep = rep_k[0], rep_v[0], rep_k[1]
+        elif isinstance(k, ast.Name) and isinstance(v, ast.Name):
+            found = self._repeat_before(module, scope, block, i, k.id, v.id, end)
+            if found is not None:
+                start, k_src, v_src, n_rep = found
+        elif self._was_repeated(module, scope, k):
+            notes.append("k/v are repeated to the query heads away from the call: the fused op receives the repeated heads (correct, without the GQA memory saving)")
+
+        # layout: all three inline ``x.transpose(1, 2)`` -> pass x as BSND
+        q_src = source_of(module, q)
+        inner = [self._bsnd_inner(module, n) for n in (q, k, v)] if n_rep is None else [None]
+        layout = "BNSD"
+        if all(x is not None for x in inner) and len(inner) == 3:
+            q_src, k_src, v_src = inner  # type: ignore[assignment]
+            layout = "BSND"
+        lines: list[str] = []
+        names: dict[str, str] = {}
+        for tag, text in (("q", q_src), ("k", k_src), ("v", v_src)):
+            if is_simple(text):
+                names[tag] = text
+            else:
+                names[tag] = f"_npufuse_{tag}"
+                lines.append(f"_npufuse_{tag} = {text}")
+        qn, kn, vn = names["q"], names["k"], names["v"]
+        if layout == "BNSD":
+            qa, ka, va = (f"{atom(x)}.contiguous()" for x in (qn, kn, vn))
+            head_num, sq, d_expr = f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[-1]"
+            risks.append(Risk("layout", "q/k/v are taken as 4-D [B,N,S,D] (SDPA also accepts other ranks) and made contiguous for the BNSD call"))
+        else:
+            qa, ka, va = qn, kn, vn
+            head_num, sq, d_expr = f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[-1]"
+        fa_kwargs: list[tuple[str, str]] = []
+
+        # mask / causal
+        mask_kind = "none"
+        sparse: str | None = None
+        if mask is not None:
+            kind = self._mask_kind(module, scope, mask)
+            if kind == "bias":
+                return miss(
+                    f"`{source_of(module, mask)}` passed as attn_mask looks like a float bias (ALiBi / position bias): it maps "
+                    "to npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)"
+                )
+            m_src = source_of(module, mask)
+            maybe_none = not self._certainly_tensor(scope, mask, block)
+            if kind == "bool":
+                conv = f"~{atom(m_src)}"
+                comment = "SDPA's bool mask is True = keep; the op's True = masked"
+            elif kind == "float":
+                conv = f"{atom(m_src)} < 0"
+                comment = "additive 0/-inf mask -> True = masked"
+                risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0`: exact for 0/−inf (or large negative) masks; graded values (a bias) would be binarised"))
+            else:
+                conv = f"~{atom(m_src)} if {atom(m_src)}.dtype == torch.bool else {atom(m_src)} < 0"
+                comment = "bool (True = keep) or additive float: decided on the dtype at run time"
+                risks.append(Risk("numerics", "the mask's dtype is not known statically: a bool mask is inverted, a float mask converted with `mask < 0` (exact for 0/−inf masks)"))
+            mask_kind = kind
+            if maybe_none:
+                lines.append(f"_npufuse_mask = None if {atom(m_src)} is None else ({conv})  # {comment}")
+            else:
+                lines.append(f"_npufuse_mask = {conv}  # {comment}")
+            lines += mask_shape_lines("_npufuse_mask", sq, maybe_none)
+        if causal is not None and causal_v is not False:
+            if causal_v is True:
+                cache, expr = causal_cache_lines(qn)
+                lines += cache
+                fa_kwargs.append(("atten_mask", expr))
+                sparse = "2"
+                mask_kind = "causal"
+            else:
+                # a run-time flag (HF: ``query.shape[2] > 1 and attention_mask is None and module.is_causal``)
+                c_src = source_of(module, causal)
+                flag = c_src if is_simple(c_src) else "_npufuse_is_causal"
+                if flag != c_src:
+                    lines.append(f"_npufuse_is_causal = {c_src}")
+                cache, expr = causal_cache_lines(qn)
+                lines += [f"if {flag}:"] + ["    " + ln for ln in cache]
+                other = "_npufuse_mask" if mask is not None else "None"
+                fa_kwargs.append(("atten_mask", f"{expr} if {flag} else {other}"))
+                sparse = f"2 if {flag} else 0"
+                mask_kind = f"causal if {c_src} else {mask_kind}"
+                notes.append("is_causal is decided at run time: top-left causal (sparse_mode 2) when it holds")
+        if mask is not None and not any(a == "atten_mask" for a, _ in fa_kwargs):
+            fa_kwargs.append(("atten_mask", "_npufuse_mask"))
+
+        # scale: SDPA's default 1/sqrt(D) made explicit
+        default = f"{d_expr} ** -0.5"
+        if scale is None or (isinstance(scale, ast.Constant) and scale.value is None):
+            scale_text = default
+        elif isinstance(const_value(scale), (int, float)):
+            scale_text = source_of(module, scale)
+        else:
+            s_src = source_of(module, scale)
+            if not is_simple(s_src):
+                lines.append(f"_npufuse_scale = {s_src}")
+                s_src = "_npufuse_scale"
+            scale_text = f"{s_src} if {s_src} is not None else {default}"
+        fa_kwargs.append(("scale", scale_text))
+
+        # dropout
+        dropout_text = "0"
+        if dropout is not None and const_value(dropout) not in (0, 0.0):
+            d_src = source_of(module, dropout)
+            fa_kwargs.append(("keep_prob", f"1.0 - {atom(d_src)}"))
+            dropout_text = d_src
+            if "training" not in d_src and "train" not in d_src:
+                risks.append(Risk("other", f"dropout_p `{d_src}` is not gated on the training flag here: check the caller passes 0 in eval (kept as written)"))
+            risks.append(Risk("numerics", "dropout masks come from the NPU's Philox stream: statistically equivalent, not bit-identical"))
+        if sparse is not None:
+            fa_kwargs.append(("sparse_mode", sparse))
+
+        fa = fa_call(qa, ka, va, head_num, layout, fa_kwargs)
+        if layout == "BSND":
+            fa = f"{fa}.transpose(1, 2)"  # SDPA returns [B, N, S, D]
+        lines.append(replace_segments(module, stmt, [(call, fa)]))
+        risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
+        params: dict[str, Any] = {
+            "mask_kind": mask_kind,
+            "mask": source_of(module, mask) if mask is not None else None,
+            "is_causal": source_of(module, causal) if causal is not None else "False",
+            "sparse_mode": sparse or "0",
+            "scale": scale_text,
+            "dropout": dropout_text,
+            "gqa": (source_of(module, gqa) if gqa is not None else None) or n_rep,
+            "layout": layout,
+            "q": q_src, "k": k_src, "v": v_src,
+            "head_dim": d,
+        }
+        variant = "sdpa" + ("+causal" if "causal" in mask_kind else "") + (f"+{mask_kind}" if mask_kind in ("bool", "float", "unknown") else "") + ("+gqa" if params["gqa"] else "")
+        guard = next((n.id for n in ast.walk(ast.parse(q_src, mode="eval")) if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F")), q_src)
+        return Finding(
+            pattern=self.id, qualname=scope.qualname, line=block[start].lineno, end_line=end, params=params,
+            fused="\n".join(lines), guard_tensor=guard, confidence=confidence, variant=variant, risks=risks, notes=notes,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _mask_kind(self, module: ModuleInfo, scope: Scope, mask: ast.expr) -> str:
+        """bool | float | bias | unknown, from how the mask is built in this function."""
+        names = {n.id.lower() for n in ast.walk(mask) if isinstance(n, ast.Name)} | {n.attr.lower() for n in ast.walk(mask) if isinstance(n, ast.Attribute)}
+        node = _resolve(scope, mask)
+        names |= {n.id.lower() for n in ast.walk(node) if isinstance(n, ast.Name)}
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and not any(isinstance(x, ast.Constant) for x in (node.left, node.right)):
+            return "bias"
+        if any(w in n for n in names for w in _BIAS_WORDS) and not any("mask" in n for n in names):
+            return "bias"
+        for _ in range(8):
+            if isinstance(node, ast.Compare) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Invert, ast.Not))):
+                return "bool"
+            if isinstance(node, ast.Call):
+                name = module.call_name(node) or ""
+                if name in _BOOL_CALLS and any(ast.unparse(kw.value) == "torch.bool" for kw in node.keywords) or name in ("torch.logical_not", "torch.logical_and", "torch.logical_or"):
+                    return "bool"
+                if isinstance(node.func, ast.Attribute):
+                    attr = node.func.attr
+                    if attr in ("bool", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "gt", "le", "ge"):
+                        return "bool"
+                    if attr == "to" and node.args and ast.unparse(node.args[0]) == "torch.bool" or any(kw.arg == "dtype" and ast.unparse(kw.value) == "torch.bool" for kw in node.keywords):
+                        return "bool"
+                    if attr in ("masked_fill",) and node.args and "inf" in ast.unparse(node.args[-1]):
+                        return "float"
+                    if attr in ("float", "half", "bfloat16") or (attr == "to" and node.args and "float" in ast.unparse(node.args[0])):
+                        return "float"
+                    if attr in ("tril", "triu", "view", "reshape", "expand", "unsqueeze", "contiguous", "repeat", "to"):
+                        node = _resolve(scope, node.func.value)
+                        continue
+                if any(kw.arg == "dtype" and ast.unparse(kw.value) == "torch.bool" for kw in node.keywords):
+                    return "bool"
+                if name in ("torch.full", "torch.zeros") or "finfo" in ast.unparse(node):
+                    return "float"
+                if name in ("torch.tril", "torch.triu") and node.args:
+                    node = _resolve(scope, node.args[0])
+                    continue
+            if isinstance(node, ast.BinOp) and ("finfo" in ast.unparse(node) or "inf" in ast.unparse(node) or "10000" in ast.unparse(node)):
+                return "float"
+            if isinstance(node, ast.Subscript):
+                node = _resolve(scope, node.value)
+                continue
+            break
+        return "unknown"
+
+    @staticmethod
+    def _certainly_tensor(scope: Scope, mask: ast.expr, block: list[ast.stmt]) -> bool:
+        """False when the mask may be None at run time: a parameter, or a name whose last assignment
+        is conditional (inside an ``if``) or not a tensor expression."""
+        tensorish = (ast.Call, ast.Compare, ast.UnaryOp, ast.BinOp, ast.Subscript)
+        if not isinstance(mask, ast.Name):
+            return isinstance(mask, tensorish)
+        last = None
+        for stmt, value in scope.assignments.get(mask.id, []):
+            if stmt.lineno < mask.lineno:
+                last = (stmt, value)
+        if last is None or not any(last[0] is b for b in block):
+            return False
+        return isinstance(last[1], tensorish) and not (isinstance(last[1], ast.Subscript) and isinstance(last[1].value, ast.Tuple))
+
+    @staticmethod
+    def _bsnd_inner(module: ModuleInfo, node: ast.expr) -> str | None:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "transpose" and len(node.args) == 2:
+            if {const_value(a) for a in node.args} == {1, 2}:
+                return source_of(module, node.func.value)
+        return None
+
+    @staticmethod
+    def _strip_inline_repeat(module: ModuleInfo, node: ast.expr) -> tuple[str, str] | None:
+        info = repeat_info(module, node)
+        if info is not None and info.grouped and info.head_dim == 1 and isinstance(node, ast.Call):
+            inner = node.func.value if isinstance(node.func, ast.Attribute) and node.func.attr == "repeat_interleave" and module.call_name(node) != "torch.repeat_interleave" else node.args[0]
+            return source_of(module, inner), info.n_rep
+        return None
+
+    def _repeat_before(self, module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, kname: str, vname: str, end: int) -> tuple[int, str, str, str] | None:
+        """``k = repeat_kv(k0, n); v = repeat_kv(v0, n)`` (or inside an ``if`` holding only those)
+        directly before the call: returns (first statement index, k0, v0, n)."""
+        j = i - 1
+        srcs: dict[str, tuple[str, str]] = {}
+        first = i
+        while j >= 0 and len(srcs) < 2:
+            st = block[j]
+            body = st.body if isinstance(st, ast.If) and not st.orelse else [st]
+            got = {}
+            for b in body:
+                if not (isinstance(b, ast.Assign) and len(b.targets) == 1 and isinstance(b.targets[0], ast.Name)):
+                    got = {}
+                    break
+                info = repeat_info(module, b.value)
+                if info is None or not info.grouped or info.head_dim != 1 or b.targets[0].id not in (kname, vname):
+                    got = {}
+                    break
+                inner = b.value.args[0] if isinstance(b.value, ast.Call) and b.value.args else None
+                if inner is None:
+                    got = {}
+                    break
+                got[b.targets[0].id] = (source_of(module, inner), info.n_rep)
+            if not got:
+                break
+            srcs.update(got)
+            first = j
+            j -= 1
+        if set(srcs) != {kname, vname}:
+            return None
+        # the repeated tensors must not be needed after the site
+        if scope.uses_after(kname, end) or scope.uses_after(vname, end):
+            return None
+        return first, srcs[kname][0], srcs[vname][0], srcs[kname][1]
+
+    @staticmethod
+    def _was_repeated(module: ModuleInfo, scope: Scope, k: ast.expr) -> bool:
+        node = _resolve(scope, k)
+        return repeat_info(module, node) is not None if isinstance(node, ast.Call) else False
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        res = attention_value(finding, config, "SDPA")
+        res["note"] = (
+            "on NPU, SDPA itself reaches the fused kernel only with a bool mask (or is_causal without one) and "
+            "when grads are required (transformers#41143); otherwise it runs decomposed — the estimate is that case"
+        )
+        return res
+
+    @staticmethod
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        """SDPA's math: softmax(q kᵀ·scale + mask) @ v; bool mask True = keep; causal top-left."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    FUSE: list = []
+    KEEP: list = []
+
+
+_HF_REPEAT_KV = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+class _Mod:
+    training = False
+    is_causal = True
+    num_key_value_groups = 2
+'''
+
+SdpaPattern.FUSE = [
+    Fuse(
+        name="hf_sdpa_attention_forward",
+        # transformers integrations/sdpa_attention.py (simplified): run-time is_causal, scale may be None
+        code=_HF_REPEAT_KV + '''
+
+def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    if hasattr(module, "num_key_value_groups"):
+        key = repeat_kv(key, module.num_key_value_groups)
+        value = repeat_kv(value, module.num_key_value_groups)
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    attn_output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal
+    )
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, None
+''',
+        expect={"mask_kind": "causal if is_causal else unknown", "scale": "scaling if scaling is not None else query.shape[-1] ** -0.5",
+                "is_causal": "is_causal", "qualname": "sdpa_attention_forward"},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 2, 8, 16, requires_grad=True)
+v = torch.randn(2, 2, 8, 16, requires_grad=True)
+keep = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+out = (sdpa_attention_forward(_Mod(), q, k, v, None)[0], sdpa_attention_forward(_Mod(), q, k, v, keep)[0])
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="timm_fused_attn",
+        code='''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=64, num_heads=4, attn_drop=0.1):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.attn_drop = nn.Dropout(attn_drop)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        return x.transpose(1, 2).reshape(B, N, C)
+''',
+        expect={"mask_kind": "none", "dropout": "self.attn_drop.p if self.training else 0.0", "scale": "q.shape[-1] ** -0.5", "layout": "BNSD"},
+        run='''
+m = Attention().eval()
+x = torch.randn(2, 10, 64, requires_grad=True)
+out = m(x)
+leaves = [x, m.qkv.weight]
+''',
+    ),
+    Fuse(
+        name="nanogpt_flash_causal",
+        code='''
+import torch
+import torch.nn as nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd=64, n_head=4, dropout=0.0):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(B, T, C)
+''',
+        expect={"mask_kind": "causal", "sparse_mode": "2", "dropout": "self.dropout if self.training else 0"},
+        run='''
+m = CausalSelfAttention().train()
+x = torch.randn(2, 16, 64, requires_grad=True)
+out = m(x)
+leaves = [x, m.c_attn.weight]
+''',
+    ),
+    Fuse(
+        name="gqa_causal_sq_ne_skv",
+        # enable_gqa with a causal prefill chunk: SDPA's causal is top-left (sparse_mode 2) when Sq != Skv
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+def chunk_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+''',
+        expect={"gqa": "True", "sparse_mode": "2"},
+        run='''
+q = torch.randn(2, 8, 4, 32, requires_grad=True)
+k = torch.randn(2, 2, 10, 32, requires_grad=True)
+v = torch.randn(2, 2, 10, 32, requires_grad=True)
+out = chunk_attention(q, k, v)
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="bool_key_padding_mask",
+        # ESM / encoder style: bool keep mask [B, 1, 1, S] (True = attend), expanded over the query rows
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+def encoder_attention(q, k, v, key_padding_mask, scale):
+    mask = key_padding_mask[:, None, None, :].bool()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+''',
+        expect={"mask_kind": "bool", "scale": "scale if scale is not None else q.shape[-1] ** -0.5"},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+pad = torch.ones(2, 8)
+pad[1, 6:] = 0
+out = encoder_attention(q, k, v, pad, 0.25)
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="diffusers_attn_processor_float_mask",
+        # diffusers AttnProcessor2_0: mask viewed [B, heads, -1, S], float additive, BNSD from view+transpose
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+class AttnProcessor2_0:
+    def __call__(self, attn, hidden_states, attention_mask=None):
+        batch_size, sequence_length, _ = hidden_states.shape
+        if attention_mask is not None:
+            # scaled_dot_product_attention expects attention_mask shape to be (batch, heads, source_length, target_length)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)
+        inner_dim = key.shape[-1]
+        head_dim = inner_dim // attn.heads
+        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        hidden_states = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False
+        )
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        return attn.to_out(hidden_states)
+
+
+class Attn(torch.nn.Module):
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (torch.nn.Linear(dim, dim) for _ in range(4))
+''',
+        expect={"mask_kind": "unknown", "is_causal": "False", "dropout": "0", "qualname": "AttnProcessor2_0.__call__"},
+        run='''
+attn = Attn()
+h = torch.randn(2, 8, 64, requires_grad=True)
+mask = torch.zeros(2, 4, 1, 8)
+mask[0, :, :, 5:] = -10000.0
+out = AttnProcessor2_0()(attn, h, mask)
+leaves = [h, attn.to_q.weight]
+''',
+    ),
+    Fuse(
+        name="bsnd_inline_transpose_bf16",
+        # q/k/v kept in BSND and transposed inline: fused as BSND without copies
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+def attend_bsnd(q, k, v):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return out.transpose(1, 2)
+''',
+        expect={"layout": "BSND", "q": "q", "sparse_mode": "2"},
+        run='''
+q = torch.randn(2, 16, 4, 32).bfloat16().requires_grad_()
+k = torch.randn(2, 16, 4, 32).bfloat16().requires_grad_()
+v = torch.randn(2, 16, 4, 32).bfloat16().requires_grad_()
+out = attend_bsnd(q, k, v).float()
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="repeat_kv_before_call",
+        # GQA expanded right before the call: dropped, the op groups heads itself
+        code=_HF_REPEAT_KV + '''
+
+class Attention(nn.Module):
+    def __init__(self, n_rep=2):
+        super().__init__()
+        self.n_rep = n_rep
+
+    def forward(self, q, k, v, mask=None):
+        k = repeat_kv(k, self.n_rep)
+        v = repeat_kv(v, self.n_rep)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out
+''',
+        expect={"gqa": "self.n_rep", "k": "k", "mask_kind": "unknown"},
+        run='''
+m = Attention()
+q = torch.randn(1, 4, 8, 16, requires_grad=True)
+k = torch.randn(1, 2, 8, 16, requires_grad=True)
+v = torch.randn(1, 2, 8, 16, requires_grad=True)
+mask = torch.full((8, 8), float("-inf")).triu(1)
+out = (m(q, k, v, mask), m(q, k, v))
+leaves = [q, k, v]
+''',
+    ),
+]
+
+SdpaPattern.KEEP = [
+    Keep(
+        name="mask_and_is_causal",
+        code='''
+import torch.nn.functional as F
+
+
+def both(q, k, v, pad_mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask, is_causal=True)
+''',
+        reason="both attn_mask and is_causal",
+    ),
+    Keep(
+        name="t5_position_bias",
+        code='''
+import torch.nn.functional as F
+
+
+def t5_sdpa(q, k, v, position_bias):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=position_bias, scale=1.0)
+''',
+        reason="float bias",
+    ),
+    Keep(
+        name="mask_plus_alibi",
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+def alibi_sdpa(q, k, v, mask, slopes):
+    alibi = slopes[:, None, None] * torch.arange(k.shape[-2], device=k.device)[None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask + alibi)
+''',
+        reason="float bias",
+    ),
+    Keep(
+        name="head_dim_72_scale",
+        code='''
+import torch.nn.functional as F
+
+
+def dit_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, scale=72 ** -0.5)
+''',
+        reason="not a multiple of 16",
+    ),
+    Keep(
+        name="starred_args",
+        code='''
+import torch.nn.functional as F
+
+
+def packed(qkv):
+    return F.scaled_dot_product_attention(*qkv.unbind(0))
+''',
+        reason="passed with `*`",
+    ),
+]

@@ -1,0 +1,107 @@
+"""Which files a scan reads: gitignore, skipped folders, symlinks, order."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from npufuse.scan.walk import walk
+
+
+def _touch(root: Path, rel: str, text: str = "x = 1\n") -> None:
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+
+
+def test_sorted_relative_posix_paths(tmp_path):
+    for rel in ("b.py", "a/z.py", "a/b/c.py", "a.py", "notes.txt", "a/data.json"):
+        _touch(tmp_path, rel)
+    res = walk(tmp_path)
+    assert res.files == sorted(["a.py", "a/b/c.py", "a/z.py", "b.py"])
+    assert all("\\" not in f for f in res.files)
+    assert res.failed == []
+
+
+def test_gitignore_root_nested_and_negation(tmp_path):
+    _touch(tmp_path, ".gitignore", "ignored/\n*.gen.py\n!keep.gen.py\n")
+    _touch(tmp_path, "ignored/m.py")
+    _touch(tmp_path, "x.gen.py")
+    _touch(tmp_path, "keep.gen.py")
+    _touch(tmp_path, "sub/.gitignore", "local.py\n")
+    _touch(tmp_path, "sub/local.py")
+    _touch(tmp_path, "sub/kept.py")
+    _touch(tmp_path, "local.py")  # the nested rule applies only below sub/
+    res = walk(tmp_path)
+    assert res.files == ["keep.gen.py", "local.py", "sub/kept.py"]
+    assert {"path": "ignored/", "reason": ".gitignore"} in res.skipped
+
+
+def test_enclosing_gitignore_up_to_the_work_tree(tmp_path):
+    (tmp_path / ".git").mkdir()
+    _touch(tmp_path, ".gitignore", "generated/\n")
+    _touch(tmp_path, "pkg/generated/a.py")
+    _touch(tmp_path, "pkg/src.py")
+    res = walk(tmp_path / "pkg")
+    assert res.files == ["src.py"]
+
+
+@pytest.mark.parametrize("folder", [".venv", "venv", "site-packages", "build", "dist", ".git", "node_modules", "__pycache__", ".tox", "x.egg-info", ".npufuse"])
+def test_skipped_folders(tmp_path, folder):
+    _touch(tmp_path, f"{folder}/inner.py")
+    _touch(tmp_path, "kept.py")
+    res = walk(tmp_path)
+    assert res.files == ["kept.py"]
+    assert [s["path"] for s in res.skipped] == [f"{folder}/"]
+
+
+def test_virtualenv_by_marker_under_any_name(tmp_path):
+    _touch(tmp_path, "myenv/pyvenv.cfg", "home = /usr\n")
+    _touch(tmp_path, "myenv/lib/python3.11/site.py")
+    _touch(tmp_path, "conda/conda-meta/history", "")
+    _touch(tmp_path, "conda/lib/x.py")
+    res = walk(tmp_path)
+    assert res.files == []
+    assert {s["reason"] for s in res.skipped} == {"virtualenv", "conda environment"}
+
+
+def test_symlink_loop_to_ancestor_is_reported_not_followed(tmp_path):
+    _touch(tmp_path, "pkg/a.py")
+    os.symlink(tmp_path / "pkg", tmp_path / "pkg" / "loop")
+    res = walk(tmp_path)
+    assert res.files == ["pkg/a.py"]
+    assert [(f.file, f.kind) for f in res.failed] == [("pkg/loop/", "symlink_loop")]
+
+
+def test_self_referential_symlink_file(tmp_path):
+    os.symlink("self.py", tmp_path / "self.py")
+    _touch(tmp_path, "ok.py")
+    res = walk(tmp_path)
+    assert res.files == ["ok.py"]
+    assert [(f.file, f.kind) for f in res.failed] == [("self.py", "symlink_loop")]
+    assert "symlink loop" in res.failed[0].error
+
+
+def test_broken_symlink_and_duplicates(tmp_path):
+    os.symlink(tmp_path / "missing.py", tmp_path / "dangling.py")
+    _touch(tmp_path, "real/a.py")
+    os.symlink(tmp_path / "real", tmp_path / "alias")  # the same folder twice: scanned once
+    os.symlink(tmp_path / "real" / "a.py", tmp_path / "b.py")  # the same file twice: scanned once
+    res = walk(tmp_path)
+    assert len([f for f in res.files if f.endswith("a.py") or f == "b.py"]) == 1
+    assert [(f.file, f.kind) for f in res.failed] == [("dangling.py", "broken_symlink")]
+
+
+def test_single_file_target(tmp_path):
+    _touch(tmp_path, "pkg/model.py")
+    res = walk(tmp_path / "pkg" / "model.py")
+    assert res.root == tmp_path / "pkg"
+    assert res.files == ["model.py"]
+
+
+def test_data_files_named_for_configuration(tmp_path):
+    for rel in ("config.json", "configs/llama.yaml", "model/generation_config.json", "data.json", "x.yaml"):
+        _touch(tmp_path, rel, "{}")
+    assert walk(tmp_path).data_files == ["config.json", "configs/llama.yaml", "model/generation_config.json"]
