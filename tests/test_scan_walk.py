@@ -105,3 +105,11 @@ def test_data_files_named_for_configuration(tmp_path):
     for rel in ("config.json", "configs/llama.yaml", "model/generation_config.json", "data.json", "x.yaml"):
         _touch(tmp_path, rel, "{}")
     assert walk(tmp_path).data_files == ["config.json", "configs/llama.yaml", "model/generation_config.json"]
+
+
+def test_an_explicitly_named_ignored_folder_is_scanned(tmp_path):
+    (tmp_path / ".git").mkdir()
+    _touch(tmp_path, ".gitignore", "/data/\n")
+    _touch(tmp_path, "data/corpus/m.py")
+    assert walk(tmp_path / "data" / "corpus").files == ["m.py"]
+    assert walk(tmp_path).files == []

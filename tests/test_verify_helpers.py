@@ -103,3 +103,106 @@ def test_fake_apply_writes_guarded_site(tmp_path: Path) -> None:
     assert '_npufuse_switch("NPUFUSE_RMS_NORM_1")' in text and "# npufuse: rms_norm" in text
     state = json.loads((sd / "state.json").read_text())
     assert state["candidates"][0]["applied"]["span"][0] > 0
+
+
+# -- a torch-free fake trainer for e2e tests ------------------------------------------------------
+# Pure Python so each child starts in milliseconds: the repo ships its own `torch_npu.py` stub,
+# which the probe treats as the real torch_npu (instrumented, backend "real").
+
+FAKE_MODEL = textwrap.dedent(
+    '''\
+    import math
+
+
+    class Vec(list):
+        is_npu = True
+
+
+    def norm(x, w, eps):
+        ms = sum(v * v for v in x) / len(x)
+        r = 1.0 / math.sqrt(ms + eps)
+        return [v * r * wi for v, wi in zip(x, w)]
+    '''
+)
+FAKE_SPAN = (9, 11)
+FAKE_FUSED = {
+    "ok": "return torch_npu.npu_rms_norm(x, w, eps)",
+    "diverge": "return [v * 1.05 for v in torch_npu.npu_rms_norm(x, w, eps)]",
+    "nan": "return [float('nan') for v in torch_npu.npu_rms_norm(x, w, eps)]",
+    "crash": "raise RuntimeError('fused kernel exploded')",
+    "nocall": "return [v * (1.0 / math.sqrt(sum(u * u for u in x) / len(x) + eps)) * wi for v, wi in zip(x, w)]",
+}
+
+FAKE_TORCH_NPU = textwrap.dedent(
+    '''\
+    """Test stub standing in for torch_npu (pure Python)."""
+    import math
+
+    CALLS = [0]
+
+
+    def npu_rms_norm(x, w, epsilon=1e-6):
+        CALLS[0] += 1
+        ms = sum(v * v for v in x) / len(x)
+        r = 1.0 / math.sqrt(ms + epsilon)
+        return [v * r * wi for v, wi in zip(x, w)]
+    '''
+)
+
+FAKE_TRAIN = textwrap.dedent(
+    '''\
+    import argparse, math, os, subprocess, sys, time
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fakemodel
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--crash-at", type=int, default=0)
+    p.add_argument("--hang-at", type=int, default=0)
+    p.add_argument("--format", default="step")
+    p.add_argument("--faster", type=float, default=1.0, help="printed step time factor when the fused op ran")
+    a = p.parse_args()
+    x = [0.5, -1.0, 2.0, 0.25]
+    w = [1.0, 0.9, 1.1, 1.2]
+    ref = sum(abs(v) for v in [v * wi / math.sqrt(sum(u * u for u in x) / 4 + 1e-6) for v, wi in zip(x, w)])
+    for step in range(1, a.steps + 1):
+        if step == a.crash_at:
+            raise SystemExit("trainer crashed on purpose")
+        if step == a.hang_at:
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            open("grandchild.pid", "w").write(str(child.pid))
+            time.sleep(300)
+        try:
+            import torch_npu
+            before = torch_npu.CALLS[0]
+        except ImportError:
+            before = 0
+        y = fakemodel.norm(fakemodel.Vec(x), w, 1e-6)
+        fused = "torch_npu" in sys.modules and sys.modules["torch_npu"].CALLS[0] > before
+        loss = (2.0 * math.exp(-step / 20) + 0.5) * sum(abs(v) for v in y) / ref
+        st = 0.1 * (a.faster if fused else 1.0) * (1 + 0.02 * math.sin(step * 1.7))
+        if a.sleep:
+            time.sleep(a.sleep)
+        if a.format == "hf":
+            print({"loss": round(loss, 6), "grad_norm": 1.0, "learning_rate": 5e-5, "epoch": step / 100})
+        elif a.format == "megatron":
+            print(f" iteration {step:8d}/     100 | consumed samples: {step * 8} | elapsed time per iteration (ms): {st * 1000:.1f} | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.234 |")
+        else:
+            print(f"step {step} loss {loss:.6f} step_time {st:.6f}")
+        sys.stdout.flush()
+    '''
+)
+
+
+def fake_repo(tmp: Path, variant: str = "ok") -> Path:
+    """The fake trainer repo with candidate 1 (fakemodel.norm) applied; returns the state dir."""
+    (tmp / "fakemodel.py").write_text(FAKE_MODEL)
+    (tmp / "torch_npu.py").write_text(FAKE_TORCH_NPU)
+    (tmp / "train.py").write_text(FAKE_TRAIN)
+    f = Finding(pattern="rms_norm", qualname="norm", line=FAKE_SPAN[0], end_line=FAKE_SPAN[1], params={}, fused=FAKE_FUSED[variant], guard_tensor="x")
+    sd = fake_apply(tmp, "fakemodel.py", [f])
+    state = State.load(sd)
+    state.set_status(1, "e2e_checking", "op check passed (test set-up)")
+    state.save()
+    return sd

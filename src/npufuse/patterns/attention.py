@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, replace_segments, source_of
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
 MATMULS = {"torch.matmul", "torch.bmm"}
@@ -1290,19 +1290,21 @@ class AttentionPattern(Pattern):
     bound = "memory"
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        text = scope_text(module, scope)
+        # no softmax, no eager attention: skip the scope without walking it
+        if "softmax" not in text.lower() or not ("@" in text or "matmul" in text or "bmm" in text or "einsum" in text):
+            return
         blocks: dict[int, list[ast.stmt]] = {}
-        for block, _i, _stmt in scope.statements():
-            blocks.setdefault(id(block), block)
+        anchors: dict[int, list[tuple[ast.AST, tuple[Any, Any, str]]]] = {}
+        for block, _i, stmt in scope.statements():
+            found = self._anchors(module, stmt)
+            if found:
+                blocks.setdefault(id(block), block)
+                anchors[id(stmt)] = found
         for block in blocks.values():
-            if not any(self._anchors(module, s) for s in block):
-                continue
             interp = BlockInterp(block)
-            matcher_done: set[int] = set()
             for i, stmt in enumerate(block):
-                for node, pv in self._anchors(module, stmt):
-                    if id(node) in matcher_done:
-                        continue
-                    matcher_done.add(id(node))
+                for node, pv in anchors.get(id(stmt), []):
                     res = self._site(module, scope, interp, i, stmt, node, pv)
                     if res is not None:
                         yield res

@@ -89,7 +89,7 @@ class _Act:
             return "silu"
         if self.kind == "config":
             return f"config ({self.owner}.{self.text})"
-        return self.text.replace("{x}", "x")
+        return self.text.format(owner=self.owner, x="x")
 
 
 @dataclass
@@ -127,6 +127,7 @@ class _Site:
     out_name: str = ""
     out_mode: str = "assign"  # "assign" (fresh accumulator in the span) | "add" (accumulate into it)
     out_dtype: str = ""
+    sentinel: str = ""  # index value E that marks tokens no (local) expert takes (one_hot over E + 1)
     first_line: int = 0
     last_line: int = 0
 
@@ -146,10 +147,12 @@ class MoeExperts(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
             return  # no torch in this file
+        # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
+        quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
                 continue
-            looks = _looks_like_moe(module, stmt)
+            looks = _looks_like_moe(module, stmt) and not quiet
             try:
                 site = _analyze_loop(module, scope, block, i, stmt)
             except _Miss as miss:
@@ -353,6 +356,10 @@ class _Eval:
             return
         if isinstance(s, (ast.Continue, ast.Pass)):
             return
+        if isinstance(s, ast.With) and all(isinstance(b, ast.Assign) for b in s.body):
+            for b in s.body:  # `with torch.no_grad(): idx, top_x = torch.where(...)`
+                self.stmt(b)
+            return
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def _assign(self, s: ast.Assign, tgt: ast.expr) -> None:
@@ -372,6 +379,9 @@ class _Eval:
                 for n, v in zip(names, val.args):
                     self.env[n] = v
                 return
+            if val.kind == "unknown" and isinstance(s.value, ast.Call) and _canon(self.m, s.value.func) == "torch.where":
+                raise _Miss(f"tokens are picked with `{ast.unparse(s.value)[:50]}` from a mask that is not "
+                            "one_hot(expert indices).permute(...) built in this function (e.g. a router mask with capacity)")
             raise _Miss(f"unrecognised unpacking in the expert loop: `{ast.unparse(s)[:60]}`")
         if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name):
             # DeepSeek: y[flat_topk_idx == i] = expert(x[flat_topk_idx == i])
@@ -667,6 +677,9 @@ class _Eval:
             orient = "in_out" if transposed else "out_in"
         else:
             orient = "out_in" if transposed else "in_out"
+        if src.kind == "unknown" and src.args:
+            raise _Miss(f"the expert activation `{str(src.args[0])[:60]}` is not recognised: only silu-gated, "
+                        "act(gate) * up and plain act(x) experts map onto npu_swiglu / grouped matmul (clamped or custom gates do not)")
         if src.kind not in ("x", "x_sorted", "glu", "act", "scaled"):
             raise _Miss("a stacked expert projection is applied to something other than the tokens or the hidden activation")
         return V("proj", (("stk", dotted(w.value) or "", orient), src))
@@ -745,8 +758,12 @@ class _Eval:
             raise _Miss("tokens are not selected from a one-hot expert mask or the expert indices")
         if not self.probs:
             raise _Miss("no routing weights found")
+        sentinel = ""
         if self.sentinel and self.sentinel != ncls:
-            raise _Miss(f"tokens routed to the sentinel expert index {self.sentinel} are skipped: permute would keep them")
+            if not ncls or _norm(ncls) != _norm(f"{self.sentinel} + 1"):
+                raise _Miss(f"tokens routed to expert index {self.sentinel} are skipped, but the mask has {ncls or 'unknown'} classes")
+            # one_hot over E + 1 with index E skipped (v5 experts; E marks tokens no local expert takes)
+            sentinel, ncls = self.sentinel, self.sentinel
         if self.loop_kind == "expert_hit":
             self._check_hit(indices)
             self.num_experts = self.bins = ncls
@@ -759,7 +776,8 @@ class _Eval:
                 self.num_experts = f"len({self._container_text()})"
                 self.bins = f"len({P}experts)"
         site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
-                     probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc)
+                     probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc,
+                     sentinel=sentinel)
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
         self._experts_list(site)
         self._span(block, i, site, acc, extra={*self.masks, *self._hit_names()})
@@ -951,6 +969,10 @@ class _Eval:
         raise _Miss(f"`{acc}` starts from `{ast.unparse(value)[:50]}`, not zeros: rows no expert writes would differ")
 
 
+def _norm(text: str) -> str:
+    return "".join(text.split())
+
+
 def _container_of(node: ast.expr) -> ast.expr:
     """``self.experts`` of ``self.experts`` / ``self.experts.values()``."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "values" and not node.args:
@@ -1043,6 +1065,8 @@ def _method(module: ModuleInfo, cls: ast.ClassDef, name: str) -> Optional[ast.Fu
 
 def _activation_value(module: ModuleInfo, value: ast.expr, attr: str, owner: str) -> Optional[_Act]:
     if isinstance(value, ast.Subscript) and (dotted(value.value) or "").split(".")[-1] == "ACT2FN":
+        if isinstance(value.slice, ast.Constant) and value.slice.value in ("silu", "swish"):
+            return _Act("silu")  # ACT2FN["silu"]: fixed, not chosen by config
         return _Act("config", attr, owner)
     if isinstance(value, ast.Call):
         name = _canon(module, value.func)
@@ -1327,10 +1351,19 @@ def _fused_text(site: _Site) -> str:
         ]
     else:
         e = site.bins
+        indices, probs = site.indices, site.probs
+        if site.sentinel:
+            lines += [
+                f"# index {e} marks tokens no (local) expert takes and the loop skips them: fold them into expert",
+                f"# {e} - 1 with routing weight 0, which adds exactly nothing (shapes stay static)",
+                f"{P}idx = {indices}.clamp(max={e} - 1)",
+                f"{P}probs = {probs}.masked_fill({indices} == {e}, 0)",
+            ]
+            indices, probs = f"{P}idx", f"{P}probs"
         lines += [
-            f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {site.indices})",
+            f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})",
             "# per-expert token counts without a host sync (histc over [0, E): exact integer bins)",
-            f"{P}counts = torch.histc({site.indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
+            f"{P}counts = torch.histc({indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
         ]
     h = f"{P}h"
     lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
@@ -1340,7 +1373,8 @@ def _fused_text(site: _Site) -> str:
     if site.routing == "sorted_counts":
         lines.append(f"{out} = {h}")
     else:
-        probs = f", probs={site.probs}.to({h}.dtype)" if site.routing == "mask_where" else ""
+        probs_name = f"{P}probs" if site.sentinel else site.probs
+        probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else ""
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
         if site.out_mode == "assign":
             lines.append(f"{out} = {result}.to({site.out_dtype})")
@@ -1379,6 +1413,7 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         "counts": site.counts or None,
         "output": site.out_name,
         "output_dtype": site.out_dtype or None,
+        "sentinel_index": site.sentinel or None,
     }
     risks = [
         Risk("dynamic_shape", "per-expert token counts are data dependent: the fused path keeps every shape static "
@@ -1420,6 +1455,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
                      f"{site.counts} stays on the device (the original moves it to the host)")
     if site.loop == "expert_hit":
         notes.append("the loop visits only experts that received tokens; the grouped matmul skips empty groups itself")
+    cls = module.classes.get(scope.class_name or "")
+    if cls is not None and any("experts_implementation" in (dotted(d) or dotted(getattr(d, "func", None)) or "") for d in cls.decorator_list):
+        notes.append("transformers v5 `@use_experts_implementation`: this eager forward (and so the rewrite) runs only "
+                     "with experts_implementation='eager'; the grouped_mm/batched_mm implementations bypass it")
     variant = {"mask_where": "one_hot_where", "flat_mask": "flat_index_mask", "sorted_counts": "sorted_counts"}[site.routing]
     if mlp.layout == "stacked":
         variant += "_stacked"
@@ -1720,7 +1759,7 @@ class Qwen3MoeExperts(nn.Module):
     ) -> torch.Tensor:
         final_hidden_states = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts)
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
             expert_mask = expert_mask.permute(2, 1, 0)
             expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
 
@@ -1747,6 +1786,7 @@ with torch.no_grad():
     ex.down_proj.normal_(0, 0.2)
 x = torch.randn(9, 16, requires_grad=True)
 top_k_weights, top_k_index = torch.randn(9, 5).softmax(-1).topk(2, dim=-1)
+top_k_index[2, 1] = top_k_index[7, 0] = 5  # expert parallel: index E = "no local expert"
 top_k_weights.requires_grad_(True)
 out = ex(x, top_k_index, top_k_weights)
 leaves = [x, ex.gate_up_proj, ex.down_proj, top_k_weights]
@@ -2089,29 +2129,37 @@ class BiasedMoE(nn.Module):
         return out
 '''
 
-_KEEP_SENTINEL = _HEAD + '''
-class PrunedExperts(nn.Module):
+_KEEP_CLAMPED = _HEAD + '''
+class DeepseekV4Experts(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.num_experts = config.num_experts
+        self.num_experts = config.n_routed_experts
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * config.moe_intermediate_size, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, config.moe_intermediate_size))
-        self.act_fn = nn.SiLU()
+        self.limit = config.swiglu_limit
+        self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_states, router_indices, routing_weights):
-        next_states = torch.zeros_like(hidden_states)
-        # index num_experts marks tokens that were routed to a pruned expert
-        expert_mask = F.one_hot(router_indices, num_classes=self.num_experts + 1).permute(2, 1, 0)
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in expert_hit:
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in hit:
             expert_idx = expert_idx[0]
             if expert_idx == self.num_experts:
                 continue
-            pos, token_idx = torch.where(expert_mask[expert_idx])
-            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-            out = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
-            next_states.index_add_(0, token_idx, out * routing_weights[token_idx, pos, None])
-        return next_states
+            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
+            current = self._apply_gate(gate_up)
+            current = F.linear(current, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, current.to(final.dtype))
+        return final
 '''
 
 
@@ -2131,7 +2179,8 @@ MoeExperts.FUSE = [
     Fuse(_QWEN3_V5, name="transformers_v5_stacked_experts", run=_QWEN3_V5_RUN, expect={
         "layout": "stacked_out_in", "weights": {"gate_up": "self.gate_up_proj", "down": "self.down_proj"},
         "num_experts": "self.num_experts", "top_k": "top_k_index.shape[-1]", "routing_weights": "after_down",
-        "loop": "expert_hit", "output_dtype": "hidden_states.dtype", "variant": "one_hot_where_stacked"}),
+        "loop": "expert_hit", "output_dtype": "hidden_states.dtype", "variant": "one_hot_where_stacked",
+        "sentinel_index": "self.num_experts"}),
     Fuse(_DEEPSEEK_V2, name="deepseek_v2_flat_index_training", run=_DEEPSEEK_V2_RUN, expect={
         "routing": "flat_mask", "loop": "enumerate_experts", "indices": "flat_topk_idx", "tokens": "hidden_states",
         "routing_weights": "after_loop", "num_experts": "len(self.experts)", "output": "y"}),
@@ -2143,7 +2192,7 @@ MoeExperts.FUSE = [
         "activation": "silu_gated", "routing_weights": "before_down", "indices": "indices", "probs": "scores",
         "num_experts": "self.w1.shape[0]"}),
     Fuse(_PLAIN_GELU, name="plain_gelu_experts_enumerate", run=_PLAIN_GELU_RUN, expect={
-        "activation": "plain:{owner}.act(x)", "weights": {"fc1": "fc1", "down": "fc2"}, "loop": "enumerate_experts",
+        "activation": "plain:expert.act(x)", "weights": {"fc1": "fc1", "down": "fc2"}, "loop": "enumerate_experts",
         "num_experts": "len(self.experts)", "top_k": "2", "output_dtype": "x.dtype"}),
 ]
 
@@ -2155,5 +2204,5 @@ MoeExperts.KEEP = [
     Keep(_KEEP_SEQUENTIAL, reason="not a token dispatch", name="sequential_expert_chain"),
     Keep(_KEEP_SWITCH, reason="router masks", name="switch_transformers_router_mask"),
     Keep(_KEEP_BIAS, reason="bias", name="expert_linear_with_bias"),
-    Keep(_KEEP_SENTINEL, reason="sentinel", name="gpt_oss_style_sentinel_index"),
+    Keep(_KEEP_CLAMPED, reason="not recognised", name="clamped_swiglu_custom_gate"),
 ]

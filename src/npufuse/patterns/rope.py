@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import torch
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, same_expr, source_of, strip_casts
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
@@ -513,6 +513,13 @@ class RopePattern(Pattern):
 
     # ---------------------------------------------------------------------------------------------
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        text = scope_text(module, scope)
+        # a rotation needs ``a*c + b*s`` and either a helper call, an inline cat/stack, or view_as_real
+        if "*" not in text or ("+" not in text and "view_as_real" not in text):
+            return
+        hints = self._rotation_hints(module)
+        if not any(h in text for h in hints):
+            return
         runs: list[tuple[list[ast.stmt], list[tuple[int, ast.stmt, list[_Match]]]]] = []
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
@@ -532,6 +539,24 @@ class RopePattern(Pattern):
                 runs.append((block, [(i, stmt, matches)]))
         for _block, items in runs:
             yield self._finding(module, scope, items)
+
+    @staticmethod
+    def _rotation_hints(module: ModuleInfo) -> tuple[str, ...]:
+        """Substrings one of which any rope site in this module contains: the names of functions
+        defined or imported here (a rotation helper is called by name), inline cat/stack, the
+        complex form. Computed once per module."""
+        hints = module.__dict__.get("_rope_hints")
+        if hints is None:
+            # helpers that could be rotations: they concatenate/stack (or are imported/named so)
+            def could_rotate(fn: ast.AST) -> bool:
+                body = segment(module, fn)
+                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body
+
+            names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()}
+            for cls in module.classes.values():
+                names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
+            hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real")
+        return hints
 
     @staticmethod
     def _candidates(stmt: ast.stmt) -> list[ast.expr]:
@@ -584,7 +609,7 @@ class RopePattern(Pattern):
             )
         if mode == "interleave" and not (cinfo.batch_free and sinfo.batch_free):
             return (
-                f"interleave mode with cos/sin that may depend on the batch (`{source_of(module, cos)}`: {cinfo.layout or 'shape not known'}): "
+                f"interleave mode with cos/sin that may depend on the batch (`{segment(module, cos)}`: {cinfo.layout or 'shape not known'}): "
                 "npu_rotary_mul's interleave mode takes only 11SD / 1S1D / S11D cos/sin (no per-batch positions)"
             )
         rotary_dim = "full"
@@ -593,7 +618,7 @@ class RopePattern(Pattern):
         if isinstance(xr, ast.Subscript) and xr is not x:
             sl = _Halves(scope, lambda n: True)._last_dim_slice(xr)
             if sl is not None and sl.lower is None and sl.step is None and sl.upper is not None:
-                rotary_dim = source_of(module, sl.upper)
+                rotary_dim = segment(module, sl.upper)
                 d = const_value(_resolve(scope, sl.upper))
         if isinstance(d, int) and not isinstance(d, bool):
             if d % 2:
@@ -601,8 +626,8 @@ class RopePattern(Pattern):
             if d >= _MAX_D:
                 return f"rotary dim {d} is not below {_MAX_D}, the npu_rotary_mul limit"
         return _Match(
-            node=node, mode=mode, x=x, cos=source_of(module, cos), sin=source_of(module, sin), cos_node=cos, sin_node=sin,
-            x_text=source_of(module, x), cos_info=cinfo, rotary_dim=rotary_dim,
+            node=node, mode=mode, x=x, cos=segment(module, cos), sin=segment(module, sin), cos_node=cos, sin_node=sin,
+            x_text=segment(module, x), cos_info=cinfo, rotary_dim=rotary_dim,
             x_dtype=_dtype_token(scope, x), cs_dtype=self._same_token(_dtype_token(scope, cos), _dtype_token(scope, sin)),
         )
 
@@ -637,12 +662,12 @@ class RopePattern(Pattern):
             finfo = _cos_info(scope, freqs, module)
             if not finfo.batch_free:
                 return (
-                    f"complex rope with `{source_of(module, freqs)}` not provably batch-independent: the interleave "
+                    f"complex rope with `{segment(module, freqs)}` not provably batch-independent: the interleave "
                     "mode of npu_rotary_mul takes only 11SD / 1S1D / S11D cos/sin"
                 )
-            f_src = _atom(source_of(module, freqs))
-            xc_src = _atom(source_of(module, xc))
-            tag = _ident(source_of(module, freqs))
+            f_src = _atom(segment(module, freqs))
+            xc_src = _atom(segment(module, xc))
+            tag = _ident(segment(module, freqs))
             cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
             prep = [
                 f"{cos} = {f_src}.real.repeat_interleave(2, dim=-1)  # complex form = interleave rotation: cos of each lane pair",
@@ -724,13 +749,13 @@ class RopePattern(Pattern):
             "cos": first.cos if mode != "complex" else "freqs.real.repeat_interleave(2)",
             "sin": first.sin if mode != "complex" else "freqs.imag.repeat_interleave(2)",
             "cos_layout": ci.layout,
-            "targets": [m.x_text if m.mode != "complex" else source_of(module, strip_casts(m.x)[0]) for m in all_matches],
+            "targets": [m.x_text if m.mode != "complex" else segment(module, strip_casts(m.x)[0]) for m in all_matches],
             "dtype": "promoted to the wider of x and cos/sin" if promoted else "x dtype",
         }
         if ci.unsqueeze_dim is not None:
             params["unsqueeze_dim"] = ci.unsqueeze_dim
         if mode == "complex":
-            params["freqs"] = source_of(module, self._complex_freqs(first))
+            params["freqs"] = segment(module, self._complex_freqs(first))
         first_stmt, last_stmt = items[0][1], items[-1][1]
         guard = self._guard(first)
         variant = {"half": "rotate_half", "interleave": "rotate_every_two", "complex": "complex_freqs_cis"}[mode]

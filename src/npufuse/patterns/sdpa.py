@@ -46,7 +46,7 @@ from npufuse.patterns.attention import (
     repeat_info,
 )
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, source_of
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, scope_text, segment
 
 SDPA_NAMES = {
     "torch.nn.functional.scaled_dot_product_attention",
@@ -74,6 +74,8 @@ class SdpaPattern(Pattern):
     bound = "memory"
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        if "scaled_dot_product_attention" not in scope_text(module, scope):
+            return
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
                 continue
@@ -122,7 +124,7 @@ class SdpaPattern(Pattern):
 
         # GQA: ``k = repeat_kv(k, n)`` right before the call is dropped (the op groups heads itself)
         start = i
-        k_src, v_src = source_of(module, k), source_of(module, v)
+        k_src, v_src = segment(module, k), segment(module, v)
         rep_k, rep_v = self._strip_inline_repeat(module, k), self._strip_inline_repeat(module, v)
         n_rep = None
         if rep_k is not None and rep_v is not None:
@@ -135,7 +137,7 @@ class SdpaPattern(Pattern):
             notes.append("k/v are repeated to the query heads away from the call: the fused op receives the repeated heads (correct, without the GQA memory saving)")
 
         # layout: all three inline ``x.transpose(1, 2)`` -> pass x as BSND
-        q_src = source_of(module, q)
+        q_src = segment(module, q)
         inner = [self._bsnd_inner(module, n) for n in (q, k, v)] if n_rep is None else [None]
         layout = "BNSD"
         if all(x is not None for x in inner) and len(inner) == 3:
@@ -166,10 +168,10 @@ class SdpaPattern(Pattern):
             kind = self._mask_kind(module, scope, mask)
             if kind == "bias":
                 return miss(
-                    f"`{source_of(module, mask)}` passed as attn_mask looks like a float bias (ALiBi / position bias): it maps "
+                    f"`{segment(module, mask)}` passed as attn_mask looks like a float bias (ALiBi / position bias): it maps "
                     "to npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)"
                 )
-            m_src = source_of(module, mask)
+            m_src = segment(module, mask)
             maybe_none = not self._certainly_tensor(scope, mask, block)
             if kind == "bool":
                 conv = f"~{atom(m_src)}"
@@ -197,7 +199,7 @@ class SdpaPattern(Pattern):
                 mask_kind = "causal"
             else:
                 # a run-time flag (HF: ``query.shape[2] > 1 and attention_mask is None and module.is_causal``)
-                c_src = source_of(module, causal)
+                c_src = segment(module, causal)
                 flag = c_src if is_simple(c_src) else "_npufuse_is_causal"
                 if flag != c_src:
                     lines.append(f"_npufuse_is_causal = {c_src}")
@@ -216,9 +218,9 @@ class SdpaPattern(Pattern):
         if scale is None or (isinstance(scale, ast.Constant) and scale.value is None):
             scale_text = default
         elif isinstance(const_value(scale), (int, float)):
-            scale_text = source_of(module, scale)
+            scale_text = segment(module, scale)
         else:
-            s_src = source_of(module, scale)
+            s_src = segment(module, scale)
             if not is_simple(s_src):
                 lines.append(f"_npufuse_scale = {s_src}")
                 s_src = "_npufuse_scale"
@@ -228,7 +230,7 @@ class SdpaPattern(Pattern):
         # dropout
         dropout_text = "0"
         if dropout is not None and const_value(dropout) not in (0, 0.0):
-            d_src = source_of(module, dropout)
+            d_src = segment(module, dropout)
             fa_kwargs.append(("keep_prob", f"1.0 - {atom(d_src)}"))
             dropout_text = d_src
             if "training" not in d_src and "train" not in d_src:
@@ -244,12 +246,12 @@ class SdpaPattern(Pattern):
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         params: dict[str, Any] = {
             "mask_kind": mask_kind,
-            "mask": source_of(module, mask) if mask is not None else None,
-            "is_causal": source_of(module, causal) if causal is not None else "False",
+            "mask": segment(module, mask) if mask is not None else None,
+            "is_causal": segment(module, causal) if causal is not None else "False",
             "sparse_mode": sparse or "0",
             "scale": scale_text,
             "dropout": dropout_text,
-            "gqa": (source_of(module, gqa) if gqa is not None else None) or n_rep,
+            "gqa": (segment(module, gqa) if gqa is not None else None) or n_rep,
             "layout": layout,
             "q": q_src, "k": k_src, "v": v_src,
             "head_dim": d,
@@ -325,7 +327,7 @@ class SdpaPattern(Pattern):
     def _bsnd_inner(module: ModuleInfo, node: ast.expr) -> str | None:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "transpose" and len(node.args) == 2:
             if {const_value(a) for a in node.args} == {1, 2}:
-                return source_of(module, node.func.value)
+                return segment(module, node.func.value)
         return None
 
     @staticmethod
@@ -333,7 +335,7 @@ class SdpaPattern(Pattern):
         info = repeat_info(module, node)
         if info is not None and info.grouped and info.head_dim == 1 and isinstance(node, ast.Call):
             inner = node.func.value if isinstance(node.func, ast.Attribute) and node.func.attr == "repeat_interleave" and module.call_name(node) != "torch.repeat_interleave" else node.args[0]
-            return source_of(module, inner), info.n_rep
+            return segment(module, inner), info.n_rep
         return None
 
     def _repeat_before(self, module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, kname: str, vname: str, end: int) -> tuple[int, str, str, str] | None:
@@ -358,7 +360,7 @@ class SdpaPattern(Pattern):
                 if inner is None:
                     got = {}
                     break
-                got[b.targets[0].id] = (source_of(module, inner), info.n_rep)
+                got[b.targets[0].id] = (segment(module, inner), info.n_rep)
             if not got:
                 break
             srcs.update(got)

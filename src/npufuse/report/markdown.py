@@ -21,11 +21,18 @@ _PROSE_SPECIAL = re.compile(r"([\\`*_{}\[\]<>|#~!])")
 _LINE_START = re.compile(r"^(\s*)([-+=]|\d+[.)])(?=\s|$)", re.MULTILINE)
 
 
+def _escape(s: str) -> str:
+    s = _PROSE_SPECIAL.sub(r"\\\1", s)
+    return s.replace("&", "&amp;")
+
+
+def _one_line(text: Any) -> str:
+    return re.sub(r"\s+", " ", str(text))
+
+
 def md(text: Any) -> str:
     """Markdown-escape prose from the repository (one line: newlines become spaces)."""
-    s = " ".join(str(text).split())
-    s = _PROSE_SPECIAL.sub(r"\\\1", s)
-    s = s.replace("&", "&amp;")
+    s = _escape(_one_line(text).strip())
     return _LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), s)
 
 
@@ -45,14 +52,15 @@ _SPAN = re.compile(r"`([^`]+)`")
 def prose(text: Any, table: bool = False) -> str:
     """Prose that may quote code between backticks (as npufuse's own messages and detector
     reasons do): the quoted parts become safe code spans, everything else is escaped."""
-    s = " ".join(str(text).split())
+    s = _one_line(text).strip()
     out, pos = [], 0
     for m in _SPAN.finditer(s):
-        out.append(md(s[pos : m.start()]))
+        out.append(_escape(s[pos : m.start()]))
         out.append(code(m.group(1), table=table))
         pos = m.end()
-    out.append(md(s[pos:]))
-    return "".join(out)
+    out.append(_escape(s[pos:]))
+    text = "".join(out)
+    return _LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), text)
 
 
 def tprose(text: Any) -> str:

@@ -283,3 +283,27 @@ def replace_segments(module: "ModuleInfo", stmt: ast.stmt, replacements: list[tu
         pos = b
     out.append(dedent(text[pos:end].decode("utf-8")))
     return "".join(out)
+
+
+def segment(module: "ModuleInfo", node: ast.AST) -> str:
+    """``source_of`` with the file's lines split once per module (``ast.get_source_segment``
+    re-splits the whole source on every call, which dominates detection on large files)."""
+    cache = module.__dict__.get("_segment_lines")
+    if cache is None:
+        cache = module.__dict__["_segment_lines"] = [ln.encode("utf-8") for ln in module.source.splitlines(keepends=True)]
+    lineno, end = getattr(node, "lineno", None), getattr(node, "end_lineno", None)
+    col, end_col = getattr(node, "col_offset", None), getattr(node, "end_col_offset", None)
+    if None in (lineno, end, col, end_col) or end > len(cache):
+        return ast.unparse(node)
+    if lineno == end:
+        return cache[lineno - 1][col:end_col].decode("utf-8")
+    parts = [cache[lineno - 1][col:]] + cache[lineno : end - 1] + [cache[end - 1][:end_col]]
+    return b"".join(parts).decode("utf-8")
+
+
+def scope_text(module: "ModuleInfo", scope: "Scope") -> str:
+    """Source text of a scope (the whole file for ``<module>``): for cheap substring prefilters
+    that let a detector skip scopes that cannot hold its pattern."""
+    if isinstance(scope.node, ast.Module):
+        return module.source
+    return segment(module, scope.node)

@@ -223,10 +223,12 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
     errors: dict[str, list[Any]] = {}
     fast_lines: list[str] | None = None
     indent: str | None = None
+    decorated: set[int] = set()
 
     def fail(pid: str, scope: Scope, message: str) -> None:
-        entry = errors.setdefault(pid, [message, scope.qualname, 0])
+        entry = errors.setdefault(pid, [message, scope.qualname, 0, set()])
         entry[2] += 1
+        entry[3].add(scope.qualname)
 
     for scope in module.scopes:
         for pattern in patterns:
@@ -257,8 +259,9 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
                     if fast_lines is None:
                         fast_lines = text.splitlines(keepends=True) if replacement.splitlines_match(text) else []
                         indent = replacement.default_indent(tree, fast_lines) if fast_lines else None
+                        decorated = replacement.decorated_lines(tree) if fast_lines else set()
                     try:
-                        body = replacement.fast_body(fast_lines, r, indent) if fast_lines and indent else None
+                        body = replacement.fast_body(fast_lines, r, indent, decorated) if fast_lines and indent else None
                     except Exception:  # the fast path declines; render_site will do it
                         body = None
                     out.hits.append(Hit(r, repo_search.site_context(module, scope), local, original_text(text, r), body))
@@ -270,8 +273,8 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
                 else:
                     fail(pattern.id, scope, f"yielded a {type(r).__name__}, not a Finding or NearMiss")
     for pid in sorted(errors):
-        message, qual, count = errors[pid]
-        more = f" and {count - 1} more scope(s)" if count > 1 else ""
+        message, qual, count, scopes = errors[pid]
+        more = f" (and {count - 1} more problem(s), {len(scopes)} scope(s) in all)" if count > 1 else ""
         out.failures.append(Failure(rel, "detector_error", f"detector {pid} {message} in {qual}{more}; its results for this file are incomplete"))
     if any(h.body is None for h in out.hits):
         out.source = text  # only render_site (libcst) needs the whole file
@@ -502,7 +505,7 @@ def scan_repo(
         patterns_missing=missing,
         skipped=walked.skipped,
         shape_sources=[s.to_json() for s in sources],
-        training=sorted(training)[:5],
+        training=sorted(training, key=lambda t: (t.rsplit(":", 2)[0], int(t.rsplit(":", 2)[1])))[:5],
         suggested_order=suggested_order(candidates),
         assumptions={
             "defaults": dict(config_shapes.DEFAULT_ASSUMPTIONS),

@@ -110,10 +110,16 @@ def _reindent(rows: list[str], kinds: list[str], add: str, top: str) -> list[str
     return out
 
 
-def fast_body(lines: list[str], finding: Finding, indent: str) -> tuple[str, str] | None:
+def decorated_lines(tree: ast.Module) -> set[int]:
+    """``def``/``class`` lines that carry decorators: a span starting there would leave its
+    decorators outside (libcst takes them along), so the fast path declines those."""
+    return {n.lineno for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.decorator_list}
+
+
+def fast_body(lines: list[str], finding: Finding, indent: str, decorated: set[int] | frozenset[int] = frozenset()) -> tuple[str, str] | None:
     """(site indentation, everything after the ``if`` header line) as libcst renders it, or None
-    when the rule above does not provably apply."""
-    if not indent or indent.strip(" "):
+    when the rule above does not provably apply. ``decorated``: :func:`decorated_lines`."""
+    if not indent or indent.strip(" ") or finding.line in decorated:
         return None
     span = lines[finding.line - 1 : finding.end_line]
     if not span or not span[-1].endswith("\n") or any("\r" in ln or "\t" in ln for ln in span):

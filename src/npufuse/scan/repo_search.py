@@ -79,10 +79,39 @@ def _const_str(node: ast.AST | None) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+_CFG_ATTR = re.compile(r"(?:config|cfg)\s*\.\s*\w*(?:fus|npu|ascend|flash|liger)", re.IGNORECASE)
+
+
+def _nodes(tree: ast.AST):
+    """Every node, depth first — the same set as ``ast.walk`` at about half its cost."""
+    stack = [tree]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    AST = ast.AST
+    while stack:
+        node = pop()
+        yield node
+        for name in node._fields:
+            v = getattr(node, name, None)
+            if type(v) is list:
+                extend([x for x in v if isinstance(x, AST)])
+            elif isinstance(v, AST):
+                push(v)
+
+
 def file_facts(module: ModuleInfo) -> FileFacts:
-    """Everything :mod:`repo_search` needs from one parsed file, in one walk of its tree."""
+    """Everything :mod:`repo_search` needs from one parsed file.
+
+    Cheap text checks decide what to look for; the tree is walked (once) only when one of them
+    hits, because most model files have no torch_npu code, environment reads or argparse."""
     facts = FileFacts()
     path = module.path
+    src = module.source
+    want_npu = "npu" in src
+    want_env = "environ" in src or "getenv" in src
+    want_args = "add_argument" in src
+    want_train = ".backward(" in src or ".step(" in src or "Trainer(" in src
+    want_cfg = _CFG_ATTR.search(src) is not None
+    want_bf16 = "bfloat16" in src or "bf16" in src
     npu_call_lines: list[tuple[int, str]] = []
     ifs: list[ast.If] = []
     functions: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
@@ -97,93 +126,114 @@ def file_facts(module: ModuleInfo) -> FileFacts:
         if SWITCH_NAME.search(name):
             facts.switches.append({"file": path, "line": line, "name": name, "kind": kind, **extra})
 
-    for node in ast.walk(module.tree):
+    # Config-like classes (shapes, switch fields): module-level and nested in module-level classes.
+    classes = list(module.classes.values())
+    classes += [n for c in module.classes.values() for n in c.body if isinstance(n, ast.ClassDef)]
+    for cls in classes:
+        src_cfg = config_shapes.class_source(path, cls)
+        if src_cfg is not None:
+            facts.config_sources.append(src_cfg)
+        if config_shapes.CONFIG_CLASS.search(cls.name) or config_shapes._is_dataclass(cls):
+            for name, line in _class_fields(cls):
+                switch(line, name, "config_field", owner=cls.name)
+
+    if not (want_npu or want_env or want_args or want_train or want_cfg or want_bf16):
+        return facts
+    Call, Attribute, Subscript, Compare = ast.Call, ast.Attribute, ast.Subscript, ast.Compare
+    for node in _nodes(module.tree):
         t = type(node)
-        if t is ast.Call:
-            name = module.canonical(node.func) or ""
-            last = name.rsplit(".", 1)[-1]
-            if name.startswith("torch_npu."):
-                npu_call_lines.append((node.lineno, name))
-                existing(node.lineno, f"{name} call", "call", api=name)
-            elif last in GUARD_CALLS or name in ("torch.npu.is_available", "torch_npu.npu.is_available"):
-                existing(node.lineno, f"guard: {last}()", "guard")
-            elif last == "find_spec" and node.args and _const_str(node.args[0]) == "torch_npu":
-                existing(node.lineno, 'guard: find_spec("torch_npu")', "guard")
-            elif last == "hasattr" and len(node.args) == 2 and _const_str(node.args[1]) == "npu":
-                existing(node.lineno, 'guard: hasattr(torch, "npu")', "guard")
-            if name in ENV_READS and node.args:
-                var = _const_str(node.args[0])
-                if var:
-                    default = config_shapes._literal(node.args[1]) if len(node.args) > 1 else None
-                    switch(node.lineno, var, "env", default=default if isinstance(default, (str, int, bool)) else None)
-            if isinstance(node.func, ast.Attribute):
-                attr = node.func.attr
-                if attr == "add_argument":
+        if t is Call:
+            func = node.func
+            if want_npu or want_env:
+                name = module.canonical(func) or ""
+                last = name.rsplit(".", 1)[-1]
+                if want_npu:
+                    if name.startswith("torch_npu."):
+                        npu_call_lines.append((node.lineno, name))
+                        existing(node.lineno, f"{name} call", "call", api=name)
+                    elif last in GUARD_CALLS or name in ("torch.npu.is_available", "torch_npu.npu.is_available"):
+                        existing(node.lineno, f"guard: {last}()", "guard")
+                    elif last == "find_spec" and node.args and _const_str(node.args[0]) == "torch_npu":
+                        existing(node.lineno, 'guard: find_spec("torch_npu")', "guard")
+                    elif last == "hasattr" and len(node.args) == 2 and _const_str(node.args[1]) == "npu":
+                        existing(node.lineno, 'guard: hasattr(torch, "npu")', "guard")
+                if want_env and name in ENV_READS and node.args:
+                    var = _const_str(node.args[0])
+                    if var:
+                        default = config_shapes._literal(node.args[1]) if len(node.args) > 1 else None
+                        switch(node.lineno, var, "env", default=default if isinstance(default, (str, int, bool)) else None)
+            if type(func) is Attribute:
+                attr = func.attr
+                if want_args and attr == "add_argument":
                     dest = config_shapes.argparse_dest(node)
                     if dest:
                         switch(node.lineno, dest, "argument")
                     shaped = config_shapes.argparse_value(node)
                     if shaped:
                         facts.config_sources.append(config_shapes.ConfigSource(path, node.lineno, "argparse", f"--{dest.replace('_', '-')}" if dest else "argparse", {shaped[0]: shaped[1]}))
-                elif attr == "backward" and len(facts.training) < 3:
-                    facts.training.append(f"{path}:{node.lineno}: {dotted(node.func) or '.backward'}()")
-                elif attr == "step" and "optim" in (dotted(node.func.value) or "").lower() and len(facts.training) < 3:
-                    facts.training.append(f"{path}:{node.lineno}: {dotted(node.func)}()")
-            if last.endswith("Trainer") and last[:1].isupper() and len(facts.training) < 3:
-                facts.training.append(f"{path}:{node.lineno}: {last}(...)")
-        elif t is ast.Attribute:
-            if node.attr == "bfloat16":
+                elif want_train and attr == "backward" and len(facts.training) < 64:
+                    facts.training.append(f"{path}:{node.lineno}: {dotted(func) or '.backward'}()")
+                elif want_train and attr == "step" and "optim" in (dotted(func.value) or "").lower() and len(facts.training) < 64:
+                    facts.training.append(f"{path}:{node.lineno}: {dotted(func)}()")
+            if want_train:
+                last_name = func.attr if type(func) is Attribute else getattr(func, "id", "")
+                if last_name.endswith("Trainer") and last_name[:1].isupper() and len(facts.training) < 64:
+                    facts.training.append(f"{path}:{node.lineno}: {last_name}(...)")
+        elif t is Attribute:
+            attr = node.attr
+            if want_bf16 and attr == "bfloat16":
                 facts.bf16 = True
-            elif node.attr == "is_npu" and isinstance(node.ctx, ast.Load):
+            elif want_npu and attr == "is_npu" and type(node.ctx) is ast.Load:
                 existing(node.lineno, "guard: .is_npu", "guard")
-            elif isinstance(node.ctx, ast.Load) and SWITCH_NAME.search(node.attr):
+            elif want_cfg and type(node.ctx) is ast.Load and SWITCH_NAME.search(attr):
                 base = dotted(node.value) or ""
                 if base.split(".")[-1] in ("config", "cfg", "model_config"):
-                    switch(node.lineno, node.attr, "config_field", read=f"{base}.{node.attr}")
-        elif t is ast.Subscript:
-            if (module.canonical(node.value) or "") in ("os.environ", "environ"):
+                    switch(node.lineno, attr, "config_field", read=f"{base}.{attr}")
+        elif t is Subscript:
+            if want_env and (module.canonical(node.value) or "") in ("os.environ", "environ"):
                 var = _const_str(node.slice)
                 if var:
                     switch(node.lineno, var, "env", default=None)
-        elif t is ast.Compare:
-            if len(node.ops) == 1 and isinstance(node.ops[0], ast.In) and (module.canonical(node.comparators[0]) or "") in ("os.environ", "environ"):
+        elif t is Compare:
+            if want_env and len(node.ops) == 1 and type(node.ops[0]) is ast.In and (module.canonical(node.comparators[0]) or "") in ("os.environ", "environ"):
                 var = _const_str(node.left)
                 if var:
                     switch(node.lineno, var, "env", default=None)
-            elif any(_const_str(c) == "npu" for c in [node.left, *node.comparators]):
+            elif want_npu and any(_const_str(c) == "npu" for c in [node.left, *node.comparators]):
                 existing(node.lineno, 'guard: device type == "npu"', "guard")
         elif t is ast.Import:
-            for a in node.names:
-                if a.name.split(".")[0] == "torch_npu":
-                    existing(node.lineno, f"import {a.name}", "import")
+            if want_npu:
+                for a in node.names:
+                    if a.name.split(".")[0] == "torch_npu":
+                        existing(node.lineno, f"import {a.name}", "import")
         elif t is ast.ImportFrom:
-            if (node.module or "").split(".")[0] == "torch_npu":
-                existing(node.lineno, f"from {node.module} import {', '.join(a.name for a in node.names)}", "import")
-            for a in node.names:
-                if a.name in GUARD_CALLS:
-                    existing(node.lineno, f"guard import: {a.name}", "guard")
-        elif t is ast.ClassDef:
-            src = config_shapes.class_source(path, node)
-            if src is not None:
-                facts.config_sources.append(src)
-            if config_shapes.CONFIG_CLASS.search(node.name) or config_shapes._is_dataclass(node):
-                for name, line in _class_fields(node):
-                    switch(line, name, "config_field", owner=node.name)
+            if want_npu:
+                if (node.module or "").split(".")[0] == "torch_npu":
+                    existing(node.lineno, f"from {node.module} import {', '.join(a.name for a in node.names)}", "import")
+                for a in node.names:
+                    if a.name in GUARD_CALLS:
+                        existing(node.lineno, f"guard import: {a.name}", "guard")
         elif t is ast.If:
-            ifs.append(node)
+            if want_npu:
+                ifs.append(node)
         elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
-            functions.append(node)
-        elif t is ast.Constant and isinstance(node.value, str) and node.value in ("bfloat16", "bf16"):
-            facts.bf16 = True
+            if want_npu:
+                functions.append(node)
+        elif t is ast.Constant:
+            if want_bf16 and node.value in ("bfloat16", "bf16"):
+                facts.bf16 = True
 
     if npu_call_lines:
         for fn in functions:
             inside = sorted({api for line, api in npu_call_lines if fn.lineno <= line <= (fn.end_lineno or fn.lineno)})
             if inside:
                 existing(fn.lineno, f"wrapper {fn.name}() around {', '.join(inside)}", "wrapper", api=inside[0], name=fn.name)
-    _branches(module, ifs, npu_call_lines, facts)
+        _branches(module, ifs, npu_call_lines, facts)
+    elif "_npufuse_on_npu" in src:
+        _branches(module, ifs, npu_call_lines, facts)
     facts.existing.sort(key=lambda e: (e["line"], e["kind"], e["what"]))
     facts.switches.sort(key=lambda s: (s["line"], s["name"], s["kind"]))
+    facts.training = sorted(facts.training, key=lambda t: int(t.split(":")[-2]))[:3]
     return facts
 
 
@@ -236,7 +286,7 @@ def _branches(module: ModuleInfo, ifs: list[ast.If], npu_calls: list[tuple[int, 
 
 
 def _blocks(tree: ast.AST):
-    for node in ast.walk(tree):
+    for node in _nodes(tree):
         for name in ("body", "orelse", "finalbody"):
             block = getattr(node, name, None)
             if isinstance(block, list) and block and isinstance(block[0], ast.stmt):

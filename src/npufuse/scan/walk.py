@@ -151,6 +151,9 @@ def _enclosing_specs(root: Path) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
         spec = _read_spec(folder / ".gitignore")
         if spec is not None:
             specs.append(("@" + _prefix(folder, real), spec))
+    # A folder the work tree ignores but the user named explicitly is scanned in full.
+    if _Ignore(specs).ignored("", is_dir=True):
+        return []
     return specs
 
 

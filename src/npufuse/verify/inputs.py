@@ -37,6 +37,7 @@ import copy
 import importlib
 import inspect
 import io
+import os
 import re
 import sys
 import types
@@ -64,6 +65,23 @@ _LOCAL_ALIASES = {
     "dim": "hidden_size", "hidden": "hidden_size", "d_model": "hidden_size", "n_embd": "hidden_size",
     "ffn_dim": "intermediate_size", "n_heads": "num_attention_heads", "num_heads": "num_attention_heads",
 }  # fmt: skip
+
+
+# Inputs that are data, not activations: real models never backpropagate into them, and their
+# gradients (sums over heads of rounded partials) would only add noise to the check.
+NO_GRAD_NAMES = {"cos", "sin", "cos_cached", "sin_cached", "freqs_cos", "freqs_sin", "position_embeddings",
+                 "attention_mask", "attn_mask", "mask", "causal_mask", "position_ids", "input_ids"}  # fmt: skip
+
+
+def flatten(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` of every tensor in nested tuples/lists/dicts (``out[0]``, ``x['k']``)."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if isinstance(obj, (tuple, list)):
+        return [t for i, o in enumerate(obj) for t in flatten(o, f"{prefix}[{i}]")]
+    if isinstance(obj, dict):
+        return [t for k, o in obj.items() for t in flatten(o, f"{prefix}[{k!r}]")]
+    return []
 
 
 def parse_dtype(text: str) -> torch.dtype:
@@ -96,11 +114,13 @@ def user_module(root: Path, file: str) -> Iterator[types.ModuleType]:
     name, entry = module_name_for(root, file)
     saved_path = list(sys.path)
     root_s = str(root.resolve())
+    prefixes = tuple({os.path.abspath(root) + os.sep, root_s + os.sep})
     before = set(sys.modules)
 
     def ours(mod: Any) -> bool:
-        f = getattr(mod, "__file__", None) or ""
-        return bool(f) and str(Path(f).resolve()).startswith(root_s + "/")
+        # string checks only: resolving ~2000 module paths per check would cost half a second
+        f = getattr(mod, "__file__", None)
+        return isinstance(f, str) and os.path.abspath(f).startswith(prefixes)
 
     stale = {k: v for k, v in sys.modules.items() if k == name or k.startswith(name + ".") or ours(v)}
     for k in stale:
@@ -181,6 +201,14 @@ class CallInputs:
     dtype: torch.dtype  # the low precision the model runs in (of the first floating input)
     notes: list[str] = field(default_factory=list)
     shapes: dict[str, Any] = field(default_factory=dict)  # name -> [shape, dtype], for the report
+    arg_names: list[str] = field(default_factory=list)  # parameter name of each positional argument
+    grad_flags: dict[str, bool] = field(default_factory=dict)  # leaf path -> backpropagate into it
+
+    def named_leaves(self, args: list[Any], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        """Floating tensors of (a copy of) the arguments that get gradients, by parameter path."""
+        names = self.arg_names + [f"arg{i}" for i in range(len(self.arg_names), len(args))]
+        found = [t for n, a in zip(names, args) for t in flatten(a, n)] + [t for k, v in kwargs.items() for t in flatten(v, k)]
+        return [(n, t) for n, t in found if t.is_floating_point() and self.grad_flags.get(n, True)]
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "dtype": str(self.dtype).replace("torch.", ""), "arguments": self.shapes, "notes": self.notes}
@@ -396,14 +424,18 @@ def from_config_or_shapes(
     seed: int,
 ) -> CallInputs:
     gen = torch.Generator().manual_seed(seed)
-    lp = dtype or DTYPES.get(str(values.get("torch_dtype", "bfloat16")).lower(), torch.bfloat16)
     positional, named = parse_shapes(shapes)
+    # the precision the model runs in: --dtype, else the first dtype given with a --shape, else the config's
+    given = next((dt for _, dt in [*positional, *named.values()] if dt), None)
+    lp = dtype or (parse_dtype(given) if given else DTYPES.get(str(values.get("torch_dtype", "bfloat16")).lower(), torch.bfloat16))
     source = "shape" if shapes else "config"
     dims = Dims.from_config(values, batch, seq_len)
     notes: list[str] = []
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     described: dict[str, Any] = {}
+    flags: dict[str, bool] = {}
+    arg_names: list[str] = []
     pos = list(positional)
     for p in target.params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -418,10 +450,13 @@ def from_config_or_shapes(
         else:
             value = synth_argument(p.name, dims, lp, gen)
         described[p.name] = _describe(value)
+        for path, _t in flatten(value, p.name):
+            flags[path] = p.name.lower() not in NO_GRAD_NAMES
         if p.kind == p.KEYWORD_ONLY:
             kwargs[p.name] = value
         else:
             args.append(value)
+            arg_names.append(p.name)
     if named:
         raise UsageError(f"--shape names {', '.join(sorted(named))}: not parameters of {target.qualname} ({', '.join(p.name for p in target.params)})")
     if pos:
@@ -436,11 +471,15 @@ def from_config_or_shapes(
         perturb_constant_parameters(instance, gen, notes)
     if source == "config":
         notes.append(f"shapes from the model config (batch {dims.B}, seq_len {dims.S}; heuristics of npufuse.verify.inputs) — `--capture` gives the real ones")
-    return CallInputs(args, kwargs, instance, source, lp, notes, described)
+    if any(not f for f in flags.values()):
+        notes.append("no gradient checked into " + ", ".join(sorted(k for k, f in flags.items() if not f)) + " (data inputs: cos/sin, masks, ids)")
+    return CallInputs(args, kwargs, instance, source, lp, notes, described, arg_names, flags)
 
 
-def _unpack(obj: Any, gen: torch.Generator, notes: list[str], where: str) -> Any:
+def _unpack(obj: Any, gen: torch.Generator, notes: list[str], where: str, flags: dict[str, bool] | None = None) -> Any:
     if isinstance(obj, dict) and obj.get("__npufuse_tensor__"):
+        if flags is not None:
+            flags[where] = bool(obj.get("requires_grad"))  # backpropagate where the model did
         dtype = parse_dtype(obj["dtype"]) if obj["dtype"] in DTYPES else getattr(torch, obj["dtype"])
         if "value" in obj:
             t = obj["value"]
@@ -452,10 +491,10 @@ def _unpack(obj: Any, gen: torch.Generator, notes: list[str], where: str) -> Any
             notes.append(f"{where}: too large to capture by value; zeros of the captured shape")
         return t
     if isinstance(obj, dict) and "__npufuse_seq__" in obj:
-        items = [_unpack(o, gen, notes, f"{where}[{i}]") for i, o in enumerate(obj["items"])]
+        items = [_unpack(o, gen, notes, f"{where}[{i}]", flags) for i, o in enumerate(obj["items"])]
         return tuple(items) if obj["__npufuse_seq__"] == "tuple" else items
     if isinstance(obj, dict) and obj.get("__npufuse_dict__"):
-        return {k: _unpack(v, gen, notes, f"{where}[{k!r}]") for k, v in obj["items"].items()}
+        return {k: _unpack(v, gen, notes, f"{where}[{k!r}]", flags) for k, v in obj["items"].items()}
     if isinstance(obj, dict) and "__npufuse_unpicklable__" in obj:
         raise UsageError(f"captured argument {where} is a {obj['__npufuse_unpicklable__']} that cannot be saved; use --shape")
     return obj
@@ -468,8 +507,11 @@ def from_capture(path: Path, module: types.ModuleType, target: Target, values: d
         raise UsageError(f"{path}: unreadable capture ({type(exc).__name__}: {exc})") from None
     gen = torch.Generator().manual_seed(seed)
     notes: list[str] = [f"inputs captured from the first call of {target.qualname} in the launch command"]
-    args = [_unpack(a, gen, notes, f"argument {i}") for i, a in enumerate(payload["args"])]
-    kwargs = {k: _unpack(v, gen, notes, f"argument {k}") for k, v in payload["kwargs"].items()}
+    names = [p.name for p in target.params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names += [f"arg{i}" for i in range(len(names), len(payload["args"]))]
+    flags: dict[str, bool] = {}
+    args = [_unpack(a, gen, notes, names[i], flags) for i, a in enumerate(payload["args"])]
+    kwargs = {k: _unpack(v, gen, notes, k, flags) for k, v in payload["kwargs"].items()}
     instance = None
     if payload.get("is_method"):
         if "self_pickle" in payload:
@@ -497,10 +539,11 @@ def from_capture(path: Path, module: types.ModuleType, target: Target, values: d
             instance = instance.to(dtype)
         notes.append(f"captured floating tensors cast to {str(dtype).replace('torch.', '')} (--dtype)")
     perturb_constant_parameters(instance, gen, notes)
-    names = [p.name for p in target.params]
-    described = {(names[i] if i < len(names) else f"arg{i}"): _describe(a) for i, a in enumerate(args)}
+    described = {names[i]: _describe(a) for i, a in enumerate(args)}
     described.update({k: _describe(v) for k, v in kwargs.items()})
-    return CallInputs(args, kwargs, instance, "capture", lp, notes, described)
+    if not any(flags.values()) and flags:
+        notes.append("no captured input required grad: only parameter gradients are checked")
+    return CallInputs(args, kwargs, instance, "capture", lp, notes, described, names[: len(args)], flags)
 
 
 def clone_inputs(inputs: CallInputs, dtype: torch.dtype | None) -> tuple[list[Any], dict[str, Any], Any]:

@@ -20,15 +20,24 @@ Per tensor (outputs, input grads, parameter grads), fused vs golden:
 * ``cosine``, ``max_abs``, ``max_rel`` (relative error per element ``|f-g| / max(|g|, 0.25·rms_row(g))``,
   the floor keeping near-zero elements from dominating), ``row_cos_min``; for attention/softmax
   patterns also ``argmax_agree`` (fraction of rows whose argmax matches);
-* the **seed criterion**: cosine > 0.999 or max_abs < 1e-4;
-* the **relative-error bound**, per element: ``err_f ≤ factor · max(err_o, rms_row(err_o)) + floor(dtype)``
-  where ``err_o`` is the original code's own low-precision error against the same golden. The
-  row RMS of ``err_o`` stands in where the original happens to round exactly; ``floor`` is one
-  ulp of the low-precision dtype (bf16 2^-7, fp16 2^-10; fp32 1e-5 for reordered reductions).
-  Cosine is blind to a per-row scale error (a row off by 2% among many barely moves it); this
-  rule is not. ``factor`` defaults to 2.0 (``--factor``);
+* the **seed criterion**: cosine > 0.999 or max_abs < 1e-4. When the original itself misses it
+  at this precision (top-k routing flips against the fp32 golden), the fused branch must instead
+  be no further from the golden than ``factor`` × the original's cosine distance;
+* the **relative-error bound** — the per-element errors ``err_f`` (fused) and ``err_o`` (the
+  original code's own low-precision error, against the same golden), compared per row (the
+  last dims, at least 16 values):
+
+  - systematic: ``rms_row(err_f) ≤ factor · rms_row(err_o) + ulp/2`` — a row off by a scale or
+    a wrong epsilon shifts every element of the row, so its RMS error stands out, while the
+    random rounding of a correct kernel (which differs element by element from the original's)
+    does not. Cosine is blind to such a bug: one row 2% off among many barely moves it;
+  - isolated: every element ``err_f ≤ factor · max_row(err_o) + ulp`` — one wrong element;
+
+  ``ulp`` by dtype: bf16 2^-7, fp16 2^-10 (fp32 1e-5, room for reordered reductions);
+  ``factor`` defaults to 2.0 (``--factor``);
 * finiteness (a NaN/Inf the golden does not have fails), same shape, same dtype as the original
-  (DESIGN rule 2), a gradient wherever the original has one.
+  (DESIGN rule 2), a gradient wherever the original has one; a fused branch whose backward
+  raises fails unless the scan marked the candidate inference-only.
 
 It also requires the emulator/real call counters to show calls *from the candidate's site*
 with the switch on, and none with it off ("fused branch never executed" otherwise).
@@ -93,8 +102,11 @@ class TensorCheck:
     orig_max_abs: float | None = None
     orig_max_rel: float | None = None
     bound_floor: float | None = None
-    violations: int = 0
-    worst: dict[str, Any] | None = None  # the element furthest over its bound
+    violations: int = 0  # rows_over + elements_over
+    rows_over: int = 0
+    elements_over: int = 0
+    worst: dict[str, Any] | None = None  # the worst row and its worst element
+    seed_relative: bool = False  # the original itself misses the seed criterion: judged relative to it
     row_cos_min: float | None = None
     argmax_agree: float | None = None
     seed_ok: bool = False
@@ -146,17 +158,7 @@ def backend(choice: str) -> Iterator[tuple[str, str, Any]]:
 
 
 def _flatten(out: Any, prefix: str = "out") -> list[tuple[str, torch.Tensor]]:
-    if isinstance(out, torch.Tensor):
-        return [(prefix, out)]
-    if isinstance(out, (tuple, list)):
-        return [t for i, o in enumerate(out) for t in _flatten(o, f"{prefix}[{i}]")]
-    if isinstance(out, dict):
-        return [t for k, o in out.items() for t in _flatten(o, f"{prefix}[{k!r}]")]
-    return []
-
-
-def _leaves(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
-    return [(n, t) for n, t in _flatten(obj, prefix) if t.is_floating_point()]
+    return inp.flatten(out, prefix)
 
 
 @dataclass
@@ -196,7 +198,7 @@ def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, 
         args, kwargs = _to(args, device), _to(kwargs, device)
         if isinstance(instance, torch.nn.Module):
             instance = instance.to(device)
-    leaves = _leaves(args, "input") + _leaves(kwargs, "input")
+    leaves = inputs.named_leaves(args, kwargs)
     for _, t in leaves:
         t.requires_grad_(True)
     if isinstance(instance, torch.nn.Module):
@@ -248,18 +250,30 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.dot(a, b) / (na * nb))
 
 
+ROW_MIN = 16  # rows shorter than this are merged with the next dims: an RMS over 2 values is noise
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (rows, row) with the row the last dims, merged until it holds ``ROW_MIN`` values."""
     if t.dim() == 0:
         return t.reshape(1, 1)
-    return t.reshape(-1, t.shape[-1])
+    k = t.dim() - 1
+    while k > 0 and math.prod(t.shape[k:]) < ROW_MIN:
+        k -= 1
+    n = math.prod(t.shape[k:])
+    return t.reshape(-1, n) if n else t.reshape(-1, 1)
 
 
 def rel_errors(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-element ``|x-g| / max(|g|, 0.25·rms_row(g))`` (float64, rows = last dim)."""
+    """Per element ``|x-g| / max(|g|, 0.25·rms_row(g))`` as (rows, row), float64."""
     gr = _rows(g)
     rms = gr.pow(2).mean(dim=-1, keepdim=True).sqrt()
     denom = torch.maximum(gr.abs(), DENOM_FRACTION * rms).clamp_min(torch.finfo(torch.float64).tiny)
-    return ((_rows(x) - gr).abs() / denom).reshape(g.shape)
+    return (_rows(x) - gr).abs() / denom
+
+
+def _rms(e: torch.Tensor) -> torch.Tensor:
+    return e.pow(2).mean(dim=-1, keepdim=True).sqrt()
 
 
 def compare(name: str, kind: str, golden: torch.Tensor, orig: torch.Tensor, fused: torch.Tensor, factor: float, rowwise: bool) -> TensorCheck:
@@ -287,26 +301,40 @@ def compare(name: str, kind: str, golden: torch.Tensor, orig: torch.Tensor, fuse
     ef, eo = rel_errors(f, g), rel_errors(o, g)
     c.max_rel = float(ef.max()) if ef.numel() else 0.0
     c.orig_max_rel = float(eo.max()) if eo.numel() else 0.0
-    floor = REL_FLOOR.get(orig.dtype, 1e-5)
-    c.bound_floor = floor
-    eo_rows = _rows(eo)
-    local = eo_rows.pow(2).mean(dim=-1, keepdim=True).sqrt()
-    bound = (factor * torch.maximum(eo_rows, local) + floor).reshape(eo.shape)
-    over = ef - bound
-    c.violations = int((over > 0).sum())
+    ulp = REL_FLOOR.get(orig.dtype, 1e-5)
+    c.bound_floor = ulp
+    # systematic error (a row off by a scale, a wrong eps): the row's RMS error
+    rms_f, rms_o = _rms(ef), _rms(eo)
+    row_bound = factor * rms_o + ulp / 2
+    # isolated error (one wrong element): each element against the original's worst in its row
+    elem_bound = factor * eo.amax(dim=-1, keepdim=True) + ulp
+    bad_rows = rms_f > row_bound
+    bad_elems = ef > elem_bound
+    c.violations = int(bad_rows.sum()) + int(bad_elems.sum())
+    c.rows_over = int(bad_rows.sum())
+    c.elements_over = int(bad_elems.sum())
     if c.violations:
-        idx = int(over.flatten().argmax())
-        pos = list(torch.unravel_index(torch.tensor(idx), ef.shape)) if ef.dim() else []
+        if c.rows_over:  # the row furthest over its bound, and its largest element
+            r = int((rms_f - row_bound).flatten().argmax())
+            j = int(ef[r].argmax())
+        else:  # the element furthest over its bound
+            flat = int((ef - elem_bound).flatten().argmax())
+            r, j = divmod(flat, ef.shape[-1])
+        idx = r * ef.shape[-1] + j
+        pos = [int(p) for p in torch.unravel_index(torch.tensor(idx), g.shape)] if g.dim() else []
         c.worst = {
-            "index": [int(p) for p in pos],
+            "index": pos,
             "golden": float(g.flatten()[idx]),
             "fused": float(f.flatten()[idx]),
             "original": float(o.flatten()[idx]),
-            "rel_err": float(ef.flatten()[idx]),
-            "bound": float(bound.flatten()[idx]),
+            "rel_err": float(ef[r, j]),
+            "row_rms_rel_err": float(rms_f[r, 0]),
+            "row_rms_rel_err_original": float(rms_o[r, 0]),
+            "row_bound": float(row_bound[r, 0]),
+            "element_bound": float(elem_bound[r, 0]),
         }
     if g.dim() >= 1 and g.shape[-1] > 1 and g.numel():
-        gr, fr = _rows(g), _rows(f)
+        gr, fr = g.reshape(-1, g.shape[-1]), f.reshape(-1, f.shape[-1])
         norms = gr.norm(dim=-1) * fr.norm(dim=-1)
         live = norms > 0
         if bool(live.any()):
@@ -314,18 +342,28 @@ def compare(name: str, kind: str, golden: torch.Tensor, orig: torch.Tensor, fuse
             c.row_cos_min = float(rc.min())
         if rowwise:
             c.argmax_agree = float((gr.argmax(-1) == fr.argmax(-1)).double().mean())
-    c.seed_ok = c.cosine > SEED_COSINE or c.max_abs < SEED_MAX_ABS
+    seed = lambda cos, mx: cos > SEED_COSINE or mx < SEED_MAX_ABS  # noqa: E731
+    c.seed_ok = seed(c.cosine, c.max_abs)
+    if not c.seed_ok and not seed(c.orig_cosine, c.orig_max_abs):
+        # The original itself misses the seed criterion at this precision (discrete decisions such
+        # as top-k routing flip against the fp32 golden): hold the fused branch to the original's
+        # own distance instead, so the rule stays "no worse than the code it replaces".
+        c.seed_relative = True
+        c.seed_ok = (1 - c.cosine) <= factor * (1 - c.orig_cosine) + 1e-6
     c.rel_ok = c.violations == 0
     c.passed = c.seed_ok and c.rel_ok
     if not c.seed_ok:
-        c.problem = f"cosine {c.cosine:.6f} ≤ {SEED_COSINE} and max abs error {c.max_abs:.3g} ≥ {SEED_MAX_ABS}"
+        c.problem = (f"cosine {c.cosine:.6f} ≤ {SEED_COSINE} and max abs error {c.max_abs:.3g} ≥ {SEED_MAX_ABS}"
+                     + (f" (the original's cosine is {c.orig_cosine:.6f}: fused is more than {factor}× as far)" if c.seed_relative else ""))  # fmt: skip
     elif not c.rel_ok:
         w = c.worst or {}
-        c.problem = (
-            f"{c.violations} of {f.numel()} elements over the relative-error bound (worst at {w.get('index')}: "
-            f"rel err {w.get('rel_err', 0):.3g} > bound {w.get('bound', 0):.3g} = {factor}×the original's own error + {floor:.3g}); "
-            f"cosine {c.cosine:.6f} alone would have passed"
-        )
+        what = []
+        if c.rows_over:
+            what.append(f"{c.rows_over} of {ef.shape[0]} rows over the row bound (worst row: RMS rel err {w.get('row_rms_rel_err', 0):.3g} > "
+                        f"{factor}×original's {w.get('row_rms_rel_err_original', 0):.3g} + {ulp / 2:.3g})")  # fmt: skip
+        if c.elements_over:
+            what.append(f"{c.elements_over} elements over the element bound ({factor}×the original's worst in the row + {ulp:.3g})")
+        c.problem = f"relative error vs the fp32 golden: {'; '.join(what)} at {w.get('index')}; cosine {c.cosine:.6f} alone would have passed"
     return c
 
 
@@ -362,7 +400,7 @@ class OpReport:
             "reasons": self.reasons,
             "factor": self.factor,
             "seed_criterion": f"cosine > {SEED_COSINE} or max_abs < {SEED_MAX_ABS}",
-            "rel_rule": "err_f <= factor*max(err_o, rms_row(err_o)) + floor(dtype) per element, vs the fp32 golden",
+            "rel_rule": "per row vs the fp32 golden: rms(err_f) <= factor*rms(err_o) + ulp/2 and every err_f <= factor*max(err_o) + ulp",
             "backward": self.backward,
             "inputs": self.inputs,
             "calls": self.calls,
@@ -371,17 +409,6 @@ class OpReport:
             "max_rel": worst.max_rel if worst else None,
             "jsonl": self.jsonl,
         }
-
-
-def _fused_has_backward(cand: Candidate, backend_label: str) -> bool:
-    if not cand.training_ok:
-        return False
-    if backend_label == "emulated":
-        from npufuse.emulate.registry import REGISTRY
-
-        apis = [a for a in cand.apis if a in REGISTRY]
-        return all(REGISTRY[a].autograd for a in apis) if apis else True
-    return True
 
 
 def run_op_check(cand: Candidate, opts: OpOptions, capture_path: Path | None = None) -> OpReport:
@@ -411,7 +438,6 @@ def run_op_check(cand: Candidate, opts: OpOptions, capture_path: Path | None = N
 
 def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: inp.CallInputs, golden_dtype: torch.dtype, device: str, label: str, counter: SiteCounter, switch: Switcher) -> OpReport:
     reasons: list[str] = []
-    backward_ok = _fused_has_backward(cand, label)
     seed, cot = opts.seed, opts.seed + 1
     switch.set(False)
     try:
@@ -425,7 +451,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     off_calls = golden.site_calls + orig.site_calls
     switch.set(True)
     try:
-        fused = _run(target, inputs, None, device, seed, cot, counter, backward_ok)
+        fused = _run(target, inputs, None, device, seed, cot, counter, True)
     except Exception as exc:
         fused = None
         reasons.append(f"the fused branch raised {type(exc).__name__}: {exc}")
@@ -433,10 +459,12 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     checks: list[TensorCheck] = []
     backward = "checked"
     differentiable = bool(golden.grads) and any(g is not None for g in golden.grads.values())
+    backward_ok = differentiable
     if not differentiable:
         backward = "skipped: the original is not differentiable on these inputs"
-    elif not backward_ok:
-        backward = "skipped: the fused API has no backward (inference-only candidate): forward checked only"
+    elif fused is not None and fused.backward_error and not cand.training_ok:
+        # an inference-only candidate (the scan said so): forward is what it promises
+        backward, backward_ok = f"skipped: inference-only candidate, the fused branch has no backward ({fused.backward_error[:120]})", False
     if fused is not None:
         if off_calls:
             reasons.append(f"the switch did not turn the fused branch off: {off_calls} torch_npu call(s) from the site with it off")
@@ -453,7 +481,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
                 checks.append(TensorCheck(name, "output", list(f.shape), str(f.dtype), str(g.dtype), problem="integer output differs from the original"))
         if differentiable and backward_ok:
             if fused.backward_error:
-                reasons.append(f"the fused backward raised {fused.backward_error}")
+                reasons.append(f"the fused backward raised {fused.backward_error} (the candidate is marked training-safe)")
             for name, gg in golden.grads.items():
                 og, fg = orig.grads.get(name), fused.grads.get(name)
                 kind = "grad_param" if name.startswith("param:") else "grad_input"
@@ -509,7 +537,8 @@ def capture_inputs(cand: Candidate, opts: OpOptions, progress: Any = None) -> Pa
         errors = probe.read_counters(work / "probe")["errors"]
         why = errors[0] if errors else f"the command ended ({res.describe_exit()}) without calling {cand.qualname} of {cand.file}"
         tail = " | ".join(res.tail[-3:])
-        raise UsageError(f"--capture: {why}" + (f"; last output: {tail}" if tail else "") + " (a target in the launched script itself, run as __main__, cannot be hooked)")
+        hint = "" if errors else f" (is {cand.file} imported by the command? a target in the launched script itself, run as __main__, cannot be hooked)"
+        raise UsageError(f"--capture: {why}" + (f"; last output: {tail}" if tail else "") + hint)
     return out
 
 

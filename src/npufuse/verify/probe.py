@@ -236,8 +236,15 @@ class ChildProbe:
 
     # -- the watched user module
     def after_user_import(self, module: Any) -> None:
+        try:
+            self._after_user_import(module)
+        except Exception as exc:  # the probe must never break the user's program
+            self.error(f"probe hook failed on {getattr(module, '__name__', '?')}: {type(exc).__name__}: {exc}")
+
+    def _after_user_import(self, module: Any) -> None:
         origin = os.path.realpath(getattr(module, "__file__", "") or "")
-        if origin == os.path.realpath(self.cfg.get("disable_module") or "\0"):
+        disable = self.cfg.get("disable_module")
+        if disable and origin == os.path.realpath(disable):
             module.torch_npu = None  # `_npufuse_on_npu` is then False for every site of this file
             self.notes.append(f"fused sites of {origin} disabled (torch_npu = None in the module)")
         cap = self.cfg.get("capture") or {}

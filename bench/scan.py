@@ -1,0 +1,170 @@
+"""Scan throughput on a corpus: files/s, lines/s, and the ratio of ``npufuse scan`` wall time to
+a plain ``ast.parse`` of the same files in one process.
+
+    .venv/bin/python bench/scan.py --fetch-transformers     # pip download transformers, unpack modeling files
+    .venv/bin/python bench/scan.py [CORPUS_DIR] [--jobs N] [--repeat 3] [--check-render N]
+
+Downloads nothing unless ``--fetch-transformers`` is given: it runs ``pip download --no-deps
+transformers`` into ``bench/.data/`` (gitignored) and unpacks ``transformers/models/*/modeling_*.py``
+into ``bench/.data/transformers/``, the default corpus. Prints figures only; asserts nothing.
+
+Two scan timings: *in-process* (``npufuse.cli.main(["scan", ...])`` with the detectors already
+imported, the figure the target ratio is about) and *end to end* (``python -m npufuse scan`` as
+a subprocess: interpreter start and imports included). The baseline reads and parses the files
+the scan reads, sequentially, in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / ".data"
+CORPUS = DATA / "transformers"
+sys.path.insert(0, str(HERE.parent / "src"))
+
+
+def fetch_transformers(version: str | None) -> Path:
+    """pip download the transformers wheel (no deps) and unpack its modeling files."""
+    dl = DATA / "dl"
+    dl.mkdir(parents=True, exist_ok=True)
+    spec = f"transformers=={version}" if version else "transformers"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", spec, "-d", str(dl)], check=True)
+    wheels = sorted(dl.glob("transformers-*.whl"), key=lambda p: p.stat().st_mtime)
+    if not wheels:
+        raise SystemExit("pip download produced no transformers wheel")
+    wheel = wheels[-1]
+    if CORPUS.exists():
+        shutil.rmtree(CORPUS)
+    rx = re.compile(r"transformers/models/[^/]+/modeling_[^/]+\.py")
+    n = 0
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if rx.fullmatch(name):
+                out = CORPUS / name
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(z.read(name))
+                n += 1
+    (CORPUS / "SOURCE").write_text(f"{wheel.name}\n")
+    print(f"unpacked {n} modeling files from {wheel.name} into {CORPUS}")
+    return CORPUS
+
+
+def baseline(root: Path, files: list[str]) -> tuple[float, int]:
+    """Seconds to read + decode + ast.parse every file, sequentially; total lines."""
+    t0 = time.perf_counter()
+    lines = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for rel in files:
+            data = (root / rel).read_bytes()
+            try:
+                ast.parse(data, filename=rel)
+            except (SyntaxError, ValueError):
+                pass
+            lines += data.count(b"\n")
+    return time.perf_counter() - t0, lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("corpus", nargs="?", help=f"folder to scan (default: {CORPUS.relative_to(HERE.parent)})")
+    ap.add_argument("--fetch-transformers", action="store_true", help="pip download transformers into bench/.data and unpack its modeling files")
+    ap.add_argument("--transformers-version", default=None, help="with --fetch-transformers: a version (default: latest)")
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes for the scan (default: all cores)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed repetitions; the best is reported (default 3)")
+    ap.add_argument("--no-subprocess", action="store_true", help="skip the end-to-end subprocess timing")
+    ap.add_argument("--check-render", type=int, default=0, metavar="N",
+                    help="also check N random candidates' replacement against render_site on the whole file (0: none, -1: all)")
+    args = ap.parse_args(argv)
+
+    if args.fetch_transformers:
+        fetch_transformers(args.transformers_version)
+    corpus = Path(args.corpus) if args.corpus else CORPUS
+    if not corpus.is_dir():
+        print(f"no corpus at {corpus}; run with --fetch-transformers or pass a folder", file=sys.stderr)
+        return 2
+
+    from npufuse.cli import main as cli_main
+    from npufuse.scan import engine
+    from npufuse.scan.walk import walk
+
+    engine.registry_patterns()  # import the detectors before timing (they are the same in every run)
+    walked = walk(corpus)
+    files = walked.files
+    cores = os.cpu_count() or 1
+    jobs = args.jobs if args.jobs is not None else cores
+    t_parse, lines = min((baseline(walked.root, files) for _ in range(args.repeat)), key=lambda r: r[0])
+
+    out = Path(tempfile.mkdtemp(prefix="npufuse-bench-"))
+    scan_times = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        rc = cli_main(["scan", str(corpus), "-o", str(out / "report.md"), "--state-dir", str(out), "--no-progress", "--jobs", str(jobs)])
+        scan_times.append(time.perf_counter() - t0)
+        if rc != 0:
+            print(f"npufuse scan exited {rc}", file=sys.stderr)
+            return rc
+    t_scan = min(scan_times)
+    import json
+
+    scan = json.loads((out / "scan.json").read_text())
+    t_e2e = None
+    if not args.no_subprocess:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "npufuse", "scan", str(corpus), "-o", str(out / "r2.md"), "--state-dir", str(out / "s2"), "--no-progress", "--jobs", str(jobs)],
+                       check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")})
+        t_e2e = time.perf_counter() - t0
+
+    by_pattern: dict[str, int] = {}
+    for c in scan["candidates"]:
+        by_pattern[c["pattern"]] = by_pattern.get(c["pattern"], 0) + 1
+    print(f"corpus            {corpus} ({(corpus / 'SOURCE').read_text().strip() if (corpus / 'SOURCE').exists() else 'local folder'})")
+    print(f"files             {len(files)} Python files, {lines} lines ({scan['files_scanned']} scanned, {len(scan['files_failed'])} problems)")
+    print(f"detectors         {', '.join(scan['patterns']) or 'none'}")
+    print(f"candidates        {len(scan['candidates'])} ({', '.join(f'{k} {v}' for k, v in sorted(by_pattern.items()))}); near misses {len(scan['near_misses'])}")
+    print(f"cores             {cores} (scan jobs {jobs})")
+    print(f"ast.parse only    {t_parse:.2f} s  ({len(files) / t_parse:.0f} files/s, {lines / t_parse:.0f} lines/s), one process")
+    print(f"npufuse scan      {t_scan:.2f} s  ({len(files) / t_scan:.0f} files/s, {lines / t_scan:.0f} lines/s), in-process, best of {args.repeat}")
+    print(f"ratio             {t_scan / t_parse:.2f}  (npufuse scan / ast.parse; target <= 1.5)")
+    if t_e2e is not None:
+        print(f"end to end        {t_e2e:.2f} s  (python -m npufuse scan, start-up and imports included; ratio {t_e2e / t_parse:.2f})")
+
+    if args.check_render:
+        from npufuse.patterns.base import Finding
+        from npufuse.rewrite.codegen import Switch, render_site
+
+        cands = scan["candidates"]
+        sample = cands if args.check_render < 0 else random.Random(0).sample(cands, min(args.check_render, len(cands)))
+        same = 0
+        for c in sample:
+            src = (walked.root / c["file"]).read_text(encoding="utf-8")
+            f = Finding(c["pattern"], c["qualname"], c["line"], c["end_line"], c["params"], c["fused"], c["guard_tensor"])
+            sw = Switch(c["switch"]["kind"], c["switch"]["expr"], c["switch"]["name"])
+            try:
+                ok = render_site(src, f, sw) == c["replacement"]
+            except Exception as exc:  # render_site cannot do it at all: counted as a mismatch
+                ok = False
+                print(f"  render_site failed for {c['key']}: {type(exc).__name__}: {exc}")
+            same += ok
+            if not ok:
+                print(f"  replacement differs from render_site: {c['key']} (lines {c['line']}-{c['end_line']})")
+        print(f"render check      {same}/{len(sample)} replacements identical to render_site on the whole file")
+    shutil.rmtree(out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""``npufuse verify op ID`` and ``npufuse verify e2e ID --cmd "..."`` (see opcheck.py and e2e.py).
+
+Exit codes: 0 passed (e2e: concluded without a "do not replace" verdict), 1 the candidate failed
+(accuracy_failed / e2e_failed / slower), 2 usage or input error, 130 interrupted (state saved;
+rerun to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from npufuse.cli import UsageError
+
+
+def _kv(text: str) -> tuple[str, str]:
+    if "=" not in text or text.startswith("="):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    k, v = text.split("=", 1)
+    return k, v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {v}")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="check", metavar="CHECK")
+    sub.required = True
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("id", type=int, help="candidate id (npufuse status lists them)")
+        p.add_argument("--state-dir", default=".npufuse", help="npufuse state folder (default .npufuse)")
+        p.add_argument("--root", default=None, help="repository root (default: scan.json's root)")
+        p.add_argument("--env", action="append", type=_kv, default=[], metavar="K=V", help="environment variable for the child process(es); repeatable")
+        p.add_argument("--shell", action="store_true", help="run the command through /bin/sh (default: shlex.split, no shell)")
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+        p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    op = sub.add_parser("op", help="operator-level accuracy (forward + backward) against an fp32 golden", description="operator-level accuracy of one applied candidate")
+    common(op)
+    op.add_argument("--capture", metavar="CMD", help='launch command whose first call of the target gives the inputs, e.g. "python train.py --steps 1"')
+    op.add_argument("--capture-timeout", type=float, default=600.0, metavar="S", help="seconds to wait for the capture (default 600)")
+    op.add_argument("--capture-max-mb", type=int, default=512, metavar="MB", help="tensors captured by value up to this total (default 512)")
+    op.add_argument("--shape", action="append", default=[], metavar="[NAME=]AxBxC[:dtype]", help="input shape of a parameter; repeatable")
+    op.add_argument("--dtype", help="low precision to check in (default: captured, else config torch_dtype, else bfloat16)")
+    op.add_argument("--init", action="append", type=_kv, default=[], metavar="NAME=VALUE", help="constructor/argument value (Python literal); repeatable")
+    op.add_argument("--batch", type=_positive_int, help="batch size for config-derived shapes (default min(config, 2))")
+    op.add_argument("--seq-len", type=_positive_int, help="sequence length for config-derived shapes (default min(config, 256))")
+    op.add_argument("--factor", type=float, default=2.0, help="allowed multiple of the original's own low-precision error (default 2.0)")
+    op.add_argument("--seed", type=int, default=0)
+    op.add_argument("--backend", choices=("auto", "emulated"), default="auto", help="auto: real torch_npu on an NPU host, else emulated")
+
+    e2e = sub.add_parser("e2e", help="baseline vs fused run of your launch command: loss, then step time", description="end-to-end check of one applied candidate")
+    common(e2e)
+    e2e.add_argument("--cmd", required=True, help='your launch command, e.g. "python train.py --steps 50"')
+    e2e.add_argument("--steps", type=_positive_int, default=50, help="logged steps to compare (default 50); the run is stopped after them")
+    e2e.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="per run, seconds (default 3600)")
+    e2e.add_argument("--log-regex", help="regex with named groups loss (required), step, step_time (seconds)")
+    e2e.add_argument("--seed-env", action="append", type=_kv, default=[], metavar="K=V", help="seed variables set identically in both runs (default PYTHONHASHSEED=0)")
+    e2e.add_argument("--cwd", help="folder to run in (default: the repository root)")
+    e2e.add_argument("--tolerance", type=float, default=0.01, help="max smoothed relative loss difference (default 0.01 = 1%%)")
+    e2e.add_argument("--skip", type=int, default=10, help="first steps not compared (default 10)")
+    e2e.add_argument("--ema", type=float, default=0.1, help="EMA smoothing factor of the loss curves (default 0.1)")
+    e2e.add_argument("--warmup", type=int, default=5, help="first steps excluded from step-time statistics (default 5)")
+    e2e.add_argument("--bootstrap", type=_positive_int, default=2000, help="bootstrap resamples (default 2000)")
+    e2e.add_argument("--min-effect", type=float, default=0.01, help="smallest speed-up worth calling faster/slower (default 0.01)")
+    e2e.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    e2e.add_argument("--rerun-baseline", action="store_true", help="do not reuse a completed baseline run")
+    e2e.add_argument("--force", action="store_true", help="run even if the op check has not passed")
+    e2e.add_argument("--emulate", choices=("auto", "never", "always"), default="auto", help="the child's torch_npu: auto = real if installed, else emulated")
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    if args.quiet or args.json:
+        return None
+    return lambda msg: print(f"npufuse verify {args.check} {args.id}: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from npufuse.verify.candidate import load_candidate
+
+    cand = load_candidate(args.id, args.state_dir, args.root)
+    if args.check == "op":
+        return _run_op(args, cand)
+    return _run_e2e(args, cand)
+
+
+def _run_op(args: argparse.Namespace, cand: Any) -> int:
+    from npufuse.verify.inputs import parse_literal
+    from npufuse.verify.opcheck import OpOptions, verify_op
+
+    opts = OpOptions(
+        capture=args.capture, capture_timeout=args.capture_timeout, capture_max_mb=args.capture_max_mb, shell=args.shell,
+        env=dict(args.env), shapes=args.shape, dtype=args.dtype, init={k: parse_literal(v) for k, v in args.init},
+        batch=args.batch, seq_len=args.seq_len, factor=args.factor, seed=args.seed, backend=args.backend,
+    )  # fmt: skip
+    if opts.factor <= 0:
+        raise UsageError("--factor must be positive")
+    report = verify_op(cand, opts, _progress(args))
+    if args.json:
+        out = report.summary()
+        out["checks"] = [c.to_json() for c in report.checks]
+        print(json.dumps(out, indent=2))
+    else:
+        _print_op(report)
+    return 0 if report.passed else 1
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return format(v, spec) if isinstance(v, (int, float)) else "—"
+
+
+def _print_op(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # piped/CI output: keep one row per line
+    table = Table(title=f"op check of candidate {report.candidate}: {report.pattern} in {report.file} ({report.qualname}) — {report.backend}")
+    for col in ("tensor", "shape", "dtype", "cosine", "max abs", "max rel", "orig max rel", "over bound", "row cos min", "ok"):
+        table.add_column(col, justify="right" if col not in ("tensor", "dtype") else "left")
+    for c in report.checks:
+        table.add_row(c.name, "×".join(map(str, c.shape)), c.dtype, _fmt(c.cosine, ".6f"), _fmt(c.max_abs, ".3g"), _fmt(c.max_rel, ".3g"),
+                      _fmt(c.orig_max_rel, ".3g"), str(c.violations), _fmt(c.row_cos_min, ".5f"), "yes" if c.passed else "NO")  # fmt: skip
+    console.print(table)
+    print(f"inputs: {report.inputs['source']} ({report.inputs['dtype']}); backward {report.backward}; fused calls from the site: {report.calls['site_calls_on']}")
+    if report.passed:
+        print(f"PASSED: seed criterion and relative-error bound ({report.factor}× the original's own error) hold for every tensor")
+    else:
+        print("FAILED (accuracy_failed):")
+        for r in report.reasons:
+            print(f"  - {r}")
+    print(f"results: {report.jsonl}")
+
+
+def _run_e2e(args: argparse.Namespace, cand: Any) -> int:
+    from npufuse.verify.e2e import E2EOptions, verify_e2e
+
+    seed_env = dict(args.seed_env) if args.seed_env else {"PYTHONHASHSEED": "0"}
+    if not 0 < args.ema <= 1:
+        raise UsageError("--ema must be in (0, 1]")
+    if args.tolerance <= 0:
+        raise UsageError("--tolerance must be positive")
+    opts = E2EOptions(
+        cmd=args.cmd, steps=args.steps, env=dict(args.env), seed_env=seed_env, shell=args.shell, timeout=args.timeout,
+        log_regex=args.log_regex, cwd=Path(args.cwd) if args.cwd else None, tolerance=args.tolerance, skip=max(0, args.skip),
+        alpha=args.ema, warmup=max(0, args.warmup), n_boot=args.bootstrap, min_effect=args.min_effect, seed=args.seed,
+        rerun_baseline=args.rerun_baseline, force=args.force, emulate=args.emulate,
+    )  # fmt: skip
+    result = verify_e2e(cand, opts, _progress(args))
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(f"candidate {result['candidate']}: {result['status']}" + (f" — {result['verdict']}" if result["verdict"] else ""))
+        for r in result["reasons"]:
+            print(f"  - {r}")
+        runs = result["e2e"].get("runs", {})
+        for name in ("baseline", "fused"):
+            if name in runs:
+                print(f"{name}: {runs[name].get('jsonl')}")
+        print(f"metrics: {result['metrics']}")
+    failed = result["status"] in ("e2e_failed", "accuracy_failed") or str(result["verdict"] or "").startswith("do not replace")
+    return 1 if failed else 0

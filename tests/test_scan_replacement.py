@@ -1,0 +1,187 @@
+"""The fast replacement renderer gives exactly render_site's text (or declines)."""
+
+from __future__ import annotations
+
+import random
+import textwrap
+
+import pytest
+
+from npufuse.patterns.base import Finding
+from npufuse.rewrite.codegen import Switch, env_switch, render_site
+from npufuse.scan.dataflow import ModuleInfo
+from npufuse.scan.replacement import decorated_lines, default_indent, fast_body, render, splitlines_match
+from scan_fakes import FIXTURE
+
+FUSED = {
+    "one": "y = torch_npu.npu_rms_norm(x, w, epsilon=1e-6)[0]",
+    "multi": 'y = torch_npu.npu_fusion_attention(\n    q, k, v, 8, "BNSD",\n    scale=0.1)[0]  # tail',
+    "block": "for i in range(2):\n    y = f(\n        i)\n    if y:\n        z = 1\nw = 2",
+    "semicolon": "y = g(x); z = h(y)",
+    "comment": "# the fused op\ny = f(x)\n\nz = g(\n    y,\n  1)",
+    "string": 's = """a\n  b\n"""\ny = 1',
+    "indented": "    y = 1\n    z = 2",
+}
+SWITCHES = [env_switch("rms_norm"), Switch("existing", expr='getattr(self.config, "use_fused_rmsnorm", False)'), Switch("none")]
+
+SOURCES = {
+    "function": '''
+        def f(t, q):
+            a = 1
+
+            # comment at the block level
+            b = (1,
+          2)
+            c = """x
+        y"""  # trailing
+            for i in range(3):
+                d = i
+
+                # inside
+                e = g(
+                    i,
+                    # in brackets
+                )
+            # after the loop
+            return a
+        ''',
+    "method": '''
+        class C:
+            def forward(self, x):
+                variance = x.pow(2).mean(-1, keepdim=True)
+                x = x * torch.rsqrt(
+                    variance + self.eps
+                )
+                return self.weight * x
+
+            def other(self):
+                pass
+        ''',
+    "module_level": '''
+        import torch
+
+        x = 1
+
+        y = torch.zeros(
+            3)
+        z = [
+        1,
+        ]
+        ''',
+    "decorated": '''
+        import functools
+
+
+        @functools.lru_cache
+        def f(x):
+            return x
+
+
+        class C:
+            @property
+            def p(self):
+                return 1
+
+            y = 2
+        ''',
+    "two_space": '''
+        def f(x):
+          if x:
+            y = x + 1
+            z = y * 2
+          return z
+        ''',
+    "comment_after_deeper": '''
+        def f(x):
+            y = x + 1
+                # a deeper comment after the site
+            return y
+        ''',
+}
+
+
+def _spans(module):
+    for scope in module.scopes:
+        for block, i, stmt in scope.statements():
+            yield stmt.lineno, stmt.end_lineno
+            for j in range(i + 1, min(len(block), i + 4)):
+                yield stmt.lineno, block[j].end_lineno
+
+
+def _check(source: str, limit: int | None = None, seed: int = 0) -> tuple[int, int]:
+    module = ModuleInfo.from_source("m.py", source)
+    lines = source.splitlines(keepends=True)
+    indent = default_indent(module.tree, lines)
+    decorated = decorated_lines(module.tree)
+    spans = sorted(set(_spans(module)))
+    rnd = random.Random(seed)
+    if limit is not None:
+        rnd.shuffle(spans)
+        spans = spans[:limit]
+    same = declined = 0
+    for k, (a, b) in enumerate(spans):
+        for name, fused in FUSED.items():
+            f = Finding("rms_norm", "q", a, b, {}, fused, "x")
+            switch = SWITCHES[(k + len(name)) % len(SWITCHES)]
+            body = fast_body(lines, f, indent, decorated)
+            if body is None:
+                declined += 1
+                continue
+            try:
+                want = render_site(source, f, switch)
+            except (ValueError, KeyError):
+                # render_site itself fails here (see the final report): the fast path must decline too
+                pytest.fail(f"fast path rendered a site render_site cannot: lines {a}-{b}, fused {name!r}")
+            assert render(source, f, switch, body) == want, f"lines {a}-{b}, fused {name!r}"
+            same += 1
+    return same, declined
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_fast_equals_render_site_on_constructs(name):
+    source = textwrap.dedent(SOURCES[name]).lstrip("\n")
+    same, declined = _check(source)
+    assert same > 0
+
+
+def _classes(source: str, names: set[str]) -> str:
+    """The named top-level classes of a file, as a module of their own (render_site's cost
+    grows with the file; these keep the check quick)."""
+    import ast
+
+    lines = source.splitlines(keepends=True)
+    keep = [n for n in ast.parse(source).body if getattr(n, "name", None) in names]
+    return "import torch\n\n\n" + "\n\n".join("".join(lines[n.lineno - 1 : n.end_lineno]) for n in keep)
+
+
+@pytest.mark.parametrize("rel,names", [
+    ("model/modeling_tiny.py", {"TinyAttention", "TinySparseMoeBlock"}),
+    ("model/modeling_tiny.py", {"TinyRotaryEmbedding", "TinyRMSNorm"}),
+    ("ops/npu_ops.py", None),
+])
+def test_fast_equals_render_site_on_the_fixture(rel, names):
+    source = (FIXTURE / rel).read_text()
+    if names:
+        source = _classes(source, names)
+    same, declined = _check(source, limit=4)
+    assert same > declined
+
+
+def test_declines_tabs_crlf_and_unusual_line_breaks():
+    tabbed = "def f(x):\n\ty = x\n\treturn y\n"
+    lines = tabbed.splitlines(keepends=True)
+    assert fast_body(lines, Finding("rms_norm", "f", 2, 2, {}, "y = 1", "x"), "\t") is None
+    assert not splitlines_match("a = 1\r\nb = 2\r\n")
+    assert not splitlines_match("a = 1\x0cb = 2\n")
+    assert splitlines_match("a = 1\nb = 2\n")
+
+
+def test_render_falls_back_to_render_site_for_complex_guards():
+    source = "def f(x):\n    y = x\n    return y\n"
+    f = Finding("rms_norm", "f", 2, 2, {}, "y = g(x)", "x")
+    sw = Switch("existing", expr='os.environ.get("A#B")')
+    lines = source.splitlines(keepends=True)
+    body = fast_body(lines, f, "    ")
+    assert body is not None
+    assert render(source, f, sw, body) == render_site(source, f, sw)
+    assert render(lambda: source, f, sw, None) == render_site(source, f, sw)
