@@ -174,3 +174,46 @@ def block_of(text: str, span: list[int] | tuple[int, int]) -> str:
     from npufuse.rewrite.codegen import source_lines
 
     return "".join(source_lines(text)[span[0] - 1 : span[1]])
+
+
+def fallback_of(block: str) -> str:
+    """The ``else:`` branch of a rendered site block (its lines, as written)."""
+    from npufuse.rewrite.codegen import source_lines
+
+    lines = source_lines(block)
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    for i, ln in enumerate(lines):
+        if ln.strip() == "else:" and len(ln) - len(ln.lstrip()) == indent:
+            return "".join(lines[i + 1 :])
+    raise AssertionError("no else branch in the block")
+
+
+def same_statements(fallback: str, original: str) -> bool:
+    """The fallback is the original statements byte for byte, one indentation level deeper:
+    every line gains the same prefix, except lines inside a multi-line string, which must be
+    unchanged (libcst never touches string contents)."""
+    from npufuse.rewrite.codegen import source_lines
+
+    a, b = source_lines(fallback), source_lines(original)
+    if len(a) != len(b) or not a:
+        return False
+    prefix = a[0][: len(a[0]) - len(b[0])]
+    if prefix.strip() or not a[0].endswith(b[0]):
+        return False
+    in_string = _string_lines(original)
+    return all(x == y if (i in in_string or not y.strip()) else x == prefix + y for i, (x, y) in enumerate(zip(a, b)))
+
+
+def _string_lines(code: str) -> set[int]:
+    """0-based lines that continue a multi-line string token."""
+    import io
+    import tokenize
+
+    inside: set[int] = set()
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(code)).readline):
+            if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
+                inside.update(range(tok.start[0], tok.end[0]))  # rows after the first, 0-based
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return inside

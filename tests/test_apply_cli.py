@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from apply_support import HEAD, MODEL, block_of, make_repo, npufuse, scan, state_of
+from apply_support import HEAD, MODEL, block_of, fallback_of, make_repo, npufuse, same_statements, scan, state_of
 from npufuse.rewrite.codegen import PRELUDE_MARKER, source_lines
 from npufuse.rewrite.revert import plan_revert, write_revert
 from npufuse.rewrite.transform import marked_sites
@@ -84,7 +84,20 @@ def test_report_replacement_equals_what_apply_writes(repo):
     st = {c["id"]: c for c in state_of(sd)["candidates"]}
     for c in data["candidates"]:
         text = (root / c["file"]).read_text()
-        assert block_of(text, st[c["id"]]["applied"]["span"]) == c["replacement"], c["key"]
+        block = block_of(text, st[c["id"]]["applied"]["span"])
+        assert block == c["replacement"], c["key"]
+        assert same_statements(fallback_of(block), c["code"]), c["key"]  # the fallback is the original
+
+
+def test_revert_dry_run_writes_nothing(repo, capsys):
+    root, sd, _, _ = repo
+    assert apply(sd, "--accept", "all") == 0
+    before = (root / "model.py").read_bytes()
+    capsys.readouterr()
+    assert npufuse("revert", "--dry-run", "--state-dir", str(sd)) == 0
+    out = capsys.readouterr().out
+    assert "--- a/model.py" in out and "-        if _npufuse_on_npu(hidden_states)" in out and "would revert" in out
+    assert (root / "model.py").read_bytes() == before and all(c["applied"] for c in state_of(sd)["candidates"])
 
 
 def test_apply_one_then_another_in_the_same_file_equals_applying_both(repo, tmp_path):
@@ -323,3 +336,24 @@ def test_non_utf8_and_crlf_files_keep_their_encoding(tmp_path):
     assert npufuse("revert", "--state-dir", str(root / ".npufuse")) == 0
     assert (root / "head.py").read_bytes() == latin.encode("latin-1")
     assert (root / "model.py").read_bytes() == crlf.encode("utf-8")
+
+
+def test_revert_one_then_apply_it_again_gives_the_apply_all_file(repo):
+    root, sd, _, ids = repo
+    assert apply(sd, "--accept", "all") == 0
+    full = (root / "model.py").read_bytes()
+    cid = ids["swiglu@model.py:MLP.forward"]
+    assert npufuse("revert", str(cid), "--state-dir", str(sd)) == 0
+    assert [m.pattern for m in marked_sites((root / "model.py").read_text())] == ["rms_norm", "rms_norm"]
+    assert apply(sd, "--accept", str(cid)) == 0
+    assert (root / "model.py").read_bytes() == full
+
+
+def test_a_rewritten_file_edited_later_is_refused_with_the_way_out(repo, capsys):
+    root, sd, _, ids = repo
+    assert apply(sd, "--accept", str(ids["rms_norm@model.py:RMSNorm.forward"])) == 0
+    (root / "model.py").write_text((root / "model.py").read_text() + "\n# user edit\n")
+    capsys.readouterr()
+    assert apply(sd, "--accept", str(ids["swiglu@model.py:MLP.forward"])) == 2
+    err = capsys.readouterr().err
+    assert "model.py changed since npufuse rewrote it" in err and f"npufuse revert {ids['rms_norm@model.py:RMSNorm.forward']}" in err

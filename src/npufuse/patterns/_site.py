@@ -494,7 +494,7 @@ def render(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) 
         return v
 
     out = sub(node, ctx, 0)
-    if not changed[0] and ctx.depth == 0 and hasattr(node, "end_col_offset"):
+    if not changed[0] and ctx.depth == 0 and getattr(node, "lineno", None) is not None and getattr(node, "end_col_offset", None) is not None:
         return source_of(module, node)
     return ast.unparse(out)
 

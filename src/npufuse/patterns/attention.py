@@ -442,7 +442,10 @@ def repeat_info(module: ModuleInfo, call: ast.AST) -> RepeatInfo | None:
         fn = module.helper(call.func.id)
         if fn is None:
             return None
-        h = _repeat_helper_dim(fn)
+        cache = module.__dict__.setdefault("_repeat_helper_dims", {})
+        if call.func.id not in cache:
+            cache[call.func.id] = _repeat_helper_dim(fn)
+        h = cache[call.func.id]
         if h is not None:
             return RepeatInfo(ast.unparse(call.args[1]), h, True)
     return None
@@ -1311,6 +1314,9 @@ class AttentionPattern(Pattern):
 
     def _anchors(self, module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.AST, tuple[Any, Any, str]]]:
         if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
+            return []
+        text = segment(module, stmt)
+        if "@" not in text and "matmul" not in text and "bmm" not in text and "einsum" not in text:
             return []
         out = []
         for node in ast.walk(stmt):

@@ -341,9 +341,7 @@ def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: s
     head = out.splitlines(keepends=True)
     indent = head[0][: len(head[0]) - len(head[0].lstrip())]
     body = "".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in head)
-    comment = (f"# torch_npu.optim.{fused_cls}: one fused update per dtype over combined flat buffers "
-               "(params and grads must stay allocated)\n")
-    return comment + body
+    return body
 
 
 def _assess(finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
@@ -431,10 +429,7 @@ def build(model, weight_decay=0.01, learning_rate=5e-3):
     return optimizer
 '''
 
-_SGD_CIFAR = '''\
-import torch
-import torch.optim as optim
-''' + _NET.split("\n", 3)[3] + '''
+_SGD_CIFAR = _NET.replace("import torch\n", "import torch\nimport torch.optim as optim\n", 1) + '''
 
 def build(net):
     optimizer = optim.SGD(net.parameters(), lr=0.1,
@@ -454,6 +449,7 @@ class LitModel(Net):
 
 
 def build(model):
+    model.lr = 2e-3
     return LitModel.configure_optimizers(model)
 '''
 

@@ -1239,10 +1239,10 @@ def _own(act: _Act, owner: str) -> _Act:
 # ---------------------------------------------------------------------------------------------
 
 _GMM_FUNCTION = f'''\
-# npu_grouped_matmul has no backward in torch_npu 2.14: this autograd.Function gives it one
-# (dx = grouped dy @ W^T, dW = K-grouped x^T @ dy), defined once per module and cached in globals().
 {P}gmm = globals().get("{P}gmm_fn")
 if {P}gmm is None:
+    # npu_grouped_matmul has no backward in torch_npu 2.14: this autograd.Function gives it one
+    # (dx = grouped dy @ W^T, dW = K-grouped x^T @ dy), defined once per module and cached in globals()
     class _NpufuseGroupedMatmul(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, weight, counts):

@@ -341,35 +341,46 @@ def _rotation_expr(scope: Scope, expr: ast.expr, is_x) -> _Rotation:
 def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr) -> _Rotation:
     """Is ``node`` the rotation of ``x``: a helper call ``R(x)`` (followed and verified) or inline?"""
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x):
-        fn, name = _helper_def(module, scope, node.func)
-        if fn is None:
-            if "rotate" in name.lower() or "rot" in name.lower():
-                return _Rotation(None, f"rotation helper `{name}` is not defined in this module: it cannot be verified", name)
-            return _Rotation(None)
-        hscope = _scope_of(module, fn)
-        params = [a.arg for a in fn.args.args]
-        if isinstance(node.func, ast.Attribute) and params and params[0] in ("self", "cls") and not any(
-            isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list
-        ):
-            params = params[1:]
-        if hscope is None or not params:
-            return _Rotation(None)
-        pname = params[0]
-        rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
-        if len(rets) != 1:
-            return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
-
-        def is_param(n: ast.AST) -> bool:
-            return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
-
-        rot = _rotation_expr(hscope, rets[0].value, is_param)
-        rot.name = name
-        if rot.kind is None and not rot.reason and ("rot" in name.lower()):
-            rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
-        return rot
+        # a helper's verdict does not depend on the call site: computed once per module
+        key = (scope.class_name, ast.dump(node.func))
+        cache = module.__dict__.setdefault("_rotation_verdicts", {})
+        if key not in cache:
+            cache[key] = _rotation_helper(module, scope, node)
+        rot = cache[key]
+        return _Rotation(rot.kind, rot.reason, rot.name)
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x))
     rot.name = "inline"
+    return rot
+
+
+def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotation:
+    """Verdict on a called rotation helper (followed into its definition and verified)."""
+    fn, name = _helper_def(module, scope, node.func)
+    if fn is None:
+        if "rotate" in name.lower() or "rot" in name.lower():
+            return _Rotation(None, f"rotation helper `{name}` is not defined in this module: it cannot be verified", name)
+        return _Rotation(None)
+    hscope = _scope_of(module, fn)
+    params = [a.arg for a in fn.args.args]
+    if isinstance(node.func, ast.Attribute) and params and params[0] in ("self", "cls") and not any(
+        isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list
+    ):
+        params = params[1:]
+    if hscope is None or not params:
+        return _Rotation(None)
+    pname = params[0]
+    rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    if len(rets) != 1:
+        return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
+
+    def is_param(n: ast.AST) -> bool:
+        return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
+
+    rot = _rotation_expr(hscope, rets[0].value, is_param)
+    rot.name = name
+    if rot.kind is None and not rot.reason and ("rot" in name.lower()):
+        rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
     return rot
 
 
@@ -523,6 +534,9 @@ class RopePattern(Pattern):
         runs: list[tuple[list[ast.stmt], list[tuple[int, ast.stmt, list[_Match]]]]] = []
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
+                continue
+            st_text = segment(module, stmt)
+            if "*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text):
                 continue
             matches: list[_Match] = []
             for node in self._candidates(stmt):

@@ -79,6 +79,8 @@ class SdpaPattern(Pattern):
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
                 continue
+            if "scaled_dot_product_attention" not in segment(module, stmt):
+                continue
             for node in ast.walk(stmt):
                 if isinstance(node, ast.Call) and module.call_name(node) in SDPA_NAMES:
                     res = self._site(module, scope, block, i, stmt, node)

@@ -264,6 +264,11 @@ def _plan_file(scan: Scan, state: State, rel: str, cands: list[dict[str, Any]], 
         if sha256_bytes(src.encode(reverted.text)) != scan_sha:
             raise Refused(f"{rel}: removing npufuse's own sites does not give back the scanned file; run `npufuse revert` and `npufuse scan` again")
         base, prior = reverted.text, earlier
+    elif earlier:
+        raise Refused(
+            f"{rel} changed since npufuse rewrote it; to rewrite more of it, `npufuse revert {' '.join(str(c.id) for c in earlier)}`, "
+            "then `npufuse scan` and `npufuse apply` again"
+        )
     else:
         raise Refused(f"{rel} changed since the scan (its content hash differs from scan.json's); run `npufuse scan` again")
 

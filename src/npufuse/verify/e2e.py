@@ -8,7 +8,8 @@ SIGKILL of npufuse leaves state.json and the JSONL consistent, and a rerun resum
     of its guard; other switch kinds: the probe sets ``torch_npu = None`` in the candidate's
     module, which turns off every fused site of that file, said in the evidence). A completed
     baseline with at least ``--steps`` steps and the same fingerprint (command, shell, cwd,
-    environment, log regex, the candidate file's content) is reused, not rerun.
+    environment, log regex, the candidate file's content outside this site's fused branch) is
+    reused, not rerun.
 
     **fused** — the same command with the switch on, compared step by step with the baseline
     as it runs (:class:`npufuse.verify.stats.LossMonitor`): a NaN/Inf loss or a smoothed relative
@@ -111,10 +112,22 @@ def _switch_plan(cand: Candidate) -> dict[str, Any]:
             "off": f"torch_npu = None in {cand.file}", "on": "as applied"}  # fmt: skip
 
 
+def _baseline_source_sha(cand: Candidate) -> str:
+    """The candidate file's hash without this site's fused branch: the baseline never runs that
+    branch, so fixing (or breaking) it must not throw a completed baseline away."""
+    try:
+        text = cand.path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+    if cand.site is not None and cand.site.fused_text:
+        text = text.replace(cand.site.fused_text, "", 1)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def fingerprint(cand: Candidate, opts: E2EOptions, cwd: Path) -> str:
     """What the baseline depends on: a change means it must be rerun."""
     facts = {"cmd": opts.cmd, "shell": opts.shell, "cwd": str(cwd), "env": sorted(opts.env.items()), "seed_env": sorted(opts.seed_env.items()),
-             "log_regex": opts.log_regex, "file_sha256": cand.file_sha256(), "emulate": opts.emulate}  # fmt: skip
+             "log_regex": opts.log_regex, "file_sha256": _baseline_source_sha(cand), "emulate": opts.emulate}  # fmt: skip
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -1,0 +1,657 @@
+"""``affinity_index_put``: ``x[bool_mask] = value`` → ``masked_fill_`` / ``torch.where`` (no IndexPut).
+
+On Ascend, assigning through a boolean mask is an IndexPut: the mask is turned into indices
+(``nonzero``: a device-to-host sync and a data-dependent shape) and the scatter runs as an
+IndexPut kernel, which the Ascend PyTorch tuning guide ("IndexPut算子替换") lists among the ops
+to replace with dense elementwise work. The replacements keep the in-place semantics:
+
+* a scalar value: ``x.masked_fill_(mask, value)`` — one AI Core kernel, exact for every value,
+  ±inf and NaN included. (The guide's multiply form ``x *= ~mask`` is not used: ``inf * 0`` and
+  ``nan * 0`` are NaN, so it is wrong exactly where masks are most used — cleaning non-finite
+  values, ``-inf`` logit filters.)
+* a value gathered with the same mask, ``x[m] = f(y[m])`` (``inputs[m] = random_words[m]``,
+  mmdet's ``assigned[pos] = argmax[pos] + 1``): ``x.copy_(torch.where(m, f(y).to(x.dtype), x))``,
+  the form the same guide gives.
+
+A mask whose rank is below ``x``'s (``hidden[attention_mask == 0] = 0`` on ``[B, S, H]``) is
+reshaped with trailing singleton dims, because ``masked_fill``/``where`` broadcast from the right
+while indexing consumes leading dims.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from typing import Any, Iterable, Optional
+
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, source_of
+from npufuse.scan.value import symbolic
+
+_ID = "affinity_index_put"
+P = "_npufuse_"
+
+# --- shared evidence helpers (also used by affinity_where) -------------------------------------
+
+_BOOL_FUNCS = {
+    "torch.isnan", "torch.isinf", "torch.isfinite", "torch.isneginf", "torch.isposinf", "torch.isin",
+    "torch.logical_and", "torch.logical_or", "torch.logical_not", "torch.logical_xor",
+    "torch.eq", "torch.ne", "torch.gt", "torch.lt", "torch.ge", "torch.le", "torch.greater", "torch.less",
+    "torch.greater_equal", "torch.less_equal", "torch.not_equal", "torch.bernoulli_bool",
+}
+_BOOL_METHODS = {"bool", "isnan", "isinf", "isfinite", "isneginf", "isposinf", "logical_not", "logical_and",
+                 "logical_or", "logical_xor", "eq", "ne", "gt", "lt", "ge", "le", "any", "all", "greater", "less"}
+# shape-only methods: a bool tensor stays bool
+_SHAPE_METHODS = {"unsqueeze", "expand", "expand_as", "view", "reshape", "clone", "contiguous", "t", "transpose",
+                  "flatten", "squeeze", "permute", "repeat", "repeat_interleave", "detach", "to", "cpu", "cuda", "npu",
+                  "flip", "roll", "tril", "triu", "narrow", "view_as", "reshape_as"}
+_CREATORS = {"torch.zeros", "torch.ones", "torch.full", "torch.zeros_like", "torch.ones_like", "torch.full_like",
+             "torch.empty", "torch.empty_like", "torch.tensor", "torch.as_tensor"}
+_INT_DTYPES = {"long", "int", "int64", "int32", "int16", "int8", "uint8", "short"}
+_INF_NAMES = {"inf", "Inf", "INF", "infinity"}
+
+
+def is_bool_mask(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """Static evidence that ``node`` is a boolean tensor (comparisons, isnan, ~, &, .bool(), ...)."""
+    if depth > 8:
+        return False
+    if isinstance(node, ast.Compare):
+        return not any(isinstance(op, (ast.Is, ast.IsNot, ast.In, ast.NotIn)) for op in node.ops)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
+        return is_bool_mask(module, scope, node.operand, line, depth + 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+        return is_bool_mask(module, scope, node.left, line, depth + 1) and is_bool_mask(module, scope, node.right, line, depth + 1)
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        if value is None:
+            return False
+        return is_bool_mask(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if isinstance(node, ast.Subscript):
+        return is_bool_mask(module, scope, node.value, line, depth + 1)
+    if isinstance(node, ast.Call):
+        name = module.canonical(node.func) or ""
+        if name in _BOOL_FUNCS:
+            return True
+        if name in _CREATORS:
+            dt = keyword(node, "dtype")
+            if dt is not None and (dotted(dt) or "").split(".")[-1] == "bool":
+                return True
+            fill = keyword(node, "fill_value", 1 if name in ("torch.full", "torch.full_like") else None)
+            return isinstance(fill, ast.Constant) and isinstance(fill.value, bool)
+        if isinstance(node.func, ast.Attribute):
+            attr = node.func.attr
+            if attr in _BOOL_METHODS:
+                return True
+            if attr == "to" and any((dotted(a) or "").split(".")[-1] == "bool" for a in [*node.args, *(k.value for k in node.keywords)]):
+                return True
+            if attr in ("scatter", "scatter_") and len(node.args) >= 3:
+                # HF top-p: sorted_indices_to_remove.scatter(1, sorted_indices, sorted_indices_to_remove)
+                return is_bool_mask(module, scope, node.args[2], line, depth + 1)
+            if attr in _SHAPE_METHODS and attr != "to":
+                return is_bool_mask(module, scope, node.func.value, line, depth + 1)
+            if attr in ("masked_fill", "masked_fill_") and node.args:
+                return is_bool_mask(module, scope, node.func.value, line, depth + 1)
+    return False
+
+
+def integer_index(module: ModuleInfo, node: ast.AST, scope: Optional[Scope] = None, line: int = 0) -> bool:
+    """``torch.nonzero(m)`` / ``m.nonzero()`` / ``torch.where(m)[0]``: integer positions, not a mask."""
+    if isinstance(node, ast.Name) and scope is not None:
+        value = scope.definition(node.id, line)
+        return value is not None and integer_index(module, value)
+    inner = node.value if isinstance(node, ast.Subscript) else node
+    if isinstance(inner, ast.Call):
+        name = module.canonical(inner.func) or ""
+        if name == "torch.nonzero" or (isinstance(inner.func, ast.Attribute) and inner.func.attr == "nonzero"):
+            return True
+        if name == "torch.where" and len(inner.args) == 1:
+            return True
+        if name in ("torch.argwhere", "torch.arange", "torch.randperm"):
+            return True
+    return False
+
+
+def is_inf(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """Static evidence that ``node`` is (or fills with) ±inf / NaN."""
+    if depth > 6:
+        return False
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return is_inf(module, scope, node.operand, line, depth + 1)
+    v = const_value(node)
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return True
+    if isinstance(node, ast.Call) and dotted(node.func) == "float" and node.args:
+        arg = const_value(node.args[0])
+        return isinstance(arg, str) and arg.strip().lstrip("+-").lower() in ("inf", "infinity", "nan")
+    if isinstance(node, ast.Attribute) and node.attr in _INF_NAMES | {"nan"} and (dotted(node.value) or "") in ("math", "torch", "np", "numpy"):
+        return True
+    if isinstance(node, ast.Call):
+        name = module.canonical(node.func) or ""
+        if name in ("torch.full", "torch.full_like", "torch.tensor", "torch.as_tensor") or (
+            isinstance(node.func, ast.Attribute) and node.func.attr in ("new_full", "fill_", "masked_fill")
+        ):
+            return any(is_inf(module, scope, a, line, depth + 1) for a in [*node.args, *(k.value for k in node.keywords)])
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        if value is None:
+            default = _param_default(scope, node.id)
+            return default is not None and is_inf(module, scope, default, line, depth + 1)
+        return is_inf(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    return False
+
+
+def is_scalar(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """Static evidence that ``node`` is a Python number (or a 0-d constant): a masked_fill value."""
+    if depth > 6:
+        return False
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float, bool)) and node.value is not None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return is_scalar(module, scope, node.operand, line, depth + 1)
+    if isinstance(node, ast.BinOp):
+        return is_scalar(module, scope, node.left, line, depth + 1) and is_scalar(module, scope, node.right, line, depth + 1)
+    if isinstance(node, ast.Call) and dotted(node.func) in ("float", "int", "bool"):
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "item":
+        return True
+    if isinstance(node, ast.Attribute):
+        if node.attr in _INF_NAMES | {"nan", "pi", "e"} and (dotted(node.value) or "") in ("math", "torch", "np", "numpy"):
+            return True
+        base = node.value
+        if isinstance(base, ast.Call) and (module.canonical(base.func) or "") in ("torch.finfo", "torch.iinfo"):
+            return node.attr in ("min", "max", "eps", "tiny", "smallest_normal")
+        # config / tokenizer ids: self.pad_token_id, tokenizer.mask_token_id, self.ignore_index
+        return node.attr.endswith(("_id", "_token_id", "ignore_index", "_index", "_value", "padding_idx"))
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        if value is None:
+            if _param_annotation(scope, node.id) in ("float", "int", "bool"):
+                return True
+            default = _param_default(scope, node.id)
+            if default is not None:
+                return is_scalar(module, scope, default, line, depth + 1)
+            return node.id.endswith(("_id", "_value", "ignore_index", "_index")) or node.id in ("filter_value", "fill_value", "value")
+        return is_scalar(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    return False
+
+
+def _param_annotation(scope: Scope, name: str) -> str:
+    node = scope.node
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = node.args
+        for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+            if arg.arg == name and arg.annotation is not None:
+                return ast.unparse(arg.annotation)
+    return ""
+
+
+def _param_default(scope: Scope, name: str) -> Optional[ast.expr]:
+    node = scope.node
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    a = node.args
+    pos = [*a.posonlyargs, *a.args]
+    for arg, default in zip(pos[len(pos) - len(a.defaults):], a.defaults):
+        if arg.arg == name:
+            return default
+    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+        if arg.arg == name and default is not None:
+            return default
+    return None
+
+
+def same_shape_as(module: ModuleInfo, scope: Scope, mask: ast.AST, target: str, line: int) -> bool:
+    """Is the mask computed elementwise from ``target`` (or a tensor of its shape), so it has its rank?"""
+    return _same_shape(module, scope, mask, _shape_sources(scope, target, line), line)
+
+
+def _same_shape(module: ModuleInfo, scope: Scope, mask: ast.AST, sources: set[str], line: int, depth: int = 0) -> bool:
+    if depth > 6:
+        return False
+    if isinstance(mask, ast.Name):
+        value = scope.definition(mask.id, line)
+        return value is not None and _same_shape(module, scope, value, sources, getattr(value, "lineno", line), depth + 1)
+    if isinstance(mask, ast.Compare):
+        return any(ast.unparse(side) in sources for side in (mask.left, *mask.comparators))
+    if isinstance(mask, ast.UnaryOp):
+        return _same_shape(module, scope, mask.operand, sources, line, depth + 1)
+    if isinstance(mask, ast.BinOp):
+        return any(_same_shape(module, scope, side, sources, line, depth + 1) for side in (mask.left, mask.right))
+    if isinstance(mask, ast.Call):
+        name = module.canonical(mask.func) or ""
+        if name in ("torch.isnan", "torch.isinf", "torch.isfinite", "torch.isneginf", "torch.isposinf", "torch.eq",
+                    "torch.ne", "torch.gt", "torch.lt", "torch.ge", "torch.le") and mask.args:
+            return any(ast.unparse(a) in sources for a in mask.args[:2])
+        if isinstance(mask.func, ast.Attribute) and mask.func.attr in ("isnan", "isinf", "isfinite", "eq", "ne", "gt", "lt", "ge", "le"):
+            return ast.unparse(mask.func.value) in sources
+    return False
+
+
+def shape_sources(scope: Scope, node: ast.AST, line: int, depth: int = 0) -> set[str]:
+    """Texts of tensors that certainly have ``node``'s shape: ``masked = target.clone() - start`` -> {masked, target}."""
+    out = {ast.unparse(node)}
+    if depth > 6:
+        return out
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        if value is not None:
+            out |= shape_sources(scope, value, getattr(value, "lineno", line), depth + 1)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        attr = node.func.attr
+        if attr in ("clone", "detach", "contiguous", "to", "float", "half", "bfloat16", "long", "int", "type_as", "abs", "neg"):
+            out |= shape_sources(scope, node.func.value, line, depth + 1)
+        elif attr in ("view_as", "reshape_as", "expand_as") and node.args:
+            out |= shape_sources(scope, node.args[0], line, depth + 1)
+    elif isinstance(node, ast.BinOp):
+        for side in (node.left, node.right):
+            defined = scope.definition(side.id, line) if isinstance(side, ast.Name) else None
+            if isinstance(side, (ast.Call, ast.Subscript)) or isinstance(defined, (ast.Call, ast.Subscript, ast.BinOp)):
+                out |= shape_sources(scope, side, line, depth + 1)  # `target.clone() - start`: a scalar side adds nothing
+    return out
+
+
+def _shape_sources(scope: Scope, target: str, line: int) -> set[str]:
+    try:
+        node = ast.parse(target, mode="eval").body
+    except SyntaxError:
+        return {target}
+    return shape_sources(scope, node, line)
+
+
+# --- the pattern ---------------------------------------------------------------------------------
+
+
+class AffinityIndexPut(Pattern):
+    id = _ID
+    api = "torch.Tensor.masked_fill_"
+    title = "Boolean-mask assignment (IndexPut) → masked_fill_ / torch.where (Ascend affinity rewrite)"
+    training_ok = True
+    bound = "launch"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        if not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
+            return
+        for _block, _i, stmt in scope.statements():
+            site = _site_parts(stmt)
+            if site is None:
+                continue
+            target_node, mask, value, aug = site
+            r = _analyze(module, scope, stmt, target_node, mask, value, aug)
+            if r is not None:
+                yield r
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        return symbolic(
+            "launch",
+            "launch/sync-bound: a boolean-mask IndexPut runs nonzero (a device-to-host sync and a data-dependent "
+            "shape) plus an IndexPut scatter; the replacement is one dense elementwise kernel "
+            + ("(MaskedFill)" if finding.params.get("form") == "masked_fill" else "(SelectV2) and a copy")
+            + " over the whole tensor. Bytes moved are about the same, so the gain is the sync and the launches: "
+            "worthwhile in a hot device-side loop, little on small tensors, and nothing where the code runs on CPU "
+            "(data collators)",
+        )
+
+    @staticmethod
+    def reference(x: Any, mask: Any, value: Any) -> Any:
+        """Eager ground truth: ``x[mask] = value`` on a copy."""
+        out = x.clone()
+        out[mask] = value
+        return out
+
+
+def _site_parts(stmt: ast.stmt) -> Optional[tuple[ast.expr, ast.expr, ast.expr, Optional[ast.operator]]]:
+    """(target, mask, value, aug op) of ``x[m] = v`` / ``x[m] op= v`` / ``x.index_put_((m,), v)``."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript):
+        t = stmt.targets[0]
+        return t.value, t.slice, stmt.value, None
+    if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript) and isinstance(stmt.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        return stmt.target.value, stmt.target.slice, stmt.value, stmt.op
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        call = stmt.value
+        f = call.func
+        if isinstance(f, ast.Attribute) and f.attr == "index_put_" and len(call.args) >= 2:
+            idx = call.args[0]
+            acc = keyword(call, "accumulate", 2)
+            if isinstance(idx, (ast.Tuple, ast.List)) and len(idx.elts) == 1 and (acc is None or const_value(acc) is False):
+                return f.value, idx.elts[0], call.args[1], None
+    return None
+
+
+def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.expr, mask: ast.expr,
+             value: ast.expr, aug: Optional[ast.operator]) -> Optional[Result]:
+    line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+    target = dotted(target_node)
+    if isinstance(mask, (ast.Constant, ast.Slice, ast.Tuple)) or target is None:
+        return None  # d["key"] = v, x[0] = v, x[:, :n] = v, x[i, j] = v: not a mask assignment
+    if integer_index(module, mask, scope, line):
+        return NearMiss(_ID, scope.qualname, line, end,
+                        f"index `{source_of(module, mask)[:50]}` is integer positions (nonzero/where), not a boolean "
+                        "mask: index with the mask itself to allow the masked_fill/where rewrite")
+    if not is_bool_mask(module, scope, mask, line):
+        return None  # cannot tell a mask from an integer index: not reported
+    if _is_numpy(module, scope, target_node, line):
+        return NearMiss(_ID, scope.qualname, line, end, f"`{target}` is a numpy array, not a torch tensor")
+    mask_text = source_of(module, mask)
+    value_text = source_of(module, value)
+    gathered = _gathered(module, value, mask)
+    if aug is not None:
+        op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(aug)]
+        value_elem = f"{target} {op} ({value_text})" if gathered is None else f"{target} {op} ({gathered})"
+        if gathered is None and not is_scalar(module, scope, value, line):
+            return NearMiss(_ID, scope.qualname, line, end, f"`{target}[mask] {op}= {value_text[:40]}`: the value is not "
+                            "a scalar nor gathered with the same mask")
+        form, elem = "where", value_elem
+    elif gathered is not None:
+        form, elem = "where", gathered
+    elif is_scalar(module, scope, value, line):
+        form, elem = "masked_fill", value_text
+    else:
+        return NearMiss(_ID, scope.qualname, line, end,
+                        f"value `{value_text[:50]}` is a tensor not gathered with the same mask: it may hold one row per "
+                        "selected element (masked scatter, e.g. image features into embeddings), which no "
+                        "elementwise rewrite reproduces")
+    same = same_shape_as(module, scope, mask, target, line)
+    mask_var = mask_text if same else f"{P}mask"  # used once: inline unless the rank must be aligned
+    lines = []
+    if mask_var != mask_text:
+        lines.append(f"{P}mask = {mask_text}")
+        if not same:
+            lines.append(f"# indexing consumes leading dims, masked_fill/where broadcast from the right: align the ranks")
+            lines.append(f"{P}mask = {P}mask.reshape({P}mask.shape + (1,) * ({target}.dim() - {P}mask.dim()))")
+    if form == "masked_fill":
+        lines.append(f"{target}.masked_fill_({mask_var}, {elem})")
+    else:
+        lines.append(f"{target}.copy_(torch.where({mask_var}, ({elem}).to({target}.dtype), {target}))")
+    params = {
+        "target": target,
+        "mask": mask_text,
+        "value": value_text,
+        "form": form,
+        "mask_rank": "same_as_target" if same else "aligned_at_runtime",
+        "augmented": aug is not None,
+        "value_is_inf": is_inf(module, scope, value, line),
+    }
+    risks = [Risk("other", "if this code runs on CPU tensors (data collators, preprocessing) the guard keeps the "
+                  "original and nothing is gained")]
+    if form == "where":
+        risks.append(Risk("other", "the right-hand side is evaluated over the whole tensor instead of the selected "
+                          "elements: more arithmetic (still one dense pass), and any error/NaN it makes at "
+                          "unselected positions is discarded by torch.where"))
+    notes = ["in place like the original (other references to the tensor see the change); autograd gives the "
+             "same gradients (masked positions get none from the old values)"]
+    if form == "masked_fill":
+        notes.append("masked_fill_ instead of the multiply form x *= ~mask of the Ascend guide: exact for ±inf/NaN values "
+                     "and for non-finite x (inf * 0 = NaN), one kernel instead of not + cast + mul")
+    variant = ("aug_" if aug is not None else "") + form + ("_rank_aligned" if not same else "")
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=line, end_line=end, params=params, fused="\n".join(lines) + "\n",
+        guard_tensor=target, confidence="high" if same else "medium", variant=variant, risks=risks, notes=notes,
+    )
+
+
+def _gathered(module: ModuleInfo, value: ast.expr, mask: ast.expr) -> Optional[str]:
+    """``f(y[mask], ...)`` with every tensor leaf indexed by the same mask -> ``f(y, ...)`` text, else None."""
+    mask_dump = ast.dump(mask)
+    found = False
+    ok = True
+
+    class Swap(ast.NodeTransformer):
+        def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+            nonlocal found
+            if ast.dump(node.slice) == mask_dump:
+                found = True
+                return self.generic_visit(node.value) or node.value  # type: ignore[return-value]
+            return self.generic_visit(node)
+
+        def visit_Name(self, node: ast.Name) -> ast.AST:
+            return node
+
+    new = Swap().visit(copy.deepcopy(value))
+    if not found:
+        return None
+    # every remaining tensor-ish leaf must have been gathered: reject names/calls left outside the swap
+    for n in ast.walk(new):
+        if isinstance(n, ast.Call) and (module.canonical(n.func) or "").startswith(("torch.rand", "torch.randint", "torch.randn")):
+            ok = False  # a fresh random tensor of the selected size: shape changes without the mask
+    return ast.unparse(new) if ok else None
+
+
+def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int) -> bool:
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        if isinstance(value, ast.Call):
+            name = module.canonical(value.func) or dotted(value.func) or ""
+            return name.startswith(("numpy.", "np."))
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples (they are the tests; tests/test_affinity_rewrites.py executes CHECKS under the emulator)
+# ---------------------------------------------------------------------------------------------
+
+_HF_LABELS = '''\
+import torch
+
+
+def preprocess_labels(labels, pad_token_id):
+    labels = labels.clone()
+    # replace padding token id's of the labels by -100 so it's ignored by the loss
+    labels[labels == pad_token_id] = -100
+    return labels
+'''
+
+_HF_TOP_P = '''\
+import torch
+import torch.nn.functional as F
+
+
+def top_k_top_p_filtering(logits, top_k=0, top_p=1.0, filter_value=-float("Inf"), min_tokens_to_keep=1):
+    if top_k > 0:
+        top_k = min(max(top_k, min_tokens_to_keep), logits.size(-1))
+        # Remove all tokens with a probability less than the last token of the top-k
+        indices_to_remove = logits < torch.topk(logits, top_k)[0][..., -1, None]
+        logits[indices_to_remove] = filter_value
+    if top_p < 1.0:
+        sorted_logits, sorted_indices = torch.sort(logits, descending=True)
+        cumulative_probs = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+        sorted_indices_to_remove = cumulative_probs > top_p
+        sorted_indices_to_remove[..., 1:] = sorted_indices_to_remove[..., :-1].clone()
+        sorted_indices_to_remove[..., 0] = 0
+        indices_to_remove = sorted_indices_to_remove.scatter(1, sorted_indices, sorted_indices_to_remove)
+        logits[indices_to_remove] = filter_value
+    return logits
+'''
+
+_MEGATRON_VOCAB = '''\
+import torch
+
+
+def vocab_parallel_target(vocab_parallel_logits, target, vocab_start_index, vocab_end_index):
+    # Create a mask of valid vocab ids (1 means it needs to be masked).
+    target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
+    masked_target = target.clone() - vocab_start_index
+    masked_target[target_mask] = 0
+    logits_2d = vocab_parallel_logits.view(-1, vocab_parallel_logits.size(-1))
+    masked_target_1d = masked_target.view(-1)
+    arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+    predicted_logits_1d = logits_2d[arange_1d, masked_target_1d]
+    predicted_logits = predicted_logits_1d.clone().contiguous().view_as(target)
+    predicted_logits[target_mask] = 0.0
+    return masked_target, predicted_logits
+'''
+
+_MMDET_ASSIGN = '''\
+import torch
+
+
+def assign_wrt_overlaps(overlaps, pos_iou_thr=0.5, neg_iou_thr=0.4):
+    num_gts, num_bboxes = overlaps.size(0), overlaps.size(1)
+    assigned_gt_inds = overlaps.new_full((num_bboxes, ), -1, dtype=torch.long)
+    max_overlaps, argmax_overlaps = overlaps.max(dim=0)
+    neg_inds = (max_overlaps >= 0) & (max_overlaps < neg_iou_thr)
+    assigned_gt_inds[neg_inds] = 0
+    pos_inds = max_overlaps >= pos_iou_thr
+    assigned_gt_inds[pos_inds] = argmax_overlaps[pos_inds] + 1
+    return assigned_gt_inds
+'''
+
+_NAN_CLEAN = '''\
+import torch
+
+
+def masked_mean_loss(per_token_loss, attention_mask):
+    per_token_loss[torch.isnan(per_token_loss)] = 0.0
+    per_token_loss[~torch.isfinite(per_token_loss)] = 0.0
+    return (per_token_loss * attention_mask).sum() / attention_mask.sum()
+'''
+
+_HIDDEN_PAD = '''\
+import torch
+
+
+def zero_padding(hidden_states, attention_mask):
+    hidden_states = hidden_states.clone()
+    hidden_states[attention_mask == 0] = 0.0
+    return hidden_states
+'''
+
+_AUG_SCORES = '''\
+import torch
+
+
+def boost_prompt_tokens(scores, prompt_mask, bonus: float):
+    scores = scores.clone()
+    scores[prompt_mask.bool()] += bonus
+    return scores
+'''
+
+_MLM_COLLATOR = '''\
+import torch
+
+
+def torch_mask_tokens(inputs, special_tokens_mask, mask_token_id, vocab_size, mlm_probability=0.15):
+    labels = inputs.clone()
+    probability_matrix = torch.full(labels.shape, mlm_probability)
+    probability_matrix.masked_fill_(special_tokens_mask, value=0.0)
+    masked_indices = torch.bernoulli(probability_matrix).bool()
+    labels[~masked_indices] = -100  # We only compute loss on masked tokens
+    # 80% of the time, we replace masked input tokens with tokenizer.mask_token ([MASK])
+    indices_replaced = torch.bernoulli(torch.full(labels.shape, 0.8)).bool() & masked_indices
+    inputs[indices_replaced] = mask_token_id
+    # 10% of the time, we replace masked input tokens with random word
+    indices_random = torch.bernoulli(torch.full(labels.shape, 0.5)).bool() & masked_indices & ~indices_replaced
+    random_words = torch.randint(vocab_size, labels.shape, dtype=torch.long)
+    inputs[indices_random] = random_words[indices_random]
+    return inputs, labels
+'''
+
+_KEEP_SCATTER = '''\
+import torch
+
+
+def merge_image_features(inputs_embeds, input_ids, image_features, image_token_id):
+    special_image_mask = input_ids == image_token_id
+    inputs_embeds = inputs_embeds.clone()
+    inputs_embeds[special_image_mask] = image_features.to(inputs_embeds.dtype)
+    return inputs_embeds
+'''
+
+_KEEP_NONZERO = '''\
+import torch
+
+
+def drop_low_scores(scores, threshold):
+    keep = torch.nonzero(scores < threshold, as_tuple=True)
+    scores[keep] = 0.0
+    return scores
+'''
+
+_KEEP_NUMPY = '''\
+import numpy as np
+import torch
+
+
+def make_weights(labels):
+    weights = np.ones(len(labels), dtype=np.float32)
+    weights[labels == 0] = 0.1
+    return torch.from_numpy(weights)
+'''
+
+_KEEP_RANDOM = '''\
+import torch
+
+
+def jitter_selected(probs, threshold):
+    mask = probs > threshold
+    # one fresh random draw per selected element: its size is the number of selected elements
+    probs[mask] *= torch.rand(int(mask.sum()))
+    return probs
+'''
+
+_KEEP_UNRELATED = '''\
+import torch
+
+
+def fill(cache, positions, values):
+    cache["k"] = values
+    cache_tensor = torch.zeros(4, 8)
+    cache_tensor[:, :2] = 1.0
+    cache_tensor[positions] = values
+    return cache_tensor
+'''
+
+AffinityIndexPut.FUSE = [
+    Fuse(_HF_LABELS, name="hf_labels_pad_to_ignore_index", expect={
+        "target": "labels", "mask": "labels == pad_token_id", "value": "-100", "form": "masked_fill",
+        "mask_rank": "same_as_target", "variant": "masked_fill"}),
+    Fuse(_HF_TOP_P, name="hf_top_k_top_p_filter_value_inf", expect={
+        "target": "logits", "value": "filter_value", "form": "masked_fill", "value_is_inf": True,
+        "mask_rank": "same_as_target"}),
+    Fuse(_MEGATRON_VOCAB, name="megatron_vocab_parallel_masked_target", expect={
+        "target": "masked_target", "mask": "target_mask", "value": "0", "form": "masked_fill",
+        "mask_rank": "same_as_target"}),
+    Fuse(_MMDET_ASSIGN, name="mmdet_assigned_gt_inds", expect={
+        "target": "assigned_gt_inds", "mask": "neg_inds", "form": "masked_fill", "mask_rank": "aligned_at_runtime"}),
+    Fuse(_NAN_CLEAN, name="nan_cleaning_isnan_isfinite", expect={
+        "target": "per_token_loss", "mask": "torch.isnan(per_token_loss)", "value": "0.0", "form": "masked_fill",
+        "mask_rank": "same_as_target"}),
+    Fuse(_HIDDEN_PAD, name="hidden_states_rank_aligned_mask", expect={
+        "target": "hidden_states", "mask": "attention_mask == 0", "form": "masked_fill",
+        "mask_rank": "aligned_at_runtime", "variant": "masked_fill_rank_aligned", "confidence": "medium"}),
+    Fuse(_AUG_SCORES, name="augmented_add_through_mask", expect={
+        "target": "scores", "mask": "prompt_mask.bool()", "form": "where", "augmented": True}),
+    Fuse(_MLM_COLLATOR, name="hf_mlm_collator_labels", expect={
+        "target": "labels", "mask": "~masked_indices", "value": "-100", "form": "masked_fill"}),
+]
+
+AffinityIndexPut.KEEP = [
+    Keep(_KEEP_SCATTER, reason="masked scatter", name="llava_image_features_masked_scatter"),
+    Keep(_KEEP_NONZERO, reason="integer positions", name="nonzero_index"),
+    Keep(_KEEP_NUMPY, reason="numpy", name="numpy_array_weights"),
+    Keep(_KEEP_RANDOM, reason="not a scalar nor gathered", name="fresh_random_tensor_per_selection"),
+    Keep(_KEEP_UNRELATED, reason="", name="dict_slice_and_integer_index"),
+]
+
+# What tests/test_affinity_rewrites.py runs for each Fuse example (original vs rewritten, emulated
+# NPU): ``out`` is compared, the fused branch's lines must have executed.
+CHECKS: dict[str, str] = {
+    "hf_labels_pad_to_ignore_index": "out = preprocess_labels(torch.randint(0, 5, (3, 7)), 0)",
+    "hf_top_k_top_p_filter_value_inf": "out = top_k_top_p_filtering(torch.randn(2, 50), top_k=10, top_p=0.9)",
+    "megatron_vocab_parallel_masked_target": "out = vocab_parallel_target(torch.randn(2, 3, 8), torch.randint(0, 32, (2, 3)), 8, 16)",
+    "mmdet_assigned_gt_inds": "out = assign_wrt_overlaps(torch.rand(4, 30))",
+    "nan_cleaning_isnan_isfinite": (
+        "loss = torch.randn(4, 6)\nloss[0, 1] = float('nan')\nloss[2, 3] = float('inf')\n"
+        "out = masked_mean_loss(loss, torch.ones(4, 6))"
+    ),
+    "hidden_states_rank_aligned_mask": (
+        "h = torch.randn(2, 5, 5, requires_grad=True)\nm = torch.randint(0, 2, (2, 5))\n"
+        "out = zero_padding(h, m)\nleaves = [h]"
+    ),
+    "augmented_add_through_mask": (
+        "s = torch.randn(3, 9, requires_grad=True)\nout = boost_prompt_tokens(s, torch.rand(3, 9) > 0.5, 2.5)\nleaves = [s]"
+    ),
+    "hf_mlm_collator_labels": (
+        "ids = torch.randint(5, 100, (4, 16))\nspecial = torch.zeros(4, 16, dtype=torch.bool)\nspecial[:, 0] = True\n"
+        "out = torch_mask_tokens(ids, special, 4, 100)"
+    ),
+}

@@ -1,0 +1,393 @@
+"""``affinity_where``: ``torch.where(cond, a, b)`` blends of two float tensors → ``torch.lerp``.
+
+The Ascend PyTorch tuning guide gives ``bboxes = torch.where(bboxes < min_xy, min_xy, bboxes)``
+→ ``torch.lerp(bboxes, min_xy, (bboxes < min_xy).float())`` as an affinity rewrite (SelectV2
+with broadcasting is slow on NPU; Lerp is a plain vector op). With a 0/1 weight, lerp gives
+exactly ``a`` or ``b`` for finite inputs (``end - (end - start) * 0`` and ``start + 0 * (...)``);
+if ``a``/``b`` can be ±inf/NaN, or ``a - b`` overflows, the weight-0 side turns into NaN, so
+branches that are provably infinite are near misses and the rest carry that risk.
+
+The fused statement binds the three operands once and falls back to ``torch.where`` at runtime
+when the branches are not two tensors of one floating dtype — so it is exact where lerp cannot
+be, and never fails on a dtype the static analysis could not see.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any, Iterable, Optional
+
+from npufuse.patterns.affinity_index_put import is_bool_mask, is_inf
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, source_of
+from npufuse.scan.value import symbolic
+
+_ID = "affinity_where"
+P = "_npufuse_"
+_INT_DTYPES = {"long", "int", "int64", "int32", "int16", "int8", "uint8", "short", "bool"}
+_INT_METHODS = {"long", "int", "short", "bool", "argmax", "argmin", "argsort", "nonzero"}
+_INT_FUNCS = {"torch.arange", "torch.argmax", "torch.argmin", "torch.argsort", "torch.randint", "torch.randperm",
+              "torch.bucketize", "torch.searchsorted", "torch.nonzero"}
+_INT_NAME = ("_ids", "_idx", "_index", "indices", "_pos", "position_ids", "labels", "_id")
+
+
+class AffinityWhere(Pattern):
+    id = _ID
+    api = "torch.lerp"
+    title = "torch.where blend of two float tensors → torch.lerp (Ascend affinity rewrite)"
+    training_ok = True
+    bound = "memory"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        if not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
+            return
+        for _block, _i, stmt in scope.statements():
+            if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.AugAssign)) or stmt.value is None:
+                continue
+            calls = [n for n in ast.walk(stmt.value) if isinstance(n, ast.Call) and module.canonical(n.func) == "torch.where"]
+            blends = [c for c in calls if _operands(c) is not None]
+            if not blends:
+                continue
+            if len(blends) > 1:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                               "several torch.where blends in one statement: rewrite them one per statement")
+                continue
+            yield _analyze(module, scope, stmt, blends[0])
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        return symbolic(
+            "memory",
+            "elementwise and memory-bound either way (same bytes: read cond, a, b, write out; lerp adds a cast of the "
+            "condition). The gain is SelectV2's broadcasting overhead on NPU that the Ascend tuning guide reports; "
+            "expect little unless the where is large and hot: measure the site before accepting",
+        )
+
+    @staticmethod
+    def reference(cond: Any, a: Any, b: Any) -> Any:
+        """Eager ground truth: ``torch.where(cond, a, b)``."""
+        import torch
+
+        return torch.where(cond, a, b)
+
+
+def _operands(call: ast.Call) -> Optional[tuple[ast.expr, ast.expr, ast.expr]]:
+    cond = keyword(call, "condition", 0)
+    a = keyword(call, "input", 1)
+    b = keyword(call, "other", 2)
+    if cond is None or a is None or b is None or any(isinstance(x, ast.Starred) for x in call.args):
+        return None
+    return cond, a, b
+
+
+def _is_integer(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """Static evidence of an integer (or bool) tensor."""
+    if depth > 6:
+        return False
+    if isinstance(node, ast.Name):
+        if node.id.endswith(_INT_NAME):
+            return True
+        value = scope.definition(node.id, line)
+        return value is not None and _is_integer(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if isinstance(node, ast.Attribute):
+        return node.attr.endswith(_INT_NAME)
+    if isinstance(node, ast.Call):
+        name = module.canonical(node.func) or ""
+        if name in _INT_FUNCS:
+            return True
+        dt = keyword(node, "dtype")
+        if dt is not None and (dotted(dt) or "").split(".")[-1] in _INT_DTYPES:
+            return True
+        if isinstance(node.func, ast.Attribute):
+            if node.func.attr in _INT_METHODS:
+                return True
+            if node.func.attr == "to" and any((dotted(a) or "").split(".")[-1] in _INT_DTYPES for a in node.args):
+                return True
+            if node.func.attr in ("clone", "detach", "contiguous", "view", "reshape", "expand", "expand_as",
+                                  "unsqueeze", "squeeze", "flatten", "repeat", "gather", "masked_fill"):
+                return _is_integer(module, scope, node.func.value, line, depth + 1)
+        if name in ("torch.zeros_like", "torch.ones_like", "torch.full_like", "torch.empty_like") and node.args and dt is None:
+            return _is_integer(module, scope, node.args[0], line, depth + 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)):
+        return _is_integer(module, scope, node.left, line, depth + 1) and (
+            _is_integer(module, scope, node.right, line, depth + 1) or isinstance(const_value(node.right), int)
+        )
+    return False
+
+
+def _is_literal(node: ast.AST) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return _is_literal(node.operand)
+    if isinstance(node, ast.Call) and dotted(node.func) in ("float", "int"):
+        return True
+    if isinstance(node, ast.Attribute) and (dotted(node.value) or "") in ("math", "np", "numpy") :
+        return True
+    return isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool))
+
+
+def _used_for_indexing(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
+    """The blend feeds an index (directly, or through the name it is assigned to)."""
+    for n in ast.walk(stmt):
+        if isinstance(n, ast.Subscript) and any(m is call for m in ast.walk(n.slice)):
+            return True
+    names = []
+    if isinstance(stmt, ast.Assign) and stmt.value is call:
+        names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+    for n in ast.walk(scope.node):
+        if isinstance(n, ast.Subscript) and getattr(n, "lineno", 0) > stmt.lineno:
+            if any(isinstance(m, ast.Name) and m.id in names for m in ast.walk(n.slice)):
+                return True
+        if isinstance(n, ast.Call) and getattr(n, "lineno", 0) > stmt.lineno and isinstance(n.func, ast.Attribute) and n.func.attr in ("gather", "index_select", "scatter", "scatter_", "take_along_dim"):
+            idx = keyword(n, "index", 1)
+            if idx is not None and any(isinstance(m, ast.Name) and m.id in names for m in ast.walk(idx)):
+                return True
+    return False
+
+
+def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -> Result:
+    line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+
+    def miss(reason: str) -> NearMiss:
+        return NearMiss(_ID, scope.qualname, line, end, reason)
+
+    cond, a, b = _operands(call)  # type: ignore[misc]
+    texts = [source_of(module, x) for x in (cond, a, b)]
+    for side, text in ((a, texts[1]), (b, texts[2])):
+        if _is_literal(side):
+            return miss(f"a branch is the scalar `{text}`: torch.lerp needs two tensors, and a Python scalar branch "
+                        "takes its dtype from the other (an int tensor with a float scalar changes dtype); "
+                        "masked_fill is the affinity form for a scalar")
+    for side, text in ((a, texts[1]), (b, texts[2])):
+        if is_inf(module, scope, side, line):
+            return miss(f"branch `{text[:40]}` is ±inf/NaN: lerp multiplies it by a zero weight on the other side "
+                        "(inf * 0 = NaN), so the multiply/lerp form is not inf-safe")
+    for side, text in ((a, texts[1]), (b, texts[2])):
+        if _is_integer(module, scope, side, line):
+            return miss(f"integer tensors (`{text[:40]}`): torch.lerp takes floating point only")
+    if _used_for_indexing(scope, stmt, call):
+        return miss("the blend is used for indexing (integer positions): not a float blend")
+    if not is_bool_mask(module, scope, cond, line):
+        confidence = "medium"  # torch.where requires a bool condition anyway; lerp takes it cast to 0/1
+    else:
+        confidence = "high"
+    guard = next((t for x, t in ((b, texts[2]), (a, texts[1]), (cond, texts[0])) if dotted(x) is not None), None)
+    if guard is None:
+        return miss("no operand is a plain tensor name to guard on (all are computed expressions)")
+    text = _statement_text(module, stmt)
+    if text is None:
+        return miss("the statement shares its line with other code")
+    cv, av, bv = f"{P}cond", f"{P}a", f"{P}b"
+    blend = (f"(torch.lerp({bv}, {av}, {cv}.to({bv}.dtype)) if isinstance({av}, torch.Tensor) and isinstance({bv}, torch.Tensor) "
+             f"and {av}.dtype == {bv}.dtype and {bv}.is_floating_point() else torch.where({cv}, {av}, {bv}))")
+    body = _replace_call(module, stmt, call, blend)
+    fused = (
+        f"{cv}, {av}, {bv} = {texts[0]}, {texts[1]}, {texts[2]}\n"
+        "# lerp(b, a, w) with w = cond as 0/1 is exactly a or b for finite values; other dtypes keep torch.where\n"
+        + body
+    )
+    params = {"cond": texts[0], "a": texts[1], "b": texts[2], "cond_is_bool": confidence == "high",
+              "statement": type(stmt).__name__.lower()}
+    risks = [
+        Risk("numerics", "exact only for finite a and b: where either is ±inf/NaN (or a - b overflows) at a position, "
+             "lerp gives NaN there even when the other side is selected"),
+        Risk("numerics", "exactness assumes Lerp evaluates end - (end - start) * (1 - w) for w >= 0.5 as PyTorch's CPU "
+             "and CUDA kernels do; a kernel computing start + w * (end - start) rounds a by one ulp of (a - b) "
+             "(UNCERTAIN for the NPU kernel: verify with npufuse verify op)"),
+    ]
+    notes = ["the three operands are evaluated once, before the rest of the statement (they are pure expressions here)",
+             "gradients match torch.where: d/da = cond, d/db = 1 - cond; the condition gets none"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=line, end_line=end, params=params, fused=fused,
+                   guard_tensor=guard, confidence=confidence, variant="where_to_lerp", risks=risks, notes=notes)
+
+
+def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
+    lines = module.source.splitlines(keepends=True)
+    head = lines[stmt.lineno - 1]
+    indent = len(head) - len(head.lstrip())
+    if len(head[:indent].encode()) != stmt.col_offset:
+        return None
+    tail = lines[(stmt.end_lineno or stmt.lineno) - 1].encode()[stmt.end_col_offset or 0 :].decode(errors="replace").strip()
+    if tail and not tail.startswith("#"):
+        return None
+    return "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
+
+
+def _replace_call(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, replacement: str) -> str:
+    """The statement's text with ``call`` replaced (byte offsets: ast columns are UTF-8), dedented."""
+    lines = module.source.splitlines(keepends=True)
+    first = stmt.lineno
+    raw = [ln.encode() for ln in lines[first - 1 : (stmt.end_lineno or first)]]
+
+    def offset(lineno: int, col: int) -> int:
+        return sum(len(r) for r in raw[: lineno - first]) + col
+
+    blob = b"".join(raw)
+    c0 = offset(call.lineno, call.col_offset)
+    c1 = offset(call.end_lineno or call.lineno, call.end_col_offset or 0)
+    out = (blob[:c0] + replacement.encode() + blob[c1:]).decode()
+    head = out.splitlines(keepends=True)
+    indent = head[0][: len(head[0]) - len(head[0].lstrip())]
+    return "".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in head)
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples (they are the tests; tests/test_affinity_rewrites.py executes CHECKS under the emulator)
+# ---------------------------------------------------------------------------------------------
+
+_BBOX_CLIP = '''\
+import torch
+
+
+def clip_boxes(bboxes, min_xy, max_xy):
+    bboxes = torch.where(bboxes < min_xy, min_xy, bboxes)
+    bboxes = torch.where(bboxes > max_xy, max_xy, bboxes)
+    return bboxes
+'''
+
+_GATED_RESIDUAL = '''\
+import torch
+from torch import nn
+
+
+class SkipGate(nn.Module):
+    """Per-token choice between the block output and the residual (early-exit / layer skipping)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, residual, skip_mask):
+        out = self.proj(hidden_states)
+        return torch.where(skip_mask.unsqueeze(-1), residual, out)
+'''
+
+_KV_UPDATE = '''\
+import torch
+
+
+def update_cache(cache, new_values, write_mask):
+    # keep the old entries where nothing is written
+    cache = torch.where(write_mask[..., None], new_values, cache)
+    return cache
+'''
+
+_KEYWORDS = '''\
+import torch
+
+
+def choose(condition, x, y):
+    result = torch.where(condition=condition > 0, input=x, other=y) * 2.0
+    return result
+'''
+
+_DIFFUSION_CFG = '''\
+import torch
+
+
+def apply_guidance(noise_pred_uncond, noise_pred_text, guidance_scale, use_cfg):
+    guided = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+    noise_pred = torch.where(use_cfg[:, None, None, None], guided, noise_pred_text)
+    return noise_pred
+'''
+
+_MULTILINE = '''\
+import torch
+
+
+def blend_features(fine, coarse, confidence, threshold=0.5):
+    fused = torch.where(
+        confidence > threshold,
+        fine,
+        coarse,
+    )
+    return fused
+'''
+
+_KEEP_SCALAR = '''\
+import torch
+
+
+def mask_scores(scores, mask):
+    return torch.where(mask, scores, 0.0)
+'''
+
+_KEEP_INF = '''\
+import torch
+
+
+def causal_mask_scores(attn_weights, causal_mask):
+    mask_value = torch.full([], float("-inf"), dtype=attn_weights.dtype, device=attn_weights.device)
+    attn_weights = torch.where(causal_mask, attn_weights, mask_value)
+    return attn_weights
+'''
+
+_KEEP_INT = '''\
+import torch
+
+
+def shift_labels(input_ids, labels, pad_token_id):
+    labels = torch.where(labels == -100, input_ids, labels)
+    return labels
+'''
+
+_KEEP_INDEX = '''\
+import torch
+
+
+def select_tokens(hidden, pos_a, pos_b, use_a):
+    positions = torch.where(use_a, pos_a, pos_b)
+    return hidden[torch.arange(hidden.shape[0]), positions]
+'''
+
+_KEEP_INDICES = '''\
+import torch
+
+
+def nonzero_rows(mask):
+    rows, cols = torch.where(mask)
+    return rows
+'''
+
+AffinityWhere.FUSE = [
+    Fuse(_BBOX_CLIP, name="ascend_guide_bbox_clip", expect={
+        "cond": "bboxes < min_xy", "a": "min_xy", "b": "bboxes", "cond_is_bool": True, "variant": "where_to_lerp"}),
+    Fuse(_GATED_RESIDUAL, name="skip_gate_return", expect={
+        "cond": "skip_mask.unsqueeze(-1)", "a": "residual", "b": "out", "statement": "return", "confidence": "medium"}),
+    Fuse(_KV_UPDATE, name="masked_cache_update", expect={"a": "new_values", "b": "cache"}),
+    Fuse(_KEYWORDS, name="keyword_arguments_inside_expression", expect={
+        "cond": "condition > 0", "a": "x", "b": "y", "cond_is_bool": True}),
+    Fuse(_DIFFUSION_CFG, name="diffusion_per_sample_guidance", expect={"a": "guided", "b": "noise_pred_text"}),
+    Fuse(_MULTILINE, name="multiline_call", expect={"cond": "confidence > threshold", "a": "fine", "b": "coarse"}),
+]
+
+AffinityWhere.KEEP = [
+    Keep(_KEEP_SCALAR, reason="scalar", name="scalar_branch"),
+    Keep(_KEEP_INF, reason="not inf-safe", name="gpt2_minus_inf_mask_value"),
+    Keep(_KEEP_INT, reason="integer tensors", name="integer_labels"),
+    Keep(_KEEP_INDEX, reason="used for indexing", name="positions_for_indexing"),
+    Keep(_KEEP_INDICES, reason="", name="single_argument_where"),
+]
+
+CHECKS: dict[str, str] = {
+    "ascend_guide_bbox_clip": (
+        "b = torch.randn(5, 4, requires_grad=True)\nlo = torch.full((4,), -0.5, requires_grad=True)\n"
+        "out = clip_boxes(b, lo, torch.tensor(0.7))\nleaves = [b, lo]"
+    ),
+    "skip_gate_return": (
+        "g = SkipGate(8)\nh = torch.randn(2, 3, 8, requires_grad=True)\nr = torch.randn(2, 3, 8, requires_grad=True)\n"
+        "out = g(h, r, torch.rand(2, 3) > 0.5)\nleaves = [h, r, g.proj.weight]"
+    ),
+    "masked_cache_update": (
+        "c = torch.randn(2, 4, 6, dtype=torch.bfloat16)\nnv = torch.randn(2, 4, 6, dtype=torch.bfloat16)\n"
+        "out = update_cache(c, nv, torch.rand(2, 4) > 0.3)"
+    ),
+    # int operands: the runtime check keeps torch.where
+    "keyword_arguments_inside_expression": (
+        "out = (choose(torch.randn(6), torch.randn(6), torch.randn(6)), "
+        "choose(torch.randn(6), torch.arange(6), torch.arange(6, 12)))"
+    ),
+    "diffusion_per_sample_guidance": (
+        "u = torch.randn(3, 4, 8, 8, requires_grad=True)\nt = torch.randn(3, 4, 8, 8, requires_grad=True)\n"
+        "out = apply_guidance(u, t, 7.5, torch.tensor([True, False, True]))\nleaves = [u, t]"
+    ),
+    "multiline_call": "out = blend_features(torch.randn(4, 5), torch.randn(4, 5), torch.rand(4, 5))",
+}

@@ -1,0 +1,363 @@
+"""geglu: ``gelu(a) * b`` with a, b from two projections or one split -> ``torch_npu.npu_geglu``.
+
+Uses the gated-activation machinery of :mod:`npufuse.patterns.swiglu` (one scan of a scope serves
+both patterns; each gated product belongs to exactly one of them). The replacement maps what the
+code computes onto npu_geglu's parameters: ``approximate`` 0 for erf GELU (``F.gelu``'s default,
+``nn.GELU()``, ``ACT2FN["gelu"]``), 1 for the tanh form (``approximate="tanh"``,
+``gelu_new``/``gelu_pytorch_tanh``, the hand-written ``0.5*x*(1+tanh(...0.044715...))``), and
+``activate_left`` True when the gelu is on the first half (the op's default activates the second,
+as diffusers' ``hidden * gelu(gate)`` does). ``npu_gelu_mul`` is forward-only and never emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from npufuse.patterns import swiglu as G
+from npufuse.patterns.base import Finding, Fuse, Keep, Pattern, Result
+from npufuse.scan.dataflow import ModuleInfo, Scope
+
+
+class Geglu(Pattern):
+    id = "geglu"
+    api = "torch_npu.npu_geglu"
+    title = "GeGLU (gelu(gate) * up) -> npu_geglu"
+    training_ok = True  # npu_geglu has a backward through output 0; npu_gelu_mul (forward-only) is not used
+    bound = "memory"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        for r in G.gate_results(module, scope):
+            if r.pattern != self.id:
+                continue
+            if r.finding is not None:
+                yield r.finding
+            elif r.miss is not None:
+                yield r.miss
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        # a hand-written tanh formula is ~8 kernels; F.gelu / nn.GELU one
+        src = finding.params.get("activation_source", "")
+        kernels = 8 if src.endswith("()") and "GELU" not in src and "gelu" not in src.lower() else 1
+        return G.gated_value(finding, config, kernels)
+
+    @staticmethod
+    def reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """fp32 golden: gelu(gate) * up."""
+        return F.gelu(gate.float(), approximate=approximate) * up.float()
+
+    FUSE: list = []
+    KEEP: list = []
+
+
+_DIFFUSERS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GEGLU(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int, bias: bool = True):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias)
+
+    def gelu(self, gate: torch.Tensor) -> torch.Tensor:
+        if gate.device.type == "mps":
+            # fp16 gelu not supported on mps before torch 2.0
+            return F.gelu(gate.to(dtype=torch.float32)).to(dtype=gate.dtype)
+        return F.gelu(gate)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        hidden_states = self.proj(hidden_states)
+        hidden_states, gate = hidden_states.chunk(2, dim=-1)
+        return hidden_states * self.gelu(gate)
+'''
+
+_TANH_SECOND = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ApproxGEGLU(nn.Module):
+    def __init__(self, dim_in, dim_out):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2)
+
+    def forward(self, x):
+        x, gate = self.proj(x).chunk(2, dim=-1)
+        return x * F.gelu(gate, approximate="tanh")
+'''
+
+_GELU_FIRST = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GEGLUFirst(nn.Module):
+    """gelu on the first half of the fused projection."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.wi = nn.Linear(d, 2 * h, bias=False)
+        self.wo = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        h = self.wi(x)
+        gate, value = torch.chunk(h, 2, dim=-1)
+        return self.wo(F.gelu(gate) * value)
+'''
+
+_T5 = '''
+import math
+import torch
+from torch import nn
+
+
+class NewGELUActivation(nn.Module):
+    def forward(self, input):
+        return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+class T5DenseGatedActDense(nn.Module):
+    def __init__(self, d_model, d_ff, dropout_rate):
+        super().__init__()
+        self.wi_0 = nn.Linear(d_model, d_ff, bias=False)
+        self.wi_1 = nn.Linear(d_model, d_ff, bias=False)
+        self.wo = nn.Linear(d_ff, d_model, bias=False)
+        self.dropout = nn.Dropout(dropout_rate)
+        self.act = NewGELUActivation()
+
+    def forward(self, hidden_states):
+        hidden_gelu = self.act(self.wi_0(hidden_states))
+        hidden_linear = self.wi_1(hidden_states)
+        hidden_states = hidden_gelu * hidden_linear
+        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.wo(hidden_states)
+        return hidden_states
+'''
+
+_T5_CONFIG = '''
+import math
+import torch
+from torch import nn
+
+
+class NewGELUActivation(nn.Module):
+    def forward(self, input):
+        return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+ACT2FN = {"gelu_new": NewGELUActivation(), "relu": nn.ReLU()}
+
+
+class T5DenseGatedActDense(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.act = ACT2FN[config.dense_act_fn]
+
+    def forward(self, hidden_states):
+        hidden_gelu = self.act(self.wi_0(hidden_states))
+        hidden_linear = self.wi_1(hidden_states)
+        hidden_states = hidden_gelu * hidden_linear
+        return self.wo(hidden_states)
+'''
+
+_NN_GELU_MODULE = '''
+import torch
+from torch import nn
+
+
+class GeGluMlp(nn.Module):
+    """timm-style: the activation module built in __init__, two projections."""
+
+    def __init__(self, in_features, hidden_features):
+        super().__init__()
+        self.fc1_g = nn.Linear(in_features, hidden_features)
+        self.fc1_x = nn.Linear(in_features, hidden_features)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden_features, in_features)
+
+    def forward(self, x):
+        x_gate = self.fc1_g(x)
+        x = self.fc1_x(x)
+        x = self.act(x_gate) * x
+        return self.fc2(x)
+'''
+
+_DYN_APPROX = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedGELU(nn.Module):
+    def __init__(self, dim_in, dim_out, approximate: str = "none"):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2)
+        self.approximate = approximate
+
+    def forward(self, hidden_states):
+        hidden_states, gate = self.proj(hidden_states).chunk(2, dim=-1)
+        return hidden_states * F.gelu(gate, approximate=self.approximate)
+'''
+
+Geglu.FUSE = [
+    Fuse(
+        _DIFFUSERS,
+        expect={"approximate": 0, "activate_left": False, "source": "split", "order": "up_first", "split_dim": -1,
+                "split_tensor": "hidden_states", "gate": "gate", "up": "hidden_states", "qualname": "GEGLU.forward", "line": 20, "end_line": 21},
+        run="m = GEGLU(16, 24)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.proj.weight]\n",
+        name="diffusers_geglu_fp32",
+    ),
+    Fuse(_DIFFUSERS, expect={"approximate": 0},
+         run="m = GEGLU(16, 24).to(torch.bfloat16)\nx = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
+         name="diffusers_geglu_bf16"),
+    Fuse(
+        _TANH_SECOND,
+        expect={"approximate": 1, "activate_left": False, "split_tensor": "self.proj(x)"},
+        run="m = ApproxGEGLU(8, 12)\nx = torch.randn(5, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.proj.weight]\n",
+        name="tanh_on_second_half",
+    ),
+    Fuse(
+        _GELU_FIRST,
+        expect={"approximate": 0, "activate_left": True, "order": "gate_first", "split": "chunk"},
+        run="m = GEGLUFirst(8, 6).to(torch.float16)\nx = torch.randn(4, 8, dtype=torch.float16, requires_grad=True)\nout = m(x)\nleaves = [x, m.wi.weight]\n",
+        name="gelu_on_first_half_fp16",
+    ),
+    Fuse(
+        _T5,
+        expect={"approximate": 1, "activate_left": True, "source": "two_projections", "gate": "self.wi_0(hidden_states)",
+                "up": "hidden_linear", "line": 22, "end_line": 24},
+        run="m = T5DenseGatedActDense(8, 16, 0.0)\nx = torch.randn(2, 4, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.wi_0.weight, m.wi_1.weight]\n",
+        name="t5_v1_1_gated_gelu_new",
+    ),
+    Fuse(
+        _T5_CONFIG,
+        expect={"conditional": True, "approximate": "config", "runtime_check": "activation type"},
+        run="class C:\n    d_model = 8\n    d_ff = 12\n    dense_act_fn = 'gelu_new'\nm = T5DenseGatedActDense(C())\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.wi_0.weight]\n",
+        name="t5_act2fn_config",
+    ),
+    Fuse(
+        _NN_GELU_MODULE,
+        expect={"approximate": 1, "gate": "x_gate", "up": "x", "source": "two_projections"},
+        run="m = GeGluMlp(8, 10)\nx = torch.randn(6, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.fc1_g.weight]\n",
+        name="nn_gelu_tanh_module",
+    ),
+    Fuse(
+        _DYN_APPROX,
+        expect={"approximate": "runtime", "activate_left": False},
+        run="m = GatedGELU(8, 6, approximate='tanh')\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
+        name="approximate_from_attribute",
+    ),
+]
+
+Geglu.KEEP = [
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class QuickGeGLU(nn.Module):
+    """CLIP's quick_gelu used as a gate: x * sigmoid(1.702 x) is not gelu."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        a, b = self.fc(x).chunk(2, dim=-1)
+        return a * torch.sigmoid(1.702 * a) * b
+''',
+        reason="quick_gelu",
+        name="quick_gelu_gate",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Mlp(nn.Module):
+    """GPT-2 / ViT MLP: gelu without a gate."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.c_fc = nn.Linear(d, h)
+        self.c_proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+''',
+        name="plain_gelu_mlp",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class InterleavedGEGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h[..., 0::2] * F.gelu(h[..., 1::2])
+''',
+        reason="interleaved",
+        name="interleaved_halves",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GEGLUWithGate(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        hidden, gate = self.proj(x).chunk(2, dim=-1)
+        g = F.gelu(gate)
+        out = hidden * g
+        return out, g
+''',
+        reason="reused after the fused region",
+        name="gelu_reused",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+ACT2FN = {"gelu_10": nn.Hardtanh()}
+
+
+class ClippedGatedMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.wi_0 = nn.Linear(d, h)
+        self.wi_1 = nn.Linear(d, h)
+        self.act = ACT2FN["gelu_10"]
+
+    def forward(self, x):
+        return self.act(self.wi_0(x)) * self.wi_1(x)
+''',
+        reason="cannot be mapped",
+        name="clipped_gelu_unmappable",
+    ),
+]

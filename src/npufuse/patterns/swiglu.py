@@ -1,0 +1,1267 @@
+"""swiglu: ``silu(a) * b`` with a, b from two projections or one split -> ``torch_npu.npu_swiglu``.
+
+Also the shared machinery of gated activations (``geglu`` imports it): a product of two factors
+where one is an activation of ``a`` and the other is ``b``; the activation is recognised by what
+it is (``F.silu``, ``nn.SiLU()`` assigned in ``__init__``, ``torch.sigmoid(a) * a``, a helper of
+this module, ``ACT2FN["silu"]``), or recorded as chosen by config (``ACT2FN[config.hidden_act]``)
+with a runtime check in the fused branch. ``a`` and ``b`` are the two halves of one tensor
+(``chunk``/``split``/slicing: the fused op takes that tensor directly; the order decides which
+half is activated) or two projections of one input (the fused op takes ``torch.cat([a, b])``:
+exact, but it adds a copy — merging the projections' weights into one is what makes it pay).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from npufuse.patterns import _site as S
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
+from npufuse.scan.value import estimate, symbolic
+
+# --------------------------------------------------------------------------------------------
+# activations
+
+SILU = "silu"
+GELU = "gelu"  # erf
+GELU_TANH = "gelu_tanh"
+GELU_DYN = "gelu_dyn"  # F.gelu(x, approximate=<expression>)
+QUICK_GELU = "quick_gelu"
+SIGMOID = "sigmoid"
+CONFIG = "config"
+
+# ACT2FN keys (transformers) by what they compute
+ACT_NAMES = {
+    "silu": SILU,
+    "swish": SILU,
+    "gelu": GELU,
+    "gelu_python": GELU,
+    "gelu_new": GELU_TANH,
+    "gelu_pytorch_tanh": GELU_TANH,
+    "gelu_fast": GELU_TANH,
+    "gelu_accurate": GELU_TANH,
+    "gelu_python_tanh": GELU_TANH,
+    "quick_gelu": QUICK_GELU,
+    "relu": "relu",
+    "relu2": "relu2",
+    "relu6": "relu6",
+    "leaky_relu": "leaky_relu",
+    "sigmoid": SIGMOID,
+    "tanh": "tanh",
+    "mish": "mish",
+    "gelu_10": "gelu_10 (clipped)",
+    "linear": "linear",
+    "elu": "elu",
+    "selu": "selu",
+    "softplus": "softplus",
+    "hardswish": "hardswish",
+}
+ACT_CONFIG_SILU = ("silu", "swish")
+ACT_CONFIG_GELU = ("gelu", "gelu_python")
+ACT_CONFIG_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu_python_tanh")
+
+_FUNCS = {
+    "torch.nn.functional.silu": SILU,
+    "torch.silu": SILU,
+    "torch.nn.functional.gelu": GELU,
+    "torch.nn.functional.relu": "relu",
+    "torch.relu": "relu",
+    "torch.nn.functional.relu6": "relu6",
+    "torch.nn.functional.leaky_relu": "leaky_relu",
+    "torch.nn.functional.mish": "mish",
+    "torch.nn.functional.elu": "elu",
+    "torch.nn.functional.selu": "selu",
+    "torch.nn.functional.softplus": "softplus",
+    "torch.nn.functional.hardswish": "hardswish",
+    "torch.tanh": "tanh",
+    "torch.sigmoid": SIGMOID,
+    "torch.nn.functional.sigmoid": SIGMOID,
+}
+_MODULES = {
+    "torch.nn.SiLU": SILU,
+    "torch.nn.GELU": GELU,
+    "torch.nn.ReLU": "relu",
+    "torch.nn.ReLU6": "relu6",
+    "torch.nn.LeakyReLU": "leaky_relu",
+    "torch.nn.Mish": "mish",
+    "torch.nn.Tanh": "tanh",
+    "torch.nn.Sigmoid": SIGMOID,
+    "torch.nn.ELU": "elu",
+    "torch.nn.Hardswish": "hardswish",
+}
+_ACT_TABLES = {"ACT2FN", "ACT2CLS", "ACTIVATIONS", "ACT_FNS"}
+_GETTERS = {"get_activation", "get_act_fn", "get_act_layer", "create_act_layer", "get_activation_fn"}
+
+
+@dataclass
+class Act:
+    kind: str
+    gate: ast.expr | None  # the activated operand (None for a sigmoid-form silu until paired)
+    ctx: S.Ctx
+    describe: str
+    obj: ast.expr | None = None  # the activation object (self.act_fn) for runtime checks
+    config_key: ast.expr | None = None  # runtime string naming the activation (self.config.hidden_act)
+    approx: ast.expr | None = None  # gelu_dyn: the approximate expression
+    sigmoid_arg: ast.expr | None = None  # sigmoid form: the sigmoid's argument (key compared with a factor)
+    gelu_hint: bool = False  # config-chosen, but the code names it gelu (T5 "hidden_gelu")
+    default: str | None = None  # config-chosen with a known default (an __init__ default class)
+
+
+def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | None] | None:
+    """Kind of an activation *object* expression: ``nn.SiLU()``, ``F.silu``, ``ACT2FN["gelu"]``."""
+    if isinstance(value, ast.Call):
+        name = module.canonical(value.func)
+        if name in _MODULES:
+            kind = _MODULES[name]
+            if kind == GELU:
+                approx = S.arg(value, "approximate", 0)
+                if approx is not None:
+                    v = const_value(approx)
+                    if v == "tanh":
+                        return GELU_TANH, None
+                    if v == "none":
+                        return GELU, None
+                    return GELU_DYN, approx
+            return kind, None
+        short = (dotted(value.func) or "").split(".")[-1]
+        if short in _GETTERS and value.args:
+            v = const_value(value.args[0])
+            if isinstance(v, str):
+                return ACT_NAMES.get(v.lower(), v), None
+            return CONFIG, value.args[0]
+    if isinstance(value, ast.Subscript):
+        table = (dotted(value.value) or "").split(".")[-1]
+        if table in _ACT_TABLES:
+            v = const_value(value.slice)
+            if isinstance(v, str):
+                return ACT_NAMES.get(v, v), None
+            return CONFIG, value.slice
+    name = module.canonical(value)
+    if name in _FUNCS:
+        return _FUNCS[name], None
+    return None
+
+
+def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str | None:
+    """What a one-tensor helper computes: an activation call on its parameter, or a known formula."""
+    if depth > 2:
+        return None
+    params = [a.arg for a in fn.args.args if a.arg != "self"]
+    if len(params) != 1:
+        return None
+    p = params[0]
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    if not returns:
+        return None
+    kinds = set()
+    for r in returns:
+        v = r.value
+        while S.is_cast(v):
+            v = v.func.value  # type: ignore[union-attr]
+        k = None
+        if isinstance(v, ast.Call):
+            name = module.canonical(v.func)
+            if name in _FUNCS and v.args and _mentions(v.args[0], p):
+                k = _FUNCS[name]
+                if k == GELU:
+                    approx = const_value(S.arg(v, "approximate", 1))
+                    k = GELU_TANH if approx == "tanh" else GELU if approx in (..., "none") else GELU_DYN
+        if k is None:
+            text = ast.unparse(v)
+            if "tanh" in text and "0.044715" in text:
+                k = GELU_TANH
+            elif "erf" in text:
+                k = GELU
+            elif "sigmoid" in text and "1.702" in text:
+                k = QUICK_GELU
+            elif re.search(rf"\b{re.escape(p)}\b\s*\*\s*torch\.sigmoid\(\s*{re.escape(p)}\s*\)|sigmoid\(\s*{re.escape(p)}\s*\)\s*\*\s*{re.escape(p)}\b", text):
+                k = SILU
+        if k is None:
+            return None
+        kinds.add(k)
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _mentions(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def _class_act(module: ModuleInfo, cls_name: str) -> str | None:
+    cls = module.classes.get(cls_name)
+    if cls is None:
+        return None
+    for item in cls.body:
+        if isinstance(item, ast.FunctionDef) and item.name == "forward":
+            return _helper_act(module, item)
+    return None
+
+
+def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
+    """The activation a call applies to its first argument, if it is one."""
+    if not call.args or isinstance(call.args[0], ast.Starred):
+        return None
+    gate = call.args[0]
+    name = module.canonical(call.func)
+    if name in _FUNCS:
+        kind = _FUNCS[name]
+        approx = None
+        if kind == GELU:
+            a = S.arg(call, "approximate", 1)
+            if a is not None:
+                v = const_value(a)
+                kind, approx = (GELU_TANH, None) if v == "tanh" else (GELU, None) if v == "none" else (GELU_DYN, a)
+        if kind == SIGMOID:
+            return Act(SIGMOID, None, ctx, ast.unparse(call.func), sigmoid_arg=gate)
+        return Act(kind, gate, ctx, ast.unparse(call.func), approx=approx)
+    f = call.func
+    # x.sigmoid()
+    if isinstance(f, ast.Attribute) and f.attr == "sigmoid" and not call.args:
+        return Act(SIGMOID, None, ctx, "sigmoid", sigmoid_arg=f.value)
+    # ACT2FN["silu"](x) inline
+    if isinstance(f, (ast.Subscript, ast.Call)):
+        k = _module_act(module, f)
+        if k is not None:
+            return Act(k[0], gate, ctx, ast.unparse(f), obj=f, config_key=k[1] if k[0] == CONFIG else None, approx=k[1] if k[0] == GELU_DYN else None)
+    # self.act_fn(x): what __init__ assigned
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+        init = S.init_assignments(module, ctx.scope.class_name)
+        value = init.get(f.attr)
+        if value is not None:
+            desc = f"self.{f.attr} = {ast.unparse(value)}"
+            k = _module_act(module, value)
+            if k is not None:
+                kind, extra = k
+                if kind == CONFIG:
+                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra), gelu_hint=_gelu_hint(f.attr, extra))
+                return Act(kind, gate, ctx, desc, obj=f, approx=_self_expr(extra) if kind == GELU_DYN else None)
+            if isinstance(value, ast.Call):
+                cname = dotted(value.func)
+                if cname and cname in module.classes:
+                    ck = _class_act(module, cname)
+                    if ck is not None:
+                        return Act(ck, gate, ctx, desc, obj=f)
+                # act_layer() with act_layer an __init__ parameter (timm): chosen by the caller
+                params = S.init_params(module, ctx.scope.class_name)
+                if isinstance(value.func, ast.Name) and value.func.id in params:
+                    default = params[value.func.id]
+                    dk = _module_act(module, ast.Call(func=default, args=[], keywords=[])) if default is not None else None
+                    return Act(CONFIG, gate, ctx, desc, obj=f, default=dk[0] if dk else None, gelu_hint=_gelu_hint(f.attr, default))
+            if isinstance(value, ast.Name) and value.id in S.init_params(module, ctx.scope.class_name):
+                return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
+            return None
+        m = S.method(module, ctx.scope.class_name, f.attr)
+        if m is not None:
+            k2 = _helper_act(module, m)
+            if k2 is not None:
+                return Act(k2, gate, ctx, f"self.{f.attr}()")
+        return None
+    if isinstance(f, ast.Name):
+        fn = module.helper(f.id)
+        if isinstance(fn, ast.FunctionDef) and S.definition(ctx, f.id) is None:
+            k3 = _helper_act(module, fn)
+            if k3 is not None:
+                return Act(k3, gate, ctx, f"{f.id}()")
+    return None
+
+
+def _gelu_hint(attr: str, key: ast.AST | None) -> bool:
+    text = attr + " " + (ast.unparse(key) if key is not None else "")
+    return "gelu" in text.lower()
+
+
+def _self_expr(node: ast.expr | None) -> ast.expr | None:
+    """An __init__ expression usable in forward: ``approximate`` stored as ``self.approximate``."""
+    return node
+
+
+def _config_key(module: ModuleInfo, ctx: S.Ctx, key: ast.expr | None) -> ast.expr | None:
+    """``ACT2FN[config.hidden_act]`` in __init__ -> ``self.config.hidden_act`` when __init__ keeps
+    the config (``self.config = config``) or the key itself (``self.hidden_act = config.hidden_act``)."""
+    if key is None:
+        return None
+    init = S.init_assignments(module, ctx.scope.class_name)
+    kd = dotted(key)
+    if kd is None:
+        return None
+    head, _, rest = kd.partition(".")
+    for attr, value in init.items():
+        vd = dotted(value)
+        if vd == kd:
+            return _synthetic(f"self.{attr}")
+    if rest:
+        for attr, value in init.items():
+            if dotted(value) == head:
+                return _synthetic(f"self.{attr}.{rest}")
+    return None
+
+
+def _synthetic(src: str) -> ast.expr:
+    """An expression written by npufuse (no source position: rendered with ast.unparse)."""
+    node = ast.parse(src, mode="eval").body
+    for n in ast.walk(node):
+        for attr in ("lineno", "col_offset", "end_lineno", "end_col_offset"):
+            if hasattr(n, attr):
+                delattr(n, attr)
+    return node
+
+
+# --------------------------------------------------------------------------------------------
+# gated products
+
+
+class GateMiss(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Operand:
+    node: ast.expr
+    ctx: S.Ctx
+
+
+@dataclass
+class Halves:
+    tensor: ast.expr  # the split tensor
+    ctx: S.Ctx
+    dim: ast.expr
+    dim_ctx: S.Ctx
+    gate_index: int  # 0: activation on the first half
+    how: str  # chunk | split | slice
+    equal: bool  # sizes provably equal (chunk(2) / split([n, n]))
+
+
+@dataclass
+class Gate:
+    act: Act
+    a: Operand  # activated
+    b: Operand  # the other factor
+    node: ast.expr  # the product node replaced
+    halves: Halves | None
+    trace: S.Trace
+    input_key: str | None  # the projections' common input
+
+
+def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        _flatten_mul(node.left, out)
+        _flatten_mul(node.right, out)
+    else:
+        out.append(node)
+
+
+def _act_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> Act | None:
+    """The activation a factor is (through names assigned from it)."""
+    t = S.Trace()
+    n, c = node, ctx
+    for _ in range(8):
+        if isinstance(n, ast.Name):
+            value, vctx, stmt = S.follow(n, c)
+            if value is n:
+                return None
+            if not isinstance(value, (ast.Call, ast.Name)):
+                return None
+            S.follow(n, c, t)
+            n, c = value, vctx
+            continue
+        break
+    if S.is_cast(n) and n.func.value is not None:  # type: ignore[union-attr]
+        return None
+    if not isinstance(n, ast.Call):
+        return None
+    act = classify_call(module, n, c)
+    if act is not None:
+        trace.stmts.update(t.stmts)
+        # config-chosen, but the code calls its result gelu (T5: ``hidden_gelu = self.act(...)``)
+        if act.kind == CONFIG and isinstance(node, ast.Name) and "gelu" in node.id.lower():
+            act.gelu_hint = True
+    return act
+
+
+def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[str, ast.expr, S.Ctx, ast.expr | None, object, str, bool] | None:
+    """``T.chunk(2, d)[i]`` / ``torch.chunk(T, 2, d)[i]`` / ``T.split(n, d)[i]`` / ``T[..., :n]``:
+    (key of T, T, ctx, dim, index or slice-kind, how, equal)."""
+    t = S.Trace()
+    n, c = S.peel(node, ctx, t)
+    if isinstance(n, ast.Subscript):
+        base, bctx = S.peel(n.value, c, t)
+        idx = const_value(n.slice)
+        call = base if isinstance(base, ast.Call) else None
+        if call is not None and isinstance(idx, int):
+            fname = module.call_name(call)
+            recv: ast.expr | None = None
+            rest: list[ast.expr] = []
+            meth = call.func.attr if isinstance(call.func, ast.Attribute) else None
+            if meth in ("chunk", "split", "tensor_split") and fname not in ("torch.chunk", "torch.split", "torch.tensor_split"):
+                recv, rest = call.func.value, list(call.args)  # type: ignore[union-attr]
+            elif fname in ("torch.chunk", "torch.split", "torch.tensor_split") and call.args:
+                recv, rest = call.args[0], list(call.args[1:])
+                meth = fname.split(".")[-1]
+            if recv is not None:
+                size = rest[0] if rest else S.arg(call, "chunks" if meth == "chunk" else "split_size_or_sections", None)
+                dim = rest[1] if len(rest) > 1 else S.arg(call, "dim", None)
+                if dim is None:
+                    dim = ast.Constant(0)
+                if meth in ("chunk", "tensor_split"):
+                    if const_value(size) != 2:
+                        raise GateMiss(f"split into {ast.unparse(size) if size is not None else '?'} parts, not two halves")
+                    equal = meth == "chunk"
+                else:
+                    sv = const_value(size)
+                    if isinstance(size, (ast.List, ast.Tuple)):
+                        if len(size.elts) != 2:
+                            raise GateMiss("split into more than two parts")
+                        equal = S.key(size.elts[0], bctx) == S.key(size.elts[1], bctx)
+                        if not equal:
+                            raise GateMiss(f"gate and up have different sizes ({ast.unparse(size)})")
+                    else:
+                        equal = False  # split(n): two parts only if the size is 2n (assumed, see risks)
+                    _ = sv
+                trace.stmts.update(t.stmts)
+                return (S.key(recv, bctx), recv, bctx, dim, idx, meth or "split", equal)
+        # slicing: T[..., :n] / T[..., n:] / T[..., ::2]
+        sl = n.slice
+        elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+        if elts and isinstance(elts[-1], ast.Slice) and all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None or (isinstance(e, ast.Constant) and e.value is Ellipsis) for e in elts[:-1]):
+            s = elts[-1]
+            if s.step is not None:
+                raise GateMiss("gate and up interleaved (x[..., ::2] / x[..., 1::2]): the fused op splits contiguous halves")
+            has_ellipsis = any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts[:-1])
+            dim: ast.expr = ast.Constant(-1) if has_ellipsis or len(elts) == 1 and False else ast.Constant(len(elts) - 1)
+            if not has_ellipsis and len(elts) == 1:
+                dim = ast.Constant(0)
+            kind = "first" if s.lower is None and s.upper is not None else "second" if s.upper is None and s.lower is not None else None
+            if kind is None:
+                return None
+            bound = s.upper if kind == "first" else s.lower
+            trace.stmts.update(t.stmts)
+            return (S.key(n.value, c), n.value, c, dim, (kind, S.key(bound, c)), "slice", False)
+    return None
+
+
+def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
+    """Key of the input of a projection-like value: ``self.w(x)``, ``F.linear(x, w)``, ``x @ w``."""
+    n, c = S.peel(node, ctx)
+    while S.is_cast(n):
+        n = n.func.value  # type: ignore[union-attr]
+    if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Call) and const_value(n.slice) == 0:
+        n = n.value  # vLLM-style ``self.wi_0(x)[0]`` (output, bias)
+    if isinstance(n, ast.Call) and n.args and not isinstance(n.args[0], ast.Starred):
+        return S.key(n.args[0], c)
+    if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
+        return S.key(n.left, c)
+    return None
+
+
+def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
+    """A gated product ``act(a) * b`` at ``node`` (a Mult BinOp), or None; GateMiss for
+    look-alikes whose structure the fused op cannot take."""
+    factors: list[ast.expr] = []
+    _flatten_mul(node, factors)
+    if len(factors) not in (2, 3):
+        return None
+    trace = S.Trace()
+    acts = [(i, _act_of(module, f, ctx, trace)) for i, f in enumerate(factors)]
+    found = [(i, a) for i, a in acts if a is not None]
+    act: Act | None = None
+    used: set[int] = set()
+    if len(factors) == 2 and len(found) == 1 and found[0][1].kind != SIGMOID:
+        i, act = found[0]
+        used = {i}
+    elif len(factors) == 3:
+        sig = [(i, a) for i, a in found if a.kind == SIGMOID]
+        if len(sig) == 1 and len(found) == 1:
+            i, s = sig[0]
+            inner, ictx = S.peel(s.sigmoid_arg, s.ctx)  # type: ignore[arg-type]
+            skey = S.key(inner, ictx)
+            quick = None
+            if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Mult):
+                for c0, other in ((inner.left, inner.right), (inner.right, inner.left)):
+                    if const_value(c0) == 1.702:
+                        quick = S.key(other, ictx)
+            for j, f in enumerate(factors):
+                if j == i:
+                    continue
+                k = S.key(f, ctx)
+                if k == skey:
+                    act = Act(SILU, f, ctx, "torch.sigmoid(a) * a")
+                elif quick is not None and k == quick:
+                    act = Act(QUICK_GELU, f, ctx, "a * torch.sigmoid(1.702 * a)")
+                if act is not None:
+                    used = {i, j}
+                    break
+    if act is None or act.gate is None:
+        return None
+    rest = [k for k in range(len(factors)) if k not in used]
+    if len(rest) != 1:
+        return None
+    b = factors[rest[0]]
+    a = act.gate
+    actx = act.ctx
+    # halves of one tensor?
+    sa = _split_of(module, a, actx, trace)
+    sb = _split_of(module, b, ctx, trace)
+    halves = None
+    if sa is not None and sb is not None and sa[0] == sb[0]:
+        if sa[5] == "slice":
+            (ka, ba), (kb, bb) = sa[4], sb[4]  # type: ignore[misc]
+            if ba != bb or {ka, kb} != {"first", "second"}:
+                raise GateMiss("gate and up slices do not split one tensor in two")
+            gi = 0 if ka == "first" else 1
+        else:
+            if S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]):
+                raise GateMiss("gate and up split along different dims")
+            if {sa[4], sb[4]} != {0, 1}:
+                raise GateMiss("gate and up are not the two halves of one split")
+            gi = int(sa[4])  # type: ignore[arg-type]
+        halves = Halves(sa[1], sa[2], sa[3], sa[2], gi, sa[5], bool(sa[6]))
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, halves, trace, None)
+    if sa is not None and sb is not None:
+        raise GateMiss("gate and up are halves of different tensors")
+    ia = _projection_input(a, actx)
+    ib = _projection_input(b, ctx)
+    if ia is None or ib is None or ia != ib:
+        raise GateMiss("gate and up are not projections of one input (a gated output, not a GLU MLP)")
+    return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ia)
+
+
+# --------------------------------------------------------------------------------------------
+# fused code
+
+
+def _runtime_tests(module: ModuleInfo, act: Act, plan: S.SpanPlan | None) -> dict[str, str]:
+    """Python conditions (no host sync) telling at run time which activation a config-chosen
+    ``act`` is. Prefers the config string when the module keeps it; else the object's type
+    (``ACT2FN["silu"]`` has been ``nn.SiLU``, ``SiLUActivation`` and a bare function across
+    transformers releases, so all three are accepted)."""
+    T = S.torch_name(module) or "torch"
+    if act.config_key is not None:
+        k = S.render(module, act.config_key, act.ctx, plan)
+        return {
+            SILU: f"{k} in {ACT_CONFIG_SILU!r}",
+            GELU: f"{k} in {ACT_CONFIG_GELU!r}",
+            GELU_TANH: f"{k} in {ACT_CONFIG_GELU_TANH!r}",
+        }
+    assert act.obj is not None
+    o = S.render(module, act.obj, act.ctx, plan)
+    return {
+        SILU: f'isinstance({o}, {T}.nn.SiLU) or type({o}).__name__ == "SiLUActivation" or {o} is {T}.nn.functional.silu',
+        GELU: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "none") or type({o}).__name__ == "GELUActivation" or {o} is {T}.nn.functional.gelu',
+        GELU_TANH: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "tanh") or type({o}).__name__ in ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation", "AccurateGELUActivation")',
+    }
+
+
+def fused_expr(module: ModuleInfo, g: Gate, kind: str, plan: S.SpanPlan, approx_code: str | None = None) -> str:
+    """The fused expression replacing ``act(a) * b`` for activation ``kind`` (silu or a gelu)."""
+    T = S.torch_name(module) or "torch"
+    if g.halves is not None:
+        h = g.halves
+        t = S.render(module, h.tensor, h.ctx, plan)
+        d = S.render(module, h.dim, h.dim_ctx, plan)
+        tp = t if isinstance(h.tensor, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)) else f"({t})"
+        if kind == SILU:
+            if h.gate_index == 0:
+                return f"torch_npu.npu_swiglu({tp}.contiguous(), dim={d})"
+            a = S.render(module, g.a.node, g.a.ctx, plan)
+            b = S.render(module, g.b.node, g.b.ctx, plan)
+            return f"torch_npu.npu_swiglu({T}.cat([{a}, {b}], dim={d}), dim={d})"
+        left = "True" if h.gate_index == 0 else "False"
+        return f"torch_npu.npu_geglu({tp}, dim={d}, approximate={approx_code}, activate_left={left})[0]"
+    a = S.render(module, g.a.node, g.a.ctx, plan)
+    b = S.render(module, g.b.node, g.b.ctx, plan)
+    if kind == SILU:
+        return f"torch_npu.npu_swiglu({T}.cat([{a}, {b}], dim=-1), dim=-1)"
+    return f"torch_npu.npu_geglu({T}.cat([{a}, {b}], dim=-1), dim=-1, approximate={approx_code}, activate_left=True)[0]"
+
+
+def approx_code_of(module: ModuleInfo, act: Act, kind: str, plan: S.SpanPlan) -> str:
+    if kind == GELU:
+        return "0"
+    if kind == GELU_TANH:
+        return "1"
+    assert act.approx is not None
+    e = S.render(module, act.approx, act.ctx, plan)
+    return f'(1 if {e} == "tanh" else 0)'
+
+
+# --------------------------------------------------------------------------------------------
+# scanning one scope (shared by swiglu and geglu)
+
+GELU_KINDS = (GELU, GELU_TANH, GELU_DYN)
+
+
+def owner(act: Act) -> str | None:
+    """Which pattern reports a gated product with this activation."""
+    if act.kind == SILU:
+        return "swiglu"
+    if act.kind in GELU_KINDS or "gelu" in act.kind:
+        return "geglu"
+    if act.kind == CONFIG:
+        if act.default == SILU:
+            return "swiglu"
+        if act.default in GELU_KINDS or act.gelu_hint:
+            return "geglu"
+        return "swiglu"
+    return "swiglu"  # other activations: swiglu reports "activation is not silu"
+
+
+@dataclass
+class GateResult:
+    stmt: ast.stmt
+    pattern: str
+    finding: Finding | None = None
+    miss: NearMiss | None = None
+
+
+_ACT_WORDS = re.compile(r"silu|swish|gelu|sigmoid|act|glu|relu|tanh|mish|elu|softplus", re.IGNORECASE)
+
+
+def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
+    """Gated-activation findings and near misses of one scope, for both patterns (cached)."""
+    cached = scope.__dict__.get("_npufuse_gates")
+    if cached is not None:
+        return cached
+    results: list[GateResult] = []
+    scope.__dict__["_npufuse_gates"] = results
+    if isinstance(scope.node, ast.Module) or "*" not in S.scope_text(module, scope):
+        return results
+    text = S.scope_text(module, scope)
+    if not _ACT_WORDS.search(text):
+        return results
+    lines = S.module_lines(module)
+    for stmt in S.stmt_index(scope).stmts:
+        if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
+            continue
+        if not any("*" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
+            continue
+        gates: list[Gate] = []
+        misses: list[tuple[str, str]] = []
+        inside: list[ast.AST] = []
+        for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+            if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+                continue
+            if any(any(n is node for n in ast.walk(m)) for m in inside):
+                continue
+            ctx = S.Ctx(scope, stmt.lineno)
+            try:
+                g = find_gate(module, node, ctx)
+            except GateMiss as e:
+                # only a look-alike if an activation is involved at all
+                fs: list[ast.expr] = []
+                _flatten_mul(node, fs)
+                acts = [a for a in (_act_of(module, f, ctx, S.Trace()) for f in fs) if a is not None]
+                if acts:
+                    misses.append((owner(acts[0]) or "swiglu", e.reason))
+                    inside.append(node)
+                continue
+            if g is None:
+                continue
+            inside.append(node)
+            gates.append(g)
+        for pat, reason in misses:
+            results.append(GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)))
+        if gates:
+            results.extend(_site_results(module, scope, stmt, gates))
+    return results
+
+
+def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[Gate]) -> list[GateResult]:
+    pat = owner(gates[0].act) or "swiglu"
+
+    def miss(reason: str) -> list[GateResult]:
+        return [GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason))]
+
+    g0 = gates[0]
+    kind = g0.act.kind
+    if kind not in (SILU, CONFIG) + GELU_KINDS:
+        if kind == QUICK_GELU:
+            return miss("quick_gelu (x * sigmoid(1.702 x)) is not gelu: npu_geglu has erf/tanh gelu only (npu_fast_gelu covers the activation alone)")
+        if "gelu" in kind:
+            return miss(f"gelu variant `{kind}` cannot be mapped: npu_geglu computes approximate=0 (erf) or 1 (tanh) only")
+        return miss(f"activation is not silu ({kind}{': ' + g0.act.describe if g0.act.describe else ''}) and not gelu: no fused gated op")
+    if any(g.act.kind != kind for g in gates):
+        return miss("several gated products with different activations in one statement")
+    done = S.already_fused(module, scope, stmt)
+    if done:
+        return miss(done)
+    trace = S.Trace()
+    for g in gates:
+        trace.stmts.update(g.trace.stmts)
+    plan = S.plan_span(scope, stmt, trace)
+    if isinstance(plan, str):
+        return miss(plan)
+    dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
+    inner = {id(n) for g in gates for n in ast.walk(g.node)}
+    outside = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner} & dropped
+    if outside:
+        return miss(f"intermediate `{sorted(outside)[0]}` reused after the fused region")
+    guard = _guard(module, g0, plan)
+    if guard is None:
+        return miss("no input tensor live before the site to guard the fused branch on")
+    kept = [S.stmt_source(module, s) for s in plan.kept]
+    try:
+        if kind == CONFIG:
+            tests = _runtime_tests(module, g0.act, plan)
+            branches = []
+            order = [SILU, GELU, GELU_TANH] if pat == "swiglu" else [GELU, GELU_TANH, SILU]
+            for k in order:
+                root = S.splice(module, stmt, [(g.node, fused_expr(module, g, k, plan, approx_code_of(module, g.act, k, plan) if k != SILU else None)) for g in gates])
+                branches.append((tests[k], root))
+            body = []
+            for i, (test, root) in enumerate(branches):
+                body.append(f"{'if' if i == 0 else 'elif'} {test}:")
+                body.append(S.indent("\n".join(kept + [root])))
+            body.append("else:  # an activation the fused ops do not compute: the original code")
+            body.append(S.indent(S.block_source(module, plan.stmts)))
+            fused = "\n".join(body)
+        else:
+            ak = approx_code_of(module, g0.act, kind, plan) if kind in GELU_KINDS else None
+            root = S.splice(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
+            fused = "\n".join(kept + [root])
+    except S.RenderError as e:
+        return miss(f"cannot express the replacement at the site: {e}")
+    params = _params(module, g0, plan, pat)
+    risks, notes = _risks(g0, pat)
+    variant = ("halves_" + ("gate_first" if g0.halves.gate_index == 0 else "gate_second")) if g0.halves else "two_projections"
+    f = Finding(
+        pattern=pat,
+        qualname=scope.qualname,
+        line=plan.line,
+        end_line=plan.end_line,
+        params=params,
+        fused=fused,
+        guard_tensor=guard,
+        confidence="high" if kind != CONFIG else "medium",
+        variant=variant,
+        risks=risks,
+        notes=notes,
+        training_ok=True,
+    )
+    return [GateResult(stmt, pat, finding=f)]
+
+
+def _guard(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:
+    """A tensor name live at the span start: the split tensor or the projections' input."""
+    exprs: list[tuple[ast.expr, S.Ctx]] = []
+    if g.halves is not None:
+        exprs.append((g.halves.tensor, g.halves.ctx))
+    exprs += [(g.a.node, g.a.ctx), (g.b.node, g.b.ctx)]
+    skip = set(module.aliases) | set(module.functions) | set(module.classes) | {"self", "cls"}
+    seen: set[int] = set()
+    stack = list(exprs)
+    while stack:
+        node, ctx = stack.pop(0)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for n in ast.walk(node):
+            if not isinstance(n, ast.Name) or n.id in skip or not isinstance(n.ctx, ast.Load):
+                continue
+            if n.id in ctx.bind:
+                stack.append(ctx.bind[n.id])
+                continue
+            d = S.definition(ctx, n.id)
+            if d is not None and plan.is_dropped(d[0]):
+                stack.append((d[1], ctx.at(d[0].lineno)))
+                continue
+            if (d is None and n.id in ctx.scope.args) or (d is not None and d[0].lineno < plan.line):
+                if not plan.kept_writes_after(n.id, 0):
+                    return n.id
+    return None
+
+
+def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str, Any]:
+    act = g.act
+    p: dict[str, Any] = {
+        "activation": act.kind if act.kind != CONFIG else "config",
+        "activation_source": act.describe,
+        "conditional": act.kind == CONFIG,
+        "gate": _as_written(module, g.a, plan),
+        "up": _as_written(module, g.b, plan),
+    }
+    if act.kind == CONFIG:
+        p["runtime_check"] = "config string" if act.config_key is not None else "activation type"
+        if act.config_key is not None:
+            p["config_key"] = S.render(module, act.config_key, act.ctx, plan)
+    if g.halves is not None:
+        h = g.halves
+        p["source"] = "split"
+        p["split"] = h.how
+        p["split_tensor"] = S.render(module, h.tensor, h.ctx, plan)
+        p["split_dim"] = const_value(h.dim) if const_value(h.dim) is not ... else S.render(module, h.dim, h.dim_ctx, plan)
+        p["order"] = "gate_first" if h.gate_index == 0 else "up_first"
+    else:
+        p["source"] = "two_projections"
+        p["split_dim"] = -1
+        p["order"] = "gate_first"  # torch.cat([gate, up]) puts the activated half first
+    if pat == "geglu":
+        if act.kind == GELU:
+            p["approximate"] = 0
+        elif act.kind == GELU_TANH:
+            p["approximate"] = 1
+        elif act.kind == GELU_DYN:
+            p["approximate"] = "runtime"
+        else:
+            p["approximate"] = "config"
+        p["activate_left"] = (g.halves is None) or g.halves.gate_index == 0
+    return p
+
+
+def _as_written(module: ModuleInfo, op: Operand, plan: S.SpanPlan) -> str:
+    """The operand as the user wrote it (for the report), rendered only if it is not in this scope."""
+    if op.ctx.depth == 0 and getattr(op.node, "end_col_offset", None) is not None:
+        return S.source_of(module, op.node)
+    return S.render(module, op.node, op.ctx, plan)
+
+
+def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
+    risks: list[Risk] = [Risk("dtype", f"npu_{pat}: fp16/bf16/fp32 only (bf16 needs A2+)")]
+    notes: list[str] = []
+    if g.halves is None:
+        risks.append(Risk("other", "two projections: the fused op needs [gate, up] in one tensor, so this adds a torch.cat "
+                                   "copy of both projection outputs (2 x T x I elements written and read again) and keeps it "
+                                   "for backward; merge the two projection weights into one gate_up projection (once, at load) "
+                                   "for the fused op to pay off"))
+    else:
+        if g.halves.gate_index == 1 and pat == "swiglu":
+            risks.append(Risk("other", "silu is on the second half: npu_swiglu activates the first, so the halves are swapped "
+                                       "with a torch.cat copy; reorder the fused projection's weight rows (up first -> gate "
+                                       "first) to drop it"))
+        if not g.halves.equal:
+            risks.append(Risk("layout", f"{g.halves.how} with a symbolic size: the fused op needs two equal halves "
+                                        "(the split size must be half of the dim)"))
+        risks.append(Risk("non_contiguous", "the split tensor is passed whole; .contiguous() is a no-op for a projection output"))
+    if g.act.kind == CONFIG:
+        notes.append(f"activation chosen by config ({g.act.describe}): the fused branch checks at run time which one it is "
+                     "(silu -> npu_swiglu, gelu/gelu_new -> npu_geglu) and keeps the original code otherwise")
+    notes.append("npu_gelu_mul is forward-only; not used" if pat == "geglu" else "npu_swiglu has a backward: training-safe")
+    return risks, notes
+
+
+# --------------------------------------------------------------------------------------------
+# value
+
+
+def gated_value(finding: Finding, config: dict[str, Any], act_kernels: int) -> dict[str, Any]:
+    inter = config.get("intermediate_size") or config.get("d_ff") or config.get("ffn_dim") or config.get("moe_intermediate_size")
+    two = finding.params.get("source") == "two_projections"
+    swap = finding.params.get("order") == "up_first" and finding.pattern == "swiglu"
+    k_before = act_kernels + 1  # activation kernel(s) + the product
+    # per T*I element, in units of the element size: act reads a, writes s (x act_kernels);
+    # mul reads s and b, writes out
+    units_before = 2 * act_kernels + 3
+    units_after = 3 + (4 if (two or swap) else 0)  # read a, b; write out (+ cat: read 2, write 2)
+    k_after = 1 + (1 if (two or swap) else 0)
+    if not isinstance(inter, int):
+        extra = " plus a torch.cat copy (two projections): little or negative gain unless the projections are merged" if two else ""
+        return symbolic(
+            "memory",
+            f"memory-bound: {k_before} elementwise kernels moving ~{units_before}·T·I elements -> {k_after} kernel(s) "
+            f"moving ~{units_after}·T·I{extra}; T tokens, I intermediate size unknown",
+        )
+    from npufuse.patterns.rms_norm import _elem_bytes, tokens_of
+
+    e = _elem_bytes(config)
+    t, tdesc = tokens_of(config)
+    elems = t * inter
+    return estimate(
+        bytes_before=units_before * e * elems,
+        bytes_after=units_after * e * elems,
+        kernels_before=k_before,
+        kernels_after=k_after,
+        flops=6 * elems,
+        shapes=f"gate/up [{tdesc}, intermediate {inter}]" + (" (+ torch.cat of two projections)" if two else ""),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the pattern
+
+
+class Swiglu(Pattern):
+    id = "swiglu"
+    api = "torch_npu.npu_swiglu"
+    title = "SwiGLU (silu(gate) * up) -> npu_swiglu"
+    training_ok = True
+    bound = "memory"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        for r in gate_results(module, scope):
+            if r.pattern != self.id:
+                continue
+            if r.finding is not None:
+                yield r.finding
+            elif r.miss is not None:
+                yield r.miss
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        src = finding.params.get("activation_source", "")
+        kernels = 2 if "sigmoid" in src else 1
+        return gated_value(finding, config, kernels)
+
+    @staticmethod
+    def reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """fp32 golden: silu(gate) * up."""
+        return F.silu(gate.float()) * up.float()
+
+    FUSE: list = []
+    KEEP: list = []
+
+
+# --------------------------------------------------------------------------------------------
+# examples
+
+_LLAMA_MLP = '''
+import torch
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU(), "relu": nn.ReLU()}
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+'''
+
+_RUN_LLAMA = '''
+class Cfg:
+    hidden_size = 32
+    intermediate_size = 48
+    hidden_act = "{act}"
+mlp = LlamaMLP(Cfg()){cast}
+x = torch.randn(2, 5, 32{dtype}, requires_grad=True)
+out = mlp(x)
+leaves = [x, mlp.gate_proj.weight, mlp.up_proj.weight]
+'''
+
+_META_FFN = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+'''
+
+_PHI3 = '''
+import torch
+from torch import nn
+
+
+class Phi3MLP(nn.Module):
+    def __init__(self, hidden_size, intermediate_size):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        up_states = self.gate_up_proj(hidden_states)
+        gate, up_states = up_states.chunk(2, dim=-1)
+        up_states = up_states * self.activation_fn(gate)
+        return self.down_proj(up_states)
+'''
+
+_SIGMOID_FORM = '''
+import torch
+from torch import nn
+
+
+class SwiGLUFFN(nn.Module):
+    """A user's own FFN: silu spelled as x * sigmoid(x), projections as matmuls."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.randn(d, h) * 0.02)
+        self.w_up = nn.Parameter(torch.randn(d, h) * 0.02)
+        self.w_down = nn.Parameter(torch.randn(h, d) * 0.02)
+
+    def forward(self, x):
+        g = x @ self.w_gate
+        u = x @ self.w_up
+        h = torch.sigmoid(g) * g * u
+        return h @ self.w_down
+'''
+
+_UP_FIRST = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    """Fused projection stored up-first: silu applies to the second half."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        y = self.fc1(x)
+        y, gate = y.chunk(2, dim=-1)
+        y = y * F.silu(gate)
+        return self.fc2(y)
+'''
+
+_MOE_V5 = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Experts(nn.Module):
+    """transformers v5-style stacked experts: one gate_up weight per expert, F.linear + chunk."""
+
+    def __init__(self, num_experts, hidden, inter):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) * 0.05)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.05)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, expert_idx):
+        gate, up = F.linear(hidden_states, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        current_hidden_states = self.act_fn(gate) * up
+        return F.linear(current_hidden_states, self.down_proj[expert_idx])
+'''
+
+_FLUX_ACT = '''
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class SiLUGate(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return F.silu(x1) * x2
+'''
+
+_QWEN2_CONFIG_NO_SELF_CONFIG = '''
+import torch
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU(), "relu": nn.ReLU()}
+
+
+class Qwen2MoeMLP(nn.Module):
+    def __init__(self, config, intermediate_size=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        act = self.act_fn(gate)
+        up = self.up_proj(x)
+        return self.down_proj(act * up)
+'''
+
+Swiglu.FUSE = [
+    Fuse(
+        _LLAMA_MLP,
+        expect={"activation": "config", "conditional": True, "config_key": "self.config.hidden_act", "source": "two_projections",
+                "order": "gate_first", "split_dim": -1, "qualname": "LlamaMLP.forward"},
+        run=_RUN_LLAMA.format(act="silu", cast="", dtype=""),
+        name="hf_llama_act2fn_fp32",
+    ),
+    Fuse(_LLAMA_MLP, expect={"conditional": True}, run=_RUN_LLAMA.format(act="silu", cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="hf_llama_act2fn_bf16"),
+    Fuse(_LLAMA_MLP, expect={"conditional": True}, run=_RUN_LLAMA.format(act="gelu", cast="", dtype=""), name="hf_llama_config_gelu_dispatch"),
+    Fuse(
+        _META_FFN,
+        expect={"activation": "silu", "conditional": False, "gate": "self.w1(x)", "up": "self.w3(x)", "source": "two_projections"},
+        run="ff = FeedForward(16, 40)\nx = torch.randn(3, 16, requires_grad=True)\nout = ff(x)\nleaves = [x, ff.w1.weight, ff.w3.weight]\n",
+        name="meta_llama_f_silu",
+    ),
+    Fuse(
+        _PHI3,
+        expect={"source": "split", "split": "chunk", "order": "gate_first", "split_dim": -1, "split_tensor": "up_states",
+                "activation": "silu", "line": 15, "end_line": 16},
+        run="m = Phi3MLP(16, 24).to(torch.float16)\nx = torch.randn(2, 3, 16, dtype=torch.float16, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate_up_proj.weight]\n",
+        name="phi3_fused_gate_up_fp16",
+    ),
+    Fuse(
+        _SIGMOID_FORM,
+        expect={"activation": "silu", "gate": "g", "up": "u", "source": "two_projections"},
+        run="m = SwiGLUFFN(8, 12)\nx = torch.randn(5, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.w_gate, m.w_up]\n",
+        name="sigmoid_times_x_matmul",
+    ),
+    Fuse(
+        _UP_FIRST,
+        expect={"order": "up_first", "split_dim": -1, "source": "split", "gate": "gate", "up": "y"},
+        run="m = GatedMLP(8, 10)\nx = torch.randn(4, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.fc1.weight]\n",
+        name="silu_on_second_half_swapped",
+    ),
+    Fuse(
+        _MOE_V5,
+        expect={"source": "split", "order": "gate_first", "split_tensor": "F.linear(hidden_states, self.gate_up_proj[expert_idx])"},
+        run="m = Experts(3, 8, 6).to(torch.bfloat16)\nx = torch.randn(7, 8, dtype=torch.bfloat16, requires_grad=True)\nout = m(x, 1)\nleaves = [x]\n",
+        name="moe_v5_stacked_linear_chunk_bf16",
+    ),
+    Fuse(
+        _FLUX_ACT,
+        expect={"source": "split", "split_tensor": "x", "order": "gate_first", "line": 9, "end_line": 10},
+        run="m = SiLUGate()\nx = torch.randn(2, 6, 20, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
+        name="flux_chunk_gate",
+    ),
+    Fuse(
+        _QWEN2_CONFIG_NO_SELF_CONFIG,
+        expect={"conditional": True, "runtime_check": "activation type", "gate": "gate", "up": "up"},
+        run="class C:\n    hidden_size = 16\n    hidden_act = 'silu'\nm = Qwen2MoeMLP(C(), 24)\nx = torch.randn(3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate_proj.weight]\n",
+        name="qwen2_moe_act_statement",
+    ),
+]
+
+Swiglu.KEEP = [
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ReluGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.wi_0 = nn.Linear(d, h, bias=False)
+        self.wi_1 = nn.Linear(d, h, bias=False)
+
+    def forward(self, x):
+        return F.relu(self.wi_0(x)) * self.wi_1(x)
+''',
+        reason="activation is not silu",
+        name="relu_glu",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MambaMixerOut(nn.Module):
+    """Mamba-style output gating: y * silu(z) with y from the scan, not a projection."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x, scan):
+        xz = self.in_proj(x)
+        x_in, z = xz.chunk(2, dim=-1)
+        y = scan(x_in)
+        return self.out_proj(y * F.silu(z))
+''',
+        reason="not projections of one input",
+        name="mamba_output_gate",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class GptOssExperts(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_up = nn.Linear(d, 2 * h)
+        self.alpha = 1.702
+
+    def forward(self, x):
+        gate_up = self.gate_up(x)
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return (up + 1) * glu
+''',
+        name="gpt_oss_interleaved_alpha",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class InterleavedSwiGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        h = self.w(x)
+        return F.silu(h[..., ::2]) * h[..., 1::2]
+''',
+        reason="interleaved",
+        name="interleaved_halves",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLUWithStats(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h)
+        self.w3 = nn.Linear(d, h)
+
+    def forward(self, x):
+        act = F.silu(self.w1(x))
+        out = act * self.w3(x)
+        return out, act.abs().mean()
+''',
+        reason="reused after the fused region",
+        name="activation_reused",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ThreeWay(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w = nn.Linear(d, 3 * h)
+
+    def forward(self, x):
+        a, b, c = self.w(x).chunk(3, dim=-1)
+        return F.silu(a) * b + c
+''',
+        reason="not two halves",
+        name="chunk_into_three",
+    ),
+]
