@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import re
 import shutil
 import sys
@@ -62,11 +63,6 @@ def _switches_off(records: list[dict], monkeypatch) -> tuple[str, ...]:
     return tuple(fields)
 
 
-def pattern_api(pattern: str) -> str:
-    return {"rms_norm": "rms_norm", "add_rms_norm": "add_rms_norm", "swiglu": "swiglu", "geglu": "geglu", "rope": "rotary_mul",
-            "attention": "fusion_attention", "sdpa": "fusion_attention", "moe_experts": "grouped_matmul", "fused_optimizer": "Npu"}.get(pattern, pattern)
-
-
 def test_demo_scan_apply_train_on_and_off(tmp_path, monkeypatch, capsys):
     repo = tmp_path / "tiny_llama"
     shutil.copytree(EXAMPLE, repo, ignore=shutil.ignore_patterns("__pycache__"))
@@ -77,18 +73,22 @@ def test_demo_scan_apply_train_on_and_off(tmp_path, monkeypatch, capsys):
     scan = (tmp_path / ".npufuse" / "scan.json").read_text()
     if '"candidates": []' in scan:
         pytest.skip("no detector found a candidate in the demo yet")
-    assert npufuse("apply", "--accept", "all") == 0
-    records = [c["applied"] for c in state_of(tmp_path / ".npufuse")["candidates"]]
-    assert records and all(records)
+    assert npufuse("apply", "--accept", "all") in (0, 1)  # 1: overlapping candidates, one of each applied
+    records = [c["applied"] for c in state_of(tmp_path / ".npufuse")["candidates"] if c["applied"]]
+    assert records
     files = {c["file"] for c in state_of(tmp_path / ".npufuse")["candidates"] if c["applied"]}
     assert "model.py" in files
 
     baseline = _train(EXAMPLE)
     with emulate.install() as emu:
         on = _train(repo)
-    applied_patterns = {c["pattern"] for c in state_of(tmp_path / ".npufuse")["candidates"] if c["applied"]}
-    for pattern in applied_patterns:  # every rewritten kind of site ran its fused API
-        assert any(pattern_api(pattern) in name for name in emu.calls), (pattern, dict(emu.calls))
+    scanned = {c["id"]: c for c in json.loads(scan)["candidates"]}
+    applied_patterns = set()
+    for c in state_of(tmp_path / ".npufuse")["candidates"]:
+        if c["applied"]:  # every rewritten site's fused branch ran: one of the APIs it calls was called
+            applied_patterns.add(c["pattern"])
+            names = set(re.findall(r"torch_npu\.([\w.]+)\(", scanned[c["id"]]["fused"]))
+            assert any(emu.calls[n] for n in names), (c["key"], sorted(names), dict(emu.calls))
     fields = _switches_off(records, monkeypatch)
     with emulate.install() as emu:
         off = _train(repo, config_off=fields)

@@ -242,3 +242,10 @@ def test_edited_prelude_is_left_in_place_with_a_note():
 def test_revert_of_unknown_line_says_so():
     back = revert_source(SOURCE, {3})
     assert back.text == SOURCE and back.reverted == [] and "line(s) 3" in back.notes[0]
+
+
+def test_earlier_edits_win_an_overlap():
+    src = "import torch\n\n\ndef f(x):\n    a = x + 1\n    b = a * 2\n    return b\n"
+    out = rewrite_source(src, [edit(6, 7, tag="first"), edit(5, 6, tag="second")])
+    assert [e.tag for e in out.applied] == ["first"]
+    assert "overlaps site first (lines 6-7)" in out.skipped[0][1]

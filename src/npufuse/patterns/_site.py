@@ -234,11 +234,11 @@ def follow(node: ast.expr, ctx: Ctx, trace: Trace | None = None, *, allow_condit
     """
     if not isinstance(node, ast.Name):
         return node, ctx, None
-    if node.id in ctx.bind:
-        value, vctx = ctx.bind[node.id]
-        return value, vctx, None
     d = definition(ctx, node.id)
     if d is None:
+        if node.id in ctx.bind:  # a helper parameter not reassigned before this line
+            value, vctx = ctx.bind[node.id]
+            return value, vctx, None
         return node, ctx, None
     stmt, value = d
     idx = stmt_index(ctx.scope)
@@ -456,11 +456,11 @@ def render(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) 
         if depth > 24:
             raise RenderError("expression too deep")
         if isinstance(n, ast.Name):
-            if n.id in c.bind:
+            d = definition(c, n.id)
+            if d is None and n.id in c.bind:
                 value, vctx = c.bind[n.id]
                 changed[0] = True
                 return sub(value, vctx, depth + 1)
-            d = definition(c, n.id)
             if d is None:
                 return n
             stmt, value = d

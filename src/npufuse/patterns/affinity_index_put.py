@@ -37,7 +37,7 @@ _BOOL_FUNCS = {
     "torch.isnan", "torch.isinf", "torch.isfinite", "torch.isneginf", "torch.isposinf", "torch.isin",
     "torch.logical_and", "torch.logical_or", "torch.logical_not", "torch.logical_xor",
     "torch.eq", "torch.ne", "torch.gt", "torch.lt", "torch.ge", "torch.le", "torch.greater", "torch.less",
-    "torch.greater_equal", "torch.less_equal", "torch.not_equal", "torch.bernoulli_bool",
+    "torch.greater_equal", "torch.less_equal", "torch.not_equal",
 }
 _BOOL_METHODS = {"bool", "isnan", "isinf", "isfinite", "isneginf", "isposinf", "logical_not", "logical_and",
                  "logical_or", "logical_xor", "eq", "ne", "gt", "lt", "ge", "le", "any", "all", "greater", "less"}
@@ -47,7 +47,6 @@ _SHAPE_METHODS = {"unsqueeze", "expand", "expand_as", "view", "reshape", "clone"
                   "flip", "roll", "tril", "triu", "narrow", "view_as", "reshape_as"}
 _CREATORS = {"torch.zeros", "torch.ones", "torch.full", "torch.zeros_like", "torch.ones_like", "torch.full_like",
              "torch.empty", "torch.empty_like", "torch.tensor", "torch.as_tensor"}
-_INT_DTYPES = {"long", "int", "int64", "int32", "int16", "int8", "uint8", "short"}
 _INF_NAMES = {"inf", "Inf", "INF", "infinity"}
 
 
@@ -150,8 +149,8 @@ def is_scalar(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth:
         return is_scalar(module, scope, node.operand, line, depth + 1)
     if isinstance(node, ast.BinOp):
         return is_scalar(module, scope, node.left, line, depth + 1) and is_scalar(module, scope, node.right, line, depth + 1)
-    if isinstance(node, ast.Call) and dotted(node.func) in ("float", "int", "bool"):
-        return True
+    if isinstance(node, ast.Call) and dotted(node.func) in ("float", "int", "bool", "len", "round", "min", "max", "abs"):
+        return dotted(node.func) not in ("min", "max", "abs") or all(is_scalar(module, scope, a, line, depth + 1) for a in node.args)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "item":
         return True
     if isinstance(node, ast.Attribute):
@@ -164,6 +163,10 @@ def is_scalar(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth:
         return node.attr.endswith(("_id", "_token_id", "ignore_index", "_index", "_value", "padding_idx"))
     if isinstance(node, ast.Name):
         value = scope.definition(node.id, line)
+        if value is None and scope.qualname != "<module>" and module.scopes:
+            const = module.scopes[0].definition(node.id)  # module-level constant: NO_OBJ_SCORE = -1024.0
+            if isinstance(const, (ast.Constant, ast.UnaryOp)):
+                return is_scalar(module, module.scopes[0], const, line, depth + 1)
         if value is None:
             if _param_annotation(scope, node.id) in ("float", "int", "bool"):
                 return True
@@ -345,6 +348,13 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         form, elem = "where", gathered
     elif is_scalar(module, scope, value, line):
         form, elem = "masked_fill", value_text
+    elif _vector_parameter(module, scope, value):
+        # a 1-D nn.Parameter (wav2vec2's masked_spec_embed): broadcast over the selected rows, so where is exact
+        form, elem = "where", value_text
+    elif not _tensor_evidence(module, scope, value, line):
+        return NearMiss(_ID, scope.qualname, line, end,
+                        f"value `{value_text[:50]}` is not known to be a scalar, a 1-D parameter or gathered with the "
+                        "same mask, so the rewrite cannot be shown exact")
     else:
         return NearMiss(_ID, scope.qualname, line, end,
                         f"value `{value_text[:50]}` is a tensor not gathered with the same mask: it may hold one row per "
@@ -416,12 +426,67 @@ def _gathered(module: ModuleInfo, value: ast.expr, mask: ast.expr) -> Optional[s
     return ast.unparse(new) if ok else None
 
 
-def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int) -> bool:
+def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth: int = 0) -> bool:
+    """The target is built by numpy calls (``np.zeros``, ``np.array(...) + offsets``) in this function."""
+    if depth > 6 or not isinstance(node, ast.Name):
+        return False
+    value = scope.definition(node.id, line)
+    if value is None:
+        return False
+    for n in ast.walk(value):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or dotted(n.func) or ""
+            if name.startswith(("numpy.", "np.")):
+                return True
+            if name.startswith("torch."):
+                return False
+        if isinstance(n, ast.Name) and n is not value and _is_numpy(module, scope, n, getattr(value, "lineno", line), depth + 1):
+            return True
+    return False
+
+
+def _vector_parameter(module: ModuleInfo, scope: Scope, value: ast.expr) -> bool:
+    """``self.<p>`` (possibly cast) where ``__init__`` makes ``p`` a 1-D ``nn.Parameter``."""
+    node = value
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("to", "type_as", "float", "half", "bfloat16"):
+        node = node.func.value
+    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+        return False
+    cls = module.classes.get(scope.class_name or "")
+    if cls is None:
+        return False
+    for fn in cls.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+            for s in ast.walk(fn):
+                if isinstance(s, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == node.attr for t in s.targets):
+                    v = s.value
+                    if isinstance(v, ast.Call) and (module.canonical(v.func) or "").endswith("nn.Parameter") and v.args:
+                        inner = v.args[0]
+                        while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("uniform_", "normal_", "zero_", "fill_"):
+                            inner = inner.func.value
+                        if isinstance(inner, ast.Call) and (module.canonical(inner.func) or "") in (
+                            "torch.Tensor", "torch.zeros", "torch.ones", "torch.empty", "torch.randn", "torch.rand", "torch.FloatTensor"
+                        ):
+                            sizes = [a for a in inner.args if not isinstance(a, ast.Starred)]
+                            return len(sizes) == 1 and len(inner.args) == 1 and not isinstance(sizes[0], (ast.Tuple, ast.List))
+    return False
+
+
+def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: int) -> bool:
+    """The value is certainly a tensor (torch call, tensor method, attribute of self, tensor name)."""
+    node = value
     if isinstance(node, ast.Name):
-        value = scope.definition(node.id, line)
-        if isinstance(value, ast.Call):
-            name = module.canonical(value.func) or dotted(value.func) or ""
-            return name.startswith(("numpy.", "np."))
+        d = scope.definition(node.id, line)
+        if d is None:
+            return False  # a parameter of unknown type
+        node = d
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or ""
+            if name.startswith("torch.") or isinstance(n.func, ast.Attribute):
+                return True
+        if isinstance(n, (ast.Subscript, ast.Attribute)):
+            return True
     return False
 
 
@@ -545,6 +610,23 @@ def torch_mask_tokens(inputs, special_tokens_mask, mask_token_id, vocab_size, ml
     return inputs, labels
 '''
 
+_SPEC_AUGMENT = '''\
+import torch
+from torch import nn
+
+
+class Wav2Vec2LikeModel(nn.Module):
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.masked_spec_embed = nn.Parameter(torch.Tensor(hidden_size).uniform_())
+
+    def _mask_hidden_states(self, hidden_states, mask_time_indices):
+        # apply SpecAugment along time axis with given mask_time_indices
+        mask_time_indices = torch.tensor(mask_time_indices, device=hidden_states.device, dtype=torch.bool)
+        hidden_states[mask_time_indices] = self.masked_spec_embed.to(hidden_states.dtype)
+        return hidden_states
+'''
+
 _KEEP_SCATTER = '''\
 import torch
 
@@ -620,6 +702,9 @@ AffinityIndexPut.FUSE = [
         "mask_rank": "aligned_at_runtime", "variant": "masked_fill_rank_aligned", "confidence": "medium"}),
     Fuse(_AUG_SCORES, name="augmented_add_through_mask", expect={
         "target": "scores", "mask": "prompt_mask.bool()", "form": "where", "augmented": True}),
+    Fuse(_SPEC_AUGMENT, name="wav2vec2_spec_augment_parameter_broadcast", expect={
+        "target": "hidden_states", "value": "self.masked_spec_embed.to(hidden_states.dtype)", "form": "where",
+        "mask_rank": "aligned_at_runtime", "qualname": "Wav2Vec2LikeModel._mask_hidden_states"}),
     Fuse(_MLM_COLLATOR, name="hf_mlm_collator_labels", expect={
         "target": "labels", "mask": "~masked_indices", "value": "-100", "form": "masked_fill"}),
 ]
@@ -649,6 +734,10 @@ CHECKS: dict[str, str] = {
     ),
     "augmented_add_through_mask": (
         "s = torch.randn(3, 9, requires_grad=True)\nout = boost_prompt_tokens(s, torch.rand(3, 9) > 0.5, 2.5)\nleaves = [s]"
+    ),
+    "wav2vec2_spec_augment_parameter_broadcast": (
+        "m = Wav2Vec2LikeModel(8)\nh = torch.randn(2, 6, 8, requires_grad=True)\n"
+        "out = m._mask_hidden_states(h * 1.0, (torch.rand(2, 6) > 0.5).tolist())\nleaves = [h, m.masked_spec_embed]"
     ),
     "hf_mlm_collator_labels": (
         "ids = torch.randint(5, 100, (4, 16))\nspecial = torch.zeros(4, 16, dtype=torch.bool)\nspecial[:, 0] = True\n"

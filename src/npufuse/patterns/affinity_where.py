@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Optional
 
-from npufuse.patterns.affinity_index_put import is_bool_mask, is_inf
+from npufuse.patterns.affinity_index_put import is_bool_mask, is_inf, is_scalar
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, source_of
 from npufuse.scan.value import symbolic
@@ -28,7 +28,9 @@ _INT_DTYPES = {"long", "int", "int64", "int32", "int16", "int8", "uint8", "short
 _INT_METHODS = {"long", "int", "short", "bool", "argmax", "argmin", "argsort", "nonzero"}
 _INT_FUNCS = {"torch.arange", "torch.argmax", "torch.argmin", "torch.argsort", "torch.randint", "torch.randperm",
               "torch.bucketize", "torch.searchsorted", "torch.nonzero"}
-_INT_NAME = ("_ids", "_idx", "_index", "indices", "_pos", "position_ids", "labels", "_id")
+_INT_NAME = ("_ids", "_idx", "_index", "indices", "_pos", "position_ids", "labels", "_id", "_count", "count", "_mask",
+             "bucket", "position", "positions", "_len", "_lens", "lengths", "_type")
+_INT_WORDS = ("position", "bucket", "index", "indices", "count", "label")
 
 
 class AffinityWhere(Pattern):
@@ -84,12 +86,14 @@ def _is_integer(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
     if depth > 6:
         return False
     if isinstance(node, ast.Name):
-        if node.id.endswith(_INT_NAME):
+        if node.id.endswith(_INT_NAME) or any(w in node.id.lower() for w in _INT_WORDS):
             return True
         value = scope.definition(node.id, line)
         return value is not None and _is_integer(module, scope, value, getattr(value, "lineno", line), depth + 1)
     if isinstance(node, ast.Attribute):
-        return node.attr.endswith(_INT_NAME)
+        return node.attr.endswith(_INT_NAME) or node.attr in ("max_length", "num_buckets", "max_distance")
+    if isinstance(node, ast.UnaryOp):
+        return _is_integer(module, scope, node.operand, line, depth + 1)
     if isinstance(node, ast.Call):
         name = module.canonical(node.func) or ""
         if name in _INT_FUNCS:
@@ -114,6 +118,61 @@ def _is_integer(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
     return False
 
 
+# ops whose result can be inf/NaN: a where choosing around them is a guard, and lerp would leak the NaN
+_UNSAFE_FUNCS = {"exp", "expm1", "log", "log1p", "log2", "log10", "pow", "sqrt", "rsqrt", "reciprocal", "div",
+                 "true_divide", "tan", "atanh", "logit", "erfinv", "divide", "float_power"}
+
+
+def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """±inf, NaN, the dtype's finfo min/max, or |constant| >= 1e4 (inf in fp16): a - b overflows."""
+    if depth > 6:
+        return False
+    if is_inf(module, scope, node, line):
+        return True
+    if isinstance(node, ast.UnaryOp):
+        return _is_extreme(module, scope, node.operand, line, depth + 1)
+    v = const_value(node)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) >= 1e4:
+        return True
+    if isinstance(node, ast.Attribute) and node.attr in ("min", "max") and isinstance(node.value, ast.Call):
+        return (module.canonical(node.value.func) or "") == "torch.finfo"
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line) or _module_constant(module, node.id)
+        return value is not None and _is_extreme(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if isinstance(node, ast.Call):
+        name = module.canonical(node.func) or ""
+        if name in ("torch.full", "torch.full_like", "torch.tensor", "torch.as_tensor") or (
+            isinstance(node.func, ast.Attribute) and node.func.attr in ("new_full", "fill_", "masked_fill", "to", "expand", "expand_as")
+        ):
+            args = [*node.args, *(k.value for k in node.keywords)]
+            if isinstance(node.func, ast.Attribute) and node.func.attr in ("to", "expand", "expand_as"):
+                args = [node.func.value]
+            return any(_is_extreme(module, scope, a, line, depth + 1) for a in args)
+    return False
+
+
+def _module_constant(module: ModuleInfo, name: str) -> Optional[ast.expr]:
+    return module.scopes[0].definition(name) if module.scopes else None
+
+
+def _unsafe_op(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Optional[str]:
+    """An op in the branch (or its one-level definition) that can produce inf/NaN."""
+    roots = [node]
+    if isinstance(node, ast.Name):
+        d = scope.definition(node.id, line)
+        if d is not None:
+            roots.append(d)
+    for root in roots:
+        for n in ast.walk(root):
+            if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)):
+                return ast.unparse(n)
+            if isinstance(n, ast.Call):
+                last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
+                if last in _UNSAFE_FUNCS:
+                    return ast.unparse(n)
+    return None
+
+
 def _is_literal(node: ast.AST) -> bool:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         return _is_literal(node.operand)
@@ -122,6 +181,23 @@ def _is_literal(node: ast.AST) -> bool:
     if isinstance(node, ast.Attribute) and (dotted(node.value) or "") in ("math", "np", "numpy") :
         return True
     return isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool))
+
+
+def _tests_non_finite(module: ModuleInfo, cond: ast.AST) -> bool:
+    for n in ast.walk(cond):
+        if isinstance(n, ast.Call):
+            last = (module.canonical(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
+            if last in ("isnan", "isinf", "isfinite", "isneginf", "isposinf"):
+                return True
+    return False
+
+
+def _module_scalar(module: ModuleInfo, node: ast.AST) -> bool:
+    """A module-level numeric constant (``NO_OBJ_SCORE = -1024.0``)."""
+    if not isinstance(node, ast.Name) or not module.scopes:
+        return False
+    value = module.scopes[0].definition(node.id)
+    return value is not None and _is_literal(value)
 
 
 def _used_for_indexing(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
@@ -152,17 +228,28 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
     cond, a, b = _operands(call)  # type: ignore[misc]
     texts = [source_of(module, x) for x in (cond, a, b)]
     for side, text in ((a, texts[1]), (b, texts[2])):
-        if _is_literal(side):
+        if _is_literal(side) or is_scalar(module, scope, side, line) or _module_scalar(module, side):
             return miss(f"a branch is the scalar `{text}`: torch.lerp needs two tensors, and a Python scalar branch "
                         "takes its dtype from the other (an int tensor with a float scalar changes dtype); "
                         "masked_fill is the affinity form for a scalar")
     for side, text in ((a, texts[1]), (b, texts[2])):
-        if is_inf(module, scope, side, line):
-            return miss(f"branch `{text[:40]}` is ±inf/NaN: lerp multiplies it by a zero weight on the other side "
-                        "(inf * 0 = NaN), so the multiply/lerp form is not inf-safe")
+        if _is_extreme(module, scope, side, line):
+            return miss(f"branch `{text[:40]}` is ±inf/NaN or the dtype's extreme value: lerp multiplies (a - b) by a "
+                        "zero weight (inf * 0 = NaN; finfo.min overflows a - b in fp16), so the lerp form is not inf-safe")
+    for side, text in ((a, texts[1]), (b, texts[2])):
+        op = _unsafe_op(module, scope, side, line)
+        if op is not None:
+            return miss(f"branch `{text[:40]}` computes `{op[:40]}`, which can be inf/NaN where it is not selected "
+                        "(torch.where used as a guard): lerp would turn that into NaN, so it is not inf-safe")
     for side, text in ((a, texts[1]), (b, texts[2])):
         if _is_integer(module, scope, side, line):
             return miss(f"integer tensors (`{text[:40]}`): torch.lerp takes floating point only")
+    for side, text in ((a, texts[1]), (b, texts[2])):
+        if is_bool_mask(module, scope, side, line):
+            return miss(f"integer tensors: branch `{text[:40]}` is a boolean mask; torch.lerp takes floating point only")
+    if _tests_non_finite(module, cond):
+        return miss("the condition tests for NaN/inf, so the other branch is non-finite where it is not selected: lerp "
+                    "would return NaN there (not inf-safe)")
     if _used_for_indexing(scope, stmt, call):
         return miss("the blend is used for indexing (integer positions): not a float blend")
     if not is_bool_mask(module, scope, cond, line):
@@ -329,6 +416,32 @@ def shift_labels(input_ids, labels, pad_token_id):
     return labels
 '''
 
+_KEEP_GUARD = '''\
+import torch
+
+
+def safe_softplus(g):
+    # log(1 + exp(g)) overflows for large g: torch.where picks g there
+    return torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+'''
+
+_KEEP_FINFO = '''\
+import torch
+
+
+def masked_logits(logits, keep):
+    floor = torch.full_like(logits, torch.finfo(logits.dtype).min)
+    return torch.where(keep, logits, floor)
+'''
+
+_KEEP_NAN_GUARD = '''\
+import torch
+
+
+def clean_answers(answer):
+    return torch.where(torch.isnan(answer), torch.zeros_like(answer), answer)
+'''
+
 _KEEP_INDEX = '''\
 import torch
 
@@ -364,6 +477,9 @@ AffinityWhere.KEEP = [
     Keep(_KEEP_INF, reason="not inf-safe", name="gpt2_minus_inf_mask_value"),
     Keep(_KEEP_INT, reason="integer tensors", name="integer_labels"),
     Keep(_KEEP_INDEX, reason="used for indexing", name="positions_for_indexing"),
+    Keep(_KEEP_GUARD, reason="not inf-safe", name="where_guards_overflowing_branch"),
+    Keep(_KEEP_FINFO, reason="not inf-safe", name="finfo_min_floor_tensor"),
+    Keep(_KEEP_NAN_GUARD, reason="tests for NaN/inf", name="tapas_isnan_guard"),
     Keep(_KEEP_INDICES, reason="", name="single_argument_where"),
 ]
 

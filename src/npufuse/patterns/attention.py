@@ -107,6 +107,9 @@ def _assigned_names(stmts: Iterable[ast.stmt]) -> set[str]:
     return out
 
 
+_INPLACE: dict[str, Any] = {"masked_fill_": "masked_fill", "add_": ast.Add(), "mul_": ast.Mult(), "div_": ast.Div(), "sub_": ast.Sub()}
+
+
 def _terminates(stmts: list[ast.stmt]) -> bool:
     return bool(stmts) and isinstance(stmts[-1], (ast.Raise, ast.Return, ast.Continue, ast.Break))
 
@@ -193,8 +196,11 @@ class BlockInterp:
                     if a is b:
                         env[name] = a  # type: ignore[assignment]
                     else:
+                        # a name bound on one branch only keeps, on the other, the value it had before
+                        # the block (a parameter such as ``attention_mask``)
+                        before = self.pre.setdefault(name, Ref(name, -1, None))
                         cond = Cond()
-                        cond.test, cond.body, cond.orelse = test, a if a is not None else Undef(), b if b is not None else Undef()
+                        cond.test, cond.body, cond.orelse = test, a if a is not None else before, b if b is not None else before
                         env[name] = Ref(name, i, cond, stmt)
             elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or type(stmt).__name__ in ("TryStar", "Match"):
                 for name in _assigned_names([stmt]):
@@ -202,6 +208,20 @@ class BlockInterp:
             elif isinstance(stmt, ast.Delete):
                 for name in _assigned_names([stmt]):
                     env.pop(name, None)
+            elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
+                    and isinstance(stmt.value.func.value, ast.Name) and stmt.value.func.attr in _INPLACE:
+                # ``scores.masked_fill_(mask, v)`` / ``scores.div_(s)``: an in-place update is a rebinding
+                name = stmt.value.func.value.id
+                cur = self.sym(ast.Name(name, ast.Load()), env)
+                args = [self.sym(a, env) for a in stmt.value.args]
+                op = _INPLACE[stmt.value.func.attr]
+                if isinstance(op, str):
+                    value = ast.Call(func=ast.Attribute(value=cur, attr=op, ctx=ast.Load()), args=args, keywords=[])
+                elif len(args) == 1:
+                    value = ast.BinOp(left=cur, op=op, right=args[0])
+                else:
+                    value = Opaque()
+                self._bind(ast.Name(name, ast.Store()), ast.copy_location(value, stmt) if not isinstance(value, Opaque) else value, env, i, stmt)
 
     def assigned_in(self, name: str, lo: int, hi: int) -> bool:
         """Is ``name`` bound by a top-level statement with index in [lo, hi)?"""
@@ -249,8 +269,12 @@ def is_meta(node: Any) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _META_CALLS
 
 
+_SHAPE_ONLY_ARG_CALLS = {"expand_as", "view_as", "reshape_as", "type_as"}
+
+
 def walk_values(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
-    """Like :func:`walk_sym` but not into metadata reads (the dtype of the scores is not the scores)."""
+    """Like :func:`walk_sym` but not into metadata reads (the dtype of the scores is not the
+    scores), nor into the argument of ``x.expand_as(y)`` / ``x.type_as(y)`` (only y's shape/dtype)."""
     stack, visited = [node], set()
     while stack and limit:
         limit -= 1
@@ -262,6 +286,9 @@ def walk_values(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
         if isinstance(n, Ref):
             if n.value is not None:
                 stack.append(n.value)
+            continue
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _SHAPE_ONLY_ARG_CALLS:
+            stack.append(n.func.value)
             continue
         for _name, value in ast.iter_fields(n):
             if isinstance(value, list):
@@ -283,6 +310,9 @@ class Renderer:
     def __init__(self, module: ModuleInfo, interp: BlockInterp, start: int, repeat_of: dict[int, Any]) -> None:
         self.module, self.interp, self.start = module, interp, start
         self.repeat_of = repeat_of  # id(repeat call sym) -> un-repeated operand sym
+        self.meta_base: str | None = None  # the query, whose dtype/device stand for the scores'
+        self.consumed: set[int] = set()  # statements inlined into the rendered text
+        self.emitted: set[str] = set()  # variable names the rendered text reads
 
     def text(self, node: Any) -> str:
         return ast.unparse(self._ast(node))
@@ -293,13 +323,15 @@ class Renderer:
                 if ref.idx >= 0 and ref.value is not None and not isinstance(ref.value, Opaque):
                     return self._inline(ref.value)
                 raise Miss(f"`{ref.name}` is reassigned before the attention starts: its earlier value is not available")
+            self.emitted.add(ref.name)
             return ast.Name(ref.name, ast.Load())
         if ref.value is None or isinstance(ref.value, Opaque):
             raise Miss(f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
+        self.consumed.add(ref.idx)
         return self._inline(ref.value)
 
     def _inline(self, value: Any) -> ast.expr:
-        if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult) or isinstance(n, ast.Call) and dotted(_plain(n.func)) in ("torch.matmul", "torch.einsum", "torch.bmm") for n in walk_sym(value)):
+        if _heavy(value, through_meta=False):
             raise Miss("an input of the fused call (mask / scale) is computed from the attention scores themselves")
         inner = self._ast(value)
         text = ast.unparse(inner)
@@ -314,6 +346,13 @@ class Renderer:
             return ast.IfExp(test=self._ast(node.test), body=self._ast(node.body), orelse=self._ast(node.orelse))
         if isinstance(node, (Undef, Opaque)):
             raise Miss("a value npufuse cannot follow feeds the attention")
+        # scores.dtype / scores.device in mask code: the query's (the scores are not computed here)
+        if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device") and self.meta_base and _heavy(node.value):
+            return ast.Attribute(value=ast.Name(atom(self.meta_base), ast.Load()), attr=node.attr, ctx=ast.Load())
+        # mask.expand_as(scores) / mask.type_as(scores): the broadcast is the shape step's business and
+        # the dtype does not change the sign the bool conversion reads
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("expand_as", "type_as") and len(node.args) == 1 and _heavy(node.args[0]):
+            return self._ast(node.func.value)
         # x.shape[-2] of repeat_kv(x, n) is x.shape[-2]: no need to repeat to read a size
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape" and _int_in(node.slice, -1, -2):
             base = self._unrepeat(node.value.value)
@@ -342,6 +381,18 @@ class Renderer:
         if id(n) in self.repeat_of and all(i >= self.start for i in seen):
             return self.repeat_of[id(n)]
         return None
+
+
+def _heavy(node: Any, through_meta: bool = True) -> bool:
+    """Does computing ``node`` involve a matrix product (the attention scores)? Metadata reads
+    (``.dtype``/``.shape``) are crossed only when ``through_meta`` is False."""
+    walker = walk_sym(node) if through_meta else walk_values(node)
+    for n in walker:
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
+            return True
+        if isinstance(n, ast.Call) and dotted(_plain(n.func)) in ("torch.matmul", "torch.einsum", "torch.bmm", "torch.baddbmm"):
+            return True
+    return False
 
 
 def _is_atom(node: ast.AST) -> bool:
@@ -528,7 +579,7 @@ def attention_value(finding: Finding, config: dict[str, Any], title: str) -> dic
     qkvo = (2 * b * s * heads * d + 2 * b * s * kv * d) * itemsize
     per_score = 2 + 4 + 4 + (2 + 4) + (4 + 2) + 2  # matmul out, scale r/w, mask r/w, softmax fp32, cast, read by @V
     kernels = 6
-    if finding.params.get("dropout", "none") != "none":
+    if str(finding.params.get("dropout", "none")) not in ("none", "0", "0.0", "p = 0"):
         per_score += 4
         kernels += 1
     if finding.params.get("gqa"):
@@ -540,10 +591,11 @@ def attention_value(finding: Finding, config: dict[str, Any], title: str) -> dic
     res = estimate(
         bytes_before=before, bytes_after=after, kernels_before=kernels, kernels_after=1,
         flops=4 * scores * d,
-        shapes=f"B={b}, S={s}{' (assumed)' if 'seq_length' not in config else ''}, heads={heads}, kv_heads={kv}, head_dim={d}, bf16",
+        shapes=f"B={b}{' (assumed)' if 'batch_size' not in config else ''}, S={s}{' (assumed)' if 'seq_length' not in config else ''}, "
+        f"heads={heads}, kv_heads={kv}, head_dim={d}, bf16",
     )
     res["estimate"] = (
-        f"eager attention is memory-bound on the S×S scores: {scores * per_score / 1e6:.0f} MB of score traffic per call; "
+        f"{title} unfused is memory-bound on the S×S scores: {scores * per_score / 1e6:.0f} MB of score traffic per call; "
         + res["estimate"]
     )
     return res
@@ -774,7 +826,7 @@ class _Matcher:
         p_node, v_node, kind = pv
         chain = Chain()
         scores = self.peel_probs(p_node, chain)
-        if scores is None:
+        if scores is None or not _heavy(scores, through_meta=False):
             return None
         if kind == "einsum":
             spec = _einsum_spec(anchor.args[0])  # type: ignore[attr-defined]
@@ -832,7 +884,7 @@ class _Matcher:
                     chain.dropout_cond = (node.test, True)
                     node = a
                     continue
-                if self.has_softmax(node):
+                if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
                         f"(`{self._first_diff(a, b)}`): the fused op has no hook for it"
@@ -841,6 +893,8 @@ class _Matcher:
             sm = self.softmax_of(node)
             if sm is not None:
                 x, dim, dtype = sm
+                if not _heavy(x, through_meta=False):
+                    return None  # softmax over something that is not Q@Kᵀ: a weighted sum, not attention
                 dim_v = const_value(dim) if dim is not None else None
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
@@ -850,10 +904,36 @@ class _Matcher:
                     chain.softmax_dtype = self.src(dtype)
                 chain.spelling.append("softmax")
                 return x
-            if self.has_softmax(node):
+            if self._qk_softmax(node):
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
             return None
         return None
+
+    def _qk_softmax(self, node: Any) -> bool:
+        """A softmax of a Q@Kᵀ-like product is reachable (without crossing another product)."""
+        stack, visited = [node], set()
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, ast.AST) or id(n) in visited or len(visited) > 4000 or is_meta(n):
+                continue
+            visited.add(id(n))
+            sm = self.softmax_of(n)
+            if sm is not None:
+                if _heavy(sm[0], through_meta=False):
+                    return True
+                continue
+            if self.is_matmul(n) is not None:
+                continue
+            if isinstance(n, Ref):
+                if n.value is not None:
+                    stack.append(n.value)
+                continue
+            for _f, value in ast.iter_fields(n):
+                if isinstance(value, list):
+                    stack.extend(v for v in value if isinstance(v, ast.AST))
+                elif isinstance(value, ast.AST):
+                    stack.append(value)
+        return False
 
     def _strip_dropout(self, node: Any, chain: Chain) -> tuple[Any, Any, Any] | None:
         return self.dropout_of(deref(node, chain.seen))
@@ -881,13 +961,18 @@ class _Matcher:
                 a, b = node.body, node.orelse
                 if isinstance(a, Undef) or isinstance(b, Undef):
                     raise Miss("the attention scores are defined on one branch only")
-                if self._derived(a, b):
-                    self.peel_scores(a, chain, stop=b, cond=(node.test, False))
-                    node = b
-                    continue
-                if self._derived(b, a):
-                    self.peel_scores(b, chain, stop=a, cond=(node.test, True))
-                    node = a
+                if self._derived(a, b) or self._derived(b, a):
+                    branch, base, neg = (a, b, False) if self._derived(a, b) else (b, a, True)
+                    for n in walk_values(branch):
+                        if n is base:
+                            break
+                        if isinstance(n, ast.Call) and (self._fn(n) or "").split(".")[-1] in ("tanh", "clamp", "sigmoid"):
+                            raise Miss(
+                                f"`{self.src(n)}` on the scores under `if {self.src(node.test)}` (logit soft-capping / clamping): "
+                                "npu_fusion_attention has no such step"
+                            )
+                    self.peel_scores(branch, chain, stop=base, cond=(node.test, neg))
+                    node = base
                     continue
                 raise Miss(f"the attention scores depend on `if {self.src(node.test)}` in a way npufuse does not convert")
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
@@ -929,6 +1014,8 @@ class _Matcher:
             if mm is not None and stop is None:
                 self.parse_qk(node, mm, chain)
                 return
+            if isinstance(node, Ref) and isinstance(node.value, Opaque):
+                raise Miss(f"the scores `{node.name}` are computed inside a loop / with / try block npufuse does not follow")
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
         raise Miss("attention score chain too long to follow")
 
@@ -958,7 +1045,9 @@ class _Matcher:
         (chain.scale_den if divide else chain.scale_num).append(factor)
 
     def add_additive(self, term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> None:
-        names = {n.lower() for n in ref_names(term)}
+        names = {n.lower() for n in ref_names(term)} | {
+            n.attr.lower() for n in walk_values(term) if isinstance(n, ast.Attribute)
+        }
         inner = deref(term)
         text = self.src(term)
         summed = isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and not any(
@@ -980,7 +1069,10 @@ class _Matcher:
         chain.masks.append(term_obj)
 
     def add_bool(self, c: Any, fill: Any, kind: str, chain: Chain, cond: tuple[Any, bool] | None) -> None:
-        deref(fill, chain.seen)  # ``mask_value = torch.finfo(scores.dtype).min``: part of the masking step
+        # ``mask_value = torch.finfo(scores.dtype).min`` (possibly re-wrapped as a tensor): part of the masking step
+        for n in walk_values(fill):
+            if isinstance(n, Ref) and n.idx >= 0 and n.value is not None:
+                chain.seen.add(n.idx)
         ok, finite = self._fill_ok(fill)
         if not ok:
             raise Miss(f"masked with `{self.src(fill)}`, not −inf or a large negative value: not a mask npufuse converts")
@@ -1364,18 +1456,32 @@ class AttentionPattern(Pattern):
         r = Renderer(module, interp, s, matcher.repeat_of)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
+            r.meta_base = q_t if is_simple(q_t) else "_npufuse_q"
+            # render every other input once now: what gets inlined is consumed by the fused call
+            for x in chain.scale_num + chain.scale_den + [m.node for m in chain.masks if not (sole_causal and m.causal)]:
+                r.text(x)
+            for m in chain.masks:
+                if m.cond is not None:
+                    r.text(m.cond)
+            if chain.dropout is not None:
+                r.text(chain.dropout[1])
+                if chain.dropout[2] is not None:
+                    r.text(chain.dropout[2])
+            if chain.dropout_cond is not None:
+                r.text(chain.dropout_cond[0])
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         if (chain.k.repeat is None) != (chain.v.repeat is None):
             return NearMiss(self.id, scope.qualname, span_line, end_line, "keys and values are not repeated alike (GQA on one of them only)")
         lines: list[str] = []
         # statements of the span that are not attention steps
+        steps = chain.seen | r.consumed
         internal: set[str] = set()
         for j in range(s, e):
-            if j in chain.seen:
+            if j in steps:
                 internal |= interp.assigned[j]
         for j in range(s, e):
-            if j in chain.seen:
+            if j in steps:
                 continue
             other = block[j]
             reads = {n.id for n in ast.walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
@@ -1393,8 +1499,11 @@ class AttentionPattern(Pattern):
                     self.id, scope.qualname, span_line, end_line,
                     f"line {other.lineno} between the attention steps uses intermediate `{sorted(reads & internal)[0]}`",
                 )
-            if interp.assigned[j] & (ref_names(chain.q.leaf) | ref_names(chain.k.leaf) | ref_names(chain.v.leaf)):
-                return NearMiss(self.id, scope.qualname, span_line, end_line, f"line {other.lineno} reassigns an input of the attention inside the site")
+            if interp.assigned[j] & r.emitted:
+                return NearMiss(
+                    self.id, scope.qualname, span_line, end_line,
+                    f"line {other.lineno} reassigns `{sorted(interp.assigned[j] & r.emitted)[0]}`, an input of the attention, inside the site",
+                )
             lines.append(_statement_text(module, other))
         # live-outs: names computed inside the span and read after it
         pv_nodes = {id(n) for n in ast.walk(node)}
@@ -1431,6 +1540,12 @@ class AttentionPattern(Pattern):
             return var
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
+        # GPT-Neo keeps q/k in fp32 while v (and the output) stay in the model dtype: the op needs one dtype
+        cast_v = _upcast(chain.q.leaf) and _upcast(chain.k.leaf) and not _upcast(chain.v.leaf)
+        if cast_v:
+            out_dtype = f"{atom(v_n)}.dtype"
+            v_n = f"{atom(v_n)}.to({atom(q_n)}.dtype)"
+            chain.notes.append("q/k are upcast to fp32 by the code while v is not: the fused call runs in fp32 (v upcast) and casts the result back to v's dtype")
         if three_d:
             if layouts != {"3D"}:
                 return NearMiss(self.id, scope.qualname, span_line, end_line, "bmm attention mixing 3-D and 4-D operands")
@@ -1519,6 +1634,8 @@ class AttentionPattern(Pattern):
         if sparse:
             kwargs.append(("sparse_mode", str(sparse)))
         call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)
+        if cast_v:
+            call = f"{call}.to({out_dtype})"
         if three_d:
             call = f"{call}.squeeze(1)"
         if layout != chain.out_layout and not three_d:
@@ -1620,6 +1737,17 @@ class AttentionPattern(Pattern):
     KEEP: list = []
 
 
+def _upcast(leaf: Any) -> bool:
+    """The tensor is (a variable assigned) ``x.float()`` / ``x.to(torch.float32)``."""
+    n = leaf.value if isinstance(leaf, Ref) and leaf.value is not None and not isinstance(leaf.value, Opaque) else leaf
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+        if n.func.attr == "float" and not n.args:
+            return True
+        if n.func.attr == "to" and n.args and ast.unparse(_plain(n.args[0])) in ("torch.float32", "torch.float"):
+            return True
+    return False
+
+
 def _targets(stmt: ast.stmt) -> set[str]:
     if isinstance(stmt, ast.Assign):
         return _assigned_names([ast.Assign(targets=stmt.targets, value=ast.Constant(0))])
@@ -1660,6 +1788,9 @@ def _packaging_use(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
             return True
         if isinstance(parent, (ast.Tuple, ast.List)) or (isinstance(parent, ast.IfExp) and cur is not parent.test):
             cur = parent
+            continue
+        if isinstance(parent, ast.BinOp) and isinstance(parent.op, ast.Add) and isinstance(cur, (ast.Tuple, ast.List)):
+            cur = parent  # outputs = outputs + (attn_weights,)
             continue
         if isinstance(parent, ast.Assign) and cur is parent.value and all(isinstance(t, ast.Name) for t in parent.targets):
             return True  # outputs = (attn_output, attn_weights) ...: packaged for the caller
@@ -2096,6 +2227,60 @@ leaves = [q, k, v]
 ''',
     ),
 ]
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="gpt_neo_fp32_qk_bottom_right_plus_padding",
+        # HF GPT-Neo _attn: q/k upcast to fp32, bool tril buffer sliced bottom-right + additive padding mask
+        code='''
+import torch
+from torch import nn
+
+
+class GPTNeoSelfAttention(nn.Module):
+    def __init__(self, max_positions=32):
+        super().__init__()
+        bias = torch.tril(torch.ones((max_positions, max_positions), dtype=bool)).view(1, 1, max_positions, max_positions)
+        self.register_buffer("bias", bias, persistent=False)
+        self.attn_dropout = nn.Dropout(0.0)
+
+    def _attn(self, query, key, value, attention_mask=None):
+        # Keep the attention weights computation in fp32 to avoid overflow issues
+        query = query.to(torch.float32)
+        key = key.to(torch.float32)
+
+        attn_weights = torch.matmul(query, key.transpose(-1, -2))
+
+        query_length, key_length = query.size(-2), key.size(-2)
+        causal_mask = self.bias[:, :, key_length - query_length : key_length, :key_length]
+        mask_value = torch.finfo(attn_weights.dtype).min
+        mask_value = torch.tensor(mask_value, dtype=attn_weights.dtype, device=attn_weights.device)
+        attn_weights = torch.where(causal_mask, attn_weights, mask_value)
+
+        if attention_mask is not None:
+            attn_weights = attn_weights + attention_mask
+
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+        attn_weights = attn_weights.to(value.dtype)
+        attn_weights = self.attn_dropout(attn_weights)
+
+        attn_output = torch.matmul(attn_weights, value)
+
+        return attn_output, attn_weights
+''',
+        expect={"mask_kind": "additive_float+causal", "sparse_mode": 0, "scale": "1.0", "returns_probs": "attn_weights"},
+        run='''
+m = GPTNeoSelfAttention().eval()
+q = torch.randn(2, 4, 6, 16).half().requires_grad_()
+k = torch.randn(2, 4, 6, 16).half().requires_grad_()
+v = torch.randn(2, 4, 6, 16).half().requires_grad_()
+pad = torch.zeros(2, 1, 1, 6)
+pad[0, ..., 4:] = torch.finfo(torch.float32).min  # right padding: no fully masked rows
+out = m._attn(q, k, v, pad)[0]
+leaves = [q, k, v]
+''',
+    )
+)
 
 AttentionPattern.KEEP = [
     Keep(

@@ -205,6 +205,9 @@ class _Halves:
                 k = const_value(node.slice)
                 if self._is_split(base):
                     return "first" if k == 0 else "second"
+                # x.view(*x.shape[:-1], -1, 2).unbind(-1)[k]: the even (k=0) / odd (k=1) lanes
+                if self._is_pair_unbind(base):
+                    return "even" if k == 0 else "odd"
             if self.is_x(base):
                 sl = self._last_dim_slice(node)
                 if sl is None:
@@ -220,6 +223,24 @@ class _Halves:
                     if _is_int(sl.lower, 1):
                         return "odd"
         return None
+
+    def _is_pair_unbind(self, call: ast.Call) -> bool:
+        if not (_method(call, "unbind") and _is_int(keyword(call, "dim", 0), -1)):
+            return False
+        pairs = _resolve(self.scope, call.func.value)
+        if not (_method(pairs, "view", "reshape") and len(pairs.args) >= 2 and _is_int(pairs.args[-1], 2) and _is_int(pairs.args[-2], -1)):
+            return False
+        lead = pairs.args[:-2]
+        # x.view(*x.shape[:-1], -1, 2)
+        return (
+            len(lead) == 1
+            and isinstance(lead[0], ast.Starred)
+            and isinstance(lead[0].value, ast.Subscript)
+            and isinstance(lead[0].value.value, ast.Attribute)
+            and lead[0].value.value.attr == "shape"
+            and self.is_x(lead[0].value.value.value)
+            and self.is_x(pairs.func.value)
+        )
 
     def _is_split(self, call: ast.Call) -> bool:
         if not isinstance(call.func, ast.Attribute):
@@ -438,12 +459,14 @@ def _cos_info(scope: Scope, node: ast.expr, module: ModuleInfo) -> _CosInfo:
         return info
     if isinstance(node, ast.Subscript):
         elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-        if any(isinstance(e, ast.Constant) and e.value is None for e in elts):
-            if not any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts):
-                info.rank = len(elts)
-            info.batch_free = isinstance(elts[0], ast.Constant) and elts[0].value is None
-            pattern = "".join("1" if (isinstance(e, ast.Constant) and e.value is None) else "x" for e in elts)
-            info.layout = {"1x1x": "1S1D (x BSND)", "11xx": "11SD (x BNSD)", "x1xx": "B1SD (x BNSD)", "xx1x": "BS1D (x BSND)"}.get(
+        nones = [isinstance(e, ast.Constant) and e.value is None for e in elts]
+        if any(nones):
+            # ``t[None, :, None, :]`` adds singleton dims to a tensor of unknown rank: the rank is not
+            # known, but two inserted singletons leave at most S and D (a 4-D result is 1S1D / 11SD / S11D)
+            info.batch_free = sum(nones) >= 2
+            pattern = "".join("1" if n else "x" for n in nones)
+            info.layout = {"1x1x": "1S1D (x BSND)", "11xx": "11SD (x BNSD)", "11": "11SD (x BNSD)", "x11x": "S11D (x SBND)",
+                           "x1xx": "B1SD (x BNSD)", "x1": "B1SD (x BNSD)", "xx1x": "BS1D (x BSND)"}.get(
                 pattern, f"index pattern {pattern}"
             )
             return info
@@ -817,7 +840,8 @@ class RopePattern(Pattern):
         res = estimate(
             bytes_before=before, bytes_after=after, kernels_before=5 * n_targets, kernels_after=n_targets,
             flops=sum(4 * e for e in elems),
-            shapes=f"B={b}, S={s}{' (assumed)' if 'seq_length' not in config else ''}, heads={heads}, kv_heads={kv}, head_dim={d}, bf16",
+            shapes=f"B={b}{' (assumed)' if 'batch_size' not in config else ''}, S={s}{' (assumed)' if 'seq_length' not in config else ''}, "
+            f"heads={heads}, kv_heads={kv}, head_dim={d}, bf16",
         )
         return res
 
@@ -1085,6 +1109,42 @@ leaves = [xq, xk]
     ),
 ]
 
+RopePattern.FUSE.append(
+    Fuse(
+        name="sam2_rotate_pairwise",
+        # SAM2 / EdgeTAM: interleaved rotation via view(..., -1, 2).unbind(-1), fp32 upcast, 2-D cos table
+        code='''
+import torch
+
+
+def rotate_pairwise(x):
+    x = x.view(*x.shape[:-1], -1, 2)
+    x1, x2 = x.unbind(dim=-1)
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.flatten(start_dim=-2)
+
+
+def apply_rotary_pos_emb_2d(q, k, cos, sin):
+    cos = cos[None, None]
+    sin = sin[None, None]
+    q_embed = q.float()  # force upscale to float32 as in the original implementation
+    q_embed = (q_embed * cos) + (rotate_pairwise(q_embed) * sin)
+    k_embed = k.float()
+    k_embed = (k_embed * cos) + (rotate_pairwise(k_embed) * sin)
+    return q_embed.type_as(q), k_embed.type_as(k)
+''',
+        expect={"mode": "interleave", "cos_layout": "11SD (x BNSD)", "targets": ["q_embed"]},
+        run='''
+q = torch.randn(2, 4, 8, 16).half().requires_grad_()
+k = torch.randn(2, 4, 8, 16).half().requires_grad_()
+ang = torch.randn(8, 8)
+cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+out = apply_rotary_pos_emb_2d(q, k, cos, sin)
+leaves = [q, k]
+''',
+    )
+)
+
 RopePattern.KEEP = [
     Keep(
         name="sign_flipped_rotate_half",
@@ -1160,8 +1220,8 @@ def rotate_half(x):
 
 
 def rope_3d(t, cos, sin):
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
+    cos = cos.view(cos.shape[0], 1, cos.shape[-1])
+    sin = sin.view(sin.shape[0], 1, sin.shape[-1])
     return t * cos + rotate_half(t) * sin
 ''',
         reason="cos/sin are 3-D",

@@ -764,10 +764,10 @@ def _guard(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:
         for n in ast.walk(node):
             if not isinstance(n, ast.Name) or n.id in skip or not isinstance(n.ctx, ast.Load):
                 continue
-            if n.id in ctx.bind:
+            d = S.definition(ctx, n.id)
+            if d is None and n.id in ctx.bind:
                 stack.append(ctx.bind[n.id])
                 continue
-            d = S.definition(ctx, n.id)
             if d is not None and plan.is_dropped(d[0]):
                 stack.append((d[1], ctx.at(d[0].lineno)))
                 continue

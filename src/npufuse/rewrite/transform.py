@@ -166,10 +166,11 @@ class _SiteRewriter(cst.CSTTransformer):
 
 def _overlaps(edits: list[SiteEdit]) -> tuple[list[SiteEdit], list[tuple[SiteEdit, str]]]:
     """Refuse overlapping spans up front: a site nested in another's span would put a rewritten
-    branch inside the other's fallback, which then would no longer be the original code."""
+    branch inside the other's fallback, which then would no longer be the original code. Earlier
+    edits in the list win (``apply`` lists the sites already in the file first)."""
     kept: list[SiteEdit] = []
     refused: list[tuple[SiteEdit, str]] = []
-    for e in sorted(edits, key=lambda e: (e.line, e.end_line)):
+    for e in edits:
         if e.end_line < e.line:
             refused.append((e, f"invalid span {e.line}-{e.end_line}"))
             continue

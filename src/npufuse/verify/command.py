@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     e2e = sub.add_parser("e2e", help="baseline vs fused run of your launch command: loss, then step time", description="end-to-end check of one applied candidate")
     common(e2e)
-    e2e.add_argument("--cmd", required=True, help='your launch command, e.g. "python train.py --steps 50"')
+    e2e.add_argument("--cmd", required=True, help='your launch command, e.g. "python train.py --steps 50" (its program is looked up on the PATH of the child environment: --env PATH=... picks a venv)')
     e2e.add_argument("--steps", type=_positive_int, default=50, help="logged steps to compare (default 50); the run is stopped after them")
     e2e.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="per run, seconds (default 3600)")
     e2e.add_argument("--log-regex", help="regex with named groups loss (required), step, step_time (seconds)")

@@ -155,7 +155,6 @@ def run_once(cand: Candidate, opts: E2EOptions, run: str, cwd: Path, plan: dict[
     }
     cfg_path = paths["probe"] / "probe.json"
     cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
-    probe.write_bootstrap(paths["probe"] / "site")
     env = {**opts.seed_env, **opts.env, **plan[f"{run}_env"]}
     child_env = runner.child_env(env, cfg_path, paths["probe"] / "site")
     parser = logparse.LogParser(opts.log_regex)

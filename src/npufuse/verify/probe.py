@@ -120,11 +120,22 @@ else:
 '''
 
 
-def write_bootstrap(folder: Path) -> Path:
+def write_bootstrap(folder: Path) -> bool:
+    """Write ``sitecustomize.py`` into ``folder`` with a link to the npufuse package beside it, so
+    the child can import npufuse and nothing else from our environment (putting our whole
+    site-packages on its path could hand a different interpreter our torch). Returns False when
+    the link cannot be made; the caller then puts npufuse's parent folder on the path instead."""
+    import npufuse
+
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "sitecustomize.py"
-    path.write_text(BOOTSTRAP, encoding="utf-8")
-    return path
+    (folder / "sitecustomize.py").write_text(BOOTSTRAP, encoding="utf-8")
+    link = folder / "npufuse"
+    try:
+        if not link.exists():
+            link.symlink_to(Path(npufuse.__file__).resolve().parent, target_is_directory=True)
+        return True
+    except OSError:
+        return False
 
 
 def chain_sitecustomize(own_dir: str) -> None:

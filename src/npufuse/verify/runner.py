@@ -238,15 +238,20 @@ def run_child(
 
 
 def child_env(extra: Mapping[str, str], probe_cfg: Path | None, bootstrap_dir: Path | None) -> dict[str, str]:
-    """The child's environment: ours + the user's ``--env`` + unbuffered output + the probe."""
+    """The child's environment: ours + the user's ``--env`` + unbuffered output + the probe
+    (its folder first on ``PYTHONPATH``; see :func:`npufuse.verify.probe.write_bootstrap`)."""
     env = dict(os.environ)
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"  # steps must arrive as they happen, not in 8 KiB blocks
     if probe_cfg is not None and bootstrap_dir is not None:
-        import npufuse
+        from npufuse.verify.probe import write_bootstrap
 
-        src = str(Path(npufuse.__file__).resolve().parents[1])  # so the bootstrap can import npufuse
-        parts = [str(bootstrap_dir), src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        parts = [str(bootstrap_dir)]
+        if not write_bootstrap(bootstrap_dir):
+            import npufuse
+
+            parts.append(str(Path(npufuse.__file__).resolve().parents[1]))
+        parts += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(parts)
         env["NPUFUSE_PROBE"] = str(probe_cfg)
     return env

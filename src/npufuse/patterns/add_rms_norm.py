@@ -1,0 +1,728 @@
+"""add_rms_norm: a residual add directly followed by an RMSNorm of the sum -> ``npu_add_rms_norm``.
+
+The HF decoder layer spelling::
+
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+
+is found when the norm module's class is one the rms_norm detector recognises in this module
+(its ``forward`` is parsed with ``self`` bound to ``self.post_attention_layernorm``, so eps, the
+weight, the ``1 +`` offset and the output dtype come from the norm's own code); a class defined
+elsewhere whose name says RMSNorm is taken with medium confidence and HF semantics assumed.
+
+Training: ``npu_add_rms_norm`` has no backward (spec §2.2, §12). The fused branch therefore uses
+it only when autograd is off (``torch.is_grad_enabled()`` false: inference, ``no_grad``,
+``inference_mode``) and ``x1``/``x2`` share a dtype (the op's constraint); otherwise it runs
+``x1 + x2`` then ``npu_rms_norm`` (which has a backward), so training still works and still gets
+the fused norm.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from npufuse.patterns import _site as S
+from npufuse.patterns import rms_norm as R
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
+from npufuse.scan.value import estimate, symbolic
+
+_LAYER_NORMS = {"torch.nn.LayerNorm", "torch.nn.GroupNorm", "torch.nn.BatchNorm1d", "torch.nn.InstanceNorm1d"}
+_RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
+_OFFSET_NAME = re.compile(r"gemma|qwen3_?5|qwen3_?next", re.IGNORECASE)
+
+
+@dataclass
+class NormCall:
+    call: ast.Call  # self.<attr>(x)
+    attr: str
+    kind: str  # "rms" | "external" | "not_rms"
+    match: R.Match | None = None
+    reason: str = ""
+    cls: str = ""
+
+
+def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """What ``self.<attr>(x)`` is, judged from ``__init__`` and the class's own code."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return None
+    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+        return None
+    value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if not isinstance(value, ast.Call):
+        return None
+    canon = module.canonical(value.func) or ""
+    if canon in _LAYER_NORMS:
+        return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({canon.replace('torch.nn.', 'nn.')}: mean subtracted)")
+    cls = dotted(value.func) or ""
+    if cls in module.classes:
+        fwd = S.method(module, cls, "forward")
+        if fwd is None:
+            return None
+        ret = S.helper_return(fwd)
+        nscope = S.scope_of(module, fwd)
+        params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+        if ret is None or nscope is None or len(params) < 2:
+            return None
+        defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
+        hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
+        bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (call.args[0], ctx)}
+        for p in params[2:]:
+            if p not in defaults:
+                return None
+            bind[p] = (defaults[p], hctx)
+        hctx.bind = bind
+        try:
+            m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
+        except R.NoMatch:
+            return None
+        except R.Miss as e:
+            if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
+                return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({cls}: {e.reason})", cls=cls)
+            return NormCall(call, f.attr, "not_rms", reason=f"norm {cls} cannot be fused: {e.reason}", cls=cls)
+        return NormCall(call, f.attr, "rms", match=m, cls=cls)
+    if _RMS_NAME.search(cls.split(".")[-1]):
+        return NormCall(call, f.attr, "external", cls=cls)
+    return None
+
+
+def _operands(module: ModuleInfo, value: ast.expr) -> tuple[ast.expr, ast.expr] | str | None:
+    """(x1, x2) of a plain residual add; a reason for a scaled add; None for no add."""
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+        x1, x2 = value.left, value.right
+    elif isinstance(value, ast.Call) and module.call_name(value) == "torch.add" and len(value.args) == 2:
+        if value.keywords:
+            return f"scaled add (`{ast.unparse(value)}`): npu_add_rms_norm adds x1 + x2 unscaled"
+        x1, x2 = value.args
+    else:
+        return None
+    for x in (x1, x2):
+        if isinstance(x, ast.BinOp) and isinstance(x.op, (ast.Mult, ast.Div)):
+            return f"scaled add (`{ast.unparse(value)}`): npu_add_rms_norm adds x1 + x2 unscaled"
+        if isinstance(x, ast.Constant):
+            return None
+    return x1, x2
+
+
+@dataclass
+class _Site:
+    add: ast.stmt
+    aliases: list[ast.stmt]
+    norm_stmt: ast.stmt
+    nc: NormCall
+    x1: ast.expr
+    x2: ast.expr
+    sum_name: str | None  # None: the add is inline in the norm call
+
+
+def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    idx = S.stmt_index(scope)
+    lines = S.module_lines(module)
+    for stmt in idx.stmts:
+        if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
+            continue
+        text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
+        if "self." not in text or "(" not in text:
+            continue
+        for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and len(node.args) == 1):
+                continue
+            arg = node.args[0]
+            ctx = S.Ctx(scope, stmt.lineno)
+            # the norm's input: an inline add, or a name assigned by the statement(s) just before
+            if isinstance(arg, (ast.BinOp, ast.Call)):
+                ops = _operands(module, arg)
+                if ops is None:
+                    continue
+                nc = _norm_call(module, scope, node, ctx)
+                if nc is None:
+                    continue
+                if isinstance(ops, str):
+                    yield stmt, ops
+                    continue
+                yield stmt, _Site(stmt, [], stmt, nc, ops[0], ops[1], None)
+                continue
+            if not isinstance(arg, ast.Name):
+                continue
+            block, i = idx.block[id(stmt)]
+            j = i - 1
+            aliases: list[ast.stmt] = []
+            names = {arg.id}
+            while j >= 0 and isinstance(block[j], ast.Assign) and len(block[j].targets) == 1 and isinstance(block[j].targets[0], ast.Name) \
+                    and isinstance(block[j].value, ast.Name) and block[j].value.id in names | {arg.id} and block[j].targets[0].id != arg.id:  # type: ignore[union-attr]
+                aliases.insert(0, block[j])
+                j -= 1
+            if j < 0:
+                continue
+            add = block[j]
+            if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name) and add.targets[0].id == arg.id):
+                continue
+            ops = _operands(module, add.value)
+            if ops is None:
+                continue
+            nc = _norm_call(module, scope, node, ctx)
+            if nc is None:
+                continue
+            if isinstance(ops, str):
+                yield stmt, ops
+                continue
+            yield stmt, _Site(add, aliases, stmt, nc, ops[0], ops[1], arg.id)
+
+
+def _simple(node: ast.expr) -> bool:
+    return isinstance(node, (ast.Name, ast.Attribute)) and dotted(node) is not None
+
+
+def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
+    T = S.torch_name(module) or "torch"
+    done = S.already_fused(module, scope, site.norm_stmt)
+    if done:
+        return done
+    if (site.add.end_lineno or 0) and site.add is not site.norm_stmt:
+        block, i = S.stmt_index(scope).block[id(site.add)]
+        if i > 0 and (block[i - 1].end_lineno or 0) >= site.add.lineno:
+            return "statement shares a line with another"
+    x1 = S.source_of(module, site.x1)
+    x2 = S.source_of(module, site.x2)
+    pre: list[str] = []
+    if not (_simple(site.x1) and _simple(site.x2)):
+        # evaluate the operands once, in the original order, for the dtype check and both paths
+        pre.append(f"_npu_x1, _npu_x2 = {x1}, {x2}")
+        x1, x2 = "_npu_x1", "_npu_x2"
+    s_name = site.sum_name or "_npu_sum"
+    risks = [
+        Risk("inference_only", "npu_add_rms_norm has no backward: the fused branch uses it only when autograd is off; "
+                               "with grad enabled it runs x1 + x2 then npu_rms_norm (the norm fused, the add not)"),
+        Risk("dtype", "npu_add_rms_norm needs x1, x2 and gamma of one dtype (gamma is cast to x1's dtype; "
+                      "mixed x1/x2 dtypes take the add + npu_rms_norm path)"),
+    ]
+    notes: list[str] = []
+    confidence = "high"
+    m = site.nc
+    if m.kind == "rms":
+        assert m.match is not None
+        try:
+            p = R.plan_norm(module, m.match, None, x_src=s_name)
+        except R.Miss as e:
+            return f"norm {m.cls} cannot be fused: {e.reason}"
+        except R.NoMatch:
+            return f"norm {m.cls} cannot be fused"
+        if p.condition is not None:
+            return f"norm {m.cls} applies its weight only when `{p.condition}`: npu_add_rms_norm needs gamma"
+        w = R.analyse_weight(module, m.match.weights[0])
+        gamma = S.render(module, w.node, w.ctx, None)
+        eps = p.params["eps"]
+        train_norm = p.expr
+        out_code = p.out_dtype
+        params = {k: v for k, v in p.params.items() if k != "input"}
+        norm_pre = p.pre
+        variant = "residual_then_norm" if site.sum_name else "inline_sum"
+    else:
+        confidence = "medium"
+        mod = f"self.{m.attr}"
+        offset = 1 if _OFFSET_NAME.search(m.cls) else 0
+        gamma = f"(1.0 + {mod}.weight.float())" if offset else f"{mod}.weight"
+        eps = f'({mod}.variance_epsilon if hasattr({mod}, "variance_epsilon") else {mod}.eps)'
+        out_code = f"{s_name}.dtype" if offset else f"{T}.promote_types({s_name}.dtype, {mod}.weight.dtype)"
+        train_norm = ""  # the module itself in training
+        norm_pre = []
+        params = {"eps": eps, "weight": f"{mod}.weight", "weight_offset": offset, "upcast": "float32",
+                  "output_dtype": "input" if offset else "promote(input, weight)"}
+        risks.append(Risk("numerics", f"{m.cls} is defined outside this module: assumed HF semantics "
+                                      f"(x * rsqrt(mean(x^2) + eps) * {'(1 + weight)' if offset else 'weight'}, "
+                                      "eps in .variance_epsilon or .eps); verify with `npufuse verify op` before accepting"))
+        notes.append(f"norm class {m.cls} not in this module: training keeps the module call; only inference is fused")
+        variant = "external_norm"
+    gamma_npu = f"{gamma if _simple_text(gamma) else '(' + gamma + ')'}.to({x1}.dtype)"
+    norm_node = m.call
+    # -- training (or mixed dtypes): the add, the aliases, the norm as npu_rms_norm (or, for a
+    # norm class defined elsewhere, the module itself)
+    train: list[str] = [f"{s_name} = {x1} + {x2}"]
+    train += [S.stmt_source(module, a) for a in site.aliases]
+    train += norm_pre
+    if train_norm:
+        train.append(S.splice(module, site.norm_stmt, [(norm_node, train_norm)]))
+    else:
+        train.append(S.splice(module, site.norm_stmt, [] if site.sum_name else [(norm_node.args[0], s_name)]))
+    # -- inference: one npu_add_rms_norm (returns y, rstd, x1 + x2)
+    y = "_npu_normed" if out_code == f"{s_name}.dtype" else f"_npu_normed.to({out_code})"
+    infer: list[str] = []
+    if out_code == "_npu_dtype":
+        infer += [ln for ln in norm_pre if ln.startswith("_npu_dtype")]
+    infer.append(f"_npu_normed, _npu_rstd, {s_name} = torch_npu.npu_add_rms_norm({x1}, {x2}, {gamma_npu}, epsilon={eps})")
+    infer += [S.stmt_source(module, a) for a in site.aliases]
+    infer.append(S.splice(module, site.norm_stmt, [(norm_node, y)]))
+    body = list(pre)
+    body.append(f"if {T}.is_grad_enabled() or {x1}.dtype != {x2}.dtype:")
+    body.append("    # npu_add_rms_norm has no backward and needs one dtype: add, then the fused norm")
+    body.append(S.indent("\n".join(train)))
+    body.append("else:")
+    body.append(S.indent("\n".join(infer)))
+    guard = _guard(site)
+    if guard is None:
+        return "no input tensor live before the site to guard the fused branch on"
+    params.update({"x1": S.source_of(module, site.x1), "x2": S.source_of(module, site.x2), "sum": site.sum_name,
+                   "norm": f"self.{m.attr}", "norm_class": m.cls,
+                   "residual_aliases": [a.targets[0].id for a in site.aliases]})  # type: ignore[attr-defined]
+    return Finding(
+        pattern="add_rms_norm",
+        qualname=scope.qualname,
+        line=site.add.lineno,
+        end_line=site.norm_stmt.end_lineno or site.norm_stmt.lineno,
+        params=params,
+        fused="\n".join(body),
+        guard_tensor=guard,
+        confidence=confidence,
+        variant=variant,
+        risks=risks,
+        notes=notes,
+        training_ok=True,  # the emitted code trains (via npu_rms_norm); the API itself is inference-only
+    )
+
+
+def _simple_text(s: str) -> bool:
+    return re.fullmatch(r"[\w.]+(\(\))?", s) is not None
+
+
+def _guard(site: _Site) -> str | None:
+    for x in (site.x1, site.x2):
+        if isinstance(x, ast.Name):
+            return x.id
+    for x in (site.x1, site.x2):
+        for n in ast.walk(x):
+            if isinstance(n, ast.Name) and n.id not in ("self", "torch", "F", "nn"):
+                return n.id
+    return None
+
+
+class AddRmsNorm(Pattern):
+    id = "add_rms_norm"
+    api = "torch_npu.npu_add_rms_norm"
+    title = "residual add + RMSNorm -> npu_add_rms_norm"
+    training_ok = False  # the API has no backward; the generated branch trains via npu_rms_norm
+    bound = "memory"
+
+    def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        if isinstance(scope.node, ast.Module) or not scope.class_name:
+            return
+        if "+" not in S.scope_text(module, scope):
+            return
+        for stmt, site in _sites(module, scope):
+            first = site.add if isinstance(site, _Site) else stmt
+            if isinstance(site, str):
+                yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
+                continue
+            if site.nc.kind == "not_rms":
+                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
+                continue
+            r = _build(module, scope, site)
+            if isinstance(r, str):
+                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
+            else:
+                yield r
+
+    def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
+        hidden = config.get("hidden_size") or config.get("d_model") or config.get("dim")
+        ops = ["add"] + list(finding.params.get("unfused_ops") or ["cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"])
+        if not isinstance(hidden, int):
+            return symbolic(
+                "memory",
+                f"memory-bound: add + {len(ops) - 1}-kernel norm chain over the T x H residual -> 1 kernel reading x1, x2 "
+                "and writing y and the sum (inference); with grad enabled 2 kernels (add + npu_rms_norm); T, H unknown",
+            )
+        e = R._elem_bytes(config)
+        t, tdesc = R.tokens_of(config)
+        per, n = R.norm_traffic(ops[1:], e, finding.params.get("upcast") == "float32")
+        elems = t * hidden
+        return estimate(
+            bytes_before=(3 * e + per) * elems,
+            bytes_after=4 * e * elems + 4 * t,
+            kernels_before=n + 1,
+            kernels_after=1,
+            flops=5 * elems,
+            shapes=f"residual [{tdesc}, hidden {hidden}]; inference path (training: add + npu_rms_norm, 2 kernels)",
+        )
+
+    @staticmethod
+    def reference(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 golden: (rms_norm(x1 + x2) * (offset + weight), x1 + x2)."""
+        s = x1.float() + x2.float()
+        return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + weight_offset), s
+
+    FUSE: list = []
+    KEEP: list = []
+
+
+# --------------------------------------------------------------------------------------------
+# examples
+
+_NORM = '''
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+'''
+
+_HF_LAYER = '''
+import torch
+from torch import nn
+''' + _NORM + '''
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.self_attn = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(hidden_size, 2 * hidden_size), nn.SiLU(), nn.Linear(2 * hidden_size, hidden_size))
+        self.input_layernorm = LlamaRMSNorm(hidden_size, eps=eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden_size, eps=eps)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states = residual + hidden_states
+
+        # Fully Connected
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+'''
+
+_RUN_TRAIN = '''
+layer = LlamaDecoderLayer(32, eps=1e-5){cast}
+with torch.no_grad():
+    layer.post_attention_layernorm.weight.normal_()
+x = torch.randn(2, 5, 32{dtype}, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.post_attention_layernorm.weight, layer.self_attn.weight]
+'''
+
+_RUN_INFER = '''
+layer = LlamaDecoderLayer(32, eps=1e-5){cast}
+with torch.no_grad():
+    layer.post_attention_layernorm.weight.normal_()
+    x = torch.randn(3, 4, 32{dtype})
+    out = layer(x)
+'''
+
+_META_BLOCK = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float()).type_as(x)
+        return output * self.weight
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.attention = nn.Linear(dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, 3 * dim, bias=False)
+        self.w2 = nn.Linear(3 * dim, dim, bias=False)
+        self.attention_norm = RMSNorm(dim, eps=eps)
+        self.ffn_norm = RMSNorm(dim, eps=eps)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        out = h + self.w2(F.silu(self.w1(self.ffn_norm(h))))
+        return out
+'''
+
+_GEMMA_SANDWICH = '''
+import torch
+from torch import nn
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.self_attn = nn.Linear(d, d, bias=False)
+        self.post_attention_layernorm = GemmaRMSNorm(d, eps=eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps=eps)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.pre_feedforward_layernorm(hidden_states)
+        return hidden_states, residual
+'''
+
+_EXTERNAL = '''
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+
+class MyDecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.attn = nn.Linear(config.hidden_size, config.hidden_size)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return hidden_states, residual
+'''
+
+_T5_FF = '''
+import torch
+from torch import nn
+
+
+class T5LayerNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ff = nn.Linear(d, d)
+        self.dropout = nn.Dropout(0.0)
+        self.final_layer_norm = T5LayerNorm(d)
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states + self.dropout(self.ff(hidden_states))
+        hidden_states = self.final_layer_norm(hidden_states)
+        return hidden_states
+'''
+
+AddRmsNorm.FUSE = [
+    Fuse(
+        _HF_LAYER,
+        expect={"x1": "residual", "x2": "hidden_states", "sum": "hidden_states", "norm": "self.post_attention_layernorm",
+                "eps": "self.post_attention_layernorm.variance_epsilon", "weight": "self.post_attention_layernorm.weight",
+                "weight_offset": 0, "residual_aliases": ["residual"], "qualname": "LlamaDecoderLayer.forward", "line": 31, "end_line": 35},
+        run=_RUN_TRAIN.format(cast="", dtype=""),
+        name="hf_llama_layer_training",
+    ),
+    Fuse(_HF_LAYER, expect={"variant": "residual_then_norm"}, run=_RUN_INFER.format(cast="", dtype=""), name="hf_llama_layer_inference_fp32"),
+    Fuse(_HF_LAYER, expect={"output_dtype": "promote(input, weight)"}, run=_RUN_INFER.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="hf_llama_layer_inference_bf16"),
+    Fuse(_HF_LAYER, expect={"confidence": "high"}, run=_RUN_TRAIN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="hf_llama_layer_training_bf16"),
+    Fuse(
+        _META_BLOCK,
+        expect={"x1": "x", "x2": "self.attention(self.attention_norm(x))", "sum": "h", "norm": "self.ffn_norm", "eps": "self.ffn_norm.eps",
+                "residual_aliases": []},
+        run="blk = TransformerBlock(16, 1e-5)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = blk(x)\nleaves = [x, blk.ffn_norm.weight]\n",
+        name="meta_llama_block",
+    ),
+    Fuse(
+        _GEMMA_SANDWICH,
+        expect={"weight_offset": 1, "norm": "self.pre_feedforward_layernorm", "output_dtype": "input"},
+        run="m = Gemma2DecoderLayer(16)\nwith torch.no_grad():\n    m.pre_feedforward_layernorm.weight.normal_()\n    x = torch.randn(2, 3, 16, dtype=torch.bfloat16)\n    m = m.to(torch.bfloat16)\n    out = m(x)\n",
+        name="gemma_sandwich_one_plus_weight_bf16",
+    ),
+    Fuse(
+        _EXTERNAL,
+        expect={"confidence": "medium", "variant": "external_norm", "norm_class": "LlamaRMSNorm"},
+        name="norm_class_from_another_module",
+    ),
+    Fuse(
+        _T5_FF,
+        expect={"x1": "hidden_states", "x2": "self.dropout(self.ff(hidden_states))", "norm": "self.final_layer_norm"},
+        run="m = Block(16)\nx = torch.randn(2, 5, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.final_layer_norm.weight]\n",
+        name="t5_style_dropout_residual",
+    ),
+]
+
+AddRmsNorm.KEEP = [
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class GPTNeoXLayer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attention = nn.Linear(d, d)
+        self.post_attention_layernorm = nn.LayerNorm(d, eps=1e-5)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, hidden_states):
+        attn_output = self.attention(hidden_states)
+        attn_output = attn_output + hidden_states
+        mlp_output = self.mlp(self.post_attention_layernorm(attn_output))
+        return mlp_output + attn_output
+''',
+        reason="not RMSNorm",
+        name="gpt_neox_layernorm",
+    ),
+    Keep(
+        '''
+import math
+import torch
+from torch import nn
+
+
+class MiniCPMRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+        return (self.weight * (hidden_states.float() * torch.rsqrt(variance + self.variance_epsilon))).to(hidden_states.dtype)
+
+
+class MiniCPMDecoderLayer(nn.Module):
+    def __init__(self, d, scale_depth, num_hidden_layers):
+        super().__init__()
+        self.self_attn = nn.Linear(d, d)
+        self.post_attention_layernorm = MiniCPMRMSNorm(d)
+        self.scale_depth = scale_depth
+        self.num_hidden_layers = num_hidden_layers
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states = residual + hidden_states * (self.scale_depth / math.sqrt(self.num_hidden_layers))
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return hidden_states, residual
+''',
+        reason="scaled add",
+        name="minicpm_scaled_residual",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class CohereLayerNorm(nn.Module):
+    def __init__(self, hidden_size=None, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        mean = hidden_states.mean(-1, keepdim=True)
+        variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+        hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight.to(torch.float32) * hidden_states
+        return hidden_states.to(input_dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.norm = CohereLayerNorm(d)
+
+    def forward(self, x):
+        h = x + self.mix(x)
+        return self.norm(h)
+''',
+        reason="not RMSNorm",
+        name="hand_written_layernorm_class",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+''' + _NORM + '''
+
+class PreNormLayer(nn.Module):
+    """The norm reads the layer input, not a residual sum: nothing to fuse with an add."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        return residual + self.proj(hidden_states)
+''',
+        name="norm_of_layer_input",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+''' + _NORM + '''
+
+class LayerWithWork(nn.Module):
+    """Something else happens to the sum between the add and the norm."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm = LlamaRMSNorm(d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, y):
+        h = x + y
+        h = torch.clamp(h, -100, 100)
+        return self.norm(h)
+''',
+        name="sum_modified_before_norm",
+    ),
+]
