@@ -29,8 +29,10 @@ import textwrap
 import time
 import warnings
 import zipfile
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -395,14 +397,18 @@ LEAVES = ["x", "hidden_states", "self.weight", "self.eps", "self.variance_epsilo
           "v", "cos", "sin", "mask", "scale", "1e-6", "2", "-1", "0.5", "1.0", "(1 + self.weight)", "x1", "x2"]
 
 
+def _receiver(expr: str) -> str:
+    """``expr`` bracketed where it takes an attribute or subscript (``(x + y).pow(2)``, ``(2).pow``)."""
+    node = ast.parse(expr, mode="eval").body
+    return expr if isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)) else f"({expr})"
+
+
 def _expressions():
     leaf = st.sampled_from(LEAVES)
 
     def fmt(f: str, a: str, b: str = "") -> str:
         # a bare number cannot take an attribute (`2.pow(2)`); bracket it like a person would
-        if f.startswith("{a}.") and re.fullmatch(r"[-\d.e]+", a):
-            a = f"({a})"
-        return f.format(a=a, b=b)
+        return f.format(a=_receiver(a) if "{a}." in f or "{a}[" in f else a, b=_receiver(b) if "{b}." in f else b)
 
     def extend(sub):
         one = st.sampled_from([
@@ -470,8 +476,8 @@ def statement(draw, depth: int = 0):
     if kind == 7:
         return f"{target} += {draw(EXPRESSIONS)}"
     if kind == 8:
-        return f"{target}, {draw(st.sampled_from(TARGETS))} = {draw(EXPRESSIONS)}.chunk(2, dim=-1)"
-    return draw(st.sampled_from(TEMPLATES)).format(e=draw(EXPRESSIONS)).split("\nreturn")[0]
+        return f"{target}, {draw(st.sampled_from(TARGETS))} = {_receiver(draw(EXPRESSIONS))}.chunk(2, dim=-1)"
+    return draw(st.sampled_from(TEMPLATES)).format(e=_receiver(draw(EXPRESSIONS))).split("\nreturn")[0]
 
 
 @st.composite
@@ -480,7 +486,7 @@ def generated_program(draw) -> str:
     defs = []
     for _ in range(draw(st.integers(1, 3))):
         if draw(st.booleans()):
-            body = draw(st.sampled_from(TEMPLATES)).format(e=draw(EXPRESSIONS))
+            body = draw(st.sampled_from(TEMPLATES)).format(e=_receiver(draw(EXPRESSIONS)))
         else:
             stmts = draw(st.lists(statement(), min_size=1, max_size=6))
             body = "\n".join(stmts) + f"\nreturn {draw(st.sampled_from(TARGETS))}"
@@ -579,7 +585,9 @@ def check_failure(f, files: set[str]) -> None:
 # -- properties --------------------------------------------------------------------------------
 
 PATTERNS = all_patterns()
-BUDGET = Budget(float(os.environ.get("NPUFUSE_FUZZ_SCAN_S", "28")))
+# Wall-clock seconds per test (30 s for the module); NPUFUSE_FUZZ_BUDGET_SCALE stretches them.
+BUDGET_SCALE = float(os.environ.get("NPUFUSE_FUZZ_BUDGET_SCALE", "1"))
+BUDGETS = {k: Budget(v * BUDGET_SCALE) for k, v in {"scan_repo": 8, "analyze": 8, "valid": 5, "generated": 5, "transformers": 4}.items()}
 CONTROL = next(s for s in SMALL_SEEDS if "class LlamaRMSNorm" in s and "LlamaDecoderLayer" not in s)
 
 
@@ -669,35 +677,21 @@ def check_detectors_quiet(text: str) -> None:
 # -- the tests ---------------------------------------------------------------------------------
 
 
-@fuzz_settings(max_examples=25)
-@given(st.lists(python_bytes(WHOLE_SEEDS), min_size=1, max_size=3))
-def test_scan_repo_reports_every_problem_per_file(mutants):
-    if BUDGET.exhausted():
+@dataclass(frozen=True)
+class Property:
+    """A property and the inputs it is checked on: the CI tests and bench/fuzz_long.py share these."""
+
+    strategy: Any
+    check: Callable[[Any], None]
+
+
+def run_property(props: dict[str, Property], budgets: dict[str, Budget], name: str, value: Any) -> None:
+    if budgets[name].exhausted():
         return
-    check_scan_repo(mutants)
+    props[name].check(value)
 
 
-@fuzz_settings(max_examples=200)
-@given(python_bytes())
-def test_analyze_file_never_raises(data):
-    if BUDGET.exhausted():
-        return
-    check_analyze(data)
-
-
-@fuzz_settings(max_examples=120)
-@given(python_text(heavy=False, max_mutations=2))
-def test_detectors_do_not_raise_on_valid_python(text):
-    if BUDGET.exhausted():
-        return
-    check_detectors_quiet(text)
-
-
-@fuzz_settings(max_examples=60)
-@given(generated_program())
-def test_detectors_on_generated_expression_trees(text):
-    if BUDGET.exhausted():
-        return
+def check_generated(text: str) -> None:
     assert parses(text), text  # the generator only builds valid Python
     check_detectors_quiet(text)
 
@@ -705,20 +699,63 @@ def test_detectors_on_generated_expression_trees(text):
 TRANSFORMERS = _transformers_files()
 
 
+@st.composite
+def mutated_transformers(draw) -> bytes:
+    text = draw(st.sampled_from(TRANSFORMERS))
+    for _ in range(draw(st.integers(1, 3))):
+        text = draw(st.sampled_from(TEXT_MUTATIONS))(draw, text)
+    return text.encode()
+
+
+PROPERTIES = {
+    "scan_repo": Property(st.lists(python_bytes(WHOLE_SEEDS), min_size=1, max_size=3), check_scan_repo),
+    "analyze": Property(python_bytes(), check_analyze),
+    "valid": Property(python_text(heavy=False, max_mutations=2), check_detectors_quiet),
+    "generated": Property(generated_program(), check_generated),
+}
+if TRANSFORMERS:
+    PROPERTIES["transformers"] = Property(mutated_transformers(), check_analyze)
+
+
+@fuzz_settings(max_examples=25)
+@given(PROPERTIES["scan_repo"].strategy)
+def test_scan_repo_reports_every_problem_per_file(value):
+    run_property(PROPERTIES, BUDGETS, "scan_repo", value)
+
+
+@fuzz_settings(max_examples=200)
+@given(PROPERTIES["analyze"].strategy)
+def test_analyze_file_never_raises(value):
+    run_property(PROPERTIES, BUDGETS, "analyze", value)
+
+
+@fuzz_settings(max_examples=120)
+@given(PROPERTIES["valid"].strategy)
+def test_detectors_do_not_raise_on_valid_python(value):
+    run_property(PROPERTIES, BUDGETS, "valid", value)
+
+
+@fuzz_settings(max_examples=60)
+@given(PROPERTIES["generated"].strategy)
+def test_detectors_on_generated_expression_trees(value):
+    run_property(PROPERTIES, BUDGETS, "generated", value)
+
+
 @pytest.mark.skipif(not TRANSFORMERS, reason=f"no transformers wheel at {TRANSFORMERS_WHEELS}")
 @fuzz_settings(max_examples=40)
-@given(st.data())
-def test_mutated_transformers_modeling_files(data):
-    if BUDGET.exhausted():
-        return
-    text = data.draw(st.sampled_from(TRANSFORMERS))
-    for _ in range(data.draw(st.integers(1, 3))):
-        text = data.draw(st.sampled_from(TEXT_MUTATIONS))(data.draw, text)
-    check_analyze(text.encode())
+@given(mutated_transformers() if TRANSFORMERS else st.nothing())
+def test_mutated_transformers_modeling_files(value):
+    run_property(PROPERTIES, BUDGETS, "transformers", value)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_budget():
     yield
-    if BUDGET.skipped:
-        warnings.warn(f"fuzz budget of {BUDGET.seconds:g} s used up: {BUDGET.skipped} scan examples not run", stacklevel=1)
+    report_budgets(BUDGETS)
+
+
+def report_budgets(budgets: dict[str, Budget]) -> None:
+    """A run cut short by its budget passes, but says so: it tested less than it was set up to."""
+    cut = {k: b.skipped for k, b in budgets.items() if b.skipped}
+    if cut:
+        warnings.warn(f"fuzz budget used up, examples not run: {cut}", stacklevel=2)

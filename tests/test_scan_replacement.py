@@ -21,6 +21,8 @@ FUSED = {
     "comment": "# the fused op\ny = f(x)\n\nz = g(\n    y,\n  1)",
     "string": 's = """a\n  b\n"""\ny = 1',
     "indented": "    y = 1\n    z = 2",
+    "lead_comment": "# why this is fused\n\n_g = w if w.dtype == x.dtype else w.to(x.dtype)\nreturn f(x, _g)\n# trailing note",
+    "nested_blank": "if x:\n    y = 1\n\n    # c\n    z = 2\nreturn y",
 }
 SWITCHES = [env_switch("rms_norm"), Switch("existing", expr='getattr(self.config, "use_fused_rmsnorm", False)'), Switch("none")]
 

@@ -101,7 +101,7 @@ def test_baseline_crash_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_nothing_parses_shows_first_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sd = fake_repo(tmp_path)
-    assert e2e(sd, "--steps", "5", "--log-regex", r"iter (?P<step>\d+) L=(?P<loss>\S+)") == 2
+    assert e2e(sd, "--steps", "15", "--log-regex", r"iter (?P<step>\d+) L=(?P<loss>\S+)") == 2
     err = capsys.readouterr().err
     assert "no step/loss lines recognised" in err and "step 1 loss" in err  # the output is shown
 
@@ -251,3 +251,9 @@ def test_ctrl_c_marks_run_interrupted(tmp_path: Path) -> None:
     assert c.evidence["e2e"]["runs"]["baseline"]["status"] == "interrupted" and c.status == "e2e_checking"
     assert any("interrupted" in h["note"] for h in c.history)
     assert not _trainer_pids(tmp_path)
+
+
+def test_steps_must_exceed_skip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sd = fake_repo(tmp_path)
+    assert e2e(sd, "--steps", "10") == 2  # --skip defaults to 10: nothing left to compare
+    assert "leaves nothing to compare" in capsys.readouterr().err

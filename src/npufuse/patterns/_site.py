@@ -151,8 +151,12 @@ def scope_text(module: ModuleInfo, scope: Scope) -> str:
     """Source of a scope (cheap prefilter for detectors: skip scopes without the right words)."""
     if isinstance(scope.node, ast.Module):
         return module.source
-    lines = module_lines(module)
-    return "".join(lines[scope.node.lineno - 1 : (scope.node.end_lineno or scope.node.lineno)])
+    cached = scope.__dict__.get("_npufuse_text")
+    if cached is None:
+        lines = module_lines(module)
+        cached = "".join(lines[scope.node.lineno - 1 : (scope.node.end_lineno or scope.node.lineno)])
+        scope.__dict__["_npufuse_text"] = cached
+    return cached
 
 
 # --------------------------------------------------------------------------------------------
@@ -728,7 +732,7 @@ def init_assignments(module: ModuleInfo, class_name: str | None) -> dict[str, as
     cls = module.classes[class_name]
     for item in cls.body:
         if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-            for n in ast.walk(item):
+            for n in _stmts_in(item.body):
                 if isinstance(n, ast.Assign):
                     for t in n.targets:
                         d = dotted(t)
@@ -740,6 +744,25 @@ def init_assignments(module: ModuleInfo, class_name: str | None) -> dict[str, as
                         out[d[5:]] = n.value
     cached[class_name] = out
     return out
+
+
+def _stmts_in(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Statements of a body and its nested blocks (not nested functions/classes)."""
+    for _block, _i, stmt in _walk_stmts(body):
+        yield stmt
+
+
+def _walk_stmts(body: list[ast.stmt]) -> Iterator[tuple[list[ast.stmt], int, ast.stmt]]:
+    for i, stmt in enumerate(body):
+        yield body, i, stmt
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for name in ("body", "orelse", "finalbody"):
+            inner = getattr(stmt, name, None)
+            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                yield from _walk_stmts(inner)
+        for handler in getattr(stmt, "handlers", []) or []:
+            yield from _walk_stmts(handler.body)
 
 
 def init_params(module: ModuleInfo, class_name: str | None) -> dict[str, ast.expr | None]:

@@ -60,7 +60,9 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         return None
     canon = module.canonical(value.func) or ""
     if canon in _LAYER_NORMS:
-        return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({canon.replace('torch.nn.', 'nn.')}: mean subtracted)")
+        short = canon.replace("torch.nn.", "nn.")
+        hint = "; npu_add_layer_norm fuses add + LayerNorm (not an npufuse pattern yet)" if short == "nn.LayerNorm" else ""
+        return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({short}: mean subtracted){hint}")
     cls = dotted(value.func) or ""
     if cls in module.classes:
         fwd = S.method(module, cls, "forward")
@@ -122,58 +124,68 @@ class _Site:
     sum_name: str | None  # None: the add is inline in the norm call
 
 
+_INLINE_SUM = re.compile(r"self\.\w+\([^()\n]*\+")
+
+
 def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """Residual adds directly followed (through ``residual = sum`` aliases) by a norm-module call
+    on the sum, and norm calls on an inline sum (``self.norm(x + y)``)."""
     idx = S.stmt_index(scope)
     lines = S.module_lines(module)
     for stmt in idx.stmts:
         if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
             continue
+        # a sum assigned to a name, then the norm of it
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            ops = _operands(module, stmt.value)
+            if ops is not None:
+                s_name = stmt.targets[0].id
+                block, i = idx.block[id(stmt)]
+                j = i + 1
+                aliases: list[ast.stmt] = []
+                while j < len(block) and _is_alias(block[j], s_name):
+                    aliases.append(block[j])
+                    j += 1
+                if j < len(block) and S.simple_stmt(block[j]) and getattr(block[j], "value", None) is not None:
+                    nstmt = block[j]
+                    for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+                        if isinstance(node, ast.Call) and len(node.args) == 1 and isinstance(node.args[0], ast.Name) and node.args[0].id == s_name:
+                            nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
+                            if nc is None:
+                                continue
+                            if isinstance(ops, str):
+                                yield nstmt, ops
+                            else:
+                                yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name)
+                            break
+        # the norm of an inline sum
         text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
-        if "self." not in text or "(" not in text:
-            continue
-        for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and len(node.args) == 1):
-                continue
-            arg = node.args[0]
-            ctx = S.Ctx(scope, stmt.lineno)
-            # the norm's input: an inline add, or a name assigned by the statement(s) just before
-            if isinstance(arg, (ast.BinOp, ast.Call)):
-                ops = _operands(module, arg)
+        if "+" in text and _INLINE_SUM.search(text):
+            for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+                if not (isinstance(node, ast.Call) and len(node.args) == 1 and isinstance(node.args[0], (ast.BinOp, ast.Call))):
+                    continue
+                ops = _operands(module, node.args[0])
                 if ops is None:
                     continue
-                nc = _norm_call(module, scope, node, ctx)
+                nc = _norm_call(module, scope, node, S.Ctx(scope, stmt.lineno))
                 if nc is None:
                     continue
                 if isinstance(ops, str):
                     yield stmt, ops
-                    continue
-                yield stmt, _Site(stmt, [], stmt, nc, ops[0], ops[1], None)
-                continue
-            if not isinstance(arg, ast.Name):
-                continue
-            block, i = idx.block[id(stmt)]
-            j = i - 1
-            aliases: list[ast.stmt] = []
-            names = {arg.id}
-            while j >= 0 and isinstance(block[j], ast.Assign) and len(block[j].targets) == 1 and isinstance(block[j].targets[0], ast.Name) \
-                    and isinstance(block[j].value, ast.Name) and block[j].value.id in names | {arg.id} and block[j].targets[0].id != arg.id:  # type: ignore[union-attr]
-                aliases.insert(0, block[j])
-                j -= 1
-            if j < 0:
-                continue
-            add = block[j]
-            if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name) and add.targets[0].id == arg.id):
-                continue
-            ops = _operands(module, add.value)
-            if ops is None:
-                continue
-            nc = _norm_call(module, scope, node, ctx)
-            if nc is None:
-                continue
-            if isinstance(ops, str):
-                yield stmt, ops
-                continue
-            yield stmt, _Site(add, aliases, stmt, nc, ops[0], ops[1], arg.id)
+                else:
+                    yield stmt, _Site(stmt, [], stmt, nc, ops[0], ops[1], None)
+
+
+def _is_alias(stmt: ast.stmt, name: str) -> bool:
+    """``residual = <sum name>``."""
+    return (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Name)
+        and stmt.targets[0].id != name
+        and isinstance(stmt.value, ast.Name)
+        and stmt.value.id == name
+    )
 
 
 def _simple(node: ast.expr) -> bool:

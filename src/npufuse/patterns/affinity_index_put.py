@@ -25,7 +25,7 @@ import copy
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, source_of
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, segment
 from npufuse.scan.value import symbolic
 
 _ID = "affinity_index_put"
@@ -272,7 +272,7 @@ class AffinityIndexPut(Pattern):
     bound = "launch"
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
-        if not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
+        if not _relevant(module):
             return
         for _block, _i, stmt in scope.statements():
             site = _site_parts(stmt)
@@ -302,6 +302,15 @@ class AffinityIndexPut(Pattern):
         return out
 
 
+_RELEVANT: list[Any] = [None, False]  # single-entry cache: detect runs for every scope of one module in a row
+
+
+def _relevant(module: ModuleInfo) -> bool:
+    if _RELEVANT[0] is not module:
+        _RELEVANT[:] = [module, any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())]
+    return bool(_RELEVANT[1])
+
+
 def _site_parts(stmt: ast.stmt) -> Optional[tuple[ast.expr, ast.expr, ast.expr, Optional[ast.operator]]]:
     """(target, mask, value, aug op) of ``x[m] = v`` / ``x[m] op= v`` / ``x.index_put_((m,), v)``."""
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript):
@@ -328,14 +337,14 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         return None  # d["key"] = v, x[0] = v, x[:, :n] = v, x[i, j] = v: not a mask assignment
     if integer_index(module, mask, scope, line):
         return NearMiss(_ID, scope.qualname, line, end,
-                        f"index `{source_of(module, mask)[:50]}` is integer positions (nonzero/where), not a boolean "
+                        f"index `{segment(module, mask)[:50]}` is integer positions (nonzero/where), not a boolean "
                         "mask: index with the mask itself to allow the masked_fill/where rewrite")
     if not is_bool_mask(module, scope, mask, line):
         return None  # cannot tell a mask from an integer index: not reported
     if _is_numpy(module, scope, target_node, line):
         return NearMiss(_ID, scope.qualname, line, end, f"`{target}` is a numpy array, not a torch tensor")
-    mask_text = source_of(module, mask)
-    value_text = source_of(module, value)
+    mask_text = segment(module, mask)
+    value_text = segment(module, value)
     gathered = _gathered(module, value, mask)
     if aug is not None:
         op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(aug)]

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional
 
 from npufuse.patterns.affinity_index_put import is_bool_mask, is_inf, is_scalar
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, source_of
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, scope_text, segment
 from npufuse.scan.value import symbolic
 
 _ID = "affinity_where"
@@ -41,8 +41,8 @@ class AffinityWhere(Pattern):
     bound = "memory"
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
-        if not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
-            return
+        if "where" not in scope_text(module, scope) or not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
+            return  # cheap text pre-filter: no `where` in this scope
         for _block, _i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.AugAssign)) or stmt.value is None:
                 continue
@@ -226,7 +226,7 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
         return NearMiss(_ID, scope.qualname, line, end, reason)
 
     cond, a, b = _operands(call)  # type: ignore[misc]
-    texts = [source_of(module, x) for x in (cond, a, b)]
+    texts = [segment(module, x) for x in (cond, a, b)]
     for side, text in ((a, texts[1]), (b, texts[2])):
         if _is_literal(side) or is_scalar(module, scope, side, line) or _module_scalar(module, side):
             return miss(f"a branch is the scalar `{text}`: torch.lerp needs two tensors, and a Python scalar branch "

@@ -737,36 +737,6 @@ class _Matcher:
         except Exception:
             return "<expression>"
 
-    def has_qk(self, node: Any) -> bool:
-        for n in walk_sym(node):
-            if self.is_matmul(n) is not None:
-                return True
-        return False
-
-    def has_softmax(self, node: Any) -> bool:
-        """A softmax reachable without crossing a matmul (an earlier attention's output feeding a
-        projection is not "probabilities modified after softmax")."""
-        stack, visited = [node], set()
-        while stack:
-            n = stack.pop()
-            if not isinstance(n, ast.AST) or id(n) in visited or len(visited) > 4000:
-                continue
-            visited.add(id(n))
-            if self.softmax_of(n) is not None:
-                return True
-            if self.is_matmul(n) is not None:
-                continue
-            if isinstance(n, Ref):
-                if n.value is not None:
-                    stack.append(n.value)
-                continue
-            for _f, value in ast.iter_fields(n):
-                if isinstance(value, list):
-                    stack.extend(v for v in value if isinstance(v, ast.AST))
-                elif isinstance(value, ast.AST):
-                    stack.append(value)
-        return False
-
     # -- softmax
     def softmax_of(self, node: Any) -> tuple[Any, Any, Any] | None:
         """(input, dim node, dtype node) if ``node`` is a softmax call."""
@@ -1149,6 +1119,14 @@ class _Matcher:
             elif isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) == f"self.{attr}":
                 value = node.value
             if value is not None:
+                if isinstance(value, ast.Name):
+                    # ``bias = torch.tril(...).view(...)`` then ``self.register_buffer("bias", bias)``
+                    for fn in ast.walk(cls):
+                        if isinstance(fn, ast.FunctionDef) and any(n is node for n in ast.walk(fn)):
+                            for a in ast.walk(fn):
+                                if isinstance(a, ast.Assign) and any(isinstance(t, ast.Name) and t.id == value.id for t in a.targets):
+                                    value = a.value
+                            break
                 for sub in ast.walk(value):
                     if self._is_local_tri(sub, "tril", 0):
                         return True
@@ -1665,6 +1643,8 @@ class AttentionPattern(Pattern):
             params["softmax_dtype"] = chain.softmax_dtype
         if d is None:
             chain.notes.append("head_dim is not a literal here: npu_fusion_attention needs D ≤ 768 (fused kernels prefer multiples of 16)")
+        if not three_d:
+            risks.append(Risk("layout", "q/k/v are taken as 4-D (the eager matmuls accept any rank; a windowed 5-D input would be rejected by the op)"))
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         variant = "+".join(dict.fromkeys(chain.spelling)) + (f"+gqa" if gqa else "") + (f"+{mask_kind}" if mask_kind != "none" else "")
         return Finding(

@@ -27,7 +27,7 @@ import ast
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, dotted, keyword, source_of
+from npufuse.scan.dataflow import ModuleInfo, Scope, dotted, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "fused_optimizer"
@@ -64,6 +64,8 @@ class FusedOptimizer(Pattern):
     bound = "launch"
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        if not _relevant(module):
+            return  # no optimizer class named in this file
         facts: Optional[_FileFacts] = None
         for _block, _i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
@@ -82,6 +84,16 @@ class FusedOptimizer(Pattern):
         import torch
 
         return getattr(torch.optim, kind)(params, **kwargs)
+
+
+_RELEVANT: list[Any] = [None, False]  # single-entry cache: detect runs for every scope of one module in a row
+
+
+def _relevant(module: ModuleInfo) -> bool:
+    if _RELEVANT[0] is not module:
+        src = module.source
+        _RELEVANT[:] = [module, any(k in src for k in _OPTIMIZERS) and ("optim" in src)]
+    return bool(_RELEVANT[1])
 
 
 def _optimizer_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
@@ -188,7 +200,7 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
     if isinstance(params, ast.Name):
         # materialise the opaque iterable once: both branches then get the same list
         return f"next(iter(({params.id} := list({params.id}))), None)", ""
-    return None, f"the params come from `{source_of(module, params)[:50]}`: no parameter tensor to guard on without consuming it"
+    return None, f"the params come from `{segment(module, params)[:50]}`: no parameter tensor to guard on without consuming it"
 
 
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, facts: _FileFacts) -> Result:
@@ -202,7 +214,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, fact
     # -- arguments ---------------------------------------------------------------------------
     for k in call.keywords:
         if k.arg is None:
-            return miss(f"keyword arguments passed through `**{source_of(module, k.value)}` may carry "
+            return miss(f"keyword arguments passed through `**{segment(module, k.value)}` may carry "
                         "fused=/foreach=/capturable=, which torch_npu.optim fused optimizers do not take")
         if k.arg in _UNSUPPORTED_KW:
             return miss(f"`{k.arg}=` is not supported by torch_npu.optim.{fused_cls} (no foreach/fused/capturable/"
@@ -248,9 +260,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, fact
     params = {
         "optimizer": f"torch.optim.{kind}",
         "fused_class": f"torch_npu.optim.{fused_cls}",
-        "args": {k.arg: source_of(module, k.value) for k in call.keywords if k.arg and k.arg != "params"}
-        | {accepted[i - 1]: source_of(module, a) for i, a in enumerate(call.args) if i > 0},
-        "params": source_of(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
+        "args": {k.arg: segment(module, k.value) for k in call.keywords if k.arg and k.arg != "params"}
+        | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0},
+        "params": segment(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
         "param_groups": _is_groups(module, scope, keyword(call, "params", 0), stmt.lineno),  # type: ignore[arg-type]
         "guard": "fresh_generator" if model else "materialised_list",
         "lr_default_added": kind == "SGD" and not lr_given,

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, source_of
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "moe_experts"
@@ -145,14 +145,16 @@ class MoeExperts(Pattern):
     bound = "launch"
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
-        if not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
-            return  # no torch in this file
+        if not _relevant(module):
+            return  # no torch, or nothing about experts / index_add in this file
         # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
         quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
                 continue
-            looks = _looks_like_moe(module, stmt) and not quiet
+            if not _looks_like_moe(module, stmt):
+                continue  # every recognised form mentions experts or scatters rows back
+            looks = not quiet
             try:
                 site = _analyze_loop(module, scope, block, i, stmt)
             except _Miss as miss:
@@ -195,6 +197,17 @@ class MoeExperts(Pattern):
 # ---------------------------------------------------------------------------------------------
 # Loop analysis
 # ---------------------------------------------------------------------------------------------
+
+
+_RELEVANT: list[Any] = [None, False]  # single-entry cache: detect runs for every scope of one module in a row
+
+
+def _relevant(module: ModuleInfo) -> bool:
+    if _RELEVANT[0] is not module:
+        src = module.source
+        torch_file = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
+        _RELEVANT[:] = [module, torch_file and ("index_add" in src or "xpert" in src)]
+    return bool(_RELEVANT[1])
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -295,8 +308,8 @@ class _Eval:
             self.eidx.add(idx_name)
             if self._is_expert_container(inner):
                 self.loop_kind = "enumerate_experts"
-                self.experts_list = f"list({source_of(m, inner)})"
-                self.num_experts = f"len({source_of(m, _container_of(inner))})"
+                self.experts_list = f"list({segment(m, inner)})"
+                self.num_experts = f"len({segment(m, _container_of(inner))})"
                 self.bins = f"len({P}experts)"
                 self.env[item_name] = V("expert", (None,))
                 return
@@ -313,7 +326,7 @@ class _Eval:
             if len(it.args) != 1:
                 raise _Miss("range(...) with a start/step: not a loop over all experts")
             self.loop_kind = "range"
-            self.num_experts = self.bins = source_of(m, it.args[0])
+            self.num_experts = self.bins = segment(m, it.args[0])
             return
         if self._is_expert_container(it):
             raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing)")
@@ -413,7 +426,7 @@ class _Eval:
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.LtE)):
             left, right = test.left, test.comparators[0]
             if self._is_eidx(left):
-                self.sentinel = source_of(self.m, right)  # dead when the mask has exactly that many classes
+                self.sentinel = segment(self.m, right)  # dead when the mask has exactly that many classes
                 return
             if isinstance(right, ast.Constant) and right.value == 0 and self._size_kind(left) in ("tok", "kpos", "count", "x", "x_sorted"):
                 return
@@ -551,7 +564,7 @@ class _Eval:
                 idx, ncls = keyword(node, "input", 0), keyword(node, "num_classes", 1)
                 if not isinstance(idx, ast.Name) or ncls is None or not permuted:
                     return None
-                info = (idx.id, source_of(self.m, ncls), orient)
+                info = (idx.id, segment(self.m, ncls), orient)
                 self.masks[name] = info
                 return info
             return None
@@ -961,11 +974,11 @@ class _Eval:
         dt = keyword(value, "dtype")
         f = value.func
         if name in ("torch.zeros_like", "torch.empty_like") and value.args:
-            return source_of(self.m, dt) if dt is not None else f"{source_of(self.m, value.args[0])}.dtype"
+            return segment(self.m, dt) if dt is not None else f"{segment(self.m, value.args[0])}.dtype"
         if name in ("torch.zeros", "torch.empty"):
-            return source_of(self.m, dt) if dt is not None else "torch.get_default_dtype()"
+            return segment(self.m, dt) if dt is not None else "torch.get_default_dtype()"
         if isinstance(f, ast.Attribute) and f.attr in ("new_zeros", "new_empty"):
-            return source_of(self.m, dt) if dt is not None else f"{source_of(self.m, f.value)}.dtype"
+            return segment(self.m, dt) if dt is not None else f"{segment(self.m, f.value)}.dtype"
         raise _Miss(f"`{acc}` starts from `{ast.unparse(value)[:50]}`, not zeros: rows no expert writes would differ")
 
 

@@ -647,7 +647,8 @@ class RopePattern(Pattern):
         if mode == "interleave" and not (cinfo.batch_free and sinfo.batch_free):
             return (
                 f"interleave mode with cos/sin that may depend on the batch (`{segment(module, cos)}`: {cinfo.layout or 'shape not known'}): "
-                "npu_rotary_mul's interleave mode takes only 11SD / 1S1D / S11D cos/sin (no per-batch positions)"
+                "npu_rotary_mul's interleave mode takes only 11SD / 1S1D / S11D cos/sin (no per-batch positions); "
+                "if every row shares its positions, passing cos[:1] / sin[:1] would make it eligible"
             )
         rotary_dim = "full"
         d: object = ...

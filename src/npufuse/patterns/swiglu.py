@@ -460,6 +460,22 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
     return None
 
 
+def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> str | None:
+    """Why an operand is not a plain projection: scaled, clamped or assigned under control flow."""
+    n, c = S.peel(node, ctx)
+    if isinstance(n, ast.Name):
+        d = S.definition(c, n.id)
+        if d is not None:
+            return f"`{n.id}` is assigned under control flow before the gate"
+        return None
+    text = ast.unparse(n)
+    if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
+        return f"gate or up is transformed after its projection (`{text}`): the fused op takes the projections themselves"
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and not n.args and n.keywords:
+        return f"gate or up is transformed after its projection (`{text}`): the fused op takes the projections themselves"
+    return None
+
+
 def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     """A gated product ``act(a) * b`` at ``node`` (a Mult BinOp), or None; GateMiss for
     look-alikes whose structure the fused op cannot take."""
@@ -528,7 +544,13 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     ia = _projection_input(a, actx)
     ib = _projection_input(b, ctx)
     if ia is None or ib is None or ia != ib:
-        raise GateMiss("gate and up are not projections of one input (a gated output, not a GLU MLP)")
+        if act.kind in (SILU, CONFIG) + GELU_KINDS:
+            for op, octx in ((a, actx), (b, ctx)):
+                why = _transformed(module, op, octx)
+                if why:
+                    raise GateMiss(why)
+            raise GateMiss("gate and up are not projections of one input (a gated output, not a GLU MLP)")
+        return None
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ia)
 
 
@@ -620,7 +642,7 @@ class GateResult:
     miss: NearMiss | None = None
 
 
-_ACT_WORDS = re.compile(r"silu|swish|gelu|sigmoid|act|glu|relu|tanh|mish|elu|softplus", re.IGNORECASE)
+_ACT_WORDS = ("silu", "swish", "gelu", "sigmoid", "act", "glu", "relu", "tanh", "mish", "elu", "softplus")
 
 
 def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
@@ -632,8 +654,8 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     scope.__dict__["_npufuse_gates"] = results
     if isinstance(scope.node, ast.Module) or "*" not in S.scope_text(module, scope):
         return results
-    text = S.scope_text(module, scope)
-    if not _ACT_WORDS.search(text):
+    text = S.scope_text(module, scope).lower()
+    if not any(w in text for w in _ACT_WORDS):
         return results
     lines = S.module_lines(module)
     for stmt in S.stmt_index(scope).stmts:

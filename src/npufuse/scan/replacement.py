@@ -139,8 +139,16 @@ def fast_body(lines: list[str], finding: Finding, indent: str, decorated: set[in
         return None
     frows = [r + "\n" for r in fused.split("\n")]
     fkinds = _classify(fused + "\n")
-    if fkinds is None or len(fkinds) != len(frows) or fkinds[0] != "logical":
+    if fkinds is None or len(fkinds) != len(frows) or "logical" not in fkinds:
         return None
+    # The transform takes the fused module's statements only: comment/blank rows before the
+    # first statement (libcst's module header) and unindented ones after the last row of a
+    # statement (its footer) are dropped. Indented trailing rows may belong to a block: decline.
+    first = fkinds.index("logical")
+    last = max(i for i, k in enumerate(fkinds) if k not in ("comment", "blank"))
+    if any(_ws(frows[i]) for i in range(last + 1, len(frows)) if frows[i].strip()):
+        return None
+    frows, fkinds = frows[first : last + 1], fkinds[first : last + 1]
     # libcst re-renders the fused code's first indentation unit as the file's: equal text only
     # when the fused code indents by exactly the file's unit.
     indented = [_ws(r) for r, k in zip(frows, fkinds) if k == "logical" and _ws(r)]

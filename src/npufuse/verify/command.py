@@ -135,8 +135,10 @@ def _print_op(report: Any) -> None:
                       _fmt(c.orig_max_rel, ".3g"), str(c.violations), _fmt(c.row_cos_min, ".5f"), "yes" if c.passed else "NO")  # fmt: skip
     console.print(table)
     print(f"inputs: {report.inputs['source']} ({report.inputs['dtype']}); backward {report.backward}; fused calls from the site: {report.calls['site_calls_on']}")
+    for note in report.inputs.get("notes", []) + report.notes:
+        print(f"note: {note}")
     if report.passed:
-        print(f"PASSED: seed criterion and relative-error bound ({report.factor}× the original's own error) hold for every tensor")
+        print(f"PASSED: the seed criterion and the relative-error bound ({report.factor}× the original's own error) hold for every tensor")
     else:
         print("FAILED (accuracy_failed):")
         for r in report.reasons:

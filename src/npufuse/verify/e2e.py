@@ -247,8 +247,8 @@ def _reuse_baseline(cand: Candidate, ev: dict[str, Any], fp: str, opts: E2EOptio
 def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = None) -> dict[str, Any]:
     """The whole e2e verification with its state transitions; returns the final evidence
     (``{"e2e": ..., "perf": ..., "status": ..., "verdict": ...}``)."""
-    if opts.steps < 1:
-        raise UsageError("--steps must be at least 1")
+    if opts.steps <= opts.skip:
+        raise UsageError(f"--steps {opts.steps} leaves nothing to compare after the first --skip {opts.skip} steps")
     status = cand.status
     if not opts.force:
         if status in ("pending", "accuracy_checking"):
@@ -323,7 +323,7 @@ def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = No
     monitor = stats.LossMonitor(_losses(base), opts.tolerance, opts.skip, opts.alpha)
     out = _interruptible(lambda: run_once(cand, opts, "fused", cwd, plan, monitor, progress), ev, "fused", save)
     fused = dict(sorted(out.records.items())[: opts.steps])
-    failure = _fused_problem(out, opts, cand, base_info, monitor)
+    failure = _fused_problem(out, opts, cand, base_info)
     ev["runs"]["fused"] = _run_info(out, cand, "failed" if failure else "complete", fp, opts)
     check = stats.compare_losses(_losses(base), _losses(fused), opts.tolerance, opts.skip, opts.alpha, min_steps=1)
     ev["loss"] = check.to_json() if not (failure and out.stop in ("loss", "nonfinite")) else monitor.check.to_json()
@@ -393,7 +393,7 @@ def _baseline_problem(out: RunOutcome, opts: E2EOptions, cand: Candidate) -> str
     return None
 
 
-def _fused_problem(out: RunOutcome, opts: E2EOptions, cand: Candidate, base_info: dict[str, Any], monitor: stats.LossMonitor) -> str | None:
+def _fused_problem(out: RunOutcome, opts: E2EOptions, cand: Candidate, base_info: dict[str, Any]) -> str | None:
     assert cand.site is not None
     last = max(out.records) if out.records else 0
     if out.stop in ("loss", "nonfinite"):

@@ -1,0 +1,124 @@
+"""The fuzz properties of tests/test_fuzz_*.py, unseeded, for a fixed time (issue 7 acceptance:
+"a longer run is documented with its result").
+
+    .venv/bin/python bench/fuzz_long.py --minutes 30 [--only scan.analyze,rewrite.spans] [--out FILE]
+
+Runs every property in turn, in chunks of ``--chunk`` examples, with fresh random seeds until the
+time is up (a chunk that is shrinking a failure may finish a little late). Prints examples run and
+distinct failures per property, then each failure's falsifying input (truncated; ``--out`` keeps
+them whole, as JSON). Exit status 1 when anything failed.
+
+The CI budgets of the test modules do not apply here: this script sets its own time box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the property modules, and their shared strategies
+
+
+def _load():
+    import warnings
+
+    warnings.filterwarnings("ignore")  # hypothesis' large-repr warnings: huge inputs are the point
+    import test_fuzz_profile
+    import test_fuzz_rewrite
+    import test_fuzz_scan
+
+    mods = {"scan": test_fuzz_scan, "rewrite": test_fuzz_rewrite, "profile": test_fuzz_profile}
+    for mod in mods.values():
+        for b in mod.BUDGETS.values():
+            b.seconds = math.inf
+    return {f"{m}.{name}": prop for m, mod in mods.items() for name, prop in mod.PROPERTIES.items()}
+
+
+def _signature(prop: str, exc: BaseException) -> str:
+    """Failures with the same cause count once: tmp paths, numbers and addresses masked."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    first = re.sub(r"/tmp/\S+", "<tmp>", first)
+    first = re.sub(r"\d+", "N", first)[:160]
+    return f"{prop}: {type(exc).__name__}: {first}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, required=True)
+    ap.add_argument("--only", default="", help="comma-separated property names (default: all)")
+    ap.add_argument("--chunk", type=int, default=25, help="examples per hypothesis run")
+    ap.add_argument("--out", help="write the failures, with whole inputs, as JSON")
+    args = ap.parse_args(argv)
+
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    from test_fuzz_scan import DEADLINE
+
+    props = _load()
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        unknown = [w for w in wanted if w not in props]
+        if unknown:
+            ap.error(f"unknown properties {unknown}; known: {', '.join(props)}")
+        props = {k: props[k] for k in wanted}
+    runs = {k: 0 for k in props}
+    failures: dict[str, dict] = {}
+    start = time.monotonic()
+    end = start + args.minutes * 60
+    loose = settings(max_examples=args.chunk, derandomize=False, database=None, deadline=DEADLINE,
+                     suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.target, Phase.shrink],
+                     report_multiple_bugs=False)
+    print(f"fuzzing {len(props)} properties for {args.minutes:g} min on {platform.node()} "
+          f"({os.cpu_count()} CPUs, Python {platform.python_version()})", flush=True)
+    rounds = 0
+    while time.monotonic() < end:
+        rounds += 1
+        for name, prop in props.items():
+            if time.monotonic() >= end:
+                break
+
+            def one(value, name=name, prop=prop):
+                runs[name] += 1
+                prop.check(value)
+
+            test = loose(given(prop.strategy)(one))
+            try:
+                test()
+            except KeyboardInterrupt:
+                end = 0
+                break
+            except BaseException as exc:  # a property failure (hypothesis re-raises it, shrunk)
+                sig = _signature(name, exc)
+                notes = "\n".join(getattr(exc, "__notes__", []))
+                entry = failures.setdefault(sig, {"property": name, "count": 0, "error": f"{type(exc).__name__}: {exc}",
+                                                  "example": notes, "traceback": traceback.format_exc(limit=6)})
+                entry["count"] += 1
+                if entry["count"] == 1:
+                    print(f"  FAIL {sig}", flush=True)
+        done = time.monotonic() - start
+        print(f"  round {rounds}: {sum(runs.values())} examples, {len(failures)} distinct failures, {done / 60:.1f} min", flush=True)
+
+    elapsed = (time.monotonic() - start) / 60
+    print(f"\nran {elapsed:.1f} min, {sum(runs.values())} examples (shrink steps included), {len(failures)} distinct failures")
+    width = max(len(k) for k in props)
+    for name in props:
+        n_fail = sum(1 for f in failures.values() if f["property"] == name)
+        print(f"  {name:<{width}}  {runs[name]:>7} examples  {n_fail} failures")
+    for sig, f in failures.items():
+        print(f"\n== {sig} (x{f['count']})\n{f['error'][:1500]}\n{f['example'][:1500]}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"minutes": elapsed, "examples": runs, "failures": list(failures.values())}, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,501 @@
+"""Fuzzing the profiler-output readers (issue 7, "Fuzzing"): mutated ``kernel_details.csv`` and
+friends, and mutated ``trace_view.json``.
+
+Seeds are a cut-down real-shaped profile (``tests/fuzz_corpus/profile/``: one RMSNorm's kernels,
+made with /work/shared/tools/gen_ascend_profile.py and trimmed). Properties: nothing raises;
+every problem is one line naming its file (and row/column where it has them, within the file);
+what is readable is still read — corrupting some rows loses exactly those rows, reordering or
+renaming columns changes nothing, the polars and csv readers agree; the whole ``analyze`` never
+raises and its result is valid JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from npufuse.cli import main
+from npufuse.profile.analysis import Options, analyze
+from npufuse.profile.readers import (KERNEL_ALIASES, MAX_PROBLEMS_PER_KIND, Problem, read_kernel_details,
+                                     read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view)
+from npufuse.profile.trace import analyze_trace
+from test_fuzz_scan import (BUDGET_SCALE, HANG_CPU_S, Budget, Property, cpu_guard, fuzz_settings, report_budgets,
+                            run_property)
+
+SEED_DIR = Path(__file__).parent / "fuzz_corpus" / "profile"
+CSV_FILES = ("kernel_details.csv", "op_statistic.csv", "operator_details.csv", "step_trace_time.csv")
+READERS = {
+    "op_statistic.csv": read_op_statistic,
+    "operator_details.csv": read_operator_details,
+    "step_trace_time.csv": read_step_trace_time,
+}
+BACKENDS = ("csv", "polars")
+HAS_POLARS = __import__("importlib").util.find_spec("polars") is not None
+BUDGETS = {k: Budget(v * BUDGET_SCALE) for k, v in {"kernels": 5, "readable": 4, "others": 2, "trace": 3, "analyze": 5}.items()}
+
+
+def _rows(name: str) -> list[list[str]]:
+    with open(SEED_DIR / name, newline="", encoding="utf-8") as fp:
+        return list(csv.reader(fp))
+
+
+def _csv_text(rows: list[list[str]]) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return buf.getvalue()
+
+
+# -- mutations ---------------------------------------------------------------------------------
+
+# float() and polars both reject these; "readable parts" properties rely on that
+NOT_NUMBERS = ["abc", "1,5", "0x10", "--1", "1e", "nan?", "one", "3.4.5", "\"", "1 2"]
+ODD_CELLS = NOT_NUMBERS + ["", " ", "N/A", "-", "nan", "inf", "-inf", "1e400", "9" * 400, "  3.5  ", "\t7\t",
+                           "１２", "1_000", "0", "-1", "\x00", "a\nb", "a\r\nb", "é", "\ufeff", "=1+1", "'1'"]
+
+
+def _pick(draw, n: int) -> int:
+    return draw(st.integers(0, max(0, n - 1)))
+
+
+def r_shuffle_columns(draw, rows):
+    perm = draw(st.permutations(range(len(rows[0]))))
+    return [[r[i] for i in perm if i < len(r)] for r in rows]
+
+
+def r_drop_column(draw, rows):
+    i = _pick(draw, len(rows[0]))
+    return [r[:i] + r[i + 1 :] for r in rows]
+
+
+def r_alias_header(draw, rows):
+    """Another spelling torch_npu versions use for one of the known columns (or a case change)."""
+    h = list(rows[0])
+    i = _pick(draw, len(h))
+    spellings = [a for names in KERNEL_ALIASES.values() if any(n.lower().replace(" ", "") == h[i].lower().replace(" ", "") for n in names) for a in names]
+    h[i] = draw(st.sampled_from(spellings + [h[i].upper(), h[i].lower(), f" {h[i]} ", h[i].replace(" ", "_")]))
+    return [h] + rows[1:]
+
+
+def r_duplicate_column(draw, rows):
+    i = _pick(draw, len(rows[0]))
+    return [r + [r[i]] if i < len(r) else r for r in rows]
+
+
+def r_truncate_row(draw, rows):
+    k = 1 + _pick(draw, len(rows) - 1) if len(rows) > 1 else 0
+    rows = [list(r) for r in rows]
+    rows[k] = rows[k][: _pick(draw, len(rows[k]))]
+    return rows
+
+
+def r_extra_fields(draw, rows):
+    k = _pick(draw, len(rows))
+    rows = [list(r) for r in rows]
+    rows[k] = rows[k] + ["x"] * draw(st.integers(1, 3))
+    return rows
+
+
+def r_odd_cell(draw, rows):
+    rows = [list(r) for r in rows]
+    k = _pick(draw, len(rows))
+    if rows[k]:
+        rows[k][_pick(draw, len(rows[k]))] = draw(st.sampled_from(ODD_CELLS))
+    return rows
+
+
+def r_huge_value(draw, rows):
+    rows = [list(r) for r in rows]
+    k = 1 + _pick(draw, len(rows) - 1) if len(rows) > 1 else 0
+    if rows[k]:
+        rows[k][_pick(draw, len(rows[k]))] = draw(st.sampled_from(["1e308", "1" * 5000, "x" * 200_000, "-1e308", "1e-320"]))
+    return rows
+
+
+def r_header_only(draw, rows):
+    return rows[:1]
+
+
+def r_blank_lines(draw, rows):
+    rows = [list(r) for r in rows]
+    rows.insert(1 + _pick(draw, len(rows)), [])
+    return rows
+
+
+def r_duplicate_rows(draw, rows):
+    k = 1 + _pick(draw, len(rows) - 1) if len(rows) > 1 else 0
+    return rows[: k + 1] + [rows[k]] * draw(st.integers(1, 4)) + rows[k + 1 :]
+
+
+ROW_MUTATIONS = [r_shuffle_columns, r_drop_column, r_alias_header, r_duplicate_column, r_truncate_row, r_extra_fields,
+                 r_odd_cell, r_odd_cell, r_huge_value, r_header_only, r_blank_lines, r_duplicate_rows]
+
+
+def t_bad_quote(draw, text):
+    i = _pick(draw, len(text) + 1)
+    return text[:i] + draw(st.sampled_from(['"', '""', '"\n', "'", '\\"'])) + text[i:]
+
+
+def t_truncate(draw, text):
+    return text[: _pick(draw, len(text) + 1)]
+
+
+def t_line_ends(draw, text):
+    return draw(st.sampled_from([text.replace("\n", "\r\n"), text.replace("\n", "\r"), text + "\n\n\n"]))
+
+
+def t_bom(draw, text):
+    return draw(st.sampled_from(["\ufeff", "\ufeff\ufeff", " "])) + text
+
+
+def t_delimiter(draw, text):
+    return text.replace(",", draw(st.sampled_from([";", "\t", "|"])))
+
+
+TEXT_MUTATIONS = [t_bad_quote, t_truncate, t_line_ends, t_bom, t_delimiter]
+
+
+def b_bytes(draw, data):
+    i = _pick(draw, len(data) + 1)
+    junk = draw(st.one_of(st.binary(min_size=1, max_size=16), st.sampled_from([b"\xff\xfe", b"\x00", b"\xe9", b"\xc3("])))
+    return data[:i] + junk + data[i:]
+
+
+def b_utf16(draw, data):
+    return data.decode("utf-8", "replace").encode("utf-16")
+
+
+BYTE_MUTATIONS = [b_bytes, b_utf16]
+
+
+@st.composite
+def mutated_csv(draw, name: str) -> bytes:
+    rows = _rows(name)
+    for _ in range(draw(st.integers(0, 3))):
+        rows = draw(st.sampled_from(ROW_MUTATIONS))(draw, rows) or [[]]
+    text = _csv_text(rows)
+    if draw(st.integers(0, 2)) == 0:
+        text = draw(st.sampled_from(TEXT_MUTATIONS))(draw, text)
+    data = text.encode("utf-8", "surrogatepass")
+    if draw(st.integers(0, 4)) == 0:
+        data = draw(st.sampled_from(BYTE_MUTATIONS))(draw, data)
+    return data
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda sub: st.lists(sub, max_size=3) | st.dictionaries(st.text(max_size=8), sub, max_size=3),
+    max_leaves=8,
+)
+EVENT_KEYS = ["ph", "name", "pid", "tid", "ts", "dur", "args", "id", "cat"]
+ARG_KEYS = ["Call stack", "connection_id", "name", "Task Type"]
+
+
+def _trace_events() -> list:
+    return json.loads((SEED_DIR / "trace_view.json").read_text())
+
+
+def e_field(draw, events):
+    """An event field replaced by any JSON value (wrong type, list, dict, null, huge number)."""
+    e = events[_pick(draw, len(events))]
+    if isinstance(e, dict):
+        e[draw(st.sampled_from(EVENT_KEYS))] = draw(JSON_VALUES)
+    return events
+
+
+def e_arg(draw, events):
+    e = events[_pick(draw, len(events))]
+    if isinstance(e, dict):
+        if not isinstance(e.get("args"), dict):
+            e["args"] = {}
+        e["args"][draw(st.sampled_from(ARG_KEYS))] = draw(st.one_of(JSON_VALUES, st.sampled_from(
+            ["", ";;;", "x.py(notanumber): f", "(1): ", "a.py(99999999999999999999): f", "\r\n" * 5, "m.py(3): f;" * 50])))
+    return events
+
+
+def e_drop_key(draw, events):
+    e = events[_pick(draw, len(events))]
+    if isinstance(e, dict) and e:
+        e.pop(draw(st.sampled_from(sorted(e))), None)
+    return events
+
+
+def e_replace_event(draw, events):
+    events[_pick(draw, len(events))] = draw(JSON_VALUES)
+    return events
+
+
+def e_duplicate(draw, events):
+    k = _pick(draw, len(events))
+    return events[: k + 1] + [json.loads(json.dumps(events[k]))] + events[k + 1 :]
+
+
+def e_delete(draw, events):
+    del events[_pick(draw, len(events))]
+    return events
+
+
+EVENT_MUTATIONS = [e_field, e_field, e_arg, e_drop_key, e_replace_event, e_duplicate, e_delete]
+
+
+@st.composite
+def mutated_trace(draw) -> bytes:
+    events = _trace_events()
+    for _ in range(draw(st.integers(0, 4))):
+        events = draw(st.sampled_from(EVENT_MUTATIONS))(draw, events) if events else events
+    top = draw(st.sampled_from(["list", "list", "dict", "wrong"]))
+    doc = events if top == "list" else {"traceEvents": events} if top == "dict" else draw(JSON_VALUES)
+    data = json.dumps(doc, indent=None if draw(st.booleans()) else 0).encode()
+    kind = draw(st.integers(0, 5))
+    if kind == 0:
+        data = data[: _pick(draw, len(data) + 1)]
+    elif kind == 1:
+        data = b_bytes(draw, data)
+    elif kind == 2:
+        data = draw(st.sampled_from([b"\xef\xbb\xbf", b"", b"\n\n"])) + data
+    return data
+
+
+# -- properties --------------------------------------------------------------------------------
+
+
+def check_problems(problems: list[Problem], path: Path, data: bytes) -> None:
+    """Each problem is one line that names the file, and its row (if any) is inside the file."""
+    lines = data.count(b"\n") + data.count(b"\r") + 2
+    for p in problems:
+        assert isinstance(p, Problem), p
+        assert p.file == str(path), p
+        assert isinstance(p.message, str) and p.message.strip(), p
+        text = str(p)
+        assert "\n" not in text and "\r" not in text, f"problem is not one line: {text!r}"
+        assert text.startswith(str(path)), text
+        if p.row is not None:
+            assert isinstance(p.row, int) and 1 <= p.row <= lines, p
+            assert f"row {p.row}" in text
+        if p.column:
+            assert f"column '{p.column}'" in text
+
+
+def _type_sequence(table) -> list[str]:
+    return [table.types[c] for c in table.type_code.tolist()]
+
+
+def check_kernel_table(table) -> None:
+    n = table.n
+    for attr in ("type_code", "start", "dur", "stream", "shape_code"):
+        assert getattr(table, attr).shape[0] == n, attr
+    for attr in ("wait", "step", "name_code"):
+        if getattr(table, attr) is not None:
+            assert getattr(table, attr).shape[0] == n, attr
+    assert n == 0 or int(table.type_code.max()) < len(table.types)
+    assert n == 0 or int(table.shape_code.max()) < len(table.shape_keys)
+    if table.name_code is not None and n:
+        assert int(table.name_code.max()) < len(table.names)
+
+
+def read_all_backends(data: bytes):
+    out = {}
+    with tempfile.TemporaryDirectory() as d, cpu_guard(HANG_CPU_S):
+        path = Path(d) / "kernel_details.csv"
+        path.write_bytes(data)
+        for backend in BACKENDS if HAS_POLARS else ("csv",):
+            table, problems = read_kernel_details(path, backend=backend)
+            check_problems(problems, path, data)
+            if table is None:
+                assert problems, f"{backend}: no table and no problem saying why"
+            else:
+                check_kernel_table(table)
+            out[backend] = (table, problems)
+        table, problems = read_kernel_details(path, backend="auto")
+        check_problems(problems, path, data)
+    return out
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(np.all((a == b) | (np.isnan(a) & np.isnan(b)) if a.dtype.kind == "f" else a == b))
+
+
+def check_backends_agree(out) -> None:
+    """The csv module is polars' fallback and the reference: both read the same kernels."""
+    if len(out) < 2:
+        return
+    (t1, p1), (t2, p2) = out["csv"], out["polars"]
+    assert (t1 is None) == (t2 is None), f"csv table: {t1 is not None}, polars table: {t2 is not None}; problems {p1} / {p2}"
+    if t1 is None:
+        return
+    assert t1.n == t2.n, f"csv read {t1.n} kernels, polars {t2.n}; problems {p1} / {p2}"
+    assert _type_sequence(t1) == _type_sequence(t2)
+    for attr in ("dur", "start", "stream", "step", "wait"):
+        assert _same(getattr(t1, attr), getattr(t2, attr)), f"backends disagree on {attr}"
+    rows1 = sorted((p.row, p.column) for p in p1 if p.row is not None)
+    rows2 = sorted((p.row, p.column) for p in p2 if p.row is not None)
+    assert rows1 == rows2, f"backends name different rows/columns: csv {rows1}, polars {rows2}"
+
+
+def check_kernels(data: bytes) -> None:
+    check_backends_agree(read_all_backends(data))
+
+
+BASE_ROWS = _rows("kernel_details.csv")
+N_KERNELS = len(BASE_ROWS) - 1
+
+
+@st.composite
+def damaged_rows(draw):
+    """(csv bytes, damaged data rows as 1-based file lines, what was done): some rows get a
+    non-numeric duration or lose their tail; columns may be shuffled/renamed; the rest is intact."""
+    rows = [list(r) for r in BASE_ROWS]
+    bad = sorted(draw(st.sets(st.integers(1, N_KERNELS), max_size=N_KERNELS - 1)))
+    how = draw(st.sampled_from(["not_a_number", "truncated"]))
+    dur = rows[0].index("Duration(us)")
+    for k in bad:
+        if how == "not_a_number":
+            rows[k][dur] = draw(st.sampled_from(NOT_NUMBERS))
+        else:
+            rows[k] = rows[k][:dur]
+    if how == "not_a_number" and draw(st.booleans()):  # (a shuffled truncated row would not be truncated)
+        perm = draw(st.permutations(range(len(rows[0]))))
+        rows = [[r[i] for i in perm] for r in rows]
+    text = _csv_text(rows)
+    if draw(st.booleans()):
+        text = draw(st.sampled_from(["\ufeff" + text, text.replace("\n", "\r\n")]))
+    return text.encode(), bad, how
+
+
+def check_readable_rest(case) -> None:
+    data, bad, how = case
+    out = read_all_backends(data)
+    for backend, (table, problems) in out.items():
+        assert table is not None, f"{backend}: {problems}"
+        assert table.n == N_KERNELS - len(bad), f"{backend}: read {table.n} of {N_KERNELS} rows, {len(bad)} damaged; {problems}"
+        named = sorted(p.row for p in problems if p.row is not None)
+        lines = [k + 1 for k in bad]  # data row k is file line k + 1 (the header is line 1)
+        assert named == lines[:MAX_PROBLEMS_PER_KIND], f"{backend}: damaged lines {lines}, problems name {named}"
+        if how == "not_a_number":
+            assert all(p.column == "Duration(us)" for p in problems if p.row is not None), problems
+        if len(bad) > MAX_PROBLEMS_PER_KIND:
+            assert any(f"{len(bad) - MAX_PROBLEMS_PER_KIND} more rows" in p.message for p in problems), problems
+        good = [r for k, r in enumerate(BASE_ROWS[1:], 1) if k not in bad]
+        assert _type_sequence(table) == [r[BASE_ROWS[0].index("Type")] for r in good]
+        assert table.dur.tolist() == [float(r[BASE_ROWS[0].index("Duration(us)")]) for r in good]
+
+
+def check_other_csv(name: str, data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as d, cpu_guard(HANG_CPU_S):
+        path = Path(d) / name
+        path.write_bytes(data)
+        obj, problems = READERS[name](path)
+        check_problems(problems, path, data)
+        if obj is None:
+            assert problems, "no result and no problem saying why"
+
+
+def check_trace(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as d, cpu_guard(HANG_CPU_S):
+        path = Path(d) / "trace_view.json"
+        path.write_bytes(data)
+        events, problems = read_trace_view(path)
+        check_problems(problems, path, data)
+        if events is None:
+            assert problems
+            return
+        assert all(isinstance(e, dict) for e in events)
+        analyze_trace(events, str(path))
+
+
+@st.composite
+def mutated_profile_dir(draw) -> dict[str, bytes]:
+    """The seed profile with one or two of its files mutated (or removed)."""
+    files = {p.name: p.read_bytes() for p in SEED_DIR.iterdir() if p.is_file()}
+    for _ in range(draw(st.integers(1, 2))):
+        name = draw(st.sampled_from(sorted(files)))
+        choice = draw(st.integers(0, 5))
+        if choice == 0:
+            files[name] = b""
+        elif name == "trace_view.json":
+            files[name] = draw(mutated_trace())
+        else:
+            files[name] = draw(mutated_csv(name))
+    return files
+
+
+def check_analyze(files: dict[str, bytes]) -> None:
+    """``analyze`` never raises, its result is valid JSON, and ``npufuse profile`` exits 0 or 2
+    with its problems as single lines on stderr."""
+    with tempfile.TemporaryDirectory() as d, cpu_guard(HANG_CPU_S):
+        out = Path(d) / "run_ascend_pt" / "ASCEND_PROFILER_OUTPUT"
+        out.mkdir(parents=True)
+        for name, data in files.items():
+            (out / name).write_bytes(data)
+        for backend in ("csv", "polars") if HAS_POLARS else ("csv",):
+            result = analyze([d], Options(backend=backend))
+            json.dumps(result, allow_nan=False)
+            for p in result["problems"]:
+                assert "\n" not in p["message"], p
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            rc = main(["profile", d, "--format", "json"])
+        assert rc in (0, 2), (rc, stderr.getvalue()[-2000:])
+        assert "Traceback" not in stderr.getvalue()
+        if rc == 0:
+            json.loads(stdout.getvalue())
+        else:
+            assert stderr.getvalue().count("\n") == 1, stderr.getvalue()
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+PROPERTIES = {
+    "kernels": Property(mutated_csv("kernel_details.csv"), check_kernels),
+    "readable": Property(damaged_rows(), check_readable_rest),
+    "others": Property(st.sampled_from(sorted(READERS)).flatmap(lambda n: st.tuples(st.just(n), mutated_csv(n))),
+                       lambda case: check_other_csv(*case)),
+    "trace": Property(mutated_trace(), check_trace),
+    "analyze": Property(mutated_profile_dir(), check_analyze),
+}
+
+
+@fuzz_settings(max_examples=120)
+@given(PROPERTIES["kernels"].strategy)
+def test_kernel_details_never_raises_and_backends_agree(value):
+    run_property(PROPERTIES, BUDGETS, "kernels", value)
+
+
+@fuzz_settings(max_examples=60)
+@given(PROPERTIES["readable"].strategy)
+def test_damaged_rows_lose_only_themselves(value):
+    run_property(PROPERTIES, BUDGETS, "readable", value)
+
+
+@fuzz_settings(max_examples=90)
+@given(PROPERTIES["others"].strategy)
+def test_other_csv_readers_never_raise(value):
+    run_property(PROPERTIES, BUDGETS, "others", value)
+
+
+@fuzz_settings(max_examples=120)
+@given(PROPERTIES["trace"].strategy)
+def test_trace_view_never_raises(value):
+    run_property(PROPERTIES, BUDGETS, "trace", value)
+
+
+@fuzz_settings(max_examples=40)
+@given(PROPERTIES["analyze"].strategy)
+def test_analyze_and_cli_on_mutated_profiles(value):
+    run_property(PROPERTIES, BUDGETS, "analyze", value)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_budget():
+    yield
+    report_budgets(BUDGETS)

@@ -1,0 +1,232 @@
+"""Fuzzing the rewriter (issue 7, "Fuzzing"): for every mutated or generated file that rewrites,
+the result parses, each fallback branch is the original statements byte for byte, and
+``revert_source`` gives back the original file exactly.
+
+Two sources of sites: what the real detectors find in the input (the path ``npufuse apply``
+takes: scan, then ``rewrite_source`` with the findings' edits), and random statement spans with
+random fused code (the libcst engine on shapes no detector produces yet). Inputs and guards come
+from ``test_fuzz_scan`` so every fuzz module explores the same space.
+"""
+
+from __future__ import annotations
+
+import ast
+import tempfile
+import textwrap
+import warnings
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from npufuse.rewrite.codegen import MARKER, env_switch, render_site, site_edit
+from npufuse.rewrite.transform import SiteEdit, revert_source, rewrite_source
+from npufuse.scan import replacement
+from npufuse.scan.engine import ScanOptions, analyze_file
+from test_fuzz_scan import (BUDGET_SCALE, HANG_CPU_S, PATTERNS, Budget, Property, check_fallback, cpu_guard, file_lines,
+                            fuzz_settings, generated_program, parses, python_text, report_budgets, run_property,
+                            statement)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
+BUDGETS = {k: Budget(v * BUDGET_SCALE) for k, v in {"findings": 14, "spans": 12, "generated": 6}.items()}
+
+
+def _compiles(text: str) -> bool:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compile(text, "<fuzz>", "exec", dont_inherit=True)
+        return True
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+
+
+def _non_overlapping(items, span):
+    kept, last = [], 0
+    for it in sorted(items, key=span):
+        a, b = span(it)
+        if a > last:
+            kept.append(it)
+            last = b
+    return kept
+
+
+def check_rewritten(original: str, edits: list[SiteEdit], outcome, must_apply: set[str]) -> None:
+    """What holds for any rewrite: every edit is applied or skipped with a reason; the result
+    parses (and compiles when the original did); each applied site is a marked if whose else
+    branch is the original statements; reverting gives back the original file."""
+    assert len(outcome.applied) + len(outcome.skipped) == len(edits)
+    for e, why in outcome.skipped:
+        assert isinstance(why, str) and why.strip(), e
+        assert e.tag not in must_apply, f"site {e.line}-{e.end_line} ({e.pattern}) was not applied: {why}"
+    if not outcome.applied:
+        assert outcome.text == original
+        return
+    text = outcome.text
+    assert parses(text), f"the rewritten file does not parse:\n{text}"
+    if _compiles(original):
+        assert _compiles(text), f"the rewritten file does not compile:\n{text}"
+    lines = file_lines(text)
+    orig_lines = file_lines(original)
+    for e in outcome.applied:
+        first, last = outcome.spans[e.tag]
+        block = lines[first - 1 : last]
+        assert block[0].rstrip().endswith(MARKER.format(pattern=e.pattern)), block[0]
+        check_fallback("".join(orig_lines[e.line - 1 : e.end_line]), block, f"site {e.line}-{e.end_line}")
+    if "npufuse" not in original:  # an input that already holds markers would lose them too
+        back = revert_source(text)
+        assert back.text == original, "revert_source did not give back the original file"
+        assert sorted(back.reverted) == sorted(s[0] for s in outcome.spans.values())
+
+
+def _analyze(text: str):
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "m.py").write_text(text)
+        return analyze_file(Path(d), "m.py", PATTERNS, ScanOptions())
+
+
+def check_rewrite_findings(text: str) -> None:
+    """The apply path: the scan's replacement text is what libcst renders for the site, every
+    non-overlapping finding rewrites, and the rewritten file is not rescanned as new sites."""
+    if not parses(text):
+        return
+    with cpu_guard(HANG_CPU_S):
+        out = _analyze(text)
+        hits = _non_overlapping(out.hits, lambda h: (h.finding.line, h.finding.end_line))
+        if not hits:
+            return
+        edits, must = [], set()
+        for k, h in enumerate(hits):
+            f = h.finding
+            switch = env_switch(f.pattern)
+            try:
+                slow = render_site(text, f, switch)
+            except ValueError as exc:  # libcst cannot rewrite it; then the scan must not have claimed it
+                assert h.body is None, f"fast path rendered {f.pattern} at {f.line}-{f.end_line}, libcst refuses: {exc}"
+                continue
+            shown = replacement.render(text, f, switch, h.body)
+            assert shown == slow, f"scan replacement differs from what apply writes ({f.pattern} at {f.line}):\n--- scan\n{shown}--- apply\n{slow}"
+            edits.append(site_edit(f, switch, tag=str(k)))
+            must.add(str(k))
+        if not edits:
+            return
+        outcome = rewrite_source(text, edits)
+        check_rewritten(text, edits, outcome, must)
+        again = _analyze(outcome.text)
+    lines = file_lines(outcome.text)
+    for tag, (a, b) in outcome.spans.items():
+        for h in again.hits:
+            assert not (a <= h.finding.line and h.finding.end_line <= b), (
+                f"rewritten site {a}-{b} found again as a candidate ({h.finding.pattern} at {h.finding.line}):\n{''.join(lines[a - 1 : b])}")
+
+
+# -- random statement spans ------------------------------------------------------------------------
+
+FUSED = [
+    "pass",
+    "hidden_states = torch_npu.npu_rms_norm(hidden_states, self.weight, epsilon=1e-6)[0]",
+    "return torch_npu.npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)",
+    "if x is None:\n    x = 1\nelse:\n    x = 2",
+    "for i in range(2):\n    x = x + i\n# trailing comment\ny = x",
+    "x = (\n    1,\n    2,\n)",
+    's = """multi\nline"""',
+    "x = (",  # does not parse: the site must be skipped with a reason, nothing else touched
+    "",
+]
+GUARDS = ['_npufuse_on_npu(x) and _npufuse_switch("NPUFUSE_RMS_NORM")', "_npufuse_on_npu(x) and (self.config.flag or True)", "(", "x if y else z"]
+
+
+def _blocks(tree: ast.AST):
+    for node in ast.walk(tree):
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield node, block
+        if isinstance(node, ast.Try):
+            for h in node.handlers:
+                yield h, h.body
+
+
+def _own_lines(block: list[ast.stmt], i: int, j: int, header_line: int) -> bool:
+    """Statements i..j start and end on lines no sibling shares, below their block's header."""
+    a, b = block[i].lineno, block[j].end_lineno
+    if a <= header_line:
+        return False
+    before = block[i - 1].end_lineno if i > 0 else 0
+    after = block[j + 1].lineno if j + 1 < len(block) else 1 << 30
+    return before < a and b < after and all(s.lineno > block[k - 1].end_lineno for k, s in enumerate(block[i : j + 1], i) if k > i)
+
+
+@st.composite
+def spans_and_edits(draw):
+    text = draw(python_text(heavy=False, max_mutations=2))
+    if not parses(text):
+        return text, [], set()
+    tree = ast.parse(text)
+    blocks = list(_blocks(tree))
+    edits, must = [], set()
+    taken: list[tuple[int, int]] = []
+    for k in range(draw(st.integers(1, 3))):
+        node, block = blocks[draw(st.integers(0, len(blocks) - 1))]
+        i = draw(st.integers(0, len(block) - 1))
+        j = draw(st.integers(i, min(len(block) - 1, i + 3)))
+        line, end = block[i].lineno, block[j].end_lineno
+        if any(a <= end and line <= b for a, b in taken):
+            continue
+        taken.append((line, end))
+        fused = draw(st.one_of(st.sampled_from(FUSED), statement()))
+        guard = draw(st.sampled_from(GUARDS))
+        edits.append(SiteEdit(line, end, fused, guard, draw(st.sampled_from(["rms_norm", "swiglu", "rope"])), tag=f"e{k}"))
+        header = getattr(node, "lineno", 0) if not isinstance(node, ast.Module) else 0
+        decorated = any(getattr(s, "decorator_list", None) for s in block[i : j + 1])
+        if (_own_lines(block, i, j, header) and not decorated and fused.strip() and guard != "("
+                and fused != "x = (" and "\t" not in text):
+            must.add(f"e{k}")
+    return text, edits, must
+
+
+def check_rewrite_spans(case) -> None:
+    text, edits, must = case
+    if not edits:
+        return
+    with cpu_guard(HANG_CPU_S):
+        try:
+            outcome = rewrite_source(text, edits)
+        except cst.ParserSyntaxError as exc:
+            raise AssertionError(f"libcst rejects a file ast accepts: {exc}") from None
+        check_rewritten(text, edits, outcome, must)
+
+
+# -- the tests --------------------------------------------------------------------------------------
+
+PROPERTIES = {
+    "findings": Property(python_text(heavy=False, max_mutations=2), check_rewrite_findings),
+    "generated": Property(generated_program(), check_rewrite_findings),
+    "spans": Property(spans_and_edits(), check_rewrite_spans),
+}
+
+
+@fuzz_settings(max_examples=70)
+@given(PROPERTIES["findings"].strategy)
+def test_findings_rewrite_and_revert_exactly(value):
+    run_property(PROPERTIES, BUDGETS, "findings", value)
+
+
+@fuzz_settings(max_examples=60)
+@given(PROPERTIES["generated"].strategy)
+def test_generated_programs_rewrite_and_revert_exactly(value):
+    run_property(PROPERTIES, BUDGETS, "generated", value)
+
+
+@fuzz_settings(max_examples=90)
+@given(PROPERTIES["spans"].strategy)
+def test_random_spans_rewrite_and_revert_exactly(value):
+    run_property(PROPERTIES, BUDGETS, "spans", value)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_budget():
+    yield
+    report_budgets(BUDGETS)

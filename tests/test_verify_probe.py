@@ -1,0 +1,64 @@
+"""The probe: per-site call attribution, the capture hook, and the child bootstrap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+import types
+from pathlib import Path
+
+from test_verify_helpers import PY
+
+from npufuse.verify import probe, runner
+
+
+def test_site_counter_attributes_calls_by_caller_line(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("def site(api):\n    return api(1)\n\n\ndef elsewhere(api):\n    return api(2)\n")
+    ns: dict = {}
+    exec(compile(src.read_text(), str(src), "exec"), ns)
+    fake = types.SimpleNamespace(npu_op=lambda x: x * 10, NpuClass=type("NpuClass", (), {}))
+    counter = probe.SiteCounter(str(src), (1, 2))
+    undo = probe.instrument(fake, counter)
+    assert ns["site"](fake.npu_op) == 10 and ns["elsewhere"](fake.npu_op) == 20
+    assert counter.calls == {"npu_op": 2} and counter.site_calls == {"npu_op": 1}
+    assert isinstance(fake.NpuClass, type)  # classes are left alone (isinstance keeps working)
+    undo()
+    assert not hasattr(fake.npu_op, "__npufuse_probe__")
+
+
+def test_install_capture_function_method_staticmethod() -> None:
+    mod = types.ModuleType("m")
+    exec(textwrap.dedent("""
+        def f(a, b=2):
+            return a + b
+        class C:
+            def m(self, x):
+                return x * 2
+            @staticmethod
+            def s(x):
+                return x - 1
+    """), mod.__dict__)  # fmt: skip
+    seen = []
+    for q in ("f", "C.m", "C.s"):
+        probe.install_capture(mod, q, lambda is_method, args, kwargs: seen.append((is_method, len(args), kwargs)))
+    assert mod.f(1, b=3) == 4 and mod.C().m(5) == 10 and mod.C.s(5) == 4
+    assert seen == [(False, 1, {"b": 3}), (True, 2, {}), (False, 1, {})]
+
+
+def test_bootstrap_loads_probe_and_chains_existing_sitecustomize(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_LOADED'] = '1'\n")
+    out = tmp_path / "counters"
+    cfg = tmp_path / "probe.json"
+    cfg.write_text(json.dumps({"mode": "e2e", "out_dir": str(out), "emulate": "never"}))
+    env = runner.child_env({"PYTHONPATH": str(theirs)}, cfg, tmp_path / "site")
+    code = "import os, sys; print(os.environ.get('THEIRS_LOADED'), any(type(f).__name__ == '_ProbeFinder' for f in sys.meta_path))"
+    res = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["1", "True"], res.stderr
+    counters = probe.read_counters(out)  # written at exit
+    assert counters["processes"] == 1 and counters["backend"] == "none" and counters["maxrss_bytes"] > 0
+    # the bootstrap links only the npufuse package, not our whole site-packages
+    assert (tmp_path / "site" / "npufuse").is_symlink() and str(Path(probe.__file__).resolve().parents[1]) not in env["PYTHONPATH"]
