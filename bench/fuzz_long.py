@@ -43,12 +43,26 @@ def _load():
     return {f"{m}.{name}": prop for m, mod in mods.items() for name, prop in mod.PROPERTIES.items()}
 
 
+def _where(exc: BaseException) -> str:
+    """file:line of the innermost npufuse frame: where a crash is, not where it surfaced."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/src/npufuse/" in f.filename]
+    return f"{Path(frames[-1].filename).relative_to(ROOT / 'src')}:{frames[-1].lineno} {frames[-1].name}" if frames else "tests"
+
+
 def _signature(prop: str, exc: BaseException) -> str:
-    """Failures with the same cause count once: tmp paths, numbers and addresses masked."""
+    """Failures with the same cause count once: tmp paths and numbers masked."""
     first = (str(exc).strip().splitlines() or [""])[0]
     first = re.sub(r"/tmp/\S+", "<tmp>", first)
-    first = re.sub(r"\d+", "N", first)[:160]
-    return f"{prop}: {type(exc).__name__}: {first}"
+    first = re.sub(r"\d+", "N", first)[:120]
+    return f"{prop}: {type(exc).__name__} at {_where(exc)}: {first}"
+
+
+def _counted(check, runs: dict[str, int], name: str):
+    def one(value):
+        runs[name] += 1
+        check(value)
+
+    return one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import InvalidArgument
 
     from test_fuzz_scan import DEADLINE
 
@@ -80,22 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fuzzing {len(props)} properties for {args.minutes:g} min on {platform.node()} "
           f"({os.cpu_count()} CPUs, Python {platform.python_version()})", flush=True)
     rounds = 0
+    last_note = start
     while time.monotonic() < end:
         rounds += 1
         for name, prop in props.items():
             if time.monotonic() >= end:
                 break
 
-            def one(value, name=name, prop=prop):
-                runs[name] += 1
-                prop.check(value)
-
-            test = loose(given(prop.strategy)(one))
+            test = loose(given(prop.strategy)(_counted(prop.check, runs, name)))
             try:
                 test()
             except KeyboardInterrupt:
                 end = 0
                 break
+            except InvalidArgument:  # a broken harness, not a finding: stop at once
+                raise
             except BaseException as exc:  # a property failure (hypothesis re-raises it, shrunk)
                 sig = _signature(name, exc)
                 notes = "\n".join(getattr(exc, "__notes__", []))
@@ -105,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                 if entry["count"] == 1:
                     print(f"  FAIL {sig}", flush=True)
         done = time.monotonic() - start
-        print(f"  round {rounds}: {sum(runs.values())} examples, {len(failures)} distinct failures, {done / 60:.1f} min", flush=True)
+        if time.monotonic() - last_note > 60 or time.monotonic() >= end:
+            last_note = time.monotonic()
+            print(f"  round {rounds}: {sum(runs.values())} examples, {len(failures)} distinct failures, {done / 60:.1f} min", flush=True)
 
     elapsed = (time.monotonic() - start) / 60
     print(f"\nran {elapsed:.1f} min, {sum(runs.values())} examples (shrink steps included), {len(failures)} distinct failures")
@@ -114,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         n_fail = sum(1 for f in failures.values() if f["property"] == name)
         print(f"  {name:<{width}}  {runs[name]:>7} examples  {n_fail} failures")
     for sig, f in failures.items():
-        print(f"\n== {sig} (x{f['count']})\n{f['error'][:1500]}\n{f['example'][:1500]}")
+        print(f"\n== {sig} (x{f['count']})\n{f['error'][:600]}\n{f['example'][:800]}")
     if args.out:
         Path(args.out).write_text(json.dumps({"minutes": elapsed, "examples": runs, "failures": list(failures.values())}, indent=1))
     return 1 if failures else 0

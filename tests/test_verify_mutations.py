@@ -39,12 +39,18 @@ MUTATIONS = {
         ("missing scale", "scale=self.scaling,", "scale=1.0,"),
         ("mask dropped", "atten_mask=_npufuse_mask,", "atten_mask=None,"),
     ],
+    "swiglu": [
+        ("swapped swiglu halves", "torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)", "torch.cat([self.up_proj(x), self.gate_proj(x)], dim=-1)"),
+    ],
+    "add_rms_norm": [
+        ("wrong eps", "epsilon=self.post_attention_layernorm.variance_epsilon)[0]", "epsilon=self.post_attention_layernorm.variance_epsilon * 1e5)[0]"),
+    ],
     "moe_experts": [
         ("swapped swiglu halves", "(_npufuse_e.gate_proj.weight, _npufuse_e.up_proj.weight)", "(_npufuse_e.up_proj.weight, _npufuse_e.gate_proj.weight)"),
         ("routing weights dropped", "probs=routing_weights.to(_npufuse_h.dtype)", "probs=torch.ones_like(routing_weights).to(_npufuse_h.dtype)"),
     ],
 }
-SEED_BLIND = {("rms_norm", "wrong eps")}  # a 5% per-row scale: cosine stays above 0.999
+SEED_BLIND = {("rms_norm", "wrong eps"), ("add_rms_norm", "wrong eps")}  # a ~5% per-row scale: cosine stays above 0.999
 
 
 @pytest.fixture(scope="module")

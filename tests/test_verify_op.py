@@ -186,3 +186,14 @@ def test_unknown_and_unapplied_candidates(tmp_path: Path, capsys: pytest.Capture
     state.save()
     assert op(sd) == 2
     assert "not applied" in capsys.readouterr().err
+
+
+def test_fused_optimizer_has_no_op_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = "import torch\n\n\ndef make(params):\n    return torch.optim.AdamW(params, lr=1e-3)\n"
+    f = Finding(pattern="fused_optimizer", qualname="make", line=5, end_line=5, params={}, fused="return torch_npu.optim.NpuFusedAdamW(params, lr=1e-3)", guard_tensor="params[0]")
+    (tmp_path / "opt.py").write_text(src)
+    sd = h.fake_apply(tmp_path, "opt.py", [f])
+    assert op(sd) == 0
+    assert "verified end to end" in capsys.readouterr().out
+    c = State.load(sd).candidates[1]
+    assert c.status == "e2e_checking" and c.evidence["op"]["passed"] is None and "skipped" in c.evidence["op"]

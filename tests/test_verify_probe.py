@@ -18,14 +18,22 @@ def test_site_counter_attributes_calls_by_caller_line(tmp_path: Path) -> None:
     src.write_text("def site(api):\n    return api(1)\n\n\ndef elsewhere(api):\n    return api(2)\n")
     ns: dict = {}
     exec(compile(src.read_text(), str(src), "exec"), ns)
-    fake = types.SimpleNamespace(npu_op=lambda x: x * 10, NpuClass=type("NpuClass", (), {}))
+
+    class NpuFusedAdamW:
+        def __init__(self, lr: float) -> None:
+            self.lr = lr
+
+    optim = types.SimpleNamespace(NpuFusedAdamW=NpuFusedAdamW)
+    fake = types.SimpleNamespace(npu_op=lambda x: x * 10, optim=optim)
     counter = probe.SiteCounter(str(src), (1, 2))
     undo = probe.instrument(fake, counter)
     assert ns["site"](fake.npu_op) == 10 and ns["elsewhere"](fake.npu_op) == 20
     assert counter.calls == {"npu_op": 2} and counter.site_calls == {"npu_op": 1}
-    assert isinstance(fake.NpuClass, type)  # classes are left alone (isinstance keeps working)
+    # optimizer classes: constructions counted from the caller's line, the class itself kept
+    opt = ns["site"](optim.NpuFusedAdamW)
+    assert isinstance(opt, NpuFusedAdamW) and opt.lr == 1 and counter.site_calls["optim.NpuFusedAdamW"] == 1
     undo()
-    assert not hasattr(fake.npu_op, "__npufuse_probe__")
+    assert not hasattr(fake.npu_op, "__npufuse_probe__") and not hasattr(NpuFusedAdamW.__init__, "__npufuse_probe__")
 
 
 def test_install_capture_function_method_staticmethod() -> None:

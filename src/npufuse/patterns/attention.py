@@ -655,7 +655,6 @@ class Chain:
     out_layout: str = "BNSD"
     seen: set[int] = field(default_factory=set)
     probs_objs: set[int] = field(default_factory=set)  # ids of symbolic values that are the probabilities
-    score_objs: set[int] = field(default_factory=set)
     risks: list[Risk] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     confidence: str = "high"
@@ -919,11 +918,9 @@ class _Matcher:
         for _ in range(60):
             if stop is not None and node is stop:
                 return
-            chain.score_objs.add(id(node))
             node = deref(node, chain.seen)
             if stop is not None and node is stop:
                 return
-            chain.score_objs.add(id(node))
             if self.method(node, *_CASTS):
                 node = node.func.value
                 continue
@@ -1429,8 +1426,7 @@ class AttentionPattern(Pattern):
         d = head_dim_constant(module, scope, chain.scale_num + chain.scale_den)
         problem = head_dim_problem(d)
         if problem:
-            raise_miss = NearMiss(self.id, scope.qualname, span_line, end_line, problem)
-            return raise_miss
+            return NearMiss(self.id, scope.qualname, span_line, end_line, problem)
         r = Renderer(module, interp, s, matcher.repeat_of)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)

@@ -152,7 +152,7 @@ class ModuleInfo:
 
     # -- indexing -------------------------------------------------------------------------
     def _index(self) -> None:
-        for node in ast.walk(self.tree):
+        for node in _statements_bfs(self.tree):
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.asname:
@@ -178,6 +178,21 @@ class ModuleInfo:
                 qual = f"{prefix}{node.name}"
                 self.scopes.append(_make_scope(qual, node, class_name, node.body))
                 self._collect_scopes(node.body, f"{qual}.", None)
+
+
+def _statements_bfs(tree: ast.Module) -> Iterator[ast.AST]:
+    """The statements of ``ast.walk(tree)``, in the same order, without visiting expressions
+    (imports are statements; expressions never hold statements). Several times faster."""
+    from collections import deque
+
+    todo: deque[ast.AST] = deque([tree])
+    while todo:
+        node = todo.popleft()
+        yield node
+        for name in ("body", "handlers", "orelse", "finalbody", "cases"):
+            block = getattr(node, name, None)
+            if type(block) is list:
+                todo.extend(block)
 
 
 def _make_scope(qualname: str, node: ast.AST, class_name: str | None, body: list[ast.stmt]) -> Scope:

@@ -29,15 +29,27 @@ FALLBACK_INDENT = "    "
 _NON_LOGICAL = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE, tokenize.ENDMARKER)
 
 
+def _statements(tree: ast.Module):
+    """Every statement (at any depth, nested definitions included), without visiting expressions."""
+    stack: list[ast.AST] = list(reversed(tree.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.stmt):
+            yield node
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            block = getattr(node, name, None)
+            if type(block) is list:
+                stack.extend(reversed(block))
+
+
 def default_indent(tree: ast.Module, lines: list[str]) -> str:
     """The file's first indentation (libcst's ``default_indent``): the leading whitespace of the
     first statement that starts a line at a column > 0."""
     best: tuple[int, str] | None = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.stmt) and node.col_offset > 0 and node.lineno <= len(lines):
-            text = lines[node.lineno - 1]
-            ws = text[: node.col_offset]
-            if not ws.strip() and (best is None or node.lineno < best[0]):
+    for node in _statements(tree):
+        if node.col_offset > 0 and node.lineno <= len(lines) and (best is None or node.lineno < best[0]):
+            ws = lines[node.lineno - 1][: node.col_offset]
+            if not ws.strip():
                 best = (node.lineno, ws)
     return best[1] if best else FALLBACK_INDENT
 
@@ -113,7 +125,7 @@ def _reindent(rows: list[str], kinds: list[str], add: str, top: str) -> list[str
 def decorated_lines(tree: ast.Module) -> set[int]:
     """``def``/``class`` lines that carry decorators: a span starting there would leave its
     decorators outside (libcst takes them along), so the fast path declines those."""
-    return {n.lineno for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.decorator_list}
+    return {n.lineno for n in _statements(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.decorator_list}
 
 
 def fast_body(lines: list[str], finding: Finding, indent: str, decorated: set[int] | frozenset[int] = frozenset()) -> tuple[str, str] | None:

@@ -79,6 +79,18 @@ def _const_str(node: ast.AST | None) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+# "npu" as a word or in torch_npu / is_npu / npu_* names (not inside "input").
+_NPU_TEXT = re.compile(r"torch_npu|is_npu|npu_|_npu\b|\bnpu\b")
+_BF16_TEXT = re.compile(r"torch\.bfloat16|[\"']bf16[\"']|[\"']bfloat16[\"']|\bbf16\s*=\s*True")
+
+
+def _mentions_bf16(src: str) -> bool:
+    """bf16 named on a code line (not after a ``#``)."""
+    for m in _BF16_TEXT.finditer(src):
+        start = src.rfind("\n", 0, m.start()) + 1
+        if "#" not in src[start : m.start()]:
+            return True
+    return False
 _CFG_ATTR = re.compile(r"(?:config|cfg)\s*\.\s*\w*(?:fus|npu|ascend|flash|liger)", re.IGNORECASE)
 
 
@@ -106,12 +118,13 @@ def file_facts(module: ModuleInfo) -> FileFacts:
     facts = FileFacts()
     path = module.path
     src = module.source
-    want_npu = "npu" in src
+    want_npu = _NPU_TEXT.search(src) is not None
     want_env = "environ" in src or "getenv" in src
     want_args = "add_argument" in src
     want_train = ".backward(" in src or ".step(" in src or "Trainer(" in src
     want_cfg = _CFG_ATTR.search(src) is not None
-    want_bf16 = "bfloat16" in src or "bf16" in src
+    # bf16 use is a hint for the dtype risk wording: code lines naming it are enough
+    facts.bf16 = _mentions_bf16(src)
     npu_call_lines: list[tuple[int, str]] = []
     ifs: list[ast.If] = []
     functions: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
@@ -137,7 +150,7 @@ def file_facts(module: ModuleInfo) -> FileFacts:
             for name, line in _class_fields(cls):
                 switch(line, name, "config_field", owner=cls.name)
 
-    if not (want_npu or want_env or want_args or want_train or want_cfg or want_bf16):
+    if not (want_npu or want_env or want_args or want_train or want_cfg):
         return facts
     Call, Attribute, Subscript, Compare = ast.Call, ast.Attribute, ast.Subscript, ast.Compare
     for node in _nodes(module.tree):
@@ -181,9 +194,7 @@ def file_facts(module: ModuleInfo) -> FileFacts:
                     facts.training.append(f"{path}:{node.lineno}: {last_name}(...)")
         elif t is Attribute:
             attr = node.attr
-            if want_bf16 and attr == "bfloat16":
-                facts.bf16 = True
-            elif want_npu and attr == "is_npu" and type(node.ctx) is ast.Load:
+            if want_npu and attr == "is_npu" and type(node.ctx) is ast.Load:
                 existing(node.lineno, "guard: .is_npu", "guard")
             elif want_cfg and type(node.ctx) is ast.Load and SWITCH_NAME.search(attr):
                 base = dotted(node.value) or ""
@@ -219,9 +230,6 @@ def file_facts(module: ModuleInfo) -> FileFacts:
         elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
             if want_npu:
                 functions.append(node)
-        elif t is ast.Constant:
-            if want_bf16 and node.value in ("bfloat16", "bf16"):
-                facts.bf16 = True
 
     if npu_call_lines:
         for fn in functions:
@@ -309,8 +317,10 @@ def site_context(module: ModuleInfo, scope: Scope) -> SiteContext:
     config_expr = None
     self_attrs: set[str] = set()
     if scope.class_name and scope.class_name in module.classes and "self" in scope.args[:1]:
-        cls = module.classes[scope.class_name]
-        self_attrs = _self_attributes(module, cls)
+        memo = module.__dict__.setdefault("_npufuse_self_attrs", {})  # per module: classes repeat across sites
+        if scope.class_name not in memo:
+            memo[scope.class_name] = _self_attributes(module, module.classes[scope.class_name])
+        self_attrs = memo[scope.class_name]
         if "config" in self_attrs:
             config_expr = "self.config"
     if config_expr is None and "config" in scope.args:

@@ -83,9 +83,39 @@ def overall_level(risks: list[dict[str, Any]]) -> str:
 
 
 def _seg(module: ModuleInfo, node: ast.AST, limit: int = 80) -> str:
-    text = ast.get_source_segment(module.source, node) or ast.unparse(node)
+    """Source text of ``node`` on one line (ast.get_source_segment re-splits the whole file on
+    every call: too slow inside a scan)."""
+    text = None
+    lines = _lines(module)
+    try:
+        a, b = node.lineno, node.end_lineno or node.lineno
+        ca, cb = node.col_offset, node.end_col_offset
+        if cb is not None and 1 <= a <= b <= len(lines):
+            chunk = [ln.encode("utf-8") for ln in lines[a - 1 : b]]  # ast columns are UTF-8 byte offsets
+            if a == b:
+                text = chunk[0][ca:cb].decode("utf-8", "replace")
+            else:
+                text = b"".join([chunk[0][ca:], *chunk[1:-1], chunk[-1][:cb]]).decode("utf-8", "replace")
+    except AttributeError:
+        text = None
+    if text is None:
+        text = ast.unparse(node)
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_LINES: dict[int, tuple[str, list[str]]] = {}
+
+
+def _lines(module: ModuleInfo) -> list[str]:
+    """The module's lines, split once per module (memo keyed by the module object)."""
+    key = id(module)
+    hit = _LINES.get(key)
+    if hit is None or hit[0] is not module.source:
+        _LINES.clear()  # one module at a time is analysed
+        hit = (module.source, module.source.splitlines(keepends=True))
+        _LINES[key] = hit
+    return hit[1]
 
 
 def _scope_nodes(scope: Scope) -> Iterator[ast.AST]:

@@ -97,7 +97,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_op(args: argparse.Namespace, cand: Any) -> int:
     from npufuse.verify.inputs import parse_literal
-    from npufuse.verify.opcheck import OpOptions, verify_op
+    from npufuse.verify.opcheck import NOT_OP_LEVEL, OpOptions, skip_op_check, verify_op
+
+    if cand.pattern in NOT_OP_LEVEL:
+        evidence = skip_op_check(cand)
+        print(json.dumps(evidence, indent=2) if args.json else f"candidate {cand.id}: op check not applicable ({evidence['skipped']}); next: npufuse verify e2e {cand.id} --cmd \"...\"")
+        return 0
 
     opts = OpOptions(
         capture=args.capture, capture_timeout=args.capture_timeout, capture_max_mb=args.capture_max_mb, shell=args.shell,

@@ -87,19 +87,44 @@ def _counting(api: str, fn: Callable, counter: SiteCounter) -> Callable:
     return wrapper
 
 
+def _counting_init(api: str, cls: type, counter: SiteCounter) -> Callable:
+    init = cls.__dict__["__init__"] if "__init__" in cls.__dict__ else None
+    inner = init or super(cls, cls).__init__  # type: ignore[misc]
+
+    @functools.wraps(inner)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if type(self) is cls:  # count the construction once, not each super().__init__
+            caller = sys._getframe(1)
+            counter.hit(api, caller.f_code.co_filename, caller.f_lineno)
+        inner(self, *args, **kwargs)
+
+    __init__.__npufuse_probe__ = True  # type: ignore[attr-defined]
+    return __init__
+
+
 def instrument(module: Any, counter: SiteCounter) -> Callable[[], None]:
-    """Wrap ``module.npu_*`` functions with ``counter``; returns the undo. Classes (the fused
-    optimizers) are left alone: replacing them would break ``isinstance`` in user code."""
-    saved: dict[str, Any] = {}
+    """Wrap ``module.npu_*`` functions with ``counter``, and count constructions of the
+    ``module.optim.Npu*`` classes (by wrapping their ``__init__``: the classes themselves stay,
+    so ``isinstance`` in user code keeps working). Returns the undo."""
+    saved: list[tuple[Any, str, Any, bool]] = []  # (owner, attribute, original, owned by the class)
     for name in list(vars(module)):
         fn = getattr(module, name, None)
         if name.startswith("npu_") and callable(fn) and not isinstance(fn, type) and not getattr(fn, "__npufuse_probe__", False):
-            saved[name] = fn
+            saved.append((module, name, fn, True))
             setattr(module, name, _counting(name, fn, counter))
+    optim = getattr(module, "optim", None)
+    for name in list(vars(optim)) if optim is not None else []:
+        cls = getattr(optim, name, None)
+        if isinstance(cls, type) and name.startswith("Npu") and not getattr(cls.__dict__.get("__init__"), "__npufuse_probe__", False):
+            saved.append((cls, "__init__", cls.__dict__.get("__init__"), "__init__" in cls.__dict__))
+            cls.__init__ = _counting_init(f"optim.{name}", cls, counter)  # type: ignore[misc]
 
     def undo() -> None:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+        for owner, name, original, owned in reversed(saved):
+            if owned:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
 
     return undo
 
