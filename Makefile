@@ -9,6 +9,12 @@ STAMP  := $(VENV)/.installed-stamp
 # `import torch` try to load the CANN runtime and fail. npufuse api finds it via NPUFUSE_TORCH_NPU_PATH.
 TORCH_NPU := torch-npu==2.14.0
 TORCH_NPU_DOCS := $(VENV)/torch-npu-docs
+# transformers' modeling files are the real-world corpus for the apply acceptance tests and the
+# scan benchmark. Kept in its own folder (tests put it on sys.path); --no-deps because its
+# optional `kernels` dependency is not on every package mirror; no weights are ever downloaded.
+TRANSFORMERS_SITE := $(VENV)/transformers-site
+TRANSFORMERS := transformers==5.25.0
+TRANSFORMERS_DEPS := "huggingface-hub>=2.4,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" regex tqdm typer
 
 .PHONY: venv demo test bench clean
 
@@ -20,6 +26,8 @@ $(STAMP): $(PY) pyproject.toml constraints-dev.txt
 	$(PIP) install -q -c constraints-dev.txt torch==2.13.0 numpy
 	$(PIP) install -q -c constraints-dev.txt -e '.[dev]'
 	$(PIP) install -q --no-deps --upgrade --target $(TORCH_NPU_DOCS) $(TORCH_NPU)
+	$(PIP) install -q --no-deps --upgrade --target $(TRANSFORMERS_SITE) $(TRANSFORMERS)
+	$(PIP) install -q --upgrade --target $(TRANSFORMERS_SITE) $(TRANSFORMERS_DEPS)
 	touch $(STAMP)
 
 venv: $(STAMP)
