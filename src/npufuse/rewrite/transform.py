@@ -71,6 +71,16 @@ def _several_statements(node: cst.CSTNode) -> bool:
     return isinstance(node, cst.SimpleStatementLine) and len(node.body) > 1
 
 
+def _fused_statements(fused: str) -> list:
+    """Parse the fused-branch text. Comments before its first statement land in libcst's module
+    header; they are moved onto that statement so they are not lost."""
+    parsed = cst.parse_module(textwrap.dedent(fused).strip("\n") + "\n")
+    body = list(parsed.body)
+    if body and parsed.header:
+        body[0] = body[0].with_changes(leading_lines=(*parsed.header, *body[0].leading_lines))
+    return body
+
+
 class _SiteRewriter(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
@@ -132,7 +142,7 @@ class _SiteRewriter(cst.CSTTransformer):
             leading = first.leading_lines
             originals[0] = first.with_changes(leading_lines=())
             try:
-                fused_body = cst.parse_module(textwrap.dedent(edit.fused).strip("\n") + "\n").body
+                fused_body = _fused_statements(edit.fused)
                 test = cst.parse_expression(edit.guard)
             except cst.ParserSyntaxError as exc:
                 self._skip(edit, f"generated code does not parse: {exc.message}")

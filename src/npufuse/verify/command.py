@@ -87,8 +87,13 @@ def _progress(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from npufuse.verify.candidate import load_candidate
 
+    # The child runs in the repo root, not here: every path handed to it (probe settings,
+    # counter files) must be absolute, so resolve the state folder once, up front.
+    args.state_dir = str(Path(args.state_dir).resolve())
     cand = load_candidate(args.id, args.state_dir, args.root)
     if args.check == "op":
         return _run_op(args, cand)
