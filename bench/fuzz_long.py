@@ -40,7 +40,7 @@ def _load():
     for mod in mods.values():
         for b in mod.BUDGETS.values():
             b.seconds = math.inf
-    return {f"{m}.{name}": prop for m, mod in mods.items() for name, prop in mod.PROPERTIES.items()}
+    return {f"{m}.{name}": (prop, list(getattr(mod, "KNOWN", ()))) for m, mod in mods.items() for name, prop in mod.PROPERTIES.items()}
 
 
 def _where(exc: BaseException) -> str:
@@ -57,10 +57,19 @@ def _signature(prop: str, exc: BaseException) -> str:
     return f"{prop}: {type(exc).__name__} at {_where(exc)}: {first}"
 
 
-def _counted(check, runs: dict[str, int], name: str):
+def _counted(check, runs: dict[str, int], name: str, known, hits: dict[str, int]):
+    """The property, counting examples; hits of bugs that already have a reproducer are tallied
+    instead of failing, so the run keeps looking for new ones (``--strict`` turns that off)."""
+
     def one(value):
         runs[name] += 1
-        check(value)
+        try:
+            check(value)
+        except Exception as exc:
+            bug = next((b for b in known if b.matches(exc)), None)
+            if bug is None:
+                raise
+            hits[bug.test] = hits.get(bug.test, 0) + 1
 
     return one
 
@@ -71,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated property names (default: all)")
     ap.add_argument("--chunk", type=int, default=25, help="examples per hypothesis run")
     ap.add_argument("--out", help="write the failures, with whole inputs, as JSON")
+    ap.add_argument("--strict", action="store_true", help="fail on known bugs too (those with xfail reproducers)")
     args = ap.parse_args(argv)
 
     from hypothesis import HealthCheck, Phase, given, settings
@@ -86,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown properties {unknown}; known: {', '.join(props)}")
         props = {k: props[k] for k in wanted}
     runs = {k: 0 for k in props}
+    hits: dict[str, int] = {}
     failures: dict[str, dict] = {}
     start = time.monotonic()
     end = start + args.minutes * 60
@@ -98,11 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     last_note = start
     while time.monotonic() < end:
         rounds += 1
-        for name, prop in props.items():
+        for name, (prop, known) in props.items():
             if time.monotonic() >= end:
                 break
-
-            test = loose(given(prop.strategy)(_counted(prop.check, runs, name)))
+            test = loose(given(prop.strategy)(_counted(prop.check, runs, name, [] if args.strict else known, hits)))
             try:
                 test()
             except KeyboardInterrupt:
@@ -129,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in props:
         n_fail = sum(1 for f in failures.values() if f["property"] == name)
         print(f"  {name:<{width}}  {runs[name]:>7} examples  {n_fail} failures")
+    if hits:
+        print("known bugs hit (they have xfail reproducers): " + ", ".join(f"{k} x{v}" for k, v in sorted(hits.items())))
     for sig, f in failures.items():
         print(f"\n== {sig} (x{f['count']})\n{f['error'][:600]}\n{f['example'][:800]}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"minutes": elapsed, "examples": runs, "failures": list(failures.values())}, indent=1))
+        Path(args.out).write_text(json.dumps({"minutes": elapsed, "examples": runs, "known_bug_hits": hits, "failures": list(failures.values())}, indent=1))
     return 1 if failures else 0
 
 

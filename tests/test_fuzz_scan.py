@@ -27,12 +27,13 @@ import signal
 import tempfile
 import textwrap
 import time
+import traceback
 import warnings
 import zipfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -685,10 +686,47 @@ class Property:
     check: Callable[[Any], None]
 
 
-def run_property(props: dict[str, Property], budgets: dict[str, Budget], name: str, value: Any) -> None:
+@dataclass(frozen=True)
+class KnownBug:
+    """A bug in npufuse that fuzzing found and that has an ``xfail(strict=True)`` reproducer
+    (``test``). Examples that hit it are counted, not failed, so the property keeps looking for
+    other bugs meanwhile; when the bug is fixed the reproducer XPASSes and this entry goes."""
+
+    test: str
+    exc: type
+    where: str = ""  # "npufuse/profile/trace.py:analyze_trace": innermost npufuse frame; "" = the test's own assert
+    message: str = ""  # regex searched in str(exc)
+
+    def matches(self, exc: BaseException) -> bool:
+        if not isinstance(exc, self.exc) or isinstance(exc, Hang):
+            return False
+        if self.message and not re.search(self.message, str(exc)):
+            return False
+        return self.where == innermost_npufuse_frame(exc)
+
+
+def innermost_npufuse_frame(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/npufuse/" in f.filename.replace("\\", "/")]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"npufuse/{f.filename.replace(chr(92), '/').rsplit('/npufuse/', 1)[1]}:{f.name}"
+
+
+KNOWN_HITS: dict[str, int] = {}
+
+
+def run_property(props: dict[str, Property], budgets: dict[str, Budget], name: str, value: Any,
+                 known: Iterable[KnownBug] = ()) -> None:
     if budgets[name].exhausted():
         return
-    props[name].check(value)
+    try:
+        props[name].check(value)
+    except Exception as exc:
+        bug = next((b for b in known if b.matches(exc)), None)
+        if bug is None:
+            raise
+        KNOWN_HITS[bug.test] = KNOWN_HITS.get(bug.test, 0) + 1
 
 
 def check_generated(text: str) -> None:

@@ -38,10 +38,8 @@ class Geglu(Pattern):
                 yield r.miss
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
-        # a hand-written tanh formula is ~8 kernels; F.gelu / nn.GELU one
-        src = finding.params.get("activation_source", "")
-        kernels = 8 if src.endswith("()") and "GELU" not in src and "gelu" not in src.lower() else 1
-        return G.gated_value(finding, config, kernels)
+        # a hand-written tanh formula (gelu_new) is ~8 eager kernels; F.gelu / nn.GELU one
+        return G.gated_value(finding, config, int(finding.params.get("activation_kernels") or 1))
 
     @staticmethod
     def reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:

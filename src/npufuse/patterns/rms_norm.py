@@ -878,11 +878,19 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
     # the norm's output comes at or after its statistic; a scope that only calls a norm helper
     # (Meta's forward -> self._norm) is scanned whole
     first = min(marks) if marks else 0
+    lines = S.module_lines(module)
+    helpers = [h + "(" for h in S.functions_matching(module, "rms_norm", _norm_text)]
     for stmt in reversed(idx.stmts):
         if id(stmt) in consumed or not S.simple_stmt(stmt):
             continue
         if (stmt.end_lineno or stmt.lineno) < first:
             break
+        # text prefilter: a norm's output is a product/division, a cast, a helper call or a name
+        t = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
+        if not ("*" in t or "/" in t or ".to(" in t or "float()" in t or "type_as" in t or "half()" in t
+                or "bfloat16()" in t or "type(" in t or isinstance(getattr(stmt, "value", None), ast.Name)
+                or any(h in t for h in helpers)):
+            continue
         top = getattr(stmt, "value", None)
         inside: list[ast.AST] = []
         for node in _roots(stmt):

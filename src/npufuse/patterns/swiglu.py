@@ -111,6 +111,7 @@ class Act:
     sigmoid_arg: ast.expr | None = None  # sigmoid form: the sigmoid's argument (key compared with a factor)
     gelu_hint: bool = False  # config-chosen, but the code names it gelu (T5 "hidden_gelu")
     default: str | None = None  # config-chosen with a known default (an __init__ default class)
+    kernels: int = 1  # eager kernels the activation launches (a hand-written formula: several)
 
 
 def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | None] | None:
@@ -188,6 +189,21 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
     return kinds.pop() if len(kinds) == 1 else None
 
 
+def _formula_kernels(module: ModuleInfo, fn: ast.FunctionDef) -> int:
+    """Eager kernels of a helper's formula: its tensor ops (those touching the parameter)."""
+    params = [a.arg for a in fn.args.args if a.arg != "self"]
+    rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    if len(params) != 1 or not rets:
+        return 1
+    v = rets[-1].value
+    while S.is_cast(v):
+        v = v.func.value  # type: ignore[union-attr]
+    if isinstance(v, ast.Call) and module.canonical(v.func) in _FUNCS:
+        return 1
+    n = sum(1 for x in ast.walk(v) if isinstance(x, (ast.BinOp, ast.Call, ast.UnaryOp)) and _mentions(x, params[0]))
+    return max(n, 1)
+
+
 def _mentions(node: ast.AST, name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
 
@@ -245,7 +261,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                 if cname and cname in module.classes:
                     ck = _class_act(module, cname)
                     if ck is not None:
-                        return Act(ck, gate, ctx, desc, obj=f)
+                        fwd = S.method(module, cname, "forward")
+                        return Act(ck, gate, ctx, desc, obj=f, kernels=_formula_kernels(module, fwd) if fwd else 1)
                 # act_layer() with act_layer an __init__ parameter (timm): chosen by the caller
                 params = S.init_params(module, ctx.scope.class_name)
                 if isinstance(value.func, ast.Name) and value.func.id in params:
@@ -259,14 +276,14 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         if m is not None:
             k2 = _helper_act(module, m)
             if k2 is not None:
-                return Act(k2, gate, ctx, f"self.{f.attr}()")
+                return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
         return None
     if isinstance(f, ast.Name):
         fn = module.helper(f.id)
         if isinstance(fn, ast.FunctionDef) and S.definition(ctx, f.id) is None:
             k3 = _helper_act(module, fn)
             if k3 is not None:
-                return Act(k3, gate, ctx, f"{f.id}()")
+                return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
 
 
@@ -469,10 +486,14 @@ def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> str | None:
             return f"`{n.id}` is assigned under control flow before the gate"
         return None
     text = ast.unparse(n)
+    inner: list[tuple[ast.expr, S.Ctx]] = []
     if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
-        return f"gate or up is transformed after its projection (`{text}`): the fused op takes the projections themselves"
-    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and not n.args and n.keywords:
-        return f"gate or up is transformed after its projection (`{text}`): the fused op takes the projections themselves"
+        inner = [(n.left, c), (n.right, c)]
+    elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and not n.args and n.keywords:
+        inner = [(n.func.value, c)]  # x.clamp(max=...)
+    for e, ec in inner:
+        if _projection_input(e, ec) is not None:
+            return f"gate or up is transformed after its projection (`{text}`): the fused op takes the projections themselves"
     return None
 
 
@@ -507,9 +528,9 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
                     continue
                 k = S.key(f, ctx)
                 if k == skey:
-                    act = Act(SILU, f, ctx, "torch.sigmoid(a) * a")
+                    act = Act(SILU, f, ctx, "torch.sigmoid(a) * a", kernels=2)
                 elif quick is not None and k == quick:
-                    act = Act(QUICK_GELU, f, ctx, "a * torch.sigmoid(1.702 * a)")
+                    act = Act(QUICK_GELU, f, ctx, "a * torch.sigmoid(1.702 * a)", kernels=3)
                 if act is not None:
                     used = {i, j}
                     break
@@ -804,6 +825,7 @@ def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str
     p: dict[str, Any] = {
         "activation": act.kind if act.kind != CONFIG else "config",
         "activation_source": act.describe,
+        "activation_kernels": act.kernels,
         "conditional": act.kind == CONFIG,
         "gate": _as_written(module, g.a, plan),
         "up": _as_written(module, g.b, plan),
@@ -924,9 +946,7 @@ class Swiglu(Pattern):
                 yield r.miss
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
-        src = finding.params.get("activation_source", "")
-        kernels = 2 if "sigmoid" in src else 1
-        return gated_value(finding, config, kernels)
+        return gated_value(finding, config, int(finding.params.get("activation_kernels") or 1))
 
     @staticmethod
     def reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

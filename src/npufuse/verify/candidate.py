@@ -34,6 +34,7 @@ class Site:
     guard: str  # the if-header text, for messages
     env_switch: str | None  # NAME of ``_npufuse_switch("NAME")`` in the guard, if any
     fused_text: str  # the fused branch's source (to find which torch_npu APIs it calls)
+    fused_lines: tuple[int, int] | None = None  # first and last line of the fused branch's body
 
 
 @dataclass
@@ -63,6 +64,12 @@ class Candidate:
                 if n not in names:
                     names.append(n)
         return names
+
+    @property
+    def calls_torch_npu(self) -> bool:
+        """Whether the fused branch names a torch_npu API; when it does not (the affinity rewrites:
+        plain torch), only a line trace can prove that it ran."""
+        return bool(self.site and _API_NAME.search(self.site.fused_text))
 
     @property
     def training_ok(self) -> bool:
@@ -184,7 +191,9 @@ def locate_site(cand: Candidate) -> Site:
         fused.append(text)
     guard = "\n".join(header)
     m = _ENV_GUARD.search(guard)
-    return Site(site.line, site.end_line, site.pattern, site.qualname, guard.strip(), m.group(1) if m else None, "\n".join(fused))
+    first = site.line + len(header)
+    span = (first, first + len(fused) - 1) if fused else None
+    return Site(site.line, site.end_line, site.pattern, site.qualname, guard.strip(), m.group(1) if m else None, "\n".join(fused), span)
 
 
 def update_state(cand: Candidate, mutate: Callable[[CandidateState], None] | None = None, status: str | None = None, note: str = "") -> CandidateState:

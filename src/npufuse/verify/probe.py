@@ -76,6 +76,40 @@ class SiteCounter:
         return sum(self.site_calls.values())
 
 
+class LineTrace:
+    """Counts executed lines of one span of one file, as a context manager around a call: the proof
+    for a fused branch that calls no torch_npu API (the affinity rewrites are plain torch), where
+    :class:`SiteCounter` has nothing to count. In-process only (``sys.settrace``; a tracer already
+    installed, e.g. coverage, is suspended for the call and restored after)."""
+
+    def __init__(self, file: str, lines: tuple[int, int]) -> None:
+        self.file = os.path.realpath(file)
+        self.lines = (int(lines[0]), int(lines[1]))
+        self.hits = 0
+        self._known: dict[str, bool] = {}
+        self._saved: Any = None
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and self.lines[0] <= frame.f_lineno <= self.lines[1]:
+            self.hits += 1
+        return self._local
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        name = frame.f_code.co_filename
+        known = self._known.get(name)
+        if known is None:
+            known = self._known[name] = os.path.realpath(name) == self.file
+        return self._local if known else None
+
+    def __enter__(self) -> "LineTrace":
+        self._saved = sys.gettrace()
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.settrace(self._saved)
+
+
 def _counting(api: str, fn: Callable, counter: SiteCounter) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
