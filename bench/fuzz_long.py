@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         props = {k: props[k] for k in wanted}
     runs = {k: 0 for k in props}
     hits: dict[str, int] = {}
+    broken: set[str] = set()
     failures: dict[str, dict] = {}
     start = time.monotonic()
     end = start + args.minutes * 60
@@ -112,14 +113,20 @@ def main(argv: list[str] | None = None) -> int:
         for name, (prop, known) in props.items():
             if time.monotonic() >= end:
                 break
+            if name in broken:
+                continue
             test = loose(given(prop.strategy)(_counted(prop.check, runs, name, [] if args.strict else known, hits)))
             try:
                 test()
             except KeyboardInterrupt:
                 end = 0
                 break
-            except InvalidArgument:  # a broken harness, not a finding: stop at once
-                raise
+            except InvalidArgument as exc:  # a broken strategy, not a finding: report it, drop the property
+                failures[f"{name}: harness error"] = {"property": name, "count": 1, "error": f"InvalidArgument: {exc}",
+                                                      "example": "", "traceback": traceback.format_exc(limit=8)}
+                print(f"  HARNESS ERROR in {name}: {exc}; not run again", flush=True)
+                broken.add(name)
+                continue
             except BaseException as exc:  # a property failure (hypothesis re-raises it, shrunk)
                 sig = _signature(name, exc)
                 notes = "\n".join(getattr(exc, "__notes__", []))

@@ -166,6 +166,8 @@ def spans_and_edits(draw):
         return text, [], set()
     tree = ast.parse(text)
     blocks = list(_blocks(tree))
+    if not blocks:  # an empty module: nothing to span
+        return text, [], set()
     edits, must = [], set()
     taken: list[tuple[int, int]] = []
     for k in range(draw(st.integers(1, 3))):

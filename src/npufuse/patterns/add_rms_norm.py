@@ -23,15 +23,16 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
 from npufuse.scan.value import estimate, symbolic
+
+if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
+    import torch
 
 _LAYER_NORMS = {"torch.nn.LayerNorm", "torch.nn.GroupNorm", "torch.nn.BatchNorm1d", "torch.nn.InstanceNorm1d"}
 _RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
@@ -365,6 +366,8 @@ class AddRmsNorm(Pattern):
     @staticmethod
     def reference(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 golden: (rms_norm(x1 + x2) * (offset + weight), x1 + x2)."""
+        import torch
+
         s = x1.float() + x2.float()
         return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + weight_offset), s
 

@@ -11,14 +11,14 @@ as diffusers' ``hidden * gelu(gate)`` does). ``npu_gelu_mul`` is forward-only an
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import swiglu as G
 from npufuse.patterns.base import Finding, Fuse, Keep, Pattern, Result
 from npufuse.scan.dataflow import ModuleInfo, Scope
+
+if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
+    import torch
 
 
 class Geglu(Pattern):
@@ -44,6 +44,8 @@ class Geglu(Pattern):
     @staticmethod
     def reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         """fp32 golden: gelu(gate) * up."""
+        import torch.nn.functional as F
+
         return F.gelu(gate.float(), approximate=approximate) * up.float()
 
     FUSE: list = []
@@ -257,6 +259,36 @@ Geglu.FUSE = [
 ]
 
 Geglu.KEEP = [
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def is_torch_npu_available():
+    return False
+
+
+class GEGLU(nn.Module):
+    """diffusers' GEGLU already carries a torch_npu branch."""
+
+    def __init__(self, dim_in, dim_out):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2)
+
+    def forward(self, hidden_states):
+        hidden_states = self.proj(hidden_states)
+        if is_torch_npu_available():
+            import torch_npu
+            return torch_npu.npu_geglu(hidden_states, dim=-1, approximate=1)[0]
+        else:
+            hidden_states, gate = hidden_states.chunk(2, dim=-1)
+            return hidden_states * F.gelu(gate)
+''',
+        reason="already has a torch_npu branch",
+        name="diffusers_existing_npu_branch",
+    ),
     Keep(
         '''
 import torch

@@ -15,14 +15,15 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
 from npufuse.scan.value import estimate, symbolic
+
+if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
+    import torch
 
 # --------------------------------------------------------------------------------------------
 # parse results
@@ -1165,6 +1166,8 @@ class RmsNorm(Pattern):
     @staticmethod
     def reference(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: int = 0) -> torch.Tensor:
         """fp32 golden: x * rsqrt(mean(x^2, -1) + eps) * (weight_offset + weight)."""
+        import torch
+
         xf = x.float()
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + weight_offset)
 
@@ -1432,6 +1435,38 @@ RmsNorm.FUSE = [
 ]
 
 RmsNorm.KEEP = [
+    Keep(
+        '''
+import torch
+from torch import nn
+
+try:
+    import torch_npu
+except ImportError:
+    torch_npu = None
+
+
+class Qwen2RMSNorm(nn.Module):
+    """A repo that already switches to the fused op on NPU."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        if torch_npu is not None and hidden_states.is_npu:
+            return torch_npu.npu_rms_norm(hidden_states, self.weight, epsilon=self.variance_epsilon)[0]
+        else:
+            input_dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            return self.weight * hidden_states.to(input_dtype)
+''',
+        reason="already has a torch_npu branch",
+        name="existing_npu_branch",
+    ),
     Keep(
         '''
 import torch

@@ -15,15 +15,15 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
 from npufuse.scan.value import estimate, symbolic
+
+if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
+    import torch
 
 # --------------------------------------------------------------------------------------------
 # activations
@@ -408,7 +408,8 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
     t = S.Trace()
     n, c = S.peel(node, ctx, t)
     if isinstance(n, ast.Subscript):
-        base, bctx = S.peel(n.value, c, t)
+        tb = S.Trace()  # names followed to the chunk/split call: traced only if it is one
+        base, bctx = S.peel(n.value, c, tb)
         idx = const_value(n.slice)
         call = base if isinstance(base, ast.Call) else None
         if call is not None and isinstance(idx, int):
@@ -442,6 +443,7 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                         equal = False  # split(n): two parts only if the size is 2n (assumed, see risks)
                     _ = sv
                 trace.stmts.update(t.stmts)
+                trace.stmts.update(tb.stmts)
                 return (S.key(recv, bctx), recv, bctx, dim, idx, meth or "split", equal)
         # slicing: T[..., :n] / T[..., n:] / T[..., ::2]
         sl = n.slice
@@ -951,6 +953,8 @@ class Swiglu(Pattern):
     @staticmethod
     def reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """fp32 golden: silu(gate) * up."""
+        import torch.nn.functional as F
+
         return F.silu(gate.float()) * up.float()
 
     FUSE: list = []
@@ -1127,6 +1131,44 @@ class Qwen2MoeMLP(nn.Module):
         return self.down_proj(act * up)
 '''
 
+_DEEPSEEK_SPLIT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedMLP(nn.Module):
+    """One projection split with torch.split into [gate, up] of intermediate_size each."""
+
+    def __init__(self, hidden_size, intermediate_size):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        gate, up = torch.split(gate_up, self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+'''
+
+_SLICED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SlicedGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.w_in = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        z = self.w_in(x)
+        return F.silu(z[..., : self.h]) * z[..., self.h :]
+'''
+
 Swiglu.FUSE = [
     Fuse(
         _LLAMA_MLP,
@@ -1180,6 +1222,21 @@ Swiglu.FUSE = [
         expect={"conditional": True, "runtime_check": "activation type", "gate": "gate", "up": "up"},
         run="class C:\n    hidden_size = 16\n    hidden_act = 'silu'\nm = Qwen2MoeMLP(C(), 24)\nx = torch.randn(3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate_proj.weight]\n",
         name="qwen2_moe_act_statement",
+    ),
+]
+
+Swiglu.FUSE += [
+    Fuse(
+        _DEEPSEEK_SPLIT,
+        expect={"source": "split", "split": "split", "order": "gate_first", "split_tensor": "gate_up", "split_dim": -1},
+        run="m = FusedMLP(8, 12)\nx = torch.randn(2, 3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate_up_proj.weight]\n",
+        name="torch_split_symbolic_size",
+    ),
+    Fuse(
+        _SLICED,
+        expect={"source": "split", "split": "slice", "order": "gate_first", "split_tensor": "z", "split_dim": -1},
+        run="m = SlicedGLU(8, 5)\nx = torch.randn(4, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.w_in.weight]\n",
+        name="slicing_halves",
     ),
 ]
 

@@ -15,6 +15,7 @@ pattern's ``assess`` and its risks. :meth:`ScanResult.to_json` is the scan.json 
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import io
 import json
@@ -537,6 +538,7 @@ def _candidates(
     wrappers = [e for e in existing if e.get("api")]
     keys: dict[str, int] = {}
     out: list[dict[str, Any]] = []
+    shapes_memo: dict[str, dict[str, Any]] = {}
     n = 0
     for o, h in hits:
         f = h.finding
@@ -554,7 +556,9 @@ def _candidates(
         keys[key] = keys.get(key, 0) + 1
         if keys[key] > 1:
             key = f"{key}#{keys[key]}"
-        shapes = config_shapes.shapes_for(o.file, sources, overrides)
+        if o.file not in shapes_memo:  # one lookup per file: sources are sorted by distance to it
+            shapes_memo[o.file] = config_shapes.shapes_for(o.file, sources, overrides)
+        shapes = copy.deepcopy(shapes_memo[o.file])
         value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
         generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16)
         merged = risks.merge(risks.detector_risks(f), generic)

@@ -110,11 +110,18 @@ def _reindent(rows: list[str], kinds: list[str], add: str, top: str) -> list[str
             out.append(row)
         elif kind == "cont":
             out.append(add + row if body.startswith(owner) else row)
-        else:  # blank / comment: owned by the next statement or by a block closing here
+        else:  # blank / comment row
+            # libcst: the next statement owns the lines at (or left of) its own indentation; a
+            # block closing here owns the lines indented further (its footer). The row is
+            # re-indented when it starts with its owner's indentation.
             nxt = next((_ws(rows[k]) for k in range(i + 1, len(rows)) if kinds[k] == "logical"), None)
             if nxt is None:
                 return None
-            cands = {nxt, owner} | {w for w in seen if len(nxt) <= len(w) <= len(owner)}
+            ws = _ws(body)
+            if len(ws) <= len(nxt):
+                cands = {nxt}
+            else:
+                cands = {w for w in [*seen, owner] if len(nxt) < len(w) <= len(owner)} or {owner}
             decisions = {body.startswith(c) for c in cands}
             if len(decisions) != 1:
                 return None
@@ -153,14 +160,13 @@ def fast_body(lines: list[str], finding: Finding, indent: str, decorated: set[in
     fkinds = _classify(fused + "\n")
     if fkinds is None or len(fkinds) != len(frows) or "logical" not in fkinds:
         return None
-    # The transform takes the fused module's statements only: comment/blank rows before the
-    # first statement (libcst's module header) and unindented ones after the last row of a
-    # statement (its footer) are dropped. Indented trailing rows may belong to a block: decline.
-    first = fkinds.index("logical")
+    # The transform keeps the fused module's statements, with the comments above the first one
+    # (libcst's module header, moved onto it); unindented comment/blank rows after the last
+    # statement (the module footer) are dropped. Indented trailing rows may belong to a block.
     last = max(i for i, k in enumerate(fkinds) if k not in ("comment", "blank"))
     if any(_ws(frows[i]) for i in range(last + 1, len(frows)) if frows[i].strip()):
         return None
-    frows, fkinds = frows[first : last + 1], fkinds[first : last + 1]
+    frows, fkinds = frows[: last + 1], fkinds[: last + 1]
     # libcst re-renders the fused code's first indentation unit as the file's: equal text only
     # when the fused code indents by exactly the file's unit.
     indented = [_ws(r) for r, k in zip(frows, fkinds) if k == "logical" and _ws(r)]

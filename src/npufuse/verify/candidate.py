@@ -66,10 +66,15 @@ class Candidate:
         return names
 
     @property
-    def calls_torch_npu(self) -> bool:
-        """Whether the fused branch names a torch_npu API; when it does not (the affinity rewrites:
-        plain torch), only a line trace can prove that it ran."""
-        return bool(self.site and _API_NAME.search(self.site.fused_text))
+    def plain_torch(self) -> bool:
+        """The pattern's replacement is plain torch (the affinity rewrites: its API is not a
+        torch_npu one), so no torch_npu call can prove that the fused branch ran: a line trace must."""
+        from npufuse.patterns.registry import get_pattern
+
+        try:
+            return not get_pattern(self.pattern).api.startswith("torch_npu")
+        except KeyError:
+            return False
 
     @property
     def training_ok(self) -> bool:

@@ -1,0 +1,36 @@
+"""The bench scripts run (on the small fixture; figures are printed, never asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from scan_fakes import copy_fixture
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def test_bench_scan_prints_the_figures(tmp_path):
+    root = copy_fixture(tmp_path)
+    out = subprocess.run([sys.executable, str(BENCH / "scan.py"), str(root), "--repeat", "1", "--no-subprocess", "--check-render", "-1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    for label in ("files/s", "lines/s", "ratio", "cpu time", "render check"):
+        assert label in out.stdout
+
+
+def test_bench_scan_without_a_corpus_says_so(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH / "scan.py"), str(tmp_path / "none")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "--fetch-transformers" in out.stderr
+
+
+def test_corpus_findings_tables(tmp_path):
+    root = copy_fixture(tmp_path)
+    md = tmp_path / "findings.md"
+    out = subprocess.run([sys.executable, str(BENCH / "corpus_findings.py"), str(root), "--suspects", "--markdown", str(md)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "| pattern | candidates | near misses |" in out.stdout
+    assert "## Unflagged suspects (recall check)" in out.stdout
+    assert md.read_text() == out.stdout
