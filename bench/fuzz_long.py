@@ -66,7 +66,7 @@ def _counted(check, runs: dict[str, int], name: str, known, hits: dict[str, int]
         try:
             check(value)
         except Exception as exc:
-            bug = next((b for b in known if b.matches(exc)), None)
+            bug = next((b for b in known if b.matches(exc, value)), None)
             if bug is None:
                 raise
             hits[bug.test] = hits.get(bug.test, 0) + 1

@@ -25,7 +25,7 @@ from npufuse.rewrite.codegen import MARKER, env_switch, render_site, site_edit
 from npufuse.rewrite.transform import SiteEdit, revert_source, rewrite_source
 from npufuse.scan import replacement
 from npufuse.scan.engine import ScanOptions, analyze_file
-from test_fuzz_scan import (BUDGET_SCALE, HANG_CPU_S, PATTERNS, Budget, Property, check_fallback, cpu_guard, file_lines,
+from test_fuzz_scan import (BUDGET_SCALE, HANG_CPU_S, PATTERNS, Budget, KnownBug, Property, check_fallback, cpu_guard, file_lines,
                             fuzz_settings, generated_program, parses, python_text, report_budgets, run_property,
                             statement)
 
@@ -138,15 +138,17 @@ FUSED = [
 GUARDS = ['_npufuse_on_npu(x) and _npufuse_switch("NPUFUSE_RMS_NORM")', "_npufuse_on_npu(x) and (self.config.flag or True)", "(", "x if y else z"]
 
 
-def _blocks(tree: ast.AST):
-    for node in ast.walk(tree):
-        for name in ("body", "orelse", "finalbody"):
-            block = getattr(node, name, None)
-            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
-                yield node, block
-        if isinstance(node, ast.Try):
-            for h in node.handlers:
-                yield h, h.body
+def _blocks(node: ast.AST, in_function: bool = False):
+    """(owner, statement list, inside a function?) for every block: `return` is only valid fused
+    code inside a function, and the rewritten file must still compile."""
+    in_function = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    for name in ("body", "orelse", "finalbody"):
+        block = getattr(node, name, None)
+        if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+            yield node, block, in_function and not isinstance(node, ast.ClassDef)
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
+            yield from _blocks(child, in_function and not isinstance(child, ast.ClassDef))
 
 
 def _own_lines(block: list[ast.stmt], i: int, j: int, header_line: int) -> bool:
@@ -171,14 +173,14 @@ def spans_and_edits(draw):
     edits, must = [], set()
     taken: list[tuple[int, int]] = []
     for k in range(draw(st.integers(1, 3))):
-        node, block = blocks[draw(st.integers(0, len(blocks) - 1))]
+        node, block, in_function = blocks[draw(st.integers(0, len(blocks) - 1))]
         i = draw(st.integers(0, len(block) - 1))
         j = draw(st.integers(i, min(len(block) - 1, i + 3)))
         line, end = block[i].lineno, block[j].end_lineno
         if any(a <= end and line <= b for a, b in taken):
             continue
         taken.append((line, end))
-        fused = draw(st.one_of(st.sampled_from(FUSED), statement()))
+        fused = draw(st.one_of(st.sampled_from(FUSED if in_function else [f for f in FUSED if "return" not in f]), statement()))
         guard = draw(st.sampled_from(GUARDS))
         edits.append(SiteEdit(line, end, fused, guard, draw(st.sampled_from(["rms_norm", "swiglu", "rope"])), tag=f"e{k}"))
         header = getattr(node, "lineno", 0) if not isinstance(node, ast.Module) else 0
@@ -201,6 +203,24 @@ def check_rewrite_spans(case) -> None:
         check_rewritten(text, edits, outcome, must)
 
 
+# -- bugs found by fuzzing ----------------------------------------------------------------------
+# Minimal reproducers, strict xfail: each starts passing (and so fails here) once its bug is fixed;
+# then drop the marker and its KNOWN entry. Until then the properties count these, not fail on them.
+
+LONE_BACKSLASH = r"(?m)^[ \t]*\\\r?\n"
+KNOWN = [
+    KnownBug("test_bug_lone_backslash_line_shifts_sites", Exception, None, input=LONE_BACKSLASH),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="rewrite/transform.py rewrite_source: libcst (1.9.0) drops a line holding only a backslash continuation (its code != source) and its PositionProvider lines are one short after it, so rewrite_source wraps the wrong statements (span a..b becomes b..c) and silently deletes that line; it should refuse files libcst does not round-trip")
+def test_bug_lone_backslash_line_shifts_sites():
+    src = "x = 1\n\\\na = 1\nb = 2\nc = 3\n"
+    edits = [SiteEdit(3, 4, "a, b = 1, 2", "_npufuse_on_npu(x)", "rms_norm", "t")]
+    outcome = rewrite_source(src, edits)
+    check_rewritten(src, edits, outcome, must_apply=set())  # refusing the site would be fine too
+
+
 # -- the tests --------------------------------------------------------------------------------------
 
 PROPERTIES = {
@@ -213,19 +233,19 @@ PROPERTIES = {
 @fuzz_settings(max_examples=70)
 @given(PROPERTIES["findings"].strategy)
 def test_findings_rewrite_and_revert_exactly(value):
-    run_property(PROPERTIES, BUDGETS, "findings", value)
+    run_property(PROPERTIES, BUDGETS, "findings", value, KNOWN)
 
 
 @fuzz_settings(max_examples=60)
 @given(PROPERTIES["generated"].strategy)
 def test_generated_programs_rewrite_and_revert_exactly(value):
-    run_property(PROPERTIES, BUDGETS, "generated", value)
+    run_property(PROPERTIES, BUDGETS, "generated", value, KNOWN)
 
 
 @fuzz_settings(max_examples=90)
 @given(PROPERTIES["spans"].strategy)
 def test_random_spans_rewrite_and_revert_exactly(value):
-    run_property(PROPERTIES, BUDGETS, "spans", value)
+    run_property(PROPERTIES, BUDGETS, "spans", value, KNOWN)
 
 
 @pytest.fixture(scope="module", autouse=True)

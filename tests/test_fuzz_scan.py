@@ -478,7 +478,8 @@ def statement(draw, depth: int = 0):
         return f"{target} += {draw(EXPRESSIONS)}"
     if kind == 8:
         return f"{target}, {draw(st.sampled_from(TARGETS))} = {_receiver(draw(EXPRESSIONS))}.chunk(2, dim=-1)"
-    return draw(st.sampled_from(TEMPLATES)).format(e=_receiver(draw(EXPRESSIONS))).split("\nreturn")[0]
+    body = draw(st.sampled_from(TEMPLATES)).format(e=_receiver(draw(EXPRESSIONS))).split("\nreturn")[0]
+    return "out = " + body[len("return ") :] if body.startswith("return ") else body  # a statement, valid anywhere
 
 
 @st.composite
@@ -693,16 +694,32 @@ class KnownBug:
     other bugs meanwhile; when the bug is fixed the reproducer XPASSes and this entry goes."""
 
     test: str
-    exc: type
-    where: str = ""  # "npufuse/profile/trace.py:analyze_trace": innermost npufuse frame; "" = the test's own assert
+    exc: type | tuple[type, ...]
+    where: str | None = ""  # innermost npufuse frame ("npufuse/profile/trace.py:analyze_trace"); "" = the test's own assert; None = anywhere
     message: str = ""  # regex searched in str(exc)
+    input: str = ""  # regex searched in the input's text: the trigger, where it is known
 
-    def matches(self, exc: BaseException) -> bool:
+    def matches(self, exc: BaseException, value: Any = None) -> bool:
         if not isinstance(exc, self.exc) or isinstance(exc, Hang):
             return False
         if self.message and not re.search(self.message, str(exc)):
             return False
-        return self.where == innermost_npufuse_frame(exc)
+        if self.input and not re.search(self.input, value_text(value)):
+            return False
+        return self.where is None or self.where == innermost_npufuse_frame(exc)
+
+
+def value_text(value: Any) -> str:
+    """The source text inside a property's input (bytes, text, or a tuple/list holding them)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (tuple, list)):
+        return "\n".join(value_text(v) for v in value)
+    if isinstance(value, dict):
+        return "\n".join(value_text(v) for v in value.values())
+    return ""
 
 
 def innermost_npufuse_frame(exc: BaseException) -> str:
@@ -723,7 +740,7 @@ def run_property(props: dict[str, Property], budgets: dict[str, Budget], name: s
     try:
         props[name].check(value)
     except Exception as exc:
-        bug = next((b for b in known if b.matches(exc)), None)
+        bug = next((b for b in known if b.matches(exc, value)), None)
         if bug is None:
             raise
         KNOWN_HITS[bug.test] = KNOWN_HITS.get(bug.test, 0) + 1

@@ -257,6 +257,16 @@ def follow(node: ast.expr, ctx: Ctx, trace: Trace | None = None, *, allow_condit
             break
     if trace is not None and ctx.depth == 0:
         trace.add(stmt)
+    # ``a, b = x, y``: the scope records ``(x, y)[0]`` for ``a``; take the element itself
+    if (
+        isinstance(value, ast.Subscript)
+        and isinstance(value.value, (ast.Tuple, ast.List))
+        and isinstance(value.slice, ast.Constant)
+        and isinstance(value.slice.value, int)
+        and 0 <= value.slice.value < len(value.value.elts)
+        and not any(isinstance(e, ast.Starred) for e in value.value.elts)
+    ):
+        value = value.value.elts[value.slice.value]
     return value, ctx.at(stmt.lineno), stmt
 
 

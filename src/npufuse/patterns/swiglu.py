@@ -383,6 +383,12 @@ def _act_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> A
             value, vctx, stmt = S.follow(n, c)
             if value is n:
                 return None
+            if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
+                # ``glu = gate * torch.sigmoid(alpha * gate)`` assigned to a name, then ``up * glu``
+                act = _sigmoid_form(module, value, vctx)
+                if act is not None:
+                    S.follow(n, c, trace)
+                return act
             if not isinstance(value, (ast.Call, ast.Name)):
                 return None
             S.follow(n, c, t)
@@ -400,6 +406,32 @@ def _act_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> A
         if act.kind == CONFIG and isinstance(node, ast.Name) and "gelu" in node.id.lower():
             act.gelu_hint = True
     return act
+
+
+def _sigmoid_form(module: ModuleInfo, value: ast.BinOp, ctx: S.Ctx) -> Act | None:
+    """``z * sigmoid(k * z)``: silu for k = 1, quick_gelu for 1.702, a scaled swish otherwise."""
+    fs: list[ast.expr] = []
+    _flatten_mul(value, fs)
+    if len(fs) != 2:
+        return None
+    for i in (0, 1):
+        sig, z = fs[i], fs[1 - i]
+        if not isinstance(sig, ast.Call):
+            continue
+        a = classify_call(module, sig, ctx)
+        if a is None or a.kind != SIGMOID or a.sigmoid_arg is None:
+            continue
+        arg = a.sigmoid_arg
+        zk = S.key(z, ctx)
+        if S.key(arg, ctx) == zk:
+            return Act(SILU, z, ctx, "z * torch.sigmoid(z)", kernels=2)
+        if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mult):
+            for k, other in ((arg.left, arg.right), (arg.right, arg.left)):
+                if S.key(other, ctx) == zk:
+                    if const_value(k) == 1.702:
+                        return Act(QUICK_GELU, z, ctx, "z * torch.sigmoid(1.702 * z)", kernels=3)
+                    return Act(f"swish with beta `{ast.unparse(k)}` (z * sigmoid(beta * z))", z, ctx, "", kernels=3)
+    return None
 
 
 def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[str, ast.expr, S.Ctx, ast.expr | None, object, str, bool] | None:
@@ -1302,6 +1334,7 @@ class GptOssExperts(nn.Module):
         glu = gate * torch.sigmoid(gate * self.alpha)
         return (up + 1) * glu
 ''',
+        reason="interleaved",
         name="gpt_oss_interleaved_alpha",
     ),
     Keep(

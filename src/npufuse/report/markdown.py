@@ -39,6 +39,8 @@ def md(text: Any) -> str:
 def code(text: Any, table: bool = False) -> str:
     """An inline code span that survives any backticks inside (and ``|`` inside tables)."""
     s = " ".join(str(text).split())
+    if "`" not in s:  # the common case, without the regex
+        return f"`{s}`".replace("|", "\\|") if table else f"`{s}`"
     longest = max((len(m) for m in re.findall(r"`+", s)), default=0)
     fence = "`" * (longest + 1)
     pad = " " if s.startswith("`") or s.endswith("`") or (s.startswith(" ") and s.strip()) else ""

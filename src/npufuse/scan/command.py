@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--switch", choices=("auto", "env", "none"), default="auto",
                         help="how fused branches are switched: auto = DESIGN rule 1 (repo switch > new config field > env var); env = always NPUFUSE_<ID>; none = only the NPU check")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown only when stderr is a terminal)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the per-file result cache (STATE_DIR/cache)")
 
 
 def _progress(enabled: bool):
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             switch_mode=args.switch,
             overrides={"batch_size": args.batch_size, "seq_len": args.seq_len},
             progress=update,
+            cache_dir=None if args.no_cache else Path(args.state_dir) / "cache",
         )
     except engine.UnknownPatternError as exc:
         raise UsageError(f"--only: {exc}") from None

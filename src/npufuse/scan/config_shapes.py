@@ -200,12 +200,12 @@ def load_data_file(root: Path, rel: str, max_bytes: int = 1 << 20) -> tuple[Conf
                     named.setdefault(k, v)
                 elif depth < 4 and isinstance(v, dict):
                     queue.append((v, depth + 1))
-    from npufuse.scan.repo_search import SWITCH_NAME  # late: repo_search imports this module
+    from npufuse.scan.repo_search import is_switch  # late: repo_search imports this module
 
     lines = text.splitlines()
     switches = []
     for key, value in named.items():
-        if SWITCH_NAME.search(key) and isinstance(value, (bool, int, str)):
+        if isinstance(value, bool) and is_switch(key, "config_field", value):
             line = next((i + 1 for i, ln in enumerate(lines) if key in ln), 1)
             switches.append({"file": rel, "line": line, "name": key, "kind": "config_field", "default": value})
     values = map_values(named)

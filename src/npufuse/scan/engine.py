@@ -303,12 +303,19 @@ def _near(rel: str, m: NearMiss) -> dict[str, Any]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(root: str, patterns: Sequence[Pattern], options: ScanOptions) -> None:
-    _WORKER.update(root=Path(root), patterns=patterns, options=options)
+def _init_worker(root: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any = None) -> None:
+    _WORKER.update(root=Path(root), patterns=patterns, options=options, cache=cache)
+
+
+def _analyze_and_store(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any) -> FileOutcome:
+    outcome = analyze_file(root, rel, patterns, options)
+    if cache is not None:
+        cache.put(outcome)  # in the worker: writing entries is spread over the cores too
+    return outcome
 
 
 def _analyze_batch(batch: list[str]) -> list[FileOutcome]:
-    return [analyze_file(_WORKER["root"], rel, _WORKER["patterns"], _WORKER["options"]) for rel in batch]
+    return [_analyze_and_store(_WORKER["root"], rel, _WORKER["patterns"], _WORKER["options"], _WORKER.get("cache")) for rel in batch]
 
 
 def _pool_context():
@@ -321,18 +328,30 @@ def _pool_context():
     return None
 
 
-def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None) -> list[FileOutcome]:
+def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None, cache: Any = None) -> list[FileOutcome]:
     total = len(files)
     jobs = jobs if jobs is not None else (os.cpu_count() or 1)
     results: dict[str, FileOutcome] = {}
     done = 0
-    if jobs > 1 and total >= PARALLEL_MIN_FILES:
+    if cache is not None:
+        # Hits are looked up here, before any pool starts: a warm scan never forks.
+        from npufuse.scan.cache import lookup
+
+        for rel in files:
+            hit = lookup(cache, root, rel, options.max_file_bytes)
+            if hit is not None:
+                results[rel] = hit
+                done += 1
+                if progress:
+                    progress(done, total)
+    todo = [rel for rel in files if rel not in results]
+    if jobs > 1 and len(todo) >= PARALLEL_MIN_FILES:
         # Small batches, largest files first: both cores stay busy to the end.
-        order = sorted(files, key=lambda r: _size(root / r), reverse=True)
-        size = max(1, min(16, total // (jobs * 12)))
-        batches = [order[i:i + size] for i in range(0, total, size)]
+        order = sorted(todo, key=lambda r: _size(root / r), reverse=True)
+        size = max(1, min(16, len(todo) // (jobs * 12)))
+        batches = [order[i:i + size] for i in range(0, len(todo), size)]
         try:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options)) as ex:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options, cache)) as ex:
                 futures = [ex.submit(_analyze_batch, b) for b in batches]
                 for fut in as_completed(futures):
                     for outcome in fut.result():
@@ -344,11 +363,20 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
             pass
     for rel in files:
         if rel not in results:
-            results[rel] = analyze_file(root, rel, patterns, options)
+            results[rel] = _analyze_and_store(root, rel, patterns, options, cache)
             done += 1
             if progress:
                 progress(min(done, total), total)
     return [results[rel] for rel in files]
+
+
+def _open_cache(cache_dir: str | os.PathLike[str] | None, patterns: Sequence[Pattern], options: ScanOptions) -> Any:
+    if cache_dir is None:
+        return None
+    from npufuse.scan.cache import ScanCache, fingerprint
+
+    key = fingerprint(patterns, options)
+    return ScanCache(cache_dir, key) if key is not None else None  # None: a detector we cannot hash
 
 
 def _size(path: Path) -> int:
@@ -445,17 +473,19 @@ def scan_repo(
     switch_mode: str = "auto",
     overrides: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> ScanResult:
     """Scan a folder or one file. Raises FileNotFoundError for a missing ``root`` and
     :class:`UnknownPatternError` for an unknown id in ``only``; everything else is reported in
-    the result. ``overrides`` (e.g. ``{"batch_size": 8}``) beat shapes read from the repo."""
+    the result. ``overrides`` (e.g. ``{"batch_size": 8}``) beat shapes read from the repo.
+    ``cache_dir``: reuse and store per-file results there (:mod:`npufuse.scan.cache`); None: no cache."""
     target = Path(root)
     if not target.exists() and not target.is_symlink():
         raise FileNotFoundError(f"{root}: no such file or folder")
     chosen, missing = select_patterns(only, patterns)
     options = ScanOptions(max_file_bytes=max_file_bytes)
     walked = walk(target)
-    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress)
+    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, _open_cache(cache_dir, chosen, options))
 
     failed: list[Failure] = list(walked.failed)
     near: list[dict[str, Any]] = []

@@ -19,14 +19,43 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from npufuse.rewrite.codegen import Switch, env_switch
 from npufuse.scan import config_shapes
 from npufuse.scan.dataflow import ModuleInfo, Scope, dotted
 
-# A name is a switch candidate when it mentions one of these.
+# Cheap prefilter: a switch name mentions one of these (is_switch decides).
 SWITCH_NAME = re.compile(r"fus(e|ed|ion)|npu|ascend|flash|liger", re.IGNORECASE)
+_TOPIC = ("fuse", "fusion", "flash", "liger", "npu", "ascend")
+_FUSION_TOPIC = ("fuse", "fusion", "flash", "liger")
+_FLAG_VERBS = {"use", "enable", "enabled", "disable", "disabled", "with", "without", "apply", "allow", "no", "do", "turn", "force", "skip"}
+# Tokens of names that are sizes, modes or facts about a kernel, not on/off switches for one.
+_NOT_A_SWITCH = {
+    "size", "dim", "dims", "num", "channels", "channel", "heads", "layers", "layer", "ratio", "dropout", "eps", "impl",
+    "implementation", "version", "mode", "type", "path", "dir", "home", "devices", "device", "visible", "rank", "deterministic",
+    "input", "inputs", "embed", "hidden", "intermediate", "factor", "scale", "id", "ids", "index", "count", "uses",
+    "supports", "supported", "available", "top", "left", "mask", "window", "length", "len",
+}
+
+
+def _tokens(name: str) -> list[str]:
+    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name)
+    return [t for t in re.split(r"[^A-Za-z0-9]+", spaced.lower()) if t]
+
+
+def is_switch(name: str, kind: str, value: Any = None) -> bool:
+    """Is ``name`` an on/off switch for fused/NPU code? It must name the topic (fused, fusion,
+    flash, liger, npu, ascend), not be a size or mode (``fusion_hidden_size``,
+    ``deterministic_flash_attn``), and look boolean: a flag verb first (``use_``, ``enable_``,
+    ``disable_``...), a bool value/default, or (environment variables) a fusion word."""
+    tokens = _tokens(name)
+    if not tokens or any(t in _NOT_A_SWITCH for t in tokens) or not any(t.startswith(_TOPIC) for t in tokens):
+        return False
+    if tokens[0] in _FLAG_VERBS or isinstance(value, bool) or value in ("store_true", "store_false"):
+        return True
+    return kind == "env" and any(t.startswith(_FUSION_TOPIC) for t in tokens)
 # Words (separators removed, lower case) that tie a switch to a pattern.
 PATTERN_WORDS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rmsnorm", "rms"),
@@ -65,6 +94,7 @@ def _norm(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
+@lru_cache(maxsize=4096)
 def switch_relevance(pattern: str, name: str) -> int:
     """2: the switch names this pattern; 1: a generic fusion switch; 0: unrelated."""
     n = _norm(name)
@@ -135,8 +165,8 @@ def file_facts(module: ModuleInfo) -> FileFacts:
             seen.add((line, what, kind))
             facts.existing.append({"file": path, "line": line, "what": what, "kind": kind, **extra})
 
-    def switch(line: int, name: str, kind: str, **extra: Any) -> None:
-        if SWITCH_NAME.search(name):
+    def switch(line: int, name: str, kind: str, value: Any = None, **extra: Any) -> None:
+        if SWITCH_NAME.search(name) and is_switch(name, kind, value):
             facts.switches.append({"file": path, "line": line, "name": name, "kind": kind, **extra})
 
     # Config-like classes (shapes, switch fields): module-level and nested in module-level classes.
@@ -147,8 +177,8 @@ def file_facts(module: ModuleInfo) -> FileFacts:
         if src_cfg is not None:
             facts.config_sources.append(src_cfg)
         if config_shapes.CONFIG_CLASS.search(cls.name) or config_shapes._is_dataclass(cls):
-            for name, line in _class_fields(cls):
-                switch(line, name, "config_field", owner=cls.name)
+            for name, line, value in _class_fields(cls):
+                switch(line, name, "config_field", value, owner=cls.name, default=value if isinstance(value, bool) else None)
 
     if not (want_npu or want_env or want_args or want_train or want_cfg):
         return facts
@@ -174,13 +204,13 @@ def file_facts(module: ModuleInfo) -> FileFacts:
                     var = _const_str(node.args[0])
                     if var:
                         default = config_shapes._literal(node.args[1]) if len(node.args) > 1 else None
-                        switch(node.lineno, var, "env", default=default if isinstance(default, (str, int, bool)) else None)
+                        switch(node.lineno, var, "env", None, default=default if isinstance(default, (str, int, bool)) else None)
             if type(func) is Attribute:
                 attr = func.attr
                 if want_args and attr == "add_argument":
                     dest = config_shapes.argparse_dest(node)
                     if dest:
-                        switch(node.lineno, dest, "argument")
+                        switch(node.lineno, dest, "argument", _argparse_flag(node))
                     shaped = config_shapes.argparse_value(node)
                     if shaped:
                         facts.config_sources.append(config_shapes.ConfigSource(path, node.lineno, "argparse", f"--{dest.replace('_', '-')}" if dest else "argparse", {shaped[0]: shaped[1]}))
@@ -245,15 +275,31 @@ def file_facts(module: ModuleInfo) -> FileFacts:
     return facts
 
 
-def _class_fields(cls: ast.ClassDef) -> list[tuple[str, int]]:
-    out = []
+def _class_fields(cls: ast.ClassDef) -> list[tuple[str, int, Any]]:
+    """(name, line, default literal or None) of a config-like class's fields."""
+    out: list[tuple[str, int, Any]] = []
     for stmt in cls.body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            out.append((stmt.target.id, stmt.lineno))
+            out.append((stmt.target.id, stmt.lineno, config_shapes._literal(config_shapes._field_default(stmt.value))))
         elif isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
             a = stmt.args
-            out += [(x.arg, stmt.lineno) for x in (*a.args, *a.kwonlyargs) if x.arg != "self"]
+            positional = [*a.posonlyargs, *a.args]
+            defaults = dict(zip([x.arg for x in positional[len(positional) - len(a.defaults):]], a.defaults))
+            defaults.update({x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+            out += [(x.arg, stmt.lineno, config_shapes._literal(defaults.get(x.arg))) for x in (*positional, *a.kwonlyargs) if x.arg != "self"]
     return out
+
+
+def _argparse_flag(call: ast.Call) -> Any:
+    """"store_true"/"store_false", a bool default, or None: whether an argument is a flag."""
+    for kw in call.keywords:
+        if kw.arg == "action" and isinstance(kw.value, ast.Constant) and kw.value.value in ("store_true", "store_false"):
+            return kw.value.value
+        if kw.arg == "default" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, bool):
+            return kw.value.value
+        if kw.arg == "type" and isinstance(kw.value, ast.Name) and kw.value.id == "bool":
+            return True
+    return None
 
 
 def _span(block: list[ast.stmt]) -> tuple[int, int]:

@@ -157,11 +157,25 @@ def load_candidate(cid: int, state_dir: str | os.PathLike[str] = STATE_DIR, root
         applied=dict(entry.applied),
         scan=match,
     )
+    _refuse_escape(cand, sd)
     if not cand.path.is_file():
         raise UsageError(f"{cand.path}: file of candidate {cid} not found (wrong --root?)")
     if need_site:
         cand.site = locate_site(cand)
     return cand
+
+
+def _refuse_escape(cand: Candidate, state_dir: Path) -> None:
+    """A hand-edited state.json/scan.json must not make verify read or import a file outside
+    the scanned root (``../``, absolute, or a symlink out): the same rule apply and revert use."""
+    from npufuse.rewrite.files import FileProblem, safe_path
+
+    if not isinstance(cand.file, str):
+        raise UsageError(f"{state_dir / 'state.json'}: candidate {cand.id} has no file path; run `npufuse apply` again")
+    try:
+        safe_path(cand.root, cand.file)
+    except FileProblem as exc:
+        raise UsageError(f"{state_dir / 'state.json'}: candidate {cand.id}: {exc}") from None
 
 
 def locate_site(cand: Candidate) -> Site:
