@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=None, help="worker processes for the scan (default: all cores)")
     ap.add_argument("--repeat", type=int, default=3, help="timed repetitions; the best is reported (default 3)")
     ap.add_argument("--no-subprocess", action="store_true", help="skip the end-to-end subprocess timing")
+    ap.add_argument("--state-dir", help="keep scan.json, report.md and the cache here (default: a temp folder, deleted)")
     ap.add_argument("--check-render", type=int, default=0, metavar="N",
                     help="also check N random candidates' replacement against render_site on the whole file (0: none, -1: all)")
     args = ap.parse_args(argv)
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.jobs if args.jobs is not None else cores
     t_parse, lines, c_parse = min((baseline(walked.root, files) for _ in range(args.repeat)), key=lambda r: r[0])
 
-    out = Path(tempfile.mkdtemp(prefix="npufuse-bench-"))
+    out = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="npufuse-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
 
     def timed_scan() -> tuple[float, float]:
         c0 = _cpu()
@@ -193,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             if not ok:
                 print(f"  replacement differs from render_site: {c['key']} (lines {c['line']}-{c['end_line']})")
         print(f"render check      {same}/{len(sample)} replacements identical to render_site on the whole file")
-    shutil.rmtree(out, ignore_errors=True)
+    if not args.state_dir:
+        shutil.rmtree(out, ignore_errors=True)
     return 0
 
 

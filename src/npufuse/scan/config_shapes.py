@@ -225,9 +225,12 @@ def shapes_for(file: str, sources: list[ConfigSource], overrides: dict[str, Any]
     folders, then anywhere else) > the documented assumptions.
     """
     here = _folder(file)
+    folders: dict[str, tuple[str, ...]] = {}
 
     def distance(src: ConfigSource) -> tuple[int, int, str, int]:
-        there = _folder(src.file)
+        there = folders.get(src.file)
+        if there is None:
+            there = folders[src.file] = _folder(src.file)
         if here[: len(there)] == there:
             d = len(here) - len(there)
         else:
@@ -244,6 +247,8 @@ def shapes_for(file: str, sources: list[ConfigSource], overrides: dict[str, Any]
         if value is not None:
             out[key] = {"value": value, "from": "command line"}
     for src in sorted(sources, key=distance):
+        if out.keys() >= src.values.keys():
+            continue  # a nearer source set every key already (skipping it dominated warm scans' time)
         where = f"{src.file}:{src.line}" if src.kind not in ("config_json", "config_yaml") else src.file
         label = where if src.kind in ("config_json", "config_yaml") else f"{where} ({src.name})"
         for key, value in src.values.items():

@@ -586,9 +586,10 @@ def _candidates(
         keys[key] = keys.get(key, 0) + 1
         if keys[key] > 1:
             key = f"{key}#{keys[key]}"
-        if o.file not in shapes_memo:  # one lookup per file: sources are sorted by distance to it
-            shapes_memo[o.file] = config_shapes.shapes_for(o.file, sources, overrides)
-        shapes = copy.deepcopy(shapes_memo[o.file])
+        folder = o.file.rsplit("/", 1)[0] if "/" in o.file else ""
+        if folder not in shapes_memo:  # one lookup per folder: shapes_for sorts sources by distance to the file's folder
+            shapes_memo[folder] = config_shapes.shapes_for(o.file, sources, overrides)
+        shapes = copy.deepcopy(shapes_memo[folder])
         value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
         generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16)
         merged = risks.merge(risks.detector_risks(f), generic)

@@ -1,8 +1,8 @@
 """Stage 2 verification: prove each applied replacement, operator first, then end to end.
 
 * :mod:`npufuse.verify.opcheck` — ``npufuse verify op ID``: the user's rewritten function with the
-  fused branch on and off on the same inputs, forward and backward, against an fp32 golden run
-  of the original (inputs from :mod:`npufuse.verify.inputs`).
+  fused branch on and off on the same inputs, forward and backward, against a float64 golden run
+  (fp32 on an NPU) of the original (inputs from :mod:`npufuse.verify.inputs`).
 * :mod:`npufuse.verify.e2e` — ``npufuse verify e2e ID --cmd ...``: baseline vs fused run of the
   user's own launch command (:mod:`npufuse.verify.runner`, :mod:`npufuse.verify.logparse`),
   loss first, then step time (:mod:`npufuse.verify.stats`); per-step JSONL

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print the result as JSON")
         p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
-    op = sub.add_parser("op", help="operator-level accuracy (forward + backward) against an fp32 golden", description="operator-level accuracy of one applied candidate")
+    op = sub.add_parser("op", help="operator-level accuracy (forward + backward) against a float64 golden (fp32 on an NPU)", description="operator-level accuracy of one applied candidate")
     common(op)
     op.add_argument("--capture", metavar="CMD", help='launch command whose first call of the target gives the inputs, e.g. "python train.py --steps 1"')
     op.add_argument("--capture-timeout", type=float, default=600.0, metavar="S", help="seconds to wait for the capture (default 600)")

@@ -25,7 +25,7 @@ Per tensor (outputs, input grads, parameter grads), fused vs golden:
   the floor keeping near-zero elements from dominating), ``row_cos_min``; for attention/softmax
   patterns also ``argmax_agree`` (fraction of rows whose argmax matches);
 * the **seed criterion**: cosine > 0.999 or max_abs < 1e-4. When the original itself misses it
-  at this precision (top-k routing flips against the fp32 golden), the fused branch must instead
+  at this precision (top-k routing flips against the golden), the fused branch must instead
   be no further from the golden than ``factor`` × the original's cosine distance;
 * the **relative-error bound** — the per-element errors ``err_f`` (fused) and ``err_o`` (the
   original code's own low-precision error, against the same golden), compared per row (the
@@ -368,7 +368,7 @@ def compare(name: str, kind: str, golden: torch.Tensor, orig: torch.Tensor, fuse
     c.seed_ok = seed(c.cosine, c.max_abs)
     if not c.seed_ok and not seed(c.orig_cosine, c.orig_max_abs):
         # The original itself misses the seed criterion at this precision (discrete decisions such
-        # as top-k routing flip against the fp32 golden): hold the fused branch to the original's
+        # as top-k routing flip against the golden): hold the fused branch to the original's
         # own distance instead, so the rule stays "no worse than the code it replaces".
         c.seed_relative = True
         c.seed_ok = (1 - c.cosine) <= factor * (1 - c.orig_cosine) + 1e-6
@@ -558,7 +558,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     notes = []
     relative = [c.name for c in checks if c.seed_relative]
     if relative:
-        notes.append(f"the original itself misses the seed criterion against the fp32 golden for {', '.join(relative[:4])}"
+        notes.append(f"the original itself misses the seed criterion against the golden for {', '.join(relative[:4])}"
                      f"{' …' if len(relative) > 4 else ''} (discrete decisions such as top-k routing flip at "
                      f"{str(inputs.dtype).replace('torch.', '')}): those are judged by cosine distance relative to the original")  # fmt: skip
     return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=notes)
