@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CORPORA = (ROOT / ".venv" / "transformers-site" / "transformers" / "models", Path("/tmp/tf/transformers/models"), HERE / ".data" / "transformers")
 # The lines of each bench's output that carry its judged figures (shown again in the summary).
-SUMMARY = re.compile(r"^\s*(files |ast\.parse only|npufuse scan|warm scan|ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|outputs parse|"
+SUMMARY = re.compile(r"^\s*(files |ast\.parse only|npufuse scan|warm scan|ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|cpu time|outputs parse|"
                      r"op check|bare function|overhead|\s*csv \||polars \||target:|machine load)")
 
 
@@ -48,7 +48,7 @@ def _run(name: str, argv: list[str]) -> tuple[int, list[str], float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", help="scan/rewrite corpus (default: the transformers models/ folder make venv installs)")
-    ap.add_argument("--quick", action="store_true", help="smaller inputs (rewrite 15 files, 100k profile rows)")
+    ap.add_argument("--quick", action="store_true", help="smaller inputs (rewrite 8 files, 100k profile rows)")
     args = ap.parse_args(argv)
     corpus = Path(args.corpus) if args.corpus else next((c for c in CORPORA if c.is_dir()), None)
     state = Path(tempfile.mkdtemp(prefix="npufuse-bench-all-"))
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(("scan", *_run("scan", ["scan.py", str(corpus), "--repeat", "1", "--no-subprocess", "--state-dir", str(state)])))
             scan_json = state / "scan.json"
             extra = ["--scan", str(scan_json)] if scan_json.is_file() else []
-            runs.append(("rewrite", *_run("rewrite", ["rewrite.py", str(corpus), "--limit", "15" if args.quick else "40", *extra])))
+            runs.append(("rewrite", *_run("rewrite", ["rewrite.py", str(corpus), "--limit", "8" if args.quick else "20", *extra])))
         runs.append(("opcheck", *_run("opcheck", ["opcheck.py", "--repeat", "3"])))
         runs.append(("profile", *_run("profile", ["profile.py", "--rows", "100000" if args.quick else "300000"])))
     finally:

@@ -458,24 +458,12 @@ def check_analyze(files: dict[str, bytes]) -> None:
 
 
 # -- bugs found by fuzzing ----------------------------------------------------------------------
-# Minimal reproducers, strict xfail: each starts passing (and so fails here) once its bug is fixed;
-# then drop the marker and its KNOWN entry. Until then the properties count these, not fail on them.
+# Minimal reproducers of bugs fuzzing found, now regression tests (all fixed). A new one gets a
+# strict xfail reproducer and a KNOWN entry (counted by the properties, not failed) until it is fixed.
 
 TRACE = "npufuse/profile/trace.py"
 READERS_PY = "npufuse/profile/readers.py"
-KNOWN = [
-    KnownBug("test_bug_trace_unhashable_ids", TypeError, f"{TRACE}:analyze_trace", "unhashable"),
-    KnownBug("test_bug_trace_args_not_an_object", AttributeError, f"{TRACE}:analyze_trace", "has no attribute 'get'"),
-    KnownBug("test_bug_trace_infinite_tid", OverflowError, f"{TRACE}:_int"),
-    KnownBug("test_bug_op_statistic_count_nan_or_inf", (ValueError, OverflowError), f"{READERS_PY}:read_op_statistic", "convert float"),
-    KnownBug("test_bug_step_trace_step_inf", OverflowError, f"{READERS_PY}:read_step_trace_time"),
-    KnownBug("test_bug_kernel_stream_inf_csv", OverflowError, f"{READERS_PY}:_ints"),
-    KnownBug("test_bug_problems_with_newlines", AssertionError, "", "problem is not one line"),
-    KnownBug("test_bug_polars_quote_in_header_loses_kernels", AssertionError, "", r"csv table: True, polars table: False"),
-    KnownBug("test_bug_polars_blank_line_is_reported_as_bad_row", AssertionError, "", "backends name different rows"),
-    KnownBug("test_bug_polars_stream_inf_is_garbage", AssertionError, "", "backends disagree on (stream|step)"),
-    KnownBug("test_bug_nan_duration_makes_invalid_json", ValueError, "", "Out of range float values are not JSON compliant"),
-]
+KNOWN: list[KnownBug] = []  # fuzz-found bugs with an open reproducer below (none now)
 
 
 def _file(tmp_path: Path, name: str, data: bytes) -> Path:
@@ -484,38 +472,31 @@ def _file(tmp_path: Path, name: str, data: bytes) -> Path:
     return path
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="profile/trace.py analyze_trace: pid/tid/id values are used as dict keys unchecked; a list in the JSON raises TypeError (unhashable)")
 def test_bug_trace_unhashable_ids():
     analyze_trace([{"ph": "M", "name": "process_name", "pid": [], "args": {"name": "CANN"}}], "trace_view.json")
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="profile/trace.py analyze_trace: `(e.get('args') or {}).get(...)` assumes args is an object; `\"args\": true` / a list raises AttributeError")
 def test_bug_trace_args_not_an_object():
     analyze_trace([{"ph": "M", "name": "process_name", "pid": 1, "args": True}], "trace_view.json")
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="profile/trace.py _int: int(float('inf')) raises OverflowError, only TypeError/ValueError are caught (tid 1e400 on an Ascend Hardware event)")
 def test_bug_trace_infinite_tid():
     analyze_trace([{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "Ascend Hardware"}},
                    {"ph": "X", "name": "k", "pid": 2, "tid": float("inf"), "ts": 0, "dur": 1}], "trace_view.json")
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, OverflowError), reason="profile/readers.py read_op_statistic: int(count) on a Count cell 'nan'/'inf' raises (float() accepted it)")
 def test_bug_op_statistic_count_nan_or_inf(tmp_path):
     read_op_statistic(_file(tmp_path, "op_statistic.csv", b"OP Type,Count,Total Time(us)\nMatMul,nan,10.0\n"))
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="profile/readers.py read_step_trace_time: int(float('inf')) for a Step cell 'inf' raises OverflowError (only ValueError is caught)")
 def test_bug_step_trace_step_inf(tmp_path):
     read_step_trace_time(_file(tmp_path, "step_trace_time.csv", b"Step,Stage\ninf,10.0\n"))
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="profile/readers.py _ints (csv backend): int(float('inf')) for a Stream ID / Step Id cell 'inf' raises OverflowError out of read_kernel_details")
 def test_bug_kernel_stream_inf_csv(tmp_path):
     read_kernel_details(_file(tmp_path, "kernel_details.csv", b"Type,Duration(us),Stream ID\nAdd,1.0,inf\n"), backend="csv")
 
 
-@pytest.mark.xfail(strict=True, reason="profile/readers.py: problem messages quote raw cells and header cells, which can hold newlines (a quoted cell, an unbalanced quote in the header); `npufuse profile` then prints multi-line warnings")
 @pytest.mark.parametrize("name,data", [
     ("op_statistic.csv", b'OP Type,Count,Total Time(us)\nMatMul,"a\nb",10.0\n'),
     ("kernel_details.csv", b'"Type,Duration(us)\nAdd,1.0\n'),
@@ -529,7 +510,6 @@ def test_bug_problems_with_newlines(tmp_path, name, data):
 
 
 @pytest.mark.skipif(not HAS_POLARS, reason="polars not installed")
-@pytest.mark.xfail(strict=True, reason="profile/readers.py _read_kernels_polars: a quote inside the first header cell makes polars read 0 rows; it returns an empty table instead of None, so read_kernel_details(backend='auto') reports 'no kernel rows' where the csv reader reads them all")
 def test_bug_polars_quote_in_header_loses_kernels(tmp_path):
     path = _file(tmp_path, "kernel_details.csv", b'x"Step,Name,Duration(us)\n1,aclnnAdd_AddAiCore_Add,1.0\n')
     assert read_kernel_details(path, backend="csv")[0].n == 1
@@ -538,7 +518,6 @@ def test_bug_polars_quote_in_header_loses_kernels(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_POLARS, reason="polars not installed")
-@pytest.mark.xfail(strict=True, reason="profile/readers.py _read_kernels_polars: a blank line is read as a row of nulls and reported as \"'' is not a number; row skipped\" (the csv reader skips it silently); and `row = index + 2` is wrong after a quoted cell holding a newline")
 @pytest.mark.parametrize("data", [b"Type,Duration(us)\n\nAdd,1.0\n", b'Type,Duration(us)\n"a\nb",1.0\nMul,x\n'])
 def test_bug_polars_blank_line_is_reported_as_bad_row(tmp_path, data):
     path = _file(tmp_path, "kernel_details.csv", data)
@@ -547,14 +526,12 @@ def test_bug_polars_blank_line_is_reported_as_bad_row(tmp_path, data):
 
 
 @pytest.mark.skipif(not HAS_POLARS, reason="polars not installed")
-@pytest.mark.xfail(strict=True, reason="profile/readers.py _read_kernels_polars ints(): a Stream ID 'inf' is cast to int64 as -2**63 (numpy 'invalid value' warning) instead of the default stream 0")
 def test_bug_polars_stream_inf_is_garbage(tmp_path):
     path = _file(tmp_path, "kernel_details.csv", b"Type,Duration(us),Stream ID\nAdd,1.0,inf\n")
     table, _ = read_kernel_details(path, backend="polars")
     assert table.stream.tolist() == [0]
 
 
-@pytest.mark.xfail(strict=True, reason="profile/readers.py _floats / polars num(): a Duration(us) cell 'nan' or 'inf' is taken as a number, so analyze() totals become NaN/inf and `npufuse profile --format json` prints NaN (not JSON)")
 @pytest.mark.parametrize("backend", ["csv", "polars"] if HAS_POLARS else ["csv"])
 def test_bug_nan_duration_makes_invalid_json(tmp_path, backend):
     _file(tmp_path, "kernel_details.csv", b"Type,Duration(us)\nAdd,1.0\nMul,nan\n")

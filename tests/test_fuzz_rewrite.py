@@ -209,12 +209,10 @@ def check_rewrite_spans(case) -> None:
 
 LONE_BACKSLASH = r"(?m)^[ \t]*\\\r?\n"
 KNOWN = [
-    KnownBug("test_bug_lone_backslash_line_shifts_sites", Exception, None, input=LONE_BACKSLASH),
-    KnownBug("test_bug_mixed_newlines_revert_keeps_a_blank_line", AssertionError, "", "revert_source did not give back", input=r"\r"),
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="rewrite/transform.py rewrite_source: libcst (1.9.0) drops a line holding only a backslash continuation (its code != source) and its PositionProvider lines are one short after it, so rewrite_source wraps the wrong statements (span a..b becomes b..c) and silently deletes that line; it should refuse files libcst does not round-trip")
+# libcst drops a line holding only a backslash continuation: rewrite_source must refuse such files.
 def test_bug_lone_backslash_line_shifts_sites():
     src = "x = 1\n\\\na = 1\nb = 2\nc = 3\n"
     edits = [SiteEdit(3, 4, "a, b = 1, 2", "_npufuse_on_npu(x)", "rms_norm", "t")]
@@ -222,7 +220,7 @@ def test_bug_lone_backslash_line_shifts_sites():
     check_rewritten(src, edits, outcome, must_apply=set())  # refusing the site would be fine too
 
 
-@pytest.mark.xfail(strict=True, reason="rewrite/transform.py add_prelude/remove_prelude: with mixed line ends (first newline CRLF, the line above the prelude LF) add_prelude puts `default_newline` ('\\r\\n') above the prelude, but remove_prelude only strips it after `newline + newline`, so revert leaves a stray '\\r\\n' line")
+# mixed line ends: add_prelude's separator is the module default newline; revert must strip exactly it.
 def test_bug_mixed_newlines_revert_keeps_a_blank_line():
     src = "import a\r\nimport b\nx = 1\n"
     edits = [SiteEdit(3, 3, "x = 2", "_npufuse_on_npu(a)", "rms_norm", "t")]

@@ -322,25 +322,8 @@ def key(node: ast.expr, ctx: Ctx, depth: int = 0) -> str:
     return repr(node)
 
 
-def depends_on(node: ast.expr, ctx: Ctx, target_key: str) -> bool:
-    """Does ``node`` read (through local definitions) the value whose key is ``target_key``?"""
-    k = key(node, ctx)
-    return target_key in k
-
-
 # --------------------------------------------------------------------------------------------
 # small AST predicates
-
-
-def call_name(module: ModuleInfo, node: ast.AST) -> str | None:
-    return module.call_name(node)
-
-
-def method_call(node: ast.AST, *names: str) -> ast.Call | None:
-    """``node`` if it is ``<recv>.<name>(...)`` for one of ``names``."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
-        return node
-    return None
 
 
 def arg(call: ast.Call, name: str, position: int | None) -> ast.expr | None:
@@ -483,7 +466,7 @@ def render(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) 
                 return sub(value, c.at(stmt.lineno), depth + 1)
             if plan is not None and plan.is_dropped(stmt):
                 changed[0] = True
-                return _paren(sub(value, c.at(stmt.lineno), depth + 1))
+                return sub(value, c.at(stmt.lineno), depth + 1)
             if plan is not None and stmt.lineno >= plan.line and not any(s is stmt for s in plan.kept):
                 raise RenderError(f"`{n.id}` is assigned inside the span")
             if plan is not None and plan.kept_writes_after(n.id, stmt.lineno):
@@ -513,10 +496,6 @@ def render(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) 
     return ast.unparse(out)
 
 
-def _paren(n: ast.expr) -> ast.expr:
-    return n
-
-
 def _copy_shallow(n: ast.AST) -> ast.AST:
     new = type(n)()
     for fname, val in ast.iter_fields(n):
@@ -525,13 +504,6 @@ def _copy_shallow(n: ast.AST) -> ast.AST:
         if hasattr(n, attr):
             setattr(new, attr, getattr(n, attr))
     return new
-
-
-def render_name_ok(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) -> str | None:
-    try:
-        return render(module, node, ctx, plan)
-    except RenderError:
-        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -639,17 +611,6 @@ def _names_used_after(scope: Scope, line: int) -> set[str]:
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno > line:
             out.add(n.id)
     return out
-
-
-def loop_carried(scope: Scope, stmt: ast.stmt, names: set[str]) -> bool:
-    """Is ``stmt`` inside a loop whose body reads one of ``names`` before ``stmt``?"""
-    idx = stmt_index(scope)
-    for anc in ancestors(idx, stmt):
-        if isinstance(anc, (ast.For, ast.While, ast.AsyncFor)):
-            for n in ast.walk(anc):
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in names and n.lineno < stmt.lineno:
-                    return True
-    return False
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
+from npufuse.scan.dataflow import ModuleInfo, Scope, dotted
 from npufuse.scan.value import estimate, symbolic
 
 if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
@@ -350,7 +350,7 @@ class AddRmsNorm(Pattern):
                 f"memory-bound: add + {len(ops) - 1}-kernel norm chain over the T x H residual -> 1 kernel reading x1, x2 "
                 "and writing y and the sum (inference); with grad enabled 2 kernels (add + npu_rms_norm); T, H unknown",
             )
-        e = R._elem_bytes(config)
+        e = R.elem_bytes(config)
         t, tdesc = R.tokens_of(config)
         per, n = R.norm_traffic(ops[1:], e, finding.params.get("upcast") == "float32")
         elems = t * hidden

@@ -507,14 +507,6 @@ def _through_control_flow(module: ModuleInfo, value: ast.expr, vctx: S.Ctx, node
     return NoMatch()
 
 
-def _fn_text(module: ModuleInfo, fn: ast.AST) -> str:
-    cache = module.__dict__.setdefault("_npufuse_fn_text", {})
-    if id(fn) not in cache:
-        lines = S.module_lines(module)
-        cache[id(fn)] = "".join(lines[fn.lineno - 1 : fn.end_lineno or fn.lineno])  # type: ignore[attr-defined]
-    return cache[id(fn)]
-
-
 # a torch inverse square root: rsqrt, .sqrt()/torch.sqrt (not math/np), ** -0.5, pow(.., -0.5)
 _TORCH_ROOT = re.compile(r"rsqrt|(?<!math\.)(?<!np\.)(?<!numpy\.)\bsqrt\(|\*\*\s*\(?\s*-?\s*0?\.5\b|pow\([^()]*-\s*0?\.5\s*\)")
 
@@ -1097,7 +1089,7 @@ def _relevant(module: ModuleInfo, scope: Scope) -> bool:
 _TOKENS_DEFAULT = 4096
 
 
-def _elem_bytes(config: dict[str, Any]) -> int:
+def elem_bytes(config: dict[str, Any]) -> int:
     dt = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     return 4 if "32" in dt else 2
 
@@ -1150,7 +1142,7 @@ class RmsNorm(Pattern):
                 "T x H activation (fp32 copies when upcast) -> 1 kernel reading x and writing y once; "
                 "gain ~ traffic ratio (typically 5-9x on this site); T tokens, H hidden size unknown",
             )
-        e = _elem_bytes(config)
+        e = elem_bytes(config)
         t, tdesc = tokens_of(config)
         per, n = norm_traffic(ops, e, upcast)
         elems = t * hidden

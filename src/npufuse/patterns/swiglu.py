@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
@@ -255,7 +255,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                 kind, extra = k
                 if kind == CONFIG:
                     return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra), gelu_hint=_gelu_hint(f.attr, extra))
-                return Act(kind, gate, ctx, desc, obj=f, approx=_self_expr(extra) if kind == GELU_DYN else None)
+                return Act(kind, gate, ctx, desc, obj=f, approx=extra if kind == GELU_DYN else None)
             if isinstance(value, ast.Call):
                 cname = dotted(value.func)
                 if cname and cname in module.classes:
@@ -290,11 +290,6 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
 def _gelu_hint(attr: str, key: ast.AST | None) -> bool:
     text = attr + " " + (ast.unparse(key) if key is not None else "")
     return "gelu" in text.lower()
-
-
-def _self_expr(node: ast.expr | None) -> ast.expr | None:
-    """An __init__ expression usable in forward: ``approximate`` stored as ``self.approximate``."""
-    return node
 
 
 def _config_key(module: ModuleInfo, ctx: S.Ctx, key: ast.expr | None) -> ast.expr | None:
@@ -944,9 +939,9 @@ def gated_value(finding: Finding, config: dict[str, Any], act_kernels: int) -> d
             f"memory-bound: {k_before} elementwise kernels moving ~{units_before}·T·I elements -> {k_after} kernel(s) "
             f"moving ~{units_after}·T·I{extra}; T tokens, I intermediate size unknown",
         )
-    from npufuse.patterns.rms_norm import _elem_bytes, tokens_of
+    from npufuse.patterns.rms_norm import elem_bytes, tokens_of
 
-    e = _elem_bytes(config)
+    e = elem_bytes(config)
     t, tdesc = tokens_of(config)
     elems = t * inter
     return estimate(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import sys
@@ -39,6 +40,12 @@ class Problem:
     row: int | None = None        # 1-based physical line in the file (header = 1)
     column: str | None = None
 
+    def __post_init__(self) -> None:
+        # a problem is one line: cells and headers can hold quoted line breaks
+        object.__setattr__(self, "message", _one_line(self.message))
+        if self.column:
+            object.__setattr__(self, "column", _one_line(self.column))
+
     def __str__(self) -> str:
         where = self.file
         if self.row is not None:
@@ -49,6 +56,44 @@ class Problem:
 
     def to_dict(self) -> dict[str, Any]:
         return {"file": self.file, "row": self.row, "column": self.column, "message": self.message}
+
+
+_LINE_BREAK = re.compile(r"[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")
+
+
+def _one_line(text: str) -> str:
+    """``text`` with line breaks escaped as ``repr`` writes them (``\\n``), so it prints as one line."""
+    return _LINE_BREAK.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def _show(cell: str) -> str:
+    """A cell quoted for a message: ``repr`` of its first 40 characters (escapes line breaks)."""
+    return repr(cell.strip()[:40])
+
+
+def parse_number(cell: Any) -> float | None:
+    """The one rule for a numeric cell: a finite float, else None (not a number, nan, inf, 1e400)."""
+    try:
+        v = float(cell)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+_INT64 = 2**63
+
+
+def parse_int(cell: Any, default: int) -> int:
+    """An integer cell (stream, step): exact for integer text, else truncated from a finite float;
+    ``default`` when it is not a number or does not fit int64."""
+    try:
+        v = int(cell)
+    except (TypeError, ValueError, OverflowError):
+        f = parse_number(cell)
+        if f is None:
+            return default
+        v = int(f)
+    return v if -_INT64 <= v < _INT64 else default
 
 
 class _ProblemLog:
@@ -215,7 +260,7 @@ def read_kernel_details(path: Path, *, backend: str = "auto") -> tuple[KernelTab
                               row=1)]
     table = None
     if backend in ("auto", "polars"):
-        table = _read_kernels_polars(path, cm, log, strict=backend == "polars")
+        table = _read_kernels_polars(path, header, cm, log, strict=backend == "polars")
     if table is None:
         table = _read_kernels_csv(path, header, cm, log)
     if table is not None:
@@ -311,36 +356,36 @@ def _floats(values: list[str], lines: list[int], keep: np.ndarray | None, fname:
             log: _ProblemLog, required: bool) -> np.ndarray:
     try:
         # float() strips whitespace, which covers torch_npu's "<ts>\t" start-time cells
-        return np.fromiter(map(float, values), dtype=np.float64, count=len(values))
+        out = np.fromiter(map(float, values), dtype=np.float64, count=len(values))
+        if np.isfinite(out).all():
+            return out
     except ValueError:
         pass
     out = np.empty(len(values), dtype=np.float64)
     for i, v in enumerate(values):
-        try:
-            out[i] = float(v)
-        except ValueError:
-            out[i] = np.nan
-            if required and keep is not None:
-                keep[i] = False
-                log.add(fname, f"'{v.strip()[:40]}' is not a number; row skipped", row=lines[i], column=column,
-                        kind="not a number")
-            elif v.strip() not in ("", "N/A", "NA", "-"):
-                log.add(fname, f"'{v.strip()[:40]}' is not a number; taken as unknown", row=lines[i],
-                        column=column, kind="not a number")
+        f = parse_number(v)
+        if f is not None:
+            out[i] = f
+            continue
+        out[i] = np.nan
+        if required and keep is not None:
+            keep[i] = False
+            log.add(fname, f"{_show(v)} is not a number; row skipped", row=lines[i], column=column,
+                    kind="not a number")
+        elif v.strip() not in UNKNOWN_CELLS:
+            log.add(fname, f"{_show(v)} is not a number; taken as unknown", row=lines[i],
+                    column=column, kind="not a number")
     return out
+
+
+UNKNOWN_CELLS = ("", "N/A", "NA", "-")  # an optional numeric cell left empty on purpose
 
 
 def _ints(values: list[str], default: int) -> np.ndarray:
     try:
         return np.fromiter(map(int, values), dtype=np.int64, count=len(values))
-    except ValueError:
-        out = np.empty(len(values), dtype=np.int64)
-        for i, v in enumerate(values):
-            try:
-                out[i] = int(float(v))
-            except ValueError:
-                out[i] = default
-        return out
+    except (ValueError, OverflowError):
+        return np.fromiter((parse_int(v, default) for v in values), dtype=np.int64, count=len(values))
 
 
 def _drop(table: KernelTable, keep: np.ndarray) -> KernelTable:
@@ -353,7 +398,18 @@ def _drop(table: KernelTable, keep: np.ndarray) -> KernelTable:
     return table
 
 
-def _read_kernels_polars(path: Path, cm: ColumnMap, log: _ProblemLog, strict: bool) -> KernelTable | None:
+class _Fallback(Exception):
+    """The polars fast path met a cell it cannot judge like the csv reader: let that one read the file."""
+
+
+def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _ProblemLog,
+                         strict: bool) -> KernelTable | None:
+    """The fast path for well-formed files. It returns None (the csv reader then reads the file, names
+    the bad rows by physical line and is the reference for what is kept) whenever the file is not
+    clean: ragged rows, a quote in the header, no rows, or any numeric cell that is not a finite
+    number (which includes blank lines, read by polars as rows of nulls)."""
+    if any('"' in h for h in header):
+        return None   # polars and the csv module disagree on where such a header ends
     try:
         import polars as pl
     except ImportError:
@@ -377,43 +433,45 @@ def _read_kernels_polars(path: Path, cm: ColumnMap, log: _ProblemLog, strict: bo
                 return None
             by_field[f] = alt[0]
     n = df.height
-    keep = np.ones(n, dtype=bool)
+    if n == 0:
+        return None
 
     def num(fld: str, required: bool) -> np.ndarray:
         s = df[by_field[fld]].str.strip_chars()
         v = s.cast(pl.Float64, strict=False)
-        bad = v.is_null() & s.is_not_null()
+        bad = ~v.is_finite().fill_null(False)
         if not required:
-            bad = bad & ~s.is_in(["", "N/A", "NA", "-"])
-        if required:
-            bad = bad | s.is_null()
+            bad = bad & s.is_not_null() & ~s.is_in(list(UNKNOWN_CELLS))
         if bad.any():
-            idx = np.flatnonzero(bad.to_numpy())
-            raw = s.to_list()
-            for i in idx:
-                # header is line 1 and torch_npu cells never hold newlines, so row = index + 2
-                if required:
-                    keep[i] = False
-                    log.add(fname, f"'{(raw[i] or '').strip()[:40]}' is not a number; row skipped",
-                            row=int(i) + 2, column=cm.used[fld], kind="not a number")
-                else:
-                    log.add(fname, f"'{(raw[i] or '').strip()[:40]}' is not a number; taken as unknown",
-                            row=int(i) + 2, column=cm.used[fld], kind="not a number")
+            raise _Fallback
         return v.fill_null(float("nan")).to_numpy().astype(np.float64, copy=False)
 
     def codes(fld: str) -> tuple[list[str], np.ndarray]:
         return codes_of(df[by_field[fld]])
 
-    dur = num("duration", True)
-    start = num("start", True) if "start" in by_field else np.arange(n, dtype=np.float64)
-    wait = num("wait", False) if "wait" in by_field else None
-
     def ints(fld: str, default: int) -> np.ndarray:
-        v = df[by_field[fld]].str.strip_chars().cast(pl.Float64, strict=False).fill_null(default)
-        return v.to_numpy().astype(np.int64)
+        # as parse_int: integer text exactly, else a finite float truncated, else the default
+        s = df[by_field[fld]].str.strip_chars()
+        f = s.cast(pl.Float64, strict=False)
+        exact = s.cast(pl.Int64, strict=False)
+        fits = f.is_finite().fill_null(False) & (f.abs() < float(_INT64)).fill_null(False)
+        if (s.is_not_null() & exact.is_null() & ~fits & ~s.is_in(list(UNKNOWN_CELLS))).any():
+            raise _Fallback
+        ok = fits.to_numpy()
+        out = np.full(n, default, dtype=np.int64)
+        out[ok] = f.to_numpy()[ok].astype(np.int64)
+        has = exact.is_not_null().to_numpy()
+        out[has] = exact.fill_null(0).to_numpy()[has]
+        return out
 
-    stream = ints("stream", 0) if "stream" in by_field else np.zeros(n, dtype=np.int64)
-    step = ints("step", -1) if "step" in by_field else None
+    try:
+        dur = num("duration", True)
+        start = num("start", True) if "start" in by_field else np.arange(n, dtype=np.float64)
+        wait = num("wait", False) if "wait" in by_field else None
+        stream = ints("stream", 0) if "stream" in by_field else np.zeros(n, dtype=np.int64)
+        step = ints("step", -1) if "step" in by_field else None
+    except _Fallback:
+        return None
     if "type" in by_field:
         types, tcode = codes("type")
     else:
@@ -446,7 +504,7 @@ def _read_kernels_polars(path: Path, cm: ColumnMap, log: _ProblemLog, strict: bo
     table = KernelTable(source=fname, types=types, type_code=tcode.astype(np.int32), start=start, dur=dur,
                         wait=wait, stream=stream, step=step, shape_keys=shape_keys,  # type: ignore[arg-type]
                         shape_code=scode, names=names, name_code=ncode, columns=cm, backend="polars")
-    return _drop(table, keep)
+    return table
 
 
 def codes_of(series: Any) -> tuple[list[str], np.ndarray]:
@@ -496,12 +554,11 @@ def _read_rows(path: Path, aliases: dict[str, tuple[str, ...]], need: Iterable[s
 
 
 def _num(v: str, fname: str, line: int, column: str, log: _ProblemLog) -> float | None:
-    try:
-        return float(v)
-    except ValueError:
-        log.add(fname, f"'{v.strip()[:40]}' is not a number; cell ignored", row=line, column=column,
+    f = parse_number(v)
+    if f is None:
+        log.add(fname, f"{_show(v)} is not a number; cell ignored", row=line, column=column,
                 kind="not a number")
-        return None
+    return f
 
 
 @dataclass
@@ -519,10 +576,7 @@ def read_step_trace_time(path: Path) -> tuple[StepTimes | None, list[Problem]]:
         return None, log.finish()
     steps: dict[int, dict[str, float]] = {}
     for k, (line, r) in enumerate(rows):
-        try:
-            sid = int(float(r.get("step", k + 1) or k + 1))
-        except ValueError:
-            sid = k + 1
+        sid = parse_int(r.get("step") or k + 1, k + 1)
         vals = {}
         for f in ("stage", "computing", "free", "communication"):
             if f in r:

@@ -11,6 +11,7 @@ purpose, because consecutive ops of one function differ only in that line.
 from __future__ import annotations
 
 import bisect
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,8 +71,21 @@ class TraceInfo:
 def _f(v: Any) -> float:
     try:
         return float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return float("nan")
+
+
+def _key(v: Any) -> Any:
+    """A JSON pid/tid/id as a dict key: scalars as they are, anything else (a list, an object) as a
+    tuple that no scalar equals, so a malformed id neither crashes nor matches a real one."""
+    if v is None or isinstance(v, (str, int, float)):
+        return v
+    return ("non-scalar", repr(v))
+
+
+def _args(e: dict[str, Any]) -> dict[str, Any]:
+    a = e.get("args")
+    return a if isinstance(a, dict) else {}
 
 
 def parse_stack(stack: str) -> tuple[Frame, ...]:
@@ -118,7 +132,7 @@ def analyze_trace(events: list[dict[str, Any]], source: str) -> TraceInfo:
     pname: dict[Any, str] = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
-            pname[e.get("pid")] = str((e.get("args") or {}).get("name", ""))
+            pname[_key(e.get("pid"))] = str(_args(e).get("name", ""))
     hw_pids = {p for p, n in pname.items() if "ascend hardware" in n.lower() or n.lower() == "npu"}
     cann_pids = {p for p, n in pname.items() if n.upper() == "CANN"}
 
@@ -134,24 +148,26 @@ def analyze_trace(events: list[dict[str, Any]], source: str) -> TraceInfo:
 
     for e in events:
         ph = e.get("ph")
-        pid = e.get("pid")
+        pid = _key(e.get("pid"))
         if ph == "X":
             name = str(e.get("name", ""))
             ts = _f(e.get("ts"))
             dur = _f(e.get("dur", 0))
             if pid in hw_pids:
                 stream = _int(e.get("tid"))
+                if not (math.isfinite(ts) and math.isfinite(dur)):
+                    continue   # a device kernel without a usable time is no kernel to count
                 info.device.append((name, stream, ts, dur))
-                conn = (e.get("args") or {}).get("connection_id")
+                conn = _key(_args(e).get("connection_id"))
                 if conn is not None:
                     hw_conn[(stream, ts)] = conn
                 continue
             if pid in cann_pids:
-                conn = (e.get("args") or {}).get("connection_id")
+                conn = _key(_args(e).get("connection_id"))
                 if conn is not None and name.startswith("AscendCL@"):
                     acl_by_conn[conn] = ts
                 continue
-            tid = e.get("tid")
+            tid = _key(e.get("tid"))
             end = ts + (dur if dur == dur else 0.0)
             m = _STEP.match(name)
             if m:
@@ -172,7 +188,7 @@ def analyze_trace(events: list[dict[str, Any]], source: str) -> TraceInfo:
                 spans.setdefault(tid, []).append((ts, end, "mod", m.group("mod")))
                 continue
             if e.get("cat") == "cpu_op" or name.startswith("aten::"):
-                args = e.get("args") or {}
+                args = _args(e)
                 op = HostOp(name, tid, ts, end)
                 stack = args.get("Call stack") or args.get("Call Stack")
                 if isinstance(stack, str) and stack.strip():
@@ -187,9 +203,9 @@ def analyze_trace(events: list[dict[str, Any]], source: str) -> TraceInfo:
                 ops.append(op)
         elif ph in ("s", "f") and (e.get("cat") == "async_npu" or e.get("name") == "torch_to_npu"):
             if ph == "s":
-                flows_s[e.get("id")] = (pid, e.get("tid"), _f(e.get("ts")))
+                flows_s[_key(e.get("id"))] = (pid, _key(e.get("tid")), _f(e.get("ts")))
             else:
-                flows_f[e.get("id")] = (_int(e.get("tid")), _f(e.get("ts")))
+                flows_f[_key(e.get("id"))] = (_int(e.get("tid")), _f(e.get("ts")))
 
     _attach_spans(ops, spans, interner, info)
     info.ops = ops
@@ -239,10 +255,12 @@ def analyze_trace(events: list[dict[str, Any]], source: str) -> TraceInfo:
 
 
 def _int(v: Any) -> int:
+    """A stream id (tid of a device lane): 0 unless an integer-valued finite number in int64 range."""
     try:
-        return int(v)
-    except (TypeError, ValueError):
+        i = int(v)
+    except (TypeError, ValueError, OverflowError):
         return 0
+    return i if -2**63 <= i < 2**63 else 0
 
 
 def _containing(ops: list[HostOp], cache: dict[Any, tuple[list[float], list[int]]], tid: Any,

@@ -243,7 +243,9 @@ def remove_prelude(code: str, newline: str = "\n") -> tuple[str, bool]:
     start = at
     if at > 0:
         # add_prelude put exactly one blank line above the block when anything preceded it
-        if code[:at].endswith(newline + newline):
+        # (the prefix's own last line may end in another newline style than the module default)
+        head = code[:at]
+        if head.endswith(newline) and head[: len(head) - len(newline)].endswith(("\n", "\r")):
             start = at - len(newline)
     return code[:start] + code[at + len(block) :], True
 
@@ -265,6 +267,12 @@ class _MarkedCollector(cst.CSTVisitor):
 def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) -> RewriteOutcome:
     """Apply ``edits`` to ``source``; unparseable source raises ``cst.ParserSyntaxError``."""
     module = cst.parse_module(source)
+    if module.code != source:
+        # libcst cannot reproduce this file byte for byte (e.g. a line holding only a backslash
+        # continuation); its positions would be off too. Never rewrite what cannot round-trip.
+        outcome = RewriteOutcome(text=source)
+        outcome.skipped = [(e, "libcst does not reproduce this file byte for byte; left unchanged") for e in edits]
+        return outcome
     usable, refused = _overlaps(edits)
     rewriter = _SiteRewriter(usable)
     new = MetadataWrapper(module, unsafe_skip_copy=True).visit(rewriter)

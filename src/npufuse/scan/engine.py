@@ -224,7 +224,6 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
     errors: dict[str, list[Any]] = {}
     fast_lines: list[str] | None = None
     indent: str | None = None
-    decorated: set[int] = set()
 
     def fail(pid: str, scope: Scope, message: str) -> None:
         entry = errors.setdefault(pid, [message, scope.qualname, 0, set()])
@@ -260,7 +259,8 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
                     if fast_lines is None:
                         fast_lines = text.splitlines(keepends=True) if replacement.splitlines_match(text) else []
                         indent = replacement.default_indent(tree, fast_lines) if fast_lines else None
-                        decorated = replacement.decorated_lines(tree) if fast_lines else set()
+                    # a span starting at a decorated def/class (its decorators lie above the span)
+                    decorated = {s.lineno for _b, _i, s in scope.statements() if s.lineno == r.line and getattr(s, "decorator_list", None)}
                     try:
                         body = replacement.fast_body(fast_lines, r, indent, decorated) if fast_lines and indent else None
                     except Exception:  # the fast path declines; render_site will do it

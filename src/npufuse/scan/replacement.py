@@ -36,7 +36,8 @@ def _statements(tree: ast.Module):
         node = stack.pop()
         if isinstance(node, ast.stmt):
             yield node
-        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+        # pushed last-first so that they pop in source order: body, handlers, orelse, finalbody
+        for name in ("cases", "finalbody", "orelse", "handlers", "body"):
             block = getattr(node, name, None)
             if type(block) is list:
                 stack.extend(reversed(block))
@@ -45,13 +46,16 @@ def _statements(tree: ast.Module):
 def default_indent(tree: ast.Module, lines: list[str]) -> str:
     """The file's first indentation (libcst's ``default_indent``): the leading whitespace of the
     first statement that starts a line at a column > 0."""
-    best: tuple[int, str] | None = None
+    # _statements walks in source order, so the first hit is the first INDENT (match/case
+    # blocks indent a ``case`` line, which is no statement: fall back to libcst for those files)
     for node in _statements(tree):
-        if node.col_offset > 0 and node.lineno <= len(lines) and (best is None or node.lineno < best[0]):
+        if isinstance(node, ast.Match):
+            return ""
+        if node.col_offset > 0 and node.lineno <= len(lines):
             ws = lines[node.lineno - 1][: node.col_offset]
             if not ws.strip():
-                best = (node.lineno, ws)
-    return best[1] if best else FALLBACK_INDENT
+                return ws
+    return FALLBACK_INDENT
 
 
 def _ws(row: str) -> str:

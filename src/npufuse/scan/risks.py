@@ -163,6 +163,47 @@ def _child_blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
     return blocks
 
 
+def _scope_text(module: ModuleInfo, scope: Scope) -> str:
+    node = scope.node
+    if not hasattr(node, "lineno"):
+        return module.source
+    return "".join(_lines(module)[node.lineno - 1 : node.end_lineno])
+
+
+def _scope_facts(module: ModuleInfo, scope: Scope) -> dict[str, ast.AST | None]:
+    """First shape read, data-dependent op and fp64 use of a scope: one walk, memoised per scope
+    (several sites often share a function), skipped when the text rules them out."""
+    memo = module.__dict__.setdefault("_npufuse_scope_facts", {})
+    key = id(scope.node)
+    if key in memo:
+        return memo[key]
+    text = _scope_text(module, scope)
+    want_shape = ".shape" in text or ".size(" in text
+    want_dep = any(f".{m}(" in text for m in DATA_DEPENDENT) or "where(" in text
+    want_fp64 = "float64" in text or "double" in text
+    found: dict[str, ast.AST | None] = {"shape": None, "dep": None, "fp64": None}
+    if want_shape or want_dep or want_fp64:
+        for node in _scope_nodes(scope):
+            t = type(node)
+            if t is ast.Call:
+                f = node.func
+                if want_dep and found["dep"] is None and (
+                    (type(f) is ast.Attribute and f.attr in DATA_DEPENDENT) or (len(node.args) == 1 and module.canonical(f) == "torch.where")
+                ):
+                    found["dep"] = node
+                if want_shape and found["shape"] is None and type(f) is ast.Attribute and f.attr == "size":
+                    found["shape"] = node
+                if want_fp64 and found["fp64"] is None and type(f) is ast.Attribute and f.attr == "double":
+                    found["fp64"] = node
+            elif t is ast.Attribute:
+                if want_shape and found["shape"] is None and node.attr == "shape" and type(node.ctx) is ast.Load:
+                    found["shape"] = node
+                if want_fp64 and found["fp64"] is None and node.attr in ("float64", "double") and (module.canonical(node) or "").startswith("torch."):
+                    found["fp64"] = node
+    memo[key] = found
+    return found
+
+
 def local_risks(module: ModuleInfo, scope: Scope, finding: Finding, pattern: Pattern) -> list[dict[str, Any]]:
     """Risks read off the code around the site (needs the parsed module)."""
     out: list[dict[str, Any]] = []
@@ -182,19 +223,8 @@ def _dynamic_shape(module: ModuleInfo, scope: Scope, finding: Finding, pattern: 
         return [risk("dynamic_shape", "tokens per expert depend on the router output (data-dependent shapes): group lists change every step, so graph mode recompiles and a Python group list needs a host sync")]
     if pattern.id not in SHAPE_SENSITIVE:
         return []
-    shape_read = data_dep = None
-    for node in _scope_nodes(scope):
-        if data_dep is None and isinstance(node, ast.Call):
-            f = node.func
-            if isinstance(f, ast.Attribute) and f.attr in DATA_DEPENDENT:
-                data_dep = node
-            elif module.canonical(f) == "torch.where" and len(node.args) == 1:
-                data_dep = node
-        if shape_read is None:
-            if isinstance(node, ast.Attribute) and node.attr == "shape" and isinstance(node.ctx, ast.Load):
-                shape_read = node
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size":
-                shape_read = node
+    facts = _scope_facts(module, scope)
+    shape_read, data_dep = facts["shape"], facts["dep"]
     if data_dep is not None:
         return [risk("dynamic_shape", f"data-dependent shapes (`{_seg(module, data_dep)}`, line {data_dep.lineno}): shapes change with the data, so graph mode recompiles")]
     if shape_read is not None:
@@ -267,12 +297,13 @@ def _autocast(module: ModuleInfo, scope: Scope, finding: Finding) -> list[dict[s
     return [risk("autocast", f"the site runs under autocast ({'; '.join(hits)}): the fused op sees the dtypes autocast leaves and its output dtype must match what the original produced there (DESIGN rule 2); check the op against autocast's cast lists")]
 
 
+_HOST_SYNC_CALL = re.compile(r"\.(" + "|".join(sorted(HOST_SYNC)) + r")\(\s*\)")
+
+
 def _host_sync(finding: Finding) -> list[dict[str, Any]]:
-    try:
-        tree = ast.parse(finding.fused)
-    except (SyntaxError, ValueError):
-        return []
-    calls = sorted({f".{n.func.attr}()" for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in HOST_SYNC})
+    # generated code: a regex over its lines without their comments is enough (no second parse)
+    code = "\n".join(ln.split("#", 1)[0] for ln in finding.fused.splitlines())
+    calls = sorted({f".{m.group(1)}()" for m in _HOST_SYNC_CALL.finditer(code)})
     if not calls:
         return []
     return [risk("host_sync", f"the replacement calls {', '.join(calls)}: a device-to-host sync on every call (the API takes Python values here); keep it out of hot loops")]
@@ -281,10 +312,9 @@ def _host_sync(finding: Finding) -> list[dict[str, Any]]:
 def _fp64(module: ModuleInfo, scope: Scope) -> list[dict[str, Any]]:
     if scope.qualname == "<module>":
         return []
-    for node in _scope_nodes(scope):
-        if (isinstance(node, ast.Attribute) and node.attr in ("float64", "double") and (module.canonical(node) or "").startswith("torch.")) or (
-            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "double"
-        ):
+    node = _scope_facts(module, scope)["fp64"]
+    if node is not None:
+        if True:
             return [risk("dtype", f"the function uses float64 (line {node.lineno}): the fused APIs reject fp64; the guard must keep fp64 inputs on the original code", level="medium")]
     return []
 
