@@ -71,13 +71,29 @@ def _show(cell: str) -> str:
     return repr(cell.strip()[:40])
 
 
+# No profiler time or counter reaches this (ns since the epoch are ~2e18); a cell beyond it is
+# corrupt, and adding up such cells would overflow to inf (not JSON).
+MAX_NUMBER = 1e20
+
+
 def parse_number(cell: Any) -> float | None:
-    """The one rule for a numeric cell: a finite float, else None (not a number, nan, inf, 1e400)."""
+    """The one rule for a numeric cell: a finite float within ±MAX_NUMBER, else None (not a number,
+    nan, inf, 1e400, 1e308)."""
     try:
         v = float(cell)
     except (TypeError, ValueError, OverflowError):
         return None
-    return v if math.isfinite(v) else None
+    return v if -MAX_NUMBER <= v <= MAX_NUMBER else None   # (False for nan)
+
+
+def _not_a_number(cell: str) -> str:
+    """Why parse_number refused ``cell``, for a problem message."""
+    try:
+        v = float(cell)
+    except (TypeError, ValueError, OverflowError):
+        return f"{_show(cell)} is not a number"
+    return f"{_show(cell)} is not a finite number" if not math.isfinite(v) else \
+        f"{_show(cell)} is out of range (beyond ±{MAX_NUMBER:g})"
 
 
 _INT64 = 2**63
@@ -357,7 +373,7 @@ def _floats(values: list[str], lines: list[int], keep: np.ndarray | None, fname:
     try:
         # float() strips whitespace, which covers torch_npu's "<ts>\t" start-time cells
         out = np.fromiter(map(float, values), dtype=np.float64, count=len(values))
-        if np.isfinite(out).all():
+        if (np.abs(out) <= MAX_NUMBER).all():   # (False for nan)
             return out
     except ValueError:
         pass
@@ -370,10 +386,10 @@ def _floats(values: list[str], lines: list[int], keep: np.ndarray | None, fname:
         out[i] = np.nan
         if required and keep is not None:
             keep[i] = False
-            log.add(fname, f"{_show(v)} is not a number; row skipped", row=lines[i], column=column,
+            log.add(fname, f"{_not_a_number(v)}; row skipped", row=lines[i], column=column,
                     kind="not a number")
         elif v.strip() not in UNKNOWN_CELLS:
-            log.add(fname, f"{_show(v)} is not a number; taken as unknown", row=lines[i],
+            log.add(fname, f"{_not_a_number(v)}; taken as unknown", row=lines[i],
                     column=column, kind="not a number")
     return out
 
@@ -439,7 +455,7 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
     def num(fld: str, required: bool) -> np.ndarray:
         s = df[by_field[fld]].str.strip_chars()
         v = s.cast(pl.Float64, strict=False)
-        bad = ~v.is_finite().fill_null(False)
+        bad = ~((v.abs() <= MAX_NUMBER) & ~v.is_nan()).fill_null(False)   # as parse_number
         if not required:
             bad = bad & s.is_not_null() & ~s.is_in(list(UNKNOWN_CELLS))
         if bad.any():
@@ -556,7 +572,7 @@ def _read_rows(path: Path, aliases: dict[str, tuple[str, ...]], need: Iterable[s
 def _num(v: str, fname: str, line: int, column: str, log: _ProblemLog) -> float | None:
     f = parse_number(v)
     if f is None:
-        log.add(fname, f"{_show(v)} is not a number; cell ignored", row=line, column=column,
+        log.add(fname, f"{_not_a_number(v)}; cell ignored", row=line, column=column,
                 kind="not a number")
     return f
 

@@ -11,12 +11,13 @@ purpose, because consecutive ops of one function differ only in that line.
 from __future__ import annotations
 
 import bisect
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from npufuse.profile.readers import MAX_NUMBER
 
 _FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\):\s*(?P<func>.*)$")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
@@ -155,7 +156,7 @@ def analyze_trace(events: list[dict[str, Any]], source: str) -> TraceInfo:
             dur = _f(e.get("dur", 0))
             if pid in hw_pids:
                 stream = _int(e.get("tid"))
-                if not (math.isfinite(ts) and math.isfinite(dur)):
+                if not (abs(ts) <= MAX_NUMBER and abs(dur) <= MAX_NUMBER):   # (False for nan)
                     continue   # a device kernel without a usable time is no kernel to count
                 info.device.append((name, stream, ts, dur))
                 conn = _key(_args(e).get("connection_id"))
