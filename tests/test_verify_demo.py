@@ -102,3 +102,43 @@ def test_demo_op_capture_e2e_and_broken_branch(demo: tuple[Path, Path, int], cap
     assert (sd / f"e2e_{cid}_baseline.jsonl").stat().st_mtime_ns == base_mtime
     assert main(["status", "--state-dir", str(sd)]) == 0
     assert f"npufuse revert {cid}" in capsys.readouterr().out
+
+
+def test_demo_killed_run_resumes(demo: tuple[Path, Path, int]) -> None:
+    """Ctrl-C during the fused run on the demo: state and JSONL stay consistent, and a rerun
+    resumes — the completed baseline is reused, only the fused run is repeated."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo, sd, cid = demo
+    assert main(["verify", "op", str(cid), "--quiet"]) == 0  # e2e only after the op check
+    cmd = [sys.executable, "-m", "npufuse", "verify", "e2e", str(cid), "--cmd", "python train.py --steps 50", "--steps", "50", "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    fused = sd / f"e2e_{cid}_fused.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if fused.exists() and len(fused.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"verify ended before the fused run was under way: {proc.stderr.read()[-500:]}"
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-500:]
+
+    # consistent after the interrupt: the state loads, the JSONL lines all parse
+    c = State.load(sd).candidates[cid]
+    assert c.status == "e2e_checking"
+    baseline = sd / f"e2e_{cid}_baseline.jsonl"
+    assert len(read_jsonl(baseline)) == 50
+    partial = read_jsonl(fused) if fused.exists() else []
+    assert len(partial) < 50
+    base_mtime = baseline.stat().st_mtime_ns
+
+    # the rerun resumes: baseline reused (not rewritten), fused completed, concluded
+    assert main(["verify", "e2e", str(cid), "--cmd", "python train.py --steps 50", "--steps", "50", "--quiet"]) == 0
+    c = State.load(sd).candidates[cid]
+    assert c.status == "concluded" and c.evidence["e2e"]["passed"]
+    assert baseline.stat().st_mtime_ns == base_mtime
+    assert len(read_jsonl(fused)) == 50
