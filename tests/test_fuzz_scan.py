@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import glob
+import io
 import json
 import os
 import re
@@ -39,6 +41,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from npufuse.cli import main
 from npufuse.patterns.registry import all_patterns
 from npufuse.scan.engine import ScanOptions, analyze_file, scan_repo
 
@@ -139,15 +142,18 @@ def _pattern_examples() -> list[str]:
     return out
 
 
-def _transformers_files(limit: int | None = None) -> list[str]:
-    """Modeling files from a transformers wheel on this machine (never committed: read here)."""
-    out: list[str] = []
-    for whl in sorted(glob.glob(TRANSFORMERS_WHEELS))[-1:]:
-        with zipfile.ZipFile(whl) as zf:
-            names = sorted(n for n in zf.namelist() if re.search(r"models/[^/]+/modeling_[^/]+\.py$", n))
-            for n in names[:limit]:
-                out.append(zf.read(n).decode("utf-8", "replace"))
-    return out
+TRANSFORMERS_WHEEL = (sorted(glob.glob(TRANSFORMERS_WHEELS)) or [None])[-1]
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_files() -> tuple[str, ...]:
+    """Modeling files from a transformers wheel on this machine (never committed: read here, on
+    first use, so collecting the tests stays fast)."""
+    if TRANSFORMERS_WHEEL is None:
+        return ()
+    with zipfile.ZipFile(TRANSFORMERS_WHEEL) as zf:
+        names = sorted(n for n in zf.namelist() if re.search(r"models/[^/]+/modeling_[^/]+\.py$", n))
+        return tuple(zf.read(n).decode("utf-8", "replace") for n in names)
 
 
 def _small_seeds(texts: list[str]) -> list[str]:
@@ -587,9 +593,9 @@ def check_failure(f, files: set[str]) -> None:
 # -- properties --------------------------------------------------------------------------------
 
 PATTERNS = all_patterns()
-# Wall-clock seconds per test (30 s for the module); NPUFUSE_FUZZ_BUDGET_SCALE stretches them.
+# Wall-clock seconds per test (24 s for the module); NPUFUSE_FUZZ_BUDGET_SCALE stretches them.
 BUDGET_SCALE = float(os.environ.get("NPUFUSE_FUZZ_BUDGET_SCALE", "1"))
-BUDGETS = {k: Budget(v * BUDGET_SCALE) for k, v in {"scan_repo": 8, "analyze": 8, "valid": 5, "generated": 5, "transformers": 4}.items()}
+BUDGETS = {k: Budget(v * BUDGET_SCALE) for k, v in {"scan_repo": 7, "analyze": 6, "valid": 4, "generated": 4, "transformers": 3}.items()}
 CONTROL = next(s for s in SMALL_SEEDS if "class LlamaRMSNorm" in s and "LlamaDecoderLayer" not in s)
 
 
@@ -617,10 +623,24 @@ def check_scan_repo(mutants: list[bytes]) -> None:
         _CONTROL_EXPECTED = _control_candidates()
     files = {f"m{i}.py": data for i, data in enumerate(mutants)}
     files["control.py"] = CONTROL.encode()
-    with tempfile.TemporaryDirectory() as d, cpu_guard(HANG_CPU_S):
-        _write(Path(d), files)
-        res = scan_repo(d, jobs=1)
-        json.dumps(res.to_json(), ensure_ascii=False)
+    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as out, cpu_guard(HANG_CPU_S):
+        repo = Path(d) / "repo"
+        repo.mkdir()
+        _write(repo, files)
+        res = scan_repo(repo, jobs=1)
+        plain = json.loads(json.dumps(res.to_json(), ensure_ascii=False))
+        # the whole verb (cold cache, markdown report) and then a warm-cache scan: same answers
+        state, report = Path(out) / "state", Path(out) / "report.md"
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            rc = main(["scan", str(repo), "-o", str(report), "--state-dir", str(state), "--no-progress", "-j", "1"])
+        assert rc == 0 and "Traceback" not in stderr.getvalue(), (rc, stderr.getvalue()[-3000:])
+        assert report.is_file() and report.stat().st_size > 0
+        cli = json.loads((state / "scan.json").read_text(encoding="utf-8"))
+        warm = json.loads(json.dumps(scan_repo(repo, jobs=1, cache_dir=state / "cache").to_json(), ensure_ascii=False))
+    for other, what in ((cli, "npufuse scan (cold cache)"), (warm, "a warm-cache scan")):
+        for key in ("files_scanned", "files_failed", "candidates", "near_misses", "existing", "switches"):
+            assert other[key] == plain[key], f"{what} differs from an uncached scan_repo in {key!r}"
     for f in res.files_failed:
         check_failure(f, set(files))
     unparsed = {f.file for f in res.files_failed if f.kind in UNPARSED_KINDS}
@@ -751,12 +771,10 @@ def check_generated(text: str) -> None:
     check_detectors_quiet(text)
 
 
-TRANSFORMERS = _transformers_files()
-
-
 @st.composite
 def mutated_transformers(draw) -> bytes:
-    text = draw(st.sampled_from(TRANSFORMERS))
+    files = transformers_files()
+    text = files[draw(st.integers(0, len(files) - 1))]
     for _ in range(draw(st.integers(1, 3))):
         text = draw(st.sampled_from(TEXT_MUTATIONS))(draw, text)
     return text.encode()
@@ -768,7 +786,7 @@ PROPERTIES = {
     "valid": Property(python_text(heavy=False, max_mutations=2), check_detectors_quiet),
     "generated": Property(generated_program(), check_generated),
 }
-if TRANSFORMERS:
+if TRANSFORMERS_WHEEL:
     PROPERTIES["transformers"] = Property(mutated_transformers(), check_analyze)
 
 
@@ -796,9 +814,9 @@ def test_detectors_on_generated_expression_trees(value):
     run_property(PROPERTIES, BUDGETS, "generated", value)
 
 
-@pytest.mark.skipif(not TRANSFORMERS, reason=f"no transformers wheel at {TRANSFORMERS_WHEELS}")
-@fuzz_settings(max_examples=40)
-@given(mutated_transformers() if TRANSFORMERS else st.nothing())
+@pytest.mark.skipif(not TRANSFORMERS_WHEEL, reason=f"no transformers wheel at {TRANSFORMERS_WHEELS}")
+@fuzz_settings(max_examples=30)
+@given(mutated_transformers())
 def test_mutated_transformers_modeling_files(value):
     run_property(PROPERTIES, BUDGETS, "transformers", value)
 

@@ -313,10 +313,9 @@ def _fp64(module: ModuleInfo, scope: Scope) -> list[dict[str, Any]]:
     if scope.qualname == "<module>":
         return []
     node = _scope_facts(module, scope)["fp64"]
-    if node is not None:
-        if True:
-            return [risk("dtype", f"the function uses float64 (line {node.lineno}): the fused APIs reject fp64; the guard must keep fp64 inputs on the original code", level="medium")]
-    return []
+    if node is None:
+        return []
+    return [risk("dtype", f"the function uses float64 (line {node.lineno}): the fused APIs reject fp64; the guard must keep fp64 inputs on the original code", level="medium")]
 
 
 def repo_risks(finding: Finding, pattern: Pattern, *, training: list[str], bf16: bool) -> list[dict[str, Any]]:
