@@ -54,11 +54,12 @@ def _skip_if_registry_changed(name: str) -> None:
         return
     path = GOLDEN / name
     if not path.exists():
-        pytest.skip(f"no golden {name} yet; create it with: {REGENERATE}")
+        pytest.fail(f"no golden {name} yet; create it with: {REGENERATE}")
     recorded = json.loads(path.read_text()).get("patterns")
     current = [p.id for p in engine.registry_patterns()]
     if recorded != current:
-        pytest.skip(f"registered detectors changed ({recorded} -> {current}); regenerate: {REGENERATE}")
+        # a new or removed detector must come with regenerated goldens: fail, never skip silently
+        pytest.fail(f"registered detectors changed ({recorded} -> {current}); regenerate: {REGENERATE}")
 
 
 def test_golden_fixture_with_fake_detectors(tmp_path, monkeypatch):
