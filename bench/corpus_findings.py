@@ -30,15 +30,15 @@ CORPUS = HERE / ".data" / "transformers"
 SUSPECTS: dict[str, list[str]] = {
     "rms_norm": [r"rsqrt|/\s*torch\.sqrt|\.sqrt\(\)", r"\.mean\(|\.pow\(2\)|\*\*\s*2|torch\.square"],
     "add_rms_norm": [r"residual\s*\+|\+\s*residual", r"norm\("],
-    "swiglu": [r"\bsilu\b|SiLU|act_fn|sigmoid\(", r"\*"],
-    "geglu": [r"\bgelu\b|GELU", r"chunk\(|split\(|\*"],
-    "rope": [r"rotate_half|rotate_every_two|view_as_complex|\bcos\b.*\bsin\b"],
+    "swiglu": [r"(?:silu|SiLU\(\)|act_fn|act|sigmoid)\([^()]*(?:\([^()]*\))?[^()]*\)\s*\*|\*\s*(?:F\.|nn\.functional\.)?(?:silu|act_fn)\("],
+    "geglu": [r"gelu\([^()]*(?:\([^()]*\))?[^()]*\)\s*\*|\*\s*(?:F\.|nn\.functional\.)?gelu\("],
+    "rope": [r"rotate_half\(|rotate_every_two\(|view_as_complex\(", r"\bsin\b|freqs"],
     "attention": [r"softmax", r"matmul|@|bmm|einsum"],
     "sdpa": [r"scaled_dot_product_attention"],
     "moe_experts": [r"expert", r"for\s+\w+.*\bin\b"],
     "fused_optimizer": [r"torch\.optim\.\w+\("],
-    "affinity_index_put": [r"\[[^\]\n]*\]\s*=(?!=)", r"mask"],
-    "affinity_where": [r"torch\.where\("],
+    "affinity_index_put": [r"\[[^\]\n]*mask[^\]\n]*\]\s*=(?!=)"],
+    "affinity_where": [r"torch\.where\([^,()]+,"],
 }
 
 

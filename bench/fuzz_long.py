@@ -44,9 +44,10 @@ def _load():
 
 
 def _where(exc: BaseException) -> str:
-    """file:line of the innermost npufuse frame: where a crash is, not where it surfaced."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/src/npufuse/" in f.filename]
-    return f"{Path(frames[-1].filename).relative_to(ROOT / 'src')}:{frames[-1].lineno} {frames[-1].name}" if frames else "tests"
+    """The innermost npufuse frame: where a crash is, not where it surfaced."""
+    from test_fuzz_scan import innermost_npufuse_frame
+
+    return innermost_npufuse_frame(exc) or "tests"
 
 
 def _signature(prop: str, exc: BaseException) -> str:

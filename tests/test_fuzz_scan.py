@@ -41,6 +41,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import npufuse
 from npufuse.cli import main
 from npufuse.patterns.registry import all_patterns
 from npufuse.scan.engine import ScanOptions, analyze_file, scan_repo
@@ -120,18 +121,15 @@ def fuzz_settings(max_examples: int, **kw) -> settings:
 
 
 def _top_level_chunks(text: str) -> tuple[str, list[str]]:
-    """(import header, each top-level statement's source with the comments above it)."""
+    """(import header, each top-level statement's source with the comments and decorators above it)."""
     tree = ast.parse(text)
     lines = text.splitlines(keepends=True)
     header, chunks = [], []
     prev_end = 0
     for node in tree.body:
-        start = node.lineno - 1
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.decorator_list:
-            start = node.decorator_list[0].lineno - 1
         seg = "".join(lines[prev_end : node.end_lineno])
         prev_end = node.end_lineno
-        (header if isinstance(node, (ast.Import, ast.ImportFrom)) else chunks).append(seg if start >= 0 else "")
+        (header if isinstance(node, (ast.Import, ast.ImportFrom)) else chunks).append(seg)
     return "".join(header), chunks
 
 
@@ -696,7 +694,7 @@ def check_detectors_quiet(text: str) -> None:
     assert not errors, errors
 
 
-# -- the tests ---------------------------------------------------------------------------------
+# -- properties, known bugs, the tests ----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -742,12 +740,17 @@ def value_text(value: Any) -> str:
     return ""
 
 
+PACKAGE_DIR = Path(npufuse.__file__).resolve().parent
+
+
 def innermost_npufuse_frame(exc: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/npufuse/" in f.filename.replace("\\", "/")]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f"npufuse/{f.filename.replace(chr(92), '/').rsplit('/npufuse/', 1)[1]}:{f.name}"
+    """``npufuse/<module path>:<function>`` of the innermost frame inside the npufuse package,
+    "" when the exception did not pass through it (a property's own assert)."""
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(f.filename).resolve()
+        if PACKAGE_DIR in path.parents:
+            return f"npufuse/{path.relative_to(PACKAGE_DIR).as_posix()}:{f.name}"
+    return ""
 
 
 KNOWN_HITS: dict[str, int] = {}
