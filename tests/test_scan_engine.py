@@ -417,7 +417,6 @@ def test_scan_infrastructure_does_not_import_torch(tmp_path):
     assert out.strip() == "[]"
 
 
-@pytest.mark.xfail(reason="pattern modules import torch at module level (move it into reference())", strict=False)
 def test_real_registry_does_not_import_torch():
     code = "import sys\nfrom npufuse.patterns.registry import all_patterns\nall_patterns()\nprint([m for m in ('torch',) if m in sys.modules])\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

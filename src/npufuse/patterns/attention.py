@@ -38,7 +38,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-import torch
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, replace_segments, scope_text, segment
@@ -604,6 +603,8 @@ def attention_value(finding: Finding, config: dict[str, Any], title: str) -> dic
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, atten_mask: torch.Tensor | None = None,
                     scale: float | None = None, causal: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
     """Ground truth in BNSD: softmax(q kᵀ·scale, masked where ``atten_mask`` is True) @ v, GQA by head groups."""
+    # torch only when the reference runs: scanning never imports it
+    import torch
     nq, nkv = q.shape[1], k.shape[1]
     if nq != nkv:
         k = k.repeat_interleave(nq // nkv, dim=1)

@@ -24,7 +24,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import torch
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
@@ -849,6 +848,8 @@ class RopePattern(Pattern):
     @staticmethod
     def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "half") -> torch.Tensor:
         """Eager rotary embedding: ``x*cos + R(x)*sin`` with R = rotate_half or the interleaved rotation."""
+        # torch only when the reference runs: scanning never imports it
+        import torch
         if mode == "half":
             x1, x2 = x.chunk(2, dim=-1)
             rot = torch.cat((-x2, x1), dim=-1)

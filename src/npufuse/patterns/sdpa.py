@@ -30,9 +30,6 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable
 
-import torch
-import torch.nn.functional as F
-
 from npufuse.patterns.attention import (
     _BIAS_WORDS,
     atom,
@@ -392,6 +389,8 @@ class SdpaPattern(Pattern):
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
         """SDPA's math: softmax(q kᵀ·scale + mask) @ v; bool mask True = keep; causal top-left."""
+        # torch only when the reference runs: scanning never imports it
+        import torch.nn.functional as F
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
     FUSE: list = []
