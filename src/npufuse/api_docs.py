@@ -95,6 +95,9 @@ def find_docs_root() -> Path | None:
         # does that while it is active. PathFinder below looks at sys.path only.
         pass
     candidates.extend(_spec_dirs(importlib.machinery.PathFinder.find_spec("torch_npu")))
+    # npufuse's own dev environment unpacks the wheel beside the venv (see the Makefile), so
+    # `npufuse api` works there without setting the variable.
+    candidates.extend(_spec_dirs(importlib.machinery.PathFinder.find_spec("torch_npu", [str(Path(sys.prefix) / "torch-npu-docs")])))
     for candidate in candidates:
         if (candidate / OP_DOCS_FILE).is_file():
             return candidate.resolve()
