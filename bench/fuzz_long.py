@@ -87,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import InvalidArgument
 
-    from test_fuzz_scan import DEADLINE
 
     props = _load()
     if args.only:
@@ -102,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, dict] = {}
     start = time.monotonic()
     end = start + args.minutes * 60
-    loose = settings(max_examples=args.chunk, derandomize=False, database=None, deadline=DEADLINE,
+    # no wall-clock deadline: on a loaded machine it would report slowness; the CPU guard of every
+    # property still turns a hang into a failure
+    loose = settings(max_examples=args.chunk, derandomize=False, database=None, deadline=None,
                      suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.target, Phase.shrink],
                      report_multiple_bugs=False)
     print(f"fuzzing {len(props)} properties for {args.minutes:g} min on {platform.node()} "

@@ -87,7 +87,10 @@ def cpu_guard(seconds: float):
         yield
         return
 
+    fired = []
+
     def on_timer(signum, frame):
+        fired.append(frame)
         raise Hang(f"no result after {seconds:g} s of CPU time (a hang?)")
 
     old = signal.signal(signal.SIGVTALRM, on_timer)
@@ -97,12 +100,16 @@ def cpu_guard(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_VIRTUAL, 0)
         signal.signal(signal.SIGVTALRM, old)
+    if fired:  # npufuse catches Exception per file/detector, so the Hang may have been swallowed
+        where = fired[0]
+        raise Hang(f"no result after {seconds:g} s of CPU time (a hang?); it was running {where.f_code.co_filename}:{where.f_lineno} {where.f_code.co_name}")
 
 
 # Per-example wall-clock deadline: generous because the CI machines are shared; the CPU guard
 # is the hang detector, the deadline only catches an example that is pathologically slow.
+# (Legitimately slow exists: libcst renders one site of a 300 KB file in ~20 s of CPU.)
 DEADLINE = timedelta(seconds=20)
-HANG_CPU_S = 30.0
+HANG_CPU_S = 90.0
 
 
 def fuzz_settings(max_examples: int, **kw) -> settings:
@@ -638,7 +645,7 @@ def check_scan_repo(mutants: list[bytes]) -> None:
         warm = json.loads(json.dumps(scan_repo(repo, jobs=1, cache_dir=state / "cache").to_json(), ensure_ascii=False))
     for other, what in ((cli, "npufuse scan (cold cache)"), (warm, "a warm-cache scan")):
         for key in ("files_scanned", "files_failed", "candidates", "near_misses", "existing", "switches"):
-            assert other[key] == plain[key], f"{what} differs from an uncached scan_repo in {key!r}"
+            assert other[key] == plain[key], f"{what} differs from an uncached scan_repo in {key!r}: {str(other[key])[:800]} vs {str(plain[key])[:800]}"
     for f in res.files_failed:
         check_failure(f, set(files))
     unparsed = {f.file for f in res.files_failed if f.kind in UNPARSED_KINDS}
