@@ -79,6 +79,8 @@ def r_drop_column(draw, rows):
 def r_alias_header(draw, rows):
     """Another spelling torch_npu versions use for one of the known columns (or a case change)."""
     h = list(rows[0])
+    if not h:
+        return rows
     i = _pick(draw, len(h))
     spellings = [a for names in KERNEL_ALIASES.values() if any(n.lower().replace(" ", "") == h[i].lower().replace(" ", "") for n in names) for a in names]
     h[i] = draw(st.sampled_from(spellings + [h[i].upper(), h[i].lower(), f" {h[i]} ", h[i].replace(" ", "_")]))

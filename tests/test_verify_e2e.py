@@ -127,9 +127,12 @@ def test_timeout_kills_the_process_group(tmp_path: Path) -> None:
 
 def test_megatron_and_hf_logs_end_to_end(tmp_path: Path) -> None:
     sd = fake_repo(tmp_path)
-    assert e2e(sd, "--steps", "20", cmd=f"{PY} train.py --format megatron") == 0
+    # these logs carry measured times: on a loaded machine the perf verdict may come out
+    # "slower" (exit 1). This test is about parsing, so no speed difference counts here.
+    any_speed = ("--min-effect", "1000")
+    assert e2e(sd, "--steps", "20", *any_speed, cmd=f"{PY} train.py --format megatron") == 0
     assert entry(sd).evidence["e2e"]["runs"]["fused"]["format"] == "megatron"
-    assert e2e(sd, "--steps", "20", "--rerun-baseline", cmd=f"{PY} train.py --format hf") == 0
+    assert e2e(sd, "--steps", "20", "--rerun-baseline", *any_speed, cmd=f"{PY} train.py --format hf") == 0
     c = entry(sd)
     assert c.evidence["e2e"]["runs"]["baseline"]["format"] == "hf" and c.status == "concluded"
 
@@ -160,7 +163,8 @@ def test_non_env_switch_baseline_disables_the_module(tmp_path: Path) -> None:
     # re-render the site behind an existing repo switch instead of the env variable
     text = splice(FAKE_MODEL + "\nUSE_FUSED = True\n", [f], {f.line: Switch("existing", expr="USE_FUSED")})
     (tmp_path / "fakemodel.py").write_text(text)
-    assert e2e(sd, "--steps", "15", "--force") == 0
+    # measured step times: "slower" (exit 1) can happen on a loaded machine; not this test's subject
+    assert e2e(sd, "--steps", "15", "--force", "--min-effect", "1000") == 0
     e = entry(sd).evidence["e2e"]
     assert e["switch"]["kind"] == "module" and e["proof"]["baseline_site_calls"] == 0 and e["proof"]["fused_site_calls"] > 0
 
