@@ -344,8 +344,9 @@ def check_backends_agree(out) -> None:
     for attr in ("dur", "start", "stream", "step", "wait"):
         assert _same(getattr(t1, attr), getattr(t2, attr)), f"backends disagree on {attr}"
     assert _shapes(t1) == _shapes(t2), f"backends disagree on shapes: csv {_shapes(t1)[:3]}, polars {_shapes(t2)[:3]}"
-    rows1 = sorted((p.row, p.column) for p in p1 if p.row is not None)
-    rows2 = sorted((p.row, p.column) for p in p2 if p.row is not None)
+    # (one row can have a problem with a column and one without)
+    rows1 = sorted(((p.row, p.column) for p in p1 if p.row is not None), key=lambda rc: (rc[0], rc[1] or ""))
+    rows2 = sorted(((p.row, p.column) for p in p2 if p.row is not None), key=lambda rc: (rc[0], rc[1] or ""))
     assert rows1 == rows2, f"backends name different rows/columns: csv {rows1}, polars {rows2}"
 
 
@@ -488,14 +489,7 @@ def check_analyze(files: dict[str, bytes]) -> None:
 
 TRACE = "npufuse/profile/trace.py"
 READERS_PY = "npufuse/profile/readers.py"
-KNOWN: list[KnownBug] = [  # fuzz-found bugs with an open reproducer below
-    KnownBug("test_bug_polars_drops_shapes_when_a_shape_column_is_missing", AssertionError, "", "backends disagree on shapes"),
-    KnownBug("test_bug_truncated_row_before_stream_column", IndexError, f"{READERS_PY}:_read_kernels_csv"),
-    KnownBug("test_bug_truncated_row_before_stream_column", AssertionError, "",
-             r"(csv table: False, polars table: True|csv read \d+ kernels, polars \d+); problems \[.*truncated\?"),
-    KnownBug("test_bug_bare_cr_splits_rows_for_csv_only", AssertionError, "", "backends name different rows", input="\r(?!\n)"),
-    KnownBug("test_bug_tiny_step_time_makes_infinite_shares", ValueError, "", "Out of range float values are not JSON compliant"),
-]
+KNOWN: list[KnownBug] = []  # fuzz-found bugs with an open reproducer below (none open)
 
 
 def _file(tmp_path: Path, name: str, data: bytes) -> Path:
@@ -571,7 +565,6 @@ def test_bug_nan_duration_makes_invalid_json(tmp_path, backend):
 
 
 @pytest.mark.skipif(not HAS_POLARS, reason="polars not installed")
-@pytest.mark.xfail(strict=True, reason="profile/readers.py _read_kernels_polars: shapes are read only when all four of Input Shapes / Input Data Types / Output Shapes / Output Data Types exist; the csv reader keeps the ones present, so with e.g. no 'Input Data Types' column polars loses every shape (and the roofline its sizes)")
 def test_bug_polars_drops_shapes_when_a_shape_column_is_missing(tmp_path):
     path = _file(tmp_path, "kernel_details.csv", b'Type,Duration(us),Input Shapes,Output Shapes\nAdd,1.0,"4,4","4,4"\n')
     csv_table, _ = read_kernel_details(path, backend="csv")
@@ -580,29 +573,121 @@ def test_bug_polars_drops_shapes_when_a_shape_column_is_missing(tmp_path):
     assert _shapes(polars_table) == _shapes(csv_table)
 
 
-@pytest.mark.xfail(strict=True, reason="profile/readers.py _read_kernels_csv: `need` (the shortest acceptable row) ignores the Stream ID / Step Id columns, so a row truncated before them raises IndexError out of read_kernel_details (csv backend, and auto via the fallback); polars instead takes the missing cells as null and reports nothing, so the backends disagree on truncated rows")
 @pytest.mark.parametrize("backend", ["csv", "auto", "polars"] if HAS_POLARS else ["csv", "auto"])
 def test_bug_truncated_row_before_stream_column(tmp_path, backend):
     path = _file(tmp_path, "kernel_details.csv", b"Type,Duration(us),Stream ID\nAdd,1.0\nMul,2.0,0\n")
     table, problems = read_kernel_details(path, backend=backend)
     assert table is not None and table.n >= 1
     assert any(p.row == 2 for p in problems), problems  # the short row is named
+    # what it has is still read; the cell it lacks is unknown (stream 0, as an empty cell)
+    assert [(p.row, p.column) for p in problems] == [(2, "Stream ID")], problems
+    assert _type_sequence(table) == ["Add", "Mul"] and table.stream.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("data,kept,named", [
+    (b"Duration(us),Type\n1.0\n2.0,Mul\n", ["Mul"], [(2, None)]),                   # no type: skipped
+    (b'Type,Duration(us),Input Shapes,Wait Time(us),X\nAdd,1.0,"4,4"\nMul,2.0,,,\n', ["Add", "Mul"],
+     [(2, "Wait Time(us)")]),                                                           # kept, wait unknown
+    (b"Type,Duration(us),X\nAdd,1.0\nMul,2.0,1,2\n", ["Add", "Mul"], []),   # short/long in unread cells only
+    (b"Type,Duration(us),Step Id\nAdd,1.0,\nMul,2.0,1\n", ["Add", "Mul"], []),          # empty is not short
+])
+def test_ragged_rows_read_alike_and_named_by_both_backends(tmp_path, data, kept, named):
+    out = read_all_backends(_file(tmp_path, "kernel_details.csv", data).read_bytes())
+    check_backends_agree(out)
+    for table, problems in out.values():
+        assert _type_sequence(table) == kept
+        assert [(p.row, p.column) for p in problems] == named, problems
+
+
+def test_bare_cr_is_a_line_end_for_both_backends(tmp_path):
+    rows = BASE_ROWS
+    data = _csv_text(rows).replace("\n", "\r").encode()   # an old-Mac file
+    out = read_all_backends(data)
+    check_backends_agree(out)
+    for table, problems in out.values():
+        assert table.n == N_KERNELS and not [p for p in problems if p.row is not None], problems
+    # a stray CR in a data row ends it, for both: the first half is too short and named, the second
+    # long enough to be read by position, the other rows are read as they are
+    text = _csv_text(rows)
+    cut = text.index("\n") + 1 + 10
+    out = read_all_backends((text[:cut] + "\r" + text[cut:]).encode())
+    check_backends_agree(out)
+    table, problems = out["csv"]
+    assert table.n == N_KERNELS and [p.row for p in problems if p.row] == [2], problems
+    assert _type_sequence(table)[1:] == [r[rows[0].index("Type")] for r in rows[2:]]
 
 
 @pytest.mark.skipif(not HAS_POLARS, reason="polars not installed")
-@pytest.mark.xfail(strict=True, reason="profile/readers.py: a bare CR inside the header (old-Mac line end) ends the row for the csv reader, which then reports the header's tail as bad data rows, while polars keeps it in the header cell; the backends name different rows")
 def test_bug_bare_cr_splits_rows_for_csv_only(tmp_path):
     path = _file(tmp_path, "kernel_details.csv", b"Type,Duration(us),\rWait Time(us)\nAdd,1.0,0\n")
     csv_rows = [(p.row, p.column) for p in read_kernel_details(path, backend="csv")[1]]
     polars_rows = [(p.row, p.column) for p in read_kernel_details(path, backend="polars")[1]]
     assert csv_rows == polars_rows
+    assert csv_rows == [(2, None)]   # the header's tail, after the CR, is a row of its own (too short)
 
 
-@pytest.mark.xfail(strict=True, reason="profile/analysis.py _merge (and the gap shares): shares are time / step time with only a > 0 check, so a denormal step time (Stage 1e-320 in step_trace_time.csv) gives inf/NaN share and step_saving_max, and `npufuse profile --format json` prints Infinity/NaN (not JSON)")
 def test_bug_tiny_step_time_makes_infinite_shares(tmp_path):
     _file(tmp_path, "kernel_details.csv", (SEED_DIR / "kernel_details.csv").read_bytes())
     _file(tmp_path, "step_trace_time.csv", b"Step,Stage\n1,1e-320\n")
-    json.dumps(analyze([str(tmp_path)]), allow_nan=False)
+    r = analyze([str(tmp_path)])
+    json.dumps(r, allow_nan=False)
+    # the Stage cell is named and not counted; the step time then comes from the kernels
+    assert [(p["row"], p["column"]) for p in r["problems"] if p["file"].endswith("step_trace_time.csv")] == [(2, "Stage")]
+    assert r["totals"]["step_time_us"] > 1 and all(0 < f["share"] <= 1 for f in r["fusions"]), r["totals"]
+
+
+@pytest.mark.parametrize("stage", [b"0", b"-5", b"1e-300", b"0.0009"])
+def test_step_time_too_short_to_divide_by_is_not_counted(tmp_path, stage):
+    path = _file(tmp_path, "step_trace_time.csv", b"Step,Stage\n1," + stage + b"\n2,100.0\n")
+    steps, problems = read_step_trace_time(path)
+    assert steps.steps == {2: {"stage": 100.0}}
+    assert [(p.row, p.column) for p in problems] == [(2, "Stage")] and "not a step time" in problems[0].message
+
+
+def test_tiny_kernel_times_give_finite_results(tmp_path):
+    """Every kernel 1e-320 us long: the step time from the kernels is too short to divide by, so
+    the shares are unknown (0) with a problem saying so, and the roofline divides by nothing tiny."""
+    rows = [list(r) for r in BASE_ROWS]
+    dur, start = rows[0].index("Duration(us)"), rows[0].index("Start Time(us)")
+    for r in rows[1:]:
+        r[dur], r[start] = "1e-320", "0"
+    _file(tmp_path, "kernel_details.csv", _csv_text(rows).encode())
+    r = analyze([str(tmp_path)], Options(backend="csv"))
+    json.dumps(r, allow_nan=False)
+    assert r["usable"] and r["totals"]["step_time_us"] == 0
+    assert any("too short to divide by" in p["message"] for p in r["problems"]), r["problems"]
+    for f in r["fusions"] + r["sequences"]["by_time"]:
+        assert f["share"] == 0 and f["step_saving_max"] == 0 and f["roofline"]["speedup_max"] >= 1
+
+
+@pytest.mark.parametrize("cell", ["9" * 400, "99999999999,99999999999,99999999999", "4,-1,4096"])
+def test_impossible_shapes_are_unknown_not_overflow(tmp_path, cell):
+    """A 400-digit dimension made the roofline raise OverflowError (int too large for a float); a
+    shape with more elements than int64 counts, or a negative (dynamic) dim, is now unknown."""
+    rows = [list(r) for r in BASE_ROWS]
+    col = rows[0].index("Input Shapes")
+    for r in rows[1:4]:
+        r[col] = cell
+    _file(tmp_path, "kernel_details.csv", _csv_text(rows).encode())
+    r = analyze([str(tmp_path)], Options(backend="csv"))
+    json.dumps(r, allow_nan=False)
+    assert r["fusions"] and all(f["roofline"]["bytes"] is None for f in r["fusions"]), r["fusions"]
+
+
+@pytest.mark.skipif(not HAS_POLARS, reason="polars not installed")
+def test_shape_cell_with_the_key_separator(tmp_path):
+    path = _file(tmp_path, "kernel_details.csv", b'Type,Duration(us),Input Shapes\nAdd,1.0,"4\x1f4"\n')
+    check_backends_agree(read_all_backends(path.read_bytes()))
+
+
+@pytest.mark.parametrize("flag,value", [("--peak-bw", "1e-320"), ("--peak-tflops", "inf"), ("--launch-us", "inf"),
+                                        ("--peak-tflops", "1e300")])
+def test_peaks_that_would_make_bounds_infinite_are_usage_errors(tmp_path, capsys, flag, value):
+    """Each of these printed Infinity in the JSON (fused_min_us, or the ridge): now a usage error."""
+    _file(tmp_path, "kernel_details.csv", (SEED_DIR / "kernel_details.csv").read_bytes())
+    assert main(["profile", str(tmp_path), flag, value, "--format", "json"]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and err.count("\n") == 1, err
 
 
 # -- the tests ---------------------------------------------------------------------------------

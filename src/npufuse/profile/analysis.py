@@ -17,8 +17,8 @@ from npufuse import __version__
 from npufuse.profile.kb import KnowledgeBase, load_kb
 from npufuse.profile.mining import Finding, Miner, NGram, OpStream, build_host_stream, build_kernel_stream, \
     gap_report, mine_ngrams
-from npufuse.profile.readers import KernelTable, Problem, RankSource, discover, read_kernel_details, \
-    read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view, _encode, _type_from_name
+from npufuse.profile.readers import MIN_TIME_US, KernelTable, Problem, RankSource, discover, read_kernel_details, \
+    read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view, share, _encode, _type_from_name
 from npufuse.profile.roofline import Assumptions, assess
 from npufuse.profile.trace import TraceInfo, analyze_trace
 
@@ -163,6 +163,12 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
             info["note"] = "op_statistic.csv only: totals by kernel type, no sequences"
         return out
     step_us = _step_time(st, steps)
+    if not step_us >= MIN_TIME_US:
+        # nothing to divide by: this rank's shares of step time are unknown (0), not inf
+        where = table.source if table is not None else (trace.source if trace is not None else src.label)
+        problems.append(Problem(where, f"step time {step_us:g} us is too short to divide by (below "
+                                       f"{MIN_TIME_US:g} us): shares of step time are unknown, shown as 0"))
+        step_us = 0.0
     out["step_time_us"] = step_us
     out["device_time_us"] = float(st.dur.sum()) if st.level == "kernel" else 0.0
     info["steps"] = sorted({int(s) for s in np.unique(st.step).tolist() if s >= 0})
@@ -264,11 +270,11 @@ def _merge(items: list[dict[str, Any]], step_total: float) -> list[dict[str, Any
             cur["subsumes"][k] = cur["subsumes"].get(k, 0) + v
     out = list(merged.values())
     for it in out:
-        share = it["time_us"] / step_total if step_total > 0 else 0.0
-        it["share"] = round(share, 6)
+        sh = share(it["time_us"], step_total)   # 0 (unknown) when the step time is too short to divide by
+        it["share"] = round(sh, 6)
         s = it["roofline"]["speedup_max"]
-        # Amdahl: what the whole step could gain at most if this sequence hit its bound
-        it["step_saving_max"] = round(share * (1 - 1 / s), 6) if s > 0 else 0.0
+        # Amdahl: what the whole step could gain at most if this sequence hit its bound (speedup_max >= 1)
+        it["step_saving_max"] = round(sh * (1 - 1 / s), 6) if s >= 1 else 0.0
     out.sort(key=lambda x: -x["time_us"])
     return out
 
@@ -292,7 +298,7 @@ def _sum_gaps(gaps: list[dict[str, Any]], step_total: float) -> dict[str, Any]:
     tot = {k: round(sum(g[k] for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us")}
     tot["host_bound_gaps"] = sum(g["host_bound_gaps"] for g in gaps)
     tot["method"] = "; ".join(dict.fromkeys(g["method"] for g in gaps))
-    tot["host_bound_share"] = round(tot["host_bound_us"] / step_total, 6) if step_total else 0.0
-    tot["wait_share"] = round(tot["wait_us"] / step_total, 6) if step_total else 0.0
+    tot["host_bound_share"] = round(share(tot["host_bound_us"], step_total), 6)
+    tot["wait_share"] = round(share(tot["wait_us"], step_total), 6)
     tot["per_rank"] = gaps
     return tot

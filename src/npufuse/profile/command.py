@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, help="sequences listed per table (default 10)")
 
 
+# GB/s and TFLOP/s: far beyond any SoC either way, and safe to divide by
+PEAK_RANGE = (1e-6, 1e9)
+
+
 def _options(args: argparse.Namespace) -> Any:
     from npufuse.cli import UsageError
     from npufuse.profile.analysis import Options
@@ -45,8 +50,12 @@ def _options(args: argparse.Namespace) -> Any:
                        ("host_gap_us", "host_gap_us")):
         v = getattr(args, flag, None)
         if v is not None:
-            if not v > 0:
+            if not v > 0 or not math.isfinite(v):
                 raise UsageError(f"--{flag.replace('_', '-')} must be a positive number, got {v}")
+            # the roofline divides by the peaks: a denormal one would make every bound inf (not JSON)
+            if attr.startswith("peak") and not PEAK_RANGE[0] <= v <= PEAK_RANGE[1]:
+                raise UsageError(f"--{flag.replace('_', '-')} must be between {PEAK_RANGE[0]:g} and "
+                                 f"{PEAK_RANGE[1]:g}, got {v:g}")
             vals[attr] = v
     soc = base.soc if not ({"peak_bw_gbs", "peak_tflops"} & set(vals)) else "user-given peaks"
     if args.top < 1:

@@ -7,6 +7,18 @@ read through an alias table and the loader reports which header it used for each
 Nothing here raises for bad *content*: a malformed file, row or cell becomes a :class:`Problem`
 (file, row, column, message) and the readable rest is still returned. Only the caller decides
 whether the remainder is enough to go on.
+
+Line ends: LF, CRLF and a bare CR (old-Mac files, or a stray CR) all end a row outside quotes, as
+the ``csv`` module reads them; row numbers in problems count lines that way. polars knows only LF
+(and CRLF), so a file with a bare CR is always read by the csv module, and both readers agree.
+
+Short kernel rows: one that stops before a column a kernel cannot do without (type or name,
+duration, start) is skipped and named; one that stops before an optional column read here
+(stream, step, wait, shapes) is kept with those cells unknown, and named. A row short only in
+columns not read, or longer than the header, is read by position without a problem (polars does
+not reliably see a long row, so naming it would make the readers disagree). polars cannot tell a
+short row from empty cells, so a file with rows empty from the last column read to the end is
+read by the csv module (the reference) too.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ class Problem:
 
     file: str
     message: str
-    row: int | None = None        # 1-based physical line in the file (header = 1)
+    row: int | None = None        # 1-based physical line in the file (header = 1; a bare CR ends a line)
     column: str | None = None
 
     def __post_init__(self) -> None:
@@ -84,6 +96,21 @@ def parse_number(cell: Any) -> float | None:
     except (TypeError, ValueError, OverflowError):
         return None
     return v if -MAX_NUMBER <= v <= MAX_NUMBER else None   # (False for nan)
+
+
+# The profiler's time resolution is 1 ns. A time shorter than that (a denormal 1e-320 us, say) is
+# not a measurement, and dividing by it overflows to inf, which is not JSON: shares and rates divide
+# only by times at least this long, and a shorter divisor makes the ratio unknown.
+MIN_TIME_US = 1e-3
+
+
+def share(part: float, whole_us: float) -> float:
+    """``part / whole_us`` (a share of a time), 0.0 when ``whole_us`` is too short to divide by
+    (below MIN_TIME_US: unknown) or the quotient is not finite."""
+    if not whole_us >= MIN_TIME_US:   # (also False for nan)
+        return 0.0
+    q = part / whole_us
+    return q if math.isfinite(q) else 0.0
 
 
 def _not_a_number(cell: str) -> str:
@@ -174,6 +201,11 @@ OPERATOR_ALIASES: dict[str, tuple[str, ...]] = {
     "device_total": ("Device Total Duration(us)",),
     "host_total": ("Host Total Duration(us)",),
 }
+
+
+# the kernel fields the readers take in (the others are resolved only to be reported as used)
+KERNEL_FIELDS_READ = ("type", "name", "stream", "start", "duration", "wait", "step", "in_shapes", "in_dtypes",
+                      "out_shapes", "out_dtypes")
 
 
 def _norm(header: str) -> str:
@@ -275,7 +307,7 @@ def read_kernel_details(path: Path, *, backend: str = "auto") -> tuple[KernelTab
                                      f"{', '.join(h.strip() for h in header[:8])}{' ...' if len(header) > 8 else ''}",
                               row=1)]
     table = None
-    if backend in ("auto", "polars"):
+    if backend in ("auto", "polars") and not _has_bare_cr(path):
         table = _read_kernels_polars(path, header, cm, log, strict=backend == "polars")
     if table is None:
         table = _read_kernels_csv(path, header, cm, log)
@@ -292,6 +324,32 @@ def read_kernel_details(path: Path, *, backend: str = "auto") -> tuple[KernelTab
     return table, log.finish()
 
 
+def _has_bare_cr(path: Path, chunk: int = 1 << 20) -> bool:
+    """Whether the file holds a CR not followed by LF. The csv module ends a row there and polars
+    does not (it even drops a CR before a comma), so such a file goes to the csv reader, the
+    reference. One pass with numpy in cache-sized chunks: CRLF files (the csv module's default)
+    have a CR on every line, and bytes.count(b"\\r\\n") takes twice as long; LF files cost one
+    memchr a chunk. ~0.25 s CPU for 1M kernel rows (284 MiB) on a loaded 2-core machine."""
+    try:
+        with open(path, "rb") as fp:
+            prev_cr = False
+            while True:
+                buf = fp.read(chunk)
+                if not buf:
+                    return prev_cr
+                if prev_cr and buf[0] != 0x0A:
+                    return True
+                prev_cr = buf[-1] == 0x0D   # its LF, if any, starts the next chunk
+                if b"\r" not in buf:
+                    continue
+                a = np.frombuffer(buf, dtype=np.uint8)
+                cr = np.flatnonzero(a[:-1] == 0x0D)
+                if cr.size and (a[cr + 1] != 0x0A).any():
+                    return True
+    except OSError:
+        return False   # the csv reader then reports why it cannot read the file
+
+
 def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _ProblemLog) -> KernelTable | None:
     fname = str(path)
     ix = cm.index
@@ -300,7 +358,12 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
     i_dur, i_start, i_wait = ix["duration"], ix.get("start"), ix.get("wait")
     i_stream, i_step = ix.get("stream"), ix.get("step")
     shape_ix = [ix.get(k) for k in ("in_shapes", "in_dtypes", "out_shapes", "out_dtypes")]
+    has_shapes = any(i is not None for i in shape_ix)   # keep whichever of the four are present
+    # a row must reach every column a kernel cannot do without; one that stops before an
+    # optional column read here is padded (those cells unknown) and named
     need = max(i for i in (i_type, i_name, i_dur, i_start) if i is not None)
+    optional = sorted((i, cm.used[f]) for f, i in ix.items() if f in KERNEL_FIELDS_READ and i > need)
+    used = optional[-1][0] if optional else need
     types: list[str] = []
     names: list[str] = []
     durs: list[str] = []
@@ -317,11 +380,18 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
             reader = csv.reader(fp)
             next(reader, None)
             for row in reader:
-                if len(row) <= need:
-                    if row:
+                if len(row) <= used:
+                    if not row:
+                        continue   # a blank line
+                    if len(row) <= need:
                         log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated?); skipped",
                                 row=reader.line_num, kind="short row")
-                    continue
+                        continue
+                    lost = [h for i, h in optional if i >= len(row)]
+                    log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated?); "
+                                   f"{', '.join(lost)} taken as unknown", row=reader.line_num, column=lost[0],
+                            kind="short row, optional cells lost")
+                    row = row + [""] * (used + 1 - len(row))
                 lines.append(reader.line_num)
                 t = row[i_type] if i_type is not None else ""
                 if i_name is not None:
@@ -333,13 +403,12 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
                 if i_start is not None:
                     starts.append(row[i_start])
                 if i_wait is not None:
-                    waits.append(row[i_wait] if i_wait < len(row) else "")
+                    waits.append(row[i_wait])
                 if i_stream is not None:
                     streams.append(row[i_stream])
                 if i_step is not None:
                     steps.append(row[i_step])
-                key = tuple(row[i] if i is not None and i < len(row) else "" for i in shape_ix) \
-                    if shape_ix[0] is not None else empty4
+                key = tuple(row[i] if i is not None else "" for i in shape_ix) if has_shapes else empty4
                 code = shape_vocab.get(key)  # type: ignore[arg-type]
                 if code is None:
                     code = shape_vocab[key] = len(shape_vocab)  # type: ignore[index]
@@ -433,23 +502,40 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
             log.add(str(path), "polars is not installed; read with the csv module")
         return None
     fname = str(path)
-    cols = list(dict.fromkeys(cm.used.values()))
+    fields = {f: i for f, i in cm.index.items() if f in KERNEL_FIELDS_READ}
+    last_read = max(fields.values())
+    # by position, not name (duplicate headers); plus the header's last column, to spot short rows
+    idx = sorted(set(fields.values()) | {len(header) - 1})
     try:
         # everything as text: numeric columns are validated below so bad cells name their row
-        df = pl.read_csv(path, columns=[c for c in cols], infer_schema=False, encoding="utf8-lossy",
+        df = pl.read_csv(path, columns=idx, infer_schema=False, encoding="utf8-lossy",
                          quote_char='"', raise_if_empty=False)
     except Exception:   # polars raises several error types for ragged/corrupt files
         return None     # the csv path re-reads it and names the broken row
-    # column names as polars saw them (it keeps surrounding whitespace of headers)
-    by_field = {f: h for f, h in cm.used.items()}
-    for f, h in list(by_field.items()):
-        if h not in df.columns:
-            alt = [c for c in df.columns if c.strip() == h]
-            if not alt:
-                return None
-            by_field[f] = alt[0]
+    if len(df.columns) != len(idx):
+        return None
+    # polars must have seen the same header as the csv module (it keeps surrounding whitespace and
+    # renames a repeated header "<name>_duplicated_<k>")
+    name_at = dict(zip(idx, df.columns))
+    if any(name_at[i] != header[i] and not name_at[i].startswith(f"{header[i]}_duplicated_") for i in idx):
+        return None
+    by_field = {f: name_at[i] for f, i in fields.items()}
     n = df.height
     if n == 0:
+        return None
+
+    def empty(name: str) -> Any:
+        s = df[name]
+        return s.is_null() | (s == "")
+
+    # polars fills the cells a short row lacks with nulls and says nothing; the csv reader names a
+    # row that stops before a column read here. Such a row has that column and every later one
+    # empty, so it is among the rows whose last column read and last column are both empty: a file
+    # with any (also a row of genuinely empty cells there) goes to the csv reader.
+    short = empty(name_at[last_read])
+    if last_read != len(header) - 1:
+        short = short & empty(name_at[len(header) - 1])
+    if short.any():
         return None
 
     def num(fld: str, required: bool) -> np.ndarray:
@@ -510,11 +596,14 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         del remap
         types = fixed
     shape_fields = [f for f in ("in_shapes", "in_dtypes", "out_shapes", "out_dtypes")]
-    if all(f in by_field for f in shape_fields):
-        key = df.select(pl.concat_str([pl.col(by_field[f]).fill_null("") for f in shape_fields],
-                                      separator="\x1f")).to_series()
+    if any(f in by_field for f in shape_fields):
+        # whichever of the four are present (the csv reader does the same); the others are empty
+        key = df.select(pl.concat_str([pl.col(by_field[f]).fill_null("") if f in by_field else pl.lit("")
+                                       for f in shape_fields], separator="\x1f")).to_series()
         skeys, scode = codes_of(key)
         shape_keys = [tuple(k.split("\x1f")) for k in skeys]  # type: ignore[misc]
+        if any(len(k) != 4 for k in shape_keys):
+            return None   # a cell holds the separator itself: the csv reader keeps it intact
     else:
         shape_keys, scode = [("", "", "", "")], np.zeros(n, dtype=np.int32)
     table = KernelTable(source=fname, types=types, type_code=tcode.astype(np.int32), start=start, dur=dur,
@@ -599,6 +688,11 @@ def read_step_trace_time(path: Path) -> tuple[StepTimes | None, list[Problem]]:
                 v = _num(r[f], str(path), line, cm.used[f], log)
                 if v is not None:
                     vals[f] = v
+        if "stage" in vals and not vals["stage"] >= MIN_TIME_US:
+            # shares divide by the step time: zero, negative or sub-nanosecond is not one
+            log.add(str(path), f"{_show(r['stage'])} is not a step time (below {MIN_TIME_US:g} us); row not counted",
+                    row=line, column=cm.used["stage"], kind="not a step time")
+            continue
         if "stage" in vals:
             # several devices in one file: add up per step
             cur = steps.setdefault(sid, {})

@@ -14,6 +14,12 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
+from npufuse.profile.readers import MIN_TIME_US
+
+# No tensor has more elements than an int64 can count; a shape beyond it (a corrupt cell of 400
+# digits) is unknown, not a number of bytes too large for a float.
+MAX_NUMEL = 2**63
+
 
 @dataclass(frozen=True)
 class Assumptions:
@@ -64,9 +70,12 @@ def parse_shapes(text: str) -> tuple[tuple[int, ...] | None, ...]:
             out.append(())
             continue
         try:
-            out.append(tuple(int(d) for d in part.split(",") if d.strip()))
+            dims = tuple(int(d) for d in part.split(",") if d.strip())
         except ValueError:
             out.append(None)   # symbolic or unknown dims
+            continue
+        # a negative dim (-1: dynamic) or an impossible element count is unknown too
+        out.append(dims if all(d >= 0 for d in dims) and _numel(dims) <= MAX_NUMEL else None)
     return tuple(out)
 
 
@@ -150,21 +159,22 @@ def assess(types: list[str], keys: list[tuple[str, str, str, str]], span_us: flo
         ai = flops / unfused if unfused else 0.0
         t_roof_unfused = sum(max(c.bytes / bw, c.flops / fl) for c in costs)
         bw_eff, fl_eff = bw, fl
-        if kernel_us > 0 and t_roof_unfused > kernel_us * 1.05:
+        if kernel_us >= MIN_TIME_US and t_roof_unfused > kernel_us * 1.05:
             # the kernels moved more bytes per us than the assumed peak allows: the peak (or the
             # shapes) are off; bound the fused kernel with what was observed instead
             bw_eff = max(bw, unfused / kernel_us)
             fl_eff = max(fl, flops / kernel_us)
             notes.append(f"measured kernels beat the roofline ({unfused / kernel_us / 1e3:,.0f} GB/s observed): "
                          f"check --peak-bw/--peak-tflops or the shapes; the bound uses the observed rate")
-        t_fused = max(fused / bw_eff, flops / fl_eff, a.launch_us)
+        # nothing runs faster than the profiler can time: the bound never divides by less than that
+        t_fused = max(fused / bw_eff, flops / fl_eff, a.launch_us, MIN_TIME_US)
         row.update(bytes=int(unfused), bytes_fused=int(fused), flops=int(flops),
                    intensity=round(ai, 2), roofline_us=round(t_roof_unfused, 3),
                    fused_min_us=round(t_fused, 3))
     else:
         ai = None
         # no shapes: the only safe bound counts the gaps and launches between kernels
-        t_fused = max(kernel_us, a.launch_us)
+        t_fused = max(kernel_us, a.launch_us, MIN_TIME_US)
         row.update(bytes=None, bytes_fused=None, flops=None, intensity=None, roofline_us=None,
                    fused_min_us=round(t_fused, 3))
         notes.append("no shapes/dtypes: bytes unknown; the bound counts only gaps between kernels")
@@ -177,7 +187,7 @@ def assess(types: list[str], keys: list[tuple[str, str, str, str]], span_us: flo
         verdict = "memory-bound"
     else:
         verdict = "compute-bound"
-    speedup = span_us / t_fused if t_fused > 0 else 1.0
+    speedup = span_us / t_fused
     if speedup < 1.0:
         notes.append("fused lower bound is not below the measured time: no gain predicted")
         speedup = 1.0
