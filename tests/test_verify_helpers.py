@@ -77,6 +77,7 @@ def fake_apply(root: Path, file: str, findings: list[Finding], config: dict | No
             "id": i, "key": f"{f.pattern}@{file}:{f.qualname}#{i}", "pattern": f.pattern, "api": "torch_npu.npu_rms_norm" if f.pattern == "rms_norm" else f"torch_npu.npu_{f.pattern}",
             "file": file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line, "training_ok": True,
             "switch": {"kind": "env", "name": switches[f.line].name}, "shapes": shapes,
+            "params": json.loads(json.dumps(f.params, default=str)),  # as the scan records them (plain JSON)
         })  # fmt: skip
     (sd / "scan.json").write_text(json.dumps({"tool": "npufuse", "root": str(root), "candidates": cands}))
     state = State.load(sd)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from npufuse.patterns.base import Finding
-from npufuse.rewrite import ledger
+from npufuse.rewrite import ledger, nesting
 from npufuse.rewrite.codegen import Switch, env_switch, guard_expression, source_lines
 from npufuse.rewrite.files import FileProblem, SourceFile, backup_path, git_changes, read_source_file, sha256_bytes
 from npufuse.rewrite.transform import SiteEdit, revert_source, rewrite_source
@@ -248,6 +248,13 @@ def _plan_file(scan: Scan, state: State, rel: str, cands: list[dict[str, Any]], 
         src = read_source_file(scan.root, rel)
     except FileProblem as exc:
         raise Refused(str(exc)) from None
+    # before any libcst parse: a file nested deeper than libcst's native parser survives would
+    # kill the process (SIGSEGV); it is skipped, byte for byte as it is
+    too_deep = nesting.problem(src.text)
+    if too_deep:
+        for c in cands:
+            plan.results.append(SiteResult(int(c["id"]), c["pattern"], rel, c.get("qualname", ""), "skipped", f"{rel}: {too_deep}", scan_span=(int(c["line"]), int(c["end_line"]))))
+        return None
     scan_sha = cands[0]["file_sha256"]
     earlier = ledger.applied_in(state, rel)
     prior: list = []
@@ -299,8 +306,9 @@ def _plan_file(scan: Scan, state: State, rel: str, cands: list[dict[str, Any]], 
     try:
         outcome = rewrite_source(base, edits)
     except Exception as exc:  # libcst cannot parse the file: a result for these sites, not a crash
+        why = f"{rel}: {exc}" if isinstance(exc, nesting.TooDeep) else f"libcst cannot parse {rel}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         for c in new:
-            plan.results.append(SiteResult(int(c["id"]), c["pattern"], rel, c.get("qualname", ""), "skipped", f"libcst cannot parse {rel}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+            plan.results.append(SiteResult(int(c["id"]), c["pattern"], rel, c.get("qualname", ""), "skipped", why))
         return None
     reasons = {e.tag: why for e, why in outcome.skipped}
     for p in prior:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from npufuse.rewrite import ledger
+from npufuse.rewrite import ledger, nesting
 from npufuse.rewrite.apply import Refused, SiteResult
 from npufuse.rewrite.codegen import Switch
 from npufuse.rewrite.files import FileProblem, SourceFile, git_changes, read_source_file, sha256_bytes
@@ -81,6 +81,13 @@ def plan_revert(state: State, root: Path, state_dir: Path, ids: list[int] | None
             changes = git_changes(root, src.path)
             if changes:
                 raise Refused(f"{rel} has uncommitted changes (git status: {changes.splitlines()[0].strip()}); commit or stash them first, or pass --force")
+        # before any libcst parse: a file edited to nest deeper than libcst's native parser
+        # survives would kill the process (SIGSEGV); its sites are skipped, the file left as it is
+        too_deep = nesting.problem(src.text)
+        if too_deep:
+            for c in wanted:
+                plan.results.append(_result(c, "skipped", f"{rel}: {too_deep}"))
+            continue
         found = ledger.locate(src.text, everyone)
         go = [c for c in wanted if c.id in found.sites]
         for c in wanted:

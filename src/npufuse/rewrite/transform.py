@@ -26,9 +26,26 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from npufuse.rewrite import nesting
 from npufuse.rewrite.codegen import MARKER, PRELUDE, PRELUDE_MARKER
 
 MARKER_PREFIX = "# npufuse: "
+
+
+def parse_module(text: str) -> cst.Module:
+    """``cst.parse_module`` behind the nesting pre-check: libcst's native parser overflows the C
+    stack (SIGSEGV, nothing to catch) on deeply nested text, so such text raises
+    :class:`nesting.TooDeep` (a ValueError: "nesting too deep for the rewriter: ...") instead.
+    Every libcst parse of user text in npufuse goes through here or :func:`parse_expression`."""
+    nesting.check(text)
+    return cst.parse_module(text)
+
+
+def parse_expression(text: str) -> cst.BaseExpression:
+    """``cst.parse_expression`` behind the same pre-check (guards come from scan.json, which is
+    hand-editable)."""
+    nesting.check(text)
+    return cst.parse_expression(text)
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,7 @@ def _several_statements(node: cst.CSTNode) -> bool:
 def _fused_statements(fused: str) -> list:
     """Parse the fused-branch text. Comments before its first statement land in libcst's module
     header; they are moved onto that statement so they are not lost."""
-    parsed = cst.parse_module(textwrap.dedent(fused).strip("\n") + "\n")
+    parsed = parse_module(textwrap.dedent(fused).strip("\n") + "\n")
     body = list(parsed.body)
     if body and parsed.header:
         body[0] = body[0].with_changes(leading_lines=(*parsed.header, *body[0].leading_lines))
@@ -143,9 +160,14 @@ class _SiteRewriter(cst.CSTTransformer):
             originals[0] = first.with_changes(leading_lines=())
             try:
                 fused_body = _fused_statements(edit.fused)
-                test = cst.parse_expression(edit.guard)
+                test = parse_expression(edit.guard)
             except cst.ParserSyntaxError as exc:
                 self._skip(edit, f"generated code does not parse: {exc.message}")
+                out.extend(upd[i : j + 1])
+                i = j + 1
+                continue
+            except nesting.TooDeep as exc:
+                self._skip(edit, f"generated code: {exc}")
                 out.extend(upd[i : j + 1])
                 i = j + 1
                 continue
@@ -265,8 +287,9 @@ class _MarkedCollector(cst.CSTVisitor):
 
 
 def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) -> RewriteOutcome:
-    """Apply ``edits`` to ``source``; unparseable source raises ``cst.ParserSyntaxError``."""
-    module = cst.parse_module(source)
+    """Apply ``edits`` to ``source``; unparseable source raises ``cst.ParserSyntaxError``, source
+    nesting too deep for libcst :class:`nesting.TooDeep` (nothing parsed, nothing changed)."""
+    module = parse_module(source)
     if module.code != source:
         # libcst cannot reproduce this file byte for byte (e.g. a line holding only a backslash
         # continuation); its positions would be off too. Never rewrite what cannot round-trip.
@@ -291,6 +314,8 @@ def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) 
     # (the prelude holds no marked if), so positions map by order, identity picks ours.
     collector = _MarkedCollector()
     new.visit(collector)
+    # our own output: the checked source plus one guarded block per site (a level or two deeper,
+    # far inside the limit's margin); refusing it here would strand a half-done rewrite
     wrapper = MetadataWrapper(cst.parse_module(outcome.text))
     positions = wrapper.resolve(PositionProvider)
     final = _MarkedCollector()
@@ -339,9 +364,10 @@ class _MarkedFinder(cst.CSTVisitor):
 
 
 def marked_sites(source: str) -> list[MarkedSite]:
-    """Every npufuse-marked if/else in ``source``, in order (qualname as the scan spells it)."""
+    """Every npufuse-marked if/else in ``source``, in order (qualname as the scan spells it).
+    Raises ``cst.ParserSyntaxError`` or :class:`nesting.TooDeep` for a file libcst cannot read."""
     finder = _MarkedFinder()
-    MetadataWrapper(cst.parse_module(source)).visit(finder)
+    MetadataWrapper(parse_module(source)).visit(finder)
     return finder.sites
 
 
@@ -387,8 +413,8 @@ class RevertOutcome:
 
 def revert_source(source: str, lines: set[int] | None = None) -> RevertOutcome:
     """Replace marked ifs (all, or those starting at ``lines``) by their else statements; the
-    prelude goes with the last one."""
-    module = cst.parse_module(source)
+    prelude goes with the last one. Raises like :func:`rewrite_source`."""
+    module = parse_module(source)
     reverter = _Reverter(lines)
     new = MetadataWrapper(module, unsafe_skip_copy=True).visit(reverter)
     outcome = RevertOutcome(text=source)

@@ -8,13 +8,15 @@ file go stale when the user edits the file, the marker comments do not.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import textwrap
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from npufuse.cli import UsageError
 from npufuse.state import STATE_DIR, CandidateState, State
@@ -92,11 +94,138 @@ class Candidate:
         shapes = self.scan.get("shapes") or {}
         return {k: str(v.get("from", "")) for k, v in shapes.items() if isinstance(v, dict)}
 
+    def not_produced(self) -> dict[str, tuple[str, str]]:
+        """Outputs of the target the fused branch is *designed* not to produce: output path
+        (``out[1]``, as :func:`npufuse.verify.inputs.flatten` names it) -> (variable, reason).
+
+        A variable qualifies when the scan recorded it as one the fused API does not produce
+        (``params`` keys of :data:`NOT_PRODUCED_PARAMS`; the rendered replacement's own comment
+        when scan.json no longer holds the candidate) *and* the fused branch in the file really
+        assigns it ``None`` — a branch that computes something there is compared as usual. It
+        maps to an output only where every ``return`` of the target puts that very name at that
+        place: anything else there (another name, an expression) keeps the output compared, so
+        an output that must be produced can never be excused by this."""
+        if self.site is None:
+            return {}
+        wanted = _recorded_not_produced(self.scan.get("params"), self.site.fused_text)
+        if not wanted:
+            return {}
+        wanted = {n: why for n, why in wanted.items() if n in _assigned_none(self.site.fused_text)}
+        if not wanted:
+            return {}
+        try:
+            source = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return {}
+        return {path: (name, wanted[name]) for path, name in returned_names(source, self.qualname, set(wanted)).items()}
+
     def file_sha256(self) -> str:
         try:
             return hashlib.sha256(self.path.read_bytes()).hexdigest()
         except OSError:
             return ""
+
+
+# scan.json ``params`` keys naming a variable the fused API does not produce (the fused branch
+# sets it to None), with the reason verify op reports for it instead of comparing it.
+NOT_PRODUCED_PARAMS = {
+    "returns_probs": "the attention probabilities: npu_fusion_attention does not produce them, so the fused branch "
+                     "returns None in their place (as transformers' sdpa/flash paths do; callers asking for "
+                     "output_attentions get None there)",
+}  # fmt: skip
+# The comment the attention replacement puts on that None assignment (patterns/attention.py):
+# the rendered replacement still says so when scan.json no longer holds the candidate.
+_NOT_MATERIALISED = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*None\s*#\s*the fused op does not materialise the probabilities", re.M)
+
+
+def _recorded_not_produced(params: Any, fused_text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if isinstance(params, dict):
+        for key, why in NOT_PRODUCED_PARAMS.items():
+            names = params.get(key)
+            for name in [names] if isinstance(names, str) else (names if isinstance(names, list) else []):
+                if isinstance(name, str) and name.isidentifier():
+                    out[name] = why
+        return out
+    # no scan facts for this candidate (rescanned after apply): what the replacement itself says
+    return {m.group(1): NOT_PRODUCED_PARAMS["returns_probs"] for m in _NOT_MATERIALISED.finditer(fused_text)}
+
+
+def _assigned_none(fused_text: str) -> set[str]:
+    """Names the fused branch's own statements (not nested functions) set to ``None``."""
+    try:
+        tree = ast.parse(textwrap.dedent(fused_text))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return set()
+    return {t.id for n in _own_nodes(tree.body) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value is None
+            for t in n.targets if isinstance(t, ast.Name)}  # fmt: skip
+
+
+def _own_nodes(body: list[ast.stmt]) -> Iterator[ast.AST]:
+    """Every node of ``body`` outside nested functions, lambdas and classes."""
+    nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+    todo: list[ast.AST] = [n for n in body if not isinstance(n, nested)]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo += [child for child in ast.iter_child_nodes(node) if not isinstance(child, nested)]
+
+
+def _find_function(tree: ast.Module, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The function whose class/function nesting spells ``qualname`` (as the scan names it)."""
+    found = None
+
+    def walk(body: list[ast.stmt], stack: list[str]) -> None:
+        nonlocal found
+        for node in body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                here = [*stack, node.name]
+                if found is None and not isinstance(node, ast.ClassDef) and ".".join(here) == qualname:
+                    found = node
+                walk(node.body, here)
+            else:  # a def under if/for/with/try/match keeps the enclosing qualname
+                for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+                    for part in getattr(node, name, None) or []:
+                        # except handlers and match cases are no statements: their bodies are
+                        walk([part] if isinstance(part, ast.stmt) else list(getattr(part, "body", [])), stack)
+
+    walk(tree.body, [])
+    return found
+
+
+def _returned_places(node: ast.expr, prefix: str) -> Iterator[tuple[str, ast.expr]]:
+    """(output path, expression) of a returned value, paths as ``inputs.flatten`` names them."""
+    if isinstance(node, (ast.Tuple, ast.List)):
+        for i, elt in enumerate(node.elts):
+            if isinstance(elt, ast.Starred):
+                return  # the places after it depend on the run
+            yield from _returned_places(elt, f"{prefix}[{i}]")
+    elif isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+        for k, v in zip(node.keys, node.values):
+            assert isinstance(k, ast.Constant)
+            yield from _returned_places(v, f"{prefix}[{k.value!r}]")
+    else:
+        yield prefix, node
+
+
+def returned_names(source: str, qualname: str, names: set[str]) -> dict[str, str]:
+    """Output path -> name, for the places where every ``return`` of ``qualname`` in ``source``
+    that fills the place puts one of ``names`` there (a literal ``None`` fills no place)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return {}
+    fn = _find_function(tree, qualname)
+    if fn is None:
+        return {}
+    at: dict[str, set[str | None]] = {}
+    for node in _own_nodes(fn.body):
+        if isinstance(node, ast.Return) and node.value is not None:
+            for path, expr in _returned_places(node.value, "out"):
+                if isinstance(expr, ast.Constant) and expr.value is None:
+                    continue
+                at.setdefault(path, set()).add(expr.id if isinstance(expr, ast.Name) else None)
+    return {path: next(iter(seen)) for path, seen in at.items() if len(seen) == 1 and next(iter(seen)) in names}  # type: ignore[misc]
 
 
 def _scan_candidates(state_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -185,8 +314,12 @@ def locate_site(cand: Candidate) -> Site:
         source = cand.path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{cand.path}: cannot read ({exc})") from None
+    from npufuse.rewrite.nesting import TooDeep
+
     try:
         sites = [s for s in marked_sites(source) if s.pattern == cand.pattern]
+    except TooDeep as exc:  # refused before libcst could overflow the C stack on it
+        raise UsageError(f"{cand.path}: {exc}") from None
     except Exception as exc:  # libcst parse error: the user broke the file after apply
         raise UsageError(f"{cand.path}: does not parse ({type(exc).__name__}); fix the file first") from None
     if not sites:

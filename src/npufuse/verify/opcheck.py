@@ -42,6 +42,13 @@ Per tensor (outputs, input grads, parameter grads), fused vs golden:
   ``factor`` defaults to 2.0 (``--factor``). Rows that are zero up to rounding (golden RMS and
   fused error both below the seed's 1e-4: a gradient that cancels exactly, such as a key bias
   through softmax) carry no relative information and are held to that absolute tolerance alone;
+* outputs the fused API does not produce by design — the attention probabilities an eager
+  ``return attn_output, attn_weights`` hands back, which the fused branch sets to ``None``
+  (:meth:`Candidate.not_produced`: recorded by the scan, assigned ``None`` in the fused branch,
+  at the same place of every ``return``) — are reported as "not compared: <reason>" instead of
+  failing, and carry no cotangent in any run, so the gradients compared are those through the
+  outputs the branch does produce. ``None`` anywhere else, or anything but ``None`` there, is
+  compared as usual (and fails when it differs);
 * finiteness (a NaN/Inf the golden does not have fails), same shape, same dtype as the original
   (DESIGN rule 2; the numbers are still reported), as many output tensors as the original (a
   fused op's result tuple returned without its ``[0]`` is named as such), a gradient wherever
@@ -203,7 +210,8 @@ class Switcher:
             self.module.torch_npu = self.npu_module
 
 
-def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, device: str, seed: int, cotangent_seed: int, counter: SiteCounter, do_backward: bool, trace: LineTrace | None = None) -> RunResult:
+def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, device: str, seed: int, cotangent_seed: int, counter: SiteCounter, do_backward: bool, trace: LineTrace | None = None,
+         no_cotangent: frozenset[str] = frozenset()) -> RunResult:  # fmt: skip
     args, kwargs, instance = inp.clone_inputs(inputs, dtype)
     if device != "cpu":
         args, kwargs = _to(args, device), _to(kwargs, device)
@@ -222,7 +230,9 @@ def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, 
         out = target.fn(*call_args, **kwargs)
     outs = _flatten(out)
     result = RunResult(outs, {})
-    diff = [(n, o) for n, o in outs if o.is_floating_point() and o.requires_grad]
+    # outputs the fused branch is designed not to produce carry no cotangent in any run: the
+    # gradients compared are those through the outputs it does produce
+    diff = [(n, o) for n, o in outs if o.is_floating_point() and o.requires_grad and n not in no_cotangent]
     if do_backward and diff:
         gen = torch.Generator().manual_seed(cotangent_seed)
         # rounded to the low precision first: the golden must see the very cotangent the
@@ -410,6 +420,9 @@ class OpReport:
     backward: str  # "checked" | "skipped: ..."
     jsonl: str = ""
     notes: list[str] = field(default_factory=list)
+    # outputs the fused branch is designed not to produce (attention probabilities) and returned
+    # as None: "<output> (<variable>): not compared: <reason>"
+    not_compared: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         worst = max((c for c in self.checks if c.max_rel is not None), key=lambda c: c.max_rel or 0, default=None)
@@ -428,6 +441,7 @@ class OpReport:
             "rel_rule": "per row vs the golden: rms_row(err_f) <= factor*max(rms_row(err_o), rms(err_o)) + ulp/2 and every err_f <= factor*max(err_o) + ulp",
             "backward": self.backward,
             "notes": self.notes,
+            "not_compared": self.not_compared,
             "inputs": self.inputs,
             "calls": self.calls,
             "tensors": len(self.checks),
@@ -471,15 +485,19 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     assert cand.site is not None
     # a plain-torch replacement (the affinity rewrites) is proven by its own lines running
     trace = LineTrace(str(cand.path), cand.site.fused_lines) if cand.plain_torch and cand.site.fused_lines else None
+    # outputs the fused API does not produce by design (attention probabilities: the branch
+    # returns None there); known before any run, so that no run backpropagates through them
+    unproduced = cand.not_produced()
+    skip = frozenset(unproduced)
     switch.set(False)
     try:
         try:
-            golden = _run(target, inputs, golden_dtype, device, seed, cot, counter, True, trace)
+            golden = _run(target, inputs, golden_dtype, device, seed, cot, counter, True, trace, skip)
         except Exception:
             if golden_dtype != torch.float64 or inputs.dtype == torch.float64:
                 raise
-            golden = _run(target, inputs, torch.float32, device, seed, cot, counter, True, trace)  # code that will not run in float64
-        orig = _run(target, inputs, None, device, seed, cot, counter, True, trace)
+            golden = _run(target, inputs, torch.float32, device, seed, cot, counter, True, trace, skip)  # code that will not run in float64
+        orig = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip)
     except UsageError:
         raise
     except SystemExit as exc:  # the "function" is a script's main(): argparse, sys.exit
@@ -490,7 +508,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     off_calls = golden.site_calls + orig.site_calls
     switch.set(True)
     try:
-        fused = _run(target, inputs, None, device, seed, cot, counter, True, trace)
+        fused = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip)
     except (Exception, SystemExit) as exc:
         fused = None
         reasons.append(f"the fused branch raised {type(exc).__name__}: {exc}")
@@ -503,10 +521,11 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     if fused is not None:
         try:
             with torch.no_grad():
-                inference = _run(target, inputs, None, device, seed, cot, counter, False, trace)
+                inference = _run(target, inputs, None, device, seed, cot, counter, False, trace, skip)
         except (Exception, SystemExit) as exc:
             reasons.append(f"the fused branch raised {type(exc).__name__} under torch.no_grad() (the inference path): {exc}")
     checks: list[TensorCheck] = []
+    not_compared: list[str] = []
     backward = "checked"
     differentiable = bool(golden.grads) and any(g is not None for g in golden.grads.values())
     backward_ok = differentiable
@@ -528,15 +547,19 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
                 apis = ", ".join(cand.apis) or "torch_npu"
                 reasons.append(f"fused branch never executed: no {apis} call from {cand.file}:{cand.site.line}-{cand.site.end_line} with the switch on (guard: {guard})")
         rowwise = cand.pattern in ROWWISE_PATTERNS
-        structure = _structure_problem(orig.outputs, fused.outputs)
+        gold_outs, orig_outs, excused = _excuse_unproduced(golden.outputs, orig.outputs, fused.outputs, unproduced)
+        not_compared += excused
+        structure = _structure_problem(orig_outs, fused.outputs)
         if structure:
             reasons.append(structure)
-        checks += _compare_outputs(golden.outputs, orig.outputs, fused.outputs, opts.factor, rowwise)
+        checks += _compare_outputs(gold_outs, orig_outs, fused.outputs, opts.factor, rowwise)
         if inference is not None and not _same_values(fused.outputs, inference.outputs):
-            structure = _structure_problem(orig.outputs, inference.outputs)
+            gold_outs, orig_outs, excused = _excuse_unproduced(golden.outputs, orig.outputs, inference.outputs, unproduced)
+            not_compared += [f"{e} (under torch.no_grad())" for e in excused if e not in not_compared]
+            structure = _structure_problem(orig_outs, inference.outputs)
             if structure:
                 reasons.append(f"under torch.no_grad() (the inference path) {structure}")
-            checks += _compare_outputs(golden.outputs, orig.outputs, inference.outputs, opts.factor, rowwise, " (no_grad)")
+            checks += _compare_outputs(gold_outs, orig_outs, inference.outputs, opts.factor, rowwise, " (no_grad)")
         if differentiable and backward_ok:
             if fused.backward_error:
                 reasons.append(f"the fused backward raised {fused.backward_error} (the candidate is marked training-safe)")
@@ -561,15 +584,32 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
         notes.append(f"the original itself misses the seed criterion against the golden for {', '.join(relative[:4])}"
                      f"{' …' if len(relative) > 4 else ''} (discrete decisions such as top-k routing flip at "
                      f"{str(inputs.dtype).replace('torch.', '')}): those are judged by cosine distance relative to the original")  # fmt: skip
-    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=notes)
+    if skip and backward == "checked":
+        backward = f"checked (through the outputs the fused branch produces; not through {', '.join(sorted(skip))})"
+    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=notes, not_compared=not_compared)
+
+
+def _excuse_unproduced(golden: list[tuple[str, torch.Tensor]], orig: list[tuple[str, torch.Tensor]], fused: list[tuple[str, torch.Tensor]],
+                       unproduced: dict[str, tuple[str, str]]) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], list[str]]:  # fmt: skip
+    """Golden and original outputs without those the fused branch is designed not to produce and
+    indeed returns as None, plus a "not compared: <reason>" line for each. An output it does
+    produce there (a tensor) stays and is compared like any other."""
+    have = {n for n, _ in fused}
+    gone = {n for n, _ in orig if n in unproduced and n not in have}
+    excused = [f"{n} (`{unproduced[n][0]}`): not compared: {unproduced[n][1]}" for n, _ in orig if n in gone]
+    return [x for x in golden if x[0] not in gone], [x for x in orig if x[0] not in gone], excused
 
 
 def _structure_problem(orig: list[tuple[str, torch.Tensor]], fused: list[tuple[str, torch.Tensor]]) -> str | None:
-    if len(fused) == len(orig):
-        return None
-
     def names(outs: list[tuple[str, torch.Tensor]]) -> str:
         return ", ".join(n for n, _ in outs[:4]) + (" …" if len(outs) > 4 else "")
+
+    if [n for n, _ in fused] == [n for n, _ in orig]:
+        return None
+    if len(fused) == len(orig):
+        # outputs are compared place by place: a None moved to another place of the result
+        # would pair unrelated tensors
+        return f"the fused branch returns its tensors at other places ({names(fused)}) than the original ({names(orig)})"
 
     msg = f"the fused branch returns {len(fused)} tensors ({names(fused)}), the original {len(orig)} ({names(orig)})"
     if len(orig) == 1 and orig[0][0] == "out" and len(fused) > 1:
@@ -696,6 +736,7 @@ def verify_op(cand: Candidate, opts: OpOptions, progress: Any = None) -> OpRepor
                 if evidence["min_cosine"] is not None and worst is not None
                 else f"op check passed ({report.backend}); backward {report.backward}"
             )
+            entry.reasons += report.not_compared  # shown with the verdict (status, report html)
         else:
             entry.verdict = "do not replace: accuracy"
             entry.reasons = [f"op check failed ({report.backend}): {r}" for r in report.reasons]
