@@ -49,7 +49,10 @@ def _available_verbs() -> dict[str, tuple[str, str]]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``verb``, only that verb's module is imported (its arguments added) and
+    the others are listed by their help line alone: an ``npufuse scan`` that hits the warm cache
+    must not pay for importing the verify, rewrite and emulate modules."""
     parser = argparse.ArgumentParser(
         prog="npufuse",
         description="Find hand-written PyTorch that Ascend NPUs run faster as one torch_npu fused "
@@ -57,17 +60,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"npufuse {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    for verb, (module, help_text) in _available_verbs().items():
-        verb_parser = sub.add_parser(verb, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(verb_parser)
-        verb_parser.set_defaults(_module=mod)
+    for name, (module, help_text) in _available_verbs().items():
+        verb_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if verb is None or name == verb:
+            mod = importlib.import_module(module)
+            mod.add_arguments(verb_parser)
+            verb_parser.set_defaults(_module=mod)
     return parser
+
+
+def _chosen_verb(argv: list[str]) -> str | None:
+    """The verb argparse will pick: the first argument that is not an option (global options
+    take no value), if it names a verb."""
+    for arg in argv:
+        if arg == "--":
+            return None
+        if not arg.startswith("-"):
+            return arg if arg in VERBS else None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(_chosen_verb(argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
