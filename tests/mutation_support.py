@@ -91,6 +91,9 @@ EXAMPLES = [
     Example("attention", "bert_padding_mask"),
     Example("attention", "gpt2_bottom_right_causal_kv_cache"),
     Example("attention", "einsum_cross_attention_triu_top_left"),
+    # eager attention returning its probabilities (verify op excuses that output: not produced)
+    Example("attention", "hf_llama_eager_gqa"),  # fp32 inputs: the sweep adds fp16/bf16
+    Example("attention", "gpt_neo_fp32_qk_bottom_right_plus_padding"),
     Example("sdpa", "timm_fused_attn"),
     Example("sdpa", "gqa_causal_sq_ne_skv"),
     Example("sdpa", "bool_key_padding_mask"),
@@ -108,6 +111,7 @@ EXAMPLES = [
 EXAMPLE = {e.name: e for e in EXAMPLES}
 
 _HALF = "[..., : {t}.shape[-1] // 2]"
+_PROBS_LINE = "attn_weights = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)"
 
 MUTANTS = [
     # rms_norm
@@ -143,6 +147,12 @@ MUTANTS = [
     M("attention", "wrong sparse_mode (2 for 3, Sq<Skv)", "gpt2_bottom_right_causal_kv_cache", ("sparse_mode=3", "sparse_mode=2")),
     M("attention", "wrong sparse_mode (3 for 2, Sq<Skv)", "einsum_cross_attention_triu_top_left", ("sparse_mode=2", "sparse_mode=3")),
     M("attention", "causal sparse_mode without mask", "einsum_cross_attention_triu_top_left", ("atten_mask=_npufuse_masks[q.device],", "atten_mask=None,")),
+    # attention returning its probabilities (tests/test_verify_not_produced.py): excusing out[1]
+    # must not excuse a wrong out[0], a wrong tensor in out[1]'s place, or a missing out[0]
+    M("attention", "missing scale", "hf_llama_eager_gqa", ("scale=scaling", "scale=1.0"), expect="out[0]:"),
+    M("attention", "inverted mask", "hf_llama_eager_gqa", ("] < 0) if attention_mask", "] >= 0) if attention_mask"), expect="out[0]:"),
+    M("attention", "zeros for the probabilities", "hf_llama_eager_gqa", (_PROBS_LINE, "attn_weights = torch.zeros(query.shape[:-1] + (key.shape[-2],), dtype=query.dtype)"), expect="out[1]:"),
+    M("attention", "None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None\n_npufuse_unused = torch_npu.npu_fusion_attention("), expect="the fused branch returns 0 tensors"),
     # sdpa
     M("sdpa", "missing scale", "timm_fused_attn", ("scale=q.shape[-1] ** -0.5", "scale=1.0")),
     M("sdpa", "wrong sparse_mode (3 for 2, Sq<Skv)", "gqa_causal_sq_ne_skv", ("sparse_mode=2", "sparse_mode=3")),

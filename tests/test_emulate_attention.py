@@ -11,6 +11,8 @@ import torch
 
 from npufuse import emulate
 from npufuse.emulate.attention import (
+    _attend,
+    _MaskedSoftmax,
     npu_fused_infer_attention_score as fia,
     npu_fusion_attention as fa,
     npu_incre_flash_attention as ifa,
@@ -383,6 +385,110 @@ def test_backward_with_fully_masked_rows_is_finite():
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     assert torch.all(q.grad[:, :, :4] == 0)  # rows 0..3 see no key
+
+
+# ------------------------------------------------- the softmax step's own backward (_MaskedSoftmax)
+
+
+def _keep_with_empty_rows(b, sq, skv):
+    """Random keep-matrix [b, 1, sq, skv]; row 1 of batch 0 and row 3 of the last batch attend nothing."""
+    gen = torch.Generator().manual_seed(7)
+    keep = torch.rand(b, 1, sq, skv, generator=gen) > 0.35
+    keep[..., 0, 0] = True  # at least one live entry per batch
+    keep[0, 0, 1] = False
+    keep[-1, 0, 3] = False
+    return keep
+
+
+def _masked_softmax(s, keep, sink):
+    sink4 = None if sink is None else sink.view(1, -1, 1, 1)
+    p, _, _ = _MaskedSoftmax.apply(s.masked_fill(~keep, float("-inf")), sink4)
+    return p
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_masked_softmax_gradcheck_float64(with_sink):
+    keep = _keep_with_empty_rows(2, 5, 7)
+    s = (torch.randn(2, 3, 5, 7, dtype=torch.float64) * 2).requires_grad_()
+    sink = torch.randn(3, dtype=torch.float64, requires_grad=True) if with_sink else None
+    inputs = (s, sink) if with_sink else (s,)
+    assert torch.autograd.gradcheck(lambda *a: _masked_softmax(a[0], keep, a[1] if with_sink else None), inputs)
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_masked_softmax_matches_torch_softmax_and_its_gradients(with_sink):
+    """Against torch.softmax over [logits, sink] in float64 (NaN rows -> 0): values and both gradients."""
+    keep = _keep_with_empty_rows(2, 5, 7)
+    s0 = torch.randn(2, 3, 5, 7, dtype=torch.float64) * 2
+    sink0 = torch.randn(3, dtype=torch.float64)
+    dp = torch.randn(2, 3, 5, 7, dtype=torch.float64)
+    s, sink = s0.clone().requires_grad_(), sink0.clone().requires_grad_()
+    got = _masked_softmax(s, keep, sink if with_sink else None)
+    got.backward(dp)
+    rs, rsink = s0.clone().requires_grad_(), sink0.clone().requires_grad_()
+    logits = rs.masked_fill(~keep, float("-inf"))
+    if with_sink:
+        logits = torch.cat([logits, rsink.view(1, 3, 1, 1).expand(2, 3, 5, 1)], dim=-1)
+    want = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)[..., :7]
+    want.backward(dp)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(s.grad, torch.nan_to_num(rs.grad, nan=0.0), rtol=1e-10, atol=1e-12)
+    assert torch.all(s.grad[~keep.expand_as(s)] == 0)
+    if with_sink:
+        torch.testing.assert_close(sink.grad, rsink.grad, rtol=1e-10, atol=1e-12)
+        # the documented form: d sink = -sum over rows of p_sink * sum_j P * dP
+        p = got.detach()
+        p_sink = 1 - p.sum(-1)
+        torch.testing.assert_close(sink.grad, -(p_sink * (p * dp).sum(-1)).sum(dim=(0, 2)), rtol=1e-10, atol=1e-12)
+    else:
+        assert sink.grad is None
+
+
+def test_masked_softmax_fully_masked_rows():
+    """No sink: P and dS are 0 on a row with no key. With a sink that row is all sink (p_sink = 1),
+    P stays 0 and the row adds nothing to the sink's gradient (sum_j P * dP = 0)."""
+    s = torch.full((1, 2, 1, 4), float("-inf"), requires_grad=True)
+    p, m, denom = _MaskedSoftmax.apply(s, None)
+    assert torch.equal(p, torch.zeros_like(p)) and torch.isneginf(m).all()
+    assert torch.equal(denom, torch.zeros_like(denom))
+    p.backward(torch.randn_like(p))
+    assert torch.equal(s.grad, torch.zeros_like(s))
+    sink = torch.tensor([0.5, -1.0], requires_grad=True)
+    s = torch.full((1, 2, 1, 4), float("-inf"), requires_grad=True)
+    p, m, denom = _MaskedSoftmax.apply(s, sink.view(1, -1, 1, 1))
+    assert torch.equal(p, torch.zeros_like(p)) and torch.equal(m.flatten(), sink.detach()) and torch.all(denom == 1)
+    p.backward(torch.randn_like(p))
+    assert torch.equal(s.grad, torch.zeros_like(s)) and torch.equal(sink.grad, torch.zeros(2))
+
+
+def test_masked_softmax_statistics_are_constants_and_double_backward_is_refused():
+    s = torch.randn(1, 1, 3, 4, requires_grad=True)
+    p, m, denom = _MaskedSoftmax.apply(s, None)
+    assert p.requires_grad and not m.requires_grad and not denom.requires_grad
+    (g,) = torch.autograd.grad(p, s, torch.randn_like(p), create_graph=True)
+    with pytest.raises(RuntimeError):  # once_differentiable: the fused kernels have no double backward either
+        g.sum().backward()
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_attend_gradcheck_float64(drop):
+    """The whole core (GQA, pse, sink, masks with fully masked rows, dropout) in float64."""
+    q, k, v = qkv(b=2, nq=4, nkv=2, sq=5, skv=7, d=3, dv=2, dtype=torch.float64)
+    pse = torch.randn(1, 4, 5, 7, dtype=torch.float64)
+    sink = torch.randn(4, dtype=torch.float64)
+    keep = _keep_with_empty_rows(2, 5, 7)
+    drop_keep = (torch.rand(2, 4, 5, 7) > 0.25) if drop else None
+    keep_prob = 0.75 if drop else 1.0
+    leaves = tuple(t.clone().requires_grad_() for t in (q, k, v, pse, sink))
+
+    def core(q_, k_, v_, pse_, sink_):
+        opts = dict(scale=0.4, keep=keep, drop_keep=drop_keep, keep_prob=keep_prob)
+        return _attend(q_, k_, v_, pse=pse_, sink=sink_, **opts)[0]
+
+    assert torch.autograd.gradcheck(core, leaves)
+    out = core(*leaves)
+    want = ref_attention(q, k, v, scale=0.4, keep=keep, pse=pse, sink=sink, drop=drop_keep, keep_prob=keep_prob)
+    torch.testing.assert_close(out, want)
 
 
 def _raises(exc, arg, fn, *args, **kwargs):

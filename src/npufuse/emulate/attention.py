@@ -299,6 +299,62 @@ def _build_keep(
 # the core
 
 
+class _MaskedSoftmax(torch.autograd.Function):
+    """Row softmax of masked logits (-inf = masked), with an optional per-head sink column.
+
+    ``forward(s, sink4)`` -> ``(P, row_max, row_sum)``: ``m = max(max_j S, sink)`` (the max of
+    an all -inf row without sink is -inf and is shifted by 0 instead), ``P = exp(S - m) / denom``
+    with ``denom = sum_j exp(S - m) [+ exp(sink - m)]``; a row with ``denom == 0`` (fully masked,
+    no sink) keeps P = 0 (the "zero the NaN rows" convention, without producing NaNs).
+
+    The backward is the standard softmax backward ``dS = P * (dP - sum_j P * dP)`` (torch's
+    softmax, FlashAttention and the NPU kernels): differentiating exp / sum / divide one by one
+    instead rounds far worse in fp32 where a row of grad q/k cancels (up to ~200x the error of
+    torch's softmax backward on the HF eager attention examples, so ``verify op`` flagged their
+    correct rewrites at fp32: tests/test_verify_mutations_registry.py). The sink column
+    is a logit of the same softmax whose probability is dropped, so its gradient is
+    ``-p_sink * sum_j P * dP``, summed over every row of that head.
+
+    Only first order (``once_differentiable``): the real fused kernels have no double backward
+    either, and the saved sink probability is not an output the graph could differentiate.
+    """
+
+    @staticmethod
+    def forward(ctx, s: torch.Tensor, sink4: torch.Tensor | None):  # type: ignore[override]
+        if s.shape[-1] == 0:
+            m = s.new_full(s.shape[:-1] + (1,), float("-inf"))
+        else:
+            m = s.amax(dim=-1, keepdim=True)
+        if sink4 is not None:
+            m = torch.maximum(m, sink4)
+        # softmax is shift-invariant: any finite shift is exact math; -inf rows shift by 0 (no NaN)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m_safe)
+        denom = p.sum(dim=-1, keepdim=True)
+        e_sink = None
+        if sink4 is not None:
+            e_sink = torch.exp(sink4 - m_safe)
+            denom = denom + e_sink
+        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+        p = p / safe
+        p_sink = None if e_sink is None else e_sink / safe
+        ctx.mark_non_differentiable(m, denom)
+        ctx.save_for_backward(p, p_sink)
+        return p, m, denom
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dp: torch.Tensor, _dm: torch.Tensor, _ddenom: torch.Tensor):  # type: ignore[override]
+        p, p_sink = ctx.saved_tensors
+        dot = (p * dp).sum(dim=-1, keepdim=True)
+        ds = p * (dp - dot) if ctx.needs_input_grad[0] else None
+        dsink = None
+        if p_sink is not None and ctx.needs_input_grad[1]:
+            # sink4 is [1, N, 1, 1], broadcast over batch and rows
+            dsink = -(p_sink * dot).sum(dim=(0, 2, 3), keepdim=True)
+        return ds, dsink
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -321,6 +377,8 @@ def _attend(
     row_max/row_sum then include the sink (so ``row_max + log(row_sum)`` is the true log
     normaliser). Fully masked rows give row_max -inf, row_sum 0 and a zero output row.
     Dropout multiplies the normalised P by ``drop_keep / keep_prob`` after the statistics.
+    The softmax step is :class:`_MaskedSoftmax` (standard softmax backward; row_max/row_sum
+    are not differentiable).
     """
     group = q.shape[1] // k.shape[1]
     if group > 1:
@@ -335,26 +393,12 @@ def _attend(
         s = s * scale + pse
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
-    if s.shape[-1] == 0:
-        m = s.new_full(s.shape[:-1] + (1,), float("-inf"))
-    else:
-        m = s.amax(dim=-1, keepdim=True)
     sink4 = None if sink is None else sink.view(1, -1, 1, 1)
-    if sink4 is not None:
-        m = torch.maximum(m, sink4)
-    # softmax is shift-invariant: the max needs no gradient (and -inf rows must not produce NaN)
-    m = m.detach()
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m_safe)
-    denom = p.sum(dim=-1, keepdim=True)
-    if sink4 is not None:
-        denom = denom + torch.exp(sink4 - m_safe)
-    # fully masked rows: denom 0 -> P stays 0 (the "zero the NaN rows" convention, without NaNs)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    p, m, denom = _MaskedSoftmax.apply(s, sink4)
     if drop_keep is not None:
         p = p * drop_keep.to(p.dtype) / keep_prob
     out = p @ v
-    return out, m.squeeze(-1), denom.detach().squeeze(-1)
+    return out, m.squeeze(-1), denom.squeeze(-1)
 
 
 # --------------------------------------------------------------------------------------------
