@@ -20,6 +20,7 @@ import random
 import re
 import sys
 from pathlib import Path
+from typing import Any, Iterable, Iterator, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -27,12 +28,21 @@ CORPUS = HERE / ".data" / "transformers"
 
 # Tell-tale tokens per pattern (all must match the function's source). Deliberately loose:
 # they collect the functions a careful reader would look at, not findings.
+# rms_norm also takes L2-norm spellings; swiglu any activation call in a product (ACT2FN's act_fn,
+# act, activation...) or silu next to a product; geglu any mention of gelu beside a product (the
+# hand-written tanh formula included); rope a cos product with a sin anywhere, besides the
+# rotate_half / complex spellings. Widened for bench/corpus_audit.py so the recall pool does not
+# only hold the spellings the detectors already know.
+_NORM2 = r"torch\.norm\(|\.norm\(\s*(?:p\s*=\s*)?2|vector_norm\("
+_ACT = r"(?:silu|swish|sigmoid|act_fn|act|activation|activation_fn|act_layer|nonlinearity|gelu\w*)"
+_CALL = r"\([^()\n]*(?:\([^()\n]*(?:\([^()\n]*\))?[^()\n]*\))?[^()\n]*\)"
+_MUL = r"[\w)\]]\s*\*\s*[\w(]"  # a product, not ``**kwargs`` or ``x ** 2``
 SUSPECTS: dict[str, list[str]] = {
-    "rms_norm": [r"rsqrt|/\s*torch\.sqrt|\.sqrt\(\)", r"\.mean\(|\.pow\(2\)|\*\*\s*2|torch\.square"],
+    "rms_norm": [r"rsqrt|torch\.sqrt\(|\.sqrt\(\)|" + _NORM2, r"\.mean\(|\.pow\(2\)|\*\*\s*2|torch\.square|" + _NORM2],
     "add_rms_norm": [r"residual\s*\+|\+\s*residual", r"norm\("],
-    "swiglu": [r"(?:silu|SiLU\(\)|act_fn|act|sigmoid)\([^()]*(?:\([^()]*\))?[^()]*\)\s*\*|\*\s*(?:F\.|nn\.functional\.)?(?:silu|act_fn)\("],
-    "geglu": [r"gelu\([^()]*(?:\([^()]*\))?[^()]*\)\s*\*|\*\s*(?:F\.|nn\.functional\.)?gelu\("],
-    "rope": [r"rotate_half\(|rotate_every_two\(|view_as_complex\(", r"\bsin\b|freqs"],
+    "swiglu": [_ACT + _CALL + r"\s*\*|\*\s*(?:[\w.]*\.)?" + _ACT + r"\(|silu\w*\(.*\*|\*.*silu\w*\("],
+    "geglu": [r"gelu", _MUL],
+    "rope": [r"rotate_half\(|rotate_every_two\(|view_as_complex\(|\*\s*\w*cos\w*\b|\b\w*cos\w*(?:\[[^\]]*\])?\s*\*", r"sin"],
     "attention": [r"softmax", r"matmul|@|bmm|einsum"],
     "sdpa": [r"scaled_dot_product_attention"],
     "moe_experts": [r"expert", r"for\s+\w+.*\bin\b"],
@@ -40,9 +50,21 @@ SUSPECTS: dict[str, list[str]] = {
     "affinity_index_put": [r"\[[^\]\n]*mask[^\]\n]*\]\s*=(?!=)"],
     "affinity_where": [r"torch\.where\([^,()]+,"],
 }
+_SUSPECT_RX: dict[str, list[re.Pattern[str]]] = {}
 
 
-def _functions(root: Path, files: list[str]):
+class Function(NamedTuple):
+    """One function of the corpus, named as the scanner names scopes (``Class.method``, ``outer.inner``)."""
+
+    file: str
+    qualname: str
+    line: int  # the ``def`` line
+    end_line: int
+    text: str  # its lines, comments stripped
+
+
+def functions(root: Path, files: list[str]) -> Iterator[Function]:
+    """Every function and method in ``files`` (relative to ``root``); unreadable files are skipped."""
     for rel in files:
         try:
             src = (root / rel).read_text(encoding="utf-8")
@@ -57,10 +79,31 @@ def _functions(root: Path, files: list[str]):
                 stack += [(n, f"{prefix}{node.name}.") for n in node.body]
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 qual = f"{prefix}{node.name}"
+                end = node.end_lineno or node.lineno
                 # the function's own lines, without nested definitions' docstrings mattering much
-                text = "\n".join(ln.split("#", 1)[0] for ln in lines[node.lineno - 1 : node.end_lineno])
-                yield rel, qual, node.lineno, text
+                text = "\n".join(ln.split("#", 1)[0] for ln in lines[node.lineno - 1 : end])
+                yield Function(rel, qual, node.lineno, end, text)
                 stack += [(n, f"{qual}.") for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+
+
+def is_suspect(pattern: str, text: str) -> bool:
+    """Whether a function's text has all of ``pattern``'s tell-tale tokens (False: no tokens defined)."""
+    rxs = _SUSPECT_RX.get(pattern)
+    if rxs is None:
+        rxs = _SUSPECT_RX[pattern] = [re.compile(r) for r in SUSPECTS.get(pattern, [])]
+    return bool(rxs) and all(r.search(text) for r in rxs)
+
+
+def unflagged_suspects(funcs: Iterable[Function], pattern: str, scan: dict[str, Any]) -> list[Function]:
+    """Suspect functions of ``pattern`` holding no candidate and no near miss of it.
+
+    "Holding" is by line: a finding whose first line lies inside the function's span (so an
+    outer function holding a flagged nested one is not a suspect either)."""
+    starts: dict[str, list[int]] = {}
+    for f in list(scan["candidates"]) + list(scan["near_misses"]):
+        if f["pattern"] == pattern:
+            starts.setdefault(f["file"], []).append(f["line"])
+    return [fn for fn in funcs if is_suspect(pattern, fn.text) and not any(fn.line <= ln <= fn.end_line for ln in starts.get(fn.file, ()))]
 
 
 def _row(cells: list[str]) -> str:
@@ -100,11 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         out += ["## Problems", "", "| file | kind | error |", "|---|---|---|"]
         out += [_row([f["file"], f["kind"], f["error"]]) for f in scan["files_failed"]]
         out.append("")
-    flagged: dict[str, set[tuple[str, str]]] = {pid: set() for pid in ids}
     for pid in ids:
         cands = [c for c in scan["candidates"] if c["pattern"] == pid]
         near = [m for m in scan["near_misses"] if m["pattern"] == pid]
-        flagged[pid] = {(c["file"], c["qualname"]) for c in cands} | {(m["file"], m["qualname"]) for m in near}
         if args.sample:
             cands = sorted(rnd.sample(cands, min(args.sample, len(cands))), key=lambda c: c["id"])
             near = sorted(rnd.sample(near, min(args.sample, len(near))), key=lambda m: (m["file"], m["line"]))
@@ -116,12 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.suspects:
         walked = walk(corpus)
         out += ["## Unflagged suspects (recall check)", ""]
-        funcs = list(_functions(walked.root, walked.files))
+        funcs = list(functions(walked.root, walked.files))
         for pid in ids:
-            rxs = [re.compile(r) for r in SUSPECTS.get(pid, [])]
-            if not rxs:
+            if not SUSPECTS.get(pid):
                 continue
-            hits = [(rel, q, ln) for rel, q, ln, text in funcs if all(r.search(text) for r in rxs) and (rel, q) not in flagged[pid]]
+            hits = [(fn.file, fn.qualname, fn.line) for fn in unflagged_suspects(funcs, pid, scan)]
             out += [f"### {pid}: {len(hits)} functions", "", "| file:line | qualname |", "|---|---|"]
             shown = hits if not args.sample else sorted(rnd.sample(hits, min(args.sample, len(hits))))
             out += [_row([f"{rel}:{ln}", q]) for rel, q, ln in shown]
