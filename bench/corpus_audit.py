@@ -53,9 +53,26 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
-sys.path.insert(0, str(HERE))
 
-from corpus_findings import CORPUS, SUSPECTS, Function, functions, is_suspect, unflagged_suspects  # noqa: E402
+
+def _load_sibling(name: str):
+    """Import bench/<name>.py by path, never by putting bench/ on sys.path: bench/profile.py
+    would shadow the standard library's ``profile`` module for the whole process."""
+    import importlib.util
+
+    module_name = f"npufuse_bench_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+_cf = _load_sibling("corpus_findings")
+CORPUS, SUSPECTS, Function, functions, is_suspect, unflagged_suspects = (
+    _cf.CORPUS, _cf.SUSPECTS, _cf.Function, _cf.functions, _cf.is_suspect, _cf.unflagged_suspects)
 
 AUDIT_DIR = HERE / "audit"
 CACHE_DIR = HERE / ".data" / "audit_cache"

@@ -46,9 +46,13 @@ SUSPECTS: dict[str, list[str]] = {
     "attention": [r"softmax", r"matmul|@|bmm|einsum"],
     "sdpa": [r"scaled_dot_product_attention"],
     "moe_experts": [r"expert", r"for\s+\w+.*\bin\b"],
-    "fused_optimizer": [r"torch\.optim\.\w+\("],
-    "affinity_index_put": [r"\[[^\]\n]*mask[^\]\n]*\]\s*=(?!=)"],
-    "affinity_where": [r"torch\.where\([^,()]+,"],
+    # any optimizer construction, also after `from torch.optim import AdamW` / `import torch.optim as optim`
+    "fused_optimizer": [r"(?:torch\.optim\.|optim\.|\b)(?:AdamW|Adam|SGD|Adagrad|RMSprop|Adadelta|Adamax|NAdam|RAdam)\("],
+    # an assignment (plain or augmented) through an index that looks boolean: a mask name, a comparison,
+    # `~`, isnan/isinf/isfinite, .bool() -- or an explicit index_put
+    "affinity_index_put": [r"\[[^\]\n]*(?:mask|==|!=|<|>|~|isnan|isinf|isfinite|\.bool\(\))[^\]\n]*\]\s*(?:[-+*/]?=)(?!=)|\.index_put_?\("],
+    # a torch.where with at least two arguments; the condition may hold calls nested two deep
+    "affinity_where": [r"torch\.where\((?:[^,()]|\((?:[^()]|\([^()]*\))*\))+,"],
 }
 _SUSPECT_RX: dict[str, list[re.Pattern[str]]] = {}
 

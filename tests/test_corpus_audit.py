@@ -11,9 +11,21 @@ import pytest
 import yaml
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
 
-import corpus_audit as ca  # noqa: E402
+
+def _load_corpus_audit():
+    # By path, not via sys.path: bench/ on sys.path would let bench/profile.py shadow the
+    # standard library's ``profile`` module for every later test in the session.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("npufuse_bench_corpus_audit", BENCH / "corpus_audit.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ca = _load_corpus_audit()
 
 MODEL = '''import torch
 from torch import nn
@@ -164,3 +176,10 @@ def test_unknown_verdict_fails(corpus: Path, tmp_path: Path, capsys):
     _judge(path, {"candidates": "yes", "near_misses": "?", "unfound_suspects": "?"})
     rc, out = _run(["score"], corpus, tmp_path, capsys)
     assert rc == 1 and "unknown verdict 'yes'" in out
+
+
+def test_bench_is_not_put_on_sys_path() -> None:
+    assert str(BENCH) not in sys.path
+    import profile
+
+    assert "bench" not in str(getattr(profile, "__file__", ""))
