@@ -90,6 +90,64 @@ def baseline(root: Path, files: list[str]) -> tuple[float, int, float]:
     return time.perf_counter() - t0, lines, _cpu() - c0
 
 
+def components(root: Path, files: list[str]) -> list[tuple[str, float]]:
+    """CPU seconds of each part of ``analyze_file`` over the corpus, in this process (one pass):
+    read, parse, index, repo facts, every detector (summed over scopes) and the per-candidate
+    work (risks, replacement text, switch context). The parts are timed by wrapping the
+    functions ``analyze_file`` calls (about a microsecond per call, included in the figures);
+    "other" is what analyze_file spends outside them."""
+    from npufuse.scan import engine, replacement, repo_search, risks
+    from npufuse.scan.dataflow import ModuleInfo
+
+    spent: dict[str, float] = {}
+    clock = time.process_time
+    saved: list[tuple[object, str, object]] = []
+
+    def timed(owner: object, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+        saved.append((owner, name, owner.__dict__[name]))
+
+        def wrapper(*a, **k):
+            t = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + clock() - t
+
+        setattr(owner, name, classmethod(lambda cls, *a, **k: wrapper(*a, **k)) if isinstance(owner.__dict__[name], classmethod) else wrapper)
+
+    timed(engine, "read_source", "read (+ sha256, decode)")
+    timed(engine, "parse_source", "parse (ast.parse)")
+    timed(ModuleInfo, "from_source", "index (ModuleInfo: imports, scopes)")
+    timed(repo_search, "file_facts", "repo facts (switches, torch_npu code)")
+    timed(risks, "local_risks", "candidates: local risks")
+    timed(replacement, "fast_body", "candidates: replacement text")
+    timed(repo_search, "site_context", "candidates: switch context")
+    patterns = engine.registry_patterns()
+    for p in patterns:
+        cls = type(p)
+        saved.append((cls, "detect", cls.__dict__["detect"]))
+
+        def detect(self, module, scope, _f=cls.__dict__["detect"], _label=f"detector {p.id}"):
+            t = clock()
+            try:
+                return list(_f(self, module, scope))
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + clock() - t
+
+        cls.detect = detect
+    try:
+        t0 = clock()
+        for rel in files:
+            engine.analyze_file(root, rel, patterns, engine.ScanOptions())
+        total = clock() - t0
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+    rows = sorted(spent.items(), key=lambda kv: -kv[1])
+    return rows + [("other (analyze_file itself, freeing trees)", total - sum(spent.values())), ("total", total)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("corpus", nargs="?", help=f"folder to scan (default: {CORPUS.relative_to(HERE.parent)})")
@@ -99,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed repetitions; the best is reported (default 3)")
     ap.add_argument("--no-subprocess", action="store_true", help="skip the end-to-end subprocess timing")
     ap.add_argument("--state-dir", help="keep scan.json, report.md and the cache here (default: a temp folder, deleted)")
+    ap.add_argument("--components", action="store_true", help="also time each part of the per-file analysis (parse, index, each detector, ...) in one process")
     ap.add_argument("--check-render", type=int, default=0, metavar="N",
                     help="also check N random candidates' replacement against render_site on the whole file (0: none, -1: all)")
     args = ap.parse_args(argv)
@@ -174,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine load      {load:.1f} (1-min load average after the runs; wall figures are only meaningful when it is below {cores})")
     if t_e2e is not None:
         print(f"end to end        {t_e2e:.2f} s  (python -m npufuse scan, start-up and imports included; ratio {t_e2e / t_parse:.2f})")
+
+    if args.components:
+        parts = components(walked.root, files)
+        print(f"components        CPU seconds of analyze_file's parts, one process, one pass (ast.parse baseline {c_parse:.2f} s):")
+        for label, secs in parts:
+            print(f"  {label:44s} {secs:6.2f}  ({secs / c_parse:.2f}x ast.parse)")
 
     if args.check_render:
         from npufuse.patterns.base import Finding

@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from npufuse.scan.dataflow import CAST_METHODS, ModuleInfo, Scope, const_value, dotted
+from npufuse.scan.dataflow import CAST_METHODS, ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk
 
 # Statements whose body may not run (or runs repeatedly): a value defined inside is conditional.
 _CONDITIONAL = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Match) if hasattr(ast, "Match") else (ast.If, ast.For, ast.AsyncFor, ast.While)
@@ -55,25 +55,14 @@ def stmt_index(scope: Scope) -> StmtIndex:
     block: dict[int, tuple[list[ast.stmt], int]] = {}
     by_line: dict[int, ast.stmt] = {}
     stmts: list[ast.stmt] = []
-
-    def walk(body: list[ast.stmt], owner: ast.stmt | None) -> None:
-        for i, stmt in enumerate(body):
-            parent[id(stmt)] = owner
-            block[id(stmt)] = (body, i)
-            by_line.setdefault(stmt.lineno, stmt)
-            stmts.append(stmt)
-            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                continue
-            for name in ("body", "orelse", "finalbody"):
-                inner = getattr(stmt, name, None)
-                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                    walk(inner, stmt)
-            for handler in getattr(stmt, "handlers", []) or []:
-                walk(handler.body, stmt)
-            for case in getattr(stmt, "cases", []) or []:
-                walk(case.body, stmt)
-
-    walk(scope.body, None)
+    # the scope's statement listing (Scope.statements: the same order and blocks, walked once)
+    listing, owners = scope.listing()
+    for (body, i, stmt), owner in zip(listing, owners):
+        key = id(stmt)
+        parent[key] = owner
+        block[key] = (body, i)
+        by_line.setdefault(stmt.lineno, stmt)
+        stmts.append(stmt)
     idx = StmtIndex(parent, block, by_line, stmts)
     scope.__dict__["_npufuse_stmt_index"] = idx
     return idx
@@ -103,14 +92,13 @@ def functions_matching(module: ModuleInfo, tag: str, pred) -> set[str]:
     cache = module.__dict__.setdefault("_npufuse_mentions", {})
     if tag in cache:
         return cache[tag]
-    lines = module_lines(module)
     texts: dict[str, list[str]] = {}
     found: set[str] = set()
     for s in module.scopes:
         fn = s.node
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        text = "".join(lines[fn.lineno - 1 : fn.end_lineno or fn.lineno])
+        text = scope_text(module, s)  # the function's lines, joined once and shared with the detectors
         if pred(text):
             found.add(fn.name)
         else:
@@ -118,7 +106,8 @@ def functions_matching(module: ModuleInfo, tag: str, pred) -> set[str]:
     new = set(found)
     while new and texts:
         called = re.compile(r"\b(?:" + "|".join(re.escape(n) for n in sorted(new)) + r")\s*\(")
-        new = {name for name, ts in texts.items() if name not in found and any(called.search(t) for t in ts)}
+        names = tuple(sorted(new))  # every match starts with one of the names
+        new = {name for name, ts in texts.items() if name not in found and any(anchored_search(called, t, names) for t in ts)}
         found |= new
         for name in new:
             texts.pop(name, None)
@@ -126,12 +115,26 @@ def functions_matching(module: ModuleInfo, tag: str, pred) -> set[str]:
     return found
 
 
+def anchored_search(rx: re.Pattern[str], text: str, anchors: tuple[str, ...]) -> bool:
+    """``rx.search(text) is not None``, trying ``rx.match`` only where one of ``anchors`` occurs.
+
+    Exact when every match of ``rx`` starts with one of the anchor strings (each alternative of
+    the regex begins, after zero-width assertions, with one of them): ``match`` at a position
+    still sees the text before it (lookbehinds, ``\\b``). A regex that opens with a lookbehind or
+    ``\\b`` cannot use the regex engine's literal scan and tries every position of the text
+    otherwise — on whole files that costs as much as a tenth of parsing them."""
+    match = rx.match
+    for anchor in anchors:
+        i = text.find(anchor)
+        while i >= 0:
+            if match(text, i):
+                return True
+            i = text.find(anchor, i + 1)
+    return False
+
+
 def module_lines(module: ModuleInfo) -> list[str]:
-    cached = module.__dict__.get("_npufuse_lines")
-    if cached is None:
-        cached = module.source.splitlines(keepends=True)
-        module.__dict__["_npufuse_lines"] = cached
-    return cached
+    return module.lines  # split once per module, shared (never modified)
 
 
 def source_of(module: ModuleInfo, node: ast.AST) -> str:
@@ -490,7 +493,13 @@ def render(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) 
             raise RenderError("comprehension")
         return v
 
-    out = sub(node, ctx, 0)
+    try:
+        out = sub(node, ctx, 0)
+    finally:
+        # sub and _sub_kw refer to each other through closure cells: a reference cycle that
+        # would keep ``plan`` (and through its block the whole tree) alive until the garbage
+        # collector runs. Emptying the cells breaks it.
+        sub = _sub_kw = None  # type: ignore[assignment]
     if not changed[0] and ctx.depth == 0 and getattr(node, "lineno", None) is not None and getattr(node, "end_col_offset", None) is not None:
         return source_of(module, node)
     return ast.unparse(out)
@@ -511,7 +520,7 @@ def _copy_shallow(n: ast.AST) -> ast.AST:
 
 
 def names_read(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return {n.id for n in fast_walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def names_written(stmt: ast.stmt) -> set[str]:
@@ -522,12 +531,12 @@ def names_written(stmt: ast.stmt) -> set[str]:
     elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
         targets = [stmt.target]
     elif isinstance(stmt, (ast.If, ast.With, ast.For, ast.While, ast.Try)):
-        for n in ast.walk(stmt):
+        for n in fast_walk(stmt):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 out.add(n.id)
         return out
     for t in targets:
-        for n in ast.walk(t):
+        for n in fast_walk(t):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 out.add(n.id)
     return out
@@ -601,16 +610,13 @@ def plan_span(scope: Scope, root: ast.stmt, trace: Trace, reads: set[str] | None
         clash = names_read(s) & dropped_names
         if clash:
             return f"intermediate `{sorted(clash)[0]}` is used by another statement inside the fused region"
-    dropped_ids = {id(n) for s in dropped for n in ast.walk(s) if isinstance(n, ast.stmt)}
+    dropped_ids = {id(n) for s in dropped for n in fast_walk(s) if isinstance(n, ast.stmt)}
     return SpanPlan(block, start, end, dropped, kept, line, end_line, dropped_ids)
 
 
 def _names_used_after(scope: Scope, line: int) -> set[str]:
-    out: set[str] = set()
-    for n in ast.walk(scope.node):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno > line:
-            out.add(n.id)
-    return out
+    """Names read anywhere in the scope (``ast.walk`` of its node) on a line after ``line``."""
+    return {name for name, last in scope.last_loads().items() if last > line}
 
 
 # --------------------------------------------------------------------------------------------
@@ -667,7 +673,7 @@ def already_fused(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> str | Non
 
 def _contains(block: list[ast.stmt], stmt: ast.stmt) -> bool:
     for s in block:
-        for n in ast.walk(s):
+        for n in fast_walk(s):
             if n is stmt:
                 return True
     return False
@@ -677,15 +683,17 @@ def iter_exprs_topdown(node: ast.AST) -> Iterator[ast.expr]:
     """Expression nodes of a statement in preorder (a node before anything inside it), not into
     nested function bodies or lambdas."""
     stack: list[ast.AST] = [node]
+    pop, extend = stack.pop, stack.extend
+    skip, expr = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda), ast.expr
     while stack:
-        n = stack.pop()
-        if n is not node and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        n = pop()
+        if n is not node and isinstance(n, skip):
             continue
-        if isinstance(n, ast.expr):
+        if isinstance(n, expr):
             yield n
-        children = list(ast.iter_child_nodes(n))
+        children = child_nodes(n)
         children.reverse()
-        stack.extend(children)
+        extend(children)
 
 
 def simple_stmt(stmt: ast.stmt) -> bool:

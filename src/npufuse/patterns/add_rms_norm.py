@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, dotted
+from npufuse.scan.dataflow import ModuleInfo, Scope, dotted, fast_walk
 from npufuse.scan.value import estimate, symbolic
 
 if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
@@ -97,7 +97,10 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
 
 
 def _operands(module: ModuleInfo, value: ast.expr) -> tuple[ast.expr, ast.expr] | str | None:
-    """(x1, x2) of a plain residual add; a reason for a scaled add; None for no add."""
+    """(x1, x2) of a residual add; a reason for ``torch.add(..., alpha=)``; None for no add.
+
+    A scaled operand (Granite's ``residual + hidden_states * self.residual_multiplier``, a gated
+    ``g1 * a + g2 * b``) is still x1 + x2 with x2 a tensor: npu_add_rms_norm takes it evaluated."""
     if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
         x1, x2 = value.left, value.right
     elif isinstance(value, ast.Call) and module.call_name(value) == "torch.add" and len(value.args) == 2:
@@ -107,8 +110,6 @@ def _operands(module: ModuleInfo, value: ast.expr) -> tuple[ast.expr, ast.expr] 
     else:
         return None
     for x in (x1, x2):
-        if isinstance(x, ast.BinOp) and isinstance(x.op, (ast.Mult, ast.Div)):
-            return f"scaled add (`{ast.unparse(value)}`): npu_add_rms_norm adds x1 + x2 unscaled"
         if isinstance(x, ast.Constant):
             return None
     return x1, x2
@@ -218,6 +219,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     ]
     notes: list[str] = []
     confidence = "high"
+    weight_base = ""  # the norm's weight parameter (rms kind only)
     m = site.nc
     if m.kind == "rms":
         assert m.match is not None
@@ -231,6 +233,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
             return f"norm {m.cls} applies its weight only when `{p.condition}`: npu_add_rms_norm needs gamma"
         w = R.analyse_weight(module, m.match.weights[0])
         gamma = S.render(module, w.node, w.ctx, None)
+        weight_base = S.render(module, w.base, w.base_ctx, None)
         eps = p.params["eps"]
         train_norm = p.expr
         out_code = p.out_dtype
@@ -273,7 +276,12 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     infer += [S.stmt_source(module, a) for a in site.aliases]
     infer.append(S.splice(module, site.norm_stmt, [(norm_node, y)]))
     body = list(pre)
-    body.append(f"if {T}.is_grad_enabled() or {x1}.dtype != {x2}.dtype:")
+    mixed = f"{x1}.dtype != {x2}.dtype"
+    if out_code == "_npu_dtype":
+        # T5: a weight that is not half keeps the whole norm in fp32; npu_add_rms_norm (gamma cast to
+        # x1's dtype) would compute it at x1's precision, so that case takes the npu_rms_norm path
+        mixed += f" or {weight_base}.dtype != {x1}.dtype"
+    body.append(f"if {T}.is_grad_enabled() or {mixed}:")
     body.append("    # npu_add_rms_norm has no backward and needs one dtype: add, then the fused norm")
     body.append(S.indent("\n".join(train)))
     body.append("else:")
@@ -309,7 +317,7 @@ def _guard(site: _Site) -> str | None:
         if isinstance(x, ast.Name):
             return x.id
     for x in (site.x1, site.x2):
-        for n in ast.walk(x):
+        for n in fast_walk(x):
             if isinstance(n, ast.Name) and n.id not in ("self", "torch", "F", "nn"):
                 return n.id
     return None
@@ -563,6 +571,40 @@ class Block(nn.Module):
         return hidden_states
 '''
 
+_MINICPM_SCALED = '''
+import math
+import torch
+from torch import nn
+
+
+class MiniCPMRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+        return (self.weight * (hidden_states.float() * torch.rsqrt(variance + self.variance_epsilon))).to(hidden_states.dtype)
+
+
+class MiniCPMDecoderLayer(nn.Module):
+    def __init__(self, d, scale_depth, num_hidden_layers):
+        super().__init__()
+        self.self_attn = nn.Linear(d, d)
+        self.post_attention_layernorm = MiniCPMRMSNorm(d)
+        self.scale_depth = scale_depth
+        self.num_hidden_layers = num_hidden_layers
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states = residual + hidden_states * (self.scale_depth / math.sqrt(self.num_hidden_layers))
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return hidden_states, residual
+'''
+
 AddRmsNorm.FUSE = [
     Fuse(
         _HF_LAYER,
@@ -601,6 +643,29 @@ AddRmsNorm.FUSE = [
         run="m = Block(16)\nx = torch.randn(2, 5, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.final_layer_norm.weight]\n",
         name="t5_style_dropout_residual",
     ),
+    Fuse(
+        _T5_FF,
+        expect={"norm_class": "T5LayerNorm"},
+        # inference with bf16 activations and the norm's weight kept in fp32: the original returns an
+        # fp32-precise result; out is the part of it bf16 cannot hold (all zero if the fused code ran
+        # the norm at bf16 precision, as npu_add_rms_norm with gamma cast to x1's dtype would)
+        run="m = Block(16)\nwith torch.no_grad():\n    m.final_layer_norm.weight.normal_()\n    m.ff.to(torch.bfloat16)\n"
+            "    x = torch.randn(2, 5, 16).to(torch.bfloat16)\n    y = m(x)\n    out = (y - y.to(torch.bfloat16).float()) * 1000\n",
+        name="t5_fp32_weight_bf16_inference_keeps_fp32",
+    ),
+    Fuse(
+        _MINICPM_SCALED,
+        # a scaled residual branch is still x1 + x2: x2 = hidden_states * scale, evaluated once
+        expect={"x1": "residual", "x2": "hidden_states * (self.scale_depth / math.sqrt(self.num_hidden_layers))", "sum": "hidden_states"},
+        run="layer = MiniCPMDecoderLayer(16, 1.4, 4)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = layer(x)\nleaves = [x, layer.post_attention_layernorm.weight]\n",
+        name="minicpm_scaled_residual_training",
+    ),
+    Fuse(
+        _MINICPM_SCALED,
+        expect={"variant": "residual_then_norm"},
+        run="layer = MiniCPMDecoderLayer(16, 1.4, 4).to(torch.bfloat16)\nwith torch.no_grad():\n    layer.post_attention_layernorm.weight.normal_()\n    x = torch.randn(2, 3, 16, dtype=torch.bfloat16)\n    out = layer(x)\n",
+        name="minicpm_scaled_residual_inference_bf16",
+    ),
 ]
 
 AddRmsNorm.KEEP = [
@@ -625,43 +690,6 @@ class GPTNeoXLayer(nn.Module):
 ''',
         reason="not RMSNorm",
         name="gpt_neox_layernorm",
-    ),
-    Keep(
-        '''
-import math
-import torch
-from torch import nn
-
-
-class MiniCPMRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
-        return (self.weight * (hidden_states.float() * torch.rsqrt(variance + self.variance_epsilon))).to(hidden_states.dtype)
-
-
-class MiniCPMDecoderLayer(nn.Module):
-    def __init__(self, d, scale_depth, num_hidden_layers):
-        super().__init__()
-        self.self_attn = nn.Linear(d, d)
-        self.post_attention_layernorm = MiniCPMRMSNorm(d)
-        self.scale_depth = scale_depth
-        self.num_hidden_layers = num_hidden_layers
-
-    def forward(self, hidden_states):
-        residual = hidden_states
-        hidden_states = self.self_attn(hidden_states)
-        hidden_states = residual + hidden_states * (self.scale_depth / math.sqrt(self.num_hidden_layers))
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        return hidden_states, residual
-''',
-        reason="scaled add",
-        name="minicpm_scaled_residual",
     ),
     Keep(
         '''

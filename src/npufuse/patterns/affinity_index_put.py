@@ -25,7 +25,7 @@ import copy
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, replace_segments, segment
 from npufuse.scan.value import symbolic
 
 _ID = "affinity_index_put"
@@ -86,11 +86,37 @@ def is_bool_mask(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
             if attr in ("scatter", "scatter_") and len(node.args) >= 3:
                 # HF top-p: sorted_indices_to_remove.scatter(1, sorted_indices, sorted_indices_to_remove)
                 return is_bool_mask(module, scope, node.args[2], line, depth + 1)
-            if attr in _SHAPE_METHODS and attr != "to":
+            if attr in _SHAPE_METHODS and (attr != "to" or _device_only(node)):
                 return is_bool_mask(module, scope, node.func.value, line, depth + 1)
             if attr in ("masked_fill", "masked_fill_") and node.args:
                 return is_bool_mask(module, scope, node.func.value, line, depth + 1)
     return False
+
+
+def _device_only(call: ast.Call) -> bool:
+    """``x.to(other.device)`` / ``x.to("cuda", non_blocking=True)``: a move that keeps the dtype."""
+    for a in call.args:
+        if not (isinstance(a, ast.Attribute) and a.attr == "device") and not isinstance(const_value(a), str):
+            return False  # x.to(dtype), x.to(other), x.to(torch.float32): may change the dtype
+    return bool(call.args or call.keywords) and all(k.arg in ("device", "non_blocking", "copy") for k in call.keywords)
+
+
+def mask_like(node: ast.AST, scope: Optional[Scope] = None) -> bool:
+    """An index that reads as a boolean mask although its dtype is not visible here (a parameter, a
+    helper's result): ``~attention_mask``, ``mask_time_indices``, ``self.padding_mask.unsqueeze(-1)``.
+    Used only with a run-time ``dtype == torch.bool`` check in the rewrite. A parameter annotated as
+    something else (``unmasked_channel_indices: list``, ``torch.LongTensor``) is not one."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
+        return True  # ~ of an index: a bool mask inverted (bitwise-not integer positions would be odd)
+    n = node
+    while isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _SHAPE_METHODS:
+        n = n.func.value
+    ident = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else ""
+    if isinstance(n, ast.Name) and scope is not None:
+        ann = _param_annotation(scope, n.id)
+        if ann and ("Tensor" not in ann or any(t in ann for t in ("LongTensor", "IntTensor"))):
+            return False
+    return "mask" in ident.lower()
 
 
 def integer_index(module: ModuleInfo, node: ast.AST, scope: Optional[Scope] = None, line: int = 0) -> bool:
@@ -277,6 +303,9 @@ class AffinityIndexPut(Pattern):
         for _block, _i, stmt in scope.statements():
             site = _site_parts(stmt)
             if site is None:
+                other = _other_form(module, scope, stmt)
+                if other is not None:
+                    yield other
                 continue
             target_node, mask, value, aug = site
             r = _analyze(module, scope, stmt, target_node, mask, value, aug)
@@ -302,13 +331,13 @@ class AffinityIndexPut(Pattern):
         return out
 
 
-_RELEVANT: list[Any] = [None, False]  # single-entry cache: detect runs for every scope of one module in a row
-
-
 def _relevant(module: ModuleInfo) -> bool:
-    if _RELEVANT[0] is not module:
-        _RELEVANT[:] = [module, any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())]
-    return bool(_RELEVANT[1])
+    # cached on the module (detect runs for every scope of it); a global cache holding the
+    # last module would keep its whole tree alive past the file, for the garbage collector to walk
+    cached = module.__dict__.get("_npufuse_aip_relevant")
+    if cached is None:
+        cached = module.__dict__["_npufuse_aip_relevant"] = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
+    return bool(cached)
 
 
 def _site_parts(stmt: ast.stmt) -> Optional[tuple[ast.expr, ast.expr, ast.expr, Optional[ast.operator]]]:
@@ -329,17 +358,83 @@ def _site_parts(stmt: ast.stmt) -> Optional[tuple[ast.expr, ast.expr, ast.expr, 
     return None
 
 
+def _is_maskish(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> bool:
+    return is_bool_mask(module, scope, node, line) or (mask_like(node, scope) and not integer_index(module, node, scope, line))
+
+
+def _full_slice(node: ast.AST) -> bool:
+    return isinstance(node, ast.Slice) and node.lower is None and node.upper is None and node.step is None
+
+
+def _split_index(module: ModuleInfo, scope: Scope, index: ast.Tuple, line: int) -> "Optional[tuple[ast.expr, int] | str]":
+    """``x[m, :]`` / ``x[:, m, ...]``: (the mask, the number of full slices before it); a reason string
+    when a mask is mixed with other indices; None when no element is a mask (``x[i, j]``, ``x[:, :n]``)."""
+    masks = [i for i, e in enumerate(index.elts) if _is_maskish(module, scope, e, line)]
+    if not masks:
+        return None
+    if len(masks) > 1:
+        return "several boolean masks in one index: not an elementwise rewrite npufuse makes"
+    k = masks[0]
+    others = [e for i, e in enumerate(index.elts) if i != k]
+    if all(_full_slice(e) for e in index.elts[:k]) and all(_full_slice(e) or isinstance(e, ast.Constant) and e.value is Ellipsis for e in index.elts[k + 1 :]):
+        return index.elts[k], k
+    # name the offending index: an integer / tensor / partial slice before a leading `...`
+    bad = next((e for e in others if not _full_slice(e) and not (isinstance(e, ast.Constant) and e.value is Ellipsis)),
+               next(e for e in others if not _full_slice(e)))
+    return (f"the mask is combined with the index `{segment(module, bad)[:30]}` in one subscript (mixed integer/slice "
+            "and mask indexing): not an elementwise rewrite npufuse makes")
+
+
+def _other_form(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[NearMiss]:
+    """Mask assignments npufuse does not rewrite, reported rather than skipped: a tuple target
+    (``a[m], b[n] = f(...)``) and the out-of-place ``y = x.index_put(indices, values)``."""
+    line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+    if not isinstance(stmt, (ast.Assign, ast.Return)) or isinstance(stmt, ast.Assign) and len(stmt.targets) != 1:
+        return None
+    t = stmt.targets[0] if isinstance(stmt, ast.Assign) else None
+    if isinstance(t, (ast.Tuple, ast.List)):
+        subs = [e for e in t.elts if isinstance(e, ast.Subscript) and not isinstance(e.slice, (ast.Constant, ast.Slice))]
+        if any(_is_maskish(module, scope, e.slice, line) for e in subs):
+            return NearMiss(_ID, scope.qualname, line, end,
+                            "masked assignments unpacked from one call (`a[m], b[n] = f(...)`): the values are computed "
+                            "for the selected rows only (a masked scatter), which no elementwise rewrite reproduces")
+        return None
+    v = stmt.value
+    if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "index_put":
+        idx = keyword(v, "indices", 0)
+        if idx is not None and (integer_index(module, idx, scope, line) or isinstance(idx, (ast.Tuple, ast.List)) and any(integer_index(module, e, scope, line) for e in idx.elts)):
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"index_put with `{segment(module, idx)[:40]}`, integer positions (nonzero), not a boolean "
+                            "mask: index with the mask itself to allow the masked_fill/where rewrite")
+    return None
+
+
 def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.expr, mask: ast.expr,
              value: ast.expr, aug: Optional[ast.operator]) -> Optional[Result]:
     line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
     target = dotted(target_node)
+    if target is None and isinstance(target_node, ast.Subscript) and dotted(target_node.value) is not None \
+            and isinstance(const_value(target_node.slice), int):
+        # ``probs[0][~keep] = 0.0``: a constant-index view of a name; masked_fill_ on the view writes through
+        target = segment(module, target_node)
+    lead = 0  # full slices before the mask: x[:, m] = v masks dims 1.. of x
+    if isinstance(mask, ast.Tuple) and target is not None:
+        split = _split_index(module, scope, mask, line)
+        if split is None:
+            return None  # x[i, j] = v, x[:, :n] = v: not a mask assignment
+        if isinstance(split, str):
+            return NearMiss(_ID, scope.qualname, line, end, split)
+        mask, lead = split
     if isinstance(mask, (ast.Constant, ast.Slice, ast.Tuple)) or target is None:
         return None  # d["key"] = v, x[0] = v, x[:, :n] = v, x[i, j] = v: not a mask assignment
     if integer_index(module, mask, scope, line):
         return NearMiss(_ID, scope.qualname, line, end,
                         f"index `{segment(module, mask)[:50]}` is integer positions (nonzero/where), not a boolean "
                         "mask: index with the mask itself to allow the masked_fill/where rewrite")
-    if not is_bool_mask(module, scope, mask, line):
+    # a mask by name or by `~` whose dtype is not visible here (HF passes attention masks in as parameters):
+    # the rewrite checks `dtype == torch.bool` at run time and keeps the IndexPut otherwise
+    checked = not is_bool_mask(module, scope, mask, line)
+    if checked and not mask_like(mask, scope):
         return None  # cannot tell a mask from an integer index: not reported
     if _is_numpy(module, scope, target_node, line):
         return NearMiss(_ID, scope.qualname, line, end, f"`{target}` is a numpy array, not a torch tensor")
@@ -369,18 +464,33 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                         f"value `{value_text[:50]}` is a tensor not gathered with the same mask: it may hold one row per "
                         "selected element (masked scatter, e.g. image features into embeddings), which no "
                         "elementwise rewrite reproduces")
-    same = same_shape_as(module, scope, mask, target, line)
-    mask_var = mask_text if same else f"{P}mask"  # used once: inline unless the rank must be aligned
+    same = lead == 0 and same_shape_as(module, scope, mask, target, line)
+    mask_var = mask_text if same and not checked else f"{P}mask"  # used once: inline unless aligned or checked
     lines = []
     if mask_var != mask_text:
         lines.append(f"{P}mask = {mask_text}")
-        if not same:
-            lines.append(f"# indexing consumes leading dims, masked_fill/where broadcast from the right: align the ranks")
-            lines.append(f"{P}mask = {P}mask.reshape({P}mask.shape + (1,) * ({target}.dim() - {P}mask.dim()))")
+    body = []
+    if not same:
+        if lead:
+            # x[:, m] = v: the mask indexes the dims after the leading slices
+            body.append(f"# the mask indexes dims {lead}.. of {target}; masked_fill/where broadcast from the right: align them")
+            body.append(f"{P}mask = {P}mask.reshape((1,) * {lead} + {P}mask.shape + (1,) * ({target}.dim() - {P}mask.dim() - {lead}))")
+        else:
+            body.append("# indexing consumes leading dims, masked_fill/where broadcast from the right: align the ranks")
+            body.append(f"{P}mask = {P}mask.reshape({P}mask.shape + (1,) * ({target}.dim() - {P}mask.dim()))")
     if form == "masked_fill":
-        lines.append(f"{target}.masked_fill_({mask_var}, {elem})")
+        body.append(f"{target}.masked_fill_({mask_var}, {elem})")
     else:
-        lines.append(f"{target}.copy_(torch.where({mask_var}, ({elem}).to({target}.dtype), {target}))")
+        body.append(f"{target}.copy_(torch.where({mask_var}, ({elem}).to({target}.dtype), {target}))")
+    if checked:
+        # the mask's dtype is only known at run time (a metadata check, no host sync): integer positions keep
+        # the original IndexPut, with the index evaluated once
+        lines.append(f"if {P}mask.dtype == torch.bool:")
+        lines += ["    " + b for b in body]
+        lines.append("else:  # integer positions after all: the original IndexPut")
+        lines += ["    " + ln for ln in replace_segments(module, stmt, [(mask, f"{P}mask")]).splitlines()]
+    else:
+        lines += body
     params = {
         "target": target,
         "mask": mask_text,
@@ -390,6 +500,10 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         "augmented": aug is not None,
         "value_is_inf": is_inf(module, scope, value, line),
     }
+    if checked:
+        params["mask_dtype"] = "checked_at_runtime"
+    if lead:
+        params["mask_first_dim"] = lead
     risks = [Risk("other", "if this code runs on CPU tensors (data collators, preprocessing) the guard keeps the "
                   "original and nothing is gained")]
     if form == "where":
@@ -401,10 +515,13 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
     if form == "masked_fill":
         notes.append("masked_fill_ instead of the multiply form x *= ~mask of the Ascend guide: exact for ±inf/NaN values "
                      "and for non-finite x (inf * 0 = NaN), one kernel instead of not + cast + mul")
-    variant = ("aug_" if aug is not None else "") + form + ("_rank_aligned" if not same else "")
+    if checked:
+        notes.append(f"`{mask_text[:40]}` is a mask by its name or `~`, but its dtype is not visible here: the fused "
+                     "branch checks `dtype == torch.bool` at run time (no host sync) and keeps the IndexPut otherwise")
+    variant = ("aug_" if aug is not None else "") + form + ("_rank_aligned" if not same else "") + ("_dtype_checked" if checked else "")
     return Finding(
         pattern=_ID, qualname=scope.qualname, line=line, end_line=end, params=params, fused="\n".join(lines) + "\n",
-        guard_tensor=target, confidence="high" if same else "medium", variant=variant, risks=risks, notes=notes,
+        guard_tensor=target, confidence="high" if same and not checked else "medium", variant=variant, risks=risks, notes=notes,
     )
 
 
@@ -429,7 +546,7 @@ def _gathered(module: ModuleInfo, value: ast.expr, mask: ast.expr) -> Optional[s
     if not found:
         return None
     # every remaining tensor-ish leaf must have been gathered: reject names/calls left outside the swap
-    for n in ast.walk(new):
+    for n in fast_walk(new):
         if isinstance(n, ast.Call) and (module.canonical(n.func) or "").startswith(("torch.rand", "torch.randint", "torch.randn")):
             ok = False  # a fresh random tensor of the selected size: shape changes without the mask
     return ast.unparse(new) if ok else None
@@ -442,7 +559,7 @@ def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth
     value = scope.definition(node.id, line)
     if value is None:
         return False
-    for n in ast.walk(value):
+    for n in fast_walk(value):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or dotted(n.func) or ""
             if name.startswith(("numpy.", "np.")):
@@ -466,7 +583,7 @@ def _vector_parameter(module: ModuleInfo, scope: Scope, value: ast.expr) -> bool
         return False
     for fn in cls.body:
         if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
-            for s in ast.walk(fn):
+            for s in fast_walk(fn):
                 if isinstance(s, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == node.attr for t in s.targets):
                     v = s.value
                     if isinstance(v, ast.Call) and (module.canonical(v.func) or "").endswith("nn.Parameter") and v.args:
@@ -489,7 +606,7 @@ def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: in
         if d is None:
             return False  # a parameter of unknown type
         node = d
-    for n in ast.walk(node):
+    for n in fast_walk(node):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or ""
             if name.startswith("torch.") or isinstance(n.func, ast.Attribute):
@@ -691,6 +808,109 @@ def fill(cache, positions, values):
     return cache_tensor
 '''
 
+_WAV2VEC2_ENCODER = '''\
+import torch
+
+
+def zero_padded_frames(hidden_states, attention_mask=None):
+    # wav2vec2 / hubert / wavlm encoders: the mask arrives as a parameter (bool, from the feature extractor)
+    if attention_mask is not None:
+        expand_attention_mask = attention_mask.unsqueeze(-1).repeat(1, 1, hidden_states.shape[2])
+        hidden_states[~expand_attention_mask] = 0
+    return hidden_states
+'''
+
+_RUNTIME_DTYPE = '''\
+import torch
+
+
+def drop_tokens(scores, keep_mask, fill: float):
+    # keep_mask may be a bool mask or integer positions: decided at run time
+    scores[keep_mask] = fill
+    return scores
+'''
+
+_LEADING_SLICE = '''\
+import torch
+
+
+def set_bos(audio_tokens, positions, bos_token_id: int):
+    current = audio_tokens.clone()
+    current[:, positions == 0, :] = bos_token_id
+    return current
+'''
+
+_MOVED_MASK = '''\
+import torch
+
+
+def mark_padding(labels, pad_token_id):
+    labels = labels.clone()
+    # .to(device) keeps the comparison's bool dtype: provably a mask, no run-time check needed
+    labels[(labels == pad_token_id).to(labels.device)] = -100
+    return labels
+'''
+
+_VIEW_TARGET = '''\
+import torch
+
+
+def suppress(pred_probs, keep):
+    # SAM3 video: zero the suppressed detections of the first frame, through a view
+    pred_probs = pred_probs.clone()
+    pred_probs[0][~keep] = 0.0
+    return pred_probs
+'''
+
+_KEEP_DEEPSTACK = '''\
+import torch
+
+
+def deepstack(hidden_states, visual_pos_masks, visual_embeds):
+    local_this = hidden_states[visual_pos_masks, :].clone() + visual_embeds
+    hidden_states[visual_pos_masks, :] = local_this
+    return hidden_states
+'''
+
+_KEEP_MIXED_INDEX = '''\
+import torch
+
+
+def rope_positions(position_ids, attention_mask, llm_positions):
+    for batch_idx in range(position_ids.shape[1]):
+        valid_mask = attention_mask[batch_idx] == 1
+        position_ids[:, batch_idx, valid_mask] = llm_positions[batch_idx]
+    return position_ids
+'''
+
+_KEEP_TUPLE_TARGET = '''\
+import torch
+
+
+def route(hidden_states, is_text, text_moe, vision_moe, final, logits):
+    final[~is_text], logits[~is_text] = text_moe(hidden_states[~is_text])
+    return final, logits
+'''
+
+_KEEP_INDEX_PUT_POSITIONS = '''\
+import torch
+
+
+def merge_images(inputs_embeds, input_ids, image_features, image_token_id):
+    positions_tuple = torch.nonzero(input_ids == image_token_id, as_tuple=True)
+    return inputs_embeds.index_put(indices=positions_tuple, values=image_features, accumulate=False)
+'''
+
+_KEEP_LIST_INDEX = '''\
+import torch
+
+
+def channel_mask(mask, unmasked_channel_indices: list | None = None):
+    if unmasked_channel_indices is not None:
+        mask[:, unmasked_channel_indices, :, :] = 0
+    return mask
+'''
+
 AffinityIndexPut.FUSE = [
     Fuse(_HF_LABELS, name="hf_labels_pad_to_ignore_index", expect={
         "target": "labels", "mask": "labels == pad_token_id", "value": "-100", "form": "masked_fill",
@@ -716,6 +936,17 @@ AffinityIndexPut.FUSE = [
         "mask_rank": "aligned_at_runtime", "qualname": "Wav2Vec2LikeModel._mask_hidden_states"}),
     Fuse(_MLM_COLLATOR, name="hf_mlm_collator_labels", expect={
         "target": "labels", "mask": "~masked_indices", "value": "-100", "form": "masked_fill"}),
+    Fuse(_WAV2VEC2_ENCODER, name="wav2vec2_encoder_mask_parameter_dtype_checked", expect={
+        "target": "hidden_states", "mask": "~expand_attention_mask", "value": "0", "form": "masked_fill",
+        "mask_dtype": "checked_at_runtime", "confidence": "medium", "variant": "masked_fill_rank_aligned_dtype_checked"}),
+    Fuse(_RUNTIME_DTYPE, name="mask_named_parameter_bool_or_positions", expect={
+        "target": "scores", "mask": "keep_mask", "form": "masked_fill", "mask_dtype": "checked_at_runtime"}),
+    Fuse(_MOVED_MASK, name="mask_moved_to_device_stays_bool", expect={
+        "form": "masked_fill", "variant": "masked_fill_rank_aligned"}),  # no "_dtype_checked": proven bool
+    Fuse(_VIEW_TARGET, name="sam3_constant_index_view_target", expect={
+        "target": "pred_probs[0]", "mask": "~keep", "value": "0.0", "form": "masked_fill"}),
+    Fuse(_LEADING_SLICE, name="kyutai_mask_after_leading_slice", expect={
+        "target": "current", "mask": "positions == 0", "form": "masked_fill", "mask_first_dim": 1}),
 ]
 
 AffinityIndexPut.KEEP = [
@@ -724,6 +955,11 @@ AffinityIndexPut.KEEP = [
     Keep(_KEEP_NUMPY, reason="numpy", name="numpy_array_weights"),
     Keep(_KEEP_RANDOM, reason="not a scalar nor gathered", name="fresh_random_tensor_per_selection"),
     Keep(_KEEP_UNRELATED, reason="", name="dict_slice_and_integer_index"),
+    Keep(_KEEP_DEEPSTACK, reason="masked scatter", name="qwen3_vl_deepstack_mask_then_full_slice"),
+    Keep(_KEEP_MIXED_INDEX, reason="mixed integer/slice and mask", name="qwen2_vl_rope_index_mixed_subscript"),
+    Keep(_KEEP_TUPLE_TARGET, reason="unpacked from one call", name="ernie_moe_tuple_target"),
+    Keep(_KEEP_INDEX_PUT_POSITIONS, reason="integer positions", name="phi4_out_of_place_index_put_nonzero"),
+    Keep(_KEEP_LIST_INDEX, reason="", name="patchtst_list_annotated_channel_indices"),
 ]
 
 # What tests/test_affinity_rewrites.py runs for each Fuse example (original vs rewritten, emulated
@@ -747,6 +983,19 @@ CHECKS: dict[str, str] = {
     "wav2vec2_spec_augment_parameter_broadcast": (
         "m = Wav2Vec2LikeModel(8)\nh = torch.randn(2, 6, 8, requires_grad=True)\n"
         "out = m._mask_hidden_states(h * 1.0, (torch.rand(2, 6) > 0.5).tolist())\nleaves = [h, m.masked_spec_embed]"
+    ),
+    "wav2vec2_encoder_mask_parameter_dtype_checked": (
+        "h = torch.randn(2, 5, 4)\nm = torch.ones(2, 5, dtype=torch.bool)\nm[1, 3:] = False\n"
+        "out = zero_padded_frames(h, m)"
+    ),
+    # the same site with a bool mask (masked_fill_) and with integer positions (the IndexPut kept)
+    "mask_named_parameter_bool_or_positions": (
+        "s = torch.randn(3, 6)\nout = (drop_tokens(s.clone(), s > 0.5, -1.0), drop_tokens(s.clone(), torch.tensor([0, 2]), -1.0))"
+    ),
+    "mask_moved_to_device_stays_bool": "out = mark_padding(torch.randint(0, 4, (3, 7)), 0)",
+    "sam3_constant_index_view_target": "out = suppress(torch.rand(2, 6), torch.rand(6) > 0.4)",
+    "kyutai_mask_after_leading_slice": (
+        "out = set_bos(torch.randint(0, 9, (2, 5, 3)), torch.tensor([0, 1, 0, 2, 3]), 7)"
     ),
     "hf_mlm_collator_labels": (
         "ids = torch.randint(5, 100, (4, 16))\nspecial = torch.zeros(4, 16, dtype=torch.bool)\nspecial[:, 0] = True\n"

@@ -17,9 +17,9 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Optional
 
-from npufuse.patterns.affinity_index_put import is_bool_mask, is_inf, is_scalar
+from npufuse.patterns.affinity_index_put import _param_annotation, is_bool_mask, is_inf, is_scalar
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, scope_text, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, scope_text, segment
 from npufuse.scan.value import symbolic
 
 _ID = "affinity_where"
@@ -28,6 +28,10 @@ _INT_DTYPES = {"long", "int", "int64", "int32", "int16", "int8", "uint8", "short
 _INT_METHODS = {"long", "int", "short", "bool", "argmax", "argmin", "argsort", "nonzero"}
 _INT_FUNCS = {"torch.arange", "torch.argmax", "torch.argmin", "torch.argsort", "torch.randint", "torch.randperm",
               "torch.bucketize", "torch.searchsorted", "torch.nonzero"}
+# dtype-preserving (first argument) and type-promoting (all arguments) calls, for integer evidence
+_SAME_DTYPE_FUNCS = {"torch.abs", "torch.neg", "torch.flip", "torch.roll", "torch.cumsum", "torch.take_along_dim",
+                     "torch.gather", "torch.nn.functional.pad"}
+_PROMOTING_FUNCS = {"torch.minimum", "torch.maximum", "torch.min", "torch.max"}
 _INT_NAME = ("_ids", "_idx", "_index", "indices", "_pos", "position_ids", "labels", "_id", "_count", "count", "_mask",
              "bucket", "position", "positions", "_len", "_lens", "lengths", "_type")
 _INT_WORDS = ("position", "bucket", "index", "indices", "count", "label")
@@ -46,7 +50,7 @@ class AffinityWhere(Pattern):
         for _block, _i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.AugAssign)) or stmt.value is None:
                 continue
-            calls = [n for n in ast.walk(stmt.value) if isinstance(n, ast.Call) and module.canonical(n.func) == "torch.where"]
+            calls = [n for n in fast_walk(stmt.value) if isinstance(n, ast.Call) and module.canonical(n.func) == "torch.where"]
             blends = [c for c in calls if _operands(c) is not None]
             if not blends:
                 continue
@@ -83,12 +87,14 @@ def _operands(call: ast.Call) -> Optional[tuple[ast.expr, ast.expr, ast.expr]]:
 
 def _is_integer(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
     """Static evidence of an integer (or bool) tensor."""
-    if depth > 6:
+    if depth > 10:  # T5's bucket chain is 8 deep (min -> full_like -> name -> + -> name -> //)
         return False
     if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        if value is not None and _float_evident(module, scope, value, getattr(value, "lineno", line)):
+            return False  # TimesFM's inc_count = ((~mask).to(x.dtype)).sum(-1): a float count, whatever its name
         if node.id.endswith(_INT_NAME) or any(w in node.id.lower() for w in _INT_WORDS):
             return True
-        value = scope.definition(node.id, line)
         return value is not None and _is_integer(module, scope, value, getattr(value, "lineno", line), depth + 1)
     if isinstance(node, ast.Attribute):
         return node.attr.endswith(_INT_NAME) or node.attr in ("max_length", "num_buckets", "max_distance")
@@ -101,20 +107,84 @@ def _is_integer(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
         dt = keyword(node, "dtype")
         if dt is not None and (dotted(dt) or "").split(".")[-1] in _INT_DTYPES:
             return True
-        if isinstance(node.func, ast.Attribute):
+        if isinstance(node.func, ast.Attribute) and not name.startswith("torch."):  # a method, not torch.abs(x)
             if node.func.attr in _INT_METHODS:
                 return True
             if node.func.attr == "to" and any((dotted(a) or "").split(".")[-1] in _INT_DTYPES for a in node.args):
                 return True
             if node.func.attr in ("clone", "detach", "contiguous", "view", "reshape", "expand", "expand_as",
-                                  "unsqueeze", "squeeze", "flatten", "repeat", "gather", "masked_fill"):
+                                  "unsqueeze", "squeeze", "flatten", "repeat", "gather", "masked_fill", "abs", "neg",
+                                  "flip", "roll", "cumsum", "sum", "t", "transpose", "permute", "narrow", "index_select"):
                 return _is_integer(module, scope, node.func.value, line, depth + 1)
         if name in ("torch.zeros_like", "torch.ones_like", "torch.full_like", "torch.empty_like") and node.args and dt is None:
             return _is_integer(module, scope, node.args[0], line, depth + 1)
+        # ops that keep their input's dtype: T5's n = torch.abs(relative_position), clvp's F.pad(input_ids, ...)
+        if name in _SAME_DTYPE_FUNCS and node.args:
+            return _is_integer(module, scope, node.args[0], line, depth + 1)
+        # binary ops promote: integer only if every operand is (T5's torch.min(val_if_large, full_like(...)))
+        if name in _PROMOTING_FUNCS and node.args:
+            return all(_is_integer(module, scope, a, line, depth + 1) or _int_scalar(scope, a) for a in node.args)
+        if name == "torch.where" and len(node.args) == 3:
+            # blt's torch.where(positive, patch_lengths % max_patch_length, 0): an int tensor blended with an int
+            branches = node.args[1:]
+            ints = [_is_integer(module, scope, b, line, depth + 1) for b in branches]
+            return any(ints) and all(i or _int_scalar(scope, b) for i, b in zip(ints, branches))
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)):
         return _is_integer(module, scope, node.left, line, depth + 1) and (
-            _is_integer(module, scope, node.right, line, depth + 1) or isinstance(const_value(node.right), int)
+            _is_integer(module, scope, node.right, line, depth + 1) or _int_scalar(scope, node.right)
         )
+    return False
+
+
+_FLOAT_DTYPES = {"float", "float32", "float16", "bfloat16", "half", "double", "float64"}
+
+
+def _float_evident(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """Static evidence of a floating tensor: ``.float()``, ``.to(torch.float32)``, ``.to(x.dtype)`` of a
+    non-integer ``x``, ``dtype=torch.float*``, through value-keeping methods, names and sums."""
+    if depth > 6:
+        return False
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        return value is not None and _float_evident(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        return isinstance(node.op, ast.Div) or any(_float_evident(module, scope, x, line, depth + 1) for x in (node.left, node.right))
+    if not isinstance(node, ast.Call):
+        return False
+    dt = keyword(node, "dtype")
+    if dt is not None:
+        return (dotted(dt) or "").split(".")[-1] in _FLOAT_DTYPES
+    if (module.canonical(node.func) or "") in ("torch.rand", "torch.randn", "torch.rand_like", "torch.randn_like"):
+        return True
+    if isinstance(node.func, ast.Attribute):
+        attr = node.func.attr
+        if attr in ("float", "half", "bfloat16", "double"):
+            return True
+        if attr == "to" and node.args:
+            a = node.args[0]
+            if (dotted(a) or "").split(".")[-1] in _FLOAT_DTYPES:
+                return True
+            if isinstance(a, ast.Attribute) and a.attr == "dtype":  # .to(values.dtype) of non-integer values
+                return not _is_integer(module, scope, a.value, line, depth + 1)
+            return False
+        if attr in ("sum", "mean", "cumsum", "clone", "detach", "contiguous", "view", "reshape", "unsqueeze", "squeeze",
+                    "expand", "expand_as", "flatten", "transpose", "permute", "clamp", "clamp_min", "abs"):
+            return _float_evident(module, scope, node.func.value, line, depth + 1)
+    return False
+
+
+def _int_scalar(scope: Scope, node: ast.AST) -> bool:
+    """A Python int: a literal, ``len(...)``/``int(...)``, ``x.shape[i]``, or a parameter annotated ``int``."""
+    v = const_value(node)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return True
+    if isinstance(node, ast.Call) and dotted(node.func) in ("len", "int"):
+        return True
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+        return True
+    if isinstance(node, ast.Name) and scope.definition(node.id) is None:
+        ann = {a.strip() for a in _param_annotation(scope, node.id).split("|")}
+        return "int" in ann and not ann & {"float", "torch.Tensor", "Tensor"}
     return False
 
 
@@ -163,7 +233,7 @@ def _unsafe_op(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Op
         if d is not None:
             roots.append(d)
     for root in roots:
-        for n in ast.walk(root):
+        for n in fast_walk(root):
             if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)):
                 return ast.unparse(n)
             if isinstance(n, ast.Call):
@@ -184,7 +254,7 @@ def _is_literal(node: ast.AST) -> bool:
 
 
 def _tests_non_finite(module: ModuleInfo, cond: ast.AST) -> bool:
-    for n in ast.walk(cond):
+    for n in fast_walk(cond):
         if isinstance(n, ast.Call):
             last = (module.canonical(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
             if last in ("isnan", "isinf", "isfinite", "isneginf", "isposinf"):
@@ -202,19 +272,19 @@ def _module_scalar(module: ModuleInfo, node: ast.AST) -> bool:
 
 def _used_for_indexing(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
     """The blend feeds an index (directly, or through the name it is assigned to)."""
-    for n in ast.walk(stmt):
-        if isinstance(n, ast.Subscript) and any(m is call for m in ast.walk(n.slice)):
+    for n in fast_walk(stmt):
+        if isinstance(n, ast.Subscript) and any(m is call for m in fast_walk(n.slice)):
             return True
     names = []
     if isinstance(stmt, ast.Assign) and stmt.value is call:
         names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
-    for n in ast.walk(scope.node):
+    for n in fast_walk(scope.node):
         if isinstance(n, ast.Subscript) and getattr(n, "lineno", 0) > stmt.lineno:
-            if any(isinstance(m, ast.Name) and m.id in names for m in ast.walk(n.slice)):
+            if any(isinstance(m, ast.Name) and m.id in names for m in fast_walk(n.slice)):
                 return True
         if isinstance(n, ast.Call) and getattr(n, "lineno", 0) > stmt.lineno and isinstance(n.func, ast.Attribute) and n.func.attr in ("gather", "index_select", "scatter", "scatter_", "take_along_dim"):
             idx = keyword(n, "index", 1)
-            if idx is not None and any(isinstance(m, ast.Name) and m.id in names for m in ast.walk(idx)):
+            if idx is not None and any(isinstance(m, ast.Name) and m.id in names for m in fast_walk(idx)):
                 return True
     return False
 
@@ -460,6 +530,66 @@ def nonzero_rows(mask):
     return rows
 '''
 
+_FLOAT_COUNT = '''\
+import torch
+
+
+def safe_counts(new_values, mask):
+    # TimesFM 2.5 running stats: a float count despite its name (the mask cast to the values' dtype, summed)
+    is_valid = (~mask).to(new_values.dtype)
+    inc_count = is_valid.sum(dim=-1)
+    inc_count_safe = torch.where(inc_count == 0, torch.ones_like(inc_count), inc_count)
+    return (new_values * is_valid).sum(dim=-1) / inc_count_safe
+'''
+
+_KEEP_BUCKETS = '''\
+import math
+
+import torch
+
+
+def relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    # T5 / LayoutLMv2 / MPNet: every tensor here is int64 (bucket ids), reached through abs / min / full_like
+    ret = 0
+    if bidirectional:
+        num_buckets //= 2
+        ret += (relative_position > 0).long() * num_buckets
+        n = torch.abs(relative_position)
+    else:
+        n = torch.max(-relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    val_if_large = max_exact + (
+        torch.log(n.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(torch.long)
+    val_if_large = torch.min(val_if_large, torch.full_like(val_if_large, num_buckets - 1))
+    ret += torch.where(is_small, n, val_if_large)
+    return ret
+'''
+
+_KEEP_PATCH_LENGTHS = '''\
+import torch
+
+
+def split_patch_lengths(patch_lengths: torch.Tensor, max_patch_length: int | None):
+    # BLT: lengths % an int stay int64; blended with an int literal they are still int64
+    positive = patch_lengths > 0
+    remainder = torch.where(positive, patch_lengths % max_patch_length, 0)
+    pieces = torch.where(remainder > 1, remainder.unsqueeze(-1), remainder.unsqueeze(-1) + 1)
+    return pieces
+'''
+
+_KEEP_PADDED_IDS = '''\
+import torch
+
+
+def append_eos(input_ids, pad_token_id, first_pad):
+    col = torch.arange(input_ids.shape[1] + 1, device=input_ids.device)
+    unshifted = torch.nn.functional.pad(input_ids, (0, 1), value=pad_token_id)
+    shifted = torch.nn.functional.pad(input_ids, (1, 0), value=pad_token_id)
+    return torch.where(col < first_pad, unshifted, shifted)
+'''
+
 AffinityWhere.FUSE = [
     Fuse(_BBOX_CLIP, name="ascend_guide_bbox_clip", expect={
         "cond": "bboxes < min_xy", "a": "min_xy", "b": "bboxes", "cond_is_bool": True, "variant": "where_to_lerp"}),
@@ -470,6 +600,8 @@ AffinityWhere.FUSE = [
         "cond": "condition > 0", "a": "x", "b": "y", "cond_is_bool": True}),
     Fuse(_DIFFUSION_CFG, name="diffusion_per_sample_guidance", expect={"a": "guided", "b": "noise_pred_text"}),
     Fuse(_MULTILINE, name="multiline_call", expect={"cond": "confidence > threshold", "a": "fine", "b": "coarse"}),
+    Fuse(_FLOAT_COUNT, name="timesfm_float_count_despite_its_name", expect={
+        "cond": "inc_count == 0", "a": "torch.ones_like(inc_count)", "b": "inc_count"}),
 ]
 
 AffinityWhere.KEEP = [
@@ -481,6 +613,9 @@ AffinityWhere.KEEP = [
     Keep(_KEEP_FINFO, reason="not inf-safe", name="finfo_min_floor_tensor"),
     Keep(_KEEP_NAN_GUARD, reason="tests for NaN/inf", name="tapas_isnan_guard"),
     Keep(_KEEP_INDICES, reason="", name="single_argument_where"),
+    Keep(_KEEP_BUCKETS, reason="integer tensors", name="t5_relative_position_bucket_through_abs_min"),
+    Keep(_KEEP_PATCH_LENGTHS, reason="integer tensors", name="blt_lengths_modulo_annotated_int"),
+    Keep(_KEEP_PADDED_IDS, reason="integer tensors", name="clvp_padded_input_ids"),
 ]
 
 CHECKS: dict[str, str] = {
@@ -506,4 +641,7 @@ CHECKS: dict[str, str] = {
         "out = apply_guidance(u, t, 7.5, torch.tensor([True, False, True]))\nleaves = [u, t]"
     ),
     "multiline_call": "out = blend_features(torch.randn(4, 5), torch.randn(4, 5), torch.rand(4, 5))",
+    "timesfm_float_count_despite_its_name": (
+        "m = torch.rand(3, 6) > 0.5\nm[0] = True\nx = torch.randn(3, 6, requires_grad=True)\nout = safe_counts(x, m)\nleaves = [x]"
+    ),
 }

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, replace_segments, scope_text, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
 MATMULS = {"torch.matmul", "torch.bmm"}
@@ -88,22 +88,35 @@ class Opaque(ast.expr):
     _fields = ()
 
 
+def _shallow_copy(node: ast.AST) -> ast.AST:
+    """``copy.copy(node)`` for the parser's node classes (what copy.copy does for them — a new
+    instance with the same ``__dict__`` — without its generic reduce/reconstruct machinery);
+    other classes go through copy.copy itself."""
+    cls = type(node)
+    if cls.__module__ != "ast":
+        return copy.copy(node)
+    new = cls.__new__(cls)
+    new.__dict__.update(node.__dict__)
+    return new
+
+
 def _assigned_names(stmts: Iterable[ast.stmt]) -> set[str]:
     """Names bound anywhere inside the statements (not inside nested function/class bodies)."""
     out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            out.add(node.name)
-            return
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            out.add(node.id)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
     for s in stmts:
-        visit(s)
+        _visit_assigned(s, out)
     return out
+
+
+def _visit_assigned(node: ast.AST, out: set[str]) -> None:
+    # module level, not a closure: a recursive closure is a reference cycle per call
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        out.add(node.name)
+        return
+    if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        out.add(node.id)
+    for child in child_nodes(node):
+        _visit_assigned(child, out)
 
 
 _INPLACE: dict[str, Any] = {"masked_fill_": "masked_fill", "add_": ast.Add(), "mul_": ast.Mult(), "div_": ast.Div(), "sub_": ast.Sub()}
@@ -140,8 +153,9 @@ class BlockInterp:
         if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             return node  # own scopes: left as written
         if isinstance(node, ast.AST):
-            new = copy.copy(node)
-            for name, value in ast.iter_fields(node):
+            new = _shallow_copy(node)
+            for name in child_fields(type(node)):  # ast.iter_fields less the fields that never hold a node
+                value = getattr(node, name, None)
                 if isinstance(value, list):
                     setattr(new, name, [self.sym(v, env) if isinstance(v, ast.AST) else v for v in value])
                 elif isinstance(value, ast.AST):
@@ -505,13 +519,13 @@ def _repeat_helper_dim(fn: ast.FunctionDef) -> int | None:
     """HF/Meta ``repeat_kv``: ``x[:, :, None, :, :].expand(b, n_kv, n_rep, s, d)`` then
     ``.reshape(b, n_kv * n_rep, s, d)`` (directly or through a local) -> the head dim is the one
     before the inserted axis (1 for HF BNSD, 2 for Meta BSND); ``x.repeat_interleave(n, dim=h)``."""
-    rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     if not rets or not any(
         isinstance(r.value, ast.Call) and isinstance(r.value.func, ast.Attribute) and r.value.func.attr in ("reshape", "view", "repeat_interleave")
         for r in rets
     ):
         return None
-    for node in ast.walk(fn):
+    for node in fast_walk(fn):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "expand":
             sub = node.func.value
             if isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.Tuple):
@@ -541,7 +555,7 @@ def head_dim_constant(module: ModuleInfo, scope: Scope, scale_nodes: Iterable[as
                     return v
     cls = module.classes.get(scope.class_name or "")
     if cls is not None:
-        for node in ast.walk(cls):
+        for node in fast_walk(cls):
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) in ("self.head_dim", "self.head_size", "self.d_head", "self.dim_head"):
                 v = const_value(node.value)
                 if isinstance(v, int) and not isinstance(v, bool):
@@ -660,6 +674,10 @@ class Chain:
     notes: list[str] = field(default_factory=list)
     confidence: str = "high"
     spelling: list[str] = field(default_factory=list)
+    # channel-first single-head attention (VQ-VAE attention blocks): bmm(qᵀ, k) with k already [B, D, S],
+    # and bmm(v, Pᵀ) with v [B, D, S] giving the output [B, D, Sq]
+    k_transposed: bool = False
+    v_transposed: bool = False
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -701,6 +719,8 @@ class _Matcher:
                 return node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul"
             if name == "torch.einsum" and len(node.args) == 3:
                 return node.args[1], node.args[2], "einsum"
+            if name == "torch.einsum" and len(node.args) == 2 and _pair(node.args[1]):
+                return node.args[1].elts[0], node.args[1].elts[1], "einsum"  # CvT: einsum(spec, [q, k])
             if self.method(node, "matmul", "bmm") and len(node.args) == 1:
                 return node.func.value, node.args[0], node.func.attr
         return None
@@ -764,7 +784,7 @@ class _Matcher:
         cls = self.module.classes.get(self.scope.class_name or "")
         if cls is None:
             return None
-        for node in ast.walk(cls):
+        for node in fast_walk(cls):
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) == f"self.{func.attr}" and isinstance(node.value, ast.Call):
                 return node.value
         return None
@@ -795,7 +815,18 @@ class _Matcher:
     def match(self, pv: tuple[Any, Any, str], anchor: ast.AST) -> Chain | None:
         p_node, v_node, kind = pv
         chain = Chain()
+        self.three_d = kind == "bmm"
         scores = self.peel_probs(p_node, chain)
+        if scores is None and kind == "bmm":
+            # bmm(v, Pᵀ) = (P @ vᵀ)ᵀ: the channel-first form of Chameleon / Janus / WavTokenizer attention blocks
+            p_t = self._transposed_3d(v_node, chain)
+            if p_t is not None:
+                chain = Chain()
+                scores = self.peel_probs(p_t, chain)
+                if scores is not None:
+                    self._transposed_3d(v_node, chain)  # record the transpose statement as a step
+                    chain.v_transposed = True
+                    p_node, v_node = v_node, p_node
         if scores is None or not _heavy(scores, through_meta=False):
             return None
         if kind == "einsum":
@@ -822,6 +853,19 @@ class _Matcher:
         if chain.q is None or chain.k is None:
             raise Miss("no Q@Kᵀ product found under the softmax")
         return chain
+
+    def _transposed_3d(self, node: Any, chain: Chain) -> Any:
+        """X of ``X.permute(0, 2, 1)`` / ``X.transpose(1, 2)`` (through a local assignment), else None."""
+        n = self._deref_op(node, chain) if isinstance(node, Ref) else node
+        while isinstance(n, Ref) and n.value is not None and not isinstance(n.value, (Opaque, Cond)):
+            if n.idx >= 0:
+                chain.seen.add(n.idx)
+            n = n.value
+        if self.method(n, "permute") and tuple(const_value(x) for x in n.args) == (0, 2, 1):
+            return n.func.value
+        if self.method(n, "transpose") and len(n.args) == 2 and {const_value(x) for x in n.args} in ({1, 2}, {-1, -2}):
+            return n.func.value
+        return None
 
     def peel_probs(self, node: Any, chain: Chain) -> Any:
         """Walk from the P of P@V to the softmax; returns the softmax input or None (not attention)."""
@@ -854,6 +898,14 @@ class _Matcher:
                     chain.dropout_cond = (node.test, True)
                     node = a
                     continue
+                # BART-style ``if output_attentions: w = w.view(4-D).view(3-D)``: both branches feed the same
+                # product, so a branch that only re-views the other is the same tensor: follow the other
+                if self._views_of(a, b):
+                    node = b
+                    continue
+                if self._views_of(b, a):
+                    node = a
+                    continue
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
@@ -868,7 +920,7 @@ class _Matcher:
                 dim_v = const_value(dim) if dim is not None else None
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
-                if dim_v not in (-1, 3):
+                if dim_v not in (-1, 2 if getattr(self, "three_d", False) else 3):  # the key axis: last of 3-D / 4-D scores
                     raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim")
                 if dtype is not None:
                     chain.softmax_dtype = self.src(dtype)
@@ -903,6 +955,19 @@ class _Matcher:
                     stack.extend(v for v in value if isinstance(v, ast.AST))
                 elif isinstance(value, ast.AST):
                     stack.append(value)
+        return False
+
+    def _views_of(self, x: Any, base: Any) -> bool:
+        """``x`` is ``base`` seen through ``.view`` / ``.reshape`` calls only (at least one)."""
+        n, hops = x, 0
+        for _ in range(8):
+            while isinstance(n, Ref) and n is not base and n.value is not None and not isinstance(n.value, (Opaque, Cond)):
+                n = n.value
+            if n is base:
+                return hops > 0
+            if not self.method(n, "view", "reshape"):
+                return False
+            n, hops = n.func.value, hops + 1
         return False
 
     def _strip_dropout(self, node: Any, chain: Chain) -> tuple[Any, Any, Any] | None:
@@ -1110,7 +1175,7 @@ class _Matcher:
         cls = self.module.classes.get(self.scope.class_name or "")
         if cls is None:
             return False
-        for node in ast.walk(cls):
+        for node in fast_walk(cls):
             value = None
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register_buffer" and len(node.args) >= 2 and const_value(node.args[0]) == attr:
                 value = node.args[1]
@@ -1119,13 +1184,13 @@ class _Matcher:
             if value is not None:
                 if isinstance(value, ast.Name):
                     # ``bias = torch.tril(...).view(...)`` then ``self.register_buffer("bias", bias)``
-                    for fn in ast.walk(cls):
-                        if isinstance(fn, ast.FunctionDef) and any(n is node for n in ast.walk(fn)):
-                            for a in ast.walk(fn):
+                    for fn in fast_walk(cls):
+                        if isinstance(fn, ast.FunctionDef) and any(n is node for n in fast_walk(fn)):
+                            for a in fast_walk(fn):
                                 if isinstance(a, ast.Assign) and any(isinstance(t, ast.Name) and t.id == value.id for t in a.targets):
                                     value = a.value
                             break
-                for sub in ast.walk(value):
+                for sub in fast_walk(value):
                     if self._is_local_tri(sub, "tril", 0):
                         return True
         return False
@@ -1228,6 +1293,11 @@ class _Matcher:
                 if perm == (0, 2, 3, 1):
                     chain.k = self.peel_operand(kt_d.func.value, "k", "BSND", chain)
                     return
+            if layout == "3D" and not isinstance(kt_d, ast.BinOp):
+                # bmm(q, kᵀ) with kᵀ built as [B, D, S] directly (channel-first attention blocks): K = kᵀ.transpose(1, 2)
+                chain.k = self.peel_operand(kt_d, "k", layout, chain)
+                chain.k_transposed = True
+                return
             raise Miss(f"the key operand `{self.src(b)}` is not a transpose of K")
 
     def _has_tensor_op(self, node: Any) -> bool:
@@ -1327,6 +1397,11 @@ class _Matcher:
         return False
 
 
+def _pair(node: Any) -> bool:
+    """``[a, b]`` / ``(a, b)``: einsum's operands passed as one list."""
+    return isinstance(node, (ast.List, ast.Tuple)) and len(node.elts) == 2 and not any(isinstance(e, ast.Starred) for e in node.elts)
+
+
 def _is_self_attr(func: Any) -> bool:
     return isinstance(func, ast.Attribute) and isinstance(func.value, Ref) and func.value.name == "self" and func.value.idx == -1
 
@@ -1348,6 +1423,158 @@ def _plain(node: Any) -> Any:
         elif isinstance(value, ast.AST):
             setattr(new, name, _plain(value))
     return new
+
+
+# ops that keep their input's rank, for :func:`static_rank`
+_RANK_KEEP = {"transpose", "contiguous", "to", "float", "half", "bfloat16", "type", "type_as", "clone", "detach",
+              "mul", "div", "swapaxes", "masked_fill", "softmax"}
+
+
+def static_rank(scope: Scope, node: Any, line: int, depth: int = 0) -> int | None:
+    """The rank of a tensor expression where the code states it (view/reshape/permute arity, unbind,
+    unsqueeze, integer indexing), following local assignments; None when it is not evident.
+    Hiera's ``qkv.permute(3, 0, 4, 2, 1, 5)`` then ``query, key, value = qkv.unbind(0)`` is 5-D."""
+    if depth > 12 or node is None:
+        return None
+    if isinstance(node, Ref):
+        v = node.value
+        if isinstance(v, Cond):
+            a, b = static_rank(scope, v.body, line, depth + 1), static_rank(scope, v.orelse, line, depth + 1)
+            return a if a == b else None
+        if v is not None and not isinstance(v, (Opaque, Undef)):
+            return static_rank(scope, v, line, depth + 1)
+        if node.idx == -1:
+            d = scope.definition(node.name, line)
+            return static_rank(scope, d, getattr(d, "lineno", line), depth + 1)
+        return None
+    if isinstance(node, ast.Name):
+        d = scope.definition(node.id, line)
+        return static_rank(scope, d, getattr(d, "lineno", line), depth + 1)
+    if isinstance(node, ast.Attribute) and node.attr == "values" and isinstance(node.value, ast.Call):
+        return static_rank(scope, node.value, line, depth + 1)  # x.max(dim=3).values
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        attr, base = node.func.attr, node.func.value
+        if attr in ("view", "reshape", "permute"):
+            args = node.args
+            if not args or any(isinstance(a, ast.Starred) for a in args):
+                return None
+            if len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List)):
+                return None if any(isinstance(e, ast.Starred) for e in args[0].elts) else len(args[0].elts)
+            if len(args) == 1 and not isinstance(const_value(args[0]), int):
+                return None  # view(shape_variable)
+            return len(args)
+        r = static_rank(scope, base, line, depth + 1) if attr in _RANK_KEEP | {"unsqueeze", "squeeze", "max", "min", "amax", "mean", "sum"} else None
+        if r is None:
+            return None
+        if attr in _RANK_KEEP:
+            return r
+        if attr == "unsqueeze":
+            return r + 1
+        # squeeze(d) / a reduction over one dim without keepdim drop a dim; anything else is not evident
+        dim = keyword(node, "dim", 0)
+        keep = keyword(node, "keepdim", 1) if attr != "squeeze" else None
+        if not isinstance(const_value(dim), int) or const_value(keep) is True:
+            return None
+        return r - 1
+    if isinstance(node, ast.Subscript):
+        base = node.value
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr in ("unbind", "chunk", "split") \
+                and isinstance(const_value(node.slice), int):
+            r = static_rank(scope, base.func.value, line, depth + 1)
+            return None if r is None else r - 1 if base.func.attr == "unbind" else r
+        r = static_rank(scope, base, line, depth + 1)
+        if r is None:
+            return None
+        for e in node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]:
+            if isinstance(e, ast.Slice) or isinstance(e, ast.Constant) and e.value is Ellipsis:
+                continue
+            if isinstance(e, ast.Constant) and e.value is None:
+                r += 1
+            elif isinstance(const_value(e), int):
+                r -= 1
+            else:
+                return None  # a tensor index
+        return r
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
+        known = [x for x in (static_rank(scope, node.left, line, depth + 1), static_rank(scope, node.right, line, depth + 1)) if x is not None]
+        return max(known) if known else None
+    return None
+
+
+# words that make a value passed as the mask a float bias (ALiBi / relative position / SAM's point
+# similarity / Doge's dynamic mask): ``mask < 0`` would binarise it
+_CALLER_BIAS_WORDS = _BIAS_WORDS + ("similarity", "dynamic")
+
+
+def _bias_evidence(caller: Scope, node: ast.AST, line: int, depth: int = 0, seen: set[str] | None = None) -> str | None:
+    """The identifier that shows ``node`` (an argument in ``caller``) to be a float bias, or None.
+    Keyword arguments of calls are not followed (``create_causal_mask(..., position_ids=...)`` is a mask)."""
+    seen = set() if seen is None else seen
+    if depth > 6:
+        return None
+    if isinstance(node, ast.Name):
+        if any(w in node.id.lower() for w in _CALLER_BIAS_WORDS):
+            return node.id
+        if node.id in seen:
+            return None
+        seen.add(node.id)
+        for stmt, value in caller.assignments.get(node.id, []):  # every earlier assignment: branches too
+            if value is not None and stmt.lineno < line:
+                found = _bias_evidence(caller, value, stmt.lineno, depth + 1, seen)
+                if found:
+                    return found
+        return None
+    if isinstance(node, ast.Attribute):
+        return node.attr if any(w in node.attr.lower() for w in _CALLER_BIAS_WORDS) else None
+    if isinstance(node, ast.Call):
+        # the callee's name (Doge's prepare_dynamic_mask; not "pos": apply_rotary_pos_emb returns q/k) and the
+        # receiver of a method (x.masked_fill_(...)); arguments are inputs, not what the value is
+        f = node.func
+        callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if any(w in callee.lower() for w in _CALLER_BIAS_WORDS if "pos" not in w):
+            return callee
+        return _bias_evidence(caller, f.value, line, depth + 1, seen) if isinstance(f, ast.Attribute) else None
+    parts: list[ast.AST] = []
+    if isinstance(node, ast.BinOp):
+        parts = [node.left, node.right]
+    elif isinstance(node, ast.IfExp):
+        parts = [node.body, node.orelse]
+    elif isinstance(node, (ast.Subscript, ast.UnaryOp)):
+        parts = [node.value if isinstance(node, ast.Subscript) else node.operand]
+    return next((e for x in parts if (e := _bias_evidence(caller, x, line, depth + 1, seen))), None)
+
+
+def caller_bias(module: ModuleInfo, scope: Scope, param: str) -> str | None:
+    """A call of this function in the same file (directly, ``self.<name>(...)``, or through HF's
+    ``attention_interface`` chosen from it) that passes a float bias for its parameter ``param``:
+    the near-miss reason, else None. The eager function itself only sees ``scores + attention_mask``;
+    what the callers hand it (Swin's relative_position_bias + mask, SAM's attention_similarity,
+    Parakeet's relative-position matrix_bd, Doge's dynamic mask) decides whether it is a 0/-inf mask."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if param not in names:
+        return None
+    pos = names.index(param) - (1 if scope.class_name and names[0] == "self" else 0)
+    for caller in module.scopes:
+        if caller is scope or isinstance(caller.node, ast.Module) or fn.name not in scope_text(module, caller):
+            continue
+        for node in caller.nodes().get(ast.Call, ()):  # the calls of fast_walk(caller.node), in order
+            f = node.func
+            direct = (isinstance(f, ast.Name) and f.id in (fn.name, "attention_interface")) or (
+                isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) and f.value.id == "self")
+            if not direct:
+                continue
+            arg = keyword(node, param, pos)
+            if arg is None or isinstance(arg, ast.Constant):
+                continue
+            found = _bias_evidence(caller, arg, node.lineno)
+            if found:
+                return (f"a caller (`{caller.qualname}`, line {node.lineno}) passes `{segment(module, arg)[:40]}` as `{param}`: "
+                        f"a float bias (`{found}`), not a 0/-inf mask; `mask < 0` would binarise it, and as a bias it maps to "
+                        "npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)")
+    return None
 
 
 # =============================================================================================
@@ -1387,7 +1614,7 @@ class AttentionPattern(Pattern):
         if "@" not in text and "matmul" not in text and "bmm" not in text and "einsum" not in text:
             return []
         out = []
-        for node in ast.walk(stmt):
+        for node in fast_walk(stmt):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
                 out.append((node, (node.left, node.right, "@")))
             elif isinstance(node, ast.Call):
@@ -1396,6 +1623,8 @@ class AttentionPattern(Pattern):
                     out.append((node, (node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul")))
                 elif name == "torch.einsum" and len(node.args) == 3:
                     out.append((node, (node.args[1], node.args[2], "einsum")))
+                elif name == "torch.einsum" and len(node.args) == 2 and _pair(node.args[1]):
+                    out.append((node, (node.args[1].elts[0], node.args[1].elts[1], "einsum")))
         return out
 
     def _site(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, e: int, stmt: ast.stmt, node: ast.AST, pv: tuple[Any, Any, str]) -> Result | None:
@@ -1428,6 +1657,12 @@ class AttentionPattern(Pattern):
         problem = head_dim_problem(d)
         if problem:
             return NearMiss(self.id, scope.qualname, span_line, end_line, problem)
+        # an additive mask that is a parameter (possibly sliced): what the callers pass decides if it is a mask
+        for m in (m for m in chain.masks if m.kind == "additive"):
+            for param in sorted({n.name for n in walk_values(m.node) if isinstance(n, Ref) and n.idx == -1 and n.name != "self"}):
+                bias = caller_bias(module, scope, param)
+                if bias:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line, bias)
         r = Renderer(module, interp, s, matcher.repeat_of)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
@@ -1448,6 +1683,14 @@ class AttentionPattern(Pattern):
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         if (chain.k.repeat is None) != (chain.v.repeat is None):
             return NearMiss(self.id, scope.qualname, span_line, end_line, "keys and values are not repeated alike (GQA on one of them only)")
+        if chain.q.layout != "3D":
+            # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
+            for tag, op, text in (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t)):
+                rank = static_rank(scope, op.leaf, block[0].lineno)
+                if rank is not None and rank != 4:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line,
+                                    f"{tag} (`{text[:30]}`) is {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] / [B,S,N,D] "
+                                    "tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads)")
         lines: list[str] = []
         # statements of the span that are not attention steps
         steps = chain.seen | r.consumed
@@ -1459,7 +1702,7 @@ class AttentionPattern(Pattern):
             if j in steps:
                 continue
             other = block[j]
-            reads = {n.id for n in ast.walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            reads = {n.id for n in fast_walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
             if reads & internal:
                 if _is_check(other):
                     continue  # a shape assert on an intermediate: the fused op checks shapes itself
@@ -1481,8 +1724,8 @@ class AttentionPattern(Pattern):
                 )
             lines.append(_statement_text(module, other))
         # live-outs: names computed inside the span and read after it
-        pv_nodes = {id(n) for n in ast.walk(node)}
-        in_final = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in pv_nodes}
+        pv_nodes = {id(n) for n in fast_walk(node)}
+        in_final = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in pv_nodes}
         none_probs: list[str] = []
         risks = list(chain.risks)
         for name in sorted(internal):
@@ -1525,8 +1768,14 @@ class AttentionPattern(Pattern):
             if layouts != {"3D"}:
                 return NearMiss(self.id, scope.qualname, span_line, end_line, "bmm attention mixing 3-D and 4-D operands")
             layout = "BNSD"
-            q_a, k_a, v_a = (f"{atom(x)}.unsqueeze(1)" for x in (q_n, k_n, v_n))
+            # channel-first operands ([B, D, S] kᵀ / vᵀ) are transposed back to [B, S, D]
+            k_3, v_3 = (f"{atom(x)}.transpose(1, 2)" if t else x for x, t in ((k_n, chain.k_transposed), (v_n, chain.v_transposed)))
+            tail = ".contiguous()" if chain.k_transposed or chain.v_transposed else ""  # transposed views are copied
+            q_a, k_a, v_a = (f"{atom(x)}.unsqueeze(1){tail}" for x in (q_n, k_3, v_3))
             head_num, sq = "1", f"{atom(q_n)}.shape[1]"
+            if chain.k_transposed or chain.v_transposed:
+                chain.notes.append("channel-first attention (k and/or v laid out [B, D, S], output of bmm(v, Pᵀ) [B, D, Sq]): "
+                                   "the fused call takes [B, 1, S, D] views and the result is transposed back")
         elif len(layouts) == 1:
             layout = chain.q.layout
             q_a, k_a, v_a = q_n, k_n, v_n
@@ -1612,14 +1861,16 @@ class AttentionPattern(Pattern):
         if cast_v:
             call = f"{call}.to({out_dtype})"
         if three_d:
-            call = f"{call}.squeeze(1)"
+            call = f"{call}.squeeze(1)" + (".transpose(1, 2)" if chain.v_transposed else "")  # bmm(v, Pᵀ) is [B, D, Sq]
         if layout != chain.out_layout and not three_d:
             call = f"{call}.transpose(1, 2)"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
         lines.append(replace_segments(module, stmt, [(node, call)]))
         if none_probs:
-            risks.append(Risk("other", f"`{', '.join(none_probs)}` (the attention probabilities) is None in the fused branch: a caller asking for output_attentions gets None — turn the switch off for such runs"))
+            risks.append(Risk("other", f"the attention weights are not returned on the fused branch: `{', '.join(none_probs)}` (the attention probabilities) is None there, because "
+                              "npu_fusion_attention does not produce them — a caller asking for attention weights (output_attentions=True) gets None instead of the "
+                              "probabilities; turn the switch off for such runs (verify op does not compare them)"))
         gqa = chain.k.repeat.n_rep if chain.k.repeat else None
         params: dict[str, Any] = {
             "scale": scale,
@@ -1653,7 +1904,7 @@ class AttentionPattern(Pattern):
     @staticmethod
     def _guard(q_text: str) -> str:
         node = ast.parse(q_text, mode="eval").body
-        for n in ast.walk(node):
+        for n in fast_walk(node):
             if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"):
                 return n.id
         return q_text
@@ -1748,8 +1999,8 @@ def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> str:
 
 def _parents(root: ast.AST) -> dict[int, ast.AST]:
     out: dict[int, ast.AST] = {}
-    for n in ast.walk(root):
-        for c in ast.iter_child_nodes(n):
+    for n in fast_walk(root):
+        for c in child_nodes(n):
             out[id(c)] = n
     return out
 
@@ -1775,17 +2026,19 @@ def _packaging_use(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
 
 
 def _only_returned(scope: Scope, name: str, after: int) -> bool:
-    parents = _parents(scope.node)
-    for n in ast.walk(scope.node):
-        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > after:
-            if not _packaging_use(n, parents):
-                return False
-    return True
+    # the scope's reads of ``name`` (Scope.name_loads: the Name/Load nodes of its walk, in order)
+    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    if not loads:
+        return True
+    parents = scope.__dict__.get("_npufuse_parents")
+    if parents is None:  # one parent map per scope (the tree does not change)
+        parents = scope.__dict__["_npufuse_parents"] = _parents(scope.node)
+    return all(_packaging_use(n, parents) for n in loads)
 
 
 def _only_returned_in(stmt: ast.stmt, name: str, skip: set[int]) -> bool:
     parents = _parents(stmt)
-    for n in ast.walk(stmt):
+    for n in fast_walk(stmt):
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and id(n) not in skip:
             if not _packaging_use(n, parents):
                 return False
@@ -2400,5 +2653,158 @@ class WindowAttention(nn.Module):
         return attn @ v
 ''',
         reason="is a tensor",
+    ),
+]
+
+
+# examples for the corpus-audit fixes (bench/audit/attention.yaml)
+AttentionPattern.FUSE += [
+    Fuse(
+        name="vqvae_channel_first_single_head",
+        # Chameleon / Janus / Apertus VQ-VAE AttnBlock: kᵀ and vᵀ are [B, C, HW], output bmm(v, Pᵀ) is [B, C, HW]
+        code='''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VQVAEAttnBlock(nn.Module):
+    def __init__(self, channels=32):
+        super().__init__()
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.k = nn.Conv2d(channels, channels, 1)
+        self.v = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, hidden_states):
+        query_states = self.q(hidden_states)
+        key_states = self.k(hidden_states)
+        value_states = self.v(hidden_states)
+        batch_size, channels, height, width = query_states.shape
+        query_states = query_states.reshape(batch_size, channels, height * width).permute(0, 2, 1)
+        key_states = key_states.reshape(batch_size, channels, height * width)
+        attn_weights = torch.bmm(query_states, key_states)
+        attn_weights = attn_weights * (int(channels) ** (-0.5))
+        attn_weights = F.softmax(attn_weights, dim=2)
+        value_states = value_states.reshape(batch_size, channels, height * width)
+        attn_weights = attn_weights.permute(0, 2, 1)
+        attn_output = torch.bmm(value_states, attn_weights).reshape(batch_size, channels, height, width)
+        return hidden_states + attn_output
+''',
+        expect={"scale": "int(channels) ** (-0.5)", "mask_kind": "none", "output_layout": "3D"},
+        run='''
+m = VQVAEAttnBlock()
+x = torch.randn(2, 32, 4, 4, requires_grad=True)
+out = m(x)
+leaves = [x, m.q.weight, m.v.weight]
+''',
+    ),
+    Fuse(
+        name="vocos_probs_transposed_inline",
+        # WavTokenizer / Vocos: bmm(qᵀ, k) and bmm(v, Pᵀ) with the transposes written inline
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+def vocos_attention(query, key, value):
+    batch_size, channels, seq_len = query.shape
+    attn_weights = torch.bmm(query.permute(0, 2, 1), key) * channels**-0.5
+    attn_weights = F.softmax(attn_weights, dim=2)
+    return torch.bmm(value, attn_weights.permute(0, 2, 1))
+''',
+        expect={"scale": "channels ** (-0.5)", "q": "query.permute(0, 2, 1)"},
+        run='''
+q = torch.randn(2, 16, 10, requires_grad=True)
+k = torch.randn(2, 16, 10, requires_grad=True)
+v = torch.randn(2, 16, 10, requires_grad=True)
+out = vocos_attention(q, k, v)
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        name="cvt_einsum_operand_list",
+        # CvT: torch.einsum(spec, [a, b]) with the operands in one list
+        code='''
+import torch
+from torch import nn
+
+
+class CvtSelfAttention(nn.Module):
+    def __init__(self, embed_dim=64, drop=0.0):
+        super().__init__()
+        self.scale = embed_dim**-0.5
+        self.dropout = nn.Dropout(drop)
+
+    def forward(self, query, key, value):
+        attention_score = torch.einsum("bhlk,bhtk->bhlt", [query, key]) * self.scale
+        attention_probs = torch.nn.functional.softmax(attention_score, dim=-1)
+        attention_probs = self.dropout(attention_probs)
+        context = torch.einsum("bhlt,bhtv->bhlv", [attention_probs, value])
+        return context
+''',
+        expect={"scale": "self.scale", "layout": "BNSD", "dropout": "self.dropout.p"},
+        run='''
+m = CvtSelfAttention().eval()
+q = torch.randn(2, 4, 9, 16, requires_grad=True)
+k = torch.randn(2, 4, 9, 16, requires_grad=True)
+v = torch.randn(2, 4, 9, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+''',
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="caller_passes_position_bias_as_mask",
+        # Swin / SAM / Parakeet: a generic eager function whose caller hands it a float bias as `attention_mask`
+        code='''
+import torch
+from torch import nn
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_output = torch.matmul(attn_weights, value)
+    return attn_output, attn_weights
+
+
+class WindowAttention(nn.Module):
+    def forward(self, query, key, value, attention_mask=None):
+        relative_position_bias = self.relative_position_bias_table[self.index].permute(2, 0, 1).unsqueeze(0)
+        combined_mask = relative_position_bias if attention_mask is None else relative_position_bias + attention_mask
+        attention_interface = eager_attention_forward
+        return attention_interface(self, query, key, value, combined_mask, scaling=self.scale)
+''',
+        reason="float bias",
+    ),
+    Keep(
+        name="hiera_mask_unit_attention_5d",
+        # Hiera: q/k/v [B, heads, windows, tokens, D] (5-D): the matmuls broadcast, the op does not
+        code='''
+import torch
+from torch import nn
+
+
+class MaskUnitAttention(nn.Module):
+    def __init__(self, dim=64, heads=4, windows=2):
+        super().__init__()
+        self.heads, self.head_dim, self.windows = heads, dim // heads, windows
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, hidden_states):
+        batch_size, seq_len, _ = hidden_states.shape
+        qkv = self.qkv(hidden_states).reshape(batch_size, seq_len // self.windows, self.windows, 3, self.heads, self.head_dim)
+        qkv = qkv.permute(3, 0, 4, 2, 1, 5)
+        query, key, value = qkv.unbind(0)
+        attn_weights = (query * self.scale) @ key.transpose(-1, -2)
+        attn_weights = attn_weights.softmax(dim=-1)
+        return attn_weights @ value
+''',
+        reason="is 5-D",
     ),
 ]

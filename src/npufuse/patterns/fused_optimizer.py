@@ -27,7 +27,7 @@ import ast
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, dotted, keyword, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "fused_optimizer"
@@ -86,19 +86,19 @@ class FusedOptimizer(Pattern):
         return getattr(torch.optim, kind)(params, **kwargs)
 
 
-_RELEVANT: list[Any] = [None, False]  # single-entry cache: detect runs for every scope of one module in a row
-
-
 def _relevant(module: ModuleInfo) -> bool:
-    if _RELEVANT[0] is not module:
+    # cached on the module (detect runs for every scope of it); a global cache holding the
+    # last module would keep its whole tree alive past the file, for the garbage collector to walk
+    cached = module.__dict__.get("_npufuse_optim_relevant")
+    if cached is None:
         src = module.source
-        _RELEVANT[:] = [module, any(k in src for k in _OPTIMIZERS) and ("optim" in src)]
-    return bool(_RELEVANT[1])
+        cached = module.__dict__["_npufuse_optim_relevant"] = any(k in src for k in _OPTIMIZERS) and ("optim" in src)
+    return bool(cached)
 
 
 def _optimizer_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
     out = []
-    for node in ast.walk(stmt):
+    for node in fast_walk(stmt):
         if isinstance(node, ast.Call) and module.canonical(node.func) in _CANONICAL:
             out.append(node)
     return out
@@ -117,7 +117,7 @@ class _FileFacts:
         for name in module.aliases.values():
             if any(s.lower() in name.lower() for s in ("deepspeed", "fsdp", "fully_sharded")):
                 self.sharding = (1, name)
-        for node in ast.walk(module.tree):
+        for node in fast_walk(module.tree):
             if isinstance(node, (ast.Name, ast.Attribute)) and self.sharding is None:
                 ident = node.id if isinstance(node, ast.Name) else node.attr
                 if ident in _SHARDING:
@@ -174,12 +174,12 @@ def _model_of(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth:
     """``M`` of the first ``M.parameters()`` / ``M.named_parameters()`` the params argument is built from."""
     if depth > 6:
         return None
-    for n in ast.walk(node):
+    for n in fast_walk(node):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("parameters", "named_parameters"):
             base = dotted(n.func.value)
             if base is not None:
                 return base
-    for n in ast.walk(node):
+    for n in fast_walk(node):
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
             value = scope.definition(n.id, line)
             if value is not None:

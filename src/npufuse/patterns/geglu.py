@@ -256,6 +256,33 @@ Geglu.FUSE = [
         run="m = GatedGELU(8, 6, approximate='tanh')\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
         name="approximate_from_attribute",
     ),
+    Fuse(
+        '''
+import torch
+from torch import nn
+
+
+class CpmAntDenseGatedACT(nn.Module):
+    """The up projection rebinds its own input: ``hidden_states = self.w_1(hidden_states)``."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.w_0 = nn.Linear(d, h, bias=False)
+        self.w_1 = nn.Linear(d, h, bias=False)
+        self.act = torch.nn.GELU()
+
+    def forward(self, hidden_states):
+        gate_score = self.act(self.w_0(hidden_states))
+        hidden_states = self.w_1(hidden_states)
+
+        hidden_states = gate_score * hidden_states
+        return hidden_states
+''',
+        expect={"approximate": 0, "activate_left": True, "source": "two_projections", "gate": "self.w_0(hidden_states)",
+                "up": "hidden_states", "line": 16, "end_line": 19},
+        run="m = CpmAntDenseGatedACT(8, 12)\nx = torch.randn(2, 3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.w_0.weight, m.w_1.weight]\n",
+        name="up_projection_rebinds_its_input",
+    ),
 ]
 
 Geglu.KEEP = [

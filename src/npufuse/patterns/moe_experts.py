@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "moe_experts"
@@ -199,20 +199,20 @@ class MoeExperts(Pattern):
 # ---------------------------------------------------------------------------------------------
 
 
-_RELEVANT: list[Any] = [None, False]  # single-entry cache: detect runs for every scope of one module in a row
-
-
 def _relevant(module: ModuleInfo) -> bool:
-    if _RELEVANT[0] is not module:
+    # cached on the module (detect runs for every scope of it); a global cache holding the
+    # last module would keep its whole tree alive past the file, for the garbage collector to walk
+    cached = module.__dict__.get("_npufuse_moe_relevant")
+    if cached is None:
         src = module.source
         torch_file = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
-        _RELEVANT[:] = [module, torch_file and ("index_add" in src or "xpert" in src)]
-    return bool(_RELEVANT[1])
+        cached = module.__dict__["_npufuse_moe_relevant"] = torch_file and ("index_add" in src or "xpert" in src)
+    return bool(cached)
 
 
 def _names_in(node: ast.AST) -> set[str]:
     out: set[str] = set()
-    for n in ast.walk(node):
+    for n in fast_walk(node):
         if isinstance(n, ast.Name):
             out.add(n.id)
         elif isinstance(n, ast.Attribute):
@@ -225,7 +225,7 @@ def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
     header = _names_in(loop.iter) | _names_in(loop.target)
     if any("expert" in n.lower() for n in header):
         return True
-    for n in ast.walk(loop):
+    for n in fast_walk(loop):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("index_add_", "index_add"):
             return True
         if isinstance(n, ast.Attribute) and n.attr == "experts":
@@ -241,7 +241,7 @@ def _assigned(stmts: list[ast.stmt]) -> set[str]:
     """Names bound by these statements (targets, loop variables, with-as, walrus)."""
     out: set[str] = set()
     for s in stmts:
-        for n in ast.walk(s):
+        for n in fast_walk(s):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 out.add(n.id)
     return out
@@ -528,7 +528,7 @@ class _Eval:
             return V("rw")  # w[top_x, idx][:, None]
         if base.kind in ("tok", "kpos") and [self._part_kind(p) for p in parts] == ["all"]:
             return base
-        if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in ast.walk(sl)):
+        if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in fast_walk(sl)):
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
         return V("unknown", (ast.unparse(node),))
 
@@ -832,9 +832,9 @@ class _Eval:
         assert root is not None
         allowed = {"sum", "nonzero", "unique", "squeeze", "flatten", "view", "reshape", "tolist", "ne", "gt", "any", "long", "int"}
         roots = set(self.masks) | {indices}
-        if not any(isinstance(n, ast.Name) and n.id in roots for n in ast.walk(root)):
+        if not any(isinstance(n, ast.Name) and n.id in roots for n in fast_walk(root)):
             raise _Miss("the experts iterated are not derived from the routing mask or indices")
-        for n in ast.walk(root):
+        for n in fast_walk(root):
             if isinstance(n, ast.Subscript) and not (isinstance(n.slice, ast.Constant) and n.slice.value == 0):
                 raise _Miss("the loop runs over a subset of the experts that received tokens")
             if isinstance(n, ast.Call):
@@ -893,7 +893,7 @@ class _Eval:
         if self.template is None:
             raise _Miss("the expert module is not indexed by the expert")
         t = copy.deepcopy(self.template)
-        for n in ast.walk(t):
+        for n in fast_walk(t):
             if isinstance(n, ast.Name) and n.id in self.eidx:
                 n.id = f"{P}i"
         bins = site.bins if site.bins != f"len({P}experts)" else f"len({self._container_text()})"
@@ -1055,7 +1055,7 @@ def _class_init_assigns(module: ModuleInfo, cls: ast.ClassDef, seen: Optional[se
             out.update(_class_init_assigns(module, module.classes[b], seen))
     for node in cls.body:
         if isinstance(node, ast.FunctionDef) and node.name == "__init__":
-            for s in ast.walk(node):
+            for s in fast_walk(node):
                 if isinstance(s, ast.Assign):
                     for t in s.targets:
                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":

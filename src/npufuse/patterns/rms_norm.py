@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
+from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk
 from npufuse.scan.value import estimate, symbolic
 
 if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
@@ -502,6 +502,8 @@ def _through_control_flow(module: ModuleInfo, value: ast.expr, vctx: S.Ctx, node
         except NoMatch:
             continue
         except Miss as e:
+            if e.reason.startswith("mean subtracted"):
+                return e  # a LayerNorm on that path (an optional affine after it): that is the reason
             return Miss("control flow between the norm and its result (a branch assigns it)", e.rstd)
         return Miss("control flow between the norm and its result (a branch assigns it)", core.rstd)
     return NoMatch()
@@ -511,8 +513,18 @@ def _through_control_flow(module: ModuleInfo, value: ast.expr, vctx: S.Ctx, node
 _TORCH_ROOT = re.compile(r"rsqrt|(?<!math\.)(?<!np\.)(?<!numpy\.)\bsqrt\(|\*\*\s*\(?\s*-?\s*0?\.5\b|pow\([^()]*-\s*0?\.5\s*\)")
 
 
+# Where a _TORCH_ROOT match can start (one string per alternative): S.anchored_search tries the
+# regex only there, which is exact for this regex (checked here, so an edited regex falls back).
+_ROOT_ANCHORS = ("rsqrt", "sqrt(", "**", "pow(")
+_ROOT_FAST = _TORCH_ROOT.pattern == r"rsqrt|(?<!math\.)(?<!np\.)(?<!numpy\.)\bsqrt\(|\*\*\s*\(?\s*-?\s*0?\.5\b|pow\([^()]*-\s*0?\.5\s*\)"
+
+
 def _root_text(text: str) -> bool:
-    return ("sqrt" in text or "0.5" in text or ".5" in text) and bool(_TORCH_ROOT.search(text))
+    if not ("sqrt" in text or "0.5" in text or ".5" in text):
+        return False
+    if _ROOT_FAST:
+        return S.anchored_search(_TORCH_ROOT, text, _ROOT_ANCHORS)
+    return bool(_TORCH_ROOT.search(text))
 
 
 def _norm_text(text: str) -> bool:
@@ -582,6 +594,10 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
             dt = t
         inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
     if not (isinstance(inner, (ast.Name, ast.Attribute)) and dotted(inner)):
+        if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("view", "reshape"):
+            # FalconH1/Mamba2 gated norms: x viewed as (groups, group_size), the weight viewed to match
+            raise Miss(f"grouped norm: the weight is reshaped (`{ast.unparse(op.node)}`) to normalize per group; "
+                       "npu_rms_norm normalizes over gamma's trailing dims as stored")
         raise Miss(f"weight `{ast.unparse(op.node)}` is not a parameter")
     if dt is None:
         dt = ("like", inner, ictx)
@@ -850,7 +866,7 @@ def _own_nodes(stmt: ast.stmt) -> Iterable[ast.AST]:
     while stack:
         n = stack.pop()
         yield n
-        for c in ast.iter_child_nodes(n):
+        for c in child_nodes(n):
             if isinstance(c, ast.stmt):
                 continue
             stack.append(c)
@@ -917,7 +933,7 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
 
 
 def _within(node: ast.AST, outer: ast.AST) -> bool:
-    return node is not outer and any(n is node for n in ast.walk(outer))
+    return node is not outer and any(n is node for n in fast_walk(outer))
 
 
 def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> SiteResult:
@@ -977,8 +993,8 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
 
 
 def _names_read_outside(stmt: ast.stmt, node: ast.AST) -> set[str]:
-    inner = {id(n) for n in ast.walk(node)}
-    return {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner}
+    inner = {id(n) for n in fast_walk(node)}
+    return {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner}
 
 
 def _is_full_norm_helper(module: ModuleInfo, scope: Scope, call: ast.Call) -> bool:
@@ -1007,7 +1023,7 @@ def _attribute_misses(module: ModuleInfo, scope: Scope, results: list[SiteResult
             results.remove(r)
     # sites never reached by a parse but shaped like an RMS statistic: report them
     for stmt, node in sites:
-        if id(node) in found or id(node) in seen or any(id(node) in {id(n) for n in ast.walk(r.stmt)} for r in results):
+        if id(node) in found or id(node) in seen or any(id(node) in {id(n) for n in fast_walk(r.stmt)} for r in results):
             continue
         reason = _stat_reason(module, scope, stmt, node)
         if reason:
@@ -1628,5 +1644,55 @@ def scaled_dot(q, k):
     return q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
 ''',
         name="attention_scale_unrelated",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class FlowLayerNorm(nn.Module):
+    def __init__(self, d, eps=1e-6, elementwise_affine=True):
+        super().__init__()
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, hidden_states):
+        mean = hidden_states.mean(-1, keepdim=True)
+        variance = hidden_states.var(-1, unbiased=False, keepdim=True)
+        hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.eps)
+        if self.elementwise_affine:
+            hidden_states = hidden_states * self.weight + self.bias
+        return hidden_states
+''',
+        reason="mean subtracted",  # a LayerNorm with an optional affine: not 'control flow'
+        name="layernorm_with_optional_affine",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class GroupedRMSNorm(nn.Module):
+    def __init__(self, d, n_groups, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.n_groups = n_groups
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        batch_size, seq_len, dim = hidden_states.shape
+        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states.view(batch_size, seq_len, self.n_groups, dim // self.n_groups)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight.view(self.n_groups, dim // self.n_groups) * hidden_states
+        return hidden_states.view(batch_size, seq_len, dim)
+''',
+        reason="grouped norm",
+        name="grouped_norm_weight_viewed",
     ),
 ]

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
+from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
@@ -334,6 +334,8 @@ def _rotation_expr(scope: Scope, expr: ast.expr, is_x) -> _Rotation:
             text = ast.unparse(expr)
             if ".shape" in text or ".size(" in text:
                 inner = expr.func.value
+        elif _method(expr, "reshape_as", "view_as") and len(expr.args) == 1 and is_x(expr.args[0]):
+            inner = expr.func.value  # RoFormer: stack([-x[..., 1::2], x[..., ::2]], -1).reshape_as(x)
         elif isinstance(expr.func, ast.Name) and expr.func.id == "rearrange" and len(expr.args) >= 2:
             # einops: rearrange(stack(...), "... d j -> ... (d j)") merges the pair axis into the last dim
             pattern = const_value(expr.args[1])
@@ -360,6 +362,12 @@ def _rotation_expr(scope: Scope, expr: ast.expr, is_x) -> _Rotation:
 
 def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr) -> _Rotation:
     """Is ``node`` the rotation of ``x``: a helper call ``R(x)`` (followed and verified) or inline?"""
+    inner, casts = strip_casts(node)
+    if casts:
+        # Ernie's ``q.float() * cos + rotate_half(q).float() * sin``: the same cast on both sides
+        # commutes with the rotation (a permutation with negation is exact in any dtype)
+        x_inner, x_casts = strip_casts(x)
+        return _rotation_call(module, scope, inner, x_inner) if casts == x_casts else _Rotation(None)
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x):
         # a helper's verdict does not depend on the call site: computed once per module
         key = (scope.class_name, ast.dump(node.func))
@@ -390,7 +398,7 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     if hscope is None or not params:
         return _Rotation(None)
     pname = params[0]
-    rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     if len(rets) != 1:
         return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
 
@@ -506,8 +514,8 @@ def _param_default(scope: Scope, name: str) -> str | None:
 def _broadcast_helper(fn: ast.FunctionDef) -> bool:
     """Meta's ``reshape_for_broadcast``: ``shape = [d if i == 1 or i == ndim - 1 else 1 ...]``;
     ``return freqs.view(*shape)`` — every dim but S and D becomes 1 (batch-independent)."""
-    comps = [n for n in ast.walk(fn) if isinstance(n, ast.ListComp)]
-    rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    comps = [n for n in fast_walk(fn) if isinstance(n, ast.ListComp)]
+    rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     if not comps or len(rets) != 1 or not _method(rets[0].value, "view", "reshape"):
         return False
     return any(isinstance(c.elt, ast.IfExp) and const_value(c.elt.orelse) == 1 for c in comps)
@@ -534,6 +542,37 @@ class _Match:
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
         return node.left, node.right
+    return None
+
+
+def _is_product(node: ast.expr, u: ast.expr, v: ast.expr) -> bool:
+    f = _mult_factors(node)
+    return f is not None and ((same_expr(f[0], u) and same_expr(f[1], v)) or (same_expr(f[0], v) and same_expr(f[1], u)))
+
+
+def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast.expr] | None:
+    """The rotation written out on two parts a, b of x with half-size c, s:
+    ``cat([a*c - b*s, b*c + a*s], -1)`` ('cat': DeepSeek's even/odd lanes, gpt-oss's halves) or
+    ``stack([...], -1).flatten(-2)`` ('stack': interleaved pairs). Returns (how, a, b, c, s)."""
+    if _method(node, "flatten") and _is_int(keyword(node, "start_dim", 0), -2) and keyword(node, "end_dim", 1) is None and isinstance(node.func.value, ast.Call):
+        how, pair = "stack", _pair_of(node.func.value, _STACK)
+    elif isinstance(node, ast.Call):
+        how, pair = "cat", _pair_of(node, _CAT)
+    else:
+        return None
+    if pair is None:
+        return None
+    first, second = pair
+    if not (isinstance(first, ast.BinOp) and isinstance(first.op, ast.Sub) and isinstance(second, ast.BinOp) and isinstance(second.op, ast.Add)):
+        return None
+    f1, f2 = _mult_factors(first.left), _mult_factors(first.right)
+    if f1 is None or f2 is None:
+        return None
+    for a, c in (f1, f1[::-1]):
+        for b, s_ in (f2, f2[::-1]):
+            for p, q in ((second.left, second.right), (second.right, second.left)):
+                if _is_product(p, b, c) and _is_product(q, a, s_):
+                    return how, a, b, c, s_
     return None
 
 
@@ -602,22 +641,71 @@ class RopePattern(Pattern):
         def visit(node: ast.AST) -> None:
             if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.ClassDef)):
                 return
+            if _pair_formula(node) is not None:
+                found.append(node)  # the written-out rotation (its ``b*c + a*s`` half is no rope itself)
+                return
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
                 found.append(node)
                 return
             if _method(node, "flatten") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
-            for child in ast.iter_child_nodes(node):
+            for child in child_nodes(node):
                 visit(child)
 
         visit(stmt)
         return found
 
     def _match(self, module: ModuleInfo, scope: Scope, node: ast.expr) -> _Match | str | None:
+        pf = _pair_formula(node)
+        if pf is not None:
+            return self._match_pairs(module, scope, node, *pf)
         if isinstance(node, ast.BinOp):
             return self._match_real(module, scope, node)
         return self._match_complex(module, scope, node)
+
+    def _match_pairs(self, module: ModuleInfo, scope: Scope, node: ast.expr, how: str, a: ast.expr, b: ast.expr, c: ast.expr, s: ast.expr) -> _Match | str | None:
+        """The written-out rotation of two parts a, b of one tensor x, with half-size cos c / sin s.
+
+        * cat of the halves (gpt-oss): x*cat(c, c) + rotate_half(x)*cat(s, s), half mode on x;
+        * cat of the even/odd lanes (DeepSeek's ``apply_rotary_pos_emb_interleave``): the same on
+          the de-interleaved x = cat(a, b) — the original returns that lane order too;
+        * stack of the even/odd lanes, flattened: interleave mode with c, s repeat_interleave(2)."""
+        ra = _resolve(scope, a)
+        if isinstance(ra, ast.Subscript) and isinstance(ra.value, ast.Call) and _is_int(ra.slice, 0, 1):
+            call = ra.value  # x.chunk(2, -1)[k] / torch.chunk(x, 2, dim=-1)[k]
+            base = call.args[0] if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch" and call.args else getattr(call.func, "value", None)
+        elif isinstance(ra, ast.Subscript):
+            base = ra.value
+        else:
+            return None
+        if base is None:
+            return None
+        halves = _Halves(scope, lambda n: same_expr(n, base))
+        parts = (halves.part(a), halves.part(b))
+        if how == "cat" and parts == ("first", "second"):
+            mode, x_text = "half", segment(module, base)
+        elif how == "cat" and parts == ("even", "odd"):
+            mode, x_text = "half", f"torch.cat(({segment(module, a)}, {segment(module, b)}), dim=-1)"
+        elif how == "stack" and parts == ("even", "odd"):
+            mode, x_text = "interleave", segment(module, base)
+        else:
+            return None
+        m = self._build_real(module, scope, node, mode, base, c, s)
+        if isinstance(m, str):
+            return m
+        tag = _ident(segment(module, c))
+        cs = [segment(module, c), segment(module, s)]
+        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
+        widen = "torch.cat(({0}, {0}), dim=-1)" if mode == "half" else "{0}.repeat_interleave(2, dim=-1)"
+        m.prep = [f"{full[0]} = {widen.format(_atom(cs[0]))}  # the written-out rotation takes half-size cos/sin; npu_rotary_mul the full head dim",
+                  f"{full[1]} = {widen.format(_atom(cs[1]))}"]
+        if x_text != segment(module, base):
+            lanes = f"_npufuse_{_ident(segment(module, base))}_lanes"
+            m.prep.append(f"{lanes} = {x_text}  # the original rotates the de-interleaved lanes (even | odd) and returns that order")
+            x_text = lanes
+        m.cos, m.sin, m.x_text = full[0], full[1], x_text
+        return m
 
     def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:
         t1, t2 = _mult_factors(node.left), _mult_factors(node.right)
@@ -812,7 +900,7 @@ class RopePattern(Pattern):
     @staticmethod
     def _guard(m: _Match) -> str:
         """A tensor live at the span start: the first plain name inside the rotated tensor's expression."""
-        for n in ast.walk(m.x):
+        for n in fast_walk(m.x):
             if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"):
                 return n.id
         return ast.unparse(m.x)
@@ -1146,6 +1234,83 @@ leaves = [q, k]
 ''',
     )
 )
+
+RopePattern.FUSE += [
+    Fuse(
+        name="deepseek_interleaved_pairs_written_out",
+        # DeepSeek-V3 apply_rotary_pos_emb_interleave: the pair rotation written out on the even/odd
+        # lanes with half-size cos/sin, concatenated as (even | odd): half mode on the de-interleaved x
+        code='''
+import torch
+
+
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_embed, k_embed
+''' + _HF_COS,
+        expect={"mode": "half", "targets": ["_npufuse_q_lanes", "_npufuse_k_lanes"], "line": 12, "end_line": 13},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 1, 8, 16, requires_grad=True)
+cos, sin = _cos_sin(2, 8, 16)
+out = apply_rotary_pos_emb_interleave(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+    Fuse(
+        name="cast_after_rotate_half",
+        # Ernie 4.5: x.float() * cos + rotate_half(x).float() * sin — the cast commutes with the rotation
+        code=_HF_ROTATE_HALF + '''
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    original_dtype = q.dtype
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q.float() * cos) + (rotate_half(q).float() * sin)
+    k_embed = (k.float() * cos) + (rotate_half(k).float() * sin)
+    return q_embed.to(original_dtype), k_embed.to(original_dtype)
+''' + _HF_COS,
+        expect={"mode": "half", "targets": ["q.float()", "k.float()"]},
+        run='''
+q = torch.randn(2, 4, 8, 16).to(torch.bfloat16).requires_grad_()
+k = torch.randn(2, 2, 8, 16).to(torch.bfloat16).requires_grad_()
+cos, sin = _cos_sin(2, 8, 16)
+out = apply_rotary_pos_emb(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+    Fuse(
+        name="roformer_stack_reshape_as",
+        # RoFormer: the interleaved rotation inline, merged back with reshape_as(x); a batch-free table
+        code='''
+import torch
+
+
+def apply_rotary_position_embeddings(sinusoidal_pos, query_layer):
+    sin, cos = sinusoidal_pos.chunk(2, dim=-1)
+    sin_pos = torch.stack([sin, sin], dim=-1).reshape_as(sinusoidal_pos)[None, None]
+    cos_pos = torch.stack([cos, cos], dim=-1).reshape_as(sinusoidal_pos)[None, None]
+    rotate_half_query_layer = torch.stack([-query_layer[..., 1::2], query_layer[..., ::2]], dim=-1).reshape_as(query_layer)
+    query_layer = query_layer * cos_pos + rotate_half_query_layer * sin_pos
+    return query_layer
+''',
+        expect={"mode": "interleave", "targets": ["query_layer"]},
+        run='''
+ang = torch.randn(8, 8)
+sinusoidal_pos = torch.cat([ang.sin(), ang.cos()], dim=-1)
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+out = apply_rotary_position_embeddings(sinusoidal_pos, q)
+leaves = [q]
+''',
+    ),
+]
 
 RopePattern.KEEP = [
     Keep(

@@ -43,7 +43,7 @@ from npufuse.patterns.attention import (
     repeat_info,
 )
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword, replace_segments, scope_text, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, fast_walk, keyword, replace_segments, scope_text, segment
 
 SDPA_NAMES = {
     "torch.nn.functional.scaled_dot_product_attention",
@@ -78,7 +78,7 @@ class SdpaPattern(Pattern):
                 continue
             if "scaled_dot_product_attention" not in segment(module, stmt):
                 continue
-            for node in ast.walk(stmt):
+            for node in fast_walk(stmt):
                 if isinstance(node, ast.Call) and module.call_name(node) in SDPA_NAMES:
                     res = self._site(module, scope, block, i, stmt, node)
                     if res is not None:
@@ -256,7 +256,7 @@ class SdpaPattern(Pattern):
             "head_dim": d,
         }
         variant = "sdpa" + ("+causal" if "causal" in mask_kind else "") + (f"+{mask_kind}" if mask_kind in ("bool", "float", "unknown") else "") + ("+gqa" if params["gqa"] else "")
-        guard = next((n.id for n in ast.walk(ast.parse(q_src, mode="eval")) if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F")), q_src)
+        guard = next((n.id for n in fast_walk(ast.parse(q_src, mode="eval")) if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F")), q_src)
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=block[start].lineno, end_line=end, params=params,
             fused="\n".join(lines), guard_tensor=guard, confidence=confidence, variant=variant, risks=risks, notes=notes,
@@ -265,9 +265,9 @@ class SdpaPattern(Pattern):
     # -- helpers ----------------------------------------------------------------------------------
     def _mask_kind(self, module: ModuleInfo, scope: Scope, mask: ast.expr) -> str:
         """bool | float | bias | unknown, from how the mask is built in this function."""
-        names = {n.id.lower() for n in ast.walk(mask) if isinstance(n, ast.Name)} | {n.attr.lower() for n in ast.walk(mask) if isinstance(n, ast.Attribute)}
+        names = {n.id.lower() for n in fast_walk(mask) if isinstance(n, ast.Name)} | {n.attr.lower() for n in fast_walk(mask) if isinstance(n, ast.Attribute)}
         node = _resolve(scope, mask)
-        names |= {n.id.lower() for n in ast.walk(node) if isinstance(n, ast.Name)}
+        names |= {n.id.lower() for n in fast_walk(node) if isinstance(n, ast.Name)}
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and not any(isinstance(x, ast.Constant) for x in (node.left, node.right)):
             return "bias"
         if any(w in n for n in names for w in _BIAS_WORDS) and not any("mask" in n for n in names):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
 from npufuse.scan.value import estimate, symbolic
 
 if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
@@ -157,7 +157,7 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
     if len(params) != 1:
         return None
     p = params[0]
-    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    returns = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     if not returns:
         return None
     kinds = set()
@@ -192,7 +192,7 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
 def _formula_kernels(module: ModuleInfo, fn: ast.FunctionDef) -> int:
     """Eager kernels of a helper's formula: its tensor ops (those touching the parameter)."""
     params = [a.arg for a in fn.args.args if a.arg != "self"]
-    rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     if len(params) != 1 or not rets:
         return 1
     v = rets[-1].value
@@ -200,12 +200,12 @@ def _formula_kernels(module: ModuleInfo, fn: ast.FunctionDef) -> int:
         v = v.func.value  # type: ignore[union-attr]
     if isinstance(v, ast.Call) and module.canonical(v.func) in _FUNCS:
         return 1
-    n = sum(1 for x in ast.walk(v) if isinstance(x, (ast.BinOp, ast.Call, ast.UnaryOp)) and _mentions(x, params[0]))
+    n = sum(1 for x in fast_walk(v) if isinstance(x, (ast.BinOp, ast.Call, ast.UnaryOp)) and _mentions(x, params[0]))
     return max(n, 1)
 
 
 def _mentions(node: ast.AST, name: str) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+    return any(isinstance(n, ast.Name) and n.id == name for n in fast_walk(node))
 
 
 def _class_act(module: ModuleInfo, cls_name: str) -> str | None:
@@ -316,7 +316,7 @@ def _config_key(module: ModuleInfo, ctx: S.Ctx, key: ast.expr | None) -> ast.exp
 def _synthetic(src: str) -> ast.expr:
     """An expression written by npufuse (no source position: rendered with ast.unparse)."""
     node = ast.parse(src, mode="eval").body
-    for n in ast.walk(node):
+    for n in fast_walk(node):
         for attr in ("lineno", "col_offset", "end_lineno", "end_col_offset"):
             if hasattr(n, attr):
                 delattr(n, attr)
@@ -475,6 +475,23 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
         # slicing: T[..., :n] / T[..., n:] / T[..., ::2]
         sl = n.slice
         elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+        # the last dim viewed as two halves: T.view(*lead, 2, -1)[..., i, :] (Moshi's gating MLP)
+        # is half i of T.view(*lead, -1), the tensor the fused op splits
+        if (
+            len(elts) == 3
+            and isinstance(elts[0], ast.Constant) and elts[0].value is Ellipsis
+            and const_value(elts[1]) in (0, 1)
+            and isinstance(elts[2], ast.Slice) and elts[2].lower is None and elts[2].upper is None and elts[2].step is None
+            and isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr in ("view", "reshape")
+            and len(base.args) >= 3 and not base.keywords and not any(isinstance(a, ast.Starred) for a in base.args)
+            and const_value(base.args[-2]) == 2 and const_value(base.args[-1]) == -1
+        ):
+            # a new node with a start but no end: rendered from the AST, never as base's source text
+            merged = ast.Call(func=ast.Attribute(value=base.func.value, attr=base.func.attr, ctx=ast.Load()), args=list(base.args[:-2]) + [ast.Constant(-1)], keywords=[],
+                              lineno=base.lineno, col_offset=base.col_offset)
+            trace.stmts.update(t.stmts)
+            trace.stmts.update(tb.stmts)
+            return (S.key(base, bctx), merged, bctx, ast.Constant(-1), int(const_value(elts[1])), "view", True)  # type: ignore[call-overload]
         if elts and isinstance(elts[-1], ast.Slice) and all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None or (isinstance(e, ast.Constant) and e.value is Ellipsis) for e in elts[:-1]):
             s = elts[-1]
             if s.step is not None:
@@ -506,13 +523,19 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
     return None
 
 
-def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> str | None:
-    """Why an operand is not a plain projection: scaled, clamped or assigned under control flow."""
+def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, other_input: str | None = None) -> str | None:
+    """Why an operand is not a plain projection: scaled, clamped or assigned under control flow.
+
+    Control flow is the reason only when one of the name's assignments projects the other
+    operand's input (Gemma3n's ``gate_proj = self.gate_proj(x); if ...: gate_proj = topk(gate_proj)``);
+    Mamba's ``out * silu(z)`` has a branch-assigned ``out`` too, but is no GLU at all."""
     n, c = S.peel(node, ctx)
     if isinstance(n, ast.Name):
         d = S.definition(c, n.id)
-        if d is not None:
-            return f"`{n.id}` is assigned under control flow before the gate"
+        if d is not None and other_input is not None:
+            for stmt, value in c.scope.assignments.get(n.id, []):
+                if stmt.lineno < c.line and value is not None and _projection_input(value, c.at(stmt.lineno)) == other_input:
+                    return f"`{n.id}` is assigned under control flow before the gate"
         return None
     text = ast.unparse(n)
     inner: list[tuple[ast.expr, S.Ctx]] = []
@@ -595,12 +618,21 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     ib = _projection_input(b, ctx)
     if ia is None or ib is None or ia != ib:
         if act.kind in (SILU, CONFIG) + GELU_KINDS:
-            for op, octx in ((a, actx), (b, ctx)):
-                why = _transformed(module, op, octx)
+            for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
+                why = _transformed(module, op, octx, other)
                 if why:
                     raise GateMiss(why)
             raise GateMiss("gate and up are not projections of one input (a gated output, not a GLU MLP)")
+        if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
+            raise GateMiss(f"activation is a {act.kind}, not silu: npu_swiglu computes silu(gate) * up only "
+                           "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
         return None
+    if isinstance(b, ast.Name):
+        # CpmAnt's ``x = self.w_1(x)`` before ``gate * x``: the statement rebinding the
+        # projections' input joins the fused region; kept verbatim it would clobber x for the gate
+        d = S.definition(ctx, b.id)
+        if d is not None and d[1] is not None and b.id in S.names_read(d[1]):
+            S.peel(b, ctx, trace)
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ia)
 
 
@@ -719,7 +751,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
                 continue
-            if any(any(n is node for n in ast.walk(m)) for m in inside):
+            if any(any(n is node for n in fast_walk(m)) for m in inside):
                 continue
             ctx = S.Ctx(scope, stmt.lineno)
             try:
@@ -770,8 +802,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     if isinstance(plan, str):
         return miss(plan)
     dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
-    inner = {id(n) for g in gates for n in ast.walk(g.node)}
-    outside = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner} & dropped
+    inner = {id(n) for g in gates for n in fast_walk(g.node)}
+    outside = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner} & dropped
     if outside:
         return miss(f"intermediate `{sorted(outside)[0]}` reused after the fused region")
     guard = _guard(module, g0, plan)
@@ -823,7 +855,10 @@ def _guard(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:
     """A tensor name live at the span start: the split tensor or the projections' input."""
     exprs: list[tuple[ast.expr, S.Ctx]] = []
     if g.halves is not None:
-        exprs.append((g.halves.tensor, g.halves.ctx))
+        root = g.halves.tensor
+        while isinstance(root, ast.Call) and isinstance(root.func, ast.Attribute):
+            root = root.func.value  # x.view(b, s, -1): the tensor x, not the size b
+        exprs += [(root, g.halves.ctx), (g.halves.tensor, g.halves.ctx)]
     exprs += [(g.a.node, g.a.ctx), (g.b.node, g.b.ctx)]
     skip = set(module.aliases) | set(module.functions) | set(module.classes) | {"self", "cls"}
     seen: set[int] = set()
@@ -833,7 +868,7 @@ def _guard(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:
         if id(node) in seen:
             continue
         seen.add(id(node))
-        for n in ast.walk(node):
+        for n in fast_walk(node):
             if not isinstance(n, ast.Name) or n.id in skip or not isinstance(n.ctx, ast.Load):
                 continue
             d = S.definition(ctx, n.id)
@@ -1265,6 +1300,32 @@ Swiglu.FUSE += [
         run="m = SlicedGLU(8, 5)\nx = torch.randn(4, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.w_in.weight]\n",
         name="slicing_halves",
     ),
+    Fuse(
+        '''
+import torch
+from torch import nn
+
+
+class GatingMLP(nn.Module):
+    """Moshi: one projection, its last dim viewed as (2, -1), halves picked by index."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * h, bias=False)
+        self.fc2 = nn.Linear(h, d, bias=False)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        hidden_states = self.fc1(hidden_states)
+        batch_size, sequence_length, _ = hidden_states.shape
+        hidden_states = hidden_states.view(batch_size, sequence_length, 2, -1)
+        hidden_states = self.activation_fn(hidden_states[..., 0, :]) * hidden_states[..., 1, :]
+        return self.fc2(hidden_states)
+''',
+        expect={"source": "split", "split": "view", "order": "gate_first", "split_tensor": "hidden_states.view(batch_size, sequence_length, -1)", "split_dim": -1},
+        run="m = GatingMLP(8, 5)\nx = torch.randn(2, 3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.fc1.weight]\n",
+        name="moshi_view_halves",
+    ),
 ]
 
 Swiglu.KEEP = [
@@ -1390,5 +1451,75 @@ class ThreeWay(nn.Module):
 ''',
         reason="not two halves",
         name="chunk_into_three",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+
+
+def selective_state_update(state, x, C, D=None, z=None):
+    """Mamba's decode step: the branch-assigned ``out`` is gated by an argument, no GLU."""
+    out = torch.matmul(state, C.unsqueeze(-1)).squeeze(-1)
+    if D is not None:
+        out = out + x * D
+    if z is not None:
+        out = out * F.silu(z)
+    return out
+''',
+        reason="not projections of one input",
+        name="mamba_branch_assigned_output",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class SparseGateMLP(nn.Module):
+    """Gemma3n: the gate projection is sparsified under a condition before the activation."""
+
+    def __init__(self, d, h, sparsity):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = nn.SiLU()
+        self.sparsity = sparsity
+
+    def forward(self, x):
+        gate_proj = self.gate_proj(x)
+        if self.sparsity > 0.0:
+            gate_proj = torch.relu(gate_proj - 1.0)
+        activations = self.act_fn(gate_proj)
+        up_proj = self.up_proj(x)
+        return self.down_proj(activations * up_proj)
+''',
+        reason="assigned under control flow",
+        name="gate_sparsified_under_condition",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class ClampedSwishExperts(nn.Module):
+    """GPT-OSS as shipped: the halves are clamped before the alpha-swish, so no split is seen."""
+
+    def __init__(self, alpha=1.702, limit=7.0):
+        super().__init__()
+        self.alpha = alpha
+        self.limit = limit
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return (up + 1) * glu
+''',
+        reason="swish with beta",
+        name="gpt_oss_clamped_alpha_swish",
     ),
 ]

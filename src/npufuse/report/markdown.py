@@ -17,23 +17,41 @@ import jinja2
 from npufuse.rewrite.codegen import PRELUDE
 
 _TEMPLATES = Path(__file__).parent / "templates"
-_PROSE_SPECIAL = re.compile(r"([\\`*_{}\[\]<>|#~!])")
+# Markdown's special characters get a backslash (the backslash itself first, so the added ones
+# are not escaped again), then & becomes &amp;. A report escapes tens of thousands of short
+# strings: a search for any of them, then str.replace per character present, is several times
+# faster than a regex substitution with a group template or a str.translate to longer strings.
+_SPECIALS = "\\`*_{}[]<>|#~!"
+_ANY_SPECIAL = re.compile(r"[\\`*_{}\[\]<>|#~!&]")
 _LINE_START = re.compile(r"^(\s*)([-+=]|\d+[.)])(?=\s|$)", re.MULTILINE)
 
 
 def _escape(s: str) -> str:
-    s = _PROSE_SPECIAL.sub(r"\\\1", s)
+    if _ANY_SPECIAL.search(s) is None:
+        return s
+    for c in _SPECIALS:
+        if c in s:
+            s = s.replace(c, "\\" + c)
     return s.replace("&", "&amp;")
 
 
 def _one_line(text: Any) -> str:
-    return re.sub(r"\s+", " ", str(text))
+    """The text on one line, whitespace runs as one space, stripped (str.split and the regex
+    ``\\s`` agree on what whitespace is)."""
+    return " ".join(str(text).split())
+
+
+def _guard_line_start(s: str) -> str:
+    """A backslash before what would start a list item or heading (``- x``, ``1. x``, ``= x``)."""
+    first = s.lstrip()[:1]
+    if not first or not (first in "-+=" or first.isdigit()):
+        return s  # cannot match: skip the regex (most strings)
+    return _LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), s)
 
 
 def md(text: Any) -> str:
     """Markdown-escape prose from the repository (one line: newlines become spaces)."""
-    s = _escape(_one_line(text).strip())
-    return _LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), s)
+    return _guard_line_start(_escape(_one_line(text)))
 
 
 def code(text: Any, table: bool = False) -> str:
@@ -54,15 +72,16 @@ _SPAN = re.compile(r"`([^`]+)`")
 def prose(text: Any, table: bool = False) -> str:
     """Prose that may quote code between backticks (as npufuse's own messages and detector
     reasons do): the quoted parts become safe code spans, everything else is escaped."""
-    s = _one_line(text).strip()
+    s = _one_line(text)
+    if "`" not in s:
+        return _guard_line_start(_escape(s))
     out, pos = [], 0
     for m in _SPAN.finditer(s):
         out.append(_escape(s[pos : m.start()]))
         out.append(code(m.group(1), table=table))
         pos = m.end()
     out.append(_escape(s[pos:]))
-    text = "".join(out)
-    return _LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), text)
+    return _guard_line_start("".join(out))
 
 
 def tprose(text: Any) -> str:
@@ -79,7 +98,7 @@ def cell(text: Any) -> str:
 
 def fence(text: str, lang: str = "python") -> str:
     """A fenced block around ``text`` verbatim (fence longer than any backtick run inside)."""
-    longest = max((len(m) for m in re.findall(r"`{3,}", text)), default=0)
+    longest = max((len(m) for m in re.findall(r"`{3,}", text)), default=0) if "```" in text else 0
     bar = "`" * max(3, longest + 1)
     body = text if text.endswith("\n") else text + "\n"
     return f"{bar}{lang}\n{body}{bar}"
@@ -127,8 +146,40 @@ def switch_text(switch: dict[str, Any]) -> str:
     return "no switch: the fused branch runs whenever torch_npu is importable and the tensor is on an NPU"
 
 
+# Every attribute of a plain dict instance (its methods and object's): jinja2 resolves
+# ``c.file`` as an attribute first and only then as a key.
+_DICT_ATTRS = frozenset(dir(dict))
+
+
+class _Environment(jinja2.Environment):
+    """jinja2's ``getattr`` with a shortcut for plain dicts, which is all the report's data is.
+    The default tries ``getattr(obj, name)`` first, which for a dict key costs a raised and
+    caught AttributeError per lookup (about 100,000 in a large report). A name that is not a
+    dict attribute can only resolve as a key, so look it up as one directly: the same result."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRS:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
+_ENV: jinja2.Environment | None = None
+
+
 def _env() -> jinja2.Environment:
-    env = jinja2.Environment(
+    """One environment per process: it keeps the compiled template (recompiled only when the
+    file changes, jinja2's auto_reload)."""
+    global _ENV
+    if _ENV is None:
+        _ENV = _new_env()
+    return _ENV
+
+
+def _new_env() -> jinja2.Environment:
+    env = _Environment(
         loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
         autoescape=False,  # Markdown: escaping is explicit, per context (md / code / fence)
         keep_trailing_newline=True,

@@ -13,6 +13,14 @@ miss and is rewritten; a cache folder that cannot be written only costs speed, n
 Entries are pickles read back by a restricted unpickler that can build only the scan's own
 result types and builtin containers: a state folder that came with a cloned repository cannot
 make ``npufuse scan`` run code.
+
+One level up, a *run record* (``<cache dir>/<version>/run-<slot>.json``, one per pair of output
+paths) remembers the digest of every input of the last complete scan (:func:`run_key`: npufuse's
+whole source, the Python and library versions, the detectors, the options, the walk's result and
+each file's content sha256) and the sha256 of the scan.json and report.md it wrote. When the
+digest and the on-disk outputs still match, those outputs are what a full scan would write again,
+so ``npufuse scan`` stops there. Anything that cannot be keyed (an unreadable file, a profile
+join) gets no record, and a record that does not parse is ignored.
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import functools
 import hashlib
 import inspect
 import io
+import json
 import os
 import pickle
+import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from npufuse import __version__
 
@@ -69,9 +79,18 @@ def _source_digest(obj: Any) -> str | None:
         path = inspect.getsourcefile(obj)
         if path is None:
             return None
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return _file_sha256(os.path.abspath(path))
     except (OSError, TypeError):
         return None
+
+
+@functools.lru_cache(maxsize=256)
+def _file_sha256(path: str) -> str:
+    """Once per process, like :func:`package_digest`: a detector module edited on disk after this
+    process imported it must not file the old code's results under the new source's key (nor
+    make every later scan in the process miss)."""
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
 
 
 @functools.lru_cache(maxsize=4)
@@ -95,7 +114,8 @@ def fingerprint(patterns: Sequence[Pattern], options: ScanOptions) -> str | None
     package = package_digest(PACKAGE)
     if package is None:
         return None
-    h = hashlib.sha256(f"{FORMAT}\0{__version__}\0{options!r}\0{package}\0".encode())
+    # the interpreter too: ast.unparse (parameters in an outcome) differs between versions
+    h = hashlib.sha256(f"{FORMAT}\0{__version__}\0{sys.version}\0{options!r}\0{package}\0".encode())
     seen: dict[str, str] = {}
     for p in patterns:
         cls = type(p)
@@ -120,30 +140,36 @@ class ScanCache:
     def __init__(self, directory: str | os.PathLike[str], fingerprint: str) -> None:
         self.base = Path(directory)
         self.dir = self.base / __version__
+        self._dir = os.fspath(self.dir)  # lookups build paths as strings: pathlib costs more than the read
         self.fingerprint = fingerprint
         self.hits = 0
         self.misses = 0
 
     def key(self, rel: str, sha256: str) -> str:
         # rel is part of the key: paths recorded in the outcome (facts, near misses) depend on it
-        return hashlib.sha256(f"{self.fingerprint}\0{rel}\0{sha256}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.fingerprint}\0{rel}\0{sha256}".encode("utf-8", "surrogatepass")).hexdigest()
 
     def _path(self, key: str) -> Path:
-        return self.dir / key[:2] / f"{key}.pkl"
+        return Path(self._entry(key))
+
+    def _entry(self, key: str) -> str:
+        return os.path.join(self._dir, key[:2], key + ".pkl")
 
     def get(self, rel: str, sha256: str) -> FileOutcome | None:
         from npufuse.scan.engine import FileOutcome
 
-        path = self._path(self.key(rel, sha256))
         try:
-            data = path.read_bytes()
+            with open(self._entry(self.key(rel, sha256)), "rb") as fh:
+                data = fh.read()
         except OSError:
             self.misses += 1
             return None
         try:
             if not data.startswith(_MAGIC):
                 raise pickle.UnpicklingError("not a cache entry")
-            outcome = _Unpickler(io.BytesIO(data[len(_MAGIC):])).load()
+            stream = io.BytesIO(data)  # shares the bytes (no copy of the entry, as a slice would make)
+            stream.seek(len(_MAGIC))
+            outcome = _Unpickler(stream).load()
             if not isinstance(outcome, FileOutcome) or outcome.file != rel or outcome.sha256 != sha256:
                 raise pickle.UnpicklingError("entry is for another file")
         except Exception:  # corrupt or foreign: a miss; the fresh result overwrites it
@@ -185,11 +211,159 @@ class ScanCache:
 def lookup(cache: ScanCache, root: Path, rel: str, max_bytes: int) -> FileOutcome | None:
     """The cached outcome of ``root/rel`` as it is on disk now, or None (read errors included:
     the full analysis reports them)."""
-    path = root / rel
+    digest = file_digest(root / rel, max_bytes)
+    if digest is None or digest.startswith("size:"):
+        return None
+    return cache.get(rel, digest)
+
+
+def file_digest(path: Path, max_bytes: int) -> str | None:
+    """sha256 (hex) of a file's bytes, as :func:`npufuse.scan.engine.read_source` would hash
+    them; ``"size:N"`` for a file over ``max_bytes`` (its scan result depends on the size only);
+    None when it cannot be read."""
     try:
-        if path.stat().st_size > max_bytes:
-            return None
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > max_bytes:
+                return f"size:{size}"
+            return hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        return None
+
+
+# -- the run record: the whole scan's outputs, reused when no input changed --------------------
+
+RUN_FORMAT = 1
+# Third-party code whose behaviour shapes the outputs of a scan that reads no changed file:
+# jinja2 renders the report, libcst the rare replacement the fast renderer declines, PyYAML
+# reads YAML configs. (pathspec decides the walk, which runs every time.)
+_LIBRARIES = ("jinja2", "libcst", "yaml")
+
+
+@functools.lru_cache(maxsize=4)
+def code_digest(package: Path) -> str | None:
+    """One hash over every file of the npufuse package (sources, templates, data), once per
+    process like :func:`package_digest`: the report's code and templates decide report.md as
+    much as the detectors decide the findings. None when a file cannot be read."""
+    h = hashlib.sha256()
+    try:
+        for path in sorted(package.rglob("*")):
+            if "__pycache__" in path.parts or path.suffix in (".pyc", ".pyo") or not path.is_file():
+                continue
+            h.update(f"{path.relative_to(package).as_posix()}={hashlib.sha256(path.read_bytes()).hexdigest()}\0".encode())
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def _environment() -> str:
+    """The interpreter (ast.unparse and friends vary between versions) and the installed
+    libraries of :data:`_LIBRARIES`, named by their package file's path, size and mtime: an
+    upgrade or reinstall rewrites it. Found without importing them (a warm run must not)."""
+    import importlib.util
+
+    parts = [sys.implementation.cache_tag or "", sys.version]
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None) if module is not None else None
+        try:
+            spec = spec or importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = getattr(spec, "origin", None)
+        try:
+            st = os.stat(origin) if origin else None
+        except OSError:
+            st = None
+        parts.append(f"{name}={origin}:{st.st_size}:{st.st_mtime_ns}" if st else f"{name}=absent")
+    return "\0".join(parts)
+
+
+def run_key(fingerprint: str, parts: Iterable[Any]) -> str | None:
+    """The digest of every input of a scan's outputs: the per-file ``fingerprint`` (version,
+    options, detectors), npufuse's whole code, the environment and ``parts`` (each turned into
+    text with ``repr``: walk result, file digests, settings). None: npufuse's code is unreadable."""
+    code = code_digest(PACKAGE)
+    if code is None:
+        return None
+    h = hashlib.sha256(f"run{RUN_FORMAT}\0{__version__}\0{fingerprint}\0{code}\0{_environment()}\0".encode())
+    for part in parts:
+        h.update(repr(part).encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _record_path(cache_dir: Path, outputs: Sequence[Path]) -> Path:
+    # one record per set of output files: a new key replaces the old record rather than piling up
+    slot = hashlib.sha256("\0".join(os.path.abspath(p) for p in outputs).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return Path(cache_dir) / __version__ / f"run-{slot}.json"
+
+
+def _sha256_of(path: Path) -> tuple[str, bytes] | None:
+    try:
         data = path.read_bytes()
     except OSError:
         return None
-    return cache.get(rel, hashlib.sha256(data).hexdigest())
+    return hashlib.sha256(data).hexdigest(), data
+
+
+def reuse_outputs(cache_dir: Path, key: str, outputs: Sequence[Path]) -> tuple[dict[str, Any], dict[Path, bytes]] | None:
+    """(the record's ``info``, each output's bytes) when the last complete scan writing these
+    ``outputs`` had the inputs ``key`` and every output on disk is still exactly what it wrote;
+    else None (no record, another key, an output missing or edited, a corrupt record)."""
+    try:
+        record = json.loads(_record_path(cache_dir, outputs).read_bytes())
+        if not isinstance(record, dict) or record.get("format") != RUN_FORMAT or record.get("key") != key:
+            return None
+        written = record["outputs"]
+        info = record["info"]
+        if not isinstance(written, list) or not isinstance(info, dict) or len(written) != len(outputs):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or interrupted / garbage: a full scan
+        return None
+    found: dict[Path, bytes] = {}
+    for path, entry in zip(outputs, written):
+        if not isinstance(entry, dict) or entry.get("path") != os.path.abspath(path):
+            return None
+        got = _sha256_of(path)
+        if got is None or got[0] != entry.get("sha256"):
+            return None  # deleted or edited since: write it again, from a full scan
+        found[path] = got[1]
+    return info, found
+
+
+def save_outputs(cache_dir: Path, key: str, outputs: dict[Path, bytes], info: dict[str, Any]) -> None:
+    """Record that a complete scan with inputs ``key`` wrote exactly ``outputs``. Atomic; a
+    record that cannot be written costs the next run speed only."""
+    paths = list(outputs)
+    record = {
+        "format": RUN_FORMAT,
+        "key": key,
+        "outputs": [{"path": os.path.abspath(p), "sha256": hashlib.sha256(data).hexdigest()} for p, data in outputs.items()],
+        "info": info,
+    }
+    target = _record_path(cache_dir, paths)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        ScanCache(cache_dir, "")._mark()
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(record, fh)
+            os.replace(tmp, target)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    except (OSError, TypeError, ValueError):
+        pass
+
+
+def forget_outputs(cache_dir: Path, outputs: Sequence[Path]) -> None:
+    """Drop the record for ``outputs`` (their new content was not keyed: the next run scans)."""
+    try:
+        _record_path(cache_dir, outputs).unlink()
+    except OSError:
+        pass

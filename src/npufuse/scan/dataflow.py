@@ -81,29 +81,149 @@ class Scope:
 
     def uses_after(self, name: str, line: int) -> bool:
         """Is ``name`` read anywhere in this scope after ``line``? (live-out check for near misses)."""
-        for n in ast.walk(self.node):
-            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > line:
-                return True
-        return False
+        return self.last_loads().get(name, 0) > line
+
+    def nodes(self) -> dict[type, list[ast.AST]]:
+        """Every node of ``ast.walk(self.node)`` (nested functions and the header included),
+        grouped by exact type, each list in walk order: one walk per scope, shared by the
+        questions asked about the whole scope (names read after a line, calls anywhere)."""
+        cached = self.__dict__.get("_nodes")
+        if cached is None:
+            cached = {}
+            for n in fast_walk(self.node):
+                group = cached.get(type(n))
+                if group is None:
+                    cached[type(n)] = [n]
+                else:
+                    group.append(n)
+            self.__dict__["_nodes"] = cached
+        return cached
+
+    def name_loads(self) -> dict[str, list[ast.Name]]:
+        """name -> its reads (``Name`` nodes in Load context) anywhere in the scope, in walk order."""
+        cached = self.__dict__.get("_name_loads")
+        if cached is None:
+            cached = {}
+            Load = ast.Load
+            for n in self.nodes().get(ast.Name, ()):
+                if type(n.ctx) is Load:  # type: ignore[attr-defined]
+                    cached.setdefault(n.id, []).append(n)  # type: ignore[attr-defined]
+            self.__dict__["_name_loads"] = cached
+        return cached
+
+    def last_loads(self) -> dict[str, int]:
+        """name -> the last line on which it is read (a ``Name`` in Load context) anywhere in
+        ``ast.walk(self.node)``: for every "is it read after line N" question (``uses_after``,
+        live-out sets)."""
+        cached = self.__dict__.get("_last_loads")
+        if cached is None:
+            cached = {name: max(n.lineno for n in loads) for name, loads in self.name_loads().items()}
+            self.__dict__["_last_loads"] = cached
+        return cached
 
     def statements(self) -> Iterator[tuple[list[ast.stmt], int, ast.stmt]]:
-        """Every statement with the block (list) holding it and its index — spans must stay in one block."""
-        yield from _walk_blocks(self.body)
+        """Every statement with the block (list) holding it and its index — spans must stay in one block.
+        Listed once per scope (every detector asks for them; the tree is never modified)."""
+        return iter(self.listing()[0])
+
+    def listing(self) -> tuple[list[tuple[list[ast.stmt], int, ast.stmt]], list[ast.stmt | None]]:
+        """What :meth:`statements` yields, as a list, and each statement's enclosing compound
+        statement (None at the top of the scope); computed once per scope."""
+        cached = self.__dict__.get("_listing")
+        if cached is None:
+            cached = self.__dict__["_listing"] = _block_list(self.body)
+        return cached
 
 
-def _walk_blocks(block: list[ast.stmt]) -> Iterator[tuple[list[ast.stmt], int, ast.stmt]]:
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+# statement type -> which of body/orelse/finalbody/handlers/cases it has (empty: a simple statement)
+_COMPOUND: dict[type, tuple[str, ...]] = {}
+
+
+def _block_list(block: list[ast.stmt]) -> tuple[list[tuple[list[ast.stmt], int, ast.stmt]], list[ast.stmt | None]]:
+    """(block, index, statement) for every statement of ``block`` and its nested blocks, in
+    source order (a statement, then its body, orelse, finalbody, handlers, cases); nested
+    definitions are listed but not entered — they are their own scopes. Also each statement's
+    owner: the compound statement whose block holds it (None for ``block`` itself)."""
+    out: list[tuple[list[ast.stmt], int, ast.stmt]] = []
+    owners: list[ast.stmt | None] = []
+    _list_blocks(block, None, out, owners)
+    return out, owners
+
+
+def _list_blocks(block: list[ast.stmt], owner: ast.stmt | None, out: list[tuple[list[ast.stmt], int, ast.stmt]], owners: list[ast.stmt | None]) -> None:
+    # a module-level function, not a closure: a recursive closure is a reference cycle that
+    # would keep the listing (and so the whole tree) alive until the garbage collector runs
+    compound, defs, stmt_type = _COMPOUND, _DEFS, ast.stmt
     for i, stmt in enumerate(block):
-        yield block, i, stmt
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        out.append((block, i, stmt))
+        owners.append(owner)
+        if isinstance(stmt, defs):
             continue  # nested definitions are their own scopes
+        names = compound.get(type(stmt))
+        if names is None:
+            names = compound[type(stmt)] = tuple(n for n in ("body", "orelse", "finalbody", "handlers", "cases") if n in type(stmt)._fields)
+        if not names:
+            continue  # a simple statement
         for name in ("body", "orelse", "finalbody"):
             inner = getattr(stmt, name, None)
-            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                yield from _walk_blocks(inner)
+            if isinstance(inner, list) and inner and isinstance(inner[0], stmt_type):
+                _list_blocks(inner, stmt, out, owners)
         for handler in getattr(stmt, "handlers", []) or []:
-            yield from _walk_blocks(handler.body)
+            _list_blocks(handler.body, stmt, out, owners)
         for case in getattr(stmt, "cases", []) or []:
-            yield from _walk_blocks(case.body)
+            _list_blocks(case.body, stmt, out, owners)
+
+
+def fast_walk(node: ast.AST) -> Iterator[ast.AST]:
+    """``ast.walk(node)``: the same nodes in the same (breadth-first) order, at a fraction of
+    its cost (no deque, no ``iter_fields``/``iter_child_nodes`` generators). Like ``ast.walk``
+    it reads a node's children when it reaches the node; the tree must not change meanwhile."""
+    todo = [node]
+    AST = ast.AST
+    append, extend = todo.append, todo.extend
+    fields = _CHILD_FIELDS
+    for n in todo:  # a queue: the list grows while it is read
+        names = fields.get(type(n))
+        if names is None:
+            names = child_fields(type(n))
+        for name in names:
+            v = getattr(n, name, None)
+            if isinstance(v, AST):
+                append(v)
+            elif type(v) is list:
+                extend([x for x in v if isinstance(x, AST)])
+        yield n
+
+
+def child_fields(node_type: type) -> tuple[str, ...]:
+    """The fields of a node type that can hold child nodes (``_fields`` less the scalar ones)."""
+    names = _CHILD_FIELDS.get(node_type)
+    if names is None:
+        names = _CHILD_FIELDS[node_type] = tuple(f for f in getattr(node_type, "_fields", ()) if f not in _SCALAR_FIELDS)
+    return names
+
+
+def child_nodes(node: ast.AST) -> list[ast.AST]:
+    """``list(ast.iter_child_nodes(node))``, faster."""
+    names = _CHILD_FIELDS.get(type(node))
+    if names is None:
+        names = child_fields(type(node))
+    out: list[ast.AST] = []
+    AST = ast.AST
+    for name in names:
+        v = getattr(node, name, None)
+        if isinstance(v, AST):
+            out.append(v)
+        elif type(v) is list:
+            out.extend([x for x in v if isinstance(x, AST)])
+    return out
+
+
+# Fields that hold a name, number or flag in every node type that has them (never a node):
+# skipping them changes nothing but the cost.
+_SCALAR_FIELDS = frozenset({"id", "attr", "arg", "module", "asname", "level", "is_async", "simple", "conversion", "type_comment", "kind"})
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass
@@ -127,7 +247,12 @@ class ModuleInfo:
 
     @property
     def lines(self) -> list[str]:
-        return self.source.splitlines(keepends=True)
+        """``source.splitlines(keepends=True)``, split once per module and shared by every reader
+        (detectors, risks, replacement): callers slice it and never modify it."""
+        cached = self.__dict__.get("_npufuse_lines")
+        if cached is None:
+            cached = self.__dict__["_npufuse_lines"] = self.source.splitlines(keepends=True)
+        return cached
 
     def canonical(self, node: ast.AST | None) -> str | None:
         """Dotted name with import aliases resolved: ``F.silu`` -> ``torch.nn.functional.silu``."""
@@ -183,21 +308,27 @@ class ModuleInfo:
 def _statements_bfs(tree: ast.Module) -> Iterator[ast.AST]:
     """The statements of ``ast.walk(tree)``, in the same order, without visiting expressions
     (imports are statements; expressions never hold statements). Several times faster."""
-    from collections import deque
-
-    todo: deque[ast.AST] = deque([tree])
-    while todo:
-        node = todo.popleft()
+    todo: list[ast.AST] = [tree]
+    fields = _BLOCK_FIELDS
+    for node in todo:  # a queue: the list grows while it is read
         yield node
-        for name in ("body", "handlers", "orelse", "finalbody", "cases"):
+        names = fields.get(type(node))
+        if names is None:
+            names = fields[type(node)] = tuple(n for n in ("body", "handlers", "orelse", "finalbody", "cases") if n in type(node)._fields)
+        for name in names:
             block = getattr(node, name, None)
             if type(block) is list:
                 todo.extend(block)
 
 
+# node type -> its fields among body/handlers/orelse/finalbody/cases (most statements have none)
+_BLOCK_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def _make_scope(qualname: str, node: ast.AST, class_name: str | None, body: list[ast.stmt]) -> Scope:
     scope = Scope(qualname=qualname, node=node, class_name=class_name, body=body)
-    for _block, _i, stmt in _walk_blocks(body):
+    listing = scope.__dict__["_listing"] = _block_list(body)
+    for _block, _i, stmt in listing[0]:
         targets: list[ast.expr] = []
         value = None
         if isinstance(stmt, ast.Assign):
@@ -236,8 +367,15 @@ def strip_casts(node: ast.expr) -> tuple[ast.expr, list[str]]:
 
 def const_value(node: ast.AST | None) -> object:
     """Python value of a literal (incl. negative numbers), else a sentinel ``...``."""
+    # ast.literal_eval's answer for the common nodes, without its per-call closures (a constant
+    # is its value; a bare or dotted name is no literal)
+    t = type(node)
+    if t is ast.Constant:
+        return node.value  # type: ignore[union-attr]
+    if t is ast.Name or t is ast.Attribute or node is None:
+        return ...
     try:
-        return ast.literal_eval(node) if node is not None else ...
+        return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return ...
 
@@ -264,7 +402,7 @@ def replace_segments(module: "ModuleInfo", stmt: ast.stmt, replacements: list[tu
     byte. The result is dedented by the statement's own indentation (continuation lines keep
     their relative indentation). Sub-nodes must lie inside ``stmt`` and not overlap.
     """
-    lines = module.source.splitlines(keepends=True)
+    lines = module.lines
     first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
     # ast offsets are UTF-8 byte columns: work on bytes so non-ASCII source stays aligned
     chunk = [ln.encode("utf-8") for ln in lines[first - 1 : last]]
@@ -305,7 +443,7 @@ def segment(module: "ModuleInfo", node: ast.AST) -> str:
     re-splits the whole source on every call, which dominates detection on large files)."""
     cache = module.__dict__.get("_segment_lines")
     if cache is None:
-        cache = module.__dict__["_segment_lines"] = [ln.encode("utf-8") for ln in module.source.splitlines(keepends=True)]
+        cache = module.__dict__["_segment_lines"] = [ln.encode("utf-8") for ln in module.lines]
     lineno, end = getattr(node, "lineno", None), getattr(node, "end_lineno", None)
     col, end_col = getattr(node, "col_offset", None), getattr(node, "end_col_offset", None)
     if None in (lineno, end, col, end_col) or end > len(cache):
@@ -321,4 +459,7 @@ def scope_text(module: "ModuleInfo", scope: "Scope") -> str:
     that let a detector skip scopes that cannot hold its pattern."""
     if isinstance(scope.node, ast.Module):
         return module.source
-    return segment(module, scope.node)
+    cached = scope.__dict__.get("_segment_text")
+    if cached is None:  # asked by several detectors per scope: cut once
+        cached = scope.__dict__["_segment_text"] = segment(module, scope.node)
+    return cached

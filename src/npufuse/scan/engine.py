@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import gc
 import hashlib
 import io
 import json
@@ -25,17 +26,16 @@ import re
 import tokenize
 import traceback
 import warnings
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
-from npufuse.rewrite.codegen import original_text
+from npufuse.rewrite.codegen import source_lines
 from npufuse.scan import config_shapes, replacement, repo_search, risks
 from npufuse.scan.dataflow import ModuleInfo, Scope
-from npufuse.scan.walk import Failure, _os_failure, walk
+from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
 DEFAULT_MAX_FILE_BYTES = 10 * 1024 * 1024
 # Below this many files a process pool costs more (start-up, pickling) than it saves.
@@ -200,6 +200,20 @@ def _inside(spans: Iterable[tuple[int, int, str]], line: int, end_line: int) -> 
 
 def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:
     """Everything one file contributes to the scan. Never raises for bad input."""
+    # The cyclic garbage collector is off while one file is analysed: parsing and detection
+    # allocate hundreds of thousands of AST nodes that stay alive until the file is done, and
+    # every automatic collection would traverse them again (about a fifth of the scan's time).
+    # Nothing here depends on collecting cycles: they are reclaimed once it is back on.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _analyze_file(root, rel, patterns, options)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:
     out = FileOutcome(rel)
     text, sha, failure = read_source(root / rel, rel, options.max_file_bytes)
     out.sha256 = sha
@@ -220,9 +234,11 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
         return out
     out.parsed = True
     out.facts = facts
-    n_lines = len(text.splitlines())
+    n_lines = len(module.lines)
     errors: dict[str, list[Any]] = {}
     fast_lines: list[str] | None = None
+    code_lines: list[str] | None = None
+    refused: str | None = None  # why apply leaves every site of this file alone ("": it does not)
     indent: str | None = None
 
     def fail(pid: str, scope: Scope, message: str) -> None:
@@ -255,9 +271,14 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
                         local = risks.local_risks(module, scope, r, pattern)
                     except (Exception, RecursionError) as exc:  # our own analysis failing must not lose the finding
                         local = [risks.risk("other", f"npufuse could not analyse risks here ({type(exc).__name__}: {exc})")]
+                    if refused is None:
+                        refused = _apply_refuses(text)
+                    if refused:
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, refused)))
+                        continue
                     r.params = _jsonable(r.params)
                     if fast_lines is None:
-                        fast_lines = text.splitlines(keepends=True) if replacement.splitlines_match(text) else []
+                        fast_lines = module.lines if replacement.splitlines_match(text, module.lines) else []
                         indent = replacement.default_indent(tree, fast_lines) if fast_lines else None
                     # a span starting at a decorated def/class (its decorators lie above the span)
                     decorated = {s.lineno for _b, _i, s in scope.statements() if s.lineno == r.line and getattr(s, "decorator_list", None)}
@@ -265,7 +286,9 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
                         body = replacement.fast_body(fast_lines, r, indent, decorated) if fast_lines and indent else None
                     except Exception:  # the fast path declines; render_site will do it
                         body = None
-                    out.hits.append(Hit(r, repo_search.site_context(module, scope), local, original_text(text, r), body))
+                    if code_lines is None:  # codegen.original_text, with the file split once rather than once per site
+                        code_lines = source_lines(text)
+                    out.hits.append(Hit(r, repo_search.site_context(module, scope), local, "".join(code_lines[r.line - 1 : r.end_line]), body))
                 elif isinstance(r, NearMiss):
                     if not isinstance(r.reason, str) or not r.reason.strip() or not isinstance(r.line, int):
                         fail(pattern.id, scope, "yielded a near miss without a reason or line")
@@ -280,6 +303,32 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
     if any(h.body is None for h in out.hits):
         out.source = text  # only render_site (libcst) needs the whole file
     return out
+
+
+# A line holding only a backslash continuation: libcst drops it, so it cannot reproduce the file.
+_LONE_BACKSLASH = re.compile(r"(?m)^[ \t\f]*\\(?:\r\n|\r|\n)")
+
+
+def _apply_refuses(text: str) -> str:
+    """Why ``npufuse apply`` would leave every site of this file unchanged, or "" — so the scan
+    reports its findings as near misses instead of candidates apply never rewrites. Apply
+    refuses a file libcst does not reproduce byte for byte; the one known cause, a line holding
+    only a backslash continuation, is found by a regex, and only a file that has one pays for
+    the libcst parse that confirms it."""
+    m = _LONE_BACKSLASH.search(text) if "\\" in text else None
+    if m is None:
+        return ""
+    from npufuse.rewrite.transform import parse_module
+
+    try:
+        same = parse_module(text).code == text
+    except Exception:  # libcst cannot parse it at all: render_site says so for each site
+        return ""
+    if same:
+        return ""
+    line = text.count("\n", 0, m.start()) + 1
+    return (f"apply cannot rewrite this file: libcst does not reproduce it byte for byte "
+            f"(line {line} holds only a backslash continuation); remove that line to make the site replaceable")
 
 
 def _finding_problem(f: Finding, pattern: Pattern, scope: Scope, n_lines: int) -> str | None:
@@ -328,7 +377,10 @@ def _pool_context():
     return None
 
 
-def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None, cache: Any = None) -> list[FileOutcome]:
+def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None, cache: Any = None, digests: dict[str, str] | None = None) -> list[FileOutcome]:
+    """Every file's outcome, in ``files`` order: from ``cache`` where it has one, else analysed
+    (in a pool for many files). ``digests``: the files' content digests already taken
+    (:func:`gather_inputs`), so cache lookups need not read the files again."""
     total = len(files)
     jobs = jobs if jobs is not None else (os.cpu_count() or 1)
     results: dict[str, FileOutcome] = {}
@@ -337,8 +389,13 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
         # Hits are looked up here, before any pool starts: a warm scan never forks.
         from npufuse.scan.cache import lookup
 
+        get = cache.get
         for rel in files:
-            hit = lookup(cache, root, rel, options.max_file_bytes)
+            if digests is None:
+                hit = lookup(cache, root, rel, options.max_file_bytes)
+            else:
+                digest = digests.get(rel)  # absent: unreadable; "size:": too large (analysis reports both)
+                hit = get(rel, digest) if digest is not None and not digest.startswith("size:") else None
             if hit is not None:
                 results[rel] = hit
                 done += 1
@@ -346,6 +403,8 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
                     progress(done, total)
     todo = [rel for rel in files if rel not in results]
     if jobs > 1 and len(todo) >= PARALLEL_MIN_FILES:
+        from concurrent.futures import ProcessPoolExecutor, as_completed  # only a scan that parses pays for it
+
         # Small batches, largest files first: both cores stay busy to the end.
         order = sorted(todo, key=lambda r: _size(root / r), reverse=True)
         size = max(1, min(16, len(todo) // (jobs * 12)))
@@ -406,6 +465,10 @@ class ScanResult:
     training: list[str]
     suggested_order: list[int]
     assumptions: dict[str, Any]
+    # Not part of scan.json: how this result was obtained ({"files", "from_cache", "analyzed"}),
+    # and the digest of every input (ScanInputs.key) when no file changed while the scan ran.
+    stats: dict[str, int] = field(default_factory=dict)
+    run_key: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """scan.json (DESIGN.md), fields in the documented order, then npufuse's extras."""
@@ -463,6 +526,74 @@ def _root_label(target: Path) -> str:
     return text.replace(os.sep, "/")
 
 
+_DATA_FILE_MAX_BYTES = 1 << 20  # config_shapes.load_data_file's default limit
+
+
+@dataclass
+class ScanInputs:
+    """Everything a scan reads, gathered before anything is parsed (:func:`gather_inputs`)."""
+
+    target: Path
+    walked: WalkResult
+    chosen: list[Pattern]
+    missing: list[str]
+    options: ScanOptions
+    switch_mode: str
+    overrides: dict[str, Any]
+    cache: Any = None  # a ScanCache, or None: no cache
+    digests: dict[str, str] = field(default_factory=dict)  # rel -> cache.file_digest, Python and data files (with a cache only)
+    key: str | None = None  # cache.run_key over all of the above; None: no cache, or an input that cannot be keyed
+
+
+def gather_inputs(
+    root: str | os.PathLike[str],
+    *,
+    only: Iterable[str] | None = None,
+    patterns: Sequence[Pattern] | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    switch_mode: str = "auto",
+    overrides: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> ScanInputs:
+    """Walk, choose the detectors and, with a cache, hash every file the scan will read and key
+    the lot (the run key: equal keys mean equal scan results). Raises like :func:`scan_repo`."""
+    target = Path(root)
+    if not target.exists() and not target.is_symlink():
+        raise FileNotFoundError(f"{root}: no such file or folder")
+    chosen, missing = select_patterns(only, patterns)
+    options = ScanOptions(max_file_bytes=max_file_bytes)
+    walked = walk(target)
+    overrides = dict(overrides or {})
+    inputs = ScanInputs(target, walked, chosen, missing, options, switch_mode, overrides, _open_cache(cache_dir, chosen, options))
+    if inputs.cache is None:
+        return inputs  # nothing to look up: analyze_file hashes what it reads itself
+    from npufuse.scan.cache import file_digest, run_key
+
+    base = walked.root
+    keyable = True
+    for rel in walked.files:
+        digest = file_digest(base / rel, max_file_bytes)
+        if digest is None:
+            keyable = False  # an unreadable file's error text is not keyed: scan it in full
+        else:
+            inputs.digests[rel] = digest
+    for rel in walked.data_files:
+        # over load_data_file's size limit the content is not read: its size stands in (and a
+        # changed limit is a changed npufuse source, which the key covers)
+        digest = file_digest(base / rel, _DATA_FILE_MAX_BYTES)
+        if digest is None:
+            keyable = False
+        else:
+            inputs.digests[rel] = digest
+    if keyable:
+        inputs.key = run_key(inputs.cache.fingerprint, (
+            _root_label(target), target.is_dir(), [p.id for p in chosen], missing, switch_mode, sorted(overrides.items()),
+            walked.files, walked.data_files, [f.to_json() for f in walked.failed], walked.skipped,
+            sorted(inputs.digests.items()),
+        ))
+    return inputs
+
+
 def scan_repo(
     root: str | os.PathLike[str],
     *,
@@ -479,13 +610,18 @@ def scan_repo(
     :class:`UnknownPatternError` for an unknown id in ``only``; everything else is reported in
     the result. ``overrides`` (e.g. ``{"batch_size": 8}``) beat shapes read from the repo.
     ``cache_dir``: reuse and store per-file results there (:mod:`npufuse.scan.cache`); None: no cache."""
-    target = Path(root)
-    if not target.exists() and not target.is_symlink():
-        raise FileNotFoundError(f"{root}: no such file or folder")
-    chosen, missing = select_patterns(only, patterns)
-    options = ScanOptions(max_file_bytes=max_file_bytes)
-    walked = walk(target)
-    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, _open_cache(cache_dir, chosen, options))
+    inputs = gather_inputs(root, only=only, patterns=patterns, max_file_bytes=max_file_bytes, switch_mode=switch_mode, overrides=overrides, cache_dir=cache_dir)
+    return run_scan(inputs, jobs=jobs, progress=progress)
+
+
+def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[[int, int], None] | None = None) -> ScanResult:
+    """The scan of :func:`gather_inputs`' inputs (per-file results from its cache where it has them)."""
+    target, walked, chosen, missing, options = inputs.target, inputs.walked, inputs.chosen, inputs.missing, inputs.options
+    switch_mode, overrides, max_file_bytes = inputs.switch_mode, inputs.overrides, options.max_file_bytes
+    cache = inputs.cache
+    hits_before = cache.hits if cache is not None else 0
+    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, cache, inputs.digests if cache is not None else None)
+    from_cache = cache.hits - hits_before if cache is not None else 0
 
     failed: list[Failure] = list(walked.failed)
     near: list[dict[str, Any]] = []
@@ -524,6 +660,8 @@ def scan_repo(
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
     near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))
     return ScanResult(
+        stats={"files": len(outcomes), "from_cache": from_cache, "analyzed": len(outcomes) - from_cache},
+        run_key=inputs.key if inputs.key is not None and _unchanged(inputs, outcomes) else None,
         root=_root_label(target),
         files_scanned=scanned,
         lines_scanned=lines,
@@ -548,6 +686,24 @@ def scan_repo(
     )
 
 
+def _unchanged(inputs: ScanInputs, outcomes: list[FileOutcome]) -> bool:
+    """Whether the files the scan read are those :func:`gather_inputs` hashed: a file edited in
+    between would file this result under a key that names other content."""
+    digests = inputs.digests
+    for o in outcomes:
+        digest = digests.get(o.file)
+        if digest is None:
+            continue
+        if (o.sha256 is not None) if digest.startswith("size:") else (o.sha256 != digest):
+            return False  # too large when hashed, read in full now (or the reverse), or new content
+    if inputs.walked.data_files:  # load_data_file read them again: they must still be the hashed ones
+        from npufuse.scan.cache import file_digest
+
+        base = inputs.walked.root
+        return all(file_digest(base / rel, _DATA_FILE_MAX_BYTES) == digests.get(rel) for rel in inputs.walked.data_files)
+    return True
+
+
 def _candidates(
     outcomes: list[FileOutcome],
     patterns: dict[str, Pattern],
@@ -569,11 +725,18 @@ def _candidates(
     keys: dict[str, int] = {}
     out: list[dict[str, Any]] = []
     shapes_memo: dict[str, dict[str, Any]] = {}
+    # Per pattern, the switches relevant to it at all: choose_switch would rate every switch of
+    # the repo for every candidate; it drops the irrelevant ones and sorts the rest with a total
+    # key, so giving it only those (in the same order) chooses the same switch.
+    relevant_switches: dict[str, list[dict[str, Any]]] = {}
     n = 0
     for o, h in hits:
         f = h.finding
         pattern = patterns[f.pattern]
-        switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, switches, switch_mode)
+        usable = relevant_switches.get(f.pattern)
+        if usable is None:
+            usable = relevant_switches[f.pattern] = [s for s in switches if repo_search.switch_relevance(f.pattern, s["name"])]
+        switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, usable, switch_mode)
         try:
             text = replacement.render(o.source if o.source is not None else (lambda o=o: _reread(root, o)), f, switch, h.body)
         except Exception as exc:  # codegen cannot rewrite this site: a near miss, with the reason
@@ -589,7 +752,7 @@ def _candidates(
         folder = o.file.rsplit("/", 1)[0] if "/" in o.file else ""
         if folder not in shapes_memo:  # one lookup per folder: shapes_for sorts sources by distance to the file's folder
             shapes_memo[folder] = config_shapes.shapes_for(o.file, sources, overrides)
-        shapes = copy.deepcopy(shapes_memo[folder])
+        shapes = _copy_plain(shapes_memo[folder])
         value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
         generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16)
         merged = risks.merge(risks.detector_risks(f), generic)
@@ -625,6 +788,20 @@ def _candidates(
     for c in out:
         c["risk_level"] = risks.overall_level(c["risks"])
     return out
+
+
+def _copy_plain(value: Any) -> Any:
+    """copy.deepcopy for JSON-like data (dicts, lists, scalars), several times faster; anything
+    else is deep-copied as before. Each candidate keeps its own shapes, sharing no dict with
+    another candidate's (anyone editing one candidate's data must not change the others')."""
+    t = type(value)
+    if t is dict:
+        return {k: _copy_plain(v) for k, v in value.items()}
+    if t is list:
+        return [_copy_plain(v) for v in value]
+    if t is str or t is int or t is float or t is bool or value is None:
+        return value
+    return copy.deepcopy(value)
 
 
 def _reread(root: Path, o: FileOutcome) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import textwrap
 import tokenize
 from typing import Callable
@@ -62,11 +63,92 @@ def _ws(row: str) -> str:
     return row[: len(row) - len(row.lstrip(" "))]
 
 
+# Text the bracket scanner below covers: printable ASCII, spaces and newlines, no backslash
+# (the scanner then needs no escapes, continuation lines, tabs, form feeds or Unicode rules).
+_NOT_PLAIN = re.compile(r"[^\n\x20-\x5b\x5d-\x7e]")
+_UNCOVERED = object()
+_SPECIAL = re.compile(r"[#'\"()\[\]{}]")
+
+
 def _classify(text: str) -> list[str] | None:
     """Per physical line: "logical" (starts a logical line), "comment" (comment-only, between
     statements), "blank" (between statements), "cont" (inside brackets), "string" (inside a
     multi-line string token). None for what the fast path does not cover (backslash
     continuations, tokenizer errors)."""
+    kinds = _classify_plain(text)
+    if kinds is not _UNCOVERED:
+        return kinds  # type: ignore[return-value]
+    return _classify_tokens(text)
+
+
+def _classify_plain(text: str) -> list[str] | None | object:
+    """:func:`_classify_tokens`'s answer without the (pure Python, slow) tokenizer, for plain
+    text: printable ASCII without backslashes or triple quotes, so every string literal ends on
+    its line and the only multi-line construct is a bracket. A line then starts a logical line
+    when it opens at bracket depth 0 with code, is a blank or comment line at depth 0, or else
+    continues a bracket. Returns ``_UNCOVERED`` for any other text, and for what would make the
+    tokenizer complain or behave unusually (an unterminated string, a stray closing bracket),
+    so the tokenizer decides those. tests/test_scan_prefilter.py checks both agree."""
+    if "'''" in text or '"""' in text or _NOT_PLAIN.search(text) is not None:
+        return _UNCOVERED
+    rows = text.split("\n")
+    if rows and rows[-1] == "":
+        rows.pop()
+    kinds: list[str] = []
+    append = kinds.append
+    special = _SPECIAL.search
+    depth = 0
+    indents = [0]
+    for row in rows:
+        n = len(row)
+        start = n - len(row.lstrip(" "))
+        if depth == 0:
+            if start == n:
+                append("blank")
+                continue
+            if row[start] == "#":
+                append("comment")
+                continue
+            append("logical")
+            # the tokenizer's indentation check (an unindent to no outer level is an error)
+            if start > indents[-1]:
+                indents.append(start)
+            elif start < indents[-1]:
+                while start < indents[-1]:
+                    indents.pop()
+                if start != indents[-1]:
+                    return None
+        else:
+            append("cont")
+        i = start
+        while True:
+            m = special(row, i)  # the next character that matters: a bracket, a quote, a comment
+            if m is None:
+                break
+            i = m.start()
+            c = row[i]
+            if c == "#":
+                break
+            if c == "'" or c == '"':
+                j = row.find(c, i + 1)
+                if j < 0:
+                    return _UNCOVERED
+                i = j + 1
+                continue
+            if c in "([{":
+                depth += 1
+            else:
+                depth -= 1
+                if depth < 0:
+                    return _UNCOVERED
+            i += 1
+    if depth:
+        return None  # EOF inside brackets: the tokenizer's TokenError
+    return kinds
+
+
+def _classify_tokens(text: str) -> list[str] | None:
+    """:func:`_classify` by the tokenizer (any text)."""
     rows = text.split("\n")
     if rows and rows[-1] == "":
         rows.pop()
@@ -208,6 +290,8 @@ def render(source: str | Callable[[], str], finding: Finding, switch: Switch, bo
     return render_site(source() if callable(source) else source, finding, switch)
 
 
-def splitlines_match(source: str) -> bool:
-    """codegen splits on every Unicode line break; the fast path assumes only ``\\n``."""
-    return "\r" not in source and len(source.splitlines()) == source.count("\n") + (0 if source.endswith("\n") or not source else 1)
+def splitlines_match(source: str, lines: list[str] | None = None) -> bool:
+    """codegen splits on every Unicode line break; the fast path assumes only ``\\n``.
+    ``lines``: ``source.splitlines(keepends=True)`` when the caller has it already."""
+    n = len(lines) if lines is not None else len(source.splitlines())
+    return "\r" not in source and n == source.count("\n") + (0 if source.endswith("\n") or not source else 1)

@@ -19,7 +19,7 @@ import re
 from typing import Any, Iterator
 
 from npufuse.patterns.base import Finding, Pattern, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope
+from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, fast_walk
 
 LEVELS = ("none", "low", "medium", "high")
 # Level of a detector-reported risk, by kind (detectors report kind and detail only).
@@ -104,18 +104,9 @@ def _seg(module: ModuleInfo, node: ast.AST, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-_LINES: dict[int, tuple[str, list[str]]] = {}
-
-
 def _lines(module: ModuleInfo) -> list[str]:
-    """The module's lines, split once per module (memo keyed by the module object)."""
-    key = id(module)
-    hit = _LINES.get(key)
-    if hit is None or hit[0] is not module.source:
-        _LINES.clear()  # one module at a time is analysed
-        hit = (module.source, module.source.splitlines(keepends=True))
-        _LINES[key] = hit
-    return hit[1]
+    """The module's lines (split once per module, shared with the detectors)."""
+    return module.lines
 
 
 def _scope_nodes(scope: Scope) -> Iterator[ast.AST]:
@@ -123,10 +114,10 @@ def _scope_nodes(scope: Scope) -> Iterator[ast.AST]:
     for _block, _i, stmt in scope.statements():
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
-        for child in ast.iter_child_nodes(stmt):
+        for child in child_nodes(stmt):
             if isinstance(child, ast.stmt) or isinstance(child, (ast.excepthandler, ast.match_case)):
                 continue
-            yield from ast.walk(child)
+            yield from fast_walk(child)
 
 
 def _site_statements(scope: Scope, finding: Finding) -> list[ast.stmt]:
@@ -258,7 +249,7 @@ def _non_contiguous(module: ModuleInfo, scope: Scope, finding: Finding) -> list[
     found: list[str] = []
     seen: set[str] = set()
     for stmt in _site_statements(scope, finding):
-        for node in ast.walk(stmt):
+        for node in fast_walk(stmt):
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in seen and node.id != "self":
                 seen.add(node.id)
                 value = scope.definition(node.id, finding.line)

@@ -78,19 +78,17 @@ def is_data_file(rel: str) -> bool:
     return "config" in name or parent in ("config", "configs", "conf")
 
 
-def _skip_reason(path: Path, name: str) -> str | None:
+def _skip_reason(path: str, name: str) -> str | None:
     if name in SKIP_DIRS:
         return SKIP_DIRS[name]
     if name.endswith(".egg-info"):
         return "build output"
-    # A virtualenv or conda env under any name: its marker file says so.
-    try:
-        if (path / "pyvenv.cfg").is_file():
-            return "virtualenv"
-        if (path / "conda-meta").is_dir():
-            return "conda environment"
-    except OSError:
-        return None
+    # A virtualenv or conda env under any name: its marker file says so. (os.path, not pathlib:
+    # this runs for every folder of every scan, warm ones included.)
+    if os.path.isfile(os.path.join(path, "pyvenv.cfg")):
+        return "virtualenv"
+    if os.path.isdir(os.path.join(path, "conda-meta")):
+        return "conda environment"
     return None
 
 
@@ -100,8 +98,8 @@ class _Ignore:
     def __init__(self, specs: list[tuple[str, pathspec.GitIgnoreSpec]]):
         self.specs = specs  # (base relative to the walk root with trailing '/', or a '../' prefix form)
 
-    def with_dir(self, base: str, folder: Path) -> "_Ignore":
-        spec = _read_spec(folder / ".gitignore")
+    def with_dir(self, base: str, folder: str | Path) -> "_Ignore":
+        spec = _read_spec(os.path.join(folder, ".gitignore"))
         return _Ignore(self.specs + [(base, spec)]) if spec is not None else self
 
     def ignored(self, rel: str, is_dir: bool) -> bool:
@@ -119,9 +117,10 @@ class _Ignore:
         return bool(verdict)
 
 
-def _read_spec(path: Path) -> pathspec.GitIgnoreSpec | None:
+def _read_spec(path: str | Path) -> pathspec.GitIgnoreSpec | None:
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
     except OSError:
         return None
     return pathspec.GitIgnoreSpec.from_lines(text.splitlines())
@@ -188,7 +187,7 @@ def walk(target: Path | str) -> WalkResult:
     except OSError as exc:
         result.failed.append(_os_failure("./", exc))
         return result
-    _walk_dir(target, "", ignore, [(st.st_dev, st.st_ino)], seen_dirs, seen_files, result)
+    _walk_dir(os.fspath(target), "", ignore, [(st.st_dev, st.st_ino)], seen_dirs, seen_files, result)
     result.files.sort()
     result.data_files.sort()
     result.failed.sort(key=lambda f: (f.file, f.kind))
@@ -197,7 +196,7 @@ def walk(target: Path | str) -> WalkResult:
 
 
 def _walk_dir(
-    folder: Path,
+    folder: str,
     rel_dir: str,
     ignore: _Ignore,
     ancestors: list[tuple[int, int]],
@@ -213,7 +212,7 @@ def _walk_dir(
         return
     for entry in entries:
         rel = rel_dir + entry.name
-        path = Path(entry.path)
+        path = entry.path
         try:
             is_link = entry.is_symlink()
             st = os.stat(entry.path)  # follows links; ELOOP for a link to itself
@@ -239,15 +238,18 @@ def _walk_dir(
             seen_dirs.add(ident)
             _walk_dir(path, rel + "/", ignore.with_dir(rel + "/", path), ancestors + [ident], seen_dirs, seen_files, result)
         elif stat.S_ISREG(st.st_mode):
+            python = entry.name.endswith(PYTHON_SUFFIXES)
+            if not python and not is_data_file(rel):
+                continue  # neither kind is read: no need to ask the gitignore specs
             if ignore.ignored(rel, is_dir=False):
                 continue
-            if entry.name.endswith(PYTHON_SUFFIXES):
+            if python:
                 ident = (st.st_dev, st.st_ino)
                 if ident in seen_files:
                     continue  # the same file reached through a symlink: scanned once
                 seen_files.add(ident)
                 result.files.append(rel)
-            elif is_data_file(rel):
+            else:
                 result.data_files.append(rel)
 
 
