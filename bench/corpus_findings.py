@@ -46,8 +46,13 @@ SUSPECTS: dict[str, list[str]] = {
     "attention": [r"softmax", r"matmul|@|bmm|einsum"],
     "sdpa": [r"scaled_dot_product_attention"],
     "moe_experts": [r"expert", r"for\s+\w+.*\bin\b"],
-    # any optimizer construction, also after `from torch.optim import AdamW` / `import torch.optim as optim`
-    "fused_optimizer": [r"(?:torch\.optim\.|optim\.|\b)(?:AdamW|Adam|SGD|Adagrad|RMSprop|Adadelta|Adamax|NAdam|RAdam)\("],
+    # any optimizer construction, also after `from torch.optim import AdamW` / `import torch.optim as optim`:
+    # every torch.optim class; a class held in a variable (`optimizer_cls(...)`, `opt_class(...)`),
+    # looked up by name (`getattr(torch.optim, name)`) or bound with functools.partial
+    "fused_optimizer": [r"(?:torch\.optim\.|optim\.|\b)(?:AdamW|Adam|SGD|Adagrad|RMSprop|Adadelta|Adamax|NAdam|RAdam"
+                        r"|ASGD|Rprop|LBFGS|SparseAdam)\("
+                        r"|\b\w*opt\w*_(?:cls|class|type|fn|factory)\(|getattr\(\s*(?:torch\.)?optim\s*,"
+                        r"|partial\(\s*(?:torch\.optim\.|optim\.)\w+"],
     # an assignment (plain or augmented) through an index that looks boolean: a mask name, a comparison,
     # `~`, isnan/isinf/isfinite, .bool() -- or an explicit index_put
     "affinity_index_put": [r"\[[^\]\n]*(?:mask|==|!=|<|>|~|isnan|isinf|isfinite|\.bool\(\))[^\]\n]*\]\s*(?:[-+*/]?=)(?!=)|\.index_put_?\("],
@@ -87,7 +92,15 @@ def functions(root: Path, files: list[str]) -> Iterator[Function]:
                 # the function's own lines, without nested definitions' docstrings mattering much
                 text = "\n".join(ln.split("#", 1)[0] for ln in lines[node.lineno - 1 : end])
                 yield Function(rel, qual, node.lineno, end, text)
-                stack += [(n, f"{qual}.") for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+                stack += [(n, f"{qual}.") for n in node.body]
+            else:
+                # a def under if/else/try/except/with/for/while/match is a scope of the scanner
+                # too (xlstm's kernels sit under `if is_xlstm_available(): ... else:`); the
+                # block adds nothing to the qualname
+                for name in ("body", "orelse", "finalbody"):
+                    stack += [(n, prefix) for n in getattr(node, name, None) or () if isinstance(n, ast.stmt)]
+                for part in (getattr(node, "handlers", None) or []) + (getattr(node, "cases", None) or []):
+                    stack += [(n, prefix) for n in part.body]
 
 
 def is_suspect(pattern: str, text: str) -> bool:

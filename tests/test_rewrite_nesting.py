@@ -188,11 +188,6 @@ def test_apply_to_a_deep_file_is_refused_byte_identical(repo: tuple[Path, Path])
 # -- what is left in files this module does not own ---------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="scan/engine.py analyze_file: the fast replacement path (scan/replacement.py fast_body) "
-                   "renders sites without libcst, so a file CPython parses but the rewriter refuses as too deep (a "
-                   "1,000-lambda chain: ast accepts it, libcst 1.9 crashes at 3,500) is offered as a candidate that "
-                   "apply then skips; fix: take the fast path only where nesting.problem(text) is None, so render_site "
-                   "raises TooDeep and the scan reports the site as a near miss with the reason")  # fmt: skip
 def test_bug_scan_offers_a_site_in_a_file_too_deep_for_apply(tmp_path: Path) -> None:
     deep = MODEL + "\n\nHANDLERS = " + "lambda: " * 1000 + "1\n"
     assert nesting.problem(deep) is not None

@@ -605,9 +605,21 @@ def plan_span(scope: Scope, root: ast.stmt, trace: Trace, reads: set[str] | None
                     break
                 return f"intermediate `{name}` reused after the fused region"
     kept.sort(key=lambda s: s.lineno)
-    dropped_names = set().union(*(names_written(s) for s in dropped)) if dropped else set()
+    # A kept statement runs verbatim before the fused code, so it only sees an intermediate a
+    # dropped statement wrote before it; a name a dropped statement writes later still holds
+    # its earlier value there, as in the original (``input_dtype = hidden_states.dtype`` above
+    # ``hidden_states = hidden_states.to(torch.float32)`` in a gated RMSNorm). In a loop body the
+    # next iteration's kept statement would see that later write too (never made by the fused
+    # branch) unless the root statement, which the fused branch does run, writes the name.
+    in_loop = any(isinstance(a, (ast.For, ast.AsyncFor, ast.While)) for a in ancestors(idx, root))
     for s in kept:
-        clash = names_read(s) & dropped_names
+        seen: set[str] = set()
+        for d in dropped:
+            if d.lineno < s.lineno:
+                seen |= names_written(d)
+            elif in_loop:
+                seen |= names_written(d) - root_writes
+        clash = names_read(s) & seen
         if clash:
             return f"intermediate `{sorted(clash)[0]}` is used by another statement inside the fused region"
     dropped_ids = {id(n) for s in dropped for n in fast_walk(s) if isinstance(n, ast.stmt)}

@@ -301,6 +301,8 @@ class AffinityIndexPut(Pattern):
         if not _relevant(module):
             return
         for _block, _i, stmt in scope.statements():
+            if _STMT_FILTER and not _may_yield(stmt):
+                continue
             site = _site_parts(stmt)
             if site is None:
                 other = _other_form(module, scope, stmt)
@@ -338,6 +340,27 @@ def _relevant(module: ModuleInfo) -> bool:
     if cached is None:
         cached = module.__dict__["_npufuse_aip_relevant"] = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
     return bool(cached)
+
+
+_STMT_FILTER = True  # tests switch it off to compare
+
+
+def _may_yield(stmt: ast.stmt) -> bool:
+    """Whether ``_site_parts`` or ``_other_form`` can be anything but None for ``stmt``: their
+    first tests, joined (most statements of a scope fail them; two calls each cost more)."""
+    if isinstance(stmt, ast.Assign):
+        if len(stmt.targets) != 1:
+            return False
+        if isinstance(stmt.targets[0], (ast.Subscript, ast.Tuple, ast.List)):
+            return True
+        v = stmt.value
+        return isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "index_put"
+    if isinstance(stmt, ast.AugAssign):
+        return isinstance(stmt.target, ast.Subscript)
+    if isinstance(stmt, (ast.Expr, ast.Return)):
+        v = stmt.value
+        return isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == ("index_put_" if isinstance(stmt, ast.Expr) else "index_put")
+    return False
 
 
 def _site_parts(stmt: ast.stmt) -> Optional[tuple[ast.expr, ast.expr, ast.expr, Optional[ast.operator]]]:

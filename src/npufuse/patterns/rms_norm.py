@@ -831,11 +831,47 @@ def _root_lines(module: ModuleInfo, scope: Scope) -> list[int]:
     if cached is not None:
         return cached
     lines = S.module_lines(module)
-    lo = 1 if isinstance(scope.node, ast.Module) else scope.node.lineno  # type: ignore[attr-defined]
-    hi = len(lines) if isinstance(scope.node, ast.Module) else (scope.node.end_lineno or lo)  # type: ignore[attr-defined]
-    out = [i for i in range(lo, hi + 1) if ("sqrt" in lines[i - 1] or "0.5" in lines[i - 1]) and _root_text(lines[i - 1])]
+    if isinstance(scope.node, ast.Module) and _MODULE_ROOT_LINES:
+        out = _module_root_lines(module, scope, lines)
+    else:
+        lo = 1 if isinstance(scope.node, ast.Module) else scope.node.lineno  # type: ignore[attr-defined]
+        hi = len(lines) if isinstance(scope.node, ast.Module) else (scope.node.end_lineno or lo)  # type: ignore[attr-defined]
+        out = [i for i in range(lo, hi + 1) if ("sqrt" in lines[i - 1] or "0.5" in lines[i - 1]) and _root_text(lines[i - 1])]
     scope.__dict__["_npufuse_root_lines"] = out
     return out
+
+
+_MODULE_ROOT_LINES = True  # tests switch it off to compare
+
+
+def _module_root_lines(module: ModuleInfo, scope: Scope, lines: list[str]) -> list[int]:
+    """The module scope's root lines as its two readers see them, without testing every line of
+    the file: scope_results reads only the smallest (the file's first root line), and
+    _rstd_sites only whether one lies within a statement of the scope that is not a definition.
+    So: that first line, plus the root lines inside those statements' spans."""
+    first = _first_root_line(lines)
+    if first is None:
+        return []
+    out = [first]
+    spans: set[int] = set()
+    for stmt in S.stmt_index(scope).stmts:
+        if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            spans.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+    spans.discard(first)
+    out += [i for i in sorted(spans) if i <= len(lines) and _is_root_line(lines[i - 1])]
+    out.sort()
+    return out
+
+
+def _is_root_line(ln: str) -> bool:
+    return ("sqrt" in ln or "0.5" in ln) and _root_text(ln)
+
+
+def _first_root_line(lines: list[str]) -> int | None:
+    for i, ln in enumerate(lines, 1):
+        if _is_root_line(ln):
+            return i
+    return None
 
 
 def _rstd_sites(module: ModuleInfo, scope: Scope) -> list[tuple[ast.stmt, ast.AST]]:
@@ -1094,8 +1130,61 @@ def _relevant(module: ModuleInfo, scope: Scope) -> bool:
     if not cache["module"]:
         return False
     if isinstance(scope.node, ast.Module):
-        return _norm_text(S.scope_text(module, scope))
-    return _calls_sqrt_helper(module, scope.node)
+        return True  # _norm_text of the module's text: cache["module"], just computed
+    return _calls_sqrt_helper(module, scope.node) and (not _SCOPE_GATE or _reaches_root(module, scope))
+
+
+# _reaches_root may skip a scope (tests switch it off to compare).
+_SCOPE_GATE = True
+_ROOT_APIS = ("torch.rsqrt", "torch.sqrt", "torch.pow")
+
+
+def _reaches_root(module: ModuleInfo, scope: Scope) -> bool:
+    """Can :func:`scope_results` find anything in this function? ``_calls_sqrt_helper`` goes by
+    name only (every ``forward`` counts once one ``forward`` of the file looks like a norm);
+    this asks the scope itself. Every finding and near miss hangs on an inverse-square-root node
+    -- a call ``torch.rsqrt/sqrt/pow`` or ``.rsqrt/.sqrt/.pow(...)``, or a ``**`` -- that the
+    parse reaches from the scope's statements: in the scope's own code (its names' definitions
+    are its own statements) or in a helper it enters through a call ``self.NAME(...)`` /
+    ``NAME(...)``, and the parse enters only helpers whose NAME passes ``_calls_sqrt_helper``;
+    ``_attribute_misses`` looks at the scope's own root lines only. So a function whose text
+    holds none of "sqrt", "pow", a local name bound to one of those torch functions or such a
+    helper's NAME (besides its own ``def`` line), and no ``**`` operator, gives nothing."""
+    text = S.scope_text(module, scope)
+    if "sqrt" in text or "pow" in text:
+        return True
+    aliases = module.__dict__.get("_npufuse_rms_root_aliases")
+    if aliases is None:
+        aliases = module.__dict__["_npufuse_rms_root_aliases"] = tuple(sorted(k for k, v in module.aliases.items() if v in _ROOT_APIS))
+    if any(a in text for a in aliases):
+        return True
+    own = getattr(scope.node, "name", None)
+    for name in S.functions_matching(module, "rms_norm", _norm_text):
+        # the text starts at the scope's own ``def NAME``: one more occurrence is needed for a call
+        if (text.count(name) > 1) if name == own else (name in text):
+            return True
+    return _power_operator(text)
+
+
+# ASCII characters no identifier holds (before ``lambda``, the keyword; any other character:
+# maybe a longer name ending in "lambda", an operand)
+_NOT_NAME = frozenset(" \t\n\r\f\v()[]{}:;,.=+-*/%@&|^~<>!'\"#\\")
+
+
+def _power_operator(text: str) -> bool:
+    """Can a ``**`` in ``text`` be the power operator (or ``**=``)? Most ``**`` unpack
+    (``**kwargs``): those follow ``(``, ``,``, ``{`` or ``lambda`` (whitespace and line breaks
+    between), where an operator cannot stand -- it needs an operand on its left. Any other ``**``
+    counts (also one in a comment or a string: only ever too many)."""
+    i = text.find("**")
+    while i >= 0:
+        j = i - 1
+        while j >= 0 and text[j] in " \t\n\r\f\v":
+            j -= 1
+        if j < 0 or not (text[j] in "(,{" or (text.endswith("lambda", 0, j + 1) and (j < 6 or text[j - 6] in _NOT_NAME))):
+            return True
+        i = text.find("**", i + 2)
+    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -1378,6 +1467,45 @@ class RMSNorm(torch.nn.Module):
         return (x * rrms).to(dtype=x_dtype) * self.scale
 '''
 
+_GATED = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class RMSNormGated(nn.Module):
+    """Qwen3.5 / OLMo-hybrid style: a Llama norm, then a separate gate multiply (kept)."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, gate):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        # Norm before gate
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight * hidden_states.to(input_dtype)
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+
+        return hidden_states.to(input_dtype)
+'''
+
+_IMPORT_FALLBACK = '''
+import torch
+
+try:
+    from fused_norm_kernels import rms_norm  # an optional kernel package
+except ImportError:
+
+    def rms_norm(x, weight, eps=1e-6):
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(dim=-1, keepdim=True) + eps)
+        return (normed * weight.float()).to(x.dtype)
+'''
+
 RmsNorm.FUSE = [
     Fuse(
         _HF_LLAMA,
@@ -1439,6 +1567,24 @@ RmsNorm.FUSE = [
         expect={"eps": "1e-6", "weight": "self.scale", "output_dtype": "promote(input, weight)"},
         run="n = RMSNorm(16)\nx = torch.randn(2, 4, 9, 16, requires_grad=True)\nout = n(x)\nleaves = [x, n.scale]\n",
         name="flux_qk_norm_literal_eps",
+    ),
+    Fuse(
+        # the kept `input_dtype = ...` reads `hidden_states` before the dropped upcast rebinds it
+        _GATED,
+        expect={"eps": "self.variance_epsilon", "weight": "self.weight", "input": "hidden_states",
+                "output_dtype": "promote(input, weight)", "qualname": "RMSNormGated.forward", "line": 16, "end_line": 21},
+        run=("norm = RMSNormGated(64).to(torch.bfloat16)\nwith torch.no_grad():\n    norm.weight.normal_()\n"
+             "x = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)\n"
+             "g = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = norm(x, g)\nleaves = [x, g, norm.weight]\n"),
+        name="gated_norm_then_separate_gate",
+    ),
+    Fuse(
+        # a def under a module-level try/except is a scope like any other (its qualname has no block in it)
+        _IMPORT_FALLBACK,
+        expect={"eps": "eps", "weight": "weight", "input": "x", "qualname": "rms_norm", "line": 9, "end_line": 11},
+        run="w = torch.randn(48, requires_grad=True)\nx = torch.randn(6, 48, dtype=torch.bfloat16, requires_grad=True)\nout = rms_norm(x, w, 1e-5)\nleaves = [x, w]\n",
+        name="import_fallback_under_try_except",
     ),
 ]
 

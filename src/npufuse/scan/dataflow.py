@@ -293,16 +293,40 @@ class ModuleInfo:
             elif isinstance(node, ast.ClassDef):
                 self.classes[node.name] = node
         self.scopes = [_make_scope("<module>", self.tree, None, self.tree.body)]
-        self._collect_scopes(self.tree.body, prefix="", class_name=None)
+        self._collect_scopes(self.tree.body, prefix="", class_name=None, top=True)
 
-    def _collect_scopes(self, body: list[ast.stmt], prefix: str, class_name: str | None) -> None:
+    def _collect_scopes(self, body: list[ast.stmt], prefix: str, class_name: str | None, top: bool = False) -> None:
+        """Every function/method under ``body`` becomes a scope, also one defined inside an
+        ``if``/``else``/``try``/``except``/``with``/``for``/``match`` block: a ``try: import x
+        except ImportError: def rms_norm(...)`` fallback or an ``if is_available(): class ...``
+        is as real as a top-level def. A block adds nothing to the qualname (``rms_norm``,
+        ``Cls.forward``: the names ``apply``'s marked-site finder and Python's ``__qualname__``
+        give, ``<locals>`` aside). ``top``: ``body`` is the module's (through such blocks), so
+        its classes and functions are also indexed in ``classes``/``functions`` for the
+        detectors' lookups (``self.config``, helpers) — a top-level definition of the same name
+        keeps its place."""
         for node in body:
             if isinstance(node, ast.ClassDef):
+                if top:
+                    self.classes.setdefault(node.name, node)
                 self._collect_scopes(node.body, f"{prefix}{node.name}.", node.name)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if top:
+                    self.functions.setdefault(node.name, node)  # type: ignore[arg-type]
                 qual = f"{prefix}{node.name}"
                 self.scopes.append(_make_scope(qual, node, class_name, node.body))
                 self._collect_scopes(node.body, f"{qual}.", None)
+            else:
+                names = _BLOCK_FIELDS.get(type(node))
+                if names is None:
+                    names = _BLOCK_FIELDS[type(node)] = tuple(n for n in ("body", "handlers", "orelse", "finalbody", "cases") if n in type(node)._fields)
+                for name in names:
+                    block = getattr(node, name, None) or []
+                    if name == "handlers" or name == "cases":  # except handlers, match cases: each holds a block
+                        for part in block:
+                            self._collect_scopes(part.body, prefix, class_name, top)
+                    else:
+                        self._collect_scopes(block, prefix, class_name, top)
 
 
 def _statements_bfs(tree: ast.Module) -> Iterator[ast.AST]:

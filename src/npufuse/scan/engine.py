@@ -278,7 +278,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                         continue
                     r.params = _jsonable(r.params)
                     if fast_lines is None:
-                        fast_lines = module.lines if replacement.splitlines_match(text, module.lines) else []
+                        fast_lines = module.lines if replacement.splitlines_match(text, module.lines) and _nesting_ok(text, module.lines) else []
                         indent = replacement.default_indent(tree, fast_lines) if fast_lines else None
                     # a span starting at a decorated def/class (its decorators lie above the span)
                     decorated = {s.lineno for _b, _i, s in scope.statements() if s.lineno == r.line and getattr(s, "decorator_list", None)}
@@ -287,7 +287,10 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                     except Exception:  # the fast path declines; render_site will do it
                         body = None
                     if code_lines is None:  # codegen.original_text, with the file split once rather than once per site
-                        code_lines = source_lines(text)
+                        # where splitlines_match holds (fast_lines is module.lines), the file's only line
+                        # ends are "\n" but for at most one other break ending the last line, which
+                        # both splits keep in the last line: source_lines(text) is module.lines
+                        code_lines = fast_lines if fast_lines else source_lines(text)
                     out.hits.append(Hit(r, repo_search.site_context(module, scope), local, "".join(code_lines[r.line - 1 : r.end_line]), body))
                 elif isinstance(r, NearMiss):
                     if not isinstance(r.reason, str) or not r.reason.strip() or not isinstance(r.line, int):
@@ -303,6 +306,22 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     if any(h.body is None for h in out.hits):
         out.source = text  # only render_site (libcst) needs the whole file
     return out
+
+
+def _nesting_ok(text: str, lines: list[str]) -> bool:
+    """``nesting.problem(text) is None`` (apply's refusal of a file libcst must not parse), where
+    the fast replacement path needs it: a site of a refused file must go to render_site, whose
+    TooDeep makes it a near miss with the reason. The measure runs at ~7 MB/s, half the cost of
+    a whole scan, so it runs only where a physical line is at least ``LIMIT`` characters long:
+    every level it counts (an indentation step, a bracket, a chain operator, an f-string bracket)
+    takes at least one character of the logical line, so a statement on one shorter line cannot
+    reach the limit. Not covered: an over-deep expression spread over many short lines (a
+    thousand-term sum in brackets); apply still refuses that file, with the reason."""
+    from npufuse.rewrite import nesting
+
+    if max(map(len, lines), default=0) < nesting.LIMIT:
+        return True
+    return nesting.problem(text) is None
 
 
 # A line holding only a backslash continuation: libcst drops it, so it cannot reproduce the file.
@@ -377,7 +396,8 @@ def _pool_context():
     return None
 
 
-def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None, cache: Any = None, digests: dict[str, str] | None = None) -> list[FileOutcome]:
+def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None, cache: Any = None, digests: dict[str, str] | None = None,
+                 while_waiting: Callable[[], None] | None = None) -> list[FileOutcome]:
     """Every file's outcome, in ``files`` order: from ``cache`` where it has one, else analysed
     (in a pool for many files). ``digests``: the files' content digests already taken
     (:func:`gather_inputs`), so cache lookups need not read the files again."""
@@ -412,6 +432,11 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
         try:
             with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options, cache)) as ex:
                 futures = [ex.submit(_analyze_batch, b) for b in batches]
+                if while_waiting is not None:
+                    try:
+                        while_waiting()
+                    except Exception:  # only a head start: whoever needs it later does it again
+                        pass
                 for fut in as_completed(futures):
                     for outcome in fut.result():
                         results[outcome.file] = outcome
@@ -614,13 +639,16 @@ def scan_repo(
     return run_scan(inputs, jobs=jobs, progress=progress)
 
 
-def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[[int, int], None] | None = None) -> ScanResult:
-    """The scan of :func:`gather_inputs`' inputs (per-file results from its cache where it has them)."""
+def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[[int, int], None] | None = None,
+             while_waiting: Callable[[], None] | None = None) -> ScanResult:
+    """The scan of :func:`gather_inputs`' inputs (per-file results from its cache where it has them).
+    ``while_waiting``: called once while a process pool analyses the files (this process would
+    only wait): the caller's own preparation, e.g. loading the report template, off the tail."""
     target, walked, chosen, missing, options = inputs.target, inputs.walked, inputs.chosen, inputs.missing, inputs.options
     switch_mode, overrides, max_file_bytes = inputs.switch_mode, inputs.overrides, options.max_file_bytes
     cache = inputs.cache
     hits_before = cache.hits if cache is not None else 0
-    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, cache, inputs.digests if cache is not None else None)
+    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, cache, inputs.digests if cache is not None else None, while_waiting)
     from_cache = cache.hits - hits_before if cache is not None else 0
 
     failed: list[Failure] = list(walked.failed)
@@ -729,6 +757,12 @@ def _candidates(
     # the repo for every candidate; it drops the irrelevant ones and sorts the rest with a total
     # key, so giving it only those (in the same order) chooses the same switch.
     relevant_switches: dict[str, list[dict[str, Any]]] = {}
+    # A repo switch guards only sites in its scope (repo_search.SwitchSite): torch_npu code in a
+    # folder is what lets a bare `enable_fusion` there count as a kernel switch; the prelude of
+    # an npufuse-rewritten file (it imports torch_npu) is no such evidence.
+    rewritten = {e["file"] for e in existing if e.get("kind") == "npufuse_site"}
+    npu_folders = frozenset(e["file"].rpartition("/")[0] for e in existing if e.get("kind") != "npufuse_site" and e["file"] not in rewritten)
+    sites: dict[str, repo_search.SwitchSite] = {}
     n = 0
     for o, h in hits:
         f = h.finding
@@ -736,7 +770,10 @@ def _candidates(
         usable = relevant_switches.get(f.pattern)
         if usable is None:
             usable = relevant_switches[f.pattern] = [s for s in switches if repo_search.switch_relevance(f.pattern, s["name"])]
-        switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, usable, switch_mode)
+        site = sites.get(o.file)
+        if site is None:
+            site = sites[o.file] = repo_search.SwitchSite(o.file, frozenset(o.facts.imports if o.facts is not None else ()), npu_folders)
+        switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, usable, switch_mode, site)
         try:
             text = replacement.render(o.source if o.source is not None else (lambda o=o: _reread(root, o)), f, switch, h.body)
         except Exception as exc:  # codegen cannot rewrite this site: a near miss, with the reason

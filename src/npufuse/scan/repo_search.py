@@ -55,7 +55,9 @@ def is_switch(name: str, kind: str, value: Any = None) -> bool:
         return False
     if tokens[0] in _FLAG_VERBS or isinstance(value, bool) or value in ("store_true", "store_false"):
         return True
-    return kind == "env" and any(t.startswith(_FUSION_TOPIC) for t in tokens)
+    # an environment variable named for fusion: ``NPU_FUSED_ROPE``, and ``NPUFUSE_RMS_NORM``
+    # (npufuse's own spelling, one token)
+    return kind == "env" and any(t.startswith(_FUSION_TOPIC) or (t.startswith(("npu", "ascend")) and "fus" in t) for t in tokens)
 # Words (separators removed, lower case) that tie a switch to a pattern.
 PATTERN_WORDS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rmsnorm", "rms"),
@@ -88,6 +90,9 @@ class FileFacts:
     fused_spans: list[tuple[int, int, str]] = field(default_factory=list)
     # spans inside an npufuse-rewritten ``if``: (start, end, pattern)
     npufuse_spans: list[tuple[int, int, str]] = field(default_factory=list)
+    # class-like names the module imports (``from .configuration_x import XConfig``): a config
+    # field of a class the module imports is in scope for its sites (:func:`choose_switch`)
+    imports: tuple[str, ...] = ()
 
 
 def _norm(name: str) -> str:
@@ -129,6 +134,23 @@ def _mentions_bf16(src: str) -> bool:
             i = src.find(token, i + 1)
     return False
 _CFG_ATTR = re.compile(r"(?:config|cfg)\s*\.\s*\w*(?:fus|npu|ascend|flash|liger)", re.IGNORECASE)
+# The same search, case-sensitive, over the lower-cased text: about half the cost (an
+# IGNORECASE pattern gets no literal-prefix scan). Exact when lower() maps the text character
+# by character and no character outside ASCII matches an ASCII letter of the pattern under
+# IGNORECASE: of all code points only U+0130 lower-cases to two characters (and U+0130 and
+# U+212A to ASCII), and sre also folds U+0131 with "i" and U+017F with "s". A text holding any
+# of them takes the regex above.
+_CFG_ATTR_LOWER = re.compile(r"(?:config|cfg)\s*\.\s*\w*(?:fus|npu|ascend|flash|liger)")
+_CFG_ODD = ("\u0130", "\u0131", "\u017f", "\u212a")
+
+
+def _mentions_cfg_switch(src: str) -> bool:
+    """``_CFG_ATTR.search(src) is not None``."""
+    if src.isascii() or not any(c in src for c in _CFG_ODD):
+        return _CFG_ATTR_LOWER.search(src.lower()) is not None
+    return _CFG_ATTR.search(src) is not None
+
+
 _ASCII_LETTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 
@@ -180,7 +202,7 @@ def file_facts(module: ModuleInfo) -> FileFacts:
     want_env = "environ" in src or "getenv" in src
     want_args = "add_argument" in src
     want_train = ".backward(" in src or ".step(" in src or "Trainer(" in src
-    want_cfg = _CFG_ATTR.search(src) is not None
+    want_cfg = _mentions_cfg_switch(src)
     # bf16 use is a hint for the dtype risk wording: code lines naming it are enough
     facts.bf16 = _mentions_bf16(src)
     npu_call_lines: list[tuple[int, str]] = []
@@ -208,6 +230,7 @@ def file_facts(module: ModuleInfo) -> FileFacts:
             for name, line, value in _class_fields(cls):
                 switch(line, name, "config_field", value, owner=cls.name, default=value if isinstance(value, bool) else None)
 
+    facts.imports = _imported_classes(module.tree)
     if not (want_npu or want_env or want_args or want_train or want_cfg):
         return facts
     Call, Attribute, Subscript, Compare = ast.Call, ast.Attribute, ast.Subscript, ast.Compare
@@ -316,6 +339,27 @@ def _class_fields(cls: ast.ClassDef) -> list[tuple[str, int, Any]]:
             defaults.update({x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
             out += [(x.arg, stmt.lineno, config_shapes._literal(defaults.get(x.arg))) for x in (*positional, *a.kwonlyargs) if x.arg != "self"]
     return out
+
+
+def _imported_classes(tree: ast.Module) -> tuple[str, ...]:
+    """Capitalised names of ``from ... import`` statements (any level) at module level, also
+    under module-level ``if TYPE_CHECKING:`` / ``try: ... except ImportError:`` blocks; the
+    module's statements only (not function bodies), so it costs a few hundred nodes a file."""
+    names: set[str] = set()
+    stack: list[ast.stmt] = list(tree.body)
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    while stack:
+        node = stack.pop()
+        if type(node) is ast.ImportFrom:
+            names.update(a.name for a in node.names if a.name[:1].isupper())
+        elif not isinstance(node, defs):
+            for name in ("body", "orelse", "finalbody"):
+                block = getattr(node, name, None)
+                if type(block) is list:
+                    stack.extend(block)
+            for part in getattr(node, "handlers", None) or ():
+                stack.extend(part.body)
+    return tuple(sorted(names))
 
 
 def _argparse_flag(call: ast.Call) -> Any:
@@ -469,10 +513,95 @@ def _switch_expr(sw: dict[str, Any], ctx: SiteContext) -> str | None:
 
 _KIND_PREF = {"config_field": 0, "argument": 1, "env": 2}
 
+# -- which switch applies where -------------------------------------------------------------------
+#
+# A switch is reused only if it plausibly selects fused / NPU kernels (switch_topic) and is in
+# scope for the site (_declined). Scanning a monorepo as one repo must not let one model's field
+# guard another's code: CLAP's ``enable_fusion`` (audio feature fusion) is no switch for Llama.
 
-def choose_switch(pattern: str, ctx: SiteContext, switches: list[dict[str, Any]], mode: str = "auto") -> tuple[Switch, dict[str, Any] | None, list[str]]:
+# Tokens that, beside a fusion word, make a name about kernels (``use_fused_kernels``,
+# ``enable_fused_ops``); pattern words (``use_fused_rmsnorm``) count too.
+_KERNEL_WORDS = frozenset({"kernel", "kernels", "op", "ops", "operator", "operators", "triton", "cuda", "apex", "xformers"})
+_NPU_TOPIC = ("npu", "ascend", "flash", "liger")
+_FILLER = frozenset({"is", "flag", "switch", "on"})
+# Folders that hold a data-file config for the code beside them (``configs/model.yaml``).
+_CONFIG_DIRS = frozenset({"config", "configs", "conf", "cfg", "configuration", "configurations", "settings"})
+
+
+@lru_cache(maxsize=4096)
+def switch_topic(name: str) -> str:
+    """"kernel": the name says it selects NPU or fused kernels (``use_npu_fusion``,
+    ``NPUFUSE_RMS_NORM``, ``--use-flash-attn``, ``use_fused_rmsnorm``, ``use_liger_kernel``);
+    "generic": a bare fusion word (``enable_fusion``, ``use_fused``): kernels or a model
+    feature, the name cannot tell; "other": a fusion word naming something else, a part of the
+    model or another op (``use_bias_in_fusion_residual``, ``enable_early_fusion``,
+    ``use_fused_layernorm``): never reused."""
+    tokens = _tokens(name)
+    if any(t.startswith(_NPU_TOPIC) for t in tokens):
+        return "kernel"
+    n = _norm(name)
+    if any(t in _KERNEL_WORDS for t in tokens) or any(w in n for w in _ALL_WORDS):
+        return "kernel"
+    rest = [t for t in tokens if t not in _FLAG_VERBS and t not in _FILLER and not t.startswith(_FUSION_TOPIC)]
+    return "other" if rest else "generic"
+
+
+@dataclass(frozen=True)
+class SwitchSite:
+    """Where a candidate is, for the scope of the repo's switches: its file (relative to the
+    scanned root), the class names its module imports (FileFacts.imports) and the folders
+    holding torch_npu code (calls, wrappers, guards, imports; not npufuse's own rewrites)."""
+
+    file: str
+    imports: frozenset[str] = frozenset()
+    npu_folders: frozenset[str] = frozenset()
+
+
+def _folder(path: str) -> str:
+    return path.rpartition("/")[0]
+
+
+def _under(folder: str, base: str) -> bool:
+    return not base or folder == base or folder.startswith(base + "/")
+
+
+def _declined(sw: dict[str, Any], site: SwitchSite | None) -> str | None:
+    """Why the repo switch ``sw`` does not guard a site at ``site``: None when it may, "" when
+    it is out of scope or about something else (said nowhere: it is not this site's business),
+    else the reason for the site's notes.
+
+    Scope: a config field applies to code in its file's folder and below (a ``config.x`` read,
+    a config class's field; a data file's field from its folder, or from the folder above a
+    ``configs/`` folder) and to modules importing the field's config class; an environment
+    variable or an argument applies anywhere. A generic name (``enable_fusion``) only guards
+    code in its own package (folder and below) or a switch beside torch_npu code."""
+    topic = switch_topic(sw["name"])
+    if topic == "other":
+        return ""
+    if site is None:
+        return None
+    home = _folder(sw["file"])
+    where = _folder(site.file)
+    if sw["kind"] == "config_field":
+        data_file = not sw["file"].endswith(".py") and "owner" not in sw and "read" not in sw
+        if data_file and home.rpartition("/")[2].lower() in _CONFIG_DIRS:
+            home = _folder(home)
+        in_package = _under(where, home)
+        if not in_package and sw.get("owner") not in site.imports:
+            return ""
+    else:
+        in_package = _under(where, home)
+    if topic == "generic" and not in_package and home not in site.npu_folders:
+        return (f"repo switch `{sw['name']}` ({sw['file']}:{sw['line']}) is not reused: the name does not say it selects fused "
+                f"kernels, and it is neither in this package nor beside torch_npu code")
+    return None
+
+
+def choose_switch(pattern: str, ctx: SiteContext, switches: list[dict[str, Any]], mode: str = "auto", site: SwitchSite | None = None) -> tuple[Switch, dict[str, Any] | None, list[str]]:
     """DESIGN.md rule 1 for one site. Returns the switch, the repo switch it reuses (if any),
-    and notes for the report (e.g. a relevant switch that this site cannot reach)."""
+    and notes for the report (e.g. a relevant switch that this site cannot reach). ``site``:
+    where the candidate is, so only switches in scope for it are reused (:func:`_declined`);
+    None: every switch about kernels counts as in scope."""
     notes: list[str] = []
     if mode == "none":
         return Switch("none"), None, notes
@@ -482,11 +611,18 @@ def choose_switch(pattern: str, ctx: SiteContext, switches: list[dict[str, Any]]
     relevant = [(r, s) for r, s in relevant if r]
     relevant.sort(key=lambda rs: (-rs[0], _KIND_PREF.get(rs[1]["kind"], 9), rs[1]["file"], rs[1]["line"], rs[1]["name"]))
     unreachable: list[dict[str, Any]] = []
+    declined: list[str] = []
     for _r, sw in relevant:
+        why = _declined(sw, site)
+        if why is not None:
+            if why and why not in declined:
+                declined.append(why)
+            continue
         expr = _switch_expr(sw, ctx)
         if expr is not None:
             return Switch("existing", expr=expr), sw, notes
         unreachable.append(sw)
+    notes += declined[:2]
     if unreachable:
         names = sorted({f"`{s['name']}` ({s['file']}:{s['line']})" for s in unreachable})
         notes.append(f"repo switch {', '.join(names[:3])} is not reachable from this site; wire it by hand to control this site with it")
@@ -502,4 +638,4 @@ def switch_json(switch: Switch, reused: dict[str, Any] | None) -> dict[str, Any]
     return out
 
 
-__all__ = ["FileFacts", "file_facts", "SiteContext", "site_context", "choose_switch", "switch_json", "switch_relevance"]
+__all__ = ["FileFacts", "file_facts", "SiteContext", "site_context", "SwitchSite", "choose_switch", "switch_json", "switch_relevance", "switch_topic"]
