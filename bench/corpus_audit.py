@@ -34,20 +34,35 @@ resolves to code in the corpus or carries an unknown verdict, 2 usage error.
 
 Scans use npufuse's per-file cache (``bench/.data/audit_cache``), so only files or detectors that
 changed are analysed again; ``--scan FILE`` reads an existing scan.json instead.
+
+Each pattern is audited on one corpus (``CORPORA``): ``transformers`` (the default) or, for
+``fused_optimizer``, which no modeling file exercises, ``optimizer``: the ``.py`` files of six
+pinned PyPI source distributions that construct optimizers in library code, examples and tests
+(``OPTIM_SDISTS``; ``--fetch-optimizer-corpus`` pip-downloads and unpacks them into
+``bench/.data/optim_corpus``). ``draw`` records the corpus's name and versions in the yaml
+(``corpus_name``, ``corpus_sources``) and ``score`` / ``show`` / ``judge`` use the corpus each
+yaml names (none named: transformers). ``--corpus NAME|DIR`` overrides that for every pattern.
+
+    .venv/bin/python bench/corpus_audit.py --fetch-optimizer-corpus
+    .venv/bin/python bench/corpus_audit.py draw --pattern fused_optimizer     # on the optimizer corpus
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import math
 import random
 import re
+import shutil
+import subprocess
 import sys
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import yaml
 
@@ -76,6 +91,112 @@ CORPUS, SUSPECTS, Function, functions, is_suspect, unflagged_suspects = (
 
 AUDIT_DIR = HERE / "audit"
 CACHE_DIR = HERE / ".data" / "audit_cache"
+
+# The optimizer corpus: pinned source distributions whose library code, examples and tests
+# construct torch optimizers (about 100 sites in all; transformers' only ones are in tests/).
+OPTIM_CORPUS = HERE / ".data" / "optim_corpus"
+OPTIM_SDISTS: tuple[tuple[str, str], ...] = (
+    ("accelerate", "1.16.0"),
+    ("peft", "0.21.2"),
+    ("lightning", "2.6.6"),
+    ("timm", "1.0.31"),
+    ("transformers", "5.25.0"),
+    ("diffusers", "0.42.1"),
+)
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """A named corpus: where it lives, what it was made from (recorded in the yaml, checked
+    against the ``SOURCE`` file its fetch writes) and how to make it."""
+
+    name: str
+    path: Path
+    sources: tuple[str, ...]
+    fetch_hint: str
+
+
+CORPORA: dict[str, CorpusSpec] = {
+    "transformers": CorpusSpec("transformers", CORPUS, ("transformers==5.25.0",), "bench/scan.py --fetch-transformers"),
+    "optimizer": CorpusSpec("optimizer", OPTIM_CORPUS, tuple(f"{n}=={v}" for n, v in OPTIM_SDISTS),
+                            "bench/corpus_audit.py --fetch-optimizer-corpus"),
+}
+DEFAULT_CORPUS = "transformers"
+# Patterns audited on another corpus than the default: no transformers modeling file builds an
+# optimizer, so fused_optimizer has nothing to measure there.
+PATTERN_CORPUS = {"fused_optimizer": "optimizer"}
+
+
+def fetch_optimizer_corpus(dest: Path = OPTIM_CORPUS, download_dir: Path = HERE / ".data" / "dl") -> Path:
+    """pip download the pinned sdists of OPTIM_SDISTS (no deps) and unpack only their ``.py``
+    files into ``dest/<name>-<version>/...``; writes ``dest/SOURCE`` (one ``name==version`` a
+    line, then the files unpacked per archive)."""
+    download_dir.mkdir(parents=True, exist_ok=True)
+    archives: list[tuple[str, Path]] = []
+    for name, version in OPTIM_SDISTS:
+        spec = f"{name}=={version}"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", spec,
+                        "-d", str(download_dir)], check=True)
+        # sdist names normalise the project name (PEP 625: lower case, `_` for `-`); older ones kept it
+        found = [p for p in download_dir.glob("*.tar.gz")
+                 if p.name.lower().replace("-", "_") == f"{name}_{version}.tar.gz".lower().replace("-", "_")]
+        if not found:
+            raise SystemExit(f"pip download produced no sdist for {spec} in {download_dir}")
+        archives.append((spec, found[0]))
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    lines = [spec for spec, _ in archives]
+    for spec, archive in archives:
+        n = _unpack_py(archive, dest)
+        lines.append(f"# {archive.name}: {n} .py files")
+        print(f"unpacked {n} .py files from {archive.name}")
+    (dest / "SOURCE").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"optimizer corpus in {dest}")
+    return dest
+
+
+def _unpack_py(archive: Path, dest: Path) -> int:
+    """Regular ``.py`` members of a tar archive, under ``dest`` at their archive path; members
+    with an absolute path or a ``..`` part are skipped (an archive must not write outside)."""
+    n = 0
+    with tarfile.open(archive, "r:*") as tar:
+        for m in tar.getmembers():
+            parts = Path(m.name).parts
+            if not m.isfile() or not m.name.endswith(".py") or m.name.startswith("/") or ".." in parts:
+                continue
+            data = tar.extractfile(m)
+            if data is None:
+                continue
+            out = dest.joinpath(*parts)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(data.read())
+            n += 1
+    return n
+
+
+def corpus_sources_on_disk(path: Path) -> list[str] | None:
+    """The ``name==version`` lines of a corpus's SOURCE file (None: no SOURCE file)."""
+    try:
+        text = (path / "SOURCE").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#") and "==" in ln]
+
+
+def corpus_for(pattern: str, audit: dict[str, Any] | None, asked: str | None) -> tuple[CorpusSpec | None, Path]:
+    """The corpus a pattern is audited on: ``asked`` (a name of CORPORA or a folder) for every
+    pattern, else the one its yaml names, else PATTERN_CORPUS's, else the default. Returns the
+    spec (None: a plain folder) and the folder."""
+    if asked is not None:
+        if asked in CORPORA:
+            return CORPORA[asked], CORPORA[asked].path
+        return None, Path(asked)
+    name = str((audit or {}).get("corpus_name") or PATTERN_CORPUS.get(pattern, DEFAULT_CORPUS))
+    spec = CORPORA.get(name)
+    if spec is None:
+        raise ValueError(f"{pattern}: unknown corpus_name {name!r} (one of {', '.join(CORPORA)})")
+    return spec, spec.path
 SECTIONS = ("candidates", "near_misses", "unfound_suspects")
 SIZES = {"candidates": 40, "near_misses": 20, "unfound_suspects": 60}
 VERDICTS = {
@@ -102,14 +223,16 @@ HEADER = """\
 # -- the scan and the corpus -----------------------------------------------------------------
 
 
-def load_scan(corpus: Path, scan_file: Path | None = None, cache_dir: Path | None = CACHE_DIR) -> dict[str, Any]:
-    """scan.json of ``corpus``: read from ``scan_file``, else scanned in-process (all patterns,
-    with npufuse's per-file cache so an unchanged corpus and detector re-scans in about a second)."""
+def load_scan(corpus: Path, scan_file: Path | None = None, cache_dir: Path | None = CACHE_DIR,
+              only: list[str] | None = None) -> dict[str, Any]:
+    """scan.json of ``corpus``: read from ``scan_file``, else scanned in-process (all patterns, or
+    ``only`` these, with npufuse's per-file cache so an unchanged corpus and detector re-scans in
+    about a second)."""
     if scan_file is not None:
         return json.loads(scan_file.read_text(encoding="utf-8"))
     from npufuse.scan.engine import scan_repo
 
-    return scan_repo(corpus, cache_dir=cache_dir).to_json()
+    return scan_repo(corpus, only=only, cache_dir=cache_dir).to_json()
 
 
 def _read_json(path: Path) -> Any:
@@ -133,15 +256,78 @@ def _snippet(text: str) -> str:
     return text.strip()[:SNIPPET_CHARS]
 
 
+MODULE = "<module>"
+_BLOCKS = ("body", "orelse", "finalbody")
+
+
+def deep_functions(root: Path, files: list[str]) -> Iterator[Function]:
+    """Every function of ``files`` as the scanner names its scopes, also those defined inside
+    ``if``/``try``/``with``/``for`` blocks (``if is_megatron_available(): class Test...``: a block
+    adds nothing to the qualname), plus one ``<module>`` entry per file holding the module-level
+    lines outside any class or function (scripts and ``if __name__ == "__main__":`` bodies build
+    optimizers there). The ``<module>`` entry's ``line`` is its first line with code; its span is
+    the whole file. Unreadable files are skipped."""
+    for rel in files:
+        try:
+            src = (root / rel).read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = src.splitlines()
+        covered: set[int] = set()  # lines of module-level (through blocks) classes and functions
+
+        def walk(body: list[ast.stmt], prefix: str, top: bool) -> Iterator[Function]:
+            for node in body:
+                if isinstance(node, ast.ClassDef):
+                    if top:
+                        covered.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+                    yield from walk(node.body, f"{prefix}{node.name}.", False)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    end = node.end_lineno or node.lineno
+                    if top:
+                        covered.update(range(node.lineno, end + 1))
+                    qual = f"{prefix}{node.name}"
+                    text = "\n".join(ln.split("#", 1)[0] for ln in lines[node.lineno - 1 : end])
+                    yield Function(rel, qual, node.lineno, end, text)
+                    yield from walk(node.body, f"{qual}.", False)
+                else:
+                    parts: list[list[ast.stmt]] = [getattr(node, f, None) or [] for f in _BLOCKS]
+                    parts += [h.body for h in getattr(node, "handlers", None) or []]
+                    parts += [c.body for c in getattr(node, "cases", None) or []]
+                    for part in parts:
+                        yield from walk(part, prefix, top)
+
+        yield from walk(tree.body, "", True)
+        rest = [n for n in range(1, len(lines) + 1) if n not in covered]
+        code = [n for n in rest if lines[n - 1].split("#", 1)[0].strip()]
+        if code:
+            text = "\n".join(lines[n - 1].split("#", 1)[0] for n in rest)
+            yield Function(rel, MODULE, code[0], len(lines), text)
+
+
+def unflagged(funcs: Iterable[Function], pattern: str, scan: dict[str, Any]) -> list[Function]:
+    """corpus_findings.unflagged_suspects, but a ``<module>`` entry (whose span is the whole
+    file) is held only by a finding in module-level code, not by one in any function of the file."""
+    funcs = list(funcs)
+    out = unflagged_suspects([f for f in funcs if f.qualname != MODULE], pattern, scan)
+    at_module = {f["file"] for f in list(scan["candidates"]) + list(scan["near_misses"])
+                 if f["pattern"] == pattern and f["qualname"] == MODULE}
+    out += [f for f in funcs if f.qualname == MODULE and is_suspect(pattern, f.text) and f.file not in at_module]
+    return out
+
+
 class Corpus:
     """The corpus files as the scan saw them: their lines, their functions by qualname and, per
     pattern, the suspect functions (with their text). The function index is cached in
     ``index_file`` (JSON), keyed by the files' sizes and mtimes and the SUSPECTS table, since
-    parsing 544 large files costs more than the whole cached scan."""
+    parsing 544 large files costs more than the whole cached scan. ``deep``: functions come from
+    :func:`deep_functions` (block-nested definitions and module-level code too) instead of
+    ``corpus_findings.functions`` (the default corpus keeps the latter, so its figures stay)."""
 
-    def __init__(self, root: Path, files: Iterable[str], index_file: Path | None = None) -> None:
+    def __init__(self, root: Path, files: Iterable[str], index_file: Path | None = None, deep: bool = False) -> None:
         self.root = root
         self.files = sorted(files)
+        self.deep = deep
         self._lines: dict[str, list[str] | None] = {}
         self._spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
         self.suspects: dict[str, list[Function]] = {}
@@ -151,7 +337,7 @@ class Corpus:
             spans = [tuple(x) for x in cached["spans"]]
             self.suspects = {p: [Function(*f) for f in fs] for p, fs in cached["suspects"].items()}
         else:
-            funcs = list(functions(root, self.files))
+            funcs = list((deep_functions if deep else functions)(root, self.files))
             spans = [(f.file, f.qualname, f.line, f.end_line) for f in funcs]
             self.suspects = {p: [f for f in funcs if is_suspect(p, f.text)] for p in SUSPECTS}
             if index_file is not None:
@@ -161,6 +347,8 @@ class Corpus:
 
     def _fingerprint(self) -> str:
         h = hashlib.sha1(json.dumps(SUSPECTS, sort_keys=True).encode())
+        if self.deep:  # another function list: never the shallow index's key
+            h.update(b"deep\n")
         for code in (Path(__file__), HERE / "corpus_findings.py"):  # they decide the index's content
             h.update(code.read_bytes())
         for rel in self.files:
@@ -172,11 +360,11 @@ class Corpus:
         return h.hexdigest()
 
     @classmethod
-    def of(cls, corpus: Path, index_file: Path | None = None) -> "Corpus":
+    def of(cls, corpus: Path, index_file: Path | None = None, deep: bool = False) -> "Corpus":
         from npufuse.scan.walk import walk
 
         walked = walk(corpus)
-        return cls(walked.root, walked.files, index_file)
+        return cls(walked.root, walked.files, index_file, deep)
 
     def lines(self, rel: str) -> list[str] | None:
         if rel not in self._lines:
@@ -187,10 +375,19 @@ class Corpus:
         return self._lines[rel]
 
     def spans(self, rel: str, qualname: str) -> list[tuple[int, int]]:
-        if qualname == "<module>":
+        if qualname == MODULE:
             lines = self.lines(rel)
             return [(1, len(lines))] if lines else []
         return self._spans.get((rel, qualname), [])
+
+    def function_lines(self, rel: str) -> set[int]:
+        """Lines of ``rel`` inside some function or method (classes' own statements excluded)."""
+        out: set[int] = set()
+        for (file, qual), spans in self._spans.items():
+            if file == rel and qual != MODULE:
+                for lo, hi in spans:
+                    out.update(range(lo, hi + 1))
+        return out
 
     def snippet_at(self, rel: str, line: int) -> str:
         lines = self.lines(rel) or []
@@ -278,10 +475,11 @@ class ScanIndex:
         m = self._at(self.near.get(rel, []), qualname, line)
         return Found("near_miss", m) if m is not None else Found("nothing")
 
-    def function(self, rel: str, span: tuple[int, int]) -> Found:
-        """What the scan reports anywhere inside a function (first line of a finding in its span)."""
+    def function(self, rel: str, span: tuple[int, int], qualname: str | None = None) -> Found:
+        """What the scan reports anywhere inside a function (first line of a finding in its span;
+        for the ``<module>`` entry: a finding in module-level code)."""
         for kind, items in (("candidate", self.cands.get(rel, [])), ("near_miss", self.near.get(rel, []))):
-            inside = [i for i in items if span[0] <= i["line"] <= span[1]]
+            inside = [i for i in items if span[0] <= i["line"] <= span[1] and (qualname != MODULE or i["qualname"] == MODULE)]
             if inside:
                 return Found(kind, min(inside, key=lambda i: i["line"]))
         return Found("nothing")
@@ -293,7 +491,8 @@ def current(entry: dict[str, Any], section: str, corpus: Corpus, index: ScanInde
     if where is None:
         return None, Found("nothing")
     line, span = where
-    return where, (index.function(entry["file"], span) if section == "unfound_suspects" else index.site(entry["file"], entry["qualname"], line))
+    return where, (index.function(entry["file"], span, str(entry.get("qualname"))) if section == "unfound_suspects"
+                   else index.site(entry["file"], entry["qualname"], line))
 
 
 # -- draw ------------------------------------------------------------------------------------
@@ -309,7 +508,7 @@ def populations(scan: dict[str, Any], pattern: str, corpus: Corpus) -> dict[str,
     index = ScanIndex(scan, pattern)
     cands = sorted(index.all_candidates(), key=lambda c: (c["file"], c["line"]))
     near = sorted(index.all_near(), key=lambda m: (m["file"], m["line"], m["reason"]))
-    suspects = sorted(unflagged_suspects(corpus.suspects.get(pattern, []), pattern, scan), key=lambda f: (f.file, f.line))
+    suspects = sorted(unflagged(corpus.suspects.get(pattern, []), pattern, scan), key=lambda f: (f.file, f.line))
     return {
         "candidates": [_entry(c["file"], c["qualname"], c["line"], corpus.snippet_at(c["file"], c["line"]), Found("candidate", c)) for c in cands],
         "near_misses": [_entry(m["file"], m["qualname"], m["line"], corpus.snippet_at(m["file"], m["line"]), Found("near_miss", m)) for m in near],
@@ -321,13 +520,18 @@ def _key(file: str, qualname: str, line: int) -> tuple[str, str, int]:
     return (file, qualname, line)
 
 
-def draw(pattern: str, scan: dict[str, Any], corpus: Corpus, old: dict[str, Any] | None, seed: int, corpus_label: str) -> dict[str, Any]:
+def draw(pattern: str, scan: dict[str, Any], corpus: Corpus, old: dict[str, Any] | None, seed: int, corpus_label: str,
+         corpus_meta: CorpusSpec | None = None) -> dict[str, Any]:
     """The audit file's content: judged entries of ``old`` kept, each sample topped up to its
     size from the current population in a seeded order; unjudged entries that left the
-    population are dropped (they would not be a sample of it any more)."""
+    population are dropped (they would not be a sample of it any more). ``corpus_meta``: the
+    named corpus drawn from, recorded (name, versions) so score uses it again."""
     pops = populations(scan, pattern, corpus)
-    out: dict[str, Any] = {"pattern": pattern, "corpus": corpus_label, "seed": seed,
-                           "population": {s: len(pops[s]) for s in SECTIONS}}
+    out: dict[str, Any] = {"pattern": pattern, "corpus": corpus_label}
+    if corpus_meta is not None:
+        out["corpus_name"] = corpus_meta.name
+        out["corpus_sources"] = list(corpus_meta.sources)
+    out.update({"seed": seed, "population": {s: len(pops[s]) for s in SECTIONS}})
     for section in SECTIONS:
         pop = pops[section]
         by_key = {_key(e["file"], e["qualname"], e["line"]): e for e in pop}
@@ -495,7 +699,7 @@ def tally(data: dict[str, Any], scan: dict[str, Any], corpus: Corpus) -> Tally:
     pattern = data["pattern"]
     index = ScanIndex(scan, pattern)
     t = Tally(n_candidates=len(index.all_candidates()), n_near=len(index.all_near()),
-              n_unfound=len(unflagged_suspects(corpus.suspects.get(pattern, []), pattern, scan)))
+              n_unfound=len(unflagged(corpus.suspects.get(pattern, []), pattern, scan)))
     for section in SECTIONS:
         for e in data.get(section) or []:
             verdict = str(e.get("verdict", UNJUDGED)).strip()
@@ -593,6 +797,10 @@ def show(data: dict[str, Any], scan: dict[str, Any], corpus: Corpus, sections: I
                 if hi - lo + 1 > max_lines and not (section == "unfound_suspects" and context is not None):
                     lo, hi = max(lo, line - max_lines // 4), min(hi, line + 3 * max_lines // 4)
             numbers = list(range(lo, hi + 1))
+            if section == "unfound_suspects" and e["qualname"] == MODULE:
+                # module-level code only: the file's functions are entries of their own
+                inside = corpus.function_lines(e["file"])
+                numbers = [n for n in numbers if n == line or n not in inside]
             if section == "unfound_suspects" and context is not None:
                 # only the lines with a tell-tale token (and their neighbours), plus the def line
                 rxs = [re.compile(r) for r in SUSPECTS.get(data["pattern"], [])]
@@ -644,13 +852,68 @@ def _patterns(asked: list[str] | None, audit_dir: Path) -> list[str]:
     return sorted(p.stem for p in audit_dir.glob("*.yaml"))
 
 
+def _label(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(HERE.parent))
+    except ValueError:
+        return str(path)
+
+
+@dataclass
+class _Loaded:
+    """One corpus as the run uses it: its scan, its files and functions, its label."""
+
+    spec: CorpusSpec | None
+    path: Path
+    label: str
+    scan: dict[str, Any]
+    corpus: Corpus
+
+
+def _load(spec: CorpusSpec | None, path: Path, args: argparse.Namespace, patterns: list[str]) -> _Loaded:
+    # The default corpus (and a plain folder) is scanned with every detector, as it always was
+    # (same cache entries). Another named corpus only with the detectors audited on it: the
+    # optimizer corpus is ~5,100 files, and a pattern's findings do not depend on the others'.
+    only = None if spec is None or spec.name == DEFAULT_CORPUS else patterns
+    scan = load_scan(path, args.scan, args.cache_dir, only)
+    # the default corpus (and a plain folder) keep the original index file; another named corpus
+    # gets its own, so switching between them does not rebuild either index each time
+    index_name = "functions.json" if spec is None or spec.name == DEFAULT_CORPUS else f"functions-{spec.name}.json"
+    # another named corpus (sdists: scripts, tests) also indexes block-nested definitions and
+    # module-level code; the default keeps corpus_findings.functions, so its figures stay
+    deep = spec is not None and spec.name != DEFAULT_CORPUS
+    corpus = Corpus.of(path, args.cache_dir / index_name, deep)
+    if scan.get("files_failed"):
+        print(f"note: {len(scan['files_failed'])} file problem(s) in the scan: " + "; ".join(f"{f['file']}: {f['error']}" for f in scan["files_failed"][:5]))
+    return _Loaded(spec, path, _label(path), scan, corpus)
+
+
+def _source_mismatch(audit: dict[str, Any] | None, loaded: _Loaded) -> str | None:
+    """Why the corpus on disk is not the one the yaml's verdicts were judged on (None: it is,
+    or the yaml names no versions)."""
+    want = (audit or {}).get("corpus_sources")
+    if not want:
+        return None
+    have = corpus_sources_on_disk(loaded.path)
+    if have is None or sorted(have) != sorted(str(w) for w in want):
+        return (f"the corpus at {loaded.label} is {', '.join(have) if have else 'of unknown origin (no SOURCE file)'}; "
+                f"the verdicts were judged on {', '.join(map(str, want))}")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--fetch-optimizer-corpus", action="store_true",
+                    help=f"pip download the pinned sdists ({', '.join(CORPORA['optimizer'].sources)}) and unpack their .py files "
+                         f"into {_label(OPTIM_CORPUS)}; then run the command, if one is given")
+    sub = ap.add_subparsers(dest="cmd")
     for name in ("draw", "score", "show", "judge"):
         p = sub.add_parser(name)
         p.add_argument("--pattern", action="append", required=name != "score", help="pattern id (repeatable; judge: one)")
-        p.add_argument("--corpus", type=Path, default=CORPUS, help="corpus folder (default: %(default)s)")
+        p.add_argument("--corpus", default=None, metavar="NAME|DIR",
+                       help=f"corpus for every pattern: one of {', '.join(CORPORA)} or a folder (default: the corpus the "
+                            f"pattern's yaml names, else {', '.join(f'{k}: {v}' for k, v in PATTERN_CORPUS.items())}, "
+                            f"else {DEFAULT_CORPUS} = {_label(CORPUS)})")
         p.add_argument("--audit-dir", type=Path, default=AUDIT_DIR, help="where the <pattern>.yaml files live")
         p.add_argument("--scan", type=Path, default=None, metavar="SCAN_JSON", help="read this scan.json instead of scanning")
         p.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="npufuse per-file scan cache and the function index (default: %(default)s)")
@@ -666,8 +929,13 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--verdict", required=True)
             p.add_argument("--note", default="")
     args = ap.parse_args(argv)
-    if not args.corpus.is_dir():
-        print(f"no corpus at {args.corpus} (bench/scan.py --fetch-transformers makes it)", file=sys.stderr)
+    if args.fetch_optimizer_corpus:
+        fetch_optimizer_corpus()
+        if args.cmd is None:
+            return 0
+    if args.cmd is None:
+        ap.print_usage(sys.stderr)
+        print("a command (draw, score, show, judge) or --fetch-optimizer-corpus is required", file=sys.stderr)
         return 2
     patterns = _patterns(args.pattern, args.audit_dir)
     unknown = [p for p in patterns if p not in SUSPECTS]
@@ -679,22 +947,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         audits = {p: read_audit(audit_path(args.audit_dir, p)) for p in patterns}
+        chosen = {p: corpus_for(p, audits[p], args.corpus) for p in patterns}
     except (ValueError, yaml.YAMLError) as exc:
         print(f"bad audit file: {exc}", file=sys.stderr)
         return 2
-    scan = load_scan(args.corpus, args.scan, args.cache_dir)
-    corpus = Corpus.of(args.corpus, args.cache_dir / "functions.json")
-    try:
-        label = str(args.corpus.resolve().relative_to(HERE.parent))
-    except ValueError:
-        label = str(args.corpus)
-    if scan.get("files_failed"):
-        print(f"note: {len(scan['files_failed'])} file problem(s) in the scan: " + "; ".join(f"{f['file']}: {f['error']}" for f in scan["files_failed"][:5]))
+    for p, (spec, path) in chosen.items():
+        if not path.is_dir():
+            hint = spec.fetch_hint if spec is not None else CORPORA[DEFAULT_CORPUS].fetch_hint
+            print(f"no corpus at {path} for {p} ({hint} makes it)", file=sys.stderr)
+            return 2
+    # one scan and one function index per corpus, in the order the patterns first need them
+    loaded: dict[Path, _Loaded] = {}
+    for p, (spec, path) in chosen.items():
+        key = path.resolve()
+        if key not in loaded:
+            users = [q for q, (_s, qpath) in chosen.items() if qpath.resolve() == key]
+            loaded[key] = _load(spec, path, args, users)
+    on = {p: loaded[path.resolve()] for p, (_spec, path) in chosen.items()}
     if args.cmd == "draw":
         for p in patterns:
-            old = audits[p]
+            old, here = audits[p], on[p]
+            judged = [e for s in SECTIONS for e in (old or {}).get(s) or [] if str(e.get("verdict", UNJUDGED)) != UNJUDGED]
+            if judged and str(old.get("corpus", here.label)) != here.label:
+                # its judged entries name sites of the other corpus: they would never resolve here
+                print(f"{audit_path(args.audit_dir, p)} was judged on {old.get('corpus')}, not {here.label}; "
+                      "draw it on that corpus (or delete the file to start over)", file=sys.stderr)
+                return 2
             seed = args.seed if args.seed is not None else int((old or {}).get("seed", 0))
-            data = draw(p, scan, corpus, old, seed, label)
+            meta = here.spec if here.spec is not None and here.spec.name != DEFAULT_CORPUS else None
+            data = draw(p, here.scan, here.corpus, old, seed, here.label, meta)
             write_audit(audit_path(args.audit_dir, p), data)
             sizes = ", ".join(f"{s} {len(data[s])}/{data['population'][s]}" for s in SECTIONS)
             print(f"{audit_path(args.audit_dir, p)}: {sizes}")
@@ -703,10 +984,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(patterns) != 1 or audits[patterns[0]] is None:
             print("judge takes one --pattern whose audit file exists", file=sys.stderr)
             return 2
-        data = audits[patterns[0]]
+        data, here = audits[patterns[0]], on[patterns[0]]
         try:
             idx = None if args.index == "all" else [int(x) for x in args.index.split(",") if x.strip()]
-            lines = judge(data, scan, corpus, args.section, idx, args.verdict, args.note)
+            lines = judge(data, here.scan, here.corpus, args.section, idx, args.verdict, args.note)
         except ValueError as exc:
             print(str(exc), file=sys.stderr)
             return 2
@@ -718,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
             if audits[p] is None:
                 print(f"no audit file {audit_path(args.audit_dir, p)}; run draw first", file=sys.stderr)
                 return 2
-            print("\n".join(show(audits[p], scan, corpus, args.section or SECTIONS, args.unjudged, context=args.context)))
+            print("\n".join(show(audits[p], on[p].scan, on[p].corpus, args.section or SECTIONS, args.unjudged, context=args.context)))
         return 0
     rc = 0
     for p in patterns:
@@ -726,10 +1007,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {p} ==\nno audit file {audit_path(args.audit_dir, p)}; run draw first")
             rc = max(rc, 2)
             continue
-        t = tally(audits[p], scan, corpus)
-        print("\n".join(report(p, t, estimate(t))))
+        t = tally(audits[p], on[p].scan, on[p].corpus)
+        lines = report(p, t, estimate(t))
+        mismatch = _source_mismatch(audits[p], on[p])
+        if on[p].spec is not None and on[p].spec.name != DEFAULT_CORPUS:
+            lines.insert(1, f"corpus: {on[p].spec.name} ({on[p].label}: {', '.join(on[p].spec.sources)})")
+        if mismatch:
+            lines.insert(1, f"CORPUS MISMATCH: {mismatch}")
+        print("\n".join(lines))
         print()
-        if t.unresolved or t.bad_verdicts:
+        if t.unresolved or t.bad_verdicts or mismatch:
             rc = 1
     print(COVERAGE)
     return rc

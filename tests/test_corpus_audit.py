@@ -183,3 +183,99 @@ def test_bench_is_not_put_on_sys_path() -> None:
     import profile
 
     assert "bench" not in str(getattr(profile, "__file__", ""))
+
+
+# -- a pattern audited on its own named corpus (fused_optimizer on the optimizer sdists) --------
+
+OPTIM_FILE = '''import torch
+import torch.nn as nn
+from torch.optim import Adagrad
+
+
+def build(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+if True:  # a class defined in a block, as peft's `if is_megatron_available():`
+    class TestLoop:
+        def test_step(self):
+            model = nn.Linear(2, 2)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+weights = [nn.Parameter(torch.ones(2))]
+opt = Adagrad(weights)  # module-level code: a suspect of its own, not held by the functions' findings
+'''
+
+
+def test_unpack_py_keeps_only_safe_python_files(tmp_path: Path):
+    import io
+    import tarfile
+
+    archive = tmp_path / "pkg-1.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in (("pkg-1.0/src/pkg/a.py", b"x = 1\n"), ("pkg-1.0/README.md", b"# no\n"),
+                           ("pkg-1.0/../evil.py", b"bad\n"), ("/abs.py", b"bad\n")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    dest = tmp_path / "out"
+    assert ca._unpack_py(archive, dest) == 1
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == ["pkg-1.0/src/pkg/a.py"]
+    assert not (tmp_path / "evil.py").exists()
+
+
+def test_corpus_choice_per_pattern(tmp_path: Path):
+    spec, path = ca.corpus_for("fused_optimizer", None, None)
+    assert spec.name == "optimizer" and path == ca.OPTIM_CORPUS
+    spec, path = ca.corpus_for("rms_norm", None, None)
+    assert spec.name == "transformers" and path == ca.CORPUS
+    # the yaml's recorded corpus wins over the default; --corpus over both
+    assert ca.corpus_for("rms_norm", {"corpus_name": "optimizer"}, None)[0].name == "optimizer"
+    assert ca.corpus_for("fused_optimizer", {"corpus_name": "optimizer"}, "transformers")[0].name == "transformers"
+    assert ca.corpus_for("fused_optimizer", None, str(tmp_path)) == (None, tmp_path)
+    with pytest.raises(ValueError, match="unknown corpus_name"):
+        ca.corpus_for("rms_norm", {"corpus_name": "nope"}, None)
+
+
+def test_named_corpus_is_recorded_and_checked(tmp_path: Path, capsys, monkeypatch):
+    root = tmp_path / "optim"
+    root.mkdir()
+    (root / "train.py").write_text(OPTIM_FILE)
+    (root / "SOURCE").write_text("pkg==1.0\n# pkg-1.0.tar.gz: 1 .py files\n")
+    monkeypatch.setitem(ca.CORPORA, "optimizer", ca.CorpusSpec("optimizer", root, ("pkg==1.0",), "a test"))
+    argv = ["--audit-dir", str(tmp_path / "audit"), "--cache-dir", str(tmp_path / "cache")]
+
+    # no --corpus: fused_optimizer goes to its own corpus (PATTERN_CORPUS)
+    assert ca.main(["draw", "--pattern", "fused_optimizer", *argv]) == 0, capsys.readouterr().out
+    path = tmp_path / "audit" / "fused_optimizer.yaml"
+    data = yaml.safe_load(path.read_text())
+    assert data["corpus_name"] == "optimizer" and data["corpus_sources"] == ["pkg==1.0"]
+    assert [e["qualname"] for e in data["candidates"]] == ["build", "TestLoop.test_step"]
+    # the block-nested method resolves (the shallow index of the default corpus would not find it)
+    corpus = ca.Corpus.of(root, None, deep=True)
+    assert corpus.spans("train.py", "TestLoop.test_step")
+    # module-level code is its own suspect (named by its first line of code): the findings in
+    # functions do not hold it
+    assert [(e["qualname"], e["snippet"]) for e in data["unfound_suspects"]] == [("<module>", "import torch")]
+
+    _judge(path, {"candidates": "correct", "near_misses": "right_reason", "unfound_suspects": "missed"})
+    capsys.readouterr()
+    assert ca.main(["score", "--pattern", "fused_optimizer", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "corpus: optimizer" in out and "P = 1.000  (2 correct / 2 judged" in out and "1 missed / 1 judged" in out
+
+    # the corpus on disk is not the one the verdicts were judged on: said, and the score fails
+    (root / "SOURCE").write_text("pkg==2.0\n")
+    assert ca.main(["score", "--pattern", "fused_optimizer", *argv]) == 1
+    assert "CORPUS MISMATCH" in capsys.readouterr().out
+
+    # re-drawing on another corpus would orphan the judged entries: refused
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.py").write_text(OPTIM_FILE)
+    assert ca.main(["draw", "--pattern", "fused_optimizer", "--corpus", str(other), *argv]) == 2
+    assert "was judged on" in capsys.readouterr().err

@@ -9,8 +9,13 @@ default 1e-3 is passed explicitly because NpuFusedSGD has none).
 
 Only where the documented constraints hold (spec §10): params fp32/fp16 (no bf16), grads never
 re-allocated (no ``zero_grad(set_to_none=True)``, no ``model.zero_grad()`` on torch ≥ 2.0,
-no ``p.grad = ...``), params never re-allocated (no FSDP / DeepSpeed / ZeRO flattening), and no
-``foreach/fused/capturable/maximize/differentiable`` arguments. Anything else is a near miss.
+no ``p.grad = ...``, no accelerate-prepared optimizer that gets ``zero_grad()``: accelerate's
+wrapper passes ``set_to_none=True``), params never re-allocated (no FSDP / DeepSpeed / ZeRO
+flattening), and no ``foreach/fused/capturable/maximize/differentiable`` arguments. Anything else
+is a near miss. These facts are read from the code that may run with the optimizer: the whole file
+less other tests' code (:class:`_Units`), nearest first. A peft model over a bf16 base is not
+blocked by the bf16 cast (only its fp32 adapters get grads); its guard checks the trainable
+dtypes at run time instead.
 
 The guard tensor: ``model.parameters()`` is a generator, so the guard never peeks into the
 user's own iterator. When the params argument is (or is built from) ``M.parameters()`` /
@@ -24,6 +29,7 @@ passed that way have no tensor first, so the guard stays false and the original 
 from __future__ import annotations
 
 import ast
+import re
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -66,14 +72,16 @@ class FusedOptimizer(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _relevant(module):
             return  # no optimizer class named in this file
-        facts: Optional[_FileFacts] = None
         for _block, _i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
                 continue
-            for call in _optimizer_calls(module, stmt):
-                if facts is None:
-                    facts = _FileFacts(module)
-                yield _site(module, scope, stmt, call, facts)
+            calls = _optimizer_calls(module, stmt)
+            for call in calls:
+                yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname))
+            if not calls:
+                chosen = _class_chosen_at_run_time(module, scope, stmt)
+                if chosen is not None:
+                    yield chosen
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         return _assess(finding, config)
@@ -105,49 +113,82 @@ def _optimizer_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
 
 
 class _FileFacts:
-    """File-wide facts that decide whether the fused optimizer's constraints can hold."""
+    """Facts of the code that may run with an optimizer (see :class:`_Units`) that decide
+    whether the fused optimizer's constraints can hold. Built per unit from its ``roots`` and
+    merged per site (:meth:`merged`), the site's own function first, so a reason cites the
+    nearest occurrence."""
 
-    def __init__(self, module: ModuleInfo) -> None:
+    def __init__(self, module: ModuleInfo, roots: Iterable[ast.AST] = ()) -> None:
         self.sharding: Optional[tuple[int, str]] = None
         self.set_to_none: list[tuple[int, str]] = []  # (line, receiver) of zero_grad(set_to_none=True)
         self.module_zero_grad: list[tuple[int, str]] = []  # receiver.zero_grad() that is not an optimizer's
         self.grad_assign: Optional[int] = None
         self.data_assign: Optional[int] = None
         self.bf16: list[tuple[int, str]] = []  # (line, receiver or "") of bf16 casts / loads
-        for name in module.aliases.values():
-            if any(s.lower() in name.lower() for s in ("deepspeed", "fsdp", "fully_sharded")):
-                self.sharding = (1, name)
-        for node in fast_walk(module.tree):
-            if isinstance(node, (ast.Name, ast.Attribute)) and self.sharding is None:
-                ident = node.id if isinstance(node, ast.Name) else node.attr
-                if ident in _SHARDING:
-                    self.sharding = (node.lineno, ident)
-            if isinstance(node, ast.Assign) or isinstance(node, ast.AugAssign):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for t in targets:
-                    if isinstance(t, ast.Attribute) and t.attr == "grad" and self.grad_assign is None:
-                        self.grad_assign = node.lineno
-                    if isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign) and self.data_assign is None:
-                        self.data_assign = node.lineno
-            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
-                if isinstance(node, ast.Call):
-                    self._bf16_kw(node)
-                continue
-            attr, recv = node.func.attr, dotted(node.func.value) or ast.unparse(node.func.value)
-            if attr == "zero_grad":
-                flag = keyword(node, "set_to_none", 0)
-                explicit_false = isinstance(flag, ast.Constant) and flag.value is False
-                if isinstance(flag, ast.Constant) and flag.value is True:
-                    self.set_to_none.append((node.lineno, recv))
-                elif flag is None and not _looks_like_optimizer(recv):
-                    self.module_zero_grad.append((node.lineno, recv))
-                elif flag is not None and not explicit_false and not isinstance(flag, ast.Constant):
-                    self.set_to_none.append((node.lineno, recv))
-            elif attr == "bfloat16" and not node.args:
-                self.bf16.append((node.lineno, recv))
-            elif attr == "to" and any(_is_bf16(a) for a in [*node.args, *(k.value for k in node.keywords if k.arg == "dtype")]):
-                self.bf16.append((node.lineno, recv))
-            self._bf16_kw(node)
+        # accelerate: (line, receiver, dotted args) of `<accelerator>.prepare(...)` / `.prepare_optimizer(...)`
+        self.prepared: list[tuple[int, str, list[str]]] = []
+        self.zero_grad_calls: list[tuple[int, str]] = []  # an optimizer's `.zero_grad(...)` not given set_to_none=False
+        self.returned: set[str] = set()  # dotted names a `return` hands out (`return model, optimizer`)
+        for root in roots:
+            for node in fast_walk(root):
+                self._visit(module, node)
+
+    @classmethod
+    def merged(cls, module: ModuleInfo, parts: Iterable["_FileFacts"]) -> "_FileFacts":
+        """The facts of ``parts`` together, in their order (the first sharding/assignment wins)."""
+        out = cls(module)
+        for f in parts:
+            out.sharding = out.sharding or f.sharding
+            out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
+            out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
+            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls"):
+                getattr(out, name).extend(getattr(f, name))
+            out.returned |= f.returned
+        return out
+
+    def _visit(self, module: ModuleInfo, node: ast.AST) -> None:
+        if self.sharding is None:
+            ident = _sharding_identifier(module, node)
+            if ident is not None:
+                self.sharding = (getattr(node, "lineno", 0), ident)
+        if isinstance(node, ast.Return) and node.value is not None:
+            for n in (node.value.elts if isinstance(node.value, (ast.Tuple, ast.List)) else [node.value]):
+                name = dotted(n)
+                if name:
+                    self.returned.add(name)
+        if isinstance(node, ast.Assign) or isinstance(node, ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr == "grad" and self.grad_assign is None:
+                    self.grad_assign = node.lineno
+                # `self.data = ...` is an object's attribute (a Dataset's tensor), not a parameter's storage
+                if (isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign) and self.data_assign is None
+                        and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))):
+                    self.data_assign = node.lineno
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            if isinstance(node, ast.Call):
+                self._bf16_kw(node)
+            return
+        attr, recv = node.func.attr, dotted(node.func.value) or ast.unparse(node.func.value)
+        if attr == "zero_grad":
+            flag = keyword(node, "set_to_none", 0)
+            explicit_false = isinstance(flag, ast.Constant) and flag.value is False
+            if not explicit_false and _looks_like_optimizer(recv):
+                self.zero_grad_calls.append((node.lineno, recv))
+            if isinstance(flag, ast.Constant) and flag.value is True:
+                self.set_to_none.append((node.lineno, recv))
+            elif flag is None and not _looks_like_optimizer(recv):
+                self.module_zero_grad.append((node.lineno, recv))
+            elif flag is not None and not explicit_false and not isinstance(flag, ast.Constant):
+                self.set_to_none.append((node.lineno, recv))
+        elif attr in ("prepare", "prepare_optimizer") and "accelerator" in recv.split(".")[-1].lower():
+            args = [dotted(a.value if isinstance(a, ast.Starred) else a) or "" for a in node.args]
+            self.prepared.append((node.lineno, recv, args))
+        elif attr == "bfloat16" and not node.args:
+            self.bf16.append((node.lineno, recv))
+        elif attr == "to" and any(_is_bf16(a) for a in [*node.args, *(k.value for k in node.keywords if k.arg == "dtype")]):
+            self.bf16.append((node.lineno, recv))
+        self._bf16_kw(node)
 
     def _bf16_kw(self, node: ast.Call) -> None:
         name = (dotted(node.func) or "").split(".")[-1]
@@ -168,6 +209,213 @@ def _is_bf16(node: ast.AST) -> bool:
 def _looks_like_optimizer(recv: str) -> bool:
     last = recv.split(".")[-1].lower()
     return "opt" in last or last in ("o", "solver")
+
+
+# Parts of identifiers that name parameter sharding/flattening (`FSDP`, `fully_shard`,
+# `DeepSpeedPlugin`, `get_active_deepspeed_plugin`, `DistributedConfig(fsdp_size=...)`).
+_SHARDING_PARTS = ("fsdp", "deepspeed", "fullyshard", "fully_shard", "zero_optimization", "zeroredundancy", "flatparameter")
+
+
+def _sharding_identifier(module: ModuleInfo, node: ast.AST) -> Optional[str]:
+    """The identifier if ``node`` names FSDP/DeepSpeed/ZeRO: a name, attribute or keyword
+    argument, or a name imported from such a module (``from x.fsdp import Wrapper as W``; the
+    import alone does not count: only code using it)."""
+    if isinstance(node, ast.Name):
+        ident = node.id
+    elif isinstance(node, ast.Attribute):
+        ident = node.attr
+    elif isinstance(node, ast.keyword) and node.arg:
+        ident = node.arg
+    else:
+        return None
+    if ident.startswith("is_") and ident.endswith("_available"):
+        return None  # `is_deepspeed_available()` probes an install; it shards nothing
+    if isinstance(node, ast.Name) and any(s in module.aliases.get(ident, "").lower() for s in _SHARDING_PARTS):
+        return ident
+    return ident if ident in _SHARDING or any(s in ident.lower() for s in _SHARDING_PARTS) else None
+
+
+class _Unit:
+    """One outermost function or method (nested definitions included), or module-level code."""
+
+    __slots__ = ("name", "roots", "cls", "test", "args")
+
+    def __init__(self, name: str, roots: list[ast.AST], cls: Optional[str], test: bool, args: list[str]) -> None:
+        self.name, self.roots, self.cls, self.test, self.args = name, roots, cls, test, args
+
+
+_MODULE = "<module>"
+# a test class: `TestFoo`, `FooTest`, `ModelTesterMixin`, `AccelerateTestCase`, `test_case` (not `Latest`)
+_TEST_CLASS = re.compile(r"Test|(?:^|_)test")
+
+
+class _Units:
+    """Which code of a file may run with an optimizer built in a given function.
+
+    The constraints (no FSDP/DeepSpeed, no bf16, grads never freed or re-assigned...) are about
+    everything that touches the optimizer's parameters, which may live in other functions of the
+    file: a helper builds the optimizer, ``train()`` calls ``model.zero_grad()``. So the facts
+    are file-wide, with one exception: code owned by *other tests*. A test file's test functions
+    (``test*``, methods of a class named ``*Test*``, pytest fixtures) are separate programs; an
+    FSDP test or a bf16 test next to this one says nothing about this one's optimizer. A site's
+    region is therefore the whole file less the test-owned units that neither lead to the site
+    (callers) nor follow from its callers (callees, the fixtures a test asks for by name), and
+    less the helpers only those other tests reach. :meth:`tiers` orders it nearest first.
+    Calls are followed by name: module-level functions and classes (a class: all its methods),
+    ``self.``/``cls.`` methods of the same class and its bases in the file, ``Class.method``, and
+    plain references (``partial(train, ...)``)."""
+
+    def __init__(self, module: ModuleInfo) -> None:
+        self.module = module
+        self.units: dict[str, _Unit] = {}
+        module_roots: list[ast.AST] = []
+        self.classes: dict[str, list[str]] = {}  # class name -> its method units
+        self.bases: dict[str, list[str]] = {}
+        self._split(module.tree.body, "", None, False, module_roots)
+        self.units[_MODULE] = _Unit(_MODULE, module_roots, None, False, [])
+        self.functions = {u.name: u.name for u in self.units.values() if u.cls is None and u.name != _MODULE}
+        self.edges: dict[str, set[str]] = {name: self._calls(u) for name, u in self.units.items()}
+        self.callers: dict[str, set[str]] = {name: set() for name in self.units}
+        for name, targets in self.edges.items():
+            for t in targets:
+                self.callers[t].add(name)
+        self._facts: dict[str, _FileFacts] = {}
+        self._regions: dict[str, tuple[_FileFacts, _FileFacts, _FileFacts]] = {}
+
+    def _split(self, body: list[ast.stmt], prefix: str, cls: Optional[str], in_test: bool, module_roots: list[ast.AST]) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                self.classes.setdefault(node.name, [])
+                self.bases.setdefault(node.name, []).extend(b.id for b in node.bases if isinstance(b, ast.Name))
+                self._split(node.body, f"{prefix}{node.name}.", node.name, in_test or bool(_TEST_CLASS.search(node.name)), module_roots)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{node.name}"
+                fixture = any("fixture" in (dotted(d.func if isinstance(d, ast.Call) else d) or "") for d in node.decorator_list)
+                a = node.args
+                args = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                self.units[name] = _Unit(name, [node], cls, in_test or node.name.startswith("test") or fixture, args)
+                if cls is not None:
+                    self.classes[cls].append(name)
+            elif any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for n in fast_walk(node)):
+                # a block holding definitions (`if __name__ == "__main__":`, `if is_available(): class ...`):
+                # its definitions are units, its other statements belong where the block is (an `if`'s
+                # condition is a check, not code acting on parameters)
+                for field in ("iter", "items", "subject"):
+                    head = getattr(node, field, None)
+                    if head is not None and cls is None:
+                        module_roots.extend(head if isinstance(head, list) else [head])
+                blocks = [getattr(node, f, None) or [] for f in ("body", "orelse", "finalbody")]
+                blocks += [h.body for h in getattr(node, "handlers", None) or []]
+                blocks += [c.body for c in getattr(node, "cases", None) or []]
+                for block in blocks:
+                    self._split(block, prefix, cls, in_test, module_roots)
+            elif cls is None:
+                module_roots.append(node)
+
+    def _methods(self, cls: str, attr: str, seen: Optional[set[str]] = None) -> list[str]:
+        """``cls.attr`` as units: the class's own method, else its bases' (in this file)."""
+        own = [m for m in self.classes.get(cls, []) if m.rsplit(".", 1)[-1] == attr]
+        if own:
+            return own
+        seen = seen or set()
+        out: list[str] = []
+        for base in self.bases.get(cls, []):
+            if base not in seen:
+                seen.add(base)
+                out += self._methods(base, attr, seen)
+        return out
+
+    def _calls(self, unit: _Unit) -> set[str]:
+        out: set[str] = set()
+        for root in unit.roots:
+            for node in fast_walk(root):
+                if isinstance(node, ast.Name):
+                    if node.id in self.functions:
+                        out.add(self.functions[node.id])
+                    elif node.id in self.classes:
+                        out.update(self.classes[node.id])
+                elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                    owner = node.value.id
+                    if owner in ("self", "cls") and unit.cls is not None:
+                        out.update(self._methods(unit.cls, node.attr))
+                    elif owner in self.classes:
+                        out.update(self._methods(owner, node.attr))
+        if unit.test:  # fixtures a test asks for by parameter name
+            for arg in unit.args:
+                if arg in self.functions:
+                    out.add(self.functions[arg])
+                if unit.cls is not None:
+                    out.update(self._methods(unit.cls, arg))
+        out.discard(unit.name)
+        return out
+
+    def unit_of(self, qualname: str) -> str:
+        """The unit holding a scope (``outer.inner`` -> ``outer``)."""
+        name = qualname
+        while name not in self.units and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in self.units else _MODULE
+
+    def tiers(self, qualname: str) -> tuple[_FileFacts, _FileFacts, _FileFacts]:
+        """A site's facts in three tiers, nearest first: its own unit; its callers and callees
+        (the code that surely runs with it); the rest of the file that is not another test's."""
+        own = self.unit_of(qualname)
+        cached = self._regions.get(own)
+        if cached is not None:
+            return cached
+        roots, todo = {own}, [own]
+        while todo:
+            for c in self.callers[todo.pop()]:
+                if c not in roots:
+                    roots.add(c)
+                    todo.append(c)
+        u = self.units[own]
+        if u.cls is not None and not u.test:  # a model/trainer class: its methods work together
+            roots.update(self.classes.get(u.cls, []))
+        mine, todo = set(roots), list(roots)
+        while todo:
+            for c in self.edges[todo.pop()]:
+                if c not in mine:
+                    mine.add(c)
+                    todo.append(c)
+        # helpers only other tests reach (a `_deepspeed_zero3()` context of the ZeRO tests) are theirs
+        others = [n for n, x in self.units.items() if x.test and n not in mine]
+        theirs = self._closure(others)
+        entries = [n for n, x in self.units.items() if not x.test and n not in mine and not self.callers[n]]
+        shared = self._closure(entries)
+        rest = sorted(n for n, x in self.units.items() if n not in mine and not x.test and (n not in theirs or n in shared))
+        out = (self._unit_facts(own),
+               _FileFacts.merged(self.module, (self._unit_facts(n) for n in sorted(mine - {own}))),
+               _FileFacts.merged(self.module, (self._unit_facts(n) for n in rest)))
+        self._regions[own] = out
+        return out
+
+    def _closure(self, start: Iterable[str]) -> set[str]:
+        seen, todo = set(start), list(start)
+        while todo:
+            for c in self.edges[todo.pop()]:
+                if c not in seen:
+                    seen.add(c)
+                    todo.append(c)
+        return seen
+
+    def facts(self, qualname: str) -> _FileFacts:
+        """All of a site's facts merged, nearest first."""
+        return _FileFacts.merged(self.module, self.tiers(qualname))
+
+    def _unit_facts(self, name: str) -> _FileFacts:
+        f = self._facts.get(name)
+        if f is None:
+            f = self._facts[name] = _FileFacts(self.module, self.units[name].roots)
+        return f
+
+
+def _units(module: ModuleInfo) -> _Units:
+    # cached on the module like _relevant: detect runs once per scope of the file
+    cached = module.__dict__.get("_npufuse_optim_units")
+    if cached is None:
+        cached = module.__dict__["_npufuse_optim_units"] = _Units(module)
+    return cached
 
 
 def _model_of(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> Optional[str]:
@@ -203,7 +451,119 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
     return None, f"the params come from `{segment(module, params)[:50]}`: no parameter tensor to guard on without consuming it"
 
 
-def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, facts: _FileFacts) -> Result:
+def _target_names(stmt: ast.stmt) -> set[str]:
+    """Dotted names the statement binds (``opt``, ``self.optimizer``, each of ``a, b = ...``)."""
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+    out: set[str] = set()
+    for t in targets:
+        for n in ([*t.elts] if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+            name = dotted(n)
+            if name:
+                out.add(name)
+    return out
+
+
+def _accelerate_prepared(stmt: ast.stmt, own: _FileFacts, near: _FileFacts) -> Optional[tuple[int, str]]:
+    """(line, receiver) of an accelerate ``prepare`` that takes this optimizer: in the site's own
+    function, by the name the statement binds; in its callers/callees (``near``), by that name
+    only when the function returns it (callers unpack a helper's result under the same name, as
+    accelerate's tests do), or, for ``return AdamW(...)``, any optimizer-looking name."""
+    names = _target_names(stmt)
+    for ln, recv, args in own.prepared:
+        if names & set(args):
+            return ln, recv
+    handed = names & own.returned if names else set()
+    for ln, recv, args in near.prepared:
+        if (handed & set(args)) or (isinstance(stmt, ast.Return) and any(_looks_like_optimizer(a) for a in args if a)):
+            return ln, recv
+    return None
+
+
+def _class_chosen_at_run_time(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[NearMiss]:
+    """``cls = AdamW if cond else DummyOptim; opt = cls(...)``: a torch optimizer built through a
+    class picked at run time. Named as a near miss, not swapped: the choice is elsewhere."""
+    for node in fast_walk(stmt):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        value = scope.definition(node.func.id, stmt.lineno)
+        if not isinstance(value, (ast.IfExp, ast.BoolOp)):
+            continue
+        named = [module.canonical(n) for n in fast_walk(value) if isinstance(n, (ast.Name, ast.Attribute))]
+        hits = [_CANONICAL[k] for k in named if k in _CANONICAL]
+        if not hits:
+            continue
+        facts = _units(module).facts(scope.qualname)
+        also = (f"; the code also uses FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line {facts.sharding[0]})"
+                if facts.sharding is not None else "")
+        choice = " ".join(segment(module, value).split())
+        return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                        f"the optimizer class is chosen at run time (`{node.func.id} = {choice[:80]}`): npufuse swaps a "
+                        f"torch.optim class named at the call only; torch.optim.{hits[0]} there would become "
+                        f"torch_npu.optim.{_OPTIMIZERS[hits[0]][0]} by hand{also}")
+    return None
+
+
+def _bf16_hits(facts: _FileFacts, model: str) -> list[tuple[int, str]]:
+    """The bf16 casts/loads of ``facts`` that may concern ``model``'s parameters."""
+    return [(ln, r) for ln, r in facts.bf16 if not r or not model or r == model or r.split(".")[0] in (model, model.split(".")[0]) or "model" in r.lower()]
+
+
+def _peft_wrapped(module: ModuleInfo, scope: Scope, model: str, line: int) -> bool:
+    """Is ``model`` (a local name) a peft model here: last bound from ``get_peft_model(...)`` or a
+    ``Peft*.from_pretrained(...)`` (possibly with ``.to(device)`` after)? peft freezes the base
+    model and, by default (autocast_adapter_dtype=True), upcasts bf16/fp16 adapters to fp32, so a
+    bf16 base says nothing about the dtype of the parameters that get grads."""
+    if not model or "." in model:
+        return False
+    value = scope.definition(model, line)
+    for n in fast_walk(value) if value is not None else ():
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or ""
+            last = name.split(".")[-1]
+            if last == "get_peft_model" or (last == "from_pretrained" and "Peft" in name):
+                return not any(k.arg == "autocast_adapter_dtype" and not (isinstance(k.value, ast.Constant) and k.value.value is True)
+                               for k in n.keywords)
+    return False
+
+
+def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]], near: bool,
+             bf16_checked: bool = False) -> Optional[str]:
+    """Why the fused class cannot take over, from one tier of facts (None: nothing here).
+    ``prepared``: the accelerate ``prepare`` this optimizer goes through; its zero_grad only
+    counts in the ``near`` tiers (code that surely runs with this optimizer). ``bf16_checked``:
+    bf16 casts do not block, the guard checks the trainable parameters' dtypes at run time."""
+    if facts.sharding is not None:
+        return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line "
+                f"{facts.sharding[0]}): the fused optimizer's combined buffers would go stale")
+    if prepared is not None and near and facts.zero_grad_calls:
+        (pl, precv), (zl, zrecv) = prepared, facts.zero_grad_calls[0]
+        return (f"the optimizer goes through `{precv}.prepare` (line {pl}) and `{zrecv}.zero_grad()` is called "
+                f"(line {zl}): accelerate's AcceleratedOptimizer.zero_grad() passes set_to_none=True to an optimizer "
+                "whose zero_grad takes it, and torch_npu fused optimizers raise ValueError on that; call "
+                "zero_grad(set_to_none=False)")
+    bf16 = [] if bf16_checked else _bf16_hits(facts, model)
+    if bf16:
+        return (f"bf16 parameters unsupported: the file casts or loads the model in bfloat16 (line {bf16[0][0]}); "
+                "torch_npu fused optimizers take fp32/fp16 params only (keep fp32 master weights)")
+    if facts.set_to_none:
+        ln, recv = facts.set_to_none[0]
+        return (f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: the fused optimizer raises "
+                "on it (grads must stay allocated); use zero_grad() / set_to_none=False")
+    if facts.module_zero_grad:
+        ln, recv = facts.module_zero_grad[0]
+        return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0, so they are re-allocated "
+                "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False")
+    if facts.grad_assign is not None:
+        return (f"grads are re-allocated (`.grad = ...` at line {facts.grad_assign}): the fused optimizer keeps "
+                "updating from its combined grad buffer")
+    if facts.data_assign is not None:
+        return (f"parameters are re-allocated (`.data = ...` at line {facts.data_assign}): the fused optimizer's "
+                "combined buffers would go stale")
+    return None
+
+
+def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
+          tiers: tuple[_FileFacts, _FileFacts, _FileFacts]) -> Result:
     kind = _CANONICAL[module.canonical(call.func) or ""]
     fused_cls, accepted = _OPTIMIZERS[kind]
     line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
@@ -225,32 +585,26 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, fact
         return miss("positional arguments passed through `*args`: cannot check them against the fused class")
     if len(call.args) > 1 + len(accepted):
         return miss("more positional arguments than the fused class takes")
-    # -- file-wide constraints -------------------------------------------------------------------
-    if facts.sharding is not None:
-        return miss(f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line "
-                    f"{facts.sharding[0]}): the fused optimizer's combined buffers would go stale")
+    # -- constraints of the code that may run with it (_Units: the file, less other tests) -------
+    # checked before the guard (a blocker in the code is the reason, not npufuse's rewrite limits),
+    # nearest tier first, so the reason cites the occurrence closest to the site
     guard, why = _guard(module, scope, call, stmt)
+    model = guard[len("next("):].split(".parameters()")[0] if guard and ".parameters()" in guard else ""
+    prepared = _accelerate_prepared(stmt, tiers[0], tiers[1])
+    peft = _peft_wrapped(module, scope, model, stmt.lineno)
+    for n, facts in enumerate(tiers):
+        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft)
+        if reason is not None:
+            return miss(reason)
     if guard is None:
         return miss(why)
-    model = guard[len("next("):].split(".parameters()")[0] if ".parameters()" in guard else ""
-    bf16 = [(ln, r) for ln, r in facts.bf16 if not r or not model or r == model or r.split(".")[0] in (model, model.split(".")[0]) or "model" in r.lower()]
-    if bf16:
-        return miss(f"bf16 parameters unsupported: the file casts or loads the model in bfloat16 (line {bf16[0][0]}); "
-                    "torch_npu fused optimizers take fp32/fp16 params only (keep fp32 master weights)")
-    if facts.set_to_none:
-        ln, recv = facts.set_to_none[0]
-        return miss(f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: the fused optimizer raises "
-                    "on it (grads must stay allocated); use zero_grad() / set_to_none=False")
-    if facts.module_zero_grad:
-        ln, recv = facts.module_zero_grad[0]
-        return miss(f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0, so they are re-allocated "
-                    "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False")
-    if facts.grad_assign is not None:
-        return miss(f"grads are re-allocated (`.grad = ...` at line {facts.grad_assign}): the fused optimizer keeps "
-                    "updating from its combined grad buffer")
-    if facts.data_assign is not None:
-        return miss(f"parameters are re-allocated (`.data = ...` at line {facts.data_assign}): the fused optimizer's "
-                    "combined buffers would go stale")
+    dtype_checked = peft and any(_bf16_hits(t, model) for t in tiers)
+    if dtype_checked:
+        # a bf16 base under peft: fuse only if every parameter that can get a grad is fp32/fp16
+        # (peft's modules_to_save copies stay bf16; then the original optimizer runs). str(dtype):
+        # the file need not import torch itself (`from torch.optim import AdamW`).
+        guard = (f"{guard} if all(str(p.dtype) in ('torch.float32', 'torch.float16') "
+                 f"for p in {model}.parameters() if p.requires_grad) else None")
     # -- the statement must own its lines (the span is whole lines) ------------------------------
     text = _statement_text(module, stmt)
     if text is None:
@@ -264,7 +618,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, fact
         | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0},
         "params": segment(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
         "param_groups": _is_groups(module, scope, keyword(call, "params", 0), stmt.lineno),  # type: ignore[arg-type]
-        "guard": "fresh_generator" if model else "materialised_list",
+        "guard": ("fresh_generator_trainable_dtypes_checked" if dtype_checked else "fresh_generator") if model else "materialised_list",
         "lr_default_added": kind == "SGD" and not lr_given,
     }
     risks = [
@@ -275,6 +629,10 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, fact
              "(.cpu()/.to(), new Parameter, p.grad = ..., load_state_dict into new tensors)"),
         Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError); mixed fp32/fp16 params get one buffer each"),
     ]
+    if prepared is not None:
+        risks.append(Risk("other", f"the optimizer goes through `{prepared[1]}.prepare` (line {prepared[0]}): accelerate's "
+                          "AcceleratedOptimizer.zero_grad() passes set_to_none=True, which the fused class rejects "
+                          "(ValueError); any zero_grad() on it must pass set_to_none=False"))
     notes = [
         "alternative (field lesson 9): torch.optim." + kind + "(..., fused=True) where the installed torch_npu registers "
         "the fused kernel for NPU; it keeps torch.optim semantics (zero_grad(set_to_none=True) allowed, bf16 params)",
@@ -286,6 +644,10 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, fact
            else "materialises the params iterable once into a list (walrus) so both branches see the same parameters; "
            "param-group dicts passed this way keep the original optimizer"),
     ]
+    if dtype_checked:
+        notes.append(f"`{model}` is a peft model over a bf16 base: the frozen base never gets grads (the fused class "
+                     "only takes params with grads), peft upcasts adapters to fp32; the guard also checks at run time "
+                     "that every trainable parameter is fp32/fp16 (modules_to_save copies stay bf16: then the original runs)")
     if params["lr_default_added"]:
         notes.append("NpuFusedSGD has no lr default: torch.optim.SGD's lr=1e-3 is passed explicitly")
     return Finding(
@@ -594,6 +956,182 @@ def train(model, loader, epochs=1):
 '''
 
 
+# Examples from the optimizer-corpus audit (bench/audit/fused_optimizer.yaml).
+
+# A test file: another test's FSDP wrap and bf16 model say nothing about `build`'s optimizer
+# (peft's test_custom_models imports FSDP for one test class; the bf16 casts are other tests'),
+# while a test that calls `build` is code that runs with it.
+_OTHER_TESTS = _NET + '''
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+
+
+class TestTraining:
+    def test_fsdp_wrapped(self):
+        model = FSDP(Net())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def test_bf16_model(self):
+        model = Net().to(torch.bfloat16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer.zero_grad(set_to_none=True)
+
+    def test_train(self):
+        model = Net()
+        optimizer = build(model)
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+'''
+
+# Lightning's BoringModel file: `self.data = torch.randn(...)` is a Dataset attribute, not a
+# parameter's storage being replaced.
+_DATASET_ATTR = _NET + '''
+
+class RandomDataset(torch.utils.data.Dataset):
+    def __init__(self, size, length):
+        self.len = length
+        self.data = torch.randn(length, size)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __len__(self):
+        return self.len
+
+
+def build(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+'''
+
+# accelerate: AcceleratedOptimizer.zero_grad() passes set_to_none=True to a wrapped optimizer
+# whose zero_grad has that parameter, and NpuFusedOptimizerBase.zero_grad raises ValueError on it.
+_KEEP_ACCELERATE = _NET + '''
+from accelerate import Accelerator
+
+
+def train(loader, epochs=1):
+    accelerator = Accelerator()
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for _ in range(epochs):
+        for x, y in loader:
+            accelerator.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+'''
+
+# The same through a helper (accelerate's tests/test_accelerator.py create_components): the
+# caller prepares the returned optimizer and zeroes the prepared one.
+_KEEP_ACCELERATE_HELPER = _NET + '''
+from accelerate import Accelerator
+
+
+def create_components():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, optimizer
+
+
+def test_prepared_training():
+    accelerator = Accelerator()
+    model, optimizer = create_components()
+    model, prepared_optimizer = accelerator.prepare(model, optimizer)
+    for _ in range(2):
+        accelerator.backward(model(torch.randn(4, 8)).sum())
+        prepared_optimizer.step()
+        prepared_optimizer.zero_grad()
+'''
+
+# timm's test_lookahead_load_base_state_dict: what blocks is the grad assigned before each step,
+# not the list literal (which has its tensor to guard on).
+_KEEP_LIST_GRAD_ASSIGNED = '''\
+import torch
+from torch.nn import Parameter
+
+
+def test_steps():
+    param = Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([param], lr=1e-2)
+    for _ in range(2):
+        param.grad = torch.ones(4)
+        opt.step()
+'''
+
+# accelerate's external_deps scripts: `optimizer_cls = AdamW if ... else DummyOptim`.
+_KEEP_CLASS_CHOSEN = _NET + '''
+from torch.optim import AdamW
+
+
+class DummyOptim:
+    def __init__(self, params, lr=1e-3):
+        self.params, self.lr = list(params), lr
+
+
+def build(model, engine_has_optimizer=False):
+    optimizer_cls = DummyOptim if engine_has_optimizer else AdamW
+    return optimizer_cls(model.parameters(), lr=1e-3)
+'''
+
+# A pytest fixture a test asks for by name is code that runs with the test's optimizer.
+_KEEP_FIXTURE_BF16 = _NET + '''
+import pytest
+
+
+class TestTraining:
+    @pytest.fixture
+    def model(self):
+        model = Net()
+        return model.to(torch.bfloat16)
+
+    def test_step(self, model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
+        optimizer.step()
+'''
+
+
+# peft's test_decoder_models / test_gpu_examples: LoRA / prefix tuning over a bf16 base. Only the
+# adapters (fp32) get grads; the guard checks that at run time. `LoraWrapped` stands in for peft.
+_PEFT_BF16_BASE = _NET + '''
+
+class LoraWrapped(nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.base(x.to(torch.bfloat16)).float() + self.lora(x)
+
+
+def get_peft_model(model, config=None):
+    return LoraWrapped(model)
+
+
+def build(base_model):
+    base_model = base_model.to(torch.bfloat16)
+    model = get_peft_model(base_model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer
+'''
+
+_PEFT_RUN = '''\
+model, opt = build(Net())
+x, y = torch.randn(6, 8), torch.randn(6, 4)
+for _ in range(3):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+out = tuple(p.detach().clone() for p in model.lora.parameters())
+'''
+
+
 FusedOptimizer.FUSE = [
     Fuse(_HF_NO_TRAINER, name="hf_no_trainer_param_groups", run=_TRAIN_RUN, expect={
         "optimizer": "torch.optim.AdamW", "fused_class": "torch_npu.optim.NpuFusedAdamW", "param_groups": True,
@@ -614,6 +1152,12 @@ FusedOptimizer.FUSE = [
         "confidence": "medium"}),
     Fuse(_SGD_NO_LR, name="sgd_default_lr_made_explicit", run=_TRAIN_RUN, expect={
         "optimizer": "torch.optim.SGD", "lr_default_added": True, "args": {"momentum": "0.9"}}),
+    Fuse(_OTHER_TESTS, name="other_tests_fsdp_and_bf16_do_not_count", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "qualname": "build", "args": {"lr": "2e-3", "weight_decay": "0.0"}}),
+    Fuse(_DATASET_ATTR, name="dataset_self_data_is_not_a_parameter", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.SGD", "args": {"lr": "0.05", "momentum": "0.9"}}),
+    Fuse(_PEFT_BF16_BASE, name="peft_adapters_over_bf16_base_dtype_checked", run=_PEFT_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "guard": "fresh_generator_trainable_dtypes_checked"}),
 ]
 
 FusedOptimizer.KEEP = [
@@ -624,4 +1168,9 @@ FusedOptimizer.KEEP = [
     Keep(_KEEP_FOREACH, reason="foreach", name="foreach_kwarg"),
     Keep(_KEEP_GRAD_ASSIGN, reason="re-allocated", name="manual_grad_averaging"),
     Keep(_KEEP_MODEL_ZERO_GRAD, reason="model.zero_grad()", name="module_zero_grad_default"),
+    Keep(_KEEP_ACCELERATE, reason="AcceleratedOptimizer.zero_grad() passes set_to_none=True", name="accelerate_prepare_then_zero_grad"),
+    Keep(_KEEP_ACCELERATE_HELPER, reason="AcceleratedOptimizer", name="accelerate_helper_optimizer_prepared_by_caller"),
+    Keep(_KEEP_LIST_GRAD_ASSIGNED, reason="grads are re-allocated", name="list_params_grad_assigned_each_step"),
+    Keep(_KEEP_CLASS_CHOSEN, reason="chosen at run time", name="optimizer_class_chosen_at_run_time"),
+    Keep(_KEEP_FIXTURE_BF16, reason="bf16 parameters unsupported", name="pytest_fixture_bf16_model"),
 ]
