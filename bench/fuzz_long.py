@@ -23,6 +23,19 @@ libcst 1.9.0, polars 2.1.0; 13 properties, round-robin):
 * 12 min, 19,582 examples: 1 distinct failure, another face of the truncated-row bug (now mapped
   to its reproducer); known-bug hits: truncated row x5, polars shapes x16, bare CR x1, scan offers
   a site apply refuses x1.
+* 15 min, 29,755 examples (19,364 by round 58 at 9.9 min, 3 failures then), 5 distinct failures,
+  4 causes, all fixed with regression tests: fused_optimizer ``ast.unparse`` of a 500-link
+  ``x.pow(2)...`` receiver raised RecursionError with a stack-depth-dependent message, so
+  ``npufuse scan`` and scan_repo disagreed on files_failed (patterns/fused_optimizer.py: the
+  receiver's source text instead); polars and csv split a cell with a quote that does not open
+  it (after a NUL) differently, x2 (profile/readers.py: ``_has_stray_quote`` sends such files to
+  the csv reader, as a bare CR); the fast replacement path offered a site whose first line holds
+  ``a; b``, which apply refuses (scan/engine.py ``_shares_line``: a near miss with apply's
+  reason); the spans property did not accept apply's refusal of a file libcst does not
+  round-trip (a line holding only a backslash), x2 (tests/test_fuzz_rewrite.py: accepted for
+  exactly such files, with exactly that reason).
+* 4 min, 4,975 examples, those 4 properties only (scan.scan_repo, profile.kernels,
+  rewrite.findings, rewrite.spans), after the fixes: no failure.
 
 Earlier, shorter runs found the bugs fixed meanwhile in ad1f52b and dd29c6a; their reproducers
 are regression tests now.

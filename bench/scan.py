@@ -2,7 +2,7 @@
 a plain ``ast.parse`` of the same files in one process.
 
     .venv/bin/python bench/scan.py --fetch-transformers     # pip download transformers, unpack modeling files
-    .venv/bin/python bench/scan.py [CORPUS_DIR] [--jobs N] [--repeat 3] [--check-render N]
+    .venv/bin/python bench/scan.py [CORPUS_DIR] [--jobs N] [--repeat 3] [--components] [--phases] [--check-render N]
 
 Downloads nothing unless ``--fetch-transformers`` is given: it runs ``pip download --no-deps
 transformers`` into ``bench/.data/`` (gitignored) and unpacks ``transformers/models/*/modeling_*.py``
@@ -148,6 +148,50 @@ def components(root: Path, files: list[str]) -> list[tuple[str, float]]:
     return rows + [("other (analyze_file itself, freeing trees)", total - sum(spent.values())), ("total", total)]
 
 
+def phases(corpus: Path, out: Path, jobs: int) -> list[tuple[str, float, float]]:
+    """One cold scan in this process with a timestamp around each of its phases in the parent:
+    (phase, wall seconds, parent CPU seconds). With a pool, "analyse" is the workers' time and
+    everything else is this process alone: the serial part that adds to the wall time."""
+    from npufuse.cli import main as cli_main
+    from npufuse.report import markdown
+    from npufuse.scan import command, engine
+
+    marks: list[tuple[str, float, float]] = []
+    saved = []
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+        saved.append((owner, name, fn))
+
+        def timed(*a, **k):
+            marks.append((label + " start", time.perf_counter(), time.process_time()))
+            try:
+                return fn(*a, **k)
+            finally:
+                marks.append((label + " end", time.perf_counter(), time.process_time()))
+
+        setattr(owner, name, timed)
+
+    wrap(engine, "gather_inputs", "walk + hash")
+    wrap(engine, "_analyze_all", "analyse")
+    wrap(engine, "_candidates", "candidates")
+    wrap(command, "dumps", "scan.json")
+    wrap(markdown, "render_markdown", "report.md")
+    shutil.rmtree(out / "cache", ignore_errors=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        cli_main(["scan", str(corpus), "-o", str(out / "report.md"), "--state-dir", str(out), "--no-progress", "--jobs", str(jobs)])
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    t1, c1 = time.perf_counter(), time.process_time()
+    rows, prev = [], ("start", t0, c0)
+    for label, t, c in marks + [("end (writes, run record)", t1, c1)]:
+        rows.append((f"{prev[0]} -> {label}", t - prev[1], c - prev[2]))
+        prev = (label, t, c)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("corpus", nargs="?", help=f"folder to scan (default: {CORPUS.relative_to(HERE.parent)})")
@@ -158,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-subprocess", action="store_true", help="skip the end-to-end subprocess timing")
     ap.add_argument("--state-dir", help="keep scan.json, report.md and the cache here (default: a temp folder, deleted)")
     ap.add_argument("--components", action="store_true", help="also time each part of the per-file analysis (parse, index, each detector, ...) in one process")
+    ap.add_argument("--phases", action="store_true", help="also time the phases of one cold scan in the parent (walk, pool, candidates, outputs): its serial part")
     ap.add_argument("--check-render", type=int, default=0, metavar="N",
                     help="also check N random candidates' replacement against render_site on the whole file (0: none, -1: all)")
     args = ap.parse_args(argv)
@@ -239,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"components        CPU seconds of analyze_file's parts, one process, one pass (ast.parse baseline {c_parse:.2f} s):")
         for label, secs in parts:
             print(f"  {label:44s} {secs:6.2f}  ({secs / c_parse:.2f}x ast.parse)")
+
+    if args.phases:
+        rows = phases(corpus, out, jobs)
+        serial = sum(w for label, w, _c in rows if not label.startswith("analyse start"))
+        print(f"phases            one cold scan, {jobs} jobs, wall and parent CPU seconds (serial part outside the pool: {serial:.2f} s):")
+        for label, wall, cpu in rows:
+            print(f"  {label:58s} {wall:6.3f}  cpu {cpu:6.3f}")
 
     if args.check_render:
         from npufuse.patterns.base import Finding

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from npufuse.cli import main
 from npufuse.profile.analysis import Options, analyze
-from npufuse.profile.readers import (KERNEL_ALIASES, MAX_PROBLEMS_PER_KIND, Problem, read_kernel_details,
+from npufuse.profile.readers import (KERNEL_ALIASES, MAX_PROBLEMS_PER_KIND, Problem, _has_stray_quote, read_kernel_details,
                                      read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view)
 from npufuse.profile.trace import analyze_trace
 from test_fuzz_scan import (BUDGET_SCALE, HANG_CPU_S, Budget, KnownBug, Property, cpu_guard, fuzz_settings,
@@ -736,3 +736,26 @@ def test_analyze_and_cli_on_mutated_profiles(value):
 def _report_budget():
     yield
     report_budgets(BUDGETS)
+
+
+@pytest.mark.skipif(not HAS_POLARS, reason="polars not installed")
+def test_bug_quote_inside_a_cell_splits_it_for_csv_only(tmp_path):
+    # (shrunk from a 15-minute fuzz run) a quote that does not open its cell (here after a NUL):
+    # the csv module reads it as a character and splits the cell at its commas, polars quoted
+    # the rest of the cell; such a file now goes to the csv reader, as a bare CR does
+    data = (b',,,,,Type,,,Duration(us),,,,,,,,,OutputDataTypes,\n'
+            b',,,,,,,,0,"048,4096""",FLOAT,ND,\x00"""4,2048,4096""",FLOAT,ND,N/A,0,0,3.901,0')
+    out = read_all_backends(data)
+    check_backends_agree(out)
+    assert _shapes(out["csv"][0]) == _shapes(out["polars"][0])
+    assert read_kernel_details(_file(tmp_path, "k.csv", data))[0].n == 1
+
+
+def test_stray_quote_check_does_not_depend_on_chunking(tmp_path):
+    path = tmp_path / "k.csv"
+    cases = {b'a,b\n1,"x,y"\n': False, b'a,b\n1,"x""y"\r\n': False, b'a,b\n1,""\n"""4""",2': False,
+             b'a,b\n1,x"y\n': True, b'a,b\n1,"x"y\n': True, b'a,b\n"1,x': True}
+    for data, stray in cases.items():
+        path.write_bytes(data)
+        for chunk in (1, 2, 3, 1 << 20):   # a run of quotes cut by a chunk's end is carried over
+            assert _has_stray_quote(path, chunk=chunk) == stray, (data, chunk)

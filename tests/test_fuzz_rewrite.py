@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from npufuse.rewrite.codegen import MARKER, env_switch, render_site, site_edit
-from npufuse.rewrite.transform import SiteEdit, revert_source, rewrite_source
+from npufuse.rewrite.transform import SiteEdit, parse_module, revert_source, rewrite_source
 from npufuse.scan import replacement
 from npufuse.scan.engine import ScanOptions, analyze_file
 from test_fuzz_scan import (BUDGET_SCALE, HANG_CPU_S, PATTERNS, Budget, KnownBug, Property, check_fallback, cpu_guard,
@@ -212,7 +212,16 @@ def check_rewrite_spans(case) -> None:
             if not TAB_INDENT.search(text):
                 raise AssertionError(f"libcst rejects a file ast accepts: {exc}") from None
             return
+        if parse_module(text).code != text:
+            # apply refuses a file libcst does not reproduce byte for byte (a line holding only a
+            # backslash continuation): then, and only then, every site is left alone with that reason
+            assert outcome.text == text and not outcome.applied, "a file libcst does not round-trip was rewritten"
+            assert [why for _e, why in outcome.skipped] == [NOT_ROUND_TRIP] * len(edits), outcome.skipped
+            return
         check_rewritten(text, edits, outcome, must)
+
+
+NOT_ROUND_TRIP = "libcst does not reproduce this file byte for byte; left unchanged"
 
 
 # -- bugs found by fuzzing ----------------------------------------------------------------------
@@ -280,3 +289,32 @@ def test_random_spans_rewrite_and_revert_exactly(value):
 def _report_budget():
     yield
     report_budgets(BUDGETS)
+
+
+# (15-minute fuzz run) `a = 1; b = 2` as the first line of a site: apply refuses the span (it cannot
+# tell which statement on the line is meant), so the scan must not offer it, and gives apply's reason.
+def test_bug_scan_offers_a_site_sharing_a_line_via_semicolon():
+    src = ("import torch\n\n\ndef forward(self, hidden_states):\n"
+           "    input_dtype = hidden_states.dtype; hidden_states = hidden_states.to(torch.float32)\n"
+           "    variance = hidden_states.pow(2).mean(-1, keepdim=True)\n"
+           "    hidden_states = hidden_states * torch.rsqrt(variance + self.eps)\n"
+           "    return self.weight * hidden_states.to(input_dtype)\n")
+    check_rewrite_findings(src)
+    out = _analyze(src)
+    assert not [h for h in out.hits if h.finding.pattern == "rms_norm"]
+    near = [m for m in out.near_misses if m["pattern"] == "rms_norm"]
+    assert [m["reason"] for m in near] == ["lines 5-8 share a line with other statements (`;`); split them first"], out.near_misses
+
+
+# (15-minute fuzz run) random spans in a file with a line holding only a backslash: apply refuses
+# the whole file with its round-trip reason, which the spans property accepts only for such files
+def test_bug_spans_in_a_file_libcst_does_not_round_trip():
+    src = "# seed\n\\\nimport math\n\nimport torch\n\n\ndef rotate_half(x):\n    return x\n"
+    edits = [SiteEdit(3, 3, "pass", "_npufuse_on_npu(x)", "rms_norm", "e0")]
+    check_rewrite_spans((src, edits, {"e0"}))
+    assert [why for _e, why in rewrite_source(src, edits).skipped] == [NOT_ROUND_TRIP]
+    # and the scan, on a finding in the same file, gives a near miss rather than a candidate
+    from npufuse.scan.engine import _apply_refuses
+    assert "line 2 holds only a backslash continuation" in _apply_refuses(src)
+    with pytest.raises(AssertionError, match="was not applied"):   # a file that round-trips gets no such pass
+        check_rewrite_spans(("import math\n", [SiteEdit(1, 1, "x = (", "_npufuse_on_npu(x)", "rms_norm", "e0")], {"e0"}))

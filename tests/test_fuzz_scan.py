@@ -842,3 +842,19 @@ def report_budgets(budgets: dict[str, Budget]) -> None:
     cut = {k: b.skipped for k, b in budgets.items() if b.skipped}
     if cut:
         warnings.warn(f"fuzz budget used up, examples not run: {cut}", stacklevel=2)
+
+
+# (15-minute fuzz run) a 500-link call chain: fused_optimizer's ast.unparse of a receiver raised
+# RecursionError, with a message that depended on the caller's stack depth (scan_repo in-process
+# and `npufuse scan` disagreed on the files_failed entry). No detector may raise on it, at any depth.
+def test_bug_long_call_chain_raises_recursion_error_in_a_detector():
+    src = ("import torch\n\n\ndef f0(model, x):\n    y = x" + ".pow(2)" * 500 + ".zero_grad()\n"
+           "    optimizer = torch.optim.AdamW(model.parameters(), lr=x, weight_decay=0.1)\n    return y\n").encode()
+
+    def nested(depth: int) -> list[str]:
+        return nested(depth - 1) if depth else detector_errors(src)
+
+    assert detector_errors(src) == []
+    import sys
+
+    assert nested(sys.getrecursionlimit() // 4) == []   # deeper in the stack: the same (empty) answer

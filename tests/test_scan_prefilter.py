@@ -30,10 +30,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npufuse.patterns._site as S
-from npufuse.patterns import rms_norm
+from npufuse.patterns import affinity_index_put, affinity_where, attention, rms_norm, swiglu
 from npufuse.patterns.registry import all_patterns
+from npufuse.rewrite.codegen import source_lines
 from npufuse.scan import dataflow, engine, replacement, repo_search
 from npufuse.scan.dataflow import ModuleInfo
+
+FAST_SEGMENT = dataflow.segment
+FAST_LINES_WITH = dataflow.lines_with
 
 ROOT = Path(__file__).resolve().parents[1]
 _BIG_CORPORA = [ROOT / "bench" / ".data" / "transformers", ROOT / ".venv" / "transformers-site" / "transformers" / "models"]
@@ -77,7 +81,125 @@ def _parses(text: str) -> bool:
         return False
 
 
-TEXTS = _texts()
+# Files where the second round of gates and shortcuts has something to decide: a norm helper
+# reached only by name (rms_norm's scope gate), a torch root through an import alias, ``**`` as
+# unpacking and as a power, a module-level norm and rsqrt statistic (rms_norm's module lines), an
+# index_put near miss (affinity_index_put's statement filter), an upper-case config switch read
+# (the lower-cased regex), an HF attention_interface caller passing a bias (caller_bias's lines),
+# non-ASCII lines (segment) and identifiers spelled with NFKC-normalised characters (every line
+# filter must keep their lines).
+GATE_CASES = [
+    '''import torch
+from torch import nn
+from torch import rsqrt as r
+
+
+class N(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        v = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(v + self.eps))
+
+
+class M(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def _alias(self, x):
+        return x * r(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def forward(self, x, **kwargs):
+        return self._norm(x.float()).type_as(x) * self.weight
+
+    def other(self, x, **kw):
+        y = f(**kw)
+        return x * (x ** 2).mean(-1, keepdim=True) ** -0.5
+
+
+class L(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.input_layernorm = N(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, hidden_states, residual):
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        return hidden_states + self.mlp(residual)
+
+
+def top(x, eps=1e-5):
+    v = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(v + eps)
+
+
+y = top(torch.ones(3))
+z = torch.ones(3) / (torch.ones(3).sqrt() + 1e-6)
+w = torch.zeros(3).index_put((torch.ones(3).nonzero(),), torch.ones(2))
+s = torch.rsqrt(torch.ones(3).pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Cfg:
+    def forward(self, x):
+        if self.config.USE_FUSED_NORM:
+            return x
+        return x
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling):
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    attn_weights = attn_weights + attention_mask
+    attn_weights = torch.softmax(attn_weights, dim=-1)
+    return torch.matmul(attn_weights, value)
+
+
+class Attn:
+    def forward(self, q, k, v, position_bias):
+        attention_interface = eager_attention_forward
+        return attention_interface(self, q, k, v, position_bias, 0.1)
+''',
+    '''import torch
+# é non-ASCII: ünïcode lines between the code (segment columns are bytes)
+def attn(q, k, v, mask):  # «q» @ kᵀ
+    s = q @ k.transpose(-1, -2) / (q.shape[-1] ** 0.5)  # ü
+    s = s + mask
+    p = torch.softmax(s, dim=-1)
+    return p @ v
+
+
+def a(x, m):
+    x[m] = 0.0  # ä
+    return x
+
+
+class B:
+    def forward(self, h, g, cond):
+        # a blend: where cond holds, h, else g
+        if self.config.use_\ufb02ash_attention:  # NFKC-normalised, a config switch read
+            h = torch.\uff57here(cond, h.float(), g.float())  # NFKC-normalised, a torch blend
+        return h
+
+    def other(self, x):
+        return x if self.config.use_fused_norm else -x
+
+
+class C:
+    def forward(self, x, rel_pos_bias):
+        # calls attn with a float bias, spelled another way
+        return \uff41ttn(x, x, x, rel_pos_bias)
+''',
+]
+
+TEXTS = _texts() + GATE_CASES
 
 
 # -- reference implementations (the code the fast paths replaced) -------------------------------
@@ -150,6 +272,50 @@ def ref_iter_exprs_topdown(node: ast.AST) -> Iterator[ast.expr]:
         children = list(ast.iter_child_nodes(n))
         children.reverse()
         stack.extend(children)
+
+
+def ref_segment(module: ModuleInfo, node: ast.AST) -> str:
+    """dataflow.segment before the ASCII shortcut: every line as UTF-8 bytes."""
+    cache = module.__dict__.get("_ref_segment_lines")
+    if cache is None:
+        cache = module.__dict__["_ref_segment_lines"] = [ln.encode("utf-8") for ln in module.lines]
+    lineno, end = getattr(node, "lineno", None), getattr(node, "end_lineno", None)
+    col, end_col = getattr(node, "col_offset", None), getattr(node, "end_col_offset", None)
+    if None in (lineno, end, col, end_col) or end > len(cache):
+        return ast.unparse(node)
+    if lineno == end:
+        return cache[lineno - 1][col:end_col].decode("utf-8")
+    parts = [cache[lineno - 1][col:]] + cache[lineno : end - 1] + [cache[end - 1][:end_col]]
+    return b"".join(parts).decode("utf-8")
+
+
+def ref_site_source_of(module: ModuleInfo, node: ast.AST) -> str:
+    lines = S.module_lines(module)
+    l0, l1 = node.lineno - 1, (node.end_lineno or node.lineno) - 1
+    c0, c1 = node.col_offset, node.end_col_offset
+    if l0 == l1:
+        return lines[l0].encode("utf-8")[c0:c1].decode("utf-8")
+    parts = [lines[l0].encode("utf-8")[c0:].decode("utf-8")]
+    parts += lines[l0 + 1 : l1]
+    parts.append(lines[l1].encode("utf-8")[:c1].decode("utf-8"))
+    return "".join(parts)
+
+
+def ref_module_attr_ctor(self, func):
+    """attention._Matcher._module_attr_ctor before its per-class table: one walk per call."""
+    if not attention._is_self_attr(func):
+        return None
+    cls = self.module.classes.get(self.scope.class_name or "")
+    if cls is None:
+        return None
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and dataflow.dotted(node.targets[0]) == f"self.{func.attr}" and isinstance(node.value, ast.Call):
+            return node.value
+    return None
+
+
+def ref_power_in_ast(text: str) -> bool:
+    return any(isinstance(n, (ast.BinOp, ast.AugAssign)) and isinstance(n.op, ast.Pow) for n in ast.walk(ast.parse(text)))
 
 
 def ref_root_text(text: str) -> bool:
@@ -301,6 +467,165 @@ def test_plain_classifier_agrees_with_the_tokenizer() -> None:
     assert covered > len(cases) // 2  # the fast path is the common one
 
 
+# -- the second round: text tests, segment, code lines, line filters -----------------------------------
+
+_CFG_BITS = ["config", "CONFIG", "Cfg", "cfg", ".", " . ", "\n", "_", "use_", "fus", "FUS", "npu", "Ascend", "flash", "liger",
+             "x", "é", "\u0130", "\u0131", "\u017f", "\u212a", "conf\u0131g", "f\u016fs", "\u212a", "ſ", "→"]
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(st.sampled_from(_CFG_BITS), max_size=10))
+def test_cfg_switch_text_is_the_regex(bits: list[str]) -> None:
+    text = "".join(bits)
+    assert repo_search._mentions_cfg_switch(text) == (repo_search._CFG_ATTR.search(text) is not None)
+
+
+def test_cfg_switch_text_on_real_files() -> None:
+    for text in TEXTS:
+        for piece in (text, text.upper(), text.replace("config", "conf\u0131g"), text + " cfg.\u017fus"):
+            assert repo_search._mentions_cfg_switch(piece) == (repo_search._CFG_ATTR.search(piece) is not None)
+
+
+_POW_BITS = ["x", "y", "2", "**", "**", "(", ")", ",", " ", "\n", "lambda ", "lambda", "kw", ":", "{", "}", "[", "]", "f", "=", "a.b", "-", "\\\n", "#c\n", "'s'"]
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(_POW_BITS), max_size=12))
+def test_power_operator_never_misses_a_power(bits: list[str]) -> None:
+    """rms_norm's text test may say yes too often, never no where the tree has a power."""
+    text = "".join(bits)
+    try:
+        has = ref_power_in_ast(text)
+    except (SyntaxError, ValueError):
+        return
+    if has:
+        assert rms_norm._power_operator(text), text
+
+
+def test_power_operator_on_real_scopes() -> None:
+    cases = ["f(**kw)", "def f(a, **kw): pass", "g = lambda **kw: 0", "d = {**a, 'b': 1}", "x = a ** 2", "x **= 2", "x = (a\n ** 2)", "y = lambda: a ** 2"]
+    for text in TEXTS + cases:
+        module = ModuleInfo.from_source("m.py", text, ast.parse(text))
+        for scope in module.scopes:
+            if any(isinstance(n, (ast.BinOp, ast.AugAssign)) and isinstance(n.op, ast.Pow) for n in ast.walk(scope.node)):
+                assert rms_norm._power_operator(S.scope_text(module, scope))
+    assert not rms_norm._power_operator("def f(self, x, **kwargs):\n    return g(x, **kwargs)\n")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="actgelusimhpfwnoyrsq ", max_size=30))
+def test_act_search_is_the_word_test(text: str) -> None:
+    assert any(w in text for w in swiglu._ACT_SEARCH) == any(w in text for w in swiglu._ACT_WORDS)
+
+
+def test_segment_and_source_of_are_the_byte_versions() -> None:
+    for text in TEXTS:
+        module = ModuleInfo.from_source("m.py", text, ast.parse(text))
+        for node in ast.walk(module.tree):
+            if hasattr(node, "end_col_offset") and getattr(node, "lineno", None) is not None:
+                assert FAST_SEGMENT(module, node) == ref_segment(module, node)
+                assert S.source_of(module, node) == ref_site_source_of(module, node)
+        for scope in module.scopes[1:]:  # a function's scope text is its segment (rope's could_rotate reads it)
+            assert dataflow.scope_text(module, scope) == ref_segment(module, scope.node)
+
+
+_LINE_BITS = ["a", "b = 1", " ", "\n", "\r\n", "\r", "\f", "\v", "\x1c", "\x85", "\u2028", "\u2029", "#", "é"]
+
+
+@settings(max_examples=800, deadline=None)
+@given(st.lists(st.sampled_from(_LINE_BITS), max_size=12))
+def test_code_lines_are_source_lines(bits: list[str]) -> None:
+    text = "".join(bits)
+    lines = text.splitlines(keepends=True)
+    fast = lines if replacement.splitlines_match(text, lines) else []
+    assert engine._code_lines(text, fast) == source_lines(text)
+
+
+def test_lines_with_and_calls_on_lines() -> None:
+    for text in TEXTS + ["x = 1\r\ny = f(2)\n"]:
+        module = ModuleInfo.from_source("m.py", text, ast.parse(text))
+        names = sorted({n.func.id for n in ast.walk(module.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)})[:6]
+        words = tuple(names) or ("nothing",)
+        lines = dataflow.lines_with(module, words)
+        if "\r" in text:
+            assert lines is None
+            continue
+        rows = text.split("\n")
+        want = [i for i, row in enumerate(rows, 1) if any(w in row for w in words) or not row.isascii()]
+        assert lines == want
+        for scope in module.scopes:
+            calls = [n for n in ast.walk(scope.node) if isinstance(n, ast.Call)]
+            named = [n for n in calls if isinstance(n.func, ast.Name) and n.func.id in words]
+            got = dataflow.calls_on_lines(scope.node, lines)
+            order = {id(n): k for k, n in enumerate(calls)}
+            assert [order[id(n)] for n in got] == sorted(order[id(n)] for n in got)  # the walk's order
+            assert {id(n) for n in named} <= {id(n) for n in got}  # every call by one of the names
+
+
+_SRC_FOLDERS = ["", "a", "a/b", "a/b/c", "a/c", "b", "b/a", "x/y/z"]
+_SRC_KINDS = ["config_json", "config_yaml", "config_class", "dataclass", "class_defaults", "argparse", "other"]
+_SRC_KEYS = ["hidden_size", "num_heads", "vocab", "dim", "eps"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(_SRC_FOLDERS), st.sampled_from(["c.py", "config.json", "d.py"]), st.integers(1, 3),
+                       st.sampled_from(_SRC_KINDS), st.dictionaries(st.sampled_from(_SRC_KEYS), st.integers(0, 9), max_size=3)), max_size=14),
+    st.sampled_from(_SRC_FOLDERS),
+    st.sampled_from([{}, {"batch_size": 8, "seq_len": None}, {"hidden_size": 3}]),
+)
+def test_nearest_sources_give_the_shapes_of_all_sources(raw, folder, overrides) -> None:
+    """engine._NearestSources hands shapes_for only the sources it takes a value from; the
+    result must be shapes_for's over all of them (ties of equal keys included)."""
+    from npufuse.scan import config_shapes
+
+    sources = [config_shapes.ConfigSource(f"{d}/{f}".lstrip("/"), line, kind, f, values) for d, f, line, kind, values in raw]
+    file = f"{folder}/m.py".lstrip("/")
+    used = engine._NearestSources(sources, overrides).used(file)
+    assert config_shapes.shapes_for(file, used, overrides) == config_shapes.shapes_for(file, sources, overrides)
+
+
+_BYTE_BITS = [b"x = 1", b"\n", b"\r\n", b"\r", b"# -*- coding: latin-1 -*-", b"# coding=utf-8", b"# vim: set fileencoding=cp1252 :",
+              b"\xef\xbb\xbf", b"\xe9", b"\xff\xfe", b"#", b" ", b"coding", b"# coding: nope", b"\x00", "é".encode(), b"\\"]
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(st.sampled_from(_BYTE_BITS), max_size=8))
+def test_read_source_decodes_as_with_detect_encoding(tmp_path_factory, bits: list[bytes]) -> None:
+    path = tmp_path_factory.mktemp("enc") / "m.py"
+    path.write_bytes(b"".join(bits))
+    fast = engine.read_source(path, "m.py", 1 << 20)
+    ref = engine._detect_encoding
+    try:
+        engine._detect_encoding = lambda data: tokenize.detect_encoding(io.BytesIO(data).readline)[0]
+        slow = engine.read_source(path, "m.py", 1 << 20)
+    finally:
+        engine._detect_encoding = ref
+    assert (fast[0], fast[1], fast[2] and fast[2].to_json()) == (slow[0], slow[1], slow[2] and slow[2].to_json())
+
+
+def test_module_attr_ctor_table_is_the_walk() -> None:
+    for text in TEXTS:
+        module = ModuleInfo.from_source("m.py", text, ast.parse(text))
+        for scope in module.scopes:
+            if not scope.class_name:
+                continue
+            m = attention._Matcher(module, scope, attention.BlockInterp(scope.body))
+            attrs = sorted({n.attr for n in ast.walk(module.classes[scope.class_name]) if isinstance(n, ast.Attribute)} | {"nope"})
+            for attr in attrs + attrs[::-1]:  # twice, in both orders: the table resumes its walk
+                func = ast.Attribute(value=ast.Name("self", ast.Load()), attr=attr, ctx=ast.Load())
+                assert m._module_attr_ctor(func) is ref_module_attr_ctor(m, func)
+
+
+def test_assigned_names_are_computed_on_demand_alike() -> None:
+    for text in TEXTS:
+        module = ModuleInfo.from_source("m.py", text, ast.parse(text))
+        for scope in module.scopes:
+            lazy = attention._AssignedNames(scope.body)
+            assert len(lazy) == len(scope.body)
+            assert [lazy[j] for j in range(len(scope.body))] == [attention._assigned_names([s]) for s in scope.body]
+
+
 # -- all of it, on and off -------------------------------------------------------------------------------
 
 
@@ -324,6 +649,24 @@ def _reference_paths(monkeypatch) -> None:
     import npufuse.patterns.attention as attention
 
     monkeypatch.setattr(attention, "_shallow_copy", copy.copy)
+    # the second round of gates and shortcuts
+    monkeypatch.setattr(repo_search, "_mentions_cfg_switch", lambda src: repo_search._CFG_ATTR.search(src) is not None)
+    monkeypatch.setattr(rms_norm, "_SCOPE_GATE", False)
+    monkeypatch.setattr(rms_norm, "_MODULE_ROOT_LINES", False)
+    monkeypatch.setattr(affinity_index_put, "_STMT_FILTER", False)
+    monkeypatch.setattr(swiglu, "_ACT_SEARCH", swiglu._ACT_WORDS)
+    monkeypatch.setattr(attention, "_AssignedNames", lambda block: [attention._assigned_names([s]) for s in block])
+    monkeypatch.setattr(attention._Matcher, "_module_attr_ctor", ref_module_attr_ctor)
+    monkeypatch.setattr(dataflow, "segment", ref_segment)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("npufuse.") and mod is not None and getattr(mod, "segment", None) is FAST_SEGMENT:
+            monkeypatch.setattr(mod, "segment", ref_segment)
+    monkeypatch.setattr(S, "source_of", ref_site_source_of)
+    monkeypatch.setattr(engine, "_code_lines", lambda text, fast_lines: source_lines(text))
+    monkeypatch.setattr(engine, "_detect_encoding", lambda data: tokenize.detect_encoding(io.BytesIO(data).readline)[0])
+    monkeypatch.setattr(repo_search, "_PRUNE", False)
+    monkeypatch.setattr(affinity_where, "_LINE_FILTER", False)
+    monkeypatch.setattr(attention, "_CALLER_LINES", False)
 
 
 def _outcome(o: engine.FileOutcome) -> dict[str, Any]:
@@ -341,7 +684,7 @@ def _analyze_all(paths: list[tuple[Path, str]]) -> list[dict[str, Any]]:
 
 def test_every_example_and_sample_file_analyses_the_same_with_the_fast_paths_off(tmp_path, monkeypatch) -> None:
     paths: list[tuple[Path, str]] = []
-    for k, code in enumerate(_example_codes()):
+    for k, code in enumerate(_example_codes() + GATE_CASES):
         (tmp_path / f"ex{k}.py").write_text(code, encoding="utf-8")
         paths.append((tmp_path, f"ex{k}.py"))
     for p in _sample_files():
@@ -352,6 +695,34 @@ def test_every_example_and_sample_file_analyses_the_same_with_the_fast_paths_off
     slow = _analyze_all(paths)
     for (root, rel), a, b in zip(paths, fast, slow):
         assert a == b, f"{root / rel}: the fast paths change the outcome"
+
+
+_BROKEN = {
+    # each a plausible but wrong shortcut: the on/off comparison above must notice it
+    "rms_norm scope gate without helper names": (rms_norm, "_reaches_root", lambda module, scope: "sqrt" in S.scope_text(module, scope)),
+    "rms_norm module lines: the first only": (rms_norm, "_module_root_lines", lambda module, scope, lines: [i for i in [rms_norm._first_root_line(lines)] if i]),
+    "affinity_index_put statements: no index_put forms": (affinity_index_put, "_may_yield", lambda stmt: isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Subscript)),
+    "config-switch lines without the non-ASCII ones": (repo_search, "_NON_ASCII", re.compile(r"(?!)")),
+    "lines_with without the non-ASCII lines": (dataflow, "_NON_ASCII", re.compile(r"(?!)")),
+    "caller_bias lines: the eager function's name only": (attention, "lines_with", lambda module, words: FAST_LINES_WITH(module, words[:1]) if len(words) == 2 else FAST_LINES_WITH(module, words)),
+    "config switch text: the regex without IGNORECASE": (repo_search, "_mentions_cfg_switch", lambda src: re.search(repo_search._CFG_ATTR.pattern, src) is not None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BROKEN))
+def test_a_broken_shortcut_is_caught(name: str, tmp_path, monkeypatch) -> None:
+    """The comparison can fail: with one shortcut deliberately broken, the gate cases analyse
+    differently from the reference paths."""
+    paths = []
+    for k, code in enumerate(GATE_CASES):
+        (tmp_path / f"g{k}.py").write_text(code, encoding="utf-8")
+        paths.append((tmp_path, f"g{k}.py"))
+    owner, attr, broken = _BROKEN[name]
+    with monkeypatch.context() as m:
+        m.setattr(owner, attr, broken)
+        wrong = _analyze_all(paths)
+    _reference_paths(monkeypatch)
+    assert _analyze_all(paths) != wrong, name
 
 
 def test_reference_switch_reaches_the_detectors(monkeypatch) -> None:

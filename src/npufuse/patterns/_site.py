@@ -142,11 +142,14 @@ def source_of(module: ModuleInfo, node: ast.AST) -> str:
     lines = module_lines(module)
     l0, l1 = node.lineno - 1, (node.end_lineno or node.lineno) - 1  # type: ignore[attr-defined]
     c0, c1 = node.col_offset, node.end_col_offset  # type: ignore[attr-defined]
+    # columns are UTF-8 byte offsets: on an ASCII line (most) they are character offsets
     if l0 == l1:
-        return lines[l0].encode("utf-8")[c0:c1].decode("utf-8")
-    parts = [lines[l0].encode("utf-8")[c0:].decode("utf-8")]
+        line = lines[l0]
+        return line[c0:c1] if line.isascii() else line.encode("utf-8")[c0:c1].decode("utf-8")
+    first, last = lines[l0], lines[l1]
+    parts = [first[c0:] if first.isascii() else first.encode("utf-8")[c0:].decode("utf-8")]
     parts += lines[l0 + 1 : l1]
-    parts.append(lines[l1].encode("utf-8")[:c1].decode("utf-8"))
+    parts.append(last[:c1] if last.isascii() else last.encode("utf-8")[:c1].decode("utf-8"))
     return "".join(parts)
 
 

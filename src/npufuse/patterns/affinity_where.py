@@ -15,11 +15,12 @@ be, and never fails on a dtype the static analysis could not see.
 from __future__ import annotations
 
 import ast
+from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.affinity_index_put import _param_annotation, is_bool_mask, is_inf, is_scalar
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, scope_text, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
 from npufuse.scan.value import symbolic
 
 _ID = "affinity_where"
@@ -47,9 +48,14 @@ class AffinityWhere(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if "where" not in scope_text(module, scope) or not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):
             return  # cheap text pre-filter: no `where` in this scope
+        lines = _where_lines(module) if _LINE_FILTER else None
         for _block, _i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.AugAssign)) or stmt.value is None:
                 continue
+            if lines is not None:
+                k = bisect_left(lines, stmt.lineno)
+                if k == len(lines) or lines[k] > (stmt.end_lineno or stmt.lineno):
+                    continue  # no line of the statement can hold a torch.where call
             calls = [n for n in fast_walk(stmt.value) if isinstance(n, ast.Call) and module.canonical(n.func) == "torch.where"]
             blends = [c for c in calls if _operands(c) is not None]
             if not blends:
@@ -74,6 +80,18 @@ class AffinityWhere(Pattern):
         import torch
 
         return torch.where(cond, a, b)
+
+
+_LINE_FILTER = True  # tests switch it off to compare
+
+
+def _where_lines(module: ModuleInfo) -> list[int] | None:
+    """The lines where a call whose canonical name is ``torch.where`` can be written, or None.
+    Such a call is ``<torch alias>.where(...)`` or ``where(...)`` imported from torch: named
+    "where" (lines_with); an import ``from torch import where as w`` turns the shortcut off."""
+    if any(v == "torch.where" and k != "where" for k, v in module.aliases.items()):
+        return None
+    return lines_with(module, ("where",))
 
 
 def _operands(call: ast.Call) -> Optional[tuple[ast.expr, ast.expr, ast.expr]]:

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, scope_text, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
 MATMULS = {"torch.matmul", "torch.bmm"}
@@ -126,6 +126,26 @@ def _terminates(stmts: list[ast.stmt]) -> bool:
     return bool(stmts) and isinstance(stmts[-1], (ast.Raise, ast.Return, ast.Continue, ast.Break))
 
 
+class _AssignedNames:
+    """``[_assigned_names([s]) for s in block]``, each entry computed when first read: most
+    blocks the interpreter runs hold no attention and never ask."""
+
+    __slots__ = ("block", "values")
+
+    def __init__(self, block: list[ast.stmt]) -> None:
+        self.block = block
+        self.values: list[set[str] | None] = [None] * len(block)
+
+    def __len__(self) -> int:
+        return len(self.block)
+
+    def __getitem__(self, j: int) -> set[str]:
+        v = self.values[j]
+        if v is None:
+            v = self.values[j] = _assigned_names([self.block[j]])
+        return v
+
+
 class BlockInterp:
     """Runs the statements of one block symbolically; ``before[i]`` is the environment before
     top-level statement ``i``."""
@@ -134,7 +154,7 @@ class BlockInterp:
         self.block = block
         self.pre: dict[str, Ref] = {}
         self.before: list[dict[str, ast.expr]] = []
-        self.assigned = [_assigned_names([s]) for s in block]
+        self.assigned = _AssignedNames(block)
         env: dict[str, ast.expr] = {}
         for i, stmt in enumerate(block):
             self.before.append(dict(env))
@@ -784,9 +804,23 @@ class _Matcher:
         cls = self.module.classes.get(self.scope.class_name or "")
         if cls is None:
             return None
-        for node in fast_walk(cls):
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) == f"self.{func.attr}" and isinstance(node.value, ast.Call):
-                return node.value
+        # the first such assignment of ``self.<attr>`` in the class's walk: one walk per class,
+        # advanced only as far as a lookup needs and resumed by the next (cached on the module)
+        table = self.module.__dict__.setdefault("_npufuse_attr_ctors", {})
+        entry = table.get(id(cls))
+        if entry is None or entry[0] is not cls:
+            entry = table[id(cls)] = (cls, {}, fast_walk(cls))
+        _cls, found, walk = entry
+        want = f"self.{func.attr}"
+        if want in found:
+            return found[want]
+        for node in walk:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
+                target = dotted(node.targets[0])
+                if target is not None and target not in found:
+                    found[target] = node.value
+                    if target == want:
+                        return node.value
         return None
 
     # -- dropout
@@ -950,11 +984,7 @@ class _Matcher:
                 if n.value is not None:
                     stack.append(n.value)
                 continue
-            for _f, value in ast.iter_fields(n):
-                if isinstance(value, list):
-                    stack.extend(v for v in value if isinstance(v, ast.AST))
-                elif isinstance(value, ast.AST):
-                    stack.append(value)
+            stack.extend(child_nodes(n))  # ast.iter_fields' nodes, in order (lists flattened)
         return False
 
     def _views_of(self, x: Any, base: Any) -> bool:
@@ -1544,6 +1574,9 @@ def _bias_evidence(caller: Scope, node: ast.AST, line: int, depth: int = 0, seen
     return next((e for x in parts if (e := _bias_evidence(caller, x, line, depth + 1, seen))), None)
 
 
+_CALLER_LINES = True  # tests switch it off to compare
+
+
 def caller_bias(module: ModuleInfo, scope: Scope, param: str) -> str | None:
     """A call of this function in the same file (directly, ``self.<name>(...)``, or through HF's
     ``attention_interface`` chosen from it) that passes a float bias for its parameter ``param``:
@@ -1557,10 +1590,14 @@ def caller_bias(module: ModuleInfo, scope: Scope, param: str) -> str | None:
     if param not in names:
         return None
     pos = names.index(param) - (1 if scope.class_name and names[0] == "self" else 0)
+    # a direct call names fn.name or attention_interface: only statements on such lines need
+    # walking (the calls found keep the walk's order); None: walk the callers whole
+    lines = lines_with(module, (fn.name, "attention_interface")) if _CALLER_LINES else None
     for caller in module.scopes:
         if caller is scope or isinstance(caller.node, ast.Module) or fn.name not in scope_text(module, caller):
             continue
-        for node in caller.nodes().get(ast.Call, ()):  # the calls of fast_walk(caller.node), in order
+        calls = caller.nodes().get(ast.Call, ()) if lines is None else calls_on_lines(caller.node, lines)
+        for node in calls:  # the calls of fast_walk(caller.node), in order
             f = node.func
             direct = (isinstance(f, ast.Name) and f.id in (fn.name, "attention_interface")) or (
                 isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) and f.value.id == "self")

@@ -169,7 +169,10 @@ class _FileFacts:
             if isinstance(node, ast.Call):
                 self._bf16_kw(node)
             return
-        attr, recv = node.func.attr, dotted(node.func.value) or ast.unparse(node.func.value)
+        # the receiver as written, not ast.unparse: unparse recurses once per link of a call chain
+        # (`x.pow(2).pow(2)...`), so a long chain raised RecursionError, and whether and where it
+        # hit the limit depended on the caller's stack depth (a pool worker vs in-process)
+        attr, recv = node.func.attr, dotted(node.func.value) or segment(module, node.func.value)
         if attr == "zero_grad":
             flag = keyword(node, "set_to_none", 0)
             explicit_false = isinstance(flag, ast.Constant) and flag.value is False

@@ -623,8 +623,12 @@ class RopePattern(Pattern):
         hints = module.__dict__.get("_rope_hints")
         if hints is None:
             # helpers that could be rotations: they concatenate/stack (or are imported/named so)
+            scopes = {id(s.node): s for s in module.scopes}
+
             def could_rotate(fn: ast.AST) -> bool:
-                body = segment(module, fn)
+                # a function's scope_text is its segment, cut once and shared with every detector
+                scope = scopes.get(id(fn))
+                body = scope_text(module, scope) if scope is not None else segment(module, fn)
                 return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()}

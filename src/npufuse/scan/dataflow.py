@@ -10,6 +10,8 @@ through ``x = ...`` chains and into small helpers defined in the same module (``
 from __future__ import annotations
 
 import ast
+import re
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -467,15 +469,82 @@ def segment(module: "ModuleInfo", node: ast.AST) -> str:
     re-splits the whole source on every call, which dominates detection on large files)."""
     cache = module.__dict__.get("_segment_lines")
     if cache is None:
-        cache = module.__dict__["_segment_lines"] = [ln.encode("utf-8") for ln in module.lines]
+        # ast columns count UTF-8 bytes; on an ASCII line they count characters, so only the
+        # other lines are kept as bytes (most lines of most files are ASCII: no encode, no decode)
+        cache = module.__dict__["_segment_lines"] = [ln if ln.isascii() else ln.encode("utf-8") for ln in module.lines]
     lineno, end = getattr(node, "lineno", None), getattr(node, "end_lineno", None)
     col, end_col = getattr(node, "col_offset", None), getattr(node, "end_col_offset", None)
     if None in (lineno, end, col, end_col) or end > len(cache):
         return ast.unparse(node)
     if lineno == end:
-        return cache[lineno - 1][col:end_col].decode("utf-8")
+        ln = cache[lineno - 1]
+        return ln[col:end_col] if type(ln) is str else ln[col:end_col].decode("utf-8")
     parts = [cache[lineno - 1][col:]] + cache[lineno : end - 1] + [cache[end - 1][:end_col]]
-    return b"".join(parts).decode("utf-8")
+    if all(type(p) is str for p in parts):
+        return "".join(parts)
+    return b"".join([p.encode("utf-8") if type(p) is str else p for p in parts]).decode("utf-8")
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+def lines_with(module: "ModuleInfo", words: tuple[str, ...]) -> list[int] | None:
+    """Sorted line numbers (as ast counts them) of the lines holding one of ``words`` or a
+    character outside ASCII; None where "\r" ends lines (ast counts it too; "\n" is then not
+    enough to number them). An identifier is written on one line, and where its spelling
+    differs from its name (identifiers are NFKC-normalised: a ligature "\ufb02" reads as "fl")
+    it holds a character outside ASCII: a node named by one of ``words`` lies on a listed
+    line. Cached per module and words."""
+    cache = module.__dict__.setdefault("_npufuse_lines_with", {})
+    if words in cache:
+        return cache[words]
+    src = module.source
+    out: list[int] | None = None
+    if "\r" not in src:
+        starts: list[int] = []
+        for w in words:
+            i = src.find(w)
+            while i >= 0:
+                starts.append(i)
+                i = src.find(w, i + 1)
+        if not src.isascii():
+            starts += [m.start() for m in _NON_ASCII.finditer(src)]
+        starts.sort()
+        out = []
+        line, pos = 1, 0
+        for p in starts:
+            line += src.count("\n", pos, p)
+            pos = p
+            if not out or out[-1] != line:
+                out.append(line)
+    cache[words] = out
+    return out
+
+
+def spans_a_line(stmt: ast.stmt, lines: list[int]) -> bool:
+    """Whether the statement (its decorators included) spans one of the sorted ``lines``."""
+    start = stmt.lineno
+    for d in getattr(stmt, "decorator_list", ()):
+        start = min(start, d.lineno)
+    k = bisect_left(lines, start)
+    return k < len(lines) and lines[k] <= (stmt.end_lineno or stmt.lineno)
+
+
+def calls_on_lines(root: ast.AST, lines: list[int]) -> list[ast.Call]:
+    """The ``ast.Call`` nodes of ``fast_walk(root)``, in its order, that lie in statements
+    spanning one of ``lines`` (nested statements spanning none are not entered: the walk is the
+    same breadth-first walk with whole subtrees left out, so the order of what is left holds)."""
+    out: list[ast.Call] = []
+    todo = [root]
+    append, stmt_type, call_type = todo.append, ast.stmt, ast.Call
+    for n in todo:  # a queue: the list grows while it is read
+        if type(n) is call_type:
+            out.append(n)  # type: ignore[arg-type]
+        for c in child_nodes(n):
+            if isinstance(c, stmt_type) and not spans_a_line(c, lines):
+                continue
+            append(c)
+    return out
 
 
 def scope_text(module: "ModuleInfo", scope: "Scope") -> str:

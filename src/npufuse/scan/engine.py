@@ -15,6 +15,7 @@ pattern's ``assess`` and its risks. :meth:`ScanResult.to_json` is the scan.json 
 from __future__ import annotations
 
 import ast
+import codecs
 import copy
 import gc
 import hashlib
@@ -123,7 +124,7 @@ def read_source(path: Path, rel: str, max_bytes: int) -> tuple[str | None, str |
     if b"\x00" in data:
         return None, sha, Failure(rel, "binary", "binary file (contains NUL bytes), not Python source")
     try:
-        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        encoding = _detect_encoding(data)
     except SyntaxError as exc:
         cookie = _COOKIE.search(b"\n".join(data.split(b"\n", 2)[:2]))
         if cookie is not None:  # a coding cookie naming an unknown codec, or a BOM/cookie clash
@@ -140,6 +141,20 @@ def read_source(path: Path, rel: str, max_bytes: int) -> tuple[str | None, str |
     if text.startswith("\ufeff"):
         text = text[1:]
     return text, sha, None
+
+
+def _detect_encoding(data: bytes) -> str:
+    """``tokenize.detect_encoding``'s encoding for the file's bytes, as read_source uses it.
+    detect_encoding reads at most the first two lines (up to the second "\n"); without a BOM
+    and without "coding" in them its answer is "utf-8", or a SyntaxError for bytes there that
+    are not UTF-8, after which read_source takes "utf-8" too (no cookie to report). So only
+    files with a BOM or "coding" up there need the call (it costs more than reading a file)."""
+    i = data.find(b"\n")
+    j = data.find(b"\n", i + 1) if i >= 0 else -1
+    head = data if j < 0 else data[: j + 1]
+    if not data.startswith(codecs.BOM_UTF8) and b"coding" not in head:
+        return "utf-8"
+    return tokenize.detect_encoding(io.BytesIO(data).readline)[0]
 
 
 def parse_source(rel: str, text: str) -> tuple[ast.Module | None, Failure | None]:
@@ -174,6 +189,31 @@ def _valid_span(scope: Scope, line: int, end_line: int) -> bool:
             for later in block[i:]:
                 if (later.end_lineno or later.lineno) == end_line:
                     return True
+    return False
+
+
+# apply's reason, word for word (rewrite/transform.py, `_several_statements`)
+_SHARED_LINE = "lines {}-{} share a line with other statements (`;`); split them first"
+
+
+def _shares_line(scope: Scope, lines: list[str], line: int, end_line: int) -> bool:
+    """Whether the span's first or last statement shares its physical line with another statement
+    of its block (`a = 1; b = 2`): apply refuses those spans, since it cannot tell which of the
+    statements on the line the span means. From the ast, like ``_valid_span``; only a span with a
+    `;` on one of its lines pays for the block lookup."""
+    if not any(";" in ln for ln in lines[line - 1 : end_line]):
+        return False
+
+    def joined(block: list[ast.stmt], j: int) -> bool:
+        s = block[j]
+        return ((j > 0 and (block[j - 1].end_lineno or block[j - 1].lineno) == s.lineno)
+                or (j + 1 < len(block) and block[j + 1].lineno == (s.end_lineno or s.lineno)))
+
+    for block, i, stmt in scope.statements():
+        if stmt.lineno == line:
+            for k in range(i, len(block)):
+                if (block[k].end_lineno or block[k].lineno) == end_line:
+                    return joined(block, i) or joined(block, k)
     return False
 
 
@@ -276,6 +316,9 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                     if refused:
                         out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, refused)))
                         continue
+                    if _shares_line(scope, module.lines, r.line, r.end_line):
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, _SHARED_LINE.format(r.line, r.end_line))))
+                        continue
                     r.params = _jsonable(r.params)
                     if fast_lines is None:
                         fast_lines = module.lines if replacement.splitlines_match(text, module.lines) and _nesting_ok(text, module.lines) else []
@@ -287,10 +330,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                     except Exception:  # the fast path declines; render_site will do it
                         body = None
                     if code_lines is None:  # codegen.original_text, with the file split once rather than once per site
-                        # where splitlines_match holds (fast_lines is module.lines), the file's only line
-                        # ends are "\n" but for at most one other break ending the last line, which
-                        # both splits keep in the last line: source_lines(text) is module.lines
-                        code_lines = fast_lines if fast_lines else source_lines(text)
+                        code_lines = _code_lines(text, fast_lines)
                     out.hits.append(Hit(r, repo_search.site_context(module, scope), local, "".join(code_lines[r.line - 1 : r.end_line]), body))
                 elif isinstance(r, NearMiss):
                     if not isinstance(r.reason, str) or not r.reason.strip() or not isinstance(r.line, int):
@@ -322,6 +362,14 @@ def _nesting_ok(text: str, lines: list[str]) -> bool:
     if max(map(len, lines), default=0) < nesting.LIMIT:
         return True
     return nesting.problem(text) is None
+
+
+def _code_lines(text: str, fast_lines: list[str]) -> list[str]:
+    """``codegen.source_lines(text)``, without splitting the file again where it can be
+    avoided: ``fast_lines`` is module.lines only where splitlines_match holds (else empty), and
+    there the file's only line breaks are "\n" but for at most one other break ending the last
+    line, which both splits keep in that line: the lists are equal."""
+    return fast_lines if fast_lines else source_lines(text)
 
 
 # A line holding only a backslash continuation: libcst drops it, so it cannot reproduce the file.
@@ -753,6 +801,7 @@ def _candidates(
     keys: dict[str, int] = {}
     out: list[dict[str, Any]] = []
     shapes_memo: dict[str, dict[str, Any]] = {}
+    nearest: _NearestSources | None = None
     # Per pattern, the switches relevant to it at all: choose_switch would rate every switch of
     # the repo for every candidate; it drops the irrelevant ones and sorts the rest with a total
     # key, so giving it only those (in the same order) chooses the same switch.
@@ -788,7 +837,9 @@ def _candidates(
             key = f"{key}#{keys[key]}"
         folder = o.file.rsplit("/", 1)[0] if "/" in o.file else ""
         if folder not in shapes_memo:  # one lookup per folder: shapes_for sorts sources by distance to the file's folder
-            shapes_memo[folder] = config_shapes.shapes_for(o.file, sources, overrides)
+            if nearest is None:
+                nearest = _NearestSources(sources, overrides)
+            shapes_memo[folder] = config_shapes.shapes_for(o.file, nearest.used(o.file) if _NEAREST else sources, overrides)
         shapes = _copy_plain(shapes_memo[folder])
         value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
         generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16)
@@ -825,6 +876,63 @@ def _candidates(
     for c in out:
         c["risk_level"] = risks.overall_level(c["risks"])
     return out
+
+
+_NEAREST = True  # tests switch it off to compare
+
+
+class _NearestSources:
+    """For one folder, the shape sources ``config_shapes.shapes_for`` takes a value from.
+
+    shapes_for sorts every source by (distance of its folder to the file's folder, kind rank,
+    file, line) and skips each source whose keys are all set already -- so, handed only the
+    sources it does not skip, in any order, it returns the same. Sorting all of a large repo's
+    sources once per folder of candidates (hundreds of folders by hundreds of sources) was
+    most of the time the scan spent after the pool; here the folder-independent part of the
+    order is sorted once, the distance is computed once per source folder, and a stable sort by
+    distance gives the same order (ties between equal keys keep their order, as in the sort
+    they replace). The distance is shapes_for's, read off its own code (tests compare both)."""
+
+    def __init__(self, sources: list[config_shapes.ConfigSource], overrides: dict[str, Any]) -> None:
+        rank = config_shapes.KIND_RANK
+        self.order = sorted(sources, key=lambda s: (rank.get(s.kind, 9), s.file, s.line))
+        folders: dict[tuple[str, ...], int] = {}
+        self.src_folder = [folders.setdefault(config_shapes._folder(s.file), len(folders)) for s in self.order]
+        self.folders = list(folders)
+        self.heads = [t[0] if t else None for t in self.folders]
+        self.preset = frozenset(k for k, v in overrides.items() if v is not None)
+        self.all_keys = set(self.preset).union(*(s.values.keys() for s in self.order))
+
+    def used(self, file: str) -> list[config_shapes.ConfigSource]:
+        here = config_shapes._folder(file)
+        n, head = len(here), (here[0] if here else None)
+        by_folder = []
+        for there, first in zip(self.folders, self.heads):
+            if first is not None and first != head:
+                d = 100 + n + len(there)  # no common leading folder (the common case)
+            elif here[: len(there)] == there:
+                d = n - len(there)
+            else:
+                common = 0
+                for a, b in zip(here, there):
+                    if a != b:
+                        break
+                    common += 1
+                d = 100 + (n - common) + (len(there) - common)
+            by_folder.append(d)
+        dist = [by_folder[f] for f in self.src_folder]
+        have = set(self.preset)
+        out = []
+        all_keys, order = self.all_keys, self.order
+        for i in sorted(range(len(order)), key=dist.__getitem__):
+            keys = order[i].values.keys()
+            if have >= keys:
+                continue
+            have.update(keys)
+            out.append(order[i])
+            if len(have) == len(all_keys):
+                break  # every key is set: shapes_for skips all the rest
+        return out
 
 
 def _copy_plain(value: Any) -> Any:

@@ -171,15 +171,24 @@ _FACT_TYPES = frozenset({ast.Call, ast.Attribute, ast.Subscript, ast.Compare, as
 _LEAVES = (ast.expr_context, ast.operator, ast.boolop, ast.cmpop, ast.unaryop)
 
 
-def _nodes(tree: ast.AST, only: frozenset[type] | None = None):
+def _nodes(tree: ast.AST, only: frozenset[type] | None = None, lines: list[int] | None = None):
     """Every node but the context/operator leaves, depth first — the same set as ``ast.walk``
     otherwise, at a fraction of its cost (fields that never hold a node are not read).
-    ``only``: yield just the nodes of these types (the same ones, in the same order)."""
+    ``only``: yield just the nodes of these types (the same ones, in the same order).
+    ``lines``: sorted line numbers; a statement spanning none of them is skipped with all it
+    holds (the nodes left keep their order: whole subtrees drop out of the same walk)."""
+    from bisect import bisect_left
+
     stack = [tree]
     pop, push, extend = stack.pop, stack.append, stack.extend
-    AST, leaves = ast.AST, _LEAVES
+    AST, leaves, stmt = ast.AST, _LEAVES, ast.stmt
+    n_lines = len(lines) if lines is not None else 0
     while stack:
         node = pop()
+        if lines is not None and isinstance(node, stmt):
+            k = bisect_left(lines, node.lineno)
+            if k == n_lines or lines[k] > (node.end_lineno or node.lineno):
+                continue
         if only is None or type(node) in only:
             yield node
         for name in child_fields(type(node)):
@@ -188,6 +197,35 @@ def _nodes(tree: ast.AST, only: frozenset[type] | None = None):
                 extend([x for x in v if isinstance(x, AST) and not isinstance(x, leaves)])
             elif isinstance(v, AST) and not isinstance(v, leaves):
                 push(v)
+
+
+_PRUNE = True  # tests switch it off to compare
+_SWITCH_WORDS_LOWER = re.compile(r"fus|npu|ascend|flash|liger")  # SWITCH_NAME's words, lower case
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+def _switch_word_lines(src: str) -> list[int] | None:
+    """The lines (numbered as ast does) where an attribute whose name SWITCH_NAME matches can
+    have its name, sorted; None when that cannot be told from the text. A name is written on
+    one line; SWITCH_NAME (IGNORECASE) matches it only where the lower-cased line holds one of
+    its words (the characters ``_mentions_cfg_switch`` guards against aside), unless the line
+    holds a character outside ASCII: identifiers are NFKC-normalised (a ligature "\ufb02" reads
+    as "fl"), so such lines are all kept. Line ends must be "\n" only (ast counts "\r" too)."""
+    if "\r" in src or not (src.isascii() or not any(c in src for c in _CFG_ODD)):
+        return None
+    low = src.lower()  # the same length: no U+0130
+    starts = [m.start() for m in _SWITCH_WORDS_LOWER.finditer(low)]
+    if not src.isascii():
+        starts += [m.start() for m in _NON_ASCII.finditer(src)]
+        starts.sort()
+    out: list[int] = []
+    line, pos = 1, 0
+    for p in starts:
+        line += src.count("\n", pos, p)
+        pos = p
+        if not out or out[-1] != line:
+            out.append(line)
+    return out
 
 
 def file_facts(module: ModuleInfo) -> FileFacts:
@@ -234,7 +272,10 @@ def file_facts(module: ModuleInfo) -> FileFacts:
     if not (want_npu or want_env or want_args or want_train or want_cfg):
         return facts
     Call, Attribute, Subscript, Compare = ast.Call, ast.Attribute, ast.Subscript, ast.Compare
-    for node in _nodes(module.tree, _FACT_TYPES):
+    # Only a config-switch read asked for (most files that get here): just the statements on
+    # lines that can hold one need walking.
+    lines = _switch_word_lines(src) if _PRUNE and want_cfg and not (want_npu or want_env or want_args or want_train) else None
+    for node in _nodes(module.tree, _FACT_TYPES, lines):
         t = type(node)
         if t is Call:
             func = node.func
