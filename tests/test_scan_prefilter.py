@@ -604,6 +604,26 @@ def test_read_source_decodes_as_with_detect_encoding(tmp_path_factory, bits: lis
     assert (fast[0], fast[1], fast[2] and fast[2].to_json()) == (slow[0], slow[1], slow[2] and slow[2].to_json())
 
 
+def test_report_filters_remember_nothing_wrong(tmp_path, monkeypatch) -> None:
+    """The report's memoised escaping filters give the plain functions' text, and forget it."""
+    import json
+
+    from npufuse.report import markdown
+
+    root = tmp_path / "repo"
+    for k, code in enumerate(_example_codes() + GATE_CASES):
+        (root / f"d{k % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"d{k % 3}" / f"ex{k}.py").write_text(code, encoding="utf-8")
+    scan = json.loads(engine.scan_repo(root, jobs=1).dumps())
+    assert scan["candidates"] and scan["near_misses"]
+    fast = markdown.render_markdown(scan, order_rule=engine.order_rule())
+    assert not any(markdown._MEMOS)  # emptied after the render
+    env = markdown._new_env()
+    env.filters.update(md=markdown.md, code=markdown.code, tcode=markdown.tcode, cell=markdown.cell, prose=markdown.prose, tprose=markdown.tprose)
+    monkeypatch.setattr(markdown, "_ENV", env)
+    assert markdown.render_markdown(scan, order_rule=engine.order_rule()) == fast
+
+
 def test_module_attr_ctor_table_is_the_walk() -> None:
     for text in TEXTS:
         module = ModuleInfo.from_source("m.py", text, ast.parse(text))

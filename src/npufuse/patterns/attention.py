@@ -575,11 +575,19 @@ def head_dim_constant(module: ModuleInfo, scope: Scope, scale_nodes: Iterable[as
                     return v
     cls = module.classes.get(scope.class_name or "")
     if cls is not None:
-        for node in fast_walk(cls):
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) in ("self.head_dim", "self.head_size", "self.d_head", "self.dim_head"):
-                v = const_value(node.value)
-                if isinstance(v, int) and not isinstance(v, bool):
-                    return v
+        # the class's answer is the same for every site in it: walked once (cached on the module)
+        table = module.__dict__.setdefault("_npufuse_head_dims", {})
+        entry = table.get(id(cls))
+        if entry is None or entry[0] is not cls:
+            found = None
+            for node in fast_walk(cls):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) in ("self.head_dim", "self.head_size", "self.d_head", "self.dim_head"):
+                    v = const_value(node.value)
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        found = v
+                        break
+            entry = table[id(cls)] = (cls, found)
+        return entry[1]
     return None
 
 

@@ -188,10 +188,31 @@ def _new_env() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
     )
     env.filters.update(
-        md=md, code=code, tcode=tcode, cell=cell, prose=prose, tprose=tprose, fence=fence,
+        md=_memo(md), code=_memo(code), tcode=_memo(tcode), cell=_memo(cell), prose=_memo(prose), tprose=_memo(tprose), fence=fence,
         value_label=value_label, risk_label=risk_label, shapes_line=_shapes_line, switch_text=switch_text,
     )
     return env
+
+
+# The escaping filters are pure functions of their text, and a report asks them the same texts
+# again and again (paths, pattern names, the same risk details for every candidate of a
+# pattern): each render remembers their answers for plain strings, and forgets them after.
+_MEMOS: list[dict[str, str]] = []
+
+
+def _memo(fn: Any) -> Any:
+    cache: dict[str, str] = {}
+    _MEMOS.append(cache)
+
+    def filt(text: Any, *args: Any, **kwargs: Any) -> str:
+        if type(text) is not str or args or kwargs:
+            return fn(text, *args, **kwargs)
+        out = cache.get(text)
+        if out is None:
+            out = cache[text] = fn(text)
+        return out
+
+    return filt
 
 
 def render_markdown(scan: dict[str, Any], *, state_path: str = ".npufuse/scan.json", order_rule: str = "", profile_section: str | None = None) -> str:
@@ -201,16 +222,21 @@ def render_markdown(scan: dict[str, Any], *, state_path: str = ".npufuse/scan.js
     rewritten = sorted({c["file"] for c in scan["candidates"]})
     first_ids = [c["id"] for c in order if c.get("risk_level") in ("none", "low")][:3] or [c["id"] for c in order][:2]
     existing = [e for e in scan["existing"]]
-    text = _env().get_template("report.md.j2").render(
-        scan=scan,
-        candidates=scan["candidates"],
-        order=order,
-        order_rule=order_rule,
-        prelude=PRELUDE,
-        rewritten=rewritten,
-        first_ids=first_ids,
-        existing=existing,
-        state_path=state_path,
-        profile_section=profile_section,
-    )
+    template = _env().get_template("report.md.j2")
+    try:
+        text = template.render(
+            scan=scan,
+            candidates=scan["candidates"],
+            order=order,
+            order_rule=order_rule,
+            prelude=PRELUDE,
+            rewritten=rewritten,
+            first_ids=first_ids,
+            existing=existing,
+            state_path=state_path,
+            profile_section=profile_section,
+        )
+    finally:
+        for cache in _MEMOS:
+            cache.clear()
     return text.rstrip("\n") + "\n"
