@@ -221,3 +221,24 @@ def test_engine_never_raises_on_a_mixed_tree(tmp_path):
     res = engine.scan_repo(tmp_path, patterns=FAKES)
     assert res.files_scanned == 1
     assert sorted(f.kind for f in res.files_failed) == ["binary", "encoding", "syntax"]
+
+
+class _RaisingElsewhere(FakeRmsNorm):
+    id = "swiglu"
+
+    def detect(self, module, scope):
+        if scope.qualname == "norm":
+            raise RecursionError("maximum recursion depth exceeded while calling a Python object")
+        return iter(())
+
+
+def test_a_recursion_error_reads_the_same_however_deep_it_hit(tmp_path):
+    # The limit's text and innermost frame depend on the stack depth when it hit (pool worker vs
+    # in-process; fuzzing found cold and uncached scans disagreeing): the report must not.
+    (tmp_path / "m.py").write_text(GOOD)
+    messages = set()
+    for detector in (_Raising(), _RaisingElsewhere()):
+        res = scan_repo(tmp_path, patterns=[FakeRmsNorm(), detector])
+        messages |= {f.error for f in res.files_failed if f.kind == "detector_error"}
+    assert len(messages) == 1, messages
+    assert "nested too deep" in messages.pop()

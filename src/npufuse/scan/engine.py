@@ -269,7 +269,10 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     try:
         module = ModuleInfo.from_source(rel, text, tree)
         facts = repo_search.file_facts(module)
-    except (Exception, RecursionError) as exc:  # a pathological file must not stop the scan
+    except RecursionError:  # its text depends on the stack depth at the time: keep it stable
+        out.failures.append(Failure(rel, "syntax", "cannot index: RecursionError: code nested too deep"))
+        return out
+    except Exception as exc:  # a pathological file must not stop the scan
         out.failures.append(Failure(rel, "syntax", f"cannot index: {type(exc).__name__}: {exc}"))
         return out
     out.parsed = True
@@ -290,7 +293,12 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
         for pattern in patterns:
             try:
                 results = list(pattern.detect(module, scope))
-            except (Exception, RecursionError) as exc:
+            except RecursionError:
+                # Where and with what text the recursion limit hits depends on how deep the stack
+                # already was (pool worker vs in-process): report it in words that do not vary.
+                fail(pattern.id, scope, "raised RecursionError: code nested too deep for this detector")
+                continue
+            except Exception as exc:
                 fail(pattern.id, scope, f"raised {type(exc).__name__}: {exc} (at {_where(exc)})")
                 continue
             for r in results:
