@@ -10,22 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_scripts import BENCH, load_bench
 
-
-def _load_corpus_audit():
-    # By path, not via sys.path: bench/ on sys.path would let bench/profile.py shadow the
-    # standard library's ``profile`` module for every later test in the session.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("npufuse_bench_corpus_audit", BENCH / "corpus_audit.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ca = _load_corpus_audit()
+ca = load_bench("corpus_audit")
 
 MODEL = '''import torch
 from torch import nn

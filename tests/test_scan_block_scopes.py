@@ -6,21 +6,19 @@ site inside one. The audit's suspect pool (bench/corpus_findings.py ``functions`
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 
 import torch
 
 from apply_support import npufuse, scan, state_of
+from bench_scripts import load_bench
 from npufuse import emulate
 from npufuse.patterns.registry import all_patterns
 from npufuse.rewrite.transform import marked_sites
 from npufuse.scan.dataflow import ModuleInfo
 from pattern_harness import _exec, _run
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 BLOCKS = textwrap.dedent('''\
     import torch
@@ -90,18 +88,9 @@ def test_defs_under_blocks_are_scopes_with_plain_qualnames() -> None:
     assert module.functions["top"].lineno == BLOCKS.splitlines().index("def top():") + 1
 
 
-def _load_corpus_findings():
-    # by path, like test_corpus_audit: bench/ on sys.path would shadow the stdlib's `profile`
-    spec = importlib.util.spec_from_file_location("npufuse_bench_corpus_findings_scopes", BENCH / "corpus_findings.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_suspect_pool_functions_match_the_scanner_scopes(tmp_path: Path) -> None:
     (tmp_path / "m.py").write_text(BLOCKS, encoding="utf-8")
-    cf = _load_corpus_findings()
+    cf = load_bench("corpus_findings")
     found = sorted((f.qualname, f.line) for f in cf.functions(tmp_path, ["m.py"]))
     module = ModuleInfo.from_source("m.py", BLOCKS)
     assert found == sorted((s.qualname, s.node.lineno) for s in module.scopes[1:])
