@@ -289,6 +289,8 @@ def test_file_edited_during_the_scan_is_not_recorded(repo, out, monkeypatch):
         target.write_bytes(original + b"\n# edited while scanning\n")
         return real(inputs, **kw)
 
+    # the files are hashed before the analysis, as they are where the cache holds anything
+    monkeypatch.setattr(scan_cache.ScanCache, "is_empty", lambda self: False)
     monkeypatch.setattr(engine, "run_scan", edit_then_scan)
     _scan(repo, out)
     monkeypatch.setattr(engine, "run_scan", real)
@@ -299,14 +301,40 @@ def test_file_edited_during_the_scan_is_not_recorded(repo, out, monkeypatch):
     assert again == _reference(repo, out)
 
 
+def test_cold_scan_keys_what_it_read(repo, out, monkeypatch):
+    """A cold cache hashes nothing up front: the record names the content the analysis read, so
+    a file edited while the scan ran is recorded as edited, and putting the original back is a
+    miss (a fresh scan), never a reuse of outputs that describe the edit."""
+    target = repo / "model" / "modeling_tiny.py"
+    original = target.read_bytes()
+    real = engine.run_scan
+
+    def edit_then_scan(inputs, **kw):
+        assert inputs.cold and inputs.key is None
+        target.write_bytes(original + b"\n# edited while scanning\n")
+        return real(inputs, **kw)
+
+    monkeypatch.setattr(engine, "run_scan", edit_then_scan)
+    edited = _scan(repo, out)
+    monkeypatch.setattr(engine, "run_scan", real)
+    assert len(_records(out)) == 1
+    assert _scan(repo, out) == edited and command.last_run.shortcut == "hit"  # still the edited file
+    target.write_bytes(original)
+    again = _scan(repo, out)
+    assert command.last_run.shortcut == "miss"
+    assert again == _reference(repo, out)
+
+
 def test_engine_run_key_and_stats(repo, tmp_path):
     inputs = engine.gather_inputs(repo, cache_dir=tmp_path / "c")
-    assert inputs.key is not None and set(inputs.walked.files) <= set(inputs.digests)
+    # an empty cache: nothing hashed up front, the key comes from what the analysis read
+    assert inputs.cold and inputs.key is None and set(inputs.digests) == set(inputs.walked.data_files)
     first = engine.run_scan(inputs, jobs=1)
-    assert first.run_key == inputs.key
+    assert first.run_key is not None and first.run_key == inputs.key
     assert first.stats["analyzed"] == first.stats["files"] > 0 and first.stats["from_cache"] == 0
     again = engine.gather_inputs(repo, cache_dir=tmp_path / "c")
-    assert again.key == inputs.key
+    assert not again.cold and set(again.walked.files) <= set(again.digests)
+    assert again.key == first.run_key  # hashing up front gives the key the cold scan made
     second = engine.run_scan(again, jobs=1)
     readable = sum(1 for d in again.digests.values() if not d.startswith("size:")) - len(again.walked.data_files)
     assert second.stats["from_cache"] == readable and second.stats["analyzed"] == second.stats["files"] - readable

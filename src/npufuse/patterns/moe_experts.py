@@ -1154,6 +1154,7 @@ def _expert_module_mlp(ev: _Eval, rw_inside: bool) -> _Mlp:
         raise _Miss("the expert forward takes no input")
     init = _class_init_assigns(m, cls)
     sub_scope = Scope(qualname=f"{cls.name}.forward", node=fwd, class_name=cls.name, body=fwd.body)
+    sub_scope.assignments = {}  # a synthetic scope: it has never recorded assignments (results unchanged)
     sub = _Eval(m, sub_scope, ev.loop, expert_init=init)
     sub.env[params[0]] = V("x", ("<expert input>",))
     if rw_inside:

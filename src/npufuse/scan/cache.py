@@ -145,6 +145,15 @@ class ScanCache:
         self.hits = 0
         self.misses = 0
 
+    def is_empty(self) -> bool:
+        """Whether this npufuse version has written nothing here yet (no entry, no run record):
+        then no lookup can hit, and the scan need not hash its files up front."""
+        try:
+            with os.scandir(self._dir) as it:
+                return next(it, None) is None
+        except OSError:
+            return True  # absent (or unreadable: every lookup would miss anyway)
+
     def key(self, rel: str, sha256: str) -> str:
         # rel is part of the key: paths recorded in the outcome (facts, near misses) depend on it
         return hashlib.sha256(f"{self.fingerprint}\0{rel}\0{sha256}".encode("utf-8", "surrogatepass")).hexdigest()

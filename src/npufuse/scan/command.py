@@ -262,15 +262,17 @@ def run(args: argparse.Namespace) -> int:
     info.files = len(inputs.walked.files)
 
     # The profile join reads profiler output the key does not cover: such a run always scans.
-    keyed = cache_dir is not None and not args.profile and inputs.key is not None
+    # A cold cache (inputs.cold) has no record to reuse: its key comes with the scan's result.
+    keyed = cache_dir is not None and not args.profile and (inputs.key is not None or inputs.cold)
     if keyed:
-        from npufuse.scan.cache import reuse_outputs
+        if inputs.key is not None:
+            from npufuse.scan.cache import reuse_outputs
 
-        reused = reuse_outputs(cache_dir, _outputs_key(inputs.key, state_path, report_path), outputs)
-        counts, found = reused if reused is not None else ({}, {})
-        if reused is not None and all(isinstance(counts.get(k), int) for k in _COUNTS):
-            info.shortcut = "hit"
-            return _finish(args, counts, [p for p in (report_path, state_path) if p is not None], found[state_path])
+            reused = reuse_outputs(cache_dir, _outputs_key(inputs.key, state_path, report_path), outputs)
+            counts, found = reused if reused is not None else ({}, {})
+            if reused is not None and all(isinstance(counts.get(k), int) for k in _COUNTS):
+                info.shortcut = "hit"
+                return _finish(args, counts, [p for p in (report_path, state_path) if p is not None], found[state_path])
         info.shortcut = "miss"
 
     bar, update = _progress(sys.stderr.isatty() and not args.no_progress)

@@ -52,8 +52,21 @@ class Scope:
     node: ast.AST  # FunctionDef / AsyncFunctionDef / Module
     class_name: str | None = None
     body: list[ast.stmt] = field(default_factory=list)
-    # name -> [(statement, value)] in source order; tuple targets record the whole value with an index
-    assignments: dict[str, list[tuple[ast.stmt, ast.expr]]] = field(default_factory=dict)
+
+    @property
+    def assignments(self) -> dict[str, list[tuple[ast.stmt, ast.expr]]]:
+        """name -> [(statement, value)] in source order; tuple targets record the whole value
+        with an index. Worked out on first use: most scopes of a file never get that far (every
+        detector's text gate turns them away), and indexing all of them was most of the cost of
+        :meth:`ModuleInfo.from_source`."""
+        cached = self.__dict__.get("_assignments")
+        if cached is None:
+            cached = self.__dict__["_assignments"] = _assignments_of(self.listing()[0])
+        return cached
+
+    @assignments.setter
+    def assignments(self, value: dict[str, list[tuple[ast.stmt, ast.expr]]]) -> None:
+        self.__dict__["_assignments"] = value
 
     @property
     def args(self) -> list[str]:
@@ -352,9 +365,13 @@ _BLOCK_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _make_scope(qualname: str, node: ast.AST, class_name: str | None, body: list[ast.stmt]) -> Scope:
-    scope = Scope(qualname=qualname, node=node, class_name=class_name, body=body)
-    listing = scope.__dict__["_listing"] = _block_list(body)
-    for _block, _i, stmt in listing[0]:
+    return Scope(qualname=qualname, node=node, class_name=class_name, body=body)
+
+
+def _assignments_of(listing: list[tuple[list[ast.stmt], int, ast.stmt]]) -> dict[str, list[tuple[ast.stmt, ast.expr]]]:
+    """:attr:`Scope.assignments` from the scope's statement listing."""
+    assignments: dict[str, list[tuple[ast.stmt, ast.expr]]] = {}
+    for _block, _i, stmt in listing:
         targets: list[ast.expr] = []
         value = None
         if isinstance(stmt, ast.Assign):
@@ -365,13 +382,13 @@ def _make_scope(qualname: str, node: ast.AST, class_name: str | None, body: list
                 value = ast.copy_location(ast.BinOp(left=ast.Name(dotted(stmt.target) or "_", ast.Load()), op=stmt.op, right=stmt.value), stmt)
         for target in targets:
             if isinstance(target, ast.Name):
-                scope.assignments.setdefault(target.id, []).append((stmt, value))
+                assignments.setdefault(target.id, []).append((stmt, value))
             elif isinstance(target, (ast.Tuple, ast.List)):
                 for k, elt in enumerate(target.elts):
                     if isinstance(elt, ast.Name):
                         sub = ast.copy_location(ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load()), value)
-                        scope.assignments.setdefault(elt.id, []).append((stmt, sub))
-    return scope
+                        assignments.setdefault(elt.id, []).append((stmt, sub))
+    return assignments
 
 
 def strip_casts(node: ast.expr) -> tuple[ast.expr, list[str]]:

@@ -453,10 +453,13 @@ def _pool_context():
 
 
 def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None, cache: Any = None, digests: dict[str, str] | None = None,
-                 while_waiting: Callable[[], None] | None = None) -> list[FileOutcome]:
+                 while_waiting: Callable[[], None] | None = None, store: Any = ...) -> list[FileOutcome]:
     """Every file's outcome, in ``files`` order: from ``cache`` where it has one, else analysed
     (in a pool for many files). ``digests``: the files' content digests already taken
-    (:func:`gather_inputs`), so cache lookups need not read the files again."""
+    (:func:`gather_inputs`), so cache lookups need not read the files again. ``store``: where
+    new outcomes are written (default: ``cache``)."""
+    if store is ...:
+        store = cache
     total = len(files)
     jobs = jobs if jobs is not None else (os.cpu_count() or 1)
     results: dict[str, FileOutcome] = {}
@@ -486,7 +489,7 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
         size = max(1, min(16, len(todo) // (jobs * 12)))
         batches = [order[i:i + size] for i in range(0, len(todo), size)]
         try:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options, cache)) as ex:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options, store)) as ex:
                 futures = [ex.submit(_analyze_batch, b) for b in batches]
                 if while_waiting is not None:
                     try:
@@ -503,7 +506,7 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
             pass
     for rel in files:
         if rel not in results:
-            results[rel] = _analyze_and_store(root, rel, patterns, options, cache)
+            results[rel] = _analyze_and_store(root, rel, patterns, options, store)
             done += 1
             if progress:
                 progress(min(done, total), total)
@@ -624,6 +627,10 @@ class ScanInputs:
     cache: Any = None  # a ScanCache, or None: no cache
     digests: dict[str, str] = field(default_factory=dict)  # rel -> cache.file_digest, Python and data files (with a cache only)
     key: str | None = None  # cache.run_key over all of the above; None: no cache, or an input that cannot be keyed
+    # The cache holds nothing yet (no entry, no run record): nothing can be reused, so the Python
+    # files are not hashed up front (the workers hash what they read anyway); run_scan keys the
+    # result from the outcomes' digests instead, the same key gather_inputs would have made.
+    cold: bool = False
 
 
 def gather_inputs(
@@ -648,16 +655,18 @@ def gather_inputs(
     inputs = ScanInputs(target, walked, chosen, missing, options, switch_mode, overrides, _open_cache(cache_dir, chosen, options))
     if inputs.cache is None:
         return inputs  # nothing to look up: analyze_file hashes what it reads itself
-    from npufuse.scan.cache import file_digest, run_key
+    from npufuse.scan.cache import file_digest
 
     base = walked.root
+    inputs.cold = inputs.cache.is_empty()
     keyable = True
-    for rel in walked.files:
-        digest = file_digest(base / rel, max_file_bytes)
-        if digest is None:
-            keyable = False  # an unreadable file's error text is not keyed: scan it in full
-        else:
-            inputs.digests[rel] = digest
+    if not inputs.cold:
+        for rel in walked.files:
+            digest = file_digest(base / rel, max_file_bytes)
+            if digest is None:
+                keyable = False  # an unreadable file's error text is not keyed: scan it in full
+            else:
+                inputs.digests[rel] = digest
     for rel in walked.data_files:
         # over load_data_file's size limit the content is not read: its size stands in (and a
         # changed limit is a changed npufuse source, which the key covers)
@@ -666,13 +675,41 @@ def gather_inputs(
             keyable = False
         else:
             inputs.digests[rel] = digest
-    if keyable:
-        inputs.key = run_key(inputs.cache.fingerprint, (
-            _root_label(target), target.is_dir(), [p.id for p in chosen], missing, switch_mode, sorted(overrides.items()),
-            walked.files, walked.data_files, [f.to_json() for f in walked.failed], walked.skipped,
-            sorted(inputs.digests.items()),
-        ))
+    if keyable and not inputs.cold:
+        inputs.key = _run_key(inputs)
     return inputs
+
+
+def _run_key(inputs: ScanInputs) -> str | None:
+    """cache.run_key over every input of the scan, the file digests included."""
+    from npufuse.scan.cache import run_key
+
+    walked = inputs.walked
+    return run_key(inputs.cache.fingerprint, (
+        _root_label(inputs.target), inputs.target.is_dir(), [p.id for p in inputs.chosen], inputs.missing, inputs.switch_mode,
+        sorted(inputs.overrides.items()), walked.files, walked.data_files, [f.to_json() for f in walked.failed], walked.skipped,
+        sorted(inputs.digests.items()),
+    ))
+
+
+def _key_from_outcomes(inputs: ScanInputs, outcomes: list[FileOutcome]) -> str | None:
+    """For a cold scan (``inputs.cold``): the run key gather_inputs would have made, from the
+    digests of what the analysis read (file_digest's: the content sha256, "size:N" for a file
+    over the limit). None where gather_inputs would have given none: a file it could not read."""
+    from npufuse.scan.cache import file_digest
+
+    base, limit = inputs.walked.root, inputs.options.max_file_bytes
+    for o in outcomes:
+        if o.sha256 is not None:
+            inputs.digests[o.file] = o.sha256
+            continue
+        digest = file_digest(base / o.file, limit)  # too large or unreadable (rare): as gather_inputs
+        if digest is None or not digest.startswith("size:"):
+            return None  # unreadable, or readable now but not when analysed: not keyed
+        inputs.digests[o.file] = digest
+    if any(rel not in inputs.digests for rel in inputs.walked.data_files):
+        return None
+    return _run_key(inputs)
 
 
 def scan_repo(
@@ -704,7 +741,11 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
     switch_mode, overrides, max_file_bytes = inputs.switch_mode, inputs.overrides, options.max_file_bytes
     cache = inputs.cache
     hits_before = cache.hits if cache is not None else 0
-    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, cache, inputs.digests if cache is not None else None, while_waiting)
+    # a cold cache has nothing to look up: the files go straight to the analysis
+    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, None if inputs.cold else cache, inputs.digests if cache is not None else None, while_waiting,
+                            store=cache)
+    if inputs.cold and cache is not None:
+        inputs.key = _key_from_outcomes(inputs, outcomes)
     from_cache = cache.hits - hits_before if cache is not None else 0
 
     failed: list[Failure] = list(walked.failed)
