@@ -235,3 +235,32 @@ def test_pattern_without_source_disables_the_cache(tmp_path):
     assert scan_cache.fingerprint([ns["P"]()], engine.ScanOptions()) is None
     assert engine._open_cache(tmp_path, [ns["P"]()], engine.ScanOptions()) is None
     assert isinstance(Pattern, type)
+
+
+def _outcome(rel: str, sha: str) -> engine.FileOutcome:
+    return engine.FileOutcome(rel, parsed=True, sha256=sha, lines=3)
+
+
+def test_put_survives_a_stale_temporary_name_and_a_removed_folder(tmp_path):
+    """put names its temporary file by pid and count: one left behind by a killed process with
+    the same pid is not overwritten (mkstemp picks another name), and an entry folder removed
+    after this process made it is made again. Either way the entry lands whole, and no
+    temporary file is left behind by put itself."""
+    c = scan_cache.ScanCache(tmp_path / "c", "f")
+    c.put(_outcome("a.py", "1" * 64))
+    assert c.get("a.py", "1" * 64).lines == 3
+    key = c.key("b.py", "2" * 64)
+    folder = c._path(key).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = folder / f".tmp-{os.getpid()}-{c._tmp_count + 1}.pkl"
+    stale.write_bytes(b"left by a killed scan")
+    c.put(_outcome("b.py", "2" * 64))
+    assert c.get("b.py", "2" * 64).lines == 3
+    assert stale.read_bytes() == b"left by a killed scan"
+    import shutil
+
+    shutil.rmtree(c._path(c.key("a.py", "1" * 64)).parent)  # the folder put made for a.py
+    c.put(_outcome("a.py", "1" * 64))
+    assert c.get("a.py", "1" * 64).lines == 3
+    leftovers = [p for p in (tmp_path / "c").rglob(".tmp-*") if p != stale]
+    assert leftovers == []

@@ -144,6 +144,8 @@ class ScanCache:
         self.fingerprint = fingerprint
         self.hits = 0
         self.misses = 0
+        self._made: set[str] = set()  # entry folders this process made (or found) already
+        self._tmp_count = 0
 
     def is_empty(self) -> bool:
         """Whether this npufuse version has written nothing here yet (no entry, no run record):
@@ -190,16 +192,36 @@ class ScanCache:
     def put(self, outcome: FileOutcome) -> None:
         if outcome.sha256 is None:
             return  # unreadable or too large: nothing to key it by, and cheap to redo
-        path = self._path(self.key(outcome.file, outcome.sha256))
+        key = self.key(outcome.file, outcome.sha256)
+        folder = os.path.join(self._dir, key[:2])
         try:
             data = _MAGIC + pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._mark()
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pkl")
+            # A cold scan writes thousands of entries: the folders are made (and the cache
+            # marked) once per process, and the temporary file is named, not searched for
+            # (mkstemp's random names and fdopen cost more syscalls than the entry's own write).
+            if folder not in self._made:
+                os.makedirs(folder, exist_ok=True)
+                if not self._made:
+                    self._mark()
+                self._made.add(folder)
+            self._tmp_count += 1
+            tmp = os.path.join(folder, f".tmp-{os.getpid()}-{self._tmp_count}.pkl")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
             try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
+                fd = os.open(tmp, flags, 0o600)
+            except FileExistsError:  # left by a killed process that had this pid
+                fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pkl")
+            except FileNotFoundError:  # the folder was removed since this process made it
+                os.makedirs(folder, exist_ok=True)
+                fd = os.open(tmp, flags, 0o600)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+                os.replace(tmp, os.path.join(folder, key + ".pkl"))  # atomic: readers see the old entry or the whole new one
             except BaseException:
                 try:
                     os.unlink(tmp)
