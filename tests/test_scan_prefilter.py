@@ -581,8 +581,11 @@ def test_nearest_sources_give_the_shapes_of_all_sources(raw, folder, overrides) 
 
     sources = [config_shapes.ConfigSource(f"{d}/{f}".lstrip("/"), line, kind, f, values) for d, f, line, kind, values in raw]
     file = f"{folder}/m.py".lstrip("/")
-    used = engine._NearestSources(sources, overrides).used(file)
+    nearest = engine._NearestSources(sources, overrides)
+    used = nearest.used(file)
     assert config_shapes.shapes_for(file, used, overrides) == config_shapes.shapes_for(file, sources, overrides)
+    # the first source per key, in distance order: the sources the sorted walk takes, in its order
+    assert [id(x) for x in used] == [id(x) for x in nearest.used_by_sorting(file)]
 
 
 _BYTE_BITS = [b"x = 1", b"\n", b"\r\n", b"\r", b"# -*- coding: latin-1 -*-", b"# coding=utf-8", b"# vim: set fileencoding=cp1252 :",

@@ -938,9 +938,10 @@ class _NearestSources:
     sources it does not skip, in any order, it returns the same. Sorting all of a large repo's
     sources once per folder of candidates (hundreds of folders by hundreds of sources) was
     most of the time the scan spent after the pool; here the folder-independent part of the
-    order is sorted once, the distance is computed once per source folder, and a stable sort by
-    distance gives the same order (ties between equal keys keep their order, as in the sort
-    they replace). The distance is shapes_for's, read off its own code (tests compare both)."""
+    order is sorted once, and per folder only the first source holding each key is looked for
+    (:meth:`used`) rather than every source sorted by distance (:meth:`used_by_sorting`, which
+    it replaces: ties between equal distances keep the folder-independent order in both). The
+    distance is shapes_for's, read off its own code (tests compare all three)."""
 
     def __init__(self, sources: list[config_shapes.ConfigSource], overrides: dict[str, Any]) -> None:
         rank = config_shapes.KIND_RANK
@@ -951,35 +952,79 @@ class _NearestSources:
         self.heads = [t[0] if t else None for t in self.folders]
         self.preset = frozenset(k for k, v in overrides.items() if v is not None)
         self.all_keys = set(self.preset).union(*(s.values.keys() for s in self.order))
+        # used() takes, for each key, the first source holding it in distance order (see there).
+        # A source whose folder starts with another top folder than the file's (most of them, in
+        # a repo of many model folders) lies at 100 + len(file's folder) + len(its folder): for
+        # every such file the same order, by its folder's depth, listed here once per key. The
+        # few others (the file's own top folder, the root) get their distance worked out per file.
+        self.head_of = [self.heads[f] for f in self.src_folder]
+        self.depth_of = [len(self.folders[f]) for f in self.src_folder]
+        by_depth = sorted(range(len(self.order)), key=lambda i: (self.depth_of[i], i))
+        self.holding: dict[str, list[int]] = {}  # key -> the sources that have it, by (depth, index)
+        for i in by_depth:
+            for k in self.order[i].values:
+                self.holding.setdefault(k, []).append(i)
+        self.near: dict[str | None, list[int]] = {}  # top folder (None: the root) -> its sources
+        for i, h in enumerate(self.head_of):
+            self.near.setdefault(h, []).append(i)
+
+    def _distance(self, here: tuple[str, ...], there: tuple[str, ...]) -> int:
+        """shapes_for's distance between the file's folder and a source's (read off its code)."""
+        n = len(here)
+        if there and (not here or there[0] != here[0]):
+            return 100 + n + len(there)  # no common leading folder (the common case)
+        if here[: len(there)] == there:
+            return n - len(there)
+        common = 0
+        for a, b in zip(here, there):
+            if a != b:
+                break
+            common += 1
+        return 100 + (n - common) + (len(there) - common)
 
     def used(self, file: str) -> list[config_shapes.ConfigSource]:
+        """What :meth:`used_by_sorting` returns. Walking the sources in (distance, index) order,
+        a source is taken iff it holds a key that neither the overrides nor an earlier source
+        hold: exactly the first source holding each key. So the first per key is found, and the
+        few found are put in that order."""
         here = config_shapes._folder(file)
         n, head = len(here), (here[0] if here else None)
-        by_folder = []
-        for there, first in zip(self.folders, self.heads):
-            if first is not None and first != head:
-                d = 100 + n + len(there)  # no common leading folder (the common case)
-            elif here[: len(there)] == there:
-                d = n - len(there)
-            else:
-                common = 0
-                for a, b in zip(here, there):
-                    if a != b:
-                        break
-                    common += 1
-                d = 100 + (n - common) + (len(there) - common)
-            by_folder.append(d)
-        dist = [by_folder[f] for f in self.src_folder]
+        order, folders, src_folder = self.order, self.folders, self.src_folder
+        preset = self.preset
+        first: dict[str, tuple[int, int]] = {}
+        for h in {head, None}:
+            for i in self.near.get(h, ()):
+                rank = (self._distance(here, folders[src_folder[i]]), i)
+                for k in order[i].values:
+                    if k not in preset and (k not in first or rank < first[k]):
+                        first[k] = rank
+        head_of, depth_of = self.head_of, self.depth_of
+        for k, holders in self.holding.items():
+            if k in preset:
+                continue
+            for i in holders:
+                h = head_of[i]
+                if h is not None and h != head:  # the nearest of the foreign sources holding k
+                    rank = (100 + n + depth_of[i], i)
+                    if k not in first or rank < first[k]:
+                        first[k] = rank
+                    break
+        return [order[i] for _d, i in sorted(set(first.values()))]
+
+    def used_by_sorting(self, file: str) -> list[config_shapes.ConfigSource]:
+        """:meth:`used`, the plain way (tests compare both): every source sorted by distance,
+        each taken while it adds a key."""
+        here = config_shapes._folder(file)
+        dist = [self._distance(here, self.folders[f]) for f in self.src_folder]
         have = set(self.preset)
         out = []
-        all_keys, order = self.all_keys, self.order
-        for i in sorted(range(len(order)), key=dist.__getitem__):
-            keys = order[i].values.keys()
+        for i in sorted(range(len(self.order)), key=dist.__getitem__):
+            keys = self.order[i].values.keys()
             if have >= keys:
                 continue
             have.update(keys)
-            out.append(order[i])
-            if len(have) == len(all_keys):
+            out.append(self.order[i])
+            if len(have) == len(self.all_keys):
                 break  # every key is set: shapes_for skips all the rest
         return out
 
