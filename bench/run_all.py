@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CORPORA = (ROOT / ".venv" / "transformers-site" / "transformers" / "models", Path("/tmp/tf/transformers/models"), HERE / ".data" / "transformers")
 # The lines of each bench's output that carry its judged figures (shown again in the summary).
-SUMMARY = re.compile(r"^\s*(files |ast\.parse only|npufuse scan|warm scan|ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|cpu time|outputs parse|"
+SUMMARY = re.compile(r"^\s*(files |ast\.parse only|npufuse scan|warm scan|ratio|paired ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|cpu time|outputs parse|"
                      r"op check|bare function|overhead|\s*csv \||polars \||target:|machine load)")
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if corpus is None:
             print("no transformers corpus (run `make venv`, or pass --corpus): skipping scan and rewrite", file=sys.stderr)
         else:
-            runs.append(("scan", *_run("scan", ["scan.py", str(corpus), "--repeat", "1", "--no-subprocess", "--state-dir", str(state)])))
+            runs.append(("scan", *_run("scan", ["scan.py", str(corpus), "--repeat", "1" if args.quick else "3", "--no-subprocess", "--state-dir", str(state)])))
             scan_json = state / "scan.json"
             extra = ["--scan", str(scan_json)] if scan_json.is_file() else []
             runs.append(("rewrite", *_run("rewrite", ["rewrite.py", str(corpus), "--limit", "8" if args.quick else "20", *extra])))

@@ -16,7 +16,7 @@ def test_bench_scan_prints_the_figures(tmp_path):
     out = subprocess.run([sys.executable, str(BENCH / "scan.py"), str(root), "--repeat", "1", "--no-subprocess", "--check-render", "-1"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    for label in ("files/s", "lines/s", "ratio", "cpu time", "render check"):
+    for label in ("files/s", "lines/s", "ratio", "paired ratio", "cpu time", "render check"):
         assert label in out.stdout
 
 
