@@ -70,3 +70,41 @@ def test_bootstrap_loads_probe_and_chains_existing_sitecustomize(tmp_path: Path)
     assert counters["processes"] == 1 and counters["backend"] == "none" and counters["maxrss_bytes"] > 0
     # the bootstrap links only the npufuse package, not our whole site-packages
     assert (tmp_path / "site" / "npufuse").is_symlink() and str(Path(probe.__file__).resolve().parents[1]) not in env["PYTHONPATH"]
+
+
+def test_sigterm_during_the_exit_write_still_leaves_the_counters(tmp_path: Path) -> None:
+    """The runner stops a run (SIGTERM) as soon as it has its steps, which is often while the
+    child's probe is writing its counters at exit. The handler must let that write finish and
+    then end the process: writing again from the handler waited for the lock its own thread
+    held, until the runner's SIGKILL, and left no counters ("the probe did not load"). Here the
+    signal is raised from inside the write, so the race is certain."""
+    out = tmp_path / "counters"
+    cfg = tmp_path / "probe.json"
+    cfg.write_text(json.dumps({"mode": "e2e", "out_dir": str(out), "emulate": "never"}))
+    env = runner.child_env({}, cfg, tmp_path / "site")
+    code = textwrap.dedent("""
+        import os, signal
+        from npufuse.verify import probe
+        real = probe.ChildProbe.snapshot
+        def snapshot(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at once, inside write()
+            return real(self)
+        probe.ChildProbe.snapshot = snapshot
+        print("done", flush=True)
+    """)
+    res = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=30)  # the old handler hung here
+    assert res.stdout.strip() == "done", res.stderr
+    assert res.returncode == -15, res.stderr  # ended by the SIGTERM, as without the probe
+    counters = probe.read_counters(out)
+    assert counters["processes"] == 1 and counters["maxrss_bytes"] > 0
+
+
+def test_sigterm_outside_a_write_writes_then_ends_the_process(tmp_path: Path) -> None:
+    out = tmp_path / "counters"
+    cfg = tmp_path / "probe.json"
+    cfg.write_text(json.dumps({"mode": "e2e", "out_dir": str(out), "emulate": "never"}))
+    env = runner.child_env({}, cfg, tmp_path / "site")
+    code = "import os, signal, time\nprint('up', flush=True)\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\nprint('not reached')"
+    res = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["up"] and res.returncode == -15, res.stderr
+    assert probe.read_counters(out)["processes"] == 1

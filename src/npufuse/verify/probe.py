@@ -242,6 +242,8 @@ class ChildProbe:
         self.captured = False
         self.notes: list[str] = []
         self._lock = threading.Lock()
+        self._writer: int | None = None  # the thread inside write(), if any
+        self._term_pending = False
 
     # -- output
     def snapshot(self) -> dict[str, Any]:
@@ -273,6 +275,7 @@ class ChildProbe:
 
     def write(self) -> None:
         with self._lock:
+            self._writer = threading.get_ident()
             try:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 path = self.out_dir / f"calls_{os.getpid()}.json"
@@ -281,6 +284,10 @@ class ChildProbe:
                 os.replace(tmp, path)
             except Exception as exc:  # never break the user's program over the proof
                 sys.stderr.write(f"npufuse probe: cannot write counters ({exc})\n")
+            finally:
+                self._writer = None
+        if self._term_pending:
+            self._die()  # SIGTERM came while this thread was writing: the counters are out now
 
     def error(self, message: str) -> None:
         try:
@@ -351,7 +358,19 @@ class ChildProbe:
             threading.Thread(target=self._watchdog, args=(int(runner), self.cfg.get("runner_pgid")), daemon=True, name="npufuse-watchdog").start()
 
     def _on_term(self, signum: int, frame: Any) -> None:
+        if self._writer == threading.get_ident():
+            # The signal interrupted this thread's own write() (the runner stops a run as soon as
+            # it has its steps, often while the program's atexit write is under way): writing
+            # again here would wait forever for the lock this thread holds, until the runner's
+            # SIGKILL, and leave no counters at all. Let that write finish; it ends the process.
+            self._term_pending = True
+            return
         self.write()
+        self._die()
+
+    @staticmethod
+    def _die() -> None:
+        """End the process as the SIGTERM it received would have, had the probe not caught it."""
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
