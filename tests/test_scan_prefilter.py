@@ -588,6 +588,23 @@ def test_nearest_sources_give_the_shapes_of_all_sources(raw, folder, overrides) 
     assert [id(x) for x in used] == [id(x) for x in nearest.used_by_sorting(file)]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c"]), max_size=4), st.lists(st.sampled_from(["a", "b", "c"]), max_size=4))
+def test_folder_distance_is_the_common_prefix_rule(here, there) -> None:
+    """config_shapes.folder_distance's shortcut for folders with different first parts gives
+    the plain rule: levels up to an enclosing folder, else 100 + steps through the common one."""
+    from npufuse.scan import config_shapes
+
+    here, there = tuple(here), tuple(there)
+    common = 0
+    for a, b in zip(here, there):
+        if a != b:
+            break
+        common += 1
+    plain = len(here) - len(there) if here[: len(there)] == there else 100 + (len(here) - common) + (len(there) - common)
+    assert config_shapes.folder_distance(here, there) == plain
+
+
 _BYTE_BITS = [b"x = 1", b"\n", b"\r\n", b"\r", b"# -*- coding: latin-1 -*-", b"# coding=utf-8", b"# vim: set fileencoding=cp1252 :",
               b"\xef\xbb\xbf", b"\xe9", b"\xff\xfe", b"#", b" ", b"coding", b"# coding: nope", b"\x00", "é".encode(), b"\\"]
 

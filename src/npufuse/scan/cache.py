@@ -192,8 +192,8 @@ class ScanCache:
     def put(self, outcome: FileOutcome) -> None:
         if outcome.sha256 is None:
             return  # unreadable or too large: nothing to key it by, and cheap to redo
-        key = self.key(outcome.file, outcome.sha256)
-        folder = os.path.join(self._dir, key[:2])
+        entry = self._entry(self.key(outcome.file, outcome.sha256))
+        folder = os.path.dirname(entry)
         try:
             data = _MAGIC + pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
             # A cold scan writes thousands of entries: the folders are made (and the cache
@@ -221,7 +221,7 @@ class ScanCache:
                         view = view[os.write(fd, view):]
                 finally:
                     os.close(fd)
-                os.replace(tmp, os.path.join(folder, key + ".pkl"))  # atomic: readers see the old entry or the whole new one
+                os.replace(tmp, entry)  # atomic: readers see the old entry or the whole new one
             except BaseException:
                 try:
                     os.unlink(tmp)

@@ -218,6 +218,23 @@ def _folder(rel: str) -> tuple[str, ...]:
     return tuple(parts)
 
 
+def folder_distance(here: tuple[str, ...], there: tuple[str, ...]) -> int:
+    """How far a source in folder ``there`` is from a file in folder ``here``: the levels up
+    for an enclosing folder (0: the same folder), else 100 plus the steps up and down through
+    the nearest common folder."""
+    n = len(here)
+    if there and (not here or there[0] != here[0]):
+        return 100 + n + len(there)  # no common leading folder (the common case): common = 0 below
+    if here[: len(there)] == there:
+        return n - len(there)
+    common = 0
+    for a, b in zip(here, there):
+        if a != b:
+            break
+        common += 1
+    return 100 + (n - common) + (len(there) - common)
+
+
 def shapes_for(file: str, sources: list[ConfigSource], overrides: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """``{key: {"value": v, "from": "config.json"}}`` for a candidate in ``file``.
 
@@ -231,16 +248,7 @@ def shapes_for(file: str, sources: list[ConfigSource], overrides: dict[str, Any]
         there = folders.get(src.file)
         if there is None:
             there = folders[src.file] = _folder(src.file)
-        if here[: len(there)] == there:
-            d = len(here) - len(there)
-        else:
-            common = 0
-            for a, b in zip(here, there):
-                if a != b:
-                    break
-                common += 1
-            d = 100 + (len(here) - common) + (len(there) - common)
-        return (d, KIND_RANK.get(src.kind, 9), src.file, src.line)
+        return (folder_distance(here, there), KIND_RANK.get(src.kind, 9), src.file, src.line)
 
     out: dict[str, dict[str, Any]] = {}
     for key, value in (overrides or {}).items():

@@ -453,18 +453,16 @@ def _pool_context():
 
 
 def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], options: ScanOptions, jobs: int | None, progress: Callable[[int, int], None] | None, cache: Any = None, digests: dict[str, str] | None = None,
-                 while_waiting: Callable[[], None] | None = None, store: Any = ...) -> list[FileOutcome]:
+                 while_waiting: Callable[[], None] | None = None, reuse: bool = True) -> list[FileOutcome]:
     """Every file's outcome, in ``files`` order: from ``cache`` where it has one, else analysed
-    (in a pool for many files). ``digests``: the files' content digests already taken
-    (:func:`gather_inputs`), so cache lookups need not read the files again. ``store``: where
-    new outcomes are written (default: ``cache``)."""
-    if store is ...:
-        store = cache
+    (in a pool for many files) and stored there. ``digests``: the files' content digests already
+    taken (:func:`gather_inputs`), so cache lookups need not read the files again. ``reuse``
+    False: the cache is known to hold nothing (a cold scan), so it is only written."""
     total = len(files)
     jobs = jobs if jobs is not None else (os.cpu_count() or 1)
     results: dict[str, FileOutcome] = {}
     done = 0
-    if cache is not None:
+    if cache is not None and reuse:
         # Hits are looked up here, before any pool starts: a warm scan never forks.
         from npufuse.scan.cache import lookup
 
@@ -489,7 +487,7 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
         size = max(1, min(16, len(todo) // (jobs * 12)))
         batches = [order[i:i + size] for i in range(0, len(todo), size)]
         try:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options, store)) as ex:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options, cache)) as ex:
                 futures = [ex.submit(_analyze_batch, b) for b in batches]
                 if while_waiting is not None:
                     try:
@@ -506,7 +504,7 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
             pass
     for rel in files:
         if rel not in results:
-            results[rel] = _analyze_and_store(root, rel, patterns, options, store)
+            results[rel] = _analyze_and_store(root, rel, patterns, options, cache)
             done += 1
             if progress:
                 progress(min(done, total), total)
@@ -742,8 +740,8 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
     cache = inputs.cache
     hits_before = cache.hits if cache is not None else 0
     # a cold cache has nothing to look up: the files go straight to the analysis
-    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, None if inputs.cold else cache, inputs.digests if cache is not None else None, while_waiting,
-                            store=cache)
+    outcomes = _analyze_all(walked.root, walked.files, chosen, options, jobs, progress, cache, inputs.digests if cache is not None else None, while_waiting,
+                            reuse=not inputs.cold)
     if inputs.cold and cache is not None:
         inputs.key = _key_from_outcomes(inputs, outcomes)
     from_cache = cache.hits - hits_before if cache is not None else 0
@@ -941,7 +939,7 @@ class _NearestSources:
     order is sorted once, and per folder only the first source holding each key is looked for
     (:meth:`used`) rather than every source sorted by distance (:meth:`used_by_sorting`, which
     it replaces: ties between equal distances keep the folder-independent order in both). The
-    distance is shapes_for's, read off its own code (tests compare all three)."""
+    distance is shapes_for's own (config_shapes.folder_distance); tests compare all three."""
 
     def __init__(self, sources: list[config_shapes.ConfigSource], overrides: dict[str, Any]) -> None:
         rank = config_shapes.KIND_RANK
@@ -954,7 +952,8 @@ class _NearestSources:
         self.all_keys = set(self.preset).union(*(s.values.keys() for s in self.order))
         # used() takes, for each key, the first source holding it in distance order (see there).
         # A source whose folder starts with another top folder than the file's (most of them, in
-        # a repo of many model folders) lies at 100 + len(file's folder) + len(its folder): for
+        # a repo of many model folders) lies at 100 + len(file's folder) + len(its folder)
+        # (config_shapes.folder_distance's first case): for
         # every such file the same order, by its folder's depth, listed here once per key. The
         # few others (the file's own top folder, the root) get their distance worked out per file.
         self.head_of = [self.heads[f] for f in self.src_folder]
@@ -968,20 +967,6 @@ class _NearestSources:
         for i, h in enumerate(self.head_of):
             self.near.setdefault(h, []).append(i)
 
-    def _distance(self, here: tuple[str, ...], there: tuple[str, ...]) -> int:
-        """shapes_for's distance between the file's folder and a source's (read off its code)."""
-        n = len(here)
-        if there and (not here or there[0] != here[0]):
-            return 100 + n + len(there)  # no common leading folder (the common case)
-        if here[: len(there)] == there:
-            return n - len(there)
-        common = 0
-        for a, b in zip(here, there):
-            if a != b:
-                break
-            common += 1
-        return 100 + (n - common) + (len(there) - common)
-
     def used(self, file: str) -> list[config_shapes.ConfigSource]:
         """What :meth:`used_by_sorting` returns. Walking the sources in (distance, index) order,
         a source is taken iff it holds a key that neither the overrides nor an earlier source
@@ -994,7 +979,7 @@ class _NearestSources:
         first: dict[str, tuple[int, int]] = {}
         for h in {head, None}:
             for i in self.near.get(h, ()):
-                rank = (self._distance(here, folders[src_folder[i]]), i)
+                rank = (config_shapes.folder_distance(here, folders[src_folder[i]]), i)
                 for k in order[i].values:
                     if k not in preset and (k not in first or rank < first[k]):
                         first[k] = rank
@@ -1015,7 +1000,7 @@ class _NearestSources:
         """:meth:`used`, the plain way (tests compare both): every source sorted by distance,
         each taken while it adds a key."""
         here = config_shapes._folder(file)
-        dist = [self._distance(here, self.folders[f]) for f in self.src_folder]
+        dist = [config_shapes.folder_distance(here, self.folders[f]) for f in self.src_folder]
         have = set(self.preset)
         out = []
         for i in sorted(range(len(self.order)), key=dist.__getitem__):
