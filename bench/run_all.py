@@ -3,7 +3,8 @@
     .venv/bin/python bench/run_all.py [--corpus DIR] [--quick]
 
 Runs, each in its own process (so each peak memory is its own), streaming its output:
-scan.py (cold and warm scan vs ast.parse on the transformers ``models/`` corpus), rewrite.py
+scan.py (cold and warm scan vs ast.parse on the transformers ``models/`` corpus; then again with
+one cheap detector only, ``--only geglu``: the cost of everything but detection), rewrite.py
 (ms/file over the files with the most findings, reusing the scan bench's scan.json), opcheck.py
 (op-check overhead) and profile.py (profile mining rows/s). Then prints the judged lines of
 each with the machine and its load average, the block to paste into the README. Exit status:
@@ -27,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CORPORA = (ROOT / ".venv" / "transformers-site" / "transformers" / "models", Path("/tmp/tf/transformers/models"), HERE / ".data" / "transformers")
 # The lines of each bench's output that carry its judged figures (shown again in the summary).
-SUMMARY = re.compile(r"^\s*(files |ast\.parse only|npufuse scan|warm scan|ratio|paired ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|cpu time|outputs parse|"
+SUMMARY = re.compile(r"^\s*(files |detectors |ast\.parse only|npufuse scan|warm scan|ratio|paired ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|cpu time|outputs parse|"
                      r"op check|bare function|overhead|\s*csv \||polars \||target:|machine load)")
 
 
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             print("no transformers corpus (run `make venv`, or pass --corpus): skipping scan and rewrite", file=sys.stderr)
         else:
             runs.append(("scan", *_run("scan", ["scan.py", str(corpus), "--repeat", "1" if args.quick else "3", "--no-subprocess", "--state-dir", str(state)])))
+            # the same scan with one cheap detector: what everything but detection costs (the floor)
+            runs.append(("scan floor", *_run("scan floor", ["scan.py", str(corpus), "--only", "geglu", "--repeat", "1" if args.quick else "2", "--no-subprocess",
+                                                             "--state-dir", str(state / "floor")])))
             scan_json = state / "scan.json"
             extra = ["--scan", str(scan_json)] if scan_json.is_file() else []
             runs.append(("rewrite", *_run("rewrite", ["rewrite.py", str(corpus), "--limit", "8" if args.quick else "20", *extra])))

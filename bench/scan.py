@@ -2,7 +2,7 @@
 a plain ``ast.parse`` of the same files in one process.
 
     .venv/bin/python bench/scan.py --fetch-transformers     # pip download transformers, unpack modeling files
-    .venv/bin/python bench/scan.py [CORPUS_DIR] [--jobs N] [--repeat 3] [--components] [--phases] [--check-render N]
+    .venv/bin/python bench/scan.py [CORPUS_DIR] [--jobs N] [--repeat 3] [--only IDS] [--components] [--phases] [--check-render N]
 
 Downloads nothing unless ``--fetch-transformers`` is given: it runs ``pip download --no-deps
 transformers`` into ``bench/.data/`` (gitignored) and unpacks ``transformers/models/*/modeling_*.py``
@@ -17,6 +17,10 @@ reads, sequentially, in this process, right before each cold scan: the *paired r
 cold scan over the baseline run just before it (median and range over ``--repeat`` pairs), the
 figure to judge on a shared machine whose speed drifts between runs; *ratio* divides the best of
 each. Peak memory is this process's ru_maxrss (the pool's workers: RUSAGE_CHILDREN).
+
+``--only IDS`` times a scan running just those detectors (``npufuse scan --only``): with one
+cheap detector (``--only geglu``) the ratio is what reading, parsing, indexing, repo facts, the
+cache and the outputs cost without detection -- the floor under the cold figure.
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ def components(root: Path, files: list[str]) -> list[tuple[str, float]]:
     return rows + [("other (analyze_file itself, freeing trees)", total - sum(spent.values())), ("total", total)]
 
 
-def phases(corpus: Path, out: Path, jobs: int) -> list[tuple[str, float, float]]:
+def phases(corpus: Path, out: Path, jobs: int, only: tuple[str, ...] | list[str] = ()) -> list[tuple[str, float, float]]:
     """One cold scan in this process with a timestamp around each of its phases in the parent:
     (phase, wall seconds, parent CPU seconds). With a pool, "analyse" is the workers' time and
     everything else is this process alone: the serial part that adds to the wall time."""
@@ -183,7 +187,7 @@ def phases(corpus: Path, out: Path, jobs: int) -> list[tuple[str, float, float]]
     shutil.rmtree(out / "cache", ignore_errors=True)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
-        cli_main(["scan", str(corpus), "-o", str(out / "report.md"), "--state-dir", str(out), "--no-progress", "--jobs", str(jobs)])
+        cli_main(["scan", str(corpus), "-o", str(out / "report.md"), "--state-dir", str(out), "--no-progress", "--jobs", str(jobs), *only])
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transformers-version", default=None, help="with --fetch-transformers: a version (default: latest)")
     ap.add_argument("--jobs", type=int, default=None, help="worker processes for the scan (default: all cores)")
     ap.add_argument("--repeat", type=int, default=3, help="timed repetitions; the best is reported (default 3)")
+    ap.add_argument("--only", metavar="IDS", help="run only these detectors (comma-separated pattern ids, as npufuse scan --only)")
     ap.add_argument("--no-subprocess", action="store_true", help="skip the end-to-end subprocess timing")
     ap.add_argument("--state-dir", help="keep scan.json, report.md and the cache here (default: a temp folder, deleted)")
     ap.add_argument("--components", action="store_true", help="also time each part of the per-file analysis (parse, index, each detector, ...) in one process")
@@ -228,11 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.jobs if args.jobs is not None else cores
     out = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="npufuse-bench-"))
     out.mkdir(parents=True, exist_ok=True)
+    only = ["--only", args.only] if args.only else []
 
     def timed_scan() -> tuple[float, float]:
         c0 = _cpu()
         t0 = time.perf_counter()
-        rc = cli_main(["scan", str(corpus), "-o", str(out / "report.md"), "--state-dir", str(out), "--no-progress", "--jobs", str(jobs)])
+        rc = cli_main(["scan", str(corpus), "-o", str(out / "report.md"), "--state-dir", str(out), "--no-progress", "--jobs", str(jobs), *only])
         if rc != 0:
             raise SystemExit(f"npufuse scan exited {rc}")
         return time.perf_counter() - t0, _cpu() - c0
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     t_e2e = None
     if not args.no_subprocess:
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "npufuse", "scan", str(corpus), "-o", str(out / "r2.md"), "--state-dir", str(out / "s2"), "--no-progress", "--no-cache", "--jobs", str(jobs)],
+        subprocess.run([sys.executable, "-m", "npufuse", "scan", str(corpus), "-o", str(out / "r2.md"), "--state-dir", str(out / "s2"), "--no-progress", "--no-cache", "--jobs", str(jobs), *only],
                        check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")})
         t_e2e = time.perf_counter() - t0
 
@@ -295,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {label:44s} {secs:6.2f}  ({secs / c_parse:.2f}x ast.parse)")
 
     if args.phases:
-        rows = phases(corpus, out, jobs)
+        rows = phases(corpus, out, jobs, only)
         serial = sum(w for label, w, _c in rows if not label.startswith("analyse start"))
         print(f"phases            one cold scan, {jobs} jobs, wall and parent CPU seconds (serial part outside the pool: {serial:.2f} s):")
         for label, wall, cpu in rows:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import codecs
+import contextlib
 import copy
 import gc
 import hashlib
@@ -24,12 +25,14 @@ import json
 import math
 import os
 import re
+import signal
+import threading
 import tokenize
 import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
@@ -427,8 +430,25 @@ def _near(rel: str, m: NearMiss) -> dict[str, Any]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(root: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any = None) -> None:
-    _WORKER.update(root=Path(root), patterns=patterns, options=options, cache=cache)
+def _init_worker(root: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any = None, stop: Any = None) -> None:
+    _WORKER.update(root=Path(root), patterns=patterns, options=options, cache=cache, stop=stop, busy=False, interrupted=False)
+    # Ctrl-C in a terminal signals the whole process group, workers included: the file in hand
+    # stops at once and no later one starts (see _analyze_all for a signal to the parent alone).
+    # A worker waiting for work only takes note: a KeyboardInterrupt there would print a
+    # traceback and break the pool.
+    if hasattr(signal, "SIGINT"):
+        signal.signal(signal.SIGINT, _worker_sigint)
+
+
+def _worker_sigint(signum: int, frame: Any) -> None:
+    _WORKER["interrupted"] = True  # only a flag: `stop` takes a lock this thread may hold
+    if _WORKER.get("busy"):
+        raise KeyboardInterrupt
+
+
+def _worker_stopped() -> bool:
+    stop = _WORKER.get("stop")
+    return bool(_WORKER.get("interrupted")) or (stop is not None and stop.is_set())
 
 
 def _analyze_and_store(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any) -> FileOutcome:
@@ -439,7 +459,40 @@ def _analyze_and_store(root: Path, rel: str, patterns: Sequence[Pattern], option
 
 
 def _analyze_batch(batch: list[str]) -> list[FileOutcome]:
-    return [_analyze_and_store(_WORKER["root"], rel, _WORKER["patterns"], _WORKER["options"], _WORKER.get("cache")) for rel in batch]
+    out: list[FileOutcome] = []
+    _WORKER["busy"] = True
+    try:
+        for rel in batch:
+            if _worker_stopped():
+                raise KeyboardInterrupt  # the scan was interrupted: the outcomes so far are cached
+            out.append(_analyze_and_store(_WORKER["root"], rel, _WORKER["patterns"], _WORKER["options"], _WORKER.get("cache")))
+    finally:
+        _WORKER["busy"] = False
+    return out
+
+
+@contextlib.contextmanager
+def _sigint_noted() -> Iterator[list[int]]:
+    """A list that holds SIGINT once one arrived inside the block. Python runs a signal's handler
+    at the next bytecode, and when that lies in an at-fork callback (``os.fork`` runs them;
+    ``logging`` registers one) the KeyboardInterrupt is printed as "Exception ignored" and
+    dropped: a Ctrl-C while the pool forks its workers would be lost and the scan run to the end.
+    Only where Python's own handler is in place (and in the main thread, the only one that may
+    set handlers); an ignored SIGINT stays ignored."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield noted
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        noted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _pool_context():
@@ -480,6 +533,7 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
                     progress(done, total)
     todo = [rel for rel in files if rel not in results]
     if jobs > 1 and len(todo) >= PARALLEL_MIN_FILES:
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed  # only a scan that parses pays for it
 
         # Small batches, largest files first: both cores stay busy to the end.
@@ -487,19 +541,32 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
         size = max(1, min(16, len(todo) // (jobs * 12)))
         batches = [order[i:i + size] for i in range(0, len(todo), size)]
         try:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_init_worker, initargs=(str(root), patterns, options, cache)) as ex:
-                futures = [ex.submit(_analyze_batch, b) for b in batches]
-                if while_waiting is not None:
-                    try:
-                        while_waiting()
-                    except Exception:  # only a head start: whoever needs it later does it again
-                        pass
-                for fut in as_completed(futures):
-                    for outcome in fut.result():
-                        results[outcome.file] = outcome
-                        done += 1
-                        if progress:
-                            progress(done, total)
+            context = _pool_context() or multiprocessing.get_context()
+            stop = context.Event()  # set when the scan is interrupted: running batches stop after their file in hand
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker, initargs=(str(root), patterns, options, cache, stop)) as ex:
+                try:
+                    with _sigint_noted() as noted:  # the first submit forks the workers
+                        futures = [ex.submit(_analyze_batch, b) for b in batches]
+                    if noted:
+                        raise KeyboardInterrupt  # it landed in a fork callback, which dropped it
+                    if while_waiting is not None:
+                        try:
+                            while_waiting()
+                        except Exception:  # only a head start: whoever needs it later does it again
+                            pass
+                    for fut in as_completed(futures):
+                        for outcome in fut.result():
+                            results[outcome.file] = outcome
+                            done += 1
+                            if progress:
+                                progress(done, total)
+                except (KeyboardInterrupt, SystemExit):
+                    # Stop soon: the workers finish the file in hand, the batches not handed out
+                    # never start (leaving the `with` would otherwise analyse the whole rest of
+                    # the tree first). Entries already cached stay: the next scan reuses them.
+                    stop.set()
+                    ex.shutdown(wait=False, cancel_futures=True)
+                    raise
         except Exception:  # a broken pool (unpicklable pattern, killed worker): finish in-process
             pass
     for rel in files:

@@ -1,0 +1,115 @@
+"""Ctrl-C during a parallel scan stops it soon: the workers give up the file in hand, the
+batches not started never run, the command exits 130 with one line and no traceback, and what
+was analysed before stays in the cache. Before this, leaving the pool waited for every batch
+already submitted, so an interrupted scan ran to the end of the tree first."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from npufuse.scan import engine
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "killpg") or "fork" not in __import__("multiprocessing").get_all_start_methods(),
+                                reason="POSIX process groups and fork-started pools")
+
+N_FILES = 400
+
+# ~1,500 lines a file, with the shapes the detectors look at (a norm, a gated product, a
+# rotation): each file costs a worker real time, so a whole scan takes several seconds.
+_BLOCK = '''
+class Norm{i}(nn.Module):
+    def forward(self, x):
+        v = x.float().pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(v + self.eps)
+        return self.weight * x.to(torch.bfloat16)
+
+
+def mlp{i}(self, x):
+    return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def rotate{i}(q, cos, sin):
+    return (q * cos) + (torch.cat((-q[..., 64:], q[..., :64]), dim=-1) * sin)
+'''
+
+
+def _tree(root: Path) -> Path:
+    body = "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n" + "".join(_BLOCK.format(i=i) for i in range(100))
+    for k in range(N_FILES):
+        folder = root / f"pkg{k % 20}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"modeling_{k}.py").write_text(f"# file {k}\n{body}")
+    return root
+
+
+def _entries(state: Path) -> int:
+    return sum(1 for p in (state / "cache").rglob("*") if p.is_file() and p.name != "CACHEDIR.TAG")
+
+
+@pytest.mark.parametrize("target", ["group", "parent"])
+def test_ctrl_c_stops_a_parallel_scan_soon(tmp_path: Path, target: str) -> None:
+    """'group': a terminal's Ctrl-C (every process of the group gets SIGINT); 'parent': kill -INT
+    of the npufuse process alone (its workers learn it from the parent)."""
+    root = _tree(tmp_path / "repo")
+    state = tmp_path / "state"
+    env = {**os.environ, "PYTHONPATH": str(Path(engine.__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-m", "npufuse", "scan", str(root), "-o", str(tmp_path / "report.md"), "--state-dir", str(state), "--no-progress", "-j", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (not (state / "cache").is_dir() or _entries(state) < 4) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the scan ended before it could be interrupted: {proc.stderr.read() if proc.stderr else ''}"
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert err.strip() == "npufuse scan: interrupted", err
+    analysed = _entries(state)
+    # the files in hand and the batches already queued may finish; the rest of the tree does not
+    assert 4 <= analysed < N_FILES // 2, analysed
+    assert not (state / "scan.json").exists()
+    assert not (tmp_path / "report.md").exists()
+
+
+_ARMED: list[bool] = []
+
+
+def _signal_in_fork_callback() -> None:
+    """An at-fork callback standing in for a Ctrl-C that arrives while os.fork runs: the handler
+    runs inside the callback, whose KeyboardInterrupt Python prints and drops."""
+    if _ARMED:
+        _ARMED.clear()
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # bytecodes for the pending handler to run on, still in here
+            pass
+
+
+os.register_at_fork(after_in_parent=_signal_in_fork_callback)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one, on purpose
+def test_ctrl_c_while_the_pool_forks_is_not_lost(tmp_path: Path) -> None:
+    root = _tree(tmp_path / "repo")
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))[:96]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    _ARMED.append(True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine._analyze_all(root, files, engine.registry_patterns(), engine.ScanOptions(), 2, None)
+    finally:
+        _ARMED.clear()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
