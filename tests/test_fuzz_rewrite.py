@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from npufuse.rewrite.codegen import MARKER, env_switch, render_site, site_edit
 from npufuse.rewrite.transform import SiteEdit, parse_module, revert_source, rewrite_source
 from npufuse.scan import replacement
-from npufuse.scan.engine import ScanOptions, analyze_file
+from npufuse.scan.engine import _LONE_BACKSLASH, ScanOptions, analyze_file
 from test_fuzz_scan import (BUDGET_SCALE, HANG_CPU_S, PATTERNS, Budget, KnownBug, Property, check_fallback, cpu_guard,
                             file_lines, fuzz_settings, generated_program, parses, python_text, report_budgets,
                             run_property, statement)
@@ -207,9 +207,11 @@ def check_rewrite_spans(case) -> None:
         try:
             outcome = rewrite_source(text, edits)
         except cst.ParserSyntaxError as exc:
-            # libcst's tokenizer is stricter than CPython's about tabs mixed with spaces; apply
-            # reports such files as skipped. Any other rejection of valid Python is a finding.
-            if not TAB_INDENT.search(text):
+            # libcst's tokenizer is stricter than CPython's about tabs mixed with spaces, and a line
+            # holding only a backslash continuation before an indented block leaves it without the
+            # INDENT it expects; apply reports such files as skipped (the scan: near misses saying
+            # why). Any other rejection of valid Python is a finding.
+            if not TAB_INDENT.search(text) and not _LONE_BACKSLASH.search(text):
                 raise AssertionError(f"libcst rejects a file ast accepts: {exc}") from None
             return
         if parse_module(text).code != text:
@@ -318,3 +320,31 @@ def test_bug_spans_in_a_file_libcst_does_not_round_trip():
     assert "line 2 holds only a backslash continuation" in _apply_refuses(src)
     with pytest.raises(AssertionError, match="was not applied"):   # a file that round-trips gets no such pass
         check_rewrite_spans(("import math\n", [SiteEdit(1, 1, "x = (", "_npufuse_on_npu(x)", "rms_norm", "e0")], {"e0"}))
+
+
+# (30-minute fuzz run) a line holding only a backslash right before an indented block: libcst
+# cannot parse the file at all (it expects an INDENT), which ast accepts. apply skips its sites
+# ("libcst cannot parse"), so the spans property accepts that for such files only, and the scan,
+# whose fast replacement path never asks libcst, reports a near miss with the reason instead of a
+# candidate apply would refuse.
+def test_bug_lone_backslash_before_an_indented_block(monkeypatch):
+    src = ("import torch\n\n\nclass Block:\n\\\n    def forward(self, x):\n        return x\n\n\n"
+           "def f1(self, hidden_states):\n    variance = hidden_states.pow(2).mean(-1, keepdim=True)\n"
+           "    hidden_states = hidden_states * torch.rsqrt(variance + self.eps)\n    return self.weight * hidden_states\n")
+    ast.parse(src)
+    with pytest.raises(cst.ParserSyntaxError):
+        parse_module(src)
+    check_rewrite_spans((src, [SiteEdit(1, 1, "pass", "_npufuse_on_npu(x)", "rms_norm", "e0")], {"e0"}))
+    check_rewrite_findings(src)
+    out = _analyze(src)
+    assert not out.hits
+    assert [(m["pattern"], m["line"]) for m in out.near_misses] == [("rms_norm", 11)], out.near_misses
+    reason = out.near_misses[0]["reason"]
+    assert reason.startswith("apply cannot rewrite this file: libcst cannot parse it (ParserSyntaxError: Syntax Error @ ")
+    assert "line 5 holds only a backslash continuation); remove that line" in reason
+    # in a file without such a line (or tab indentation) a libcst rejection is still a finding
+    def rejects(text, edits, **kw):
+        return parse_module("def (:\n")  # raises ParserSyntaxError
+    monkeypatch.setitem(globals(), "rewrite_source", rejects)
+    with pytest.raises(AssertionError, match="libcst rejects a file ast accepts"):
+        check_rewrite_spans(("x = 1\n", [SiteEdit(1, 1, "pass", "_npufuse_on_npu(x)", "rms_norm", "e0")], {"e0"}))

@@ -390,21 +390,26 @@ _LONE_BACKSLASH = re.compile(r"(?m)^[ \t\f]*\\(?:\r\n|\r|\n)")
 def _apply_refuses(text: str) -> str:
     """Why ``npufuse apply`` would leave every site of this file unchanged, or "" — so the scan
     reports its findings as near misses instead of candidates apply never rewrites. Apply
-    refuses a file libcst does not reproduce byte for byte; the one known cause, a line holding
-    only a backslash continuation, is found by a regex, and only a file that has one pays for
-    the libcst parse that confirms it."""
+    refuses a file libcst does not reproduce byte for byte or cannot parse; the one known cause
+    of either in a file ``ast`` parses, a line holding only a backslash continuation, is found by
+    a regex, and only a file that has one pays for the libcst parse that confirms it."""
     m = _LONE_BACKSLASH.search(text) if "\\" in text else None
     if m is None:
         return ""
     from npufuse.rewrite.transform import parse_module
 
+    line = text.count("\n", 0, m.start()) + 1
     try:
         same = parse_module(text).code == text
-    except Exception:  # libcst cannot parse it at all: render_site says so for each site
-        return ""
+    except Exception as exc:
+        # libcst cannot parse it at all (such a line before an indented block leaves it without
+        # the INDENT it expects): apply skips every site of the file, and the fast replacement
+        # path never asks libcst, so the scan must say so here
+        first = str(exc).splitlines()[0].rstrip(".") if str(exc) else ""
+        return (f"apply cannot rewrite this file: libcst cannot parse it ({type(exc).__name__}: {first}; "
+                f"line {line} holds only a backslash continuation); remove that line to make the site replaceable")
     if same:
         return ""
-    line = text.count("\n", 0, m.start()) + 1
     return (f"apply cannot rewrite this file: libcst does not reproduce it byte for byte "
             f"(line {line} holds only a backslash continuation); remove that line to make the site replaceable")
 

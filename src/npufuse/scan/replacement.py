@@ -45,17 +45,30 @@ def _statements(tree: ast.Module):
 
 
 def default_indent(tree: ast.Module, lines: list[str]) -> str:
-    """The file's first indentation (libcst's ``default_indent``): the leading whitespace of the
-    first statement that starts a line at a column > 0."""
-    # _statements walks in source order, so the first hit is the first INDENT (match/case
-    # blocks indent a ``case`` line, which is no statement: fall back to libcst for those files)
+    """The file's first indentation (libcst's ``default_indent``, the whitespace of its first
+    INDENT token): the leading whitespace of the first statement that starts a line at a column
+    > 0, or of the first ``case`` line of a ``match`` met before it. "" where the text does not
+    tell (the caller then leaves the file to libcst)."""
+    # _statements walks in source order, so the first hit is the first INDENT
     for node in _statements(tree):
-        if isinstance(node, ast.Match):
-            return ""
         if node.col_offset > 0 and node.lineno <= len(lines):
             ws = lines[node.lineno - 1][: node.col_offset]
             if not ws.strip():
                 return ws
+        elif isinstance(node, ast.Match) and node.col_offset == 0:
+            # a top-level match indents its `case` lines, which are no statements; the first
+            # case's pattern starts on its `case` line unless it is a parenthesised one written
+            # on a later line: then (and for tabs or form feeds) leave it to libcst
+            pattern = node.cases[0].pattern if node.cases else None
+            if pattern is None or pattern.lineno > len(lines):
+                return ""
+            row = lines[pattern.lineno - 1]
+            head = row.lstrip(" ")
+            ws = row[: len(row) - len(head)]
+            keyword = head.startswith("case") and not (head[4:5].isalnum() or head[4:5] == "_")
+            if ws and keyword and row.isascii() and pattern.col_offset > len(ws) + 4:  # the pattern follows `case` on this row
+                return ws
+            return ""
     return FALLBACK_INDENT
 
 
