@@ -38,6 +38,14 @@ libcst 1.9.0, polars 2.1.0; 13 properties, round-robin):
   rewrite.findings, rewrite.spans), after the fixes: no failure.
 * 10 min, 10,050 examples, all 12 properties (825-850 each), after the cold-cache scan path
   (no up-front hashing), lazy scope assignments and the faster cache writes: no failure.
+* 30 min (39.8 min wall: the last chunks were shrinking), 25,946 examples, all 12 properties
+  (2,150-2,274 each): 2 distinct failures, both fixed with regression tests. rewrite.spans: a line
+  holding only a backslash right before an indented block makes libcst reject a file ast
+  accepts, and the scan offered its sites as candidates apply then skipped (now near misses with
+  the reason; test_bug_lone_backslash_before_an_indented_block). scan.scan_repo: a 300 KB file
+  with a top-level ``match`` took 55 s CPU (the 90 s guard called it a hang under load), every
+  site rendered by libcst because default_indent gave up on match statements (now read from the
+  first ``case`` line: 1.1 s; test_default_indent_of_match_files_is_libcsts).
 
 Earlier, shorter runs found the bugs fixed meanwhile in ad1f52b and dd29c6a; their reproducers
 are regression tests now.
