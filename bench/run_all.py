@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CORPORA = (ROOT / ".venv" / "transformers-site" / "transformers" / "models", Path("/tmp/tf/transformers/models"), HERE / ".data" / "transformers")
 # The lines of each bench's output that carry its judged figures (shown again in the summary).
-SUMMARY = re.compile(r"^\s*(files |detectors |ast\.parse only|npufuse scan|warm scan|ratio|paired ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|cpu time|outputs parse|"
+SUMMARY = re.compile(r"^\s*(files |detectors |ast\.parse only|npufuse scan\s{2,}|warm scan|ratio|paired ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|cpu time|outputs parse|"
                      r"op check|bare function|overhead|\s*csv \||polars \||target:|machine load)")
 
 
