@@ -40,9 +40,9 @@ def rotate{i}(q, cos, sin):
 '''
 
 
-def _tree(root: Path) -> Path:
+def _tree(root: Path, n_files: int = N_FILES) -> Path:
     body = "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n" + "".join(_BLOCK.format(i=i) for i in range(100))
-    for k in range(N_FILES):
+    for k in range(n_files):
         folder = root / f"pkg{k % 20}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"modeling_{k}.py").write_text(f"# file {k}\n{body}")
@@ -103,8 +103,8 @@ os.register_at_fork(after_in_parent=_signal_in_fork_callback)
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one, on purpose
 def test_ctrl_c_while_the_pool_forks_is_not_lost(tmp_path: Path) -> None:
-    root = _tree(tmp_path / "repo")
-    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))[:96]
+    root = _tree(tmp_path / "repo", 2 * engine.PARALLEL_MIN_FILES)  # enough for a pool
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     _ARMED.append(True)
     try:
