@@ -74,7 +74,8 @@ def check_rewritten(original: str, edits: list[SiteEdit], outcome, must_apply: s
         first, last = outcome.spans[e.tag]
         block = lines[first - 1 : last]
         assert block[0].rstrip().endswith(MARKER.format(pattern=e.pattern)), block[0]
-        check_fallback("".join(orig_lines[e.line - 1 : e.end_line]), block, f"site {e.line}-{e.end_line}")
+        start = _statement_start(original, orig_lines, e.line)
+        check_fallback("".join(orig_lines[start - 1 : e.end_line]), block, f"site {e.line}-{e.end_line}")
     if "npufuse" not in original:  # an input that already holds markers would lose them too
         back = revert_source(text)
         assert back.text == original, "revert_source did not give back the original file"
@@ -84,6 +85,19 @@ def check_rewritten(original: str, edits: list[SiteEdit], outcome, must_apply: s
             one = revert_source(text, {first})
             assert one.reverted == [first] and parses(one.text), one.notes
             assert revert_source(one.text).text == original, "reverting one site, then the rest, did not give back the original"
+
+
+def _statement_start(original: str, lines: list[str], line: int) -> int:
+    """The first line of the statement ast numbers ``line``: a decorated def or class begins at
+    its first decorator, which ast puts above its number (the `def` line). Its decorators are
+    part of it, so the fallback holds them too."""
+    for node in ast.walk(ast.parse(original)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.lineno == line and node.decorator_list:
+            start = min(d.lineno for d in node.decorator_list)
+            while start > 1 and not lines[start - 1].lstrip().startswith("@"):  # `@ (` ... `)`: the expression starts lower
+                start -= 1
+            return start
+    return line
 
 
 def _analyze(text: str):
@@ -348,3 +362,35 @@ def test_bug_lone_backslash_before_an_indented_block(monkeypatch):
     monkeypatch.setitem(globals(), "rewrite_source", rejects)
     with pytest.raises(AssertionError, match="libcst rejects a file ast accepts"):
         check_rewrite_spans(("x = 1\n", [SiteEdit(1, 1, "pass", "_npufuse_on_npu(x)", "rms_norm", "e0")], {"e0"}))
+
+
+# (10-minute fuzz run) a blank line holding only spaces right after a site: after the rewrite it
+# lies inside the else block's indentation, so libcst reads it as that block's footer, and
+# revert dropped the footer with the block: the user's line (its spaces) was lost.
+@pytest.mark.parametrize("src, span", [
+    ("\nimport torch\nfrom torch import nn\n    \ntry:\n    import torch_npu\nexcept ImportError:\n    torch_npu = None\n", (2, 3)),
+    ("def f(x):\n    a = 1\n    b = 2\n        # a deeper comment\n      \n    return b\n", (2, 3)),
+    ("def f(x):\n    a = 1\n    b = 2\n        # at the end of the block\n", (2, 3)),
+    ("def f():\n  if x:\n    z = 2\n       \n  return 1\n", (3, 3)),
+])
+def test_bug_revert_keeps_indented_lines_after_a_site(src, span):
+    edits = [SiteEdit(*span, "pass", "_npufuse_on_npu(x)", "rms_norm", "e0")]
+    for prelude in (True, False):  # with the prelude the module's default indentation changes
+        outcome = rewrite_source(src, edits, prelude=prelude)
+        assert outcome.applied
+        assert revert_source(outcome.text).text == src
+    check_rewritten(src, edits, rewrite_source(src, edits), must_apply={"e0"})
+
+
+# (10-minute fuzz run) a span starting at the `def` of a decorated method: ast numbers the
+# statement by its `def` line, but its decorators belong to it, and the rewrite (like the scan's
+# replacement) keeps them with it in the else branch. The check compared the fallback with the
+# lines from the `def` on; it now takes the statement from its first decorator.
+def test_bug_span_at_a_decorated_def_keeps_its_decorators_in_the_fallback():
+    src = ("import torch\n\n\nclass TestTraining:\n    @pytest.fixture\n    @other(\n        1)\n    def model(self):\n"
+           "        model = Net()\n        return model.to(torch.bfloat16)\n\n    def test_step(self, model):\n        pass\n")
+    edits = [SiteEdit(8, 10, "pass", "_npufuse_on_npu(x)", "rms_norm", "e0")]
+    outcome = rewrite_source(src, edits)
+    assert outcome.applied
+    check_rewritten(src, edits, outcome, must_apply=set())
+    assert "    else:\n        @pytest.fixture\n        @other(\n            1)\n        def model(self):\n" in outcome.text

@@ -1,7 +1,8 @@
 """Ctrl-C during a parallel scan stops it soon: the workers give up the file in hand, the
 batches not started never run, the command exits 130 with one line and no traceback, and what
 was analysed before stays in the cache. Before this, leaving the pool waited for every batch
-already submitted, so an interrupted scan ran to the end of the tree first."""
+already submitted, so an interrupted scan ran to the end of the tree first. And a parent killed
+outright takes its workers with it."""
 
 from __future__ import annotations
 
@@ -83,6 +84,44 @@ def test_ctrl_c_stops_a_parallel_scan_soon(tmp_path: Path, target: str) -> None:
     assert 4 <= analysed < N_FILES // 2, analysed
     assert not (state / "scan.json").exists()
     assert not (tmp_path / "report.md").exists()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_workers_leave_with_a_killed_parent(tmp_path: Path, sig: str) -> None:
+    """A parent killed without shutting its pool down (timeout, a CI runner, the OOM killer) must
+    not leave workers waiting forever for work, holding its stdout open: whoever reads that
+    output would hang too. Before, both workers stayed, sleeping, under init."""
+    root = _tree(tmp_path / "repo")
+    state = tmp_path / "state"
+    env = {**os.environ, "PYTHONPATH": str(Path(engine.__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-m", "npufuse", "scan", str(root), "-o", str(tmp_path / "report.md"), "--state-dir", str(state), "--no-progress", "-j", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (not (state / "cache").is_dir() or _entries(state) < 4) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the scan ended before it could be killed"
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _group_alive(proc.pid), "workers outlived their killed parent"
+        assert proc.stdout is not None
+        proc.stdout.read()  # EOF: no worker holds the pipe any more
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert _entries(state) < N_FILES // 2  # they stopped soon, not after the rest of the tree
 
 
 _ARMED: list[bool] = []

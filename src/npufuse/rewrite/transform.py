@@ -374,21 +374,30 @@ def marked_sites(source: str) -> list[MarkedSite]:
 class _Reverter(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self, lines: set[int] | None) -> None:
+    def __init__(self, lines: set[int] | None, default_indent: str = "    ") -> None:
         super().__init__()
         self.lines = lines  # start lines of marked ifs to revert; None = all
+        self.default_indent = default_indent  # the module's: what a block without its own indent uses
         self.reverted: list[int] = []
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
-        return updated.with_changes(body=self._revert_body(original.body, updated.body))
+        body, rest = self._revert_body(original.body, updated.body)
+        return updated.with_changes(body=body, footer=(*rest, *updated.footer))
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
-        return updated.with_changes(body=self._revert_body(original.body, updated.body))
+        body, rest = self._revert_body(original.body, updated.body)
+        return updated.with_changes(body=body, footer=(*rest, *updated.footer))
 
-    def _revert_body(self, original_body, updated_body) -> list:
+    def _revert_body(self, original_body, updated_body) -> tuple[list, list]:
+        """The body with its chosen marked ifs replaced by their else statements, and the lines
+        still to place after its last statement (the block's footer takes them)."""
         out = []
+        carry: list[cst.EmptyLine] = []  # lines that followed a reverted else block
         for orig, upd in zip(original_body, updated_body):
             line = self.get_metadata(PositionProvider, orig).start.line
+            if carry:
+                upd = upd.with_changes(leading_lines=(*carry, *upd.leading_lines))
+                carry = []
             if (
                 _marked_if(orig)
                 and (self.lines is None or line in self.lines)
@@ -398,10 +407,23 @@ class _Reverter(cst.CSTTransformer):
                 restored = list(upd.orelse.body.body)
                 restored[0] = restored[0].with_changes(leading_lines=(*upd.leading_lines, *restored[0].leading_lines))
                 out.extend(restored)
+                # Blank or comment lines indented at least as deep as the else block, right after
+                # it, are its footer to libcst (in the original they began the next statement);
+                # they move out with the statements, with the block's indentation made explicit
+                # so that every byte of them stays as it was.
+                block = upd.orelse.body
+                carry = [_outdented(e, block.indent if block.indent is not None else self.default_indent) for e in block.footer]
                 self.reverted.append(line)
             else:
                 out.append(upd)
-        return out
+        return out, carry
+
+
+def _outdented(line: cst.EmptyLine, indent: str) -> cst.EmptyLine:
+    """``line`` as it prints one block level out: the level's indentation becomes its own."""
+    if not line.indent:
+        return line
+    return line.with_changes(whitespace=cst.SimpleWhitespace(indent + line.whitespace.value))
 
 
 @dataclass
@@ -415,7 +437,7 @@ def revert_source(source: str, lines: set[int] | None = None) -> RevertOutcome:
     """Replace marked ifs (all, or those starting at ``lines``) by their else statements; the
     prelude goes with the last one. Raises like :func:`rewrite_source`."""
     module = parse_module(source)
-    reverter = _Reverter(lines)
+    reverter = _Reverter(lines, module.default_indent)
     new = MetadataWrapper(module, unsafe_skip_copy=True).visit(reverter)
     outcome = RevertOutcome(text=source)
     if lines is not None:

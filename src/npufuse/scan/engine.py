@@ -443,6 +443,21 @@ def _init_worker(root: str, patterns: Sequence[Pattern], options: ScanOptions, c
     # traceback and break the pool.
     if hasattr(signal, "SIGINT"):
         signal.signal(signal.SIGINT, _worker_sigint)
+    # A parent that dies without shutting the pool down (SIGTERM from `timeout` or a CI runner,
+    # SIGKILL) would leave the workers waiting for work forever, holding its stdout open (so
+    # whoever reads it hangs too): each worker leaves once its parent is gone.
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.sentinel is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), name="npufuse-parent-watch", daemon=True).start()
+
+
+def _exit_with_parent(sentinel: int) -> None:
+    from multiprocessing.connection import wait
+
+    wait([sentinel])  # readable once the parent process has ended
+    os._exit(1)  # nobody is left to read this worker's results; cache entries are whole or absent
 
 
 def _worker_sigint(signum: int, frame: Any) -> None:
