@@ -4,7 +4,8 @@
 
 Runs, each in its own process (so each peak memory is its own), streaming its output:
 scan.py (cold and warm scan vs ast.parse on the transformers ``models/`` corpus; then again with
-one cheap detector only, ``--only geglu``: the cost of everything but detection), rewrite.py
+one cheap detector only, ``--only geglu``: the cost of everything but detection; and once on a
+copy with Windows line ends, ``--line-ends crlf``), rewrite.py
 (ms/file over the files with the most findings, reusing the scan bench's scan.json), opcheck.py
 (op-check overhead) and profile.py (profile mining rows/s). Then prints the judged lines of
 each with the machine and its load average, the block to paste into the README. Exit status:
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
             # the same scan with one cheap detector: what everything but detection costs (the floor)
             runs.append(("scan floor", *_run("scan floor", ["scan.py", str(corpus), "--only", "geglu", "--repeat", "1" if args.quick else "2", "--no-subprocess",
                                                              "--state-dir", str(state / "floor")])))
+            # a Windows checkout ("\r\n" line ends): the same fast replacement path, not libcst per site
+            runs.append(("scan crlf", *_run("scan crlf", ["scan.py", str(corpus), "--line-ends", "crlf", "--repeat", "1", "--no-subprocess",
+                                                           "--state-dir", str(state / "crlf")])))
             scan_json = state / "scan.json"
             extra = ["--scan", str(scan_json)] if scan_json.is_file() else []
             runs.append(("rewrite", *_run("rewrite", ["rewrite.py", str(corpus), "--limit", "8" if args.quick else "20", *extra])))

@@ -2,7 +2,7 @@
 a plain ``ast.parse`` of the same files in one process.
 
     .venv/bin/python bench/scan.py --fetch-transformers     # pip download transformers, unpack modeling files
-    .venv/bin/python bench/scan.py [CORPUS_DIR] [--jobs N] [--repeat 3] [--only IDS] [--components] [--phases] [--check-render N]
+    .venv/bin/python bench/scan.py [CORPUS_DIR] [--jobs N] [--repeat 3] [--only IDS] [--line-ends crlf] [--components] [--phases] [--check-render N]
 
 Downloads nothing unless ``--fetch-transformers`` is given: it runs ``pip download --no-deps
 transformers`` into ``bench/.data/`` (gitignored) and unpacks ``transformers/models/*/modeling_*.py``
@@ -17,6 +17,9 @@ reads, sequentially, in this process, right before each cold scan: the *paired r
 cold scan over the baseline run just before it (median and range over ``--repeat`` pairs), the
 figure to judge on a shared machine whose speed drifts between runs; *ratio* divides the best of
 each. Peak memory is this process's ru_maxrss (the pool's workers: RUSAGE_CHILDREN).
+
+``--line-ends crlf`` scans a copy of the corpus with Windows line ends (every ``.py`` line ending
+in "\\r\\n"): the replacement text must take the same fast path as for "\\n" files.
 
 ``--only IDS`` times a scan running just those detectors (``npufuse scan --only``): with one
 cheap detector (``--only geglu``) the ratio is what reading, parsing, indexing, repo facts, the
@@ -95,6 +98,21 @@ def baseline(root: Path, files: list[str]) -> tuple[float, int, float]:
                 pass
             lines += data.count(b"\n")
     return time.perf_counter() - t0, lines, _cpu() - c0
+
+
+def crlf_copy(corpus: Path, dest: Path) -> Path:
+    """A copy of ``corpus`` under ``dest`` whose .py files end every line with "\\r\\n" (other
+    files as they are): the line ends of a repository checked out on Windows."""
+    target = dest / corpus.name
+    for src in sorted(corpus.rglob("*")):
+        out = target / src.relative_to(corpus)
+        if src.is_dir():
+            out.mkdir(parents=True, exist_ok=True)
+        elif src.is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            data = src.read_bytes()
+            out.write_bytes(data.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n") if src.suffix == ".py" else data)
+    return target
 
 
 def components(root: Path, files: list[str]) -> list[tuple[str, float]]:
@@ -211,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", help="keep scan.json, report.md and the cache here (default: a temp folder, deleted)")
     ap.add_argument("--components", action="store_true", help="also time each part of the per-file analysis (parse, index, each detector, ...) in one process")
     ap.add_argument("--phases", action="store_true", help="also time the phases of one cold scan in the parent (walk, pool, candidates, outputs): its serial part")
+    ap.add_argument("--line-ends", choices=("as-is", "crlf"), default="as-is",
+                    help="crlf: scan a copy of the corpus whose Python files end every line with \\r\\n (a checkout made on Windows)")
     ap.add_argument("--check-render", type=int, default=0, metavar="N",
                     help="also check N random candidates' replacement against render_site on the whole file (0: none, -1: all)")
     args = ap.parse_args(argv)
@@ -221,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     if not corpus.is_dir():
         print(f"no corpus at {corpus}; run with --fetch-transformers or pass a folder", file=sys.stderr)
         return 2
+
+    if args.line_ends == "crlf":
+        import atexit
+
+        copy_dir = Path(tempfile.mkdtemp(prefix="npufuse-bench-crlf-"))
+        atexit.register(shutil.rmtree, copy_dir, True)
+        corpus = crlf_copy(corpus, copy_dir)
 
     from npufuse.cli import main as cli_main
     from npufuse.scan import engine
@@ -315,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         sample = cands if args.check_render < 0 else random.Random(0).sample(cands, min(args.check_render, len(cands)))
         same = 0
         for c in sample:
-            src = (walked.root / c["file"]).read_text(encoding="utf-8")
+            src = (walked.root / c["file"]).read_bytes().decode("utf-8")  # its own line ends (read_text would make "\r\n" "\n")
             f = Finding(c["pattern"], c["qualname"], c["line"], c["end_line"], c["params"], c["fused"], c["guard_tensor"])
             sw = Switch(c["switch"]["kind"], c["switch"]["expr"], c["switch"]["name"])
             try:

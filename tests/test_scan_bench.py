@@ -20,6 +20,17 @@ def test_bench_scan_prints_the_figures(tmp_path):
         assert label in out.stdout
 
 
+def test_bench_scan_with_windows_line_ends_checks_every_replacement(tmp_path):
+    root = copy_fixture(tmp_path)
+    out = subprocess.run([sys.executable, str(BENCH / "scan.py"), str(root), "--line-ends", "crlf", "--repeat", "1", "--no-subprocess", "--check-render", "-1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    checked = next(line for line in out.stdout.splitlines() if line.startswith("render check"))
+    same, total = checked.split()[2].split("/")
+    assert int(total) > 0 and same == total, out.stdout  # the fast path's "\r\n" text is libcst's
+    assert "npufuse-bench-crlf-" in out.stdout  # it scanned the converted copy
+
+
 def test_bench_scan_without_a_corpus_says_so(tmp_path):
     out = subprocess.run([sys.executable, str(BENCH / "scan.py"), str(tmp_path / "none")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "--fetch-transformers" in out.stderr

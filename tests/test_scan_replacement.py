@@ -12,7 +12,7 @@ from npufuse.patterns.base import Finding
 from npufuse.rewrite.codegen import Switch, env_switch, render_site
 from npufuse.scan.dataflow import ModuleInfo
 from npufuse.rewrite.transform import parse_module
-from npufuse.scan.replacement import decorated_lines, default_indent, fast_body, render, splitlines_match
+from npufuse.scan.replacement import crlf_lines, decorated_lines, default_indent, fast_body, render, splitlines_match
 from scan_fakes import FIXTURE
 
 FUSED = {
@@ -138,9 +138,17 @@ def _spans(module):
                 yield stmt.lineno, block[j].end_lineno
 
 
-def _check(source: str, limit: int | None = None, seed: int = 0) -> tuple[int, int]:
+def _check(source: str, limit: int | None = None, seed: int = 0, newline: str = "\n") -> tuple[int, int]:
+    """Every span (and a few multi-statement ones) of ``source`` with every FUSED text: the fast
+    path's text is render_site's or it declines. ``newline`` "\r\n": the same with ``source``
+    written with Windows line ends (render_site on those bytes, fast_body on crlf_lines)."""
+    if newline != "\n":
+        source = source.replace("\n", newline)
     module = ModuleInfo.from_source("m.py", source)
     lines = source.splitlines(keepends=True)
+    if newline != "\n":
+        lines = crlf_lines(source, lines)
+        assert lines is not None
     indent = default_indent(module.tree, lines)
     decorated = decorated_lines(module.tree)
     spans = sorted(set(_spans(module)))
@@ -153,7 +161,7 @@ def _check(source: str, limit: int | None = None, seed: int = 0) -> tuple[int, i
         for name, fused in FUSED.items():
             f = Finding("rms_norm", "q", a, b, {}, fused, "x")
             switch = SWITCHES[(k + len(name)) % len(SWITCHES)]
-            body = fast_body(lines, f, indent, decorated)
+            body = fast_body(lines, f, indent, decorated, newline)
             if body is None:
                 declined += 1
                 continue
@@ -171,6 +179,15 @@ def _check(source: str, limit: int | None = None, seed: int = 0) -> tuple[int, i
 def test_fast_equals_render_site_on_constructs(name):
     source = textwrap.dedent(SOURCES[name]).lstrip("\n")
     same, declined = _check(source)
+    assert same > 0
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_fast_equals_render_site_with_windows_line_ends(name):
+    # libcst writes the file's "\r\n" after the code it adds: the fast path must too (it used to
+    # decline every such file, sending each of its sites to libcst: 0.6 s a site)
+    source = textwrap.dedent(SOURCES[name]).lstrip("\n")
+    same, declined = _check(source, newline="\r\n")
     assert same > 0
 
 
@@ -204,6 +221,11 @@ def test_declines_tabs_crlf_and_unusual_line_breaks():
     assert not splitlines_match("a = 1\r\nb = 2\r\n")
     assert not splitlines_match("a = 1\x0cb = 2\n")
     assert splitlines_match("a = 1\nb = 2\n")
+    # Windows line ends are read as "\n" lines (fast_body puts "\r\n" back); any mix is declined
+    windows = "a = 1\r\nb = (2,\r\n 3)\r\nc = 4"
+    assert crlf_lines(windows, windows.splitlines(keepends=True)) == ["a = 1\n", "b = (2,\n", " 3)\n", "c = 4"]
+    for other in ["a = 1\nb = 2\n", "a = 1\r\nb = 2\n", "a = 1\rb = 2\r\n", "a = 1\r\n\x0cb = 2\x0c\r\n", "a = 1\r\r\nb = 2\r\n", "a = 1\r\n\u2028\r\n"]:
+        assert crlf_lines(other, other.splitlines(keepends=True)) is None, repr(other)
 
 
 def test_render_falls_back_to_render_site_for_complex_guards():

@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from npufuse.scan.dataflow import CAST_METHODS, ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk
+from npufuse.scan.dataflow import CAST_METHODS, ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, lf_line_ends
 
 # Statements whose body may not run (or runs repeatedly): a value defined inside is conditional.
 _CONDITIONAL = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Match) if hasattr(ast, "Match") else (ast.If, ast.For, ast.AsyncFor, ast.While)
@@ -650,7 +650,7 @@ def splice(module: ModuleInfo, stmt: ast.stmt, replacements: list[tuple[ast.AST,
         head = raw[l0][:c0]
         tail = raw[l1][c1:]
         raw[l0 : l1 + 1] = [head + text.encode("utf-8") + tail]
-    text = b"".join(raw).decode("utf-8")
+    text = lf_line_ends(b"".join(raw).decode("utf-8"))
     # the first line starts at the statement's column: drop that indentation from every line
     return textwrap.dedent(text).rstrip("\n")
 
@@ -662,7 +662,7 @@ def stmt_source(module: ModuleInfo, stmt: ast.stmt) -> str:
 def block_source(module: ModuleInfo, stmts: list[ast.stmt]) -> str:
     """Verbatim source of consecutive statements, dedented (comments between them kept)."""
     lines = module_lines(module)
-    text = "".join(lines[stmts[0].lineno - 1 : (stmts[-1].end_lineno or stmts[-1].lineno)])
+    text = lf_line_ends("".join(lines[stmts[0].lineno - 1 : (stmts[-1].end_lineno or stmts[-1].lineno)]))
     return textwrap.dedent(text).rstrip("\n")
 
 

@@ -481,6 +481,13 @@ def replace_segments(module: "ModuleInfo", stmt: ast.stmt, replacements: list[tu
     return "".join(out)
 
 
+def lf_line_ends(text: str) -> str:
+    """``text`` with "\n" for every "\r\n" or lone "\r" line end (as ``ast`` reads them): code and
+    words a detector cut from a file with Windows (or old Mac) line ends, made the same as from
+    its "\n" twin. apply (libcst) writes fused code with the file's own line end."""
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
 def segment(module: "ModuleInfo", node: ast.AST) -> str:
     """``source_of`` with the file's lines split once per module (``ast.get_source_segment``
     re-splits the whole source on every call, which dominates detection on large files)."""

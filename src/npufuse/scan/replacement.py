@@ -8,9 +8,11 @@ of the lines: the ``if`` header at the site's indentation, each fused statement 
 level deeper (continuation lines verbatim), ``else:``, then the original lines with one
 indentation level added to every line that starts a logical line (continuation lines, strings
 and bracketed comments verbatim). :func:`fast_body` produces that text and returns None whenever
-a case is not covered by this rule (tabs, CR line ends, stray whitespace-only or comment lines
-whose owner libcst decides, multi-level first indents in the fused code, ...); those sites go to
-``render_site`` itself. tests/test_scan_replacement.py checks the two agree on many real spans.
+a case is not covered by this rule (tabs, lone CR or mixed line ends, stray whitespace-only or
+comment lines whose owner libcst decides, multi-level first indents in the fused code, ...);
+those sites go to ``render_site`` itself. Files that end every line with "\r\n" are covered:
+the rule runs on their lines with "\n" ends, and the text gets "\r\n" back (:func:`crlf_lines`).
+tests/test_scan_replacement.py checks the two agree on many real spans, with both line ends.
 """
 
 from __future__ import annotations
@@ -234,9 +236,12 @@ def decorated_lines(tree: ast.Module) -> set[int]:
     return {n.lineno for n in _statements(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.decorator_list}
 
 
-def fast_body(lines: list[str], finding: Finding, indent: str, decorated: set[int] | frozenset[int] = frozenset()) -> tuple[str, str] | None:
+def fast_body(lines: list[str], finding: Finding, indent: str, decorated: set[int] | frozenset[int] = frozenset(),
+              newline: str = "\n") -> tuple[str, str] | None:
     """(site indentation, everything after the ``if`` header line) as libcst renders it, or None
-    when the rule above does not provably apply. ``decorated``: :func:`decorated_lines`."""
+    when the rule above does not provably apply. ``decorated``: :func:`decorated_lines`.
+    ``newline`` "\r\n": ``lines`` are :func:`crlf_lines` of a file whose every line ends so;
+    the text comes back with its line ends."""
     if not indent or indent.strip(" ") or finding.line in decorated:
         return None
     span = lines[finding.line - 1 : finding.end_line]
@@ -286,7 +291,16 @@ def fast_body(lines: list[str], finding: Finding, indent: str, decorated: set[in
         if stripped.startswith("#") and len(_ws(row)) > len(site):
             return None
         break
-    return site, "".join(fused_out) + f"{site}else:\n" + "".join(orig_out)
+    rest = "".join(fused_out) + f"{site}else:\n" + "".join(orig_out)
+    if newline != "\n":
+        # libcst writes the module's newline (its first line end) after the code it adds, and
+        # the original rows keep theirs: in a file that ends every line with "\r\n", all of
+        # them. The fused code holds no string spanning lines (checked above), so every "\n"
+        # here is a line end.
+        if "string" in fkinds:
+            return None
+        rest = rest.replace("\n", newline)
+    return site, rest
 
 
 def _simple_guard(guard: str) -> bool:
@@ -299,8 +313,22 @@ def render(source: str | Callable[[], str], finding: Finding, switch: Switch, bo
     guard = guard_expression(finding, switch)
     if body is not None and _simple_guard(guard):
         site, rest = body
-        return f"{site}if {guard}:  {MARKER.format(pattern=finding.pattern)}\n{rest}"
+        newline = "\r\n" if rest.endswith("\r\n") else "\n"  # the body's rows all end alike (fast_body)
+        return f"{site}if {guard}:  {MARKER.format(pattern=finding.pattern)}{newline}{rest}"
     return render_site(source() if callable(source) else source, finding, switch)
+
+
+def crlf_lines(source: str, lines: list[str]) -> list[str] | None:
+    """``lines`` (``source.splitlines(keepends=True)``) with "\n" ends, for a file whose every
+    line break is "\r\n" (Windows line ends), so that :func:`fast_body` can read them (with
+    ``newline="\r\n"``); None for any other file: no "\r\n", a lone "\r" or "\n", or another
+    break that splitlines counts."""
+    if "\r\n" not in source:
+        return None
+    lf = source.replace("\r\n", "\n")
+    if "\r" in lf or source.count("\n") != source.count("\r\n") or not splitlines_match(lf):
+        return None
+    return [ln[:-2] + "\n" if ln.endswith("\r\n") else ln for ln in lines]
 
 
 def splitlines_match(source: str, lines: list[str] | None = None) -> bool:
