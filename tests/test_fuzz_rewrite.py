@@ -296,7 +296,7 @@ def test_findings_rewrite_and_revert_exactly(value):
     run_property(PROPERTIES, BUDGETS, "findings", value, KNOWN)
 
 
-@fuzz_settings(max_examples=25)
+@fuzz_settings(max_examples=15)
 @given(PROPERTIES["findings_crlf"].strategy)
 def test_findings_with_windows_line_ends_rewrite_and_revert_exactly(value):
     run_property(PROPERTIES, BUDGETS, "findings_crlf", value, KNOWN)
