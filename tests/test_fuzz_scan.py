@@ -858,3 +858,23 @@ def test_bug_long_call_chain_raises_recursion_error_in_a_detector():
     import sys
 
     assert nested(sys.getrecursionlimit() // 4) == []   # deeper in the stack: the same (empty) answer
+
+
+# (15-minute fuzz run) a guard tensor cut from two source lines, `torch.cat((a, b), dim\n=-1)`,
+# split the replacement's `if` header over two lines: the npufuse marker no longer ended its first
+# line (the rescan of a rewritten file reads it there). The guard is now written on one line.
+def test_bug_guard_tensor_spanning_lines_splits_the_if_header():
+    src = ("import torch\nimport torch.nn.functional as F\n\n\ndef f0(self, x, v=None):\n"
+           "    hidden_states = F.scaled_dot_product_attention(torch.cat((1e-6, 1e-6), dim\n=-1), x, v)\n"
+           "    return hidden_states\n")
+    check_scan_repo([src.encode()])
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "m.py").write_text(src)
+        (hit,) = analyze_file(Path(d), "m.py", PATTERNS, ScanOptions()).hits
+    assert hit.finding.guard_tensor == "torch.cat((1e-06, 1e-06), dim=-1)"
+    from npufuse.rewrite.codegen import env_switch, render_site
+    from npufuse.scan import replacement
+
+    shown = replacement.render(src, hit.finding, env_switch("sdpa"), hit.body)
+    assert shown == render_site(src, hit.finding, env_switch("sdpa"))
+    assert shown.splitlines()[0].endswith("# npufuse: sdpa")

@@ -245,6 +245,18 @@ def _lf_strings(value: Any) -> Any:
     return value
 
 
+def _one_line(expr: str) -> str:
+    """A guard tensor cut from several source lines (``f(a, dim\n=-1)``), written on one: it
+    heads the ``if`` line, whose end carries the npufuse marker. Left as it is if it does not
+    parse on its own."""
+    if not isinstance(expr, str) or ("\n" not in expr and "\r" not in expr):
+        return expr
+    try:
+        return ast.unparse(ast.parse(expr.strip(), mode="eval"))
+    except (SyntaxError, ValueError, RecursionError):
+        return expr
+
+
 def _inside(spans: Iterable[tuple[int, int, str]], line: int, end_line: int) -> str | None:
     for a, b, where in spans:
         if a <= line and end_line <= b:
@@ -348,6 +360,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                         # code cut from a file with "\r\n" (or "\r") line ends: the same text as
                         # from its "\n" twin; a "\r" left in fused code sent the site to libcst
                         r.fused, r.params = _lf_strings(r.fused), _lf_strings(r.params)
+                    r.guard_tensor = _one_line(r.guard_tensor)
                     if fast_lines is None:
                         fast_lines = []
                         if replacement.splitlines_match(text, module.lines):
