@@ -374,6 +374,13 @@ def test_npufuse_rewritten_sites_are_not_proposed_again(tmp_path):
     assert again.candidates == []
     assert any(e["kind"] == "npufuse_site" for e in again.existing)
     assert any("already rewritten by npufuse" in m["reason"] for m in again.near_misses)
+    # the site's pattern is read from its marker: also below a form feed (str.splitlines counts
+    # it as a line break, ast does not) and with the `if` header written over two lines
+    rewritten = (tmp_path / "m.py").read_text()
+    assert "\x0c" not in rewritten and "_npufuse_on_npu(" in rewritten
+    (tmp_path / "m.py").write_text("\x0c\n" + rewritten.replace("_npufuse_on_npu(", "_npufuse_on_npu(\n", 1))
+    third = scan_repo(tmp_path, patterns=[FakeRmsNorm()])
+    assert [e["what"] for e in third.existing if e["kind"] == "npufuse_site"] == ["npufuse-rewritten site (rms_norm)"]
 
 
 def test_switch_entries_of_every_kind(tmp_path):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from npufuse.rewrite.codegen import Switch, env_switch
+from npufuse.rewrite.codegen import Switch, env_switch, source_lines
 from npufuse.scan import config_shapes
 from npufuse.scan.dataflow import ModuleInfo, Scope, child_fields, dotted
 
@@ -421,7 +421,7 @@ def _span(block: list[ast.stmt]) -> tuple[int, int]:
 
 def _branches(module: ModuleInfo, ifs: list[ast.If], npu_calls: list[tuple[int, str]], facts: FileFacts) -> None:
     """Spans whose eager code sits beside a torch_npu branch (already fused by hand or by us)."""
-    lines = module.source.splitlines()
+    lines = source_lines(module.source)  # numbered as ast numbers them (splitlines also breaks at \f, U+2028, ...)
     rewritten = "_npufuse_on_npu" in module.source  # only files npufuse rewrote need the check
 
     def has_npu(block: list[ast.stmt]) -> bool:
@@ -432,8 +432,9 @@ def _branches(module: ModuleInfo, ifs: list[ast.If], npu_calls: list[tuple[int, 
 
     for node in ifs:
         if rewritten and any(isinstance(n, ast.Name) and n.id == "_npufuse_on_npu" for n in ast.walk(node.test)):
-            marker = lines[node.lineno - 1] if node.lineno <= len(lines) else ""
-            m = re.search(r"#\s*npufuse:\s*([a-z_]+)", marker)
+            # the marker ends the `if` header, which may span lines (a guard written over two)
+            header = "".join(lines[node.lineno - 1 : max(node.lineno, node.body[0].lineno - 1)])
+            m = re.search(r"#\s*npufuse:\s*([a-z_]+)", header)
             pid = m.group(1) if m else "?"
             a, b = node.lineno, node.end_lineno or node.lineno
             facts.npufuse_spans.append((a, b, pid))
