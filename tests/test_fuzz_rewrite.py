@@ -429,3 +429,19 @@ def test_windows_line_ends_scan_like_the_unix_twin(seed):
         assert shown == replacement.render(unix, ha.finding, switch, ha.body).replace("\n", "\r\n")
     assert b.near_misses == a.near_misses
     check_rewrite_findings(windows)  # the replacement is what libcst writes; apply and revert exact
+
+
+# A form feed (a page break, "\x0c") is a line break to str.splitlines but not to Python: the
+# scan's lines were split by splitlines, so after a page break every detector read its code one
+# line off (a rope candidate whose fused code computed q_embed in place of the k_embed line it
+# replaced; render errors on others). Page breaks between definitions must change nothing.
+@pytest.mark.parametrize("seed", sorted(p.name for p in Path(__file__).parent.joinpath("fuzz_corpus").glob("*.py")))
+def test_page_breaks_between_definitions_change_no_finding(seed):
+    plain = Path(__file__).parent.joinpath("fuzz_corpus", seed).read_text()
+    paged = plain.replace("\n\n\ndef ", "\n\x0c\n\ndef ").replace("\n\n\nclass ", "\n\x0c\n\nclass ")
+    assert paged.count("\x0c") >= 2
+    a, b = _analyze(plain), _analyze(paged)
+    assert a.hits and [h.finding.to_json() for h in b.hits] == [h.finding.to_json() for h in a.hits]
+    assert [h.code for h in b.hits] == [h.code for h in a.hits]
+    assert b.near_misses == a.near_misses and not b.failures
+    check_rewrite_findings(paged)  # the replacement (libcst's, the fast path declines) is what apply writes

@@ -375,7 +375,7 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
 
 
 def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
-    lines = module.source.splitlines(keepends=True)
+    lines = module.lines  # numbered as ast numbers them
     head = lines[stmt.lineno - 1]
     indent = len(head) - len(head.lstrip())
     if len(head[:indent].encode()) != stmt.col_offset:
@@ -388,7 +388,7 @@ def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
 
 def _replace_call(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, replacement: str) -> str:
     """The statement's text with ``call`` replaced (byte offsets: ast columns are UTF-8), dedented."""
-    lines = module.source.splitlines(keepends=True)
+    lines = module.lines  # numbered as ast numbers them
     first = stmt.lineno
     raw = [ln.encode() for ln in lines[first - 1 : (stmt.end_lineno or first)]]
 

@@ -2037,7 +2037,7 @@ def _is_check(stmt: ast.stmt) -> bool:
 
 
 def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> str:
-    lines = module.source.splitlines()[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]
+    lines = [ln.rstrip("\r\n") for ln in module.lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]]
     indent = len(lines[0]) - len(lines[0].lstrip())
     return "\n".join(ln[indent:] if ln[:indent].strip() == "" else ln for ln in lines)
 

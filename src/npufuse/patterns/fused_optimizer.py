@@ -683,7 +683,7 @@ def _is_groups(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line:
 
 def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
     """The statement's whole lines, if it is the only code on them."""
-    lines = module.source.splitlines(keepends=True)
+    lines = module.lines  # numbered as ast numbers them
     first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
     head = lines[first - 1]
     indent = len(head) - len(head.lstrip())
@@ -698,7 +698,7 @@ def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
 
 def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: str, kind: str, text: str) -> str:
     """The statement with the optimizer class swapped (byte offsets: ast columns are UTF-8)."""
-    lines = module.source.splitlines(keepends=True)
+    lines = module.lines  # numbered as ast numbers them
     first = stmt.lineno
     raw = [ln.encode() for ln in lines[first - 1 : (stmt.end_lineno or first)]]
 

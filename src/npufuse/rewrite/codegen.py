@@ -126,6 +126,17 @@ def source_lines(text: str) -> list[str]:
     return _LINE.findall(text)
 
 
+# What str.splitlines breaks at besides "\r" and "\n" (Python code does not end a line there).
+_ASCII_OTHER_BREAKS = ("\x0c", "\x0b", "\x1c", "\x1d", "\x1e")
+_OTHER_BREAKS = _ASCII_OTHER_BREAKS + ("\x85", "\u2028", "\u2029")
+
+
+def has_other_breaks(text: str) -> bool:
+    """Whether ``str.splitlines`` splits ``text`` where Python does not (a form feed, U+2028, ...):
+    only then do its lines differ from :func:`source_lines`."""
+    return any(c in text for c in (_ASCII_OTHER_BREAKS if text.isascii() else _OTHER_BREAKS))
+
+
 def original_text(source: str, finding: Finding) -> str:
     """The site's statements exactly as in the file (whole lines, with their indentation)."""
     lines = source_lines(source)

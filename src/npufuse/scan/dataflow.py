@@ -262,11 +262,18 @@ class ModuleInfo:
 
     @property
     def lines(self) -> list[str]:
-        """``source.splitlines(keepends=True)``, split once per module and shared by every reader
-        (detectors, risks, replacement): callers slice it and never modify it."""
+        """The source's lines with their ends, numbered as ``ast`` numbers them, split once per
+        module and shared by every reader (detectors, risks, replacement): callers slice it and
+        never modify it. ``str.splitlines`` (fast) where it gives those lines; a file with a form
+        feed or another break that only splitlines counts is split by ``codegen.source_lines``
+        (with splitlines, every line after a page break was read one line off: wrong code in the
+        fused branch)."""
         cached = self.__dict__.get("_npufuse_lines")
         if cached is None:
-            cached = self.__dict__["_npufuse_lines"] = self.source.splitlines(keepends=True)
+            from npufuse.rewrite.codegen import has_other_breaks, source_lines
+
+            src = self.source
+            cached = self.__dict__["_npufuse_lines"] = source_lines(src) if has_other_breaks(src) else src.splitlines(keepends=True)
         return cached
 
     def canonical(self, node: ast.AST | None) -> str | None:

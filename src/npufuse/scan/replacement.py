@@ -25,7 +25,7 @@ import tokenize
 from typing import Callable
 
 from npufuse.patterns.base import Finding
-from npufuse.rewrite.codegen import MARKER, Switch, guard_expression, render_site
+from npufuse.rewrite.codegen import MARKER, Switch, guard_expression, has_other_breaks, render_site
 
 # libcst's indent when a module has no indented block (libcst._parser.detect_config).
 FALLBACK_INDENT = "    "
@@ -319,7 +319,7 @@ def render(source: str | Callable[[], str], finding: Finding, switch: Switch, bo
 
 
 def crlf_lines(source: str, lines: list[str]) -> list[str] | None:
-    """``lines`` (``source.splitlines(keepends=True)``) with "\n" ends, for a file whose every
+    """``lines`` (``ModuleInfo.lines``) with "\n" ends, for a file whose every
     line break is "\r\n" (Windows line ends), so that :func:`fast_body` can read them (with
     ``newline="\r\n"``); None for any other file: no "\r\n", a lone "\r" or "\n", or another
     break that splitlines counts."""
@@ -332,7 +332,10 @@ def crlf_lines(source: str, lines: list[str]) -> list[str] | None:
 
 
 def splitlines_match(source: str, lines: list[str] | None = None) -> bool:
-    """codegen splits on every Unicode line break; the fast path assumes only ``\\n``.
-    ``lines``: ``source.splitlines(keepends=True)`` when the caller has it already."""
+    """Whether ``source`` breaks lines only at ``\\n``, the one line end the fast path covers (not
+    "\\r", nor a form feed or another break that str.splitlines counts). ``lines``: the source's
+    lines (``ModuleInfo.lines``) when the caller has them already."""
+    if "\r" in source or has_other_breaks(source):
+        return False
     n = len(lines) if lines is not None else len(source.splitlines())
-    return "\r" not in source and n == source.count("\n") + (0 if source.endswith("\n") or not source else 1)
+    return n == source.count("\n") + (0 if source.endswith("\n") or not source else 1)
