@@ -197,3 +197,18 @@ def test_fused_optimizer_has_no_op_check(tmp_path: Path, capsys: pytest.CaptureF
     assert "verified end to end" in capsys.readouterr().out
     c = State.load(sd).candidates[1]
     assert c.status == "e2e_checking" and c.evidence["op"]["passed"] is None and "skipped" in c.evidence["op"]
+
+
+def test_site_is_found_below_a_page_break(tmp_path: Path) -> None:
+    # a form feed is a line break to str.splitlines, not to Python or libcst: the site's guard and
+    # fused branch were read one line off after one
+    from npufuse.verify.candidate import locate_site
+
+    sd = h.rms_repo(tmp_path)
+    plain = locate_site(load_candidate(1, sd))
+    model = tmp_path / "model.py"
+    text = model.read_text()
+    assert "\n\n\nclass RMSNorm" in text
+    model.write_text(text.replace("\n\n\nclass RMSNorm", "\n\x0c\n\nclass RMSNorm"))
+    paged = locate_site(load_candidate(1, sd))
+    assert paged == plain and "_npufuse_on_npu(" in paged.guard and "npu_rms_norm" in paged.fused_text

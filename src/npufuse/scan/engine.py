@@ -101,7 +101,8 @@ def _py2_hint(exc: SyntaxError, text: str) -> str:
         return " (this looks like Python 2 code: exec statement; npufuse scans Python 3)"
     if "leading zeros in decimal integer literals" in msg:
         return " (this looks like Python 2 code: old octal literal; npufuse scans Python 3)"
-    line = exc.text if exc.text else (text.splitlines()[exc.lineno - 1] if exc.lineno and exc.lineno <= len(text.splitlines()) else "")
+    rows = source_lines(text) if not exc.text and exc.lineno else []  # numbered as ast numbers them
+    line = exc.text if exc.text else (rows[exc.lineno - 1] if exc.lineno and exc.lineno <= len(rows) else "")
     for rx, what in _PY2_HINTS:
         if rx.search(line or ""):
             return f" (this looks like Python 2 code: {what}; npufuse scans Python 3)"

@@ -328,7 +328,10 @@ def locate_site(cand: Candidate) -> Site:
     span = cand.applied.get("span")
     anchor = int(span[0]) if isinstance(span, (list, tuple)) and span else int(cand.scan.get("line", same[0].line))
     site = min(same, key=lambda s: abs(s.line - anchor))
-    lines = source.splitlines()
+    from npufuse.rewrite.codegen import source_lines
+
+    # numbered as libcst numbers them (str.splitlines also breaks at form feeds: one line off after a page break)
+    lines = [ln.rstrip("\r\n") for ln in source_lines(source)]
     header = []
     for text in lines[site.line - 1 : site.end_line]:
         header.append(text)
