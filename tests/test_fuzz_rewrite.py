@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from npufuse.rewrite.codegen import MARKER, env_switch, render_site, site_edit
+from npufuse.rewrite.codegen import MARKER, env_switch, has_other_breaks, render_site, site_edit
 from npufuse.rewrite.transform import SiteEdit, parse_module, revert_source, rewrite_source
 from npufuse.scan import replacement
 from npufuse.scan.engine import _LONE_BACKSLASH, ScanOptions, analyze_file
@@ -30,7 +30,7 @@ from test_fuzz_scan import (BUDGET_SCALE, HANG_CPU_S, PATTERNS, Budget, KnownBug
                             run_property, statement)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
-BUDGETS = {k: Budget(v * BUDGET_SCALE) for k, v in {"findings": 11, "findings_crlf": 6, "spans": 9, "generated": 7}.items()}
+BUDGETS = {k: Budget(v * BUDGET_SCALE) for k, v in {"findings": 11, "findings_crlf": 6, "twins": 6, "spans": 9, "generated": 7}.items()}
 
 
 def _compiles(text: str) -> bool:
@@ -276,6 +276,36 @@ def test_bug_scan_offers_a_site_apply_refuses():
 
 # -- the tests --------------------------------------------------------------------------------------
 
+def check_twins(text: str) -> None:
+    """Line ends and page breaks do not change what the scan finds: the file written with "\r\n"
+    line ends, and with a form feed opening each blank line (a line break to str.splitlines,
+    not to Python), gives the same findings, near misses and problems as ``text``."""
+    if "\r" in text or has_other_breaks(text) or not parses(text):
+        return
+    with cpu_guard(HANG_CPU_S):
+        plain = _analyze(text)
+        twins = {"crlf": _analyze(text.replace("\n", "\r\n")), "paged": _analyze(text.replace("\n\n", "\n\x0c\n"))}
+
+    def seen(out):
+        return [h.finding.to_json() for h in out.hits], out.near_misses, [(f.kind, f.error) for f in out.failures]
+
+    for name, twin in twins.items():
+        got, want = seen(twin), seen(plain)
+        if name == "paged":  # a blank line inside a span carries its form feed into the span's own text
+            got = _without_page_breaks(got)
+        assert got == want, f"{name} twin: {str(got)[:1500]} vs {str(want)[:1500]}"
+
+
+def _without_page_breaks(value):
+    if isinstance(value, str):
+        return value.replace("\x0c", "")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_page_breaks(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _without_page_breaks(v) for k, v in value.items()}
+    return value
+
+
 def check_windows_line_ends(text: str) -> None:
     """The apply path on the file written with "\r\n" line ends (CRLF twins of mutated text: a
     mutation's own "\r" makes mixed ends, which the fast path must decline)."""
@@ -285,6 +315,7 @@ def check_windows_line_ends(text: str) -> None:
 PROPERTIES = {
     "findings": Property(python_text(heavy=False, max_mutations=2), check_rewrite_findings),
     "findings_crlf": Property(python_text(heavy=False, max_mutations=1), check_windows_line_ends),
+    "twins": Property(python_text(heavy=False, max_mutations=2), check_twins),
     "generated": Property(generated_program(), check_rewrite_findings),
     "spans": Property(spans_and_edits(), check_rewrite_spans),
 }
@@ -300,6 +331,12 @@ def test_findings_rewrite_and_revert_exactly(value):
 @given(PROPERTIES["findings_crlf"].strategy)
 def test_findings_with_windows_line_ends_rewrite_and_revert_exactly(value):
     run_property(PROPERTIES, BUDGETS, "findings_crlf", value, KNOWN)
+
+
+@fuzz_settings(max_examples=30)
+@given(PROPERTIES["twins"].strategy)
+def test_line_end_and_page_break_twins_find_the_same(value):
+    run_property(PROPERTIES, BUDGETS, "twins", value, KNOWN)
 
 
 @fuzz_settings(max_examples=30)
