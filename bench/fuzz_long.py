@@ -58,6 +58,9 @@ libcst 1.9.0, polars 2.1.0; 13 properties, round-robin):
   split the replacement's ``if`` header, so the npufuse marker no longer ended its first line;
   the engine now writes such a guard on one line
   (test_bug_guard_tensor_spanning_lines_splits_the_if_header).
+* 10 min, 8,600 examples, 14 properties (600-625 each; the new rewrite.twins: a text, its
+  "\r\n" twin and its page-break twin find the same), after the CRLF, page-break and guard
+  fixes: no failure.
 
 Earlier, shorter runs found the bugs fixed meanwhile in ad1f52b and dd29c6a; their reproducers
 are regression tests now.
