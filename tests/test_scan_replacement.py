@@ -12,7 +12,7 @@ from npufuse.patterns.base import Finding
 from npufuse.rewrite.codegen import Switch, env_switch, render_site
 from npufuse.scan.dataflow import ModuleInfo
 from npufuse.rewrite.transform import parse_module
-from npufuse.scan.replacement import crlf_lines, decorated_lines, default_indent, fast_body, render, splitlines_match
+from npufuse.scan.replacement import crlf_lines, decorated_lines, default_indent, fast_body, libcst_body, render, splitlines_match
 from scan_fakes import FIXTURE
 
 FUSED = {
@@ -212,6 +212,27 @@ def test_fast_equals_render_site_on_the_fixture(rel, names):
         source = _classes(source, names)
     same, declined = _check(source, limit=4)
     assert same > declined
+
+
+@pytest.mark.parametrize("name", ["method", "function", "decorated"])
+def test_libcst_body_serves_every_simple_guard(name):
+    # sites the fast path declines (here: tab indentation) get their body from one render_site
+    # run in the scan's worker; render() with it must be render_site's text for any switch
+    source = textwrap.dedent(SOURCES[name]).lstrip("\n").replace("    ", "\t")
+    module = ModuleInfo.from_source("m.py", source)
+    spans = sorted(set(_spans(module)))[:6]
+    served = 0
+    for a, b in spans:
+        for fused in (FUSED["one"], FUSED["multi"], FUSED["block"]):
+            f = Finding("rms_norm", "q", a, b, {}, fused, "x")
+            assert fast_body(source.splitlines(keepends=True), f, "\t") is None  # tabs: the fast path declines
+            body = libcst_body(source, f)
+            if body is None:
+                continue
+            served += 1
+            for switch in SWITCHES:
+                assert render(source, f, switch, body) == render_site(source, f, switch), (a, b, fused, switch)
+    assert served > 0
 
 
 def test_declines_tabs_crlf_and_unusual_line_breaks():

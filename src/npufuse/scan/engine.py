@@ -379,6 +379,8 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                         body = replacement.fast_body(fast_lines, r, indent, decorated, newline) if fast_lines and indent else None
                     except Exception:  # the fast path declines; render_site will do it
                         body = None
+                    if body is None:  # libcst here, in the worker, rather than in the parent one site at a time
+                        body = replacement.libcst_body(text, r)
                     if code_lines is None:  # codegen.original_text, with the file split once rather than once per site
                         code_lines = _code_lines(text, fast_lines if newline == "\n" else [])
                     out.hits.append(Hit(r, repo_search.site_context(module, scope), local, "".join(code_lines[r.line - 1 : r.end_line]), body))
