@@ -535,10 +535,9 @@ _LINE_BITS = ["a", "b = 1", " ", "\n", "\r\n", "\r", "\f", "\v", "\x1c", "\x85",
 @settings(max_examples=800, deadline=None)
 @given(st.lists(st.sampled_from(_LINE_BITS), max_size=12))
 def test_code_lines_are_source_lines(bits: list[str]) -> None:
+    # a site's `code` is cut from module.lines (str.splitlines where it agrees): codegen's lines
     text = "".join(bits)
-    lines = text.splitlines(keepends=True)
-    fast = lines if replacement.splitlines_match(text, lines) else []
-    assert engine._code_lines(text, fast) == source_lines(text)
+    assert ModuleInfo("m.py", text, ast.Module(body=[], type_ignores=[])).lines == source_lines(text)
 
 
 def test_lines_with_and_calls_on_lines() -> None:
@@ -702,7 +701,7 @@ def _reference_paths(monkeypatch) -> None:
         if name.startswith("npufuse.") and mod is not None and getattr(mod, "segment", None) is FAST_SEGMENT:
             monkeypatch.setattr(mod, "segment", ref_segment)
     monkeypatch.setattr(S, "source_of", ref_site_source_of)
-    monkeypatch.setattr(engine, "_code_lines", lambda text, fast_lines: source_lines(text))
+    monkeypatch.setattr(ModuleInfo, "lines", property(lambda self: source_lines(self.source)))
     monkeypatch.setattr(engine, "_detect_encoding", lambda data: tokenize.detect_encoding(io.BytesIO(data).readline)[0])
     monkeypatch.setattr(repo_search, "_PRUNE", False)
     monkeypatch.setattr(affinity_where, "_LINE_FILTER", False)

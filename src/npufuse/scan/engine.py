@@ -307,7 +307,6 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     n_lines = len(module.lines)
     errors: dict[str, list[Any]] = {}
     fast_lines: list[str] | None = None
-    code_lines: list[str] | None = None
     refused: str | None = None  # why apply leaves every site of this file alone ("": it does not)
     indent: str | None = None
     newline = "\n"  # the line end fast_lines were read with ("\r\n": crlf_lines)
@@ -364,7 +363,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                     r.guard_tensor = _one_line(r.guard_tensor)
                     if fast_lines is None:
                         fast_lines = []
-                        if replacement.splitlines_match(text, module.lines):
+                        if replacement.splitlines_match(text):
                             fast_lines = module.lines
                         elif (crlf := replacement.crlf_lines(text, module.lines)) is not None:
                             # Windows line ends: without this every site of the file went to
@@ -381,9 +380,8 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                         body = None
                     if body is None:  # libcst here, in the worker, rather than in the parent one site at a time
                         body = replacement.libcst_body(text, r)
-                    if code_lines is None:  # codegen.original_text, with the file split once rather than once per site
-                        code_lines = _code_lines(text, fast_lines if newline == "\n" else [])
-                    out.hits.append(Hit(r, repo_search.site_context(module, scope), local, "".join(code_lines[r.line - 1 : r.end_line]), body))
+                    # codegen.original_text: module.lines are the file's lines as source_lines splits them
+                    out.hits.append(Hit(r, repo_search.site_context(module, scope), local, "".join(module.lines[r.line - 1 : r.end_line]), body))
                 elif isinstance(r, NearMiss):
                     if not isinstance(r.reason, str) or not r.reason.strip() or not isinstance(r.line, int):
                         fail(pattern.id, scope, "yielded a near miss without a reason or line")
@@ -416,14 +414,6 @@ def _nesting_ok(text: str, lines: list[str]) -> bool:
     if max(map(len, lines), default=0) < nesting.LIMIT:
         return True
     return nesting.problem(text) is None
-
-
-def _code_lines(text: str, fast_lines: list[str]) -> list[str]:
-    """``codegen.source_lines(text)``, without splitting the file again where it can be
-    avoided: ``fast_lines`` is module.lines only where splitlines_match holds (else empty), and
-    there the file's only line breaks are "\n" but for at most one other break ending the last
-    line, which both splits keep in that line: the lists are equal."""
-    return fast_lines if fast_lines else source_lines(text)
 
 
 # A line holding only a backslash continuation: libcst drops it, so it cannot reproduce the file.

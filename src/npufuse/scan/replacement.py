@@ -25,7 +25,7 @@ import tokenize
 from typing import Callable
 
 from npufuse.patterns.base import Finding
-from npufuse.rewrite.codegen import MARKER, Switch, guard_expression, has_other_breaks, render_site
+from npufuse.rewrite.codegen import MARKER, Switch, env_switch, guard_expression, has_other_breaks, render_site, source_lines
 
 # libcst's indent when a module has no indented block (libcst._parser.detect_config).
 FALLBACK_INDENT = "    "
@@ -325,8 +325,6 @@ def libcst_body(source: str, finding: Finding) -> tuple[str, str] | None:
     this, so libcst's cost (~0.7 s a site) is spread over the cores instead of paid one site after
     another in the parent. None where render_site fails or where :func:`render` with the pair
     does not give back render_site's exact text (then the site is rendered in full later)."""
-    from npufuse.rewrite.codegen import env_switch, source_lines
-
     switch = env_switch(finding.pattern)
     if not _simple_guard(guard_expression(finding, switch)):
         return None
@@ -355,11 +353,7 @@ def crlf_lines(source: str, lines: list[str]) -> list[str] | None:
     return [ln[:-2] + "\n" if ln.endswith("\r\n") else ln for ln in lines]
 
 
-def splitlines_match(source: str, lines: list[str] | None = None) -> bool:
+def splitlines_match(source: str) -> bool:
     """Whether ``source`` breaks lines only at ``\\n``, the one line end the fast path covers (not
-    "\\r", nor a form feed or another break that str.splitlines counts). ``lines``: the source's
-    lines (``ModuleInfo.lines``) when the caller has them already."""
-    if "\r" in source or has_other_breaks(source):
-        return False
-    n = len(lines) if lines is not None else len(source.splitlines())
-    return n == source.count("\n") + (0 if source.endswith("\n") or not source else 1)
+    "\\r", nor a form feed or another break that str.splitlines counts)."""
+    return "\r" not in source and not has_other_breaks(source)

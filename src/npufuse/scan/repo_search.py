@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from npufuse.rewrite.codegen import Switch, env_switch, source_lines
+from npufuse.rewrite.codegen import Switch, env_switch
 from npufuse.scan import config_shapes
 from npufuse.scan.dataflow import ModuleInfo, Scope, child_fields, dotted
 
@@ -421,7 +421,7 @@ def _span(block: list[ast.stmt]) -> tuple[int, int]:
 
 def _branches(module: ModuleInfo, ifs: list[ast.If], npu_calls: list[tuple[int, str]], facts: FileFacts) -> None:
     """Spans whose eager code sits beside a torch_npu branch (already fused by hand or by us)."""
-    lines = source_lines(module.source)  # numbered as ast numbers them (splitlines also breaks at \f, U+2028, ...)
+    lines = module.lines  # numbered as ast numbers them
     rewritten = "_npufuse_on_npu" in module.source  # only files npufuse rewrote need the check
 
     def has_npu(block: list[ast.stmt]) -> bool:
