@@ -29,6 +29,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "status": ("npufuse.status_command", "the task list: every candidate and where it stands"),
     "api": ("npufuse.api_docs", "signature, constraints and returns of a torch_npu API"),
     "emulate": ("npufuse.emulate.command", "list the emulated torch_npu APIs"),
+    "trace": ("npufuse.trace.command", "run your command once and record which sites ran, with shapes, dtypes and values"),
     "demo": ("npufuse.demo", "the whole flow on the bundled example model, on CPU"),
 }
 

@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("md", "json"), default="md", help="md: write the report (default); json: print scan.json on stdout")
     parser.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to run, e.g. rms_norm,swiglu")
     parser.add_argument("--profile", metavar="DIR", help="Ascend profiler output to join with the candidates (report section 1.2)")
+    parser.add_argument("--trace", metavar="FILE", help="run-time facts from `npufuse trace` (trace.json): reached or not, shapes, dtypes, mask values (report section 1.3)")
     parser.add_argument("--max-file-mb", type=float, default=10.0, metavar="MB", help="skip Python files larger than this (default 10)")
     parser.add_argument("-j", "--jobs", type=int, default=None, metavar="N", help="worker processes (default: all cores; small trees run in-process)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="N", help="batch size for the value estimate (default: read from the repo, else 4)")
@@ -239,6 +240,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-file-mb must be positive")
     if args.profile and not Path(args.profile).exists():
         raise UsageError(f"--profile {args.profile}: no such file or folder")
+    trace = None
+    if args.trace:
+        from npufuse.trace.facts import TraceInputError, load_trace
+
+        try:
+            trace = load_trace(Path(args.trace))
+        except TraceInputError as exc:
+            raise UsageError(f"--trace {exc}") from None
     only = [s for s in args.only.split(",")] if args.only else None
     info = last_run = RunInfo()
     state_path = Path(args.state_dir) / "scan.json"
@@ -263,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The profile join reads profiler output the key does not cover: such a run always scans.
     # A cold cache (inputs.cold) has no record to reuse: its key comes with the scan's result.
-    keyed = cache_dir is not None and not args.profile and (inputs.key is not None or inputs.cold)
+    keyed = cache_dir is not None and not args.profile and trace is None and (inputs.key is not None or inputs.cold)
     if keyed:
         if inputs.key is not None:
             from npufuse.scan.cache import reuse_outputs
@@ -292,6 +301,11 @@ def run(args: argparse.Namespace) -> int:
     profile_section = _join_profile(scan, args.profile) if args.profile else None
     if profile_section is not None:
         scan["suggested_order"] = engine.suggested_order(scan["candidates"])
+    if trace is not None:
+        from npufuse.trace.facts import join_trace, runtime_section
+
+        join_trace(scan, trace, source=str(args.trace))
+        profile_section = (profile_section or "") + runtime_section(scan, trace)
     # scan.json and report.md are encoded here, one after the other: rendering the report in a
     # forked child beside the JSON encoding was measured slower (the child's reads of the whole
     # result copy-on-write most of this process's heap: ~0.1 s more than it saves)

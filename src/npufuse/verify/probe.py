@@ -554,6 +554,10 @@ def child_main() -> None:
         sys.stderr.write(f"npufuse probe: cannot read {path} ({exc})\n")
         return
     ChildProbe(cfg).start()
+    if isinstance(cfg.get("trace"), dict):  # `npufuse trace`: record the run (see npufuse.trace.recorder)
+        from npufuse.trace.recorder import start as start_trace
+
+        start_trace(cfg["trace"])
 
 
 def read_counters(out_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,223 @@
+"""``npufuse trace --cmd "python train.py ..."``: run the user's own command once, record what ran.
+
+The command runs as ``verify e2e`` runs it (its own process group, the whole tree stopped at the
+end, the ``torch_npu`` stand-in when the real one is absent) with a recorder in every Python
+process (:mod:`npufuse.trace.recorder`). ``--steps N`` ends the launch after N optimizer steps.
+Writes ``STATE_DIR/trace.json`` (facts per executed source line: see :mod:`npufuse.trace.facts`)
+and the recorded op sequences as a ``trace_view.json``-style file that the profile stage mines with
+its own knowledge base: sequences at lines no static candidate covers are listed as "found at run
+time" candidates. When ``STATE_DIR/scan.json`` exists its candidates are annotated (reached or
+not, facts), and ``npufuse scan PATH --trace STATE_DIR/trace.json`` does the same at scan time.
+
+Exit 0 when a record was made, 1 when the command ran but nothing was recorded (it never imported
+torch, or failed before), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from npufuse.cli import UsageError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= v <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"{text} is out of range (1 to 1000000)")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v <= 0 or v > 7 * 86400:
+        raise argparse.ArgumentTypeError(f"{text} is not a usable number of seconds (0 < S <= 604800)")
+    return v
+
+
+def _kv(text: str) -> tuple[str, str]:
+    if "=" not in text or not text.split("=", 1)[0]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K=V")
+    k, v = text.split("=", 1)
+    return k, v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cmd", required=True, help='your launch command, e.g. "python train.py --max-iters 3"')
+    parser.add_argument("--root", default=".", metavar="DIR", help="the repository the command runs in (default: .)")
+    parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                        help="stop the launch after N optimizer steps (default: let it finish)")
+    parser.add_argument("--timeout", type=_seconds, default=1800.0, metavar="S", help="wall-clock limit (default 1800)")
+    parser.add_argument("--state-dir", default=".npufuse", metavar="DIR", help="where trace.json goes (default .npufuse)")
+    parser.add_argument("--env", action="append", type=_kv, default=[], metavar="K=V", help="environment variable for the command; repeatable")
+    parser.add_argument("--shell", action="store_true", help="run the command through /bin/sh (default: shlex.split, no shell)")
+    parser.add_argument("--emulate", choices=("auto", "always", "never"), default="auto",
+                        help="torch_npu for the run: auto = the real one when installed, else the emulator")
+    parser.add_argument("--max-events", type=_positive_int, default=300_000, metavar="N",
+                        help="op events kept for sequence mining (per-line facts are always complete; default 300000)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from npufuse.trace.facts import merge_records
+    from npufuse.verify import probe, runner
+
+    root = Path(args.root)
+    if not root.is_dir():
+        raise UsageError(f"--root {args.root}: not a folder")
+    state_dir = Path(args.state_dir)
+    work = state_dir / "trace"
+    try:
+        if work.is_symlink() or (work.exists() and not work.is_dir()):
+            raise UsageError(f"{work}: exists and is not a folder npufuse made; remove it")
+        if work.exists():
+            shutil.rmtree(work)
+        (work / "records").mkdir(parents=True)
+    except OSError as exc:
+        raise UsageError(f"cannot prepare {work}: {exc.strerror or exc}") from None
+    cfg = {"mode": "trace", "out_dir": str((work / "counters").resolve()), "runner_pid": os.getpid(),
+           "runner_pgid": os.getpgrp(), "emulate": args.emulate,
+           "trace": {"out_dir": str((work / "records").resolve()), "root": str(root.resolve()),
+                     "steps": args.steps, "max_events": args.max_events}}
+    cfg_path = work / "probe.json"
+    cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
+    env = runner.child_env(dict(args.env), cfg_path, work / "site")
+    command = runner.split_command(args.cmd, args.shell)
+    print(f"npufuse trace: running {args.cmd!r} in {root} (recording every torch call of the forward pass and "
+          f"optimizer; {'stops after ' + str(args.steps) + ' steps' if args.steps else 'until it ends'})", file=sys.stderr)
+    started = time.monotonic()
+    try:
+        child = runner.run_child(command, env=env, cwd=root, timeout_s=args.timeout, log_path=work / "output.log")
+    except OSError as exc:
+        raise UsageError(f"--cmd: cannot start {args.cmd!r}: {exc}") from None
+    wall = time.monotonic() - started
+    lines, totals = merge_records(work / "records", root)
+    counters = probe.read_counters(work / "counters")
+    trace: dict[str, Any] = {
+        "tool": "npufuse", "kind": "trace", "version": _version(), "command": args.cmd,
+        "exit": child.describe_exit() if not (args.steps and totals["steps"] >= args.steps)
+        else f"stopped by npufuse after {totals['steps']} optimizer steps",
+        "backend": counters.get("backend", "none"), "steps": totals["steps"], "processes": totals["processes"],
+        "wall_s": round(wall, 3), "events": totals["events"], "events_dropped": totals["events_dropped"],
+        "trace_views": [os.path.relpath(p, state_dir) for p in totals["trace_views"]],
+        "lines": lines, "runtime_candidates": [],
+    }
+    if not lines:
+        _write(state_dir / "trace.json", trace)
+        tail = "\n".join("    " + ln[:200] for ln in child.tail[-8:])
+        print(f"npufuse trace: nothing was recorded ({child.describe_exit()}): the command never imported torch, or "
+              f"failed first. Last output:\n{tail}", file=sys.stderr)
+        return 1
+    trace["optimizers"] = totals["optimizers"]
+    trace["runtime_candidates"] = mine_runtime(totals["trace_views"], _scan_candidates(state_dir), root,
+                                               totals["optimizers"])
+    scan_path = state_dir / "scan.json"
+    annotated = _annotate_scan(scan_path, trace)
+    _write(state_dir / "trace.json", trace)
+    in_root = sum(1 for ln in lines if ln["in_root"])
+    print(f"npufuse trace: {len(lines)} source lines ran torch ops ({in_root} in the repo, {len(lines) - in_root} in "
+          f"installed packages), {totals['steps']} optimizer steps, torch_npu: {trace["backend"]}, {wall:.1f} s", file=sys.stderr)
+    if annotated is not None:
+        reached, total = annotated
+        print(f"npufuse trace: {reached} of {total} scan candidates ran; the others are marked not reached in "
+              f"{scan_path}", file=sys.stderr)
+    if trace["runtime_candidates"]:
+        print(f"npufuse trace: {len(trace['runtime_candidates'])} fusable sequence(s) found at run time that no static "
+              f"candidate covers:", file=sys.stderr)
+        for f in trace["runtime_candidates"][:10]:
+            print(f"  {f['file']}:{f['line']}  {f.get('api') or 'no fused API known'}  ({' > '.join(f['ops'])})", file=sys.stderr)
+    print(f"npufuse trace: wrote {state_dir / 'trace.json'}; use it with `npufuse scan PATH --trace "
+          f"{state_dir / 'trace.json'}`", file=sys.stderr)
+    return 0
+
+
+def _version() -> str:
+    from npufuse import __version__
+
+    return __version__
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    from npufuse.safe_write import write_text_atomic
+
+    try:
+        write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _scan_candidates(state_dir: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads((state_dir / "scan.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return []
+    cands = data.get("candidates") if isinstance(data, dict) else None
+    return [c for c in cands if isinstance(c, dict)] if isinstance(cands, list) else []
+
+
+def _annotate_scan(scan_path: Path, trace: dict[str, Any]) -> tuple[int, int] | None:
+    """Mark scan.json's candidates reached / not reached (in place); None when there is no scan."""
+    from npufuse.trace.facts import join_trace
+
+    try:
+        scan = json.loads(scan_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(scan, dict) or not isinstance(scan.get("candidates"), list):
+        return None
+    scan["candidates"] = [c for c in scan["candidates"] if isinstance(c, dict)]
+    join_trace(scan, trace, source=str(scan_path.parent / "trace.json"))
+    _write(scan_path, scan)
+    return sum(1 for c in scan["candidates"] if (c.get("runtime") or {}).get("reached")), len(scan["candidates"])
+
+
+def mine_runtime(trace_views: list[str], candidates: list[dict[str, Any]], root: Path,
+                 optimizers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Mine the recorded op sequences with the profile stage (its knowledge base, its miner, its
+    join): fusable sequences at lines no static candidate covers. An optimizer's step sequence is
+    placed at the line that constructed the optimizer (where a rewrite would go)."""
+    if not trace_views:
+        return []
+    from npufuse.profile.analysis import analyze
+    from npufuse.profile.join import join_with_scan
+    from npufuse.trace.facts import _rel, _same_file
+
+    result = analyze(list(trace_views))
+    _, unexplained = join_with_scan(result, candidates)
+    root_real = os.path.realpath(root)
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[Any, ...]] = set()
+    for u in unexplained:
+        if not u.get("api"):
+            continue   # a frequent sequence without a fused API: the profile report's business, not a candidate
+        loc = u.get("location") or {}
+        if not loc.get("file"):
+            continue
+        file, line = _rel(str(loc["file"]), root_real), loc.get("line")
+        if u.get("pattern") == "fused_optimizer":
+            made = [o["made_at"] for o in optimizers or [] if o["stepped_at"] == [file, line]]
+            if made:
+                file, line = made[0]
+                if any(c.get("pattern") == "fused_optimizer" and _same_file(file, str(c.get("file", "")))
+                       and int(c.get("line", 0)) <= line <= int(c.get("end_line", c.get("line", 0))) for c in candidates):
+                    continue   # the static candidate at the construction line explains it
+        key = (file, line, u.get("pattern"))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append({"file": file, "line": line, "function": loc.get("function"),
+                    "api": u.get("api"), "pattern": u.get("pattern"), "ops": list(u.get("kernels") or []),
+                    "count": u.get("count"), "source": "found at run time"})
+    return out
