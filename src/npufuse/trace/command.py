@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     _write(state_dir / "trace.json", trace)
     in_root = sum(1 for ln in lines if ln["in_root"])
     print(f"npufuse trace: {len(lines)} source lines ran torch ops ({in_root} in the repo, {len(lines) - in_root} in "
-          f"installed packages), {totals['steps']} optimizer steps, torch_npu: {trace["backend"]}, {wall:.1f} s", file=sys.stderr)
+          f"installed packages), {totals['steps']} optimizer steps, torch_npu: {trace['backend']}, {wall:.1f} s", file=sys.stderr)
     if annotated is not None:
         reached, total = annotated
         print(f"npufuse trace: {reached} of {total} scan candidates ran; the others are marked not reached in "

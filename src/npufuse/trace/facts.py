@@ -277,7 +277,7 @@ def settle(c: dict[str, Any], facts: dict[str, Any]) -> list[tuple[str, str]]:
 def runtime_section(scan: dict[str, Any], trace: dict[str, Any]) -> str:
     """Report section: what the run established (reached or not, facts) and run-time-only candidates."""
     out = ["### 1.3 Run-time evidence (`npufuse trace`)", ""]
-    out.append(f"Traced command: `{_cell(trace.get('command', ''))}` ({trace.get('backend', 'unknown')} torch_npu, "
+    out.append(f"Traced command: `{_cell(trace.get('command', ''))}` (torch_npu: {trace.get('backend', 'unknown')}, "
                f"{trace.get('steps', 0)} optimizer steps, {trace.get('processes', 0)} process(es), "
                f"{trace.get('exit', '')}). Facts below come from that run, not from reading the code.")
     out.append("")
