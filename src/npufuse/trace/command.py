@@ -121,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
               f"failed first. Last output:\n{tail}", file=sys.stderr)
         return 1
     trace["optimizers"] = totals["optimizers"]
-    trace["runtime_candidates"] = mine_runtime(totals["trace_views"], _scan_candidates(state_dir), root,
-                                               totals["optimizers"])
+    cands, near = _scan_items(state_dir)
+    trace["runtime_candidates"], trace["runtime_rejected"] = mine_runtime(
+        totals["trace_views"], cands, root, totals["optimizers"], near)
     scan_path = state_dir / "scan.json"
     annotated = _annotate_scan(scan_path, trace)
     _write(state_dir / "trace.json", trace)
@@ -158,13 +159,19 @@ def _write(path: Path, data: dict[str, Any]) -> None:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def _scan_candidates(state_dir: Path) -> list[dict[str, Any]]:
+def _scan_items(state_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """scan.json's candidates and near misses (empty when there is no usable scan)."""
     try:
         data = json.loads((state_dir / "scan.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return []
-    cands = data.get("candidates") if isinstance(data, dict) else None
-    return [c for c in cands if isinstance(c, dict)] if isinstance(cands, list) else []
+        return [], []
+    if not isinstance(data, dict):
+        return [], []
+    out = []
+    for key in ("candidates", "near_misses"):
+        items = data.get(key)
+        out.append([c for c in items if isinstance(c, dict)] if isinstance(items, list) else [])
+    return out[0], out[1]
 
 
 def _annotate_scan(scan_path: Path, trace: dict[str, Any]) -> tuple[int, int] | None:
@@ -184,12 +191,14 @@ def _annotate_scan(scan_path: Path, trace: dict[str, Any]) -> tuple[int, int] | 
 
 
 def mine_runtime(trace_views: list[str], candidates: list[dict[str, Any]], root: Path,
-                 optimizers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                 optimizers: list[dict[str, Any]] | None = None, near_misses: list[dict[str, Any]] | None = None
+                 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Mine the recorded op sequences with the profile stage (its knowledge base, its miner, its
     join): fusable sequences at lines no static candidate covers. An optimizer's step sequence is
-    placed at the line that constructed the optimizer (where a rewrite would go)."""
+    placed at the line that constructed the optimizer (where a rewrite would go). Returns the
+    candidates and, for each sequence left out, why."""
     if not trace_views:
-        return []
+        return [], []
     from npufuse.profile.analysis import analyze
     from npufuse.profile.join import join_with_scan
     from npufuse.trace.facts import _rel, _same_file
@@ -198,6 +207,14 @@ def mine_runtime(trace_views: list[str], candidates: list[dict[str, Any]], root:
     _, unexplained = join_with_scan(result, candidates)
     root_real = os.path.realpath(root)
     out: list[dict[str, Any]] = []
+    dropped: list[str] = []
+    cache: dict[str, Any] = {}
+
+    def events() -> list[dict[str, Any]]:
+        if "events" not in cache:
+            cache["events"] = _load_events(trace_views)
+        return cache["events"]
+
     seen: set[tuple[Any, ...]] = set()
     for u in unexplained:
         if not u.get("api"):
@@ -213,11 +230,60 @@ def mine_runtime(trace_views: list[str], candidates: list[dict[str, Any]], root:
                 if any(c.get("pattern") == "fused_optimizer" and _same_file(file, str(c.get("file", "")))
                        and int(c.get("line", 0)) <= line <= int(c.get("end_line", c.get("line", 0))) for c in candidates):
                     continue   # the static candidate at the construction line explains it
+        elif not _dataflow_linked(events(), loc, list(u.get("kernels") or [])):
+            dropped.append(f"{file}:{line} {u.get('pattern')}: ops run one after another but none feeds the next")
+            continue
         key = (file, line, u.get("pattern"))
         if key in seen:
             continue
         seen.add(key)
-        out.append({"file": file, "line": line, "function": loc.get("function"),
-                    "api": u.get("api"), "pattern": u.get("pattern"), "ops": list(u.get("kernels") or []),
-                    "count": u.get("count"), "source": "found at run time"})
+        entry = {"file": file, "line": line, "function": loc.get("function"),
+                 "api": u.get("api"), "pattern": u.get("pattern"), "ops": list(u.get("kernels") or []),
+                 "count": u.get("count"), "source": "found at run time"}
+        for nm in near_misses or []:
+            if nm.get("pattern") == u.get("pattern") and _same_file(file, str(nm.get("file", ""))) \
+                    and int(nm.get("line", 0) or 0) <= (line or 0) <= int(nm.get("end_line", nm.get("line", 0)) or 0):
+                entry["static_near_miss"] = str(nm.get("reason", ""))
+        out.append(entry)
+    return out, dropped
+
+
+def _load_events(trace_views: list[str]) -> list[dict[str, Any]]:
+    """The recorded op events (ours: written by the recorder), in time order per file."""
+    out: list[dict[str, Any]] = []
+    for p in trace_views:
+        try:
+            data = json.loads(Path(p).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            continue
+        evs = data.get("traceEvents") if isinstance(data, dict) else None
+        for e in evs if isinstance(evs, list) else []:
+            if isinstance(e, dict) and e.get("cat") == "cpu_op" and isinstance(e.get("args"), dict):
+                out.append(e)
+        out.append({})   # a process boundary: no window spans it
     return out
+
+
+def _dataflow_linked(events: list[dict[str, Any]], loc: dict[str, Any], ops: list[str]) -> bool:
+    """Does some occurrence of ``ops`` (consecutive events) at ``loc`` form a chain in which each op
+    consumes a tensor the op before it produced? A sequence that is only adjacent in time (two
+    unrelated transposes and views) is no fusion."""
+    if len(ops) < 2:
+        return True
+    where = f"{loc.get('file')}({loc.get('line')})"
+    names = ["aten::" + o for o in ops]
+    n = len(names)
+    for i in range(len(events) - n + 1):
+        if events[i].get("name") != names[0] or where not in str(events[i]["args"].get("Call stack", "")):
+            continue
+        window = events[i:i + n]
+        if [e.get("name") for e in window] != names:
+            continue
+        if all(set(_ids(b, "in")) & set(_ids(a, "out")) for a, b in zip(window, window[1:])):
+            return True
+    return False
+
+
+def _ids(e: dict[str, Any], key: str) -> list[int]:
+    v = (e.get("args") or {}).get(key)
+    return [x for x in v if isinstance(x, int)] if isinstance(v, list) else []

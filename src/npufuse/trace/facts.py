@@ -311,11 +311,14 @@ def runtime_section(scan: dict[str, Any], trace: dict[str, Any]) -> str:
     if not found:
         out.append("none.")
     else:
-        out.append("| location | fused API | pattern | op sequence | count |")
-        out.append("| --- | --- | --- | --- | --- |")
+        out.append("| location | fused API | pattern | op sequence | count | note |")
+        out.append("| --- | --- | --- | --- | --- | --- |")
         for f in found:
+            note = f"static scan: near miss ({f['static_near_miss']})" if f.get("static_near_miss") else \
+                "no static candidate; no rewrite template is implied"
             out.append(f"| {_cell(f.get('file'))}:{f.get('line')} | `{_cell(f.get('api') or 'none known')}` | "
-                       f"{_cell(f.get('pattern') or '-')} | {_cell(' > '.join(f.get('ops') or []))} | {f.get('count', '')} |")
+                       f"{_cell(f.get('pattern') or '-')} | {_cell(' > '.join(f.get('ops') or []))} | {f.get('count', '')} | "
+                       f"{_cell(note)} |")
     return "\n".join(out) + "\n"
 
 

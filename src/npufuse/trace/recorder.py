@@ -103,6 +103,14 @@ def _value_class(t: Any) -> str:
     return "float" + suffix
 
 
+def _out_ids(out: Any, torch: Any) -> list[int]:
+    if isinstance(out, torch.Tensor):
+        return [id(out)]
+    if isinstance(out, (tuple, list)):
+        return [id(o) for o in out[:8] if isinstance(o, torch.Tensor)]
+    return []
+
+
 def _batch_uniform(t: Any) -> bool | None:
     """True when every batch row equals the first (cos/sin built once and expanded); None: not a
     tensor with a batch dimension worth reading."""
@@ -237,7 +245,9 @@ class Recorder:
             if len(self.events) < self.max_events:
                 self.events.append({"ph": "X", "cat": "cpu_op", "name": "aten::" + name, "pid": self.pid,
                                     "tid": 1, "ts": (t0 - self.t0) / 1000.0, "dur": max(t1 - t0, 1) / 1000.0,
-                                    "args": {"Call stack": self._stack_text(frames)}})
+                                    "args": {"Call stack": self._stack_text(frames),
+                                             # tensor identities: which op fed which (dataflow evidence)
+                                             "in": [id(t) for t in tensors], "out": _out_ids(out, torch)}})
             else:
                 self.events_dropped += 1
 

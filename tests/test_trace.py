@@ -1,0 +1,161 @@
+"""npufuse trace: one recorded run of the user's command decides what static reading guesses.
+
+The fixture repo (tests/fixtures/trace_repo) has, on purpose:
+* an eager attention under ``if self.flash:``'s else branch, dead with the default flash=True;
+* an ALiBi attention whose "mask" is an arbitrary float bias (never a 0/-inf mask);
+* a bf16 autocast forward; an AdamW whose grads are freed by zero_grad(set_to_none=True);
+* ``transpose(1, 2).contiguous().reshape`` that no static detector knows (confusion_transpose),
+  and ``view(...).transpose(1, 2)`` lines that are adjacent in time but not a fusion.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from npufuse.cli import main
+from npufuse.trace import facts
+
+FIXTURE = Path(__file__).parent / "fixtures" / "trace_repo"
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    repo = tmp_path_factory.mktemp("trace") / "repo"
+    shutil.copytree(FIXTURE, repo)
+    import os
+
+    old = os.getcwd()
+    os.chdir(repo)
+    try:
+        assert main(["scan", ".", "--no-progress", "--no-cache"]) == 0
+        cmd = f"{sys.executable} train.py --iters 40"
+        assert main(["trace", "--cmd", cmd, "--steps", "3"]) == 0
+        trace = json.loads((repo / ".npufuse" / "trace.json").read_text())
+        scan_after_trace = json.loads((repo / ".npufuse" / "scan.json").read_text())
+        assert main(["scan", ".", "--no-progress", "--no-cache", "--trace", ".npufuse/trace.json"]) == 0
+        scan = json.loads((repo / ".npufuse" / "scan.json").read_text())
+        report = (repo / "report.md").read_text()
+    finally:
+        os.chdir(old)
+    return {"repo": repo, "trace": trace, "scan": scan, "scan_after_trace": scan_after_trace, "report": report}
+
+
+def _cand(scan: dict, pattern: str, qualname: str) -> dict:
+    found = [c for c in scan["candidates"] if c["pattern"] == pattern and c["qualname"] == qualname]
+    assert len(found) == 1, [(c["pattern"], c["qualname"]) for c in scan["candidates"]]
+    return found[0]
+
+
+def test_the_run_stopped_after_the_requested_steps(traced: dict) -> None:
+    t = traced["trace"]
+    assert t["steps"] == 3
+    assert t["exit"] == "stopped by npufuse after 3 optimizer steps"
+    assert t["processes"] == 1
+
+
+def test_dead_eager_attention_is_not_reached_and_ranked_last(traced: dict) -> None:
+    scan = traced["scan"]
+    dead = _cand(scan, "attention", "CausalSelfAttention.forward")
+    assert dead["runtime"]["reached"] is False
+    assert any(r["kind"] == "not_reached" for r in dead["risks"])
+    assert scan["suggested_order"][-1] == dead["id"]
+    live = _cand(scan, "sdpa", "CausalSelfAttention.forward")
+    assert live["runtime"]["reached"] is True and live["runtime"]["calls"] == 3
+    assert "| **no** |" in traced["report"]
+
+
+def test_trace_annotates_an_existing_scan_json_too(traced: dict) -> None:
+    dead = _cand(traced["scan_after_trace"], "attention", "CausalSelfAttention.forward")
+    assert dead["runtime"]["reached"] is False
+
+
+def test_alibi_float_bias_is_recorded_as_float_and_flagged(traced: dict) -> None:
+    alibi = _cand(traced["scan"], "attention", "AlibiAttention.forward")
+    assert alibi["runtime"]["facts"]["mask_kind"] == "float"
+    assert any(r["kind"] == "runtime_mask_values" and r["level"] == "high" for r in alibi["risks"])
+
+
+def test_autocast_state_comes_from_the_run(traced: dict) -> None:
+    norm = _cand(traced["scan"], "rms_norm", "RMSNorm.forward")
+    assert norm["runtime"]["facts"]["autocast"] == "bfloat16"
+    assert any(r["kind"] == "amp" for r in norm["risks"])
+    sdpa = _cand(traced["scan"], "sdpa", "CausalSelfAttention.forward")
+    assert "bfloat16" in sdpa["runtime"]["facts"]["dtypes"]
+
+
+def test_run_time_only_candidate_with_file_line_and_api(traced: dict) -> None:
+    found = traced["trace"]["runtime_candidates"]
+    ct = [f for f in found if f["pattern"] == "confusion_transpose"]
+    # model.py:42 `y.transpose(1, 2).contiguous().reshape(B, T, C)`: one dataflow chain
+    assert {"file": "model.py", "line": 42} in [{"file": f["file"], "line": f["line"]} for f in ct]
+    assert all(f["api"] == "torch_npu.npu_confusion_transpose" for f in ct)
+    # `view(...).transpose(1, 2)` on line 31 then `view` on line 32: adjacent, not linked
+    assert not any(f["line"] in (31, 32) for f in ct)
+    assert any(r.startswith("model.py:31 confusion_transpose") for r in traced["trace"]["runtime_rejected"])
+    assert "Found at run time" in traced["report"] and "model.py:42" in traced["report"]
+
+
+def test_optimizer_sequence_is_placed_at_its_construction_with_the_static_reason(traced: dict) -> None:
+    opt = [f for f in traced["trace"]["runtime_candidates"] if f["pattern"] == "fused_optimizer"]
+    assert len(opt) == 1
+    assert (opt[0]["file"], opt[0]["line"]) == ("train.py", 17)
+    assert "set_to_none=True" in opt[0]["static_near_miss"]
+
+
+def test_mask_operand_rule() -> None:
+    # the smaller operand is the mask; equal sizes: the one without a gradient
+    assert facts._mask_operand([["float:grad", 1024], ["additive_0_neginf", 256]]) == "additive_0_neginf"
+    assert facts._mask_operand([["float:grad", 1024], ["float", 1024]]) == "float"
+    assert facts._mask_operand([["float", 1024], ["float", 1024]]) is None
+    assert facts._mask_kind({"masked_fill": [[["float:grad", 16], ["bool", 16]]]}) == "bool"
+    assert facts._mask_kind({"add": [[["float:grad", 64], ["float", 16]]]}) == "float"
+    assert facts._mask_kind({}) is None
+
+
+def test_malformed_records_are_skipped_not_fatal(tmp_path: Path) -> None:
+    rec = tmp_path / "records"
+    rec.mkdir()
+    (rec / "record_1.json").write_text("{not json")
+    (rec / "record_2.json").write_text(json.dumps({"lines": [{"path": 3}, "x", {"path": str(tmp_path / "a.py"),
+                                                                          "line": "9", "ops": {"mul": "many"}}]}))
+    (rec / "record_3.json").write_text(json.dumps([1, 2]))
+    lines, totals = facts.merge_records(rec, tmp_path)
+    assert totals["processes"] == 1
+    assert lines == [{"file": "a.py", "line": 0, "func": "", "in_root": True, "calls": 0, "ops": {"mul": 0},
+                      "signatures": [], "values": {}, "batch_uniform": {}, "modules": {}, "autocast": {}}]
+
+
+@pytest.mark.parametrize("content, why", [
+    ("{", "not JSON"),
+    ('{"kind": "profile", "lines": []}', "not a trace.json"),
+    ("[" * 100000 + "]" * 100000, "not JSON"),
+])
+def test_scan_refuses_a_bad_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, why: str) -> None:
+    (tmp_path / "m.py").write_text("x = 1\n")
+    bad = tmp_path / "t.json"
+    bad.write_text(content)
+    assert main(["scan", str(tmp_path), "--no-progress", "--state-dir", str(tmp_path / ".s"), "-o",
+                 str(tmp_path / "r.md"), "--trace", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert why in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "x"], ["--timeout", "nan"], ["--timeout", "-1"],
+                                  ["--root", "/nonexistent/dir"]])
+def test_trace_rejects_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    rc = main(["trace", "--cmd", "true", "--state-dir", str(tmp_path / ".s"), *argv])
+    assert rc == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_command_that_never_imports_torch_records_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["trace", "--cmd", f"{sys.executable} -c print(1)", "--root", str(tmp_path),
+               "--state-dir", str(tmp_path / ".s")])
+    assert rc == 1
+    assert "nothing was recorded" in capsys.readouterr().err
+    assert json.loads((tmp_path / ".s" / "trace.json").read_text())["lines"] == []
