@@ -30,7 +30,7 @@ ROOT = HERE.parent
 CORPORA = (ROOT / ".venv" / "transformers-site" / "transformers" / "models", Path("/tmp/tf/transformers/models"), HERE / ".data" / "transformers")
 # The lines of each bench's output that carry its judged figures (shown again in the summary).
 SUMMARY = re.compile(r"^\s*(files |detectors |ast\.parse only|npufuse scan\s{2,}|warm scan|ratio|paired ratio|cpu time|warm cpu|peak memory|files rewritten|rewrite time|cpu time|outputs parse|"
-                     r"op check|bare function|overhead|\s*csv \||polars \||target:|machine load)")
+                     r"op check|bare function|overhead|plain run|traced run|\s*csv \||polars \||target:|machine load)")
 
 
 def _run(name: str, argv: list[str]) -> tuple[int, list[str], float]:
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(("rewrite", *_run("rewrite", ["rewrite.py", str(corpus), "--limit", "8" if args.quick else "20", *extra])))
         runs.append(("opcheck", *_run("opcheck", ["opcheck.py", "--repeat", "3"])))
         runs.append(("profile", *_run("profile", ["profile.py", "--rows", "100000" if args.quick else "300000"])))
+        runs.append(("trace", *_run("trace", ["trace.py", "--steps", "20", "--repeats", "1" if args.quick else "3"])))
     finally:
         shutil.rmtree(state, ignore_errors=True)
 
