@@ -159,3 +159,47 @@ def test_a_command_that_never_imports_torch_records_nothing(tmp_path: Path, caps
     assert rc == 1
     assert "nothing was recorded" in capsys.readouterr().err
     assert json.loads((tmp_path / ".s" / "trace.json").read_text())["lines"] == []
+
+
+SITE = Path(__file__).resolve().parents[1] / ".venv" / "transformers-site"
+QWEN_TRAIN = '''
+import sys
+import torch
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+cfg = Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+torch.manual_seed(0)
+model = Qwen2MoeForCausalLM(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(int(sys.argv[1])):
+    ids = torch.randint(0, 128, (2, 16))
+    out = model(input_ids=ids, labels=ids)
+    opt.zero_grad()
+    out.loss.backward()
+    opt.step()
+    print(f"step {step} loss {out.loss.item():.4f}", flush=True)
+'''
+
+
+@pytest.mark.skipif(not (SITE / "transformers").is_dir(), reason="transformers is not unpacked at .venv/transformers-site (make venv)")
+def test_qwen2_moe_records_installed_package_lines_and_the_default_paths(tmp_path: Path) -> None:
+    """transformers' defaults (sdpa attention, grouped_mm experts) bypass the eager code: the
+    record says which lines of the installed package ran, and finds its RMSNorm at run time."""
+    (tmp_path / "train.py").write_text(QWEN_TRAIN)
+    state = tmp_path / ".npufuse"
+    rc = main(["trace", "--cmd", f"{sys.executable} train.py 10", "--steps", "2", "--root", str(tmp_path),
+               "--state-dir", str(state), "--env", f"PYTHONPATH={SITE}"])
+    assert rc == 0
+    t = json.loads((state / "trace.json").read_text())
+    ran = {(ln["file"].rsplit("transformers/", 1)[-1], ln["func"]) for ln in t["lines"] if ln["calls"] and not ln["in_root"]}
+    assert ("integrations/sdpa_attention.py", "sdpa_attention_forward") in ran
+    assert ("integrations/moe.py", "grouped_mm_experts_forward") in ran
+    assert ("models/qwen2_moe/modeling_qwen2_moe.py", "eager_attention_forward") not in ran
+    experts = [ln for ln in t["lines"] if ln["file"].endswith("modeling_qwen2_moe.py") and ln["func"] == "forward"
+               and "Qwen2MoeExperts" in "".join(ln["modules"])]
+    assert experts, "the call of the experts module is recorded with its class"
+    found = {(f["file"].rsplit("/", 1)[-1], f["pattern"]) for f in t["runtime_candidates"]}
+    assert ("modeling_qwen2_moe.py", "rms_norm") in found
+    assert ("modeling_qwen2_moe.py", "add_rms_norm") in found
