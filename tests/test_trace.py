@@ -203,3 +203,44 @@ def test_qwen2_moe_records_installed_package_lines_and_the_default_paths(tmp_pat
     found = {(f["file"].rsplit("/", 1)[-1], f["pattern"]) for f in t["runtime_candidates"]}
     assert ("modeling_qwen2_moe.py", "rms_norm") in found
     assert ("modeling_qwen2_moe.py", "add_rms_norm") in found
+
+
+def test_verify_op_says_not_reached_and_uses_the_recorded_shapes(traced: dict, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    repo = tmp_path / "repo"
+    shutil.copytree(traced["repo"], repo)
+    norm = _cand(traced["scan"], "rms_norm", "RMSNorm.forward")["id"]
+    dead = _cand(traced["scan"], "attention", "CausalSelfAttention.forward")["id"]
+    old = os.getcwd()
+    os.chdir(repo)
+    try:
+        assert main(["apply", "--accept", f"{norm},{dead}"]) == 0
+        capsys.readouterr()
+        assert main(["verify", "op", str(dead)]) == 1
+        assert "not reached" in capsys.readouterr().out
+        state = json.loads((repo / ".npufuse" / "state.json").read_text())
+        entry = [c for c in state["candidates"] if c["id"] == dead][0] if isinstance(state["candidates"], list) \
+            else state["candidates"][str(dead)]
+        assert entry["status"] == "not_reached"
+        assert main(["verify", "op", str(norm), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+    finally:
+        os.chdir(old)
+    assert out["passed"] is True
+    assert any("x=2x16x32:float32" in n for n in out["notes"])           # train.py: batch 2, 16 tokens, dim 32
+    assert any("__init__ arguments: dim=32" in n for n in out["notes"])  # Tiny(dim=32) built RMSNorm(dim)
+    assert any("bfloat16 autocast" in n for n in out["notes"])
+
+
+def test_recorded_shapes_are_scaled_down_when_huge_and_said_so() -> None:
+    from npufuse.trace.inputs import recorded_shapes
+
+    entry = {"qualname": "Attn.forward", "runtime": {"source": "t.json", "arguments": {
+        "self": {"type": "m.Attn"}, "q": {"tensor": [64, 32, 4096, 128], "dtype": "bfloat16"},
+        "mask": {"tensor": [1, 1, 16, 16], "dtype": "bool"}, "n": 3, "bad name": {"tensor": [2], "dtype": "float32"}}}}
+    items, notes = recorded_shapes(entry)
+    assert items == ["q=2x32x256x128:bfloat16", "mask=1x1x16x16"]
+    assert any("q 64x32x4096x128 -> 2x32x256x128" in n for n in notes)
+    assert recorded_shapes({"runtime": {"arguments": "junk"}}) == ([], [])

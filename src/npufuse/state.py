@@ -23,6 +23,7 @@ STATUSES = (
     "e2e_failed",
     "perf_checking",
     "concluded",
+    "not_reached",  # a traced run never executed the site (npufuse trace): nothing to verify there
 )
 STATE_DIR = ".npufuse"
 

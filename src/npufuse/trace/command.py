@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
               f"failed first. Last output:\n{tail}", file=sys.stderr)
         return 1
     trace["optimizers"] = totals["optimizers"]
+    trace["functions"] = totals["functions"]
     cands, near = _scan_items(state_dir)
     trace["runtime_candidates"], trace["runtime_rejected"] = mine_runtime(
         totals["trace_views"], cands, root, totals["optimizers"], near)

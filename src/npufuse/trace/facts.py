@@ -36,7 +36,7 @@ def merge_records(record_dir: Path, root: Path) -> tuple[list[dict[str, Any]], d
     """Per-line facts of every process of the run (summed), and run totals."""
     merged: dict[tuple[str, int], dict[str, Any]] = {}
     totals: dict[str, Any] = {"processes": 0, "steps": 0, "events": 0, "events_dropped": 0, "trace_views": [],
-                              "stopped": [], "optimizers": []}
+                              "stopped": [], "optimizers": [], "functions": []}
     root_real = os.path.realpath(root)
     for path in sorted(record_dir.glob("record_*.json")):
         try:
@@ -61,6 +61,15 @@ def merge_records(record_dir: Path, root: Path) -> tuple[list[dict[str, Any]], d
             entry = {"class": str(opt.get("class", "")), "made_at": made, "stepped_at": stepped}
             if entry not in totals["optimizers"]:
                 totals["optimizers"].append(entry)
+        seen_fn = {(f["file"], f["qualname"]) for f in totals["functions"]}
+        for fn in rec.get("functions") or []:
+            if not (isinstance(fn, dict) and isinstance(fn.get("path"), str) and isinstance(fn.get("qualname"), str)):
+                continue
+            key_fn = (_rel(fn["path"], root_real), fn["qualname"])
+            if key_fn not in seen_fn and isinstance(fn.get("args"), dict):
+                seen_fn.add(key_fn)
+                totals["functions"].append({"file": key_fn[0], "qualname": key_fn[1], "line": _int(fn.get("line")),
+                                            "args": fn["args"], "autocast": fn.get("autocast") if isinstance(fn.get("autocast"), str) else None})
         tv = rec.get("trace_view")
         if isinstance(tv, str) and (record_dir / tv).is_file():
             totals["trace_views"].append(str(record_dir / tv))
@@ -152,6 +161,15 @@ def site_lines(trace: dict[str, Any], c: dict[str, Any]) -> list[dict[str, Any]]
     return [ln for ln in trace["lines"] if lo <= ln["line"] <= hi and _same_file(ln["file"], file)]
 
 
+def function_call(trace: dict[str, Any], c: dict[str, Any]) -> dict[str, Any] | None:
+    """The recorded first call of the function holding a candidate (its arguments), if any."""
+    for fn in trace.get("functions") or []:
+        if isinstance(fn, dict) and fn.get("qualname") == c.get("qualname") and isinstance(fn.get("file"), str) \
+                and _same_file(fn["file"], str(c.get("file", ""))) and isinstance(fn.get("args"), dict):
+            return fn
+    return None
+
+
 def site_facts(lines: list[dict[str, Any]]) -> dict[str, Any]:
     """What the run established about one site, from its lines' records."""
     ops: Counter = Counter()
@@ -239,6 +257,16 @@ def join_trace(scan: dict[str, Any], trace: dict[str, Any], source: str) -> None
         risks = c.setdefault("risks", [])
         if reached:
             facts = site_facts(lines)
+            fn = function_call(trace, c)
+            if fn is not None:
+                rt["arguments"] = fn["args"]
+                rt["arguments_autocast"] = fn.get("autocast")
+            owner = str(c.get("qualname", "")).rpartition(".")[0]
+            init = function_call(trace, {**c, "qualname": owner + ".__init__"}) if owner else None
+            if init is not None:
+                # the plain values the class was built with (verify op's --init)
+                rt["init_arguments"] = {k: v for k, v in init["args"].items() if k != "self"
+                                        and (v is None or isinstance(v, (bool, int, float, str)))}
             rt["facts"] = facts
             for kind, detail in settle(c, facts):
                 risks.append({"kind": kind, "detail": detail, "level": "high" if kind == "runtime_mask_values" else "medium",

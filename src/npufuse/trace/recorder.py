@@ -73,6 +73,7 @@ VALUE_CALLS = 3          # value classes are read on a line's first few calls of
 VALUE_MAX_NUMEL = 1 << 22
 MAX_SIGNATURES = 6
 MAX_DEPTH = 64
+MAX_FUNCTIONS = 5000
 TRACE_ENV = "NPUFUSE_TRACE"
 
 
@@ -111,6 +112,32 @@ def _out_ids(out: Any, torch: Any) -> list[int]:
     return []
 
 
+def _autocast_now() -> str | None:
+    try:
+        import torch
+
+        if torch.is_autocast_enabled("cpu"):
+            return str(torch.get_autocast_dtype("cpu")).replace("torch.", "")
+    except (AttributeError, TypeError, RuntimeError):
+        pass
+    return None
+
+
+def _describe(v: Any, depth: int = 0) -> Any:
+    """A value as JSON: tensors by shape/dtype, containers of them, plain scalars; else the type."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return {"tensor": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "requires_grad": bool(v.requires_grad)}
+    if v is None or isinstance(v, (bool, int, float)):
+        return v if not (isinstance(v, float) and v != v) else "nan"
+    if isinstance(v, str):
+        return v[:200]
+    if isinstance(v, (tuple, list)) and depth < 2 and len(v) <= 16:
+        return {"sequence": [_describe(x, depth + 1) for x in v]}
+    return {"type": f"{type(v).__module__}.{type(v).__qualname__}"}
+
+
 def _batch_uniform(t: Any) -> bool | None:
     """True when every batch row equals the first (cos/sin built once and expanded); None: not a
     tensor with a batch dimension worth reading."""
@@ -142,6 +169,8 @@ class Recorder:
         self.opt_start_ns: int | None = None
         self.t0 = time.perf_counter_ns()
         self._user: dict[str, bool] = {}
+        self._called: set[Any] = set()     # code objects whose first call's arguments are recorded
+        self.functions: list[dict[str, Any]] = []
         self._stacks: dict[tuple, str] = {}
         self._lock = threading.RLock()
         self._written = False
@@ -179,10 +208,28 @@ class Recorder:
             if u is None:
                 u = user[fn] = self._is_user(fn)
             if u:
+                if not out and co not in self._called:
+                    self._capture_arguments(f)
                 out.append((fn, f.f_lineno, co.co_name))
             f = f.f_back
             n += 1
         return out
+
+    def _capture_arguments(self, frame: Any) -> None:
+        """The arguments of a user function's first call that runs a torch op, as shapes, dtypes
+        and plain values: the inputs ``verify op`` rebuilds for a candidate held in it."""
+        co = frame.f_code
+        self._called.add(co)
+        if len(self.functions) >= MAX_FUNCTIONS:
+            return
+        names = co.co_varnames[: co.co_argcount + co.co_kwonlyargcount]
+        local = frame.f_locals
+        args: dict[str, Any] = {}
+        for name in names:
+            if name in local:
+                args[name] = _describe(local[name])
+        self.functions.append({"path": os.path.realpath(co.co_filename), "qualname": getattr(co, "co_qualname", co.co_name),
+                               "line": co.co_firstlineno, "args": args, "autocast": _autocast_now()})
 
     def _line(self, frame: tuple[str, int, str]) -> dict[str, Any]:
         key = (frame[0], frame[1])
@@ -329,7 +376,7 @@ class Recorder:
                     "wall_s": (time.perf_counter_ns() - self.t0) / 1e9, "trace_view": events_path.name,
                     "optimizers": [{"class": c, "made_at": [os.path.realpath(a), b], "stepped_at": [os.path.realpath(x), y]}
                                    for (a, b, x, y), c in self.optimizers.items()],
-                    "lines": self.lines_json()})
+                    "functions": self.functions, "lines": self.lines_json()})
             except Exception as exc:  # never break the user's program over its record
                 sys.stderr.write(f"npufuse trace: cannot write the record ({type(exc).__name__}: {exc})\n")
 

@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     op = sub.add_parser("op", help="operator-level accuracy (forward + backward) against a float64 golden (fp32 on an NPU)", description="operator-level accuracy of one applied candidate")
     common(op)
+    op.add_argument("--check-unreached", action="store_true", help="check a candidate that `npufuse trace` recorded as never executed")
     op.add_argument("--capture", metavar="CMD", help='launch command whose first call of the target gives the inputs, e.g. "python train.py --steps 1"')
     op.add_argument("--capture-timeout", type=float, default=600.0, metavar="S", help="seconds to wait for the capture (default 600)")
     op.add_argument("--capture-max-mb", type=int, default=512, metavar="MB", help="tensors captured by value up to this total (default 512)")
@@ -109,6 +110,25 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
         print(json.dumps(evidence, indent=2) if args.json else f"candidate {cand.id}: op check not applicable ({evidence['skipped']}); next: npufuse verify e2e {cand.id} --cmd \"...\"")
         return 0
 
+    from npufuse.trace.inputs import not_reached, recorded_init, recorded_shapes
+
+    unreached = not_reached(cand.scan)
+    if unreached and not args.check_unreached:
+        from npufuse.verify.candidate import update_state
+
+        update_state(cand, status="not_reached", note=unreached)
+        print(json.dumps({"candidate": cand.id, "check": "op", "status": "not_reached", "reason": unreached}, indent=2)
+              if args.json else f"candidate {cand.id}: {unreached} (--check-unreached checks it anyway)")
+        return 1
+    traced_notes: list[str] = []
+    if not args.shape and not args.capture:
+        traced, traced_notes = recorded_shapes(cand.scan)
+        args.shape = traced
+        given = {k for k, _ in args.init}
+        built = [(k, repr(v)) for k, v in recorded_init(cand.scan).items() if k not in given]
+        if traced and built:
+            args.init = list(args.init) + built
+            traced_notes.append("constructed with the traced run's __init__ arguments: " + ", ".join(f"{k}={v}" for k, v in built))
     opts = OpOptions(
         capture=args.capture, capture_timeout=args.capture_timeout, capture_max_mb=args.capture_max_mb, shell=args.shell,
         env=dict(args.env), shapes=args.shape, dtype=args.dtype, init={k: parse_literal(v) for k, v in args.init},
@@ -116,6 +136,7 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
     )  # fmt: skip
     if opts.factor <= 0:
         raise UsageError("--factor must be positive")
+    opts.input_notes = traced_notes
     report = verify_op(cand, opts, _progress(args))
     if args.json:
         out = report.summary()

@@ -104,6 +104,7 @@ class OpOptions:
     factor: float = DEFAULT_FACTOR
     seed: int = 0
     backend: str = "auto"  # auto | emulated (tests; "real" needs an NPU)
+    input_notes: list[str] = field(default_factory=list)  # where the inputs came from (npufuse trace)
 
 
 @dataclass
@@ -586,7 +587,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
                      f"{str(inputs.dtype).replace('torch.', '')}): those are judged by cosine distance relative to the original")  # fmt: skip
     if skip and backward == "checked":
         backward = f"checked (through the outputs the fused branch produces; not through {', '.join(sorted(skip))})"
-    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=notes, not_compared=not_compared)
+    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=opts.input_notes + notes, not_compared=not_compared)
 
 
 def _excuse_unproduced(golden: list[tuple[str, torch.Tensor]], orig: list[tuple[str, torch.Tensor]], fused: list[tuple[str, torch.Tensor]],

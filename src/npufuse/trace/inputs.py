@@ -1,0 +1,85 @@
+"""From a traced run to ``verify op``: whether the candidate ran, and the shapes it ran with.
+
+``npufuse trace`` records the arguments of the first call of every user function that ran a
+torch op (:mod:`npufuse.trace.recorder`); ``npufuse scan --trace`` / ``npufuse trace`` copy those of
+the function holding a candidate into its scan.json entry (``runtime.arguments``). ``verify op``
+then builds its inputs at those shapes and dtypes by default (no ``--shape``/``--capture`` given),
+scaled down when huge, and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MAX_NUMEL = 1 << 22      # one input tensor above this is scaled down (the check runs on CPU)
+BATCH_MAX = 2
+SEQ_MAX = 256
+
+
+def not_reached(scan_entry: dict[str, Any]) -> str | None:
+    """The reason verify op gives for a site the traced run never executed, else None."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    if isinstance(rt, dict) and rt.get("reached") is False:
+        return (f"not reached: the traced run ({rt.get('source', 'trace.json')}) never executed this site, so it is "
+                f"dead code under that configuration; no op check was run")
+    return None
+
+
+def _scaled(shape: list[int]) -> tuple[list[int], bool]:
+    out = list(shape)
+    if math.prod(out) <= MAX_NUMEL:
+        return out, False
+    if out and out[0] > BATCH_MAX:
+        out[0] = BATCH_MAX
+    for k in range(1, len(out) - 1):   # then the longest inner (sequence) dimension, never the last (hidden)
+        if math.prod(out) <= MAX_NUMEL:
+            break
+        j = max(range(1, len(out) - 1), key=lambda i: out[i])
+        if out[j] > SEQ_MAX:
+            out[j] = SEQ_MAX
+    return out, out != shape
+
+
+def recorded_shapes(scan_entry: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``--shape NAME=AxB:dtype`` items for the candidate's tensor arguments as the traced run
+    called them, and notes saying where they came from (and what was scaled down)."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    args = rt.get("arguments") if isinstance(rt, dict) else None
+    if not isinstance(args, dict):
+        return [], []
+    items: list[str] = []
+    scaled: list[str] = []
+    for name, v in args.items():
+        if name in ("self", "cls") or not isinstance(name, str) or not name.isidentifier():
+            continue
+        if not (isinstance(v, dict) and isinstance(v.get("tensor"), list) and isinstance(v.get("dtype"), str)):
+            continue
+        shape = v["tensor"]
+        if not shape or not all(isinstance(d, int) and 0 < d < 1 << 31 for d in shape):
+            continue
+        new, changed = _scaled(shape)
+        if changed:
+            scaled.append(f"{name} {'x'.join(map(str, shape))} -> {'x'.join(map(str, new))}")
+        dtype = v["dtype"] if v["dtype"] in ("float32", "float16", "bfloat16", "float64") else None
+        items.append(f"{name}={'x'.join(map(str, new))}" + (f":{dtype}" if dtype else ""))
+    if not items:
+        return [], []
+    notes = [f"input shapes and dtypes as the traced run called {scan_entry.get('qualname', 'the function')} "
+             f"({rt.get('source', 'trace.json')}): " + ", ".join(items)]
+    if scaled:
+        notes.append("scaled down to run on CPU (batch <= 2, sequence <= 256): " + "; ".join(scaled))
+    ac = rt.get("arguments_autocast")
+    if isinstance(ac, str):
+        notes.append(f"the traced run called it under {ac} autocast")
+    return items, notes
+
+
+def recorded_init(scan_entry: dict[str, Any]) -> dict[str, Any]:
+    """The plain ``__init__`` arguments the traced run built the candidate's class with."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    init = rt.get("init_arguments") if isinstance(rt, dict) else None
+    if not isinstance(init, dict):
+        return {}
+    return {k: v for k, v in init.items() if isinstance(k, str) and k.isidentifier()
+            and (v is None or isinstance(v, (bool, int, float, str)))}
