@@ -266,9 +266,8 @@ def _load_events(trace_views: list[str]) -> list[dict[str, Any]]:
 
 
 def _dataflow_linked(events: list[dict[str, Any]], loc: dict[str, Any], ops: list[str]) -> bool:
-    """Does some occurrence of ``ops`` (consecutive events) at ``loc`` form a chain in which each op
-    consumes a tensor the op before it produced? A sequence that is only adjacent in time (two
-    unrelated transposes and views) is no fusion."""
+    """Does some occurrence of ``ops`` (consecutive events) at ``loc`` form one dataflow graph? A
+    sequence that is only adjacent in time (two unrelated transposes and views) is no fusion."""
     if len(ops) < 2:
         return True
     where = f"{loc.get('file')}({loc.get('line')})"
@@ -280,9 +279,29 @@ def _dataflow_linked(events: list[dict[str, Any]], loc: dict[str, Any], ops: lis
         window = events[i:i + n]
         if [e.get("name") for e in window] != names:
             continue
-        if all(set(_ids(b, "in")) & set(_ids(a, "out")) for a, b in zip(window, window[1:])):
+        if _connected(window):
             return True
     return False
+
+
+def _connected(window: list[dict[str, Any]]) -> bool:
+    """The ops form one dataflow graph: an edge wherever an op consumes a tensor an earlier op of
+    the window produced (a side input such as ``weight.float()`` joins through its consumer)."""
+    n = len(window)
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for j in range(1, n):
+        ins = set(_ids(window[j], "in"))
+        for i in range(j):
+            if ins & set(_ids(window[i], "out")):
+                parent[find(i)] = find(j)
+    return len({find(i) for i in range(n)}) == 1
 
 
 def _ids(e: dict[str, Any], key: str) -> list[int]:

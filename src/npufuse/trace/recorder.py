@@ -49,7 +49,8 @@ SKIP = frozenset({
     "requires_grad_", "register_hook", "retain_grad", "_has_compatible_shallow_copy_type", "__index__",
     "__int__", "__float__", "__array__", "tolist", "get_device", "untyped_storage", "_typed_storage",
     "backward", "_set_grad_enabled", "is_grad_enabled", "get_default_dtype", "is_autocast_enabled",
-    "_get_tracing_state", "is_inference_mode_enabled", "__contains__", "__dir__", "__sizeof__", "__class__", "nelement", "ndimension", "type",
+    "_get_tracing_state", "is_inference_mode_enabled", "_record_function_enter_new", "_record_function_exit",
+    "_RecordFunction", "__contains__", "__dir__", "__sizeof__", "__class__", "nelement", "ndimension", "type",
     "is_shared", "is_pinned", "_is_view", "__reversed__", "detach_", "share_memory_", "__torch_function__",
 })
 
@@ -79,6 +80,7 @@ TRACE_ENV = "NPUFUSE_TRACE"
 
 def _op_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or type(func).__name__
+    name = name.rpartition(".")[2]   # `_record_function_exit._RecordFunction`
     return RENAME.get(name, name)
 
 
