@@ -78,6 +78,7 @@ def test_alibi_float_bias_is_recorded_as_float_and_flagged(traced: dict) -> None
     alibi = _cand(traced["scan"], "attention", "AlibiAttention.forward")
     assert alibi["runtime"]["facts"]["mask_kind"] == "float"
     assert any(r["kind"] == "runtime_mask_values" and r["level"] == "high" for r in alibi["risks"])
+    assert "`runtime_mask_values` (high, from the traced run)" in traced["report"]
 
 
 def test_autocast_state_comes_from_the_run(traced: dict) -> None:
