@@ -245,3 +245,31 @@ def test_recorded_shapes_are_scaled_down_when_huge_and_said_so() -> None:
     assert items == ["q=2x32x256x128:bfloat16", "mask=1x1x16x16"]
     assert any("q 64x32x4096x128 -> 2x32x256x128" in n for n in notes)
     assert recorded_shapes({"runtime": {"arguments": "junk"}}) == ([], [])
+
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+                     max_leaves=20)
+_line = st.fixed_dictionaries({"file": st.sampled_from(["m.py", "x/m.py", 3]), "line": st.one_of(st.integers(-3, 9), _json)},
+                              optional={k: _json for k in ("calls", "ops", "values", "batch_uniform", "signatures",
+                                                           "modules", "autocast", "in_root", "func")})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(_line, max_size=5), extra=st.dictionaries(st.sampled_from(
+    ["functions", "runtime_candidates", "steps", "command", "backend", "processes"]), _json, max_size=4))
+def test_a_tampered_trace_json_never_raises(tmp_path: Path, lines: list, extra: dict) -> None:
+    """scan --trace reads trace.json as untrusted input: any content gives a report, or exit 2."""
+    repo = tmp_path / "r"
+    repo.mkdir(exist_ok=True)
+    (repo / "m.py").write_text(
+        "import torch\n\nclass N(torch.nn.Module):\n    def forward(self, x):\n"
+        "        v = x.pow(2).mean(-1, keepdim=True)\n        return self.weight * (x * torch.rsqrt(v + self.eps))\n")
+    t = tmp_path / "trace.json"
+    t.write_text(json.dumps({"kind": "trace", "lines": lines, **extra}))
+    rc = main(["scan", str(repo), "--no-progress", "--no-cache", "--state-dir", str(tmp_path / "s"), "-o",
+               str(tmp_path / "r.md"), "--trace", str(t)])
+    assert rc in (0, 2)

@@ -135,9 +135,73 @@ def load_trace(path: Path) -> dict[str, Any]:
         raise TraceInputError(f"{path}: not JSON ({exc})") from None
     if not isinstance(data, dict) or data.get("kind") != "trace" or not isinstance(data.get("lines"), list):
         raise TraceInputError(f"{path}: not a trace.json written by `npufuse trace`")
-    data["lines"] = [ln for ln in data["lines"] if isinstance(ln, dict) and isinstance(ln.get("file"), str)
-                     and isinstance(ln.get("line"), int)]
-    return data
+    return sanitize_trace(data)
+
+
+def _counts(v: Any) -> dict[str, int]:
+    return {str(k)[:300]: _int(n) for k, n in _dict(v).items()}
+
+
+def _shape(v: Any) -> list[int] | None:
+    if isinstance(v, list) and len(v) <= 16 and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in v):
+        return v
+    return None
+
+
+def _signature(v: Any) -> dict[str, Any] | None:
+    if not isinstance(v, dict) or not isinstance(v.get("op"), str):
+        return None
+    shapes = [_shape(x) for x in v.get("shapes") or [] if isinstance(v.get("shapes"), list)]
+    dtypes = [d for d in v.get("dtypes") or [] if isinstance(d, str)] if isinstance(v.get("dtypes"), list) else []
+    return {"op": v["op"][:100], "shapes": [x for x in shapes if x is not None][:8], "dtypes": dtypes[:8],
+            "autocast": v["autocast"] if isinstance(v.get("autocast"), str) else None}
+
+
+def _value_classes(v: Any) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for op, calls in _dict(v).items():
+        keep = []
+        for call in calls if isinstance(calls, list) else []:
+            if isinstance(call, list):
+                keep.append([[c[0], c[1]] for c in call if isinstance(c, list) and len(c) == 2
+                             and isinstance(c[0], str) and isinstance(c[1], int) and not isinstance(c[1], bool)][:8])
+        out[str(op)[:100]] = keep[:8]
+    return out
+
+
+def sanitize_trace(data: dict[str, Any]) -> dict[str, Any]:
+    """trace.json is input like any other (it may be shipped or edited): every field the join and
+    the report read is brought to its type here, or dropped."""
+    lines = []
+    for ln in data.get("lines") or []:
+        if not (isinstance(ln, dict) and isinstance(ln.get("file"), str) and isinstance(ln.get("line"), int)
+                and not isinstance(ln.get("line"), bool)):
+            continue
+        lines.append({"file": ln["file"], "line": ln["line"], "func": str(ln.get("func", ""))[:200],
+                      "in_root": ln.get("in_root") is True, "calls": _int(ln.get("calls")), "ops": _counts(ln.get("ops")),
+                      "modules": _counts(ln.get("modules")), "autocast": _counts(ln.get("autocast")),
+                      "signatures": [s for s in map(_signature, ln.get("signatures") or [] if isinstance(ln.get("signatures"), list) else []) if s],
+                      "values": _value_classes(ln.get("values")),
+                      "batch_uniform": {str(k): b for k, b in _dict(ln.get("batch_uniform")).items() if isinstance(b, bool)}})
+    functions = []
+    for fn in data.get("functions") or [] if isinstance(data.get("functions"), list) else []:
+        if isinstance(fn, dict) and isinstance(fn.get("file"), str) and isinstance(fn.get("qualname"), str) \
+                and isinstance(fn.get("args"), dict):
+            functions.append({"file": fn["file"], "qualname": fn["qualname"], "line": _int(fn.get("line")),
+                              "args": fn["args"], "autocast": fn["autocast"] if isinstance(fn.get("autocast"), str) else None})
+    found = []
+    for f in data.get("runtime_candidates") or [] if isinstance(data.get("runtime_candidates"), list) else []:
+        if isinstance(f, dict) and isinstance(f.get("file"), str):
+            found.append({"file": f["file"], "line": _int(f.get("line")), "api": str(f.get("api") or ""),
+                          "pattern": str(f.get("pattern") or ""), "count": _int(f.get("count")),
+                          "ops": [str(o) for o in f.get("ops") or [] if isinstance(f.get("ops"), list)][:32],
+                          **({"static_near_miss": str(f["static_near_miss"])} if f.get("static_near_miss") else {})})
+    out = {k: data[k] for k in ("tool", "kind", "version") if k in data}
+    out.update({"command": str(data.get("command", ""))[:2000], "exit": str(data.get("exit", ""))[:200],
+                "backend": str(data.get("backend", "unknown"))[:40], "steps": _int(data.get("steps")),
+                "processes": _int(data.get("processes")), "lines": lines, "functions": functions,
+                "runtime_candidates": found})
+    return out
 
 
 # ---------------------------------------------------------------------------- the join
@@ -251,7 +315,7 @@ def join_trace(scan: dict[str, Any], trace: dict[str, Any], source: str) -> None
     has_data = bool(trace["lines"])
     for c in scan.get("candidates", []):
         lines = site_lines(trace, c)
-        calls = max((int(ln.get("calls", 0)) for ln in lines), default=0)
+        calls = max((_int(ln.get("calls")) for ln in lines), default=0)
         reached = calls > 0
         rt: dict[str, Any] = {"source": source, "reached": reached if has_data else None, "calls": calls}
         risks = c.setdefault("risks", [])
