@@ -88,12 +88,24 @@ def print_switches(results) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from npufuse.state_folder import StateBusy, UnsafeStatePath, lock
+
+    state_dir = Path(args.state_dir)
+    try:
+        if args.dry_run or not state_dir.is_dir():  # no state folder: _run says there is no scan
+            return _run(args, state_dir)
+        with lock(state_dir, verb="npufuse apply"):
+            return _run(args, state_dir)
+    except (UnsafeStatePath, StateBusy) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _run(args: argparse.Namespace, state_dir: Path) -> int:
     from npufuse.rewrite import apply as ap
     from npufuse.rewrite import ledger
     from npufuse.rewrite.codegen import parse_switch
     from npufuse.state import State
 
-    state_dir = Path(args.state_dir)
     try:
         switch = parse_switch(args.switch) if args.switch is not None else None
         scan = ap.load_scan(state_dir, args.root)
