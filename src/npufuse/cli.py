@@ -116,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._module.run(args) or 0)
     except UsageError as exc:
-        print(f"npufuse {args.verb}: {exc}", file=sys.stderr)
+        from npufuse.text_safety import escape_text  # messages name repository files: no raw controls
+
+        print(f"npufuse {args.verb}: {escape_text(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"npufuse {args.verb}: interrupted", file=sys.stderr)
@@ -125,5 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except OSError as exc:  # disk full, permissions, a state folder npufuse refuses: one line, no traceback
         where = f"{exc.filename}: " if exc.filename and str(exc.filename) not in str(exc.strerror or "") else ""
-        print(f"npufuse {args.verb}: {where}{exc.strerror or exc}", file=sys.stderr)
+        from npufuse.text_safety import escape_text
+
+        print(escape_text(f"npufuse {args.verb}: {where}{exc.strerror or exc}"), file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from npufuse.text_safety import safe_report_text
 from npufuse.state_folder import UnsafeStatePath, read_state_file, write_state_file
 
 STATUSES = (
@@ -115,7 +116,7 @@ class State:
         # through the state folder's no-symlink writer: a repo shipping .npufuse/state.json as a
         # link must not have npufuse write through it
         write_state_file(self.path.parent, "state.json", (json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n").encode("utf-8"))
-        write_state_file(self.path.parent, "CONCLUSIONS.md", conclusions_markdown(self).encode("utf-8"))
+        write_state_file(self.path.parent, "CONCLUSIONS.md", safe_report_text(conclusions_markdown(self)).encode("utf-8"))
 
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {

@@ -89,7 +89,13 @@ def plan_revert(state: State, root: Path, state_dir: Path, ids: list[int] | None
             for c in wanted:
                 plan.results.append(_result(c, "skipped", f"{rel}: {too_deep}"))
             continue
-        found = ledger.locate(src.text, everyone)
+        try:
+            found = ledger.locate(src.text, everyone)
+        except Exception as exc:  # edited into something libcst cannot parse: a result, not a crash
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            for c in wanted:
+                plan.results.append(_result(c, "skipped", f"libcst cannot parse {rel}: {type(exc).__name__}: {first}; fix the file (or restore it from the backup) and revert again"))
+            continue
         go = [c for c in wanted if c.id in found.sites]
         for c in wanted:
             if c.id in found.problems:

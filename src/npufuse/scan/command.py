@@ -321,11 +321,20 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
     # scan.json and report.md are encoded here, one after the other: rendering the report in a
     # forked child beside the JSON encoding was measured slower (the child's reads of the whole
     # result copy-on-write most of this process's heap: ~0.1 s more than it saves)
-    data: dict[Path, bytes] = {state_path: (dumps(scan) + "\n").encode("utf-8")}
+    try:
+        data: dict[Path, bytes] = {state_path: (dumps(scan) + "\n").encode("utf-8")}
+    except UnicodeEncodeError:
+        # a file name that is not UTF-8 (a lone surrogate from os.fsdecode): JSON's \udcXX
+        # escapes keep it exact, and apply gets the same bytes back from json.loads
+        import json
+
+        data = {state_path: (json.dumps(scan, indent=2, ensure_ascii=True) + "\n").encode("ascii")}
     if report_path is not None:
         from npufuse.report.markdown import render_markdown
+        from npufuse.text_safety import safe_report_text
 
-        data[report_path] = render_markdown(scan, state_path=state_path.as_posix(), order_rule=engine.order_rule(profile_section is not None), profile_section=profile_section).encode("utf-8")
+        report_text = render_markdown(scan, state_path=state_path.as_posix(), order_rule=engine.order_rule(profile_section is not None), profile_section=profile_section)
+        data[report_path] = safe_report_text(report_text).encode("utf-8", "backslashreplace")
     try:
         for path, content in data.items():
             if _write(path, content, state_dir=Path(args.state_dir) if path == state_path else None):
