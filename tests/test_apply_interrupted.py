@@ -49,7 +49,7 @@ def test_write_failing_after_the_temp_file_leaves_the_original(repo, monkeypatch
     real = os.replace
 
     def failing(src, dst, *a, **k):
-        if str(dst).endswith("model.py") and ".npufuse" not in str(dst):
+        if str(dst).endswith("model.py") and ".npufuse" not in str(dst) and "dst_dir_fd" not in k:  # state folder writes go by dir fd
             assert Path(src).read_bytes() == full["model.py"]  # the temp file was completely written
             raise OSError(28, "No space left on device")
         return real(src, dst, *a, **k)
@@ -94,11 +94,12 @@ HOOK = textwrap.dedent('''
 
     def slow(src, dst, *a, **k):
         dst = str(dst)
-        if armed[0] or (mode == "before" and dst.endswith(name) and "/.npufuse/" not in dst):
+        ours = "/.npufuse/" not in dst and "dst_dir_fd" not in k  # state folder writes go by dir fd
+        if armed[0] or (mode == "before" and dst.endswith(name) and ours):
             ready.write_text("stopped")  # temp file complete, rename (or state commit) pending
             time.sleep(120)
         result = real(src, dst, *a, **k)
-        if mode == "after" and dst.endswith(name) and "/.npufuse/" not in dst:
+        if mode == "after" and dst.endswith(name) and ours:
             armed[0] = True  # stop at the next write: the journal commit in state.json
         return result
 

@@ -13,7 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from npufuse import __version__
 
@@ -36,6 +36,29 @@ VERBS: dict[str, tuple[str, str]] = {
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
+
+
+def number(kind: type = float, *, minimum: float | None = None, above: float | None = None, maximum: float | None = None) -> Callable[[str], Any]:
+    """An argparse ``type``: a finite number of ``kind`` (int or float) within the bounds, else
+    a usage error naming the range. ``nan`` and ``inf`` never pass (``--tolerance nan`` would
+    pass every comparison), and a huge value (``--bootstrap 10**12``) is refused before it
+    sizes an allocation."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a finite number")
+        if (minimum is not None and value < minimum) or (above is not None and value <= above) or (maximum is not None and value > maximum):
+            low = f"> {above:g}" if above is not None else f">= {minimum:g}" if minimum is not None else ""
+            high = f"<= {maximum:g}" if maximum is not None else ""
+            raise argparse.ArgumentTypeError(f"{text[:40]} is out of range (must be {' and '.join(b for b in (low, high) if b)})")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _available_verbs() -> dict[str, tuple[str, str]]:
@@ -94,10 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._module.run(args) or 0)
     except UsageError as exc:
-        print(f"npufuse {args.verb}: {exc}", file=sys.stderr)
+        from npufuse.text_safety import escape_text  # messages name repository files: no raw controls
+
+        print(f"npufuse {args.verb}: {escape_text(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"npufuse {args.verb}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # disk full, permissions, a state folder npufuse refuses: one line, no traceback
+        where = f"{exc.filename}: " if exc.filename and str(exc.filename) not in str(exc.strerror or "") else ""
+        from npufuse.text_safety import escape_text
+
+        print(escape_text(f"npufuse {args.verb}: {where}{exc.strerror or exc}"), file=sys.stderr)
+        return 2

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from npufuse.cli import UsageError
+from npufuse.cli import UsageError, number
 from npufuse.cli import main as cli_main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_llama"
@@ -25,7 +25,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_llama"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="demo-out", help="working folder (default: demo-out); its repo/ is replaced")
-    parser.add_argument("--steps", type=int, default=50, help="training steps per e2e run (default 50)")
+    parser.add_argument("--steps", type=number(int, minimum=1, maximum=10**6), default=50, help="training steps per e2e run (default 50)")
     parser.add_argument("--skip-e2e", action="store_true", help="stop after the op checks")
 
 

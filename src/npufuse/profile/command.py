@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from npufuse.cli import number
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="DIR|kernel_details.csv",
@@ -24,15 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kb", metavar="FILE", help="knowledge base YAML (default: the bundled one)")
     parser.add_argument("--reader", choices=("auto", "polars", "csv"), default="auto",
                         help="kernel_details.csv reader (auto: polars when installed)")
-    parser.add_argument("--peak-bw", type=float, default=None, metavar="GB/s",
+    parser.add_argument("--peak-bw", type=number(float, above=0, maximum=1e9), default=None, metavar="GB/s",
                         help="peak memory bandwidth of the SoC (default: Atlas A2, 1600)")
-    parser.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOP/s",
+    parser.add_argument("--peak-tflops", type=number(float, above=0, maximum=1e9), default=None, metavar="TFLOP/s",
                         help="peak FP16/BF16 compute (default: Atlas A2, 313)")
-    parser.add_argument("--launch-us", type=float, default=None, metavar="US",
+    parser.add_argument("--launch-us", type=number(float, minimum=0, maximum=1e9), default=None, metavar="US",
                         help="shortest time a fused kernel can take (default 2)")
-    parser.add_argument("--host-gap-us", type=float, default=None, metavar="US",
+    parser.add_argument("--host-gap-us", type=number(float, minimum=0, maximum=1e9), default=None, metavar="US",
                         help="without a trace, idle gaps longer than this count as host-bound (default 10)")
-    parser.add_argument("--top", type=int, default=10, help="sequences listed per table (default 10)")
+    parser.add_argument("--top", type=number(int, minimum=1, maximum=10**6), default=10, help="sequences listed per table (default 10)")
 
 
 # GB/s and TFLOP/s: far beyond any SoC either way, and safe to divide by

@@ -55,39 +55,119 @@ class Scan:
 _REQUIRED = ("id", "key", "pattern", "file", "line", "end_line", "fused", "guard_tensor", "file_sha256")
 
 
+_FIELD_TYPES = {"id": int, "line": int, "end_line": int, "key": str, "pattern": str, "file": str, "fused": str, "guard_tensor": str, "file_sha256": str}
+
+
+def read_scan_json(state_dir: Path) -> tuple[Any, bytes] | None:
+    """scan.json's parsed content and bytes (None when absent), read through the state folder's
+    no-symlink reader; raises Refused for a link, special file, bad bytes or too deep JSON."""
+    from npufuse.state_folder import read_state_file
+
+    path = Path(state_dir) / "scan.json"
+    try:
+        raw = read_state_file(state_dir, "scan.json")
+    except OSError as exc:
+        raise Refused(str(exc) if exc.filename else f"{path}: cannot read ({exc.strerror or exc})") from None
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw.decode("utf-8")), raw
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Refused(f"{path}: not a readable scan ({exc}); run `npufuse scan` again") from None
+    except RecursionError:
+        raise Refused(f"{path}: not a readable scan (nested too deeply); run `npufuse scan` again") from None
+
+
 def load_scan(state_dir: Path, root: str | None = None) -> Scan:
     path = Path(state_dir) / "scan.json"
-    if not path.is_file():
+    got = read_scan_json(state_dir)
+    if got is None:
         raise Refused(f"no scan at {path}; run `npufuse scan PATH` first")
-    try:
-        raw = path.read_bytes()
-        data = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Refused(f"{path}: not a readable scan ({exc}); run `npufuse scan` again") from None
+    data, raw = got
     if not isinstance(data, dict) or data.get("tool") != "npufuse" or not isinstance(data.get("candidates"), list):
         raise Refused(f"{path}: not an npufuse scan.json (no candidates list); run `npufuse scan` again")
+    seen: set[int] = set()
     for c in data["candidates"]:
         missing = [k for k in _REQUIRED if not isinstance(c, dict) or k not in c]
         if missing:
             cid = c.get("id", "?") if isinstance(c, dict) else "?"
-            raise Refused(f"{path}: candidate {cid} lacks {', '.join(missing)}; this scan.json is from another npufuse version, run `npufuse scan` again")
+            raise Refused(f"{path}: candidate {str(cid)[:20]} lacks {', '.join(missing)}; this scan.json is from another npufuse version, run `npufuse scan` again")
+        wrong = [k for k, t in _FIELD_TYPES.items() if not isinstance(c[k], t) or isinstance(c[k], bool)]
+        if wrong or c["id"] in seen:
+            why = f"{', '.join(wrong)} of the wrong type" if wrong else "a duplicate id"
+            raise Refused(f"{path}: candidate {str(c['id'])[:20]} has {why}; run `npufuse scan` again")
+        seen.add(c["id"])
     return Scan(data, sha256_bytes(raw), path, resolve_root(data, Path(state_dir), root))
 
 
 def resolve_root(scan: dict[str, Any], state_dir: Path, override: str | None = None) -> Path:
     """The folder scan.json's paths are relative to: ``--root``, else scan.json's ``root``
     (absolute, or relative to the folder holding the state dir — where ``npufuse scan`` ran —
-    or to the current folder), else the folder holding the state dir itself."""
+    or to the current folder), else the folder holding the state dir itself.
+
+    scan.json may come with a cloned repository, so its ``root`` is believed only when it lies
+    inside the folder holding the state dir (the repository), or when this user's npufuse wrote
+    this very scan.json (:func:`npufuse.user_secret.vouches_for_scan`); anything else is
+    refused, naming ``--root`` to confirm it."""
     if override:
         return Path(override)
     base = Path(state_dir).resolve().parent
-    label = str(scan.get("root") or ".")
+    label = scan.get("root") if isinstance(scan.get("root"), str) and scan.get("root") else "."
     options = [Path(label)] if Path(label).is_absolute() else [base / label, Path.cwd() / label, base]
-    files = [c.get("file") for c in scan.get("candidates", []) if isinstance(c, dict) and c.get("file")]
+    files = [c.get("file") for c in scan.get("candidates", []) if isinstance(c, dict) and isinstance(c.get("file"), str) and c.get("file")]
+    chosen = options[0]
     for option in options:
-        if option.is_dir() and all((option / f).exists() for f in files[:20]):
-            return option
-    return options[0]
+        try:
+            if option.is_dir() and all((option / f).exists() for f in files[:20]):
+                chosen = option
+                break
+        except (OSError, ValueError):  # a name with NUL or too long: not this option
+            continue
+    _check_root(chosen, base, state_dir)
+    return chosen
+
+
+def _check_root(root: Path, base: Path, state_dir: Path) -> None:
+    from npufuse.user_secret import vouches_for_scan
+
+    try:
+        resolved = root.resolve()
+    except (OSError, RuntimeError, ValueError):
+        resolved = root
+    if resolved == base or base in resolved.parents:
+        return
+    if vouches_for_scan(Path(state_dir)):
+        return
+    raise Refused(
+        f"{Path(state_dir) / 'scan.json'}: its root {str(root)[:200]!r} is outside {base} (the folder holding the state dir), "
+        f"and this scan.json was not written by npufuse for this user; pass --root {str(root)[:200]} to confirm, or run `npufuse scan` again"
+    )
+
+
+def expand_ids(tokens: Iterable[str], known: Iterable[int], what: str) -> tuple[list[int], list[str]]:
+    """The ids named by ``tokens`` (``3``, ``2-4``), and the tokens naming ids not in ``known``.
+    A range is checked against the known ids, never expanded number by number: ``1-1000000000``
+    costs what the known ids cost. Raises Refused for a token that is not an id or a range."""
+    known_sorted = sorted(set(known))
+    ids: set[int] = set()
+    unknown: list[str] = []
+    for part in tokens:
+        try:
+            if "-" in part[1:]:
+                a_text, b_text = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
+                a, b = int(a_text), int(b_text)
+                if a > b:
+                    raise ValueError
+                inside = [i for i in known_sorted if a <= i <= b]
+                if len(inside) != b - a + 1:
+                    unknown.append(part)
+                ids.update(inside)
+            else:
+                n = int(part)
+                (ids.add(n) if n in known_sorted else unknown.append(part))
+        except ValueError:
+            raise Refused(f"{what} {part[:40]!r}: expected candidate ids such as 1,3 or 2-4") from None
+    return sorted(ids), unknown
 
 
 def parse_ids(text: str, known: Iterable[int]) -> list[int] | None:
@@ -95,24 +175,18 @@ def parse_ids(text: str, known: Iterable[int]) -> list[int] | None:
     text = text.strip()
     if text.lower() == "all":
         return None
-    ids: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            if "-" in part[1:]:
-                a, b = part.split("-", 1)
-                ids.extend(range(int(a), int(b) + 1))
-            else:
-                ids.append(int(part))
-        except ValueError:
-            raise Refused(f"--accept {text!r}: expected candidate ids such as 1,3 or 2-4, or all") from None
-    if not ids:
-        raise Refused("--accept: no candidate ids given (e.g. --accept 1,3 or --accept all)")
     known = set(known)
-    unknown = sorted(set(ids) - known)
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise Refused("--accept: no candidate ids given (e.g. --accept 1,3 or --accept all)")
+    try:
+        ids, unknown = expand_ids(parts, known, "--accept")
+    except Refused:
+        raise Refused(f"--accept {text[:60]!r}: expected candidate ids such as 1,3 or 2-4, or all") from None
     if unknown:
         have = f"the scan has ids {min(known)}-{max(known)}" if known else "the scan has no candidates"
-        raise Refused(f"unknown candidate id{'s' if len(unknown) > 1 else ''} {', '.join(map(str, unknown))} ({have}; see report.md)")
-    return sorted(set(ids))
+        raise Refused(f"unknown candidate id{'s' if len(unknown) > 1 else ''} {', '.join(u[:40] for u in unknown[:10])} ({have}; see report.md)")
+    return ids
 
 
 # -- results -----------------------------------------------------------------------------------------
@@ -232,6 +306,8 @@ def plan_apply(
         fp = _plan_file(scan, state, rel, files[rel], switch, plan)
         if fp is None:
             continue
+        if fp.source.read_only and not force:
+            raise Refused(f"{rel} is read-only (its owner has no write permission); make it writable, or pass --force to rewrite it anyway (its mode is kept)")
         if check_git and not force:
             earlier = ledger.applied_in(state, rel)
             ours = bool(earlier) and fp.source.sha256 == ledger.file_hash_after(earlier)
@@ -361,17 +437,24 @@ def _plan_file(scan: Scan, state: State, rel: str, cands: list[dict[str, Any]], 
 # -- writing ---------------------------------------------------------------------------------------
 
 
-def write_plan(plan: ApplyPlan, state: State, scan: Scan, state_dir: Path, *, write: Callable[[Path, bytes], None] = write_bytes_atomic) -> None:
-    """Write every planned file: backup of the original first (first rewrite only), then the
-    journal entry, then the atomic replace, then the journal cleared. ``write`` is a seam for
-    crash tests."""
+def write_plan(plan: ApplyPlan, state: State, scan: Scan, state_dir: Path, *, write: Callable[[Path, bytes], None] | None = None) -> None:
+    """Write every planned file: backup of the original first (first rewrite only, into the
+    state folder without following links), then the journal entry, then the atomic replace —
+    after hashing the file once more, so an editor's save since planning is never overwritten —
+    then the journal cleared. A symlinked source is written through (its target inside the root
+    is edited, the link kept). ``write`` is a seam for crash tests (the re-check then runs just
+    before it)."""
+    from npufuse.safe_write import ChangedMeanwhile
+    from npufuse.state_folder import write_state_file
+
     for c in scan.candidates:
         if any(int(c["id"]) in fp.changes for fp in plan.files):
             state.ensure(c)
     for fp in plan.files:
         if fp.first_rewrite:
+            backup = backup_path(Path("."), fp.rel).as_posix()
             try:
-                write(backup_path(state_dir, fp.rel), fp.source.data)
+                write_state_file(state_dir, backup, fp.source.data)
             except OSError as exc:
                 raise Refused(f"{backup_path(state_dir, fp.rel)}: cannot write the backup ({exc.strerror or exc}); {fp.rel} is unchanged") from None
         new_here = [r for r in plan.results if r.status == "would apply" and r.file == fp.rel]
@@ -380,12 +463,28 @@ def write_plan(plan: ApplyPlan, state: State, scan: Scan, state_dir: Path, *, wr
             c.history.append({"status": c.status, "note": f"applied behind {fp.changes[r.id]['switch_description']}"})
         entry = ledger.begin(state, fp.rel, fp.source.sha256, sha256_bytes(fp.new_bytes), fp.changes)
         try:
-            write(fp.source.path, fp.new_bytes)
-        except OSError as exc:  # disk full, permissions: the atomic write left the file as it was
+            write_source(fp.source, fp.new_bytes, write)
+        except OSError as exc:  # disk full, permissions, edited meanwhile: the file is as it was
             ledger.abort(state, entry)
             done = [f.rel for f in plan.files[: plan.files.index(fp)]]
-            raise Refused(f"{fp.rel}: cannot write ({exc.strerror or exc}); it is unchanged" + (f" (already written: {', '.join(done)})" if done else "")) from None
+            what = exc.strerror if isinstance(exc, ChangedMeanwhile) else f"cannot write ({exc.strerror or exc}); it is unchanged"
+            raise Refused(f"{fp.rel}: {what}" + (f" (already written: {', '.join(done)})" if done else "")) from None
         ledger.commit(state, entry)
     for r in plan.results:
         if r.status == "would apply":
             r.status = "applied"
+
+
+def write_source(source: SourceFile, data: bytes, write: Callable[[Path, bytes], None] | None = None) -> None:
+    """Replace a source file that was read as ``source`` by ``data``, unless its bytes changed
+    since (:class:`~npufuse.safe_write.ChangedMeanwhile`). Mode and owner are kept; a symlink's
+    target is what is written."""
+    from npufuse.safe_write import ChangedMeanwhile, _sha256_now
+
+    target = source.write_path
+    if write is None:
+        write_bytes_atomic(target, data, expect_sha256=source.sha256)
+        return
+    if _sha256_now(target) != source.sha256:
+        raise ChangedMeanwhile(11, "changed while npufuse was writing it (an editor saved?); left as it is now", str(target))
+    write(target, data)

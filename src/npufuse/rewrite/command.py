@@ -52,7 +52,12 @@ def print_results(results, title: str, notes: list[str]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from npufuse.text_safety import TROJAN_SOURCE_WARNING, escape_text, has_unsafe
+
     console = Console(highlight=False)
+    # file names, qualnames and reasons come from the repository: bidi and terminal controls
+    # are shown escaped (Trojan Source), with a warning
+    unsafe = any(has_unsafe(f"{r.file}{r.qualname}{r.reason}") for r in results) or any(has_unsafe(n) for n in notes)
     table = Table(title=title, title_justify="left", show_lines=False)
     for col in ("id", "pattern", "site", "result", "switch"):
         table.add_column(col, overflow="fold")
@@ -62,10 +67,12 @@ def print_results(results, title: str, notes: list[str]) -> None:
         if r.qualname:
             where += f" ({r.qualname})"
         result = r.status + (f": {r.reason}" if r.reason else "")
-        table.add_row(str(r.id), r.pattern, escape(where), escape(result), escape(r.switch.off_hint() if r.switch and r.status != "skipped" else ""))
+        table.add_row(str(r.id), escape(escape_text(r.pattern)), escape(escape_text(where)), escape(escape_text(result)), escape(escape_text(r.switch.off_hint()) if r.switch and r.status != "skipped" else ""))
     console.print(table)
     for note in notes:
-        console.print(f"note: {escape(note)}")
+        console.print(f"note: {escape(escape_text(note))}")
+    if unsafe:
+        console.print(escape(TROJAN_SOURCE_WARNING))
 
 
 def print_switches(results) -> None:
@@ -88,12 +95,24 @@ def print_switches(results) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from npufuse.state_folder import StateBusy, UnsafeStatePath, lock
+
+    state_dir = Path(args.state_dir)
+    try:
+        if args.dry_run or not state_dir.is_dir():  # no state folder: _run says there is no scan
+            return _run(args, state_dir)
+        with lock(state_dir, verb="npufuse apply"):
+            return _run(args, state_dir)
+    except (UnsafeStatePath, StateBusy) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _run(args: argparse.Namespace, state_dir: Path) -> int:
     from npufuse.rewrite import apply as ap
     from npufuse.rewrite import ledger
     from npufuse.rewrite.codegen import parse_switch
     from npufuse.state import State
 
-    state_dir = Path(args.state_dir)
     try:
         switch = parse_switch(args.switch) if args.switch is not None else None
         scan = ap.load_scan(state_dir, args.root)

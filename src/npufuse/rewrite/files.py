@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shutil
+import stat
 import subprocess
 import tokenize
 from dataclasses import dataclass
@@ -31,6 +33,18 @@ class SourceFile:
     data: bytes
     encoding: str  # codec of the file, e.g. "utf-8", "utf-8-sig" (BOM), "latin-1"
     text: str
+    mode: int = 0o100644  # st_mode when read
+
+    @property
+    def read_only(self) -> bool:
+        """No write bit for its owner: the user marked it not to be changed."""
+        return not self.mode & 0o200
+
+    @property
+    def write_path(self) -> Path:
+        """Where a rewrite goes: a symlink's target (inside the root: :func:`safe_path` checked
+        it), so the link stays a link and the file it names is edited."""
+        return Path(os.path.realpath(self.path))
 
     @property
     def sha256(self) -> str:
@@ -57,14 +71,50 @@ def safe_path(root: Path, rel: str) -> Path:
     return path
 
 
+# the scan skips Python files over --max-file-mb (default 10); apply never needs more than this
+MAX_SOURCE_BYTES = 256 << 20
+
+
+def _read_regular(path: Path, rel: str) -> tuple[bytes, os.stat_result]:
+    """The bytes of a regular file, its type checked on the open descriptor first (opened
+    non-blocking: a FIFO or a link to /dev/zero named in a tampered scan.json or state.json
+    neither blocks nor fills memory) and its size capped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise FileProblem(f"{rel}: listed in the scan but missing") from None
+    except OSError as exc:
+        raise FileProblem(f"{rel}: cannot read ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileProblem(f"{rel}: not a regular file (a FIFO, device or folder); refusing to read or rewrite it")
+        if st.st_size > MAX_SOURCE_BYTES:
+            raise FileProblem(f"{rel}: {st.st_size} bytes, over the {MAX_SOURCE_BYTES >> 20} MB npufuse rewrites")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > MAX_SOURCE_BYTES:
+                raise FileProblem(f"{rel}: grew past {MAX_SOURCE_BYTES >> 20} MB while read")
+        return b"".join(chunks), st
+    except OSError as exc:
+        raise FileProblem(f"{rel}: cannot read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+
+
 def read_source_file(root: Path, rel: str) -> SourceFile:
     path = safe_path(root, rel)
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise FileProblem(f"{rel}: listed in the scan but missing under {root}") from None
-    except OSError as exc:
-        raise FileProblem(f"{rel}: cannot read ({exc.strerror or exc})") from None
+        data, st = _read_regular(path, rel)
+    except FileProblem as exc:
+        if "missing" in str(exc):
+            raise FileProblem(f"{rel}: listed in the scan but missing under {root}") from None
+        raise
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
         text = data.decode(encoding)
@@ -72,7 +122,7 @@ def read_source_file(root: Path, rel: str) -> SourceFile:
         raise FileProblem(f"{rel}: cannot decode ({exc})") from None
     if encoding == "utf-8" and text.startswith("\ufeff"):  # BOM without detect_encoding noticing
         encoding, text = "utf-8-sig", text[1:]
-    return SourceFile(rel=rel, path=path, data=data, encoding=encoding, text=text)
+    return SourceFile(rel=rel, path=path, data=data, encoding=encoding, text=text, mode=st.st_mode)
 
 
 def backup_path(state_dir: Path, rel: str) -> Path:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from npufuse.rewrite.files import FileProblem, safe_path, sha256_bytes
+from npufuse.rewrite.files import FileProblem, _read_regular, safe_path, sha256_bytes
 from npufuse.rewrite.transform import MarkedSite, marked_sites
 from npufuse.state import CandidateState, State
 
@@ -111,8 +111,18 @@ def abort(state: State, entry: dict[str, Any]) -> None:
 
 
 def _restore(state: State, entry: dict[str, Any]) -> None:
-    for cid, record in entry.get("before", {}).items():
-        c = state.candidates.get(int(cid))
+    from npufuse.state import _applied_problem
+
+    before = entry.get("before")
+    if not isinstance(before, dict):  # a hand-edited journal: nothing to put back
+        return
+    for cid, record in before.items():
+        try:
+            c = state.candidates.get(int(cid))
+        except (TypeError, ValueError):
+            continue
+        if record is not None and not (isinstance(record, dict) and _applied_problem(record) is None):
+            continue
         if c is not None:
             c.applied = record
             c.history.append({"status": c.status, "note": f"write of {entry.get('file')} did not happen; record restored"})
@@ -135,9 +145,11 @@ def reconcile(state: State, root: Path) -> list[str]:
     keep: list[dict[str, Any]] = []
     for entry in state.pending:
         rel = entry.get("file", "")
+        if not isinstance(rel, str):
+            rel = repr(rel)[:80]
         try:
             path = safe_path(root, rel)
-            data = path.read_bytes()
+            data, _ = _read_regular(path, rel)  # a FIFO named by a tampered journal must not block
             _remove_temp_files(path)
         except (FileProblem, OSError):
             keep.append(entry)

@@ -18,7 +18,6 @@ from npufuse.rewrite.apply import Refused, SiteResult
 from npufuse.rewrite.codegen import Switch
 from npufuse.rewrite.files import FileProblem, SourceFile, git_changes, read_source_file, sha256_bytes
 from npufuse.rewrite.transform import revert_source
-from npufuse.safe_write import write_bytes_atomic
 from npufuse.state import CandidateState, State
 
 
@@ -77,6 +76,8 @@ def plan_revert(state: State, root: Path, state_dir: Path, ids: list[int] | None
                 plan.results.append(_result(c, "reverted", "the file already holds the scanned original"))
             plan.files.append(RevertFile(rel, src, src.data, "none", {c.id: None for c in everyone}, [c.id for c in everyone]))
             continue
+        if src.read_only and not force:
+            raise Refused(f"{rel} is read-only (its owner has no write permission); make it writable, or pass --force to revert it anyway (its mode is kept)")
         if check_git and not force and src.sha256 != after:
             changes = git_changes(root, src.path)
             if changes:
@@ -88,7 +89,13 @@ def plan_revert(state: State, root: Path, state_dir: Path, ids: list[int] | None
             for c in wanted:
                 plan.results.append(_result(c, "skipped", f"{rel}: {too_deep}"))
             continue
-        found = ledger.locate(src.text, everyone)
+        try:
+            found = ledger.locate(src.text, everyone)
+        except Exception as exc:  # edited into something libcst cannot parse: a result, not a crash
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            for c in wanted:
+                plan.results.append(_result(c, "skipped", f"libcst cannot parse {rel}: {type(exc).__name__}: {first}; fix the file (or restore it from the backup) and revert again"))
+            continue
         go = [c for c in wanted if c.id in found.sites]
         for c in wanted:
             if c.id in found.problems:
@@ -97,10 +104,10 @@ def plan_revert(state: State, root: Path, state_dir: Path, ids: list[int] | None
             continue
         method = "in place"
         new_bytes = b""
-        bpath = Path(state_dir) / everyone[0].applied.get("backup", "")
-        if use_backup and len(go) == len(everyone) and src.sha256 == after and everyone[0].applied.get("backup") and bpath.is_file():
-            data = bpath.read_bytes()
-            if sha256_bytes(data) == before:
+        recorded = everyone[0].applied.get("backup")
+        if use_backup and len(go) == len(everyone) and src.sha256 == after and isinstance(recorded, str) and recorded:
+            data = _read_backup(state_dir, recorded)
+            if data is not None and sha256_bytes(data) == before:
                 new_bytes, method = data, "backup"
         notes: list[str] = []
         if method != "backup":
@@ -128,7 +135,24 @@ def plan_revert(state: State, root: Path, state_dir: Path, ids: list[int] | None
     return plan
 
 
-def write_revert(plan: RevertPlan, state: State, *, write: Callable[[Path, bytes], None] = write_bytes_atomic) -> None:
+def _read_backup(state_dir: Path, recorded: str) -> bytes | None:
+    """The backup state.json names, read only from under the state folder's ``backup/`` without
+    following links (state.json may be tampered with); None when it is not there or not safe."""
+    from npufuse.state_folder import read_state_file
+
+    if not recorded.replace("\\", "/").startswith("backup/"):
+        return None
+    try:
+        return read_state_file(state_dir, recorded)
+    except OSError:
+        return None
+
+
+def write_revert(plan: RevertPlan, state: State, *, write: Callable[[Path, bytes], None] | None = None) -> None:
+    """Write each planned file (journalled like apply; re-checked against the bytes planned on)."""
+    from npufuse.rewrite.apply import write_source
+    from npufuse.safe_write import ChangedMeanwhile
+
     for rf in plan.files:
         for cid in rf.reverted:
             c = state.candidates[cid]
@@ -137,10 +161,11 @@ def write_revert(plan: RevertPlan, state: State, *, write: Callable[[Path, bytes
         entry = ledger.begin(state, rf.rel, rf.source.sha256, sha256_bytes(rf.new_bytes), rf.changes)
         if rf.new_bytes != rf.source.data:
             try:
-                write(rf.source.path, rf.new_bytes)
+                write_source(rf.source, rf.new_bytes, write)
             except OSError as exc:
                 ledger.abort(state, entry)
-                raise Refused(f"{rf.rel}: cannot write ({exc.strerror or exc}); it is unchanged") from None
+                what = exc.strerror if isinstance(exc, ChangedMeanwhile) else f"cannot write ({exc.strerror or exc}); it is unchanged"
+                raise Refused(f"{rf.rel}: {what}") from None
         ledger.commit(state, entry)
     for r in plan.results:
         if r.status == "would revert":

@@ -9,7 +9,6 @@ works after the scan was redone.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,57 +23,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", help="folder the recorded paths are relative to (default: from scan.json)")
 
 
-def _ids(raw: list[str]) -> list[int] | None:
+def _ids(raw: list[str], known: list[int], state_path: Path) -> list[int] | None:
+    """The ids named on the command line; ranges are checked against ``known`` (the ids in
+    state.json), not expanded number by number (``revert 1-1000000000`` must not allocate)."""
+    from npufuse.rewrite.apply import Refused, expand_ids
+
     if not raw:
         return None
-    out: list[int] = []
-    for token in ",".join(raw).split(","):
-        token = token.strip()
-        if not token:
-            continue
-        try:
-            if "-" in token[1:]:
-                a, b = token.split("-", 1)
-                out.extend(range(int(a), int(b) + 1))
-            else:
-                out.append(int(token))
-        except ValueError:
-            raise UsageError(f"revert: {token!r} is not a candidate id") from None
-    return sorted(set(out))
+    tokens = [t.strip() for t in ",".join(raw).split(",") if t.strip()]
+    try:
+        ids, unknown = expand_ids(tokens, known, "revert:")
+    except Refused as exc:
+        raise UsageError(f"{exc}; not a candidate id") from None
+    if unknown:
+        many = len(unknown) > 1
+        raise UsageError(f"candidate{'s' if many else ''} {', '.join(u[:40] for u in unknown[:10])} {'are' if many else 'is'} not in {state_path} (nothing applied under that id)")
+    return ids
 
 
 def _root(state_dir: Path, override: str | None) -> Path:
-    from npufuse.rewrite.apply import resolve_root
+    from npufuse.rewrite.apply import read_scan_json, resolve_root
 
     if override:
         return Path(override)
-    scan = {}
-    path = state_dir / "scan.json"
-    if path.is_file():
-        try:
-            scan = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            scan = {}
+    got = read_scan_json(state_dir)
+    scan = got[0] if got is not None else {}
     return resolve_root(scan if isinstance(scan, dict) else {}, state_dir)
 
 
 def run(args: argparse.Namespace) -> int:
+    from npufuse.state_folder import StateBusy, UnsafeStatePath, lock, state_file_exists
+
+    state_dir = Path(args.state_dir)
+    try:
+        if not state_file_exists(state_dir, "state.json"):
+            raise UsageError(f"no {state_dir / 'state.json'}: nothing has been applied here")
+        if args.dry_run:
+            return _run(args, state_dir)
+        with lock(state_dir, verb="npufuse revert"):
+            return _run(args, state_dir)
+    except (UnsafeStatePath, StateBusy) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _run(args: argparse.Namespace, state_dir: Path) -> int:
     from npufuse.rewrite import ledger
     from npufuse.rewrite.apply import Refused, unified_diff
     from npufuse.rewrite.command import print_results
     from npufuse.rewrite.revert import plan_revert, write_revert
     from npufuse.state import State
 
-    state_dir = Path(args.state_dir)
-    if not (state_dir / "state.json").is_file():
-        raise UsageError(f"no {state_dir / 'state.json'}: nothing has been applied here")
     try:
         state = State.load(state_dir)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    root = _root(state_dir, args.root)
-    ids = _ids(args.ids)
+    ids = _ids(args.ids, list(state.candidates), state.path)
     try:
+        root = _root(state_dir, args.root)
         notes = ledger.reconcile(state, root) if not args.dry_run else []
         plan = plan_revert(state, root, state_dir, ids, force=args.force)
     except Refused as exc:

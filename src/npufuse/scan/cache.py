@@ -12,7 +12,11 @@ miss and is rewritten; a cache folder that cannot be written only costs speed, n
 
 Entries are pickles read back by a restricted unpickler that can build only the scan's own
 result types and builtin containers: a state folder that came with a cloned repository cannot
-make ``npufuse scan`` run code.
+make ``npufuse scan`` run code. Nor is a shipped cache ever read: entry names and run records
+are keyed with this user's secret (:mod:`npufuse.user_secret`, kept outside every repository),
+so a cache made on another machine or by another user is never looked up; without a secret
+there is no cache. Folders are checked to be real directories (no symlink) before anything is
+written into them, and files are created with ``O_EXCL|O_NOFOLLOW``.
 
 One level up, a *run record* (``<cache dir>/<version>/run-<slot>.json``, one per pair of output
 paths) remembers the digest of every input of the last complete scan (:func:`run_key`: npufuse's
@@ -142,6 +146,10 @@ class ScanCache:
         self.dir = self.base / __version__
         self._dir = os.fspath(self.dir)  # lookups build paths as strings: pathlib costs more than the read
         self.fingerprint = fingerprint
+        from npufuse.user_secret import secret
+
+        # None: no per-user secret can be kept, so no entry can be told apart from a shipped one
+        self.secret = secret()
         self.hits = 0
         self.misses = 0
         self._made: set[str] = set()  # entry folders this process made (or found) already
@@ -150,6 +158,8 @@ class ScanCache:
     def is_empty(self) -> bool:
         """Whether this npufuse version has written nothing here yet (no entry, no run record):
         then no lookup can hit, and the scan need not hash its files up front."""
+        if self.secret is None:
+            return True
         try:
             with os.scandir(self._dir) as it:
                 return next(it, None) is None
@@ -158,7 +168,8 @@ class ScanCache:
 
     def key(self, rel: str, sha256: str) -> str:
         # rel is part of the key: paths recorded in the outcome (facts, near misses) depend on it
-        return hashlib.sha256(f"{self.fingerprint}\0{rel}\0{sha256}".encode("utf-8", "surrogatepass")).hexdigest()
+        # the secret first: nobody without it can name (and so plant) an entry this user reads
+        return hashlib.sha256((self.secret or b"") + f"\0{self.fingerprint}\0{rel}\0{sha256}".encode("utf-8", "surrogatepass")).hexdigest()
 
     def _path(self, key: str) -> Path:
         return Path(self._entry(key))
@@ -169,6 +180,9 @@ class ScanCache:
     def get(self, rel: str, sha256: str) -> FileOutcome | None:
         from npufuse.scan.engine import FileOutcome
 
+        if self.secret is None:
+            self.misses += 1
+            return None
         try:
             with open(self._entry(self.key(rel, sha256)), "rb") as fh:
                 data = fh.read()
@@ -190,7 +204,7 @@ class ScanCache:
         return outcome
 
     def put(self, outcome: FileOutcome) -> None:
-        if outcome.sha256 is None:
+        if outcome.sha256 is None or self.secret is None:
             return  # unreadable or too large: nothing to key it by, and cheap to redo
         entry = self._entry(self.key(outcome.file, outcome.sha256))
         folder = os.path.dirname(entry)
@@ -201,6 +215,7 @@ class ScanCache:
             # (mkstemp's random names and fdopen cost more syscalls than the entry's own write).
             if folder not in self._made:
                 os.makedirs(folder, exist_ok=True)
+                _check_real_dirs(self.base, folder)
                 if not self._made:
                     self._mark()
                 self._made.add(folder)
@@ -232,11 +247,31 @@ class ScanCache:
             pass  # a cache that cannot be written costs speed only
 
     def _mark(self) -> None:
-        """Keep the cache out of git and backups (as ruff and pytest do), once per folder."""
-        tag = self.base / ".gitignore"
-        if not tag.exists():
-            tag.write_text("# created by npufuse scan\n*\n")
-            (self.base / "CACHEDIR.TAG").write_text("Signature: 8a477f597d28d172789f06886806bc55\n# npufuse scan cache\n")
+        """Keep the cache out of git and backups (as ruff and pytest do), once per folder; never
+        through a symlink a repository shipped there."""
+        _check_real_dirs(self.base, os.fspath(self.base))
+        for name, text in ((".gitignore", "# created by npufuse scan\n*\n"), ("CACHEDIR.TAG", "Signature: 8a477f597d28d172789f06886806bc55\n# npufuse scan cache\n")):
+            try:
+                fd = os.open(self.base / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            except FileExistsError:
+                continue
+            try:
+                os.write(fd, text.encode())
+            finally:
+                os.close(fd)
+
+
+def _check_real_dirs(base: Path, folder: str) -> None:
+    """Raise OSError unless ``base`` and every folder from it down to ``folder`` is a real
+    directory: a cache folder a repository shipped as a symlink is not written through."""
+    import stat
+
+    here = Path(base)
+    rest = Path(folder).relative_to(here).parts if Path(folder) != here else ()
+    for part in ("",) + tuple(rest):
+        here = here / part if part else here
+        if not stat.S_ISDIR(os.lstat(here).st_mode):
+            raise OSError(40, "not a real directory (a symlink?); the cache is not written there", os.fspath(here))
 
 
 def lookup(cache: ScanCache, root: Path, rel: str, max_bytes: int) -> FileOutcome | None:
@@ -326,14 +361,22 @@ def run_key(fingerprint: str, parts: Iterable[Any]) -> str | None:
 
 def _record_path(cache_dir: Path, outputs: Sequence[Path]) -> Path:
     # one record per set of output files: a new key replaces the old record rather than piling up
-    slot = hashlib.sha256("\0".join(os.path.abspath(p) for p in outputs).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    # keyed with this user's secret: a run record shipped with a repository is never found
+    from npufuse.user_secret import secret
+
+    key = secret()
+    if key is None:
+        raise OSError(1, "no per-user secret: run records are off")
+    slot = hashlib.sha256(key + "\0".join(os.path.abspath(p) for p in outputs).encode("utf-8", "surrogatepass")).hexdigest()[:32]
     return Path(cache_dir) / __version__ / f"run-{slot}.json"
 
 
 def _sha256_of(path: Path) -> tuple[str, bytes] | None:
-    try:
-        data = path.read_bytes()
-    except OSError:
+    # regular files only: an output named /dev/stdout or a FIFO must not be read (it would block)
+    from npufuse.safe_write import read_regular_file
+
+    data = read_regular_file(path, max_bytes=1 << 31)
+    if data is None:
         return None
     return hashlib.sha256(data).hexdigest(), data
 
@@ -373,9 +416,10 @@ def save_outputs(cache_dir: Path, key: str, outputs: dict[Path, bytes], info: di
         "outputs": [{"path": os.path.abspath(p), "sha256": hashlib.sha256(data).hexdigest()} for p, data in outputs.items()],
         "info": info,
     }
-    target = _record_path(cache_dir, paths)
     try:
+        target = _record_path(cache_dir, paths)
         target.parent.mkdir(parents=True, exist_ok=True)
+        _check_real_dirs(Path(cache_dir), os.fspath(target.parent))
         ScanCache(cache_dir, "")._mark()
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".json")
         try:

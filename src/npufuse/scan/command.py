@@ -36,6 +36,8 @@ last_run = RunInfo()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from npufuse.cli import number
+
     parser.add_argument("path", help="the model repository (a folder) or one Python file")
     parser.add_argument("-o", "--output", metavar="FILE", help="report path (default: report.md in the current folder)")
     parser.add_argument("--state-dir", metavar="DIR", default=".npufuse", help="folder for scan.json (default: .npufuse in the current folder)")
@@ -43,10 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to run, e.g. rms_norm,swiglu")
     parser.add_argument("--profile", metavar="DIR", help="Ascend profiler output to join with the candidates (report section 1.2)")
     parser.add_argument("--trace", metavar="FILE", help="run-time facts from `npufuse trace` (trace.json): reached or not, shapes, dtypes, mask values (report section 1.3)")
-    parser.add_argument("--max-file-mb", type=float, default=10.0, metavar="MB", help="skip Python files larger than this (default 10)")
-    parser.add_argument("-j", "--jobs", type=int, default=None, metavar="N", help="worker processes (default: all cores; small trees run in-process)")
-    parser.add_argument("--batch-size", type=int, default=None, metavar="N", help="batch size for the value estimate (default: read from the repo, else 4)")
-    parser.add_argument("--seq-len", type=int, default=None, metavar="N", help="sequence length for the value estimate (default: read from the repo, else 2048)")
+    parser.add_argument("--max-file-mb", type=number(float, above=0, maximum=1 << 20), default=10.0, metavar="MB", help="skip Python files larger than this (default 10)")
+    parser.add_argument("-j", "--jobs", type=number(int, minimum=1, maximum=4096), default=None, metavar="N", help="worker processes (default: all cores; small trees run in-process)")
+    parser.add_argument("--batch-size", type=number(int, minimum=1, maximum=1 << 31), default=None, metavar="N", help="batch size for the value estimate (default: read from the repo, else 4)")
+    parser.add_argument("--seq-len", type=number(int, minimum=1, maximum=1 << 31), default=None, metavar="N", help="sequence length for the value estimate (default: read from the repo, else 2048)")
     parser.add_argument("--switch", choices=("auto", "env", "none"), default="auto",
                         help="how fused branches are switched: auto = DESIGN rule 1 (repo switch > new config field > env var); env = always NPUFUSE_<ID>; none = only the NPU check")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown only when stderr is a terminal)")
@@ -171,24 +173,29 @@ def dumps(obj: Any) -> str:
     return "".join(parts)
 
 
-def _write(path: Path, data: bytes) -> bool:
+def _write(path: Path, data: bytes, *, state_dir: Path | None = None) -> bool:
     """Atomic write, unless the file already holds exactly ``data`` (then it is left alone, mtime
-    included). A new file gets the usual umask permissions (mkstemp would give 0600). True: written."""
-    import os
+    included). A new file gets the usual umask permissions (mkstemp would give 0600). True: written.
+    With ``state_dir``, ``path`` is a file of the state folder, written without following links
+    (:mod:`npufuse.state_folder`); else a user-named output (:func:`write_output`: a device, FIFO
+    or symlink named by ``-o`` is written through, not replaced)."""
+    from npufuse.safe_write import read_regular_file, write_output
 
-    from npufuse.safe_write import write_bytes_atomic
+    if state_dir is not None:
+        from npufuse.state_folder import UnsafeStatePath, read_state_file, write_state_file
 
-    try:
-        if path.stat().st_size == len(data) and path.read_bytes() == data:
-            return False
-        mode = None
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    except OSError:
-        mode = None  # unreadable: write it anyway (and fail there if it cannot be written)
-    write_bytes_atomic(path, data, mode=mode)
+        try:
+            if read_state_file(state_dir, path.name) == data:
+                return False
+        except UnsafeStatePath:
+            raise
+        except OSError:
+            pass
+        write_state_file(state_dir, path.name, data)
+        return True
+    if read_regular_file(path, max_bytes=len(data)) == data:
+        return False
+    write_output(path, data)
     return True
 
 
@@ -236,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.path}: no such file or folder")
     if args.output and Path(args.output).suffix in (".py", ".pyi"):
         raise UsageError(f"-o {args.output}: refusing to write the report over a Python file")
-    if args.max_file_mb <= 0:
-        raise UsageError("--max-file-mb must be positive")
+    if not (0 < args.max_file_mb < 1 << 40):  # nan and inf fail this too
+        raise UsageError("--max-file-mb must be a positive number of megabytes")
     if args.profile and not Path(args.profile).exists():
         raise UsageError(f"--profile {args.profile}: no such file or folder")
     trace = None
@@ -254,6 +261,22 @@ def run(args: argparse.Namespace) -> int:
     report_path = Path(args.output or "report.md") if args.format == "md" or args.output else None
     outputs = [state_path] + ([report_path] if report_path is not None else [])
     cache_dir = None if args.no_cache else Path(args.state_dir) / "cache"
+    from npufuse.state_folder import StateBusy, UnsafeStatePath, check_state_dir, lock
+
+    try:
+        # a repository may ship .npufuse as a symlink: refused before anything is cached or written
+        check_state_dir(args.state_dir)
+        with lock(args.state_dir, verb="npufuse scan"):
+            return _run_locked(args, target, only, state_path, report_path, outputs, cache_dir)
+    except (UnsafeStatePath, StateBusy) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, state_path: Path, report_path: Path | None, outputs: list[Path], cache_dir: Path | None) -> int:
+    from npufuse.cli import UsageError
+    from npufuse.scan import engine
+
+    info = last_run
 
     try:
         inputs = engine.gather_inputs(
@@ -280,6 +303,9 @@ def run(args: argparse.Namespace) -> int:
             reused = reuse_outputs(cache_dir, _outputs_key(inputs.key, state_path, report_path), outputs)
             counts, found = reused if reused is not None else ({}, {})
             if reused is not None and all(isinstance(counts.get(k), int) for k in _COUNTS):
+                from npufuse.user_secret import remember_scan
+
+                remember_scan(Path(args.state_dir), found[state_path])
                 info.shortcut = "hit"
                 return _finish(args, counts, [p for p in (report_path, state_path) if p is not None], found[state_path])
         info.shortcut = "miss"
@@ -309,18 +335,34 @@ def run(args: argparse.Namespace) -> int:
     # scan.json and report.md are encoded here, one after the other: rendering the report in a
     # forked child beside the JSON encoding was measured slower (the child's reads of the whole
     # result copy-on-write most of this process's heap: ~0.1 s more than it saves)
-    data: dict[Path, bytes] = {state_path: (dumps(scan) + "\n").encode("utf-8")}
+    try:
+        data: dict[Path, bytes] = {state_path: (dumps(scan) + "\n").encode("utf-8")}
+    except UnicodeEncodeError:
+        # a file name that is not UTF-8 (a lone surrogate from os.fsdecode): JSON's \udcXX
+        # escapes keep it exact, and apply gets the same bytes back from json.loads
+        import json
+
+        data = {state_path: (json.dumps(scan, indent=2, ensure_ascii=True) + "\n").encode("ascii")}
     if report_path is not None:
         from npufuse.report.markdown import render_markdown
+        from npufuse.text_safety import safe_report_text
 
-        data[report_path] = render_markdown(scan, state_path=state_path.as_posix(), order_rule=engine.order_rule(profile_section is not None), profile_section=profile_section).encode("utf-8")
+        report_text = render_markdown(scan, state_path=state_path.as_posix(), order_rule=engine.order_rule(profile_section is not None), profile_section=profile_section)
+        data[report_path] = safe_report_text(report_text).encode("utf-8", "backslashreplace")
     try:
         for path, content in data.items():
-            if _write(path, content):
+            if _write(path, content, state_dir=Path(args.state_dir) if path == state_path else None):
                 info.written.append(path.as_posix())
     except OSError as exc:
+        from npufuse.state_folder import UnsafeStatePath
+
+        if isinstance(exc, UnsafeStatePath):
+            raise UsageError(str(exc)) from None
         raise UsageError(f"cannot write {exc.filename or 'output'}: {exc.strerror or exc}") from None
 
+    from npufuse.user_secret import remember_scan
+
+    remember_scan(Path(args.state_dir), data[state_path])
     counts = {"files_scanned": scan["files_scanned"], "candidates": len(scan["candidates"]), "near_misses": len(scan["near_misses"]), "problems": len(scan["files_failed"])}
     if cache_dir is not None:
         from npufuse.scan.cache import forget_outputs, save_outputs

@@ -229,13 +229,17 @@ def returned_names(source: str, qualname: str, names: set[str]) -> dict[str, str
 
 
 def _scan_candidates(state_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    path = state_dir / "scan.json"
-    if not path.exists():
-        return {}, []
+    from npufuse.rewrite.apply import Refused, read_scan_json
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{path}: unreadable scan file ({exc})") from None
+        got = read_scan_json(state_dir)  # no symlink, no FIFO, no deep JSON (untrusted input)
+    except Refused as exc:
+        raise UsageError(str(exc)) from None
+    if got is None:
+        return {}, []
+    data = got[0]
+    if not isinstance(data, dict) or not isinstance(data.get("candidates", []), list):
+        raise UsageError(f"{state_dir / 'scan.json'}: not an npufuse scan.json; run `npufuse scan` again")
     return data, [c for c in data.get("candidates", []) if isinstance(c, dict)]
 
 
@@ -244,12 +248,19 @@ def resolve_root(state_dir: Path, scan: dict[str, Any], root: str | os.PathLike[
     holds the state dir, where scan was run), else that folder."""
     if root is not None:
         return Path(root).resolve()
+    from npufuse.rewrite.apply import Refused, _check_root
+
     base = state_dir.resolve().parent
     label = scan.get("root")
-    if isinstance(label, str) and label:
+    found = base
+    if isinstance(label, str) and label and "\0" not in label:
         p = Path(label)
-        return (p if p.is_absolute() else base / p).resolve()
-    return base
+        found = (p if p.is_absolute() else base / p).resolve()
+    try:
+        _check_root(found, base, state_dir)  # a shipped scan.json may not point verify elsewhere
+    except Refused as exc:
+        raise UsageError(str(exc)) from None
+    return found
 
 
 def load_state(state_dir: Path) -> State:

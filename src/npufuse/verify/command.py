@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from npufuse.cli import UsageError
+from npufuse.cli import UsageError, number
 
 
 def _kv(text: str) -> tuple[str, str]:
@@ -50,32 +50,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common(op)
     op.add_argument("--check-unreached", action="store_true", help="check a candidate that `npufuse trace` recorded as never executed")
     op.add_argument("--capture", metavar="CMD", help='launch command whose first call of the target gives the inputs, e.g. "python train.py --steps 1"')
-    op.add_argument("--capture-timeout", type=float, default=600.0, metavar="S", help="seconds to wait for the capture (default 600)")
-    op.add_argument("--capture-max-mb", type=int, default=512, metavar="MB", help="tensors captured by value up to this total (default 512)")
+    op.add_argument("--capture-timeout", type=number(float, above=0, maximum=1e7), default=600.0, metavar="S", help="seconds to wait for the capture (default 600)")
+    op.add_argument("--capture-max-mb", type=number(int, minimum=0, maximum=1 << 20), default=512, metavar="MB", help="tensors captured by value up to this total (default 512)")
     op.add_argument("--shape", action="append", default=[], metavar="[NAME=]AxBxC[:dtype]", help="input shape of a parameter; repeatable")
     op.add_argument("--dtype", help="low precision to check in (default: captured, else config torch_dtype, else bfloat16)")
     op.add_argument("--init", action="append", type=_kv, default=[], metavar="NAME=VALUE", help="constructor/argument value (Python literal); repeatable")
     op.add_argument("--batch", type=_positive_int, help="batch size for config-derived shapes (default min(config, 2))")
     op.add_argument("--seq-len", type=_positive_int, help="sequence length for config-derived shapes (default min(config, 256))")
-    op.add_argument("--factor", type=float, default=2.0, help="allowed multiple of the original's own low-precision error (default 2.0)")
-    op.add_argument("--seed", type=int, default=0)
+    op.add_argument("--factor", type=number(float, above=0, maximum=1e6), default=2.0, help="allowed multiple of the original's own low-precision error (default 2.0)")
+    op.add_argument("--seed", type=number(int, minimum=0, maximum=2**32 - 1), default=0)
     op.add_argument("--backend", choices=("auto", "emulated"), default="auto", help="auto: real torch_npu on an NPU host, else emulated")
 
     e2e = sub.add_parser("e2e", help="baseline vs fused run of your launch command: loss, then step time", description="end-to-end check of one applied candidate")
     common(e2e)
     e2e.add_argument("--cmd", required=True, help='your launch command, e.g. "python train.py --steps 50" (its program is looked up on the PATH of the child environment: --env PATH=... picks a venv)')
-    e2e.add_argument("--steps", type=_positive_int, default=50, help="logged steps to compare (default 50); the run is stopped after them")
-    e2e.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="per run, seconds (default 3600)")
+    e2e.add_argument("--steps", type=number(int, minimum=1, maximum=10**7), default=50, help="logged steps to compare (default 50); the run is stopped after them")
+    e2e.add_argument("--timeout", type=number(float, above=0, maximum=1e7), default=3600.0, metavar="S", help="per run, seconds (default 3600)")
     e2e.add_argument("--log-regex", help="regex with named groups loss (required), step, step_time (seconds)")
     e2e.add_argument("--seed-env", action="append", type=_kv, default=[], metavar="K=V", help="seed variables set identically in both runs (default PYTHONHASHSEED=0)")
     e2e.add_argument("--cwd", help="folder to run in (default: the repository root)")
-    e2e.add_argument("--tolerance", type=float, default=0.01, help="max smoothed relative loss difference (default 0.01 = 1%%)")
-    e2e.add_argument("--skip", type=int, default=10, help="first steps not compared (default 10)")
-    e2e.add_argument("--ema", type=float, default=0.1, help="EMA smoothing factor of the loss curves (default 0.1)")
-    e2e.add_argument("--warmup", type=int, default=5, help="first steps excluded from step-time statistics (default 5)")
-    e2e.add_argument("--bootstrap", type=_positive_int, default=2000, help="bootstrap resamples (default 2000)")
-    e2e.add_argument("--min-effect", type=float, default=0.01, help="smallest speed-up worth calling faster/slower (default 0.01)")
-    e2e.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    e2e.add_argument("--tolerance", type=number(float, above=0, maximum=1e6), default=0.01, help="max smoothed relative loss difference (default 0.01 = 1%%)")
+    e2e.add_argument("--skip", type=number(int, minimum=0, maximum=10**7), default=10, help="first steps not compared (default 10)")
+    e2e.add_argument("--ema", type=number(float, above=0, maximum=1), default=0.1, help="EMA smoothing factor of the loss curves (default 0.1)")
+    e2e.add_argument("--warmup", type=number(int, minimum=0, maximum=10**7), default=5, help="first steps excluded from step-time statistics (default 5)")
+    e2e.add_argument("--bootstrap", type=number(int, minimum=1, maximum=10**6), default=2000, help="bootstrap resamples (default 2000)")
+    e2e.add_argument("--min-effect", type=number(float, minimum=0, maximum=1e3), default=0.01, help="smallest speed-up worth calling faster/slower (default 0.01)")
+    e2e.add_argument("--seed", type=number(int, minimum=0, maximum=2**32 - 1), default=0, help="bootstrap seed")
     e2e.add_argument("--rerun-baseline", action="store_true", help="do not reuse a completed baseline run")
     e2e.add_argument("--force", action="store_true", help="run even if the op check has not passed")
     e2e.add_argument("--emulate", choices=("auto", "never", "always"), default="auto", help="the child's torch_npu: auto = real if installed, else emulated")
@@ -92,13 +92,23 @@ def run(args: argparse.Namespace) -> int:
 
     from npufuse.verify.candidate import load_candidate
 
-    # The child runs in the repo root, not here: every path handed to it (probe settings,
-    # counter files) must be absolute, so resolve the state folder once, up front.
-    args.state_dir = str(Path(args.state_dir).resolve())
-    cand = load_candidate(args.id, args.state_dir, args.root)
-    if args.check == "op":
-        return _run_op(args, cand)
-    return _run_e2e(args, cand)
+    from npufuse.state_folder import StateBusy, UnsafeStatePath, check_state_dir, lock
+
+    try:
+        # before resolving it: a state folder that is a symlink (a hostile repo's) is refused
+        check_state_dir(args.state_dir)
+        # The child runs in the repo root, not here: every path handed to it (probe settings,
+        # counter files) must be absolute, so resolve the state folder once, up front.
+        args.state_dir = str(Path(args.state_dir).resolve())
+        if not Path(args.state_dir).is_dir():
+            cand = load_candidate(args.id, args.state_dir, args.root)  # says what is missing
+        with lock(args.state_dir, verb=f"npufuse verify {args.check}"):
+            cand = load_candidate(args.id, args.state_dir, args.root)
+            if args.check == "op":
+                return _run_op(args, cand)
+            return _run_e2e(args, cand)
+    except (UnsafeStatePath, StateBusy) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _run_op(args: argparse.Namespace, cand: Any) -> int:
