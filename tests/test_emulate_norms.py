@@ -64,9 +64,9 @@ E = inspect.Parameter.empty
 
 
 def test_signatures_match_schema():
-    assert params(npu_rms_norm) == [("self", E, P), ("gamma", E, P), ("epsilon", 1e-06, P)]
+    assert params(npu_rms_norm) == [("input", E, P), ("gamma", E, P), ("epsilon", 1e-06, P)]
     assert params(npu_add_rms_norm) == [("x1", E, P), ("x2", E, P), ("gamma", E, P), ("epsilon", 1e-06, P)]
-    assert params(npu_gemma_rms_norm) == [("self", E, P), ("gamma", E, P), ("epsilon", 1e-06, P)]
+    assert params(npu_gemma_rms_norm) == [("input", E, P), ("gamma", E, P), ("epsilon", 1e-06, P)]
     assert params(npu_add_layer_norm) == [
         ("x1", E, P), ("x2", E, P), ("gamma", E, P), ("beta", E, P), ("epsilon", 1e-05, P), ("additional_output", False, P)
     ]
@@ -130,9 +130,9 @@ def test_rms_norm_backward_matches_reference():
 @pytest.mark.parametrize(
     "x,w,exc,arg",
     [
-        (torch.randn(2, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), TypeError, "self"),
-        (torch.randint(0, 5, (2, 8)), torch.randn(8), TypeError, "self"),
-        (torch.randn(8), torch.randn(8), ValueError, "self"),  # 1-D: wheel doc says 2-8-D
+        (torch.randn(2, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), TypeError, "input"),
+        (torch.randint(0, 5, (2, 8)), torch.randn(8), TypeError, "input"),
+        (torch.randn(8), torch.randn(8), ValueError, "input"),  # 1-D: wheel doc says 2-8-D
         (torch.randn(2, 8), torch.randn(7), ValueError, "gamma"),
         (torch.randn(2, 8), torch.randn(2, 2, 8), ValueError, "gamma"),
         (torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.float16), TypeError, "gamma"),
@@ -221,9 +221,9 @@ def test_gemma_rms_norm_backward_raises():
 @pytest.mark.parametrize(
     "x,w,exc,arg",
     [
-        (torch.randn(16, 4).t(), torch.randn(16), ValueError, "self"),  # non-contiguous
+        (torch.randn(16, 4).t(), torch.randn(16), ValueError, "input"),  # non-contiguous
         (torch.randn(4, 16), torch.randn(32)[::2], ValueError, "gamma"),  # non-contiguous gamma
-        (torch.randn(0, 16), torch.randn(16), ValueError, "self"),  # empty
+        (torch.randn(0, 16), torch.randn(16), ValueError, "input"),  # empty
         (torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(16), TypeError, "gamma"),  # must match
         (torch.randn(4, 16), torch.randn(15), ValueError, "gamma"),
     ],

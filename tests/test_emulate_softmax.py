@@ -185,9 +185,9 @@ def test_dropout_with_add_softmax_ignores_grad_of_softmax_out():
 @pytest.mark.parametrize(
     "shape,kw,exc,arg",
     [
-        ((1, 32, 100, 128), {}, ValueError, "self"),  # H not in {128,256,384,512}
-        ((1, 16, 128, 128), {}, ValueError, "self"),  # N*C % 32 != 0
-        ((32, 128, 128), {}, ValueError, "self"),  # 3-D
+        ((1, 32, 100, 128), {}, ValueError, "input"),  # H not in {128,256,384,512}
+        ((1, 16, 128, 128), {}, ValueError, "input"),  # N*C % 32 != 0
+        ((32, 128, 128), {}, ValueError, "input"),  # 3-D
         ((1, 32, 128, 128), {"dim": 2}, ValueError, "dim"),
         ((1, 32, 128, 128), {"prob": 1.0}, ValueError, "prob"),
         ((1, 32, 128, 128), {"x1_shape": (1, 32, 128, 256)}, ValueError, "x1"),
@@ -242,8 +242,8 @@ def test_confusion_transpose_backward():
 @pytest.mark.parametrize(
     "dtype,perm,shape,tf,exc,arg",
     [
-        (torch.bfloat16, (0, 2, 1, 3), (2, 4, 18), True, TypeError, "self"),  # not in the doc's dtype list
-        (torch.float64, (0, 2, 1, 3), (2, 4, 18), True, TypeError, "self"),
+        (torch.bfloat16, (0, 2, 1, 3), (2, 4, 18), True, TypeError, "input"),  # not in the doc's dtype list
+        (torch.float64, (0, 2, 1, 3), (2, 4, 18), True, TypeError, "input"),
         (torch.float32, (0, 2, 2, 3), (2, 4, 18), True, ValueError, "perm"),
         (torch.float32, (0, 2, 1), (2, 4, 18), True, ValueError, "perm"),  # rank of self is 4
         (torch.float32, (0, 2, 1, 3), (2, 4, 17), True, ValueError, "shape"),
@@ -263,8 +263,8 @@ def test_signatures_match_schema():
     p = inspect.signature(npu_scaled_masked_softmax).parameters
     assert list(p) == ["x", "mask", "scale", "fixed_triu_mask"]
     assert p["scale"].default == 1 and p["fixed_triu_mask"].default is False
-    assert list(inspect.signature(npu_dropout_with_add_softmax).parameters) == ["self", "x1", "alpha", "prob", "dim"]
-    assert list(inspect.signature(npu_confusion_transpose).parameters) == ["self", "perm", "shape", "transpose_first"]
+    assert list(inspect.signature(npu_dropout_with_add_softmax).parameters) == ["input", "x1", "alpha", "prob", "dim"]
+    assert list(inspect.signature(npu_confusion_transpose).parameters) == ["input", "perm", "shape", "transpose_first"]
 
 
 def test_calls_counted_through_install():

@@ -33,34 +33,34 @@ def _halves(api: str, t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
     """Split ``t`` into equal (first, second) halves along ``dim`` after validating ``dim``."""
     dim = _require_int(api, "dim", dim)
     nd = t.dim()
-    require(api, "dim", -nd <= dim < nd, f"({dim}) out of range [{-nd}, {nd - 1}] for a {nd}-D self")
+    require(api, "dim", -nd <= dim < nd, f"({dim}) out of range [{-nd}, {nd - 1}] for a {nd}-D input")
     size = t.shape[dim]
-    require(api, "self", size % 2 == 0, f"size {size} along dim {dim} must be even (split into two halves)")
+    require(api, "input", size % 2 == 0, f"size {size} along dim {dim} must be even (split into two halves)")
     half = size // 2
     # narrow (not chunk) so an empty split dim still yields two empty halves
     return t.narrow(dim, 0, half), t.narrow(dim, half, half)
 
 
 @emulated("npu_swiglu", autograd=True, spec="3.1")
-def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """SwiGLU: split self in halves (A, B) along dim and return silu(A) * B.
+def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """SwiGLU: split input in halves (A, B) along dim and return silu(A) * B.
 
     A is the **first** half. Rounding follows the golden: float32 ``sigmoid(A) * A * B``;
     float16/bfloat16 ``(silu(A.float()).to(dtype).float() * B.float()).to(dtype)`` (silu rounded
     to the input dtype before the product). Output has ``size(dim) // 2`` along ``dim``.
 
-    Constraints: self 1-8-D, float16/bfloat16/float32, contiguous (the op-plugin doc says it is not
+    Constraints: input 1-8-D, float16/bfloat16/float32, contiguous (the op-plugin doc says it is not
     contiguous-tolerant), even size along ``dim``. Autograd: yes.
     """
     api = "npu_swiglu"
-    require_tensor(api, "self", self)
-    require_dtype(api, "self", self)
-    require_rank(api, "self", self, 1, 8)
-    require_contiguous(api, "self", self)
-    a, b = _halves(api, self, dim)
-    if self.dtype == torch.float32:
+    require_tensor(api, "input", input)
+    require_dtype(api, "input", input)
+    require_rank(api, "input", input, 1, 8)
+    require_contiguous(api, "input", input)
+    a, b = _halves(api, input, dim)
+    if input.dtype == torch.float32:
         return torch.sigmoid(a) * a * b
-    return (F.silu(a.float()).to(self.dtype).float() * b.float()).to(self.dtype)
+    return (F.silu(a.float()).to(input.dtype).float() * b.float()).to(input.dtype)
 
 
 _GELU_MODES = {0: "none", 1: "tanh"}
@@ -68,32 +68,32 @@ _GELU_MODES = {0: "none", 1: "tanh"}
 
 @emulated("npu_geglu", autograd=True, spec="3.2")
 def npu_geglu(
-    self: torch.Tensor, dim: int = -1, approximate: int = 1, activate_left: bool = False
+    input: torch.Tensor, dim: int = -1, approximate: int = 1, activate_left: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GeGLU: halves (A, B) along dim; out = A * gelu(B), or gelu(A) * B if activate_left; returns (out, out_gelu).
 
     ``approximate``: 0 = erf GELU (``F.gelu`` default), **1 = tanh (the default)**.
     ``activate_left=False`` (default) activates the **second** half: ``out = A * gelu(B)``,
     ``out_gelu = gelu(B)``; ``activate_left=True``: ``out = gelu(A) * B``, ``out_gelu = gelu(A)``.
-    Both outputs have ``size(dim) // 2`` along ``dim`` and self's dtype; computed in fp32, each
+    Both outputs have ``size(dim) // 2`` along ``dim`` and input's dtype; computed in fp32, each
     rounded once. Autograd flows through ``out`` only (``out_gelu`` is not differentiable).
 
-    Constraints: self 1-8-D float16/bfloat16/float32 (non-contiguous accepted), even size along
-    ``dim``. The wheel doc lets a 0-D self pass the dim range check (dim ∈ [-1, 0]) but a scalar
+    Constraints: input 1-8-D float16/bfloat16/float32 (non-contiguous accepted), even size along
+    ``dim``. The wheel doc lets a 0-D input pass the dim range check (dim ∈ [-1, 0]) but a scalar
     has no halves and the meta kernel rejects 0-D, so 0-D is refused.
     """
     api = "npu_geglu"
-    require_tensor(api, "self", self)
-    require_dtype(api, "self", self)
-    require_rank(api, "self", self, 1, 8)
+    require_tensor(api, "input", input)
+    require_dtype(api, "input", input)
+    require_rank(api, "input", input, 1, 8)
     mode = _require_int(api, "approximate", approximate)
     require(api, "approximate", mode in _GELU_MODES, f"must be 0 (erf) or 1 (tanh), got {mode}")
     require(api, "activate_left", isinstance(activate_left, bool), "must be a bool", TypeError)
-    a, b = _halves(api, self, dim)
+    a, b = _halves(api, input, dim)
     gate, other = (a, b) if activate_left else (b, a)
     gelu = F.gelu(gate.float(), approximate=_GELU_MODES[mode])
-    out = (gelu * other.float()).to(self.dtype)
-    return out, gelu.detach().to(self.dtype)
+    out = (gelu * other.float()).to(input.dtype)
+    return out, gelu.detach().to(input.dtype)
 
 
 @emulated("npu_gelu_mul", autograd=False, spec="3.3")
@@ -132,31 +132,31 @@ def _fast_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 @emulated("npu_fast_gelu", autograd=True, spec="3.4")
-def npu_fast_gelu(self: torch.Tensor) -> torch.Tensor:
+def npu_fast_gelu(input: torch.Tensor) -> torch.Tensor:
     """FastGeLU (QuickGELU): x * sigmoid(1.702 * x), elementwise.
 
-    Computed in fp32 and rounded to self's dtype. Not ``F.gelu(approximate='tanh')``.
-    Constraints: self 0-8-D, float16/bfloat16/float32 (bfloat16 on A2/A3), non-contiguous
+    Computed in fp32 and rounded to input's dtype. Not ``F.gelu(approximate='tanh')``.
+    Constraints: input 0-8-D, float16/bfloat16/float32 (bfloat16 on A2/A3), non-contiguous
     accepted. Autograd: yes.
     """
     api = "npu_fast_gelu"
-    require_tensor(api, "self", self)
-    require_dtype(api, "self", self)
-    require_rank(api, "self", self, 0, 8)
-    return _fast_gelu(self)
+    require_tensor(api, "input", input)
+    require_dtype(api, "input", input)
+    require_rank(api, "input", input, 0, 8)
+    return _fast_gelu(input)
 
 
 @emulated("fast_gelu", autograd=True, spec="3.4")
-def fast_gelu(self: torch.Tensor) -> torch.Tensor:
+def fast_gelu(input: torch.Tensor) -> torch.Tensor:
     """FastGeLU, older aclop variant: x * sigmoid(1.702 * x), elementwise; float16/float32 only.
 
-    Same math as ``npu_fast_gelu`` (fp32 compute, rounded to self's dtype) but the documented
+    Same math as ``npu_fast_gelu`` (fp32 compute, rounded to input's dtype) but the documented
     dtypes are float16 and float32 only, so bfloat16 is refused. Autograd: yes.
     """
     api = "fast_gelu"
-    require_tensor(api, "self", self)
-    require_dtype(api, "self", self, (torch.float16, torch.float32))
-    return _fast_gelu(self)
+    require_tensor(api, "input", input)
+    require_dtype(api, "input", input, (torch.float16, torch.float32))
+    return _fast_gelu(input)
 
 
 __all__ = ["npu_swiglu", "npu_geglu", "npu_gelu_mul", "npu_fast_gelu", "fast_gelu"]

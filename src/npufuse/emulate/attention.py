@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from npufuse.emulate.checks import (
+    NpuOpError,
     dtype_name,
     forward_only,
     require,
@@ -89,7 +90,7 @@ def _reject(api: str, **args: object) -> None:
     """Raise for any argument that is set although the emulation does not implement it."""
     for name, value in args.items():
         if value is not None:
-            raise ValueError(
+            raise NpuOpError(
                 f"{api}: {name} is not supported by the npufuse emulation (quantised / paged / "
                 "shared-prefix / rope / padding paths are not emulated); pass None"
             )
@@ -211,7 +212,7 @@ def _mask_4d(
             return m4[:, :, : dims["Sq"], : dims["Skv"]].bool()
     want = " or ".join("[" + ", ".join(str(dims.get(n, n)) for n in p.split()) + "]" for p in patterns)
     extra = " (Sq/Skv may be padded up)" if padded_ok else ""
-    raise ValueError(f"{api}: atten_mask shape {list(shape)} not supported; expected {want}{extra}")
+    raise NpuOpError(f"{api}: atten_mask shape {list(shape)} not supported; expected {want}{extra}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -432,7 +433,7 @@ def _dropout_keep(
             shifts = torch.arange(8, device=device, dtype=torch.uint8)
             bits = ((flat.view(-1, 1) >> shifts) & 1).reshape(-1)[:numels] != 0
         else:
-            raise ValueError(
+            raise NpuOpError(
                 f"{api}: dropout_mask has {flat.numel()} elements; expected {numels} (one per position, "
                 f"non-zero = keep) or a bit-packed uint8 tensor of >= {math.ceil(numels / 8)} bytes"
             )
@@ -559,7 +560,7 @@ def npu_fusion_attention(
         f"{sparse_mode} is not supported with input_layout {layout} (allowed: {list(allowed_modes)})",
     )
     if prefix is not None:
-        raise ValueError(f"{api}: prefix is used only by sparse_mode 5/6, which the npufuse emulation does not emulate")
+        raise NpuOpError(f"{api}: prefix is used only by sparse_mode 5/6, which the npufuse emulation does not emulate")
     qlen = _int_list(api, "actual_seq_qlen", actual_seq_qlen)
     kvlen = _int_list(api, "actual_seq_kvlen", actual_seq_kvlen)
 
@@ -646,7 +647,7 @@ def npu_fusion_attention(
         require_dtype(api, "atten_mask", atten_mask, _MASK_DTYPES_FA)
         mode = sparse_mode
         if mode in (5, 6, 7, 8):
-            raise ValueError(f"{api}: sparse_mode {mode} ({_MODE_NAMES[mode]}) is not emulated by npufuse")
+            raise NpuOpError(f"{api}: sparse_mode {mode} ({_MODE_NAMES[mode]}) is not emulated by npufuse")
         if mode in (2, 3, 4):
             _check_compressed(api, atten_mask, mode, [(COMPRESSED, COMPRESSED)])
         elif layout == "TND":
@@ -657,7 +658,7 @@ def npu_fusion_attention(
             user_mask = atten_mask.bool().view(1, 1, sq, skv)
             for bi, (lq, lk) in enumerate(zip(sq_lens, skv_lens)):
                 if lq and lk and bool(user_mask[0, 0, :lq, :lk].all(dim=-1).any()):
-                    raise ValueError(
+                    raise NpuOpError(
                         f"{api}: atten_mask has a fully masked row in sequence {bi}; TND masks must not pad rows"
                     )
         else:
@@ -783,7 +784,7 @@ def _infer_attention(
     require_same_dtype(api, "value", value, "query", query)
     layout = _str(api, "input_layout", layout)
     if layout in ("TND_NTD", "NTD_TND", "NTD"):
-        raise ValueError(f"{api}: input_layout {layout!r} is not emulated by npufuse (use TND)")
+        raise NpuOpError(f"{api}: input_layout {layout!r} is not emulated by npufuse (use TND)")
     require(api, "input_layout", layout in layouts, f"must be one of {', '.join(layouts)}, got {layout!r}")
     num_heads = _int(api, "num_heads", num_heads)
     num_key_value_heads = _int(api, "num_key_value_heads", num_key_value_heads)
@@ -1203,7 +1204,7 @@ def npu_fused_infer_attention_score(
     if not isinstance(softmax_lse_flag, bool):
         raise TypeError(f"{api}: softmax_lse_flag must be a bool, got {type(softmax_lse_flag).__name__}")
     if _int(api, "sparse_mode", sparse_mode) == 9:
-        raise ValueError(f"{api}: sparse_mode 9 (tree mask, MLA only) is not emulated by npufuse")
+        raise NpuOpError(f"{api}: sparse_mode 9 (tree mask, MLA only) is not emulated by npufuse")
     out, lse = _infer_attention(
         api, query, key, value, layout=input_layout, layouts=("BSH", "BSND", "BNSD", "BNSD_BSND", "TND"),
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,

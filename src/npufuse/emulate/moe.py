@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from npufuse.emulate.checks import (
+    NpuOpError,
     dtype_name,
     forward_only,
     require,
@@ -123,7 +124,7 @@ def _check_k(i: int, x_k: int, w: torch.Tensor) -> None:
             "; it looks like [.., N, K] (nn.Linear out x in) storage: pass w.transpose(-1, -2) as a view "
             "(logical [.., K, N]), without .contiguous()"
         )
-    raise ValueError(f"{_GMM}: weight[{i}] has K={w.shape[-2]} (shape {tuple(w.shape)}) but x has K={x_k}{hint}")
+    raise NpuOpError(f"{_GMM}: weight[{i}] has K={w.shape[-2]} (shape {tuple(w.shape)}) but x has K={x_k}{hint}")
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
