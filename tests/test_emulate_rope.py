@@ -144,12 +144,24 @@ def test_rotary_mul_rotate_matrix_half_and_interleave():
     torch.testing.assert_close(npu_rotary_mul(x, cos, sin, "interleave", r_doc), x * cos + swapped * sin)
 
 
-def test_rotary_mul_with_rotate_has_no_backward():
+def test_rotary_mul_with_rotate_backward_is_rotary_modes():
+    # derivatives.yaml: npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode) never sees rotate,
+    # so with rotate=I the forward uses x @ I but the gradient is rotate_half's; rotate gets none
     x = torch.randn(1, 1, 3, 4, requires_grad=True)
-    r = torch.eye(4)
-    out = npu_rotary_mul(x, torch.ones(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), "half", r)
-    with pytest.raises(RuntimeError, match="not implemented"):
-        out.sum().backward()
+    cos = torch.randn(1, 1, 3, 4, requires_grad=True)
+    sin = torch.randn(1, 1, 3, 4, requires_grad=True)
+    r = torch.eye(4, requires_grad=True)
+    out = npu_rotary_mul(x, cos, sin, "half", r)
+    torch.testing.assert_close(out, (x * cos + x * sin).detach())
+    g = torch.randn(out.shape)
+    out.backward(g)
+    x2, cos2, sin2 = (t.detach().clone().requires_grad_() for t in (x, cos, sin))
+    x1h, x2h = x2.chunk(2, -1)
+    (x2 * cos2 + torch.cat((-x2h, x1h), -1) * sin2).backward(g)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(cos.grad, cos2.grad)
+    torch.testing.assert_close(sin.grad, sin2.grad)
+    assert r.grad is None
 
 
 @pytest.mark.parametrize(

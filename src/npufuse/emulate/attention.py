@@ -25,6 +25,7 @@ from npufuse.emulate.checks import (
     NpuOpError,
     dtype_name,
     forward_only,
+    no_gradient_formula,
     require,
     require_contiguous,
     require_dtype,
@@ -503,16 +504,21 @@ def npu_fusion_attention(
     Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``:
     out in query's dtype and layout with D -> Dv; softmax_max/sum float32 [B,N,Sq,8] (TND
     [T,N,8]) = per-row max of the scaled masked logits and sum_j exp(S - max), replicated 8x
-    (detached); softmax_out empty; seed/offset 0 unless keep_prob < 1; numels = B*N*Sq*Skv
-    (TND: N * sum_b Sq_b*Skv_b).
+    (differentiable outputs like attention_out, derivatives.yaml, but a gradient reaching them is
+    dropped: the backward reads only attention_out's); softmax_out empty; seed/offset as given
+    when keep_prob == 1 (the generated ones otherwise); numels = B*N*Sq*Skv (TND: N * sum_b
+    Sq_b*Skv_b).
+
+    Settled from op-plugin's sources and tests (issue 20): pse is placed inside the scale,
+    ``scale * (QK^T + pse)`` (pse_type 1, the grad kernel's formula); sparse_mode 4 with
+    Sq != Skv is the bottom-right band ``i + (Skv - Sq) - pre <= j <= i + (Skv - Sq) + next``.
 
     Choices where the spec is UNCERTAIN:
     * fully masked rows -> zero output, softmax_max -inf, softmax_sum 0;
     * sparse_mode 0 with a mask: pre/next are intersected with the mask (top-left origin
       ``i-pre <= j <= i+next``); the real kernel uses them for block skipping, so an
       inconsistent pair is "wrong results" there and a deterministic intersection here;
-    * sparse_mode 4 with Sq != Skv uses the bottom-right origin (kernel doc, not msprobe);
-    * sparse_modes 5-8 (prefix / varlen split) are not emulated: ValueError when a mask is given;
+    * sparse_modes 5-8 (prefix / varlen split) are not emulated: NpuOpError when a mask is given;
     * with ``sink`` softmax_max/softmax_sum include the sink column;
     * TND softmax_max/sum keep the shape [T,N,8]; with softmax_layout="" the buffer holds NTD
       order (``.view(N, T, 8)`` reads rows), with "TND" it is plain [T,N,8] order;
@@ -706,7 +712,7 @@ def npu_fusion_attention(
     else:
         numels, valid = b * nq * sq * skv, None
     drop_keep = None
-    out_seed = out_offset = 0
+    out_seed, out_offset = seed, offset  # returned as given when dropout is off (op-plugin passes them through)
     if keep_prob < 1.0:
         drop_keep, out_seed, out_offset = _dropout_keep(
             api, (b, nq, sq, skv), numels, valid, keep_prob, dropout_mask, seed, offset, device,
@@ -729,7 +735,27 @@ def npu_fusion_attention(
     else:
         out = _merge_heads(out, layout)
         row_max, row_sum = (x.unsqueeze(-1).expand(*x.shape, 8).contiguous() for x in (row_max, row_sum))
-    return (out.to(query.dtype), row_max, row_sum, query.new_empty(0), out_seed, out_offset, numels)
+    out, row_max, row_sum, softmax_out = out.to(query.dtype), row_max, row_sum, query.new_empty(0)
+    if torch.is_grad_enabled() and out.requires_grad:
+        out, row_max, row_sum, softmax_out = _DifferentiableStats.apply(out, row_max, row_sum, softmax_out)
+    return (out, row_max, row_sum, softmax_out, out_seed, out_offset, numels)
+
+
+class _DifferentiableStats(torch.autograd.Function):
+    """Make softmax_max/softmax_sum/softmax_out differentiable outputs, as derivatives.yaml does.
+
+    ``output_differentiability: [true, true, true, true, false, false, false]``, while the
+    backward (``npu_fusion_attention_grad(..., grad, ...)``) reads only the gradient of
+    attention_out: what reaches outputs 1-3 is dropped, as here.
+    """
+
+    @staticmethod
+    def forward(ctx, out, row_max, row_sum, softmax_out):  # type: ignore[override]
+        return out.clone(), row_max.clone(), row_sum.clone(), softmax_out.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out, _gmax, _gsum, _gsoftmax):  # type: ignore[override]
+        return grad_out, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -1024,7 +1050,7 @@ def npu_prompt_flash_attention(
     mask the band ``i - pre <= j <= i + next`` makes even a padding-only mask causal** — pass
     next_tokens=2147483647 for non-causal masks; without a mask pre/next are ignored.
     ``actual_seq_lengths``/``actual_seq_lengths_kv`` are per-batch valid lengths (1 entry
-    broadcasts), cumulative for TND. Returns one Tensor (query's dtype). Forward only.
+    broadcasts), cumulative for TND. Returns one Tensor (query's dtype). No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     UNCERTAIN choices: pse_shift is added after scaling (the doc formula); query rows past
     actual_seq_lengths are zero; quantised arguments and padding_mask raise ValueError.
@@ -1045,7 +1071,7 @@ def npu_prompt_flash_attention(
         mask_patterns=_PFA_MASKS, decode_mask_patterns=(), compressed_shapes=_COMPRESSED_INFER,
         mode1_needs_mask=False, contiguous=True,
     )
-    return forward_only(api, out)
+    return no_gradient_formula(api, out)
 
 
 @emulated(IFA, autograd=False, spec="5.4")
@@ -1080,7 +1106,7 @@ def npu_incre_flash_attention(
     ``actual_seq_lengths`` = **valid KV length per batch** (B or 1 entries): later keys are
     ignored. ``atten_mask`` bool/int8/uint8, 1 = masked, shapes (B,Skv), (B,1,1,Skv) and the
     1-batch / 3-D variants, Skv may be padded up. GQA via num_key_value_heads (ratio <= 64).
-    Returns one Tensor shaped like query. Forward only.
+    Returns one Tensor shaped like query. No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     UNCERTAIN choices: pse_shift is added after scaling; a batch with 0 valid keys gives zeros.
     Not emulated (ValueError naming the argument): quant/antiquant arguments, PagedAttention
@@ -1111,7 +1137,7 @@ def npu_incre_flash_attention(
         mask_patterns=(), decode_mask_patterns=_IFA_MASKS, compressed_shapes=(),
         mode1_needs_mask=False, contiguous=False,
     )
-    return forward_only(api, out)
+    return no_gradient_formula(api, out)
 
 
 @emulated(FIA, autograd=False, spec="5.5")
@@ -1169,7 +1195,7 @@ def npu_fused_infer_attention_score(
     With Q_S == 1 sparse_mode/pre_tokens/next_tokens/actual_seq_lengths are ignored.
     ``softmax_lse`` float32 [B,N,Sq,1] (TND [T,N,1]) = log(sum exp(S - max)) + max when
     softmax_lse_flag, else an empty float32 tensor (shape [0], as the meta kernel; the doc says
-    [1] zeros: UNCERTAIN). Forward only.
+    [1] zeros: UNCERTAIN). No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     UNCERTAIN choices: pse_shift added after scaling; rows without keys: out 0, lse -inf; FIA
     TND mode 3 accepts q_len <= kv_len per batch (doc: "<"). Not emulated (ValueError naming the
@@ -1218,4 +1244,4 @@ def npu_fused_infer_attention_score(
     )
     if not softmax_lse_flag:
         lse = torch.empty(0, dtype=torch.float32, device=query.device)
-    return forward_only(api, out, lse)
+    return no_gradient_formula(api, out, lse)

@@ -16,6 +16,7 @@ from npufuse.emulate.checks import (
     NpuOpError,
     dtype_name,
     forward_only,
+    no_gradient_formula,
     require,
     require_dtype,
     require_rank,
@@ -191,7 +192,7 @@ def npu_grouped_matmul(
     exist only in the per-token-quant scenario); ``output_dtype`` None or x's dtype. Quantized
     and pseudo-quantized forms (scale, antiquant_*, per_token_scale, *_dtype) are not emulated.
 
-    Autograd: none (forward-only; backward raises).
+    Autograd: none. No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     UNCERTAIN (spec §7.1): the exact group_type=2 operand convention; this follows the meta/C++
     shape logic and supports only split_item 2/3. ``group_type=0`` with split_item 0/1 is
@@ -405,7 +406,7 @@ def _per_group(xm: torch.Tensor, experts: Sequence[torch.Tensor], sizes: list[in
 
 
 def _as_list(*outs: torch.Tensor) -> list[torch.Tensor]:
-    wrapped = forward_only(_GMM, *outs)
+    wrapped = no_gradient_formula(_GMM, *outs)
     return list(wrapped) if isinstance(wrapped, tuple) else [wrapped]
 
 
@@ -609,7 +610,7 @@ def npu_moe_init_routing(
     Shapes ``[min(N, active_num)*K, H]`` (x's dtype), ``[N*K]`` int32, ``[N*K]`` int32.
     x 2-D fp16/bf16/fp32 with numel < 2^24; row_idx and expert_idx int32 ``[N, K]``; row_idx
     must be a permutation of ``[0, N*K)`` (normally ``npu_moe_gating_top_k_softmax``'s third
-    output); active_num >= 0. Autograd: none (backward raises).
+    output); active_num >= 0. No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
     """
     api = "npu_moe_init_routing"
     require_tensor(api, "x", x)
@@ -642,7 +643,7 @@ def npu_moe_init_routing(
     expanded_row_idx[dst_to_src] = torch.arange(total, dtype=torch.int32, device=x.device)
     active = min(n, active_num) * kk
     expanded_x = x.index_select(0, dst_to_src[:active] % n) if n else x.new_empty((0, x.shape[1]))
-    return forward_only(api, expanded_x), expanded_row_idx, expanded_expert_idx
+    return no_gradient_formula(api, expanded_x), expanded_row_idx, expanded_expert_idx
 
 
 @emulated("npu_moe_finalize_routing", autograd=False, spec="8.4")
@@ -669,7 +670,8 @@ def npu_moe_finalize_routing(
     Constraints: rows fp16/bf16/fp32 (2-D for modes 0/2, 3-D for 1/3); skip1/skip2 ``[N, H]``,
     bias ``[E, H]``, scales ``[N, K]``, all the rows' dtype; expanded_src_to_dst_row int32
     ``[N*K]`` with values in range (-1 allowed only in drop-pad modes); export_for_source_row int32
-    ``[N, K]`` in ``[0, E)``, required when bias is given. Autograd: none (backward raises).
+    ``[N, K]`` in ``[0, E)``, required when bias is given.
+    No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     Choice (spec §8.4): the wheel doc says "skip2 None requires skip1 None", the op-plugin doc
     the reverse; the golden accepts any combination, and so does this.
@@ -742,4 +744,4 @@ def npu_moe_finalize_routing(
     for t in (skip1, skip2):
         if t is not None:
             out = out + t.float()
-    return forward_only(api, out.to(rows.dtype))
+    return no_gradient_formula(api, out.to(rows.dtype))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from npufuse.emulate.checks import (
     dtype_name,
     forward_only,
+    no_gradient_formula,
     require,
     require_contiguous,
     require_dtype,
@@ -147,7 +148,7 @@ def npu_gemma_rms_norm(
     ``gamma.shape == input.shape[-gamma.dim():]``; both contiguous (not contiguous-tolerant) and
     not empty.
 
-    Forward only (no derivative registered): backpropagating through an output raises.
+    No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
     """
     api = "npu_gemma_rms_norm"
     require_tensor(api, "input", input)
@@ -163,7 +164,7 @@ def npu_gemma_rms_norm(
     xf = input.float()
     rstd = _rms(xf, r, eps)
     y = (xf * rstd * (1.0 + gamma.float())).to(input.dtype)
-    return forward_only(api, y, rstd)
+    return no_gradient_formula(api, y, rstd)
 
 
 @emulated("npu_add_layer_norm", autograd=True, spec="2.5")
@@ -256,7 +257,7 @@ def npu_group_norm_silu(
     ``group`` (a positive int); weight/bias optional, 1-D ``[C]``, the same dtype as each other and
     of precision ≥ input's (input's dtype, or float32). Non-contiguous input is accepted.
 
-    Forward only (no derivative registered): backpropagating through an output raises. For
+    No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel). For
     training use ``npu_group_norm_swish``.
     """
     api = "npu_group_norm_silu"
@@ -296,7 +297,7 @@ def npu_group_norm_silu(
     if bias is not None:
         normed = normed + bias.float().reshape(channel_shape)
     out = F.silu(normed).to(input.dtype)
-    return forward_only(api, out, mean.to(input.dtype), rstd.to(input.dtype))
+    return no_gradient_formula(api, out, mean.to(input.dtype), rstd.to(input.dtype))
 
 
 __all__ = ["npu_rms_norm", "npu_add_rms_norm", "npu_gemma_rms_norm", "npu_add_layer_norm", "npu_group_norm_silu"]

@@ -15,7 +15,6 @@ import torch
 
 from npufuse.emulate.checks import (
     NpuOpError,
-    forward_only,
     require,
     require_dtype,
     require_rank,
@@ -103,7 +102,9 @@ def npu_rotary_mul(
     cos/sin values are expected in [-1, 1]; that data range is not checked (it would need a
     host sync).
 
-    Autograd: yes for ``input``, ``r1``, ``r2``; none when ``rotate`` is given (backward raises).
+    Autograd: yes for ``input``, ``r1``, ``r2``, also with ``rotate`` (derivatives.yaml: the
+    backward is ``npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode)``, which does not see
+    ``rotate``: the gradient is that of ``rotary_mode``'s R; ``rotate`` is non_differentiable).
 
     Choices where the spec is UNCERTAIN: only 4-D input is accepted (the 2.14 wheel doc says 4-D;
     the newer op-plugin doc's 3-D/TND form is not known to work in 2.14). ``rotate`` is applied
@@ -170,16 +171,17 @@ def npu_rotary_mul(
     x = input.float()
     cos = r1.to(dtype).float()
     sin = r2.to(dtype).float()
+    standard = rotate_half(x) if rotary_mode == "half" else rotate_interleave(x)
+    out = x * cos + standard * sin
     if rotate is not None:
         require_tensor(api, "rotate", rotate)
         require_dtype(api, "rotate", rotate)
         require(api, "rotate", tuple(rotate.shape) == (d, d), f"must be ({d}, {d}) (D x D), got {tuple(rotate.shape)}")
-        rotated = x @ rotate.to(dtype).float()
-    else:
-        rotated = rotate_half(x) if rotary_mode == "half" else rotate_interleave(x)
-    out = (x * cos + rotated * sin).to(dtype)
-    if rotate is not None:
-        return forward_only(api, out)  # the real op registers no backward for the rotate form
+        matrix_out = x * cos + (x @ rotate.detach().to(dtype).float()) * sin
+        # derivatives.yaml: npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode) ignores rotate,
+        # so the gradient is the rotary_mode one whatever the matrix; rotate is non_differentiable
+        out = matrix_out.detach() + (out - out.detach())  # exact: out - out.detach() is 0
+    return out.to(dtype)
     return out
 
 

@@ -93,11 +93,7 @@ def npu_scaled_masked_softmax(
 
 
 class _DropoutAddSoftmax(torch.autograd.Function):
-    """Forward returns (mask, softmax_out, dropout_out); backward uses only dropout_out's grad.
-
-    That is what op-plugin's NPUdropoutwasFunction does (``backward(grad_outputs[2], ...)``): a
-    gradient arriving through ``softmax_out`` is ignored, so the emulation ignores it too.
-    """
+    """Forward returns (mask, softmax_out, dropout_out); only dropout_out is differentiable."""
 
     @staticmethod
     def forward(ctx, self_, x1, alpha, prob, dim, keep):  # type: ignore[override]
@@ -110,8 +106,10 @@ class _DropoutAddSoftmax(torch.autograd.Function):
         numel = keep.numel()
         flat = torch.zeros(math.ceil(numel / _MASK_ALIGN) * _MASK_ALIGN, dtype=torch.uint8, device=keep.device)
         flat[:numel] = keep.flatten().to(torch.uint8)
-        ctx.mark_non_differentiable(flat)
-        return flat, y.to(dtype), dropout.to(dtype)
+        softmax_out = y.to(dtype)
+        # derivatives.yaml: output_differentiability [false, false, true]
+        ctx.mark_non_differentiable(flat, softmax_out)
+        return flat, softmax_out, dropout.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_mask, grad_softmax, grad_dropout):  # type: ignore[override]
@@ -121,8 +119,9 @@ class _DropoutAddSoftmax(torch.autograd.Function):
         g = grad_dropout.float() * keep * ctx.scale
         d_add = y * (g - (y * g).sum(dim=ctx.dim, keepdim=True))
         grad_self = (ctx.alpha * d_add).to(grad_dropout.dtype)
-        grad_x1 = d_add.to(grad_dropout.dtype)
-        return grad_self, grad_x1, None, None, None, None
+        # op-plugin's npu_dropout_with_add_softmax_backward returns (result, grad): x1 receives the
+        # incoming gradient unchanged, not the softmax gradient
+        return grad_self, grad_dropout, None, None, None, None
 
 
 @emulated("npu_dropout_with_add_softmax", autograd=True, spec="6.2")
@@ -146,9 +145,11 @@ def npu_dropout_with_add_softmax(
     from torch's default generator (seed with ``torch.manual_seed``); it cannot match the NPU's
     DropOutGenMaskV3 bits. Computed in fp32, returned in ``x1``'s dtype.
 
-    Autograd: yes, for ``input`` and ``x1``, through ``dropout_out`` only (a gradient reaching
-    ``softmax_out`` is ignored, as in the op). The gradients are the mathematical ones:
-    ``d(x1) = softmax_grad``, ``d(input) = alpha * softmax_grad``.
+    Autograd: yes, for ``input`` and ``x1``, through ``dropout_out`` only (``mask`` and
+    ``softmax_out`` are not differentiable, derivatives.yaml ``[false, false, true]``). The
+    gradients are the C++ backward's, not the mathematical ones: ``d(input) = alpha *
+    softmax_grad(grad * keep / (1 - prob))`` and ``d(x1) = grad`` passed through unchanged
+    (``return std::tie(result, grad)``).
 
     Choices: same dtype for ``input`` and ``x1`` is required (the doc is silent; the op casts both
     to fp16 internally); ``prob == 1`` is rejected (keep probability 0 divides by zero).
