@@ -124,7 +124,7 @@ def npu_gelu_mul(input: torch.Tensor, *, approximate: str = "none") -> torch.Ten
     xf = input.float()
     x1, x2 = xf.narrow(-1, 0, last // 2), xf.narrow(-1, last // 2, last // 2)
     out = (F.gelu(x1, approximate=approximate) * x2).to(input.dtype)
-    return no_gradient_formula(api, out)
+    return no_gradient_formula(api, out, inputs=(input,))
 
 
 def _fast_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -1071,7 +1071,7 @@ def npu_prompt_flash_attention(
         mask_patterns=_PFA_MASKS, decode_mask_patterns=(), compressed_shapes=_COMPRESSED_INFER,
         mode1_needs_mask=False, contiguous=True,
     )
-    return no_gradient_formula(api, out)
+    return no_gradient_formula(api, out, inputs=(query, key, value, pse_shift))
 
 
 @emulated(IFA, autograd=False, spec="5.4")
@@ -1137,7 +1137,7 @@ def npu_incre_flash_attention(
         mask_patterns=(), decode_mask_patterns=_IFA_MASKS, compressed_shapes=(),
         mode1_needs_mask=False, contiguous=False,
     )
-    return no_gradient_formula(api, out)
+    return no_gradient_formula(api, out, inputs=(query, key, value, pse_shift))
 
 
 @emulated(FIA, autograd=False, spec="5.5")
@@ -1244,4 +1244,4 @@ def npu_fused_infer_attention_score(
     )
     if not softmax_lse_flag:
         lse = torch.empty(0, dtype=torch.float32, device=query.device)
-    return no_gradient_formula(api, out, lse)
+    return no_gradient_formula(api, out, lse, inputs=(query, key, value, pse_shift))

@@ -72,27 +72,28 @@ FALLBACK_WARNING = "an autograd kernel was not registered to the Autograd key(s)
 
 
 class _NoGradientFormula(torch.autograd.Function):
-    """Identity in forward; in backward warns and passes no gradient on, like VariableFallbackKernel.
+    """Outputs attached straight to the op's tensor inputs; backward warns and returns no gradient.
 
     torch_npu registers no autograd kernel for these ops, so PyTorch's autograd fallback (mode
-    "warn", the default) gives the outputs a node that warns and returns undefined gradients:
-    the inputs' ``.grad`` stays None. Python's default warning filter shows it once per place.
+    "warn", the default) gives the outputs one node, connected to the op's inputs, that warns and
+    returns undefined gradients: the inputs' ``.grad`` stays None. Python's default warning
+    filter shows the warning once per place.
     """
 
     @staticmethod
-    def forward(ctx, api: str, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.api = api
-        return t.view_as(t)
+    def forward(ctx, api: str, n_out: int, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.api, ctx.n_in = api, len(tensors) - n_out
+        return tuple(t.clone() for t in tensors[:n_out])
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         warnings.warn(
             f"torch_npu.{ctx.api}: {FALLBACK_WARNING}. This may lead to silently incorrect behavior "
             "(no gradient reaches its inputs)",
             UserWarning,
             stacklevel=2,
         )
-        return None, None
+        return (None, None) + (None,) * (len(grads) + ctx.n_in)
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -121,14 +122,20 @@ def forward_only(api: str, *outputs: torch.Tensor):
     return wrapped if len(wrapped) != 1 else wrapped[0]
 
 
-def no_gradient_formula(api: str, *outputs: torch.Tensor):
+def no_gradient_formula(api: str, *outputs: torch.Tensor, inputs: Iterable[object] = ()):
     """Mark outputs of an op with no derivative registered at all: backward warns, grads stay None.
 
     That is torch_npu's behaviour for ops missing from derivatives.yaml (VariableFallbackKernel):
     a training rewrite through such an op silently loses its gradients, which ``verify op``
-    reports as a missing gradient.
+    reports as a missing gradient. ``inputs`` are the op's tensor arguments (others are skipped):
+    the outputs hang off them directly, as the real op's do, so no intermediate step of the
+    emulation can turn "no gradient" into zeros.
     """
-    wrapped = tuple(
-        _NoGradientFormula.apply(api, o) if isinstance(o, torch.Tensor) and o.requires_grad else o for o in outputs
-    )
+    graph_inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not (torch.is_grad_enabled() and graph_inputs):
+        wrapped = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+    else:
+        tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+        attached = iter(_NoGradientFormula.apply(api, len(tensors), *(t.detach() for t in tensors), *graph_inputs))
+        wrapped = tuple(next(attached) if isinstance(o, torch.Tensor) else o for o in outputs)
     return wrapped if len(wrapped) != 1 else wrapped[0]

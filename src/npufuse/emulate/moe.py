@@ -201,6 +201,7 @@ def npu_grouped_matmul(
     api = _GMM
     xs = _tensor_list("x", x)
     ws = _tensor_list("weight", weight)
+    graph_inputs = [*xs, *ws, *(bias if isinstance(bias, (list, tuple)) else ())]
     require(api, "x", len(xs) > 0, "must not be empty")
     require(api, "weight", len(ws) > 0, "must not be empty")
     require(api, "x", len(xs) <= _GMM_MAX_LIST, f"list length must be <= {_GMM_MAX_LIST}, got {len(xs)}")
@@ -329,7 +330,7 @@ def npu_grouped_matmul(
         for size in sizes:
             outs.append(_mm(xm[:, start : start + size], w[start : start + size], None, dtype))
             start += size
-        return _as_list(torch.stack(outs) if outs else xm.new_empty((0, xm.shape[0], w.shape[-1])))
+        return _as_list(graph_inputs, torch.stack(outs) if outs else xm.new_empty((0, xm.shape[0], w.shape[-1])))
 
     for i, t in enumerate(xs):
         require(api, f"x[{i}]", not _is_transposed_view(t), "must not be a transposed view (x transposition is unsupported)")
@@ -345,7 +346,7 @@ def npu_grouped_matmul(
             require(api, "x[0]", xs[0].dim() == 2, "must be 2-D when split by group_list")
             require(api, "group_list", len(gl) == len(ws), f"must have one entry per weight ({len(ws)}), got {len(gl)}")
             sizes = _group_sizes(gl, 0, xs[0].shape[0], "M")
-            return _as_list(*_per_group(xs[0], ws, sizes, bias_of, dtype))
+            return _as_list(graph_inputs, *_per_group(xs[0], ws, sizes, bias_of, dtype))
         require(api, "weight", len(ws) == len(xs), f"must have one tensor per x tensor ({len(xs)}), got {len(ws)}")
         rank = xs[0].dim()
         for i, t in enumerate(xs):
@@ -360,7 +361,7 @@ def npu_grouped_matmul(
         for i, (t, w) in enumerate(zip(xs, ws)):
             _check_k(i, t.shape[-1], w)
             outs.append(_mm(t, w, bias_of(i), dtype))
-        return _as_list(*outs)
+        return _as_list(graph_inputs, *outs)
 
     # gtype == 0: grouping along M, one concatenated output.
     require(api, "split_item", split in (2, 3), f"must be 2 or 3 with group_type=0 (one concatenated output), got {split}")
@@ -382,7 +383,7 @@ def npu_grouped_matmul(
             parts = _per_group(xs[0], experts, sizes, lambda i: bias_rows[i], dtype)
         else:
             parts = _per_group(xs[0], experts, sizes, bias_of, dtype)
-        return _as_list(torch.cat(parts, dim=0))
+        return _as_list(graph_inputs, torch.cat(parts, dim=0))
     require(api, "weight", len(ws) == len(xs), f"must have one tensor per x tensor ({len(xs)}), got {len(ws)}")
     if gl is not None:
         require(api, "group_list", len(gl) == len(xs), f"must have one entry per x ({len(xs)}), got {len(gl)}")
@@ -393,7 +394,7 @@ def npu_grouped_matmul(
     for i, (t, w) in enumerate(zip(xs, ws)):
         _check_k(i, t.shape[-1], w)
         outs.append(_mm(t, w, bias_of(i), dtype))
-    return _as_list(torch.cat(outs, dim=0))
+    return _as_list(graph_inputs, torch.cat(outs, dim=0))
 
 
 def _per_group(xm: torch.Tensor, experts: Sequence[torch.Tensor], sizes: list[int], bias_of, dtype: torch.dtype):
@@ -405,8 +406,8 @@ def _per_group(xm: torch.Tensor, experts: Sequence[torch.Tensor], sizes: list[in
     return parts
 
 
-def _as_list(*outs: torch.Tensor) -> list[torch.Tensor]:
-    wrapped = no_gradient_formula(_GMM, *outs)
+def _as_list(graph_inputs: list[object], *outs: torch.Tensor) -> list[torch.Tensor]:
+    wrapped = no_gradient_formula(_GMM, *outs, inputs=graph_inputs)
     return list(wrapped) if isinstance(wrapped, tuple) else [wrapped]
 
 
@@ -643,7 +644,7 @@ def npu_moe_init_routing(
     expanded_row_idx[dst_to_src] = torch.arange(total, dtype=torch.int32, device=x.device)
     active = min(n, active_num) * kk
     expanded_x = x.index_select(0, dst_to_src[:active] % n) if n else x.new_empty((0, x.shape[1]))
-    return no_gradient_formula(api, expanded_x), expanded_row_idx, expanded_expert_idx
+    return no_gradient_formula(api, expanded_x, inputs=(x,)), expanded_row_idx, expanded_expert_idx
 
 
 @emulated("npu_moe_finalize_routing", autograd=False, spec="8.4")
@@ -744,4 +745,4 @@ def npu_moe_finalize_routing(
     for t in (skip1, skip2):
         if t is not None:
             out = out + t.float()
-    return no_gradient_formula(api, out.to(rows.dtype))
+    return no_gradient_formula(api, out.to(rows.dtype), inputs=(rows, skip1, skip2, bias, scales))

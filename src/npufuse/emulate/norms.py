@@ -164,7 +164,7 @@ def npu_gemma_rms_norm(
     xf = input.float()
     rstd = _rms(xf, r, eps)
     y = (xf * rstd * (1.0 + gamma.float())).to(input.dtype)
-    return no_gradient_formula(api, y, rstd)
+    return no_gradient_formula(api, y, rstd, inputs=(input, gamma))
 
 
 @emulated("npu_add_layer_norm", autograd=True, spec="2.5")
@@ -297,7 +297,7 @@ def npu_group_norm_silu(
     if bias is not None:
         normed = normed + bias.float().reshape(channel_shape)
     out = F.silu(normed).to(input.dtype)
-    return no_gradient_formula(api, out, mean.to(input.dtype), rstd.to(input.dtype))
+    return no_gradient_formula(api, out, mean.to(input.dtype), rstd.to(input.dtype), inputs=(input, weight, bias))
 
 
 __all__ = ["npu_rms_norm", "npu_add_rms_norm", "npu_gemma_rms_norm", "npu_add_layer_norm", "npu_group_norm_silu"]
