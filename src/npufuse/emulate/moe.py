@@ -186,7 +186,8 @@ def npu_grouped_matmul(
     concatenated output (single x needs group_list ending at M).
 
     Constraints: non-quant fp16/bf16/fp32, x and weights the same dtype; fp32 in the Tensor
-    overload only with single x, single weight, single y; bias ``[N]`` per 2-D weight or
+    overload only with a single x and a single y (split_item 2/3), with one weight or a list of them
+    (op-plugin test_npu_grouped_matmul_7 runs fp32 x with a list of three weights); bias ``[N]`` per 2-D weight or
     ``[E, N]`` for a 3-D weight, fp16 for fp16 x and fp32 otherwise; K and N < 65536; x must not
     be a transposed view (except for group_type=2); list lengths <= 128; ``act_type`` 0 (others
     exist only in the per-token-quant scenario); ``output_dtype`` None or x's dtype. Quantized
@@ -194,8 +195,9 @@ def npu_grouped_matmul(
 
     Autograd: none. No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
-    UNCERTAIN (spec §7.1): the exact group_type=2 operand convention; this follows the meta/C++
-    shape logic and supports only split_item 2/3. ``group_type=0`` with split_item 0/1 is
+    group_type=2 operand convention settled by op-plugin's test_npu_grouped_matmul_6: x is the
+    [M, K] view ``x1.T`` of a [K, M] tensor, weight one [K, N] tensor, group_list the cumulative
+    K ends; ``y[g] = x[:, K_g] @ weight[K_g, :]`` stacked to [G, M, N]; split_item 2/3 only. ``group_type=0`` with split_item 0/1 is
     rejected per the doc's scenario table although op-plugin's C++ would build per-group outputs.
     """
     api = _GMM
@@ -309,8 +311,8 @@ def npu_grouped_matmul(
             require(
                 api,
                 "x[0]",
-                len(xs) == 1 and len(ws) == 1 and split in (2, 3),
-                "is float32, which the Tensor overload supports only with single x, single weight and single y (split_item 2/3)",
+                len(xs) == 1 and split in (2, 3),
+                "is float32, which the Tensor overload supports only with a single x and a single y (split_item 2/3)",
                 TypeError,
             )
 
