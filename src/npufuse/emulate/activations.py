@@ -41,7 +41,20 @@ def _halves(api: str, t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
     return t.narrow(dim, 0, half), t.narrow(dim, half, half)
 
 
-@emulated("npu_swiglu", autograd=True, spec="3.1")
+@emulated("npu_swiglu", autograd=True, spec="3.1",
+    verified=(
+        'bf16 forward, computed in fp32 and rounded once (op-plugin test_npu_swi_glu)',
+        'bf16 backward (test_npu_swi_glu_backward)',
+    ),
+    docs_only=(
+        'fp16/fp32 inputs',
+        'dim other than -1',
+        'rank 1-8 and contiguity limits',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_swiglu_bf16_forward_and_backward',
+    ),
+)
 def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """SwiGLU: split input in halves (A, B) along dim and return silu(A) * B.
 
@@ -67,7 +80,20 @@ def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
 _GELU_MODES = {0: "none", 1: "tanh"}
 
 
-@emulated("npu_geglu", autograd=True, spec="3.2")
+@emulated("npu_geglu", autograd=True, spec="3.2",
+    verified=(
+        'fp16 forward and out_gelu, backward (torch_npu test_npu_geglu / _backward)',
+    ),
+    docs_only=(
+        'approximate 0 vs 1 (the upstream golden is within tolerance of both)',
+        'activate_left',
+        'bfloat16',
+        'out_gelu not differentiable (derivatives.yaml)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_geglu_forward_and_backward',
+    ),
+)
 def npu_geglu(
     input: torch.Tensor, dim: int = -1, approximate: int = 1, activate_left: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +123,20 @@ def npu_geglu(
     return out, gelu.detach().to(input.dtype)
 
 
-@emulated("npu_gelu_mul", autograd=False, spec="3.3")
+@emulated("npu_gelu_mul", autograd=False, spec="3.3",
+    verified=(
+        'fp16/fp32 forward, approximate none/tanh (op-plugin test_npu_gelu_mul)',
+    ),
+    docs_only=(
+        'no gradient formula: warns, .grad None (derivatives.yaml has no entry)',
+        'bfloat16',
+        'size limits',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_gelu_mul',
+        'tests/test_emulate_activations.py::test_gelu_mul_backward_warns_and_leaves_grad_none',
+    ),
+)
 def npu_gelu_mul(input: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
     """GeLU-mul: split the last dim in halves and return gelu(left) * right.
 
@@ -133,7 +172,17 @@ def _fast_gelu(x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.sigmoid(1.702 * xf)).to(x.dtype)
 
 
-@emulated("npu_fast_gelu", autograd=True, spec="3.4")
+@emulated("npu_fast_gelu", autograd=True, spec="3.4",
+    verified=(
+        'fp32 values and gradient (op-plugin test_fast_gelu / _backward)',
+    ),
+    docs_only=(
+        'fp16/bf16 rounding',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_fast_gelu_values_and_grad',
+    ),
+)
 def npu_fast_gelu(input: torch.Tensor) -> torch.Tensor:
     """FastGeLU (QuickGELU): x * sigmoid(1.702 * x), elementwise.
 
@@ -148,7 +197,18 @@ def npu_fast_gelu(input: torch.Tensor) -> torch.Tensor:
     return _fast_gelu(input)
 
 
-@emulated("fast_gelu", autograd=True, spec="3.4")
+@emulated("fast_gelu", autograd=True, spec="3.4",
+    verified=(
+        'fp32 values and gradient (op-plugin test_fast_gelu / _backward)',
+    ),
+    docs_only=(
+        'fp16 rounding',
+        'bfloat16 refused',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_fast_gelu_values_and_grad',
+    ),
+)
 def fast_gelu(input: torch.Tensor) -> torch.Tensor:
     """FastGeLU, older aclop variant: x * sigmoid(1.702 * x), elementwise; float16/float32 only.
 

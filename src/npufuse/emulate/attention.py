@@ -463,7 +463,29 @@ _MODE_NAMES = {
 }
 
 
-@emulated(FA, autograd=True, spec="5.1")
+@emulated(FA, autograd=True, spec="5.1",
+    verified=(
+        'BSH fp16 forward',
+        'TND with GQA (8 over 2 heads): forward, backward, softmax_max/sum in softmax_layout TND',
+        'external dropout_mask (keep_prob 0.9) and its reproducibility',
+        'seed/offset returned as given without dropout',
+        'outputs 0-3 differentiable',
+    ),
+    docs_only=(
+        'sparse_mode 0-4 and masks (bottom-right mode 3/4 from the kernel docs)',
+        'pse placement scale*(QK^T+pse) (grad kernel source)',
+        'BNSD/BSND/SBH layouts',
+        'sink',
+        'fully masked rows',
+        "generated dropout bits (never the NPU's)",
+    ),
+    held_by=(
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_bsh',
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_tnd_gqa_forward_backward_and_stats',
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_with_external_dropout_mask',
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_without_dropout_returns_seed_and_offset',
+    ),
+)
 def npu_fusion_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1016,7 +1038,21 @@ _FIA_DECODE_MASKS = ("B Skv", "1 Sq Skv", "B 1 Sq Skv", "1 1 Sq Skv")
 _COMPRESSED_INFER = ((COMPRESSED, COMPRESSED), (1, COMPRESSED, COMPRESSED), (1, 1, COMPRESSED, COMPRESSED))
 
 
-@emulated(PFA, autograd=False, spec="5.3")
+@emulated(PFA, autograd=False, spec="5.3",
+    verified=(
+        'BNSD fp16 forward without mask (op-plugin test_prompt_flash_attention)',
+    ),
+    docs_only=(
+        'masks, sparse modes, pre/next tokens',
+        'TND',
+        'actual_seq_lengths',
+        'pse_shift placement',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream_attention.py::test_prompt_flash_attention_bnsd',
+    ),
+)
 def npu_prompt_flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1074,7 +1110,21 @@ def npu_prompt_flash_attention(
     return no_gradient_formula(api, out, inputs=(query, key, value, pse_shift))
 
 
-@emulated(IFA, autograd=False, spec="5.4")
+@emulated(IFA, autograd=False, spec="5.4",
+    verified=(
+        'BSH fp16 decode forward (op-plugin test_incre_flash_attention)',
+    ),
+    docs_only=(
+        'masks',
+        'actual_seq_lengths',
+        'GQA',
+        'pse_shift',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream_attention.py::test_incre_flash_attention_bsh',
+    ),
+)
 def npu_incre_flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1140,7 +1190,21 @@ def npu_incre_flash_attention(
     return no_gradient_formula(api, out, inputs=(query, key, value, pse_shift))
 
 
-@emulated(FIA, autograd=False, spec="5.5")
+@emulated(FIA, autograd=False, spec="5.5",
+    verified=(
+        'BNSD fp16 prefill and decode with softmax_lse (golden of op-plugin test_npu_fused_infer_attention_score, whose own asserts are skipped)',
+    ),
+    docs_only=(
+        'masks, sparse modes',
+        'TND',
+        'actual_seq_lengths',
+        'lse when the flag is off (empty)',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream_attention.py::test_fused_infer_attention_score_bnsd_with_lse',
+    ),
+)
 def npu_fused_infer_attention_score(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -135,7 +135,29 @@ def _mm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], dtype: torc
     return y.to(dtype)
 
 
-@emulated("npu_grouped_matmul", autograd=False, spec="7.1")
+@emulated("npu_grouped_matmul", autograd=False, spec="7.1",
+    verified=(
+        'op-plugin test_npu_grouped_matmul_0/1/2/3/4/6/7: independent pairs, single [E,K,N] weight, multi-x single-y, [E,N] bias, K grouping (group_type 2), fp32 x with a weight list',
+        'no gradient formula: warns and leaves .grad None',
+        'RuntimeError for empty lists and unknown group_type',
+    ),
+    docs_only=(
+        'List[int] group_list overload',
+        'bfloat16',
+        'group_list_type 1',
+        'quantized forms (not emulated)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_grouped_matmul_0_multi_multi_multi',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_1_3d_weight_and_3_weight_list',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_2_multi_multi_single',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_4_list_group_list_and_3d_bias',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_6_k_grouping',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_7_fp32_x_with_weight_list',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_has_no_gradient_formula',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_runtime_errors',
+    ),
+)
 def npu_grouped_matmul(
     x: list[torch.Tensor],
     weight: list[torch.Tensor],
@@ -421,7 +443,18 @@ _INDEX_LIMIT = 16777215  # indices: numel < 2^24 - 1, values in [0, 2^24 - 1)
 _MAX_TOPK = 512
 
 
-@emulated("npu_moe_token_permute", autograd=True, spec="8.6")
+@emulated("npu_moe_token_permute", autograd=True, spec="8.6",
+    verified=(
+        'bf16 forward for topk 1/4, sorted_indices as the inverse permutation, backward (op-plugin test_npu_moe_token_permute_and_unpermute(_backward))',
+    ),
+    docs_only=(
+        'num_out_tokens dropping',
+        'padded_mode (rejected)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_moe_token_permute_unpermute_and_backward',
+    ),
+)
 def npu_moe_token_permute(
     tokens: torch.Tensor,
     indices: torch.Tensor,
@@ -474,7 +507,19 @@ def npu_moe_token_permute(
     return permuted, sorted_indices
 
 
-@emulated("npu_moe_token_unpermute", autograd=True, spec="8.6")
+@emulated("npu_moe_token_unpermute", autograd=True, spec="8.6",
+    verified=(
+        'bf16 forward with and without probs, permute/unpermute round trip (op-plugin test_npu_moe_token_permute_and_unpermute)',
+    ),
+    docs_only=(
+        'backward w.r.t. probs',
+        'rows dropped by num_out_tokens',
+        'restore_shape / padded_mode (rejected)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_moe_token_permute_unpermute_and_backward',
+    ),
+)
 def npu_moe_token_unpermute(
     permuted_tokens: torch.Tensor,
     sorted_indices: torch.Tensor,
@@ -542,7 +587,19 @@ def npu_moe_token_unpermute(
 _GATING_MAX_K = 1024
 
 
-@emulated("npu_moe_gating_top_k_softmax", autograd=False, spec="8.1")
+@emulated("npu_moe_gating_top_k_softmax", autograd=False, spec="8.1",
+    verified=(
+        'fp16/fp32 y, expert_idx with finished rows, k-major row_idx (op-plugin test_npu_moe_gating_top_k_softmax)',
+    ),
+    docs_only=(
+        '3-D x',
+        'y of finished rows',
+        'backward (raises)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_moe_gating_top_k_softmax',
+    ),
+)
 def npu_moe_gating_top_k_softmax(
     x: torch.Tensor,
     finished: Optional[torch.Tensor] = None,
@@ -593,7 +650,18 @@ def npu_moe_gating_top_k_softmax(
 _INIT_ROUTING_MAX_NUMEL = 1 << 24
 
 
-@emulated("npu_moe_init_routing", autograd=False, spec="8.2")
+@emulated("npu_moe_init_routing", autograd=False, spec="8.2",
+    verified=(
+        'fp16/fp32 expanded_x, expanded_row_idx, expanded_expert_idx with active_num = N (op-plugin test_npu_moe_init_routing)',
+    ),
+    docs_only=(
+        'active_num < N',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_moe_init_routing',
+    ),
+)
 def npu_moe_init_routing(
     x: torch.Tensor,
     row_idx: torch.Tensor,
@@ -649,7 +717,17 @@ def npu_moe_init_routing(
     return no_gradient_formula(api, expanded_x, inputs=(x,)), expanded_row_idx, expanded_expert_idx
 
 
-@emulated("npu_moe_finalize_routing", autograd=False, spec="8.4")
+@emulated("npu_moe_finalize_routing", autograd=False, spec="8.4",
+    verified=(),
+    docs_only=(
+        'everything: op-plugin has tests for the v2 op only (drop_pad_mode 0-3, skips, bias, scales from the docs)',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_moe.py::test_finalize_routing_modes',
+        'tests/test_emulate_moe.py::test_v1_pipeline_gating_init_finalize',
+    ),
+)
 def npu_moe_finalize_routing(
     expanded_permuted_rows: torch.Tensor,
     skip1: Optional[torch.Tensor],

@@ -57,7 +57,20 @@ def _rms(xf: torch.Tensor, r: int, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)
 
 
-@emulated("npu_rms_norm", autograd=True, spec="2.1")
+@emulated("npu_rms_norm", autograd=True, spec="2.1",
+    verified=(
+        'fp32 and fp16-x/fp32-gamma forward y and rstd (op-plugin test_npu_rms_norm)',
+        'fp32 backward dx/dgamma (test_npu_rms_norm_backward)',
+    ),
+    docs_only=(
+        'bfloat16',
+        'multi-dim gamma',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_rms_norm_forward',
+        'tests/test_emulate_upstream.py::test_rms_norm_backward',
+    ),
+)
 def npu_rms_norm(input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over gamma's trailing dims: y = x * rsqrt(mean(x^2) + epsilon) * gamma; returns (y, rstd).
 
@@ -97,7 +110,18 @@ def npu_rms_norm(input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-0
     return y, rstd.detach()
 
 
-@emulated("npu_add_rms_norm", autograd=False, spec="2.2")
+@emulated("npu_add_rms_norm", autograd=False, spec="2.2",
+    verified=(
+        'fp32 y, rstd, x and fp16 y, with the sum rounded to the input dtype (op-plugin test_npu_add_rms_norm)',
+    ),
+    docs_only=(
+        'bfloat16',
+        'backward raises (NotImplemented fallback)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_add_rms_norm',
+    ),
+)
 def npu_add_rms_norm(
     x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,7 +158,18 @@ def npu_add_rms_norm(
     return forward_only(api, y, rstd, x)
 
 
-@emulated("npu_gemma_rms_norm", autograd=False, spec="2.3")
+@emulated("npu_gemma_rms_norm", autograd=False, spec="2.3",
+    verified=(
+        'fp32/fp16 y and float32 rstd (op-plugin test_npu_gemma_rms_norm)',
+    ),
+    docs_only=(
+        'bfloat16',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_gemma_rms_norm',
+    ),
+)
 def npu_gemma_rms_norm(
     input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +202,19 @@ def npu_gemma_rms_norm(
     return no_gradient_formula(api, y, rstd, inputs=(input, gamma))
 
 
-@emulated("npu_add_layer_norm", autograd=True, spec="2.5")
+@emulated("npu_add_layer_norm", autograd=True, spec="2.5",
+    verified=(
+        'fp32 and mixed fp16/fp32 inputs with additional_output=True: y, mean, rstd, x (op-plugin test_npu_add_layer_norm)',
+    ),
+    docs_only=(
+        'backward',
+        'x when additional_output=False',
+        'bfloat16',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_add_layer_norm',
+    ),
+)
 def npu_add_layer_norm(
     x1: torch.Tensor,
     x2: torch.Tensor,
@@ -238,7 +285,19 @@ def npu_add_layer_norm(
     return y, mean.detach().reshape(stat_shape), rstd.detach().reshape(stat_shape), x
 
 
-@emulated("npu_group_norm_silu", autograd=False, spec="9.1")
+@emulated("npu_group_norm_silu", autograd=False, spec="9.1",
+    verified=(
+        'fp32 and fp16-x/fp32-gamma forward, mean and rstd (op-plugin test_group_norm_silu)',
+    ),
+    docs_only=(
+        'weight/bias None',
+        'bfloat16',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_group_norm_silu',
+    ),
+)
 def npu_group_norm_silu(
     input: torch.Tensor,
     weight: torch.Tensor | None,

@@ -223,7 +223,20 @@ class _NpuFusedOptimizer:
         return total
 
 
-@emulated("optim.NpuFusedAdamW", autograd=False, spec="10")
+@emulated("optim.NpuFusedAdamW", autograd=False, spec="10",
+    verified=(
+        '10 steps over fp32/fp16 params with one param without grad, zero_grad (torch_npu test_fused_optimizers::test_step/test_zero_grad)',
+    ),
+    docs_only=(
+        'step under no_grad with the closure called directly (source)',
+        'frozen param set at the first combine',
+        'clip_grad_norm_fused_',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_fused_optimizer_step_and_zero_grad',
+        'tests/test_emulate_optim.py::test_closure_without_enable_grad_fails_as_on_npu',
+    ),
+)
 class NpuFusedAdamW(_NpuFusedOptimizer, torch.optim.AdamW):
     """torch_npu.optim.NpuFusedAdamW: AdamW (decoupled weight decay) over combined fp32/fp16 buffers.
 
@@ -247,7 +260,19 @@ class NpuFusedAdamW(_NpuFusedOptimizer, torch.optim.AdamW):
         self._fused_init()
 
 
-@emulated("optim.NpuFusedAdam", autograd=False, spec="10")
+@emulated("optim.NpuFusedAdam", autograd=False, spec="10",
+    verified=(
+        '10 steps over fp32/fp16 params with one param without grad, zero_grad (torch_npu test_fused_optimizers::test_step/test_zero_grad)',
+    ),
+    docs_only=(
+        'step under no_grad with the closure called directly (source)',
+        'frozen param set at the first combine',
+        'clip_grad_norm_fused_',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_fused_optimizer_step_and_zero_grad',
+    ),
+)
 class NpuFusedAdam(_NpuFusedOptimizer, torch.optim.Adam):
     """torch_npu.optim.NpuFusedAdam: Adam (L2 weight decay, g += wd*p) over combined fp32/fp16 buffers.
 
@@ -271,7 +296,19 @@ class NpuFusedAdam(_NpuFusedOptimizer, torch.optim.Adam):
         self._fused_init()
 
 
-@emulated("optim.NpuFusedSGD", autograd=False, spec="10")
+@emulated("optim.NpuFusedSGD", autograd=False, spec="10",
+    verified=(
+        '10 steps with momentum over fp32/fp16 params with one param without grad, zero_grad (torch_npu test_fused_optimizers::test_step/test_zero_grad)',
+    ),
+    docs_only=(
+        'step under no_grad with the closure called directly (source)',
+        'lr required',
+        'nesterov',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_fused_optimizer_step_and_zero_grad',
+    ),
+)
 class NpuFusedSGD(_NpuFusedOptimizer, torch.optim.SGD):
     """torch_npu.optim.NpuFusedSGD: SGD with optional momentum/Nesterov over combined fp32/fp16 buffers.
 

@@ -75,7 +75,22 @@ def _allowed_text(table: dict) -> str:
     return "; ".join(f"{layout} x: {'/'.join(shapes)}" for layout, shapes in table.items())
 
 
-@emulated("npu_rotary_mul", autograd=True, spec="4.1")
+@emulated("npu_rotary_mul", autograd=True, spec="4.1",
+    verified=(
+        'half mode fp16/fp32 forward on BSND/SBND/BNSD broadcasts (op-plugin test_npu_rotary_mul)',
+        'interleave mode forward',
+        'fp32 backward for input, r1, r2 in both modes (test_npu_rotary_mul_backward)',
+    ),
+    docs_only=(
+        'rotate= forward and its rotary_mode backward (derivatives.yaml)',
+        'bfloat16',
+        'B/N/D limits',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_rotary_mul_forward',
+        'tests/test_emulate_upstream.py::test_rotary_mul_backward',
+    ),
+)
 def npu_rotary_mul(
     input: torch.Tensor,
     r1: torch.Tensor,
@@ -212,7 +227,19 @@ class _ApplyRotaryInPlace(torch.autograd.Function):
         )
 
 
-@emulated("npu_apply_rotary_pos_emb", autograd=False, spec="4.2")
+@emulated("npu_apply_rotary_pos_emb", autograd=False, spec="4.2",
+    verified=(
+        'fp16 BSND and TND forward (op-plugin test_npu_apply_rotary_pos_emb)',
+    ),
+    docs_only=(
+        'in-place aliasing of query/key',
+        'backward raises',
+        'bfloat16/fp32',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_apply_rotary_pos_emb',
+    ),
+)
 def npu_apply_rotary_pos_emb(
     query: torch.Tensor,
     key: torch.Tensor,

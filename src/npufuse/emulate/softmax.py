@@ -43,7 +43,19 @@ def _require_scalar(api: str, arg: str, value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-@emulated("npu_scaled_masked_softmax", autograd=True, spec="6.1")
+@emulated("npu_scaled_masked_softmax", autograd=True, spec="6.1",
+    verified=(
+        'fp16/fp32 forward and backward with full and broadcast masks (op-plugin test_scaled_masked_softmax)',
+    ),
+    docs_only=(
+        'fixed_triu_mask (rejected)',
+        'bfloat16',
+        'S limits',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_scaled_masked_softmax_forward_and_backward',
+    ),
+)
 def npu_scaled_masked_softmax(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -124,7 +136,19 @@ class _DropoutAddSoftmax(torch.autograd.Function):
         return grad_self, grad_dropout, None, None, None, None
 
 
-@emulated("npu_dropout_with_add_softmax", autograd=True, spec="6.2")
+@emulated("npu_dropout_with_add_softmax", autograd=True, spec="6.2",
+    verified=(
+        'prob 0 forward and the gradient of input (alpha * softmax grad), fp16/fp32 (op-plugin test_dropout_with_add_softmax_backward)',
+    ),
+    docs_only=(
+        "x1's gradient passed through unchanged (C++ backward source)",
+        'mask layout and dropout bits',
+        'only output 2 differentiable (derivatives.yaml)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_dropout_with_add_softmax_backward',
+    ),
+)
 def npu_dropout_with_add_softmax(
     input: torch.Tensor,
     x1: torch.Tensor,
@@ -195,7 +219,17 @@ def _require_int_list(api: str, arg: str, value: object) -> list[int]:
     return list(value)  # type: ignore[arg-type]
 
 
-@emulated("npu_confusion_transpose", autograd=True, spec="6.3")
+@emulated("npu_confusion_transpose", autograd=True, spec="6.3",
+    verified=(
+        'fp32/fp16/int64 in both directions, fp32 backward (op-plugin test_confusion_transpose / _backward)',
+    ),
+    docs_only=(
+        'bfloat16 rejected',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_confusion_transpose',
+    ),
+)
 def npu_confusion_transpose(
     input: torch.Tensor,
     perm: Sequence[int],
