@@ -136,13 +136,13 @@ MUTANTS = [
     M("geglu", "missing [0]", "tanh_on_second_half", ("activate_left=False)[0]", "activate_left=False)"), expect="result tuple without its [0]"),
     M("geglu", "approximate flipped (erf -> tanh)", "gelu_on_first_half_fp16", ("approximate=0", "approximate=1"), dtype="float32"),
     # rope
-    M("rope", "cos/sin not expanded (half-D)", "hf_llama", ("cos.to(", "cos" + _HALF.format(t="cos") + ".to("), ("sin.to(", "sin" + _HALF.format(t="sin") + ".to("), expect="the fused branch raised ValueError: npu_rotary_mul"),
+    M("rope", "cos/sin not expanded (half-D)", "hf_llama", ("cos.to(", "cos" + _HALF.format(t="cos") + ".to("), ("sin.to(", "sin" + _HALF.format(t="sin") + ".to("), expect="the fused branch raised NpuOpError: npu_rotary_mul"),
     M("rope", "sin sign flipped", "hf_llama", ("sin.to(_npufuse_k_dtype))", "(-sin).to(_npufuse_k_dtype))")),
     M("rope", "dtype cast dropped", "hf_bf16_q_fp32_cos", ("_npufuse_q_dtype = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)", "_npufuse_q_dtype = q.dtype"), expect="dtype bfloat16 differs from the original's float32 (values: cosine"),
     # attention (eager)
     M("attention", "inverted mask", "bert_padding_mask", ("(attention_mask < 0)", "(attention_mask >= 0)")),
     M("attention", "missing scale", "bert_padding_mask", ("scale=1.0 / math.sqrt(self.attention_head_size)", "scale=1.0")),
-    M("attention", "wrong layout (BSND for BNSD)", "bert_padding_mask", ('query_layer.shape[1], "BNSD"', 'query_layer.shape[2], "BSND"'), expect="the fused branch raised ValueError: npu_fusion_attention: atten_mask shape"),
+    M("attention", "wrong layout (BSND for BNSD)", "bert_padding_mask", ('query_layer.shape[1], "BNSD"', 'query_layer.shape[2], "BSND"'), expect="the fused branch raised NpuOpError: npu_fusion_attention: atten_mask shape"),
     M("attention", "missing [0]", "bert_padding_mask", ("\n)[0]", "\n)"), expect="the fused branch raised AttributeError: 'tuple' object"),
     M("attention", "wrong sparse_mode (2 for 3, Sq<Skv)", "gpt2_bottom_right_causal_kv_cache", ("sparse_mode=3", "sparse_mode=2")),
     M("attention", "wrong sparse_mode (3 for 2, Sq<Skv)", "einsum_cross_attention_triu_top_left", ("sparse_mode=2", "sparse_mode=3")),

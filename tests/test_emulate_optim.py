@@ -124,19 +124,22 @@ def test_torch_only_kwargs_rejected(cls, kw):
 
 
 @pytest.mark.parametrize("cls", [NpuFusedAdamW, NpuFusedAdam, NpuFusedSGD])
-def test_bf16_params_rejected(cls):
+def test_bf16_params_rejected_at_the_first_step_with_a_grad(cls):
+    # _maybe_init_combined_params_and_grads checks the dtype of params that have a grad only
+    model = make_model(torch.bfloat16)
+    opt = cls(model.parameters(), lr=0.1)  # construction checks nothing
+    model(torch.randn(2, 5, dtype=torch.bfloat16)).sum().backward()
     with pytest.raises(TypeError, match=f"{cls.__name__}: params must be float32 or float16.*bfloat16"):
-        cls(make_model(torch.bfloat16).parameters(), lr=0.1)
+        opt.step()
 
 
-def test_frozen_bf16_params_allowed_but_not_trainable_ones():
+def test_params_without_grad_are_never_dtype_checked():
     model = make_model()
     frozen = torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16), requires_grad=False)
-    NpuFusedAdamW([*model.parameters(), frozen])
-    opt = NpuFusedAdamW(model.parameters())
-    with pytest.raises(TypeError, match="float32 or float16"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, dtype=torch.float64))]})
-    assert len(opt.param_groups) == 1
+    opt = NpuFusedAdamW([*model.parameters(), frozen])
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, dtype=torch.float64))]})  # never gets a grad
+    train(model, opt, 2)
+    assert len(opt.param_groups) == 2
 
 
 def test_bf16_grad_refused_at_first_step_too():
@@ -150,8 +153,10 @@ def test_bf16_grad_refused_at_first_step_too():
 
 def test_noncontiguous_param_rejected():
     p = torch.nn.Parameter(torch.randn(4, 6).t())
+    opt = NpuFusedAdam([p])
+    p.grad = torch.ones_like(p)
     with pytest.raises(ValueError, match="NpuFusedAdam: params must be contiguous"):
-        NpuFusedAdam([p])
+        opt.step()
 
 
 @pytest.mark.parametrize("cls", [NpuFusedAdamW, NpuFusedAdam, NpuFusedSGD])
@@ -256,13 +261,29 @@ def test_step_closure_and_hooks_run_once():
     opt.register_step_post_hook(lambda *a: seen.append("post"))
 
     def closure():
+        # NpuFusedOptimizerBase.step is @torch.no_grad() and calls the closure directly
+        assert not torch.is_grad_enabled()
         opt.zero_grad()
-        loss = model(torch.randn(3, 5)).sum()
-        loss.backward()
+        with torch.enable_grad():
+            loss = model(torch.randn(3, 5)).sum()
+            loss.backward()
         return loss
 
     loss = opt.step(closure)
     assert isinstance(loss, torch.Tensor) and seen == ["pre", "post"]
+
+
+def test_closure_without_enable_grad_fails_as_on_npu():
+    model = make_model()
+    opt = NpuFusedAdamW(model.parameters())
+
+    def closure():
+        loss = model(torch.randn(3, 5)).sum()
+        loss.backward()  # under the step's no_grad: nothing requires grad
+        return loss
+
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        opt.step(closure)
 
 
 def test_record_call_through_install():

@@ -144,28 +144,40 @@ def test_rotary_mul_rotate_matrix_half_and_interleave():
     torch.testing.assert_close(npu_rotary_mul(x, cos, sin, "interleave", r_doc), x * cos + swapped * sin)
 
 
-def test_rotary_mul_with_rotate_has_no_backward():
+def test_rotary_mul_with_rotate_backward_is_rotary_modes():
+    # derivatives.yaml: npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode) never sees rotate,
+    # so with rotate=I the forward uses x @ I but the gradient is rotate_half's; rotate gets none
     x = torch.randn(1, 1, 3, 4, requires_grad=True)
-    r = torch.eye(4)
-    out = npu_rotary_mul(x, torch.ones(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), "half", r)
-    with pytest.raises(RuntimeError, match="not implemented"):
-        out.sum().backward()
+    cos = torch.randn(1, 1, 3, 4, requires_grad=True)
+    sin = torch.randn(1, 1, 3, 4, requires_grad=True)
+    r = torch.eye(4, requires_grad=True)
+    out = npu_rotary_mul(x, cos, sin, "half", r)
+    torch.testing.assert_close(out, (x * cos + x * sin).detach())
+    g = torch.randn(out.shape)
+    out.backward(g)
+    x2, cos2, sin2 = (t.detach().clone().requires_grad_() for t in (x, cos, sin))
+    x1h, x2h = x2.chunk(2, -1)
+    (x2 * cos2 + torch.cat((-x2h, x1h), -1) * sin2).backward(g)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(cos.grad, cos2.grad)
+    torch.testing.assert_close(sin.grad, sin2.grad)
+    assert r.grad is None
 
 
 @pytest.mark.parametrize(
     "kwargs,exc,arg",
     [
-        (dict(x=(2, 5, 8), r=(1, 5, 8)), ValueError, "self"),  # 3-D rejected (4-D only)
-        (dict(x=(2, 3, 5, 7), r=(1, 1, 5, 7)), ValueError, "self"),  # odd D
-        (dict(x=(1, 1, 2, 896), r=(1, 1, 2, 896)), ValueError, "self"),  # D >= 896
+        (dict(x=(2, 5, 8), r=(1, 5, 8)), ValueError, "input"),  # 3-D rejected (4-D only)
+        (dict(x=(2, 3, 5, 7), r=(1, 1, 5, 7)), ValueError, "input"),  # odd D
+        (dict(x=(1, 1, 2, 896), r=(1, 1, 2, 896)), ValueError, "input"),  # D >= 896
         (dict(x=(2, 3, 5, 8), r=(1, 1, 5, 4)), ValueError, "r1"),  # partial rotary cos
         (dict(x=(2, 3, 5, 8), r=(1, 3, 5, 8)), ValueError, "r1"),  # 1NSD not allowed
         (dict(x=(2, 3, 5, 8), r=(1, 1, 1, 8)), ValueError, "r1"),  # 111D for S=5 not allowed
         (dict(x=(2, 3, 5, 8), r=(2, 1, 5, 8), mode="interleave"), ValueError, "r1"),  # per-batch cos
         (dict(x=(2, 3, 5, 8), r=(1, 1, 5, 8), mode="quarter"), ValueError, "rotary_mode"),
         (dict(x=(2, 3, 5, 8), r=(1, 1, 5, 8), mode="Half"), ValueError, "rotary_mode"),
-        (dict(x=(1000, 1, 2, 4), r=(1, 1, 2, 4)), ValueError, "self"),  # B >= 1000 (BNSD only)
-        (dict(x=(40, 30, 2, 4), r=(1, 1, 2, 4), mode="interleave"), ValueError, "self"),  # B*N >= 1000
+        (dict(x=(1000, 1, 2, 4), r=(1, 1, 2, 4)), ValueError, "input"),  # B >= 1000 (BNSD only)
+        (dict(x=(40, 30, 2, 4), r=(1, 1, 2, 4), mode="interleave"), ValueError, "input"),  # B*N >= 1000
     ],
 )
 def test_rotary_mul_rejects(kwargs, exc, arg):
@@ -178,7 +190,7 @@ def test_rotary_mul_rejects(kwargs, exc, arg):
 def test_rotary_mul_rejects_dtype_shape_and_grad_limits():
     x = torch.randn(2, 3, 5, 8)
     r = torch.randn(1, 1, 5, 8)
-    with pytest.raises(TypeError, match="npu_rotary_mul: self"):
+    with pytest.raises(TypeError, match="npu_rotary_mul: input"):
         npu_rotary_mul(x.double(), r, r)
     with pytest.raises(TypeError, match="npu_rotary_mul: r1"):
         npu_rotary_mul(x, r.to(torch.int32), r)
@@ -190,7 +202,7 @@ def test_rotary_mul_rejects_dtype_shape_and_grad_limits():
     big = torch.randn(2, 600, 3, 2)  # only BNSD fits a B1SD cos, so B=2, N=600
     cos = torch.randn(2, 1, 3, 2, requires_grad=True)
     npu_rotary_mul(big, cos.detach(), cos.detach())  # fine without grads
-    with pytest.raises(ValueError, match="npu_rotary_mul: self .*B\\*N <= 1024"):
+    with pytest.raises(ValueError, match="npu_rotary_mul: input .*B\\*N <= 1024"):
         npu_rotary_mul(big, cos, cos.detach())
 
 
@@ -286,7 +298,7 @@ def test_apply_rotary_pos_emb_is_forward_only():
 
 def test_signatures_match_schema():
     p = inspect.signature(npu_rotary_mul).parameters
-    assert list(p) == ["self", "r1", "r2", "rotary_mode", "rotate"]
+    assert list(p) == ["input", "r1", "r2", "rotary_mode", "rotate"]
     assert p["rotary_mode"].default == "half" and p["rotate"].default is None
     p = inspect.signature(npu_apply_rotary_pos_emb).parameters
     assert list(p) == ["query", "key", "cos", "sin", "layout", "rotary_mode"]

@@ -17,12 +17,25 @@ Inside the context ``sys.modules["torch_npu"]`` is the stand-in, ``torch.npu.is_
 is True and ``Tensor.is_npu`` is True for every tensor (so generated device guards take the
 fused branch on CPU). Everything is restored on exit. Results obtained this way are
 *emulated*: numerically meaningful, never NPU performance.
+
+The stand-in is a well-formed package for the probes libraries run before using it
+(transformers' ``is_torch_npu_available``, accelerate's ``is_npu_available``, peft):
+``importlib.util.find_spec("torch_npu")`` (and of ``torch_npu.npu`` / ``torch_npu.optim``) returns
+a real ``ModuleSpec``; ``importlib.metadata.version("torch_npu")`` answers
+``2.14.0+npufuse.emulated`` (a distribution finder on ``sys.meta_path`` for the block's
+duration, so the version says it is emulated wherever it is shown); ``torch.npu`` has the
+device-module functions they call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import pathlib
+import re
 import sys
 import types
 from collections import Counter
@@ -81,13 +94,73 @@ def _counted(name: str, fn: Callable) -> Callable:
     return wrapper
 
 
+class _StandInLoader(importlib.abc.Loader):
+    """Loader named by the stand-in's specs: its modules are built by install(), never read from disk."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return sys.modules.get(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+_LOADER = _StandInLoader()
+_METADATA = (
+    "Metadata-Version: 2.1\n"
+    "Name: torch_npu\n"
+    f"Version: {EMULATED_VERSION}\n"
+    "Summary: npufuse emulated stand-in for torch_npu (not the real package; numerics only)\n"
+)
+
+
+class _StandInDistribution(importlib.metadata.Distribution):
+    """``importlib.metadata`` view of the stand-in: name torch_npu, version labelled emulated."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == "METADATA":
+            return _METADATA
+        if filename == "top_level.txt":
+            return "torch_npu\n"
+        return None
+
+    def locate_file(self, path: str | pathlib.PurePath) -> pathlib.Path:
+        # nothing of the stand-in lies on disk
+        return pathlib.Path("<npufuse-emulated-torch_npu>") / path
+
+
+class _StandInDistributionFinder(importlib.abc.MetaPathFinder):
+    """On ``sys.meta_path`` while installed: finds no modules, only the stand-in's distribution.
+
+    It sits first, so ``version("torch_npu")`` answers the emulated version even where a real
+    torch_npu is installed (its module is replaced for the block too).
+    """
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        return None
+
+    def find_distributions(self, context: importlib.metadata.DistributionFinder.Context | None = None) -> Iterator[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        if name is None or re.sub(r"[-_.]+", "_", name).lower() == "torch_npu":
+            yield _StandInDistribution()
+
+
+def _package(name: str, doc: str, *, is_package: bool) -> types.ModuleType:
+    mod = types.ModuleType(name, doc)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, _LOADER, is_package=is_package)
+    mod.__loader__ = _LOADER
+    mod.__package__ = name if is_package else name.rpartition(".")[0]
+    if is_package:
+        mod.__path__ = []  # a package without files: submodules come from sys.modules only
+    return mod
+
+
 def _build_module() -> types.ModuleType:
     _load_ops()
-    mod = types.ModuleType("torch_npu", "npufuse emulated stand-in for torch_npu (not the real package)")
+    mod = _package("torch_npu", "npufuse emulated stand-in for torch_npu (not the real package)", is_package=True)
     mod.__version__ = EMULATED_VERSION
     mod.NPUFUSE_EMULATED = True
-    optim = types.ModuleType("torch_npu.optim", "emulated torch_npu.optim")
-    npu = types.ModuleType("torch_npu.npu", "emulated torch.npu device module")
+    optim = _package("torch_npu.optim", "emulated torch_npu.optim", is_package=True)
+    npu = _package("torch_npu.npu", "emulated torch.npu device module", is_package=True)
     for key, api in REGISTRY.items():
         if key.startswith("optim."):
             # classes count their own construction/steps through record_call
@@ -104,6 +177,14 @@ def _build_module() -> types.ModuleType:
     npu.reset_peak_memory_stats = lambda device=None: None
     npu.manual_seed = lambda seed: None
     npu.manual_seed_all = lambda seed: None
+    # further probes of transformers / accelerate / peft
+    npu.is_bf16_supported = lambda *args, **kwargs: True
+    npu.empty_cache = lambda: None
+    npu.memory_allocated = lambda device=None: 0
+    npu.memory_reserved = lambda device=None: 0
+    npu.max_memory_reserved = lambda device=None: 0
+    npu.set_compile_mode = lambda jit_compile=False: None
+    npu.is_initialized = lambda: True
     mod.optim = optim
     mod.npu = npu
     return mod
@@ -122,6 +203,8 @@ def install() -> Iterator[Emulation]:
     saved_modules = {k: sys.modules.get(k, _MISSING) for k in ("torch_npu", "torch_npu.optim", "torch_npu.npu", "torch.npu")}
     saved_torch_npu = getattr(torch, "npu", _MISSING)
     saved_is_npu = torch.Tensor.__dict__.get("is_npu", _MISSING)
+    finder = _StandInDistributionFinder()
+    sys.meta_path.insert(0, finder)
     sys.modules["torch_npu"] = mod
     sys.modules["torch_npu.optim"] = mod.optim
     sys.modules["torch_npu.npu"] = mod.npu
@@ -134,6 +217,7 @@ def install() -> Iterator[Emulation]:
         yield emu
     finally:
         _ACTIVE.remove(emu)
+        sys.meta_path.remove(finder)
         for key, value in saved_modules.items():
             if value is _MISSING:
                 sys.modules.pop(key, None)

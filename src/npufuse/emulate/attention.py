@@ -22,8 +22,10 @@ from typing import Sequence
 import torch
 
 from npufuse.emulate.checks import (
+    NpuOpError,
     dtype_name,
     forward_only,
+    no_gradient_formula,
     require,
     require_contiguous,
     require_dtype,
@@ -89,7 +91,7 @@ def _reject(api: str, **args: object) -> None:
     """Raise for any argument that is set although the emulation does not implement it."""
     for name, value in args.items():
         if value is not None:
-            raise ValueError(
+            raise NpuOpError(
                 f"{api}: {name} is not supported by the npufuse emulation (quantised / paged / "
                 "shared-prefix / rope / padding paths are not emulated); pass None"
             )
@@ -211,7 +213,7 @@ def _mask_4d(
             return m4[:, :, : dims["Sq"], : dims["Skv"]].bool()
     want = " or ".join("[" + ", ".join(str(dims.get(n, n)) for n in p.split()) + "]" for p in patterns)
     extra = " (Sq/Skv may be padded up)" if padded_ok else ""
-    raise ValueError(f"{api}: atten_mask shape {list(shape)} not supported; expected {want}{extra}")
+    raise NpuOpError(f"{api}: atten_mask shape {list(shape)} not supported; expected {want}{extra}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -432,7 +434,7 @@ def _dropout_keep(
             shifts = torch.arange(8, device=device, dtype=torch.uint8)
             bits = ((flat.view(-1, 1) >> shifts) & 1).reshape(-1)[:numels] != 0
         else:
-            raise ValueError(
+            raise NpuOpError(
                 f"{api}: dropout_mask has {flat.numel()} elements; expected {numels} (one per position, "
                 f"non-zero = keep) or a bit-packed uint8 tensor of >= {math.ceil(numels / 8)} bytes"
             )
@@ -461,7 +463,29 @@ _MODE_NAMES = {
 }
 
 
-@emulated(FA, autograd=True, spec="5.1")
+@emulated(FA, autograd=True, spec="5.1",
+    verified=(
+        'BSH fp16 forward',
+        'TND with GQA (8 over 2 heads): forward, backward, softmax_max/sum in softmax_layout TND',
+        'external dropout_mask (keep_prob 0.9) and its reproducibility',
+        'seed/offset returned as given without dropout',
+        'outputs 0-3 differentiable',
+    ),
+    docs_only=(
+        'sparse_mode 0-4 and masks (bottom-right mode 3/4 from the kernel docs)',
+        'pse placement scale*(QK^T+pse) (grad kernel source)',
+        'BNSD/BSND/SBH layouts',
+        'sink',
+        'fully masked rows',
+        "generated dropout bits (never the NPU's)",
+    ),
+    held_by=(
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_bsh',
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_tnd_gqa_forward_backward_and_stats',
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_with_external_dropout_mask',
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_without_dropout_returns_seed_and_offset',
+    ),
+)
 def npu_fusion_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -502,16 +526,21 @@ def npu_fusion_attention(
     Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``:
     out in query's dtype and layout with D -> Dv; softmax_max/sum float32 [B,N,Sq,8] (TND
     [T,N,8]) = per-row max of the scaled masked logits and sum_j exp(S - max), replicated 8x
-    (detached); softmax_out empty; seed/offset 0 unless keep_prob < 1; numels = B*N*Sq*Skv
-    (TND: N * sum_b Sq_b*Skv_b).
+    (differentiable outputs like attention_out, derivatives.yaml, but a gradient reaching them is
+    dropped: the backward reads only attention_out's); softmax_out empty; seed/offset as given
+    when keep_prob == 1 (the generated ones otherwise); numels = B*N*Sq*Skv (TND: N * sum_b
+    Sq_b*Skv_b).
+
+    Settled from op-plugin's sources and tests (issue 20): pse is placed inside the scale,
+    ``scale * (QK^T + pse)`` (pse_type 1, the grad kernel's formula); sparse_mode 4 with
+    Sq != Skv is the bottom-right band ``i + (Skv - Sq) - pre <= j <= i + (Skv - Sq) + next``.
 
     Choices where the spec is UNCERTAIN:
     * fully masked rows -> zero output, softmax_max -inf, softmax_sum 0;
     * sparse_mode 0 with a mask: pre/next are intersected with the mask (top-left origin
       ``i-pre <= j <= i+next``); the real kernel uses them for block skipping, so an
       inconsistent pair is "wrong results" there and a deterministic intersection here;
-    * sparse_mode 4 with Sq != Skv uses the bottom-right origin (kernel doc, not msprobe);
-    * sparse_modes 5-8 (prefix / varlen split) are not emulated: ValueError when a mask is given;
+    * sparse_modes 5-8 (prefix / varlen split) are not emulated: NpuOpError when a mask is given;
     * with ``sink`` softmax_max/softmax_sum include the sink column;
     * TND softmax_max/sum keep the shape [T,N,8]; with softmax_layout="" the buffer holds NTD
       order (``.view(N, T, 8)`` reads rows), with "TND" it is plain [T,N,8] order;
@@ -559,7 +588,7 @@ def npu_fusion_attention(
         f"{sparse_mode} is not supported with input_layout {layout} (allowed: {list(allowed_modes)})",
     )
     if prefix is not None:
-        raise ValueError(f"{api}: prefix is used only by sparse_mode 5/6, which the npufuse emulation does not emulate")
+        raise NpuOpError(f"{api}: prefix is used only by sparse_mode 5/6, which the npufuse emulation does not emulate")
     qlen = _int_list(api, "actual_seq_qlen", actual_seq_qlen)
     kvlen = _int_list(api, "actual_seq_kvlen", actual_seq_kvlen)
 
@@ -646,7 +675,7 @@ def npu_fusion_attention(
         require_dtype(api, "atten_mask", atten_mask, _MASK_DTYPES_FA)
         mode = sparse_mode
         if mode in (5, 6, 7, 8):
-            raise ValueError(f"{api}: sparse_mode {mode} ({_MODE_NAMES[mode]}) is not emulated by npufuse")
+            raise NpuOpError(f"{api}: sparse_mode {mode} ({_MODE_NAMES[mode]}) is not emulated by npufuse")
         if mode in (2, 3, 4):
             _check_compressed(api, atten_mask, mode, [(COMPRESSED, COMPRESSED)])
         elif layout == "TND":
@@ -657,7 +686,7 @@ def npu_fusion_attention(
             user_mask = atten_mask.bool().view(1, 1, sq, skv)
             for bi, (lq, lk) in enumerate(zip(sq_lens, skv_lens)):
                 if lq and lk and bool(user_mask[0, 0, :lq, :lk].all(dim=-1).any()):
-                    raise ValueError(
+                    raise NpuOpError(
                         f"{api}: atten_mask has a fully masked row in sequence {bi}; TND masks must not pad rows"
                     )
         else:
@@ -705,7 +734,7 @@ def npu_fusion_attention(
     else:
         numels, valid = b * nq * sq * skv, None
     drop_keep = None
-    out_seed = out_offset = 0
+    out_seed, out_offset = seed, offset  # returned as given when dropout is off (op-plugin passes them through)
     if keep_prob < 1.0:
         drop_keep, out_seed, out_offset = _dropout_keep(
             api, (b, nq, sq, skv), numels, valid, keep_prob, dropout_mask, seed, offset, device,
@@ -728,7 +757,27 @@ def npu_fusion_attention(
     else:
         out = _merge_heads(out, layout)
         row_max, row_sum = (x.unsqueeze(-1).expand(*x.shape, 8).contiguous() for x in (row_max, row_sum))
-    return (out.to(query.dtype), row_max, row_sum, query.new_empty(0), out_seed, out_offset, numels)
+    out, row_max, row_sum, softmax_out = out.to(query.dtype), row_max, row_sum, query.new_empty(0)
+    if torch.is_grad_enabled() and out.requires_grad:
+        out, row_max, row_sum, softmax_out = _DifferentiableStats.apply(out, row_max, row_sum, softmax_out)
+    return (out, row_max, row_sum, softmax_out, out_seed, out_offset, numels)
+
+
+class _DifferentiableStats(torch.autograd.Function):
+    """Make softmax_max/softmax_sum/softmax_out differentiable outputs, as derivatives.yaml does.
+
+    ``output_differentiability: [true, true, true, true, false, false, false]``, while the
+    backward (``npu_fusion_attention_grad(..., grad, ...)``) reads only the gradient of
+    attention_out: what reaches outputs 1-3 is dropped, as here.
+    """
+
+    @staticmethod
+    def forward(ctx, out, row_max, row_sum, softmax_out):  # type: ignore[override]
+        return out.clone(), row_max.clone(), row_sum.clone(), softmax_out.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out, _gmax, _gsum, _gsoftmax):  # type: ignore[override]
+        return grad_out, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -783,7 +832,7 @@ def _infer_attention(
     require_same_dtype(api, "value", value, "query", query)
     layout = _str(api, "input_layout", layout)
     if layout in ("TND_NTD", "NTD_TND", "NTD"):
-        raise ValueError(f"{api}: input_layout {layout!r} is not emulated by npufuse (use TND)")
+        raise NpuOpError(f"{api}: input_layout {layout!r} is not emulated by npufuse (use TND)")
     require(api, "input_layout", layout in layouts, f"must be one of {', '.join(layouts)}, got {layout!r}")
     num_heads = _int(api, "num_heads", num_heads)
     num_key_value_heads = _int(api, "num_key_value_heads", num_key_value_heads)
@@ -989,7 +1038,21 @@ _FIA_DECODE_MASKS = ("B Skv", "1 Sq Skv", "B 1 Sq Skv", "1 1 Sq Skv")
 _COMPRESSED_INFER = ((COMPRESSED, COMPRESSED), (1, COMPRESSED, COMPRESSED), (1, 1, COMPRESSED, COMPRESSED))
 
 
-@emulated(PFA, autograd=False, spec="5.3")
+@emulated(PFA, autograd=False, spec="5.3",
+    verified=(
+        'BNSD fp16 forward without mask (op-plugin test_prompt_flash_attention)',
+    ),
+    docs_only=(
+        'masks, sparse modes, pre/next tokens',
+        'TND',
+        'actual_seq_lengths',
+        'pse_shift placement',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream_attention.py::test_prompt_flash_attention_bnsd',
+    ),
+)
 def npu_prompt_flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1023,7 +1086,7 @@ def npu_prompt_flash_attention(
     mask the band ``i - pre <= j <= i + next`` makes even a padding-only mask causal** — pass
     next_tokens=2147483647 for non-causal masks; without a mask pre/next are ignored.
     ``actual_seq_lengths``/``actual_seq_lengths_kv`` are per-batch valid lengths (1 entry
-    broadcasts), cumulative for TND. Returns one Tensor (query's dtype). Forward only.
+    broadcasts), cumulative for TND. Returns one Tensor (query's dtype). No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     UNCERTAIN choices: pse_shift is added after scaling (the doc formula); query rows past
     actual_seq_lengths are zero; quantised arguments and padding_mask raise ValueError.
@@ -1044,10 +1107,24 @@ def npu_prompt_flash_attention(
         mask_patterns=_PFA_MASKS, decode_mask_patterns=(), compressed_shapes=_COMPRESSED_INFER,
         mode1_needs_mask=False, contiguous=True,
     )
-    return forward_only(api, out)
+    return no_gradient_formula(api, out, inputs=(query, key, value, pse_shift))
 
 
-@emulated(IFA, autograd=False, spec="5.4")
+@emulated(IFA, autograd=False, spec="5.4",
+    verified=(
+        'BSH fp16 decode forward (op-plugin test_incre_flash_attention)',
+    ),
+    docs_only=(
+        'masks',
+        'actual_seq_lengths',
+        'GQA',
+        'pse_shift',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream_attention.py::test_incre_flash_attention_bsh',
+    ),
+)
 def npu_incre_flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1079,7 +1156,7 @@ def npu_incre_flash_attention(
     ``actual_seq_lengths`` = **valid KV length per batch** (B or 1 entries): later keys are
     ignored. ``atten_mask`` bool/int8/uint8, 1 = masked, shapes (B,Skv), (B,1,1,Skv) and the
     1-batch / 3-D variants, Skv may be padded up. GQA via num_key_value_heads (ratio <= 64).
-    Returns one Tensor shaped like query. Forward only.
+    Returns one Tensor shaped like query. No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     UNCERTAIN choices: pse_shift is added after scaling; a batch with 0 valid keys gives zeros.
     Not emulated (ValueError naming the argument): quant/antiquant arguments, PagedAttention
@@ -1110,10 +1187,24 @@ def npu_incre_flash_attention(
         mask_patterns=(), decode_mask_patterns=_IFA_MASKS, compressed_shapes=(),
         mode1_needs_mask=False, contiguous=False,
     )
-    return forward_only(api, out)
+    return no_gradient_formula(api, out, inputs=(query, key, value, pse_shift))
 
 
-@emulated(FIA, autograd=False, spec="5.5")
+@emulated(FIA, autograd=False, spec="5.5",
+    verified=(
+        'BNSD fp16 prefill and decode with softmax_lse (golden of op-plugin test_npu_fused_infer_attention_score, whose own asserts are skipped)',
+    ),
+    docs_only=(
+        'masks, sparse modes',
+        'TND',
+        'actual_seq_lengths',
+        'lse when the flag is off (empty)',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream_attention.py::test_fused_infer_attention_score_bnsd_with_lse',
+    ),
+)
 def npu_fused_infer_attention_score(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1168,7 +1259,7 @@ def npu_fused_infer_attention_score(
     With Q_S == 1 sparse_mode/pre_tokens/next_tokens/actual_seq_lengths are ignored.
     ``softmax_lse`` float32 [B,N,Sq,1] (TND [T,N,1]) = log(sum exp(S - max)) + max when
     softmax_lse_flag, else an empty float32 tensor (shape [0], as the meta kernel; the doc says
-    [1] zeros: UNCERTAIN). Forward only.
+    [1] zeros: UNCERTAIN). No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     UNCERTAIN choices: pse_shift added after scaling; rows without keys: out 0, lse -inf; FIA
     TND mode 3 accepts q_len <= kv_len per batch (doc: "<"). Not emulated (ValueError naming the
@@ -1203,7 +1294,7 @@ def npu_fused_infer_attention_score(
     if not isinstance(softmax_lse_flag, bool):
         raise TypeError(f"{api}: softmax_lse_flag must be a bool, got {type(softmax_lse_flag).__name__}")
     if _int(api, "sparse_mode", sparse_mode) == 9:
-        raise ValueError(f"{api}: sparse_mode 9 (tree mask, MLA only) is not emulated by npufuse")
+        raise NpuOpError(f"{api}: sparse_mode 9 (tree mask, MLA only) is not emulated by npufuse")
     out, lse = _infer_attention(
         api, query, key, value, layout=input_layout, layouts=("BSH", "BSND", "BNSD", "BNSD_BSND", "TND"),
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
@@ -1217,4 +1308,4 @@ def npu_fused_infer_attention_score(
     )
     if not softmax_lse_flag:
         lse = torch.empty(0, dtype=torch.float32, device=query.device)
-    return forward_only(api, out, lse)
+    return no_gradient_formula(api, out, lse, inputs=(query, key, value, pse_shift))

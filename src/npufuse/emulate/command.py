@@ -19,14 +19,23 @@ def run(args: argparse.Namespace) -> int:
 
     rows = [REGISTRY[name] for name in api_names()]
     if args.json:
-        print(json.dumps([{"name": a.name, "autograd": a.autograd, "spec": a.spec, "summary": a.summary} for a in rows], indent=2))
+        print(json.dumps([
+            {"name": a.name, "autograd": a.autograd, "spec": a.spec, "summary": a.summary,
+             "verified": list(a.verified), "docs_only": list(a.docs_only), "held_by": list(a.held_by)}
+            for a in rows
+        ], indent=2))  # fmt: skip
         return 0
     table = Table(title=f"{len(rows)} torch_npu APIs emulated in plain PyTorch (numerics only, never NPU speed)")
     table.add_column("API")
     table.add_column("backward")
     table.add_column("spec §")
     table.add_column("what it computes")
+    table.add_column("verified against torch_npu's tests")
+    table.add_column("from docs/sources only")
     for a in rows:
-        table.add_row(f"torch_npu.{a.name}", "yes" if a.autograd else "no", a.spec, a.summary)
+        table.add_row(
+            f"torch_npu.{a.name}", "yes" if a.autograd else "no", a.spec, a.summary,
+            "; ".join(a.verified) or "nothing", "; ".join(a.docs_only) or "nothing",
+        )
     Console().print(table)
     return 0

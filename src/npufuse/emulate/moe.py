@@ -13,8 +13,10 @@ from typing import Optional, Sequence, Union
 import torch
 
 from npufuse.emulate.checks import (
+    NpuOpError,
     dtype_name,
     forward_only,
+    no_gradient_formula,
     require,
     require_dtype,
     require_rank,
@@ -123,7 +125,7 @@ def _check_k(i: int, x_k: int, w: torch.Tensor) -> None:
             "; it looks like [.., N, K] (nn.Linear out x in) storage: pass w.transpose(-1, -2) as a view "
             "(logical [.., K, N]), without .contiguous()"
         )
-    raise ValueError(f"{_GMM}: weight[{i}] has K={w.shape[-2]} (shape {tuple(w.shape)}) but x has K={x_k}{hint}")
+    raise NpuOpError(f"{_GMM}: weight[{i}] has K={w.shape[-2]} (shape {tuple(w.shape)}) but x has K={x_k}{hint}")
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +135,29 @@ def _mm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], dtype: torc
     return y.to(dtype)
 
 
-@emulated("npu_grouped_matmul", autograd=False, spec="7.1")
+@emulated("npu_grouped_matmul", autograd=False, spec="7.1",
+    verified=(
+        'op-plugin test_npu_grouped_matmul_0/1/2/3/4/6/7: independent pairs, single [E,K,N] weight, multi-x single-y, [E,N] bias, K grouping (group_type 2), fp32 x with a weight list',
+        'no gradient formula: warns and leaves .grad None',
+        'RuntimeError for empty lists and unknown group_type',
+    ),
+    docs_only=(
+        'List[int] group_list overload',
+        'bfloat16',
+        'group_list_type 1',
+        'quantized forms (not emulated)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_grouped_matmul_0_multi_multi_multi',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_1_3d_weight_and_3_weight_list',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_2_multi_multi_single',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_4_list_group_list_and_3d_bias',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_6_k_grouping',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_7_fp32_x_with_weight_list',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_has_no_gradient_formula',
+        'tests/test_emulate_upstream.py::test_grouped_matmul_runtime_errors',
+    ),
+)
 def npu_grouped_matmul(
     x: list[torch.Tensor],
     weight: list[torch.Tensor],
@@ -184,21 +208,24 @@ def npu_grouped_matmul(
     concatenated output (single x needs group_list ending at M).
 
     Constraints: non-quant fp16/bf16/fp32, x and weights the same dtype; fp32 in the Tensor
-    overload only with single x, single weight, single y; bias ``[N]`` per 2-D weight or
+    overload only with a single x and a single y (split_item 2/3), with one weight or a list of them
+    (op-plugin test_npu_grouped_matmul_7 runs fp32 x with a list of three weights); bias ``[N]`` per 2-D weight or
     ``[E, N]`` for a 3-D weight, fp16 for fp16 x and fp32 otherwise; K and N < 65536; x must not
     be a transposed view (except for group_type=2); list lengths <= 128; ``act_type`` 0 (others
     exist only in the per-token-quant scenario); ``output_dtype`` None or x's dtype. Quantized
     and pseudo-quantized forms (scale, antiquant_*, per_token_scale, *_dtype) are not emulated.
 
-    Autograd: none (forward-only; backward raises).
+    Autograd: none. No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
-    UNCERTAIN (spec §7.1): the exact group_type=2 operand convention; this follows the meta/C++
-    shape logic and supports only split_item 2/3. ``group_type=0`` with split_item 0/1 is
+    group_type=2 operand convention settled by op-plugin's test_npu_grouped_matmul_6: x is the
+    [M, K] view ``x1.T`` of a [K, M] tensor, weight one [K, N] tensor, group_list the cumulative
+    K ends; ``y[g] = x[:, K_g] @ weight[K_g, :]`` stacked to [G, M, N]; split_item 2/3 only. ``group_type=0`` with split_item 0/1 is
     rejected per the doc's scenario table although op-plugin's C++ would build per-group outputs.
     """
     api = _GMM
     xs = _tensor_list("x", x)
     ws = _tensor_list("weight", weight)
+    graph_inputs = [*xs, *ws, *(bias if isinstance(bias, (list, tuple)) else ())]
     require(api, "x", len(xs) > 0, "must not be empty")
     require(api, "weight", len(ws) > 0, "must not be empty")
     require(api, "x", len(xs) <= _GMM_MAX_LIST, f"list length must be <= {_GMM_MAX_LIST}, got {len(xs)}")
@@ -306,8 +333,8 @@ def npu_grouped_matmul(
             require(
                 api,
                 "x[0]",
-                len(xs) == 1 and len(ws) == 1 and split in (2, 3),
-                "is float32, which the Tensor overload supports only with single x, single weight and single y (split_item 2/3)",
+                len(xs) == 1 and split in (2, 3),
+                "is float32, which the Tensor overload supports only with a single x and a single y (split_item 2/3)",
                 TypeError,
             )
 
@@ -327,7 +354,7 @@ def npu_grouped_matmul(
         for size in sizes:
             outs.append(_mm(xm[:, start : start + size], w[start : start + size], None, dtype))
             start += size
-        return _as_list(torch.stack(outs) if outs else xm.new_empty((0, xm.shape[0], w.shape[-1])))
+        return _as_list(graph_inputs, torch.stack(outs) if outs else xm.new_empty((0, xm.shape[0], w.shape[-1])))
 
     for i, t in enumerate(xs):
         require(api, f"x[{i}]", not _is_transposed_view(t), "must not be a transposed view (x transposition is unsupported)")
@@ -343,7 +370,7 @@ def npu_grouped_matmul(
             require(api, "x[0]", xs[0].dim() == 2, "must be 2-D when split by group_list")
             require(api, "group_list", len(gl) == len(ws), f"must have one entry per weight ({len(ws)}), got {len(gl)}")
             sizes = _group_sizes(gl, 0, xs[0].shape[0], "M")
-            return _as_list(*_per_group(xs[0], ws, sizes, bias_of, dtype))
+            return _as_list(graph_inputs, *_per_group(xs[0], ws, sizes, bias_of, dtype))
         require(api, "weight", len(ws) == len(xs), f"must have one tensor per x tensor ({len(xs)}), got {len(ws)}")
         rank = xs[0].dim()
         for i, t in enumerate(xs):
@@ -358,7 +385,7 @@ def npu_grouped_matmul(
         for i, (t, w) in enumerate(zip(xs, ws)):
             _check_k(i, t.shape[-1], w)
             outs.append(_mm(t, w, bias_of(i), dtype))
-        return _as_list(*outs)
+        return _as_list(graph_inputs, *outs)
 
     # gtype == 0: grouping along M, one concatenated output.
     require(api, "split_item", split in (2, 3), f"must be 2 or 3 with group_type=0 (one concatenated output), got {split}")
@@ -380,7 +407,7 @@ def npu_grouped_matmul(
             parts = _per_group(xs[0], experts, sizes, lambda i: bias_rows[i], dtype)
         else:
             parts = _per_group(xs[0], experts, sizes, bias_of, dtype)
-        return _as_list(torch.cat(parts, dim=0))
+        return _as_list(graph_inputs, torch.cat(parts, dim=0))
     require(api, "weight", len(ws) == len(xs), f"must have one tensor per x tensor ({len(xs)}), got {len(ws)}")
     if gl is not None:
         require(api, "group_list", len(gl) == len(xs), f"must have one entry per x ({len(xs)}), got {len(gl)}")
@@ -391,7 +418,7 @@ def npu_grouped_matmul(
     for i, (t, w) in enumerate(zip(xs, ws)):
         _check_k(i, t.shape[-1], w)
         outs.append(_mm(t, w, bias_of(i), dtype))
-    return _as_list(torch.cat(outs, dim=0))
+    return _as_list(graph_inputs, torch.cat(outs, dim=0))
 
 
 def _per_group(xm: torch.Tensor, experts: Sequence[torch.Tensor], sizes: list[int], bias_of, dtype: torch.dtype):
@@ -403,8 +430,8 @@ def _per_group(xm: torch.Tensor, experts: Sequence[torch.Tensor], sizes: list[in
     return parts
 
 
-def _as_list(*outs: torch.Tensor) -> list[torch.Tensor]:
-    wrapped = forward_only(_GMM, *outs)
+def _as_list(graph_inputs: list[object], *outs: torch.Tensor) -> list[torch.Tensor]:
+    wrapped = no_gradient_formula(_GMM, *outs, inputs=graph_inputs)
     return list(wrapped) if isinstance(wrapped, tuple) else [wrapped]
 
 
@@ -416,7 +443,18 @@ _INDEX_LIMIT = 16777215  # indices: numel < 2^24 - 1, values in [0, 2^24 - 1)
 _MAX_TOPK = 512
 
 
-@emulated("npu_moe_token_permute", autograd=True, spec="8.6")
+@emulated("npu_moe_token_permute", autograd=True, spec="8.6",
+    verified=(
+        'bf16 forward for topk 1/4, sorted_indices as the inverse permutation, backward (op-plugin test_npu_moe_token_permute_and_unpermute(_backward))',
+    ),
+    docs_only=(
+        'num_out_tokens dropping',
+        'padded_mode (rejected)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_moe_token_permute_unpermute_and_backward',
+    ),
+)
 def npu_moe_token_permute(
     tokens: torch.Tensor,
     indices: torch.Tensor,
@@ -469,7 +507,19 @@ def npu_moe_token_permute(
     return permuted, sorted_indices
 
 
-@emulated("npu_moe_token_unpermute", autograd=True, spec="8.6")
+@emulated("npu_moe_token_unpermute", autograd=True, spec="8.6",
+    verified=(
+        'bf16 forward with and without probs, permute/unpermute round trip (op-plugin test_npu_moe_token_permute_and_unpermute)',
+    ),
+    docs_only=(
+        'backward w.r.t. probs',
+        'rows dropped by num_out_tokens',
+        'restore_shape / padded_mode (rejected)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_moe_token_permute_unpermute_and_backward',
+    ),
+)
 def npu_moe_token_unpermute(
     permuted_tokens: torch.Tensor,
     sorted_indices: torch.Tensor,
@@ -537,7 +587,19 @@ def npu_moe_token_unpermute(
 _GATING_MAX_K = 1024
 
 
-@emulated("npu_moe_gating_top_k_softmax", autograd=False, spec="8.1")
+@emulated("npu_moe_gating_top_k_softmax", autograd=False, spec="8.1",
+    verified=(
+        'fp16/fp32 y, expert_idx with finished rows, k-major row_idx (op-plugin test_npu_moe_gating_top_k_softmax)',
+    ),
+    docs_only=(
+        '3-D x',
+        'y of finished rows',
+        'backward (raises)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_moe_gating_top_k_softmax',
+    ),
+)
 def npu_moe_gating_top_k_softmax(
     x: torch.Tensor,
     finished: Optional[torch.Tensor] = None,
@@ -588,7 +650,18 @@ def npu_moe_gating_top_k_softmax(
 _INIT_ROUTING_MAX_NUMEL = 1 << 24
 
 
-@emulated("npu_moe_init_routing", autograd=False, spec="8.2")
+@emulated("npu_moe_init_routing", autograd=False, spec="8.2",
+    verified=(
+        'fp16/fp32 expanded_x, expanded_row_idx, expanded_expert_idx with active_num = N (op-plugin test_npu_moe_init_routing)',
+    ),
+    docs_only=(
+        'active_num < N',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_moe_init_routing',
+    ),
+)
 def npu_moe_init_routing(
     x: torch.Tensor,
     row_idx: torch.Tensor,
@@ -608,7 +681,7 @@ def npu_moe_init_routing(
     Shapes ``[min(N, active_num)*K, H]`` (x's dtype), ``[N*K]`` int32, ``[N*K]`` int32.
     x 2-D fp16/bf16/fp32 with numel < 2^24; row_idx and expert_idx int32 ``[N, K]``; row_idx
     must be a permutation of ``[0, N*K)`` (normally ``npu_moe_gating_top_k_softmax``'s third
-    output); active_num >= 0. Autograd: none (backward raises).
+    output); active_num >= 0. No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
     """
     api = "npu_moe_init_routing"
     require_tensor(api, "x", x)
@@ -641,10 +714,20 @@ def npu_moe_init_routing(
     expanded_row_idx[dst_to_src] = torch.arange(total, dtype=torch.int32, device=x.device)
     active = min(n, active_num) * kk
     expanded_x = x.index_select(0, dst_to_src[:active] % n) if n else x.new_empty((0, x.shape[1]))
-    return forward_only(api, expanded_x), expanded_row_idx, expanded_expert_idx
+    return no_gradient_formula(api, expanded_x, inputs=(x,)), expanded_row_idx, expanded_expert_idx
 
 
-@emulated("npu_moe_finalize_routing", autograd=False, spec="8.4")
+@emulated("npu_moe_finalize_routing", autograd=False, spec="8.4",
+    verified=(),
+    docs_only=(
+        'everything: op-plugin has tests for the v2 op only (drop_pad_mode 0-3, skips, bias, scales from the docs)',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_moe.py::test_finalize_routing_modes',
+        'tests/test_emulate_moe.py::test_v1_pipeline_gating_init_finalize',
+    ),
+)
 def npu_moe_finalize_routing(
     expanded_permuted_rows: torch.Tensor,
     skip1: Optional[torch.Tensor],
@@ -668,7 +751,8 @@ def npu_moe_finalize_routing(
     Constraints: rows fp16/bf16/fp32 (2-D for modes 0/2, 3-D for 1/3); skip1/skip2 ``[N, H]``,
     bias ``[E, H]``, scales ``[N, K]``, all the rows' dtype; expanded_src_to_dst_row int32
     ``[N*K]`` with values in range (-1 allowed only in drop-pad modes); export_for_source_row int32
-    ``[N, K]`` in ``[0, E)``, required when bias is given. Autograd: none (backward raises).
+    ``[N, K]`` in ``[0, E)``, required when bias is given.
+    No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
 
     Choice (spec §8.4): the wheel doc says "skip2 None requires skip1 None", the op-plugin doc
     the reverse; the golden accepts any combination, and so does this.
@@ -741,4 +825,4 @@ def npu_moe_finalize_routing(
     for t in (skip1, skip2):
         if t is not None:
             out = out + t.float()
-    return forward_only(api, out.to(rows.dtype))
+    return no_gradient_formula(api, out.to(rows.dtype), inputs=(rows, skip1, skip2, bias, scales))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from npufuse.emulate.checks import (
     dtype_name,
     forward_only,
+    no_gradient_formula,
     require,
     require_contiguous,
     require_dtype,
@@ -56,47 +57,71 @@ def _rms(xf: torch.Tensor, r: int, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)
 
 
-@emulated("npu_rms_norm", autograd=True, spec="2.1")
-def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06) -> tuple[torch.Tensor, torch.Tensor]:
+@emulated("npu_rms_norm", autograd=True, spec="2.1",
+    verified=(
+        'fp32 and fp16-x/fp32-gamma forward y and rstd (op-plugin test_npu_rms_norm)',
+        'fp32 backward dx/dgamma (test_npu_rms_norm_backward)',
+    ),
+    docs_only=(
+        'bfloat16',
+        'multi-dim gamma',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_rms_norm_forward',
+        'tests/test_emulate_upstream.py::test_rms_norm_backward',
+    ),
+)
+def npu_rms_norm(input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over gamma's trailing dims: y = x * rsqrt(mean(x^2) + epsilon) * gamma; returns (y, rstd).
 
-    ``rstd = rsqrt(mean(self.float()**2, last gamma.dim() dims, keepdim=True) + epsilon)`` (eps inside
-    the sqrt); ``y = (self.float() * rstd * gamma.float()).to(self.dtype)``: gamma is applied in fp32
+    ``rstd = rsqrt(mean(input.float()**2, last gamma.dim() dims, keepdim=True) + epsilon)`` (eps inside
+    the sqrt); ``y = (input.float() * rstd * gamma.float()).to(input.dtype)``: gamma is applied in fp32
     and the result rounded once (HF LlamaRMSNorm rounds before the weight: ≤1-ulp differences).
 
-    Returns ``(y, rstd)``: ``y`` has the shape/dtype of ``self``; ``rstd`` is float32 with shape
-    ``self.shape[:self.dim()-gamma.dim()] + (1,)*gamma.dim()`` and is not differentiable.
-    Autograd w.r.t. ``self`` and ``gamma``.
+    Returns ``(y, rstd)``: ``y`` has the shape/dtype of ``input``; ``rstd`` is float32 with shape
+    ``input.shape[:input.dim()-gamma.dim()] + (1,)*gamma.dim()`` and is not differentiable.
+    Autograd w.r.t. ``input`` and ``gamma``.
 
-    Constraints: ``self`` 2-8-D (wheel doc; the op-plugin doc also allows 1-D — the stricter wheel
+    Constraints: ``input`` 2-8-D (wheel doc; the op-plugin doc also allows 1-D — the stricter wheel
     reading is chosen so that a rewrite verified here also runs on NPU) and float16/bfloat16/float32;
-    ``gamma.shape == self.shape[-gamma.dim():]``; gamma has self's dtype, or float32 with a
-    float16/bfloat16 ``self`` (A2/A3 mixed mode). Non-contiguous and empty tensors are accepted.
+    ``gamma.shape == input.shape[-gamma.dim():]``; gamma has input's dtype, or float32 with a
+    float16/bfloat16 ``input`` (A2/A3 mixed mode). Non-contiguous and empty tensors are accepted.
     """
     api = "npu_rms_norm"
-    require_tensor(api, "self", self)
+    require_tensor(api, "input", input)
     require_tensor(api, "gamma", gamma)
-    require_dtype(api, "self", self)
+    require_dtype(api, "input", input)
     require_dtype(api, "gamma", gamma)
-    if gamma.dtype != self.dtype:
+    if gamma.dtype != input.dtype:
         require(
             api,
             "gamma",
-            self.dtype in _HALF and gamma.dtype == torch.float32,
-            f"has dtype {dtype_name(gamma.dtype)} but self has {dtype_name(self.dtype)}; gamma must match "
-            "self, or be float32 with a float16/bfloat16 self",
+            input.dtype in _HALF and gamma.dtype == torch.float32,
+            f"has dtype {dtype_name(gamma.dtype)} but input has {dtype_name(input.dtype)}; gamma must match "
+            "input, or be float32 with a float16/bfloat16 input",
             TypeError,
         )
-    require_rank(api, "self", self, 2, 8)
-    r = _require_trailing(api, "gamma", gamma, "self", self)
+    require_rank(api, "input", input, 2, 8)
+    r = _require_trailing(api, "gamma", gamma, "input", input)
     eps = _require_eps(api, "epsilon", epsilon)
-    xf = self.float()
+    xf = input.float()
     rstd = _rms(xf, r, eps)
-    y = (xf * rstd * gamma.float()).to(self.dtype)
+    y = (xf * rstd * gamma.float()).to(input.dtype)
     return y, rstd.detach()
 
 
-@emulated("npu_add_rms_norm", autograd=False, spec="2.2")
+@emulated("npu_add_rms_norm", autograd=False, spec="2.2",
+    verified=(
+        'fp32 y, rstd, x and fp16 y, with the sum rounded to the input dtype (op-plugin test_npu_add_rms_norm)',
+    ),
+    docs_only=(
+        'bfloat16',
+        'backward raises (NotImplemented fallback)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_add_rms_norm',
+    ),
+)
 def npu_add_rms_norm(
     x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,40 +158,63 @@ def npu_add_rms_norm(
     return forward_only(api, y, rstd, x)
 
 
-@emulated("npu_gemma_rms_norm", autograd=False, spec="2.3")
+@emulated("npu_gemma_rms_norm", autograd=False, spec="2.3",
+    verified=(
+        'fp32/fp16 y and float32 rstd (op-plugin test_npu_gemma_rms_norm)',
+    ),
+    docs_only=(
+        'bfloat16',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_gemma_rms_norm',
+    ),
+)
 def npu_gemma_rms_norm(
-    self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
+    input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gemma RMSNorm: y = x * rsqrt(mean(x^2) + epsilon) * (1 + gamma); returns (y, rstd).
 
-    Computed in fp32 (``(1 + gamma.float())``) and rounded once to ``self.dtype``. ``rstd`` is
+    Computed in fp32 (``(1 + gamma.float())``) and rounded once to ``input.dtype``. ``rstd`` is
     float32 with the keepdim shape of ``npu_rms_norm`` (per the meta kernel and the C++ wrapper; the
     wheel doc's "same dtype as input" is wrong, spec §2.3).
 
-    Constraints: ``self`` 1-8-D float16/bfloat16/float32; gamma the same dtype with
-    ``gamma.shape == self.shape[-gamma.dim():]``; both contiguous (not contiguous-tolerant) and
+    Constraints: ``input`` 1-8-D float16/bfloat16/float32; gamma the same dtype with
+    ``gamma.shape == input.shape[-gamma.dim():]``; both contiguous (not contiguous-tolerant) and
     not empty.
 
-    Forward only (no derivative registered): backpropagating through an output raises.
+    No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel).
     """
     api = "npu_gemma_rms_norm"
-    require_tensor(api, "self", self)
+    require_tensor(api, "input", input)
     require_tensor(api, "gamma", gamma)
-    require_dtype(api, "self", self)
-    require_same_dtype(api, "gamma", gamma, "self", self)
-    require_rank(api, "self", self, 1, 8)
-    r = _require_trailing(api, "gamma", gamma, "self", self)
-    _require_nonempty(api, "self", self)
-    require_contiguous(api, "self", self)
+    require_dtype(api, "input", input)
+    require_same_dtype(api, "gamma", gamma, "input", input)
+    require_rank(api, "input", input, 1, 8)
+    r = _require_trailing(api, "gamma", gamma, "input", input)
+    _require_nonempty(api, "input", input)
+    require_contiguous(api, "input", input)
     require_contiguous(api, "gamma", gamma)
     eps = _require_eps(api, "epsilon", epsilon)
-    xf = self.float()
+    xf = input.float()
     rstd = _rms(xf, r, eps)
-    y = (xf * rstd * (1.0 + gamma.float())).to(self.dtype)
-    return forward_only(api, y, rstd)
+    y = (xf * rstd * (1.0 + gamma.float())).to(input.dtype)
+    return no_gradient_formula(api, y, rstd, inputs=(input, gamma))
 
 
-@emulated("npu_add_layer_norm", autograd=True, spec="2.5")
+@emulated("npu_add_layer_norm", autograd=True, spec="2.5",
+    verified=(
+        'fp32 and mixed fp16/fp32 inputs with additional_output=True: y, mean, rstd, x (op-plugin test_npu_add_layer_norm)',
+    ),
+    docs_only=(
+        'backward',
+        'x when additional_output=False',
+        'bfloat16',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_add_layer_norm',
+    ),
+)
 def npu_add_layer_norm(
     x1: torch.Tensor,
     x2: torch.Tensor,
@@ -237,7 +285,19 @@ def npu_add_layer_norm(
     return y, mean.detach().reshape(stat_shape), rstd.detach().reshape(stat_shape), x
 
 
-@emulated("npu_group_norm_silu", autograd=False, spec="9.1")
+@emulated("npu_group_norm_silu", autograd=False, spec="9.1",
+    verified=(
+        'fp32 and fp16-x/fp32-gamma forward, mean and rstd (op-plugin test_group_norm_silu)',
+    ),
+    docs_only=(
+        'weight/bias None',
+        'bfloat16',
+        'no gradient formula (warns)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_group_norm_silu',
+    ),
+)
 def npu_group_norm_silu(
     input: torch.Tensor,
     weight: torch.Tensor | None,
@@ -256,7 +316,7 @@ def npu_group_norm_silu(
     ``group`` (a positive int); weight/bias optional, 1-D ``[C]``, the same dtype as each other and
     of precision ≥ input's (input's dtype, or float32). Non-contiguous input is accepted.
 
-    Forward only (no derivative registered): backpropagating through an output raises. For
+    No derivative registered: backward warns and leaves the inputs' ``.grad`` None (VariableFallbackKernel). For
     training use ``npu_group_norm_swish``.
     """
     api = "npu_group_norm_silu"
@@ -296,7 +356,7 @@ def npu_group_norm_silu(
     if bias is not None:
         normed = normed + bias.float().reshape(channel_shape)
     out = F.silu(normed).to(input.dtype)
-    return forward_only(api, out, mean.to(input.dtype), rstd.to(input.dtype))
+    return no_gradient_formula(api, out, mean.to(input.dtype), rstd.to(input.dtype), inputs=(input, weight, bias))
 
 
 __all__ = ["npu_rms_norm", "npu_add_rms_norm", "npu_gemma_rms_norm", "npu_add_layer_norm", "npu_group_norm_silu"]

@@ -5,8 +5,11 @@ The real classes copy every param that has a grad at the first ``step()``/``zero
 into it. The math is plain ``torch.optim`` (the emulation subclasses it); what the flat buffers
 imply is emulated as constraints:
 
-* params must be float32 or float16 (``TypeError``); grads dense (``TypeError``); params
-  contiguous (``ValueError``). Under emulation every tensor counts as an NPU tensor.
+* params that have a grad at the first combine must be float32 or float16 (``TypeError``), with
+  dense grads (``TypeError``), and contiguous (``ValueError``, an emulator choice for the flat
+  buffer); params without a grad are never checked, as ``_maybe_init_combined_params_and_grads``
+  skips them (a frozen bf16 param is fine). Under emulation every tensor counts as an NPU tensor.
+* ``step`` runs under ``torch.no_grad()`` and calls the closure directly (no ``enable_grad``).
 * the set of params updated is frozen at that first combine: params without a grad then are
   never updated afterwards (silently, as on NPU), and ``zero_grad`` zeroes only those params.
 * grads must never be re-allocated (``p.grad = new`` / set to None) and params never moved or
@@ -76,20 +79,6 @@ class _NpuFusedOptimizer:
         if not p.is_contiguous():
             raise ValueError(f"{self._api()}: params must be contiguous, got strides {p.stride()} ({where})")
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.add_param_group``, refusing trainable params of a dtype the fused buffers cannot hold."""
-        super().add_param_group(param_group)  # type: ignore[misc]
-        group = self.param_groups[-1]  # type: ignore[attr-defined]
-        try:
-            for p in group["params"]:
-                # Checked early (the real class fails at the first step) for trainable params only:
-                # a frozen param never gets a grad and is never combined on NPU either.
-                if p.requires_grad:
-                    self._check_param(p, "at construction")
-        except (TypeError, ValueError):
-            self.param_groups.pop()  # type: ignore[attr-defined]
-            raise
-
     def _combine(self) -> None:
         """Freeze the set of params the flat buffers hold, as the first combine on NPU does."""
         if self._fused_params is not None:
@@ -127,13 +116,18 @@ class _NpuFusedOptimizer:
         # take the inner function so this optimizer's step hooks run once, not twice.
         return step.__wrapped__ if getattr(step, "hooked", False) else step
 
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step with the math of the matching torch.optim class over the combined params."""
+        """One optimizer step with the math of the matching torch.optim class over the combined params.
+
+        As ``NpuFusedOptimizerBase.step``: the whole step runs under ``torch.no_grad()`` and the
+        closure is called directly, so a closure that needs autograd must enable it itself
+        (torch.optim's classes wrap it in ``enable_grad``; the fused ones do not).
+        """
         _record(f"optim.{self._api()}")
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            loss = closure()
         self._combine()
         if self._fused_params is None:
             return loss  # no param has a grad yet: the real class updates nothing
@@ -229,7 +223,20 @@ class _NpuFusedOptimizer:
         return total
 
 
-@emulated("optim.NpuFusedAdamW", autograd=False, spec="10")
+@emulated("optim.NpuFusedAdamW", autograd=False, spec="10",
+    verified=(
+        '10 steps over fp32/fp16 params with one param without grad, zero_grad (torch_npu test_fused_optimizers::test_step/test_zero_grad)',
+    ),
+    docs_only=(
+        'step under no_grad with the closure called directly (source)',
+        'frozen param set at the first combine',
+        'clip_grad_norm_fused_',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_fused_optimizer_step_and_zero_grad',
+        'tests/test_emulate_optim.py::test_closure_without_enable_grad_fails_as_on_npu',
+    ),
+)
 class NpuFusedAdamW(_NpuFusedOptimizer, torch.optim.AdamW):
     """torch_npu.optim.NpuFusedAdamW: AdamW (decoupled weight decay) over combined fp32/fp16 buffers.
 
@@ -253,7 +260,19 @@ class NpuFusedAdamW(_NpuFusedOptimizer, torch.optim.AdamW):
         self._fused_init()
 
 
-@emulated("optim.NpuFusedAdam", autograd=False, spec="10")
+@emulated("optim.NpuFusedAdam", autograd=False, spec="10",
+    verified=(
+        '10 steps over fp32/fp16 params with one param without grad, zero_grad (torch_npu test_fused_optimizers::test_step/test_zero_grad)',
+    ),
+    docs_only=(
+        'step under no_grad with the closure called directly (source)',
+        'frozen param set at the first combine',
+        'clip_grad_norm_fused_',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_fused_optimizer_step_and_zero_grad',
+    ),
+)
 class NpuFusedAdam(_NpuFusedOptimizer, torch.optim.Adam):
     """torch_npu.optim.NpuFusedAdam: Adam (L2 weight decay, g += wd*p) over combined fp32/fp16 buffers.
 
@@ -277,7 +296,19 @@ class NpuFusedAdam(_NpuFusedOptimizer, torch.optim.Adam):
         self._fused_init()
 
 
-@emulated("optim.NpuFusedSGD", autograd=False, spec="10")
+@emulated("optim.NpuFusedSGD", autograd=False, spec="10",
+    verified=(
+        '10 steps with momentum over fp32/fp16 params with one param without grad, zero_grad (torch_npu test_fused_optimizers::test_step/test_zero_grad)',
+    ),
+    docs_only=(
+        'step under no_grad with the closure called directly (source)',
+        'lr required',
+        'nesterov',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_fused_optimizer_step_and_zero_grad',
+    ),
+)
 class NpuFusedSGD(_NpuFusedOptimizer, torch.optim.SGD):
     """torch_npu.optim.NpuFusedSGD: SGD with optional momentum/Nesterov over combined fp32/fp16 buffers.
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from npufuse.emulate.checks import (
-    forward_only,
+    NpuOpError,
     require,
     require_dtype,
     require_rank,
@@ -75,9 +75,24 @@ def _allowed_text(table: dict) -> str:
     return "; ".join(f"{layout} x: {'/'.join(shapes)}" for layout, shapes in table.items())
 
 
-@emulated("npu_rotary_mul", autograd=True, spec="4.1")
+@emulated("npu_rotary_mul", autograd=True, spec="4.1",
+    verified=(
+        'half mode fp16/fp32 forward on BSND/SBND/BNSD broadcasts (op-plugin test_npu_rotary_mul)',
+        'interleave mode forward',
+        'fp32 backward for input, r1, r2 in both modes (test_npu_rotary_mul_backward)',
+    ),
+    docs_only=(
+        'rotate= forward and its rotary_mode backward (derivatives.yaml)',
+        'bfloat16',
+        'B/N/D limits',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_rotary_mul_forward',
+        'tests/test_emulate_upstream.py::test_rotary_mul_backward',
+    ),
+)
 def npu_rotary_mul(
-    self: torch.Tensor,
+    input: torch.Tensor,
     r1: torch.Tensor,
     r2: torch.Tensor,
     rotary_mode: str = "half",
@@ -85,13 +100,13 @@ def npu_rotary_mul(
 ) -> torch.Tensor:
     """RoPE x*cos + R(x)*sin with R = rotate_half ('half') or rotate_interleave ('interleave').
 
-    ``self`` is the 4-D input (BNSD, BSND or SBND; the op takes no layout argument, so the
+    ``input`` is the 4-D input (BNSD, BSND or SBND; the op takes no layout argument, so the
     layout is inferred from how ``r1``/``r2`` broadcast), ``r1`` is cos and ``r2`` is sin, both
     with the full last dim D (``cat(freqs, freqs)`` for half, ``repeat_interleave(2)`` for
     interleave). If ``rotate`` (D×D) is given, ``R(x) = x @ rotate`` instead; ``rotary_mode`` is
     still validated and its layout rules still apply.
 
-    Returns a new tensor with ``self``'s shape and dtype. ``r1``/``r2`` are cast to ``self``'s
+    Returns a new tensor with ``input``'s shape and dtype. ``r1``/``r2`` are cast to ``input``'s
     dtype first (as the op does), then everything is computed in fp32 and cast back.
 
     Constraints (A2/A3, jit_compile=False): fp16/bf16/fp32; D even and < 896; ``r1`` and ``r2``
@@ -102,7 +117,9 @@ def npu_rotary_mul(
     cos/sin values are expected in [-1, 1]; that data range is not checked (it would need a
     host sync).
 
-    Autograd: yes for ``self``, ``r1``, ``r2``; none when ``rotate`` is given (backward raises).
+    Autograd: yes for ``input``, ``r1``, ``r2``, also with ``rotate`` (derivatives.yaml: the
+    backward is ``npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode)``, which does not see
+    ``rotate``: the gradient is that of ``rotary_mode``'s R; ``rotate`` is non_differentiable).
 
     Choices where the spec is UNCERTAIN: only 4-D input is accepted (the 2.14 wheel doc says 4-D;
     the newer op-plugin doc's 3-D/TND form is not known to work in 2.14). ``rotate`` is applied
@@ -110,7 +127,7 @@ def npu_rotary_mul(
     does not reproduce rotate_interleave, and the emulation does not "fix" it.
     """
     api = "npu_rotary_mul"
-    require_tensor(api, "self", self)
+    require_tensor(api, "input", input)
     require_tensor(api, "r1", r1)
     require_tensor(api, "r2", r2)
     require(api, "rotary_mode", isinstance(rotary_mode, str), f"must be a str, got {type(rotary_mode).__name__}", TypeError)
@@ -121,37 +138,37 @@ def npu_rotary_mul(
         f"{rotary_mode!r} is supported only on Ascend 950; A2/A3 accept 'half' and 'interleave'",
     )
     require(api, "rotary_mode", rotary_mode in ("half", "interleave"), f"must be 'half' or 'interleave', got {rotary_mode!r}")
-    require_dtype(api, "self", self)
+    require_dtype(api, "input", input)
     require_dtype(api, "r1", r1)
     require_dtype(api, "r2", r2)
-    require_rank(api, "self", self, 4)
+    require_rank(api, "input", input, 4)
     require_rank(api, "r1", r1, 4)
     require_rank(api, "r2", r2, 4)
-    d = self.shape[-1]
-    require(api, "self", d % 2 == 0 and 0 < d < _MAX_D, f"last dim D must be even and < {_MAX_D}, got {d}")
+    d = input.shape[-1]
+    require(api, "input", d % 2 == 0 and 0 < d < _MAX_D, f"last dim D must be even and < {_MAX_D}, got {d}")
     require(
         api,
         "r1",
         r1.shape[-1] == d,
-        f"must have the full last dim D={d} of self (cat(freqs, freqs) / repeat_interleave(2) style), "
+        f"must have the full last dim D={d} of input (cat(freqs, freqs) / repeat_interleave(2) style), "
         f"got {r1.shape[-1]}; partial rotary is not supported",
     )
     require(api, "r2", tuple(r2.shape) == tuple(r1.shape), f"shape {tuple(r2.shape)} must equal r1's {tuple(r1.shape)}")
 
     table = _HALF_R_SHAPES if rotary_mode == "half" else _INTERLEAVE_R_SHAPES
-    layouts = _r_layouts(self.shape, r1.shape, table)
+    layouts = _r_layouts(input.shape, r1.shape, table)
     if not layouts:
         extra = " (interleave mode takes no per-batch cos/sin)" if rotary_mode == "interleave" else ""
-        raise ValueError(
-            f"{api}: r1 shape {tuple(r1.shape)} is not an allowed {rotary_mode}-mode broadcast of self "
-            f"{tuple(self.shape)}{extra}; allowed: {_allowed_text(table)}"
+        raise NpuOpError(
+            f"{api}: r1 shape {tuple(r1.shape)} is not an allowed {rotary_mode}-mode broadcast of input "
+            f"{tuple(input.shape)}{extra}; allowed: {_allowed_text(table)}"
         )
     # The layout is ambiguous when shapes coincide; reject only if no consistent layout fits.
     cos_grad = torch.is_grad_enabled() and (r1.requires_grad or r2.requires_grad)
 
     def limits_ok(layout: str) -> bool:
         b_idx, n_idx = _LAYOUTS[layout]
-        b, n = self.shape[b_idx], self.shape[n_idx]
+        b, n = input.shape[b_idx], input.shape[n_idx]
         if rotary_mode == "interleave":
             return b * n < _MAX_BN
         return b < _MAX_BN and n < _MAX_BN and (not cos_grad or b * n <= _MAX_BN_WITH_COS_GRAD)
@@ -163,22 +180,23 @@ def npu_rotary_mul(
             rule = f"B < {_MAX_BN} and N < {_MAX_BN}" + (
                 f", and B*N <= {_MAX_BN_WITH_COS_GRAD} when r1/r2 require grad" if cos_grad else ""
             )
-        raise ValueError(f"{api}: self shape {tuple(self.shape)} (layout {'/'.join(layouts)}) violates {rule}")
+        raise NpuOpError(f"{api}: input shape {tuple(input.shape)} (layout {'/'.join(layouts)}) violates {rule}")
 
-    dtype = self.dtype
-    x = self.float()
+    dtype = input.dtype
+    x = input.float()
     cos = r1.to(dtype).float()
     sin = r2.to(dtype).float()
+    standard = rotate_half(x) if rotary_mode == "half" else rotate_interleave(x)
+    out = x * cos + standard * sin
     if rotate is not None:
         require_tensor(api, "rotate", rotate)
         require_dtype(api, "rotate", rotate)
         require(api, "rotate", tuple(rotate.shape) == (d, d), f"must be ({d}, {d}) (D x D), got {tuple(rotate.shape)}")
-        rotated = x @ rotate.to(dtype).float()
-    else:
-        rotated = rotate_half(x) if rotary_mode == "half" else rotate_interleave(x)
-    out = (x * cos + rotated * sin).to(dtype)
-    if rotate is not None:
-        return forward_only(api, out)  # the real op registers no backward for the rotate form
+        matrix_out = x * cos + (x @ rotate.detach().to(dtype).float()) * sin
+        # derivatives.yaml: npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode) ignores rotate,
+        # so the gradient is the rotary_mode one whatever the matrix; rotate is non_differentiable
+        out = matrix_out.detach() + (out - out.detach())  # exact: out - out.detach() is 0
+    return out.to(dtype)
     return out
 
 
@@ -209,7 +227,19 @@ class _ApplyRotaryInPlace(torch.autograd.Function):
         )
 
 
-@emulated("npu_apply_rotary_pos_emb", autograd=False, spec="4.2")
+@emulated("npu_apply_rotary_pos_emb", autograd=False, spec="4.2",
+    verified=(
+        'fp16 BSND and TND forward (op-plugin test_npu_apply_rotary_pos_emb)',
+    ),
+    docs_only=(
+        'in-place aliasing of query/key',
+        'backward raises',
+        'bfloat16/fp32',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_apply_rotary_pos_emb',
+    ),
+)
 def npu_apply_rotary_pos_emb(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -43,7 +43,19 @@ def _require_scalar(api: str, arg: str, value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-@emulated("npu_scaled_masked_softmax", autograd=True, spec="6.1")
+@emulated("npu_scaled_masked_softmax", autograd=True, spec="6.1",
+    verified=(
+        'fp16/fp32 forward and backward with full and broadcast masks (op-plugin test_scaled_masked_softmax)',
+    ),
+    docs_only=(
+        'fixed_triu_mask (rejected)',
+        'bfloat16',
+        'S limits',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_scaled_masked_softmax_forward_and_backward',
+    ),
+)
 def npu_scaled_masked_softmax(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -93,11 +105,7 @@ def npu_scaled_masked_softmax(
 
 
 class _DropoutAddSoftmax(torch.autograd.Function):
-    """Forward returns (mask, softmax_out, dropout_out); backward uses only dropout_out's grad.
-
-    That is what op-plugin's NPUdropoutwasFunction does (``backward(grad_outputs[2], ...)``): a
-    gradient arriving through ``softmax_out`` is ignored, so the emulation ignores it too.
-    """
+    """Forward returns (mask, softmax_out, dropout_out); only dropout_out is differentiable."""
 
     @staticmethod
     def forward(ctx, self_, x1, alpha, prob, dim, keep):  # type: ignore[override]
@@ -110,8 +118,10 @@ class _DropoutAddSoftmax(torch.autograd.Function):
         numel = keep.numel()
         flat = torch.zeros(math.ceil(numel / _MASK_ALIGN) * _MASK_ALIGN, dtype=torch.uint8, device=keep.device)
         flat[:numel] = keep.flatten().to(torch.uint8)
-        ctx.mark_non_differentiable(flat)
-        return flat, y.to(dtype), dropout.to(dtype)
+        softmax_out = y.to(dtype)
+        # derivatives.yaml: output_differentiability [false, false, true]
+        ctx.mark_non_differentiable(flat, softmax_out)
+        return flat, softmax_out, dropout.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_mask, grad_softmax, grad_dropout):  # type: ignore[override]
@@ -121,55 +131,70 @@ class _DropoutAddSoftmax(torch.autograd.Function):
         g = grad_dropout.float() * keep * ctx.scale
         d_add = y * (g - (y * g).sum(dim=ctx.dim, keepdim=True))
         grad_self = (ctx.alpha * d_add).to(grad_dropout.dtype)
-        grad_x1 = d_add.to(grad_dropout.dtype)
-        return grad_self, grad_x1, None, None, None, None
+        # op-plugin's npu_dropout_with_add_softmax_backward returns (result, grad): x1 receives the
+        # incoming gradient unchanged, not the softmax gradient
+        return grad_self, grad_dropout, None, None, None, None
 
 
-@emulated("npu_dropout_with_add_softmax", autograd=True, spec="6.2")
+@emulated("npu_dropout_with_add_softmax", autograd=True, spec="6.2",
+    verified=(
+        'prob 0 forward and the gradient of input (alpha * softmax grad), fp16/fp32 (op-plugin test_dropout_with_add_softmax_backward)',
+    ),
+    docs_only=(
+        "x1's gradient passed through unchanged (C++ backward source)",
+        'mask layout and dropout bits',
+        'only output 2 differentiable (derivatives.yaml)',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_dropout_with_add_softmax_backward',
+    ),
+)
 def npu_dropout_with_add_softmax(
-    self: torch.Tensor,
+    input: torch.Tensor,
     x1: torch.Tensor,
     alpha: float,
     prob: float,
     dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """softmax(x1 + alpha*self, dim), then dropout with DROP probability prob; result is [2].
+    """softmax(x1 + alpha*input, dim), then dropout with DROP probability prob; result is [2].
 
     Returns ``(mask, softmax_out, dropout_out)`` — the usable result is **``[2]``**:
     ``dropout_out = softmax_out * keep / (1 - prob)``. ``mask`` is the flat uint8 keep buffer
     (1 = kept) of length ``ceil(numel/128)*128``, not shaped like the input. Typical use:
-    ``self`` = attention scores, ``x1`` = additive mask, ``alpha = 1/sqrt(head_dim)``.
+    ``input`` = attention scores, ``x1`` = additive mask, ``alpha = 1/sqrt(head_dim)``.
 
-    Constraints: ``self`` and ``x1`` 4-D ``(N, C, H, W)`` with the same shape and dtype
+    Constraints: ``input`` and ``x1`` 4-D ``(N, C, H, W)`` with the same shape and dtype
     (fp16/bf16/fp32), H and W each in {128, 256, 384, 512}, ``(N*C) % 32 == 0``, ``dim`` the last
     axis (-1; 3 names the same axis and is accepted), ``0 <= prob < 1``. The keep mask is drawn
     from torch's default generator (seed with ``torch.manual_seed``); it cannot match the NPU's
     DropOutGenMaskV3 bits. Computed in fp32, returned in ``x1``'s dtype.
 
-    Autograd: yes, for ``self`` and ``x1``, through ``dropout_out`` only (a gradient reaching
-    ``softmax_out`` is ignored, as in the op). The gradients are the mathematical ones:
-    ``d(x1) = softmax_grad``, ``d(self) = alpha * softmax_grad``.
+    Autograd: yes, for ``input`` and ``x1``, through ``dropout_out`` only (``mask`` and
+    ``softmax_out`` are not differentiable, derivatives.yaml ``[false, false, true]``). The
+    gradients are the C++ backward's, not the mathematical ones: ``d(input) = alpha *
+    softmax_grad(grad * keep / (1 - prob))`` and ``d(x1) = grad`` passed through unchanged
+    (``return std::tie(result, grad)``).
 
-    Choices: same dtype for ``self`` and ``x1`` is required (the doc is silent; the op casts both
+    Choices: same dtype for ``input`` and ``x1`` is required (the doc is silent; the op casts both
     to fp16 internally); ``prob == 1`` is rejected (keep probability 0 divides by zero).
     """
     api = "npu_dropout_with_add_softmax"
-    require_tensor(api, "self", self)
+    require_tensor(api, "input", input)
     require_tensor(api, "x1", x1)
-    require_dtype(api, "self", self)
-    require_same_dtype(api, "x1", x1, "self", self)
+    require_dtype(api, "input", input)
+    require_same_dtype(api, "x1", x1, "input", input)
     alpha = _require_scalar(api, "alpha", alpha)
     prob = _require_scalar(api, "prob", prob)
     require(api, "dim", isinstance(dim, int) and not isinstance(dim, bool), "must be an int", TypeError)
     require(api, "prob", 0.0 <= prob < 1.0, f"is the drop probability and must be in [0, 1), got {prob}")
-    require_rank(api, "self", self, 4)
-    require(api, "x1", tuple(x1.shape) == tuple(self.shape), f"shape {tuple(x1.shape)} must equal self's {tuple(self.shape)}")
-    n, c, h, w = self.shape
-    require(api, "self", h in _DROPOUT_HW and w in _DROPOUT_HW, f"H and W must each be one of {_DROPOUT_HW}, got H={h}, W={w}")
-    require(api, "self", (n * c) % _DROPOUT_NC_ALIGN == 0, f"N*C must be a multiple of {_DROPOUT_NC_ALIGN}, got {n}*{c}={n * c}")
+    require_rank(api, "input", input, 4)
+    require(api, "x1", tuple(x1.shape) == tuple(input.shape), f"shape {tuple(x1.shape)} must equal input's {tuple(input.shape)}")
+    n, c, h, w = input.shape
+    require(api, "input", h in _DROPOUT_HW and w in _DROPOUT_HW, f"H and W must each be one of {_DROPOUT_HW}, got H={h}, W={w}")
+    require(api, "input", (n * c) % _DROPOUT_NC_ALIGN == 0, f"N*C must be a multiple of {_DROPOUT_NC_ALIGN}, got {n}*{c}={n * c}")
     require(api, "dim", dim in (-1, 3), f"must be -1 (the last axis), got {dim}")
-    keep = (torch.rand(self.shape, device=self.device) >= prob).float()
-    return _DropoutAddSoftmax.apply(self, x1, alpha, prob, -1, keep)
+    keep = (torch.rand(input.shape, device=input.device) >= prob).float()
+    return _DropoutAddSoftmax.apply(input, x1, alpha, prob, -1, keep)
 
 
 _CONFUSION_DTYPES = (
@@ -194,17 +219,27 @@ def _require_int_list(api: str, arg: str, value: object) -> list[int]:
     return list(value)  # type: ignore[arg-type]
 
 
-@emulated("npu_confusion_transpose", autograd=True, spec="6.3")
+@emulated("npu_confusion_transpose", autograd=True, spec="6.3",
+    verified=(
+        'fp32/fp16/int64 in both directions, fp32 backward (op-plugin test_confusion_transpose / _backward)',
+    ),
+    docs_only=(
+        'bfloat16 rejected',
+    ),
+    held_by=(
+        'tests/test_emulate_upstream.py::test_confusion_transpose',
+    ),
+)
 def npu_confusion_transpose(
-    self: torch.Tensor,
+    input: torch.Tensor,
     perm: Sequence[int],
     shape: Sequence[int],
     transpose_first: bool,
 ) -> torch.Tensor:
     """Permute then reshape (transpose_first=True) or reshape then permute (False), contiguous.
 
-    ``transpose_first=True``: ``self.permute(perm).contiguous().view(shape)`` (head merge
-    ``[B,N,S,D] -> [B,S,H]`` with ``perm=(0,2,1,3)``); ``False``: ``self.view(shape).permute(perm)``
+    ``transpose_first=True``: ``input.permute(perm).contiguous().view(shape)`` (head merge
+    ``[B,N,S,D] -> [B,S,H]`` with ``perm=(0,2,1,3)``); ``False``: ``input.view(shape).permute(perm)``
     materialized contiguous (head split ``[B,S,H] -> [B,N,S,D]``). ``perm`` must be a permutation
     of the dims it applies to; ``shape`` must keep the element count (one -1 is inferred).
 
@@ -212,8 +247,8 @@ def npu_confusion_transpose(
     not listed and is rejected). Autograd: yes.
     """
     api = "npu_confusion_transpose"
-    require_tensor(api, "self", self)
-    require_dtype(api, "self", self, _CONFUSION_DTYPES)
+    require_tensor(api, "input", input)
+    require_dtype(api, "input", input, _CONFUSION_DTYPES)
     perm = _require_int_list(api, "perm", perm)
     shape = _require_int_list(api, "shape", shape)
     require(api, "transpose_first", isinstance(transpose_first, bool), "must be a bool", TypeError)
@@ -221,17 +256,17 @@ def npu_confusion_transpose(
     require(api, "shape", len(known) >= len(shape) - 1 and all(s >= 0 for s in known), f"{shape} is not a valid shape")
     prod = math.prod(known)
     if len(known) == len(shape):
-        ok = prod == self.numel()
+        ok = prod == input.numel()
     else:
-        ok = prod > 0 and self.numel() % prod == 0
-    require(api, "shape", ok, f"{shape} does not match self's {self.numel()} elements (shape {tuple(self.shape)})")
-    rank = self.dim() if transpose_first else len(shape)
+        ok = prod > 0 and input.numel() % prod == 0
+    require(api, "shape", ok, f"{shape} does not match input's {input.numel()} elements (shape {tuple(input.shape)})")
+    rank = input.dim() if transpose_first else len(shape)
     require(
         api,
         "perm",
         sorted(perm) == list(range(rank)),
-        f"{perm} must be a permutation of range({rank}) ({'self' if transpose_first else 'shape'} is {rank}-D)",
+        f"{perm} must be a permutation of range({rank}) ({'input' if transpose_first else 'shape'} is {rank}-D)",
     )
     if transpose_first:
-        return self.permute(perm).reshape(shape).contiguous()
-    return self.reshape(shape).permute(perm).contiguous()
+        return input.permute(perm).reshape(shape).contiguous()
+    return input.reshape(shape).permute(perm).contiguous()

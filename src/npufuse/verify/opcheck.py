@@ -69,6 +69,7 @@ import contextlib
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -76,6 +77,7 @@ from typing import Any, Iterator
 import torch
 
 from npufuse.cli import UsageError
+from npufuse.emulate.checks import FALLBACK_WARNING
 from npufuse.safe_write import write_text_atomic
 from npufuse.verify import inputs as inp
 from npufuse.verify.candidate import Candidate, update_state
@@ -185,6 +187,8 @@ class RunResult:
     outputs: list[tuple[str, torch.Tensor]]
     grads: dict[str, torch.Tensor | None]
     backward_error: str | None = None
+    # torch_npu's autograd fallback warned: an op without a derivative silently dropped gradients
+    backward_dropped: str | None = None
     site_calls: int = 0
 
 
@@ -239,10 +243,17 @@ def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, 
         # rounded to the low precision first: the golden must see the very cotangent the
         # low-precision runs see, or its own rounding would count as their error
         cots = [torch.randn(o.shape, generator=gen).to(inputs.dtype).to(device=o.device, dtype=o.dtype) for _, o in diff]
-        try:
-            torch.autograd.backward([o for _, o in diff], cots)
-        except Exception as exc:
-            result.backward_error = f"{type(exc).__name__}: {exc}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                torch.autograd.backward([o for _, o in diff], cots)
+            except Exception as exc:
+                result.backward_error = f"{type(exc).__name__}: {exc}"
+        for w in caught:
+            if FALLBACK_WARNING in str(w.message):
+                result.backward_dropped = str(w.message)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         named = list(leaves)
         if isinstance(instance, torch.nn.Module):
             named += [(f"param:{n}", p) for n, p in instance.named_parameters() if p.is_floating_point()]
@@ -532,9 +543,10 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     backward_ok = differentiable
     if not differentiable:
         backward = "skipped: the original is not differentiable on these inputs"
-    elif fused is not None and fused.backward_error and not cand.training_ok:
+    elif fused is not None and (fused.backward_error or fused.backward_dropped) and not cand.training_ok:
         # an inference-only candidate (the scan said so): forward is what it promises
-        backward, backward_ok = f"skipped: inference-only candidate, the fused branch has no backward ({fused.backward_error[:120]})", False
+        why = fused.backward_error or fused.backward_dropped or ""
+        backward, backward_ok = f"skipped: inference-only candidate, the fused branch has no backward ({why[:120]})", False
     if fused is not None:
         guard = cand.site.guard.splitlines()[0].strip()
         if off_calls:
@@ -564,6 +576,9 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
         if differentiable and backward_ok:
             if fused.backward_error:
                 reasons.append(f"the fused backward raised {fused.backward_error} (the candidate is marked training-safe)")
+            if fused.backward_dropped:
+                # loud on purpose: on NPU this trains on silently missing gradients
+                reasons.append(f"the fused branch drops gradients the original produces (an op without a derivative: {fused.backward_dropped[:160]})")
             for name, gg in golden.grads.items():
                 og, fg = orig.grads.get(name), fused.grads.get(name)
                 kind = "grad_param" if name.startswith("param:") else "grad_input"

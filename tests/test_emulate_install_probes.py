@@ -1,0 +1,81 @@
+"""Under ``install()`` the stand-in passes the probes libraries run before using torch_npu.
+
+transformers' ``is_torch_npu_available`` calls ``importlib.util.find_spec("torch_npu")`` and
+``torch.npu.is_available()``; with ``__spec__`` None find_spec raised ``ValueError`` (issue 16).
+The transformers check runs the real source (``.venv/transformers-site``) in a subprocess,
+because its result is ``lru_cache``d per process.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from npufuse import emulate
+
+ROOT = Path(__file__).resolve().parents[1]
+TRANSFORMERS_SITE = ROOT / ".venv" / "transformers-site"
+
+
+def test_find_spec_and_spec_of_package_and_submodules():
+    with emulate.install() as emu:
+        spec = importlib.util.find_spec("torch_npu")
+        assert isinstance(spec, importlib.machinery.ModuleSpec) and spec.name == "torch_npu"
+        assert emu.module.__spec__ is spec and spec.submodule_search_locations == []
+        for sub in ("torch_npu.npu", "torch_npu.optim"):
+            s = importlib.util.find_spec(sub)
+            assert isinstance(s, importlib.machinery.ModuleSpec) and s.name == sub
+            assert sys.modules[sub].__spec__ is s and sys.modules[sub].__package__ == sub
+        import torch_npu.npu  # noqa: F401  (plain submodule imports work)
+        from torch_npu.optim import NpuFusedAdamW  # noqa: F401
+    assert "torch_npu" not in sys.modules or sys.modules["torch_npu"] is not emu.module
+
+
+def test_metadata_version_is_labelled_emulated_and_only_inside():
+    with emulate.install():
+        assert importlib.metadata.version("torch_npu") == emulate.EMULATED_VERSION
+        assert importlib.metadata.version("torch-npu") == emulate.EMULATED_VERSION
+        assert "emulated" in emulate.EMULATED_VERSION
+        assert "not the real package" in importlib.metadata.metadata("torch_npu")["Summary"]
+    # the finder is gone with the block (no real torch_npu in this venv)
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("torch_npu")
+
+
+def test_torch_npu_device_probes():
+    with emulate.install():
+        assert torch.npu.is_available() and torch.npu.device_count() == 1
+        assert torch.npu.is_bf16_supported() is True
+        assert torch.npu.memory_allocated() == 0
+        import torch_npu
+
+        assert torch_npu.npu is torch.npu
+
+
+@pytest.mark.skipif(not (TRANSFORMERS_SITE / "transformers").is_dir(), reason="transformers source not in .venv")
+def test_transformers_is_torch_npu_available_under_install():
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(TRANSFORMERS_SITE)!r})
+        from npufuse import emulate
+        with emulate.install():
+            from transformers.utils import is_torch_npu_available
+            from transformers.utils.import_utils import _is_package_available
+            print("available", is_torch_npu_available(), is_torch_npu_available.__wrapped__(check_device=True))
+            print("version", _is_package_available("torch_npu", return_version=True))
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "available True True" in proc.stdout
+    assert f"version (True, '{emulate.EMULATED_VERSION}')" in proc.stdout
