@@ -267,6 +267,9 @@ def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = No
     fp = fingerprint(cand, opts, cwd)
     state = _entry_evidence(cand)
     ev: dict[str, Any] = dict(state.get("e2e") or {})
+    standing = op_standing(state, status, opts.force, bool(ev.get("forced")))
+    ev["op_check"] = standing
+    ev["forced"] = standing == "skipped (forced)"
     ev.update({"cmd": opts.cmd, "shell": opts.shell, "cwd": str(cwd), "env": opts.env, "seed_env": opts.seed_env, "steps_requested": opts.steps,
                "switch": {k: plan[k] for k in ("kind", "name", "describe")},
                "thresholds": {"tolerance": opts.tolerance, "skip": opts.skip, "alpha": opts.alpha, "warmup": opts.warmup}})  # fmt: skip
@@ -286,7 +289,7 @@ def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = No
 
         update_state(cand, mutate, status=status, note=note)
 
-    save("e2e_checking", "e2e started", verdict=None)
+    save("e2e_checking", "e2e started" + (" (forced: op check skipped)" if ev["forced"] else ""), verdict=None)
 
     # -- baseline
     base = _reuse_baseline(cand, ev, fp, opts)
@@ -335,19 +338,20 @@ def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = No
         failure = check.reason
     if failure:
         ev.update({"passed": False, "reason": failure})
-        save("e2e_failed", failure[:300], verdict="do not replace: e2e", reasons=[f"e2e failed ({ev['backend']}): {failure}"])
+        save("e2e_failed", failure[:300], verdict="do not replace: e2e", reasons=([FORCED_REASON] if ev["forced"] else []) + [f"e2e failed ({ev['backend']}): {failure}"])
         return _result(cand, ev, None)
     ev.update({"passed": True, "reason": None})
     few = f"; only {opts.steps} steps (50+ recommended)" if opts.steps < MIN_RECOMMENDED_STEPS else ""
     loss_reason = (f"e2e loss ({ev['backend']}): {check.steps_compared} steps compared after {opts.skip}, max smoothed relative difference "
                    f"{check.max_rel_diff:.3%} (step {check.max_at_step}) ≤ {opts.tolerance:.1%}; fused branch ran "
                    f"({ev['proof']['fused_site_calls']} calls from the site, 0 in the baseline){few}")  # fmt: skip
-    save("perf_checking", "loss check passed", reasons=[loss_reason])
+    op_reason = [FORCED_REASON] if ev["forced"] else []
+    save("perf_checking", "loss check passed", reasons=op_reason + [loss_reason])
 
     # -- perf
     perf = _perf(base, fused, opts, ev, base_info)
-    verdict, perf_reason = _verdict(perf)
-    save("concluded", perf_reason[:300], verdict=verdict, reasons=[loss_reason, perf_reason], perf=perf)
+    verdict, perf_reason = _verdict(perf, standing)
+    save("concluded", perf_reason[:300], verdict=verdict, reasons=op_reason + [loss_reason, perf_reason], perf=perf)
     return _result(cand, ev, perf)
 
 
@@ -432,7 +436,37 @@ def _perf(base: dict[int, logparse.StepRecord], fused: dict[int, logparse.StepRe
     return perf
 
 
-def _verdict(perf: dict[str, Any]) -> tuple[str, str]:
+FORCED = "op check skipped (forced)"
+FORCED_REASON = f"{FORCED}: --force ran e2e without a passed op check; the loss curve is the only accuracy evidence"
+
+
+def op_standing(evidence: dict[str, Any], status: str, force: bool, forced_before: bool) -> str:
+    """Where the op check stands for an e2e run: "passed", "not applicable" (a fused optimizer:
+    e2e is its evidence) or "skipped (forced)" (``--force`` without a passed op check, or a rerun
+    of such a run while the op check still has not passed). A forced run never says "accuracy ok"."""
+    op = evidence.get("op") or {}
+    if op.get("skipped") and op.get("passed") is None:
+        return "not applicable"
+    op_passed = op.get("passed") is True and status not in ("pending", "accuracy_checking", "accuracy_failed")
+    if op_passed:
+        return "passed"
+    if status in ("pending", "accuracy_checking", "accuracy_failed") or op.get("outcome") in ("not checked", "failed"):
+        return "skipped (forced)"
+    if force or forced_before:
+        return "skipped (forced)"
+    return "passed"  # the state says the op check passed (its evidence is elsewhere, e.g. an older state)
+
+
+def _verdict(perf: dict[str, Any], standing: str = "passed") -> tuple[str, str]:
+    prefix = {"passed": "", "not applicable": "op check not applicable; ", "skipped (forced)": f"{FORCED}; "}.get(standing, f"{FORCED}; ")
+    verdict, reason = _speed_verdict(perf)
+    if not prefix:
+        return verdict, reason
+    # "accuracy ok" is the op check's word: without one the loss curve is all there is
+    return prefix + verdict.replace("accuracy ok", "loss ok"), reason
+
+
+def _speed_verdict(perf: dict[str, Any]) -> tuple[str, str]:
     backend = perf.get("backend")
     if perf.get("verdict") == "not measured":
         return "undecided: step time not measured", f"step time not measured: {perf.get('reason')}"

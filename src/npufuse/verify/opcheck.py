@@ -423,6 +423,16 @@ class OpReport:
     # outputs the fused branch is designed not to produce (attention probabilities) and returned
     # as None: "<output> (<variable>): not compared: <reason>"
     not_compared: list[str] = field(default_factory=list)
+    # why nothing was compared (no floating-point output or gradient): then the check is "not
+    # checked", never passed: zero compared tensors prove nothing
+    not_checked: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """"passed" | "failed" | "not checked"."""
+        if self.not_checked:
+            return "not checked"
+        return "passed" if self.passed else "failed"
 
     def summary(self) -> dict[str, Any]:
         worst = max((c for c in self.checks if c.max_rel is not None), key=lambda c: c.max_rel or 0, default=None)
@@ -435,6 +445,8 @@ class OpReport:
             "file": self.file,
             "backend": self.backend,
             "passed": self.passed,
+            "outcome": self.outcome,
+            "not_checked": self.not_checked,
             "reasons": self.reasons,
             "factor": self.factor,
             "seed_criterion": f"cosine > {SEED_COSINE} or max_abs < {SEED_MAX_ABS}",
@@ -577,7 +589,14 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
         for c in checks:
             if c.problem:
                 reasons.append(f"{c.name}: {c.problem}")
-    passed = not reasons
+    not_checked = None
+    compared = [c for c in checks if c.cosine is not None or c.problem]
+    if not reasons and not compared:
+        produced = ", ".join(f"{n} ({str(t.dtype).replace('torch.', '')})" for n, t in orig.outputs[:4]) or "no tensor"
+        not_checked = (f"0 tensors compared: {target.qualname} returned {produced} and no gradient reaches its inputs, so no "
+                       "floating-point value of the fused branch was compared; check a function that returns the site's "
+                       "floating-point result (e.g. the module's forward) or use --capture on a training command")  # fmt: skip
+    passed = not reasons and not_checked is None
     notes = []
     relative = [c.name for c in checks if c.seed_relative]
     if relative:
@@ -586,7 +605,8 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
                      f"{str(inputs.dtype).replace('torch.', '')}): those are judged by cosine distance relative to the original")  # fmt: skip
     if skip and backward == "checked":
         backward = f"checked (through the outputs the fused branch produces; not through {', '.join(sorted(skip))})"
-    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=notes, not_compared=not_compared)
+    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=notes,
+                    not_compared=not_compared, not_checked=not_checked)  # fmt: skip
 
 
 def _excuse_unproduced(golden: list[tuple[str, torch.Tensor]], orig: list[tuple[str, torch.Tensor]], fused: list[tuple[str, torch.Tensor]],
@@ -737,12 +757,18 @@ def verify_op(cand: Candidate, opts: OpOptions, progress: Any = None) -> OpRepor
                 else f"op check passed ({report.backend}); backward {report.backward}"
             )
             entry.reasons += report.not_compared  # shown with the verdict (status, report html)
+        elif report.not_checked:
+            entry.verdict = "not checked: op check compared 0 tensors"
+            entry.reasons = [f"op check not checked ({report.backend}): {report.not_checked}"]
         else:
             entry.verdict = "do not replace: accuracy"
             entry.reasons = [f"op check failed ({report.backend}): {r}" for r in report.reasons]
 
     if report.passed:
         update_state(cand, mutate, status="e2e_checking", note="op check passed")
+    elif report.not_checked:
+        # no evidence either way: the candidate stays where an op check has not passed yet
+        update_state(cand, mutate, status="pending", note="op check compared 0 tensors: not checked")
     else:
         update_state(cand, mutate, status="accuracy_failed", note="; ".join(report.reasons)[:300])
     return report

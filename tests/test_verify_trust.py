@@ -1,0 +1,89 @@
+"""Verdicts a user can trust (issue 17 item 2, issue 16 item 5): an op check that compared no
+tensor is "not checked", never passed; a forced e2e run never says "accuracy ok"."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import test_verify_helpers as h
+from npufuse.cli import main
+from npufuse.patterns.base import Finding
+from npufuse.state import State
+from npufuse.verify.candidate import load_candidate
+from npufuse.verify.opcheck import OpOptions, verify_op
+
+# The site's floating-point result only reaches the caller through argmax (like nanoGPT's
+# `generate`): integer outputs and no gradient, so no floating-point value can be compared.
+PICK_MODEL = textwrap.dedent(
+    """\
+    import torch
+
+
+    @torch.no_grad()
+    def pick(hidden_states, weight):
+        hf = hidden_states.float()
+        y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (weight * y.to(hidden_states.dtype)).argmax(-1)
+    """
+)
+PICK_FUSED = "return torch_npu.npu_rms_norm(hidden_states, weight.to(hidden_states.dtype), epsilon=1e-6)[0].argmax(-1)"
+
+
+def _pick_repo(tmp: Path) -> Path:
+    (tmp / "pick.py").write_text(PICK_MODEL)
+    f = Finding(pattern="rms_norm", qualname="pick", line=6, end_line=8, params={}, fused=PICK_FUSED, guard_tensor="hidden_states")
+    return h.fake_apply(tmp, "pick.py", [f])
+
+
+def test_zero_compared_tensors_is_not_checked_never_passed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sd = _pick_repo(tmp_path)
+    report = verify_op(load_candidate(1, sd), OpOptions(shapes=["hidden_states=2x8x32", "weight=32"], dtype="bfloat16"))
+    assert report.calls["site_calls_on"] == 1  # the fused branch ran: only the comparison is empty
+    assert not report.passed and report.outcome == "not checked" and "0 tensors compared" in (report.not_checked or "")
+    c = State.load(sd).candidates[1]
+    assert c.status == "pending" and c.verdict == "not checked: op check compared 0 tensors"
+    assert c.evidence["op"]["outcome"] == "not checked" and c.evidence["op"]["passed"] is False
+    assert "op check passed" not in " ".join(c.reasons)
+    # the CLI: exit 1 (not passed), says NOT CHECKED; e2e then refuses without --force
+    assert main(["verify", "op", "1", "--state-dir", str(sd), "--quiet", "--shape", "hidden_states=2x8x32", "--shape", "weight=32"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT CHECKED: 0 tensors compared" in out and "PASSED" not in out
+    assert main(["verify", "e2e", "1", "--state-dir", str(sd), "--cmd", "true", "--quiet"]) == 2
+
+
+def test_a_compared_tensor_still_passes(tmp_path: Path) -> None:
+    # the control: the same repo helper with a float output is checked and passes
+    sd = h.rms_repo(tmp_path)
+    report = verify_op(load_candidate(1, sd), OpOptions())
+    assert report.passed and report.outcome == "passed" and report.not_checked is None
+
+
+def test_forced_e2e_never_says_accuracy_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sd = h.fake_repo(tmp_path)
+    state = State.load(sd)
+    state.set_status(1, "pending")  # no op check has run
+    state.save()
+    rc = main(["verify", "e2e", "1", "--state-dir", str(sd), "--cmd", f"{h.PY} train.py --steps 30", "--steps", "15", "--force", "--min-effect", "1000", "--quiet"])
+    assert rc == 0
+    c = State.load(sd).candidates[1]
+    assert c.status == "concluded" and c.verdict.startswith("op check skipped (forced)"), c.verdict
+    assert "accuracy ok" not in c.verdict and c.evidence["e2e"]["op_check"] == "skipped (forced)"
+    assert c.reasons[0].startswith("op check skipped (forced)")
+    conclusions = (sd / "CONCLUSIONS.md").read_text()
+    assert "op check skipped (forced)" in conclusions and "accuracy ok" not in conclusions
+    capsys.readouterr()
+    main(["status", "--state-dir", str(sd)])
+    assert "op check skipped (forced)" in capsys.readouterr().out
+    # a rerun without --force while the op check still has not passed stays labelled forced
+    assert main(["verify", "e2e", "1", "--state-dir", str(sd), "--cmd", f"{h.PY} train.py --steps 30", "--steps", "15", "--min-effect", "1000", "--quiet"]) == 0
+    assert State.load(sd).candidates[1].verdict.startswith("op check skipped (forced)")
+
+
+def test_unforced_e2e_after_a_passed_op_check_is_not_labelled_forced(tmp_path: Path) -> None:
+    sd = h.fake_repo(tmp_path)  # status e2e_checking: the op check passed (test set-up)
+    assert main(["verify", "e2e", "1", "--state-dir", str(sd), "--cmd", f"{h.PY} train.py --steps 30", "--steps", "15", "--min-effect", "1000", "--quiet"]) == 0
+    c = State.load(sd).candidates[1]
+    assert "forced" not in (c.verdict or "") and c.evidence["e2e"]["op_check"] == "passed"
