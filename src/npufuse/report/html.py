@@ -224,6 +224,8 @@ def _step_record(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     per-step record at all."""
     if not isinstance(obj, dict) or "run" not in obj or "step" not in obj:
         return None, None
+    if obj["run"] == "joint" and "candidate" not in obj:
+        return None, None  # `verify e2e --all`'s joint run: in e2e_all.json and each candidate's e2e_joint, not one candidate's curve
     if obj["run"] not in RUNS:
         return None, f'"run" is {obj["run"]!r}, expected "baseline" or "fused"'
     if not isinstance(obj["step"], int) or isinstance(obj["step"], bool):

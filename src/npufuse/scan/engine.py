@@ -991,7 +991,8 @@ def _candidates(
             site = sites[o.file] = repo_search.SwitchSite(o.file, frozenset(o.facts.imports if o.facts is not None else ()), npu_folders)
         switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, usable, switch_mode, site)
         try:
-            text = replacement.render(o.source if o.source is not None else (lambda o=o: _reread(root, o)), f, switch, h.body)
+            # n + 1: the id this candidate gets when it renders (its per-candidate switch)
+            text = replacement.render(o.source if o.source is not None else (lambda o=o: _reread(root, o)), f, switch, h.body, n + 1)
         except Exception as exc:  # codegen cannot rewrite this site: a near miss, with the reason
             reason = f"npufuse could not generate the replacement ({type(exc).__name__}: {exc})"
             near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line, "reason": reason})

@@ -188,19 +188,41 @@ class RunResult:
 
 
 class Switcher:
-    """Turns one site's fused branch on or off (env switch, else the module's torch_npu global)."""
+    """Turns one site's fused branch on or off: its own per-candidate switch (``NPUFUSE_OFF`` /
+    ``NPUFUSE_ONLY``, read by ``_npufuse_site``) when the guard has one, plus the env switch;
+    without either, the module's torch_npu global."""
 
-    def __init__(self, module: Any, env_name: str | None, npu_module: Any) -> None:
-        self.module, self.env_name, self.npu_module = module, env_name, npu_module
+    _SITE_VARS = ("NPUFUSE_OFF", "NPUFUSE_ONLY")
+
+    def __init__(self, module: Any, env_name: str | None, npu_module: Any, site_id: int | None = None) -> None:
+        self.module, self.env_name, self.npu_module, self.site_id = module, env_name, npu_module, site_id
         self.saved_env = os.environ.get(env_name) if env_name else None
+        self.saved_site = {k: os.environ.get(k) for k in self._SITE_VARS}
+
+    @staticmethod
+    def _ids(value: str | None) -> list[str]:
+        return [x for x in (value or "").replace(" ", "").split(",") if x]
 
     def set(self, on: bool) -> None:
+        if self.site_id is not None:
+            me = str(self.site_id)
+            off = [x for x in self._ids(self.saved_site["NPUFUSE_OFF"]) if x != me] + ([] if on else [me])
+            os.environ["NPUFUSE_OFF"] = ",".join(off)
+            only = self.saved_site["NPUFUSE_ONLY"]
+            if only is not None and on and me not in self._ids(only):
+                os.environ["NPUFUSE_ONLY"] = ",".join([*self._ids(only), me])
         if self.env_name:
             os.environ[self.env_name] = "1" if on else "0"
-        else:
+        elif self.site_id is None:
             self.module.torch_npu = self.npu_module if on else None
 
     def restore(self) -> None:
+        if self.site_id is not None:
+            for k, v in self.saved_site.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if self.env_name:
             if self.saved_env is None:
                 os.environ.pop(self.env_name, None)
@@ -482,7 +504,7 @@ def run_op_check(cand: Candidate, opts: OpOptions, capture_path: Path | None = N
                 # golden it is zero, and any reordered reduction in a small, cancelling row fails);
                 # float32 on an NPU, whose float64 kernels are missing or slow
                 golden_dtype = torch.float64 if inputs.dtype == torch.float64 or device == "cpu" else torch.float32
-                switch = Switcher(module, cand.site.env_switch, npu_module)
+                switch = Switcher(module, cand.site.env_switch, npu_module, cand.site.site_switch)
                 try:
                     return _three_runs(cand, opts, target, inputs, golden_dtype, device, label, counter, switch)
                 finally:
