@@ -60,6 +60,23 @@ def _npufuse_site(candidate: int) -> bool:
     return str(candidate) not in _npufuse_os.environ.get("NPUFUSE_OFF", "").replace(" ", "").split(",")
 
 
+def _npufuse_autocast(*tensors):
+    """The tensors in the dtype an autocast region gives the original's matmuls (fused torch_npu
+    ops do not follow autocast, so q/k in fp32 after RoPE and v in bf16 must meet in one dtype);
+    unchanged outside autocast."""
+    import torch as _torch
+
+    kind = tensors[0].device.type
+    try:
+        if not _torch.is_autocast_enabled(kind):
+            return tensors
+        dtype = _torch.get_autocast_dtype(kind)
+    except (TypeError, AttributeError, RuntimeError):  # torch < 2.4 has no per-device query
+        return tensors
+    low = (_torch.float32, _torch.float16, _torch.bfloat16)  # autocast leaves float64 alone
+    return tuple(t.to(dtype) if t.dtype in low else t for t in tensors)
+
+
 {PRELUDE_END}
 '''
 

@@ -872,6 +872,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
     switches: list[dict[str, Any]] = []
     sources: list[config_shapes.ConfigSource] = []
     training: list[str] = []
+    amp: list[str] = []
     bf16 = False
     scanned = lines = 0
     for o in outcomes:
@@ -885,6 +886,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
             switches += o.facts.switches
             sources += o.facts.config_sources
             training += o.facts.training
+            amp += getattr(o.facts, "amp", [])  # a cached FileFacts of an older npufuse has none
             bf16 = bf16 or o.facts.bf16
     for rel in walked.data_files:
         src, found = config_shapes.load_data_file(walked.root, rel)
@@ -899,7 +901,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
     sources.sort(key=lambda s: (s.file, s.line, s.kind))
     by_id = {p.id: p for p in chosen}
-    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed, near, walked.root)
+    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed, near, walked.root, sorted(amp))
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
     near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))
     return ScanResult(
@@ -960,6 +962,7 @@ def _candidates(
     failed: list[Failure],
     near: list[dict[str, Any]],
     root: Path,
+    amp: list[str] = (),  # type: ignore[assignment]
 ) -> list[dict[str, Any]]:
     order = {pid: i for i, pid in enumerate(patterns)}
     hits = [(o, h) for o in outcomes for h in o.hits]
@@ -1010,7 +1013,7 @@ def _candidates(
             shapes_memo[folder] = config_shapes.shapes_for(o.file, nearest.used(o.file) if _NEAREST else sources, overrides)
         shapes = _copy_plain(shapes_memo[folder])
         value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
-        generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16)
+        generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16, amp=amp)
         merged = risks.merge(risks.detector_risks(f), generic)
         related = [{"file": e["file"], "line": e["line"], "what": e["what"]} for e in wrappers if e.get("api") == pattern.api]
         out.append({

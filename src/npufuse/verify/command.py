@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     op.add_argument("--factor", type=float, default=2.0, help="allowed multiple of the original's own low-precision error (default 2.0)")
     op.add_argument("--seed", type=int, default=0)
     op.add_argument("--backend", choices=("auto", "emulated"), default="auto", help="auto: real torch_npu on an NPU host, else emulated")
+    op.add_argument("--autocast", choices=("bfloat16", "float16", "off"), help="also check under torch.autocast in this dtype with float32 inputs, as AMP training runs "
+                    "(default: bfloat16 when the scan saw autocast at the site or in the repo; a captured call replays its own autocast state)")
 
     e2e = sub.add_parser("e2e", help="baseline vs fused run of your launch command: loss, then step time", description="end-to-end check of one applied candidate")
     common(e2e, optional_id=True)
@@ -123,7 +125,7 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
     opts = OpOptions(
         capture=args.capture, capture_timeout=args.capture_timeout, capture_max_mb=args.capture_max_mb, shell=args.shell,
         env=dict(args.env), shapes=args.shape, dtype=args.dtype, init={k: parse_literal(v) for k, v in args.init},
-        batch=args.batch, seq_len=args.seq_len, factor=args.factor, seed=args.seed, backend=args.backend,
+        batch=args.batch, seq_len=args.seq_len, factor=args.factor, seed=args.seed, backend=args.backend, autocast=args.autocast,
     )  # fmt: skip
     if opts.factor <= 0:
         raise UsageError("--factor must be positive")

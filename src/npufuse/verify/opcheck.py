@@ -104,6 +104,7 @@ class OpOptions:
     factor: float = DEFAULT_FACTOR
     seed: int = 0
     backend: str = "auto"  # auto | emulated (tests; "real" needs an NPU)
+    autocast: str | None = None  # the autocast pass's dtype; "off": none; None: bfloat16 when the scan saw autocast
 
 
 @dataclass
@@ -233,7 +234,9 @@ class Switcher:
 
 
 def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, device: str, seed: int, cotangent_seed: int, counter: SiteCounter, do_backward: bool, trace: LineTrace | None = None,
-         no_cotangent: frozenset[str] = frozenset()) -> RunResult:  # fmt: skip
+         no_cotangent: frozenset[str] = frozenset(), amp: torch.dtype | None = None) -> RunResult:  # fmt: skip
+    """One call of the target (and its backward). ``amp``: the forward runs inside
+    ``torch.autocast(<device>, dtype=amp)``, as a training step under AMP runs it."""
     args, kwargs, instance = inp.clone_inputs(inputs, dtype)
     if device != "cpu":
         args, kwargs = _to(args, device), _to(kwargs, device)
@@ -248,7 +251,8 @@ def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, 
     lines_before = trace.hits if trace is not None else 0
     torch.manual_seed(seed)
     call_args = ([instance] if target.owner is not None else []) + list(args)
-    with trace if trace is not None else contextlib.nullcontext():
+    region = torch.autocast(device.split(":")[0], dtype=amp) if amp is not None else contextlib.nullcontext()
+    with trace if trace is not None else contextlib.nullcontext(), region:
         out = target.fn(*call_args, **kwargs)
     outs = _flatten(out)
     result = RunResult(outs, {})
@@ -523,6 +527,9 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     # returns None there); known before any run, so that no run backpropagates through them
     unproduced = cand.not_produced()
     skip = frozenset(unproduced)
+    # the autocast region the captured call ran in: the low-precision runs replay it (the golden
+    # never: it is the float64 truth)
+    replay = inp.parse_dtype(inputs.autocast) if inputs.autocast else None
     switch.set(False)
     try:
         try:
@@ -531,7 +538,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
             if golden_dtype != torch.float64 or inputs.dtype == torch.float64:
                 raise
             golden = _run(target, inputs, torch.float32, device, seed, cot, counter, True, trace, skip)  # code that will not run in float64
-        orig = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip)
+        orig = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip, replay)
     except UsageError:
         raise
     except SystemExit as exc:  # the "function" is a script's main(): argparse, sys.exit
@@ -542,7 +549,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     off_calls = golden.site_calls + orig.site_calls
     switch.set(True)
     try:
-        fused = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip)
+        fused = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip, replay)
     except (Exception, SystemExit) as exc:
         fused = None
         reasons.append(f"the fused branch raised {type(exc).__name__}: {exc}")
@@ -555,7 +562,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     if fused is not None:
         try:
             with torch.no_grad():
-                inference = _run(target, inputs, None, device, seed, cot, counter, False, trace, skip)
+                inference = _run(target, inputs, None, device, seed, cot, counter, False, trace, skip, replay)
         except (Exception, SystemExit) as exc:
             reasons.append(f"the fused branch raised {type(exc).__name__} under torch.no_grad() (the inference path): {exc}")
     checks: list[TensorCheck] = []
@@ -608,6 +615,9 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
                     checks.append(TensorCheck(f"grad {name}", kind, list(gg.shape), "", str(gg.dtype), problem="no gradient reaches it through the fused branch (the original has one)"))
                     continue
                 checks.append(compare(f"grad {name}", kind, gg, og, fg, opts.factor, False))
+        amp = _amp_for(cand, opts, inputs) if replay is None else None
+        if amp is not None:
+            checks += _autocast_pass(target, inputs, golden, amp, device, seed, cot, counter, trace, unproduced, switch, opts.factor, cand.pattern in ROWWISE_PATTERNS, reasons)
         for c in checks:
             if c.problem:
                 reasons.append(f"{c.name}: {c.problem}")
@@ -629,6 +639,44 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
         backward = f"checked (through the outputs the fused branch produces; not through {', '.join(sorted(skip))})"
     return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=notes,
                     not_compared=not_compared, not_checked=not_checked)  # fmt: skip
+
+
+def _amp_for(cand: Candidate, opts: OpOptions, inputs: inp.CallInputs) -> torch.dtype | None:
+    """The autocast dtype of the op check's autocast pass: ``--autocast``, else bfloat16 when the
+    scan found the site (or the repo) running under autocast; None: no such pass."""
+    if opts.autocast:
+        return None if opts.autocast == "off" else inp.parse_dtype(opts.autocast)
+    if any(isinstance(r, dict) and r.get("kind") == "autocast" for r in cand.scan.get("risks") or []):
+        return torch.bfloat16
+    return None
+
+
+def _autocast_pass(target: inp.Target, inputs: inp.CallInputs, golden: RunResult, amp: torch.dtype, device: str, seed: int, cot: int, counter: SiteCounter,
+                   trace: LineTrace | None, unproduced: dict[str, tuple[str, str]], switch: "Switcher", factor: float, rowwise: bool, reasons: list[str]) -> list[TensorCheck]:  # fmt: skip
+    """The matrix's autocast row: float32 inputs and parameters (as AMP training keeps them), the
+    original and the fused forward inside ``torch.autocast(dtype=amp)``, both against the same
+    float64 golden; the fused output must come out in the dtype the original's ops give there."""
+    label = f" (autocast {str(amp).replace('torch.', '')})"
+    skip = frozenset(unproduced)
+    switch.set(False)
+    try:
+        orig = _run(target, inputs, torch.float32, device, seed, cot, counter, False, trace, skip, amp)
+    except Exception as exc:  # the original itself does not run under autocast: nothing to hold the fused branch to
+        reasons.append(f"autocast pass{label}: the original raised {type(exc).__name__}: {exc}")
+        return []
+    finally:
+        switch.set(True)
+    try:
+        fused = _run(target, inputs, torch.float32, device, seed, cot, counter, False, trace, skip, amp)
+    except Exception as exc:
+        reasons.append(f"the fused branch raised {type(exc).__name__} under autocast{label}: {exc}")
+        return []
+    gold, orig_outs, _excused = _excuse_unproduced(golden.outputs, orig.outputs, fused.outputs, unproduced)
+    structure = _structure_problem(orig_outs, fused.outputs)
+    if structure:
+        reasons.append(f"under autocast{label} {structure}")
+        return []
+    return _compare_outputs(gold, orig_outs, fused.outputs, factor, rowwise, label)
 
 
 def _excuse_unproduced(golden: list[tuple[str, torch.Tensor]], orig: list[tuple[str, torch.Tensor]], fused: list[tuple[str, torch.Tensor]],

@@ -499,6 +499,17 @@ def _simple(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def _autocast_state(torch: Any, values: list[Any]) -> dict[str, Any]:
+    """Whether the call runs inside an autocast region for its tensors' device, and its dtype."""
+    kind = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+    try:
+        enabled = bool(torch.is_autocast_enabled(kind))
+        dtype = str(torch.get_autocast_dtype(kind)).replace("torch.", "") if enabled else None
+    except (TypeError, AttributeError, RuntimeError):  # an older torch: no per-device query
+        return {"enabled": None, "device": kind}
+    return {"enabled": enabled, "dtype": dtype, "device": kind}
+
+
 def save_capture(out: Path, is_method: bool, args: tuple, kwargs: dict, max_bytes: int, qualname: str) -> None:
     """Save the call with ``torch.save``: tensors by value while under ``max_bytes`` in all (then
     by shape/dtype/mean/std), other arguments as they pickle, a method's ``self`` whole when it
@@ -540,6 +551,7 @@ def save_capture(out: Path, is_method: bool, args: tuple, kwargs: dict, max_byte
         "args": [pack(a) for a in call_args],
         "kwargs": {k: pack(v) for k, v in kwargs.items()},
         "grad_enabled": torch.is_grad_enabled(),
+        "autocast": _autocast_state(torch, list(call_args) + list(kwargs.values())),
     }
     if is_method:
         obj = args[0]
