@@ -87,3 +87,60 @@ def test_unforced_e2e_after_a_passed_op_check_is_not_labelled_forced(tmp_path: P
     assert main(["verify", "e2e", "1", "--state-dir", str(sd), "--cmd", f"{h.PY} train.py --steps 30", "--steps", "15", "--min-effect", "1000", "--quiet"]) == 0
     c = State.load(sd).candidates[1]
     assert "forced" not in (c.verdict or "") and c.evidence["e2e"]["op_check"] == "passed"
+
+
+# -- autocast in the op-check matrix (issue 17 item 3) ---------------------------------------------
+
+ATTN = textwrap.dedent(
+    """\
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+
+    def attend(q, k, v):
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = F.softmax(att, dim=-1)
+        return att @ v
+    """
+)
+AMP_TRAIN = textwrap.dedent(
+    """\
+    import torch
+    from attn import attend
+
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attend(q, q, q)
+    y.float().sum().backward()
+    """
+)
+SHAPES = ["--shape", "q=1x2x8x16", "--shape", "k=1x2x8x16", "--shape", "v=1x2x8x16"]
+
+
+def test_autocast_pass_holds_the_fused_output_dtype_to_the_original(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "attn.py").write_text(ATTN)
+    (tmp_path / "train.py").write_text(AMP_TRAIN)
+    monkeypatch.chdir(tmp_path)
+    assert main(["scan", ".", "--no-progress"]) in (0, 1)
+    assert main(["apply", "--accept", "1"]) == 0
+    sd = tmp_path / ".npufuse"
+
+    def op(*extra: str) -> tuple[int, list[str]]:
+        rc = main(["verify", "op", "1", "--quiet", *SHAPES, *extra])
+        return rc, [c["name"] for c in State.load(sd).candidates[1].evidence["op"]["checks"]]
+
+    # the scan saw autocast in train.py: the check adds the autocast row by itself
+    rc, names = op()
+    assert rc == 0 and "out (autocast bfloat16)" in names
+    # the fused call without the cast to the autocast dtype: float32 out where the original gives bf16
+    good = (tmp_path / "attn.py").read_text()
+    assert "*_npufuse_autocast(" in good
+    (tmp_path / "attn.py").write_text(good.replace("*_npufuse_autocast(q.contiguous(), k.contiguous(), v.contiguous())", "q.contiguous(), k.contiguous(), v.contiguous()"))
+    rc, names = op()
+    reasons = " ".join(State.load(sd).candidates[1].reasons)
+    assert rc == 1 and "out (autocast bfloat16)" in reasons and "float32 differs from the original's bfloat16" in reasons
+    # without the autocast row the same broken branch passes: the row is what catches it
+    rc, names = op("--autocast", "off")
+    assert rc == 0 and not any("autocast" in n for n in names)
