@@ -1020,7 +1020,8 @@ def _candidates(
             "id": n,
             "key": key,
             "pattern": f.pattern,
-            "api": pattern.api,
+            # the API this site is rewritten to (a fused optimizer's class follows the constructor: NpuFusedSGD for SGD)
+            "api": str(f.params.get("fused_class") or pattern.api),
             "file": o.file,
             "qualname": f.qualname,
             "line": f.line,

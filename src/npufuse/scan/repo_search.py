@@ -239,7 +239,8 @@ def _amp_lines(path: str, src: str, limit: int = 8) -> list[str]:
     out: list[str] = []
     for n, line in enumerate(src.splitlines(), start=1):
         code = line.split("#", 1)[0]
-        if _AMP_CALL.search(code):
+        # `autocast(..., enabled=False)` turns AMP off for a region: no sign of AMP training
+        if _AMP_CALL.search(code) and not re.search(r"enabled\s*=\s*False", code):
             out.append(f"{path}:{n}: `{code.strip()[:70]}`")
             if len(out) >= limit:
                 break
