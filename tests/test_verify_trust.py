@@ -144,3 +144,52 @@ def test_autocast_pass_holds_the_fused_output_dtype_to_the_original(tmp_path: Pa
     # without the autocast row the same broken branch passes: the row is what catches it
     rc, names = op("--autocast", "off")
     assert rc == 0 and not any("autocast" in n for n in names)
+
+
+# -- verify op --python (issue 17 item 4) ----------------------------------------------------------
+
+
+def _interpreter(tmp: Path, name: str, body: str) -> Path:
+    path = tmp / "bin" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_op_check_runs_in_the_users_interpreter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the repo imports a library only the training environment has (like lightning or triton)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    libs = tmp_path / "userlibs"
+    libs.mkdir()
+    (libs / "trainlib.py").write_text("MARK = 'from the user environment'\n")
+    (repo / "model.py").write_text("import trainlib  # noqa: F401\n" + h.RMSNORM_MODEL)
+    span = (h.RMS_SPAN[0] + 1, h.RMS_SPAN[1] + 1)
+    sd = h.fake_apply(repo, "model.py", [h.rms_finding(span=span)], config={"hidden_size": 64, "torch_dtype": "bfloat16"})
+    args = ["verify", "op", "1", "--state-dir", str(sd), "--quiet"]
+    # npufuse's own interpreter cannot import it
+    assert main(args) == 2
+    assert "No module named 'trainlib'" in capsys.readouterr().err
+    # the user's interpreter (a venv Python with its own packages) runs the check: npufuse's
+    # checker comes from npufuse's install, the repo's imports from that environment
+    user_py = _interpreter(tmp_path, "userpython", f'PYTHONPATH="{libs}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{h.PY}" "$@"')
+    assert main([*args, "--python", str(user_py)]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "grad param:weight" in out
+    c = State.load(sd).candidates[1]
+    assert c.status == "e2e_checking" and c.evidence["op"]["passed"] and c.evidence["op"]["calls"]["site_calls_on"] == 1
+
+
+def test_an_interpreter_that_cannot_run_the_check_is_named_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sd = h.rms_repo(tmp_path)
+    args = ["verify", "op", "1", "--state-dir", str(sd), "--quiet", "--python"]
+    # a Python without torch (-S: no site-packages)
+    no_torch = _interpreter(tmp_path, "notorch", f'exec "{h.PY}" -S "$@"')
+    assert main([*args, str(no_torch)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot import torch there" in err[0] and "Traceback" not in err[0]
+    assert main([*args, str(tmp_path / "nope" / "python")]) == 2
+    assert "no such executable" in capsys.readouterr().err
+    c = State.load(sd).candidates[1]
+    assert c.status == "pending" and "op" not in c.evidence  # nothing ran: the state is as it was

@@ -1013,7 +1013,9 @@ def _candidates(
             shapes_memo[folder] = config_shapes.shapes_for(o.file, nearest.used(o.file) if _NEAREST else sources, overrides)
         shapes = _copy_plain(shapes_memo[folder])
         value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
-        generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16, amp=amp)
+        generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16,
+                                                           # a local autocast risk (the site's own region) says it more precisely
+                                                           amp=() if any(r.get("kind") == "autocast" for r in h.local_risks) else amp)
         merged = risks.merge(risks.detector_risks(f), generic)
         related = [{"file": e["file"], "line": e["line"], "what": e["what"]} for e in wrappers if e.get("api") == pattern.api]
         out.append({

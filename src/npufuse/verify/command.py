@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     op.add_argument("--factor", type=float, default=2.0, help="allowed multiple of the original's own low-precision error (default 2.0)")
     op.add_argument("--seed", type=int, default=0)
     op.add_argument("--backend", choices=("auto", "emulated"), default="auto", help="auto: real torch_npu on an NPU host, else emulated")
+    op.add_argument("--python", metavar="PY", help="run the check in this interpreter (your training environment, with your repo's imports); "
+                    "npufuse's checker is loaded from npufuse's own install (default: the Python of --capture, when that is another interpreter)")
     op.add_argument("--autocast", choices=("bfloat16", "float16", "off"), help="also check under torch.autocast in this dtype with float32 inputs, as AMP training runs "
                     "(default: bfloat16 when the scan saw autocast at the site or in the repo; a captured call replays its own autocast state)")
 
@@ -129,7 +131,10 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
     )  # fmt: skip
     if opts.factor <= 0:
         raise UsageError("--factor must be positive")
-    report = verify_op(cand, opts, _progress(args))
+    from npufuse.verify.op_python import capture_python, run_op_in
+
+    python = args.python or capture_python(args.capture, args.shell)
+    report = run_op_in(python, cand, opts, _progress(args)) if python else verify_op(cand, opts, _progress(args))
     if args.json:
         out = report.summary()
         out["checks"] = [c.to_json() for c in report.checks]
