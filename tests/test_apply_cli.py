@@ -44,12 +44,13 @@ def test_scan_finds_the_fixture_sites(repo):
 
 
 def test_dry_run_prints_the_diff_and_writes_nothing(repo, capsys):
-    root, sd, data, _ = repo
+    root, sd, data, ids = repo
+    cid = ids["rms_norm@model.py:RMSNorm.forward"]
     before = {p: p.read_bytes() for p in root.rglob("*.py")}
     assert apply(sd, "--accept", "all", "--dry-run") == 0
     out = capsys.readouterr().out
     assert "--- a/model.py" in out and "+++ b/model.py" in out and "--- a/head.py" in out
-    assert "+        if _npufuse_on_npu(hidden_states) and _npufuse_switch(\"NPUFUSE_RMS_NORM\"):  # npufuse: rms_norm" in out
+    assert f"+        if _npufuse_on_npu(hidden_states) and _npufuse_site({cid}) and _npufuse_switch(\"NPUFUSE_RMS_NORM\"):  # npufuse: rms_norm" in out
     assert "would apply" in out
     assert {p: p.read_bytes() for p in root.rglob("*.py")} == before
     assert not (sd / "state.json").exists() and not (sd / "backup").exists()
@@ -68,8 +69,9 @@ def test_apply_rewrites_only_accepted_sites_and_records_them(repo, capsys):
     entry = next(c for c in st["candidates"] if c["id"] == cid)
     rec = entry["applied"]
     assert rec["switch"]["name"] == "NPUFUSE_RMS_NORM" and "NPUFUSE_RMS_NORM=0" in rec["switch_description"]
-    assert rec["off"] == "NPUFUSE_RMS_NORM=0"
-    assert block_of(text, rec["span"]).lstrip().startswith("if _npufuse_on_npu(hidden_states)")
+    assert rec["off"] == f"NPUFUSE_OFF={cid} (this site) or NPUFUSE_RMS_NORM=0 (the pattern)"
+    # the site's own switch comes right after the device check (issue 17 item 1)
+    assert block_of(text, rec["span"]).lstrip().startswith(f"if _npufuse_on_npu(hidden_states) and _npufuse_site({cid}) and ")
     import hashlib
 
     assert rec["file_sha256_after"] == hashlib.sha256((root / "model.py").read_bytes()).hexdigest()
@@ -185,7 +187,7 @@ def test_switch_override(repo, switch, guard_part, off):
     text = (root / "model.py").read_text()
     assert guard_part in text
     rec = next(c for c in state_of(sd)["candidates"] if c["id"] == cid)["applied"]
-    assert rec["off"] == off and rec["switch"]["kind"] in ("env", "user")
+    assert rec["off"] == f"NPUFUSE_OFF={cid} (this site) or {off} (the pattern)" and rec["switch"]["kind"] in ("env", "user")
 
 
 def test_revert_all_restores_every_byte(repo, capsys):

@@ -58,14 +58,17 @@ def rms_finding(fused: str = FUSED_OK, qualname: str = "RMSNorm.forward", span: 
     return Finding(pattern="rms_norm", qualname=qualname, line=span[0], end_line=span[1], params={}, fused=fused, guard_tensor="hidden_states")
 
 
-def fake_apply(root: Path, file: str, findings: list[Finding], config: dict | None = None, ids: list[int] | None = None) -> Path:
+def fake_apply(root: Path, file: str, findings: list[Finding], config: dict | None = None, ids: list[int] | None = None,
+               pattern_switch: bool = False, site_switch: bool = True) -> Path:  # fmt: skip
     """Rewrite ``root/file`` with ``findings`` and write .npufuse/scan.json and state.json the way
-    apply does (ids 1..n, env switch NPUFUSE_<PATTERN>_<ID>). Returns the state dir."""
+    apply does (ids 1..n, env switch NPUFUSE_<PATTERN>_<ID>, or apply's NPUFUSE_<PATTERN> shared by
+    every site of a pattern with ``pattern_switch``; the per-candidate ``_npufuse_site(ID)`` unless
+    ``site_switch`` is False). Returns the state dir."""
     path = root / file
     original = path.read_text()
     ids = ids or list(range(1, len(findings) + 1))
-    switches = {f.line: env_switch(f.pattern, i) for f, i in zip(findings, ids)}
-    rewritten = splice(original, findings, switches)
+    switches = {f.line: env_switch(f.pattern, None if pattern_switch else i) for f, i in zip(findings, ids)}
+    rewritten = splice(original, findings, switches, {f.line: i for f, i in zip(findings, ids)} if site_switch else None)
     path.write_text(rewritten)
     sites = marked_sites(rewritten)
     sd = root / ".npufuse"

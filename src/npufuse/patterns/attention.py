@@ -482,12 +482,14 @@ def mask_shape_lines(var: str, sq: str, maybe_none: bool, three_d: bool = False)
 
 
 def fa_call(q: str, k: str, v: str, head_num: str, layout: str, kwargs: list[tuple[str, str]]) -> str:
-    """The npu_fusion_attention call (result ``[0]``), on one line when it is short."""
-    args = [q, k, v, head_num, f'"{layout}"'] + [f"{a}={b}" for a, b in kwargs]
+    """The npu_fusion_attention call (result ``[0]``), on one line when it is short. q/k/v go
+    through the prelude's ``_npufuse_autocast``: inside an autocast region they meet in its dtype,
+    as the original's matmuls would see them (DESIGN rule 2; a fused op does not follow autocast)."""
+    args = [f"*_npufuse_autocast({q}, {k}, {v})", head_num, f'"{layout}"'] + [f"{a}={b}" for a, b in kwargs]
     one = f"torch_npu.npu_fusion_attention({', '.join(args)})[0]"
     if len(one) <= 110:
         return one
-    body = ",\n    ".join([", ".join(args[:5])] + args[5:])
+    body = ",\n    ".join([", ".join(args[:3])] + args[3:])
     return f"torch_npu.npu_fusion_attention(\n    {body},\n)[0]"
 
 

@@ -872,6 +872,10 @@ class RopePattern(Pattern):
         risks.append(Risk("other", "npu_rotary_mul saves x for backward even when cos/sin need no grad: slightly more activation memory than the eager code"))
         if mode == "complex":
             notes.append("complex form: cos/sin are rebuilt from freqs_cis each call (real/imag, repeat_interleave(2)); precompute them once per step to save two small kernels")
+        outside = self._rotation_outside(scope, all_matches, items[0][1].lineno)
+        if outside:
+            notes.append(f"the rotation {', '.join(outside)} is computed before the site and still runs on both branches "
+                         "(its neg + cat kernels stay); move it into the site to drop them on the fused branch")  # fmt: skip
         params: dict[str, Any] = {
             "mode": mode,
             "rotary_dim": first.rotary_dim,
@@ -881,6 +885,8 @@ class RopePattern(Pattern):
             "targets": [m.x_text if m.mode != "complex" else segment(module, strip_casts(m.x)[0]) for m in all_matches],
             "dtype": "promoted to the wider of x and cos/sin" if promoted else "x dtype",
         }
+        if outside:
+            params["rotation_outside"] = outside
         if ci.unsqueeze_dim is not None:
             params["unsqueeze_dim"] = ci.unsqueeze_dim
         if mode == "complex":
@@ -895,6 +901,26 @@ class RopePattern(Pattern):
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
             risks=risks, notes=notes,
         )
+
+    @staticmethod
+    def _rotation_outside(scope: Scope, matches: list[_Match], first_line: int) -> list[str]:
+        """Names in the fused expressions whose value (a cat / neg / rotate_half) is computed
+        before the site: the eager rotation that keeps running outside the rewritten span."""
+        found: list[str] = []
+        for m in matches:
+            for n in fast_walk(m.node):
+                if not isinstance(n, ast.Name) or n.id in ("torch", "self", "F", "nn", "math"):
+                    continue
+                value = scope.definition(n.id, first_line)
+                if value is None:
+                    continue
+                calls = {getattr(c.func, "attr", None) or getattr(c.func, "id", None) for c in ast.walk(value) if isinstance(c, ast.Call)}
+                negs = any(isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) for c in ast.walk(value))
+                if calls & {"cat", "stack", "rotate_half", "rotate_every_two"} or (negs and "cat" in calls):
+                    tag = f"`{n.id}` (line {value.lineno})"
+                    if tag not in found:
+                        found.append(tag)
+        return found
 
     @staticmethod
     def _complex_freqs(m: _Match) -> ast.expr:
@@ -914,11 +940,21 @@ class RopePattern(Pattern):
         n_targets = max(1, len(finding.params.get("targets", [])))
         hidden = config.get("hidden_size")
         heads = config.get("num_attention_heads")
+        # honest counts: a rotation computed before the site (neg + cat) keeps running on the fused
+        # branch, and the dtype promotion casts x/cos/sin (a kernel each when the dtypes differ)
+        stay = 2 if finding.params.get("rotation_outside") else 0
+        casts = finding.params.get("dtype", "").startswith("promoted")
+        after_k = 1 + stay
+        tail = ""
+        if stay:
+            tail += f"; the rotation before the site ({', '.join(finding.params['rotation_outside'])}) still runs: its neg + cat stay"
+        if casts:
+            tail += "; plus up to 3 cast kernels when x and cos/sin differ in dtype (e.g. bf16 q, fp32 cos under autocast)"
         if not (hidden and heads):
             return symbolic(
                 "memory",
                 f"memory-bound elementwise chain: per rotated tensor of E elements the eager code runs ~5 kernels "
-                f"(mul, neg, cat, mul, add) moving ~10·E·bytes; npu_rotary_mul reads x once and writes once (~2·E·bytes); "
+                f"(mul, neg, cat, mul, add) moving ~10·E·bytes; the fused branch runs {after_k} (npu_rotary_mul reads x once and writes once, ~2·E·bytes){tail}; "
                 f"{n_targets} tensor(s) at this site; shapes unknown",
             )
         kv = config.get("num_key_value_heads") or heads
@@ -928,13 +964,14 @@ class RopePattern(Pattern):
         cs = 2 * b * s * d  # cos + sin (B1SD), read by each mul
         itemsize = 2
         before = sum(10 * e + 2 * cs for e in elems) * itemsize
-        after = sum(2 * e + 2 * cs for e in elems) * itemsize
+        after = sum((2 + (4 if stay else 0)) * e + 2 * cs for e in elems) * itemsize  # neg + cat: read/write E twice
         res = estimate(
-            bytes_before=before, bytes_after=after, kernels_before=5 * n_targets, kernels_after=n_targets,
+            bytes_before=before, bytes_after=after, kernels_before=5 * n_targets, kernels_after=after_k * n_targets,
             flops=sum(4 * e for e in elems),
             shapes=f"B={b}{' (assumed)' if 'batch_size' not in config else ''}, S={s}{' (assumed)' if 'seq_length' not in config else ''}, "
             f"heads={heads}, kv_heads={kv}, head_dim={d}, bf16",
         )
+        res["estimate"] += tail
         return res
 
     @staticmethod

@@ -971,19 +971,25 @@ def gated_value(finding: Finding, config: dict[str, Any], act_kernels: int) -> d
     units_before = 2 * act_kernels + 3
     units_after = 3 + (4 if (two or swap) else 0)  # read a, b; write out (+ cat: read 2, write 2)
     k_after = 1 + (1 if (two or swap) else 0)
+    merged = merged_form(finding) if two else None
     if not isinstance(inter, int):
-        extra = " plus a torch.cat copy (two projections): little or negative gain unless the projections are merged" if two else ""
-        return symbolic(
+        extra = (f" plus a torch.cat copy (two projections): ~{units_after}·T·I moved against ~{units_before}·T·I before, "
+                 "slower as written unless the projections are merged") if two else ""  # fmt: skip
+        out = symbolic(
             "memory",
             f"memory-bound: {k_before} elementwise kernels moving ~{units_before}·T·I elements -> {k_after} kernel(s) "
             f"moving ~{units_after}·T·I{extra}; T tokens, I intermediate size unknown",
         )
+        if merged:
+            out["estimate"] += "; merged-weight form: 1 kernel moving ~3·T·I (offered below)"
+            out["merged_form"] = merged
+        return out
     from npufuse.patterns.rms_norm import elem_bytes, tokens_of
 
     e = elem_bytes(config)
     t, tdesc = tokens_of(config)
     elems = t * inter
-    return estimate(
+    out = estimate(
         bytes_before=units_before * e * elems,
         bytes_after=units_after * e * elems,
         kernels_before=k_before,
@@ -991,6 +997,32 @@ def gated_value(finding: Finding, config: dict[str, Any], act_kernels: int) -> d
         flops=6 * elems,
         shapes=f"gate/up [{tdesc}, intermediate {inter}]" + (" (+ torch.cat of two projections)" if two else ""),
     )
+    if merged:
+        alt = estimate(bytes_before=units_before * e * elems, bytes_after=3 * e * elems, kernels_before=k_before, kernels_after=1, flops=6 * elems)
+        out["estimate"] += f"; merged-weight form (offered below): speed-up bound {alt['speedup_bound']:.2f}x"
+        out["merged_form"] = merged
+        out["merged_speedup_bound"] = alt["speedup_bound"]
+    return out
+
+
+_OWN_PROJ = re.compile(r"self\.([A-Za-z_]\w*)\(\s*([A-Za-z_]\w*)\s*\)")
+
+
+def merged_form(finding: Finding) -> str | None:
+    """The merged-weight form human ports use (one Linear with the gate rows stacked over the up
+    rows, so npu_swiglu gets [gate, up] without a torch.cat), offered when both projections are
+    the module's own ``self.<proj>(x)`` of one input; None otherwise (the weights live elsewhere)."""
+    g = _OWN_PROJ.fullmatch(str(finding.params.get("gate") or "").strip())
+    u = _OWN_PROJ.fullmatch(str(finding.params.get("up") or "").strip())
+    if not g or not u or g.group(2) != u.group(2) or g.group(1) == u.group(1):
+        return None
+    gate, up, x = g.group(1), u.group(1), g.group(2)
+    merged = f"{gate}_{up}"
+    return ("# __init__: one projection, gate rows first then up rows (bias: the same concatenation)\n"
+            f"self.{merged} = nn.Linear(self.{gate}.in_features, 2 * self.{gate}.out_features, bias=self.{gate}.bias is not None)\n"
+            f"# loading a checkpoint: {merged}.weight = torch.cat([{gate}.weight, {up}.weight], dim=0)\n"
+            "# forward (the activation line):\n"
+            f"torch_npu.npu_swiglu(self.{merged}({x}), dim=-1)")
 
 
 # --------------------------------------------------------------------------------------------

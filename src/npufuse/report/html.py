@@ -224,6 +224,8 @@ def _step_record(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     per-step record at all."""
     if not isinstance(obj, dict) or "run" not in obj or "step" not in obj:
         return None, None
+    if obj["run"] == "joint" and "candidate" not in obj:
+        return None, None  # `verify e2e --all`'s joint run: in e2e_all.json and each candidate's e2e_joint, not one candidate's curve
     if obj["run"] not in RUNS:
         return None, f'"run" is {obj["run"]!r}, expected "baseline" or "fused"'
     if not isinstance(obj["step"], int) or isinstance(obj["step"], bool):
@@ -427,15 +429,19 @@ def _op_section(cid: int, cand: dict[str, Any], applied: bool) -> dict[str, Any]
             missing = f"An operator check was started but recorded no result (interrupted?). Rerun `npufuse verify op {cid}`."
         else:
             missing = f"No operator check yet. Run `npufuse verify op {cid}`."
-        return {"present": False, "passed": None, "rows": [], "details": [], "missing": missing, "backend": None}
+        return {"present": False, "passed": None, "outcome": None, "rows": [], "details": [], "missing": missing, "backend": None}
     rows = _op_rows(op)
     passed = _passed(op)
     if passed is None and rows and all(r["passed"] is not None for r in rows):
         passed = all(r["passed"] for r in rows)
     skip = set(_PASS_KEYS) | {"outputs", "forward", "grads", "gradients", "backward", *_ROW_LIST_KEYS}
+    outcome = op.get("outcome") if op.get("outcome") in ("passed", "failed", "not checked") else None
+    if op.get("skipped") and passed is None:
+        outcome = "not applicable"
     return {
         "present": True,
-        "passed": passed,
+        "passed": passed if outcome != "not checked" else None,
+        "outcome": outcome or ("passed" if passed is True else "failed" if passed is False else None),
         "rows": rows,
         "details": _details(op, skip=skip),
         "missing": None if rows else "The op evidence holds no per-tensor rows; its fields are listed below.",
@@ -676,11 +682,20 @@ def _candidate(
     charts = []
     if any(v is not None for v in series["baseline_loss"] + series["fused_loss"]):
         charts.append("loss")
-    if has_times:
+    # step times are evidence only when real: an emulated run's are CPU times of the stand-in
+    if has_times and not timing_emulated:
         charts.append("step_time")
     hist = _histogram(runs, series["warmup_end"])
-    if hist is not None:
+    if hist is not None and not timing_emulated:
         charts.append("step_time_hist")
+    tolerance = _finite(_first((cand.get("evidence") or {}).get("e2e") or {}, "tolerance", "threshold"))
+    thresholds = ((cand.get("evidence") or {}).get("e2e") or {}).get("thresholds")
+    if tolerance is None and isinstance(thresholds, dict):
+        tolerance = _finite(thresholds.get("tolerance"))
+    if tolerance is not None:
+        # the loss overlay's band: baseline ± tolerance (the check itself compares EMA-smoothed curves)
+        series["band_lo"] = [None if v is None else v * (1 - tolerance) for v in series["baseline_loss"]]
+        series["band_hi"] = [None if v is None else v * (1 + tolerance) for v in series["baseline_loss"]]
     pattern = cand.get("pattern") or src.get("pattern") or "?"
     return {
         "id": cid,
@@ -717,6 +732,8 @@ def _candidate(
         "hist": hist,
         "run_summary": _run_summary(runs, series["warmup_end"]),
         "charts": charts,
+        "tolerance": tolerance,
+        "forced": bool(((cand.get("evidence") or {}).get("e2e") or {}).get("forced")),
     }
 
 
@@ -807,7 +824,8 @@ def build_report_data(
                 steps = c["series"]["nonfinite_loss"][run]
                 c["e2e"]["details"].append([f"{run} loss not finite at step(s)", ", ".join(map(str, steps[:20])) + (" …" if len(steps) > 20 else "")])
 
-    return {
+    root = state_dir.resolve().parent
+    data = {
         "schema": SCHEMA,
         "tool": "npufuse",
         "version": __version__,
@@ -819,6 +837,40 @@ def build_report_data(
         "warnings": warnings,
         "candidates": candidates,
     }
+    return scrub_paths(data, root)
+
+
+# An absolute path of two or more parts: /home/me/x.py, /tmp/a/b/e2e_1.log
+_ABS_PATH = re.compile(r"(?<![\w.~/-])/(?:[\w.+@-]+/)+([\w.+@-]+)")
+_CODE_KEYS = frozenset({"code"})  # the code section is the user's source, shown byte for byte
+
+
+def scrub_paths(data: Any, root: Path) -> Any:
+    """The report without machine paths: paths under the project folder become relative to it,
+    any other absolute path keeps only its last part ("…/python3"). A report is shared; the
+    folder layout of the machine that made it is nobody's business and only adds noise."""
+    base = str(root).rstrip("/")
+
+    def text(v: str) -> str:
+        if "/" not in v:
+            return v
+        v = v.replace(base + "/", "").replace(base, ".")
+        return _ABS_PATH.sub(lambda m: "…/" + m.group(1), v)
+
+    def walk(v: Any, key: str = "") -> Any:
+        if key in _CODE_KEYS:
+            return v
+        if isinstance(v, str):
+            return text(v)
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, tuple):
+            return tuple(walk(x) for x in v)
+        if isinstance(v, dict):
+            return {k: walk(x, k) for k, x in v.items()}
+        return v
+
+    return walk(data)
 
 
 # -- rendering -------------------------------------------------------------------------------------

@@ -108,6 +108,9 @@ def value_label(value: dict[str, Any]) -> str:
     bound = value.get("bound", "?")
     speedup = value.get("speedup_bound")
     if isinstance(speedup, (int, float)) and not isinstance(speedup, bool):
+        if speedup < 0.95:  # the site's own estimate is a slowdown: say so, not "≤0.73×"
+            merged = value.get("merged_speedup_bound")
+            return f"slower as written ({speedup:.2f}×)" + (f"; merged weights ≤{merged:.2f}×" if isinstance(merged, (int, float)) else "")
         return f"≤{speedup:.2f}× ({bound})"
     return f"{bound}, symbolic"
 

@@ -376,7 +376,7 @@ def _plan_file(scan: Scan, state: State, rel: str, cands: list[dict[str, Any]], 
     guards: dict[int, tuple[Switch, str]] = {}
     for c in new:
         switch = candidate_switch(c, override)
-        guard = guard_expression(_finding(c), switch)
+        guard = guard_expression(_finding(c), switch, int(c["id"]))
         guards[int(c["id"])] = (switch, guard)
         edits.append(SiteEdit(int(c["line"]), int(c["end_line"]), c["fused"], guard, c["pattern"], str(c["id"])))
     try:
@@ -419,7 +419,7 @@ def _plan_file(scan: Scan, state: State, rel: str, cands: list[dict[str, Any]], 
         changes[cid] = {
             "switch": switch.to_json(),
             "switch_description": switch.describe(),
-            "off": switch.off_hint(),
+            "off": switch.off_hint(cid),
             "guard": guard,
             "span": list(span),
             "scan_span": [int(c["line"]), int(c["end_line"])],

@@ -13,6 +13,10 @@ so the rewritten file still imports without it and never imports npufuse.
 Switches (DESIGN.md rule 1), in order of preference, are described by :class:`Switch`:
 an existing repo switch expression, a new config field/argument expression, an environment
 variable ``NPUFUSE_<ID>`` (default), or none (only "torch_npu importable and tensor on NPU").
+That switch is pattern-wide (every site of a pattern shares it); on top of it every site of a
+scanned candidate carries its own switch, ``_npufuse_site(<candidate id>)``, driven by
+``NPUFUSE_ONLY=<ids>`` / ``NPUFUSE_OFF=<ids>``, so two sites are verified and turned off one at
+a time (``verify e2e --all`` runs each candidate alone against one baseline).
 """
 
 from __future__ import annotations
@@ -47,6 +51,32 @@ def _npufuse_switch(name: str) -> bool:
     return _npufuse_os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def _npufuse_site(candidate: int) -> bool:
+    """Per-candidate switch: NPUFUSE_OFF=3,5 runs the original code of candidates 3 and 5;
+    NPUFUSE_ONLY=3 keeps only candidate 3 fused (NPUFUSE_ONLY=none: no candidate)."""
+    only = _npufuse_os.environ.get("NPUFUSE_ONLY")
+    if only is not None and str(candidate) not in only.replace(" ", "").split(","):
+        return False
+    return str(candidate) not in _npufuse_os.environ.get("NPUFUSE_OFF", "").replace(" ", "").split(",")
+
+
+def _npufuse_autocast(*tensors):
+    """The tensors in the dtype an autocast region gives the original's matmuls (fused torch_npu
+    ops do not follow autocast, so q/k in fp32 after RoPE and v in bf16 must meet in one dtype);
+    unchanged outside autocast."""
+    import torch as _torch
+
+    kind = tensors[0].device.type
+    try:
+        if not _torch.is_autocast_enabled(kind):
+            return tensors
+        dtype = _torch.get_autocast_dtype(kind)
+    except (TypeError, AttributeError, RuntimeError):  # torch < 2.4 has no per-device query
+        return tensors
+    low = (_torch.float32, _torch.float16, _torch.bfloat16)  # autocast leaves float64 alone
+    return tuple(t.to(dtype) if t.dtype in low else t for t in tensors)
+
+
 {PRELUDE_END}
 '''
 
@@ -66,8 +96,14 @@ class Switch:
             return f"switch `{self.expr}` (given with --switch)"
         return "no switch: fused whenever torch_npu is importable and the tensor is on an NPU"
 
-    def off_hint(self) -> str:
-        """How a user turns the original code back on, in one phrase."""
+    def off_hint(self, candidate: int | None = None) -> str:
+        """How a user turns the original code back on, in one phrase (``candidate``: also the
+        per-candidate switch of that site)."""
+        if candidate is not None:
+            return f"NPUFUSE_OFF={candidate}" + ("" if self.kind == "none" else f" (this site) or {self._pattern_off()} (the pattern)")
+        return self._pattern_off()
+
+    def _pattern_off(self) -> str:
         if self.kind == "env":
             return f"{self.name}=0"
         if self.kind in ("existing", "new_field", "user"):
@@ -106,8 +142,12 @@ def env_switch(pattern: str, candidate_id: int | None = None) -> Switch:
     return Switch("env", name=name)
 
 
-def guard_expression(finding: Finding, switch: Switch) -> str:
+def guard_expression(finding: Finding, switch: Switch, site_id: int | None = None) -> str:
+    """The ``if`` test of a fused site. ``site_id``: the candidate id, whose per-candidate switch
+    ``_npufuse_site(id)`` comes right after the device check."""
     on_npu = f"_npufuse_on_npu({finding.guard_tensor})"
+    if site_id is not None:
+        on_npu = f"{on_npu} and _npufuse_site({int(site_id)})"
     if switch.kind == "env":
         return f'{on_npu} and _npufuse_switch("{switch.name}")'
     if switch.kind in ("existing", "new_field", "user"):
@@ -143,7 +183,7 @@ def original_text(source: str, finding: Finding) -> str:
     return "".join(lines[finding.line - 1 : finding.end_line])
 
 
-def site_edit(finding: Finding, switch: Switch, tag: str = ""):
+def site_edit(finding: Finding, switch: Switch, tag: str = "", site_id: int | None = None):
     """The libcst edit for one finding (see :mod:`npufuse.rewrite.transform`)."""
     from npufuse.rewrite.transform import SiteEdit
 
@@ -151,31 +191,32 @@ def site_edit(finding: Finding, switch: Switch, tag: str = ""):
         line=finding.line,
         end_line=finding.end_line,
         fused=finding.fused,
-        guard=guard_expression(finding, switch),
+        guard=guard_expression(finding, switch, site_id),
         pattern=finding.pattern,
         tag=tag or str(finding.line),
     )
 
 
-def render_site(source: str, finding: Finding, switch: Switch) -> str:
+def render_site(source: str, finding: Finding, switch: Switch, site_id: int | None = None) -> str:
     """The guarded replacement of one site exactly as ``npufuse apply`` writes it: the lines of
     the rewritten file holding the new ``if``/``else`` (the else branch holds the original
     statements byte for byte). Raises ``ValueError`` if the site cannot be rewritten."""
     from npufuse.rewrite.transform import rewrite_source
 
-    outcome = rewrite_source(source, [site_edit(finding, switch, "site")], prelude=False)
+    outcome = rewrite_source(source, [site_edit(finding, switch, "site", site_id)], prelude=False)
     if outcome.skipped:
         raise ValueError(outcome.skipped[0][1])
     first, last = outcome.spans["site"]
     return "".join(source_lines(outcome.text)[first - 1 : last])
 
 
-def splice(source: str, findings: list[Finding], switches: dict[int, Switch] | None = None) -> str:
+def splice(source: str, findings: list[Finding], switches: dict[int, Switch] | None = None, site_ids: dict[int, int] | None = None) -> str:
     """Rewrite ``source`` with every finding guarded and the prelude added — the same libcst
-    transform ``npufuse apply`` runs (used to show and exercise replacements in tests)."""
+    transform ``npufuse apply`` runs (used to show and exercise replacements in tests).
+    ``site_ids``: finding line -> candidate id, for the per-candidate switch."""
     from npufuse.rewrite.transform import rewrite_source
 
-    edits = [site_edit(f, (switches or {}).get(f.line) or env_switch(f.pattern)) for f in findings]
+    edits = [site_edit(f, (switches or {}).get(f.line) or env_switch(f.pattern), site_id=(site_ids or {}).get(f.line)) for f in findings]
     outcome = rewrite_source(source, edits)
     if outcome.skipped:
         raise ValueError("; ".join(f"line {e.line}: {why}" for e, why in outcome.skipped))

@@ -92,6 +92,9 @@ def print_switches(results) -> None:
         pats = ", ".join(sorted({r.pattern for r in rs}))
         extra = "" if rs[0].switch.kind == "env" else f"; {describe}"
         console.print(f"  {escape(rs[0].switch.off_hint())}  runs the original code of candidate(s) {ids} ({pats}){escape(extra)}")
+    every = sorted({r.id for rs in groups.values() for r in rs})
+    console.print(f"  NPUFUSE_OFF=<ids> runs the original code of just those candidates, NPUFUSE_ONLY=<ids> keeps just those fused "
+                  f"(each site's own switch; e.g. NPUFUSE_ONLY={every[0]})")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -872,6 +872,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
     switches: list[dict[str, Any]] = []
     sources: list[config_shapes.ConfigSource] = []
     training: list[str] = []
+    amp: list[str] = []
     bf16 = False
     scanned = lines = 0
     for o in outcomes:
@@ -885,6 +886,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
             switches += o.facts.switches
             sources += o.facts.config_sources
             training += o.facts.training
+            amp += getattr(o.facts, "amp", [])  # a cached FileFacts of an older npufuse has none
             bf16 = bf16 or o.facts.bf16
     for rel in walked.data_files:
         src, found = config_shapes.load_data_file(walked.root, rel)
@@ -899,7 +901,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
     sources.sort(key=lambda s: (s.file, s.line, s.kind))
     by_id = {p.id: p for p in chosen}
-    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed, near, walked.root)
+    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed, near, walked.root, sorted(amp))
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
     near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))
     return ScanResult(
@@ -960,6 +962,7 @@ def _candidates(
     failed: list[Failure],
     near: list[dict[str, Any]],
     root: Path,
+    amp: list[str] = (),  # type: ignore[assignment]
 ) -> list[dict[str, Any]]:
     order = {pid: i for i, pid in enumerate(patterns)}
     hits = [(o, h) for o in outcomes for h in o.hits]
@@ -991,7 +994,8 @@ def _candidates(
             site = sites[o.file] = repo_search.SwitchSite(o.file, frozenset(o.facts.imports if o.facts is not None else ()), npu_folders)
         switch, reused, notes = repo_search.choose_switch(f.pattern, h.context, usable, switch_mode, site)
         try:
-            text = replacement.render(o.source if o.source is not None else (lambda o=o: _reread(root, o)), f, switch, h.body)
+            # n + 1: the id this candidate gets when it renders (its per-candidate switch)
+            text = replacement.render(o.source if o.source is not None else (lambda o=o: _reread(root, o)), f, switch, h.body, n + 1)
         except Exception as exc:  # codegen cannot rewrite this site: a near miss, with the reason
             reason = f"npufuse could not generate the replacement ({type(exc).__name__}: {exc})"
             near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line, "reason": reason})
@@ -1009,14 +1013,17 @@ def _candidates(
             shapes_memo[folder] = config_shapes.shapes_for(o.file, nearest.used(o.file) if _NEAREST else sources, overrides)
         shapes = _copy_plain(shapes_memo[folder])
         value = _assess(pattern, f, config_shapes.plain_config(shapes), o.file, failed)
-        generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16)
+        generic = h.local_risks + risks.repo_risks(f, pattern, training=training, bf16=bf16,
+                                                           # a local autocast risk (the site's own region) says it more precisely
+                                                           amp=() if any(r.get("kind") == "autocast" for r in h.local_risks) else amp)
         merged = risks.merge(risks.detector_risks(f), generic)
         related = [{"file": e["file"], "line": e["line"], "what": e["what"]} for e in wrappers if e.get("api") == pattern.api]
         out.append({
             "id": n,
             "key": key,
             "pattern": f.pattern,
-            "api": pattern.api,
+            # the API this site is rewritten to (a fused optimizer's class follows the constructor: NpuFusedSGD for SGD)
+            "api": str(f.params.get("fused_class") or pattern.api),
             "file": o.file,
             "qualname": f.qualname,
             "line": f.line,

@@ -307,15 +307,16 @@ def _simple_guard(guard: str) -> bool:
     return guard == guard.strip() and "\n" not in guard and "#" not in guard and "\\" not in guard
 
 
-def render(source: str | Callable[[], str], finding: Finding, switch: Switch, body: tuple[str, str] | None) -> str:
+def render(source: str | Callable[[], str], finding: Finding, switch: Switch, body: tuple[str, str] | None, site_id: int | None = None) -> str:
     """render_site's text: the precomputed fast body when there is one, else render_site on the
-    file (``source`` may be a callable that reads it only when needed)."""
-    guard = guard_expression(finding, switch)
+    file (``source`` may be a callable that reads it only when needed). ``site_id``: the
+    candidate id of the per-candidate switch (only the ``if`` header depends on it)."""
+    guard = guard_expression(finding, switch, site_id)
     if body is not None and _simple_guard(guard):
         site, rest = body
         newline = "\r\n" if rest.endswith("\r\n") else "\n"  # the body's rows all end alike (fast_body)
         return f"{site}if {guard}:  {MARKER.format(pattern=finding.pattern)}{newline}{rest}"
-    return render_site(source() if callable(source) else source, finding, switch)
+    return render_site(source() if callable(source) else source, finding, switch, site_id)
 
 
 def libcst_body(source: str, finding: Finding) -> tuple[str, str] | None:

@@ -86,6 +86,8 @@ class FileFacts:
     config_sources: list[config_shapes.ConfigSource] = field(default_factory=list)
     training: list[str] = field(default_factory=list)  # "file:line: what" (first few)
     bf16: bool = False
+    # where the file runs code under AMP ("file:line: `torch.autocast(...)`", first few)
+    amp: list[str] = field(default_factory=list)
     # spans (start, end, where) whose code already has a torch_npu branch beside it
     fused_spans: list[tuple[int, int, str]] = field(default_factory=list)
     # spans inside an npufuse-rewritten ``if``: (start, end, pattern)
@@ -228,6 +230,23 @@ def _switch_word_lines(src: str) -> list[int] | None:
     return out
 
 
+_AMP_CALL = re.compile(r"\b(?:autocast|GradScaler)\s*\(")
+
+
+def _amp_lines(path: str, src: str, limit: int = 8) -> list[str]:
+    """Code lines (not comments) entering autocast or building a GradScaler: the repo trains
+    under AMP, so a fused site may see autocast's mixed dtypes (a risk, and an op-check pass)."""
+    out: list[str] = []
+    for n, line in enumerate(src.splitlines(), start=1):
+        code = line.split("#", 1)[0]
+        # `autocast(..., enabled=False)` turns AMP off for a region: no sign of AMP training
+        if _AMP_CALL.search(code) and not re.search(r"enabled\s*=\s*False", code):
+            out.append(f"{path}:{n}: `{code.strip()[:70]}`")
+            if len(out) >= limit:
+                break
+    return out
+
+
 def file_facts(module: ModuleInfo) -> FileFacts:
     """Everything :mod:`repo_search` needs from one parsed file.
 
@@ -243,6 +262,8 @@ def file_facts(module: ModuleInfo) -> FileFacts:
     want_cfg = _mentions_cfg_switch(src)
     # bf16 use is a hint for the dtype risk wording: code lines naming it are enough
     facts.bf16 = _mentions_bf16(src)
+    if "autocast" in src or "GradScaler" in src:
+        facts.amp = _amp_lines(path, src)
     npu_call_lines: list[tuple[int, str]] = []
     ifs: list[ast.If] = []
     functions: list[ast.FunctionDef | ast.AsyncFunctionDef] = []

@@ -309,9 +309,21 @@ def _fp64(module: ModuleInfo, scope: Scope) -> list[dict[str, Any]]:
     return [risk("dtype", f"the function uses float64 (line {node.lineno}): the fused APIs reject fp64; the guard must keep fp64 inputs on the original code", level="medium")]
 
 
-def repo_risks(finding: Finding, pattern: Pattern, *, training: list[str], bf16: bool) -> list[dict[str, Any]]:
-    """Risks that need repo-wide facts: dtype support vs the repo's dtypes, inference-only APIs."""
+# Fusions whose inputs can meet in mixed dtypes under autocast (a fused op does not follow it)
+AMP_SENSITIVE = frozenset({"attention", "sdpa", "rope", "rms_norm", "add_rms_norm", "swiglu", "geglu", "moe_experts"})
+
+
+def repo_risks(finding: Finding, pattern: Pattern, *, training: list[str], bf16: bool, amp: list[str] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
+    """Risks that need repo-wide facts: dtype support vs the repo's dtypes, inference-only APIs,
+    AMP (``amp``: where the repo enters autocast)."""
     out: list[dict[str, Any]] = []
+    if amp and pattern.id in AMP_SENSITIVE:
+        unify = ("the replacement casts q/k/v to the autocast dtype as the original's matmuls would" if pattern.id in ("attention", "sdpa")
+                 else "torch_npu ops do not follow autocast, so the fused op runs in the dtypes it is given")  # fmt: skip
+        more = f" and {len(amp) - 1} more" if len(amp) > 1 else ""
+        out.append(risk("autocast", f"the repo trains under autocast ({amp[0]}{more}): the site can see mixed dtypes (e.g. q/k float32 after RoPE, v bf16) "
+                                    f"and its output must keep the dtype the original gives under autocast; {unify}; "
+                                    "`npufuse verify op` adds an autocast (bfloat16) pass for it"))  # fmt: skip
     dtypes = API_DTYPES.get(pattern.id)
     if dtypes is not None:
         supported, caveat = dtypes

@@ -46,7 +46,10 @@ def estimate(
     bound = max(terms, key=terms.get)
     speedup = t_before / t_after if t_after > 0 else 1.0
     intensity = flops / bytes_before if bytes_before else 0.0
-    if speedup < 1.05:
+    if speedup < 0.95:
+        # the site's own estimate is a slowdown: never call it "little gain"
+        verdict = f"slower as written ({speedup:.2f}x on this site)"
+    elif speedup < 1.05:
         verdict = "likely little gain (< 5% on this site)"
     elif speedup < 1.3:
         verdict = "modest gain"

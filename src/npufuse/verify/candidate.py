@@ -22,6 +22,7 @@ from npufuse.cli import UsageError
 from npufuse.state import STATE_DIR, CandidateState, State
 
 _ENV_GUARD = re.compile(r"""_npufuse_switch\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']\s*\)""")
+_SITE_GUARD = re.compile(r"""_npufuse_site\(\s*(\d+)\s*\)""")
 _API_NAME = re.compile(r"\b(npu_[A-Za-z0-9_]+|Npu[A-Za-z0-9_]+)\b")
 
 
@@ -37,6 +38,7 @@ class Site:
     env_switch: str | None  # NAME of ``_npufuse_switch("NAME")`` in the guard, if any
     fused_text: str  # the fused branch's source (to find which torch_npu APIs it calls)
     fused_lines: tuple[int, int] | None = None  # first and last line of the fused branch's body
+    site_switch: int | None = None  # the candidate id of ``_npufuse_site(ID)`` in the guard (its own switch), if any
 
 
 @dataclass
@@ -335,19 +337,30 @@ def locate_site(cand: Candidate) -> Site:
         raise UsageError(f"{cand.path}: does not parse ({type(exc).__name__}); fix the file first") from None
     if not sites:
         raise UsageError(f"{cand.path}: no `# npufuse: {cand.pattern}` branch found (reverted or edited by hand?)")
-    same = [s for s in sites if s.qualname == cand.qualname] or sites
-    span = cand.applied.get("span")
-    anchor = int(span[0]) if isinstance(span, (list, tuple)) and span else int(cand.scan.get("line", same[0].line))
-    site = min(same, key=lambda s: abs(s.line - anchor))
     from npufuse.rewrite.codegen import source_lines
 
     # numbered as libcst numbers them (str.splitlines also breaks at form feeds: one line off after a page break)
     lines = [ln.rstrip("\r\n") for ln in source_lines(source)]
-    header = []
-    for text in lines[site.line - 1 : site.end_line]:
-        header.append(text)
-        if "# npufuse:" in text:
-            break
+
+    def header_of(site: Any) -> list[str]:
+        header = []
+        for text in lines[site.line - 1 : site.end_line]:
+            header.append(text)
+            if "# npufuse:" in text:
+                break
+        return header
+
+    def own_id(site: Any) -> int | None:
+        m = _SITE_GUARD.search("\n".join(header_of(site)))
+        return int(m.group(1)) if m else None
+
+    # a site carrying this candidate's own switch is this candidate's, wherever it moved
+    mine = [s for s in sites if own_id(s) == cand.id]
+    same = mine or [s for s in sites if s.qualname == cand.qualname] or sites
+    span = cand.applied.get("span")
+    anchor = int(span[0]) if isinstance(span, (list, tuple)) and span else int(cand.scan.get("line", same[0].line))
+    site = min(same, key=lambda s: abs(s.line - anchor))
+    header = header_of(site)
     fused: list[str] = []
     indent = len(lines[site.line - 1]) - len(lines[site.line - 1].lstrip())
     for text in lines[site.line - 1 + len(header) : site.end_line]:
@@ -359,7 +372,7 @@ def locate_site(cand: Candidate) -> Site:
     m = _ENV_GUARD.search(guard)
     first = site.line + len(header)
     span = (first, first + len(fused) - 1) if fused else None
-    return Site(site.line, site.end_line, site.pattern, site.qualname, guard.strip(), m.group(1) if m else None, "\n".join(fused), span)
+    return Site(site.line, site.end_line, site.pattern, site.qualname, guard.strip(), m.group(1) if m else None, "\n".join(fused), span, own_id(site))
 
 
 def update_state(cand: Candidate, mutate: Callable[[CandidateState], None] | None = None, status: str | None = None, note: str = "") -> CandidateState:

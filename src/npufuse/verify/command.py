@@ -37,8 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="check", metavar="CHECK")
     sub.required = True
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("id", type=int, help="candidate id (npufuse status lists them)")
+    def common(p: argparse.ArgumentParser, optional_id: bool = False) -> None:
+        if optional_id:
+            p.add_argument("id", type=int, nargs="?", help="candidate id (npufuse status lists them); omit with --all")
+        else:
+            p.add_argument("id", type=int, help="candidate id (npufuse status lists them)")
         p.add_argument("--state-dir", default=".npufuse", help="npufuse state folder (default .npufuse)")
         p.add_argument("--root", default=None, help="repository root (default: scan.json's root)")
         p.add_argument("--env", action="append", type=_kv, default=[], metavar="K=V", help="environment variable for the child process(es); repeatable")
@@ -60,9 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     op.add_argument("--factor", type=number(float, above=0, maximum=1e6), default=2.0, help="allowed multiple of the original's own low-precision error (default 2.0)")
     op.add_argument("--seed", type=number(int, minimum=0, maximum=2**32 - 1), default=0)
     op.add_argument("--backend", choices=("auto", "emulated"), default="auto", help="auto: real torch_npu on an NPU host, else emulated")
+    op.add_argument("--python", metavar="PY", help="run the check in this interpreter (your training environment, with your repo's imports); "
+                    "npufuse's checker is loaded from npufuse's own install (default: the Python of --capture, when that is another interpreter)")
+    op.add_argument("--autocast", choices=("bfloat16", "float16", "off"), help="also check under torch.autocast in this dtype with float32 inputs, as AMP training runs "
+                    "(default: bfloat16 when the scan saw autocast at the site or in the repo; a captured call replays its own autocast state)")
 
     e2e = sub.add_parser("e2e", help="baseline vs fused run of your launch command: loss, then step time", description="end-to-end check of one applied candidate")
-    common(e2e)
+    common(e2e, optional_id=True)
+    e2e.add_argument("--all", action="store_true", dest="all_candidates",
+                     help="every applied candidate: one baseline with all off, each candidate alone, then all together (N+2 runs)")
     e2e.add_argument("--cmd", required=True, help='your launch command, e.g. "python train.py --steps 50" (its program is looked up on the PATH of the child environment: --env PATH=... picks a venv)')
     e2e.add_argument("--steps", type=number(int, minimum=1, maximum=10**7), default=50, help="logged steps to compare (default 50); the run is stopped after them")
     e2e.add_argument("--timeout", type=number(float, above=0, maximum=1e7), default=3600.0, metavar="S", help="per run, seconds (default 3600)")
@@ -100,6 +109,13 @@ def run(args: argparse.Namespace) -> int:
         # The child runs in the repo root, not here: every path handed to it (probe settings,
         # counter files) must be absolute, so resolve the state folder once, up front.
         args.state_dir = str(Path(args.state_dir).resolve())
+        if args.check == "e2e" and args.all_candidates:
+            if args.id is not None:
+                raise UsageError("verify e2e: give a candidate id or --all, not both")
+            with lock(args.state_dir, verb="npufuse verify e2e --all"):
+                return _run_e2e_all(args)
+        if args.id is None:
+            raise UsageError("verify e2e: a candidate id is required (or --all)")
         if not Path(args.state_dir).is_dir():
             cand = load_candidate(args.id, args.state_dir, args.root)  # says what is missing
         with lock(args.state_dir, verb=f"npufuse verify {args.check}"):
@@ -142,12 +158,15 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
     opts = OpOptions(
         capture=args.capture, capture_timeout=args.capture_timeout, capture_max_mb=args.capture_max_mb, shell=args.shell,
         env=dict(args.env), shapes=args.shape, dtype=args.dtype, init={k: parse_literal(v) for k, v in args.init},
-        batch=args.batch, seq_len=args.seq_len, factor=args.factor, seed=args.seed, backend=args.backend,
+        batch=args.batch, seq_len=args.seq_len, factor=args.factor, seed=args.seed, backend=args.backend, autocast=args.autocast,
     )  # fmt: skip
     if opts.factor <= 0:
         raise UsageError("--factor must be positive")
     opts.input_notes = traced_notes
-    report = verify_op(cand, opts, _progress(args))
+    from npufuse.verify.op_python import capture_python, run_op_in
+
+    python = args.python or capture_python(args.capture, args.shell)
+    report = run_op_in(python, cand, opts, _progress(args)) if python else verify_op(cand, opts, _progress(args))
     if args.json:
         out = report.summary()
         out["checks"] = [c.to_json() for c in report.checks]
@@ -180,7 +199,9 @@ def _print_op(report: Any) -> None:
         print(f"note: {note}")
     for line in report.not_compared:
         print(line)
-    if report.passed:
+    if report.not_checked:
+        print(f"NOT CHECKED: {report.not_checked}")
+    elif report.passed:
         every = f"every compared tensor ({len(report.not_compared)} output(s) not compared, above)" if report.not_compared else "every tensor"
         print(f"PASSED: the seed criterion and the relative-error bound ({report.factor}× the original's own error) hold for {every}")
     else:
@@ -190,8 +211,8 @@ def _print_op(report: Any) -> None:
     print(f"results: {report.jsonl}")
 
 
-def _run_e2e(args: argparse.Namespace, cand: Any) -> int:
-    from npufuse.verify.e2e import E2EOptions, verify_e2e
+def _e2e_options(args: argparse.Namespace) -> Any:
+    from npufuse.verify.e2e import E2EOptions
 
     seed_env = dict(args.seed_env) if args.seed_env else {"PYTHONHASHSEED": "0"}
     if not 0 < args.ema <= 1:
@@ -204,6 +225,35 @@ def _run_e2e(args: argparse.Namespace, cand: Any) -> int:
         alpha=args.ema, warmup=max(0, args.warmup), n_boot=args.bootstrap, min_effect=args.min_effect, seed=args.seed,
         rerun_baseline=args.rerun_baseline, force=args.force, emulate=args.emulate,
     )  # fmt: skip
+    return opts
+
+
+def _run_e2e_all(args: argparse.Namespace) -> int:
+    from npufuse.verify.candidate import load_candidate, load_state
+    from npufuse.verify.e2e import verify_e2e_all
+
+    opts = _e2e_options(args)
+    ids = sorted(cid for cid, entry in load_state(Path(args.state_dir)).candidates.items() if entry.applied)
+    cands = [load_candidate(cid, args.state_dir, args.root) for cid in ids]
+    args.id = "all"
+    out = verify_e2e_all(cands, opts, _progress(args))
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(f"verify e2e --all: {out['runs']} runs (one baseline, {len(ids)} candidate(s) alone, one joint run)")
+        for r in out["results"]:
+            print(f"candidate {r['candidate']} alone: {r['status']}" + (f" — {r['verdict']}" if r["verdict"] else ""))
+        j = out["joint"]
+        print(f"joint run ({', '.join(map(str, ids))}): " + ("loss ok" if j["passed"] else f"FAILED: {j['reason']}"))
+        print(f"summary: {out['summary']}")
+    bad = [r for r in out["results"] if r["status"] in ("e2e_failed", "accuracy_failed") or "do not replace" in str(r["verdict"] or "")]
+    return 1 if bad or not out["joint"]["passed"] else 0
+
+
+def _run_e2e(args: argparse.Namespace, cand: Any) -> int:
+    from npufuse.verify.e2e import verify_e2e
+
+    opts = _e2e_options(args)
     result = verify_e2e(cand, opts, _progress(args))
     if args.json:
         print(json.dumps(result, indent=2, default=str))
@@ -216,5 +266,5 @@ def _run_e2e(args: argparse.Namespace, cand: Any) -> int:
             if name in runs:
                 print(f"{name}: {runs[name].get('jsonl')}")
         print(f"metrics: {result['metrics']}")
-    failed = result["status"] in ("e2e_failed", "accuracy_failed") or str(result["verdict"] or "").startswith("do not replace")
+    failed = result["status"] in ("e2e_failed", "accuracy_failed") or "do not replace" in str(result["verdict"] or "")
     return 1 if failed else 0

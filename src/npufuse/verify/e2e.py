@@ -99,9 +99,24 @@ def _paths(cand: Candidate, run: str) -> dict[str, Path]:
     }
 
 
-def _switch_plan(cand: Candidate) -> dict[str, Any]:
-    """How the baseline turns this site off and the fused run turns it on."""
+def _ids_of(value: str | None) -> list[str]:
+    return [x for x in (value or "").replace(" ", "").split(",") if x]
+
+
+def _switch_plan(cand: Candidate, opts: E2EOptions | None = None) -> dict[str, Any]:
+    """How the baseline turns this site off and the fused run turns it on: the site's own
+    switch (``_npufuse_site(ID)`` in its guard, driven by ``NPUFUSE_OFF``) when it has one, so
+    no other site changes; else the pattern's env switch; else torch_npu = None in the module."""
     assert cand.site is not None
+    if cand.site.site_switch is not None:
+        # the user's own NPUFUSE_OFF (other candidates they keep off) stays as it is in both runs
+        user_off = _ids_of((opts.env if opts else {}).get("NPUFUSE_OFF", os.environ.get("NPUFUSE_OFF")))
+        me = str(cand.site.site_switch)
+        others = [x for x in user_off if x != me]
+        off, on = ",".join([*others, me]), ",".join(others)
+        return {"kind": "site", "name": "NPUFUSE_OFF", "baseline_env": {"NPUFUSE_OFF": off}, "fused_env": {"NPUFUSE_OFF": on}, "disable_module": False,
+                "describe": f"the site's own switch: baseline NPUFUSE_OFF={off}, fused NPUFUSE_OFF={on or '(empty)'}; every other site as applied",
+                "off": f"NPUFUSE_OFF={off}", "on": f"NPUFUSE_OFF={on or '(empty)'}"}  # fmt: skip
     name = cand.site.env_switch
     if name:
         return {"kind": "env", "name": name, "baseline_env": {name: "0"}, "fused_env": {name: "1"}, "disable_module": False,
@@ -112,22 +127,35 @@ def _switch_plan(cand: Candidate) -> dict[str, Any]:
             "off": f"torch_npu = None in {cand.file}", "on": "as applied"}  # fmt: skip
 
 
-def _baseline_source_sha(cand: Candidate) -> str:
+def _only_plan(ids: list[int], run_ids: list[int], what: str) -> dict[str, Any]:
+    """``verify e2e --all``: the baseline with no candidate fused, a run with ``run_ids`` only."""
+    on = ",".join(map(str, run_ids))
+    return {"kind": "only", "name": "NPUFUSE_ONLY", "baseline_env": {"NPUFUSE_ONLY": "none"}, "fused_env": {"NPUFUSE_ONLY": on}, "disable_module": False,
+            "describe": f"{what}: baseline NPUFUSE_ONLY=none (candidates {', '.join(map(str, ids))} all off), this run NPUFUSE_ONLY={on}",
+            "off": "NPUFUSE_ONLY=none", "on": f"NPUFUSE_ONLY={on}"}  # fmt: skip
+
+
+def _baseline_source_sha(cand: Candidate, also: list[Candidate] = ()) -> str:  # type: ignore[assignment]
     """The candidate file's hash without this site's fused branch: the baseline never runs that
-    branch, so fixing (or breaking) it must not throw a completed baseline away."""
+    branch, so fixing (or breaking) it must not throw a completed baseline away. ``also``: the
+    other candidates the baseline turns off (``--all``), whose fused branches in this file go too."""
     try:
         text = cand.path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return ""
-    if cand.site is not None and cand.site.fused_text:
-        text = text.replace(cand.site.fused_text, "", 1)
+    for c in (cand, *also):
+        if c.site is not None and c.site.fused_text and c.path == cand.path:
+            text = text.replace(c.site.fused_text, "", 1)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def fingerprint(cand: Candidate, opts: E2EOptions, cwd: Path) -> str:
-    """What the baseline depends on: a change means it must be rerun."""
+def fingerprint(cand: Candidate, opts: E2EOptions, cwd: Path, plan: dict[str, Any] | None = None, also: list[Candidate] = ()) -> str:  # type: ignore[assignment]
+    """What the baseline depends on: a change means it must be rerun (which sites it turns off
+    included: a single candidate's baseline is not the --all baseline)."""
+    shas = sorted({str(c.path): _baseline_source_sha(c, [x for x in also if x is not c]) for c in (cand, *also)}.items())
     facts = {"cmd": opts.cmd, "shell": opts.shell, "cwd": str(cwd), "env": sorted(opts.env.items()), "seed_env": sorted(opts.seed_env.items()),
-             "log_regex": opts.log_regex, "file_sha256": _baseline_source_sha(cand), "emulate": opts.emulate}  # fmt: skip
+             "log_regex": opts.log_regex, "file_sha256": shas, "emulate": opts.emulate,
+             "baseline_env": sorted((plan or {}).get("baseline_env", {}).items())}  # fmt: skip
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -136,10 +164,14 @@ def _first_lines(lines: list[str], n: int = 8) -> str:
     return "\n".join(f"    {ln}" for ln in shown) if shown else "    (no output)"
 
 
-def run_once(cand: Candidate, opts: E2EOptions, run: str, cwd: Path, plan: dict[str, Any], monitor: stats.LossMonitor | None, progress: Progress | None) -> RunOutcome:
-    """One run of the command (baseline or fused): JSONL line by line, stop rules, counters."""
+def run_once(cand: Candidate, opts: E2EOptions, run: str, cwd: Path, plan: dict[str, Any], monitor: stats.LossMonitor | None, progress: Progress | None,
+             paths: dict[str, Path] | None = None, sites: list[Candidate] = (), label: dict[str, Any] | None = None) -> RunOutcome:  # type: ignore[assignment]
+    """One run of the command (baseline or fused): JSONL line by line, stop rules, counters.
+    ``paths``/``label``: where and as what its records go (``--all``'s shared runs); ``sites``:
+    candidates whose calls are counted apart (``counters["by_site"]``)."""
     assert cand.site is not None
-    paths = _paths(cand, run)
+    paths = paths or _paths(cand, run)
+    env_run = "baseline" if run == "baseline" else "fused"
     if paths["probe"].exists():
         shutil.rmtree(paths["probe"])
     paths["probe"].mkdir(parents=True)
@@ -152,10 +184,11 @@ def run_once(cand: Candidate, opts: E2EOptions, run: str, cwd: Path, plan: dict[
         "emulate": opts.emulate,
         "site": {"file": str(cand.path.resolve()), "lines": [cand.site.line, cand.site.end_line]},
         "disable_module": str(cand.path.resolve()) if (run == "baseline" and plan["disable_module"]) else None,
+        "sites": [{"id": c.id, "file": str(c.path.resolve()), "lines": [c.site.line, c.site.end_line]} for c in sites if c.site is not None],
     }
     cfg_path = paths["probe"] / "probe.json"
     cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
-    env = {**opts.seed_env, **opts.env, **plan[f"{run}_env"]}
+    env = {**opts.seed_env, **opts.env, **plan[f"{env_run}_env"]}
     child_env = runner.child_env(env, cfg_path, paths["probe"] / "site")
     parser = logparse.LogParser(opts.log_regex)
     records: dict[int, logparse.StepRecord] = {}
@@ -167,7 +200,10 @@ def run_once(cand: Candidate, opts: E2EOptions, run: str, cwd: Path, plan: dict[
             rec = parser.feed(line)
             if rec is None or rec.step is None:
                 return None
-            writer.write(logparse.record_json(cand.id, run, rec))
+            record = logparse.record_json(cand.id, run, rec)
+            if label is not None:  # a shared run: its own labels instead of one candidate's
+                record = {**label, **{k: v for k, v in record.items() if k != "candidate"}}
+            writer.write(record)
             records[rec.step] = rec
             if progress and (len(records) % every == 0 or len(records) == 1):
                 t = f", {rec.step_time:.4f} s/step" if rec.step_time is not None else ""
@@ -196,8 +232,8 @@ def run_once(cand: Candidate, opts: E2EOptions, run: str, cwd: Path, plan: dict[
     return RunOutcome(run, records, child, counters, parser.format, state["stop"], state["detail"])
 
 
-def _run_info(out: RunOutcome, cand: Candidate, status: str, fp: str, opts: E2EOptions) -> dict[str, Any]:
-    paths = _paths(cand, out.run)
+def _run_info(out: RunOutcome, cand: Candidate, status: str, fp: str, opts: E2EOptions, paths: dict[str, Path] | None = None) -> dict[str, Any]:
+    paths = paths or _paths(cand, out.run)
     c = out.counters
     return {
         "status": status,
@@ -244,9 +280,8 @@ def _reuse_baseline(cand: Candidate, ev: dict[str, Any], fp: str, opts: E2EOptio
     return out
 
 
-def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = None) -> dict[str, Any]:
-    """The whole e2e verification with its state transitions; returns the final evidence
-    (``{"e2e": ..., "perf": ..., "status": ..., "verdict": ...}``)."""
+def _precheck(cand: Candidate, opts: E2EOptions) -> Path:
+    """Refusals before any run (usage errors); returns the folder to run in."""
     if opts.steps <= opts.skip:
         raise UsageError(f"--steps {opts.steps} leaves nothing to compare after the first --skip {opts.skip} steps")
     status = cand.status
@@ -263,12 +298,25 @@ def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = No
     cwd = (opts.cwd or cand.root).resolve()
     if not cwd.is_dir():
         raise UsageError(f"--cwd {cwd}: not a folder")
-    plan = _switch_plan(cand)
-    fp = fingerprint(cand, opts, cwd)
+    return cwd
+
+
+def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = None, *, plan: dict[str, Any] | None = None,
+               shared_baseline: tuple[dict[int, logparse.StepRecord], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The whole e2e verification with its state transitions; returns the final evidence
+    (``{"e2e": ..., "perf": ..., "status": ..., "verdict": ...}``). ``plan``/``shared_baseline``:
+    set by :func:`verify_e2e_all` (this candidate alone against the baseline of all of them)."""
+    cwd = _precheck(cand, opts)
+    status = cand.status
+    plan = plan or _switch_plan(cand, opts)
+    fp = shared_baseline[1].get("fingerprint", "") if shared_baseline else fingerprint(cand, opts, cwd, plan)
     state = _entry_evidence(cand)
     ev: dict[str, Any] = dict(state.get("e2e") or {})
+    standing = op_standing(state, status, opts.force, bool(ev.get("forced")))
+    ev["op_check"] = standing
+    ev["forced"] = standing == "skipped (forced)"
     ev.update({"cmd": opts.cmd, "shell": opts.shell, "cwd": str(cwd), "env": opts.env, "seed_env": opts.seed_env, "steps_requested": opts.steps,
-               "switch": {k: plan[k] for k in ("kind", "name", "describe")},
+               "switch": {k: plan[k] for k in ("kind", "name", "describe")}, "mode": plan.get("mode", "single"),
                "thresholds": {"tolerance": opts.tolerance, "skip": opts.skip, "alpha": opts.alpha, "warmup": opts.warmup}})  # fmt: skip
     ev.setdefault("runs", {})
     for stale in ("loss", "passed", "reason", "proof"):
@@ -282,15 +330,18 @@ def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = No
             if verdict is not None:
                 entry.verdict = verdict
             if reasons is not None:
-                entry.reasons = [r for r in entry.reasons if r.startswith("op check")] + reasons
+                entry.reasons = [r for r in entry.reasons if r.startswith("op check") and r != FORCED_REASON] + reasons
 
         update_state(cand, mutate, status=status, note=note)
 
-    save("e2e_checking", "e2e started", verdict=None)
+    save("e2e_checking", "e2e started" + (" (forced: op check skipped)" if ev["forced"] else ""), verdict=None)
 
     # -- baseline
-    base = _reuse_baseline(cand, ev, fp, opts)
-    if base is not None:
+    base = _reuse_baseline(cand, ev, fp, opts) if shared_baseline is None else None
+    if shared_baseline is not None:
+        base, ev["runs"]["baseline"] = dict(shared_baseline[0]), dict(shared_baseline[1])
+        save(note="baseline: the shared run of verify e2e --all")
+    elif base is not None:
         if progress:
             progress(f"baseline: reusing the completed run ({len(base)} steps, {_paths(cand, 'baseline')['jsonl']})")
     else:
@@ -335,19 +386,20 @@ def verify_e2e(cand: Candidate, opts: E2EOptions, progress: Progress | None = No
         failure = check.reason
     if failure:
         ev.update({"passed": False, "reason": failure})
-        save("e2e_failed", failure[:300], verdict="do not replace: e2e", reasons=[f"e2e failed ({ev['backend']}): {failure}"])
+        save("e2e_failed", failure[:300], verdict="do not replace: e2e", reasons=([FORCED_REASON] if ev["forced"] else []) + [f"e2e failed ({ev['backend']}): {failure}"])
         return _result(cand, ev, None)
     ev.update({"passed": True, "reason": None})
     few = f"; only {opts.steps} steps (50+ recommended)" if opts.steps < MIN_RECOMMENDED_STEPS else ""
     loss_reason = (f"e2e loss ({ev['backend']}): {check.steps_compared} steps compared after {opts.skip}, max smoothed relative difference "
                    f"{check.max_rel_diff:.3%} (step {check.max_at_step}) ≤ {opts.tolerance:.1%}; fused branch ran "
                    f"({ev['proof']['fused_site_calls']} calls from the site, 0 in the baseline){few}")  # fmt: skip
-    save("perf_checking", "loss check passed", reasons=[loss_reason])
+    op_reason = [FORCED_REASON] if ev["forced"] else []
+    save("perf_checking", "loss check passed", reasons=op_reason + [loss_reason])
 
     # -- perf
     perf = _perf(base, fused, opts, ev, base_info)
-    verdict, perf_reason = _verdict(perf)
-    save("concluded", perf_reason[:300], verdict=verdict, reasons=[loss_reason, perf_reason], perf=perf)
+    verdict, perf_reason = _verdict(perf, standing)
+    save("concluded", perf_reason[:300], verdict=verdict, reasons=op_reason + [loss_reason, perf_reason], perf=perf)
     return _result(cand, ev, perf)
 
 
@@ -432,7 +484,37 @@ def _perf(base: dict[int, logparse.StepRecord], fused: dict[int, logparse.StepRe
     return perf
 
 
-def _verdict(perf: dict[str, Any]) -> tuple[str, str]:
+FORCED = "op check skipped (forced)"
+FORCED_REASON = f"{FORCED}: --force ran e2e without a passed op check; the loss curve is the only accuracy evidence"
+
+
+def op_standing(evidence: dict[str, Any], status: str, force: bool, forced_before: bool) -> str:
+    """Where the op check stands for an e2e run: "passed", "not applicable" (a fused optimizer:
+    e2e is its evidence) or "skipped (forced)" (``--force`` without a passed op check, or a rerun
+    of such a run while the op check still has not passed). A forced run never says "accuracy ok"."""
+    op = evidence.get("op") or {}
+    if op.get("skipped") and op.get("passed") is None:
+        return "not applicable"
+    op_passed = op.get("passed") is True and status not in ("pending", "accuracy_checking", "accuracy_failed")
+    if op_passed:
+        return "passed"
+    if status in ("pending", "accuracy_checking", "accuracy_failed") or op.get("outcome") in ("not checked", "failed"):
+        return "skipped (forced)"
+    if force or forced_before:
+        return "skipped (forced)"
+    return "passed"  # the state says the op check passed (its evidence is elsewhere, e.g. an older state)
+
+
+def _verdict(perf: dict[str, Any], standing: str = "passed") -> tuple[str, str]:
+    prefix = {"passed": "", "not applicable": "op check not applicable; ", "skipped (forced)": f"{FORCED}; "}.get(standing, f"{FORCED}; ")
+    verdict, reason = _speed_verdict(perf)
+    if not prefix:
+        return verdict, reason
+    # "accuracy ok" is the op check's word: without one the loss curve is all there is
+    return prefix + verdict.replace("accuracy ok", "loss ok"), reason
+
+
+def _speed_verdict(perf: dict[str, Any]) -> tuple[str, str]:
     backend = perf.get("backend")
     if perf.get("verdict") == "not measured":
         return "undecided: step time not measured", f"step time not measured: {perf.get('reason')}"
@@ -461,3 +543,110 @@ def _result(cand: Candidate, ev: dict[str, Any], perf: dict[str, Any] | None) ->
     entry = load_state(cand.state_dir).candidates[cand.id]
     return {"candidate": cand.id, "status": entry.status, "verdict": entry.verdict, "reasons": entry.reasons, "e2e": ev, "perf": perf,
             "metrics": str(cand.state_dir / f"e2e_{cand.id}_metrics.json")}  # fmt: skip
+
+
+# -- verify e2e --all ------------------------------------------------------------------------------
+
+
+def _all_paths(state_dir: Path, run: str) -> dict[str, Path]:
+    return {"jsonl": state_dir / f"e2e_all_{run}.jsonl", "log": state_dir / f"e2e_all_{run}.log", "probe": state_dir / f"e2e_all_{run}.probe"}
+
+
+def verify_e2e_all(cands: list[Candidate], opts: E2EOptions, progress: Progress | None = None) -> dict[str, Any]:
+    """``verify e2e --all``: N+2 runs for N accepted candidates instead of 2N. One baseline with
+    every candidate off (``NPUFUSE_ONLY=none``), then each candidate alone (``NPUFUSE_ONLY=<id>``,
+    its own verdict in its state entry, compared with that one baseline), then a joint run with
+    all of them on (``NPUFUSE_ONLY=<ids>``), compared with the same baseline. Each run is
+    labelled: ``run`` "baseline" / "fused" (alone) / "joint" in the JSONL, the state and
+    ``e2e_all.json``. Needs the per-candidate switch in every site's guard (``npufuse apply``
+    writes it); a site without one is refused with what to do."""
+    if not cands:
+        raise UsageError("verify e2e --all: no applied candidate in the state; run `npufuse apply --accept ...` first")
+    for c in cands:
+        assert c.site is not None
+        if c.site.site_switch is None:
+            raise UsageError(f"candidate {c.id} ({c.file}:{c.site.line}) has no per-candidate switch in its guard (applied by an older npufuse): "
+                             f"`npufuse revert {c.id}` and `npufuse apply --accept {c.id}` again, or verify it alone")  # fmt: skip
+    cwd = {_precheck(c, opts) for c in cands}
+    if len(cwd) != 1:
+        raise UsageError("verify e2e --all: the candidates are in different repositories; pass --cwd")
+    run_dir = cwd.pop()
+    ids = [c.id for c in cands]
+    first = cands[0]
+    sd = first.state_dir
+    summary_path = sd / "e2e_all.json"
+    base_plan = _only_plan(ids, ids, "joint run")
+    fp = fingerprint(first, opts, run_dir, base_plan, cands[1:])
+    summary: dict[str, Any] = {"candidates": ids, "cmd": opts.cmd, "runs": {}, "fingerprint": fp, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    def save_summary() -> None:
+        write_text_atomic(summary_path, json.dumps(summary, indent=1, default=str) + "\n")
+
+    # -- the one baseline: every candidate off
+    paths = _all_paths(sd, "baseline")
+    if progress:
+        progress(f"baseline run for candidates {', '.join(map(str, ids))} (NPUFUSE_ONLY=none): {opts.cmd}")
+    summary["runs"]["baseline"] = {"status": "running", "env": base_plan["baseline_env"]}
+    save_summary()
+    out = run_once(first, opts, "baseline", run_dir, base_plan, None, progress, paths=paths, sites=cands, label={"candidates": ids})
+    problem = _baseline_problem(out, opts, first)
+    info = _run_info(out, first, "failed" if problem else "complete", fp, opts, paths)
+    info["by_site"] = out.counters["by_site"]
+    summary["runs"]["baseline"] = {**info, "env": base_plan["baseline_env"]}
+    save_summary()
+    if problem:
+        _print_output(out)
+        raise UsageError(problem)
+    base = dict(sorted(out.records.items())[: opts.steps])
+    leaking = {cid: n for cid, n in out.counters["by_site"].items() if n}
+    if leaking:
+        raise UsageError(f"NPUFUSE_ONLY=none did not turn every candidate off: calls from candidate(s) {', '.join(sorted(leaking))} in the baseline "
+                         "(a guard edited by hand?)")  # fmt: skip
+
+    results: dict[int, Any] = {}
+    # -- each candidate alone, against that baseline
+    for c in cands:
+        own = _paths(c, "baseline")
+        with jsonl.JsonlWriter(own["jsonl"]) as writer:  # the shared baseline under the candidate's own name (report, merge-jsonl)
+            for rec in base.values():
+                writer.write({**logparse.record_json(c.id, "baseline", rec), "shared_baseline": ids})
+        c_info = {**info, "jsonl": str(own["jsonl"]), "site_calls": int(out.counters["by_site"].get(str(c.id), 0)), "shared": ids,
+                  "log": str(paths["log"])}  # fmt: skip
+        plan = {**_only_plan(ids, [c.id], f"candidate {c.id} alone"), "mode": "alone"}
+        if progress:
+            progress(f"candidate {c.id} alone (NPUFUSE_ONLY={c.id})")
+        results[c.id] = verify_e2e(c, opts, progress, plan=plan, shared_baseline=(base, c_info))
+        summary["runs"][f"alone_{c.id}"] = {"candidate": c.id, "status": results[c.id]["status"], "verdict": results[c.id]["verdict"],
+                                            "jsonl": str(_paths(c, "fused")["jsonl"]), "env": plan["fused_env"]}  # fmt: skip
+        save_summary()
+
+    # -- all of them together
+    joint_plan = _only_plan(ids, ids, "joint run")
+    paths = _all_paths(sd, "joint")
+    if progress:
+        progress(f"joint run (NPUFUSE_ONLY={','.join(map(str, ids))}): {opts.cmd}")
+    monitor = stats.LossMonitor(_losses(base), opts.tolerance, opts.skip, opts.alpha)
+    out = run_once(first, opts, "joint", run_dir, joint_plan, monitor, progress, paths=paths, sites=cands, label={"candidates": ids})
+    joint = dict(sorted(out.records.items())[: opts.steps])
+    failure = _fused_problem(out, opts, first, summary["runs"]["baseline"])
+    silent = [str(c.id) for c in cands if not out.counters["by_site"].get(str(c.id))]
+    if failure is None and silent:
+        failure = f"fused branch of candidate(s) {', '.join(silent)} never executed in the joint run"
+    check = stats.compare_losses(_losses(base), _losses(joint), opts.tolerance, opts.skip, opts.alpha, min_steps=1)
+    if failure is None and not check.passed:
+        failure = check.reason
+    jinfo = _run_info(out, first, "failed" if failure else "complete", fp, opts, paths)
+    jinfo.update({"by_site": out.counters["by_site"], "env": joint_plan["fused_env"], "passed": failure is None, "reason": failure,
+                  "loss": (check if not (out.stop in ("loss", "nonfinite")) else monitor.check).to_json()})  # fmt: skip
+    summary["runs"]["joint"] = jinfo
+    summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save_summary()
+    joint_line = (f"joint run (all of {', '.join(map(str, ids))} fused, {jinfo['backend']}): "
+                  + (f"loss within {opts.tolerance:.1%} of the baseline (max smoothed relative difference {check.max_rel_diff:.3%})" if failure is None else f"failed: {failure}"))  # fmt: skip
+    for c in cands:
+        def mutate(entry: Any, line: str = joint_line) -> None:
+            entry.evidence["e2e_joint"] = {"candidates": ids, "passed": failure is None, "reason": failure, "jsonl": str(paths["jsonl"]), "summary": str(summary_path)}
+            entry.reasons = [r for r in entry.reasons if not r.startswith("joint run")] + [line]
+
+        update_state(c, mutate, note="joint run " + ("passed" if failure is None else "failed"))
+    return {"candidates": ids, "results": [results[i] for i in ids], "joint": jinfo, "summary": str(summary_path), "runs": len(ids) + 2}

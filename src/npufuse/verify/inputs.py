@@ -203,6 +203,8 @@ class CallInputs:
     shapes: dict[str, Any] = field(default_factory=dict)  # name -> [shape, dtype], for the report
     arg_names: list[str] = field(default_factory=list)  # parameter name of each positional argument
     grad_flags: dict[str, bool] = field(default_factory=dict)  # leaf path -> backpropagate into it
+    # the autocast region the captured call ran in ("bfloat16" / "float16"), replayed by the op check
+    autocast: str | None = None
 
     def named_leaves(self, args: list[Any], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
         """Floating tensors of (a copy of) the arguments that get gradients, by parameter path."""
@@ -543,7 +545,11 @@ def from_capture(path: Path, module: types.ModuleType, target: Target, values: d
     described.update({k: _describe(v) for k, v in kwargs.items()})
     if not any(flags.values()) and flags:
         notes.append("no captured input required grad: only parameter gradients are checked")
-    return CallInputs(args, kwargs, instance, "capture", lp, notes, described, names[: len(args)], flags)
+    amp = payload.get("autocast")
+    amp_dtype = amp.get("dtype") if isinstance(amp, dict) and amp.get("enabled") and amp.get("dtype") in DTYPES else None
+    if amp_dtype:
+        notes.append(f"the captured call ran under autocast ({amp_dtype}): the original and fused runs replay it")
+    return CallInputs(args, kwargs, instance, "capture", lp, notes, described, names[: len(args)], flags, autocast=amp_dtype)
 
 
 def clone_inputs(inputs: CallInputs, dtype: torch.dtype | None) -> tuple[list[Any], dict[str, Any], Any]:

@@ -107,6 +107,7 @@ class OpOptions:
     seed: int = 0
     backend: str = "auto"  # auto | emulated (tests; "real" needs an NPU)
     input_notes: list[str] = field(default_factory=list)  # where the inputs came from (npufuse trace)
+    autocast: str | None = None  # the autocast pass's dtype; "off": none; None: bfloat16 when the scan saw autocast
 
 
 @dataclass
@@ -193,19 +194,41 @@ class RunResult:
 
 
 class Switcher:
-    """Turns one site's fused branch on or off (env switch, else the module's torch_npu global)."""
+    """Turns one site's fused branch on or off: its own per-candidate switch (``NPUFUSE_OFF`` /
+    ``NPUFUSE_ONLY``, read by ``_npufuse_site``) when the guard has one, plus the env switch;
+    without either, the module's torch_npu global."""
 
-    def __init__(self, module: Any, env_name: str | None, npu_module: Any) -> None:
-        self.module, self.env_name, self.npu_module = module, env_name, npu_module
+    _SITE_VARS = ("NPUFUSE_OFF", "NPUFUSE_ONLY")
+
+    def __init__(self, module: Any, env_name: str | None, npu_module: Any, site_id: int | None = None) -> None:
+        self.module, self.env_name, self.npu_module, self.site_id = module, env_name, npu_module, site_id
         self.saved_env = os.environ.get(env_name) if env_name else None
+        self.saved_site = {k: os.environ.get(k) for k in self._SITE_VARS}
+
+    @staticmethod
+    def _ids(value: str | None) -> list[str]:
+        return [x for x in (value or "").replace(" ", "").split(",") if x]
 
     def set(self, on: bool) -> None:
+        if self.site_id is not None:
+            me = str(self.site_id)
+            off = [x for x in self._ids(self.saved_site["NPUFUSE_OFF"]) if x != me] + ([] if on else [me])
+            os.environ["NPUFUSE_OFF"] = ",".join(off)
+            only = self.saved_site["NPUFUSE_ONLY"]
+            if only is not None and on and me not in self._ids(only):
+                os.environ["NPUFUSE_ONLY"] = ",".join([*self._ids(only), me])
         if self.env_name:
             os.environ[self.env_name] = "1" if on else "0"
-        else:
+        elif self.site_id is None:
             self.module.torch_npu = self.npu_module if on else None
 
     def restore(self) -> None:
+        if self.site_id is not None:
+            for k, v in self.saved_site.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if self.env_name:
             if self.saved_env is None:
                 os.environ.pop(self.env_name, None)
@@ -216,7 +239,9 @@ class Switcher:
 
 
 def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, device: str, seed: int, cotangent_seed: int, counter: SiteCounter, do_backward: bool, trace: LineTrace | None = None,
-         no_cotangent: frozenset[str] = frozenset()) -> RunResult:  # fmt: skip
+         no_cotangent: frozenset[str] = frozenset(), amp: torch.dtype | None = None) -> RunResult:  # fmt: skip
+    """One call of the target (and its backward). ``amp``: the forward runs inside
+    ``torch.autocast(<device>, dtype=amp)``, as a training step under AMP runs it."""
     args, kwargs, instance = inp.clone_inputs(inputs, dtype)
     if device != "cpu":
         args, kwargs = _to(args, device), _to(kwargs, device)
@@ -231,7 +256,8 @@ def _run(target: inp.Target, inputs: inp.CallInputs, dtype: torch.dtype | None, 
     lines_before = trace.hits if trace is not None else 0
     torch.manual_seed(seed)
     call_args = ([instance] if target.owner is not None else []) + list(args)
-    with trace if trace is not None else contextlib.nullcontext():
+    region = torch.autocast(device.split(":")[0], dtype=amp) if amp is not None else contextlib.nullcontext()
+    with trace if trace is not None else contextlib.nullcontext(), region:
         out = target.fn(*call_args, **kwargs)
     outs = _flatten(out)
     result = RunResult(outs, {})
@@ -435,6 +461,16 @@ class OpReport:
     # outputs the fused branch is designed not to produce (attention probabilities) and returned
     # as None: "<output> (<variable>): not compared: <reason>"
     not_compared: list[str] = field(default_factory=list)
+    # why nothing was compared (no floating-point output or gradient): then the check is "not
+    # checked", never passed: zero compared tensors prove nothing
+    not_checked: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """"passed" | "failed" | "not checked"."""
+        if self.not_checked:
+            return "not checked"
+        return "passed" if self.passed else "failed"
 
     def summary(self) -> dict[str, Any]:
         worst = max((c for c in self.checks if c.max_rel is not None), key=lambda c: c.max_rel or 0, default=None)
@@ -447,6 +483,8 @@ class OpReport:
             "file": self.file,
             "backend": self.backend,
             "passed": self.passed,
+            "outcome": self.outcome,
+            "not_checked": self.not_checked,
             "reasons": self.reasons,
             "factor": self.factor,
             "seed_criterion": f"cosine > {SEED_COSINE} or max_abs < {SEED_MAX_ABS}",
@@ -482,7 +520,7 @@ def run_op_check(cand: Candidate, opts: OpOptions, capture_path: Path | None = N
                 # golden it is zero, and any reordered reduction in a small, cancelling row fails);
                 # float32 on an NPU, whose float64 kernels are missing or slow
                 golden_dtype = torch.float64 if inputs.dtype == torch.float64 or device == "cpu" else torch.float32
-                switch = Switcher(module, cand.site.env_switch, npu_module)
+                switch = Switcher(module, cand.site.env_switch, npu_module, cand.site.site_switch)
                 try:
                     return _three_runs(cand, opts, target, inputs, golden_dtype, device, label, counter, switch)
                 finally:
@@ -501,6 +539,9 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     # returns None there); known before any run, so that no run backpropagates through them
     unproduced = cand.not_produced()
     skip = frozenset(unproduced)
+    # the autocast region the captured call ran in: the low-precision runs replay it (the golden
+    # never: it is the float64 truth)
+    replay = inp.parse_dtype(inputs.autocast) if inputs.autocast else None
     switch.set(False)
     try:
         try:
@@ -509,7 +550,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
             if golden_dtype != torch.float64 or inputs.dtype == torch.float64:
                 raise
             golden = _run(target, inputs, torch.float32, device, seed, cot, counter, True, trace, skip)  # code that will not run in float64
-        orig = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip)
+        orig = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip, replay)
     except UsageError:
         raise
     except SystemExit as exc:  # the "function" is a script's main(): argparse, sys.exit
@@ -520,7 +561,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     off_calls = golden.site_calls + orig.site_calls
     switch.set(True)
     try:
-        fused = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip)
+        fused = _run(target, inputs, None, device, seed, cot, counter, True, trace, skip, replay)
     except (Exception, SystemExit) as exc:
         fused = None
         reasons.append(f"the fused branch raised {type(exc).__name__}: {exc}")
@@ -533,7 +574,7 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
     if fused is not None:
         try:
             with torch.no_grad():
-                inference = _run(target, inputs, None, device, seed, cot, counter, False, trace, skip)
+                inference = _run(target, inputs, None, device, seed, cot, counter, False, trace, skip, replay)
         except (Exception, SystemExit) as exc:
             reasons.append(f"the fused branch raised {type(exc).__name__} under torch.no_grad() (the inference path): {exc}")
     checks: list[TensorCheck] = []
@@ -590,10 +631,20 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
                     checks.append(TensorCheck(f"grad {name}", kind, list(gg.shape), "", str(gg.dtype), problem="no gradient reaches it through the fused branch (the original has one)"))
                     continue
                 checks.append(compare(f"grad {name}", kind, gg, og, fg, opts.factor, False))
+        amp = _amp_for(cand, opts, inputs) if replay is None else None
+        if amp is not None:
+            checks += _autocast_pass(target, inputs, golden, amp, device, seed, cot, counter, trace, unproduced, switch, opts.factor, cand.pattern in ROWWISE_PATTERNS, reasons)
         for c in checks:
             if c.problem:
                 reasons.append(f"{c.name}: {c.problem}")
-    passed = not reasons
+    not_checked = None
+    compared = [c for c in checks if c.cosine is not None or c.problem]
+    if not reasons and not compared:
+        produced = ", ".join(f"{n} ({str(t.dtype).replace('torch.', '')})" for n, t in orig.outputs[:4]) or "no tensor"
+        not_checked = (f"0 tensors compared: {target.qualname} returned {produced} and no gradient reaches its inputs, so no "
+                       "floating-point value of the fused branch was compared; check a function that returns the site's "
+                       "floating-point result (e.g. the module's forward) or use --capture on a training command")  # fmt: skip
+    passed = not reasons and not_checked is None
     notes = []
     relative = [c.name for c in checks if c.seed_relative]
     if relative:
@@ -602,7 +653,46 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
                      f"{str(inputs.dtype).replace('torch.', '')}): those are judged by cosine distance relative to the original")  # fmt: skip
     if skip and backward == "checked":
         backward = f"checked (through the outputs the fused branch produces; not through {', '.join(sorted(skip))})"
-    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=opts.input_notes + notes, not_compared=not_compared)
+    return OpReport(cand.id, cand.pattern, cand.qualname, cand.file, label, passed, reasons, checks, inputs.describe(), calls, opts.factor, backward, notes=opts.input_notes + notes,
+                    not_compared=not_compared, not_checked=not_checked)  # fmt: skip
+
+
+def _amp_for(cand: Candidate, opts: OpOptions, inputs: inp.CallInputs) -> torch.dtype | None:
+    """The autocast dtype of the op check's autocast pass: ``--autocast``, else bfloat16 when the
+    scan found the site (or the repo) running under autocast; None: no such pass."""
+    if opts.autocast:
+        return None if opts.autocast == "off" else inp.parse_dtype(opts.autocast)
+    if any(isinstance(r, dict) and r.get("kind") == "autocast" for r in cand.scan.get("risks") or []):
+        return torch.bfloat16
+    return None
+
+
+def _autocast_pass(target: inp.Target, inputs: inp.CallInputs, golden: RunResult, amp: torch.dtype, device: str, seed: int, cot: int, counter: SiteCounter,
+                   trace: LineTrace | None, unproduced: dict[str, tuple[str, str]], switch: "Switcher", factor: float, rowwise: bool, reasons: list[str]) -> list[TensorCheck]:  # fmt: skip
+    """The matrix's autocast row: float32 inputs and parameters (as AMP training keeps them), the
+    original and the fused forward inside ``torch.autocast(dtype=amp)``, both against the same
+    float64 golden; the fused output must come out in the dtype the original's ops give there."""
+    label = f" (autocast {str(amp).replace('torch.', '')})"
+    skip = frozenset(unproduced)
+    switch.set(False)
+    try:
+        orig = _run(target, inputs, torch.float32, device, seed, cot, counter, False, trace, skip, amp)
+    except Exception as exc:  # the original itself does not run under autocast: nothing to hold the fused branch to
+        reasons.append(f"autocast pass{label}: the original raised {type(exc).__name__}: {exc}")
+        return []
+    finally:
+        switch.set(True)
+    try:
+        fused = _run(target, inputs, torch.float32, device, seed, cot, counter, False, trace, skip, amp)
+    except Exception as exc:
+        reasons.append(f"the fused branch raised {type(exc).__name__} under autocast{label}: {exc}")
+        return []
+    gold, orig_outs, _excused = _excuse_unproduced(golden.outputs, orig.outputs, fused.outputs, unproduced)
+    structure = _structure_problem(orig_outs, fused.outputs)
+    if structure:
+        reasons.append(f"under autocast{label} {structure}")
+        return []
+    return _compare_outputs(gold, orig_outs, fused.outputs, factor, rowwise, label)
 
 
 def _excuse_unproduced(golden: list[tuple[str, torch.Tensor]], orig: list[tuple[str, torch.Tensor]], fused: list[tuple[str, torch.Tensor]],
@@ -753,12 +843,18 @@ def verify_op(cand: Candidate, opts: OpOptions, progress: Any = None) -> OpRepor
                 else f"op check passed ({report.backend}); backward {report.backward}"
             )
             entry.reasons += report.not_compared  # shown with the verdict (status, report html)
+        elif report.not_checked:
+            entry.verdict = "not checked: op check compared 0 tensors"
+            entry.reasons = [f"op check not checked ({report.backend}): {report.not_checked}"]
         else:
             entry.verdict = "do not replace: accuracy"
             entry.reasons = [f"op check failed ({report.backend}): {r}" for r in report.reasons]
 
     if report.passed:
         update_state(cand, mutate, status="e2e_checking", note="op check passed")
+    elif report.not_checked:
+        # no evidence either way: the candidate stays where an op check has not passed yet
+        update_state(cand, mutate, status="pending", note="op check compared 0 tensors: not checked")
     else:
         update_state(cand, mutate, status="accuracy_failed", note="; ".join(report.reasons)[:300])
     return report

@@ -57,9 +57,24 @@ class SiteCounter:
         self.site_calls: Counter = Counter()  # api -> calls from the site's lines
         self._is_site_file: dict[str, bool] = {}
         self.on_first_site_call: Callable[[], None] | None = None
+        # more sites, counted apart (``verify e2e --all``: one run proves which candidates ran)
+        self.sites: list[tuple[str, str, int, int]] = []  # (id, realpath, first, last)
+        self.by_site: Counter = Counter()  # id -> calls from that site's lines
+        self._real: dict[str, str] = {}
+
+    def add_sites(self, sites: list[dict[str, Any]]) -> None:
+        for s in sites:
+            self.sites.append((str(s["id"]), os.path.realpath(s["file"]), int(s["lines"][0]), int(s["lines"][1])))
 
     def hit(self, api: str, filename: str, lineno: int) -> None:
         self.calls[api] += 1
+        if self.sites:
+            real = self._real.get(filename)
+            if real is None:  # realpath once per code file name, not per call
+                real = self._real[filename] = os.path.realpath(filename)
+            for sid, path, lo, hi in self.sites:
+                if lo <= lineno <= hi and path == real:
+                    self.by_site[sid] += 1
         if self.site_file is None or self.lines is None:
             return
         known = self._is_site_file.get(filename)
@@ -234,6 +249,7 @@ class ChildProbe:
         site = cfg.get("site") or {}
         self.counter = SiteCounter(site.get("file"), tuple(site["lines"]) if site.get("lines") else None)
         self.counter.on_first_site_call = self.write
+        self.counter.add_sites([x for x in cfg.get("sites") or [] if isinstance(x, dict)])
         self.backend = "none"  # set when torch_npu is imported: "emulated" | "real"
         self.emulation = None
         self._emu_cm = None
@@ -254,6 +270,7 @@ class ChildProbe:
             "backend": self.backend,
             "calls": dict(self.counter.calls),
             "site_calls": dict(self.counter.site_calls),
+            "by_site": dict(self.counter.by_site),
             "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
             "notes": self.notes,
         }
@@ -482,6 +499,17 @@ def _simple(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def _autocast_state(torch: Any, values: list[Any]) -> dict[str, Any]:
+    """Whether the call runs inside an autocast region for its tensors' device, and its dtype."""
+    kind = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+    try:
+        enabled = bool(torch.is_autocast_enabled(kind))
+        dtype = str(torch.get_autocast_dtype(kind)).replace("torch.", "") if enabled else None
+    except (TypeError, AttributeError, RuntimeError):  # an older torch: no per-device query
+        return {"enabled": None, "device": kind}
+    return {"enabled": enabled, "dtype": dtype, "device": kind}
+
+
 def save_capture(out: Path, is_method: bool, args: tuple, kwargs: dict, max_bytes: int, qualname: str) -> None:
     """Save the call with ``torch.save``: tensors by value while under ``max_bytes`` in all (then
     by shape/dtype/mean/std), other arguments as they pickle, a method's ``self`` whole when it
@@ -523,6 +551,7 @@ def save_capture(out: Path, is_method: bool, args: tuple, kwargs: dict, max_byte
         "args": [pack(a) for a in call_args],
         "kwargs": {k: pack(v) for k, v in kwargs.items()},
         "grad_enabled": torch.is_grad_enabled(),
+        "autocast": _autocast_state(torch, list(call_args) + list(kwargs.values())),
     }
     if is_method:
         obj = args[0]
@@ -562,7 +591,7 @@ def child_main() -> None:
 
 def read_counters(out_dir: Path) -> dict[str, Any]:
     """Sum the ``calls_<pid>.json`` files of one run: calls, site calls, backend, peak memory."""
-    total: dict[str, Any] = {"processes": 0, "backend": "none", "calls": Counter(), "site_calls": Counter(), "emulator_calls": Counter(), "maxrss_bytes": None, "npu_max_memory_allocated": None, "site_module_imported": False, "errors": [], "notes": []}
+    total: dict[str, Any] = {"processes": 0, "backend": "none", "calls": Counter(), "site_calls": Counter(), "by_site": Counter(), "emulator_calls": Counter(), "maxrss_bytes": None, "npu_max_memory_allocated": None, "site_module_imported": False, "errors": [], "notes": []}
     backends = set()
     for f in sorted(Path(out_dir).glob("calls_*.json")):
         try:
@@ -574,6 +603,7 @@ def read_counters(out_dir: Path) -> dict[str, Any]:
             backends.add(d["backend"])
         total["calls"].update(d.get("calls", {}))
         total["site_calls"].update(d.get("site_calls", {}))
+        total["by_site"].update({str(k): int(v) for k, v in (d.get("by_site") or {}).items() if isinstance(v, int)})
         total["emulator_calls"].update(d.get("emulator_calls", {}))
         total["site_module_imported"] = total["site_module_imported"] or bool(d.get("site_module_imported"))
         total["notes"] += [n for n in d.get("notes", []) if n not in total["notes"]]
@@ -586,6 +616,6 @@ def read_counters(out_dir: Path) -> dict[str, Any]:
         except OSError:
             pass
     total["backend"] = "+".join(sorted(backends)) if backends else "none"
-    for key in ("calls", "site_calls", "emulator_calls"):
+    for key in ("calls", "site_calls", "by_site", "emulator_calls"):
         total[key] = dict(total[key])
     return total

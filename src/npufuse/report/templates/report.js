@@ -91,6 +91,13 @@
     var hasDiff = s.rel_diff_pct.some(function (v) { return v != null; });
     var series = [{ label: "step" }, line("baseline", COLORS.baseline), line("fused", COLORS.fused)];
     var data = [s.steps, s.baseline_loss, s.fused_loss];
+    var bands;
+    if (s.band_lo && s.band_hi) {  // the tolerance band around the baseline, under the curves
+      series.push(line("baseline − tol", COLORS.diff, { width: 0.5, stroke: rgb(COLORS.diff, 0.35) }));
+      series.push(line("baseline + tol", COLORS.diff, { width: 0.5, stroke: rgb(COLORS.diff, 0.35) }));
+      data.push(s.band_lo, s.band_hi);
+      bands = [{ series: [4, 3], fill: rgb(COLORS.diff, 0.15) }];
+    }
     var axes = [{ label: "step" }, { label: "loss" }];
     var scales = { x: { time: false } };
     if (hasDiff) {
@@ -100,7 +107,9 @@
       // symmetric around 0 and at least ±0.5 %, so a flat zero line does not fill the chart
       scales.pct = { range: function (u, lo, hi) { var m = Math.max(0.5, Math.abs(lo || 0), Math.abs(hi || 0)) * 1.15; return [-m, m]; } };
     }
-    makeChart(el, { scales: scales, series: series, axes: axes }, data);
+    var opts = { scales: scales, series: series, axes: axes };
+    if (bands) opts.bands = bands;
+    makeChart(el, opts, data);
   }
 
   function stepTimeChart(el, c) {
@@ -149,6 +158,8 @@
     if (c && f) f(el, c);
   });
   mark();
+  // the page's own width after layout (tests: no horizontal overflow at 1280 px)
+  body.setAttribute("data-scroll-width", String(document.documentElement.scrollWidth));
   window.addEventListener("resize", function () {
     charts.forEach(function (pair) { pair[1].setSize({ width: chartWidth(pair[0]), height: pair[1].height }); });
   });
