@@ -43,13 +43,23 @@ _OPTIMIZERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "AdamW": ("NpuFusedAdamW", ("lr", "betas", "eps", "weight_decay", "amsgrad")),
     "Adam": ("NpuFusedAdam", ("lr", "betas", "eps", "weight_decay", "amsgrad")),
     "SGD": ("NpuFusedSGD", ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
+    # same constructor and defaults as torch.optim's (spec §10); torch's extra keywords
+    # (foreach, capturable, maximize, differentiable) are near misses like everywhere else
+    "Adadelta": ("NpuFusedAdadelta", ("lr", "rho", "eps", "weight_decay")),
+    "RMSprop": ("NpuFusedRMSprop", ("lr", "alpha", "eps", "weight_decay", "momentum", "centered")),
 }
+# torch.optim classes torch_npu.optim has no fused class for (its fused classes: spec §10; LAMB,
+# AdamP, BertAdam and RMSpropTF there follow other libraries' math, not a torch.optim class)
+_NO_FUSED = ("Adagrad", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "LBFGS", "SparseAdam")
 _CANONICAL = {
     **{f"torch.optim.{k}": k for k in _OPTIMIZERS},
     "torch.optim.adamw.AdamW": "AdamW",
     "torch.optim.adam.Adam": "Adam",
     "torch.optim.sgd.SGD": "SGD",
+    "torch.optim.adadelta.Adadelta": "Adadelta",
+    "torch.optim.rmsprop.RMSprop": "RMSprop",
 }
+_NO_FUSED_NAMES = {f"torch.optim.{k}": k for k in _NO_FUSED} | {f"torch.optim.{k.lower()}.{k}": k for k in _NO_FUSED}
 _UNSUPPORTED_KW = ("foreach", "fused", "capturable", "maximize", "differentiable", "decoupled_weight_decay")
 # Names that mean parameters get flattened, sharded or re-allocated behind the optimizer's back.
 _SHARDING = ("FullyShardedDataParallel", "FSDP", "fully_shard", "deepspeed", "ZeroRedundancyOptimizer",
@@ -59,6 +69,8 @@ _STEP_COST = {  # fused bytes, single-tensor bytes, single-tensor kernels per te
     "AdamW": (28, 80, 10),
     "Adam": (28, 80, 10),
     "SGD": (20, 40, 4),
+    "Adadelta": (28, 80, 10),  # two state tensors, like Adam
+    "RMSprop": (20, 48, 6),  # one state tensor (square average), more with momentum/centered
 }
 
 
@@ -78,6 +90,12 @@ class FusedOptimizer(Pattern):
             calls = _optimizer_calls(module, stmt)
             for call in calls:
                 yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname))
+            for call in _unfusable_calls(module, stmt):
+                kind = _NO_FUSED_NAMES[module.canonical(call.func) or ""]
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                               f"torch_npu.optim has no fused counterpart of torch.optim.{kind} (its fused classes: "
+                               f"{', '.join(v[0] for v in _OPTIMIZERS.values())}, and LAMB/AdamP/BertAdam/RMSpropTF "
+                               "with other libraries' math); switching algorithms changes training")
             if not calls:
                 chosen = _class_chosen_at_run_time(module, scope, stmt)
                 if chosen is not None:
@@ -100,8 +118,12 @@ def _relevant(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_optim_relevant")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_optim_relevant"] = any(k in src for k in _OPTIMIZERS) and ("optim" in src)
+        cached = module.__dict__["_npufuse_optim_relevant"] = any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)
     return bool(cached)
+
+
+def _unfusable_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
+    return [n for n in fast_walk(stmt) if isinstance(n, ast.Call) and module.canonical(n.func) in _NO_FUSED_NAMES]
 
 
 def _optimizer_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
@@ -449,9 +471,29 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # a fresh generator: the user's own iterator is never touched
         return f"next({model}.parameters(), None)", ""
     if isinstance(params, ast.Name):
-        # materialise the opaque iterable once: both branches then get the same list
-        return f"next(iter(({params.id} := list({params.id}))), None)", ""
+        # materialise the opaque iterable once: both branches then get the same list (torch.optim
+        # lists it too). It may hold param-group dicts: their first listed tensor is the guard; a
+        # group's generator is never touched (no tensor: the original runs)
+        n = params.id
+        # (a lambda: an assignment expression may not be a comprehension's iterable)
+        return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
+                f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({n} := list({n}))"), ""
+    first = _first_group_params(params)
+    if first is not None:
+        # ``[{"params": decay, ...}, ...]`` of opaque names: the first group's list is materialised
+        # once (torch.optim lists each group's params too) and its first tensor is the guard
+        return f"next(iter(({first} := list({first}))), None)", ""
     return None, f"the params come from `{segment(module, params)[:50]}`: no parameter tensor to guard on without consuming it"
+
+
+def _first_group_params(params: ast.expr) -> Optional[str]:
+    """``a`` of an inline ``[{"params": a, ...}, ...]`` (the first group's params, a plain name)."""
+    if not (isinstance(params, (ast.List, ast.Tuple)) and params.elts and isinstance(params.elts[0], ast.Dict)):
+        return None
+    for k, v in zip(params.elts[0].keys, params.elts[0].values):
+        if isinstance(k, ast.Constant) and k.value == "params" and isinstance(v, ast.Name):
+            return v.id
+    return None
 
 
 def _target_names(stmt: ast.stmt) -> set[str]:
@@ -1176,4 +1218,71 @@ FusedOptimizer.KEEP = [
     Keep(_KEEP_LIST_GRAD_ASSIGNED, reason="grads are re-allocated", name="list_params_grad_assigned_each_step"),
     Keep(_KEEP_CLASS_CHOSEN, reason="chosen at run time", name="optimizer_class_chosen_at_run_time"),
     Keep(_KEEP_FIXTURE_BF16, reason="bf16 parameters unsupported", name="pytest_fixture_bf16_model"),
+]
+
+
+# -- issue 14, class 5: every torch.optim class torch_npu.optim has; param groups as arguments ----
+
+_ADADELTA = _NET + '''
+
+def build(model):
+    return torch.optim.Adadelta(model.parameters(), lr=1.0, rho=0.95, weight_decay=1e-4)
+'''
+
+_RMSPROP_ALIAS = _NET + '''
+import torch.optim as optim
+
+
+def build(model):
+    opt = optim.RMSprop(model.parameters(), lr=1e-2, alpha=0.9, momentum=0.5, centered=True)
+    return opt
+'''
+
+_GROUPS_ARGUMENT = _NET + '''
+
+def make_optimizer(groups, lr):
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def build(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return make_optimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], 3e-3)
+'''
+
+_GROUPS_LITERAL_OF_ARGUMENTS = _NET + '''
+
+def make_optimizer(decay, no_decay, lr=3e-3):
+    return torch.optim.Adam([{"params": decay, "weight_decay": 0.01}, {"params": no_decay}], lr=lr)
+
+
+def build(model):
+    ps = list(model.parameters())
+    return make_optimizer((p for p in ps if p.dim() >= 2), (p for p in ps if p.dim() < 2))
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_ADADELTA, name="adadelta", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.Adadelta", "fused_class": "torch_npu.optim.NpuFusedAdadelta",
+        "args": {"lr": "1.0", "rho": "0.95", "weight_decay": "1e-4"}, "guard": "fresh_generator"}),
+    Fuse(_RMSPROP_ALIAS, name="rmsprop_module_alias_centered", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.RMSprop", "fused_class": "torch_npu.optim.NpuFusedRMSprop",
+        "args": {"lr": "1e-2", "alpha": "0.9", "momentum": "0.5", "centered": "True"}}),
+    Fuse(_GROUPS_ARGUMENT, name="param_groups_passed_as_an_argument", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "params": "groups", "guard": "materialised_list", "qualname": "make_optimizer"}),
+    Fuse(_GROUPS_LITERAL_OF_ARGUMENTS, name="param_group_literal_of_generator_arguments", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.Adam", "param_groups": True, "guard": "materialised_list"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_NET + '''
+
+def build(model):
+    return torch.optim.Adagrad(model.parameters(), lr=1e-2)
+''', reason="no fused counterpart of torch.optim.Adagrad", name="adagrad_has_no_fused_class"),
+    Keep(_NET + '''
+
+def build(model):
+    return torch.optim.RMSprop(model.parameters(), lr=1e-2, foreach=True)
+''', reason="`foreach=` is not supported by torch_npu.optim.NpuFusedRMSprop", name="rmsprop_foreach"),
 ]
