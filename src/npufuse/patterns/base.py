@@ -117,6 +117,11 @@ class Pattern:
         """Yield findings and near misses inside ``scope`` (one function body or the module body)."""
         raise NotImplementedError
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "detect" in cls.__dict__:
+            cls.detect = _outside_compiled_code(cls.__dict__["detect"])  # type: ignore[method-assign]
+
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         """Value estimate: ``{"bound": ..., "estimate": "...", ...}``; ``config`` holds shapes read
         from the repo's config (hidden_size, num_attention_heads, ...), possibly empty."""
@@ -126,6 +131,26 @@ class Pattern:
     def reference(*args: Any, **kwargs: Any) -> Any:
         """Eager ground truth of what the matched code computes (used by op checks and benches)."""
         raise NotImplementedError
+
+
+def _outside_compiled_code(detect: Any) -> Any:
+    """Every pattern's ``detect``, with findings in TorchScript-compiled code turned into near
+    misses (:mod:`npufuse.patterns._compiled`): one rule for all patterns, applied where each
+    detector's results come out, so the scan and the examples' tests see the same thing."""
+    import functools
+
+    @functools.wraps(detect)
+    def wrapped(self: Pattern, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
+        from npufuse.patterns._compiled import compiled_reason
+
+        reason = compiled_reason(module, scope) if "jit" in module.source else None
+        for r in detect(self, module, scope):
+            if reason is not None and isinstance(r, Finding):
+                yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
+            else:
+                yield r
+
+    return wrapped
 
 
 def node_span(node: ast.AST) -> tuple[int, int]:

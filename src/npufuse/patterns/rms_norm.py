@@ -2016,3 +2016,40 @@ class Head(nn.Module):
         name="nn_rmsnorm_no_weight_inline_input",
     ),
 ]
+
+RmsNorm.KEEP += [
+    Keep(
+        # issue 14, class 7: TorchScript compiles the body at import; the fused branch would not compile
+        '''
+import torch
+
+
+@torch.jit.script
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x_fp32 = x.float()
+    normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+''',
+        reason="TorchScript compiles `rms_norm` at import",
+        name="inside_torch_jit_script",
+    ),
+    Keep(
+        '''
+import torch
+from torch import jit
+
+
+def _norm(x, eps: float):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def scaled(x, w, eps: float):
+    return w * _norm(x, eps)
+
+
+scaled_scripted = jit.script(scaled)
+''',
+        reason="TorchScript compiles `scaled` at import",
+        name="called_from_torch_jit_script_call",
+    ),
+]

@@ -181,6 +181,8 @@ def _where(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return "?"
+    # (base.py's wrapper around every detect is no detector's own code)
+    frames = [f for f in frames if not f.filename.replace("\\", "/").endswith("patterns/base.py")] or frames
     inner = [f for f in frames if "patterns" in f.filename.replace("\\", "/")] or frames
     f = inner[-1]
     return f"{Path(f.filename).name}:{f.lineno}"
