@@ -147,10 +147,67 @@ def _outside_compiled_code(detect: Any) -> Any:
         for r in detect(self, module, scope):
             if reason is not None and isinstance(r, Finding):
                 yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
-            else:
-                yield r
+                continue
+            if isinstance(r, Finding):
+                twice = _called_more_often(module, r)
+                if twice is not None:
+                    yield NearMiss(r.pattern, r.qualname, r.line, r.end_line,
+                                   f"the replacement would call `{twice}` more often than the original code does "
+                                   "(a module call evaluated twice: double the work, and a different result with dropout)")
+                    continue
+            yield r
 
     return wrapped
+
+
+def _module_calls(stmts: list[ast.stmt]) -> dict[str, int]:
+    """How often each ``self.<...>(...)`` call runs on the costliest path through ``stmts``
+    (an ``if``/``else`` counts its busier branch: one of them runs)."""
+    total: dict[str, int] = {}
+
+    def add(counts: dict[str, int]) -> None:
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+
+    for st in stmts:
+        if isinstance(st, ast.If):
+            add(_module_calls_in(st.test))
+            a, b = _module_calls(st.body), _module_calls(st.orelse)
+            add({k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()})
+        else:
+            add(_module_calls_in(st))
+    return total
+
+
+def _module_calls_in(node: ast.AST) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            base = n.func.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id == "self":
+                key = ast.unparse(n)
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
+    """A ``self.<module>(...)`` call the fused branch makes more often than the original span."""
+    if "self." not in f.fused:
+        return None
+    import textwrap
+
+    try:
+        fused = ast.parse(f.fused).body
+        original = ast.parse(textwrap.dedent("".join(module.lines[f.line - 1 : f.end_line]))).body
+    except (SyntaxError, ValueError):
+        return None
+    before = _module_calls(original)
+    for call, n in _module_calls(fused).items():
+        if n > before.get(call, 0) and before.get(call, 0) > 0:
+            return call
+    return None
 
 
 def node_span(node: ast.AST) -> tuple[int, int]:
