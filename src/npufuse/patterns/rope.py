@@ -126,6 +126,10 @@ class _Rotation:
     kind: str | None  # "half" | "interleave" | None (not a rotation)
     reason: str = ""  # why it is not the standard one (near miss), empty when it simply isn't one
     name: str = ""  # helper name for the report
+    # a helper chosen at run time (``rotate_fn = rotate_half if neox else rotate_every_two``): the
+    # rotary_mode expression choosing between the two verified kinds
+    mode_expr: str | None = None
+    half_if: str | None = None  # the condition under which the chosen helper is rotate_half
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -143,6 +147,18 @@ def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.F
                 if isinstance(node, ast.FunctionDef) and node.name == func.attr:
                     return node, f"{cls.name}.{func.attr}"
     return None, ast.unparse(func)
+
+
+def _is_name(text: str) -> bool:
+    return text.isidentifier() or all(part.isidentifier() for part in text.split("."))
+
+
+def _block_text(module: ModuleInfo, stmts: list[ast.stmt]) -> str:
+    """Verbatim source of consecutive statements, dedented (the original code of a span)."""
+    import textwrap
+
+    lines = module.lines[stmts[0].lineno - 1 : stmts[-1].end_lineno or stmts[-1].lineno]
+    return textwrap.dedent("".join(lines).replace("\r\n", "\n").replace("\r", "\n")).rstrip("\n")
 
 
 def _scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
@@ -368,6 +384,10 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         # commutes with the rotation (a permutation with negation is exact in any dtype)
         x_inner, x_casts = strip_casts(x)
         return _rotation_call(module, scope, inner, x_inner) if casts == x_casts else _Rotation(None)
+    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x) and isinstance(node.func, ast.Name):
+        chosen = scope.definition(node.func.id, node.lineno)
+        if isinstance(chosen, ast.IfExp):
+            return _chosen_rotation(module, scope, node, chosen)
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x):
         # a helper's verdict does not depend on the call site: computed once per module
         key = (scope.class_name, ast.dump(node.func))
@@ -375,11 +395,33 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         if key not in cache:
             cache[key] = _rotation_helper(module, scope, node)
         rot = cache[key]
-        return _Rotation(rot.kind, rot.reason, rot.name)
+        return _Rotation(rot.kind, rot.reason, rot.name, rot.mode_expr, rot.half_if)
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x))
     rot.name = "inline"
     return rot
+
+
+def _chosen_rotation(module: ModuleInfo, scope: Scope, node: ast.Call, chosen: ast.IfExp) -> _Rotation:
+    """``f = rotate_half if cond else rotate_every_two; ... f(x)``: both helpers verified, the
+    mode chosen by the same condition at run time (vLLM/NeoX-style ``is_neox_style`` flags)."""
+    kinds = []
+    for branch in (chosen.body, chosen.orelse):
+        if not isinstance(branch, (ast.Name, ast.Attribute)):
+            return _Rotation(None)
+        call = ast.copy_location(ast.Call(func=branch, args=node.args, keywords=[]), node)
+        rot = _rotation_helper(module, scope, call)
+        if rot.kind is None:
+            name = ast.unparse(branch)
+            return _Rotation(None, rot.reason or f"`{node.func.id}` may be `{name}`, which is not a rotation npufuse verifies", name)  # type: ignore[attr-defined]
+        kinds.append(rot.kind)
+    test = segment(module, chosen.test)
+    name = f"{node.func.id} = {ast.unparse(chosen.body)} if ... else {ast.unparse(chosen.orelse)}"  # type: ignore[attr-defined]
+    if kinds[0] == kinds[1]:
+        return _Rotation(kinds[0], "", name)
+    # the stricter constraints of the two (interleave: batch-independent cos/sin) are checked
+    half_if = test if kinds[0] == "half" else f"not {_atom(test)}"
+    return _Rotation("interleave", "", name, mode_expr=f'"{kinds[0]}" if {test} else "{kinds[1]}"', half_if=half_if)
 
 
 def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotation:
@@ -537,6 +579,8 @@ class _Match:
     prep: list[str] = field(default_factory=list)  # statements computing cos/sin for the fused call
     x_dtype: str | None = None
     cs_dtype: str | None = None
+    mode_expr: str | None = None  # rotary_mode chosen at run time (a helper picked by a condition)
+    only_if: str | None = None  # fused only where this holds (the half choice of such a helper)
 
 
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -724,7 +768,16 @@ class RopePattern(Pattern):
                     if rot.kind is None:
                         best_reason = best_reason or rot.reason
                         continue
-                    return self._build_real(module, scope, node, rot.kind, x, cos, sin)
+                    m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
+                    if isinstance(m, _Match) and rot.mode_expr is not None:
+                        m.mode_expr = rot.mode_expr
+                    elif isinstance(m, str) and rot.half_if is not None:
+                        # interleave's cos/sin constraint is not provable here: fuse the half
+                        # choice only, the other one keeps the original code
+                        m = self._build_real(module, scope, node, "half", x, cos, sin)
+                        if isinstance(m, _Match):
+                            m.only_if = rot.half_if
+                    return m
         return best_reason or None
 
     def _build_real(self, module: ModuleInfo, scope: Scope, node: ast.expr, mode: str, x: ast.expr, cos: ast.expr, sin: ast.expr) -> _Match | str:
@@ -820,6 +873,7 @@ class RopePattern(Pattern):
         risks: list[Risk] = []
         notes: list[str] = []
         promoted = False
+        broadcast_note = False
         for _i, stmt, matches in items:
             reps: list[tuple[ast.AST, str]] = []
             for m in matches:
@@ -828,6 +882,12 @@ class RopePattern(Pattern):
                         lines.append(p)
                         emitted_prep.add(p)
                 x, c, s = m.x_text, m.cos, m.sin
+                if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and _is_name(c) and _is_name(s):
+                    # cos/sin straight from the caller, rank unknown (litgpt passes [T, D]): the eager
+                    # product broadcasts them from the right; npu_rotary_mul needs them 4-D, so the
+                    # same broadcast is made explicit (leading 1s; a no-op view for 4-D tables)
+                    c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
+                    broadcast_note = True
                 same = m.x_dtype is not None and m.x_dtype == m.cs_dtype
                 if m.mode == "complex" and m.x_dtype == "float32":
                     same = True  # complex64 freqs: real/imag are float32 like the upcast x
@@ -845,8 +905,13 @@ class RopePattern(Pattern):
                     promoted = True
                     x, c, s = f"{_atom(x)}.to({var})", f"{_atom(c)}.to({var})", f"{_atom(s)}.to({var})"
                 mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
+                if m.mode_expr is not None:
+                    mode_arg = f", rotary_mode={m.mode_expr}"
                 reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg})"))
             lines.append(replace_segments(module, stmt, reps))
+        if broadcast_note:
+            notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
+                         "the broadcast the eager product makes (npu_rotary_mul rejects 2-D/3-D cos/sin)")
         if promoted:
             notes.append(
                 "dtype: the eager q*cos promotes to the wider dtype (an fp32 cos with a bf16 q gives fp32) while npu_rotary_mul "
@@ -890,6 +955,19 @@ class RopePattern(Pattern):
         variant = {"half": "rotate_half", "interleave": "rotate_every_two", "complex": "complex_freqs_cis"}[mode]
         if first.rotary_dim != "full":
             variant += "_partial"
+        conditions = sorted({m.only_if for m in all_matches if m.only_if is not None})
+        if conditions:
+            cond = " and ".join(conditions) if len(conditions) == 1 else " and ".join(f"({c})" for c in conditions)
+            span = [st for _i, st, _ms in items]
+            lines = [f"if {cond}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
+                ["else:"] + ["    " + ln if ln.strip() else ln for ln in _block_text(module, span).splitlines()]
+            notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
+                         "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
+            variant = "rotate_half_chosen_at_run_time"
+        if first.mode_expr is not None:
+            params["mode"] = f"chosen at run time: {first.mode_expr}"
+            variant = "rotation_chosen_at_run_time"
+            notes.append(f"the rotation helper is chosen at run time; both choices are verified and rotary_mode follows the same condition ({first.mode_expr})")
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=first_stmt.lineno, end_line=last_stmt.end_lineno or last_stmt.lineno,
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
@@ -1419,5 +1497,108 @@ import torch
 def mix(a, b, wa, wb):
     return a * wa + torch.tanh(b) * wb
 ''',
+    ),
+]
+
+
+# -- issue 14, class 2: spellings outside HF ---------------------------------------------------
+
+_ROTATE_EITHER = '''
+import torch
+from torch import nn
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_every_two(x):
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class Rotary(nn.Module):
+    def __init__(self, neox=True):
+        super().__init__()
+        self.neox = neox
+
+    def forward(self, q, cos, sin):
+        rotate_fn = rotate_half if self.neox else rotate_every_two
+        return q * cos + rotate_fn(q) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # vLLM/NeoX written out: x1, x2 = chunk(x, 2, -1); cat((x1*cos - x2*sin, x2*cos + x1*sin), -1), half-size tables
+        name="neox_chunk_written_out_half_tables",
+        code='''
+import torch
+
+
+def apply_rotary(x, cos, sin):
+    cos = cos[None, None]
+    sin = sin[None, None]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+''',
+        expect={"mode": "half", "targets": ["x"], "qualname": "apply_rotary"},
+        run='''
+x = torch.randn(2, 4, 8, 16, requires_grad=True)
+ang = torch.arange(8).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+out = apply_rotary(x, ang.cos(), ang.sin())
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # litgpt: slices by head_size // 2 and an inline rotated cat, then .to(dtype)
+        name="litgpt_inline_rotated_cat",
+        code='''
+import torch
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    head_size = x.size(-1)
+    x1 = x[..., : head_size // 2]
+    x2 = x[..., head_size // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    roped = (x * cos) + (rotated * sin)
+    return roped.to(dtype=x.dtype)
+''',
+        expect={"mode": "half", "targets": ["x"]},
+        run='''
+x = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+ang = torch.arange(8).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)
+out = apply_rope(x, emb.cos(), emb.sin())
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # the helper is picked by a flag: its rotate_half choice is fused, the interleaved one keeps the original
+        name="helper_chosen_by_a_flag",
+        code=_ROTATE_EITHER,
+        expect={"variant": "rotate_half_chosen_at_run_time", "mode": "half", "targets": ["q"], "qualname": "Rotary.forward"},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+ang = torch.arange(8).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)
+emb_i = ang.repeat_interleave(2, dim=-1)
+out = (Rotary(True)(q, emb.cos(), emb.sin()), Rotary(False)(q, emb_i.cos(), emb_i.sin()))
+leaves = [q]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        _ROTATE_EITHER.replace("rotate_half if self.neox else rotate_every_two", "rotate_half if self.neox else self.rotate_custom")
+        + '''
+    def rotate_custom(self, x):
+        return torch.cat((x[..., 1:], x[..., :1]), dim=-1)
+''',
+        reason="`Rotary.rotate_custom` does not compute the standard rotate_half",
+        name="helper_chosen_by_a_flag_one_choice_unverified",
     ),
 ]
