@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     labels: list[Site] = []
     cands: list[Site] = []
+    misses: list[tuple[Site, str]] = []  # near misses the scan reported: why a label was missed
     scanned_repos = 0
     with tempfile.TemporaryDirectory(prefix="npufuse-detect-") as tmp:
         for r in repos:
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             result = scan_repo(dest, jobs=1, include_tests=True)
             for c in result.candidates:
                 cands.append(Site(c["pattern"], f"{repo}/{c['file']}", c["line"], c["end_line"], "", c.get("qualname", "")))
+            for n in result.near_misses:
+                misses.append((Site(n["pattern"], f"{repo}/{n['file']}", n["line"], n["end_line"]), n.get("reason", "")))
             for fail in result.files_failed:
                 print(f"note {repo}/{fail.file}: {fail.kind}: {fail.error}")
 
@@ -213,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for p in patterns:
             for s in tallies[p].missed:
-                print(f"missed  {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}")
+                why = next((r for n, r in misses if n.overlaps(s)), "no near miss either")
+                print(f"missed  {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}: {why[:160]}")
             for s in tallies[p].wrong:
                 print(f"extra   {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}")
     return 0
