@@ -33,7 +33,7 @@ import re
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, dotted, fast_walk, keyword, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "fused_optimizer"
@@ -60,6 +60,16 @@ _CANONICAL = {
     "torch.optim.rmsprop.RMSprop": "RMSprop",
 }
 _NO_FUSED_NAMES = {f"torch.optim.{k}": k for k in _NO_FUSED} | {f"torch.optim.{k.lower()}.{k}": k for k in _NO_FUSED}
+# Keywords that choose how torch.optim runs (not what it computes), at values the fused class
+# matches: dropped from the fused call. ``fused=True`` stays a near miss (the user chose torch's
+# own fused kernel, field lesson 9); ``maximize=True`` etc. change the math.
+_DROPPABLE: dict[str, tuple[object, ...]] = {
+    "foreach": (True, False, None),
+    "fused": (False, None),
+    "capturable": (False,),
+    "maximize": (False,),
+    "differentiable": (False,),
+}
 _UNSUPPORTED_KW = ("foreach", "fused", "capturable", "maximize", "differentiable", "decoupled_weight_decay")
 # Names that mean parameters get flattened, sharded or re-allocated behind the optimizer's back.
 _SHARDING = ("FullyShardedDataParallel", "FSDP", "fully_shard", "deepspeed", "ZeroRedundancyOptimizer",
@@ -621,6 +631,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         if k.arg is None:
             return miss(f"keyword arguments passed through `**{segment(module, k.value)}` may carry "
                         "fused=/foreach=/capturable=, which torch_npu.optim fused optimizers do not take")
+        if k in _dropped_keywords(call):
+            continue  # only picks torch's implementation, or its default: dropped from the fused call
         if k.arg in _UNSUPPORTED_KW:
             return miss(f"`{k.arg}=` is not supported by torch_npu.optim.{fused_cls} (no foreach/fused/capturable/"
                         "maximize/differentiable arguments)")
@@ -659,7 +671,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     params = {
         "optimizer": f"torch.optim.{kind}",
         "fused_class": f"torch_npu.optim.{fused_cls}",
-        "args": {k.arg: segment(module, k.value) for k in call.keywords if k.arg and k.arg != "params"}
+        "args": {k.arg: segment(module, k.value) for k in call.keywords if k.arg and k.arg != "params" and k not in _dropped_keywords(call)}
         | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0},
         "params": segment(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
         "param_groups": _is_groups(module, scope, keyword(call, "params", 0), stmt.lineno),  # type: ignore[arg-type]
@@ -693,6 +705,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         notes.append(f"`{model}` is a peft model over a bf16 base: the frozen base never gets grads (the fused class "
                      "only takes params with grads), peft upcasts adapters to fp32; the guard also checks at run time "
                      "that every trainable parameter is fp32/fp16 (modules_to_save copies stay bf16: then the original runs)")
+    dropped = [f"{k.arg}={segment(module, k.value)}" for k in _dropped_keywords(call)]
+    if dropped:
+        params["dropped"] = dropped
+        notes.append(f"dropped from the fused call: {', '.join(dropped)} (it picks torch.optim's implementation or "
+                     "states a default; the fused class computes the same update without it)")
     if params["lr_default_added"]:
         notes.append("NpuFusedSGD has no lr default: torch.optim.SGD's lr=1e-3 is passed explicitly")
     return Finding(
@@ -738,6 +755,36 @@ def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
     return "".join(lines[first - 1 : last])
 
 
+def _dropped_keywords(call: ast.Call) -> list[ast.keyword]:
+    out = []
+    for k in call.keywords:
+        v = const_value(k.value)
+        if k.arg in _DROPPABLE and type(v) in (bool, type(None)) and v in _DROPPABLE[k.arg]:
+            out.append(k)
+        elif k.arg == "foreach" and dotted(k.value) is not None:
+            out.append(k)  # a flag read from the config: whichever path, the same update
+    return out
+
+
+def _cut_keyword(text: bytes, k0: int, k1: int) -> bytes:
+    """``text`` without the keyword argument at [k0, k1) and one comma next to it; a keyword alone
+    on its line takes its line with it."""
+    after = text[k1:]
+    gap = len(after) - len(after.lstrip(b" \t"))
+    if after[gap:gap + 1] == b",":
+        end = k1 + gap + 1
+        line_start = text.rfind(b"\n", 0, k0) + 1
+        rest = text[end:]
+        if not text[line_start:k0].strip() and rest.lstrip(b" \t")[:1] in (b"\n", b"\r"):
+            nl = text.find(b"\n", end)
+            return text[:line_start] + text[nl + 1:]  # the whole line
+        return text[:k0] + rest.lstrip(b" \t")
+    before = text[:k0].rstrip(b" \t\r\n")
+    if before.endswith(b","):
+        before = before[:-1]
+    return before + text[k1:]
+
+
 def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: str, kind: str, text: str) -> str:
     """The statement with the optimizer class swapped (byte offsets: ast columns are UTF-8)."""
     lines = module.lines  # numbered as ast numbers them
@@ -756,6 +803,13 @@ def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: s
         inside = blob[:c1].rstrip()
         tail_add = b" lr=1e-3" if inside.endswith(b",") or inside.endswith(b"(") else b", lr=1e-3"
     new = blob[:f0] + f"torch_npu.optim.{fused_cls}".encode() + blob[f1:c1] + tail_add + blob[c1:]
+    # keywords the fused class does not take but that change nothing (foreach=False, ...): cut
+    # out with the comma after them (or before them, for the last argument)
+    shift = len(f"torch_npu.optim.{fused_cls}".encode()) - (f1 - f0)
+    for k in sorted(_dropped_keywords(call), key=lambda k: (k.lineno, k.col_offset), reverse=True):
+        k0 = offset(k.lineno, k.col_offset) + shift
+        k1 = offset(k.end_lineno or k.lineno, k.end_col_offset or 0) + shift
+        new = _cut_keyword(new, k0, k1)
     out = new.decode()
     head = out.splitlines(keepends=True)
     indent = head[0][: len(head[0]) - len(head[0].lstrip())]
@@ -970,7 +1024,8 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.0)
 _KEEP_FOREACH = _NET + '''
 
 def build(model):
-    return torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    # capturable keeps the step as a device tensor for CUDA-graph capture; the fused class keeps a Python int
+    return torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
 '''
 
 _KEEP_GRAD_ASSIGN = _NET + '''
@@ -1210,7 +1265,7 @@ FusedOptimizer.KEEP = [
     Keep(_KEEP_EXTRA_ARGS, reason="**extra_args", name="nanogpt_fused_extra_args"),
     Keep(_KEEP_FSDP, reason="FSDP", name="fsdp_wrapped_model"),
     Keep(_KEEP_BF16, reason="bf16 parameters unsupported", name="hf_model_loaded_in_bf16"),
-    Keep(_KEEP_FOREACH, reason="foreach", name="foreach_kwarg"),
+    Keep(_KEEP_FOREACH, reason="`capturable=` is not supported", name="capturable_true"),
     Keep(_KEEP_GRAD_ASSIGN, reason="re-allocated", name="manual_grad_averaging"),
     Keep(_KEEP_MODEL_ZERO_GRAD, reason="model.zero_grad()", name="module_zero_grad_default"),
     Keep(_KEEP_ACCELERATE, reason="AcceleratedOptimizer.zero_grad() passes set_to_none=True", name="accelerate_prepare_then_zero_grad"),
@@ -1283,6 +1338,39 @@ def build(model):
     Keep(_NET + '''
 
 def build(model):
-    return torch.optim.RMSprop(model.parameters(), lr=1e-2, foreach=True)
-''', reason="`foreach=` is not supported by torch_npu.optim.NpuFusedRMSprop", name="rmsprop_foreach"),
+    return torch.optim.RMSprop(model.parameters(), lr=1e-2, differentiable=True)
+''', reason="`differentiable=` is not supported by torch_npu.optim.NpuFusedRMSprop", name="rmsprop_differentiable"),
+]
+
+_FOREACH_OFF = _NET + '''
+
+def build(model, learning_rate=6e-4, weight_decay=1e-1, beta1=0.9, beta2=0.95):
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=learning_rate,
+        weight_decay=weight_decay,
+        betas=(beta1, beta2),
+        foreach=False,
+    )
+    return optimizer
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_FOREACH_OFF, name="foreach_false_dropped", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "dropped": ["foreach=False"],
+        "args": {"lr": "learning_rate", "weight_decay": "weight_decay", "betas": "(beta1, beta2)"}}),
+    Fuse(_NET + '''
+
+def build(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, foreach=None, maximize=False, momentum=0.9)
+''', name="default_valued_keywords_dropped_inline", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.SGD", "dropped": ["foreach=None", "maximize=False"], "args": {"lr": "0.1", "momentum": "0.9"}}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_NET + '''
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, maximize=True)
+''', reason="`maximize=` is not supported", name="maximize_true_changes_the_math"),
 ]
