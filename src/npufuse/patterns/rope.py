@@ -581,6 +581,7 @@ class _Match:
     cs_dtype: str | None = None
     mode_expr: str | None = None  # rotary_mode chosen at run time (a helper picked by a condition)
     only_if: str | None = None  # fused only where this holds (the half choice of such a helper)
+    suffix: str = ""  # appended to the fused call (the pair form keeps its [..., D/2, 2] shape)
 
 
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -592,6 +593,68 @@ def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
 def _is_product(node: ast.expr, u: ast.expr, v: ast.expr) -> bool:
     f = _mult_factors(node)
     return f is not None and ((same_expr(f[0], u) and same_expr(f[1], v)) or (same_expr(f[0], v) and same_expr(f[1], u)))
+
+
+def _lane(node: ast.AST, k: int) -> ast.expr | None:
+    """``t`` of ``t[..., k]``."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        e0, e1 = node.slice.elts
+        if isinstance(e0, ast.Constant) and e0.value is Ellipsis and _is_int(e1, k):
+            return node.value
+    return None
+
+
+def _lane_pair_formula(node: ast.AST) -> tuple[ast.expr, ast.expr] | None:
+    """``stack([p0*c0 - p1*c1, p1*c0 + p0*c1], -1)`` with ``p = xs[..., k]`` and ``c = cache[..., k]``
+    (factors in any order): returns (xs, cache)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "stack"):
+        return None
+    seq = node.args[0] if node.args else keyword(node, "tensors")
+    dim = keyword(node, "dim", 1)
+    if not (isinstance(seq, (ast.List, ast.Tuple)) and len(seq.elts) == 2 and _is_int(dim, -1)):
+        return None
+    first, second = seq.elts
+    if not (isinstance(first, ast.BinOp) and isinstance(first.op, ast.Sub) and isinstance(second, ast.BinOp) and isinstance(second.op, ast.Add)):
+        return None
+
+    def lanes(prod: ast.expr) -> tuple[tuple[ast.expr, int], tuple[ast.expr, int]] | None:
+        f = _mult_factors(prod)
+        if f is None:
+            return None
+        out = []
+        for t in f:
+            for k in (0, 1):
+                base = _lane(t, k)
+                if base is not None:
+                    out.append((base, k))
+                    break
+            else:
+                return None
+        return out[0], out[1]
+
+    terms = [lanes(t) for t in (first.left, first.right, second.left, second.right)]
+    if any(t is None for t in terms):
+        return None
+    # each product is one lane of xs times one lane of the cache: find which base is xs
+    bases = {ast.dump(b) for t in terms for b, _k in t}  # type: ignore[union-attr]
+    if len(bases) != 2:
+        return None
+    want = [(0, 0), (1, 1), (1, 0), (0, 1)]  # xs0*c, xs1*s, xs1*c, xs0*s
+    for x_dump in bases:
+        got = []
+        for t in terms:
+            (b0, k0), (b1, k1) = t  # type: ignore[misc]
+            if ast.dump(b0) == x_dump and ast.dump(b1) != x_dump:
+                got.append((k0, k1))
+            elif ast.dump(b1) == x_dump and ast.dump(b0) != x_dump:
+                got.append((k1, k0))
+            else:
+                got.append(None)
+        if got == want:
+            (b0, _), (b1, _) = terms[0]  # type: ignore[misc]
+            xs, cache = (b0, b1) if ast.dump(b0) == x_dump else (b1, b0)
+            return xs, cache
+    return None
 
 
 def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast.expr] | None:
@@ -689,7 +752,7 @@ class RopePattern(Pattern):
         def visit(node: ast.AST) -> None:
             if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.ClassDef)):
                 return
-            if _pair_formula(node) is not None:
+            if _pair_formula(node) is not None or _lane_pair_formula(node) is not None:
                 found.append(node)  # the written-out rotation (its ``b*c + a*s`` half is no rope itself)
                 return
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
@@ -705,6 +768,9 @@ class RopePattern(Pattern):
         return found
 
     def _match(self, module: ModuleInfo, scope: Scope, node: ast.expr) -> _Match | str | None:
+        lp = _lane_pair_formula(node)
+        if lp is not None:
+            return self._match_lane_pairs(module, scope, node, *lp)
         pf = _pair_formula(node)
         if pf is not None:
             return self._match_pairs(module, scope, node, *pf)
@@ -753,6 +819,44 @@ class RopePattern(Pattern):
             m.prep.append(f"{lanes} = {x_text}  # the original rotates the de-interleaved lanes (even | odd) and returns that order")
             x_text = lanes
         m.cos, m.sin, m.x_text = full[0], full[1], x_text
+        return m
+
+    def _match_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, cache: ast.expr) -> _Match | str | None:
+        """gpt-fast / lit-llama: ``xs = x.float().reshape(*x.shape[:-1], -1, 2)`` and a real cache
+        ``[..., D/2, 2]`` of (cos, sin): ``stack([xs0*c - xs1*s, xs1*c + xs0*s], -1)`` is the
+        interleaved rotation of the pairs, kept in the ``[..., D/2, 2]`` shape the code flattens next."""
+        xs = _resolve(scope, pairs)
+        # ``t.reshape(*t.shape[:-1], -1, 2)``: the leading dims kept, the last one cut into lane pairs
+        if not (_method(xs, "reshape", "view") and len(xs.args) == 3 and _is_int(xs.args[2], 2) and isinstance(xs.args[0], ast.Starred)):
+            return None
+        x = xs.func.value  # x.float() (the cast is part of what the original rotates)
+        lead = xs.args[0].value
+        if not (isinstance(lead, ast.Subscript) and isinstance(lead.value, ast.Attribute) and lead.value.attr == "shape"
+                and isinstance(lead.slice, ast.Slice) and lead.slice.lower is None and _is_int(lead.slice.upper, -1)
+                and same_expr(strip_casts(lead.value.value)[0], strip_casts(x)[0])):
+            return None
+        x_src = segment(module, x)
+        c_src = segment(module, cache)
+        tag = _ident(c_src)
+        cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+        xv = f"_npufuse_{_ident(x_src)}_x"
+        dt = f"_npufuse_{_ident(x_src)}_dtype"
+        prep = [
+            f"{xv} = {x_src}  # the pairs (x_2i, x_2i+1) are the lanes of this tensor",
+            f"{cos} = {_atom(c_src)}[..., 0].repeat_interleave(2, dim=-1)  # (cos, sin) pairs -> interleave-mode cos/sin",
+            f"{sin} = {_atom(c_src)}[..., 1].repeat_interleave(2, dim=-1)",
+            f"{cos}, {sin} = {cos}[(None,) * (4 - {cos}.dim())], {sin}[(None,) * (4 - {sin}.dim())]  # the broadcast of the eager product, made 4-D",
+            f"{dt} = torch.promote_types(torch.promote_types({xv}.dtype, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
+        ]
+        m = _Match(
+            node=node, mode="interleave", x=x, cos=f"{cos}.to({dt})", sin=f"{sin}.to({dt})", cos_node=None, sin_node=None,
+            x_text=f"{xv}.to({dt})", cos_info=_CosInfo(rank=4, batch_free=False, layout="from the (cos, sin) pair cache; checked at run time"),
+            prep=prep, x_dtype="same", cs_dtype="same", suffix=".unflatten(-1, (-1, 2))",
+        )
+        # npu_rotary_mul takes a 4-D x and, in interleave mode, batch-independent cos/sin only (11SD/1S1D/S11D):
+        # checked at run time, the original code runs otherwise
+        m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
+                     f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
         return m
 
     def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:
@@ -874,12 +978,14 @@ class RopePattern(Pattern):
         notes: list[str] = []
         promoted = False
         broadcast_note = False
+        # a match fused only under a run-time condition may test its prepared cos/sin: its prep comes first
+        hoisted: list[str] = []
         for _i, stmt, matches in items:
             reps: list[tuple[ast.AST, str]] = []
             for m in matches:
                 for p in m.prep:
                     if p not in emitted_prep:
-                        lines.append(p)
+                        (hoisted if m.only_if is not None else lines).append(p)
                         emitted_prep.add(p)
                 x, c, s = m.x_text, m.cos, m.sin
                 if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and _is_name(c) and _is_name(s):
@@ -907,7 +1013,7 @@ class RopePattern(Pattern):
                 mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
                 if m.mode_expr is not None:
                     mode_arg = f", rotary_mode={m.mode_expr}"
-                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg})"))
+                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}"))
             lines.append(replace_segments(module, stmt, reps))
         if broadcast_note:
             notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
@@ -959,11 +1065,16 @@ class RopePattern(Pattern):
         if conditions:
             cond = " and ".join(conditions) if len(conditions) == 1 else " and ".join(f"({c})" for c in conditions)
             span = [st for _i, st, _ms in items]
-            lines = [f"if {cond}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
+            lines = hoisted + [f"if {cond}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
                 ["else:"] + ["    " + ln if ln.strip() else ln for ln in _block_text(module, span).splitlines()]
-            notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
-                         "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
-            variant = "rotate_half_chosen_at_run_time"
+            if any(m.suffix for m in all_matches):
+                notes.append("pairs of a real (cos, sin) cache: fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's "
+                             "interleave mode takes only 11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
+                variant = "interleaved_pairs_real_cache"
+            else:
+                notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
+                             "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
+                variant = "rotate_half_chosen_at_run_time"
         if first.mode_expr is not None:
             params["mode"] = f"chosen at run time: {first.mode_expr}"
             variant = "rotation_chosen_at_run_time"
@@ -1600,5 +1711,69 @@ RopePattern.KEEP += [
 ''',
         reason="`Rotary.rotate_custom` does not compute the standard rotate_half",
         name="helper_chosen_by_a_flag_one_choice_unverified",
+    ),
+]
+
+_GPT_FAST_PAIRS = '''
+import torch
+from torch import Tensor
+
+
+def precompute_freqs_cis(seq_len: int, n_elem: int, base: int = 10000, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2)[: (n_elem // 2)].float() / n_elem))
+    t = torch.arange(seq_len, device=freqs.device)
+    freqs = torch.outer(t, freqs)
+    freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+    cache = torch.stack([freqs_cis.real, freqs_cis.imag], dim=-1)
+    return cache.to(dtype=dtype)
+
+
+def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out2 = torch.stack(
+        [
+            xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
+            xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
+        ],
+        -1,
+    )
+
+    x_out2 = x_out2.flatten(3)
+    return x_out2.type_as(x)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # gpt-fast / lit-llama: (cos, sin) pairs of a real cache times the lanes of x.reshape(..., -1, 2)
+        name="gpt_fast_lane_pairs_real_cache",
+        code=_GPT_FAST_PAIRS,
+        expect={"mode": "interleave", "variant": "interleaved_pairs_real_cache", "qualname": "apply_rotary_emb", "line": 18, "end_line": 24},
+        run='''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(x, precompute_freqs_cis(6, 16))
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # lit-llama spells the factors the other way round and trims the cache first; fp32 x here
+        name="lit_llama_lane_pairs_factors_swapped",
+        code=_GPT_FAST_PAIRS.replace("xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1]",
+                                     "freqs_cis[..., 0] * xshaped[..., 0] - freqs_cis[..., 1] * xshaped[..., 1]"),
+        expect={"mode": "interleave"},
+        run='''
+x = torch.randn(1, 5, 2, 8, requires_grad=True)
+out = apply_rotary_emb(x, precompute_freqs_cis(5, 8, dtype=torch.float16))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the second lane's sign flipped: not a rotation
+        _GPT_FAST_PAIRS.replace("xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1]",
+                                "xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 1] * freqs_cis[..., 1]"),
+        name="lane_pairs_not_a_rotation",
     ),
 ]
