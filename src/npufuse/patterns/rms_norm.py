@@ -221,7 +221,11 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if dim is None:
         raise Miss("mean over all elements, not over the last dim", rstd)
     if not S.is_last_dim_expr(dim):
-        raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+        if isinstance(const_value(dim), int):
+            raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+        # a value known only at run time (lit-llama's ``self.dim``, -1 by default): not provably the last dim
+        raise Miss(f"mean over dim `{ast.unparse(dim)}`, a run-time value npufuse cannot prove to be the last dim "
+                   "(npu_rms_norm normalises the last dims only)", rstd)
     if const_value(keepdim) is not True:
         raise Miss("mean without keepdim=True", rstd)
     return y, sqctx, up or up2 or up3
