@@ -947,10 +947,7 @@ class RopePattern(Pattern):
                 cast = "float32"
             finfo = _cos_info(scope, freqs, module)
             if not finfo.batch_free:
-                return (
-                    f"complex rope with `{segment(module, freqs)}` not provably batch-independent: the interleave "
-                    "mode of npu_rotary_mul takes only 11SD / 1S1D / S11D cos/sin"
-                )
+                return self._complex_checked(module, node, x, xc, freqs, cast)
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
             tag = _ident(segment(module, freqs))
@@ -967,6 +964,37 @@ class RopePattern(Pattern):
                 x_dtype=cast, cs_dtype=None,
             )
         return None
+
+    @staticmethod
+    def _complex_checked(module: ModuleInfo, node: ast.expr, x: ast.expr, xc: ast.expr, freqs: ast.expr, cast: str | None) -> _Match:
+        """The complex form with freqs whose layout is not visible here (mistral-inference passes
+        ``[T, 1, D/2]`` for ``[T, N, D]`` tokens): the shapes are checked at run time. 3-D tokens with
+        3-D tables are seen as one batch (``[1, T, N, D]`` with ``1S1D`` cos/sin); the fused call runs
+        only where x is 4-D and cos/sin batch-independent (npu_rotary_mul's interleave mode), else
+        the original code does."""
+        f_src = _atom(segment(module, freqs))
+        xc_src = _atom(segment(module, xc))
+        # per rotated tensor: the tables are lifted (or not) with their own x
+        tag = _ident(segment(module, xc))
+        cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+        xv, lift = f"_npufuse_{tag}_x", f"_npufuse_{tag}_tokens"
+        prep = [
+            f"{cos} = {f_src}.real.repeat_interleave(2, dim=-1)  # complex form = interleave rotation: cos of each lane pair",
+            f"{sin} = {f_src}.imag.repeat_interleave(2, dim=-1)",
+            f"{xv} = torch.view_as_real({xc_src}).flatten(-2)",
+            f"{lift} = {xv}.dim() == 3 and {cos}.dim() == 3  # [T, N, D] tokens with [T, 1, D] tables: one batch of T",
+            f"if {lift}:",
+            f"    {xv}, {cos}, {sin} = {xv}[None], {cos}[None], {sin}[None]",
+            f"{cos}, {sin} = {cos}[(None,) * (4 - {cos}.dim())], {sin}[(None,) * (4 - {sin}.dim())]  # the eager broadcast, made 4-D",
+        ]
+        m = _Match(
+            node=node, mode="complex", x=x, cos=cos, sin=sin, cos_node=None, sin_node=None, x_text=xv,
+            cos_info=_CosInfo(batch_free=False, layout="from freqs_cis, checked at run time"), prep=prep,
+            x_dtype=cast, cs_dtype=None, suffix=f"[(0,) if {lift} else ()]",
+        )
+        m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and ({cos}.shape[1] == 1 or "
+                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+        return m
 
     # ---------------------------------------------------------------------------------------------
     def _finding(self, module: ModuleInfo, scope: Scope, items: list[tuple[int, ast.stmt, list[_Match]]]) -> Finding:
@@ -1067,7 +1095,12 @@ class RopePattern(Pattern):
             span = [st for _i, st, _ms in items]
             lines = hoisted + [f"if {cond}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
                 ["else:"] + ["    " + ln if ln.strip() else ln for ln in _block_text(module, span).splitlines()]
-            if any(m.suffix for m in all_matches):
+            if any(m.suffix and m.mode == "complex" for m in all_matches):
+                notes.append("complex form with freqs of a layout not visible here: [T, N, D] tokens are seen as one batch [1, T, N, D]; "
+                             "fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's interleave mode takes only "
+                             "11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
+                variant = "complex_freqs_cis_checked"
+            elif any(m.suffix for m in all_matches):
                 notes.append("pairs of a real (cos, sin) cache: fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's "
                              "interleave mode takes only 11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
                 variant = "interleaved_pairs_real_cache"
@@ -1775,5 +1808,53 @@ RopePattern.KEEP += [
         _GPT_FAST_PAIRS.replace("xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1]",
                                 "xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 1] * freqs_cis[..., 1]"),
         name="lane_pairs_not_a_rotation",
+    ),
+]
+
+_MISTRAL_TOKENS = '''
+from typing import Tuple
+
+import torch
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis[:, None, :]
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(-2)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(-2)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # mistral-inference: [T, N, D] tokens (no batch dim), freqs [T, 1, D/2]: seen as [1, T, N, D] with 1S1D tables
+        name="mistral_complex_3d_tokens",
+        code=_MISTRAL_TOKENS,
+        expect={"variant": "complex_freqs_cis_checked", "mode": "complex", "qualname": "apply_rotary_emb"},
+        run='''
+xq = torch.randn(7, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(7, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(xq, xk, precompute_freqs_cis(16, 7, 10000.0))
+leaves = [xq, xk]
+''',
+    ),
+    Fuse(
+        # the same code on batched [B, T, N, D] input: the [T, 1, D] tables broadcast as 1S1D
+        name="mistral_complex_batched_input",
+        code=_MISTRAL_TOKENS,
+        expect={"variant": "complex_freqs_cis_checked"},
+        run='''
+xq = torch.randn(2, 7, 4, 16, requires_grad=True)
+out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
+leaves = [xq]
+''',
     ),
 ]
