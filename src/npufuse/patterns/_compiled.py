@@ -78,7 +78,7 @@ def _compiled(module: "ModuleInfo") -> tuple[set[str], set[str]]:
 
 def compiled_reason(module: "ModuleInfo", scope: "Scope") -> str | None:
     """Why a rewrite in ``scope`` would not compile, or None (plain Python code)."""
-    if scope.qualname == "<module>" or "jit" not in module.source:
+    if scope.qualname == "<module>":
         return None
     functions, classes = _compiled(module)
     parts = scope.qualname.split(".")

@@ -55,8 +55,11 @@ _RISKS = [
 
 def relevant(module: ModuleInfo) -> bool:
     """Cheap per-file gate: the file names one of the APIs at all."""
-    src = module.source
-    return "rms_norm" in src or "RMSNorm" in src or "normalize(" in src
+    cached = module.__dict__.get("_npufuse_library_norm_text")
+    if cached is None:
+        src = module.source
+        cached = module.__dict__["_npufuse_library_norm_text"] = "rms_norm" in src or "RMSNorm" in src or "normalize(" in src
+    return cached
 
 
 def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:

@@ -143,7 +143,11 @@ def _outside_compiled_code(detect: Any) -> Any:
     def wrapped(self: Pattern, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
         from npufuse.patterns._compiled import compiled_reason
 
-        reason = compiled_reason(module, scope) if "jit" in module.source else None
+        # the text test is made once per module (detect runs for every scope of every pattern)
+        has_jit = module.__dict__.get("_npufuse_has_jit")
+        if has_jit is None:
+            has_jit = module.__dict__["_npufuse_has_jit"] = "jit" in module.source
+        reason = compiled_reason(module, scope) if has_jit else None
         for r in detect(self, module, scope):
             if reason is not None and isinstance(r, Finding):
                 yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
