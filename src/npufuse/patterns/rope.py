@@ -1016,12 +1016,17 @@ class RopePattern(Pattern):
                         (hoisted if m.only_if is not None else lines).append(p)
                         emitted_prep.add(p)
                 x, c, s = m.x_text, m.cos, m.sin
+                lift_suffix = ""
                 if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and _is_name(c) and _is_name(s):
                     # cos/sin straight from the caller, rank unknown (litgpt passes [T, D]): the eager
                     # product broadcasts them from the right; npu_rotary_mul needs them 4-D, so the
                     # same broadcast is made explicit (leading 1s; a no-op view for 4-D tables)
                     c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
                     broadcast_note = True
+                    if _is_name(x) and not m.suffix:
+                        # x itself may be 3-D ([T, N, D] tokens) or 2-D: lifted to 4-D the same way, and back
+                        lift_suffix = f"[(0,) * (4 - {x}.dim())]"
+                        x = f"{x}[(None,) * (4 - {x}.dim())]"
                 same = m.x_dtype is not None and m.x_dtype == m.cs_dtype
                 if m.mode == "complex" and m.x_dtype == "float32":
                     same = True  # complex64 freqs: real/imag are float32 like the upcast x
@@ -1029,7 +1034,7 @@ class RopePattern(Pattern):
                     key = (x, c, s)
                     var = dtype_vars.get(key)
                     if var is None:
-                        var = f"_npufuse_{_ident(x)}_dtype"
+                        var = f"_npufuse_{_ident(m.x_text)}_dtype"
                         dtype_vars[key] = var
                         # eager x*cos promotes (bf16 x, fp32 cos -> fp32); npu_rotary_mul computes in x's dtype
                         lines.append(
@@ -1041,7 +1046,7 @@ class RopePattern(Pattern):
                 mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
                 if m.mode_expr is not None:
                     mode_arg = f", rotary_mode={m.mode_expr}"
-                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}"))
+                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}"))
             lines.append(replace_segments(module, stmt, reps))
         if broadcast_note:
             notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
@@ -1855,6 +1860,22 @@ leaves = [xq, xk]
 xq = torch.randn(2, 7, 4, 16, requires_grad=True)
 out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
 leaves = [xq]
+''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # vLLM-style [T, N, D] tokens with [T, 1, D] tables: x and cos/sin lifted to 4-D (one batch) and back
+        name="tokens_3d_half_mode_lifted",
+        code=[e for e in RopePattern.FUSE if e.name == "litgpt_inline_rotated_cat"][0].code,
+        expect={"mode": "half", "targets": ["x"]},
+        run='''
+x = torch.randn(7, 4, 16, requires_grad=True)
+ang = torch.arange(7).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)[:, None, :]
+out = apply_rope(x, emb.cos(), emb.sin())
+leaves = [x]
 ''',
     ),
 ]
