@@ -127,7 +127,7 @@ MUTANTS = [
     M("add_rms_norm", "normed and sum swapped (inference branch)", "gemma_sandwich_one_plus_weight_bf16", ("_npu_normed, _npu_rstd, hidden_states = ", "hidden_states, _npu_rstd, _npu_normed = "), expect="(no_grad)"),
     M("add_rms_norm", "1+w dropped (both branches)", "gemma_sandwich_one_plus_weight_bf16", ("1.0 + self.pre_feedforward_layernorm.weight.float()", "self.pre_feedforward_layernorm.weight.float()")),
     # swiglu
-    M("swiglu", "swapped swiglu halves", "silu_on_second_half_swapped", ("torch.cat([y.chunk(2, dim=-1)[1], y.chunk(2, dim=-1)[0]], dim=-1)", "y")),
+    M("swiglu", "swapped swiglu halves", "silu_on_second_half_swapped", ("torch.cat(y.chunk(2, dim=-1)[::-1], dim=-1)", "y")),
     M("swiglu", "swapped swiglu halves", "phi3_fused_gate_up_fp16", ("npu_swiglu(up_states.contiguous()", "npu_swiglu(torch.cat(up_states.chunk(2, dim=-1)[::-1], dim=-1)")),
     M("swiglu", "gelu instead of silu", "phi3_fused_gate_up_fp16", ("torch_npu.npu_swiglu(up_states.contiguous(), dim=-1)", "torch_npu.npu_geglu(up_states.contiguous(), dim=-1, approximate=1, activate_left=True)[0]")),
     # geglu
