@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
+from npufuse.patterns._site import is_last_dim_expr
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
@@ -300,7 +301,8 @@ def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | Non
     if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
         return None
     dim = keyword(call, "dim", 1)
-    if not _is_int(dim, -1, 3, 4):
+    # the last dim also as gpt-neox writes it: ``dim=x1.ndim - 1`` (x1 has the result's rank)
+    if not (_is_int(dim, -1, 3, 4) or is_last_dim_expr(dim)):
         return None
     a, b = call.args[0].elts
     return a, b
@@ -1038,7 +1040,7 @@ class RopePattern(Pattern):
                         dtype_vars[key] = var
                         # eager x*cos promotes (bf16 x, fp32 cos -> fp32); npu_rotary_mul computes in x's dtype
                         lines.append(
-                            f"{var} = torch.promote_types(torch.promote_types({_atom(x)}.dtype, {_atom(c)}.dtype), {_atom(s)}.dtype)"
+                            f"{var} = torch.promote_types(torch.promote_types({_atom(m.x_text)}.dtype, {_atom(m.cos)}.dtype), {_atom(m.sin)}.dtype)"
                             "  # the eager x*cos dtype (wider of x, cos, sin)"
                         )
                     promoted = True
@@ -1876,6 +1878,35 @@ ang = torch.arange(7).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2)
 emb = torch.cat((ang, ang), dim=-1)[:, None, :]
 out = apply_rope(x, emb.cos(), emb.sin())
 leaves = [x]
+''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # gpt-neox: rotate_half's cat over `dim=x1.ndim - 1` (the last dim, spelled by rank); [S, B, N, D] layout
+        name="gpt_neox_cat_dim_by_rank_sbnd",
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=x1.ndim - 1)
+
+
+def apply_rotary_pos_emb_torch(q, k, cos, sin, offset: int = 0):
+    cos, sin = cos[offset : q.shape[0] + offset, ...], sin[offset : q.shape[0] + offset, ...]
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+''',
+        expect={"mode": "half", "targets": ["q", "k"]},
+        run='''
+q = torch.randn(6, 2, 4, 16, requires_grad=True)
+k = torch.randn(6, 2, 4, 16, requires_grad=True)
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)[:, None, None, :]
+out = apply_rotary_pos_emb_torch(q, k, emb.cos(), emb.sin())
+leaves = [q, k]
 ''',
     ),
 ]
