@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
+from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
@@ -224,6 +224,9 @@ class _Halves:
                 # x.view(*x.shape[:-1], -1, 2).unbind(-1)[k]: the even (k=0) / odd (k=1) lanes
                 if self._is_pair_unbind(base):
                     return "even" if k == 0 else "odd"
+                # einops (PaLM): rearrange(x, "... (j d) -> ... j d", j=2).unbind(dim=-2)[k]: the halves
+                if self._is_einops_halves(base):
+                    return "first" if k == 0 else "second"
             if self.is_x(base):
                 sl = self._last_dim_slice(node)
                 if sl is None:
@@ -239,6 +242,21 @@ class _Halves:
                     if _is_int(sl.lower, 1):
                         return "odd"
         return None
+
+    def _is_einops_halves(self, call: ast.Call) -> bool:
+        if not (_method(call, "unbind") and _is_int(keyword(call, "dim", 0), -2)):
+            return False
+        r = _resolve(self.scope, call.func.value)
+        if not (isinstance(r, ast.Call) and (dotted(r.func) or "").split(".")[-1] == "rearrange" and len(r.args) == 2
+                and isinstance(r.args[1], ast.Constant) and isinstance(r.args[1].value, str) and self.is_x(r.args[0])):
+            return False
+        lhs, _, rhs = r.args[1].value.partition("->")
+        lt, rt = lhs.replace("(", " ( ").replace(")", " ) ").split(), rhs.split()
+        # "... (j d) -> ... j d" with j=2: the last dim cut into 2 x d, the first factor outer
+        if len(lt) < 4 or lt[-4:-3] != ["("] or lt[-1] != ")" or len(rt) < 2:
+            return False
+        j, d = lt[-3], lt[-2]
+        return rt[-2:] == [j, d] and lt[:-4] == rt[:-2] and _is_int(keyword(r, j), 2)
 
     def _is_pair_unbind(self, call: ast.Call) -> bool:
         if not (_method(call, "unbind") and _is_int(keyword(call, "dim", 0), -1)):
@@ -1019,6 +1037,17 @@ class RopePattern(Pattern):
                         emitted_prep.add(p)
                 x, c, s = m.x_text, m.cos, m.sin
                 lift_suffix = ""
+                if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and not m.suffix:
+                    # a computed table (PaLM's ``pos.cos()``): evaluated once, into a name
+                    for var_name, text in (("cos", c), ("sin", s)):
+                        if not _is_name(text):
+                            tmp = f"_npufuse_{_ident(m.x_text)}_{var_name}"
+                            lines.append(f"{tmp} = {text}")
+                            if var_name == "cos":
+                                c = tmp
+                            else:
+                                s = tmp
+                c0, s0 = c, s  # the tables as named before any broadcast
                 if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and _is_name(c) and _is_name(s):
                     # cos/sin straight from the caller, rank unknown (litgpt passes [T, D]): the eager
                     # product broadcasts them from the right; npu_rotary_mul needs them 4-D, so the
@@ -1040,7 +1069,7 @@ class RopePattern(Pattern):
                         dtype_vars[key] = var
                         # eager x*cos promotes (bf16 x, fp32 cos -> fp32); npu_rotary_mul computes in x's dtype
                         lines.append(
-                            f"{var} = torch.promote_types(torch.promote_types({_atom(m.x_text)}.dtype, {_atom(m.cos)}.dtype), {_atom(m.sin)}.dtype)"
+                            f"{var} = torch.promote_types(torch.promote_types({_atom(m.x_text)}.dtype, {_atom(c0)}.dtype), {_atom(s0)}.dtype)"
                             "  # the eager x*cos dtype (wider of x, cos, sin)"
                         )
                     promoted = True
@@ -1908,5 +1937,49 @@ emb = torch.cat((ang, ang), dim=-1)[:, None, None, :]
 out = apply_rotary_pos_emb_torch(q, k, emb.cos(), emb.sin())
 leaves = [q, k]
 ''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # PaLM: einops halves inside rotate_half; the tables computed inline from a [n, d] pos (bound once, made 4-D)
+        name="palm_einops_rotate_half",
+        code='''
+import torch
+from einops import rearrange
+
+
+def rotate_half(x):
+    x = rearrange(x, "... (j d) -> ... j d", j=2)
+    x1, x2 = x.unbind(dim=-2)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(pos, t):
+    return (t * pos.cos()) + (rotate_half(t) * pos.sin())
+''',
+        expect={"mode": "half", "targets": ["t"]},
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # j is the inner factor here: "(d j)" pairs neighbouring lanes, which is not rotate_half
+        '''
+import torch
+from einops import rearrange
+
+
+def rotate_half(x):
+    x = rearrange(x, "... (d j) -> ... j d", j=2)
+    x1, x2 = x.unbind(dim=-2)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(pos, t):
+    return (t * pos.cos()) + (rotate_half(t) * pos.sin())
+''',
+        reason="does not compute the standard rotate_half",
+        name="einops_inner_pair_axis",
     ),
 ]
