@@ -127,7 +127,7 @@ MUTANTS = [
     M("add_rms_norm", "normed and sum swapped (inference branch)", "gemma_sandwich_one_plus_weight_bf16", ("_npu_normed, _npu_rstd, hidden_states = ", "hidden_states, _npu_rstd, _npu_normed = "), expect="(no_grad)"),
     M("add_rms_norm", "1+w dropped (both branches)", "gemma_sandwich_one_plus_weight_bf16", ("1.0 + self.pre_feedforward_layernorm.weight.float()", "self.pre_feedforward_layernorm.weight.float()")),
     # swiglu
-    M("swiglu", "swapped swiglu halves", "silu_on_second_half_swapped", ("torch.cat([y.chunk(2, dim=-1)[1], y.chunk(2, dim=-1)[0]], dim=-1)", "y")),
+    M("swiglu", "swapped swiglu halves", "silu_on_second_half_swapped", ("torch.cat(y.chunk(2, dim=-1)[::-1], dim=-1)", "y")),
     M("swiglu", "swapped swiglu halves", "phi3_fused_gate_up_fp16", ("npu_swiglu(up_states.contiguous()", "npu_swiglu(torch.cat(up_states.chunk(2, dim=-1)[::-1], dim=-1)")),
     M("swiglu", "gelu instead of silu", "phi3_fused_gate_up_fp16", ("torch_npu.npu_swiglu(up_states.contiguous(), dim=-1)", "torch_npu.npu_geglu(up_states.contiguous(), dim=-1, approximate=1, activate_left=True)[0]")),
     # geglu
@@ -143,7 +143,7 @@ MUTANTS = [
     M("attention", "inverted mask", "bert_padding_mask", ("(attention_mask < 0)", "(attention_mask >= 0)")),
     M("attention", "missing scale", "bert_padding_mask", ("scale=1.0 / math.sqrt(self.attention_head_size)", "scale=1.0")),
     M("attention", "wrong layout (BSND for BNSD)", "bert_padding_mask", ('query_layer.shape[1], "BNSD"', 'query_layer.shape[2], "BSND"'), expect="the fused branch raised NpuOpError: npu_fusion_attention: atten_mask shape"),
-    M("attention", "missing [0]", "bert_padding_mask", ("\n)[0]", "\n)"), expect="the fused branch raised AttributeError: 'tuple' object"),
+    M("attention", "missing [0]", "bert_padding_mask", ("\n    )[0]", "\n    )"), expect="the fused branch raised AttributeError: 'tuple' object"),
     M("attention", "wrong sparse_mode (2 for 3, Sq<Skv)", "gpt2_bottom_right_causal_kv_cache", ("sparse_mode=3", "sparse_mode=2")),
     M("attention", "wrong sparse_mode (3 for 2, Sq<Skv)", "einsum_cross_attention_triu_top_left", ("sparse_mode=2", "sparse_mode=3")),
     M("attention", "causal sparse_mode without mask", "einsum_cross_attention_triu_top_left", ("atten_mask=_npufuse_masks[q.device],", "atten_mask=None,")),
@@ -152,7 +152,7 @@ MUTANTS = [
     M("attention", "missing scale", "hf_llama_eager_gqa", ("scale=scaling", "scale=1.0"), expect="out[0]:"),
     M("attention", "inverted mask", "hf_llama_eager_gqa", ("] < 0) if attention_mask", "] >= 0) if attention_mask"), expect="out[0]:"),
     M("attention", "zeros for the probabilities", "hf_llama_eager_gqa", (_PROBS_LINE, "attn_weights = torch.zeros(query.shape[:-1] + (key.shape[-2],), dtype=query.dtype)"), expect="out[1]:"),
-    M("attention", "None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None\n_npufuse_unused = torch_npu.npu_fusion_attention("), expect="the fused branch returns 0 tensors"),
+    M("attention", "None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None\n    _npufuse_unused = torch_npu.npu_fusion_attention("), expect="the fused branch returns 0 tensors"),
     # sdpa
     M("sdpa", "missing scale", "timm_fused_attn", ("scale=q.shape[-1] ** -0.5", "scale=1.0")),
     M("sdpa", "wrong sparse_mode (3 for 2, Sq<Skv)", "gqa_causal_sq_ne_skv", ("sparse_mode=2", "sparse_mode=3")),

@@ -113,3 +113,42 @@ def test_an_explicitly_named_ignored_folder_is_scanned(tmp_path):
     _touch(tmp_path, "data/corpus/m.py")
     assert walk(tmp_path / "data" / "corpus").files == ["m.py"]
     assert walk(tmp_path).files == []
+
+
+def test_tests_examples_tutorials_are_skipped_unless_asked(tmp_path):
+    for rel in ("model/llama.py", "tests/test_llama.py", "model/tests/test_norm.py", "examples/train.py",
+                "Tutorials/intro.py", "docs/conf.py", "testing_utils/helpers.py"):
+        _touch(tmp_path, rel)
+    res = walk(tmp_path)
+    # "testing_utils" is not one of the names: only whole folder names count
+    assert res.files == ["model/llama.py", "testing_utils/helpers.py"]
+    reasons = {s["path"]: s["reason"] for s in res.skipped}
+    assert set(reasons) == {"Tutorials/", "docs/", "examples/", "model/tests/", "tests/"}
+    assert all("--include-tests" in r for r in reasons.values())
+    full = walk(tmp_path, include_tests=True)
+    assert len(full.files) == 7 and full.skipped == []
+
+
+def test_a_root_named_examples_is_scanned(tmp_path):
+    # the demo scans a copy of examples/tiny_llama; a user may point npufuse at examples/ itself
+    _touch(tmp_path, "examples/tiny.py")
+    _touch(tmp_path, "examples/tests/t.py")
+    res = walk(tmp_path / "examples")
+    assert res.files == ["tiny.py"]
+    assert [s["path"] for s in res.skipped] == ["tests/"]
+
+
+def test_scan_cli_include_tests_flag(tmp_path, monkeypatch):
+    import json
+
+    from npufuse.cli import main
+
+    _touch(tmp_path, "repo/tests/test_norm.py", "import torch\n\ndef rms(x, w):\n    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))\n")
+    _touch(tmp_path, "repo/m.py")
+    monkeypatch.chdir(tmp_path)
+    assert main(["scan", "repo", "--format", "json", "--no-cache", "--no-progress", "--state-dir", "s1"]) == 0
+    first = json.loads((tmp_path / "s1" / "scan.json").read_text())
+    assert first["candidates"] == [] and {"path": "tests/", "reason": "tests, examples or tutorials (--include-tests scans them)"} in first["skipped"]
+    assert main(["scan", "repo", "--format", "json", "--no-cache", "--no-progress", "--state-dir", "s2", "--include-tests"]) == 0
+    second = json.loads((tmp_path / "s2" / "scan.json").read_text())
+    assert [c["file"] for c in second["candidates"]] == ["tests/test_norm.py"]

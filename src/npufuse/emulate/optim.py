@@ -348,4 +348,37 @@ class NpuFusedSGD(_NpuFusedOptimizer, torch.optim.SGD):
         self._fused_init()
 
 
-__all__ = ["NpuFusedAdamW", "NpuFusedAdam", "NpuFusedSGD"]
+@emulated("optim.NpuFusedAdadelta", autograd=False, spec="10")
+class NpuFusedAdadelta(_NpuFusedOptimizer, torch.optim.Adadelta):
+    """torch_npu.optim.NpuFusedAdadelta over combined fp32/fp16 buffers.
+
+    ``NpuFusedAdadelta(params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0)``. Math identical to
+    ``torch.optim.Adadelta`` with the same arguments. Constraints: see module doc.
+    """
+
+    _torch_cls = torch.optim.Adadelta
+    _name = "NpuFusedAdadelta"
+
+    def __init__(self, params: Iterable[Any], lr: float = 1.0, rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0) -> None:
+        torch.optim.Adadelta.__init__(self, params, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay)
+        self._fused_init()
+
+
+@emulated("optim.NpuFusedRMSprop", autograd=False, spec="10")
+class NpuFusedRMSprop(_NpuFusedOptimizer, torch.optim.RMSprop):
+    """torch_npu.optim.NpuFusedRMSprop over combined fp32/fp16 buffers.
+
+    ``NpuFusedRMSprop(params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False)``.
+    Math identical to ``torch.optim.RMSprop`` with the same arguments. Constraints: see module doc.
+    """
+
+    _torch_cls = torch.optim.RMSprop
+    _name = "NpuFusedRMSprop"
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0,
+                 momentum: float = 0, centered: bool = False) -> None:
+        torch.optim.RMSprop.__init__(self, params, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered)
+        self._fused_init()
+
+
+__all__ = ["NpuFusedAdamW", "NpuFusedAdam", "NpuFusedSGD", "NpuFusedAdadelta", "NpuFusedRMSprop"]

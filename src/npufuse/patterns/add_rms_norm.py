@@ -47,6 +47,66 @@ class NormCall:
     match: R.Match | None = None
     reason: str = ""
     cls: str = ""
+    gamma: str = ""  # library kind: the weight and eps expressions
+    eps: str = ""
+
+
+_FLOAT32_EPS = "{T}.finfo({T}.float32).eps"  # PyTorch's rms_norm default for fp16/bf16/fp32 (see _library_norm)
+
+
+def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
+    """(gamma, eps) of ``self.<attr> = nn.RMSNorm(shape, eps=None, elementwise_affine=True)``;
+    None when it has no weight (npu_add_rms_norm needs gamma)."""
+    from npufuse.scan.dataflow import const_value, keyword
+
+    affine = keyword(ctor, "elementwise_affine", 2)
+    if affine is not None and const_value(affine) is not True:
+        return None
+    T = S.torch_name(module) or "torch"
+    eps = keyword(ctor, "eps", 1)
+    v = const_value(eps) if eps is not None else None
+    if eps is None or v is None:
+        return f"{mod}.weight", _FLOAT32_EPS.format(T=T)
+    if type(v) in (int, float):
+        return f"{mod}.weight", S.source_of(module, eps)
+    return f"{mod}.weight", f"({mod}.eps if {mod}.eps is not None else {_FLOAT32_EPS.format(T=T)})"
+
+
+def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str) -> tuple[str, str] | None:
+    """(gamma, eps) when a norm class's forward is ``return F.rms_norm(x, shape, self.w, self.eps)``
+    (DeepSeek-V3's RMSNorm), with ``self`` read as ``mod``; None otherwise."""
+    from npufuse.scan import canonical
+    from npufuse.scan.dataflow import const_value, keyword
+
+    ret = S.helper_return(fwd)
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if ret is None or len(params) < 2 or not isinstance(ret.value, ast.Call):
+        return None
+    call = ret.value
+    if canonical.api(module, call.func) != "torch.nn.functional.rms_norm":
+        return None
+    x, w, eps = keyword(call, "input", 0), keyword(call, "weight", 2), keyword(call, "eps", 3)
+    if not (isinstance(x, ast.Name) and x.id == params[1]) or w is None:
+        return None
+
+    def as_mod(node: ast.expr) -> str | None:
+        d = dotted(node)
+        if d is not None and d.startswith(params[0] + "."):
+            return mod + d[len(params[0]):]
+        return None
+
+    gamma = as_mod(w)
+    if gamma is None:
+        return None
+    T = S.torch_name(module) or "torch"
+    if eps is None or const_value(eps) is None:
+        return gamma, _FLOAT32_EPS.format(T=T)
+    if isinstance(const_value(eps), (int, float)):
+        return gamma, S.source_of(module, eps)
+    e = as_mod(eps)
+    if e is None:
+        return None
+    return gamma, f"({e} if {e} is not None else {_FLOAT32_EPS.format(T=T)})"
 
 
 def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
@@ -64,9 +124,17 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         short = canon.replace("torch.nn.", "nn.")
         hint = "; npu_add_layer_norm fuses add + LayerNorm (not an npufuse pattern yet)" if short == "nn.LayerNorm" else ""
         return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({short}: mean subtracted){hint}")
+    if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
+        lib = _library_gamma_eps(module, f"self.{f.attr}", value)
+        if lib is None:
+            return None
+        return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1])
     cls = dotted(value.func) or ""
     if cls in module.classes:
         fwd = S.method(module, cls, "forward")
+        lib_fwd = _library_forward(module, fwd, f"self.{f.attr}") if fwd is not None else None
+        if lib_fwd is not None:
+            return NormCall(call, f.attr, "library", cls=cls, gamma=lib_fwd[0], eps=lib_fwd[1])
         if fwd is None:
             return None
         ret = S.helper_return(fwd)
@@ -240,6 +308,16 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         params = {k: v for k, v in p.params.items() if k != "input"}
         norm_pre = p.pre
         variant = "residual_then_norm" if site.sum_name else "inline_sum"
+    elif m.kind == "library":
+        # PyTorch's own rms_norm (nn.RMSNorm, or a class whose forward is F.rms_norm): its output
+        # has the input's dtype, like npu_add_rms_norm's / npu_rms_norm's
+        gamma, eps = m.gamma, m.eps
+        out_code = f"{s_name}.dtype"
+        train_norm = f"torch_npu.npu_rms_norm({s_name}, {gamma}, epsilon={eps})[0]"
+        norm_pre = []
+        params = {"eps": eps, "weight": gamma, "weight_offset": 0, "upcast": "float32", "output_dtype": "input"}
+        variant = "library_norm"
+        weight_base = gamma
     else:
         confidence = "medium"
         mod = f"self.{m.attr}"
@@ -768,4 +846,64 @@ class LayerWithWork(nn.Module):
 ''',
         name="sum_modified_before_norm",
     ),
+]
+
+
+# -- issue 14, class 1: PyTorch's own RMSNorm after a residual add ------------------------------
+
+_LIBRARY_BLOCK = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor):
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.ffn = nn.Linear(dim, dim)
+        self.attn_norm = RMSNorm(dim)
+        self.ffn_norm = NORM
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        x = x + self.ffn(self.ffn_norm(x))
+        return x
+'''
+
+_LIBRARY_RUN = '''
+blk = Block(32){cast}
+with torch.no_grad():
+    blk.ffn_norm.weight.normal_()
+x = torch.randn(2, 5, 32{dtype}, requires_grad=True)
+{ctx}out = blk(x)
+leaves = {leaves}
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_LIBRARY_BLOCK.replace("NORM", "RMSNorm(dim)"),
+         expect={"variant": "library_norm", "weight": "self.ffn_norm.weight", "eps": "(self.ffn_norm.eps if self.ffn_norm.eps is not None else torch.finfo(torch.float32).eps)",
+                 "norm_class": "RMSNorm", "line": 27, "end_line": 28},
+         run=_LIBRARY_RUN.format(cast="", dtype="", ctx="", leaves="[x, blk.ffn_norm.weight]"),
+         name="deepseek_v3_f_rms_norm_class_training"),
+    Fuse(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, eps=1e-5)"),
+         expect={"variant": "library_norm", "eps": "1e-5", "norm_class": "nn.RMSNorm"},
+         run=_LIBRARY_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", ctx="torch.set_grad_enabled(False)\n", leaves="[]")
+         + "torch.set_grad_enabled(True)\n",
+         name="nn_rmsnorm_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, elementwise_affine=False)"), name="nn_rmsnorm_without_weight"),
 ]

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
+from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
@@ -466,6 +467,38 @@ def causal_cache_lines(device_of: str) -> tuple[list[str], str]:
         f"    _npufuse_masks[{device_of}.device] = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device={device_of}.device), diagonal=1)",
     ]
     return lines, f"_npufuse_masks[{device_of}.device]"
+
+
+# Binarising an additive float mask with ``mask < 0`` is exact only when every entry is 0 or so
+# negative that its softmax weight is 0 in fp32 anyway (exp(-1000) underflows to 0, whatever the
+# scores): a graded bias (ALiBi, relative position) carried in a tensor named ``mask`` would be
+# changed, and a 0/1 float mask would vanish. Unless the mask is built in view from -inf/finfo.min,
+# the fused branch checks the values at run time and runs the original code when they are graded
+# (issue 14, class 3). The check is a reduction and a host sync per call (a stated risk).
+ADDITIVE_MASK_FLOOR = -1000.0
+
+
+def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = False) -> str:
+    """Run-time condition: the mask ``text`` (evaluated once per use; pass a name) can be
+    binarised with ``< 0`` without changing the attention."""
+    a = atom(text)
+    check = f"bool((({a} == 0) | ({a} <= {ADDITIVE_MASK_FLOOR})).all())"
+    if maybe_bool:
+        check = f"{a}.dtype == torch.bool or {check}"
+    if maybe_none:
+        check = f"{a} is None or {check}"
+    return check
+
+
+VALUE_CHECK_RISK = ("the float mask's values are not known statically: the fused branch checks that every entry is 0 or "
+                    f"<= {ADDITIVE_MASK_FLOOR:g} (a 0/-inf mask; a graded bias such as ALiBi or a 0/1 float mask runs the "
+                    "original code instead), a reduction and a host sync per call (a graph break under torch.compile)")
+
+
+def checked_body(before: list[str], after: list[str], condition: str, original: str) -> list[str]:
+    """``before``, then ``after`` only where ``condition`` holds, else the original statements."""
+    return before + [f"if {condition}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(after).splitlines()] + \
+        ["else:"] + ["    " + ln if ln.strip() else ln for ln in original.splitlines()]
 
 
 def mask_shape_lines(var: str, sq: str, maybe_none: bool, three_d: bool = False) -> list[str]:
@@ -1446,6 +1479,15 @@ def _is_self_attr(func: Any) -> bool:
     return isinstance(func, ast.Attribute) and isinstance(func.value, Ref) and func.value.name == "self" and func.value.idx == -1
 
 
+def _minus_infinity(n: ast.AST) -> bool:
+    """``finfo(...).min``, ``float("-inf")``, ``math.inf``/``torch.inf``: the fill of a 0/-inf mask."""
+    if isinstance(n, ast.Attribute):
+        return n.attr in ("inf", "finfo") or (n.attr == "min" and isinstance(n.value, ast.Call) and dotted(n.value.func) is not None and dotted(n.value.func).endswith("finfo"))  # type: ignore[union-attr]
+    if isinstance(n, ast.Call) and dotted(n.func) is not None and dotted(n.func).endswith("finfo"):  # type: ignore[union-attr]
+        return True
+    return isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.strip().lower() in ("-inf", "inf", "-infinity")
+
+
 def _plain(node: Any) -> Any:
     """Symbolic tree -> ast with Refs as Names (for messages, structural comparisons and helper checks)."""
     if isinstance(node, Ref):
@@ -1854,6 +1896,8 @@ class AttentionPattern(Pattern):
         scale = scale or "1.0"
         kwargs: list[tuple[str, str]] = []
         # masks
+        value_check: str | None = None  # run-time condition for binarising additive masks (issue 14, class 3)
+        value_split = 0
         mask_kind, sparse = "none", 0
         causal_terms = [m for m in chain.masks if m.causal]
         try:
@@ -1865,14 +1909,21 @@ class AttentionPattern(Pattern):
                 mask_kind = "causal"
             elif chain.masks:
                 mask_lines, maybe_none = self._mask_lines(r, chain.masks)
+                checks = self._value_checks(r, chain.masks)
+                if checks:
+                    value_split = len(lines)
+                    value_check = " and ".join(checks) if len(checks) == 1 else " and ".join(f"({c})" for c in checks)
+                    risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 lines += mask_lines
                 if not all(m.causal for m in chain.masks):
                     lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
                 kinds = {m.kind for m in chain.masks}
                 mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep"}[m.kind]) for m in chain.masks))
-                if "additive" in kinds:
-                    risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked): exact for 0/−inf (or large negative) masks such as HF's and BERT's; a mask carrying graded negative values would be binarised"))
+                if "additive" in kinds and checks:
+                    risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked) only after its values are checked to be 0 or <= -1000 (HF's and BERT's masks are); otherwise the original code runs"))
+                elif "additive" in kinds:
+                    risks.append(Risk("numerics", "the additive float mask (built here from -inf/finfo.min or a causal triangle) is converted with `mask < 0` (True = masked): exact for such 0/−inf masks"))
                 if any(m.causal for m in chain.masks):
                     chain.notes.append("the causal mask is passed explicitly (sparse_mode 0): it is combined with another mask or conditional")
             test_texts = [r.text(m.cond) for m in chain.masks if m.cond is not None]
@@ -1914,6 +1965,9 @@ class AttentionPattern(Pattern):
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
         lines.append(replace_segments(module, stmt, [(node, call)]))
+        if value_check is not None:
+            span = block[s : next(n for n, b in enumerate(block) if b is stmt) + 1]
+            lines = checked_body(lines[:value_split], lines[value_split:], value_check, block_source(module, span))
         if none_probs:
             risks.append(Risk("other", f"the attention weights are not returned on the fused branch: `{', '.join(none_probs)}` (the attention probabilities) is None there, because "
                               "npu_fusion_attention does not produce them — a caller asking for attention weights (output_attentions=True) gets None instead of the "
@@ -1933,6 +1987,7 @@ class AttentionPattern(Pattern):
             "q": q_t, "k": k_t, "v": v_t,
             "returns_probs": none_probs[0] if none_probs else None,
             "head_dim": d,
+            "mask_values_checked": value_check is not None,
         }
         if chain.softmax_dtype:
             params["softmax_dtype"] = chain.softmax_dtype
@@ -1963,6 +2018,24 @@ class AttentionPattern(Pattern):
         except Miss:
             text = ast.unparse(_plain(m.node))
         return f"{kind}: {text}"
+
+    def _value_checks(self, r: Renderer, masks: list[MaskTerm]) -> list[str]:
+        """Run-time conditions under which each additive term may be binarised with ``< 0``:
+        none for a causal triangle or a mask built in view from -inf/finfo.min; else its values
+        are checked (a tensor named ``mask`` may carry ALiBi or 0/1 values)."""
+        checks: list[str] = []
+        for m in masks:
+            if m.kind != "additive" or m.causal:
+                continue
+            if any(_minus_infinity(n) for n in walk_sym(m.node)):
+                continue  # built in view from -inf / finfo.min: a 0/-inf mask
+            t = r.text(m.node)
+            check = additive_mask_exact(t)
+            if m.cond is not None:
+                c = r.text(m.cond)
+                check = f"{atom(c)} or {check}" if m.negate_cond else f"not {atom(c)} or {check}"
+            checks.append(check)
+        return checks
 
     def _mask_lines(self, r: Renderer, masks: list[MaskTerm]) -> tuple[list[str], bool]:
         """Statements building ``_npufuse_mask`` (True = masked) from every mask term."""

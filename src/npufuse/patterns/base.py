@@ -117,6 +117,11 @@ class Pattern:
         """Yield findings and near misses inside ``scope`` (one function body or the module body)."""
         raise NotImplementedError
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "detect" in cls.__dict__:
+            cls.detect = _outside_compiled_code(cls.__dict__["detect"])  # type: ignore[method-assign]
+
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         """Value estimate: ``{"bound": ..., "estimate": "...", ...}``; ``config`` holds shapes read
         from the repo's config (hidden_size, num_attention_heads, ...), possibly empty."""
@@ -126,6 +131,87 @@ class Pattern:
     def reference(*args: Any, **kwargs: Any) -> Any:
         """Eager ground truth of what the matched code computes (used by op checks and benches)."""
         raise NotImplementedError
+
+
+def _outside_compiled_code(detect: Any) -> Any:
+    """Every pattern's ``detect``, with findings in TorchScript-compiled code turned into near
+    misses (:mod:`npufuse.patterns._compiled`): one rule for all patterns, applied where each
+    detector's results come out, so the scan and the examples' tests see the same thing."""
+    import functools
+
+    @functools.wraps(detect)
+    def wrapped(self: Pattern, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
+        from npufuse.patterns._compiled import compiled_reason
+
+        # the text test is made once per module (detect runs for every scope of every pattern)
+        has_jit = module.__dict__.get("_npufuse_has_jit")
+        if has_jit is None:
+            has_jit = module.__dict__["_npufuse_has_jit"] = "jit" in module.source
+        reason = compiled_reason(module, scope) if has_jit else None
+        for r in detect(self, module, scope):
+            if reason is not None and isinstance(r, Finding):
+                yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
+                continue
+            if isinstance(r, Finding):
+                twice = _called_more_often(module, r)
+                if twice is not None:
+                    yield NearMiss(r.pattern, r.qualname, r.line, r.end_line,
+                                   f"the replacement would call `{twice}` more often than the original code does "
+                                   "(a module call evaluated twice: double the work, and a different result with dropout)")
+                    continue
+            yield r
+
+    return wrapped
+
+
+def _module_calls(stmts: list[ast.stmt]) -> dict[str, int]:
+    """How often each ``self.<...>(...)`` call runs on the costliest path through ``stmts``
+    (an ``if``/``else`` counts its busier branch: one of them runs)."""
+    total: dict[str, int] = {}
+
+    def add(counts: dict[str, int]) -> None:
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+
+    for st in stmts:
+        if isinstance(st, ast.If):
+            add(_module_calls_in(st.test))
+            a, b = _module_calls(st.body), _module_calls(st.orelse)
+            add({k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()})
+        else:
+            add(_module_calls_in(st))
+    return total
+
+
+def _module_calls_in(node: ast.AST) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            base = n.func.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id == "self":
+                key = ast.unparse(n)
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
+    """A ``self.<module>(...)`` call the fused branch makes more often than the original span."""
+    if "self." not in f.fused:
+        return None
+    import textwrap
+
+    try:
+        fused = ast.parse(f.fused).body
+        original = ast.parse(textwrap.dedent("".join(module.lines[f.line - 1 : f.end_line]))).body
+    except (SyntaxError, ValueError):
+        return None
+    before = _module_calls(original)
+    for call, n in _module_calls(fused).items():
+        if n > before.get(call, 0) and before.get(call, 0) > 0:
+            return call
+    return None
 
 
 def node_span(node: ast.AST) -> tuple[int, int]:

@@ -33,7 +33,7 @@ import re
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, dotted, fast_walk, keyword, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "fused_optimizer"
@@ -43,12 +43,32 @@ _OPTIMIZERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "AdamW": ("NpuFusedAdamW", ("lr", "betas", "eps", "weight_decay", "amsgrad")),
     "Adam": ("NpuFusedAdam", ("lr", "betas", "eps", "weight_decay", "amsgrad")),
     "SGD": ("NpuFusedSGD", ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
+    # same constructor and defaults as torch.optim's (spec §10); torch's extra keywords
+    # (foreach, capturable, maximize, differentiable) are near misses like everywhere else
+    "Adadelta": ("NpuFusedAdadelta", ("lr", "rho", "eps", "weight_decay")),
+    "RMSprop": ("NpuFusedRMSprop", ("lr", "alpha", "eps", "weight_decay", "momentum", "centered")),
 }
+# torch.optim classes torch_npu.optim has no fused class for (its fused classes: spec §10; LAMB,
+# AdamP, BertAdam and RMSpropTF there follow other libraries' math, not a torch.optim class)
+_NO_FUSED = ("Adagrad", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "LBFGS", "SparseAdam")
 _CANONICAL = {
     **{f"torch.optim.{k}": k for k in _OPTIMIZERS},
     "torch.optim.adamw.AdamW": "AdamW",
     "torch.optim.adam.Adam": "Adam",
     "torch.optim.sgd.SGD": "SGD",
+    "torch.optim.adadelta.Adadelta": "Adadelta",
+    "torch.optim.rmsprop.RMSprop": "RMSprop",
+}
+_NO_FUSED_NAMES = {f"torch.optim.{k}": k for k in _NO_FUSED} | {f"torch.optim.{k.lower()}.{k}": k for k in _NO_FUSED}
+# Keywords that choose how torch.optim runs (not what it computes), at values the fused class
+# matches: dropped from the fused call. ``fused=True`` stays a near miss (the user chose torch's
+# own fused kernel, field lesson 9); ``maximize=True`` etc. change the math.
+_DROPPABLE: dict[str, tuple[object, ...]] = {
+    "foreach": (True, False, None),
+    "fused": (False, None),
+    "capturable": (False,),
+    "maximize": (False,),
+    "differentiable": (False,),
 }
 _UNSUPPORTED_KW = ("foreach", "fused", "capturable", "maximize", "differentiable", "decoupled_weight_decay")
 # Names that mean parameters get flattened, sharded or re-allocated behind the optimizer's back.
@@ -59,6 +79,8 @@ _STEP_COST = {  # fused bytes, single-tensor bytes, single-tensor kernels per te
     "AdamW": (28, 80, 10),
     "Adam": (28, 80, 10),
     "SGD": (20, 40, 4),
+    "Adadelta": (28, 80, 10),  # two state tensors, like Adam
+    "RMSprop": (20, 48, 6),  # one state tensor (square average), more with momentum/centered
 }
 
 
@@ -78,6 +100,12 @@ class FusedOptimizer(Pattern):
             calls = _optimizer_calls(module, stmt)
             for call in calls:
                 yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname))
+            for call in _unfusable_calls(module, stmt):
+                kind = _NO_FUSED_NAMES[module.canonical(call.func) or ""]
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                               f"torch_npu.optim has no fused counterpart of torch.optim.{kind} (its fused classes: "
+                               f"{', '.join(v[0] for v in _OPTIMIZERS.values())}, and LAMB/AdamP/BertAdam/RMSpropTF "
+                               "with other libraries' math); switching algorithms changes training")
             if not calls:
                 chosen = _class_chosen_at_run_time(module, scope, stmt)
                 if chosen is not None:
@@ -100,8 +128,12 @@ def _relevant(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_optim_relevant")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_optim_relevant"] = any(k in src for k in _OPTIMIZERS) and ("optim" in src)
+        cached = module.__dict__["_npufuse_optim_relevant"] = any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)
     return bool(cached)
+
+
+def _unfusable_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
+    return [n for n in fast_walk(stmt) if isinstance(n, ast.Call) and module.canonical(n.func) in _NO_FUSED_NAMES]
 
 
 def _optimizer_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
@@ -449,9 +481,29 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # a fresh generator: the user's own iterator is never touched
         return f"next({model}.parameters(), None)", ""
     if isinstance(params, ast.Name):
-        # materialise the opaque iterable once: both branches then get the same list
-        return f"next(iter(({params.id} := list({params.id}))), None)", ""
+        # materialise the opaque iterable once: both branches then get the same list (torch.optim
+        # lists it too). It may hold param-group dicts: their first listed tensor is the guard; a
+        # group's generator is never touched (no tensor: the original runs)
+        n = params.id
+        # (a lambda: an assignment expression may not be a comprehension's iterable)
+        return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
+                f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({n} := list({n}))"), ""
+    first = _first_group_params(params)
+    if first is not None:
+        # ``[{"params": decay, ...}, ...]`` of opaque names: the first group's list is materialised
+        # once (torch.optim lists each group's params too) and its first tensor is the guard
+        return f"next(iter(({first} := list({first}))), None)", ""
     return None, f"the params come from `{segment(module, params)[:50]}`: no parameter tensor to guard on without consuming it"
+
+
+def _first_group_params(params: ast.expr) -> Optional[str]:
+    """``a`` of an inline ``[{"params": a, ...}, ...]`` (the first group's params, a plain name)."""
+    if not (isinstance(params, (ast.List, ast.Tuple)) and params.elts and isinstance(params.elts[0], ast.Dict)):
+        return None
+    for k, v in zip(params.elts[0].keys, params.elts[0].values):
+        if isinstance(k, ast.Constant) and k.value == "params" and isinstance(v, ast.Name):
+            return v.id
+    return None
 
 
 def _target_names(stmt: ast.stmt) -> set[str]:
@@ -579,6 +631,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         if k.arg is None:
             return miss(f"keyword arguments passed through `**{segment(module, k.value)}` may carry "
                         "fused=/foreach=/capturable=, which torch_npu.optim fused optimizers do not take")
+        if k in _dropped_keywords(call):
+            continue  # only picks torch's implementation, or its default: dropped from the fused call
         if k.arg in _UNSUPPORTED_KW:
             return miss(f"`{k.arg}=` is not supported by torch_npu.optim.{fused_cls} (no foreach/fused/capturable/"
                         "maximize/differentiable arguments)")
@@ -617,7 +671,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     params = {
         "optimizer": f"torch.optim.{kind}",
         "fused_class": f"torch_npu.optim.{fused_cls}",
-        "args": {k.arg: segment(module, k.value) for k in call.keywords if k.arg and k.arg != "params"}
+        "args": {k.arg: segment(module, k.value) for k in call.keywords if k.arg and k.arg != "params" and k not in _dropped_keywords(call)}
         | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0},
         "params": segment(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
         "param_groups": _is_groups(module, scope, keyword(call, "params", 0), stmt.lineno),  # type: ignore[arg-type]
@@ -651,6 +705,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         notes.append(f"`{model}` is a peft model over a bf16 base: the frozen base never gets grads (the fused class "
                      "only takes params with grads), peft upcasts adapters to fp32; the guard also checks at run time "
                      "that every trainable parameter is fp32/fp16 (modules_to_save copies stay bf16: then the original runs)")
+    dropped = [f"{k.arg}={segment(module, k.value)}" for k in _dropped_keywords(call)]
+    if dropped:
+        params["dropped"] = dropped
+        notes.append(f"dropped from the fused call: {', '.join(dropped)} (it picks torch.optim's implementation or "
+                     "states a default; the fused class computes the same update without it)")
     if params["lr_default_added"]:
         notes.append("NpuFusedSGD has no lr default: torch.optim.SGD's lr=1e-3 is passed explicitly")
     return Finding(
@@ -696,6 +755,36 @@ def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
     return "".join(lines[first - 1 : last])
 
 
+def _dropped_keywords(call: ast.Call) -> list[ast.keyword]:
+    out = []
+    for k in call.keywords:
+        v = const_value(k.value)
+        if k.arg in _DROPPABLE and type(v) in (bool, type(None)) and v in _DROPPABLE[k.arg]:
+            out.append(k)
+        elif k.arg == "foreach" and dotted(k.value) is not None:
+            out.append(k)  # a flag read from the config: whichever path, the same update
+    return out
+
+
+def _cut_keyword(text: bytes, k0: int, k1: int) -> bytes:
+    """``text`` without the keyword argument at [k0, k1) and one comma next to it; a keyword alone
+    on its line takes its line with it."""
+    after = text[k1:]
+    gap = len(after) - len(after.lstrip(b" \t"))
+    if after[gap:gap + 1] == b",":
+        end = k1 + gap + 1
+        line_start = text.rfind(b"\n", 0, k0) + 1
+        rest = text[end:]
+        if not text[line_start:k0].strip() and rest.lstrip(b" \t")[:1] in (b"\n", b"\r"):
+            nl = text.find(b"\n", end)
+            return text[:line_start] + text[nl + 1:]  # the whole line
+        return text[:k0] + rest.lstrip(b" \t")
+    before = text[:k0].rstrip(b" \t\r\n")
+    if before.endswith(b","):
+        before = before[:-1]
+    return before + text[k1:]
+
+
 def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: str, kind: str, text: str) -> str:
     """The statement with the optimizer class swapped (byte offsets: ast columns are UTF-8)."""
     lines = module.lines  # numbered as ast numbers them
@@ -714,6 +803,13 @@ def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: s
         inside = blob[:c1].rstrip()
         tail_add = b" lr=1e-3" if inside.endswith(b",") or inside.endswith(b"(") else b", lr=1e-3"
     new = blob[:f0] + f"torch_npu.optim.{fused_cls}".encode() + blob[f1:c1] + tail_add + blob[c1:]
+    # keywords the fused class does not take but that change nothing (foreach=False, ...): cut
+    # out with the comma after them (or before them, for the last argument)
+    shift = len(f"torch_npu.optim.{fused_cls}".encode()) - (f1 - f0)
+    for k in sorted(_dropped_keywords(call), key=lambda k: (k.lineno, k.col_offset), reverse=True):
+        k0 = offset(k.lineno, k.col_offset) + shift
+        k1 = offset(k.end_lineno or k.lineno, k.end_col_offset or 0) + shift
+        new = _cut_keyword(new, k0, k1)
     out = new.decode()
     head = out.splitlines(keepends=True)
     indent = head[0][: len(head[0]) - len(head[0].lstrip())]
@@ -928,7 +1024,8 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.0)
 _KEEP_FOREACH = _NET + '''
 
 def build(model):
-    return torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    # capturable keeps the step as a device tensor for CUDA-graph capture; the fused class keeps a Python int
+    return torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
 '''
 
 _KEEP_GRAD_ASSIGN = _NET + '''
@@ -1168,7 +1265,7 @@ FusedOptimizer.KEEP = [
     Keep(_KEEP_EXTRA_ARGS, reason="**extra_args", name="nanogpt_fused_extra_args"),
     Keep(_KEEP_FSDP, reason="FSDP", name="fsdp_wrapped_model"),
     Keep(_KEEP_BF16, reason="bf16 parameters unsupported", name="hf_model_loaded_in_bf16"),
-    Keep(_KEEP_FOREACH, reason="foreach", name="foreach_kwarg"),
+    Keep(_KEEP_FOREACH, reason="`capturable=` is not supported", name="capturable_true"),
     Keep(_KEEP_GRAD_ASSIGN, reason="re-allocated", name="manual_grad_averaging"),
     Keep(_KEEP_MODEL_ZERO_GRAD, reason="model.zero_grad()", name="module_zero_grad_default"),
     Keep(_KEEP_ACCELERATE, reason="AcceleratedOptimizer.zero_grad() passes set_to_none=True", name="accelerate_prepare_then_zero_grad"),
@@ -1176,4 +1273,104 @@ FusedOptimizer.KEEP = [
     Keep(_KEEP_LIST_GRAD_ASSIGNED, reason="grads are re-allocated", name="list_params_grad_assigned_each_step"),
     Keep(_KEEP_CLASS_CHOSEN, reason="chosen at run time", name="optimizer_class_chosen_at_run_time"),
     Keep(_KEEP_FIXTURE_BF16, reason="bf16 parameters unsupported", name="pytest_fixture_bf16_model"),
+]
+
+
+# -- issue 14, class 5: every torch.optim class torch_npu.optim has; param groups as arguments ----
+
+_ADADELTA = _NET + '''
+
+def build(model):
+    return torch.optim.Adadelta(model.parameters(), lr=1.0, rho=0.95, weight_decay=1e-4)
+'''
+
+_RMSPROP_ALIAS = _NET + '''
+import torch.optim as optim
+
+
+def build(model):
+    opt = optim.RMSprop(model.parameters(), lr=1e-2, alpha=0.9, momentum=0.5, centered=True)
+    return opt
+'''
+
+_GROUPS_ARGUMENT = _NET + '''
+
+def make_optimizer(groups, lr):
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def build(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return make_optimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], 3e-3)
+'''
+
+_GROUPS_LITERAL_OF_ARGUMENTS = _NET + '''
+
+def make_optimizer(decay, no_decay, lr=3e-3):
+    return torch.optim.Adam([{"params": decay, "weight_decay": 0.01}, {"params": no_decay}], lr=lr)
+
+
+def build(model):
+    ps = list(model.parameters())
+    return make_optimizer((p for p in ps if p.dim() >= 2), (p for p in ps if p.dim() < 2))
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_ADADELTA, name="adadelta", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.Adadelta", "fused_class": "torch_npu.optim.NpuFusedAdadelta",
+        "args": {"lr": "1.0", "rho": "0.95", "weight_decay": "1e-4"}, "guard": "fresh_generator"}),
+    Fuse(_RMSPROP_ALIAS, name="rmsprop_module_alias_centered", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.RMSprop", "fused_class": "torch_npu.optim.NpuFusedRMSprop",
+        "args": {"lr": "1e-2", "alpha": "0.9", "momentum": "0.5", "centered": "True"}}),
+    Fuse(_GROUPS_ARGUMENT, name="param_groups_passed_as_an_argument", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "params": "groups", "guard": "materialised_list", "qualname": "make_optimizer"}),
+    Fuse(_GROUPS_LITERAL_OF_ARGUMENTS, name="param_group_literal_of_generator_arguments", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.Adam", "param_groups": True, "guard": "materialised_list"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_NET + '''
+
+def build(model):
+    return torch.optim.Adagrad(model.parameters(), lr=1e-2)
+''', reason="no fused counterpart of torch.optim.Adagrad", name="adagrad_has_no_fused_class"),
+    Keep(_NET + '''
+
+def build(model):
+    return torch.optim.RMSprop(model.parameters(), lr=1e-2, differentiable=True)
+''', reason="`differentiable=` is not supported by torch_npu.optim.NpuFusedRMSprop", name="rmsprop_differentiable"),
+]
+
+_FOREACH_OFF = _NET + '''
+
+def build(model, learning_rate=6e-4, weight_decay=1e-1, beta1=0.9, beta2=0.95):
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=learning_rate,
+        weight_decay=weight_decay,
+        betas=(beta1, beta2),
+        foreach=False,
+    )
+    return optimizer
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_FOREACH_OFF, name="foreach_false_dropped", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "dropped": ["foreach=False"],
+        "args": {"lr": "learning_rate", "weight_decay": "weight_decay", "betas": "(beta1, beta2)"}}),
+    Fuse(_NET + '''
+
+def build(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, foreach=None, maximize=False, momentum=0.9)
+''', name="default_valued_keywords_dropped_inline", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.SGD", "dropped": ["foreach=None", "maximize=False"], "args": {"lr": "0.1", "momentum": "0.9"}}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_NET + '''
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, maximize=True)
+''', reason="`maximize=` is not supported", name="maximize_true_changes_the_math"),
 ]

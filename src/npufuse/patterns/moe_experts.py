@@ -294,6 +294,7 @@ class _Eval:
         self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
         self.where_indices = ""
         self.probs = ""
+        self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
 
     # -- header ---------------------------------------------------------------------------
 
@@ -319,12 +320,40 @@ class _Eval:
                 self.env[item_name] = V("count")
                 return
             raise _Miss("enumerate loop over something that is neither the experts nor per-expert token counts")
+        if isinstance(it, ast.Call) and dotted(it.func) == "zip" and len(it.args) == 2 and not it.keywords \
+                and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts):
+            # ``for mask, expert in zip(masks, self.experts)``: enumerate(self.experts) whose first
+            # name is ``masks[e]`` (zip stops at the shorter one: the masks have E rows)
+            (per_name, item_name), (per, inner) = [e.id for e in tgt.elts], it.args  # type: ignore[union-attr]
+            if not self._is_expert_container(inner) or self._is_expert_container(per):
+                per, inner = inner, per
+                per_name, item_name = item_name, per_name
+            if self._is_expert_container(inner) and isinstance(per, ast.Name):
+                idx_name = f"{P}expert_idx"
+                self.eidx.add(idx_name)
+                self.experts_node = inner
+                self.loop_kind = "enumerate_experts"
+                self.experts_list = f"list({segment(m, inner)})"
+                self.num_experts = f"len({segment(m, _container_of(inner))})"
+                self.bins = f"len({P}experts)"
+                self.env[item_name] = V("expert", (None,))
+                row = ast.copy_location(ast.Subscript(value=ast.Name(per.id, ast.Load()), slice=ast.Name(idx_name, ast.Load()), ctx=ast.Load()), per)
+                self.env[per_name] = self.ev(row)
+                return
         if not isinstance(tgt, ast.Name):
             raise _Miss("the loop target is not a single expert index")
         self.eidx.add(tgt.id)
         if isinstance(it, ast.Call) and dotted(it.func) == "range":
+            if len(it.args) == 2 and const_value(it.args[0]) == 0 and not isinstance(const_value(it.args[0]), bool):
+                self.loop_kind = "range"  # range(0, E): every expert
+                self.num_experts = self.bins = segment(m, it.args[1])
+                return
+            if len(it.args) == 2:
+                raise _Miss(f"range({segment(m, it.args[0])}, {segment(m, it.args[1])}) runs a slice of the experts (expert "
+                            "parallelism: this rank's local experts): npufuse's replacement dispatches the tokens of every "
+                            "expert in one grouped matmul, so it covers loops over all experts only")
             if len(it.args) != 1:
-                raise _Miss("range(...) with a start/step: not a loop over all experts")
+                raise _Miss("range(...) with a step: not a loop over all experts")
             self.loop_kind = "range"
             self.num_experts = self.bins = segment(m, it.args[0])
             return
@@ -1107,7 +1136,7 @@ def _expert_class(ev: _Eval) -> ast.ClassDef:
     m, scope = ev.m, ev.scope
     container = ev.template.value if ev.template is not None else None
     if container is None and ev.loop_kind == "enumerate_experts":
-        container = ev.loop.iter.args[0]  # type: ignore[attr-defined]
+        container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
         if isinstance(container, ast.Call):
             container = container.func.value  # type: ignore[attr-defined]
     attr = container.attr if isinstance(container, ast.Attribute) else None
@@ -1137,6 +1166,10 @@ def _expert_class(ev: _Eval) -> ast.ClassDef:
     if len(names) != 1 or not all(isinstance(c, ast.Call) for c in calls):
         raise _Miss("the experts have different architectures per index")
     cls_name = names.pop()
+    if cls_name not in m.classes and m.canonical(calls[0].func) == "torch.nn.Linear":  # type: ignore[union-attr]
+        raise _Miss("each expert is a single nn.Linear, not an expert MLP: npufuse's replacement (permute, grouped "
+                    "matmuls with the activation between, unpermute) covers expert MLPs; one grouped matmul would do "
+                    "here, by hand")
     if cls_name not in m.classes:
         raise _Miss(f"the expert class `{cls_name}` is not defined in this file")
     return m.classes[cls_name]
@@ -2219,4 +2252,106 @@ MoeExperts.KEEP = [
     Keep(_KEEP_SWITCH, reason="router masks", name="switch_transformers_router_mask"),
     Keep(_KEEP_BIAS, reason="bias", name="expert_linear_with_bias"),
     Keep(_KEEP_CLAMPED, reason="not recognised", name="clamped_swiglu_custom_gate"),
+]
+
+
+# -- issue 14, class 4: loops outside HF's spellings ---------------------------------------------
+
+_ZIP_MASKS = _HEAD + '''
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h, bias=False)
+        self.fc2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([MLP(d, h) for _ in range(n)])
+        self.n, self.k = n, k
+
+    def forward(self, x):
+        b, s, d = x.shape
+        x = x.reshape(-1, d)
+        probs = self.router(x).softmax(-1)
+        w, idx = probs.topk(self.k, dim=-1)
+        masks = F.one_hot(idx, self.n).permute(2, 1, 0)
+        out = torch.zeros_like(x)
+        for mask, expert in zip(masks, self.experts):
+            top, tok = torch.where(mask)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, top, None])
+        return out.reshape(b, s, d)
+'''
+
+_ZIP_RUN = '''\
+blk = MoE(16, 24, 4, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = blk(x)
+leaves = [x, blk.router.weight, blk.experts[0].fc1.weight, blk.experts[3].fc2.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_ZIP_MASKS, name="zip_masks_with_experts", run=_ZIP_RUN, expect={
+        "loop": "enumerate_experts", "routing": "mask_where", "weights": {"down": "fc2", "fc1": "fc1"}, "num_experts": "len(self.experts)"}),
+    Fuse(_ZIP_MASKS.replace("zip(masks, self.experts)", "zip(self.experts, masks)").replace("for mask, expert in", "for expert, mask in"),
+         name="zip_experts_with_masks", run=_ZIP_RUN, expect={"loop": "enumerate_experts"}),
+]
+
+MoeExperts.KEEP += [
+    Keep(_HEAD + '''
+class Expert(nn.Module):
+    def __init__(self, dim, inter_dim):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim, inter, n_routed_experts, topk, rank, world_size):
+        super().__init__()
+        self.dim, self.topk, self.n_routed_experts = dim, topk, n_routed_experts
+        n_local = n_routed_experts // world_size
+        self.experts_start_idx = rank * n_local
+        self.experts_end_idx = self.experts_start_idx + n_local
+        self.gate = nn.Linear(dim, n_routed_experts, bias=False)
+        self.experts = nn.ModuleList([Expert(dim, inter) if self.experts_start_idx <= i < self.experts_end_idx else None
+                                      for i in range(n_routed_experts)])
+
+    def forward(self, x):
+        weights, indices = torch.topk(self.gate(x).softmax(dim=-1), self.topk, dim=-1)
+        y = torch.zeros_like(x)
+        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
+        for i in range(self.experts_start_idx, self.experts_end_idx):
+            if counts[i] == 0:
+                continue
+            expert = self.experts[i]
+            idx, top = torch.where(indices == i)
+            y[idx] += expert(x[idx]) * weights[idx, top, None]
+        return y
+''', reason="runs a slice of the experts (expert parallelism", name="expert_parallel_range_start_end"),
+    Keep(_HEAD + '''
+class MoE(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(n)])
+        self.n, self.k = n, k
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            out[tok] += self.experts[e](x[tok]) * w[tok, slot, None]
+        return out
+''', reason="each expert is a single nn.Linear", name="single_linear_experts"),
 ]

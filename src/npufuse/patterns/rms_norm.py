@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from npufuse.patterns import _library_norm
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk
@@ -220,7 +221,11 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if dim is None:
         raise Miss("mean over all elements, not over the last dim", rstd)
     if not S.is_last_dim_expr(dim):
-        raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+        if isinstance(const_value(dim), int):
+            raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+        # a value known only at run time (lit-llama's ``self.dim``, -1 by default): not provably the last dim
+        raise Miss(f"mean over dim `{ast.unparse(dim)}`, a run-time value npufuse cannot prove to be the last dim "
+                   "(npu_rms_norm normalises the last dims only)", rstd)
     if const_value(keepdim) is not True:
         raise Miss("mean without keepdim=True", rstd)
     return y, sqctx, up or up2 or up3
@@ -1235,6 +1240,8 @@ class RmsNorm(Pattern):
                 yield r.finding
             elif r.miss is not None:
                 yield r.miss
+        # PyTorch's own RMSNorm (nn.RMSNorm modules, F.rms_norm calls): issue 14, class 1
+        yield from _library_norm.detect(module, scope)
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         ops = list(finding.params.get("unfused_ops") or [])
@@ -1840,5 +1847,213 @@ class GroupedRMSNorm(nn.Module):
 ''',
         reason="grouped norm",
         name="grouped_norm_weight_viewed",
+    ),
+]
+
+
+# -- library norms (issue 14, class 1): PyTorch's own RMSNorm, module and functional ------------
+
+_NN_RMSNORM_BLOCK = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim, eps=eps)
+        self.ffn_norm = nn.RMSNorm(dim, eps=1e-6)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        h = x + self.proj(self.attention_norm(x))
+        return h + self.proj(self.ffn_norm(h))
+'''
+
+_NN_RMSNORM_DEFAULT_EPS = '''
+import torch as th
+import torch.nn as nn
+
+
+class Layer(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.RMSNorm([dim])
+
+    def forward(self, x):
+        y = self.norm(x)
+        return y * 2
+'''
+
+_F_RMS_NORM = '''
+import torch
+import torch.nn.functional as F
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+'''
+
+_TORCH_RMS_NORM_NO_WEIGHT = '''
+import torch
+
+
+def qk_norm(q, k):
+    q = torch.rms_norm(q, (q.shape[-1],))
+    k = torch.rms_norm(k, (k.shape[-1],), eps=1e-6)
+    return q, k
+'''
+
+_NN_RMSNORM_CONDITIONAL = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim, use_rms=True):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=1e-6) if use_rms else nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.norm(x)
+'''
+
+_RUN_BLOCK_BF16 = (
+    "blk = Block(32).to(torch.bfloat16)\nwith torch.no_grad():\n    blk.attention_norm.weight.normal_()\n    blk.ffn_norm.weight.normal_()\n"
+    "x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\nout = blk(x)\n"
+    "leaves = [x, blk.attention_norm.weight, blk.ffn_norm.weight]\n"
+)
+
+RmsNorm.FUSE += [
+    Fuse(
+        _NN_RMSNORM_BLOCK,
+        expect={"variant": "nn_rmsnorm", "module": "self.attention_norm", "eps": "self.attention_norm.eps",
+                "weight": "self.attention_norm.weight", "qualname": "Block.forward", "line": 14, "end_line": 14},
+        run=_RUN_BLOCK_BF16,
+        name="nn_rmsnorm_modules",
+    ),
+    Fuse(
+        # eps omitted: PyTorch takes float32's epsilon for bf16 input (not bf16's; see _library_norm)
+        _NN_RMSNORM_DEFAULT_EPS,
+        expect={"variant": "nn_rmsnorm", "eps": "finfo(float32).eps", "weight": "self.norm.weight"},
+        run=("m = Layer(16).to(th.bfloat16)\nx = (th.randn(3, 4, 16) * 1e-3).to(th.bfloat16).requires_grad_()\n"
+             "out = m(x)\nleaves = [x, m.norm.weight]\n"),
+        name="nn_rmsnorm_default_eps_tiny_input",
+    ),
+    Fuse(
+        _F_RMS_NORM,
+        expect={"variant": "f_rms_norm", "eps": "self.eps", "weight": "self.weight", "x": "x", "qualname": "RMSNorm.forward"},
+        run="n = RMSNorm(24)\nx = torch.randn(2, 3, 24, requires_grad=True)\nout = n(x)\nleaves = [x, n.weight]\n",
+        name="f_rms_norm_in_a_module",
+    ),
+    Fuse(
+        _TORCH_RMS_NORM_NO_WEIGHT,
+        expect={"variant": "f_rms_norm_no_weight", "eps": "finfo(float32).eps", "weight": None, "x": "q"},
+        run=("q = torch.randn(2, 4, 6, 8, dtype=torch.float16, requires_grad=True)\nk = torch.randn(2, 4, 6, 8, dtype=torch.float16)\n"
+             "out = qk_norm(q, k)\nleaves = [q]\n"),
+        name="torch_rms_norm_without_weight",
+    ),
+    Fuse(
+        _NN_RMSNORM_CONDITIONAL,
+        expect={"variant": "nn_rmsnorm", "module": "self.norm"},
+        run=("m = Block(16)\nwith torch.no_grad():\n    m.norm.weight.normal_()\nx = torch.randn(4, 16, requires_grad=True)\n"
+             "out = (m(x), Block(16, use_rms=False)(x))\nleaves = [x]\n"),
+        name="nn_rmsnorm_or_layernorm_by_flag",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = math.sqrt(dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1) * self.scale * self.gamma
+''',
+        reason="eps as a clamp on the norm",
+        name="l2_normalize_times_sqrt_d",
+    ),
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+
+
+def norm_all(x, w, eps):
+    return F.rms_norm(x.flatten(1), x.shape[1:], w.flatten(), eps)
+''',
+        reason="neither the input nor the weight",
+        name="f_rms_norm_of_inline_expressions",
+    ),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+
+class Head(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, elementwise_affine=False)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.out(self.norm(self.out(x)))
+''',
+        reason="no weight (elementwise_affine=False) and its input is an inline expression",
+        name="nn_rmsnorm_no_weight_inline_input",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # issue 14, class 7: TorchScript compiles the body at import; the fused branch would not compile
+        '''
+import torch
+
+
+@torch.jit.script
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x_fp32 = x.float()
+    normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+''',
+        reason="TorchScript compiles `rms_norm` at import",
+        name="inside_torch_jit_script",
+    ),
+    Keep(
+        '''
+import torch
+from torch import jit
+
+
+def _norm(x, eps: float):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def scaled(x, w, eps: float):
+    return w * _norm(x, eps)
+
+
+scaled_scripted = jit.script(scaled)
+''',
+        reason="TorchScript compiles `scaled` at import",
+        name="called_from_torch_jit_script_call",
     ),
 ]

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
+from npufuse.patterns._site import is_last_dim_expr
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
+from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
@@ -126,6 +127,10 @@ class _Rotation:
     kind: str | None  # "half" | "interleave" | None (not a rotation)
     reason: str = ""  # why it is not the standard one (near miss), empty when it simply isn't one
     name: str = ""  # helper name for the report
+    # a helper chosen at run time (``rotate_fn = rotate_half if neox else rotate_every_two``): the
+    # rotary_mode expression choosing between the two verified kinds
+    mode_expr: str | None = None
+    half_if: str | None = None  # the condition under which the chosen helper is rotate_half
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -143,6 +148,18 @@ def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.F
                 if isinstance(node, ast.FunctionDef) and node.name == func.attr:
                     return node, f"{cls.name}.{func.attr}"
     return None, ast.unparse(func)
+
+
+def _is_name(text: str) -> bool:
+    return text.isidentifier() or all(part.isidentifier() for part in text.split("."))
+
+
+def _block_text(module: ModuleInfo, stmts: list[ast.stmt]) -> str:
+    """Verbatim source of consecutive statements, dedented (the original code of a span)."""
+    import textwrap
+
+    lines = module.lines[stmts[0].lineno - 1 : stmts[-1].end_lineno or stmts[-1].lineno]
+    return textwrap.dedent("".join(lines).replace("\r\n", "\n").replace("\r", "\n")).rstrip("\n")
 
 
 def _scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
@@ -207,6 +224,9 @@ class _Halves:
                 # x.view(*x.shape[:-1], -1, 2).unbind(-1)[k]: the even (k=0) / odd (k=1) lanes
                 if self._is_pair_unbind(base):
                     return "even" if k == 0 else "odd"
+                # einops (PaLM): rearrange(x, "... (j d) -> ... j d", j=2).unbind(dim=-2)[k]: the halves
+                if self._is_einops_halves(base):
+                    return "first" if k == 0 else "second"
             if self.is_x(base):
                 sl = self._last_dim_slice(node)
                 if sl is None:
@@ -222,6 +242,21 @@ class _Halves:
                     if _is_int(sl.lower, 1):
                         return "odd"
         return None
+
+    def _is_einops_halves(self, call: ast.Call) -> bool:
+        if not (_method(call, "unbind") and _is_int(keyword(call, "dim", 0), -2)):
+            return False
+        r = _resolve(self.scope, call.func.value)
+        if not (isinstance(r, ast.Call) and (dotted(r.func) or "").split(".")[-1] == "rearrange" and len(r.args) == 2
+                and isinstance(r.args[1], ast.Constant) and isinstance(r.args[1].value, str) and self.is_x(r.args[0])):
+            return False
+        lhs, _, rhs = r.args[1].value.partition("->")
+        lt, rt = lhs.replace("(", " ( ").replace(")", " ) ").split(), rhs.split()
+        # "... (j d) -> ... j d" with j=2: the last dim cut into 2 x d, the first factor outer
+        if len(lt) < 4 or lt[-4:-3] != ["("] or lt[-1] != ")" or len(rt) < 2:
+            return False
+        j, d = lt[-3], lt[-2]
+        return rt[-2:] == [j, d] and lt[:-4] == rt[:-2] and _is_int(keyword(r, j), 2)
 
     def _is_pair_unbind(self, call: ast.Call) -> bool:
         if not (_method(call, "unbind") and _is_int(keyword(call, "dim", 0), -1)):
@@ -284,7 +319,8 @@ def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | Non
     if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
         return None
     dim = keyword(call, "dim", 1)
-    if not _is_int(dim, -1, 3, 4):
+    # the last dim also as gpt-neox writes it: ``dim=x1.ndim - 1`` (x1 has the result's rank)
+    if not (_is_int(dim, -1, 3, 4) or is_last_dim_expr(dim)):
         return None
     a, b = call.args[0].elts
     return a, b
@@ -368,6 +404,10 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         # commutes with the rotation (a permutation with negation is exact in any dtype)
         x_inner, x_casts = strip_casts(x)
         return _rotation_call(module, scope, inner, x_inner) if casts == x_casts else _Rotation(None)
+    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x) and isinstance(node.func, ast.Name):
+        chosen = scope.definition(node.func.id, node.lineno)
+        if isinstance(chosen, ast.IfExp):
+            return _chosen_rotation(module, scope, node, chosen)
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x):
         # a helper's verdict does not depend on the call site: computed once per module
         key = (scope.class_name, ast.dump(node.func))
@@ -375,11 +415,33 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         if key not in cache:
             cache[key] = _rotation_helper(module, scope, node)
         rot = cache[key]
-        return _Rotation(rot.kind, rot.reason, rot.name)
+        return _Rotation(rot.kind, rot.reason, rot.name, rot.mode_expr, rot.half_if)
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x))
     rot.name = "inline"
     return rot
+
+
+def _chosen_rotation(module: ModuleInfo, scope: Scope, node: ast.Call, chosen: ast.IfExp) -> _Rotation:
+    """``f = rotate_half if cond else rotate_every_two; ... f(x)``: both helpers verified, the
+    mode chosen by the same condition at run time (vLLM/NeoX-style ``is_neox_style`` flags)."""
+    kinds = []
+    for branch in (chosen.body, chosen.orelse):
+        if not isinstance(branch, (ast.Name, ast.Attribute)):
+            return _Rotation(None)
+        call = ast.copy_location(ast.Call(func=branch, args=node.args, keywords=[]), node)
+        rot = _rotation_helper(module, scope, call)
+        if rot.kind is None:
+            name = ast.unparse(branch)
+            return _Rotation(None, rot.reason or f"`{node.func.id}` may be `{name}`, which is not a rotation npufuse verifies", name)  # type: ignore[attr-defined]
+        kinds.append(rot.kind)
+    test = segment(module, chosen.test)
+    name = f"{node.func.id} = {ast.unparse(chosen.body)} if ... else {ast.unparse(chosen.orelse)}"  # type: ignore[attr-defined]
+    if kinds[0] == kinds[1]:
+        return _Rotation(kinds[0], "", name)
+    # the stricter constraints of the two (interleave: batch-independent cos/sin) are checked
+    half_if = test if kinds[0] == "half" else f"not {_atom(test)}"
+    return _Rotation("interleave", "", name, mode_expr=f'"{kinds[0]}" if {test} else "{kinds[1]}"', half_if=half_if)
 
 
 def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotation:
@@ -537,6 +599,9 @@ class _Match:
     prep: list[str] = field(default_factory=list)  # statements computing cos/sin for the fused call
     x_dtype: str | None = None
     cs_dtype: str | None = None
+    mode_expr: str | None = None  # rotary_mode chosen at run time (a helper picked by a condition)
+    only_if: str | None = None  # fused only where this holds (the half choice of such a helper)
+    suffix: str = ""  # appended to the fused call (the pair form keeps its [..., D/2, 2] shape)
 
 
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -548,6 +613,68 @@ def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
 def _is_product(node: ast.expr, u: ast.expr, v: ast.expr) -> bool:
     f = _mult_factors(node)
     return f is not None and ((same_expr(f[0], u) and same_expr(f[1], v)) or (same_expr(f[0], v) and same_expr(f[1], u)))
+
+
+def _lane(node: ast.AST, k: int) -> ast.expr | None:
+    """``t`` of ``t[..., k]``."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        e0, e1 = node.slice.elts
+        if isinstance(e0, ast.Constant) and e0.value is Ellipsis and _is_int(e1, k):
+            return node.value
+    return None
+
+
+def _lane_pair_formula(node: ast.AST) -> tuple[ast.expr, ast.expr] | None:
+    """``stack([p0*c0 - p1*c1, p1*c0 + p0*c1], -1)`` with ``p = xs[..., k]`` and ``c = cache[..., k]``
+    (factors in any order): returns (xs, cache)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "stack"):
+        return None
+    seq = node.args[0] if node.args else keyword(node, "tensors")
+    dim = keyword(node, "dim", 1)
+    if not (isinstance(seq, (ast.List, ast.Tuple)) and len(seq.elts) == 2 and _is_int(dim, -1)):
+        return None
+    first, second = seq.elts
+    if not (isinstance(first, ast.BinOp) and isinstance(first.op, ast.Sub) and isinstance(second, ast.BinOp) and isinstance(second.op, ast.Add)):
+        return None
+
+    def lanes(prod: ast.expr) -> tuple[tuple[ast.expr, int], tuple[ast.expr, int]] | None:
+        f = _mult_factors(prod)
+        if f is None:
+            return None
+        out = []
+        for t in f:
+            for k in (0, 1):
+                base = _lane(t, k)
+                if base is not None:
+                    out.append((base, k))
+                    break
+            else:
+                return None
+        return out[0], out[1]
+
+    terms = [lanes(t) for t in (first.left, first.right, second.left, second.right)]
+    if any(t is None for t in terms):
+        return None
+    # each product is one lane of xs times one lane of the cache: find which base is xs
+    bases = {ast.dump(b) for t in terms for b, _k in t}  # type: ignore[union-attr]
+    if len(bases) != 2:
+        return None
+    want = [(0, 0), (1, 1), (1, 0), (0, 1)]  # xs0*c, xs1*s, xs1*c, xs0*s
+    for x_dump in bases:
+        got = []
+        for t in terms:
+            (b0, k0), (b1, k1) = t  # type: ignore[misc]
+            if ast.dump(b0) == x_dump and ast.dump(b1) != x_dump:
+                got.append((k0, k1))
+            elif ast.dump(b1) == x_dump and ast.dump(b0) != x_dump:
+                got.append((k1, k0))
+            else:
+                got.append(None)
+        if got == want:
+            (b0, _), (b1, _) = terms[0]  # type: ignore[misc]
+            xs, cache = (b0, b1) if ast.dump(b0) == x_dump else (b1, b0)
+            return xs, cache
+    return None
 
 
 def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast.expr] | None:
@@ -645,7 +772,7 @@ class RopePattern(Pattern):
         def visit(node: ast.AST) -> None:
             if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.ClassDef)):
                 return
-            if _pair_formula(node) is not None:
+            if _pair_formula(node) is not None or _lane_pair_formula(node) is not None:
                 found.append(node)  # the written-out rotation (its ``b*c + a*s`` half is no rope itself)
                 return
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
@@ -661,6 +788,9 @@ class RopePattern(Pattern):
         return found
 
     def _match(self, module: ModuleInfo, scope: Scope, node: ast.expr) -> _Match | str | None:
+        lp = _lane_pair_formula(node)
+        if lp is not None:
+            return self._match_lane_pairs(module, scope, node, *lp)
         pf = _pair_formula(node)
         if pf is not None:
             return self._match_pairs(module, scope, node, *pf)
@@ -711,6 +841,44 @@ class RopePattern(Pattern):
         m.cos, m.sin, m.x_text = full[0], full[1], x_text
         return m
 
+    def _match_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, cache: ast.expr) -> _Match | str | None:
+        """gpt-fast / lit-llama: ``xs = x.float().reshape(*x.shape[:-1], -1, 2)`` and a real cache
+        ``[..., D/2, 2]`` of (cos, sin): ``stack([xs0*c - xs1*s, xs1*c + xs0*s], -1)`` is the
+        interleaved rotation of the pairs, kept in the ``[..., D/2, 2]`` shape the code flattens next."""
+        xs = _resolve(scope, pairs)
+        # ``t.reshape(*t.shape[:-1], -1, 2)``: the leading dims kept, the last one cut into lane pairs
+        if not (_method(xs, "reshape", "view") and len(xs.args) == 3 and _is_int(xs.args[2], 2) and isinstance(xs.args[0], ast.Starred)):
+            return None
+        x = xs.func.value  # x.float() (the cast is part of what the original rotates)
+        lead = xs.args[0].value
+        if not (isinstance(lead, ast.Subscript) and isinstance(lead.value, ast.Attribute) and lead.value.attr == "shape"
+                and isinstance(lead.slice, ast.Slice) and lead.slice.lower is None and _is_int(lead.slice.upper, -1)
+                and same_expr(strip_casts(lead.value.value)[0], strip_casts(x)[0])):
+            return None
+        x_src = segment(module, x)
+        c_src = segment(module, cache)
+        tag = _ident(c_src)
+        cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+        xv = f"_npufuse_{_ident(x_src)}_x"
+        dt = f"_npufuse_{_ident(x_src)}_dtype"
+        prep = [
+            f"{xv} = {x_src}  # the pairs (x_2i, x_2i+1) are the lanes of this tensor",
+            f"{cos} = {_atom(c_src)}[..., 0].repeat_interleave(2, dim=-1)  # (cos, sin) pairs -> interleave-mode cos/sin",
+            f"{sin} = {_atom(c_src)}[..., 1].repeat_interleave(2, dim=-1)",
+            f"{cos}, {sin} = {cos}[(None,) * (4 - {cos}.dim())], {sin}[(None,) * (4 - {sin}.dim())]  # the broadcast of the eager product, made 4-D",
+            f"{dt} = torch.promote_types(torch.promote_types({xv}.dtype, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
+        ]
+        m = _Match(
+            node=node, mode="interleave", x=x, cos=f"{cos}.to({dt})", sin=f"{sin}.to({dt})", cos_node=None, sin_node=None,
+            x_text=f"{xv}.to({dt})", cos_info=_CosInfo(rank=4, batch_free=False, layout="from the (cos, sin) pair cache; checked at run time"),
+            prep=prep, x_dtype="same", cs_dtype="same", suffix=".unflatten(-1, (-1, 2))",
+        )
+        # npu_rotary_mul takes a 4-D x and, in interleave mode, batch-independent cos/sin only (11SD/1S1D/S11D):
+        # checked at run time, the original code runs otherwise
+        m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
+                     f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+        return m
+
     def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:
         t1, t2 = _mult_factors(node.left), _mult_factors(node.right)
         assert t1 and t2
@@ -724,7 +892,16 @@ class RopePattern(Pattern):
                     if rot.kind is None:
                         best_reason = best_reason or rot.reason
                         continue
-                    return self._build_real(module, scope, node, rot.kind, x, cos, sin)
+                    m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
+                    if isinstance(m, _Match) and rot.mode_expr is not None:
+                        m.mode_expr = rot.mode_expr
+                    elif isinstance(m, str) and rot.half_if is not None:
+                        # interleave's cos/sin constraint is not provable here: fuse the half
+                        # choice only, the other one keeps the original code
+                        m = self._build_real(module, scope, node, "half", x, cos, sin)
+                        if isinstance(m, _Match):
+                            m.only_if = rot.half_if
+                    return m
         return best_reason or None
 
     def _build_real(self, module: ModuleInfo, scope: Scope, node: ast.expr, mode: str, x: ast.expr, cos: ast.expr, sin: ast.expr) -> _Match | str:
@@ -790,10 +967,7 @@ class RopePattern(Pattern):
                 cast = "float32"
             finfo = _cos_info(scope, freqs, module)
             if not finfo.batch_free:
-                return (
-                    f"complex rope with `{segment(module, freqs)}` not provably batch-independent: the interleave "
-                    "mode of npu_rotary_mul takes only 11SD / 1S1D / S11D cos/sin"
-                )
+                return self._complex_checked(module, node, x, xc, freqs, cast)
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
             tag = _ident(segment(module, freqs))
@@ -811,6 +985,37 @@ class RopePattern(Pattern):
             )
         return None
 
+    @staticmethod
+    def _complex_checked(module: ModuleInfo, node: ast.expr, x: ast.expr, xc: ast.expr, freqs: ast.expr, cast: str | None) -> _Match:
+        """The complex form with freqs whose layout is not visible here (mistral-inference passes
+        ``[T, 1, D/2]`` for ``[T, N, D]`` tokens): the shapes are checked at run time. 3-D tokens with
+        3-D tables are seen as one batch (``[1, T, N, D]`` with ``1S1D`` cos/sin); the fused call runs
+        only where x is 4-D and cos/sin batch-independent (npu_rotary_mul's interleave mode), else
+        the original code does."""
+        f_src = _atom(segment(module, freqs))
+        xc_src = _atom(segment(module, xc))
+        # per rotated tensor: the tables are lifted (or not) with their own x
+        tag = _ident(segment(module, xc))
+        cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+        xv, lift = f"_npufuse_{tag}_x", f"_npufuse_{tag}_tokens"
+        prep = [
+            f"{cos} = {f_src}.real.repeat_interleave(2, dim=-1)  # complex form = interleave rotation: cos of each lane pair",
+            f"{sin} = {f_src}.imag.repeat_interleave(2, dim=-1)",
+            f"{xv} = torch.view_as_real({xc_src}).flatten(-2)",
+            f"{lift} = {xv}.dim() == 3 and {cos}.dim() == 3  # [T, N, D] tokens with [T, 1, D] tables: one batch of T",
+            f"if {lift}:",
+            f"    {xv}, {cos}, {sin} = {xv}[None], {cos}[None], {sin}[None]",
+            f"{cos}, {sin} = {cos}[(None,) * (4 - {cos}.dim())], {sin}[(None,) * (4 - {sin}.dim())]  # the eager broadcast, made 4-D",
+        ]
+        m = _Match(
+            node=node, mode="complex", x=x, cos=cos, sin=sin, cos_node=None, sin_node=None, x_text=xv,
+            cos_info=_CosInfo(batch_free=False, layout="from freqs_cis, checked at run time"), prep=prep,
+            x_dtype=cast, cs_dtype=None, suffix=f"[(0,) if {lift} else ()]",
+        )
+        m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and ({cos}.shape[1] == 1 or "
+                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+        return m
+
     # ---------------------------------------------------------------------------------------------
     def _finding(self, module: ModuleInfo, scope: Scope, items: list[tuple[int, ast.stmt, list[_Match]]]) -> Finding:
         lines: list[str] = []
@@ -820,14 +1025,39 @@ class RopePattern(Pattern):
         risks: list[Risk] = []
         notes: list[str] = []
         promoted = False
+        broadcast_note = False
+        # a match fused only under a run-time condition may test its prepared cos/sin: its prep comes first
+        hoisted: list[str] = []
         for _i, stmt, matches in items:
             reps: list[tuple[ast.AST, str]] = []
             for m in matches:
                 for p in m.prep:
                     if p not in emitted_prep:
-                        lines.append(p)
+                        (hoisted if m.only_if is not None else lines).append(p)
                         emitted_prep.add(p)
                 x, c, s = m.x_text, m.cos, m.sin
+                lift_suffix = ""
+                if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and not m.suffix:
+                    # a computed table (PaLM's ``pos.cos()``): evaluated once, into a name
+                    for var_name, text in (("cos", c), ("sin", s)):
+                        if not _is_name(text):
+                            tmp = f"_npufuse_{_ident(m.x_text)}_{var_name}"
+                            lines.append(f"{tmp} = {text}")
+                            if var_name == "cos":
+                                c = tmp
+                            else:
+                                s = tmp
+                c0, s0 = c, s  # the tables as named before any broadcast
+                if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and _is_name(c) and _is_name(s):
+                    # cos/sin straight from the caller, rank unknown (litgpt passes [T, D]): the eager
+                    # product broadcasts them from the right; npu_rotary_mul needs them 4-D, so the
+                    # same broadcast is made explicit (leading 1s; a no-op view for 4-D tables)
+                    c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
+                    broadcast_note = True
+                    if _is_name(x) and not m.suffix:
+                        # x itself may be 3-D ([T, N, D] tokens) or 2-D: lifted to 4-D the same way, and back
+                        lift_suffix = f"[(0,) * (4 - {x}.dim())]"
+                        x = f"{x}[(None,) * (4 - {x}.dim())]"
                 same = m.x_dtype is not None and m.x_dtype == m.cs_dtype
                 if m.mode == "complex" and m.x_dtype == "float32":
                     same = True  # complex64 freqs: real/imag are float32 like the upcast x
@@ -835,18 +1065,23 @@ class RopePattern(Pattern):
                     key = (x, c, s)
                     var = dtype_vars.get(key)
                     if var is None:
-                        var = f"_npufuse_{_ident(x)}_dtype"
+                        var = f"_npufuse_{_ident(m.x_text)}_dtype"
                         dtype_vars[key] = var
                         # eager x*cos promotes (bf16 x, fp32 cos -> fp32); npu_rotary_mul computes in x's dtype
                         lines.append(
-                            f"{var} = torch.promote_types(torch.promote_types({_atom(x)}.dtype, {_atom(c)}.dtype), {_atom(s)}.dtype)"
+                            f"{var} = torch.promote_types(torch.promote_types({_atom(m.x_text)}.dtype, {_atom(c0)}.dtype), {_atom(s0)}.dtype)"
                             "  # the eager x*cos dtype (wider of x, cos, sin)"
                         )
                     promoted = True
                     x, c, s = f"{_atom(x)}.to({var})", f"{_atom(c)}.to({var})", f"{_atom(s)}.to({var})"
                 mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
-                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg})"))
+                if m.mode_expr is not None:
+                    mode_arg = f", rotary_mode={m.mode_expr}"
+                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}"))
             lines.append(replace_segments(module, stmt, reps))
+        if broadcast_note:
+            notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
+                         "the broadcast the eager product makes (npu_rotary_mul rejects 2-D/3-D cos/sin)")
         if promoted:
             notes.append(
                 "dtype: the eager q*cos promotes to the wider dtype (an fp32 cos with a bf16 q gives fp32) while npu_rotary_mul "
@@ -896,6 +1131,29 @@ class RopePattern(Pattern):
         variant = {"half": "rotate_half", "interleave": "rotate_every_two", "complex": "complex_freqs_cis"}[mode]
         if first.rotary_dim != "full":
             variant += "_partial"
+        conditions = sorted({m.only_if for m in all_matches if m.only_if is not None})
+        if conditions:
+            cond = " and ".join(conditions) if len(conditions) == 1 else " and ".join(f"({c})" for c in conditions)
+            span = [st for _i, st, _ms in items]
+            lines = hoisted + [f"if {cond}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
+                ["else:"] + ["    " + ln if ln.strip() else ln for ln in _block_text(module, span).splitlines()]
+            if any(m.suffix and m.mode == "complex" for m in all_matches):
+                notes.append("complex form with freqs of a layout not visible here: [T, N, D] tokens are seen as one batch [1, T, N, D]; "
+                             "fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's interleave mode takes only "
+                             "11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
+                variant = "complex_freqs_cis_checked"
+            elif any(m.suffix for m in all_matches):
+                notes.append("pairs of a real (cos, sin) cache: fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's "
+                             "interleave mode takes only 11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
+                variant = "interleaved_pairs_real_cache"
+            else:
+                notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
+                             "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
+                variant = "rotate_half_chosen_at_run_time"
+        if first.mode_expr is not None:
+            params["mode"] = f"chosen at run time: {first.mode_expr}"
+            variant = "rotation_chosen_at_run_time"
+            notes.append(f"the rotation helper is chosen at run time; both choices are verified and rotary_mode follows the same condition ({first.mode_expr})")
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=first_stmt.lineno, end_line=last_stmt.end_lineno or last_stmt.lineno,
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
@@ -1456,5 +1714,309 @@ import torch
 def mix(a, b, wa, wb):
     return a * wa + torch.tanh(b) * wb
 ''',
+    ),
+]
+
+
+# -- issue 14, class 2: spellings outside HF ---------------------------------------------------
+
+_ROTATE_EITHER = '''
+import torch
+from torch import nn
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_every_two(x):
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class Rotary(nn.Module):
+    def __init__(self, neox=True):
+        super().__init__()
+        self.neox = neox
+
+    def forward(self, q, cos, sin):
+        rotate_fn = rotate_half if self.neox else rotate_every_two
+        return q * cos + rotate_fn(q) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # vLLM/NeoX written out: x1, x2 = chunk(x, 2, -1); cat((x1*cos - x2*sin, x2*cos + x1*sin), -1), half-size tables
+        name="neox_chunk_written_out_half_tables",
+        code='''
+import torch
+
+
+def apply_rotary(x, cos, sin):
+    cos = cos[None, None]
+    sin = sin[None, None]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+''',
+        expect={"mode": "half", "targets": ["x"], "qualname": "apply_rotary"},
+        run='''
+x = torch.randn(2, 4, 8, 16, requires_grad=True)
+ang = torch.arange(8).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+out = apply_rotary(x, ang.cos(), ang.sin())
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # litgpt: slices by head_size // 2 and an inline rotated cat, then .to(dtype)
+        name="litgpt_inline_rotated_cat",
+        code='''
+import torch
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    head_size = x.size(-1)
+    x1 = x[..., : head_size // 2]
+    x2 = x[..., head_size // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    roped = (x * cos) + (rotated * sin)
+    return roped.to(dtype=x.dtype)
+''',
+        expect={"mode": "half", "targets": ["x"]},
+        run='''
+x = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+ang = torch.arange(8).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)
+out = apply_rope(x, emb.cos(), emb.sin())
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # the helper is picked by a flag: its rotate_half choice is fused, the interleaved one keeps the original
+        name="helper_chosen_by_a_flag",
+        code=_ROTATE_EITHER,
+        expect={"variant": "rotate_half_chosen_at_run_time", "mode": "half", "targets": ["q"], "qualname": "Rotary.forward"},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+ang = torch.arange(8).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)
+emb_i = ang.repeat_interleave(2, dim=-1)
+out = (Rotary(True)(q, emb.cos(), emb.sin()), Rotary(False)(q, emb_i.cos(), emb_i.sin()))
+leaves = [q]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        _ROTATE_EITHER.replace("rotate_half if self.neox else rotate_every_two", "rotate_half if self.neox else self.rotate_custom")
+        + '''
+    def rotate_custom(self, x):
+        return torch.cat((x[..., 1:], x[..., :1]), dim=-1)
+''',
+        reason="`Rotary.rotate_custom` does not compute the standard rotate_half",
+        name="helper_chosen_by_a_flag_one_choice_unverified",
+    ),
+]
+
+_GPT_FAST_PAIRS = '''
+import torch
+from torch import Tensor
+
+
+def precompute_freqs_cis(seq_len: int, n_elem: int, base: int = 10000, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2)[: (n_elem // 2)].float() / n_elem))
+    t = torch.arange(seq_len, device=freqs.device)
+    freqs = torch.outer(t, freqs)
+    freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+    cache = torch.stack([freqs_cis.real, freqs_cis.imag], dim=-1)
+    return cache.to(dtype=dtype)
+
+
+def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out2 = torch.stack(
+        [
+            xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
+            xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
+        ],
+        -1,
+    )
+
+    x_out2 = x_out2.flatten(3)
+    return x_out2.type_as(x)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # gpt-fast / lit-llama: (cos, sin) pairs of a real cache times the lanes of x.reshape(..., -1, 2)
+        name="gpt_fast_lane_pairs_real_cache",
+        code=_GPT_FAST_PAIRS,
+        expect={"mode": "interleave", "variant": "interleaved_pairs_real_cache", "qualname": "apply_rotary_emb", "line": 18, "end_line": 24},
+        run='''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(x, precompute_freqs_cis(6, 16))
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # lit-llama spells the factors the other way round and trims the cache first; fp32 x here
+        name="lit_llama_lane_pairs_factors_swapped",
+        code=_GPT_FAST_PAIRS.replace("xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1]",
+                                     "freqs_cis[..., 0] * xshaped[..., 0] - freqs_cis[..., 1] * xshaped[..., 1]"),
+        expect={"mode": "interleave"},
+        run='''
+x = torch.randn(1, 5, 2, 8, requires_grad=True)
+out = apply_rotary_emb(x, precompute_freqs_cis(5, 8, dtype=torch.float16))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the second lane's sign flipped: not a rotation
+        _GPT_FAST_PAIRS.replace("xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1]",
+                                "xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 1] * freqs_cis[..., 1]"),
+        name="lane_pairs_not_a_rotation",
+    ),
+]
+
+_MISTRAL_TOKENS = '''
+from typing import Tuple
+
+import torch
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis[:, None, :]
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(-2)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(-2)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # mistral-inference: [T, N, D] tokens (no batch dim), freqs [T, 1, D/2]: seen as [1, T, N, D] with 1S1D tables
+        name="mistral_complex_3d_tokens",
+        code=_MISTRAL_TOKENS,
+        expect={"variant": "complex_freqs_cis_checked", "mode": "complex", "qualname": "apply_rotary_emb"},
+        run='''
+xq = torch.randn(7, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(7, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(xq, xk, precompute_freqs_cis(16, 7, 10000.0))
+leaves = [xq, xk]
+''',
+    ),
+    Fuse(
+        # the same code on batched [B, T, N, D] input: the [T, 1, D] tables broadcast as 1S1D
+        name="mistral_complex_batched_input",
+        code=_MISTRAL_TOKENS,
+        expect={"variant": "complex_freqs_cis_checked"},
+        run='''
+xq = torch.randn(2, 7, 4, 16, requires_grad=True)
+out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
+leaves = [xq]
+''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # vLLM-style [T, N, D] tokens with [T, 1, D] tables: x and cos/sin lifted to 4-D (one batch) and back
+        name="tokens_3d_half_mode_lifted",
+        code=[e for e in RopePattern.FUSE if e.name == "litgpt_inline_rotated_cat"][0].code,
+        expect={"mode": "half", "targets": ["x"]},
+        run='''
+x = torch.randn(7, 4, 16, requires_grad=True)
+ang = torch.arange(7).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)[:, None, :]
+out = apply_rope(x, emb.cos(), emb.sin())
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # gpt-neox: rotate_half's cat over `dim=x1.ndim - 1` (the last dim, spelled by rank); [S, B, N, D] layout
+        name="gpt_neox_cat_dim_by_rank_sbnd",
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=x1.ndim - 1)
+
+
+def apply_rotary_pos_emb_torch(q, k, cos, sin, offset: int = 0):
+    cos, sin = cos[offset : q.shape[0] + offset, ...], sin[offset : q.shape[0] + offset, ...]
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+''',
+        expect={"mode": "half", "targets": ["q", "k"]},
+        run='''
+q = torch.randn(6, 2, 4, 16, requires_grad=True)
+k = torch.randn(6, 2, 4, 16, requires_grad=True)
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)[:, None, None, :]
+out = apply_rotary_pos_emb_torch(q, k, emb.cos(), emb.sin())
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # PaLM: einops halves inside rotate_half; the tables computed inline from a [n, d] pos (bound once, made 4-D)
+        name="palm_einops_rotate_half",
+        code='''
+import torch
+from einops import rearrange
+
+
+def rotate_half(x):
+    x = rearrange(x, "... (j d) -> ... j d", j=2)
+    x1, x2 = x.unbind(dim=-2)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(pos, t):
+    return (t * pos.cos()) + (rotate_half(t) * pos.sin())
+''',
+        expect={"mode": "half", "targets": ["t"]},
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # j is the inner factor here: "(d j)" pairs neighbouring lanes, which is not rotate_half
+        '''
+import torch
+from einops import rearrange
+
+
+def rotate_half(x):
+    x = rearrange(x, "... (d j) -> ... j d", j=2)
+    x1, x2 = x.unbind(dim=-2)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(pos, t):
+    return (t * pos.cos()) + (rotate_half(t) * pos.sin())
+''',
+        reason="does not compute the standard rotate_half",
+        name="einops_inner_pair_axis",
     ),
 ]

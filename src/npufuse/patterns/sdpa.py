@@ -32,7 +32,10 @@ from typing import Any, Iterable
 
 from npufuse.patterns.attention import (
     _BIAS_WORDS,
+    VALUE_CHECK_RISK,
+    additive_mask_exact,
     atom,
+    checked_body,
     attention_value,
     causal_cache_lines,
     fa_call,
@@ -42,6 +45,7 @@ from npufuse.patterns.attention import (
     mask_shape_lines,
     repeat_info,
 )
+from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, fast_walk, keyword, replace_segments, scope_text, segment
 
@@ -161,6 +165,7 @@ class SdpaPattern(Pattern):
         fa_kwargs: list[tuple[str, str]] = []
 
         # mask / causal
+        value_check: str | None = None  # run-time condition for binarising a float mask
         mask_kind = "none"
         sparse: str | None = None
         if mask is not None:
@@ -172,18 +177,26 @@ class SdpaPattern(Pattern):
                 )
             m_src = segment(module, mask)
             maybe_none = not self._certainly_tensor(scope, mask, block)
+            if kind in ("float_unverified", "unknown"):
+                # the values decide whether `mask < 0` is exact: checked at run time (issue 14, class 3)
+                if not is_simple(m_src):
+                    lines.append(f"_npufuse_attn_mask = {m_src}")
+                    m_src = "_npufuse_attn_mask"
+                value_check = additive_mask_exact(m_src, maybe_bool=kind == "unknown", maybe_none=maybe_none)
+                risks.append(Risk("host_sync", VALUE_CHECK_RISK))
             if kind == "bool":
                 conv = f"~{atom(m_src)}"
                 comment = "SDPA's bool mask is True = keep; the op's True = masked"
-            elif kind == "float":
+            elif kind in ("float", "float_unverified"):
                 conv = f"{atom(m_src)} < 0"
                 comment = "additive 0/-inf mask -> True = masked"
-                risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0`: exact for 0/−inf (or large negative) masks; graded values (a bias) would be binarised"))
+                if kind == "float":
+                    risks.append(Risk("numerics", "the additive float mask (built here from -inf/finfo.min) is converted with `mask < 0`: exact for 0/−inf (or large negative) masks"))
             else:
                 conv = f"~{atom(m_src)} if {atom(m_src)}.dtype == torch.bool else {atom(m_src)} < 0"
                 comment = "bool (True = keep) or additive float: decided on the dtype at run time"
-                risks.append(Risk("numerics", "the mask's dtype is not known statically: a bool mask is inverted, a float mask converted with `mask < 0` (exact for 0/−inf masks)"))
-            mask_kind = kind
+                risks.append(Risk("numerics", "the mask's dtype is not known statically: a bool mask is inverted, a float mask converted with `mask < 0` once its values are checked"))
+            mask_kind = "float" if kind == "float_unverified" else kind
             if maybe_none:
                 lines.append(f"_npufuse_mask = None if {atom(m_src)} is None else ({conv})  # {comment}")
             else:
@@ -242,6 +255,9 @@ class SdpaPattern(Pattern):
         if layout == "BSND":
             fa = f"{fa}.transpose(1, 2)"  # SDPA returns [B, N, S, D]
         lines.append(replace_segments(module, stmt, [(call, fa)]))
+        if value_check is not None:
+            split = next(n for n, ln in enumerate(lines) if ln.startswith("_npufuse_mask = "))
+            lines = checked_body(lines[:split], lines[split:], value_check, block_source(module, block[start : i + 1]))
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         params: dict[str, Any] = {
             "mask_kind": mask_kind,
@@ -254,6 +270,7 @@ class SdpaPattern(Pattern):
             "layout": layout,
             "q": q_src, "k": k_src, "v": v_src,
             "head_dim": d,
+            "mask_values_checked": value_check is not None,
         }
         variant = "sdpa" + ("+causal" if "causal" in mask_kind else "") + (f"+{mask_kind}" if mask_kind in ("bool", "float", "unknown") else "") + ("+gqa" if params["gqa"] else "")
         guard = next((n.id for n in fast_walk(ast.parse(q_src, mode="eval")) if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F")), q_src)
@@ -288,14 +305,17 @@ class SdpaPattern(Pattern):
                     if attr in ("masked_fill",) and node.args and "inf" in ast.unparse(node.args[-1]):
                         return "float"
                     if attr in ("float", "half", "bfloat16") or (attr == "to" and node.args and "float" in ast.unparse(node.args[0])):
-                        return "float"
+                        # a cast says the dtype, not that the values are 0/-inf (a 0/1 keep mask cast to float)
+                        return "float_unverified"
                     if attr in ("tril", "triu", "view", "reshape", "expand", "unsqueeze", "contiguous", "repeat", "to"):
                         node = _resolve(scope, node.func.value)
                         continue
                 if any(kw.arg == "dtype" and ast.unparse(kw.value) == "torch.bool" for kw in node.keywords):
                     return "bool"
-                if name in ("torch.full", "torch.zeros") or "finfo" in ast.unparse(node):
+                if "finfo" in ast.unparse(node) or (name == "torch.full" and "inf" in ast.unparse(node)):
                     return "float"
+                if name in ("torch.full", "torch.zeros"):
+                    return "float_unverified"
                 if name in ("torch.tril", "torch.triu") and node.args:
                     node = _resolve(scope, node.args[0])
                     continue

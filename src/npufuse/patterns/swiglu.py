@@ -673,9 +673,9 @@ def fused_expr(module: ModuleInfo, g: Gate, kind: str, plan: S.SpanPlan, approx_
         if kind == SILU:
             if h.gate_index == 0:
                 return f"torch_npu.npu_swiglu({tp}.contiguous(), dim={d})"
-            a = S.render(module, g.a.node, g.a.ctx, plan)
-            b = S.render(module, g.b.node, g.b.ctx, plan)
-            return f"torch_npu.npu_swiglu({T}.cat([{a}, {b}], dim={d}), dim={d})"
+            # silu on the second half: swap the halves of the tensor, computed once (rendering the
+            # two halves separately would evaluate `self.proj(x)` twice)
+            return f"torch_npu.npu_swiglu({T}.cat({tp}.chunk(2, dim={d})[::-1], dim={d}), dim={d})"
         left = "True" if h.gate_index == 0 else "False"
         return f"torch_npu.npu_geglu({tp}, dim={d}, approximate={approx_code}, activate_left={left})[0]"
     a = S.render(module, g.a.node, g.a.ctx, plan)
@@ -1557,5 +1557,31 @@ class ClampedSwishExperts(nn.Module):
 ''',
         reason="swish with beta",
         name="gpt_oss_clamped_alpha_swish",
+    ),
+]
+
+
+# issue 14, class 7: the projection computed inline and silu on its second half (CLVP-style): the
+# replacement swaps the halves of one evaluation of `self.proj(x)` (a replacement calling it twice
+# would be a near miss, patterns/base.py)
+Swiglu.FUSE += [
+    Fuse(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedFFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        x, gate = self.proj(x).chunk(2, dim=-1)
+        return x * F.silu(gate)
+''',
+        run="m = GatedFFN(8, 12)\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.proj.weight]\n",
+        name="inline_projection_silu_on_second_half_bound_once",
     ),
 ]

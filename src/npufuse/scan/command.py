@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--switch", choices=("auto", "env", "none"), default="auto",
                         help="how fused branches are switched: auto = DESIGN rule 1 (repo switch > new config field > env var); env = always NPUFUSE_<ID>; none = only the NPU check")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown only when stderr is a terminal)")
+    parser.add_argument("--include-tests", action="store_true", help="also scan tests/, examples/, tutorials/ (and similar) folders below PATH (skipped by default; the report lists them)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the per-file result cache (STATE_DIR/cache)")
 
 
@@ -286,6 +287,7 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
             switch_mode=args.switch,
             overrides={"batch_size": args.batch_size, "seq_len": args.seq_len},
             cache_dir=cache_dir,
+            include_tests=args.include_tests,
         )
     except engine.UnknownPatternError as exc:
         raise UsageError(f"--only: {exc}") from None

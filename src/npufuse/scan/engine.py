@@ -181,6 +181,8 @@ def _where(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return "?"
+    # (base.py's wrapper around every detect is no detector's own code)
+    frames = [f for f in frames if not f.filename.replace("\\", "/").endswith("patterns/base.py")] or frames
     inner = [f for f in frames if "patterns" in f.filename.replace("\\", "/")] or frames
     f = inner[-1]
     return f"{Path(f.filename).name}:{f.lineno}"
@@ -760,15 +762,16 @@ def gather_inputs(
     switch_mode: str = "auto",
     overrides: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    include_tests: bool = False,
 ) -> ScanInputs:
-    """Walk, choose the detectors and, with a cache, hash every file the scan will read and key
+    """Walk (tests/examples/tutorials folders only with ``include_tests``), choose the detectors and, with a cache, hash every file the scan will read and key
     the lot (the run key: equal keys mean equal scan results). Raises like :func:`scan_repo`."""
     target = Path(root)
     if not target.exists() and not target.is_symlink():
         raise FileNotFoundError(f"{root}: no such file or folder")
     chosen, missing = select_patterns(only, patterns)
     options = ScanOptions(max_file_bytes=max_file_bytes)
-    walked = walk(target)
+    walked = walk(target, include_tests=include_tests)
     overrides = dict(overrides or {})
     inputs = ScanInputs(target, walked, chosen, missing, options, switch_mode, overrides, _open_cache(cache_dir, chosen, options))
     if inputs.cache is None:
@@ -841,12 +844,14 @@ def scan_repo(
     overrides: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    include_tests: bool = False,
 ) -> ScanResult:
     """Scan a folder or one file. Raises FileNotFoundError for a missing ``root`` and
     :class:`UnknownPatternError` for an unknown id in ``only``; everything else is reported in
     the result. ``overrides`` (e.g. ``{"batch_size": 8}``) beat shapes read from the repo.
     ``cache_dir``: reuse and store per-file results there (:mod:`npufuse.scan.cache`); None: no cache."""
-    inputs = gather_inputs(root, only=only, patterns=patterns, max_file_bytes=max_file_bytes, switch_mode=switch_mode, overrides=overrides, cache_dir=cache_dir)
+    inputs = gather_inputs(root, only=only, patterns=patterns, max_file_bytes=max_file_bytes, switch_mode=switch_mode, overrides=overrides, cache_dir=cache_dir,
+                           include_tests=include_tests)
     return run_scan(inputs, jobs=jobs, progress=progress)
 
 

@@ -43,6 +43,17 @@ SKIP_DIRS: dict[str, str] = {
     ".npufuse": "npufuse state",
 }
 
+# Folders of code that is not the model: test suites, tutorials and usage examples. Skipped by
+# default (a scan is about the model a repo ships; a test's hand-written reference RMSNorm is not
+# a site anyone ports), listed in the report with this reason; ``include_tests=True`` (the CLI's
+# ``--include-tests``) scans them. The scan root itself is never skipped, whatever its name: the
+# demo scans a copy of ``examples/tiny_llama``, and a user may point npufuse at ``examples/``.
+NON_MODEL_DIRS: frozenset[str] = frozenset({
+    "test", "tests", "testing", "unittest", "unittests", "unit_tests", "integration_tests",
+    "tutorial", "tutorials", "example", "examples", "notebooks", "docs", "doc",
+})
+NON_MODEL_REASON = "tests, examples or tutorials (--include-tests scans them)"
+
 PYTHON_SUFFIXES = (".py",)
 # Shape sources read by config_shapes (small JSON/YAML files named for configuration).
 DATA_SUFFIXES = (".json", ".yaml", ".yml")
@@ -78,9 +89,11 @@ def is_data_file(rel: str) -> bool:
     return "config" in name or parent in ("config", "configs", "conf")
 
 
-def _skip_reason(path: str, name: str) -> str | None:
+def _skip_reason(path: str, name: str, include_tests: bool = False) -> str | None:
     if name in SKIP_DIRS:
         return SKIP_DIRS[name]
+    if not include_tests and name.lower() in NON_MODEL_DIRS:
+        return NON_MODEL_REASON
     if name.endswith(".egg-info"):
         return "build output"
     # A virtualenv or conda env under any name: its marker file says so. (os.path, not pathlib:
@@ -161,9 +174,10 @@ def _prefix(ancestor: Path, root: Path) -> str:
     return "" if rel == "." else rel + "/"
 
 
-def walk(target: Path | str) -> WalkResult:
+def walk(target: Path | str, include_tests: bool = False) -> WalkResult:
     """Python files under ``target`` (a folder or one file). ``target`` must exist (the caller
-    turns a missing path into a usage error)."""
+    turns a missing path into a usage error). Folders named in :data:`NON_MODEL_DIRS` below the
+    root are skipped (and listed in ``skipped``) unless ``include_tests``."""
     target = Path(target)
     if not target.is_dir():
         # One file: scanned whatever its name; gitignore does not apply to an explicit path.
@@ -187,7 +201,7 @@ def walk(target: Path | str) -> WalkResult:
     except OSError as exc:
         result.failed.append(_os_failure("./", exc))
         return result
-    _walk_dir(os.fspath(target), "", ignore, [(st.st_dev, st.st_ino)], seen_dirs, seen_files, result)
+    _walk_dir(os.fspath(target), "", ignore, [(st.st_dev, st.st_ino)], seen_dirs, seen_files, result, include_tests)
     result.files.sort()
     result.data_files.sort()
     result.failed.sort(key=lambda f: (f.file, f.kind))
@@ -203,6 +217,7 @@ def _walk_dir(
     seen_dirs: set[tuple[int, int]],
     seen_files: set[tuple[int, int]],
     result: WalkResult,
+    include_tests: bool = False,
 ) -> None:
     try:
         with os.scandir(folder) as it:
@@ -221,7 +236,7 @@ def _walk_dir(
                 result.failed.append(_os_failure(rel, exc, link=True))
             continue
         if stat.S_ISDIR(st.st_mode):
-            reason = _skip_reason(path, entry.name)
+            reason = _skip_reason(path, entry.name, include_tests)
             if reason is None and ignore.ignored(rel, is_dir=True):
                 reason = ".gitignore"
             if reason is not None:
@@ -236,7 +251,7 @@ def _walk_dir(
                     result.skipped.append({"path": rel + "/", "reason": "symlink to a folder already scanned"})
                 continue
             seen_dirs.add(ident)
-            _walk_dir(path, rel + "/", ignore.with_dir(rel + "/", path), ancestors + [ident], seen_dirs, seen_files, result)
+            _walk_dir(path, rel + "/", ignore.with_dir(rel + "/", path), ancestors + [ident], seen_dirs, seen_files, result, include_tests)
         elif stat.S_ISREG(st.st_mode):
             python = entry.name.endswith(PYTHON_SUFFIXES)
             if not python and not is_data_file(rel):

@@ -1,0 +1,238 @@
+"""Detection quality on code npufuse was never tuned on: per-pattern precision and recall against
+blind hand labels, with Wilson 95% intervals (issue 14).
+
+    .venv/bin/python bench/detect_corpus.py [--labels bench/detect_labels.json] [--mirrors /work/.mirror] [--list]
+
+The labels file (committed; labels only, no third-party code) names, per repository, the commit
+and the files that were labelled, and per file every site a human judged: ``pattern``, ``qualname``,
+``line``/``end_line`` and ``label`` (``fuse``: the pattern's fused op should replace it; ``keep``: a
+look-alike that must not be replaced). The code itself is never copied into this repository: each
+repository's git mirror (the ``fetch`` tool's ``<mirrors>/<owner>+<name>/``) provides the labelled
+files at the recorded commit, extracted into a temporary folder and scanned there with
+``npufuse.scan`` (tests/examples folders included: the labelled files are the corpus). A repository
+whose mirror or commit is absent is skipped with a message.
+
+Matching: a candidate matches a label when the pattern is the same, the file is the same and the
+line ranges overlap; each label and each candidate is matched at most once. Per pattern:
+precision = matched candidates / all candidates in the labelled files (a candidate on a ``keep``
+site or on an unlabelled line counts against it: the labelled files are labelled exhaustively),
+recall = matched ``fuse`` labels / all ``fuse`` labels. Prints figures only; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+
+DEFAULT_LABELS = HERE / "detect_labels.json"
+DEFAULT_MIRRORS = Path("/work/.mirror")
+
+
+class BadLabels(Exception):
+    """The labels file is not what this script reads (exit 2, one line)."""
+
+
+@dataclass
+class Site:
+    pattern: str
+    file: str  # "<owner>/<name>/<path>"
+    line: int
+    end_line: int
+    label: str = ""  # fuse | keep ("" for a candidate)
+    qualname: str = ""
+    matched: bool = False
+
+    def overlaps(self, other: "Site") -> bool:
+        return self.pattern == other.pattern and self.file == other.file and self.line <= other.end_line and other.line <= self.end_line
+
+
+@dataclass
+class Tally:
+    tp: int = 0  # candidates matching a fuse label
+    fp: int = 0  # other candidates
+    fp_on_keep: int = 0  # of fp: on a site labelled keep
+    fn: int = 0  # fuse labels no candidate matched
+    missed: list[Site] = field(default_factory=list)
+    wrong: list[Site] = field(default_factory=list)
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of k successes in n trials (95% with the default z)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def load_labels(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise BadLabels(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadLabels(f"{path}: not JSON ({exc})") from None
+    repos = data.get("repos") if isinstance(data, dict) else None
+    if not isinstance(repos, list):
+        raise BadLabels(f"{path}: no 'repos' list")
+    out = []
+    for r in repos:
+        if not (isinstance(r, dict) and isinstance(r.get("repo"), str) and r["repo"].count("/") == 1 and isinstance(r.get("files"), list)):
+            raise BadLabels(f"{path}: a repos[] entry lacks 'repo' (owner/name) or 'files'")
+        for f in r["files"]:
+            if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sites", []), list)):
+                raise BadLabels(f"{path}: {r['repo']}: a files[] entry lacks 'path' or has no 'sites' list")
+            if f["path"].startswith("/") or ".." in f["path"].split("/"):
+                raise BadLabels(f"{path}: {r['repo']}: file path {f['path']!r} leaves the repository")
+            for s in f.get("sites", []):
+                ok = isinstance(s, dict) and isinstance(s.get("pattern"), str) and s.get("label") in ("fuse", "keep") \
+                    and isinstance(s.get("line"), int) and isinstance(s.get("end_line", s.get("line")), int)
+                if not ok:
+                    raise BadLabels(f"{path}: {r['repo']}/{f['path']}: a site lacks pattern, line or label fuse|keep")
+        out.append(r)
+    return out
+
+
+def git_dir(mirrors: Path, repo: str) -> Path | None:
+    """The mirror's git directory: ``<mirrors>/<owner>+<name>/`` holds it (as ``repo``, ``.git``
+    or itself, bare)."""
+    base = mirrors / repo.replace("/", "+")
+    for cand in (base / "repo", base / ".git", base, base / "repo" / ".git"):
+        if (cand / "HEAD").is_file() and (cand / "objects").is_dir():
+            return cand
+    return None
+
+
+def extract(gd: Path, commit: str, paths: list[str], dest: Path) -> list[str]:
+    """Write each path at ``commit`` under ``dest``; returns the paths that could not be read."""
+    missing = []
+    for p in paths:
+        res = subprocess.run(["git", "--git-dir", str(gd), "show", f"{commit}:{p}"], capture_output=True)
+        if res.returncode != 0:
+            missing.append(p)
+            continue
+        out = dest / p
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(res.stdout)
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="labels JSON (default: bench/detect_labels.json)")
+    ap.add_argument("--mirrors", type=Path, default=DEFAULT_MIRRORS, help="folder of <owner>+<name>/ git mirrors (default: /work/.mirror)")
+    ap.add_argument("--list", action="store_true", help="also list every missed label and every unmatched candidate")
+    ap.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to score (default: every labelled pattern)")
+    args = ap.parse_args(argv)
+    try:
+        repos = load_labels(args.labels)
+    except BadLabels as exc:
+        print(f"detect_corpus: {exc}", file=sys.stderr)
+        return 2
+
+    from npufuse.scan.engine import scan_repo
+
+    labels: list[Site] = []
+    cands: list[Site] = []
+    misses: list[tuple[Site, str]] = []  # near misses the scan reported: why a label was missed
+    scanned_repos = 0
+    with tempfile.TemporaryDirectory(prefix="npufuse-detect-") as tmp:
+        for r in repos:
+            repo, commit = r["repo"], str(r.get("commit") or "HEAD")
+            gd = git_dir(args.mirrors, repo)
+            if gd is None:
+                print(f"skipped {repo}: no mirror under {args.mirrors} (fetch github:{repo} first)")
+                continue
+            paths = [f["path"] for f in r["files"]]
+            dest = Path(tmp) / repo.replace("/", "+")
+            dest.mkdir(parents=True)
+            missing = extract(gd, commit, paths, dest)
+            if len(missing) == len(paths):
+                print(f"skipped {repo}: commit {commit[:12]} or its files are not in the mirror")
+                continue
+            for p in missing:
+                print(f"skipped {repo}/{p}: not in the mirror at {commit[:12]}")
+            scanned_repos += 1
+            for f in r["files"]:
+                if f["path"] in missing:
+                    continue
+                for s in f.get("sites", []):
+                    labels.append(Site(s["pattern"], f"{repo}/{f['path']}", s["line"], s.get("end_line", s["line"]), s["label"], s.get("qualname", "")))
+            result = scan_repo(dest, jobs=1, include_tests=True)
+            for c in result.candidates:
+                cands.append(Site(c["pattern"], f"{repo}/{c['file']}", c["line"], c["end_line"], "", c.get("qualname", "")))
+            for n in result.near_misses:
+                misses.append((Site(n["pattern"], f"{repo}/{n['file']}", n["line"], n["end_line"]), n.get("reason", "")))
+            for fail in result.files_failed:
+                print(f"note {repo}/{fail.file}: {fail.kind}: {fail.error}")
+
+    wanted = set(args.only.split(",")) if args.only else None
+    patterns = sorted({s.pattern for s in labels} | {c.pattern for c in cands if any(l.pattern == c.pattern for l in labels)})
+    if wanted is not None:
+        patterns = [p for p in patterns if p in wanted]
+    tallies: dict[str, Tally] = {p: Tally() for p in patterns}
+    for c in sorted(cands, key=lambda s: (s.file, s.line)):
+        t = tallies.get(c.pattern)
+        if t is None:
+            continue
+        hit = next((l for l in labels if l.label == "fuse" and not l.matched and l.overlaps(c)), None)
+        if hit is not None:
+            hit.matched = c.matched = True
+            t.tp += 1
+        else:
+            t.fp += 1
+            t.wrong.append(c)
+            if any(l.label == "keep" and l.overlaps(c) for l in labels):
+                t.fp_on_keep += 1
+    for l in labels:
+        if l.label == "fuse" and not l.matched and l.pattern in tallies:
+            tallies[l.pattern].fn += 1
+            tallies[l.pattern].missed.append(l)
+
+    print(f"\n{scanned_repos} of {len(repos)} repositories scanned, {sum(len(r['files']) for r in repos)} labelled files, "
+          f"{sum(1 for s in labels if s.label == 'fuse')} fuse / {sum(1 for s in labels if s.label == 'keep')} keep labels")
+    print(f"{'pattern':<20} {'TP':>4} {'FP':>4} {'(keep)':>6} {'FN':>4}  {'precision [95% CI]':<24} {'recall [95% CI]':<24}")
+    tot = Tally()
+    for p in patterns:
+        t = tallies[p]
+        tot.tp += t.tp
+        tot.fp += t.fp
+        tot.fp_on_keep += t.fp_on_keep
+        tot.fn += t.fn
+        print(_row(p, t))
+    print(_row("all", tot))
+    if args.list:
+        for p in patterns:
+            for s in tallies[p].missed:
+                why = next((r for n, r in misses if n.overlaps(s)), "no near miss either")
+                print(f"missed  {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}: {why[:160]}")
+            for s in tallies[p].wrong:
+                print(f"extra   {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}")
+    return 0
+
+
+def _fmt(k: int, n: int) -> str:
+    if n == 0:
+        return "n/a"
+    lo, hi = wilson(k, n)
+    return f"{k / n:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _row(name: str, t: Tally) -> str:
+    return f"{name:<20} {t.tp:>4} {t.fp:>4} {t.fp_on_keep:>6} {t.fn:>4}  {_fmt(t.tp, t.tp + t.fp):<24} {_fmt(t.tp, t.tp + t.fn):<24}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

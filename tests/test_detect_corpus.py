@@ -1,0 +1,105 @@
+"""bench/detect_corpus.py: labels + a git mirror -> per-pattern precision/recall (figures only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "detect_corpus.py"
+spec = importlib.util.spec_from_file_location("detect_corpus", BENCH)
+detect_corpus = importlib.util.module_from_spec(spec)
+sys.modules["detect_corpus"] = detect_corpus  # dataclasses look their module up there
+spec.loader.exec_module(detect_corpus)  # type: ignore[union-attr]
+
+MODEL = '''import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=1e-6)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+def hand_norm(x, w):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+'''
+
+
+def _mirror(tmp_path: Path) -> tuple[Path, str]:
+    work = tmp_path / "src"
+    work.mkdir()
+    (work / "model.py").write_text(MODEL)
+    git = ["git", "-C", str(work), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "model.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "m"], check=True)
+    commit = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    mirrors = tmp_path / "mirrors"
+    (mirrors / "someone+model").mkdir(parents=True)
+    subprocess.run(["git", "clone", "-q", "--bare", str(work), str(mirrors / "someone+model" / "repo")], check=True)
+    return mirrors, commit
+
+
+def _labels(tmp_path: Path, commit: str, sites: list[dict]) -> Path:
+    p = tmp_path / "labels.json"
+    p.write_text(json.dumps({"repos": [
+        {"repo": "someone/model", "commit": commit, "files": [{"path": "model.py", "sites": sites}]},
+        {"repo": "absent/repo", "commit": commit, "files": [{"path": "x.py", "sites": []}]},
+    ]}))
+    return p
+
+
+def test_scores_a_labelled_mirror(tmp_path, capsys):
+    mirrors, commit = _mirror(tmp_path)
+    labels = _labels(tmp_path, commit, [
+        {"pattern": "rms_norm", "qualname": "Block.forward", "line": 12, "end_line": 12, "label": "fuse"},
+        {"pattern": "rms_norm", "qualname": "hand_norm", "line": 16, "end_line": 16, "label": "keep"},  # judged keep on purpose
+        {"pattern": "swiglu", "qualname": "FeedForward.forward", "line": 27, "end_line": 27, "label": "fuse"},
+        {"pattern": "swiglu", "qualname": "nowhere", "line": 3, "end_line": 3, "label": "fuse"},
+    ])
+    assert detect_corpus.main(["--labels", str(labels), "--mirrors", str(mirrors), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped absent/repo: no mirror" in out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("rms_norm", "swiglu", "all")}
+    # rms_norm: the nn.RMSNorm call matched (TP 1); the hand-written norm is a candidate on a keep label (FP 1, on keep 1)
+    assert rows["rms_norm"][1:5] == ["1", "1", "1", "0"]
+    # swiglu: one label matched, one missed
+    assert rows["swiglu"][1:5] == ["1", "0", "0", "1"]
+    assert "missed  swiglu" in out and "model.py:3-3" in out
+
+
+def test_wilson_interval():
+    lo, hi = detect_corpus.wilson(19, 20)
+    assert abs(lo - 0.7639) < 1e-3 and abs(hi - 0.9911) < 1e-3  # the textbook figures for 19/20
+    assert detect_corpus.wilson(0, 0) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("text", ["not json", '{"repos": 3}', '{"repos": [{"repo": "a/b", "files": [{"path": "../x.py", "sites": []}]}]}',
+                                  '{"repos": [{"repo": "a/b", "files": [{"path": "x.py", "sites": [{"pattern": "rms_norm", "line": 1, "label": "maybe"}]}]}]}'])
+def test_bad_labels_exit_2_with_one_line(tmp_path, capsys, text):
+    p = tmp_path / "l.json"
+    p.write_text(text)
+    assert detect_corpus.main(["--labels", str(p), "--mirrors", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("detect_corpus: ")
