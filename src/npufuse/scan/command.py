@@ -268,12 +268,12 @@ def run(args: argparse.Namespace) -> int:
         # a repository may ship .npufuse as a symlink: refused before anything is cached or written
         check_state_dir(args.state_dir)
         with lock(args.state_dir, verb="npufuse scan"):
-            return _run_locked(args, target, only, state_path, report_path, outputs, cache_dir)
+            return _run_locked(args, target, only, state_path, report_path, outputs, cache_dir, trace)
     except (UnsafeStatePath, StateBusy) as exc:
         raise UsageError(str(exc)) from None
 
 
-def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, state_path: Path, report_path: Path | None, outputs: list[Path], cache_dir: Path | None) -> int:
+def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, state_path: Path, report_path: Path | None, outputs: list[Path], cache_dir: Path | None, trace: dict[str, Any] | None) -> int:
     from npufuse.cli import UsageError
     from npufuse.scan import engine
 
