@@ -84,7 +84,7 @@ def test_alibi_float_bias_is_recorded_as_float_and_flagged(traced: dict) -> None
 def test_autocast_state_comes_from_the_run(traced: dict) -> None:
     norm = _cand(traced["scan"], "rms_norm", "RMSNorm.forward")
     assert norm["runtime"]["facts"]["autocast"] == "bfloat16"
-    assert any(r["kind"] == "amp" for r in norm["risks"])
+    assert any(r["kind"] == "autocast" and r["source"] == "run" for r in norm["risks"])
     sdpa = _cand(traced["scan"], "sdpa", "CausalSelfAttention.forward")
     assert "bfloat16" in sdpa["runtime"]["facts"]["dtypes"]
 
@@ -233,6 +233,8 @@ def test_verify_op_says_not_reached_and_uses_the_recorded_shapes(traced: dict, t
     assert any("x=2x16x32:float32" in n for n in out["notes"])           # train.py: batch 2, 16 tokens, dim 32
     assert any("__init__ arguments: dim=32" in n for n in out["notes"])  # Tiny(dim=32) built RMSNorm(dim)
     assert any("bfloat16 autocast" in n for n in out["notes"])
+    # the traced run trained under bf16 autocast: the op check has its autocast pass
+    assert any("autocast bfloat16" in c["name"] for c in out["checks"]), [c["name"] for c in out["checks"]]
 
 
 def test_recorded_shapes_are_scaled_down_when_huge_and_said_so() -> None:

@@ -352,7 +352,7 @@ def settle(c: dict[str, Any], facts: dict[str, Any]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     pattern = c.get("pattern")
     if facts.get("autocast"):
-        out.append(("amp", f"runs under {facts['autocast']} autocast at run time: the fused branch must produce the "
+        out.append(("autocast", f"runs under {facts['autocast']} autocast at run time: the fused branch must produce the "
                            f"dtypes autocast gives the original (verify op replays it)"))
     if pattern in ("attention", "sdpa"):
         kind = facts.get("mask_kind")

@@ -83,3 +83,11 @@ def recorded_init(scan_entry: dict[str, Any]) -> dict[str, Any]:
         return {}
     return {k: v for k, v in init.items() if isinstance(k, str) and k.isidentifier()
             and (v is None or isinstance(v, (bool, int, float, str)))}
+
+
+def recorded_autocast(scan_entry: dict[str, Any]) -> str | None:
+    """The autocast dtype the traced run called the candidate's function under (verify op's
+    autocast pass replays it), or None when the run did not record one."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    ac = rt.get("arguments_autocast") if isinstance(rt, dict) else None
+    return ac if ac in ("bfloat16", "float16") else None

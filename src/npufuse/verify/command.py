@@ -136,7 +136,7 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
         print(json.dumps(evidence, indent=2) if args.json else f"candidate {cand.id}: op check not applicable ({evidence['skipped']}); next: npufuse verify e2e {cand.id} --cmd \"...\"")
         return 0
 
-    from npufuse.trace.inputs import not_reached, recorded_init, recorded_shapes
+    from npufuse.trace.inputs import not_reached, recorded_autocast, recorded_init, recorded_shapes
 
     unreached = not_reached(cand.scan)
     if unreached and not args.check_unreached:
@@ -158,7 +158,7 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
     opts = OpOptions(
         capture=args.capture, capture_timeout=args.capture_timeout, capture_max_mb=args.capture_max_mb, shell=args.shell,
         env=dict(args.env), shapes=args.shape, dtype=args.dtype, init={k: parse_literal(v) for k, v in args.init},
-        batch=args.batch, seq_len=args.seq_len, factor=args.factor, seed=args.seed, backend=args.backend, autocast=args.autocast,
+        batch=args.batch, seq_len=args.seq_len, factor=args.factor, seed=args.seed, backend=args.backend, autocast=args.autocast or recorded_autocast(cand.scan),
     )  # fmt: skip
     if opts.factor <= 0:
         raise UsageError("--factor must be positive")
