@@ -21,9 +21,9 @@ from apply_support import HEAD, MODEL, make_repo, npufuse, scan, state_of
 from npufuse.cli import main
 from npufuse.scan import command as scan_command
 
-import npufuse
+import npufuse as npufuse_package
 
-SRC = str(Path(npufuse.__file__).resolve().parents[1])  # child processes import the same npufuse
+SRC = str(Path(npufuse_package.__file__).resolve().parents[1])  # child processes import the same npufuse
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX file types and flock")
 
 
