@@ -87,11 +87,12 @@ def _load():
     import warnings
 
     warnings.filterwarnings("ignore")  # hypothesis' large-repr warnings: huge inputs are the point
+    import test_fuzz_hostile
     import test_fuzz_profile
     import test_fuzz_rewrite
     import test_fuzz_scan
 
-    mods = {"scan": test_fuzz_scan, "rewrite": test_fuzz_rewrite, "profile": test_fuzz_profile}
+    mods = {"scan": test_fuzz_scan, "rewrite": test_fuzz_rewrite, "profile": test_fuzz_profile, "hostile": test_fuzz_hostile}
     for mod in mods.values():
         for b in mod.BUDGETS.values():
             b.seconds = math.inf

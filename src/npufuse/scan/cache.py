@@ -214,8 +214,7 @@ class ScanCache:
             # marked) once per process, and the temporary file is named, not searched for
             # (mkstemp's random names and fdopen cost more syscalls than the entry's own write).
             if folder not in self._made:
-                os.makedirs(folder, exist_ok=True)
-                _check_real_dirs(self.base, folder)
+                _check_real_dirs(self.base, folder, make=True)
                 if not self._made:
                     self._mark()
                 self._made.add(folder)
@@ -227,7 +226,7 @@ class ScanCache:
             except FileExistsError:  # left by a killed process that had this pid
                 fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pkl")
             except FileNotFoundError:  # the folder was removed since this process made it
-                os.makedirs(folder, exist_ok=True)
+                _check_real_dirs(self.base, folder, make=True)
                 fd = os.open(tmp, flags, 0o600)
             try:
                 try:
@@ -261,15 +260,21 @@ class ScanCache:
                 os.close(fd)
 
 
-def _check_real_dirs(base: Path, folder: str) -> None:
+def _check_real_dirs(base: Path, folder: str, *, make: bool = False) -> None:
     """Raise OSError unless ``base`` and every folder from it down to ``folder`` is a real
-    directory: a cache folder a repository shipped as a symlink is not written through."""
+    directory (made one by one when ``make``, each checked before anything is made inside it):
+    a cache folder a repository shipped as a symlink is not written through."""
     import stat
 
     here = Path(base)
     rest = Path(folder).relative_to(here).parts if Path(folder) != here else ()
     for part in ("",) + tuple(rest):
         here = here / part if part else here
+        if make:
+            try:
+                os.mkdir(here)
+            except FileExistsError:
+                pass
         if not stat.S_ISDIR(os.lstat(here).st_mode):
             raise OSError(40, "not a real directory (a symlink?); the cache is not written there", os.fspath(here))
 
@@ -418,8 +423,7 @@ def save_outputs(cache_dir: Path, key: str, outputs: dict[Path, bytes], info: di
     }
     try:
         target = _record_path(cache_dir, paths)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _check_real_dirs(Path(cache_dir), os.fspath(target.parent))
+        _check_real_dirs(Path(cache_dir), os.fspath(target.parent), make=True)
         ScanCache(cache_dir, "")._mark()
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".json")
         try:
