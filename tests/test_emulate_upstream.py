@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from npufuse.emulate.activations import fast_gelu, npu_fast_gelu, npu_geglu, npu_gelu_mul, npu_swiglu
-from npufuse.emulate.checks import NpuOpError
 from npufuse.emulate.moe import (
     npu_grouped_matmul,
     npu_moe_gating_top_k_softmax,

@@ -24,7 +24,6 @@ import torch
 from npufuse.emulate.checks import (
     NpuOpError,
     dtype_name,
-    forward_only,
     no_gradient_formula,
     require,
     require_contiguous,

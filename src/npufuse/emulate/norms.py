@@ -130,9 +130,9 @@ def npu_add_rms_norm(
     Return order is *normed output, rstd, residual sum*: ``y`` and ``x`` have the shape/dtype of
     ``x1``; ``rstd`` is float32 with the keepdim shape of ``npu_rms_norm``.
 
-    UNCERTAIN in the spec (fp32 sum vs sum rounded to the input dtype): the emulation follows the
-    spec's formula literally — ``x = x1 + x2`` in the input dtype (the residual the caller gets back,
-    and what HF computes), then ``rstd`` and ``y`` from ``x.float()``; ``y`` rounded once.
+    Sum rounding (UNCERTAIN in the spec, settled by op-plugin's test_npu_add_rms_norm golden):
+    ``x = x1 + x2`` in the input dtype (the residual the caller gets back, and what HF computes),
+    then ``rstd`` and ``y`` from ``x.float()``; ``y`` rounded once.
 
     Constraints: x1, x2, gamma all the same dtype (float16/bfloat16/float32); x1 and x2 the same
     shape, 1-8-D, not empty; ``gamma.shape == x1.shape[-gamma.dim():]``.
