@@ -9,6 +9,7 @@ listing shows the record.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from npufuse.emulate import REGISTRY, api_names
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _test_functions(path: Path) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _test_functions(path: Path) -> frozenset[str]:
     tree = ast.parse(path.read_text())
-    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    return frozenset(n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_"))
 
 
 @pytest.mark.parametrize("name", api_names())
