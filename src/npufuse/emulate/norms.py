@@ -205,14 +205,16 @@ def npu_gemma_rms_norm(
 @emulated("npu_add_layer_norm", autograd=True, spec="2.5",
     verified=(
         'fp32 and mixed fp16/fp32 inputs with additional_output=True: y, mean, rstd, x (op-plugin test_npu_add_layer_norm)',
+        'fp32 backward dx1, dx2, dgamma, dbeta (test_npu_add_layer_norm_backward)',
     ),
     docs_only=(
-        'backward',
+        'gradient through x (additional_output)',
         'x when additional_output=False',
         'bfloat16',
     ),
     held_by=(
         'tests/test_emulate_upstream.py::test_add_layer_norm',
+        'tests/test_emulate_upstream.py::test_add_layer_norm_backward',
     ),
 )
 def npu_add_layer_norm(
