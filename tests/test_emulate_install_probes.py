@@ -8,6 +8,7 @@ because its result is ``lru_cache``d per process.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import os

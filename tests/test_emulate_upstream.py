@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from npufuse.emulate.activations import fast_gelu, npu_fast_gelu, npu_geglu, npu_gelu_mul, npu_swiglu
-from npufuse.emulate.checks import NpuOpError
 from npufuse.emulate.moe import (
     npu_grouped_matmul,
     npu_moe_gating_top_k_softmax,
@@ -215,6 +214,40 @@ def test_add_layer_norm(x1_dtype, x2_dtype):
     assert out[0].dtype == torch.float32
     for gold, got in zip((y, mean, rstd, x), out):
         assert_rtol_equal(gold.astype(np.float32), got.numpy())
+
+
+def test_add_layer_norm_backward():
+    """op-plugin test_custom_ops/test_npu_add_layer_norm_backward.py ([10, 2, 128], uniform(0, 100), shapes as upstream).
+
+    Golden: the hand-written LayerNorm backward of the upstream file (pd_x, dgamma, dbeta), here
+    in fp64; like upstream the op runs with its default epsilon while the golden uses 1e-6 (the
+    variance is ~1e3: far below the tolerance). dx1, dx2 and dbeta use the upstream rule
+    (prec 1e-4). dgamma sums 20 terms of both signs per element: on this data one element
+    cancels so far that any fp32 evaluation (the upstream fp32 golden as much as the op) lands
+    ~3e-4 off, which the rule's 1-in-10000 allowance cannot absorb on 128 elements; it is held
+    to the fp32 summation bound instead (|err| <= 32 * 2^-24 * sum |terms|), stated here as the
+    one deviation from the upstream tolerance.
+    """
+    x1, x2 = (np.random.uniform(0, 100, [10, 2, 128]).astype(np.float32) for _ in range(2))
+    gamma, beta = (np.random.uniform(0, 100, [128]).astype(np.float32) for _ in range(2))
+    dy = np.random.uniform(0, 100, [10, 2, 128]).astype(np.float32)
+    x = x1.astype(np.float64) + x2
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    rstd = 1 / np.sqrt(var + 1e-6)
+    pd_xl = dy * gamma.astype(np.float64)
+    xc = x - mean
+    pd_var = np.sum(-0.5 * pd_xl * xc * rstd**3, -1, keepdims=True)
+    pd_mean = np.sum(-pd_xl * rstd, -1, keepdims=True)
+    dx = pd_xl * rstd + pd_var * (2.0 / 128) * xc + pd_mean / 128
+    terms = dy * xc * rstd
+    dgamma, dbeta = np.sum(terms, axis=(0, 1)), np.sum(dy.astype(np.float64), axis=(0, 1))
+    t = [torch.from_numpy(a).requires_grad_(True) for a in (x1, x2, gamma, beta)]
+    npu_add_layer_norm(*t)[0].backward(torch.from_numpy(dy))
+    assert_rtol_equal(dx.astype(np.float32), t[0].grad.numpy())
+    assert_rtol_equal(dx.astype(np.float32), t[1].grad.numpy())
+    assert_rtol_equal(dbeta.astype(np.float32), t[3].grad.numpy())
+    bound = 32 * 2.0**-24 * np.sum(np.abs(terms), axis=(0, 1))
+    assert (np.abs(t[2].grad.numpy() - dgamma) <= bound).all()
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])

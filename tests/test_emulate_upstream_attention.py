@@ -198,3 +198,36 @@ def test_fused_infer_attention_score_bnsd_with_lse(sq):
     assert_rtol_equal(gold, out)
     _, empty = npu_fused_infer_attention_score(q, k, v, num_heads=4, input_layout="BNSD", scale=scale)
     assert empty.numel() == 0
+
+
+def _band_mask(shape, pre, nxt):
+    return np.triu(np.ones(shape), k=nxt + 1) + np.tril(np.ones(shape), k=-pre - 1)
+
+
+@pytest.mark.parametrize("sparse_mode,pre,nxt", [(0, 128, 128), (1, 65536, 65536), (2, 65536, 0), (3, 65536, 0), (4, 128, 128)])
+def test_fusion_attention_sparse_modes(sparse_mode, pre, nxt):
+    """Ascend's sparse-mode flash attention test (TestNPUFlashAttention.check_result over
+    sparse_params_list, an earlier revision of test_npu_flash_attention.py): BNSD [1, 8, 256, 256]
+    fp16, scale 0.08838, prec 0.01. The golden adds ``mask * -10000`` (band mask for modes 0/4,
+    zeros for 1, ``triu(k=1)`` for 2/3) and runs an fp32 softmax rounded to fp16; the op gets the
+    band mask for mode 0, no mask for mode 1 and the compressed 2048x2048 ``triu(k=1)`` for 2/3/4.
+    Shapes as upstream (Sq == Skv, so modes 3/4 coincide with 2/0 here).
+    """
+    q, k, v = (torch.randn(1, 8, 256, 256, dtype=torch.float16) for _ in range(3))
+    shape = [1, 8, 256, 256]
+    if sparse_mode in (0, 4):
+        gold_mask = _band_mask(shape, pre, nxt)
+    elif sparse_mode == 1:
+        gold_mask = np.zeros(shape)
+    else:
+        gold_mask = np.triu(np.ones(shape), k=1)
+    s = (q.float() @ k.float().transpose(2, 3)) * 0.08838 + torch.from_numpy(gold_mask).float() * -10000.0
+    gold = (torch.softmax(s, dim=-1).half().float() @ v.float()).half()
+    atten_mask = None
+    if sparse_mode == 0:
+        atten_mask = torch.from_numpy(_band_mask(shape, pre, nxt)).bool()
+    elif sparse_mode in (2, 3, 4):
+        atten_mask = torch.from_numpy(np.triu(np.ones([2048, 2048]), k=1)).bool()
+    out = npu_fusion_attention(q, k, v, head_num=8, input_layout="BNSD", scale=0.08838, sparse_mode=sparse_mode,
+                               atten_mask=atten_mask, pre_tockens=pre, next_tockens=nxt)  # fmt: skip
+    assert_rtol_equal(gold, out[0], prec=0.01, prec16=0.01)

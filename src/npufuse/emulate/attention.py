@@ -24,7 +24,6 @@ import torch
 from npufuse.emulate.checks import (
     NpuOpError,
     dtype_name,
-    forward_only,
     no_gradient_formula,
     require,
     require_contiguous,
@@ -470,9 +469,10 @@ _MODE_NAMES = {
         'external dropout_mask (keep_prob 0.9) and its reproducibility',
         'seed/offset returned as given without dropout',
         'outputs 0-3 differentiable',
+        'sparse_mode 0-4 with Sq == Skv: band mask with pre/next, no mask, compressed 2048x2048 causal mask (BNSD fp16)',
     ),
     docs_only=(
-        'sparse_mode 0-4 and masks (bottom-right mode 3/4 from the kernel docs)',
+        'sparse_mode 3/4 with Sq != Skv (bottom-right, from the kernel docs); user masks of other shapes',
         'pse placement scale*(QK^T+pse) (grad kernel source)',
         'BNSD/BSND/SBH layouts',
         'sink',
@@ -484,6 +484,8 @@ _MODE_NAMES = {
         'tests/test_emulate_upstream_attention.py::test_fusion_attention_tnd_gqa_forward_backward_and_stats',
         'tests/test_emulate_upstream_attention.py::test_fusion_attention_with_external_dropout_mask',
         'tests/test_emulate_upstream_attention.py::test_fusion_attention_without_dropout_returns_seed_and_offset',
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_sparse_modes',
+        'tests/test_emulate_upstream_attention.py::test_fusion_attention_keep_prob_zero_is_a_runtime_error',
     ),
 )
 def npu_fusion_attention(

@@ -616,8 +616,8 @@ def npu_moe_gating_top_k_softmax(
     Mixtral-style routing needs ``y / y.sum(-1, keepdim=True)`` afterwards.
     x 2-D/3-D fp16/bf16/fp32; finished bool with shape ``x.shape[:-1]``; 0 < k <= experts, k <= 1024.
 
-    Autograd: none (backward raises). UNCERTAIN (spec §8.1): ``y`` for finished rows is not
-    documented; like the golden, it keeps the normal top-k softmax values.
+    Autograd: none (backward raises). ``y`` for finished rows keeps the normal top-k softmax
+    values, as op-plugin's test_npu_moe_gating_top_k_softmax golden does (spec §8.1 UNCERTAIN).
     """
     api = "npu_moe_gating_top_k_softmax"
     require_tensor(api, "x", x)

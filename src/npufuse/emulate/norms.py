@@ -130,9 +130,9 @@ def npu_add_rms_norm(
     Return order is *normed output, rstd, residual sum*: ``y`` and ``x`` have the shape/dtype of
     ``x1``; ``rstd`` is float32 with the keepdim shape of ``npu_rms_norm``.
 
-    UNCERTAIN in the spec (fp32 sum vs sum rounded to the input dtype): the emulation follows the
-    spec's formula literally — ``x = x1 + x2`` in the input dtype (the residual the caller gets back,
-    and what HF computes), then ``rstd`` and ``y`` from ``x.float()``; ``y`` rounded once.
+    Sum rounding (UNCERTAIN in the spec, settled by op-plugin's test_npu_add_rms_norm golden):
+    ``x = x1 + x2`` in the input dtype (the residual the caller gets back, and what HF computes),
+    then ``rstd`` and ``y`` from ``x.float()``; ``y`` rounded once.
 
     Constraints: x1, x2, gamma all the same dtype (float16/bfloat16/float32); x1 and x2 the same
     shape, 1-8-D, not empty; ``gamma.shape == x1.shape[-gamma.dim():]``.
@@ -205,14 +205,16 @@ def npu_gemma_rms_norm(
 @emulated("npu_add_layer_norm", autograd=True, spec="2.5",
     verified=(
         'fp32 and mixed fp16/fp32 inputs with additional_output=True: y, mean, rstd, x (op-plugin test_npu_add_layer_norm)',
+        'fp32 backward dx1, dx2, dgamma, dbeta (test_npu_add_layer_norm_backward)',
     ),
     docs_only=(
-        'backward',
+        'gradient through x (additional_output)',
         'x when additional_output=False',
         'bfloat16',
     ),
     held_by=(
         'tests/test_emulate_upstream.py::test_add_layer_norm',
+        'tests/test_emulate_upstream.py::test_add_layer_norm_backward',
     ),
 )
 def npu_add_layer_norm(
