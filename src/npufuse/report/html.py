@@ -382,6 +382,19 @@ def _diff_rows(old: str, new: str, first_line: int) -> list[list[Any]]:
     return rows
 
 
+def _row_note(item: dict[str, Any]) -> str:
+    parts = []
+    if item.get("problem"):
+        parts.append(str(item["problem"]))
+    shape = item.get("shape")
+    if isinstance(shape, list) and all(isinstance(x, int) for x in shape):
+        parts.append("×".join(map(str, shape)) + (f" {item['dtype']}" if isinstance(item.get("dtype"), str) else ""))
+    elif "problem" not in item:
+        extra = [f"{k}={_jsonable(v)}" for k, v in item.items() if k in ("note", "notes", "reason", "detail")]
+        parts += extra
+    return "; ".join(parts)
+
+
 def _op_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
     raw: list[tuple[str | None, Any]] = []
     for key, kind in (("outputs", "forward"), ("forward", "forward"), ("grads", "backward"), ("gradients", "backward"), ("backward", "backward")):
@@ -411,7 +424,10 @@ def _op_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
             "name": str(_first(item, "name", "tensor", "output", default=f"#{n}")),
             "kind": str(item_kind),
             "passed": _passed(item),
-            "note": "; ".join(f"{k}={_jsonable(v)}" for k, v in item.items() if k not in known),
+            # the column says what matters to a reader (the problem, the shape); every other field
+            # of the record is in the raw records below the evidence, not a key=value dump here
+            "note": _row_note(item),
+            "raw": "; ".join(f"{k}={_jsonable(v)}" for k, v in item.items() if k not in known),
         }
         for metric, names in _OP_METRICS.items():
             v = _first(item, *names)
