@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 
 from npufuse.patterns._site import is_last_dim_expr
+from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
@@ -905,10 +906,11 @@ class RopePattern(Pattern):
         if terms[0] is None or terms[1] is None:
             return None
         base = None
-        for _sign, u, _v in terms[0] + terms[1]:
-            r = _resolve(scope, u)
-            if isinstance(r, ast.Subscript):
-                base = r.value
+        for _sign, u, v in terms[0] + terms[1]:
+            # the shared canonical layer: chunk / split / unbind / slice halves alike
+            h = canonical.half_of(module, scope, u, node.lineno) or canonical.half_of(module, scope, v, node.lineno)
+            if h is not None:
+                base = h.source
                 break
         if base is None:
             return None
