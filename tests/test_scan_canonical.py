@@ -54,6 +54,7 @@ def test_aliases_and_synonyms_resolve(text, want):
     ("a, b = x.split(x.shape[-1] // 2, dim=-1)", "a", "b", "split"),
     ("a, b = x.unbind(-1)", "a", "b", "unbind"),
     ("a = x[..., : x.shape[-1] // 2]\n    b = x[..., x.shape[-1] // 2 :]", "a", "b", "slice"),
+    ("a, b = x[..., :d], x[..., d:]", "a", "b", "slice"),
 ])
 def test_halves_spellings(binding, first, second, spelling):
     m = _module(f"def f(x):\n    {binding}\n    return a_use\n")

@@ -31,6 +31,7 @@ Facts the replacement relies on (checked against torch 2.13 on CPU):
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from npufuse.patterns import _site as S
@@ -72,15 +73,33 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         return
     calls = scope.nodes().get(ast.Call, [])
     idx = S.stmt_index(scope)
+    sites: dict[int, list[_Site]] = {}
+    missed: set[int] = set()
+    out: list[Result] = []
     for call in calls:
         name = canonical.api(module, call.func)
         if name == RMS_NORM_FN:
-            yield from _functional(module, scope, idx, call)
+            found = list(_functional(module, scope, idx, call))
         elif norm_attrs and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) \
                 and call.func.value.id == "self" and call.func.attr in norm_attrs:
-            yield from _module_call(module, scope, idx, call, norm_attrs[call.func.attr])
+            found = list(_module_call(module, scope, idx, call, norm_attrs[call.func.attr]))
         elif name == NORMALIZE_FN:
-            yield from _normalize(module, scope, idx, call)
+            found = list(_normalize(module, scope, idx, call))
+        else:
+            continue
+        for r in found:
+            if isinstance(r, _Site):
+                sites.setdefault(id(r.stmt), []).append(r)
+            else:
+                out.append(r)
+                missed.add(r.line)
+    for group in sites.values():
+        if group[0].stmt.lineno in missed:
+            continue  # another call in the statement cannot be replaced: the statement stays as it is
+        group.sort(key=lambda x: (x.call.lineno, x.call.col_offset))
+        out.append(_finding(module, scope, group))
+    out.sort(key=lambda r: r.line)
+    yield from out
 
 
 def _stmt_of(idx: S.StmtIndex, scope: Scope, call: ast.Call) -> ast.stmt | None:
@@ -118,15 +137,40 @@ def _eps_code(eps: ast.expr | None, module: ModuleInfo, T: str, notes: list[str]
     return None
 
 
-def _finding(scope: Scope, stmt: ast.stmt, fused: str, guard: str, params: dict, variant: str, notes: list[str]) -> Finding:
+@dataclass
+class _Site:
+    """One library norm call and its replacement (a statement may hold several: q and k norms)."""
+
+    stmt: ast.stmt
+    call: ast.Call
+    expr: str
+    guard: str
+    params: dict
+    variant: str
+    notes: list[str]
+    conditions: list[str] = field(default_factory=list)
+
+
+def _finding(module: ModuleInfo, scope: Scope, sites: list[_Site]) -> Finding:
+    """One finding per statement: every library norm call in it replaced."""
+    stmt = sites[0].stmt
+    fused = S.splice(module, stmt, [(x.call, x.expr) for x in sites])
+    conditions = list(dict.fromkeys(c for x in sites for c in x.conditions))
+    if conditions:
+        fused = f"if {' and '.join(conditions)}:\n{S.indent(fused)}\nelse:\n{S.indent(S.stmt_source(module, stmt))}"
+    notes = list(dict.fromkeys(n for x in sites for n in x.notes))
+    params = dict(sites[0].params)
+    if len(sites) > 1:
+        params["calls"] = len(sites)
+        params["inputs"] = [x.params.get("x") for x in sites]
     return Finding(
         pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
-        params=params, fused=fused, guard_tensor=guard, confidence="high", variant=variant,
+        params=params, fused=fused, guard_tensor=sites[0].guard, confidence="high", variant=sites[0].variant,
         risks=list(_RISKS), notes=["unfused: PyTorch's rms_norm (several kernels on NPU); fused: 1", *notes], training_ok=True,
     )
 
 
-def _functional(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call) -> Iterator[Result]:
+def _functional(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call) -> Iterator["Result | _Site"]:
     stmt = _stmt_of(idx, scope, call)
     if stmt is None:
         return
@@ -165,9 +209,8 @@ def _functional(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Ca
         yield _miss(scope, stmt, "neither the input nor the weight of rms_norm is a name: no tensor to check the device of before the call")
         return
     expr = f"torch_npu.npu_rms_norm({x_src}, {gamma}, epsilon={e[0]})[0]"
-    fused = S.splice(module, stmt, [(call, expr)])
     params = {"eps": e[1], "weight": S.source_of(module, weight) if weight is not None else None, "source": "library", "x": x_src}
-    yield _finding(scope, stmt, fused, guard, params, variant, notes)
+    yield _Site(stmt, call, expr, guard, params, variant, notes)
 
 
 def _norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, list[ast.expr]]:
@@ -201,7 +244,7 @@ def _rms_ctor(module: ModuleInfo, value: ast.expr) -> ast.Call | None:
     return None
 
 
-def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call, values: list[ast.expr]) -> Iterator[Result]:
+def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call, values: list[ast.expr]) -> Iterator["Result | _Site"]:
     stmt = _stmt_of(idx, scope, call)
     if stmt is None:
         return
@@ -256,11 +299,8 @@ def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.C
         notes.append(f"eps read from {attr}.eps at run time; None means torch.finfo(torch.float32).eps, as in PyTorch's kernel")
     assert e is not None
     expr = f"torch_npu.npu_rms_norm({x_src}, {gamma}, epsilon={e[0]})[0]"
-    fused = S.splice(module, stmt, [(call, expr)])
-    if conditions:
-        fused = f"if {' and '.join(conditions)}:\n{S.indent(fused)}\nelse:\n{S.indent(S.stmt_source(module, stmt))}"
     params = {"eps": e[1], "weight": None if gamma.startswith(f"{T}.ones") else gamma, "source": "library", "module": attr, "x": x_src}
-    yield _finding(scope, stmt, fused, guard, params, "nn_rmsnorm", notes)
+    yield _Site(stmt, call, expr, guard, params, "nn_rmsnorm", notes, conditions)
 
 
 def _normalize(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call) -> Iterator[Result]:

@@ -2057,3 +2057,22 @@ scaled_scripted = jit.script(scaled)
         name="called_from_torch_jit_script_call",
     ),
 ]
+
+RmsNorm.FUSE += [
+    Fuse(
+        # modded-nanogpt's QK norm: two weightless library norms in one statement -> one finding, both replaced
+        '''
+import torch
+import torch.nn.functional as F
+
+
+def qk_norm(q, k):
+    q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
+    return q, k
+''',
+        expect={"variant": "f_rms_norm_no_weight", "calls": 2, "inputs": ["q", "k"], "line": 7, "end_line": 7},
+        run=("q = torch.randn(2, 5, 4, 8, requires_grad=True)\nk = torch.randn(2, 5, 4, 8, requires_grad=True)\n"
+             "out = qk_norm(q, k)\nleaves = [q, k]\n"),
+        name="two_library_norms_one_statement",
+    ),
+]

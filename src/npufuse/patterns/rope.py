@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 
 from npufuse.patterns._site import is_last_dim_expr
+from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
@@ -602,6 +603,7 @@ class _Match:
     mode_expr: str | None = None  # rotary_mode chosen at run time (a helper picked by a condition)
     only_if: str | None = None  # fused only where this holds (the half choice of such a helper)
     suffix: str = ""  # appended to the fused call (the pair form keeps its [..., D/2, 2] shape)
+    absorb: list = field(default_factory=list)  # statements the fused call replaces (named rotated halves)
 
 
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -613,6 +615,29 @@ def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
 def _is_product(node: ast.expr, u: ast.expr, v: ast.expr) -> bool:
     f = _mult_factors(node)
     return f is not None and ((same_expr(f[0], u) and same_expr(f[1], v)) or (same_expr(f[0], v) and same_expr(f[1], u)))
+
+
+def _named_pair(call: ast.Call) -> tuple[ast.Name, ast.Name] | None:
+    """(y1, y2) of ``torch.cat([y1, y2], <last dim>)`` with two plain names."""
+    pair = _pair_of(call, _CAT) if isinstance(call, ast.Call) else None
+    if pair is None or not all(isinstance(p, ast.Name) for p in pair):
+        return None
+    return pair  # type: ignore[return-value]
+
+
+def _signed_products(node: ast.expr) -> list[tuple[int, ast.expr, ast.expr]] | None:
+    """``±u*v ± w*z`` as [(sign, u, v), (sign, w, z)]."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub))):
+        return None
+    out = []
+    for term, sign in ((node.left, 1), (node.right, 1 if isinstance(node.op, ast.Add) else -1)):
+        if isinstance(term, ast.UnaryOp) and isinstance(term.op, ast.USub):
+            term, sign = term.operand, -sign
+        f = _mult_factors(term)
+        if f is None:
+            return None
+        out.append((sign, f[0], f[1]))
+    return out
 
 
 def _lane(node: ast.AST, k: int) -> ast.expr | None:
@@ -724,7 +749,8 @@ class RopePattern(Pattern):
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
                 continue
             st_text = segment(module, stmt)
-            if "*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text):
+            # (a cat of two named halves computed just before, nanochat's, has no product itself)
+            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text)) and "cat(" not in st_text:
                 continue
             matches: list[_Match] = []
             for node in self._candidates(stmt):
@@ -735,6 +761,26 @@ class RopePattern(Pattern):
                     matches.append(res)
             if not matches:
                 continue
+            absorb = [a for m in matches for a in m.absorb]
+            if absorb:
+                # the statements computing the two rotated halves (nanochat's y1 = ..., y2 = ...) go
+                # with the site when they are the ones right before it: the fused call replaces them
+                ids = {id(a) for a in absorb}
+                if i >= len(absorb) and {id(b) for b in block[i - len(absorb) : i]} == ids:
+                    start = i - len(absorb)
+                    if runs and runs[-1][0] is block and runs[-1][1][-1][0] >= start:
+                        runs[-1][1][:] = [it for it in runs[-1][1] if it[0] < start]
+                        if not runs[-1][1]:
+                            runs.pop()
+                    pre = [(j, block[j], []) for j in range(start, i)]
+                    if runs and runs[-1][0] is block and runs[-1][1][-1][0] == start - 1:
+                        runs[-1][1].extend(pre + [(i, stmt, matches)])
+                    else:
+                        runs.append((block, pre + [(i, stmt, matches)]))
+                    continue
+                matches = [m for m in matches if not m.absorb]
+                if not matches:
+                    continue
             if runs and runs[-1][0] is block and runs[-1][1][-1][0] == i - 1:
                 runs[-1][1].append((i, stmt, matches))
             else:
@@ -772,7 +818,7 @@ class RopePattern(Pattern):
         def visit(node: ast.AST) -> None:
             if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.ClassDef)):
                 return
-            if _pair_formula(node) is not None or _lane_pair_formula(node) is not None:
+            if _pair_formula(node) is not None or _lane_pair_formula(node) is not None or (isinstance(node, ast.Call) and _named_pair(node) is not None):
                 found.append(node)  # the written-out rotation (its ``b*c + a*s`` half is no rope itself)
                 return
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
@@ -791,6 +837,8 @@ class RopePattern(Pattern):
         lp = _lane_pair_formula(node)
         if lp is not None:
             return self._match_lane_pairs(module, scope, node, *lp)
+        if isinstance(node, ast.Call) and _named_pair(node) is not None:
+            return self._match_named_halves(module, scope, node)
         pf = _pair_formula(node)
         if pf is not None:
             return self._match_pairs(module, scope, node, *pf)
@@ -839,6 +887,68 @@ class RopePattern(Pattern):
             m.prep.append(f"{lanes} = {x_text}  # the original rotates the de-interleaved lanes (even | odd) and returns that order")
             x_text = lanes
         m.cos, m.sin, m.x_text = full[0], full[1], x_text
+        return m
+
+    def _match_named_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
+        """nanochat / modded-nanogpt: ``y1 = x1*cos + x2*sin; y2 = x1*(-sin) + x2*cos;
+        cat([y1, y2], -1)`` over the halves x1, x2 of x: the half rotation with sin negated
+        (or, with the other signs, the standard one), half-size tables."""
+        y1, y2 = _named_pair(node)  # type: ignore[misc]
+        defs = []
+        for y in (y1, y2):
+            found = [(st, v) for st, v in scope.assignments.get(y.id, []) if st.lineno < node.lineno]
+            if not found or not isinstance(found[-1][0], ast.Assign) or len(found[-1][0].targets) != 1:
+                return None
+            defs.append(found[-1])
+        if any(scope.uses_after(y.id, node.lineno) for y in (y1, y2)):
+            return None  # the halves are read again: keep them (the site would need them)
+        terms = [_signed_products(d[1]) for d in defs]
+        if terms[0] is None or terms[1] is None:
+            return None
+        base = None
+        for _sign, u, v in terms[0] + terms[1]:
+            # the shared canonical layer: chunk / split / unbind / slice halves alike
+            h = canonical.half_of(module, scope, u, node.lineno) or canonical.half_of(module, scope, v, node.lineno)
+            if h is not None:
+                base = h.source
+                break
+        if base is None:
+            return None
+        halves = _Halves(scope, lambda n: same_expr(n, base))
+
+        def canon(ts: list) -> dict | None:
+            out = {}
+            for sign, u, v in ts:
+                part = halves.part(u)
+                if part is None:
+                    part, u, v = halves.part(v), v, u
+                if part not in ("first", "second"):
+                    return None
+                neg = halves.neg_of(v)
+                if neg is not None:
+                    sign, v = -sign, neg
+                out[part] = (sign, v)
+            return out if len(out) == 2 else None
+
+        a, b = canon(terms[0]), canon(terms[1])
+        if a is None or b is None:
+            return None
+        (s1a, c_a), (s1b, s_a) = a["first"], a["second"]   # y1 = ±x1*c ± x2*s
+        (s2b, c_b), (s2a, s_b) = b["second"], b["first"]   # y2 = ±x2*c ± x1*s
+        if not (same_expr(c_a, c_b) and same_expr(s_a, s_b) and s1a == 1 and s2b == 1 and s1b == -s2a):
+            return None
+        negate = s1b == 1  # y1 = x1*c + x2*s: the rotation by -angle, i.e. sin negated
+        m = self._build_real(module, scope, node, "half", base, c_a, s_a)
+        if isinstance(m, str):
+            return m
+        tag = _ident(segment(module, c_a))
+        cs = [segment(module, c_a), segment(module, s_a)]
+        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
+        sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
+        m.prep = [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
+                  f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
+        m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
+        m.absorb = [d[0] for d in defs]
         return m
 
     def _match_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, cache: ast.expr) -> _Match | str | None:
@@ -1029,6 +1139,8 @@ class RopePattern(Pattern):
         # a match fused only under a run-time condition may test its prepared cos/sin: its prep comes first
         hoisted: list[str] = []
         for _i, stmt, matches in items:
+            if not matches:
+                continue  # a statement the fused call replaces (absorbed halves)
             reps: list[tuple[ast.AST, str]] = []
             for m in matches:
                 for p in m.prep:
@@ -2019,4 +2131,51 @@ def apply_rotary_pos_emb(pos, t):
         reason="does not compute the standard rotate_half",
         name="einops_inner_pair_axis",
     ),
+]
+
+_NANOCHAT = '''
+import torch
+
+
+def apply_rotary_emb(x, cos, sin):
+    assert x.ndim == 4  # multihead attention
+    d = x.shape[3] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    y1 = x1 * cos + x2 * sin
+    y2 = x1 * (-sin) + x2 * cos
+    out = torch.cat([y1, y2], 3)
+    out = out.to(x.dtype)
+    return out
+'''
+
+_NANOCHAT_RUN = '''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+cos, sin = ang.cos()[None, :, None, :].bfloat16(), ang.sin()[None, :, None, :].bfloat16()
+out = apply_rotary_emb(x, cos, sin)
+leaves = [x]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # nanochat / modded-nanogpt: named rotated halves with the rotation by -angle (sin negated); y1/y2 absorbed
+        name="nanochat_named_halves_negative_angle",
+        code=_NANOCHAT,
+        expect={"mode": "half", "targets": ["x"], "line": 9, "end_line": 11},
+        run=_NANOCHAT_RUN,
+    ),
+    Fuse(
+        name="named_halves_standard_signs_chunk",
+        code=_NANOCHAT.replace("    d = x.shape[3] // 2\n    x1, x2 = x[..., :d], x[..., d:]", "    x1, x2 = x.chunk(2, dim=-1)")
+        .replace("x1 * cos + x2 * sin", "x1 * cos - x2 * sin").replace("x1 * (-sin) + x2 * cos", "x2 * cos + x1 * sin"),
+        expect={"mode": "half", "targets": ["x"]},
+        run=_NANOCHAT_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    # y1 is read again after the cat: the halves stay (no site, nothing claimed)
+    Keep(_NANOCHAT.replace("    return out", "    return out, y1"), name="named_halves_reused"),
+    # both signs positive: not a rotation
+    Keep(_NANOCHAT.replace("x1 * (-sin) + x2 * cos", "x1 * sin + x2 * cos"), name="named_halves_not_a_rotation"),
 ]

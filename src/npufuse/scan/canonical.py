@@ -183,7 +183,13 @@ def half_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
             break
         best = None
         if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and type(value.slice.value) is int:
-            # ``x1, x2 = x.chunk(2, -1)`` is recorded as the whole value indexed by position
+            # ``x1, x2 = x.chunk(2, -1)`` is recorded as the whole value indexed by position;
+            # ``x1, x2 = x[..., :d], x[..., d:]`` as the tuple indexed by position
+            if isinstance(value.value, (ast.Tuple, ast.List)) and value.slice.value < len(value.value.elts):
+                sl = _slice_half(value.value.elts[value.slice.value])
+                if sl is not None:
+                    best = Half(sl[0], sl[1], "slice")
+                continue
             inner = _split_call(module, value.value)
             if inner is not None and value.slice.value in (0, 1) and _unpacks_two(stmt):
                 best = Half(inner[0], value.slice.value, inner[1])
