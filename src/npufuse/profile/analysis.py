@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from npufuse import __version__
+from npufuse.profile.communication import communication_report, split_communication
 from npufuse.profile.kb import KnowledgeBase, load_kb
 from npufuse.profile.mining import Finding, Miner, NGram, OpStream, build_host_stream, build_kernel_stream, \
     gap_report, mine_ngrams
@@ -44,6 +45,8 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
     all_rejected: list[dict[str, Any]] = []
     all_ngrams: dict[str, list[dict[str, Any]]] = {"by_time": [], "by_count": []}
     gaps: list[dict[str, Any]] = []
+    comms: list[dict[str, Any]] = []
+    per_rank_step: list[float] = []
     step_total = 0.0
     device_total = 0.0
     for src in sources:
@@ -55,6 +58,10 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
             all_ngrams[k] += r["sequences"][k]
         if r["gaps"]:
             gaps.append(r["gaps"])
+        if r.get("communication"):
+            comms.append(r["communication"])
+        if r["step_time_us"] > 0:
+            per_rank_step.append(r["step_time_us"])
         step_total += r["step_time_us"]
         device_total += r["device_time_us"]
     fusions = _merge(all_findings, step_total)
@@ -71,8 +78,14 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
         "problems": [p.to_dict() for p in problems],
         "module_confirmed": bool(confirmed) and min(confirmed) >= 0.5,
         "module_note": _module_note(ranks),
-        "totals": {"ranks": len(ranks), "step_time_us": round(step_total, 3),
-                   "device_time_us": round(device_total, 3)},
+        # step time is per rank (ranks run the same step side by side: never summed); shares are
+        # each rank's time over its own step, i.e. all ranks' time over all ranks' steps
+        "totals": {"ranks": len(ranks),
+                   "step_time_us": round(step_total / len(per_rank_step), 3) if per_rank_step else 0.0,
+                   "step_time_us_per_rank": [round(x, 3) for x in per_rank_step],
+                   "device_time_us": round(device_total / max(1, len(per_rank_step)), 3),
+                   "all_ranks_step_time_us": round(step_total, 3)},
+        "communication": _sum_communication(comms, step_total),
         "fusions": fusions,
         "rejected": _merge_rejected(all_rejected),
         "sequences": seqs,
@@ -142,10 +155,14 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                                          "columns": od.columns.to_dict() if od else None}
     rank = int(src.rank or 0)
     st: OpStream | None = None
+    comm = None
+    if table is None and trace is not None and trace.device:
+        table = _table_from_trace(trace)
     if table is not None:
-        st = build_kernel_stream(rank, table, trace)
-    elif trace is not None and trace.device:
-        st = build_kernel_stream(rank, _table_from_trace(trace), trace)
+        # HCCL collectives are communication, not compute: never mined, never a host-bound gap
+        table, comm = split_communication(table)
+        if table.n:
+            st = build_kernel_stream(rank, table, trace)
     elif trace is not None and trace.host_streams:
         st = build_host_stream(rank, trace)
     info: dict[str, Any] = {"rank": rank, "label": src.label, "files": files, "ops": st.n if st else 0,
@@ -154,7 +171,7 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                             "step_source": st.step_source if st else "none",
                             "module_confirmed_fraction": round(st.confirmed_fraction, 4) if st else 0.0}
     out: dict[str, Any] = {"input": info, "fusions": [], "rejected": [], "sequences": {"by_time": [], "by_count": []},
-                           "gaps": None, "step_time_us": 0.0, "device_time_us": 0.0}
+                           "gaps": None, "step_time_us": 0.0, "device_time_us": 0.0, "communication": None}
     if op_stat is not None:
         info["op_statistic_top"] = sorted(op_stat.rows, key=lambda r: -r["total_us"])[:10]
     if st is None or st.n == 0:
@@ -171,6 +188,17 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
         step_us = 0.0
     out["step_time_us"] = step_us
     out["device_time_us"] = float(st.dur.sum()) if st.level == "kernel" else 0.0
+    cr = communication_report(comm, table, table.types if table is not None else [], step_us)
+    if cr is not None and steps is not None and steps.steps:
+        present = {int(x) for x in np.unique(st.step).tolist() if x >= 0}
+        vals = [v["communication"] for k, v in steps.steps.items() if "communication" in v and (not present or k in present)]
+        if vals:
+            cr["profiler_not_overlapped_us"] = round(float(sum(vals)), 3)   # step_trace_time.csv's own figure
+    comm_iv = cr.pop("intervals", None) if cr else None
+    st.comm = comm_iv
+    if cr is not None:
+        cr["rank"] = rank
+    out["communication"] = cr
     info["steps"] = sorted({int(s) for s in np.unique(st.step).tolist() if s >= 0})
     if kb is None:
         return out
@@ -185,7 +213,7 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
     by_time, by_count = mine_ngrams(st, miner.claimed, miner.findings, kb, nmax=opt.nmax, top=opt.top)
     out["sequences"] = {"by_time": [_ngram_dict(st, g, a) for g in by_time],
                         "by_count": [_ngram_dict(st, g, a) for g in by_count]}
-    out["gaps"] = gap_report(st, a.host_gap_us) | {"rank": rank}
+    out["gaps"] = gap_report(st, a.host_gap_us, comm_iv) | {"rank": rank}
     return out
 
 
@@ -271,6 +299,10 @@ def _merge(items: list[dict[str, Any]], step_total: float) -> list[dict[str, Any
     out = list(merged.values())
     for it in out:
         sh = share(it["time_us"], step_total)   # 0 (unknown) when the step time is too short to divide by
+        if sh > 1.0:
+            # kernels of several streams overlap in time: their sum can pass the step; never shown so
+            it["share_note"] = f"kernel time is {sh:.0%} of the step (overlapping streams): capped at 100%"
+            sh = 1.0
         it["share"] = round(sh, 6)
         s = it["roofline"]["speedup_max"]
         # Amdahl: what the whole step could gain at most if this sequence hit its bound (speedup_max >= 1)
@@ -291,14 +323,41 @@ def _merge_rejected(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(merged.values(), key=lambda x: -x["count"])
 
 
+def _sum_communication(comms: list[dict[str, Any]], step_total: float) -> dict[str, Any] | None:
+    """All ranks' communication; shares against all ranks' step time (so per-rank averages)."""
+    if not comms:
+        return None
+    tot = {k: round(sum(c.get(k, 0.0) for c in comms), 3) for k in ("time_us", "exposed_us", "overlapped_us")}
+    tot["kernels"] = sum(c.get("kernels", 0) for c in comms)
+    if step_total > 0:
+        tot["exposed_share"] = round(min(1.0, tot["exposed_us"] / step_total), 6)
+        prof = [c["profiler_not_overlapped_us"] for c in comms if "profiler_not_overlapped_us" in c]
+        if prof:
+            tot["profiler_not_overlapped_share"] = round(min(1.0, sum(prof) / step_total), 6)
+    by_type: dict[str, float] = {}
+    for c in comms:
+        for k, v in (c.get("by_type") or {}).items():
+            by_type[k] = round(by_type.get(k, 0.0) + v, 3)
+    tot["by_type"] = by_type
+    tot["per_rank"] = comms
+    return tot
+
+
 def _sum_gaps(gaps: list[dict[str, Any]], step_total: float) -> dict[str, Any]:
     if not gaps:
         return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
                 "method": "none", "per_rank": []}
-    tot = {k: round(sum(g[k] for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us")}
+    tot = {k: round(sum(g.get(k, 0.0) for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us",
+                                                                    "communication_wait_us")}
     tot["host_bound_gaps"] = sum(g["host_bound_gaps"] for g in gaps)
     tot["method"] = "; ".join(dict.fromkeys(g["method"] for g in gaps))
-    tot["host_bound_share"] = round(share(tot["host_bound_us"], step_total), 6)
-    tot["wait_share"] = round(share(tot["wait_us"], step_total), 6)
+    # gaps are counted per compute stream: several streams can add up past the step; a share is
+    # capped at 100% and says so
+    for k in ("host_bound", "wait", "communication_wait"):
+        raw = share(tot[f"{k}_us"], step_total)
+        tot[f"{k}_share"] = round(min(1.0, raw), 6)
+        if raw > 1.0:
+            tot.setdefault("notes", []).append(f"{k.replace('_', ' ')} gaps add up to {raw:.0%} of the step over "
+                                               f"several streams: shown capped at 100%")
     tot["per_rank"] = gaps
     return tot

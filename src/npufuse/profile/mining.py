@@ -26,7 +26,7 @@ import numpy as np
 from npufuse.profile.kb import TOKEN_BASE, KnowledgeBase, RegionRule, SequenceRule, compile_for_vocab, sanitize
 from npufuse.profile.readers import KernelTable
 from npufuse.profile.roofline import parse_shapes
-from npufuse.profile.trace import HostOp, TraceInfo, kernel_links
+from npufuse.profile.trace import HostOp, TraceInfo, kernel_links, repo_frame
 
 
 @dataclass
@@ -69,6 +69,7 @@ class OpStream:
                     self.scope[i] = c[-1]
             self.chains = chains
         self.has_chain = self.scope >= 0
+        self.comm: tuple[np.ndarray, np.ndarray] | None = None   # merged communication intervals of the rank
         self._cs = np.concatenate([[0], np.cumsum(self.has_chain)])
 
     @property
@@ -515,7 +516,7 @@ class Miner:
         op = st.host_op(i)
         site, key = None, None
         if op is not None and op.frames:
-            fr = op.frames[-1]
+            fr = repo_frame(op.frames)
             site = {"file": fr.file, "line": fr.line, "lines": [fr.line], "function": fr.func,
                     "frames": [str(fr)], "module": op.module, "stack": [str(f) for f in op.frames[:-1]]}
             key = ("stack", fr.file, fr.func, fr.line)
@@ -560,7 +561,12 @@ class Miner:
         hit &= self.claimed < 0
         for r, length in _runs(hit, 2, breaks=st.hard):
             idx = np.arange(r, r + length)
-            self._region_add(rule, idx, None, f"{length} multi-tensor (foreach) optimizer kernels in a row")
+            # kernels not linked to the trace (Level0 has no Stream ID): when the trace's optimizer
+            # spans name one optimizer class, that is the one in use
+            classes = {cls.rsplit(".", 1)[-1] for cls, *_ in st.trace.optimizer_spans} if st.trace is not None else set()
+            label = classes.pop() if len(classes) == 1 else None
+            self._region_add(rule, idx, label, f"{length} multi-tensor (foreach) optimizer kernels in a row"
+                             + (f"; the trace's only optimizer is {label}" if label else ""))
 
     def _small_runs(self, rule: RegionRule) -> None:
         st = self.st
@@ -648,6 +654,13 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
             if good[u]:
                 cands.append((n, int(u), int(counts[u]), float(kt[u]), float(span[u]),
                               _Positions(level_ids, int(u))))
+    # Windows of one n-gram overlap (a run of 8 TransData holds 7 TransData > TransData) and a span
+    # may hold a collective's wait: the figures are recounted over *distinct* kernels and distinct
+    # time, communication excluded, for the best candidates, which are then ranked again.
+    pre = sorted(cands, key=lambda c: -c[3])[: top * 4]
+    pre_ids = {id(c) for c in pre}
+    pre += [c for c in sorted(cands, key=lambda c: (-c[2], -c[0]))[: top * 4] if id(c) not in pre_ids]
+    cands = [_distinct(st, c) for c in pre]
     by_time = _diverse(st, sorted(cands, key=lambda c: -c[3]), top)
     by_count = _diverse(st, sorted(cands, key=lambda c: (-c[2], -c[0])), top)
     out: list[list[NGram]] = []
@@ -682,6 +695,28 @@ class _Positions:
         return self._pos
 
 
+def _distinct(st: OpStream, c: tuple[int, int, int, float, float, Any]) -> tuple[int, int, int, float, float, Any]:
+    """(n, id, count, kernel time, span) recounted: occurrences that do not overlap an earlier one,
+    the time of distinct kernels, and the union of the occurrences' spans less any communication."""
+    n, uid, _count, _kt, _span, lazy = c
+    positions = np.sort(lazy.get())
+    keep = []
+    last = -n
+    for p in positions.tolist():
+        if p >= last + n:
+            keep.append(p)
+            last = p
+    win = np.unique((positions[:, None] + np.arange(n)[None, :]).ravel())
+    kt = float(st.dur[win].sum())
+    from npufuse.profile.communication import covered, merge_intervals
+
+    ms, me = merge_intervals(st.start[positions], st.end[positions + n - 1])
+    span = float((me - ms).sum())
+    if st.comm is not None and st.comm[0].size:
+        span -= float(covered(st.comm[0], st.comm[1], ms, me).sum())
+    return (n, uid, len(keep), kt, max(span, kt), lazy)
+
+
 def _diverse(st: OpStream, ranked: list[tuple[int, int, int, float, float, np.ndarray]], top: int
              ) -> list[tuple[int, int, int, float, float, np.ndarray]]:
     """Greedy pick: skip an n-gram whose occurrences are mostly inside already picked ones, so the
@@ -702,17 +737,25 @@ def _diverse(st: OpStream, ranked: list[tuple[int, int, int, float, float, np.nd
 
 # ---------------------------------------------------------------------------------- gaps
 
-def gap_report(st: OpStream, host_gap_us: float) -> dict[str, Any]:
-    """Idle device time between consecutive kernels of a stream, split into host-bound gaps (the
-    next kernel was launched only after the previous one ended) and other waits."""
+def gap_report(st: OpStream, host_gap_us: float, comm: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+    """Idle time between consecutive kernels of each compute stream, split into host-bound gaps
+    (the next kernel was launched only after the previous one ended), communication waits (the
+    part of a gap a collective covers: exposed communication, not the host) and other waits."""
     if st.level != "kernel" or st.n < 2:
         return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
-                "method": "none", "largest": []}
+                "communication_wait_us": 0.0, "method": "none", "largest": []}
     same = st.stream[1:] == st.stream[:-1]
     step_change = (st.step[1:] != st.step[:-1]) & same
     gap = np.where(same, np.clip(st.start[1:] - st.end[:-1], 0, None), 0.0)
     between = float(gap[step_change].sum())
     gap = np.where(step_change, 0.0, gap)
+    comm_wait = 0.0
+    if comm is not None and comm[0].size:
+        from npufuse.profile.communication import covered
+
+        c = np.minimum(covered(comm[0], comm[1], st.end[:-1], st.start[1:]), gap)
+        comm_wait = float(c.sum())
+        gap = gap - c
     launch = np.full(st.n, np.nan)
     if st.trace is not None:
         ops = st.trace.ops
@@ -735,5 +778,5 @@ def gap_report(st: OpStream, host_gap_us: float) -> dict[str, Any]:
     if by_trace.any() and not by_trace.all():
         method = f"trace launch times where linked, else gaps > {host_gap_us:g} us"
     return {"wait_us": round(float(gap[~host].sum()), 3), "host_bound_us": round(host_us, 3),
-            "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3), "method": method,
-            "largest": largest}
+            "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3),
+            "communication_wait_us": round(comm_wait, 3), "method": method, "largest": largest}

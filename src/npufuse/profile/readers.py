@@ -273,9 +273,34 @@ class KernelTable:
         return int(self.dur.shape[0])
 
 
+_TRAILING_NUMBER = re.compile(r"(?<![Vv0-9])\d+$")   # Conv2D1 -> Conv2D; MatMulV2 keeps its version
+
+
 def _type_from_name(name: str) -> str:
-    # torch_npu kernel names look like "aclnnCast_CastAiCore_Cast": the op type is the last part
-    return name.rsplit("_", 1)[-1] if "_" in name else name
+    """The op type of a kernel from its name, for files whose Type cell is empty or N/A (torch_npu's
+    default Level0 writes N/A) and for trace-only input:
+
+    * ``aclnnMuls_MulAiCore_Mul`` -> ``Mul`` (aclnn kernels: the last part is the op type);
+    * ``trans_TransData_17``, ``trans_Cast_7`` -> ``TransData``, ``Cast`` (numbered instances);
+    * ``Conv2D1``, ``ReduceSum7`` -> ``Conv2D``, ``ReduceSum`` (a counter glued to the type);
+      ``MatMulV2`` stays ``MatMulV2``;
+    * ``hcom_allReduce__588_0_1`` -> ``hcom_allReduce`` (HCCL collectives keep their prefix).
+    """
+    name = name.strip()
+    if name.lower().startswith("hcom_"):
+        base = re.sub(r"(_+\d+)+$", "", name)
+        return base.rstrip("_") or name
+    parts = [p for p in name.split("_") if p]
+    while len(parts) > 1 and parts[-1].isdigit():
+        parts.pop()
+    t = parts[-1] if parts else name
+    stripped = _TRAILING_NUMBER.sub("", t)
+    return stripped or t or name
+
+
+def is_unknown_type(cell: str) -> bool:
+    """A Type cell that names no type: empty, or N/A as Level0 writes it."""
+    return cell.strip().upper() in ("", "N/A", "NA", "-", "NONE", "NULL")
 
 
 def _encode(values: list[str]) -> tuple[list[str], np.ndarray]:
@@ -398,7 +423,7 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
                 t = row[i_type] if i_type is not None else ""
                 if i_name is not None:
                     names.append(row[i_name])
-                    if not t:
+                    if is_unknown_type(t):
                         t = _type_from_name(row[i_name])
                 types.append(t)
                 durs.append(row[i_dur])
@@ -626,19 +651,17 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         types, tcode = _encode([_type_from_name(x) for x in names_])
         tcode = tcode[ncode_]
     names, ncode = codes("name") if "name" in by_field else ([], None)
-    if "type" in by_field and "name" in by_field and "" in types and ncode is not None:
-        # rows with an empty Type cell: take the type from the kernel name
+    unknown = [k for k, t in enumerate(types) if is_unknown_type(t)]
+    if "type" in by_field and "name" in by_field and unknown and ncode is not None:
+        # rows with an empty or N/A Type cell (Level0): take the type from the kernel name
         fixed = list(types)
-        remap = np.arange(len(types), dtype=np.int32)
-        empty = types.index("")
-        rows = np.flatnonzero(tcode == empty)
+        rows = np.flatnonzero(np.isin(tcode, unknown))
         for nc in np.unique(ncode[rows]).tolist():
             t = _type_from_name(names[nc])
             if t not in fixed:
                 fixed.append(t)
             sel = rows[ncode[rows] == nc]
             tcode[sel] = fixed.index(t)
-        del remap
         types = fixed
     shape_fields = [f for f in ("in_shapes", "in_dtypes", "out_shapes", "out_dtypes")]
     if any(f in by_field for f in shape_fields):

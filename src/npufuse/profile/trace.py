@@ -89,8 +89,17 @@ def _args(e: dict[str, Any]) -> dict[str, Any]:
     return a if isinstance(a, dict) else {}
 
 
+def _is_bootstrap(fr: Frame) -> bool:
+    """The outermost frame of a program: a script's ``<module>`` or a spawn/exec bootstrap
+    (``<string>(1): <module>``, as mp.spawn workers show)."""
+    return fr.func == "<module>" or fr.file.startswith("<")
+
+
 def parse_stack(stack: str) -> tuple[Frame, ...]:
-    """torch_npu writes frames innermost-last, separated by ';' (and '\\r\\n' in trace_view)."""
+    """Frames outermost first. torch_npu writes them innermost first (real Level1 traces: torch's
+    ``_rebuild_tensor`` first, ``<string>(1): <module>`` of the spawn bootstrap last), separated by
+    ';' (and '\\r\\n'); some writers use the other order. The end that holds the program's
+    ``<module>`` / bootstrap frame is the outer one; with neither end telling, innermost first."""
     frames = []
     for part in stack.split(";"):
         part = part.strip()
@@ -101,7 +110,22 @@ def parse_stack(stack: str) -> tuple[Frame, ...]:
             frames.append(Frame(m.group("file"), int(m.group("line")), m.group("func").strip()))
         else:
             frames.append(Frame(part, 0, ""))
+    if len(frames) > 1 and not (_is_bootstrap(frames[0]) and not _is_bootstrap(frames[-1])):
+        frames.reverse()
     return tuple(frames)
+
+
+_LIBRARY = re.compile(r"[/\\](site-packages|dist-packages|lib[/\\]python\d[\d.]*)[/\\]")
+
+
+def repo_frame(frames: tuple[Frame, ...]) -> Frame:
+    """The innermost frame of the user's own code (not a library, the standard library or a
+    bootstrap): where a finding is located so that ``scan --profile`` joins it. Falls back to the
+    innermost frame."""
+    for fr in reversed(frames):
+        if not fr.file.startswith("<") and not _LIBRARY.search(fr.file):
+            return fr
+    return frames[-1]
 
 
 class _Interner:

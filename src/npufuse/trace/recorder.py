@@ -245,8 +245,8 @@ class Recorder:
         key = tuple(frames)
         s = self._stacks.get(key)
         if s is None:
-            # outermost first, as torch_npu writes its Call stack column
-            s = self._stacks[key] = ";".join(f"{fn}({ln}): {name}" for fn, ln, name in reversed(frames))
+            # innermost first, as torch_npu writes its Call stack column
+            s = self._stacks[key] = ";".join(f"{fn}({ln}): {name}" for fn, ln, name in frames)
         return s
 
     # -- the function mode's callback
