@@ -1,0 +1,169 @@
+"""The profile stage on real Ascend profiler output (../shared/fixtures/real_profiles, SOURCES.md).
+
+Expected findings were written from reading the files, before running npufuse on them:
+* AlexNet DDP (2 ranks, one step): most of the step waits on hcom_allReduce. step_trace_time.csv's
+  own "Communication(Not Overlapped)" / "Stage" is 70% (rank 0) and 81% (rank 1) at Level0 — the
+  exposed communication npufuse measures from the kernels must agree with it; the optimizer is SGD
+  (foreach kernels ForeachAddList / ForeachMulScalar; trace span "Optimizer.step#SGD.step").
+* Level0 (torch_npu's default) writes Type = N/A and no Stream ID: types come from the names
+  (aclnnMuls_MulAiCore_Mul -> Mul, trans_TransData_0 -> TransData, Conv2D1 -> Conv2D).
+* The stacks of mp.spawn workers end in "<string>(1): <module>": never a location.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from npufuse.cli import main
+from npufuse.profile.analysis import analyze
+from npufuse.profile.readers import _type_from_name
+from npufuse.profile.trace import parse_stack, repo_frame
+
+REAL = Path(__file__).parents[1].parent / "shared" / "fixtures" / "real_profiles"
+ALEX = REAL / "msinsight_alexnet"
+MSPROF = REAL / "msprof_analyze" / "test" / "ut" / "advisor"
+pytestmark = pytest.mark.skipif(not ALEX.is_dir(), reason="shared real_profiles fixtures not present")
+LEVELS = ("level0", "level1", "level2")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    return {lv: analyze([str(ALEX / lv)]) for lv in LEVELS}
+
+
+def _profiler_exposed(level: str) -> float:
+    """Communication(Not Overlapped) / Stage over both ranks, from step_trace_time.csv itself."""
+    comm = stage = 0.0
+    for rank in ("rank0_ascend_pt", "rank1_ascend_pt"):
+        with open(ALEX / level / rank / "ASCEND_PROFILER_OUTPUT" / "step_trace_time.csv", newline="") as f:
+            for row in csv.DictReader(f):
+                comm += float(row["Communication(Not Overlapped)"])
+                stage += float(row["Stage"])
+    return comm / stage
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_alexnet_step_is_mostly_exposed_communication(results: dict, level: str) -> None:
+    c = results[level]["communication"]
+    assert c["exposed_share"] > 0.6
+    assert abs(c["exposed_share"] - _profiler_exposed(level)) < 0.01
+    assert set(c["by_type"]) == {"hcom_allReduce"} or all(k.startswith("hcom_allReduce") for k in c["by_type"])
+    g = results[level]["gaps"]
+    assert g["communication_wait_share"] > 0.6   # the compute stream waits on the collective: not host-bound
+    assert g["host_bound_share"] < 0.3
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_communication_is_never_mined_as_a_fusion(results: dict, level: str) -> None:
+    r = results[level]
+    items = r["fusions"] + r["sequences"]["by_time"] + r["sequences"]["by_count"]
+    assert items
+    assert not any("hcom" in k.lower() or k in ("N/A", "") for it in items for k in it["kernels"])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_alexnet_fused_optimizer_is_npu_fused_sgd(results: dict, level: str) -> None:
+    opt = [f for f in results[level]["fusions"] if f["pattern"] == "fused_optimizer"]
+    assert opt and all(f["api"] == "torch_npu.optim.NpuFusedSGD" for f in opt)
+
+
+def test_level0_types_come_from_kernel_names(results: dict) -> None:
+    kernels = {k for it in results["level0"]["sequences"]["by_count"] for k in it["kernels"]}
+    assert {"TransData", "Conv2D"} <= kernels
+    assert not any(k.isdigit() or k == "N/A" for k in kernels)
+
+
+def test_step_time_is_per_rank_not_summed(results: dict) -> None:
+    t = results["level0"]["totals"]
+    assert t["step_time_us_per_rank"] == [116251.25, 100602.25]   # the two Stage cells
+    assert t["step_time_us"] == pytest.approx((116251.25 + 100602.25) / 2)
+
+
+def test_spawn_bootstrap_frame_is_not_a_location(results: dict) -> None:
+    for lv in ("level1", "level2"):
+        for f in results[lv]["fusions"] + results[lv]["sequences"]["by_time"]:
+            loc = f.get("location") or {}
+            assert not str(loc.get("file") or "").startswith("<")
+        opt = [f for f in results[lv]["fusions"] if f["pattern"] == "fused_optimizer"][0]
+        assert opt["location"]["file"].endswith("imagenet_script/main.py")
+
+
+def _all_inputs() -> list[Path]:
+    return [ALEX / lv for lv in LEVELS] + [
+        MSPROF / "advisor_backend" / "compute_advice" / "kernel_details.csv",
+        MSPROF / "compute_advice" / "data" / "kernel_details.csv",
+        MSPROF / "timeline_advice" / "trace_view.json"]
+
+
+@pytest.mark.parametrize("path", _all_inputs(), ids=lambda p: p.parent.name + "/" + p.name)
+def test_no_share_or_gap_exceeds_the_step(path: Path) -> None:
+    r = analyze([str(path)])
+    assert r["usable"]
+    shares = [it["share"] for key in ("fusions", "unmapped") for it in r[key]]
+    shares += [it["share"] for lst in r["sequences"].values() for it in lst]
+    assert all(0.0 <= s <= 1.0 for s in shares), max(shares)
+    g = r["gaps"]
+    for k in ("host_bound_share", "wait_share", "communication_wait_share"):
+        assert 0.0 <= g.get(k, 0.0) <= 1.0
+    if r["communication"]:
+        assert 0.0 <= r["communication"]["exposed_share"] <= 1.0
+
+
+def test_gpt_style_step_separates_its_collectives() -> None:
+    r = analyze([str(MSPROF / "advisor_backend" / "compute_advice" / "kernel_details.csv")])
+    assert {"hcom_broadcast_", "hcom_allReduce_", "hcom_allGather_", "hcom_reduceScatter_"} <= set(r["communication"]["by_type"])
+    assert any(f["pattern"] == "add_layer_norm" for f in r["fusions"])   # Add > LayerNormV3
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("aclnnMuls_MulAiCore_Mul", "Mul"), ("trans_TransData_17", "TransData"), ("trans_Cast_7", "Cast"),
+    ("Conv2D1", "Conv2D"), ("ReduceSum7", "ReduceSum"), ("Conv2DBackpropFilter6_MemSet", "MemSet"),
+    ("aclnnMm_MatMulCommon_MatMulV2", "MatMulV2"), ("MatMulV3", "MatMulV3"), ("Conv3D", "Conv3D"),
+    ("hcom_allReduce__868_0_1", "hcom_allReduce"), ("42", "42"),
+])
+def test_type_from_kernel_name(name: str, expected: str) -> None:
+    assert _type_from_name(name) == expected
+
+
+def test_trace_only_lanes_never_become_numeric_tokens() -> None:
+    r = analyze([str(MSPROF / "timeline_advice" / "trace_view.json")])
+    kernels = {k for lst in r["sequences"].values() for it in lst for k in it["kernels"]}
+    assert kernels and not any(k.isdigit() for k in kernels)
+
+
+def test_stack_order_is_read_from_its_ends() -> None:
+    real = "/x/site-packages/torch/_utils.py(180): _rebuild_tensor;\r\n/h/main.py(366): train;\r\n<string>(1): <module>"
+    frames = parse_stack(real)
+    assert frames[0].file == "<string>" and frames[-1].func == "_rebuild_tensor"   # outermost first
+    assert repo_frame(frames).file == "/h/main.py"
+    written_outer_first = "/w/train.py(120): <module>;/w/train.py(88): train_step;/w/model.py(9): forward"
+    assert parse_stack(written_outer_first)[-1].func == "forward"
+
+
+def test_add_then_fused_rms_norm_is_npu_add_rms_norm(tmp_path: Path) -> None:
+    head = ("Step Id,Stream ID,Name,Type,Accelerator Core,Start Time(us),Duration(us),Wait Time(us),"
+            "Input Shapes,Input Data Types,Output Shapes,Output Data Types\n")
+    rows = []
+    t = 100.0
+    for _ in range(3):
+        rows.append(f'1,2,aclnnAdd_AddAiCore_Add,Add,AI_VECTOR_CORE,{t},5,0,"""4,128,1024;4,128,1024""",DT_BF16;DT_BF16,"""4,128,1024""",DT_BF16')
+        rows.append(f'1,2,aclnnRmsNorm_RmsNorm_RmsNorm,RmsNorm,AI_VECTOR_CORE,{t + 6},6,0,"""4,128,1024;1024""",DT_BF16;DT_BF16,"""4,128,1024;4,128,1""",DT_BF16;FLOAT')
+        rows.append(f'1,2,aclnnMm_MatMul_MatMulV2,MatMulV2,AI_CORE,{t + 13},30,0,"""512,1024;1024,1024""",DT_BF16;DT_BF16,"""512,1024""",DT_BF16')
+        t += 50
+    p = tmp_path / "kernel_details.csv"
+    p.write_text(head + "\n".join(rows) + "\n")
+    r = analyze([str(p)])
+    found = [f for f in r["fusions"] if f["pattern"] == "add_rms_norm"]
+    assert found and found[0]["api"] == "torch_npu.npu_add_rms_norm" and found[0]["count"] == 3
+
+
+def test_profile_markdown_shows_communication(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    md = tmp_path / "p.md"
+    assert main(["profile", str(ALEX / "level1"), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert "communication" in text.lower() and "exposed" in text.lower()
+    json.dumps(analyze([str(ALEX / "level1")]), default=str)   # the result stays plain data
