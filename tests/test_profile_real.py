@@ -167,3 +167,44 @@ def test_profile_markdown_shows_communication(tmp_path: Path, capsys: pytest.Cap
     text = md.read_text()
     assert "communication" in text.lower() and "exposed" in text.lower()
     json.dumps(analyze([str(ALEX / "level1")]), default=str)   # the result stays plain data
+
+
+def _csv(tmp_path: Path, rows: list[str]) -> str:
+    head = ("Step Id,Stream ID,Name,Type,Accelerator Core,Start Time(us),Duration(us),Wait Time(us),"
+            "Input Shapes,Input Data Types,Output Shapes,Output Data Types\n")
+    body = []
+    t = 100.0
+    for _ in range(3):
+        for r in rows:
+            typ, ins, idt, outs, odt = r.split("|")
+            body.append(f'1,2,{typ}_k,{typ},AI_VECTOR_CORE,{t},5,0,"""{ins}""",{idt},"""{outs}""",{odt}')
+            t += 6
+        body.append(f'1,2,mm,MatMulV2,AI_CORE,{t},30,0,"""8,8;8,8""",FLOAT;FLOAT,"""8,8""",FLOAT')
+        t += 40
+    p = tmp_path / "kernel_details.csv"
+    p.write_text(head + "\n".join(body) + "\n")
+    return str(p)
+
+
+@pytest.mark.parametrize("rows, found", [
+    # a + b * c * v: each kernel reads what the one before wrote
+    (["Mul|64,128;64,128|FLOAT;FLOAT|64,128|FLOAT", "Muls|64,128|FLOAT|64,128|FLOAT",
+      "Add|64,128;64,128|FLOAT;FLOAT|64,128|FLOAT"], True),
+    # three unrelated scalar multiplications and an add of other shapes (AlexNet's Level1 step)
+    (["Mul|1;1|FLOAT;FLOAT|1|FLOAT", "Mul|7,7|FLOAT|7,7|FLOAT", "Add|3;3|FLOAT;FLOAT|3|FLOAT"], False),
+    # index arithmetic in INT64
+    (["Mul|64;64|INT64;INT64|64|INT64", "Mul|64|INT64|64|INT64", "Add|64;64|INT64;INT64|64|INT64"], False),
+])
+def test_affinity_addcmul_needs_dataflow_evidence(tmp_path: Path, rows: list[str], found: bool) -> None:
+    r = analyze([_csv(tmp_path, rows)])
+    assert any(f["pattern"] == "affinity_addcmul" for f in r["fusions"]) is found
+
+
+@pytest.mark.parametrize("dtypes, found", [("FLOAT;BOOL;FLOAT", True), ("FLOAT;INT64;FLOAT", False)])
+def test_affinity_index_put_needs_a_boolean_mask(tmp_path: Path, dtypes: str, found: bool) -> None:
+    r = analyze([_csv(tmp_path, [f"IndexPutV2|64,128;64,128;1|{dtypes}|64,128|FLOAT"])])
+    assert any(f["pattern"] == "affinity_index_put" for f in r["fusions"]) is found
+
+
+def test_level0_claims_no_affinity_without_shapes(results: dict) -> None:
+    assert not any(f["pattern"].startswith("affinity_") for f in results["level0"]["fusions"])

@@ -302,6 +302,40 @@ class Miner:
                 if op and op.frames:
                     r.first_site.append(str(op.frames[-1]))
 
+    def _evidence(self, name: str, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Per match [i, j): the data shows what an affinity rewrite needs (see _evidence_one).
+        Host-level streams carry no shapes: the run-time trace checks tensor identities itself."""
+        if self.st.level != "kernel":
+            return np.ones(i.shape[0], dtype=bool)
+        codes = self.st.shape_code
+        memo: dict[tuple[int, ...], bool] = {}
+        out = np.zeros(i.shape[0], dtype=bool)
+        for n, (a, b) in enumerate(zip(i.tolist(), j.tolist())):
+            key = tuple(int(c) for c in codes[a:b])
+            r = memo.get(key)
+            if r is None:
+                r = memo[key] = self._evidence_one(name, [self.st.shape_keys[c] for c in key])
+            out[n] = r
+        return out
+
+    @staticmethod
+    def _evidence_one(name: str, keys: list[tuple[str, str, str, str]]) -> bool:
+        # without Input/Output Shapes and Data Types (Level0) there is no evidence: nothing claimed
+        if not keys or not all(k[0].strip() and k[1].strip() for k in keys):
+            return False
+        if name == "no_int64":
+            return not any("INT64" in (k[1] + ";" + k[3]).upper() for k in keys)   # index arithmetic
+        if name == "bool_input":
+            return any("BOOL" in k[1].upper() for k in keys)   # integer indices: a scatter, not a mask
+        if name == "dataflow":
+            for prod, cons in zip(keys, keys[1:]):
+                outs = {x for x in parse_shapes(prod[2]) if x}
+                ins = {x for x in parse_shapes(cons[0]) if x}
+                if not outs or not (outs & ins):
+                    return False   # the next kernel does not read what this one wrote
+            return True
+        return True
+
     def _check(self, rule: SequenceRule, m: Any, i: int) -> bool:
         for name, k in rule.checks:
             if name == "residual_add":
@@ -313,6 +347,11 @@ class Miner:
                 shapes = parse_shapes(key[0])
                 if shapes and (len(shapes) < 2 or shapes[0] != shapes[1] or not shapes[0]):
                     return False   # "+ eps" or a broadcast bias, not a residual add
+            elif self.st.level == "kernel":
+                a, b = self._tok(m.start()), self._tok_end(m.end())
+                keys = [self.st.shape_keys[int(self.st.shape_code[t])] for t in range(a, b)]
+                if not self._evidence_one(name, keys):
+                    return False
         return True
 
     # ------------------------------------------------------------------ sequence rules
@@ -342,6 +381,9 @@ class Miner:
                 self._count_subsumed(rule, i[overlap], j[overlap])
             ok = ~overlap
             for k, (name, _) in enumerate(rule.checks):
+                if name != "residual_add":
+                    ok &= self._evidence(name, i, j)
+                    continue
                 a_, b_ = arr[:, 2 + 2 * k], arr[:, 3 + 2 * k]
                 tok = self.tok_of[a_]
                 ok &= (b_ > a_) & self._residual()[st.shape_code[np.clip(tok, 0, st.n - 1)]]
