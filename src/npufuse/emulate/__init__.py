@@ -2,8 +2,10 @@
 
 Every fused API here has torch_npu 2.14's name, signature, defaults and return convention and
 computes the documented result (``shared/specs/torch_npu_api.md``) on any device, with autograd
-where the real op has a backward. It is as strict as the documented op: inputs the real op
-rejects raise ``TypeError``/``ValueError`` naming the argument.
+where the real op has a backward (ops without one warn in backward and pass no gradient, as
+torch_npu's autograd fallback does). It is as strict as the documented op: inputs the real op
+rejects raise ``TypeError`` or ``NpuOpError`` (a ``RuntimeError``, like torch_npu's
+``TORCH_CHECK``, and a ``ValueError``) naming the argument.
 
 Installing is explicit and scoped::
 
