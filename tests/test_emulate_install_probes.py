@@ -56,6 +56,11 @@ def test_torch_npu_device_probes():
         assert torch.npu.is_available() and torch.npu.device_count() == 1
         assert torch.npu.is_bf16_supported() is True
         assert torch.npu.memory_allocated() == 0
+        # Trainer's checkpoint RNG round trip (trainer.py: torch.npu.random.get_rng_state_all)
+        states = torch.npu.random.get_rng_state_all()
+        a = torch.rand(3)
+        torch.npu.random.set_rng_state_all(states)
+        assert torch.equal(a, torch.rand(3))
         import torch_npu
 
         assert torch_npu.npu is torch.npu

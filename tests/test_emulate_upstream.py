@@ -691,3 +691,23 @@ def test_fused_optimizer_step_and_zero_grad(kind, cls, kwargs):
         opt.zero_grad()
     for p in params[:-1]:
         assert torch.equal(p.grad, torch.zeros_like(p.grad))
+
+
+def test_rotary_mode_rejection_is_a_runtime_error():
+    """op-plugin TORCH_CHECKs rotary_mode: a RuntimeError (the emulator's NpuOpError is one)."""
+    x = torch.rand(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="rotary_mode"):
+        npu_rotary_mul(x, torch.rand(1, 1, 3, 8), torch.rand(1, 1, 3, 8), rotary_mode="quarter")
+    with pytest.raises(RuntimeError, match="rotary_mode"):
+        npu_rotary_mul(x, torch.rand(1, 1, 3, 8), torch.rand(1, 1, 3, 8), rotary_mode="bogus")
+
+
+def test_no_gradient_warning_shows_once_under_default_filters():
+    """VariableFallbackKernel's warning comes from one place: Python's default filter shows it once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            x = torch.rand(2, 8, requires_grad=True)
+            npu_gemma_rms_norm(x, torch.rand(8))[0].sum().backward()
+            assert x.grad is None
+    assert sum("autograd kernel was not registered" in str(w.message) for w in caught) == 1

@@ -2,8 +2,10 @@
 
 Every fused API here has torch_npu 2.14's name, signature, defaults and return convention and
 computes the documented result (``shared/specs/torch_npu_api.md``) on any device, with autograd
-where the real op has a backward. It is as strict as the documented op: inputs the real op
-rejects raise ``TypeError``/``ValueError`` naming the argument.
+where the real op has a backward (ops without one warn in backward and pass no gradient, as
+torch_npu's autograd fallback does). It is as strict as the documented op: inputs the real op
+rejects raise ``TypeError`` or ``NpuOpError`` (a ``RuntimeError``, like torch_npu's
+``TORCH_CHECK``, and a ``ValueError``) naming the argument.
 
 Installing is explicit and scoped::
 
@@ -155,6 +157,8 @@ def _package(name: str, doc: str, *, is_package: bool) -> types.ModuleType:
 
 
 def _build_module() -> types.ModuleType:
+    import torch
+
     _load_ops()
     mod = _package("torch_npu", "npufuse emulated stand-in for torch_npu (not the real package)", is_package=True)
     mod.__version__ = EMULATED_VERSION
@@ -185,6 +189,16 @@ def _build_module() -> types.ModuleType:
     npu.max_memory_reserved = lambda device=None: 0
     npu.set_compile_mode = lambda jit_compile=False: None
     npu.is_initialized = lambda: True
+    # Trainer checkpoints save/restore torch.npu.random's RNG state; the emulated device's RNG is
+    # the CPU generator (every emulated tensor lives on the host)
+    rng = _package("torch_npu.npu.random", "emulated torch.npu.random", is_package=False)
+    rng.get_rng_state = lambda device="npu": torch.get_rng_state()
+    rng.get_rng_state_all = lambda: [torch.get_rng_state()]
+    rng.set_rng_state = lambda new_state, device="npu": torch.set_rng_state(new_state)
+    rng.set_rng_state_all = lambda new_states: torch.set_rng_state(new_states[0])
+    for fn_name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+        setattr(npu, fn_name, getattr(rng, fn_name))
+    npu.random = rng
     mod.optim = optim
     mod.npu = npu
     return mod
