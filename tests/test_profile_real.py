@@ -208,3 +208,29 @@ def test_affinity_index_put_needs_a_boolean_mask(tmp_path: Path, dtypes: str, fo
 
 def test_level0_claims_no_affinity_without_shapes(results: dict) -> None:
     assert not any(f["pattern"].startswith("affinity_") for f in results["level0"]["fusions"])
+
+
+@pytest.mark.parametrize("reader", ["auto", "csv"])
+def test_a_row_missing_a_middle_field_is_named_never_read_shifted(tmp_path: Path, reader: str) -> None:
+    from npufuse.profile.readers import read_kernel_details
+
+    p = tmp_path / "kernel_details.csv"
+    p.write_text("Step Id,Name,Type,Accelerator Core,Start Time(us),Duration(us),Wait Time(us),Block Dim\n"
+                 "50,a_Mul,N/A,N/A,100,5,0,0\n"
+                 "50,b_Add,N/A,100,7,0,0\n"          # Accelerator Core left out: 7 fields
+                 "50,c_Mul,N/A,N/A,120,5,0,0\n")
+    table, problems = read_kernel_details(p, backend=reader)
+    assert table is not None and table.n == 2
+    assert list(table.dur) == [5.0, 5.0]               # never 7 (b's start) or 100
+    assert any(pr.row == 3 and "read shifted" in pr.message for pr in problems)
+
+
+def test_markdown_escapes_profiler_text_and_terminal_fits_100_columns(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from npufuse.profile.render import _md_row, render_terminal
+
+    assert _md_row(["<string>:1 <module>", "a|b"]) == "| &lt;string&gt;:1 &lt;module&gt; | a\\|b |"
+    con = Console(width=100, record=True, file=open(tmp_path / "out.txt", "w"))
+    render_terminal(analyze([str(ALEX / "level1")]), con)
+    assert all(len(line) <= 100 for line in con.export_text().splitlines())

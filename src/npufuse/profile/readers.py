@@ -407,18 +407,15 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
             reader = csv.reader(fp)
             next(reader, None)
             for row in reader:
-                if len(row) <= used:
+                if len(row) < ncols:
                     if not row:
                         continue   # a blank line
-                    if len(row) <= need:
-                        log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated?); skipped",
-                                row=reader.line_num, kind="short row")
-                        continue
-                    lost = [h for i, h in optional if i >= len(row)]
-                    log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated?); "
-                                   f"{', '.join(lost)} taken as unknown", row=reader.line_num, column=lost[0],
-                            kind="short row, optional cells lost")
-                    row = row + [""] * (used + 1 - len(row))
+                    # A field is missing, and nothing says which: reading the row would put every cell
+                    # after the gap in the wrong column (a start time read as a duration). Never read.
+                    log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated, or a field left "
+                                   f"out: the cells after a gap would be read shifted); row not read", row=reader.line_num,
+                            column=header[len(row)] if len(row) < len(header) else None, kind="short row")
+                    continue
                 lines.append(reader.line_num)
                 t = row[i_type] if i_type is not None else ""
                 if i_name is not None:
@@ -598,13 +595,11 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         s = df[name]
         return s.is_null() | (s == "")
 
-    # polars fills the cells a short row lacks with nulls and says nothing; the csv reader names a
-    # row that stops before a column read here. Such a row has that column and every later one
-    # empty, so it is among the rows whose last column read and last column are both empty: a file
-    # with any (also a row of genuinely empty cells there) goes to the csv reader.
-    short = empty(name_at[last_read])
-    if last_read != len(header) - 1:
-        short = short & empty(name_at[len(header) - 1])
+    # polars fills the cells a short row lacks with nulls and says nothing, and a row missing a
+    # *middle* field is read shifted. Every short row has an empty last column: a file with any row
+    # like that (also one of genuinely empty cells there) goes to the csv reader, which never reads
+    # a short row and names it.
+    short = empty(name_at[len(header) - 1])
     if short.any():
         return None
 

@@ -95,7 +95,8 @@ def render_terminal(result: dict[str, Any], console: Any = None) -> None:
     from rich.table import Table
 
     # a pipe gets 80 columns from rich; the roofline table needs more to stay readable
-    con = console or Console(width=max(shutil.get_terminal_size((160, 24)).columns, 140))
+    # the terminal's own width (a pipe: 100): wide tables fold their cells instead of running off
+    con = console or Console(width=max(shutil.get_terminal_size((100, 24)).columns, 60))
     t = result["totals"]
     con.print(f"[bold]npufuse profile[/bold]: {t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])} per rank, "
               f"device kernel time {fmt_us(t['device_time_us'])}")
@@ -178,7 +179,9 @@ def _problem_text(p: dict[str, Any]) -> str:
 
 
 def _md_row(cells: list[str]) -> str:
-    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+    # profiler text is data: `<module>` must not open an HTML tag, `|` must not split a cell
+    return "| " + " | ".join(c.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+                             for c in cells) + " |"
 
 
 def render_markdown(result: dict[str, Any], title: str = "Profile: fusable operator sequences") -> str:
