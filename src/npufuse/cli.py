@@ -13,7 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from npufuse import __version__
 
@@ -35,6 +35,16 @@ VERBS: dict[str, tuple[str, str]] = {
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (exit 2), like every other bad input, instead of
+    argparse's usage block plus the error."""
+
+    def error(self, message: str) -> NoReturn:
+        from npufuse.text_safety import escape_text
+
+        self.exit(2, escape_text(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
 
 
 def number(kind: type = float, *, minimum: float | None = None, above: float | None = None, maximum: float | None = None) -> Callable[[str], Any]:
@@ -76,7 +86,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``verb``, only that verb's module is imported (its arguments added) and
     the others are listed by their help line alone: an ``npufuse scan`` that hits the warm cache
     must not pay for importing the verify, rewrite and emulate modules."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="npufuse",
         description="Find hand-written PyTorch that Ascend NPUs run faster as one torch_npu fused "
         "operator; rewrite accepted sites behind a switch; prove each replacement.",

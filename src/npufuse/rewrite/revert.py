@@ -40,7 +40,9 @@ class RevertPlan:
 
 def _result(c: CandidateState, status: str, reason: str = "") -> SiteResult:
     rec = c.applied or {}
-    switch = Switch.from_json(rec["switch"]) if rec.get("switch") else None
+    from npufuse.rewrite.apply import recorded_switch
+
+    switch = recorded_switch(rec, None)
     return SiteResult(c.id, c.pattern, c.file, c.qualname, status, reason, switch, tuple(rec.get("span") or ()) or None, tuple(rec.get("scan_span") or ()) or None)
 
 
