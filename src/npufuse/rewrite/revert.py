@@ -15,7 +15,6 @@ from typing import Callable
 
 from npufuse.rewrite import ledger, nesting
 from npufuse.rewrite.apply import Refused, SiteResult
-from npufuse.rewrite.codegen import Switch
 from npufuse.rewrite.files import FileProblem, SourceFile, git_changes, read_source_file, sha256_bytes
 from npufuse.rewrite.transform import revert_source
 from npufuse.state import CandidateState, State
