@@ -38,6 +38,16 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (exit 2), like every other bad input, instead of
+    argparse's usage block plus the error."""
+
+    def error(self, message: str) -> NoReturn:
+        from npufuse.text_safety import escape_text
+
+        self.exit(2, escape_text(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
+
+
 def number(kind: type = float, *, minimum: float | None = None, above: float | None = None, maximum: float | None = None) -> Callable[[str], Any]:
     """An argparse ``type``: a finite number of ``kind`` (int or float) within the bounds, else
     a usage error naming the range. ``nan`` and ``inf`` never pass (``--tolerance nan`` would

@@ -232,21 +232,6 @@ def write_state_file(state_dir: Path | str, rel: str, data: bytes, *, mode: int 
         os.close(dfd)
 
 
-def remove_state_temp_files(state_dir: Path | str, rel_dir: str = ".") -> None:
-    """Remove temp files a killed writer left in ``state_dir/rel_dir`` (never following links)."""
-    try:
-        dfd = open_state_dir(state_dir, parts_of(rel_dir) if rel_dir != "." else ())
-    except OSError:
-        return
-    try:
-        for name in os.listdir(dfd):
-            if name.endswith(".npufuse-tmp"):
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-
-
 # -- the lock ------------------------------------------------------------------------------------
 
 LOCK_NAME = "lock"

@@ -64,13 +64,17 @@ def task_list(state_dir: Path) -> list[dict[str, Any]]:
         state = State.load(state_dir)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    from npufuse.rewrite.apply import Refused, read_scan_json
+
     scan: dict[str, Any] = {}
-    scan_path = state_dir / "scan.json"
-    if scan_path.exists():
-        try:
-            scan = json.loads(scan_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(f"{scan_path}: unreadable scan file ({exc})") from None
+    try:
+        got = read_scan_json(state_dir)  # no link, FIFO or deep JSON (a repo may ship it)
+    except Refused as exc:
+        raise UsageError(str(exc)) from None
+    if got is not None:
+        scan = got[0] if isinstance(got[0], dict) else {}
+        if not isinstance(scan.get("candidates", []), list):
+            scan = {}
     scanned = {c.get("key"): c for c in scan.get("candidates", []) if isinstance(c, dict)}
     rows: list[dict[str, Any]] = []
     seen_keys = set()
@@ -86,7 +90,7 @@ def task_list(state_dir: Path) -> list[dict[str, Any]]:
             "next": next_step(cid, c.status, bool(c.applied), c.verdict, c.evidence), "evidence": _evidence_summary(c.evidence),
         })  # fmt: skip
     for s in scan.get("candidates", []):
-        if not isinstance(s, dict) or s.get("key") in seen_keys or int(s.get("id", 0)) in state.candidates:
+        if not isinstance(s, dict) or not isinstance(s.get("id"), int) or s.get("key") in seen_keys or s["id"] in state.candidates:
             continue
         cid = int(s["id"])
         rows.append({
@@ -98,8 +102,14 @@ def task_list(state_dir: Path) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from npufuse.state_folder import UnsafeStatePath, state_file_exists
+
     state_dir = Path(args.state_dir)
-    if not (state_dir / "state.json").exists() and not (state_dir / "scan.json").exists():
+    try:
+        present = state_file_exists(state_dir, "state.json") or state_file_exists(state_dir, "scan.json")
+    except UnsafeStatePath as exc:
+        raise UsageError(str(exc)) from None
+    if not present:
         if args.json:
             print("[]")
         else:
@@ -116,12 +126,19 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"npufuse task list ({state_dir / 'state.json'})")
     for col in ("id", "pattern", "file:line", "status", "verdict", "next step"):
         table.add_column(col, overflow="fold")
+    from npufuse.text_safety import TROJAN_SOURCE_WARNING, escape_text, has_unsafe
+
+    unsafe = False
     for r in rows:
         where = f"{r['file']}:{r['line']}" if r["line"] else str(r["file"])
-        table.add_row(str(r["id"]), escape(str(r["pattern"])), escape(where), r["status"] + ("" if r["applied"] else " (not applied)"),
-                      escape(r["verdict"] or "—"), escape(r["next"]))  # fmt: skip
+        # repository text (file names, hand-edited verdicts): controls shown escaped
+        cells = [str(r["id"]), str(r["pattern"]), where, r["status"] + ("" if r["applied"] else " (not applied)"), str(r["verdict"] or "—"), str(r["next"])]
+        unsafe = unsafe or any(has_unsafe(c) for c in cells)
+        table.add_row(*(escape(escape_text(c)) for c in cells))
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # piped/CI output: don't fold commands into 80 columns
     console.print(table)
+    if unsafe:
+        console.print(escape(TROJAN_SOURCE_WARNING))
     return 0

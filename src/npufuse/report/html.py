@@ -999,17 +999,10 @@ def extract_report_data(html: str) -> dict[str, Any]:
 
 
 def write_report(data: dict[str, Any], out: Path | str) -> Path:
-    import os
-
-    from npufuse.safe_write import write_bytes_atomic
+    from npufuse.safe_write import write_output
 
     out = Path(out)
-    # A new report gets the usual 0666 & ~umask (it is meant to be shared and opened); the
-    # atomic writer's temp file alone would leave it 0600. An existing file keeps its mode.
-    mode = None
-    if not out.exists():
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    write_bytes_atomic(out, render_html(data).encode("utf-8"), mode=mode)
+    # A new report gets the usual 0666 & ~umask (it is meant to be shared and opened), an
+    # existing file keeps its mode; -o /dev/stdout, a FIFO or a symlink is written through
+    write_output(out, render_html(data).encode("utf-8"))
     return out

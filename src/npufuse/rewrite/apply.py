@@ -252,6 +252,15 @@ def candidate_switch(candidate: dict[str, Any], override: Switch | None) -> Swit
         return env_switch(candidate["pattern"])  # DESIGN.md rule 1's default
 
 
+def recorded_switch(rec: dict[str, Any], default: Switch | None) -> Switch | None:
+    """The switch a state.json record names, or ``default`` when it names none or a malformed
+    one (state.json is hand-editable: shown, never trusted to parse)."""
+    try:
+        return Switch.from_json(rec.get("switch")) if rec.get("switch") else default
+    except ValueError:
+        return default
+
+
 def _finding(c: dict[str, Any]) -> Finding:
     return Finding(
         pattern=c["pattern"], qualname=c.get("qualname", ""), line=int(c["line"]), end_line=int(c["end_line"]),
@@ -362,7 +371,7 @@ def _plan_file(scan: Scan, state: State, rel: str, cands: list[dict[str, Any]], 
         switch = candidate_switch(c, override)
         if cid in applied_ids:
             rec = state.candidates[cid].applied or {}
-            plan.results.append(SiteResult(cid, c["pattern"], rel, c.get("qualname", ""), "already fused", "", Switch.from_json(rec.get("switch")) if rec.get("switch") else switch, tuple(rec.get("span") or ()) or None, (int(c["line"]), int(c["end_line"]))))
+            plan.results.append(SiteResult(cid, c["pattern"], rel, c.get("qualname", ""), "already fused", "", recorded_switch(rec, switch), tuple(rec.get("span") or ()) or None, (int(c["line"]), int(c["end_line"]))))
         else:
             new.append(c)
     if not new:

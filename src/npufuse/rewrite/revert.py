@@ -15,7 +15,6 @@ from typing import Callable
 
 from npufuse.rewrite import ledger, nesting
 from npufuse.rewrite.apply import Refused, SiteResult
-from npufuse.rewrite.codegen import Switch
 from npufuse.rewrite.files import FileProblem, SourceFile, git_changes, read_source_file, sha256_bytes
 from npufuse.rewrite.transform import revert_source
 from npufuse.state import CandidateState, State
@@ -40,7 +39,9 @@ class RevertPlan:
 
 def _result(c: CandidateState, status: str, reason: str = "") -> SiteResult:
     rec = c.applied or {}
-    switch = Switch.from_json(rec["switch"]) if rec.get("switch") else None
+    from npufuse.rewrite.apply import recorded_switch
+
+    switch = recorded_switch(rec, None)
     return SiteResult(c.id, c.pattern, c.file, c.qualname, status, reason, switch, tuple(rec.get("span") or ()) or None, tuple(rec.get("scan_span") or ()) or None)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import textwrap
-import json
 import os
 import re
 from dataclasses import dataclass, field

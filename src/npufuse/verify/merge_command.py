@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npufuse.safe_write import write_text_atomic
+    from npufuse.safe_write import write_output
     from npufuse.verify.jsonl import load_pair, merge_runs
 
     try:
@@ -37,7 +37,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     text = json.dumps(merge_runs(base, fused), indent=1) + "\n"
     if args.output:
-        write_text_atomic(Path(args.output), text)
+        try:  # -o /dev/stdout, a FIFO or a symlink is written through, not replaced
+            write_output(Path(args.output), text.encode("utf-8"))
+        except OSError as exc:
+            raise UsageError(f"{exc.filename or args.output}: {exc.strerror or exc}") from None
         print(f"{args.output}: {len(set(r['step'] for r in base) | set(r['step'] for r in fused))} steps", file=sys.stderr)
     else:
         sys.stdout.write(text)
