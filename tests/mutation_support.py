@@ -159,7 +159,7 @@ MUTANTS = [
     M("sdpa", "causal sparse_mode without mask", "gqa_causal_sq_ne_skv", ("atten_mask=_npufuse_masks[q.device],", "atten_mask=None,")),
     M("sdpa", "missing [0]", "gqa_causal_sq_ne_skv", ("\n)[0]", "\n)"), expect="result tuple without its [0]"),
     M("sdpa", "inverted mask", "bool_key_padding_mask", ("_npufuse_mask = ~mask", "_npufuse_mask = mask")),
-    M("sdpa", "wrong layout (BNSD for BSND)", "bsnd_inline_transpose_bf16", ('q, k, v, q.shape[2], "BSND"', 'q, k, v, q.shape[1], "BNSD"')),
+    M("sdpa", "wrong layout (BNSD for BSND)", "bsnd_inline_transpose_bf16", ('_npufuse_autocast(q, k, v), q.shape[2], "BSND"', '_npufuse_autocast(q, k, v), q.shape[1], "BNSD"')),
     # moe_experts
     M("moe_experts", "routing weights dropped", "user_stacked_in_out_unique", ("probs=scores.to(", "probs=torch.ones_like(scores).to(")),
     M("moe_experts", "wrong top-k (1 for 2)", "user_stacked_in_out_unique", ("npu_moe_token_permute(x, indices)", "npu_moe_token_permute(x, indices[:, :1])"), ("torch.histc(indices.flatten()", "torch.histc(indices[:, :1].flatten()"), ("probs=scores.to(", "probs=scores[:, :1].to(")),

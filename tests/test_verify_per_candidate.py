@@ -150,3 +150,17 @@ def test_all_refuses_a_site_without_its_own_switch(tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err
     assert "no per-candidate switch" in err and "npufuse revert 1" in err and "Traceback" not in err
     assert e2e(sd, "1", "--all") == 2 and "not both" in capsys.readouterr().err
+
+
+def test_prelude_autocast_helper_casts_only_inside_autocast() -> None:
+    import torch
+
+    ns: dict = {}
+    exec(compile(PRELUDE, "prelude", "exec"), ns)
+    cast = ns["_npufuse_autocast"]
+    q, v, d = torch.randn(2, 3), torch.randn(2, 3, dtype=torch.bfloat16), torch.randn(2, 3, dtype=torch.float64)
+    out = cast(q, v, d)
+    assert [t.dtype for t in out] == [torch.float32, torch.bfloat16, torch.float64]  # outside autocast: as given
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cast(q, v, d)
+    assert [t.dtype for t in out] == [torch.bfloat16, torch.bfloat16, torch.float64]  # autocast leaves float64 alone

@@ -15,8 +15,8 @@ from npufuse.state import State
 from npufuse.verify.candidate import load_candidate
 from npufuse.verify.opcheck import OpOptions, verify_op
 
-# The site's floating-point result only reaches the caller through argmax (like nanoGPT's
-# `generate`): integer outputs and no gradient, so no floating-point value can be compared.
+# The site writes its result into a buffer and returns nothing (generation loops and in-place
+# kernels do): no output and no gradient, so nothing the fused branch computed is compared.
 PICK_MODEL = textwrap.dedent(
     """\
     import torch
@@ -26,15 +26,18 @@ PICK_MODEL = textwrap.dedent(
     def pick(hidden_states, weight):
         hf = hidden_states.float()
         y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return (weight * y.to(hidden_states.dtype)).argmax(-1)
+        hidden_states.copy_(weight * y.to(hidden_states.dtype))
     """
 )
-PICK_FUSED = "return torch_npu.npu_rms_norm(hidden_states, weight.to(hidden_states.dtype), epsilon=1e-6)[0].argmax(-1)"
+PICK_FUSED = "hidden_states.copy_(torch_npu.npu_rms_norm(hidden_states, weight.to(hidden_states.dtype), epsilon=1e-6)[0])"
+# the same site returning argmax: integer outputs, compared exactly (a compared tensor, with a note)
+ARGMAX_MODEL = PICK_MODEL.replace("hidden_states.copy_(weight * y.to(hidden_states.dtype))", "return (weight * y.to(hidden_states.dtype)).argmax(-1)")
+ARGMAX_FUSED = "return torch_npu.npu_rms_norm(hidden_states, weight.to(hidden_states.dtype), epsilon=1e-6)[0].argmax(-1)"
 
 
-def _pick_repo(tmp: Path) -> Path:
-    (tmp / "pick.py").write_text(PICK_MODEL)
-    f = Finding(pattern="rms_norm", qualname="pick", line=6, end_line=8, params={}, fused=PICK_FUSED, guard_tensor="hidden_states")
+def _pick_repo(tmp: Path, model: str = PICK_MODEL, fused: str = PICK_FUSED) -> Path:
+    (tmp / "pick.py").write_text(model)
+    f = Finding(pattern="rms_norm", qualname="pick", line=6, end_line=8, params={}, fused=fused, guard_tensor="hidden_states")
     return h.fake_apply(tmp, "pick.py", [f])
 
 
@@ -52,6 +55,14 @@ def test_zero_compared_tensors_is_not_checked_never_passed(tmp_path: Path, capsy
     out = capsys.readouterr().out
     assert "NOT CHECKED: 0 tensors compared" in out and "PASSED" not in out
     assert main(["verify", "e2e", "1", "--state-dir", str(sd), "--cmd", "true", "--quiet"]) == 2
+
+
+def test_integer_outputs_are_compared_exactly_and_say_so(tmp_path: Path) -> None:
+    sd = _pick_repo(tmp_path, ARGMAX_MODEL, ARGMAX_FUSED)
+    report = verify_op(load_candidate(1, sd), OpOptions(shapes=["hidden_states=2x8x32", "weight=32"], dtype="bfloat16"))
+    assert report.passed and [c.name for c in report.checks] == ["out"] and report.checks[0].dtype == "torch.int64"
+    assert any(n.startswith("only integer outputs") for n in report.notes)
+    assert any(r.startswith("only integer outputs") for r in State.load(sd).candidates[1].reasons)
 
 
 def test_a_compared_tensor_still_passes(tmp_path: Path) -> None:

@@ -633,19 +633,21 @@ def _three_runs(cand: Candidate, opts: OpOptions, target: inp.Target, inputs: in
                 checks.append(compare(f"grad {name}", kind, gg, og, fg, opts.factor, False))
         amp = _amp_for(cand, opts, inputs) if replay is None else None
         if amp is not None:
-            checks += _autocast_pass(target, inputs, golden, amp, device, seed, cot, counter, trace, unproduced, switch, opts.factor, cand.pattern in ROWWISE_PATTERNS, reasons)
+            checks += _autocast_pass(target, inputs, golden, amp, device, seed, cot, counter, trace, unproduced, switch, opts.factor, cand.pattern in ROWWISE_PATTERNS, reasons, not_compared)
         for c in checks:
             if c.problem:
                 reasons.append(f"{c.name}: {c.problem}")
     not_checked = None
-    compared = [c for c in checks if c.cosine is not None or c.problem]
-    if not reasons and not compared:
+    if not reasons and not checks:
         produced = ", ".join(f"{n} ({str(t.dtype).replace('torch.', '')})" for n, t in orig.outputs[:4]) or "no tensor"
-        not_checked = (f"0 tensors compared: {target.qualname} returned {produced} and no gradient reaches its inputs, so no "
-                       "floating-point value of the fused branch was compared; check a function that returns the site's "
-                       "floating-point result (e.g. the module's forward) or use --capture on a training command")  # fmt: skip
+        not_checked = (f"0 tensors compared: {target.qualname} returned {produced} and no gradient reaches its inputs, so nothing "
+                       "the fused branch computed was compared; check a function that returns the site's result (e.g. the "
+                       "module's forward) or use --capture on a training command")  # fmt: skip
     passed = not reasons and not_checked is None
     notes = []
+    if checks and all(c.cosine is None and not c.problem for c in checks):
+        notes.append("only integer outputs were compared (exactly equal): a floating-point difference inside the function shows "
+                     "in them only where it flips a value (argmax, sampling); check a function returning the floating-point result too")  # fmt: skip
     relative = [c.name for c in checks if c.seed_relative]
     if relative:
         notes.append(f"the original itself misses the seed criterion against the golden for {', '.join(relative[:4])}"
@@ -668,7 +670,8 @@ def _amp_for(cand: Candidate, opts: OpOptions, inputs: inp.CallInputs) -> torch.
 
 
 def _autocast_pass(target: inp.Target, inputs: inp.CallInputs, golden: RunResult, amp: torch.dtype, device: str, seed: int, cot: int, counter: SiteCounter,
-                   trace: LineTrace | None, unproduced: dict[str, tuple[str, str]], switch: "Switcher", factor: float, rowwise: bool, reasons: list[str]) -> list[TensorCheck]:  # fmt: skip
+                   trace: LineTrace | None, unproduced: dict[str, tuple[str, str]], switch: "Switcher", factor: float, rowwise: bool, reasons: list[str],
+                   not_compared: list[str]) -> list[TensorCheck]:  # fmt: skip
     """The matrix's autocast row: float32 inputs and parameters (as AMP training keeps them), the
     original and the fused forward inside ``torch.autocast(dtype=amp)``, both against the same
     float64 golden; the fused output must come out in the dtype the original's ops give there."""
@@ -677,8 +680,8 @@ def _autocast_pass(target: inp.Target, inputs: inp.CallInputs, golden: RunResult
     switch.set(False)
     try:
         orig = _run(target, inputs, torch.float32, device, seed, cot, counter, False, trace, skip, amp)
-    except Exception as exc:  # the original itself does not run under autocast: nothing to hold the fused branch to
-        reasons.append(f"autocast pass{label}: the original raised {type(exc).__name__}: {exc}")
+    except Exception as exc:  # the original itself does not run under autocast: no evidence against the fused branch
+        not_compared.append(f"outputs{label}: not compared: the original itself raised {type(exc).__name__} under autocast: {str(exc)[:160]}")
         return []
     finally:
         switch.set(True)
@@ -730,6 +733,8 @@ def _compare_outputs(golden: list[tuple[str, torch.Tensor]], orig: list[tuple[st
             checks.append(compare(name + suffix, "output", g, o, f, factor, rowwise))
         elif not (o.shape == f.shape and o.dtype == f.dtype and torch.equal(o.cpu(), f.cpu())):
             checks.append(TensorCheck(name + suffix, "output", list(f.shape), str(f.dtype), str(g.dtype), problem="integer output differs from the original"))
+        else:  # compared, exactly: a row, so the count of compared tensors is honest
+            checks.append(TensorCheck(name + suffix, "output", list(f.shape), str(f.dtype), str(g.dtype), max_abs=0.0, violations=0, seed_ok=True, rel_ok=True, passed=True))
     return checks
 
 
@@ -843,6 +848,7 @@ def verify_op(cand: Candidate, opts: OpOptions, progress: Any = None) -> OpRepor
                 else f"op check passed ({report.backend}); backward {report.backward}"
             )
             entry.reasons += report.not_compared  # shown with the verdict (status, report html)
+            entry.reasons += [n for n in report.notes if n.startswith("only integer outputs")]
         elif report.not_checked:
             entry.verdict = "not checked: op check compared 0 tensors"
             entry.reasons = [f"op check not checked ({report.backend}): {report.not_checked}"]
