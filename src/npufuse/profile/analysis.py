@@ -16,7 +16,7 @@ import numpy as np
 from npufuse import __version__
 from npufuse.profile.kb import KnowledgeBase, load_kb
 from npufuse.profile.mining import Finding, Miner, NGram, OpStream, build_host_stream, build_kernel_stream, \
-    gap_report, mine_ngrams
+    communication_report, gap_report, mine_ngrams
 from npufuse.profile.readers import MIN_TIME_US, KernelTable, Problem, RankSource, discover, read_kernel_details, \
     read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view, share, _encode, _type_from_name
 from npufuse.profile.roofline import Assumptions, assess
@@ -44,8 +44,9 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
     all_rejected: list[dict[str, Any]] = []
     all_ngrams: dict[str, list[dict[str, Any]]] = {"by_time": [], "by_count": []}
     gaps: list[dict[str, Any]] = []
+    comms: list[dict[str, Any]] = []
     step_total = 0.0
-    device_total = 0.0
+    per_rank: list[dict[str, Any]] = []
     for src in sources:
         r = _analyze_rank(src, kb, opt, problems)
         ranks.append(r["input"])
@@ -55,12 +56,23 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
             all_ngrams[k] += r["sequences"][k]
         if r["gaps"]:
             gaps.append(r["gaps"])
+        if r["communication"]:
+            comms.append(r["communication"])
+        # ranks run side by side: shares divide the ranks' summed times by their summed step times,
+        # but the step and device time shown are each rank's own
         step_total += r["step_time_us"]
-        device_total += r["device_time_us"]
-    fusions = _merge(all_findings, step_total)
-    seqs = {k: _merge(v, step_total)[: opt.top] for k, v in all_ngrams.items()}
+        per_rank.append({"rank": r["input"]["rank"], "step_time_us": round(r["step_time_us"], 3),
+                         "device_time_us": round(r["device_time_us"], 3)})
+    capped: list[str] = []
+    fusions = _merge(all_findings, step_total, capped)
+    seqs = {k: _merge(v, step_total, capped)[: opt.top] for k, v in all_ngrams.items()}
     seqs["by_count"].sort(key=lambda s: (-s["count"], -len(s["kernels"])))
-    unmapped = [s for s in _merge(all_ngrams["by_time"], step_total) if not s.get("pattern")][: opt.top]
+    unmapped = [s for s in _merge(all_ngrams["by_time"], step_total, capped) if not s.get("pattern")][: opt.top]
+    gap_total = _sum_gaps(gaps, step_total, capped)
+    comm_total = _sum_comms(comms, step_total, capped)
+    for what in dict.fromkeys(capped):
+        problems.append(Problem("input", f"{what} exceeds the step time (kernels overlap in time on one stream "
+                                         f"or the step time is shorter than the kernels): shown as 100%"))
     confirmed = [r["module_confirmed_fraction"] for r in ranks if r.get("ops")]
     usable = any(r.get("ops") for r in ranks)
     result: dict[str, Any] = {
@@ -71,13 +83,16 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
         "problems": [p.to_dict() for p in problems],
         "module_confirmed": bool(confirmed) and min(confirmed) >= 0.5,
         "module_note": _module_note(ranks),
-        "totals": {"ranks": len(ranks), "step_time_us": round(step_total, 3),
-                   "device_time_us": round(device_total, 3)},
+        "totals": {"ranks": len(ranks),
+                   "step_time_us": max((p["step_time_us"] for p in per_rank), default=0.0),
+                   "device_time_us": max((p["device_time_us"] for p in per_rank), default=0.0),
+                   "per_rank": per_rank},
         "fusions": fusions,
         "rejected": _merge_rejected(all_rejected),
         "sequences": seqs,
         "unmapped": unmapped,
-        "gaps": _sum_gaps(gaps, step_total),
+        "gaps": gap_total,
+        "communication": comm_total,
     }
     for k, f in enumerate(result["fusions"], 1):
         f["id"] = f"S{k}"
@@ -154,7 +169,7 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                             "step_source": st.step_source if st else "none",
                             "module_confirmed_fraction": round(st.confirmed_fraction, 4) if st else 0.0}
     out: dict[str, Any] = {"input": info, "fusions": [], "rejected": [], "sequences": {"by_time": [], "by_count": []},
-                           "gaps": None, "step_time_us": 0.0, "device_time_us": 0.0}
+                           "gaps": None, "communication": None, "step_time_us": 0.0, "device_time_us": 0.0}
     if op_stat is not None:
         info["op_statistic_top"] = sorted(op_stat.rows, key=lambda r: -r["total_us"])[:10]
     if st is None or st.n == 0:
@@ -170,7 +185,9 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                                        f"{MIN_TIME_US:g} us): shares of step time are unknown, shown as 0"))
         step_us = 0.0
     out["step_time_us"] = step_us
-    out["device_time_us"] = float(st.dur.sum()) if st.level == "kernel" else 0.0
+    # device kernel time is compute: collectives are reported as communication
+    out["device_time_us"] = float(st.dur[~st.comm].sum()) if st.level == "kernel" else 0.0
+    out["communication"] = communication_report(st) | {"rank": rank}
     info["steps"] = sorted({int(s) for s in np.unique(st.step).tolist() if s >= 0})
     if kb is None:
         return out
@@ -253,7 +270,16 @@ def _loc_key(loc: dict[str, Any] | None) -> str:
     return json.dumps([loc.get("file"), loc.get("function"), loc.get("lines"), loc.get("module")])
 
 
-def _merge(items: list[dict[str, Any]], step_total: float) -> list[dict[str, Any]]:
+def _capped_share(part: float, whole: float, what: str, capped: list[str]) -> float:
+    """share() kept within 100%; where the input forces more, ``what`` is noted in ``capped``."""
+    sh = share(part, whole)
+    if sh > 1.0 + 1e-9:
+        capped.append(what)
+        return 1.0
+    return sh
+
+
+def _merge(items: list[dict[str, Any]], step_total: float, capped: list[str]) -> list[dict[str, Any]]:
     """One entry per (pattern, kernels, location) over all ranks; shares against all ranks' steps."""
     merged: dict[Any, dict[str, Any]] = {}
     for it in items:
@@ -270,7 +296,8 @@ def _merge(items: list[dict[str, Any]], step_total: float) -> list[dict[str, Any
             cur["subsumes"][k] = cur["subsumes"].get(k, 0) + v
     out = list(merged.values())
     for it in out:
-        sh = share(it["time_us"], step_total)   # 0 (unknown) when the step time is too short to divide by
+        # 0 (unknown) when the step time is too short to divide by
+        sh = _capped_share(it["time_us"], step_total, "time of " + " > ".join(it["kernels"][:4]), capped)
         it["share"] = round(sh, 6)
         s = it["roofline"]["speedup_max"]
         # Amdahl: what the whole step could gain at most if this sequence hit its bound (speedup_max >= 1)
@@ -291,14 +318,24 @@ def _merge_rejected(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(merged.values(), key=lambda x: -x["count"])
 
 
-def _sum_gaps(gaps: list[dict[str, Any]], step_total: float) -> dict[str, Any]:
+def _sum_comms(comms: list[dict[str, Any]], step_total: float, capped: list[str]) -> dict[str, Any]:
+    tot: dict[str, Any] = {k: round(sum(c[k] for c in comms), 3)
+                           for k in ("time_us", "overlapped_us", "exposed_us")}
+    tot["kernels"] = sum(c["kernels"] for c in comms)
+    tot["share"] = round(_capped_share(tot["time_us"], step_total, "communication time", capped), 6)
+    tot["exposed_share"] = round(_capped_share(tot["exposed_us"], step_total, "exposed communication", capped), 6)
+    tot["per_rank"] = comms
+    return tot
+
+
+def _sum_gaps(gaps: list[dict[str, Any]], step_total: float, capped: list[str]) -> dict[str, Any]:
     if not gaps:
         return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
                 "method": "none", "per_rank": []}
     tot = {k: round(sum(g[k] for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us")}
     tot["host_bound_gaps"] = sum(g["host_bound_gaps"] for g in gaps)
     tot["method"] = "; ".join(dict.fromkeys(g["method"] for g in gaps))
-    tot["host_bound_share"] = round(share(tot["host_bound_us"], step_total), 6)
-    tot["wait_share"] = round(share(tot["wait_us"], step_total), 6)
+    tot["host_bound_share"] = round(_capped_share(tot["host_bound_us"], step_total, "host-bound gap time", capped), 6)
+    tot["wait_share"] = round(_capped_share(tot["wait_us"], step_total, "wait gap time", capped), 6)
     tot["per_rank"] = gaps
     return tot

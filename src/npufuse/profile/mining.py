@@ -29,6 +29,15 @@ from npufuse.profile.roofline import parse_shapes
 from npufuse.profile.trace import HostOp, TraceInfo, kernel_links
 
 
+COMMUNICATION_PREFIXES = ("hcom_", "hccl", "lccl")
+
+
+def is_communication(op_type: str) -> bool:
+    """HCCL collectives and their waits (hcom_allReduce_, HcclAllReduce, ...): time spent on
+    communication, reported apart from compute and never mined as a fusion sequence."""
+    return op_type.lower().startswith(COMMUNICATION_PREFIXES)
+
+
 @dataclass
 class OpStream:
     """One rank's ops in (stream, start) order, column-wise."""
@@ -56,6 +65,13 @@ class OpStream:
         if n > 1:
             hard[1:] = (self.stream[1:] != self.stream[:-1]) | (
                 (self.step[1:] != self.step[:-1]) & (self.step[1:] >= 0) & (self.step[:-1] >= 0))
+        # collectives are communication, never part of a fusable sequence: each one is a run of its own,
+        # so neither the knowledge base nor the n-gram miner can take a window across one
+        comm_vocab = np.array([is_communication(t) for t in self.vocab] + [False], dtype=bool)
+        self.comm = comm_vocab[self.code] if n else np.zeros(0, dtype=bool)
+        if n > 1:
+            hard |= self.comm
+            hard[1:] |= self.comm[:-1]
         self.hard = hard
         self.chains: list[tuple[int, ...] | None] | None = None
         self.scope = np.full(n, -1, dtype=np.int64)
@@ -654,8 +670,13 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
     for lst in (by_time, by_count):
         res = []
         for n, _, count, kt, span, lazy in lst:
-            positions = lazy.get()
+            positions = _non_overlapping(lazy.get(), n)
             p0 = int(positions[0])
+            # count and time over distinct kernels: overlapping windows of a repeating run ("A A A A"
+            # holds three "A A") would count a kernel twice and push the share past the step time
+            count = int(positions.size)
+            kt = float((csum[positions + n] - csum[positions]).sum())
+            span = float((st.end[positions + n - 1] - st.start[positions]).sum())
             g = NGram(st.tokens(p0, p0 + n), p0, count, kt, span)
             owners = claimed[(positions[:, None] + np.arange(n)[None, :]).ravel()]
             if (owners >= 0).all():
@@ -668,6 +689,19 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
             res.append(g)
         out.append(res)
     return out[0], out[1]
+
+
+def _non_overlapping(positions: np.ndarray, n: int) -> np.ndarray:
+    """Leftmost-first occurrences that share no kernel (positions ascending)."""
+    if positions.size < 2 or not (np.diff(positions) < n).any():
+        return positions
+    keep = []
+    nxt = -1
+    for p in positions.tolist():
+        if p >= nxt:
+            keep.append(p)
+            nxt = p + n
+    return np.array(keep, dtype=np.int64)
 
 
 class _Positions:
@@ -703,33 +737,59 @@ def _diverse(st: OpStream, ranked: list[tuple[int, int, int, float, float, np.nd
 # ---------------------------------------------------------------------------------- gaps
 
 def gap_report(st: OpStream, host_gap_us: float) -> dict[str, Any]:
-    """Idle device time between consecutive kernels of a stream, split into host-bound gaps (the
-    next kernel was launched only after the previous one ended) and other waits."""
+    """Idle device time between consecutive compute kernels of each stream, split into host-bound
+    gaps (the next kernel was launched only after the previous one ended) and other waits.
+
+    Communication kernels are left out (their time is reported by ``communication_report``). The
+    rank's figures are those of its main compute stream (most kernel time): idle time on a side
+    stream (a DSA mask generator, a copy stream) overlaps the main one, and adding the streams up
+    gave more than 100% of the step. Every compute stream is listed in ``per_stream``."""
+    empty = {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
+             "method": "none", "largest": [], "stream": None, "per_stream": []}
     if st.level != "kernel" or st.n < 2:
-        return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
-                "method": "none", "largest": []}
-    same = st.stream[1:] == st.stream[:-1]
-    step_change = (st.step[1:] != st.step[:-1]) & same
-    gap = np.where(same, np.clip(st.start[1:] - st.end[:-1], 0, None), 0.0)
-    between = float(gap[step_change].sum())
-    gap = np.where(step_change, 0.0, gap)
+        return empty
+    compute = np.flatnonzero(~st.comm)
+    if compute.size < 2:
+        return empty
     launch = np.full(st.n, np.nan)
     if st.trace is not None:
         ops = st.trace.ops
         for i in np.flatnonzero(st.op >= 0).tolist():
             o = ops[st.op[i]]
             launch[i] = o.launch if o.launch is not None else o.ts
-    nxt_launch = launch[1:]
+    per_stream = []
+    for sid in np.unique(st.stream[compute]).tolist():
+        idx = compute[st.stream[compute] == sid]
+        r = _stream_gaps(st, idx, launch, host_gap_us)
+        r["stream"] = int(sid)
+        r["kernel_us"] = round(float(st.dur[idx].sum()), 3)
+        per_stream.append(r)
+    main = max(per_stream, key=lambda r: r["kernel_us"])
+    return dict(main, per_stream=[{k: v for k, v in r.items() if k != "largest"} for r in per_stream])
+
+
+def _stream_gaps(st: OpStream, idx: np.ndarray, launch: np.ndarray, host_gap_us: float) -> dict[str, Any]:
+    if idx.size < 2:
+        return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
+                "method": "none", "largest": []}
+    start, end, step = st.start[idx], st.end[idx], st.step[idx]
+    # kernels of one stream run one after another; the idle time is what the running end leaves
+    run_end = np.maximum.accumulate(end)
+    step_change = step[1:] != step[:-1]
+    gap = np.clip(start[1:] - run_end[:-1], 0, None)
+    between = float(gap[step_change].sum())
+    gap = np.where(step_change, 0.0, gap)
+    nxt_launch = launch[idx[1:]]
     by_trace = ~np.isnan(nxt_launch)
-    host = np.where(by_trace, nxt_launch >= st.end[:-1] - 1e-3, gap > host_gap_us) & (gap > 0)
+    host = np.where(by_trace, nxt_launch >= run_end[:-1] - 1e-3, gap > host_gap_us) & (gap > 0)
     host_us = float(gap[host].sum())
     order = np.argsort(-gap)[:5]
     largest = []
     for k in order.tolist():
         if gap[k] <= 0:
             break
-        largest.append({"gap_us": round(float(gap[k]), 3), "after": st.vocab[st.code[k]],
-                        "before": st.vocab[st.code[k + 1]], "step": int(st.step[k + 1]),
+        largest.append({"gap_us": round(float(gap[k]), 3), "after": st.vocab[st.code[idx[k]]],
+                        "before": st.vocab[st.code[idx[k + 1]]], "step": int(step[k + 1]),
                         "host_bound": bool(host[k])})
     method = "trace launch times" if by_trace.any() else f"gaps > {host_gap_us:g} us (no trace: suspected)"
     if by_trace.any() and not by_trace.all():
@@ -737,3 +797,47 @@ def gap_report(st: OpStream, host_gap_us: float) -> dict[str, Any]:
     return {"wait_us": round(float(gap[~host].sum()), 3), "host_bound_us": round(host_us, 3),
             "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3), "method": method,
             "largest": largest}
+
+
+def _union_us(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merged [a, b) intervals."""
+    if a.size == 0:
+        return a, b
+    o = np.argsort(a, kind="stable")
+    a, b = a[o], np.maximum.accumulate(b[o])
+    new = np.concatenate([[True], a[1:] > b[:-1]])
+    starts = a[new]
+    ends = np.maximum.reduceat(b, np.flatnonzero(new))
+    return starts, ends
+
+
+def _overlap_us(s1: np.ndarray, e1: np.ndarray, s2: np.ndarray, e2: np.ndarray) -> float:
+    """Time covered by both sets of disjoint, sorted intervals."""
+    total = 0.0
+    j = 0
+    for a, b in zip(s1.tolist(), e1.tolist()):
+        while j < s2.size and e2[j] <= a:
+            j += 1
+        k = j
+        while k < s2.size and s2[k] < b:
+            total += min(b, float(e2[k])) - max(a, float(s2[k]))
+            k += 1
+    return total
+
+
+def communication_report(st: OpStream) -> dict[str, Any]:
+    """Time on HCCL collectives: its wall-clock cover, the part overlapped by compute kernels and
+    the exposed rest (which no kernel fusion can shorten)."""
+    if st.level != "kernel" or not st.comm.any():
+        return {"kernels": 0, "time_us": 0.0, "overlapped_us": 0.0, "exposed_us": 0.0, "by_type": {}}
+    c = st.comm
+    cs, ce = _union_us(st.start[c], st.end[c])
+    ks, ke = _union_us(st.start[~c], st.end[~c])
+    cover = float((ce - cs).sum())
+    overlapped = _overlap_us(cs, ce, ks, ke) if ks.size else 0.0
+    by_type: dict[str, float] = {}
+    for code, d in zip(st.code[c].tolist(), st.dur[c].tolist()):
+        by_type[st.vocab[code]] = by_type.get(st.vocab[code], 0.0) + d
+    return {"kernels": int(c.sum()), "time_us": round(cover, 3), "overlapped_us": round(overlapped, 3),
+            "exposed_us": round(cover - overlapped, 3),
+            "by_type": {k: round(v, 3) for k, v in sorted(by_type.items(), key=lambda x: -x[1])}}

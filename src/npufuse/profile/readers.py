@@ -273,9 +273,27 @@ class KernelTable:
         return int(self.dur.shape[0])
 
 
+_TRAILING_INDEX = re.compile(r"(?:_\d+)+$")
+_NUMBERED_OP = re.compile(r"(.*?[A-Za-z])\d+$")
+# cells that mean "no type recorded": torch_npu's default Level0 writes N/A in every Type cell
+NO_TYPE_CELLS = frozenset(("", "N/A", "NA", "-"))
+
+
 def _type_from_name(name: str) -> str:
-    # torch_npu kernel names look like "aclnnCast_CastAiCore_Cast": the op type is the last part
-    return name.rsplit("_", 1)[-1] if "_" in name else name
+    """The op type a kernel name stands for, as Level1's Type column writes it.
+
+    torch_npu names look like "aclnnCast_CastAiCore_Cast" (type: the last part), "trans_TransData_17"
+    and "Conv2D1" / "ReduceSum7" (graph-node names with an index: TransData, Conv2D, ReduceSum) and
+    "hcom_allReduce__586_0_1" (Level1 types it "hcom_allReduce_"). A trailing number is an index,
+    never the type, except a version suffix ("MatMulV2", "LogSoftmaxV2")."""
+    base = _TRAILING_INDEX.sub("", name) or name
+    if base.startswith("hcom_"):
+        return base
+    t = base.rsplit("_", 1)[-1] or base
+    m = _NUMBERED_OP.fullmatch(t)
+    if m and not m.group(1).endswith("V"):
+        t = m.group(1)
+    return t
 
 
 def _encode(values: list[str]) -> tuple[list[str], np.ndarray]:
@@ -398,7 +416,7 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
                 t = row[i_type] if i_type is not None else ""
                 if i_name is not None:
                     names.append(row[i_name])
-                    if not t:
+                    if t.strip() in NO_TYPE_CELLS:
                         t = _type_from_name(row[i_name])
                 types.append(t)
                 durs.append(row[i_dur])
@@ -626,12 +644,13 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         types, tcode = _encode([_type_from_name(x) for x in names_])
         tcode = tcode[ncode_]
     names, ncode = codes("name") if "name" in by_field else ([], None)
-    if "type" in by_field and "name" in by_field and "" in types and ncode is not None:
-        # rows with an empty Type cell: take the type from the kernel name
+    if "type" in by_field and "name" in by_field and ncode is not None \
+            and any(t.strip() in NO_TYPE_CELLS for t in types):
+        # rows with an empty or N/A Type cell (all of Level0): take the type from the kernel name
         fixed = list(types)
         remap = np.arange(len(types), dtype=np.int32)
-        empty = types.index("")
-        rows = np.flatnonzero(tcode == empty)
+        empties = [k for k, t in enumerate(types) if t.strip() in NO_TYPE_CELLS]
+        rows = np.flatnonzero(np.isin(tcode, empties))
         for nc in np.unique(ncode[rows]).tolist():
             t = _type_from_name(names[nc])
             if t not in fixed:
