@@ -140,8 +140,16 @@ def test_overlapping_windows_are_counted_once() -> None:
     assert _non_overlapping(np.array([0, 5, 9]), 4).tolist() == [0, 5, 9]
 
 
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2])
 def test_alexnet_optimizer_is_npu_fused_sgd(results: dict[int, dict], level: int) -> None:
     opt = [f for f in results[level]["fusions"] if f["pattern"] == "fused_optimizer"]
     assert opt and opt[0]["api"] == "torch_npu.optim.NpuFusedSGD"
     assert opt[0]["kernels"] == ["ForeachAddList", "ForeachMulScalar"]
+
+
+def test_level0_kernels_link_to_the_trace_by_lane_and_time(results: dict[int, dict]) -> None:
+    # item 2: Level0 has no Stream ID; the trace's device lanes give it, and linking matches Level1 (96%)
+    for lvl in (0, 1):
+        for rank in results[lvl]["inputs"]:
+            assert rank["module_confirmed_fraction"] >= 0.9, (lvl, rank["rank"])
+    assert all(r["streams"] >= 2 for r in results[0]["inputs"])

@@ -26,7 +26,7 @@ import numpy as np
 from npufuse.profile.kb import TOKEN_BASE, KnowledgeBase, RegionRule, SequenceRule, compile_for_vocab, sanitize
 from npufuse.profile.readers import KernelTable
 from npufuse.profile.roofline import parse_shapes
-from npufuse.profile.trace import HostOp, TraceInfo, kernel_links
+from npufuse.profile.trace import HostOp, TraceInfo, kernel_links, kernel_links_by_time
 
 
 COMMUNICATION_PREFIXES = ("hcom_", "hccl", "lccl")
@@ -154,10 +154,22 @@ class OpStream:
 
 
 def build_kernel_stream(rank: int, table: KernelTable, trace: TraceInfo | None) -> OpStream:
-    order = np.lexsort((table.start, table.stream))
+    stream_col = table.stream
+    linked_by_time = None
+    if trace is not None and "stream" not in table.columns.used:
+        # no Stream ID column (Level0): the trace's device lanes say which stream each kernel ran on
+        ops_t, lanes = kernel_links_by_time(trace, table.start)
+        if (lanes >= 0).any():
+            # kernels the trace does not show keep lane -1: one stream of their own, never joined to another
+            stream_col = lanes
+            linked_by_time = ops_t
+    order = np.lexsort((table.start, stream_col))
     start = table.start[order]
-    stream = table.stream[order]
-    op = kernel_links(trace, stream, start) if trace is not None else np.full(order.shape[0], -1, np.int64)
+    stream = stream_col[order]
+    if linked_by_time is not None:
+        op = linked_by_time[order]
+    else:
+        op = kernel_links(trace, stream, start) if trace is not None else np.full(order.shape[0], -1, np.int64)
     step_src = "none"
     if table.step is not None and (table.step >= 0).any():
         step = table.step[order]

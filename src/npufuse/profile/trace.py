@@ -351,3 +351,26 @@ def kernel_links(info: TraceInfo, stream: np.ndarray, start: np.ndarray) -> np.n
         ok = np.abs(ts[pick] - q) <= 0.5
         out[rows[ok]] = idx[pick[ok]]
     return out
+
+
+def kernel_links_by_time(info: TraceInfo, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For a kernel_details.csv without a Stream ID column (torch_npu's Level0): the launching host
+    op and the device lane (trace tid) of each kernel, matched on start time alone over every lane
+    of the trace (-1 / -1 where no device kernel of the trace starts within 0.5 us)."""
+    n = start.shape[0]
+    ops = np.full(n, -1, dtype=np.int64)
+    lanes = np.full(n, -1, dtype=np.int64)
+    if not info.kernel_op or n == 0:
+        return ops, lanes
+    pairs = sorted((t, s, j) for (s, t), j in info.kernel_op.items())
+    ts = np.array([p[0] for p in pairs])
+    lane = np.array([p[1] for p in pairs], dtype=np.int64)
+    idx = np.array([p[2] for p in pairs], dtype=np.int64)
+    pos = np.searchsorted(ts, start)
+    lo = np.clip(pos - 1, 0, ts.size - 1)
+    hi = np.clip(pos, 0, ts.size - 1)
+    pick = np.where(np.abs(start - ts[lo]) <= np.abs(start - ts[hi]), lo, hi)
+    ok = np.abs(ts[pick] - start) <= 0.5
+    ops[ok] = idx[pick[ok]]
+    lanes[ok] = lane[pick[ok]]
+    return ops, lanes
