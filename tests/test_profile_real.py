@@ -153,3 +153,27 @@ def test_level0_kernels_link_to_the_trace_by_lane_and_time(results: dict[int, di
         for rank in results[lvl]["inputs"]:
             assert rank["module_confirmed_fraction"] >= 0.9, (lvl, rank["rank"])
     assert all(r["streams"] >= 2 for r in results[0]["inputs"])
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_optimizer_is_located_at_the_repo_frame_not_the_spawn_bootstrap(results: dict[int, dict], level: int
+                                                                        ) -> None:
+    # item 9: the stored stack is innermost first and ends in mp.spawn's "<string>(1): <module>";
+    # the optimizer.step() call is main.py line 366 in train()
+    opt = [f for f in results[level]["fusions"] if f["pattern"] == "fused_optimizer"][0]
+    loc = opt["location"]
+    assert loc["file"].endswith("imagenet_script/main.py") and loc["function"] == "train"
+    assert loc["line"] == 366
+
+
+def test_parse_stack_orders_frames_outermost_first() -> None:
+    from npufuse.profile.trace import location_frame, parse_stack
+
+    real = ("/x/site-packages/torch/optim/sgd.py(75): step;\r\n/r/main.py(366): train;\r\n"
+            "/r/main.py(282): main_worker;\r\n/usr/lib/python3.9/multiprocessing/spawn.py(116): spawn_main;\r\n"
+            "<string>(1): <module>")
+    frames = parse_stack(real)
+    assert frames[0].func == "<module>" and frames[-1].func == "step"
+    assert (location_frame(frames).file, location_frame(frames).line) == ("/r/main.py", 366)
+    outer_first = "/r/main.py(10): <module>;/r/m.py(5): f"
+    assert [f.func for f in parse_stack(outer_first)] == ["<module>", "f"]

@@ -26,7 +26,7 @@ import numpy as np
 from npufuse.profile.kb import TOKEN_BASE, KnowledgeBase, RegionRule, SequenceRule, compile_for_vocab, sanitize
 from npufuse.profile.readers import KernelTable
 from npufuse.profile.roofline import parse_shapes
-from npufuse.profile.trace import HostOp, TraceInfo, kernel_links, kernel_links_by_time
+from npufuse.profile.trace import HostOp, TraceInfo, kernel_links, kernel_links_by_time, location_frame
 
 
 COMMUNICATION_PREFIXES = ("hcom_", "hccl", "lccl")
@@ -147,9 +147,9 @@ class OpStream:
         site = {"module": label, "file": None, "line": None, "lines": [], "function": None, "frames": [],
                 "stack": []}
         if op0.frames:
-            fr = op0.frames[-1]
+            fr = location_frame(op0.frames)
             site.update(file=fr.file, line=fr.line, lines=[fr.line], function=fr.func,
-                        frames=list(dict.fromkeys(str(o.frames[-1]) for o in ops if o and o.frames)))
+                        frames=list(dict.fromkeys(str(location_frame(o.frames)) for o in ops if o and o.frames)))
         return site, (op0.chain_kind, label, site["file"], site["line"])
 
 
@@ -327,7 +327,7 @@ class Miner:
             for k in range(i, j):
                 op = self.st.host_op(k)
                 if op and op.frames:
-                    r.first_site.append(str(op.frames[-1]))
+                    r.first_site.append(str(location_frame(op.frames)))
 
     def _check(self, rule: SequenceRule, m: Any, i: int) -> bool:
         for name, k in rule.checks:
@@ -543,7 +543,9 @@ class Miner:
         op = st.host_op(i)
         site, key = None, None
         if op is not None and op.frames:
-            fr = op.frames[-1]
+            # the innermost frame of the user's code: a spawn bootstrap "<string>:1 <module>" or
+            # torch/optim/sgd.py is no place to rewrite
+            fr = location_frame(op.frames)
             site = {"file": fr.file, "line": fr.line, "lines": [fr.line], "function": fr.func,
                     "frames": [str(fr)], "module": op.module, "stack": [str(f) for f in op.frames[:-1]]}
             key = ("stack", fr.file, fr.func, fr.line)

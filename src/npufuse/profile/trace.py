@@ -101,7 +101,30 @@ def parse_stack(stack: str) -> tuple[Frame, ...]:
             frames.append(Frame(m.group("file"), int(m.group("line")), m.group("func").strip()))
         else:
             frames.append(Frame(part, 0, ""))
+    # real torch_npu traces write the innermost frame first (the script's "<module>" frame, or the
+    # spawn bootstrap's "<string>(1): <module>", comes last): "<module>" is always the outermost frame
+    if len(frames) > 1 and frames[-1].func == "<module>" and frames[0].func != "<module>":
+        frames.reverse()
     return tuple(frames)
+
+
+_LIBRARY_PARTS = ("site-packages/", "dist-packages/", "/lib/python", "\\lib\\python", "\\site-packages\\")
+
+
+def is_library_frame(fr: Frame) -> bool:
+    """A frame that is not the user's code: an installed package, the standard library, or a
+    frame without a file ("<string>" of a multiprocessing spawn bootstrap, "<frozen ...>")."""
+    f = fr.file
+    return f.startswith("<") or not f or any(p in f for p in _LIBRARY_PARTS)
+
+
+def location_frame(frames: tuple[Frame, ...]) -> Frame:
+    """The frame a finding is located at: the innermost frame of the user's code (frames are
+    outermost first), else the innermost frame."""
+    for fr in reversed(frames):
+        if not is_library_frame(fr):
+            return fr
+    return frames[-1]
 
 
 class _Interner:
