@@ -177,3 +177,11 @@ def test_parse_stack_orders_frames_outermost_first() -> None:
     assert (location_frame(frames).file, location_frame(frames).line) == ("/r/main.py", 366)
     outer_first = "/r/main.py(10): <module>;/r/m.py(5): f"
     assert [f.func for f in parse_stack(outer_first)] == ["<module>", "f"]
+
+
+def test_markdown_reports_communication_apart(results: dict[int, dict]) -> None:
+    from npufuse.profile.render import render_markdown
+
+    md = render_markdown(results[0])
+    line = [ln for ln in md.splitlines() if ln.startswith("- communication")]
+    assert len(line) == 1 and "not fusable" in line[0] and "exposed" in line[0]

@@ -143,6 +143,12 @@ def render_terminal(result: dict[str, Any], console: Any = None) -> None:
               f"host-bound {fmt_us(g['host_bound_us'])} in {g['host_bound_gaps']} gaps "
               f"({fmt_pct(g.get('host_bound_share'))}; {g['method']}); between steps {fmt_us(g['between_steps_us'])}",
               highlight=False)
+    c = result.get("communication") or {}
+    if c.get("kernels"):
+        con.print(f"communication (HCCL collectives, not fusable): {fmt_us(c['time_us'])} "
+                  f"({fmt_pct(c.get('share'))} of step time), exposed {fmt_us(c['exposed_us'])} "
+                  f"({fmt_pct(c.get('exposed_share'))}), overlapped by compute {fmt_us(c['overlapped_us'])}",
+                  highlight=False)
     for p in result["problems"]:
         con.print(f"[yellow]problem[/yellow]: {_problem_text(p)}", highlight=False)
 
@@ -202,6 +208,11 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
             f"- host-bound gaps: {fmt_us(g['host_bound_us'])} in {g['host_bound_gaps']} gaps "
             f"({fmt_pct(g.get('host_bound_share'))}); method: {g['method']}",
             f"- between steps: {fmt_us(g['between_steps_us'])}"]
+    c = result.get("communication") or {}
+    if c.get("kernels"):
+        out += [f"- communication (HCCL collectives, not fusable): {fmt_us(c['time_us'])} "
+                f"({fmt_pct(c.get('share'))} of step time); exposed {fmt_us(c['exposed_us'])} "
+                f"({fmt_pct(c.get('exposed_share'))}), overlapped by compute {fmt_us(c['overlapped_us'])}"]
     out += ["", "### Inputs", ""] + [f"- {line.strip()}" for line in input_lines(result)]
     if result["problems"]:
         out += ["", "### Input problems", ""] + [f"- {_problem_text(p)}" for p in result["problems"]]
