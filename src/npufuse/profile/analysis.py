@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 
 from npufuse import __version__
-from npufuse.profile.communication import communication_report, split_communication
 from npufuse.profile.kb import KnowledgeBase, load_kb
 from npufuse.profile.mining import Finding, Miner, NGram, OpStream, build_host_stream, build_kernel_stream, \
-    gap_report, mine_ngrams
+    communication_report, gap_report, mine_ngrams
 from npufuse.profile.readers import MIN_TIME_US, KernelTable, Problem, RankSource, discover, read_kernel_details, \
     read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view, share, _encode, _type_from_name
 from npufuse.profile.roofline import Assumptions, assess
@@ -46,9 +45,8 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
     all_ngrams: dict[str, list[dict[str, Any]]] = {"by_time": [], "by_count": []}
     gaps: list[dict[str, Any]] = []
     comms: list[dict[str, Any]] = []
-    per_rank_step: list[float] = []
     step_total = 0.0
-    device_total = 0.0
+    per_rank: list[dict[str, Any]] = []
     for src in sources:
         r = _analyze_rank(src, kb, opt, problems)
         ranks.append(r["input"])
@@ -58,16 +56,23 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
             all_ngrams[k] += r["sequences"][k]
         if r["gaps"]:
             gaps.append(r["gaps"])
-        if r.get("communication"):
+        if r["communication"]:
             comms.append(r["communication"])
-        if r["step_time_us"] > 0:
-            per_rank_step.append(r["step_time_us"])
+        # ranks run side by side: shares divide the ranks' summed times by their summed step times,
+        # but the step and device time shown are each rank's own
         step_total += r["step_time_us"]
-        device_total += r["device_time_us"]
-    fusions = _merge(all_findings, step_total)
-    seqs = {k: _merge(v, step_total)[: opt.top] for k, v in all_ngrams.items()}
+        per_rank.append({"rank": r["input"]["rank"], "step_time_us": round(r["step_time_us"], 3),
+                         "device_time_us": round(r["device_time_us"], 3)})
+    capped: list[str] = []
+    fusions = _merge(all_findings, step_total, capped)
+    seqs = {k: _merge(v, step_total, capped)[: opt.top] for k, v in all_ngrams.items()}
     seqs["by_count"].sort(key=lambda s: (-s["count"], -len(s["kernels"])))
-    unmapped = [s for s in _merge(all_ngrams["by_time"], step_total) if not s.get("pattern")][: opt.top]
+    unmapped = [s for s in _merge(all_ngrams["by_time"], step_total, capped) if not s.get("pattern")][: opt.top]
+    gap_total = _sum_gaps(gaps, step_total, capped)
+    comm_total = _sum_comms(comms, step_total, capped)
+    for what in dict.fromkeys(capped):
+        problems.append(Problem("input", f"{what} exceeds the step time (kernels overlap in time on one stream "
+                                         f"or the step time is shorter than the kernels): shown as 100%"))
     confirmed = [r["module_confirmed_fraction"] for r in ranks if r.get("ops")]
     usable = any(r.get("ops") for r in ranks)
     result: dict[str, Any] = {
@@ -78,19 +83,16 @@ def analyze(paths: list[str], options: Options | None = None) -> dict[str, Any]:
         "problems": [p.to_dict() for p in problems],
         "module_confirmed": bool(confirmed) and min(confirmed) >= 0.5,
         "module_note": _module_note(ranks),
-        # step time is per rank (ranks run the same step side by side: never summed); shares are
-        # each rank's time over its own step, i.e. all ranks' time over all ranks' steps
         "totals": {"ranks": len(ranks),
-                   "step_time_us": round(step_total / len(per_rank_step), 3) if per_rank_step else 0.0,
-                   "step_time_us_per_rank": [round(x, 3) for x in per_rank_step],
-                   "device_time_us": round(device_total / max(1, len(per_rank_step)), 3),
-                   "all_ranks_step_time_us": round(step_total, 3)},
-        "communication": _sum_communication(comms, step_total),
+                   "step_time_us": max((p["step_time_us"] for p in per_rank), default=0.0),
+                   "device_time_us": max((p["device_time_us"] for p in per_rank), default=0.0),
+                   "per_rank": per_rank},
         "fusions": fusions,
         "rejected": _merge_rejected(all_rejected),
         "sequences": seqs,
         "unmapped": unmapped,
-        "gaps": _sum_gaps(gaps, step_total),
+        "gaps": gap_total,
+        "communication": comm_total,
     }
     for k, f in enumerate(result["fusions"], 1):
         f["id"] = f"S{k}"
@@ -155,14 +157,10 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                                          "columns": od.columns.to_dict() if od else None}
     rank = int(src.rank or 0)
     st: OpStream | None = None
-    comm = None
-    if table is None and trace is not None and trace.device:
-        table = _table_from_trace(trace)
     if table is not None:
-        # HCCL collectives are communication, not compute: never mined, never a host-bound gap
-        table, comm = split_communication(table)
-        if table.n:
-            st = build_kernel_stream(rank, table, trace)
+        st = build_kernel_stream(rank, table, trace)
+    elif trace is not None and trace.device:
+        st = build_kernel_stream(rank, _table_from_trace(trace), trace)
     elif trace is not None and trace.host_streams:
         st = build_host_stream(rank, trace)
     info: dict[str, Any] = {"rank": rank, "label": src.label, "files": files, "ops": st.n if st else 0,
@@ -171,7 +169,7 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                             "step_source": st.step_source if st else "none",
                             "module_confirmed_fraction": round(st.confirmed_fraction, 4) if st else 0.0}
     out: dict[str, Any] = {"input": info, "fusions": [], "rejected": [], "sequences": {"by_time": [], "by_count": []},
-                           "gaps": None, "step_time_us": 0.0, "device_time_us": 0.0, "communication": None}
+                           "gaps": None, "communication": None, "step_time_us": 0.0, "device_time_us": 0.0}
     if op_stat is not None:
         info["op_statistic_top"] = sorted(op_stat.rows, key=lambda r: -r["total_us"])[:10]
     if st is None or st.n == 0:
@@ -187,18 +185,9 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                                        f"{MIN_TIME_US:g} us): shares of step time are unknown, shown as 0"))
         step_us = 0.0
     out["step_time_us"] = step_us
-    out["device_time_us"] = float(st.dur.sum()) if st.level == "kernel" else 0.0
-    cr = communication_report(comm, table, table.types if table is not None else [], step_us)
-    if cr is not None and steps is not None and steps.steps:
-        present = {int(x) for x in np.unique(st.step).tolist() if x >= 0}
-        vals = [v["communication"] for k, v in steps.steps.items() if "communication" in v and (not present or k in present)]
-        if vals:
-            cr["profiler_not_overlapped_us"] = round(float(sum(vals)), 3)   # step_trace_time.csv's own figure
-    comm_iv = cr.pop("intervals", None) if cr else None
-    st.comm = comm_iv
-    if cr is not None:
-        cr["rank"] = rank
-    out["communication"] = cr
+    # device kernel time is compute: collectives are reported as communication
+    out["device_time_us"] = float(st.dur[~st.comm].sum()) if st.level == "kernel" else 0.0
+    out["communication"] = communication_report(st) | {"rank": rank}
     info["steps"] = sorted({int(s) for s in np.unique(st.step).tolist() if s >= 0})
     if kb is None:
         return out
@@ -213,7 +202,7 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
     by_time, by_count = mine_ngrams(st, miner.claimed, miner.findings, kb, nmax=opt.nmax, top=opt.top)
     out["sequences"] = {"by_time": [_ngram_dict(st, g, a) for g in by_time],
                         "by_count": [_ngram_dict(st, g, a) for g in by_count]}
-    out["gaps"] = gap_report(st, a.host_gap_us, comm_iv) | {"rank": rank}
+    out["gaps"] = gap_report(st, a.host_gap_us) | {"rank": rank}
     return out
 
 
@@ -281,7 +270,16 @@ def _loc_key(loc: dict[str, Any] | None) -> str:
     return json.dumps([loc.get("file"), loc.get("function"), loc.get("lines"), loc.get("module")])
 
 
-def _merge(items: list[dict[str, Any]], step_total: float) -> list[dict[str, Any]]:
+def _capped_share(part: float, whole: float, what: str, capped: list[str]) -> float:
+    """share() kept within 100%; where the input forces more, ``what`` is noted in ``capped``."""
+    sh = share(part, whole)
+    if sh > 1.0 + 1e-9:
+        capped.append(what)
+        return 1.0
+    return sh
+
+
+def _merge(items: list[dict[str, Any]], step_total: float, capped: list[str]) -> list[dict[str, Any]]:
     """One entry per (pattern, kernels, location) over all ranks; shares against all ranks' steps."""
     merged: dict[Any, dict[str, Any]] = {}
     for it in items:
@@ -298,11 +296,8 @@ def _merge(items: list[dict[str, Any]], step_total: float) -> list[dict[str, Any
             cur["subsumes"][k] = cur["subsumes"].get(k, 0) + v
     out = list(merged.values())
     for it in out:
-        sh = share(it["time_us"], step_total)   # 0 (unknown) when the step time is too short to divide by
-        if sh > 1.0:
-            # kernels of several streams overlap in time: their sum can pass the step; never shown so
-            it["share_note"] = f"kernel time is {sh:.0%} of the step (overlapping streams): capped at 100%"
-            sh = 1.0
+        # 0 (unknown) when the step time is too short to divide by
+        sh = _capped_share(it["time_us"], step_total, "time of " + " > ".join(it["kernels"][:4]), capped)
         it["share"] = round(sh, 6)
         s = it["roofline"]["speedup_max"]
         # Amdahl: what the whole step could gain at most if this sequence hit its bound (speedup_max >= 1)
@@ -323,41 +318,24 @@ def _merge_rejected(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(merged.values(), key=lambda x: -x["count"])
 
 
-def _sum_communication(comms: list[dict[str, Any]], step_total: float) -> dict[str, Any] | None:
-    """All ranks' communication; shares against all ranks' step time (so per-rank averages)."""
-    if not comms:
-        return None
-    tot = {k: round(sum(c.get(k, 0.0) for c in comms), 3) for k in ("time_us", "exposed_us", "overlapped_us")}
-    tot["kernels"] = sum(c.get("kernels", 0) for c in comms)
-    if step_total > 0:
-        tot["exposed_share"] = round(min(1.0, tot["exposed_us"] / step_total), 6)
-        prof = [c["profiler_not_overlapped_us"] for c in comms if "profiler_not_overlapped_us" in c]
-        if prof:
-            tot["profiler_not_overlapped_share"] = round(min(1.0, sum(prof) / step_total), 6)
-    by_type: dict[str, float] = {}
-    for c in comms:
-        for k, v in (c.get("by_type") or {}).items():
-            by_type[k] = round(by_type.get(k, 0.0) + v, 3)
-    tot["by_type"] = by_type
+def _sum_comms(comms: list[dict[str, Any]], step_total: float, capped: list[str]) -> dict[str, Any]:
+    tot: dict[str, Any] = {k: round(sum(c[k] for c in comms), 3)
+                           for k in ("time_us", "overlapped_us", "exposed_us")}
+    tot["kernels"] = sum(c["kernels"] for c in comms)
+    tot["share"] = round(_capped_share(tot["time_us"], step_total, "communication time", capped), 6)
+    tot["exposed_share"] = round(_capped_share(tot["exposed_us"], step_total, "exposed communication", capped), 6)
     tot["per_rank"] = comms
     return tot
 
 
-def _sum_gaps(gaps: list[dict[str, Any]], step_total: float) -> dict[str, Any]:
+def _sum_gaps(gaps: list[dict[str, Any]], step_total: float, capped: list[str]) -> dict[str, Any]:
     if not gaps:
         return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
                 "method": "none", "per_rank": []}
-    tot = {k: round(sum(g.get(k, 0.0) for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us",
-                                                                    "communication_wait_us")}
+    tot = {k: round(sum(g[k] for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us")}
     tot["host_bound_gaps"] = sum(g["host_bound_gaps"] for g in gaps)
     tot["method"] = "; ".join(dict.fromkeys(g["method"] for g in gaps))
-    # gaps are counted per compute stream: several streams can add up past the step; a share is
-    # capped at 100% and says so
-    for k in ("host_bound", "wait", "communication_wait"):
-        raw = share(tot[f"{k}_us"], step_total)
-        tot[f"{k}_share"] = round(min(1.0, raw), 6)
-        if raw > 1.0:
-            tot.setdefault("notes", []).append(f"{k.replace('_', ' ')} gaps add up to {raw:.0%} of the step over "
-                                               f"several streams: shown capped at 100%")
+    tot["host_bound_share"] = round(_capped_share(tot["host_bound_us"], step_total, "host-bound gap time", capped), 6)
+    tot["wait_share"] = round(_capped_share(tot["wait_us"], step_total, "wait gap time", capped), 6)
     tot["per_rank"] = gaps
     return tot

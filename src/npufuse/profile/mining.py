@@ -26,7 +26,16 @@ import numpy as np
 from npufuse.profile.kb import TOKEN_BASE, KnowledgeBase, RegionRule, SequenceRule, compile_for_vocab, sanitize
 from npufuse.profile.readers import KernelTable
 from npufuse.profile.roofline import parse_shapes
-from npufuse.profile.trace import HostOp, TraceInfo, kernel_links, repo_frame
+from npufuse.profile.trace import HostOp, TraceInfo, kernel_links, kernel_links_by_time, location_frame
+
+
+COMMUNICATION_PREFIXES = ("hcom_", "hccl", "lccl")
+
+
+def is_communication(op_type: str) -> bool:
+    """HCCL collectives and their waits (hcom_allReduce_, HcclAllReduce, ...): time spent on
+    communication, reported apart from compute and never mined as a fusion sequence."""
+    return op_type.lower().startswith(COMMUNICATION_PREFIXES)
 
 
 @dataclass
@@ -56,6 +65,13 @@ class OpStream:
         if n > 1:
             hard[1:] = (self.stream[1:] != self.stream[:-1]) | (
                 (self.step[1:] != self.step[:-1]) & (self.step[1:] >= 0) & (self.step[:-1] >= 0))
+        # collectives are communication, never part of a fusable sequence: each one is a run of its own,
+        # so neither the knowledge base nor the n-gram miner can take a window across one
+        comm_vocab = np.array([is_communication(t) for t in self.vocab] + [False], dtype=bool)
+        self.comm = comm_vocab[self.code] if n else np.zeros(0, dtype=bool)
+        if n > 1:
+            hard |= self.comm
+            hard[1:] |= self.comm[:-1]
         self.hard = hard
         self.chains: list[tuple[int, ...] | None] | None = None
         self.scope = np.full(n, -1, dtype=np.int64)
@@ -69,7 +85,6 @@ class OpStream:
                     self.scope[i] = c[-1]
             self.chains = chains
         self.has_chain = self.scope >= 0
-        self.comm: tuple[np.ndarray, np.ndarray] | None = None   # merged communication intervals of the rank
         self._cs = np.concatenate([[0], np.cumsum(self.has_chain)])
 
     @property
@@ -132,17 +147,29 @@ class OpStream:
         site = {"module": label, "file": None, "line": None, "lines": [], "function": None, "frames": [],
                 "stack": []}
         if op0.frames:
-            fr = op0.frames[-1]
+            fr = location_frame(op0.frames)
             site.update(file=fr.file, line=fr.line, lines=[fr.line], function=fr.func,
-                        frames=list(dict.fromkeys(str(o.frames[-1]) for o in ops if o and o.frames)))
+                        frames=list(dict.fromkeys(str(location_frame(o.frames)) for o in ops if o and o.frames)))
         return site, (op0.chain_kind, label, site["file"], site["line"])
 
 
 def build_kernel_stream(rank: int, table: KernelTable, trace: TraceInfo | None) -> OpStream:
-    order = np.lexsort((table.start, table.stream))
+    stream_col = table.stream
+    linked_by_time = None
+    if trace is not None and "stream" not in table.columns.used:
+        # no Stream ID column (Level0): the trace's device lanes say which stream each kernel ran on
+        ops_t, lanes = kernel_links_by_time(trace, table.start)
+        if (lanes >= 0).any():
+            # kernels the trace does not show keep lane -1: one stream of their own, never joined to another
+            stream_col = lanes
+            linked_by_time = ops_t
+    order = np.lexsort((table.start, stream_col))
     start = table.start[order]
-    stream = table.stream[order]
-    op = kernel_links(trace, stream, start) if trace is not None else np.full(order.shape[0], -1, np.int64)
+    stream = stream_col[order]
+    if linked_by_time is not None:
+        op = linked_by_time[order]
+    else:
+        op = kernel_links(trace, stream, start) if trace is not None else np.full(order.shape[0], -1, np.int64)
     step_src = "none"
     if table.step is not None and (table.step >= 0).any():
         step = table.step[order]
@@ -300,7 +327,25 @@ class Miner:
             for k in range(i, j):
                 op = self.st.host_op(k)
                 if op and op.frames:
-                    r.first_site.append(str(op.frames[-1]))
+                    r.first_site.append(str(location_frame(op.frames)))
+
+    def _check(self, rule: SequenceRule, m: Any, i: int) -> bool:
+        for name, k in rule.checks:
+            if name == "residual_add":
+                a, b = m.span(f"e{k}")
+                if a == b:
+                    return False
+                t = self._tok(a)
+                key = self.st.shape_keys[int(self.st.shape_code[t])]
+                shapes = parse_shapes(key[0])
+                if shapes and (len(shapes) < 2 or shapes[0] != shapes[1] or not shapes[0]):
+                    return False   # "+ eps" or a broadcast bias, not a residual add
+            elif self.st.level == "kernel":
+                a, b = self._tok(m.start()), self._tok_end(m.end())
+                keys = [self.st.shape_keys[int(self.st.shape_code[t])] for t in range(a, b)]
+                if not self._evidence_one(name, keys):
+                    return False
+        return True
 
     def _evidence(self, name: str, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """Per match [i, j): the data shows what an affinity rewrite needs (see _evidence_one).
@@ -334,24 +379,6 @@ class Miner:
                 if not outs or not (outs & ins):
                     return False   # the next kernel does not read what this one wrote
             return True
-        return True
-
-    def _check(self, rule: SequenceRule, m: Any, i: int) -> bool:
-        for name, k in rule.checks:
-            if name == "residual_add":
-                a, b = m.span(f"e{k}")
-                if a == b:
-                    return False
-                t = self._tok(a)
-                key = self.st.shape_keys[int(self.st.shape_code[t])]
-                shapes = parse_shapes(key[0])
-                if shapes and (len(shapes) < 2 or shapes[0] != shapes[1] or not shapes[0]):
-                    return False   # "+ eps" or a broadcast bias, not a residual add
-            elif self.st.level == "kernel":
-                a, b = self._tok(m.start()), self._tok_end(m.end())
-                keys = [self.st.shape_keys[int(self.st.shape_code[t])] for t in range(a, b)]
-                if not self._evidence_one(name, keys):
-                    return False
         return True
 
     # ------------------------------------------------------------------ sequence rules
@@ -558,7 +585,9 @@ class Miner:
         op = st.host_op(i)
         site, key = None, None
         if op is not None and op.frames:
-            fr = repo_frame(op.frames)
+            # the innermost frame of the user's code: a spawn bootstrap "<string>:1 <module>" or
+            # torch/optim/sgd.py is no place to rewrite
+            fr = location_frame(op.frames)
             site = {"file": fr.file, "line": fr.line, "lines": [fr.line], "function": fr.func,
                     "frames": [str(fr)], "module": op.module, "stack": [str(f) for f in op.frames[:-1]]}
             key = ("stack", fr.file, fr.func, fr.line)
@@ -603,12 +632,7 @@ class Miner:
         hit &= self.claimed < 0
         for r, length in _runs(hit, 2, breaks=st.hard):
             idx = np.arange(r, r + length)
-            # kernels not linked to the trace (Level0 has no Stream ID): when the trace's optimizer
-            # spans name one optimizer class, that is the one in use
-            classes = {cls.rsplit(".", 1)[-1] for cls, *_ in st.trace.optimizer_spans} if st.trace is not None else set()
-            label = classes.pop() if len(classes) == 1 else None
-            self._region_add(rule, idx, label, f"{length} multi-tensor (foreach) optimizer kernels in a row"
-                             + (f"; the trace's only optimizer is {label}" if label else ""))
+            self._region_add(rule, idx, None, f"{length} multi-tensor (foreach) optimizer kernels in a row")
 
     def _small_runs(self, rule: RegionRule) -> None:
         st = self.st
@@ -696,21 +720,19 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
             if good[u]:
                 cands.append((n, int(u), int(counts[u]), float(kt[u]), float(span[u]),
                               _Positions(level_ids, int(u))))
-    # Windows of one n-gram overlap (a run of 8 TransData holds 7 TransData > TransData) and a span
-    # may hold a collective's wait: the figures are recounted over *distinct* kernels and distinct
-    # time, communication excluded, for the best candidates, which are then ranked again.
-    pre = sorted(cands, key=lambda c: -c[3])[: top * 4]
-    pre_ids = {id(c) for c in pre}
-    pre += [c for c in sorted(cands, key=lambda c: (-c[2], -c[0]))[: top * 4] if id(c) not in pre_ids]
-    cands = [_distinct(st, c) for c in pre]
     by_time = _diverse(st, sorted(cands, key=lambda c: -c[3]), top)
     by_count = _diverse(st, sorted(cands, key=lambda c: (-c[2], -c[0])), top)
     out: list[list[NGram]] = []
     for lst in (by_time, by_count):
         res = []
         for n, _, count, kt, span, lazy in lst:
-            positions = lazy.get()
+            positions = _non_overlapping(lazy.get(), n)
             p0 = int(positions[0])
+            # count and time over distinct kernels: overlapping windows of a repeating run ("A A A A"
+            # holds three "A A") would count a kernel twice and push the share past the step time
+            count = int(positions.size)
+            kt = float((csum[positions + n] - csum[positions]).sum())
+            span = float((st.end[positions + n - 1] - st.start[positions]).sum())
             g = NGram(st.tokens(p0, p0 + n), p0, count, kt, span)
             owners = claimed[(positions[:, None] + np.arange(n)[None, :]).ravel()]
             if (owners >= 0).all():
@@ -725,6 +747,19 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
     return out[0], out[1]
 
 
+def _non_overlapping(positions: np.ndarray, n: int) -> np.ndarray:
+    """Leftmost-first occurrences that share no kernel (positions ascending)."""
+    if positions.size < 2 or not (np.diff(positions) < n).any():
+        return positions
+    keep = []
+    nxt = -1
+    for p in positions.tolist():
+        if p >= nxt:
+            keep.append(p)
+            nxt = p + n
+    return np.array(keep, dtype=np.int64)
+
+
 class _Positions:
     """Start positions of one n-gram, computed only when the greedy pick looks at it."""
 
@@ -735,28 +770,6 @@ class _Positions:
         if self._pos is None:
             self._pos = np.flatnonzero(self.ids == self.u)
         return self._pos
-
-
-def _distinct(st: OpStream, c: tuple[int, int, int, float, float, Any]) -> tuple[int, int, int, float, float, Any]:
-    """(n, id, count, kernel time, span) recounted: occurrences that do not overlap an earlier one,
-    the time of distinct kernels, and the union of the occurrences' spans less any communication."""
-    n, uid, _count, _kt, _span, lazy = c
-    positions = np.sort(lazy.get())
-    keep = []
-    last = -n
-    for p in positions.tolist():
-        if p >= last + n:
-            keep.append(p)
-            last = p
-    win = np.unique((positions[:, None] + np.arange(n)[None, :]).ravel())
-    kt = float(st.dur[win].sum())
-    from npufuse.profile.communication import covered, merge_intervals
-
-    ms, me = merge_intervals(st.start[positions], st.end[positions + n - 1])
-    span = float((me - ms).sum())
-    if st.comm is not None and st.comm[0].size:
-        span -= float(covered(st.comm[0], st.comm[1], ms, me).sum())
-    return (n, uid, len(keep), kt, max(span, kt), lazy)
 
 
 def _diverse(st: OpStream, ranked: list[tuple[int, int, int, float, float, np.ndarray]], top: int
@@ -779,46 +792,108 @@ def _diverse(st: OpStream, ranked: list[tuple[int, int, int, float, float, np.nd
 
 # ---------------------------------------------------------------------------------- gaps
 
-def gap_report(st: OpStream, host_gap_us: float, comm: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
-    """Idle time between consecutive kernels of each compute stream, split into host-bound gaps
-    (the next kernel was launched only after the previous one ended), communication waits (the
-    part of a gap a collective covers: exposed communication, not the host) and other waits."""
-    if st.level != "kernel" or st.n < 2:
-        return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
-                "communication_wait_us": 0.0, "method": "none", "largest": []}
-    same = st.stream[1:] == st.stream[:-1]
-    step_change = (st.step[1:] != st.step[:-1]) & same
-    gap = np.where(same, np.clip(st.start[1:] - st.end[:-1], 0, None), 0.0)
-    between = float(gap[step_change].sum())
-    gap = np.where(step_change, 0.0, gap)
-    comm_wait = 0.0
-    if comm is not None and comm[0].size:
-        from npufuse.profile.communication import covered
+def gap_report(st: OpStream, host_gap_us: float) -> dict[str, Any]:
+    """Idle device time between consecutive compute kernels of each stream, split into host-bound
+    gaps (the next kernel was launched only after the previous one ended) and other waits.
 
-        c = np.minimum(covered(comm[0], comm[1], st.end[:-1], st.start[1:]), gap)
-        comm_wait = float(c.sum())
-        gap = gap - c
+    Communication kernels are left out (their time is reported by ``communication_report``). The
+    rank's figures are those of its main compute stream (most kernel time): idle time on a side
+    stream (a DSA mask generator, a copy stream) overlaps the main one, and adding the streams up
+    gave more than 100% of the step. Every compute stream is listed in ``per_stream``."""
+    empty = {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
+             "method": "none", "largest": [], "stream": None, "per_stream": []}
+    if st.level != "kernel" or st.n < 2:
+        return empty
+    compute = np.flatnonzero(~st.comm)
+    if compute.size < 2:
+        return empty
     launch = np.full(st.n, np.nan)
     if st.trace is not None:
         ops = st.trace.ops
         for i in np.flatnonzero(st.op >= 0).tolist():
             o = ops[st.op[i]]
             launch[i] = o.launch if o.launch is not None else o.ts
-    nxt_launch = launch[1:]
+    per_stream = []
+    for sid in np.unique(st.stream[compute]).tolist():
+        idx = compute[st.stream[compute] == sid]
+        r = _stream_gaps(st, idx, launch, host_gap_us)
+        r["stream"] = int(sid)
+        r["kernel_us"] = round(float(st.dur[idx].sum()), 3)
+        per_stream.append(r)
+    main = max(per_stream, key=lambda r: r["kernel_us"])
+    return dict(main, per_stream=[{k: v for k, v in r.items() if k != "largest"} for r in per_stream])
+
+
+def _stream_gaps(st: OpStream, idx: np.ndarray, launch: np.ndarray, host_gap_us: float) -> dict[str, Any]:
+    if idx.size < 2:
+        return {"wait_us": 0.0, "host_bound_us": 0.0, "host_bound_gaps": 0, "between_steps_us": 0.0,
+                "method": "none", "largest": []}
+    start, end, step = st.start[idx], st.end[idx], st.step[idx]
+    # kernels of one stream run one after another; the idle time is what the running end leaves
+    run_end = np.maximum.accumulate(end)
+    step_change = step[1:] != step[:-1]
+    gap = np.clip(start[1:] - run_end[:-1], 0, None)
+    between = float(gap[step_change].sum())
+    gap = np.where(step_change, 0.0, gap)
+    nxt_launch = launch[idx[1:]]
     by_trace = ~np.isnan(nxt_launch)
-    host = np.where(by_trace, nxt_launch >= st.end[:-1] - 1e-3, gap > host_gap_us) & (gap > 0)
+    host = np.where(by_trace, nxt_launch >= run_end[:-1] - 1e-3, gap > host_gap_us) & (gap > 0)
     host_us = float(gap[host].sum())
     order = np.argsort(-gap)[:5]
     largest = []
     for k in order.tolist():
         if gap[k] <= 0:
             break
-        largest.append({"gap_us": round(float(gap[k]), 3), "after": st.vocab[st.code[k]],
-                        "before": st.vocab[st.code[k + 1]], "step": int(st.step[k + 1]),
+        largest.append({"gap_us": round(float(gap[k]), 3), "after": st.vocab[st.code[idx[k]]],
+                        "before": st.vocab[st.code[idx[k + 1]]], "step": int(step[k + 1]),
                         "host_bound": bool(host[k])})
     method = "trace launch times" if by_trace.any() else f"gaps > {host_gap_us:g} us (no trace: suspected)"
     if by_trace.any() and not by_trace.all():
         method = f"trace launch times where linked, else gaps > {host_gap_us:g} us"
     return {"wait_us": round(float(gap[~host].sum()), 3), "host_bound_us": round(host_us, 3),
-            "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3),
-            "communication_wait_us": round(comm_wait, 3), "method": method, "largest": largest}
+            "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3), "method": method,
+            "largest": largest}
+
+
+def _union_us(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merged [a, b) intervals."""
+    if a.size == 0:
+        return a, b
+    o = np.argsort(a, kind="stable")
+    a, b = a[o], np.maximum.accumulate(b[o])
+    new = np.concatenate([[True], a[1:] > b[:-1]])
+    starts = a[new]
+    ends = np.maximum.reduceat(b, np.flatnonzero(new))
+    return starts, ends
+
+
+def _overlap_us(s1: np.ndarray, e1: np.ndarray, s2: np.ndarray, e2: np.ndarray) -> float:
+    """Time covered by both sets of disjoint, sorted intervals."""
+    total = 0.0
+    j = 0
+    for a, b in zip(s1.tolist(), e1.tolist()):
+        while j < s2.size and e2[j] <= a:
+            j += 1
+        k = j
+        while k < s2.size and s2[k] < b:
+            total += min(b, float(e2[k])) - max(a, float(s2[k]))
+            k += 1
+    return total
+
+
+def communication_report(st: OpStream) -> dict[str, Any]:
+    """Time on HCCL collectives: its wall-clock cover, the part overlapped by compute kernels and
+    the exposed rest (which no kernel fusion can shorten)."""
+    if st.level != "kernel" or not st.comm.any():
+        return {"kernels": 0, "time_us": 0.0, "overlapped_us": 0.0, "exposed_us": 0.0, "by_type": {}}
+    c = st.comm
+    cs, ce = _union_us(st.start[c], st.end[c])
+    ks, ke = _union_us(st.start[~c], st.end[~c])
+    cover = float((ce - cs).sum())
+    overlapped = _overlap_us(cs, ce, ks, ke) if ks.size else 0.0
+    by_type: dict[str, float] = {}
+    for code, d in zip(st.code[c].tolist(), st.dur[c].tolist()):
+        by_type[st.vocab[code]] = by_type.get(st.vocab[code], 0.0) + d
+    return {"kernels": int(c.sum()), "time_us": round(cover, 3), "overlapped_us": round(overlapped, 3),
+            "exposed_us": round(cover - overlapped, 3),
+            "by_type": {k: round(v, 3) for k, v in sorted(by_type.items(), key=lambda x: -x[1])}}

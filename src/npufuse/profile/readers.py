@@ -273,34 +273,27 @@ class KernelTable:
         return int(self.dur.shape[0])
 
 
-_TRAILING_NUMBER = re.compile(r"(?<![Vv0-9])\d+$")   # Conv2D1 -> Conv2D; MatMulV2 keeps its version
+_TRAILING_INDEX = re.compile(r"(?:_\d+)+$")
+_NUMBERED_OP = re.compile(r"(.*?[A-Za-z])\d+$")
+# cells that mean "no type recorded": torch_npu's default Level0 writes N/A in every Type cell
+NO_TYPE_CELLS = frozenset(("", "N/A", "NA", "-"))
 
 
 def _type_from_name(name: str) -> str:
-    """The op type of a kernel from its name, for files whose Type cell is empty or N/A (torch_npu's
-    default Level0 writes N/A) and for trace-only input:
+    """The op type a kernel name stands for, as Level1's Type column writes it.
 
-    * ``aclnnMuls_MulAiCore_Mul`` -> ``Mul`` (aclnn kernels: the last part is the op type);
-    * ``trans_TransData_17``, ``trans_Cast_7`` -> ``TransData``, ``Cast`` (numbered instances);
-    * ``Conv2D1``, ``ReduceSum7`` -> ``Conv2D``, ``ReduceSum`` (a counter glued to the type);
-      ``MatMulV2`` stays ``MatMulV2``;
-    * ``hcom_allReduce__588_0_1`` -> ``hcom_allReduce`` (HCCL collectives keep their prefix).
-    """
-    name = name.strip()
-    if name.lower().startswith("hcom_"):
-        base = re.sub(r"(_+\d+)+$", "", name)
-        return base.rstrip("_") or name
-    parts = [p for p in name.split("_") if p]
-    while len(parts) > 1 and parts[-1].isdigit():
-        parts.pop()
-    t = parts[-1] if parts else name
-    stripped = _TRAILING_NUMBER.sub("", t)
-    return stripped or t or name
-
-
-def is_unknown_type(cell: str) -> bool:
-    """A Type cell that names no type: empty, or N/A as Level0 writes it."""
-    return cell.strip().upper() in ("", "N/A", "NA", "-", "NONE", "NULL")
+    torch_npu names look like "aclnnCast_CastAiCore_Cast" (type: the last part), "trans_TransData_17"
+    and "Conv2D1" / "ReduceSum7" (graph-node names with an index: TransData, Conv2D, ReduceSum) and
+    "hcom_allReduce__586_0_1" (Level1 types it "hcom_allReduce_"). A trailing number is an index,
+    never the type, except a version suffix ("MatMulV2", "LogSoftmaxV2")."""
+    base = _TRAILING_INDEX.sub("", name) or name
+    if base.startswith("hcom_"):
+        return base
+    t = base.rsplit("_", 1)[-1] or base
+    m = _NUMBERED_OP.fullmatch(t)
+    if m and not m.group(1).endswith("V"):
+        t = m.group(1)
+    return t
 
 
 def _encode(values: list[str]) -> tuple[list[str], np.ndarray]:
@@ -413,14 +406,15 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
                     # A field is missing, and nothing says which: reading the row would put every cell
                     # after the gap in the wrong column (a start time read as a duration). Never read.
                     log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated, or a field left "
-                                   f"out: the cells after a gap would be read shifted); row not read", row=reader.line_num,
-                            column=header[len(row)] if len(row) < len(header) else None, kind="short row")
+                                   f"out: the cells after a gap would be read shifted); row not read",
+                            row=reader.line_num, column=header[len(row)] if len(row) < len(header) else None,
+                            kind="short row")
                     continue
                 lines.append(reader.line_num)
                 t = row[i_type] if i_type is not None else ""
                 if i_name is not None:
                     names.append(row[i_name])
-                    if is_unknown_type(t):
+                    if t.strip() in NO_TYPE_CELLS:
                         t = _type_from_name(row[i_name])
                 types.append(t)
                 durs.append(row[i_dur])
@@ -646,17 +640,20 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         types, tcode = _encode([_type_from_name(x) for x in names_])
         tcode = tcode[ncode_]
     names, ncode = codes("name") if "name" in by_field else ([], None)
-    unknown = [k for k, t in enumerate(types) if is_unknown_type(t)]
-    if "type" in by_field and "name" in by_field and unknown and ncode is not None:
-        # rows with an empty or N/A Type cell (Level0): take the type from the kernel name
+    if "type" in by_field and "name" in by_field and ncode is not None \
+            and any(t.strip() in NO_TYPE_CELLS for t in types):
+        # rows with an empty or N/A Type cell (all of Level0): take the type from the kernel name
         fixed = list(types)
-        rows = np.flatnonzero(np.isin(tcode, unknown))
+        remap = np.arange(len(types), dtype=np.int32)
+        empties = [k for k, t in enumerate(types) if t.strip() in NO_TYPE_CELLS]
+        rows = np.flatnonzero(np.isin(tcode, empties))
         for nc in np.unique(ncode[rows]).tolist():
             t = _type_from_name(names[nc])
             if t not in fixed:
                 fixed.append(t)
             sel = rows[ncode[rows] == nc]
             tcode[sel] = fixed.index(t)
+        del remap
         types = fixed
     shape_fields = [f for f in ("in_shapes", "in_dtypes", "out_shapes", "out_dtypes")]
     if any(f in by_field for f in shape_fields):

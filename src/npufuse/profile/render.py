@@ -98,7 +98,7 @@ def render_terminal(result: dict[str, Any], console: Any = None) -> None:
     # the terminal's own width (a pipe: 100): wide tables fold their cells instead of running off
     con = console or Console(width=max(shutil.get_terminal_size((100, 24)).columns, 60))
     t = result["totals"]
-    con.print(f"[bold]npufuse profile[/bold]: {t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])} per rank, "
+    con.print(f"[bold]npufuse profile[/bold]: {t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])}, "
               f"device kernel time {fmt_us(t['device_time_us'])}")
     for line in input_lines(result):
         con.print(line, highlight=False, markup=False)
@@ -144,29 +144,14 @@ def render_terminal(result: dict[str, Any], console: Any = None) -> None:
               f"host-bound {fmt_us(g['host_bound_us'])} in {g['host_bound_gaps']} gaps "
               f"({fmt_pct(g.get('host_bound_share'))}; {g['method']}); between steps {fmt_us(g['between_steps_us'])}",
               highlight=False)
-    if g.get("communication_wait_us"):
-        con.print(f"  waiting on communication: {fmt_us(g['communication_wait_us'])} "
-                  f"({fmt_pct(g.get('communication_wait_share'))} of step time; not host-bound)", highlight=False)
-    line = communication_line(result)
-    if line:
-        con.print(line, highlight=False)
+    c = result.get("communication") or {}
+    if c.get("kernels"):
+        con.print(f"communication (HCCL collectives, not fusable): {fmt_us(c['time_us'])} "
+                  f"({fmt_pct(c.get('share'))} of step time), exposed {fmt_us(c['exposed_us'])} "
+                  f"({fmt_pct(c.get('exposed_share'))}), overlapped by compute {fmt_us(c['overlapped_us'])}",
+                  highlight=False)
     for p in result["problems"]:
         con.print(f"[yellow]problem[/yellow]: {_problem_text(p)}", highlight=False)
-
-
-def communication_line(result: dict[str, Any]) -> str | None:
-    """Communication (HCCL collectives) in one line: exposed vs overlapped, per-rank average."""
-    c = result.get("communication")
-    if not c:
-        return None
-    ranks = max(1, len(c.get("per_rank") or []))
-    kinds = ", ".join(f"{k} {fmt_us(v / ranks)}" for k, v in list((c.get("by_type") or {}).items())[:4])
-    prof = c.get("profiler_not_overlapped_share")
-    return (f"communication (per rank): {fmt_us(c['time_us'] / ranks)} in collectives ({kinds}); exposed "
-            f"{fmt_us(c['exposed_us'] / ranks)} = {fmt_pct(c.get('exposed_share'))} of the step, overlapped with "
-            f"compute {fmt_us(c['overlapped_us'] / ranks)}"
-            + (f"; step_trace_time.csv says {fmt_pct(prof)} not overlapped" if prof is not None else "")
-            + ". Not a fusion target: overlap it (bucketing, comm/compute streams) or cut its volume.")
 
 
 def _problem_text(p: dict[str, Any]) -> str:
@@ -188,7 +173,7 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
     """The report section for ``npufuse profile --markdown FILE``."""
     t = result["totals"]
     out = [f"## {title}", "",
-           f"{t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])} per rank, device kernel time "
+           f"{t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])}, device kernel time "
            f"{fmt_us(t['device_time_us'])}. Module attribution: {result['module_note']}.", "",
            f"Assumptions: {assumptions_text(result['assumptions'])}. Bytes are estimated from kernel shapes and "
            f"dtypes; the speed-up is an upper bound (the fused kernel reads the sequence's external inputs and "
@@ -221,14 +206,16 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
         for r in result["rejected"]:
             out.append(f"- `{r['pattern']}` {seq_text(r['kernels'])} ({r['count']}x): {r['reason']}")
     g = result["gaps"]
-    cl = communication_line(result)
-    if cl:
-        out += ["", "### Communication (not fusion)", "", "- " + cl]
     out += ["", "### Waiting and host-bound time (not fusion)", "",
             f"- wait between kernels: {fmt_us(g['wait_us'])} ({fmt_pct(g.get('wait_share'))} of step time)",
             f"- host-bound gaps: {fmt_us(g['host_bound_us'])} in {g['host_bound_gaps']} gaps "
             f"({fmt_pct(g.get('host_bound_share'))}); method: {g['method']}",
             f"- between steps: {fmt_us(g['between_steps_us'])}"]
+    c = result.get("communication") or {}
+    if c.get("kernels"):
+        out += [f"- communication (HCCL collectives, not fusable): {fmt_us(c['time_us'])} "
+                f"({fmt_pct(c.get('share'))} of step time); exposed {fmt_us(c['exposed_us'])} "
+                f"({fmt_pct(c.get('exposed_share'))}), overlapped by compute {fmt_us(c['overlapped_us'])}"]
     out += ["", "### Inputs", ""] + [f"- {line.strip()}" for line in input_lines(result)]
     if result["problems"]:
         out += ["", "### Input problems", ""] + [f"- {_problem_text(p)}" for p in result["problems"]]

@@ -89,17 +89,8 @@ def _args(e: dict[str, Any]) -> dict[str, Any]:
     return a if isinstance(a, dict) else {}
 
 
-def _is_bootstrap(fr: Frame) -> bool:
-    """The outermost frame of a program: a script's ``<module>`` or a spawn/exec bootstrap
-    (``<string>(1): <module>``, as mp.spawn workers show)."""
-    return fr.func == "<module>" or fr.file.startswith("<")
-
-
 def parse_stack(stack: str) -> tuple[Frame, ...]:
-    """Frames outermost first. torch_npu writes them innermost first (real Level1 traces: torch's
-    ``_rebuild_tensor`` first, ``<string>(1): <module>`` of the spawn bootstrap last), separated by
-    ';' (and '\\r\\n'); some writers use the other order. The end that holds the program's
-    ``<module>`` / bootstrap frame is the outer one; with neither end telling, innermost first."""
+    """torch_npu writes frames innermost-last, separated by ';' (and '\\r\\n' in trace_view)."""
     frames = []
     for part in stack.split(";"):
         part = part.strip()
@@ -110,20 +101,28 @@ def parse_stack(stack: str) -> tuple[Frame, ...]:
             frames.append(Frame(m.group("file"), int(m.group("line")), m.group("func").strip()))
         else:
             frames.append(Frame(part, 0, ""))
-    if len(frames) > 1 and not (_is_bootstrap(frames[0]) and not _is_bootstrap(frames[-1])):
+    # real torch_npu traces write the innermost frame first (the script's "<module>" frame, or the
+    # spawn bootstrap's "<string>(1): <module>", comes last): "<module>" is always the outermost frame
+    if len(frames) > 1 and frames[-1].func == "<module>" and frames[0].func != "<module>":
         frames.reverse()
     return tuple(frames)
 
 
-_LIBRARY = re.compile(r"[/\\](site-packages|dist-packages|lib[/\\]python\d[\d.]*)[/\\]")
+_LIBRARY_PARTS = ("site-packages/", "dist-packages/", "/lib/python", "\\lib\\python", "\\site-packages\\")
 
 
-def repo_frame(frames: tuple[Frame, ...]) -> Frame:
-    """The innermost frame of the user's own code (not a library, the standard library or a
-    bootstrap): where a finding is located so that ``scan --profile`` joins it. Falls back to the
-    innermost frame."""
+def is_library_frame(fr: Frame) -> bool:
+    """A frame that is not the user's code: an installed package, the standard library, or a
+    frame without a file ("<string>" of a multiprocessing spawn bootstrap, "<frozen ...>")."""
+    f = fr.file
+    return f.startswith("<") or not f or any(p in f for p in _LIBRARY_PARTS)
+
+
+def location_frame(frames: tuple[Frame, ...]) -> Frame:
+    """The frame a finding is located at: the innermost frame of the user's code (frames are
+    outermost first), else the innermost frame."""
     for fr in reversed(frames):
-        if not fr.file.startswith("<") and not _LIBRARY.search(fr.file):
+        if not is_library_frame(fr):
             return fr
     return frames[-1]
 
@@ -375,3 +374,26 @@ def kernel_links(info: TraceInfo, stream: np.ndarray, start: np.ndarray) -> np.n
         ok = np.abs(ts[pick] - q) <= 0.5
         out[rows[ok]] = idx[pick[ok]]
     return out
+
+
+def kernel_links_by_time(info: TraceInfo, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For a kernel_details.csv without a Stream ID column (torch_npu's Level0): the launching host
+    op and the device lane (trace tid) of each kernel, matched on start time alone over every lane
+    of the trace (-1 / -1 where no device kernel of the trace starts within 0.5 us)."""
+    n = start.shape[0]
+    ops = np.full(n, -1, dtype=np.int64)
+    lanes = np.full(n, -1, dtype=np.int64)
+    if not info.kernel_op or n == 0:
+        return ops, lanes
+    pairs = sorted((t, s, j) for (s, t), j in info.kernel_op.items())
+    ts = np.array([p[0] for p in pairs])
+    lane = np.array([p[1] for p in pairs], dtype=np.int64)
+    idx = np.array([p[2] for p in pairs], dtype=np.int64)
+    pos = np.searchsorted(ts, start)
+    lo = np.clip(pos - 1, 0, ts.size - 1)
+    hi = np.clip(pos, 0, ts.size - 1)
+    pick = np.where(np.abs(start - ts[lo]) <= np.abs(start - ts[hi]), lo, hi)
+    ok = np.abs(ts[pick] - start) <= 0.5
+    ops[ok] = idx[pick[ok]]
+    lanes[ok] = lane[pick[ok]]
+    return ops, lanes
