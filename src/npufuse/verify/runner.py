@@ -499,12 +499,7 @@ def run_child(
                 preexec_fn=_pdeathsig,
                 bufsize=0,
             )
-            tree.set_root(proc.pid)
-            assert proc.stdout is not None
-            fd = proc.stdout.fileno()
-            os.set_blocking(fd, False)
             sel = selectors.DefaultSelector()
-            sel.register(fd, selectors.EVENT_READ)
 
             def take(line: str) -> str | None:
                 nonlocal n
@@ -520,6 +515,12 @@ def run_child(
             last_data = time.monotonic()
             next_sample = 0.0
             try:
+                # inside the try: an interrupt from here on still ends the tree
+                tree.set_root(proc.pid)
+                assert proc.stdout is not None
+                fd = proc.stdout.fileno()
+                os.set_blocking(fd, False)
+                sel.register(fd, selectors.EVENT_READ)
                 while stop_reason is None:
                     now = time.monotonic()
                     remaining = timeout_s - (now - start)
@@ -577,7 +578,8 @@ def run_child(
                         proc.wait(timeout=2.0)
                     except subprocess.TimeoutExpired:
                         pass
-                    proc.stdout.close()  # no reader thread: closing cannot block
+                    if proc.stdout is not None:
+                        proc.stdout.close()  # no reader thread: closing cannot block
     finally:
         tree.release()
         if log:
