@@ -76,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--steps", type=number(int, minimum=1, maximum=10**7), default=50, help="logged steps to compare (default 50); the run is stopped after them")
     e2e.add_argument("--timeout", type=number(float, above=0, maximum=1e7), default=3600.0, metavar="S", help="per run, seconds (default 3600)")
     e2e.add_argument("--log-regex", help="regex with named groups loss (required), step, step_time (seconds)")
+    e2e.add_argument("--log-format", default="auto", metavar="NAME", help="log preset: megatron (mindspeed), torchtitan, litgpt, nanogpt, deepspeed, hf, step; default auto (detected from the output)")
     e2e.add_argument("--seed-env", action="append", type=_kv, default=[], metavar="K=V", help="seed variables set identically in both runs (default PYTHONHASHSEED=0)")
     e2e.add_argument("--cwd", help="folder to run in (default: the repository root)")
     e2e.add_argument("--tolerance", type=number(float, above=0, maximum=1e6), default=0.01, help="max smoothed relative loss difference (default 0.01 = 1%%)")
@@ -225,6 +226,7 @@ def _e2e_options(args: argparse.Namespace) -> Any:
         alpha=args.ema, warmup=max(0, args.warmup), n_boot=args.bootstrap, min_effect=args.min_effect, seed=args.seed,
         rerun_baseline=args.rerun_baseline, force=args.force, emulate=args.emulate,
     )  # fmt: skip
+    opts.log_format = args.log_format
     return opts
 
 

@@ -62,6 +62,7 @@ class E2EOptions:
     shell: bool = False
     timeout: float = DEFAULT_TIMEOUT
     log_regex: str | None = None
+    log_format: str = "auto"  # a logparse preset name, or auto-detect
     cwd: Path | None = None
     tolerance: float = stats.DEFAULT_TOLERANCE
     skip: int = stats.DEFAULT_SKIP
@@ -85,6 +86,8 @@ class RunOutcome:
     format: str | None
     stop: str | None  # "steps" | "loss" | "nonfinite" | "timeout" | None (ended by itself)
     stop_detail: str | None = None
+    unread: list[str] = field(default_factory=list)  # lines mentioning a loss that no format could read
+    detected_from: str | None = None
 
 
 Progress = Callable[[str], None]
@@ -156,6 +159,8 @@ def fingerprint(cand: Candidate, opts: E2EOptions, cwd: Path, plan: dict[str, An
     facts = {"cmd": opts.cmd, "shell": opts.shell, "cwd": str(cwd), "env": sorted(opts.env.items()), "seed_env": sorted(opts.seed_env.items()),
              "log_regex": opts.log_regex, "file_sha256": shas, "emulate": opts.emulate,
              "baseline_env": sorted((plan or {}).get("baseline_env", {}).items())}  # fmt: skip
+    if opts.log_format not in (None, "auto"):  # only when set: baselines recorded before the option stay reusable
+        facts["log_format"] = opts.log_format
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -190,16 +195,19 @@ def run_once(cand: Candidate, opts: E2EOptions, run: str, cwd: Path, plan: dict[
     cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
     env = {**opts.seed_env, **opts.env, **plan[f"{env_run}_env"]}
     child_env = runner.child_env(env, cfg_path, paths["probe"] / "site")
-    parser = logparse.LogParser(opts.log_regex)
+    parser = logparse.LogParser(opts.log_regex, preset=opts.log_format)
     records: dict[int, logparse.StepRecord] = {}
     state: dict[str, str | None] = {"stop": None, "detail": None}
     every = max(1, opts.steps // 5)
     with jsonl.JsonlWriter(paths["jsonl"]) as writer:
 
         def on_line(line: str) -> str | None:
+            known = parser.format
             rec = parser.feed(line)
             if rec is None or rec.step is None:
                 return None
+            if known is None and progress and parser.auto:
+                progress(f"  {run}: log format {parser.format} (auto-detected from: {parser.detected_from[:120]!r}; --log-format to fix it)")
             record = logparse.record_json(cand.id, run, rec)
             if label is not None:  # a shared run: its own labels instead of one candidate's
                 record = {**label, **{k: v for k, v in record.items() if k != "candidate"}}
@@ -229,7 +237,7 @@ def run_once(cand: Candidate, opts: E2EOptions, run: str, cwd: Path, plan: dict[
     if child.timed_out:
         state["stop"], state["detail"] = "timeout", f"timed out after {opts.timeout:.0f} s"
     counters = probe.read_counters(paths["probe"] / "counters")
-    return RunOutcome(run, records, child, counters, parser.format, state["stop"], state["detail"])
+    return RunOutcome(run, records, child, counters, parser.format, state["stop"], state["detail"], parser.unread, parser.detected_from)
 
 
 def _run_info(out: RunOutcome, cand: Candidate, status: str, fp: str, opts: E2EOptions, paths: dict[str, Path] | None = None) -> dict[str, Any]:
@@ -242,6 +250,9 @@ def _run_info(out: RunOutcome, cand: Candidate, status: str, fp: str, opts: E2EO
         "jsonl": str(paths["jsonl"]),
         "log": str(paths["log"]),
         "format": out.format,
+        "format_detected_from": out.detected_from,
+        "output": {"lines": out.child.lines, "bytes": out.child.output_bytes, "truncated_lines": out.child.truncated_lines,
+                   "log_bytes_dropped": out.child.log_bytes_dropped, "descendants_killed": out.child.descendants_killed},  # fmt: skip
         "exit": out.child.describe_exit() if out.stop is None else f"stopped by npufuse: {out.stop_detail}",
         "wall_s": round(out.child.wall_s, 3),
         "backend": c["backend"],
@@ -292,6 +303,10 @@ def _precheck(cand: Candidate, opts: E2EOptions) -> Path:
             raise UsageError(f"candidate {cand.id} failed its op check ({status}); fix or revert it, or pass --force to run e2e anyway")
     try:
         opts.log_regex and logparse.compile_regex(opts.log_regex)
+        if opts.log_format not in (None, "auto"):
+            if opts.log_regex:
+                raise ValueError("--log-format and --log-regex exclude each other: the regex replaces every preset")
+            logparse.preset_name(opts.log_format)
         runner.split_command(opts.cmd, opts.shell)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -423,14 +438,22 @@ def _print_output(out: RunOutcome) -> None:
     sys.stderr.write(f"npufuse verify e2e: {out.run} output ({out.child.lines} lines), first lines:\n{_first_lines(out.child.head)}\n")
     if out.child.lines > len(out.child.head):
         sys.stderr.write(f"  last lines:\n{_first_lines(out.child.tail[-8:])}\n")
+    if not out.records and out.unread:
+        sys.stderr.write(f"  lines that mention a loss but no format could read:\n{_first_lines(out.unread)}\n")
 
 
 def _baseline_problem(out: RunOutcome, opts: E2EOptions, cand: Candidate) -> str | None:
     c = out.counters
     if not out.records:
-        fmts = "the --log-regex" if opts.log_regex else "megatron, hf, step"
+        if opts.log_regex:
+            fmts = "the --log-regex"
+        elif opts.log_format not in (None, "auto"):
+            fmts = f"--log-format {opts.log_format}"
+        else:
+            fmts = ", ".join(logparse.PRESETS)
+        unread = f"; could not read e.g. {out.unread[0][:120]!r}" if out.unread else ""
         return (f"no step/loss lines recognised in the baseline output ({out.child.lines} lines; formats tried: {fmts}; "
-                f"{out.child.describe_exit()}); pass --log-regex with named groups step, loss, step_time")  # fmt: skip
+                f"{out.child.describe_exit()}){unread}; pass --log-format NAME or --log-regex with named groups step, loss, step_time (seconds)")  # fmt: skip
     if out.stop == "nonfinite":
         return f"{out.stop_detail}: the original code itself diverges; fix that before comparing"
     if out.stop == "timeout":
