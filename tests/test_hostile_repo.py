@@ -548,3 +548,19 @@ def test_backups_are_byte_exact_copies(repo):
     assert npufuse("apply", "--accept", "all", "--state-dir", str(sd)) == 0
     backup = sd / "backup" / "model.py"
     assert not backup.is_symlink() and hashlib.sha256(backup.read_bytes()).hexdigest() == hashlib.sha256(MODEL.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("evidence, verdict, reasons", [(None, 5, 7), ({"op": "passed", "e2e": [1]}, {"a": 1}, "one"), ([], None, None)])
+def test_status_and_conclusions_take_odd_evidence_shapes(repo, capsys, evidence, verdict, reasons):
+    # found by bench/fuzz_long.py (hostile.state_json): status crashed on "evidence": null
+    root, sd, data = repo
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(sd)) == 0
+    st = state_of(sd)
+    for c in st["candidates"]:
+        c["evidence"], c["verdict"], c["reasons"], c["status"] = evidence, verdict, reasons, "e2e_checking"
+    (sd / "state.json").write_text(json.dumps(st))
+    capsys.readouterr()
+    assert main(["status", "--state-dir", str(sd)]) == 0
+    assert main(["status", "--json", "--state-dir", str(sd)]) == 0
+    assert npufuse("revert", "--state-dir", str(sd)) == 0  # saves state.json and CONCLUSIONS.md
+    assert "Traceback" not in capsys.readouterr().err

@@ -82,6 +82,8 @@ class State:
         state.pending = list(raw.get("pending", []))
         for item in raw.get("candidates", []):
             c = CandidateState(**item)
+            if not isinstance(c.evidence, dict):  # verify adds its facts under "op"/"e2e"/"perf"
+                c.evidence = {}
             state.candidates[c.id] = c
         return state
 
@@ -196,7 +198,7 @@ def conclusions_markdown(state: State) -> str:
         lines.append(f"- status: **{c.status}**" + (f"; verdict: **{c.verdict}**" if c.verdict else ""))
         if c.applied:
             lines.append(f"- applied behind {c.applied.get('switch_description', 'a switch')}")
-        for reason in c.reasons:
+        for reason in c.reasons if isinstance(c.reasons, list) else [c.reasons] if c.reasons else []:
             lines.append(f"- {reason}")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -29,29 +29,35 @@ def next_step(cid: int, status: str, applied: bool, verdict: str | None, evidenc
     if status in ("pending", "accuracy_checking"):
         return f"npufuse verify op {cid}"
     if status in ("e2e_checking", "perf_checking"):
-        e2e = evidence.get("e2e") or {}
-        cmd = e2e.get("cmd")
+        e2e = _as_dict(_as_dict(evidence).get("e2e"))
+        cmd = e2e.get("cmd") if isinstance(e2e.get("cmd"), str) else None
         return f"npufuse verify e2e {cid} --cmd {shlex.quote(cmd)}" if cmd else f'npufuse verify e2e {cid} --cmd "<your launch command>"'
     if status in ("accuracy_failed", "e2e_failed"):
         return f"npufuse revert {cid}"
     if status == "concluded":
-        if verdict and verdict.startswith("do not replace"):
+        if isinstance(verdict, str) and verdict.startswith("do not replace"):
             return f"npufuse revert {cid}"
         return f"npufuse report html {cid}"
     return ""
 
 
-def _evidence_summary(evidence: dict[str, Any]) -> dict[str, Any]:
+def _as_dict(value: Any) -> dict[str, Any]:
+    # state.json is hand-editable: a field of another shape is shown as absent, never a crash
+    return value if isinstance(value, dict) else {}
+
+
+def _evidence_summary(evidence: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    op = evidence.get("op") or {}
+    evidence = _as_dict(evidence)
+    op = _as_dict(evidence.get("op"))
     if op:
         out["op"] = {k: op.get(k) for k in ("passed", "backend", "min_cosine", "max_rel")}
-    e2e = evidence.get("e2e") or {}
+    e2e = _as_dict(evidence.get("e2e"))
     if e2e:
-        loss = e2e.get("loss") or {}
+        loss = _as_dict(e2e.get("loss"))
         out["e2e"] = {"passed": e2e.get("passed"), "backend": e2e.get("backend"), "max_rel_diff": loss.get("max_rel_diff"),
-                      "runs": {k: v.get("status") for k, v in (e2e.get("runs") or {}).items()}}  # fmt: skip
-    perf = evidence.get("perf") or {}
+                      "runs": {k: _as_dict(v).get("status") for k, v in _as_dict(e2e.get("runs")).items()}}  # fmt: skip
+    perf = _as_dict(evidence.get("perf"))
     if perf:
         out["perf"] = {k: perf.get(k) for k in ("verdict", "speedup", "ci_low", "ci_high", "backend")}
     return out
