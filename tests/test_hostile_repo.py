@@ -474,14 +474,14 @@ def test_revert_of_a_huge_id_range_is_checked_against_known_ids(repo, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["scan", ".", "--max-file-mb", "nan"], "not a finite number"),
-    (["scan", ".", "--max-file-mb", "inf"], "not a finite number"),
-    (["scan", ".", "-j", "100000000000"], "out of range"),
+    (["scan", "no-such-repo-npufuse", "--max-file-mb", "nan"], "not a finite number"),
+    (["scan", "no-such-repo-npufuse", "--max-file-mb", "inf"], "not a finite number"),
+    (["scan", "no-such-repo-npufuse", "-j", "100000000000"], "out of range"),
     (["verify", "e2e", "1", "--cmd", "true", "--tolerance", "nan"], "not a finite number"),
     (["verify", "e2e", "1", "--cmd", "true", "--bootstrap", "1000000000000"], "out of range"),
     (["verify", "e2e", "1", "--cmd", "true", "--ema=-inf"], "not a finite number"),
     (["verify", "op", "1", "--factor", "nan"], "not a finite number"),
-    (["profile", ".", "--peak-bw", "nan"], "not a finite number"),
+    (["profile", "no-such-profile-npufuse", "--peak-bw", "nan"], "not a finite number"),
 ])
 def test_non_finite_and_huge_numeric_options_are_usage_errors(argv, needle, capsys):
     assert main(argv) == 2
@@ -520,7 +520,7 @@ def test_non_utf8_names_and_bidi_characters_are_shown_escaped_with_a_warning(tmp
     (root / os.fsdecode(b"caf\xe9.py")).write_bytes(HEAD.encode())
     (root / "bidi\u202e\x1b[31m.py").write_text(MODEL.replace("# mean of squares", "# \u202e reversed"))
     monkeypatch.chdir(root)
-    assert main(["scan", ".", "-j", "1", "--no-progress"]) == 0
+    assert main(["scan", "no-such-repo-npufuse", "-j", "1", "--no-progress"]) == 0
     report = (root / "report.md").read_text(encoding="utf-8")
     assert "\u202e" not in report and "\x1b" not in report and "\\u202e" in report
     assert "Trojan Source" in report.splitlines()[0]
