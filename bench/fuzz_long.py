@@ -62,6 +62,19 @@ libcst 1.9.0, polars 2.1.0; 13 properties, round-robin):
   "\r\n" twin and its page-break twin find the same), after the CRLF, page-break and guard
   fixes: no failure.
 
+* Issue 19, the hostile-repository families of tests/test_fuzz_hostile.py (``--only
+  hostile.state_json,hostile.scan_json,hostile.state_tree,hostile.ids,hostile.options,hostile.display``:
+  tampered state.json / scan.json, state-folder layouts with symlinks out, dangling links, FIFOs,
+  /dev/zero links and read-only entries, id ranges up to 2**62, numeric option text, bidi and
+  terminal controls in shown text; each example checks exit 0/1/2, no traceback, one-line
+  errors and a byte-identical folder outside the repository). A first 7 min run was OOM-killed
+  at 23 GB RSS, most likely ``npufuse status`` reading a scan.json linked to /dev/zero without
+  bound (the only unbounded reader left in the verbs it runs then; status now reads scan.json
+  through the state folder's reader, and later runs held under ``ulimit -v 8000000``). 8.2 min,
+  2,939 examples: 1 distinct failure, fixed with a regression test: ``status`` crashed on a
+  state.json ``"evidence": null`` (test_status_and_conclusions_take_odd_evidence_shapes). Then
+  7.0 min, 2,900 examples (475-500 each), after the fix: no failure.
+
 Earlier, shorter runs found the bugs fixed meanwhile in ad1f52b and dd29c6a; their reproducers
 are regression tests now.
 """

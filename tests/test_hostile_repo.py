@@ -474,14 +474,14 @@ def test_revert_of_a_huge_id_range_is_checked_against_known_ids(repo, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["scan", ".", "--max-file-mb", "nan"], "not a finite number"),
-    (["scan", ".", "--max-file-mb", "inf"], "not a finite number"),
-    (["scan", ".", "-j", "100000000000"], "out of range"),
+    (["scan", "no-such-repo-npufuse", "--max-file-mb", "nan"], "not a finite number"),
+    (["scan", "no-such-repo-npufuse", "--max-file-mb", "inf"], "not a finite number"),
+    (["scan", "no-such-repo-npufuse", "-j", "100000000000"], "out of range"),
     (["verify", "e2e", "1", "--cmd", "true", "--tolerance", "nan"], "not a finite number"),
     (["verify", "e2e", "1", "--cmd", "true", "--bootstrap", "1000000000000"], "out of range"),
     (["verify", "e2e", "1", "--cmd", "true", "--ema=-inf"], "not a finite number"),
     (["verify", "op", "1", "--factor", "nan"], "not a finite number"),
-    (["profile", ".", "--peak-bw", "nan"], "not a finite number"),
+    (["profile", "no-such-profile-npufuse", "--peak-bw", "nan"], "not a finite number"),
 ])
 def test_non_finite_and_huge_numeric_options_are_usage_errors(argv, needle, capsys):
     assert main(argv) == 2
