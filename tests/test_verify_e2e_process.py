@@ -14,7 +14,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 import tracemalloc
