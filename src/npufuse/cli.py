@@ -83,14 +83,6 @@ def _available_verbs() -> dict[str, tuple[str, str]]:
     return found
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Usage errors are one line on stderr (DESIGN: exit 2, one clear line), not argparse's usage
-    block followed by the error; ``--help`` still prints the usage."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``verb``, only that verb's module is imported (its arguments added) and
     the others are listed by their help line alone: an ``npufuse scan`` that hits the warm cache
