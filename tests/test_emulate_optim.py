@@ -310,3 +310,34 @@ def test_deepcopy_of_optimizer_keeps_working():
     clone = copy.deepcopy({"m": model, "o": opt})
     train(clone["m"], clone["o"], 2)
     assert clone["o"].state[clone["m"][0].weight]["step"] == 3
+
+
+@pytest.mark.parametrize("fused_name, torch_cls, kwargs", [
+    ("NpuFusedAdadelta", torch.optim.Adadelta, {"lr": 0.5, "rho": 0.8, "weight_decay": 0.01}),
+    ("NpuFusedRMSprop", torch.optim.RMSprop, {"lr": 1e-2, "alpha": 0.9, "momentum": 0.5, "centered": True}),
+])
+def test_adadelta_and_rmsprop_step_as_torch_optim(fused_name, torch_cls, kwargs):
+    """No upstream test covers these two (docs only): the math must be torch.optim's, a param
+    without a grad is left alone, and five steps agree to fp32 rounding."""
+    from npufuse.emulate import optim as emu_optim
+
+    gen = torch.Generator().manual_seed(0)
+    ref = [torch.randn(4, 3, generator=gen, requires_grad=True), torch.randn(5, generator=gen, requires_grad=True)]
+    mine = [p.detach().clone().requires_grad_(True) for p in ref]
+    frozen = torch.randn(2, requires_grad=True)
+    before = frozen.detach().clone()
+    a = torch_cls(ref, **kwargs)
+    b = getattr(emu_optim, fused_name)([*mine, frozen], **kwargs)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in ref]
+        for p, q, g in zip(ref, mine, grads):
+            p.grad = g.clone()
+            if q.grad is None:
+                q.grad = g.clone()
+            else:
+                q.grad.copy_(g)   # the fused optimizers read their combined grad buffer: grads stay in place
+        a.step()
+        b.step()
+    for p, q in zip(ref, mine):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    assert torch.equal(frozen.detach(), before)

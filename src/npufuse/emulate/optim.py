@@ -348,7 +348,15 @@ class NpuFusedSGD(_NpuFusedOptimizer, torch.optim.SGD):
         self._fused_init()
 
 
-@emulated("optim.NpuFusedAdadelta", autograd=False, spec="10")
+@emulated("optim.NpuFusedAdadelta", autograd=False, spec="10",
+    docs_only=(
+        'math of torch.optim.Adadelta with the same arguments (no torch_npu/op-plugin test covers NpuFusedAdadelta)',
+        'step under no_grad with the closure called directly; dtype checks only for params with a grad (as the other fused optimizers)',
+    ),
+    held_by=(
+        'tests/test_emulate_optim.py::test_adadelta_and_rmsprop_step_as_torch_optim',
+    ),
+)
 class NpuFusedAdadelta(_NpuFusedOptimizer, torch.optim.Adadelta):
     """torch_npu.optim.NpuFusedAdadelta over combined fp32/fp16 buffers.
 
@@ -364,7 +372,15 @@ class NpuFusedAdadelta(_NpuFusedOptimizer, torch.optim.Adadelta):
         self._fused_init()
 
 
-@emulated("optim.NpuFusedRMSprop", autograd=False, spec="10")
+@emulated("optim.NpuFusedRMSprop", autograd=False, spec="10",
+    docs_only=(
+        'math of torch.optim.RMSprop with the same arguments (no torch_npu/op-plugin test covers NpuFusedRMSprop)',
+        'step under no_grad with the closure called directly; dtype checks only for params with a grad (as the other fused optimizers)',
+    ),
+    held_by=(
+        'tests/test_emulate_optim.py::test_adadelta_and_rmsprop_step_as_torch_optim',
+    ),
+)
 class NpuFusedRMSprop(_NpuFusedOptimizer, torch.optim.RMSprop):
     """torch_npu.optim.NpuFusedRMSprop over combined fp32/fp16 buffers.
 
