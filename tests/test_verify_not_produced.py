@@ -113,8 +113,9 @@ def test_scan_saying_nothing_is_unproduced_is_believed(ws: ms.Workspace) -> None
 
 def test_a_fused_branch_that_computes_the_probabilities_is_compared(ws: ms.Workspace) -> None:
     fused = ms.finding_of(LLAMA).fused
-    line = next(ln for ln in fused.splitlines() if ln.startswith("attn_weights = None"))
-    cand = ws.applied(LLAMA, fused.replace(line, "attn_weights = torch.zeros(1)"))
+    line = next(ln for ln in fused.splitlines() if ln.lstrip().startswith("attn_weights = None"))
+    indent = line[: len(line) - len(line.lstrip())]   # the fused body sits under the mask-value check
+    cand = ws.applied(LLAMA, fused.replace(line, indent + "attn_weights = torch.zeros(1)"))
     assert cand.not_produced() == {}
 
 
@@ -134,7 +135,7 @@ MUST_FAIL = [
     # something other than None where the probabilities were: compared, and wrong
     (_mutant("zeros for the probabilities", "hf_llama_eager_gqa", (PROBS_LINE, "attn_weights = torch.zeros(query.shape[:-1] + (key.shape[-2],), dtype=query.dtype)")), "out[1]:"),
     # None for the attention output itself, which is supposed to be produced
-    (_mutant("None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None\n_npufuse_unused = torch_npu.npu_fusion_attention(")),
+    (_mutant("None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None\n    _npufuse_unused = torch_npu.npu_fusion_attention(")),
      "the fused branch returns 0 tensors"),
 ]  # fmt: skip
 
@@ -150,7 +151,7 @@ def test_broken_attention_with_probabilities_still_fails(ws: ms.Workspace, m: ms
 def test_none_moved_to_another_place_fails(ws: ms.Workspace) -> None:
     """The output and the None swapped: compared place by place, it fails (no pairing of unrelated tensors)."""
     ex = ms.Example("attention", "gpt_neo_fp32_qk_bottom_right_plus_padding")
-    fused = ms.finding_of(ex).fused.replace(PROBS_LINE + "\n", "").replace("attn_output = torch_npu.npu_fusion_attention(", "attn_weights = torch_npu.npu_fusion_attention(")
+    fused = ms.finding_of(ex).fused.replace("    " + PROBS_LINE + "\n", "").replace("attn_output = torch_npu.npu_fusion_attention(", "attn_weights = torch_npu.npu_fusion_attention(")
     report = ws.op_check(ex, fused + "\nattn_output = None", dtype="float16")
     assert not report.passed and not report.not_compared
     assert any(r.startswith("the fused branch returns 1 tensors (out[1])") for r in report.reasons), report.reasons
