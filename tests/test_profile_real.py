@@ -185,3 +185,68 @@ def test_markdown_reports_communication_apart(results: dict[int, dict]) -> None:
     md = render_markdown(results[0])
     line = [ln for ln in md.splitlines() if ln.startswith("- communication")]
     assert len(line) == 1 and "not fusable" in line[0] and "exposed" in line[0]
+
+
+GPT = REAL / "msprof_analyze" / "test" / "ut" / "advisor" / "advisor_backend" / "compute_advice" / "kernel_details.csv"
+HEADER = ("Step Id,Stream ID,Name,Type,Start Time(us),Duration(us),Input Shapes,Input Data Types,"
+          "Output Shapes,Output Data Types\n")
+
+
+def _csv(tmp_path: Path, rows: list[tuple[str, str, str, str, str, str]], repeat: int = 3) -> Path:
+    """rows: (name, type, in shapes, in dtypes, out shapes, out dtypes), laid out one after another."""
+    lines, t = [HEADER], 1000.0
+    for _ in range(repeat):
+        for name, typ, ish, idt, osh, odt in rows:
+            lines.append(f'1,2,{name},{typ},{t},5.0,"{ish}",{idt},"{osh}",{odt}\n')
+            t += 6.0
+        t += 100.0
+    p = tmp_path / "kernel_details.csv"
+    p.write_text("".join(lines))
+    return p
+
+
+def _patterns(p: Path) -> set[str]:
+    return {f["pattern"] for f in analyze([str(p)])["fusions"]}
+
+
+def test_add_layer_norm_on_the_gpt_profile() -> None:
+    # item 6: the GPT step has residual Add (1024,4,12288 twice) straight into LayerNormV3
+    adds = [f for f in analyze([str(GPT)])["fusions"] if f["pattern"] == "add_layer_norm"]
+    assert adds and adds[0]["kernels"] == ["Add", "LayerNormV3"]
+    assert adds[0]["api"] == "torch_npu.npu_add_layer_norm"
+
+
+def test_add_followed_by_fused_rms_norm_is_add_rms_norm(tmp_path: Path) -> None:
+    # item 6: Add + an already fused RmsNorm kernel
+    x = "8,128,4096"
+    p = _csv(tmp_path, [("aclnnAdd_AddAiCore_Add", "Add", f"{x};{x}", "FLOAT16;FLOAT16", x, "FLOAT16"),
+                        ("aclnnRmsNorm_RmsNorm_RmsNorm", "RmsNorm", f"{x};4096", "FLOAT16;FLOAT16",
+                         f"{x};8,128,1", "FLOAT16;FLOAT")])
+    f = [f for f in analyze([str(p)])["fusions"] if f["pattern"] == "add_rms_norm"]
+    assert f and f[0]["api"] == "torch_npu.npu_add_rms_norm" and f[0]["kernels"] == ["Add", "RmsNorm"]
+
+
+def test_affinity_addcmul_needs_dataflow(tmp_path: Path) -> None:
+    # item 7: a * b * c + d only where each kernel's output feeds the next, never on INT64
+    x = "32,1024"
+    chained = [("m1", "Mul", f"{x};{x}", "FLOAT;FLOAT", x, "FLOAT"),
+               ("m2", "Muls", f"{x};", "FLOAT;FLOAT", x, "FLOAT"),
+               ("a1", "Add", f"{x};{x}", "FLOAT;FLOAT", x, "FLOAT")]
+    assert "affinity_addcmul" in _patterns(_csv(tmp_path, chained))
+    # the real AlexNet optimizer tail: Muls on a (1,) tensor, then scalar Muls and Add (no shared tensor)
+    unrelated = [("m1", "Mul", "1;", "FLOAT;FLOAT", "1", "FLOAT"),
+                 ("m2", "Mul", ";", "FLOAT;FLOAT", "", "FLOAT"),
+                 ("a1", "Add", ";", "FLOAT;FLOAT", "", "FLOAT")]
+    assert "affinity_addcmul" not in _patterns(_csv(tmp_path, unrelated))
+    int64 = [(n, t, s, d.replace("FLOAT", "INT64"), o, od.replace("FLOAT", "INT64")) for n, t, s, d, o, od in chained]
+    assert "affinity_addcmul" not in _patterns(_csv(tmp_path, int64))
+    no_shapes = [(n, t, "", "", "", "") for n, t, *_ in chained]
+    assert "affinity_addcmul" not in _patterns(_csv(tmp_path, no_shapes))
+
+
+def test_affinity_index_put_needs_a_boolean_mask(tmp_path: Path) -> None:
+    x = "4096"
+    mask = [("ip", "IndexPutV2", f"{x};{x};", "FLOAT;BOOL;FLOAT", x, "FLOAT")]
+    index = [("ip", "IndexPutV2", f"{x};128;", "FLOAT;INT64;FLOAT", x, "FLOAT")]
+    assert "affinity_index_put" in _patterns(_csv(tmp_path, mask))
+    assert "affinity_index_put" not in _patterns(_csv(tmp_path, index))
