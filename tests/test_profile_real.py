@@ -250,3 +250,19 @@ def test_affinity_index_put_needs_a_boolean_mask(tmp_path: Path) -> None:
     index = [("ip", "IndexPutV2", f"{x};128;", "FLOAT;INT64;FLOAT", x, "FLOAT")]
     assert "affinity_index_put" in _patterns(_csv(tmp_path, mask))
     assert "affinity_index_put" not in _patterns(_csv(tmp_path, index))
+
+
+def test_markdown_tables_fit_or_fold_and_escape_tags(results: dict[int, dict]) -> None:
+    # item 11: a 15-column table cannot fit 100 columns: it folds; "<module>" must not vanish as a tag
+    import copy
+
+    from npufuse.profile.render import md_text, render_markdown
+
+    r = copy.deepcopy(results[1])
+    r["fusions"][0]["location"] = {"file": "<string>", "line": 1, "lines": [1], "function": "<module>"}
+    md = render_markdown(r)
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert all(len(ln) <= 100 for ln in table)
+    assert "<module>" not in md and "&lt;module&gt;" in md
+    assert any("NpuFusedSGD" in ln for ln in md.splitlines())
+    assert md_text("`<x>` at <string>:1 <module>") == "`<x>` at &lt;string&gt;:1 &lt;module&gt;"

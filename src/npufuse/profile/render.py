@@ -162,8 +162,36 @@ def _problem_text(p: dict[str, Any]) -> str:
     return f"{where}: {p['message']}"
 
 
+MD_WIDTH = 100
+
+
+def md_text(text: str) -> str:
+    """Plain text for markdown: '<module>' and '<string>' would be read as HTML tags and vanish.
+    Code spans (`...`) are left as they are: markdown shows them literally."""
+    parts = text.split("`")
+    return "`".join(p if k % 2 else p.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+                    for k, p in enumerate(parts))
+
+
 def _md_row(cells: list[str]) -> str:
-    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+    return "| " + " | ".join(md_text(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table when every line fits MD_WIDTH columns; else each row folded into a list item
+    with one wrapped line per column (a 15-column table cannot fit)."""
+    lines = [_md_row(head), _md_row(["---"] * len(head))] + [_md_row(r) for r in rows]
+    if all(len(x) <= MD_WIDTH for x in lines):
+        return lines
+    import textwrap
+
+    out: list[str] = []
+    for r in rows:
+        out += textwrap.wrap(f"- {md_text(r[0])}", MD_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+        for h, c in zip(head[1:], r[1:]):
+            out += textwrap.wrap(f"{h}: {md_text(c)}", MD_WIDTH, initial_indent="  - ", subsequent_indent="    ",
+                                 break_on_hyphens=False, break_long_words=True)
+    return out
 
 
 def render_markdown(result: dict[str, Any], title: str = "Profile: fusable operator sequences") -> str:
@@ -177,31 +205,27 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
            f"writes its last outputs once, at peak rate, or at the shortest kernel time).", "",
            "### Fusion candidates (roofline)", ""]
     heads = ["share of step", "kernels", "bytes", "fused bytes", "FLOP/B", "verdict", "speed-up <=", "step saving <="]
-    out.append(_md_row(["id", "pattern", "fused API", "sequence", "count", "time"] + heads + ["location"]))
-    out.append(_md_row(["---"] * (7 + len(heads))))
-    for f in result["fusions"]:
-        out.append(_md_row([f["id"], f"`{f['pattern']}`", f"`{f['api']}`", seq_text(f["kernels"], 12),
-                            str(f["count"]), fmt_us(f["time_us"]), *_roof_cells(f),
-                            location_text(f.get("location"))]))
+    out += _md_table(["id", "pattern", "fused API", "sequence", "count", "time"] + heads + ["location"],
+                     [[f["id"], f"`{f['pattern']}`", f"`{f['api']}`", seq_text(f["kernels"], 12),
+                       str(f["count"]), fmt_us(f["time_us"]), *_roof_cells(f), location_text(f.get("location"))]
+                      for f in result["fusions"]])
     notes = [f for f in result["fusions"] if f.get("caveat") or f.get("note") or f["roofline"].get("notes")]
     if notes:
         out.append("")
         for f in notes:
             bits = [x for x in (f.get("caveat"), f.get("note")) if x] + list(f["roofline"].get("notes") or [])
-            out.append(f"- {f['id']} `{f['pattern']}`: " + "; ".join(bits))
+            out.append(f"- {f['id']} `{f['pattern']}`: " + md_text("; ".join(bits)))
     out += ["", "### Frequent sequences no fused API covers", ""]
     if result["unmapped"]:
-        out.append(_md_row(["sequence", "count", "time"] + heads + ["location"]))
-        out.append(_md_row(["---"] * (4 + len(heads))))
-        for s in result["unmapped"]:
-            out.append(_md_row([seq_text(s["kernels"], 12), str(s["count"]), fmt_us(s["time_us"]), *_roof_cells(s),
-                                location_text(s.get("location"))]))
+        out += _md_table(["sequence", "count", "time"] + heads + ["location"],
+                         [[seq_text(s["kernels"], 12), str(s["count"]), fmt_us(s["time_us"]), *_roof_cells(s),
+                           location_text(s.get("location"))] for s in result["unmapped"]])
     else:
         out.append("None.")
     if result["rejected"]:
         out += ["", "### Matches not reported because they span modules", ""]
         for r in result["rejected"]:
-            out.append(f"- `{r['pattern']}` {seq_text(r['kernels'])} ({r['count']}x): {r['reason']}")
+            out.append(f"- `{r['pattern']}` {md_text(seq_text(r['kernels']))} ({r['count']}x): {md_text(r['reason'])}")
     g = result["gaps"]
     out += ["", "### Waiting and host-bound time (not fusion)", "",
             f"- wait between kernels: {fmt_us(g['wait_us'])} ({fmt_pct(g.get('wait_share'))} of step time)",
@@ -215,5 +239,5 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
                 f"({fmt_pct(c.get('exposed_share'))}), overlapped by compute {fmt_us(c['overlapped_us'])}"]
     out += ["", "### Inputs", ""] + [f"- {line.strip()}" for line in input_lines(result)]
     if result["problems"]:
-        out += ["", "### Input problems", ""] + [f"- {_problem_text(p)}" for p in result["problems"]]
+        out += ["", "### Input problems", ""] + [f"- {md_text(_problem_text(p))}" for p in result["problems"]]
     return "\n".join(out) + "\n"
