@@ -263,6 +263,6 @@ def test_markdown_tables_fit_or_fold_and_escape_tags(results: dict[int, dict]) -
     md = render_markdown(r)
     table = [ln for ln in md.splitlines() if ln.startswith("|")]
     assert all(len(ln) <= 100 for ln in table)
-    assert "<module>" not in md and "&lt;module&gt;" in md
+    assert "<module>" not in md and "&lt;module>" in md
     assert any("NpuFusedSGD" in ln for ln in md.splitlines())
-    assert md_text("`<x>` at <string>:1 <module>") == "`<x>` at &lt;string&gt;:1 &lt;module&gt;"
+    assert md_text("`<x>` at <string>:1 <module>") == "`<x>` at &lt;string>:1 &lt;module>"

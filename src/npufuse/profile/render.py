@@ -167,10 +167,10 @@ MD_WIDTH = 100
 
 def md_text(text: str) -> str:
     """Plain text for markdown: '<module>' and '<string>' would be read as HTML tags and vanish.
-    Code spans (`...`) are left as they are: markdown shows them literally."""
+    Escaping '<' is enough to keep it text ('A > B' mid-line is plain text). Code spans (`...`) are
+    left as they are: markdown shows them literally."""
     parts = text.split("`")
-    return "`".join(p if k % 2 else p.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-                    for k, p in enumerate(parts))
+    return "`".join(p if k % 2 else p.replace("&", "&amp;").replace("<", "&lt;") for k, p in enumerate(parts))
 
 
 def _md_row(cells: list[str]) -> str:
