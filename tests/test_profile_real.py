@@ -266,3 +266,23 @@ def test_markdown_tables_fit_or_fold_and_escape_tags(results: dict[int, dict]) -
     assert "<module>" not in md and "&lt;module>" in md
     assert any("NpuFusedSGD" in ln for ln in md.splitlines())
     assert md_text("`<x>` at <string>:1 <module>") == "`<x>` at &lt;string>:1 &lt;module>"
+
+
+def test_level0_row_missing_its_type_is_named_not_read_shifted(tmp_path: Path) -> None:
+    # item 11: a real Level0 row with its Type cell dropped would put the duration under Start
+    src = ALEX / "level0" / "rank0_ascend_pt" / "ASCEND_PROFILER_OUTPUT" / "kernel_details.csv"
+    lines = src.read_text().splitlines(keepends=True)
+    cells = lines[5].split(",")
+    lines[5] = ",".join(cells[:2] + cells[3:])          # drop the Type cell of data row 5 (line 6)
+    p = tmp_path / "kernel_details.csv"
+    p.write_text("".join(lines))
+    from npufuse.profile.readers import read_kernel_details
+
+    for backend in ("csv", "auto"):
+        table, problems = read_kernel_details(p, backend=backend)
+        assert table is not None and table.n == len(lines) - 2
+        named = [(q.row, q.column) for q in problems]
+        # every position fits the numbers in this row: the whole range is named, and the row is not read
+        assert named == [(6, "Step Id..Block Dim")], problems
+        assert "missing" in problems[0].message
+        assert float(table.dur.min()) > 0 and float(table.start.min()) > 1e15   # nothing read shifted

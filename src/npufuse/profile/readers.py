@@ -370,6 +370,23 @@ def _has_bare_cr(path: Path, chunk: int = 1 << 20) -> bool:
         return False   # the csv reader then reports why it cannot read the file
 
 
+def _cell_fits(cell: str, integer: bool, required: bool) -> bool:
+    c = cell.strip()
+    if c in UNKNOWN_CELLS:
+        return not required
+    return c.isdigit() if integer else parse_number(c) is not None
+
+
+def _missing_cell_positions(row: list[str], ncols: int, numeric_ix: list[int], integer_ix: set[int],
+                            required_ix: set[int]) -> list[int]:
+    """Where the cells a short row lacks can be, as far as its cells tell: the positions at which
+    empty cells put back make every numeric cell a number (a run of them for several missing)."""
+    k = ncols - len(row)
+    return [p for p in range(len(row) + 1)
+            if all(_cell_fits((row[:p] + [""] * k + row[p:])[i], i in integer_ix, i in required_ix)
+                   for i in numeric_ix)]
+
+
 def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _ProblemLog) -> KernelTable | None:
     fname = str(path)
     ix = cm.index
@@ -399,7 +416,24 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
         with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
             reader = csv.reader(fp)
             next(reader, None)
+            integer_ix = {i for i in (i_stream, i_step) if i is not None}
+            numeric_ix = sorted(integer_ix | {i for i in (i_dur, i_start, i_wait) if i is not None})
             for row in reader:
+                if 0 < len(row) < ncols and any(c.strip() for c in row):
+                    fits = _missing_cell_positions(row, ncols, numeric_ix, integer_ix,
+                                                   {i for i in (i_dur, i_start) if i is not None})
+                    if fits != [len(row)]:
+                        # a cell may be missing in the middle: read by position, every cell after it would
+                        # sit under the wrong column (a Level0 row without its Type puts the duration
+                        # under Start), so the row is named and not read
+                        where = [header[p].strip() for p in fits] or [header[len(row)].strip()]
+                        log.add(fname, f"row has {len(row)} fields, header has {ncols}: a cell is missing "
+                                       f"(in column {' or '.join(dict.fromkeys((where[0], where[-1])))}) or the row is "
+                                       f"truncated; not read, its cells would fall under the wrong columns",
+                                row=reader.line_num, column=where[0] if len(where) == 1 else f"{where[0]}..{where[-1]}",
+                                kind="short row")
+                        continue
+                    # only the end is missing (a truncated row): its cells are where the header says
                 if len(row) <= used:
                     if not row:
                         continue   # a blank line
