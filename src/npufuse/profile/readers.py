@@ -600,7 +600,6 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         return None
     fname = str(path)
     fields = {f: i for f, i in cm.index.items() if f in KERNEL_FIELDS_READ}
-    last_read = max(fields.values())
     # by position, not name (duplicate headers); plus the header's last column, to spot short rows
     idx = sorted(set(fields.values()) | {len(header) - 1})
     try:
@@ -629,9 +628,9 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
     # row that stops before a column read here. Such a row has that column and every later one
     # empty, so it is among the rows whose last column read and last column are both empty: a file
     # with any (also a row of genuinely empty cells there) goes to the csv reader.
-    short = empty(name_at[last_read])
-    if last_read != len(header) - 1:
-        short = short & empty(name_at[len(header) - 1])
+    # a row missing a middle cell also ends with an empty last column (issue 18): the csv reader
+    # then names it instead of polars reading its cells shifted
+    short = empty(name_at[len(header) - 1])
     if short.any():
         return None
 
