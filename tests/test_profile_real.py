@@ -286,3 +286,74 @@ def test_level0_row_missing_its_type_is_named_not_read_shifted(tmp_path: Path) -
         assert named == [(6, "Step Id..Block Dim")], problems
         assert "missing" in problems[0].message
         assert float(table.dur.min()) > 0 and float(table.start.min()) > 1e15   # nothing read shifted
+
+
+def _build_db(path: Path, tasks: list[tuple[int, int, int, str, str, str]]) -> None:
+    """A DB export laid out as the msprof docs describe (TASK, COMPUTE_TASK_INFO, STRING_IDS,
+    COMMUNICATION_OP). Not checked against a real export: none was available."""
+    import sqlite3
+
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE STRING_IDS (id INTEGER PRIMARY KEY, value TEXT)")
+    con.execute("CREATE TABLE TASK (startNs INTEGER, endNs INTEGER, deviceId INTEGER, connectionId INTEGER, "
+                "globalTaskId INTEGER, globalPid INTEGER, taskType INTEGER, contextId INTEGER, streamId INTEGER, "
+                "taskId INTEGER, modelId INTEGER)")
+    con.execute("CREATE TABLE COMPUTE_TASK_INFO (name INTEGER, globalTaskId INTEGER, blockDim INTEGER, "
+                "mixBlockDim INTEGER, taskType INTEGER, opType INTEGER, inputFormats INTEGER, "
+                "inputDataTypes INTEGER, inputShapes INTEGER, outputFormats INTEGER, outputDataTypes INTEGER, "
+                "outputShapes INTEGER, attrInfo INTEGER)")
+    con.execute("CREATE TABLE COMMUNICATION_OP (opName INTEGER, startNs INTEGER, endNs INTEGER, "
+                "connectionId INTEGER, groupName INTEGER, opId INTEGER)")
+    ids: dict[str, int] = {}
+
+    def sid(v: str) -> int:
+        if v not in ids:
+            ids[v] = len(ids) + 1
+            con.execute("INSERT INTO STRING_IDS VALUES (?, ?)", (ids[v], v))
+        return ids[v]
+
+    for g, (s, e, stream, name, op_type, shapes) in enumerate(tasks):
+        if name.startswith("hcom_"):
+            con.execute("INSERT INTO COMMUNICATION_OP VALUES (?, ?, ?, 0, 0, ?)", (sid(name), s, e, g))
+            continue
+        con.execute("INSERT INTO TASK VALUES (?, ?, 0, 0, ?, 0, 0, 0, ?, ?, 0)", (s, e, g, stream, g))
+        con.execute("INSERT INTO COMPUTE_TASK_INFO VALUES (?, ?, 1, 0, 0, ?, 0, ?, ?, 0, ?, ?, 0)",
+                    (sid(name), g, sid(op_type), sid("FLOAT16;FLOAT16"), sid(shapes), sid("FLOAT16"),
+                     sid(shapes.split(";")[0])))
+    con.commit()
+    con.close()
+
+
+def test_db_export_is_read_like_kernel_details(tmp_path: Path) -> None:
+    # item 11: ascend_pytorch_profiler*.db, with Level0-style N/A types and an HCCL collective
+    x = "1024,4,4096"
+    tasks, t = [], 1_000_000
+    for _ in range(3):
+        for name, op, shp in (("aclnnAdd_AddAiCore_Add", "N/A", f"{x};{x}"),
+                              ("LayerNormV3_1", "N/A", f"{x};4096;4096"),
+                              ("hcom_allReduce__1_0_1", "N/A", "")):
+            tasks.append((t, t + 5_000, 2, name, op, shp))
+            t += 6_000
+    out = tmp_path / "rank0_ascend_pt" / "ASCEND_PROFILER_OUTPUT"
+    out.mkdir(parents=True)
+    _build_db(out / "ascend_pytorch_profiler_0.db", tasks)
+    r = analyze([str(tmp_path)])
+    assert r["usable"] and r["inputs"][0]["files"]["profiler.db"]["rows"] == 9
+    f = [f for f in r["fusions"] if f["pattern"] == "add_layer_norm"]
+    assert f and f[0]["count"] == 3 and f[0]["kernels"] == ["Add", "LayerNormV3"]
+    assert r["communication"]["kernels"] == 3
+
+
+def test_db_that_is_not_a_profiler_export_is_a_problem(tmp_path: Path) -> None:
+    import sqlite3
+
+    p = tmp_path / "ascend_pytorch_profiler_0.db"
+    con = sqlite3.connect(p)
+    con.execute("CREATE TABLE TASK (startNs INTEGER)")
+    con.close()
+    r = analyze([str(p)])
+    assert not r["usable"]
+    assert any("TASK lacks" in q["message"] or "not found" in q["message"] for q in r["problems"])
+    (tmp_path / "junk.db").write_bytes(b"not sqlite at all" * 10)
+    r = analyze([str(tmp_path / "junk.db")])
+    assert not r["usable"] and r["problems"]

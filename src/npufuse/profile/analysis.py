@@ -162,6 +162,14 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                                        "columns": table.columns.to_dict() if table else None,
                                        "reader": table.backend if table else None,
                                        "notes": table.notes if table else []}
+    if table is None and "profiler.db" in src.files:
+        # the sqlite export, read when there is no kernel_details.csv (both hold the same kernels)
+        from npufuse.profile.profiler_db import read_profiler_db
+
+        p = src.files["profiler.db"]
+        table, probs = read_profiler_db(p)
+        problems += probs
+        files["profiler.db"] = {"path": str(p), "rows": table.n if table else 0, "reader": "sqlite"}
     if "trace_view.json" in src.files:
         p = src.files["trace_view.json"]
         events, probs = read_trace_view(p)

@@ -895,8 +895,15 @@ def _rank_of(output_dir: Path) -> int | None:
     return None
 
 
+PROFILER_DB = "profiler.db"   # role of ascend_pytorch_profiler*.db (the sqlite export)
+
+
 def _files_in(d: Path) -> dict[str, Path]:
-    return {name: d / name for name in KNOWN_FILES if (d / name).is_file()}
+    found = {name: d / name for name in KNOWN_FILES if (d / name).is_file()}
+    dbs = sorted(x for x in d.glob("ascend_pytorch_profiler*.db") if x.is_file())
+    if dbs:
+        found[PROFILER_DB] = dbs[0]
+    return found
 
 
 def discover(paths: list[str]) -> tuple[list[RankSource], list[Problem]]:
@@ -911,6 +918,7 @@ def discover(paths: list[str]) -> tuple[list[RankSource], list[Problem]]:
             continue
         if p.is_file():
             role = p.name if p.name in KNOWN_FILES else ("trace_view.json" if p.suffix == ".json"
+                                                         else PROFILER_DB if p.suffix == ".db"
                                                          else "kernel_details.csv")
             sources.append(RankSource(raw, None, {role: p}))
             continue
