@@ -357,3 +357,15 @@ def test_db_that_is_not_a_profiler_export_is_a_problem(tmp_path: Path) -> None:
     (tmp_path / "junk.db").write_bytes(b"not sqlite at all" * 10)
     r = analyze([str(tmp_path / "junk.db")])
     assert not r["usable"] and r["problems"]
+
+
+def test_roofline_in_place_bytes_and_compute_before_launch() -> None:
+    # item 10 (partly): in-place updates count their bytes; high intensity is compute-bound
+    from npufuse.profile.roofline import Assumptions, assess, kernel_cost
+
+    c = kernel_cost("ForeachAddList", ('"1024;1024"', "FLOAT;FLOAT", "", ""))
+    assert c.known and c.bytes == 3 * 1024 * 4
+    a = Assumptions()
+    mm = ('"4096,4096;4096,4096"', "FLOAT16;FLOAT16", '"4096,4096"', "FLOAT16")
+    row = assess(["MatMulV2", "MatMulV2"], [mm, mm], span_us=3000.0, kernel_us=200.0, a=a)
+    assert row["intensity"] > a.ridge and row["verdict"] == "compute-bound"
