@@ -98,7 +98,7 @@ def render_terminal(result: dict[str, Any], console: Any = None) -> None:
     con = console or Console(width=max(shutil.get_terminal_size((160, 24)).columns, 140))
     t = result["totals"]
     con.print(f"[bold]npufuse profile[/bold]: {t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])}, "
-              f"device kernel time {fmt_us(t['device_time_us'])}")
+              f"device kernel time {fmt_us(t['device_time_us'])}" + (" (per rank, the largest)" if t['ranks'] > 1 else ""))
     for line in input_lines(result):
         con.print(line, highlight=False, markup=False)
     con.print(f"module: {result['module_note']}", highlight=False)
@@ -199,7 +199,7 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
     t = result["totals"]
     out = [f"## {title}", "",
            f"{t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])}, device kernel time "
-           f"{fmt_us(t['device_time_us'])}. Module attribution: {result['module_note']}.", "",
+           f"{fmt_us(t['device_time_us'])}{' (per rank, the largest)' if t['ranks'] > 1 else ''}. Module attribution: {result['module_note']}.", "",
            f"Assumptions: {assumptions_text(result['assumptions'])}. Bytes are estimated from kernel shapes and "
            f"dtypes; the speed-up is an upper bound (the fused kernel reads the sequence's external inputs and "
            f"writes its last outputs once, at peak rate, or at the shortest kernel time).", "",
