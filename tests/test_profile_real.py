@@ -369,3 +369,14 @@ def test_roofline_in_place_bytes_and_compute_before_launch() -> None:
     mm = ('"4096,4096;4096,4096"', "FLOAT16;FLOAT16", '"4096,4096"', "FLOAT16")
     row = assess(["MatMulV2", "MatMulV2"], [mm, mm], span_us=3000.0, kernel_us=200.0, a=a)
     assert row["intensity"] > a.ridge and row["verdict"] == "compute-bound"
+
+
+def test_trace_only_cnn_lane_names_become_types() -> None:
+    # items 1/8 on trace-only input: device kernels named trans_Cast_7, Conv2D1 (a small CNN with Adam)
+    tv = REAL / "msprof_analyze" / "test" / "ut" / "advisor" / "timeline_advice" / "trace_view.json"
+    r = analyze([str(tv)])
+    kinds = {k for s in r["sequences"]["by_time"] + r["sequences"]["by_count"] for k in s["kernels"]}
+    assert {"Cast", "Conv2D", "TransData"} <= kinds
+    assert not [k for k in kinds if k[-1].isdigit() and not k[-2:-1] == "V"], kinds
+    opt = [f for f in r["fusions"] if f["pattern"] == "fused_optimizer"]
+    assert opt and opt[0]["api"] == "torch_npu.optim.NpuFusedAdam"
