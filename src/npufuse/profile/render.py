@@ -199,7 +199,8 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
     t = result["totals"]
     out = [f"## {title}", "",
            f"{t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])}, device kernel time "
-           f"{fmt_us(t['device_time_us'])}{' (per rank, the largest)' if t['ranks'] > 1 else ''}. Module attribution: {result['module_note']}.", "",
+           f"{fmt_us(t['device_time_us'])}{' (per rank, the largest)' if t['ranks'] > 1 else ''}. "
+           f"Module attribution: {result['module_note']}.", "",
            f"Assumptions: {assumptions_text(result['assumptions'])}. Bytes are estimated from kernel shapes and "
            f"dtypes; the speed-up is an upper bound (the fused kernel reads the sequence's external inputs and "
            f"writes its last outputs once, at peak rate, or at the shortest kernel time).", "",
