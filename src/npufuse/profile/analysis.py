@@ -11,6 +11,7 @@ import multiprocessing
 import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,16 +117,23 @@ def _analyze_ranks(sources: list[RankSource], kb: KnowledgeBase | None, opt: Opt
     except AttributeError:   # not on Linux
         cores = os.cpu_count() or 1
     workers = min(MAX_RANK_WORKERS, cores, len(sources))
-    if workers < 2 or kb is None:
-        for src in sources:
-            probs: list[Problem] = []
-            r = _analyze_rank(src, kb, opt, probs)
-            yield r, probs
-        return
-    # spawn, not fork: the parent may hold polars' thread pool, which a forked child would inherit locked
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        yield from pool.map(_rank_worker, sources, [opt] * len(sources))
+    if workers >= 2 and kb is not None:
+        # spawn, not fork: the parent may hold polars' thread pool, which a forked child would inherit
+        # locked. A worker that cannot start (a __main__ spawn cannot re-import, such as a script read
+        # from stdin) leaves the ranks to this process: the results are the same, only slower
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+                results = list(pool.map(_rank_worker, sources, [opt] * len(sources)))
+        except (BrokenProcessPool, OSError, RuntimeError):
+            results = None
+        if results is not None:
+            yield from results
+            return
+    for src in sources:
+        probs: list[Problem] = []
+        r = _analyze_rank(src, kb, opt, probs)
+        yield r, probs
 
 
 def _rank_worker(src: RankSource, opt: Options) -> tuple[dict[str, Any], list[Problem]]:
