@@ -6,6 +6,7 @@ The returned dict is the profile result that crosses stage boundaries (``npufuse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -247,14 +248,20 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
     miner.run_sequences()
     miner.run_loops()
     miner.run_regions()
+    gaps = gap_report(st, opt.assumptions.host_gap_us) | {"rank": rank}
     a = opt.assumptions
+    if gaps.get("dispatch_us", 0.0) > a.launch_us:
+        # a fused kernel still needs one dispatch: where the trace shows the host's launch interval,
+        # no fused kernel is bounded below it
+        a = dataclasses.replace(a, launch_us=gaps["dispatch_us"])
+        info["measured_dispatch_us"] = gaps["dispatch_us"]
     out["fusions"] = [_finding_dict(st, f, a) for f in miner.findings]
     out["rejected"] = [{"pattern": r.pattern, "kernels": list(r.tokens), "count": r.count, "reason": r.reason,
                         "frames": r.first_site, "ranks": [rank]} for r in miner.rejected.values()]
     by_time, by_count = mine_ngrams(st, miner.claimed, miner.findings, kb, nmax=opt.nmax, top=opt.top)
     out["sequences"] = {"by_time": [_ngram_dict(st, g, a) for g in by_time],
                         "by_count": [_ngram_dict(st, g, a) for g in by_count]}
-    out["gaps"] = gap_report(st, a.host_gap_us) | {"rank": rank}
+    out["gaps"] = gaps
     return out
 
 

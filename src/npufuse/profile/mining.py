@@ -885,9 +885,15 @@ def _stream_gaps(st: OpStream, idx: np.ndarray, launch: np.ndarray, host_gap_us:
     method = "trace launch times" if by_trace.any() else f"gaps > {host_gap_us:g} us (no trace: suspected)"
     if by_trace.any() and not by_trace.all():
         method = f"trace launch times where linked, else gaps > {host_gap_us:g} us"
+    # the host's time to dispatch one kernel, where the trace shows it: the median interval between
+    # the launches of consecutive kernels of this stream
+    lt = launch[idx]
+    steps_ = np.diff(lt)
+    steps_ = steps_[np.isfinite(steps_) & (steps_ > 0)]
+    dispatch = float(np.median(steps_)) if steps_.size else 0.0
     return {"wait_us": round(float(gap[~host].sum()), 3), "host_bound_us": round(host_us, 3),
             "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3), "method": method,
-            "largest": largest}
+            "largest": largest, "dispatch_us": round(dispatch, 3)}
 
 
 def _union_us(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
