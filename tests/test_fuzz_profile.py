@@ -579,17 +579,18 @@ def test_bug_truncated_row_before_stream_column(tmp_path, backend):
     table, problems = read_kernel_details(path, backend=backend)
     assert table is not None and table.n >= 1
     assert any(p.row == 2 for p in problems), problems  # the short row is named
-    # a short row is never read (issue 18.11: nothing says which field is missing, and reading it
-    # would shift every cell after the gap); the first column it lacks is named
+    # what it has is still read; the cell it lacks is unknown (stream 0, as an empty cell)
     assert [(p.row, p.column) for p in problems] == [(2, "Stream ID")], problems
-    assert _type_sequence(table) == ["Mul"] and table.stream.tolist() == [0]
+    assert _type_sequence(table) == ["Add", "Mul"] and table.stream.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("data,kept,named", [
-    (b"Duration(us),Type\n1.0\n2.0,Mul\n", ["Mul"], [(2, "Type")]),                 # short: never read
+    (b"Duration(us),Type\n1.0\n2.0,Mul\n", ["Mul"], [(2, None)]),                   # no type: skipped
+    # two cells missing, from Input Shapes or from Wait Time on (issue 18: never read shifted): named, skipped
     (b'Type,Duration(us),Input Shapes,Wait Time(us),X\nAdd,1.0,"4,4"\nMul,2.0,,,\n', ["Mul"],
-     [(2, "Wait Time(us)")]),                                                           # short: never read
-    (b"Type,Duration(us),X\nAdd,1.0\nMul,2.0,1,2\n", ["Mul"], [(2, "X")]),   # short never read; long read
+     [(2, "Input Shapes..Wait Time(us)")]),
+    (b"Type,Duration(us),X\nAdd,1.0\nMul,2.0,1\n", ["Add", "Mul"], []),   # only the unread end is missing
+    (b"Type,Duration(us),X\nAdd,1.0\nMul,2.0,1,2\n", ["Add", "Mul"], []),   # short/long in unread cells only
     (b"Type,Duration(us),Step Id\nAdd,1.0,\nMul,2.0,1\n", ["Add", "Mul"], []),          # empty is not short
 ])
 def test_ragged_rows_read_alike_and_named_by_both_backends(tmp_path, data, kept, named):
@@ -607,8 +608,8 @@ def test_bare_cr_is_a_line_end_for_both_backends(tmp_path):
     check_backends_agree(out)
     for table, problems in out.values():
         assert table.n == N_KERNELS and not [p for p in problems if p.row is not None], problems
-    # a stray CR in a data row ends it, for both: both halves are short rows, named and not read
-    # (never read shifted, issue 18.11); the other rows are read as they are
+    # a stray CR in a data row ends it, for both: neither half is read by position under the wrong
+    # columns (issue 18); both halves are named, the other rows are read as they are
     text = _csv_text(rows)
     cut = text.index("\n") + 1 + 10
     out = read_all_backends((text[:cut] + "\r" + text[cut:]).encode())
@@ -624,7 +625,7 @@ def test_bug_bare_cr_splits_rows_for_csv_only(tmp_path):
     csv_rows = [(p.row, p.column) for p in read_kernel_details(path, backend="csv")[1]]
     polars_rows = [(p.row, p.column) for p in read_kernel_details(path, backend="polars")[1]]
     assert csv_rows == polars_rows
-    assert csv_rows == [(2, "Duration(us)")]   # the header's tail, after the CR, is a row of its own (too short)
+    assert csv_rows == [(2, "Duration(us)")]   # the header's tail, after the CR, is a row of its own (short)
 
 
 def test_bug_tiny_step_time_makes_infinite_shares(tmp_path):

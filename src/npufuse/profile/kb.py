@@ -196,7 +196,7 @@ def load_kb(path: Path | None = None) -> tuple[KnowledgeBase | None, list[Proble
                 checks = []
                 for c in p.get("checks") or []:
                     name, _, arg = str(c).partition(":")
-                    if name not in ("residual_add", "dataflow", "no_int64", "bool_input"):
+                    if name not in ("residual_add", "feeds", "no_int64", "bool_mask"):
                         raise ValueError(f"unknown check '{c}'")
                     checks.append((name, int(arg or 0)))
                 seqs.append(SequenceRule(

@@ -242,6 +242,30 @@ class Finding:
     note: str | None = None
 
 
+class _MatchSpans:
+    """The spans of one regex match, kept as numbers (start, end, then each checked element's)."""
+
+    def __init__(self, row: np.ndarray, col: dict[int, int]) -> None:
+        self.row, self.col = row, col
+
+    def span(self, group: str | None = None) -> tuple[int, int]:
+        if group is None:
+            return int(self.row[0]), int(self.row[1])
+        c = self.col[int(group[1:])]
+        return int(self.row[c]), int(self.row[c + 1])
+
+
+def _check_groups(checks: list[tuple[str, int]]) -> list[int]:
+    """The pattern elements whose spans the checks read."""
+    need: set[int] = set()
+    for name, k in checks:
+        if name == "feeds":
+            need |= {k, k + 1}
+        elif name != "no_int64":
+            need.add(k)
+    return sorted(need)
+
+
 @dataclass
 class Rejected:
     pattern: str
@@ -329,8 +353,50 @@ class Miner:
                 if op and op.frames:
                     r.first_site.append(str(location_frame(op.frames)))
 
+    def _io(self, t: int) -> tuple[list[tuple[Any, str]], list[tuple[Any, str]]]:
+        """(inputs, outputs) of kernel t as (shape, dtype) pairs; empty where the file has none."""
+        key = self.st.shape_keys[int(self.st.shape_code[t])]
+        def pairs(shapes: str, dtypes: str) -> list[tuple[Any, str]]:
+            sh = parse_shapes(shapes)
+            dt = [d.strip().strip('"').upper() for d in dtypes.strip().strip('"').split(";")] if dtypes.strip() else []
+            return [(sh[k] if k < len(sh) else None, dt[k] if k < len(dt) else "") for k in range(max(len(sh), len(dt)))]
+        return pairs(key[0], key[1]), pairs(key[2], key[3])
+
+    def _element_tokens(self, m: Any, k: int) -> tuple[int, int] | None:
+        a, b = m.span(f"e{k}")
+        if a == b:
+            return None
+        return self._tok(a), self._tok_end(b) - 1
+
     def _check(self, rule: SequenceRule, m: Any, i: int) -> bool:
-        for name, k in rule.checks:
+        return self._checks_hold(rule.checks, m)
+
+    def _checks_hold(self, checks: list[tuple[str, int]], m: Any) -> bool:
+        for name, k in checks:
+            if name == "feeds":
+                # dataflow evidence: the last kernel of element k produces a tensor (same shape and
+                # dtype) that the first kernel of element k+1 takes in; no shapes is no evidence
+                prod, cons = self._element_tokens(m, k), self._element_tokens(m, k + 1)
+                if prod is None or cons is None:
+                    return False
+                outs = [o for o in self._io(prod[1])[1] if o[0] is not None and o[1]]
+                ins = [x for x in self._io(cons[0])[0] if x[0] is not None and x[1]]
+                if not outs or not ins or outs[0] not in ins:
+                    return False
+                continue
+            if name == "no_int64":
+                # index and counter arithmetic (INT64) is no candidate for a float affinity rewrite
+                a, b = m.span()
+                for t in range(self._tok(a), self._tok_end(b)):
+                    ins, outs = self._io(t)
+                    if any(d in ("INT64", "UINT64", "DT_INT64") for _, d in ins + outs):
+                        return False
+                continue
+            if name == "bool_mask":
+                el = self._element_tokens(m, k)
+                if el is None or not any(d in ("BOOL", "DT_BOOL") for _, d in self._io(el[0])[0]):
+                    return False   # integer indices (or no dtypes): not the boolean-mask form
+                continue
             if name == "residual_add":
                 a, b = m.span(f"e{k}")
                 if a == b:
@@ -340,45 +406,6 @@ class Miner:
                 shapes = parse_shapes(key[0])
                 if shapes and (len(shapes) < 2 or shapes[0] != shapes[1] or not shapes[0]):
                     return False   # "+ eps" or a broadcast bias, not a residual add
-            elif self.st.level == "kernel":
-                a, b = self._tok(m.start()), self._tok_end(m.end())
-                keys = [self.st.shape_keys[int(self.st.shape_code[t])] for t in range(a, b)]
-                if not self._evidence_one(name, keys):
-                    return False
-        return True
-
-    def _evidence(self, name: str, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Per match [i, j): the data shows what an affinity rewrite needs (see _evidence_one).
-        Host-level streams carry no shapes: the run-time trace checks tensor identities itself."""
-        if self.st.level != "kernel":
-            return np.ones(i.shape[0], dtype=bool)
-        codes = self.st.shape_code
-        memo: dict[tuple[int, ...], bool] = {}
-        out = np.zeros(i.shape[0], dtype=bool)
-        for n, (a, b) in enumerate(zip(i.tolist(), j.tolist())):
-            key = tuple(int(c) for c in codes[a:b])
-            r = memo.get(key)
-            if r is None:
-                r = memo[key] = self._evidence_one(name, [self.st.shape_keys[c] for c in key])
-            out[n] = r
-        return out
-
-    @staticmethod
-    def _evidence_one(name: str, keys: list[tuple[str, str, str, str]]) -> bool:
-        # without Input/Output Shapes and Data Types (Level0) there is no evidence: nothing claimed
-        if not keys or not all(k[0].strip() and k[1].strip() for k in keys):
-            return False
-        if name == "no_int64":
-            return not any("INT64" in (k[1] + ";" + k[3]).upper() for k in keys)   # index arithmetic
-        if name == "bool_input":
-            return any("BOOL" in k[1].upper() for k in keys)   # integer indices: a scatter, not a mask
-        if name == "dataflow":
-            for prod, cons in zip(keys, keys[1:]):
-                outs = {x for x in parse_shapes(prod[2]) if x}
-                ins = {x for x in parse_shapes(cons[0]) if x}
-                if not outs or not (outs & ins):
-                    return False   # the next kernel does not read what this one wrote
-            return True
         return True
 
     # ------------------------------------------------------------------ sequence rules
@@ -391,7 +418,9 @@ class Miner:
             if rx is None:
                 continue
             if rule.checks:
-                gs = [f"e{k}" for _, k in rule.checks]
+                need = _check_groups(rule.checks)
+                col = {g: 2 + 2 * n for n, g in enumerate(need)}
+                gs = [f"e{k}" for k in need]
                 spans = [(m.start(), m.end(), *(x for g in gs for x in m.span(g))) for m in rx.finditer(self.text)
                          if m.end() > m.start()]
             else:
@@ -407,15 +436,19 @@ class Miner:
             if overlap.any():
                 self._count_subsumed(rule, i[overlap], j[overlap])
             ok = ~overlap
-            for k, (name, _) in enumerate(rule.checks):
+            for name, k in rule.checks:
                 if name != "residual_add":
-                    ok &= self._evidence(name, i, j)
                     continue
-                a_, b_ = arr[:, 2 + 2 * k], arr[:, 3 + 2 * k]
+                a_, b_ = arr[:, col[k]], arr[:, col[k] + 1]
                 tok = self.tok_of[a_]
                 ok &= (b_ > a_) & self._residual()[st.shape_code[np.clip(tok, 0, st.n - 1)]]
+            # dataflow checks run after the module check, so a match across modules is reported as that
+            dataflow = [c for c in rule.checks if c[0] != "residual_add"]
             known = st._cs[j] - st._cs[i]
             bulk = np.flatnonzero(ok & (known == 0))
+            if dataflow:
+                bulk = np.array([r for r in bulk.tolist() if self._checks_hold(dataflow, _MatchSpans(arr[r], col))],
+                                dtype=np.int64)
             if bulk.size:
                 self._add_bulk(rule, i[bulk], j[bulk], arr[bulk, 0], arr[bulk, 1])
             retry: list[tuple[int, int]] = []
@@ -425,6 +458,8 @@ class Miner:
                 if status == "reject":
                     self._reject(rule.id, ii, jj, site)
                     retry.append((ii + 1, jj))
+                    continue
+                if dataflow and not self._checks_hold(dataflow, _MatchSpans(arr[k], col)):
                     continue
                 self._add(rule.id, rule.api, "sequence", ii, jj, site, key, status == "ok", rule.caveat,
                           rule.source)
@@ -850,9 +885,15 @@ def _stream_gaps(st: OpStream, idx: np.ndarray, launch: np.ndarray, host_gap_us:
     method = "trace launch times" if by_trace.any() else f"gaps > {host_gap_us:g} us (no trace: suspected)"
     if by_trace.any() and not by_trace.all():
         method = f"trace launch times where linked, else gaps > {host_gap_us:g} us"
+    # the host's time to dispatch one kernel, where the trace shows it: the median interval between
+    # the launches of consecutive kernels of this stream
+    lt = launch[idx]
+    steps_ = np.diff(lt)
+    steps_ = steps_[np.isfinite(steps_) & (steps_ > 0)]
+    dispatch = float(np.median(steps_)) if steps_.size else 0.0
     return {"wait_us": round(float(gap[~host].sum()), 3), "host_bound_us": round(host_us, 3),
             "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3), "method": method,
-            "largest": largest}
+            "largest": largest, "dispatch_us": round(dispatch, 3)}
 
 
 def _union_us(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

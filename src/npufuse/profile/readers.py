@@ -370,6 +370,23 @@ def _has_bare_cr(path: Path, chunk: int = 1 << 20) -> bool:
         return False   # the csv reader then reports why it cannot read the file
 
 
+def _cell_fits(cell: str, integer: bool, required: bool) -> bool:
+    c = cell.strip()
+    if c in UNKNOWN_CELLS:
+        return not required
+    return c.isdigit() if integer else parse_number(c) is not None
+
+
+def _missing_cell_positions(row: list[str], ncols: int, numeric_ix: list[int], integer_ix: set[int],
+                            required_ix: set[int]) -> list[int]:
+    """Where the cells a short row lacks can be, as far as its cells tell: the positions at which
+    empty cells put back make every numeric cell a number (a run of them for several missing)."""
+    k = ncols - len(row)
+    return [p for p in range(len(row) + 1)
+            if all(_cell_fits((row[:p] + [""] * k + row[p:])[i], i in integer_ix, i in required_ix)
+                   for i in numeric_ix)]
+
+
 def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _ProblemLog) -> KernelTable | None:
     fname = str(path)
     ix = cm.index
@@ -399,17 +416,36 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
         with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
             reader = csv.reader(fp)
             next(reader, None)
+            integer_ix = {i for i in (i_stream, i_step) if i is not None}
+            numeric_ix = sorted(integer_ix | {i for i in (i_dur, i_start, i_wait) if i is not None})
             for row in reader:
-                if len(row) < ncols:
+                if 0 < len(row) < ncols and any(c.strip() for c in row):
+                    fits = _missing_cell_positions(row, ncols, numeric_ix, integer_ix,
+                                                   {i for i in (i_dur, i_start) if i is not None})
+                    if fits != [len(row)]:
+                        # a cell may be missing in the middle: read by position, every cell after it would
+                        # sit under the wrong column (a Level0 row without its Type puts the duration
+                        # under Start), so the row is named and not read
+                        where = [header[p].strip() for p in fits] or [header[len(row)].strip()]
+                        log.add(fname, f"row has {len(row)} fields, header has {ncols}: a cell is missing "
+                                       f"(in column {' or '.join(dict.fromkeys((where[0], where[-1])))}) or the row is "
+                                       f"truncated; not read, its cells would fall under the wrong columns",
+                                row=reader.line_num, column=where[0] if len(where) == 1 else f"{where[0]}..{where[-1]}",
+                                kind="short row")
+                        continue
+                    # only the end is missing (a truncated row): its cells are where the header says
+                if len(row) <= used:
                     if not row:
                         continue   # a blank line
-                    # A field is missing, and nothing says which: reading the row would put every cell
-                    # after the gap in the wrong column (a start time read as a duration). Never read.
-                    log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated, or a field left "
-                                   f"out: the cells after a gap would be read shifted); row not read",
-                            row=reader.line_num, column=header[len(row)] if len(row) < len(header) else None,
-                            kind="short row")
-                    continue
+                    if len(row) <= need:
+                        log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated?); skipped",
+                                row=reader.line_num, kind="short row")
+                        continue
+                    lost = [h for i, h in optional if i >= len(row)]
+                    log.add(fname, f"row has {len(row)} fields, header has {ncols} (truncated?); "
+                                   f"{', '.join(lost)} taken as unknown", row=reader.line_num, column=lost[0],
+                            kind="short row, optional cells lost")
+                    row = row + [""] * (used + 1 - len(row))
                 lines.append(reader.line_num)
                 t = row[i_type] if i_type is not None else ""
                 if i_name is not None:
@@ -564,7 +600,6 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         return None
     fname = str(path)
     fields = {f: i for f, i in cm.index.items() if f in KERNEL_FIELDS_READ}
-    last_read = max(fields.values())
     # by position, not name (duplicate headers); plus the header's last column, to spot short rows
     idx = sorted(set(fields.values()) | {len(header) - 1})
     try:
@@ -589,10 +624,12 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         s = df[name]
         return s.is_null() | (s == "")
 
-    # polars fills the cells a short row lacks with nulls and says nothing, and a row missing a
-    # *middle* field is read shifted. Every short row has an empty last column: a file with any row
-    # like that (also one of genuinely empty cells there) goes to the csv reader, which never reads
-    # a short row and names it.
+    # polars fills the cells a short row lacks with nulls and says nothing; the csv reader names a
+    # row that stops before a column read here. Such a row has that column and every later one
+    # empty, so it is among the rows whose last column read and last column are both empty: a file
+    # with any (also a row of genuinely empty cells there) goes to the csv reader.
+    # a row missing a middle cell also ends with an empty last column (issue 18): the csv reader
+    # then names it instead of polars reading its cells shifted
     short = empty(name_at[len(header) - 1])
     if short.any():
         return None
@@ -858,8 +895,15 @@ def _rank_of(output_dir: Path) -> int | None:
     return None
 
 
+PROFILER_DB = "profiler.db"   # role of ascend_pytorch_profiler*.db (the sqlite export)
+
+
 def _files_in(d: Path) -> dict[str, Path]:
-    return {name: d / name for name in KNOWN_FILES if (d / name).is_file()}
+    found = {name: d / name for name in KNOWN_FILES if (d / name).is_file()}
+    dbs = sorted(x for x in d.glob("ascend_pytorch_profiler*.db") if x.is_file())
+    if dbs:
+        found[PROFILER_DB] = dbs[0]
+    return found
 
 
 def discover(paths: list[str]) -> tuple[list[RankSource], list[Problem]]:
@@ -874,6 +918,7 @@ def discover(paths: list[str]) -> tuple[list[RankSource], list[Problem]]:
             continue
         if p.is_file():
             role = p.name if p.name in KNOWN_FILES else ("trace_view.json" if p.suffix == ".json"
+                                                         else PROFILER_DB if p.suffix == ".db"
                                                          else "kernel_details.csv")
             sources.append(RankSource(raw, None, {role: p}))
             continue

@@ -95,11 +95,10 @@ def render_terminal(result: dict[str, Any], console: Any = None) -> None:
     from rich.table import Table
 
     # a pipe gets 80 columns from rich; the roofline table needs more to stay readable
-    # the terminal's own width (a pipe: 100): wide tables fold their cells instead of running off
-    con = console or Console(width=max(shutil.get_terminal_size((100, 24)).columns, 60))
+    con = console or Console(width=max(shutil.get_terminal_size((160, 24)).columns, 140))
     t = result["totals"]
     con.print(f"[bold]npufuse profile[/bold]: {t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])}, "
-              f"device kernel time {fmt_us(t['device_time_us'])}")
+              f"device kernel time {fmt_us(t['device_time_us'])}" + (" (per rank, the largest)" if t['ranks'] > 1 else ""))
     for line in input_lines(result):
         con.print(line, highlight=False, markup=False)
     con.print(f"module: {result['module_note']}", highlight=False)
@@ -163,10 +162,36 @@ def _problem_text(p: dict[str, Any]) -> str:
     return f"{where}: {p['message']}"
 
 
+MD_WIDTH = 100
+
+
+def md_text(text: str) -> str:
+    """Plain text for markdown: '<module>' and '<string>' would be read as HTML tags and vanish.
+    Escaping '<' is enough to keep it text ('A > B' mid-line is plain text). Code spans (`...`) are
+    left as they are: markdown shows them literally."""
+    parts = text.split("`")
+    return "`".join(p if k % 2 else p.replace("&", "&amp;").replace("<", "&lt;") for k, p in enumerate(parts))
+
+
 def _md_row(cells: list[str]) -> str:
-    # profiler text is data: `<module>` must not open an HTML tag, `|` must not split a cell
-    return "| " + " | ".join(c.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
-                             for c in cells) + " |"
+    return "| " + " | ".join(md_text(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table when every line fits MD_WIDTH columns; else each row folded into a list item
+    with one wrapped line per column (a 15-column table cannot fit)."""
+    lines = [_md_row(head), _md_row(["---"] * len(head))] + [_md_row(r) for r in rows]
+    if all(len(x) <= MD_WIDTH for x in lines):
+        return lines
+    import textwrap
+
+    out: list[str] = []
+    for r in rows:
+        out += textwrap.wrap(f"- {md_text(r[0])}", MD_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+        for h, c in zip(head[1:], r[1:]):
+            out += textwrap.wrap(f"{h}: {md_text(c)}", MD_WIDTH, initial_indent="  - ", subsequent_indent="    ",
+                                 break_on_hyphens=False, break_long_words=True)
+    return out
 
 
 def render_markdown(result: dict[str, Any], title: str = "Profile: fusable operator sequences") -> str:
@@ -174,37 +199,34 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
     t = result["totals"]
     out = [f"## {title}", "",
            f"{t['ranks']} rank(s), step time {fmt_us(t['step_time_us'])}, device kernel time "
-           f"{fmt_us(t['device_time_us'])}. Module attribution: {result['module_note']}.", "",
+           f"{fmt_us(t['device_time_us'])}{' (per rank, the largest)' if t['ranks'] > 1 else ''}. "
+           f"Module attribution: {result['module_note']}.", "",
            f"Assumptions: {assumptions_text(result['assumptions'])}. Bytes are estimated from kernel shapes and "
            f"dtypes; the speed-up is an upper bound (the fused kernel reads the sequence's external inputs and "
            f"writes its last outputs once, at peak rate, or at the shortest kernel time).", "",
            "### Fusion candidates (roofline)", ""]
     heads = ["share of step", "kernels", "bytes", "fused bytes", "FLOP/B", "verdict", "speed-up <=", "step saving <="]
-    out.append(_md_row(["id", "pattern", "fused API", "sequence", "count", "time"] + heads + ["location"]))
-    out.append(_md_row(["---"] * (7 + len(heads))))
-    for f in result["fusions"]:
-        out.append(_md_row([f["id"], f"`{f['pattern']}`", f"`{f['api']}`", seq_text(f["kernels"], 12),
-                            str(f["count"]), fmt_us(f["time_us"]), *_roof_cells(f),
-                            location_text(f.get("location"))]))
+    out += _md_table(["id", "pattern", "fused API", "sequence", "count", "time"] + heads + ["location"],
+                     [[f["id"], f"`{f['pattern']}`", f"`{f['api']}`", seq_text(f["kernels"], 12),
+                       str(f["count"]), fmt_us(f["time_us"]), *_roof_cells(f), location_text(f.get("location"))]
+                      for f in result["fusions"]])
     notes = [f for f in result["fusions"] if f.get("caveat") or f.get("note") or f["roofline"].get("notes")]
     if notes:
         out.append("")
         for f in notes:
             bits = [x for x in (f.get("caveat"), f.get("note")) if x] + list(f["roofline"].get("notes") or [])
-            out.append(f"- {f['id']} `{f['pattern']}`: " + "; ".join(bits))
+            out.append(f"- {f['id']} `{f['pattern']}`: " + md_text("; ".join(bits)))
     out += ["", "### Frequent sequences no fused API covers", ""]
     if result["unmapped"]:
-        out.append(_md_row(["sequence", "count", "time"] + heads + ["location"]))
-        out.append(_md_row(["---"] * (4 + len(heads))))
-        for s in result["unmapped"]:
-            out.append(_md_row([seq_text(s["kernels"], 12), str(s["count"]), fmt_us(s["time_us"]), *_roof_cells(s),
-                                location_text(s.get("location"))]))
+        out += _md_table(["sequence", "count", "time"] + heads + ["location"],
+                         [[seq_text(s["kernels"], 12), str(s["count"]), fmt_us(s["time_us"]), *_roof_cells(s),
+                           location_text(s.get("location"))] for s in result["unmapped"]])
     else:
         out.append("None.")
     if result["rejected"]:
         out += ["", "### Matches not reported because they span modules", ""]
         for r in result["rejected"]:
-            out.append(f"- `{r['pattern']}` {seq_text(r['kernels'])} ({r['count']}x): {r['reason']}")
+            out.append(f"- `{r['pattern']}` {md_text(seq_text(r['kernels']))} ({r['count']}x): {md_text(r['reason'])}")
     g = result["gaps"]
     out += ["", "### Waiting and host-bound time (not fusion)", "",
             f"- wait between kernels: {fmt_us(g['wait_us'])} ({fmt_pct(g.get('wait_share'))} of step time)",
@@ -218,5 +240,5 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
                 f"({fmt_pct(c.get('exposed_share'))}), overlapped by compute {fmt_us(c['overlapped_us'])}"]
     out += ["", "### Inputs", ""] + [f"- {line.strip()}" for line in input_lines(result)]
     if result["problems"]:
-        out += ["", "### Input problems", ""] + [f"- {_problem_text(p)}" for p in result["problems"]]
+        out += ["", "### Input problems", ""] + [f"- {md_text(_problem_text(p))}" for p in result["problems"]]
     return "\n".join(out) + "\n"

@@ -100,6 +100,10 @@ def kernel_cost(ktype: str, key: tuple[str, str, str, str]) -> KernelCost:
     in_s, in_d, out_s, out_d = key
     ins = _tensors(in_s, in_d)
     outs = _tensors(out_s, out_d)
+    if ins and not outs and not out_s.strip().strip('"') and not out_d.strip():
+        # an in-place update (ForeachAddList, ApplyAdamW, InplaceCopy) lists no outputs but writes its
+        # first input back: its bytes count, the kernel is not "shapes unknown"
+        outs = [ins[0]]
     known = ins is not None and outs is not None and bool(outs)
     ins, outs = ins or [], outs or []
     flops = 0.0
@@ -179,7 +183,10 @@ def assess(types: list[str], keys: list[tuple[str, str, str, str]], span_us: flo
                    fused_min_us=round(t_fused, 3))
         notes.append("no shapes/dtypes: bytes unknown; the bound counts only gaps between kernels")
     mean_k = kernel_us / n if n else 0.0
-    if n > 1 and (gaps >= kernel_us or mean_k < 2 * a.launch_us):
+    if ai is not None and ai >= a.ridge:
+        # at high intensity the math decides, however short the kernels are
+        verdict = "compute-bound"
+    elif n > 1 and (gaps >= kernel_us or mean_k < 2 * a.launch_us):
         verdict = "launch-bound"
     elif ai is None:
         verdict = "unknown"
