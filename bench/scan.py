@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             f = Finding(c["pattern"], c["qualname"], c["line"], c["end_line"], c["params"], c["fused"], c["guard_tensor"])
             sw = Switch(c["switch"]["kind"], c["switch"]["expr"], c["switch"]["name"])
             try:
-                ok = render_site(src, f, sw) == c["replacement"]
+                ok = render_site(src, f, sw, c["id"]) == c["replacement"]  # the per-candidate switch names its id
             except Exception as exc:  # render_site cannot do it at all: counted as a mismatch
                 ok = False
                 print(f"  render_site failed for {c['key']}: {type(exc).__name__}: {exc}")
