@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how fused branches are switched: auto = DESIGN rule 1 (repo switch > new config field > env var); env = always NPUFUSE_<ID>; none = only the NPU check")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown only when stderr is a terminal)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the per-file result cache (STATE_DIR/cache)")
+    # issue 16: model code that lives in installed packages (npufuse.scan.follow)
+    parser.add_argument("--no-follow-imports", action="store_true", help="scan only the repo, not the installed modeling files it uses (transformers)")
+    parser.add_argument("--python", metavar="EXE", help="the interpreter the repo runs with: its sys.path says where installed packages live")
+    parser.add_argument("--site", metavar="PATH", action="append", help="a folder holding installed packages (repeatable; overrides --python)")
 
 
 def _progress(enabled: bool):
@@ -260,10 +264,20 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
     info.files = len(inputs.walked.files)
+    followed = None
+    if not args.no_follow_imports:
+        from npufuse.scan import follow
+
+        try:
+            paths = follow.search_path(args.python, args.site)
+        except follow.FollowError as exc:
+            raise UsageError(str(exc)) from None
+        followed = follow.follow_imports(Path(inputs.walked.root), inputs.walked.files, paths)
 
     # The profile join reads profiler output the key does not cover: such a run always scans.
     # A cold cache (inputs.cold) has no record to reuse: its key comes with the scan's result.
     keyed = cache_dir is not None and not args.profile and (inputs.key is not None or inputs.cold)
+    keyed = keyed and not (followed and (followed.files or followed.unresolved))  # installed files are not in the key
     if keyed:
         if inputs.key is not None:
             from npufuse.scan.cache import reuse_outputs
@@ -289,6 +303,9 @@ def run(args: argparse.Namespace) -> int:
     info.files_from_cache = result.stats.get("from_cache", 0)
 
     scan = result.to_json()
+    if followed is not None and (followed.files or followed.unresolved):
+        follow.extend_scan(scan, followed, only=only, max_file_bytes=int(args.max_file_mb * 1024 * 1024), switch_mode=args.switch,
+                           overrides={"batch_size": args.batch_size, "seq_len": args.seq_len})
     profile_section = _join_profile(scan, args.profile) if args.profile else None
     if profile_section is not None:
         scan["suggested_order"] = engine.suggested_order(scan["candidates"])
