@@ -320,3 +320,80 @@ def remove_patches(root: Path) -> bool:
 
 def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# -- the apply / revert hooks ------------------------------------------------------------------------
+
+
+def split_ids(scan: Any, ids: list[int] | None) -> tuple[list[int] | None, list[int]]:
+    """(ids the in-place rewrite handles, ids patch mode handles); ``None`` stays ``None`` when
+    the scan has no package candidate (the rewrite's own "every candidate")."""
+    by_id = scan.by_id()
+    chosen = ids if ids is not None else sorted(by_id)
+    patch = [i for i in chosen if is_package_candidate(by_id[i])]
+    if not patch:
+        return ids, []
+    return [i for i in chosen if i not in patch], patch
+
+
+def _marker_span(text: str, name: str) -> list[int]:
+    tree = ast.parse(text)
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name:
+            return [n.lineno, n.end_lineno or n.lineno]
+    return [0, 0]
+
+
+def record(state: Any, scan: Any, plan: PatchPlan) -> None:
+    """state.json entries of the patched candidates: file and qualname name the generated function
+    (what verify reads and imports), ``applied["mode"] == "patch"`` what revert removes."""
+    by_id = scan.by_id()
+    for f in plan.functions:
+        for cid in f.ids:
+            c = by_id[cid]
+            entry = state.ensure(c)
+            entry.file = PATCH_FILE
+            entry.qualname = f.name
+            switch = c.get("switch") or {}
+            entry.applied = {
+                "mode": "patch",
+                "package": {"name": f.package, "version": f.version, "module": f.module, "qualname": f.qualname},
+                "function": f.name,
+                "span": _marker_span(plan.text, f.name),
+                "switch": switch,
+                "switch_description": switch.get("describe", ""),
+                "file_sha256_after": text_sha256(plan.text),
+                "installed_file_sha256": f.file_sha256,
+            }
+            entry.history.append({"status": entry.status, "note": f"patched in {PATCH_FILE} ({f.module}.{f.qualname}); add `{USER_LINE}`"})
+
+
+def patched_ids(state: Any) -> list[int]:
+    return sorted(cid for cid, c in state.candidates.items() if c.applied and c.applied.get("mode") == "patch")
+
+
+def revert(state: Any, root: Path, scan_loader: Any, ids: list[int] | None, dry_run: bool = False) -> tuple[list[int], str]:
+    """Revert patched candidates ``ids`` (None: all): the module is regenerated without them, or
+    removed when none is left. Returns (reverted ids, a message)."""
+    have = patched_ids(state)
+    targets = [i for i in (ids if ids is not None else have) if i in have]
+    if not targets:
+        return [], ""
+    keep = [i for i in have if i not in targets]
+    if dry_run:
+        return targets, f"would {'regenerate' if keep else 'remove'} {PATCH_FILE}"
+    if keep:
+        scan = scan_loader()
+        by_id = scan.by_id()
+        plan = plan_patches(scan, [by_id[i] for i in keep if i in by_id])
+        write_patches(root, plan)
+        message = f"{PATCH_FILE} regenerated without candidate(s) {', '.join(map(str, targets))}"
+    else:
+        remove_patches(root)
+        message = f"{PATCH_FILE} removed; delete the line `{USER_LINE}` from your training script"
+    for i in targets:
+        entry = state.candidates[i]
+        entry.applied = None
+        entry.history.append({"status": entry.status, "note": f"patch removed from {PATCH_FILE}"})
+    state.save()
+    return targets, message

@@ -74,6 +74,23 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     root = _root(state_dir, args.root)
     ids = _ids(args.ids)
+    # issue 16: candidates patched in npufuse_patches.py (installed packages) are reverted there
+    from npufuse.rewrite import patch_module as pm
+
+    try:
+        from npufuse.rewrite.apply import load_scan
+
+        patched, message = pm.revert(state, root, lambda: load_scan(state_dir, args.root), ids, dry_run=args.dry_run)
+    except (pm.PatchRefused, Refused, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    if patched:
+        print(f"npufuse revert: candidate(s) {', '.join(map(str, patched))}: {message}")
+        if ids is not None:
+            ids = [i for i in ids if i not in patched]
+            if not ids:
+                return 0
+        elif not [c for c in state.candidates.values() if c.applied]:
+            return 0
     try:
         notes = ledger.reconcile(state, root) if not args.dry_run else []
         plan = plan_revert(state, root, state_dir, ids, force=args.force)
