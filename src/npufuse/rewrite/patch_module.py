@@ -24,13 +24,14 @@ The user adds one line to their training script: ``import npufuse_patches; npufu
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import json
 import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 PATCH_FILE = "npufuse_patches.py"
 USER_LINE = "import npufuse_patches; npufuse_patches.apply()"
@@ -223,8 +224,12 @@ def _rebound(fn, module):
     import types
 
     namespace = dict(vars(module))
-    for key, value in globals().items():
+    mine = globals()
+    for key, value in mine.items():
         if not key.startswith("__") and key not in namespace:
+            if isinstance(value, types.FunctionType) and value.__globals__ is mine:
+                # the switch helpers read torch_npu from the same namespace as the fused code
+                value = types.FunctionType(value.__code__, namespace, value.__name__, value.__defaults__, value.__closure__)
             namespace[key] = value
     new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
@@ -397,3 +402,67 @@ def revert(state: Any, root: Path, scan_loader: Any, ids: list[int] | None, dry_
         entry.history.append({"status": entry.status, "note": f"patch removed from {PATCH_FILE}"})
     state.save()
     return targets, message
+
+
+# -- verify op on a patched method -------------------------------------------------------------------
+
+
+class _PatchedView:
+    """What ``verify op`` treats as "the user's module" for a patched candidate: names read from
+    (and ``torch_npu`` switched in) the namespace the patched function runs with."""
+
+    def __init__(self, namespace: dict[str, Any], name: str) -> None:
+        object.__setattr__(self, "_ns", namespace)
+        object.__setattr__(self, "__name__", name)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self._ns[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self._ns[key] = value
+
+
+def target_qualname(cand: Any) -> str:
+    """The qualname verify resolves: the patched method's own in its package (its class builds the instance)."""
+    applied = getattr(cand, "applied", None) or {}
+    if applied.get("mode") == "patch":
+        return str((applied.get("package") or {}).get("qualname") or cand.qualname)
+    return cand.qualname
+
+
+@contextlib.contextmanager
+def op_check_view(module: Any, applied: dict[str, Any] | None) -> Iterator[Any]:
+    """For a patched candidate (``module`` is the imported npufuse_patches): its function installed
+    directly on the class (or modeling module) for the duration, and a view of its namespace;
+    anything else: ``module`` unchanged."""
+    if not applied or applied.get("mode") != "patch":
+        yield module
+        return
+    import importlib
+
+    pkg = applied.get("package") or {}
+    name = str(applied.get("function", ""))
+    fn = getattr(module, name, None)
+    if fn is None or not isinstance(pkg.get("module"), str):
+        raise PatchRefused(f"{PATCH_FILE}: no patched function {name!r}; run `npufuse apply` again")
+    try:
+        modeling = importlib.import_module(pkg["module"])
+    except Exception as exc:  # the installed package fails to import here: one clear line, not a traceback
+        from npufuse.cli import UsageError
+
+        raise UsageError(f"{PATCH_FILE}: importing {pkg['module']} (patched function {name}) failed: {type(exc).__name__}: {exc}") from None
+    rebound = module._rebound(fn, modeling)
+    owner_path, _, attr = str(pkg.get("qualname", "")).rpartition(".")
+    owner: Any = modeling
+    for part in owner_path.split(".") if owner_path else []:
+        owner = getattr(owner, part)
+    before = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+    # set directly, wrapper or not: the check calls this function, not the library's dispatch
+    setattr(owner, attr, rebound)
+    try:
+        yield _PatchedView(rebound.__globals__, pkg["module"])
+    finally:
+        setattr(owner, attr, before)
