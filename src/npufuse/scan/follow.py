@@ -353,7 +353,9 @@ def merge(scan: dict[str, Any], followed: FollowedFile, part: dict[str, Any]) ->
         c["file"] = prefix + c["file"]
         c["key"] = f"{c['pattern']}@{c['file']}:{c['qualname']}" + (c["key"].rsplit("#", 1)[1:] and "#" + c["key"].rsplit("#", 1)[1] or "")
         c["package"] = {"name": pkg.name, "version": pkg.version, "site": str(pkg.site), "path": c["file"]}
-        c.setdefault("notes", []).append(f"in installed {pkg.name} {pkg.version} (followed: {followed.reason})")
+        c.setdefault("notes", []).append(f"in installed {pkg.name} {pkg.version} (followed: {followed.reason}); `npufuse apply` patches it in "
+                                         "npufuse_patches.py in this repo, never in site-packages: add `import npufuse_patches; npufuse_patches.apply()` "
+                                         "to the training script")
         scan["candidates"].append(c)
     for m in part.get("near_misses", []):
         m["file"] = prefix + m["file"]
