@@ -462,6 +462,8 @@ def op_check_view(module: Any, applied: dict[str, Any] | None) -> Iterator[Any]:
     before = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
     # set directly, wrapper or not: the check calls this function, not the library's dispatch
     setattr(owner, attr, rebound)
+    if owner is modeling:  # the view reads the namespace, a copy taken before this install
+        rebound.__globals__[attr] = rebound
     try:
         yield _PatchedView(rebound.__globals__, pkg["module"])
     finally:
