@@ -260,6 +260,7 @@ def apply(verbose=True):
     if _ORIGINALS:
         return [p["name"] for p in PATCHES]
     installed = []
+    namespaces = []
     for p in PATCHES:
         have = _installed_version(p["package"])
         if have != p["version"]:
@@ -274,10 +275,18 @@ def apply(verbose=True):
         owner = module
         for part in owner_path.split(".") if owner_path else []:
             owner = getattr(owner, part)
-        if _install(owner, attr, _rebound(globals()[p["name"]], module)):
+        new = _rebound(globals()[p["name"]], module)
+        if _install(owner, attr, new):
             installed.append(p["name"])
+            namespaces.append((module, new.__globals__))
         else:
             _npufuse_warnings.warn(f"npufuse_patches: {p['module']}.{p['qualname']} is wrapped in a way npufuse cannot patch; left as it is")
+    # each namespace was copied before later patches were installed: patched functions that call
+    # each other (a module-level function from a method) see the patched versions
+    for module, namespace in namespaces:
+        for p in PATCHES:
+            if p["module"] == module.__name__ and "." not in p["qualname"] and p["name"] in installed:
+                namespace[p["qualname"]] = getattr(module, p["qualname"])
     if verbose:
         print(f"npufuse_patches: {len(installed)} of {len(PATCHES)} patch(es) installed")
     return installed
