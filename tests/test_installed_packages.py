@@ -222,7 +222,7 @@ def _losses(repo: Path, site: Path, *args: str) -> list:
     return [res.stdout, eval(line[len("LOSSES"):])]
 
 
-def test_patch_mode_scan_apply_verify_revert_keeps_site_packages_identical(tmp_path: Path, site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_patch_mode_scan_apply_verify_revert_keeps_site_packages_identical(tmp_path: Path, site: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     pkg = site / "transformers"
     before = tree_digest(pkg)
     repo = make_repo(tmp_path)
@@ -272,6 +272,27 @@ def test_patch_mode_scan_apply_verify_revert_keeps_site_packages_identical(tmp_p
         ev = json.loads((sd / "state.json").read_text())
         op = next(c for c in ev["candidates"] if c["id"] == cid)["evidence"]["op"]
         assert op["passed"] and op["backend"] == "emulated" and op["calls"]["site_calls_on"] >= 1 and op["calls"]["site_calls_off"] == 0
+    assert tree_digest(pkg) == before
+
+    # verify e2e: 60 steps of the user's script with the one line, switch off then on, under the
+    # emulator (the child gets the emulator from npufuse's probe; the site comes on PYTHONPATH)
+    rms = ids["rms_norm:modeling_llama.py"]
+    (repo / "run60.py").write_text(
+        "import sys\nsys.path.insert(0, sys.argv[1])\n"
+        "import npufuse_patches; npufuse_patches.apply()\n"
+        "import torch, train\ntorch.manual_seed(0)\nm = train.build('llama')\n"
+        "opt = torch.optim.AdamW(m.parameters(), lr=1e-3)\n"
+        "for step in range(1, 61):\n"
+        "    x = torch.randint(0, 64, (2, 16)); loss = m(input_ids=x, labels=x).loss; loss.backward(); opt.step(); opt.zero_grad()\n"
+        "    print(f'step {step} loss {loss.item():.6f}', flush=True)\n")
+    monkeypatch.setenv("PYTHONPATH", _env(site)["PYTHONPATH"])
+    cmd = f"{sys.executable} {repo / 'run60.py'} {repo}"
+    assert main(["verify", "e2e", str(rms), "--state-dir", str(sd), "--cmd", cmd, "--steps", "60"]) == 0, capsys.readouterr()
+    entry = next(c for c in json.loads((sd / "state.json").read_text())["candidates"] if c["id"] == rms)
+    e2e = entry["evidence"]["e2e"]
+    assert e2e["passed"] and e2e["proof"]["fused_site_calls"] > 0 and e2e["proof"]["baseline_site_calls"] == 0
+    assert e2e["proof"]["apis"] == {"npu_rms_norm": e2e["proof"]["fused_site_calls"]}
+    assert entry["status"] == "concluded"
     assert tree_digest(pkg) == before
 
     # revert: one candidate regenerates the module without it; all remove it
