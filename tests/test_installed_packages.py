@@ -341,3 +341,18 @@ def test_patches_are_skipped_for_another_installed_version(tmp_path: Path, site:
     res = subprocess.run([sys.executable, "-c", code], cwd=repo, env=_env(site), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "INSTALLED [] " in res.stdout and "patches made for 0.0.1" in res.stdout
+
+
+def test_trainer_repo_is_pointed_at_transformers_npu_fused_adamw(tmp_path: Path, site: Path) -> None:
+    text = ("import torch\nfrom transformers import Trainer, TrainingArguments\n"
+            "def make(model):\n    return torch.optim.AdamW(model.parameters(), lr=1e-4)\n"
+            "args = TrainingArguments(output_dir='out')\n")
+    data = scan(make_repo(tmp_path, text), site)
+    opt = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    assert len(opt) == 1 and any('optim="adamw_torch_npu_fused"' in n and "train.py:" in n for n in opt[0]["notes"])
+    assert ("optim", "adamw_torch_npu_fused") in {(s["name"], s["value"]) for s in data["library_switches"]}
+    # without Trainer the same construction gets no such note
+    other = tmp_path / "other"
+    other.mkdir()
+    data = scan(make_repo(other, text.replace("from transformers import Trainer, TrainingArguments\n", "").replace("args = TrainingArguments(output_dir='out')\n", "")), site)
+    assert not any("adamw_torch_npu_fused" in n for c in data["candidates"] for n in c["notes"])

@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     # The profile join reads profiler output the key does not cover: such a run always scans.
     # A cold cache (inputs.cold) has no record to reuse: its key comes with the scan's result.
     keyed = cache_dir is not None and not args.profile and (inputs.key is not None or inputs.cold)
-    keyed = keyed and not (followed and (followed.files or followed.unresolved))  # installed files are not in the key
+    keyed = keyed and not (followed and (followed.files or followed.unresolved or followed.trainer))  # installed files are not in the key
     if keyed:
         if inputs.key is not None:
             from npufuse.scan.cache import reuse_outputs
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     info.files_from_cache = result.stats.get("from_cache", 0)
 
     scan = result.to_json()
-    if followed is not None and (followed.files or followed.unresolved):
+    if followed is not None and (followed.files or followed.unresolved or followed.trainer):
         follow.extend_scan(scan, followed, only=only, max_file_bytes=int(args.max_file_mb * 1024 * 1024), switch_mode=args.switch,
                            overrides={"batch_size": args.batch_size, "seq_len": args.seq_len})
     profile_section = _join_profile(scan, args.profile) if args.profile else None

@@ -65,6 +65,8 @@ class FollowedFile:
 class FollowResult:
     files: list[FollowedFile] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)  # what the repo uses that was not found installed
+    package: InstalledPackage | None = None  # the transformers found, if the repo uses it
+    trainer: str | None = None  # where the repo uses transformers' Trainer/TrainingArguments ("train.py:12")
 
 
 class FollowError(ValueError):
@@ -246,6 +248,7 @@ def follow_imports(repo: Path, files: Iterable[str], paths: list[Path]) -> Follo
         uses += _uses(repo, rel, text)
     if not uses:
         return result
+    result.package = pkg
     if pkg is None:
         result.unresolved.append("transformers (imported by the repo, not found on the search path)")
         return result
@@ -257,6 +260,8 @@ def follow_imports(repo: Path, files: Iterable[str], paths: list[Path]) -> Follo
             seen[rel] = FollowedFile(pkg, rel, reason)
 
     for kind, value, where in uses:
+        if kind == "class" and value in ("TrainingArguments", "Trainer", "Seq2SeqTrainingArguments") and result.trainer is None:
+            result.trainer = where
         if kind == "class":
             mt = classes.get(value)
             if mt is not None:
@@ -395,11 +400,13 @@ def extend_scan(scan: dict[str, Any], found: FollowResult, *, only: list[str] | 
                 c["bypassed_by_default"] = reason
                 c.setdefault("notes", []).append(reason)
                 bypassed.append(c["id"])
-    # the repo's own optimizer construction also has a library switch when it trains through Trainer
-    for c in scan["candidates"]:
-        for s in switches:
-            if s["pattern"] == c.get("pattern") and not c.get("package") and s["name"] == "optim" and any("TrainingArguments" in t or "Trainer" in t for t in scan.get("training", [])):
-                c.setdefault("notes", []).append(f"{s['package']} has its own switch: {s['what']} (prefer it)")
+    # the repo trains through transformers' Trainer: its optimizer has the library's own switch
+    if found.trainer is not None and found.package is not None:
+        switches += [s for s in library_switches(found.package) if s["name"] == "optim" and s not in switches]
+        for c in scan["candidates"]:
+            if c.get("pattern") == "fused_optimizer" and not c.get("package"):
+                c.setdefault("notes", []).append(f'the repo uses Trainer ({found.trainer}): prefer TrainingArguments(optim="adamw_torch_npu_fused") '
+                                                 "(transformers' own torch_npu fused AdamW) to rewriting this construction")
     if switches:
         scan["library_switches"] = switches
     order = engine.suggested_order(scan["candidates"])
