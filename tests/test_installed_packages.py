@@ -356,3 +356,28 @@ def test_trainer_repo_is_pointed_at_transformers_npu_fused_adamw(tmp_path: Path,
     other.mkdir()
     data = scan(make_repo(other, text.replace("from transformers import Trainer, TrainingArguments\n", "").replace("args = TrainingArguments(output_dir='out')\n", "")), site)
     assert not any("adamw_torch_npu_fused" in n for c in data["candidates"] for n in c["notes"])
+
+
+def test_wrapped_experts_forward_is_patched_inside_the_librarys_dispatch(tmp_path: Path, site: Path) -> None:
+    """transformers wraps Qwen2MoeExperts.forward (use_experts_implementation): the patch swaps the
+    original the wrapper dispatches to, so experts_implementation still decides; unapply restores it."""
+    repo = make_repo(tmp_path)
+    sd = repo / ".npufuse"
+    data = scan(repo, site)
+    moe = next(c["id"] for c in data["candidates"] if c["pattern"] == "moe_experts")
+    assert main(["apply", "--accept", str(moe), "--state-dir", str(sd)]) == 0
+    code = textwrap.dedent("""
+        import npufuse_patches
+        import transformers.models.qwen2_moe.modeling_qwen2_moe as q
+        wrapper = q.Qwen2MoeExperts.forward
+        original = wrapper.__wrapped__
+        def held():
+            return [c.cell_contents.__name__ for c in wrapper.__closure__ if callable(c.cell_contents) and hasattr(c.cell_contents, "__code__")]
+        npufuse_patches.apply(verbose=False)
+        print("PATCHED", q.Qwen2MoeExperts.forward is wrapper, "qwen2_moe__Qwen2MoeExperts__forward" in held())
+        npufuse_patches.unapply()
+        print("RESTORED", any(c.cell_contents is original for c in wrapper.__closure__), "qwen2_moe__Qwen2MoeExperts__forward" in held())
+    """)
+    res = subprocess.run([sys.executable, "-c", code], cwd=repo, env=_env(site), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "PATCHED True True" in res.stdout and "RESTORED True False" in res.stdout
