@@ -295,6 +295,11 @@ def test_patch_mode_scan_apply_verify_revert_keeps_site_packages_identical(tmp_p
     assert entry["status"] == "concluded"
     assert tree_digest(pkg) == before
 
+    # revert --dry-run writes nothing
+    kept = (repo / "npufuse_patches.py").read_bytes()
+    assert main(["revert", "--dry-run", "--state-dir", str(sd)]) == 0
+    assert (repo / "npufuse_patches.py").read_bytes() == kept and "would remove npufuse_patches.py" in capsys.readouterr().out
+
     # revert: one candidate regenerates the module without it; all remove it
     first = accept[0]
     assert main(["revert", str(first), "--state-dir", str(sd)]) == 0

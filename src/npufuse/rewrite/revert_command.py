@@ -85,11 +85,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if patched:
         print(f"npufuse revert: candidate(s) {', '.join(map(str, patched))}: {message}")
-        if ids is not None:
-            ids = [i for i in ids if i not in patched]
-            if not ids:
-                return 0
-        elif not [c for c in state.candidates.values() if c.applied]:
+        # the rest (sites rewritten in place) go on to the rewrite's revert
+        rest = ids if ids is not None else sorted(cid for cid, c in state.candidates.items() if c.applied)
+        ids = [i for i in rest if i not in patched]
+        if not ids:
             return 0
     try:
         notes = ledger.reconcile(state, root) if not args.dry_run else []
