@@ -386,3 +386,24 @@ def test_wrapped_experts_forward_is_patched_inside_the_librarys_dispatch(tmp_pat
     res = subprocess.run([sys.executable, "-c", code], cwd=repo, env=_env(site), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "PATCHED True True" in res.stdout and "RESTORED True False" in res.stdout
+
+
+def test_scanning_the_installed_package_itself_follows_nothing(tmp_path: Path, site: Path) -> None:
+    """The library's own files (relative imports) and a scan of its folder add no second copy."""
+    import shutil
+
+    repo = tmp_path / "copy"
+    repo.mkdir()
+    shutil.copy(site / "transformers/models/llama/modeling_llama.py", repo / "modeling_llama.py")
+    data = scan_dir(repo, site, tmp_path / "sd1")
+    assert set(by_file(data)) == {"modeling_llama.py"} and "followed" not in data
+    before = tree_digest(site / "transformers/models/llama")
+    data = scan_dir(site / "transformers/models/llama", site, tmp_path / "sd2")
+    assert tree_digest(site / "transformers/models/llama") == before
+    assert "followed" not in data and not any("package" in c for c in data["candidates"])
+
+
+def scan_dir(path: Path, site: Path, sd: Path) -> dict:
+    rc = main(["scan", str(path), "--state-dir", str(sd), "--format", "json", "--site", str(site), "--no-cache"])
+    assert rc == 0
+    return json.loads((sd / "scan.json").read_text())

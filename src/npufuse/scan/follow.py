@@ -195,6 +195,11 @@ def _uses(repo: Path, rel: str, text: str) -> list[tuple[str, str, str]]:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
     out: list[tuple[str, str, str]] = []
+    # only a file that imports transformers by its absolute name uses the installed copy (the
+    # library's own files import each other relatively: a copy of them is the repo's own code)
+    if not any((isinstance(n, ast.Import) and any(a.name.split(".")[0] == "transformers" for a in n.names))
+               or (isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] == "transformers") for n in ast.walk(tree)):
+        return out
     for node in ast.walk(tree):
         where = f"{rel}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Import):
@@ -251,6 +256,12 @@ def follow_imports(repo: Path, files: Iterable[str], paths: list[Path]) -> Follo
     result.package = pkg
     if pkg is None:
         result.unresolved.append("transformers (imported by the repo, not found on the search path)")
+        return result
+    try:
+        inside = repo.resolve().is_relative_to(pkg.root) or pkg.root.is_relative_to(repo.resolve())
+    except OSError:
+        inside = False
+    if inside:  # the scan already covers the installed package itself
         return result
     classes = _class_to_model_type(pkg)
     seen: dict[str, FollowedFile] = {}
