@@ -367,7 +367,8 @@ def merge(scan: dict[str, Any], followed: FollowedFile, part: dict[str, Any]) ->
         n += 1
         c["id"] = n
         c["file"] = prefix + c["file"]
-        c["key"] = f"{c['pattern']}@{c['file']}:{c['qualname']}" + (c["key"].rsplit("#", 1)[1:] and "#" + c["key"].rsplit("#", 1)[1] or "")
+        head, sep, nth = c["key"].rpartition("#")
+        c["key"] = f"{c['pattern']}@{c['file']}:{c['qualname']}" + (f"#{nth}" if sep and nth.isdigit() else "")  # "#2": a second site in one function
         c["package"] = {"name": pkg.name, "version": pkg.version, "site": str(pkg.site), "path": c["file"]}
         c.setdefault("notes", []).append(f"in installed {pkg.name} {pkg.version} (followed: {followed.reason}); `npufuse apply` patches it in "
                                          "npufuse_patches.py in this repo, never in site-packages: add `import npufuse_patches; npufuse_patches.apply()` "
