@@ -265,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     info.files = len(inputs.walked.files)
     followed = None
+    follow_key = ""  # the followed installed files' part of the outputs' key
     if not args.no_follow_imports:
         from npufuse.scan import follow
 
@@ -273,16 +274,18 @@ def run(args: argparse.Namespace) -> int:
         except follow.FollowError as exc:
             raise UsageError(str(exc)) from None
         followed = follow.follow_imports(Path(inputs.walked.root), inputs.walked.files, paths)
+        follow_key = follow.digest(followed)
+        for name in followed.missing if (args.python or args.site) else ():  # asked for by name: say it was not there
+            print(f"npufuse scan: the repo imports {name}, which is not installed where npufuse looked; --python EXE or --site PATH names where it is", file=sys.stderr)
 
     # The profile join reads profiler output the key does not cover: such a run always scans.
     # A cold cache (inputs.cold) has no record to reuse: its key comes with the scan's result.
     keyed = cache_dir is not None and not args.profile and (inputs.key is not None or inputs.cold)
-    keyed = keyed and not (followed and (followed.files or followed.unresolved or followed.trainer))  # installed files are not in the key
     if keyed:
         if inputs.key is not None:
             from npufuse.scan.cache import reuse_outputs
 
-            reused = reuse_outputs(cache_dir, _outputs_key(inputs.key, state_path, report_path), outputs)
+            reused = reuse_outputs(cache_dir, _outputs_key(inputs.key + follow_key, state_path, report_path), outputs)
             counts, found = reused if reused is not None else ({}, {})
             if reused is not None and all(isinstance(counts.get(k), int) for k in _COUNTS):
                 info.shortcut = "hit"
@@ -329,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         from npufuse.scan.cache import forget_outputs, save_outputs
 
         if keyed and result.run_key is not None:
-            save_outputs(cache_dir, _outputs_key(result.run_key, state_path, report_path), data, counts)
+            save_outputs(cache_dir, _outputs_key(result.run_key + follow_key, state_path, report_path), data, counts)
         else:  # these outputs were not keyed: no record may vouch for them
             forget_outputs(cache_dir, outputs)
     return _finish(args, counts, [p for p in (report_path, state_path) if p is not None], data[state_path])

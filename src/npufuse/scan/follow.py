@@ -21,6 +21,7 @@ subprocess that imports nothing), else this interpreter's ``sys.path``.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import re
@@ -66,7 +67,8 @@ class FollowResult:
     files: list[FollowedFile] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)  # what the repo uses that was not found installed
     package: InstalledPackage | None = None  # the transformers found, if the repo uses it
-    trainer: str | None = None  # where the repo uses transformers' Trainer/TrainingArguments ("train.py:12")
+    trainer: str | None = None
+    missing: list[str] = field(default_factory=list)  # packages the repo imports that are not on the search path  # where the repo uses transformers' Trainer/TrainingArguments ("train.py:12")
 
 
 class FollowError(ValueError):
@@ -98,7 +100,39 @@ def search_path(python: str | None = None, sites: Iterable[str] | None = None) -
         except (ValueError, IndexError):
             raise FollowError(f"--python {python}: did not print its sys.path (exit {out.returncode})") from None
         return [Path(p) for p in paths if isinstance(p, str) and p]
-    return [Path(p) for p in sys.path if p]
+    return default_search_path()
+
+
+def default_search_path() -> list[Path]:
+    """Where this interpreter finds installed packages when it starts: PYTHONPATH, then its
+    site-packages. Not this process's live sys.path: what a caller appended at run time (a test,
+    a plugin) is not where the user's training script looks."""
+    import site
+
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    try:
+        paths += list(site.getsitepackages())
+    except AttributeError:  # a virtualenv's old site module
+        pass
+    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
+    if isinstance(user, str):
+        paths.append(user)
+    return [Path(p) for p in dict.fromkeys(paths)]
+
+
+def digest(found: FollowResult | None) -> str:
+    """What the followed files add to the scan's cache key: their paths, versions and bytes."""
+    if found is None or not (found.files or found.unresolved or found.trainer):
+        return ""
+    h = hashlib.sha256()
+    for f in found.files:
+        try:
+            data = f.path.read_bytes()
+        except OSError:
+            data = b"\0unreadable"
+        h.update(f"{f.package.site}\0{f.package.version}\0{f.rel}\0{f.reason}\0".encode("utf-8", "surrogatepass") + hashlib.sha256(data).digest())
+    h.update(json.dumps([found.unresolved, found.trainer, str(found.package.site) if found.package else None]).encode("utf-8", "surrogatepass"))
+    return "+follow:" + h.hexdigest()
 
 
 def _version(site: Path, name: str) -> str:
@@ -255,7 +289,8 @@ def follow_imports(repo: Path, files: Iterable[str], paths: list[Path]) -> Follo
         return result
     result.package = pkg
     if pkg is None:
-        result.unresolved.append("transformers (imported by the repo, not found on the search path)")
+        # not in scan.json: a repo scanned where its packages are not installed keeps its scan as it was
+        result.missing.append("transformers")
         return result
     try:
         inside = repo.resolve().is_relative_to(pkg.root) or pkg.root.is_relative_to(repo.resolve())
