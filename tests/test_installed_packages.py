@@ -408,3 +408,29 @@ def scan_dir(path: Path, site: Path, sd: Path) -> dict:
     rc = main(["scan", str(path), "--state-dir", str(sd), "--format", "json", "--site", str(site), "--no-cache"])
     assert rc == 0
     return json.loads((sd / "scan.json").read_text())
+
+
+def test_rescan_shortcut_covers_the_followed_files(tmp_path: Path, site: Path) -> None:
+    """An unchanged re-scan reuses its outputs; a changed installed modeling file is scanned again."""
+    import shutil
+
+    from npufuse.scan import command
+
+    fake = tmp_path / "site"
+    (fake / "transformers/models/auto").mkdir(parents=True)
+    (fake / "transformers/models/llama").mkdir(parents=True)
+    (fake / "transformers/__init__.py").write_text('__version__ = "9.9.9"\n')
+    (fake / "transformers/models/auto/modeling_auto.py").write_text('M = [("llama", "LlamaForCausalLM")]\n')
+    shutil.copy(site / "transformers/models/llama/modeling_llama.py", fake / "transformers/models/llama/modeling_llama.py")
+    repo = make_repo(tmp_path, "from transformers import LlamaForCausalLM\n")
+    sd = tmp_path / "out"
+    argv = ["scan", str(repo), "--state-dir", str(sd), "-o", str(tmp_path / "report.md"), "--site", str(fake)]
+    assert main(argv) == 0 and command.last_run.shortcut == "miss"
+    first = json.loads((sd / "scan.json").read_text())
+    assert {c["package"]["version"] for c in first["candidates"]} == {"9.9.9"}
+    assert main(argv) == 0 and command.last_run.shortcut == "hit"
+    modeling = fake / "transformers/models/llama/modeling_llama.py"
+    modeling.write_text(modeling.read_text().replace("def apply_rotary_pos_emb(", "def _unused_rope(") + "\n\ndef apply_rotary_pos_emb(q, k, cos, sin):\n    return q, k\n")
+    assert main(argv) == 0 and command.last_run.shortcut == "miss"
+    second = json.loads((sd / "scan.json").read_text())
+    assert len(second["candidates"]) != len(first["candidates"]) or second["candidates"] != first["candidates"]
