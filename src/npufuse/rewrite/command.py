@@ -121,16 +121,35 @@ def _run(args: argparse.Namespace, state_dir: Path) -> int:
         scan = ap.load_scan(state_dir, args.root)
         only = _only(args.only, scan.data.get("patterns") or [c["pattern"] for c in scan.candidates])
         ids = ap.parse_ids(args.accept, scan.by_id())
+        # issue 16: candidates in installed packages go to the generated npufuse_patches.py
+        from npufuse.rewrite import patch_module as pm
+
+        ids, patch_ids = pm.split_ids(scan, ids)
         try:
             state = State.load(state_dir)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         notes = ledger.reconcile(state, scan.root) if not args.dry_run else []
         ap.sync_state_with_scan(state, scan)
+        # the module holds every patched candidate: those patched before stay in it
+        patch_ids = sorted({i for i in patch_ids if not only or scan.by_id()[i]["pattern"] in only} | set(pm.patched_ids(state)))
+        patches = pm.plan_patches(scan, [scan.by_id()[i] for i in patch_ids], switch) if patch_ids else None
         plan = ap.plan_apply(scan, state, ids, only=only, switch=switch, force=args.force)
-    except (ap.Refused, ValueError) as exc:
+    except (ap.Refused, ValueError) as exc:  # pm.PatchRefused is a ValueError
         raise UsageError(str(exc)) from None
     notes += plan.notes
+    if patches is not None and patches.functions:
+        if args.dry_run:
+            sys.stdout.write(patches.text)
+        else:
+            try:
+                pm.write_patches(scan.root, patches)
+            except (pm.PatchRefused, OSError) as exc:
+                raise UsageError(str(exc)) from None
+            pm.record(state, scan, patches)
+            state.save()
+        print(f"npufuse apply: candidate(s) {', '.join(map(str, patches.ids))} (installed packages) {'would be ' if args.dry_run else ''}patched in {pm.PATCH_FILE}; "
+              f"site-packages is not edited. Add this line to your training script, before the model is built:\n    {pm.USER_LINE}")
     if args.dry_run:
         for fp in plan.files:
             sys.stdout.write(fp.diff())
@@ -139,6 +158,8 @@ def _run(args: argparse.Namespace, state_dir: Path) -> int:
         print_switches(plan.results)
         return 1 if plan.skipped else 0
     if not plan.files and not plan.results:
+        if patches is not None and patches.functions:
+            return 0  # only installed-package candidates: reported above
         print_results([], "npufuse apply: nothing selected", notes)
         return 0
     try:

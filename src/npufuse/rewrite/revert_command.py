@@ -78,6 +78,23 @@ def _run(args: argparse.Namespace, state_dir: Path) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     ids = _ids(args.ids, list(state.candidates), state.path)
+    # issue 16: candidates patched in npufuse_patches.py (installed packages) are reverted there
+    from npufuse.rewrite import patch_module as pm
+
+    try:
+        root = _root(state_dir, args.root)
+        from npufuse.rewrite.apply import load_scan
+
+        patched, message = pm.revert(state, root, lambda: load_scan(state_dir, args.root), ids, dry_run=args.dry_run)
+    except (pm.PatchRefused, Refused, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    if patched:
+        print(f"npufuse revert: candidate(s) {', '.join(map(str, patched))}: {message}")
+        # the rest (sites rewritten in place) go on to the rewrite's revert
+        rest = ids if ids is not None else sorted(cid for cid, c in state.candidates.items() if c.applied)
+        ids = [i for i in rest if i not in patched]
+        if not ids:
+            return 0
     try:
         root = _root(state_dir, args.root)
         notes = ledger.reconcile(state, root) if not args.dry_run else []

@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown only when stderr is a terminal)")
     parser.add_argument("--include-tests", action="store_true", help="also scan tests/, examples/, tutorials/ (and similar) folders below PATH (skipped by default; the report lists them)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the per-file result cache (STATE_DIR/cache)")
+    # issue 16: model code that lives in installed packages (npufuse.scan.follow)
+    parser.add_argument("--no-follow-imports", action="store_true", help="scan only the repo, not the installed modeling files it uses (transformers)")
+    parser.add_argument("--python", metavar="EXE", help="the interpreter the repo runs with: its sys.path says where installed packages live")
+    parser.add_argument("--site", metavar="PATH", action="append", help="a folder holding installed packages (repeatable; overrides --python)")
 
 
 def _progress(enabled: bool):
@@ -294,6 +298,19 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
     info.files = len(inputs.walked.files)
+    followed = None
+    follow_key = ""  # the followed installed files' part of the outputs' key
+    if not args.no_follow_imports:
+        from npufuse.scan import follow
+
+        try:
+            paths = follow.search_path(args.python, args.site)
+        except follow.FollowError as exc:
+            raise UsageError(str(exc)) from None
+        followed = follow.follow_imports(Path(inputs.walked.root), inputs.walked.files, paths)
+        follow_key = follow.digest(followed)
+        for name in followed.missing if (args.python or args.site) else ():  # asked for by name: say it was not there
+            print(f"npufuse scan: the repo imports {name}, which is not installed where npufuse looked; --python EXE or --site PATH names where it is", file=sys.stderr)
 
     # The profile join reads profiler output the key does not cover: such a run always scans.
     # A cold cache (inputs.cold) has no record to reuse: its key comes with the scan's result.
@@ -302,7 +319,7 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
         if inputs.key is not None:
             from npufuse.scan.cache import reuse_outputs
 
-            reused = reuse_outputs(cache_dir, _outputs_key(inputs.key, state_path, report_path), outputs)
+            reused = reuse_outputs(cache_dir, _outputs_key(inputs.key + follow_key, state_path, report_path), outputs)
             counts, found = reused if reused is not None else ({}, {})
             if reused is not None and all(isinstance(counts.get(k), int) for k in _COUNTS):
                 from npufuse.user_secret import remember_scan
@@ -326,6 +343,9 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
     info.files_from_cache = result.stats.get("from_cache", 0)
 
     scan = result.to_json()
+    if followed is not None and (followed.files or followed.unresolved or followed.trainer):
+        follow.extend_scan(scan, followed, only=only, max_file_bytes=int(args.max_file_mb * 1024 * 1024), switch_mode=args.switch,
+                           overrides={"batch_size": args.batch_size, "seq_len": args.seq_len})
     profile_section = _join_profile(scan, args.profile) if args.profile else None
     if profile_section is not None:
         scan["suggested_order"] = engine.suggested_order(scan["candidates"])
@@ -370,7 +390,7 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
         from npufuse.scan.cache import forget_outputs, save_outputs
 
         if keyed and result.run_key is not None:
-            save_outputs(cache_dir, _outputs_key(result.run_key, state_path, report_path), data, counts)
+            save_outputs(cache_dir, _outputs_key(result.run_key + follow_key, state_path, report_path), data, counts)
         else:  # these outputs were not keyed: no record may vouch for them
             forget_outputs(cache_dir, outputs)
     return _finish(args, counts, [p for p in (report_path, state_path) if p is not None], data[state_path])

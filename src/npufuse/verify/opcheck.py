@@ -510,8 +510,10 @@ def run_op_check(cand: Candidate, opts: OpOptions, capture_path: Path | None = N
         counter = SiteCounter(str(cand.path), (cand.site.line, cand.site.end_line))
         undo = instrument(npu_module, counter)
         try:
-            with inp.user_module(cand.root, cand.file) as module:
-                target = inp.resolve_target(module, cand.qualname)
+            from npufuse.rewrite.patch_module import op_check_view, target_qualname  # issue 16: patched methods
+
+            with inp.user_module(cand.root, cand.file) as patches, op_check_view(patches, cand.applied) as module:
+                target = inp.resolve_target(module, target_qualname(cand))
                 if capture_path is not None:
                     inputs = inp.from_capture(capture_path, module, target, values, dtype, opts.init, opts.seed)
                 else:
