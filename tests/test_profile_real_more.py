@@ -179,3 +179,17 @@ def test_markdown_escapes_profiler_text_and_terminal_fits_100_columns(tmp_path: 
     con = Console(width=100, record=True, file=open(tmp_path / "out.txt", "w"))
     render_terminal(analyze([str(ALEX / "level1")]), con)
     assert all(len(line) <= 100 for line in con.export_text().splitlines())
+
+
+def test_sixty_thousand_kernel_types_and_a_huge_shape_cell(tmp_path: Path) -> None:
+    """Issue 19.8: more kernel types than the match string's first code-point block holds (they
+    reached the surrogates and crashed the decode), and n-gram keys beyond a bincount (3.6e9)."""
+    p = tmp_path / "kernel_details.csv"
+    with open(p, "w") as f:
+        f.write("Type,Duration(us),Start Time(us),Input Shapes\n")
+        for i in range(60000):
+            f.write(f'K{i},1.0,{2 * i},"""4,4"""\n')
+        f.write('Mul,1,120000,"""%s"""\n' % ";".join(["1,2,3,4"] * 250000))   # a 2 MB shape cell
+    r = analyze([str(p)])
+    assert r["usable"] and r["inputs"][0]["ops"] == 60001
+    json.dumps(r)

@@ -106,8 +106,22 @@ def compile_for_vocab(elems: list[tuple[re.Pattern[str], str]], vocab: list[str]
 TOKEN_BASE = 0x4E00   # CJK block: thousands of code points that are never regex syntax
 
 
+SURROGATES = (0xD800, 0xE000)   # not characters: a vocabulary past ~35k kernel types would land there
+
+
+def token_point(code: int) -> int:
+    """The code point of kernel type ``code`` in the match string, skipping the surrogates."""
+    p = TOKEN_BASE + code
+    return p + (SURROGATES[1] - SURROGATES[0]) if p >= SURROGATES[0] else p
+
+
+def token_code(ch: str) -> int:
+    p = ord(ch)
+    return (p - (SURROGATES[1] - SURROGATES[0]) if p >= SURROGATES[1] else p) - TOKEN_BASE
+
+
 def token_char(code: int) -> str:
-    return chr(TOKEN_BASE + code)
+    return chr(token_point(code))
 
 
 @dataclass

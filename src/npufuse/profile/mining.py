@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from npufuse.profile.kb import TOKEN_BASE, KnowledgeBase, RegionRule, SequenceRule, compile_for_vocab, sanitize
+from npufuse.profile.kb import SURROGATES, TOKEN_BASE, KnowledgeBase, token_code, RegionRule, SequenceRule, compile_for_vocab, sanitize
 from npufuse.profile.readers import KernelTable
 from npufuse.profile.roofline import parse_shapes
 from npufuse.profile.trace import HostOp, TraceInfo, kernel_links, kernel_links_by_time, location_frame
@@ -298,7 +298,10 @@ class Miner:
         pos = np.arange(st.n, dtype=np.int64) + np.cumsum(before)
         total = int(pos[-1]) + 1 if st.n else 0
         buf = np.full(total, ord("|"), dtype=np.uint32)
-        buf[pos] = TOKEN_BASE + st.code.astype(np.uint32)
+        pts = TOKEN_BASE + st.code.astype(np.uint32)
+        # skip the surrogate code points (a vocabulary of more than ~35k kernel types reaches them)
+        pts = np.where(pts >= SURROGATES[0], pts + (SURROGATES[1] - SURROGATES[0]), pts)
+        buf[pos] = pts
         self.text = buf.astype("<u4").tobytes().decode("utf-32-le")
         self.tok_of = np.full(total + 1, -1, dtype=np.int64)
         self.tok_of[pos] = np.arange(st.n)
@@ -542,7 +545,7 @@ class Miner:
                     by_text.setdefault(self.text[a[k]:b[k]], []).append(k)
         for t, ks in by_text.items():
             sel = np.array(ks, dtype=np.int64)
-            toks = tuple(st.vocab[ord(ch) - TOKEN_BASE] for ch in t)
+            toks = tuple(st.vocab[token_code(ch)] for ch in t)
             key = (rule.id, toks, None)
             g = self._by_key.get(key)
             if g is None:
@@ -710,6 +713,9 @@ class NGram:
     mapped_by: str = ""            # "kb" (all occurrences inside a KB match) | "fullmatch" | ""
 
 
+BINCOUNT_KEYS = 1 << 25   # above this many n-gram keys, ids come from a sort instead of a bincount
+
+
 def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: KnowledgeBase,
                 nmin: int = 2, nmax: int = 8, top: int = 10, min_count: int = 2
                 ) -> tuple[list[NGram], list[NGram]]:
@@ -733,11 +739,18 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
             break
         valid = (prev[:m] > 0) & (seg[:m] == seg[n - 1:])
         key = np.where(valid, prev[:m] * v + codes[n - 1:], 0)
-        present = np.bincount(key, minlength=1) > 0
-        present[0] = False
-        remap = np.cumsum(present)
-        ids = np.where(valid, remap[key], 0)
-        d = int(remap[-1]) + 1
+        if int(key.max(initial=0)) < BINCOUNT_KEYS:
+            present = np.bincount(key, minlength=1) > 0
+            present[0] = False
+            remap = np.cumsum(present)
+            ids = np.where(valid, remap[key], 0)
+            d = int(remap[-1]) + 1
+        else:
+            # a huge vocabulary (tens of thousands of kernel types): the key space would not fit a
+            # bincount (3.6e9 keys for 60k types); a sort of the keys present does the same
+            uniq, inv = np.unique(key, return_inverse=True)
+            ids = np.where(valid, inv + (0 if uniq[0] == 0 else 1), 0)
+            d = int(uniq.size) + (0 if uniq[0] == 0 else 1)
         counts = np.bincount(ids, minlength=d)
         counts[0] = 0
         w_kt = np.where(valid, csum[n:n + m] - csum[:m], 0.0)
