@@ -586,3 +586,14 @@ def test_tolerance_band_and_forced_and_unchecked_verdicts(project: Path) -> None
     verdict_cell, op_cell = cells[1], cells[4]  # #, verdict, pattern, site, op check, ...
     assert "op check skipped (forced)" in verdict_cell and "accuracy ok" not in page
     assert "not checked" in op_cell and "pass" not in op_cell
+
+
+def test_bidi_and_control_characters_are_shown_escaped_with_a_warning(project: Path) -> None:
+    """Issue 19.8 (Trojan source) in the HTML report: repo text with a bidi override is shown
+    escaped, and the page says why."""
+    data = report_html.build_report_data(project / ".npufuse")
+    data["candidates"][0]["qualname"] = "Attn.forward\u202e)dlrow(\x1b[31m"
+    page = report_html.render_html(data)
+    assert "\u202e" not in page and "\x1b" not in page
+    assert "\\u202e" in page and "trojan-warning" in page
+    assert "trojan-warning" not in report_html.render_html(report_html.build_report_data(project / ".npufuse"))

@@ -947,10 +947,32 @@ def _fmt_value(v: Any) -> str:
     return "—" if v is None else str(v)
 
 
+def _escape_leaves(obj: Any, hit: list[bool]) -> Any:
+    """Every string in ``obj`` with bidi/terminal-control characters shown escaped (Trojan source:
+    repo text must look in the page as Python reads it); ``hit[0]`` says whether any was."""
+    from npufuse.text_safety import escape_text
+
+    if isinstance(obj, str):
+        out = escape_text(obj)
+        if out != obj:
+            hit[0] = True
+        return out
+    if isinstance(obj, dict):
+        return {(_escape_leaves(k, hit) if isinstance(k, str) else k): _escape_leaves(v, hit) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_escape_leaves(v, hit) for v in obj]
+    return obj
+
+
 def render_html(data: dict[str, Any]) -> str:
     """The page for REPORT_DATA ``data``: one string, no external reference."""
     import jinja2  # imported here: `npufuse --help` imports every verb module
     from markupsafe import Markup
+
+    from npufuse.text_safety import TROJAN_SOURCE_WARNING
+
+    hit = [False]
+    data = _escape_leaves(data, hit)
 
     vendor_js = _inline_check(_resource("vendor", "uPlot.iife.min.js"), "script", "uPlot.iife.min.js")
     license_text = _resource("vendor", "LICENSE")
@@ -980,7 +1002,7 @@ def render_html(data: dict[str, Any]) -> str:
     )
     # Markup only for text this module produced or bundled: the JSON is escaped by
     # json_for_script, the scripts and CSS are our own files checked by _inline_check.
-    return template.render(
+    page = template.render(
         d=data,
         report_json=Markup(json_for_script(data)),
         uplot_script=Markup(uplot_script),
@@ -988,6 +1010,12 @@ def render_html(data: dict[str, Any]) -> str:
         css=Markup(css),
         csp=csp,
     )
+    if hit[0]:
+        import html as _html
+
+        banner = f'<p class="trojan-warning" role="alert"><strong>{_html.escape(TROJAN_SOURCE_WARNING)}</strong></p>'
+        page = page.replace('<body data-charts-drawn="0">', '<body data-charts-drawn="0">\n' + banner, 1)
+    return page
 
 
 def extract_report_data(html: str) -> dict[str, Any]:
