@@ -26,10 +26,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
+
+from npufuse.scan.dataflow import dotted
 
 # transformers' auto tables: ("model_type", "ClassName") pairs, read as text
 _PAIR = re.compile(r"\(\s*\"([\w\-]+)\"\s*,\s*\"(\w+)\"\s*\)")
@@ -194,17 +195,6 @@ def modeling_file(pkg: InstalledPackage, model_type: str) -> str | None:
 # -- reading the repo ----------------------------------------------------------------------------
 
 
-def _dotted(node: ast.AST) -> str | None:
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
-
-
 def _model_type_from_config_json(repo: Path, arg: str) -> str | None:
     """``from_pretrained("x")``: the ``model_type`` of ``x/config.json`` when ``x`` is a folder in the repo."""
     try:
@@ -247,7 +237,7 @@ def _uses(repo: Path, rel: str, text: str) -> list[tuple[str, str, str]]:
                 for a in node.names:
                     out.append(("class", a.name, where))
         elif isinstance(node, ast.Call):
-            name = _dotted(node.func) or ""
+            name = dotted(node.func) or ""
             last = name.rsplit(".", 1)[-1]
             if last in ("from_pretrained", "from_config", "for_model"):
                 for arg in node.args[:1]:
@@ -261,7 +251,7 @@ def _uses(repo: Path, rel: str, text: str) -> list[tuple[str, str, str]]:
                             else:
                                 out.append(("unresolved", f"{name}({arg.value!r})", where))
                     elif isinstance(arg, ast.Call):
-                        inner = (_dotted(arg.func) or "").rsplit(".", 1)[-1]
+                        inner = (dotted(arg.func) or "").rsplit(".", 1)[-1]
                         if inner:
                             out.append(("class", inner, where))
             elif last:

@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
+
+from npufuse.profile.join import _same_file  # the profile join's rule: a candidate's path is a suffix of the recorded one
 
 MAX_RECORD_BYTES = 512 << 20   # a record file larger than this is not read (a tampered or runaway file)
 
@@ -205,15 +207,6 @@ def sanitize_trace(data: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- the join
-
-def _parts(path: str) -> tuple[str, ...]:
-    return tuple(p for p in PurePosixPath(path.replace("\\", "/")).parts if p not in ("/", "."))
-
-
-def _same_file(trace_file: str, cand_file: str) -> bool:
-    a, b = _parts(trace_file), _parts(cand_file)
-    return bool(b) and len(b) <= len(a) and a[-len(b):] == b
-
 
 def site_lines(trace: dict[str, Any], c: dict[str, Any]) -> list[dict[str, Any]]:
     """The trace's records of the lines a candidate spans."""
