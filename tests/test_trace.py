@@ -275,3 +275,21 @@ def test_a_tampered_trace_json_never_raises(tmp_path: Path, lines: list, extra: 
     rc = main(["scan", str(repo), "--no-progress", "--no-cache", "--state-dir", str(tmp_path / "s"), "-o",
                str(tmp_path / "r.md"), "--trace", str(t)])
     assert rc in (0, 2)
+
+
+@pytest.mark.parametrize("link", [".npufuse", ".npufuse/trace"])
+def test_trace_never_writes_through_a_symlinked_state_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             link: str) -> None:
+    """Issue 19 item 1 holds for this verb too: a repo that ships .npufuse (or .npufuse/trace) as a
+    link to elsewhere gets exit 2, and nothing is written or removed there."""
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    repo.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("x")
+    target = repo / link
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(elsewhere, target_is_directory=True)
+    rc = main(["trace", "--cmd", f"{sys.executable} -c print(1)", "--root", str(repo), "--state-dir", str(repo / ".npufuse")])
+    assert rc == 2
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt"]
+    assert "Traceback" not in capsys.readouterr().err

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -25,66 +24,56 @@ import time
 from pathlib import Path
 from typing import Any
 
-from npufuse.cli import UsageError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= v <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"{text} is out of range (1 to 1000000)")
-    return v
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(v) or v <= 0 or v > 7 * 86400:
-        raise argparse.ArgumentTypeError(f"{text} is not a usable number of seconds (0 < S <= 604800)")
-    return v
-
-
-def _kv(text: str) -> tuple[str, str]:
-    if "=" not in text or not text.split("=", 1)[0]:
-        raise argparse.ArgumentTypeError(f"{text!r} is not K=V")
-    k, v = text.split("=", 1)
-    return k, v
+from npufuse.cli import UsageError, number
+from npufuse.verify.command import _kv
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cmd", required=True, help='your launch command, e.g. "python train.py --max-iters 3"')
     parser.add_argument("--root", default=".", metavar="DIR", help="the repository the command runs in (default: .)")
-    parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--steps", type=number(int, minimum=1, maximum=1_000_000), default=None, metavar="N",
                         help="stop the launch after N optimizer steps (default: let it finish)")
-    parser.add_argument("--timeout", type=_seconds, default=1800.0, metavar="S", help="wall-clock limit (default 1800)")
+    parser.add_argument("--timeout", type=number(float, above=0, maximum=7 * 86400), default=1800.0, metavar="S", help="wall-clock limit (default 1800)")
     parser.add_argument("--state-dir", default=".npufuse", metavar="DIR", help="where trace.json goes (default .npufuse)")
     parser.add_argument("--env", action="append", type=_kv, default=[], metavar="K=V", help="environment variable for the command; repeatable")
     parser.add_argument("--shell", action="store_true", help="run the command through /bin/sh (default: shlex.split, no shell)")
     parser.add_argument("--emulate", choices=("auto", "always", "never"), default="auto",
                         help="torch_npu for the run: auto = the real one when installed, else the emulator")
-    parser.add_argument("--max-events", type=_positive_int, default=300_000, metavar="N",
+    parser.add_argument("--max-events", type=number(int, minimum=1, maximum=1_000_000), default=300_000, metavar="N",
                         help="op events kept for sequence mining (per-line facts are always complete; default 300000)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from npufuse.trace.facts import merge_records
-    from npufuse.verify import probe, runner
+    from npufuse.state_folder import StateBusy, UnsafeStatePath, check_state_dir, lock
 
     root = Path(args.root)
     if not root.is_dir():
         raise UsageError(f"--root {args.root}: not a folder")
     state_dir = Path(args.state_dir)
+    try:
+        # the state folder's rules (issue 19): no symlink anywhere under it, one state-changing verb at a time
+        check_state_dir(state_dir, create=True)
+        with lock(state_dir, verb="npufuse trace"):
+            return _run_locked(args, root, state_dir)
+    except (UnsafeStatePath, StateBusy) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _run_locked(args: argparse.Namespace, root: Path, state_dir: Path) -> int:
+    from npufuse.state_folder import UnsafeStatePath, open_state_dir
+    from npufuse.trace.facts import merge_records
+    from npufuse.verify import probe, runner
+
     work = state_dir / "trace"
     try:
-        if work.is_symlink() or (work.exists() and not work.is_dir()):
-            raise UsageError(f"{work}: exists and is not a folder npufuse made; remove it")
-        if work.exists():
+        try:
+            os.close(open_state_dir(state_dir, ["trace"]))   # refuses a symlink or a file there
             shutil.rmtree(work)
-        (work / "records").mkdir(parents=True)
+        except FileNotFoundError:
+            pass
+        os.close(open_state_dir(state_dir, ["trace", "records"], create=True))
+    except UnsafeStatePath:
+        raise
     except OSError as exc:
         raise UsageError(f"cannot prepare {work}: {exc.strerror or exc}") from None
     cfg = {"mode": "trace", "out_dir": str((work / "counters").resolve()), "runner_pid": os.getpid(),
@@ -115,19 +104,27 @@ def run(args: argparse.Namespace) -> int:
         "lines": lines, "runtime_candidates": [],
     }
     if not lines:
-        _write(state_dir / "trace.json", trace)
+        _write(state_dir, "trace.json", trace)
         tail = "\n".join("    " + ln[:200] for ln in child.tail[-8:])
         print(f"npufuse trace: nothing was recorded ({child.describe_exit()}): the command never imported torch, or "
               f"failed first. Last output:\n{tail}", file=sys.stderr)
         return 1
     trace["optimizers"] = totals["optimizers"]
     trace["functions"] = totals["functions"]
-    cands, near = _scan_items(state_dir)
+    scan = _load_scan(state_dir)
     trace["runtime_candidates"], trace["runtime_rejected"] = mine_runtime(
-        totals["trace_views"], cands, root, totals["optimizers"], near)
+        totals["trace_views"], scan["candidates"] if scan else [], root, totals["optimizers"],
+        scan["near_misses"] if scan else [])
     scan_path = state_dir / "scan.json"
-    annotated = _annotate_scan(scan_path, trace)
-    _write(state_dir / "trace.json", trace)
+    annotated = None
+    if scan is not None:
+        # mark scan.json's candidates reached / not reached, as `scan --trace` would
+        from npufuse.trace.facts import join_trace
+
+        join_trace(scan, trace, source=str(state_dir / "trace.json"))
+        _write(state_dir, "scan.json", scan)
+        annotated = (sum(1 for c in scan["candidates"] if (c.get("runtime") or {}).get("reached")), len(scan["candidates"]))
+    _write(state_dir, "trace.json", trace)
     in_root = sum(1 for ln in lines if ln["in_root"])
     print(f"npufuse trace: {len(lines)} source lines ran torch ops ({in_root} in the repo, {len(lines) - in_root} in "
           f"installed packages), {totals['steps']} optimizer steps, torch_npu: {trace['backend']}, {wall:.1f} s", file=sys.stderr)
@@ -151,44 +148,30 @@ def _version() -> str:
     return __version__
 
 
-def _write(path: Path, data: dict[str, Any]) -> None:
-    from npufuse.safe_write import write_text_atomic
+def _write(state_dir: Path, name: str, data: dict[str, Any]) -> None:
+    from npufuse.state_folder import write_state_file
 
     try:
-        write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+        write_state_file(state_dir, name, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
     except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write {state_dir / name}: {exc.strerror or exc}") from None
 
 
-def _scan_items(state_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """scan.json's candidates and near misses (empty when there is no usable scan)."""
-    try:
-        data = json.loads((state_dir / "scan.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return [], []
-    if not isinstance(data, dict):
-        return [], []
-    out = []
-    for key in ("candidates", "near_misses"):
-        items = data.get(key)
-        out.append([c for c in items if isinstance(c, dict)] if isinstance(items, list) else [])
-    return out[0], out[1]
-
-
-def _annotate_scan(scan_path: Path, trace: dict[str, Any]) -> tuple[int, int] | None:
-    """Mark scan.json's candidates reached / not reached (in place); None when there is no scan."""
-    from npufuse.trace.facts import join_trace
+def _load_scan(state_dir: Path) -> dict[str, Any] | None:
+    """scan.json as this verb uses it (candidates and near misses kept only as dicts), or None."""
+    from npufuse.state_folder import read_state_file
 
     try:
-        scan = json.loads(scan_path.read_text(encoding="utf-8"))
+        raw = read_state_file(state_dir, "scan.json")
+        scan = json.loads(raw) if raw is not None else None
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(scan, dict) or not isinstance(scan.get("candidates"), list):
         return None
-    scan["candidates"] = [c for c in scan["candidates"] if isinstance(c, dict)]
-    join_trace(scan, trace, source=str(scan_path.parent / "trace.json"))
-    _write(scan_path, scan)
-    return sum(1 for c in scan["candidates"] if (c.get("runtime") or {}).get("reached")), len(scan["candidates"])
+    for key in ("candidates", "near_misses"):
+        items = scan.get(key)
+        scan[key] = [c for c in items if isinstance(c, dict)] if isinstance(items, list) else []
+    return scan
 
 
 def mine_runtime(trace_views: list[str], candidates: list[dict[str, Any]], root: Path,
@@ -202,7 +185,8 @@ def mine_runtime(trace_views: list[str], candidates: list[dict[str, Any]], root:
         return [], []
     from npufuse.profile.analysis import analyze
     from npufuse.profile.join import join_with_scan
-    from npufuse.trace.facts import _rel, _same_file
+    from npufuse.profile.join import _same_file
+    from npufuse.trace.facts import _rel
 
     result = analyze(list(trace_views))
     _, unexplained = join_with_scan(result, candidates)
