@@ -16,7 +16,10 @@ Matching: a candidate matches a label when the pattern is the same, the file is 
 line ranges overlap; each label and each candidate is matched at most once. Per pattern:
 precision = matched candidates / all candidates in the labelled files (a candidate on a ``keep``
 site or on an unlabelled line counts against it: the labelled files are labelled exhaustively),
-recall = matched ``fuse`` labels / all ``fuse`` labels. Prints figures only; asserts nothing.
+recall = matched ``fuse`` labels / all ``fuse`` labels. A labels file with a top-level
+``"recall_only": true`` (ground truth taken from what engineers replaced in real NPU ports: they do
+not replace everything, so an unlabelled candidate is not an error) is scored for recall only.
+Prints figures only; asserts nothing.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def load_labels(path: Path) -> list[dict[str, Any]]:
+def load_labels(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The labelled repositories and whether the file is recall-only."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -87,6 +91,9 @@ def load_labels(path: Path) -> list[dict[str, Any]]:
     repos = data.get("repos") if isinstance(data, dict) else None
     if not isinstance(repos, list):
         raise BadLabels(f"{path}: no 'repos' list")
+    recall_only = data.get("recall_only", False)
+    if not isinstance(recall_only, bool):
+        raise BadLabels(f"{path}: 'recall_only' must be true or false")
     out = []
     for r in repos:
         if not (isinstance(r, dict) and isinstance(r.get("repo"), str) and r["repo"].count("/") == 1 and isinstance(r.get("files"), list)):
@@ -102,7 +109,7 @@ def load_labels(path: Path) -> list[dict[str, Any]]:
                 if not ok:
                     raise BadLabels(f"{path}: {r['repo']}/{f['path']}: a site lacks pattern, line or label fuse|keep")
         out.append(r)
-    return out
+    return out, recall_only
 
 
 def git_dir(mirrors: Path, repo: str) -> Path | None:
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to score (default: every labelled pattern)")
     args = ap.parse_args(argv)
     try:
-        repos = load_labels(args.labels)
+        repos, recall_only = load_labels(args.labels)
     except BadLabels as exc:
         print(f"detect_corpus: {exc}", file=sys.stderr)
         return 2
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{scanned_repos} of {len(repos)} repositories scanned, {sum(len(r['files']) for r in repos)} labelled files, "
           f"{sum(1 for s in labels if s.label == 'fuse')} fuse / {sum(1 for s in labels if s.label == 'keep')} keep labels")
+    if recall_only:
+        print("recall-only labels (sites replaced in real ports): precision is not measured here")
     print(f"{'pattern':<20} {'TP':>4} {'FP':>4} {'(keep)':>6} {'FN':>4}  {'precision [95% CI]':<24} {'recall [95% CI]':<24}")
     tot = Tally()
     for p in patterns:
@@ -211,14 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         tot.fp += t.fp
         tot.fp_on_keep += t.fp_on_keep
         tot.fn += t.fn
-        print(_row(p, t))
-    print(_row("all", tot))
+        print(_row(p, t, recall_only))
+    print(_row("all", tot, recall_only))
     if args.list:
         for p in patterns:
             for s in tallies[p].missed:
                 why = next((r for n, r in misses if n.overlaps(s)), "no near miss either")
                 print(f"missed  {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}: {why[:160]}")
-            for s in tallies[p].wrong:
+            for s in [] if recall_only else tallies[p].wrong:
                 print(f"extra   {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}")
     return 0
 
@@ -230,8 +239,9 @@ def _fmt(k: int, n: int) -> str:
     return f"{k / n:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
-def _row(name: str, t: Tally) -> str:
-    return f"{name:<20} {t.tp:>4} {t.fp:>4} {t.fp_on_keep:>6} {t.fn:>4}  {_fmt(t.tp, t.tp + t.fp):<24} {_fmt(t.tp, t.tp + t.fn):<24}"
+def _row(name: str, t: Tally, recall_only: bool = False) -> str:
+    fp, precision = ("-", "n/a (recall-only)") if recall_only else (t.fp, _fmt(t.tp, t.tp + t.fp))
+    return f"{name:<20} {t.tp:>4} {fp:>4} {t.fp_on_keep:>6} {t.fn:>4}  {precision:<24} {_fmt(t.tp, t.tp + t.fn):<24}"
 
 
 if __name__ == "__main__":

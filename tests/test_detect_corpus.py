@@ -89,6 +89,27 @@ def test_scores_a_labelled_mirror(tmp_path, capsys):
     assert "missed  swiglu" in out and "model.py:3-3" in out
 
 
+def test_recall_only_labels_do_not_count_unlabelled_candidates(tmp_path, capsys):
+    mirrors, commit = _mirror(tmp_path)
+    labels = _labels(tmp_path, commit, [
+        {"pattern": "swiglu", "qualname": "FeedForward.forward", "line": 27, "end_line": 27, "label": "fuse"},
+        {"pattern": "rms_norm", "qualname": "nowhere", "line": 3, "end_line": 3, "label": "fuse"},
+    ])
+    data = json.loads(labels.read_text())
+    data["recall_only"] = True
+    labels.write_text(json.dumps(data))
+    assert detect_corpus.main(["--labels", str(labels), "--mirrors", str(mirrors), "--list"]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("rms_norm", "swiglu", "all")}
+    # the two rms_norm candidates are not labelled: no false positive is counted, the label is missed
+    assert rows["rms_norm"][1:5] == ["0", "-", "0", "1"] and "n/a (recall-only)" in " ".join(rows["rms_norm"])
+    assert rows["swiglu"][1:5] == ["1", "-", "0", "0"]
+    assert "extra " not in out
+    data["recall_only"] = "yes"
+    labels.write_text(json.dumps(data))
+    assert detect_corpus.main(["--labels", str(labels), "--mirrors", str(mirrors)]) == 2
+
+
 def test_wilson_interval():
     lo, hi = detect_corpus.wilson(19, 20)
     assert abs(lo - 0.7639) < 1e-3 and abs(hi - 0.9911) < 1e-3  # the textbook figures for 19/20
