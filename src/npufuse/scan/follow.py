@@ -259,6 +259,11 @@ def _uses(repo: Path, rel: str, text: str) -> list[tuple[str, str, str]]:
     return out
 
 
+# An absolute import of transformers on some line (a cheap test before ast.parse; _uses decides).
+# Over-inclusive on purpose (`import os, transformers`, a docstring line): a false hit only costs a parse.
+_IMPORTS_TRANSFORMERS = re.compile(r"^[ \t]*(?:from|import)\b[^\n]*\btransformers\b", re.M)
+
+
 def follow_imports(repo: Path, files: Iterable[str], paths: list[Path]) -> FollowResult:
     """The installed modeling files the repo's ``files`` (paths relative to ``repo``) use."""
     result = FollowResult()
@@ -272,8 +277,10 @@ def follow_imports(repo: Path, files: Iterable[str], paths: list[Path]) -> Follo
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        if "transformers" not in text:
-            continue  # the only library followed so far
+        if "transformers" not in text or not _IMPORTS_TRANSFORMERS.search(text):
+            # the only library followed so far, and only an absolute import uses the installed
+            # copy: the library's own files (relative imports) are not parsed a second time here
+            continue
         uses += _uses(repo, rel, text)
     if not uses:
         return result
