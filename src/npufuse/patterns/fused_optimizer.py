@@ -60,16 +60,19 @@ _CANONICAL = {
     "torch.optim.rmsprop.RMSprop": "RMSprop",
 }
 _NO_FUSED_NAMES = {f"torch.optim.{k}": k for k in _NO_FUSED} | {f"torch.optim.{k.lower()}.{k}": k for k in _NO_FUSED}
-# Keywords that choose how torch.optim runs (not what it computes), at values the fused class
-# matches: dropped from the fused call. ``fused=True`` stays a near miss (the user chose torch's
-# own fused kernel, field lesson 9); ``maximize=True`` etc. change the math.
+# Keywords that choose how torch.optim runs (not what it computes): dropped from the fused call.
+# ``foreach``/``fused`` at any value pick torch.optim's implementation (single-tensor, foreach or its
+# own fused kernel: the same update); ``capturable`` keeps ``step`` a device tensor for CUDA-graph
+# capture (the same update; it matters only where a graph is captured: see _GRAPH_CAPTURE);
+# ``maximize``/``differentiable`` change the math or its autograd, so only their default goes.
+_ANY_VALUE = ("foreach", "fused", "capturable")
 _DROPPABLE: dict[str, tuple[object, ...]] = {
-    "foreach": (True, False, None),
-    "fused": (False, None),
-    "capturable": (False,),
     "maximize": (False,),
     "differentiable": (False,),
 }
+# Calls that capture a graph of device work: an optimizer step captured there must keep its step
+# count on the device (capturable=True); the fused class keeps a Python int.
+_GRAPH_CAPTURE = ("CUDAGraph", "NPUGraph", "make_graphed_callables", "graph_pool_handle")
 _UNSUPPORTED_KW = ("foreach", "fused", "capturable", "maximize", "differentiable", "decoupled_weight_decay")
 # Names that mean parameters get flattened, sharded or re-allocated behind the optimizer's back.
 _SHARDING = ("FullyShardedDataParallel", "FSDP", "fully_shard", "deepspeed", "ZeroRedundancyOptimizer",
@@ -107,7 +110,7 @@ class FusedOptimizer(Pattern):
                                f"{', '.join(v[0] for v in _OPTIMIZERS.values())}, and LAMB/AdamP/BertAdam/RMSpropTF "
                                "with other libraries' math); switching algorithms changes training")
             if not calls:
-                chosen = _class_chosen_at_run_time(module, scope, stmt)
+                chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
                 if chosen is not None:
                     yield chosen
 
@@ -558,6 +561,29 @@ def _class_chosen_at_run_time(module: ModuleInfo, scope: Scope, stmt: ast.stmt) 
     return None
 
 
+def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[NearMiss]:
+    """``{"Adam": torch.optim.Adam, ...}`` / ``factories = [torch.optim.AdamW]`` / ``cls = torch.optim.SGD``:
+    a torch.optim class handed around as a value (a registry or factory); the construction is
+    elsewhere, with arguments npufuse does not see at this line."""
+    value = getattr(stmt, "value", None)
+    if value is None:
+        return None
+    items: list[ast.AST] = [value]
+    if isinstance(value, ast.Dict):
+        items = list(value.values)
+    elif isinstance(value, (ast.List, ast.Tuple, ast.Set)):
+        items = list(value.elts)
+    for item in items:
+        kind = _CANONICAL.get(module.canonical(item) or "") if isinstance(item, (ast.Name, ast.Attribute)) else None
+        if kind is not None:
+            return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                            f"torch.optim.{kind} is handed around as a value (a registry or factory) and the optimizer is "
+                            "built elsewhere with arguments npufuse does not see here: npufuse swaps a class named at the "
+                            f"construction only; torch_npu.optim.{_OPTIMIZERS[kind][0]} could take its place by hand once the "
+                            "constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no set_to_none, fp32/fp16)")
+    return None
+
+
 def _bf16_hits(facts: _FileFacts, model: str) -> list[tuple[int, str]]:
     """The bf16 casts/loads of ``facts`` that may concern ``model``'s parameters."""
     return [(ln, r) for ln, r in facts.bf16 if not r or not model or r == model or r.split(".")[0] in (model, model.split(".")[0]) or "model" in r.lower()]
@@ -582,7 +608,7 @@ def _peft_wrapped(module: ModuleInfo, scope: Scope, model: str, line: int) -> bo
 
 
 def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]], near: bool,
-             bf16_checked: bool = False) -> Optional[str]:
+             bf16_checked: bool = False, fix: Optional["_ZeroGradFix"] = None) -> Optional[str]:
     """Why the fused class cannot take over, from one tier of facts (None: nothing here).
     ``prepared``: the accelerate ``prepare`` this optimizer goes through; its zero_grad only
     counts in the ``near`` tiers (code that surely runs with this optimizer). ``bf16_checked``:
@@ -590,7 +616,7 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     if facts.sharding is not None:
         return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line "
                 f"{facts.sharding[0]}): the fused optimizer's combined buffers would go stale")
-    if prepared is not None and near and facts.zero_grad_calls:
+    if prepared is not None and near and facts.zero_grad_calls and not (fix is not None and fix.accelerate):
         (pl, precv), (zl, zrecv) = prepared, facts.zero_grad_calls[0]
         return (f"the optimizer goes through `{precv}.prepare` (line {pl}) and `{zrecv}.zero_grad()` is called "
                 f"(line {zl}): accelerate's AcceleratedOptimizer.zero_grad() passes set_to_none=True to an optimizer "
@@ -602,10 +628,15 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
                 "torch_npu fused optimizers take fp32/fp16 params only (keep fp32 master weights)")
     if facts.set_to_none:
         ln, recv = facts.set_to_none[0]
+        if not _looks_like_optimizer(recv):  # a module's zero_grad does not raise: it frees silently
+            return (f"`{recv}.zero_grad(set_to_none=...)` (line {ln}) may set the parameters' grads to None: the next "
+                    "backward allocates new ones outside the fused optimizer's flat buffer and its update silently uses "
+                    "stale grads; pass set_to_none=False there")
         return (f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: the fused optimizer raises "
                 "on it (grads must stay allocated); use zero_grad() / set_to_none=False")
-    if facts.module_zero_grad:
-        ln, recv = facts.module_zero_grad[0]
+    left = [(ln, r) for ln, r in facts.module_zero_grad if fix is None or not fix.handles(ln, r)]
+    if left:
+        ln, recv = left[0]
         return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0, so they are re-allocated "
                 "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False")
     if facts.grad_assign is not None:
@@ -614,6 +645,179 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     if facts.data_assign is not None:
         return (f"parameters are re-allocated (`.data = ...` at line {facts.data_assign}): the fused optimizer's "
                 "combined buffers would go stale")
+    return None
+
+
+class _ZeroGradFix:
+    """The zero_grad calls that would free the fused optimizer's grads, and the statements the
+    fused branch adds after the construction so they no longer do (the fused class reads every
+    grad from one flat buffer made at its first step; a grad set to None and re-allocated by the
+    next backward is no longer in it, and the update silently uses the stale buffer):
+
+    * ``M.zero_grad()`` on the model whose parameters the optimizer takes (torch >= 2.0 default
+      set_to_none=True): ``M.zero_grad`` is bound to ``partial(M.zero_grad, set_to_none=False)``
+      (zeroed in place, as the fused class's own zero_grad does). Other receivers must provably not
+      hold these parameters: the else branch of the same test as the optimizer's construction
+      (``if args.use_optimizer: opt = ...`` / ``else: model.zero_grad()``), or a different object
+      built in the same scope from a different class.
+    * an accelerate-prepared optimizer whose ``zero_grad()`` is called: AcceleratedOptimizer passes
+      set_to_none=True to a wrapped zero_grad that has that parameter (the fused class raises
+      ValueError on it); the fused optimizer's zero_grad is replaced by one without the parameter
+      that zeroes in place.
+
+    Only for a statement that binds the optimizer to one name (nothing can follow a ``return``)."""
+
+    def __init__(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, model: str,
+                 prepared: Optional[tuple[int, str]], tiers: tuple[_FileFacts, _FileFacts, _FileFacts]) -> None:
+        names = _target_names(stmt)
+        self.target = next(iter(names)) if len(names) == 1 and not isinstance(stmt, ast.Return) else ""
+        self.model = model if self.target else ""
+        self.accelerate = bool(self.target) and prepared is not None and any(t.zero_grad_calls for t in tiers[:2])
+        self._handled: set[tuple[int, str]] = set()
+        self.patch_model: list[int] = []  # lines of M.zero_grad() calls the patch covers
+        site_tests = _enclosing_tests(module.tree, stmt.lineno)
+        for t in tiers:
+            for ln, recv in t.module_zero_grad:
+                if _excluded_branch(site_tests, _enclosing_tests(module.tree, ln)):
+                    self._handled.add((ln, recv))
+                elif self.model and recv == self.model and not _other_optimizer_over(module, scope, self.model, stmt):
+                    self._handled.add((ln, recv))
+                    self.patch_model.append(ln)
+                elif self.model and _other_object(module, scope, recv, self.model, ln, stmt.lineno):
+                    self._handled.add((ln, recv))
+
+    def handles(self, line: int, recv: str) -> bool:
+        return (line, recv) in self._handled
+
+    def statements(self) -> str:
+        out = ""
+        if self.patch_model:
+            m = self.model
+            out += ("# the fused optimizer reads grads from its flat buffer: zero them in place, never free them\n"
+                    "import functools as _npufuse_functools\n"
+                    f"{m}.zero_grad = _npufuse_functools.partial({m}.zero_grad, set_to_none=False)\n")
+        if self.accelerate:
+            o = self.target
+            out += ("# accelerate passes set_to_none=True to a zero_grad that takes it (the fused class raises): "
+                    "zero in place\n"
+                    f"{o}.zero_grad = (lambda zero_grad: lambda: zero_grad(set_to_none=False))({o}.zero_grad)\n")
+        return out
+
+    def notes(self) -> list[str]:
+        out = []
+        if self.patch_model:
+            lines = ", ".join(str(x) for x in sorted(set(self.patch_model)))
+            out.append(f"`{self.model}.zero_grad()` (line {lines}) would set grads to None (torch >= 2.0) and the next "
+                       "backward would allocate new ones outside the fused optimizer's flat buffer (its update would "
+                       f"silently use stale grads): the fused branch binds `{self.model}.zero_grad` to "
+                       "set_to_none=False, so grads are zeroed in place")
+        if self.accelerate:
+            out.append(f"the optimizer goes through accelerate's prepare, whose zero_grad() passes set_to_none=True to "
+                       f"a wrapped zero_grad that takes it (torch_npu fused optimizers raise ValueError): the fused branch "
+                       f"gives `{self.target}` a zero_grad without that parameter, zeroing in place")
+        return out
+
+
+def _other_optimizer_over(module: ModuleInfo, scope: Scope, model: str, stmt: ast.stmt) -> bool:
+    """Does another statement of the file build an optimizer (a name that looks like one) from
+    ``model``'s parameters? Binding ``model.zero_grad`` to set_to_none=False would change what that
+    one sees for parameters without a grad in a step (zeros instead of None)."""
+    for n in fast_walk(module.tree):
+        if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Return)) and n is not stmt and n.value is not None:
+            if isinstance(n, ast.Return):
+                # `return Muon(model.parameters())`: a class constructed and handed out
+                head = (dotted(n.value.func) or "").rsplit(".", 1)[-1] if isinstance(n.value, ast.Call) else ""
+                targets = {"optimizer"} if head[:1].isupper() else set()
+            else:
+                targets = _target_names(n)
+            if not any(_looks_like_optimizer(t) for t in targets):
+                continue
+            # names resolved through the site's scope (in another scope that may over-match: then no rewrite)
+            if _model_of(module, scope, n.value, n.lineno) == model:
+                return True
+    return False
+
+
+def _enclosing_tests(tree: ast.Module, line: int) -> list[tuple[str, bool]]:
+    """(dump of the test, in its body?) of each ``if`` enclosing the statement at ``line``,
+    outermost first; only tests that call nothing (a flag, a comparison of names)."""
+    out: list[tuple[str, bool]] = []
+    body: list[ast.stmt] = tree.body
+    while True:
+        for st in body:
+            if st.lineno <= line <= (st.end_lineno or st.lineno):
+                break
+        else:
+            return out
+        if st.lineno == line and not isinstance(st, (ast.If, ast.For, ast.While, ast.With, ast.Try)):
+            return out
+        if isinstance(st, ast.If):
+            in_body = bool(st.body) and st.body[0].lineno <= line <= (st.body[-1].end_lineno or 0)
+            if _side_effect_free(st.test):
+                out.append((ast.dump(st.test), in_body))
+            body = st.body if in_body else st.orelse
+        else:
+            blocks = [getattr(st, f, None) or [] for f in ("body", "orelse", "finalbody")]
+            blocks += [h.body for h in getattr(st, "handlers", None) or []]
+            nxt = [b for b in blocks if b and b[0].lineno <= line <= (b[-1].end_lineno or 0)]
+            if not nxt:
+                return out
+            body = nxt[0]
+
+
+def _excluded_branch(site: list[tuple[str, bool]], other: list[tuple[str, bool]]) -> bool:
+    """Does ``other`` sit in the opposite branch of a test the site also sits under (the same
+    flag read twice: ``if args.use_optimizer: opt = ...`` and later ``if args.use_optimizer: ...
+    else: model.zero_grad()``)?"""
+    where = dict(site)
+    return any(test in where and where[test] != branch for test, branch in other)
+
+
+def _other_object(module: ModuleInfo, scope: Scope, recv: str, model: str, line: int, site_line: int) -> bool:
+    """Is ``recv`` (whose zero_grad is called at ``line``) provably not ``model``: both plain names
+    of the site's own scope, the call in that scope too, each last bound from a constructor call
+    of a different class (``netD = Discriminator(...).to(device)``, ``netG = Generator(...)``),
+    neither built from the other?"""
+    if "." in recv or "." in model or not (_in_scope(scope, line) or _reads_global(module, scope, recv, line)):
+        return False
+    a, b = scope.definition(recv, line + 1), scope.definition(model, site_line)
+    ca, cb = _constructor(module, a), _constructor(module, b)
+    if ca is None or cb is None or ca == cb:
+        return False
+    return not any(isinstance(n, ast.Name) and n.id == model for n in fast_walk(a)) and \
+        not any(isinstance(n, ast.Name) and n.id == recv for n in fast_walk(b))
+
+
+def _reads_global(module: ModuleInfo, scope: Scope, name: str, line: int) -> bool:
+    """Does the function holding ``line`` read ``name`` as the module-level name the site (a
+    module-level statement) binds: no parameter, assignment or ``for`` target of it there?"""
+    if scope.qualname != "<module>":
+        return False
+    holders = [s for s in module.scopes if s.qualname != "<module>"
+               and s.node.lineno <= line <= (getattr(s.node, "end_lineno", None) or s.node.lineno)]
+    if not holders:
+        return False
+    fn = holders[-1].node
+    args = fn.args  # type: ignore[attr-defined]
+    if name in {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}:
+        return False
+    return not any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in fast_walk(fn))
+
+
+def _in_scope(scope: Scope, line: int) -> bool:
+    """Is the statement at ``line`` directly in ``scope`` (not in a nested function or class)?"""
+    return any(st.lineno == line or (st.lineno <= line <= (st.end_lineno or st.lineno)
+               and not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+               for _b, _i, st in scope.statements())
+
+
+def _constructor(module: ModuleInfo, value: Optional[ast.expr]) -> Optional[str]:
+    """``Cls`` of ``Cls(...)`` / ``Cls(...).to(device)`` / ``.cuda()`` / ``.float()``: a class of
+    this module (a name bound to a call of something else says nothing about identity)."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("to", "cuda", "float", "half", "train", "npu"):
+        value = value.func.value
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.classes:
+        return value.func.id
     return None
 
 
@@ -627,17 +831,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         return NearMiss(_ID, scope.qualname, line, end, reason)
 
     # -- arguments ---------------------------------------------------------------------------
-    for k in call.keywords:
-        if k.arg is None:
-            return miss(f"keyword arguments passed through `**{segment(module, k.value)}` may carry "
-                        "fused=/foreach=/capturable=, which torch_npu.optim fused optimizers do not take")
-        if k in _dropped_keywords(call):
-            continue  # only picks torch's implementation, or its default: dropped from the fused call
-        if k.arg in _UNSUPPORTED_KW:
-            return miss(f"`{k.arg}=` is not supported by torch_npu.optim.{fused_cls} (no foreach/fused/capturable/"
-                        "maximize/differentiable arguments)")
-        if k.arg not in accepted and k.arg != "params":
-            return miss(f"`{k.arg}=` has no counterpart in torch_npu.optim.{fused_cls}")
+    plan = _KeywordPlan(module, scope, call, line, accepted, fused_cls)
+    if plan.reason is not None:
+        return miss(plan.reason)
     if any(isinstance(a, ast.Starred) for a in call.args):
         return miss("positional arguments passed through `*args`: cannot check them against the fused class")
     if len(call.args) > 1 + len(accepted):
@@ -649,8 +845,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     model = guard[len("next("):].split(".parameters()")[0] if guard and ".parameters()" in guard else ""
     prepared = _accelerate_prepared(stmt, tiers[0], tiers[1])
     peft = _peft_wrapped(module, scope, model, stmt.lineno)
+    fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers)
     for n, facts in enumerate(tiers):
-        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft)
+        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix)
         if reason is not None:
             return miss(reason)
     if guard is None:
@@ -666,12 +863,12 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     text = _statement_text(module, stmt)
     if text is None:
         return miss("the optimizer statement shares its line with other code")
-    fused = _fused_text(module, stmt, call, fused_cls, kind, text)
+    fused = _fused_text(module, stmt, call, fused_cls, kind, plan.drop) + fix.statements()
     lr_given = keyword(call, "lr", 1) is not None
     params = {
         "optimizer": f"torch.optim.{kind}",
         "fused_class": f"torch_npu.optim.{fused_cls}",
-        "args": {k.arg: segment(module, k.value) for k in call.keywords if k.arg and k.arg != "params" and k not in _dropped_keywords(call)}
+        "args": {k.arg: segment(module, k.value) for k in call.keywords if k.arg and k.arg != "params" and k not in plan.drop}
         | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0},
         "params": segment(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
         "param_groups": _is_groups(module, scope, keyword(call, "params", 0), stmt.lineno),  # type: ignore[arg-type]
@@ -705,11 +902,19 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         notes.append(f"`{model}` is a peft model over a bf16 base: the frozen base never gets grads (the fused class "
                      "only takes params with grads), peft upcasts adapters to fp32; the guard also checks at run time "
                      "that every trainable parameter is fp32/fp16 (modules_to_save copies stay bf16: then the original runs)")
-    dropped = [f"{k.arg}={segment(module, k.value)}" for k in _dropped_keywords(call)]
+    dropped = [f"{k.arg}={segment(module, k.value)}" if k.arg else f"**{segment(module, k.value)}" for k in plan.drop]
     if dropped:
         params["dropped"] = dropped
         notes.append(f"dropped from the fused call: {', '.join(dropped)} (it picks torch.optim's implementation or "
                      "states a default; the fused class computes the same update without it)")
+    notes += plan.notes + fix.notes()
+    if any(k.arg == "fused" or k.arg is None for k in plan.drop):
+        notes.append("the call may ask for torch.optim's own fused kernel (fused=True); torch_npu 2.14 registers "
+                     "_fused_adam_/_fused_adamw_/_fused_sgd_ for NPU, so that path is fused already there: measure "
+                     "both with `npufuse verify e2e` before keeping the flat-buffer class")
+    if any(k.arg == "capturable" for k in plan.drop):
+        notes.append("capturable= only keeps torch.optim's step count on the device for graph capture (no graph is "
+                     "captured in this file); the fused class keeps a Python int")
     if params["lr_default_added"]:
         notes.append("NpuFusedSGD has no lr default: torch.optim.SGD's lr=1e-3 is passed explicitly")
     return Finding(
@@ -755,14 +960,130 @@ def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
     return "".join(lines[first - 1 : last])
 
 
-def _dropped_keywords(call: ast.Call) -> list[ast.keyword]:
-    out = []
-    for k in call.keywords:
-        v = const_value(k.value)
-        if k.arg in _DROPPABLE and type(v) in (bool, type(None)) and v in _DROPPABLE[k.arg]:
-            out.append(k)
-        elif k.arg == "foreach" and dotted(k.value) is not None:
-            out.append(k)  # a flag read from the config: whichever path, the same update
+def _side_effect_free(node: ast.AST) -> bool:
+    """An expression whose evaluation calls nothing (names, attributes, constants, operators):
+    dropping it from the fused call drops no work."""
+    return not any(isinstance(n, (ast.Call, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom, ast.Lambda))
+                   for n in fast_walk(node))
+
+
+def _droppable(name: Optional[str], value: ast.AST, graph_line: Optional[int]) -> bool:
+    """Is ``name=value`` a keyword the fused class computes the same update without?"""
+    if name in _ANY_VALUE and _side_effect_free(value):
+        if name == "capturable" and graph_line is not None:
+            v = const_value(value)
+            return v is False or v is None  # captured graphs need it; its default still goes
+        return True
+    v = const_value(value)
+    return name in _DROPPABLE and type(v) in (bool, type(None)) and v in _DROPPABLE[name]
+
+
+def _graph_capture_line(module: ModuleInfo) -> Optional[int]:
+    """Line of the first graph capture in the file (``torch.cuda.graph(...)``, ``CUDAGraph()``,
+    ``make_graphed_callables``...), cached on the module."""
+    cached = module.__dict__.get("_npufuse_optim_graph")
+    if cached is None:
+        cached = 0
+        src = module.source
+        if "graph" in src.lower():
+            for n in fast_walk(module.tree):
+                if isinstance(n, ast.Call):
+                    name = module.canonical(n.func) or ""
+                    last = name.rsplit(".", 1)[-1]
+                    if last in _GRAPH_CAPTURE or name in ("torch.cuda.graph", "torch.npu.graph", "torch_npu.npu.graph"):
+                        cached = n.lineno
+                        break
+        module.__dict__["_npufuse_optim_graph"] = cached
+    return cached or None
+
+
+class _KeywordPlan:
+    """What becomes of each keyword argument of the optimizer call in the fused call: ``drop``
+    (implementation choices, cut from the text), ``notes``, or ``reason`` why the call cannot be
+    swapped. A ``**extra`` mapping is followed to its definitions in the same function: its keys
+    must all be droppable (then ``**extra`` is dropped) or all be arguments the fused class takes."""
+
+    def __init__(self, module: ModuleInfo, scope: Scope, call: ast.Call, line: int,
+                 accepted: tuple[str, ...], fused_cls: str) -> None:
+        self.drop: list[ast.keyword] = []
+        self.notes: list[str] = []
+        self.reason: Optional[str] = None
+        graph = _graph_capture_line(module)
+        for k in call.keywords:
+            if k.arg is None:
+                self._star(module, scope, k, line, accepted, fused_cls, graph)
+            elif _droppable(k.arg, k.value, graph):
+                self.drop.append(k)
+            elif k.arg == "capturable" and graph is not None:
+                self.reason = (f"`capturable={segment(module, k.value)}` with a graph captured in this file (line {graph}): "
+                               f"a captured optimizer step needs its step count on the device; torch_npu.optim.{fused_cls} "
+                               "keeps a Python int")
+            elif k.arg in _UNSUPPORTED_KW:
+                self.reason = (f"`{k.arg}={segment(module, k.value)[:40]}` changes what torch.optim computes "
+                               f"(maximize: ascent; differentiable: autograd through the step; decoupled_weight_decay: "
+                               f"AdamW's decay) and torch_npu.optim.{fused_cls} has no such argument")
+            elif k.arg not in accepted and k.arg != "params":
+                self.reason = f"`{k.arg}=` has no counterpart in torch_npu.optim.{fused_cls}"
+            if self.reason is not None:
+                return
+
+    def _star(self, module: ModuleInfo, scope: Scope, k: ast.keyword, line: int, accepted: tuple[str, ...],
+              fused_cls: str, graph: Optional[int]) -> None:
+        name = k.value.id if isinstance(k.value, ast.Name) else None
+        text = segment(module, k.value)
+        keys = _mapping_keys(scope, name, line) if name else None
+        if keys is None:
+            self.reason = (f"keyword arguments passed through `**{text}` (not a dict built in this function from "
+                           "literal keys): they may carry maximize=/differentiable=, which change the update, and "
+                           "npufuse cannot check them against the fused class")
+            return
+        if all(_droppable(key, value, graph) for key, value in keys):
+            self.drop.append(k)
+            self.notes.append(f"`**{text}` only ever holds {', '.join(sorted({key for key, _ in keys})) or 'nothing'} "
+                              "(its definitions in this function): implementation choices, dropped with it")
+        elif all(key in accepted for key, _ in keys):
+            self.notes.append(f"`**{text}` only ever holds {', '.join(sorted({key for key, _ in keys}))}: "
+                              f"arguments torch_npu.optim.{fused_cls} takes, passed on")
+        else:
+            bad = sorted({key for key, value in keys if not _droppable(key, value, graph) and key not in accepted})
+            self.reason = (f"`**{text}` may carry {', '.join(f'{b}=' for b in bad) or 'keys'} (its definitions in this "
+                           f"function), which torch_npu.optim.{fused_cls} does not take or which change the update"
+                           if bad else f"`**{text}` mixes implementation choices and arguments of the update")
+
+
+def _mapping_keys(scope: Scope, name: str, line: int) -> Optional[list[tuple[str, ast.expr]]]:
+    """(key, value) of every entry ``name`` can hold at ``line``: each of its assignments in the
+    scope is ``dict(k=v, ...)``, a ``{"k": v}`` literal or a conditional of those, and nothing
+    mutates it (``name[...] = ``, ``name.update(...)``); None when that is not so."""
+    found = [v for st, v in scope.assignments.get(name, []) if st.lineno < line]
+    if not found:
+        return None  # a parameter, a global, or built elsewhere
+    for n in fast_walk(scope.node):
+        if isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.value, ast.Name) and n.value.id == name:
+            if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store):
+                return None
+            if isinstance(n, ast.Attribute) and n.attr in ("update", "setdefault", "__setitem__", "pop", "popitem", "clear", "__ior__"):
+                return None
+        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and n.target.id == name:
+            return None
+    out: list[tuple[str, ast.expr]] = []
+    todo: list[ast.expr] = list(found)
+    while todo:
+        v = todo.pop()
+        if isinstance(v, ast.IfExp):
+            todo += [v.body, v.orelse]
+        elif isinstance(v, ast.Dict):
+            for key, val in zip(v.keys, v.values):
+                if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                    return None
+                out.append((key.value, val))
+        elif isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "dict" and not v.args:
+            for kw in v.keywords:
+                if kw.arg is None:
+                    return None
+                out.append((kw.arg, kw.value))
+        else:
+            return None
     return out
 
 
@@ -785,7 +1106,7 @@ def _cut_keyword(text: bytes, k0: int, k1: int) -> bytes:
     return before + text[k1:]
 
 
-def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: str, kind: str, text: str) -> str:
+def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: str, kind: str, drop: list[ast.keyword]) -> str:
     """The statement with the optimizer class swapped (byte offsets: ast columns are UTF-8)."""
     lines = module.lines  # numbered as ast numbers them
     first = stmt.lineno
@@ -806,7 +1127,7 @@ def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: s
     # keywords the fused class does not take but that change nothing (foreach=False, ...): cut
     # out with the comma after them (or before them, for the last argument)
     shift = len(f"torch_npu.optim.{fused_cls}".encode()) - (f1 - f0)
-    for k in sorted(_dropped_keywords(call), key=lambda k: (k.lineno, k.col_offset), reverse=True):
+    for k in sorted(drop, key=lambda k: (k.lineno, k.col_offset), reverse=True):
         k0 = offset(k.lineno, k.col_offset) + shift
         k1 = offset(k.end_lineno or k.lineno, k.end_col_offset or 0) + shift
         new = _cut_keyword(new, k0, k1)
@@ -990,7 +1311,7 @@ for it in range(10):
     optimizer.zero_grad(set_to_none=True)
 '''
 
-_KEEP_EXTRA_ARGS = _NET + '''
+_EXTRA_ARGS = _NET + '''
 import inspect
 
 
@@ -1021,11 +1342,11 @@ model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B", torch_dtype=to
 optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.0)
 '''
 
-_KEEP_FOREACH = _NET + '''
+_CAPTURABLE = _NET + '''
 
-def build(model):
-    # capturable keeps the step as a device tensor for CUDA-graph capture; the fused class keeps a Python int
-    return torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+def build(model, graphs=False):
+    # capturable keeps the step as a device tensor for CUDA-graph capture (none here): the same update
+    return torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graphs)
 '''
 
 _KEEP_GRAD_ASSIGN = _NET + '''
@@ -1043,7 +1364,7 @@ def build(model):
     return torch.optim.SGD(model.parameters(), lr=0.01)
 '''
 
-_KEEP_MODEL_ZERO_GRAD = _NET + '''
+_MODEL_ZERO_GRAD = _NET + '''
 
 def train(model, loader, epochs=1):
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
@@ -1262,14 +1583,9 @@ FusedOptimizer.FUSE = [
 
 FusedOptimizer.KEEP = [
     Keep(_KEEP_NANOGPT_TRAIN, reason="set_to_none=True", name="nanogpt_train_zero_grad_set_to_none"),
-    Keep(_KEEP_EXTRA_ARGS, reason="**extra_args", name="nanogpt_fused_extra_args"),
     Keep(_KEEP_FSDP, reason="FSDP", name="fsdp_wrapped_model"),
     Keep(_KEEP_BF16, reason="bf16 parameters unsupported", name="hf_model_loaded_in_bf16"),
-    Keep(_KEEP_FOREACH, reason="`capturable=` is not supported", name="capturable_true"),
     Keep(_KEEP_GRAD_ASSIGN, reason="re-allocated", name="manual_grad_averaging"),
-    Keep(_KEEP_MODEL_ZERO_GRAD, reason="model.zero_grad()", name="module_zero_grad_default"),
-    Keep(_KEEP_ACCELERATE, reason="AcceleratedOptimizer.zero_grad() passes set_to_none=True", name="accelerate_prepare_then_zero_grad"),
-    Keep(_KEEP_ACCELERATE_HELPER, reason="AcceleratedOptimizer", name="accelerate_helper_optimizer_prepared_by_caller"),
     Keep(_KEEP_LIST_GRAD_ASSIGNED, reason="grads are re-allocated", name="list_params_grad_assigned_each_step"),
     Keep(_KEEP_CLASS_CHOSEN, reason="chosen at run time", name="optimizer_class_chosen_at_run_time"),
     Keep(_KEEP_FIXTURE_BF16, reason="bf16 parameters unsupported", name="pytest_fixture_bf16_model"),
@@ -1339,7 +1655,7 @@ def build(model):
 
 def build(model):
     return torch.optim.RMSprop(model.parameters(), lr=1e-2, differentiable=True)
-''', reason="`differentiable=` is not supported by torch_npu.optim.NpuFusedRMSprop", name="rmsprop_differentiable"),
+''', reason="`differentiable=True` changes what torch.optim computes", name="rmsprop_differentiable"),
 ]
 
 _FOREACH_OFF = _NET + '''
@@ -1372,5 +1688,222 @@ FusedOptimizer.KEEP += [
 
 def build(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, maximize=True)
-''', reason="`maximize=` is not supported", name="maximize_true_changes_the_math"),
+''', reason="`maximize=True` changes what torch.optim computes", name="maximize_true_changes_the_math"),
+]
+
+
+# -- issue 14, class 5: implementation keywords, `**extra` mappings, zero_grad calls the fused
+# branch makes safe ----------------------------------------------------------------------------
+
+# nanoGPT's configure_optimizers: `**extra_args` only ever holds fused=True (or nothing)
+_EXTRA_ARGS_RUN = _TRAIN_RUN.replace("opt = build(model)", "opt = configure_optimizers(model, 0.1, 6e-3, (0.9, 0.95), 'cpu')")
+
+_FUSED_FLAG = _NET + '''
+
+class OptimArgs:
+    lr = 3e-3
+    beta1, beta2 = 0.9, 0.95
+    torch_adam_is_fused = True
+
+
+def build(model, args=OptimArgs()):
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=args.torch_adam_is_fused,  # torch's own fused kernel on CUDA
+    )
+    return optimizer
+'''
+
+# dcgan: two models, two optimizers, `netD.zero_grad()` / `netG.zero_grad()` in the loop
+_TWO_MODELS = _NET + '''
+
+class Other(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+torch.manual_seed(0)
+netD = Net()
+netG = Other()
+optimizerD = torch.optim.Adam(netD.parameters(), lr=2e-3, betas=(0.5, 0.999))
+optimizerG = torch.optim.Adam(netG.parameters(), lr=2e-3, betas=(0.5, 0.999))
+
+
+def run_steps(steps=3):
+    torch.manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(5, 8)
+        netD.zero_grad()
+        netD(x).square().mean().backward()
+        optimizerD.step()
+        netG.zero_grad()
+        netD(netG(torch.randn(5, 4))).mean().backward()
+        optimizerG.step()
+    return tuple(p.detach().clone() for p in (*netD.parameters(), *netG.parameters()))
+'''
+
+# word_language_model: the optimizer under a flag, `model.zero_grad()` only in the flag's else branch
+_FLAG_BRANCHES = _NET + '''
+
+class Args:
+    use_optimizer = True
+    lr = 5e-3
+
+
+args = Args()
+torch.manual_seed(0)
+model = Net()
+if args.use_optimizer:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def train(steps=3):
+    for _ in range(steps):
+        if args.use_optimizer:
+            optimizer.zero_grad()
+        else:
+            model.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        if args.use_optimizer:
+            optimizer.step()
+        else:
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-args.lr)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+# accelerate's prepare + optimizer.zero_grad(); `Accelerator` here mirrors accelerate's
+# AcceleratedOptimizer.zero_grad: set_to_none=True goes to a wrapped zero_grad that takes it
+_ACCELERATE_LIKE = _NET + '''
+import inspect
+
+
+class _Wrapped:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none=None):
+        if "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters:
+            # (a mapping: in a real program this code lives in accelerate, not in the scanned file)
+            self.optimizer.zero_grad(**{"set_to_none": True if set_to_none is None else set_to_none})
+        else:
+            if set_to_none is not None:
+                raise ValueError("set_to_none is not supported by this optimizer")
+            self.optimizer.zero_grad()
+
+
+class Accelerator:
+    def prepare(self, model, optimizer):
+        return model, _Wrapped(optimizer)
+
+
+class Trainer:
+    def __init__(self, model, lr=1e-3):
+        self.accelerator = Accelerator()
+        self.model = model
+        self.opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.99))
+        self.model, self.opt = self.accelerator.prepare(self.model, self.opt)
+
+    def train(self, steps=3):
+        for _ in range(steps):
+            self.model(torch.randn(4, 8)).square().mean().backward()
+            self.opt.step()
+            self.opt.zero_grad()
+        return tuple(p.detach().clone() for p in self.model.parameters())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_EXTRA_ARGS, name="extra_args_mapping_of_fused_flag_dropped", run=_EXTRA_ARGS_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "dropped": ["**extra_args"], "param_groups": True,
+        "args": {"lr": "learning_rate", "betas": "betas"}}),
+    Fuse(_FUSED_FLAG, name="fused_config_flag_dropped", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "dropped": ["fused=args.torch_adam_is_fused"],
+        "args": {"lr": "args.lr", "betas": "(args.beta1, args.beta2)"}}),
+    Fuse(_CAPTURABLE, name="capturable_without_graph_capture_dropped", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.Adam", "dropped": ["capturable=graphs"]}),
+    Fuse(_MODEL_ZERO_GRAD, name="module_zero_grad_bound_to_set_to_none_false",
+         run="out = tuple(p.detach().clone() for p in (train(Net(), [torch.randn(4, 8) for _ in range(3)]) or ()))\n"
+             "model = Net()\ntrain(model, [torch.randn(4, 8) for _ in range(3)])\n"
+             "out = tuple(p.detach().clone() for p in model.parameters())\n",
+         expect={"optimizer": "torch.optim.AdamW", "args": {"lr": "5e-5"}}),
+    Fuse(_TWO_MODELS, name="dcgan_two_models_each_zero_grad_patched", run="out = run_steps()\n", expect={
+        "optimizer": "torch.optim.Adam", "params": "netD.parameters()", "args": {"lr": "2e-3", "betas": "(0.5, 0.999)"}}),
+    Fuse(_FLAG_BRANCHES, name="module_zero_grad_only_when_the_optimizer_is_off", run="out = train()\n", expect={
+        "optimizer": "torch.optim.AdamW", "args": {"lr": "args.lr"}}),
+    Fuse(_ACCELERATE_LIKE, name="accelerate_prepared_zero_grad_without_set_to_none",
+         run="out = Trainer(Net()).train()\n", expect={"optimizer": "torch.optim.Adam", "qualname": "Trainer.__init__"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_EXTRA_ARGS.replace("dict(fused=True)", "dict(maximize=True)"), reason="`**extra_args` may carry maximize=",
+         name="extra_args_mapping_that_changes_the_update"),
+    Keep(_NET + '''
+
+def build(model, extra):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **extra)
+''', reason="not a dict built in this function", name="extra_mapping_from_the_caller"),
+    Keep(_CAPTURABLE + '''
+
+def capture(model, opt, x):
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        model(x).sum().backward()
+        opt.step()
+    return g
+''', reason="with a graph captured in this file", name="capturable_with_graph_capture"),
+    # a receiver that may hold the same parameters (an alias of the model): no proof, no rewrite
+    Keep(_NET + '''
+
+def train(model, loader):
+    net = model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+    for x in loader:
+        net(x).mean().backward()
+        optimizer.step()
+        net.zero_grad()
+''', reason="`net.zero_grad()`", name="module_zero_grad_on_an_alias"),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_NET + '''
+
+def resolve_optimizer_factory(name):
+    factories = {
+        "Adam": torch.optim.Adam,
+        "AdamW": torch.optim.AdamW,
+    }
+    return factories[name]
+''', reason="handed around as a value", name="optimizer_class_in_a_registry"),
+    # another optimizer takes the same model's parameters: binding model.zero_grad would change what it sees
+    Keep(_NET + '''
+
+def train(model, loader):
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(matrices, lr=5e-5)
+    other_opt = torch.optim.SGD(vectors, lr=0.1)
+    for x in loader:
+        model(x).mean().backward()
+        optimizer.step()
+        other_opt.step()
+        model.zero_grad()
+''', reason="`model.zero_grad()`", name="module_zero_grad_with_a_second_optimizer_over_the_model"),
+    Keep(_NET + '''
+
+def train(model, loader):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+    for x in loader:
+        model(x).mean().backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+''', reason="backward allocates new ones outside the fused optimizer's flat buffer", name="module_zero_grad_set_to_none_true"),
 ]

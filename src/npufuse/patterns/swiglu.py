@@ -516,6 +516,14 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
         n = n.func.value  # type: ignore[union-attr]
     if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Call) and const_value(n.slice) == 0:
         n = n.value  # vLLM-style ``self.wi_0(x)[0]`` (output, bias)
+    if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute)):
+        name = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id
+        args = [a for a in n.args if not isinstance(a, ast.Starred)]
+        if name == "einsum" and len(args) == 3 and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str):
+            # ``einsum("ti,taoi->tao", x, w)``: the same equation (spaces aside) on the same input
+            return f"einsum[{args[0].value.replace(' ', '')}]{S.key(args[1], c)}"
+        if not n.args and n.keywords and n.keywords[0].arg is not None:
+            return S.key(n.keywords[0].value, c)  # ``grouped_mm(A=x, B_t=w, offs=...)``
     if isinstance(n, ast.Call) and n.args and not isinstance(n.args[0], ast.Starred):
         return S.key(n.args[0], c)
     if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
@@ -1584,4 +1592,58 @@ class GatedFFN(nn.Module):
         run="m = GatedFFN(8, 12)\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.proj.weight]\n",
         name="inline_projection_silu_on_second_half_bound_once",
     ),
+]
+
+
+# issue 14, class 6: gate and up from stacked expert weights: einsum over gathered weights
+# (gpt-fast mixtral), bmm over [E, D, H] weights (llama4 batched experts), a grouped matmul taking
+# keyword arguments only (torchtitan GroupedExperts); a near miss when the einsums' inputs differ
+_STACKED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def grouped_mm(A, B_t, offs=None):
+    return A @ B_t
+
+
+class Experts(nn.Module):
+    def __init__(self, e=4, d=8, h=12):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(e, h, d) * 0.3)
+        self.w3 = nn.Parameter(torch.randn(e, h, d) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(e, d, h) * 0.3)
+
+    def forward(self, x, idx):
+{body}
+'''
+
+_STACKED_RUN = ("m = Experts()\nx = torch.randn(5, 8, requires_grad=True)\nidx = torch.randint(0, 4, (5, 2))\n"
+                "out = m(x, idx)\nleaves = [x, m.w1, m.w3]\n")
+
+Swiglu.FUSE += [
+    Fuse(_STACKED.format(body='''        w1, w3, w2 = self.w1[idx], self.w3[idx], self.w2[idx]
+        x1 = F.silu(torch.einsum("ti,taoi -> tao", x, w1))
+        x3 = torch.einsum("ti, taoi -> tao", x, w3)
+        return torch.einsum("tao, taio -> tai", x1 * x3, w2)'''), run=_STACKED_RUN,
+         expect={"source": "two_projections", "order": "gate_first"}, name="einsum_over_gathered_expert_weights"),
+    Fuse(_STACKED.format(body='''        xs = x.unsqueeze(0).expand(self.w1.shape[0], -1, -1)
+        h = F.silu(torch.bmm(xs, self.w1.transpose(1, 2))) * torch.bmm(xs, self.w3.transpose(1, 2))
+        return torch.bmm(h, self.w2.transpose(1, 2)).sum(0)'''), run=_STACKED_RUN,
+         expect={"source": "two_projections"}, name="bmm_over_stacked_expert_weights"),
+    Fuse(_STACKED.format(body='''        h = F.silu(grouped_mm(A=x, B_t=self.w1[0].transpose(-2, -1)))
+        h = h * grouped_mm(A=x, B_t=self.w3[0].transpose(-2, -1))
+        return grouped_mm(A=h, B_t=self.w2[0].transpose(-2, -1))'''), run=_STACKED_RUN,
+         expect={"source": "two_projections"}, name="keyword_only_grouped_matmul"),
+]
+
+Swiglu.KEEP += [
+    Keep(_STACKED.format(body='''        w1, w3 = self.w1[idx], self.w3[idx]
+        y = torch.tanh(x)
+        return F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tao", y, w3)'''),
+         reason="not projections of one input", name="einsums_of_different_inputs"),
+    Keep(_STACKED.format(body='''        w1, w3 = self.w1[idx], self.w3[idx]
+        return F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tai", x, w3)'''),
+         reason="not projections of one input", name="einsums_with_different_equations"),
 ]
