@@ -22,7 +22,7 @@ import numpy as np
 from npufuse import __version__
 from npufuse.profile.kb import KnowledgeBase, load_kb
 from npufuse.profile.mining import Finding, Miner, NGram, OpStream, build_host_stream, build_kernel_stream, \
-    communication_report, gap_report, mine_ngrams
+    communication_report, gap_report, mine_ngrams, _union_us
 from npufuse.profile.readers import MIN_TIME_US, KernelTable, Problem, RankSource, discover, read_kernel_details, \
     read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view, share, _encode, _type_from_name
 from npufuse.profile.roofline import Assumptions, assess
@@ -238,6 +238,8 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                                        f"{MIN_TIME_US:g} us): shares of step time are unknown, shown as 0"))
         step_us = 0.0
     out["step_time_us"] = step_us
+    problems += _time_inconsistencies(st, step_us, steps is not None and bool(steps.steps),
+                                      table.source if table is not None else src.label)
     # device kernel time is compute: collectives are reported as communication
     out["device_time_us"] = float(st.dur[~st.comm].sum()) if st.level == "kernel" else 0.0
     out["communication"] = communication_report(st) | {"rank": rank}
@@ -291,6 +293,37 @@ def _step_time(st: OpStream, steps: Any) -> float:
             total += float(st.end[m].max() - st.start[m].min())
         return total
     return float(st.end.max() - st.start.min()) if st.n else 0.0
+
+
+def _time_inconsistencies(st: OpStream, step_us: float, from_step_file: bool, where: str) -> list[Problem]:
+    """Why shares of this rank could pass 100% of the step: the step time of step_trace_time.csv is
+    shorter than the kernels' own span, or kernels of one stream overlap in time (a stream runs its
+    kernels one after another, so overlap means inconsistent timestamps). Said once per rank, so the
+    capped shares of the result have a reason the user can check in the input."""
+    out: list[Problem] = []
+    if st.n == 0:
+        return out
+    if from_step_file and step_us > 0:
+        span = 0.0
+        for s in np.unique(st.step).tolist():
+            m = st.step == s
+            span += float(st.end[m].max() - st.start[m].min())
+        if span > step_us * 1.001:
+            out.append(Problem(where, f"step_trace_time.csv gives a step time of {step_us:,.1f} us, shorter than "
+                                      f"the kernels' own span of {span:,.1f} us: shares of the step may be capped "
+                                      f"at 100%"))
+    compute = ~st.comm if st.level == "kernel" else np.ones(st.n, dtype=bool)
+    for sid in np.unique(st.stream[compute]).tolist():
+        m = compute & (st.stream == sid)
+        busy = float(st.dur[m].sum())
+        us, ue = _union_us(st.start[m], st.end[m])
+        wall = float((ue - us).sum())
+        # a little slack: timestamps are rounded to the ns and the clock of a lane is resampled
+        if busy > wall * 1.01 + 1.0:
+            out.append(Problem(where, f"kernels of stream {sid} overlap in time ({busy:,.1f} us of kernel time "
+                                      f"within {wall:,.1f} us of wall-clock; a stream runs one kernel at a time): "
+                                      f"inconsistent timestamps, shares of the step may be capped at 100%"))
+    return out
 
 
 def _keys(st: OpStream, i: int, j: int) -> list[tuple[str, str, str, str]]:
@@ -394,7 +427,15 @@ def _sum_gaps(gaps: list[dict[str, Any]], step_total: float, capped: list[str]) 
     tot = {k: round(sum(g[k] for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us")}
     tot["host_bound_gaps"] = sum(g["host_bound_gaps"] for g in gaps)
     tot["method"] = "; ".join(dict.fromkeys(g["method"] for g in gaps))
-    tot["host_bound_share"] = round(_capped_share(tot["host_bound_us"], step_total, "host-bound gap time", capped), 6)
-    tot["wait_share"] = round(_capped_share(tot["wait_us"], step_total, "wait gap time", capped), 6)
+    host = _capped_share(tot["host_bound_us"], step_total, "host-bound gap time", capped)
+    wait = _capped_share(tot["wait_us"], step_total, "wait gap time", capped)
+    if host + wait > 1.0 + 1e-9:
+        # both are idle time of one stream within the step: together they cannot pass it either, so
+        # they are scaled down to fill it, each keeping its part of the idle time
+        capped.append("idle (host-bound + wait) gap time")
+        idle = tot["host_bound_us"] + tot["wait_us"]
+        host, wait = tot["host_bound_us"] / idle, tot["wait_us"] / idle
+    tot["host_bound_share"] = round(host, 6)
+    tot["wait_share"] = round(wait, 6)
     tot["per_rank"] = gaps
     return tot
