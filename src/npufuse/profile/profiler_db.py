@@ -194,9 +194,10 @@ def _read(con: sqlite3.Connection, fname: str) -> tuple[KernelTable | None, list
     order = np.argsort(s_ns, kind="stable")
     s_ns, e_ns = s_ns[order], e_ns[order]
     step = _steps(con, have, s_ns)
-    # us, as kernel_details.csv writes them (its 3 decimals are these ns); durations from the integer
-    # difference, exact
-    start_us = s_ns / 1000.0
+    # us, as kernel_details.csv writes them (its 3 decimals are these ns). ns since the epoch do not fit
+    # a float64 (1.7e18, 256 ns apart), so whole us and the ns rest are converted apart: one rounding,
+    # the same value a reader of the CSV's "....403" gets
+    start_us = (s_ns // 1000).astype(np.float64) + (s_ns % 1000) / 1000.0
     dur_us = (e_ns - s_ns) / 1000.0
     tv, tcode = _encode([types[i] for i in order])
     nv, ncode = _encode([names[i] for i in order])
