@@ -252,17 +252,29 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
     miner.run_regions()
     gaps = gap_report(st, opt.assumptions.host_gap_us) | {"rank": rank}
     a = opt.assumptions
-    if gaps.get("dispatch_us", 0.0) > a.launch_us:
-        # a fused kernel still needs one dispatch: where the trace shows the host's launch interval,
-        # no fused kernel is bounded below it
-        a = dataclasses.replace(a, launch_us=gaps["dispatch_us"])
-        info["measured_dispatch_us"] = gaps["dispatch_us"]
-    out["fusions"] = [_finding_dict(st, f, a) for f in miner.findings]
+    dispatch, how = gaps.get("dispatch_us", 0.0), "trace launch interval"
+    if not dispatch > 0:
+        # no launch times: the median idle gap between consecutive kernels of the main stream is the
+        # host's time per op where the stream is host-bound, and small where it is not
+        dispatch, how = gaps.get("median_gap_us", 0.0), "median gap between kernels (no trace)"
+    if dispatch > a.launch_us:
+        # a fused kernel still needs one dispatch, and each kernel fused away saves at most one
+        a = dataclasses.replace(a, launch_us=dispatch)
+        info["measured_dispatch_us"] = dispatch
+        info["dispatch_from"] = how
+    pipes = None
+    if "kernel_details.csv" in src.files and table is not None and table.backend != "sqlite":
+        from npufuse.profile.pipes import read_pipe_use
+
+        pipes = read_pipe_use(src.files["kernel_details.csv"]) or None
+        if pipes:
+            info["pipe_metrics"] = list(next(iter(pipes.values())).columns)
+    out["fusions"] = [_finding_dict(st, f, a, pipes) for f in miner.findings]
     out["rejected"] = [{"pattern": r.pattern, "kernels": list(r.tokens), "count": r.count, "reason": r.reason,
                         "frames": r.first_site, "ranks": [rank]} for r in miner.rejected.values()]
     by_time, by_count = mine_ngrams(st, miner.claimed, miner.findings, kb, nmax=opt.nmax, top=opt.top)
-    out["sequences"] = {"by_time": [_ngram_dict(st, g, a) for g in by_time],
-                        "by_count": [_ngram_dict(st, g, a) for g in by_count]}
+    out["sequences"] = {"by_time": [_ngram_dict(st, g, a, pipes) for g in by_time],
+                        "by_count": [_ngram_dict(st, g, a, pipes) for g in by_count]}
     out["gaps"] = gaps
     return out
 
@@ -330,10 +342,23 @@ def _keys(st: OpStream, i: int, j: int) -> list[tuple[str, str, str, str]]:
     return [st.shape_keys[int(c)] for c in st.shape_code[i:j].tolist()]
 
 
-def _finding_dict(st: OpStream, f: Finding, a: Assumptions) -> dict[str, Any]:
+def _occurrence(st: OpStream, i: int, j: int, pipes: dict[str, Any] | None) -> dict[str, Any]:
+    """The longest kernel of one occurrence and, where the file has pipe metrics, its pipe use."""
+    durs = st.dur[i:j]
+    out: dict[str, Any] = {"longest_us": float(durs.max()) if j > i else 0.0}
+    if pipes:
+        from npufuse.profile.pipes import combine
+
+        out["pipes"] = combine([(pipes.get(st.vocab[c]), float(d))
+                                for c, d in zip(st.code[i:j].tolist(), durs.tolist())])
+    return out
+
+
+def _finding_dict(st: OpStream, f: Finding, a: Assumptions, pipes: dict[str, Any] | None = None) -> dict[str, Any]:
     i, j = f.first, f.first + f.length
     per_k = f.kernels / f.count if f.count else 0
-    roof = assess(st.tokens(i, j), _keys(st, i, j), f.span_us / f.count, f.kernel_us / f.count, a)
+    roof = assess(st.tokens(i, j), _keys(st, i, j), f.span_us / f.count, f.kernel_us / f.count, a,
+                  **_occurrence(st, i, j, pipes))
     if f.kind == "region":
         roof["kernels"] = round(per_k, 1)
     return {"pattern": f.pattern, "api": f.api, "kind": f.kind, "level": f.level, "kernels": list(f.tokens),
@@ -344,11 +369,12 @@ def _finding_dict(st: OpStream, f: Finding, a: Assumptions) -> dict[str, Any]:
             "shapes": [k[0].strip('"') for k in _keys(st, i, j)][:12]}
 
 
-def _ngram_dict(st: OpStream, g: NGram, a: Assumptions) -> dict[str, Any]:
+def _ngram_dict(st: OpStream, g: NGram, a: Assumptions, pipes: dict[str, Any] | None = None) -> dict[str, Any]:
     n = len(g.tokens)
     i, j = g.first, g.first + n
     status, site, _ = st.scope_of(i, j)
-    roof = assess(list(g.tokens), _keys(st, i, j), g.span_us / g.count, g.kernel_us / g.count, a)
+    roof = assess(list(g.tokens), _keys(st, i, j), g.span_us / g.count, g.kernel_us / g.count, a,
+                  **_occurrence(st, i, j, pipes))
     return {"kernels": list(g.tokens), "count": g.count, "kernels_launched": g.count * n,
             "time_us": round(g.span_us, 3), "kernel_time_us": round(g.kernel_us, 3), "pattern": g.pattern,
             "mapped_by": g.mapped_by, "ranks": [st.rank], "module_confirmed": status == "ok",

@@ -904,9 +904,11 @@ def _stream_gaps(st: OpStream, idx: np.ndarray, launch: np.ndarray, host_gap_us:
     steps_ = np.diff(lt)
     steps_ = steps_[np.isfinite(steps_) & (steps_ > 0)]
     dispatch = float(np.median(steps_)) if steps_.size else 0.0
+    idle = gap[gap > 0]
     return {"wait_us": round(float(gap[~host].sum()), 3), "host_bound_us": round(host_us, 3),
             "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3), "method": method,
-            "largest": largest, "dispatch_us": round(dispatch, 3)}
+            "largest": largest, "dispatch_us": round(dispatch, 3),
+            "median_gap_us": round(float(np.median(idle)), 3) if idle.size else 0.0}
 
 
 def _union_us(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

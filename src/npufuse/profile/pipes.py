@@ -1,0 +1,128 @@
+"""Pipe utilisation of each kernel type, from kernel_details.csv's aic_*/aiv_* metric columns
+(Level1/Level2, or ``aic_metrics=PipeUtilization``): the measured counterpart of the roofline verdict.
+
+The ratios are fractions of the kernel's time a pipe was busy: ``*_mac_*`` (cube) and ``*_vec_*``
+(vector) compute, ``*_mte2_*`` (global memory -> on-chip loads) and ``*_mte3_*`` (on-chip -> global
+memory stores). Per kernel, compute = the busiest compute pipe and memory = the busiest memory pipe;
+per type they are averaged weighted by duration. Read only when the columns exist, in a pass of its
+own that touches these columns alone: rows it cannot read are left out of the average (the kernel
+reader names them).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from npufuse.profile.readers import KERNEL_ALIASES, NO_TYPE_CELLS, _norm, _type_from_name, parse_number
+
+_COMPUTE = re.compile(r"(?i)^(aic_mac(_fp16|_int8)?|aiv_vec(_fp32|_fp16|_int32|_misc)?)_ratio$")
+_MEMORY = re.compile(r"(?i)^(aic|aiv)_mte[23]_ratio$")
+# utilisation at or above this is a saturated pipe; below it on both, neither bound is reached
+BUSY = 0.5
+
+
+@dataclass
+class PipeUse:
+    compute: float | None     # duration-weighted busiest-compute-pipe ratio
+    memory: float | None      # duration-weighted busiest-memory-pipe ratio
+    time_us: float            # kernel time the averages cover
+    columns: tuple[str, ...]  # the metric columns read
+
+
+def metric_columns(header: list[str]) -> tuple[list[int], list[int]]:
+    comp = [i for i, h in enumerate(header) if _COMPUTE.match(h.strip())]
+    mem = [i for i, h in enumerate(header) if _MEMORY.match(h.strip())]
+    return comp, mem
+
+
+def read_pipe_use(path: Path) -> dict[str, PipeUse]:
+    """Kernel type -> its pipe use; {} when the file has no pipe metric columns."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
+            reader = csv.reader(fp)
+            header = next(reader, None) or []
+            comp, mem = metric_columns(header)
+            if not comp and not mem:
+                return {}
+            normed = {_norm(h): i for i, h in reversed(list(enumerate(header)))}
+
+            def col(field: str) -> int | None:
+                for alias in KERNEL_ALIASES[field]:
+                    if _norm(alias) in normed:
+                        return normed[_norm(alias)]
+                return None
+
+            i_type, i_name, i_dur = col("type"), col("name"), col("duration")
+            if i_dur is None or (i_type is None and i_name is None):
+                return {}
+            last = max(i for i in (i_type, i_name, i_dur, *comp, *mem) if i is not None)
+            acc: dict[str, list[float]] = {}   # type -> [time, compute*time, time with compute, memory*time, ...]
+            for row in reader:
+                if len(row) != len(header) or len(row) <= last:
+                    continue   # a short or long row: its cells may sit under other columns
+                d = parse_number(row[i_dur])
+                if d is None or d <= 0:
+                    continue
+                t = row[i_type].strip() if i_type is not None else ""
+                if t in NO_TYPE_CELLS and i_name is not None:
+                    t = _type_from_name(row[i_name])
+                c = [v for v in (parse_number(row[i]) for i in comp) if v is not None and 0 <= v <= 1]
+                m = [v for v in (parse_number(row[i]) for i in mem) if v is not None and 0 <= v <= 1]
+                a = acc.setdefault(t, [0.0, 0.0, 0.0, 0.0, 0.0])
+                a[0] += d
+                if c:
+                    a[1] += max(c) * d
+                    a[2] += d
+                if m:
+                    a[3] += max(m) * d
+                    a[4] += d
+    except (OSError, csv.Error):
+        return {}
+    cols = tuple(header[i].strip() for i in comp + mem)
+    return {t: PipeUse(a[1] / a[2] if a[2] else None, a[3] / a[4] if a[4] else None, a[0], cols)
+            for t, a in acc.items()}
+
+
+def combine(uses: list[tuple[PipeUse | None, float]]) -> PipeUse | None:
+    """One sequence's pipe use: its kernels' uses weighted by their time in it."""
+    parts = [(u, w) for u, w in uses if u is not None and w > 0]
+    if not parts:
+        return None
+
+    def avg(get: str) -> float | None:
+        num = sum(getattr(u, get) * w for u, w in parts if getattr(u, get) is not None)
+        den = sum(w for u, w in parts if getattr(u, get) is not None)
+        return num / den if den else None
+
+    return PipeUse(avg("compute"), avg("memory"), sum(w for _, w in parts), parts[0][0].columns)
+
+
+def check_verdict(verdict: str, use: PipeUse) -> dict[str, object]:
+    """What the pipes say against the roofline's verdict, and whether they agree (None: not comparable)."""
+    c, m = use.compute, use.memory
+    if c is not None and c >= BUSY and (m is None or c >= m):
+        measured = "compute-bound"
+    elif m is not None and m >= BUSY and (c is None or m > c):
+        measured = "memory-bound"
+    elif c is None and m is None:
+        measured = "unknown"
+    elif (c is None or c < BUSY) and (m is None or m < BUSY) and (c is not None and m is not None):
+        measured = "neither pipe busy"
+    else:
+        measured = "unknown"
+    agrees: bool | None = None
+    if verdict in ("compute-bound", "memory-bound") and measured in ("compute-bound", "memory-bound"):
+        agrees = verdict == measured
+    out: dict[str, object] = {"compute_ratio": None if c is None else round(c, 3),
+                              "memory_ratio": None if m is None else round(m, 3),
+                              "measured": measured, "agrees": agrees}
+    if agrees is False:
+        out["note"] = (f"pipe utilisation disagrees with the roofline: it says {verdict}, the kernels' pipes say "
+                       f"{measured} (compute {c:.0%}, memory {m if m is not None else float('nan'):.0%} busy)")
+    elif measured == "neither pipe busy" and verdict in ("compute-bound", "memory-bound"):
+        out["note"] = (f"no pipe is saturated (compute {c:.0%}, memory {m:.0%}): the kernels run below the "
+                       f"roofline, latency or scalar work bounds them, not {verdict.split('-')[0]}")
+    return out
