@@ -342,10 +342,11 @@ def _keys(st: OpStream, i: int, j: int) -> list[tuple[str, str, str, str]]:
     return [st.shape_keys[int(c)] for c in st.shape_code[i:j].tolist()]
 
 
-def _occurrence(st: OpStream, i: int, j: int, pipes: dict[str, Any] | None) -> dict[str, Any]:
-    """The longest kernel of one occurrence and, where the file has pipe metrics, its pipe use."""
+def _occurrence(st: OpStream, i: int, j: int, longest_us: float, pipes: dict[str, Any] | None) -> dict[str, Any]:
+    """The mean longest kernel of the occurrences and, where the file has pipe metrics, the pipe
+    use of the first occurrence."""
     durs = st.dur[i:j]
-    out: dict[str, Any] = {"longest_us": float(durs.max()) if j > i else 0.0}
+    out: dict[str, Any] = {"longest_us": longest_us}
     if pipes:
         from npufuse.profile.pipes import combine
 
@@ -358,7 +359,7 @@ def _finding_dict(st: OpStream, f: Finding, a: Assumptions, pipes: dict[str, Any
     i, j = f.first, f.first + f.length
     per_k = f.kernels / f.count if f.count else 0
     roof = assess(st.tokens(i, j), _keys(st, i, j), f.span_us / f.count, f.kernel_us / f.count, a,
-                  **_occurrence(st, i, j, pipes))
+                  **_occurrence(st, i, j, f.longest_us / f.count if f.count else 0.0, pipes))
     if f.kind == "region":
         roof["kernels"] = round(per_k, 1)
     return {"pattern": f.pattern, "api": f.api, "kind": f.kind, "level": f.level, "kernels": list(f.tokens),
@@ -374,7 +375,7 @@ def _ngram_dict(st: OpStream, g: NGram, a: Assumptions, pipes: dict[str, Any] | 
     i, j = g.first, g.first + n
     status, site, _ = st.scope_of(i, j)
     roof = assess(list(g.tokens), _keys(st, i, j), g.span_us / g.count, g.kernel_us / g.count, a,
-                  **_occurrence(st, i, j, pipes))
+                  **_occurrence(st, i, j, g.longest_us / g.count if g.count else 0.0, pipes))
     return {"kernels": list(g.tokens), "count": g.count, "kernels_launched": g.count * n,
             "time_us": round(g.span_us, 3), "kernel_time_us": round(g.kernel_us, 3), "pattern": g.pattern,
             "mapped_by": g.mapped_by, "ranks": [st.rank], "module_confirmed": status == "ok",

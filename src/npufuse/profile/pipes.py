@@ -101,28 +101,41 @@ def combine(uses: list[tuple[PipeUse | None, float]]) -> PipeUse | None:
 
 
 def check_verdict(verdict: str, use: PipeUse) -> dict[str, object]:
-    """What the pipes say against the roofline's verdict, and whether they agree (None: not comparable)."""
+    """What the pipes say against the roofline's verdict, and whether they agree (None: not comparable).
+
+    A pipe at or above ``BUSY`` is saturated. Only a clear split contradicts a verdict: compute-bound
+    while the compute pipes idle and a memory pipe is saturated, or the reverse. Both saturated (a
+    well-fed matmul loads while it multiplies) contradicts neither; a launch-bound verdict is about
+    the gaps between kernels, which pipe ratios inside them do not measure."""
     c, m = use.compute, use.memory
-    if c is not None and c >= BUSY and (m is None or c >= m):
+    c_busy = c is not None and c >= BUSY
+    m_busy = m is not None and m >= BUSY
+    if c_busy and m_busy:
+        measured = "both pipes busy"
+    elif c_busy and m is not None:
         measured = "compute-bound"
-    elif m is not None and m >= BUSY and (c is None or m > c):
+    elif m_busy and c is not None:
         measured = "memory-bound"
-    elif c is None and m is None:
-        measured = "unknown"
-    elif (c is None or c < BUSY) and (m is None or m < BUSY) and (c is not None and m is not None):
+    elif c is not None and m is not None:
         measured = "neither pipe busy"
+    elif c_busy:
+        measured = "compute-bound"   # no memory metric in this file: the compute pipe alone
     else:
         measured = "unknown"
     agrees: bool | None = None
-    if verdict in ("compute-bound", "memory-bound") and measured in ("compute-bound", "memory-bound"):
-        agrees = verdict == measured
+    if verdict in ("compute-bound", "memory-bound"):
+        if measured in ("compute-bound", "memory-bound"):
+            agrees = verdict == measured
+        elif measured == "both pipes busy":
+            agrees = True
+    pct = lambda v: "n/a" if v is None else f"{v:.0%}"  # noqa: E731
     out: dict[str, object] = {"compute_ratio": None if c is None else round(c, 3),
                               "memory_ratio": None if m is None else round(m, 3),
                               "measured": measured, "agrees": agrees}
     if agrees is False:
         out["note"] = (f"pipe utilisation disagrees with the roofline: it says {verdict}, the kernels' pipes say "
-                       f"{measured} (compute {c:.0%}, memory {m if m is not None else float('nan'):.0%} busy)")
+                       f"{measured} (compute {pct(c)}, memory {pct(m)} busy)")
     elif measured == "neither pipe busy" and verdict in ("compute-bound", "memory-bound"):
-        out["note"] = (f"no pipe is saturated (compute {c:.0%}, memory {m:.0%}): the kernels run below the "
-                       f"roofline, latency or scalar work bounds them, not {verdict.split('-')[0]}")
+        out["note"] = (f"no pipe is saturated (compute {pct(c)}, memory {pct(m)} busy): the kernels run below "
+                       f"the roofline; latency or scalar work bounds them")
     return out
