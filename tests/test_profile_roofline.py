@@ -183,3 +183,25 @@ def test_pipe_disagreement_reaches_the_markdown(tmp_path: Path) -> None:
     text = md.read_text()
     unmapped = text.split("### Frequent sequences no fused API covers", 1)[1].split("###", 1)[0]
     assert "Add > Mul" in unmapped and "disagrees with the roofline" in unmapped
+
+
+@real
+def test_both_readers_give_the_same_pipe_use() -> None:
+    # polars takes the ratios in its kernel read; the csv reader (the fallback) reads them in a pass
+    # of its own: the same averages
+    from npufuse.profile.analysis import Options
+    from npufuse.profile.pipes import from_table, read_pipe_use
+    from npufuse.profile.readers import read_kernel_details
+
+    p = ALEX / "level1" / "rank0_ascend_pt" / "ASCEND_PROFILER_OUTPUT" / "kernel_details.csv"
+    table, _ = read_kernel_details(p, backend="polars")
+    assert table is not None and table.backend == "polars"
+    a, b = from_table(table), read_pipe_use(p)
+    assert a.keys() == b.keys() and len(a) > 10
+    for t in a:
+        for f in ("compute", "memory", "time_us"):
+            x, y = getattr(a[t], f), getattr(b[t], f)
+            assert (x is None and y is None) or x == pytest.approx(y, rel=1e-9), (t, f)
+    by_csv = analyze([str(ALEX / "level1")], Options(backend="csv"))
+    opt = [f for f in by_csv["fusions"] if f["pattern"] == "fused_optimizer"][0]["roofline"]
+    assert opt["pipes"]["measured"] == "memory-bound"

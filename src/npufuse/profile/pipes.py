@@ -15,6 +15,9 @@ import csv
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from npufuse.profile.readers import KERNEL_ALIASES, NO_TYPE_CELLS, _norm, _type_from_name, parse_number
 
@@ -84,6 +87,32 @@ def read_pipe_use(path: Path) -> dict[str, PipeUse]:
     cols = tuple(header[i].strip() for i in comp + mem)
     return {t: PipeUse(a[1] / a[2] if a[2] else None, a[3] / a[4] if a[4] else None, a[0], cols)
             for t, a in acc.items()}
+
+
+def from_table(table: Any) -> dict[str, PipeUse]:
+    """Kernel type -> its pipe use, from the per-kernel ratios the polars reader took in the same
+    read as the kernels; {} when it took none."""
+    if table.pipe_compute is None and table.pipe_memory is None:
+        return {}
+    k = len(table.types)
+    code = table.type_code
+    dur = np.where(table.dur > 0, table.dur, 0.0)
+    total = np.bincount(code, weights=dur, minlength=k)
+
+    def avg(ratio: Any) -> tuple[np.ndarray, np.ndarray]:
+        if ratio is None:
+            return np.zeros(k), np.zeros(k)
+        ok = ~np.isnan(ratio)
+        w = np.where(ok, dur, 0.0)
+        return np.bincount(code, weights=np.where(ok, ratio, 0.0) * w, minlength=k), \
+            np.bincount(code, weights=w, minlength=k)
+
+    cn, cd = avg(table.pipe_compute)
+    mn, md = avg(table.pipe_memory)
+    cols = tuple(h for h in table.columns.ignored if _COMPUTE.match(h) or _MEMORY.match(h))
+    return {table.types[t]: PipeUse(float(cn[t] / cd[t]) if cd[t] else None, float(mn[t] / md[t]) if md[t] else None,
+                                    float(total[t]), cols)
+            for t in range(k) if total[t] > 0}
 
 
 def combine(uses: list[tuple[PipeUse | None, float]]) -> PipeUse | None:

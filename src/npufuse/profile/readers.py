@@ -267,6 +267,10 @@ class KernelTable:
     columns: ColumnMap = field(default_factory=ColumnMap)
     backend: str = "csv"
     notes: list[str] = field(default_factory=list)
+    # busiest compute / memory pipe ratio per kernel (aic_*/aiv_* metric columns), NaN where unknown;
+    # None when the reader did not take them (see profile.pipes)
+    pipe_compute: np.ndarray | None = None
+    pipe_memory: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -530,7 +534,8 @@ def _ints(values: list[str], default: int) -> np.ndarray:
 def _drop(table: KernelTable, keep: np.ndarray) -> KernelTable:
     if keep.all():
         return table
-    for attr in ("type_code", "start", "dur", "wait", "stream", "step", "shape_code", "name_code"):
+    for attr in ("type_code", "start", "dur", "wait", "stream", "step", "shape_code", "name_code", "pipe_compute",
+                 "pipe_memory"):
         arr = getattr(table, attr)
         if arr is not None:
             setattr(table, attr, arr[keep])
@@ -600,8 +605,13 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         return None
     fname = str(path)
     fields = {f: i for f, i in cm.index.items() if f in KERNEL_FIELDS_READ}
+    from npufuse.profile.pipes import metric_columns
+
+    # the pipe utilisation columns ride along in the same read (a pass of their own cost 0.75 s CPU
+    # at 1M rows, these ~0.35 s)
+    comp_ix, mem_ix = metric_columns(header)
     # by position, not name (duplicate headers); plus the header's last column, to spot short rows
-    idx = sorted(set(fields.values()) | {len(header) - 1})
+    idx = sorted(set(fields.values()) | {len(header) - 1} | set(comp_ix) | set(mem_ix))
     try:
         # everything as text: numeric columns are validated below so bad cells name their row
         df = pl.read_csv(path, columns=idx, infer_schema=False, encoding="utf8-lossy",
@@ -706,7 +716,22 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
     table = KernelTable(source=fname, types=types, type_code=tcode.astype(np.int32), start=start, dur=dur,
                         wait=wait, stream=stream, step=step, shape_keys=shape_keys,  # type: ignore[arg-type]
                         shape_code=scode, names=names, name_code=ncode, columns=cm, backend="polars")
+    if comp_ix or mem_ix:
+        table.pipe_compute = _busiest(df, [name_at[i] for i in comp_ix], n)
+        table.pipe_memory = _busiest(df, [name_at[i] for i in mem_ix], n)
     return table
+
+
+def _busiest(df: Any, cols: list[str], n: int) -> np.ndarray:
+    """Per row, the largest of these ratio columns (a ratio outside 0..1 or not a number: unknown)."""
+    import polars as pl
+
+    out = np.full(n, np.nan)
+    for c in cols:
+        v = df[c].str.strip_chars().cast(pl.Float64, strict=False).to_numpy().astype(np.float64, copy=False)
+        v = np.where((v >= 0) & (v <= 1), v, np.nan)
+        out = np.fmax(out, v)
+    return out
 
 
 def codes_of(series: Any) -> tuple[list[str], np.ndarray]:
