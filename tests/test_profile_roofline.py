@@ -187,21 +187,21 @@ def test_pipe_disagreement_reaches_the_markdown(tmp_path: Path) -> None:
 
 @real
 def test_both_readers_give_the_same_pipe_use() -> None:
-    # polars takes the ratios in its kernel read; the csv reader (the fallback) reads them in a pass
-    # of its own: the same averages
+    # both kernel readers take the ratio columns in the same read: the same averages
     from npufuse.profile.analysis import Options
-    from npufuse.profile.pipes import from_table, read_pipe_use
+    from npufuse.profile.pipes import from_table
     from npufuse.profile.readers import read_kernel_details
 
     p = ALEX / "level1" / "rank0_ascend_pt" / "ASCEND_PROFILER_OUTPUT" / "kernel_details.csv"
-    table, _ = read_kernel_details(p, backend="polars")
-    assert table is not None and table.backend == "polars"
-    a, b = from_table(table), read_pipe_use(p)
+    by_polars, _ = read_kernel_details(p, backend="polars")
+    by_csv, _ = read_kernel_details(p, backend="csv")
+    assert by_polars is not None and by_polars.backend == "polars" and by_csv is not None and by_csv.backend == "csv"
+    a, b = from_table(by_polars), from_table(by_csv)
     assert a.keys() == b.keys() and len(a) > 10
     for t in a:
         for f in ("compute", "memory", "time_us"):
             x, y = getattr(a[t], f), getattr(b[t], f)
             assert (x is None and y is None) or x == pytest.approx(y, rel=1e-9), (t, f)
-    by_csv = analyze([str(ALEX / "level1")], Options(backend="csv"))
-    opt = [f for f in by_csv["fusions"] if f["pattern"] == "fused_optimizer"][0]["roofline"]
+    by_csv_result = analyze([str(ALEX / "level1")], Options(backend="csv"))
+    opt = [f for f in by_csv_result["fusions"] if f["pattern"] == "fused_optimizer"][0]["roofline"]
     assert opt["pipes"]["measured"] == "memory-bound"

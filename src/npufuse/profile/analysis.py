@@ -264,11 +264,10 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
         info["dispatch_from"] = how
     pipes = None
     if "kernel_details.csv" in src.files and table is not None and table.backend != "sqlite":
-        from npufuse.profile.pipes import from_table, read_pipe_use
+        from npufuse.profile.pipes import from_table
 
-        # the polars reader took the ratios in its read; the csv reader (the fallback) did not
-        pipes = from_table(table) or (read_pipe_use(src.files["kernel_details.csv"])
-                                      if table.backend == "csv" else {}) or None
+        # both readers take the ratio columns in their kernel read
+        pipes = from_table(table) or None
         if pipes:
             info["pipe_metrics"] = list(next(iter(pipes.values())).columns)
     out["fusions"] = [_finding_dict(st, f, a, pipes) for f in miner.findings]

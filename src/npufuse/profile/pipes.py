@@ -4,22 +4,18 @@
 The ratios are fractions of the kernel's time a pipe was busy: ``*_mac_*`` (cube) and ``*_vec_*``
 (vector) compute, ``*_mte2_*`` (global memory -> on-chip loads) and ``*_mte3_*`` (on-chip -> global
 memory stores). Per kernel, compute = the busiest compute pipe and memory = the busiest memory pipe;
-per type they are averaged weighted by duration. Read only when the columns exist, in a pass of its
-own that touches these columns alone: rows it cannot read are left out of the average (the kernel
-reader names them).
+per type they are averaged weighted by duration. Both kernel readers take the columns in their
+read (``KernelTable.pipe_compute`` / ``pipe_memory``); a cell that is not a ratio is unknown and is
+left out of the average.
 """
 
 from __future__ import annotations
 
-import csv
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from npufuse.profile.readers import KERNEL_ALIASES, NO_TYPE_CELLS, _norm, _type_from_name, parse_number
 
 _COMPUTE = re.compile(r"(?i)^(aic_mac(_fp16|_int8)?|aiv_vec(_fp32|_fp16|_int32|_misc)?)_ratio$")
 _MEMORY = re.compile(r"(?i)^(aic|aiv)_mte[23]_ratio$")
@@ -39,54 +35,6 @@ def metric_columns(header: list[str]) -> tuple[list[int], list[int]]:
     comp = [i for i, h in enumerate(header) if _COMPUTE.match(h.strip())]
     mem = [i for i, h in enumerate(header) if _MEMORY.match(h.strip())]
     return comp, mem
-
-
-def read_pipe_use(path: Path) -> dict[str, PipeUse]:
-    """Kernel type -> its pipe use; {} when the file has no pipe metric columns."""
-    try:
-        with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
-            reader = csv.reader(fp)
-            header = next(reader, None) or []
-            comp, mem = metric_columns(header)
-            if not comp and not mem:
-                return {}
-            normed = {_norm(h): i for i, h in reversed(list(enumerate(header)))}
-
-            def col(field: str) -> int | None:
-                for alias in KERNEL_ALIASES[field]:
-                    if _norm(alias) in normed:
-                        return normed[_norm(alias)]
-                return None
-
-            i_type, i_name, i_dur = col("type"), col("name"), col("duration")
-            if i_dur is None or (i_type is None and i_name is None):
-                return {}
-            last = max(i for i in (i_type, i_name, i_dur, *comp, *mem) if i is not None)
-            acc: dict[str, list[float]] = {}   # type -> [time, compute*time, time with compute, memory*time, ...]
-            for row in reader:
-                if len(row) != len(header) or len(row) <= last:
-                    continue   # a short or long row: its cells may sit under other columns
-                d = parse_number(row[i_dur])
-                if d is None or d <= 0:
-                    continue
-                t = row[i_type].strip() if i_type is not None else ""
-                if t in NO_TYPE_CELLS and i_name is not None:
-                    t = _type_from_name(row[i_name])
-                c = [v for v in (parse_number(row[i]) for i in comp) if v is not None and 0 <= v <= 1]
-                m = [v for v in (parse_number(row[i]) for i in mem) if v is not None and 0 <= v <= 1]
-                a = acc.setdefault(t, [0.0, 0.0, 0.0, 0.0, 0.0])
-                a[0] += d
-                if c:
-                    a[1] += max(c) * d
-                    a[2] += d
-                if m:
-                    a[3] += max(m) * d
-                    a[4] += d
-    except (OSError, csv.Error):
-        return {}
-    cols = tuple(header[i].strip() for i in comp + mem)
-    return {t: PipeUse(a[1] / a[2] if a[2] else None, a[3] / a[4] if a[4] else None, a[0], cols)
-            for t, a in acc.items()}
 
 
 def from_table(table: Any) -> dict[str, PipeUse]:

@@ -417,6 +417,11 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
     shape_vocab: dict[tuple[str, str, str, str], int] = {}
     shape_codes: list[int] = []
     empty4 = ("", "", "", "")
+    from npufuse.profile.pipes import metric_columns
+
+    comp_ix, mem_ix = metric_columns(header)
+    pipe_ix = comp_ix + mem_ix
+    pipe_cells: list[list[str]] = [[] for _ in pipe_ix]
     try:
         with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
             reader = csv.reader(fp)
@@ -472,6 +477,8 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
                 if code is None:
                     code = shape_vocab[key] = len(shape_vocab)  # type: ignore[index]
                 shape_codes.append(code)
+                for cells, i in zip(pipe_cells, pipe_ix):
+                    cells.append(row[i] if i < len(row) else "")
     except csv.Error as exc:
         log.add(fname, f"CSV parse error: {exc}; rows after it were not read", row=None, kind="csv error")
     except OSError as exc:
@@ -493,7 +500,31 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
                         shape_code=np.asarray(shape_codes, dtype=np.int32) if shape_codes
                         else np.zeros(n, dtype=np.int32),
                         names=nvocab, name_code=ncode, columns=cm, backend="csv")
+    if pipe_ix:
+        ratios = [_ratios(c) for c in pipe_cells]
+        table.pipe_compute = _fmax(ratios[:len(comp_ix)], n)
+        table.pipe_memory = _fmax(ratios[len(comp_ix):], n)
     return _drop(table, keep)
+
+
+def _ratios(cells: list[str]) -> np.ndarray:
+    """Pipe ratio cells as numbers; not a number or outside 0..1: unknown (NaN), as the polars reader."""
+    v = np.fromiter((_float_or_nan(c) for c in cells), dtype=np.float64, count=len(cells))
+    return np.where((v >= 0) & (v <= 1), v, np.nan)
+
+
+def _float_or_nan(cell: str) -> float:
+    try:
+        return float(cell)
+    except ValueError:
+        return float("nan")
+
+
+def _fmax(columns: list[np.ndarray], n: int) -> np.ndarray:
+    out = np.full(n, np.nan)
+    for c in columns:
+        out = np.fmax(out, c)
+    return out
 
 
 def _floats(values: list[str], lines: list[int], keep: np.ndarray | None, fname: str, column: str,
