@@ -38,7 +38,8 @@ def _db(level: int) -> Path:
 
 
 def _sql(level: int, q: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{_db(level)}?mode=ro", uri=True)
+    # immutable: no -shm/-wal files beside the fixture, whatever its journal mode
+    con = sqlite3.connect(f"file:{_db(level)}?mode=ro&immutable=1", uri=True)
     try:
         return con.execute(q).fetchall()
     finally:
@@ -240,3 +241,17 @@ def test_db_gives_the_same_findings_as_kernel_details(tmp_path: Path, level: int
     assert a["fusions"] and a["sequences"] and a["communication"]["kernels"] == 8
     assert b == a
     json.dumps(by_db)
+
+
+def test_a_wal_mode_export_is_read_without_writing_beside_it(tmp_path: Path) -> None:
+    # the published Level1 export was in WAL mode: a reader that opens it as a plain read-only
+    # connection leaves -shm/-wal files in the profiler's folder (or fails where it is read-only)
+    p = tmp_path / "ascend_pytorch_profiler_0.db"
+    shutil.copy(_db(1), p)
+    con = sqlite3.connect(p)
+    assert con.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    con.close()
+    before = sorted(x.name for x in tmp_path.iterdir())
+    table, problems = read_profiler_db(p)
+    assert table is not None and table.n == 191 and not problems
+    assert sorted(x.name for x in tmp_path.iterdir()) == before
