@@ -769,11 +769,11 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
             break
         sel = set(np.argsort(-np.where(good, kt, -1))[: top * 2].tolist())
         sel |= set(np.argsort(-np.where(good, counts, -1))[: top * 2].tolist())
-        level = _LevelPositions(ids, [u for u in sel if good[u]])
+        level_ids = ids
         for u in sel:
             if good[u]:
                 cands.append((n, int(u), int(counts[u]), float(kt[u]), float(span[u]),
-                              _Positions(level, int(u))))
+                              _Positions(level_ids, int(u))))
     by_time = _diverse(st, sorted(cands, key=lambda c: -c[3]), top)
     by_count = _diverse(st, sorted(cands, key=lambda c: (-c[2], -c[0])), top)
     out: list[list[NGram]] = []
@@ -815,34 +815,15 @@ def _non_overlapping(positions: np.ndarray, n: int) -> np.ndarray:
     return np.array(keep, dtype=np.int64)
 
 
-class _LevelPositions:
-    """Start positions of the candidate n-grams of one length, found in one pass over the ids when
-    the greedy pick first looks at one of them (a pass per candidate was ~300 passes over 1M ids)."""
-
-    def __init__(self, ids: np.ndarray, wanted: list[int]) -> None:
-        self.ids, self.wanted, self._by_id = ids, wanted, None
-
-    def of(self, u: int) -> np.ndarray:
-        if self._by_id is None:
-            idx = np.flatnonzero(np.isin(self.ids, np.asarray(self.wanted, dtype=self.ids.dtype)))
-            keys = self.ids[idx]
-            order = np.argsort(keys, kind="stable")   # stable: each id's positions stay ascending
-            idx, keys = idx[order], keys[order]
-            cut = np.flatnonzero(np.diff(keys)) + 1
-            self._by_id = {int(k[0]): part for k, part in zip(np.split(keys, cut), np.split(idx, cut)) if k.size}
-            self.ids = None   # type: ignore[assignment]   # the level's ids are not needed any more
-        return self._by_id.get(u, np.zeros(0, dtype=np.int64))
-
-
 class _Positions:
     """Start positions of one n-gram, computed only when the greedy pick looks at it."""
 
-    def __init__(self, level: _LevelPositions, u: int) -> None:
-        self.level, self.u, self._pos = level, u, None
+    def __init__(self, ids: np.ndarray, u: int) -> None:
+        self.ids, self.u, self._pos = ids, u, None
 
     def get(self) -> np.ndarray:
         if self._pos is None:
-            self._pos = self.level.of(self.u)
+            self._pos = np.flatnonzero(self.ids == self.u)
         return self._pos
 
 
