@@ -255,3 +255,13 @@ def test_a_wal_mode_export_is_read_without_writing_beside_it(tmp_path: Path) -> 
     table, problems = read_profiler_db(p)
     assert table is not None and table.n == 191 and not problems
     assert sorted(x.name for x in tmp_path.iterdir()) == before
+
+
+def test_a_folder_name_with_uri_characters(tmp_path: Path) -> None:
+    # the DB is opened through a sqlite URI: "?", "#" and "%" in the path must not cut it short
+    d = tmp_path / "run?mode=rwc#1 %41"
+    d.mkdir()
+    shutil.copy(_db(0), d / "ascend_pytorch_profiler_0.db")
+    table, problems = read_profiler_db(d / "ascend_pytorch_profiler_0.db")
+    assert table is not None and table.n == 191 and not problems
+    assert sorted(x.name for x in d.iterdir()) == ["ascend_pytorch_profiler_0.db"]

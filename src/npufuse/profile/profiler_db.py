@@ -27,6 +27,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -47,7 +48,8 @@ def read_profiler_db(path: Path) -> tuple[KernelTable | None, list[Problem]]:
     try:
         # read-only and immutable: the file is untrusted input and is never changed (no journal,
         # no -wal file created beside it)
-        con = sqlite3.connect(f"file:{path.resolve().as_posix()}?mode=ro&immutable=1", uri=True)
+        # the path is percent-encoded: a "?", "#" or "%" in a folder name would end or change the URI
+        con = sqlite3.connect(f"file:{quote(path.resolve().as_posix())}?mode=ro&immutable=1", uri=True)
     except (sqlite3.Error, ValueError) as exc:
         return None, [Problem(fname, f"cannot open as sqlite: {exc}")]
     try:
