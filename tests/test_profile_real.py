@@ -290,8 +290,8 @@ def test_level0_row_missing_its_type_is_named_not_read_shifted(tmp_path: Path) -
 
 
 def _build_db(path: Path, tasks: list[tuple[int, int, int, str, str, str]]) -> None:
-    """A DB export laid out as the msprof docs describe (TASK, COMPUTE_TASK_INFO, STRING_IDS,
-    COMMUNICATION_OP). Not checked against a real export: none was available."""
+    """A DB export with the real export's TASK and COMPUTE_TASK_INFO columns (tests/fixtures/profiler_db
+    holds real ones; tests/test_profile_db.py reads them) and a shorter COMMUNICATION_OP."""
     import sqlite3
 
     con = sqlite3.connect(path)

@@ -22,7 +22,7 @@ import numpy as np
 from npufuse import __version__
 from npufuse.profile.kb import KnowledgeBase, load_kb
 from npufuse.profile.mining import Finding, Miner, NGram, OpStream, build_host_stream, build_kernel_stream, \
-    communication_report, gap_report, mine_ngrams
+    communication_report, gap_report, mine_ngrams, _union_us
 from npufuse.profile.readers import MIN_TIME_US, KernelTable, Problem, RankSource, discover, read_kernel_details, \
     read_op_statistic, read_operator_details, read_step_trace_time, read_trace_view, share, _encode, _type_from_name
 from npufuse.profile.roofline import Assumptions, assess
@@ -238,6 +238,8 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
                                        f"{MIN_TIME_US:g} us): shares of step time are unknown, shown as 0"))
         step_us = 0.0
     out["step_time_us"] = step_us
+    problems += _time_inconsistencies(st, step_us, steps is not None and bool(steps.steps),
+                                      table.source if table is not None else src.label)
     # device kernel time is compute: collectives are reported as communication
     out["device_time_us"] = float(st.dur[~st.comm].sum()) if st.level == "kernel" else 0.0
     out["communication"] = communication_report(st) | {"rank": rank}
@@ -250,17 +252,30 @@ def _analyze_rank(src: RankSource, kb: KnowledgeBase | None, opt: Options, probl
     miner.run_regions()
     gaps = gap_report(st, opt.assumptions.host_gap_us) | {"rank": rank}
     a = opt.assumptions
-    if gaps.get("dispatch_us", 0.0) > a.launch_us:
-        # a fused kernel still needs one dispatch: where the trace shows the host's launch interval,
-        # no fused kernel is bounded below it
-        a = dataclasses.replace(a, launch_us=gaps["dispatch_us"])
-        info["measured_dispatch_us"] = gaps["dispatch_us"]
-    out["fusions"] = [_finding_dict(st, f, a) for f in miner.findings]
+    dispatch, how = gaps.get("dispatch_us", 0.0), "trace launch interval"
+    if not dispatch > 0:
+        # no launch times: the median idle gap between consecutive kernels of the main stream is the
+        # host's time per op where the stream is host-bound, and small where it is not
+        dispatch, how = gaps.get("median_gap_us", 0.0), "median gap between kernels (no trace)"
+    if dispatch > a.launch_us:
+        # a fused kernel still needs one dispatch, and each kernel fused away saves at most one
+        a = dataclasses.replace(a, launch_us=dispatch)
+        info["measured_dispatch_us"] = dispatch
+        info["dispatch_from"] = how
+    pipes = None
+    if "kernel_details.csv" in src.files and table is not None and table.backend != "sqlite":
+        from npufuse.profile.pipes import from_table
+
+        # both readers take the ratio columns in their kernel read
+        pipes = from_table(table) or None
+        if pipes:
+            info["pipe_metrics"] = list(next(iter(pipes.values())).columns)
+    out["fusions"] = [_finding_dict(st, f, a, pipes) for f in miner.findings]
     out["rejected"] = [{"pattern": r.pattern, "kernels": list(r.tokens), "count": r.count, "reason": r.reason,
                         "frames": r.first_site, "ranks": [rank]} for r in miner.rejected.values()]
     by_time, by_count = mine_ngrams(st, miner.claimed, miner.findings, kb, nmax=opt.nmax, top=opt.top)
-    out["sequences"] = {"by_time": [_ngram_dict(st, g, a) for g in by_time],
-                        "by_count": [_ngram_dict(st, g, a) for g in by_count]}
+    out["sequences"] = {"by_time": [_ngram_dict(st, g, a, pipes) for g in by_time],
+                        "by_count": [_ngram_dict(st, g, a, pipes) for g in by_count]}
     out["gaps"] = gaps
     return out
 
@@ -293,14 +308,60 @@ def _step_time(st: OpStream, steps: Any) -> float:
     return float(st.end.max() - st.start.min()) if st.n else 0.0
 
 
+def _time_inconsistencies(st: OpStream, step_us: float, from_step_file: bool, where: str) -> list[Problem]:
+    """Why shares of this rank could pass 100% of the step: the step time of step_trace_time.csv is
+    shorter than the kernels' own span, or kernels of one stream overlap in time (a stream runs its
+    kernels one after another, so overlap means inconsistent timestamps). Said once per rank, so the
+    capped shares of the result have a reason the user can check in the input."""
+    out: list[Problem] = []
+    if st.n == 0:
+        return out
+    if from_step_file and step_us > 0:
+        # each step's first start to last end, summed (one sort, not a mask per step)
+        order = np.argsort(st.step, kind="stable")
+        steps = st.step[order]
+        cut = np.flatnonzero(np.concatenate(([True], steps[1:] != steps[:-1])))
+        span = float((np.maximum.reduceat(st.end[order], cut) - np.minimum.reduceat(st.start[order], cut)).sum())
+        if span > step_us * 1.001:
+            out.append(Problem(where, f"step_trace_time.csv gives a step time of {step_us:,.1f} us, shorter than "
+                                      f"the kernels' own span of {span:,.1f} us: shares of the step may be capped "
+                                      f"at 100%"))
+    compute = ~st.comm if st.level == "kernel" else np.ones(st.n, dtype=bool)
+    for sid in np.unique(st.stream[compute]).tolist():
+        m = compute & (st.stream == sid)
+        busy = float(st.dur[m].sum())
+        us, ue = _union_us(st.start[m], st.end[m])
+        wall = float((ue - us).sum())
+        # a little slack: timestamps are rounded to the ns and the clock of a lane is resampled
+        if busy > wall * 1.01 + 1.0:
+            out.append(Problem(where, f"kernels of stream {sid} overlap in time ({busy:,.1f} us of kernel time "
+                                      f"within {wall:,.1f} us of wall-clock; a stream runs one kernel at a time): "
+                                      f"inconsistent timestamps, shares of the step may be capped at 100%"))
+    return out
+
+
 def _keys(st: OpStream, i: int, j: int) -> list[tuple[str, str, str, str]]:
     return [st.shape_keys[int(c)] for c in st.shape_code[i:j].tolist()]
 
 
-def _finding_dict(st: OpStream, f: Finding, a: Assumptions) -> dict[str, Any]:
+def _occurrence(st: OpStream, i: int, j: int, longest_us: float, pipes: dict[str, Any] | None) -> dict[str, Any]:
+    """The mean longest kernel of the occurrences and, where the file has pipe metrics, the pipe
+    use of the first occurrence."""
+    durs = st.dur[i:j]
+    out: dict[str, Any] = {"longest_us": longest_us}
+    if pipes:
+        from npufuse.profile.pipes import combine
+
+        out["pipes"] = combine([(pipes.get(st.vocab[c]), float(d))
+                                for c, d in zip(st.code[i:j].tolist(), durs.tolist())])
+    return out
+
+
+def _finding_dict(st: OpStream, f: Finding, a: Assumptions, pipes: dict[str, Any] | None = None) -> dict[str, Any]:
     i, j = f.first, f.first + f.length
     per_k = f.kernels / f.count if f.count else 0
-    roof = assess(st.tokens(i, j), _keys(st, i, j), f.span_us / f.count, f.kernel_us / f.count, a)
+    roof = assess(st.tokens(i, j), _keys(st, i, j), f.span_us / f.count, f.kernel_us / f.count, a,
+                  **_occurrence(st, i, j, f.longest_us / f.count if f.count else 0.0, pipes))
     if f.kind == "region":
         roof["kernels"] = round(per_k, 1)
     return {"pattern": f.pattern, "api": f.api, "kind": f.kind, "level": f.level, "kernels": list(f.tokens),
@@ -311,11 +372,12 @@ def _finding_dict(st: OpStream, f: Finding, a: Assumptions) -> dict[str, Any]:
             "shapes": [k[0].strip('"') for k in _keys(st, i, j)][:12]}
 
 
-def _ngram_dict(st: OpStream, g: NGram, a: Assumptions) -> dict[str, Any]:
+def _ngram_dict(st: OpStream, g: NGram, a: Assumptions, pipes: dict[str, Any] | None = None) -> dict[str, Any]:
     n = len(g.tokens)
     i, j = g.first, g.first + n
     status, site, _ = st.scope_of(i, j)
-    roof = assess(list(g.tokens), _keys(st, i, j), g.span_us / g.count, g.kernel_us / g.count, a)
+    roof = assess(list(g.tokens), _keys(st, i, j), g.span_us / g.count, g.kernel_us / g.count, a,
+                  **_occurrence(st, i, j, g.longest_us / g.count if g.count else 0.0, pipes))
     return {"kernels": list(g.tokens), "count": g.count, "kernels_launched": g.count * n,
             "time_us": round(g.span_us, 3), "kernel_time_us": round(g.kernel_us, 3), "pattern": g.pattern,
             "mapped_by": g.mapped_by, "ranks": [st.rank], "module_confirmed": status == "ok",
@@ -394,7 +456,15 @@ def _sum_gaps(gaps: list[dict[str, Any]], step_total: float, capped: list[str]) 
     tot = {k: round(sum(g[k] for g in gaps), 3) for k in ("wait_us", "host_bound_us", "between_steps_us")}
     tot["host_bound_gaps"] = sum(g["host_bound_gaps"] for g in gaps)
     tot["method"] = "; ".join(dict.fromkeys(g["method"] for g in gaps))
-    tot["host_bound_share"] = round(_capped_share(tot["host_bound_us"], step_total, "host-bound gap time", capped), 6)
-    tot["wait_share"] = round(_capped_share(tot["wait_us"], step_total, "wait gap time", capped), 6)
+    host = _capped_share(tot["host_bound_us"], step_total, "host-bound gap time", capped)
+    wait = _capped_share(tot["wait_us"], step_total, "wait gap time", capped)
+    if host + wait > 1.0 + 1e-9:
+        # both are idle time of one stream within the step: together they cannot pass it either, so
+        # they are scaled down to fill it, each keeping its part of the idle time
+        capped.append("idle (host-bound + wait) gap time")
+        idle = tot["host_bound_us"] + tot["wait_us"]
+        host, wait = tot["host_bound_us"] / idle, tot["wait_us"] / idle
+    tot["host_bound_share"] = round(host, 6)
+    tot["wait_share"] = round(wait, 6)
     tot["per_rank"] = gaps
     return tot

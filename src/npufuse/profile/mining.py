@@ -240,6 +240,7 @@ class Finding:
     subsumed: Counter[str] = field(default_factory=Counter)
     aten: list[str] = field(default_factory=list)
     note: str | None = None
+    longest_us: float = 0.0    # summed over occurrences: the longest kernel of each
 
 
 class _MatchSpans:
@@ -339,6 +340,7 @@ class Miner:
         f.count += 1
         f.kernels += j - i
         f.kernel_us += float(st.dur[i:j].sum())
+        f.longest_us += float(st.dur[i:j].max())
         f.span_us += float(st.end[i:j].max() - st.start[i])
         s = int(st.step[i])
         if s >= 0:
@@ -530,6 +532,7 @@ class Miner:
         idx = np.empty(2 * i.size, dtype=np.int64)
         idx[0::2], idx[1::2] = i, j
         span = np.maximum.reduceat(end_pad, idx)[0::2] - st.start[i]
+        longest = np.maximum.reduceat(np.append(st.dur, -np.inf), idx)[0::2]
         # the matches of one rule differ only in optional elements: few distinct texts, found by
         # (length, first, last token) and then confirmed on the text itself
         sig = (j - i) * (1 << 40) + st.code[i].astype(np.int64) * (1 << 20) + st.code[j - 1]
@@ -558,6 +561,7 @@ class Miner:
             f.count += int(sel.size)
             f.kernels += int((j[sel] - i[sel]).sum())
             f.kernel_us += float(kt[sel].sum())
+            f.longest_us += float(longest[sel].sum())
             f.span_us += float(span[sel].sum())
             steps = st.step[i[sel]]
             f.steps |= set(np.unique(steps[steps >= 0]).tolist())
@@ -642,6 +646,7 @@ class Miner:
         if extra:
             f.kernels -= extra
             f.kernel_us -= float(st.dur[i:j].sum() - st.dur[i_idx].sum())
+            f.longest_us -= float(st.dur[i:j].max() - st.dur[i_idx].max())
         self.claimed[i_idx] = g
 
     def _optimizer_spans(self, rule: RegionRule) -> None:
@@ -711,6 +716,7 @@ class NGram:
     span_us: float
     pattern: str | None = None     # knowledge-base pattern claiming most of its occurrences
     mapped_by: str = ""            # "kb" (all occurrences inside a KB match) | "fullmatch" | ""
+    longest_us: float = 0.0        # summed over occurrences: the longest kernel of each
 
 
 BINCOUNT_KEYS = 1 << 25   # above this many n-gram keys, ids come from a sort instead of a bincount
@@ -781,8 +787,9 @@ def mine_ngrams(st: OpStream, claimed: np.ndarray, findings: list[Finding], kb: 
             count = int(positions.size)
             kt = float((csum[positions + n] - csum[positions]).sum())
             span = float((st.end[positions + n - 1] - st.start[positions]).sum())
-            g = NGram(st.tokens(p0, p0 + n), p0, count, kt, span)
-            owners = claimed[(positions[:, None] + np.arange(n)[None, :]).ravel()]
+            win = positions[:, None] + np.arange(n)[None, :]
+            g = NGram(st.tokens(p0, p0 + n), p0, count, kt, span, longest_us=float(st.dur[win].max(axis=1).sum()))
+            owners = claimed[win.ravel()]
             if (owners >= 0).all():
                 c = Counter(owners.tolist()).most_common(1)[0][0]
                 g.pattern, g.mapped_by = findings[c].pattern, "kb"
@@ -904,9 +911,11 @@ def _stream_gaps(st: OpStream, idx: np.ndarray, launch: np.ndarray, host_gap_us:
     steps_ = np.diff(lt)
     steps_ = steps_[np.isfinite(steps_) & (steps_ > 0)]
     dispatch = float(np.median(steps_)) if steps_.size else 0.0
+    idle = gap[gap > 0]
     return {"wait_us": round(float(gap[~host].sum()), 3), "host_bound_us": round(host_us, 3),
             "host_bound_gaps": int(host.sum()), "between_steps_us": round(between, 3), "method": method,
-            "largest": largest, "dispatch_us": round(dispatch, 3)}
+            "largest": largest, "dispatch_us": round(dispatch, 3),
+            "median_gap_us": round(float(np.median(idle)), 3) if idle.size else 0.0}
 
 
 def _union_us(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -267,6 +267,10 @@ class KernelTable:
     columns: ColumnMap = field(default_factory=ColumnMap)
     backend: str = "csv"
     notes: list[str] = field(default_factory=list)
+    # busiest compute / memory pipe ratio per kernel (aic_*/aiv_* metric columns), NaN where unknown;
+    # None when the reader did not take them (see profile.pipes)
+    pipe_compute: np.ndarray | None = None
+    pipe_memory: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -327,7 +331,8 @@ def read_kernel_details(path: Path, *, backend: str = "auto") -> tuple[KernelTab
                                      f"{', '.join(h.strip() for h in header[:8])}{' ...' if len(header) > 8 else ''}",
                               row=1)]
     table = None
-    if backend in ("auto", "polars") and not _has_bare_cr(path) and not _has_stray_quote(path):
+    # one pass over the file answers both (a bare CR, a stray quote): 297 MiB read once, not twice
+    if backend in ("auto", "polars") and not _has_stray_quote(path, bare_cr_too=True):
         table = _read_kernels_polars(path, header, cm, log, strict=backend == "polars")
     if table is None:
         table = _read_kernels_csv(path, header, cm, log)
@@ -412,6 +417,11 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
     shape_vocab: dict[tuple[str, str, str, str], int] = {}
     shape_codes: list[int] = []
     empty4 = ("", "", "", "")
+    from npufuse.profile.pipes import metric_columns
+
+    comp_ix, mem_ix = metric_columns(header)
+    pipe_ix = comp_ix + mem_ix
+    pipe_cells: list[list[str]] = [[] for _ in pipe_ix]
     try:
         with open(path, newline="", encoding="utf-8-sig", errors="replace") as fp:
             reader = csv.reader(fp)
@@ -467,6 +477,8 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
                 if code is None:
                     code = shape_vocab[key] = len(shape_vocab)  # type: ignore[index]
                 shape_codes.append(code)
+                for cells, i in zip(pipe_cells, pipe_ix):
+                    cells.append(row[i] if i < len(row) else "")
     except csv.Error as exc:
         log.add(fname, f"CSV parse error: {exc}; rows after it were not read", row=None, kind="csv error")
     except OSError as exc:
@@ -488,7 +500,33 @@ def _read_kernels_csv(path: Path, header: list[str], cm: ColumnMap, log: _Proble
                         shape_code=np.asarray(shape_codes, dtype=np.int32) if shape_codes
                         else np.zeros(n, dtype=np.int32),
                         names=nvocab, name_code=ncode, columns=cm, backend="csv")
+    if pipe_ix:
+        ratios = [_ratios(c) for c in pipe_cells]
+        table.pipe_compute = _fmax(ratios[:len(comp_ix)], n)
+        table.pipe_memory = _fmax(ratios[len(comp_ix):], n)
     return _drop(table, keep)
+
+
+def _ratios(cells: list[str]) -> np.ndarray:
+    """Pipe ratio cells as numbers; not a number or outside 0..1: unknown (NaN), as the polars reader."""
+    v = np.fromiter((_float_or_nan(c) for c in cells), dtype=np.float64, count=len(cells))
+    return np.where((v >= 0) & (v <= 1), v, np.nan)
+
+
+def _float_or_nan(cell: str) -> float:
+    if cell != cell.strip():
+        return float("nan")   # as polars' cast, which takes no blanks around a number
+    try:
+        return float(cell)
+    except ValueError:
+        return float("nan")
+
+
+def _fmax(columns: list[np.ndarray], n: int) -> np.ndarray:
+    out = np.full(n, np.nan)
+    for c in columns:
+        out = np.fmax(out, c)
+    return out
 
 
 def _floats(values: list[str], lines: list[int], keep: np.ndarray | None, fname: str, column: str,
@@ -530,7 +568,8 @@ def _ints(values: list[str], default: int) -> np.ndarray:
 def _drop(table: KernelTable, keep: np.ndarray) -> KernelTable:
     if keep.all():
         return table
-    for attr in ("type_code", "start", "dur", "wait", "stream", "step", "shape_code", "name_code"):
+    for attr in ("type_code", "start", "dur", "wait", "stream", "step", "shape_code", "name_code", "pipe_compute",
+                 "pipe_memory"):
         arr = getattr(table, attr)
         if arr is not None:
             setattr(table, attr, arr[keep])
@@ -544,7 +583,12 @@ class _Fallback(Exception):
 _SEPARATORS = np.array([0x2C, 0x0A, 0x0D], dtype=np.uint8)   # what may stand beside a field's quotes
 
 
-def _has_stray_quote(path: Path, chunk: int = 1 << 20) -> bool:
+def _is_separator(b: np.ndarray) -> np.ndarray:
+    # three compares: np.isin sorts its arguments on every call (6M quote runs per 1M kernel rows)
+    return (b == 0x2C) | (b == 0x0A) | (b == 0x0D)
+
+
+def _has_stray_quote(path: Path, chunk: int = 1 << 20, bare_cr_too: bool = False) -> bool:
     """Whether a ``"`` stands where RFC 4180 quoting has none: one opening a quoted field anywhere
     but at the field's start (a NUL and then a quoted shape cell), one closing a field that goes
     on before the next comma or line end, or a quote left open at the end of the file. The csv
@@ -556,13 +600,28 @@ def _has_stray_quote(path: Path, chunk: int = 1 << 20) -> bool:
     one vectorised pass over each run of quotes does it: a run outside a field must follow a
     separator (or the file's start), and a run that leaves the field closed must be followed by
     one (or the end). A run of quotes at a chunk's end is carried into the next chunk with the
-    byte before it, so chunking does not change the answer."""
+    byte before it, so chunking does not change the answer.
+
+    ``bare_cr_too``: also True where ``_has_bare_cr`` would be, in the same pass."""
     try:
         with open(path, "rb") as fp:
             ctx, pending, odd = b"\n", b"", 0   # byte before `pending` (a file starts like a line); quotes seen, mod 2
+            prev_cr = False
             while True:
                 data = fp.read(chunk)
                 eof = not data
+                if bare_cr_too:
+                    if eof and prev_cr:
+                        return True
+                    if data and prev_cr and data[0] != 0x0A:
+                        return True
+                    if data:
+                        prev_cr = data[-1] == 0x0D   # its LF, if any, starts the next chunk
+                        if b"\r" in data:
+                            d = np.frombuffer(data, dtype=np.uint8)
+                            cr = np.flatnonzero(d[:-1] == 0x0D)
+                            if cr.size and (d[cr + 1] != 0x0A).any():
+                                return True
                 buf = ctx + pending + (b"\n" if eof else data)   # at the end, the file's end acts as a line end
                 keep = len(buf) if eof else len(buf.rstrip(b'"'))   # a trailing run waits for its next byte
                 a = np.frombuffer(buf, dtype=np.uint8, count=keep)
@@ -573,7 +632,7 @@ def _has_stray_quote(path: Path, chunk: int = 1 << 20) -> bool:
                     length = np.diff(np.append(first, q.size))
                     before = (first + odd) % 2           # 1: the run starts inside a quoted field
                     closed = (before + length) % 2 == 0  # the field is closed after the run
-                    bad = ((before == 0) & ~np.isin(a[start - 1], _SEPARATORS)) | (closed & ~np.isin(a[start + length], _SEPARATORS))
+                    bad = ((before == 0) & ~_is_separator(a[start - 1])) | (closed & ~_is_separator(a[start + length]))
                     if bad.any():
                         return True
                     odd = (odd + q.size) % 2
@@ -600,8 +659,13 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         return None
     fname = str(path)
     fields = {f: i for f, i in cm.index.items() if f in KERNEL_FIELDS_READ}
+    from npufuse.profile.pipes import metric_columns
+
+    # the pipe utilisation columns ride along in the same read (a pass of their own cost 0.75 s CPU
+    # at 1M rows, these ~0.35 s)
+    comp_ix, mem_ix = metric_columns(header)
     # by position, not name (duplicate headers); plus the header's last column, to spot short rows
-    idx = sorted(set(fields.values()) | {len(header) - 1})
+    idx = sorted(set(fields.values()) | {len(header) - 1} | set(comp_ix) | set(mem_ix))
     try:
         # everything as text: numeric columns are validated below so bad cells name their row
         df = pl.read_csv(path, columns=idx, infer_schema=False, encoding="utf8-lossy",
@@ -635,7 +699,16 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
         return None
 
     def num(fld: str, required: bool) -> np.ndarray:
-        s = df[by_field[fld]].str.strip_chars()
+        raw = df[by_field[fld]]
+        if required and raw.null_count() == 0:
+            # fast path: every cell a plain number (no blanks, no tab): one cast, no copy of the text
+            try:
+                v = raw.cast(pl.Float64, strict=True)
+                if bool(((v.abs() <= MAX_NUMBER) & ~v.is_nan()).all()):
+                    return v.to_numpy().astype(np.float64, copy=False)
+            except pl.exceptions.InvalidOperationError:
+                pass
+        s = raw.str.strip_chars()
         v = s.cast(pl.Float64, strict=False)
         bad = ~((v.abs() <= MAX_NUMBER) & ~v.is_nan()).fill_null(False)   # as parse_number
         if not required:
@@ -649,7 +722,13 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
 
     def ints(fld: str, default: int) -> np.ndarray:
         # as parse_int: integer text exactly, else a finite float truncated, else the default
-        s = df[by_field[fld]].str.strip_chars()
+        raw = df[by_field[fld]]
+        if raw.null_count() == 0:
+            try:   # fast path: every cell plain integer text
+                return raw.cast(pl.Int64, strict=True).to_numpy().astype(np.int64, copy=False)
+            except pl.exceptions.InvalidOperationError:
+                pass
+        s = raw.str.strip_chars()
         f = s.cast(pl.Float64, strict=False)
         exact = s.cast(pl.Int64, strict=False)
         fits = f.is_finite().fill_null(False) & (f.abs() < float(_INT64)).fill_null(False)
@@ -706,7 +785,23 @@ def _read_kernels_polars(path: Path, header: list[str], cm: ColumnMap, log: _Pro
     table = KernelTable(source=fname, types=types, type_code=tcode.astype(np.int32), start=start, dur=dur,
                         wait=wait, stream=stream, step=step, shape_keys=shape_keys,  # type: ignore[arg-type]
                         shape_code=scode, names=names, name_code=ncode, columns=cm, backend="polars")
+    if comp_ix or mem_ix:
+        table.pipe_compute = _busiest(df, [name_at[i] for i in comp_ix], n)
+        table.pipe_memory = _busiest(df, [name_at[i] for i in mem_ix], n)
     return table
+
+
+def _busiest(df: Any, cols: list[str], n: int) -> np.ndarray:
+    """Per row, the largest of these ratio columns (a ratio outside 0..1 or not a number: unknown)."""
+    import polars as pl
+
+    out = np.full(n, np.nan)
+    for c in cols:
+        # no strip: a ratio cell padded with blanks is unknown here and in the csv reader alike
+        v = df[c].cast(pl.Float64, strict=False).to_numpy().astype(np.float64, copy=False)
+        v = np.where((v >= 0) & (v <= 1), v, np.nan)
+        out = np.fmax(out, v)
+    return out
 
 
 def codes_of(series: Any) -> tuple[list[str], np.ndarray]:

@@ -221,6 +221,12 @@ def render_markdown(result: dict[str, Any], title: str = "Profile: fusable opera
         out += _md_table(["sequence", "count", "time"] + heads + ["location"],
                          [[seq_text(s["kernels"], 12), str(s["count"]), fmt_us(s["time_us"]), *_roof_cells(s),
                            location_text(s.get("location"))] for s in result["unmapped"]])
+        # where the measured pipe utilisation contradicts a verdict, the table alone would mislead
+        said = [s for s in result["unmapped"] if (s["roofline"].get("pipes") or {}).get("note")]
+        if said:
+            out.append("")
+            out += [f"- {md_text(seq_text(s['kernels'], 12))}: {md_text(s['roofline']['pipes']['note'])}"
+                    for s in said]
     else:
         out.append("None.")
     if result["rejected"]:

@@ -109,13 +109,89 @@ def kernel_cost(ktype: str, key: tuple[str, str, str, str]) -> KernelCost:
     flops = 0.0
     if known:
         out_el = sum(_numel(s) for s, _, _ in outs)
-        if _MATMUL.search(ktype) and ins and ins[0][0]:
-            flops = 2.0 * out_el * ins[0][0][-1]
+        special = _shaped_flops(ktype, [t[0] for t in ins], [t[0] for t in outs])
+        if special is not None:
+            flops = special
+        elif _MATMUL.search(ktype) and ins and ins[0][0]:
+            flops = 2.0 * out_el * _contracted([t[0] for t in ins], outs[0][0])
         elif _HEAVY.search(ktype):
             flops = 5.0 * max(out_el, sum(_numel(s) for s, _, _ in ins))
         else:
             flops = float(max(out_el, sum(_numel(s) for s, _, _ in ins)))
     return KernelCost(ins, outs, flops, known)
+
+
+_CONV = re.compile(r"(?i)^conv\d?d?(transpose)?(backprop(input|filter))?(v\d+)?(d)?$")
+_FLASH = re.compile(r"(?i)flashattention(score)?(grad)?|fusedinferattentionscore|promptflashattention|"
+                    r"increflashattention")
+
+
+def _contracted(ins: list[tuple[int, ...]], out: tuple[int, ...]) -> int:
+    """K of a matmul: the dim of each operand that is not in the output. kernel_details writes the
+    operands as stored, so a transposed A ("81920,4096" for a 4096-row output) has K first. Where
+    A's and B's K disagree (a misprinted cell) the smaller is taken: FLOPs are never inflated."""
+    a = ins[0]
+    if len(a) < 2 or len(out) < 2:
+        return a[-1] if a else 1
+    m, n = out[-2], out[-1]
+    ks = []
+    if a[-2] == m or a[-1] == m:
+        ks.append(a[-1] if a[-2] == m else a[-2])
+    b = ins[1] if len(ins) > 1 else ()
+    if len(b) >= 2 and (b[-1] == n or b[-2] == n):
+        ks.append(b[-2] if b[-1] == n else b[-1])
+    return min(ks) if ks else a[-1]
+
+
+def _channels(t: tuple[int, ...]) -> int:
+    """Channels of an activation: NC1HWC0 (5-D, Ascend's 5HD layout) -> C1*C0, NCHW -> C."""
+    if len(t) == 5:
+        return t[1] * t[4]
+    return t[1] if len(t) >= 2 else 1
+
+
+def _shaped_flops(ktype: str, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]) -> float | None:
+    """FLOPs of kernels whose work is not one output element per input row: convolutions and fused
+    attention, from their shapes. None when the kernel is neither or its shapes do not fit."""
+    t = ktype.strip()
+    if _CONV.match(t):
+        # 2 * output elements * (Cin*kh*kw): the weight holds Cout*Cin*kh*kw (padded alike in
+        # FRACTAL_Z), so per output channel it is weight elements / Cout. Forward: y = out[0],
+        # w = in[1]; backprop-input: dy = in[-1], w = in[1]; backprop-filter: dy = in[-1], dw = out[0].
+        tl = t.lower()
+        if "backpropfilter" in tl:
+            y, w = (ins[-1] if ins else None), (outs[0] if outs else None)
+        elif "backpropinput" in tl:
+            y, w = (ins[-1] if ins else None), (ins[1] if len(ins) > 1 else None)
+        else:
+            y, w = (outs[0] if outs else None), (ins[1] if len(ins) > 1 else None)
+        if not y or not w or len(y) < 4:
+            return None
+        cout = _channels(y)
+        return 2.0 * _numel(y) * _numel(w) / cout if cout else None
+    m = _FLASH.search(t)
+    if m:
+        # q, k, v first. Two matmuls (Q K^T, P V) of 2*B*N*Sq*Skv*D each: 4 * numel(q) * Skv; the
+        # backward does 5 such products: 2.5x. Sq from the softmax statistics (B, N, Sq, 8) or the
+        # mask (Sq, Skv); without either, self-attention over the longest dim of q. No causal mask
+        # is assumed (a causal kernel does about half).
+        if len(ins) < 3 or not ins[0] or not ins[1]:
+            return None
+        q, k = ins[0], ins[1]
+        stats = [x for x in ins[3:] + outs if len(x) == 4 and x[-1] == 8]
+        masks = [x for x in ins[3:] if len(x) == 2]
+        if masks:
+            sq, skv = masks[0]
+        elif stats:
+            sq = stats[0][2]
+            skv = sq * _numel(k) // max(1, _numel(q))
+        else:
+            sq = skv = max(q)
+        if sq <= 0 or skv <= 0:
+            return None
+        fwd = 4.0 * _numel(q) * skv
+        return fwd * (2.5 if m.group(2) or "grad" in t.lower() else 1.0)
+    return None
 
 
 def _tensors(shapes: str, dtypes: str) -> list[tuple[tuple[int, ...], str, float]] | None:
@@ -136,8 +212,15 @@ def _tensors(shapes: str, dtypes: str) -> list[tuple[tuple[int, ...], str, float
 
 
 def assess(types: list[str], keys: list[tuple[str, str, str, str]], span_us: float, kernel_us: float,
-           a: Assumptions) -> dict[str, Any]:
-    """Roofline row for one occurrence of a sequence (``span_us`` first start to last end)."""
+           a: Assumptions, longest_us: float = 0.0, pipes: Any = None) -> dict[str, Any]:
+    """Roofline row for one occurrence of a sequence (``span_us`` first start to last end).
+
+    The fused kernel is bounded below by (1) the roofline of its bytes and FLOPs, (2) the longest
+    kernel it replaces (``longest_us``: fusion removes launches and intermediate traffic, it does
+    not make the heaviest kernel's own work faster), and (3) one dispatch (``a.launch_us``). The
+    gaps between the kernels shrink by at most one dispatch per kernel removed; a longer gap is the
+    host doing something else, or a wait on another stream, which fusion does not remove.
+    ``pipes`` (pipes.PipeUse), where the file has pipe metrics, is checked against the verdict."""
     n = len(types)
     costs = [kernel_cost(t, k) for t, k in zip(types, keys)]
     known = bool(costs) and all(c.known for c in costs)
@@ -171,14 +254,15 @@ def assess(types: list[str], keys: list[tuple[str, str, str, str]], span_us: flo
             notes.append(f"measured kernels beat the roofline ({unfused / kernel_us / 1e3:,.0f} GB/s observed): "
                          f"check --peak-bw/--peak-tflops or the shapes; the bound uses the observed rate")
         # nothing runs faster than the profiler can time: the bound never divides by less than that
-        t_fused = max(fused / bw_eff, flops / fl_eff, a.launch_us, MIN_TIME_US)
+        t_kernel = max(fused / bw_eff, flops / fl_eff, longest_us, MIN_TIME_US)
+        t_fused = _after_fusion(t_kernel, gaps, n, a)
         row.update(bytes=int(unfused), bytes_fused=int(fused), flops=int(flops),
                    intensity=round(ai, 2), roofline_us=round(t_roof_unfused, 3),
                    fused_min_us=round(t_fused, 3))
     else:
         ai = None
         # no shapes: the only safe bound counts the gaps and launches between kernels
-        t_fused = max(kernel_us, a.launch_us, MIN_TIME_US)
+        t_fused = _after_fusion(max(kernel_us, MIN_TIME_US), gaps, n, a)
         row.update(bytes=None, bytes_fused=None, flops=None, intensity=None, roofline_us=None,
                    fused_min_us=round(t_fused, 3))
         notes.append("no shapes/dtypes: bytes unknown; the bound counts only gaps between kernels")
@@ -198,5 +282,23 @@ def assess(types: list[str], keys: list[tuple[str, str, str, str]], span_us: flo
     if speedup < 1.0:
         notes.append("fused lower bound is not below the measured time: no gain predicted")
         speedup = 1.0
-    row.update(verdict=verdict, speedup_max=round(speedup, 2), notes=notes)
+    kept = gaps - min(gaps, max(0, n - 1) * a.launch_us)
+    if kept > 0.5 * span_us and n > 1:
+        notes.append(f"{kept:,.0f} us of the gaps are longer than a dispatch per kernel ({a.launch_us:g} us): "
+                     f"the host was busy elsewhere or the stream waited, fusion does not remove that")
+    row.update(longest_kernel_us=round(longest_us, 3), verdict=verdict, speedup_max=round(speedup, 2), notes=notes)
+    if pipes is not None:
+        from npufuse.profile.pipes import check_verdict
+
+        check = check_verdict(verdict, pipes)
+        row["pipes"] = check
+        if "note" in check:
+            notes.append(str(check["note"]))
     return row
+
+
+def _after_fusion(t_kernel: float, gaps: float, n: int, a: Assumptions) -> float:
+    """The shortest time the sequence can take fused: the fused kernel, plus what stays of the gaps
+    (each kernel removed saves at most one dispatch, ``a.launch_us``), never under one dispatch."""
+    saved = min(gaps, max(0, n - 1) * a.launch_us)
+    return max(t_kernel + gaps - saved, a.launch_us, MIN_TIME_US)
