@@ -479,7 +479,7 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
     params = keyword(call, "params", 0)
     if params is None:
         return None, "the optimizer gets no params argument npufuse can read"
-    model = _model_of(module, scope, params, stmt.lineno)
+    model = _model_of(module, scope, params, stmt.lineno) or _model_via_helper(module, scope, params)
     if model is not None:
         # a fresh generator: the user's own iterator is never touched
         return f"next({model}.parameters(), None)", ""
@@ -496,7 +496,84 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # ``[{"params": decay, ...}, ...]`` of opaque names: the first group's list is materialised
         # once (torch.optim lists each group's params too) and its first tensor is the guard
         return f"next(iter(({first} := list({first}))), None)", ""
-    return None, f"the params come from `{segment(module, params)[:50]}`: no parameter tensor to guard on without consuming it"
+    if _side_effect_free(params) and _list_valued(module, scope, params, stmt.lineno):
+        # a list (or tuple) is read, not consumed: the guard iterates it afresh, and the
+        # optimizer still gets every element. Its first element may be a param-group dict.
+        e = segment(module, params)
+        return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
+                f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({e})"), ""
+    return None, (f"the params come from `{segment(module, params)[:50]}`, which may be a one-shot iterator (a generator): "
+                  "reading a tensor from it for the guard would consume it")
+
+
+_LIST_BUILDERS = ("list", "sorted", "tuple")
+
+
+def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """Is ``node`` provably a list or tuple (re-iterable, never consumed by reading it) by
+    dataflow: a list/tuple literal or comprehension, ``list(...)``/``sorted(...)``/``tuple(...)``,
+    an element of a literal tuple/list of lists (``g = [], [], []`` then ``g[2]``), a name last
+    bound to one of those, or a call of a function of this file every ``return`` of which
+    returns one. Names and attribute names are not evidence."""
+    if depth > 4:
+        return False
+    if isinstance(node, (ast.List, ast.Tuple, ast.ListComp)):
+        return True
+    if isinstance(node, ast.Call):
+        name = dotted(node.func) or ""
+        if name in _LIST_BUILDERS and name not in module.aliases and name not in module.functions:
+            return True
+        fn = _local_function(module, scope, name)
+        if fn is None:
+            return False
+        rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return)]
+        fscope = next((s for s in module.scopes if s.node is fn), None)
+        return bool(rets) and fscope is not None and all(
+            r.value is not None and _list_valued(module, fscope, r.value, r.lineno, depth + 1) for r in rets)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
+        base = scope.definition(node.value.id, line) if isinstance(node.value, ast.Name) else None
+        if isinstance(base, (ast.Tuple, ast.List)) and -len(base.elts) <= node.slice.value < len(base.elts):
+            return _list_valued(module, scope, base.elts[node.slice.value], line, depth + 1)
+        if isinstance(base, ast.ListComp):  # [[] for _ in range(3)]
+            return _list_valued(module, scope, base.elt, line, depth + 1)
+        return False
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        return value is not None and _list_valued(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    return False
+
+
+def _local_function(module: ModuleInfo, scope: Scope, name: str) -> Optional[ast.AST]:
+    """The def of ``f`` (a module-level function) or ``self.f`` (a method of the site's class)."""
+    if name in module.functions:
+        return module.functions[name]
+    if name.startswith("self.") and name.count(".") == 1 and "." in scope.qualname:
+        cls = module.classes.get(scope.qualname.split(".")[0])
+        for st in cls.body if cls is not None else ():
+            if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)) and st.name == name[5:]:
+                return st
+    return None
+
+
+def _model_via_helper(module: ModuleInfo, scope: Scope, params: ast.expr) -> Optional[str]:
+    """``M`` of ``helper(M, ...)`` where ``helper`` (a function or method of this file) builds the
+    params from ``<its parameter>.parameters()`` / ``.named_parameters()`` / ``.modules()``:
+    the guard then reads a fresh ``M.parameters()`` and the helper still runs once, in the
+    branch taken (its result is never read twice, list or generator)."""
+    if not isinstance(params, ast.Call):
+        return None
+    fn = _local_function(module, scope, dotted(params.func) or "")
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if names and names[0] in ("self", "cls") and isinstance(params.func, ast.Attribute):
+        names = names[1:]
+    bound = {n: dotted(a) for n, a in zip(names, params.args)} | {k.arg: dotted(k.value) for k in params.keywords if k.arg}
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("parameters", "named_parameters", "modules", "named_modules") \
+                and isinstance(n.func.value, ast.Name) and bound.get(n.func.value.id):
+            return bound[n.func.value.id]
+    return None
 
 
 def _first_group_params(params: ast.expr) -> Optional[str]:
@@ -1906,4 +1983,68 @@ def train(model, loader):
         optimizer.step()
         model.zero_grad(set_to_none=True)
 ''', reason="backward allocates new ones outside the fused optimizer's flat buffer", name="module_zero_grad_set_to_none_true"),
+]
+
+
+# -- issue 14, class 5: params that are lists by dataflow (re-iterable: the guard reads them) ----
+
+_YOLO_GROUPS = _NET + '''
+
+def smart_optimizer(model, name="Adam", lr=1e-3, momentum=0.9, decay=1e-5):
+    g = [], [], []  # optimizer parameter groups
+    bn = tuple(v for k, v in nn.__dict__.items() if "Norm" in k)
+    for v in model.modules():
+        for p_name, p in v.named_parameters(recurse=False):
+            if p_name == "bias":
+                g[2].append(p)
+            elif isinstance(v, bn):
+                g[1].append(p)
+            else:
+                g[0].append(p)
+    if name == "Adam":
+        optimizer = torch.optim.Adam(g[2], lr=lr, betas=(momentum, 0.999))
+    else:
+        optimizer = torch.optim.SGD(g[2], lr=lr, momentum=momentum, nesterov=True)
+    optimizer.add_param_group({"params": g[0], "weight_decay": decay})
+    optimizer.add_param_group({"params": g[1], "weight_decay": 0.0})
+    return optimizer
+
+
+def build(model):
+    return smart_optimizer(model)
+'''
+
+_LIST_RETURNING_HELPER = _NET + '''
+
+def get_parameters(model):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build(model):
+    return torch.optim.AdamW(get_parameters(model), lr=2e-3)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_YOLO_GROUPS, name="yolo_tuple_of_lists_element_params", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.Adam", "params": "g[2]", "guard": "materialised_list", "args": {"lr": "lr", "betas": "(momentum, 0.999)"}}),
+    Fuse(_LIST_RETURNING_HELPER, name="helper_returning_param_group_list", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "params": "get_parameters(model)", "guard": "fresh_generator"}),
+]
+
+FusedOptimizer.KEEP += [
+    # a generator function's result is consumed by reading it: no tensor to guard on
+    Keep(_NET + '''
+
+def get_parameters(model):
+    for p in model.parameters():
+        if p.requires_grad:
+            yield p
+
+
+def build(model, params=None):
+    return torch.optim.AdamW(get_parameters(model) if params is None else params, lr=2e-3)
+''', reason="may be a one-shot iterator", name="generator_function_params"),
 ]
