@@ -137,3 +137,21 @@ def test_fsdp_elsewhere_blocks_and_a_conditional_one_is_a_risk(tmp_path: Path) -
     assert near == [] and len(cands) == 1
     details = [r["detail"] for r in cands[0]["risks"]]
     assert any("chosen at run time (the condition at train.py:6)" in d and "`FSDP` at train.py:7" in d for d in details)
+
+
+def test_conditional_deepspeed_guard_is_off_when_the_sharding_test_holds() -> None:
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.fused_optimizer import _CONDITIONAL_DEEPSPEED, FusedOptimizer
+
+    findings, _ = detect_all(FusedOptimizer(), _CONDITIONAL_DEEPSPEED)
+    (f,) = findings
+    model = torch.nn.Linear(2, 2)
+    assert eval(f.guard_tensor, {"model": model, "devices": 1}) is model.weight
+    assert eval(f.guard_tensor, {"model": model, "devices": 2}) is None  # DeepSpeed runs keep torch.optim
+    assert any("chosen at run time" in r.detail and "`devices > 1`" in r.detail for r in f.risks)

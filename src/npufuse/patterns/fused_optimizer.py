@@ -155,6 +155,7 @@ class _FileFacts:
 
     def __init__(self, module: ModuleInfo, roots: Iterable[ast.AST] = ()) -> None:
         self.sharding: Optional[tuple[int, str]] = None
+        self.sharding_nodes: list[ast.AST] = []  # every node naming sharding (the first few)
         self.set_to_none: list[tuple[int, str]] = []  # (line, receiver) of zero_grad(set_to_none=True)
         self.module_zero_grad: list[tuple[int, str]] = []  # receiver.zero_grad() that is not an optimizer's
         self.grad_assign: Optional[int] = None
@@ -174,6 +175,7 @@ class _FileFacts:
         out = cls(module)
         for f in parts:
             out.sharding = out.sharding or f.sharding
+            out.sharding_nodes.extend(f.sharding_nodes)
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
             for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls"):
@@ -182,10 +184,11 @@ class _FileFacts:
         return out
 
     def _visit(self, module: ModuleInfo, node: ast.AST) -> None:
-        if self.sharding is None:
+        if len(self.sharding_nodes) < 16:
             ident = _sharding_identifier(module, node)
             if ident is not None:
-                self.sharding = (getattr(node, "lineno", 0), ident)
+                self.sharding = self.sharding or (getattr(node, "lineno", 0), ident)
+                self.sharding_nodes.append(node)
         if isinstance(node, ast.Return) and node.value is not None:
             for n in (node.value.elts if isinstance(node.value, (ast.Tuple, ast.List)) else [node.value]):
                 name = dotted(n)
@@ -230,6 +233,11 @@ class _FileFacts:
 
     def _bf16_kw(self, node: ast.Call) -> None:
         name = (dotted(node.func) or "").split(".")[-1]
+        for k in node.keywords:
+            # Lightning's true-half precision keeps the parameters themselves in bf16 ("bf16-mixed"
+            # keeps fp32 master weights)
+            if k.arg == "precision" and isinstance(k.value, ast.Constant) and k.value.value == "bf16-true":
+                self.bf16.append((node.lineno, ""))
         if name in ("from_pretrained", "from_config", "set_default_dtype") or name.endswith("from_pretrained"):
             for k in node.keywords:
                 if k.arg in ("torch_dtype", "dtype") and _is_bf16(k.value):
@@ -576,6 +584,63 @@ def _model_via_helper(module: ModuleInfo, scope: Scope, params: ast.expr) -> Opt
     return None
 
 
+def _parents(module: ModuleInfo) -> dict[int, ast.AST]:
+    """id(child) -> parent for the whole file (built once per module, only where sharding is named)."""
+    cached = module.__dict__.get("_npufuse_optim_parents")
+    if cached is None:
+        cached = {}
+        for parent in fast_walk(module.tree):
+            for child in ast.iter_child_nodes(parent):
+                cached[id(child)] = parent
+        module.__dict__["_npufuse_optim_parents"] = cached
+    return cached
+
+
+def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes: list[ast.AST]) -> Optional[tuple[str, bool, str]]:
+    """(test source, sharding in its true arm?, where) when every node naming FSDP/DeepSpeed/ZeRO
+    sits in one arm of the same ``if`` / conditional expression (``strategy = DeepSpeedStrategy(...)
+    if devices > 1 else "auto"``) and that test can be evaluated again at the optimizer's line
+    with the same value: side-effect free, and every name in it a parameter of the site's function
+    or a module-level name, never re-assigned in that function."""
+    if not nodes:
+        return None
+    parents = _parents(module)
+    arms: set[tuple[int, bool]] = set()
+    tests: dict[int, ast.expr] = {}
+    for node in nodes:
+        child, parent = node, parents.get(id(node))
+        while parent is not None and not (isinstance(parent, (ast.If, ast.IfExp)) and child is not parent.test):
+            child, parent = parent, parents.get(id(parent))
+        if parent is None:
+            return None
+        in_body = child is parent.body if isinstance(parent, ast.IfExp) else any(child is b for b in parent.body)
+        arms.add((id(parent), in_body))
+        tests[id(parent)] = parent.test  # type: ignore[attr-defined]
+    if len(arms) != 1:
+        return None
+    (key, in_body), = arms
+    test = tests[key]
+    if not _side_effect_free(test):
+        return None
+    fn = scope.node
+    params_ = set()
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = fn.args
+        params_ = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+    module_scope = next((s for s in module.scopes if s.qualname == "<module>"), None)
+    for n in fast_walk(test):
+        if not isinstance(n, ast.Name):
+            continue
+        if scope.qualname != "<module>" and n.id in scope.assignments:
+            return None  # re-bound in the function: the value at the site may differ
+        if n.id in params_:
+            continue
+        if module_scope is None or n.id not in module_scope.assignments:
+            return None
+    text = " ".join(segment(module, test).split())
+    return text, in_body, f"line {test.lineno}"
+
+
 def _first_group_params(params: ast.expr) -> Optional[str]:
     """``a`` of an inline ``[{"params": a, ...}, ...]`` (the first group's params, a plain name)."""
     if not (isinstance(params, (ast.List, ast.Tuple)) and params.elts and isinstance(params.elts[0], ast.Dict)):
@@ -685,12 +750,12 @@ def _peft_wrapped(module: ModuleInfo, scope: Scope, model: str, line: int) -> bo
 
 
 def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]], near: bool,
-             bf16_checked: bool = False, fix: Optional["_ZeroGradFix"] = None) -> Optional[str]:
+             bf16_checked: bool = False, fix: Optional["_ZeroGradFix"] = None, sharding_guarded: bool = False) -> Optional[str]:
     """Why the fused class cannot take over, from one tier of facts (None: nothing here).
     ``prepared``: the accelerate ``prepare`` this optimizer goes through; its zero_grad only
     counts in the ``near`` tiers (code that surely runs with this optimizer). ``bf16_checked``:
     bf16 casts do not block, the guard checks the trainable parameters' dtypes at run time."""
-    if facts.sharding is not None:
+    if facts.sharding is not None and not sharding_guarded:
         return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line "
                 f"{facts.sharding[0]}): the fused optimizer's combined buffers would go stale")
     if prepared is not None and near and facts.zero_grad_calls and not (fix is not None and fix.accelerate):
@@ -923,12 +988,18 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     prepared = _accelerate_prepared(stmt, tiers[0], tiers[1])
     peft = _peft_wrapped(module, scope, model, stmt.lineno)
     fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers)
+    sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
+                    if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
     for n, facts in enumerate(tiers):
-        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix)
+        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix, sharding_guarded=sharded_when is not None)
         if reason is not None:
             return miss(reason)
     if guard is None:
         return miss(why)
+    if sharded_when is not None:
+        # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
+        test, in_body, where = sharded_when
+        guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
     dtype_checked = peft and any(_bf16_hits(t, model) for t in tiers)
     if dtype_checked:
         # a bf16 base under peft: fuse only if every parameter that can get a grad is fp32/fp16
@@ -960,6 +1031,12 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
              "(.cpu()/.to(), new Parameter, p.grad = ..., load_state_dict into new tensors)"),
         Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError); mixed fp32/fp16 params get one buffer each"),
     ]
+    if sharded_when is not None:
+        test, in_body, where = sharded_when
+        risks.append(Risk("other", f"FSDP/DeepSpeed/ZeRO is chosen at run time ({where}, when `{test}` is "
+                          f"{'true' if in_body else 'false'}): it flattens the parameters behind the optimizer, so the guard "
+                          "runs the fused optimizer only when that test says no sharding; sharded runs keep torch.optim"))
+        params["guard"] += "_unsharded_runs_only"
     if prepared is not None:
         risks.append(Risk("other", f"the optimizer goes through `{prepared[1]}.prepare` (line {prepared[0]}): accelerate's "
                           "AcceleratedOptimizer.zero_grad() passes set_to_none=True, which the fused class rejects "
@@ -2047,4 +2124,46 @@ def get_parameters(model):
 def build(model, params=None):
     return torch.optim.AdamW(get_parameters(model) if params is None else params, lr=2e-3)
 ''', reason="may be a one-shot iterator", name="generator_function_params"),
+]
+
+
+# -- issue 14, class 5: sharding chosen at run time; Lightning true-bf16 precision --------------
+
+_CONDITIONAL_DEEPSPEED = _NET + '''
+devices = 1
+ds_config = {"zero_optimization": {"stage": 2}}
+
+
+def DeepSpeedStrategy(config):
+    return ("deepspeed", config)
+
+
+def build(model, learning_rate=3e-3):
+    strategy = DeepSpeedStrategy(config=ds_config) if devices > 1 else "auto"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
+    return optimizer
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_CONDITIONAL_DEEPSPEED, name="deepspeed_only_when_multi_device_guarded_off", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "guard": "fresh_generator_unsharded_runs_only"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the test's name is re-bound in the function: its value at the optimizer may differ
+    Keep(_CONDITIONAL_DEEPSPEED.replace("    strategy = DeepSpeedStrategy", "    devices = torch.cuda.device_count()\n    strategy = DeepSpeedStrategy"),
+         reason="parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`DeepSpeedStrategy`", name="deepspeed_condition_rebound_in_function"),
+    # sharding in both arms (or unconditional): always sharded
+    Keep(_CONDITIONAL_DEEPSPEED.replace('else "auto"', 'else DeepSpeedStrategy(config={})'),
+         reason="FSDP/DeepSpeed/ZeRO", name="deepspeed_in_both_arms"),
+    # Lightning "bf16-true" keeps the parameters in bf16 (the fused class raises TypeError on them)
+    Keep(_NET + '''
+
+def main(fabric_cls, devices=1):
+    fabric = fabric_cls(accelerator="cuda", devices=devices, precision="bf16-true")
+    with fabric.init_module():
+        model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return fabric.setup(model, optimizer)
+''', reason="bf16 parameters unsupported", name="lightning_bf16_true_precision"),
 ]
