@@ -109,6 +109,8 @@ class FusedOptimizer(Pattern):
                                f"torch_npu.optim has no fused counterpart of torch.optim.{kind} (its fused classes: "
                                f"{', '.join(v[0] for v in _OPTIMIZERS.values())}, and LAMB/AdamP/BertAdam/RMSpropTF "
                                "with other libraries' math); switching algorithms changes training")
+            for _call, reason in _third_party_calls(module, stmt):
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             if not calls:
                 chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
                 if chosen is not None:
@@ -131,8 +133,45 @@ def _relevant(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_optim_relevant")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_optim_relevant"] = any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)
+        cached = module.__dict__["_npufuse_optim_relevant"] = (any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)) \
+            or any(k in src for k in _THIRD_PARTY_CLASSES)
     return bool(cached)
+
+
+# Third-party optimizers torch_npu.optim has a fused class for (spec §10), by (top package, class):
+# the reason they stay near misses. LAMB: NpuFusedLamb is the cybertronai/pytorch-lamb form (no
+# bias correction, trust ratio clamp(||p||, 0, 10)/||step||); apex's FusedLAMB and timm's Lamb
+# bias-correct the moments (bias_correction=True) and clip grads by their global norm
+# (max_grad_norm=1.0) by default: another update. The others are documented as the same math,
+# but npufuse's emulator (npufuse.emulate) has no reference for them, so no swap could be verified.
+_SAME_MATH = ("torch_npu.optim.{fused} documents the same math ({origin}), but npufuse's emulator has no reference "
+              "implementation of it, so `npufuse verify` could not check a swap; replace it by hand (same constructor "
+              "arguments) once the fused constraints hold (fp32/fp16 params, grads never set to None, no FSDP/DeepSpeed)")
+_LAMB_DIFFERS = ("torch_npu.optim.NpuFusedLamb is LAMB in the cybertronai/pytorch-lamb form (no bias correction, trust "
+                 "ratio clamp(||p||, 0, 10)/||step||); {name} bias-corrects the Adam moments and clips grads by their global "
+                 "norm (max_grad_norm=1.0) by default: swapping changes the update")
+_THIRD_PARTY: dict[tuple[str, str], str] = {
+    ("apex", "FusedLAMB"): _LAMB_DIFFERS.format(name="apex.optimizers.FusedLAMB"),
+    ("timm", "Lamb"): _LAMB_DIFFERS.format(name="timm.optim.Lamb"),
+    ("pytorch_lamb", "Lamb"): _SAME_MATH.format(fused="NpuFusedLamb", origin="cybertronai/pytorch-lamb"),
+    ("timm", "AdamP"): _SAME_MATH.format(fused="NpuFusedAdamP", origin="clovaai AdamP, which timm's copies"),
+    ("adamp", "AdamP"): _SAME_MATH.format(fused="NpuFusedAdamP", origin="clovaai AdamP"),
+    ("timm", "RMSpropTF"): _SAME_MATH.format(fused="NpuFusedRMSpropTF", origin="timm RMSpropTF"),
+    ("pytorch_pretrained_bert", "BertAdam"): _SAME_MATH.format(fused="NpuFusedBertAdam", origin="pytorch-pretrained-bert BertAdam"),
+}
+_THIRD_PARTY_CLASSES = tuple({k[1] for k in _THIRD_PARTY})
+
+
+def _third_party_calls(module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.Call, str]]:
+    out = []
+    for n in fast_walk(stmt):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or ""
+            parts = name.split(".")
+            reason = _THIRD_PARTY.get((parts[0], parts[-1])) if len(parts) > 1 else None
+            if reason is not None:
+                out.append((n, reason))
+    return out
 
 
 def _unfusable_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
@@ -2166,4 +2205,38 @@ def main(fabric_cls, devices=1):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     return fabric.setup(model, optimizer)
 ''', reason="bf16 parameters unsupported", name="lightning_bf16_true_precision"),
+]
+
+
+# -- issue 14, class 5: third-party optimizers of torch_npu.optim's other fused classes ----------
+
+FusedOptimizer.KEEP += [
+    Keep(_NET + '''
+from apex.optimizers import FusedLAMB
+
+
+def build(model):
+    return FusedLAMB(model.parameters(), lr=1e-3, weight_decay=0.01)
+''', reason="bias-corrects the Adam moments", name="apex_fused_lamb_other_math"),
+    Keep(_NET + '''
+import timm.optim
+
+
+def build(model):
+    return timm.optim.Lamb(model.parameters(), lr=1e-3)
+''', reason="timm.optim.Lamb bias-corrects", name="timm_lamb_other_math"),
+    Keep(_NET + '''
+from timm.optim.rmsprop_tf import RMSpropTF
+
+
+def build(model):
+    return RMSpropTF(model.parameters(), lr=1e-2, alpha=0.9, eps=1e-3, momentum=0.9)
+''', reason="NpuFusedRMSpropTF documents the same math", name="timm_rmsproptf_no_emulator_reference"),
+    Keep(_NET + '''
+from pytorch_pretrained_bert.optimization import BertAdam
+
+
+def build(model, t_total=1000):
+    return BertAdam(model.parameters(), lr=5e-5, warmup=0.1, t_total=t_total)
+''', reason="NpuFusedBertAdam documents the same math", name="bert_adam_no_emulator_reference"),
 ]
