@@ -271,13 +271,29 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                     return Act(CONFIG, gate, ctx, desc, obj=f, default=dk[0] if dk else None, gelu_hint=_gelu_hint(f.attr, default))
             if isinstance(value, ast.Name) and value.id in S.init_params(module, ctx.scope.class_name):
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.functions:
+                return _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
+            if isinstance(value, ast.Attribute) and dotted(value) is not None and not (module.canonical(value) or "").startswith("torch."):
+                # `self.act = config.activation_func`: a callable handed in by configuration
+                return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
             return None
+        elt = _init_tuple_element(module, ctx.scope.class_name, f.attr)
+        if elt is not None:  # `self.act, self.is_gated = get_activation(args)`
+            call, index = elt
+            desc = f"{ast.unparse(call)}[{index}] (tuple assignment in __init__)"
+            fn = module.functions.get(call.func.id) if isinstance(call.func, ast.Name) else None
+            if fn is not None:
+                return _helper_chosen(module, fn, index, gate, ctx, desc, f)
+            return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, call))
         m = S.method(module, ctx.scope.class_name, f.attr)
         if m is not None:
             k2 = _helper_act(module, m)
             if k2 is not None:
                 return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
         return None
+    if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2:
+        # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
+        return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
     if isinstance(f, ast.Name):
         fn = module.helper(f.id)
         if isinstance(fn, ast.FunctionDef) and S.definition(ctx, f.id) is None:
@@ -285,6 +301,44 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
+
+
+def _init_tuple_element(module: ModuleInfo, class_name: str | None, attr: str) -> tuple[ast.Call, int] | None:
+    """(call, index) of ``self.a, self.b = call(...)`` in the class's ``__init__`` for ``attr``."""
+    fn = S.method(module, class_name, "__init__")
+    if fn is None:
+        return None
+    found = None
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call):
+            for t in n.targets:
+                if isinstance(t, (ast.Tuple, ast.List)):
+                    for i, e in enumerate(t.elts):
+                        if dotted(e) == f"self.{attr}":
+                            found = (n.value, i)
+    return found
+
+
+def _helper_chosen(module: ModuleInfo, fn: ast.FunctionDef, index: int | None, gate: ast.expr, ctx: S.Ctx, desc: str,
+                   obj: ast.expr) -> Act:
+    """The activation a module-level helper returns (element ``index`` of a returned tuple):
+    one known kind on every ``return`` (a dict literal looked up: every value) is that kind;
+    anything else is chosen at run time (the fused branch dispatches on the object)."""
+    kinds: set[str | None] = set()
+    for r in (n for n in fast_walk(fn) if isinstance(n, ast.Return)):
+        v = r.value
+        if index is not None:
+            v = v.elts[index] if isinstance(v, (ast.Tuple, ast.List)) and index < len(v.elts) else None
+        values = list(v.value.values) if isinstance(v, ast.Subscript) and isinstance(v.value, ast.Dict) else [v]
+        for x in values:
+            k = _module_act(module, x) if x is not None else None
+            kinds.add(k[0] if k is not None and k[0] not in (CONFIG, GELU_DYN) else None)
+    if len(kinds) == 1 and None not in kinds:
+        kind = kinds.pop()
+        assert kind is not None
+        return Act(kind, gate, ctx, desc, obj=obj)
+    hint = any(k is not None and "gelu" in k for k in kinds) and SILU not in kinds
+    return Act(CONFIG, gate, ctx, desc, obj=obj, gelu_hint=hint)
 
 
 def _gelu_hint(attr: str, key: ast.AST | None) -> bool:
@@ -1646,4 +1700,109 @@ Swiglu.KEEP += [
     Keep(_STACKED.format(body='''        w1, w3 = self.w1[idx], self.w3[idx]
         return F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tai", x, w3)'''),
          reason="not projections of one input", name="einsums_with_different_equations"),
+]
+
+
+# -- issue 14, class 6: activations chosen by configuration, resolved by dataflow ---------------
+
+_GET_ACTIVATION = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def get_activation(name):
+    if name == "swiglu":
+        return F.silu, True
+    if name == "geglu":
+        return F.gelu, True
+    return F.relu, False
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, args, d, h):
+        super().__init__()
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=False)
+        self.act, self.is_gated = get_activation(args.activation)
+
+    def forward(self, x):
+        return self.act(self.gate(x)) * self.up(x)
+'''
+
+_RUN_GET_ACTIVATION = '''
+class Args:
+    activation = "{act}"
+mlp = GatedMLP(Args(), 16, 24)
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = mlp(x)
+leaves = [x, mlp.gate.weight, mlp.up.weight]
+'''
+
+_CONFIG_CALLABLE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, config, d, h):
+        super().__init__()
+        self.config = config
+        self.fc1 = nn.Linear(d, 2 * h, bias=False)
+
+    def forward(self, x):
+        h = torch.chunk(self.fc1(x), 2, dim=-1)
+        return self.config.activation_func(h[0]) * h[1]
+'''
+
+_RUN_CONFIG_CALLABLE = '''
+class Config:
+    activation_func = staticmethod({act})
+mlp = MLP(Config(), 16, 24)
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = mlp(x)
+leaves = [x, mlp.fc1.weight]
+'''
+
+_ACT_TABLE_HELPER = '''
+import torch
+from torch import nn
+
+
+def get_act(name):
+    return {"gelu": nn.GELU(approximate="tanh"), "silu": nn.SiLU()}[name]
+
+
+class FFN(nn.Module):
+    def __init__(self, d, h, act="gelu"):
+        super().__init__()
+        self.gate = nn.Linear(d, h)
+        self.up = nn.Linear(d, h)
+        self.act = get_act(act)
+
+    def forward(self, x):
+        return self.act(self.gate(x)) * self.up(x)
+'''
+
+_RUN_ACT_TABLE = '''
+mlp = FFN(16, 24, act="{act}")
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = mlp(x)
+leaves = [x, mlp.gate.weight, mlp.up.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_GET_ACTIVATION, expect={"conditional": True}, run=_RUN_GET_ACTIVATION.format(act="swiglu"), name="tuple_from_get_activation_silu"),
+    Fuse(_GET_ACTIVATION, expect={"conditional": True}, run=_RUN_GET_ACTIVATION.format(act="geglu"), name="tuple_from_get_activation_gelu"),
+    Fuse(_CONFIG_CALLABLE, expect={"conditional": True}, run=_RUN_CONFIG_CALLABLE.format(act="F.silu"), name="config_activation_func_halves_silu"),
+    Fuse(_CONFIG_CALLABLE, expect={"conditional": True}, run=_RUN_CONFIG_CALLABLE.format(act="F.gelu"), name="config_activation_func_halves_gelu"),
+    Fuse(_ACT_TABLE_HELPER, expect={"conditional": True}, run=_RUN_ACT_TABLE.format(act="gelu"), name="helper_act_table_gelu_tanh"),
+    Fuse(_ACT_TABLE_HELPER, expect={"conditional": True}, run=_RUN_ACT_TABLE.format(act="silu"), name="helper_act_table_silu"),
+]
+
+Swiglu.KEEP += [
+    # the helper returns relu on every path: resolved, and not a gated op torch_npu has
+    Keep(_GET_ACTIVATION.replace("F.silu, True", "F.relu, True").replace("F.gelu, True", "F.relu, True"),
+         reason="activation is not silu", name="tuple_from_helper_always_relu"),
 ]
