@@ -508,6 +508,12 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                 dim = rest[1] if len(rest) > 1 else S.arg(call, "dim", None)
                 if dim is None:
                     dim = ast.Constant(0)
+                k = const_value(size)
+                if meth == "chunk" and isinstance(k, int) and not isinstance(k, bool) and k > 2 and -k <= idx < k:
+                    # one of k parts (gpt-neox/Megatron fused qkv-style projections): two of them
+                    # can be the gate pair, taken as two operands (the parts stay as written).
+                    # chunk makes every part ceil(n/k) long except the last, which may be shorter.
+                    return (S.key(recv, bctx), recv, bctx, dim, idx % k, "part", idx % k < k - 1)
                 if meth in ("chunk", "tensor_split"):
                     if const_value(size) != 2:
                         raise GateMiss(f"split into {ast.unparse(size) if size is not None else '?'} parts, not two halves")
@@ -611,6 +617,51 @@ def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, other_input: st
     return None
 
 
+def _biased_halves(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> str | None:
+    """gpt-neox's ``x, gate = t.chunk(2, -1)`` then ``if bias is not None: b1, b2 = bias.chunk(2, -1);
+    x = x + b1; gate = gate + b2``: the two names are the halves of ``t`` (plus the matching halves
+    of one bias, added in the same ``if``), whichever way the branch goes. The key of ``t``, or
+    None."""
+    if not (isinstance(a, ast.Name) and isinstance(b, ast.Name)) or a.id == b.id:
+        return None
+    scope = ctx.scope
+    plans = []
+    for name, c in ((a, actx), (b, ctx)):
+        defs = [(st, v) for st, v in scope.assignments.get(name.id, []) if st.lineno < c.line]
+        if not defs or len(defs) > 2:
+            return None
+        st0, v0 = defs[0]
+        base = _split_of(module, v0, c.at(st0.lineno), S.Trace())
+        if base is None or base[5] not in ("chunk", "split") or not base[6]:
+            return None
+        add = None
+        if len(defs) == 2:
+            st1, v1 = defs[1]
+            if not (isinstance(v1, ast.BinOp) and isinstance(v1.op, ast.Add)):
+                return None
+            other = v1.right if isinstance(v1.left, ast.Name) and v1.left.id == name.id else \
+                v1.left if isinstance(v1.right, ast.Name) and v1.right.id == name.id else None
+            if other is None:
+                return None
+            add = (st1, _split_of(module, other, c.at(st1.lineno), S.Trace()))
+            if add[1] is None or add[1][5] not in ("chunk", "split") or not add[1][6] or add[1][4] != base[4]:
+                return None
+        plans.append((base, add))
+    (ba, aa), (bb, ab) = plans
+    if ba[0] != bb[0] or {ba[4], bb[4]} != {0, 1} or S.key(ba[3], ba[2]) != S.key(bb[3], bb[2]):
+        return None
+    if (aa is None) != (ab is None):
+        return None
+    if aa is not None and ab is not None:
+        if aa[1][0] != ab[1][0] or S.key(aa[1][3], aa[1][2]) != S.key(ab[1][3], ab[1][2]):
+            return None
+        # both bias adds directly in the body of one `if`
+        holders = [n for n in fast_walk(scope.node) if isinstance(n, ast.If) and any(x is aa[0] for x in n.body)]
+        if not holders or not any(x is ab[0] for x in holders[0].body):
+            return None
+    return ba[0]
+
+
 def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     """A gated product ``act(a) * b`` at ``node`` (a Mult BinOp), or None; GateMiss for
     look-alikes whose structure the fused op cannot take."""
@@ -660,6 +711,14 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     sa = _split_of(module, a, actx, trace)
     sb = _split_of(module, b, ctx, trace)
     halves = None
+    if sa is not None and sb is not None and "part" in (sa[5], sb[5]):
+        if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
+            raise GateMiss("gate and up are not two parts of one chunk along one dim")
+        if not (sa[6] and sb[6]):
+            raise GateMiss("gate or up is the last part of a chunk, which is shorter than the others when the size does "
+                           "not divide evenly (the product then broadcasts; the fused op would split wrongly)")
+        # two equal parts of one tensor: the fused op takes them concatenated (exact for any dim)
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0])
     if sa is not None and sb is not None and sa[0] == sb[0]:
         if sa[5] == "slice":
             (ka, ba), (kb, bb) = sa[4], sb[4]  # type: ignore[misc]
@@ -678,6 +737,11 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
         raise GateMiss("gate and up are halves of different tensors")
     ia = _projection_input(a, actx)
     ib = _projection_input(b, ctx)
+    if (ia is None or ib is None or ia != ib) and act.kind in (SILU, CONFIG) + GELU_KINDS:
+        biased = _biased_halves(module, a, actx, b, ctx)
+        if biased is not None:
+            # the current values of the two names: the fused op takes them concatenated (exact)
+            return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, biased)
     if ia is None or ib is None or ia != ib:
         if act.kind in (SILU, CONFIG) + GELU_KINDS:
             for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
@@ -1531,25 +1595,7 @@ class SwiGLUWithStats(nn.Module):
         reason="reused after the fused region",
         name="activation_reused",
     ),
-    Keep(
-        '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class ThreeWay(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.w = nn.Linear(d, 3 * h)
-
-    def forward(self, x):
-        a, b, c = self.w(x).chunk(3, dim=-1)
-        return F.silu(a) * b + c
-''',
-        reason="not two halves",
-        name="chunk_into_three",
-    ),
+    # (a 3-way chunk whose first two parts are the gate pair is a candidate now: issue 14 class 6)
     Keep(
         '''
 import torch
@@ -1805,4 +1851,72 @@ Swiglu.KEEP += [
     # the helper returns relu on every path: resolved, and not a gated op torch_npu has
     Keep(_GET_ACTIVATION.replace("F.silu, True", "F.relu, True").replace("F.gelu, True", "F.relu, True"),
          reason="activation is not silu", name="tuple_from_helper_always_relu"),
+]
+
+
+# -- issue 14, class 6: gate pair from a 3-way chunk; gpt-neox gated activation with a bias -----
+
+_THREE_WAY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w = nn.Linear(d, 3 * h)
+
+    def forward(self, x):
+        a, b, c = self.w(x).chunk(3, dim=-1)
+        return F.silu(a) * b + c
+'''
+
+_RUN_THREE_WAY = '''
+m = GatedResidual(16, 24)
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.w.weight]
+'''
+
+_NEOX_GATED = '''
+import torch
+import torch.nn.functional as F
+
+
+class Gated_Activation(torch.nn.Module):
+    def __init__(self, activation_func, use_swiglu=False):
+        super().__init__()
+        self.activation_func = activation_func
+        self.use_swiglu = use_swiglu
+
+    def forward(self, x, bias=None):
+        x, gate = x.chunk(2, dim=-1)
+        if bias is not None:
+            bias_1, bias_2 = bias.chunk(2, dim=-1)
+            x = x + bias_1
+            gate = gate + bias_2
+        intermediate_parallel = self.activation_func(gate)
+        return intermediate_parallel * x
+'''
+
+_RUN_NEOX_GATED = '''
+act = Gated_Activation({act})
+h = torch.randn(2, 3, 32, requires_grad=True)
+bias = torch.randn(32, requires_grad=True)
+out = act(h, {bias})
+leaves = [h, bias]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_THREE_WAY, run=_RUN_THREE_WAY, name="gate_pair_from_three_way_chunk"),
+    Fuse(_NEOX_GATED, expect={"conditional": True}, run=_RUN_NEOX_GATED.format(act="F.silu", bias="bias"), name="neox_gated_activation_with_bias_silu"),
+    Fuse(_NEOX_GATED, expect={"conditional": True}, run=_RUN_NEOX_GATED.format(act="F.silu", bias="None"), name="neox_gated_activation_without_bias_silu"),
+    Fuse(_NEOX_GATED, expect={"conditional": True}, run=_RUN_NEOX_GATED.format(act="F.gelu", bias="bias"), name="neox_gated_activation_with_bias_gelu"),
+]
+
+Swiglu.KEEP += [
+    # the last of three chunks is shorter when the size does not divide by 3: the product broadcasts
+    Keep(_THREE_WAY.replace("F.silu(a) * b + c", "F.silu(a) * c + b"), reason="last part of a chunk",
+         name="gate_pair_with_the_last_chunk"),
 ]
