@@ -155,3 +155,39 @@ def test_conditional_deepspeed_guard_is_off_when_the_sharding_test_holds() -> No
     assert eval(f.guard_tensor, {"model": model, "devices": 1}) is model.weight
     assert eval(f.guard_tensor, {"model": model, "devices": 2}) is None  # DeepSpeed runs keep torch.optim
     assert any("chosen at run time" in r.detail and "`devices > 1`" in r.detail for r in f.risks)
+
+
+def test_an_attribute_named_like_the_builder_is_not_a_link(tmp_path: Path) -> None:
+    """The builder is reached by its imported name; `self.optimizer` in another file that imports
+    the module for something else is not the function `optimizer`."""
+    builder = '''\
+import torch
+
+
+def make_model():
+    return torch.nn.Linear(2, 2)
+
+
+def optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+    trainer = '''\
+from helpers import make_model
+
+
+class Trainer:
+    def __init__(self):
+        self.model = make_model()
+        self.optimizer = None
+
+    def step(self):
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad()
+'''
+    cands, near = _opt(_scan(tmp_path, {"helpers.py": builder, "trainer.py": trainer}))
+    assert [c["file"] for c in cands] == ["helpers.py"] and near == []
+    # imported and called: the same facts now concern it
+    linked = trainer.replace("from helpers import make_model", "from helpers import make_model, optimizer").replace(
+        "self.optimizer = None", "self.optimizer = optimizer(self.model)")
+    cands, near = _opt(_scan(tmp_path, {"trainer.py": linked}))
+    assert cands == [] and "trainer.py:10" in near[0]["reason"] and "ValueError" in near[0]["reason"]

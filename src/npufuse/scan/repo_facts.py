@@ -55,20 +55,33 @@ def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict
 
 
 class _Builder:
-    """One candidate: the file and the function that builds the optimizer."""
+    """One candidate: the file, and the module-level function or method of a module-level class
+    that builds the optimizer (a nested function cannot be reached from another file: "")."""
 
-    def __init__(self, rel: str, qualname: str) -> None:
+    def __init__(self, rel: str, qualname: str, tree: Optional[ast.Module]) -> None:
         self.rel = rel
         p = PurePosixPath(rel)
         self.module = p.parent.name if p.stem == "__init__" else p.stem
-        self.function = qualname.rsplit(".", 1)[-1] if qualname != "<module>" else ""
+        self.function = ""
+        self.cls = ""
+        parts = qualname.split(".")
+        top = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))} if tree else {}
+        if len(parts) == 1 and isinstance(top.get(parts[0]), (ast.FunctionDef, ast.AsyncFunctionDef)):
+            self.function = parts[0]
+        elif len(parts) == 2 and isinstance(top.get(parts[0]), ast.ClassDef):
+            cls = top[parts[0]]
+            if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == parts[1] for n in cls.body):
+                self.function, self.cls = parts[1], parts[0]
 
 
 def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
-    builders = {(o.file, h.finding.qualname): _Builder(o.file, h.finding.qualname) for o, h in hits}
+    builders: dict[tuple[str, str], _Builder] = {}
+    for o, h in hits:
+        if (o.file, h.finding.qualname) not in builders:
+            builders[(o.file, h.finding.qualname)] = _Builder(o.file, h.finding.qualname, _parse(_read(root, o.file, max_bytes)))
     names = {b.function for b in builders.values() if b.function and b.module}
     if not names:
         return
@@ -91,7 +104,14 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
                 except (SyntaxError, ValueError, RecursionError, MemoryError):
                     trees[rel] = None
             tree = trees[rel]
-            if tree is None or not _imports(tree, b.module):
+            if tree is None:
+                continue
+            imported = _imports(tree, b.module)
+            # a function is reached by its imported name (or module.function); a method through an
+            # object of its class, which the file must import (or the module holding it)
+            found, names_ = imported
+            reach = b.cls if b.cls else b.function
+            if not found or not ("*" in names_ or reach in names_):
                 continue
             verdict = _verdict(tree, rel, b)
             if verdict is None:
@@ -108,6 +128,15 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             f.risks.append(Risk("other", text))
 
 
+def _parse(text: Optional[str]) -> Optional[ast.Module]:
+    if text is None:
+        return None
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
 def _read(root: Path, rel: str, max_bytes: int) -> Optional[str]:
     try:
         with open(Path(root) / rel, "rb") as fh:
@@ -119,19 +148,24 @@ def _read(root: Path, rel: str, max_bytes: int) -> Optional[str]:
     return data.decode("utf-8", errors="replace")
 
 
-def _imports(tree: ast.Module, module: str) -> bool:
-    """Does the file import ``module`` (``import a.module``, ``from .module import x``,
-    ``from pkg import module``)?"""
+def _imports(tree: ast.Module, module: str) -> tuple[bool, set[str]]:
+    """(the file imports ``module`` as a module, the names it imports from it: ``from .module
+    import GPT`` gives {"GPT"}). ``import a.module`` / ``from pkg import module`` import the
+    module itself (its names reached as ``module.x``: every name counts)."""
+    whole = False
+    names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             if any(module in a.name.split(".") for a in node.names):
-                return True
+                whole = True
         elif isinstance(node, ast.ImportFrom):
-            if node.module and module in node.module.split("."):
-                return True
-            if any(a.name == module for a in node.names):
-                return True
-    return False
+            if node.module and node.module.split(".")[-1] == module:
+                names |= {a.name for a in node.names}
+            elif any(a.name == module for a in node.names):
+                whole = True
+    if whole:
+        return True, {"*"}
+    return bool(names), names
 
 
 def _walk_with_branch(tree: ast.AST) -> Iterable[tuple[ast.AST, Optional[int]]]:
@@ -153,6 +187,11 @@ def _walk_with_branch(tree: ast.AST) -> Iterable[tuple[ast.AST, Optional[int]]]:
 
 def _refers(node: ast.AST, function: str) -> bool:
     return (isinstance(node, ast.Name) and node.id == function) or (isinstance(node, ast.Attribute) and node.attr == function)
+
+
+def _handed(node: ast.AST, function: str) -> bool:
+    """A function handed on by name (``Process(target=train)``), not any attribute of that name."""
+    return isinstance(node, ast.Name) and node.id == function
 
 
 def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
@@ -188,7 +227,7 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
                 recv = dotted(node.func.value)
                 if recv:
                     models.add(recv)
-        elif any(_refers(a, b.function) for a in args):  # handed on: Process(target=train, args=(...))
+        elif not b.cls and any(_handed(a, b.function) for a in args):  # handed on: Process(target=train, args=(...))
             where = where or node.lineno
             models |= _flat_names(args)
     if not where:
