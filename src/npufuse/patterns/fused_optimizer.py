@@ -635,6 +635,22 @@ def _parents(module: ModuleInfo) -> dict[int, ast.AST]:
     return cached
 
 
+def _consequence_of_sharding(module: ModuleInfo, parents: dict[int, ast.AST], node: ast.AST) -> bool:
+    """Is ``node`` a check for sharding or code run only when it is on, not a cause of it:
+    inside ``isinstance(...)``, or in the body of an ``if`` whose test is such a check
+    (``if isinstance(fabric.strategy, DeepSpeedStrategy): <consolidate the checkpoint>``)?"""
+    child, parent = node, parents.get(id(node))
+    while parent is not None:
+        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "isinstance":
+            return True
+        if isinstance(parent, ast.If) and any(child is b for b in parent.body) and any(
+                isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "isinstance"
+                and any(_sharding_identifier(module, a) is not None for a in n.args[1:]) for n in fast_walk(parent.test)):
+            return True
+        child, parent = parent, parents.get(id(parent))
+    return False
+
+
 def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes: list[ast.AST]) -> Optional[tuple[str, bool, str]]:
     """(test source, sharding in its true arm?, where) when every node naming FSDP/DeepSpeed/ZeRO
     sits in one arm of the same ``if`` / conditional expression (``strategy = DeepSpeedStrategy(...)
@@ -647,6 +663,8 @@ def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes:
     arms: set[tuple[int, bool]] = set()
     tests: dict[int, ast.expr] = {}
     for node in nodes:
+        if _consequence_of_sharding(module, parents, node):
+            continue
         child, parent = node, parents.get(id(node))
         while parent is not None and not (isinstance(parent, (ast.If, ast.IfExp)) and child is not parent.test):
             child, parent = parent, parents.get(id(parent))
@@ -657,7 +675,7 @@ def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes:
         tests[id(parent)] = parent.test  # type: ignore[attr-defined]
     if len(arms) != 1:
         return None
-    (key, in_body), = arms
+    ((key, in_body),) = arms
     test = tests[key]
     if not _side_effect_free(test):
         return None
@@ -2239,4 +2257,32 @@ from pytorch_pretrained_bert.optimization import BertAdam
 def build(model, t_total=1000):
     return BertAdam(model.parameters(), lr=5e-5, warmup=0.1, t_total=t_total)
 ''', reason="NpuFusedBertAdam documents the same math", name="bert_adam_no_emulator_reference"),
+]
+
+# a later `if isinstance(strategy, DeepSpeedStrategy):` checks for sharding; it shards nothing
+_CONDITIONAL_DEEPSPEED_CHECKED = _NET + '''
+devices = 1
+
+
+class DeepSpeedStrategy:
+    def __init__(self, config):
+        self.config = config
+
+
+def save(strategy, model):
+    if isinstance(strategy, DeepSpeedStrategy):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return get_fp32_state_dict_from_zero_checkpoint(".")
+    return model.state_dict()
+
+
+def build(model, learning_rate=3e-3):
+    strategy = DeepSpeedStrategy(config={}) if devices > 1 else "auto"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    return optimizer
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_CONDITIONAL_DEEPSPEED_CHECKED, name="deepspeed_conditional_with_isinstance_check_elsewhere", run=_TRAIN_RUN, expect={
+        "guard": "fresh_generator_unsharded_runs_only"}),
 ]
