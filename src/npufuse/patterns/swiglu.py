@@ -254,7 +254,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k is not None:
                 kind, extra = k
                 if kind == CONFIG:
-                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra), gelu_hint=_gelu_hint(f.attr, extra))
+                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra), gelu_hint=_gelu_hint(f.attr, extra),
+                               default=_param_default_kind(module, ctx, extra, name_only=True))
                 return Act(kind, gate, ctx, desc, obj=f, approx=extra if kind == GELU_DYN else None)
             if isinstance(value, ast.Call):
                 cname = dotted(value.func)
@@ -270,7 +271,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                     dk = _module_act(module, ast.Call(func=default, args=[], keywords=[])) if default is not None else None
                     return Act(CONFIG, gate, ctx, desc, obj=f, default=dk[0] if dk else None, gelu_hint=_gelu_hint(f.attr, default))
             if isinstance(value, ast.Name) and value.id in S.init_params(module, ctx.scope.class_name):
-                return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
+                return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value),
+                           default=_param_default_kind(module, ctx, value, name_only=False))
             if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.functions:
                 return _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
             if isinstance(value, ast.Attribute) and dotted(value) is not None and not (module.canonical(value) or "").startswith("torch."):
@@ -301,6 +303,23 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
+
+
+def _param_default_kind(module: ModuleInfo, ctx: S.Ctx, node: ast.expr | None, name_only: bool) -> str | None:
+    """The activation an ``__init__`` parameter's default names: ``activation=nn.GELU(...)`` /
+    ``F.silu`` (an object), or ``hidden_act="gelu"`` (a key of an activation table: ``name_only``).
+    Only which pattern reports the site follows from it; the fused code still dispatches at run
+    time (a caller may pass another)."""
+    if not isinstance(node, ast.Name):
+        return None
+    default = S.init_params(module, ctx.scope.class_name).get(node.id)
+    if default is None:
+        return None
+    if name_only:
+        v = const_value(default)
+        return ACT_NAMES.get(v.lower()) if isinstance(v, str) else None
+    k = _module_act(module, default)
+    return k[0] if k is not None and k[0] != CONFIG else None
 
 
 def _init_tuple_element(module: ModuleInfo, class_name: str | None, attr: str) -> tuple[ast.Call, int] | None:
