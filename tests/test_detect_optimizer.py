@@ -191,3 +191,23 @@ class Trainer:
         "self.optimizer = None", "self.optimizer = optimizer(self.model)")
     cands, near = _opt(_scan(tmp_path, {"trainer.py": linked}))
     assert cands == [] and "trainer.py:10" in near[0]["reason"] and "ValueError" in near[0]["reason"]
+
+
+def test_accelerate_prepare_elsewhere_with_zero_grad_is_a_near_miss(tmp_path: Path) -> None:
+    train = '''\
+from accelerate import Accelerator
+from model import GPT
+
+accelerator = Accelerator()
+model = GPT()
+optimizer = model.configure_optimizers(0.1, 6e-4)
+model, optimizer = accelerator.prepare(model, optimizer)
+for step in range(3):
+    optimizer.step()
+    optimizer.zero_grad()
+'''
+    cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": train}))
+    assert cands == [] and "accelerate's prepare (train.py:7)" in near[0]["reason"] and "train.py:10" in near[0]["reason"]
+    # prepared but zeroed in place: nothing passes set_to_none=True
+    cands, near = _opt(_scan(tmp_path, {"train.py": train.replace("zero_grad()", "zero_grad(set_to_none=False)")}))
+    assert [c["file"] for c in cands] == ["model.py"] and near == []
