@@ -136,11 +136,25 @@ def extract(gd: Path, commit: str, paths: list[str], dest: Path) -> list[str]:
     return missing
 
 
+def sibling_sources(gd: Path, commit: str, paths: list[str]) -> list[str]:
+    """The .py files at ``commit`` in the folders of ``paths`` (not below them)."""
+    out: list[str] = []
+    for folder in sorted({str(Path(p).parent) for p in paths}):
+        spec = [] if folder == "." else [folder + "/"]
+        res = subprocess.run(["git", "--git-dir", str(gd), "ls-tree", "--name-only", commit, *spec], capture_output=True, text=True)
+        if res.returncode == 0:
+            out += [ln for ln in res.stdout.splitlines() if ln.endswith(".py")]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="labels JSON (default: bench/detect_labels.json)")
     ap.add_argument("--mirrors", type=Path, default=DEFAULT_MIRRORS, help="folder of <owner>+<name>/ git mirrors (default: /work/.mirror)")
     ap.add_argument("--list", action="store_true", help="also list every missed label and every unmatched candidate")
+    ap.add_argument("--context", action="store_true",
+                    help="also extract the other .py files of each labelled file's folder (facts from other files of the "
+                         "repo: a trainer beside the model); only the labelled files are scored")
     ap.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to score (default: every labelled pattern)")
     args = ap.parse_args(argv)
     try:
@@ -166,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             dest = Path(tmp) / repo.replace("/", "+")
             dest.mkdir(parents=True)
             missing = extract(gd, commit, paths, dest)
+            if args.context:
+                extract(gd, commit, sorted(set(sibling_sources(gd, commit, paths)) - set(paths)), dest)
             if len(missing) == len(paths):
                 print(f"skipped {repo}: commit {commit[:12]} or its files are not in the mirror")
                 continue
@@ -178,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                 for s in f.get("sites", []):
                     labels.append(Site(s["pattern"], f"{repo}/{f['path']}", s["line"], s.get("end_line", s["line"]), s["label"], s.get("qualname", "")))
             result = scan_repo(dest, jobs=1, include_tests=True)
+            scored = set(paths)
             for c in result.candidates:
+                if c["file"] not in scored:
+                    continue  # a --context file: read for its facts, not labelled
                 cands.append(Site(c["pattern"], f"{repo}/{c['file']}", c["line"], c["end_line"], "", c.get("qualname", "")))
             for n in result.near_misses:
                 misses.append((Site(n["pattern"], f"{repo}/{n['file']}", n["line"], n["end_line"]), n.get("reason", "")))

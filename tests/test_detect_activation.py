@@ -180,3 +180,49 @@ def test_the_call_count_sees_a_projection_evaluated_twice(tmp_path):
         mod = _import(tmp_path, "ffn_twice", splice(code, [twice]))
         _, calls = _count_w12(mod.FFN())
     assert calls == 2
+
+
+# -- class 6: activations chosen by configuration (run-time dispatch) ---------------------------
+
+
+def test_a_configured_activation_the_fused_ops_lack_runs_the_original_code() -> None:
+    """get_activation(...) may return relu: the fused branch must leave it to the original
+    code (exact output, no torch_npu call), and fuse the silu/gelu choices."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pattern_harness import check_rewrite_runs
+
+    from npufuse.patterns.swiglu import _GET_ACTIVATION, _RUN_GET_ACTIVATION
+
+    findings, _ = _detect("swiglu", _GET_ACTIVATION)
+    assert len(findings) == 1 and findings[0].confidence == "medium"
+    pattern = get_pattern("swiglu")
+    relu = check_rewrite_runs(pattern, _GET_ACTIVATION, _RUN_GET_ACTIVATION.format(act="relu"), findings)
+    assert relu["calls"] == 0 and min(relu["cos_out"]) > 0.99999
+    silu = check_rewrite_runs(pattern, _GET_ACTIVATION, _RUN_GET_ACTIVATION.format(act="swiglu"), findings)
+    assert silu["all_calls"].get("npu_swiglu", 0) >= 1
+    gelu = check_rewrite_runs(pattern, _GET_ACTIVATION, _RUN_GET_ACTIVATION.format(act="geglu"), findings)
+    assert gelu["all_calls"].get("npu_geglu", 0) >= 1 and min(gelu["cos_out"]) > 0.9999
+
+
+def test_a_helper_returning_one_activation_is_resolved_statically() -> None:
+    code = '''
+import torch.nn.functional as F
+from torch import nn
+
+
+def get_activation(name):
+    return F.silu, name == "swiglu"
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, args, d, h):
+        super().__init__()
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=False)
+        self.act, self.is_gated = get_activation(args.activation)
+
+    def forward(self, x):
+        return self.act(self.gate(x)) * self.up(x)
+'''
+    findings, _ = _detect("swiglu", code)
+    assert len(findings) == 1 and findings[0].confidence == "high" and "elif" not in findings[0].fused

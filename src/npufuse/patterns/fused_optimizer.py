@@ -109,6 +109,8 @@ class FusedOptimizer(Pattern):
                                f"torch_npu.optim has no fused counterpart of torch.optim.{kind} (its fused classes: "
                                f"{', '.join(v[0] for v in _OPTIMIZERS.values())}, and LAMB/AdamP/BertAdam/RMSpropTF "
                                "with other libraries' math); switching algorithms changes training")
+            for _call, reason in _third_party_calls(module, stmt):
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             if not calls:
                 chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
                 if chosen is not None:
@@ -131,8 +133,45 @@ def _relevant(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_optim_relevant")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_optim_relevant"] = any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)
+        cached = module.__dict__["_npufuse_optim_relevant"] = (any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)) \
+            or any(k in src for k in _THIRD_PARTY_CLASSES)
     return bool(cached)
+
+
+# Third-party optimizers torch_npu.optim has a fused class for (spec §10), by (top package, class):
+# the reason they stay near misses. LAMB: NpuFusedLamb is the cybertronai/pytorch-lamb form (no
+# bias correction, trust ratio clamp(||p||, 0, 10)/||step||); apex's FusedLAMB and timm's Lamb
+# bias-correct the moments (bias_correction=True) and clip grads by their global norm
+# (max_grad_norm=1.0) by default: another update. The others are documented as the same math,
+# but npufuse's emulator (npufuse.emulate) has no reference for them, so no swap could be verified.
+_SAME_MATH = ("torch_npu.optim.{fused} documents the same math ({origin}), but npufuse's emulator has no reference "
+              "implementation of it, so `npufuse verify` could not check a swap; replace it by hand (same constructor "
+              "arguments) once the fused constraints hold (fp32/fp16 params, grads never set to None, no FSDP/DeepSpeed)")
+_LAMB_DIFFERS = ("torch_npu.optim.NpuFusedLamb is LAMB in the cybertronai/pytorch-lamb form (no bias correction, trust "
+                 "ratio clamp(||p||, 0, 10)/||step||); {name} bias-corrects the Adam moments and clips grads by their global "
+                 "norm (max_grad_norm=1.0) by default: swapping changes the update")
+_THIRD_PARTY: dict[tuple[str, str], str] = {
+    ("apex", "FusedLAMB"): _LAMB_DIFFERS.format(name="apex.optimizers.FusedLAMB"),
+    ("timm", "Lamb"): _LAMB_DIFFERS.format(name="timm.optim.Lamb"),
+    ("pytorch_lamb", "Lamb"): _SAME_MATH.format(fused="NpuFusedLamb", origin="cybertronai/pytorch-lamb"),
+    ("timm", "AdamP"): _SAME_MATH.format(fused="NpuFusedAdamP", origin="clovaai AdamP, which timm's copies"),
+    ("adamp", "AdamP"): _SAME_MATH.format(fused="NpuFusedAdamP", origin="clovaai AdamP"),
+    ("timm", "RMSpropTF"): _SAME_MATH.format(fused="NpuFusedRMSpropTF", origin="timm RMSpropTF"),
+    ("pytorch_pretrained_bert", "BertAdam"): _SAME_MATH.format(fused="NpuFusedBertAdam", origin="pytorch-pretrained-bert BertAdam"),
+}
+_THIRD_PARTY_CLASSES = tuple({k[1] for k in _THIRD_PARTY})
+
+
+def _third_party_calls(module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.Call, str]]:
+    out = []
+    for n in fast_walk(stmt):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or ""
+            parts = name.split(".")
+            reason = _THIRD_PARTY.get((parts[0], parts[-1])) if len(parts) > 1 else None
+            if reason is not None:
+                out.append((n, reason))
+    return out
 
 
 def _unfusable_calls(module: ModuleInfo, stmt: ast.stmt) -> list[ast.Call]:
@@ -155,6 +194,7 @@ class _FileFacts:
 
     def __init__(self, module: ModuleInfo, roots: Iterable[ast.AST] = ()) -> None:
         self.sharding: Optional[tuple[int, str]] = None
+        self.sharding_nodes: list[ast.AST] = []  # every node naming sharding (the first few)
         self.set_to_none: list[tuple[int, str]] = []  # (line, receiver) of zero_grad(set_to_none=True)
         self.module_zero_grad: list[tuple[int, str]] = []  # receiver.zero_grad() that is not an optimizer's
         self.grad_assign: Optional[int] = None
@@ -174,6 +214,7 @@ class _FileFacts:
         out = cls(module)
         for f in parts:
             out.sharding = out.sharding or f.sharding
+            out.sharding_nodes.extend(f.sharding_nodes)
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
             for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls"):
@@ -182,10 +223,11 @@ class _FileFacts:
         return out
 
     def _visit(self, module: ModuleInfo, node: ast.AST) -> None:
-        if self.sharding is None:
+        if len(self.sharding_nodes) < 16:
             ident = _sharding_identifier(module, node)
             if ident is not None:
-                self.sharding = (getattr(node, "lineno", 0), ident)
+                self.sharding = self.sharding or (getattr(node, "lineno", 0), ident)
+                self.sharding_nodes.append(node)
         if isinstance(node, ast.Return) and node.value is not None:
             for n in (node.value.elts if isinstance(node.value, (ast.Tuple, ast.List)) else [node.value]):
                 name = dotted(n)
@@ -230,6 +272,11 @@ class _FileFacts:
 
     def _bf16_kw(self, node: ast.Call) -> None:
         name = (dotted(node.func) or "").split(".")[-1]
+        for k in node.keywords:
+            # Lightning's true-half precision keeps the parameters themselves in bf16 ("bf16-mixed"
+            # keeps fp32 master weights)
+            if k.arg == "precision" and isinstance(k.value, ast.Constant) and k.value.value == "bf16-true":
+                self.bf16.append((node.lineno, ""))
         if name in ("from_pretrained", "from_config", "set_default_dtype") or name.endswith("from_pretrained"):
             for k in node.keywords:
                 if k.arg in ("torch_dtype", "dtype") and _is_bf16(k.value):
@@ -479,7 +526,7 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
     params = keyword(call, "params", 0)
     if params is None:
         return None, "the optimizer gets no params argument npufuse can read"
-    model = _model_of(module, scope, params, stmt.lineno)
+    model = _model_of(module, scope, params, stmt.lineno) or _model_via_helper(module, scope, params)
     if model is not None:
         # a fresh generator: the user's own iterator is never touched
         return f"next({model}.parameters(), None)", ""
@@ -496,7 +543,159 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # ``[{"params": decay, ...}, ...]`` of opaque names: the first group's list is materialised
         # once (torch.optim lists each group's params too) and its first tensor is the guard
         return f"next(iter(({first} := list({first}))), None)", ""
-    return None, f"the params come from `{segment(module, params)[:50]}`: no parameter tensor to guard on without consuming it"
+    if _side_effect_free(params) and _list_valued(module, scope, params, stmt.lineno):
+        # a list (or tuple) is read, not consumed: the guard iterates it afresh, and the
+        # optimizer still gets every element. Its first element may be a param-group dict.
+        e = segment(module, params)
+        return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
+                f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({e})"), ""
+    return None, (f"the params come from `{segment(module, params)[:50]}`, which may be a one-shot iterator (a generator): "
+                  "reading a tensor from it for the guard would consume it")
+
+
+_LIST_BUILDERS = ("list", "sorted", "tuple")
+
+
+def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """Is ``node`` provably a list or tuple (re-iterable, never consumed by reading it) by
+    dataflow: a list/tuple literal or comprehension, ``list(...)``/``sorted(...)``/``tuple(...)``,
+    an element of a literal tuple/list of lists (``g = [], [], []`` then ``g[2]``), a name last
+    bound to one of those, or a call of a function of this file every ``return`` of which
+    returns one. Names and attribute names are not evidence."""
+    if depth > 4:
+        return False
+    if isinstance(node, (ast.List, ast.Tuple, ast.ListComp)):
+        return True
+    if isinstance(node, ast.Call):
+        name = dotted(node.func) or ""
+        if name in _LIST_BUILDERS and name not in module.aliases and name not in module.functions:
+            return True
+        fn = _local_function(module, scope, name)
+        if fn is None:
+            return False
+        rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return)]
+        fscope = next((s for s in module.scopes if s.node is fn), None)
+        return bool(rets) and fscope is not None and all(
+            r.value is not None and _list_valued(module, fscope, r.value, r.lineno, depth + 1) for r in rets)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
+        base = scope.definition(node.value.id, line) if isinstance(node.value, ast.Name) else None
+        if isinstance(base, (ast.Tuple, ast.List)) and -len(base.elts) <= node.slice.value < len(base.elts):
+            return _list_valued(module, scope, base.elts[node.slice.value], line, depth + 1)
+        if isinstance(base, ast.ListComp):  # [[] for _ in range(3)]
+            return _list_valued(module, scope, base.elt, line, depth + 1)
+        return False
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        return value is not None and _list_valued(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    return False
+
+
+def _local_function(module: ModuleInfo, scope: Scope, name: str) -> Optional[ast.AST]:
+    """The def of ``f`` (a module-level function) or ``self.f`` (a method of the site's class)."""
+    if name in module.functions:
+        return module.functions[name]
+    if name.startswith("self.") and name.count(".") == 1 and "." in scope.qualname:
+        cls = module.classes.get(scope.qualname.split(".")[0])
+        for st in cls.body if cls is not None else ():
+            if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)) and st.name == name[5:]:
+                return st
+    return None
+
+
+def _model_via_helper(module: ModuleInfo, scope: Scope, params: ast.expr) -> Optional[str]:
+    """``M`` of ``helper(M, ...)`` where ``helper`` (a function or method of this file) builds the
+    params from ``<its parameter>.parameters()`` / ``.named_parameters()`` / ``.modules()``:
+    the guard then reads a fresh ``M.parameters()`` and the helper still runs once, in the
+    branch taken (its result is never read twice, list or generator)."""
+    if not isinstance(params, ast.Call):
+        return None
+    fn = _local_function(module, scope, dotted(params.func) or "")
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if names and names[0] in ("self", "cls") and isinstance(params.func, ast.Attribute):
+        names = names[1:]
+    bound = {n: dotted(a) for n, a in zip(names, params.args)} | {k.arg: dotted(k.value) for k in params.keywords if k.arg}
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("parameters", "named_parameters", "modules", "named_modules") \
+                and isinstance(n.func.value, ast.Name) and bound.get(n.func.value.id):
+            return bound[n.func.value.id]
+    return None
+
+
+def _parents(module: ModuleInfo) -> dict[int, ast.AST]:
+    """id(child) -> parent for the whole file (built once per module, only where sharding is named)."""
+    cached = module.__dict__.get("_npufuse_optim_parents")
+    if cached is None:
+        cached = {}
+        for parent in fast_walk(module.tree):
+            for child in ast.iter_child_nodes(parent):
+                cached[id(child)] = parent
+        module.__dict__["_npufuse_optim_parents"] = cached
+    return cached
+
+
+def _consequence_of_sharding(module: ModuleInfo, parents: dict[int, ast.AST], node: ast.AST) -> bool:
+    """Is ``node`` a check for sharding or code run only when it is on, not a cause of it:
+    inside ``isinstance(...)``, or in the body of an ``if`` whose test is such a check
+    (``if isinstance(fabric.strategy, DeepSpeedStrategy): <consolidate the checkpoint>``)?"""
+    child, parent = node, parents.get(id(node))
+    while parent is not None:
+        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "isinstance":
+            return True
+        if isinstance(parent, ast.If) and any(child is b for b in parent.body) and any(
+                isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "isinstance"
+                and any(_sharding_identifier(module, a) is not None for a in n.args[1:]) for n in fast_walk(parent.test)):
+            return True
+        child, parent = parent, parents.get(id(parent))
+    return False
+
+
+def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes: list[ast.AST]) -> Optional[tuple[str, bool, str]]:
+    """(test source, sharding in its true arm?, where) when every node naming FSDP/DeepSpeed/ZeRO
+    sits in one arm of the same ``if`` / conditional expression (``strategy = DeepSpeedStrategy(...)
+    if devices > 1 else "auto"``) and that test can be evaluated again at the optimizer's line
+    with the same value: side-effect free, and every name in it a parameter of the site's function
+    or a module-level name, never re-assigned in that function."""
+    if not nodes:
+        return None
+    parents = _parents(module)
+    arms: set[tuple[int, bool]] = set()
+    tests: dict[int, ast.expr] = {}
+    for node in nodes:
+        if _consequence_of_sharding(module, parents, node):
+            continue
+        child, parent = node, parents.get(id(node))
+        while parent is not None and not (isinstance(parent, (ast.If, ast.IfExp)) and child is not parent.test):
+            child, parent = parent, parents.get(id(parent))
+        if parent is None:
+            return None
+        in_body = child is parent.body if isinstance(parent, ast.IfExp) else any(child is b for b in parent.body)
+        arms.add((id(parent), in_body))
+        tests[id(parent)] = parent.test  # type: ignore[attr-defined]
+    if len(arms) != 1:
+        return None
+    ((key, in_body),) = arms
+    test = tests[key]
+    if not _side_effect_free(test):
+        return None
+    fn = scope.node
+    params_ = set()
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = fn.args
+        params_ = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+    module_scope = next((s for s in module.scopes if s.qualname == "<module>"), None)
+    for n in fast_walk(test):
+        if not isinstance(n, ast.Name):
+            continue
+        if scope.qualname != "<module>" and n.id in scope.assignments:
+            return None  # re-bound in the function: the value at the site may differ
+        if n.id in params_:
+            continue
+        if module_scope is None or n.id not in module_scope.assignments:
+            return None
+    text = " ".join(segment(module, test).split())
+    return text, in_body, f"line {test.lineno}"
 
 
 def _first_group_params(params: ast.expr) -> Optional[str]:
@@ -608,12 +807,12 @@ def _peft_wrapped(module: ModuleInfo, scope: Scope, model: str, line: int) -> bo
 
 
 def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]], near: bool,
-             bf16_checked: bool = False, fix: Optional["_ZeroGradFix"] = None) -> Optional[str]:
+             bf16_checked: bool = False, fix: Optional["_ZeroGradFix"] = None, sharding_guarded: bool = False) -> Optional[str]:
     """Why the fused class cannot take over, from one tier of facts (None: nothing here).
     ``prepared``: the accelerate ``prepare`` this optimizer goes through; its zero_grad only
     counts in the ``near`` tiers (code that surely runs with this optimizer). ``bf16_checked``:
     bf16 casts do not block, the guard checks the trainable parameters' dtypes at run time."""
-    if facts.sharding is not None:
+    if facts.sharding is not None and not sharding_guarded:
         return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line "
                 f"{facts.sharding[0]}): the fused optimizer's combined buffers would go stale")
     if prepared is not None and near and facts.zero_grad_calls and not (fix is not None and fix.accelerate):
@@ -846,12 +1045,18 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     prepared = _accelerate_prepared(stmt, tiers[0], tiers[1])
     peft = _peft_wrapped(module, scope, model, stmt.lineno)
     fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers)
+    sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
+                    if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
     for n, facts in enumerate(tiers):
-        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix)
+        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix, sharding_guarded=sharded_when is not None)
         if reason is not None:
             return miss(reason)
     if guard is None:
         return miss(why)
+    if sharded_when is not None:
+        # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
+        test, in_body, where = sharded_when
+        guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
     dtype_checked = peft and any(_bf16_hits(t, model) for t in tiers)
     if dtype_checked:
         # a bf16 base under peft: fuse only if every parameter that can get a grad is fp32/fp16
@@ -883,6 +1088,12 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
              "(.cpu()/.to(), new Parameter, p.grad = ..., load_state_dict into new tensors)"),
         Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError); mixed fp32/fp16 params get one buffer each"),
     ]
+    if sharded_when is not None:
+        test, in_body, where = sharded_when
+        risks.append(Risk("other", f"FSDP/DeepSpeed/ZeRO is chosen at run time ({where}, when `{test}` is "
+                          f"{'true' if in_body else 'false'}): it flattens the parameters behind the optimizer, so the guard "
+                          "runs the fused optimizer only when that test says no sharding; sharded runs keep torch.optim"))
+        params["guard"] += "_unsharded_runs_only"
     if prepared is not None:
         risks.append(Risk("other", f"the optimizer goes through `{prepared[1]}.prepare` (line {prepared[0]}): accelerate's "
                           "AcceleratedOptimizer.zero_grad() passes set_to_none=True, which the fused class rejects "
@@ -1906,4 +2117,172 @@ def train(model, loader):
         optimizer.step()
         model.zero_grad(set_to_none=True)
 ''', reason="backward allocates new ones outside the fused optimizer's flat buffer", name="module_zero_grad_set_to_none_true"),
+]
+
+
+# -- issue 14, class 5: params that are lists by dataflow (re-iterable: the guard reads them) ----
+
+_YOLO_GROUPS = _NET + '''
+
+def smart_optimizer(model, name="Adam", lr=1e-3, momentum=0.9, decay=1e-5):
+    g = [], [], []  # optimizer parameter groups
+    bn = tuple(v for k, v in nn.__dict__.items() if "Norm" in k)
+    for v in model.modules():
+        for p_name, p in v.named_parameters(recurse=False):
+            if p_name == "bias":
+                g[2].append(p)
+            elif isinstance(v, bn):
+                g[1].append(p)
+            else:
+                g[0].append(p)
+    if name == "Adam":
+        optimizer = torch.optim.Adam(g[2], lr=lr, betas=(momentum, 0.999))
+    else:
+        optimizer = torch.optim.SGD(g[2], lr=lr, momentum=momentum, nesterov=True)
+    optimizer.add_param_group({"params": g[0], "weight_decay": decay})
+    optimizer.add_param_group({"params": g[1], "weight_decay": 0.0})
+    return optimizer
+
+
+def build(model):
+    return smart_optimizer(model)
+'''
+
+_LIST_RETURNING_HELPER = _NET + '''
+
+def get_parameters(model):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build(model):
+    return torch.optim.AdamW(get_parameters(model), lr=2e-3)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_YOLO_GROUPS, name="yolo_tuple_of_lists_element_params", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.Adam", "params": "g[2]", "guard": "materialised_list", "args": {"lr": "lr", "betas": "(momentum, 0.999)"}}),
+    Fuse(_LIST_RETURNING_HELPER, name="helper_returning_param_group_list", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "params": "get_parameters(model)", "guard": "fresh_generator"}),
+]
+
+FusedOptimizer.KEEP += [
+    # a generator function's result is consumed by reading it: no tensor to guard on
+    Keep(_NET + '''
+
+def get_parameters(model):
+    for p in model.parameters():
+        if p.requires_grad:
+            yield p
+
+
+def build(model, params=None):
+    return torch.optim.AdamW(get_parameters(model) if params is None else params, lr=2e-3)
+''', reason="may be a one-shot iterator", name="generator_function_params"),
+]
+
+
+# -- issue 14, class 5: sharding chosen at run time; Lightning true-bf16 precision --------------
+
+_CONDITIONAL_DEEPSPEED = _NET + '''
+devices = 1
+ds_config = {"zero_optimization": {"stage": 2}}
+
+
+def DeepSpeedStrategy(config):
+    return ("deepspeed", config)
+
+
+def build(model, learning_rate=3e-3):
+    strategy = DeepSpeedStrategy(config=ds_config) if devices > 1 else "auto"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
+    return optimizer
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_CONDITIONAL_DEEPSPEED, name="deepspeed_only_when_multi_device_guarded_off", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.AdamW", "guard": "fresh_generator_unsharded_runs_only"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the test's name is re-bound in the function: its value at the optimizer may differ
+    Keep(_CONDITIONAL_DEEPSPEED.replace("    strategy = DeepSpeedStrategy", "    devices = torch.cuda.device_count()\n    strategy = DeepSpeedStrategy"),
+         reason="parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`DeepSpeedStrategy`", name="deepspeed_condition_rebound_in_function"),
+    # sharding in both arms (or unconditional): always sharded
+    Keep(_CONDITIONAL_DEEPSPEED.replace('else "auto"', 'else DeepSpeedStrategy(config={})'),
+         reason="FSDP/DeepSpeed/ZeRO", name="deepspeed_in_both_arms"),
+    # Lightning "bf16-true" keeps the parameters in bf16 (the fused class raises TypeError on them)
+    Keep(_NET + '''
+
+def main(fabric_cls, devices=1):
+    fabric = fabric_cls(accelerator="cuda", devices=devices, precision="bf16-true")
+    with fabric.init_module():
+        model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return fabric.setup(model, optimizer)
+''', reason="bf16 parameters unsupported", name="lightning_bf16_true_precision"),
+]
+
+
+# -- issue 14, class 5: third-party optimizers of torch_npu.optim's other fused classes ----------
+
+FusedOptimizer.KEEP += [
+    Keep(_NET + '''
+from apex.optimizers import FusedLAMB
+
+
+def build(model):
+    return FusedLAMB(model.parameters(), lr=1e-3, weight_decay=0.01)
+''', reason="bias-corrects the Adam moments", name="apex_fused_lamb_other_math"),
+    Keep(_NET + '''
+import timm.optim
+
+
+def build(model):
+    return timm.optim.Lamb(model.parameters(), lr=1e-3)
+''', reason="timm.optim.Lamb bias-corrects", name="timm_lamb_other_math"),
+    Keep(_NET + '''
+from timm.optim.rmsprop_tf import RMSpropTF
+
+
+def build(model):
+    return RMSpropTF(model.parameters(), lr=1e-2, alpha=0.9, eps=1e-3, momentum=0.9)
+''', reason="NpuFusedRMSpropTF documents the same math", name="timm_rmsproptf_no_emulator_reference"),
+    Keep(_NET + '''
+from pytorch_pretrained_bert.optimization import BertAdam
+
+
+def build(model, t_total=1000):
+    return BertAdam(model.parameters(), lr=5e-5, warmup=0.1, t_total=t_total)
+''', reason="NpuFusedBertAdam documents the same math", name="bert_adam_no_emulator_reference"),
+]
+
+# a later `if isinstance(strategy, DeepSpeedStrategy):` checks for sharding; it shards nothing
+_CONDITIONAL_DEEPSPEED_CHECKED = _NET + '''
+devices = 1
+
+
+class DeepSpeedStrategy:
+    def __init__(self, config):
+        self.config = config
+
+
+def save(strategy, model):
+    if isinstance(strategy, DeepSpeedStrategy):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return get_fp32_state_dict_from_zero_checkpoint(".")
+    return model.state_dict()
+
+
+def build(model, learning_rate=3e-3):
+    strategy = DeepSpeedStrategy(config={}) if devices > 1 else "auto"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    return optimizer
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_CONDITIONAL_DEEPSPEED_CHECKED, name="deepspeed_conditional_with_isinstance_check_elsewhere", run=_TRAIN_RUN, expect={
+        "guard": "fresh_generator_unsharded_runs_only"}),
 ]

@@ -418,3 +418,48 @@ class ClippedGatedMLP(nn.Module):
         name="clipped_gelu_unmappable",
     ),
 ]
+
+
+# -- issue 14, class 6: the activation a constructor parameter's default names ------------------
+
+_CTOR_DEFAULT = '''
+import torch
+from torch import nn
+
+ACT2FN = {"gelu": nn.GELU(), "gelu_new": nn.GELU(approximate="tanh"), "silu": nn.SiLU()}
+
+
+class ObjectDefault(nn.Module):
+    def __init__(self, d, h, activation=nn.GELU(approximate="tanh")):
+        super().__init__()
+        self.gate = nn.Linear(d, h)
+        self.up = nn.Linear(d, h)
+        self.act = activation
+
+    def forward(self, x):
+        return self.act(self.gate(x)) * self.up(x)
+
+
+class KeyDefault(nn.Module):
+    def __init__(self, d, h, hidden_act="gelu"):
+        super().__init__()
+        self.gate = nn.Linear(d, h)
+        self.up = nn.Linear(d, h)
+        self.act = ACT2FN[hidden_act]
+
+    def forward(self, x):
+        return self.act(self.gate(x)) * self.up(x)
+'''
+
+Geglu.FUSE += [
+    Fuse(_CTOR_DEFAULT, expect={"conditional": True},
+         run="m = ObjectDefault(8, 12)\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate.weight]\n",
+         name="ctor_default_activation_object"),
+    Fuse(_CTOR_DEFAULT, expect={"conditional": True},
+         run="m = KeyDefault(8, 12)\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate.weight]\n",
+         name="ctor_default_activation_key"),
+    # a caller passing another activation: the same code dispatches (here to the tanh gelu)
+    Fuse(_CTOR_DEFAULT, expect={"conditional": True},
+         run="m = KeyDefault(8, 12, hidden_act='gelu_new')\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate.weight]\n",
+         name="ctor_key_overridden_by_caller"),
+]

@@ -254,7 +254,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k is not None:
                 kind, extra = k
                 if kind == CONFIG:
-                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra), gelu_hint=_gelu_hint(f.attr, extra))
+                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra), gelu_hint=_gelu_hint(f.attr, extra),
+                               default=_param_default_kind(module, ctx, extra, name_only=True))
                 return Act(kind, gate, ctx, desc, obj=f, approx=extra if kind == GELU_DYN else None)
             if isinstance(value, ast.Call):
                 cname = dotted(value.func)
@@ -270,14 +271,31 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                     dk = _module_act(module, ast.Call(func=default, args=[], keywords=[])) if default is not None else None
                     return Act(CONFIG, gate, ctx, desc, obj=f, default=dk[0] if dk else None, gelu_hint=_gelu_hint(f.attr, default))
             if isinstance(value, ast.Name) and value.id in S.init_params(module, ctx.scope.class_name):
+                return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value),
+                           default=_param_default_kind(module, ctx, value, name_only=False))
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.functions:
+                return _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
+            if isinstance(value, ast.Attribute) and dotted(value) is not None and not (module.canonical(value) or "").startswith("torch."):
+                # `self.act = config.activation_func`: a callable handed in by configuration
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
             return None
+        elt = _init_tuple_element(module, ctx.scope.class_name, f.attr)
+        if elt is not None:  # `self.act, self.is_gated = get_activation(args)`
+            call, index = elt
+            desc = f"{ast.unparse(call)}[{index}] (tuple assignment in __init__)"
+            fn = module.functions.get(call.func.id) if isinstance(call.func, ast.Name) else None
+            if fn is not None:
+                return _helper_chosen(module, fn, index, gate, ctx, desc, f)
+            return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, call))
         m = S.method(module, ctx.scope.class_name, f.attr)
         if m is not None:
             k2 = _helper_act(module, m)
             if k2 is not None:
                 return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
         return None
+    if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2:
+        # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
+        return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
     if isinstance(f, ast.Name):
         fn = module.helper(f.id)
         if isinstance(fn, ast.FunctionDef) and S.definition(ctx, f.id) is None:
@@ -285,6 +303,61 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
+
+
+def _param_default_kind(module: ModuleInfo, ctx: S.Ctx, node: ast.expr | None, name_only: bool) -> str | None:
+    """The activation an ``__init__`` parameter's default names: ``activation=nn.GELU(...)`` /
+    ``F.silu`` (an object), or ``hidden_act="gelu"`` (a key of an activation table: ``name_only``).
+    Only which pattern reports the site follows from it; the fused code still dispatches at run
+    time (a caller may pass another)."""
+    if not isinstance(node, ast.Name):
+        return None
+    default = S.init_params(module, ctx.scope.class_name).get(node.id)
+    if default is None:
+        return None
+    if name_only:
+        v = const_value(default)
+        return ACT_NAMES.get(v.lower()) if isinstance(v, str) else None
+    k = _module_act(module, default)
+    return k[0] if k is not None and k[0] != CONFIG else None
+
+
+def _init_tuple_element(module: ModuleInfo, class_name: str | None, attr: str) -> tuple[ast.Call, int] | None:
+    """(call, index) of ``self.a, self.b = call(...)`` in the class's ``__init__`` for ``attr``."""
+    fn = S.method(module, class_name, "__init__")
+    if fn is None:
+        return None
+    found = None
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call):
+            for t in n.targets:
+                if isinstance(t, (ast.Tuple, ast.List)):
+                    for i, e in enumerate(t.elts):
+                        if dotted(e) == f"self.{attr}":
+                            found = (n.value, i)
+    return found
+
+
+def _helper_chosen(module: ModuleInfo, fn: ast.FunctionDef, index: int | None, gate: ast.expr, ctx: S.Ctx, desc: str,
+                   obj: ast.expr) -> Act:
+    """The activation a module-level helper returns (element ``index`` of a returned tuple):
+    one known kind on every ``return`` (a dict literal looked up: every value) is that kind;
+    anything else is chosen at run time (the fused branch dispatches on the object)."""
+    kinds: set[str | None] = set()
+    for r in (n for n in fast_walk(fn) if isinstance(n, ast.Return)):
+        v = r.value
+        if index is not None:
+            v = v.elts[index] if isinstance(v, (ast.Tuple, ast.List)) and index < len(v.elts) else None
+        values = list(v.value.values) if isinstance(v, ast.Subscript) and isinstance(v.value, ast.Dict) else [v]
+        for x in values:
+            k = _module_act(module, x) if x is not None else None
+            kinds.add(k[0] if k is not None and k[0] not in (CONFIG, GELU_DYN) else None)
+    if len(kinds) == 1 and None not in kinds:
+        kind = kinds.pop()
+        assert kind is not None
+        return Act(kind, gate, ctx, desc, obj=obj)
+    hint = any(k is not None and "gelu" in k for k in kinds) and SILU not in kinds
+    return Act(CONFIG, gate, ctx, desc, obj=obj, gelu_hint=hint)
 
 
 def _gelu_hint(attr: str, key: ast.AST | None) -> bool:
@@ -454,6 +527,12 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                 dim = rest[1] if len(rest) > 1 else S.arg(call, "dim", None)
                 if dim is None:
                     dim = ast.Constant(0)
+                k = const_value(size)
+                if meth == "chunk" and isinstance(k, int) and not isinstance(k, bool) and k > 2 and -k <= idx < k:
+                    # one of k parts (gpt-neox/Megatron fused qkv-style projections): two of them
+                    # can be the gate pair, taken as two operands (the parts stay as written).
+                    # chunk makes every part ceil(n/k) long except the last, which may be shorter.
+                    return (S.key(recv, bctx), recv, bctx, dim, idx % k, "part", idx % k < k - 1)
                 if meth in ("chunk", "tensor_split"):
                     if const_value(size) != 2:
                         raise GateMiss(f"split into {ast.unparse(size) if size is not None else '?'} parts, not two halves")
@@ -557,6 +636,51 @@ def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, other_input: st
     return None
 
 
+def _biased_halves(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> str | None:
+    """gpt-neox's ``x, gate = t.chunk(2, -1)`` then ``if bias is not None: b1, b2 = bias.chunk(2, -1);
+    x = x + b1; gate = gate + b2``: the two names are the halves of ``t`` (plus the matching halves
+    of one bias, added in the same ``if``), whichever way the branch goes. The key of ``t``, or
+    None."""
+    if not (isinstance(a, ast.Name) and isinstance(b, ast.Name)) or a.id == b.id:
+        return None
+    scope = ctx.scope
+    plans = []
+    for name, c in ((a, actx), (b, ctx)):
+        defs = [(st, v) for st, v in scope.assignments.get(name.id, []) if st.lineno < c.line]
+        if not defs or len(defs) > 2:
+            return None
+        st0, v0 = defs[0]
+        base = _split_of(module, v0, c.at(st0.lineno), S.Trace())
+        if base is None or base[5] not in ("chunk", "split") or not base[6]:
+            return None
+        add = None
+        if len(defs) == 2:
+            st1, v1 = defs[1]
+            if not (isinstance(v1, ast.BinOp) and isinstance(v1.op, ast.Add)):
+                return None
+            other = v1.right if isinstance(v1.left, ast.Name) and v1.left.id == name.id else \
+                v1.left if isinstance(v1.right, ast.Name) and v1.right.id == name.id else None
+            if other is None:
+                return None
+            add = (st1, _split_of(module, other, c.at(st1.lineno), S.Trace()))
+            if add[1] is None or add[1][5] not in ("chunk", "split") or not add[1][6] or add[1][4] != base[4]:
+                return None
+        plans.append((base, add))
+    (ba, aa), (bb, ab) = plans
+    if ba[0] != bb[0] or {ba[4], bb[4]} != {0, 1} or S.key(ba[3], ba[2]) != S.key(bb[3], bb[2]):
+        return None
+    if (aa is None) != (ab is None):
+        return None
+    if aa is not None and ab is not None:
+        if aa[1][0] != ab[1][0] or S.key(aa[1][3], aa[1][2]) != S.key(ab[1][3], ab[1][2]):
+            return None
+        # both bias adds directly in the body of one `if`
+        holders = [n for n in fast_walk(scope.node) if isinstance(n, ast.If) and any(x is aa[0] for x in n.body)]
+        if not holders or not any(x is ab[0] for x in holders[0].body):
+            return None
+    return ba[0]
+
+
 def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     """A gated product ``act(a) * b`` at ``node`` (a Mult BinOp), or None; GateMiss for
     look-alikes whose structure the fused op cannot take."""
@@ -606,6 +730,14 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     sa = _split_of(module, a, actx, trace)
     sb = _split_of(module, b, ctx, trace)
     halves = None
+    if sa is not None and sb is not None and "part" in (sa[5], sb[5]):
+        if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
+            raise GateMiss("gate and up are not two parts of one chunk along one dim")
+        if not (sa[6] and sb[6]):
+            raise GateMiss("gate or up is the last part of a chunk, which is shorter than the others when the size does "
+                           "not divide evenly (the product then broadcasts; the fused op would split wrongly)")
+        # two equal parts of one tensor: the fused op takes them concatenated (exact for any dim)
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0])
     if sa is not None and sb is not None and sa[0] == sb[0]:
         if sa[5] == "slice":
             (ka, ba), (kb, bb) = sa[4], sb[4]  # type: ignore[misc]
@@ -624,6 +756,11 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
         raise GateMiss("gate and up are halves of different tensors")
     ia = _projection_input(a, actx)
     ib = _projection_input(b, ctx)
+    if (ia is None or ib is None or ia != ib) and act.kind in (SILU, CONFIG) + GELU_KINDS:
+        biased = _biased_halves(module, a, actx, b, ctx)
+        if biased is not None:
+            # the current values of the two names: the fused op takes them concatenated (exact)
+            return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, biased)
     if ia is None or ib is None or ia != ib:
         if act.kind in (SILU, CONFIG) + GELU_KINDS:
             for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
@@ -1477,25 +1614,7 @@ class SwiGLUWithStats(nn.Module):
         reason="reused after the fused region",
         name="activation_reused",
     ),
-    Keep(
-        '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class ThreeWay(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.w = nn.Linear(d, 3 * h)
-
-    def forward(self, x):
-        a, b, c = self.w(x).chunk(3, dim=-1)
-        return F.silu(a) * b + c
-''',
-        reason="not two halves",
-        name="chunk_into_three",
-    ),
+    # (a 3-way chunk whose first two parts are the gate pair is a candidate now: issue 14 class 6)
     Keep(
         '''
 import torch
@@ -1646,4 +1765,177 @@ Swiglu.KEEP += [
     Keep(_STACKED.format(body='''        w1, w3 = self.w1[idx], self.w3[idx]
         return F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tai", x, w3)'''),
          reason="not projections of one input", name="einsums_with_different_equations"),
+]
+
+
+# -- issue 14, class 6: activations chosen by configuration, resolved by dataflow ---------------
+
+_GET_ACTIVATION = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def get_activation(name):
+    if name == "swiglu":
+        return F.silu, True
+    if name == "geglu":
+        return F.gelu, True
+    return F.relu, False
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, args, d, h):
+        super().__init__()
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=False)
+        self.act, self.is_gated = get_activation(args.activation)
+
+    def forward(self, x):
+        return self.act(self.gate(x)) * self.up(x)
+'''
+
+_RUN_GET_ACTIVATION = '''
+class Args:
+    activation = "{act}"
+mlp = GatedMLP(Args(), 16, 24)
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = mlp(x)
+leaves = [x, mlp.gate.weight, mlp.up.weight]
+'''
+
+_CONFIG_CALLABLE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, config, d, h):
+        super().__init__()
+        self.config = config
+        self.fc1 = nn.Linear(d, 2 * h, bias=False)
+
+    def forward(self, x):
+        h = torch.chunk(self.fc1(x), 2, dim=-1)
+        return self.config.activation_func(h[0]) * h[1]
+'''
+
+_RUN_CONFIG_CALLABLE = '''
+class Config:
+    activation_func = staticmethod({act})
+mlp = MLP(Config(), 16, 24)
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = mlp(x)
+leaves = [x, mlp.fc1.weight]
+'''
+
+_ACT_TABLE_HELPER = '''
+import torch
+from torch import nn
+
+
+def get_act(name):
+    return {"gelu": nn.GELU(approximate="tanh"), "silu": nn.SiLU()}[name]
+
+
+class FFN(nn.Module):
+    def __init__(self, d, h, act="gelu"):
+        super().__init__()
+        self.gate = nn.Linear(d, h)
+        self.up = nn.Linear(d, h)
+        self.act = get_act(act)
+
+    def forward(self, x):
+        return self.act(self.gate(x)) * self.up(x)
+'''
+
+_RUN_ACT_TABLE = '''
+mlp = FFN(16, 24, act="{act}")
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = mlp(x)
+leaves = [x, mlp.gate.weight, mlp.up.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_GET_ACTIVATION, expect={"conditional": True}, run=_RUN_GET_ACTIVATION.format(act="swiglu"), name="tuple_from_get_activation_silu"),
+    Fuse(_GET_ACTIVATION, expect={"conditional": True}, run=_RUN_GET_ACTIVATION.format(act="geglu"), name="tuple_from_get_activation_gelu"),
+    Fuse(_CONFIG_CALLABLE, expect={"conditional": True}, run=_RUN_CONFIG_CALLABLE.format(act="F.silu"), name="config_activation_func_halves_silu"),
+    Fuse(_CONFIG_CALLABLE, expect={"conditional": True}, run=_RUN_CONFIG_CALLABLE.format(act="F.gelu"), name="config_activation_func_halves_gelu"),
+    Fuse(_ACT_TABLE_HELPER, expect={"conditional": True}, run=_RUN_ACT_TABLE.format(act="gelu"), name="helper_act_table_gelu_tanh"),
+    Fuse(_ACT_TABLE_HELPER, expect={"conditional": True}, run=_RUN_ACT_TABLE.format(act="silu"), name="helper_act_table_silu"),
+]
+
+Swiglu.KEEP += [
+    # the helper returns relu on every path: resolved, and not a gated op torch_npu has
+    Keep(_GET_ACTIVATION.replace("F.silu, True", "F.relu, True").replace("F.gelu, True", "F.relu, True"),
+         reason="activation is not silu", name="tuple_from_helper_always_relu"),
+]
+
+
+# -- issue 14, class 6: gate pair from a 3-way chunk; gpt-neox gated activation with a bias -----
+
+_THREE_WAY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w = nn.Linear(d, 3 * h)
+
+    def forward(self, x):
+        a, b, c = self.w(x).chunk(3, dim=-1)
+        return F.silu(a) * b + c
+'''
+
+_RUN_THREE_WAY = '''
+m = GatedResidual(16, 24)
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.w.weight]
+'''
+
+_NEOX_GATED = '''
+import torch
+import torch.nn.functional as F
+
+
+class Gated_Activation(torch.nn.Module):
+    def __init__(self, activation_func, use_swiglu=False):
+        super().__init__()
+        self.activation_func = activation_func
+        self.use_swiglu = use_swiglu
+
+    def forward(self, x, bias=None):
+        x, gate = x.chunk(2, dim=-1)
+        if bias is not None:
+            bias_1, bias_2 = bias.chunk(2, dim=-1)
+            x = x + bias_1
+            gate = gate + bias_2
+        intermediate_parallel = self.activation_func(gate)
+        return intermediate_parallel * x
+'''
+
+_RUN_NEOX_GATED = '''
+act = Gated_Activation({act})
+h = torch.randn(2, 3, 32, requires_grad=True)
+bias = torch.randn(32, requires_grad=True)
+out = act(h, {bias})
+leaves = [h, bias]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_THREE_WAY, run=_RUN_THREE_WAY, name="gate_pair_from_three_way_chunk"),
+    Fuse(_NEOX_GATED, expect={"conditional": True}, run=_RUN_NEOX_GATED.format(act="F.silu", bias="bias"), name="neox_gated_activation_with_bias_silu"),
+    Fuse(_NEOX_GATED, expect={"conditional": True}, run=_RUN_NEOX_GATED.format(act="F.silu", bias="None"), name="neox_gated_activation_without_bias_silu"),
+    Fuse(_NEOX_GATED, expect={"conditional": True}, run=_RUN_NEOX_GATED.format(act="F.gelu", bias="bias"), name="neox_gated_activation_with_bias_gelu"),
+]
+
+Swiglu.KEEP += [
+    # the last of three chunks is shorter when the size does not divide by 3: the product broadcasts
+    Keep(_THREE_WAY.replace("F.silu(a) * b + c", "F.silu(a) * c + b"), reason="last part of a chunk",
+         name="gate_pair_with_the_last_chunk"),
 ]

@@ -1,0 +1,280 @@
+"""Facts from OTHER files of the repo that decide whether a candidate is safe (issue 14 class 5).
+
+A fused optimizer is often built in one file (``GPT.configure_optimizers`` in model.py, a
+``train(rank, args, model)`` worker in train.py) and driven from another (train.py's loop calling
+``optimizer.zero_grad(set_to_none=True)``, main.py's hogwild ``model.share_memory()``). The
+detector sees one file; this pass runs once per scan, in the parent, after every file is analysed,
+and only when there is a ``fused_optimizer`` candidate. Cost: the text of the repo's files is
+searched for the builder's name (a substring test); only files that name the builder AND one of
+the facts below are parsed.
+
+A file *drives* a candidate when it imports the candidate's module (by its module name) and
+refers to the function or method that builds the optimizer (calls it, or hands it on, as in
+``mp.Process(target=train, args=(..., model, ...))``). The objects it hands that function (the
+call's arguments, the receiver of ``model.configure_optimizers(...)``) are the model; the names
+the call's result is bound to are the optimizer. Facts on those names, in that file:
+
+* ``O.zero_grad(set_to_none=True)`` (or a non-constant flag): torch_npu's fused class raises
+  ValueError on it (spec §10) -> near miss;
+* ``M.zero_grad()`` (torch >= 2.0 default set_to_none=True) or ``M.zero_grad(set_to_none=True)``:
+  grads freed and re-allocated outside the flat buffer, the update silently uses stale grads ->
+  near miss;
+* ``M.share_memory()`` (hogwild): the fused class re-points every param's storage into its own
+  flat buffer at the first step, so the processes would stop sharing parameters -> near miss;
+* FSDP / DeepSpeed / ZeRO wrapping of M or O: params flattened behind the optimizer -> near miss,
+  or a risk when the wrapping sits under an ``if`` / conditional expression (a run-time choice);
+* accelerate ``prepare`` of O followed by ``O.zero_grad()``: AcceleratedOptimizer passes
+  set_to_none=True -> near miss.
+
+Every reason names the other file and line. Never raises: a file it cannot read or parse says
+nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterable, Optional
+
+from npufuse.patterns.base import Risk
+from npufuse.scan.dataflow import dotted
+
+_PATTERN = "fused_optimizer"
+# words a driving file must contain for this pass to parse it
+_WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shard", "DeepSpeed", "deepspeed", "Zero", "prepare")
+_SHARDING_PARTS = ("fsdp", "fullyshard", "fully_shard", "deepspeed", "zeroredundancy")
+
+
+def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    """Turn fused_optimizer hits that another file makes unsafe into near misses (appended to
+    ``near``) and attach risks for run-time-chosen sharding. Mutates ``outcomes``' hits."""
+    try:
+        _apply(root, list(files), outcomes, near, max_bytes)
+    except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
+        return
+
+
+class _Builder:
+    """One candidate: the file, and the module-level function or method of a module-level class
+    that builds the optimizer (a nested function cannot be reached from another file: "")."""
+
+    def __init__(self, rel: str, qualname: str, tree: Optional[ast.Module]) -> None:
+        self.rel = rel
+        p = PurePosixPath(rel)
+        self.module = p.parent.name if p.stem == "__init__" else p.stem
+        self.function = ""
+        self.cls = ""
+        parts = qualname.split(".")
+        top = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))} if tree else {}
+        if len(parts) == 1 and isinstance(top.get(parts[0]), (ast.FunctionDef, ast.AsyncFunctionDef)):
+            self.function = parts[0]
+        elif len(parts) == 2 and isinstance(top.get(parts[0]), ast.ClassDef):
+            cls = top[parts[0]]
+            if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == parts[1] for n in cls.body):
+                self.function, self.cls = parts[1], parts[0]
+
+
+def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
+    if not hits:
+        return
+    builders: dict[tuple[str, str], _Builder] = {}
+    for o, h in hits:
+        if (o.file, h.finding.qualname) not in builders:
+            builders[(o.file, h.finding.qualname)] = _Builder(o.file, h.finding.qualname, _parse(_read(root, o.file, max_bytes)))
+    names = {b.function for b in builders.values() if b.function and b.module}
+    if not names:
+        return
+    texts: dict[str, str] = {}
+    for rel in files:
+        text = _read(root, rel, max_bytes)
+        if text is not None and any(n in text for n in names) and any(w in text for w in _WORDS):
+            texts[rel] = text
+    trees: dict[str, Optional[ast.Module]] = {}
+    for o, h in list(hits):
+        b = builders[(o.file, h.finding.qualname)]
+        if not b.function:
+            continue
+        for rel in sorted(texts):
+            if rel == b.rel or b.function not in texts[rel] or b.module not in texts[rel]:
+                continue
+            if rel not in trees:
+                try:
+                    trees[rel] = ast.parse(texts[rel])
+                except (SyntaxError, ValueError, RecursionError, MemoryError):
+                    trees[rel] = None
+            tree = trees[rel]
+            if tree is None:
+                continue
+            imported = _imports(tree, b.module)
+            # a function is reached by its imported name (or module.function); a method through an
+            # object of its class, which the file must import (or the module holding it)
+            found, names_ = imported
+            reach = b.cls if b.cls else b.function
+            if not found or not ("*" in names_ or reach in names_):
+                continue
+            verdict = _verdict(tree, rel, b)
+            if verdict is None:
+                continue
+            blocked, text = verdict
+            f = h.finding
+            if blocked:
+                if h in o.hits:
+                    o.hits.remove(h)
+                near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line,
+                             "end_line": f.end_line, "reason": text})
+                break
+            # a detector risk (the candidate's own "other" risks would hide a generic one of that kind)
+            f.risks.append(Risk("other", text))
+
+
+def _parse(text: Optional[str]) -> Optional[ast.Module]:
+    if text is None:
+        return None
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def _read(root: Path, rel: str, max_bytes: int) -> Optional[str]:
+    try:
+        with open(Path(root) / rel, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError:
+        return None
+    if len(data) > max_bytes:
+        return None
+    return data.decode("utf-8", errors="replace")
+
+
+def _imports(tree: ast.Module, module: str) -> tuple[bool, set[str]]:
+    """(the file imports ``module`` as a module, the names it imports from it: ``from .module
+    import GPT`` gives {"GPT"}). ``import a.module`` / ``from pkg import module`` import the
+    module itself (its names reached as ``module.x``: every name counts)."""
+    whole = False
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            if any(module in a.name.split(".") for a in node.names):
+                whole = True
+        elif isinstance(node, ast.ImportFrom):
+            if node.module and node.module.split(".")[-1] == module:
+                names |= {a.name for a in node.names}
+            elif any(a.name == module for a in node.names):
+                whole = True
+    if whole:
+        return True, {"*"}
+    return bool(names), names
+
+
+def _walk_with_branch(tree: ast.AST) -> Iterable[tuple[ast.AST, Optional[int]]]:
+    """Every node with the line of the innermost ``if`` / conditional expression whose branch
+    holds it (None: unconditional)."""
+    stack: list[tuple[ast.AST, Optional[int]]] = [(tree, None)]
+    while stack:
+        node, cond = stack.pop()
+        yield node, cond
+        if isinstance(node, ast.If):
+            stack.append((node.test, cond))
+            stack.extend((c, node.lineno) for c in [*node.body, *node.orelse])
+        elif isinstance(node, ast.IfExp):
+            stack.append((node.test, cond))
+            stack.extend([(node.body, node.lineno), (node.orelse, node.lineno)])
+        else:
+            stack.extend((c, cond) for c in ast.iter_child_nodes(node))
+
+
+def _refers(node: ast.AST, function: str) -> bool:
+    return (isinstance(node, ast.Name) and node.id == function) or (isinstance(node, ast.Attribute) and node.attr == function)
+
+
+def _handed(node: ast.AST, function: str) -> bool:
+    """A function handed on by name (``Process(target=train)``), not any attribute of that name."""
+    return isinstance(node, ast.Name) and node.id == function
+
+
+def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
+    out: set[str] = set()
+    for n in nodes:
+        if isinstance(n, (ast.Tuple, ast.List)):
+            out |= _flat_names(n.elts)
+        elif isinstance(n, ast.Starred):
+            out |= _flat_names([n.value])
+        else:
+            name = dotted(n)
+            if name:
+                out.add(name)
+    return out
+
+
+def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str]]:
+    """(blocks?, reason or risk text) of the facts ``rel`` holds about the optimizer ``b`` builds."""
+    models: set[str] = set()
+    optimizers: set[str] = set()
+    where = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call) and _refers(node.value.func, b.function):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            optimizers |= _flat_names(targets)
+        if not isinstance(node, ast.Call):
+            continue
+        args = [*node.args, *(k.value for k in node.keywords)]
+        if _refers(node.func, b.function):
+            where = where or node.lineno
+            models |= _flat_names(args)
+            if isinstance(node.func, ast.Attribute):
+                recv = dotted(node.func.value)
+                if recv:
+                    models.add(recv)
+        elif not b.cls and any(_handed(a, b.function) for a in args):  # handed on: Process(target=train, args=(...))
+            where = where or node.lineno
+            models |= _flat_names(args)
+    if not where:
+        return None
+    optimizers -= models
+    via = f"`{b.function}` is used at {rel}:{where}"
+    risk: Optional[str] = None
+    prepared: Optional[int] = None
+    calls = sorted(((n, c) for n, c in _walk_with_branch(tree) if isinstance(n, ast.Call)), key=lambda nc: (nc[0].lineno, nc[0].col_offset))
+    for node, cond in calls:
+        func = node.func
+        recv = dotted(func.value) if isinstance(func, ast.Attribute) else None
+        attr = func.attr if isinstance(func, ast.Attribute) else (func.id if isinstance(func, ast.Name) else "")
+        full = (dotted(func) or attr).lower()
+        flag = next((k.value for k in node.keywords if k.arg == "set_to_none"), node.args[0] if node.args else None)
+        if attr == "zero_grad" and recv in optimizers:
+            frees = flag is not None and not (isinstance(flag, ast.Constant) and flag.value is False)
+            if frees:
+                return True, (f"`{recv}.zero_grad(set_to_none=...)` at {rel}:{node.lineno} on the optimizer this builds ({via}): "
+                              "torch_npu fused optimizers raise ValueError on set_to_none=True (grads must stay allocated); "
+                              "pass set_to_none=False there")
+            if prepared is not None and flag is None:
+                return True, (f"the optimizer this builds ({via}) goes through accelerate's prepare ({rel}:{prepared}) and "
+                              f"`{recv}.zero_grad()` is called ({rel}:{node.lineno}): AcceleratedOptimizer.zero_grad() passes "
+                              "set_to_none=True and torch_npu fused optimizers raise ValueError on it; call "
+                              "zero_grad(set_to_none=False)")
+        elif attr == "zero_grad" and recv in models:
+            if flag is None or not (isinstance(flag, ast.Constant) and flag.value is False):
+                return True, (f"`{recv}.zero_grad({'' if flag is None else 'set_to_none=...'})` at {rel}:{node.lineno} on the "
+                              f"model whose parameters the optimizer takes ({via}) sets their grads to None"
+                              f"{' (torch >= 2.0 default)' if flag is None else ''}: the next backward allocates new ones outside "
+                              "the fused optimizer's flat buffer and its update silently uses stale grads; pass "
+                              "set_to_none=False there")
+        elif attr == "share_memory" and recv in models:
+            return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
+                          f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
+                          "every parameter's storage into its own flat buffer at the first step, so the processes would "
+                          "stop sharing them")
+        elif attr in ("prepare", "prepare_optimizer") and _flat_names(node.args) & optimizers:
+            prepared = prepared or node.lineno
+        elif any(s in full for s in _SHARDING_PARTS) and (_flat_names([*node.args, *(k.value for k in node.keywords)]) & (models | optimizers)):
+            text = (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{dotted(func) or attr}` at {rel}:{node.lineno}, on what "
+                    f"`{b.function}` gets or builds: {via}): the fused optimizer's combined buffers would go stale")
+            if cond is None:
+                return True, text
+            risk = risk or (f"{text}; that wrapping is chosen at run time (the condition at {rel}:{cond}): run the fused "
+                            "branch only where it is not taken (switch the fused optimizer off for those runs)")
+    if risk is not None:
+        return False, risk
+    return None
