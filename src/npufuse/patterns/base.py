@@ -141,18 +141,22 @@ def _outside_compiled_code(detect: Any) -> Any:
 
     @functools.wraps(detect)
     def wrapped(self: Pattern, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
-        from npufuse.patterns._compiled import compiled_reason
+        from npufuse.patterns._compiled import compiled_reason, may_compile
 
-        # the text test is made once per module (detect runs for every scope of every pattern)
+        # the text test is made once per module (detect runs for every scope of every pattern);
+        # the scope is looked up only once it has a finding (most scopes have none)
         has_jit = module.__dict__.get("_npufuse_has_jit")
         if has_jit is None:
-            has_jit = module.__dict__["_npufuse_has_jit"] = "jit" in module.source
-        reason = compiled_reason(module, scope) if has_jit else None
+            has_jit = module.__dict__["_npufuse_has_jit"] = may_compile(module.source)
+        reason: str | None = None
+        looked = not has_jit
         for r in detect(self, module, scope):
-            if reason is not None and isinstance(r, Finding):
-                yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
-                continue
             if isinstance(r, Finding):
+                if not looked:
+                    reason, looked = compiled_reason(module, scope), True
+                if reason is not None:
+                    yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
+                    continue
                 twice = _called_more_often(module, r)
                 if twice is not None:
                     yield NearMiss(r.pattern, r.qualname, r.line, r.end_line,
@@ -184,16 +188,38 @@ def _module_calls(stmts: list[ast.stmt]) -> dict[str, int]:
 
 
 def _module_calls_in(node: ast.AST) -> dict[str, int]:
+    from npufuse.scan.dataflow import fast_walk
+
     out: dict[str, int] = {}
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
-            base = n.func.value
-            while isinstance(base, ast.Attribute):
+    Call, Attribute, Name = ast.Call, ast.Attribute, ast.Name
+    for n in fast_walk(node):  # ast.walk's nodes in its order (the first call found is reported)
+        if type(n) is Call and isinstance(n.func, Attribute):  # type: ignore[attr-defined]
+            base = n.func.value  # type: ignore[attr-defined]
+            while isinstance(base, Attribute):
                 base = base.value
-            if isinstance(base, ast.Name) and base.id == "self":
+            if isinstance(base, Name) and base.id == "self":
                 key = ast.unparse(n)
                 out[key] = out.get(key, 0) + 1
     return out
+
+
+# fused code -> its parsed statements (None: it does not parse); detectors often yield the
+# same fused text many times over (one helper called from several scopes), and the tree is
+# only read here
+_FUSED_BODIES: dict[str, list[ast.stmt] | None] = {}
+
+
+def _parsed_body(code: str) -> list[ast.stmt] | None:
+    body = _FUSED_BODIES.get(code, False)
+    if body is False:
+        try:
+            body = ast.parse(code).body
+        except (SyntaxError, ValueError):
+            body = None
+        if len(_FUSED_BODIES) > 4096:
+            _FUSED_BODIES.clear()
+        _FUSED_BODIES[code] = body
+    return body  # type: ignore[return-value]
 
 
 def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
@@ -202,12 +228,19 @@ def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
         return None
     import textwrap
 
-    try:
-        fused = ast.parse(f.fused).body
-        original = ast.parse(textwrap.dedent("".join(module.lines[f.line - 1 : f.end_line]))).body
-    except (SyntaxError, ValueError):
+    # only a call the original span makes too counts: without `self` there is none
+    text = "".join(module.lines[f.line - 1 : f.end_line])
+    if "self" not in text:
+        return None
+    original = _parsed_body(textwrap.dedent(text))
+    if original is None:
         return None
     before = _module_calls(original)
+    if not before:
+        return None
+    fused = _parsed_body(f.fused)
+    if fused is None:
+        return None
     for call, n in _module_calls(fused).items():
         if n > before.get(call, 0) and before.get(call, 0) > 0:
             return call
