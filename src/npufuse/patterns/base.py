@@ -133,6 +133,18 @@ class Pattern:
         raise NotImplementedError
 
 
+_COMPILED: tuple[Any, Any] | None = None
+
+
+def _load_compiled() -> tuple[Any, Any]:
+    """(compiled_reason, may_compile), imported on first use (_compiled imports the scan package)."""
+    global _COMPILED
+    from npufuse.patterns._compiled import compiled_reason, may_compile
+
+    _COMPILED = (compiled_reason, may_compile)
+    return _COMPILED
+
+
 def _outside_compiled_code(detect: Any) -> Any:
     """Every pattern's ``detect``, with findings in TorchScript-compiled code turned into near
     misses (:mod:`npufuse.patterns._compiled`): one rule for all patterns, applied where each
@@ -141,8 +153,8 @@ def _outside_compiled_code(detect: Any) -> Any:
 
     @functools.wraps(detect)
     def wrapped(self: Pattern, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
-        from npufuse.patterns._compiled import compiled_reason, may_compile
-
+        # (an import statement here would run on each of the scan's ~20 calls per scope)
+        compiled_reason, may_compile = _COMPILED or _load_compiled()
         # the text test is made once per module (detect runs for every scope of every pattern);
         # the scope is looked up only once it has a finding (most scopes have none)
         has_jit = module.__dict__.get("_npufuse_has_jit")
@@ -168,9 +180,10 @@ def _outside_compiled_code(detect: Any) -> Any:
     return wrapped
 
 
-def _module_calls(stmts: list[ast.stmt]) -> dict[str, int]:
+def _module_calls(stmts: list[ast.stmt], chains: frozenset[str] | None = None) -> dict[str, int]:
     """How often each ``self.<...>(...)`` call runs on the costliest path through ``stmts``
-    (an ``if``/``else`` counts its busier branch: one of them runs)."""
+    (an ``if``/``else`` counts its busier branch: one of them runs). ``chains``: count only the
+    calls whose callee is one of these ``self.a.b`` chains (the others are not unparsed)."""
     total: dict[str, int] = {}
 
     def add(counts: dict[str, int]) -> None:
@@ -179,27 +192,43 @@ def _module_calls(stmts: list[ast.stmt]) -> dict[str, int]:
 
     for st in stmts:
         if isinstance(st, ast.If):
-            add(_module_calls_in(st.test))
-            a, b = _module_calls(st.body), _module_calls(st.orelse)
+            add(_module_calls_in(st.test, chains))
+            a, b = _module_calls(st.body, chains), _module_calls(st.orelse, chains)
             add({k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()})
         else:
-            add(_module_calls_in(st))
+            add(_module_calls_in(st, chains))
     return total
 
 
-def _module_calls_in(node: ast.AST) -> dict[str, int]:
+def _self_chain(call: ast.AST) -> str | None:
+    """``self.a.b`` for a call ``self.a.b(...)`` (attributes all the way down to ``self``), else None."""
+    if type(call) is not ast.Call or not isinstance(call.func, ast.Attribute):  # type: ignore[attr-defined]
+        return None
+    parts = []
+    base = call.func  # type: ignore[attr-defined]
+    while isinstance(base, ast.Attribute):
+        parts.append(base.attr)
+        base = base.value
+    if isinstance(base, ast.Name) and base.id == "self":
+        return ".".join(["self", *reversed(parts)])
+    return None
+
+
+def _self_chains(stmts: list[ast.stmt]) -> set[str]:
+    from npufuse.scan.dataflow import fast_walk
+
+    return {c for st in stmts for n in fast_walk(st) if (c := _self_chain(n)) is not None}
+
+
+def _module_calls_in(node: ast.AST, chains: frozenset[str] | None = None) -> dict[str, int]:
     from npufuse.scan.dataflow import fast_walk
 
     out: dict[str, int] = {}
-    Call, Attribute, Name = ast.Call, ast.Attribute, ast.Name
     for n in fast_walk(node):  # ast.walk's nodes in its order (the first call found is reported)
-        if type(n) is Call and isinstance(n.func, Attribute):  # type: ignore[attr-defined]
-            base = n.func.value  # type: ignore[attr-defined]
-            while isinstance(base, Attribute):
-                base = base.value
-            if isinstance(base, Name) and base.id == "self":
-                key = ast.unparse(n)
-                out[key] = out.get(key, 0) + 1
+        chain = _self_chain(n)
+        if chain is not None and (chains is None or chain in chains):
+            key = ast.unparse(n)
+            out[key] = out.get(key, 0) + 1
     return out
 
 
@@ -235,13 +264,16 @@ def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
     original = _parsed_body(textwrap.dedent(text))
     if original is None:
         return None
-    before = _module_calls(original)
-    if not before:
-        return None
     fused = _parsed_body(f.fused)
     if fused is None:
         return None
-    for call, n in _module_calls(fused).items():
+    # a call counts only where both make it: the same text has the same callee chain, so only
+    # calls on a chain both hold are unparsed and counted (the rest would count 0 before)
+    common = frozenset(_self_chains(original) & _self_chains(fused))
+    if not common:
+        return None
+    before = _module_calls(original, common)
+    for call, n in _module_calls(fused, common).items():
         if n > before.get(call, 0) and before.get(call, 0) > 0:
             return call
     return None
