@@ -170,3 +170,96 @@ def test_called_more_often_matches_reference_on_every_detector_finding() -> None
                         seen += 1
                         assert base._called_more_often(module, r) == _called_more_often_ref(module, r), (pattern.id, r.line)
     assert seen > 50
+
+
+# -- Pattern.SCOPE_WORDS -------------------------------------------------------------------------
+
+
+class _Needle(base.Pattern):
+    """A toy pattern: a near miss on every scope it is handed, and a record of them."""
+
+    id = "needle_probe"
+    api = "torch_npu.npu_needle"
+    title = "probe"
+    SCOPE_WORDS = ("needle",)
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def detect(self, module, scope):
+        self.seen.append(scope.qualname)
+        yield base.NearMiss(self.id, scope.qualname, getattr(scope.node, "lineno", 1), getattr(scope.node, "lineno", 1), "probe")
+
+
+_NEEDLE_CODE = '''import torch
+
+
+def has(x):
+    return x.needle()
+
+
+def hasnt(x):
+    return x + 1
+
+
+class C:
+    def m(self, x):
+        return torch.needle_sum(x)
+'''
+
+
+def test_scan_hands_a_pattern_only_scopes_with_its_words(tmp_path) -> None:
+    from npufuse.scan import engine
+
+    (tmp_path / "a.py").write_text(_NEEDLE_CODE)
+    probe = _Needle()
+    out = engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
+    assert probe.seen == ["<module>", "has", "C.m"]  # `hasnt` holds no `needle`
+    assert sorted(m["qualname"] for m in out.near_misses) == ["<module>", "C.m", "has"]
+
+
+def test_scan_does_not_gate_a_file_with_text_outside_ascii(tmp_path) -> None:
+    from npufuse.scan import engine
+
+    (tmp_path / "a.py").write_text(_NEEDLE_CODE + "\n\ndef caf\u00e9(x):\n    return x\n", encoding="utf-8")
+    probe = _Needle()
+    engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
+    assert probe.seen == ["<module>", "has", "hasnt", "C.m", "caf\u00e9"]
+
+
+def _declaration_violations(pattern: base.Pattern, texts: list[str]) -> list[tuple[str, str]]:
+    """(qualname, first line of the code) of each scope lacking all of the pattern's SCOPE_WORDS
+    where its detector (unwrapped and ungated) still yields something."""
+    from npufuse.scan.dataflow import scope_text
+
+    words = pattern.SCOPE_WORDS
+    assert words is not None
+    detect = getattr(type(pattern).detect, "__wrapped__", type(pattern).detect)
+    bad = []
+    for code in texts:
+        module = _module(code)
+        for scope in module.scopes:
+            if any(w in scope_text(module, scope) for w in words):
+                continue
+            try:
+                results = list(detect(pattern, module, scope))
+            except Exception:
+                continue  # the scan reports a detector error; not a question of the gate
+            if results:
+                bad.append((scope.qualname, code.splitlines()[0] if code else ""))
+    return bad
+
+
+def test_every_scope_words_declaration_holds_on_examples_and_files() -> None:
+    texts = _texts()
+    declared = [p for p in all_patterns() if p.SCOPE_WORDS is not None]
+    for p in declared:
+        assert _declaration_violations(p, texts) == [], p.id
+
+
+def test_a_false_scope_words_declaration_is_caught() -> None:
+    class Liar(_Needle):
+        id = "liar_probe"
+        SCOPE_WORDS = ("needle",)
+
+    assert _declaration_violations(Liar(), [_NEEDLE_CODE]) == [("hasnt", "import torch")]
