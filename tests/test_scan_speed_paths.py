@@ -263,3 +263,11 @@ def test_a_false_scope_words_declaration_is_caught() -> None:
         SCOPE_WORDS = ("needle",)
 
     assert _declaration_violations(Liar(), [_NEEDLE_CODE]) == [("hasnt", "import torch")]
+
+
+def test_parsed_code_is_ast_parse_cached() -> None:
+    code = "a = self.w1(x)\nb = a * 2\n"
+    body = base.parsed_code(code)
+    assert body is not None and ast.dump(ast.Module(body, [])) == ast.dump(ast.parse(code))
+    assert base.parsed_code(code) is body  # the same statements: parsed once
+    assert base.parsed_code("a = (\n") is None and base.parsed_code("a = 1\x00") is None

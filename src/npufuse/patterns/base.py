@@ -244,19 +244,21 @@ def _module_calls_in(node: ast.AST, chains: frozenset[str] | None = None) -> dic
 # fused code -> its parsed statements (None: it does not parse); detectors often yield the
 # same fused text many times over (one helper called from several scopes), and the tree is
 # only read here
-_FUSED_BODIES: dict[str, list[ast.stmt] | None] = {}
+_PARSED_CODE: dict[str, list[ast.stmt] | None] = {}
 
 
-def _parsed_body(code: str) -> list[ast.stmt] | None:
-    body = _FUSED_BODIES.get(code, False)
+def parsed_code(code: str) -> list[ast.stmt] | None:
+    """``ast.parse(code).body`` (None where it raises SyntaxError/ValueError), cached per text in
+    this process. Callers only read the statements (they are shared)."""
+    body = _PARSED_CODE.get(code, False)
     if body is False:
         try:
             body = ast.parse(code).body
         except (SyntaxError, ValueError):
             body = None
-        if len(_FUSED_BODIES) > 4096:
-            _FUSED_BODIES.clear()
-        _FUSED_BODIES[code] = body
+        if len(_PARSED_CODE) > 4096:
+            _PARSED_CODE.clear()
+        _PARSED_CODE[code] = body
     return body  # type: ignore[return-value]
 
 
@@ -270,10 +272,10 @@ def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
     text = "".join(module.lines[f.line - 1 : f.end_line])
     if "self" not in text:
         return None
-    original = _parsed_body(textwrap.dedent(text))
+    original = parsed_code(textwrap.dedent(text))
     if original is None:
         return None
-    fused = _parsed_body(f.fused)
+    fused = parsed_code(f.fused)
     if fused is None:
         return None
     # a call counts only where both make it: the same text has the same callee chain, so only
