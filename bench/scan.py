@@ -118,13 +118,15 @@ def crlf_copy(corpus: Path, dest: Path) -> Path:
 def components(root: Path, files: list[str]) -> list[tuple[str, float]]:
     """CPU seconds of each part of ``analyze_file`` over the corpus, in this process (one pass):
     read, parse, index, repo facts, every detector (summed over scopes) and the per-candidate
-    work (risks, replacement text, switch context). The parts are timed by wrapping the
+    work (risks, replacement text, switch context); then each detector's time on the scopes it
+    yielded nothing for (what a ``Pattern.SCOPE_WORDS`` gate could save at most). The parts are timed by wrapping the
     functions ``analyze_file`` calls (about a microsecond per call, included in the figures);
     "other" is what analyze_file spends outside them."""
     from npufuse.scan import engine, replacement, repo_search, risks
     from npufuse.scan.dataflow import ModuleInfo
 
     spent: dict[str, float] = {}
+    idle: dict[str, float] = {}  # detector time on scopes it yielded nothing for
     clock = time.process_time
     saved: list[tuple[object, str, object]] = []
 
@@ -155,10 +157,15 @@ def components(root: Path, files: list[str]) -> list[tuple[str, float]]:
 
         def detect(self, module, scope, _f=cls.__dict__["detect"], _label=f"detector {p.id}"):
             t = clock()
+            out: list = []
             try:
-                return list(_f(self, module, scope))
+                out = list(_f(self, module, scope))
+                return out
             finally:
-                spent[_label] = spent.get(_label, 0.0) + clock() - t
+                d = clock() - t
+                spent[_label] = spent.get(_label, 0.0) + d
+                if not out:  # what a scope gate (Pattern.SCOPE_WORDS) could save at most
+                    idle[_label] = idle.get(_label, 0.0) + d
 
         cls.detect = detect
     try:
@@ -170,7 +177,10 @@ def components(root: Path, files: list[str]) -> list[tuple[str, float]]:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
     rows = sorted(spent.items(), key=lambda kv: -kv[1])
-    return rows + [("other (analyze_file itself, freeing trees)", total - sum(spent.values())), ("total", total)]
+    rows += [("other (analyze_file itself, freeing trees)", total - sum(spent.values())), ("total", total)]
+    rows.append(("detectors on scopes yielding nothing (all)", sum(idle.values())))
+    rows += sorted(((f"  {k.removeprefix('detector ')}, nothing yielded", v) for k, v in idle.items()), key=lambda kv: -kv[1])
+    return rows
 
 
 def phases(corpus: Path, out: Path, jobs: int, only: tuple[str, ...] | list[str] = ()) -> list[tuple[str, float, float]]:

@@ -17,13 +17,32 @@ call (followed a few levels). ``@torch.jit.ignore`` / ``@torch.jit.unused`` func
 from __future__ import annotations
 
 import ast
+import re
 from typing import TYPE_CHECKING
+
+from npufuse.scan.dataflow import fast_walk
 
 if TYPE_CHECKING:
     from npufuse.scan.dataflow import ModuleInfo, Scope
 
 _SCRIPT = ("torch.jit.script", "torch.jit.script_method")
 _PYTHON = ("torch.jit.ignore", "torch.jit.unused")
+# Every way of naming torch.jit.script / script_method spells the word `script` (an attribute,
+# the imported name or the import of an alias): without it in the text nothing is compiled.
+# Identifiers are NFKC-normalised, so a file with non-ASCII text is searched (for the bare
+# substring) in its NFKC form.
+_SCRIPT_WORD = re.compile(r"\bscript(?:_method)?\b")
+
+
+def may_compile(source: str) -> bool:
+    """False when no code of ``source`` can be TorchScript-compiled (see ``_SCRIPT_WORD``)."""
+    if "jit" not in source:
+        return False
+    if source.isascii():
+        return _SCRIPT_WORD.search(source) is not None
+    import unicodedata
+
+    return "script" in unicodedata.normalize("NFKC", source)
 
 
 def _decorator_names(module: "ModuleInfo", fn: ast.AST) -> list[str]:
@@ -43,13 +62,13 @@ def _compiled(module: "ModuleInfo") -> tuple[set[str], set[str]]:
         return cached
     functions: set[str] = set()
     classes: set[str] = set()
-    if "jit" in module.source:
+    if may_compile(module.source):
         nodes = {s.qualname: s.node for s in module.scopes if s.qualname != "<module>"}
         for qual, fn in nodes.items():
             names = _decorator_names(module, fn)
             if any(n in _SCRIPT for n in names):
                 functions.add(qual)
-        for node in ast.walk(module.tree):
+        for node in fast_walk(module.tree):  # ast.walk's nodes, cheaper
             if isinstance(node, ast.Call) and module.canonical(node.func) == "torch.jit.script" and node.args:
                 arg = node.args[0]
                 if isinstance(arg, ast.Name) and arg.id in module.functions:
@@ -64,7 +83,7 @@ def _compiled(module: "ModuleInfo") -> tuple[set[str], set[str]]:
                 fn = nodes.get(qual)
                 if fn is None:
                     continue
-                for n in ast.walk(fn):
+                for n in fast_walk(fn):
                     if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in module.functions and n.func.id not in functions:
                         functions.add(n.func.id)
                         nxt.append(n.func.id)

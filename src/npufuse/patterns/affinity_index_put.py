@@ -296,6 +296,10 @@ class AffinityIndexPut(Pattern):
     title = "Boolean-mask assignment (IndexPut) → masked_fill_ / torch.where (Ascend affinity rewrite)"
     training_ok = True
     bound = "launch"
+    # Every statement _may_yield lets through writes a subscript (`x[m] = v`, `x[m] += v`, a
+    # subscript in a tuple target `a[m], b = ...`: "[") or calls index_put/index_put_; a scope
+    # with neither word yields nothing (Pattern.SCOPE_WORDS: checked on examples and files)
+    SCOPE_WORDS = ("[", "index_put")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _relevant(module):

@@ -44,6 +44,8 @@ class AffinityWhere(Pattern):
     title = "torch.where blend of two float tensors → torch.lerp (Ascend affinity rewrite)"
     training_ok = True
     bound = "memory"
+    # detect's first test, made by the scan (Pattern.SCOPE_WORDS); the test stays for non-ASCII files
+    SCOPE_WORDS = ("where",)
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if "where" not in scope_text(module, scope) or not any(v == "torch" or v.startswith("torch.") for v in module.aliases.values()):

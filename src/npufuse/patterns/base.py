@@ -112,6 +112,15 @@ class Pattern:
     bound: ClassVar[str] = "memory"
     FUSE: ClassVar[list[Fuse]] = []
     KEEP: ClassVar[list[Keep]] = []
+    #: Words the scan looks for before it calls ``detect`` on a scope: where the scope's own text
+    #: (``dataflow.scope_text``: a function's source, the whole file for ``<module>``) holds none
+    #: of them, ``detect`` is not called there (the detector's own text gate, done once by the
+    #: scan instead of by each detector on each of the ~20 scopes of a typical file). None: every
+    #: scope. Declare it only where ``detect`` yields nothing at all (no finding, no near miss)
+    #: for such a scope, helpers it follows included; tests/test_scan_speed_paths.py checks the
+    #: declaration on every example and sample file. Files with text outside ASCII are not
+    #: gated (identifiers are NFKC-normalised: a name need not be spelled as it reads).
+    SCOPE_WORDS: ClassVar[tuple[str, ...] | None] = None
 
     def detect(self, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
         """Yield findings and near misses inside ``scope`` (one function body or the module body)."""
@@ -133,6 +142,18 @@ class Pattern:
         raise NotImplementedError
 
 
+_COMPILED: tuple[Any, Any] | None = None
+
+
+def _load_compiled() -> tuple[Any, Any]:
+    """(compiled_reason, may_compile), imported on first use (_compiled imports the scan package)."""
+    global _COMPILED
+    from npufuse.patterns._compiled import compiled_reason, may_compile
+
+    _COMPILED = (compiled_reason, may_compile)
+    return _COMPILED
+
+
 def _outside_compiled_code(detect: Any) -> Any:
     """Every pattern's ``detect``, with findings in TorchScript-compiled code turned into near
     misses (:mod:`npufuse.patterns._compiled`): one rule for all patterns, applied where each
@@ -141,18 +162,22 @@ def _outside_compiled_code(detect: Any) -> Any:
 
     @functools.wraps(detect)
     def wrapped(self: Pattern, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
-        from npufuse.patterns._compiled import compiled_reason
-
-        # the text test is made once per module (detect runs for every scope of every pattern)
+        # (an import statement here would run on each of the scan's ~20 calls per scope)
+        compiled_reason, may_compile = _COMPILED or _load_compiled()
+        # the text test is made once per module (detect runs for every scope of every pattern);
+        # the scope is looked up only once it has a finding (most scopes have none)
         has_jit = module.__dict__.get("_npufuse_has_jit")
         if has_jit is None:
-            has_jit = module.__dict__["_npufuse_has_jit"] = "jit" in module.source
-        reason = compiled_reason(module, scope) if has_jit else None
+            has_jit = module.__dict__["_npufuse_has_jit"] = may_compile(module.source)
+        reason: str | None = None
+        looked = not has_jit
         for r in detect(self, module, scope):
-            if reason is not None and isinstance(r, Finding):
-                yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
-                continue
             if isinstance(r, Finding):
+                if not looked:
+                    reason, looked = compiled_reason(module, scope), True
+                if reason is not None:
+                    yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
+                    continue
                 twice = _called_more_often(module, r)
                 if twice is not None:
                     yield NearMiss(r.pattern, r.qualname, r.line, r.end_line,
@@ -164,9 +189,10 @@ def _outside_compiled_code(detect: Any) -> Any:
     return wrapped
 
 
-def _module_calls(stmts: list[ast.stmt]) -> dict[str, int]:
+def _module_calls(stmts: list[ast.stmt], chains: frozenset[str] | None = None) -> dict[str, int]:
     """How often each ``self.<...>(...)`` call runs on the costliest path through ``stmts``
-    (an ``if``/``else`` counts its busier branch: one of them runs)."""
+    (an ``if``/``else`` counts its busier branch: one of them runs). ``chains``: count only the
+    calls whose callee is one of these ``self.a.b`` chains (the others are not unparsed)."""
     total: dict[str, int] = {}
 
     def add(counts: dict[str, int]) -> None:
@@ -175,25 +201,65 @@ def _module_calls(stmts: list[ast.stmt]) -> dict[str, int]:
 
     for st in stmts:
         if isinstance(st, ast.If):
-            add(_module_calls_in(st.test))
-            a, b = _module_calls(st.body), _module_calls(st.orelse)
+            add(_module_calls_in(st.test, chains))
+            a, b = _module_calls(st.body, chains), _module_calls(st.orelse, chains)
             add({k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()})
         else:
-            add(_module_calls_in(st))
+            add(_module_calls_in(st, chains))
     return total
 
 
-def _module_calls_in(node: ast.AST) -> dict[str, int]:
+def _self_chain(call: ast.AST) -> str | None:
+    """``self.a.b`` for a call ``self.a.b(...)`` (attributes all the way down to ``self``), else None."""
+    if type(call) is not ast.Call or not isinstance(call.func, ast.Attribute):  # type: ignore[attr-defined]
+        return None
+    parts = []
+    base = call.func  # type: ignore[attr-defined]
+    while isinstance(base, ast.Attribute):
+        parts.append(base.attr)
+        base = base.value
+    if isinstance(base, ast.Name) and base.id == "self":
+        return ".".join(["self", *reversed(parts)])
+    return None
+
+
+def _self_chains(stmts: list[ast.stmt]) -> set[str]:
+    from npufuse.scan.dataflow import fast_walk
+
+    return {c for st in stmts for n in fast_walk(st) if (c := _self_chain(n)) is not None}
+
+
+def _module_calls_in(node: ast.AST, chains: frozenset[str] | None = None) -> dict[str, int]:
+    from npufuse.scan.dataflow import fast_walk
+
     out: dict[str, int] = {}
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
-            base = n.func.value
-            while isinstance(base, ast.Attribute):
-                base = base.value
-            if isinstance(base, ast.Name) and base.id == "self":
-                key = ast.unparse(n)
-                out[key] = out.get(key, 0) + 1
+    for n in fast_walk(node):  # ast.walk's nodes in its order (the first call found is reported)
+        chain = _self_chain(n)
+        if chain is not None and (chains is None or chain in chains):
+            key = ast.unparse(n)
+            out[key] = out.get(key, 0) + 1
     return out
+
+
+# fused code -> its parsed statements (None: it does not parse); detectors often yield the
+# same fused text many times over (one helper called from several scopes), and the tree is
+# only read here
+_PARSED_CODE: dict[str, list[ast.stmt] | None] = {}
+
+
+def parsed_code(code: str) -> list[ast.stmt] | None:
+    """``ast.parse(code).body`` (None where it raises SyntaxError/ValueError), cached per text in
+    this process. Callers only read the statements (they are shared)."""
+    body = _PARSED_CODE.get(code, False)
+    if body is False:
+        try:
+            body = ast.parse(code).body
+        except (SyntaxError, ValueError):
+            body = None
+        if len(_PARSED_CODE) > 4096:
+            _PARSED_CODE.clear()
+        _PARSED_CODE[code] = body
+    return body  # type: ignore[return-value]
 
 
 def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
@@ -202,13 +268,23 @@ def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
         return None
     import textwrap
 
-    try:
-        fused = ast.parse(f.fused).body
-        original = ast.parse(textwrap.dedent("".join(module.lines[f.line - 1 : f.end_line]))).body
-    except (SyntaxError, ValueError):
+    # only a call the original span makes too counts: without `self` there is none
+    text = "".join(module.lines[f.line - 1 : f.end_line])
+    if "self" not in text:
         return None
-    before = _module_calls(original)
-    for call, n in _module_calls(fused).items():
+    original = parsed_code(textwrap.dedent(text))
+    if original is None:
+        return None
+    fused = parsed_code(f.fused)
+    if fused is None:
+        return None
+    # a call counts only where both make it: the same text has the same callee chain, so only
+    # calls on a chain both hold are unparsed and counted (the rest would count 0 before)
+    common = frozenset(_self_chains(original) & _self_chains(fused))
+    if not common:
+        return None
+    before = _module_calls(original, common)
+    for call, n in _module_calls(fused, common).items():
         if n > before.get(call, 0) and before.get(call, 0) > 0:
             return call
     return None

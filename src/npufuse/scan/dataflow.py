@@ -503,6 +503,8 @@ def segment(module: "ModuleInfo", node: ast.AST) -> str:
         # ast columns count UTF-8 bytes; on an ASCII line they count characters, so only the
         # other lines are kept as bytes (most lines of most files are ASCII: no encode, no decode)
         cache = module.__dict__["_segment_lines"] = [ln if ln.isascii() else ln.encode("utf-8") for ln in module.lines]
+        # whether every line is str (an ASCII file: most): then a span needs no per-line check
+        module.__dict__["_segment_all_str"] = module.source.isascii() or all(type(ln) is str for ln in cache)
     lineno, end = getattr(node, "lineno", None), getattr(node, "end_lineno", None)
     col, end_col = getattr(node, "col_offset", None), getattr(node, "end_col_offset", None)
     if None in (lineno, end, col, end_col) or end > len(cache):
@@ -511,7 +513,7 @@ def segment(module: "ModuleInfo", node: ast.AST) -> str:
         ln = cache[lineno - 1]
         return ln[col:end_col] if type(ln) is str else ln[col:end_col].decode("utf-8")
     parts = [cache[lineno - 1][col:]] + cache[lineno : end - 1] + [cache[end - 1][:end_col]]
-    if all(type(p) is str for p in parts):
+    if module.__dict__["_segment_all_str"] or all(type(p) is str for p in parts):
         return "".join(parts)
     return b"".join([p.encode("utf-8") if type(p) is str else p for p in parts]).decode("utf-8")
 

@@ -38,7 +38,7 @@ from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
 from npufuse.scan import config_shapes, replacement, repo_facts, repo_search, risks
-from npufuse.scan.dataflow import ModuleInfo, Scope, lf_line_ends
+from npufuse.scan.dataflow import ModuleInfo, Scope, lf_line_ends, scope_text
 from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
 DEFAULT_MAX_FILE_BYTES = 10 * 1024 * 1024
@@ -319,8 +319,14 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
         entry[2] += 1
         entry[3].add(scope.qualname)
 
+    # Pattern.SCOPE_WORDS: a scope whose text holds none of a pattern's words is not handed to it
+    gates = [p.SCOPE_WORDS if isinstance(getattr(p, "SCOPE_WORDS", None), tuple) else None for p in patterns] if text.isascii() else [None] * len(patterns)
+    gated = any(g is not None for g in gates)
     for scope in module.scopes:
-        for pattern in patterns:
+        scope_src = scope_text(module, scope) if gated else ""
+        for pattern, words in zip(patterns, gates):
+            if words is not None and not any(w in scope_src for w in words):
+                continue
             try:
                 results = list(pattern.detect(module, scope))
             except RecursionError:

@@ -24,7 +24,7 @@ import textwrap
 import tokenize
 from typing import Callable
 
-from npufuse.patterns.base import Finding
+from npufuse.patterns.base import Finding, parsed_code
 from npufuse.rewrite.codegen import MARKER, Switch, env_switch, guard_expression, has_other_breaks, render_site, source_lines
 
 # libcst's indent when a module has no indented block (libcst._parser.detect_config).
@@ -256,9 +256,9 @@ def fast_body(lines: list[str], finding: Finding, indent: str, decorated: set[in
     fused = textwrap.dedent(finding.fused).strip("\n")
     if "\t" in fused or "\r" in fused:
         return None
-    try:
-        ast.parse(fused)
-    except (SyntaxError, ValueError):
+    # parsed once per distinct text in this process (base.parsed_code: shared with the
+    # wrapper's module-call check, and model repos repeat one fused text across many files)
+    if parsed_code(fused) is None:
         return None
     frows = [r + "\n" for r in fused.split("\n")]
     fkinds = _classify(fused + "\n")

@@ -1,0 +1,273 @@
+"""The shortcuts the per-detector wrapper (patterns/base.py) takes give what the plain code gave.
+
+* ``_compiled.may_compile``: a module whose text cannot name ``torch.jit.script`` is not walked
+  for TorchScript-compiled functions; on every example, sample file and crafted alias the
+  compiled set is the one the ungated walk finds.
+* ``base._called_more_often``: the original span is parsed first and only calls on a ``self``
+  chain both spans make are unparsed; the answer is the plain implementation's (kept here as
+  the reference) on crafted spans and on every finding the registry's detectors yield.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import pytest
+
+from npufuse.patterns import _compiled, base
+from npufuse.patterns.base import Finding
+from npufuse.patterns.registry import all_patterns
+from npufuse.scan.dataflow import ModuleInfo
+
+from test_scan_prefilter import _sample_files, _texts
+
+
+def _module(code: str) -> ModuleInfo:
+    return ModuleInfo.from_source("m.py", code, ast.parse(code))
+
+
+def _compiled_ungated(module: ModuleInfo, monkeypatch: pytest.MonkeyPatch) -> tuple[set[str], set[str]]:
+    with monkeypatch.context() as m:
+        m.setattr(_compiled, "may_compile", lambda source: "jit" in source)
+        module.__dict__.pop("_npufuse_compiled", None)
+        out = _compiled._compiled(module)
+        module.__dict__.pop("_npufuse_compiled", None)
+    return out
+
+
+ALIASES = [
+    "import torch\n\n@torch.jit.script\ndef f(x):\n    return g(x)\n\ndef g(x):\n    return x\n",
+    "from torch.jit import script as s\nimport torch\n\n@s\ndef f(x):\n    return x\n",
+    "from torch import jit as J\n\n@J.script\ndef f(x):\n    return x\n",
+    "import torch.jit as tj\n\ndef f(x):\n    return x\n\nk = tj.script(f)\n",
+    "import torch\n\nclass M(torch.nn.Module):\n    def forward(self, x):\n        return x\n\nm = torch.jit.script(M())\n",
+    "import torch\n\nclass M(torch.nn.Module):\n    @torch.jit.script_method\n    def forward(self, x):\n        return x\n",
+    # an identifier spelled with a fullwidth letter: NFKC makes it `script`
+    "import torch\n\n@torch.jit.\uff53cript\ndef f(x):\n    return x\n",
+    # `jit` and `script` only inside other words: nothing compiled
+    "import torch\n# transcript of a jit-free run\ndef f(x):\n    return torch.jit.is_tracing()\n",
+]
+
+
+@pytest.mark.parametrize("code", ALIASES)
+def test_may_compile_keeps_every_compiled_function(code: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _module(code)
+    expected = _compiled_ungated(module, monkeypatch)
+    assert _compiled._compiled(module) == expected
+    if expected != (set(), set()):
+        assert _compiled.may_compile(code)
+
+
+def test_may_compile_gate_on_aliases() -> None:
+    assert _compiled.may_compile(ALIASES[1]) and _compiled.may_compile(ALIASES[6])
+    assert not _compiled.may_compile(ALIASES[7])  # the walk is skipped: no `script` word
+    assert not _compiled.may_compile("def f(x):\n    return x\n")
+
+
+def test_may_compile_same_sets_on_examples_and_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = _texts() + ALIASES
+    assert len(texts) > 20
+    for code in texts:
+        module = _module(code)
+        assert _compiled._compiled(module) == _compiled_ungated(module, monkeypatch)
+
+
+# -- _called_more_often --------------------------------------------------------------------------
+
+
+def _module_calls_ref(stmts: list[ast.stmt]) -> dict[str, int]:
+    total: dict[str, int] = {}
+
+    def add(counts: dict[str, int]) -> None:
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+
+    for st in stmts:
+        if isinstance(st, ast.If):
+            add(_module_calls_in_ref(st.test))
+            a, b = _module_calls_ref(st.body), _module_calls_ref(st.orelse)
+            add({k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()})
+        else:
+            add(_module_calls_in_ref(st))
+    return total
+
+
+def _module_calls_in_ref(node: ast.AST) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            b = n.func.value
+            while isinstance(b, ast.Attribute):
+                b = b.value
+            if isinstance(b, ast.Name) and b.id == "self":
+                key = ast.unparse(n)
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _called_more_often_ref(module: ModuleInfo, f: Finding) -> str | None:
+    """base._called_more_often before its shortcuts (the reference)."""
+    if "self." not in f.fused:
+        return None
+    try:
+        fused = ast.parse(f.fused).body
+        original = ast.parse(textwrap.dedent("".join(module.lines[f.line - 1 : f.end_line]))).body
+    except (SyntaxError, ValueError):
+        return None
+    before = _module_calls_ref(original)
+    for call, n in _module_calls_ref(fused).items():
+        if n > before.get(call, 0) and before.get(call, 0) > 0:
+            return call
+    return None
+
+
+SPANS = [
+    # (original statements, fused code)
+    ("h = self.w1(x) * self.w3(x)\n", "h = torch_npu.npu_swiglu(torch.cat([self.w1(x), self.w3(x)], -1))\nh = h + self.w1(x)\n"),
+    ("h = self.w12(x)\n", "a = self.w12(x)\nb = self.w12(x)\n"),
+    ("h = self .w12(x)\n", "a = self.w12(x)\nb = self.w12(x)\n"),  # `self .w12`: no "self." in the text
+    ("h = (self\n     .w12(x))\n", "a = self.w12(x)\nb = self.w12(x)\n"),
+    ("if c:\n    h = self.a(x)\nelse:\n    h = self.a(x) + self.a(y)\n", "h = self.a(x) + self.a(y) + self.a(z)\n"),
+    ("h = self.a.b(x)\n", "h = self.a.b(x) + self.a.b(x)\n"),
+    ("h = self.a.b(x)\n", "h = self.a.c(x) + self.a.c(x)\n"),  # a call the original never makes
+    ("h = self.layers[0](x)\n", "h = self.layers[0](x) + self.layers[0](x)\n"),  # not a plain chain
+    ("h = f(x)\n", "h = self.g(x) + self.g(x)\n"),
+    ("h = self.a(x)\n", "h = self.a(x) +\n"),  # fused code that does not parse
+]
+
+
+@pytest.mark.parametrize("original,fused", SPANS)
+def test_called_more_often_matches_reference(original: str, fused: str) -> None:
+    code = "class M:\n    def forward(self, x, y, z, c):\n" + textwrap.indent(original, " " * 8) + "        return h\n"
+    module = _module(code)
+    n = original.count("\n")
+    f = Finding("swiglu", "M.forward", 3, 2 + n, {}, fused, "x")
+    assert base._called_more_often(module, f) == _called_more_often_ref(module, f)
+
+
+def test_called_more_often_flags_a_doubled_call() -> None:
+    code = "class M:\n    def forward(self, x):\n        h = self.w12(x)\n        return h\n"
+    f = Finding("swiglu", "M.forward", 3, 3, {}, "a = self.w12(x)\nh = a + self.w12(x)\n", "x")
+    assert base._called_more_often(_module(code), f) == "self.w12(x)"
+
+
+def test_called_more_often_matches_reference_on_every_detector_finding() -> None:
+    """Every finding the registry's detectors yield (before the wrapper judges it) on the
+    examples and sample files: the shortcut version answers as the reference does."""
+    seen = 0
+    for code in _texts():
+        module = _module(code)
+        for pattern in all_patterns():
+            raw = pattern.detect.__wrapped__  # the detector itself, without base's wrapper
+            for scope in module.scopes:
+                try:
+                    results = list(raw(pattern, module, scope))
+                except Exception:
+                    continue
+                for r in results:
+                    if isinstance(r, Finding) and isinstance(r.fused, str):
+                        seen += 1
+                        assert base._called_more_often(module, r) == _called_more_often_ref(module, r), (pattern.id, r.line)
+    assert seen > 50
+
+
+# -- Pattern.SCOPE_WORDS -------------------------------------------------------------------------
+
+
+class _Needle(base.Pattern):
+    """A toy pattern: a near miss on every scope it is handed, and a record of them."""
+
+    id = "needle_probe"
+    api = "torch_npu.npu_needle"
+    title = "probe"
+    SCOPE_WORDS = ("needle",)
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def detect(self, module, scope):
+        self.seen.append(scope.qualname)
+        yield base.NearMiss(self.id, scope.qualname, getattr(scope.node, "lineno", 1), getattr(scope.node, "lineno", 1), "probe")
+
+
+_NEEDLE_CODE = '''import torch
+
+
+def has(x):
+    return x.needle()
+
+
+def hasnt(x):
+    return x + 1
+
+
+class C:
+    def m(self, x):
+        return torch.needle_sum(x)
+'''
+
+
+def test_scan_hands_a_pattern_only_scopes_with_its_words(tmp_path) -> None:
+    from npufuse.scan import engine
+
+    (tmp_path / "a.py").write_text(_NEEDLE_CODE)
+    probe = _Needle()
+    out = engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
+    assert probe.seen == ["<module>", "has", "C.m"]  # `hasnt` holds no `needle`
+    assert sorted(m["qualname"] for m in out.near_misses) == ["<module>", "C.m", "has"]
+
+
+def test_scan_does_not_gate_a_file_with_text_outside_ascii(tmp_path) -> None:
+    from npufuse.scan import engine
+
+    (tmp_path / "a.py").write_text(_NEEDLE_CODE + "\n\ndef caf\u00e9(x):\n    return x\n", encoding="utf-8")
+    probe = _Needle()
+    engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
+    assert probe.seen == ["<module>", "has", "hasnt", "C.m", "caf\u00e9"]
+
+
+def _declaration_violations(pattern: base.Pattern, texts: list[str]) -> list[tuple[str, str]]:
+    """(qualname, first line of the code) of each scope lacking all of the pattern's SCOPE_WORDS
+    where its detector (unwrapped and ungated) still yields something."""
+    from npufuse.scan.dataflow import scope_text
+
+    words = pattern.SCOPE_WORDS
+    assert words is not None
+    detect = getattr(type(pattern).detect, "__wrapped__", type(pattern).detect)
+    bad = []
+    for code in texts:
+        module = _module(code)
+        for scope in module.scopes:
+            if any(w in scope_text(module, scope) for w in words):
+                continue
+            try:
+                results = list(detect(pattern, module, scope))
+            except Exception:
+                continue  # the scan reports a detector error; not a question of the gate
+            if results:
+                bad.append((scope.qualname, code.splitlines()[0] if code else ""))
+    return bad
+
+
+def test_every_scope_words_declaration_holds_on_examples_and_files() -> None:
+    texts = _texts()
+    declared = [p for p in all_patterns() if p.SCOPE_WORDS is not None]
+    for p in declared:
+        assert _declaration_violations(p, texts) == [], p.id
+
+
+def test_a_false_scope_words_declaration_is_caught() -> None:
+    class Liar(_Needle):
+        id = "liar_probe"
+        SCOPE_WORDS = ("needle",)
+
+    assert _declaration_violations(Liar(), [_NEEDLE_CODE]) == [("hasnt", "import torch")]
+
+
+def test_parsed_code_is_ast_parse_cached() -> None:
+    code = "a = self.w1(x)\nb = a * 2\n"
+    body = base.parsed_code(code)
+    assert body is not None and ast.dump(ast.Module(body, [])) == ast.dump(ast.parse(code))
+    assert base.parsed_code(code) is body  # the same statements: parsed once
+    assert base.parsed_code("a = (\n") is None and base.parsed_code("a = 1\x00") is None
