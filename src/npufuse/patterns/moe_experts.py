@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.canonical import expert_mask
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -96,7 +97,7 @@ class _Act:
 class _Mlp:
     """The expert MLP, whatever its weight layout."""
 
-    layout: str  # "per_expert_linear" | "stacked"
+    layout: str  # "per_expert_linear" | "stacked" | "opaque" (expert modules called as they are)
     gated: bool
     act: _Act
     # per-expert Linear attribute names, or stacked parameter texts with orientation
@@ -107,6 +108,7 @@ class _Mlp:
     fc1: str = ""  # plain (non-gated) first projection
     orient: dict[str, str] = field(default_factory=dict)  # stacked: text -> "out_in" | "in_out"
     weights_at: str = "after_down"  # where the routing weights multiply: after_down | before_down | inside_expert | none
+    why_opaque: str = ""  # opaque: why the expert MLP was not read off its class (the grouped matmul needs that)
 
 
 @dataclass
@@ -128,6 +130,8 @@ class _Site:
     out_mode: str = "assign"  # "assign" (fresh accumulator in the span) | "add" (accumulate into it)
     out_dtype: str = ""
     sentinel: str = ""  # index value E that marks tokens no (local) expert takes (one_hot over E + 1)
+    local_start: str = ""  # expert parallelism: the loop runs range(local_start, local_start + bins) of the global indices
+    skip_empty: bool = False  # the loop does not call an expert that received no tokens
     first_line: int = 0
     last_line: int = 0
 
@@ -288,6 +292,9 @@ class _Eval:
         self.count_source = ""  # the device tensor behind it
         self.start_name = ""  # counts loop: running start offset
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
+        self.local_start = ""  # range(start, end): the first global index of this rank's experts
+        self.skip_empty = False  # experts without tokens are not called (a skip guard, or only hit experts visited)
+        self.count_guard: Optional[tuple[str, str]] = None  # (counts name, indices it counts) of `if counts[e] == 0: continue`
         self.masks: dict[str, tuple[str, str, str]] = {}  # mask name -> (indices, num_classes, orientation)
         self.flat: set[str] = set()  # flat expert-index names compared with the loop index
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
@@ -349,9 +356,13 @@ class _Eval:
                 self.num_experts = self.bins = segment(m, it.args[1])
                 return
             if len(it.args) == 2:
-                raise _Miss(f"range({segment(m, it.args[0])}, {segment(m, it.args[1])}) runs a slice of the experts (expert "
-                            "parallelism: this rank's local experts): npufuse's replacement dispatches the tokens of every "
-                            "expert in one grouped matmul, so it covers loops over all experts only")
+                # range(start, end): this rank's local experts (expert parallelism). The fused text
+                # maps global indices to local ones and dispatches only the rows of these experts
+                self.loop_kind = "range"
+                self.local_start = segment(m, it.args[0])
+                self.num_experts = f"{segment(m, it.args[1])} - {self.local_start}"
+                self.bins = f"({self.num_experts})"
+                return
             if len(it.args) != 1:
                 raise _Miss("range(...) with a step: not a loop over all experts")
             self.loop_kind = "range"
@@ -458,8 +469,19 @@ class _Eval:
                 self.sentinel = segment(self.m, right)  # dead when the mask has exactly that many classes
                 return
             if isinstance(right, ast.Constant) and right.value == 0 and self._size_kind(left) in ("tok", "kpos", "count", "x", "x_sorted"):
+                self.skip_empty = True
                 return
+            if isinstance(right, ast.Constant) and right.value == 0 and isinstance(left, ast.Subscript) and isinstance(left.value, ast.Name) \
+                    and self._is_eidx(left.slice):
+                # `if counts[i] == 0: continue` with counts = bincount(indices.flatten()): skips only
+                # experts without tokens (checked against the site's indices in finish)
+                src = _bincount_source(self.scope, left.value.id, self.loop.lineno)
+                if src is not None:
+                    self.count_guard = (left.value.id, src)
+                    self.skip_empty = True
+                    return
         if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x"):
+            self.skip_empty = True
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
 
@@ -567,37 +589,16 @@ class _Eval:
         self.probs = name
 
     def _mask_info(self, name: str) -> Optional[tuple[str, str, str]]:
-        """(indices, num_classes, orientation) when ``name`` is ``one_hot(indices, E).permute(...)``."""
+        """(indices, num_classes, orientation) when ``name`` holds per-expert masks of 2-D expert
+        indices (``one_hot(idx, E).permute(...)``, ``(idx.unsqueeze(-1) == arange(E)).permute(...)``)."""
         if name in self.masks:
             return self.masks[name]
-        node: Optional[ast.expr] = self.scope.definition(name, self.loop.lineno)
-        orient, permuted = "tk", False
-        for _ in range(8):
-            if isinstance(node, ast.Name):
-                node = self.scope.definition(node.id, getattr(node, "lineno", self.loop.lineno))
-                continue
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "permute":
-                dims = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
-                if len(dims) == 1 and isinstance(node.args[0], ast.Tuple):
-                    dims = [a.value if isinstance(a, ast.Constant) else None for a in node.args[0].elts]
-                if dims == [2, 1, 0]:
-                    orient = "kt"
-                elif dims == [2, 0, 1]:
-                    orient = "tk"
-                else:
-                    return None
-                permuted = True
-                node = node.func.value
-                continue
-            if isinstance(node, ast.Call) and _canon(self.m, node.func) in _ONE_HOT:
-                idx, ncls = keyword(node, "input", 0), keyword(node, "num_classes", 1)
-                if not isinstance(idx, ast.Name) or ncls is None or not permuted:
-                    return None
-                info = (idx.id, segment(self.m, ncls), orient)
-                self.masks[name] = info
-                return info
+        found = expert_mask(self.m, self.scope, name, self.loop.lineno)
+        if found is None:
             return None
-        return None
+        info = (found.indices, segment(self.m, found.num_classes), found.orientation)
+        self.masks[name] = info
+        return info
 
     def _call(self, node: ast.Call) -> V:
         m, f = self.m, node.func
@@ -770,7 +771,15 @@ class _Eval:
         scaled = contrib.kind == "scaled"
         core = contrib.args[0] if scaled else contrib
         if core.kind == "mod_out":
-            mlp = _expert_module_mlp(self, core.args[1])
+            try:
+                mlp = _expert_module_mlp(self, core.args[1])
+            except _Miss as why:
+                if core.args[1]:
+                    raise  # weights passed into the expert: only a known MLP can take them
+                # the expert MLP cannot be read off its class (built elsewhere, passed into
+                # __init__, custom layers, biases, other activations): the experts are called as
+                # they are on their contiguous rows, between permute and unpermute
+                mlp = _Mlp("opaque", False, _Act("opaque"), why_opaque=str(why))
             if core.args[1]:
                 scaled = True
                 mlp.weights_at = "inside_expert"
@@ -809,8 +818,10 @@ class _Eval:
         if self.loop_kind == "expert_hit":
             self._check_hit(indices)
             self.num_experts = self.bins = ncls
+            self.skip_empty = True
         elif self.loop_kind == "counts":
             raise _Miss("the loop runs over token counts but selects tokens by mask")
+        self._check_count_guard(indices)
         if not self.bins:
             if mlp.layout == "stacked":
                 self.num_experts = self.bins = f"{_first_weight(mlp)}.shape[0]"
@@ -819,11 +830,19 @@ class _Eval:
                 self.bins = f"len({P}experts)"
         site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
                      probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc,
-                     sentinel=sentinel)
+                     sentinel=sentinel, local_start=self.local_start, skip_empty=self.skip_empty)
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
         self._experts_list(site)
-        self._span(block, i, site, acc, extra={*self.masks, *self._hit_names()})
+        self._span(block, i, site, acc, extra={*self.masks, *self._hit_names(), *self._guard_names()})
         return site
+
+    def _check_count_guard(self, indices: str) -> None:
+        if self.count_guard is not None and self.count_guard[1] != indices:
+            raise _Miss(f"the loop skips experts on `{self.count_guard[0]}`, counts of `{self.count_guard[1]}`, "
+                        f"not of the expert indices `{indices}` it dispatches")
+
+    def _guard_names(self) -> set[str]:
+        return {self.count_guard[0]} if self.count_guard is not None else set()
 
     def _finish_flat(self, block: list[ast.stmt], i: int, acc: str, contrib: V, flat: str) -> _Site:
         mlp = self._mlp(contrib, weighted=False)
@@ -831,8 +850,13 @@ class _Eval:
             raise _Miss("tokens are selected and written back with different index tensors")
         if self.loop_kind not in ("range", "enumerate_experts"):
             raise _Miss("flat-index expert loop that is not over range(E) or enumerate(experts)")
+        self._check_count_guard(flat)
+        if not self.bins and mlp.layout != "stacked":
+            self.num_experts = f"len({self._container_text()})"
+            self.bins = f"len({P}experts)"
         site = _Site(routing="flat_mask", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=flat,
-                     num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc)
+                     num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc, local_start=self.local_start,
+                     skip_empty=self.skip_empty)
         site.top_k = "1 (tokens repeated per routed expert before the loop)"
         self._experts_list(site)
         self._span(block, i, site, acc, extra=set(), fresh_init_required=True)
@@ -842,6 +866,8 @@ class _Eval:
         if self.loop_kind != "counts":
             raise _Miss("expert outputs are appended to a list but the loop is not over per-expert token counts")
         mlp = self._mlp(contrib, weighted=False)
+        if mlp.layout == "opaque":
+            raise _Miss(f"tokens pre-sorted by expert, but the expert MLP is not read: {mlp.why_opaque}")
         counts = self._count_tensor()
         site = _Site(routing="sorted_counts", loop="counts", tokens=self._tokens_name(contrib), counts=counts,
                      num_experts=f"len({counts})", bins=f"len({counts})", mlp=mlp)
@@ -914,7 +940,7 @@ class _Eval:
     def _experts_list(self, site: _Site) -> None:
         mlp = site.mlp
         assert mlp is not None
-        if mlp.layout != "per_expert_linear":
+        if mlp.layout not in ("per_expert_linear", "opaque"):
             return
         if self.loop_kind == "enumerate_experts":
             site.experts_list = self.experts_list
@@ -925,8 +951,11 @@ class _Eval:
         for n in fast_walk(t):
             if isinstance(n, ast.Name) and n.id in self.eidx:
                 n.id = f"{P}i"
-        bins = site.bins if site.bins != f"len({P}experts)" else f"len({self._container_text()})"
-        site.experts_list = f"[{ast.unparse(t)} for {P}i in range({bins})]"
+        if self.local_start:
+            bounds = ", ".join(segment(self.m, a) for a in self.loop.iter.args)  # type: ignore[attr-defined]
+        else:
+            bounds = site.bins if site.bins != f"len({P}experts)" else f"len({self._container_text()})"
+        site.experts_list = f"[{ast.unparse(t)} for {P}i in range({bounds})]"
 
     # -- spans ----------------------------------------------------------------------------
 
@@ -1066,6 +1095,31 @@ def _top_k(scope: Scope, indices: str, line: int) -> str:
             if k is not None:
                 return ast.unparse(k)
     return f"{indices}.shape[-1]"
+
+
+def _bincount_source(scope: Scope, name: str, line: int) -> Optional[str]:
+    """The indices ``X`` when ``name`` is ``torch.bincount(X.flatten(), ...)`` (or ``X.view(-1)`` /
+    ``X.reshape(-1)`` / ``X.flatten().bincount(...)``), possibly moved to the host (``.tolist()``)."""
+    node = scope.definition(name, line)
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("tolist", "cpu", "numpy") and not node.args:
+        node = node.func.value
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    if isinstance(f, ast.Attribute) and f.attr == "bincount" and not node.args:
+        arg: Optional[ast.expr] = f.value
+    elif (dotted(f) or "").endswith("bincount") and node.args:
+        arg = node.args[0]
+    else:
+        return None
+    if any(k.arg == "weights" for k in node.keywords):
+        return None  # weighted counts are not token counts
+    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute):
+        flat = arg.func.attr == "flatten" and not arg.args
+        flat = flat or (arg.func.attr in ("view", "reshape") and len(arg.args) == 1 and const_value(arg.args[0]) == -1)
+        if flat and isinstance(arg.func.value, ast.Name):
+            return arg.func.value.id
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1387,15 +1441,55 @@ def _act_text(site: _Site) -> list[str]:
 def _fused_text(site: _Site) -> str:
     mlp = site.mlp
     assert mlp is not None
-    lines: list[str] = [_GMM_FUNCTION.rstrip("\n")]
-    wlines, w1, w2 = _weights_text(site)
-    lines += wlines
+    opaque = mlp.layout == "opaque"
+    lines: list[str] = []
+    if opaque:
+        lines.append(f"{P}experts = {site.experts_list}")
+        w1 = w2 = ""
+    else:
+        lines.append(_GMM_FUNCTION.rstrip("\n"))
+        wlines, w1, w2 = _weights_text(site)
+        lines += wlines
+    # local: only rows of experts [0, n) of the (shifted) indices are computed; the others (other
+    # ranks' experts, or the sentinel index E) sort last, are cut off and come back as zero rows
+    local = bool(site.local_start) or (opaque and bool(site.sentinel))
+    n = f"{P}n"
     if site.routing == "sorted_counts":
         lines += [
             f"# {site.tokens} is already sorted by expert; {site.counts} holds the per-expert counts on the device",
             f"{P}counts = {site.counts}.to(torch.int64)",
             f"{P}x = {site.tokens}",
         ]
+    elif local:
+        indices = site.indices
+        lines.append(f"{n} = {site.bins}")
+        if site.local_start:
+            lines += [
+                f"# expert parallelism: this rank runs experts [{site.local_start}, {site.local_start} + {n}); global",
+                "# indices become local ones and every other index sorts last as index n (no expert here)",
+                f"{P}idx = {indices} - ({site.local_start})",
+                f"{P}idx = {P}idx.masked_fill(({P}idx < 0) | ({P}idx >= {n}), {n})",
+            ]
+        else:
+            lines += [
+                f"# index {site.sentinel} marks tokens no (local) expert takes and the loop skips them: they sort last",
+                f"{P}idx = {indices}.clamp(min=0, max={n})",
+            ]
+        lines.append(f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {P}idx)")
+        if opaque:
+            lines += [
+                "# one host sync for the group sizes (the loop synced once per expert)",
+                f"{P}sizes = torch.bincount({P}idx.flatten(), minlength={n} + 1).tolist()",
+                f"{P}rows = sum({P}sizes[:{n}])",
+                f"{P}sizes = {P}sizes[:{n}]",
+            ]
+        else:
+            lines += [
+                f"{P}counts = torch.bincount({P}idx.flatten(), minlength={n} + 1)",
+                f"{P}rows = int({P}counts[:{n}].sum())  # one host sync: how many rows this rank's experts take",
+                f"{P}counts = {P}counts[:{n}]",
+            ]
+        lines.append(f"{P}x = {P}x[:{P}rows]")
     else:
         e = site.bins
         indices, probs = site.indices, site.probs
@@ -1407,20 +1501,41 @@ def _fused_text(site: _Site) -> str:
                 f"{P}probs = {probs}.masked_fill({indices} == {e}, 0)",
             ]
             indices, probs = f"{P}idx", f"{P}probs"
-        lines += [
-            f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})",
-            "# per-expert token counts without a host sync (histc over [0, E): exact integer bins)",
-            f"{P}counts = torch.histc({indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
-        ]
+        lines.append(f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})")
+        if opaque:
+            lines += [
+                "# one host sync for the group sizes (the loop synced once per expert)",
+                f"{P}sizes = torch.bincount({indices}.flatten(), minlength={e}).tolist()",
+            ]
+        else:
+            lines += [
+                "# per-expert token counts without a host sync (histc over [0, E): exact integer bins)",
+                f"{P}counts = torch.histc({indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
+            ]
     h = f"{P}h"
-    lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
-    lines += _act_text(site)
-    lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+    if opaque:
+        rows = f"{P}rows_e"
+        call = f"{P}expert({rows})"
+        if site.skip_empty:
+            call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
+        lines += [
+            f"# the experts' rows are contiguous after the permute: each expert runs once on its slice",
+            f"{P}outs = []",
+            f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):",
+            f"    {P}outs.append({call})",
+            f"{h} = torch.cat({P}outs)",
+        ]
+    else:
+        lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
+        lines += _act_text(site)
+        lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+    if local and site.routing != "sorted_counts":
+        lines.append(f"{h} = torch.cat([{h}, {h}.new_zeros({P}order.numel() - {h}.shape[0], {h}.shape[-1])])  # rows of no local expert: 0")
     out = site.out_name
     if site.routing == "sorted_counts":
         lines.append(f"{out} = {h}")
     else:
-        probs_name = f"{P}probs" if site.sentinel else site.probs
+        probs_name = f"{P}probs" if site.sentinel and not local else site.probs
         probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else ""
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
         if site.out_mode == "assign":
@@ -1438,12 +1553,15 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         val = getattr(mlp, role)
         if val:
             weights[role] = val
-    if mlp.layout == "per_expert_linear":
-        layout = "per_expert_linear"
+    if mlp.layout in ("per_expert_linear", "opaque"):
+        layout = "expert_modules" if mlp.layout == "opaque" else mlp.layout
     else:
         orients = set(mlp.orient.values())
         layout = "stacked_" + (orients.pop() if len(orients) == 1 else "mixed")
-    activation = ("silu_gated" if mlp.act.kind == "silu" else f"gated:{mlp.act.describe()}") if mlp.gated else f"plain:{mlp.act.describe()}"
+    if mlp.layout == "opaque":
+        activation = "as the expert modules compute it"
+    else:
+        activation = ("silu_gated" if mlp.act.kind == "silu" else f"gated:{mlp.act.describe()}") if mlp.gated else f"plain:{mlp.act.describe()}"
     params: dict[str, Any] = {
         "num_experts": site.num_experts,
         "top_k": site.top_k,
@@ -1461,6 +1579,7 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         "output": site.out_name,
         "output_dtype": site.out_dtype or None,
         "sentinel_index": site.sentinel or None,
+        "local_experts_start": site.local_start or None,
     }
     risks = [
         Risk("dynamic_shape", "per-expert token counts are data dependent: the fused path keeps every shape static "
@@ -1471,13 +1590,30 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         Risk("autocast", "torch_npu ops do not follow autocast: the grouped matmul runs in the tokens' dtype (expert "
              "weights are cast to it), as autocast would for bf16 tokens"),
     ]
-    notes = [
-        "npu_grouped_matmul has no backward in torch_npu 2.14: the fused text wraps it in an autograd.Function whose "
-        "backward is two grouped matmuls (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy), so training "
-        "keeps expert gradients; the Function is defined once per module and cached in the module's globals()",
-        "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
-        "nonzero / .cpu()",
-    ]
+    if mlp.layout == "opaque":
+        notes = [
+            f"the expert MLP is not read off its class ({mlp.why_opaque}), so no grouped matmul: "
+            "npu_moe_token_permute sorts the token copies by expert, each expert module runs once on its contiguous "
+            "rows (torch.split by the per-expert counts) and npu_moe_token_unpermute weights and sums the copies; "
+            "this replaces the per-expert torch.where / gather / index_add (one host sync for the sizes instead of "
+            "one per expert). Permute and unpermute have autograd, so training works",
+        ]
+        risks.append(Risk("other", "each expert gets exactly the rows the loop gave it (stable sort by expert), in "
+                          "token order; an expert that mixes rows (batch statistics) would see them in that order, as "
+                          "the loop's torch.where gives them for [T, K] masks"))
+    else:
+        notes = [
+            "npu_grouped_matmul has no backward in torch_npu 2.14: the fused text wraps it in an autograd.Function whose "
+            "backward is two grouped matmuls (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy), so training "
+            "keeps expert gradients; the Function is defined once per module and cached in the module's globals()",
+            "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
+            "nonzero / .cpu()",
+        ]
+    if site.local_start:
+        notes.append(f"expert parallelism: the loop runs only this rank's experts range({site.local_start}, ...); the "
+                     f"fused text subtracts {site.local_start} from the expert indices, sorts every index outside the "
+                     "local range last, computes only the local experts' rows (one host sync for their number) and "
+                     "gives the other rows zero, as the loop leaves them (the cross-rank reduction after it is unchanged)")
     if mlp.layout == "per_expert_linear":
         risks.append(Risk("other", "per-expert nn.Linear weights are stacked into [E, K, N] every call: 3*E weight copies "
                           "per forward (and the stack is kept for backward when training). For many experts this can "
@@ -1509,6 +1645,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
     variant = {"mask_where": "one_hot_where", "flat_mask": "flat_index_mask", "sorted_counts": "sorted_counts"}[site.routing]
     if mlp.layout == "stacked":
         variant += "_stacked"
+    elif mlp.layout == "opaque":
+        variant += "_expert_modules"
+    if site.local_start:
+        variant += "_local_experts"
     return Finding(
         pattern=_ID,
         qualname=scope.qualname,
@@ -1536,6 +1676,13 @@ def _assess(finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
     e = config.get("num_experts")
     k = config.get("num_experts_per_tok") or 2
     p = finding.params
+    if p.get("layout") == "expert_modules":
+        return symbolic(
+            "launch",
+            "per expert a torch.where (host sync), a gather and an index_add become one permute, one split and one "
+            "unpermute for the layer; the experts' own kernels are unchanged, so the gain is the routing kernels and "
+            "host syncs, largest for many experts and few tokens",
+        )
     gated = str(p.get("activation", "")).startswith(("silu", "gated"))
     if not (h and inter and e):
         return symbolic(
@@ -2246,11 +2393,9 @@ MoeExperts.FUSE = [
 MoeExperts.KEEP = [
     Keep(_KEEP_CAPACITY, reason="capacity", name="capacity_token_dropping"),
     Keep(_KEEP_SHARED_INSIDE, reason="shared expert", name="shared_expert_inside_loop"),
-    Keep(_KEEP_HETERO, reason="different architectures", name="heterogeneous_experts"),
     Keep(_KEEP_RGCN, reason="not a token dispatch", name="rgcn_relation_loop"),
     Keep(_KEEP_SEQUENTIAL, reason="not a token dispatch", name="sequential_expert_chain"),
     Keep(_KEEP_SWITCH, reason="router masks", name="switch_transformers_router_mask"),
-    Keep(_KEEP_BIAS, reason="bias", name="expert_linear_with_bias"),
     Keep(_KEEP_CLAMPED, reason="not recognised", name="clamped_swiglu_custom_gate"),
 ]
 
@@ -2302,8 +2447,8 @@ MoeExperts.FUSE += [
          name="zip_experts_with_masks", run=_ZIP_RUN, expect={"loop": "enumerate_experts"}),
 ]
 
-MoeExperts.KEEP += [
-    Keep(_HEAD + '''
+
+_EP_EXPERT_NN = '''
 class Expert(nn.Module):
     def __init__(self, dim, inter_dim):
         super().__init__()
@@ -2313,8 +2458,28 @@ class Expert(nn.Module):
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+'''
+
+# A project's own Linear (quantisation hooks etc.): not torch.nn.Linear, so the grouped matmul
+# cannot take its weight; the experts are called as they are.
+_EP_EXPERT_CUSTOM = '''
+def linear(x, weight, bias=None):
+    if weight.element_size() > 1:
+        return F.linear(x, weight, bias)
+    raise NotImplementedError("fp8")
 
 
+class Linear(nn.Module):
+    def __init__(self, in_features, out_features, bias=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features) * in_features ** -0.5)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+''' + _EP_EXPERT_NN.replace("nn.Linear(", "Linear(")
+
+_EP_MOE = '''
 class MoE(nn.Module):
     def __init__(self, dim, inter, n_routed_experts, topk, rank, world_size):
         super().__init__()
@@ -2327,6 +2492,8 @@ class MoE(nn.Module):
                                       for i in range(n_routed_experts)])
 
     def forward(self, x):
+        shape = x.size()
+        x = x.view(-1, self.dim)
         weights, indices = torch.topk(self.gate(x).softmax(dim=-1), self.topk, dim=-1)
         y = torch.zeros_like(x)
         counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
@@ -2336,9 +2503,99 @@ class MoE(nn.Module):
             expert = self.experts[i]
             idx, top = torch.where(indices == i)
             y[idx] += expert(x[idx]) * weights[idx, top, None]
-        return y
-''', reason="runs a slice of the experts (expert parallelism", name="expert_parallel_range_start_end"),
-    Keep(_HEAD + '''
+        return y.view(shape)
+'''
+
+_EP_RUN = '''\
+moe = MoE(16, 24, 8, 2, rank=1, world_size=2)
+x = torch.randn(2, 9, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[4].w1.weight, moe.experts[7].w2.weight]
+'''
+
+_EXPERTS_PASSED_IN = _HEAD + '''
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoeLayer(nn.Module):
+    def __init__(self, experts, gate, num_experts_per_tok):
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+        self.gate = gate
+        self.k = num_experts_per_tok
+
+    def forward(self, inputs):
+        gate_logits = self.gate(inputs)
+        weights, selected_experts = torch.topk(gate_logits, self.k)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(inputs.dtype)
+        results = torch.zeros_like(inputs)
+        for i, expert in enumerate(self.experts):
+            batch_idx, nth_expert = torch.where(selected_experts == i)
+            results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(inputs[batch_idx])
+        return results
+'''
+
+_EXPERTS_PASSED_IN_RUN = '''\
+moe = MoeLayer([FeedForward(16, 20) for _ in range(5)], nn.Linear(16, 5, bias=False), 2)
+x = torch.randn(14, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[0].w1.weight, moe.experts[4].w2.weight]
+'''
+
+_ARANGE_MASKS = _HEAD + '''
+class LLaMAMLP(nn.Module):
+    def __init__(self, n_embd, inter, bias):
+        super().__init__()
+        self.fc_1 = nn.Linear(n_embd, inter, bias=bias)
+        self.fc_2 = nn.Linear(n_embd, inter, bias=bias)
+        self.proj = nn.Linear(inter, n_embd, bias=bias)
+
+    def forward(self, x):
+        x_fc_1 = self.fc_1(x)
+        x_fc_2 = self.fc_2(x)
+        x = F.silu(x_fc_1) * x_fc_2
+        return self.proj(x)
+
+
+class LLaMAMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList(LLaMAMLP(config.n_embd, config.inter, config.bias) for _ in range(config.n_expert))
+        self.config = config
+
+    def forward(self, x):
+        B, T, C = x.size()
+        x = x.view(-1, C)
+        router = self.gate(x)
+        probs, indices = torch.topk(router, self.config.n_expert_per_token)
+        probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        masks = indices.unsqueeze(-1) == torch.arange(self.config.n_expert, device=x.device)
+        masks = masks.permute(2, 0, 1)
+        y = torch.zeros_like(x)
+        for mask, expert in zip(masks, self.experts):
+            token_idx, expert_idx = torch.where(mask)
+            y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])
+        return y.view(B, T, C)
+'''
+
+_ARANGE_MASKS_RUN = '''\
+cfg = SimpleNamespace(n_embd=16, inter=20, n_expert=6, n_expert_per_token=2, bias=True)
+moe = LLaMAMoE(cfg)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[1].fc_1.bias, moe.experts[5].proj.weight]
+'''
+
+_SINGLE_LINEAR = _HEAD + '''
 class MoE(nn.Module):
     def __init__(self, d, n, k):
         super().__init__()
@@ -2353,5 +2610,70 @@ class MoE(nn.Module):
             tok, slot = torch.where(idx == e)
             out[tok] += self.experts[e](x[tok]) * w[tok, slot, None]
         return out
-''', reason="each expert is a single nn.Linear", name="single_linear_experts"),
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_HEAD + _EP_EXPERT_NN + _EP_MOE, name="expert_parallel_range_start_end_grouped", run=_EP_RUN, expect={
+        "local_experts_start": "self.experts_start_idx", "num_experts": "self.experts_end_idx - self.experts_start_idx",
+        "layout": "per_expert_linear", "routing": "mask_where", "indices": "indices", "probs": "weights",
+        "variant": "one_hot_where_local_experts"}),
+    Fuse(_HEAD + _EP_EXPERT_CUSTOM + _EP_MOE, name="expert_parallel_custom_linear_modules", run=_EP_RUN, expect={
+        "local_experts_start": "self.experts_start_idx", "layout": "expert_modules",
+        "variant": "one_hot_where_expert_modules_local_experts"}),
+    Fuse(_EXPERTS_PASSED_IN, name="experts_passed_into_init_enumerate_where", run=_EXPERTS_PASSED_IN_RUN, expect={
+        "layout": "expert_modules", "loop": "enumerate_experts", "indices": "selected_experts", "probs": "weights",
+        "tokens": "inputs", "output": "results", "num_experts": "len(self.experts)"}),
+    Fuse(_ARANGE_MASKS, name="arange_eq_masks_zip_biased_experts", run=_ARANGE_MASKS_RUN, expect={
+        "layout": "expert_modules", "loop": "enumerate_experts", "indices": "indices", "probs": "probs",
+        "routing": "mask_where"}),
+    Fuse(_SINGLE_LINEAR, name="single_linear_experts", run='''\
+moe = MoE(16, 5, 2)
+x = torch.randn(10, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[2].weight]
+''', expect={"layout": "expert_modules", "loop": "range", "num_experts": "self.n"}),
+    Fuse(_KEEP_HETERO, name="heterogeneous_expert_modules", run=_CFG + '''\
+blk = HeteroMoE(cfg)
+x = torch.randn(13, 16, requires_grad=True)
+w, idx = torch.randn(13, 4).softmax(-1).topk(2, dim=-1)
+out = blk(x, w, idx)
+leaves = [x, blk.experts[0].w1.weight, blk.experts[1].fc.weight, blk.experts[3].fc.weight]
+''', expect={"layout": "expert_modules", "weights": {}, "variant": "one_hot_where_expert_modules", "loop": "range"}),
+    Fuse(_KEEP_BIAS, name="expert_linear_with_bias_modules", run='''\
+moe = BiasedMoE(16, 24, 5)
+x = torch.randn(11, 16, requires_grad=True)
+w, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)
+w.requires_grad_(True)
+out = moe(x, w, idx)
+leaves = [x, w, moe.experts[0].w1.bias, moe.experts[4].w2.weight]
+''', expect={"layout": "expert_modules", "probs": "weights", "indices": "chosen"}),
+]
+
+MoeExperts.KEEP += [
+    # the skip guard counts another tensor than the one the loop dispatches: experts with tokens could be skipped
+    Keep(_HEAD + _EP_EXPERT_NN + _EP_MOE.replace("torch.bincount(indices.flatten()", "torch.bincount(self.prev_indices.flatten()")
+         .replace("counts = torch.bincount(self", "prev = self.prev_indices\n        counts = torch.bincount(self")
+         .replace("torch.bincount(self.prev_indices.flatten()", "torch.bincount(prev.flatten()"),
+         reason="not of the expert indices", name="skip_guard_counts_other_tensor"),
+    # experts below a token threshold are skipped: not the same as skipping empty experts
+    Keep(_HEAD + _EP_EXPERT_NN + _EP_MOE.replace("if counts[i] == 0:", "if counts[i] < 4:"),
+         reason="skips experts on", name="skip_guard_threshold"),
+    # a router mask that is not built from the expert indices (capacity-limited routers drop tokens)
+    Keep(_HEAD + _EP_EXPERT_NN + '''
+class CapacityMoE(nn.Module):
+    def __init__(self, dim, inter, n):
+        super().__init__()
+        self.experts = nn.ModuleList([Expert(dim, inter) for _ in range(n)])
+
+    def forward(self, x, router_mask, probs):
+        masks = router_mask.permute(2, 0, 1)
+        y = torch.zeros_like(x)
+        for mask, expert in zip(masks, self.experts):
+            token_idx, slot = torch.where(mask)
+            y[token_idx] += probs[token_idx, slot, None] * expert(x[token_idx])
+        return y
+''', reason="from a mask that is not one_hot", name="router_mask_not_from_indices"),
+    # permute of an arange comparison along another order than expert-first
+    Keep(_ARANGE_MASKS.replace("masks.permute(2, 0, 1)", "masks.permute(0, 2, 1)"),
+         reason="from a mask that is not one_hot", name="arange_masks_not_expert_first"),
 ]
