@@ -153,6 +153,8 @@ class MoeExperts(Pattern):
             return  # no torch, or nothing about experts / index_add in this file
         # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
         quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
+        if "_grouped_mm" in module.source:
+            yield from _grouped_mm_sites(module, scope)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
                 continue
@@ -210,7 +212,7 @@ def _relevant(module: ModuleInfo) -> bool:
     if cached is None:
         src = module.source
         torch_file = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
-        cached = module.__dict__["_npufuse_moe_relevant"] = torch_file and ("index_add" in src or "xpert" in src)
+        cached = module.__dict__["_npufuse_moe_relevant"] = torch_file and ("index_add" in src or "xpert" in src or "_grouped_mm" in src)
     return bool(cached)
 
 
@@ -1666,6 +1668,234 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
 
 
 # ---------------------------------------------------------------------------------------------
+# torch._grouped_mm: expert MLPs already grouped (tokens permuted by the caller)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _GroupedMm:
+    call: ast.Call
+    a: ast.expr
+    b: ast.expr
+    offs: ast.expr
+
+
+def _grouped_mm_wrapper(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[tuple[ast.FunctionDef, list[str]]]:
+    """``self.<m>(...)`` whose method (this class or a same-file base) is only
+    ``return torch._grouped_mm(<param>, <param>, offs=<param>)``: (method, [a, b, offs] parameter names)."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return None
+    if scope.class_name is None or scope.class_name not in module.classes:
+        return None
+    meth = _method(module, module.classes[scope.class_name], f.attr)
+    if meth is None:
+        return None
+    names = _seam_params(module, meth)
+    return (meth, names) if names is not None else None
+
+
+def _seam_params(module: ModuleInfo, fn: ast.FunctionDef) -> Optional[list[str]]:
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return None
+    inner = body[0].value
+    if _canon(module, inner.func) != "torch._grouped_mm" or keyword(inner, "bias", 3) is not None or keyword(inner, "out_dtype", 4) is not None:
+        return None
+    args = [keyword(inner, "self", 0) or keyword(inner, "input", 0), keyword(inner, "mat2", 1), keyword(inner, "offs", 2)]
+    params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+    if not all(isinstance(a, ast.Name) and a.id in params for a in args):
+        return None
+    return [a.id for a in args]  # type: ignore[union-attr]
+
+
+def _bind(meth: ast.FunctionDef, call: ast.Call, name: str) -> Optional[ast.expr]:
+    """The argument ``call`` passes for parameter ``name`` of ``meth`` (a bound method: self skipped)."""
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    positional = [a.arg for a in meth.args.args[1:]]
+    if name in positional and positional.index(name) < len(call.args):
+        arg = call.args[positional.index(name)]
+        return None if isinstance(arg, ast.Starred) else arg
+    return None
+
+
+def _grouped_mm_of(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[_GroupedMm]:
+    if _canon(module, call.func) == "torch._grouped_mm":
+        if keyword(call, "bias", 3) is not None or keyword(call, "out_dtype", 4) is not None:
+            raise _Miss("torch._grouped_mm with a bias or an out_dtype: the replacement covers the plain grouped matmul")
+        a, b, offs = keyword(call, "self", 0) or keyword(call, "input", 0), keyword(call, "mat2", 1), keyword(call, "offs", 2)
+        if a is None or b is None or offs is None:
+            raise _Miss("torch._grouped_mm without offs: not grouped by expert")
+        return _GroupedMm(call, a, b, offs)
+    found = _grouped_mm_wrapper(module, scope, call)
+    if found is None:
+        return None
+    meth, (pa, pb, po) = found
+    a, b, offs = _bind(meth, call, pa), _bind(meth, call, pb), _bind(meth, call, po)
+    if a is None or b is None or offs is None:
+        raise _Miss(f"`{ast.unparse(call)[:60]}` passes its grouped-matmul operands in a way npufuse does not bind")
+    return _GroupedMm(call, a, b, offs)
+
+
+def _grouped_mm_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    """Runs of consecutive simple statements of one block that call ``torch._grouped_mm`` (or a
+    one-line method wrapping it) with one ``offs``: one finding each, the calls become
+    ``npu_grouped_matmul`` (CUDA's grouped GEMM does not exist on Ascend)."""
+    if isinstance(scope.node, ast.FunctionDef) and scope.class_name is not None and _seam_params(module, scope.node) is not None:
+        return  # the wrapper itself: its callers are the sites (an override of it is guarded there)
+    runs: list[tuple[list[ast.stmt], list[int]]] = []
+    for block, i, stmt in scope.statements():
+        if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr)):
+            continue
+        if not any(isinstance(n, ast.Call) and ((isinstance(n.func, ast.Attribute) and "grouped_mm" in n.func.attr)) for n in fast_walk(stmt)):
+            continue
+        if runs and runs[-1][0] is block and runs[-1][1][-1] == i - 1:
+            runs[-1][1].append(i)
+        else:
+            runs.append((block, [i]))
+    for block, idxs in runs:
+        stmts = [block[j] for j in idxs]
+        first, last = stmts[0], stmts[-1]
+        try:
+            yield _grouped_mm_finding(module, scope, stmts)
+        except _Miss as miss:
+            yield NearMiss(_ID, scope.qualname, first.lineno, last.end_lineno or last.lineno, str(miss))
+
+
+def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt]) -> Finding:
+    mms: list[_GroupedMm] = []
+    for st in stmts:
+        for n in fast_walk(st):
+            if isinstance(n, ast.Call):
+                g = _grouped_mm_of(module, scope, n)
+                if g is not None:
+                    mms.append(g)
+    if not mms:
+        raise _Miss("a grouped_mm call npufuse does not recognise")
+    offs = mms[0].offs
+    if any(ast.dump(g.offs) != ast.dump(offs) for g in mms):
+        raise _Miss("the grouped matmuls use different group offsets")
+    offs_text = segment(module, offs)
+    offs_names = {n.id for n in fast_walk(offs) if isinstance(n, ast.Name)}
+    if offs_names & _assigned(stmts):
+        raise _Miss("the group offsets are reassigned between the grouped matmuls")
+    via = {id(g.call): g for g in mms}
+    wrappers = {g.call.func.attr for g in mms if isinstance(g.call.func, ast.Attribute) and _canon(module, g.call.func) != "torch._grouped_mm"}
+    if len(wrappers) > 1:
+        raise _Miss("grouped matmuls through two different wrapper methods")
+    wrapper = next(iter(wrappers), "")
+    body = [ast.unparse(_swap_copy(st, via)) for st in stmts]
+    guard_name = next((n.id for n in fast_walk(mms[0].a) if isinstance(n, ast.Name) and n.id not in ("self", "torch")), "")
+    if not guard_name:
+        raise _Miss("the grouped matmul's tokens are not a local tensor")
+    guard = guard_name
+    if wrapper:
+        # the method is an overridable seam (low-precision variants replace it): fuse only while the
+        # instance still runs this class's own one
+        cls = scope.class_name
+        owner = module.classes.get(cls or "")
+        if owner is None or not any(isinstance(n, ast.FunctionDef) and n.name == wrapper for n in owner.body):
+            raise _Miss(f"the grouped-matmul wrapper `{wrapper}` is inherited: the guard checks this class's own method")
+        guard = f"{guard_name} if getattr(self.{wrapper}, '__func__', None) is {cls}.__dict__['{wrapper}'] else None"
+    lines = [
+        _GMM_FUNCTION.rstrip("\n"),
+        f"# torch._grouped_mm takes cumulative end offsets; the grouped matmul here takes per-group counts",
+        f"{P}offs = ({offs_text}).to(torch.int64)",
+        f"{P}counts = torch.diff({P}offs, prepend={P}offs.new_zeros(1))",
+        f"{P}m = int({P}offs[-1])  # one host sync: rows past the last offset belong to no group (padding)",
+        "",
+        "",
+        f"def {P}grouped_mm(a, b):",
+        "    if a.dim() != 2 or b.dim() != 3:",
+        f"        return torch._grouped_mm(a, b, offs={offs_text})  # other grouped_mm forms: as written",
+        f"    y = {P}gmm(a[:{P}m], b, {P}counts)",
+        "    if y.shape[0] < a.shape[0]:  # rows in no group: zeros (torch._grouped_mm leaves them unset)",
+        "        y = torch.cat([y, y.new_zeros(a.shape[0] - y.shape[0], y.shape[-1])])",
+        "    return y",
+        "",
+        "",
+        *body,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": "the grouped weights' first dim",
+        "top_k": "(tokens permuted before this function)",
+        "layout": "grouped_mm",
+        "weights": {f"mm{k}": segment(module, g.b) for k, g in enumerate(mms)},
+        "activation": "as written between the grouped matmuls",
+        "conditional": False,
+        "routing_weights": "outside",
+        "routing": "grouped_mm_offsets",
+        "loop": "none",
+        "tokens": segment(module, mms[0].a),
+        "indices": None,
+        "probs": None,
+        "counts": offs_text,
+        "output": "",
+        "output_dtype": None,
+        "sentinel_index": None,
+        "local_experts_start": None,
+        "grouped_mm_calls": len(mms),
+        "via": wrapper or "torch._grouped_mm",
+    }
+    risks = [
+        Risk("dynamic_shape", "the group sizes come from the offsets on the device; one host sync per call reads the "
+             "last offset (rows past it are padding no group owns)"),
+        Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32 (torch._grouped_mm bf16); the output keeps the tokens' dtype"),
+        Risk("other", "only the 2-D tokens x 3-D stacked weights form (the MoE forward) goes to npu_grouped_matmul; other "
+             "torch._grouped_mm forms still call it as written, which Ascend does not provide"),
+    ]
+    if wrapper:
+        risks.append(Risk("other", f"`self.{wrapper}` is an overridable seam: the fused branch runs only while the instance "
+                          f"uses {scope.class_name}'s own method (a subclass or instance override keeps the original path); "
+                          "a class-level monkeypatch of the method itself is not detected"))
+    notes = [
+        "tokens are already permuted by the caller, so only the grouped GEMMs are replaced (no permute/unpermute); "
+        "npu_grouped_matmul has no backward in torch_npu 2.14: the fused text wraps it in an autograd.Function "
+        "(dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)",
+        "weights passed as transposed views (`w.transpose(-2, -1)`) reach npu_grouped_matmul as views: the op takes "
+        "[E, N, K] storage as a transposed [E, K, N] weight without a copy",
+    ]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=stmts[0].lineno, end_line=stmts[-1].end_lineno or stmts[-1].lineno,
+        params=params, fused="\n".join(lines) + "\n", guard_tensor=guard, confidence="high", variant="grouped_mm",
+        risks=risks, notes=notes, training_ok=True,
+    )
+
+
+def _swap_copy(stmt: ast.stmt, via: dict[int, "_GroupedMm"]) -> ast.stmt:
+    """A copy of ``stmt`` (the module tree is never modified) with every grouped-mm call replaced
+    by ``_npufuse_grouped_mm(a, b)``, inner ones first."""
+    clone = copy.deepcopy(stmt)
+    originals = [n for n in fast_walk(stmt) if isinstance(n, ast.Call)]
+    copies = [n for n in fast_walk(clone) if isinstance(n, ast.Call)]
+    pairs = {id(c): o for o, c in zip(originals, copies) if id(o) in via}
+
+    def same_place(orig_call: ast.Call, clone_call: ast.Call, arg: ast.expr) -> ast.expr:
+        # the clone's argument where ``arg`` sits in the original call (already transformed)
+        for k_o, k_c in zip(orig_call.keywords, clone_call.keywords):
+            if k_o.value is arg:
+                return k_c.value
+        for a_o, a_c in zip(orig_call.args, clone_call.args):
+            if a_o is arg:
+                return a_c
+        raise _Miss("a grouped-matmul operand npufuse could not place")
+
+    class _Swap(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            self.generic_visit(node)
+            orig = pairs.get(id(node))
+            if orig is None:
+                return node
+            g = via[id(orig)]
+            args = [same_place(orig, node, g.a), same_place(orig, node, g.b)]
+            return ast.Call(func=ast.Name(f"{P}grouped_mm", ast.Load()), args=args, keywords=[])
+
+    return _Swap().visit(clone)
+
+
+# ---------------------------------------------------------------------------------------------
 # Value
 # ---------------------------------------------------------------------------------------------
 
@@ -2676,4 +2906,69 @@ class CapacityMoE(nn.Module):
     # permute of an arange comparison along another order than expert-first
     Keep(_ARANGE_MASKS.replace("masks.permute(2, 0, 1)", "masks.permute(0, 2, 1)"),
          reason="from a mask that is not one_hot", name="arange_masks_not_expert_first"),
+]
+
+
+# -- torch._grouped_mm over tokens the caller already permuted (torchtitan GroupedExperts) --------
+
+_GROUPED_MM_SEAM = _HEAD + '''
+class GroupedExperts(nn.Module):
+    def __init__(self, dim, hidden_dim, num_experts):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * hidden_dim ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * dim ** -0.5)
+
+    def forward(self, x, num_tokens_per_expert):
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        h = F.silu(self._grouped_mm(A=x.bfloat16(), B_t=self.w1.bfloat16().transpose(-2, -1), offs=offsets))
+        h = h * self._grouped_mm(A=x.bfloat16(), B_t=self.w3.bfloat16().transpose(-2, -1), offs=offsets)
+        return self._grouped_mm(A=h, B_t=self.w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+
+    def _grouped_mm(self, *, A, B_t, offs):
+        """Overridable seam for low-precision variants."""
+        return torch._grouped_mm(A, B_t, offs=offs)
+'''
+
+# every row in a group here: torch._grouped_mm leaves rows past the last offset unset (garbage), so
+# only tests/test_detect_moe.py checks those (zeros in the fused branch)
+_GROUPED_MM_RUN = '''\
+ex = GroupedExperts(16, 24, 4)
+x = torch.randn(21, 16, requires_grad=True)
+out = ex(x, torch.tensor([5, 0, 9, 7]))
+leaves = [x, ex.w1, ex.w2, ex.w3]
+'''
+
+_GROUPED_MM_DIRECT = _HEAD + '''
+def run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert):
+    offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    h = F.silu(torch._grouped_mm(x.bfloat16(), w1.bfloat16().transpose(-2, -1), offs=offsets))
+    h = h * torch._grouped_mm(x.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
+    out = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+    return out
+'''
+
+_GROUPED_MM_DIRECT_RUN = '''\
+torch.manual_seed(1)
+w1 = (torch.randn(3, 32, 16) * 0.25).requires_grad_()
+w2 = (torch.randn(3, 16, 32) * 0.18).requires_grad_()
+w3 = (torch.randn(3, 32, 16) * 0.25).requires_grad_()
+x = torch.randn(12, 16, requires_grad=True)
+out = run_experts_grouped_mm(w1, w2, w3, x, torch.tensor([4, 6, 2]))
+leaves = [x, w1, w2, w3]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_GROUPED_MM_SEAM, name="grouped_mm_through_method_seam", run=_GROUPED_MM_RUN, expect={
+        "routing": "grouped_mm_offsets", "layout": "grouped_mm", "counts": "offsets", "grouped_mm_calls": 3,
+        "via": "_grouped_mm", "variant": "grouped_mm", "line": 18, "end_line": 20}),
+    Fuse(_GROUPED_MM_DIRECT, name="grouped_mm_direct_calls", run=_GROUPED_MM_DIRECT_RUN, expect={
+        "routing": "grouped_mm_offsets", "via": "torch._grouped_mm", "grouped_mm_calls": 3, "tokens": "x.bfloat16()"}),
+]
+
+MoeExperts.KEEP += [
+    Keep(_GROUPED_MM_DIRECT.replace("w3.bfloat16().transpose(-2, -1), offs=offsets)", "w3.bfloat16().transpose(-2, -1), offs=offsets[1:])"),
+         reason="different group offsets", name="grouped_mm_two_offsets"),
+    Keep(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, out_dtype=torch.float32))\n    h = h"),
+         reason="out_dtype", name="grouped_mm_out_dtype"),
 ]
