@@ -292,6 +292,8 @@ class _Eval:
         self.experts_list = ""
         self.counts_name = ""  # counts loop: the count iterable
         self.count_source = ""  # the device tensor behind it
+        self.split_sizes: Optional[ast.expr] = None  # split loop: the per-expert sizes of torch.split(sorted, sizes)
+        self.split_name = ""  # split loop over a name bound to the split
         self.start_name = ""  # counts loop: running start offset
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
         self.local_start = ""  # range(start, end): the first global index of this rank's experts
@@ -323,6 +325,13 @@ class _Eval:
                 self.bins = f"len({P}experts)"
                 self.env[item_name] = V("expert", (None,))
                 return
+            split = self._split_rows(inner)
+            if split is not None:
+                # ``for i, rows in enumerate(torch.split(sorted_tokens, counts))``: contiguous per-expert rows
+                self.loop_kind = "counts"
+                self.env[item_name] = V("x_sorted", (split[0],))
+                self.split_sizes = split[1]
+                return
             if isinstance(inner, ast.Name):
                 self.loop_kind = "counts"
                 self.counts_name = inner.id
@@ -337,6 +346,17 @@ class _Eval:
             if not self._is_expert_container(inner) or self._is_expert_container(per):
                 per, inner = inner, per
                 per_name, item_name = item_name, per_name
+            split = self._split_rows(per) if self._is_expert_container(inner) else None
+            if split is not None:
+                # ``for expert, rows in zip(self.experts, torch.split(sorted_tokens, counts))``
+                self.eidx.add(f"{P}expert_idx")
+                self.experts_node = inner
+                self.loop_kind = "counts"
+                self.experts_list = f"list({segment(m, inner)})"
+                self.env[item_name] = V("expert", (None,))
+                self.env[per_name] = V("x_sorted", (split[0],))
+                self.split_sizes = split[1]
+                return
             if self._is_expert_container(inner) and isinstance(per, ast.Name):
                 idx_name = f"{P}expert_idx"
                 self.eidx.add(idx_name)
@@ -373,6 +393,27 @@ class _Eval:
         if self._is_expert_container(it):
             raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing)")
         self.loop_kind = "expert_hit"  # only the experts that received tokens: checked in _check_hit
+
+    def _split_rows(self, node: ast.expr) -> Optional[tuple[str, ast.expr]]:
+        """(tokens, sizes) when ``node`` (or the name it is bound to) is ``torch.split(tokens, sizes)``
+        / ``tokens.split(sizes)`` along dim 0 with per-expert sizes (a list moved to the host, or a
+        name bound to one): the rows of tokens already sorted by expert."""
+        if isinstance(node, ast.Name):
+            self.split_name = node.id
+            node = self.scope.definition(node.id, self.loop.lineno)  # type: ignore[assignment]
+        if not isinstance(node, ast.Call):
+            return None
+        if _canon(self.m, node.func) == "torch.split" and len(node.args) >= 2:
+            x, sizes, dim = node.args[0], node.args[1], keyword(node, "dim", 2)
+        elif isinstance(node.func, ast.Attribute) and node.func.attr == "split" and node.args:
+            x, sizes, dim = node.func.value, node.args[0], keyword(node, "dim", 1)
+        else:
+            return None
+        if dim is not None and const_value(dim) != 0:
+            return None
+        if not isinstance(x, ast.Name) or _host_counts(self.scope, sizes, self.loop.lineno) is None:
+            return None
+        return x.id, sizes
 
     def _is_expert_container(self, node: ast.expr) -> bool:
         base = _container_of(node)
@@ -869,7 +910,8 @@ class _Eval:
             raise _Miss("expert outputs are appended to a list but the loop is not over per-expert token counts")
         mlp = self._mlp(contrib, weighted=False)
         if mlp.layout == "opaque":
-            raise _Miss(f"tokens pre-sorted by expert, but the expert MLP is not read: {mlp.why_opaque}")
+            raise _Miss("the tokens are already sorted by expert and every expert runs once on its contiguous rows: only a "
+                        f"grouped matmul would save more, and it needs the expert MLP, which is not read: {mlp.why_opaque}")
         counts = self._count_tensor()
         site = _Site(routing="sorted_counts", loop="counts", tokens=self._tokens_name(contrib), counts=counts,
                      num_experts=f"len({counts})", bins=f"len({counts})", mlp=mlp)
@@ -930,6 +972,11 @@ class _Eval:
 
     def _count_tensor(self) -> str:
         """``tokens_per_expert`` before ``.cpu().numpy()``: the per-expert counts still on the device."""
+        if self.split_sizes is not None:
+            found = _host_counts(self.scope, self.split_sizes, self.loop.lineno)
+            assert found is not None  # checked by _split_rows
+            self.counts_name = found[1]
+            return found[0]
         node = self.scope.definition(self.counts_name, self.loop.lineno)
         inner, hops = node, 0
         while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("cpu", "numpy", "tolist", "detach"):
@@ -944,7 +991,7 @@ class _Eval:
         assert mlp is not None
         if mlp.layout not in ("per_expert_linear", "opaque"):
             return
-        if self.loop_kind == "enumerate_experts":
+        if self.loop_kind == "enumerate_experts" or (self.loop_kind == "counts" and self.experts_list):
             site.experts_list = self.experts_list
             return
         if self.template is None:
@@ -998,7 +1045,7 @@ class _Eval:
         if not (isinstance(val, ast.Call) and _canon(self.m, val.func) == "torch.cat" and val.args
                 and isinstance(val.args[0], ast.Name) and val.args[0].id == lst):
             raise miss
-        allowed = {lst, self.counts_name, self.start_name}
+        allowed = {lst, self.counts_name, self.start_name, self.split_name} - {""}
         start, j = i, i - 1
         while j >= 0:
             s = block[j]
@@ -1099,6 +1146,21 @@ def _top_k(scope: Scope, indices: str, line: int) -> str:
     return f"{indices}.shape[-1]"
 
 
+def _host_counts(scope: Scope, node: ast.expr, line: int) -> Optional[tuple[str, str]]:
+    """(device tensor, host name) for per-expert split sizes moved to the host: ``counts.tolist()``
+    inline, or a name bound to ``counts.tolist()`` / ``.cpu().numpy()`` ("" host name when inline)."""
+    host = ""
+    if isinstance(node, ast.Name):
+        host = node.id
+        node = scope.definition(node.id, line)  # type: ignore[assignment]
+    inner, hops = node, 0
+    while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("cpu", "numpy", "tolist", "detach") and not inner.args:
+        inner, hops = inner.func.value, hops + 1
+    if hops == 0 or not isinstance(inner, ast.Name):
+        return None
+    return inner.id, host
+
+
 def _bincount_source(scope: Scope, name: str, line: int) -> Optional[str]:
     """The indices ``X`` when ``name`` is ``torch.bincount(X.flatten(), ...)`` (or ``X.view(-1)`` /
     ``X.reshape(-1)`` / ``X.flatten().bincount(...)``), possibly moved to the host (``.tolist()``)."""
@@ -1191,7 +1253,7 @@ def _expert_class(ev: _Eval) -> ast.ClassDef:
     """The class of the per-expert modules, from ``self.experts = nn.ModuleList([...])``."""
     m, scope = ev.m, ev.scope
     container = ev.template.value if ev.template is not None else None
-    if container is None and ev.loop_kind == "enumerate_experts":
+    if container is None and (ev.loop_kind == "enumerate_experts" or ev.experts_node is not None):
         container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
         if isinstance(container, ast.Call):
             container = container.func.value  # type: ignore[attr-defined]
@@ -2971,4 +3033,77 @@ MoeExperts.KEEP += [
          reason="different group offsets", name="grouped_mm_two_offsets"),
     Keep(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, out_dtype=torch.float32))\n    h = h"),
          reason="out_dtype", name="grouped_mm_out_dtype"),
+]
+
+
+# -- tokens sorted by expert (argsort + index_select), torch.split by the counts, index_add_ back --
+
+_SPLIT_SORTED = _HEAD + '''
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SortedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+        self.n, self.k = n, k
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n)
+        x_sorted = x.index_select(0, order // self.k)
+        outs = []
+        for i, rows in enumerate(torch.split(x_sorted, counts.tolist())):
+            outs.append(self.experts[i](rows))
+        y_sorted = torch.cat(outs)
+        y = torch.zeros_like(x).index_add_(0, order // self.k, y_sorted * w.flatten()[order, None])
+        return y
+'''
+
+_SPLIT_SORTED_RUN = '''\
+moe = SortedMoE(16, 24, 5, 2)
+x = torch.randn(13, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.router.weight, moe.experts[0].gate_proj.weight, moe.experts[4].down_proj.weight]
+'''
+
+# the zip form, sizes bound to a name first, unpermuted with index_copy_ and summed over k
+_SPLIT_ZIP = _SPLIT_SORTED.replace(
+    "        outs = []\n        for i, rows in enumerate(torch.split(x_sorted, counts.tolist())):\n"
+    "            outs.append(self.experts[i](rows))\n",
+    "        sizes = counts.tolist()\n        outs = []\n        for expert, rows in zip(self.experts, x_sorted.split(sizes)):\n"
+    "            outs.append(expert(rows))\n",
+).replace(
+    "        y = torch.zeros_like(x).index_add_(0, order // self.k, y_sorted * w.flatten()[order, None])\n",
+    "        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)\n"
+    "        y = (y.view(x.shape[0], self.k, -1) * w.unsqueeze(-1)).sum(dim=1)\n",
+)
+
+MoeExperts.FUSE += [
+    Fuse(_SPLIT_SORTED, name="split_by_counts_sorted_tokens_index_add", run=_SPLIT_SORTED_RUN, expect={
+        "routing": "sorted_counts", "loop": "counts", "counts": "counts", "tokens": "x_sorted", "output": "y_sorted",
+        "weights": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, "activation": "silu_gated"}),
+    Fuse(_SPLIT_ZIP, name="zip_experts_split_sizes_index_copy", run=_SPLIT_SORTED_RUN, expect={
+        "routing": "sorted_counts", "counts": "counts", "tokens": "x_sorted", "output": "y_sorted"}),
+]
+
+MoeExperts.KEEP += [
+    # the experts already run once each on contiguous rows: with an MLP the grouped matmul cannot take
+    # (a bias here), there is nothing left to fuse
+    Keep(_SPLIT_SORTED.replace("nn.Linear(d, h, bias=False)", "nn.Linear(d, h)"), reason="already sorted by expert",
+         name="split_sorted_expert_mlp_not_read"),
+    # fixed-size chunks are not per-expert groups
+    Keep(_SPLIT_SORTED.replace("torch.split(x_sorted, counts.tolist())", "torch.split(x_sorted, 4)"),
+         reason="neither the experts nor per-expert token counts", name="split_fixed_chunks"),
 ]
