@@ -1801,6 +1801,13 @@ def _grouped_mm_of(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional
     return _GroupedMm(call, a, b, offs)
 
 
+def _calls_grouped_mm(module: ModuleInfo, scope: Scope, call: ast.Call) -> bool:
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and f.attr.endswith("grouped_mm")):
+        return False  # cheap text test first: most calls are nothing of the kind
+    return _canon(module, f) == "torch._grouped_mm" or _grouped_mm_wrapper(module, scope, call) is not None
+
+
 def _grouped_mm_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
     """Runs of consecutive simple statements of one block that call ``torch._grouped_mm`` (or a
     one-line method wrapping it) with one ``offs``: one finding each, the calls become
@@ -1811,7 +1818,7 @@ def _grouped_mm_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
     for block, i, stmt in scope.statements():
         if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr)):
             continue
-        if not any(isinstance(n, ast.Call) and ((isinstance(n.func, ast.Attribute) and "grouped_mm" in n.func.attr)) for n in fast_walk(stmt)):
+        if not any(isinstance(n, ast.Call) and _calls_grouped_mm(module, scope, n) for n in fast_walk(stmt)):
             continue
         if runs and runs[-1][0] is block and runs[-1][1][-1] == i - 1:
             runs[-1][1].append(i)
@@ -1863,15 +1870,16 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
         guard = f"{guard_name} if getattr(self.{wrapper}, '__func__', None) is {cls}.__dict__['{wrapper}'] else None"
     lines = [
         _GMM_FUNCTION.rstrip("\n"),
-        f"# torch._grouped_mm takes cumulative end offsets; the grouped matmul here takes per-group counts",
-        f"{P}offs = ({offs_text}).to(torch.int64)",
-        f"{P}counts = torch.diff({P}offs, prepend={P}offs.new_zeros(1))",
-        f"{P}m = int({P}offs[-1])  # one host sync: rows past the last offset belong to no group (padding)",
+        f"{P}offs = {offs_text}",
+        f"if {P}offs is not None:",
+        "    # torch._grouped_mm takes cumulative end offsets; the grouped matmul here takes per-group counts",
+        f"    {P}counts = torch.diff({P}offs.to(torch.int64), prepend={P}offs.new_zeros(1, dtype=torch.int64))",
+        f"    {P}m = int({P}offs[-1])  # one host sync: rows past the last offset belong to no group (padding)",
         "",
         "",
         f"def {P}grouped_mm(a, b):",
-        "    if a.dim() != 2 or b.dim() != 3:",
-        f"        return torch._grouped_mm(a, b, offs={offs_text})  # other grouped_mm forms: as written",
+        f"    if {P}offs is None or a.dim() != 2 or b.dim() != 3:",
+        f"        return torch._grouped_mm(a, b, offs={P}offs)  # other grouped_mm forms: as written",
         f"    y = {P}gmm(a[:{P}m], b, {P}counts)",
         "    if y.shape[0] < a.shape[0]:  # rows in no group: zeros (torch._grouped_mm leaves them unset)",
         "        y = torch.cat([y, y.new_zeros(a.shape[0] - y.shape[0], y.shape[-1])])",
