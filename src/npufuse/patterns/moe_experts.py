@@ -131,6 +131,8 @@ class _Site:
     out_dtype: str = ""
     sentinel: str = ""  # index value E that marks tokens no (local) expert takes (one_hot over E + 1)
     local_start: str = ""  # expert parallelism: the loop runs range(local_start, local_start + bins) of the global indices
+    flat_rows: bool = False  # token-mask routing: tokens/indices/probs may have leading dims, flattened to rows
+    dense_gates: str = ""  # weights are gates[mask, e] of dense [.., E] gates: probs = gates.gather(-1, indices)
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
     first_line: int = 0
     last_line: int = 0
@@ -294,6 +296,8 @@ class _Eval:
         self.count_source = ""  # the device tensor behind it
         self.split_sizes: Optional[ast.expr] = None  # split loop: the per-expert sizes of torch.split(sorted, sizes)
         self.split_name = ""  # split loop over a name bound to the split
+        self.tok_indices = ""  # token-mask routing: the expert indices of `(indices == e).any(-1)`
+        self.dense_gates = ""  # token-mask routing: weights read as gates[mask, e] off dense [.., E] gates
         self.start_name = ""  # counts loop: running start offset
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
         self.local_start = ""  # range(start, end): the first global index of this rank's experts
@@ -429,6 +433,12 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
+        if isinstance(s, ast.If) and not s.orelse and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
+                and self._nonempty_test(s.test):
+            # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch
+            self.skip_empty = True
+            self.run_body(s.body)
+            return
         if isinstance(s, ast.If):
             # `if top_x.shape[0] == 0: continue`, `if expert_idx == self.num_experts: continue`
             if s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body):
@@ -440,7 +450,7 @@ class _Eval:
             return
         if isinstance(s, ast.AugAssign):
             tgt = s.target
-            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind == "tok":
+            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask"):
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
                 return
             if isinstance(tgt, ast.Name) and tgt.id == self.start_name and isinstance(s.op, ast.Add) and self.ev(s.value).kind == "count":
@@ -462,6 +472,9 @@ class _Eval:
         if isinstance(tgt, ast.Name):
             if tgt.id in self.eidx and self._is_eidx(s.value):
                 return  # expert_idx = expert_idx[0] / int(expert_idx) / expert_idx.item()
+            if self._is_eidx(s.value) and self.expert_init is None:
+                self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
+                return
             self.env[tgt.id] = self.ev(s.value)
             return
         if isinstance(tgt, ast.Tuple) and all(isinstance(e, ast.Name) for e in tgt.elts):
@@ -523,10 +536,20 @@ class _Eval:
                     self.count_guard = (left.value.id, src)
                     self.skip_empty = True
                     return
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x"):
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x", "tokmask", "flatmask"):
             self.skip_empty = True
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _nonempty_test(self, test: ast.expr) -> bool:
+        """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
+        kinds = ("tok", "kpos", "x", "tokmask", "flatmask")
+        if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
+            return self.ev(test.func.value).kind in ("tokmask", "flatmask")
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
+                and const_value(test.comparators[0]) == 0:
+            return self._size_kind(test.left) in kinds
+        return False
 
     def _size_kind(self, node: ast.expr) -> str:
         """Kind of the value whose size ``node`` reads (``top_x.shape[0]``, ``len(top_x)``, ``top_x.numel()``)."""
@@ -607,6 +630,14 @@ class _Eval:
             if kinds == ["flatmask"]:
                 self.flat.add(self.ev(sl).args[0])
                 return V("x", (name,))  # hidden_states[flat_topk_idx == i]
+            if kinds == ["tokmask"]:
+                return V("x", (name,))  # x[(indices == e).any(-1)]: the rows of the tokens routed to e, in order
+            if kinds == ["tokmask", "eidx"]:
+                # dense gates [T, E] (zero outside the top-k): gates[t, e] is the weight of the slot of
+                # expert e in indices[t], i.e. gates.gather(-1, indices)[t, k]
+                self._set_probs(f"{name}.gather(-1, {self.tok_indices})")
+                self.dense_gates = name
+                return V("rw_row")
             if kinds in (["tok", "kpos"], ["tok", "kpos", "none"]):
                 self._set_probs(name)
                 return V("rw" if kinds[-1] == "none" else "rw_pre")  # routing_weights[top_x, idx, None]
@@ -615,6 +646,12 @@ class _Eval:
             if kinds == ["slice"] and isinstance(sl, ast.Slice) and sl.step is None and sl.lower is not None and sl.upper is not None:
                 if self.ev(sl.lower).kind == "start" and self.ev(sl.upper).kind == "end":
                     return V("x_sorted", (name,))  # sorted_tokens[start_idx:end_idx]
+        if base.kind == "flatmask" and [self._part_kind(p) for p in parts] == ["tok"]:
+            return V("slotmask")  # (indices == e)[rows]: each selected token's top-k slots of e
+        if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
+            return V("tok")
+        if base.kind == "rw_row" and [self._part_kind(p) for p in parts] == ["all", "none"]:
+            return V("rw")  # gates[mask, e][:, None]
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
             order = ("kpos", "tok") if base.args[0] == "kt" else ("tok", "kpos")
             return V(order[sl.value])
@@ -625,6 +662,17 @@ class _Eval:
         if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in fast_walk(sl)):
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
         return V("unknown", (ast.unparse(node),))
+
+    def _gather_slot(self, node: ast.Call, first: int) -> bool:
+        """``gather(dim=-1, index=<slot column>)`` (``first``: the dim's position; 1 for ``torch.gather(x, -1, i)``)."""
+        dim, index = keyword(node, "dim", first), keyword(node, "index", first + 1)
+        return dim is not None and const_value(dim) == -1 and index is not None and self.ev(index).kind == "kpos_col"
+
+    def _tokmask(self, indices: str) -> V:
+        if self.tok_indices and self.tok_indices != indices:
+            raise _Miss("tokens are selected from two different expert-index tensors")
+        self.tok_indices = self.where_indices = indices
+        return V("tokmask", (indices,))
 
     def _set_probs(self, name: str) -> None:
         if self.probs and self.probs != name:
@@ -663,16 +711,58 @@ class _Eval:
                 return V("where", (self.masks[recv.args[0]][2],))
             if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and self.ev(node.args[1]).kind == "tok":
                 return V("x", recv.args)
+            if attr == "squeeze" and recv.kind in ("scaled", "mod_out") and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                # [n, H].squeeze(1) is [n, H] for H > 1 (with H == 1 the original's `out[mask] += ...` cannot broadcast)
+                return recv
+            if attr == "any" and recv.kind == "flatmask" and _last_dim_reduction(node):
+                return self._tokmask(recv.args[0])  # (indices == e).any(dim=-1): the tokens routed to e
+            if recv.kind == "tokmask" and (attr == "flatten" and not node.args or attr in ("view", "reshape") and len(node.args) == 1
+                                           and const_value(node.args[0]) == -1):
+                return recv  # the same token mask over flattened rows
+            if attr == "nonzero" and recv.kind == "tokmask":
+                if any(k.arg == "as_tuple" and const_value(k.value) is True for k in node.keywords):
+                    return V("tokrows")  # (rows,): [0] is the token rows
+                return V("tokcol", recv.args)  # [n, 1]: squeeze(-1) / view(-1) gives the token rows
+            if recv.kind == "tokcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
+                                          or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
+                return V("tok")
+            if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                return V("rw")
+            if attr in ("int", "long", "float", "to") and recv.kind == "slotmask":
+                return recv
+            if attr == "argmax" and recv.kind == "slotmask" and const_value(keyword(node, "dim", 0)) == -1 \
+                    and const_value(keyword(node, "keepdim", 1)) is True:
+                return V("kpos_col")  # the slot of expert e in each selected token's top-k (one slot: top-k is distinct)
+            if attr == "gather" and recv.kind == "x" and self._gather_slot(node, first=0):
+                self._set_probs(recv.args[0])
+                return V("rw_col")
+            if attr == "squeeze" and recv.kind == "rw_col" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                return V("rw_row")
+            if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                return V("rw")
             if attr == "unsqueeze" and recv.kind == "rw_pre":
                 return V("rw")
             if attr in _CASTS and recv.kind in ("rw", "rw_pre"):
                 return recv
             if attr == "chunk" and recv.kind == "proj":
                 return self._chunk(recv, node, method=True)
+        if name == "torch.gather" and node.args:
+            src = self.ev(node.args[0])
+            if src.kind == "x" and self._gather_slot(node, first=1):
+                self._set_probs(src.args[0])
+                return V("rw_col")
+        if name == "torch.any" and node.args and _last_dim_reduction(node, first=1):
+            arg = self.ev(node.args[0])
+            if arg.kind == "flatmask":
+                return self._tokmask(arg.args[0])
+        if name == "torch.nonzero" and node.args and self.ev(node.args[0]).kind == "tokmask" and not node.keywords:
+            return V("tokcol")
         if name == "torch.where" and len(node.args) == 1 and not node.keywords:
             arg = self.ev(node.args[0])
             if arg.kind == "mask_e":
                 return V("where", (self.masks[arg.args[0]][2],))
+            if arg.kind == "tokmask":
+                return V("tokrows")
             if arg.kind == "flatmask":  # torch.where(selected_experts == e) over [T, K] indices
                 if self.where_indices and self.where_indices != arg.args[0]:
                     raise _Miss("tokens are selected from two different expert-index tensors")
@@ -697,6 +787,10 @@ class _Eval:
             return V("act", (_Act("call", _template(node)), self.ev(node.args[0])))
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
+        if fv.kind == "indexed" and not self._is_expert_container(fv.args[0].value):
+            lst = self._linear_list(fv.args[0].value)
+            if lst is not None and len(node.args) == 1 and not node.keywords:
+                return V("proj", (("stk", lst, "list_out_in"), self.ev(node.args[0])))  # self.fc1[e](x): one Linear per expert
         if fv.kind == "indexed":
             fv = self._expert_from_indexed(fv.args[0])
         if fv.kind == "expert":
@@ -730,6 +824,27 @@ class _Eval:
         if isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] == "Dropout":
             raise _Miss("dropout inside the expert")
         raise _Miss(f"the expert calls `self.{attr}`, which is not an nn.Linear or a known activation")
+
+    def _linear_list(self, node: ast.expr) -> Optional[str]:
+        """``self.fc1`` when ``__init__`` builds it as ``nn.ModuleList([nn.Linear(..., bias=False) for ...])``:
+        one projection per expert, stacked as ``[E, out, in]`` for the grouped matmul."""
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return None
+        if self.scope.class_name is None or self.scope.class_name not in self.m.classes:
+            return None
+        value = _class_init_assigns(self.m, self.m.classes[self.scope.class_name]).get(node.attr)
+        if not (isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] == "ModuleList" and value.args):
+            return None
+        elt = value.args[0]
+        if not isinstance(elt, (ast.ListComp, ast.GeneratorExp)):
+            return None
+        lin = elt.elt
+        if not (isinstance(lin, ast.Call) and _canon(self.m, lin.func) == "torch.nn.Linear"):
+            return None
+        bias = keyword(lin, "bias", 2)
+        if not (isinstance(bias, ast.Constant) and bias.value is False):
+            raise _Miss(f"the per-expert Linear list `self.{node.attr}` has a bias: not passed to the grouped matmul")
+        return f"self.{node.attr}"
 
     def _expert_from_indexed(self, node: ast.Subscript) -> V:
         if not self._is_expert_container(node.value):
@@ -771,10 +886,16 @@ class _Eval:
         return V("proj", (("stk", dotted(w.value) or "", orient), src))
 
     def _product(self, node: ast.BinOp) -> V:
-        factors = [self.ev(f) for f in _factors(node)]
+        nodes = _factors(node)
+        factors = [self.ev(f) for f in nodes]
         rws = [f for f in factors if f.kind == "rw"]
         if len(rws) > 1:
             raise _Miss("the routing weight multiplies twice")
+        if any(f.kind in ("proj", "mod_out") for f in factors):
+            for n, f in zip(nodes, factors):
+                if f.kind == "unknown":
+                    raise _Miss(f"the expert output is multiplied by `{ast.unparse(n)[:50]}`, which is not recognised as "
+                                "the routing weight of the selected tokens")
         core = self._core_product([f for f in factors if f.kind != "rw"])
         return V("scaled", (core,)) if rws else core
 
@@ -867,13 +988,15 @@ class _Eval:
         self._check_count_guard(indices)
         if not self.bins:
             if mlp.layout == "stacked":
-                self.num_experts = self.bins = f"{_first_weight(mlp)}.shape[0]"
+                first = _first_weight(mlp)
+                self.num_experts = self.bins = f"len({first})" if mlp.orient.get(first) == "list_out_in" else f"{first}.shape[0]"
             else:
                 self.num_experts = f"len({self._container_text()})"
                 self.bins = f"len({P}experts)"
         site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
                      probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc,
-                     sentinel=sentinel, local_start=self.local_start, skip_empty=self.skip_empty)
+                     sentinel=sentinel, local_start=self.local_start, skip_empty=self.skip_empty,
+                     flat_rows=bool(self.tok_indices), dense_gates=self.dense_gates)
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
         self._experts_list(site)
         self._span(block, i, site, acc, extra={*self.masks, *self._hit_names(), *self._guard_names()})
@@ -1013,11 +1136,14 @@ class _Eval:
         loop_end = self.loop.end_lineno or self.loop.lineno
         start, init = i, None
         j = i - 1
+        # rows flattened from unknown leading dims: the accumulator keeps its own allocation (its
+        # shape is the original's), the fused result is added into it reshaped
+        own = set() if site.flat_rows else {acc}
         while j >= 0:
             s = block[j]
             names = _assigned([s])
             simple = isinstance(s, (ast.Assign, ast.AnnAssign)) or (isinstance(s, ast.With) and all(isinstance(b, ast.Assign) for b in s.body))
-            if not simple or not names or not names <= ({acc} | extra):
+            if not simple or not names or not names <= (own | extra):
                 break
             if any(self.scope.uses_after(n, loop_end) for n in names - {acc}):
                 break
@@ -1144,6 +1270,12 @@ def _top_k(scope: Scope, indices: str, line: int) -> str:
             if k is not None:
                 return ast.unparse(k)
     return f"{indices}.shape[-1]"
+
+
+def _last_dim_reduction(call: ast.Call, first: int = 0) -> bool:
+    """``.any(dim=-1)`` / ``.any(-1)`` (``first``: where the dim sits positionally; 1 for ``torch.any(x, -1)``)."""
+    dim = keyword(call, "dim", first)
+    return dim is not None and const_value(dim) == -1 and keyword(call, "keepdim") is None
 
 
 def _host_counts(scope: Scope, node: ast.expr, line: int) -> Optional[tuple[str, str]]:
@@ -1436,7 +1568,10 @@ if {P}gmm is None:
 
 
 def _stacked_weight(text: str, orient: str) -> str:
-    """A stacked parameter as the grouped matmul's logical [E, K, N] (a view, never a copy)."""
+    """A stacked parameter as the grouped matmul's logical [E, K, N] (a view, never a copy; a
+    per-expert Linear list is stacked, a copy)."""
+    if orient == "list_out_in":
+        return f"torch.stack([{P}lin.weight for {P}lin in {text}]).transpose(1, 2)"
     return f"{text}.transpose(1, 2)" if orient == "out_in" else text
 
 
@@ -1462,6 +1597,10 @@ def _weights_text(site: _Site) -> tuple[list[str], str, str]:
     o = mlp.orient
     if mlp.gated and mlp.gate_up:
         w1 = _stacked_weight(mlp.gate_up, o[mlp.gate_up])
+    elif mlp.gated and o[mlp.gate] == "list_out_in":
+        lines.append("# per-expert gate and up Linear lists: stacked and concatenated per call (a copy), gate first")
+        lines.append(f"{P}w1 = torch.cat(({_stacked_weight(mlp.gate, o[mlp.gate])}, {_stacked_weight(mlp.up, o[mlp.up])}), dim=2)")
+        w1 = f"{P}w1"
     elif mlp.gated:
         dim = 1 if o[mlp.gate] == "out_in" else 2
         lines.append("# separate stacked gate and up parameters: concatenated per call (a copy), gate first")
@@ -1518,6 +1657,16 @@ def _fused_text(site: _Site) -> str:
     # ranks' experts, or the sentinel index E) sort last, are cut off and come back as zero rows
     local = bool(site.local_start) or (opaque and bool(site.sentinel))
     n = f"{P}n"
+    if site.flat_rows:
+        # token masks over indices with leading dims: rows are the flattened tokens (row-major, as the mask picks them)
+        lines += [
+            f"{P}ids = {site.indices}.reshape(-1, {site.indices}.shape[-1])",
+            f"{P}tokens = {site.tokens}.reshape(-1, {site.tokens}.shape[-1])",
+            f"{P}p = ({site.probs}).reshape(-1, {site.indices}.shape[-1])" if not site.dense_gates else
+            f"{P}p = {site.dense_gates}.reshape(-1, {site.dense_gates}.shape[-1]).gather(-1, {P}ids)  # dense gates: the top-k slots' weights",
+        ]
+        site = copy.copy(site)
+        site.indices, site.tokens, site.probs = f"{P}ids", f"{P}tokens", f"{P}p"
     if site.routing == "sorted_counts":
         lines += [
             f"# {site.tokens} is already sorted by expert; {site.counts} holds the per-expert counts on the device",
@@ -1602,6 +1751,8 @@ def _fused_text(site: _Site) -> str:
         probs_name = f"{P}probs" if site.sentinel and not local else site.probs
         probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else ""
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
+        if site.flat_rows:
+            result = f"{result}.reshape({out}.shape)"
         if site.out_mode == "assign":
             lines.append(f"{out} = {result}.to({site.out_dtype})")
         else:
@@ -1683,7 +1834,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
                           "per forward (and the stack is kept for backward when training). For many experts this can "
                           "cost more than the loop saves; storing the experts as stacked parameters once (the "
                           "transformers v5 layout) removes the copy"))
-    if mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
+    if "list_out_in" in mlp.orient.values():
+        risks.append(Risk("other", "one nn.Linear per expert and projection: their weights are stacked into [E, K, N] "
+                          "every call (copies; autograd flows back to each Linear)"))
+    elif mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
         risks.append(Risk("other", "separate stacked gate/up parameters are concatenated every call (one copy); a fused "
                           "[E, 2I, H] gate_up parameter avoids it"))
     if mlp.act.kind == "config":
@@ -3114,4 +3268,125 @@ MoeExperts.KEEP += [
     # fixed-size chunks are not per-expert groups
     Keep(_SPLIT_SORTED.replace("torch.split(x_sorted, counts.tolist())", "torch.split(x_sorted, 4)"),
          reason="neither the experts nor per-expert token counts", name="split_fixed_chunks"),
+]
+
+
+# -- token masks `(indices == e).any(-1)`: tutorial / from-scratch spellings ----------------------
+
+# dense gates [B, T, E] (softmax over the top-k logits scattered into -inf), tokens picked with a
+# 2-D token mask of 3-D indices, `if mask.any():` around the dispatch, experts of any architecture
+_TOKEN_MASK_DENSE = _HEAD + '''
+class Expert(nn.Module):
+    def __init__(self, n_embed):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(n_embed, 4 * n_embed), nn.ReLU(), nn.Linear(4 * n_embed, n_embed))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Router(nn.Module):
+    def __init__(self, n_embed, num_experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.linear = nn.Linear(n_embed, num_experts)
+
+    def forward(self, h):
+        logits = self.linear(h)
+        top, indices = logits.topk(self.top_k, dim=-1)
+        sparse = torch.full_like(logits, float("-inf")).scatter(-1, indices, top)
+        return F.softmax(sparse, dim=-1), indices
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, n_embed, num_experts, top_k):
+        super().__init__()
+        self.router = Router(n_embed, num_experts, top_k)
+        self.experts = nn.ModuleList([Expert(n_embed) for _ in range(num_experts)])
+
+    def forward(self, x):
+        gates, indices = self.router(x)
+        out = torch.zeros_like(x)
+        rows = x.view(-1, x.size(-1))
+        flat_gates = gates.view(-1, gates.size(-1))
+        for i, expert in enumerate(self.experts):
+            picked = (indices == i).any(dim=-1)
+            flat_picked = picked.view(-1)
+            if flat_picked.any():
+                y = expert(rows[flat_picked])
+                g = flat_gates[flat_picked, i].unsqueeze(1)
+                out[picked] += (y * g).squeeze(1)
+        return out
+'''
+
+_TOKEN_MASK_DENSE_RUN = '''\
+moe = SparseMoE(16, 5, 2)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.router.linear.weight, moe.experts[1].net[0].weight, moe.experts[4].net[2].bias]
+'''
+
+# one nn.Linear list per projection, loop over the experts that received tokens, the slot found with
+# argmax over the token's mask row and the weight gathered from it
+_TOKEN_MASK_SLOT = _HEAD + '''
+class MoEFeedForward(nn.Module):
+    def __init__(self, dim, inter, num_experts, k):
+        super().__init__()
+        self.k, self.dim = k, dim
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.w_gate = nn.ModuleList([nn.Linear(dim, inter, bias=False) for _ in range(num_experts)])
+        self.w_up = nn.ModuleList([nn.Linear(dim, inter, bias=False) for _ in range(num_experts)])
+        self.w_down = nn.ModuleList([nn.Linear(inter, dim, bias=False) for _ in range(num_experts)])
+
+    def forward(self, x):
+        scores, chosen = torch.topk(self.gate(x), self.k, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        b, t, _ = x.shape
+        x2 = x.reshape(b * t, -1)
+        acc = torch.zeros(b * t, self.dim, device=x.device, dtype=x.dtype)
+        chosen2 = chosen.reshape(-1, self.k)
+        probs2 = probs.reshape(-1, self.k)
+        for e_t in torch.unique(chosen2):
+            e = int(e_t.item())
+            hit = chosen2 == e
+            if not hit.any():
+                continue
+            sel = hit.any(dim=-1).nonzero(as_tuple=False).squeeze(-1)
+            xe = x2.index_select(0, sel)
+            h = F.silu(self.w_gate[e](xe)) * self.w_up[e](xe)
+            ye = self.w_down[e](h)
+            slot = hit[sel].int().argmax(dim=-1, keepdim=True)
+            pe = torch.gather(probs2.index_select(0, sel), dim=-1, index=slot).squeeze(-1)
+            acc.index_add_(0, sel, ye * pe.unsqueeze(-1))
+        return acc.reshape(b, t, self.dim)
+'''
+
+_TOKEN_MASK_SLOT_RUN = '''\
+moe = MoEFeedForward(16, 24, 6, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.w_gate[0].weight, moe.w_up[3].weight, moe.w_down[5].weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_TOKEN_MASK_DENSE, name="token_mask_any_dense_gates_expert_modules", run=_TOKEN_MASK_DENSE_RUN, expect={
+        "layout": "expert_modules", "loop": "enumerate_experts", "indices": "indices", "tokens": "rows",
+        "probs": "flat_gates.gather(-1, indices)", "output": "out"}),
+    Fuse(_TOKEN_MASK_SLOT, name="token_mask_slot_gather_linear_lists", run=_TOKEN_MASK_SLOT_RUN, expect={
+        "layout": "stacked_list_out_in", "weights": {"gate": "self.w_gate", "up": "self.w_up", "down": "self.w_down"},
+        "loop": "expert_hit", "indices": "chosen2", "probs": "probs2", "tokens": "x2", "num_experts": "len(self.w_gate)",
+        "activation": "silu_gated"}),
+]
+
+MoeExperts.KEEP += [
+    # a token mask over the wrong axis is not "the tokens routed to e"
+    Keep(_TOKEN_MASK_DENSE.replace("(indices == i).any(dim=-1)", "(indices == i).any(dim=0)"),
+         reason="conditional code inside the expert loop", name="token_mask_any_over_another_dim"),
+    # per-expert Linear lists with a bias: the grouped matmul here takes no bias
+    Keep(_TOKEN_MASK_SLOT.replace("nn.Linear(dim, inter, bias=False) for _ in range(num_experts)])\n        self.w_up",
+                                  "nn.Linear(dim, inter) for _ in range(num_experts)])\n        self.w_up"),
+         reason="has a bias", name="linear_lists_with_bias"),
+    # the weight is gathered at a slot that is not the expert's own (always the first)
+    Keep(_TOKEN_MASK_SLOT.replace("index=slot).squeeze(-1)", "index=torch.zeros_like(slot)).squeeze(-1)"),
+         reason="not recognised as the routing weight", name="slot_not_from_the_mask"),
 ]
