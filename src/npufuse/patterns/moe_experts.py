@@ -155,7 +155,7 @@ class MoeExperts(Pattern):
             return  # no torch, or nothing about experts / index_add in this file
         # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
         quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
-        if "_grouped_mm" in module.source:
+        if module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _grouped_mm_sites(module, scope)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
@@ -214,7 +214,8 @@ def _relevant(module: ModuleInfo) -> bool:
     if cached is None:
         src = module.source
         torch_file = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
-        cached = module.__dict__["_npufuse_moe_relevant"] = torch_file and ("index_add" in src or "xpert" in src or "_grouped_mm" in src)
+        grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and "_grouped_mm" in src  # read per scope by detect
+        cached = module.__dict__["_npufuse_moe_relevant"] = grouped or (torch_file and ("index_add" in src or "xpert" in src))
     return bool(cached)
 
 
@@ -1794,8 +1795,9 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         "output": site.out_name,
         "output_dtype": site.out_dtype or None,
         "sentinel_index": site.sentinel or None,
-        "local_experts_start": site.local_start or None,
     }
+    if site.local_start:
+        params["local_experts_start"] = site.local_start  # only when set: existing reports keep their keys
     risks = [
         Risk("dynamic_shape", "per-expert token counts are data dependent: the fused path keeps every shape static "
              "([tokens*top_k, hidden]) and passes the counts to npu_grouped_matmul as a device tensor; the grouped "
@@ -1824,6 +1826,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
             "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
             "nonzero / .cpu()",
         ]
+    if site.flat_rows:
+        risks.append(Risk("other", f"tokens were picked with a token mask `({site.indices} == e).any(-1)`: that equals the "
+                          "permute only while each token's expert indices are distinct (torch.topk gives distinct "
+                          "ones); a token listing one expert twice would be counted once by the loop and twice here"))
     if site.local_start:
         notes.append(f"expert parallelism: the loop runs only this rank's experts range({site.local_start}, ...); the "
                      f"fused text subtracts {site.local_start} from the expert indices, sorts every index outside the "
@@ -2059,7 +2065,6 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
         "output": "",
         "output_dtype": None,
         "sentinel_index": None,
-        "local_experts_start": None,
         "grouped_mm_calls": len(mms),
         "via": wrapper or "torch._grouped_mm",
     }
