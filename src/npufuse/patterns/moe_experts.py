@@ -159,6 +159,10 @@ class MoeExperts(Pattern):
             yield from _grouped_mm_sites(module, scope)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
+                if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
+                    reason = _comprehension_over_experts(stmt.value)
+                    if reason:
+                        yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
                 continue
             if not _looks_like_moe(module, stmt):
                 continue  # every recognised form mentions experts or scatters rows back
@@ -217,6 +221,30 @@ def _relevant(module: ModuleInfo) -> bool:
         grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and "_grouped_mm" in src  # read per scope by detect
         cached = module.__dict__["_npufuse_moe_relevant"] = grouped or (torch_file and ("index_add" in src or "xpert" in src))
     return bool(cached)
+
+
+def _comprehension_over_experts(comp: ast.expr) -> str:
+    """A near-miss reason for ``[self.experts[i](inputs[i]) for i in range(E)]`` /
+    ``[e(x) for e, x in zip(self.experts, inputs)]``: experts run on inputs routed elsewhere."""
+    assert isinstance(comp, (ast.ListComp, ast.GeneratorExp))
+    call = comp.elt
+    if not isinstance(call, ast.Call) or len(comp.generators) != 1:
+        return ""
+    f = call.func
+    gen = comp.generators[0]
+    targets = {n.id for n in fast_walk(gen.target) if isinstance(n, ast.Name)}
+    # the callee is an expert module: experts[i] indexed by the comprehension's variable, or the
+    # item of zip(experts, ...) / enumerate(experts)
+    indexed = isinstance(f, ast.Subscript) and (dotted(f.value) or "").split(".")[-1].lower().endswith("experts") \
+        and isinstance(f.slice, ast.Name) and f.slice.id in targets
+    zipped = isinstance(f, ast.Name) and f.id in targets and isinstance(gen.iter, ast.Call) \
+        and any((dotted(a) or "").split(".")[-1].lower().endswith("experts") for a in gen.iter.args)
+    if not (indexed or zipped) or not call.args:
+        return ""
+    inputs = ast.unparse(call.args[0])[:40]
+    return (f"the experts run in a comprehension on `{inputs}`, inputs dispatched before this statement; the dispatch "
+            "(which tokens, in which order) and the combine are not part of it, so npufuse has no token routing here "
+            "to replace with permute/unpermute")
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -3394,4 +3422,36 @@ MoeExperts.KEEP += [
     # the weight is gathered at a slot that is not the expert's own (always the first)
     Keep(_TOKEN_MASK_SLOT.replace("index=slot).squeeze(-1)", "index=torch.zeros_like(slot)).squeeze(-1)"),
          reason="not recognised as the routing weight", name="slot_not_from_the_mask"),
+]
+
+MoeExperts.KEEP += [
+    # experts in a comprehension over inputs a dispatcher object prepared (its dispatch/combine elsewhere)
+    Keep(_HEAD + '''
+class Dispatcher:
+    def __init__(self, gates):
+        nz = torch.nonzero(gates)
+        order = nz[:, 1].argsort(stable=True)
+        self.rows, self.sizes = nz[order, 0], (gates > 0).sum(0).tolist()
+        self.weights = gates[self.rows, nz[order, 1]]
+
+    def dispatch(self, x):
+        return torch.split(x[self.rows], self.sizes, dim=0)
+
+    def combine(self, outs):
+        y = torch.cat(outs, 0) * self.weights[:, None]
+        return torch.zeros(self.weights.new_zeros(0).shape[0] or int(self.rows.max()) + 1, y.shape[1]).index_add(0, self.rows, y)
+
+
+class MoE(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(n)])
+        self.n = n
+
+    def forward(self, x, gates):
+        dispatcher = Dispatcher(gates)
+        expert_inputs = dispatcher.dispatch(x)
+        expert_outputs = [self.experts[i](expert_inputs[i]) for i in range(self.n)]
+        return dispatcher.combine(expert_outputs)
+''', reason="experts run in a comprehension", name="dispatcher_object_comprehension"),
 ]
