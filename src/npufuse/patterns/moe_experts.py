@@ -3455,3 +3455,50 @@ class MoE(nn.Module):
         return dispatcher.combine(expert_outputs)
 ''', reason="experts run in a comprehension", name="dispatcher_object_comprehension"),
 ]
+
+# index E marks "no local expert" (one_hot over E + 1, skipped in the loop) with expert modules the
+# grouped matmul cannot take: the sentinel rows sort last and are cut off before the experts run
+_SENTINEL_MODULES = _HEAD + '''
+class BiasedMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class LocalExperts(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.num_experts = n
+        self.experts = nn.ModuleList([BiasedMLP(d, h) for _ in range(n)])
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            current = self.experts[expert_idx](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, current.to(final.dtype))
+        return final
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SENTINEL_MODULES, name="sentinel_index_expert_modules", run='''\
+ex = LocalExperts(16, 24, 5)
+x = torch.randn(9, 16, requires_grad=True)
+top_k_weights, top_k_index = torch.randn(9, 5).softmax(-1).topk(2, dim=-1)
+top_k_index[2, 1] = top_k_index[7, 0] = 5  # index E: a token slot no local expert takes
+top_k_weights.requires_grad_(True)
+out = ex(x, top_k_index, top_k_weights)
+leaves = [x, top_k_weights, ex.experts[0].up.weight, ex.experts[4].down.bias]
+''', expect={"layout": "expert_modules", "sentinel_index": "self.num_experts", "loop": "expert_hit",
+             "variant": "one_hot_where_expert_modules"}),
+]
