@@ -35,6 +35,7 @@ def _mask(body: str, name: str = "masks"):
     ("masks = idx.unsqueeze(-1) == torch.arange(E, device=x.device)\nmasks = masks.permute(2, 0, 1)", "idx", "tk", "arange_eq"),
     ("masks = (idx[..., None] == torch.arange(0, E)).permute(2, 1, 0)", "idx", "kt", "arange_eq"),
     ("masks = (torch.arange(E) == idx[:, :, None]).long().permute((2, 0, 1))", "idx", "tk", "arange_eq"),
+    ("masks = F.one_hot(idx, E)", "idx", "tke", "one_hot"),  # [T, K, E]: expert e's mask is masks[..., e]
 ])
 def test_expert_mask_reads_every_spelling(body, indices, orientation, spelling):
     found = _mask(body)
@@ -45,7 +46,6 @@ def test_expert_mask_reads_every_spelling(body, indices, orientation, spelling):
 
 @pytest.mark.parametrize("body", [
     "masks = F.one_hot(idx, E).permute(0, 2, 1)",  # not expert-first
-    "masks = F.one_hot(idx, E)",  # [T, K, E]: masks[e] is not expert e's mask
     "masks = (idx.unsqueeze(-1) == torch.arange(1, E)).permute(2, 0, 1)",  # classes start at 1
     "masks = (idx.unsqueeze(-1) == torch.arange(0, E, 2)).permute(2, 0, 1)",  # a step
     "masks = (idx.unsqueeze(0) == torch.arange(E)).permute(2, 0, 1)",  # new axis first, not last

@@ -641,6 +641,8 @@ class _Eval:
     def _part_kind(self, p: ast.expr) -> str:
         if isinstance(p, ast.Constant) and p.value is None:
             return "none"
+        if isinstance(p, ast.Constant) and p.value is Ellipsis:
+            return "ellipsis"
         if isinstance(p, ast.Slice):
             return "all" if p.lower is None and p.upper is None and p.step is None else "slice"
         return self.ev(p).kind
@@ -652,8 +654,13 @@ class _Eval:
         if base.kind == "outer":
             name = base.args[0]
             kinds = [self._part_kind(p) for p in parts]
-            if kinds == ["eidx"] and self._mask_info(name) is not None:
+            info = self._mask_info(name) if "eidx" in kinds else None
+            if kinds == ["eidx"] and info is not None and info[2] != "tke":
                 return V("mask_e", (name,))  # expert_mask[expert_idx]
+            if info is not None and info[2] == "tke" and (kinds == ["ellipsis", "eidx"] or kinds == ["all", "all", "eidx"]):
+                return V("mask_e", (name,))  # one_hot(idx, E)[..., e]: [T, K]
+            if info is not None:
+                self.masks.pop(name, None)  # a mask tensor indexed some other way: not this expert's mask
             if kinds in (["tok"], ["none", "tok"], ["tok", "all"]):
                 return V("x", (name,))  # hidden_states[top_x] / [None, top_x]
             if kinds == ["flatmask"]:
@@ -691,6 +698,12 @@ class _Eval:
         if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in fast_walk(sl)):
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
         return V("unknown", (ast.unparse(node),))
+
+    def _where_flat(self, arg: V) -> V:
+        if self.where_indices and self.where_indices != arg.args[0]:
+            raise _Miss("tokens are selected from two different expert-index tensors")
+        self.where_indices = arg.args[0]
+        return V("where", ("tk",))
 
     def _gather_slot(self, node: ast.Call, first: int) -> bool:
         """``gather(dim=-1, index=<slot column>)`` (``first``: the dim's position; 1 for ``torch.gather(x, -1, i)``)."""
@@ -736,8 +749,10 @@ class _Eval:
                 return recv
             if attr == "squeeze" and recv.kind == "mask_e":
                 return recv
-            if attr == "nonzero" and recv.kind == "mask_e" and any(k.arg == "as_tuple" for k in node.keywords):
-                return V("where", (self.masks[recv.args[0]][2],))
+            if attr == "nonzero" and recv.kind == "mask_e" and _as_tuple(node):
+                return V("where", (_pair_order(self.masks[recv.args[0]][2]),))
+            if attr == "nonzero" and recv.kind == "flatmask" and _as_tuple(node):
+                return self._where_flat(recv)  # (indices == e).nonzero(as_tuple=True) is torch.where(indices == e)
             if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and self.ev(node.args[1]).kind == "tok":
                 return V("x", recv.args)
             if attr == "squeeze" and recv.kind in ("scaled", "mod_out") and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
@@ -786,17 +801,20 @@ class _Eval:
                 return self._tokmask(arg.args[0])
         if name == "torch.nonzero" and node.args and self.ev(node.args[0]).kind == "tokmask" and not node.keywords:
             return V("tokcol")
+        if name == "torch.nonzero" and len(node.args) == 1 and _as_tuple(node):
+            arg = self.ev(node.args[0])
+            if arg.kind == "flatmask":
+                return self._where_flat(arg)
+            if arg.kind == "mask_e":
+                return V("where", (_pair_order(self.masks[arg.args[0]][2]),))
         if name == "torch.where" and len(node.args) == 1 and not node.keywords:
             arg = self.ev(node.args[0])
             if arg.kind == "mask_e":
-                return V("where", (self.masks[arg.args[0]][2],))
+                return V("where", (_pair_order(self.masks[arg.args[0]][2]),))
             if arg.kind == "tokmask":
                 return V("tokrows")
             if arg.kind == "flatmask":  # torch.where(selected_experts == e) over [T, K] indices
-                if self.where_indices and self.where_indices != arg.args[0]:
-                    raise _Miss("tokens are selected from two different expert-index tensors")
-                self.where_indices = arg.args[0]
-                return V("where", ("tk",))
+                return self._where_flat(arg)
             return V("unknown", (ast.unparse(node),))
         if name == "torch.chunk" and node.args:
             v = self.ev(node.args[0])
@@ -1299,6 +1317,15 @@ def _top_k(scope: Scope, indices: str, line: int) -> str:
             if k is not None:
                 return ast.unparse(k)
     return f"{indices}.shape[-1]"
+
+
+def _as_tuple(call: ast.Call) -> bool:
+    return any(k.arg == "as_tuple" and const_value(k.value) is True for k in call.keywords)
+
+
+def _pair_order(orientation: str) -> str:
+    """The (first, second) order torch.where returns for an expert's mask: kt -> (slot, token), else (token, slot)."""
+    return "kt" if orientation == "kt" else "tk"
 
 
 def _last_dim_reduction(call: ast.Call, first: int = 0) -> bool:
@@ -3501,4 +3528,49 @@ out = ex(x, top_k_index, top_k_weights)
 leaves = [x, top_k_weights, ex.experts[0].up.weight, ex.experts[4].down.bias]
 ''', expect={"layout": "expert_modules", "sentinel_index": "self.num_experts", "loop": "expert_hit",
              "variant": "one_hot_where_expert_modules"}),
+]
+
+# tokens of expert e from nonzero(as_tuple=True) of the index comparison, and from an unpermuted
+# [T, K, E] one-hot read as mask[..., e]
+_NONZERO_TUPLE = _HEAD + _EP_EXPERT_NN + '''
+class MoE(nn.Module):
+    def __init__(self, dim, inter, n, k):
+        super().__init__()
+        self.gate = nn.Linear(dim, n, bias=False)
+        self.experts = nn.ModuleList([Expert(dim, inter) for _ in range(n)])
+        self.n, self.k = n, k
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot].unsqueeze(-1))
+        return out
+'''
+
+_ONE_HOT_LAST = _NONZERO_TUPLE.replace(
+    "        for e in range(self.n):\n            tok, slot = (idx == e).nonzero(as_tuple=True)\n",
+    "        onehot = F.one_hot(idx, num_classes=self.n)\n        for e in range(self.n):\n"
+    "            tok, slot = torch.where(onehot[..., e])\n",
+)
+
+_NONZERO_RUN = '''\
+moe = MoE(16, 24, 5, 2)
+x = torch.randn(12, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[0].w1.weight, moe.experts[4].w2.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_NONZERO_TUPLE, name="nonzero_as_tuple_of_index_comparison", run=_NONZERO_RUN, expect={
+        "routing": "mask_where", "indices": "idx", "probs": "w", "layout": "per_expert_linear", "loop": "range"}),
+    Fuse(_ONE_HOT_LAST, name="one_hot_last_axis_mask", run=_NONZERO_RUN, expect={
+        "routing": "mask_where", "indices": "idx", "probs": "w", "num_experts": "self.n"}),
+]
+
+MoeExperts.KEEP += [
+    # the one-hot read along another axis than the experts' is not expert e's mask
+    Keep(_ONE_HOT_LAST.replace("torch.where(onehot[..., e])", "torch.where(onehot[e])"),
+         reason="from a mask that is not one_hot", name="one_hot_indexed_on_the_token_axis"),
 ]

@@ -222,7 +222,7 @@ class ExpertMask:
 
     indices: str  # the name of the [T, K] expert-index tensor
     num_classes: ast.expr  # E (the number of masks)
-    orientation: str  # tk | kt
+    orientation: str  # tk | kt | tke (not permuted: ``mask[..., e]`` is expert e's [T, K] mask)
     spelling: str  # one_hot | arange_eq
 
 
@@ -286,7 +286,8 @@ def expert_mask(module: ModuleInfo, scope: Scope, name: str, before_line: int) -
     ``F.one_hot(idx, E).permute(2, 1, 0)`` (HF Mixtral: ``mask[e]`` is ``[K, T]``),
     ``.permute(2, 0, 1)`` (``[T, K]``), and the same with the one-hot spelled as a comparison
     ``idx.unsqueeze(-1) == torch.arange(E)`` / ``idx[..., None] == torch.arange(E)`` (litgpt,
-    mistral's reference); the permute may be a separate statement. Anything else: None."""
+    mistral's reference); the permute may be a separate statement. Without a permute the masks are
+    ``[T, K, E]`` (orientation ``tke``: expert e's mask is ``mask[..., e]``). Anything else: None."""
     node: ast.expr | None = scope.definition(name, before_line)
     line = before_line
     orient = ""
@@ -313,7 +314,7 @@ def expert_mask(module: ModuleInfo, scope: Scope, name: str, before_line: int) -
             node = node.func.value
             continue
         src = _one_hot_source(module, node)
-        if src is None or not orient or not isinstance(src[0], ast.Name):
+        if src is None or not isinstance(src[0], ast.Name):
             return None
-        return ExpertMask(src[0].id, src[1], orient, src[2])
+        return ExpertMask(src[0].id, src[1], orient or "tke", src[2])
     return None
