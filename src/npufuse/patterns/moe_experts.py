@@ -326,6 +326,7 @@ class _Eval:
         self.split_sizes: Optional[ast.expr] = None  # split loop: the per-expert sizes of torch.split(sorted, sizes)
         self.split_name = ""  # split loop over a name bound to the split
         self.tok_indices = ""  # token-mask routing: the expert indices of `(indices == e).any(-1)`
+        self.weight_alias: dict[str, ast.Subscript] = {}  # w1 = self.w1[e]: the name of one expert's stacked weight
         self.dense_gates = ""  # token-mask routing: weights read as gates[mask, e] off dense [.., E] gates
         self.start_name = ""  # counts loop: running start offset
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
@@ -498,6 +499,16 @@ class _Eval:
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def _assign(self, s: ast.Assign, tgt: ast.expr) -> None:
+        if isinstance(tgt, ast.Tuple) and isinstance(s.value, ast.Tuple) and len(tgt.elts) == len(s.value.elts) \
+                and all(isinstance(e, ast.Name) for e in tgt.elts):
+            for t_, v_ in zip(tgt.elts, s.value.elts):  # w1, w2, w3 = (self.w1[e], self.w2[e], self.w3[e])
+                self._assign(ast.Assign(targets=[t_], value=v_), t_)
+            return
+        if isinstance(tgt, ast.Name) and isinstance(s.value, ast.Subscript) and self._is_eidx(s.value.slice) \
+                and self._stacked_base(s.value.value):
+            # maybe one expert's slice of a stacked weight (w1 = self.w1[e]), used as such only by a
+            # projection; the name keeps its value otherwise (a mask row, an expert module)
+            self.weight_alias[tgt.id] = s.value
         if isinstance(tgt, ast.Name):
             if tgt.id in self.eidx and self._is_eidx(s.value):
                 return  # expert_idx = expert_idx[0] / int(expert_idx) / expert_idx.item()
@@ -637,6 +648,14 @@ class _Eval:
                         self.start_name = other_node.id
                         return V("end")  # end_idx = start_idx + num_tokens
         return V("unknown", (ast.unparse(node),))
+
+    def _stacked_base(self, node: ast.expr) -> bool:
+        """``self.w1`` or a name from outside the loop (a function's stacked weight argument): what
+        ``W[e]`` indexes. The layout is read off the use (``x @ W[e]`` or ``x @ W[e].transpose(-2, -1)``)."""
+        if isinstance(node, ast.Attribute):
+            return isinstance(node.value, ast.Name) and node.value.id == "self"
+        return isinstance(node, ast.Name) and node.id not in self.env and node.id not in self.eidx \
+            and node.id not in _assigned(self.loop.body)
 
     def _part_kind(self, p: ast.expr) -> str:
         if isinstance(p, ast.Constant) and p.value is None:
@@ -918,8 +937,9 @@ class _Eval:
             w, transposed = w.value, True
         elif isinstance(w, ast.Call) and isinstance(w.func, ast.Attribute) and w.func.attr in ("t", "transpose") and _is_last_two(w):
             w, transposed = w.func.value, True
-        if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and isinstance(w.value, ast.Attribute)
-                and isinstance(w.value.value, ast.Name) and w.value.value.id == "self"):
+        if isinstance(w, ast.Name) and w.id in self.weight_alias:
+            w = self.weight_alias[w.id]  # w1 = self.w1[e] / w1, w2 = (self.w1[e], self.w2[e]) earlier in the loop
+        if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and self._stacked_base(w.value)):
             raise _Miss(f"expert weight `{ast.unparse(weight)[:50]}` is not a stacked parameter indexed by the expert")
         if how == "linear":
             orient = "in_out" if transposed else "out_in"
@@ -1212,8 +1232,10 @@ class _Eval:
         if i + 1 >= len(block):
             raise miss
         nxt = block[i + 1]
-        if not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)):
+        returns = isinstance(nxt, ast.Return) and nxt.value is not None  # return torch.cat(outs)
+        if not returns and not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)):
             raise miss
+        assert nxt.value is not None
         val = nxt.value.body if isinstance(nxt.value, ast.IfExp) else nxt.value
         if not (isinstance(val, ast.Call) and _canon(self.m, val.func) == "torch.cat" and val.args
                 and isinstance(val.args[0], ast.Name) and val.args[0].id == lst):
@@ -1226,12 +1248,15 @@ class _Eval:
             if not isinstance(s, ast.Assign) or not names or not names <= allowed:
                 break
             start, j = j, j - 1
-        site.out_name, site.out_mode, site.out_dtype = nxt.targets[0].id, "assign", ""
+        if returns:
+            site.out_name, site.out_mode, site.out_dtype = "", "return", ""
+        else:
+            site.out_name, site.out_mode, site.out_dtype = nxt.targets[0].id, "assign", ""  # type: ignore[attr-defined]
         site.first_line, site.last_line = block[start].lineno, nxt.end_lineno or nxt.lineno
         cdef = self.scope.definition(site.counts, site.first_line)
         if isinstance(cdef, ast.Call) and isinstance(cdef.func, ast.Attribute) and cdef.func.attr in ("cpu", "numpy", "tolist"):
             raise _Miss(f"`{site.counts}` is already on the host before the loop")
-        self._check_span(block[start : i + 2], site, {site.out_name}, site.last_line)
+        self._check_span(block[start : i + 2], site, {site.out_name} - {""}, site.last_line)
 
     def _check_span(self, stmts: list[ast.stmt], site: _Site, produced: set[str], end: int) -> None:
         inside = _assigned(stmts)
@@ -1802,7 +1827,7 @@ def _fused_text(site: _Site) -> str:
         lines.append(f"{h} = torch.cat([{h}, {h}.new_zeros({P}order.numel() - {h}.shape[0], {h}.shape[-1])])  # rows of no local expert: 0")
     out = site.out_name
     if site.routing == "sorted_counts":
-        lines.append(f"{out} = {h}")
+        lines.append(f"return {h}" if site.out_mode == "return" else f"{out} = {h}")
     else:
         probs_name = f"{P}probs" if site.sentinel and not local else site.probs
         probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else ""
@@ -3573,4 +3598,68 @@ MoeExperts.KEEP += [
     # the one-hot read along another axis than the experts' is not expert e's mask
     Keep(_ONE_HOT_LAST.replace("torch.where(onehot[..., e])", "torch.where(onehot[e])"),
          reason="from a mask that is not one_hot", name="one_hot_indexed_on_the_token_axis"),
+]
+
+# a function over stacked weights passed in ([E, out, in], used as W[e].transpose(-2, -1)), tokens
+# already sorted by expert and split by the host counts, the result returned
+_FUNCTIONAL_SPLIT = _HEAD + '''
+def run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert):
+    sizes = num_tokens_per_expert.tolist()
+    outs = []
+    for expert_idx, x_expert in enumerate(torch.split(x, sizes, dim=0)):
+        h = F.silu(torch.matmul(x_expert, w1[expert_idx].transpose(-2, -1)))
+        h = h * torch.matmul(x_expert, w3[expert_idx].transpose(-2, -1))
+        h = torch.matmul(h, w2[expert_idx].transpose(-2, -1))
+        outs.append(h)
+    return torch.cat(outs, dim=0)
+'''
+
+_FUNCTIONAL_SPLIT_RUN = '''\
+w1 = (torch.randn(4, 24, 16) * 0.25).requires_grad_()
+w2 = (torch.randn(4, 16, 24) * 0.2).requires_grad_()
+w3 = (torch.randn(4, 24, 16) * 0.25).requires_grad_()
+x = torch.randn(14, 16, requires_grad=True)
+out = run_experts_for_loop(w1, w2, w3, x, torch.tensor([3, 0, 6, 5]))
+leaves = [x, w1, w2, w3]
+'''
+
+# per-expert slices of stacked parameters bound to names first (tuple unpacking)
+_TUPLE_ALIAS = _HEAD + '''
+class StackedExperts(nn.Module):
+    def __init__(self, dim, hidden, n):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(n, dim, hidden) * dim ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(n, hidden, dim) * hidden ** -0.5)
+        self.up_proj = nn.Parameter(torch.randn(n, dim, hidden) * dim ** -0.5)
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for e in range(self.gate_proj.shape[0]):
+            tok, slot = torch.where(idx == e)
+            g, d, u = (self.gate_proj[e], self.down_proj[e], self.up_proj[e])
+            xe = x[tok]
+            h = F.silu(torch.matmul(xe, g)) * torch.matmul(xe, u)
+            out.index_add_(0, tok, torch.matmul(h, d) * w[tok, slot, None])
+        return out
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_FUNCTIONAL_SPLIT, name="functional_stacked_args_split_return", run=_FUNCTIONAL_SPLIT_RUN, expect={
+        "routing": "sorted_counts", "layout": "stacked_out_in", "weights": {"gate": "w1", "up": "w3", "down": "w2"},
+        "counts": "num_tokens_per_expert", "tokens": "x", "activation": "silu_gated"}),
+    Fuse(_TUPLE_ALIAS, name="stacked_slices_bound_by_tuple_unpacking", run='''\
+ex = StackedExperts(16, 24, 5)
+x = torch.randn(11, 16, requires_grad=True)
+w, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)
+out = ex(x, idx, w)
+leaves = [x, ex.gate_proj, ex.down_proj, ex.up_proj]
+''', expect={"layout": "stacked_in_out", "weights": {"gate": "self.gate_proj", "up": "self.up_proj", "down": "self.down_proj"},
+             "num_experts": "self.gate_proj.shape[0]"}),
+]
+
+MoeExperts.KEEP += [
+    # the weight indexed by the expert is rebuilt inside the loop: not one stacked tensor
+    Keep(_FUNCTIONAL_SPLIT.replace("        h = F.silu(torch.matmul(x_expert, w1[expert_idx]",
+                                   "        w1 = w1 * 2\n        h = F.silu(torch.matmul(x_expert, w1[expert_idx]"),
+         reason="is not a stacked parameter indexed by the expert", name="weight_rebound_inside_loop"),
 ]
