@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.canonical import expert_mask
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -96,7 +97,7 @@ class _Act:
 class _Mlp:
     """The expert MLP, whatever its weight layout."""
 
-    layout: str  # "per_expert_linear" | "stacked"
+    layout: str  # "per_expert_linear" | "stacked" | "opaque" (expert modules called as they are)
     gated: bool
     act: _Act
     # per-expert Linear attribute names, or stacked parameter texts with orientation
@@ -107,6 +108,7 @@ class _Mlp:
     fc1: str = ""  # plain (non-gated) first projection
     orient: dict[str, str] = field(default_factory=dict)  # stacked: text -> "out_in" | "in_out"
     weights_at: str = "after_down"  # where the routing weights multiply: after_down | before_down | inside_expert | none
+    why_opaque: str = ""  # opaque: why the expert MLP was not read off its class (the grouped matmul needs that)
 
 
 @dataclass
@@ -128,6 +130,10 @@ class _Site:
     out_mode: str = "assign"  # "assign" (fresh accumulator in the span) | "add" (accumulate into it)
     out_dtype: str = ""
     sentinel: str = ""  # index value E that marks tokens no (local) expert takes (one_hot over E + 1)
+    local_start: str = ""  # expert parallelism: the loop runs range(local_start, local_start + bins) of the global indices
+    flat_rows: bool = False  # token-mask routing: tokens/indices/probs may have leading dims, flattened to rows
+    dense_gates: str = ""  # weights are gates[mask, e] of dense [.., E] gates: probs = gates.gather(-1, indices)
+    skip_empty: bool = False  # the loop does not call an expert that received no tokens
     first_line: int = 0
     last_line: int = 0
 
@@ -149,8 +155,14 @@ class MoeExperts(Pattern):
             return  # no torch, or nothing about experts / index_add in this file
         # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
         quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
+        if module.__dict__.get("_npufuse_moe_grouped_mm"):
+            yield from _grouped_mm_sites(module, scope)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
+                if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
+                    reason = _comprehension_over_experts(stmt.value)
+                    if reason:
+                        yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
                 continue
             if not _looks_like_moe(module, stmt):
                 continue  # every recognised form mentions experts or scatters rows back
@@ -206,8 +218,33 @@ def _relevant(module: ModuleInfo) -> bool:
     if cached is None:
         src = module.source
         torch_file = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
-        cached = module.__dict__["_npufuse_moe_relevant"] = torch_file and ("index_add" in src or "xpert" in src)
+        grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and "_grouped_mm" in src  # read per scope by detect
+        cached = module.__dict__["_npufuse_moe_relevant"] = grouped or (torch_file and ("index_add" in src or "xpert" in src))
     return bool(cached)
+
+
+def _comprehension_over_experts(comp: ast.expr) -> str:
+    """A near-miss reason for ``[self.experts[i](inputs[i]) for i in range(E)]`` /
+    ``[e(x) for e, x in zip(self.experts, inputs)]``: experts run on inputs routed elsewhere."""
+    assert isinstance(comp, (ast.ListComp, ast.GeneratorExp))
+    call = comp.elt
+    if not isinstance(call, ast.Call) or len(comp.generators) != 1:
+        return ""
+    f = call.func
+    gen = comp.generators[0]
+    targets = {n.id for n in fast_walk(gen.target) if isinstance(n, ast.Name)}
+    # the callee is an expert module: experts[i] indexed by the comprehension's variable, or the
+    # item of zip(experts, ...) / enumerate(experts)
+    indexed = isinstance(f, ast.Subscript) and (dotted(f.value) or "").split(".")[-1].lower().endswith("experts") \
+        and isinstance(f.slice, ast.Name) and f.slice.id in targets
+    zipped = isinstance(f, ast.Name) and f.id in targets and isinstance(gen.iter, ast.Call) \
+        and any((dotted(a) or "").split(".")[-1].lower().endswith("experts") for a in gen.iter.args)
+    if not (indexed or zipped) or not call.args:
+        return ""
+    inputs = ast.unparse(call.args[0])[:40]
+    return (f"the experts run in a comprehension on `{inputs}`, inputs dispatched before this statement; the dispatch "
+            "(which tokens, in which order) and the combine are not part of it, so npufuse has no token routing here "
+            "to replace with permute/unpermute")
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -286,8 +323,16 @@ class _Eval:
         self.experts_list = ""
         self.counts_name = ""  # counts loop: the count iterable
         self.count_source = ""  # the device tensor behind it
+        self.split_sizes: Optional[ast.expr] = None  # split loop: the per-expert sizes of torch.split(sorted, sizes)
+        self.split_name = ""  # split loop over a name bound to the split
+        self.tok_indices = ""  # token-mask routing: the expert indices of `(indices == e).any(-1)`
+        self.weight_alias: dict[str, ast.Subscript] = {}  # w1 = self.w1[e]: the name of one expert's stacked weight
+        self.dense_gates = ""  # token-mask routing: weights read as gates[mask, e] off dense [.., E] gates
         self.start_name = ""  # counts loop: running start offset
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
+        self.local_start = ""  # range(start, end): the first global index of this rank's experts
+        self.skip_empty = False  # experts without tokens are not called (a skip guard, or only hit experts visited)
+        self.count_guard: Optional[tuple[str, str]] = None  # (counts name, indices it counts) of `if counts[e] == 0: continue`
         self.masks: dict[str, tuple[str, str, str]] = {}  # mask name -> (indices, num_classes, orientation)
         self.flat: set[str] = set()  # flat expert-index names compared with the loop index
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
@@ -314,6 +359,13 @@ class _Eval:
                 self.bins = f"len({P}experts)"
                 self.env[item_name] = V("expert", (None,))
                 return
+            split = self._split_rows(inner)
+            if split is not None:
+                # ``for i, rows in enumerate(torch.split(sorted_tokens, counts))``: contiguous per-expert rows
+                self.loop_kind = "counts"
+                self.env[item_name] = V("x_sorted", (split[0],))
+                self.split_sizes = split[1]
+                return
             if isinstance(inner, ast.Name):
                 self.loop_kind = "counts"
                 self.counts_name = inner.id
@@ -328,6 +380,17 @@ class _Eval:
             if not self._is_expert_container(inner) or self._is_expert_container(per):
                 per, inner = inner, per
                 per_name, item_name = item_name, per_name
+            split = self._split_rows(per) if self._is_expert_container(inner) else None
+            if split is not None:
+                # ``for expert, rows in zip(self.experts, torch.split(sorted_tokens, counts))``
+                self.eidx.add(f"{P}expert_idx")
+                self.experts_node = inner
+                self.loop_kind = "counts"
+                self.experts_list = f"list({segment(m, inner)})"
+                self.env[item_name] = V("expert", (None,))
+                self.env[per_name] = V("x_sorted", (split[0],))
+                self.split_sizes = split[1]
+                return
             if self._is_expert_container(inner) and isinstance(per, ast.Name):
                 idx_name = f"{P}expert_idx"
                 self.eidx.add(idx_name)
@@ -349,9 +412,13 @@ class _Eval:
                 self.num_experts = self.bins = segment(m, it.args[1])
                 return
             if len(it.args) == 2:
-                raise _Miss(f"range({segment(m, it.args[0])}, {segment(m, it.args[1])}) runs a slice of the experts (expert "
-                            "parallelism: this rank's local experts): npufuse's replacement dispatches the tokens of every "
-                            "expert in one grouped matmul, so it covers loops over all experts only")
+                # range(start, end): this rank's local experts (expert parallelism). The fused text
+                # maps global indices to local ones and dispatches only the rows of these experts
+                self.loop_kind = "range"
+                self.local_start = segment(m, it.args[0])
+                self.num_experts = f"{segment(m, it.args[1])} - {self.local_start}"
+                self.bins = f"({self.num_experts})"
+                return
             if len(it.args) != 1:
                 raise _Miss("range(...) with a step: not a loop over all experts")
             self.loop_kind = "range"
@@ -360,6 +427,27 @@ class _Eval:
         if self._is_expert_container(it):
             raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing)")
         self.loop_kind = "expert_hit"  # only the experts that received tokens: checked in _check_hit
+
+    def _split_rows(self, node: ast.expr) -> Optional[tuple[str, ast.expr]]:
+        """(tokens, sizes) when ``node`` (or the name it is bound to) is ``torch.split(tokens, sizes)``
+        / ``tokens.split(sizes)`` along dim 0 with per-expert sizes (a list moved to the host, or a
+        name bound to one): the rows of tokens already sorted by expert."""
+        if isinstance(node, ast.Name):
+            self.split_name = node.id
+            node = self.scope.definition(node.id, self.loop.lineno)  # type: ignore[assignment]
+        if not isinstance(node, ast.Call):
+            return None
+        if _canon(self.m, node.func) == "torch.split" and len(node.args) >= 2:
+            x, sizes, dim = node.args[0], node.args[1], keyword(node, "dim", 2)
+        elif isinstance(node.func, ast.Attribute) and node.func.attr == "split" and node.args:
+            x, sizes, dim = node.func.value, node.args[0], keyword(node, "dim", 1)
+        else:
+            return None
+        if dim is not None and const_value(dim) != 0:
+            return None
+        if not isinstance(x, ast.Name) or _host_counts(self.scope, sizes, self.loop.lineno) is None:
+            return None
+        return x.id, sizes
 
     def _is_expert_container(self, node: ast.expr) -> bool:
         base = _container_of(node)
@@ -375,6 +463,12 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
+        if isinstance(s, ast.If) and not s.orelse and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
+                and self._nonempty_test(s.test):
+            # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch
+            self.skip_empty = True
+            self.run_body(s.body)
+            return
         if isinstance(s, ast.If):
             # `if top_x.shape[0] == 0: continue`, `if expert_idx == self.num_experts: continue`
             if s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body):
@@ -386,7 +480,7 @@ class _Eval:
             return
         if isinstance(s, ast.AugAssign):
             tgt = s.target
-            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind == "tok":
+            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask"):
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
                 return
             if isinstance(tgt, ast.Name) and tgt.id == self.start_name and isinstance(s.op, ast.Add) and self.ev(s.value).kind == "count":
@@ -405,9 +499,22 @@ class _Eval:
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def _assign(self, s: ast.Assign, tgt: ast.expr) -> None:
+        if isinstance(tgt, ast.Tuple) and isinstance(s.value, ast.Tuple) and len(tgt.elts) == len(s.value.elts) \
+                and all(isinstance(e, ast.Name) for e in tgt.elts):
+            for t_, v_ in zip(tgt.elts, s.value.elts):  # w1, w2, w3 = (self.w1[e], self.w2[e], self.w3[e])
+                self._assign(ast.Assign(targets=[t_], value=v_), t_)
+            return
+        if isinstance(tgt, ast.Name) and isinstance(s.value, ast.Subscript) and self._is_eidx(s.value.slice) \
+                and self._stacked_base(s.value.value):
+            # maybe one expert's slice of a stacked weight (w1 = self.w1[e]), used as such only by a
+            # projection; the name keeps its value otherwise (a mask row, an expert module)
+            self.weight_alias[tgt.id] = s.value
         if isinstance(tgt, ast.Name):
             if tgt.id in self.eidx and self._is_eidx(s.value):
                 return  # expert_idx = expert_idx[0] / int(expert_idx) / expert_idx.item()
+            if self._is_eidx(s.value) and self.expert_init is None:
+                self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
+                return
             self.env[tgt.id] = self.ev(s.value)
             return
         if isinstance(tgt, ast.Tuple) and all(isinstance(e, ast.Name) for e in tgt.elts):
@@ -458,10 +565,31 @@ class _Eval:
                 self.sentinel = segment(self.m, right)  # dead when the mask has exactly that many classes
                 return
             if isinstance(right, ast.Constant) and right.value == 0 and self._size_kind(left) in ("tok", "kpos", "count", "x", "x_sorted"):
+                self.skip_empty = True
                 return
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x"):
+            if isinstance(right, ast.Constant) and right.value == 0 and isinstance(left, ast.Subscript) and isinstance(left.value, ast.Name) \
+                    and self._is_eidx(left.slice):
+                # `if counts[i] == 0: continue` with counts = bincount(indices.flatten()): skips only
+                # experts without tokens (checked against the site's indices in finish)
+                src = _bincount_source(self.scope, left.value.id, self.loop.lineno)
+                if src is not None:
+                    self.count_guard = (left.value.id, src)
+                    self.skip_empty = True
+                    return
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x", "tokmask", "flatmask"):
+            self.skip_empty = True
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _nonempty_test(self, test: ast.expr) -> bool:
+        """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
+        kinds = ("tok", "kpos", "x", "tokmask", "flatmask")
+        if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
+            return self.ev(test.func.value).kind in ("tokmask", "flatmask")
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
+                and const_value(test.comparators[0]) == 0:
+            return self._size_kind(test.left) in kinds
+        return False
 
     def _size_kind(self, node: ast.expr) -> str:
         """Kind of the value whose size ``node`` reads (``top_x.shape[0]``, ``len(top_x)``, ``top_x.numel()``)."""
@@ -521,9 +649,19 @@ class _Eval:
                         return V("end")  # end_idx = start_idx + num_tokens
         return V("unknown", (ast.unparse(node),))
 
+    def _stacked_base(self, node: ast.expr) -> bool:
+        """``self.w1`` or a name from outside the loop (a function's stacked weight argument): what
+        ``W[e]`` indexes. The layout is read off the use (``x @ W[e]`` or ``x @ W[e].transpose(-2, -1)``)."""
+        if isinstance(node, ast.Attribute):
+            return isinstance(node.value, ast.Name) and node.value.id == "self"
+        return isinstance(node, ast.Name) and node.id not in self.env and node.id not in self.eidx \
+            and node.id not in _assigned(self.loop.body)
+
     def _part_kind(self, p: ast.expr) -> str:
         if isinstance(p, ast.Constant) and p.value is None:
             return "none"
+        if isinstance(p, ast.Constant) and p.value is Ellipsis:
+            return "ellipsis"
         if isinstance(p, ast.Slice):
             return "all" if p.lower is None and p.upper is None and p.step is None else "slice"
         return self.ev(p).kind
@@ -535,13 +673,26 @@ class _Eval:
         if base.kind == "outer":
             name = base.args[0]
             kinds = [self._part_kind(p) for p in parts]
-            if kinds == ["eidx"] and self._mask_info(name) is not None:
+            info = self._mask_info(name) if "eidx" in kinds else None
+            if kinds == ["eidx"] and info is not None and info[2] != "tke":
                 return V("mask_e", (name,))  # expert_mask[expert_idx]
+            if info is not None and info[2] == "tke" and (kinds == ["ellipsis", "eidx"] or kinds == ["all", "all", "eidx"]):
+                return V("mask_e", (name,))  # one_hot(idx, E)[..., e]: [T, K]
+            if info is not None:
+                self.masks.pop(name, None)  # a mask tensor indexed some other way: not this expert's mask
             if kinds in (["tok"], ["none", "tok"], ["tok", "all"]):
                 return V("x", (name,))  # hidden_states[top_x] / [None, top_x]
             if kinds == ["flatmask"]:
                 self.flat.add(self.ev(sl).args[0])
                 return V("x", (name,))  # hidden_states[flat_topk_idx == i]
+            if kinds == ["tokmask"]:
+                return V("x", (name,))  # x[(indices == e).any(-1)]: the rows of the tokens routed to e, in order
+            if kinds == ["tokmask", "eidx"]:
+                # dense gates [T, E] (zero outside the top-k): gates[t, e] is the weight of the slot of
+                # expert e in indices[t], i.e. gates.gather(-1, indices)[t, k]
+                self._set_probs(f"{name}.gather(-1, {self.tok_indices})")
+                self.dense_gates = name
+                return V("rw_row")
             if kinds in (["tok", "kpos"], ["tok", "kpos", "none"]):
                 self._set_probs(name)
                 return V("rw" if kinds[-1] == "none" else "rw_pre")  # routing_weights[top_x, idx, None]
@@ -550,6 +701,12 @@ class _Eval:
             if kinds == ["slice"] and isinstance(sl, ast.Slice) and sl.step is None and sl.lower is not None and sl.upper is not None:
                 if self.ev(sl.lower).kind == "start" and self.ev(sl.upper).kind == "end":
                     return V("x_sorted", (name,))  # sorted_tokens[start_idx:end_idx]
+        if base.kind == "flatmask" and [self._part_kind(p) for p in parts] == ["tok"]:
+            return V("slotmask")  # (indices == e)[rows]: each selected token's top-k slots of e
+        if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
+            return V("tok")
+        if base.kind == "rw_row" and [self._part_kind(p) for p in parts] == ["all", "none"]:
+            return V("rw")  # gates[mask, e][:, None]
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
             order = ("kpos", "tok") if base.args[0] == "kt" else ("tok", "kpos")
             return V(order[sl.value])
@@ -561,43 +718,39 @@ class _Eval:
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
         return V("unknown", (ast.unparse(node),))
 
+    def _where_flat(self, arg: V) -> V:
+        if self.where_indices and self.where_indices != arg.args[0]:
+            raise _Miss("tokens are selected from two different expert-index tensors")
+        self.where_indices = arg.args[0]
+        return V("where", ("tk",))
+
+    def _gather_slot(self, node: ast.Call, first: int) -> bool:
+        """``gather(dim=-1, index=<slot column>)`` (``first``: the dim's position; 1 for ``torch.gather(x, -1, i)``)."""
+        dim, index = keyword(node, "dim", first), keyword(node, "index", first + 1)
+        return dim is not None and const_value(dim) == -1 and index is not None and self.ev(index).kind == "kpos_col"
+
+    def _tokmask(self, indices: str) -> V:
+        if self.tok_indices and self.tok_indices != indices:
+            raise _Miss("tokens are selected from two different expert-index tensors")
+        self.tok_indices = self.where_indices = indices
+        return V("tokmask", (indices,))
+
     def _set_probs(self, name: str) -> None:
         if self.probs and self.probs != name:
             raise _Miss("two different routing-weight tensors in one loop")
         self.probs = name
 
     def _mask_info(self, name: str) -> Optional[tuple[str, str, str]]:
-        """(indices, num_classes, orientation) when ``name`` is ``one_hot(indices, E).permute(...)``."""
+        """(indices, num_classes, orientation) when ``name`` holds per-expert masks of 2-D expert
+        indices (``one_hot(idx, E).permute(...)``, ``(idx.unsqueeze(-1) == arange(E)).permute(...)``)."""
         if name in self.masks:
             return self.masks[name]
-        node: Optional[ast.expr] = self.scope.definition(name, self.loop.lineno)
-        orient, permuted = "tk", False
-        for _ in range(8):
-            if isinstance(node, ast.Name):
-                node = self.scope.definition(node.id, getattr(node, "lineno", self.loop.lineno))
-                continue
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "permute":
-                dims = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
-                if len(dims) == 1 and isinstance(node.args[0], ast.Tuple):
-                    dims = [a.value if isinstance(a, ast.Constant) else None for a in node.args[0].elts]
-                if dims == [2, 1, 0]:
-                    orient = "kt"
-                elif dims == [2, 0, 1]:
-                    orient = "tk"
-                else:
-                    return None
-                permuted = True
-                node = node.func.value
-                continue
-            if isinstance(node, ast.Call) and _canon(self.m, node.func) in _ONE_HOT:
-                idx, ncls = keyword(node, "input", 0), keyword(node, "num_classes", 1)
-                if not isinstance(idx, ast.Name) or ncls is None or not permuted:
-                    return None
-                info = (idx.id, segment(self.m, ncls), orient)
-                self.masks[name] = info
-                return info
+        found = expert_mask(self.m, self.scope, name, self.loop.lineno)
+        if found is None:
             return None
-        return None
+        info = (found.indices, segment(self.m, found.num_classes), found.orientation)
+        self.masks[name] = info
+        return info
 
     def _call(self, node: ast.Call) -> V:
         m, f = self.m, node.func
@@ -615,25 +768,72 @@ class _Eval:
                 return recv
             if attr == "squeeze" and recv.kind == "mask_e":
                 return recv
-            if attr == "nonzero" and recv.kind == "mask_e" and any(k.arg == "as_tuple" for k in node.keywords):
-                return V("where", (self.masks[recv.args[0]][2],))
+            if attr == "nonzero" and recv.kind == "mask_e" and _as_tuple(node):
+                return V("where", (_pair_order(self.masks[recv.args[0]][2]),))
+            if attr == "nonzero" and recv.kind == "flatmask" and _as_tuple(node):
+                return self._where_flat(recv)  # (indices == e).nonzero(as_tuple=True) is torch.where(indices == e)
             if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and self.ev(node.args[1]).kind == "tok":
                 return V("x", recv.args)
+            if attr == "squeeze" and recv.kind in ("scaled", "mod_out") and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                # [n, H].squeeze(1) is [n, H] for H > 1 (with H == 1 the original's `out[mask] += ...` cannot broadcast)
+                return recv
+            if attr == "any" and recv.kind == "flatmask" and _last_dim_reduction(node):
+                return self._tokmask(recv.args[0])  # (indices == e).any(dim=-1): the tokens routed to e
+            if recv.kind == "tokmask" and (attr == "flatten" and not node.args or attr in ("view", "reshape") and len(node.args) == 1
+                                           and const_value(node.args[0]) == -1):
+                return recv  # the same token mask over flattened rows
+            if attr == "nonzero" and recv.kind == "tokmask":
+                if any(k.arg == "as_tuple" and const_value(k.value) is True for k in node.keywords):
+                    return V("tokrows")  # (rows,): [0] is the token rows
+                return V("tokcol", recv.args)  # [n, 1]: squeeze(-1) / view(-1) gives the token rows
+            if recv.kind == "tokcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
+                                          or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
+                return V("tok")
+            if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                return V("rw")
+            if attr in ("int", "long", "float", "to") and recv.kind == "slotmask":
+                return recv
+            if attr == "argmax" and recv.kind == "slotmask" and const_value(keyword(node, "dim", 0)) == -1 \
+                    and const_value(keyword(node, "keepdim", 1)) is True:
+                return V("kpos_col")  # the slot of expert e in each selected token's top-k (one slot: top-k is distinct)
+            if attr == "gather" and recv.kind == "x" and self._gather_slot(node, first=0):
+                self._set_probs(recv.args[0])
+                return V("rw_col")
+            if attr == "squeeze" and recv.kind == "rw_col" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                return V("rw_row")
+            if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                return V("rw")
             if attr == "unsqueeze" and recv.kind == "rw_pre":
                 return V("rw")
             if attr in _CASTS and recv.kind in ("rw", "rw_pre"):
                 return recv
             if attr == "chunk" and recv.kind == "proj":
                 return self._chunk(recv, node, method=True)
+        if name == "torch.gather" and node.args:
+            src = self.ev(node.args[0])
+            if src.kind == "x" and self._gather_slot(node, first=1):
+                self._set_probs(src.args[0])
+                return V("rw_col")
+        if name == "torch.any" and node.args and _last_dim_reduction(node, first=1):
+            arg = self.ev(node.args[0])
+            if arg.kind == "flatmask":
+                return self._tokmask(arg.args[0])
+        if name == "torch.nonzero" and node.args and self.ev(node.args[0]).kind == "tokmask" and not node.keywords:
+            return V("tokcol")
+        if name == "torch.nonzero" and len(node.args) == 1 and _as_tuple(node):
+            arg = self.ev(node.args[0])
+            if arg.kind == "flatmask":
+                return self._where_flat(arg)
+            if arg.kind == "mask_e":
+                return V("where", (_pair_order(self.masks[arg.args[0]][2]),))
         if name == "torch.where" and len(node.args) == 1 and not node.keywords:
             arg = self.ev(node.args[0])
             if arg.kind == "mask_e":
-                return V("where", (self.masks[arg.args[0]][2],))
+                return V("where", (_pair_order(self.masks[arg.args[0]][2]),))
+            if arg.kind == "tokmask":
+                return V("tokrows")
             if arg.kind == "flatmask":  # torch.where(selected_experts == e) over [T, K] indices
-                if self.where_indices and self.where_indices != arg.args[0]:
-                    raise _Miss("tokens are selected from two different expert-index tensors")
-                self.where_indices = arg.args[0]
-                return V("where", ("tk",))
+                return self._where_flat(arg)
             return V("unknown", (ast.unparse(node),))
         if name == "torch.chunk" and node.args:
             v = self.ev(node.args[0])
@@ -653,6 +853,10 @@ class _Eval:
             return V("act", (_Act("call", _template(node)), self.ev(node.args[0])))
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
+        if fv.kind == "indexed" and not self._is_expert_container(fv.args[0].value):
+            lst = self._linear_list(fv.args[0].value)
+            if lst is not None and len(node.args) == 1 and not node.keywords:
+                return V("proj", (("stk", lst, "list_out_in"), self.ev(node.args[0])))  # self.fc1[e](x): one Linear per expert
         if fv.kind == "indexed":
             fv = self._expert_from_indexed(fv.args[0])
         if fv.kind == "expert":
@@ -687,6 +891,27 @@ class _Eval:
             raise _Miss("dropout inside the expert")
         raise _Miss(f"the expert calls `self.{attr}`, which is not an nn.Linear or a known activation")
 
+    def _linear_list(self, node: ast.expr) -> Optional[str]:
+        """``self.fc1`` when ``__init__`` builds it as ``nn.ModuleList([nn.Linear(..., bias=False) for ...])``:
+        one projection per expert, stacked as ``[E, out, in]`` for the grouped matmul."""
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return None
+        if self.scope.class_name is None or self.scope.class_name not in self.m.classes:
+            return None
+        value = _class_init_assigns(self.m, self.m.classes[self.scope.class_name]).get(node.attr)
+        if not (isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] == "ModuleList" and value.args):
+            return None
+        elt = value.args[0]
+        if not isinstance(elt, (ast.ListComp, ast.GeneratorExp)):
+            return None
+        lin = elt.elt
+        if not (isinstance(lin, ast.Call) and _canon(self.m, lin.func) == "torch.nn.Linear"):
+            return None
+        bias = keyword(lin, "bias", 2)
+        if not (isinstance(bias, ast.Constant) and bias.value is False):
+            raise _Miss(f"the per-expert Linear list `self.{node.attr}` has a bias: not passed to the grouped matmul")
+        return f"self.{node.attr}"
+
     def _expert_from_indexed(self, node: ast.Subscript) -> V:
         if not self._is_expert_container(node.value):
             return V("unknown", (ast.unparse(node),))
@@ -712,8 +937,9 @@ class _Eval:
             w, transposed = w.value, True
         elif isinstance(w, ast.Call) and isinstance(w.func, ast.Attribute) and w.func.attr in ("t", "transpose") and _is_last_two(w):
             w, transposed = w.func.value, True
-        if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and isinstance(w.value, ast.Attribute)
-                and isinstance(w.value.value, ast.Name) and w.value.value.id == "self"):
+        if isinstance(w, ast.Name) and w.id in self.weight_alias:
+            w = self.weight_alias[w.id]  # w1 = self.w1[e] / w1, w2 = (self.w1[e], self.w2[e]) earlier in the loop
+        if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and self._stacked_base(w.value)):
             raise _Miss(f"expert weight `{ast.unparse(weight)[:50]}` is not a stacked parameter indexed by the expert")
         if how == "linear":
             orient = "in_out" if transposed else "out_in"
@@ -727,10 +953,16 @@ class _Eval:
         return V("proj", (("stk", dotted(w.value) or "", orient), src))
 
     def _product(self, node: ast.BinOp) -> V:
-        factors = [self.ev(f) for f in _factors(node)]
+        nodes = _factors(node)
+        factors = [self.ev(f) for f in nodes]
         rws = [f for f in factors if f.kind == "rw"]
         if len(rws) > 1:
             raise _Miss("the routing weight multiplies twice")
+        if any(f.kind in ("proj", "mod_out") for f in factors):
+            for n, f in zip(nodes, factors):
+                if f.kind == "unknown":
+                    raise _Miss(f"the expert output is multiplied by `{ast.unparse(n)[:50]}`, which is not recognised as "
+                                "the routing weight of the selected tokens")
         core = self._core_product([f for f in factors if f.kind != "rw"])
         return V("scaled", (core,)) if rws else core
 
@@ -770,7 +1002,15 @@ class _Eval:
         scaled = contrib.kind == "scaled"
         core = contrib.args[0] if scaled else contrib
         if core.kind == "mod_out":
-            mlp = _expert_module_mlp(self, core.args[1])
+            try:
+                mlp = _expert_module_mlp(self, core.args[1])
+            except _Miss as why:
+                if core.args[1]:
+                    raise  # weights passed into the expert: only a known MLP can take them
+                # the expert MLP cannot be read off its class (built elsewhere, passed into
+                # __init__, custom layers, biases, other activations): the experts are called as
+                # they are on their contiguous rows, between permute and unpermute
+                mlp = _Mlp("opaque", False, _Act("opaque"), why_opaque=str(why))
             if core.args[1]:
                 scaled = True
                 mlp.weights_at = "inside_expert"
@@ -809,21 +1049,33 @@ class _Eval:
         if self.loop_kind == "expert_hit":
             self._check_hit(indices)
             self.num_experts = self.bins = ncls
+            self.skip_empty = True
         elif self.loop_kind == "counts":
             raise _Miss("the loop runs over token counts but selects tokens by mask")
+        self._check_count_guard(indices)
         if not self.bins:
             if mlp.layout == "stacked":
-                self.num_experts = self.bins = f"{_first_weight(mlp)}.shape[0]"
+                first = _first_weight(mlp)
+                self.num_experts = self.bins = f"len({first})" if mlp.orient.get(first) == "list_out_in" else f"{first}.shape[0]"
             else:
                 self.num_experts = f"len({self._container_text()})"
                 self.bins = f"len({P}experts)"
         site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
                      probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc,
-                     sentinel=sentinel)
+                     sentinel=sentinel, local_start=self.local_start, skip_empty=self.skip_empty,
+                     flat_rows=bool(self.tok_indices), dense_gates=self.dense_gates)
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
         self._experts_list(site)
-        self._span(block, i, site, acc, extra={*self.masks, *self._hit_names()})
+        self._span(block, i, site, acc, extra={*self.masks, *self._hit_names(), *self._guard_names()})
         return site
+
+    def _check_count_guard(self, indices: str) -> None:
+        if self.count_guard is not None and self.count_guard[1] != indices:
+            raise _Miss(f"the loop skips experts on `{self.count_guard[0]}`, counts of `{self.count_guard[1]}`, "
+                        f"not of the expert indices `{indices}` it dispatches")
+
+    def _guard_names(self) -> set[str]:
+        return {self.count_guard[0]} if self.count_guard is not None else set()
 
     def _finish_flat(self, block: list[ast.stmt], i: int, acc: str, contrib: V, flat: str) -> _Site:
         mlp = self._mlp(contrib, weighted=False)
@@ -831,8 +1083,13 @@ class _Eval:
             raise _Miss("tokens are selected and written back with different index tensors")
         if self.loop_kind not in ("range", "enumerate_experts"):
             raise _Miss("flat-index expert loop that is not over range(E) or enumerate(experts)")
+        self._check_count_guard(flat)
+        if not self.bins and mlp.layout != "stacked":
+            self.num_experts = f"len({self._container_text()})"
+            self.bins = f"len({P}experts)"
         site = _Site(routing="flat_mask", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=flat,
-                     num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc)
+                     num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc, local_start=self.local_start,
+                     skip_empty=self.skip_empty)
         site.top_k = "1 (tokens repeated per routed expert before the loop)"
         self._experts_list(site)
         self._span(block, i, site, acc, extra=set(), fresh_init_required=True)
@@ -842,6 +1099,9 @@ class _Eval:
         if self.loop_kind != "counts":
             raise _Miss("expert outputs are appended to a list but the loop is not over per-expert token counts")
         mlp = self._mlp(contrib, weighted=False)
+        if mlp.layout == "opaque":
+            raise _Miss("the tokens are already sorted by expert and every expert runs once on its contiguous rows: only a "
+                        f"grouped matmul would save more, and it needs the expert MLP, which is not read: {mlp.why_opaque}")
         counts = self._count_tensor()
         site = _Site(routing="sorted_counts", loop="counts", tokens=self._tokens_name(contrib), counts=counts,
                      num_experts=f"len({counts})", bins=f"len({counts})", mlp=mlp)
@@ -902,6 +1162,11 @@ class _Eval:
 
     def _count_tensor(self) -> str:
         """``tokens_per_expert`` before ``.cpu().numpy()``: the per-expert counts still on the device."""
+        if self.split_sizes is not None:
+            found = _host_counts(self.scope, self.split_sizes, self.loop.lineno)
+            assert found is not None  # checked by _split_rows
+            self.counts_name = found[1]
+            return found[0]
         node = self.scope.definition(self.counts_name, self.loop.lineno)
         inner, hops = node, 0
         while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("cpu", "numpy", "tolist", "detach"):
@@ -914,9 +1179,9 @@ class _Eval:
     def _experts_list(self, site: _Site) -> None:
         mlp = site.mlp
         assert mlp is not None
-        if mlp.layout != "per_expert_linear":
+        if mlp.layout not in ("per_expert_linear", "opaque"):
             return
-        if self.loop_kind == "enumerate_experts":
+        if self.loop_kind == "enumerate_experts" or (self.loop_kind == "counts" and self.experts_list):
             site.experts_list = self.experts_list
             return
         if self.template is None:
@@ -925,8 +1190,11 @@ class _Eval:
         for n in fast_walk(t):
             if isinstance(n, ast.Name) and n.id in self.eidx:
                 n.id = f"{P}i"
-        bins = site.bins if site.bins != f"len({P}experts)" else f"len({self._container_text()})"
-        site.experts_list = f"[{ast.unparse(t)} for {P}i in range({bins})]"
+        if self.local_start:
+            bounds = ", ".join(segment(self.m, a) for a in self.loop.iter.args)  # type: ignore[attr-defined]
+        else:
+            bounds = site.bins if site.bins != f"len({P}experts)" else f"len({self._container_text()})"
+        site.experts_list = f"[{ast.unparse(t)} for {P}i in range({bounds})]"
 
     # -- spans ----------------------------------------------------------------------------
 
@@ -935,11 +1203,14 @@ class _Eval:
         loop_end = self.loop.end_lineno or self.loop.lineno
         start, init = i, None
         j = i - 1
+        # rows flattened from unknown leading dims: the accumulator keeps its own allocation (its
+        # shape is the original's), the fused result is added into it reshaped
+        own = set() if site.flat_rows else {acc}
         while j >= 0:
             s = block[j]
             names = _assigned([s])
             simple = isinstance(s, (ast.Assign, ast.AnnAssign)) or (isinstance(s, ast.With) and all(isinstance(b, ast.Assign) for b in s.body))
-            if not simple or not names or not names <= ({acc} | extra):
+            if not simple or not names or not names <= (own | extra):
                 break
             if any(self.scope.uses_after(n, loop_end) for n in names - {acc}):
                 break
@@ -961,13 +1232,15 @@ class _Eval:
         if i + 1 >= len(block):
             raise miss
         nxt = block[i + 1]
-        if not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)):
+        returns = isinstance(nxt, ast.Return) and nxt.value is not None  # return torch.cat(outs)
+        if not returns and not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)):
             raise miss
+        assert nxt.value is not None
         val = nxt.value.body if isinstance(nxt.value, ast.IfExp) else nxt.value
         if not (isinstance(val, ast.Call) and _canon(self.m, val.func) == "torch.cat" and val.args
                 and isinstance(val.args[0], ast.Name) and val.args[0].id == lst):
             raise miss
-        allowed = {lst, self.counts_name, self.start_name}
+        allowed = {lst, self.counts_name, self.start_name, self.split_name} - {""}
         start, j = i, i - 1
         while j >= 0:
             s = block[j]
@@ -975,12 +1248,15 @@ class _Eval:
             if not isinstance(s, ast.Assign) or not names or not names <= allowed:
                 break
             start, j = j, j - 1
-        site.out_name, site.out_mode, site.out_dtype = nxt.targets[0].id, "assign", ""
+        if returns:
+            site.out_name, site.out_mode, site.out_dtype = "", "return", ""
+        else:
+            site.out_name, site.out_mode, site.out_dtype = nxt.targets[0].id, "assign", ""  # type: ignore[attr-defined]
         site.first_line, site.last_line = block[start].lineno, nxt.end_lineno or nxt.lineno
         cdef = self.scope.definition(site.counts, site.first_line)
         if isinstance(cdef, ast.Call) and isinstance(cdef.func, ast.Attribute) and cdef.func.attr in ("cpu", "numpy", "tolist"):
             raise _Miss(f"`{site.counts}` is already on the host before the loop")
-        self._check_span(block[start : i + 2], site, {site.out_name}, site.last_line)
+        self._check_span(block[start : i + 2], site, {site.out_name} - {""}, site.last_line)
 
     def _check_span(self, stmts: list[ast.stmt], site: _Site, produced: set[str], end: int) -> None:
         inside = _assigned(stmts)
@@ -1068,6 +1344,61 @@ def _top_k(scope: Scope, indices: str, line: int) -> str:
     return f"{indices}.shape[-1]"
 
 
+def _as_tuple(call: ast.Call) -> bool:
+    return any(k.arg == "as_tuple" and const_value(k.value) is True for k in call.keywords)
+
+
+def _pair_order(orientation: str) -> str:
+    """The (first, second) order torch.where returns for an expert's mask: kt -> (slot, token), else (token, slot)."""
+    return "kt" if orientation == "kt" else "tk"
+
+
+def _last_dim_reduction(call: ast.Call, first: int = 0) -> bool:
+    """``.any(dim=-1)`` / ``.any(-1)`` (``first``: where the dim sits positionally; 1 for ``torch.any(x, -1)``)."""
+    dim = keyword(call, "dim", first)
+    return dim is not None and const_value(dim) == -1 and keyword(call, "keepdim") is None
+
+
+def _host_counts(scope: Scope, node: ast.expr, line: int) -> Optional[tuple[str, str]]:
+    """(device tensor, host name) for per-expert split sizes moved to the host: ``counts.tolist()``
+    inline, or a name bound to ``counts.tolist()`` / ``.cpu().numpy()`` ("" host name when inline)."""
+    host = ""
+    if isinstance(node, ast.Name):
+        host = node.id
+        node = scope.definition(node.id, line)  # type: ignore[assignment]
+    inner, hops = node, 0
+    while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("cpu", "numpy", "tolist", "detach") and not inner.args:
+        inner, hops = inner.func.value, hops + 1
+    if hops == 0 or not isinstance(inner, ast.Name):
+        return None
+    return inner.id, host
+
+
+def _bincount_source(scope: Scope, name: str, line: int) -> Optional[str]:
+    """The indices ``X`` when ``name`` is ``torch.bincount(X.flatten(), ...)`` (or ``X.view(-1)`` /
+    ``X.reshape(-1)`` / ``X.flatten().bincount(...)``), possibly moved to the host (``.tolist()``)."""
+    node = scope.definition(name, line)
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("tolist", "cpu", "numpy") and not node.args:
+        node = node.func.value
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    if isinstance(f, ast.Attribute) and f.attr == "bincount" and not node.args:
+        arg: Optional[ast.expr] = f.value
+    elif (dotted(f) or "").endswith("bincount") and node.args:
+        arg = node.args[0]
+    else:
+        return None
+    if any(k.arg == "weights" for k in node.keywords):
+        return None  # weighted counts are not token counts
+    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute):
+        flat = arg.func.attr == "flatten" and not arg.args
+        flat = flat or (arg.func.attr in ("view", "reshape") and len(arg.args) == 1 and const_value(arg.args[0]) == -1)
+        if flat and isinstance(arg.func.value, ast.Name):
+            return arg.func.value.id
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Expert MLPs
 # ---------------------------------------------------------------------------------------------
@@ -1135,7 +1466,7 @@ def _expert_class(ev: _Eval) -> ast.ClassDef:
     """The class of the per-expert modules, from ``self.experts = nn.ModuleList([...])``."""
     m, scope = ev.m, ev.scope
     container = ev.template.value if ev.template is not None else None
-    if container is None and ev.loop_kind == "enumerate_experts":
+    if container is None and (ev.loop_kind == "enumerate_experts" or ev.experts_node is not None):
         container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
         if isinstance(container, ast.Call):
             container = container.func.value  # type: ignore[attr-defined]
@@ -1318,7 +1649,10 @@ if {P}gmm is None:
 
 
 def _stacked_weight(text: str, orient: str) -> str:
-    """A stacked parameter as the grouped matmul's logical [E, K, N] (a view, never a copy)."""
+    """A stacked parameter as the grouped matmul's logical [E, K, N] (a view, never a copy; a
+    per-expert Linear list is stacked, a copy)."""
+    if orient == "list_out_in":
+        return f"torch.stack([{P}lin.weight for {P}lin in {text}]).transpose(1, 2)"
     return f"{text}.transpose(1, 2)" if orient == "out_in" else text
 
 
@@ -1344,6 +1678,10 @@ def _weights_text(site: _Site) -> tuple[list[str], str, str]:
     o = mlp.orient
     if mlp.gated and mlp.gate_up:
         w1 = _stacked_weight(mlp.gate_up, o[mlp.gate_up])
+    elif mlp.gated and o[mlp.gate] == "list_out_in":
+        lines.append("# per-expert gate and up Linear lists: stacked and concatenated per call (a copy), gate first")
+        lines.append(f"{P}w1 = torch.cat(({_stacked_weight(mlp.gate, o[mlp.gate])}, {_stacked_weight(mlp.up, o[mlp.up])}), dim=2)")
+        w1 = f"{P}w1"
     elif mlp.gated:
         dim = 1 if o[mlp.gate] == "out_in" else 2
         lines.append("# separate stacked gate and up parameters: concatenated per call (a copy), gate first")
@@ -1387,15 +1725,65 @@ def _act_text(site: _Site) -> list[str]:
 def _fused_text(site: _Site) -> str:
     mlp = site.mlp
     assert mlp is not None
-    lines: list[str] = [_GMM_FUNCTION.rstrip("\n")]
-    wlines, w1, w2 = _weights_text(site)
-    lines += wlines
+    opaque = mlp.layout == "opaque"
+    lines: list[str] = []
+    if opaque:
+        lines.append(f"{P}experts = {site.experts_list}")
+        w1 = w2 = ""
+    else:
+        lines.append(_GMM_FUNCTION.rstrip("\n"))
+        wlines, w1, w2 = _weights_text(site)
+        lines += wlines
+    # local: only rows of experts [0, n) of the (shifted) indices are computed; the others (other
+    # ranks' experts, or the sentinel index E) sort last, are cut off and come back as zero rows
+    local = bool(site.local_start) or (opaque and bool(site.sentinel))
+    n = f"{P}n"
+    if site.flat_rows:
+        # token masks over indices with leading dims: rows are the flattened tokens (row-major, as the mask picks them)
+        lines += [
+            f"{P}ids = {site.indices}.reshape(-1, {site.indices}.shape[-1])",
+            f"{P}tokens = {site.tokens}.reshape(-1, {site.tokens}.shape[-1])",
+            f"{P}p = ({site.probs}).reshape(-1, {site.indices}.shape[-1])" if not site.dense_gates else
+            f"{P}p = {site.dense_gates}.reshape(-1, {site.dense_gates}.shape[-1]).gather(-1, {P}ids)  # dense gates: the top-k slots' weights",
+        ]
+        site = copy.copy(site)
+        site.indices, site.tokens, site.probs = f"{P}ids", f"{P}tokens", f"{P}p"
     if site.routing == "sorted_counts":
         lines += [
             f"# {site.tokens} is already sorted by expert; {site.counts} holds the per-expert counts on the device",
             f"{P}counts = {site.counts}.to(torch.int64)",
             f"{P}x = {site.tokens}",
         ]
+    elif local:
+        indices = site.indices
+        lines.append(f"{n} = {site.bins}")
+        if site.local_start:
+            lines += [
+                f"# expert parallelism: this rank runs experts [{site.local_start}, {site.local_start} + {n}); global",
+                "# indices become local ones and every other index sorts last as index n (no expert here)",
+                f"{P}idx = {indices} - ({site.local_start})",
+                f"{P}idx = {P}idx.masked_fill(({P}idx < 0) | ({P}idx >= {n}), {n})",
+            ]
+        else:
+            lines += [
+                f"# index {site.sentinel} marks tokens no (local) expert takes and the loop skips them: they sort last",
+                f"{P}idx = {indices}.clamp(min=0, max={n})",
+            ]
+        lines.append(f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {P}idx)")
+        if opaque:
+            lines += [
+                "# one host sync for the group sizes (the loop synced once per expert)",
+                f"{P}sizes = torch.bincount({P}idx.flatten(), minlength={n} + 1).tolist()",
+                f"{P}rows = sum({P}sizes[:{n}])",
+                f"{P}sizes = {P}sizes[:{n}]",
+            ]
+        else:
+            lines += [
+                f"{P}counts = torch.bincount({P}idx.flatten(), minlength={n} + 1)",
+                f"{P}rows = int({P}counts[:{n}].sum())  # one host sync: how many rows this rank's experts take",
+                f"{P}counts = {P}counts[:{n}]",
+            ]
+        lines.append(f"{P}x = {P}x[:{P}rows]")
     else:
         e = site.bins
         indices, probs = site.indices, site.probs
@@ -1407,22 +1795,45 @@ def _fused_text(site: _Site) -> str:
                 f"{P}probs = {probs}.masked_fill({indices} == {e}, 0)",
             ]
             indices, probs = f"{P}idx", f"{P}probs"
-        lines += [
-            f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})",
-            "# per-expert token counts without a host sync (histc over [0, E): exact integer bins)",
-            f"{P}counts = torch.histc({indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
-        ]
+        lines.append(f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})")
+        if opaque:
+            lines += [
+                "# one host sync for the group sizes (the loop synced once per expert)",
+                f"{P}sizes = torch.bincount({indices}.flatten(), minlength={e}).tolist()",
+            ]
+        else:
+            lines += [
+                "# per-expert token counts without a host sync (histc over [0, E): exact integer bins)",
+                f"{P}counts = torch.histc({indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
+            ]
     h = f"{P}h"
-    lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
-    lines += _act_text(site)
-    lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+    if opaque:
+        rows = f"{P}rows_e"
+        call = f"{P}expert({rows})"
+        if site.skip_empty:
+            call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
+        lines += [
+            f"# the experts' rows are contiguous after the permute: each expert runs once on its slice",
+            f"{P}outs = []",
+            f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):",
+            f"    {P}outs.append({call})",
+            f"{h} = torch.cat({P}outs)",
+        ]
+    else:
+        lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
+        lines += _act_text(site)
+        lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+    if local and site.routing != "sorted_counts":
+        lines.append(f"{h} = torch.cat([{h}, {h}.new_zeros({P}order.numel() - {h}.shape[0], {h}.shape[-1])])  # rows of no local expert: 0")
     out = site.out_name
     if site.routing == "sorted_counts":
-        lines.append(f"{out} = {h}")
+        lines.append(f"return {h}" if site.out_mode == "return" else f"{out} = {h}")
     else:
-        probs_name = f"{P}probs" if site.sentinel else site.probs
+        probs_name = f"{P}probs" if site.sentinel and not local else site.probs
         probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else ""
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
+        if site.flat_rows:
+            result = f"{result}.reshape({out}.shape)"
         if site.out_mode == "assign":
             lines.append(f"{out} = {result}.to({site.out_dtype})")
         else:
@@ -1438,12 +1849,15 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         val = getattr(mlp, role)
         if val:
             weights[role] = val
-    if mlp.layout == "per_expert_linear":
-        layout = "per_expert_linear"
+    if mlp.layout in ("per_expert_linear", "opaque"):
+        layout = "expert_modules" if mlp.layout == "opaque" else mlp.layout
     else:
         orients = set(mlp.orient.values())
         layout = "stacked_" + (orients.pop() if len(orients) == 1 else "mixed")
-    activation = ("silu_gated" if mlp.act.kind == "silu" else f"gated:{mlp.act.describe()}") if mlp.gated else f"plain:{mlp.act.describe()}"
+    if mlp.layout == "opaque":
+        activation = "as the expert modules compute it"
+    else:
+        activation = ("silu_gated" if mlp.act.kind == "silu" else f"gated:{mlp.act.describe()}") if mlp.gated else f"plain:{mlp.act.describe()}"
     params: dict[str, Any] = {
         "num_experts": site.num_experts,
         "top_k": site.top_k,
@@ -1462,6 +1876,8 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         "output_dtype": site.out_dtype or None,
         "sentinel_index": site.sentinel or None,
     }
+    if site.local_start:
+        params["local_experts_start"] = site.local_start  # only when set: existing reports keep their keys
     risks = [
         Risk("dynamic_shape", "per-expert token counts are data dependent: the fused path keeps every shape static "
              "([tokens*top_k, hidden]) and passes the counts to npu_grouped_matmul as a device tensor; the grouped "
@@ -1471,19 +1887,43 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         Risk("autocast", "torch_npu ops do not follow autocast: the grouped matmul runs in the tokens' dtype (expert "
              "weights are cast to it), as autocast would for bf16 tokens"),
     ]
-    notes = [
-        "npu_grouped_matmul has no backward in torch_npu 2.14: the fused text wraps it in an autograd.Function whose "
-        "backward is two grouped matmuls (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy), so training "
-        "keeps expert gradients; the Function is defined once per module and cached in the module's globals()",
-        "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
-        "nonzero / .cpu()",
-    ]
+    if mlp.layout == "opaque":
+        notes = [
+            f"the expert MLP is not read off its class ({mlp.why_opaque}), so no grouped matmul: "
+            "npu_moe_token_permute sorts the token copies by expert, each expert module runs once on its contiguous "
+            "rows (torch.split by the per-expert counts) and npu_moe_token_unpermute weights and sums the copies; "
+            "this replaces the per-expert torch.where / gather / index_add (one host sync for the sizes instead of "
+            "one per expert). Permute and unpermute have autograd, so training works",
+        ]
+        risks.append(Risk("other", "each expert gets exactly the rows the loop gave it (stable sort by expert), in "
+                          "token order; an expert that mixes rows (batch statistics) would see them in that order, as "
+                          "the loop's torch.where gives them for [T, K] masks"))
+    else:
+        notes = [
+            "npu_grouped_matmul has no backward in torch_npu 2.14: the fused text wraps it in an autograd.Function whose "
+            "backward is two grouped matmuls (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy), so training "
+            "keeps expert gradients; the Function is defined once per module and cached in the module's globals()",
+            "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
+            "nonzero / .cpu()",
+        ]
+    if site.flat_rows:
+        risks.append(Risk("other", f"tokens were picked with a token mask `({site.indices} == e).any(-1)`: that equals the "
+                          "permute only while each token's expert indices are distinct (torch.topk gives distinct "
+                          "ones); a token listing one expert twice would be counted once by the loop and twice here"))
+    if site.local_start:
+        notes.append(f"expert parallelism: the loop runs only this rank's experts range({site.local_start}, ...); the "
+                     f"fused text subtracts {site.local_start} from the expert indices, sorts every index outside the "
+                     "local range last, computes only the local experts' rows (one host sync for their number) and "
+                     "gives the other rows zero, as the loop leaves them (the cross-rank reduction after it is unchanged)")
     if mlp.layout == "per_expert_linear":
         risks.append(Risk("other", "per-expert nn.Linear weights are stacked into [E, K, N] every call: 3*E weight copies "
                           "per forward (and the stack is kept for backward when training). For many experts this can "
                           "cost more than the loop saves; storing the experts as stacked parameters once (the "
                           "transformers v5 layout) removes the copy"))
-    if mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
+    if "list_out_in" in mlp.orient.values():
+        risks.append(Risk("other", "one nn.Linear per expert and projection: their weights are stacked into [E, K, N] "
+                          "every call (copies; autograd flows back to each Linear)"))
+    elif mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
         risks.append(Risk("other", "separate stacked gate/up parameters are concatenated every call (one copy); a fused "
                           "[E, 2I, H] gate_up parameter avoids it"))
     if mlp.act.kind == "config":
@@ -1509,6 +1949,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
     variant = {"mask_where": "one_hot_where", "flat_mask": "flat_index_mask", "sorted_counts": "sorted_counts"}[site.routing]
     if mlp.layout == "stacked":
         variant += "_stacked"
+    elif mlp.layout == "opaque":
+        variant += "_expert_modules"
+    if site.local_start:
+        variant += "_local_experts"
     return Finding(
         pattern=_ID,
         qualname=scope.qualname,
@@ -1526,6 +1970,241 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
 
 
 # ---------------------------------------------------------------------------------------------
+# torch._grouped_mm: expert MLPs already grouped (tokens permuted by the caller)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _GroupedMm:
+    call: ast.Call
+    a: ast.expr
+    b: ast.expr
+    offs: ast.expr
+
+
+def _grouped_mm_wrapper(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[tuple[ast.FunctionDef, list[str]]]:
+    """``self.<m>(...)`` whose method (this class or a same-file base) is only
+    ``return torch._grouped_mm(<param>, <param>, offs=<param>)``: (method, [a, b, offs] parameter names)."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return None
+    if scope.class_name is None or scope.class_name not in module.classes:
+        return None
+    meth = _method(module, module.classes[scope.class_name], f.attr)
+    if meth is None:
+        return None
+    names = _seam_params(module, meth)
+    return (meth, names) if names is not None else None
+
+
+def _seam_params(module: ModuleInfo, fn: ast.FunctionDef) -> Optional[list[str]]:
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return None
+    inner = body[0].value
+    if _canon(module, inner.func) != "torch._grouped_mm" or keyword(inner, "bias", 3) is not None or keyword(inner, "out_dtype", 4) is not None:
+        return None
+    args = [keyword(inner, "self", 0) or keyword(inner, "input", 0), keyword(inner, "mat2", 1), keyword(inner, "offs", 2)]
+    params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+    if not all(isinstance(a, ast.Name) and a.id in params for a in args):
+        return None
+    return [a.id for a in args]  # type: ignore[union-attr]
+
+
+def _bind(meth: ast.FunctionDef, call: ast.Call, name: str) -> Optional[ast.expr]:
+    """The argument ``call`` passes for parameter ``name`` of ``meth`` (a bound method: self skipped)."""
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    positional = [a.arg for a in meth.args.args[1:]]
+    if name in positional and positional.index(name) < len(call.args):
+        arg = call.args[positional.index(name)]
+        return None if isinstance(arg, ast.Starred) else arg
+    return None
+
+
+def _grouped_mm_of(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[_GroupedMm]:
+    if _canon(module, call.func) == "torch._grouped_mm":
+        if keyword(call, "bias", 3) is not None or keyword(call, "out_dtype", 4) is not None:
+            raise _Miss("torch._grouped_mm with a bias or an out_dtype: the replacement covers the plain grouped matmul")
+        a, b, offs = keyword(call, "self", 0) or keyword(call, "input", 0), keyword(call, "mat2", 1), keyword(call, "offs", 2)
+        if a is None or b is None or offs is None:
+            raise _Miss("torch._grouped_mm without offs: not grouped by expert")
+        return _GroupedMm(call, a, b, offs)
+    found = _grouped_mm_wrapper(module, scope, call)
+    if found is None:
+        return None
+    meth, (pa, pb, po) = found
+    a, b, offs = _bind(meth, call, pa), _bind(meth, call, pb), _bind(meth, call, po)
+    if a is None or b is None or offs is None:
+        raise _Miss(f"`{ast.unparse(call)[:60]}` passes its grouped-matmul operands in a way npufuse does not bind")
+    return _GroupedMm(call, a, b, offs)
+
+
+def _calls_grouped_mm(module: ModuleInfo, scope: Scope, call: ast.Call) -> bool:
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and f.attr.endswith("grouped_mm")):
+        return False  # cheap text test first: most calls are nothing of the kind
+    return _canon(module, f) == "torch._grouped_mm" or _grouped_mm_wrapper(module, scope, call) is not None
+
+
+def _grouped_mm_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    """Runs of consecutive simple statements of one block that call ``torch._grouped_mm`` (or a
+    one-line method wrapping it) with one ``offs``: one finding each, the calls become
+    ``npu_grouped_matmul`` (CUDA's grouped GEMM does not exist on Ascend)."""
+    if isinstance(scope.node, ast.FunctionDef) and scope.class_name is not None and _seam_params(module, scope.node) is not None:
+        return  # the wrapper itself: its callers are the sites (an override of it is guarded there)
+    runs: list[tuple[list[ast.stmt], list[int]]] = []
+    for block, i, stmt in scope.statements():
+        if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr)):
+            continue
+        if not any(isinstance(n, ast.Call) and _calls_grouped_mm(module, scope, n) for n in fast_walk(stmt)):
+            continue
+        if runs and runs[-1][0] is block and runs[-1][1][-1] == i - 1:
+            runs[-1][1].append(i)
+        else:
+            runs.append((block, [i]))
+    for block, idxs in runs:
+        stmts = [block[j] for j in idxs]
+        first, last = stmts[0], stmts[-1]
+        try:
+            yield _grouped_mm_finding(module, scope, stmts)
+        except _Miss as miss:
+            yield NearMiss(_ID, scope.qualname, first.lineno, last.end_lineno or last.lineno, str(miss))
+
+
+def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt]) -> Finding:
+    mms: list[_GroupedMm] = []
+    for st in stmts:
+        for n in fast_walk(st):
+            if isinstance(n, ast.Call):
+                g = _grouped_mm_of(module, scope, n)
+                if g is not None:
+                    mms.append(g)
+    if not mms:
+        raise _Miss("a grouped_mm call npufuse does not recognise")
+    offs = mms[0].offs
+    if any(ast.dump(g.offs) != ast.dump(offs) for g in mms):
+        raise _Miss("the grouped matmuls use different group offsets")
+    offs_text = segment(module, offs)
+    offs_names = {n.id for n in fast_walk(offs) if isinstance(n, ast.Name)}
+    if offs_names & _assigned(stmts):
+        raise _Miss("the group offsets are reassigned between the grouped matmuls")
+    via = {id(g.call): g for g in mms}
+    wrappers = {g.call.func.attr for g in mms if isinstance(g.call.func, ast.Attribute) and _canon(module, g.call.func) != "torch._grouped_mm"}
+    if len(wrappers) > 1:
+        raise _Miss("grouped matmuls through two different wrapper methods")
+    wrapper = next(iter(wrappers), "")
+    body = [ast.unparse(_swap_copy(st, via)) for st in stmts]
+    guard_name = next((n.id for n in fast_walk(mms[0].a) if isinstance(n, ast.Name) and n.id not in ("self", "torch")), "")
+    if not guard_name:
+        raise _Miss("the grouped matmul's tokens are not a local tensor")
+    guard = guard_name
+    if wrapper:
+        # the method is an overridable seam (low-precision variants replace it): fuse only while the
+        # instance still runs this class's own one
+        cls = scope.class_name
+        owner = module.classes.get(cls or "")
+        if owner is None or not any(isinstance(n, ast.FunctionDef) and n.name == wrapper for n in owner.body):
+            raise _Miss(f"the grouped-matmul wrapper `{wrapper}` is inherited: the guard checks this class's own method")
+        guard = f"{guard_name} if getattr(self.{wrapper}, '__func__', None) is {cls}.__dict__['{wrapper}'] else None"
+    lines = [
+        _GMM_FUNCTION.rstrip("\n"),
+        f"{P}offs = {offs_text}",
+        f"if {P}offs is not None:",
+        "    # torch._grouped_mm takes cumulative end offsets; the grouped matmul here takes per-group counts",
+        f"    {P}counts = torch.diff({P}offs.to(torch.int64), prepend={P}offs.new_zeros(1, dtype=torch.int64))",
+        f"    {P}m = int({P}offs[-1])  # one host sync: rows past the last offset belong to no group (padding)",
+        "",
+        "",
+        f"def {P}grouped_mm(a, b):",
+        f"    if {P}offs is None or a.dim() != 2 or b.dim() != 3:",
+        f"        return torch._grouped_mm(a, b, offs={P}offs)  # other grouped_mm forms: as written",
+        f"    y = {P}gmm(a[:{P}m], b, {P}counts)",
+        "    if y.shape[0] < a.shape[0]:  # rows in no group: zeros (torch._grouped_mm leaves them unset)",
+        "        y = torch.cat([y, y.new_zeros(a.shape[0] - y.shape[0], y.shape[-1])])",
+        "    return y",
+        "",
+        "",
+        *body,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": "the grouped weights' first dim",
+        "top_k": "(tokens permuted before this function)",
+        "layout": "grouped_mm",
+        "weights": {f"mm{k}": segment(module, g.b) for k, g in enumerate(mms)},
+        "activation": "as written between the grouped matmuls",
+        "conditional": False,
+        "routing_weights": "outside",
+        "routing": "grouped_mm_offsets",
+        "loop": "none",
+        "tokens": segment(module, mms[0].a),
+        "indices": None,
+        "probs": None,
+        "counts": offs_text,
+        "output": "",
+        "output_dtype": None,
+        "sentinel_index": None,
+        "grouped_mm_calls": len(mms),
+        "via": wrapper or "torch._grouped_mm",
+    }
+    risks = [
+        Risk("dynamic_shape", "the group sizes come from the offsets on the device; one host sync per call reads the "
+             "last offset (rows past it are padding no group owns)"),
+        Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32 (torch._grouped_mm bf16); the output keeps the tokens' dtype"),
+        Risk("other", "only the 2-D tokens x 3-D stacked weights form (the MoE forward) goes to npu_grouped_matmul; other "
+             "torch._grouped_mm forms still call it as written, which Ascend does not provide"),
+    ]
+    if wrapper:
+        risks.append(Risk("other", f"`self.{wrapper}` is an overridable seam: the fused branch runs only while the instance "
+                          f"uses {scope.class_name}'s own method (a subclass or instance override keeps the original path); "
+                          "a class-level monkeypatch of the method itself is not detected"))
+    notes = [
+        "tokens are already permuted by the caller, so only the grouped GEMMs are replaced (no permute/unpermute); "
+        "npu_grouped_matmul has no backward in torch_npu 2.14: the fused text wraps it in an autograd.Function "
+        "(dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)",
+        "weights passed as transposed views (`w.transpose(-2, -1)`) reach npu_grouped_matmul as views: the op takes "
+        "[E, N, K] storage as a transposed [E, K, N] weight without a copy",
+    ]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=stmts[0].lineno, end_line=stmts[-1].end_lineno or stmts[-1].lineno,
+        params=params, fused="\n".join(lines) + "\n", guard_tensor=guard, confidence="high", variant="grouped_mm",
+        risks=risks, notes=notes, training_ok=True,
+    )
+
+
+def _swap_copy(stmt: ast.stmt, via: dict[int, "_GroupedMm"]) -> ast.stmt:
+    """A copy of ``stmt`` (the module tree is never modified) with every grouped-mm call replaced
+    by ``_npufuse_grouped_mm(a, b)``, inner ones first."""
+    clone = copy.deepcopy(stmt)
+    originals = [n for n in fast_walk(stmt) if isinstance(n, ast.Call)]
+    copies = [n for n in fast_walk(clone) if isinstance(n, ast.Call)]
+    pairs = {id(c): o for o, c in zip(originals, copies) if id(o) in via}
+
+    def same_place(orig_call: ast.Call, clone_call: ast.Call, arg: ast.expr) -> ast.expr:
+        # the clone's argument where ``arg`` sits in the original call (already transformed)
+        for k_o, k_c in zip(orig_call.keywords, clone_call.keywords):
+            if k_o.value is arg:
+                return k_c.value
+        for a_o, a_c in zip(orig_call.args, clone_call.args):
+            if a_o is arg:
+                return a_c
+        raise _Miss("a grouped-matmul operand npufuse could not place")
+
+    class _Swap(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            self.generic_visit(node)
+            orig = pairs.get(id(node))
+            if orig is None:
+                return node
+            g = via[id(orig)]
+            args = [same_place(orig, node, g.a), same_place(orig, node, g.b)]
+            return ast.Call(func=ast.Name(f"{P}grouped_mm", ast.Load()), args=args, keywords=[])
+
+    return _Swap().visit(clone)
+
+
+# ---------------------------------------------------------------------------------------------
 # Value
 # ---------------------------------------------------------------------------------------------
 
@@ -1536,6 +2215,13 @@ def _assess(finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
     e = config.get("num_experts")
     k = config.get("num_experts_per_tok") or 2
     p = finding.params
+    if p.get("layout") == "expert_modules":
+        return symbolic(
+            "launch",
+            "per expert a torch.where (host sync), a gather and an index_add become one permute, one split and one "
+            "unpermute for the layer; the experts' own kernels are unchanged, so the gain is the routing kernels and "
+            "host syncs, largest for many experts and few tokens",
+        )
     gated = str(p.get("activation", "")).startswith(("silu", "gated"))
     if not (h and inter and e):
         return symbolic(
@@ -2246,11 +2932,9 @@ MoeExperts.FUSE = [
 MoeExperts.KEEP = [
     Keep(_KEEP_CAPACITY, reason="capacity", name="capacity_token_dropping"),
     Keep(_KEEP_SHARED_INSIDE, reason="shared expert", name="shared_expert_inside_loop"),
-    Keep(_KEEP_HETERO, reason="different architectures", name="heterogeneous_experts"),
     Keep(_KEEP_RGCN, reason="not a token dispatch", name="rgcn_relation_loop"),
     Keep(_KEEP_SEQUENTIAL, reason="not a token dispatch", name="sequential_expert_chain"),
     Keep(_KEEP_SWITCH, reason="router masks", name="switch_transformers_router_mask"),
-    Keep(_KEEP_BIAS, reason="bias", name="expert_linear_with_bias"),
     Keep(_KEEP_CLAMPED, reason="not recognised", name="clamped_swiglu_custom_gate"),
 ]
 
@@ -2302,8 +2986,8 @@ MoeExperts.FUSE += [
          name="zip_experts_with_masks", run=_ZIP_RUN, expect={"loop": "enumerate_experts"}),
 ]
 
-MoeExperts.KEEP += [
-    Keep(_HEAD + '''
+
+_EP_EXPERT_NN = '''
 class Expert(nn.Module):
     def __init__(self, dim, inter_dim):
         super().__init__()
@@ -2313,8 +2997,28 @@ class Expert(nn.Module):
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+'''
+
+# A project's own Linear (quantisation hooks etc.): not torch.nn.Linear, so the grouped matmul
+# cannot take its weight; the experts are called as they are.
+_EP_EXPERT_CUSTOM = '''
+def linear(x, weight, bias=None):
+    if weight.element_size() > 1:
+        return F.linear(x, weight, bias)
+    raise NotImplementedError("fp8")
 
 
+class Linear(nn.Module):
+    def __init__(self, in_features, out_features, bias=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features) * in_features ** -0.5)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+''' + _EP_EXPERT_NN.replace("nn.Linear(", "Linear(")
+
+_EP_MOE = '''
 class MoE(nn.Module):
     def __init__(self, dim, inter, n_routed_experts, topk, rank, world_size):
         super().__init__()
@@ -2327,6 +3031,8 @@ class MoE(nn.Module):
                                       for i in range(n_routed_experts)])
 
     def forward(self, x):
+        shape = x.size()
+        x = x.view(-1, self.dim)
         weights, indices = torch.topk(self.gate(x).softmax(dim=-1), self.topk, dim=-1)
         y = torch.zeros_like(x)
         counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
@@ -2336,9 +3042,99 @@ class MoE(nn.Module):
             expert = self.experts[i]
             idx, top = torch.where(indices == i)
             y[idx] += expert(x[idx]) * weights[idx, top, None]
-        return y
-''', reason="runs a slice of the experts (expert parallelism", name="expert_parallel_range_start_end"),
-    Keep(_HEAD + '''
+        return y.view(shape)
+'''
+
+_EP_RUN = '''\
+moe = MoE(16, 24, 8, 2, rank=1, world_size=2)
+x = torch.randn(2, 9, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[4].w1.weight, moe.experts[7].w2.weight]
+'''
+
+_EXPERTS_PASSED_IN = _HEAD + '''
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoeLayer(nn.Module):
+    def __init__(self, experts, gate, num_experts_per_tok):
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+        self.gate = gate
+        self.k = num_experts_per_tok
+
+    def forward(self, inputs):
+        gate_logits = self.gate(inputs)
+        weights, selected_experts = torch.topk(gate_logits, self.k)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(inputs.dtype)
+        results = torch.zeros_like(inputs)
+        for i, expert in enumerate(self.experts):
+            batch_idx, nth_expert = torch.where(selected_experts == i)
+            results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(inputs[batch_idx])
+        return results
+'''
+
+_EXPERTS_PASSED_IN_RUN = '''\
+moe = MoeLayer([FeedForward(16, 20) for _ in range(5)], nn.Linear(16, 5, bias=False), 2)
+x = torch.randn(14, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[0].w1.weight, moe.experts[4].w2.weight]
+'''
+
+_ARANGE_MASKS = _HEAD + '''
+class LLaMAMLP(nn.Module):
+    def __init__(self, n_embd, inter, bias):
+        super().__init__()
+        self.fc_1 = nn.Linear(n_embd, inter, bias=bias)
+        self.fc_2 = nn.Linear(n_embd, inter, bias=bias)
+        self.proj = nn.Linear(inter, n_embd, bias=bias)
+
+    def forward(self, x):
+        x_fc_1 = self.fc_1(x)
+        x_fc_2 = self.fc_2(x)
+        x = F.silu(x_fc_1) * x_fc_2
+        return self.proj(x)
+
+
+class LLaMAMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList(LLaMAMLP(config.n_embd, config.inter, config.bias) for _ in range(config.n_expert))
+        self.config = config
+
+    def forward(self, x):
+        B, T, C = x.size()
+        x = x.view(-1, C)
+        router = self.gate(x)
+        probs, indices = torch.topk(router, self.config.n_expert_per_token)
+        probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        masks = indices.unsqueeze(-1) == torch.arange(self.config.n_expert, device=x.device)
+        masks = masks.permute(2, 0, 1)
+        y = torch.zeros_like(x)
+        for mask, expert in zip(masks, self.experts):
+            token_idx, expert_idx = torch.where(mask)
+            y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])
+        return y.view(B, T, C)
+'''
+
+_ARANGE_MASKS_RUN = '''\
+cfg = SimpleNamespace(n_embd=16, inter=20, n_expert=6, n_expert_per_token=2, bias=True)
+moe = LLaMAMoE(cfg)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[1].fc_1.bias, moe.experts[5].proj.weight]
+'''
+
+_SINGLE_LINEAR = _HEAD + '''
 class MoE(nn.Module):
     def __init__(self, d, n, k):
         super().__init__()
@@ -2353,5 +3149,517 @@ class MoE(nn.Module):
             tok, slot = torch.where(idx == e)
             out[tok] += self.experts[e](x[tok]) * w[tok, slot, None]
         return out
-''', reason="each expert is a single nn.Linear", name="single_linear_experts"),
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_HEAD + _EP_EXPERT_NN + _EP_MOE, name="expert_parallel_range_start_end_grouped", run=_EP_RUN, expect={
+        "local_experts_start": "self.experts_start_idx", "num_experts": "self.experts_end_idx - self.experts_start_idx",
+        "layout": "per_expert_linear", "routing": "mask_where", "indices": "indices", "probs": "weights",
+        "variant": "one_hot_where_local_experts"}),
+    Fuse(_HEAD + _EP_EXPERT_CUSTOM + _EP_MOE, name="expert_parallel_custom_linear_modules", run=_EP_RUN, expect={
+        "local_experts_start": "self.experts_start_idx", "layout": "expert_modules",
+        "variant": "one_hot_where_expert_modules_local_experts"}),
+    Fuse(_EXPERTS_PASSED_IN, name="experts_passed_into_init_enumerate_where", run=_EXPERTS_PASSED_IN_RUN, expect={
+        "layout": "expert_modules", "loop": "enumerate_experts", "indices": "selected_experts", "probs": "weights",
+        "tokens": "inputs", "output": "results", "num_experts": "len(self.experts)"}),
+    Fuse(_ARANGE_MASKS, name="arange_eq_masks_zip_biased_experts", run=_ARANGE_MASKS_RUN, expect={
+        "layout": "expert_modules", "loop": "enumerate_experts", "indices": "indices", "probs": "probs",
+        "routing": "mask_where"}),
+    Fuse(_SINGLE_LINEAR, name="single_linear_experts", run='''\
+moe = MoE(16, 5, 2)
+x = torch.randn(10, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[2].weight]
+''', expect={"layout": "expert_modules", "loop": "range", "num_experts": "self.n"}),
+    Fuse(_KEEP_HETERO, name="heterogeneous_expert_modules", run=_CFG + '''\
+blk = HeteroMoE(cfg)
+x = torch.randn(13, 16, requires_grad=True)
+w, idx = torch.randn(13, 4).softmax(-1).topk(2, dim=-1)
+out = blk(x, w, idx)
+leaves = [x, blk.experts[0].w1.weight, blk.experts[1].fc.weight, blk.experts[3].fc.weight]
+''', expect={"layout": "expert_modules", "weights": {}, "variant": "one_hot_where_expert_modules", "loop": "range"}),
+    Fuse(_KEEP_BIAS, name="expert_linear_with_bias_modules", run='''\
+moe = BiasedMoE(16, 24, 5)
+x = torch.randn(11, 16, requires_grad=True)
+w, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)
+w.requires_grad_(True)
+out = moe(x, w, idx)
+leaves = [x, w, moe.experts[0].w1.bias, moe.experts[4].w2.weight]
+''', expect={"layout": "expert_modules", "probs": "weights", "indices": "chosen"}),
+]
+
+MoeExperts.KEEP += [
+    # the skip guard counts another tensor than the one the loop dispatches: experts with tokens could be skipped
+    Keep(_HEAD + _EP_EXPERT_NN + _EP_MOE.replace("torch.bincount(indices.flatten()", "torch.bincount(self.prev_indices.flatten()")
+         .replace("counts = torch.bincount(self", "prev = self.prev_indices\n        counts = torch.bincount(self")
+         .replace("torch.bincount(self.prev_indices.flatten()", "torch.bincount(prev.flatten()"),
+         reason="not of the expert indices", name="skip_guard_counts_other_tensor"),
+    # experts below a token threshold are skipped: not the same as skipping empty experts
+    Keep(_HEAD + _EP_EXPERT_NN + _EP_MOE.replace("if counts[i] == 0:", "if counts[i] < 4:"),
+         reason="skips experts on", name="skip_guard_threshold"),
+    # a router mask that is not built from the expert indices (capacity-limited routers drop tokens)
+    Keep(_HEAD + _EP_EXPERT_NN + '''
+class CapacityMoE(nn.Module):
+    def __init__(self, dim, inter, n):
+        super().__init__()
+        self.experts = nn.ModuleList([Expert(dim, inter) for _ in range(n)])
+
+    def forward(self, x, router_mask, probs):
+        masks = router_mask.permute(2, 0, 1)
+        y = torch.zeros_like(x)
+        for mask, expert in zip(masks, self.experts):
+            token_idx, slot = torch.where(mask)
+            y[token_idx] += probs[token_idx, slot, None] * expert(x[token_idx])
+        return y
+''', reason="from a mask that is not one_hot", name="router_mask_not_from_indices"),
+    # permute of an arange comparison along another order than expert-first
+    Keep(_ARANGE_MASKS.replace("masks.permute(2, 0, 1)", "masks.permute(0, 2, 1)"),
+         reason="from a mask that is not one_hot", name="arange_masks_not_expert_first"),
+]
+
+
+# -- torch._grouped_mm over tokens the caller already permuted (torchtitan GroupedExperts) --------
+
+_GROUPED_MM_SEAM = _HEAD + '''
+class GroupedExperts(nn.Module):
+    def __init__(self, dim, hidden_dim, num_experts):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * hidden_dim ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * dim ** -0.5)
+
+    def forward(self, x, num_tokens_per_expert):
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        h = F.silu(self._grouped_mm(A=x.bfloat16(), B_t=self.w1.bfloat16().transpose(-2, -1), offs=offsets))
+        h = h * self._grouped_mm(A=x.bfloat16(), B_t=self.w3.bfloat16().transpose(-2, -1), offs=offsets)
+        return self._grouped_mm(A=h, B_t=self.w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+
+    def _grouped_mm(self, *, A, B_t, offs):
+        """Overridable seam for low-precision variants."""
+        return torch._grouped_mm(A, B_t, offs=offs)
+'''
+
+# every row in a group here: torch._grouped_mm leaves rows past the last offset unset (garbage), so
+# only tests/test_detect_moe.py checks those (zeros in the fused branch)
+_GROUPED_MM_RUN = '''\
+ex = GroupedExperts(16, 24, 4)
+x = torch.randn(21, 16, requires_grad=True)
+out = ex(x, torch.tensor([5, 0, 9, 7]))
+leaves = [x, ex.w1, ex.w2, ex.w3]
+'''
+
+_GROUPED_MM_DIRECT = _HEAD + '''
+def run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert):
+    offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    h = F.silu(torch._grouped_mm(x.bfloat16(), w1.bfloat16().transpose(-2, -1), offs=offsets))
+    h = h * torch._grouped_mm(x.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
+    out = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+    return out
+'''
+
+_GROUPED_MM_DIRECT_RUN = '''\
+torch.manual_seed(1)
+w1 = (torch.randn(3, 32, 16) * 0.25).requires_grad_()
+w2 = (torch.randn(3, 16, 32) * 0.18).requires_grad_()
+w3 = (torch.randn(3, 32, 16) * 0.25).requires_grad_()
+x = torch.randn(12, 16, requires_grad=True)
+out = run_experts_grouped_mm(w1, w2, w3, x, torch.tensor([4, 6, 2]))
+leaves = [x, w1, w2, w3]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_GROUPED_MM_SEAM, name="grouped_mm_through_method_seam", run=_GROUPED_MM_RUN, expect={
+        "routing": "grouped_mm_offsets", "layout": "grouped_mm", "counts": "offsets", "grouped_mm_calls": 3,
+        "via": "_grouped_mm", "variant": "grouped_mm", "line": 18, "end_line": 20}),
+    Fuse(_GROUPED_MM_DIRECT, name="grouped_mm_direct_calls", run=_GROUPED_MM_DIRECT_RUN, expect={
+        "routing": "grouped_mm_offsets", "via": "torch._grouped_mm", "grouped_mm_calls": 3, "tokens": "x.bfloat16()"}),
+]
+
+MoeExperts.KEEP += [
+    Keep(_GROUPED_MM_DIRECT.replace("w3.bfloat16().transpose(-2, -1), offs=offsets)", "w3.bfloat16().transpose(-2, -1), offs=offsets[1:])"),
+         reason="different group offsets", name="grouped_mm_two_offsets"),
+    Keep(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, out_dtype=torch.float32))\n    h = h"),
+         reason="out_dtype", name="grouped_mm_out_dtype"),
+]
+
+
+# -- tokens sorted by expert (argsort + index_select), torch.split by the counts, index_add_ back --
+
+_SPLIT_SORTED = _HEAD + '''
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SortedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+        self.n, self.k = n, k
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n)
+        x_sorted = x.index_select(0, order // self.k)
+        outs = []
+        for i, rows in enumerate(torch.split(x_sorted, counts.tolist())):
+            outs.append(self.experts[i](rows))
+        y_sorted = torch.cat(outs)
+        y = torch.zeros_like(x).index_add_(0, order // self.k, y_sorted * w.flatten()[order, None])
+        return y
+'''
+
+_SPLIT_SORTED_RUN = '''\
+moe = SortedMoE(16, 24, 5, 2)
+x = torch.randn(13, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.router.weight, moe.experts[0].gate_proj.weight, moe.experts[4].down_proj.weight]
+'''
+
+# the zip form, sizes bound to a name first, unpermuted with index_copy_ and summed over k
+_SPLIT_ZIP = _SPLIT_SORTED.replace(
+    "        outs = []\n        for i, rows in enumerate(torch.split(x_sorted, counts.tolist())):\n"
+    "            outs.append(self.experts[i](rows))\n",
+    "        sizes = counts.tolist()\n        outs = []\n        for expert, rows in zip(self.experts, x_sorted.split(sizes)):\n"
+    "            outs.append(expert(rows))\n",
+).replace(
+    "        y = torch.zeros_like(x).index_add_(0, order // self.k, y_sorted * w.flatten()[order, None])\n",
+    "        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)\n"
+    "        y = (y.view(x.shape[0], self.k, -1) * w.unsqueeze(-1)).sum(dim=1)\n",
+)
+
+MoeExperts.FUSE += [
+    Fuse(_SPLIT_SORTED, name="split_by_counts_sorted_tokens_index_add", run=_SPLIT_SORTED_RUN, expect={
+        "routing": "sorted_counts", "loop": "counts", "counts": "counts", "tokens": "x_sorted", "output": "y_sorted",
+        "weights": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, "activation": "silu_gated"}),
+    Fuse(_SPLIT_ZIP, name="zip_experts_split_sizes_index_copy", run=_SPLIT_SORTED_RUN, expect={
+        "routing": "sorted_counts", "counts": "counts", "tokens": "x_sorted", "output": "y_sorted"}),
+]
+
+MoeExperts.KEEP += [
+    # the experts already run once each on contiguous rows: with an MLP the grouped matmul cannot take
+    # (a bias here), there is nothing left to fuse
+    Keep(_SPLIT_SORTED.replace("nn.Linear(d, h, bias=False)", "nn.Linear(d, h)"), reason="already sorted by expert",
+         name="split_sorted_expert_mlp_not_read"),
+    # fixed-size chunks are not per-expert groups
+    Keep(_SPLIT_SORTED.replace("torch.split(x_sorted, counts.tolist())", "torch.split(x_sorted, 4)"),
+         reason="neither the experts nor per-expert token counts", name="split_fixed_chunks"),
+]
+
+
+# -- token masks `(indices == e).any(-1)`: tutorial / from-scratch spellings ----------------------
+
+# dense gates [B, T, E] (softmax over the top-k logits scattered into -inf), tokens picked with a
+# 2-D token mask of 3-D indices, `if mask.any():` around the dispatch, experts of any architecture
+_TOKEN_MASK_DENSE = _HEAD + '''
+class Expert(nn.Module):
+    def __init__(self, n_embed):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(n_embed, 4 * n_embed), nn.ReLU(), nn.Linear(4 * n_embed, n_embed))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Router(nn.Module):
+    def __init__(self, n_embed, num_experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.linear = nn.Linear(n_embed, num_experts)
+
+    def forward(self, h):
+        logits = self.linear(h)
+        top, indices = logits.topk(self.top_k, dim=-1)
+        sparse = torch.full_like(logits, float("-inf")).scatter(-1, indices, top)
+        return F.softmax(sparse, dim=-1), indices
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, n_embed, num_experts, top_k):
+        super().__init__()
+        self.router = Router(n_embed, num_experts, top_k)
+        self.experts = nn.ModuleList([Expert(n_embed) for _ in range(num_experts)])
+
+    def forward(self, x):
+        gates, indices = self.router(x)
+        out = torch.zeros_like(x)
+        rows = x.view(-1, x.size(-1))
+        flat_gates = gates.view(-1, gates.size(-1))
+        for i, expert in enumerate(self.experts):
+            picked = (indices == i).any(dim=-1)
+            flat_picked = picked.view(-1)
+            if flat_picked.any():
+                y = expert(rows[flat_picked])
+                g = flat_gates[flat_picked, i].unsqueeze(1)
+                out[picked] += (y * g).squeeze(1)
+        return out
+'''
+
+_TOKEN_MASK_DENSE_RUN = '''\
+moe = SparseMoE(16, 5, 2)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.router.linear.weight, moe.experts[1].net[0].weight, moe.experts[4].net[2].bias]
+'''
+
+# one nn.Linear list per projection, loop over the experts that received tokens, the slot found with
+# argmax over the token's mask row and the weight gathered from it
+_TOKEN_MASK_SLOT = _HEAD + '''
+class MoEFeedForward(nn.Module):
+    def __init__(self, dim, inter, num_experts, k):
+        super().__init__()
+        self.k, self.dim = k, dim
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.w_gate = nn.ModuleList([nn.Linear(dim, inter, bias=False) for _ in range(num_experts)])
+        self.w_up = nn.ModuleList([nn.Linear(dim, inter, bias=False) for _ in range(num_experts)])
+        self.w_down = nn.ModuleList([nn.Linear(inter, dim, bias=False) for _ in range(num_experts)])
+
+    def forward(self, x):
+        scores, chosen = torch.topk(self.gate(x), self.k, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        b, t, _ = x.shape
+        x2 = x.reshape(b * t, -1)
+        acc = torch.zeros(b * t, self.dim, device=x.device, dtype=x.dtype)
+        chosen2 = chosen.reshape(-1, self.k)
+        probs2 = probs.reshape(-1, self.k)
+        for e_t in torch.unique(chosen2):
+            e = int(e_t.item())
+            hit = chosen2 == e
+            if not hit.any():
+                continue
+            sel = hit.any(dim=-1).nonzero(as_tuple=False).squeeze(-1)
+            xe = x2.index_select(0, sel)
+            h = F.silu(self.w_gate[e](xe)) * self.w_up[e](xe)
+            ye = self.w_down[e](h)
+            slot = hit[sel].int().argmax(dim=-1, keepdim=True)
+            pe = torch.gather(probs2.index_select(0, sel), dim=-1, index=slot).squeeze(-1)
+            acc.index_add_(0, sel, ye * pe.unsqueeze(-1))
+        return acc.reshape(b, t, self.dim)
+'''
+
+_TOKEN_MASK_SLOT_RUN = '''\
+moe = MoEFeedForward(16, 24, 6, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.w_gate[0].weight, moe.w_up[3].weight, moe.w_down[5].weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_TOKEN_MASK_DENSE, name="token_mask_any_dense_gates_expert_modules", run=_TOKEN_MASK_DENSE_RUN, expect={
+        "layout": "expert_modules", "loop": "enumerate_experts", "indices": "indices", "tokens": "rows",
+        "probs": "flat_gates.gather(-1, indices)", "output": "out"}),
+    Fuse(_TOKEN_MASK_SLOT, name="token_mask_slot_gather_linear_lists", run=_TOKEN_MASK_SLOT_RUN, expect={
+        "layout": "stacked_list_out_in", "weights": {"gate": "self.w_gate", "up": "self.w_up", "down": "self.w_down"},
+        "loop": "expert_hit", "indices": "chosen2", "probs": "probs2", "tokens": "x2", "num_experts": "len(self.w_gate)",
+        "activation": "silu_gated"}),
+]
+
+MoeExperts.KEEP += [
+    # a token mask over the wrong axis is not "the tokens routed to e"
+    Keep(_TOKEN_MASK_DENSE.replace("(indices == i).any(dim=-1)", "(indices == i).any(dim=0)"),
+         reason="conditional code inside the expert loop", name="token_mask_any_over_another_dim"),
+    # per-expert Linear lists with a bias: the grouped matmul here takes no bias
+    Keep(_TOKEN_MASK_SLOT.replace("nn.Linear(dim, inter, bias=False) for _ in range(num_experts)])\n        self.w_up",
+                                  "nn.Linear(dim, inter) for _ in range(num_experts)])\n        self.w_up"),
+         reason="has a bias", name="linear_lists_with_bias"),
+    # the weight is gathered at a slot that is not the expert's own (always the first)
+    Keep(_TOKEN_MASK_SLOT.replace("index=slot).squeeze(-1)", "index=torch.zeros_like(slot)).squeeze(-1)"),
+         reason="not recognised as the routing weight", name="slot_not_from_the_mask"),
+]
+
+MoeExperts.KEEP += [
+    # experts in a comprehension over inputs a dispatcher object prepared (its dispatch/combine elsewhere)
+    Keep(_HEAD + '''
+class Dispatcher:
+    def __init__(self, gates):
+        nz = torch.nonzero(gates)
+        order = nz[:, 1].argsort(stable=True)
+        self.rows, self.sizes = nz[order, 0], (gates > 0).sum(0).tolist()
+        self.weights = gates[self.rows, nz[order, 1]]
+
+    def dispatch(self, x):
+        return torch.split(x[self.rows], self.sizes, dim=0)
+
+    def combine(self, outs):
+        y = torch.cat(outs, 0) * self.weights[:, None]
+        return torch.zeros(self.weights.new_zeros(0).shape[0] or int(self.rows.max()) + 1, y.shape[1]).index_add(0, self.rows, y)
+
+
+class MoE(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(n)])
+        self.n = n
+
+    def forward(self, x, gates):
+        dispatcher = Dispatcher(gates)
+        expert_inputs = dispatcher.dispatch(x)
+        expert_outputs = [self.experts[i](expert_inputs[i]) for i in range(self.n)]
+        return dispatcher.combine(expert_outputs)
+''', reason="experts run in a comprehension", name="dispatcher_object_comprehension"),
+]
+
+# index E marks "no local expert" (one_hot over E + 1, skipped in the loop) with expert modules the
+# grouped matmul cannot take: the sentinel rows sort last and are cut off before the experts run
+_SENTINEL_MODULES = _HEAD + '''
+class BiasedMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class LocalExperts(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.num_experts = n
+        self.experts = nn.ModuleList([BiasedMLP(d, h) for _ in range(n)])
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            current = self.experts[expert_idx](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, current.to(final.dtype))
+        return final
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SENTINEL_MODULES, name="sentinel_index_expert_modules", run='''\
+ex = LocalExperts(16, 24, 5)
+x = torch.randn(9, 16, requires_grad=True)
+top_k_weights, top_k_index = torch.randn(9, 5).softmax(-1).topk(2, dim=-1)
+top_k_index[2, 1] = top_k_index[7, 0] = 5  # index E: a token slot no local expert takes
+top_k_weights.requires_grad_(True)
+out = ex(x, top_k_index, top_k_weights)
+leaves = [x, top_k_weights, ex.experts[0].up.weight, ex.experts[4].down.bias]
+''', expect={"layout": "expert_modules", "sentinel_index": "self.num_experts", "loop": "expert_hit",
+             "variant": "one_hot_where_expert_modules"}),
+]
+
+# tokens of expert e from nonzero(as_tuple=True) of the index comparison, and from an unpermuted
+# [T, K, E] one-hot read as mask[..., e]
+_NONZERO_TUPLE = _HEAD + _EP_EXPERT_NN + '''
+class MoE(nn.Module):
+    def __init__(self, dim, inter, n, k):
+        super().__init__()
+        self.gate = nn.Linear(dim, n, bias=False)
+        self.experts = nn.ModuleList([Expert(dim, inter) for _ in range(n)])
+        self.n, self.k = n, k
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot].unsqueeze(-1))
+        return out
+'''
+
+_ONE_HOT_LAST = _NONZERO_TUPLE.replace(
+    "        for e in range(self.n):\n            tok, slot = (idx == e).nonzero(as_tuple=True)\n",
+    "        onehot = F.one_hot(idx, num_classes=self.n)\n        for e in range(self.n):\n"
+    "            tok, slot = torch.where(onehot[..., e])\n",
+)
+
+_NONZERO_RUN = '''\
+moe = MoE(16, 24, 5, 2)
+x = torch.randn(12, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[0].w1.weight, moe.experts[4].w2.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_NONZERO_TUPLE, name="nonzero_as_tuple_of_index_comparison", run=_NONZERO_RUN, expect={
+        "routing": "mask_where", "indices": "idx", "probs": "w", "layout": "per_expert_linear", "loop": "range"}),
+    Fuse(_ONE_HOT_LAST, name="one_hot_last_axis_mask", run=_NONZERO_RUN, expect={
+        "routing": "mask_where", "indices": "idx", "probs": "w", "num_experts": "self.n"}),
+]
+
+MoeExperts.KEEP += [
+    # the one-hot read along another axis than the experts' is not expert e's mask
+    Keep(_ONE_HOT_LAST.replace("torch.where(onehot[..., e])", "torch.where(onehot[e])"),
+         reason="from a mask that is not one_hot", name="one_hot_indexed_on_the_token_axis"),
+]
+
+# a function over stacked weights passed in ([E, out, in], used as W[e].transpose(-2, -1)), tokens
+# already sorted by expert and split by the host counts, the result returned
+_FUNCTIONAL_SPLIT = _HEAD + '''
+def run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert):
+    sizes = num_tokens_per_expert.tolist()
+    outs = []
+    for expert_idx, x_expert in enumerate(torch.split(x, sizes, dim=0)):
+        h = F.silu(torch.matmul(x_expert, w1[expert_idx].transpose(-2, -1)))
+        h = h * torch.matmul(x_expert, w3[expert_idx].transpose(-2, -1))
+        h = torch.matmul(h, w2[expert_idx].transpose(-2, -1))
+        outs.append(h)
+    return torch.cat(outs, dim=0)
+'''
+
+_FUNCTIONAL_SPLIT_RUN = '''\
+w1 = (torch.randn(4, 24, 16) * 0.25).requires_grad_()
+w2 = (torch.randn(4, 16, 24) * 0.2).requires_grad_()
+w3 = (torch.randn(4, 24, 16) * 0.25).requires_grad_()
+x = torch.randn(14, 16, requires_grad=True)
+out = run_experts_for_loop(w1, w2, w3, x, torch.tensor([3, 0, 6, 5]))
+leaves = [x, w1, w2, w3]
+'''
+
+# per-expert slices of stacked parameters bound to names first (tuple unpacking)
+_TUPLE_ALIAS = _HEAD + '''
+class StackedExperts(nn.Module):
+    def __init__(self, dim, hidden, n):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(n, dim, hidden) * dim ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(n, hidden, dim) * hidden ** -0.5)
+        self.up_proj = nn.Parameter(torch.randn(n, dim, hidden) * dim ** -0.5)
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for e in range(self.gate_proj.shape[0]):
+            tok, slot = torch.where(idx == e)
+            g, d, u = (self.gate_proj[e], self.down_proj[e], self.up_proj[e])
+            xe = x[tok]
+            h = F.silu(torch.matmul(xe, g)) * torch.matmul(xe, u)
+            out.index_add_(0, tok, torch.matmul(h, d) * w[tok, slot, None])
+        return out
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_FUNCTIONAL_SPLIT, name="functional_stacked_args_split_return", run=_FUNCTIONAL_SPLIT_RUN, expect={
+        "routing": "sorted_counts", "layout": "stacked_out_in", "weights": {"gate": "w1", "up": "w3", "down": "w2"},
+        "counts": "num_tokens_per_expert", "tokens": "x", "activation": "silu_gated"}),
+    Fuse(_TUPLE_ALIAS, name="stacked_slices_bound_by_tuple_unpacking", run='''\
+ex = StackedExperts(16, 24, 5)
+x = torch.randn(11, 16, requires_grad=True)
+w, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)
+out = ex(x, idx, w)
+leaves = [x, ex.gate_proj, ex.down_proj, ex.up_proj]
+''', expect={"layout": "stacked_in_out", "weights": {"gate": "self.gate_proj", "up": "self.up_proj", "down": "self.down_proj"},
+             "num_experts": "self.gate_proj.shape[0]"}),
+]
+
+MoeExperts.KEEP += [
+    # the weight indexed by the expert is rebuilt inside the loop: not one stacked tensor
+    Keep(_FUNCTIONAL_SPLIT.replace("        h = F.silu(torch.matmul(x_expert, w1[expert_idx]",
+                                   "        w1 = w1 * 2\n        h = F.silu(torch.matmul(x_expert, w1[expert_idx]"),
+         reason="is not a stacked parameter indexed by the expert", name="weight_rebound_inside_loop"),
 ]

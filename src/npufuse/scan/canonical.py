@@ -210,3 +210,111 @@ def half_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
 
 def _unpacks_two(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple) and len(stmt.targets[0].elts) == 2
+
+
+# --- moe expert masks ---
+
+
+@dataclass(frozen=True)
+class ExpertMask:
+    """A tensor of per-expert routing masks indexed by the expert first: ``mask[e]`` is where
+    ``indices == e``, ``[T, K]`` (orientation ``tk``) or ``[K, T]`` (``kt``)."""
+
+    indices: str  # the name of the [T, K] expert-index tensor
+    num_classes: ast.expr  # E (the number of masks)
+    orientation: str  # tk | kt | tke (not permuted: ``mask[..., e]`` is expert e's [T, K] mask)
+    spelling: str  # one_hot | arange_eq
+
+
+def _arange_from_zero(module: ModuleInfo, node: ast.AST) -> ast.expr | None:
+    """``E`` of ``torch.arange(E)`` / ``torch.arange(0, E)`` (keywords such as device= allowed, no step)."""
+    if not isinstance(node, ast.Call) or api(module, node) != "torch.arange":
+        return None
+    if _kw(node, "step") is not None or _kw(node, "start") is not None:
+        return None
+    if len(node.args) == 1:
+        return node.args[0]
+    if len(node.args) == 2 and const_value(node.args[0]) == 0 and type(const_value(node.args[0])) is int:
+        return node.args[1]
+    end = _kw(node, "end")
+    return end if not node.args and end is not None else None
+
+
+def _trailing_new_axis(module: ModuleInfo, node: ast.AST) -> ast.expr | None:
+    """``idx`` of ``idx.unsqueeze(-1)`` / ``idx[..., None]`` / ``idx[:, :, None]`` (a new last axis of a 2-D ``idx``)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze" \
+            and len(node.args) == 1 and not node.keywords and const_value(node.args[0]) in (-1, 2):
+        return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple):
+        elts = node.slice.elts
+        if len(elts) >= 2 and isinstance(elts[-1], ast.Constant) and elts[-1].value is None:
+            head = elts[:-1]
+            if len(head) == 1 and isinstance(head[0], ast.Constant) and head[0].value is Ellipsis:
+                return node.value
+            if len(head) == 2 and all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None for e in head):
+                return node.value
+    return None
+
+
+def _one_hot_source(module: ModuleInfo, node: ast.AST) -> tuple[ast.expr, ast.expr, str] | None:
+    """(indices, E, spelling) when ``node`` is a ``[T, K, E]`` one-hot of 2-D expert indices."""
+    if isinstance(node, ast.Call) and api(module, node) == "torch.nn.functional.one_hot":
+        idx = node.args[0] if node.args else _kw(node, "input")
+        n = node.args[1] if len(node.args) > 1 else _kw(node, "num_classes")
+        if idx is not None and n is not None:
+            return idx, n, "one_hot"
+        return None
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+        for a, b in ((node.left, node.comparators[0]), (node.comparators[0], node.left)):
+            n = _arange_from_zero(module, b)
+            idx = _trailing_new_axis(module, a)
+            if n is not None and idx is not None:
+                return idx, n, "arange_eq"
+    return None
+
+
+def _permute_dims(node: ast.Call) -> list | None:
+    args = node.args
+    if len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List)):
+        args = args[0].elts
+    dims = [const_value(a) for a in args]
+    return dims if all(type(d) is int for d in dims) else None
+
+
+def expert_mask(module: ModuleInfo, scope: Scope, name: str, before_line: int) -> ExpertMask | None:
+    """What ``name`` holds when it is the per-expert routing masks of 2-D expert indices:
+    ``F.one_hot(idx, E).permute(2, 1, 0)`` (HF Mixtral: ``mask[e]`` is ``[K, T]``),
+    ``.permute(2, 0, 1)`` (``[T, K]``), and the same with the one-hot spelled as a comparison
+    ``idx.unsqueeze(-1) == torch.arange(E)`` / ``idx[..., None] == torch.arange(E)`` (litgpt,
+    mistral's reference); the permute may be a separate statement. Without a permute the masks are
+    ``[T, K, E]`` (orientation ``tke``: expert e's mask is ``mask[..., e]``). Anything else: None."""
+    node: ast.expr | None = scope.definition(name, before_line)
+    line = before_line
+    orient = ""
+    for _ in range(8):
+        if node is None:
+            return None
+        if isinstance(node, ast.Name):
+            line = getattr(node, "lineno", line)
+            node = scope.definition(node.id, line)
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("long", "int", "bool", "contiguous") \
+                and not node.args:
+            node = node.func.value  # a cast or a copy of the masks: same values per expert
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "permute" and not orient:
+            dims = _permute_dims(node)
+            if dims == [2, 1, 0]:
+                orient = "kt"
+            elif dims == [2, 0, 1]:
+                orient = "tk"
+            else:
+                return None
+            line = getattr(node, "lineno", line)
+            node = node.func.value
+            continue
+        src = _one_hot_source(module, node)
+        if src is None or not isinstance(src[0], ast.Name):
+            return None
+        return ExpertMask(src[0].id, src[1], orient or "tke", src[2])
+    return None
