@@ -324,6 +324,11 @@ def join_trace(scan: dict[str, Any], trace: dict[str, Any], source: str) -> None
                 # the plain values the class was built with (verify op's --init)
                 rt["init_arguments"] = {k: v for k, v in init["args"].items() if k != "self"
                                         and (v is None or isinstance(v, (bool, int, float, str)))}
+                # a config object's plain fields (verify op builds the config class from them)
+                configs = {k: {"type": str(v.get("type", ""))[:300], "config": v["config"]} for k, v in init["args"].items()
+                           if isinstance(v, dict) and isinstance(v.get("config"), dict)}
+                if configs:
+                    rt["init_configs"] = configs
             rt["facts"] = facts
             for kind, detail in settle(c, facts):
                 risks.append({"kind": kind, "detail": detail, "level": "high" if kind == "runtime_mask_values" else "medium",

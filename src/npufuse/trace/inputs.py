@@ -58,6 +58,8 @@ def recorded_shapes(scan_entry: dict[str, Any]) -> tuple[list[str], list[str]]:
         shape = v["tensor"]
         if not shape or not all(isinstance(d, int) and 0 < d < 1 << 31 for d in shape):
             continue
+        if not v["dtype"].startswith(("float", "bfloat")):
+            continue   # ids, bool masks: a random float tensor of that shape is no stand-in (the default or the naming heuristics are)
         new, changed = _scaled(shape)
         if changed:
             scaled.append(f"{name} {'x'.join(map(str, shape))} -> {'x'.join(map(str, new))}")
@@ -91,3 +93,46 @@ def recorded_autocast(scan_entry: dict[str, Any]) -> str | None:
     rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
     ac = rt.get("arguments_autocast") if isinstance(rt, dict) else None
     return ac if ac in ("bfloat16", "float16") else None
+
+
+def recorded_configs(scan_entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``__init__`` arguments the traced run passed a config object for (transformers' ``config``):
+    name -> {"type": "module.Class", "config": {plain fields}}. verify op builds that class (or a
+    namespace) from them: an installed model's sizes are in no file of the repo."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    cfgs = rt.get("init_configs") if isinstance(rt, dict) else None
+    if not isinstance(cfgs, dict):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in cfgs.items():
+        if isinstance(name, str) and name.isidentifier() and isinstance(spec, dict) and isinstance(spec.get("config"), dict):
+            fields = {k: v for k, v in spec["config"].items() if isinstance(k, str) and k.isidentifier() and not k.startswith("_")}
+            out[name] = {"type": str(spec.get("type", "")), "config": fields}
+    return out
+
+
+def recorded_arguments(scan_entry: dict[str, Any]) -> dict[str, Any]:
+    """The traced call's arguments that ``--shape`` cannot say: a tuple of tensors (transformers'
+    ``position_embeddings=(cos, sin)``) as a list of [shape, dtype], and plain values (flags, ints).
+    Tensor shapes are scaled down as :func:`recorded_shapes` does."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    args = rt.get("arguments") if isinstance(rt, dict) else None
+    if not isinstance(args, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name, v in args.items():
+        if name in ("self", "cls") or not isinstance(name, str) or not name.isidentifier():
+            continue
+        if isinstance(v, (bool, int, float, str)) and not (isinstance(v, str) and len(v) > 200):
+            out[name] = v
+        elif isinstance(v, dict) and isinstance(v.get("sequence"), list) and v["sequence"]:
+            leaves = []
+            for x in v["sequence"]:
+                shape = x.get("tensor") if isinstance(x, dict) else None
+                if not (isinstance(shape, list) and shape and all(isinstance(d, int) and 0 < d < 1 << 31 for d in shape)
+                        and isinstance(x.get("dtype"), str)):
+                    break
+                leaves.append([_scaled(shape)[0], x["dtype"]])
+            else:
+                out[name] = {"tensors": leaves}
+    return out
