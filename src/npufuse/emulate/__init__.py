@@ -207,6 +207,20 @@ def _build_module() -> types.ModuleType:
 _MISSING = object()
 
 
+def _name_npu_device(torch: types.ModuleType) -> None:
+    """``torch.device("npu")`` parses as it does with torch_npu installed (accelerate's
+    ``PartialState.default_device`` builds it): torch's privateuse1 backend is named ``npu``.
+
+    Process-wide and permanent (torch cannot rename it back), but only a name: no tensor or kernel
+    lives on that device; emulated tensors stay on their own device. Left alone when another
+    backend already holds the name."""
+    try:
+        if torch._C._get_privateuse1_backend_name() == "privateuseone":
+            torch.utils.rename_privateuse1_backend("npu")
+    except (AttributeError, RuntimeError):
+        pass
+
+
 @contextlib.contextmanager
 def install() -> Iterator[Emulation]:
     """Put the stand-in under ``sys.modules["torch_npu"]`` for the duration of the block."""
@@ -214,6 +228,7 @@ def install() -> Iterator[Emulation]:
 
     mod = _build_module()
     emu = Emulation(mod)
+    _name_npu_device(torch)
     saved_modules = {k: sys.modules.get(k, _MISSING) for k in ("torch_npu", "torch_npu.optim", "torch_npu.npu", "torch.npu")}
     saved_torch_npu = getattr(torch, "npu", _MISSING)
     saved_is_npu = torch.Tensor.__dict__.get("is_npu", _MISSING)
