@@ -148,7 +148,16 @@ def test_accelerate_and_peft_see_no_npu_without_install():
 
 
 def test_torch_device_npu_parses_under_install():
-    """accelerate builds ``torch.device("npu")``: the privateuse1 backend carries the name."""
+    """accelerate builds ``torch.device("npu")``: the privateuse1 backend carries the name; and
+    torch.manual_seed, which then seeds that device module too, finds what it calls (no warning)."""
+    import warnings
+
     with emulate.install():
         dev = torch.device("npu", 0)
         assert dev.type == "npu" and dev.index == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.manual_seed(0)

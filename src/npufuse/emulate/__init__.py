@@ -181,6 +181,8 @@ def _build_module() -> types.ModuleType:
     npu.reset_peak_memory_stats = lambda device=None: None
     npu.manual_seed = lambda seed: None
     npu.manual_seed_all = lambda seed: None
+    # torch.manual_seed seeds the privateuse1 device module through these (named npu: _name_npu_device)
+    npu._is_in_bad_fork = lambda: False
     # further probes of transformers / accelerate / peft
     npu.is_bf16_supported = lambda *args, **kwargs: True
     npu.empty_cache = lambda: None

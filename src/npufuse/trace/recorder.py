@@ -131,7 +131,16 @@ def _describe(v: Any, depth: int = 0) -> Any:
     import torch
 
     if isinstance(v, torch.Tensor):
-        return {"tensor": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "requires_grad": bool(v.requires_grad)}
+        out_t: dict[str, Any] = {"tensor": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "requires_grad": bool(v.requires_grad)}
+        if not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) and 0 < v.numel() <= INT_RANGE_MAX_NUMEL:
+            # index tensors (a router's top-k expert ids, position ids): verify op draws ids in this range
+            try:
+                with torch._C.DisableTorchFunction():   # not an op of the user's run
+                    lo, hi = torch.aminmax(v.detach())
+                out_t["range"] = [int(lo), int(hi)]
+            except Exception:  # an exotic tensor: no range, the record goes on
+                pass
+        return out_t
     if v is None or isinstance(v, (bool, int, float)):
         return v if not (isinstance(v, float) and v != v) else "nan"
     if isinstance(v, str):
@@ -150,6 +159,7 @@ def _describe(v: Any, depth: int = 0) -> Any:
 
 _CONFIG_CLASS = re.compile(r"(Config|Configuration|Args|Arguments|Namespace)$")
 CONFIG_MAX_FIELDS = 400
+INT_RANGE_MAX_NUMEL = 1 << 20
 
 
 def _plain(v: Any, depth: int = 0) -> tuple[bool, Any]:

@@ -167,8 +167,7 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
                                     f"{len(v['config'])} plain config fields")
             if traced_arguments:
                 traced_notes.append("arguments as the traced run passed them: " + ", ".join(
-                    f"{k}=({', '.join('x'.join(map(str, t[0])) for t in v['tensors'])})" if isinstance(v, dict) else f"{k}={v!r}"
-                    for k, v in traced_arguments.items()))
+                    f"{k}={_traced_text(v)}" for k, v in traced_arguments.items()))
     opts = OpOptions(
         capture=args.capture, capture_timeout=args.capture_timeout, capture_max_mb=args.capture_max_mb, shell=args.shell,
         env=dict(args.env), shapes=args.shape, dtype=args.dtype, init={k: parse_literal(v) for k, v in args.init},
@@ -189,6 +188,21 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
     else:
         _print_op(report)
     return 0 if report.passed else 1
+
+
+def _traced_text(v: Any) -> str:
+    """How a note shows one traced argument (npufuse.trace.inputs.recorded_arguments)."""
+    if not isinstance(v, dict):
+        return repr(v)
+    if "tensors" in v:
+        return "(" + ", ".join("x".join(map(str, t[0])) for t in v["tensors"]) + ")"
+    if "ints" in v:
+        return f"{'x'.join(map(str, v['ints']))} ids in [{v['range'][0]}, {v['range'][1]}]"
+    if "causal_mask" in v:
+        return f"causal 0/-inf mask {'x'.join(map(str, v['causal_mask']))}"
+    if "object" in v:
+        return f"a {str(v['object']).rpartition('.')[2]} built with the traced run's __init__ arguments"
+    return "?"
 
 
 def _fmt(v: Any, spec: str) -> str:

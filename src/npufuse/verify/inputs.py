@@ -334,6 +334,44 @@ def config_object(module: types.ModuleType, values: dict[str, Any]) -> Any:
     return ns
 
 
+def traced_argument(rec: Any, module: Any, values: dict[str, Any], lp: torch.dtype, gen: torch.Generator, seed: int) -> Any:
+    """One argument as ``npufuse trace`` recorded it (:func:`npufuse.trace.inputs.recorded_arguments`)."""
+    if not isinstance(rec, dict):
+        return rec   # a plain value: a flag, an unsqueeze dim, a scaling
+    if "tensors" in rec:   # a tuple of tensors (position_embeddings)
+        return tuple(torch.randn(*shape, generator=gen).to(DTYPES.get(str(dt), lp)) for shape, dt in rec["tensors"])
+    if "ints" in rec:   # ids in the recorded range; distinct along the last dim where they fit (top-k expert ids)
+        shape, (lo, hi) = rec["ints"], rec["range"]
+        dt = getattr(torch, str(rec.get("dtype")), torch.int64)
+        dt = dt if isinstance(dt, torch.dtype) else torch.int64
+        span, k = hi - lo + 1, shape[-1]
+        rows = 1
+        for d in shape[:-1]:
+            rows *= d
+        if k <= span <= 1 << 16:
+            return (torch.rand(rows, span, generator=gen).argsort(-1)[:, :k] + lo).reshape(shape).to(dt)
+        return torch.randint(lo, hi + 1, tuple(shape), generator=gen).to(dt)
+    if "causal_mask" in rec:   # the run's 0/-inf additive mask: causal, broadcast to its shape
+        shape = rec["causal_mask"]
+        dt = DTYPES.get(str(rec.get("dtype")), lp)
+        q, kv = (shape[-2], shape[-1]) if len(shape) >= 2 else (shape[-1], shape[-1])
+        mask = torch.full((q, kv), torch.finfo(dt).min, dtype=dt).triu(kv - q + 1)
+        return mask.expand(*shape).contiguous() if len(shape) >= 2 else mask
+    if "object" in rec:   # an object of a class the run built (eager attention's `module`)
+        mod_name, _, cls_name = str(rec["object"]).rpartition(".")
+        cls = getattr(module, cls_name, None) if cls_name.isidentifier() else None
+        if not (isinstance(cls, type) and getattr(cls, "__module__", None) == mod_name):
+            raise UsageError(f"cannot build the traced argument of class {rec['object']}: not in the module's namespace; use --capture")
+        init = dict(rec.get("init") or {})
+        for k, spec in (rec.get("configs") or {}).items():
+            init.setdefault(k, traced_config(module, spec))
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            obj = construct(cls, module, values, init)
+        return obj.eval() if isinstance(obj, torch.nn.Module) else obj
+    raise UsageError("a traced argument npufuse does not know how to rebuild; use --shape/--capture")
+
+
 def traced_config(module: Any, spec: dict[str, Any]) -> Any:
     """The config object a traced run built a class with (``npufuse trace`` recorded its plain
     fields): the module's own class of the recorded name when it takes them, else a namespace.
@@ -494,11 +532,7 @@ def from_config_or_shapes(
         elif traced and p.name in traced and p.name not in init:
             # as the traced run called it (npufuse.trace.inputs.recorded_arguments): a tuple of
             # tensors (position_embeddings) or a plain value (a flag, an unsqueeze dim)
-            rec = traced[p.name]
-            if isinstance(rec, dict):
-                value = tuple(torch.randn(*shape, generator=gen).to(DTYPES.get(str(dt), lp)) for shape, dt in rec["tensors"])
-            else:
-                value = rec
+            value = traced_argument(traced[p.name], module, values, lp, gen, seed)
         elif p.default is not inspect.Parameter.empty:
             gap = True   # left at its default: every later argument goes by name
             continue
