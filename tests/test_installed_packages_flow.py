@@ -220,3 +220,78 @@ def test_revert_leaves_a_sole_statement_block_valid(tmp_path: Path) -> None:
     assert (repo / "a.py").read_text() == "import os\nif os.environ.get('X'):\n    pass\nprint(1)\n"
     assert (repo / "pkg" / "b.py").read_bytes() == b"import os\r\nprint(2)\r\n"
     assert (repo / "c.py").read_text() == f"x = 1  # {USER_LINE}\n"
+
+
+def test_recorder_describes_a_config_by_its_plain_fields_and_ids_by_their_range() -> None:
+    """What verify op rebuilds an installed model's inputs from (npufuse.trace.recorder._describe)."""
+    import types
+
+    import torch
+
+    from npufuse.trace.recorder import _describe
+
+    class TinyConfig:
+        def __init__(self) -> None:
+            self.hidden_size = 64
+            self.rope_parameters = {"rope_theta": 10000.0, "rope_type": "default"}
+            self.layer_types = ["full_attention"] * 2
+            self.id2label = {0: "a"}          # not str-keyed: left out
+            self.act = torch.nn.SiLU()        # not plain: left out
+            self._attn_implementation_internal = "sdpa"   # private: left out
+            self.eps = float("nan")           # not finite: left out
+
+    d = _describe(TinyConfig())
+    assert d["type"].endswith("TinyConfig")
+    assert d["config"] == {"hidden_size": 64, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+                           "layer_types": ["full_attention", "full_attention"]}
+    assert _describe(types.SimpleNamespace(a=1, b="x"))["config"] == {"a": 1, "b": "x"}
+    assert "config" not in _describe(torch.nn.Linear(2, 2))     # a module is no config
+    ids = _describe(torch.tensor([[3, 1], [0, 2]]))
+    assert ids["range"] == [0, 3] and ids["dtype"] == "int64"
+    assert "range" not in _describe(torch.randn(2, 2)) and "range" not in _describe(torch.ones(2, dtype=torch.bool))
+
+
+def test_traced_arguments_are_rebuilt_as_recorded() -> None:
+    """ids in their range and distinct along the last dim (top-k expert ids), a causal 0/-inf mask,
+    a tuple of tensors, a config class of the module's namespace (else a namespace), plain values."""
+    import types
+
+    import torch
+
+    from npufuse.trace.inputs import recorded_arguments, recorded_configs
+    from npufuse.verify.inputs import traced_argument, traced_config
+
+    entry = {"runtime": {"facts": {"mask_kind": "additive_0_neginf"}, "arguments": {
+        "self": {"type": "m.X"}, "idx": {"tensor": [32, 2], "dtype": "int64", "range": [0, 3]},
+        "attention_mask": {"tensor": [2, 1, 4, 6], "dtype": "float32"},
+        "pe": {"sequence": [{"tensor": [1, 4, 8], "dtype": "float32"}, {"tensor": [1, 4, 8], "dtype": "float32"}]},
+        "flag": True, "bad name": 1, "blob": {"type": "m.Cache"}},
+        "init_configs": {"config": {"type": "m.TinyConfig", "config": {"hidden_size": 64, "_x": 1, "bad key": 2}}}}}
+    rec = recorded_arguments(entry)
+    assert set(rec) == {"idx", "attention_mask", "pe", "flag"}
+    gen = torch.Generator().manual_seed(0)
+    ids = traced_argument(rec["idx"], types.SimpleNamespace(), {}, torch.float32, gen, 0)
+    assert ids.shape == (32, 2) and ids.dtype == torch.int64 and int(ids.min()) >= 0 and int(ids.max()) <= 3
+    assert bool((ids[:, 0] != ids[:, 1]).all())
+    mask = traced_argument(rec["attention_mask"], types.SimpleNamespace(), {}, torch.float32, gen, 0)
+    assert mask.shape == (2, 1, 4, 6)
+    # 4 queries at the end of 6 keys: query i sees keys 0..i+2
+    assert bool((mask[0, 0] == 0).eq(torch.ones(4, 6).tril(2).bool()).all())
+    pe = traced_argument(rec["pe"], types.SimpleNamespace(), {}, torch.float32, gen, 0)
+    assert isinstance(pe, tuple) and [t.shape for t in pe] == [(1, 4, 8), (1, 4, 8)]
+    assert traced_argument(rec["flag"], types.SimpleNamespace(), {}, torch.float32, gen, 0) is True
+
+    cfgs = recorded_configs(entry)
+    assert cfgs == {"config": {"type": "m.TinyConfig", "config": {"hidden_size": 64}}}
+
+    class TinyConfig:
+        def __init__(self, hidden_size: int = 8) -> None:
+            self.hidden_size = hidden_size
+
+    TinyConfig.__module__ = "m"
+    built = traced_config(types.SimpleNamespace(TinyConfig=TinyConfig), cfgs["config"])
+    assert isinstance(built, TinyConfig) and built.hidden_size == 64
+    # a class of that name from another module is not used: a namespace of the fields instead
+    TinyConfig.__module__ = "elsewhere"
+    ns = traced_config(types.SimpleNamespace(TinyConfig=TinyConfig), cfgs["config"])
+    assert isinstance(ns, types.SimpleNamespace) and ns.hidden_size == 64
