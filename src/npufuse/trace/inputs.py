@@ -150,7 +150,8 @@ def recorded_arguments(scan_entry: dict[str, Any]) -> dict[str, Any]:
                 and v["tensor"] and all(isinstance(d, int) and 0 < d < 1 << 31 for d in v["tensor"]):
             shape = _scaled(v["tensor"])[0]
             rng = v.get("range")
-            if v["dtype"].startswith("int") and isinstance(rng, list) and len(rng) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in rng) and rng[0] <= rng[1]:
+            if v["dtype"].startswith("int") and isinstance(rng, list) and len(rng) == 2 \
+                    and all(isinstance(x, int) and not isinstance(x, bool) and abs(x) < 1 << 62 for x in rng) and rng[0] <= rng[1]:
                 out[name] = {"ints": shape, "dtype": v["dtype"], "range": rng}
             elif v["dtype"].startswith(("float", "bfloat")) and name.lower() in MASK_NAMES and _additive_mask(scan_entry):
                 out[name] = {"causal_mask": shape, "dtype": v["dtype"]}

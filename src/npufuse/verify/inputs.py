@@ -348,7 +348,7 @@ def traced_argument(rec: Any, module: Any, values: dict[str, Any], lp: torch.dty
         rows = 1
         for d in shape[:-1]:
             rows *= d
-        if k <= span <= 1 << 16:
+        if k <= span and rows * span <= 1 << 24:
             return (torch.rand(rows, span, generator=gen).argsort(-1)[:, :k] + lo).reshape(shape).to(dt)
         return torch.randint(lo, hi + 1, tuple(shape), generator=gen).to(dt)
     if "causal_mask" in rec:   # the run's 0/-inf additive mask: causal, broadcast to its shape
