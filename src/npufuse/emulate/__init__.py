@@ -26,7 +26,9 @@ The stand-in is a well-formed package for the probes libraries run before using 
 a real ``ModuleSpec``; ``importlib.metadata.version("torch_npu")`` answers
 ``2.14.0+npufuse.emulated`` (a distribution finder on ``sys.meta_path`` for the block's
 duration, so the version says it is emulated wherever it is shown); ``torch.npu`` has the
-device-module functions they call.
+device-module functions they call; ``torch.device("npu")`` parses (accelerate's device choice).
+That last one is the only change that outlives the block: torch cannot rename its privateuse1
+backend back, and the name alone puts no tensor on any device.
 """
 
 from __future__ import annotations
