@@ -97,7 +97,8 @@ _ACCELERATE_PEFT = textwrap.dedent(
     import contextlib
     import torch
     from npufuse import emulate
-    with (emulate.install() if {emulated!r} else contextlib.nullcontext()):
+    # as the verify/trace probe installs it in the user's command: for the whole process, device named
+    with (emulate.install(name_device=True) if {emulated!r} else contextlib.nullcontext()):
         import accelerate
         from accelerate import Accelerator, PartialState
         from accelerate.utils import DistributedType, is_npu_available
@@ -147,17 +148,41 @@ def test_accelerate_and_peft_see_no_npu_without_install():
     assert "peft 0.21.2 cpu" in out
 
 
-def test_torch_device_npu_parses_under_install():
-    """accelerate builds ``torch.device("npu")``: the privateuse1 backend carries the name; and
-    torch.manual_seed, which then seeds that device module too, finds what it calls (no warning)."""
+_DEVICE_NAME = textwrap.dedent(
+    """
     import warnings
-
+    import torch
+    from npufuse import emulate
     with emulate.install():
-        dev = torch.device("npu", 0)
-        assert dev.type == "npu" and dev.index == 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            torch.manual_seed(0)
+        try:
+            torch.device("npu")
+            print("scoped: parses")
+        except RuntimeError:
+            print("scoped: not named")
+    # after a scoped block torch is as it was: an optimizer step asks torch.accelerator nothing odd
+    p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2)
+    torch.optim.Adam([p]).step()
+    print("after scoped block: adam ok")
+    held = emulate.install(name_device=True)   # as the probe does, for the rest of the process
+    held.__enter__()
+    dev = torch.device("npu", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch.manual_seed(0)
+        torch.manual_seed(0)   # seeds the npu device module too: it has what torch calls
+    p.grad = torch.ones(2)
+    torch.optim.Adam([p]).step()
+    print("named:", dev.type, dev.index, "adam ok")
+    held.__exit__(None, None, None)
+    """
+)
+
+
+def test_torch_device_npu_parses_only_where_the_process_stays_emulated():
+    """accelerate builds ``torch.device("npu")``: the probe (emulated for the whole process) names
+    torch's privateuse1 backend npu; a scoped install() does not (the name cannot be undone, and
+    torch.accelerator would then look for a torch.npu the block's exit removed). A fresh process:
+    the name is process-wide."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-c", _DEVICE_NAME], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["scoped: not named", "after scoped block: adam ok", "named: npu 0 adam ok"]

@@ -26,9 +26,11 @@ The stand-in is a well-formed package for the probes libraries run before using 
 a real ``ModuleSpec``; ``importlib.metadata.version("torch_npu")`` answers
 ``2.14.0+npufuse.emulated`` (a distribution finder on ``sys.meta_path`` for the block's
 duration, so the version says it is emulated wherever it is shown); ``torch.npu`` has the
-device-module functions they call; ``torch.device("npu")`` parses (accelerate's device choice).
-That last one is the only change that outlives the block: torch cannot rename its privateuse1
-backend back, and the name alone puts no tensor on any device.
+device-module functions they call. ``install(name_device=True)`` also makes
+``torch.device("npu")`` parse (accelerate's ``PartialState`` device choice, and so Trainer's):
+torch's privateuse1 backend is named ``npu``, which torch cannot undo and which makes
+``torch.accelerator`` look for ``torch.npu`` from then on. Only for a process that stays emulated
+to its end (the verify/trace probe in the user's command), never a scoped block.
 """
 
 from __future__ import annotations
@@ -215,9 +217,10 @@ def _name_npu_device(torch: types.ModuleType) -> None:
     """``torch.device("npu")`` parses as it does with torch_npu installed (accelerate's
     ``PartialState.default_device`` builds it): torch's privateuse1 backend is named ``npu``.
 
-    Process-wide and permanent (torch cannot rename it back), but only a name: no tensor or kernel
-    lives on that device; emulated tensors stay on their own device. Left alone when another
-    backend already holds the name."""
+    Process-wide and permanent (torch cannot rename it back; ``torch.accelerator`` then expects a
+    ``torch.npu`` module, so only a process emulated to its end asks for it). No tensor or kernel
+    lives on that device; emulated tensors stay on their own. Left alone when another backend
+    already holds the name."""
     try:
         if torch._C._get_privateuse1_backend_name() == "privateuseone":
             torch.utils.rename_privateuse1_backend("npu")
@@ -226,13 +229,15 @@ def _name_npu_device(torch: types.ModuleType) -> None:
 
 
 @contextlib.contextmanager
-def install() -> Iterator[Emulation]:
-    """Put the stand-in under ``sys.modules["torch_npu"]`` for the duration of the block."""
+def install(name_device: bool = False) -> Iterator[Emulation]:
+    """Put the stand-in under ``sys.modules["torch_npu"]`` for the duration of the block.
+    ``name_device``: also name torch's privateuse1 backend ``npu`` (permanent: see the module doc)."""
     import torch
 
     mod = _build_module()
     emu = Emulation(mod)
-    _name_npu_device(torch)
+    if name_device:
+        _name_npu_device(torch)
     saved_modules = {k: sys.modules.get(k, _MISSING) for k in ("torch_npu", "torch_npu.optim", "torch_npu.npu", "torch.npu")}
     saved_torch_npu = getattr(torch, "npu", _MISSING)
     saved_is_npu = torch.Tensor.__dict__.get("is_npu", _MISSING)
