@@ -15,6 +15,10 @@ TORCH_NPU_DOCS := $(VENV)/torch-npu-docs
 TRANSFORMERS_SITE := $(VENV)/transformers-site
 TRANSFORMERS := transformers==5.25.0
 TRANSFORMERS_DEPS := "huggingface-hub>=2.4,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" regex tqdm typer
+# accelerate and peft: their NPU probes run under npufuse.emulate.install() (tests/test_emulate_install_probes.py).
+# --no-deps, so their torch requirement can never pull a torch build; psutil is the one dependency
+# the folder and the venv lack (numpy, packaging, pyyaml, tqdm, huggingface-hub, safetensors are there).
+ACCELERATE_PEFT := accelerate==1.15.0 peft==0.21.2 psutil==7.2.2
 
 .PHONY: venv demo test bench clean
 
@@ -28,6 +32,7 @@ $(STAMP): $(PY) pyproject.toml constraints-dev.txt
 	$(PIP) install -q --no-deps --upgrade --target $(TORCH_NPU_DOCS) $(TORCH_NPU)
 	$(PIP) install -q --no-deps --upgrade --target $(TRANSFORMERS_SITE) $(TRANSFORMERS)
 	$(PIP) install -q --upgrade --target $(TRANSFORMERS_SITE) $(TRANSFORMERS_DEPS)
+	$(PIP) install -q --no-deps --upgrade --target $(TRANSFORMERS_SITE) $(ACCELERATE_PEFT)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -244,7 +244,8 @@ def test_recorded_shapes_are_scaled_down_when_huge_and_said_so() -> None:
         "self": {"type": "m.Attn"}, "q": {"tensor": [64, 32, 4096, 128], "dtype": "bfloat16"},
         "mask": {"tensor": [1, 1, 16, 16], "dtype": "bool"}, "n": 3, "bad name": {"tensor": [2], "dtype": "float32"}}}}
     items, notes = recorded_shapes(entry)
-    assert items == ["q=2x32x256x128:bfloat16", "mask=1x1x16x16"]
+    # a bool mask is no float tensor of its shape (issue 16): left to its default or the naming heuristics
+    assert items == ["q=2x32x256x128:bfloat16"]
     assert any("q 64x32x4096x128 -> 2x32x256x128" in n for n in notes)
     assert recorded_shapes({"runtime": {"arguments": "junk"}}) == ([], [])
 

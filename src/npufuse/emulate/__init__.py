@@ -26,7 +26,11 @@ The stand-in is a well-formed package for the probes libraries run before using 
 a real ``ModuleSpec``; ``importlib.metadata.version("torch_npu")`` answers
 ``2.14.0+npufuse.emulated`` (a distribution finder on ``sys.meta_path`` for the block's
 duration, so the version says it is emulated wherever it is shown); ``torch.npu`` has the
-device-module functions they call.
+device-module functions they call. ``install(name_device=True)`` also makes
+``torch.device("npu")`` parse (accelerate's ``PartialState`` device choice, and so Trainer's):
+torch's privateuse1 backend is named ``npu``, which torch cannot undo and which makes
+``torch.accelerator`` look for ``torch.npu`` from then on. Only for a process that stays emulated
+to its end (the verify/trace probe in the user's command), never a scoped block.
 """
 
 from __future__ import annotations
@@ -181,6 +185,8 @@ def _build_module() -> types.ModuleType:
     npu.reset_peak_memory_stats = lambda device=None: None
     npu.manual_seed = lambda seed: None
     npu.manual_seed_all = lambda seed: None
+    # torch.manual_seed seeds the privateuse1 device module through these (named npu: _name_npu_device)
+    npu._is_in_bad_fork = lambda: False
     # further probes of transformers / accelerate / peft
     npu.is_bf16_supported = lambda *args, **kwargs: True
     npu.empty_cache = lambda: None
@@ -207,13 +213,31 @@ def _build_module() -> types.ModuleType:
 _MISSING = object()
 
 
+def _name_npu_device(torch: types.ModuleType) -> None:
+    """``torch.device("npu")`` parses as it does with torch_npu installed (accelerate's
+    ``PartialState.default_device`` builds it): torch's privateuse1 backend is named ``npu``.
+
+    Process-wide and permanent (torch cannot rename it back; ``torch.accelerator`` then expects a
+    ``torch.npu`` module, so only a process emulated to its end asks for it). No tensor or kernel
+    lives on that device; emulated tensors stay on their own. Left alone when another backend
+    already holds the name."""
+    try:
+        if torch._C._get_privateuse1_backend_name() == "privateuseone":
+            torch.utils.rename_privateuse1_backend("npu")
+    except (AttributeError, RuntimeError):
+        pass
+
+
 @contextlib.contextmanager
-def install() -> Iterator[Emulation]:
-    """Put the stand-in under ``sys.modules["torch_npu"]`` for the duration of the block."""
+def install(name_device: bool = False) -> Iterator[Emulation]:
+    """Put the stand-in under ``sys.modules["torch_npu"]`` for the duration of the block.
+    ``name_device``: also name torch's privateuse1 backend ``npu`` (permanent: see the module doc)."""
     import torch
 
     mod = _build_module()
     emu = Emulation(mod)
+    if name_device:
+        _name_npu_device(torch)
     saved_modules = {k: sys.modules.get(k, _MISSING) for k in ("torch_npu", "torch_npu.optim", "torch_npu.npu", "torch.npu")}
     saved_torch_npu = getattr(torch, "npu", _MISSING)
     saved_is_npu = torch.Tensor.__dict__.get("is_npu", _MISSING)

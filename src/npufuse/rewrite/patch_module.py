@@ -332,6 +332,86 @@ def remove_patches(root: Path) -> bool:
     return True
 
 
+USER_LINE_MAX_FILE = 4 << 20          # larger .py files are not searched for the user's line
+_SKIP_DIRS = {".git", ".npufuse", ".venv", "venv", "node_modules", "__pycache__", ".tox", ".mypy_cache"}
+
+
+def _user_lines(root: Path) -> list[tuple[str, int]]:
+    """(repo-relative file, line number) of every line that is exactly the one line apply asked the
+    user to add (any indentation, any line end): what a full revert takes out again."""
+    import os
+
+    found: list[tuple[str, int]] = []
+    root_real = os.path.realpath(root)
+    for folder, dirs, files in os.walk(root_real):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")
+                         and not os.path.islink(os.path.join(folder, d)))
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or name == PATCH_FILE or os.path.islink(path):
+                continue
+            try:
+                if os.path.getsize(path) > USER_LINE_MAX_FILE:
+                    continue
+                with open(path, "rb") as fh:
+                    data = fh.read()
+            except OSError:
+                continue
+            if USER_LINE.encode() not in data:
+                continue
+            rel = os.path.relpath(path, root_real).replace(os.sep, "/")
+            for n, raw in enumerate(data.splitlines(), 1):
+                if raw.strip() == USER_LINE.encode():
+                    found.append((rel, n))
+    return found
+
+
+def remove_user_lines(root: Path) -> tuple[list[str], dict[str, str]]:
+    """Take the user's line out of the repo's scripts (the last patch is gone, so the import would
+    fail). A line that is the only statement of its block becomes ``pass`` at its indentation; a
+    file that would not parse afterwards, or changed meanwhile, is left as it is and named.
+    Returns (files edited, {file: why not})."""
+    from npufuse.safe_write import write_bytes_atomic
+
+    by_file: dict[str, list[int]] = {}
+    for rel, n in _user_lines(root):
+        by_file.setdefault(rel, []).append(n)
+    done: list[str] = []
+    left: dict[str, str] = {}
+    for rel, numbers in by_file.items():
+        path = Path(root) / rel
+        try:
+            data = path.read_bytes()
+            original = hashlib.sha256(data).hexdigest()
+            lines = data.splitlines(keepends=True)
+            for n in sorted(numbers, reverse=True):
+                raw = lines[n - 1]
+                body = raw.rstrip(b"\r\n")
+                indent = body[: len(body) - len(body.lstrip())]
+                without = lines[: n - 1] + lines[n:]
+                if _parses(b"".join(without)):
+                    lines = without
+                else:  # the block's only statement
+                    lines[n - 1] = indent + b"pass" + raw[len(body):]
+            new = b"".join(lines)
+            if not _parses(new):
+                left[rel] = "it would not parse without the line"
+                continue
+            write_bytes_atomic(path, new, expect_sha256=original)
+            done.append(rel)
+        except Exception as exc:  # noqa: BLE001 - one file that cannot be edited is named, the rest go on
+            left[rel] = f"{type(exc).__name__}: {exc}"
+    return done, left
+
+
+def _parses(data: bytes) -> bool:
+    try:
+        ast.parse(data)
+    except (SyntaxError, ValueError):
+        return False
+    return True
+
+
 def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -395,7 +475,10 @@ def revert(state: Any, root: Path, scan_loader: Any, ids: list[int] | None, dry_
         return [], ""
     keep = [i for i in have if i not in targets]
     if dry_run:
-        return targets, f"would {'regenerate' if keep else 'remove'} {PATCH_FILE}"
+        if keep:
+            return targets, f"would regenerate {PATCH_FILE}"
+        lines = [f"{rel}:{n}" for rel, n in _user_lines(root)]
+        return targets, f"would remove {PATCH_FILE}" + (f" and the line `{USER_LINE}` at {', '.join(lines)}" if lines else "")
     if keep:
         scan = scan_loader()
         by_id = scan.by_id()
@@ -404,7 +487,14 @@ def revert(state: Any, root: Path, scan_loader: Any, ids: list[int] | None, dry_
         message = f"{PATCH_FILE} regenerated without candidate(s) {', '.join(map(str, targets))}"
     else:
         remove_patches(root)
-        message = f"{PATCH_FILE} removed; delete the line `{USER_LINE}` from your training script"
+        removed, left = remove_user_lines(root)
+        message = f"{PATCH_FILE} removed"
+        if removed:
+            message += f"; the line `{USER_LINE}` removed from {', '.join(removed)}"
+        if left:
+            message += f"; delete the line `{USER_LINE}` by hand from {', '.join(left)} (not removed: {'; '.join(left.values())})"
+        elif not removed:
+            message += f"; no script of the repo holds `{USER_LINE}`"
     for i in targets:
         entry = state.candidates[i]
         entry.applied = None

@@ -324,6 +324,14 @@ def join_trace(scan: dict[str, Any], trace: dict[str, Any], source: str) -> None
                 # the plain values the class was built with (verify op's --init)
                 rt["init_arguments"] = {k: v for k, v in init["args"].items() if k != "self"
                                         and (v is None or isinstance(v, (bool, int, float, str)))}
+                # a config object's plain fields (verify op builds the config class from them)
+                configs = {k: {"type": str(v.get("type", ""))[:300], "config": v["config"]} for k, v in init["args"].items()
+                           if isinstance(v, dict) and isinstance(v.get("config"), dict)}
+                if configs:
+                    rt["init_configs"] = configs
+            objects = _argument_objects(trace, fn["args"]) if fn is not None else {}
+            if objects:
+                rt["argument_objects"] = objects
             rt["facts"] = facts
             for kind, detail in settle(c, facts):
                 risks.append({"kind": kind, "detail": detail, "level": "high" if kind == "runtime_mask_values" else "medium",
@@ -338,6 +346,27 @@ def join_trace(scan: dict[str, Any], trace: dict[str, Any], source: str) -> None
         by_id = {c.get("id"): c for c in scan.get("candidates", [])}
         reached_ids = [i for i in order if (by_id.get(i) or {}).get("runtime", {}).get("reached")]
         scan["suggested_order"] = reached_ids + [i for i in order if i not in reached_ids]
+
+
+def _argument_objects(trace: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """Arguments that are objects of a class whose ``__init__`` the run recorded (transformers'
+    ``eager_attention_forward(module, ...)`` reads ``module.num_key_value_groups``): name ->
+    {"type", "init": plain values, "configs": config fields}, so verify op can build one."""
+    out: dict[str, Any] = {}
+    for name, v in args.items():
+        if name in ("self", "cls") or not (isinstance(v, dict) and set(v) == {"type"} and isinstance(v["type"], str)):
+            continue
+        mod, _, cls = v["type"].rpartition(".")
+        if not mod or not cls.isidentifier():
+            continue
+        init = function_call(trace, {"qualname": cls + ".__init__", "file": mod.replace(".", "/") + ".py"})
+        if init is None:
+            continue
+        plain = {k: x for k, x in init["args"].items() if k != "self" and (x is None or isinstance(x, (bool, int, float, str)))}
+        configs = {k: {"type": str(x.get("type", ""))[:300], "config": x["config"]} for k, x in init["args"].items()
+                   if isinstance(x, dict) and isinstance(x.get("config"), dict)}
+        out[name] = {"type": v["type"][:300], "init": plain, "configs": configs}
+    return out
 
 
 def settle(c: dict[str, Any], facts: dict[str, Any]) -> list[tuple[str, str]]:

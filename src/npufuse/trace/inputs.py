@@ -58,6 +58,10 @@ def recorded_shapes(scan_entry: dict[str, Any]) -> tuple[list[str], list[str]]:
         shape = v["tensor"]
         if not shape or not all(isinstance(d, int) and 0 < d < 1 << 31 for d in shape):
             continue
+        if not v["dtype"].startswith(("float", "bfloat")):
+            continue   # ids, bool masks: a random float tensor of that shape is no stand-in (recorded_arguments)
+        if name.lower() in MASK_NAMES and _additive_mask(scan_entry):
+            continue   # a 0/-inf mask: recorded_arguments makes a causal one, not noise
         new, changed = _scaled(shape)
         if changed:
             scaled.append(f"{name} {'x'.join(map(str, shape))} -> {'x'.join(map(str, new))}")
@@ -73,6 +77,18 @@ def recorded_shapes(scan_entry: dict[str, Any]) -> tuple[list[str], list[str]]:
     if isinstance(ac, str):
         notes.append(f"the traced run called it under {ac} autocast")
     return items, notes
+
+
+MASK_NAMES = {"attention_mask", "attn_mask", "mask", "causal_mask"}
+
+
+def _additive_mask(scan_entry: dict[str, Any]) -> bool:
+    """The run saw a 0/-inf additive mask at this site (or no mask class at all), not an
+    arbitrary float bias (ALiBi), which stays random."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    facts = rt.get("facts") if isinstance(rt, dict) else None
+    kind = facts.get("mask_kind") if isinstance(facts, dict) else None
+    return kind in (None, "additive_0_neginf")
 
 
 def recorded_init(scan_entry: dict[str, Any]) -> dict[str, Any]:
@@ -91,3 +107,62 @@ def recorded_autocast(scan_entry: dict[str, Any]) -> str | None:
     rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
     ac = rt.get("arguments_autocast") if isinstance(rt, dict) else None
     return ac if ac in ("bfloat16", "float16") else None
+
+
+def recorded_configs(scan_entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``__init__`` arguments the traced run passed a config object for (transformers' ``config``):
+    name -> {"type": "module.Class", "config": {plain fields}}. verify op builds that class (or a
+    namespace) from them: an installed model's sizes are in no file of the repo."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    cfgs = rt.get("init_configs") if isinstance(rt, dict) else None
+    if not isinstance(cfgs, dict):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in cfgs.items():
+        if isinstance(name, str) and name.isidentifier() and isinstance(spec, dict) and isinstance(spec.get("config"), dict):
+            fields = {k: v for k, v in spec["config"].items() if isinstance(k, str) and k.isidentifier() and not k.startswith("_")}
+            out[name] = {"type": str(spec.get("type", "")), "config": fields}
+    return out
+
+
+def recorded_arguments(scan_entry: dict[str, Any]) -> dict[str, Any]:
+    """The traced call's arguments that ``--shape`` cannot say: a tuple of tensors (transformers'
+    ``position_embeddings=(cos, sin)``) as a list of [shape, dtype], and plain values (flags, ints).
+    Tensor shapes are scaled down as :func:`recorded_shapes` does."""
+    rt = scan_entry.get("runtime") if isinstance(scan_entry, dict) else None
+    args = rt.get("arguments") if isinstance(rt, dict) else None
+    if not isinstance(args, dict):
+        return {}
+    out: dict[str, Any] = {}
+    objects = rt.get("argument_objects") if isinstance(rt.get("argument_objects"), dict) else {}
+    for name, v in args.items():
+        if name in ("self", "cls") or not isinstance(name, str) or not name.isidentifier():
+            continue
+        if isinstance(v, (bool, int, float, str)) and not (isinstance(v, str) and len(v) > 200):
+            out[name] = v
+        elif isinstance(objects.get(name), dict) and isinstance(objects[name].get("type"), str):
+            o = objects[name]
+            init = {k: x for k, x in (o.get("init") or {}).items() if isinstance(k, str) and k.isidentifier()
+                    and (x is None or isinstance(x, (bool, int, float, str)))} if isinstance(o.get("init"), dict) else {}
+            cfgs = recorded_configs({"runtime": {"init_configs": o.get("configs")}})
+            out[name] = {"object": o["type"], "init": init, "configs": cfgs}
+        elif isinstance(v, dict) and isinstance(v.get("tensor"), list) and isinstance(v.get("dtype"), str) \
+                and v["tensor"] and all(isinstance(d, int) and 0 < d < 1 << 31 for d in v["tensor"]):
+            shape = _scaled(v["tensor"])[0]
+            rng = v.get("range")
+            if v["dtype"].startswith("int") and isinstance(rng, list) and len(rng) == 2 \
+                    and all(isinstance(x, int) and not isinstance(x, bool) and abs(x) < 1 << 62 for x in rng) and rng[0] <= rng[1]:
+                out[name] = {"ints": shape, "dtype": v["dtype"], "range": rng}
+            elif v["dtype"].startswith(("float", "bfloat")) and name.lower() in MASK_NAMES and _additive_mask(scan_entry):
+                out[name] = {"causal_mask": shape, "dtype": v["dtype"]}
+        elif isinstance(v, dict) and isinstance(v.get("sequence"), list) and v["sequence"]:
+            leaves = []
+            for x in v["sequence"]:
+                shape = x.get("tensor") if isinstance(x, dict) else None
+                if not (isinstance(shape, list) and shape and all(isinstance(d, int) and 0 < d < 1 << 31 for d in shape)
+                        and isinstance(x.get("dtype"), str)):
+                    break
+                leaves.append([_scaled(shape)[0], x["dtype"]])
+            else:
+                out[name] = {"tensors": leaves}
+    return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import sys
 import sysconfig
@@ -130,14 +131,68 @@ def _describe(v: Any, depth: int = 0) -> Any:
     import torch
 
     if isinstance(v, torch.Tensor):
-        return {"tensor": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "requires_grad": bool(v.requires_grad)}
+        out_t: dict[str, Any] = {"tensor": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "requires_grad": bool(v.requires_grad)}
+        if not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) and 0 < v.numel() <= INT_RANGE_MAX_NUMEL:
+            # index tensors (a router's top-k expert ids, position ids): verify op draws ids in this range
+            try:
+                with torch._C.DisableTorchFunction():   # not an op of the user's run
+                    lo, hi = torch.aminmax(v.detach())
+                out_t["range"] = [int(lo), int(hi)]
+            except Exception:  # an exotic tensor: no range, the record goes on
+                pass
+        return out_t
     if v is None or isinstance(v, (bool, int, float)):
         return v if not (isinstance(v, float) and v != v) else "nan"
     if isinstance(v, str):
         return v[:200]
     if isinstance(v, (tuple, list)) and depth < 2 and len(v) <= 16:
         return {"sequence": [_describe(x, depth + 1) for x in v]}
-    return {"type": f"{type(v).__module__}.{type(v).__qualname__}"}
+    out: dict[str, Any] = {"type": f"{type(v).__module__}.{type(v).__qualname__}"}
+    if depth == 0 and _CONFIG_CLASS.search(type(v).__name__):
+        # a model config (transformers' Qwen2MoeConfig, a dataclass of args): its plain fields, so
+        # verify op can build the class that took it (installed models have no config in the repo)
+        attrs = _plain_fields(v)
+        if attrs is not None:
+            out["config"] = attrs
+    return out
+
+
+_CONFIG_CLASS = re.compile(r"(Config|Configuration|Args|Arguments|Namespace)$")
+CONFIG_MAX_FIELDS = 400
+INT_RANGE_MAX_NUMEL = 1 << 20
+
+
+def _plain(v: Any, depth: int = 0) -> tuple[bool, Any]:
+    """(True, v) when ``v`` is JSON-plain (scalars, short lists of them, str-keyed dicts of them)."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return True, v[:200] if isinstance(v, str) else v
+    if isinstance(v, float):
+        return (v == v and abs(v) != float("inf")), v
+    if depth < 2 and isinstance(v, (list, tuple)) and len(v) <= 64:
+        items = [_plain(x, depth + 1) for x in v]
+        return all(ok for ok, _ in items), [x for _, x in items]
+    if depth < 2 and isinstance(v, dict) and len(v) <= 64 and all(isinstance(k, str) for k in v):
+        items2 = {k: _plain(x, depth + 1) for k, x in v.items()}
+        return all(ok for ok, _ in items2.values()), {k: x for k, (_, x) in items2.items()}
+    return False, None
+
+
+def _plain_fields(obj: Any) -> dict[str, Any] | None:
+    """The public, JSON-plain instance attributes of a config-like object (read from its
+    ``__dict__``: no method of the user's object is called)."""
+    try:
+        fields = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    out: dict[str, Any] = {}
+    for k, v in list(fields.items())[:CONFIG_MAX_FIELDS]:
+        if isinstance(k, str) and not k.startswith("_"):
+            ok, plain = _plain(v)
+            if ok:
+                out[k] = plain
+    return out
 
 
 def _batch_uniform(t: Any) -> bool | None:
@@ -210,7 +265,9 @@ class Recorder:
             if u is None:
                 u = user[fn] = self._is_user(fn)
             if u:
-                if not out and co not in self._called:
+                # every user function on the stack, not only the innermost: a class whose
+                # __init__ only builds submodules (a decoder layer) runs no op of its own
+                if co not in self._called:
                     self._capture_arguments(f)
                 out.append((fn, f.f_lineno, co.co_name))
             f = f.f_back

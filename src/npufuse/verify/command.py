@@ -137,7 +137,7 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
         print(json.dumps(evidence, indent=2) if args.json else f"candidate {cand.id}: op check not applicable ({evidence['skipped']}); next: npufuse verify e2e {cand.id} --cmd \"...\"")
         return 0
 
-    from npufuse.trace.inputs import not_reached, recorded_autocast, recorded_init, recorded_shapes
+    from npufuse.trace.inputs import not_reached, recorded_arguments, recorded_autocast, recorded_configs, recorded_init, recorded_shapes
 
     unreached = not_reached(cand.scan)
     if unreached and not args.check_unreached:
@@ -148,6 +148,8 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
               if args.json else f"candidate {cand.id}: {unreached} (--check-unreached checks it anyway)")
         return 1
     traced_notes: list[str] = []
+    init_configs: dict[str, Any] = {}
+    traced_arguments: dict[str, Any] = {}
     if not args.shape and not args.capture:
         traced, traced_notes = recorded_shapes(cand.scan)
         args.shape = traced
@@ -156,6 +158,16 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
         if traced and built:
             args.init = list(args.init) + built
             traced_notes.append("constructed with the traced run's __init__ arguments: " + ", ".join(f"{k}={v}" for k, v in built))
+        if traced:
+            # issue 16: what --shape/--init cannot say (a config object, a tuple of tensors, flags)
+            init_configs = {k: v for k, v in recorded_configs(cand.scan).items() if k not in given}
+            traced_arguments = recorded_arguments(cand.scan)
+            for k, v in init_configs.items():
+                traced_notes.append(f"`{k}`: a {v['type'].rpartition('.')[2] or 'config'} built from the traced run's "
+                                    f"{len(v['config'])} plain config fields")
+            if traced_arguments:
+                traced_notes.append("arguments as the traced run passed them: " + ", ".join(
+                    f"{k}={_traced_text(v)}" for k, v in traced_arguments.items()))
     opts = OpOptions(
         capture=args.capture, capture_timeout=args.capture_timeout, capture_max_mb=args.capture_max_mb, shell=args.shell,
         env=dict(args.env), shapes=args.shape, dtype=args.dtype, init={k: parse_literal(v) for k, v in args.init},
@@ -164,6 +176,7 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
     if opts.factor <= 0:
         raise UsageError("--factor must be positive")
     opts.input_notes = traced_notes
+    opts.init_configs, opts.traced_arguments = init_configs, traced_arguments
     from npufuse.verify.op_python import capture_python, run_op_in
 
     python = args.python or capture_python(args.capture, args.shell)
@@ -175,6 +188,21 @@ def _run_op(args: argparse.Namespace, cand: Any) -> int:
     else:
         _print_op(report)
     return 0 if report.passed else 1
+
+
+def _traced_text(v: Any) -> str:
+    """How a note shows one traced argument (npufuse.trace.inputs.recorded_arguments)."""
+    if not isinstance(v, dict):
+        return repr(v)
+    if "tensors" in v:
+        return "(" + ", ".join("x".join(map(str, t[0])) for t in v["tensors"]) + ")"
+    if "ints" in v:
+        return f"{'x'.join(map(str, v['ints']))} ids in [{v['range'][0]}, {v['range'][1]}]"
+    if "causal_mask" in v:
+        return f"causal 0/-inf mask {'x'.join(map(str, v['causal_mask']))}"
+    if "object" in v:
+        return f"a {str(v['object']).rpartition('.')[2]} built with the traced run's __init__ arguments"
+    return "?"
 
 
 def _fmt(v: Any, spec: str) -> str:

@@ -334,6 +334,87 @@ def config_object(module: types.ModuleType, values: dict[str, Any]) -> Any:
     return ns
 
 
+def traced_argument(rec: Any, module: Any, values: dict[str, Any], lp: torch.dtype, gen: torch.Generator, seed: int) -> Any:
+    """One argument as ``npufuse trace`` recorded it (:func:`npufuse.trace.inputs.recorded_arguments`)."""
+    if not isinstance(rec, dict):
+        return rec   # a plain value: a flag, an unsqueeze dim, a scaling
+    if "tensors" in rec:   # a tuple of tensors (position_embeddings)
+        return tuple(torch.randn(*shape, generator=gen).to(DTYPES.get(str(dt), lp)) for shape, dt in rec["tensors"])
+    if "ints" in rec:   # ids in the recorded range; distinct along the last dim where they fit (top-k expert ids)
+        shape, (lo, hi) = rec["ints"], rec["range"]
+        dt = getattr(torch, str(rec.get("dtype")), torch.int64)
+        dt = dt if isinstance(dt, torch.dtype) else torch.int64
+        span, k = hi - lo + 1, shape[-1]
+        rows = 1
+        for d in shape[:-1]:
+            rows *= d
+        if k <= span and rows * span <= 1 << 24:
+            return (torch.rand(rows, span, generator=gen).argsort(-1)[:, :k] + lo).reshape(shape).to(dt)
+        return torch.randint(lo, hi + 1, tuple(shape), generator=gen).to(dt)
+    if "causal_mask" in rec:   # the run's 0/-inf additive mask: causal, broadcast to its shape
+        shape = rec["causal_mask"]
+        dt = DTYPES.get(str(rec.get("dtype")), lp)
+        q, kv = (shape[-2], shape[-1]) if len(shape) >= 2 else (shape[-1], shape[-1])
+        mask = torch.full((q, kv), torch.finfo(dt).min, dtype=dt).triu(kv - q + 1)
+        return mask.expand(*shape).contiguous() if len(shape) >= 2 else mask
+    if "object" in rec:   # an object of a class the run built (eager attention's `module`)
+        mod_name, _, cls_name = str(rec["object"]).rpartition(".")
+        cls = getattr(module, cls_name, None) if cls_name.isidentifier() else None
+        if not (isinstance(cls, type) and getattr(cls, "__module__", None) == mod_name):
+            raise UsageError(f"cannot build the traced argument of class {rec['object']}: not in the module's namespace; use --capture")
+        init = dict(rec.get("init") or {})
+        for k, spec in (rec.get("configs") or {}).items():
+            init.setdefault(k, traced_config(module, spec))
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            obj = construct(cls, module, values, init)
+        return obj.eval() if isinstance(obj, torch.nn.Module) else obj
+    raise UsageError("a traced argument npufuse does not know how to rebuild; use --shape/--capture")
+
+
+def traced_config(module: Any, spec: dict[str, Any]) -> Any:
+    """The config object a traced run built a class with (``npufuse trace`` recorded its plain
+    fields): the module's own class of the recorded name when it takes them, else a namespace.
+    Only a class already in the module's namespace is used (nothing is imported by name)."""
+    fields = dict(spec.get("config") or {})
+    mod_name, _, cls_name = str(spec.get("type", "")).rpartition(".")
+    cls = getattr(module, cls_name, None) if cls_name.isidentifier() else None
+    if isinstance(cls, type) and getattr(cls, "__module__", None) == mod_name:
+        try:
+            return cls(**fields)
+        except Exception:
+            pass  # a class that will not take its own fields back: the namespace below
+    return types.SimpleNamespace(**fields)
+
+
+EMPTY_INIT_STD = 0.02   # transformers' default initializer_range
+
+
+@contextmanager
+def _initialised_empty() -> Iterator[None]:
+    """``torch.empty`` gives initialised floats while a class is built for the check.
+
+    transformers' modules (``Qwen2MoeExperts``' expert weights) allocate parameters with
+    ``torch.empty`` and leave filling them to the whole model's ``_init_weights``, which a module
+    built alone never runs: its weights are whatever the memory held (NaN, 1e38). Here they are
+    normal(0, 0.02) from the check's seeded generator; torch.nn layers overwrite theirs in
+    ``reset_parameters`` as always."""
+    original = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = original(*args, **kwargs)
+        if t.is_floating_point() and t.numel():
+            with torch.no_grad():
+                t.normal_(0.0, EMPTY_INIT_STD)
+        return t
+
+    torch.empty = empty  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.empty = original  # type: ignore[assignment]
+
+
 def construct(cls: type, module: types.ModuleType, values: dict[str, Any], init: dict[str, Any]) -> Any:
     """An instance of ``cls`` from its ``__init__`` signature (see the module docstring)."""
     from npufuse.scan.config_shapes import ALIASES
@@ -359,7 +440,8 @@ def construct(cls: type, module: types.ModuleType, values: dict[str, Any], init:
         elif p.default is inspect.Parameter.empty:
             raise UsageError(f"cannot construct {cls.__name__}: no value for __init__ parameter `{name}`; pass --init {name}=VALUE or use --capture")
     try:
-        return cls(**kwargs)
+        with _initialised_empty():
+            return cls(**kwargs)
     except Exception as exc:
         shown = ", ".join(f"{k}={type(v).__name__ if not isinstance(v, (int, float, str)) else v}" for k, v in kwargs.items())
         raise UsageError(f"{cls.__name__}({shown}) raised {type(exc).__name__}: {exc}; pass --init NAME=VALUE or use --capture") from None
@@ -424,6 +506,7 @@ def from_config_or_shapes(
     batch: int | None,
     seq_len: int | None,
     seed: int,
+    traced: dict[str, Any] | None = None,
 ) -> CallInputs:
     gen = torch.Generator().manual_seed(seed)
     positional, named = parse_shapes(shapes)
@@ -439,13 +522,19 @@ def from_config_or_shapes(
     flags: dict[str, bool] = {}
     arg_names: list[str] = []
     pos = list(positional)
+    gap = False
     for p in target.params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         if p.name in named or (pos and p.default is inspect.Parameter.empty):
             shape, dt = named.pop(p.name) if p.name in named else pos.pop(0)
             value: Any = torch.randn(*shape, generator=gen).to(parse_dtype(dt) if dt else lp)
+        elif traced and p.name in traced and p.name not in init:
+            # as the traced run called it (npufuse.trace.inputs.recorded_arguments): a tuple of
+            # tensors (position_embeddings) or a plain value (a flag, an unsqueeze dim)
+            value = traced_argument(traced[p.name], module, values, lp, gen, seed)
         elif p.default is not inspect.Parameter.empty:
+            gap = True   # left at its default: every later argument goes by name
             continue
         elif p.name in init:
             value = init[p.name]
@@ -454,7 +543,7 @@ def from_config_or_shapes(
         described[p.name] = _describe(value)
         for path, _t in flatten(value, p.name):
             flags[path] = p.name.lower() not in NO_GRAD_NAMES
-        if p.kind == p.KEYWORD_ONLY:
+        if p.kind == p.KEYWORD_ONLY or (gap and p.kind == p.POSITIONAL_OR_KEYWORD):
             kwargs[p.name] = value
         else:
             args.append(value)

@@ -108,6 +108,10 @@ class OpOptions:
     backend: str = "auto"  # auto | emulated (tests; "real" needs an NPU)
     input_notes: list[str] = field(default_factory=list)  # where the inputs came from (npufuse trace)
     autocast: str | None = None  # the autocast pass's dtype; "off": none; None: bfloat16 when the scan saw autocast
+    # from `npufuse trace` (issue 16: installed models have no config in the repo): config objects
+    # the class was built with (name -> {"type", "config"}), and call arguments --shape cannot say
+    init_configs: dict[str, Any] = field(default_factory=dict)
+    traced_arguments: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -514,10 +518,16 @@ def run_op_check(cand: Candidate, opts: OpOptions, capture_path: Path | None = N
 
             with inp.user_module(cand.root, cand.file) as patches, op_check_view(patches, cand.applied) as module:
                 target = inp.resolve_target(module, target_qualname(cand))
+                init = dict(opts.init)
+                for name, spec in opts.init_configs.items():
+                    if name not in init:
+                        init[name] = inp.traced_config(module, spec)
+                        # its sizes also feed the naming heuristics (the scan read no config of an installed model)
+                        values = {**{k: v for k, v in spec["config"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}, **values}
                 if capture_path is not None:
-                    inputs = inp.from_capture(capture_path, module, target, values, dtype, opts.init, opts.seed)
+                    inputs = inp.from_capture(capture_path, module, target, values, dtype, init, opts.seed)
                 else:
-                    inputs = inp.from_config_or_shapes(module, target, values, opts.shapes, dtype, opts.init, opts.batch, opts.seq_len, opts.seed)
+                    inputs = inp.from_config_or_shapes(module, target, values, opts.shapes, dtype, init, opts.batch, opts.seq_len, opts.seed, opts.traced_arguments)
                 # float64 on the CPU: an fp32 model's own error then has a yardstick (against an fp32
                 # golden it is zero, and any reordered reduction in a small, cancelling row fails);
                 # float32 on an NPU, whose float64 kernels are missing or slow

@@ -318,8 +318,9 @@ class ChildProbe:
     def load_emulated(self) -> Any:
         from npufuse import emulate
 
-        self._emu_cm = emulate.install()
-        self.emulation = self._emu_cm.__enter__()  # kept installed for the life of the process
+        # kept installed for the life of the process: torch.device("npu") may parse (accelerate, Trainer)
+        self._emu_cm = emulate.install(name_device=True)
+        self.emulation = self._emu_cm.__enter__()
         self.backend = "emulated"
         instrument(self.emulation.module, self.counter)
         return self.emulation.module
