@@ -93,6 +93,11 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
             else:
                 out.append(r)
                 missed.add(r.line)
+    claimed = _claimed_by_add_rms_norm(module, scope) if sites else set()
+    for key in list(sites):
+        sites[key] = [x for x in sites[key] if id(x.call) not in claimed]
+        if not sites[key]:
+            del sites[key]
     for group in sites.values():
         if group[0].stmt.lineno in missed:
             continue  # another call in the statement cannot be replaced: the statement stays as it is
@@ -100,6 +105,20 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         out.append(_finding(module, scope, group))
     out.sort(key=lambda r: r.line)
     yield from out
+
+
+def _claimed_by_add_rms_norm(module: ModuleInfo, scope: Scope) -> set[int]:
+    """Library norm calls on a residual sum that add_rms_norm replaces (``x = x + a; y = F.rms_norm(x, ...)``):
+    reported once, there (its training path runs the add then npu_rms_norm, so nothing is lost)."""
+    from npufuse.patterns import add_rms_norm as A
+
+    if not scope.class_name or "+" not in S.scope_text(module, scope):
+        return set()
+    out: set[int] = set()
+    for _stmt, site in A._sites(module, scope):
+        if isinstance(site, A._Site) and site.nc.kind == "library" and isinstance(A._build(module, scope, site), Finding):
+            out.add(id(site.nc.call))
+    return out
 
 
 def _stmt_of(idx: S.StmtIndex, scope: Scope, call: ast.Call) -> ast.stmt | None:
