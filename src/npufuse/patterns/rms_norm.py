@@ -2215,26 +2215,6 @@ RmsNorm.FUSE += [
 RmsNorm.KEEP += [
     Keep(
         '''
-import math
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.scale = math.sqrt(dim)
-        self.gamma = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.normalize(x, dim=-1) * self.scale * self.gamma
-''',
-        reason="eps as a clamp on the norm",
-        name="l2_normalize_times_sqrt_d",
-    ),
-    Keep(
-        '''
 import torch
 import torch.nn.functional as F
 
@@ -2514,5 +2494,100 @@ RmsNorm.KEEP += [
         _UNIT_OFFSET_BRANCH.replace("output = output * self.weight.float()", "output = output * self.weight.float().view(-1, 1)"),
         reason="the weight is reshaped",
         name="branch_weight_not_a_parameter",
+    ),
+]
+
+
+# -- issue 14, class 1: L2-normalisation spellings (eps as a clamp on the norm: a stated risk) -----
+
+_L2_NORMALIZE = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = math.sqrt(dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1) * self.scale * self.gamma
+'''
+
+_L2_NORM_CLAMP = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """PaLM-lite: the norm scaled by d ** -0.5 (so: the rms), clamped from below."""
+
+    def __init__(self, dim, eps=1e-8):
+        super().__init__()
+        self.scale = dim ** -0.5
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        norm = torch.norm(x, dim=-1, keepdim=True) * self.scale
+        return x / norm.clamp(min=self.eps) * self.g
+'''
+
+_L2_RUN = '''
+m = RMSNorm(32){cast}
+with torch.no_grad():
+    getattr(m, "{w}").normal_()
+x = torch.randn(3, 5, 32{dtype}, requires_grad=True)
+out = m(x)
+leaves = [x, getattr(m, "{w}")]
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_L2_NORMALIZE, expect={"variant": "l2_normalize", "eps": "1e-12", "eps_rule": "clamp on the norm", "x": "x",
+                                "norm_scale": "x.shape[-1] ** 0.5", "confidence": "medium"},
+         run=_L2_RUN.format(cast="", dtype="", w="gamma"), name="f_normalize_times_sqrt_d"),
+    Fuse(_L2_NORMALIZE.replace("F.normalize(x, dim=-1) * self.scale * self.gamma", "self.gamma * (F.normalize(x, p=2, dim=-1, eps=1e-6) * self.scale)"),
+         expect={"variant": "l2_normalize", "eps": "1e-6"},
+         run=_L2_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", w="gamma"), name="f_normalize_bf16_gain_first"),
+    Fuse(_L2_NORM_CLAMP, expect={"variant": "l2_norm_clamp", "eps": "self.eps", "norm_scale": "(self.scale) * x.shape[-1] ** 0.5",
+                                 "line": 16, "end_line": 17},
+         run=_L2_RUN.format(cast="", dtype="", w="g"), name="norm_times_inverse_sqrt_d_clamped"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        '''
+import torch
+
+
+class ScaleNorm(torch.nn.Module):
+    """An L2 normalisation with a scalar gain: no sqrt(d), not an RMSNorm."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.g = torch.nn.Parameter(torch.ones(1))
+        self.eps = eps
+
+    def forward(self, x):
+        n = torch.norm(x, dim=-1, keepdim=True).clamp(min=self.eps)
+        return x / n * self.g
+''',
+        reason="without a sqrt(d) factor",
+        name="scalenorm_l2_with_scalar_gain",
+    ),
+    Keep(
+        # normalises the channel dim of NCHW maps: npu_rms_norm normalises trailing dims only
+        _L2_NORMALIZE.replace("F.normalize(x, dim=-1)", "F.normalize(x, dim=1)"),
+        name="f_normalize_over_channels",
+    ),
+    Keep(
+        # a factor computed by a module call would run twice in the replacement
+        _L2_NORMALIZE.replace("* self.scale * self.gamma", "* self.scale * self.gate(x)").replace(
+            "self.gamma = nn.Parameter(torch.ones(dim))", "self.gate = nn.Linear(dim, dim)"),
+        reason="computed by a call",
+        name="f_normalize_times_a_module_output",
     ),
 ]
