@@ -334,7 +334,6 @@ def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.C
 # rows), and the finding says so. Without a sqrt(d) factor the code is an L2 normalisation with a
 # gain (ScaleNorm): a near miss.
 
-_L2_APIS = ("torch.norm", "torch.linalg.norm", "torch.linalg.vector_norm", "torch.functional.norm")
 _CLAMP_RISK = Risk("numerics", "eps is a clamp on the norm in the original (x / max(||x|| * s, eps)); the fused op adds "
                                "eps' = (eps / (s * sqrt(d)))**2 inside the root instead: the same floor, identical results "
                                "except on rows whose norm is near eps (near-zero rows), where the two differ slightly")
@@ -383,67 +382,6 @@ def _pure(module: ModuleInfo, node: ast.AST) -> bool:
     return True
 
 
-def _root_power(module: ModuleInfo, node: ast.expr, cls: str | None, depth: int = 0) -> float | None:
-    """0.5 for ``d ** 0.5`` / ``math.sqrt(d)``, -0.5 for ``d ** -0.5`` / ``1 / math.sqrt(d)``, read
-    through ``self.<attr>`` set so in ``__init__``; else None."""
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and const_value(node.right) in (0.5, -0.5):
-        return float(const_value(node.right))  # type: ignore[arg-type]
-    if isinstance(node, ast.Call) and canonical.api(module, node.func) in ("math.sqrt", "numpy.sqrt") and len(node.args) == 1:
-        return 0.5
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and const_value(node.left) in (1, 1.0):
-        inner = _root_power(module, node.right, cls, depth + 1)
-        return -inner if inner is not None else None
-    d = dotted(node)
-    if d is not None and d.startswith("self.") and d.count(".") == 1 and depth < 2:
-        value = S.init_assignments(module, cls).get(d[5:])
-        return _root_power(module, value, cls, depth + 1) if value is not None else None
-    return None
-
-
-def _l2_of(module: ModuleInfo, node: ast.expr) -> ast.expr | None:
-    """``x`` of ``torch.norm(x, dim=-1, keepdim=True)`` / ``x.norm(2, dim=-1, keepdim=True)`` /
-    ``torch.linalg.vector_norm(x, dim=-1, keepdim=True)`` (the 2-norm over the last dim, kept)."""
-    if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
-        return None
-    name = canonical.api(module, node.func)
-    if name in _L2_APIS:
-        if not node.args:
-            return None
-        x, rest = node.args[0], node.args[1:]
-        ord_kw = "ord" if "linalg" in name else "p"
-    elif isinstance(node.func, ast.Attribute) and node.func.attr == "norm" and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
-        x, rest, ord_kw = node.func.value, list(node.args), "p"
-    else:
-        return None
-    kw = {k.arg: k.value for k in node.keywords}
-    p = rest[0] if rest else kw.get(ord_kw)
-    dim = rest[1] if len(rest) > 1 else kw.get("dim")
-    keep = rest[2] if len(rest) > 2 else kw.get("keepdim")
-    if p is not None and const_value(p) not in (2, 2.0):
-        return None
-    if S.const_dim(dim) != -1 or const_value(keep) is not True:
-        return None
-    return x
-
-
-def _clamped(module: ModuleInfo, node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
-    """(value, eps) of ``v.clamp(min=eps)`` / ``v.clamp(eps)`` / ``v.clamp_min(eps)`` / ``torch.clamp(v, min=eps)``."""
-    if not isinstance(node, ast.Call):
-        return None
-    kw = {k.arg: k.value for k in node.keywords}
-    name = canonical.api(module, node.func)
-    if name in ("torch.clamp", "torch.clamp_min", "torch.clip") and node.args:
-        v, rest = node.args[0], node.args[1:]
-    elif isinstance(node.func, ast.Attribute) and node.func.attr in ("clamp", "clamp_min", "clip"):
-        v, rest = node.func.value, list(node.args)
-    else:
-        return None
-    eps = rest[0] if rest else kw.get("min")
-    if eps is None or len(rest) > 1 or kw.get("max") is not None:
-        return None
-    return v, eps
-
-
 def _local_value(scope: Scope, stmt: ast.stmt, node: ast.expr) -> tuple[ast.expr, ast.stmt | None]:
     """A name's value when the statement just before ``stmt`` in its block assigns it (and only
     there in the scope), with that statement; else (node, None)."""
@@ -474,7 +412,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             unit: ast.expr = call  # type: ignore[assignment]
             spelling = "F.normalize(x, dim=-1)"
         else:
-            clamp = _clamped(module, call)  # type: ignore[arg-type]
+            clamp = canonical.clamp_min_of(module, call)  # type: ignore[arg-type]
             if clamp is None:
                 continue
             stmt = _stmt_of(idx, scope, call)  # type: ignore[arg-type]
@@ -496,7 +434,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
                 value, prev = _local_value(scope, stmt, inner)
             nfactors: list[tuple[ast.expr, bool]] = []
             _flatten(value, False, nfactors)
-            l2 = [(f, _l2_of(module, f)) for f, inv in nfactors if not inv]
+            l2 = [(f, canonical.l2_norm_operand(module, f)) for f, inv in nfactors if not inv]
             l2 = [(f, v) for f, v in l2 if v is not None]
             if len(l2) != 1 or any(inv for _, inv in nfactors):
                 continue
@@ -524,7 +462,8 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             rest = [(f, inv) for f, inv in factors if f is not unit]
         if not rest:
             continue  # a bare unit vector: not a norm with a gain
-        powers = [_root_power(module, f, scope.class_name) for f, _ in rest] + [_root_power(module, f, scope.class_name) for f in S_factors]
+        init = S.init_assignments(module, scope.class_name)
+        powers = [canonical.root_power(module, f, init.get) for f, _ in rest] + [canonical.root_power(module, f, init.get) for f in S_factors]
         signed = [pw if not inv else -pw for (f, inv), pw in zip(rest, powers) if pw is not None] + \
                  [-pw for f, pw in zip(S_factors, powers[len(rest):]) if pw is not None]
         if 0.5 not in signed:
