@@ -268,7 +268,25 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         return NormCall(call, f.attr, "rms", match=m, cls=cls)
     if _RMS_NAME.search(cls.split(".")[-1]):
         return NormCall(call, f.attr, "external", cls=cls)
+    chosen = _chosen_classes(module, scope.class_name, value.func)
+    if chosen and all(_RMS_NAME.search(c.split(".")[-1]) and c not in module.classes for c in chosen):
+        # nanotron: ``norm_class = TritonRMSNorm if config.fused else RMSNorm`` in __init__, both
+        # defined elsewhere: the same assumptions as one external class (checked at run time)
+        return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
     return None
+
+
+def _chosen_classes(module: ModuleInfo, class_name: str | None, func: ast.expr) -> list[str]:
+    """``[A, B]`` when ``func`` is a local of ``__init__`` assigned once, ``A if test else B``."""
+    init = S.method(module, class_name, "__init__")
+    if init is None or not isinstance(func, ast.Name):
+        return []
+    values = [st.value for st in S._stmts_in(init.body) if isinstance(st, ast.Assign) and len(st.targets) == 1
+              and isinstance(st.targets[0], ast.Name) and st.targets[0].id == func.id]
+    if len(values) != 1 or not isinstance(values[0], ast.IfExp):
+        return []
+    names = [dotted(v) for v in (values[0].body, values[0].orelse)]
+    return [n for n in names if n] if all(names) else []
 
 
 def _operands(module: ModuleInfo, value: ast.expr) -> tuple[ast.expr, ast.expr] | str | None:
@@ -481,6 +499,10 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
                                       "eps in .variance_epsilon or .eps); verify with `npufuse verify op` before accepting"))
         notes.append(f"norm class {m.cls} not in this module: training keeps the module call; only inference is fused")
         variant = "external_norm"
+        # the assumed attributes are checked where the code runs: a module without them (another
+        # norm's parameter names, a mean over another dim) takes the original statements
+        conditions.append(f'hasattr({mod}, "weight") and (hasattr({mod}, "variance_epsilon") or hasattr({mod}, "eps")) '
+                          f'and getattr({mod}, "dim", -1) == -1')
     gamma_npu = f"{gamma if _simple_text(gamma) else '(' + gamma + ')'}.to({x1}.dtype)"
     norm_node = m.call
     # -- training (or mixed dtypes): the add, the aliases, the norm as npu_rms_norm (or, for a
