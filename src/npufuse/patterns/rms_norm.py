@@ -1203,6 +1203,12 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
             return miss(f"no weight in the matched norm, but its result is multiplied later (`{later}`) in a way "
                         "npufuse does not follow into the norm (control flow or a reshaped factor)")
     plan = S.plan_span(scope, stmt, m.trace)
+    early: ast.If | None = None
+    in_place: list[ast.stmt] = []
+    if isinstance(plan, str) and plan.endswith("is used by another statement inside the fused region"):
+        found = _early_exit(scope, stmt, m.trace)
+        if found is not None:
+            early, plan, in_place = found
     if isinstance(plan, str):
         return miss(plan)
     dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
@@ -1215,9 +1221,20 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
         return miss(e.reason)
     except NoMatch:
         return SiteResult(stmt, m, None, None, m.core.rstd)
-    if m.core.x is not None and isinstance(m.core.x, ast.Name) and any(m.core.x.id in S.names_written(s) for s in plan.kept):
-        return miss(f"input `{m.core.x.id}` is reassigned inside the region")
-    body = [S.stmt_source(module, s) for s in plan.kept]
+    if m.core.x is not None and isinstance(m.core.x, ast.Name):
+        # a kept statement (run before the fused code) may write the input only before every
+        # dropped statement reading it: they read that new value in the original too
+        name = m.core.x.id
+        readers = [d.lineno for d in plan.dropped if d not in in_place and name in S.names_read(d)]
+        if any(name in S.names_written(s) and (not readers or s.lineno > min(readers)) for s in plan.kept):
+            return miss(f"input `{name}` is reassigned inside the region")
+    body = [S.stmt_source(module, s) for s in sorted([*plan.kept, *in_place], key=lambda s: s.lineno)]
+    if early is not None:
+        # gpt-neox: ``if self.bias: return self.scale * x_normed + self.offset`` reads the norm's
+        # intermediate and leaves: that path runs the original computation, the other the fused op
+        before = [S.stmt_source(module, d) for d in plan.dropped if d.lineno < early.lineno and d is not early and d not in in_place]
+        exit_body = [S.stmt_source(module, b) for b in early.body]
+        body.append(f"if {S.source_of(module, early.test)}:\n" + S.indent("\n".join(before + exit_body)))
     body += p.pre
     body.append(S.splice(module, stmt, [(m.node, p.expr)]))
     if p.condition is not None:
@@ -1246,6 +1263,49 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
         training_ok=True,
     )
     return SiteResult(stmt, m, f, None, m.core.rstd)
+
+
+def _early_exit(scope: Scope, root: ast.stmt, trace: S.Trace) -> tuple[ast.If, S.SpanPlan, list[ast.stmt]] | None:
+    """The span when the one statement of it that reads the norm's intermediates is an early exit
+    -- ``if <test>: ... return/raise`` without ``else``, its test reading none of them, after every
+    other kept statement -- so the fused code can run the original computation on that path only."""
+    idx = S.stmt_index(scope)
+    loc = idx.block.get(id(root))
+    if loc is None:
+        return None
+    block, end = loc
+    members: set[int] = {id(root)}
+    for st in trace.stmts.values():
+        cur: ast.stmt | None = st
+        while cur is not None and idx.block.get(id(cur), (None, 0))[0] is not block:
+            cur = idx.parent.get(id(cur))
+        if cur is None:
+            return None
+        members.add(id(cur))
+    start = min(idx.block[i][1] for i in (id(s) for s in block if id(s) in members))
+    span = block[start : end + 1]
+    exits = [s for s in span if id(s) not in members and isinstance(s, ast.If) and not s.orelse and s.body
+             and isinstance(s.body[-1], (ast.Return, ast.Raise))]
+    if len(exits) != 1:
+        return None
+    k = exits[0]
+    dropped_before = [s for s in span if id(s) in members and s is not root and s.lineno < k.lineno]
+    written = set().union(*(S.names_written(d) for d in dropped_before)) if dropped_before else set()
+    kept = [s for s in span if id(s) not in members and s is not k]
+    if S.names_read(k.test) & written or any(s.lineno > k.lineno for s in kept):
+        return None
+    # the fused code runs the kept statements first: a dropped one that originally ran before a
+    # kept one and reads what that kept one writes runs in its place too, if cheap (``dtype = x.dtype``)
+    also: list[ast.stmt] = []
+    for d in dropped_before:
+        if any(S.names_read(d) & S.names_written(s) for s in kept if s.lineno > d.lineno):
+            if not S._is_cheap(d):
+                return None
+            also.append(d)
+    t2 = trace.copy()
+    t2.add(k)
+    plan = S.plan_span(scope, root, t2)
+    return (k, plan, also) if not isinstance(plan, str) else None
 
 
 def _names_read_outside(stmt: ast.stmt, node: ast.AST) -> set[str]:
@@ -2589,5 +2649,60 @@ class ScaleNorm(torch.nn.Module):
             "self.gamma = nn.Parameter(torch.ones(dim))", "self.gate = nn.Linear(dim, dim)"),
         reason="computed by a call",
         name="f_normalize_times_a_module_output",
+    ),
+]
+
+
+# -- issue 14, class 1: an intermediate reused on an early-exit path (gpt-neox) -----------------
+
+_EARLY_EXIT_BIAS = '''
+import torch
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim, p=-1.0, eps=1e-8, bias=False):
+        super().__init__()
+        self.eps = eps
+        self.d = dim
+        self.p = p
+        self.bias = bias
+        self.scale = torch.nn.Parameter(torch.ones(dim))
+        if self.bias:
+            self.offset = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        if self.p >= 0.0 and self.p <= 1.0:
+            partial_size = int(self.d * self.p)
+            x, _ = torch.split(x, [partial_size, self.d - partial_size], dim=-1)
+
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x_normed = x * torch.rsqrt(variance + self.eps)
+
+        if self.bias:
+            return self.scale * x_normed + self.offset
+
+        return (self.scale * x_normed).to(dtype)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # the normalized value also feeds ``if self.bias: return ...``: that path keeps the original
+        # computation, the other runs the fused op
+        _EARLY_EXIT_BIAS,
+        expect={"variant": "weight_then_cast", "weight": "self.scale", "eps": "self.eps", "line": 17, "end_line": 29},
+        run=("m = RMSNorm(32).to(torch.bfloat16)\nmb = RMSNorm(32, bias=True)\nwith torch.no_grad():\n    m.scale.normal_()\n"
+             "x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\nout = (m(x), mb(x.float()))\nleaves = [x, m.scale, mb.scale]\n"),
+        name="intermediate_reused_on_an_early_exit",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the early exit's test reads the intermediate itself: it must be computed before the test
+        _EARLY_EXIT_BIAS.replace("if self.bias:\n            return", "if x_normed.isnan().any():\n            return"),
+        reason="is used by another statement inside the fused region",
+        name="early_exit_test_reads_the_intermediate",
     ),
 ]
