@@ -259,9 +259,20 @@ def _rms_ctor(module: ModuleInfo, value: ast.expr) -> ast.Call | None:
     """The ``nn.RMSNorm(...)`` call of an assigned value (also one branch of ``a if c else b``)."""
     if isinstance(value, ast.Call) and canonical.api(module, value.func) == RMS_NORM_CLASS:
         return value
+    if isinstance(value, ast.Call) and rms_subclass(module, dotted(value.func)):
+        return value
     if isinstance(value, ast.IfExp):
         return _rms_ctor(module, value.body) or _rms_ctor(module, value.orelse)
     return None
+
+
+def rms_subclass(module: ModuleInfo, name: str | None) -> bool:
+    """A class of this module deriving from ``nn.RMSNorm`` without its own ``forward``
+    (torchtitan's configurable ``class RMSNorm(nn.RMSNorm, Module)``): it computes nn.RMSNorm."""
+    cls = module.classes.get(name or "")
+    if cls is None or S.method(module, cls.name, "forward") is not None:
+        return False
+    return any(canonical.api(module, b) == RMS_NORM_CLASS for b in cls.bases)
 
 
 def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call, values: list[ast.expr]) -> Iterator["Result | _Site"]:
@@ -278,15 +289,17 @@ def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.C
         return
     T = S.torch_name(module) or "torch"
     ctors = [_rms_ctor(module, v) for v in values]
-    only_rms = len(values) == 1 and isinstance(values[0], ast.Call) and ctors[0] is not None
+    only_rms = len(values) == 1 and isinstance(values[0], ast.Call) and ctors[0] is not None \
+        and canonical.api(module, values[0].func) == RMS_NORM_CLASS
     ctor = ctors[0] if only_rms else None
     notes: list[str] = []
     conditions: list[str] = []
     if not only_rms:
         # another module may sit in the attribute (``RMSNorm(d) if cfg.rms else LayerNorm(d)``):
         # the fused branch runs only when it really is PyTorch's RMSNorm
-        conditions.append(f"type({attr}) is {T}.nn.RMSNorm")
-        notes.append(f"{attr} is not always an nn.RMSNorm (assigned conditionally or more than once): the fused branch checks its type")
+        conditions.append(f"type({attr}).forward is {T}.nn.RMSNorm.forward")
+        notes.append(f"{attr} is not always an nn.RMSNorm (assigned conditionally or more than once, or a subclass): "
+                     "the fused branch checks that nn.RMSNorm's forward is what runs")
     x = call.args[0]
     x_src = S.source_of(module, x)
     affine = keyword(ctor, "elementwise_affine", 2) if ctor is not None else None

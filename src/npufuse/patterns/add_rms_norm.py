@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
@@ -50,6 +50,7 @@ class NormCall:
     gamma: str = ""  # library kind: the weight and eps expressions
     eps: str = ""
     ones: bool = False  # no weight (``F.rms_norm(x, (d,))``): npu_add_rms_norm gets ones of x1's last dim
+    conditions: list[str] = field(default_factory=list)  # run-time checks for the fused code (else the original)
 
 
 _FLOAT32_EPS = "{T}.finfo({T}.float32).eps"  # PyTorch's rms_norm default for fp16/bf16/fp32 (see _library_norm)
@@ -115,14 +116,13 @@ def _eps_text(module: ModuleInfo, eps: ast.expr | None) -> str | None:
     from npufuse.scan.dataflow import const_value
 
     T = S.torch_name(module) or "torch"
-    v = const_value(eps) if eps is not None else None
-    if eps is None or v is None:
-        if eps is not None and dotted(eps) is not None:
-            e = S.source_of(module, eps)
-            return f"({e} if {e} is not None else {_FLOAT32_EPS.format(T=T)})"
-        return _FLOAT32_EPS.format(T=T) if eps is None or isinstance(eps, ast.Constant) else None
-    if type(v) in (int, float):
+    if eps is None or (isinstance(eps, ast.Constant) and eps.value is None):
+        return _FLOAT32_EPS.format(T=T)
+    if type(const_value(eps)) in (int, float):
         return S.source_of(module, eps)
+    if dotted(eps) is not None:  # a name or attribute: None at run time means PyTorch's default
+        e = S.source_of(module, eps)
+        return f"({e} if {e} is not None else {_FLOAT32_EPS.format(T=T)})"
     return None
 
 
@@ -136,7 +136,7 @@ def _last_dim_shape(shape: ast.expr | None) -> bool:
 
 def _functional_norm(module: ModuleInfo, call: ast.Call, label: str) -> NormCall | None:
     """``F.rms_norm(x, shape, weight=None, eps=None)`` / ``torch.rms_norm`` on the sum."""
-    from npufuse.scan.dataflow import const_value, keyword
+    from npufuse.scan.dataflow import keyword
 
     if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
         return None
@@ -148,8 +148,8 @@ def _functional_norm(module: ModuleInfo, call: ast.Call, label: str) -> NormCall
         if not _last_dim_shape(shape):
             return None
         return NormCall(call, label, "library", cls=label, gamma="", eps=e, ones=True)
-    if dotted(w) is None or const_value(w) is not None:
-        return None
+    if dotted(w) is None:
+        return None  # an expression would be evaluated before the add, and twice
     return NormCall(call, label, "library", cls=label, gamma=S.source_of(module, w), eps=e)
 
 
@@ -237,6 +237,15 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
             return None
         return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1])
     cls = dotted(value.func) or ""
+    from npufuse.patterns._library_norm import rms_subclass
+
+    if rms_subclass(module, cls):
+        # a subclass of nn.RMSNorm without its own forward: the instance's weight and eps
+        mod = f"self.{f.attr}"
+        T = S.torch_name(module) or "torch"
+        return NormCall(call, f.attr, "library", cls=cls, gamma=f"{mod}.weight",
+                        eps=f"({mod}.eps if {mod}.eps is not None else {_FLOAT32_EPS.format(T=T)})",
+                        conditions=[f"{mod}.weight is not None"])
     if cls in module.classes:
         fwd = S.method(module, cls, "forward")
         lib_fwd = _library_forward(module, fwd, f"self.{f.attr}") if fwd is not None else None
@@ -343,7 +352,7 @@ def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
     return stmt, None
 
 
-_INLINE_SUM = re.compile(r"self\.\w+\([^()\n]*\+")
+_INLINE_SUM = re.compile(r"\w\([^()\n]*\+")
 
 
 def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
@@ -381,7 +390,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
         text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
         if "+" in text and _INLINE_SUM.search(text):
             for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
-                if not (isinstance(node, ast.Call) and len(node.args) == 1 and isinstance(node.args[0], (ast.BinOp, ast.Call))):
+                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], (ast.BinOp, ast.Call))):
                     continue
                 ops = _operands(module, node.args[0])
                 if ops is None:
@@ -442,6 +451,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     ones = f"{T}.ones({x1}.shape[-1], dtype={x1}.dtype, device={x1}.device)"
     if site.wrapper is not None:
         conditions.append(S.source_of(module, site.wrapper.test))
+    conditions += site.nc.conditions
     if m.kind == "rms":
         assert m.match is not None
         try:
@@ -478,7 +488,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         if m.ones:
             gamma = ones
             notes.append("no weight: npu_add_rms_norm gets ones of the last dim as gamma (one small allocation per call)")
-        train_norm = f"torch_npu.npu_rms_norm({s_name}, {gamma if not m.ones else ones.replace(x1, s_name)}, epsilon={eps})[0]"
+        train_gamma = f"{T}.ones({s_name}.shape[-1], dtype={s_name}.dtype, device={s_name}.device)" if m.ones else gamma
+        train_norm = f"torch_npu.npu_rms_norm({s_name}, {train_gamma}, epsilon={eps})[0]"
         norm_pre = []
         params = {"eps": eps, "weight": None if m.ones else gamma, "weight_offset": 0, "upcast": "float32", "output_dtype": "input"}
         variant = "library_norm"
@@ -1310,4 +1321,40 @@ AddRmsNorm.KEEP += [
         reason="may pass `dim`",
         name="dim_attribute_passed_by_a_constructor",
     ),
+]
+
+_INLINE_SUM_LIBRARY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.RMSNorm):
+    """A configurable nn.RMSNorm (no forward of its own)."""
+
+    def __init__(self, dim):
+        super().__init__(dim, eps=1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mix = nn.Linear(d, d, bias=False)
+        self.w = nn.Parameter(torch.ones(d))
+        self.norm = RMSNorm(d)
+
+    def forward(self, x):
+        h = self.mix(x)
+        y = F.rms_norm(x + h, (x.size(-1),), self.w, 1e-6)
+        z = x + y
+        return y, self.norm(z)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_INLINE_SUM_LIBRARY, expect={"variant": "library_norm", "weight": "self.w", "eps": "1e-6", "sum": None, "x2": "h"},
+         run=_run_block("Block(32)", bf16=True, train=False, extra="with torch.no_grad():\n    blk.w.normal_()\n    blk.norm.weight.normal_()\n"),
+         name="inline_sum_in_f_rms_norm_and_nn_rmsnorm_subclass"),
+    Fuse(_INLINE_SUM_LIBRARY, expect={"norm": "F.rms_norm"},
+         run=_run_block("Block(32)", leaves="[x, blk.w, blk.norm.weight]"),
+         name="inline_sum_in_f_rms_norm_training"),
 ]

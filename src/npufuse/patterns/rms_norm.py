@@ -2706,3 +2706,41 @@ RmsNorm.KEEP += [
         name="early_exit_test_reads_the_intermediate",
     ),
 ]
+
+_RMSNORM_SUBCLASS = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.RMSNorm):
+    """torchtitan: a configurable nn.RMSNorm -- its forward is nn.RMSNorm's."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__(dim, eps=eps)
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_RMSNORM_SUBCLASS, expect={"variant": "nn_rmsnorm", "module": "self.norm", "eps": "self.norm.eps", "weight": "self.norm.weight"},
+         run=("m = Block(16).to(torch.bfloat16)\nwith torch.no_grad():\n    m.norm.weight.normal_()\n"
+              "x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x, m.norm.weight]\n"),
+         name="nn_rmsnorm_subclass_without_forward"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a subclass with its own forward computes something else: not read as nn.RMSNorm
+        _RMSNORM_SUBCLASS.replace("super().__init__(dim, eps=eps)\n",
+                                  "super().__init__(dim, eps=eps)\n\n    def forward(self, x):\n        return super().forward(x) * 2\n"),
+        name="nn_rmsnorm_subclass_with_own_forward",
+    ),
+]
