@@ -229,3 +229,19 @@ def test_library_norm_of_a_residual_sum_is_reported_once_as_add_rms_norm():
     add, _ = detect_all(A.AddRmsNorm(), code)
     # the first norm reads the block's input (an rms_norm site), the second the residual sum
     assert [f.line for f in rms] == [16] and [(f.line, f.end_line) for f in add] == [(16, 17)]
+
+
+def test_a_product_of_the_name_after_it_is_reassigned_is_not_a_later_weight():
+    code = '''
+import torch
+
+
+def qk(q, k):
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6)
+    s = q @ k.transpose(-2, -1)
+    q = s.softmax(-1)
+    return q * 2.0
+'''
+    findings, _ = detect_all(R.RmsNorm(), code)
+    assert [(f.line, f.variant) for f in findings] == [(6, "no_weight")]
+    assert any("ones of the last dim" in n for n in findings[0].notes)

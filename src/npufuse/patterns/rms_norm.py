@@ -1248,6 +1248,11 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
     notes = [f"unfused: {len(p.ops)} kernels ({', '.join(p.ops)}); fused: 1"]
     if m.helpers:
         notes.append("follows a helper of this module into the norm")
+    if p.variant == "no_weight":
+        notes.append("no weight: npu_rms_norm needs a gamma, so ones of the last dim are passed (allocated per call, "
+                     "one small fill kernel; the same result)")
+    if "dim_check" in p.params:
+        notes.append(f"the mean's dim is read at run time (-1 by the class's default): fused only when {p.params['dim_check']}")
     f = Finding(
         pattern="rms_norm",
         qualname=scope.qualname,
@@ -1395,10 +1400,17 @@ def _multiplied_later(scope: Scope, stmt: ast.stmt) -> str | None:
     if not names:
         return None
     end = stmt.end_lineno or stmt.lineno
+    # up to the next assignment of the name (a product after it multiplies another value)
+    # (a cast of itself, ``h = h.to(self.weight.dtype)``, keeps the value: the window goes on)
+    def _recast(value: ast.expr, name: str) -> bool:
+        return S.is_cast(value) and _is_name(value.func.value, name)  # type: ignore[attr-defined]
+
+    nxt = {name: min((s.lineno for s, v in scope.assignments.get(name, []) if s.lineno > end and not _recast(v, name)), default=1 << 30)
+           for name in names}
     for n in scope.nodes().get(ast.BinOp, []):
         if isinstance(n.op, ast.Mult) and n.lineno > end:  # type: ignore[attr-defined]
             for side in (n.left, n.right):  # type: ignore[attr-defined]
-                if isinstance(side, ast.Name) and side.id in names:
+                if isinstance(side, ast.Name) and side.id in names and n.lineno <= nxt[side.id]:  # type: ignore[attr-defined]
                     return ast.unparse(n)
     return None
 
