@@ -245,3 +245,68 @@ def qk(q, k):
     findings, _ = detect_all(R.RmsNorm(), code)
     assert [(f.line, f.variant) for f in findings] == [(6, "no_weight")]
     assert any("ones of the last dim" in n for n in findings[0].notes)
+
+
+def test_same_named_helpers_of_two_classes_are_told_apart():
+    # transformers' Llama4: a weightless and a weighted norm class, both with a ``_norm`` method
+    code = '''
+import torch
+from torch import nn
+
+
+class Weightless(nn.Module):
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        return self._norm(x.float()).type_as(x)
+
+
+class Weighted(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float()).type_as(x)
+        return output * self.weight
+'''
+    findings, _ = detect_all(R.RmsNorm(), code)
+    assert sorted((f.qualname, f.variant) for f in findings) == [("Weighted.forward", "cast_then_weight"), ("Weightless.forward", "no_weight")]
+
+
+def test_grouped_gated_norm_is_not_cut_into_a_weightless_site():
+    # Mamba2-style: the group statistic is normalised, viewed back, then weighted -- not a whole norm
+    code = '''
+import torch
+from torch import nn
+
+
+class GatedNorm(nn.Module):
+    def __init__(self, d, group_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+        self.group_size = group_size
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        *prefix, last = hidden_states.shape
+        group = hidden_states.view(*prefix, last // self.group_size, self.group_size)
+        variance = group.pow(2).mean(-1, keepdim=True)
+        group = group * torch.rsqrt(variance + self.eps)
+        hidden_states = group.view(*prefix, last)
+        return self.weight * hidden_states.to(input_dtype)
+'''
+    findings, misses = detect_all(R.RmsNorm(), code)
+    assert not findings
+    assert any("grouped or reshaped norm" in m.reason or "multiplied later" in m.reason for m in misses)

@@ -1407,11 +1407,36 @@ def _multiplied_later(scope: Scope, stmt: ast.stmt) -> str | None:
 
     nxt = {name: min((s.lineno for s, v in scope.assignments.get(name, []) if s.lineno > end and not _recast(v, name)), default=1 << 30)
            for name in names}
+    # names holding the result reshaped or cast (Mamba2's gated norm: ``h = h_group.view(...)``)
+    for st in sorted(S.stmt_index(scope).stmts, key=lambda x: x.lineno):
+        if st.lineno <= end or not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            continue
+        base = _through_views(st.value)
+        if base is not None and base.id in names and st.lineno <= nxt[base.id] and st.targets[0].id not in names:
+            names = names | {st.targets[0].id}
+            nxt[st.targets[0].id] = min((s.lineno for s, v in scope.assignments.get(st.targets[0].id, []) if s.lineno > st.lineno
+                                         and not _recast(v, st.targets[0].id)), default=1 << 30)
     for n in scope.nodes().get(ast.BinOp, []):
         if isinstance(n.op, ast.Mult) and n.lineno > end:  # type: ignore[attr-defined]
             for side in (n.left, n.right):  # type: ignore[attr-defined]
-                if isinstance(side, ast.Name) and side.id in names and n.lineno <= nxt[side.id]:  # type: ignore[attr-defined]
+                base = _through_views(side)
+                if base is not None and base.id in names and n.lineno <= nxt[base.id]:  # type: ignore[attr-defined]
                     return ast.unparse(n)
+    return None
+
+
+_VIEWS = frozenset(("view", "reshape", "flatten", "contiguous", "to", "float", "half", "bfloat16", "type_as", "type"))
+
+
+def _through_views(node: ast.expr) -> ast.Name | None:
+    """The name under reshapes and casts (``h.view(b, t, d).to(dt)`` -> ``h``)."""
+    for _ in range(8):
+        if isinstance(node, ast.Name):
+            return node
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _VIEWS:
+            node = node.func.value
+            continue
+        return None
     return None
 
 
@@ -1437,11 +1462,18 @@ def _weightless_helper_covered(module: ModuleInfo, scope: Scope) -> bool:
     if not spans:
         return False
     own = (fn.lineno, fn.end_lineno or fn.lineno)
+    # a method is called as ``self.name(...)`` in its own class (another class may have a method
+    # of the same name: Llama4's weightless and weighted norms both define ``_norm``); a function
+    # as ``name(...)``
+    cls = module.classes.get(scope.class_name or "") if scope.class_name else None
     for call in module.scopes[0].nodes().get(ast.Call, []):  # every call of the file
         f = call.func  # type: ignore[attr-defined]
-        if getattr(f, "id", None) != fn.name and getattr(f, "attr", None) != fn.name:
-            continue
         line = call.lineno  # type: ignore[attr-defined]
+        if cls is not None:
+            if getattr(f, "attr", None) != fn.name or not (cls.lineno <= line <= (cls.end_lineno or cls.lineno)):
+                continue
+        elif getattr(f, "id", None) != fn.name:
+            continue
         if not (own[0] <= line <= own[1]) and not any(lo <= line <= hi for lo, hi in spans):
             return False
     return True
