@@ -160,7 +160,7 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
 
     f = call.func
     assert isinstance(f, ast.Name)
-    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred) or S.definition(ctx, f.id) is not None:
+    if not call.args or isinstance(call.args[0], ast.Starred) or S.definition(ctx, f.id) is not None:
         return None
     fn = module.helper(f.id)
     if not isinstance(fn, ast.FunctionDef):
@@ -171,10 +171,10 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
     if ret is None or ret.value is None or nscope is None or not params:
         return None
     defaults = dict(zip(params[len(params) - len(fn.args.defaults):], fn.args.defaults))
-    if any(p not in defaults for p in params[1:]):
-        return None
     value = ret.value
     if isinstance(value, ast.Call) and canonical.api(module, value.func) == "torch.nn.functional.rms_norm":
+        if len(call.args) != 1 or call.keywords or any(p not in defaults for p in params[1:]):
+            return None
         from npufuse.scan.dataflow import keyword
 
         x = keyword(value, "input", 0)
@@ -189,13 +189,12 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
             return None  # a weight written in the helper cannot be named at the call site
         nc.call = call
         return nc
-    hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
-    bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (call.args[0], ctx)}
-    for p in params[1:]:
-        bind[p] = (defaults[p], hctx)
-    hctx.bind = bind
+    # the helper's parameters bound to this call's arguments (``rms_norm(h, self.w, self.eps)``)
+    hctx = S.bind_call(module, call, fn, ctx, False)
+    if hctx is None:
+        return None
     try:
-        m = R.parse_norm(module, value, hctx)
+        m = R.parse_norm(module, value, hctx.at(ret.lineno))
     except R.NoMatch:
         return None
     except R.Miss as e:
@@ -223,6 +222,14 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # ``RMSNorm(d) if config.use_norm else None`` (Gemma2): calling None fails in the original
         # too, so where the module is called it is the norm
         sides = [v for v in (value.body, value.orelse) if not (isinstance(v, ast.Constant) and v.value is None)]
+        lib = [v for v in sides if isinstance(v, ast.Call) and (module.canonical(v.func) == "torch.nn.RMSNorm" or _is_rms_subclass(module, v))]
+        if len(sides) == 2 and lib:
+            # ``nn.RMSNorm(d) if cfg.rms else nn.LayerNorm(d)``: fused when nn.RMSNorm's forward is what runs
+            mod = f"self.{f.attr}"
+            T = S.torch_name(module) or "torch"
+            return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=f"{mod}.weight",
+                            eps=f"({mod}.eps if {mod}.eps is not None else {_FLOAT32_EPS.format(T=T)})",
+                            conditions=[f"type({mod}).forward is {T}.nn.RMSNorm.forward", f"{mod}.weight is not None"])
         value = sides[0] if len(sides) == 1 else None
     if not isinstance(value, ast.Call):
         return None
@@ -283,6 +290,12 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # defined elsewhere: the same assumptions as one external class (checked at run time)
         return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
     return None
+
+
+def _is_rms_subclass(module: ModuleInfo, ctor: ast.Call) -> bool:
+    from npufuse.patterns._library_norm import rms_subclass
+
+    return rms_subclass(module, dotted(ctor.func))
 
 
 def _chosen_classes(module: ModuleInfo, class_name: str | None, func: ast.expr) -> list[str]:
@@ -1357,4 +1370,41 @@ AddRmsNorm.FUSE += [
     Fuse(_INLINE_SUM_LIBRARY, expect={"norm": "F.rms_norm"},
          run=_run_block("Block(32)", leaves="[x, blk.w, blk.norm.weight]"),
          name="inline_sum_in_f_rms_norm_training"),
+]
+
+_FUNCTION_WITH_WEIGHT = '''
+import torch
+from torch import nn
+
+
+def rms_norm(x, weight, eps: float = 1e-6):
+    x_fp32 = x.float()
+    normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+class Block(nn.Module):
+    """A functional norm helper taking its weight and eps as arguments."""
+
+    def __init__(self, d, rms=True):
+        super().__init__()
+        self.mix = nn.Linear(d, d, bias=False)
+        self.w = nn.Parameter(torch.ones(d))
+        self.norm = nn.RMSNorm(d, eps=1e-5) if rms else nn.LayerNorm(d)
+
+    def forward(self, x):
+        h = x + self.mix(x)
+        y = rms_norm(h, self.w, eps=1e-5)
+        z = y + x
+        return self.norm(z)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_FUNCTION_WITH_WEIGHT, expect={"norm": "rms_norm", "weight": "self.w", "eps": "1e-05", "sum": "h", "line": 22, "end_line": 23},
+         run=_run_block("Block(32)", leaves="[x, blk.w]", extra="with torch.no_grad():\n    blk.w.normal_()\n"),
+         name="function_norm_with_weight_and_eps_arguments"),
+    Fuse(_FUNCTION_WITH_WEIGHT, expect={"norm": "rms_norm"},
+         run=_run_block("Block(32)", bf16=True, train=False, extra="with torch.no_grad():\n    blk.w.normal_()\n")
+         + "out = (out, Block(32, rms=False).to(torch.bfloat16)(x))\n",
+         name="function_norm_and_rmsnorm_or_layernorm_inference_bf16"),
 ]
