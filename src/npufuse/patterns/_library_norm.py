@@ -390,7 +390,7 @@ def _pure(module: ModuleInfo, node: ast.AST) -> bool:
                 continue
             return False
         if not isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop,
-                              ast.expr_context)):
+                              ast.expr_context, ast.Subscript, ast.Slice, ast.Tuple)):
             return False
     return True
 
@@ -487,7 +487,8 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             yield _miss(scope, stmt, f"{spelling}: the normalised input is an expression; bind it to a name first")
             continue
         if not all(_pure(module, f) for f, _ in rest) or not all(_pure(module, f) for f in S_factors):
-            yield _miss(scope, stmt, f"{spelling}: a factor besides the norm is computed by a call (it would run twice)")
+            yield _miss(scope, stmt, f"{spelling}: a factor besides the norm is computed by a call (the replacement "
+                                     "evaluates the factors again on its fallback path: it would run twice)")
             continue
         done = S.already_fused(module, scope, stmt)
         if done:

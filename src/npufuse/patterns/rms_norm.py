@@ -2788,3 +2788,9 @@ RmsNorm.KEEP += [
         name="nn_rmsnorm_subclass_with_own_forward",
     ),
 ]
+
+RmsNorm.FUSE += [
+    Fuse(_L2_NORMALIZE.replace("F.normalize(x, dim=-1) * self.scale * self.gamma", "F.normalize(x, dim=-1) * x.shape[-1] ** 0.5 * self.gamma"),
+         expect={"variant": "l2_normalize", "weight": "(x.shape[-1] ** 0.5) * (self.gamma)"},
+         run=_L2_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", w="gamma"), name="f_normalize_times_inline_sqrt_d"),
+]
