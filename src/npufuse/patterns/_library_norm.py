@@ -59,7 +59,7 @@ def relevant(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_library_norm_text")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_library_norm_text"] = "rms_norm" in src or "RMSNorm" in src or "normalize(" in src
+        cached = module.__dict__["_npufuse_library_norm_text"] = "rms_norm" in src or "RMSNorm" in src or _l2_text(src)
     return cached
 
 
@@ -69,7 +69,8 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         return
     norm_attrs = _norm_attributes(module, scope.class_name)
     text = S.scope_text(module, scope)
-    if not ("rms_norm" in text or "normalize(" in text or any(f"self.{a}(" in text for a in norm_attrs)):
+    l2 = _l2_text(text)
+    if not ("rms_norm" in text or l2 or any(f"self.{a}(" in text for a in norm_attrs)):
         return
     calls = scope.nodes().get(ast.Call, [])
     idx = S.stmt_index(scope)
@@ -83,8 +84,6 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         elif norm_attrs and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) \
                 and call.func.value.id == "self" and call.func.attr in norm_attrs:
             found = list(_module_call(module, scope, idx, call, norm_attrs[call.func.attr]))
-        elif name == NORMALIZE_FN:
-            found = list(_normalize(module, scope, idx, call))
         else:
             continue
         for r in found:
@@ -93,13 +92,34 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
             else:
                 out.append(r)
                 missed.add(r.line)
+    claimed = _claimed_by_add_rms_norm(module, scope) if sites else set()
+    for key in list(sites):
+        sites[key] = [x for x in sites[key] if id(x.call) not in claimed]
+        if not sites[key]:
+            del sites[key]
     for group in sites.values():
         if group[0].stmt.lineno in missed:
             continue  # another call in the statement cannot be replaced: the statement stays as it is
         group.sort(key=lambda x: (x.call.lineno, x.call.col_offset))
         out.append(_finding(module, scope, group))
+    if l2:
+        out.extend(l2_norm_sites(module, scope, idx))
     out.sort(key=lambda r: r.line)
     yield from out
+
+
+def _claimed_by_add_rms_norm(module: ModuleInfo, scope: Scope) -> set[int]:
+    """Library norm calls on a residual sum that add_rms_norm replaces (``x = x + a; y = F.rms_norm(x, ...)``):
+    reported once, there (its training path runs the add then npu_rms_norm, so nothing is lost)."""
+    from npufuse.patterns import add_rms_norm as A
+
+    if not scope.class_name or "+" not in S.scope_text(module, scope):
+        return set()
+    out: set[int] = set()
+    for _stmt, site in A._sites(module, scope):
+        if isinstance(site, A._Site) and site.nc.kind == "library" and isinstance(A._build(module, scope, site), Finding):
+            out.add(id(site.nc.call))
+    return out
 
 
 def _stmt_of(idx: S.StmtIndex, scope: Scope, call: ast.Call) -> ast.stmt | None:
@@ -239,9 +259,20 @@ def _rms_ctor(module: ModuleInfo, value: ast.expr) -> ast.Call | None:
     """The ``nn.RMSNorm(...)`` call of an assigned value (also one branch of ``a if c else b``)."""
     if isinstance(value, ast.Call) and canonical.api(module, value.func) == RMS_NORM_CLASS:
         return value
+    if isinstance(value, ast.Call) and rms_subclass(module, dotted(value.func)):
+        return value
     if isinstance(value, ast.IfExp):
         return _rms_ctor(module, value.body) or _rms_ctor(module, value.orelse)
     return None
+
+
+def rms_subclass(module: ModuleInfo, name: str | None) -> bool:
+    """A class of this module deriving from ``nn.RMSNorm`` without its own ``forward``
+    (torchtitan's configurable ``class RMSNorm(nn.RMSNorm, Module)``): it computes nn.RMSNorm."""
+    cls = module.classes.get(name or "")
+    if cls is None or S.method(module, cls.name, "forward") is not None:
+        return False
+    return any(canonical.api(module, b) == RMS_NORM_CLASS for b in cls.bases)
 
 
 def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call, values: list[ast.expr]) -> Iterator["Result | _Site"]:
@@ -258,15 +289,17 @@ def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.C
         return
     T = S.torch_name(module) or "torch"
     ctors = [_rms_ctor(module, v) for v in values]
-    only_rms = len(values) == 1 and isinstance(values[0], ast.Call) and ctors[0] is not None
+    only_rms = len(values) == 1 and isinstance(values[0], ast.Call) and ctors[0] is not None \
+        and canonical.api(module, values[0].func) == RMS_NORM_CLASS
     ctor = ctors[0] if only_rms else None
     notes: list[str] = []
     conditions: list[str] = []
     if not only_rms:
         # another module may sit in the attribute (``RMSNorm(d) if cfg.rms else LayerNorm(d)``):
         # the fused branch runs only when it really is PyTorch's RMSNorm
-        conditions.append(f"type({attr}) is {T}.nn.RMSNorm")
-        notes.append(f"{attr} is not always an nn.RMSNorm (assigned conditionally or more than once): the fused branch checks its type")
+        conditions.append(f"type({attr}).forward is {T}.nn.RMSNorm.forward")
+        notes.append(f"{attr} is not always an nn.RMSNorm (assigned conditionally or more than once, or a subclass): "
+                     "the fused branch checks that nn.RMSNorm's forward is what runs")
     x = call.args[0]
     x_src = S.source_of(module, x)
     affine = keyword(ctor, "elementwise_affine", 2) if ctor is not None else None
@@ -303,24 +336,190 @@ def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.C
     yield _Site(stmt, call, expr, guard, params, "nn_rmsnorm", notes, conditions)
 
 
-def _normalize(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call) -> Iterator[Result]:
-    """``F.normalize(x, dim=-1) * scale [* g]``: an RMSNorm up to where eps goes: a near miss."""
-    dim = keyword(call, "dim", 2)
-    p = keyword(call, "p", 1)
-    if const_value(dim) != -1 or (p is not None and const_value(p) not in (2, 2.0)):
-        return
-    stmt = _stmt_of(idx, scope, call)
-    if stmt is None or not _scaled(stmt, call):
-        return
-    yield _miss(scope, stmt, "F.normalize(x, dim=-1) times a scale is an RMSNorm only up to eps: F.normalize divides by "
-                             "max(||x||, eps) (eps as a clamp on the norm), npu_rms_norm by sqrt(mean(x^2) + eps) (eps inside "
-                             "the root), and the scale must equal sqrt(d) for the two to agree; rewrite by hand if that "
-                             "difference is acceptable")
+# --- L2-normalisation RMSNorms: ``F.normalize(x, dim=-1) * sqrt(d) * g`` and
+# ``x / (torch.norm(x, dim=-1, keepdim=True) * d ** -0.5).clamp(min=eps) * g`` ------------------
+#
+# ||x|| = sqrt(d) * rms(x), so with the sqrt(d) the two are x / rms(x) * g: npu_rms_norm with
+# gamma = P / (S * sqrt(d)) (P: the factors multiplying the normalised x, S: those scaling the norm
+# before the clamp). Where eps goes differs: the original clamps the (scaled) norm from below,
+# ``max(||x|| * S, eps)``; npu_rms_norm adds eps' inside the root. eps' = (eps / (S * sqrt(d)))**2
+# puts the floor at the same rms, so the two agree except on rows whose norm is near eps (near-zero
+# rows), and the finding says so. Without a sqrt(d) factor the code is an L2 normalisation with a
+# gain (ScaleNorm): a near miss.
+
+_CLAMP_RISK = Risk("numerics", "eps is a clamp on the norm in the original (x / max(||x|| * s, eps)); the fused op adds "
+                               "eps' = (eps / (s * sqrt(d)))**2 inside the root instead: the same floor, identical results "
+                               "except on rows whose norm is near eps (near-zero rows), where the two differ slightly")
 
 
-def _scaled(stmt: ast.stmt, call: ast.Call) -> bool:
-    """``call`` is an operand of a multiplication in ``stmt`` (``normalize(x) * self.scale * g``)."""
+def _l2_text(text: str) -> bool:
+    return "normalize(" in text or ("norm(" in text and "clamp" in text)
+
+
+def _mul_chain(stmt: ast.stmt, leaf: ast.AST) -> tuple[ast.expr, list[tuple[ast.expr, bool]]] | None:
+    """The outermost ``*``/``/`` chain of ``stmt`` holding ``leaf`` as a factor: (chain, factors as
+    (node, in the denominator))."""
     for n in S.iter_exprs_topdown(stmt):
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult) and (n.left is call or n.right is call):
-            return True
-    return False
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.Div)):
+            factors: list[tuple[ast.expr, bool]] = []
+            _flatten(n, False, factors)
+            if any(f is leaf for f, _ in factors):
+                return n, factors
+    return None
+
+
+def _flatten(node: ast.expr, inverse: bool, out: list[tuple[ast.expr, bool]]) -> None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        _flatten(node.left, inverse, out)
+        _flatten(node.right, inverse, out)
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        _flatten(node.left, inverse, out)
+        _flatten(node.right, not inverse, out)
+    else:
+        out.append((node, inverse))
+
+
+def _pure(module: ModuleInfo, node: ast.AST) -> bool:
+    """Evaluating ``node`` twice is harmless and cheap: names, attributes, numbers, arithmetic,
+    ``math.sqrt`` and argument-less dtype casts (``self.g.float()``)."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            if canonical.api(module, n.func) in ("math.sqrt", "numpy.sqrt"):
+                continue
+            if isinstance(n.func, ast.Attribute) and n.func.attr in ("float", "half", "bfloat16") and not n.args and not n.keywords:
+                continue
+            return False
+        if not isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop,
+                              ast.expr_context, ast.Subscript, ast.Slice, ast.Tuple)):
+            return False
+    return True
+
+
+def _local_value(scope: Scope, stmt: ast.stmt, node: ast.expr) -> tuple[ast.expr, ast.stmt | None]:
+    """A name's value when the statement just before ``stmt`` in its block assigns it (and only
+    there in the scope), with that statement; else (node, None)."""
+    if not isinstance(node, ast.Name) or len(scope.assignments.get(node.id, [])) != 1:
+        return node, None
+    d, value = scope.assignments[node.id][0]
+    idx = S.stmt_index(scope)
+    loc, here = idx.block.get(id(d)), idx.block.get(id(stmt))
+    if loc is None or here is None or loc[0] is not here[0] or loc[1] != here[1] - 1 or not isinstance(d, ast.Assign) or len(d.targets) != 1:
+        return node, None
+    return value, d
+
+
+def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """Findings/near misses for the two L2-normalisation spellings of an RMSNorm in one scope."""
+    T = S.torch_name(module) or "torch"
+    for call in scope.nodes().get(ast.Call, []):
+        name = canonical.api(module, call.func)  # type: ignore[arg-type]
+        S_factors: list[ast.expr] = []
+        prev: ast.stmt | None = None
+        if name == NORMALIZE_FN:
+            x = keyword(call, "input", 0)  # type: ignore[arg-type]
+            dim, p, eps = keyword(call, "dim", 2), keyword(call, "p", 1), keyword(call, "eps", 3)  # type: ignore[arg-type]
+            if x is None or S.const_dim(dim) != -1 or (p is not None and const_value(p) not in (2, 2.0)):
+                continue
+            eps_src = S.source_of(module, eps) if eps is not None else "1e-12"
+            stmt = _stmt_of(idx, scope, call)  # type: ignore[arg-type]
+            unit: ast.expr = call  # type: ignore[assignment]
+            spelling = "F.normalize(x, dim=-1)"
+        else:
+            clamp = canonical.clamp_min_of(module, call)  # type: ignore[arg-type]
+            if clamp is None:
+                continue
+            stmt = _stmt_of(idx, scope, call)  # type: ignore[arg-type]
+            if stmt is None:
+                continue
+            inner, eps_node = clamp
+            unit = call  # type: ignore[assignment]
+            if isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                # ``n = torch.norm(x, ...).clamp(min=eps)`` then ``x / n * g`` on the next line
+                loc = idx.block.get(id(stmt))
+                nxt = loc[0][loc[1] + 1] if loc is not None and loc[1] + 1 < len(loc[0]) else None
+                use = next((n for n in S.iter_exprs_topdown(nxt) if isinstance(n, ast.Name) and n.id == stmt.targets[0].id), None) \
+                    if nxt is not None and S.simple_stmt(nxt) else None
+                if use is None:
+                    continue
+                prev, stmt, unit = stmt, nxt, use
+                value = inner
+            else:
+                value, prev = _local_value(scope, stmt, inner)
+            nfactors: list[tuple[ast.expr, bool]] = []
+            _flatten(value, False, nfactors)
+            l2 = [(f, canonical.l2_norm_operand(module, f)) for f, inv in nfactors if not inv]
+            l2 = [(f, v) for f, v in l2 if v is not None]
+            if len(l2) != 1 or any(inv for _, inv in nfactors):
+                continue
+            x = l2[0][1]
+            S_factors = [f for f, _ in nfactors if f is not l2[0][0]]
+            eps_src = S.source_of(module, eps_node)
+            spelling = "x / norm(x).clamp(min=eps)"
+        if stmt is None or x is None:
+            continue
+        chain = _mul_chain(stmt, unit)
+        if chain is None:
+            continue
+        node, factors = chain
+        if spelling.startswith("x /"):
+            # the clamp divides; x itself must be a numerator factor
+            if not any(f is unit and inv for f, inv in factors):
+                continue
+            xs = [f for f, inv in factors if not inv and canonical.same(f, x)]
+            if not xs:
+                continue
+            rest = [(f, inv) for f, inv in factors if f is not unit and f is not xs[0]]
+        else:
+            if any(f is unit and inv for f, inv in factors):
+                continue
+            rest = [(f, inv) for f, inv in factors if f is not unit]
+        if not rest:
+            continue  # a bare unit vector: not a norm with a gain
+        init = S.init_assignments(module, scope.class_name)
+        powers = [canonical.root_power(module, f, init.get) for f, _ in rest] + [canonical.root_power(module, f, init.get) for f in S_factors]
+        signed = [pw if not inv else -pw for (f, inv), pw in zip(rest, powers) if pw is not None] + \
+                 [-pw for f, pw in zip(S_factors, powers[len(rest):]) if pw is not None]
+        if 0.5 not in signed:
+            yield _miss(scope, stmt, f"{spelling} times a gain without a sqrt(d) factor: an L2 normalisation (ScaleNorm), "
+                                     "not an RMSNorm (npu_rms_norm divides by the root of the mean, ||x|| / sqrt(d))")
+            continue
+        if dotted(x) is None:
+            yield _miss(scope, stmt, f"{spelling}: the normalised input is an expression; bind it to a name first")
+            continue
+        if not all(_pure(module, f) for f, _ in rest) or not all(_pure(module, f) for f in S_factors):
+            yield _miss(scope, stmt, f"{spelling}: a factor besides the norm is computed by a call (the replacement "
+                                     "evaluates the factors again on its fallback path: it would run twice)")
+            continue
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        xs_ = S.source_of(module, x)
+        num = " * ".join(f"({S.source_of(module, f)})" for f, inv in rest if not inv) or "1.0"
+        den = [f"({S.source_of(module, f)})" for f, inv in rest if inv]
+        P = num if not den else f"{num} / ({' * '.join(den)})"
+        scale = " * ".join([f"({S.source_of(module, f)})" for f in S_factors] + [f"{xs_}.shape[-1] ** 0.5"])
+        fused_expr = (f"torch_npu.npu_rms_norm({xs_}, _npu_g.to({xs_}.dtype), epsilon=float(({eps_src}) / ({scale})) ** 2)[0]"
+                      f".to({T}.result_type({xs_}, _npu_p))")
+        new_stmt = S.splice(module, stmt, [(node, fused_expr)])
+        first = prev if prev is not None and not scope.uses_after(prev.targets[0].id, stmt.end_lineno or stmt.lineno) else None  # type: ignore[attr-defined]
+        original = S.block_source(module, [first, stmt] if first is not None else [stmt])
+        fused = "\n".join([
+            f"_npu_p = {P}",
+            "# gamma = P / (s * sqrt(d)): the gain over the rms (||x|| = sqrt(d) * rms(x))",
+            f"_npu_g = {xs_}.new_ones({xs_}.shape[-1], dtype={T}.float32) * _npu_p / ({scale})",
+            "if _npu_g.dim() == 1:",
+            S.indent(new_stmt),
+            "else:  # a gain that is not one value per feature: the original code",
+            S.indent(S.stmt_source(module, stmt) if first is None else original),
+        ])
+        start = first if first is not None else stmt
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=start.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": xs_, "source": "l2_normalize"},
+            fused=fused, guard_tensor=xs_, confidence="medium", variant="l2_normalize" if name == NORMALIZE_FN else "l2_norm_clamp",
+            risks=[*_RISKS, _CLAMP_RISK],
+            notes=[f"{spelling} with a sqrt(d) factor is x / rms(x): replaced by npu_rms_norm with the gain folded into gamma",
+                   "eps: a clamp on the norm in the original, inside the root in the fused op (see the risk)"],
+            training_ok=True,
+        )

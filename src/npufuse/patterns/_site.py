@@ -473,7 +473,8 @@ def render(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) 
             if plan is not None and plan.is_dropped(stmt):
                 changed[0] = True
                 return sub(value, c.at(stmt.lineno), depth + 1)
-            if plan is not None and stmt.lineno >= plan.line and not any(s is stmt for s in plan.kept):
+            # (a kept ``if`` assigning the name inside counts as kept: gpt-neox's partial-norm split)
+            if plan is not None and stmt.lineno >= plan.line and not any(s is a for s in plan.kept for a in [stmt, *ancestors(stmt_index(c.scope), stmt)]):
                 raise RenderError(f"`{n.id}` is assigned inside the span")
             if plan is not None and plan.kept_writes_after(n.id, stmt.lineno):
                 raise RenderError(f"`{n.id}` is reassigned inside the span")

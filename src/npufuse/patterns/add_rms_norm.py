@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
@@ -49,6 +49,8 @@ class NormCall:
     cls: str = ""
     gamma: str = ""  # library kind: the weight and eps expressions
     eps: str = ""
+    ones: bool = False  # no weight (``F.rms_norm(x, (d,))``): npu_add_rms_norm gets ones of x1's last dim
+    conditions: list[str] = field(default_factory=list)  # run-time checks for the fused code (else the original)
 
 
 _FLOAT32_EPS = "{T}.finfo({T}.float32).eps"  # PyTorch's rms_norm default for fp16/bf16/fp32 (see _library_norm)
@@ -109,14 +111,126 @@ def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str) -> tupl
     return gamma, f"({e} if {e} is not None else {_FLOAT32_EPS.format(T=T)})"
 
 
-def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
-    """What ``self.<attr>(x)`` is, judged from ``__init__`` and the class's own code."""
+def _eps_text(module: ModuleInfo, eps: ast.expr | None) -> str | None:
+    """The epsilon argument for a library rms_norm's ``eps`` (None/absent: float32's, as PyTorch's kernel)."""
+    from npufuse.scan.dataflow import const_value
+
+    T = S.torch_name(module) or "torch"
+    if eps is None or (isinstance(eps, ast.Constant) and eps.value is None):
+        return _FLOAT32_EPS.format(T=T)
+    if type(const_value(eps)) in (int, float):
+        return S.source_of(module, eps)
+    if dotted(eps) is not None:  # a name or attribute: None at run time means PyTorch's default
+        e = S.source_of(module, eps)
+        return f"({e} if {e} is not None else {_FLOAT32_EPS.format(T=T)})"
+    return None
+
+
+def _last_dim_shape(shape: ast.expr | None) -> bool:
+    """A ``normalized_shape`` naming one (the last) dim: ``(d,)``, ``[d]``, ``d``."""
+    if isinstance(shape, (ast.Tuple, ast.List)):
+        return len(shape.elts) == 1 and not isinstance(shape.elts[0], ast.Starred)
+    return isinstance(shape, (ast.Name, ast.Attribute, ast.Constant)) or (
+        isinstance(shape, ast.Call) and isinstance(shape.func, ast.Attribute) and shape.func.attr == "size" and len(shape.args) == 1)
+
+
+def _functional_norm(module: ModuleInfo, call: ast.Call, label: str) -> NormCall | None:
+    """``F.rms_norm(x, shape, weight=None, eps=None)`` / ``torch.rms_norm`` on the sum."""
+    from npufuse.scan.dataflow import keyword
+
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    shape, w, eps = keyword(call, "normalized_shape", 1), keyword(call, "weight", 2), keyword(call, "eps", 3)
+    e = _eps_text(module, eps)
+    if e is None:
+        return None
+    if w is None or (isinstance(w, ast.Constant) and w.value is None):
+        if not _last_dim_shape(shape):
+            return None
+        return NormCall(call, label, "library", cls=label, gamma="", eps=e, ones=True)
+    if dotted(w) is None:
+        return None  # an expression would be evaluated before the add, and twice
+    return NormCall(call, label, "library", cls=label, gamma=S.source_of(module, w), eps=e)
+
+
+def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``norm(x)``: a module-level function of this file that is an RMSNorm of its argument
+    (nanochat's ``def norm(x): return F.rms_norm(x, (x.size(-1),))``, a hand-written one)."""
+    from npufuse.scan import canonical
+
     f = call.func
+    assert isinstance(f, ast.Name)
+    if not call.args or isinstance(call.args[0], ast.Starred) or S.definition(ctx, f.id) is not None:
+        return None
+    fn = module.helper(f.id)
+    if not isinstance(fn, ast.FunctionDef):
+        return None
+    ret = R._helper_return(fn)
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    nscope = S.scope_of(module, fn)
+    if ret is None or ret.value is None or nscope is None or not params:
+        return None
+    defaults = dict(zip(params[len(params) - len(fn.args.defaults):], fn.args.defaults))
+    value = ret.value
+    if isinstance(value, ast.Call) and canonical.api(module, value.func) == "torch.nn.functional.rms_norm":
+        if len(call.args) != 1 or call.keywords or any(p not in defaults for p in params[1:]):
+            return None
+        from npufuse.scan.dataflow import keyword
+
+        x = keyword(value, "input", 0)
+        if not (isinstance(x, ast.Name) and x.id == params[0]) or len(fn.body) != 1 + (isinstance(fn.body[0], ast.Expr)):
+            return None
+        # only the input may be a parameter: the weight and eps are read at the call site
+        used = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)} & set(params[1:])
+        if used:
+            return None
+        nc = _functional_norm(module, value, f.id)
+        if nc is None or not nc.ones:
+            return None  # a weight written in the helper cannot be named at the call site
+        nc.call = call
+        return nc
+    # the helper's parameters bound to this call's arguments (``rms_norm(h, self.w, self.eps)``)
+    hctx = S.bind_call(module, call, fn, ctx, False)
+    if hctx is None:
+        return None
+    try:
+        m = R.parse_norm(module, value, hctx.at(ret.lineno))
+    except R.NoMatch:
+        return None
+    except R.Miss as e:
+        kind = "is not RMSNorm" if "mean subtracted" in e.reason else "cannot be fused"
+        return NormCall(call, f.id, "not_rms", reason=f"norm {f.id} {kind}: {e.reason}", cls=f.id)
+    return NormCall(call, f.id, "rms", match=m, cls=f.id)
+
+
+def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """What the norm call ``self.<attr>(x)`` / ``norm(x)`` / ``F.rms_norm(x, ...)`` on the sum is,
+    judged from ``__init__``, the class's or the function's own code."""
+    from npufuse.scan import canonical
+
+    f = call.func
+    if canonical.api(module, f) == "torch.nn.functional.rms_norm":
+        return _functional_norm(module, call, "F.rms_norm")
+    if isinstance(f, ast.Name):
+        return _function_norm(module, call, ctx)
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
         return None
     if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
         return None
     value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if isinstance(value, ast.IfExp):
+        # ``RMSNorm(d) if config.use_norm else None`` (Gemma2): calling None fails in the original
+        # too, so where the module is called it is the norm
+        sides = [v for v in (value.body, value.orelse) if not (isinstance(v, ast.Constant) and v.value is None)]
+        lib = [v for v in sides if isinstance(v, ast.Call) and (module.canonical(v.func) == "torch.nn.RMSNorm" or _is_rms_subclass(module, v))]
+        if len(sides) == 2 and lib:
+            # ``nn.RMSNorm(d) if cfg.rms else nn.LayerNorm(d)``: fused when nn.RMSNorm's forward is what runs
+            mod = f"self.{f.attr}"
+            T = S.torch_name(module) or "torch"
+            return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=f"{mod}.weight",
+                            eps=f"({mod}.eps if {mod}.eps is not None else {_FLOAT32_EPS.format(T=T)})",
+                            conditions=[f"type({mod}).forward is {T}.nn.RMSNorm.forward", f"{mod}.weight is not None"])
+        value = sides[0] if len(sides) == 1 else None
     if not isinstance(value, ast.Call):
         return None
     canon = module.canonical(value.func) or ""
@@ -130,6 +244,15 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
             return None
         return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1])
     cls = dotted(value.func) or ""
+    from npufuse.patterns._library_norm import rms_subclass
+
+    if rms_subclass(module, cls):
+        # a subclass of nn.RMSNorm without its own forward: the instance's weight and eps
+        mod = f"self.{f.attr}"
+        T = S.torch_name(module) or "torch"
+        return NormCall(call, f.attr, "library", cls=cls, gamma=f"{mod}.weight",
+                        eps=f"({mod}.eps if {mod}.eps is not None else {_FLOAT32_EPS.format(T=T)})",
+                        conditions=[f"{mod}.weight is not None"])
     if cls in module.classes:
         fwd = S.method(module, cls, "forward")
         lib_fwd = _library_forward(module, fwd, f"self.{f.attr}") if fwd is not None else None
@@ -161,7 +284,31 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         return NormCall(call, f.attr, "rms", match=m, cls=cls)
     if _RMS_NAME.search(cls.split(".")[-1]):
         return NormCall(call, f.attr, "external", cls=cls)
+    chosen = _chosen_classes(module, scope.class_name, value.func)
+    if chosen and all(_RMS_NAME.search(c.split(".")[-1]) and c not in module.classes for c in chosen):
+        # nanotron: ``norm_class = TritonRMSNorm if config.fused else RMSNorm`` in __init__, both
+        # defined elsewhere: the same assumptions as one external class (checked at run time)
+        return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
     return None
+
+
+def _is_rms_subclass(module: ModuleInfo, ctor: ast.Call) -> bool:
+    from npufuse.patterns._library_norm import rms_subclass
+
+    return rms_subclass(module, dotted(ctor.func))
+
+
+def _chosen_classes(module: ModuleInfo, class_name: str | None, func: ast.expr) -> list[str]:
+    """``[A, B]`` when ``func`` is a local of ``__init__`` assigned once, ``A if test else B``."""
+    init = S.method(module, class_name, "__init__")
+    if init is None or not isinstance(func, ast.Name):
+        return []
+    values = [st.value for st in S._stmts_in(init.body) if isinstance(st, ast.Assign) and len(st.targets) == 1
+              and isinstance(st.targets[0], ast.Name) and st.targets[0].id == func.id]
+    if len(values) != 1 or not isinstance(values[0], ast.IfExp):
+        return []
+    names = [dotted(v) for v in (values[0].body, values[0].orelse)]
+    return [n for n in names if n] if all(names) else []
 
 
 def _operands(module: ModuleInfo, value: ast.expr) -> tuple[ast.expr, ast.expr] | str | None:
@@ -192,9 +339,33 @@ class _Site:
     x1: ast.expr
     x2: ast.expr
     sum_name: str | None  # None: the add is inline in the norm call
+    # Gemma2: ``if self.pre_feedforward_layernorm is not None: h = self.pre_feedforward_layernorm(h)``:
+    # the ``if`` holding the norm statement (the fused branch runs when its test holds)
+    wrapper: ast.If | None = None
+
+    @property
+    def last(self) -> ast.stmt:
+        return self.wrapper if self.wrapper is not None else self.norm_stmt
 
 
-_INLINE_SUM = re.compile(r"self\.\w+\([^()\n]*\+")
+def _sum_arg(call: ast.Call, name: str) -> bool:
+    """The call's input (first positional argument, or ``input=``) is the name ``name``."""
+    first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "input"), None)
+    return isinstance(first, ast.Name) and first.id == name
+
+
+def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
+    """The statement holding the norm call: ``stmt``, or the only statement of an ``if`` without
+    ``else`` whose test reads ``self`` attributes only (``if self.norm is not None:``)."""
+    if isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 1 and S.simple_stmt(stmt.body[0]) \
+            and all(isinstance(n, (ast.Attribute, ast.Name, ast.Compare, ast.Constant, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop,
+                                   ast.unaryop, ast.Load))
+                    and (not isinstance(n, ast.Name) or n.id == "self") for n in ast.walk(stmt.test)):
+        return stmt.body[0], stmt
+    return stmt, None
+
+
+_INLINE_SUM = re.compile(r"\w\([^()\n]*\+")
 
 
 def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
@@ -216,23 +387,23 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                 while j < len(block) and _is_alias(block[j], s_name):
                     aliases.append(block[j])
                     j += 1
-                if j < len(block) and S.simple_stmt(block[j]) and getattr(block[j], "value", None) is not None:
-                    nstmt = block[j]
+                nstmt, wrapper = _norm_stmt(block[j]) if j < len(block) else (None, None)
+                if nstmt is not None and S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None:
                     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-                        if isinstance(node, ast.Call) and len(node.args) == 1 and isinstance(node.args[0], ast.Name) and node.args[0].id == s_name:
+                        if isinstance(node, ast.Call) and _sum_arg(node, s_name):
                             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
                             if nc is None:
                                 continue
                             if isinstance(ops, str):
                                 yield nstmt, ops
                             else:
-                                yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name)
+                                yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, wrapper)
                             break
         # the norm of an inline sum
         text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
         if "+" in text and _INLINE_SUM.search(text):
             for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
-                if not (isinstance(node, ast.Call) and len(node.args) == 1 and isinstance(node.args[0], (ast.BinOp, ast.Call))):
+                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], (ast.BinOp, ast.Call))):
                     continue
                 ops = _operands(module, node.args[0])
                 if ops is None:
@@ -286,9 +457,14 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
                       "mixed x1/x2 dtypes take the add + npu_rms_norm path)"),
     ]
     notes: list[str] = []
+    conditions: list[str] = []
     confidence = "high"
     weight_base = ""  # the norm's weight parameter (rms kind only)
     m = site.nc
+    ones = f"{T}.ones({x1}.shape[-1], dtype={x1}.dtype, device={x1}.device)"
+    if site.wrapper is not None:
+        conditions.append(S.source_of(module, site.wrapper.test))
+    conditions += site.nc.conditions
     if m.kind == "rms":
         assert m.match is not None
         try:
@@ -298,24 +474,37 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         except R.NoMatch:
             return f"norm {m.cls} cannot be fused"
         if p.condition is not None:
-            return f"norm {m.cls} applies its weight only when `{p.condition}`: npu_add_rms_norm needs gamma"
-        w = R.analyse_weight(module, m.match.weights[0])
-        gamma = S.render(module, w.node, w.ctx, None)
-        weight_base = S.render(module, w.base, w.base_ctx, None)
+            # a weight applied only when, or a mean dim read at run time: the fused code runs
+            # when the condition holds, the original statements otherwise
+            conditions.append(p.condition)
+        if m.match.weights:
+            w = R.analyse_weight(module, m.match.weights[0])
+            gamma = S.render(module, w.node, w.ctx, None)
+            weight_base = S.render(module, w.base, w.base_ctx, None)
+            if isinstance(w.node, ast.IfExp):
+                gamma = "_npu_w"  # chosen by the plan's if/else (only one side evaluated)
+                pre += p.pre[:4]  # the if/else binding _npu_w comes first in the plan's statements
+        else:
+            gamma = ones
+            notes.append("no weight: npu_add_rms_norm gets ones of the last dim as gamma (one small allocation per call)")
         eps = p.params["eps"]
         train_norm = p.expr
         out_code = p.out_dtype
         params = {k: v for k, v in p.params.items() if k != "input"}
-        norm_pre = p.pre
+        norm_pre = p.pre[4:] if gamma == "_npu_w" else p.pre
         variant = "residual_then_norm" if site.sum_name else "inline_sum"
     elif m.kind == "library":
         # PyTorch's own rms_norm (nn.RMSNorm, or a class whose forward is F.rms_norm): its output
         # has the input's dtype, like npu_add_rms_norm's / npu_rms_norm's
         gamma, eps = m.gamma, m.eps
         out_code = f"{s_name}.dtype"
-        train_norm = f"torch_npu.npu_rms_norm({s_name}, {gamma}, epsilon={eps})[0]"
+        if m.ones:
+            gamma = ones
+            notes.append("no weight: npu_add_rms_norm gets ones of the last dim as gamma (one small allocation per call)")
+        train_gamma = f"{T}.ones({s_name}.shape[-1], dtype={s_name}.dtype, device={s_name}.device)" if m.ones else gamma
+        train_norm = f"torch_npu.npu_rms_norm({s_name}, {train_gamma}, epsilon={eps})[0]"
         norm_pre = []
-        params = {"eps": eps, "weight": gamma, "weight_offset": 0, "upcast": "float32", "output_dtype": "input"}
+        params = {"eps": eps, "weight": None if m.ones else gamma, "weight_offset": 0, "upcast": "float32", "output_dtype": "input"}
         variant = "library_norm"
         weight_base = gamma
     else:
@@ -334,6 +523,10 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
                                       "eps in .variance_epsilon or .eps); verify with `npufuse verify op` before accepting"))
         notes.append(f"norm class {m.cls} not in this module: training keeps the module call; only inference is fused")
         variant = "external_norm"
+        # the assumed attributes are checked where the code runs: a module without them (another
+        # norm's parameter names, a mean over another dim) takes the original statements
+        conditions.append(f'hasattr({mod}, "weight") and (hasattr({mod}, "variance_epsilon") or hasattr({mod}, "eps")) '
+                          f'and getattr({mod}, "dim", -1) == -1')
     gamma_npu = f"{gamma if _simple_text(gamma) else '(' + gamma + ')'}.to({x1}.dtype)"
     norm_node = m.call
     # -- training (or mixed dtypes): the add, the aliases, the norm as npu_rms_norm (or, for a
@@ -367,14 +560,21 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     guard = _guard(site)
     if guard is None:
         return "no input tensor live before the site to guard the fused branch on"
+    if conditions:
+        block, i = S.stmt_index(scope).block[id(site.add)]
+        j = next((k for k in range(i, len(block)) if block[k] is site.last), None)
+        if j is None:
+            return "the norm is not in the add's block"
+        body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, block[i : j + 1]))]
+        params["condition"] = " and ".join(conditions)
     params.update({"x1": S.source_of(module, site.x1), "x2": S.source_of(module, site.x2), "sum": site.sum_name,
-                   "norm": f"self.{m.attr}", "norm_class": m.cls,
+                   "norm": S.source_of(module, m.call.func), "norm_class": m.cls,
                    "residual_aliases": [a.targets[0].id for a in site.aliases]})  # type: ignore[attr-defined]
     return Finding(
         pattern="add_rms_norm",
         qualname=scope.qualname,
         line=site.add.lineno,
-        end_line=site.norm_stmt.end_lineno or site.norm_stmt.lineno,
+        end_line=site.last.end_lineno or site.last.lineno,
         params=params,
         fused="\n".join(body),
         guard_tensor=guard,
@@ -906,4 +1106,305 @@ AddRmsNorm.FUSE += [
 
 AddRmsNorm.KEEP += [
     Keep(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, elementwise_affine=False)"), name="nn_rmsnorm_without_weight"),
+]
+
+
+# -- issue 14, class 1: norms spelled as bare function calls, weightless, conditional -----------
+
+_BARE_FUNCTION_NORM = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class Block(nn.Module):
+    """nanochat: a parameter-free norm function on the residual stream."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(norm(x))
+        x = x + self.mlp(norm(x))
+        return x
+'''
+
+_INLINE_LIBRARY_NORM = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """modded-nanogpt: F.rms_norm written inline, no weight."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(F.rms_norm(x, (x.size(-1),)))
+        x = x + self.mlp(F.rms_norm(x, (x.size(-1),), eps=1e-5))
+        return x
+'''
+
+_DIM_NORM_BLOCK = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, dim: int = -1, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.dim = dim
+
+    def forward(self, x):
+        norm_x = torch.mean(x * x, dim=self.dim, keepdim=True)
+        x_normed = x * torch.rsqrt(norm_x + self.eps)
+        return self.scale * x_normed
+
+
+class Block(nn.Module):
+    """lit-llama: the norm's mean dim is an attribute (-1 unless a caller passes another)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Linear(d, d, bias=False)
+        self.rms_1 = RMSNorm(d)
+        self.rms_2 = RMSNorm(d)
+
+    def forward(self, x):
+        h = self.attn(self.rms_1(x))
+        x = x + h
+        x = x + self.mlp(self.rms_2(x))
+        return x
+'''
+
+_OPTIONAL_GEMMA_NORM = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, add_unit_offset: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.add_unit_offset = add_unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        if self.add_unit_offset:
+            output = output * (1 + self.weight.float())
+        else:
+            output = output * self.weight.float()
+        return output.type_as(x)
+
+
+class Layer(nn.Module):
+    """gemma_pytorch Gemma2: an optional pre-feedforward norm, called under ``is not None``."""
+
+    def __init__(self, d, use_pre_ffw_norm=True):
+        super().__init__()
+        self.self_attn = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Linear(d, d, bias=False)
+        self.pre_feedforward_layernorm = RMSNorm(d) if use_pre_ffw_norm else None
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        if self.pre_feedforward_layernorm is not None:
+            hidden_states = self.pre_feedforward_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+'''
+
+_NESTED_HELPER_BLOCK = '''
+import torch
+from torch import nn
+
+
+def rmsnorm(x, eps):
+    def _norm(y):
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+
+    return _norm(x.float()).type_as(x)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return rmsnorm(x, self.eps) * self.weight
+
+
+class TransformerBlock(nn.Module):
+    """llama4: the norm module wraps a helper that defines a nested ``_norm``."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.attention = nn.Linear(d, d, bias=False)
+        self.feed_forward = nn.Linear(d, d, bias=False)
+        self.attention_norm = RMSNorm(d, eps=1e-5)
+        self.ffn_norm = RMSNorm(d, eps=1e-5)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        out = h + self.feed_forward(self.ffn_norm(h))
+        return out
+'''
+
+_RUN_BLOCK = '''
+blk = {ctor}{cast}
+x = torch.randn(2, 5, 32{dtype}, requires_grad={grad})
+{pre}out = blk(x)
+leaves = {leaves}
+'''
+
+
+def _run_block(ctor: str, *, bf16: bool = False, train: bool = True, leaves: str = "[x]", extra: str = "") -> str:
+    pre = "" if train else "torch.set_grad_enabled(False)\n"
+    code = _RUN_BLOCK.format(ctor=ctor, cast=".to(torch.bfloat16)" if bf16 else "", dtype=", dtype=torch.bfloat16" if bf16 else "",
+                             grad=train, pre=extra + pre, leaves=leaves if train else "[]")
+    return code + ("" if train else "torch.set_grad_enabled(True)\n")
+
+
+AddRmsNorm.FUSE += [
+    Fuse(_BARE_FUNCTION_NORM, expect={"variant": "library_norm", "norm": "norm", "weight": None, "x1": "x", "sum": "x", "line": 20, "end_line": 21},
+         run=_run_block("Block(32)"), name="bare_function_weightless_norm_training"),
+    Fuse(_BARE_FUNCTION_NORM, expect={"norm_class": "norm"}, run=_run_block("Block(32)", bf16=True, train=False),
+         name="bare_function_weightless_norm_inference_bf16"),
+    Fuse(_INLINE_LIBRARY_NORM, expect={"variant": "library_norm", "norm": "F.rms_norm", "eps": "1e-5", "weight": None},
+         run=_run_block("Block(32)", bf16=True, train=False), name="inline_f_rms_norm_inference_bf16"),
+    Fuse(_DIM_NORM_BLOCK, expect={"condition": "self.rms_2.dim == -1", "norm": "self.rms_2", "weight": "self.rms_2.scale"},
+         run=_run_block("Block(32)", leaves="[x, blk.rms_2.scale]",
+                        extra="with torch.no_grad():\n    blk.rms_2.scale.normal_()\n"),
+         name="dim_attribute_norm_training"),
+    Fuse(_DIM_NORM_BLOCK, expect={"dim_check": "self.rms_2.dim == -1"},
+         run=_run_block("Block(32)", bf16=True, train=False), name="dim_attribute_norm_inference_bf16"),
+    Fuse(_OPTIONAL_GEMMA_NORM, expect={"condition": "self.pre_feedforward_layernorm is not None", "variant": "residual_then_norm",
+                                       "weight": "1 + self.pre_feedforward_layernorm.weight.float() if self.pre_feedforward_layernorm.add_unit_offset else self.pre_feedforward_layernorm.weight.float()"},
+         run=_run_block("Layer(32)", bf16=True, train=False,
+                        extra="with torch.no_grad():\n    blk.pre_feedforward_layernorm.weight.normal_()\n")
+         + "out = (out, Layer(32, use_pre_ffw_norm=False).to(torch.bfloat16)(x))\n",
+         name="optional_norm_under_is_not_none"),
+    Fuse(_OPTIONAL_GEMMA_NORM, expect={"norm": "self.pre_feedforward_layernorm"},
+         run=_run_block("Layer(32)", leaves="[x, blk.pre_feedforward_layernorm.weight]"),
+         name="optional_norm_under_is_not_none_training"),
+    Fuse(_NESTED_HELPER_BLOCK, expect={"norm": "self.ffn_norm", "eps": "self.ffn_norm.eps", "sum": "h"},
+         run=_run_block("TransformerBlock(32)", leaves="[x, blk.ffn_norm.weight]"), name="nested_helper_norm_training"),
+    Fuse(_NESTED_HELPER_BLOCK, expect={"weight": "self.ffn_norm.weight"},
+         run=_run_block("TransformerBlock(32)", bf16=True, train=False), name="nested_helper_norm_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        _BARE_FUNCTION_NORM.replace("return F.rms_norm(x, (x.size(-1),))",
+                                    "return (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)"),
+        reason="is not RMSNorm",
+        name="bare_function_layernorm",
+    ),
+    Keep(
+        # over the last two dims: ones of the last dim would be the wrong gamma
+        _INLINE_LIBRARY_NORM.replace("(x.size(-1),)", "x.shape[-2:]"),
+        name="inline_f_rms_norm_over_two_dims",
+    ),
+    Keep(
+        # the norm's mean dim is passed by a constructor here: not provably the last dim
+        _DIM_NORM_BLOCK.replace("self.rms_2 = RMSNorm(d)", "self.rms_2 = RMSNorm(d, 1)"),
+        reason="may pass `dim`",
+        name="dim_attribute_passed_by_a_constructor",
+    ),
+]
+
+_INLINE_SUM_LIBRARY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.RMSNorm):
+    """A configurable nn.RMSNorm (no forward of its own)."""
+
+    def __init__(self, dim):
+        super().__init__(dim, eps=1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mix = nn.Linear(d, d, bias=False)
+        self.w = nn.Parameter(torch.ones(d))
+        self.norm = RMSNorm(d)
+
+    def forward(self, x):
+        h = self.mix(x)
+        y = F.rms_norm(x + h, (x.size(-1),), self.w, 1e-6)
+        z = x + y
+        return y, self.norm(z)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_INLINE_SUM_LIBRARY, expect={"variant": "library_norm", "weight": "self.w", "eps": "1e-6", "sum": None, "x2": "h"},
+         run=_run_block("Block(32)", bf16=True, train=False, extra="with torch.no_grad():\n    blk.w.normal_()\n    blk.norm.weight.normal_()\n"),
+         name="inline_sum_in_f_rms_norm_and_nn_rmsnorm_subclass"),
+    Fuse(_INLINE_SUM_LIBRARY, expect={"norm": "F.rms_norm"},
+         run=_run_block("Block(32)", leaves="[x, blk.w, blk.norm.weight]"),
+         name="inline_sum_in_f_rms_norm_training"),
+]
+
+_FUNCTION_WITH_WEIGHT = '''
+import torch
+from torch import nn
+
+
+def rms_norm(x, weight, eps: float = 1e-6):
+    x_fp32 = x.float()
+    normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+class Block(nn.Module):
+    """A functional norm helper taking its weight and eps as arguments."""
+
+    def __init__(self, d, rms=True):
+        super().__init__()
+        self.mix = nn.Linear(d, d, bias=False)
+        self.w = nn.Parameter(torch.ones(d))
+        self.norm = nn.RMSNorm(d, eps=1e-5) if rms else nn.LayerNorm(d)
+
+    def forward(self, x):
+        h = x + self.mix(x)
+        y = rms_norm(h, self.w, eps=1e-5)
+        z = y + x
+        return self.norm(z)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_FUNCTION_WITH_WEIGHT, expect={"norm": "rms_norm", "weight": "self.w", "eps": "1e-05", "sum": "h", "line": 22, "end_line": 23},
+         run=_run_block("Block(32)", leaves="[x, blk.w]", extra="with torch.no_grad():\n    blk.w.normal_()\n"),
+         name="function_norm_with_weight_and_eps_arguments"),
+    Fuse(_FUNCTION_WITH_WEIGHT, expect={"norm": "rms_norm"},
+         run=_run_block("Block(32)", bf16=True, train=False, extra="with torch.no_grad():\n    blk.w.normal_()\n")
+         + "out = (out, Block(32, rms=False).to(torch.bfloat16)(x))\n",
+         name="function_norm_and_rmsnorm_or_layernorm_inference_bf16"),
 ]

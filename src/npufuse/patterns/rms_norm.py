@@ -53,6 +53,9 @@ class Core:
     upcast: bool  # the statistics (and the normalized value) are computed in fp32
     rstd: ast.AST  # the rsqrt/sqrt node (identity of the site for near-miss bookkeeping)
     rstd_ops: list[str] = field(default_factory=list)  # unfused kernels of the core, for assess
+    # dims of the mean read at run time (``self.dim``, -1 by the class's own default): the fused
+    # branch runs only when each is -1 at run time, else the original code
+    dim_checks: list[tuple[ast.expr, S.Ctx]] = field(default_factory=list)
 
 
 @dataclass
@@ -195,8 +198,13 @@ def _is_mean_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, of_key: str) -> 
     return c is not None and S.key(c[0], ctx) == of_key
 
 
-def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, rstd: ast.AST) -> tuple[ast.expr, S.Ctx, bool]:
-    """(y, ctx, upcast) for ``mean(y**2, dim=-1, keepdim=True)``; Miss for LayerNorm/dim/keepdim."""
+def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, rstd: ast.AST,
+                    dim_checks: list[tuple[ast.expr, S.Ctx]] | None = None) -> tuple[ast.expr, S.Ctx, bool]:
+    """(y, ctx, upcast) for ``mean(y**2, dim=-1, keepdim=True)``; Miss for LayerNorm/dim/keepdim.
+
+    A dim read from an attribute that the class's ``__init__`` sets to -1 by default (lit-llama's
+    ``self.dim = dim`` with ``dim: int = -1``) is appended to ``dim_checks``: the fused branch
+    tests it at run time."""
     v, vctx, up = _strip_casts(module, node, ctx, trace)
     var = _call_of(module, v, "torch.var", "var")
     if var is not None:
@@ -223,12 +231,69 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if not S.is_last_dim_expr(dim):
         if isinstance(const_value(dim), int):
             raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
-        # a value known only at run time (lit-llama's ``self.dim``, -1 by default): not provably the last dim
-        raise Miss(f"mean over dim `{ast.unparse(dim)}`, a run-time value npufuse cannot prove to be the last dim "
-                   "(npu_rms_norm normalises the last dims only)", rstd)
+        why = _default_last_dim(module, dim, vctx)
+        if why is not None or dim_checks is None:
+            raise Miss(f"mean over dim `{ast.unparse(dim)}`, {why or 'a run-time value'}: npufuse cannot prove it to be "
+                       "the last dim (npu_rms_norm normalises the last dims only)", rstd)
+        dim_checks.append((dim, vctx))
     if const_value(keepdim) is not True:
         raise Miss("mean without keepdim=True", rstd)
     return y, sqctx, up or up2 or up3
+
+
+_RUNTIME_DIM = "a run-time value"
+
+
+def _default_last_dim(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx) -> str | None:
+    """None when ``dim`` is ``self.<attr>`` that ``__init__`` sets to -1, or to a parameter whose
+    default is -1 and that no constructor call of the class in this module passes; else what
+    stands in the way (for the near-miss reason)."""
+    fn = ctx.scope.node
+    cls = ctx.scope.class_name
+    if not (isinstance(dim, ast.Attribute) and isinstance(dim.value, ast.Name) and cls
+            and isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        return _RUNTIME_DIM
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if not params or dim.value.id != params[0]:
+        return _RUNTIME_DIM
+    value = S.init_assignments(module, cls).get(dim.attr)
+    if value is None:
+        return f"{_RUNTIME_DIM} not set in {cls}.__init__"
+    if S.const_dim(value) == -1:
+        return None
+    if not isinstance(value, ast.Name):
+        return f"{_RUNTIME_DIM} (`{ast.unparse(value)}` in {cls}.__init__)"
+    init = S.init_params(module, cls)
+    if value.id not in init or S.const_dim(init[value.id]) != -1:
+        return f"{_RUNTIME_DIM} (the {cls}.__init__ parameter `{value.id}` has no default -1)"
+    line = _constructor_passing(module, cls, value.id)
+    if line is not None:
+        return f"{_RUNTIME_DIM} (the {cls}(...) call at line {line} may pass `{value.id}`)"
+    return None
+
+
+def _constructor_passing(module: ModuleInfo, cls: str, param: str) -> int | None:
+    """Line of a call ``cls(...)`` in this module that passes ``param`` (other than -1) or may
+    (``*args``/``**kwargs``); None when every call leaves it at its default."""
+    init = S.method(module, cls, "__init__")
+    if init is None:
+        return None
+    pos = [a.arg for a in (*init.args.posonlyargs, *init.args.args)][1:]
+    i = pos.index(param) if param in pos else None
+    cache = module.__dict__.setdefault("_npufuse_rms_ctor_calls", {})
+    calls = cache.get(cls)
+    if calls is None:
+        calls = cache[cls] = [n for n in ast.walk(module.tree) if isinstance(n, ast.Call)
+                              and (getattr(n.func, "id", None) == cls or getattr(n.func, "attr", None) == cls)]
+    for c in calls:
+        if any(isinstance(a, ast.Starred) for a in c.args) or any(k.arg is None for k in c.keywords):
+            return c.lineno
+        passed = next((k.value for k in c.keywords if k.arg == param), None)
+        if passed is None and i is not None and len(c.args) > i:
+            passed = c.args[i]
+        if passed is not None and S.const_dim(passed) != -1:
+            return c.lineno
+    return None
 
 
 def _pow_operand(module: ModuleInfo, node: ast.expr, exponent: float) -> ast.expr | None:
@@ -325,7 +390,8 @@ def _find_core(module: ModuleInfo, factors: list[_Factor], trace: S.Trace) -> tu
         if r is None:
             continue
         v, vctx, eps, ectx, rnode, rops = r
-        y, yctx, up_y = _mean_of_square(module, v, vctx, t, rnode)
+        checks: list[tuple[ast.expr, S.Ctx]] = []
+        y, yctx, up_y = _mean_of_square(module, v, vctx, t, rnode, checks)
         y_key = S.key(y, yctx)
         for j, g in enumerate(factors):
             if j == i or g.inverse:
@@ -341,7 +407,7 @@ def _find_core(module: ModuleInfo, factors: list[_Factor], trace: S.Trace) -> tu
             trace.stmts.update(t2.stmts)
             rest = [h for k, h in enumerate(factors) if k not in (i, j) and const_value(h.node) not in (1, 1.0)]
             ops = (["cast"] * n_casts if up_x else []) + ["pow"] + rops + ["mul"]
-            return Core(leaf, lctx, y_key, eps, ectx, up_x or up_y, rnode, ops), rest
+            return Core(leaf, lctx, y_key, eps, ectx, up_x or up_y, rnode, ops, checks), rest
     return None
 
 
@@ -399,6 +465,14 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
                     ops.append(Op("condmul", other, vctx, None, cond.test, ctx.at(cond.lineno)))  # type: ignore[attr-defined]
                     node, ctx = ast.copy_location(ast.Name(node.id, ast.Load()), value), vctx
                     continue
+                # Gemma: ``if self.add_unit_offset: h = h * (1 + w) else: h = h * w`` -- one weight
+                # factor chosen by the test, read as ``h * ((1 + w) if test else w)``
+                sel = _selected_factor(cond, node.id)
+                if sel is not None:
+                    S.follow(node, ctx, trace, allow_conditional=True)
+                    ops.append(Op("mul", sel, ctx.at(cond.lineno)))
+                    node, ctx = ast.copy_location(ast.Name(node.id, ast.Load()), value), ctx.at(cond.lineno)
+                    continue
                 raise _through_control_flow(module, value, vctx, node, cond, ctx)
             S.follow(node, ctx, trace)
             node, ctx = value, vctx
@@ -416,7 +490,7 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
                     raise Miss("control flow (a conditional expression) between the norm and its result", found)
             raise NoMatch
         if isinstance(node, ast.Call):
-            callee = S.resolve_callee(module, node, ctx)
+            callee = S.resolve_callee(module, node, ctx) or _nested_callee(node, ctx)
             if callee is None:
                 if isinstance(node.func, ast.Attribute) and depth == 0:
                     found = _probe(module, node.func.value, ctx)
@@ -424,12 +498,17 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
                         raise Miss(f"`.{node.func.attr}()` between the norm and its weight (grouped or reshaped norm: npu_rms_norm normalizes over gamma's trailing dims)", found)
                 raise NoMatch
             fn, is_method = callee
-            ret = S.helper_return(fn)
+            ret = _helper_return(fn)
             if ret is None or not _calls_sqrt_helper(module, fn):
                 raise NoMatch
             hctx = S.bind_call(module, node, fn, ctx, is_method)
             if hctx is None:
                 raise NoMatch
+            if _is_nested(fn, ctx):
+                # a closure (llama4's ``rmsnorm`` defines ``_norm(y)`` reading its ``eps``): the
+                # enclosing function's bound parameters stay bound inside
+                for k, v in ctx.bind.items():
+                    hctx.bind.setdefault(k, v)
             helpers.add(id(fn))
             node, ctx = ret.value, hctx.at(ret.lineno)  # type: ignore[assignment]
             continue
@@ -470,6 +549,38 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
     raise NoMatch
 
 
+def _nested_callee(call: ast.Call, ctx: S.Ctx) -> tuple[ast.FunctionDef, bool] | None:
+    """``f(...)`` calling a function defined by a ``def f`` directly in the current function's body."""
+    fn = ctx.scope.node
+    if not (isinstance(call.func, ast.Name) and isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        return None
+    if call.func.id in ctx.scope.assignments:
+        return None
+    found = None
+    for st in fn.body:
+        if isinstance(st, ast.FunctionDef) and st.name == call.func.id and st.lineno < ctx.line:
+            found = st
+    return (found, False) if found is not None else None
+
+
+def _is_nested(fn: ast.FunctionDef, ctx: S.Ctx) -> bool:
+    scope_fn = ctx.scope.node
+    return isinstance(scope_fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(st is fn for st in scope_fn.body)
+
+
+def _helper_return(fn: ast.FunctionDef) -> ast.Return | None:
+    """:func:`S.helper_return`, also for a helper that first defines a nested function."""
+    ret = S.helper_return(fn)
+    if ret is not None or not any(isinstance(st, ast.FunctionDef) for st in fn.body):
+        return ret
+    body = [st for st in fn.body if not isinstance(st, ast.FunctionDef) and not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if not body or len(body) > 8 or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    if not all(isinstance(st, (ast.Assign, ast.AnnAssign)) for st in body[:-1]):
+        return None
+    return body[-1]
+
+
 def _probe(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> ast.AST | None:
     """The rsqrt node of an RMS core reachable from ``node``, if any (for near-miss reasons)."""
     try:
@@ -479,6 +590,21 @@ def _probe(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> ast.AST | None:
     except Miss as e:
         return e.rstd or node
     return core.rstd
+
+
+def _selected_factor(cond: ast.stmt, name: str) -> ast.IfExp | None:
+    """``w1 if test else w2`` for ``if test: name = name * w1 else: name = name * w2``."""
+    if not (isinstance(cond, ast.If) and len(cond.body) == 1 and len(cond.orelse) == 1):
+        return None
+    sides = []
+    for st in (cond.body[0], cond.orelse[0]):
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and _is_name(st.targets[0], name)):
+            return None
+        w = _other_factor(st.value, name)
+        if w is None:
+            return None
+        sides.append(w)
+    return ast.IfExp(test=cond.test, body=sides[0], orelse=sides[1])
 
 
 def _is_name(node: ast.AST, name: str) -> bool:
@@ -568,6 +694,7 @@ class Weight:
     base_ctx: S.Ctx
     offset: int
     dtype: tuple
+    conditional: bool = False  # ``a if test else b``: the weight (or its ``1 +`` offset) chosen at run time
 
 
 def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
@@ -598,6 +725,13 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
         if dt is None and t != ("same",):
             dt = t
         inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
+    if isinstance(inner, ast.IfExp) and not offset:
+        # ``(1 + w) if add_unit_offset else w`` (litgpt, Gemma's branch): each side must be a weight
+        parts = [analyse_weight(module, Op("mul", side, ictx)) for side in (inner.body, inner.orelse)]
+        if dt is None:
+            same = all(p.dtype == D_F32 for p in parts)
+            dt = D_F32 if same else ("like", inner, ictx)
+        return Weight(node, ctx, inner, ictx, 0, dt, conditional=True)
     if not (isinstance(inner, (ast.Name, ast.Attribute)) and dotted(inner)):
         if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("view", "reshape"):
             # FalconH1/Mamba2 gated norms: x viewed as (groups, group_size), the weight viewed to match
@@ -672,8 +806,9 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     """
     core = m.core
     weights = m.weights
+    checks = _dim_conditions(module, core, plan)
     if not weights:
-        raise Miss("no weight: npu_rms_norm needs gamma (elementwise_affine=False); passing ones would add a tensor and traffic for nothing", core.rstd)
+        return _plan_weightless(module, m, plan, x_src, checks)
     if len(weights) > 1:
         raise Miss("more than one factor besides the rms: " + ", ".join(f"`{ast.unparse(w.node)}`" for w in weights), core.rstd)
     w = analyse_weight(module, weights[0])
@@ -683,6 +818,14 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
         eps = S.render(module, core.eps, core.eps_ctx, plan)
         g = S.render(module, w.node, w.ctx, plan)
         w_base = S.render(module, w.base, w.base_ctx, plan)
+        chosen: list[str] = []
+        if isinstance(w.node, ast.IfExp):
+            # an if/else picking the weight: kept as statements, so only one side is evaluated
+            chosen = [f"if {S.render(module, w.node.test, w.ctx, plan)}:",
+                      f"    _npu_w = {S.render(module, w.node.body, w.ctx, plan)}",
+                      "else:",
+                      f"    _npu_w = {S.render(module, w.node.orelse, w.ctx, plan)}"]
+            g = "_npu_w"
         tests = {id(op): S.render(module, op.test, op.test_ctx, plan) for op in m.ops if op.kind == "condcast"}  # type: ignore[arg-type]
     except S.RenderError as e:
         raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
@@ -729,7 +872,7 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
             order.append("mul")
     out = d
 
-    pre: list[str] = []
+    pre: list[str] = list(chosen)
     # the op's input: where the original rounds to the input dtype (or never upcasts), the input
     # itself (npu_rms_norm computes in fp32 internally and rounds once); otherwise keep the
     # original's fp32 precision by upcasting
@@ -796,7 +939,74 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
         except S.RenderError as e:
             raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
         params["weight_condition"] = condition
+    if w.conditional:
+        variant = "conditional_weight"
+    if checks:
+        params["dim_check"] = " and ".join(checks)
+        condition = " and ".join(([condition] if condition else []) + checks)
     return Plan(x, pre, expr, params, variant, unfused, out_code, condition)
+
+
+def _dim_conditions(module: ModuleInfo, core: Core, plan: S.SpanPlan | None) -> list[str]:
+    """``<dim> == -1`` for each mean dim read at run time (see :func:`_default_last_dim`)."""
+    out = []
+    for node, ctx in core.dim_checks:
+        try:
+            out.append(f"{S.render(module, node, ctx, plan)} == -1")
+        except S.RenderError as e:
+            raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
+    return out
+
+
+def _plan_weightless(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_src: str | None, checks: list[str]) -> Plan:
+    """An RMSNorm without a weight (llama4's QK ``rmsnorm``, ``nn.RMSNorm(elementwise_affine=False)``
+    written by hand): npu_rms_norm needs a gamma, so ones of the last dim are passed, in the
+    input's dtype (the op's rule). One small allocation per call; the same result."""
+    core = m.core
+    T = S.torch_name(module) or "torch"
+    try:
+        x = x_src or S.render(module, core.x, core.xctx, plan)
+        eps = S.render(module, core.eps, core.eps_ctx, plan)
+    except S.RenderError as e:
+        raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
+    d: tuple = D_F32 if core.upcast else D_IN
+    unfused = list(core.rstd_ops)
+    for op in m.ops:
+        if op.kind != "cast":
+            raise Miss("no weight and a conditional step after the norm: not replaced", core.rstd)
+        assert op.dtype is not None
+        if op.dtype != ("same",):
+            if op.dtype != d:
+                unfused.append("cast")
+            d = op.dtype
+    R = _DtypeRender(module, plan, x, T, None)
+    pre: list[str] = []
+    if not core.upcast or d == D_IN:
+        # npu_rms_norm computes in fp32 and rounds once to the input's dtype
+        xin, out = x, D_IN
+    else:
+        xin, out = f"{x}.float()", D_F32
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", xin):
+        pre.append(f"_npu_x = {xin}")
+        xin = "_npu_x"
+    gamma = f"{T}.ones({xin}.shape[-1], dtype={xin}.dtype, device={xin}.device)"
+    expr = f"torch_npu.npu_rms_norm({xin}, {gamma}, epsilon={eps})[0]"
+    out_code = R.code(d)
+    if d != out:
+        expr += f".to({out_code})"
+    params: dict[str, Any] = {
+        "eps": eps,
+        "weight": None,
+        "weight_offset": 0,
+        "upcast": "float32" if core.upcast else None,
+        "output_dtype": R.rule(d),
+        "input": x,
+        "unfused_ops": unfused,
+    }
+    condition = None
+    if checks:
+        params["dim_check"] = condition = " and ".join(checks)
+    return Plan(x, pre, expr, params, "no_weight", unfused, out_code, condition)
 
 
 def _is_atom(node: ast.expr) -> bool:
@@ -987,7 +1197,18 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
     # a module-level helper that is itself a whole norm covers its callers
     if isinstance(m.node, ast.Call) and _is_full_norm_helper(module, scope, m.node):
         return SiteResult(stmt, m, None, None, m.core.rstd)
+    if not m.weights:
+        later = _multiplied_later(scope, stmt)
+        if later is not None:
+            return miss(f"no weight in the matched norm, but its result is multiplied later (`{later}`) in a way "
+                        "npufuse does not follow into the norm (control flow or a reshaped factor)")
     plan = S.plan_span(scope, stmt, m.trace)
+    early: ast.If | None = None
+    in_place: list[ast.stmt] = []
+    if isinstance(plan, str) and plan.endswith("is used by another statement inside the fused region"):
+        found = _early_exit(scope, stmt, m.trace)
+        if found is not None:
+            early, plan, in_place = found
     if isinstance(plan, str):
         return miss(plan)
     dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
@@ -1000,9 +1221,20 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
         return miss(e.reason)
     except NoMatch:
         return SiteResult(stmt, m, None, None, m.core.rstd)
-    if m.core.x is not None and isinstance(m.core.x, ast.Name) and any(m.core.x.id in S.names_written(s) for s in plan.kept):
-        return miss(f"input `{m.core.x.id}` is reassigned inside the region")
-    body = [S.stmt_source(module, s) for s in plan.kept]
+    if m.core.x is not None and isinstance(m.core.x, ast.Name):
+        # a kept statement (run before the fused code) may write the input only before every
+        # dropped statement reading it: they read that new value in the original too
+        name = m.core.x.id
+        readers = [d.lineno for d in plan.dropped if d not in in_place and name in S.names_read(d)]
+        if any(name in S.names_written(s) and (not readers or s.lineno > min(readers)) for s in plan.kept):
+            return miss(f"input `{name}` is reassigned inside the region")
+    body = [S.stmt_source(module, s) for s in sorted([*plan.kept, *in_place], key=lambda s: s.lineno)]
+    if early is not None:
+        # gpt-neox: ``if self.bias: return self.scale * x_normed + self.offset`` reads the norm's
+        # intermediate and leaves: that path runs the original computation, the other the fused op
+        before = [S.stmt_source(module, d) for d in plan.dropped if d.lineno < early.lineno and d is not early and d not in in_place]
+        exit_body = [S.stmt_source(module, b) for b in early.body]
+        body.append(f"if {S.source_of(module, early.test)}:\n" + S.indent("\n".join(before + exit_body)))
     body += p.pre
     body.append(S.splice(module, stmt, [(m.node, p.expr)]))
     if p.condition is not None:
@@ -1016,6 +1248,11 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
     notes = [f"unfused: {len(p.ops)} kernels ({', '.join(p.ops)}); fused: 1"]
     if m.helpers:
         notes.append("follows a helper of this module into the norm")
+    if p.variant == "no_weight":
+        notes.append("no weight: npu_rms_norm needs a gamma, so ones of the last dim are passed (allocated per call, "
+                     "one small fill kernel; the same result)")
+    if "dim_check" in p.params:
+        notes.append(f"the mean's dim is read at run time (-1 by the class's default): fused only when {p.params['dim_check']}")
     f = Finding(
         pattern="rms_norm",
         qualname=scope.qualname,
@@ -1031,6 +1268,49 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
         training_ok=True,
     )
     return SiteResult(stmt, m, f, None, m.core.rstd)
+
+
+def _early_exit(scope: Scope, root: ast.stmt, trace: S.Trace) -> tuple[ast.If, S.SpanPlan, list[ast.stmt]] | None:
+    """The span when the one statement of it that reads the norm's intermediates is an early exit
+    -- ``if <test>: ... return/raise`` without ``else``, its test reading none of them, after every
+    other kept statement -- so the fused code can run the original computation on that path only."""
+    idx = S.stmt_index(scope)
+    loc = idx.block.get(id(root))
+    if loc is None:
+        return None
+    block, end = loc
+    members: set[int] = {id(root)}
+    for st in trace.stmts.values():
+        cur: ast.stmt | None = st
+        while cur is not None and idx.block.get(id(cur), (None, 0))[0] is not block:
+            cur = idx.parent.get(id(cur))
+        if cur is None:
+            return None
+        members.add(id(cur))
+    start = min(idx.block[i][1] for i in (id(s) for s in block if id(s) in members))
+    span = block[start : end + 1]
+    exits = [s for s in span if id(s) not in members and isinstance(s, ast.If) and not s.orelse and s.body
+             and isinstance(s.body[-1], (ast.Return, ast.Raise))]
+    if len(exits) != 1:
+        return None
+    k = exits[0]
+    dropped_before = [s for s in span if id(s) in members and s is not root and s.lineno < k.lineno]
+    written = set().union(*(S.names_written(d) for d in dropped_before)) if dropped_before else set()
+    kept = [s for s in span if id(s) not in members and s is not k]
+    if S.names_read(k.test) & written or any(s.lineno > k.lineno for s in kept):
+        return None
+    # the fused code runs the kept statements first: a dropped one that originally ran before a
+    # kept one and reads what that kept one writes runs in its place too, if cheap (``dtype = x.dtype``)
+    also: list[ast.stmt] = []
+    for d in dropped_before:
+        if any(S.names_read(d) & S.names_written(s) for s in kept if s.lineno > d.lineno):
+            if not S._is_cheap(d):
+                return None
+            also.append(d)
+    t2 = trace.copy()
+    t2.add(k)
+    plan = S.plan_span(scope, root, t2)
+    return (k, plan, also) if not isinstance(plan, str) else None
 
 
 def _names_read_outside(stmt: ast.stmt, node: ast.AST) -> set[str]:
@@ -1111,6 +1391,92 @@ def _claimed_by_caller(module: ModuleInfo, scope: Scope, rstd: ast.AST) -> bool:
             if r.rstd is rstd and r.stmt is not None and other is not scope:
                 return True
     return False
+
+
+def _multiplied_later(scope: Scope, stmt: ast.stmt) -> str | None:
+    """A product after ``stmt`` with a name ``stmt`` assigns as an operand (a weight applied
+    later: diffusers' ``if self.weight is not None: h = h * self.weight``), as text."""
+    names = S.names_written(stmt)
+    if not names:
+        return None
+    end = stmt.end_lineno or stmt.lineno
+    # up to the next assignment of the name (a product after it multiplies another value)
+    # (a cast of itself, ``h = h.to(self.weight.dtype)``, keeps the value: the window goes on)
+    def _recast(value: ast.expr, name: str) -> bool:
+        return S.is_cast(value) and _is_name(value.func.value, name)  # type: ignore[attr-defined]
+
+    nxt = {name: min((s.lineno for s, v in scope.assignments.get(name, []) if s.lineno > end and not _recast(v, name)), default=1 << 30)
+           for name in names}
+    # names holding the result reshaped or cast (Mamba2's gated norm: ``h = h_group.view(...)``)
+    for st in sorted(S.stmt_index(scope).stmts, key=lambda x: x.lineno):
+        if st.lineno <= end or not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            continue
+        base = _through_views(st.value)
+        if base is not None and base.id in names and st.lineno <= nxt[base.id] and st.targets[0].id not in names:
+            names = names | {st.targets[0].id}
+            nxt[st.targets[0].id] = min((s.lineno for s, v in scope.assignments.get(st.targets[0].id, []) if s.lineno > st.lineno
+                                         and not _recast(v, st.targets[0].id)), default=1 << 30)
+    for n in scope.nodes().get(ast.BinOp, []):
+        if isinstance(n.op, ast.Mult) and n.lineno > end:  # type: ignore[attr-defined]
+            for side in (n.left, n.right):  # type: ignore[attr-defined]
+                base = _through_views(side)
+                if base is not None and base.id in names and n.lineno <= nxt[base.id]:  # type: ignore[attr-defined]
+                    return ast.unparse(n)
+    return None
+
+
+_VIEWS = frozenset(("view", "reshape", "flatten", "contiguous", "to", "float", "half", "bfloat16", "type_as", "type"))
+
+
+def _through_views(node: ast.expr) -> ast.Name | None:
+    """The name under reshapes and casts (``h.view(b, t, d).to(dt)`` -> ``h``)."""
+    for _ in range(8):
+        if isinstance(node, ast.Name):
+            return node
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _VIEWS:
+            node = node.func.value
+            continue
+        return None
+    return None
+
+
+def _weightless_helper_covered(module: ModuleInfo, scope: Scope) -> bool:
+    """A weightless norm helper whose every call in this module lies inside a finding that
+    inlines it (Meta's ``forward -> self._norm(x.float()) ... * self.weight``): the caller's
+    replacement covers it, and a second, weightless one in the helper would be noise. A helper
+    also called elsewhere on its own (llama4's ``rmsnorm`` for the QK norm) is a site itself."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    spans: list[tuple[int, int]] = []
+    for other in module.scopes:
+        if other is scope or isinstance(other.node, ast.Module) or fn.name not in S.scope_text(module, other):
+            continue
+        for r in scope_results(module, other):
+            if r.finding is not None and r.match is not None and id(fn) in r.match.helpers:
+                spans.append((r.finding.line, r.finding.end_line))
+            elif r.miss is not None and r.rstd is not None and fn.lineno <= getattr(r.rstd, "lineno", 0) <= (fn.end_lineno or 0):
+                # the caller reached this helper's norm and reported why it cannot be replaced:
+                # its calls there are that near miss's business
+                spans.append((other.node.lineno, other.node.end_lineno or other.node.lineno))  # type: ignore[attr-defined]
+    if not spans:
+        return False
+    own = (fn.lineno, fn.end_lineno or fn.lineno)
+    # a method is called as ``self.name(...)`` in its own class (another class may have a method
+    # of the same name: Llama4's weightless and weighted norms both define ``_norm``); a function
+    # as ``name(...)``
+    cls = module.classes.get(scope.class_name or "") if scope.class_name else None
+    for call in module.scopes[0].nodes().get(ast.Call, []):  # every call of the file
+        f = call.func  # type: ignore[attr-defined]
+        line = call.lineno  # type: ignore[attr-defined]
+        if cls is not None:
+            if getattr(f, "attr", None) != fn.name or not (cls.lineno <= line <= (cls.end_lineno or cls.lineno)):
+                continue
+        elif getattr(f, "id", None) != fn.name:
+            continue
+        if not (own[0] <= line <= own[1]) and not any(lo <= line <= hi for lo, hi in spans):
+            return False
+    return True
 
 
 def _helper_used_by_finding(module: ModuleInfo, scope: Scope) -> bool:
@@ -1237,6 +1603,8 @@ class RmsNorm(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in scope_results(module, scope):
             if r.finding is not None:
+                if r.finding.variant == "no_weight" and _weightless_helper_covered(module, scope):
+                    continue  # Meta's ``_norm``: its callers apply the weight and are replaced whole
                 yield r.finding
             elif r.miss is not None:
                 yield r.miss
@@ -1682,26 +2050,6 @@ import torch
 from torch import nn
 
 
-class RMSNormNoAffine(nn.Module):
-    def __init__(self, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, hidden_states):
-        dtype = hidden_states.dtype
-        hidden_states = hidden_states.float()
-        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.eps)
-        return hidden_states.to(dtype)
-''',
-        reason="no weight",
-        name="no_weight",
-    ),
-    Keep(
-        '''
-import torch
-from torch import nn
-
-
 class ChannelRMSNorm(nn.Module):
     """Normalizes over the channel dim of NCHW maps: not the last dim."""
 
@@ -1971,26 +2319,6 @@ RmsNorm.FUSE += [
 RmsNorm.KEEP += [
     Keep(
         '''
-import math
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.scale = math.sqrt(dim)
-        self.gamma = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.normalize(x, dim=-1) * self.scale * self.gamma
-''',
-        reason="eps as a clamp on the norm",
-        name="l2_normalize_times_sqrt_d",
-    ),
-    Keep(
-        '''
 import torch
 import torch.nn.functional as F
 
@@ -2075,4 +2403,394 @@ def qk_norm(q, k):
              "out = qk_norm(q, k)\nleaves = [q, k]\n"),
         name="two_library_norms_one_statement",
     ),
+]
+
+
+# -- issue 14, class 1: dim attributes, conditional weights, weightless norms ---------------------
+
+_NO_AFFINE = '''
+import torch
+from torch import nn
+
+
+class RMSNormNoAffine(nn.Module):
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.eps)
+        return hidden_states.to(dtype)
+'''
+
+_DIM_ATTRIBUTE = '''
+import torch
+from torch import nn
+
+
+class ScaleNormish(nn.Module):
+    """lit-llama's RMSNorm: the mean's dim is an attribute, -1 by default; no call here passes it."""
+
+    def __init__(self, size: int, dim: int = -1, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.dim = dim
+
+    def forward(self, x):
+        norm_x = torch.mean(x * x, dim=self.dim, keepdim=True)
+        x_normed = x * torch.rsqrt(norm_x + self.eps)
+        return self.scale * x_normed
+
+
+class Block(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.norm = ScaleNormish(n)
+
+    def forward(self, x):
+        return self.norm(x)
+'''
+
+_UNIT_OFFSET_IFEXP = '''
+import torch
+
+
+class Norm(torch.nn.Module):
+    """litgpt's RMSNorm: dim attribute and a ``(1 + w) if flag else w`` weight."""
+
+    def __init__(self, size: int, dim: int = -1, eps: float = 1e-6, add_unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.dim = dim
+        self.add_unit_offset = add_unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        norm_x = torch.mean(x * x, dim=self.dim, keepdim=True)
+        x_normed = x * torch.rsqrt(norm_x + self.eps)
+        weight = (1 + self.weight) if self.add_unit_offset else self.weight
+        return (x_normed * weight.float()).to(dtype=dtype)
+'''
+
+_UNIT_OFFSET_BRANCH = '''
+import torch
+from torch import nn
+
+
+class Norm(nn.Module):
+    """gemma_pytorch: the weight (or 1 + weight) applied in an if/else."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, add_unit_offset: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.add_unit_offset = add_unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        if self.add_unit_offset:
+            output = output * (1 + self.weight.float())
+        else:
+            output = output * self.weight.float()
+        return output.type_as(x)
+'''
+
+_NESTED_HELPER = '''
+import torch
+from torch import nn
+
+
+def qk_rms(x, eps):
+    def _norm(y):
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+
+    return _norm(x.float()).type_as(x)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return qk_rms(x, self.eps) * self.weight
+
+
+class Attn(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.eps = 1e-5
+        self.wq = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        q = self.wq(x)
+        q = qk_rms(q, self.eps)
+        return q
+'''
+
+_RUN_UNIT = '''
+m = Norm(16{args}){cast}
+with torch.no_grad():
+    m.weight.normal_()
+x = torch.randn(3, 5, 16{dtype}, requires_grad=True)
+out = m(x)
+leaves = [x, m.weight]
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # weightless: npu_rms_norm needs a gamma, ones of the last dim are passed (same result)
+        _NO_AFFINE,
+        expect={"variant": "no_weight", "weight": None, "eps": "self.eps", "output_dtype": "input"},
+        run="m = RMSNormNoAffine()\nx = torch.randn(2, 3, 32, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
+        name="weightless_hand_written",
+    ),
+    Fuse(
+        _DIM_ATTRIBUTE,
+        expect={"dim_check": "self.dim == -1", "weight": "self.scale", "upcast": None, "qualname": "ScaleNormish.forward"},
+        run=("m = Block(24)\nwith torch.no_grad():\n    m.norm.scale.normal_()\nx = torch.randn(2, 5, 24, requires_grad=True)\n"
+             "out = (m(x), ScaleNormish(5, dim=1)(x.transpose(1, 2).contiguous()))\nleaves = [x, m.norm.scale]\n"),
+        name="dim_attribute_default_last",
+    ),
+    Fuse(
+        _UNIT_OFFSET_IFEXP,
+        expect={"variant": "conditional_weight", "dim_check": "self.dim == -1", "upcast": "float32"},
+        run=_RUN_UNIT.format(args=", add_unit_offset=True", cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16")
+        + "out = (out, Norm(16)(x))\n",
+        name="litgpt_unit_offset_if_expression",
+    ),
+    Fuse(
+        _UNIT_OFFSET_BRANCH,
+        expect={"variant": "conditional_weight", "weight": "1 + self.weight.float() if self.add_unit_offset else self.weight.float()"},
+        run=_RUN_UNIT.format(args="", cast="", dtype="") + "m2 = Norm(16, add_unit_offset=False)\nwith torch.no_grad():\n"
+        "    m2.weight.normal_()\nout = (out, m2(x))\nleaves = [x, m.weight, m2.weight]\n",
+        name="gemma_unit_offset_if_else",
+    ),
+    Fuse(
+        # llama4: a module-level helper defining a nested ``_norm``: the helper is a weightless site
+        # (the QK norm calls it on its own), the module applying the weight is another
+        _NESTED_HELPER,
+        expect={"variant": "no_weight", "qualname": "qk_rms", "eps": "eps", "input": "x"},
+        run=("m = Attn(16).to(torch.bfloat16)\nx = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nn = Norm(16)\n"
+             "with torch.no_grad():\n    n.weight.normal_()\nout = (m(x), n(x))\nleaves = [x, n.weight]\n"),
+        name="nested_helper_weightless_and_weighted",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a constructor call of this module passes another dim: the default proves nothing
+        _DIM_ATTRIBUTE.replace("self.norm = ScaleNormish(n)", "self.norm = ScaleNormish(n, 1)"),
+        reason="call at line 24 may pass `dim`",
+        name="dim_attribute_passed_by_a_constructor",
+    ),
+    Keep(
+        # the weight chosen by the branch is not a parameter on one side: not a norm's weight
+        _UNIT_OFFSET_BRANCH.replace("output = output * self.weight.float()", "output = output * self.weight.float().view(-1, 1)"),
+        reason="the weight is reshaped",
+        name="branch_weight_not_a_parameter",
+    ),
+]
+
+
+# -- issue 14, class 1: L2-normalisation spellings (eps as a clamp on the norm: a stated risk) -----
+
+_L2_NORMALIZE = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = math.sqrt(dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1) * self.scale * self.gamma
+'''
+
+_L2_NORM_CLAMP = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """PaLM-lite: the norm scaled by d ** -0.5 (so: the rms), clamped from below."""
+
+    def __init__(self, dim, eps=1e-8):
+        super().__init__()
+        self.scale = dim ** -0.5
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        norm = torch.norm(x, dim=-1, keepdim=True) * self.scale
+        return x / norm.clamp(min=self.eps) * self.g
+'''
+
+_L2_RUN = '''
+m = RMSNorm(32){cast}
+with torch.no_grad():
+    getattr(m, "{w}").normal_()
+x = torch.randn(3, 5, 32{dtype}, requires_grad=True)
+out = m(x)
+leaves = [x, getattr(m, "{w}")]
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_L2_NORMALIZE, expect={"variant": "l2_normalize", "eps": "1e-12", "eps_rule": "clamp on the norm", "x": "x",
+                                "norm_scale": "x.shape[-1] ** 0.5", "confidence": "medium"},
+         run=_L2_RUN.format(cast="", dtype="", w="gamma"), name="f_normalize_times_sqrt_d"),
+    Fuse(_L2_NORMALIZE.replace("F.normalize(x, dim=-1) * self.scale * self.gamma", "self.gamma * (F.normalize(x, p=2, dim=-1, eps=1e-6) * self.scale)"),
+         expect={"variant": "l2_normalize", "eps": "1e-6"},
+         run=_L2_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", w="gamma"), name="f_normalize_bf16_gain_first"),
+    Fuse(_L2_NORM_CLAMP, expect={"variant": "l2_norm_clamp", "eps": "self.eps", "norm_scale": "(self.scale) * x.shape[-1] ** 0.5",
+                                 "line": 16, "end_line": 17},
+         run=_L2_RUN.format(cast="", dtype="", w="g"), name="norm_times_inverse_sqrt_d_clamped"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        '''
+import torch
+
+
+class ScaleNorm(torch.nn.Module):
+    """An L2 normalisation with a scalar gain: no sqrt(d), not an RMSNorm."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.g = torch.nn.Parameter(torch.ones(1))
+        self.eps = eps
+
+    def forward(self, x):
+        n = torch.norm(x, dim=-1, keepdim=True).clamp(min=self.eps)
+        return x / n * self.g
+''',
+        reason="without a sqrt(d) factor",
+        name="scalenorm_l2_with_scalar_gain",
+    ),
+    Keep(
+        # normalises the channel dim of NCHW maps: npu_rms_norm normalises trailing dims only
+        _L2_NORMALIZE.replace("F.normalize(x, dim=-1)", "F.normalize(x, dim=1)"),
+        name="f_normalize_over_channels",
+    ),
+    Keep(
+        # a factor computed by a module call would run twice in the replacement
+        _L2_NORMALIZE.replace("* self.scale * self.gamma", "* self.scale * self.gate(x)").replace(
+            "self.gamma = nn.Parameter(torch.ones(dim))", "self.gate = nn.Linear(dim, dim)"),
+        reason="computed by a call",
+        name="f_normalize_times_a_module_output",
+    ),
+]
+
+
+# -- issue 14, class 1: an intermediate reused on an early-exit path (gpt-neox) -----------------
+
+_EARLY_EXIT_BIAS = '''
+import torch
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim, p=-1.0, eps=1e-8, bias=False):
+        super().__init__()
+        self.eps = eps
+        self.d = dim
+        self.p = p
+        self.bias = bias
+        self.scale = torch.nn.Parameter(torch.ones(dim))
+        if self.bias:
+            self.offset = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        if self.p >= 0.0 and self.p <= 1.0:
+            partial_size = int(self.d * self.p)
+            x, _ = torch.split(x, [partial_size, self.d - partial_size], dim=-1)
+
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x_normed = x * torch.rsqrt(variance + self.eps)
+
+        if self.bias:
+            return self.scale * x_normed + self.offset
+
+        return (self.scale * x_normed).to(dtype)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # the normalized value also feeds ``if self.bias: return ...``: that path keeps the original
+        # computation, the other runs the fused op
+        _EARLY_EXIT_BIAS,
+        expect={"variant": "weight_then_cast", "weight": "self.scale", "eps": "self.eps", "line": 17, "end_line": 29},
+        run=("m = RMSNorm(32).to(torch.bfloat16)\nmb = RMSNorm(32, bias=True)\nwith torch.no_grad():\n    m.scale.normal_()\n"
+             "x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\nout = (m(x), mb(x.float()))\nleaves = [x, m.scale, mb.scale]\n"),
+        name="intermediate_reused_on_an_early_exit",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the early exit's test reads the intermediate itself: it must be computed before the test
+        _EARLY_EXIT_BIAS.replace("if self.bias:\n            return", "if x_normed.isnan().any():\n            return"),
+        reason="is used by another statement inside the fused region",
+        name="early_exit_test_reads_the_intermediate",
+    ),
+]
+
+_RMSNORM_SUBCLASS = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.RMSNorm):
+    """torchtitan: a configurable nn.RMSNorm -- its forward is nn.RMSNorm's."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__(dim, eps=eps)
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_RMSNORM_SUBCLASS, expect={"variant": "nn_rmsnorm", "module": "self.norm", "eps": "self.norm.eps", "weight": "self.norm.weight"},
+         run=("m = Block(16).to(torch.bfloat16)\nwith torch.no_grad():\n    m.norm.weight.normal_()\n"
+              "x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x, m.norm.weight]\n"),
+         name="nn_rmsnorm_subclass_without_forward"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a subclass with its own forward computes something else: not read as nn.RMSNorm
+        _RMSNORM_SUBCLASS.replace("super().__init__(dim, eps=eps)\n",
+                                  "super().__init__(dim, eps=eps)\n\n    def forward(self, x):\n        return super().forward(x) * 2\n"),
+        name="nn_rmsnorm_subclass_with_own_forward",
+    ),
+]
+
+RmsNorm.FUSE += [
+    Fuse(_L2_NORMALIZE.replace("F.normalize(x, dim=-1) * self.scale * self.gamma", "F.normalize(x, dim=-1) * x.shape[-1] ** 0.5 * self.gamma"),
+         expect={"variant": "l2_normalize", "weight": "(x.shape[-1] ** 0.5) * (self.gamma)"},
+         run=_L2_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", w="gamma"), name="f_normalize_times_inline_sqrt_d"),
 ]

@@ -317,4 +317,79 @@ def expert_mask(module: ModuleInfo, scope: Scope, name: str, before_line: int) -
         if src is None or not isinstance(src[0], ast.Name):
             return None
         return ExpertMask(src[0].id, src[1], orient or "tke", src[2])
+
+# --- norms (issue 14, class 1) ---
+# Spellings of the pieces an L2-normalisation RMSNorm is written with: the 2-norm over the last
+# dim, a clamp from below, and sqrt(d) factors. Pure functions of the nodes and the import table.
+
+L2_NORM_APIS = ("torch.norm", "torch.linalg.norm", "torch.linalg.vector_norm", "torch.functional.norm")
+
+
+def _last_dim(node: ast.AST | None) -> bool:
+    v = const_value(node)
+    if isinstance(v, (tuple, list)) and len(v) == 1:
+        v = v[0]
+    return v == -1
+
+
+def l2_norm_operand(module: ModuleInfo, node: ast.AST | None) -> ast.expr | None:
+    """``x`` when ``node`` is the 2-norm of ``x`` over the last dim, kept: ``torch.norm(x, dim=-1,
+    keepdim=True)``, ``x.norm(2, -1, True)``, ``torch.linalg.vector_norm(x, dim=-1, keepdim=True)``,
+    ``torch.linalg.norm(x, ord=2, dim=-1, keepdim=True)``; else None (another order or dim, no keepdim,
+    ``self.norm(x)`` -- a module, not a tensor method)."""
+    if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        return None
+    name = api(module, node.func)
+    if name in L2_NORM_APIS:
+        if not node.args:
+            return None
+        x, rest = node.args[0], node.args[1:]
+        order_kw = "ord" if "linalg" in name else "p"
+    elif isinstance(node.func, ast.Attribute) and node.func.attr == "norm" and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+        x, rest, order_kw = node.func.value, list(node.args), "p"
+    else:
+        return None
+    p = rest[0] if rest else _kw(node, order_kw)
+    dim = rest[1] if len(rest) > 1 else _kw(node, "dim")
+    keep = rest[2] if len(rest) > 2 else _kw(node, "keepdim")
+    if p is not None and const_value(p) not in (2, 2.0):
+        return None
+    if not _last_dim(dim) or const_value(keep) is not True:
+        return None
+    return x
+
+
+def clamp_min_of(module: ModuleInfo, node: ast.AST | None) -> tuple[ast.expr, ast.expr] | None:
+    """(value, floor) of a clamp from below only: ``v.clamp(min=e)``, ``v.clamp(e)``,
+    ``v.clamp_min(e)``, ``v.clip(min=e)``, ``torch.clamp(v, min=e)``, ``torch.clamp_min(v, e)``."""
+    if not isinstance(node, ast.Call):
+        return None
+    name = api(module, node.func)
+    if name in ("torch.clamp", "torch.clamp_min", "torch.clip") and node.args:
+        v, rest = node.args[0], node.args[1:]
+    elif isinstance(node.func, ast.Attribute) and node.func.attr in ("clamp", "clamp_min", "clip"):
+        v, rest = node.func.value, list(node.args)
+    else:
+        return None
+    floor = rest[0] if rest else _kw(node, "min")
+    if floor is None or len(rest) > 1 or _kw(node, "max") is not None:
+        return None
+    return v, floor
+
+
+def root_power(module: ModuleInfo, node: ast.AST | None, attr_value=None, depth: int = 0) -> float | None:
+    """0.5 for ``d ** 0.5`` / ``math.sqrt(d)``, -0.5 for ``d ** -0.5`` / ``1 / math.sqrt(d)``; else
+    None. ``attr_value(name)`` (optional) gives the value ``__init__`` assigns to ``self.<name>``,
+    so ``self.scale = dim ** 0.5`` counts where ``self.scale`` is read."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and const_value(node.right) in (0.5, -0.5):
+        return float(const_value(node.right))  # type: ignore[arg-type]
+    if isinstance(node, ast.Call) and api(module, node.func) in ("math.sqrt", "numpy.sqrt") and len(node.args) == 1:
+        return 0.5
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and const_value(node.left) in (1, 1.0):
+        inner = root_power(module, node.right, attr_value, depth + 1)
+        return -inner if inner is not None else None
+    if (attr_value is not None and depth < 2 and isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "self"):
+        value = attr_value(node.attr)
+        return root_power(module, value, attr_value, depth + 1) if value is not None else None
     return None
