@@ -20,6 +20,7 @@ everything around it (``torch.cat([<rope>, q_pass], -1)`` of partial rotary, ``.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -132,6 +133,9 @@ class _Rotation:
     # rotary_mode expression choosing between the two verified kinds
     mode_expr: str | None = None
     half_if: str | None = None  # the condition under which the chosen helper is rotate_half
+    # a helper with one verified return path of two (chosen by a flag): fused only where this holds
+    only_if: str | None = None
+    other: str = ""  # why the other path keeps the original code
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -415,8 +419,7 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         cache = module.__dict__.setdefault("_rotation_verdicts", {})
         if key not in cache:
             cache[key] = _rotation_helper(module, scope, node)
-        rot = cache[key]
-        return _Rotation(rot.kind, rot.reason, rot.name, rot.mode_expr, rot.half_if)
+        return dataclasses.replace(cache[key])
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x))
     rot.name = "inline"
@@ -462,17 +465,66 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         return _Rotation(None)
     pname = params[0]
     rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
-    if len(rets) != 1:
-        return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
 
     def is_param(n: ast.AST) -> bool:
         return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
+
+    if len(rets) == 2:
+        return _flagged_helper(module, node, fn, hscope, rets, is_param, name, pname)
+    if len(rets) != 1:
+        return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
 
     rot = _rotation_expr(hscope, rets[0].value, is_param)
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
     return rot
+
+
+def _flagged_helper(module: ModuleInfo, node: ast.Call, fn: ast.FunctionDef, hscope: Scope, rets: list[ast.Return], is_param,
+                    name: str, pname: str) -> _Rotation:
+    """A helper whose two return paths are chosen by one flag (nanotron's ``rotate_half`` with
+    ``if self.interleaved: ... return A else: ... return B``): each path verified on its own.
+
+    The flag must read the same at the call site: only ``self.<attr>`` (the helper called as
+    ``self.f(x)`` from the same class) or module-level names, nothing the helper computes or
+    receives. Both paths rotations: the mode follows the flag; one path a rotation: that path is
+    fused under the flag, the other keeps the original code."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if not body or not isinstance(body[0], ast.If):
+        return _Rotation(None, f"rotation helper `{name}` has 2 return paths not chosen by one leading `if`: not verified", name)
+    branch = body[0]
+    then_rets = [r for r in rets if any(r is n for n in fast_walk(ast.Module(body=branch.body, type_ignores=[])))]
+    if len(then_rets) != 1 or not isinstance(branch.body[-1], ast.Return):
+        return _Rotation(None, f"rotation helper `{name}` has 2 return paths not chosen by one leading `if`: not verified", name)
+    other = next(r for r in rets if r is not then_rets[0])
+    # the flag, read at the call site: self.<attr> of this class, or module-level names
+    via_self = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+    local = {a.arg for a in fn.args.args + fn.args.kwonlyargs} | set(hscope.assignments)
+    for n in fast_walk(branch.test):
+        if isinstance(n, ast.Call):
+            return _Rotation(None, f"rotation helper `{name}` picks its return path by a call (`{ast.unparse(branch.test)}`): not verified", name)
+        if isinstance(n, ast.Name) and (n.id in local and not (via_self and n.id == "self")) and n.id not in module.functions:
+            return _Rotation(None, f"rotation helper `{name}` picks its return path by `{ast.unparse(branch.test)}`, "
+                             "a value the call site cannot read: not verified", name)
+    kinds = []
+    for ret in (then_rets[0], other):
+        rot = _rotation_expr(hscope, ret.value, is_param)
+        kinds.append(rot.kind)
+    test = ast.unparse(branch.test)
+    if kinds[0] is None and kinds[1] is None:
+        return _Rotation(None, f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even) on either return path", name)
+    if kinds[0] == kinds[1]:
+        return _Rotation(kinds[0], "", name)
+    if None in kinds:
+        # one path only: fused where the flag picks it, the other path runs the original code
+        kind = kinds[0] or kinds[1]
+        cond = test if kinds[0] is not None else f"not {_atom(test)}"
+        rot = _Rotation(kind, "", name, only_if=cond)
+        rot.other = f"the other return path of `{name}` (where `{test if kinds[0] is None else 'not ' + _atom(test)}`) is not a rotation npu_rotary_mul computes"
+        return rot
+    half_if = test if kinds[0] == "half" else f"not {_atom(test)}"
+    return _Rotation("interleave", "", name, mode_expr=f'"{kinds[0]}" if {test} else "{kinds[1]}"', half_if=half_if)
 
 
 # -- cos/sin layout ---------------------------------------------------------------------------------
@@ -482,6 +534,9 @@ class _CosInfo:
     batch_free: bool = False  # provably no batch-dependent leading dim (interleave mode needs this)
     layout: str = ""  # description for the report
     unsqueeze_dim: str | None = None
+    # HF contract: ``cos.unsqueeze(unsqueeze_dim)`` with the dim a parameter (default 1) is documented
+    # for [B, S, D] tables, a 4-D result; no run-time lift is written for it
+    contract_4d: bool = False
 
 
 def _cos_info(scope: Scope, node: ast.expr, module: ModuleInfo) -> _CosInfo:
@@ -523,6 +578,7 @@ def _cos_info(scope: Scope, node: ast.expr, module: ModuleInfo) -> _CosInfo:
             info.layout = "[..., S, 1, D] (x [..., S, N, D]: BS1D for BSND x)"
         else:
             default = _param_default(scope, d)
+            info.contract_4d = default is not None
             info.layout = f"cos.unsqueeze({d})" + (
                 f": B1SD (x BNSD) with the default {d}={default}, BS1D (x BSND) with {d}=2" if default == "1" else ""
             )
@@ -604,6 +660,10 @@ class _Match:
     only_if: str | None = None  # fused only where this holds (the half choice of such a helper)
     suffix: str = ""  # appended to the fused call (the pair form keeps its [..., D/2, 2] shape)
     absorb: list = field(default_factory=list)  # statements the fused call replaces (named rotated halves)
+    only_note: str = ""  # why the code outside ``only_if`` keeps the original
+    lift: tuple[str, str, str] | None = None  # (x, cos, sin) names lifted to 4-D at run time
+    lift_binds: list[str] = field(default_factory=list)  # statements binding them, inside the fused branch
+    chosen_half: bool = False  # fused only where a run-time choice picks rotate_half
 
 
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -1003,14 +1063,16 @@ class RopePattern(Pattern):
                         best_reason = best_reason or rot.reason
                         continue
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
-                    if isinstance(m, _Match) and rot.mode_expr is not None:
+                    if isinstance(m, _Match) and rot.only_if is not None:
+                        m.only_if, m.only_note = rot.only_if, rot.other
+                    elif isinstance(m, _Match) and rot.mode_expr is not None:
                         m.mode_expr = rot.mode_expr
                     elif isinstance(m, str) and rot.half_if is not None:
                         # interleave's cos/sin constraint is not provable here: fuse the half
                         # choice only, the other one keeps the original code
                         m = self._build_real(module, scope, node, "half", x, cos, sin)
                         if isinstance(m, _Match):
-                            m.only_if = rot.half_if
+                            m.only_if, m.chosen_half = rot.half_if, True
                     return m
         return best_reason or None
 
@@ -1138,6 +1200,8 @@ class RopePattern(Pattern):
         broadcast_note = False
         # a match fused only under a run-time condition may test its prepared cos/sin: its prep comes first
         hoisted: list[str] = []
+        for m in all_matches:
+            self._plan_lift(m)
         for _i, stmt, matches in items:
             if not matches:
                 continue  # a statement the fused call replaces (absorbed halves)
@@ -1149,27 +1213,18 @@ class RopePattern(Pattern):
                         emitted_prep.add(p)
                 x, c, s = m.x_text, m.cos, m.sin
                 lift_suffix = ""
-                if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and not m.suffix:
-                    # a computed table (PaLM's ``pos.cos()``): evaluated once, into a name
-                    for var_name, text in (("cos", c), ("sin", s)):
-                        if not _is_name(text):
-                            tmp = f"_npufuse_{_ident(m.x_text)}_{var_name}"
-                            lines.append(f"{tmp} = {text}")
-                            if var_name == "cos":
-                                c = tmp
-                            else:
-                                s = tmp
-                c0, s0 = c, s  # the tables as named before any broadcast
-                if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and _is_name(c) and _is_name(s):
-                    # cos/sin straight from the caller, rank unknown (litgpt passes [T, D]): the eager
-                    # product broadcasts them from the right; npu_rotary_mul needs them 4-D, so the
-                    # same broadcast is made explicit (leading 1s; a no-op view for 4-D tables)
-                    c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
+                if m.lift:
+                    # cos/sin (and x) of a rank not visible here (litgpt passes [T, D], vLLM [T, N, D] tokens,
+                    # nanotron a [S, 1, D] table): the eager product broadcasts them from the right; npu_rotary_mul
+                    # needs them 4-D, so the same broadcast is made explicit (leading 1s; a no-op view when 4-D)
+                    x, c, s = m.lift
+                    lines.extend(b for b in m.lift_binds if b not in lines)
                     broadcast_note = True
-                    if _is_name(x) and not m.suffix:
-                        # x itself may be 3-D ([T, N, D] tokens) or 2-D: lifted to 4-D the same way, and back
-                        lift_suffix = f"[(0,) * (4 - {x}.dim())]"
-                        x = f"{x}[(None,) * (4 - {x}.dim())]"
+                c0, s0 = c, s  # the tables as named before any broadcast
+                if m.lift:
+                    c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
+                    lift_suffix = f"[(0,) * (4 - {x}.dim())]"
+                    x = f"{x}[(None,) * (4 - {x}.dim())]"
                 same = m.x_dtype is not None and m.x_dtype == m.cs_dtype
                 if m.mode == "complex" and m.x_dtype == "float32":
                     same = True  # complex64 freqs: real/imag are float32 like the upcast x
@@ -1258,10 +1313,17 @@ class RopePattern(Pattern):
                 notes.append("pairs of a real (cos, sin) cache: fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's "
                              "interleave mode takes only 11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
                 variant = "interleaved_pairs_real_cache"
-            else:
+            elif any(m.only_note for m in all_matches):
+                notes.append(f"fused where `{cond}`; " + "; ".join(sorted({m.only_note for m in all_matches if m.only_note}))
+                             + ": there the original code runs")
+                variant = "rotation_helper_one_path_verified"
+            elif any(m.chosen_half for m in all_matches):
                 notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
                              "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
                 variant = "rotate_half_chosen_at_run_time"
+            if any(m.lift for m in all_matches):
+                notes.append("fused where x is at most 4-D (npu_rotary_mul takes 4-D only; lower ranks get leading 1s, "
+                             "the eager broadcast); a higher rank runs the original code")
         if first.mode_expr is not None:
             params["mode"] = f"chosen at run time: {first.mode_expr}"
             variant = "rotation_chosen_at_run_time"
@@ -1271,6 +1333,37 @@ class RopePattern(Pattern):
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
             risks=risks, notes=notes,
         )
+
+    @staticmethod
+    def _plan_lift(m: _Match) -> None:
+        """Decide whether x/cos/sin are lifted to 4-D at run time, binding each to a name inside the
+        fused branch (an expression is evaluated once) and fusing only where x is at most 4-D (a 5-D x
+        broadcasts in eager code but npu_rotary_mul rejects it, so the original code runs there)."""
+        if m.mode == "complex" or m.suffix or m.cos_info.rank == 4 or m.cos_info.contract_4d:
+            return
+        names, binds = [], []
+        for role, text in (("x", m.x_text), ("cos", m.cos), ("sin", m.sin)):
+            if _is_name(text) and "." not in text:
+                names.append(text)
+                continue
+            tmp = f"_npufuse_{_ident(m.x_text)}_{role}"
+            binds.append(f"{tmp} = {text}")
+            names.append(tmp)
+        m.lift = (names[0], names[1], names[2])
+        m.lift_binds = binds
+        # x's rank, read without evaluating x twice: a cast or a last-dim slice keeps the rank of its base
+        base = m.x
+        while True:
+            inner, casts = strip_casts(base)
+            if casts:
+                base = inner
+            elif isinstance(base, ast.Subscript) and _Halves(None, lambda n: True)._last_dim_slice(base) is not None:  # type: ignore[arg-type]
+                base = base.value
+            else:
+                break
+        if isinstance(base, ast.Name):
+            rank_ok = f"{base.id}.dim() <= 4"
+            m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
 
     @staticmethod
     def _rotation_outside(scope: Scope, matches: list[_Match], first_line: int) -> list[str]:
@@ -2178,4 +2271,100 @@ RopePattern.KEEP += [
     Keep(_NANOCHAT.replace("    return out", "    return out, y1"), name="named_halves_reused"),
     # both signs positive: not a rotation
     Keep(_NANOCHAT.replace("x1 * (-sin) + x2 * cos", "x1 * sin + x2 * cos"), name="named_halves_not_a_rotation"),
+]
+
+
+# -- issue 14, class 2 (continued): flagged helpers, rank lifting -----------------------------------
+
+_FLAGGED_ROTATE = '''
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):
+    def __init__(self, interleaved=False):
+        super().__init__()
+        self.interleaved = interleaved
+
+    def rotate_half(self, x):
+        """One helper, two layouts: the flag picks the return path."""
+        if self.interleaved:
+            even_dims = x[..., ::2]
+            odd_dims = x[..., 1::2]
+            return torch.cat((-odd_dims, even_dims), dim=-1)
+        else:
+            first_half = x[..., : x.shape[-1] // 2]
+            second_half = x[..., x.shape[-1] // 2 :]
+            return torch.cat((-second_half, first_half), dim=-1)
+
+    def forward(self, t, cos, sin):
+        # cos/sin are [S, D] tables: unsqueeze(1) gives [S, 1, D], the eager product broadcasts it as 1S1D
+        rotated = (t * cos.unsqueeze(1)) + (self.rotate_half(t) * sin.unsqueeze(1))
+        return rotated
+'''
+
+_FLAGGED_RUN = '''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)
+t = torch.randn(2, 6, 4, 16, requires_grad=True)
+out = (Rotary(False)(t, emb.cos(), emb.sin()), Rotary(True)(t, emb.cos(), emb.sin()))
+leaves = [t]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # nanotron: the helper's two return paths are chosen by self.interleaved; only the rotate_half path is a
+        # rotation (the other cats the even/odd lanes, which npu_rotary_mul does not compute): fused under the flag
+        name="helper_two_return_paths_one_verified",
+        code=_FLAGGED_ROTATE,
+        expect={"variant": "rotation_helper_one_path_verified", "mode": "half", "targets": ["t"], "qualname": "Rotary.forward"},
+        run=_FLAGGED_RUN,
+    ),
+    Fuse(
+        # both return paths rotations (rotate_half / interleaved stack): the mode follows the flag at run time
+        name="helper_two_return_paths_both_rotations",
+        code=_FLAGGED_ROTATE.replace("return torch.cat((-odd_dims, even_dims), dim=-1)",
+                                     "return torch.stack((-odd_dims, even_dims), dim=-1).flatten(-2)"),
+        expect={"mode": "half", "targets": ["t"]},
+        run=_FLAGGED_RUN.replace("emb.cos(), emb.sin()), Rotary(True)(t, emb.cos(), emb.sin())",
+                                 "emb.cos(), emb.sin()), Rotary(True)(t, ang.repeat_interleave(2, -1).cos(), ang.repeat_interleave(2, -1).sin())"),
+    ),
+    Fuse(
+        # vLLM/sglang [T, N, D] tokens with [T, D/2] tables unsqueezed at -2: x and the widened tables lifted to 4-D
+        name="vllm_tokens_3d_written_out",
+        code='''
+import torch
+
+
+def apply_rotary_emb_neox(x, cos, sin):
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    return torch.cat((o1, o2), dim=-1)
+''',
+        expect={"mode": "half", "targets": ["x"]},
+        run='''
+ang = torch.arange(7).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+x = torch.randn(7, 4, 16, requires_grad=True)
+out = apply_rotary_emb_neox(x, ang.cos(), ang.sin())
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the flag is computed from x inside the helper: the call site cannot read it before the call
+        _FLAGGED_ROTATE.replace("        if self.interleaved:\n", "        if x.shape[-1] > 64:\n"),
+        reason="a value the call site cannot read",
+        name="helper_two_return_paths_flag_from_x",
+    ),
+    Keep(
+        # neither return path is a rotation
+        _FLAGGED_ROTATE.replace("return torch.cat((-second_half, first_half), dim=-1)", "return torch.cat((second_half, first_half), dim=-1)"),
+        reason="on either return path",
+        name="helper_two_return_paths_none_verified",
+    ),
 ]
