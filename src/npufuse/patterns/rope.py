@@ -664,6 +664,51 @@ class _Match:
     lift: tuple[str, str, str] | None = None  # (x, cos, sin) names lifted to 4-D at run time
     lift_binds: list[str] = field(default_factory=list)  # statements binding them, inside the fused branch
     chosen_half: bool = False  # fused only where a run-time choice picks rotate_half
+    matrix: bool = False  # the per-pair 2x2 rotation-matrix form
+    inner_prep: list[str] = field(default_factory=list)  # statements inside the fused branch, before the call
+    post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
+
+
+def _is_float_cast(node: ast.AST) -> bool:
+    return _method(node, "float") or (_method(node, "to") and bool(node.args) and ast.unparse(node.args[0]).endswith("float32"))
+
+
+def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, str | None] | str:
+    """(x, cast) when ``view_as_complex(pairs)`` reads lane pairs of x: ``pairs`` is (through local
+    names and float casts) ``x.reshape(..., 2)`` / ``x.view(..., 2)`` — a trailing 2 on a view groups
+    consecutive elements, the lanes (2i, 2i+1) of an even last dim. A name rebound on several paths
+    (nanotron's ``if x.dtype == torch.bfloat16: x = x.float()``) is followed only when every binding
+    is that view or a cast of the name itself; the dtype is then unknown (None)."""
+    cast: str | None = None
+    node = pairs
+    certain = True
+    for _ in range(8):
+        if isinstance(node, ast.Name):
+            defs = [(st, v) for st, v in scope.assignments.get(node.id, []) if st.lineno < line]
+            if not defs:
+                break
+            if len(defs) > 1:
+                # every earlier binding must be the pairs view itself or a cast of the name
+                for _st, v in defs:
+                    inner, casts = strip_casts(v)
+                    if not ((_method(v, "reshape", "view") and v.args and _is_int(v.args[-1], 2))
+                            or (casts and isinstance(inner, ast.Name) and inner.id == node.id)):
+                        return "complex rope over a tensor rebound on several paths: its lane pairs cannot be proven"
+                certain = False
+            line = defs[-1][0].lineno
+            node = defs[-1][1]
+            continue
+        if _is_float_cast(node):
+            cast = "float32"
+            node = node.func.value
+            continue
+        break
+    if not (_method(node, "reshape", "view") and node.args and _is_int(node.args[-1], 2)):
+        return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
+    x = node.func.value
+    if _is_float_cast(x):
+        cast = "float32"
+    return x, (cast if certain else None)
 
 
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -788,6 +833,92 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
     return None
 
 
+def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
+    """x of ``x.reshape(*x.shape[:-1], -1, 1, 2)`` (also ``view``, through a local name): each lane
+    pair of x as a 1x2 row, ready to meet a per-pair 2x2 matrix (flux / lingua)."""
+    p = _resolve(scope, node)
+    if not (_method(p, "reshape", "view") and len(p.args) == 4 and _is_int(p.args[-1], 2) and _is_int(p.args[-2], 1)
+            and _is_int(p.args[-3], -1) and isinstance(p.args[0], ast.Starred)):
+        return None
+    x = p.func.value
+    lead = p.args[0].value
+    if not (isinstance(lead, ast.Subscript) and isinstance(lead.value, ast.Attribute) and lead.value.attr == "shape"
+            and isinstance(lead.slice, ast.Slice) and lead.slice.lower is None and _is_int(lead.slice.upper, -1)
+            and lead.slice.step is None and same_expr(strip_casts(lead.value.value)[0], strip_casts(x)[0])):
+        return None
+    return x
+
+
+def _matrix_formula(scope: Scope, node: ast.AST) -> tuple[ast.expr, ast.expr, ast.expr | None] | None:
+    """The per-pair 2x2 matrix product ``out[..., i] = sum_j F[..., i, j] * x[..., j]`` over the lane pairs
+    of x, as (pairs, F, sum-dim): flux's ``F[..., 0] * xp[..., 0] + F[..., 1] * xp[..., 1]`` (sum-dim
+    None) or lingua's ``(xp * F).sum(k)``, with ``xp = x.reshape(*x.shape[:-1], -1, 1, 2)``."""
+    if _method(node, "sum") and len(node.args) + len(node.keywords) == 1:
+        dim = keyword(node, "dim", 0)
+        prod = node.func.value
+        if not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult) and isinstance(const_value(dim), int)):
+            return None
+        for p, f in ((prod.left, prod.right), (prod.right, prod.left)):
+            if _matrix_pairs(scope, p) is not None:
+                return p, f, dim
+        return None
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)):
+        return None
+    terms = []
+    for t in (node.left, node.right):
+        f = _mult_factors(t)
+        if f is None:
+            return None
+        terms.append(f)
+    found = []
+    for a, b in terms:
+        for p, f in ((a, b), (b, a)):
+            lp, lf = _lane(p, 0), _lane(f, 0)
+            k = 0
+            if lp is None or lf is None:
+                lp, lf, k = _lane(p, 1), _lane(f, 1), 1
+            if lp is not None and lf is not None and _matrix_pairs(scope, lp) is not None:
+                found.append((k, lp, lf))
+                break
+        else:
+            return None
+    if sorted(k for k, _p, _f in found) != [0, 1] or not (same_expr(found[0][1], found[1][1]) and same_expr(found[0][2], found[1][2])):
+        return None
+    return found[0][1], found[0][2], None
+
+
+def _rotation_matrix_producer(module: ModuleInfo) -> str | None:
+    """A function of this module that builds the per-pair rotation matrix [[cos, -sin], [sin, cos]] as
+    ``stack((cos, -sin, sin, cos), -1)`` (then viewed as 2x2): its name, else None. Computed once."""
+    cached = module.__dict__.get("_rope_matrix_producer", 0)
+    if cached != 0:
+        return cached
+    found = None
+    if "stack(" in module.source:
+        for sc in module.scopes:
+            if not isinstance(sc.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for n in fast_walk(sc.node):
+                if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "stack" and n.args
+                        and isinstance(n.args[0], (ast.Tuple, ast.List)) and len(n.args[0].elts) == 4):
+                    continue
+                a, nb, b, a2 = n.args[0].elts
+                neg = nb.operand if isinstance(nb, ast.UnaryOp) and isinstance(nb.op, ast.USub) else None
+                if neg is None or not same_expr(a, a2) or not same_expr(neg, b):
+                    continue
+                ra, rb = _resolve(sc, a), _resolve(sc, b)
+
+                def trig(e: ast.expr, name: str) -> bool:
+                    return (_method(e, name) and not e.args) or (isinstance(e, ast.Call) and ast.unparse(e.func) in (f"torch.{name}", f"math.{name}", f"np.{name}"))
+                if trig(ra, "cos") and trig(rb, "sin"):
+                    found = f"{sc.qualname} (line {n.lineno})"
+                    break
+            if found:
+                break
+    module.__dict__["_rope_matrix_producer"] = found
+    return found
+
+
 class RopePattern(Pattern):
     id = "rope"
     api = "torch_npu.npu_rotary_mul"
@@ -799,7 +930,7 @@ class RopePattern(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         text = scope_text(module, scope)
         # a rotation needs ``a*c + b*s`` and either a helper call, an inline cat/stack, or view_as_real
-        if "*" not in text or ("+" not in text and "view_as_real" not in text):
+        if "*" not in text or ("+" not in text and "view_as_real" not in text and ".sum(" not in text):
             return
         hints = self._rotation_hints(module)
         if not any(h in text for h in hints):
@@ -810,10 +941,10 @@ class RopePattern(Pattern):
                 continue
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
-            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text)) and "cat(" not in st_text:
+            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text:
                 continue
             matches: list[_Match] = []
-            for node in self._candidates(stmt):
+            for node in self._candidates(stmt, scope):
                 res = self._match(module, scope, node)
                 if isinstance(res, str):
                     yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, res)
@@ -867,24 +998,25 @@ class RopePattern(Pattern):
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()}
             for cls in module.classes.values():
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
-            hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real")
+            hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)")
         return hints
 
     @staticmethod
-    def _candidates(stmt: ast.stmt) -> list[ast.expr]:
+    def _candidates(stmt: ast.stmt, scope: Scope) -> list[ast.expr]:
         """Outermost sub-expressions shaped like a rotation: ``a*c + b*s`` or ``view_as_real(..)``."""
         found: list[ast.expr] = []
 
         def visit(node: ast.AST) -> None:
             if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.ClassDef)):
                 return
-            if _pair_formula(node) is not None or _lane_pair_formula(node) is not None or (isinstance(node, ast.Call) and _named_pair(node) is not None):
+            if _pair_formula(node) is not None or _lane_pair_formula(node) is not None or (isinstance(node, ast.Call) and _named_pair(node) is not None) \
+                    or (isinstance(node, (ast.BinOp, ast.Call)) and _matrix_formula(scope, node) is not None):
                 found.append(node)  # the written-out rotation (its ``b*c + a*s`` half is no rope itself)
                 return
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
                 found.append(node)
                 return
-            if _method(node, "flatten") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
+            if _method(node, "flatten", "view", "reshape") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
             for child in child_nodes(node):
@@ -894,6 +1026,9 @@ class RopePattern(Pattern):
         return found
 
     def _match(self, module: ModuleInfo, scope: Scope, node: ast.expr) -> _Match | str | None:
+        mf = _matrix_formula(scope, node)
+        if mf is not None:
+            return self._match_matrix(module, scope, node, *mf)
         lp = _lane_pair_formula(node)
         if lp is not None:
             return self._match_lane_pairs(module, scope, node, *lp)
@@ -1011,6 +1146,49 @@ class RopePattern(Pattern):
         m.absorb = [d[0] for d in defs]
         return m
 
+    def _match_matrix(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, mat: ast.expr, sum_dim: ast.expr | None) -> _Match | str:
+        """flux / lingua: a per-pair 2x2 matrix F applied to the lane pairs of x. With F the rotation
+        [[cos, -sin], [sin, cos]] this is the interleaved rotation (cos = F[..., 0, 0], sin = F[..., 1, 0]),
+        kept in the ``[..., D/2, 2]`` shape the code flattens next."""
+        producer = _rotation_matrix_producer(module)
+        if producer is None:
+            return ("per-pair 2x2 matrix form: no function of this module builds the matrix as stack((cos, -sin, sin, cos)) "
+                    "([[cos, -sin], [sin, cos]]), so it is not known to be a rotation")
+        x = _matrix_pairs(scope, pairs)
+        assert x is not None
+        x_src, f_src = segment(module, x), _atom(segment(module, mat))
+        tag = _ident(x_src)
+        cos, sin, xv, dt = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin", f"_npufuse_{tag}_x", f"_npufuse_{tag}_dtype"
+        lead = f"_npufuse_{tag}_lead"
+        # only shapes are read before the branch: the tensors are made inside it, where the fused call runs
+        base = strip_casts(x)[0]
+        x_rank = f"{base.id}.dim()" if isinstance(base, ast.Name) else f"{xv}.dim()"
+        prep = [f"{lead} = (1,) * (6 - {f_src}.dim()) + tuple({f_src}.shape)  # the matrix's dims as the eager product broadcasts them"]
+        if not isinstance(base, ast.Name):
+            prep.insert(0, f"{xv} = {x_src}")
+        inner = ([] if not isinstance(base, ast.Name) else [f"{xv} = {x_src}  # the pairs (x_2i, x_2i+1) are the lanes of this tensor"]) + [
+            f"{cos} = {f_src}[..., 0, 0].repeat_interleave(2, dim=-1)  # [[cos, -sin], [sin, cos]] per pair -> interleave-mode cos/sin",
+            f"{sin} = {f_src}[..., 1, 0].repeat_interleave(2, dim=-1)",
+            f"{cos}, {sin} = {cos}[(None,) * (4 - {cos}.dim())], {sin}[(None,) * (4 - {sin}.dim())]  # the broadcast of the eager product, made 4-D",
+            f"{dt} = torch.promote_types(torch.promote_types({xv}.dtype, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
+        ]
+        m = _Match(
+            node=node, mode="interleave", x=x, cos=f"{cos}.to({dt})", sin=f"{sin}.to({dt})", cos_node=None, sin_node=None,
+            x_text=f"{xv}.to({dt})", cos_info=_CosInfo(rank=4, batch_free=False, layout="from the per-pair rotation matrix; checked at run time"),
+            prep=prep, x_dtype="same", cs_dtype="same", suffix=".unflatten(-1, (-1, 2))",
+        )
+        m.inner_prep = inner
+        checks = [f"{x_rank} == 4"]
+        if sum_dim is not None and not _is_int(sum_dim, -1):
+            # ``.sum(k)`` sums the pair axis only when k is the last dim of the 6-D product (k == 5 for 4-D x)
+            checks.append(f"{const_value(sum_dim)} == {x_rank} + 1")
+        # the matrix [..., D/2, 2, 2] gives cos [..., D]: 4-D and batch-independent (11SD/1S1D/S11D, what npu_rotary_mul's
+        # interleave mode takes) is checked on its shape; the original code runs otherwise
+        m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)"
+        m.only_note = f"the matrix is taken to be the rotation built by `{producer}`"
+        m.matrix = True
+        return m
+
     def _match_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, cache: ast.expr) -> _Match | str | None:
         """gpt-fast / lit-llama: ``xs = x.float().reshape(*x.shape[:-1], -1, 2)`` and a real cache
         ``[..., D/2, 2]`` of (cos, sin): ``stack([xs0*c - xs1*s, xs1*c + xs0*s], -1)`` is the
@@ -1115,8 +1293,14 @@ class RopePattern(Pattern):
 
     def _match_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
         """``torch.view_as_real(xc * freqs).flatten(3)`` with ``xc = view_as_complex(x.float().reshape(..., -1, 2))``."""
-        start = keyword(node, "start_dim", 0)
-        if not _is_int(start, 3, -2):
+        post = ""
+        if _method(node, "view", "reshape"):
+            # ``view_as_real(xc * f).view(b, s, h, d)`` (nanotron): the fused call gives view_as_real(..).flatten(-2),
+            # the same elements in the same order, so the original view/reshape is applied to it unchanged
+            if not node.args or node.keywords:
+                return None
+            post = f".{node.func.attr}({', '.join(segment(module, a) for a in node.args)})"
+        elif not _is_int(keyword(node, "start_dim", 0), 3, -2):
             return None
         real = node.func.value
         if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
@@ -1126,20 +1310,15 @@ class RopePattern(Pattern):
             val = _resolve(scope, xc)
             if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
                 continue
-            pairs = val.args[0]
-            cast = None
-            base = pairs
-            # x.float().reshape(*x.shape[:-1], -1, 2) or x.reshape(...).float()
-            if _method(base, "float") or (_method(base, "to") and ast.unparse(base.args[0] if base.args else base).endswith("float32")):
-                cast, base = "float32", base.func.value
-            if not (_method(base, "reshape", "view") and base.args and _is_int(base.args[-1], 2)):
-                return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
-            x = base.func.value
-            if cast is None and (_method(x, "float") or (_method(x, "to") and x.args and ast.unparse(x.args[0]).endswith("float32"))):
-                cast = "float32"
+            got = _complex_pairs(scope, val.args[0], val.lineno)
+            if isinstance(got, str):
+                return got
+            x, cast = got
             finfo = _cos_info(scope, freqs, module)
-            if not finfo.batch_free:
-                return self._complex_checked(module, node, x, xc, freqs, cast)
+            if not finfo.batch_free or post:
+                m = self._complex_checked(module, node, x, xc, freqs, cast)
+                m.post = post
+                return m
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
             tag = _ident(segment(module, freqs))
@@ -1211,6 +1390,10 @@ class RopePattern(Pattern):
                     if p not in emitted_prep:
                         (hoisted if m.only_if is not None else lines).append(p)
                         emitted_prep.add(p)
+                for p in m.inner_prep:
+                    if p not in emitted_prep:
+                        lines.append(p)
+                        emitted_prep.add(p)
                 x, c, s = m.x_text, m.cos, m.sin
                 lift_suffix = ""
                 if m.lift:
@@ -1244,7 +1427,7 @@ class RopePattern(Pattern):
                 mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
                 if m.mode_expr is not None:
                     mode_arg = f", rotary_mode={m.mode_expr}"
-                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}"))
+                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
             lines.append(replace_segments(module, stmt, reps))
         if broadcast_note:
             notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
@@ -1309,6 +1492,15 @@ class RopePattern(Pattern):
                              "fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's interleave mode takes only "
                              "11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
                 variant = "complex_freqs_cis_checked"
+            elif any(m.matrix for m in all_matches):
+                notes.append("per-pair 2x2 matrix form: cos = F[..., 0, 0], sin = F[..., 1, 0] repeat_interleave(2); "
+                             + "; ".join(sorted({m.only_note for m in all_matches if m.only_note}))
+                             + " (the apply function's argument is not traced to it: a risk); fused where x is 4-D and the matrix "
+                             "batch-independent (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D), checked at run time on "
+                             "shapes; elsewhere the original code runs")
+                variant = "rotation_matrix_pairs"
+                risks.append(Risk("other", "the per-pair matrix is assumed to be [[cos, -sin], [sin, cos]] from "
+                                  + ", ".join(sorted({m.only_note for m in all_matches if m.only_note}))))
             elif any(m.suffix for m in all_matches):
                 notes.append("pairs of a real (cos, sin) cache: fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's "
                              "interleave mode takes only 11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
@@ -2366,5 +2558,141 @@ RopePattern.KEEP += [
         _FLAGGED_ROTATE.replace("return torch.cat((-second_half, first_half), dim=-1)", "return torch.cat((second_half, first_half), dim=-1)"),
         reason="on either return path",
         name="helper_two_return_paths_none_verified",
+    ),
+]
+
+# the per-pair 2x2 rotation-matrix form (flux, lingua) and the complex form viewed back (nanotron)
+_MATRIX_SUM_OF_LANES = '''
+import torch
+
+
+def rotation_matrices(pos, dim, theta=10000):
+    scale = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    omega = 1.0 / (theta ** scale)
+    out = torch.einsum("...n,d->...nd", pos.double(), omega)
+    out = torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], dim=-1)
+    return out.view(*out.shape[:-1], 2, 2).float()
+
+
+def apply_rope(xq, xk, freqs_cis):
+    xq_ = xq.float().reshape(*xq.shape[:-1], -1, 1, 2)
+    xk_ = xk.float().reshape(*xk.shape[:-1], -1, 1, 2)
+    xq_out = freqs_cis[..., 0] * xq_[..., 0] + freqs_cis[..., 1] * xq_[..., 1]
+    xk_out = freqs_cis[..., 0] * xk_[..., 0] + freqs_cis[..., 1] * xk_[..., 1]
+    return xq_out.reshape(*xq.shape).type_as(xq), xk_out.reshape(*xk.shape).type_as(xk)
+'''
+
+_MATRIX_SUMMED = '''
+import torch
+
+
+def precompute_freqs_cis(dim, end, theta=10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.stack((cos, -sin, sin, cos), dim=-1).view(*freqs.size(), 2, 2)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = xq.reshape(*xq.shape[:-1], -1, 1, 2)  # B S H D -> B S H D/2 1 2
+    xk_ = xk.reshape(*xk.shape[:-1], -1, 1, 2)
+    freqs_cis = freqs_cis[None, :, None].float()  # S D/2 2 2 -> 1 S 1 D/2 2 2
+    xq_out = (xq_ * freqs_cis).sum(5).flatten(3)
+    xk_out = (xk_ * freqs_cis).sum(5).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # flux: column k of the per-pair matrix times lane k of x, summed by hand; [B, 1, L, D/2, 2, 2] tables
+        # (batch-independent here: B = 1 for the table) in the interleave mode, checked at run time
+        name="flux_rotation_matrix_lanes",
+        code=_MATRIX_SUM_OF_LANES,
+        expect={"mode": "interleave", "variant": "rotation_matrix_pairs", "qualname": "apply_rope", "line": 16, "end_line": 17},
+        run='''
+pe = rotation_matrices(torch.arange(6).float()[None], 16)[:, None]  # [1, 1, L, D/2, 2, 2]
+xq = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+pe_batched = rotation_matrices(torch.arange(12).float().view(2, 6), 16)[:, None]  # per-batch positions: original code
+out = (apply_rope(xq, xk, pe), apply_rope(xq, xk, pe_batched))
+leaves = [xq, xk]
+''',
+    ),
+    Fuse(
+        # lingua: (pairs * matrix).sum(5) over the 6-D product; bf16 x meets fp32 matrix (the product promotes)
+        name="lingua_rotation_matrix_summed",
+        code=_MATRIX_SUMMED,
+        expect={"mode": "interleave", "qualname": "apply_rotary_emb", "line": 17, "end_line": 18},
+        run='''
+xq = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 6, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(xq, xk, precompute_freqs_cis(16, 6))
+leaves = [xq, xk]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the matrix built transposed ([[cos, sin], [-sin, cos]]): a rotation the other way, not proven here
+        _MATRIX_SUMMED.replace("torch.stack((cos, -sin, sin, cos), dim=-1)", "torch.stack((cos, sin, -sin, cos), dim=-1)"),
+        reason="not known to be a rotation",
+        name="rotation_matrix_transposed",
+    ),
+]
+
+_NANOTRON_COMPLEX = '''
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim: int, end: int, theta: float = 10000.0):
+        super().__init__()
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float)[: (dim // 2)] / dim))
+        freqs = torch.outer(torch.arange(end), freqs).float()
+        self.register_buffer("freqs_cis", torch.view_as_real(torch.polar(torch.ones_like(freqs), freqs)), persistent=False)
+
+    def forward(self, x, position_ids=None):
+        batch_size, seq_length, num_heads, inner_dim = x.shape
+        dtype = x.dtype
+        x = x.view(batch_size, seq_length, num_heads, inner_dim // 2, 2)
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        complex_x = torch.view_as_complex(x)
+        if position_ids is None:
+            freqs_cis = self.freqs_cis[None, :seq_length, None, :]
+        else:
+            freqs_cis = self.freqs_cis[position_ids][:, :, None, :]
+        complex_freqs = torch.view_as_complex(freqs_cis)
+        x_out = torch.view_as_real(complex_x * complex_freqs).view(batch_size, seq_length, num_heads, inner_dim)
+        return x_out.type(dtype)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # nanotron: the RotaryEmbedding module computes freqs AND applies them; x upcast only when bf16, the
+        # result viewed back with .view(b, s, h, d) (kept on the fused result); per-batch positions run the original
+        name="nanotron_complex_in_forward_viewed_back",
+        code=_NANOTRON_COMPLEX,
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked", "qualname": "RotaryEmbedding.forward", "line": 25, "end_line": 25},
+        run='''
+rope = RotaryEmbedding(16, 32)
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+y = torch.randn(2, 6, 4, 16, requires_grad=True)
+pos = torch.arange(12).view(2, 6)
+out = (rope(x), rope(y), rope(y, position_ids=pos))
+leaves = [x, y]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # x rebound on another path to something that is not its lane pairs: the pairs cannot be proven
+        _NANOTRON_COMPLEX.replace("            x = x.float()\n", "            x = x.float()\n        else:\n            x = x.transpose(1, 2)\n"),
+        reason="rebound on several paths",
+        name="complex_pairs_rebound_on_another_path",
     ),
 ]
