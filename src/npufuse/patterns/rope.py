@@ -665,6 +665,10 @@ class _Match:
     lift_binds: list[str] = field(default_factory=list)  # statements binding them, inside the fused branch
     chosen_half: bool = False  # fused only where a run-time choice picks rotate_half
     matrix: bool = False  # the per-pair 2x2 rotation-matrix form
+    # the site's enclosing ``if flag:`` in the block of the absorbed statements, and the statement inside it
+    # that the fused code keeps (with the rope replaced): fused only where the flag takes that path
+    anchor: ast.stmt | None = None
+    site_stmt: ast.stmt | None = None
     inner_prep: list[str] = field(default_factory=list)  # statements inside the fused branch, before the call
     post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
 
@@ -833,6 +837,90 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
     return None
 
 
+def _stable_test(scope: Scope, test: ast.expr) -> bool:
+    """A branch test that reads the same wherever it is evaluated in the scope: no calls, and no
+    name the scope assigns (a parameter flag, ``self.is_neox_style``)."""
+    for n in fast_walk(test):
+        if isinstance(n, (ast.Call, ast.NamedExpr, ast.Await)):
+            return False
+        if isinstance(n, ast.Name) and n.id in scope.assignments:
+            return False
+    return True
+
+
+def _if_path(scope: Scope, stmt: ast.stmt) -> list[tuple[ast.If, bool, ast.stmt]]:
+    """The ``if`` statements around ``stmt`` (innermost first): (the If, stmt is in its body, the child
+    of the If on the way down)."""
+    listing, owners = scope.listing()
+    index = scope.__dict__.get("_rope_stmt_index")
+    if index is None:
+        index = scope.__dict__["_rope_stmt_index"] = {id(st): k for k, (_b, _i, st) in enumerate(listing)}
+    out = []
+    cur = stmt
+    for _ in range(32):
+        k = index.get(id(cur))
+        owner = owners[k] if k is not None else None
+        if owner is None:
+            break
+        if isinstance(owner, ast.If):
+            out.append((owner, any(cur is st for st in owner.body), cur))
+        else:
+            out.append((owner, False, cur))  # a loop / with / try on the way: not a flag path
+        cur = owner
+    return out
+
+
+def _stmt_of(scope: Scope, node: ast.AST) -> tuple[list[ast.stmt], int, ast.stmt] | None:
+    """The innermost simple statement holding ``node``."""
+    best = None
+    for block, i, st in scope.listing()[0]:
+        if st.lineno <= node.lineno and (node.end_lineno or node.lineno) <= (st.end_lineno or st.lineno) and not isinstance(st, _COMPOUND_STMTS):
+            best = (block, i, st)
+    return best
+
+
+_COMPOUND_STMTS = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _branch_anchor(scope: Scope, node: ast.AST, first_def: ast.stmt) -> tuple[ast.stmt | None, str | None, ast.stmt | None, Scope]:
+    """(anchor, condition, site statement, scope seen on the path) for a site using names defined by
+    ``first_def``: the anchor is the statement of first_def's block that holds the site — the site
+    itself, or ``if flag:`` statements (one statement per branch on the way) whose stable flags make the
+    condition. The path scope drops bindings made on the other side of the same flags."""
+    found = _stmt_of(scope, node)
+    if found is None:
+        return None, None, None, scope
+    _block, _i, site = found
+    listing, _owners = scope.listing()
+    def_block = next((b for b, _j, st in listing if st is first_def), None)
+    if def_block is None:
+        return None, None, None, scope
+    if any(st is site for st in def_block):
+        return site, None, site, scope
+    conds: list[tuple[str, bool]] = []
+    texts: list[str] = []
+    for owner, in_body, child in _if_path(scope, site):
+        branch = owner.body if in_body else getattr(owner, "orelse", [])
+        if not isinstance(owner, ast.If) or len(branch) != 1 or branch[0] is not child or not _stable_test(scope, owner.test):
+            return None, None, None, scope
+        conds.append((ast.dump(owner.test), in_body))
+        texts.append(ast.unparse(owner.test) if in_body else f"not {_atom(ast.unparse(owner.test))}")
+        if any(st is owner for st in def_block):
+            path = scope.__dict__.setdefault("_rope_path_scopes", {})
+            key = tuple(conds)
+            if key not in path:
+                filtered = {}
+                for name, binds in scope.assignments.items():
+                    filtered[name] = [(st, v) for st, v in binds
+                                      if not any(ast.dump(o.test) == t and b != br for o, b, _c in _if_path(scope, st)
+                                                 if isinstance(o, ast.If) for t, br in conds)]
+                restricted = Scope(scope.qualname, scope.node, scope.class_name, scope.body)
+                restricted.assignments = filtered
+                path[key] = restricted
+            return owner, " and ".join(reversed(texts)), site, path[key]
+    return None, None, None, scope
+
+
 def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
     """x of ``x.reshape(*x.shape[:-1], -1, 1, 2)`` (also ``view``, through a local name): each lane
     pair of x as a 1x2 row, ready to meet a per-pair 2x2 matrix (flux / lingua)."""
@@ -952,6 +1040,12 @@ class RopePattern(Pattern):
                     matches.append(res)
             if not matches:
                 continue
+            anchored = [m for m in matches if m.anchor is not None]
+            if anchored:
+                # the site sits inside ``if flag:`` statements: the run is made of the If in the outer block
+                listing = scope.listing()[0]
+                block, i, stmt = next(((b, j, st) for b, j, st in listing if st is anchored[0].anchor))
+                matches = [anchored[0]]
             absorb = [a for m in matches for a in m.absorb]
             if absorb:
                 # the statements computing the two rotated halves (nanochat's y1 = ..., y2 = ...) go
@@ -1095,11 +1189,20 @@ class RopePattern(Pattern):
             if not found or not isinstance(found[-1][0], ast.Assign) or len(found[-1][0].targets) != 1:
                 return None
             defs.append(found[-1])
-        if any(scope.uses_after(y.id, node.lineno) for y in (y1, y2)):
+        # vLLM / sglang ``_apply_rotary_emb``: the halves are cut under ``if is_neox_style:`` (chunk) / else
+        # (even/odd lanes), o1/o2 written once, and ``if is_neox_style: return cat((o1, o2))`` else a stack:
+        # the site is that If, fused under the same flag; the halves are read on the flag's path only
+        anchor, only_if, site, path_scope = _branch_anchor(scope, node, defs[0][0])
+        if anchor is None:
+            return None
+        end = anchor.end_lineno or anchor.lineno
+        if any(scope.uses_after(y.id, end) for y in (y1, y2)):
             return None  # the halves are read again: keep them (the site would need them)
         terms = [_signed_products(d[1]) for d in defs]
         if terms[0] is None or terms[1] is None:
             return None
+        scope_for_halves = scope
+        scope = path_scope
         base = None
         for _sign, u, v in terms[0] + terms[1]:
             # the shared canonical layer: chunk / split / unbind / slice halves alike
@@ -1133,6 +1236,7 @@ class RopePattern(Pattern):
         if not (same_expr(c_a, c_b) and same_expr(s_a, s_b) and s1a == 1 and s2b == 1 and s1b == -s2a):
             return None
         negate = s1b == 1  # y1 = x1*c + x2*s: the rotation by -angle, i.e. sin negated
+        scope = scope_for_halves
         m = self._build_real(module, scope, node, "half", base, c_a, s_a)
         if isinstance(m, str):
             return m
@@ -1144,6 +1248,10 @@ class RopePattern(Pattern):
                   f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
         m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
         m.absorb = [d[0] for d in defs]
+        if anchor is not site:
+            m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
+            m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
+            m.only_note = f"the other path of `{ast.unparse(anchor.test)}` (the interleaved stack) keeps the original code"  # type: ignore[attr-defined]
         return m
 
     def _match_matrix(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, mat: ast.expr, sum_dim: ast.expr | None) -> _Match | str:
@@ -1428,7 +1536,8 @@ class RopePattern(Pattern):
                 if m.mode_expr is not None:
                     mode_arg = f", rotary_mode={m.mode_expr}"
                 reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
-            lines.append(replace_segments(module, stmt, reps))
+            target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
+            lines.append(replace_segments(module, target, reps))
         if broadcast_note:
             notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
                          "the broadcast the eager product makes (npu_rotary_mul rejects 2-D/3-D cos/sin)")
@@ -2694,5 +2803,69 @@ RopePattern.KEEP += [
         _NANOTRON_COMPLEX.replace("            x = x.float()\n", "            x = x.float()\n        else:\n            x = x.transpose(1, 2)\n"),
         reason="rebound on several paths",
         name="complex_pairs_rebound_on_another_path",
+    ),
+]
+
+# vLLM / sglang: the halves cut under the style flag, the rotation written once, the result picked by the same flag
+_VLLM_APPLY = '''
+import torch
+
+
+def _apply_rotary_emb(x, cos, sin, is_neox_style: bool):
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    else:
+        return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def forward_native(positions, query, cos_sin_cache, head_size, rotary_dim, is_neox_style=True):
+    num_tokens = positions.shape[0]
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    query_shape = query.shape
+    query = query.view(num_tokens, -1, head_size)
+    query_rot = query[..., :rotary_dim]
+    query_pass = query[..., rotary_dim:]
+    query_rot = _apply_rotary_emb(query_rot, cos, sin, is_neox_style)
+    return torch.cat((query_rot, query_pass), dim=-1).reshape(query_shape)
+
+
+def cos_sin_cache(max_pos, rotary_dim):
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # [T, N*D] tokens viewed [T, N, D], partial rotary, [T, D/2] tables: the neox path fused (lifted to 4-D),
+        # the GPT-J path (interleaved stack, cos/sin layout not provable) keeps the original code
+        name="vllm_halves_cut_under_style_flag",
+        code=_VLLM_APPLY,
+        expect={"mode": "half", "targets": ["x"], "qualname": "_apply_rotary_emb", "line": 13, "end_line": 18},
+        run='''
+cache = cos_sin_cache(32, 16)
+positions = torch.tensor([3, 0, 7, 1, 2])
+q = torch.randn(5, 4 * 24, requires_grad=True)
+out = (forward_native(positions, q, cache, 24, 16, True), forward_native(positions, q, cache, 24, 16, False))
+leaves = [q]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the halves are cut under one flag and the result picked by another: the halves on the cat path are unknown
+        _VLLM_APPLY.replace("    if is_neox_style:\n        return torch.cat", "    if cat_halves:\n        return torch.cat")
+        .replace("is_neox_style: bool)", "is_neox_style: bool, cat_halves: bool = True)"),
+        name="vllm_halves_cut_under_another_flag",
     ),
 ]
