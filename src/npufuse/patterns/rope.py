@@ -177,9 +177,10 @@ def _scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
 class _Halves:
     """Recognises the two halves (or the even/odd lanes) of a tensor ``x`` given by a predicate."""
 
-    def __init__(self, scope: Scope, is_x) -> None:
+    def __init__(self, scope: Scope, is_x, module: ModuleInfo | None = None) -> None:
         self.scope = scope
         self.is_x = is_x
+        self.module = module  # given: the shared canonical layer answers the spellings not matched here
 
     def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
         sl = sub.slice
@@ -218,6 +219,16 @@ class _Halves:
 
     def part(self, node: ast.expr) -> str | None:
         """'first' / 'second' half, 'even' / 'odd' lanes of x, or None."""
+        found = self._part(node)
+        if found is None and self.module is not None:
+            # unflatten / view(*x.shape[:-1], 2, -1) / einops views unbound, strided slices (canonical.lane_of)
+            lane = canonical.lane_of(self.module, self.scope, node)
+            # not the layer's contiguous slices / split sizes: those are halves only at D/2, which _part proves itself
+            if lane is not None and self.is_x(lane.source) and not (lane.kind == "halves" and lane.spelling in ("slice", "split")):
+                return ("first", "second")[lane.index] if lane.kind == "halves" else ("even", "odd")[lane.index]
+        return found
+
+    def _part(self, node: ast.expr) -> str | None:
         node = _resolve(self.scope, node)
         if isinstance(node, ast.Subscript):
             base = node.value
@@ -348,9 +359,9 @@ def _classify_pair(halves: _Halves, a: ast.expr, b: ast.expr, lanes: tuple[str, 
     return False, ""
 
 
-def _rotation_expr(scope: Scope, expr: ast.expr, is_x) -> _Rotation:
+def _rotation_expr(scope: Scope, expr: ast.expr, is_x, module: ModuleInfo | None = None) -> _Rotation:
     """Classify an expression as the half / interleave rotation of x (predicate ``is_x``)."""
-    halves = _Halves(scope, is_x)
+    halves = _Halves(scope, is_x, module)
     expr = _resolve(scope, expr)
     # half: torch.cat((-x2, x1), dim=-1)
     if isinstance(expr, ast.Call):
@@ -421,7 +432,7 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
             cache[key] = _rotation_helper(module, scope, node)
         return dataclasses.replace(cache[key])
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    rot = _rotation_expr(scope, node, lambda n: same_expr(n, x))
+    rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
     rot.name = "inline"
     return rot
 
@@ -474,7 +485,7 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     if len(rets) != 1:
         return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
 
-    rot = _rotation_expr(hscope, rets[0].value, is_param)
+    rot = _rotation_expr(hscope, rets[0].value, is_param, module)
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
@@ -509,7 +520,7 @@ def _flagged_helper(module: ModuleInfo, node: ast.Call, fn: ast.FunctionDef, hsc
                              "a value the call site cannot read: not verified", name)
     kinds = []
     for ret in (then_rets[0], other):
-        rot = _rotation_expr(hscope, ret.value, is_param)
+        rot = _rotation_expr(hscope, ret.value, is_param, module)
         kinds.append(rot.kind)
     test = ast.unparse(branch.test)
     if kinds[0] is None and kinds[1] is None:
@@ -665,6 +676,7 @@ class _Match:
     lift_binds: list[str] = field(default_factory=list)  # statements binding them, inside the fused branch
     chosen_half: bool = False  # fused only where a run-time choice picks rotate_half
     matrix: bool = False  # the per-pair 2x2 rotation-matrix form
+    producer: str = ""  # the module's function building that matrix
     # the site's enclosing ``if flag:`` in the block of the absorbed statements, and the statement inside it
     # that the fused code keeps (with the rope replaced): fused only where the flag takes that path
     anchor: ast.stmt | None = None
@@ -1143,7 +1155,10 @@ class RopePattern(Pattern):
           the de-interleaved x = cat(a, b) — the original returns that lane order too;
         * stack of the even/odd lanes, flattened: interleave mode with c, s repeat_interleave(2)."""
         ra = _resolve(scope, a)
-        if isinstance(ra, ast.Subscript) and isinstance(ra.value, ast.Call) and _is_int(ra.slice, 0, 1):
+        lane = canonical.lane_of(module, scope, a, node.lineno)
+        if lane is not None:
+            base = lane.source  # any spelling the shared layer knows (chunk, split, unbind of a view, einops, slices)
+        elif isinstance(ra, ast.Subscript) and isinstance(ra.value, ast.Call) and _is_int(ra.slice, 0, 1):
             call = ra.value  # x.chunk(2, -1)[k] / torch.chunk(x, 2, dim=-1)[k]
             base = call.args[0] if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch" and call.args else getattr(call.func, "value", None)
         elif isinstance(ra, ast.Subscript):
@@ -1152,7 +1167,7 @@ class RopePattern(Pattern):
             return None
         if base is None:
             return None
-        halves = _Halves(scope, lambda n: same_expr(n, base))
+        halves = _Halves(scope, lambda n: same_expr(n, base), module)
         parts = (halves.part(a), halves.part(b))
         if how == "cat" and parts == ("first", "second"):
             mode, x_text = "half", segment(module, base)
@@ -1206,13 +1221,13 @@ class RopePattern(Pattern):
         base = None
         for _sign, u, v in terms[0] + terms[1]:
             # the shared canonical layer: chunk / split / unbind / slice halves alike
-            h = canonical.half_of(module, scope, u, node.lineno) or canonical.half_of(module, scope, v, node.lineno)
-            if h is not None:
+            h = canonical.lane_of(module, scope, u, node.lineno) or canonical.lane_of(module, scope, v, node.lineno)
+            if h is not None and h.kind == "halves":
                 base = h.source
                 break
         if base is None:
             return None
-        halves = _Halves(scope, lambda n: same_expr(n, base))
+        halves = _Halves(scope, lambda n: same_expr(n, base), module)
 
         def canon(ts: list) -> dict | None:
             out = {}
@@ -1294,7 +1309,7 @@ class RopePattern(Pattern):
         # interleave mode takes) is checked on its shape; the original code runs otherwise
         m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)"
         m.only_note = f"the matrix is taken to be the rotation built by `{producer}`"
-        m.matrix = True
+        m.matrix, m.producer = True, producer
         return m
 
     def _match_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, cache: ast.expr) -> _Match | str | None:
@@ -1608,8 +1623,9 @@ class RopePattern(Pattern):
                              "batch-independent (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D), checked at run time on "
                              "shapes; elsewhere the original code runs")
                 variant = "rotation_matrix_pairs"
-                risks.append(Risk("other", "the per-pair matrix is assumed to be [[cos, -sin], [sin, cos]] from "
-                                  + ", ".join(sorted({m.only_note for m in all_matches if m.only_note}))))
+                risks.append(Risk("other", "the per-pair matrix is assumed to be the [[cos, -sin], [sin, cos]] rotation built by "
+                                  + ", ".join(sorted({f"`{m.producer}`" for m in all_matches if m.matrix}))
+                                  + " in this module: the argument applied here is not traced back to it"))
             elif any(m.suffix for m in all_matches):
                 notes.append("pairs of a real (cos, sin) cache: fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's "
                              "interleave mode takes only 11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
@@ -2867,5 +2883,95 @@ RopePattern.KEEP += [
         _VLLM_APPLY.replace("    if is_neox_style:\n        return torch.cat", "    if cat_halves:\n        return torch.cat")
         .replace("is_neox_style: bool)", "is_neox_style: bool, cat_halves: bool = True)"),
         name="vllm_halves_cut_under_another_flag",
+    ),
+]
+
+# halves / lane pairs cut by viewing the last dim as two axes and unbinding one (canonical.lane_of)
+RopePattern.FUSE += [
+    Fuse(
+        # rotary-embedding-torch (lucidrains): the interleaved rotation through einops, the view bound to x first
+        name="einops_pairs_rotate_rebound",
+        code='''
+import torch
+from einops import rearrange
+
+
+def rotate_half(x):
+    x = rearrange(x, "... (d r) -> ... d r", r=2)
+    x1, x2 = x.unbind(dim=-1)
+    x = torch.stack((-x2, x1), dim=-1)
+    return rearrange(x, "... d r -> ... (d r)")
+
+
+def apply_rotary_emb(freqs, t):
+    cos = freqs.cos()[None, None]
+    sin = freqs.sin()[None, None]
+    return t * cos + rotate_half(t) * sin
+''',
+        # einops is not a dependency: tests/test_detect_rope.py runs this one under a minimal stand-in
+        expect={"mode": "interleave", "targets": ["t"]},
+    ),
+    Fuse(
+        # NeoX written out on halves cut by unflatten(-1, (2, -1)).unbind(-2)
+        name="neox_written_out_unflatten_unbind",
+        code='''
+import torch
+
+
+def apply_rotary(x, cos, sin):
+    x1, x2 = x.unflatten(-1, (2, -1)).unbind(-2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+''',
+        expect={"mode": "half", "targets": ["x"]},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+x = torch.randn(2, 6, 4, 16, requires_grad=True)
+out = apply_rotary(x, ang.cos()[:, None], ang.sin()[:, None])
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # GPT-J written out on lane pairs cut by unflatten(-1, (-1, 2)).unbind(-1), batch-free tables
+        name="gptj_written_out_pairs_unbind",
+        code='''
+import torch
+
+
+def apply_rotary(x, cos, sin):
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+''',
+        expect={"mode": "interleave", "targets": ["x"]},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+x = torch.randn(2, 6, 4, 16, requires_grad=True)
+out = apply_rotary(x, ang.cos(), ang.sin())
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # lane pairs (d r) stacked back as (r d): not the interleaved order, not a rotation npu_rotary_mul computes
+        '''
+import torch
+from einops import rearrange
+
+
+def rotate_half(x):
+    x = rearrange(x, "... (d r) -> ... d r", r=2)
+    x1, x2 = x.unbind(dim=-1)
+    x = torch.stack((x2, -x1), dim=-1)
+    return rearrange(x, "... d r -> ... (d r)")
+
+
+def apply_rotary_emb(freqs, t):
+    return t * freqs.cos() + rotate_half(t) * freqs.sin()
+''',
+        reason="sign flipped",
+        name="einops_pairs_sign_flipped",
     ),
 ]
