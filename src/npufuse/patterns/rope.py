@@ -933,6 +933,30 @@ def _branch_anchor(scope: Scope, node: ast.AST, first_def: ast.stmt) -> tuple[as
     return None, None, None, scope
 
 
+def _complex_halves(scope: Scope, xc: ast.expr) -> ast.expr | None:
+    """t of ``view_as_complex(stack(chunk(t, 2, -1), -1))`` (also ``t.chunk(2, dim=-1)``, through a
+    local name): complex numbers whose real parts are t's first half and imaginary parts its second."""
+    v = _resolve(scope, xc)
+    if not (isinstance(v, ast.Call) and ast.unparse(v.func).endswith("view_as_complex") and len(v.args) == 1):
+        return None
+    st = _resolve(scope, v.args[0])
+    if not (isinstance(st, ast.Call) and isinstance(st.func, ast.Attribute) and st.func.attr == "stack" and st.args
+            and _is_int(keyword(st, "dim", 1), -1)):
+        return None
+    ch = st.args[0]
+    if not (isinstance(ch, ast.Call) and isinstance(ch.func, ast.Attribute) and ch.func.attr == "chunk"):
+        return None
+    if isinstance(ch.func.value, ast.Name) and ch.func.value.id == "torch":
+        if not ch.args:
+            return None
+        t, rest = ch.args[0], ch.args[1:]
+    else:
+        t, rest = ch.func.value, list(ch.args)
+    n = rest[0] if rest else keyword(ch, "chunks")
+    dim = rest[1] if len(rest) > 1 else keyword(ch, "dim")
+    return t if _is_int(n, 2) and _is_int(dim, -1) else None
+
+
 def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
     """x of ``x.reshape(*x.shape[:-1], -1, 1, 2)`` (also ``view``, through a local name): each lane
     pair of x as a 1x2 row, ready to meet a per-pair 2x2 matrix (flux / lingua)."""
@@ -1121,6 +1145,11 @@ class RopePattern(Pattern):
                 return
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
                 found.append(node)
+                return
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("view_as_real") and node.args \
+                    and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult) \
+                    and any(_complex_halves(scope, f) is not None for f in (node.args[0].left, node.args[0].right)):
+                found.append(node)  # gemma: the complex numbers are made of the two halves
                 return
             if _method(node, "flatten", "view", "reshape") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
@@ -1416,6 +1445,8 @@ class RopePattern(Pattern):
 
     def _match_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
         """``torch.view_as_real(xc * freqs).flatten(3)`` with ``xc = view_as_complex(x.float().reshape(..., -1, 2))``."""
+        if ast.unparse(node.func).endswith("view_as_real"):
+            return self._match_complex_halves(module, scope, node)
         post = ""
         if _method(node, "view", "reshape"):
             # ``view_as_real(xc * f).view(b, s, h, d)`` (nanotron): the fused call gives view_as_real(..).flatten(-2),
@@ -1457,6 +1488,37 @@ class RopePattern(Pattern):
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
+        return None
+
+    def _match_complex_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
+        """gemma: ``xc = view_as_complex(stack(chunk(t, 2, -1), -1))`` pairs x_i with x_{i+D/2}, so
+        ``view_as_real(xc * freqs)`` is the half rotation of t (cos = cat(freqs.real, freqs.real)) laid
+        out as [..., D/2, 2] pairs of (first-half, second-half) lanes: the fused result is given that
+        layout back (``unflatten(-1, (2, -1)).transpose(-1, -2)``, a view), and the code after it is kept."""
+        prod = node.args[0]
+        assert isinstance(prod, ast.BinOp)
+        for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+            t = _complex_halves(scope, xc)
+            if t is None:
+                continue
+            f_src = _atom(segment(module, freqs))
+            tag = _ident(segment(module, xc))
+            cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+            m = _Match(
+                node=node, mode="half", x=t, cos=cos, sin=sin, cos_node=None, sin_node=None, x_text=segment(module, t),
+                cos_info=_CosInfo(layout="cat(freqs.real, freqs.real), rank as passed"),
+                x_dtype=_dtype_token(scope, t), cs_dtype=None,
+            )
+            m.inner_prep = [f"{cos} = torch.cat(({f_src}.real, {f_src}.real), dim=-1)  # complex pairs of the halves = rotate_half: cos of each half",
+                            f"{sin} = torch.cat(({f_src}.imag, {f_src}.imag), dim=-1)"]
+            m.post = ".unflatten(-1, (2, -1)).transpose(-1, -2)"
+            xc_val = _resolve(scope, xc)
+            if isinstance(xc, ast.Name) and xc_val is not xc and not scope.uses_after(xc.id, node.lineno):
+                # ``x_ = view_as_complex(stack(chunk(..)))`` right before: the fused call replaces it (its stack copy too)
+                defs = [st for st, v in scope.assignments.get(xc.id, []) if st.lineno < node.lineno]
+                if defs and isinstance(defs[-1], ast.Assign) and len(defs[-1].targets) == 1:
+                    m.absorb = [defs[-1]]
+            return m
         return None
 
     @staticmethod
@@ -1542,7 +1604,7 @@ class RopePattern(Pattern):
                         dtype_vars[key] = var
                         # eager x*cos promotes (bf16 x, fp32 cos -> fp32); npu_rotary_mul computes in x's dtype
                         lines.append(
-                            f"{var} = torch.promote_types(torch.promote_types({_atom(m.x_text)}.dtype, {_atom(c0)}.dtype), {_atom(s0)}.dtype)"
+                            f"{var} = torch.promote_types(torch.promote_types({_atom(m.lift[0] if m.lift else m.x_text)}.dtype, {_atom(c0)}.dtype), {_atom(s0)}.dtype)"
                             "  # the eager x*cos dtype (wider of x, cos, sin)"
                         )
                     promoted = True
@@ -1676,6 +1738,8 @@ class RopePattern(Pattern):
                 base = inner
             elif isinstance(base, ast.Subscript) and _Halves(None, lambda n: True)._last_dim_slice(base) is not None:  # type: ignore[arg-type]
                 base = base.value
+            elif _method(base, "transpose", "contiguous", "permute"):
+                base = base.func.value  # rank kept
             else:
                 break
         if isinstance(base, ast.Name):
@@ -2973,5 +3037,46 @@ def apply_rotary_emb(freqs, t):
 ''',
         reason="sign flipped",
         name="einops_pairs_sign_flipped",
+    ),
+]
+
+# gemma: complex numbers made of the two halves (rotate_half semantics in the complex form)
+_COMPLEX_HALVES = '''
+import torch
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    freqs = torch.outer(torch.arange(end), freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    x_ = torch.view_as_complex(torch.stack(torch.chunk(x.transpose(1, 2).float(), 2, dim=-1), dim=-1))
+    x_out = torch.view_as_real(x_ * freqs_cis).type_as(x)
+    x_out = torch.cat(torch.chunk(x_out, 2, dim=-1), dim=-2)
+    x_out = x_out.reshape(x_out.shape[0], x_out.shape[1], x_out.shape[2], -1).transpose(1, 2)
+    return x_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # [B, S, N, D] x transposed to [B, N, S, D], halves paired as complex numbers, [S, D/2] freqs (11SD once lifted)
+        name="gemma_complex_of_halves",
+        code=_COMPLEX_HALVES,
+        expect={"mode": "half", "targets": ["x.transpose(1, 2).float()"], "line": 12, "end_line": 13},
+        run='''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(x, precompute_freqs_cis(16, 6))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # chunked along dim 1, not the last dim: not the halves of the head dim
+        _COMPLEX_HALVES.replace("torch.chunk(x.transpose(1, 2).float(), 2, dim=-1)", "torch.chunk(x.transpose(1, 2).float(), 2, dim=1)"),
+        name="complex_of_chunks_along_another_dim",
     ),
 ]
