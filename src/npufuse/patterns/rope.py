@@ -727,6 +727,24 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
     return x, (cast if certain else None)
 
 
+def _flat_factors(node: ast.expr) -> list[ast.expr]:
+    """The factors of a product chain ``a * b * c`` (left to right); ``[node]`` when not a product."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _flat_factors(node.left) + _flat_factors(node.right)
+    return [node]
+
+
+def _product(factors: list[ast.expr]) -> ast.expr:
+    """One factor as written, or the product of several (rotary-embedding-torch's ``cos * scale``): a new
+    node without a position, written out by ``ast.unparse`` and evaluated once into a name by the lift."""
+    if len(factors) == 1:
+        return factors[0]
+    out = factors[0]
+    for f in factors[1:]:
+        out = ast.BinOp(left=out, op=ast.Mult(), right=f)
+    return out
+
+
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
         return node.left, node.right
@@ -1380,14 +1398,14 @@ class RopePattern(Pattern):
         return m
 
     def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:
-        t1, t2 = _mult_factors(node.left), _mult_factors(node.right)
-        assert t1 and t2
+        t1, t2 = _flat_factors(node.left), _flat_factors(node.right)
+        assert len(t1) >= 2 and len(t2) >= 2
         best_reason = ""
         for rot_term, plain_term in ((t1, t2), (t2, t1)):
-            for r_idx in (0, 1):
-                r_node, sin = rot_term[r_idx], rot_term[1 - r_idx]
-                for x_idx in (0, 1):
-                    x, cos = plain_term[x_idx], plain_term[1 - x_idx]
+            for r_idx in range(len(rot_term)):
+                r_node, sin = rot_term[r_idx], _product(rot_term[:r_idx] + rot_term[r_idx + 1:])
+                for x_idx in range(len(plain_term)):
+                    x, cos = plain_term[x_idx], _product(plain_term[:x_idx] + plain_term[x_idx + 1:])
                     rot = _rotation_call(module, scope, r_node, x)
                     if rot.kind is None:
                         best_reason = best_reason or rot.reason
@@ -1638,6 +1656,10 @@ class RopePattern(Pattern):
                 + f"; cos here: {ci.layout or 'as passed by the caller (shape not visible in this function)'}",
             )
         )
+        if any(m.cos_node is not None and getattr(m.cos_node, "lineno", None) is None for m in all_matches):
+            risks.append(Risk("numerics", "cos/sin are taken with the scale factor(s) of the original products folded in "
+                              "(`x * cos * scale`: rounded once more in low precision); npu_rotary_mul documents cos/sin values in "
+                              "[-1, 1], which a scale above 1 leaves (whether the kernel depends on it is not known)"))
         if any(isinstance(_resolve(scope, m.x), ast.Subscript) for m in all_matches):
             risks.append(Risk("non_contiguous", "the rotated tensor is a slice view (partial rotary): a strided input"))
         risks.append(Risk("other", "npu_rotary_mul saves x for backward even when cos/sin need no grad: slightly more activation memory than the eager code"))
@@ -3078,5 +3100,38 @@ RopePattern.KEEP += [
         # chunked along dim 1, not the last dim: not the halves of the head dim
         _COMPLEX_HALVES.replace("torch.chunk(x.transpose(1, 2).float(), 2, dim=-1)", "torch.chunk(x.transpose(1, 2).float(), 2, dim=1)"),
         name="complex_of_chunks_along_another_dim",
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # rotary-embedding-torch: a scale factor on both products, the rotated middle slice cat between the rest
+        name="scaled_products_middle_slice",
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_emb(freqs, t, start_index=0, scale=1.0):
+    rot_dim = freqs.shape[-1]
+    end_index = start_index + rot_dim
+    t_left = t[..., :start_index]
+    t_middle = t[..., start_index:end_index]
+    t_right = t[..., end_index:]
+    t_transformed = (t_middle * freqs.cos() * scale) + (rotate_half(t_middle) * freqs.sin() * scale)
+    return torch.cat((t_left, t_transformed, t_right), dim=-1)
+''',
+        expect={"mode": "half", "targets": ["t_middle"], "line": 16, "end_line": 16},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+freqs = torch.cat((ang, ang), dim=-1)
+t = torch.randn(2, 4, 6, 24, requires_grad=True)
+out = (apply_rotary_emb(freqs, t, start_index=4, scale=0.5), apply_rotary_emb(freqs, t))
+leaves = [t]
+''',
     ),
 ]
