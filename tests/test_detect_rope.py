@@ -186,3 +186,12 @@ def test_rotation_matrix_form_states_its_producer_as_a_risk():
     assert "rotation built by `precompute_freqs_cis (line 10)`" in risks
     # the sum over dim 5 is the pair axis only for a 4-D x: checked at run time
     assert "5 == xq.dim() + 1" in findings[0].fused
+
+
+def test_names_reused_for_the_key_do_not_hide_the_query_site():
+    """o1/o2 are read again after the query's site, but only after the key binds them anew: both sites."""
+    example = next(e for e in PATTERN.FUSE if e.name == "vllm_query_and_key_reuse_names")
+    findings, _ = detect_all(PATTERN, example.code)
+    sites = [f for f in findings if f.qualname == "forward_native"]
+    assert len(sites) == 2
+    assert all(f.fused.startswith("if (is_neox_style)") for f in sites)

@@ -724,6 +724,9 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
     x = node.func.value
     if _is_float_cast(x):
         cast = "float32"
+    if _method(x, "double") or (_method(x, "to", "type") and x.args and ast.unparse(x.args[0]) in ("torch.float64", "torch.double")):
+        return (f"complex rope computed in float64 (`{ast.unparse(x)}`): npu_rotary_mul takes fp16/bf16/fp32 only, "
+                "and computing in fp32 instead would change the numbers this code asks for")
     return x, (cast if certain else None)
 
 
@@ -865,6 +868,16 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
                 if _is_product(p, b, c) and _is_product(q, a, s_):
                     return how, a, b, c, s_
     return None
+
+
+def _read_before_rebound(scope: Scope, name: str, line: int) -> bool:
+    """Is ``name``'s value after ``line`` read before it is bound again? (vLLM's golden code reuses
+    o1/o2 for the key after the query: those later reads see new values)."""
+    loads = [n.lineno for n in scope.name_loads().get(name, []) if n.lineno > line]
+    if not loads:
+        return False
+    stores = [st.lineno for st, _v in scope.assignments.get(name, []) if st.lineno > line]
+    return not stores or min(loads) <= min(stores)
 
 
 def _stable_test(scope: Scope, test: ast.expr) -> bool:
@@ -1258,7 +1271,7 @@ class RopePattern(Pattern):
         if anchor is None:
             return None
         end = anchor.end_lineno or anchor.lineno
-        if any(scope.uses_after(y.id, end) for y in (y1, y2)):
+        if any(_read_before_rebound(scope, y.id, end) for y in (y1, y2)):
             return None  # the halves are read again: keep them (the site would need them)
         terms = [_signed_products(d[1]) for d in defs]
         if terms[0] is None or terms[1] is None:
@@ -1566,8 +1579,9 @@ class RopePattern(Pattern):
             cos_info=_CosInfo(batch_free=False, layout="from freqs_cis, checked at run time"), prep=prep,
             x_dtype=cast, cs_dtype=None, suffix=f"[(0,) if {lift} else ()]",
         )
+        # complex128 freqs (or float64 x) make the eager product float64, a dtype npu_rotary_mul does not take
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and ({cos}.shape[1] == 1 or "
-                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape and torch.float64 not in ({xv}.dtype, {cos}.dtype)")
         return m
 
     # ---------------------------------------------------------------------------------------------
@@ -3132,6 +3146,58 @@ freqs = torch.cat((ang, ang), dim=-1)
 t = torch.randn(2, 4, 6, 24, requires_grad=True)
 out = (apply_rotary_emb(freqs, t, start_index=4, scale=0.5), apply_rotary_emb(freqs, t))
 leaves = [t]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the complex product asked for in float64: the op takes fp16/bf16/fp32 only
+        _MISTRAL_TOKENS.replace("xq.float().reshape", "xq.to(torch.float64).reshape").replace("xk.float().reshape", "xk.double().reshape"),
+        reason="computed in float64",
+        name="complex_in_float64",
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # the rotation written twice in one function with the names o1/o2 reused for the key: both sites found
+        # (the query's o1/o2 are bound again before the key reads them)
+        name="vllm_query_and_key_reuse_names",
+        code=_VLLM_APPLY.replace('''    query_rot = _apply_rotary_emb(query_rot, cos, sin, is_neox_style)
+''', '''    if is_neox_style:
+        x1, x2 = torch.chunk(query_rot, 2, dim=-1)
+    else:
+        x1 = query_rot[..., ::2]
+        x2 = query_rot[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        query_rot = torch.cat((o1, o2), dim=-1)
+    else:
+        query_rot = torch.stack((o1, o2), dim=-1).flatten(-2)
+    key_rot = query_rot.flip(-1)
+    if is_neox_style:
+        x1, x2 = torch.chunk(key_rot, 2, dim=-1)
+    else:
+        x1 = key_rot[..., ::2]
+        x2 = key_rot[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        key_rot = torch.cat((o1, o2), dim=-1)
+    else:
+        key_rot = torch.stack((o1, o2), dim=-1).flatten(-2)
+    query_rot = query_rot + key_rot
+''').replace("    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)\n",
+             "    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)\n    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)\n"),
+        expect={"mode": "half"},
+        run='''
+cache = cos_sin_cache(32, 16)
+positions = torch.tensor([3, 0, 7, 1, 2])
+q = torch.randn(5, 4 * 24, requires_grad=True)
+out = (forward_native(positions, q, cache, 24, 16, True), forward_native(positions, q, cache, 24, 16, False))
+leaves = [q]
 ''',
     ),
 ]
