@@ -552,6 +552,10 @@ class _CosInfo:
 
 def _cos_info(scope: Scope, node: ast.expr, module: ModuleInfo) -> _CosInfo:
     """What can be said statically about a cos/sin operand's shape."""
+    if isinstance(node, ast.Name) and _bound_on_a_branch(scope, node):
+        # ``if x.ndim == 3: f = f.view(1, S, D) else: f = f.view(1, S, 1, D)``: which binding reaches the
+        # use is decided at run time, so nothing is claimed (the last one textually is not the answer)
+        return _CosInfo()
     node = _resolve(scope, node)
     info = _CosInfo()
     # casts / repeat_interleave / cat(freqs, freqs) keep the shape pattern
@@ -689,6 +693,16 @@ def _is_float_cast(node: ast.AST) -> bool:
     return _method(node, "float") or (_method(node, "to") and bool(node.args) and ast.unparse(node.args[0]).endswith("float32"))
 
 
+def _pairs_view(node: ast.AST) -> bool:
+    """``t.reshape(..., 2)`` / ``t.view(..., 2)`` / ``t.unflatten(-1, (-1, 2))``: consecutive elements paired."""
+    if _method(node, "reshape", "view") and node.args and _is_int(node.args[-1], 2):
+        return True
+    if _method(node, "unflatten") and len(node.args) == 2 and _is_int(node.args[0], -1):
+        sizes = node.args[1]
+        return isinstance(sizes, (ast.Tuple, ast.List)) and len(sizes.elts) == 2 and _is_int(sizes.elts[1], 2)
+    return False
+
+
 def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, str | None] | str:
     """(x, cast) when ``view_as_complex(pairs)`` reads lane pairs of x: ``pairs`` is (through local
     names and float casts) ``x.reshape(..., 2)`` / ``x.view(..., 2)`` — a trailing 2 on a view groups
@@ -707,7 +721,7 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
                 # every earlier binding must be the pairs view itself or a cast of the name
                 for _st, v in defs:
                     inner, casts = strip_casts(v)
-                    if not ((_method(v, "reshape", "view") and v.args and _is_int(v.args[-1], 2))
+                    if not (_pairs_view(v)
                             or (casts and isinstance(inner, ast.Name) and inner.id == node.id)):
                         return "complex rope over a tensor rebound on several paths: its lane pairs cannot be proven"
                 certain = False
@@ -719,7 +733,7 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
             node = node.func.value
             continue
         break
-    if not (_method(node, "reshape", "view") and node.args and _is_int(node.args[-1], 2)):
+    if not _pairs_view(node):
         return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
     x = node.func.value
     if _is_float_cast(x):
@@ -878,6 +892,20 @@ def _read_before_rebound(scope: Scope, name: str, line: int) -> bool:
         return False
     stores = [st.lineno for st, _v in scope.assignments.get(name, []) if st.lineno > line]
     return not stores or min(loads) <= min(stores)
+
+
+def _bound_on_a_branch(scope: Scope, name: ast.Name) -> bool:
+    """Is the binding of ``name`` that textually precedes its use made inside a compound statement
+    (if / loop / with / try) that does not also hold the use, so another binding may reach it?"""
+    line = getattr(name, "lineno", None)
+    defs = [st for st, _v in scope.assignments.get(name.id, []) if line is None or st.lineno < line]
+    if len(defs) < 2 and not (defs and _if_path(scope, defs[-1])):
+        return False
+    use = _stmt_of(scope, name)
+    if use is None or not defs:
+        return False
+    around_use = {id(o) for o, _b, _c in _if_path(scope, use[2])}
+    return any(id(o) not in around_use for o, _b, _c in _if_path(scope, defs[-1]))
 
 
 def _stable_test(scope: Scope, test: ast.expr) -> bool:
@@ -3198,6 +3226,44 @@ positions = torch.tensor([3, 0, 7, 1, 2])
 q = torch.randn(5, 4 * 24, requires_grad=True)
 out = (forward_native(positions, q, cache, 24, 16, True), forward_native(positions, q, cache, 24, 16, False))
 leaves = [q]
+''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # pairs by unflatten(-1, (-1, 2)); the table's view depends on x's rank (3-D tokens or 4-D): the layout is
+        # not claimed from the last binding, the run-time shape check decides (3-D tokens seen as one batch)
+        name="complex_unflatten_pairs_view_by_rank",
+        code='''
+import torch
+
+
+def precompute_freqs_cis(dim, end, theta=10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    freqs = torch.outer(torch.arange(end), freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(x, freqs_cis, inverse: bool = False):
+    original_dtype = x.dtype
+    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    if inverse:
+        freqs_cis = freqs_cis.conj()
+    if x_complex.ndim == 3:
+        freqs_cis = freqs_cis.view(x_complex.size(0), 1, x_complex.size(-1))
+    else:
+        freqs_cis = freqs_cis.view(1, x_complex.size(1), 1, x_complex.size(-1))
+    x_rotated = torch.view_as_real(x_complex * freqs_cis).flatten(-2)
+    return x_rotated.to(original_dtype)
+''',
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked"},
+        run='''
+f = precompute_freqs_cis(16, 6)
+x4 = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+x3 = torch.randn(6, 4, 16, requires_grad=True)
+out = (apply_rotary_emb(x4, f), apply_rotary_emb(x4, f, inverse=True), apply_rotary_emb(x3, f))
+leaves = [x4, x3]
 ''',
     ),
 ]
