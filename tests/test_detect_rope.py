@@ -38,6 +38,9 @@ def _lane(body: str, name: str) -> canonical.Lane | None:
     # rotary-embedding-torch: the einops view bound to a name first, then unbound
     ("    y = rearrange(x, '... (d r) -> ... d r', r=2)\n    a, b = y.unbind(dim=-1)\n", "a", "b", "pairs", "unbind"),
     ("    p = x.unflatten(-1, (-1, 2)).unbind(-1)\n    a = p[0]\n    b = p[1]\n", "a", "b", "pairs", "unbind"),
+    # OLMo: x's own unpacked dims, the last cut in two
+    ("    B, nh, T, hs = x.size()\n    y = x.view(B, nh, T, 2, hs // 2)\n    a, b = y.unbind(dim=-2)\n", "a", "b", "halves", "unbind"),
+    ("    B, T, hs = x.shape\n    a, b = x.reshape(B, T, hs // 2, 2).unbind(-1)\n", "a", "b", "pairs", "unbind"),
 ])
 def test_lane_spellings_name_the_tensor_the_piece_and_the_kind(body, first, second, kind, spelling):
     for name, index in ((first, 0), (second, 1)):
@@ -57,6 +60,9 @@ def test_lane_spellings_name_the_tensor_the_piece_and_the_kind(body, first, seco
     # a stride of 3, a slice of the first dim
     "    a = x[..., ::3]\n    b = x[..., 1::3]\n",
     "    a = x[::2]\n    b = x[1::2]\n",
+    # dims of another tensor, or x's dims out of order
+    "    B, nh, T, hs = z.size()\n    a, b = x.view(B, nh, T, 2, hs // 2).unbind(dim=-2)\n",
+    "    B, nh, T, hs = x.size()\n    a, b = x.view(nh, B, T, 2, hs // 2).unbind(dim=-2)\n",
 ])
 def test_non_lane_spellings_are_not_lanes(body):
     for name in ("a", "b"):

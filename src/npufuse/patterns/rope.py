@@ -3267,3 +3267,44 @@ leaves = [x4, x3]
 ''',
     ),
 ]
+
+_OLMO_ROTATE = '''
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        B, nh, T, hs = x.size()
+        x = x.view(B, nh, T, 2, hs // 2)
+        x1, x2 = x.unbind(dim=-2)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def apply_rotary_pos_emb(self, pos_sin: torch.Tensor, pos_cos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((t * pos_cos) + (self.rotate_half(t) * pos_sin)).to(t.dtype)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # OLMo: the halves by viewing x's own unpacked dims with the last one cut as (2, hs // 2), unbound at -2
+        name="olmo_view_unpacked_dims_unbind",
+        code=_OLMO_ROTATE,
+        expect={"mode": "half", "targets": ["t"], "qualname": "RotaryEmbedding.apply_rotary_pos_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)[None, None]
+t = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+out = RotaryEmbedding().apply_rotary_pos_emb(emb.sin(), emb.cos(), t)
+leaves = [t]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the view cuts the last dim as (hs // 2, 2) and unbinds -2: lanes of a pair unbound the wrong way, not halves
+        _OLMO_ROTATE.replace("x = x.view(B, nh, T, 2, hs // 2)", "x = x.view(B, nh, T, hs // 2, 2)"),
+        reason="does not compute the standard rotate_half",
+        name="view_unpacked_dims_wrong_axis",
+    ),
+]

@@ -240,7 +240,7 @@ def _shape_lead(node: ast.AST, x: ast.expr) -> bool:
             and const_value(sub.slice.upper) == -1 and sub.slice.step is None)
 
 
-def _two_axes(module: ModuleInfo, node: ast.expr) -> tuple[ast.expr, str] | None:
+def _two_axes(module: ModuleInfo, node: ast.expr, scope: Scope | None = None) -> tuple[ast.expr, str] | None:
     """(x, "outer2" | "inner2") when ``node`` views x's last dim D as two axes, the 2 outer
     (``(2, D/2)``: halves) or inner (``(D/2, 2)``: lane pairs)."""
     if not isinstance(node, ast.Call):
@@ -262,6 +262,9 @@ def _two_axes(module: ModuleInfo, node: ast.expr) -> tuple[ast.expr, str] | None
         if a == -1 and b == 2:
             return f.value, "inner2"
         return None
+    if isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) >= 3 and scope is not None:
+        # OLMo: ``B, nh, T, hs = x.size(); x.view(B, nh, T, 2, hs // 2)``: x's own dims, the last one cut in two
+        return _explicit_two_axes(scope, node, f.value)
     if api(module, node) in ("einops.rearrange",) or (isinstance(f, ast.Name) and f.id == "rearrange"):
         if len(node.args) != 2 or not isinstance(node.args[1], ast.Constant) or not isinstance(node.args[1].value, str):
             return None
@@ -279,6 +282,50 @@ def _two_axes(module: ModuleInfo, node: ast.expr) -> tuple[ast.expr, str] | None
     return None
 
 
+def _explicit_two_axes(scope: Scope, view: ast.Call, x: ast.expr) -> tuple[ast.expr, str] | None:
+    """``x.view(d0, .., dk-1, 2, dk // 2)`` (or ``dk // 2, 2``) with ``d0, .., dk = x.size()`` unpacked
+    in this scope: (x, "outer2" | "inner2")."""
+    *lead, a, b = view.args
+    names = []
+    unpack = None
+    for i, arg in enumerate(lead):
+        if not isinstance(arg, ast.Name):
+            return None
+        binds = [(st, v) for st, v in scope.assignments.get(arg.id, []) if st.lineno < view.lineno]
+        if not binds:
+            return None
+        st, v = binds[-1]
+        if not (isinstance(v, ast.Subscript) and const_value(v.slice) == i and _size_of(v.value, x)):
+            return None
+        if unpack is None:
+            unpack = st
+        elif st is not unpack:
+            return None
+        names.append(arg.id)
+    if unpack is None or not (isinstance(unpack, ast.Assign) and isinstance(unpack.targets[0], ast.Tuple)):
+        return None
+    elts = unpack.targets[0].elts
+    if len(elts) != len(lead) + 1 or not isinstance(elts[-1], ast.Name):
+        return None
+    last = elts[-1].id
+
+    def half_of_last(e: ast.expr) -> bool:
+        return const_value(e) == -1 or (isinstance(e, ast.BinOp) and isinstance(e.op, ast.FloorDiv)
+                                        and isinstance(e.left, ast.Name) and e.left.id == last and const_value(e.right) == 2)
+    if const_value(a) == 2 and half_of_last(b):
+        return x, "outer2"
+    if const_value(b) == 2 and half_of_last(a):
+        return x, "inner2"
+    return None
+
+
+def _size_of(node: ast.expr, x: ast.expr) -> bool:
+    """``x.size()`` / ``x.shape``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size" and not node.args:
+        return same(node.func.value, x)
+    return isinstance(node, ast.Attribute) and node.attr == "shape" and same(node.value, x)
+
+
 def _unbound_lanes(module: ModuleInfo, scope: Scope, call: ast.expr) -> tuple[ast.expr, str, str] | None:
     """(x, kind, spelling) for ``<two-axis view of x>.unbind(axis)`` unbinding the 2-sized axis (the
     view inline or bound to a name first, as rotary-embedding-torch's ``x = rearrange(...)`` does)."""
@@ -288,7 +335,7 @@ def _unbound_lanes(module: ModuleInfo, scope: Scope, call: ast.expr) -> tuple[as
     receiver = call.func.value
     if isinstance(receiver, ast.Name):
         receiver = scope.resolve(receiver, getattr(call, "lineno", None), depth=1)
-    view = _two_axes(module, receiver)
+    view = _two_axes(module, receiver, scope)
     if view is None:
         return None
     x, how = view
