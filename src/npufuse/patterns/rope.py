@@ -136,6 +136,7 @@ class _Rotation:
     # a helper with one verified return path of two (chosen by a flag): fused only where this holds
     only_if: str | None = None
     other: str = ""  # why the other path keeps the original code
+    upcast: bool = False  # the helper rotates x.float(): its result is fp32 whatever x's dtype
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -181,6 +182,7 @@ class _Halves:
         self.scope = scope
         self.is_x = is_x
         self.module = module  # given: the shared canonical layer answers the spellings not matched here
+        self.upcast = False  # a lane came through ``.float()``: the rotation is computed in fp32
 
     def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
         sl = sub.slice
@@ -224,8 +226,13 @@ class _Halves:
             # unflatten / view(*x.shape[:-1], 2, -1) / einops views unbound, strided slices (canonical.lane_of)
             lane = canonical.lane_of(self.module, self.scope, node)
             # not the layer's contiguous slices / split sizes: those are halves only at D/2, which _part proves itself
-            if lane is not None and self.is_x(lane.source) and not (lane.kind == "halves" and lane.spelling in ("slice", "split")):
-                return ("first", "second")[lane.index] if lane.kind == "halves" else ("even", "odd")[lane.index]
+            if lane is not None and not (lane.kind == "halves" and lane.spelling in ("slice", "split")):
+                src, casts = strip_casts(lane.source)
+                if self.is_x(lane.source) or (casts and set(casts) <= {".float()"} and self.is_x(src)):
+                    # HunyuanVideo: ``x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)``: the rotation of x, made in
+                    # fp32 (the caller widens the fused dtype to fp32 to match)
+                    self.upcast = self.upcast or bool(casts)
+                    return ("first", "second")[lane.index] if lane.kind == "halves" else ("even", "odd")[lane.index]
         return found
 
     def _part(self, node: ast.expr) -> str | None:
@@ -362,6 +369,12 @@ def _classify_pair(halves: _Halves, a: ast.expr, b: ast.expr, lanes: tuple[str, 
 def _rotation_expr(scope: Scope, expr: ast.expr, is_x, module: ModuleInfo | None = None) -> _Rotation:
     """Classify an expression as the half / interleave rotation of x (predicate ``is_x``)."""
     halves = _Halves(scope, is_x, module)
+    rot = _rotation_of_halves(scope, expr, is_x, halves)
+    rot.upcast = rot.kind is not None and halves.upcast
+    return rot
+
+
+def _rotation_of_halves(scope: Scope, expr: ast.expr, is_x, halves: _Halves) -> _Rotation:
     expr = _resolve(scope, expr)
     # half: torch.cat((-x2, x1), dim=-1)
     if isinstance(expr, ast.Call):
@@ -686,6 +699,7 @@ class _Match:
     anchor: ast.stmt | None = None
     site_stmt: ast.stmt | None = None
     inner_prep: list[str] = field(default_factory=list)  # statements inside the fused branch, before the call
+    widen: str = ""  # a dtype the eager sum is promoted with too (a helper rotating in fp32)
     post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
 
 
@@ -1452,6 +1466,9 @@ class RopePattern(Pattern):
                         best_reason = best_reason or rot.reason
                         continue
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
+                    if isinstance(m, _Match) and rot.upcast:
+                        # eager: x*cos + R(x).float()*sin is at least fp32: the fused dtype is widened the same way
+                        m.x_dtype, m.widen = None, "torch.float32"
                     if isinstance(m, _Match) and rot.only_if is not None:
                         m.only_if, m.only_note = rot.only_if, rot.other
                     elif isinstance(m, _Match) and rot.mode_expr is not None:
@@ -1616,7 +1633,7 @@ class RopePattern(Pattern):
     def _finding(self, module: ModuleInfo, scope: Scope, items: list[tuple[int, ast.stmt, list[_Match]]]) -> Finding:
         lines: list[str] = []
         emitted_prep: set[str] = set()
-        dtype_vars: dict[tuple[str, str, str], str] = {}
+        dtype_vars: dict[tuple[str, str, str, str], str] = {}
         all_matches = [m for _, _, ms in items for m in ms]
         risks: list[Risk] = []
         notes: list[str] = []
@@ -1657,7 +1674,7 @@ class RopePattern(Pattern):
                 if m.mode == "complex" and m.x_dtype == "float32":
                     same = True  # complex64 freqs: real/imag are float32 like the upcast x
                 if not same:
-                    key = (x, c, s)
+                    key = (x, c, s, m.widen)
                     var = dtype_vars.get(key)
                     if var is None:
                         var = f"_npufuse_{_ident(m.x_text)}_dtype"
@@ -1665,7 +1682,8 @@ class RopePattern(Pattern):
                         # eager x*cos promotes (bf16 x, fp32 cos -> fp32); npu_rotary_mul computes in x's dtype
                         lines.append(
                             f"{var} = torch.promote_types(torch.promote_types({_atom(m.lift[0] if m.lift else m.x_text)}.dtype, {_atom(c0)}.dtype), {_atom(s0)}.dtype)"
-                            "  # the eager x*cos dtype (wider of x, cos, sin)"
+                            + (f"  # the eager x*cos dtype (wider of x, cos, sin)" if not m.widen else
+                               f"\n{var} = torch.promote_types({var}, {m.widen})  # the helper rotates in {m.widen}: the eager sum is at least that")
                         )
                     promoted = True
                     x, c, s = f"{_atom(x)}.to({var})", f"{_atom(c)}.to({var})", f"{_atom(s)}.to({var})"
@@ -3306,5 +3324,41 @@ RopePattern.KEEP += [
         _OLMO_ROTATE.replace("x = x.view(B, nh, T, 2, hs // 2)", "x = x.view(B, nh, T, hs // 2, 2)"),
         reason="does not compute the standard rotate_half",
         name="view_unpacked_dims_wrong_axis",
+    ),
+]
+
+_UPCAST_PAIRS = '''
+import torch
+
+
+def rotate_half(x):
+    x_real, x_imag = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    return torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+
+
+def apply_rotary_emb(xq, cos, sin):
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # [S, D] tables, [B, S, H, D] x
+    return (xq * cos + rotate_half(xq) * sin).type_as(xq)
+
+
+def apply_rotary_emb_fp32(xq, cos, sin):
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return xq * cos + rotate_half(xq) * sin  # bf16 xq and tables, fp32 result
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # HunyuanVideo: the interleaved helper upcasts x itself (x.float().reshape(..., -1, 2).unbind(-1)); the eager
+        # sum is then fp32 whatever xq's dtype: the fused call computes in the same widened dtype
+        name="helper_rotates_in_fp32",
+        code=_UPCAST_PAIRS,
+        expect={"mode": "interleave", "targets": ["xq"]},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = ang.repeat_interleave(2, dim=-1)
+xq = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = (apply_rotary_emb(xq, emb.cos().bfloat16(), emb.sin().bfloat16()), apply_rotary_emb_fp32(xq, emb.cos().bfloat16(), emb.sin().bfloat16()))
+leaves = [xq]
+''',
     ),
 ]

@@ -213,6 +213,7 @@ def _unpacks_two(stmt: ast.stmt) -> bool:
 
 
 # --- rope: halves and lane pairs through views, unbind and einops (issue 14, class 2) ---
+from npufuse.scan.dataflow import strip_casts  # noqa: E402  (kept in this block: other helpers append here too)
 # ``half_of`` above answers for chunk / split / slices; rotary code also cuts the last dim by viewing it
 # as two axes and unbinding one (``x.unflatten(-1, (2, -1)).unbind(-2)``), with einops, or into
 # interleaved lane pairs (``x[..., ::2]``, ``x.view(*x.shape[:-1], -1, 2).unbind(-1)``). One answer
@@ -236,7 +237,8 @@ def _shape_lead(node: ast.AST, x: ast.expr) -> bool:
         return False
     sub = node.value
     return (isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Attribute) and sub.value.attr == "shape"
-            and same(sub.value.value, x) and isinstance(sub.slice, ast.Slice) and sub.slice.lower is None
+            and (same(sub.value.value, x) or same(sub.value.value, strip_casts(x)[0]))  # x.float().view(*x.shape[:-1], ..)
+            and isinstance(sub.slice, ast.Slice) and sub.slice.lower is None
             and const_value(sub.slice.upper) == -1 and sub.slice.step is None)
 
 
