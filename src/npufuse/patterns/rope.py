@@ -3362,3 +3362,40 @@ leaves = [xq]
 ''',
     ),
 ]
+
+RopePattern.FUSE += [
+    Fuse(
+        # a RotaryEmbedding module whose forward computes cos/sin AND applies them (no separate apply function)
+        name="module_forward_computes_and_applies",
+        code='''
+import torch
+from torch import nn
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim, base=10000):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)))
+
+    def forward(self, x, seq_dim=1):
+        t = torch.arange(x.shape[seq_dim], device=x.device).type_as(self.inv_freq)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos()[None, :, None, :]
+        sin = emb.sin()[None, :, None, :]
+        x = (x * cos) + (rotate_half(x) * sin)
+        return x
+''',
+        expect={"mode": "half", "targets": ["x"], "qualname": "RotaryEmbedding.forward"},
+        run='''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = RotaryEmbedding(16)(x)
+leaves = [x]
+''',
+    ),
+]
