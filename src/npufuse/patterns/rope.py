@@ -20,6 +20,7 @@ everything around it (``torch.cat([<rope>, q_pass], -1)`` of partial rotary, ``.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -132,6 +133,10 @@ class _Rotation:
     # rotary_mode expression choosing between the two verified kinds
     mode_expr: str | None = None
     half_if: str | None = None  # the condition under which the chosen helper is rotate_half
+    # a helper with one verified return path of two (chosen by a flag): fused only where this holds
+    only_if: str | None = None
+    other: str = ""  # why the other path keeps the original code
+    upcast: bool = False  # the helper rotates x.float(): its result is fp32 whatever x's dtype
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -173,9 +178,11 @@ def _scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
 class _Halves:
     """Recognises the two halves (or the even/odd lanes) of a tensor ``x`` given by a predicate."""
 
-    def __init__(self, scope: Scope, is_x) -> None:
+    def __init__(self, scope: Scope, is_x, module: ModuleInfo | None = None) -> None:
         self.scope = scope
         self.is_x = is_x
+        self.module = module  # given: the shared canonical layer answers the spellings not matched here
+        self.upcast = False  # a lane came through ``.float()``: the rotation is computed in fp32
 
     def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
         sl = sub.slice
@@ -214,6 +221,21 @@ class _Halves:
 
     def part(self, node: ast.expr) -> str | None:
         """'first' / 'second' half, 'even' / 'odd' lanes of x, or None."""
+        found = self._part(node)
+        if found is None and self.module is not None:
+            # unflatten / view(*x.shape[:-1], 2, -1) / einops views unbound, strided slices (canonical.lane_of)
+            lane = canonical.lane_of(self.module, self.scope, node)
+            # not the layer's contiguous slices / split sizes: those are halves only at D/2, which _part proves itself
+            if lane is not None and not (lane.kind == "halves" and lane.spelling in ("slice", "split")):
+                src, casts = strip_casts(lane.source)
+                if self.is_x(lane.source) or (casts and set(casts) <= {".float()"} and self.is_x(src)):
+                    # HunyuanVideo: ``x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)``: the rotation of x, made in
+                    # fp32 (the caller widens the fused dtype to fp32 to match)
+                    self.upcast = self.upcast or bool(casts)
+                    return ("first", "second")[lane.index] if lane.kind == "halves" else ("even", "odd")[lane.index]
+        return found
+
+    def _part(self, node: ast.expr) -> str | None:
         node = _resolve(self.scope, node)
         if isinstance(node, ast.Subscript):
             base = node.value
@@ -344,9 +366,15 @@ def _classify_pair(halves: _Halves, a: ast.expr, b: ast.expr, lanes: tuple[str, 
     return False, ""
 
 
-def _rotation_expr(scope: Scope, expr: ast.expr, is_x) -> _Rotation:
+def _rotation_expr(scope: Scope, expr: ast.expr, is_x, module: ModuleInfo | None = None) -> _Rotation:
     """Classify an expression as the half / interleave rotation of x (predicate ``is_x``)."""
-    halves = _Halves(scope, is_x)
+    halves = _Halves(scope, is_x, module)
+    rot = _rotation_of_halves(scope, expr, is_x, halves)
+    rot.upcast = rot.kind is not None and halves.upcast
+    return rot
+
+
+def _rotation_of_halves(scope: Scope, expr: ast.expr, is_x, halves: _Halves) -> _Rotation:
     expr = _resolve(scope, expr)
     # half: torch.cat((-x2, x1), dim=-1)
     if isinstance(expr, ast.Call):
@@ -415,10 +443,9 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         cache = module.__dict__.setdefault("_rotation_verdicts", {})
         if key not in cache:
             cache[key] = _rotation_helper(module, scope, node)
-        rot = cache[key]
-        return _Rotation(rot.kind, rot.reason, rot.name, rot.mode_expr, rot.half_if)
+        return dataclasses.replace(cache[key])
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    rot = _rotation_expr(scope, node, lambda n: same_expr(n, x))
+    rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
     rot.name = "inline"
     return rot
 
@@ -462,17 +489,66 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         return _Rotation(None)
     pname = params[0]
     rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
-    if len(rets) != 1:
-        return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
 
     def is_param(n: ast.AST) -> bool:
         return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
 
-    rot = _rotation_expr(hscope, rets[0].value, is_param)
+    if len(rets) == 2:
+        return _flagged_helper(module, node, fn, hscope, rets, is_param, name, pname)
+    if len(rets) != 1:
+        return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
+
+    rot = _rotation_expr(hscope, rets[0].value, is_param, module)
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
     return rot
+
+
+def _flagged_helper(module: ModuleInfo, node: ast.Call, fn: ast.FunctionDef, hscope: Scope, rets: list[ast.Return], is_param,
+                    name: str, pname: str) -> _Rotation:
+    """A helper whose two return paths are chosen by one flag (nanotron's ``rotate_half`` with
+    ``if self.interleaved: ... return A else: ... return B``): each path verified on its own.
+
+    The flag must read the same at the call site: only ``self.<attr>`` (the helper called as
+    ``self.f(x)`` from the same class) or module-level names, nothing the helper computes or
+    receives. Both paths rotations: the mode follows the flag; one path a rotation: that path is
+    fused under the flag, the other keeps the original code."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if not body or not isinstance(body[0], ast.If):
+        return _Rotation(None, f"rotation helper `{name}` has 2 return paths not chosen by one leading `if`: not verified", name)
+    branch = body[0]
+    then_rets = [r for r in rets if any(r is n for n in fast_walk(ast.Module(body=branch.body, type_ignores=[])))]
+    if len(then_rets) != 1 or not isinstance(branch.body[-1], ast.Return):
+        return _Rotation(None, f"rotation helper `{name}` has 2 return paths not chosen by one leading `if`: not verified", name)
+    other = next(r for r in rets if r is not then_rets[0])
+    # the flag, read at the call site: self.<attr> of this class, or module-level names
+    via_self = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+    local = {a.arg for a in fn.args.args + fn.args.kwonlyargs} | set(hscope.assignments)
+    for n in fast_walk(branch.test):
+        if isinstance(n, ast.Call):
+            return _Rotation(None, f"rotation helper `{name}` picks its return path by a call (`{ast.unparse(branch.test)}`): not verified", name)
+        if isinstance(n, ast.Name) and (n.id in local and not (via_self and n.id == "self")) and n.id not in module.functions:
+            return _Rotation(None, f"rotation helper `{name}` picks its return path by `{ast.unparse(branch.test)}`, "
+                             "a value the call site cannot read: not verified", name)
+    kinds = []
+    for ret in (then_rets[0], other):
+        rot = _rotation_expr(hscope, ret.value, is_param, module)
+        kinds.append(rot.kind)
+    test = ast.unparse(branch.test)
+    if kinds[0] is None and kinds[1] is None:
+        return _Rotation(None, f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even) on either return path", name)
+    if kinds[0] == kinds[1]:
+        return _Rotation(kinds[0], "", name)
+    if None in kinds:
+        # one path only: fused where the flag picks it, the other path runs the original code
+        kind = kinds[0] or kinds[1]
+        cond = test if kinds[0] is not None else f"not {_atom(test)}"
+        rot = _Rotation(kind, "", name, only_if=cond)
+        rot.other = f"the other return path of `{name}` (where `{test if kinds[0] is None else 'not ' + _atom(test)}`) is not a rotation npu_rotary_mul computes"
+        return rot
+    half_if = test if kinds[0] == "half" else f"not {_atom(test)}"
+    return _Rotation("interleave", "", name, mode_expr=f'"{kinds[0]}" if {test} else "{kinds[1]}"', half_if=half_if)
 
 
 # -- cos/sin layout ---------------------------------------------------------------------------------
@@ -482,10 +558,17 @@ class _CosInfo:
     batch_free: bool = False  # provably no batch-dependent leading dim (interleave mode needs this)
     layout: str = ""  # description for the report
     unsqueeze_dim: str | None = None
+    # HF contract: ``cos.unsqueeze(unsqueeze_dim)`` with the dim a parameter (default 1) is documented
+    # for [B, S, D] tables, a 4-D result; no run-time lift is written for it
+    contract_4d: bool = False
 
 
 def _cos_info(scope: Scope, node: ast.expr, module: ModuleInfo) -> _CosInfo:
     """What can be said statically about a cos/sin operand's shape."""
+    if isinstance(node, ast.Name) and _bound_on_a_branch(scope, node):
+        # ``if x.ndim == 3: f = f.view(1, S, D) else: f = f.view(1, S, 1, D)``: which binding reaches the
+        # use is decided at run time, so nothing is claimed (the last one textually is not the answer)
+        return _CosInfo()
     node = _resolve(scope, node)
     info = _CosInfo()
     # casts / repeat_interleave / cat(freqs, freqs) keep the shape pattern
@@ -523,6 +606,7 @@ def _cos_info(scope: Scope, node: ast.expr, module: ModuleInfo) -> _CosInfo:
             info.layout = "[..., S, 1, D] (x [..., S, N, D]: BS1D for BSND x)"
         else:
             default = _param_default(scope, d)
+            info.contract_4d = default is not None
             info.layout = f"cos.unsqueeze({d})" + (
                 f": B1SD (x BNSD) with the default {d}={default}, BS1D (x BSND) with {d}=2" if default == "1" else ""
             )
@@ -604,6 +688,92 @@ class _Match:
     only_if: str | None = None  # fused only where this holds (the half choice of such a helper)
     suffix: str = ""  # appended to the fused call (the pair form keeps its [..., D/2, 2] shape)
     absorb: list = field(default_factory=list)  # statements the fused call replaces (named rotated halves)
+    only_note: str = ""  # why the code outside ``only_if`` keeps the original
+    lift: tuple[str, str, str] | None = None  # (x, cos, sin) names lifted to 4-D at run time
+    lift_binds: list[str] = field(default_factory=list)  # statements binding them, inside the fused branch
+    chosen_half: bool = False  # fused only where a run-time choice picks rotate_half
+    matrix: bool = False  # the per-pair 2x2 rotation-matrix form
+    producer: str = ""  # the module's function building that matrix
+    # the site's enclosing ``if flag:`` in the block of the absorbed statements, and the statement inside it
+    # that the fused code keeps (with the rope replaced): fused only where the flag takes that path
+    anchor: ast.stmt | None = None
+    site_stmt: ast.stmt | None = None
+    inner_prep: list[str] = field(default_factory=list)  # statements inside the fused branch, before the call
+    widen: str = ""  # a dtype the eager sum is promoted with too (a helper rotating in fp32)
+    post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
+
+
+def _is_float_cast(node: ast.AST) -> bool:
+    return _method(node, "float") or (_method(node, "to") and bool(node.args) and ast.unparse(node.args[0]).endswith("float32"))
+
+
+def _pairs_view(node: ast.AST) -> bool:
+    """``t.reshape(..., 2)`` / ``t.view(..., 2)`` / ``t.unflatten(-1, (-1, 2))``: consecutive elements paired."""
+    if _method(node, "reshape", "view") and node.args and _is_int(node.args[-1], 2):
+        return True
+    if _method(node, "unflatten") and len(node.args) == 2 and _is_int(node.args[0], -1):
+        sizes = node.args[1]
+        return isinstance(sizes, (ast.Tuple, ast.List)) and len(sizes.elts) == 2 and _is_int(sizes.elts[1], 2)
+    return False
+
+
+def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, str | None] | str:
+    """(x, cast) when ``view_as_complex(pairs)`` reads lane pairs of x: ``pairs`` is (through local
+    names and float casts) ``x.reshape(..., 2)`` / ``x.view(..., 2)`` — a trailing 2 on a view groups
+    consecutive elements, the lanes (2i, 2i+1) of an even last dim. A name rebound on several paths
+    (nanotron's ``if x.dtype == torch.bfloat16: x = x.float()``) is followed only when every binding
+    is that view or a cast of the name itself; the dtype is then unknown (None)."""
+    cast: str | None = None
+    node = pairs
+    certain = True
+    for _ in range(8):
+        if isinstance(node, ast.Name):
+            defs = [(st, v) for st, v in scope.assignments.get(node.id, []) if st.lineno < line]
+            if not defs:
+                break
+            if len(defs) > 1:
+                # every earlier binding must be the pairs view itself or a cast of the name
+                for _st, v in defs:
+                    inner, casts = strip_casts(v)
+                    if not (_pairs_view(v)
+                            or (casts and isinstance(inner, ast.Name) and inner.id == node.id)):
+                        return "complex rope over a tensor rebound on several paths: its lane pairs cannot be proven"
+                certain = False
+            line = defs[-1][0].lineno
+            node = defs[-1][1]
+            continue
+        if _is_float_cast(node):
+            cast = "float32"
+            node = node.func.value
+            continue
+        break
+    if not _pairs_view(node):
+        return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
+    x = node.func.value
+    if _is_float_cast(x):
+        cast = "float32"
+    if _method(x, "double") or (_method(x, "to", "type") and x.args and ast.unparse(x.args[0]) in ("torch.float64", "torch.double")):
+        return (f"complex rope computed in float64 (`{ast.unparse(x)}`): npu_rotary_mul takes fp16/bf16/fp32 only, "
+                "and computing in fp32 instead would change the numbers this code asks for")
+    return x, (cast if certain else None)
+
+
+def _flat_factors(node: ast.expr) -> list[ast.expr]:
+    """The factors of a product chain ``a * b * c`` (left to right); ``[node]`` when not a product."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _flat_factors(node.left) + _flat_factors(node.right)
+    return [node]
+
+
+def _product(factors: list[ast.expr]) -> ast.expr:
+    """One factor as written, or the product of several (rotary-embedding-torch's ``cos * scale``): a new
+    node without a position, written out by ``ast.unparse`` and evaluated once into a name by the lift."""
+    if len(factors) == 1:
+        return factors[0]
+    out = factors[0]
+    for f in factors[1:]:
+        out = ast.BinOp(left=out, op=ast.Mult(), right=f)
+    return out
 
 
 def _mult_factors(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -728,6 +898,224 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
     return None
 
 
+def _read_before_rebound(scope: Scope, name: str, line: int) -> bool:
+    """Is ``name``'s value after ``line`` read before it is bound again? (vLLM's golden code reuses
+    o1/o2 for the key after the query: those later reads see new values)."""
+    loads = [n.lineno for n in scope.name_loads().get(name, []) if n.lineno > line]
+    if not loads:
+        return False
+    stores = [st.lineno for st, _v in scope.assignments.get(name, []) if st.lineno > line]
+    return not stores or min(loads) <= min(stores)
+
+
+def _bound_on_a_branch(scope: Scope, name: ast.Name) -> bool:
+    """Is the binding of ``name`` that textually precedes its use made inside a compound statement
+    (if / loop / with / try) that does not also hold the use, so another binding may reach it?"""
+    line = getattr(name, "lineno", None)
+    defs = [st for st, _v in scope.assignments.get(name.id, []) if line is None or st.lineno < line]
+    if len(defs) < 2 and not (defs and _if_path(scope, defs[-1])):
+        return False
+    use = _stmt_of(scope, name)
+    if use is None or not defs:
+        return False
+    around_use = {id(o) for o, _b, _c in _if_path(scope, use[2])}
+    return any(id(o) not in around_use for o, _b, _c in _if_path(scope, defs[-1]))
+
+
+def _stable_test(scope: Scope, test: ast.expr) -> bool:
+    """A branch test that reads the same wherever it is evaluated in the scope: no calls, and no
+    name the scope assigns (a parameter flag, ``self.is_neox_style``)."""
+    for n in fast_walk(test):
+        if isinstance(n, (ast.Call, ast.NamedExpr, ast.Await)):
+            return False
+        if isinstance(n, ast.Name) and n.id in scope.assignments:
+            return False
+    return True
+
+
+def _if_path(scope: Scope, stmt: ast.stmt) -> list[tuple[ast.If, bool, ast.stmt]]:
+    """The ``if`` statements around ``stmt`` (innermost first): (the If, stmt is in its body, the child
+    of the If on the way down)."""
+    listing, owners = scope.listing()
+    index = scope.__dict__.get("_rope_stmt_index")
+    if index is None:
+        index = scope.__dict__["_rope_stmt_index"] = {id(st): k for k, (_b, _i, st) in enumerate(listing)}
+    out = []
+    cur = stmt
+    for _ in range(32):
+        k = index.get(id(cur))
+        owner = owners[k] if k is not None else None
+        if owner is None:
+            break
+        if isinstance(owner, ast.If):
+            out.append((owner, any(cur is st for st in owner.body), cur))
+        else:
+            out.append((owner, False, cur))  # a loop / with / try on the way: not a flag path
+        cur = owner
+    return out
+
+
+def _stmt_of(scope: Scope, node: ast.AST) -> tuple[list[ast.stmt], int, ast.stmt] | None:
+    """The innermost simple statement holding ``node``."""
+    best = None
+    for block, i, st in scope.listing()[0]:
+        if st.lineno <= node.lineno and (node.end_lineno or node.lineno) <= (st.end_lineno or st.lineno) and not isinstance(st, _COMPOUND_STMTS):
+            best = (block, i, st)
+    return best
+
+
+_COMPOUND_STMTS = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _branch_anchor(scope: Scope, node: ast.AST, first_def: ast.stmt) -> tuple[ast.stmt | None, str | None, ast.stmt | None, Scope]:
+    """(anchor, condition, site statement, scope seen on the path) for a site using names defined by
+    ``first_def``: the anchor is the statement of first_def's block that holds the site — the site
+    itself, or ``if flag:`` statements (one statement per branch on the way) whose stable flags make the
+    condition. The path scope drops bindings made on the other side of the same flags."""
+    found = _stmt_of(scope, node)
+    if found is None:
+        return None, None, None, scope
+    _block, _i, site = found
+    listing, _owners = scope.listing()
+    def_block = next((b for b, _j, st in listing if st is first_def), None)
+    if def_block is None:
+        return None, None, None, scope
+    if any(st is site for st in def_block):
+        return site, None, site, scope
+    conds: list[tuple[str, bool]] = []
+    texts: list[str] = []
+    for owner, in_body, child in _if_path(scope, site):
+        branch = owner.body if in_body else getattr(owner, "orelse", [])
+        if not isinstance(owner, ast.If) or len(branch) != 1 or branch[0] is not child or not _stable_test(scope, owner.test):
+            return None, None, None, scope
+        conds.append((ast.dump(owner.test), in_body))
+        texts.append(ast.unparse(owner.test) if in_body else f"not {_atom(ast.unparse(owner.test))}")
+        if any(st is owner for st in def_block):
+            path = scope.__dict__.setdefault("_rope_path_scopes", {})
+            key = tuple(conds)
+            if key not in path:
+                filtered = {}
+                for name, binds in scope.assignments.items():
+                    filtered[name] = [(st, v) for st, v in binds
+                                      if not any(ast.dump(o.test) == t and b != br for o, b, _c in _if_path(scope, st)
+                                                 if isinstance(o, ast.If) for t, br in conds)]
+                restricted = Scope(scope.qualname, scope.node, scope.class_name, scope.body)
+                restricted.assignments = filtered
+                path[key] = restricted
+            return owner, " and ".join(reversed(texts)), site, path[key]
+    return None, None, None, scope
+
+
+def _complex_halves(scope: Scope, xc: ast.expr) -> ast.expr | None:
+    """t of ``view_as_complex(stack(chunk(t, 2, -1), -1))`` (also ``t.chunk(2, dim=-1)``, through a
+    local name): complex numbers whose real parts are t's first half and imaginary parts its second."""
+    v = _resolve(scope, xc)
+    if not (isinstance(v, ast.Call) and ast.unparse(v.func).endswith("view_as_complex") and len(v.args) == 1):
+        return None
+    st = _resolve(scope, v.args[0])
+    if not (isinstance(st, ast.Call) and isinstance(st.func, ast.Attribute) and st.func.attr == "stack" and st.args
+            and _is_int(keyword(st, "dim", 1), -1)):
+        return None
+    ch = st.args[0]
+    if not (isinstance(ch, ast.Call) and isinstance(ch.func, ast.Attribute) and ch.func.attr == "chunk"):
+        return None
+    if isinstance(ch.func.value, ast.Name) and ch.func.value.id == "torch":
+        if not ch.args:
+            return None
+        t, rest = ch.args[0], ch.args[1:]
+    else:
+        t, rest = ch.func.value, list(ch.args)
+    n = rest[0] if rest else keyword(ch, "chunks")
+    dim = rest[1] if len(rest) > 1 else keyword(ch, "dim")
+    return t if _is_int(n, 2) and _is_int(dim, -1) else None
+
+
+def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
+    """x of ``x.reshape(*x.shape[:-1], -1, 1, 2)`` (also ``view``, through a local name): each lane
+    pair of x as a 1x2 row, ready to meet a per-pair 2x2 matrix (flux / lingua)."""
+    p = _resolve(scope, node)
+    if not (_method(p, "reshape", "view") and len(p.args) == 4 and _is_int(p.args[-1], 2) and _is_int(p.args[-2], 1)
+            and _is_int(p.args[-3], -1) and isinstance(p.args[0], ast.Starred)):
+        return None
+    x = p.func.value
+    lead = p.args[0].value
+    if not (isinstance(lead, ast.Subscript) and isinstance(lead.value, ast.Attribute) and lead.value.attr == "shape"
+            and isinstance(lead.slice, ast.Slice) and lead.slice.lower is None and _is_int(lead.slice.upper, -1)
+            and lead.slice.step is None and same_expr(strip_casts(lead.value.value)[0], strip_casts(x)[0])):
+        return None
+    return x
+
+
+def _matrix_formula(scope: Scope, node: ast.AST) -> tuple[ast.expr, ast.expr, ast.expr | None] | None:
+    """The per-pair 2x2 matrix product ``out[..., i] = sum_j F[..., i, j] * x[..., j]`` over the lane pairs
+    of x, as (pairs, F, sum-dim): flux's ``F[..., 0] * xp[..., 0] + F[..., 1] * xp[..., 1]`` (sum-dim
+    None) or lingua's ``(xp * F).sum(k)``, with ``xp = x.reshape(*x.shape[:-1], -1, 1, 2)``."""
+    if _method(node, "sum") and len(node.args) + len(node.keywords) == 1:
+        dim = keyword(node, "dim", 0)
+        prod = node.func.value
+        if not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult) and isinstance(const_value(dim), int)):
+            return None
+        for p, f in ((prod.left, prod.right), (prod.right, prod.left)):
+            if _matrix_pairs(scope, p) is not None:
+                return p, f, dim
+        return None
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)):
+        return None
+    terms = []
+    for t in (node.left, node.right):
+        f = _mult_factors(t)
+        if f is None:
+            return None
+        terms.append(f)
+    found = []
+    for a, b in terms:
+        for p, f in ((a, b), (b, a)):
+            lp, lf = _lane(p, 0), _lane(f, 0)
+            k = 0
+            if lp is None or lf is None:
+                lp, lf, k = _lane(p, 1), _lane(f, 1), 1
+            if lp is not None and lf is not None and _matrix_pairs(scope, lp) is not None:
+                found.append((k, lp, lf))
+                break
+        else:
+            return None
+    if sorted(k for k, _p, _f in found) != [0, 1] or not (same_expr(found[0][1], found[1][1]) and same_expr(found[0][2], found[1][2])):
+        return None
+    return found[0][1], found[0][2], None
+
+
+def _rotation_matrix_producer(module: ModuleInfo) -> str | None:
+    """A function of this module that builds the per-pair rotation matrix [[cos, -sin], [sin, cos]] as
+    ``stack((cos, -sin, sin, cos), -1)`` (then viewed as 2x2): its name, else None. Computed once."""
+    cached = module.__dict__.get("_rope_matrix_producer", 0)
+    if cached != 0:
+        return cached
+    found = None
+    if "stack(" in module.source:
+        for sc in module.scopes:
+            if not isinstance(sc.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for n in fast_walk(sc.node):
+                if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "stack" and n.args
+                        and isinstance(n.args[0], (ast.Tuple, ast.List)) and len(n.args[0].elts) == 4):
+                    continue
+                a, nb, b, a2 = n.args[0].elts
+                neg = nb.operand if isinstance(nb, ast.UnaryOp) and isinstance(nb.op, ast.USub) else None
+                if neg is None or not same_expr(a, a2) or not same_expr(neg, b):
+                    continue
+                ra, rb = _resolve(sc, a), _resolve(sc, b)
+
+                def trig(e: ast.expr, name: str) -> bool:
+                    return (_method(e, name) and not e.args) or (isinstance(e, ast.Call) and ast.unparse(e.func) in (f"torch.{name}", f"math.{name}", f"np.{name}"))
+                if trig(ra, "cos") and trig(rb, "sin"):
+                    found = f"{sc.qualname} (line {n.lineno})"
+                    break
+            if found:
+                break
+    module.__dict__["_rope_matrix_producer"] = found
+    return found
+
+
 class RopePattern(Pattern):
     id = "rope"
     api = "torch_npu.npu_rotary_mul"
@@ -739,7 +1127,7 @@ class RopePattern(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         text = scope_text(module, scope)
         # a rotation needs ``a*c + b*s`` and either a helper call, an inline cat/stack, or view_as_real
-        if "*" not in text or ("+" not in text and "view_as_real" not in text):
+        if "*" not in text or ("+" not in text and "view_as_real" not in text and ".sum(" not in text):
             return
         hints = self._rotation_hints(module)
         if not any(h in text for h in hints):
@@ -750,10 +1138,10 @@ class RopePattern(Pattern):
                 continue
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
-            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text)) and "cat(" not in st_text:
+            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text:
                 continue
             matches: list[_Match] = []
-            for node in self._candidates(stmt):
+            for node in self._candidates(stmt, scope):
                 res = self._match(module, scope, node)
                 if isinstance(res, str):
                     yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, res)
@@ -761,6 +1149,12 @@ class RopePattern(Pattern):
                     matches.append(res)
             if not matches:
                 continue
+            anchored = [m for m in matches if m.anchor is not None]
+            if anchored:
+                # the site sits inside ``if flag:`` statements: the run is made of the If in the outer block
+                listing = scope.listing()[0]
+                block, i, stmt = next(((b, j, st) for b, j, st in listing if st is anchored[0].anchor))
+                matches = [anchored[0]]
             absorb = [a for m in matches for a in m.absorb]
             if absorb:
                 # the statements computing the two rotated halves (nanochat's y1 = ..., y2 = ...) go
@@ -807,24 +1201,30 @@ class RopePattern(Pattern):
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()}
             for cls in module.classes.values():
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
-            hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real")
+            hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)")
         return hints
 
     @staticmethod
-    def _candidates(stmt: ast.stmt) -> list[ast.expr]:
+    def _candidates(stmt: ast.stmt, scope: Scope) -> list[ast.expr]:
         """Outermost sub-expressions shaped like a rotation: ``a*c + b*s`` or ``view_as_real(..)``."""
         found: list[ast.expr] = []
 
         def visit(node: ast.AST) -> None:
             if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.ClassDef)):
                 return
-            if _pair_formula(node) is not None or _lane_pair_formula(node) is not None or (isinstance(node, ast.Call) and _named_pair(node) is not None):
+            if _pair_formula(node) is not None or _lane_pair_formula(node) is not None or (isinstance(node, ast.Call) and _named_pair(node) is not None) \
+                    or (isinstance(node, (ast.BinOp, ast.Call)) and _matrix_formula(scope, node) is not None):
                 found.append(node)  # the written-out rotation (its ``b*c + a*s`` half is no rope itself)
                 return
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
                 found.append(node)
                 return
-            if _method(node, "flatten") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("view_as_real") and node.args \
+                    and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult) \
+                    and any(_complex_halves(scope, f) is not None for f in (node.args[0].left, node.args[0].right)):
+                found.append(node)  # gemma: the complex numbers are made of the two halves
+                return
+            if _method(node, "flatten", "view", "reshape") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
             for child in child_nodes(node):
@@ -834,6 +1234,9 @@ class RopePattern(Pattern):
         return found
 
     def _match(self, module: ModuleInfo, scope: Scope, node: ast.expr) -> _Match | str | None:
+        mf = _matrix_formula(scope, node)
+        if mf is not None:
+            return self._match_matrix(module, scope, node, *mf)
         lp = _lane_pair_formula(node)
         if lp is not None:
             return self._match_lane_pairs(module, scope, node, *lp)
@@ -854,7 +1257,10 @@ class RopePattern(Pattern):
           the de-interleaved x = cat(a, b) — the original returns that lane order too;
         * stack of the even/odd lanes, flattened: interleave mode with c, s repeat_interleave(2)."""
         ra = _resolve(scope, a)
-        if isinstance(ra, ast.Subscript) and isinstance(ra.value, ast.Call) and _is_int(ra.slice, 0, 1):
+        lane = canonical.lane_of(module, scope, a, node.lineno)
+        if lane is not None:
+            base = lane.source  # any spelling the shared layer knows (chunk, split, unbind of a view, einops, slices)
+        elif isinstance(ra, ast.Subscript) and isinstance(ra.value, ast.Call) and _is_int(ra.slice, 0, 1):
             call = ra.value  # x.chunk(2, -1)[k] / torch.chunk(x, 2, dim=-1)[k]
             base = call.args[0] if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch" and call.args else getattr(call.func, "value", None)
         elif isinstance(ra, ast.Subscript):
@@ -863,7 +1269,7 @@ class RopePattern(Pattern):
             return None
         if base is None:
             return None
-        halves = _Halves(scope, lambda n: same_expr(n, base))
+        halves = _Halves(scope, lambda n: same_expr(n, base), module)
         parts = (halves.part(a), halves.part(b))
         if how == "cat" and parts == ("first", "second"):
             mode, x_text = "half", segment(module, base)
@@ -900,21 +1306,30 @@ class RopePattern(Pattern):
             if not found or not isinstance(found[-1][0], ast.Assign) or len(found[-1][0].targets) != 1:
                 return None
             defs.append(found[-1])
-        if any(scope.uses_after(y.id, node.lineno) for y in (y1, y2)):
+        # vLLM / sglang ``_apply_rotary_emb``: the halves are cut under ``if is_neox_style:`` (chunk) / else
+        # (even/odd lanes), o1/o2 written once, and ``if is_neox_style: return cat((o1, o2))`` else a stack:
+        # the site is that If, fused under the same flag; the halves are read on the flag's path only
+        anchor, only_if, site, path_scope = _branch_anchor(scope, node, defs[0][0])
+        if anchor is None:
+            return None
+        end = anchor.end_lineno or anchor.lineno
+        if any(_read_before_rebound(scope, y.id, end) for y in (y1, y2)):
             return None  # the halves are read again: keep them (the site would need them)
         terms = [_signed_products(d[1]) for d in defs]
         if terms[0] is None or terms[1] is None:
             return None
+        scope_for_halves = scope
+        scope = path_scope
         base = None
         for _sign, u, v in terms[0] + terms[1]:
             # the shared canonical layer: chunk / split / unbind / slice halves alike
-            h = canonical.half_of(module, scope, u, node.lineno) or canonical.half_of(module, scope, v, node.lineno)
-            if h is not None:
+            h = canonical.lane_of(module, scope, u, node.lineno) or canonical.lane_of(module, scope, v, node.lineno)
+            if h is not None and h.kind == "halves":
                 base = h.source
                 break
         if base is None:
             return None
-        halves = _Halves(scope, lambda n: same_expr(n, base))
+        halves = _Halves(scope, lambda n: same_expr(n, base), module)
 
         def canon(ts: list) -> dict | None:
             out = {}
@@ -938,6 +1353,7 @@ class RopePattern(Pattern):
         if not (same_expr(c_a, c_b) and same_expr(s_a, s_b) and s1a == 1 and s2b == 1 and s1b == -s2a):
             return None
         negate = s1b == 1  # y1 = x1*c + x2*s: the rotation by -angle, i.e. sin negated
+        scope = scope_for_halves
         m = self._build_real(module, scope, node, "half", base, c_a, s_a)
         if isinstance(m, str):
             return m
@@ -949,6 +1365,53 @@ class RopePattern(Pattern):
                   f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
         m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
         m.absorb = [d[0] for d in defs]
+        if anchor is not site:
+            m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
+            m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
+            m.only_note = f"the other path of `{ast.unparse(anchor.test)}` (the interleaved stack) keeps the original code"  # type: ignore[attr-defined]
+        return m
+
+    def _match_matrix(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, mat: ast.expr, sum_dim: ast.expr | None) -> _Match | str:
+        """flux / lingua: a per-pair 2x2 matrix F applied to the lane pairs of x. With F the rotation
+        [[cos, -sin], [sin, cos]] this is the interleaved rotation (cos = F[..., 0, 0], sin = F[..., 1, 0]),
+        kept in the ``[..., D/2, 2]`` shape the code flattens next."""
+        producer = _rotation_matrix_producer(module)
+        if producer is None:
+            return ("per-pair 2x2 matrix form: no function of this module builds the matrix as stack((cos, -sin, sin, cos)) "
+                    "([[cos, -sin], [sin, cos]]), so it is not known to be a rotation")
+        x = _matrix_pairs(scope, pairs)
+        assert x is not None
+        x_src, f_src = segment(module, x), _atom(segment(module, mat))
+        tag = _ident(x_src)
+        cos, sin, xv, dt = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin", f"_npufuse_{tag}_x", f"_npufuse_{tag}_dtype"
+        lead = f"_npufuse_{tag}_lead"
+        # only shapes are read before the branch: the tensors are made inside it, where the fused call runs
+        base = strip_casts(x)[0]
+        x_rank = f"{base.id}.dim()" if isinstance(base, ast.Name) else f"{xv}.dim()"
+        prep = [f"{lead} = (1,) * (6 - {f_src}.dim()) + tuple({f_src}.shape)  # the matrix's dims as the eager product broadcasts them"]
+        if not isinstance(base, ast.Name):
+            prep.insert(0, f"{xv} = {x_src}")
+        inner = ([] if not isinstance(base, ast.Name) else [f"{xv} = {x_src}  # the pairs (x_2i, x_2i+1) are the lanes of this tensor"]) + [
+            f"{cos} = {f_src}[..., 0, 0].repeat_interleave(2, dim=-1)  # [[cos, -sin], [sin, cos]] per pair -> interleave-mode cos/sin",
+            f"{sin} = {f_src}[..., 1, 0].repeat_interleave(2, dim=-1)",
+            f"{cos}, {sin} = {cos}[(None,) * (4 - {cos}.dim())], {sin}[(None,) * (4 - {sin}.dim())]  # the broadcast of the eager product, made 4-D",
+            f"{dt} = torch.promote_types(torch.promote_types({xv}.dtype, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
+        ]
+        m = _Match(
+            node=node, mode="interleave", x=x, cos=f"{cos}.to({dt})", sin=f"{sin}.to({dt})", cos_node=None, sin_node=None,
+            x_text=f"{xv}.to({dt})", cos_info=_CosInfo(rank=4, batch_free=False, layout="from the per-pair rotation matrix; checked at run time"),
+            prep=prep, x_dtype="same", cs_dtype="same", suffix=".unflatten(-1, (-1, 2))",
+        )
+        m.inner_prep = inner
+        checks = [f"{x_rank} == 4"]
+        if sum_dim is not None and not _is_int(sum_dim, -1):
+            # ``.sum(k)`` sums the pair axis only when k is the last dim of the 6-D product (k == 5 for 4-D x)
+            checks.append(f"{const_value(sum_dim)} == {x_rank} + 1")
+        # the matrix [..., D/2, 2, 2] gives cos [..., D]: 4-D and batch-independent (11SD/1S1D/S11D, what npu_rotary_mul's
+        # interleave mode takes) is checked on its shape; the original code runs otherwise
+        m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)"
+        m.only_note = f"the matrix is taken to be the rotation built by `{producer}`"
+        m.matrix, m.producer = True, producer
         return m
 
     def _match_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, cache: ast.expr) -> _Match | str | None:
@@ -990,27 +1453,32 @@ class RopePattern(Pattern):
         return m
 
     def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:
-        t1, t2 = _mult_factors(node.left), _mult_factors(node.right)
-        assert t1 and t2
+        t1, t2 = _flat_factors(node.left), _flat_factors(node.right)
+        assert len(t1) >= 2 and len(t2) >= 2
         best_reason = ""
         for rot_term, plain_term in ((t1, t2), (t2, t1)):
-            for r_idx in (0, 1):
-                r_node, sin = rot_term[r_idx], rot_term[1 - r_idx]
-                for x_idx in (0, 1):
-                    x, cos = plain_term[x_idx], plain_term[1 - x_idx]
+            for r_idx in range(len(rot_term)):
+                r_node, sin = rot_term[r_idx], _product(rot_term[:r_idx] + rot_term[r_idx + 1:])
+                for x_idx in range(len(plain_term)):
+                    x, cos = plain_term[x_idx], _product(plain_term[:x_idx] + plain_term[x_idx + 1:])
                     rot = _rotation_call(module, scope, r_node, x)
                     if rot.kind is None:
                         best_reason = best_reason or rot.reason
                         continue
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
-                    if isinstance(m, _Match) and rot.mode_expr is not None:
+                    if isinstance(m, _Match) and rot.upcast:
+                        # eager: x*cos + R(x).float()*sin is at least fp32: the fused dtype is widened the same way
+                        m.x_dtype, m.widen = None, "torch.float32"
+                    if isinstance(m, _Match) and rot.only_if is not None:
+                        m.only_if, m.only_note = rot.only_if, rot.other
+                    elif isinstance(m, _Match) and rot.mode_expr is not None:
                         m.mode_expr = rot.mode_expr
                     elif isinstance(m, str) and rot.half_if is not None:
                         # interleave's cos/sin constraint is not provable here: fuse the half
                         # choice only, the other one keeps the original code
                         m = self._build_real(module, scope, node, "half", x, cos, sin)
                         if isinstance(m, _Match):
-                            m.only_if = rot.half_if
+                            m.only_if, m.chosen_half = rot.half_if, True
                     return m
         return best_reason or None
 
@@ -1053,8 +1521,16 @@ class RopePattern(Pattern):
 
     def _match_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
         """``torch.view_as_real(xc * freqs).flatten(3)`` with ``xc = view_as_complex(x.float().reshape(..., -1, 2))``."""
-        start = keyword(node, "start_dim", 0)
-        if not _is_int(start, 3, -2):
+        if ast.unparse(node.func).endswith("view_as_real"):
+            return self._match_complex_halves(module, scope, node)
+        post = ""
+        if _method(node, "view", "reshape"):
+            # ``view_as_real(xc * f).view(b, s, h, d)`` (nanotron): the fused call gives view_as_real(..).flatten(-2),
+            # the same elements in the same order, so the original view/reshape is applied to it unchanged
+            if not node.args or node.keywords:
+                return None
+            post = f".{node.func.attr}({', '.join(segment(module, a) for a in node.args)})"
+        elif not _is_int(keyword(node, "start_dim", 0), 3, -2):
             return None
         real = node.func.value
         if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
@@ -1064,20 +1540,15 @@ class RopePattern(Pattern):
             val = _resolve(scope, xc)
             if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
                 continue
-            pairs = val.args[0]
-            cast = None
-            base = pairs
-            # x.float().reshape(*x.shape[:-1], -1, 2) or x.reshape(...).float()
-            if _method(base, "float") or (_method(base, "to") and ast.unparse(base.args[0] if base.args else base).endswith("float32")):
-                cast, base = "float32", base.func.value
-            if not (_method(base, "reshape", "view") and base.args and _is_int(base.args[-1], 2)):
-                return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
-            x = base.func.value
-            if cast is None and (_method(x, "float") or (_method(x, "to") and x.args and ast.unparse(x.args[0]).endswith("float32"))):
-                cast = "float32"
+            got = _complex_pairs(scope, val.args[0], val.lineno)
+            if isinstance(got, str):
+                return got
+            x, cast = got
             finfo = _cos_info(scope, freqs, module)
-            if not finfo.batch_free:
-                return self._complex_checked(module, node, x, xc, freqs, cast)
+            if not finfo.batch_free or post:
+                m = self._complex_checked(module, node, x, xc, freqs, cast)
+                m.post = post
+                return m
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
             tag = _ident(segment(module, freqs))
@@ -1093,6 +1564,37 @@ class RopePattern(Pattern):
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
+        return None
+
+    def _match_complex_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
+        """gemma: ``xc = view_as_complex(stack(chunk(t, 2, -1), -1))`` pairs x_i with x_{i+D/2}, so
+        ``view_as_real(xc * freqs)`` is the half rotation of t (cos = cat(freqs.real, freqs.real)) laid
+        out as [..., D/2, 2] pairs of (first-half, second-half) lanes: the fused result is given that
+        layout back (``unflatten(-1, (2, -1)).transpose(-1, -2)``, a view), and the code after it is kept."""
+        prod = node.args[0]
+        assert isinstance(prod, ast.BinOp)
+        for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+            t = _complex_halves(scope, xc)
+            if t is None:
+                continue
+            f_src = _atom(segment(module, freqs))
+            tag = _ident(segment(module, xc))
+            cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+            m = _Match(
+                node=node, mode="half", x=t, cos=cos, sin=sin, cos_node=None, sin_node=None, x_text=segment(module, t),
+                cos_info=_CosInfo(layout="cat(freqs.real, freqs.real), rank as passed"),
+                x_dtype=_dtype_token(scope, t), cs_dtype=None,
+            )
+            m.inner_prep = [f"{cos} = torch.cat(({f_src}.real, {f_src}.real), dim=-1)  # complex pairs of the halves = rotate_half: cos of each half",
+                            f"{sin} = torch.cat(({f_src}.imag, {f_src}.imag), dim=-1)"]
+            m.post = ".unflatten(-1, (2, -1)).transpose(-1, -2)"
+            xc_val = _resolve(scope, xc)
+            if isinstance(xc, ast.Name) and xc_val is not xc and not scope.uses_after(xc.id, node.lineno):
+                # ``x_ = view_as_complex(stack(chunk(..)))`` right before: the fused call replaces it (its stack copy too)
+                defs = [st for st, v in scope.assignments.get(xc.id, []) if st.lineno < node.lineno]
+                if defs and isinstance(defs[-1], ast.Assign) and len(defs[-1].targets) == 1:
+                    m.absorb = [defs[-1]]
+            return m
         return None
 
     @staticmethod
@@ -1122,15 +1624,16 @@ class RopePattern(Pattern):
             cos_info=_CosInfo(batch_free=False, layout="from freqs_cis, checked at run time"), prep=prep,
             x_dtype=cast, cs_dtype=None, suffix=f"[(0,) if {lift} else ()]",
         )
+        # complex128 freqs (or float64 x) make the eager product float64, a dtype npu_rotary_mul does not take
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and ({cos}.shape[1] == 1 or "
-                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape and torch.float64 not in ({xv}.dtype, {cos}.dtype)")
         return m
 
     # ---------------------------------------------------------------------------------------------
     def _finding(self, module: ModuleInfo, scope: Scope, items: list[tuple[int, ast.stmt, list[_Match]]]) -> Finding:
         lines: list[str] = []
         emitted_prep: set[str] = set()
-        dtype_vars: dict[tuple[str, str, str], str] = {}
+        dtype_vars: dict[tuple[str, str, str, str], str] = {}
         all_matches = [m for _, _, ms in items for m in ms]
         risks: list[Risk] = []
         notes: list[str] = []
@@ -1138,6 +1641,8 @@ class RopePattern(Pattern):
         broadcast_note = False
         # a match fused only under a run-time condition may test its prepared cos/sin: its prep comes first
         hoisted: list[str] = []
+        for m in all_matches:
+            self._plan_lift(m)
         for _i, stmt, matches in items:
             if not matches:
                 continue  # a statement the fused call replaces (absorbed halves)
@@ -1147,50 +1652,47 @@ class RopePattern(Pattern):
                     if p not in emitted_prep:
                         (hoisted if m.only_if is not None else lines).append(p)
                         emitted_prep.add(p)
+                for p in m.inner_prep:
+                    if p not in emitted_prep:
+                        lines.append(p)
+                        emitted_prep.add(p)
                 x, c, s = m.x_text, m.cos, m.sin
                 lift_suffix = ""
-                if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and not m.suffix:
-                    # a computed table (PaLM's ``pos.cos()``): evaluated once, into a name
-                    for var_name, text in (("cos", c), ("sin", s)):
-                        if not _is_name(text):
-                            tmp = f"_npufuse_{_ident(m.x_text)}_{var_name}"
-                            lines.append(f"{tmp} = {text}")
-                            if var_name == "cos":
-                                c = tmp
-                            else:
-                                s = tmp
-                c0, s0 = c, s  # the tables as named before any broadcast
-                if not m.cos_info.layout and m.cos_info.rank is None and m.mode != "complex" and _is_name(c) and _is_name(s):
-                    # cos/sin straight from the caller, rank unknown (litgpt passes [T, D]): the eager
-                    # product broadcasts them from the right; npu_rotary_mul needs them 4-D, so the
-                    # same broadcast is made explicit (leading 1s; a no-op view for 4-D tables)
-                    c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
+                if m.lift:
+                    # cos/sin (and x) of a rank not visible here (litgpt passes [T, D], vLLM [T, N, D] tokens,
+                    # nanotron a [S, 1, D] table): the eager product broadcasts them from the right; npu_rotary_mul
+                    # needs them 4-D, so the same broadcast is made explicit (leading 1s; a no-op view when 4-D)
+                    x, c, s = m.lift
+                    lines.extend(b for b in m.lift_binds if b not in lines)
                     broadcast_note = True
-                    if _is_name(x) and not m.suffix:
-                        # x itself may be 3-D ([T, N, D] tokens) or 2-D: lifted to 4-D the same way, and back
-                        lift_suffix = f"[(0,) * (4 - {x}.dim())]"
-                        x = f"{x}[(None,) * (4 - {x}.dim())]"
+                c0, s0 = c, s  # the tables as named before any broadcast
+                if m.lift:
+                    c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
+                    lift_suffix = f"[(0,) * (4 - {x}.dim())]"
+                    x = f"{x}[(None,) * (4 - {x}.dim())]"
                 same = m.x_dtype is not None and m.x_dtype == m.cs_dtype
                 if m.mode == "complex" and m.x_dtype == "float32":
                     same = True  # complex64 freqs: real/imag are float32 like the upcast x
                 if not same:
-                    key = (x, c, s)
+                    key = (x, c, s, m.widen)
                     var = dtype_vars.get(key)
                     if var is None:
                         var = f"_npufuse_{_ident(m.x_text)}_dtype"
                         dtype_vars[key] = var
                         # eager x*cos promotes (bf16 x, fp32 cos -> fp32); npu_rotary_mul computes in x's dtype
                         lines.append(
-                            f"{var} = torch.promote_types(torch.promote_types({_atom(m.x_text)}.dtype, {_atom(c0)}.dtype), {_atom(s0)}.dtype)"
-                            "  # the eager x*cos dtype (wider of x, cos, sin)"
+                            f"{var} = torch.promote_types(torch.promote_types({_atom(m.lift[0] if m.lift else m.x_text)}.dtype, {_atom(c0)}.dtype), {_atom(s0)}.dtype)"
+                            + (f"  # the eager x*cos dtype (wider of x, cos, sin)" if not m.widen else
+                               f"\n{var} = torch.promote_types({var}, {m.widen})  # the helper rotates in {m.widen}: the eager sum is at least that")
                         )
                     promoted = True
                     x, c, s = f"{_atom(x)}.to({var})", f"{_atom(c)}.to({var})", f"{_atom(s)}.to({var})"
                 mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
                 if m.mode_expr is not None:
                     mode_arg = f", rotary_mode={m.mode_expr}"
-                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}"))
-            lines.append(replace_segments(module, stmt, reps))
+                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
+            target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
+            lines.append(replace_segments(module, target, reps))
         if broadcast_note:
             notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
                          "the broadcast the eager product makes (npu_rotary_mul rejects 2-D/3-D cos/sin)")
@@ -1214,6 +1716,10 @@ class RopePattern(Pattern):
                 + f"; cos here: {ci.layout or 'as passed by the caller (shape not visible in this function)'}",
             )
         )
+        if any(m.cos_node is not None and getattr(m.cos_node, "lineno", None) is None for m in all_matches):
+            risks.append(Risk("numerics", "cos/sin are taken with the scale factor(s) of the original products folded in "
+                              "(`x * cos * scale`: rounded once more in low precision); npu_rotary_mul documents cos/sin values in "
+                              "[-1, 1], which a scale above 1 leaves (whether the kernel depends on it is not known)"))
         if any(isinstance(_resolve(scope, m.x), ast.Subscript) for m in all_matches):
             risks.append(Risk("non_contiguous", "the rotated tensor is a slice view (partial rotary): a strided input"))
         risks.append(Risk("other", "npu_rotary_mul saves x for backward even when cos/sin need no grad: slightly more activation memory than the eager code"))
@@ -1254,14 +1760,31 @@ class RopePattern(Pattern):
                              "fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's interleave mode takes only "
                              "11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
                 variant = "complex_freqs_cis_checked"
+            elif any(m.matrix for m in all_matches):
+                notes.append("per-pair 2x2 matrix form: cos = F[..., 0, 0], sin = F[..., 1, 0] repeat_interleave(2); "
+                             + "; ".join(sorted({m.only_note for m in all_matches if m.only_note}))
+                             + " (the apply function's argument is not traced to it: a risk); fused where x is 4-D and the matrix "
+                             "batch-independent (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D), checked at run time on "
+                             "shapes; elsewhere the original code runs")
+                variant = "rotation_matrix_pairs"
+                risks.append(Risk("other", "the per-pair matrix is assumed to be the [[cos, -sin], [sin, cos]] rotation built by "
+                                  + ", ".join(sorted({f"`{m.producer}`" for m in all_matches if m.matrix}))
+                                  + " in this module: the argument applied here is not traced back to it"))
             elif any(m.suffix for m in all_matches):
                 notes.append("pairs of a real (cos, sin) cache: fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's "
                              "interleave mode takes only 11SD/1S1D/S11D), checked at run time; elsewhere the original code runs")
                 variant = "interleaved_pairs_real_cache"
-            else:
+            elif any(m.only_note for m in all_matches):
+                notes.append(f"fused where `{cond}`; " + "; ".join(sorted({m.only_note for m in all_matches if m.only_note}))
+                             + ": there the original code runs")
+                variant = "rotation_helper_one_path_verified"
+            elif any(m.chosen_half for m in all_matches):
                 notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
                              "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
                 variant = "rotate_half_chosen_at_run_time"
+            if any(m.lift for m in all_matches):
+                notes.append("fused where x is at most 4-D (npu_rotary_mul takes 4-D only; lower ranks get leading 1s, "
+                             "the eager broadcast); a higher rank runs the original code")
         if first.mode_expr is not None:
             params["mode"] = f"chosen at run time: {first.mode_expr}"
             variant = "rotation_chosen_at_run_time"
@@ -1271,6 +1794,39 @@ class RopePattern(Pattern):
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
             risks=risks, notes=notes,
         )
+
+    @staticmethod
+    def _plan_lift(m: _Match) -> None:
+        """Decide whether x/cos/sin are lifted to 4-D at run time, binding each to a name inside the
+        fused branch (an expression is evaluated once) and fusing only where x is at most 4-D (a 5-D x
+        broadcasts in eager code but npu_rotary_mul rejects it, so the original code runs there)."""
+        if m.mode == "complex" or m.suffix or m.cos_info.rank == 4 or m.cos_info.contract_4d:
+            return
+        names, binds = [], []
+        for role, text in (("x", m.x_text), ("cos", m.cos), ("sin", m.sin)):
+            if _is_name(text) and "." not in text:
+                names.append(text)
+                continue
+            tmp = f"_npufuse_{_ident(m.x_text)}_{role}"
+            binds.append(f"{tmp} = {text}")
+            names.append(tmp)
+        m.lift = (names[0], names[1], names[2])
+        m.lift_binds = binds
+        # x's rank, read without evaluating x twice: a cast or a last-dim slice keeps the rank of its base
+        base = m.x
+        while True:
+            inner, casts = strip_casts(base)
+            if casts:
+                base = inner
+            elif isinstance(base, ast.Subscript) and _Halves(None, lambda n: True)._last_dim_slice(base) is not None:  # type: ignore[arg-type]
+                base = base.value
+            elif _method(base, "transpose", "contiguous", "permute"):
+                base = base.func.value  # rank kept
+            else:
+                break
+        if isinstance(base, ast.Name):
+            rank_ok = f"{base.id}.dim() <= 4"
+            m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
 
     @staticmethod
     def _rotation_outside(scope: Scope, matches: list[_Match], first_line: int) -> list[str]:
@@ -2178,4 +2734,668 @@ RopePattern.KEEP += [
     Keep(_NANOCHAT.replace("    return out", "    return out, y1"), name="named_halves_reused"),
     # both signs positive: not a rotation
     Keep(_NANOCHAT.replace("x1 * (-sin) + x2 * cos", "x1 * sin + x2 * cos"), name="named_halves_not_a_rotation"),
+]
+
+
+# -- issue 14, class 2 (continued): flagged helpers, rank lifting -----------------------------------
+
+_FLAGGED_ROTATE = '''
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):
+    def __init__(self, interleaved=False):
+        super().__init__()
+        self.interleaved = interleaved
+
+    def rotate_half(self, x):
+        """One helper, two layouts: the flag picks the return path."""
+        if self.interleaved:
+            even_dims = x[..., ::2]
+            odd_dims = x[..., 1::2]
+            return torch.cat((-odd_dims, even_dims), dim=-1)
+        else:
+            first_half = x[..., : x.shape[-1] // 2]
+            second_half = x[..., x.shape[-1] // 2 :]
+            return torch.cat((-second_half, first_half), dim=-1)
+
+    def forward(self, t, cos, sin):
+        # cos/sin are [S, D] tables: unsqueeze(1) gives [S, 1, D], the eager product broadcasts it as 1S1D
+        rotated = (t * cos.unsqueeze(1)) + (self.rotate_half(t) * sin.unsqueeze(1))
+        return rotated
+'''
+
+_FLAGGED_RUN = '''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)
+t = torch.randn(2, 6, 4, 16, requires_grad=True)
+out = (Rotary(False)(t, emb.cos(), emb.sin()), Rotary(True)(t, emb.cos(), emb.sin()))
+leaves = [t]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # nanotron: the helper's two return paths are chosen by self.interleaved; only the rotate_half path is a
+        # rotation (the other cats the even/odd lanes, which npu_rotary_mul does not compute): fused under the flag
+        name="helper_two_return_paths_one_verified",
+        code=_FLAGGED_ROTATE,
+        expect={"variant": "rotation_helper_one_path_verified", "mode": "half", "targets": ["t"], "qualname": "Rotary.forward"},
+        run=_FLAGGED_RUN,
+    ),
+    Fuse(
+        # both return paths rotations (rotate_half / interleaved stack): the mode follows the flag at run time
+        name="helper_two_return_paths_both_rotations",
+        code=_FLAGGED_ROTATE.replace("return torch.cat((-odd_dims, even_dims), dim=-1)",
+                                     "return torch.stack((-odd_dims, even_dims), dim=-1).flatten(-2)"),
+        expect={"mode": "half", "targets": ["t"]},
+        run=_FLAGGED_RUN.replace("emb.cos(), emb.sin()), Rotary(True)(t, emb.cos(), emb.sin())",
+                                 "emb.cos(), emb.sin()), Rotary(True)(t, ang.repeat_interleave(2, -1).cos(), ang.repeat_interleave(2, -1).sin())"),
+    ),
+    Fuse(
+        # vLLM/sglang [T, N, D] tokens with [T, D/2] tables unsqueezed at -2: x and the widened tables lifted to 4-D
+        name="vllm_tokens_3d_written_out",
+        code='''
+import torch
+
+
+def apply_rotary_emb_neox(x, cos, sin):
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    return torch.cat((o1, o2), dim=-1)
+''',
+        expect={"mode": "half", "targets": ["x"]},
+        run='''
+ang = torch.arange(7).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+x = torch.randn(7, 4, 16, requires_grad=True)
+out = apply_rotary_emb_neox(x, ang.cos(), ang.sin())
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the flag is computed from x inside the helper: the call site cannot read it before the call
+        _FLAGGED_ROTATE.replace("        if self.interleaved:\n", "        if x.shape[-1] > 64:\n"),
+        reason="a value the call site cannot read",
+        name="helper_two_return_paths_flag_from_x",
+    ),
+    Keep(
+        # neither return path is a rotation
+        _FLAGGED_ROTATE.replace("return torch.cat((-second_half, first_half), dim=-1)", "return torch.cat((second_half, first_half), dim=-1)"),
+        reason="on either return path",
+        name="helper_two_return_paths_none_verified",
+    ),
+]
+
+# the per-pair 2x2 rotation-matrix form (flux, lingua) and the complex form viewed back (nanotron)
+_MATRIX_SUM_OF_LANES = '''
+import torch
+
+
+def rotation_matrices(pos, dim, theta=10000):
+    scale = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    omega = 1.0 / (theta ** scale)
+    out = torch.einsum("...n,d->...nd", pos.double(), omega)
+    out = torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], dim=-1)
+    return out.view(*out.shape[:-1], 2, 2).float()
+
+
+def apply_rope(xq, xk, freqs_cis):
+    xq_ = xq.float().reshape(*xq.shape[:-1], -1, 1, 2)
+    xk_ = xk.float().reshape(*xk.shape[:-1], -1, 1, 2)
+    xq_out = freqs_cis[..., 0] * xq_[..., 0] + freqs_cis[..., 1] * xq_[..., 1]
+    xk_out = freqs_cis[..., 0] * xk_[..., 0] + freqs_cis[..., 1] * xk_[..., 1]
+    return xq_out.reshape(*xq.shape).type_as(xq), xk_out.reshape(*xk.shape).type_as(xk)
+'''
+
+_MATRIX_SUMMED = '''
+import torch
+
+
+def precompute_freqs_cis(dim, end, theta=10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.stack((cos, -sin, sin, cos), dim=-1).view(*freqs.size(), 2, 2)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = xq.reshape(*xq.shape[:-1], -1, 1, 2)  # B S H D -> B S H D/2 1 2
+    xk_ = xk.reshape(*xk.shape[:-1], -1, 1, 2)
+    freqs_cis = freqs_cis[None, :, None].float()  # S D/2 2 2 -> 1 S 1 D/2 2 2
+    xq_out = (xq_ * freqs_cis).sum(5).flatten(3)
+    xk_out = (xk_ * freqs_cis).sum(5).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # flux: column k of the per-pair matrix times lane k of x, summed by hand; [B, 1, L, D/2, 2, 2] tables
+        # (batch-independent here: B = 1 for the table) in the interleave mode, checked at run time
+        name="flux_rotation_matrix_lanes",
+        code=_MATRIX_SUM_OF_LANES,
+        expect={"mode": "interleave", "variant": "rotation_matrix_pairs", "qualname": "apply_rope", "line": 16, "end_line": 17},
+        run='''
+pe = rotation_matrices(torch.arange(6).float()[None], 16)[:, None]  # [1, 1, L, D/2, 2, 2]
+xq = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+pe_batched = rotation_matrices(torch.arange(12).float().view(2, 6), 16)[:, None]  # per-batch positions: original code
+out = (apply_rope(xq, xk, pe), apply_rope(xq, xk, pe_batched))
+leaves = [xq, xk]
+''',
+    ),
+    Fuse(
+        # lingua: (pairs * matrix).sum(5) over the 6-D product; bf16 x meets fp32 matrix (the product promotes)
+        name="lingua_rotation_matrix_summed",
+        code=_MATRIX_SUMMED,
+        expect={"mode": "interleave", "qualname": "apply_rotary_emb", "line": 17, "end_line": 18},
+        run='''
+xq = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 6, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(xq, xk, precompute_freqs_cis(16, 6))
+leaves = [xq, xk]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the matrix built transposed ([[cos, sin], [-sin, cos]]): a rotation the other way, not proven here
+        _MATRIX_SUMMED.replace("torch.stack((cos, -sin, sin, cos), dim=-1)", "torch.stack((cos, sin, -sin, cos), dim=-1)"),
+        reason="not known to be a rotation",
+        name="rotation_matrix_transposed",
+    ),
+]
+
+_NANOTRON_COMPLEX = '''
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim: int, end: int, theta: float = 10000.0):
+        super().__init__()
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float)[: (dim // 2)] / dim))
+        freqs = torch.outer(torch.arange(end), freqs).float()
+        self.register_buffer("freqs_cis", torch.view_as_real(torch.polar(torch.ones_like(freqs), freqs)), persistent=False)
+
+    def forward(self, x, position_ids=None):
+        batch_size, seq_length, num_heads, inner_dim = x.shape
+        dtype = x.dtype
+        x = x.view(batch_size, seq_length, num_heads, inner_dim // 2, 2)
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        complex_x = torch.view_as_complex(x)
+        if position_ids is None:
+            freqs_cis = self.freqs_cis[None, :seq_length, None, :]
+        else:
+            freqs_cis = self.freqs_cis[position_ids][:, :, None, :]
+        complex_freqs = torch.view_as_complex(freqs_cis)
+        x_out = torch.view_as_real(complex_x * complex_freqs).view(batch_size, seq_length, num_heads, inner_dim)
+        return x_out.type(dtype)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # nanotron: the RotaryEmbedding module computes freqs AND applies them; x upcast only when bf16, the
+        # result viewed back with .view(b, s, h, d) (kept on the fused result); per-batch positions run the original
+        name="nanotron_complex_in_forward_viewed_back",
+        code=_NANOTRON_COMPLEX,
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked", "qualname": "RotaryEmbedding.forward", "line": 25, "end_line": 25},
+        run='''
+rope = RotaryEmbedding(16, 32)
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+y = torch.randn(2, 6, 4, 16, requires_grad=True)
+pos = torch.arange(12).view(2, 6)
+out = (rope(x), rope(y), rope(y, position_ids=pos))
+leaves = [x, y]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # x rebound on another path to something that is not its lane pairs: the pairs cannot be proven
+        _NANOTRON_COMPLEX.replace("            x = x.float()\n", "            x = x.float()\n        else:\n            x = x.transpose(1, 2)\n"),
+        reason="rebound on several paths",
+        name="complex_pairs_rebound_on_another_path",
+    ),
+]
+
+# vLLM / sglang: the halves cut under the style flag, the rotation written once, the result picked by the same flag
+_VLLM_APPLY = '''
+import torch
+
+
+def _apply_rotary_emb(x, cos, sin, is_neox_style: bool):
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    else:
+        return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def forward_native(positions, query, cos_sin_cache, head_size, rotary_dim, is_neox_style=True):
+    num_tokens = positions.shape[0]
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    query_shape = query.shape
+    query = query.view(num_tokens, -1, head_size)
+    query_rot = query[..., :rotary_dim]
+    query_pass = query[..., rotary_dim:]
+    query_rot = _apply_rotary_emb(query_rot, cos, sin, is_neox_style)
+    return torch.cat((query_rot, query_pass), dim=-1).reshape(query_shape)
+
+
+def cos_sin_cache(max_pos, rotary_dim):
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # [T, N*D] tokens viewed [T, N, D], partial rotary, [T, D/2] tables: the neox path fused (lifted to 4-D),
+        # the GPT-J path (interleaved stack, cos/sin layout not provable) keeps the original code
+        name="vllm_halves_cut_under_style_flag",
+        code=_VLLM_APPLY,
+        expect={"mode": "half", "targets": ["x"], "qualname": "_apply_rotary_emb", "line": 13, "end_line": 18},
+        run='''
+cache = cos_sin_cache(32, 16)
+positions = torch.tensor([3, 0, 7, 1, 2])
+q = torch.randn(5, 4 * 24, requires_grad=True)
+out = (forward_native(positions, q, cache, 24, 16, True), forward_native(positions, q, cache, 24, 16, False))
+leaves = [q]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the halves are cut under one flag and the result picked by another: the halves on the cat path are unknown
+        _VLLM_APPLY.replace("    if is_neox_style:\n        return torch.cat", "    if cat_halves:\n        return torch.cat")
+        .replace("is_neox_style: bool)", "is_neox_style: bool, cat_halves: bool = True)"),
+        name="vllm_halves_cut_under_another_flag",
+    ),
+]
+
+# halves / lane pairs cut by viewing the last dim as two axes and unbinding one (canonical.lane_of)
+RopePattern.FUSE += [
+    Fuse(
+        # rotary-embedding-torch (lucidrains): the interleaved rotation through einops, the view bound to x first
+        name="einops_pairs_rotate_rebound",
+        code='''
+import torch
+from einops import rearrange
+
+
+def rotate_half(x):
+    x = rearrange(x, "... (d r) -> ... d r", r=2)
+    x1, x2 = x.unbind(dim=-1)
+    x = torch.stack((-x2, x1), dim=-1)
+    return rearrange(x, "... d r -> ... (d r)")
+
+
+def apply_rotary_emb(freqs, t):
+    cos = freqs.cos()[None, None]
+    sin = freqs.sin()[None, None]
+    return t * cos + rotate_half(t) * sin
+''',
+        # einops is not a dependency: tests/test_detect_rope.py runs this one under a minimal stand-in
+        expect={"mode": "interleave", "targets": ["t"]},
+    ),
+    Fuse(
+        # NeoX written out on halves cut by unflatten(-1, (2, -1)).unbind(-2)
+        name="neox_written_out_unflatten_unbind",
+        code='''
+import torch
+
+
+def apply_rotary(x, cos, sin):
+    x1, x2 = x.unflatten(-1, (2, -1)).unbind(-2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+''',
+        expect={"mode": "half", "targets": ["x"]},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+x = torch.randn(2, 6, 4, 16, requires_grad=True)
+out = apply_rotary(x, ang.cos()[:, None], ang.sin()[:, None])
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # GPT-J written out on lane pairs cut by unflatten(-1, (-1, 2)).unbind(-1), batch-free tables
+        name="gptj_written_out_pairs_unbind",
+        code='''
+import torch
+
+
+def apply_rotary(x, cos, sin):
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+''',
+        expect={"mode": "interleave", "targets": ["x"]},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+x = torch.randn(2, 6, 4, 16, requires_grad=True)
+out = apply_rotary(x, ang.cos(), ang.sin())
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # lane pairs (d r) stacked back as (r d): not the interleaved order, not a rotation npu_rotary_mul computes
+        '''
+import torch
+from einops import rearrange
+
+
+def rotate_half(x):
+    x = rearrange(x, "... (d r) -> ... d r", r=2)
+    x1, x2 = x.unbind(dim=-1)
+    x = torch.stack((x2, -x1), dim=-1)
+    return rearrange(x, "... d r -> ... (d r)")
+
+
+def apply_rotary_emb(freqs, t):
+    return t * freqs.cos() + rotate_half(t) * freqs.sin()
+''',
+        reason="sign flipped",
+        name="einops_pairs_sign_flipped",
+    ),
+]
+
+# gemma: complex numbers made of the two halves (rotate_half semantics in the complex form)
+_COMPLEX_HALVES = '''
+import torch
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    freqs = torch.outer(torch.arange(end), freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    x_ = torch.view_as_complex(torch.stack(torch.chunk(x.transpose(1, 2).float(), 2, dim=-1), dim=-1))
+    x_out = torch.view_as_real(x_ * freqs_cis).type_as(x)
+    x_out = torch.cat(torch.chunk(x_out, 2, dim=-1), dim=-2)
+    x_out = x_out.reshape(x_out.shape[0], x_out.shape[1], x_out.shape[2], -1).transpose(1, 2)
+    return x_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # [B, S, N, D] x transposed to [B, N, S, D], halves paired as complex numbers, [S, D/2] freqs (11SD once lifted)
+        name="gemma_complex_of_halves",
+        code=_COMPLEX_HALVES,
+        expect={"mode": "half", "targets": ["x.transpose(1, 2).float()"], "line": 12, "end_line": 13},
+        run='''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(x, precompute_freqs_cis(16, 6))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # chunked along dim 1, not the last dim: not the halves of the head dim
+        _COMPLEX_HALVES.replace("torch.chunk(x.transpose(1, 2).float(), 2, dim=-1)", "torch.chunk(x.transpose(1, 2).float(), 2, dim=1)"),
+        name="complex_of_chunks_along_another_dim",
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # rotary-embedding-torch: a scale factor on both products, the rotated middle slice cat between the rest
+        name="scaled_products_middle_slice",
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_emb(freqs, t, start_index=0, scale=1.0):
+    rot_dim = freqs.shape[-1]
+    end_index = start_index + rot_dim
+    t_left = t[..., :start_index]
+    t_middle = t[..., start_index:end_index]
+    t_right = t[..., end_index:]
+    t_transformed = (t_middle * freqs.cos() * scale) + (rotate_half(t_middle) * freqs.sin() * scale)
+    return torch.cat((t_left, t_transformed, t_right), dim=-1)
+''',
+        expect={"mode": "half", "targets": ["t_middle"], "line": 16, "end_line": 16},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+freqs = torch.cat((ang, ang), dim=-1)
+t = torch.randn(2, 4, 6, 24, requires_grad=True)
+out = (apply_rotary_emb(freqs, t, start_index=4, scale=0.5), apply_rotary_emb(freqs, t))
+leaves = [t]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the complex product asked for in float64: the op takes fp16/bf16/fp32 only
+        _MISTRAL_TOKENS.replace("xq.float().reshape", "xq.to(torch.float64).reshape").replace("xk.float().reshape", "xk.double().reshape"),
+        reason="computed in float64",
+        name="complex_in_float64",
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # the rotation written twice in one function with the names o1/o2 reused for the key: both sites found
+        # (the query's o1/o2 are bound again before the key reads them)
+        name="vllm_query_and_key_reuse_names",
+        code=_VLLM_APPLY.replace('''    query_rot = _apply_rotary_emb(query_rot, cos, sin, is_neox_style)
+''', '''    if is_neox_style:
+        x1, x2 = torch.chunk(query_rot, 2, dim=-1)
+    else:
+        x1 = query_rot[..., ::2]
+        x2 = query_rot[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        query_rot = torch.cat((o1, o2), dim=-1)
+    else:
+        query_rot = torch.stack((o1, o2), dim=-1).flatten(-2)
+    key_rot = query_rot.flip(-1)
+    if is_neox_style:
+        x1, x2 = torch.chunk(key_rot, 2, dim=-1)
+    else:
+        x1 = key_rot[..., ::2]
+        x2 = key_rot[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        key_rot = torch.cat((o1, o2), dim=-1)
+    else:
+        key_rot = torch.stack((o1, o2), dim=-1).flatten(-2)
+    query_rot = query_rot + key_rot
+''').replace("    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)\n",
+             "    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)\n    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)\n"),
+        expect={"mode": "half"},
+        run='''
+cache = cos_sin_cache(32, 16)
+positions = torch.tensor([3, 0, 7, 1, 2])
+q = torch.randn(5, 4 * 24, requires_grad=True)
+out = (forward_native(positions, q, cache, 24, 16, True), forward_native(positions, q, cache, 24, 16, False))
+leaves = [q]
+''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # pairs by unflatten(-1, (-1, 2)); the table's view depends on x's rank (3-D tokens or 4-D): the layout is
+        # not claimed from the last binding, the run-time shape check decides (3-D tokens seen as one batch)
+        name="complex_unflatten_pairs_view_by_rank",
+        code='''
+import torch
+
+
+def precompute_freqs_cis(dim, end, theta=10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    freqs = torch.outer(torch.arange(end), freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(x, freqs_cis, inverse: bool = False):
+    original_dtype = x.dtype
+    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    if inverse:
+        freqs_cis = freqs_cis.conj()
+    if x_complex.ndim == 3:
+        freqs_cis = freqs_cis.view(x_complex.size(0), 1, x_complex.size(-1))
+    else:
+        freqs_cis = freqs_cis.view(1, x_complex.size(1), 1, x_complex.size(-1))
+    x_rotated = torch.view_as_real(x_complex * freqs_cis).flatten(-2)
+    return x_rotated.to(original_dtype)
+''',
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked"},
+        run='''
+f = precompute_freqs_cis(16, 6)
+x4 = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+x3 = torch.randn(6, 4, 16, requires_grad=True)
+out = (apply_rotary_emb(x4, f), apply_rotary_emb(x4, f, inverse=True), apply_rotary_emb(x3, f))
+leaves = [x4, x3]
+''',
+    ),
+]
+
+_OLMO_ROTATE = '''
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        B, nh, T, hs = x.size()
+        x = x.view(B, nh, T, 2, hs // 2)
+        x1, x2 = x.unbind(dim=-2)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def apply_rotary_pos_emb(self, pos_sin: torch.Tensor, pos_cos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((t * pos_cos) + (self.rotate_half(t) * pos_sin)).to(t.dtype)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # OLMo: the halves by viewing x's own unpacked dims with the last one cut as (2, hs // 2), unbound at -2
+        name="olmo_view_unpacked_dims_unbind",
+        code=_OLMO_ROTATE,
+        expect={"mode": "half", "targets": ["t"], "qualname": "RotaryEmbedding.apply_rotary_pos_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)[None, None]
+t = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+out = RotaryEmbedding().apply_rotary_pos_emb(emb.sin(), emb.cos(), t)
+leaves = [t]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the view cuts the last dim as (hs // 2, 2) and unbinds -2: lanes of a pair unbound the wrong way, not halves
+        _OLMO_ROTATE.replace("x = x.view(B, nh, T, 2, hs // 2)", "x = x.view(B, nh, T, hs // 2, 2)"),
+        reason="does not compute the standard rotate_half",
+        name="view_unpacked_dims_wrong_axis",
+    ),
+]
+
+_UPCAST_PAIRS = '''
+import torch
+
+
+def rotate_half(x):
+    x_real, x_imag = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    return torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+
+
+def apply_rotary_emb(xq, cos, sin):
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # [S, D] tables, [B, S, H, D] x
+    return (xq * cos + rotate_half(xq) * sin).type_as(xq)
+
+
+def apply_rotary_emb_fp32(xq, cos, sin):
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return xq * cos + rotate_half(xq) * sin  # bf16 xq and tables, fp32 result
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # HunyuanVideo: the interleaved helper upcasts x itself (x.float().reshape(..., -1, 2).unbind(-1)); the eager
+        # sum is then fp32 whatever xq's dtype: the fused call computes in the same widened dtype
+        name="helper_rotates_in_fp32",
+        code=_UPCAST_PAIRS,
+        expect={"mode": "interleave", "targets": ["xq"]},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = ang.repeat_interleave(2, dim=-1)
+xq = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = (apply_rotary_emb(xq, emb.cos().bfloat16(), emb.sin().bfloat16()), apply_rotary_emb_fp32(xq, emb.cos().bfloat16(), emb.sin().bfloat16()))
+leaves = [xq]
+''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # a RotaryEmbedding module whose forward computes cos/sin AND applies them (no separate apply function)
+        name="module_forward_computes_and_applies",
+        code='''
+import torch
+from torch import nn
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim, base=10000):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)))
+
+    def forward(self, x, seq_dim=1):
+        t = torch.arange(x.shape[seq_dim], device=x.device).type_as(self.inv_freq)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos()[None, :, None, :]
+        sin = emb.sin()[None, :, None, :]
+        x = (x * cos) + (rotate_half(x) * sin)
+        return x
+''',
+        expect={"mode": "half", "targets": ["x"], "qualname": "RotaryEmbedding.forward"},
+        run='''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = RotaryEmbedding(16)(x)
+leaves = [x]
+''',
+    ),
 ]
