@@ -41,6 +41,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.canonical import Contraction, Product, einops_permutation, product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -417,6 +418,11 @@ class Renderer:
         return None
 
 
+# the last name of a product's callee, however torch is imported (``th.matmul``, ``from torch import
+# einsum``, ``q.matmul(k)``): a value computed through one of these is heavy
+_PRODUCT_CALLS = {"matmul", "einsum", "bmm", "baddbmm"}
+
+
 def _heavy(node: Any, through_meta: bool = True) -> bool:
     """Does computing ``node`` involve a matrix product (the attention scores)? Metadata reads
     (``.dtype``/``.shape``) are crossed only when ``through_meta`` is False."""
@@ -424,7 +430,7 @@ def _heavy(node: Any, through_meta: bool = True) -> bool:
     for n in walker:
         if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
             return True
-        if isinstance(n, ast.Call) and dotted(_plain(n.func)) in ("torch.matmul", "torch.einsum", "torch.bmm", "torch.baddbmm"):
+        if isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").rpartition(".")[2] in _PRODUCT_CALLS:
             return True
     return False
 
@@ -717,6 +723,9 @@ class Operand:
     leaf: Any
     layout: str  # BNSD | BSND | 3D
     repeat: RepeatInfo | None = None
+    # a 3-D [B, S, D] key/value shared by every query head (PaLM's multi-query einsum
+    # ``b h i d, b j d -> b h i j``): the fused call takes it with a head axis of size 1 inserted
+    heads_added: bool = False
 
 
 @dataclass
@@ -741,6 +750,8 @@ class Chain:
     # and bmm(v, Pᵀ) with v [B, D, S] giving the output [B, D, Sq]
     k_transposed: bool = False
     v_transposed: bool = False
+    out_transposed: bool = False  # the product's result is [B, D, Sq] (bmm(v, Pᵀ), einsum "bcj,bji->bci")
+    p_transposed: bool = False  # the probabilities reach the product transposed (einops "b i j -> b j i")
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -772,21 +783,10 @@ class _Matcher:
     def method(self, node: Any, *names: str) -> bool:
         return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
 
-    def is_matmul(self, node: Any) -> tuple[Any, Any, str] | None:
-        """(a, b, kind) of a matmul-like node: ``a @ b``, ``torch.matmul``, ``torch.bmm``, ``a.matmul(b)``, einsum."""
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-            return node.left, node.right, "@"
-        if isinstance(node, ast.Call):
-            name = self._fn(node)
-            if name in MATMULS and len(node.args) == 2:
-                return node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul"
-            if name == "torch.einsum" and len(node.args) == 3:
-                return node.args[1], node.args[2], "einsum"
-            if name == "torch.einsum" and len(node.args) == 2 and _pair(node.args[1]):
-                return node.args[1].elts[0], node.args[1].elts[1], "einsum"  # CvT: einsum(spec, [q, k])
-            if self.method(node, "matmul", "bmm") and len(node.args) == 1:
-                return node.func.value, node.args[0], node.func.attr
-        return None
+    def is_matmul(self, node: Any) -> Product | None:
+        """A matmul-like node (``a @ b``, ``torch.matmul``/``bmm``, ``a.matmul(b)``, einsum, baddbmm with
+        beta=0) read by the canonical layer, names resolved through this module's imports."""
+        return product(node, self._fn)
 
     def _fn(self, call: ast.Call) -> str | None:
         func = call.func
@@ -889,8 +889,10 @@ class _Matcher:
         return None
 
     # -- the chain
-    def match(self, pv: tuple[Any, Any, str], anchor: ast.AST) -> Chain | None:
-        p_node, v_node, kind = pv
+    def match(self, pv: Product, anchor: ast.AST) -> Chain | None:
+        if pv.kind == "einsum":
+            return self._match_einsum(pv)
+        p_node, v_node, kind = pv.a, pv.b, "bmm" if pv.kind == "baddbmm" else pv.kind
         chain = Chain()
         self.three_d = kind == "bmm"
         scores = self.peel_probs(p_node, chain)
@@ -902,33 +904,77 @@ class _Matcher:
                 scores = self.peel_probs(p_t, chain)
                 if scores is not None:
                     self._transposed_3d(v_node, chain)  # record the transpose statement as a step
-                    chain.v_transposed = True
+                    chain.v_transposed = chain.out_transposed = True
                     p_node, v_node = v_node, p_node
         if scores is None or not _heavy(scores, through_meta=False):
             return None
-        if kind == "einsum":
-            spec = _einsum_spec(anchor.args[0])  # type: ignore[attr-defined]
-            if spec is None:
-                raise Miss("einsum for P@V with a subscript npufuse does not parse")
-            ps, vs, os_ = spec
-            if len(ps) != 4 or len(vs) != 4 or len(os_) != 4:
-                raise Miss("einsum over other than 4-D operands")
-            b, n, i, j = ps
-            dvar = (set(vs) - {b, n, j}).pop() if len(set(vs) - {b, n, j}) == 1 else None
-            if dvar is None or set(os_) != {b, n, i, dvar}:
-                raise Miss("einsum for P@V does not contract the key axis")
-            v_layout = _layout_of(vs, b, n, j, dvar)
-            chain.out_layout = _layout_of(os_, b, n, i, dvar) or ""
-            if v_layout is None or not chain.out_layout:
-                raise Miss("einsum layouts other than BNSD/BSND")
-            chain.v = self.peel_operand(v_node, "v", v_layout, chain)
-        else:
-            layout = "3D" if kind == "bmm" else "BNSD"
-            chain.out_layout = layout
-            chain.v = self.peel_operand(v_node, "v", layout, chain)
+        if pv.kind == "baddbmm" and pv.alpha is not None and const_value(pv.alpha) not in (1, 1.0):
+            raise Miss(f"the P@V product is scaled (`alpha={self.src(pv.alpha)}`): npu_fusion_attention has no output scale")
+        if chain.p_transposed:
+            raise Miss("the probabilities reach P@V transposed in a product npufuse does not read as attention")
+        layout = "3D" if kind == "bmm" else "BNSD"
+        chain.out_layout = layout
+        chain.v = self.peel_operand(v_node, "v", layout, chain)
         self.peel_scores(scores, chain, stop=None, cond=None)
         if chain.q is None or chain.k is None:
             raise Miss("no Q@Kᵀ product found under the softmax")
+        return chain
+
+    def _match_einsum(self, pv: Product) -> Chain | None:
+        """P@V written as an einsum: whichever operand holds the probabilities, in any output order the
+        op can take (BNSD, BSND, 3-D single head, channel-first [B, D, Sq]); a 3-D value beside 4-D
+        probabilities is shared by all heads (multi-query)."""
+        c = pv.subs
+        for p_node, v_node, p_sub in ((pv.a, pv.b, c.a if c else ""), (pv.b, pv.a, c.b if c else "")):
+            chain = Chain()
+            self.three_d = len(p_sub) == 3
+            scores = self.peel_probs(p_node, chain)
+            if scores is not None and _heavy(scores, through_meta=False):
+                break
+        else:
+            return None
+        if c is None:
+            raise Miss(f"einsum for P@V with an equation npufuse does not parse (`{self.src(pv.spec)}`)")
+        v_sub = c.b if p_node is pv.a else c.a
+        if chain.p_transposed:  # P reaches the einsum as Pᵀ: its subscripts name [.., j, i]
+            p_sub = p_sub[:-2] + p_sub[-1] + p_sub[-2]
+        if len(c.summed) != 1 or p_sub[-1] != c.summed:
+            raise Miss(f"einsum `{c.a},{c.b}->{c.out}` does not contract the probabilities' last (key) axis with the values")
+        j = c.summed
+        d_letters = [x for x in v_sub if x not in p_sub]
+        if len(d_letters) != 1:
+            raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: the values carry other than one feature axis")
+        d = d_letters[0]
+        if len(p_sub) == 4:
+            bb, n, i = p_sub[0], p_sub[1], p_sub[2]
+            chain.out_layout = _layout_of(c.out, bb, n, i, d) or ""
+            if set(v_sub) == {bb, n, j, d}:
+                v_layout = _layout_of(v_sub, bb, n, j, d)
+                heads_added = False
+            elif set(v_sub) == {bb, j, d} and v_sub == bb + j + d:
+                v_layout, heads_added = chain.out_layout, True
+            else:
+                v_layout, heads_added = None, False
+            if v_layout is None or not chain.out_layout:
+                raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: layouts other than BNSD/BSND (or a 3-D [B, S, D] value shared by the heads)")
+            chain.v = self.peel_operand(v_node, "v", v_layout, chain)
+            chain.v.heads_added = heads_added
+        elif len(p_sub) == 3:
+            bb, i = p_sub[0], p_sub[1]
+            if set(v_sub) != {bb, j, d} or v_sub[0] != bb or set(c.out) != {bb, i, d} or c.out[0] != bb:
+                raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: a 3-D product that is not [B, S, D] attention")
+            chain.v_transposed = v_sub == bb + d + j  # v laid out [B, D, Skv] (channel-first)
+            chain.out_transposed = c.out == bb + d + i
+            chain.out_layout = "3D"
+            chain.v = self.peel_operand(v_node, "v", "3D", chain)
+        else:
+            raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
+        chain.spelling.append("einsum")
+        self.peel_scores(scores, chain, stop=None, cond=None)
+        if chain.q is None or chain.k is None:
+            raise Miss("no Q@Kᵀ product found under the softmax")
+        if (chain.q.layout == "3D") != self.three_d:
+            raise Miss("the scores and the probabilities' product disagree on the rank (3-D vs 4-D)")
         return chain
 
     def _transposed_3d(self, node: Any, chain: Chain) -> Any:
@@ -952,6 +998,10 @@ class _Matcher:
             chain.probs_objs.add(id(node))
             if self.method(node, *_CASTS) and (node.func.attr != "to" or len(node.args) + len(node.keywords) <= 2):
                 node = node.func.value
+                continue
+            if self._last_two_swapped(node):
+                chain.p_transposed = not chain.p_transposed
+                node = self._transposed_input(node)
                 continue
             drop = self.dropout_of(node)
             if drop is not None:
@@ -1007,6 +1057,27 @@ class _Matcher:
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
             return None
         return None
+
+    def _last_two_swapped(self, node: Any) -> bool:
+        """``x.transpose(-2, -1)``, ``x.mT``, ``permute(0, 2, 1)`` / ``(0, 1, 3, 2)``, einops
+        ``rearrange(x, "b i j -> b j i")``: the last two axes exchanged (on the probabilities' rank)."""
+        rank = 3 if getattr(self, "three_d", False) else 4
+        if self.method(node, "transpose") and len(node.args) == 2:
+            dims = {const_value(x) for x in node.args}
+            return dims == {-2, -1} or dims == {rank - 2, rank - 1}
+        if isinstance(node, ast.Attribute) and node.attr == "mT":
+            return True
+        if self.method(node, "permute"):
+            return swaps_last_two(tuple(const_value(x) for x in node.args))  # type: ignore[arg-type]
+        if isinstance(node, ast.Call) and self._fn(node) == "einops.rearrange" and len(node.args) == 2 and not node.keywords:
+            perm = einops_permutation(node.args[1])
+            return swaps_last_two(perm) and len(perm) == rank  # type: ignore[arg-type]
+        return False
+
+    def _transposed_input(self, node: Any) -> Any:
+        if isinstance(node, ast.Attribute):
+            return node.value
+        return node.args[0] if self._fn(node) == "einops.rearrange" else node.func.value
 
     def _qk_softmax(self, node: Any) -> bool:
         """A softmax of a Q@Kᵀ-like product is reachable (without crossing another product)."""
@@ -1316,27 +1387,16 @@ class _Matcher:
         return None
 
     # -- Q@Kᵀ
-    def parse_qk(self, node: Any, mm: tuple[Any, Any, str], chain: Chain) -> None:
-        a, b, kind = mm
+    def parse_qk(self, node: Any, mm: Product, chain: Chain) -> None:
+        a, b, kind = mm.a, mm.b, mm.kind
         if kind == "einsum":
-            spec = _einsum_spec(node.args[0])
-            if spec is None:
-                raise Miss("einsum for Q@Kᵀ with a subscript npufuse does not parse")
-            qs, ks, os_ = spec
-            if len(qs) != 4 or len(ks) != 4 or len(os_) != 4:
-                raise Miss("einsum over other than 4-D operands")
-            bb, n, i, j = os_
-            dvar = set(qs) - {bb, n, i}
-            if len(dvar) != 1 or set(ks) != {bb, n, j} | dvar:
-                raise Miss("einsum for Q@Kᵀ that is not a contraction over the head dim")
-            d = dvar.pop()
-            ql, kl = _layout_of(qs, bb, n, i, d), _layout_of(ks, bb, n, j, d)
-            if ql is None or kl is None:
-                raise Miss("einsum layouts other than BNSD/BSND")
-            chain.q = self.peel_operand(a, "q", ql, chain)
-            chain.k = self.peel_operand(b, "k", kl, chain)
-            chain.spelling.append("einsum")
+            self._qk_einsum(mm, chain)
             return
+        if kind == "baddbmm":
+            # Megatron: baddbmm(empty, q, kᵀ, beta=0, alpha=1/norm_factor): the alpha is the scale
+            if mm.alpha is not None:
+                self.add_scale(mm.alpha, False, chain)
+            kind = "bmm"
         layout = "3D" if kind == "bmm" else "BNSD"
         chain.spelling.append(kind)
         chain.q = self.peel_operand(a, "q", layout, chain)
@@ -1372,6 +1432,49 @@ class _Matcher:
                 chain.k_transposed = True
                 return
             raise Miss(f"the key operand `{self.src(b)}` is not a transpose of K")
+
+    def _qk_einsum(self, mm: Product, chain: Chain) -> None:
+        """Q@Kᵀ as an einsum, operands in either order: the key is the operand carrying the scores'
+        last axis. Scores [B, N, Sq, Skv] (or [B, Sq, Skv], one head); q/k BNSD or BSND, a 3-D
+        [B, Skv, D] key shared by every head (multi-query), or in 3-D a channel-first [B, D, Skv] key."""
+        c: Contraction | None = mm.subs
+        if c is None:
+            raise Miss(f"einsum for Q@Kᵀ with an equation npufuse does not parse (`{self.src(mm.spec)}`)")
+        eq = f"{c.a},{c.b}->{c.out}"
+        if len(c.summed) != 1:
+            raise Miss(f"einsum `{eq}` is not a contraction over one head-dim axis")
+        j = c.out[-1]
+        if j in c.b_free:
+            q_node, k_node, qs, ks = mm.a, mm.b, c.a, c.b
+        elif j in c.a_free:
+            q_node, k_node, qs, ks = mm.b, mm.a, c.b, c.a
+        else:
+            raise Miss(f"einsum `{eq}`: the scores' last axis is not a key position (softmax would not run over the keys)")
+        d = c.summed
+        if len(c.out) == 4:
+            bb, n, i = c.out[0], c.out[1], c.out[2]
+            ql = _layout_of(qs, bb, n, i, d)
+            if set(ks) == {bb, n, j, d}:
+                kl, heads_added = _layout_of(ks, bb, n, j, d), False
+            elif ks == bb + j + d and n in qs:
+                kl, heads_added = ql, True
+            else:
+                kl, heads_added = None, False
+            if ql is None or kl is None:
+                raise Miss(f"einsum `{eq}`: q/k/scores in layouts other than BNSD/BSND with [B, N, Sq, Skv] scores")
+            chain.q = self.peel_operand(q_node, "q", ql, chain)
+            chain.k = self.peel_operand(k_node, "k", kl, chain)
+            chain.k.heads_added = heads_added
+        elif len(c.out) == 3:
+            bb, i = c.out[0], c.out[1]
+            if qs != bb + i + d or set(ks) != {bb, j, d} or ks[0] != bb:
+                raise Miss(f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
+            chain.q = self.peel_operand(q_node, "q", "3D", chain)
+            chain.k = self.peel_operand(k_node, "k", "3D", chain)
+            chain.k_transposed = ks == bb + d + j  # k laid out [B, D, Skv] (channel-first)
+        else:
+            raise Miss(f"einsum `{eq}` makes {len(c.out)}-D scores (npu_fusion_attention takes 4-D, or 3-D as one head)")
+        chain.spelling.append("einsum")
 
     def _has_tensor_op(self, node: Any) -> bool:
         return any(self.method(n, "transpose", "permute") or isinstance(n, Ref) and n.idx >= 0 for n in walk_sym(node))
@@ -1682,7 +1785,7 @@ class AttentionPattern(Pattern):
         if "softmax" not in text.lower() or not ("@" in text or "matmul" in text or "bmm" in text or "einsum" in text):
             return
         blocks: dict[int, list[ast.stmt]] = {}
-        anchors: dict[int, list[tuple[ast.AST, tuple[Any, Any, str]]]] = {}
+        anchors: dict[int, list[tuple[ast.AST, Product]]] = {}
         for block, _i, stmt in scope.statements():
             found = self._anchors(module, stmt)
             if found:
@@ -1696,7 +1799,7 @@ class AttentionPattern(Pattern):
                     if res is not None:
                         yield res
 
-    def _anchors(self, module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.AST, tuple[Any, Any, str]]]:
+    def _anchors(self, module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.AST, Product]]:
         if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
             return []
         text = segment(module, stmt)
@@ -1704,22 +1807,17 @@ class AttentionPattern(Pattern):
             return []
         out = []
         for node in fast_walk(stmt):
-            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-                out.append((node, (node.left, node.right, "@")))
-            elif isinstance(node, ast.Call):
-                name = module.call_name(node)
-                if name in MATMULS and len(node.args) == 2:
-                    out.append((node, (node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul")))
-                elif name == "torch.einsum" and len(node.args) == 3:
-                    out.append((node, (node.args[1], node.args[2], "einsum")))
-                elif name == "torch.einsum" and len(node.args) == 2 and _pair(node.args[1]):
-                    out.append((node, (node.args[1].elts[0], node.args[1].elts[1], "einsum")))
+            if isinstance(node, (ast.BinOp, ast.Call)):
+                prod = product(node, module.call_name)
+                if prod is not None:
+                    out.append((node, prod))
         return out
 
-    def _site(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, e: int, stmt: ast.stmt, node: ast.AST, pv: tuple[Any, Any, str]) -> Result | None:
+    def _site(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, e: int, stmt: ast.stmt, node: ast.AST, pv: Product) -> Result | None:
         matcher = _Matcher(module, scope, interp)
         env = interp.before[e]
-        sym_pv = (interp.sym(pv[0], env), interp.sym(pv[1], env), pv[2])
+        sym_pv = Product(interp.sym(pv.a, env), interp.sym(pv.b, env), pv.kind, pv.subs,
+                         interp.sym(pv.alpha, env) if pv.alpha is not None else None, pv.spec)
         line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
         try:
             chain = matcher.match(sym_pv, node)
@@ -1770,13 +1868,16 @@ class AttentionPattern(Pattern):
                 r.text(chain.dropout_cond[0])
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+        if chain.k.heads_added != chain.v.heads_added:
+            return NearMiss(self.id, scope.qualname, span_line, end_line,
+                            "keys and values differ in heads (one is shared by every head, the other is not): npu_fusion_attention takes one kv head count")
         if (chain.k.repeat is None) != (chain.v.repeat is None):
             return NearMiss(self.id, scope.qualname, span_line, end_line, "keys and values are not repeated alike (GQA on one of them only)")
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
             for tag, op, text in (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t)):
                 rank = static_rank(scope, op.leaf, block[0].lineno)
-                if rank is not None and rank != 4:
+                if rank is not None and rank != (3 if op.heads_added else 4):
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{tag} (`{text[:30]}`) is {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] / [B,S,N,D] "
                                     "tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads)")
@@ -1847,6 +1948,10 @@ class AttentionPattern(Pattern):
             return var
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
+        if chain.k.heads_added:
+            # one kv head for every query head (multi-query): the op's GQA takes N_kv = 1
+            k_n, v_n = (f"{atom(x)}.unsqueeze({1 if op.layout == 'BNSD' else 2})" for x, op in ((k_n, chain.k), (v_n, chain.v)))
+            chain.notes.append("k/v are 3-D [B, S, D] shared by every query head (multi-query): passed with a head axis of 1, which npu_fusion_attention groups onto all query heads")
         # GPT-Neo keeps q/k in fp32 while v (and the output) stay in the model dtype: the op needs one dtype
         cast_v = _upcast(chain.q.leaf) and _upcast(chain.k.leaf) and not _upcast(chain.v.leaf)
         if cast_v:
@@ -1959,7 +2064,7 @@ class AttentionPattern(Pattern):
         if cast_v:
             call = f"{call}.to({out_dtype})"
         if three_d:
-            call = f"{call}.squeeze(1)" + (".transpose(1, 2)" if chain.v_transposed else "")  # bmm(v, Pᵀ) is [B, D, Sq]
+            call = f"{call}.squeeze(1)" + (".transpose(1, 2)" if chain.out_transposed else "")  # bmm(v, Pᵀ) is [B, D, Sq]
         if layout != chain.out_layout and not three_d:
             call = f"{call}.transpose(1, 2)"
         for name in none_probs:
