@@ -752,6 +752,9 @@ class Chain:
     v_transposed: bool = False
     out_transposed: bool = False  # the product's result is [B, D, Sq] (bmm(v, Pᵀ), einsum "bcj,bji->bci")
     p_transposed: bool = False  # the probabilities reach the product transposed (einops "b i j -> b j i")
+    # (test, negated, step): a branch of the scores the fused op has no equivalent of (soft-capping);
+    # the fused call runs only where that branch is not taken
+    excluded: list[tuple[Any, bool, str]] = field(default_factory=list)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1140,14 +1143,18 @@ class _Matcher:
                     raise Miss("the attention scores are defined on one branch only")
                 if self._derived(a, b) or self._derived(b, a):
                     branch, base, neg = (a, b, False) if self._derived(a, b) else (b, a, True)
-                    for n in walk_values(branch):
-                        if n is base:
-                            break
-                        if isinstance(n, ast.Call) and (self._fn(n) or "").split(".")[-1] in ("tanh", "clamp", "sigmoid"):
+                    capped = next((n for n in self._until(branch, base) if self._capping(n)), None)
+                    if capped is not None:
+                        if cond is not None or _heavy(node.test, through_meta=False):
                             raise Miss(
-                                f"`{self.src(n)}` on the scores under `if {self.src(node.test)}` (logit soft-capping / clamping): "
+                                f"`{self.src(capped)}` on the scores under `if {self.src(node.test)}` (logit soft-capping / clamping): "
                                 "npu_fusion_attention has no such step"
                             )
+                        # Gemma's optional soft-capping: the fused call runs only where the branch does not
+                        # (a run-time guard; the original code runs where it does)
+                        chain.excluded.append((node.test, neg, self.src(capped)))
+                        node = base
+                        continue
                     self.peel_scores(branch, chain, stop=base, cond=(node.test, neg))
                     node = base
                     continue
@@ -1193,8 +1200,31 @@ class _Matcher:
                 return
             if isinstance(node, Ref) and isinstance(node.value, Opaque):
                 raise Miss(f"the scores `{node.name}` are computed inside a loop / with / try block npufuse does not follow")
+            if self._capping(node):
+                raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}` (logit soft-capping / clamping): "
+                           "npu_fusion_attention has no such step")
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
         raise Miss("attention score chain too long to follow")
+
+    def _capping(self, node: Any) -> bool:
+        """``tanh`` / ``clamp`` / ``sigmoid`` (function or method): a step on the scores the fused op lacks."""
+        return isinstance(node, ast.Call) and (
+            (self._fn(node) or "").rpartition(".")[2] in ("tanh", "clamp", "clip", "sigmoid") or self.method(node, "tanh", "clamp", "clip", "sigmoid", "tanh_", "clamp_"))
+
+    def _until(self, node: Any, stop: Any) -> Iterator[ast.AST]:
+        """The nodes of ``node``'s value tree that are not inside ``stop``'s."""
+        stack, visited = [node], set()
+        while stack and len(visited) < 4000:
+            n = stack.pop()
+            if not isinstance(n, ast.AST) or id(n) in visited or n is stop or is_meta(n):
+                continue
+            visited.add(id(n))
+            yield n
+            if isinstance(n, Ref):
+                if n.value is not None:
+                    stack.append(n.value)
+                continue
+            stack.extend(child_nodes(n))
 
     def _reaches(self, node: Any, stop: Any) -> bool:
         """Does ``node`` lead to the scores (the QK product, or ``stop`` inside a branch)?"""
@@ -2032,6 +2062,17 @@ class AttentionPattern(Pattern):
                 if any(m.causal for m in chain.masks):
                     chain.notes.append("the causal mask is passed explicitly (sparse_mode 0): it is combined with another mask or conditional")
             test_texts = [r.text(m.cond) for m in chain.masks if m.cond is not None]
+            if chain.excluded:
+                # the fused call runs where none of the excluded branches (soft-capping) is taken
+                skip = [atom(t) if neg else f"not {atom(t)}" for t, neg in ((r.text(x[0]), x[1]) for x in chain.excluded)]
+                if value_check is not None:
+                    skip.append(value_check)
+                value_check = " and ".join(skip) if len(skip) == 1 else " and ".join(f"({c})" for c in skip)
+                value_split = 0
+                for test, neg, step in chain.excluded:
+                    risks.append(Risk("other", f"`{step}` on the scores when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
+                                               "equivalent: the fused call runs only where that branch is not taken; where it is "
+                                               "(soft-capped models such as Gemma 2), the original code runs"))
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         kwargs.append(("scale", scale))
