@@ -1058,8 +1058,31 @@ class _Matcher:
                 return x
             if self._qk_softmax(node):
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
+            self._opaque_normaliser(node)
             return None
         return None
+
+    def _opaque_normaliser(self, node: Any) -> None:
+        """Megatron's ``self.scale_mask_softmax(scores, mask)`` (FusedScaleMaskSoftmax, built in
+        ``__init__`` from a class of another file), possibly re-viewed / squeezed: a module turning
+        the Q@Kᵀ scores into the probabilities whose computation (scale, mask function, fp32
+        softmax) is not visible here. Raises the near miss; returns when ``node`` is not one."""
+        for _ in range(4):
+            if self.method(node, "squeeze", "unsqueeze", "view", "reshape"):
+                node = deref(node.func.value)
+                continue
+            break
+        if not (isinstance(node, ast.Call) and _is_self_attr(node.func) and node.args):
+            return
+        ctor = self._module_attr_ctor(node.func)
+        if ctor is None or not _heavy(node.args[0], through_meta=False) or self._qk_softmax(node.args[0]):
+            return
+        cls = self.module.canonical(ctor.func) or self.src(ctor.func)
+        if cls.startswith("torch."):
+            return  # a torch module is known: not this case
+        where = "defined in this file, whose forward npufuse does not interpret" if cls.rpartition(".")[2] in self.module.classes else "defined outside this file"
+        raise Miss(f"the probabilities come from `{self.src(node.func)}` (a `{cls}` module built in `__init__`, {where}) applied to the Q@Kᵀ scores: "
+                   "its scaling, masking and softmax are not visible, so npufuse cannot check that npu_fusion_attention computes the same")
 
     def _last_two_swapped(self, node: Any) -> bool:
         """``x.transpose(-2, -1)``, ``x.mT``, ``permute(0, 2, 1)`` / ``(0, 1, 3, 2)``, einops
@@ -1158,6 +1181,14 @@ class _Matcher:
                     self.peel_scores(branch, chain, stop=base, cond=(node.test, neg))
                     node = base
                     continue
+                base = self._common_base(a, b, stop)
+                if base is not None:
+                    # ``if mask.dtype == torch.bool: s = s.masked_fill(~mask, -inf) else: s = s + mask``: each
+                    # branch masks the same scores; its terms apply under its own condition
+                    for branch, neg in ((a, False), (b, True)):
+                        self.peel_scores(branch, chain, stop=base, cond=_and_cond(cond, (node.test, neg)))
+                    node = base
+                    continue
                 raise Miss(f"the attention scores depend on `if {self.src(node.test)}` in a way npufuse does not convert")
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
                 left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
@@ -1205,6 +1236,17 @@ class _Matcher:
                            "npu_fusion_attention has no such step")
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
         raise Miss("attention score chain too long to follow")
+
+    def _common_base(self, a: Any, b: Any, stop: Any) -> Any:
+        """The scores both branches of a conditional start from (``stop`` inside an outer branch, else
+        the first variable holding a Q@Kᵀ product that both reach), or None."""
+        if stop is not None:
+            return stop if self._reaches(a, stop) and self._reaches(b, stop) else None
+        in_b = {id(n) for n in walk_values(b) if isinstance(n, Ref)}
+        for n in walk_values(a):
+            if isinstance(n, Ref) and id(n) in in_b and n is not a and n is not b and _heavy(n, through_meta=False):
+                return n
+        return None
 
     def _capping(self, node: Any) -> bool:
         """``tanh`` / ``clamp`` / ``sigmoid`` (function or method): a step on the scores the fused op lacks."""
@@ -1603,6 +1645,14 @@ class _Matcher:
         return False
 
 
+def _and_cond(outer: tuple[Any, bool] | None, inner: tuple[Any, bool]) -> tuple[Any, bool]:
+    """The (test, negated) condition under which both ``outer`` and ``inner`` hold."""
+    if outer is None:
+        return inner
+    parts = [t if not neg else ast.UnaryOp(op=ast.Not(), operand=t) for t, neg in (outer, inner)]
+    return ast.BoolOp(op=ast.And(), values=parts), False
+
+
 def _pair(node: Any) -> bool:
     """``[a, b]`` / ``(a, b)``: einsum's operands passed as one list."""
     return isinstance(node, (ast.List, ast.Tuple)) and len(node.elts) == 2 and not any(isinstance(e, ast.Starred) for e in node.elts)
@@ -1905,12 +1955,20 @@ class AttentionPattern(Pattern):
             return NearMiss(self.id, scope.qualname, span_line, end_line, "keys and values are not repeated alike (GQA on one of them only)")
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
-            for tag, op, text in (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t)):
-                rank = static_rank(scope, op.leaf, block[0].lineno)
-                if rank is not None and rank != (3 if op.heads_added else 4):
+            operands = (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t))
+            ranks = [static_rank(scope, op.leaf, block[0].lineno) for _t, op, _x in operands]
+            # 5-D [B, N, W, S, D] (Hiera's windows): every leading dim is a batch dim of the matmuls, so the
+            # first two fold into one; a mask would have to be folded alike, which npufuse does not do
+            folded = ranks == [5, 5, 5] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
+                and (not chain.masks or sole_causal)
+            for (tag, op, text), rank in zip(operands, ranks):
+                if not folded and rank is not None and rank != (3 if op.heads_added else 4):
+                    extra = " (a mask beside 5-D q/k/v is not folded)" if rank == 5 and chain.masks else ""
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{tag} (`{text[:30]}`) is {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] / [B,S,N,D] "
-                                    "tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads)")
+                                    f"tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads){extra}")
+        else:
+            folded = False
         lines: list[str] = []
         # statements of the span that are not attention steps
         steps = chain.seen | r.consumed
@@ -2000,6 +2058,12 @@ class AttentionPattern(Pattern):
             if chain.k_transposed or chain.v_transposed:
                 chain.notes.append("channel-first attention (k and/or v laid out [B, D, S], output of bmm(v, Pᵀ) [B, D, Sq]): "
                                    "the fused call takes [B, 1, S, D] views and the result is transposed back")
+        elif folded:
+            layout = "BNSD"
+            q_a, k_a, v_a = (f"{atom(x)}.flatten(0, 1)" for x in (q_n, k_n, v_n))
+            head_num, sq = f"{atom(q_n)}.shape[2]", f"{atom(q_n)}.shape[3]"
+            chain.notes.append("q/k/v are 5-D [B, N, W, S, D] (the matmuls broadcast over the leading dims): the first two dims are "
+                               "folded into one for the 4-D call and unfolded from its result")
         elif len(layouts) == 1:
             layout = chain.q.layout
             q_a, k_a, v_a = q_n, k_n, v_n
@@ -2106,6 +2170,8 @@ class AttentionPattern(Pattern):
             call = f"{call}.to({out_dtype})"
         if three_d:
             call = f"{call}.squeeze(1)" + (".transpose(1, 2)" if chain.out_transposed else "")  # bmm(v, Pᵀ) is [B, D, Sq]
+        if folded:
+            call = f"{call}.unflatten(0, {atom(q_n)}.shape[:2])"
         if layout != chain.out_layout and not three_d:
             call = f"{call}.transpose(1, 2)"
         for name in none_probs:
@@ -2139,7 +2205,7 @@ class AttentionPattern(Pattern):
             params["softmax_dtype"] = chain.softmax_dtype
         if d is None:
             chain.notes.append("head_dim is not a literal here: npu_fusion_attention needs D ≤ 768 (fused kernels prefer multiples of 16)")
-        if not three_d:
+        if not three_d and not folded:
             risks.append(Risk("layout", "q/k/v are taken as 4-D (the eager matmuls accept any rank; a windowed 5-D input would be rejected by the op)"))
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         variant = "+".join(dict.fromkeys(chain.spelling)) + (f"+gqa" if gqa else "") + (f"+{mask_kind}" if mask_kind != "none" else "")
@@ -3047,10 +3113,12 @@ class WindowAttention(nn.Module):
 ''',
         reason="float bias",
     ),
-    Keep(
-        name="hiera_mask_unit_attention_5d",
-        # Hiera: q/k/v [B, heads, windows, tokens, D] (5-D): the matmuls broadcast, the op does not
-        code='''
+]
+
+
+
+# examples for issue 14, class 3: attention spelled outside Hugging Face's idiom
+_HIERA = """
 import torch
 from torch import nn
 
@@ -3062,15 +3130,321 @@ class MaskUnitAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv = nn.Linear(dim, 3 * dim)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, mask=None):
         batch_size, seq_len, _ = hidden_states.shape
         qkv = self.qkv(hidden_states).reshape(batch_size, seq_len // self.windows, self.windows, 3, self.heads, self.head_dim)
         qkv = qkv.permute(3, 0, 4, 2, 1, 5)
         query, key, value = qkv.unbind(0)
         attn_weights = (query * self.scale) @ key.transpose(-1, -2)
+        MASK
         attn_weights = attn_weights.softmax(dim=-1)
         return attn_weights @ value
-''',
-        reason="is 5-D",
+"""
+
+AttentionPattern.FUSE += [
+    Fuse(
+        name="hiera_5d_folded",
+        # Hiera: q/k/v [B, heads, windows, tokens, D]; the matmuls broadcast over the leading dims, the
+        # fused call gets [B*heads, windows, tokens, D] and its result is unfolded
+        code=_HIERA.replace("MASK", "pass"),
+        expect={"layout": "BNSD", "mask_kind": "none", "scale": "self.scale"},
+        run="""
+m = MaskUnitAttention()
+x = torch.randn(2, 8, 64, requires_grad=True)
+out = m(x)
+leaves = [x, m.qkv.weight]
+""",
+    ),
+    Fuse(
+        name="palm_multi_query_einsum",
+        # PaLM: one key/value head shared by every query head, einsum "b h i d, b j d -> b h i j",
+        # a bool causal mask from a method filled with -finfo.max
+        code="""
+import torch
+from torch import einsum, nn
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, heads=4, dim_head=16):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+
+    def get_mask(self, n, device):
+        return torch.ones((n, n), device=device, dtype=torch.bool).triu(1)
+
+    def forward(self, q, k, v):
+        n, device = q.shape[2], q.device
+        q = q * self.scale
+        sim = einsum("b h i d, b j d -> b h i j", q, k)
+        causal_mask = self.get_mask(n, device)
+        sim = sim.masked_fill(causal_mask, -torch.finfo(sim.dtype).max)
+        attn = sim.softmax(dim=-1)
+        out = einsum("b h i j, b j d -> b h i d", attn, v)
+        return out
+""",
+        expect={"layout": "BNSD", "mask_kind": "bool_masked", "scale": "self.scale", "variant": "softmax+einsum+bool_masked"},
+        run="""
+m = ParallelBlock()
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 8, 16, requires_grad=True)
+v = torch.randn(2, 8, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="fstring_einsum_key_first_bsnd",
+        # lucidrains' f-string equations, the key written first, q/k/v [B, S, N, D]
+        code="""
+import torch
+from torch import nn
+
+
+class Attend(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.attn_dropout = nn.Dropout(dropout)
+
+    def forward(self, q, k, v):
+        scale = q.shape[-1] ** -0.5
+        sim = torch.einsum(f"b j h d, b i h d -> b h i j", k, q) * scale
+        attn = sim.softmax(dim=-1)
+        attn = self.attn_dropout(attn)
+        return torch.einsum(f"b h i j, b j h d -> b i h d", attn, v)
+""",
+        expect={"layout": "BSND", "output_layout": "BSND", "q": "q", "k": "k", "dropout": "self.attn_dropout.p"},
+        run="""
+m = Attend().eval()
+q = torch.randn(2, 6, 4, 16, requires_grad=True)
+k = torch.randn(2, 10, 4, 16, requires_grad=True)
+v = torch.randn(2, 10, 4, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="single_head_einsum_channel_first",
+        # UNet / LDM SpatialSelfAttention: one head, q [B, HW, C], k and v channel-first [B, C, HW],
+        # the probabilities transposed before einsum(v, Pᵀ) -> [B, C, HW]
+        code="""
+import torch
+from torch import nn
+
+
+class SpatialSelfAttention(nn.Module):
+    def __init__(self, channels=16):
+        super().__init__()
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.k = nn.Conv2d(channels, channels, 1)
+        self.v = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        b, c, h, w = q.shape
+        q = q.reshape(b, c, h * w).permute(0, 2, 1)
+        k = k.reshape(b, c, h * w)
+        w_ = torch.einsum("bij,bjk->bik", q, k)
+        w_ = w_ * (int(c) ** (-0.5))
+        w_ = torch.nn.functional.softmax(w_, dim=2)
+        v = v.reshape(b, c, h * w)
+        w_ = w_.permute(0, 2, 1)
+        h_ = torch.einsum("bij,bjk->bik", v, w_)
+        return x + h_.reshape(b, c, h, w)
+""",
+        expect={"output_layout": "3D", "scale": "int(c) ** (-0.5)", "mask_kind": "none"},
+        run="""
+m = SpatialSelfAttention()
+x = torch.randn(2, 16, 4, 4, requires_grad=True)
+out = m(x)
+leaves = [x, m.q.weight, m.v.weight]
+""",
+    ),
+    Fuse(
+        name="megatron_baddbmm_3d",
+        # Megatron / gpt-neox: scores = baddbmm(empty, q, kᵀ, beta=0, alpha=1/norm_factor) on [B*N, S, D]
+        code="""
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CoreAttention(nn.Module):
+    def __init__(self, head_dim=16, p=0.0):
+        super().__init__()
+        self.norm_factor = math.sqrt(head_dim)
+        self.attention_dropout = nn.Dropout(p)
+
+    def forward(self, query_layer, key_layer, value_layer):
+        matmul_result = torch.empty(query_layer.shape[0], query_layer.shape[1], key_layer.shape[1], dtype=query_layer.dtype, device=query_layer.device)
+        matmul_result = torch.baddbmm(matmul_result, query_layer, key_layer.transpose(1, 2), beta=0.0, alpha=(1.0 / self.norm_factor))
+        attention_probs = F.softmax(matmul_result, dim=-1)
+        attention_probs = self.attention_dropout(attention_probs)
+        return torch.bmm(attention_probs, value_layer)
+""",
+        expect={"scale": "1.0 / self.norm_factor", "layout": "3D (bmm) -> BNSD with N=1", "variant": "softmax+bmm"},
+        run="""
+m = CoreAttention().eval()
+q = torch.randn(8, 6, 16, requires_grad=True)
+k = torch.randn(8, 6, 16, requires_grad=True)
+v = torch.randn(8, 6, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="gemma_optional_softcap_guarded",
+        # gemma_pytorch: soft-capping only when configured: fused where it is not, the original code where it is
+        code="""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, softcap=None):
+        super().__init__()
+        self.scaling = 16 ** -0.5
+        self.attn_logit_softcapping = softcap
+
+    def forward(self, xq, key, value, mask):
+        q = xq.transpose(1, 2)
+        k = key.transpose(1, 2)
+        v = value.transpose(1, 2)
+        q.mul_(self.scaling)
+        scores = torch.matmul(q, k.transpose(2, 3))
+        if self.attn_logit_softcapping is not None:
+            scores = scores / self.attn_logit_softcapping
+            scores = torch.tanh(scores)
+            scores = scores * self.attn_logit_softcapping
+        scores = scores + mask
+        scores = F.softmax(scores.float(), dim=-1).type_as(q)
+        output = torch.matmul(scores, v)
+        return output
+""",
+        expect={"layout": "BSND", "mask_kind": "additive_float", "mask_values_checked": True},
+        run="""
+m = GemmaAttention()
+q = torch.randn(2, 8, 4, 16, requires_grad=True)
+k = torch.randn(2, 8, 4, 16, requires_grad=True)
+v = torch.randn(2, 8, 4, 16, requires_grad=True)
+mask = torch.full((8, 8), -2.3819763e38).triu(1)[None, None]
+out = m(q * 1, k * 1, v * 1, mask)  # q.mul_ writes into a view of its input: not a leaf
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="bool_or_float_mask_branches",
+        # one function taking a bool keep-mask or an additive float mask, chosen by dtype at run time
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, mask=None):
+    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    attn = F.softmax(scores, dim=-1)
+    return torch.matmul(attn, v)
+""",
+        expect={"mask_kind": "additive_float+bool_masked", "mask_values_checked": True},
+        run="""
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+keep = torch.ones(8, 8, dtype=torch.bool).tril()
+out = [attend(q, k, v, keep), attend(q, k, v, torch.zeros(8, 8).masked_fill(~keep, float("-inf"))), attend(q, k, v)]
+leaves = [q, k, v]
+""",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="hiera_5d_with_mask",
+        # 5-D q/k/v with a mask: the fold would have to reshape the mask alike
+        code=_HIERA.replace("MASK", "attn_weights = attn_weights + mask"),
+        reason="a mask beside 5-D q/k/v is not folded",
+    ),
+    Keep(
+        name="megatron_softmax_module",
+        # gpt-neox gMLP TinyAttention: the scores go through a FusedScaleMaskSoftmax module of another file
+        code="""
+import torch
+from torch import nn
+from megatron.model.fused_softmax import FusedScaleMaskSoftmax
+
+
+class TinyAttention(nn.Module):
+    def __init__(self, d_attn=64, mask_fn=None):
+        super().__init__()
+        self.scale = d_attn ** -0.5
+        self.softmax = FusedScaleMaskSoftmax(input_in_fp16=False, mask_func=mask_fn, scale=None)
+
+    def forward(self, q, k, v, attention_mask):
+        w = torch.einsum("bnd,bmd->bnm", q, k).unsqueeze(1) * self.scale
+        a = self.softmax(w, mask=attention_mask[..., : w.size(-2), : w.size(-1)]).squeeze(1)
+        return torch.einsum("bnm,bmd->bnd", a, v)
+""",
+        reason="defined outside this file",
+    ),
+    Keep(
+        name="einsum_scores_heads_after_queries",
+        # DeepSeek-V3's naive MLA path lays the scores out [B, Sq, N, Skv]: masks and softmax live in that layout
+        code="""
+import torch
+
+
+def mla_naive(q, k, v, mask, softmax_scale):
+    scores = torch.einsum("bshd,bthd->bsht", q, k) * softmax_scale
+    scores = scores + mask.unsqueeze(1)
+    scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
+    return torch.einsum("bsht,bthd->bshd", scores, v)
+""",
+        reason="layouts other than BNSD/BSND",
+    ),
+    Keep(
+        name="multi_query_key_only",
+        # a key shared by the heads beside a value with its own heads: the op takes one kv head count
+        code="""
+import torch
+
+
+def odd(q, k, v):
+    sim = torch.einsum("bhid,bjd->bhij", q, k) * 0.25
+    attn = sim.softmax(dim=-1)
+    return torch.einsum("bhij,bhjd->bhid", attn, v)
+""",
+        reason="keys and values differ in heads",
+    ),
+    Keep(
+        name="baddbmm_adds_a_bias",
+        # baddbmm with beta=1 adds its first argument (a bias) to the product: not the beta=0 scores
+        code="""
+import torch
+
+
+def biased(bias, q, k, v):
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=0.125)
+    return torch.bmm(scores.softmax(dim=-1), v)
+""",
+    ),
+    Keep(
+        name="unconditional_softcap_module_style",
+        # Grok / Gemma 2 style capping applied always: no run-time guard can skip it
+        code="""
+import torch
+
+
+def capped(q, k, v, cap=30.0):
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * 0.125
+    s = cap * torch.tanh(s / cap)
+    return torch.einsum("bhij,bhjd->bhid", s.softmax(dim=-1), v)
+""",
+        reason="soft-capping",
     ),
 ]
