@@ -49,7 +49,6 @@ MATMULS = {"torch.matmul", "torch.bmm"}
 SOFTMAXES = {"torch.nn.functional.softmax", "torch.softmax", "torch.nn.functional.softmax", "torch.special.softmax"}
 DROPOUTS = {"torch.nn.functional.dropout", "torch.dropout"}
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "contiguous"}
-_BIAS_WORDS = ("alibi", "bias", "position", "rel_pos", "relative", "pos_")
 MAX_HEAD_DIM = 768  # npu_fusion_attention: D in [1, 768]
 
 
@@ -778,8 +777,9 @@ def _layout_of(sub: str, b: str, n: str, s: str, d: str) -> str | None:
 
 
 class _Matcher:
-    def __init__(self, module: ModuleInfo, scope: Scope, interp: BlockInterp) -> None:
+    def __init__(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, line: int = 10**9) -> None:
         self.module, self.scope, self.interp = module, scope, interp
+        self._line = line  # the P@V statement: assignments before it feed the site
         self.repeat_of: dict[int, Any] = {}
 
     # -- classification helpers
@@ -1294,24 +1294,12 @@ class _Matcher:
         (chain.scale_den if divide else chain.scale_num).append(factor)
 
     def add_additive(self, term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> None:
-        names = {n.lower() for n in ref_names(term)} | {
-            n.attr.lower() for n in walk_values(term) if isinstance(n, ast.Attribute)
-        }
-        inner = deref(term)
-        text = self.src(term)
-        summed = isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and not any(
-            isinstance(x, ast.Constant) for x in (inner.left, inner.right)
-        )
-        if summed or any(w in n for n in names for w in _BIAS_WORDS) and not any("mask" in n for n in names):
-            raise Miss(
-                f"a float bias is added to the scores (`{text}`: ALiBi / relative position): it maps to "
-                "npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14); "
-                "converting it to a bool mask would be wrong"
-            )
+        # what the term is decides, from its dataflow: built from positions / learned values -> a bias (near
+        # miss); built from -inf / finfo.min -> a 0/-inf mask; anything else -> its values are checked at run time
+        evidence = graded_evidence(self.module, self.scope, term, self._line)
+        if evidence:
+            raise Miss(bias_reason(self.src(term), evidence))
         term_obj = MaskTerm("additive", term, cond[0] if cond else None, cond[1] if cond else False)
-        if not any("mask" in n for n in names):
-            chain.confidence = "medium"
-            chain.risks.append(Risk("numerics", f"`{text}` is added to the scores and treated as a 0/−inf mask; if it carries graded values (a bias), do not accept"))
         causal = self._additive_causal(term)
         if causal:
             term_obj.causal = causal
@@ -1766,47 +1754,93 @@ def static_rank(scope: Scope, node: Any, line: int, depth: int = 0) -> int | Non
     return None
 
 
-# words that make a value passed as the mask a float bias (ALiBi / relative position / SAM's point
-# similarity / Doge's dynamic mask): ``mask < 0`` would binarise it
-_CALLER_BIAS_WORDS = _BIAS_WORDS + ("similarity", "dynamic")
+# =============================================================================================
+# Graded values: what makes an additive term a bias rather than a 0/-inf mask (issue 14, class 3)
+# =============================================================================================
+_POSITION_CALLS = {"arange", "linspace"}
+_LEARNED_CTORS = {"torch.nn.Parameter", "torch.nn.parameter.Parameter", "torch.nn.Embedding"}
 
 
-def _bias_evidence(caller: Scope, node: ast.AST, line: int, depth: int = 0, seen: set[str] | None = None) -> str | None:
-    """The identifier that shows ``node`` (an argument in ``caller``) to be a float bias, or None.
-    Keyword arguments of calls are not followed (``create_causal_mask(..., position_ids=...)`` is a mask)."""
-    seen = set() if seen is None else seen
-    if depth > 6:
+def _self_attr_ctor(module: ModuleInfo, class_name: str | None, attr: str) -> ast.Call | None:
+    """The call assigned to ``self.<attr>`` (or registered as buffer ``attr``) in the class, if any."""
+    cls = module.classes.get(class_name or "")
+    if cls is None:
         return None
-    if isinstance(node, ast.Name):
-        if any(w in node.id.lower() for w in _CALLER_BIAS_WORDS):
-            return node.id
-        if node.id in seen:
-            return None
-        seen.add(node.id)
-        for stmt, value in caller.assignments.get(node.id, []):  # every earlier assignment: branches too
-            if value is not None and stmt.lineno < line:
-                found = _bias_evidence(caller, value, stmt.lineno, depth + 1, seen)
-                if found:
-                    return found
+    for node in fast_walk(cls):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) == f"self.{attr}" and isinstance(node.value, ast.Call):
+            return node.value
+    return None
+
+
+def _method_builds_positions(module: ModuleInfo, class_name: str | None, name: str) -> bool:
+    cls = module.classes.get(class_name or "")
+    if cls is None:
+        return False
+    for fn in cls.body:
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == name:
+            return any(isinstance(n, ast.Call) and (dotted(n.func) or "").rpartition(".")[2] in _POSITION_CALLS for n in fast_walk(fn))
+    return False
+
+
+def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, depth: int = 0) -> str | None:
+    """Dataflow evidence that the additive term ``node`` (plain or symbolic) carries graded float values,
+    a bias such as ALiBi or a relative-position table, never a 0/-inf mask: it is computed from
+    positions (``arange``/``linspace``, here or in a method of the class), or from learned values (an
+    ``nn.Parameter`` / ``nn.Embedding`` attribute built in the class). None when the code does not
+    show it (the values are then checked at run time). Names are not evidence."""
+    if depth > 4:
         return None
-    if isinstance(node, ast.Attribute):
-        return node.attr if any(w in node.attr.lower() for w in _CALLER_BIAS_WORDS) else None
-    if isinstance(node, ast.Call):
-        # the callee's name (Doge's prepare_dynamic_mask; not "pos": apply_rotary_pos_emb returns q/k) and the
-        # receiver of a method (x.masked_fill_(...)); arguments are inputs, not what the value is
-        f = node.func
-        callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-        if any(w in callee.lower() for w in _CALLER_BIAS_WORDS if "pos" not in w):
-            return callee
-        return _bias_evidence(caller, f.value, line, depth + 1, seen) if isinstance(f, ast.Attribute) else None
-    parts: list[ast.AST] = []
-    if isinstance(node, ast.BinOp):
-        parts = [node.left, node.right]
-    elif isinstance(node, ast.IfExp):
-        parts = [node.body, node.orelse]
-    elif isinstance(node, (ast.Subscript, ast.UnaryOp)):
-        parts = [node.value if isinstance(node, ast.Subscript) else node.operand]
-    return next((e for x in parts if (e := _bias_evidence(caller, x, line, depth + 1, seen))), None)
+    if depth == 0 and any(_minus_infinity(n) for n in walk_sym(node)):
+        return None  # filled with -inf / finfo.min where it masks: a mask even if positions decide where
+    for n in _walk_unless_compared(node):
+        if isinstance(n, ast.Call):
+            callee = dotted(_plain(n.func)) or ""
+            last = callee.rpartition(".")[2]
+            if last in _POSITION_CALLS:
+                return f"`{ast.unparse(_plain(n))[:50]}` (token positions)"
+            helper = module.helper(callee) if callee and "." not in callee else None
+            if helper is not None and any(isinstance(x, ast.Call) and (dotted(x.func) or "").rpartition(".")[2] in _POSITION_CALLS for x in fast_walk(helper)):
+                return f"`{callee}(...)`, which builds it from token positions (`arange`)"
+            if callee.startswith("self.") and callee.count(".") == 1:
+                if _method_builds_positions(module, scope.class_name, last):
+                    return f"`{callee}(...)`, which builds it from token positions (`arange`)"
+                ctor = _self_attr_ctor(module, scope.class_name, last)
+                if ctor is not None and module.canonical(ctor.func) == "torch.nn.Embedding":
+                    return f"`{callee}`, an nn.Embedding (learned values)"
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, (ast.Name, Ref)) and getattr(n.value, "id", getattr(n.value, "name", "")) == "self":
+            ctor = _self_attr_ctor(module, scope.class_name, n.attr)
+            if ctor is not None and module.canonical(ctor.func) in _LEARNED_CTORS:
+                return f"`self.{n.attr}`, a learned {module.canonical(ctor.func).rpartition('.')[2]} (graded values)"
+        name = n.name if isinstance(n, Ref) and n.idx == -1 else n.id if isinstance(n, ast.Name) else None
+        if name and name != "self":
+            for stmt, value in scope.assignments.get(name, []):
+                if value is not None and stmt.lineno < line:
+                    found = graded_evidence(module, scope, value, stmt.lineno, depth + 1)
+                    if found:
+                        return found
+    return None
+
+
+def _walk_unless_compared(node: Any) -> Iterator[ast.AST]:
+    """:func:`walk_values` that does not enter comparisons: positions compared with positions give a
+    bool pattern (a causal or banded mask), not graded values."""
+    stack, visited = [node], set()
+    while stack and len(visited) < 4000:
+        n = stack.pop()
+        if not isinstance(n, ast.AST) or id(n) in visited or is_meta(n) or isinstance(n, ast.Compare):
+            continue
+        visited.add(id(n))
+        yield n
+        if isinstance(n, Ref):
+            if n.value is not None:
+                stack.append(n.value)
+            continue
+        stack.extend(child_nodes(n))
+
+
+def bias_reason(text: str, evidence: str) -> str:
+    return (f"a float bias is added to the scores (`{text}`: built from {evidence}): not a 0/-inf mask, so `mask < 0` would "
+            "binarise it; as a bias it maps to npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)")
 
 
 _CALLER_LINES = True  # tests switch it off to compare
@@ -1841,10 +1875,10 @@ def caller_bias(module: ModuleInfo, scope: Scope, param: str) -> str | None:
             arg = keyword(node, param, pos)
             if arg is None or isinstance(arg, ast.Constant):
                 continue
-            found = _bias_evidence(caller, arg, node.lineno)
+            found = graded_evidence(module, caller, arg, node.lineno)
             if found:
                 return (f"a caller (`{caller.qualname}`, line {node.lineno}) passes `{segment(module, arg)[:40]}` as `{param}`: "
-                        f"a float bias (`{found}`), not a 0/-inf mask; `mask < 0` would binarise it, and as a bias it maps to "
+                        f"a float bias (built from {found}), not a 0/-inf mask; `mask < 0` would binarise it, and as a bias it maps to "
                         "npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)")
     return None
 
@@ -1894,7 +1928,7 @@ class AttentionPattern(Pattern):
         return out
 
     def _site(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, e: int, stmt: ast.stmt, node: ast.AST, pv: Product) -> Result | None:
-        matcher = _Matcher(module, scope, interp)
+        matcher = _Matcher(module, scope, interp, interp.block[0].lineno)
         env = interp.before[e]
         sym_pv = Product(interp.sym(pv.a, env), interp.sym(pv.b, env), pv.kind, pv.subs,
                          interp.sym(pv.alpha, env) if pv.alpha is not None else None, pv.spec)
@@ -2853,11 +2887,20 @@ import torch
 import torch.nn.functional as F
 
 
+def build_alibi(n_heads, s):
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / n_heads) for h in range(n_heads)])
+    return slopes[:, None, None] * -(torch.arange(s)[None, :] - torch.arange(s)[:, None]).abs()
+
+
 def alibi_attention(q, k, v, alibi, scale):
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = scores + alibi
     probs = F.softmax(scores, dim=-1)
     return torch.matmul(probs, v)
+
+
+def block(q, k, v):
+    return alibi_attention(q, k, v, build_alibi(q.shape[1], q.shape[2]), 0.125)
 ''',
         reason="float bias",
     ),
@@ -3105,6 +3148,10 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 class WindowAttention(nn.Module):
+    def __init__(self, window=7, heads=4):
+        super().__init__()
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, heads))
+
     def forward(self, query, key, value, attention_mask=None):
         relative_position_bias = self.relative_position_bias_table[self.index].permute(2, 0, 1).unsqueeze(0)
         combined_mask = relative_position_bias if attention_mask is None else relative_position_bias + attention_mask
