@@ -1362,9 +1362,9 @@ class _Matcher:
             return None
         sl = sub.slice
         elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
-        if len(elts) != 4 or not all(isinstance(e, ast.Slice) for e in elts):
+        if len(elts) not in (2, 4) or not all(isinstance(e, ast.Slice) for e in elts):
             return None
-        rows, cols = elts[2], elts[3]
+        rows, cols = elts[-2], elts[-1]  # a 4-D [1, 1, L, L] buffer or a 2-D [L, L] one
         if rows.lower is None and cols.lower is None and rows.upper is not None and cols.upper is not None and rows.step is None and cols.step is None:
             if ast.dump(_plain(rows.upper)) == ast.dump(_plain(cols.upper)):
                 return "top_left"
@@ -1993,6 +1993,13 @@ class AttentionPattern(Pattern):
             ranks = [static_rank(scope, op.leaf, block[0].lineno) for _t, op, _x in operands]
             # 5-D [B, N, W, S, D] (Hiera's windows): every leading dim is a batch dim of the matmuls, so the
             # first two fold into one; a mask would have to be folded alike, which npufuse does not do
+            if ranks == [3, 3, 3] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
+                    and chain.out_layout == "BNSD":
+                # single-head [B, S, D] attention written with @ / matmul: the 3-D path (one head) takes it
+                for _t, op, _x in operands:
+                    op.layout = "3D"
+                chain.out_layout = "3D"
+                ranks = [None, None, None]
             folded = ranks == [5, 5, 5] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
                 and (not chain.masks or sole_causal)
             for (tag, op, text), rank in zip(operands, ranks):
@@ -3409,6 +3416,47 @@ leaves = [q, k, v]
 """,
     ),
 ]
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="single_head_3d_matmul_causal",
+        # one attention head on [B, T, D] written with @ (Karpathy's lecture "Head"): the 3-D path, 2-D tril buffer
+        code="""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Head(nn.Module):
+    def __init__(self, n_embd=32, head_size=16, block_size=16, dropout=0.0):
+        super().__init__()
+        self.key = nn.Linear(n_embd, head_size, bias=False)
+        self.query = nn.Linear(n_embd, head_size, bias=False)
+        self.value = nn.Linear(n_embd, head_size, bias=False)
+        self.register_buffer("tril", torch.tril(torch.ones(block_size, block_size)))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        k = self.key(x).view(B, T, -1)
+        q = self.query(x).view(B, T, -1)
+        wei = q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5
+        wei = wei.masked_fill(self.tril[:T, :T] == 0, float("-inf"))
+        wei = F.softmax(wei, dim=-1)
+        wei = self.dropout(wei)
+        v = self.value(x).view(B, T, -1)
+        out = wei @ v
+        return out
+""",
+        expect={"layout": "3D (bmm) -> BNSD with N=1", "mask_kind": "causal", "sparse_mode": 2},
+        run="""
+m = Head().eval()
+x = torch.randn(2, 12, 32, requires_grad=True)
+out = m(x)
+leaves = [x, m.query.weight, m.value.weight]
+""",
+    )
+)
 
 AttentionPattern.KEEP += [
     Keep(
