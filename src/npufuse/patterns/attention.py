@@ -751,6 +751,10 @@ class Chain:
     v_transposed: bool = False
     out_transposed: bool = False  # the product's result is [B, D, Sq] (bmm(v, Pᵀ), einsum "bcj,bji->bci")
     p_transposed: bool = False  # the probabilities reach the product transposed (einops "b i j -> b j i")
+    # Megatron / ChatGLM: a 3-D [b*np, s, d] product viewed as 4-D [b, np, sq, sk] scores (masks in that
+    # shape), the probabilities viewed back to 3-D for the bmm with v
+    heads_in_batch: bool = False
+    scores_viewed: bool = False
     # (test, negated, step): a branch of the scores the fused op has no equivalent of (soft-capping);
     # the fused call runs only where that branch is not taken
     excluded: list[tuple[Any, bool, str]] = field(default_factory=list)
@@ -921,6 +925,8 @@ class _Matcher:
         self.peel_scores(scores, chain, stop=None, cond=None)
         if chain.q is None or chain.k is None:
             raise Miss("no Q@Kᵀ product found under the softmax")
+        if chain.heads_in_batch and not chain.scores_viewed:
+            raise Miss("the probabilities are re-viewed to 3-D for P@V but the scores were not a 4-D view of the 3-D Q@Kᵀ product")
         return chain
 
     def _match_einsum(self, pv: Product) -> Chain | None:
@@ -1002,6 +1008,11 @@ class _Matcher:
             if self.method(node, *_CASTS) and (node.func.attr != "to" or len(node.args) + len(node.keywords) <= 2):
                 node = node.func.value
                 continue
+            if getattr(self, "three_d", False) and not chain.heads_in_batch and self.method(node, "view", "reshape") and self._arity(node) == 3:
+                # Megatron / ChatGLM: probs [b, np, sq, sk] viewed as [b*np, sq, sk] for the bmm with v
+                chain.heads_in_batch = True
+                node = node.func.value
+                continue
             if self._last_two_swapped(node):
                 chain.p_transposed = not chain.p_transposed
                 node = self._transposed_input(node)
@@ -1050,7 +1061,7 @@ class _Matcher:
                 dim_v = const_value(dim) if dim is not None else None
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
-                if dim_v not in (-1, 2 if getattr(self, "three_d", False) else 3):  # the key axis: last of 3-D / 4-D scores
+                if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 3):  # the key axis: last of 3-D / 4-D scores
                     raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim")
                 if dtype is not None:
                     chain.softmax_dtype = self.src(dtype)
@@ -1083,6 +1094,16 @@ class _Matcher:
         where = "defined in this file, whose forward npufuse does not interpret" if cls.rpartition(".")[2] in self.module.classes else "defined outside this file"
         raise Miss(f"the probabilities come from `{self.src(node.func)}` (a `{cls}` module built in `__init__`, {where}) applied to the Q@Kᵀ scores: "
                    "its scaling, masking and softmax are not visible, so npufuse cannot check that npu_fusion_attention computes the same")
+
+    def _arity(self, call: Any) -> int | None:
+        """The rank a ``view``/``reshape`` call gives (``view(*shape)`` with ``shape`` a local tuple too)."""
+        args = call.args
+        if len(args) == 1 and isinstance(args[0], ast.Starred):
+            t = deref(args[0].value)
+            return len(t.elts) if isinstance(t, (ast.Tuple, ast.List)) and not any(isinstance(e, ast.Starred) for e in t.elts) else None
+        if len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List)):
+            args = args[0].elts
+        return None if any(isinstance(a, ast.Starred) for a in args) else len(args)
 
     def _last_two_swapped(self, node: Any) -> bool:
         """``x.transpose(-2, -1)``, ``x.mT``, ``permute(0, 2, 1)`` / ``(0, 1, 3, 2)``, einops
@@ -1158,6 +1179,11 @@ class _Matcher:
             if stop is not None and node is stop:
                 return
             if self.method(node, *_CASTS):
+                node = node.func.value
+                continue
+            if chain.heads_in_batch and not chain.scores_viewed and self.method(node, "view", "reshape") and self._arity(node) == 4:
+                # ... and the [b*np, sq, sk] product viewed as the [b, np, sq, sk] scores the masks apply to
+                chain.scores_viewed = True
                 node = node.func.value
                 continue
             if isinstance(node, Cond):
@@ -2013,19 +2039,30 @@ class AttentionPattern(Pattern):
         lines: list[str] = []
         # statements of the span that are not attention steps
         steps = chain.seen | r.consumed
+        # a statement inlined into the fused call's inputs (``output_size = (v.size(1), ...)``) whose names are
+        # read after the site too is kept: the fused branch runs it as the original does
+        kept = {j for j in r.consumed - chain.seen if s <= j < e and isinstance(block[j], ast.Assign)
+                and not _heavy(interp.sym(block[j].value, interp.before[j]), through_meta=False)
+                and any(scope.uses_after(name, end_line) for name in interp.assigned[j]) and not interp.assigned[j] & r.emitted}
         internal: set[str] = set()
         for j in range(s, e):
-            if j in steps:
+            if j in steps and j not in kept:
                 internal |= interp.assigned[j]
         for j in range(s, e):
-            if j in steps:
+            if j in steps and j not in kept:
                 continue
             other = block[j]
+            # names assigned by earlier steps only: a later step's rebinding is not what this statement reads
+            internal_here = set().union(*(interp.assigned[i] for i in range(s, j) if i in steps and i not in kept))
             reads = {n.id for n in fast_walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-            if reads & internal:
+            reads_internal = reads & internal_here
+            if reads_internal and self._meta_only(other, reads_internal) and not any(
+                    scope.uses_after(name, end_line) for name in interp.assigned[j]) and not interp.assigned[j] & r.emitted:
+                continue  # ``dtype = scores.dtype`` read by a cast step only: nothing of it is needed on the fused branch
+            if reads_internal:
                 if _is_check(other):
                     continue  # a shape assert on an intermediate: the fused op checks shapes itself
-                used = sorted(reads & internal)
+                used = sorted(reads_internal)
                 probs = [n for n in used if id(interp.before[j].get(n)) in chain.probs_objs]
                 if probs:
                     return NearMiss(
@@ -2034,7 +2071,7 @@ class AttentionPattern(Pattern):
                     )
                 return NearMiss(
                     self.id, scope.qualname, span_line, end_line,
-                    f"line {other.lineno} between the attention steps uses intermediate `{sorted(reads & internal)[0]}`",
+                    f"line {other.lineno} between the attention steps uses intermediate `{used[0]}`",
                 )
             if interp.assigned[j] & r.emitted:
                 return NearMiss(
@@ -2155,7 +2192,13 @@ class AttentionPattern(Pattern):
                     value_check = " and ".join(checks) if len(checks) == 1 else " and ".join(f"({c})" for c in checks)
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 lines += mask_lines
-                if not all(m.causal for m in chain.masks):
+                if chain.heads_in_batch:
+                    # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
+                    sk = f"{atom(k_3)}.shape[1]"
+                    guard = "_npufuse_mask is not None and " if maybe_none else ""
+                    lines += [f"if {guard}_npufuse_mask.dim() == 4:",
+                              f"    _npufuse_mask = _npufuse_mask.expand(_npufuse_mask.shape[0], {atom(q_n)}.shape[0] // _npufuse_mask.shape[0], {sq}, {sk}).reshape(-1, 1, {sq}, {sk})"]
+                elif not all(m.causal for m in chain.masks):
                     lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
                 kinds = {m.kind for m in chain.masks}
@@ -2255,6 +2298,18 @@ class AttentionPattern(Pattern):
             fused="\n".join(lines), guard_tensor=self._guard(q_t), confidence=chain.confidence,
             variant=variant, risks=risks, notes=chain.notes,
         )
+
+    @staticmethod
+    def _meta_only(stmt: ast.stmt, names: set[str]) -> bool:
+        """Every read of ``names`` in ``stmt`` is a metadata read (``x.dtype``, ``x.shape``, ``x.size()``)."""
+        meta_ids = set()
+        for n in fast_walk(stmt):
+            if is_meta(n):
+                base = n.value if isinstance(n, ast.Attribute) else n.func.value
+                if isinstance(base, ast.Name):
+                    meta_ids.add(id(base))
+        return isinstance(stmt, ast.Assign) and all(
+            id(n) in meta_ids for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in names)
 
     @staticmethod
     def _guard(q_text: str) -> str:
@@ -3454,6 +3509,56 @@ m = Head().eval()
 x = torch.randn(2, 12, 32, requires_grad=True)
 out = m(x)
 leaves = [x, m.query.weight, m.value.weight]
+""",
+    )
+)
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="chatglm_baddbmm_heads_in_batch",
+        # ChatGLM-6B / Megatron core attention: [sq, b, np, hn] viewed as [b*np, sq, hn], baddbmm scores viewed
+        # 4-D for the mask, softmax in fp32, probs viewed back to 3-D for the bmm with v
+        code="""
+import math
+import torch
+import torch.nn.functional as F
+
+
+def attention_fn(query_layer, key_layer, value_layer, attention_mask, layer_id, scaling_attention_score=True):
+    # [sq, b, np, hn]
+    seq_len, b, nh, hidden_size = key_layer.shape
+    query_key_layer_scaling_coeff = float(layer_id + 1)
+    if scaling_attention_score:
+        query_layer = query_layer / (math.sqrt(hidden_size) * query_key_layer_scaling_coeff)
+    output_size = (query_layer.size(1), query_layer.size(2), query_layer.size(0), key_layer.size(0))
+    query_layer = query_layer.view(output_size[2], output_size[0] * output_size[1], -1)
+    key_layer = key_layer.view(output_size[3], output_size[0] * output_size[1], -1)
+    matmul_result = torch.zeros(1, 1, 1, dtype=query_layer.dtype, device=query_layer.device)
+    matmul_result = torch.baddbmm(matmul_result, query_layer.transpose(0, 1), key_layer.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=1.0)
+    attention_scores = matmul_result.view(*output_size)
+    if not (attention_mask == 0).all():
+        attention_scores.masked_fill_(attention_mask, -10000.0)
+    dtype = attention_scores.dtype
+    attention_scores = attention_scores.float()
+    attention_scores = attention_scores * query_key_layer_scaling_coeff
+    attention_probs = F.softmax(attention_scores, dim=-1)
+    attention_probs = attention_probs.type(dtype)
+    output_size = (value_layer.size(1), value_layer.size(2), query_layer.size(0), value_layer.size(3))
+    value_layer = value_layer.view(value_layer.size(0), output_size[0] * output_size[1], -1)
+    attention_probs = attention_probs.view(output_size[0] * output_size[1], output_size[2], -1)
+    context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
+    context_layer = context_layer.view(*output_size)
+    context_layer = context_layer.permute(2, 0, 1, 3).contiguous()
+    return context_layer
+""",
+        expect={"mask_kind": "bool_masked", "scale": "query_key_layer_scaling_coeff * 1.0", "layout": "3D (bmm) -> BNSD with N=1"},
+        run="""
+q = torch.randn(6, 2, 4, 16, requires_grad=True)
+k = torch.randn(6, 2, 4, 16, requires_grad=True)
+v = torch.randn(6, 2, 4, 16, requires_grad=True)
+mask = torch.ones(6, 6, dtype=torch.bool).triu(1)[None, None].expand(2, 1, 6, 6)
+out = attention_fn(q, k, v, mask, layer_id=3)
+leaves = [q, k, v]
 """,
     )
 )
