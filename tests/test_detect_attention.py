@@ -243,3 +243,46 @@ def spatial(q, k, v, c):
     # the same without the transpose is not attention over the keys: no candidate
     findings, _ = detect_all(ATTENTION, code.replace('    w_ = rearrange(w_, "b i j -> b j i")\n', ""))
     assert not findings
+
+
+MODULES = '''
+import torch
+from torch import nn
+
+
+class RelPosBias(nn.Module):
+    def __init__(self, heads=4, buckets=32):
+        super().__init__()
+        self.table = nn.Embedding(buckets, heads)
+
+    def forward(self, n):
+        pos = torch.arange(n)
+        return self.table((pos[None, :] - pos[:, None]).clamp(0, 31)).permute(2, 0, 1)
+
+
+def causal_mask(n):
+    i = torch.arange(n)
+    return torch.where(i[None, :] > i[:, None], float("-inf"), 0.0)
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rel_pos = RelPosBias()
+
+    def biased(self, q, k, v):
+        sim = q @ k.transpose(-2, -1) * 0.125
+        sim = sim + self.rel_pos(q.shape[-2])
+        return sim.softmax(dim=-1) @ v
+
+    def masked(self, q, k, v):
+        sim = q @ k.transpose(-2, -1) * 0.125
+        sim = sim + causal_mask(q.shape[-2])
+        return sim.softmax(dim=-1) @ v
+'''
+
+
+def test_a_module_or_helper_of_the_file_tells_bias_from_mask_by_what_it_builds():
+    findings, misses = detect_all(ATTENTION, MODULES)
+    assert [f.qualname for f in findings] == ["Attn.masked"]  # positions compared and filled with -inf: a mask
+    assert any(m.qualname == "Attn.biased" and "RelPosBias" in m.reason and "learned Embedding" in m.reason for m in misses)

@@ -1216,6 +1216,12 @@ class _Matcher:
                     node = base
                     continue
                 raise Miss(f"the attention scores depend on `if {self.src(node.test)}` in a way npufuse does not convert")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and self._row_max_of(node.right, node.left):
+                # ``sim - sim.amax(dim=-1, keepdim=True).detach()``: softmax is shift-invariant per row, and the
+                # fused kernel subtracts the row max itself
+                chain.notes.append("the row max subtracted before softmax (numerical stabilisation) is dropped: softmax is shift-invariant and the fused kernel does it internally")
+                node = node.left
+                continue
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
                 left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
                 if left_qk == right_qk:
@@ -1273,6 +1279,28 @@ class _Matcher:
             if isinstance(n, Ref) and id(n) in in_b and n is not a and n is not b and _heavy(n, through_meta=False):
                 return n
         return None
+
+    def _row_max_of(self, node: Any, x: Any) -> bool:
+        """``node`` is the last-dim max of ``x`` kept as a dim: ``x.amax(dim=-1, keepdim=True)`` (``.detach()``
+        optional), ``x.max(-1, keepdim=True).values`` / ``[0]``, ``torch.amax(x, -1, keepdim=True)``."""
+        n = deref(node)
+        if self.method(n, "detach"):
+            n = deref(n.func.value)
+        if isinstance(n, ast.Attribute) and n.attr == "values":
+            n = deref(n.value)
+        elif isinstance(n, ast.Subscript) and const_value(n.slice) == 0:
+            n = deref(n.value)
+        if not isinstance(n, ast.Call):
+            return False
+        if self.method(n, "amax", "max") and self._fn(n) not in ("torch.amax", "torch.max"):
+            base, dim, keep = n.func.value, keyword(n, "dim", 0), keyword(n, "keepdim", 1)
+        elif self._fn(n) in ("torch.amax", "torch.max") and n.args:
+            base, dim, keep = n.args[0], keyword(n, "dim", 1), keyword(n, "keepdim", 2)
+        else:
+            return False
+        if const_value(dim) != -1 or const_value(keep) is not True:
+            return False
+        return deref(base) is deref(x)
 
     def _capping(self, node: Any) -> bool:
         """``tanh`` / ``clamp`` / ``sigmoid`` (function or method): a step on the scores the fused op lacks."""
@@ -1804,8 +1832,32 @@ def _method_builds_positions(module: ModuleInfo, class_name: str | None, name: s
         return False
     for fn in cls.body:
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == name:
-            return any(isinstance(n, ast.Call) and (dotted(n.func) or "").rpartition(".")[2] in _POSITION_CALLS for n in fast_walk(fn))
+            return _class_grades(module, fn) == "token positions (`arange`)"
     return False
+
+
+def _mask_fill(n: ast.AST) -> bool:
+    """-inf / finfo.min / a constant <= -1e4: the fill of a mask's masked positions."""
+    if _minus_infinity(n):
+        return True
+    v = const_value(n) if isinstance(n, (ast.Constant, ast.UnaryOp)) else None
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v <= -1e4
+
+
+def _class_grades(module: ModuleInfo, cls: ast.AST) -> str | None:
+    """What in a class / function of this file makes its output graded: token positions used as values (not
+    only compared: that makes a mask) or a learned table; None when it also fills with -inf / finfo.min /
+    <= -1e4 (it builds a mask)."""
+    if any(_mask_fill(n) for n in fast_walk(cls)):
+        return None
+    for n in _walk_unless_compared(cls):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or dotted(n.func) or ""
+            if name.rpartition(".")[2] in _POSITION_CALLS:
+                return "token positions (`arange`)"
+            if name in _LEARNED_CTORS:
+                return f"a learned {name.rpartition('.')[2]}"
+    return None
 
 
 def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, depth: int = 0) -> str | None:
@@ -1816,7 +1868,7 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
     show it (the values are then checked at run time). Names are not evidence."""
     if depth > 4:
         return None
-    if depth == 0 and any(_minus_infinity(n) for n in walk_sym(node)):
+    if depth == 0 and any(_mask_fill(n) for n in walk_sym(node)):
         return None  # filled with -inf / finfo.min where it masks: a mask even if positions decide where
     for n in _walk_unless_compared(node):
         if isinstance(n, ast.Call):
@@ -1825,7 +1877,7 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
             if last in _POSITION_CALLS:
                 return f"`{ast.unparse(_plain(n))[:50]}` (token positions)"
             helper = module.helper(callee) if callee and "." not in callee else None
-            if helper is not None and any(isinstance(x, ast.Call) and (dotted(x.func) or "").rpartition(".")[2] in _POSITION_CALLS for x in fast_walk(helper)):
+            if helper is not None and _class_grades(module, helper) == "token positions (`arange`)":
                 return f"`{callee}(...)`, which builds it from token positions (`arange`)"
             if callee.startswith("self.") and callee.count(".") == 1:
                 if _method_builds_positions(module, scope.class_name, last):
@@ -1833,6 +1885,9 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
                 ctor = _self_attr_ctor(module, scope.class_name, last)
                 if ctor is not None and module.canonical(ctor.func) == "torch.nn.Embedding":
                     return f"`{callee}`, an nn.Embedding (learned values)"
+                sub = module.classes.get(dotted(ctor.func) or "") if ctor is not None else None
+                if sub is not None and _class_grades(module, sub):
+                    return f"`{callee}(...)`, a `{sub.name}` module of this file built from {_class_grades(module, sub)}"
         elif isinstance(n, ast.Attribute) and isinstance(n.value, (ast.Name, Ref)) and getattr(n.value, "id", getattr(n.value, "name", "")) == "self":
             ctor = _self_attr_ctor(module, scope.class_name, n.attr)
             if ctor is not None and module.canonical(ctor.func) in _LEARNED_CTORS:
@@ -3558,6 +3613,36 @@ k = torch.randn(6, 2, 4, 16, requires_grad=True)
 v = torch.randn(6, 2, 4, 16, requires_grad=True)
 mask = torch.ones(6, 6, dtype=torch.bool).triu(1)[None, None].expand(2, 1, 6, 6)
 out = attention_fn(q, k, v, mask, layer_id=3)
+leaves = [q, k, v]
+""",
+    )
+)
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="lucidrains_stable_softmax_padding_mask",
+        # lucidrains: the row max subtracted before softmax, a [B, J] keep mask rearranged to [B, 1, 1, J]
+        code="""
+import torch
+from torch import einsum
+
+
+def attend(q, k, v, mask, scale):
+    sim = einsum("b h i d, b h j d -> b h i j", q, k) * scale
+    mask = mask[:, None, None, :]
+    sim = sim.masked_fill(~mask, -torch.finfo(sim.dtype).max)
+    sim = sim - sim.amax(dim=-1, keepdim=True).detach()
+    attn = sim.softmax(dim=-1)
+    return einsum("b h i j, b h j d -> b h i d", attn, v)
+""",
+        expect={"mask_kind": "bool_masked", "scale": "scale"},
+        run="""
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+keep = torch.ones(2, 8, dtype=torch.bool)
+keep[0, 5:] = False
+out = attend(q, k, v, keep, 0.25)
 leaves = [q, k, v]
 """,
     )
