@@ -285,4 +285,11 @@ class Attn(nn.Module):
 def test_a_module_or_helper_of_the_file_tells_bias_from_mask_by_what_it_builds():
     findings, misses = detect_all(ATTENTION, MODULES)
     assert [f.qualname for f in findings] == ["Attn.masked"]  # positions compared and filled with -inf: a mask
-    assert any(m.qualname == "Attn.biased" and "RelPosBias" in m.reason and "learned Embedding" in m.reason for m in misses)
+    assert any(m.qualname == "Attn.biased" and "RelPosBias" in m.reason and "float bias" in m.reason for m in misses)
+
+
+def test_a_bias_with_a_causal_fill_is_still_a_bias():
+    # ALiBi with the causal positions filled with -inf: graded values plus -inf, never a 0/-inf mask
+    build = 'torch.arange(s)[None, :].float().masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))'
+    findings, misses = detect_all(ATTENTION, BUILT.replace("NAME", "mask").replace("BUILD", build))
+    assert not findings and any("token positions" in m.reason for m in misses)

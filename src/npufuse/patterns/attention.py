@@ -1868,8 +1868,6 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
     show it (the values are then checked at run time). Names are not evidence."""
     if depth > 4:
         return None
-    if depth == 0 and any(_mask_fill(n) for n in walk_sym(node)):
-        return None  # filled with -inf / finfo.min where it masks: a mask even if positions decide where
     for n in _walk_unless_compared(node):
         if isinstance(n, ast.Call):
             callee = dotted(_plain(n.func)) or ""
