@@ -1848,16 +1848,26 @@ def _class_grades(module: ModuleInfo, cls: ast.AST) -> str | None:
     """What in a class / function of this file makes its output graded: token positions used as values (not
     only compared: that makes a mask) or a learned table; None when it also fills with -inf / finfo.min /
     <= -1e4 (it builds a mask)."""
-    if any(_mask_fill(n) for n in fast_walk(cls)):
-        return None
+    if any(_mask_fill(n) or _constant_fill(n) for n in fast_walk(cls)):
+        return None  # it fills positions with constants: a mask (its values are checked at run time)
     for n in _walk_unless_compared(cls):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or dotted(n.func) or ""
             if name.rpartition(".")[2] in _POSITION_CALLS:
                 return "token positions (`arange`)"
-            if name in _LEARNED_CTORS:
-                return f"a learned {name.rpartition('.')[2]}"
     return None
+
+
+def _constant_fill(n: ast.AST) -> bool:
+    """``x.masked_fill(c, -100.0)`` / ``torch.where(c, 0.0, -100.0)``: positions set to constants."""
+    if not isinstance(n, ast.Call):
+        return False
+    last = (dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).rpartition(".")[2]
+    if last in ("masked_fill", "masked_fill_") and len(n.args) == 2:
+        return isinstance(const_value(n.args[1]), (int, float))
+    if last == "where" and len(n.args) == 3:
+        return all(isinstance(const_value(a), (int, float)) for a in n.args[1:])
+    return False
 
 
 def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, depth: int = 0) -> str | None:
@@ -1868,7 +1878,14 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
     show it (the values are then checked at run time). Names are not evidence."""
     if depth > 4:
         return None
-    for n in _walk_unless_compared(node):
+    cls = module.classes.get(scope.class_name or "")
+    methods = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))} if cls is not None else set()
+    for n in walk_sym(node):
+        if isinstance(n, ast.Call):
+            callee = dotted(_plain(n.func)) or ""
+            if callee.startswith("self.") and callee[5:] in methods:
+                n._npufuse_method = True  # type: ignore[attr-defined]
+    for n in _value_flow(node):
         if isinstance(n, ast.Call):
             callee = dotted(_plain(n.func)) or ""
             last = callee.rpartition(".")[2]
@@ -1883,7 +1900,9 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
                 ctor = _self_attr_ctor(module, scope.class_name, last)
                 if ctor is not None and module.canonical(ctor.func) == "torch.nn.Embedding":
                     return f"`{callee}`, an nn.Embedding (learned values)"
-                sub = module.classes.get(dotted(ctor.func) or "") if ctor is not None else None
+                # a module of this file counts only when its result is the term itself (or a name bound to it):
+                # further upstream it is data (hidden states), not the term's values
+                sub = module.classes.get(dotted(ctor.func) or "") if ctor is not None and depth <= 1 else None
                 if sub is not None and _class_grades(module, sub):
                     return f"`{callee}(...)`, a `{sub.name}` module of this file built from {_class_grades(module, sub)}"
         elif isinstance(n, ast.Attribute) and isinstance(n.value, (ast.Name, Ref)) and getattr(n.value, "id", getattr(n.value, "name", "")) == "self":
@@ -1898,6 +1917,51 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
                     if found:
                         return found
     return None
+
+
+# calls whose result is positions or indices chosen by value, not the values themselves
+_INDEX_CALLS = {"topk", "argsort", "argmax", "argmin", "nonzero", "sort", "bool", "long", "int", "searchsorted", "bucketize"}
+
+
+def _is_method(call: ast.Call) -> bool:
+    """``self.m(...)`` where the caller said ``m`` is a method (set by :func:`graded_evidence`)."""
+    return bool(getattr(call, "_npufuse_method", False))
+
+
+def _value_flow(node: Any) -> Iterator[ast.AST]:
+    """The nodes whose values flow into ``node``'s values: not comparisons (a bool pattern), not the
+    condition of ``where``/``masked_fill`` (it only picks positions), not subscripts' indices, not index
+    or bool producing calls, and not the arguments of calls of this file's functions/modules (their
+    bodies decide: the caller of this walk asks about them)."""
+    stack, visited = [node], set()
+    while stack and len(visited) < 4000:
+        n = stack.pop()
+        if not isinstance(n, ast.AST) or id(n) in visited or is_meta(n) or isinstance(n, ast.Compare):
+            continue
+        visited.add(id(n))
+        yield n
+        if isinstance(n, Ref):
+            if n.value is not None:
+                stack.append(n.value)
+            continue
+        if isinstance(n, ast.Subscript):
+            stack.append(n.value)
+            continue
+        if isinstance(n, ast.Call):
+            callee = dotted(_plain(n.func)) or ""
+            last = callee.rpartition(".")[2] if callee else (n.func.attr if isinstance(n.func, ast.Attribute) else "")
+            if last in _INDEX_CALLS:
+                continue
+            if last == "where" and len(n.args) == 3:
+                stack.extend(n.args[1:])
+                continue
+            if last in ("masked_fill", "masked_fill_") and isinstance(n.func, ast.Attribute):
+                stack.append(n.func.value)
+                stack.extend(n.args[1:])
+                continue
+            if callee.startswith("self.") and not _is_method(n):
+                continue  # a module attribute or its method: judged by its class, its inputs are not its values
+        stack.extend(child_nodes(n))
 
 
 def _walk_unless_compared(node: Any) -> Iterator[ast.AST]:
@@ -1925,30 +1989,55 @@ def bias_reason(text: str, evidence: str) -> str:
 _CALLER_LINES = True  # tests switch it off to compare
 
 
-def caller_bias(module: ModuleInfo, scope: Scope, param: str) -> str | None:
-    """A call of this function in the same file (directly, ``self.<name>(...)``, or through HF's
-    ``attention_interface`` chosen from it) that passes a float bias for its parameter ``param``:
-    the near-miss reason, else None. The eager function itself only sees ``scores + attention_mask``;
-    what the callers hand it (Swin's relative_position_bias + mask, SAM's attention_similarity,
-    Parakeet's relative-position matrix_bd, Doge's dynamic mask) decides whether it is a 0/-inf mask."""
+def _module_attrs_of(module: ModuleInfo, class_name: str) -> tuple[str, ...]:
+    """The ``self.<attr>`` names any class of this file assigns an instance of ``class_name`` to
+    (``self.attn = MptAttention(config)``): calling them calls that class's ``forward``."""
+    table = module.__dict__.setdefault("_npufuse_module_attrs", {})
+    if not table:
+        table[""] = ()
+        for cls in module.classes.values():
+            for node in fast_walk(cls):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
+                    target, ctor = dotted(node.targets[0]), dotted(node.value.func)
+                    if target and target.startswith("self.") and target.count(".") == 1 and ctor in module.classes:
+                        table.setdefault(ctor, set()).add(target[5:])
+    return tuple(sorted(table.get(class_name, ())))
+
+
+def caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -> str | None:
+    """A call of this function in the same file (directly, ``self.<name>(...)``, through HF's
+    ``attention_interface`` chosen from it, or, for a module's ``forward``, through the attribute holding
+    the module) that passes a float bias for its parameter ``param``, followed up to three callers
+    deep through parameters passed on unchanged: the near-miss reason, else None. The eager function
+    itself only sees ``scores + attention_mask``; what the callers hand it (Swin's relative_position_bias +
+    mask, MPT's ALiBi built by the model, Parakeet's relative-position matrix_bd) decides."""
     fn = scope.node
-    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > 2:
         return None
     names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     if param not in names:
         return None
     pos = names.index(param) - (1 if scope.class_name and names[0] == "self" else 0)
-    # a direct call names fn.name or attention_interface: only statements on such lines need
-    # walking (the calls found keep the walk's order); None: walk the callers whole
-    lines = lines_with(module, (fn.name, "attention_interface")) if _CALLER_LINES else None
+    if pos < 0:
+        return None
+    attrs = _module_attrs_of(module, scope.class_name) if fn.name == "forward" and scope.class_name else ()
+    words = (fn.name, "attention_interface") + attrs
+    # a direct call names fn.name, attention_interface or a module attribute: only statements on such
+    # lines need walking (the calls found keep the walk's order); None: walk the callers whole
+    lines = lines_with(module, words) if _CALLER_LINES else None
     for caller in module.scopes:
-        if caller is scope or isinstance(caller.node, ast.Module) or fn.name not in scope_text(module, caller):
+        if caller is scope or isinstance(caller.node, ast.Module):
+            continue
+        text = scope_text(module, caller)
+        if not any(w in text for w in words):
             continue
         calls = caller.nodes().get(ast.Call, ()) if lines is None else calls_on_lines(caller.node, lines)
         for node in calls:  # the calls of fast_walk(caller.node), in order
             f = node.func
-            direct = (isinstance(f, ast.Name) and f.id in (fn.name, "attention_interface")) or (
-                isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) and f.value.id == "self")
+            # attention_interface stands for an eager module-level function (HF's dispatch), never a method
+            interface = ("attention_interface",) if not scope.class_name else ()
+            direct = (isinstance(f, ast.Name) and f.id in (fn.name, *interface)) or (
+                isinstance(f, ast.Attribute) and f.attr in (fn.name, *attrs) and isinstance(f.value, ast.Name) and f.value.id == "self")
             if not direct:
                 continue
             arg = keyword(node, param, pos)
@@ -1959,6 +2048,11 @@ def caller_bias(module: ModuleInfo, scope: Scope, param: str) -> str | None:
                 return (f"a caller (`{caller.qualname}`, line {node.lineno}) passes `{segment(module, arg)[:40]}` as `{param}`: "
                         f"a float bias (built from {found}), not a 0/-inf mask; `mask < 0` would binarise it, and as a bias it maps to "
                         "npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)")
+            # handed on unchanged from the caller's own parameter: ask the caller's callers
+            if isinstance(arg, ast.Name) and arg.id in caller.args and not caller.assignments.get(arg.id):
+                found = caller_bias(module, caller, arg.id, depth + 1)
+                if found:
+                    return found
     return None
 
 
