@@ -1263,6 +1263,10 @@ class _Matcher:
                 return
             if isinstance(node, Ref) and isinstance(node.value, Opaque):
                 raise Miss(f"the scores `{node.name}` are computed inside a loop / with / try block npufuse does not follow")
+            if isinstance(node, ast.Call) and (self._fn(node) == "torch.baddbmm" or self.method(node, "baddbmm")):
+                beta = keyword(node, "beta")
+                raise Miss(f"`baddbmm` adds its input to the scores (beta={self.src(beta) if beta is not None else '1'}, e.g. an ALiBi bias): "
+                           "a float term npufuse does not convert to a mask")
             if self._capping(node):
                 raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}` (logit soft-capping / clamping): "
                            "npu_fusion_attention has no such step")
@@ -1879,13 +1883,9 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
     if depth > 4:
         return None
     cls = module.classes.get(scope.class_name or "")
+    # ``self.m(...)`` of a method of the class transforms its arguments (their values flow through it)
     methods = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))} if cls is not None else set()
-    for n in walk_sym(node):
-        if isinstance(n, ast.Call):
-            callee = dotted(_plain(n.func)) or ""
-            if callee.startswith("self.") and callee[5:] in methods:
-                n._npufuse_method = True  # type: ignore[attr-defined]
-    for n in _value_flow(node):
+    for n in _value_flow(node, methods):
         if isinstance(n, ast.Call):
             callee = dotted(_plain(n.func)) or ""
             last = callee.rpartition(".")[2]
@@ -1923,12 +1923,7 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
 _INDEX_CALLS = {"topk", "argsort", "argmax", "argmin", "nonzero", "sort", "bool", "long", "int", "searchsorted", "bucketize"}
 
 
-def _is_method(call: ast.Call) -> bool:
-    """``self.m(...)`` where the caller said ``m`` is a method (set by :func:`graded_evidence`)."""
-    return bool(getattr(call, "_npufuse_method", False))
-
-
-def _value_flow(node: Any) -> Iterator[ast.AST]:
+def _value_flow(node: Any, methods: set[str] = frozenset()) -> Iterator[ast.AST]:  # type: ignore[assignment]
     """The nodes whose values flow into ``node``'s values: not comparisons (a bool pattern), not the
     condition of ``where``/``masked_fill`` (it only picks positions), not subscripts' indices, not index
     or bool producing calls, and not the arguments of calls of this file's functions/modules (their
@@ -1959,7 +1954,7 @@ def _value_flow(node: Any) -> Iterator[ast.AST]:
                 stack.append(n.func.value)
                 stack.extend(n.args[1:])
                 continue
-            if callee.startswith("self.") and not _is_method(n):
+            if callee.startswith("self.") and callee[5:] not in methods:
                 continue  # a module attribute or its method: judged by its class, its inputs are not its values
         stack.extend(child_nodes(n))
 
@@ -3809,6 +3804,7 @@ def biased(bias, q, k, v):
     scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=0.125)
     return torch.bmm(scores.softmax(dim=-1), v)
 """,
+        reason="`baddbmm` adds its input to the scores",
     ),
     Keep(
         name="unconditional_softcap_module_style",
