@@ -945,6 +945,8 @@ class _Matcher:
         if c is None:
             raise Miss(f"einsum for P@V with an equation npufuse does not parse (`{self.src(pv.spec)}`)")
         v_sub = c.b if p_node is pv.a else c.a
+        if len(p_sub) not in (3, 4):
+            raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
         if chain.p_transposed:  # P reaches the einsum as Pᵀ: its subscripts name [.., j, i]
             p_sub = p_sub[:-2] + p_sub[-1] + p_sub[-2]
         if len(c.summed) != 1 or p_sub[-1] != c.summed:
@@ -1559,6 +1561,8 @@ class _Matcher:
         if c is None:
             raise Miss(f"einsum for Q@Kᵀ with an equation npufuse does not parse (`{self.src(mm.spec)}`)")
         eq = f"{c.a},{c.b}->{c.out}"
+        if len(c.out) not in (3, 4):
+            raise Miss(f"einsum `{eq}` makes {len(c.out)}-D scores (npu_fusion_attention takes 4-D, or 3-D as one head)")
         if len(c.summed) != 1:
             raise Miss(f"einsum `{eq}` is not a contraction over one head-dim axis")
         j = c.out[-1]
