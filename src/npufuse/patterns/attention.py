@@ -33,6 +33,7 @@ Decisions (spec §5.1, §13; field_lessons items 7-8):
 from __future__ import annotations
 
 import ast
+import bisect
 import copy
 import re
 from dataclasses import dataclass, field
@@ -1824,14 +1825,21 @@ _LEARNED_CTORS = {"torch.nn.Parameter", "torch.nn.parameter.Parameter", "torch.n
 
 
 def _self_attr_ctor(module: ModuleInfo, class_name: str | None, attr: str) -> ast.Call | None:
-    """The call assigned to ``self.<attr>`` (or registered as buffer ``attr``) in the class, if any."""
+    """The call assigned to ``self.<attr>`` in the class, if any (one walk per class, cached on the module)."""
     cls = module.classes.get(class_name or "")
     if cls is None:
         return None
-    for node in fast_walk(cls):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and dotted(node.targets[0]) == f"self.{attr}" and isinstance(node.value, ast.Call):
-            return node.value
-    return None
+    table = module.__dict__.setdefault("_npufuse_self_ctors", {})
+    ctors = table.get(id(cls))
+    if ctors is None or ctors[0] is not cls:
+        found: dict[str, ast.Call] = {}
+        for node in fast_walk(cls):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
+                target = dotted(node.targets[0])
+                if target and target.startswith("self.") and target[5:] not in found:
+                    found[target[5:]] = node.value
+        ctors = table[id(cls)] = (cls, found)
+    return ctors[1].get(attr)
 
 
 def _method_builds_positions(module: ModuleInfo, class_name: str | None, name: str) -> bool:
@@ -1989,29 +1997,35 @@ _CALLER_LINES = True  # tests switch it off to compare
 
 
 def _module_attrs_of(module: ModuleInfo, class_name: str) -> tuple[str, ...]:
-    """The ``self.<attr>`` names any class of this file assigns an instance of ``class_name`` to
-    (``self.attn = MptAttention(config)``): calling them calls that class's ``forward``."""
+    """The ``self.<attr>`` names this file assigns an instance of ``class_name`` to (``self.attn =
+    MptAttention(config)``): calling them calls that class's ``forward``. Read off the source text (one
+    regex per class asked about), not a walk of every class."""
     table = module.__dict__.setdefault("_npufuse_module_attrs", {})
-    if not table:
-        table[""] = ()
-        for cls in module.classes.values():
-            for node in fast_walk(cls):
-                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
-                    target, ctor = dotted(node.targets[0]), dotted(node.value.func)
-                    if target and target.startswith("self.") and target.count(".") == 1 and ctor in module.classes:
-                        table.setdefault(ctor, set()).add(target[5:])
-    return tuple(sorted(table.get(class_name, ())))
+    found = table.get(class_name)
+    if found is None:
+        pattern = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*" + re.escape(class_name) + r"\s*\(")
+        found = table[class_name] = tuple(sorted(set(pattern.findall(module.source))))
+    return found
 
 
 def caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -> str | None:
+    """Memoised :func:`_caller_bias` (one answer per function, parameter and depth in a module)."""
+    memo = module.__dict__.setdefault("_npufuse_caller_bias", {})
+    key = (id(scope.node), param, depth)
+    if key not in memo:
+        memo[key] = _caller_bias(module, scope, param, depth)
+    return memo[key]
+
+
+def _caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -> str | None:
     """A call of this function in the same file (directly, ``self.<name>(...)``, through HF's
     ``attention_interface`` chosen from it, or, for a module's ``forward``, through the attribute holding
-    the module) that passes a float bias for its parameter ``param``, followed up to three callers
-    deep through parameters passed on unchanged: the near-miss reason, else None. The eager function
+    the module) that passes a float bias for its parameter ``param``, followed up to two callers
+    deep through a parameter passed on unchanged: the near-miss reason, else None. The eager function
     itself only sees ``scores + attention_mask``; what the callers hand it (Swin's relative_position_bias +
     mask, MPT's ALiBi built by the model, Parakeet's relative-position matrix_bd) decides."""
     fn = scope.node
-    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > 2:
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > 1:
         return None
     names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     if param not in names:
@@ -2020,13 +2034,22 @@ def caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) ->
     if pos < 0:
         return None
     attrs = _module_attrs_of(module, scope.class_name) if fn.name == "forward" and scope.class_name else ()
-    words = (fn.name, "attention_interface") + attrs
+    # ``forward`` is called through the attribute holding the module, not by its name (every module
+    # has one: as a word it would select every scope)
+    words = ((fn.name,) if fn.name != "forward" else ()) + (("attention_interface",) if not scope.class_name else ()) + attrs
+    if not words:
+        return None
     # a direct call names fn.name, attention_interface or a module attribute: only statements on such
     # lines need walking (the calls found keep the walk's order); None: walk the callers whole
     lines = lines_with(module, words) if _CALLER_LINES else None
     for caller in module.scopes:
         if caller is scope or isinstance(caller.node, ast.Module):
             continue
+        if lines is not None:
+            # no line of this caller holds one of the words: nothing to look at (no text to build)
+            k = bisect.bisect_left(lines, caller.node.lineno)
+            if k == len(lines) or lines[k] > (caller.node.end_lineno or caller.node.lineno):
+                continue
         text = scope_text(module, caller)
         if not any(w in text for w in words):
             continue
@@ -2034,9 +2057,8 @@ def caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) ->
         for node in calls:  # the calls of fast_walk(caller.node), in order
             f = node.func
             # attention_interface stands for an eager module-level function (HF's dispatch), never a method
-            interface = ("attention_interface",) if not scope.class_name else ()
-            direct = (isinstance(f, ast.Name) and f.id in (fn.name, *interface)) or (
-                isinstance(f, ast.Attribute) and f.attr in (fn.name, *attrs) and isinstance(f.value, ast.Name) and f.value.id == "self")
+            direct = (isinstance(f, ast.Name) and f.id in words and f.id not in attrs) or (
+                isinstance(f, ast.Attribute) and f.attr in words and isinstance(f.value, ast.Name) and f.value.id == "self")
             if not direct:
                 continue
             arg = keyword(node, param, pos)
