@@ -163,7 +163,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling):
 
 
 class Attn:
-    def forward(self, q, k, v, position_bias):
+    def forward(self, q, k, v, slopes):
+        position_bias = slopes[:, None, None] * torch.arange(q.shape[-2])[None, None, :]  # graded: a bias by its dataflow
         attention_interface = eager_attention_forward
         return attention_interface(self, q, k, v, position_bias, 0.1)
 ''',
@@ -195,7 +196,7 @@ class B:
 class C:
     def forward(self, x, rel_pos_bias):
         # calls attn with a float bias, spelled another way
-        return \uff41ttn(x, x, x, rel_pos_bias)
+        return \uff41ttn(x, x, x, rel_pos_bias * torch.arange(4.0))
 ''',
 ]
 

@@ -33,6 +33,7 @@ Decisions (spec §5.1, §13; field_lessons items 7-8):
 from __future__ import annotations
 
 import ast
+import bisect
 import copy
 import re
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.canonical import Contraction, Product, einops_permutation, product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -48,7 +50,6 @@ MATMULS = {"torch.matmul", "torch.bmm"}
 SOFTMAXES = {"torch.nn.functional.softmax", "torch.softmax", "torch.nn.functional.softmax", "torch.special.softmax"}
 DROPOUTS = {"torch.nn.functional.dropout", "torch.dropout"}
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "contiguous"}
-_BIAS_WORDS = ("alibi", "bias", "position", "rel_pos", "relative", "pos_")
 MAX_HEAD_DIM = 768  # npu_fusion_attention: D in [1, 768]
 
 
@@ -417,6 +418,11 @@ class Renderer:
         return None
 
 
+# the last name of a product's callee, however torch is imported (``th.matmul``, ``from torch import
+# einsum``, ``q.matmul(k)``): a value computed through one of these is heavy
+_PRODUCT_CALLS = {"matmul", "einsum", "bmm", "baddbmm"}
+
+
 def _heavy(node: Any, through_meta: bool = True) -> bool:
     """Does computing ``node`` involve a matrix product (the attention scores)? Metadata reads
     (``.dtype``/``.shape``) are crossed only when ``through_meta`` is False."""
@@ -424,7 +430,7 @@ def _heavy(node: Any, through_meta: bool = True) -> bool:
     for n in walker:
         if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
             return True
-        if isinstance(n, ast.Call) and dotted(_plain(n.func)) in ("torch.matmul", "torch.einsum", "torch.bmm", "torch.baddbmm"):
+        if isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").rpartition(".")[2] in _PRODUCT_CALLS:
             return True
     return False
 
@@ -717,6 +723,9 @@ class Operand:
     leaf: Any
     layout: str  # BNSD | BSND | 3D
     repeat: RepeatInfo | None = None
+    # a 3-D [B, S, D] key/value shared by every query head (PaLM's multi-query einsum
+    # ``b h i d, b j d -> b h i j``): the fused call takes it with a head axis of size 1 inserted
+    heads_added: bool = False
 
 
 @dataclass
@@ -741,6 +750,15 @@ class Chain:
     # and bmm(v, Pᵀ) with v [B, D, S] giving the output [B, D, Sq]
     k_transposed: bool = False
     v_transposed: bool = False
+    out_transposed: bool = False  # the product's result is [B, D, Sq] (bmm(v, Pᵀ), einsum "bcj,bji->bci")
+    p_transposed: bool = False  # the probabilities reach the product transposed (einops "b i j -> b j i")
+    # Megatron / ChatGLM: a 3-D [b*np, s, d] product viewed as 4-D [b, np, sq, sk] scores (masks in that
+    # shape), the probabilities viewed back to 3-D for the bmm with v
+    heads_in_batch: bool = False
+    scores_viewed: bool = False
+    # (test, negated, step): a branch of the scores the fused op has no equivalent of (soft-capping);
+    # the fused call runs only where that branch is not taken
+    excluded: list[tuple[Any, bool, str]] = field(default_factory=list)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -764,29 +782,19 @@ def _layout_of(sub: str, b: str, n: str, s: str, d: str) -> str | None:
 
 
 class _Matcher:
-    def __init__(self, module: ModuleInfo, scope: Scope, interp: BlockInterp) -> None:
+    def __init__(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, line: int = 10**9) -> None:
         self.module, self.scope, self.interp = module, scope, interp
+        self._line = line  # the P@V statement: assignments before it feed the site
         self.repeat_of: dict[int, Any] = {}
 
     # -- classification helpers
     def method(self, node: Any, *names: str) -> bool:
         return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
 
-    def is_matmul(self, node: Any) -> tuple[Any, Any, str] | None:
-        """(a, b, kind) of a matmul-like node: ``a @ b``, ``torch.matmul``, ``torch.bmm``, ``a.matmul(b)``, einsum."""
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-            return node.left, node.right, "@"
-        if isinstance(node, ast.Call):
-            name = self._fn(node)
-            if name in MATMULS and len(node.args) == 2:
-                return node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul"
-            if name == "torch.einsum" and len(node.args) == 3:
-                return node.args[1], node.args[2], "einsum"
-            if name == "torch.einsum" and len(node.args) == 2 and _pair(node.args[1]):
-                return node.args[1].elts[0], node.args[1].elts[1], "einsum"  # CvT: einsum(spec, [q, k])
-            if self.method(node, "matmul", "bmm") and len(node.args) == 1:
-                return node.func.value, node.args[0], node.func.attr
-        return None
+    def is_matmul(self, node: Any) -> Product | None:
+        """A matmul-like node (``a @ b``, ``torch.matmul``/``bmm``, ``a.matmul(b)``, einsum, baddbmm with
+        beta=0) read by the canonical layer, names resolved through this module's imports."""
+        return product(node, self._fn)
 
     def _fn(self, call: ast.Call) -> str | None:
         func = call.func
@@ -889,8 +897,10 @@ class _Matcher:
         return None
 
     # -- the chain
-    def match(self, pv: tuple[Any, Any, str], anchor: ast.AST) -> Chain | None:
-        p_node, v_node, kind = pv
+    def match(self, pv: Product, anchor: ast.AST) -> Chain | None:
+        if pv.kind == "einsum":
+            return self._match_einsum(pv)
+        p_node, v_node, kind = pv.a, pv.b, "bmm" if pv.kind == "baddbmm" else pv.kind
         chain = Chain()
         self.three_d = kind == "bmm"
         scores = self.peel_probs(p_node, chain)
@@ -902,33 +912,81 @@ class _Matcher:
                 scores = self.peel_probs(p_t, chain)
                 if scores is not None:
                     self._transposed_3d(v_node, chain)  # record the transpose statement as a step
-                    chain.v_transposed = True
+                    chain.v_transposed = chain.out_transposed = True
                     p_node, v_node = v_node, p_node
         if scores is None or not _heavy(scores, through_meta=False):
             return None
-        if kind == "einsum":
-            spec = _einsum_spec(anchor.args[0])  # type: ignore[attr-defined]
-            if spec is None:
-                raise Miss("einsum for P@V with a subscript npufuse does not parse")
-            ps, vs, os_ = spec
-            if len(ps) != 4 or len(vs) != 4 or len(os_) != 4:
-                raise Miss("einsum over other than 4-D operands")
-            b, n, i, j = ps
-            dvar = (set(vs) - {b, n, j}).pop() if len(set(vs) - {b, n, j}) == 1 else None
-            if dvar is None or set(os_) != {b, n, i, dvar}:
-                raise Miss("einsum for P@V does not contract the key axis")
-            v_layout = _layout_of(vs, b, n, j, dvar)
-            chain.out_layout = _layout_of(os_, b, n, i, dvar) or ""
-            if v_layout is None or not chain.out_layout:
-                raise Miss("einsum layouts other than BNSD/BSND")
-            chain.v = self.peel_operand(v_node, "v", v_layout, chain)
-        else:
-            layout = "3D" if kind == "bmm" else "BNSD"
-            chain.out_layout = layout
-            chain.v = self.peel_operand(v_node, "v", layout, chain)
+        if pv.kind == "baddbmm" and pv.alpha is not None and const_value(pv.alpha) not in (1, 1.0):
+            raise Miss(f"the P@V product is scaled (`alpha={self.src(pv.alpha)}`): npu_fusion_attention has no output scale")
+        if chain.p_transposed:
+            raise Miss("the probabilities reach P@V transposed in a product npufuse does not read as attention")
+        layout = "3D" if kind == "bmm" else "BNSD"
+        chain.out_layout = layout
+        chain.v = self.peel_operand(v_node, "v", layout, chain)
         self.peel_scores(scores, chain, stop=None, cond=None)
         if chain.q is None or chain.k is None:
             raise Miss("no Q@Kᵀ product found under the softmax")
+        if chain.heads_in_batch and not chain.scores_viewed:
+            raise Miss("the probabilities are re-viewed to 3-D for P@V but the scores were not a 4-D view of the 3-D Q@Kᵀ product")
+        return chain
+
+    def _match_einsum(self, pv: Product) -> Chain | None:
+        """P@V written as an einsum: whichever operand holds the probabilities, in any output order the
+        op can take (BNSD, BSND, 3-D single head, channel-first [B, D, Sq]); a 3-D value beside 4-D
+        probabilities is shared by all heads (multi-query)."""
+        c = pv.subs
+        for p_node, v_node, p_sub in ((pv.a, pv.b, c.a if c else ""), (pv.b, pv.a, c.b if c else "")):
+            chain = Chain()
+            self.three_d = len(p_sub) == 3
+            scores = self.peel_probs(p_node, chain)
+            if scores is not None and _heavy(scores, through_meta=False):
+                break
+        else:
+            return None
+        if c is None:
+            raise Miss(f"einsum for P@V with an equation npufuse does not parse (`{self.src(pv.spec)}`)")
+        v_sub = c.b if p_node is pv.a else c.a
+        if len(p_sub) not in (3, 4):
+            raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
+        if chain.p_transposed:  # P reaches the einsum as Pᵀ: its subscripts name [.., j, i]
+            p_sub = p_sub[:-2] + p_sub[-1] + p_sub[-2]
+        if len(c.summed) != 1 or p_sub[-1] != c.summed:
+            raise Miss(f"einsum `{c.a},{c.b}->{c.out}` does not contract the probabilities' last (key) axis with the values")
+        j = c.summed
+        d_letters = [x for x in v_sub if x not in p_sub]
+        if len(d_letters) != 1:
+            raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: the values carry other than one feature axis")
+        d = d_letters[0]
+        if len(p_sub) == 4:
+            bb, n, i = p_sub[0], p_sub[1], p_sub[2]
+            chain.out_layout = _layout_of(c.out, bb, n, i, d) or ""
+            if set(v_sub) == {bb, n, j, d}:
+                v_layout = _layout_of(v_sub, bb, n, j, d)
+                heads_added = False
+            elif set(v_sub) == {bb, j, d} and v_sub == bb + j + d:
+                v_layout, heads_added = chain.out_layout, True
+            else:
+                v_layout, heads_added = None, False
+            if v_layout is None or not chain.out_layout:
+                raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: layouts other than BNSD/BSND (or a 3-D [B, S, D] value shared by the heads)")
+            chain.v = self.peel_operand(v_node, "v", v_layout, chain)
+            chain.v.heads_added = heads_added
+        elif len(p_sub) == 3:
+            bb, i = p_sub[0], p_sub[1]
+            if set(v_sub) != {bb, j, d} or v_sub[0] != bb or set(c.out) != {bb, i, d} or c.out[0] != bb:
+                raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: a 3-D product that is not [B, S, D] attention")
+            chain.v_transposed = v_sub == bb + d + j  # v laid out [B, D, Skv] (channel-first)
+            chain.out_transposed = c.out == bb + d + i
+            chain.out_layout = "3D"
+            chain.v = self.peel_operand(v_node, "v", "3D", chain)
+        else:
+            raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
+        chain.spelling.append("einsum")
+        self.peel_scores(scores, chain, stop=None, cond=None)
+        if chain.q is None or chain.k is None:
+            raise Miss("no Q@Kᵀ product found under the softmax")
+        if (chain.q.layout == "3D") != self.three_d:
+            raise Miss("the scores and the probabilities' product disagree on the rank (3-D vs 4-D)")
         return chain
 
     def _transposed_3d(self, node: Any, chain: Chain) -> Any:
@@ -952,6 +1010,15 @@ class _Matcher:
             chain.probs_objs.add(id(node))
             if self.method(node, *_CASTS) and (node.func.attr != "to" or len(node.args) + len(node.keywords) <= 2):
                 node = node.func.value
+                continue
+            if getattr(self, "three_d", False) and not chain.heads_in_batch and self.method(node, "view", "reshape") and self._arity(node) == 3:
+                # Megatron / ChatGLM: probs [b, np, sq, sk] viewed as [b*np, sq, sk] for the bmm with v
+                chain.heads_in_batch = True
+                node = node.func.value
+                continue
+            if self._last_two_swapped(node):
+                chain.p_transposed = not chain.p_transposed
+                node = self._transposed_input(node)
                 continue
             drop = self.dropout_of(node)
             if drop is not None:
@@ -997,7 +1064,7 @@ class _Matcher:
                 dim_v = const_value(dim) if dim is not None else None
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
-                if dim_v not in (-1, 2 if getattr(self, "three_d", False) else 3):  # the key axis: last of 3-D / 4-D scores
+                if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 3):  # the key axis: last of 3-D / 4-D scores
                     raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim")
                 if dtype is not None:
                     chain.softmax_dtype = self.src(dtype)
@@ -1005,8 +1072,62 @@ class _Matcher:
                 return x
             if self._qk_softmax(node):
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
+            self._opaque_normaliser(node)
             return None
         return None
+
+    def _opaque_normaliser(self, node: Any) -> None:
+        """Megatron's ``self.scale_mask_softmax(scores, mask)`` (FusedScaleMaskSoftmax, built in
+        ``__init__`` from a class of another file), possibly re-viewed / squeezed: a module turning
+        the Q@Kᵀ scores into the probabilities whose computation (scale, mask function, fp32
+        softmax) is not visible here. Raises the near miss; returns when ``node`` is not one."""
+        for _ in range(4):
+            if self.method(node, "squeeze", "unsqueeze", "view", "reshape"):
+                node = deref(node.func.value)
+                continue
+            break
+        if not (isinstance(node, ast.Call) and _is_self_attr(node.func) and node.args):
+            return
+        ctor = self._module_attr_ctor(node.func)
+        if ctor is None or not _heavy(node.args[0], through_meta=False) or self._qk_softmax(node.args[0]):
+            return
+        cls = self.module.canonical(ctor.func) or self.src(ctor.func)
+        if cls.startswith("torch."):
+            return  # a torch module is known: not this case
+        where = "defined in this file, whose forward npufuse does not interpret" if cls.rpartition(".")[2] in self.module.classes else "defined outside this file"
+        raise Miss(f"the probabilities come from `{self.src(node.func)}` (a `{cls}` module built in `__init__`, {where}) applied to the Q@Kᵀ scores: "
+                   "its scaling, masking and softmax are not visible, so npufuse cannot check that npu_fusion_attention computes the same")
+
+    def _arity(self, call: Any) -> int | None:
+        """The rank a ``view``/``reshape`` call gives (``view(*shape)`` with ``shape`` a local tuple too)."""
+        args = call.args
+        if len(args) == 1 and isinstance(args[0], ast.Starred):
+            t = deref(args[0].value)
+            return len(t.elts) if isinstance(t, (ast.Tuple, ast.List)) and not any(isinstance(e, ast.Starred) for e in t.elts) else None
+        if len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List)):
+            args = args[0].elts
+        return None if any(isinstance(a, ast.Starred) for a in args) else len(args)
+
+    def _last_two_swapped(self, node: Any) -> bool:
+        """``x.transpose(-2, -1)``, ``x.mT``, ``permute(0, 2, 1)`` / ``(0, 1, 3, 2)``, einops
+        ``rearrange(x, "b i j -> b j i")``: the last two axes exchanged (on the probabilities' rank)."""
+        rank = 3 if getattr(self, "three_d", False) else 4
+        if self.method(node, "transpose") and len(node.args) == 2:
+            dims = {const_value(x) for x in node.args}
+            return dims == {-2, -1} or dims == {rank - 2, rank - 1}
+        if isinstance(node, ast.Attribute) and node.attr == "mT":
+            return True
+        if self.method(node, "permute"):
+            return swaps_last_two(tuple(const_value(x) for x in node.args))  # type: ignore[arg-type]
+        if isinstance(node, ast.Call) and self._fn(node) == "einops.rearrange" and len(node.args) == 2 and not node.keywords:
+            perm = einops_permutation(node.args[1])
+            return swaps_last_two(perm) and len(perm) == rank  # type: ignore[arg-type]
+        return False
+
+    def _transposed_input(self, node: Any) -> Any:
+        if isinstance(node, ast.Attribute):
+            return node.value
+        return node.args[0] if self._fn(node) == "einops.rearrange" else node.func.value
 
     def _qk_softmax(self, node: Any) -> bool:
         """A softmax of a Q@Kᵀ-like product is reachable (without crossing another product)."""
@@ -1063,24 +1184,47 @@ class _Matcher:
             if self.method(node, *_CASTS):
                 node = node.func.value
                 continue
+            if chain.heads_in_batch and not chain.scores_viewed and self.method(node, "view", "reshape") and self._arity(node) == 4:
+                # ... and the [b*np, sq, sk] product viewed as the [b, np, sq, sk] scores the masks apply to
+                chain.scores_viewed = True
+                node = node.func.value
+                continue
             if isinstance(node, Cond):
                 a, b = node.body, node.orelse
                 if isinstance(a, Undef) or isinstance(b, Undef):
                     raise Miss("the attention scores are defined on one branch only")
                 if self._derived(a, b) or self._derived(b, a):
                     branch, base, neg = (a, b, False) if self._derived(a, b) else (b, a, True)
-                    for n in walk_values(branch):
-                        if n is base:
-                            break
-                        if isinstance(n, ast.Call) and (self._fn(n) or "").split(".")[-1] in ("tanh", "clamp", "sigmoid"):
+                    capped = next((n for n in self._until(branch, base) if self._capping(n)), None)
+                    if capped is not None:
+                        if cond is not None or _heavy(node.test, through_meta=False):
                             raise Miss(
-                                f"`{self.src(n)}` on the scores under `if {self.src(node.test)}` (logit soft-capping / clamping): "
+                                f"`{self.src(capped)}` on the scores under `if {self.src(node.test)}` (logit soft-capping / clamping): "
                                 "npu_fusion_attention has no such step"
                             )
+                        # Gemma's optional soft-capping: the fused call runs only where the branch does not
+                        # (a run-time guard; the original code runs where it does)
+                        chain.excluded.append((node.test, neg, self.src(capped)))
+                        node = base
+                        continue
                     self.peel_scores(branch, chain, stop=base, cond=(node.test, neg))
                     node = base
                     continue
+                base = self._common_base(a, b, stop)
+                if base is not None:
+                    # ``if mask.dtype == torch.bool: s = s.masked_fill(~mask, -inf) else: s = s + mask``: each
+                    # branch masks the same scores; its terms apply under its own condition
+                    for branch, neg in ((a, False), (b, True)):
+                        self.peel_scores(branch, chain, stop=base, cond=_and_cond(cond, (node.test, neg)))
+                    node = base
+                    continue
                 raise Miss(f"the attention scores depend on `if {self.src(node.test)}` in a way npufuse does not convert")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and self._row_max_of(node.right, node.left):
+                # ``sim - sim.amax(dim=-1, keepdim=True).detach()``: softmax is shift-invariant per row, and the
+                # fused kernel subtracts the row max itself
+                chain.notes.append("the row max subtracted before softmax (numerical stabilisation) is dropped: softmax is shift-invariant and the fused kernel does it internally")
+                node = node.left
+                continue
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
                 left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
                 if left_qk == right_qk:
@@ -1122,8 +1266,68 @@ class _Matcher:
                 return
             if isinstance(node, Ref) and isinstance(node.value, Opaque):
                 raise Miss(f"the scores `{node.name}` are computed inside a loop / with / try block npufuse does not follow")
+            if isinstance(node, ast.Call) and (self._fn(node) == "torch.baddbmm" or self.method(node, "baddbmm")):
+                beta = keyword(node, "beta")
+                raise Miss(f"`baddbmm` adds its input to the scores (beta={self.src(beta) if beta is not None else '1'}, e.g. an ALiBi bias): "
+                           "a float term npufuse does not convert to a mask")
+            if self._capping(node):
+                raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}` (logit soft-capping / clamping): "
+                           "npu_fusion_attention has no such step")
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
         raise Miss("attention score chain too long to follow")
+
+    def _common_base(self, a: Any, b: Any, stop: Any) -> Any:
+        """The scores both branches of a conditional start from (``stop`` inside an outer branch, else
+        the first variable holding a Q@Kᵀ product that both reach), or None."""
+        if stop is not None:
+            return stop if self._reaches(a, stop) and self._reaches(b, stop) else None
+        in_b = {id(n) for n in walk_values(b) if isinstance(n, Ref)}
+        for n in walk_values(a):
+            if isinstance(n, Ref) and id(n) in in_b and n is not a and n is not b and _heavy(n, through_meta=False):
+                return n
+        return None
+
+    def _row_max_of(self, node: Any, x: Any) -> bool:
+        """``node`` is the last-dim max of ``x`` kept as a dim: ``x.amax(dim=-1, keepdim=True)`` (``.detach()``
+        optional), ``x.max(-1, keepdim=True).values`` / ``[0]``, ``torch.amax(x, -1, keepdim=True)``."""
+        n = deref(node)
+        if self.method(n, "detach"):
+            n = deref(n.func.value)
+        if isinstance(n, ast.Attribute) and n.attr == "values":
+            n = deref(n.value)
+        elif isinstance(n, ast.Subscript) and const_value(n.slice) == 0:
+            n = deref(n.value)
+        if not isinstance(n, ast.Call):
+            return False
+        if self.method(n, "amax", "max") and self._fn(n) not in ("torch.amax", "torch.max"):
+            base, dim, keep = n.func.value, keyword(n, "dim", 0), keyword(n, "keepdim", 1)
+        elif self._fn(n) in ("torch.amax", "torch.max") and n.args:
+            base, dim, keep = n.args[0], keyword(n, "dim", 1), keyword(n, "keepdim", 2)
+        else:
+            return False
+        if const_value(dim) != -1 or const_value(keep) is not True:
+            return False
+        return deref(base) is deref(x)
+
+    def _capping(self, node: Any) -> bool:
+        """``tanh`` / ``clamp`` / ``sigmoid`` (function or method): a step on the scores the fused op lacks."""
+        return isinstance(node, ast.Call) and (
+            (self._fn(node) or "").rpartition(".")[2] in ("tanh", "clamp", "clip", "sigmoid") or self.method(node, "tanh", "clamp", "clip", "sigmoid", "tanh_", "clamp_"))
+
+    def _until(self, node: Any, stop: Any) -> Iterator[ast.AST]:
+        """The nodes of ``node``'s value tree that are not inside ``stop``'s."""
+        stack, visited = [node], set()
+        while stack and len(visited) < 4000:
+            n = stack.pop()
+            if not isinstance(n, ast.AST) or id(n) in visited or n is stop or is_meta(n):
+                continue
+            visited.add(id(n))
+            yield n
+            if isinstance(n, Ref):
+                if n.value is not None:
+                    stack.append(n.value)
+                continue
+            stack.extend(child_nodes(n))
 
     def _reaches(self, node: Any, stop: Any) -> bool:
         """Does ``node`` lead to the scores (the QK product, or ``stop`` inside a branch)?"""
@@ -1151,24 +1355,12 @@ class _Matcher:
         (chain.scale_den if divide else chain.scale_num).append(factor)
 
     def add_additive(self, term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> None:
-        names = {n.lower() for n in ref_names(term)} | {
-            n.attr.lower() for n in walk_values(term) if isinstance(n, ast.Attribute)
-        }
-        inner = deref(term)
-        text = self.src(term)
-        summed = isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and not any(
-            isinstance(x, ast.Constant) for x in (inner.left, inner.right)
-        )
-        if summed or any(w in n for n in names for w in _BIAS_WORDS) and not any("mask" in n for n in names):
-            raise Miss(
-                f"a float bias is added to the scores (`{text}`: ALiBi / relative position): it maps to "
-                "npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14); "
-                "converting it to a bool mask would be wrong"
-            )
+        # what the term is decides, from its dataflow: built from positions / learned values -> a bias (near
+        # miss); built from -inf / finfo.min -> a 0/-inf mask; anything else -> its values are checked at run time
+        evidence = graded_evidence(self.module, self.scope, term, self._line)
+        if evidence:
+            raise Miss(bias_reason(self.src(term), evidence))
         term_obj = MaskTerm("additive", term, cond[0] if cond else None, cond[1] if cond else False)
-        if not any("mask" in n for n in names):
-            chain.confidence = "medium"
-            chain.risks.append(Risk("numerics", f"`{text}` is added to the scores and treated as a 0/−inf mask; if it carries graded values (a bias), do not accept"))
         causal = self._additive_causal(term)
         if causal:
             term_obj.causal = causal
@@ -1231,9 +1423,9 @@ class _Matcher:
             return None
         sl = sub.slice
         elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
-        if len(elts) != 4 or not all(isinstance(e, ast.Slice) for e in elts):
+        if len(elts) not in (2, 4) or not all(isinstance(e, ast.Slice) for e in elts):
             return None
-        rows, cols = elts[2], elts[3]
+        rows, cols = elts[-2], elts[-1]  # a 4-D [1, 1, L, L] buffer or a 2-D [L, L] one
         if rows.lower is None and cols.lower is None and rows.upper is not None and cols.upper is not None and rows.step is None and cols.step is None:
             if ast.dump(_plain(rows.upper)) == ast.dump(_plain(cols.upper)):
                 return "top_left"
@@ -1316,27 +1508,16 @@ class _Matcher:
         return None
 
     # -- Q@Kᵀ
-    def parse_qk(self, node: Any, mm: tuple[Any, Any, str], chain: Chain) -> None:
-        a, b, kind = mm
+    def parse_qk(self, node: Any, mm: Product, chain: Chain) -> None:
+        a, b, kind = mm.a, mm.b, mm.kind
         if kind == "einsum":
-            spec = _einsum_spec(node.args[0])
-            if spec is None:
-                raise Miss("einsum for Q@Kᵀ with a subscript npufuse does not parse")
-            qs, ks, os_ = spec
-            if len(qs) != 4 or len(ks) != 4 or len(os_) != 4:
-                raise Miss("einsum over other than 4-D operands")
-            bb, n, i, j = os_
-            dvar = set(qs) - {bb, n, i}
-            if len(dvar) != 1 or set(ks) != {bb, n, j} | dvar:
-                raise Miss("einsum for Q@Kᵀ that is not a contraction over the head dim")
-            d = dvar.pop()
-            ql, kl = _layout_of(qs, bb, n, i, d), _layout_of(ks, bb, n, j, d)
-            if ql is None or kl is None:
-                raise Miss("einsum layouts other than BNSD/BSND")
-            chain.q = self.peel_operand(a, "q", ql, chain)
-            chain.k = self.peel_operand(b, "k", kl, chain)
-            chain.spelling.append("einsum")
+            self._qk_einsum(mm, chain)
             return
+        if kind == "baddbmm":
+            # Megatron: baddbmm(empty, q, kᵀ, beta=0, alpha=1/norm_factor): the alpha is the scale
+            if mm.alpha is not None:
+                self.add_scale(mm.alpha, False, chain)
+            kind = "bmm"
         layout = "3D" if kind == "bmm" else "BNSD"
         chain.spelling.append(kind)
         chain.q = self.peel_operand(a, "q", layout, chain)
@@ -1372,6 +1553,51 @@ class _Matcher:
                 chain.k_transposed = True
                 return
             raise Miss(f"the key operand `{self.src(b)}` is not a transpose of K")
+
+    def _qk_einsum(self, mm: Product, chain: Chain) -> None:
+        """Q@Kᵀ as an einsum, operands in either order: the key is the operand carrying the scores'
+        last axis. Scores [B, N, Sq, Skv] (or [B, Sq, Skv], one head); q/k BNSD or BSND, a 3-D
+        [B, Skv, D] key shared by every head (multi-query), or in 3-D a channel-first [B, D, Skv] key."""
+        c: Contraction | None = mm.subs
+        if c is None:
+            raise Miss(f"einsum for Q@Kᵀ with an equation npufuse does not parse (`{self.src(mm.spec)}`)")
+        eq = f"{c.a},{c.b}->{c.out}"
+        if len(c.out) not in (3, 4):
+            raise Miss(f"einsum `{eq}` makes {len(c.out)}-D scores (npu_fusion_attention takes 4-D, or 3-D as one head)")
+        if len(c.summed) != 1:
+            raise Miss(f"einsum `{eq}` is not a contraction over one head-dim axis")
+        j = c.out[-1]
+        if j in c.b_free:
+            q_node, k_node, qs, ks = mm.a, mm.b, c.a, c.b
+        elif j in c.a_free:
+            q_node, k_node, qs, ks = mm.b, mm.a, c.b, c.a
+        else:
+            raise Miss(f"einsum `{eq}`: the scores' last axis is not a key position (softmax would not run over the keys)")
+        d = c.summed
+        if len(c.out) == 4:
+            bb, n, i = c.out[0], c.out[1], c.out[2]
+            ql = _layout_of(qs, bb, n, i, d)
+            if set(ks) == {bb, n, j, d}:
+                kl, heads_added = _layout_of(ks, bb, n, j, d), False
+            elif ks == bb + j + d and n in qs:
+                kl, heads_added = ql, True
+            else:
+                kl, heads_added = None, False
+            if ql is None or kl is None:
+                raise Miss(f"einsum `{eq}`: q/k/scores in layouts other than BNSD/BSND with [B, N, Sq, Skv] scores")
+            chain.q = self.peel_operand(q_node, "q", ql, chain)
+            chain.k = self.peel_operand(k_node, "k", kl, chain)
+            chain.k.heads_added = heads_added
+        elif len(c.out) == 3:
+            bb, i = c.out[0], c.out[1]
+            if qs != bb + i + d or set(ks) != {bb, j, d} or ks[0] != bb:
+                raise Miss(f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
+            chain.q = self.peel_operand(q_node, "q", "3D", chain)
+            chain.k = self.peel_operand(k_node, "k", "3D", chain)
+            chain.k_transposed = ks == bb + d + j  # k laid out [B, D, Skv] (channel-first)
+        else:
+            raise Miss(f"einsum `{eq}` makes {len(c.out)}-D scores (npu_fusion_attention takes 4-D, or 3-D as one head)")
+        chain.spelling.append("einsum")
 
     def _has_tensor_op(self, node: Any) -> bool:
         return any(self.method(n, "transpose", "permute") or isinstance(n, Ref) and n.idx >= 0 for n in walk_sym(node))
@@ -1468,6 +1694,14 @@ class _Matcher:
         if isinstance(n, ast.Call) and (self.method(n, "transpose", "permute", "view", "reshape", "contiguous") or self._fn(n) in ("torch.matmul",)):
             return True
         return False
+
+
+def _and_cond(outer: tuple[Any, bool] | None, inner: tuple[Any, bool]) -> tuple[Any, bool]:
+    """The (test, negated) condition under which both ``outer`` and ``inner`` hold."""
+    if outer is None:
+        return inner
+    parts = [t if not neg else ast.UnaryOp(op=ast.Not(), operand=t) for t, neg in (outer, inner)]
+    return ast.BoolOp(op=ast.And(), values=parts), False
 
 
 def _pair(node: Any) -> bool:
@@ -1583,86 +1817,263 @@ def static_rank(scope: Scope, node: Any, line: int, depth: int = 0) -> int | Non
     return None
 
 
-# words that make a value passed as the mask a float bias (ALiBi / relative position / SAM's point
-# similarity / Doge's dynamic mask): ``mask < 0`` would binarise it
-_CALLER_BIAS_WORDS = _BIAS_WORDS + ("similarity", "dynamic")
+# =============================================================================================
+# Graded values: what makes an additive term a bias rather than a 0/-inf mask (issue 14, class 3)
+# =============================================================================================
+_POSITION_CALLS = {"arange", "linspace"}
+_LEARNED_CTORS = {"torch.nn.Parameter", "torch.nn.parameter.Parameter", "torch.nn.Embedding"}
 
 
-def _bias_evidence(caller: Scope, node: ast.AST, line: int, depth: int = 0, seen: set[str] | None = None) -> str | None:
-    """The identifier that shows ``node`` (an argument in ``caller``) to be a float bias, or None.
-    Keyword arguments of calls are not followed (``create_causal_mask(..., position_ids=...)`` is a mask)."""
-    seen = set() if seen is None else seen
-    if depth > 6:
+def _self_attr_ctor(module: ModuleInfo, class_name: str | None, attr: str) -> ast.Call | None:
+    """The call assigned to ``self.<attr>`` in the class, if any (one walk per class, cached on the module)."""
+    cls = module.classes.get(class_name or "")
+    if cls is None:
         return None
-    if isinstance(node, ast.Name):
-        if any(w in node.id.lower() for w in _CALLER_BIAS_WORDS):
-            return node.id
-        if node.id in seen:
-            return None
-        seen.add(node.id)
-        for stmt, value in caller.assignments.get(node.id, []):  # every earlier assignment: branches too
-            if value is not None and stmt.lineno < line:
-                found = _bias_evidence(caller, value, stmt.lineno, depth + 1, seen)
-                if found:
-                    return found
+    table = module.__dict__.setdefault("_npufuse_self_ctors", {})
+    ctors = table.get(id(cls))
+    if ctors is None or ctors[0] is not cls:
+        found: dict[str, ast.Call] = {}
+        for node in fast_walk(cls):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
+                target = dotted(node.targets[0])
+                if target and target.startswith("self.") and target[5:] not in found:
+                    found[target[5:]] = node.value
+        ctors = table[id(cls)] = (cls, found)
+    return ctors[1].get(attr)
+
+
+def _method_builds_positions(module: ModuleInfo, class_name: str | None, name: str) -> bool:
+    cls = module.classes.get(class_name or "")
+    if cls is None:
+        return False
+    for fn in cls.body:
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == name:
+            return _class_grades(module, fn) == "token positions (`arange`)"
+    return False
+
+
+def _mask_fill(n: ast.AST) -> bool:
+    """-inf / finfo.min / a constant <= -1e4: the fill of a mask's masked positions."""
+    if _minus_infinity(n):
+        return True
+    v = const_value(n) if isinstance(n, (ast.Constant, ast.UnaryOp)) else None
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v <= -1e4
+
+
+def _class_grades(module: ModuleInfo, cls: ast.AST) -> str | None:
+    """What in a class / function of this file makes its output graded: token positions used as values (not
+    only compared: that makes a mask) or a learned table; None when it also fills with -inf / finfo.min /
+    <= -1e4 (it builds a mask)."""
+    if any(_mask_fill(n) or _constant_fill(n) for n in fast_walk(cls)):
+        return None  # it fills positions with constants: a mask (its values are checked at run time)
+    for n in _walk_unless_compared(cls):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or dotted(n.func) or ""
+            if name.rpartition(".")[2] in _POSITION_CALLS:
+                return "token positions (`arange`)"
+    return None
+
+
+def _constant_fill(n: ast.AST) -> bool:
+    """``x.masked_fill(c, -100.0)`` / ``torch.where(c, 0.0, -100.0)``: positions set to constants."""
+    if not isinstance(n, ast.Call):
+        return False
+    last = (dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).rpartition(".")[2]
+    if last in ("masked_fill", "masked_fill_") and len(n.args) == 2:
+        return isinstance(const_value(n.args[1]), (int, float))
+    if last == "where" and len(n.args) == 3:
+        return all(isinstance(const_value(a), (int, float)) for a in n.args[1:])
+    return False
+
+
+def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, depth: int = 0) -> str | None:
+    """Dataflow evidence that the additive term ``node`` (plain or symbolic) carries graded float values,
+    a bias such as ALiBi or a relative-position table, never a 0/-inf mask: it is computed from
+    positions (``arange``/``linspace``, here or in a method of the class), or from learned values (an
+    ``nn.Parameter`` / ``nn.Embedding`` attribute built in the class). None when the code does not
+    show it (the values are then checked at run time). Names are not evidence."""
+    if depth > 4:
         return None
-    if isinstance(node, ast.Attribute):
-        return node.attr if any(w in node.attr.lower() for w in _CALLER_BIAS_WORDS) else None
-    if isinstance(node, ast.Call):
-        # the callee's name (Doge's prepare_dynamic_mask; not "pos": apply_rotary_pos_emb returns q/k) and the
-        # receiver of a method (x.masked_fill_(...)); arguments are inputs, not what the value is
-        f = node.func
-        callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-        if any(w in callee.lower() for w in _CALLER_BIAS_WORDS if "pos" not in w):
-            return callee
-        return _bias_evidence(caller, f.value, line, depth + 1, seen) if isinstance(f, ast.Attribute) else None
-    parts: list[ast.AST] = []
-    if isinstance(node, ast.BinOp):
-        parts = [node.left, node.right]
-    elif isinstance(node, ast.IfExp):
-        parts = [node.body, node.orelse]
-    elif isinstance(node, (ast.Subscript, ast.UnaryOp)):
-        parts = [node.value if isinstance(node, ast.Subscript) else node.operand]
-    return next((e for x in parts if (e := _bias_evidence(caller, x, line, depth + 1, seen))), None)
+    cls = module.classes.get(scope.class_name or "")
+    # ``self.m(...)`` of a method of the class transforms its arguments (their values flow through it)
+    methods = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))} if cls is not None else set()
+    for n in _value_flow(node, methods):
+        if isinstance(n, ast.Call):
+            callee = dotted(_plain(n.func)) or ""
+            last = callee.rpartition(".")[2]
+            if last in _POSITION_CALLS:
+                return f"`{ast.unparse(_plain(n))[:50]}` (token positions)"
+            helper = module.helper(callee) if callee and "." not in callee else None
+            if helper is not None and _class_grades(module, helper) == "token positions (`arange`)":
+                return f"`{callee}(...)`, which builds it from token positions (`arange`)"
+            if callee.startswith("self.") and callee.count(".") == 1:
+                if _method_builds_positions(module, scope.class_name, last):
+                    return f"`{callee}(...)`, which builds it from token positions (`arange`)"
+                ctor = _self_attr_ctor(module, scope.class_name, last)
+                if ctor is not None and module.canonical(ctor.func) == "torch.nn.Embedding":
+                    return f"`{callee}`, an nn.Embedding (learned values)"
+                # a module of this file counts only when its result is the term itself (or a name bound to it):
+                # further upstream it is data (hidden states), not the term's values
+                sub = module.classes.get(dotted(ctor.func) or "") if ctor is not None and depth <= 1 else None
+                if sub is not None and _class_grades(module, sub):
+                    return f"`{callee}(...)`, a `{sub.name}` module of this file built from {_class_grades(module, sub)}"
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, (ast.Name, Ref)) and getattr(n.value, "id", getattr(n.value, "name", "")) == "self":
+            ctor = _self_attr_ctor(module, scope.class_name, n.attr)
+            if ctor is not None and module.canonical(ctor.func) in _LEARNED_CTORS:
+                return f"`self.{n.attr}`, a learned {module.canonical(ctor.func).rpartition('.')[2]} (graded values)"
+        name = n.name if isinstance(n, Ref) and n.idx == -1 else n.id if isinstance(n, ast.Name) else None
+        if name and name != "self":
+            for stmt, value in scope.assignments.get(name, []):
+                if value is not None and stmt.lineno < line:
+                    found = graded_evidence(module, scope, value, stmt.lineno, depth + 1)
+                    if found:
+                        return found
+    return None
+
+
+# calls whose result is positions or indices chosen by value, not the values themselves
+_INDEX_CALLS = {"topk", "argsort", "argmax", "argmin", "nonzero", "sort", "bool", "long", "int", "searchsorted", "bucketize"}
+
+
+def _value_flow(node: Any, methods: set[str] = frozenset()) -> Iterator[ast.AST]:  # type: ignore[assignment]
+    """The nodes whose values flow into ``node``'s values: not comparisons (a bool pattern), not the
+    condition of ``where``/``masked_fill`` (it only picks positions), not subscripts' indices, not index
+    or bool producing calls, and not the arguments of calls of this file's functions/modules (their
+    bodies decide: the caller of this walk asks about them)."""
+    stack, visited = [node], set()
+    while stack and len(visited) < 4000:
+        n = stack.pop()
+        if not isinstance(n, ast.AST) or id(n) in visited or is_meta(n) or isinstance(n, ast.Compare):
+            continue
+        visited.add(id(n))
+        yield n
+        if isinstance(n, Ref):
+            if n.value is not None:
+                stack.append(n.value)
+            continue
+        if isinstance(n, ast.Subscript):
+            stack.append(n.value)
+            continue
+        if isinstance(n, ast.Call):
+            callee = dotted(_plain(n.func)) or ""
+            last = callee.rpartition(".")[2] if callee else (n.func.attr if isinstance(n.func, ast.Attribute) else "")
+            if last in _INDEX_CALLS:
+                continue
+            if last == "where" and len(n.args) == 3:
+                stack.extend(n.args[1:])
+                continue
+            if last in ("masked_fill", "masked_fill_") and isinstance(n.func, ast.Attribute):
+                stack.append(n.func.value)
+                stack.extend(n.args[1:])
+                continue
+            if callee.startswith("self.") and callee[5:] not in methods:
+                continue  # a module attribute or its method: judged by its class, its inputs are not its values
+        stack.extend(child_nodes(n))
+
+
+def _walk_unless_compared(node: Any) -> Iterator[ast.AST]:
+    """:func:`walk_values` that does not enter comparisons: positions compared with positions give a
+    bool pattern (a causal or banded mask), not graded values."""
+    stack, visited = [node], set()
+    while stack and len(visited) < 4000:
+        n = stack.pop()
+        if not isinstance(n, ast.AST) or id(n) in visited or is_meta(n) or isinstance(n, ast.Compare):
+            continue
+        visited.add(id(n))
+        yield n
+        if isinstance(n, Ref):
+            if n.value is not None:
+                stack.append(n.value)
+            continue
+        stack.extend(child_nodes(n))
+
+
+def bias_reason(text: str, evidence: str) -> str:
+    return (f"a float bias is added to the scores (`{text}`: built from {evidence}): not a 0/-inf mask, so `mask < 0` would "
+            "binarise it; as a bias it maps to npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)")
 
 
 _CALLER_LINES = True  # tests switch it off to compare
 
 
-def caller_bias(module: ModuleInfo, scope: Scope, param: str) -> str | None:
-    """A call of this function in the same file (directly, ``self.<name>(...)``, or through HF's
-    ``attention_interface`` chosen from it) that passes a float bias for its parameter ``param``:
-    the near-miss reason, else None. The eager function itself only sees ``scores + attention_mask``;
-    what the callers hand it (Swin's relative_position_bias + mask, SAM's attention_similarity,
-    Parakeet's relative-position matrix_bd, Doge's dynamic mask) decides whether it is a 0/-inf mask."""
+def _module_attrs_of(module: ModuleInfo, class_name: str) -> tuple[str, ...]:
+    """The ``self.<attr>`` names this file assigns an instance of ``class_name`` to (``self.attn =
+    MptAttention(config)``): calling them calls that class's ``forward``. Read off the source text (one
+    regex per class asked about), not a walk of every class."""
+    table = module.__dict__.setdefault("_npufuse_module_attrs", {})
+    found = table.get(class_name)
+    if found is None:
+        pattern = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*" + re.escape(class_name) + r"\s*\(")
+        found = table[class_name] = tuple(sorted(set(pattern.findall(module.source))))
+    return found
+
+
+def caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -> str | None:
+    """Memoised :func:`_caller_bias` (one answer per function, parameter and depth in a module)."""
+    memo = module.__dict__.setdefault("_npufuse_caller_bias", {})
+    key = (id(scope.node), param, depth)
+    if key not in memo:
+        memo[key] = _caller_bias(module, scope, param, depth)
+    return memo[key]
+
+
+def _caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -> str | None:
+    """A call of this function in the same file (directly, ``self.<name>(...)``, through HF's
+    ``attention_interface`` chosen from it, or, for a module's ``forward``, through the attribute holding
+    the module) that passes a float bias for its parameter ``param``, followed up to two callers
+    deep through a parameter passed on unchanged: the near-miss reason, else None. The eager function
+    itself only sees ``scores + attention_mask``; what the callers hand it (Swin's relative_position_bias +
+    mask, MPT's ALiBi built by the model, Parakeet's relative-position matrix_bd) decides."""
     fn = scope.node
-    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > 1:
         return None
     names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     if param not in names:
         return None
     pos = names.index(param) - (1 if scope.class_name and names[0] == "self" else 0)
-    # a direct call names fn.name or attention_interface: only statements on such lines need
-    # walking (the calls found keep the walk's order); None: walk the callers whole
-    lines = lines_with(module, (fn.name, "attention_interface")) if _CALLER_LINES else None
+    if pos < 0:
+        return None
+    attrs = _module_attrs_of(module, scope.class_name) if fn.name == "forward" and scope.class_name else ()
+    # ``forward`` is called through the attribute holding the module, not by its name (every module
+    # has one: as a word it would select every scope)
+    words = ((fn.name,) if fn.name != "forward" else ()) + (("attention_interface",) if not scope.class_name else ()) + attrs
+    if not words:
+        return None
+    # a direct call names fn.name, attention_interface or a module attribute: only statements on such
+    # lines need walking (the calls found keep the walk's order); None: walk the callers whole
+    lines = lines_with(module, words) if _CALLER_LINES else None
     for caller in module.scopes:
-        if caller is scope or isinstance(caller.node, ast.Module) or fn.name not in scope_text(module, caller):
+        if caller is scope or isinstance(caller.node, ast.Module):
+            continue
+        if lines is not None:
+            # no line of this caller holds one of the words: nothing to look at (no text to build)
+            k = bisect.bisect_left(lines, caller.node.lineno)
+            if k == len(lines) or lines[k] > (caller.node.end_lineno or caller.node.lineno):
+                continue
+        text = scope_text(module, caller)
+        if not any(w in text for w in words):
             continue
         calls = caller.nodes().get(ast.Call, ()) if lines is None else calls_on_lines(caller.node, lines)
         for node in calls:  # the calls of fast_walk(caller.node), in order
             f = node.func
-            direct = (isinstance(f, ast.Name) and f.id in (fn.name, "attention_interface")) or (
-                isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) and f.value.id == "self")
+            # attention_interface stands for an eager module-level function (HF's dispatch), never a method
+            direct = (isinstance(f, ast.Name) and f.id in words and f.id not in attrs) or (
+                isinstance(f, ast.Attribute) and f.attr in words and isinstance(f.value, ast.Name) and f.value.id == "self")
             if not direct:
                 continue
             arg = keyword(node, param, pos)
             if arg is None or isinstance(arg, ast.Constant):
                 continue
-            found = _bias_evidence(caller, arg, node.lineno)
+            found = graded_evidence(module, caller, arg, node.lineno)
             if found:
                 return (f"a caller (`{caller.qualname}`, line {node.lineno}) passes `{segment(module, arg)[:40]}` as `{param}`: "
-                        f"a float bias (`{found}`), not a 0/-inf mask; `mask < 0` would binarise it, and as a bias it maps to "
+                        f"a float bias (built from {found}), not a 0/-inf mask; `mask < 0` would binarise it, and as a bias it maps to "
                         "npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)")
+            # handed on unchanged from the caller's own parameter: ask the caller's callers
+            if isinstance(arg, ast.Name) and arg.id in caller.args and not caller.assignments.get(arg.id):
+                found = caller_bias(module, caller, arg.id, depth + 1)
+                if found:
+                    return found
     return None
 
 
@@ -1682,7 +2093,7 @@ class AttentionPattern(Pattern):
         if "softmax" not in text.lower() or not ("@" in text or "matmul" in text or "bmm" in text or "einsum" in text):
             return
         blocks: dict[int, list[ast.stmt]] = {}
-        anchors: dict[int, list[tuple[ast.AST, tuple[Any, Any, str]]]] = {}
+        anchors: dict[int, list[tuple[ast.AST, Product]]] = {}
         for block, _i, stmt in scope.statements():
             found = self._anchors(module, stmt)
             if found:
@@ -1696,7 +2107,7 @@ class AttentionPattern(Pattern):
                     if res is not None:
                         yield res
 
-    def _anchors(self, module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.AST, tuple[Any, Any, str]]]:
+    def _anchors(self, module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.AST, Product]]:
         if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
             return []
         text = segment(module, stmt)
@@ -1704,22 +2115,17 @@ class AttentionPattern(Pattern):
             return []
         out = []
         for node in fast_walk(stmt):
-            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-                out.append((node, (node.left, node.right, "@")))
-            elif isinstance(node, ast.Call):
-                name = module.call_name(node)
-                if name in MATMULS and len(node.args) == 2:
-                    out.append((node, (node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul")))
-                elif name == "torch.einsum" and len(node.args) == 3:
-                    out.append((node, (node.args[1], node.args[2], "einsum")))
-                elif name == "torch.einsum" and len(node.args) == 2 and _pair(node.args[1]):
-                    out.append((node, (node.args[1].elts[0], node.args[1].elts[1], "einsum")))
+            if isinstance(node, (ast.BinOp, ast.Call)):
+                prod = product(node, module.call_name)
+                if prod is not None:
+                    out.append((node, prod))
         return out
 
-    def _site(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, e: int, stmt: ast.stmt, node: ast.AST, pv: tuple[Any, Any, str]) -> Result | None:
-        matcher = _Matcher(module, scope, interp)
+    def _site(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, e: int, stmt: ast.stmt, node: ast.AST, pv: Product) -> Result | None:
+        matcher = _Matcher(module, scope, interp, interp.block[0].lineno)
         env = interp.before[e]
-        sym_pv = (interp.sym(pv[0], env), interp.sym(pv[1], env), pv[2])
+        sym_pv = Product(interp.sym(pv.a, env), interp.sym(pv.b, env), pv.kind, pv.subs,
+                         interp.sym(pv.alpha, env) if pv.alpha is not None else None, pv.spec)
         line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
         try:
             chain = matcher.match(sym_pv, node)
@@ -1770,32 +2176,61 @@ class AttentionPattern(Pattern):
                 r.text(chain.dropout_cond[0])
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+        if chain.k.heads_added != chain.v.heads_added:
+            return NearMiss(self.id, scope.qualname, span_line, end_line,
+                            "keys and values differ in heads (one is shared by every head, the other is not): npu_fusion_attention takes one kv head count")
         if (chain.k.repeat is None) != (chain.v.repeat is None):
             return NearMiss(self.id, scope.qualname, span_line, end_line, "keys and values are not repeated alike (GQA on one of them only)")
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
-            for tag, op, text in (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t)):
-                rank = static_rank(scope, op.leaf, block[0].lineno)
-                if rank is not None and rank != 4:
+            operands = (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t))
+            ranks = [static_rank(scope, op.leaf, block[0].lineno) for _t, op, _x in operands]
+            # 5-D [B, N, W, S, D] (Hiera's windows): every leading dim is a batch dim of the matmuls, so the
+            # first two fold into one; a mask would have to be folded alike, which npufuse does not do
+            if ranks == [3, 3, 3] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
+                    and chain.out_layout == "BNSD":
+                # single-head [B, S, D] attention written with @ / matmul: the 3-D path (one head) takes it
+                for _t, op, _x in operands:
+                    op.layout = "3D"
+                chain.out_layout = "3D"
+                ranks = [None, None, None]
+            folded = ranks == [5, 5, 5] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
+                and (not chain.masks or sole_causal)
+            for (tag, op, text), rank in zip(operands, ranks):
+                if not folded and rank is not None and rank != (3 if op.heads_added else 4):
+                    extra = " (a mask beside 5-D q/k/v is not folded)" if rank == 5 and chain.masks else ""
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{tag} (`{text[:30]}`) is {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] / [B,S,N,D] "
-                                    "tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads)")
+                                    f"tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads){extra}")
+        else:
+            folded = False
         lines: list[str] = []
         # statements of the span that are not attention steps
         steps = chain.seen | r.consumed
+        # a statement inlined into the fused call's inputs (``output_size = (v.size(1), ...)``) whose names are
+        # read after the site too is kept: the fused branch runs it as the original does
+        kept = {j for j in r.consumed - chain.seen if s <= j < e and isinstance(block[j], ast.Assign)
+                and not _heavy(interp.sym(block[j].value, interp.before[j]), through_meta=False)
+                and any(scope.uses_after(name, end_line) for name in interp.assigned[j]) and not interp.assigned[j] & r.emitted}
         internal: set[str] = set()
         for j in range(s, e):
-            if j in steps:
+            if j in steps and j not in kept:
                 internal |= interp.assigned[j]
         for j in range(s, e):
-            if j in steps:
+            if j in steps and j not in kept:
                 continue
             other = block[j]
+            # names assigned by earlier steps only: a later step's rebinding is not what this statement reads
+            internal_here = set().union(*(interp.assigned[i] for i in range(s, j) if i in steps and i not in kept))
             reads = {n.id for n in fast_walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-            if reads & internal:
+            reads_internal = reads & internal_here
+            if reads_internal and self._meta_only(other, reads_internal) and not any(
+                    scope.uses_after(name, end_line) for name in interp.assigned[j]) and not interp.assigned[j] & r.emitted:
+                continue  # ``dtype = scores.dtype`` read by a cast step only: nothing of it is needed on the fused branch
+            if reads_internal:
                 if _is_check(other):
                     continue  # a shape assert on an intermediate: the fused op checks shapes itself
-                used = sorted(reads & internal)
+                used = sorted(reads_internal)
                 probs = [n for n in used if id(interp.before[j].get(n)) in chain.probs_objs]
                 if probs:
                     return NearMiss(
@@ -1804,7 +2239,7 @@ class AttentionPattern(Pattern):
                     )
                 return NearMiss(
                     self.id, scope.qualname, span_line, end_line,
-                    f"line {other.lineno} between the attention steps uses intermediate `{sorted(reads & internal)[0]}`",
+                    f"line {other.lineno} between the attention steps uses intermediate `{used[0]}`",
                 )
             if interp.assigned[j] & r.emitted:
                 return NearMiss(
@@ -1847,6 +2282,10 @@ class AttentionPattern(Pattern):
             return var
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
+        if chain.k.heads_added:
+            # one kv head for every query head (multi-query): the op's GQA takes N_kv = 1
+            k_n, v_n = (f"{atom(x)}.unsqueeze({1 if op.layout == 'BNSD' else 2})" for x, op in ((k_n, chain.k), (v_n, chain.v)))
+            chain.notes.append("k/v are 3-D [B, S, D] shared by every query head (multi-query): passed with a head axis of 1, which npu_fusion_attention groups onto all query heads")
         # GPT-Neo keeps q/k in fp32 while v (and the output) stay in the model dtype: the op needs one dtype
         cast_v = _upcast(chain.q.leaf) and _upcast(chain.k.leaf) and not _upcast(chain.v.leaf)
         if cast_v:
@@ -1865,6 +2304,12 @@ class AttentionPattern(Pattern):
             if chain.k_transposed or chain.v_transposed:
                 chain.notes.append("channel-first attention (k and/or v laid out [B, D, S], output of bmm(v, Pᵀ) [B, D, Sq]): "
                                    "the fused call takes [B, 1, S, D] views and the result is transposed back")
+        elif folded:
+            layout = "BNSD"
+            q_a, k_a, v_a = (f"{atom(x)}.flatten(0, 1)" for x in (q_n, k_n, v_n))
+            head_num, sq = f"{atom(q_n)}.shape[2]", f"{atom(q_n)}.shape[3]"
+            chain.notes.append("q/k/v are 5-D [B, N, W, S, D] (the matmuls broadcast over the leading dims): the first two dims are "
+                               "folded into one for the 4-D call and unfolded from its result")
         elif len(layouts) == 1:
             layout = chain.q.layout
             q_a, k_a, v_a = q_n, k_n, v_n
@@ -1915,7 +2360,13 @@ class AttentionPattern(Pattern):
                     value_check = " and ".join(checks) if len(checks) == 1 else " and ".join(f"({c})" for c in checks)
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 lines += mask_lines
-                if not all(m.causal for m in chain.masks):
+                if chain.heads_in_batch:
+                    # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
+                    sk = f"{atom(k_3)}.shape[1]"
+                    guard = "_npufuse_mask is not None and " if maybe_none else ""
+                    lines += [f"if {guard}_npufuse_mask.dim() == 4:",
+                              f"    _npufuse_mask = _npufuse_mask.expand(_npufuse_mask.shape[0], {atom(q_n)}.shape[0] // _npufuse_mask.shape[0], {sq}, {sk}).reshape(-1, 1, {sq}, {sk})"]
+                elif not all(m.causal for m in chain.masks):
                     lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
                 kinds = {m.kind for m in chain.masks}
@@ -1927,6 +2378,17 @@ class AttentionPattern(Pattern):
                 if any(m.causal for m in chain.masks):
                     chain.notes.append("the causal mask is passed explicitly (sparse_mode 0): it is combined with another mask or conditional")
             test_texts = [r.text(m.cond) for m in chain.masks if m.cond is not None]
+            if chain.excluded:
+                # the fused call runs where none of the excluded branches (soft-capping) is taken
+                skip = [atom(t) if neg else f"not {atom(t)}" for t, neg in ((r.text(x[0]), x[1]) for x in chain.excluded)]
+                if value_check is not None:
+                    skip.append(value_check)
+                value_check = " and ".join(skip) if len(skip) == 1 else " and ".join(f"({c})" for c in skip)
+                value_split = 0
+                for test, neg, step in chain.excluded:
+                    risks.append(Risk("other", f"`{step}` on the scores when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
+                                               "equivalent: the fused call runs only where that branch is not taken; where it is "
+                                               "(soft-capped models such as Gemma 2), the original code runs"))
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         kwargs.append(("scale", scale))
@@ -1959,7 +2421,9 @@ class AttentionPattern(Pattern):
         if cast_v:
             call = f"{call}.to({out_dtype})"
         if three_d:
-            call = f"{call}.squeeze(1)" + (".transpose(1, 2)" if chain.v_transposed else "")  # bmm(v, Pᵀ) is [B, D, Sq]
+            call = f"{call}.squeeze(1)" + (".transpose(1, 2)" if chain.out_transposed else "")  # bmm(v, Pᵀ) is [B, D, Sq]
+        if folded:
+            call = f"{call}.unflatten(0, {atom(q_n)}.shape[:2])"
         if layout != chain.out_layout and not three_d:
             call = f"{call}.transpose(1, 2)"
         for name in none_probs:
@@ -1993,7 +2457,7 @@ class AttentionPattern(Pattern):
             params["softmax_dtype"] = chain.softmax_dtype
         if d is None:
             chain.notes.append("head_dim is not a literal here: npu_fusion_attention needs D ≤ 768 (fused kernels prefer multiples of 16)")
-        if not three_d:
+        if not three_d and not folded:
             risks.append(Risk("layout", "q/k/v are taken as 4-D (the eager matmuls accept any rank; a windowed 5-D input would be rejected by the op)"))
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         variant = "+".join(dict.fromkeys(chain.spelling)) + (f"+gqa" if gqa else "") + (f"+{mask_kind}" if mask_kind != "none" else "")
@@ -2002,6 +2466,18 @@ class AttentionPattern(Pattern):
             fused="\n".join(lines), guard_tensor=self._guard(q_t), confidence=chain.confidence,
             variant=variant, risks=risks, notes=chain.notes,
         )
+
+    @staticmethod
+    def _meta_only(stmt: ast.stmt, names: set[str]) -> bool:
+        """Every read of ``names`` in ``stmt`` is a metadata read (``x.dtype``, ``x.shape``, ``x.size()``)."""
+        meta_ids = set()
+        for n in fast_walk(stmt):
+            if is_meta(n):
+                base = n.value if isinstance(n, ast.Attribute) else n.func.value
+                if isinstance(base, ast.Name):
+                    meta_ids.add(id(base))
+        return isinstance(stmt, ast.Assign) and all(
+            id(n) in meta_ids for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in names)
 
     @staticmethod
     def _guard(q_text: str) -> str:
@@ -2641,11 +3117,20 @@ import torch
 import torch.nn.functional as F
 
 
+def build_alibi(n_heads, s):
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / n_heads) for h in range(n_heads)])
+    return slopes[:, None, None] * -(torch.arange(s)[None, :] - torch.arange(s)[:, None]).abs()
+
+
 def alibi_attention(q, k, v, alibi, scale):
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = scores + alibi
     probs = F.softmax(scores, dim=-1)
     return torch.matmul(probs, v)
+
+
+def block(q, k, v):
+    return alibi_attention(q, k, v, build_alibi(q.shape[1], q.shape[2]), 0.125)
 ''',
         reason="float bias",
     ),
@@ -2893,6 +3378,10 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 class WindowAttention(nn.Module):
+    def __init__(self, window=7, heads=4):
+        super().__init__()
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, heads))
+
     def forward(self, query, key, value, attention_mask=None):
         relative_position_bias = self.relative_position_bias_table[self.index].permute(2, 0, 1).unsqueeze(0)
         combined_mask = relative_position_bias if attention_mask is None else relative_position_bias + attention_mask
@@ -2901,10 +3390,12 @@ class WindowAttention(nn.Module):
 ''',
         reason="float bias",
     ),
-    Keep(
-        name="hiera_mask_unit_attention_5d",
-        # Hiera: q/k/v [B, heads, windows, tokens, D] (5-D): the matmuls broadcast, the op does not
-        code='''
+]
+
+
+
+# examples for issue 14, class 3: attention spelled outside Hugging Face's idiom
+_HIERA = """
 import torch
 from torch import nn
 
@@ -2916,15 +3407,443 @@ class MaskUnitAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv = nn.Linear(dim, 3 * dim)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, mask=None):
         batch_size, seq_len, _ = hidden_states.shape
         qkv = self.qkv(hidden_states).reshape(batch_size, seq_len // self.windows, self.windows, 3, self.heads, self.head_dim)
         qkv = qkv.permute(3, 0, 4, 2, 1, 5)
         query, key, value = qkv.unbind(0)
         attn_weights = (query * self.scale) @ key.transpose(-1, -2)
+        MASK
         attn_weights = attn_weights.softmax(dim=-1)
         return attn_weights @ value
-''',
-        reason="is 5-D",
+"""
+
+AttentionPattern.FUSE += [
+    Fuse(
+        name="hiera_5d_folded",
+        # Hiera: q/k/v [B, heads, windows, tokens, D]; the matmuls broadcast over the leading dims, the
+        # fused call gets [B*heads, windows, tokens, D] and its result is unfolded
+        code=_HIERA.replace("MASK", "pass"),
+        expect={"layout": "BNSD", "mask_kind": "none", "scale": "self.scale"},
+        run="""
+m = MaskUnitAttention()
+x = torch.randn(2, 8, 64, requires_grad=True)
+out = m(x)
+leaves = [x, m.qkv.weight]
+""",
+    ),
+    Fuse(
+        name="palm_multi_query_einsum",
+        # PaLM: one key/value head shared by every query head, einsum "b h i d, b j d -> b h i j",
+        # a bool causal mask from a method filled with -finfo.max
+        code="""
+import torch
+from torch import einsum, nn
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, heads=4, dim_head=16):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+
+    def get_mask(self, n, device):
+        return torch.ones((n, n), device=device, dtype=torch.bool).triu(1)
+
+    def forward(self, q, k, v):
+        n, device = q.shape[2], q.device
+        q = q * self.scale
+        sim = einsum("b h i d, b j d -> b h i j", q, k)
+        causal_mask = self.get_mask(n, device)
+        sim = sim.masked_fill(causal_mask, -torch.finfo(sim.dtype).max)
+        attn = sim.softmax(dim=-1)
+        out = einsum("b h i j, b j d -> b h i d", attn, v)
+        return out
+""",
+        expect={"layout": "BNSD", "mask_kind": "bool_masked", "scale": "self.scale", "variant": "softmax+einsum+bool_masked"},
+        run="""
+m = ParallelBlock()
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 8, 16, requires_grad=True)
+v = torch.randn(2, 8, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="fstring_einsum_key_first_bsnd",
+        # lucidrains' f-string equations, the key written first, q/k/v [B, S, N, D]
+        code="""
+import torch
+from torch import nn
+
+
+class Attend(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.attn_dropout = nn.Dropout(dropout)
+
+    def forward(self, q, k, v):
+        scale = q.shape[-1] ** -0.5
+        sim = torch.einsum(f"b j h d, b i h d -> b h i j", k, q) * scale
+        attn = sim.softmax(dim=-1)
+        attn = self.attn_dropout(attn)
+        return torch.einsum(f"b h i j, b j h d -> b i h d", attn, v)
+""",
+        expect={"layout": "BSND", "output_layout": "BSND", "q": "q", "k": "k", "dropout": "self.attn_dropout.p"},
+        run="""
+m = Attend().eval()
+q = torch.randn(2, 6, 4, 16, requires_grad=True)
+k = torch.randn(2, 10, 4, 16, requires_grad=True)
+v = torch.randn(2, 10, 4, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="single_head_einsum_channel_first",
+        # UNet / LDM SpatialSelfAttention: one head, q [B, HW, C], k and v channel-first [B, C, HW],
+        # the probabilities transposed before einsum(v, Pᵀ) -> [B, C, HW]
+        code="""
+import torch
+from torch import nn
+
+
+class SpatialSelfAttention(nn.Module):
+    def __init__(self, channels=16):
+        super().__init__()
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.k = nn.Conv2d(channels, channels, 1)
+        self.v = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        b, c, h, w = q.shape
+        q = q.reshape(b, c, h * w).permute(0, 2, 1)
+        k = k.reshape(b, c, h * w)
+        w_ = torch.einsum("bij,bjk->bik", q, k)
+        w_ = w_ * (int(c) ** (-0.5))
+        w_ = torch.nn.functional.softmax(w_, dim=2)
+        v = v.reshape(b, c, h * w)
+        w_ = w_.permute(0, 2, 1)
+        h_ = torch.einsum("bij,bjk->bik", v, w_)
+        return x + h_.reshape(b, c, h, w)
+""",
+        expect={"output_layout": "3D", "scale": "int(c) ** (-0.5)", "mask_kind": "none"},
+        run="""
+m = SpatialSelfAttention()
+x = torch.randn(2, 16, 4, 4, requires_grad=True)
+out = m(x)
+leaves = [x, m.q.weight, m.v.weight]
+""",
+    ),
+    Fuse(
+        name="megatron_baddbmm_3d",
+        # Megatron / gpt-neox: scores = baddbmm(empty, q, kᵀ, beta=0, alpha=1/norm_factor) on [B*N, S, D]
+        code="""
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CoreAttention(nn.Module):
+    def __init__(self, head_dim=16, p=0.0):
+        super().__init__()
+        self.norm_factor = math.sqrt(head_dim)
+        self.attention_dropout = nn.Dropout(p)
+
+    def forward(self, query_layer, key_layer, value_layer):
+        matmul_result = torch.empty(query_layer.shape[0], query_layer.shape[1], key_layer.shape[1], dtype=query_layer.dtype, device=query_layer.device)
+        matmul_result = torch.baddbmm(matmul_result, query_layer, key_layer.transpose(1, 2), beta=0.0, alpha=(1.0 / self.norm_factor))
+        attention_probs = F.softmax(matmul_result, dim=-1)
+        attention_probs = self.attention_dropout(attention_probs)
+        return torch.bmm(attention_probs, value_layer)
+""",
+        expect={"scale": "1.0 / self.norm_factor", "layout": "3D (bmm) -> BNSD with N=1", "variant": "softmax+bmm"},
+        run="""
+m = CoreAttention().eval()
+q = torch.randn(8, 6, 16, requires_grad=True)
+k = torch.randn(8, 6, 16, requires_grad=True)
+v = torch.randn(8, 6, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="gemma_optional_softcap_guarded",
+        # gemma_pytorch: soft-capping only when configured: fused where it is not, the original code where it is
+        code="""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, softcap=None):
+        super().__init__()
+        self.scaling = 16 ** -0.5
+        self.attn_logit_softcapping = softcap
+
+    def forward(self, xq, key, value, mask):
+        q = xq.transpose(1, 2)
+        k = key.transpose(1, 2)
+        v = value.transpose(1, 2)
+        q.mul_(self.scaling)
+        scores = torch.matmul(q, k.transpose(2, 3))
+        if self.attn_logit_softcapping is not None:
+            scores = scores / self.attn_logit_softcapping
+            scores = torch.tanh(scores)
+            scores = scores * self.attn_logit_softcapping
+        scores = scores + mask
+        scores = F.softmax(scores.float(), dim=-1).type_as(q)
+        output = torch.matmul(scores, v)
+        return output
+""",
+        expect={"layout": "BSND", "mask_kind": "additive_float", "mask_values_checked": True},
+        run="""
+m = GemmaAttention()
+q = torch.randn(2, 8, 4, 16, requires_grad=True)
+k = torch.randn(2, 8, 4, 16, requires_grad=True)
+v = torch.randn(2, 8, 4, 16, requires_grad=True)
+mask = torch.full((8, 8), -2.3819763e38).triu(1)[None, None]
+out = m(q * 1, k * 1, v * 1, mask)  # q.mul_ writes into a view of its input: not a leaf
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="bool_or_float_mask_branches",
+        # one function taking a bool keep-mask or an additive float mask, chosen by dtype at run time
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, mask=None):
+    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    attn = F.softmax(scores, dim=-1)
+    return torch.matmul(attn, v)
+""",
+        expect={"mask_kind": "additive_float+bool_masked", "mask_values_checked": True},
+        run="""
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+keep = torch.ones(8, 8, dtype=torch.bool).tril()
+out = [attend(q, k, v, keep), attend(q, k, v, torch.zeros(8, 8).masked_fill(~keep, float("-inf"))), attend(q, k, v)]
+leaves = [q, k, v]
+""",
+    ),
+]
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="single_head_3d_matmul_causal",
+        # one attention head on [B, T, D] written with @ (Karpathy's lecture "Head"): the 3-D path, 2-D tril buffer
+        code="""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Head(nn.Module):
+    def __init__(self, n_embd=32, head_size=16, block_size=16, dropout=0.0):
+        super().__init__()
+        self.key = nn.Linear(n_embd, head_size, bias=False)
+        self.query = nn.Linear(n_embd, head_size, bias=False)
+        self.value = nn.Linear(n_embd, head_size, bias=False)
+        self.register_buffer("tril", torch.tril(torch.ones(block_size, block_size)))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        k = self.key(x).view(B, T, -1)
+        q = self.query(x).view(B, T, -1)
+        wei = q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5
+        wei = wei.masked_fill(self.tril[:T, :T] == 0, float("-inf"))
+        wei = F.softmax(wei, dim=-1)
+        wei = self.dropout(wei)
+        v = self.value(x).view(B, T, -1)
+        out = wei @ v
+        return out
+""",
+        expect={"layout": "3D (bmm) -> BNSD with N=1", "mask_kind": "causal", "sparse_mode": 2},
+        run="""
+m = Head().eval()
+x = torch.randn(2, 12, 32, requires_grad=True)
+out = m(x)
+leaves = [x, m.query.weight, m.value.weight]
+""",
+    )
+)
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="chatglm_baddbmm_heads_in_batch",
+        # ChatGLM-6B / Megatron core attention: [sq, b, np, hn] viewed as [b*np, sq, hn], baddbmm scores viewed
+        # 4-D for the mask, softmax in fp32, probs viewed back to 3-D for the bmm with v
+        code="""
+import math
+import torch
+import torch.nn.functional as F
+
+
+def attention_fn(query_layer, key_layer, value_layer, attention_mask, layer_id, scaling_attention_score=True):
+    # [sq, b, np, hn]
+    seq_len, b, nh, hidden_size = key_layer.shape
+    query_key_layer_scaling_coeff = float(layer_id + 1)
+    if scaling_attention_score:
+        query_layer = query_layer / (math.sqrt(hidden_size) * query_key_layer_scaling_coeff)
+    output_size = (query_layer.size(1), query_layer.size(2), query_layer.size(0), key_layer.size(0))
+    query_layer = query_layer.view(output_size[2], output_size[0] * output_size[1], -1)
+    key_layer = key_layer.view(output_size[3], output_size[0] * output_size[1], -1)
+    matmul_result = torch.zeros(1, 1, 1, dtype=query_layer.dtype, device=query_layer.device)
+    matmul_result = torch.baddbmm(matmul_result, query_layer.transpose(0, 1), key_layer.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=1.0)
+    attention_scores = matmul_result.view(*output_size)
+    if not (attention_mask == 0).all():
+        attention_scores.masked_fill_(attention_mask, -10000.0)
+    dtype = attention_scores.dtype
+    attention_scores = attention_scores.float()
+    attention_scores = attention_scores * query_key_layer_scaling_coeff
+    attention_probs = F.softmax(attention_scores, dim=-1)
+    attention_probs = attention_probs.type(dtype)
+    output_size = (value_layer.size(1), value_layer.size(2), query_layer.size(0), value_layer.size(3))
+    value_layer = value_layer.view(value_layer.size(0), output_size[0] * output_size[1], -1)
+    attention_probs = attention_probs.view(output_size[0] * output_size[1], output_size[2], -1)
+    context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
+    context_layer = context_layer.view(*output_size)
+    context_layer = context_layer.permute(2, 0, 1, 3).contiguous()
+    return context_layer
+""",
+        expect={"mask_kind": "bool_masked", "scale": "query_key_layer_scaling_coeff * 1.0", "layout": "3D (bmm) -> BNSD with N=1"},
+        run="""
+q = torch.randn(6, 2, 4, 16, requires_grad=True)
+k = torch.randn(6, 2, 4, 16, requires_grad=True)
+v = torch.randn(6, 2, 4, 16, requires_grad=True)
+mask = torch.ones(6, 6, dtype=torch.bool).triu(1)[None, None].expand(2, 1, 6, 6)
+out = attention_fn(q, k, v, mask, layer_id=3)
+leaves = [q, k, v]
+""",
+    )
+)
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="lucidrains_stable_softmax_padding_mask",
+        # lucidrains: the row max subtracted before softmax, a [B, J] keep mask rearranged to [B, 1, 1, J]
+        code="""
+import torch
+from torch import einsum
+
+
+def attend(q, k, v, mask, scale):
+    sim = einsum("b h i d, b h j d -> b h i j", q, k) * scale
+    mask = mask[:, None, None, :]
+    sim = sim.masked_fill(~mask, -torch.finfo(sim.dtype).max)
+    sim = sim - sim.amax(dim=-1, keepdim=True).detach()
+    attn = sim.softmax(dim=-1)
+    return einsum("b h i j, b h j d -> b h i d", attn, v)
+""",
+        expect={"mask_kind": "bool_masked", "scale": "scale"},
+        run="""
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+keep = torch.ones(2, 8, dtype=torch.bool)
+keep[0, 5:] = False
+out = attend(q, k, v, keep, 0.25)
+leaves = [q, k, v]
+""",
+    )
+)
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="hiera_5d_with_mask",
+        # 5-D q/k/v with a mask: the fold would have to reshape the mask alike
+        code=_HIERA.replace("MASK", "attn_weights = attn_weights + mask"),
+        reason="a mask beside 5-D q/k/v is not folded",
+    ),
+    Keep(
+        name="megatron_softmax_module",
+        # gpt-neox gMLP TinyAttention: the scores go through a FusedScaleMaskSoftmax module of another file
+        code="""
+import torch
+from torch import nn
+from megatron.model.fused_softmax import FusedScaleMaskSoftmax
+
+
+class TinyAttention(nn.Module):
+    def __init__(self, d_attn=64, mask_fn=None):
+        super().__init__()
+        self.scale = d_attn ** -0.5
+        self.softmax = FusedScaleMaskSoftmax(input_in_fp16=False, mask_func=mask_fn, scale=None)
+
+    def forward(self, q, k, v, attention_mask):
+        w = torch.einsum("bnd,bmd->bnm", q, k).unsqueeze(1) * self.scale
+        a = self.softmax(w, mask=attention_mask[..., : w.size(-2), : w.size(-1)]).squeeze(1)
+        return torch.einsum("bnm,bmd->bnd", a, v)
+""",
+        reason="defined outside this file",
+    ),
+    Keep(
+        name="einsum_scores_heads_after_queries",
+        # DeepSeek-V3's naive MLA path lays the scores out [B, Sq, N, Skv]: masks and softmax live in that layout
+        code="""
+import torch
+
+
+def mla_naive(q, k, v, mask, softmax_scale):
+    scores = torch.einsum("bshd,bthd->bsht", q, k) * softmax_scale
+    scores = scores + mask.unsqueeze(1)
+    scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
+    return torch.einsum("bsht,bthd->bshd", scores, v)
+""",
+        reason="layouts other than BNSD/BSND",
+    ),
+    Keep(
+        name="multi_query_key_only",
+        # a key shared by the heads beside a value with its own heads: the op takes one kv head count
+        code="""
+import torch
+
+
+def odd(q, k, v):
+    sim = torch.einsum("bhid,bjd->bhij", q, k) * 0.25
+    attn = sim.softmax(dim=-1)
+    return torch.einsum("bhij,bhjd->bhid", attn, v)
+""",
+        reason="keys and values differ in heads",
+    ),
+    Keep(
+        name="baddbmm_adds_a_bias",
+        # baddbmm with beta=1 adds its first argument (a bias) to the product: not the beta=0 scores
+        code="""
+import torch
+
+
+def biased(bias, q, k, v):
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=0.125)
+    return torch.bmm(scores.softmax(dim=-1), v)
+""",
+        reason="`baddbmm` adds its input to the scores",
+    ),
+    Keep(
+        name="unconditional_softcap_module_style",
+        # Grok / Gemma 2 style capping applied always: no run-time guard can skip it
+        code="""
+import torch
+
+
+def capped(q, k, v, cap=30.0):
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * 0.125
+    s = cap * torch.tanh(s / cap)
+    return torch.einsum("bhij,bhjd->bhid", s.softmax(dim=-1), v)
+""",
+        reason="soft-capping",
     ),
 ]

@@ -31,9 +31,10 @@ import ast
 from typing import Any, Iterable
 
 from npufuse.patterns.attention import (
-    _BIAS_WORDS,
     VALUE_CHECK_RISK,
     additive_mask_exact,
+    bias_reason,
+    graded_evidence,
     atom,
     checked_body,
     attention_value,
@@ -170,11 +171,9 @@ class SdpaPattern(Pattern):
         sparse: str | None = None
         if mask is not None:
             kind = self._mask_kind(module, scope, mask)
-            if kind == "bias":
-                return miss(
-                    f"`{segment(module, mask)}` passed as attn_mask looks like a float bias (ALiBi / position bias): it maps "
-                    "to npu_fusion_attention's `pse`, whose scaling placement is UNCERTAIN in torch_npu 2.14 (spec §14)"
-                )
+            evidence = graded_evidence(module, scope, mask, getattr(mask, "lineno", 10**9)) if kind != "bool" else None
+            if evidence:
+                return miss(f"attn_mask: {bias_reason(segment(module, mask), evidence)}")
             m_src = segment(module, mask)
             maybe_none = not self._certainly_tensor(scope, mask, block)
             if kind in ("float_unverified", "unknown"):
@@ -282,13 +281,9 @@ class SdpaPattern(Pattern):
     # -- helpers ----------------------------------------------------------------------------------
     def _mask_kind(self, module: ModuleInfo, scope: Scope, mask: ast.expr) -> str:
         """bool | float | bias | unknown, from how the mask is built in this function."""
-        names = {n.id.lower() for n in fast_walk(mask) if isinstance(n, ast.Name)} | {n.attr.lower() for n in fast_walk(mask) if isinstance(n, ast.Attribute)}
+        # a bias (graded values) is told by graded_evidence, from the dataflow; here the dtype and, for
+        # floats, whether the values are visibly 0/-inf
         node = _resolve(scope, mask)
-        names |= {n.id.lower() for n in fast_walk(node) if isinstance(n, ast.Name)}
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and not any(isinstance(x, ast.Constant) for x in (node.left, node.right)):
-            return "bias"
-        if any(w in n for n in names for w in _BIAS_WORDS) and not any("mask" in n for n in names):
-            return "bias"
         for _ in range(8):
             if isinstance(node, ast.Compare) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Invert, ast.Not))):
                 return "bool"
@@ -682,11 +677,20 @@ def both(q, k, v, pad_mask):
     Keep(
         name="t5_position_bias",
         code='''
+import torch
 import torch.nn.functional as F
+from torch import nn
 
 
-def t5_sdpa(q, k, v, position_bias):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=position_bias, scale=1.0)
+class T5Attention(nn.Module):
+    # the bias comes from a learned table (nn.Embedding): graded values, whatever it is called
+    def __init__(self, buckets=32, heads=4):
+        super().__init__()
+        self.relative_attention_bias = nn.Embedding(buckets, heads)
+
+    def forward(self, q, k, v, buckets):
+        values = self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=values, scale=1.0)
 ''',
         reason="float bias",
     ),

@@ -577,3 +577,135 @@ def lane_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
     if h is not None:
         return Lane(h.source, h.index, "halves", h.spelling)
     return None
+
+# --- attention: products as matmuls with a layout ---
+# ``a @ b``, ``torch.matmul``/``bmm`` (function or method), a two-operand ``torch.einsum`` and
+# ``torch.baddbmm(x, a, b, beta=0, alpha=s)`` (Megatron's scores: x is ignored when beta is 0) are
+# one thing to a detector: a batched product of a and b, with einsum's subscripts saying which axes
+# are batch, which are contracted and in which order the result comes out, and baddbmm's alpha a
+# scale on it. The callee's name is resolved by the caller (a detector reading symbolic values has
+# its own resolver), so this stays a pure function of the nodes.
+
+from typing import Callable  # noqa: E402  (this block's own import: appended blocks merge independently)
+
+MATMUL_NAMES = ("torch.matmul", "torch.bmm")
+
+
+def einsum_subscripts(node: ast.AST | None) -> tuple[str, str, str] | None:
+    """(a, b, out) of a two-operand einsum equation written as a string literal (or an f-string
+    without placeholders, lucidrains' ``f"b h i d, b h j d -> b h i j"``); spaces dropped, a
+    leading ``...`` read as two batch axes (``"BH"``); None for anything else (implicit output,
+    three operands, placeholders)."""
+    if isinstance(node, ast.JoinedStr):
+        if not all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in node.values):
+            return None
+        spec = "".join(v.value for v in node.values)  # type: ignore[union-attr]
+    else:
+        spec = const_value(node)  # type: ignore[assignment]
+    if not isinstance(spec, str) or "->" not in spec:
+        return None
+    spec = spec.replace(" ", "")
+    lhs, _, out = spec.partition("->")
+    ops = lhs.split(",")
+    if len(ops) != 2:
+        return None
+    subs = [s.replace("...", "BH") for s in (ops[0], ops[1], out)]
+    if not all(s.isalpha() and s.isascii() and len(set(s)) == len(s) for s in subs):
+        return None  # a repeated letter is a diagonal, not a product
+    return subs[0], subs[1], subs[2]
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """A two-operand einsum read as a batched matmul. Each letter is one of: ``batch`` (in a, b and
+    the output), ``a_free`` (a and the output), ``b_free`` (b and the output), ``summed`` (a and b,
+    not the output). Strings keep the letters in a's / b's order."""
+
+    a: str
+    b: str
+    out: str
+    batch: str
+    a_free: str
+    b_free: str
+    summed: str
+
+
+def contraction(subs: tuple[str, str, str] | None) -> Contraction | None:
+    """The roles of an einsum's letters; None when it is not a product of the two operands (a
+    letter summed over one operand only, an output letter in neither)."""
+    if subs is None:
+        return None
+    a, b, out = subs
+    if set(out) - set(a) - set(b):
+        return None
+    if (set(a) ^ set(b)) - set(out):
+        return None  # summed over one operand only: a reduction, not a matmul
+    return Contraction(
+        a, b, out,
+        batch="".join(c for c in a if c in b and c in out),
+        a_free="".join(c for c in a if c not in b and c in out),
+        b_free="".join(c for c in b if c not in a and c in out),
+        summed="".join(c for c in a if c in b and c not in out),
+    )
+
+
+@dataclass
+class Product:
+    """A batched product ``a · b`` as written. ``kind``: ``@`` | ``matmul`` | ``bmm`` | ``einsum`` |
+    ``baddbmm``; ``subs``: the einsum's letters (None: matmul semantics, contracting a's last axis
+    with b's second to last); ``alpha``: baddbmm's scale on the product (None: 1)."""
+
+    a: ast.expr
+    b: ast.expr
+    kind: str
+    subs: Contraction | None = None
+    alpha: ast.expr | None = None
+    spec: ast.expr | None = None  # the einsum equation node
+
+
+def product(node: ast.AST, callee: Callable[[ast.Call], str | None]) -> Product | None:
+    """``node`` as a :class:`Product`, or None. ``callee(call)`` gives a call's canonical dotted name
+    (``torch.einsum`` for ``from torch import einsum``); an einsum whose equation does not parse is
+    still a product (``subs`` None, ``spec`` set) so the detector can say why it stops there."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+        return Product(node.left, node.right, "@")
+    if not isinstance(node, ast.Call):
+        return None
+    name = callee(node)
+    if name in MATMUL_NAMES and len(node.args) == 2:
+        return Product(node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul")
+    if name == "torch.einsum":
+        if len(node.args) == 3:
+            a, b = node.args[1], node.args[2]
+        elif len(node.args) == 2 and isinstance(node.args[1], (ast.List, ast.Tuple)) and len(node.args[1].elts) == 2 \
+                and not any(isinstance(e, ast.Starred) for e in node.args[1].elts):
+            a, b = node.args[1].elts  # CvT: einsum(spec, [q, k])
+        else:
+            return None
+        return Product(a, b, "einsum", contraction(einsum_subscripts(node.args[0])), spec=node.args[0])
+    if name == "torch.baddbmm" and len(node.args) == 3 and const_value(_kw(node, "beta")) in (0, 0.0):
+        return Product(node.args[1], node.args[2], "baddbmm", alpha=_kw(node, "alpha"))
+    if isinstance(node.func, ast.Attribute) and name not in MATMUL_NAMES + ("torch.einsum", "torch.baddbmm"):
+        attr = node.func.attr
+        if attr in ("matmul", "bmm") and len(node.args) == 1 and not node.keywords:
+            return Product(node.func.value, node.args[0], attr)
+        if attr == "baddbmm" and len(node.args) == 2 and const_value(_kw(node, "beta")) in (0, 0.0):
+            return Product(node.args[0], node.args[1], "baddbmm", alpha=_kw(node, "alpha"))
+    return None
+
+
+def einops_permutation(pattern: ast.AST | None) -> tuple[int, ...] | None:
+    """The axis permutation an einops ``rearrange`` pattern performs when it only reorders axes
+    (``"b i j -> b j i"`` -> ``(0, 2, 1)``: a transpose); None for groupings, new or dropped axes."""
+    text = const_value(pattern)
+    if not isinstance(text, str) or text.count("->") != 1 or any(ch in text for ch in "()...1"):
+        return None
+    lhs, rhs = (side.split() for side in text.split("->"))
+    if len(set(lhs)) != len(lhs) or sorted(lhs) != sorted(rhs) or not all(x.isidentifier() for x in lhs):
+        return None
+    return tuple(lhs.index(x) for x in rhs)
+
+
+def swaps_last_two(perm: tuple[int, ...] | None) -> bool:
+    """The permutation exchanges the last two axes and keeps the others in place."""
+    return perm is not None and len(perm) >= 2 and perm == tuple(range(len(perm) - 2)) + (len(perm) - 1, len(perm) - 2)
