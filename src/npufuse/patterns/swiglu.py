@@ -539,6 +539,15 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                     equal = meth == "chunk"
                 else:
                     sv = const_value(size)
+                    if isinstance(size, (ast.List, ast.Tuple)) and len(size.elts) > 2 and not any(isinstance(e, ast.Starred) for e in size.elts) \
+                            and -len(size.elts) <= idx < len(size.elts):
+                        # one of 3+ sized parts (mamba2's in_proj split into z0, x0, z, xBC, dt): two parts
+                        # of one size can be the gate pair, taken as two operands concatenated; the
+                        # part's size (its key) is what the pairing compares
+                        # (the operands stay as written, so the split's statement need not join the
+                        # rewritten span: it may sit in an enclosing block, as in ``if d_mlp > 0:``)
+                        part = idx % len(size.elts)
+                        return (S.key(recv, bctx), recv, bctx, dim, part, "sized", (S.key(size.elts[part], bctx), ast.unparse(size.elts[part])))
                     if isinstance(size, (ast.List, ast.Tuple)):
                         if len(size.elts) != 2:
                             raise GateMiss("split into more than two parts")
@@ -737,6 +746,15 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
             raise GateMiss("gate or up is the last part of a chunk, which is shorter than the others when the size does "
                            "not divide evenly (the product then broadcasts; the fused op would split wrongly)")
         # two equal parts of one tensor: the fused op takes them concatenated (exact for any dim)
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0])
+    if sa is not None and sb is not None and "sized" in (sa[5], sb[5]):
+        if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
+            raise GateMiss("gate and up are not two parts of one split along one dim")
+        (ka, ta), (kb, tb_) = sa[6], sb[6]  # type: ignore[misc]
+        if ka != kb:
+            raise GateMiss(f"gate and up are split parts of sizes {ta} and {tb_}, not provably equal: the fused op "
+                           "halves its input, so act(a) * b must have two equal-width operands")
+        # two parts of one size: the fused op takes them concatenated (exact for any positions)
         return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0])
     if sa is not None and sb is not None and sa[0] == sb[0]:
         if sa[5] == "slice":
@@ -1938,4 +1956,51 @@ Swiglu.KEEP += [
     # the last of three chunks is shorter when the size does not divide by 3: the product broadcasts
     Keep(_THREE_WAY.replace("F.silu(a) * b + c", "F.silu(a) * c + b"), reason="last part of a chunk",
          name="gate_pair_with_the_last_chunk"),
+]
+
+
+# -- issue 14, class 6: gate pair from a split into 3+ sized parts (mamba2-style in_proj) ------
+
+_SIZED_SPLIT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SplitMixer(nn.Module):
+    def __init__(self, d, d_mlp, d_ssm, nheads):
+        super().__init__()
+        self.d_mlp, self.d_ssm, self.nheads = d_mlp, d_ssm, nheads
+        self.in_proj = nn.Linear(d, 2 * d_mlp + 2 * d_ssm + nheads)
+
+    def forward(self, u):
+        zxbcdt = self.in_proj(u)
+        d_mlp = self.d_mlp
+        z0, x0, z, xbc, dt = torch.split(zxbcdt, [d_mlp, d_mlp, self.d_ssm, self.d_ssm, self.nheads], dim=-1)
+        y = xbc * torch.sigmoid(dt.mean(-1, keepdim=True)) + z
+        if d_mlp > 0:
+            y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+        return y
+'''
+
+_RUN_SIZED_SPLIT = '''
+m = SplitMixer(16, {d_mlp}, 8, 4)
+u = torch.randn(2, 3, 16, requires_grad=True)
+out = m(u)
+leaves = [u, m.in_proj.weight]
+'''
+
+Swiglu.FUSE += [
+    # the gate pair is two parts of one size of a 5-way sized split; the product sits under an if
+    # (the split in the enclosing block stays as written: the operands are the parts themselves)
+    Fuse(_SIZED_SPLIT, run=_RUN_SIZED_SPLIT.format(d_mlp=12), name="gate_pair_from_sized_split_under_if"),
+]
+
+Swiglu.KEEP += [
+    # z (d_ssm wide) times x0 (d_mlp wide): two parts whose sizes are not provably equal
+    Keep(_SIZED_SPLIT.replace("F.silu(z0) * x0", "F.silu(z) * x0"), reason="not provably equal",
+         name="sized_split_parts_of_different_sizes"),
+    # y * silu(z): z is a split part but y is computed from others (an output gate, not a GLU)
+    Keep(_SIZED_SPLIT.replace("torch.cat([F.silu(z0) * x0, y], dim=-1)", "y * F.silu(z)"),
+         reason="not projections of one input", name="sized_split_part_gating_another_output"),
 ]
