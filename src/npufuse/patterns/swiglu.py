@@ -112,6 +112,8 @@ class Act:
     gelu_hint: bool = False  # config-chosen, but the code names it gelu (T5 "hidden_gelu")
     default: str | None = None  # config-chosen with a known default (an __init__ default class)
     kernels: int = 1  # eager kernels the activation launches (a hand-written formula: several)
+    moved: bool = False  # the activation's result is moved with .to(device=...) before the product
+    weak: bool = False  # only an imported builder's object: an activation only if the product's structure says so
 
 
 def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | None] | None:
@@ -244,9 +246,10 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         k = _module_act(module, f)
         if k is not None:
             return Act(k[0], gate, ctx, ast.unparse(f), obj=f, config_key=k[1] if k[0] == CONFIG else None, approx=k[1] if k[0] == GELU_DYN else None)
-    # self.act_fn(x): what __init__ assigned
+    # self.act_fn(x): what __init__ assigned (this class's, or an in-module base class's)
     if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-        init = S.init_assignments(module, ctx.scope.class_name)
+        cls_name = _assigning_class(module, ctx.scope.class_name, f.attr) or ctx.scope.class_name
+        init = S.init_assignments(module, cls_name)
         value = init.get(f.attr)
         if value is not None:
             desc = f"self.{f.attr} = {ast.unparse(value)}"
@@ -254,8 +257,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k is not None:
                 kind, extra = k
                 if kind == CONFIG:
-                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra), gelu_hint=_gelu_hint(f.attr, extra),
-                               default=_param_default_kind(module, ctx, extra, name_only=True))
+                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra, cls_name), gelu_hint=_gelu_hint(f.attr, extra),
+                               default=_param_default_kind(module, ctx, extra, name_only=True, cls_name=cls_name))
                 return Act(kind, gate, ctx, desc, obj=f, approx=extra if kind == GELU_DYN else None)
             if isinstance(value, ast.Call):
                 cname = dotted(value.func)
@@ -265,16 +268,22 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                         fwd = S.method(module, cname, "forward")
                         return Act(ck, gate, ctx, desc, obj=f, kernels=_formula_kernels(module, fwd) if fwd else 1)
                 # act_layer() with act_layer an __init__ parameter (timm): chosen by the caller
-                params = S.init_params(module, ctx.scope.class_name)
+                params = S.init_params(module, cls_name)
                 if isinstance(value.func, ast.Name) and value.func.id in params:
                     default = params[value.func.id]
                     dk = _module_act(module, ast.Call(func=default, args=[], keywords=[])) if default is not None else None
                     return Act(CONFIG, gate, ctx, desc, obj=f, default=dk[0] if dk else None, gelu_hint=_gelu_hint(f.attr, default))
-            if isinstance(value, ast.Name) and value.id in S.init_params(module, ctx.scope.class_name):
+            if isinstance(value, ast.Name) and value.id in S.init_params(module, cls_name):
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value),
-                           default=_param_default_kind(module, ctx, value, name_only=False))
+                           default=_param_default_kind(module, ctx, value, name_only=False, cls_name=cls_name))
             if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.functions:
                 return _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
+            if isinstance(value, ast.Call) and dotted(value.func) is not None and not (module.canonical(value.func) or "").startswith("torch.") \
+                    and (dotted(value.func) or "").split(".")[0] in module.aliases:
+                # `self.act = build_activation_layer(...)`: an object an imported builder makes from
+                # configuration; only run-time dispatch on the object can tell what it is
+                return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, None),
+                           default=_call_literal_kind(module, value), weak=True)
             if isinstance(value, ast.Attribute) and dotted(value) is not None and not (module.canonical(value) or "").startswith("torch."):
                 # `self.act = config.activation_func`: a callable handed in by configuration
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
@@ -305,21 +314,87 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
     return None
 
 
-def _param_default_kind(module: ModuleInfo, ctx: S.Ctx, node: ast.expr | None, name_only: bool) -> str | None:
+def _param_default_kind(module: ModuleInfo, ctx: S.Ctx, node: ast.expr | None, name_only: bool, cls_name: str | None = None) -> str | None:
     """The activation an ``__init__`` parameter's default names: ``activation=nn.GELU(...)`` /
     ``F.silu`` (an object), or ``hidden_act="gelu"`` (a key of an activation table: ``name_only``).
     Only which pattern reports the site follows from it; the fused code still dispatches at run
     time (a caller may pass another)."""
     if not isinstance(node, ast.Name):
         return None
-    default = S.init_params(module, ctx.scope.class_name).get(node.id)
+    default = S.init_params(module, cls_name or ctx.scope.class_name).get(node.id)
     if default is None:
         return None
     if name_only:
         v = const_value(default)
         return ACT_NAMES.get(v.lower()) if isinstance(v, str) else None
-    k = _module_act(module, default)
-    return k[0] if k is not None and k[0] != CONFIG else None
+    return _default_object_kind(module, default)
+
+
+def _module_value(module: ModuleInfo, name: str) -> ast.expr | None:
+    """The value of a module-level name assigned exactly once at the top level (a constant default)."""
+    found = [n.value for n in module.tree.body if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+    found += [n.value for n in module.tree.body if isinstance(n, ast.AnnAssign) and n.value is not None and isinstance(n.target, ast.Name) and n.target.id == name]
+    return found[0] if len(found) == 1 else None
+
+
+def _default_object_kind(module: ModuleInfo, node: ast.expr, depth: int = 0) -> str | None:
+    """The activation a default *object* is: ``nn.GELU(...)``/``F.silu``, a module-level constant
+    holding one (``DEFAULT_ACT = partial(F.gelu, approximate="tanh")``), a ``functools.partial`` of
+    an activation function, or a module-level resolver called with a literal naming one activation
+    (``resolve_act_fn({"name": "gelu", "approximate": "none"})``). It only picks which pattern
+    reports the site: the fused code dispatches on the object at run time."""
+    if depth > 3:
+        return None
+    if isinstance(node, ast.Name) and module.canonical(node) not in _FUNCS:
+        v = _module_value(module, node.id)
+        return _default_object_kind(module, v, depth + 1) if v is not None else None
+    k = _module_act(module, node)
+    if k is not None:
+        return k[0] if k[0] not in (CONFIG, GELU_DYN) else None
+    if isinstance(node, ast.Call) and module.canonical(node.func) in ("functools.partial", "partial") and node.args:
+        fk = _FUNCS.get(module.canonical(node.args[0]) or "")
+        if fk == GELU:
+            v = const_value(S.arg(node, "approximate", 10**6))
+            return GELU_TANH if v == "tanh" else GELU if v in (..., "none") else None
+        return fk
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in module.functions:
+        return _call_literal_kind(module, node)
+    return None
+
+
+def _call_literal_kind(module: ModuleInfo, call: ast.Call) -> str | None:
+    """The one activation a builder call's literal arguments name (a string, or a dict literal's
+    values, module-level constants followed): ``build_act("gelu")``, ``resolve({"name": "gelu"})``."""
+    strings: list[str] = []
+    for a in [*call.args, *(k.value for k in call.keywords)]:
+        if isinstance(a, ast.Name):
+            a = _module_value(module, a.id) or a
+        vals = a.values if isinstance(a, ast.Dict) else [a]
+        strings += [v for v in (const_value(x) for x in vals) if isinstance(v, str)]
+    kinds = {ACT_NAMES[v.lower()] for v in strings if v.lower() in ACT_NAMES}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind == GELU and "tanh" in strings:
+        kind = GELU_TANH
+    return kind
+
+
+def _assigning_class(module: ModuleInfo, class_name: str | None, attr: str, depth: int = 0) -> str | None:
+    """The class whose ``__init__`` assigns ``self.<attr>``: this one, else a base class defined in
+    the same module (``class MPTGLU(MPTMLP)`` inherits ``self.act`` from ``MPTMLP.__init__``)."""
+    if not class_name or class_name not in module.classes or depth > 3:
+        return None
+    if attr in S.init_assignments(module, class_name):
+        return class_name
+    if S.method(module, class_name, "__init__") is not None and _init_tuple_element(module, class_name, attr) is not None:
+        return None
+    for b in module.classes[class_name].bases:
+        if isinstance(b, ast.Name) and b.id in module.classes and b.id != class_name:
+            found = _assigning_class(module, b.id, attr, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _init_tuple_element(module: ModuleInfo, class_name: str | None, attr: str) -> tuple[ast.Call, int] | None:
@@ -365,12 +440,12 @@ def _gelu_hint(attr: str, key: ast.AST | None) -> bool:
     return "gelu" in text.lower()
 
 
-def _config_key(module: ModuleInfo, ctx: S.Ctx, key: ast.expr | None) -> ast.expr | None:
+def _config_key(module: ModuleInfo, ctx: S.Ctx, key: ast.expr | None, cls_name: str | None = None) -> ast.expr | None:
     """``ACT2FN[config.hidden_act]`` in __init__ -> ``self.config.hidden_act`` when __init__ keeps
     the config (``self.config = config``) or the key itself (``self.hidden_act = config.hidden_act``)."""
     if key is None:
         return None
-    init = S.init_assignments(module, ctx.scope.class_name)
+    init = S.init_assignments(module, cls_name or ctx.scope.class_name)
     kd = dotted(key)
     if kd is None:
         return None
@@ -463,17 +538,34 @@ def _act_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> A
             n, c = value, vctx
             continue
         break
+    moved = _device_move(n)
+    if moved:
+        n = n.func.value  # type: ignore[union-attr]
     if S.is_cast(n) and n.func.value is not None:  # type: ignore[union-attr]
         return None
     if not isinstance(n, ast.Call):
         return None
     act = classify_call(module, n, c)
     if act is not None:
+        act.moved = moved
         trace.stmts.update(t.stmts)
         # config-chosen, but the code calls its result gelu (T5: ``hidden_gelu = self.act(...)``)
         if act.kind == CONFIG and isinstance(node, ast.Name) and "gelu" in node.id.lower():
             act.gelu_hint = True
     return act
+
+
+def _device_move(n: ast.expr) -> bool:
+    """``t.to(device=d)`` / ``t.to(y.device)``: a device move only (no dtype): the values are
+    unchanged, so the activation under it is still the gate (llm-foundry's MPTGLU)."""
+    if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "to"):
+        return False
+    kws = {k.arg for k in n.keywords}
+    if None in kws or not kws <= {"device", "non_blocking"}:
+        return False
+    if n.args:
+        return len(n.args) == 1 and not kws & {"device"} and isinstance(n.args[0], ast.Attribute) and n.args[0].attr == "device"
+    return "device" in kws
 
 
 def _sigmoid_form(module: ModuleInfo, value: ast.BinOp, ctx: S.Ctx) -> Act | None:
@@ -693,6 +785,17 @@ def _biased_halves(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ct
 def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     """A gated product ``act(a) * b`` at ``node`` (a Mult BinOp), or None; GateMiss for
     look-alikes whose structure the fused op cannot take."""
+    weak: list[Act] = []
+    try:
+        g = _find_gate(module, node, ctx, weak)
+    except GateMiss:
+        if weak and weak[0].weak:
+            return None  # an imported builder's object in a product that is no GLU: not even a look-alike
+        raise
+    return g
+
+
+def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]) -> Gate | None:
     factors: list[ast.expr] = []
     _flatten_mul(node, factors)
     if len(factors) not in (2, 3):
@@ -700,6 +803,9 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     trace = S.Trace()
     acts = [(i, _act_of(module, f, ctx, trace)) for i, f in enumerate(factors)]
     found = [(i, a) for i, a in acts if a is not None]
+    if len(found) > 1 and any(a.weak for _, a in found):
+        # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
+        found = [(i, a) for i, a in found if not a.weak]
     act: Act | None = None
     used: set[int] = set()
     if len(factors) == 2 and len(found) == 1 and found[0][1].kind != SIGMOID:
@@ -729,6 +835,7 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
                     break
     if act is None or act.gate is None:
         return None
+    chosen.append(act)
     rest = [k for k in range(len(factors)) if k not in used]
     if len(rest) != 1:
         return None
@@ -818,10 +925,21 @@ def _runtime_tests(module: ModuleInfo, act: Act, plan: S.SpanPlan | None) -> dic
         }
     assert act.obj is not None
     o = S.render(module, act.obj, act.ctx, plan)
+
+    # functools.partial(F.gelu, approximate="tanh") (megablocks/llm-foundry defaults): its func and
+    # keywords say what it computes; no positional arguments bound
+    def partial_of(fn: str, keywords: str) -> str:
+        return (f'(type({o}).__name__ == "partial" and getattr({o}, "func", None) is {T}.nn.functional.{fn} '
+                f'and not {o}.args and {o}.keywords in {keywords})')
+    p_silu = partial_of("silu", '({}, {"inplace": False})')
+    p_gelu = partial_of("gelu", '({}, {"approximate": "none"})')
+    p_tanh = partial_of("gelu", '({"approximate": "tanh"},)')
     return {
-        SILU: f'isinstance({o}, {T}.nn.SiLU) or type({o}).__name__ == "SiLUActivation" or {o} is {T}.nn.functional.silu',
-        GELU: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "none") or type({o}).__name__ == "GELUActivation" or {o} is {T}.nn.functional.gelu',
-        GELU_TANH: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "tanh") or type({o}).__name__ in ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation", "AccurateGELUActivation")',
+        SILU: f'isinstance({o}, {T}.nn.SiLU) or type({o}).__name__ == "SiLUActivation" or {o} is {T}.nn.functional.silu or {p_silu}',
+        GELU: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "none") or type({o}).__name__ == "GELUActivation" or {o} is {T}.nn.functional.gelu'
+              f' or {p_gelu}',
+        GELU_TANH: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "tanh") or type({o}).__name__ in ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation", "AccurateGELUActivation")'
+                   f' or {p_tanh}',
     }
 
 
@@ -1113,6 +1231,10 @@ def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
             risks.append(Risk("layout", f"{g.halves.how} with a symbolic size: the fused op needs two equal halves "
                                         "(the split size must be half of the dim)"))
         risks.append(Risk("non_contiguous", "the split tensor is passed whole; .contiguous() is a no-op for a projection output"))
+    if g.act.moved:
+        risks.append(Risk("other", "the activation's result is moved with .to(device=...) before the product; the fused op "
+                                   "concatenates gate and up, so both must already be on one device (torch.cat raises "
+                                   "otherwise: an error, never wrong values)"))
     if g.act.kind == CONFIG:
         notes.append(f"activation chosen by config ({g.act.describe}): the fused branch checks at run time which one it is "
                      "(silu -> npu_swiglu, gelu/gelu_new -> npu_geglu) and keeps the original code otherwise")
