@@ -321,13 +321,52 @@ def _param_default_kind(module: ModuleInfo, ctx: S.Ctx, node: ast.expr | None, n
     time (a caller may pass another)."""
     if not isinstance(node, ast.Name):
         return None
-    default = S.init_params(module, cls_name or ctx.scope.class_name).get(node.id)
+    params = S.init_params(module, cls_name or ctx.scope.class_name)
+    default = params.get(node.id)
     if default is None:
+        if node.id in params and not name_only:
+            return _caller_default_kind(module, cls_name or ctx.scope.class_name, node.id)
         return None
     if name_only:
         v = const_value(default)
         return ACT_NAMES.get(v.lower()) if isinstance(v, str) else None
     return _default_object_kind(module, default)
+
+
+def _caller_default_kind(module: ModuleInfo, cls_name: str | None, param: str, depth: int = 0) -> str | None:
+    """The activation a required ``__init__`` parameter gets from the module's own constructions of
+    the class (``GLU(..., activation_fn=activation_fn)`` inside ``DroplessMLP.__init__``, whose
+    parameter in turn comes from ``dMoE.__init__``'s default): one kind on every construction."""
+    if not cls_name or depth > 3:
+        return None
+    init = S.method(module, cls_name, "__init__")
+    if init is None:
+        return None
+    pos = [a.arg for a in (*init.args.posonlyargs, *init.args.args)][1:]
+    owners: list[tuple[ast.FunctionDef, str | None]] = [(f, None) for f in module.functions.values()]
+    owners += [(m, c) for c, cls in module.classes.items() for m in cls.body if isinstance(m, ast.FunctionDef)]
+    kinds: set[str | None] = set()
+    for fn, owner_cls in owners:
+        for call in (n for n in fast_walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == cls_name):
+            arg = next((k.value for k in call.keywords if k.arg == param), None)
+            if arg is None and param in pos and pos.index(param) < len(call.args):
+                arg = call.args[pos.index(param)]
+            if arg is None or isinstance(arg, ast.Starred):
+                kinds.add(None)
+                continue
+            fparams = {a.arg: d for a, d in zip(fn.args.args[::-1], [*fn.args.defaults[::-1], *[None] * len(fn.args.args)])}
+            fparams.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults)})
+            if isinstance(arg, ast.Name) and arg.id in fparams:
+                d = fparams[arg.id]
+                if d is not None:
+                    kinds.add(_default_object_kind(module, d))
+                elif owner_cls is not None and fn.name == "__init__":
+                    kinds.add(_caller_default_kind(module, owner_cls, arg.id, depth + 1))
+                else:
+                    kinds.add(None)
+            else:
+                kinds.add(_default_object_kind(module, arg))
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _module_value(module: ModuleInfo, name: str) -> ast.expr | None:
@@ -704,6 +743,9 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
             return f"einsum[{args[0].value.replace(' ', '')}]{S.key(args[1], c)}"
         if not n.args and n.keywords and n.keywords[0].arg is not None:
             return S.key(n.keywords[0].value, c)  # ``grouped_mm(A=x, B_t=w, offs=...)``
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("matmul", "mm") and len(n.args) == 1 \
+            and not n.keywords and not (isinstance(n.func.value, ast.Name) and n.func.value.id in ("torch", "th")):
+        return S.key(n.func.value, c)  # ``x.matmul(w.t())``: the method's receiver is the input (``x @ w``)
     if isinstance(n, ast.Call) and n.args and not isinstance(n.args[0], ast.Starred):
         return S.key(n.args[0], c)
     if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
@@ -2125,4 +2167,49 @@ Swiglu.KEEP += [
     # y * silu(z): z is a split part but y is computed from others (an output gate, not a GLU)
     Keep(_SIZED_SPLIT.replace("torch.cat([F.silu(z0) * x0, y], dim=-1)", "y * F.silu(z)"),
          reason="not projections of one input", name="sized_split_part_gating_another_output"),
+]
+
+
+# -- issue 14, class 6: an activation object made by an imported builder ---------------------
+
+# corenet-style: self.act = <imported builder>(...) (here copy.deepcopy of the module handed in);
+# nothing in the file says what it is, so the fused branch dispatches on the object at run time
+_BUILT_ACT = '''
+import copy
+
+import torch
+from torch import nn
+
+
+class FeedForwardNetwork(nn.Module):
+    def __init__(self, d, h, act):
+        super().__init__()
+        self.proj_1 = nn.Linear(d, 2 * h, bias=False)
+        self.proj_2 = nn.Linear(h, d, bias=False)
+        self.act = copy.deepcopy(act)
+
+    def forward(self, x):
+        y_12 = self.proj_1(x)
+        y_1, y_2 = y_12.chunk(2, dim=-1)
+        y = self.act(y_1) * y_2
+        return self.proj_2(y)
+'''
+
+_RUN_BUILT_ACT = '''
+m = FeedForwardNetwork(8, 12, {act})
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.proj_1.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_BUILT_ACT, expect={"conditional": True}, run=_RUN_BUILT_ACT.format(act="nn.SiLU()"), name="imported_builder_activation_silu"),
+    Fuse(_BUILT_ACT, expect={"conditional": True}, run=_RUN_BUILT_ACT.format(act="nn.GELU()"), name="imported_builder_activation_gelu"),
+]
+
+Swiglu.KEEP += [
+    # an imported builder's object beside a known activation is a projection, not the activation
+    # (llm-foundry: self.up_proj = build_fc(...)); here the two factors share no input: nothing at all
+    Keep(_BUILT_ACT.replace("y = self.act(y_1) * y_2", "y = self.act(y_1) * self.proj_2(y_12)"), reason="",
+         name="imported_builder_object_in_a_product_that_is_no_glu"),
 ]
