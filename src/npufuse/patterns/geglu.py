@@ -577,3 +577,56 @@ Geglu.KEEP += [
     Keep(_CALLER_DEFAULT.replace("x1 = x1 * x2", "x1 = x1 * x1.sum(-1, keepdim=True)"),
          reason="not projections of one input", name="caller_chain_default_not_a_glu"),
 ]
+
+
+# -- issue 14, class 6: the activation as the last layer of an nn.Sequential gate (Wan T5) -------
+
+_SEQUENTIAL_GATE = '''
+import math
+
+import torch
+from torch import nn
+
+
+class TanhGELU(nn.Module):
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class GatedFeedForward(nn.Module):
+    def __init__(self, dim, dim_ffn, dropout=0.0):
+        super().__init__()
+        self.gate = nn.Sequential(nn.Linear(dim, dim_ffn, bias=False), TanhGELU())
+        self.fc1 = nn.Linear(dim, dim_ffn, bias=False)
+        self.fc2 = nn.Linear(dim_ffn, dim, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = self.fc1(x) * self.gate(x)
+        x = self.dropout(x)
+        return self.fc2(x)
+'''
+
+_RUN_SEQUENTIAL_GATE = '''
+m = GatedFeedForward(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate[0].weight, m.fc1.weight]
+'''
+
+Geglu.FUSE += [
+    Fuse(_SEQUENTIAL_GATE, expect={"approximate": 1, "source": "two_projections"}, run=_RUN_SEQUENTIAL_GATE, name="sequential_gate_last_layer_tanh_gelu"),
+    Fuse(_SEQUENTIAL_GATE.replace("nn.Sequential(nn.Linear(dim, dim_ffn, bias=False), TanhGELU())",
+                                  "nn.Sequential(nn.Linear(dim, dim_ffn, bias=False), nn.Identity(), nn.GELU())"),
+         expect={"approximate": 0}, run=_RUN_SEQUENTIAL_GATE, name="sequential_gate_three_layers_gelu"),
+]
+
+Geglu.KEEP += [
+    # the Sequential ends in a projection (a plain MLP inside): no gate activation at all
+    Keep(_SEQUENTIAL_GATE.replace("nn.Sequential(nn.Linear(dim, dim_ffn, bias=False), TanhGELU())",
+                                  "nn.Sequential(TanhGELU(), nn.Linear(dim, dim_ffn, bias=False))"),
+         reason="", name="sequential_ending_in_a_projection"),
+    # the gate's Sequential reads another input than the up projection
+    Keep(_SEQUENTIAL_GATE.replace("self.fc1(x) * self.gate(x)", "self.fc1(x) * self.gate(x.flip(-1))"),
+         reason="not projections of one input", name="sequential_gate_on_another_input"),
+]

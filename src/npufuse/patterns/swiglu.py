@@ -260,6 +260,9 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                     return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra, cls_name), gelu_hint=_gelu_hint(f.attr, extra),
                                default=_param_default_kind(module, ctx, extra, name_only=True, cls_name=cls_name))
                 return Act(kind, gate, ctx, desc, obj=f, approx=extra if kind == GELU_DYN else None)
+            seq = _sequential_act(module, value, f, gate, ctx, desc)
+            if seq is not None:
+                return seq
             if isinstance(value, ast.Call):
                 cname = dotted(value.func)
                 if cname and cname in module.classes:
@@ -312,6 +315,29 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
+
+
+def _sequential_act(module: ModuleInfo, value: ast.expr, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """``self.gate = nn.Sequential(nn.Linear(d, h), GELU())`` then ``self.gate(x)`` (Wan/T5
+    gated-gelu): the activation is the Sequential's last layer, applied to the earlier layers'
+    output, which is the gate operand (``self.gate[0](x)``, or ``self.gate[:-1](x)``: the same
+    module objects, so the same weights)."""
+    if not (isinstance(value, ast.Call) and module.canonical(value.func) == "torch.nn.Sequential" and len(value.args) >= 2
+            and not value.keywords and not any(isinstance(a, ast.Starred) for a in value.args)):
+        return None
+    last = value.args[-1]
+    k = _module_act(module, last)
+    kind = k[0] if k is not None and k[0] not in (CONFIG, GELU_DYN) else None
+    kernels = 1
+    if kind is None and isinstance(last, ast.Call) and not last.args and not last.keywords and (dotted(last.func) or "") in module.classes:
+        kind = _class_act(module, dotted(last.func) or "")
+        fwd = S.method(module, dotted(last.func), "forward")
+        kernels = _formula_kernels(module, fwd) if fwd else 1
+    if kind is None:
+        return None
+    head: ast.expr = ast.Constant(0) if len(value.args) == 2 else ast.Slice(upper=ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1)))
+    earlier = ast.Call(func=ast.Subscript(value=f, slice=head, ctx=ast.Load()), args=[gate], keywords=[])
+    return Act(kind, earlier, ctx, desc, kernels=kernels)
 
 
 def _param_default_kind(module: ModuleInfo, ctx: S.Ctx, node: ast.expr | None, name_only: bool, cls_name: str | None = None) -> str | None:
@@ -1054,6 +1080,13 @@ _ACT_WORDS = ("silu", "swish", "gelu", "sigmoid", "act", "glu", "relu", "tanh", 
 _ACT_SEARCH = tuple(sorted((w for w in _ACT_WORDS if not any(o != w and o in w for o in _ACT_WORDS)), key=lambda w: (w != "act", w)))
 
 
+def _has_sequential_attr(module: ModuleInfo, class_name: str | None) -> bool:
+    """The class keeps an ``nn.Sequential`` (whose last layer may be the activation: the forward
+    then names no activation at all, as in ``self.fc1(x) * self.gate(x)``)."""
+    return any(isinstance(v, ast.Call) and (dotted(v.func) or "").endswith("Sequential")
+               for v in S.init_assignments(module, class_name).values())
+
+
 def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     """Gated-activation findings and near misses of one scope, for both patterns (cached)."""
     cached = scope.__dict__.get("_npufuse_gates")
@@ -1064,7 +1097,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     if isinstance(scope.node, ast.Module) or "*" not in S.scope_text(module, scope):
         return results
     text = S.scope_text(module, scope).lower()
-    if not any(w in text for w in _ACT_SEARCH):
+    if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name):
         return results
     lines = S.module_lines(module)
     for stmt in S.stmt_index(scope).stmts:
