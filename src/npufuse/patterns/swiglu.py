@@ -874,6 +874,12 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
     if len(found) > 1 and any(a.weak for _, a in found):
         # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
         found = [(i, a) for i, a in found if not a.weak]
+    if len(found) > 1 and all(a.kind == CONFIG for _, a in found):
+        # two callables handed to __init__ (torchtune: self.w3 = up_proj, self.activation =
+        # activation): the one whose default is an activation is the activation
+        known = [(i, a) for i, a in found if a.default is not None]
+        if len(known) == 1:
+            found = known
     act: Act | None = None
     used: set[int] = set()
     if len(factors) == 2 and len(found) == 1 and found[0][1].kind != SIGMOID:
@@ -1136,6 +1142,25 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     return results
 
 
+def _optional_gate(scope: Scope, stmt: ast.stmt, g: Gate) -> str | None:
+    """``h = act(gate(x))`` for every path, then ``if <test>: h = h * up(x)`` (torchtune's
+    FeedForward / LoRA experts with an optional up projection): the true reason it is not
+    rewritten, or None when the product is not such an optional gate."""
+    names = [n for n in (g.node.left, g.node.right) if isinstance(n, ast.Name)] if isinstance(g.node, ast.BinOp) else []
+    if not names:
+        return None
+    d = S.definition(S.Ctx(scope, stmt.lineno), names[0].id)
+    if d is None:
+        return None
+    parent = next((n for n in fast_walk(scope.node) if isinstance(n, ast.If) and any(x is stmt for x in n.body)), None)
+    if parent is None or any(x is d[0] for x in parent.body):
+        return None
+    return (f"optional gate: the activation (line {d[0].lineno}) runs on every path and the product only under "
+            f"`if {ast.unparse(parent.test)}:`; a correct rewrite must restructure both into if/else (fused op "
+            "under the if, the activation alone otherwise), which npufuse does not do, and fusing the product "
+            "alone would compute the gate projection twice")
+
+
 def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[Gate]) -> list[GateResult]:
     pat = owner(gates[0].act) or "swiglu"
 
@@ -1160,7 +1185,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
         trace.stmts.update(g.trace.stmts)
     plan = S.plan_span(scope, stmt, trace)
     if isinstance(plan, str):
-        return miss(plan)
+        optional = _optional_gate(scope, stmt, g0)
+        return miss(optional or plan)
     dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
     inner = {id(n) for g in gates for n in fast_walk(g.node)}
     outside = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner} & dropped
@@ -2245,4 +2271,46 @@ Swiglu.KEEP += [
     # (llm-foundry: self.up_proj = build_fc(...)); here the two factors share no input: nothing at all
     Keep(_BUILT_ACT.replace("y = self.act(y_1) * y_2", "y = self.act(y_1) * self.proj_2(y_12)"), reason="",
          name="imported_builder_object_in_a_product_that_is_no_glu"),
+]
+
+
+# -- issue 14, class 6: projections and activation all handed to __init__ (torchtune) ----------
+
+_INJECTED = '''
+import torch
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, *, gate_proj, down_proj, up_proj=None, activation=nn.SiLU()):
+        super().__init__()
+        self.w1 = gate_proj
+        self.w2 = down_proj
+        self.w3 = up_proj
+        self.activation = activation
+
+    def forward(self, x):
+        return self.w2(self.activation(self.w1(x)) * self.w3(x))
+'''
+
+_RUN_INJECTED = '''
+m = FeedForward(gate_proj=nn.Linear(8, 12), down_proj=nn.Linear(12, 8), up_proj=nn.Linear(8, 12){arg})
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.w1.weight, m.w3.weight]
+'''
+
+Swiglu.FUSE += [
+    # self.w3 = up_proj and self.activation = activation are both callables from __init__: the one
+    # whose default is an activation (nn.SiLU()) is the activation
+    Fuse(_INJECTED, expect={"conditional": True}, run=_RUN_INJECTED.format(arg=""), name="injected_projections_default_silu"),
+    Fuse(_INJECTED, expect={"conditional": True}, run=_RUN_INJECTED.format(arg=", activation=nn.GELU(approximate='tanh')"),
+         name="injected_projections_caller_passes_tanh_gelu"),
+]
+
+Swiglu.KEEP += [
+    # the up projection is optional: activation on every path, the product only under the if
+    Keep(_INJECTED.replace("        return self.w2(self.activation(self.w1(x)) * self.w3(x))",
+                           "        h = self.activation(self.w1(x))\n        if self.w3 is not None:\n            h = h * self.w3(x)\n        return self.w2(h)"),
+         reason="optional gate", name="optional_up_projection_under_if"),
 ]
