@@ -572,6 +572,7 @@ class Gate:
     halves: Halves | None
     trace: S.Trace
     input_key: str | None  # the projections' common input
+    parts: str | None = None  # two parts of one chunk/split taken as operands: how ("chunk", "split")
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -927,7 +928,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             raise GateMiss("gate or up is the last part of a chunk, which is shorter than the others when the size does "
                            "not divide evenly (the product then broadcasts; the fused op would split wrongly)")
         # two equal parts of one tensor: the fused op takes them concatenated (exact for any dim)
-        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0])
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="chunk")
     if sa is not None and sb is not None and "sized" in (sa[5], sb[5]):
         if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
             raise GateMiss("gate and up are not two parts of one split along one dim")
@@ -936,7 +937,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             raise GateMiss(f"gate and up are split parts of sizes {ta} and {tb_}, not provably equal: the fused op "
                            "halves its input, so act(a) * b must have two equal-width operands")
         # two parts of one size: the fused op takes them concatenated (exact for any positions)
-        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0])
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="split")
     if sa is not None and sb is not None and sa[0] == sb[0]:
         if sa[5] == "slice":
             (ka, ba), (kb, bb) = sa[4], sb[4]  # type: ignore[misc]
@@ -1318,7 +1319,12 @@ def _as_written(module: ModuleInfo, op: Operand, plan: S.SpanPlan) -> str:
 def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
     risks: list[Risk] = [Risk("dtype", f"npu_{pat}: fp16/bf16/fp32 only (bf16 needs A2+)")]
     notes: list[str] = []
-    if g.halves is None:
+    if g.halves is None and g.parts is not None:
+        risks.append(Risk("other", f"two parts of one {g.parts} taken as operands: the fused op needs [gate, up] in one "
+                                   "tensor, so this adds a torch.cat copy of both parts (2 x T x I elements written and read "
+                                   "again) and keeps it for backward; npufuse does not slice the adjacent pair out of the "
+                                   "split tensor instead"))
+    elif g.halves is None:
         risks.append(Risk("other", "two projections: the fused op needs [gate, up] in one tensor, so this adds a torch.cat "
                                    "copy of both projection outputs (2 x T x I elements written and read again) and keeps it "
                                    "for backward; merge the two projection weights into one gate_up projection (once, at load) "
