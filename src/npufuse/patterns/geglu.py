@@ -564,10 +564,11 @@ leaves = [x, m.experts.mlp.w1]
 '''
 
 Geglu.FUSE += [
-    Fuse(_INHERITED_ACT, expect={"conditional": True}, run=_RUN_INHERITED.format(arg=""), name="inherited_act_resolver_default_gelu"),
+    Fuse(_INHERITED_ACT, expect={"conditional": True, "default_activation": "gelu", "default_approximate": 0}, run=_RUN_INHERITED.format(arg=""),
+         name="inherited_act_resolver_default_gelu"),
     # a caller passing silu: the same rewritten code dispatches to npu_swiglu
     Fuse(_INHERITED_ACT, expect={"conditional": True}, run=_RUN_INHERITED.format(arg=", act_fn=partial(F.silu)"), name="inherited_act_overridden_silu_partial"),
-    Fuse(_CALLER_DEFAULT, expect={"conditional": True, "source": "two_projections"}, run=_RUN_CALLER_DEFAULT.format(arg=""),
+    Fuse(_CALLER_DEFAULT, expect={"conditional": True, "source": "two_projections", "default_approximate": 1}, run=_RUN_CALLER_DEFAULT.format(arg=""),
          name="caller_chain_default_partial_gelu_tanh"),
 ]
 

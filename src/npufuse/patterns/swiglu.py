@@ -1285,6 +1285,9 @@ def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str
         p["runtime_check"] = "config string" if act.config_key is not None else "activation type"
         if act.config_key is not None:
             p["config_key"] = S.render(module, act.config_key, act.ctx, plan)
+        if act.default is not None:
+            # what the code picks when nobody passes another: decides the pattern id; the code still dispatches
+            p["default_activation"] = act.default
     if g.halves is not None:
         h = g.halves
         p["source"] = "split"
@@ -1305,6 +1308,8 @@ def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str
             p["approximate"] = "runtime"
         else:
             p["approximate"] = "config"
+            if act.default in (GELU, GELU_TANH):
+                p["default_approximate"] = 0 if act.default == GELU else 1
         p["activate_left"] = (g.halves is None) or g.halves.gate_index == 0
     return p
 
