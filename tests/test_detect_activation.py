@@ -226,3 +226,90 @@ class GatedMLP(nn.Module):
 '''
     findings, _ = _detect("swiglu", code)
     assert len(findings) == 1 and findings[0].confidence == "high" and "elif" not in findings[0].fused
+
+
+# -- class 6: objects from imported builders, partial objects, defaults through callers --------
+
+
+def _harness():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pattern_harness import check_rewrite_runs
+
+    return check_rewrite_runs
+
+
+def test_an_imported_builders_object_dispatches_at_run_time() -> None:
+    """Nothing in the file says what ``self.act = copy.deepcopy(act)`` is: silu runs npu_swiglu,
+    gelu npu_geglu, relu the original code exactly (no torch_npu call)."""
+    from npufuse.patterns.swiglu import _BUILT_ACT, _RUN_BUILT_ACT
+
+    check = _harness()
+    findings, _ = _detect("swiglu", _BUILT_ACT)
+    assert len(findings) == 1 and findings[0].params.get("conditional") is True
+    pattern = get_pattern("swiglu")
+    relu = check(pattern, _BUILT_ACT, _RUN_BUILT_ACT.format(act="nn.ReLU()"), findings)
+    assert relu["calls"] == 0 and min(relu["cos_out"]) > 0.99999
+    silu = check(pattern, _BUILT_ACT, _RUN_BUILT_ACT.format(act="nn.SiLU()"), findings)
+    assert silu["all_calls"].get("npu_swiglu", 0) >= 1
+    gelu = check(pattern, _BUILT_ACT, _RUN_BUILT_ACT.format(act="nn.GELU()"), findings)
+    assert gelu["all_calls"].get("npu_geglu", 0) >= 1
+
+
+@pytest.mark.parametrize("act,fused", [
+    ("partial(F.gelu, approximate='tanh')", "npu_geglu"),
+    ("partial(F.gelu)", "npu_geglu"),
+    ("partial(F.silu)", "npu_swiglu"),
+    # bound differently: not what the fused ops compute, so the original code runs
+    ("partial(F.silu, inplace=True)", None),
+    ("partial(F.leaky_relu, negative_slope=0.2)", None),
+])
+def test_partial_objects_are_recognised_at_run_time(act: str, fused: str | None) -> None:
+    from npufuse.patterns.geglu import _CALLER_DEFAULT, _RUN_CALLER_DEFAULT
+
+    check = _harness()
+    findings, _ = _detect("geglu", _CALLER_DEFAULT)
+    assert len(findings) == 1
+    facts = check(get_pattern("geglu"), _CALLER_DEFAULT, _RUN_CALLER_DEFAULT.format(arg=f"activation_fn={act}"), findings)
+    if fused is None:
+        assert facts["calls"] == 0 and min(facts["cos_out"]) > 0.99999
+    else:
+        assert facts["all_calls"].get(fused, 0) >= 1 and min(facts["cos_out"]) > 0.9999
+
+
+@pytest.mark.parametrize("default,pattern_id", [
+    ('partial(F.gelu, approximate="tanh")', "geglu"),
+    ("F.gelu", "geglu"),
+    ("partial(F.silu)", "swiglu"),
+    ("F.silu", "swiglu"),
+])
+def test_the_default_handed_down_by_the_modules_constructors_picks_the_pattern(default: str, pattern_id: str) -> None:
+    from npufuse.patterns.geglu import _CALLER_DEFAULT
+
+    code = _CALLER_DEFAULT.replace('DEFAULT_ACTIVATION_FN = partial(F.gelu, approximate="tanh")', f"DEFAULT_ACTIVATION_FN = {default}")
+    other = "swiglu" if pattern_id == "geglu" else "geglu"
+    assert len(_detect(pattern_id, code)[0]) == 1
+    assert _detect(other, code)[0] == []
+
+
+def test_a_resolver_default_naming_silu_reports_swiglu_for_the_inherited_attribute() -> None:
+    from npufuse.patterns.geglu import _INHERITED_ACT
+
+    code = _INHERITED_ACT.replace('{"name": "gelu", "approximate": "none"}', '{"name": "silu"}')
+    assert len(_detect("swiglu", code)[0]) == 1 and _detect("geglu", code)[0] == []
+    assert len(_detect("geglu", _INHERITED_ACT)[0]) == 1
+
+
+def test_a_dtype_cast_on_the_activation_is_not_peeled_like_a_device_move() -> None:
+    from npufuse.patterns.geglu import _INHERITED_ACT
+
+    code = _INHERITED_ACT.replace(".to(device=x.device)", ".to(torch.float16)")
+    assert _detect("geglu", code)[0] == [] and _detect("swiglu", code)[0] == []
+
+
+def test_sized_split_parts_of_unequal_sizes_say_which_sizes() -> None:
+    from npufuse.patterns.swiglu import _SIZED_SPLIT
+
+    code = _SIZED_SPLIT.replace("F.silu(z0) * x0", "F.silu(z) * x0")
+    findings, misses = _detect("swiglu", code)
+    assert findings == []
+    assert any("sizes self.d_ssm and d_mlp" in m.reason for m in misses)

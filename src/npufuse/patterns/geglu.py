@@ -463,3 +463,171 @@ Geglu.FUSE += [
          run="m = KeyDefault(8, 12, hidden_act='gelu_new')\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate.weight]\n",
          name="ctor_key_overridden_by_caller"),
 ]
+
+
+# -- issue 14, class 6: activation defaults reached through inheritance, partials and callers ----
+
+# llm-foundry MPTGLU-style: self.act assigned by an in-module base class's __init__, its default a
+# module-level constant built by a resolver from a literal naming gelu; moved with .to(device=...)
+_INHERITED_ACT = '''
+from copy import deepcopy
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACT_DEFAULT = {"name": "gelu", "approximate": "none"}
+
+
+def resolve_act(config=None):
+    config = deepcopy(config if config is not None else _ACT_DEFAULT)
+    name = config.pop("name")
+    return partial(getattr(F, name), **config)
+
+
+_DEFAULT_ACT = resolve_act(_ACT_DEFAULT)
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, d, h, act_fn=_DEFAULT_ACT):
+        super().__init__()
+        self.up_proj = nn.Linear(d, h)
+        self.act = act_fn
+        self.down_proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class GatedMLP(PlainMLP):
+    def __init__(self, d, h, act_fn=_DEFAULT_ACT):
+        super().__init__(d, h, act_fn=act_fn)
+        self.gate_proj = nn.Linear(d, h)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)).to(device=x.device) * self.up_proj(x))
+'''
+
+_RUN_INHERITED = '''
+m = GatedMLP(8, 12{arg})
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate_proj.weight, m.up_proj.weight]
+'''
+
+# megablocks/llm-foundry dMoE-style: the expert GLU's activation is a required parameter; the
+# module's own constructions hand it down from a default partial(F.gelu, approximate="tanh");
+# x.matmul(w.t()) projections of one input
+_CALLER_DEFAULT = '''
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_ACTIVATION_FN = partial(F.gelu, approximate="tanh")
+
+
+class ExpertGLU(nn.Module):
+    def __init__(self, d, h, n, activation_fn):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n, h, d) / d ** 0.5)
+        self.v1 = nn.Parameter(torch.randn(n, h, d) / d ** 0.5)
+        self.activation_fn = activation_fn
+
+    def forward(self, x, e):
+        x1 = x.matmul(self.w1[e].t())
+        x2 = x.matmul(self.v1[e].t())
+        x1 = self.activation_fn(x1)
+        x1 = x1 * x2
+        return x1
+
+
+class Experts(nn.Module):
+    def __init__(self, d, h, n, activation_fn):
+        super().__init__()
+        self.mlp = ExpertGLU(d, h, n, activation_fn=activation_fn)
+
+
+class MoE(nn.Module):
+    def __init__(self, d=8, h=12, n=2, activation_fn=DEFAULT_ACTIVATION_FN):
+        super().__init__()
+        self.experts = Experts(d, h, n, activation_fn=activation_fn)
+'''
+
+_RUN_CALLER_DEFAULT = '''
+m = MoE({arg})
+x = torch.randn(5, 8, requires_grad=True)
+out = m.experts.mlp(x, 1)
+leaves = [x, m.experts.mlp.w1]
+'''
+
+Geglu.FUSE += [
+    Fuse(_INHERITED_ACT, expect={"conditional": True, "default_activation": "gelu", "default_approximate": 0}, run=_RUN_INHERITED.format(arg=""),
+         name="inherited_act_resolver_default_gelu"),
+    # a caller passing silu: the same rewritten code dispatches to npu_swiglu
+    Fuse(_INHERITED_ACT, expect={"conditional": True}, run=_RUN_INHERITED.format(arg=", act_fn=partial(F.silu)"), name="inherited_act_overridden_silu_partial"),
+    Fuse(_CALLER_DEFAULT, expect={"conditional": True, "source": "two_projections", "default_approximate": 1}, run=_RUN_CALLER_DEFAULT.format(arg=""),
+         name="caller_chain_default_partial_gelu_tanh"),
+]
+
+Geglu.KEEP += [
+    # a partial with a positional argument bound is not plain gelu: resolved as nothing the fused
+    # op computes, the product is reported by swiglu's near miss, never as geglu
+    Keep(_CALLER_DEFAULT.replace("x1 = x1 * x2", "x1 = x1 * x1.sum(-1, keepdim=True)"),
+         reason="not projections of one input", name="caller_chain_default_not_a_glu"),
+]
+
+
+# -- issue 14, class 6: the activation as the last layer of an nn.Sequential gate (Wan T5) -------
+
+_SEQUENTIAL_GATE = '''
+import math
+
+import torch
+from torch import nn
+
+
+class TanhGELU(nn.Module):
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class GatedFeedForward(nn.Module):
+    def __init__(self, dim, dim_ffn, dropout=0.0):
+        super().__init__()
+        self.gate = nn.Sequential(nn.Linear(dim, dim_ffn, bias=False), TanhGELU())
+        self.fc1 = nn.Linear(dim, dim_ffn, bias=False)
+        self.fc2 = nn.Linear(dim_ffn, dim, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = self.fc1(x) * self.gate(x)
+        x = self.dropout(x)
+        return self.fc2(x)
+'''
+
+_RUN_SEQUENTIAL_GATE = '''
+m = GatedFeedForward(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate[0].weight, m.fc1.weight]
+'''
+
+Geglu.FUSE += [
+    Fuse(_SEQUENTIAL_GATE, expect={"approximate": 1, "source": "two_projections"}, run=_RUN_SEQUENTIAL_GATE, name="sequential_gate_last_layer_tanh_gelu"),
+    Fuse(_SEQUENTIAL_GATE.replace("nn.Sequential(nn.Linear(dim, dim_ffn, bias=False), TanhGELU())",
+                                  "nn.Sequential(nn.Linear(dim, dim_ffn, bias=False), nn.Identity(), nn.GELU())"),
+         expect={"approximate": 0}, run=_RUN_SEQUENTIAL_GATE, name="sequential_gate_three_layers_gelu"),
+]
+
+Geglu.KEEP += [
+    # the Sequential ends in a projection (a plain MLP inside): no gate activation at all
+    Keep(_SEQUENTIAL_GATE.replace("nn.Sequential(nn.Linear(dim, dim_ffn, bias=False), TanhGELU())",
+                                  "nn.Sequential(TanhGELU(), nn.Linear(dim, dim_ffn, bias=False))"),
+         reason="", name="sequential_ending_in_a_projection"),
+    # the gate's Sequential reads another input than the up projection
+    Keep(_SEQUENTIAL_GATE.replace("self.fc1(x) * self.gate(x)", "self.fc1(x) * self.gate(x.flip(-1))"),
+         reason="not projections of one input", name="sequential_gate_on_another_input"),
+]

@@ -112,6 +112,8 @@ class Act:
     gelu_hint: bool = False  # config-chosen, but the code names it gelu (T5 "hidden_gelu")
     default: str | None = None  # config-chosen with a known default (an __init__ default class)
     kernels: int = 1  # eager kernels the activation launches (a hand-written formula: several)
+    moved: bool = False  # the activation's result is moved with .to(device=...) before the product
+    weak: bool = False  # only an imported builder's object: an activation only if the product's structure says so
 
 
 def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | None] | None:
@@ -244,9 +246,10 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         k = _module_act(module, f)
         if k is not None:
             return Act(k[0], gate, ctx, ast.unparse(f), obj=f, config_key=k[1] if k[0] == CONFIG else None, approx=k[1] if k[0] == GELU_DYN else None)
-    # self.act_fn(x): what __init__ assigned
+    # self.act_fn(x): what __init__ assigned (this class's, or an in-module base class's)
     if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-        init = S.init_assignments(module, ctx.scope.class_name)
+        cls_name = _assigning_class(module, ctx.scope.class_name, f.attr) or ctx.scope.class_name
+        init = S.init_assignments(module, cls_name)
         value = init.get(f.attr)
         if value is not None:
             desc = f"self.{f.attr} = {ast.unparse(value)}"
@@ -254,9 +257,12 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k is not None:
                 kind, extra = k
                 if kind == CONFIG:
-                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra), gelu_hint=_gelu_hint(f.attr, extra),
-                               default=_param_default_kind(module, ctx, extra, name_only=True))
+                    return Act(CONFIG, gate, ctx, desc, obj=f, config_key=_config_key(module, ctx, extra, cls_name), gelu_hint=_gelu_hint(f.attr, extra),
+                               default=_param_default_kind(module, ctx, extra, name_only=True, cls_name=cls_name))
                 return Act(kind, gate, ctx, desc, obj=f, approx=extra if kind == GELU_DYN else None)
+            seq = _sequential_act(module, value, f, gate, ctx, desc)
+            if seq is not None:
+                return seq
             if isinstance(value, ast.Call):
                 cname = dotted(value.func)
                 if cname and cname in module.classes:
@@ -265,16 +271,22 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                         fwd = S.method(module, cname, "forward")
                         return Act(ck, gate, ctx, desc, obj=f, kernels=_formula_kernels(module, fwd) if fwd else 1)
                 # act_layer() with act_layer an __init__ parameter (timm): chosen by the caller
-                params = S.init_params(module, ctx.scope.class_name)
+                params = S.init_params(module, cls_name)
                 if isinstance(value.func, ast.Name) and value.func.id in params:
                     default = params[value.func.id]
                     dk = _module_act(module, ast.Call(func=default, args=[], keywords=[])) if default is not None else None
                     return Act(CONFIG, gate, ctx, desc, obj=f, default=dk[0] if dk else None, gelu_hint=_gelu_hint(f.attr, default))
-            if isinstance(value, ast.Name) and value.id in S.init_params(module, ctx.scope.class_name):
+            if isinstance(value, ast.Name) and value.id in S.init_params(module, cls_name):
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value),
-                           default=_param_default_kind(module, ctx, value, name_only=False))
+                           default=_param_default_kind(module, ctx, value, name_only=False, cls_name=cls_name))
             if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.functions:
                 return _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
+            if isinstance(value, ast.Call) and dotted(value.func) is not None and not (module.canonical(value.func) or "").startswith("torch.") \
+                    and (dotted(value.func) or "").split(".")[0] in module.aliases:
+                # `self.act = build_activation_layer(...)`: an object an imported builder makes from
+                # configuration; only run-time dispatch on the object can tell what it is
+                return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, None),
+                           default=_call_literal_kind(module, value), weak=True)
             if isinstance(value, ast.Attribute) and dotted(value) is not None and not (module.canonical(value) or "").startswith("torch."):
                 # `self.act = config.activation_func`: a callable handed in by configuration
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
@@ -305,21 +317,149 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
     return None
 
 
-def _param_default_kind(module: ModuleInfo, ctx: S.Ctx, node: ast.expr | None, name_only: bool) -> str | None:
+def _sequential_act(module: ModuleInfo, value: ast.expr, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """``self.gate = nn.Sequential(nn.Linear(d, h), GELU())`` then ``self.gate(x)`` (Wan/T5
+    gated-gelu): the activation is the Sequential's last layer, applied to the earlier layers'
+    output, which is the gate operand (``self.gate[0](x)``, or ``self.gate[:-1](x)``: the same
+    module objects, so the same weights)."""
+    if not (isinstance(value, ast.Call) and module.canonical(value.func) == "torch.nn.Sequential" and len(value.args) >= 2
+            and not value.keywords and not any(isinstance(a, ast.Starred) for a in value.args)):
+        return None
+    last = value.args[-1]
+    k = _module_act(module, last)
+    kind = k[0] if k is not None and k[0] not in (CONFIG, GELU_DYN) else None
+    kernels = 1
+    if kind is None and isinstance(last, ast.Call) and not last.args and not last.keywords and (dotted(last.func) or "") in module.classes:
+        kind = _class_act(module, dotted(last.func) or "")
+        fwd = S.method(module, dotted(last.func), "forward")
+        kernels = _formula_kernels(module, fwd) if fwd else 1
+    if kind is None:
+        return None
+    head: ast.expr = ast.Constant(0) if len(value.args) == 2 else ast.Slice(upper=ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1)))
+    earlier = ast.Call(func=ast.Subscript(value=f, slice=head, ctx=ast.Load()), args=[gate], keywords=[])
+    return Act(kind, earlier, ctx, desc, kernels=kernels)
+
+
+def _param_default_kind(module: ModuleInfo, ctx: S.Ctx, node: ast.expr | None, name_only: bool, cls_name: str | None = None) -> str | None:
     """The activation an ``__init__`` parameter's default names: ``activation=nn.GELU(...)`` /
     ``F.silu`` (an object), or ``hidden_act="gelu"`` (a key of an activation table: ``name_only``).
     Only which pattern reports the site follows from it; the fused code still dispatches at run
     time (a caller may pass another)."""
     if not isinstance(node, ast.Name):
         return None
-    default = S.init_params(module, ctx.scope.class_name).get(node.id)
+    params = S.init_params(module, cls_name or ctx.scope.class_name)
+    default = params.get(node.id)
     if default is None:
+        if node.id in params and not name_only:
+            return _caller_default_kind(module, cls_name or ctx.scope.class_name, node.id)
         return None
     if name_only:
         v = const_value(default)
         return ACT_NAMES.get(v.lower()) if isinstance(v, str) else None
-    k = _module_act(module, default)
-    return k[0] if k is not None and k[0] != CONFIG else None
+    return _default_object_kind(module, default)
+
+
+def _caller_default_kind(module: ModuleInfo, cls_name: str | None, param: str, depth: int = 0) -> str | None:
+    """The activation a required ``__init__`` parameter gets from the module's own constructions of
+    the class (``GLU(..., activation_fn=activation_fn)`` inside ``DroplessMLP.__init__``, whose
+    parameter in turn comes from ``dMoE.__init__``'s default): one kind on every construction."""
+    if not cls_name or depth > 3:
+        return None
+    init = S.method(module, cls_name, "__init__")
+    if init is None:
+        return None
+    pos = [a.arg for a in (*init.args.posonlyargs, *init.args.args)][1:]
+    owners: list[tuple[ast.FunctionDef, str | None]] = [(f, None) for f in module.functions.values()]
+    owners += [(m, c) for c, cls in module.classes.items() for m in cls.body if isinstance(m, ast.FunctionDef)]
+    kinds: set[str | None] = set()
+    for fn, owner_cls in owners:
+        for call in (n for n in fast_walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == cls_name):
+            arg = next((k.value for k in call.keywords if k.arg == param), None)
+            if arg is None and param in pos and pos.index(param) < len(call.args):
+                arg = call.args[pos.index(param)]
+            if arg is None or isinstance(arg, ast.Starred):
+                kinds.add(None)
+                continue
+            fparams = {a.arg: d for a, d in zip(fn.args.args[::-1], [*fn.args.defaults[::-1], *[None] * len(fn.args.args)])}
+            fparams.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults)})
+            if isinstance(arg, ast.Name) and arg.id in fparams:
+                d = fparams[arg.id]
+                if d is not None:
+                    kinds.add(_default_object_kind(module, d))
+                elif owner_cls is not None and fn.name == "__init__":
+                    kinds.add(_caller_default_kind(module, owner_cls, arg.id, depth + 1))
+                else:
+                    kinds.add(None)
+            else:
+                kinds.add(_default_object_kind(module, arg))
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _module_value(module: ModuleInfo, name: str) -> ast.expr | None:
+    """The value of a module-level name assigned exactly once at the top level (a constant default)."""
+    found = [n.value for n in module.tree.body if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+    found += [n.value for n in module.tree.body if isinstance(n, ast.AnnAssign) and n.value is not None and isinstance(n.target, ast.Name) and n.target.id == name]
+    return found[0] if len(found) == 1 else None
+
+
+def _default_object_kind(module: ModuleInfo, node: ast.expr, depth: int = 0) -> str | None:
+    """The activation a default *object* is: ``nn.GELU(...)``/``F.silu``, a module-level constant
+    holding one (``DEFAULT_ACT = partial(F.gelu, approximate="tanh")``), a ``functools.partial`` of
+    an activation function, or a module-level resolver called with a literal naming one activation
+    (``resolve_act_fn({"name": "gelu", "approximate": "none"})``). It only picks which pattern
+    reports the site: the fused code dispatches on the object at run time."""
+    if depth > 3:
+        return None
+    if isinstance(node, ast.Name) and module.canonical(node) not in _FUNCS:
+        v = _module_value(module, node.id)
+        return _default_object_kind(module, v, depth + 1) if v is not None else None
+    k = _module_act(module, node)
+    if k is not None:
+        return k[0] if k[0] not in (CONFIG, GELU_DYN) else None
+    if isinstance(node, ast.Call) and module.canonical(node.func) in ("functools.partial", "partial") and node.args:
+        fk = _FUNCS.get(module.canonical(node.args[0]) or "")
+        if fk == GELU:
+            v = const_value(S.arg(node, "approximate", 10**6))
+            return GELU_TANH if v == "tanh" else GELU if v in (..., "none") else None
+        return fk
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in module.functions:
+        return _call_literal_kind(module, node)
+    return None
+
+
+def _call_literal_kind(module: ModuleInfo, call: ast.Call) -> str | None:
+    """The one activation a builder call's literal arguments name (a string, or a dict literal's
+    values, module-level constants followed): ``build_act("gelu")``, ``resolve({"name": "gelu"})``."""
+    strings: list[str] = []
+    for a in [*call.args, *(k.value for k in call.keywords)]:
+        if isinstance(a, ast.Name):
+            a = _module_value(module, a.id) or a
+        vals = a.values if isinstance(a, ast.Dict) else [a]
+        strings += [v for v in (const_value(x) for x in vals) if isinstance(v, str)]
+    kinds = {ACT_NAMES[v.lower()] for v in strings if v.lower() in ACT_NAMES}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind == GELU and "tanh" in strings:
+        kind = GELU_TANH
+    return kind
+
+
+def _assigning_class(module: ModuleInfo, class_name: str | None, attr: str, depth: int = 0) -> str | None:
+    """The class whose ``__init__`` assigns ``self.<attr>``: this one, else a base class defined in
+    the same module (``class MPTGLU(MPTMLP)`` inherits ``self.act`` from ``MPTMLP.__init__``)."""
+    if not class_name or class_name not in module.classes or depth > 3:
+        return None
+    if attr in S.init_assignments(module, class_name):
+        return class_name
+    if S.method(module, class_name, "__init__") is not None and _init_tuple_element(module, class_name, attr) is not None:
+        return None
+    for b in module.classes[class_name].bases:
+        if isinstance(b, ast.Name) and b.id in module.classes and b.id != class_name:
+            found = _assigning_class(module, b.id, attr, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _init_tuple_element(module: ModuleInfo, class_name: str | None, attr: str) -> tuple[ast.Call, int] | None:
@@ -365,12 +505,12 @@ def _gelu_hint(attr: str, key: ast.AST | None) -> bool:
     return "gelu" in text.lower()
 
 
-def _config_key(module: ModuleInfo, ctx: S.Ctx, key: ast.expr | None) -> ast.expr | None:
+def _config_key(module: ModuleInfo, ctx: S.Ctx, key: ast.expr | None, cls_name: str | None = None) -> ast.expr | None:
     """``ACT2FN[config.hidden_act]`` in __init__ -> ``self.config.hidden_act`` when __init__ keeps
     the config (``self.config = config``) or the key itself (``self.hidden_act = config.hidden_act``)."""
     if key is None:
         return None
-    init = S.init_assignments(module, ctx.scope.class_name)
+    init = S.init_assignments(module, cls_name or ctx.scope.class_name)
     kd = dotted(key)
     if kd is None:
         return None
@@ -432,6 +572,7 @@ class Gate:
     halves: Halves | None
     trace: S.Trace
     input_key: str | None  # the projections' common input
+    parts: str | None = None  # two parts of one chunk/split taken as operands: how ("chunk", "split")
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -463,17 +604,34 @@ def _act_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> A
             n, c = value, vctx
             continue
         break
+    moved = _device_move(n)
+    if moved:
+        n = n.func.value  # type: ignore[union-attr]
     if S.is_cast(n) and n.func.value is not None:  # type: ignore[union-attr]
         return None
     if not isinstance(n, ast.Call):
         return None
     act = classify_call(module, n, c)
     if act is not None:
+        act.moved = moved
         trace.stmts.update(t.stmts)
         # config-chosen, but the code calls its result gelu (T5: ``hidden_gelu = self.act(...)``)
         if act.kind == CONFIG and isinstance(node, ast.Name) and "gelu" in node.id.lower():
             act.gelu_hint = True
     return act
+
+
+def _device_move(n: ast.expr) -> bool:
+    """``t.to(device=d)`` / ``t.to(y.device)``: a device move only (no dtype): the values are
+    unchanged, so the activation under it is still the gate (llm-foundry's MPTGLU)."""
+    if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "to"):
+        return False
+    kws = {k.arg for k in n.keywords}
+    if None in kws or not kws <= {"device", "non_blocking"}:
+        return False
+    if n.args:
+        return len(n.args) == 1 and not kws & {"device"} and isinstance(n.args[0], ast.Attribute) and n.args[0].attr == "device"
+    return "device" in kws
 
 
 def _sigmoid_form(module: ModuleInfo, value: ast.BinOp, ctx: S.Ctx) -> Act | None:
@@ -539,6 +697,15 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                     equal = meth == "chunk"
                 else:
                     sv = const_value(size)
+                    if isinstance(size, (ast.List, ast.Tuple)) and len(size.elts) > 2 and not any(isinstance(e, ast.Starred) for e in size.elts) \
+                            and -len(size.elts) <= idx < len(size.elts):
+                        # one of 3+ sized parts (mamba2's in_proj split into z0, x0, z, xBC, dt): two parts
+                        # of one size can be the gate pair, taken as two operands concatenated; the
+                        # part's size (its key) is what the pairing compares
+                        # (the operands stay as written, so the split's statement need not join the
+                        # rewritten span: it may sit in an enclosing block, as in ``if d_mlp > 0:``)
+                        part = idx % len(size.elts)
+                        return (S.key(recv, bctx), recv, bctx, dim, part, "sized", (S.key(size.elts[part], bctx), ast.unparse(size.elts[part])))
                     if isinstance(size, (ast.List, ast.Tuple)):
                         if len(size.elts) != 2:
                             raise GateMiss("split into more than two parts")
@@ -603,6 +770,9 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
             return f"einsum[{args[0].value.replace(' ', '')}]{S.key(args[1], c)}"
         if not n.args and n.keywords and n.keywords[0].arg is not None:
             return S.key(n.keywords[0].value, c)  # ``grouped_mm(A=x, B_t=w, offs=...)``
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("matmul", "mm") and len(n.args) == 1 \
+            and not n.keywords and not (isinstance(n.func.value, ast.Name) and n.func.value.id in ("torch", "th")):
+        return S.key(n.func.value, c)  # ``x.matmul(w.t())``: the method's receiver is the input (``x @ w``)
     if isinstance(n, ast.Call) and n.args and not isinstance(n.args[0], ast.Starred):
         return S.key(n.args[0], c)
     if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
@@ -684,6 +854,17 @@ def _biased_halves(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ct
 def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     """A gated product ``act(a) * b`` at ``node`` (a Mult BinOp), or None; GateMiss for
     look-alikes whose structure the fused op cannot take."""
+    weak: list[Act] = []
+    try:
+        g = _find_gate(module, node, ctx, weak)
+    except GateMiss:
+        if weak and weak[0].weak:
+            return None  # an imported builder's object in a product that is no GLU: not even a look-alike
+        raise
+    return g
+
+
+def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]) -> Gate | None:
     factors: list[ast.expr] = []
     _flatten_mul(node, factors)
     if len(factors) not in (2, 3):
@@ -691,6 +872,15 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
     trace = S.Trace()
     acts = [(i, _act_of(module, f, ctx, trace)) for i, f in enumerate(factors)]
     found = [(i, a) for i, a in acts if a is not None]
+    if len(found) > 1 and any(a.weak for _, a in found):
+        # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
+        found = [(i, a) for i, a in found if not a.weak]
+    if len(found) > 1 and all(a.kind == CONFIG for _, a in found):
+        # two callables handed to __init__ (torchtune: self.w3 = up_proj, self.activation =
+        # activation): the one whose default is an activation is the activation
+        known = [(i, a) for i, a in found if a.default is not None]
+        if len(known) == 1:
+            found = known
     act: Act | None = None
     used: set[int] = set()
     if len(factors) == 2 and len(found) == 1 and found[0][1].kind != SIGMOID:
@@ -720,6 +910,7 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
                     break
     if act is None or act.gate is None:
         return None
+    chosen.append(act)
     rest = [k for k in range(len(factors)) if k not in used]
     if len(rest) != 1:
         return None
@@ -737,7 +928,16 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
             raise GateMiss("gate or up is the last part of a chunk, which is shorter than the others when the size does "
                            "not divide evenly (the product then broadcasts; the fused op would split wrongly)")
         # two equal parts of one tensor: the fused op takes them concatenated (exact for any dim)
-        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0])
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="chunk")
+    if sa is not None and sb is not None and "sized" in (sa[5], sb[5]):
+        if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
+            raise GateMiss("gate and up are not two parts of one split along one dim")
+        (ka, ta), (kb, tb_) = sa[6], sb[6]  # type: ignore[misc]
+        if ka != kb:
+            raise GateMiss(f"gate and up are split parts of sizes {ta} and {tb_}, not provably equal: the fused op "
+                           "halves its input, so act(a) * b must have two equal-width operands")
+        # two parts of one size: the fused op takes them concatenated (exact for any positions)
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="split")
     if sa is not None and sb is not None and sa[0] == sb[0]:
         if sa[5] == "slice":
             (ka, ba), (kb, bb) = sa[4], sb[4]  # type: ignore[misc]
@@ -800,10 +1000,21 @@ def _runtime_tests(module: ModuleInfo, act: Act, plan: S.SpanPlan | None) -> dic
         }
     assert act.obj is not None
     o = S.render(module, act.obj, act.ctx, plan)
+
+    # functools.partial(F.gelu, approximate="tanh") (megablocks/llm-foundry defaults): its func and
+    # keywords say what it computes; no positional arguments bound
+    def partial_of(fn: str, keywords: str) -> str:
+        return (f'(type({o}).__name__ == "partial" and getattr({o}, "func", None) is {T}.nn.functional.{fn} '
+                f'and not {o}.args and {o}.keywords in {keywords})')
+    p_silu = partial_of("silu", '({}, {"inplace": False})')
+    p_gelu = partial_of("gelu", '({}, {"approximate": "none"})')
+    p_tanh = partial_of("gelu", '({"approximate": "tanh"},)')
     return {
-        SILU: f'isinstance({o}, {T}.nn.SiLU) or type({o}).__name__ == "SiLUActivation" or {o} is {T}.nn.functional.silu',
-        GELU: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "none") or type({o}).__name__ == "GELUActivation" or {o} is {T}.nn.functional.gelu',
-        GELU_TANH: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "tanh") or type({o}).__name__ in ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation", "AccurateGELUActivation")',
+        SILU: f'isinstance({o}, {T}.nn.SiLU) or type({o}).__name__ == "SiLUActivation" or {o} is {T}.nn.functional.silu or {p_silu}',
+        GELU: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "none") or type({o}).__name__ == "GELUActivation" or {o} is {T}.nn.functional.gelu'
+              f' or {p_gelu}',
+        GELU_TANH: f'(isinstance({o}, {T}.nn.GELU) and {o}.approximate == "tanh") or type({o}).__name__ in ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation", "AccurateGELUActivation")'
+                   f' or {p_tanh}',
     }
 
 
@@ -876,6 +1087,13 @@ _ACT_WORDS = ("silu", "swish", "gelu", "sigmoid", "act", "glu", "relu", "tanh", 
 _ACT_SEARCH = tuple(sorted((w for w in _ACT_WORDS if not any(o != w and o in w for o in _ACT_WORDS)), key=lambda w: (w != "act", w)))
 
 
+def _has_sequential_attr(module: ModuleInfo, class_name: str | None) -> bool:
+    """The class keeps an ``nn.Sequential`` (whose last layer may be the activation: the forward
+    then names no activation at all, as in ``self.fc1(x) * self.gate(x)``)."""
+    return any(isinstance(v, ast.Call) and (dotted(v.func) or "").endswith("Sequential")
+               for v in S.init_assignments(module, class_name).values())
+
+
 def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     """Gated-activation findings and near misses of one scope, for both patterns (cached)."""
     cached = scope.__dict__.get("_npufuse_gates")
@@ -886,7 +1104,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     if isinstance(scope.node, ast.Module) or "*" not in S.scope_text(module, scope):
         return results
     text = S.scope_text(module, scope).lower()
-    if not any(w in text for w in _ACT_SEARCH):
+    if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name):
         return results
     lines = S.module_lines(module)
     for stmt in S.stmt_index(scope).stmts:
@@ -925,6 +1143,25 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     return results
 
 
+def _optional_gate(scope: Scope, stmt: ast.stmt, g: Gate) -> str | None:
+    """``h = act(gate(x))`` for every path, then ``if <test>: h = h * up(x)`` (torchtune's
+    FeedForward / LoRA experts with an optional up projection): the true reason it is not
+    rewritten, or None when the product is not such an optional gate."""
+    names = [n for n in (g.node.left, g.node.right) if isinstance(n, ast.Name)] if isinstance(g.node, ast.BinOp) else []
+    if not names:
+        return None
+    d = S.definition(S.Ctx(scope, stmt.lineno), names[0].id)
+    if d is None:
+        return None
+    parent = next((n for n in fast_walk(scope.node) if isinstance(n, ast.If) and any(x is stmt for x in n.body)), None)
+    if parent is None or any(x is d[0] for x in parent.body):
+        return None
+    return (f"optional gate: the activation (line {d[0].lineno}) runs on every path and the product only under "
+            f"`if {ast.unparse(parent.test)}:`; a correct rewrite must restructure both into if/else (fused op "
+            "under the if, the activation alone otherwise), which npufuse does not do, and fusing the product "
+            "alone would compute the gate projection twice")
+
+
 def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[Gate]) -> list[GateResult]:
     pat = owner(gates[0].act) or "swiglu"
 
@@ -949,7 +1186,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
         trace.stmts.update(g.trace.stmts)
     plan = S.plan_span(scope, stmt, trace)
     if isinstance(plan, str):
-        return miss(plan)
+        optional = _optional_gate(scope, stmt, g0)
+        return miss(optional or plan)
     dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
     inner = {id(n) for g in gates for n in fast_walk(g.node)}
     outside = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner} & dropped
@@ -1047,6 +1285,9 @@ def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str
         p["runtime_check"] = "config string" if act.config_key is not None else "activation type"
         if act.config_key is not None:
             p["config_key"] = S.render(module, act.config_key, act.ctx, plan)
+        if act.default is not None:
+            # what the code picks when nobody passes another: decides the pattern id; the code still dispatches
+            p["default_activation"] = act.default
     if g.halves is not None:
         h = g.halves
         p["source"] = "split"
@@ -1067,6 +1308,8 @@ def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str
             p["approximate"] = "runtime"
         else:
             p["approximate"] = "config"
+            if act.default in (GELU, GELU_TANH):
+                p["default_approximate"] = 0 if act.default == GELU else 1
         p["activate_left"] = (g.halves is None) or g.halves.gate_index == 0
     return p
 
@@ -1081,7 +1324,12 @@ def _as_written(module: ModuleInfo, op: Operand, plan: S.SpanPlan) -> str:
 def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
     risks: list[Risk] = [Risk("dtype", f"npu_{pat}: fp16/bf16/fp32 only (bf16 needs A2+)")]
     notes: list[str] = []
-    if g.halves is None:
+    if g.halves is None and g.parts is not None:
+        risks.append(Risk("other", f"two parts of one {g.parts} taken as operands: the fused op needs [gate, up] in one "
+                                   "tensor, so this adds a torch.cat copy of both parts (2 x T x I elements written and read "
+                                   "again) and keeps it for backward; npufuse does not slice the adjacent pair out of the "
+                                   "split tensor instead"))
+    elif g.halves is None:
         risks.append(Risk("other", "two projections: the fused op needs [gate, up] in one tensor, so this adds a torch.cat "
                                    "copy of both projection outputs (2 x T x I elements written and read again) and keeps it "
                                    "for backward; merge the two projection weights into one gate_up projection (once, at load) "
@@ -1095,6 +1343,10 @@ def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
             risks.append(Risk("layout", f"{g.halves.how} with a symbolic size: the fused op needs two equal halves "
                                         "(the split size must be half of the dim)"))
         risks.append(Risk("non_contiguous", "the split tensor is passed whole; .contiguous() is a no-op for a projection output"))
+    if g.act.moved:
+        risks.append(Risk("other", "the activation's result is moved with .to(device=...) before the product; the fused op "
+                                   "concatenates gate and up, so both must already be on one device (torch.cat raises "
+                                   "otherwise: an error, never wrong values)"))
     if g.act.kind == CONFIG:
         notes.append(f"activation chosen by config ({g.act.describe}): the fused branch checks at run time which one it is "
                      "(silu -> npu_swiglu, gelu/gelu_new -> npu_geglu) and keeps the original code otherwise")
@@ -1938,4 +2190,138 @@ Swiglu.KEEP += [
     # the last of three chunks is shorter when the size does not divide by 3: the product broadcasts
     Keep(_THREE_WAY.replace("F.silu(a) * b + c", "F.silu(a) * c + b"), reason="last part of a chunk",
          name="gate_pair_with_the_last_chunk"),
+]
+
+
+# -- issue 14, class 6: gate pair from a split into 3+ sized parts (mamba2-style in_proj) ------
+
+_SIZED_SPLIT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SplitMixer(nn.Module):
+    def __init__(self, d, d_mlp, d_ssm, nheads):
+        super().__init__()
+        self.d_mlp, self.d_ssm, self.nheads = d_mlp, d_ssm, nheads
+        self.in_proj = nn.Linear(d, 2 * d_mlp + 2 * d_ssm + nheads)
+
+    def forward(self, u):
+        zxbcdt = self.in_proj(u)
+        d_mlp = self.d_mlp
+        z0, x0, z, xbc, dt = torch.split(zxbcdt, [d_mlp, d_mlp, self.d_ssm, self.d_ssm, self.nheads], dim=-1)
+        y = xbc * torch.sigmoid(dt.mean(-1, keepdim=True)) + z
+        if d_mlp > 0:
+            y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+        return y
+'''
+
+_RUN_SIZED_SPLIT = '''
+m = SplitMixer(16, {d_mlp}, 8, 4)
+u = torch.randn(2, 3, 16, requires_grad=True)
+out = m(u)
+leaves = [u, m.in_proj.weight]
+'''
+
+Swiglu.FUSE += [
+    # the gate pair is two parts of one size of a 5-way sized split; the product sits under an if
+    # (the split in the enclosing block stays as written: the operands are the parts themselves)
+    Fuse(_SIZED_SPLIT, run=_RUN_SIZED_SPLIT.format(d_mlp=12), name="gate_pair_from_sized_split_under_if"),
+]
+
+Swiglu.KEEP += [
+    # z (d_ssm wide) times x0 (d_mlp wide): two parts whose sizes are not provably equal
+    Keep(_SIZED_SPLIT.replace("F.silu(z0) * x0", "F.silu(z) * x0"), reason="not provably equal",
+         name="sized_split_parts_of_different_sizes"),
+    # y * silu(z): z is a split part but y is computed from others (an output gate, not a GLU)
+    Keep(_SIZED_SPLIT.replace("torch.cat([F.silu(z0) * x0, y], dim=-1)", "y * F.silu(z)"),
+         reason="not projections of one input", name="sized_split_part_gating_another_output"),
+]
+
+
+# -- issue 14, class 6: an activation object made by an imported builder ---------------------
+
+# corenet-style: self.act = <imported builder>(...) (here copy.deepcopy of the module handed in);
+# nothing in the file says what it is, so the fused branch dispatches on the object at run time
+_BUILT_ACT = '''
+import copy
+
+import torch
+from torch import nn
+
+
+class FeedForwardNetwork(nn.Module):
+    def __init__(self, d, h, act):
+        super().__init__()
+        self.proj_1 = nn.Linear(d, 2 * h, bias=False)
+        self.proj_2 = nn.Linear(h, d, bias=False)
+        self.act = copy.deepcopy(act)
+
+    def forward(self, x):
+        y_12 = self.proj_1(x)
+        y_1, y_2 = y_12.chunk(2, dim=-1)
+        y = self.act(y_1) * y_2
+        return self.proj_2(y)
+'''
+
+_RUN_BUILT_ACT = '''
+m = FeedForwardNetwork(8, 12, {act})
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.proj_1.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_BUILT_ACT, expect={"conditional": True}, run=_RUN_BUILT_ACT.format(act="nn.SiLU()"), name="imported_builder_activation_silu"),
+    Fuse(_BUILT_ACT, expect={"conditional": True}, run=_RUN_BUILT_ACT.format(act="nn.GELU()"), name="imported_builder_activation_gelu"),
+]
+
+Swiglu.KEEP += [
+    # an imported builder's object beside a known activation is a projection, not the activation
+    # (llm-foundry: self.up_proj = build_fc(...)); here the two factors share no input: nothing at all
+    Keep(_BUILT_ACT.replace("y = self.act(y_1) * y_2", "y = self.act(y_1) * self.proj_2(y_12)"), reason="",
+         name="imported_builder_object_in_a_product_that_is_no_glu"),
+]
+
+
+# -- issue 14, class 6: projections and activation all handed to __init__ (torchtune) ----------
+
+_INJECTED = '''
+import torch
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, *, gate_proj, down_proj, up_proj=None, activation=nn.SiLU()):
+        super().__init__()
+        self.w1 = gate_proj
+        self.w2 = down_proj
+        self.w3 = up_proj
+        self.activation = activation
+
+    def forward(self, x):
+        return self.w2(self.activation(self.w1(x)) * self.w3(x))
+'''
+
+_RUN_INJECTED = '''
+m = FeedForward(gate_proj=nn.Linear(8, 12), down_proj=nn.Linear(12, 8), up_proj=nn.Linear(8, 12){arg})
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.w1.weight, m.w3.weight]
+'''
+
+Swiglu.FUSE += [
+    # self.w3 = up_proj and self.activation = activation are both callables from __init__: the one
+    # whose default is an activation (nn.SiLU()) is the activation
+    Fuse(_INJECTED, expect={"conditional": True}, run=_RUN_INJECTED.format(arg=""), name="injected_projections_default_silu"),
+    Fuse(_INJECTED, expect={"conditional": True}, run=_RUN_INJECTED.format(arg=", activation=nn.GELU(approximate='tanh')"),
+         name="injected_projections_caller_passes_tanh_gelu"),
+]
+
+Swiglu.KEEP += [
+    # the up projection is optional: activation on every path, the product only under the if
+    Keep(_INJECTED.replace("        return self.w2(self.activation(self.w1(x)) * self.w3(x))",
+                           "        h = self.activation(self.w1(x))\n        if self.w3 is not None:\n            h = h * self.w3(x)\n        return self.w2(h)"),
+         reason="optional gate", name="optional_up_projection_under_if"),
 ]
