@@ -883,7 +883,38 @@ class MiniCPMDecoderLayer(nn.Module):
         return hidden_states, residual
 '''
 
+
+_MULTILINE_OPERAND = '''
+import torch
+from torch import nn
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attention = nn.Linear(dim, dim)
+        self.feed_forward = nn.Linear(dim, dim)
+        self.ffn_norm = nn.RMSNorm(dim, 1e-5)
+        self.attention_norm = nn.RMSNorm(dim, 1e-5)
+        self.residual_multiplier = 0.5
+
+    def forward(self, x):
+        h = (
+            x
+            + self.attention(
+                self.attention_norm(x),
+            )
+            * self.residual_multiplier
+        )
+        out = h + self.feed_forward(self.ffn_norm(h)) * self.residual_multiplier
+        return out
+'''
+
 AddRmsNorm.FUSE = [
+    # an operand spread over lines inside the parentheses it came from (torchchat's block): it is
+    # bound as a whole expression, not cut out of its brackets (that did not parse)
+    Fuse(_MULTILINE_OPERAND, expect={"x1": "x"}, name="multiline_parenthesised_operand",
+         run="b = TransformerBlock(16)\nwith torch.no_grad():\n    out = b(torch.randn(2, 3, 16))\n"),
     Fuse(
         _HF_LAYER,
         expect={"x1": "residual", "x2": "hidden_states", "sum": "hidden_states", "norm": "self.post_attention_layernorm",
