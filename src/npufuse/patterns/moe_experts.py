@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import expert_mask
+from npufuse.scan.canonical import expert_mask, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -134,6 +134,7 @@ class _Site:
     flat_rows: bool = False  # token-mask routing: tokens/indices/probs may have leading dims, flattened to rows
     dense_gates: str = ""  # weights are gates[mask, e] of dense [.., E] gates: probs = gates.gather(-1, indices)
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
+    zero_link: str = ""  # the dropped else of a skip guard that added 0 * (...) to the output
     first_line: int = 0
     last_line: int = 0
 
@@ -332,6 +333,7 @@ class _Eval:
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
         self.local_start = ""  # range(start, end): the first global index of this rank's experts
         self.skip_empty = False  # experts without tokens are not called (a skip guard, or only hit experts visited)
+        self.zero_link = ""  # the else of a skip guard that only adds 0 * (...) to the output (dropped)
         self.count_guard: Optional[tuple[str, str]] = None  # (counts name, indices it counts) of `if counts[e] == 0: continue`
         self.masks: dict[str, tuple[str, str, str]] = {}  # mask name -> (indices, num_classes, orientation)
         self.flat: set[str] = set()  # flat expert-index names compared with the loop index
@@ -463,10 +465,13 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
-        if isinstance(s, ast.If) and not s.orelse and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
-                and self._nonempty_test(s.test):
-            # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch
+        if isinstance(s, ast.If) and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
+                and self._nonempty_test(s.test) and (not s.orelse or _adds_zero_only(s.orelse)):
+            # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch; an else
+            # that only adds `0 * ...` (keeping idle experts in the autograd graph) changes no value
             self.skip_empty = True
+            if s.orelse:
+                self.zero_link = ast.unparse(s.orelse[0])[:80]
             self.run_body(s.body)
             return
         if isinstance(s, ast.If):
@@ -584,8 +589,16 @@ class _Eval:
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
         kinds = ("tok", "kpos", "x", "tokmask", "flatmask")
+        if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "item" and not test.args:
+            test = test.func.value  # mask.any().item()
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
             return self.ev(test.func.value).kind in ("tokmask", "flatmask")
+        if isinstance(test, ast.Call) and _canon(self.m, test.func) == "torch.any" and len(test.args) == 1 and not test.keywords:
+            return self.ev(test.args[0]).kind in ("tokmask", "flatmask")
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
+                and const_value(test.comparators[0]) == 0 and isinstance(test.left, ast.Call) and not test.left.args \
+                and isinstance(test.left.func, ast.Attribute) and test.left.func.attr in ("sum", "count_nonzero"):
+            return self.ev(test.left.func.value).kind in ("tokmask", "flatmask")  # a bool mask's count: > 0 iff any
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
                 and const_value(test.comparators[0]) == 0:
             return self._size_kind(test.left) in kinds
@@ -682,6 +695,12 @@ class _Eval:
                 self.masks.pop(name, None)  # a mask tensor indexed some other way: not this expert's mask
             if kinds in (["tok"], ["none", "tok"], ["tok", "all"]):
                 return V("x", (name,))  # hidden_states[top_x] / [None, top_x]
+            if kinds == ["flatmask"] and shaped_like_indices(self.m, self.scope, name, self.ev(sl).args[0], self.loop.lineno):
+                # topk_weight[topk_idx == e]: [T, K] weights under their own indices' mask, one per
+                # token routed to e in token order (top-k indices are distinct)
+                self._tokmask(self.ev(sl).args[0])
+                self._set_probs(name)
+                return V("rw_flat")
             if kinds == ["flatmask"]:
                 self.flat.add(self.ev(sl).args[0])
                 return V("x", (name,))  # hidden_states[flat_topk_idx == i]
@@ -710,7 +729,7 @@ class _Eval:
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
             order = ("kpos", "tok") if base.args[0] == "kt" else ("tok", "kpos")
             return V(order[sl.value])
-        if base.kind == "rw_pre" and [self._part_kind(p) for p in parts] == ["all", "none"]:
+        if base.kind in ("rw_pre", "rw_flat") and [self._part_kind(p) for p in parts] == ["all", "none"]:
             return V("rw")  # w[top_x, idx][:, None]
         if base.kind in ("tok", "kpos") and [self._part_kind(p) for p in parts] == ["all"]:
             return base
@@ -789,6 +808,9 @@ class _Eval:
             if recv.kind == "tokcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
                                           or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
                 return V("tok")
+            if recv.kind == "rw_flat" and (attr in ("view", "reshape") and [const_value(a) for a in node.args] == [-1, 1]
+                                           or attr == "unsqueeze" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1)):
+                return V("rw")  # topk_weight[mask].view(-1, 1)
             if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 return V("rw")
             if attr in ("int", "long", "float", "to") and recv.kind == "slotmask":
@@ -801,6 +823,9 @@ class _Eval:
                 return V("rw_col")
             if attr == "squeeze" and recv.kind == "rw_col" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 return V("rw_row")
+            if recv.kind == "rw_flat" and (attr in ("view", "reshape") and [const_value(a) for a in node.args] == [-1, 1]
+                                           or attr == "unsqueeze" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1)):
+                return V("rw")  # topk_weight[mask].view(-1, 1)
             if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 return V("rw")
             if attr == "unsqueeze" and recv.kind == "rw_pre":
@@ -960,7 +985,7 @@ class _Eval:
             raise _Miss("the routing weight multiplies twice")
         if any(f.kind in ("proj", "mod_out") for f in factors):
             for n, f in zip(nodes, factors):
-                if f.kind == "unknown":
+                if f.kind in ("unknown", "x"):
                     raise _Miss(f"the expert output is multiplied by `{ast.unparse(n)[:50]}`, which is not recognised as "
                                 "the routing weight of the selected tokens")
         core = self._core_product([f for f in factors if f.kind != "rw"])
@@ -993,10 +1018,13 @@ class _Eval:
             raise _Miss("the loop writes its output more than once per expert")
         mode, target, contrib, extra = self.results[0]
         if mode == "accumulate":
-            return self._finish_mask_where(block, i, target, contrib)
-        if mode == "assign":
-            return self._finish_flat(block, i, target, contrib, extra)
-        return self._finish_sorted(block, i, target, contrib)
+            site = self._finish_mask_where(block, i, target, contrib)
+        elif mode == "assign":
+            site = self._finish_flat(block, i, target, contrib, extra)
+        else:
+            site = self._finish_sorted(block, i, target, contrib)
+        site.zero_link = self.zero_link
+        return site
 
     def _mlp(self, contrib: V, weighted: bool) -> _Mlp:
         scaled = contrib.kind == "scaled"
@@ -1342,6 +1370,24 @@ def _top_k(scope: Scope, indices: str, line: int) -> str:
             if k is not None:
                 return ast.unparse(k)
     return f"{indices}.shape[-1]"
+
+
+def _adds_zero_only(body: list[ast.stmt]) -> bool:
+    """Statements that change no value: ``out[...] += 0 * expr`` (DDP's trick to keep experts
+    without tokens in the autograd graph), possibly under ``if self.training:`` / ``elif``."""
+    for s in body:
+        if isinstance(s, ast.Pass):
+            continue
+        if isinstance(s, ast.If) and all(isinstance(n, (ast.Name, ast.Attribute, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Constant, ast.Load))
+                                         or isinstance(n, (ast.cmpop, ast.boolop, ast.unaryop)) for n in ast.walk(s.test)) \
+                and _adds_zero_only(s.body) and (not s.orelse or _adds_zero_only(s.orelse)):
+            continue
+        if isinstance(s, ast.AugAssign) and isinstance(s.op, ast.Add) and isinstance(s.value, ast.BinOp) \
+                and isinstance(s.value.op, ast.Mult) and any(isinstance(o, ast.Constant) and o.value == 0 and o.value is not False
+                                                              for o in (s.value.left, s.value.right)):
+            continue
+        return False
+    return bool(body)
 
 
 def _as_tuple(call: ast.Call) -> bool:
@@ -1906,6 +1952,12 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
             "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
             "nonzero / .cpu()",
         ]
+    if site.zero_link:
+        risks.append(Risk("other", f"the loop's else (`{site.zero_link}`) adds zero to the output so that experts "
+                          "without tokens still get a (zero) gradient, for DDP without find_unused_parameters; the "
+                          "fused text drops it: with stacked weights every expert still enters the grouped matmul (a zero "
+                          "gradient, as before); experts called as modules on their rows may not, so keep DDP's "
+                          "find_unused_parameters for them; a non-finite parameter no longer turns that output element into NaN"))
     if site.flat_rows:
         risks.append(Risk("other", f"tokens were picked with a token mask `({site.indices} == e).any(-1)`: that equals the "
                           "permute only while each token's expert indices are distinct (torch.topk gives distinct "
@@ -3662,4 +3714,76 @@ MoeExperts.KEEP += [
     Keep(_FUNCTIONAL_SPLIT.replace("        h = F.silu(torch.matmul(x_expert, w1[expert_idx]",
                                    "        w1 = w1 * 2\n        h = F.silu(torch.matmul(x_expert, w1[expert_idx]"),
          reason="is not a stacked parameter indexed by the expert", name="weight_rebound_inside_loop"),
+]
+
+
+# -- skip guards with a zero-adding else, weights under their indices' own mask ---------------------
+
+# `if mask.any(): ... elif self.training: out[0, 0] += 0 * sum(expert params)` (the else only keeps
+# idle experts in the autograd graph), weights read as topk_weight[topk_idx == e] after a keepdim
+# renormalisation, rows as mask.any(-1).nonzero()
+_GUARD_ZERO_ELSE = _HEAD + '''
+class FF(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = ACT2FN["silu"]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoeBlock(nn.Module):
+    def __init__(self, d, h, E, k, norm):
+        super().__init__()
+        self.k, self.norm = k, norm
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(E)])
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x_flat = x.view(-1, d)
+        scores = F.softmax(self.gate(x_flat), dim=-1)
+        topk_weight, topk_idx = torch.topk(scores, k=self.k, dim=-1, sorted=False)
+        if self.norm: topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        y = torch.zeros_like(x_flat)
+        for i, expert in enumerate(self.experts):
+            mask = (topk_idx == i)
+            if mask.any():
+                token_idx = mask.any(dim=-1).nonzero().flatten()
+                weight = topk_weight[mask].view(-1, 1)
+                y.index_add_(0, token_idx, (expert(x_flat[token_idx]) * weight).to(y.dtype))
+            elif self.training:
+                y[0, 0] += 0 * sum(p.sum() for p in expert.parameters())
+        return y.view(b, t, d)
+'''
+
+_GUARD_ZERO_ELSE_RUN = '''\
+moe = MoeBlock(16, 24, 6, 2, True)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[0].gate_proj.weight, moe.experts[5].down_proj.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_GUARD_ZERO_ELSE, name="skip_guard_with_zero_adding_else", run=_GUARD_ZERO_ELSE_RUN, expect={
+        "layout": "per_expert_linear", "routing": "mask_where", "indices": "topk_idx", "probs": "topk_weight",
+        "tokens": "x_flat", "output": "y"}),
+    # the guard as a count of the bool mask, weights under the mask of a gather over the indices
+    Fuse(_GUARD_ZERO_ELSE.replace("if mask.any():", "if mask.sum() > 0:").replace(
+        "        topk_weight, topk_idx = torch.topk(scores, k=self.k, dim=-1, sorted=False)\n",
+        "        _, topk_idx = torch.topk(scores, k=self.k, dim=-1, sorted=False)\n        topk_weight = scores.gather(-1, topk_idx)\n"),
+         name="count_guard_gathered_weights", run=_GUARD_ZERO_ELSE_RUN, expect={"probs": "topk_weight"}),
+]
+
+MoeExperts.KEEP += [
+    # the else adds something that is not zero: it changes the output
+    Keep(_GUARD_ZERO_ELSE.replace("y[0, 0] += 0 * sum", "y[0, 0] += 1e-3 * sum"),
+         reason="conditional code inside the expert loop", name="skip_guard_else_adds_nonzero"),
+    # renormalised over every weight (no keepdim): not provably [T, K] any more, so topk_weight[mask]
+    # is not known to be one weight per selected token
+    Keep(_GUARD_ZERO_ELSE.replace("topk_weight.sum(dim=-1, keepdim=True)", "topk_weight.sum(dim=-1)"),
+         reason="not recognised as the routing weight", name="weights_not_shaped_like_indices"),
 ]
