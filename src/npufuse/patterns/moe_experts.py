@@ -439,10 +439,10 @@ class _Eval:
             node = self.scope.definition(node.id, self.loop.lineno)  # type: ignore[assignment]
         if not isinstance(node, ast.Call):
             return None
-        if _canon(self.m, node.func) == "torch.split" and len(node.args) >= 2:
-            x, sizes, dim = node.args[0], node.args[1], keyword(node, "dim", 2)
-        elif isinstance(node.func, ast.Attribute) and node.func.attr == "split" and node.args:
-            x, sizes, dim = node.func.value, node.args[0], keyword(node, "dim", 1)
+        if _canon(self.m, node.func) == "torch.split" and node.args and keyword(node, "split_size_or_sections", 1) is not None:
+            x, sizes, dim = node.args[0], keyword(node, "split_size_or_sections", 1), keyword(node, "dim", 2)
+        elif isinstance(node.func, ast.Attribute) and node.func.attr == "split" and keyword(node, "split_size", 0) is not None:
+            x, sizes, dim = node.func.value, keyword(node, "split_size", 0), keyword(node, "dim", 1)
         else:
             return None
         if dim is not None and const_value(dim) != 0:
@@ -985,6 +985,9 @@ class _Eval:
             raise _Miss("the routing weight multiplies twice")
         if any(f.kind in ("proj", "mod_out") for f in factors):
             for n, f in zip(nodes, factors):
+                if f.kind == "unknown" and isinstance(n, ast.Name) and f.args and str(f.args[0]) != n.id and "(" in str(f.args[0]):
+                    raise _Miss(f"`{n.id}` = `{str(f.args[0])[:50]}` multiplies the expert output and is not recognised: "
+                                "neither the routing weight nor a known activation")
                 if f.kind in ("unknown", "x"):
                     raise _Miss(f"the expert output is multiplied by `{ast.unparse(n)[:50]}`, which is not recognised as "
                                 "the routing weight of the selected tokens")
@@ -1292,6 +1295,9 @@ class _Eval:
             if self.scope.uses_after(n, end):
                 raise _Miss(f"`{n}` (set in the expert loop) is used after it; the fused layer does not produce it")
         for name in (site.tokens, site.indices, site.probs):
+            if name and name == self.split_name == site.tokens and sum(name in _assigned([st]) for st in stmts) == 1 \
+                    and not any(name in _assigned([st]) for st in stmts if isinstance(st, (ast.For, ast.While))):
+                continue  # x = torch.split(x, counts): the one rebinding is the split the fused text replaces
             if name and name in inside and name != site.counts:
                 raise _Miss(f"`{name}` is reassigned inside the expert loop")
 
@@ -1505,7 +1511,29 @@ def _activation_attr(module: ModuleInfo, scope: Scope, attr: str, owner: str) ->
     if scope.class_name is None or scope.class_name not in module.classes:
         return None
     value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)
+    if isinstance(value, ast.Name) and _activation_parameter(module, module.classes[scope.class_name], value.id):
+        return _Act("config", attr, owner)  # self.act_fn = activation (the caller's choice): applied as is
     return _activation_value(module, value, attr, owner) if value is not None else None
+
+
+def _activation_parameter(module: ModuleInfo, cls: ast.ClassDef, name: str) -> bool:
+    """Whether ``name`` is an ``__init__`` parameter that holds an activation function: its default
+    is one (``activation: Callable = F.silu``, ``nn.SiLU()``) or its annotation says ``Callable``."""
+    init = _method(module, cls, "__init__")
+    if init is None:
+        return False
+    a = init.args
+    pos = a.posonlyargs + a.args
+    pairs = list(zip(pos[len(pos) - len(a.defaults):], a.defaults)) + [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+    for arg, default in pairs:
+        if arg.arg == name:
+            d = default.func if isinstance(default, ast.Call) else default
+            if _canon(module, d) in _SILU | _ACT_FUNCS | _ACT_CLASSES | {"torch.nn.functional.gelu"}:
+                return True
+    for arg in pos + a.kwonlyargs:
+        if arg.arg == name and arg.annotation is not None and "Callable" in ast.unparse(arg.annotation):
+            return True
+    return False
 
 
 def _expert_class(ev: _Eval) -> ast.ClassDef:
@@ -3786,4 +3814,64 @@ MoeExperts.KEEP += [
     # is not known to be one weight per selected token
     Keep(_GUARD_ZERO_ELSE.replace("topk_weight.sum(dim=-1, keepdim=True)", "topk_weight.sum(dim=-1)"),
          reason="not recognised as the routing weight", name="weights_not_shaped_like_indices"),
+]
+
+
+# -- split loops: the split bound back to the tokens' name, the activation passed into __init__ ------
+
+# torchtune-style GroupedExperts without grouped_mm: x = torch.split(x, split_size_or_sections=...),
+# stacked slices bound by tuple unpacking, `self.act_fn = activation` (an __init__ argument)
+_SPLIT_REBOUND = _HEAD + '''
+class GroupedExperts(nn.Module):
+    def __init__(self, *, dim, hidden_dim, num_experts=1, activation=F.silu):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * 0.1)
+        self.up_proj = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * 0.1)
+        self.act_fn = activation
+
+    def forward(self, x, num_tokens_per_expert):
+        x = torch.split(
+            x,
+            split_size_or_sections=num_tokens_per_expert.tolist(),
+            dim=0,
+        )
+        out_experts_splits = []
+        for expert_idx, x_expert in enumerate(x):
+            w1, w2, w3 = (
+                self.gate_proj[expert_idx],
+                self.down_proj[expert_idx],
+                self.up_proj[expert_idx],
+            )
+            h = self.act_fn(torch.matmul(x_expert, w1))
+            h = h * torch.matmul(x_expert, w3)
+            h = torch.matmul(h, w2)
+            out_experts_splits.append(h)
+        out = torch.cat(out_experts_splits, dim=0)
+        return out
+'''
+
+_SPLIT_REBOUND_RUN = '''\
+ex = GroupedExperts(dim=16, hidden_dim=24, num_experts=4)
+x = torch.randn(14, 16, requires_grad=True)
+out = ex(x, torch.tensor([3, 0, 6, 5]))
+leaves = [x, ex.gate_proj, ex.down_proj, ex.up_proj]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SPLIT_REBOUND, name="split_bound_to_token_name_activation_argument", run=_SPLIT_REBOUND_RUN, expect={
+        "routing": "sorted_counts", "layout": "stacked_in_out", "tokens": "x", "counts": "num_tokens_per_expert",
+        "weights": {"gate": "self.gate_proj", "up": "self.up_proj", "down": "self.down_proj"}}),
+    # the same with nn.GELU() passed in (applied as is between the grouped matmuls)
+    Fuse(_SPLIT_REBOUND, name="split_rebound_gelu_activation_argument", run=_SPLIT_REBOUND_RUN.replace(
+        "num_experts=4)", "num_experts=4, activation=nn.GELU())"), expect={"activation": "gated:config (self.act_fn)"}),
+]
+
+MoeExperts.KEEP += [
+    # the split tuple is still read after the loop: the fused text does not produce it
+    Keep(_SPLIT_REBOUND.replace("        return out\n", "        return out, len(x)\n"),
+         reason="is used after it", name="split_tuple_used_after_the_loop"),
+    # an __init__ argument nothing says is an activation (no default, no Callable annotation)
+    Keep(_SPLIT_REBOUND.replace("activation=F.silu", "activation"),
+         reason="neither the routing weight nor a known activation", name="activation_argument_of_unknown_kind"),
 ]
