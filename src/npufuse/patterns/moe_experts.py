@@ -333,12 +333,14 @@ class _Eval:
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
         self.local_start = ""  # range(start, end): the first global index of this rank's experts
         self.skip_empty = False  # experts without tokens are not called (a skip guard, or only hit experts visited)
+        self.device_moves: set[str] = set()  # names rebound to themselves on another device inside the loop
         self.zero_link = ""  # the else of a skip guard that only adds 0 * (...) to the output (dropped)
         self.count_guard: Optional[tuple[str, str]] = None  # (counts name, indices it counts) of `if counts[e] == 0: continue`
         self.masks: dict[str, tuple[str, str, str]] = {}  # mask name -> (indices, num_classes, orientation)
         self.flat: set[str] = set()  # flat expert-index names compared with the loop index
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
         self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
+        self.indexed_module: Optional[ast.Attribute] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
         self.where_indices = ""
         self.probs = ""
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
@@ -514,6 +516,9 @@ class _Eval:
             # maybe one expert's slice of a stacked weight (w1 = self.w1[e]), used as such only by a
             # projection; the name keeps its value otherwise (a mask row, an expert module)
             self.weight_alias[tgt.id] = s.value
+        if isinstance(tgt, ast.Name) and _device_move_of(s.value, tgt.id):
+            self.device_moves.add(tgt.id)  # out = out.to(y.device): the same values (pipeline-parallel generation)
+            return
         if isinstance(tgt, ast.Name):
             if tgt.id in self.eidx and self._is_eidx(s.value):
                 return  # expert_idx = expert_idx[0] / int(expert_idx) / expert_idx.item()
@@ -785,6 +790,8 @@ class _Eval:
                 return recv
             if attr == "tolist" and recv.kind in ("tok", "kpos"):
                 return recv
+            if recv.kind in ("tok", "kpos") and _device_move_of(node, None):
+                return recv  # token_idx.to(y.device): the same indices
             if attr == "squeeze" and recv.kind == "mask_e":
                 return recv
             if attr == "nonzero" and recv.kind == "mask_e" and _as_tuple(node):
@@ -876,6 +883,16 @@ class _Eval:
             return V("sigmoid", (self.ev(node.args[0]),))
         if name in _ACT_FUNCS and node.args:
             return V("act", (_Act("call", _template(node)), self.ev(node.args[0])))
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 2 \
+                and not node.keywords and self._is_eidx(node.args[1]) and self.expert_init is None:
+            # self.mlp(rows, e): one module holding every expert, called with the expert's index
+            x = self.ev(node.args[0])
+            if x.kind not in ("x", "x_sorted"):
+                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`, not on the selected tokens")
+            if self.indexed_module is not None and ast.dump(self.indexed_module) != ast.dump(f):
+                raise _Miss("two different expert expressions in one loop")
+            self.indexed_module = f
+            return V("mod_out", (x, False))
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
         if fv.kind == "indexed" and not self._is_expert_container(fv.args[0].value):
@@ -1212,6 +1229,12 @@ class _Eval:
         assert mlp is not None
         if mlp.layout not in ("per_expert_linear", "opaque"):
             return
+        if self.indexed_module is not None:
+            if self.loop_kind != "range" or self.local_start:
+                raise _Miss("a module called with the expert index, in a loop that is not range(E)")
+            mod = ast.unparse(self.indexed_module)  # one callable per expert, its index bound early
+            site.experts_list = f"[(lambda {P}r, {P}e={P}i: {mod}({P}r, {P}e)) for {P}i in range({site.bins})]"
+            return
         if self.loop_kind == "enumerate_experts" or (self.loop_kind == "counts" and self.experts_list):
             site.experts_list = self.experts_list
             return
@@ -1290,7 +1313,7 @@ class _Eval:
         self._check_span(block[start : i + 2], site, {site.out_name} - {""}, site.last_line)
 
     def _check_span(self, stmts: list[ast.stmt], site: _Site, produced: set[str], end: int) -> None:
-        inside = _assigned(stmts)
+        inside = _assigned(stmts) - self.device_moves
         for n in sorted(inside - produced):
             if self.scope.uses_after(n, end):
                 raise _Miss(f"`{n}` (set in the expert loop) is used after it; the fused layer does not produce it")
@@ -1376,6 +1399,21 @@ def _top_k(scope: Scope, indices: str, line: int) -> str:
             if k is not None:
                 return ast.unparse(k)
     return f"{indices}.shape[-1]"
+
+
+def _device_move_of(value: ast.expr, name: Optional[str]) -> bool:
+    """``name.to(<expr>.device)`` / ``name.to(device=...)`` / ``name.to(<device name>)``: the same
+    values on another device (``name`` None: any receiver). A dtype argument could round: not a move."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to"):
+        return False
+    if name is not None and not (isinstance(value.func.value, ast.Name) and value.func.value.id == name):
+        return False
+    if value.keywords and all(k.arg in ("device", "non_blocking") for k in value.keywords) and not value.args:
+        return any(k.arg == "device" for k in value.keywords)
+    if len(value.args) != 1 or value.keywords:
+        return False
+    arg = value.args[0]
+    return isinstance(arg, ast.Attribute) and arg.attr == "device"
 
 
 def _adds_zero_only(body: list[ast.stmt]) -> bool:
@@ -1539,6 +1577,8 @@ def _activation_parameter(module: ModuleInfo, cls: ast.ClassDef, name: str) -> b
 def _expert_class(ev: _Eval) -> ast.ClassDef:
     """The class of the per-expert modules, from ``self.experts = nn.ModuleList([...])``."""
     m, scope = ev.m, ev.scope
+    if ev.indexed_module is not None:
+        raise _Miss(f"the experts are one module called with the expert index (`{ast.unparse(ev.indexed_module)}(rows, e)`)")
     container = ev.template.value if ev.template is not None else None
     if container is None and (ev.loop_kind == "enumerate_experts" or ev.experts_node is not None):
         container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
@@ -1632,6 +1672,9 @@ def _wkey(proj: V) -> tuple[str, str]:
 
 def _mlp_from(out: V, layout: str, owner: str) -> _Mlp:
     """Read the MLP IR off the output value: proj(down, glu|act(proj(...)))."""
+    if out.kind == "unknown" and out.args and out.args[0] != "product":
+        raise _Miss(f"the expert output `{str(out.args[0])[:60]}` is not recognised: neither an expert module called on "
+                    "the selected rows (with at most its index) nor a projection of a hidden activation")
     if out.kind != "proj":
         raise _Miss("the expert output is not a projection of its hidden activation")
     down, down_orient = _wkey(out)
@@ -3874,4 +3917,76 @@ MoeExperts.KEEP += [
     # an __init__ argument nothing says is an activation (no default, no Callable annotation)
     Keep(_SPLIT_REBOUND.replace("activation=F.silu", "activation"),
          reason="neither the routing weight nor a known activation", name="activation_argument_of_unknown_kind"),
+]
+
+
+# -- one module holding every expert, called with the expert index; device moves in the loop ---------
+
+# dropless MoE (megablocks-style weights [E*F, H] viewed per expert): `self.mlp(rows, e)`; tensors moved
+# to the output's device inside the loop (pipeline-parallel generation): the same values
+_INDEXED_MODULE = _HEAD + '''
+class GLU(nn.Module):
+    def __init__(self, hidden, ffn, num_experts):
+        super().__init__()
+        self.hidden, self.ffn, self.n = hidden, ffn, num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts * ffn, hidden) * hidden ** -0.5)
+        self.v1 = nn.Parameter(torch.randn(num_experts * ffn, hidden) * hidden ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts * ffn, hidden) * ffn ** -0.5)
+
+    def forward(self, x, expert_idx):
+        w1 = self.w1.view(self.n, self.ffn, self.hidden)[expert_idx]
+        v1 = self.v1.view(self.n, self.ffn, self.hidden)[expert_idx]
+        w2 = self.w2.view(self.n, self.ffn, self.hidden)[expert_idx]
+        return (F.gelu(x @ w1.t()) * (x @ v1.t())) @ w2
+
+
+class Dropless(nn.Module):
+    def __init__(self, hidden, ffn, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+        self.mlp = GLU(hidden, ffn, num_experts)
+
+    def forward(self, x, expert_weights, top_experts):
+        in_shape = x.shape
+        x = x.view(-1, in_shape[-1])
+        out = torch.zeros_like(x)
+        expert_mask = F.one_hot(top_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(0, self.num_experts):
+            topk_idx, token_idx = torch.where(expert_mask[expert_idx])
+            if token_idx.shape[0] == 0:
+                continue
+            token_list = token_idx.tolist()
+            topk_list = topk_idx.tolist()
+            expert_tokens = x[None, token_list].reshape(-1, in_shape[-1])
+            y = self.mlp(expert_tokens, expert_idx)
+            expert_weights = expert_weights.to(y.device)
+            expert_out = y * expert_weights[token_list, topk_list, None]
+            out = out.to(y.device)
+            token_idx = token_idx.to(y.device)
+            out.index_add_(0, token_idx, expert_out)
+        return out.view(in_shape)
+'''
+
+_INDEXED_MODULE_RUN = '''\
+moe = Dropless(16, 24, 5)
+x = torch.randn(2, 6, 16, requires_grad=True)
+w, idx = torch.randn(12, 5).softmax(-1).topk(2, dim=-1)
+w = w.detach().requires_grad_()
+out = moe(x, w, idx)
+leaves = [x, w, moe.mlp.w1, moe.mlp.v1, moe.mlp.w2]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_INDEXED_MODULE, name="module_called_with_expert_index_device_moves", run=_INDEXED_MODULE_RUN, expect={
+        "layout": "expert_modules", "loop": "range", "indices": "top_experts", "probs": "expert_weights",
+        "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # a dtype cast is not a device move: the weights would be rounded inside the loop only
+    Keep(_INDEXED_MODULE.replace("expert_weights.to(y.device)", "expert_weights.to(torch.float16)"),
+         reason="not recognised as the routing weight", name="weights_cast_inside_loop"),
+    # the module gets something else than the expert index: not one expert per call
+    Keep(_INDEXED_MODULE.replace("self.mlp(expert_tokens, expert_idx)", "self.mlp(expert_tokens, 0)"),
+         reason="neither an expert module called on the selected rows", name="module_called_with_a_constant_index"),
 ]
