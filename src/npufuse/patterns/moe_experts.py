@@ -160,6 +160,11 @@ class MoeExperts(Pattern):
             yield from _grouped_mm_sites(module, scope)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
+                if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
+                    found = _split_projection(module, scope, block, i)
+                    if found is not None:
+                        yield found
+                        continue
                 if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
                     reason = _comprehension_over_experts(stmt.value)
                     if reason:
@@ -222,6 +227,139 @@ def _relevant(module: ModuleInfo) -> bool:
         grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and "_grouped_mm" in src  # read per scope by detect
         cached = module.__dict__["_npufuse_moe_relevant"] = grouped or (torch_file and ("index_add" in src or "xpert" in src))
     return bool(cached)
+
+
+def _split_projection(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """One stacked projection over rows already sorted by expert (expert-parallel Column/Row
+    experts): ``xs = x.split(counts.tolist())``; ``ys = [F.linear(xs[e], W[e]) for e in range(E)]``
+    (or ``xs[e] @ W[e]``, ``enumerate(xs)``); ``y = torch.cat(ys)`` -> one npu_grouped_matmul with
+    the device counts. None when the three statements are not that form."""
+    split_st, comp_st, cat_st = block[i - 1], block[i], block[i + 1]
+    if not (isinstance(split_st, ast.Assign) and len(split_st.targets) == 1 and isinstance(split_st.targets[0], ast.Name)):
+        return None
+    comp = comp_st.value  # type: ignore[attr-defined]
+    if len(comp_st.targets) != 1 or not isinstance(comp_st.targets[0], ast.Name):  # type: ignore[attr-defined]
+        return None
+    parts = name_of_split = split_st.targets[0].id
+    call = split_st.value
+    if not isinstance(call, ast.Call):
+        return None
+    if _canon(module, call.func) == "torch.split" and call.args:
+        x, sizes, dim = call.args[0], keyword(call, "split_size_or_sections", 1), keyword(call, "dim", 2)
+    elif isinstance(call.func, ast.Attribute) and call.func.attr == "split":
+        x, sizes, dim = call.func.value, keyword(call, "split_size", 0), keyword(call, "dim", 1)
+    else:
+        return None
+    if sizes is None or not isinstance(x, ast.Name) or (dim is not None and const_value(dim) != 0):
+        return None
+    host = _host_counts(scope, sizes, split_st.lineno)
+    if host is None:
+        return None
+    counts = host[0]
+    if len(comp.generators) != 1 or comp.generators[0].ifs or comp.generators[0].is_async:
+        return None
+    gen = comp.generators[0]
+    elt = comp.elt
+    bound = ""
+    if isinstance(gen.target, ast.Name) and isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) == "range" \
+            and len(gen.iter.args) == 1 and not gen.iter.keywords:
+        e = gen.target.id  # [F.linear(xs[e], W[e]) for e in range(E)]
+        bound = segment(module, gen.iter.args[0])
+
+        def is_part(n: ast.expr) -> bool:
+            return isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == parts \
+                and isinstance(n.slice, ast.Name) and n.slice.id == e
+    elif isinstance(gen.target, ast.Tuple) and len(gen.target.elts) == 2 and all(isinstance(t, ast.Name) for t in gen.target.elts) \
+            and isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) == "enumerate" and len(gen.iter.args) == 1 \
+            and isinstance(gen.iter.args[0], ast.Name) and gen.iter.args[0].id == parts:
+        e, part = gen.target.elts[0].id, gen.target.elts[1].id  # type: ignore[attr-defined]
+
+        def is_part(n: ast.expr) -> bool:
+            return isinstance(n, ast.Name) and n.id == part
+    else:
+        return None
+    if isinstance(elt, ast.Call) and _canon(module, elt.func) == "torch.nn.functional.linear" and len(elt.args) == 2 and not elt.keywords:
+        a, w, orient = elt.args[0], elt.args[1], "out_in"  # F.linear(x, W[e]) = x @ W[e].T
+    elif isinstance(elt, ast.Call) and _canon(module, elt.func) in _MATMUL and len(elt.args) == 2 and not elt.keywords:
+        a, w, orient = elt.args[0], elt.args[1], "in_out"
+    elif isinstance(elt, ast.BinOp) and isinstance(elt.op, ast.MatMult):
+        a, w, orient = elt.left, elt.right, "in_out"
+    else:
+        return None
+    if not is_part(a) or not (isinstance(w, ast.Subscript) and isinstance(w.slice, ast.Name) and w.slice.id == e):
+        return None
+    weight = w.value
+    if any(isinstance(n, ast.Name) and n.id in (e, parts) for n in fast_walk(weight)) or not isinstance(weight, (ast.Name, ast.Attribute)):
+        return None
+    out_name, returns = "", isinstance(cat_st, ast.Return)
+    cat = cat_st.value if isinstance(cat_st, (ast.Return, ast.Assign)) else None
+    if isinstance(cat_st, ast.Assign):
+        if len(cat_st.targets) != 1 or not isinstance(cat_st.targets[0], ast.Name):
+            return None
+        out_name = cat_st.targets[0].id
+    listed = comp_st.targets[0].id  # type: ignore[attr-defined]
+    if not (isinstance(cat, ast.Call) and _canon(module, cat.func) == "torch.cat" and len(cat.args) >= 1
+            and isinstance(cat.args[0], ast.Name) and cat.args[0].id == listed):
+        return None
+    cat_dim = keyword(cat, "dim", 1)
+    if cat_dim is not None and const_value(cat_dim) != 0:
+        return None
+    stmts = [split_st, comp_st, cat_st]
+    end = cat_st.end_lineno or cat_st.lineno
+    first, last = split_st.lineno, end
+    for n in sorted({name_of_split, listed} - {out_name}):
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, first, last, f"`{n}` (the per-expert pieces) is used after the "
+                            "concatenation; the grouped matmul does not produce it")
+    w_text, x_text = segment(module, weight), x.id
+    gw = f"{w_text}.transpose(1, 2)" if orient == "out_in" else w_text
+    check = f"{counts}.numel() == {w_text}.shape[0]" + (f" == {bound}" if bound else "")
+    result = f"return {P}y" if returns else f"{out_name} = {P}y"
+    original = "\n".join("    " + ln for st in stmts for ln in ast.unparse(st).splitlines())
+    lines = [
+        _GMM_FUNCTION.rstrip("\n"),
+        f"if {w_text}.dim() == 3 and {x_text}.dim() == 2 and {check}:",
+        f"    # rows of {x_text} are sorted by expert; {counts} holds the per-expert counts on the device",
+        f"    {P}y = {P}gmm({x_text}, {gw}.to({x_text}.dtype), {counts}.to(torch.int64))",
+        f"    {result}",
+        "else:  # other shapes (a per-expert vector weight, a count list of another length): as written",
+        original,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": bound or f"{w_text}.shape[0]",
+        "top_k": "(tokens pre-sorted by expert)",
+        "layout": f"stacked_{orient}",
+        "weights": {"proj": w_text},
+        "activation": "none (one projection)",
+        "conditional": True,
+        "routing_weights": "outside",
+        "routing": "sorted_counts",
+        "loop": "comprehension",
+        "tokens": x_text,
+        "indices": None,
+        "probs": None,
+        "counts": counts,
+        "output": out_name,
+        "output_dtype": None,
+        "sentinel_index": None,
+    }
+    risks = [
+        Risk("dynamic_shape", "per-expert counts are data dependent; they reach npu_grouped_matmul as a device tensor "
+             "(the original moved them to the host for torch.split)"),
+        Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32; the weight is cast to the tokens' dtype (F.linear requires "
+             "them equal already)"),
+        Risk("other", f"the fused branch runs only for a 3-D weight, 2-D rows and one count per weight group "
+             f"({check}); anything else keeps the per-expert projections as written"),
+    ]
+    notes = [
+        "one stacked projection per call (a Column/Row-parallel experts layer): the per-expert matmuls over "
+        "torch.split pieces become one grouped matmul; npu_grouped_matmul has no backward in torch_npu 2.14: the fused "
+        "text wraps it in an autograd.Function (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)",
+    ]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=first, end_line=last, params=params, fused="\n".join(lines) + "\n",
+        guard_tensor=x_text, confidence="high", variant="grouped_projection", risks=risks, notes=notes, training_ok=True,
+    )
 
 
 def _comprehension_over_experts(comp: ast.expr) -> str:
@@ -3989,4 +4127,55 @@ MoeExperts.KEEP += [
     # the module gets something else than the expert index: not one expert per call
     Keep(_INDEXED_MODULE.replace("self.mlp(expert_tokens, expert_idx)", "self.mlp(expert_tokens, 0)"),
          reason="neither an expert module called on the selected rows", name="module_called_with_a_constant_index"),
+]
+
+
+# -- one stacked projection over rows sorted by expert (Column/Row-parallel experts) ----------------
+
+_SPLIT_PROJECTION = _HEAD + '''
+class ColumnExperts(nn.Module):
+    def __init__(self, num_experts, in_features, out_features):
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.randn(num_experts, out_features, in_features) * in_features ** -0.5)
+
+    def forward(self, x, expert_frequency):
+        weight = self.weight
+        x = x.split(expert_frequency.tolist(), dim=0)
+        x = [F.linear(x[i], weight[i]) for i in range(self.num_experts)]
+        x = torch.cat(x, dim=0)
+        return x
+'''
+
+_SPLIT_PROJECTION_RUN = '''\
+layer = ColumnExperts(4, 16, 24)
+x = torch.randn(13, 16, requires_grad=True)
+out = layer(x, torch.tensor([3, 0, 6, 4]))
+leaves = [x, layer.weight]
+'''
+
+# the [E, in, out] layout, pieces from enumerate, the concatenation returned
+_SPLIT_PROJECTION_IN_OUT = _HEAD + '''
+def grouped_experts_projection(tokens, w, counts):
+    pieces = torch.split(tokens, counts.tolist())
+    outs = [p @ w[e] for e, p in enumerate(pieces)]
+    return torch.cat(outs)
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SPLIT_PROJECTION, name="split_projection_column_experts", run=_SPLIT_PROJECTION_RUN, expect={
+        "layout": "stacked_out_in", "routing": "sorted_counts", "tokens": "x", "counts": "expert_frequency",
+        "weights": {"proj": "weight"}, "num_experts": "self.num_experts"}),
+    Fuse(_SPLIT_PROJECTION_IN_OUT, name="split_projection_enumerate_in_out_returned", run='''\
+w = (torch.randn(3, 16, 8) * 0.25).requires_grad_()
+x = torch.randn(9, 16, requires_grad=True)
+out = grouped_experts_projection(x, w, torch.tensor([4, 5, 0]))
+leaves = [x, w]
+''', expect={"layout": "stacked_in_out", "weights": {"proj": "w"}, "counts": "counts"}),
+]
+
+MoeExperts.KEEP += [
+    # the pieces are read again after the concatenation: the grouped matmul does not produce them
+    Keep(_SPLIT_PROJECTION_IN_OUT.replace("    return torch.cat(outs)\n", "    y = torch.cat(outs)\n    return y, pieces\n"),
+         reason="is used after the concatenation", name="split_pieces_used_after"),
 ]
