@@ -158,6 +158,8 @@ class MoeExperts(Pattern):
         quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
         if module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _grouped_mm_sites(module, scope)
+        if _sort_combine_text(module):
+            yield from _sort_permute_sites(module, scope)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
                 if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
@@ -360,6 +362,201 @@ def _split_projection(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
         pattern=_ID, qualname=scope.qualname, line=first, end_line=last, params=params, fused="\n".join(lines) + "\n",
         guard_tensor=x_text, confidence="high", variant="grouped_projection", risks=risks, notes=notes, training_ok=True,
     )
+
+
+def _sort_combine_text(module: ModuleInfo) -> bool:
+    """The file sorts something and adds rows back (string tests, once per file)."""
+    cached = module.__dict__.get("_npufuse_moe_sort_combine")
+    if cached is None:
+        src = module.source
+        cached = module.__dict__["_npufuse_moe_sort_combine"] = "index_add" in src and ("sort(" in src or "argsort" in src)
+    return bool(cached)
+
+
+def _flat_of(node: Optional[ast.expr]) -> Optional[str]:
+    """``E`` of ``E.flatten()`` / ``E.view(-1)`` / ``E.reshape(-1)`` (E a name)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and (node.func.attr == "flatten" and not node.args or node.func.attr in ("view", "reshape")
+                 and [const_value(a) for a in node.args] == [-1]) and not node.keywords:
+        return node.func.value.id
+    return None
+
+
+def _sort_order_of(scope: Scope, name: str, line: int) -> Optional[str]:
+    """``E`` when ``name`` is the ascending sort order of the flattened expert indices
+    (``_, order = E.flatten().sort()`` / ``torch.sort(E.view(-1))`` / ``E.flatten().argsort()``)."""
+    node = scope.definition(name, line)
+    if isinstance(node, ast.Subscript) and const_value(node.slice) == 1 and isinstance(node.value, ast.Call):
+        call, want = node.value, "sort"
+    elif isinstance(node, ast.Call):
+        call, want = node, "argsort"
+    else:
+        return None
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr == want and not call.args:
+        src = f.value
+    elif (dotted(f) or "") == f"torch.{want}" and len(call.args) == 1:
+        src = call.args[0]
+    else:
+        return None
+    if any(k.arg not in ("dim", "stable") or (k.arg == "dim" and const_value(k.value) not in (0, -1)) for k in call.keywords):
+        return None  # descending=True, another dim: not the order by expert
+    return _flat_of(src)
+
+
+def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    """The permute/unpermute of sorted-expert dispatch written by hand, anchored on the combine:
+    ``order`` = argsort of the flat expert indices E [T, K]; ``tok = order // K``; ``h = x[tok]``;
+    ``h = f(h)`` ... (the experts, on rows grouped by expert); ``h = h * w.flatten()[order][:, None]``;
+    ``out = zeros.index_add(0, tok, h)``. The gather becomes npu_moe_token_permute, the weighting and
+    the index_add npu_moe_token_unpermute (under a runtime check of the shapes; else as written)."""
+    for block, i, stmt in scope.statements():
+        call = stmt.value if isinstance(stmt, (ast.Assign, ast.Expr)) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in ("index_add", "index_add_")
+                and isinstance(call.func.value, ast.Name)):
+            continue
+        try:
+            found = _sort_permute_site(module, scope, block, i, stmt, call)
+        except _Miss as miss:
+            yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            continue
+        if found is not None:
+            yield found
+
+
+def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
+                       call: ast.Call) -> Optional[Finding]:
+    dim, tok, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
+    if not (dim is not None and const_value(dim) == 0 and isinstance(tok, ast.Name) and isinstance(src, ast.Name)):
+        return None
+    inplace = call.func.attr == "index_add_"  # type: ignore[union-attr]
+    out = ""
+    if isinstance(stmt, ast.Assign):
+        if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or inplace:
+            return None
+        out = stmt.targets[0].id
+    zeros = call.func.value.id  # type: ignore[union-attr]
+    tdef = scope.definition(tok.id, stmt.lineno)
+    if not (isinstance(tdef, ast.BinOp) and isinstance(tdef.op, ast.FloorDiv) and isinstance(tdef.left, ast.Name)):
+        return None
+    order, k_node = tdef.left.id, tdef.right
+    experts_idx = _sort_order_of(scope, order, stmt.lineno)
+    if experts_idx is None:
+        raise _Miss(f"rows are added back at `{order} // {segment(module, k_node)}`, but `{order}` is not the ascending "
+                    "sort order of the flattened expert indices (what npu_moe_token_permute computes)")
+    # the weighting right before the combine: h = h * gates[:, None]
+    j = i - 1
+    while j >= 0 and not (isinstance(block[j], ast.Assign) and src.id in _assigned([block[j]])):
+        j -= 1
+    if j < 0:
+        return None
+    mult = block[j]
+    mv = mult.value  # type: ignore[attr-defined]
+    if not (isinstance(mv, ast.BinOp) and isinstance(mv.op, ast.Mult)):
+        raise _Miss("the rows added back by the sorted-order index are not the expert output times a routing weight")
+    hidden = gate = None
+    for a, b in ((mv.left, mv.right), (mv.right, mv.left)):
+        g = _gate_column(b)
+        if isinstance(a, ast.Name) and g is not None:
+            hidden, gate = a.id, g
+            break
+    if hidden is None or gate is None:
+        raise _Miss("the rows added back by the sorted-order index are not the expert output times a routing weight")
+    gdef = scope.definition(gate, mult.lineno)
+    if not (isinstance(gdef, ast.Subscript) and isinstance(gdef.slice, ast.Name) and gdef.slice.id == order):
+        raise _Miss(f"the routing weight `{gate}` is not the flat weights taken in the sorted order `{order}`")
+    weights_node = gdef.value
+    weights = _flat_of(weights_node) if not isinstance(weights_node, ast.Name) else weights_node.id
+    if weights is None:
+        raise _Miss(f"the routing weight `{gate}` is not the flat weights taken in the sorted order `{order}`")
+    # the rows: walk back over h = f(h) to h = x[tok] / x.index_select(0, tok)
+    c = j - 1
+    chain: list[ast.stmt] = []
+    while c >= 0:
+        st = block[c]
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and st.targets[0].id == hidden):
+            raise _Miss(f"the rows `{hidden}` do not come from a gather of the tokens in the sorted order right before the experts")
+        v = st.value
+        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Name) and v.slice.id == tok.id and isinstance(v.value, ast.Name):
+            tokens = v.value.id
+            break
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "index_select" and isinstance(v.func.value, ast.Name) \
+                and len(v.args) == 2 and const_value(v.args[0]) == 0 and isinstance(v.args[1], ast.Name) and v.args[1].id == tok.id:
+            tokens = v.func.value.id
+            break
+        if not any(isinstance(n, ast.Name) and n.id == hidden for n in fast_walk(v)):
+            raise _Miss(f"`{ast.unparse(st)[:50]}` between the gather and the combine does not transform the rows")
+        chain.insert(0, st)
+        c -= 1
+    else:
+        return None
+    gather = block[c]
+    between = block[j + 1 : i]  # e.g. zeros = torch.zeros(T, H)
+    span = block[c : i + 1]
+    banned = {tok.id, order, gate}
+    for st in chain + between:
+        if any(isinstance(n, ast.Name) and n.id in banned for n in fast_walk(st)):
+            raise _Miss(f"`{ast.unparse(st)[:50]}` reads the sorted order between the gather and the combine")
+    for st in between:  # zeros = torch.zeros(T, H, dtype=h.dtype, device=h.device): only h's metadata
+        meta = {id(n.value) for n in fast_walk(st) if isinstance(n, ast.Attribute) and n.attr in ("dtype", "device")}
+        if hidden in _assigned([st]) or any(isinstance(n, ast.Name) and n.id == hidden and id(n) not in meta for n in fast_walk(st)):
+            raise _Miss(f"`{ast.unparse(st)[:50]}` reads the weighted rows `{hidden}` before the combine")
+    for name, since in ((tok.id, gather.lineno), (order, gather.lineno), (gate, gather.lineno),
+                        (weights, gdef.lineno + 1), (experts_idx, tdef.lineno)):
+        d = next((a for a, _v in scope.assignments.get(name, []) if since <= a.lineno <= stmt.lineno), None)
+        if d is not None:
+            raise _Miss(f"`{name}` is reassigned between its use in the sorted dispatch and the combine")
+    end = stmt.end_lineno or stmt.lineno
+    if hidden != out and scope.uses_after(hidden, end):
+        raise _Miss(f"`{hidden}` (the weighted expert rows) is used after the combine; the fused layer does not produce it")
+    e_, k_ = experts_idx, segment(module, k_node)
+    ind = "    "
+    body = [
+        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.shape[0] == {e_}.shape[0] and {weights}.numel() == {e_}.numel():",
+        f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, in token order)",
+        f"{ind}{hidden}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})",
+        *(ind + ln for st in chain + between for ln in ast.unparse(st).splitlines()),
+        f"{ind}# weighting by the slot's routing weight and the index_add are the unpermute",
+        f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({hidden}, {P}order, probs={weights}.reshape({e_}.shape).to({hidden}.dtype))",
+        f"{ind}{zeros}.add_({P}y)" if inplace else f"{ind}{out} = {zeros} + {P}y",
+        "else:  # other shapes: as written",
+        *(ind + ln for st in span for ln in ast.unparse(st).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": "(as the experts take them)", "top_k": k_, "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_down",
+        "routing": "sort_permute", "loop": "none", "tokens": tokens, "indices": e_, "probs": weights,
+        "counts": None, "output": out or zeros, "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"the code's own sort of {e_} may order the rows of one expert differently than the permute (a "
+             "stable sort): equal only while the expert computation treats rows independently (no batch statistics)"),
+        Risk("dtype", f"the routing weights are cast to the rows' dtype for unpermute (the original multiplies "
+             f"`{hidden} * {gate}` with type promotion)"),
+        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens have T rows and the "
+             "weights one per slot; otherwise the code runs as written"),
+    ]
+    notes = ["the gather of tokens in sorted-expert order becomes npu_moe_token_permute and the weighted index_add "
+             "npu_moe_token_unpermute (both with autograd); the experts between them run as written; the sort order "
+             "computed before stays (its counts still feed the experts)"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=gather.lineno, end_line=stmt.end_lineno or stmt.lineno, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sort_permute", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _gate_column(node: ast.expr) -> Optional[str]:
+    """``g`` of ``g.unsqueeze(-1)`` / ``g.unsqueeze(1)`` / ``g[:, None]`` / ``g.view(-1, 1)`` / ``g.reshape(-1, 1)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and not node.keywords:
+        args = [const_value(a) for a in node.args]
+        if node.func.attr == "unsqueeze" and args in ([-1], [1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
+            return node.func.value.id
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Tuple) \
+            and len(node.slice.elts) == 2 and isinstance(node.slice.elts[0], ast.Slice) and const_value(node.slice.elts[1]) is None \
+            and node.slice.elts[0].lower is None and node.slice.elts[0].upper is None:
+        return node.value.id
+    return None
 
 
 def _comprehension_over_experts(comp: ast.expr) -> str:
@@ -4178,4 +4375,73 @@ MoeExperts.KEEP += [
     # the pieces are read again after the concatenation: the grouped matmul does not produce them
     Keep(_SPLIT_PROJECTION_IN_OUT.replace("    return torch.cat(outs)\n", "    y = torch.cat(outs)\n    return y, pieces\n"),
          reason="is used after the concatenation", name="split_pieces_used_after"),
+]
+
+
+# -- hand-written permute / unpermute around the experts (sort by expert, gather, index_add) -------
+
+_SORT_PERMUTE = _HEAD + '''
+class Experts(nn.Module):
+    def __init__(self, num_experts, dim, hidden):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(num_experts, hidden, dim) * dim ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(num_experts, dim, hidden) * hidden ** -0.5)
+
+    def forward(self, x, counts):
+        xs = x.split(counts.tolist(), dim=0)
+        return torch.cat([F.linear(F.gelu(F.linear(p, self.w_in[e])), self.w_out[e]) for e, p in enumerate(xs)])
+
+
+class MoE(nn.Module):
+    def __init__(self, num_experts, dim, hidden, top_k):
+        super().__init__()
+        self.num_experts, self.top_k, self.dim = num_experts, top_k, dim
+        self.experts = Experts(num_experts, dim, hidden)
+
+    def forward(self, x, router_weights, selected_experts):
+        with torch.no_grad():
+            sorted_expert_idxs, sorted_scattered_idxs = selected_experts.flatten().sort()
+            expert_frequency = torch.bincount(sorted_expert_idxs, minlength=self.num_experts)
+        T = x.size(0)
+        batch_index = sorted_scattered_idxs // self.top_k
+        router_weights = router_weights.flatten()
+        batch_gates = router_weights[sorted_scattered_idxs]
+        x = x[batch_index]
+        x = self.experts(x, expert_frequency)
+        x = x * batch_gates.unsqueeze(-1)
+        zeros = torch.zeros((T, self.dim), dtype=x.dtype, device=x.device)
+        x = zeros.index_add(0, batch_index, x)
+        return x
+'''
+
+_SORT_PERMUTE_RUN = '''\
+moe = MoE(5, 16, 24, 2)
+x = torch.randn(9, 16, requires_grad=True)
+w, idx = torch.randn(9, 5).softmax(-1).topk(2, dim=-1)
+w = w.detach().requires_grad_()
+out = moe(x, w, idx)
+leaves = [x, w, moe.experts.w_in, moe.experts.w_out]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SORT_PERMUTE, name="hand_written_sort_gather_index_add_permute", run=_SORT_PERMUTE_RUN, expect={
+        "routing": "sort_permute", "tokens": "x", "indices": "selected_experts", "probs": "router_weights",
+        "top_k": "self.top_k", "output": "x"}),
+    # index_select for the gather, argsort, in-place index_add_ into a fresh buffer, [:, None] weights
+    Fuse(_SORT_PERMUTE.replace(
+        "sorted_expert_idxs, sorted_scattered_idxs = selected_experts.flatten().sort()",
+        "sorted_scattered_idxs = selected_experts.view(-1).argsort()\n            sorted_expert_idxs = selected_experts.view(-1)[sorted_scattered_idxs]").replace(
+        "x = x[batch_index]", "x = x.index_select(0, batch_index)").replace(
+        "batch_gates.unsqueeze(-1)", "batch_gates[:, None]").replace(
+        "        x = zeros.index_add(0, batch_index, x)\n        return x\n", "        zeros.index_add_(0, batch_index, x)\n        return zeros\n"),
+         name="argsort_index_select_inplace_index_add", run=_SORT_PERMUTE_RUN, expect={"routing": "sort_permute", "output": "zeros"}),
+]
+
+MoeExperts.KEEP += [
+    # sorted descending: the rows are grouped by expert in the other order than the permute's
+    Keep(_SORT_PERMUTE.replace("selected_experts.flatten().sort()", "selected_experts.flatten().sort(descending=True)"),
+         reason="is not the ascending sort order", name="sort_descending_is_not_the_permute"),
+    # the weights taken in another order than the rows: not the slot's weight
+    Keep(_SORT_PERMUTE.replace("batch_gates = router_weights[sorted_scattered_idxs]", "batch_gates = router_weights[batch_index]"),
+         reason="is not the flat weights taken in the sorted order", name="weights_in_another_order"),
 ]
