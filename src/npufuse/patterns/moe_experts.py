@@ -1651,7 +1651,8 @@ class _Eval:
         inside = _assigned(stmts) - self.device_moves
         for n in sorted(inside - produced):
             if self.scope.uses_after(n, end):
-                raise _Miss(f"`{n}` (set in the expert loop) is used after it; the fused layer does not produce it")
+                where = "by the split before the expert loop" if n == self.split_name else "in the expert loop"
+                raise _Miss(f"`{n}` (set {where}) is used after it; the fused layer does not produce it")
         for name in (site.tokens, site.indices, site.probs):
             if name and name == self.split_name == site.tokens and sum(name in _assigned([st]) for st in stmts) == 1 \
                     and not any(name in _assigned([st]) for st in stmts if isinstance(st, (ast.For, ast.While))):
