@@ -575,6 +575,11 @@ def _comprehension_over_experts(comp: ast.expr) -> str:
         and isinstance(f.slice, ast.Name) and f.slice.id in targets
     zipped = isinstance(f, ast.Name) and f.id in targets and isinstance(gen.iter, ast.Call) \
         and any((dotted(a) or "").split(".")[-1].lower().endswith("experts") for a in gen.iter.args)
+    by_index = isinstance(f, ast.Attribute) and f.attr.lower().endswith("experts") and len(call.args) >= 2 \
+        and any(isinstance(a, ast.Name) and a.id in targets for a in call.args[1:])
+    if by_index and not (indexed or zipped):
+        return (f"one module holding every expert is called per expert as `{ast.unparse(call)[:50]}` in a comprehension: "
+                "npufuse does not read that module's weights, so there is no grouped matmul to emit here")
     if not (indexed or zipped) or not call.args:
         return ""
     inputs = ast.unparse(call.args[0])[:40]
@@ -4445,4 +4450,20 @@ MoeExperts.KEEP += [
     # the weights taken in another order than the rows: not the slot's weight
     Keep(_SORT_PERMUTE.replace("batch_gates = router_weights[sorted_scattered_idxs]", "batch_gates = router_weights[batch_index]"),
          reason="is not the flat weights taken in the sorted order", name="weights_in_another_order"),
+]
+
+
+MoeExperts.KEEP += [
+    # one module holding every expert, called per expert index in a comprehension over split pieces
+    Keep(_HEAD + '''
+class Calculator(nn.Module):
+    def __init__(self, experts, num_experts):
+        super().__init__()
+        self.experts, self.num_experts = experts, num_experts
+
+    def forward(self, sorted_x, sizes):
+        split_x = torch.split(sorted_x, sizes, dim=0)
+        outs = [self.experts(split_x[i], i) for i in range(self.num_experts) if split_x[i].shape[0] > 0]
+        return torch.cat(outs, 0)
+''', reason="one module holding every expert is called per expert", name="indexed_expert_module_in_comprehension"),
 ]
