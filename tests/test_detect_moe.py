@@ -219,3 +219,37 @@ class Experts(nn.Module):
 '''
     findings, misses = detect_all(PATTERN, code)
     assert not findings and not misses
+
+
+# -- canonical.shaped_like_indices ------------------------------------------------------------------
+
+
+def _shaped(body: str, weights: str = "w", indices: str = "idx") -> bool:
+    from npufuse.scan.canonical import shaped_like_indices
+    code = "import torch\nimport torch.nn.functional as F\n\ndef f(scores, other, k):\n" + "".join(f"    {ln}\n" for ln in body.splitlines()) + "    return w\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    return shaped_like_indices(module, scope, weights, indices, len(code.splitlines()))
+
+
+@pytest.mark.parametrize("body", [
+    "w, idx = torch.topk(scores, k, dim=-1)",
+    "w, idx = scores.topk(k, dim=-1)\nw = w / (w.sum(dim=-1, keepdim=True) + 1e-20)",
+    "w, idx = scores.topk(k, dim=-1)\nw = F.softmax(w, dim=-1).to(scores.dtype)",
+    "_, idx = torch.topk(scores, k)\nw = scores.gather(-1, idx)",
+    "_, idx = torch.topk(scores, k)\nw = torch.gather(scores, -1, idx) * 2.0",
+])
+def test_weights_shaped_like_indices(body):
+    assert _shaped(body)
+
+
+@pytest.mark.parametrize("body", [
+    "w, idx = torch.topk(scores, k, dim=-1)\nw = w / w.sum(dim=-1)",  # reduced without keepdim
+    "w, idx = torch.topk(scores, k, dim=-1)\nw = w * other",  # another tensor of unknown shape
+    "_, idx = torch.topk(scores, k)\nw, _ = torch.topk(other, k)",  # two different topk calls
+    "_, idx = torch.topk(scores, k)\nw = scores.gather(0, idx)",  # gathered on another axis
+    "w = scores\n_, idx = torch.topk(scores, k)",  # the dense scores, [T, E]
+    "_, idx = torch.topk(scores, k)\nw = scores.gather(-1, idx) * other",  # times a tensor of unknown shape
+])
+def test_weights_not_shaped_like_indices(body):
+    assert not _shaped(body)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import expert_mask
+from npufuse.scan.canonical import expert_mask, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -134,6 +134,7 @@ class _Site:
     flat_rows: bool = False  # token-mask routing: tokens/indices/probs may have leading dims, flattened to rows
     dense_gates: str = ""  # weights are gates[mask, e] of dense [.., E] gates: probs = gates.gather(-1, indices)
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
+    zero_link: str = ""  # the dropped else of a skip guard that added 0 * (...) to the output
     first_line: int = 0
     last_line: int = 0
 
@@ -157,8 +158,15 @@ class MoeExperts(Pattern):
         quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
         if module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _grouped_mm_sites(module, scope)
+        if _sort_combine_text(module):
+            yield from _sort_permute_sites(module, scope)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
+                if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
+                    found = _split_projection(module, scope, block, i)
+                    if found is not None:
+                        yield found
+                        continue
                 if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
                     reason = _comprehension_over_experts(stmt.value)
                     if reason:
@@ -223,6 +231,334 @@ def _relevant(module: ModuleInfo) -> bool:
     return bool(cached)
 
 
+def _split_projection(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """One stacked projection over rows already sorted by expert (expert-parallel Column/Row
+    experts): ``xs = x.split(counts.tolist())``; ``ys = [F.linear(xs[e], W[e]) for e in range(E)]``
+    (or ``xs[e] @ W[e]``, ``enumerate(xs)``); ``y = torch.cat(ys)`` -> one npu_grouped_matmul with
+    the device counts. None when the three statements are not that form."""
+    split_st, comp_st, cat_st = block[i - 1], block[i], block[i + 1]
+    if not (isinstance(split_st, ast.Assign) and len(split_st.targets) == 1 and isinstance(split_st.targets[0], ast.Name)):
+        return None
+    comp = comp_st.value  # type: ignore[attr-defined]
+    if len(comp_st.targets) != 1 or not isinstance(comp_st.targets[0], ast.Name):  # type: ignore[attr-defined]
+        return None
+    parts = name_of_split = split_st.targets[0].id
+    call = split_st.value
+    if not isinstance(call, ast.Call):
+        return None
+    if _canon(module, call.func) == "torch.split" and call.args:
+        x, sizes, dim = call.args[0], keyword(call, "split_size_or_sections", 1), keyword(call, "dim", 2)
+    elif isinstance(call.func, ast.Attribute) and call.func.attr == "split":
+        x, sizes, dim = call.func.value, keyword(call, "split_size", 0), keyword(call, "dim", 1)
+    else:
+        return None
+    if sizes is None or not isinstance(x, ast.Name) or (dim is not None and const_value(dim) != 0):
+        return None
+    host = _host_counts(scope, sizes, split_st.lineno)
+    if host is None:
+        return None
+    counts = host[0]
+    if len(comp.generators) != 1 or comp.generators[0].ifs or comp.generators[0].is_async:
+        return None
+    gen = comp.generators[0]
+    elt = comp.elt
+    bound = ""
+    if isinstance(gen.target, ast.Name) and isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) == "range" \
+            and len(gen.iter.args) == 1 and not gen.iter.keywords:
+        e = gen.target.id  # [F.linear(xs[e], W[e]) for e in range(E)]
+        bound = segment(module, gen.iter.args[0])
+
+        def is_part(n: ast.expr) -> bool:
+            return isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == parts \
+                and isinstance(n.slice, ast.Name) and n.slice.id == e
+    elif isinstance(gen.target, ast.Tuple) and len(gen.target.elts) == 2 and all(isinstance(t, ast.Name) for t in gen.target.elts) \
+            and isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) == "enumerate" and len(gen.iter.args) == 1 \
+            and isinstance(gen.iter.args[0], ast.Name) and gen.iter.args[0].id == parts:
+        e, part = gen.target.elts[0].id, gen.target.elts[1].id  # type: ignore[attr-defined]
+
+        def is_part(n: ast.expr) -> bool:
+            return isinstance(n, ast.Name) and n.id == part
+    else:
+        return None
+    if isinstance(elt, ast.Call) and _canon(module, elt.func) == "torch.nn.functional.linear" and len(elt.args) == 2 and not elt.keywords:
+        a, w, orient = elt.args[0], elt.args[1], "out_in"  # F.linear(x, W[e]) = x @ W[e].T
+    elif isinstance(elt, ast.Call) and _canon(module, elt.func) in _MATMUL and len(elt.args) == 2 and not elt.keywords:
+        a, w, orient = elt.args[0], elt.args[1], "in_out"
+    elif isinstance(elt, ast.BinOp) and isinstance(elt.op, ast.MatMult):
+        a, w, orient = elt.left, elt.right, "in_out"
+    else:
+        return None
+    if not is_part(a) or not (isinstance(w, ast.Subscript) and isinstance(w.slice, ast.Name) and w.slice.id == e):
+        return None
+    weight = w.value
+    if any(isinstance(n, ast.Name) and n.id in (e, parts) for n in fast_walk(weight)) or not isinstance(weight, (ast.Name, ast.Attribute)):
+        return None
+    out_name, returns = "", isinstance(cat_st, ast.Return)
+    cat = cat_st.value if isinstance(cat_st, (ast.Return, ast.Assign)) else None
+    if isinstance(cat_st, ast.Assign):
+        if len(cat_st.targets) != 1 or not isinstance(cat_st.targets[0], ast.Name):
+            return None
+        out_name = cat_st.targets[0].id
+    listed = comp_st.targets[0].id  # type: ignore[attr-defined]
+    if not (isinstance(cat, ast.Call) and _canon(module, cat.func) == "torch.cat" and len(cat.args) >= 1
+            and isinstance(cat.args[0], ast.Name) and cat.args[0].id == listed):
+        return None
+    cat_dim = keyword(cat, "dim", 1)
+    if cat_dim is not None and const_value(cat_dim) != 0:
+        return None
+    stmts = [split_st, comp_st, cat_st]
+    end = cat_st.end_lineno or cat_st.lineno
+    first, last = split_st.lineno, end
+    for n in sorted({name_of_split, listed} - {out_name}):
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, first, last, f"`{n}` (the per-expert pieces) is used after the "
+                            "concatenation; the grouped matmul does not produce it")
+    w_text, x_text = segment(module, weight), x.id
+    gw = f"{w_text}.transpose(1, 2)" if orient == "out_in" else w_text
+    check = f"{counts}.numel() == {w_text}.shape[0]" + (f" == {bound}" if bound else "")
+    result = f"return {P}y" if returns else f"{out_name} = {P}y"
+    original = "\n".join("    " + ln for st in stmts for ln in ast.unparse(st).splitlines())
+    lines = [
+        _GMM_FUNCTION.rstrip("\n"),
+        f"if {w_text}.dim() == 3 and {x_text}.dim() == 2 and {check}:",
+        f"    # rows of {x_text} are sorted by expert; {counts} holds the per-expert counts on the device",
+        f"    {P}y = {P}gmm({x_text}, {gw}.to({x_text}.dtype), {counts}.to(torch.int64))",
+        f"    {result}",
+        "else:  # other shapes (a per-expert vector weight, a count list of another length): as written",
+        original,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": bound or f"{w_text}.shape[0]",
+        "top_k": "(tokens pre-sorted by expert)",
+        "layout": f"stacked_{orient}",
+        "weights": {"proj": w_text},
+        "activation": "none (one projection)",
+        "conditional": True,
+        "routing_weights": "outside",
+        "routing": "sorted_counts",
+        "loop": "comprehension",
+        "tokens": x_text,
+        "indices": None,
+        "probs": None,
+        "counts": counts,
+        "output": out_name,
+        "output_dtype": None,
+        "sentinel_index": None,
+    }
+    risks = [
+        Risk("dynamic_shape", "per-expert counts are data dependent; they reach npu_grouped_matmul as a device tensor "
+             "(the original moved them to the host for torch.split)"),
+        Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32; the weight is cast to the tokens' dtype (F.linear requires "
+             "them equal already)"),
+        Risk("other", f"the fused branch runs only for a 3-D weight, 2-D rows and one count per weight group "
+             f"({check}); anything else keeps the per-expert projections as written"),
+    ]
+    notes = [
+        "one stacked projection per call (a Column/Row-parallel experts layer): the per-expert matmuls over "
+        "torch.split pieces become one grouped matmul; npu_grouped_matmul has no backward in torch_npu 2.14: the fused "
+        "text wraps it in an autograd.Function (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)",
+    ]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=first, end_line=last, params=params, fused="\n".join(lines) + "\n",
+        guard_tensor=x_text, confidence="high", variant="grouped_projection", risks=risks, notes=notes, training_ok=True,
+    )
+
+
+def _sort_combine_text(module: ModuleInfo) -> bool:
+    """The file sorts something and adds rows back (string tests, once per file)."""
+    cached = module.__dict__.get("_npufuse_moe_sort_combine")
+    if cached is None:
+        src = module.source
+        cached = module.__dict__["_npufuse_moe_sort_combine"] = "index_add" in src and ("sort(" in src or "argsort" in src)
+    return bool(cached)
+
+
+def _flat_of(node: Optional[ast.expr]) -> Optional[str]:
+    """``E`` of ``E.flatten()`` / ``E.view(-1)`` / ``E.reshape(-1)`` (E a name)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and (node.func.attr == "flatten" and not node.args or node.func.attr in ("view", "reshape")
+                 and [const_value(a) for a in node.args] == [-1]) and not node.keywords:
+        return node.func.value.id
+    return None
+
+
+def _sort_order_of(scope: Scope, name: str, line: int) -> Optional[str]:
+    """``E`` when ``name`` is the ascending sort order of the flattened expert indices
+    (``_, order = E.flatten().sort()`` / ``torch.sort(E.view(-1))`` / ``E.flatten().argsort()``)."""
+    node = scope.definition(name, line)
+    if isinstance(node, ast.Subscript) and const_value(node.slice) == 1 and isinstance(node.value, ast.Call):
+        call, want = node.value, "sort"
+    elif isinstance(node, ast.Call):
+        call, want = node, "argsort"
+    else:
+        return None
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr == want and not call.args:
+        src = f.value
+    elif (dotted(f) or "") == f"torch.{want}" and len(call.args) == 1:
+        src = call.args[0]
+    else:
+        return None
+    if any(k.arg not in ("dim", "stable") or (k.arg == "dim" and const_value(k.value) not in (0, -1)) for k in call.keywords):
+        return None  # descending=True, another dim: not the order by expert
+    return _flat_of(src)
+
+
+def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    """The permute/unpermute of sorted-expert dispatch written by hand, anchored on the combine:
+    ``order`` = argsort of the flat expert indices E [T, K]; ``tok = order // K``; ``h = x[tok]``;
+    ``h = f(h)`` ... (the experts, on rows grouped by expert); ``h = h * w.flatten()[order][:, None]``;
+    ``out = zeros.index_add(0, tok, h)``. The gather becomes npu_moe_token_permute, the weighting and
+    the index_add npu_moe_token_unpermute (under a runtime check of the shapes; else as written)."""
+    for block, i, stmt in scope.statements():
+        call = stmt.value if isinstance(stmt, (ast.Assign, ast.Expr)) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in ("index_add", "index_add_")
+                and isinstance(call.func.value, ast.Name)):
+            continue
+        try:
+            found = _sort_permute_site(module, scope, block, i, stmt, call)
+        except _Miss as miss:
+            yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            continue
+        if found is not None:
+            yield found
+
+
+def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
+                       call: ast.Call) -> Optional[Finding]:
+    dim, tok, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
+    if not (dim is not None and const_value(dim) == 0 and isinstance(tok, ast.Name) and isinstance(src, ast.Name)):
+        return None
+    inplace = call.func.attr == "index_add_"  # type: ignore[union-attr]
+    out = ""
+    if isinstance(stmt, ast.Assign):
+        if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or inplace:
+            return None
+        out = stmt.targets[0].id
+    zeros = call.func.value.id  # type: ignore[union-attr]
+    tdef = scope.definition(tok.id, stmt.lineno)
+    if not (isinstance(tdef, ast.BinOp) and isinstance(tdef.op, ast.FloorDiv) and isinstance(tdef.left, ast.Name)):
+        return None
+    order, k_node = tdef.left.id, tdef.right
+    experts_idx = _sort_order_of(scope, order, stmt.lineno)
+    if experts_idx is None:
+        raise _Miss(f"rows are added back at `{order} // {segment(module, k_node)}`, but `{order}` is not the ascending "
+                    "sort order of the flattened expert indices (what npu_moe_token_permute computes)")
+    # the weighting right before the combine: h = h * gates[:, None]
+    j = i - 1
+    while j >= 0 and not (isinstance(block[j], ast.Assign) and src.id in _assigned([block[j]])):
+        j -= 1
+    if j < 0:
+        return None
+    mult = block[j]
+    mv = mult.value  # type: ignore[attr-defined]
+    if not (isinstance(mv, ast.BinOp) and isinstance(mv.op, ast.Mult)):
+        raise _Miss("the rows added back by the sorted-order index are not the expert output times a routing weight")
+    hidden = gate = None
+    for a, b in ((mv.left, mv.right), (mv.right, mv.left)):
+        g = _gate_column(b)
+        if isinstance(a, ast.Name) and g is not None:
+            hidden, gate = a.id, g
+            break
+    if hidden is None or gate is None:
+        raise _Miss("the rows added back by the sorted-order index are not the expert output times a routing weight")
+    gdef = scope.definition(gate, mult.lineno)
+    if not (isinstance(gdef, ast.Subscript) and isinstance(gdef.slice, ast.Name) and gdef.slice.id == order):
+        raise _Miss(f"the routing weight `{gate}` is not the flat weights taken in the sorted order `{order}`")
+    weights_node = gdef.value
+    weights = _flat_of(weights_node) if not isinstance(weights_node, ast.Name) else weights_node.id
+    if weights is None:
+        raise _Miss(f"the routing weight `{gate}` is not the flat weights taken in the sorted order `{order}`")
+    # the rows: walk back over h = f(h) to h = x[tok] / x.index_select(0, tok)
+    c = j - 1
+    chain: list[ast.stmt] = []
+    while c >= 0:
+        st = block[c]
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and st.targets[0].id == hidden):
+            raise _Miss(f"the rows `{hidden}` do not come from a gather of the tokens in the sorted order right before the experts")
+        v = st.value
+        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Name) and v.slice.id == tok.id and isinstance(v.value, ast.Name):
+            tokens = v.value.id
+            break
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "index_select" and isinstance(v.func.value, ast.Name) \
+                and len(v.args) == 2 and const_value(v.args[0]) == 0 and isinstance(v.args[1], ast.Name) and v.args[1].id == tok.id:
+            tokens = v.func.value.id
+            break
+        if not any(isinstance(n, ast.Name) and n.id == hidden for n in fast_walk(v)):
+            raise _Miss(f"`{ast.unparse(st)[:50]}` between the gather and the combine does not transform the rows")
+        chain.insert(0, st)
+        c -= 1
+    else:
+        return None
+    gather = block[c]
+    between = block[j + 1 : i]  # e.g. zeros = torch.zeros(T, H)
+    span = block[c : i + 1]
+    banned = {tok.id, order, gate}
+    for st in chain + between:
+        if any(isinstance(n, ast.Name) and n.id in banned for n in fast_walk(st)):
+            raise _Miss(f"`{ast.unparse(st)[:50]}` reads the sorted order between the gather and the combine")
+    for st in between:  # zeros = torch.zeros(T, H, dtype=h.dtype, device=h.device): only h's metadata
+        meta = {id(n.value) for n in fast_walk(st) if isinstance(n, ast.Attribute) and n.attr in ("dtype", "device")}
+        if hidden in _assigned([st]) or any(isinstance(n, ast.Name) and n.id == hidden and id(n) not in meta for n in fast_walk(st)):
+            raise _Miss(f"`{ast.unparse(st)[:50]}` reads the weighted rows `{hidden}` before the combine")
+    for name, since in ((tok.id, gather.lineno), (order, gather.lineno), (gate, gather.lineno),
+                        (weights, gdef.lineno + 1), (experts_idx, tdef.lineno)):
+        d = next((a for a, _v in scope.assignments.get(name, []) if since <= a.lineno <= stmt.lineno), None)
+        if d is not None:
+            raise _Miss(f"`{name}` is reassigned between its use in the sorted dispatch and the combine")
+    end = stmt.end_lineno or stmt.lineno
+    if hidden != out and scope.uses_after(hidden, end):
+        raise _Miss(f"`{hidden}` (the weighted expert rows) is used after the combine; the fused layer does not produce it")
+    e_, k_ = experts_idx, segment(module, k_node)
+    ind = "    "
+    body = [
+        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.shape[0] == {e_}.shape[0] and {weights}.numel() == {e_}.numel():",
+        f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, in token order)",
+        f"{ind}{hidden}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})",
+        *(ind + ln for st in chain + between for ln in ast.unparse(st).splitlines()),
+        f"{ind}# weighting by the slot's routing weight and the index_add are the unpermute",
+        f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({hidden}, {P}order, probs={weights}.reshape({e_}.shape).to({hidden}.dtype))",
+        f"{ind}{zeros}.add_({P}y)" if inplace else f"{ind}{out} = {zeros} + {P}y",
+        "else:  # other shapes: as written",
+        *(ind + ln for st in span for ln in ast.unparse(st).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": "(as the experts take them)", "top_k": k_, "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_down",
+        "routing": "sort_permute", "loop": "none", "tokens": tokens, "indices": e_, "probs": weights,
+        "counts": None, "output": out or zeros, "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"the code's own sort of {e_} may order the rows of one expert differently than the permute (a "
+             "stable sort): equal only while the expert computation treats rows independently (no batch statistics)"),
+        Risk("dtype", f"the routing weights are cast to the rows' dtype for unpermute (the original multiplies "
+             f"`{hidden} * {gate}` with type promotion)"),
+        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens have T rows and the "
+             "weights one per slot; otherwise the code runs as written"),
+    ]
+    notes = ["the gather of tokens in sorted-expert order becomes npu_moe_token_permute and the weighted index_add "
+             "npu_moe_token_unpermute (both with autograd); the experts between them run as written; the sort order "
+             "computed before stays (its counts still feed the experts)"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=gather.lineno, end_line=stmt.end_lineno or stmt.lineno, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sort_permute", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _gate_column(node: ast.expr) -> Optional[str]:
+    """``g`` of ``g.unsqueeze(-1)`` / ``g.unsqueeze(1)`` / ``g[:, None]`` / ``g.view(-1, 1)`` / ``g.reshape(-1, 1)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and not node.keywords:
+        args = [const_value(a) for a in node.args]
+        if node.func.attr == "unsqueeze" and args in ([-1], [1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
+            return node.func.value.id
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Tuple) \
+            and len(node.slice.elts) == 2 and isinstance(node.slice.elts[0], ast.Slice) and const_value(node.slice.elts[1]) is None \
+            and node.slice.elts[0].lower is None and node.slice.elts[0].upper is None:
+        return node.value.id
+    return None
+
+
 def _comprehension_over_experts(comp: ast.expr) -> str:
     """A near-miss reason for ``[self.experts[i](inputs[i]) for i in range(E)]`` /
     ``[e(x) for e, x in zip(self.experts, inputs)]``: experts run on inputs routed elsewhere."""
@@ -239,6 +575,11 @@ def _comprehension_over_experts(comp: ast.expr) -> str:
         and isinstance(f.slice, ast.Name) and f.slice.id in targets
     zipped = isinstance(f, ast.Name) and f.id in targets and isinstance(gen.iter, ast.Call) \
         and any((dotted(a) or "").split(".")[-1].lower().endswith("experts") for a in gen.iter.args)
+    by_index = isinstance(f, ast.Attribute) and f.attr.lower().endswith("experts") and len(call.args) >= 2 \
+        and any(isinstance(a, ast.Name) and a.id in targets for a in call.args[1:])
+    if by_index and not (indexed or zipped):
+        return (f"one module holding every expert is called per expert as `{ast.unparse(call)[:50]}` in a comprehension: "
+                "npufuse does not read that module's weights, so there is no grouped matmul to emit here")
     if not (indexed or zipped) or not call.args:
         return ""
     inputs = ast.unparse(call.args[0])[:40]
@@ -332,11 +673,14 @@ class _Eval:
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
         self.local_start = ""  # range(start, end): the first global index of this rank's experts
         self.skip_empty = False  # experts without tokens are not called (a skip guard, or only hit experts visited)
+        self.device_moves: set[str] = set()  # names rebound to themselves on another device inside the loop
+        self.zero_link = ""  # the else of a skip guard that only adds 0 * (...) to the output (dropped)
         self.count_guard: Optional[tuple[str, str]] = None  # (counts name, indices it counts) of `if counts[e] == 0: continue`
         self.masks: dict[str, tuple[str, str, str]] = {}  # mask name -> (indices, num_classes, orientation)
         self.flat: set[str] = set()  # flat expert-index names compared with the loop index
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
         self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
+        self.indexed_module: Optional[ast.Attribute] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
         self.where_indices = ""
         self.probs = ""
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
@@ -437,10 +781,10 @@ class _Eval:
             node = self.scope.definition(node.id, self.loop.lineno)  # type: ignore[assignment]
         if not isinstance(node, ast.Call):
             return None
-        if _canon(self.m, node.func) == "torch.split" and len(node.args) >= 2:
-            x, sizes, dim = node.args[0], node.args[1], keyword(node, "dim", 2)
-        elif isinstance(node.func, ast.Attribute) and node.func.attr == "split" and node.args:
-            x, sizes, dim = node.func.value, node.args[0], keyword(node, "dim", 1)
+        if _canon(self.m, node.func) == "torch.split" and node.args and keyword(node, "split_size_or_sections", 1) is not None:
+            x, sizes, dim = node.args[0], keyword(node, "split_size_or_sections", 1), keyword(node, "dim", 2)
+        elif isinstance(node.func, ast.Attribute) and node.func.attr == "split" and keyword(node, "split_size", 0) is not None:
+            x, sizes, dim = node.func.value, keyword(node, "split_size", 0), keyword(node, "dim", 1)
         else:
             return None
         if dim is not None and const_value(dim) != 0:
@@ -463,10 +807,13 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
-        if isinstance(s, ast.If) and not s.orelse and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
-                and self._nonempty_test(s.test):
-            # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch
+        if isinstance(s, ast.If) and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
+                and self._nonempty_test(s.test) and (not s.orelse or _adds_zero_only(s.orelse)):
+            # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch; an else
+            # that only adds `0 * ...` (keeping idle experts in the autograd graph) changes no value
             self.skip_empty = True
+            if s.orelse:
+                self.zero_link = ast.unparse(s.orelse[0])[:80]
             self.run_body(s.body)
             return
         if isinstance(s, ast.If):
@@ -509,6 +856,9 @@ class _Eval:
             # maybe one expert's slice of a stacked weight (w1 = self.w1[e]), used as such only by a
             # projection; the name keeps its value otherwise (a mask row, an expert module)
             self.weight_alias[tgt.id] = s.value
+        if isinstance(tgt, ast.Name) and _device_move_of(s.value, tgt.id):
+            self.device_moves.add(tgt.id)  # out = out.to(y.device): the same values (pipeline-parallel generation)
+            return
         if isinstance(tgt, ast.Name):
             if tgt.id in self.eidx and self._is_eidx(s.value):
                 return  # expert_idx = expert_idx[0] / int(expert_idx) / expert_idx.item()
@@ -584,8 +934,16 @@ class _Eval:
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
         kinds = ("tok", "kpos", "x", "tokmask", "flatmask")
+        if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "item" and not test.args:
+            test = test.func.value  # mask.any().item()
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
             return self.ev(test.func.value).kind in ("tokmask", "flatmask")
+        if isinstance(test, ast.Call) and _canon(self.m, test.func) == "torch.any" and len(test.args) == 1 and not test.keywords:
+            return self.ev(test.args[0]).kind in ("tokmask", "flatmask")
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
+                and const_value(test.comparators[0]) == 0 and isinstance(test.left, ast.Call) and not test.left.args \
+                and isinstance(test.left.func, ast.Attribute) and test.left.func.attr in ("sum", "count_nonzero"):
+            return self.ev(test.left.func.value).kind in ("tokmask", "flatmask")  # a bool mask's count: > 0 iff any
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
                 and const_value(test.comparators[0]) == 0:
             return self._size_kind(test.left) in kinds
@@ -682,6 +1040,12 @@ class _Eval:
                 self.masks.pop(name, None)  # a mask tensor indexed some other way: not this expert's mask
             if kinds in (["tok"], ["none", "tok"], ["tok", "all"]):
                 return V("x", (name,))  # hidden_states[top_x] / [None, top_x]
+            if kinds == ["flatmask"] and shaped_like_indices(self.m, self.scope, name, self.ev(sl).args[0], self.loop.lineno):
+                # topk_weight[topk_idx == e]: [T, K] weights under their own indices' mask, one per
+                # token routed to e in token order (top-k indices are distinct)
+                self._tokmask(self.ev(sl).args[0])
+                self._set_probs(name)
+                return V("rw_flat")
             if kinds == ["flatmask"]:
                 self.flat.add(self.ev(sl).args[0])
                 return V("x", (name,))  # hidden_states[flat_topk_idx == i]
@@ -710,7 +1074,7 @@ class _Eval:
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
             order = ("kpos", "tok") if base.args[0] == "kt" else ("tok", "kpos")
             return V(order[sl.value])
-        if base.kind == "rw_pre" and [self._part_kind(p) for p in parts] == ["all", "none"]:
+        if base.kind in ("rw_pre", "rw_flat") and [self._part_kind(p) for p in parts] == ["all", "none"]:
             return V("rw")  # w[top_x, idx][:, None]
         if base.kind in ("tok", "kpos") and [self._part_kind(p) for p in parts] == ["all"]:
             return base
@@ -766,6 +1130,8 @@ class _Eval:
                 return recv
             if attr == "tolist" and recv.kind in ("tok", "kpos"):
                 return recv
+            if recv.kind in ("tok", "kpos") and _device_move_of(node, None):
+                return recv  # token_idx.to(y.device): the same indices
             if attr == "squeeze" and recv.kind == "mask_e":
                 return recv
             if attr == "nonzero" and recv.kind == "mask_e" and _as_tuple(node):
@@ -789,6 +1155,9 @@ class _Eval:
             if recv.kind == "tokcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
                                           or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
                 return V("tok")
+            if recv.kind == "rw_flat" and (attr in ("view", "reshape") and [const_value(a) for a in node.args] == [-1, 1]
+                                           or attr == "unsqueeze" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1)):
+                return V("rw")  # topk_weight[mask].view(-1, 1)
             if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 return V("rw")
             if attr in ("int", "long", "float", "to") and recv.kind == "slotmask":
@@ -801,6 +1170,9 @@ class _Eval:
                 return V("rw_col")
             if attr == "squeeze" and recv.kind == "rw_col" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 return V("rw_row")
+            if recv.kind == "rw_flat" and (attr in ("view", "reshape") and [const_value(a) for a in node.args] == [-1, 1]
+                                           or attr == "unsqueeze" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1)):
+                return V("rw")  # topk_weight[mask].view(-1, 1)
             if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 return V("rw")
             if attr == "unsqueeze" and recv.kind == "rw_pre":
@@ -851,6 +1223,16 @@ class _Eval:
             return V("sigmoid", (self.ev(node.args[0]),))
         if name in _ACT_FUNCS and node.args:
             return V("act", (_Act("call", _template(node)), self.ev(node.args[0])))
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 2 \
+                and not node.keywords and self._is_eidx(node.args[1]) and self.expert_init is None:
+            # self.mlp(rows, e): one module holding every expert, called with the expert's index
+            x = self.ev(node.args[0])
+            if x.kind not in ("x", "x_sorted"):
+                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`, not on the selected tokens")
+            if self.indexed_module is not None and ast.dump(self.indexed_module) != ast.dump(f):
+                raise _Miss("two different expert expressions in one loop")
+            self.indexed_module = f
+            return V("mod_out", (x, False))
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
         if fv.kind == "indexed" and not self._is_expert_container(fv.args[0].value):
@@ -960,7 +1342,10 @@ class _Eval:
             raise _Miss("the routing weight multiplies twice")
         if any(f.kind in ("proj", "mod_out") for f in factors):
             for n, f in zip(nodes, factors):
-                if f.kind == "unknown":
+                if f.kind == "unknown" and isinstance(n, ast.Name) and f.args and str(f.args[0]) != n.id and "(" in str(f.args[0]):
+                    raise _Miss(f"`{n.id}` = `{str(f.args[0])[:50]}` multiplies the expert output and is not recognised: "
+                                "neither the routing weight nor a known activation")
+                if f.kind in ("unknown", "x"):
                     raise _Miss(f"the expert output is multiplied by `{ast.unparse(n)[:50]}`, which is not recognised as "
                                 "the routing weight of the selected tokens")
         core = self._core_product([f for f in factors if f.kind != "rw"])
@@ -993,10 +1378,13 @@ class _Eval:
             raise _Miss("the loop writes its output more than once per expert")
         mode, target, contrib, extra = self.results[0]
         if mode == "accumulate":
-            return self._finish_mask_where(block, i, target, contrib)
-        if mode == "assign":
-            return self._finish_flat(block, i, target, contrib, extra)
-        return self._finish_sorted(block, i, target, contrib)
+            site = self._finish_mask_where(block, i, target, contrib)
+        elif mode == "assign":
+            site = self._finish_flat(block, i, target, contrib, extra)
+        else:
+            site = self._finish_sorted(block, i, target, contrib)
+        site.zero_link = self.zero_link
+        return site
 
     def _mlp(self, contrib: V, weighted: bool) -> _Mlp:
         scaled = contrib.kind == "scaled"
@@ -1181,6 +1569,12 @@ class _Eval:
         assert mlp is not None
         if mlp.layout not in ("per_expert_linear", "opaque"):
             return
+        if self.indexed_module is not None:
+            if self.loop_kind != "range" or self.local_start:
+                raise _Miss("a module called with the expert index, in a loop that is not range(E)")
+            mod = ast.unparse(self.indexed_module)  # one callable per expert, its index bound early
+            site.experts_list = f"[(lambda {P}r, {P}e={P}i: {mod}({P}r, {P}e)) for {P}i in range({site.bins})]"
+            return
         if self.loop_kind == "enumerate_experts" or (self.loop_kind == "counts" and self.experts_list):
             site.experts_list = self.experts_list
             return
@@ -1259,11 +1653,15 @@ class _Eval:
         self._check_span(block[start : i + 2], site, {site.out_name} - {""}, site.last_line)
 
     def _check_span(self, stmts: list[ast.stmt], site: _Site, produced: set[str], end: int) -> None:
-        inside = _assigned(stmts)
+        inside = _assigned(stmts) - self.device_moves
         for n in sorted(inside - produced):
             if self.scope.uses_after(n, end):
-                raise _Miss(f"`{n}` (set in the expert loop) is used after it; the fused layer does not produce it")
+                where = "by the split before the expert loop" if n == self.split_name else "in the expert loop"
+                raise _Miss(f"`{n}` (set {where}) is used after it; the fused layer does not produce it")
         for name in (site.tokens, site.indices, site.probs):
+            if name and name == self.split_name == site.tokens and sum(name in _assigned([st]) for st in stmts) == 1 \
+                    and not any(name in _assigned([st]) for st in stmts if isinstance(st, (ast.For, ast.While))):
+                continue  # x = torch.split(x, counts): the one rebinding is the split the fused text replaces
             if name and name in inside and name != site.counts:
                 raise _Miss(f"`{name}` is reassigned inside the expert loop")
 
@@ -1342,6 +1740,39 @@ def _top_k(scope: Scope, indices: str, line: int) -> str:
             if k is not None:
                 return ast.unparse(k)
     return f"{indices}.shape[-1]"
+
+
+def _device_move_of(value: ast.expr, name: Optional[str]) -> bool:
+    """``name.to(<expr>.device)`` / ``name.to(device=...)`` / ``name.to(<device name>)``: the same
+    values on another device (``name`` None: any receiver). A dtype argument could round: not a move."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to"):
+        return False
+    if name is not None and not (isinstance(value.func.value, ast.Name) and value.func.value.id == name):
+        return False
+    if value.keywords and all(k.arg in ("device", "non_blocking") for k in value.keywords) and not value.args:
+        return any(k.arg == "device" for k in value.keywords)
+    if len(value.args) != 1 or value.keywords:
+        return False
+    arg = value.args[0]
+    return isinstance(arg, ast.Attribute) and arg.attr == "device"
+
+
+def _adds_zero_only(body: list[ast.stmt]) -> bool:
+    """Statements that change no value: ``out[...] += 0 * expr`` (DDP's trick to keep experts
+    without tokens in the autograd graph), possibly under ``if self.training:`` / ``elif``."""
+    for s in body:
+        if isinstance(s, ast.Pass):
+            continue
+        if isinstance(s, ast.If) and all(isinstance(n, (ast.Name, ast.Attribute, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Constant, ast.Load))
+                                         or isinstance(n, (ast.cmpop, ast.boolop, ast.unaryop)) for n in ast.walk(s.test)) \
+                and _adds_zero_only(s.body) and (not s.orelse or _adds_zero_only(s.orelse)):
+            continue
+        if isinstance(s, ast.AugAssign) and isinstance(s.op, ast.Add) and isinstance(s.value, ast.BinOp) \
+                and isinstance(s.value.op, ast.Mult) and any(isinstance(o, ast.Constant) and o.value == 0 and o.value is not False
+                                                              for o in (s.value.left, s.value.right)):
+            continue
+        return False
+    return bool(body)
 
 
 def _as_tuple(call: ast.Call) -> bool:
@@ -1459,12 +1890,36 @@ def _activation_attr(module: ModuleInfo, scope: Scope, attr: str, owner: str) ->
     if scope.class_name is None or scope.class_name not in module.classes:
         return None
     value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)
+    if isinstance(value, ast.Name) and _activation_parameter(module, module.classes[scope.class_name], value.id):
+        return _Act("config", attr, owner)  # self.act_fn = activation (the caller's choice): applied as is
     return _activation_value(module, value, attr, owner) if value is not None else None
+
+
+def _activation_parameter(module: ModuleInfo, cls: ast.ClassDef, name: str) -> bool:
+    """Whether ``name`` is an ``__init__`` parameter that holds an activation function: its default
+    is one (``activation: Callable = F.silu``, ``nn.SiLU()``) or its annotation says ``Callable``."""
+    init = _method(module, cls, "__init__")
+    if init is None:
+        return False
+    a = init.args
+    pos = a.posonlyargs + a.args
+    pairs = list(zip(pos[len(pos) - len(a.defaults):], a.defaults)) + [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+    for arg, default in pairs:
+        if arg.arg == name:
+            d = default.func if isinstance(default, ast.Call) else default
+            if _canon(module, d) in _SILU | _ACT_FUNCS | _ACT_CLASSES | {"torch.nn.functional.gelu"}:
+                return True
+    for arg in pos + a.kwonlyargs:
+        if arg.arg == name and arg.annotation is not None and "Callable" in ast.unparse(arg.annotation):
+            return True
+    return False
 
 
 def _expert_class(ev: _Eval) -> ast.ClassDef:
     """The class of the per-expert modules, from ``self.experts = nn.ModuleList([...])``."""
     m, scope = ev.m, ev.scope
+    if ev.indexed_module is not None:
+        raise _Miss(f"the experts are one module called with the expert index (`{ast.unparse(ev.indexed_module)}(rows, e)`)")
     container = ev.template.value if ev.template is not None else None
     if container is None and (ev.loop_kind == "enumerate_experts" or ev.experts_node is not None):
         container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
@@ -1558,6 +2013,9 @@ def _wkey(proj: V) -> tuple[str, str]:
 
 def _mlp_from(out: V, layout: str, owner: str) -> _Mlp:
     """Read the MLP IR off the output value: proj(down, glu|act(proj(...)))."""
+    if out.kind == "unknown" and out.args and out.args[0] != "product":
+        raise _Miss(f"the expert output `{str(out.args[0])[:60]}` is not recognised: neither an expert module called on "
+                    "the selected rows (with at most its index) nor a projection of a hidden activation")
     if out.kind != "proj":
         raise _Miss("the expert output is not a projection of its hidden activation")
     down, down_orient = _wkey(out)
@@ -1906,6 +2364,12 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
             "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
             "nonzero / .cpu()",
         ]
+    if site.zero_link:
+        risks.append(Risk("other", f"the loop's else (`{site.zero_link}`) adds zero to the output so that experts "
+                          "without tokens still get a (zero) gradient, for DDP without find_unused_parameters; the "
+                          "fused text drops it: with stacked weights every expert still enters the grouped matmul (a zero "
+                          "gradient, as before); experts called as modules on their rows may not, so keep DDP's "
+                          "find_unused_parameters for them; a non-finite parameter no longer turns that output element into NaN"))
     if site.flat_rows:
         risks.append(Risk("other", f"tokens were picked with a token mask `({site.indices} == e).any(-1)`: that equals the "
                           "permute only while each token's expert indices are distinct (torch.topk gives distinct "
@@ -3662,4 +4126,344 @@ MoeExperts.KEEP += [
     Keep(_FUNCTIONAL_SPLIT.replace("        h = F.silu(torch.matmul(x_expert, w1[expert_idx]",
                                    "        w1 = w1 * 2\n        h = F.silu(torch.matmul(x_expert, w1[expert_idx]"),
          reason="is not a stacked parameter indexed by the expert", name="weight_rebound_inside_loop"),
+]
+
+
+# -- skip guards with a zero-adding else, weights under their indices' own mask ---------------------
+
+# `if mask.any(): ... elif self.training: out[0, 0] += 0 * sum(expert params)` (the else only keeps
+# idle experts in the autograd graph), weights read as topk_weight[topk_idx == e] after a keepdim
+# renormalisation, rows as mask.any(-1).nonzero()
+_GUARD_ZERO_ELSE = _HEAD + '''
+class FF(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = ACT2FN["silu"]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoeBlock(nn.Module):
+    def __init__(self, d, h, E, k, norm):
+        super().__init__()
+        self.k, self.norm = k, norm
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(E)])
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x_flat = x.view(-1, d)
+        scores = F.softmax(self.gate(x_flat), dim=-1)
+        topk_weight, topk_idx = torch.topk(scores, k=self.k, dim=-1, sorted=False)
+        if self.norm: topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        y = torch.zeros_like(x_flat)
+        for i, expert in enumerate(self.experts):
+            mask = (topk_idx == i)
+            if mask.any():
+                token_idx = mask.any(dim=-1).nonzero().flatten()
+                weight = topk_weight[mask].view(-1, 1)
+                y.index_add_(0, token_idx, (expert(x_flat[token_idx]) * weight).to(y.dtype))
+            elif self.training:
+                y[0, 0] += 0 * sum(p.sum() for p in expert.parameters())
+        return y.view(b, t, d)
+'''
+
+_GUARD_ZERO_ELSE_RUN = '''\
+moe = MoeBlock(16, 24, 6, 2, True)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[0].gate_proj.weight, moe.experts[5].down_proj.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_GUARD_ZERO_ELSE, name="skip_guard_with_zero_adding_else", run=_GUARD_ZERO_ELSE_RUN, expect={
+        "layout": "per_expert_linear", "routing": "mask_where", "indices": "topk_idx", "probs": "topk_weight",
+        "tokens": "x_flat", "output": "y"}),
+    # the guard as a count of the bool mask, weights under the mask of a gather over the indices
+    Fuse(_GUARD_ZERO_ELSE.replace("if mask.any():", "if mask.sum() > 0:").replace(
+        "        topk_weight, topk_idx = torch.topk(scores, k=self.k, dim=-1, sorted=False)\n",
+        "        _, topk_idx = torch.topk(scores, k=self.k, dim=-1, sorted=False)\n        topk_weight = scores.gather(-1, topk_idx)\n"),
+         name="count_guard_gathered_weights", run=_GUARD_ZERO_ELSE_RUN, expect={"probs": "topk_weight"}),
+]
+
+MoeExperts.KEEP += [
+    # the else adds something that is not zero: it changes the output
+    Keep(_GUARD_ZERO_ELSE.replace("y[0, 0] += 0 * sum", "y[0, 0] += 1e-3 * sum"),
+         reason="conditional code inside the expert loop", name="skip_guard_else_adds_nonzero"),
+    # renormalised over every weight (no keepdim): not provably [T, K] any more, so topk_weight[mask]
+    # is not known to be one weight per selected token
+    Keep(_GUARD_ZERO_ELSE.replace("topk_weight.sum(dim=-1, keepdim=True)", "topk_weight.sum(dim=-1)"),
+         reason="not recognised as the routing weight", name="weights_not_shaped_like_indices"),
+]
+
+
+# -- split loops: the split bound back to the tokens' name, the activation passed into __init__ ------
+
+# torchtune-style GroupedExperts without grouped_mm: x = torch.split(x, split_size_or_sections=...),
+# stacked slices bound by tuple unpacking, `self.act_fn = activation` (an __init__ argument)
+_SPLIT_REBOUND = _HEAD + '''
+class GroupedExperts(nn.Module):
+    def __init__(self, *, dim, hidden_dim, num_experts=1, activation=F.silu):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * 0.1)
+        self.up_proj = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * 0.1)
+        self.act_fn = activation
+
+    def forward(self, x, num_tokens_per_expert):
+        x = torch.split(
+            x,
+            split_size_or_sections=num_tokens_per_expert.tolist(),
+            dim=0,
+        )
+        out_experts_splits = []
+        for expert_idx, x_expert in enumerate(x):
+            w1, w2, w3 = (
+                self.gate_proj[expert_idx],
+                self.down_proj[expert_idx],
+                self.up_proj[expert_idx],
+            )
+            h = self.act_fn(torch.matmul(x_expert, w1))
+            h = h * torch.matmul(x_expert, w3)
+            h = torch.matmul(h, w2)
+            out_experts_splits.append(h)
+        out = torch.cat(out_experts_splits, dim=0)
+        return out
+'''
+
+_SPLIT_REBOUND_RUN = '''\
+ex = GroupedExperts(dim=16, hidden_dim=24, num_experts=4)
+x = torch.randn(14, 16, requires_grad=True)
+out = ex(x, torch.tensor([3, 0, 6, 5]))
+leaves = [x, ex.gate_proj, ex.down_proj, ex.up_proj]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SPLIT_REBOUND, name="split_bound_to_token_name_activation_argument", run=_SPLIT_REBOUND_RUN, expect={
+        "routing": "sorted_counts", "layout": "stacked_in_out", "tokens": "x", "counts": "num_tokens_per_expert",
+        "weights": {"gate": "self.gate_proj", "up": "self.up_proj", "down": "self.down_proj"}}),
+    # the same with nn.GELU() passed in (applied as is between the grouped matmuls)
+    Fuse(_SPLIT_REBOUND, name="split_rebound_gelu_activation_argument", run=_SPLIT_REBOUND_RUN.replace(
+        "num_experts=4)", "num_experts=4, activation=nn.GELU())"), expect={"activation": "gated:config (self.act_fn)"}),
+]
+
+MoeExperts.KEEP += [
+    # the split tuple is still read after the loop: the fused text does not produce it
+    Keep(_SPLIT_REBOUND.replace("        return out\n", "        return out, len(x)\n"),
+         reason="is used after it", name="split_tuple_used_after_the_loop"),
+    # an __init__ argument nothing says is an activation (no default, no Callable annotation)
+    Keep(_SPLIT_REBOUND.replace("activation=F.silu", "activation"),
+         reason="neither the routing weight nor a known activation", name="activation_argument_of_unknown_kind"),
+]
+
+
+# -- one module holding every expert, called with the expert index; device moves in the loop ---------
+
+# dropless MoE (megablocks-style weights [E*F, H] viewed per expert): `self.mlp(rows, e)`; tensors moved
+# to the output's device inside the loop (pipeline-parallel generation): the same values
+_INDEXED_MODULE = _HEAD + '''
+class GLU(nn.Module):
+    def __init__(self, hidden, ffn, num_experts):
+        super().__init__()
+        self.hidden, self.ffn, self.n = hidden, ffn, num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts * ffn, hidden) * hidden ** -0.5)
+        self.v1 = nn.Parameter(torch.randn(num_experts * ffn, hidden) * hidden ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts * ffn, hidden) * ffn ** -0.5)
+
+    def forward(self, x, expert_idx):
+        w1 = self.w1.view(self.n, self.ffn, self.hidden)[expert_idx]
+        v1 = self.v1.view(self.n, self.ffn, self.hidden)[expert_idx]
+        w2 = self.w2.view(self.n, self.ffn, self.hidden)[expert_idx]
+        return (F.gelu(x @ w1.t()) * (x @ v1.t())) @ w2
+
+
+class Dropless(nn.Module):
+    def __init__(self, hidden, ffn, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+        self.mlp = GLU(hidden, ffn, num_experts)
+
+    def forward(self, x, expert_weights, top_experts):
+        in_shape = x.shape
+        x = x.view(-1, in_shape[-1])
+        out = torch.zeros_like(x)
+        expert_mask = F.one_hot(top_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(0, self.num_experts):
+            topk_idx, token_idx = torch.where(expert_mask[expert_idx])
+            if token_idx.shape[0] == 0:
+                continue
+            token_list = token_idx.tolist()
+            topk_list = topk_idx.tolist()
+            expert_tokens = x[None, token_list].reshape(-1, in_shape[-1])
+            y = self.mlp(expert_tokens, expert_idx)
+            expert_weights = expert_weights.to(y.device)
+            expert_out = y * expert_weights[token_list, topk_list, None]
+            out = out.to(y.device)
+            token_idx = token_idx.to(y.device)
+            out.index_add_(0, token_idx, expert_out)
+        return out.view(in_shape)
+'''
+
+_INDEXED_MODULE_RUN = '''\
+moe = Dropless(16, 24, 5)
+x = torch.randn(2, 6, 16, requires_grad=True)
+w, idx = torch.randn(12, 5).softmax(-1).topk(2, dim=-1)
+w = w.detach().requires_grad_()
+out = moe(x, w, idx)
+leaves = [x, w, moe.mlp.w1, moe.mlp.v1, moe.mlp.w2]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_INDEXED_MODULE, name="module_called_with_expert_index_device_moves", run=_INDEXED_MODULE_RUN, expect={
+        "layout": "expert_modules", "loop": "range", "indices": "top_experts", "probs": "expert_weights",
+        "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # a dtype cast is not a device move: the weights would be rounded inside the loop only
+    Keep(_INDEXED_MODULE.replace("expert_weights.to(y.device)", "expert_weights.to(torch.float16)"),
+         reason="not recognised as the routing weight", name="weights_cast_inside_loop"),
+    # the module gets something else than the expert index: not one expert per call
+    Keep(_INDEXED_MODULE.replace("self.mlp(expert_tokens, expert_idx)", "self.mlp(expert_tokens, 0)"),
+         reason="neither an expert module called on the selected rows", name="module_called_with_a_constant_index"),
+]
+
+
+# -- one stacked projection over rows sorted by expert (Column/Row-parallel experts) ----------------
+
+_SPLIT_PROJECTION = _HEAD + '''
+class ColumnExperts(nn.Module):
+    def __init__(self, num_experts, in_features, out_features):
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.randn(num_experts, out_features, in_features) * in_features ** -0.5)
+
+    def forward(self, x, expert_frequency):
+        weight = self.weight
+        x = x.split(expert_frequency.tolist(), dim=0)
+        x = [F.linear(x[i], weight[i]) for i in range(self.num_experts)]
+        x = torch.cat(x, dim=0)
+        return x
+'''
+
+_SPLIT_PROJECTION_RUN = '''\
+layer = ColumnExperts(4, 16, 24)
+x = torch.randn(13, 16, requires_grad=True)
+out = layer(x, torch.tensor([3, 0, 6, 4]))
+leaves = [x, layer.weight]
+'''
+
+# the [E, in, out] layout, pieces from enumerate, the concatenation returned
+_SPLIT_PROJECTION_IN_OUT = _HEAD + '''
+def grouped_experts_projection(tokens, w, counts):
+    pieces = torch.split(tokens, counts.tolist())
+    outs = [p @ w[e] for e, p in enumerate(pieces)]
+    return torch.cat(outs)
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SPLIT_PROJECTION, name="split_projection_column_experts", run=_SPLIT_PROJECTION_RUN, expect={
+        "layout": "stacked_out_in", "routing": "sorted_counts", "tokens": "x", "counts": "expert_frequency",
+        "weights": {"proj": "weight"}, "num_experts": "self.num_experts"}),
+    Fuse(_SPLIT_PROJECTION_IN_OUT, name="split_projection_enumerate_in_out_returned", run='''\
+w = (torch.randn(3, 16, 8) * 0.25).requires_grad_()
+x = torch.randn(9, 16, requires_grad=True)
+out = grouped_experts_projection(x, w, torch.tensor([4, 5, 0]))
+leaves = [x, w]
+''', expect={"layout": "stacked_in_out", "weights": {"proj": "w"}, "counts": "counts"}),
+]
+
+MoeExperts.KEEP += [
+    # the pieces are read again after the concatenation: the grouped matmul does not produce them
+    Keep(_SPLIT_PROJECTION_IN_OUT.replace("    return torch.cat(outs)\n", "    y = torch.cat(outs)\n    return y, pieces\n"),
+         reason="is used after the concatenation", name="split_pieces_used_after"),
+]
+
+
+# -- hand-written permute / unpermute around the experts (sort by expert, gather, index_add) -------
+
+_SORT_PERMUTE = _HEAD + '''
+class Experts(nn.Module):
+    def __init__(self, num_experts, dim, hidden):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(num_experts, hidden, dim) * dim ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(num_experts, dim, hidden) * hidden ** -0.5)
+
+    def forward(self, x, counts):
+        xs = x.split(counts.tolist(), dim=0)
+        return torch.cat([F.linear(F.gelu(F.linear(p, self.w_in[e])), self.w_out[e]) for e, p in enumerate(xs)])
+
+
+class MoE(nn.Module):
+    def __init__(self, num_experts, dim, hidden, top_k):
+        super().__init__()
+        self.num_experts, self.top_k, self.dim = num_experts, top_k, dim
+        self.experts = Experts(num_experts, dim, hidden)
+
+    def forward(self, x, router_weights, selected_experts):
+        with torch.no_grad():
+            sorted_expert_idxs, sorted_scattered_idxs = selected_experts.flatten().sort()
+            expert_frequency = torch.bincount(sorted_expert_idxs, minlength=self.num_experts)
+        T = x.size(0)
+        batch_index = sorted_scattered_idxs // self.top_k
+        router_weights = router_weights.flatten()
+        batch_gates = router_weights[sorted_scattered_idxs]
+        x = x[batch_index]
+        x = self.experts(x, expert_frequency)
+        x = x * batch_gates.unsqueeze(-1)
+        zeros = torch.zeros((T, self.dim), dtype=x.dtype, device=x.device)
+        x = zeros.index_add(0, batch_index, x)
+        return x
+'''
+
+_SORT_PERMUTE_RUN = '''\
+moe = MoE(5, 16, 24, 2)
+x = torch.randn(9, 16, requires_grad=True)
+w, idx = torch.randn(9, 5).softmax(-1).topk(2, dim=-1)
+w = w.detach().requires_grad_()
+out = moe(x, w, idx)
+leaves = [x, w, moe.experts.w_in, moe.experts.w_out]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SORT_PERMUTE, name="hand_written_sort_gather_index_add_permute", run=_SORT_PERMUTE_RUN, expect={
+        "routing": "sort_permute", "tokens": "x", "indices": "selected_experts", "probs": "router_weights",
+        "top_k": "self.top_k", "output": "x"}),
+    # index_select for the gather, argsort, in-place index_add_ into a fresh buffer, [:, None] weights
+    Fuse(_SORT_PERMUTE.replace(
+        "sorted_expert_idxs, sorted_scattered_idxs = selected_experts.flatten().sort()",
+        "sorted_scattered_idxs = selected_experts.view(-1).argsort()\n            sorted_expert_idxs = selected_experts.view(-1)[sorted_scattered_idxs]").replace(
+        "x = x[batch_index]", "x = x.index_select(0, batch_index)").replace(
+        "batch_gates.unsqueeze(-1)", "batch_gates[:, None]").replace(
+        "        x = zeros.index_add(0, batch_index, x)\n        return x\n", "        zeros.index_add_(0, batch_index, x)\n        return zeros\n"),
+         name="argsort_index_select_inplace_index_add", run=_SORT_PERMUTE_RUN, expect={"routing": "sort_permute", "output": "zeros"}),
+]
+
+MoeExperts.KEEP += [
+    # sorted descending: the rows are grouped by expert in the other order than the permute's
+    Keep(_SORT_PERMUTE.replace("selected_experts.flatten().sort()", "selected_experts.flatten().sort(descending=True)"),
+         reason="is not the ascending sort order", name="sort_descending_is_not_the_permute"),
+    # the weights taken in another order than the rows: not the slot's weight
+    Keep(_SORT_PERMUTE.replace("batch_gates = router_weights[sorted_scattered_idxs]", "batch_gates = router_weights[batch_index]"),
+         reason="is not the flat weights taken in the sorted order", name="weights_in_another_order"),
+]
+
+
+MoeExperts.KEEP += [
+    # one module holding every expert, called per expert index in a comprehension over split pieces
+    Keep(_HEAD + '''
+class Calculator(nn.Module):
+    def __init__(self, experts, num_experts):
+        super().__init__()
+        self.experts, self.num_experts = experts, num_experts
+
+    def forward(self, sorted_x, sizes):
+        split_x = torch.split(sorted_x, sizes, dim=0)
+        outs = [self.experts(split_x[i], i) for i in range(self.num_experts) if split_x[i].shape[0] > 0]
+        return torch.cat(outs, 0)
+''', reason="one module holding every expert is called per expert", name="indexed_expert_module_in_comprehension"),
 ]

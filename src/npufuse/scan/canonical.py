@@ -709,3 +709,66 @@ def einops_permutation(pattern: ast.AST | None) -> tuple[int, ...] | None:
 def swaps_last_two(perm: tuple[int, ...] | None) -> bool:
     """The permutation exchanges the last two axes and keeps the others in place."""
     return perm is not None and len(perm) >= 2 and perm == tuple(range(len(perm) - 2)) + (len(perm) - 1, len(perm) - 2)
+
+# --- MoE: routing weights shaped like the expert indices ---
+
+
+_SHAPE_KEEPING_CASTS = ("to", "float", "half", "bfloat16", "type_as", "contiguous", "detach", "clone")
+
+
+def _keepdim_or_scalar(operand: ast.expr, name: str) -> bool:
+    """True when ``operand`` broadcasts against ``name`` without widening it: constants, and
+    reductions of ``name`` itself that keep their dims (``name.sum(dim=-1, keepdim=True) + 1e-20``)."""
+    for n in ast.walk(operand):
+        if isinstance(n, ast.Name) and n.id != name:
+            return False
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("sum", "mean", "amax", "max", "norm"):
+            keep = _kw(n, "keepdim")
+            if keep is None or const_value(keep) is not True:
+                return False
+    return True
+
+
+def shaped_like_indices(module: ModuleInfo, scope: Scope, weights: str, indices: str, before_line: int) -> bool:
+    """Whether ``weights`` provably has the shape of the expert indices ``indices`` (element [t, k]
+    is the weight of slot k of token t): the two outputs of one ``topk`` call, ``x.gather(-1,
+    indices)``, and either of them through shape-keeping steps of its own (casts, ``softmax(w,
+    dim=-1)``, ``w / (w.sum(-1, keepdim=True) + eps)``). Only then does ``weights[indices == e]``
+    list, in row-major order, one weight per token routed to e (with distinct top-k indices)."""
+    idx_def = scope.definition(indices, before_line)
+    line = before_line
+    node: ast.expr | None = scope.definition(weights, line)
+    for _ in range(8):
+        if node is None:
+            return False
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call) and const_value(node.slice) == 0 \
+                and isinstance(idx_def, ast.Subscript) and idx_def.value is node.value and const_value(idx_def.slice) == 1:
+            f = node.value.func
+            return (isinstance(f, ast.Attribute) and f.attr == "topk") or api(module, f) == "torch.topk"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "gather":
+            first = 1 if api(module, node.func) == "torch.gather" else 0
+            dim, index = (node.args[first] if len(node.args) > first else _kw(node, "dim")), \
+                (node.args[first + 1] if len(node.args) > first + 1 else _kw(node, "index"))
+            return dim is not None and const_value(dim) == -1 and isinstance(index, ast.Name) and index.id == indices
+        step: ast.expr | None = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SHAPE_KEEPING_CASTS:
+            step = node.func.value
+        elif isinstance(node, ast.Call) and api(module, node.func) in ("torch.softmax", "torch.nn.functional.softmax") and node.args:
+            dim = node.args[1] if len(node.args) > 1 else _kw(node, "dim")
+            step = node.args[0] if dim is not None and const_value(dim) == -1 else None
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
+            for own, other in ((node.left, node.right), (node.right, node.left)):
+                if isinstance(own, ast.Name) and _keepdim_or_scalar(other, own.id) \
+                        or not isinstance(own, ast.Name) and isinstance(const_value(other), (int, float)):
+                    step = own
+                    break
+        if step is None:
+            return False
+        if isinstance(step, ast.Name):
+            if step.id != weights:
+                weights = step.id
+            line = getattr(node, "lineno", line)
+            node = scope.definition(weights, line)
+        else:
+            node = step
+    return False
