@@ -40,8 +40,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	NPUFUSE_TORCH_NPU_PATH=$(TORCH_NPU_DOCS) $(PY) -m npufuse demo
 
+# -n auto: one pytest worker per core (xdist). Most of the suite waits on subprocesses it starts
+# (verify runs, scans, torch imports); two workers on the 2-core CI machine keep it well under 15 min.
 test: $(STAMP)
-	NPUFUSE_TORCH_NPU_PATH=$(TORCH_NPU_DOCS) $(PY) -m pytest -q
+	NPUFUSE_TORCH_NPU_PATH=$(TORCH_NPU_DOCS) $(PY) -m pytest -q -n auto
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
