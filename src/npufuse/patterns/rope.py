@@ -212,12 +212,32 @@ class _Halves:
             return False
         if not _is_int(node.right, 2):
             return False
+        if self._unpacked_last_dim(node.left):
+            return True
         size = _resolve(self.scope, node.left)
         if isinstance(size, ast.Subscript) and isinstance(size.value, ast.Attribute) and size.value.attr == "shape":
             return self.is_x(size.value.value) and _is_int(size.slice, -1, 3)
         if _method(size, "size") and size.args:
             return self.is_x(size.func.value) and _is_int(size.args[0], -1, 3)
         return False
+
+    def _unpacked_last_dim(self, node: ast.expr) -> bool:
+        """``d`` bound last by ``b, h, s, d = x.size()`` / ``= x.shape`` (picotron): x's last dim."""
+        if not isinstance(node, ast.Name):
+            return False
+        binds = [(st, v) for st, v in self.scope.assignments.get(node.id, []) if st.lineno <= getattr(node, "lineno", st.lineno)]
+        if not binds:
+            return False
+        st, v = binds[-1]
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple)):
+            return False
+        elts = st.targets[0].elts
+        if not (isinstance(elts[-1], ast.Name) and elts[-1].id == node.id and isinstance(v, ast.Subscript) and const_value(v.slice) == len(elts) - 1):
+            return False
+        size = v.value
+        if _method(size, "size") and not size.args:
+            return self.is_x(size.func.value)
+        return isinstance(size, ast.Attribute) and size.attr == "shape" and self.is_x(size.value)
 
     def part(self, node: ast.expr) -> str | None:
         """'first' / 'second' half, 'even' / 'odd' lanes of x, or None."""
@@ -701,6 +721,7 @@ class _Match:
     inner_prep: list[str] = field(default_factory=list)  # statements inside the fused branch, before the call
     widen: str = ""  # a dtype the eager sum is promoted with too (a helper rotating in fp32)
     post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
+    freqs: ast.expr | None = None  # the complex form's freqs operand (a product bound to a name elsewhere)
 
 
 def _is_float_cast(node: ast.AST) -> bool:
@@ -756,6 +777,25 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
         return (f"complex rope computed in float64 (`{ast.unparse(x)}`): npu_rotary_mul takes fp16/bf16/fp32 only, "
                 "and computing in fp32 instead would change the numbers this code asks for")
     return x, (cast if certain else None)
+
+
+def _named_complex_product(scope: Scope, node: ast.Call) -> tuple[ast.Assign, ast.BinOp] | None:
+    """``view_as_real(name)`` where ``name = a * b`` is bound once before, one factor a
+    ``view_as_complex(..)`` (through names): (that assignment, the product)."""
+    if len(node.args) != 1 or not isinstance(node.args[0], ast.Name):
+        return None
+    defs = [(st, v) for st, v in scope.assignments.get(node.args[0].id, []) if st.lineno < node.lineno]
+    if len(defs) != 1:
+        return None
+    st, prod = defs[0]
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+            and isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+        return None
+    for f in (prod.left, prod.right):
+        val = _resolve(scope, f)
+        if isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex"):
+            return st, prod
+    return None
 
 
 def _flat_factors(node: ast.expr) -> list[ast.expr]:
@@ -1138,7 +1178,8 @@ class RopePattern(Pattern):
                 continue
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
-            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text:
+            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
+                    and "view_as_real" not in st_text:
                 continue
             matches: list[_Match] = []
             for node in self._candidates(stmt, scope):
@@ -1226,6 +1267,9 @@ class RopePattern(Pattern):
                 return
             if _method(node, "flatten", "view", "reshape") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
+                return
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("view_as_real") and _named_complex_product(scope, node) is not None:
+                found.append(node)  # hkproj: ``x_rotated = xc * freqs; x_out = view_as_real(x_rotated)``
                 return
             for child in child_nodes(node):
                 visit(child)
@@ -1522,6 +1566,9 @@ class RopePattern(Pattern):
     def _match_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
         """``torch.view_as_real(xc * freqs).flatten(3)`` with ``xc = view_as_complex(x.float().reshape(..., -1, 2))``."""
         if ast.unparse(node.func).endswith("view_as_real"):
+            named = _named_complex_product(scope, node)
+            if named is not None:
+                return self._match_named_complex(module, scope, node, *named)
             return self._match_complex_halves(module, scope, node)
         post = ""
         if _method(node, "view", "reshape"):
@@ -1564,6 +1611,29 @@ class RopePattern(Pattern):
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
+        return None
+
+    def _match_named_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call, prod_stmt: ast.Assign, prod: ast.BinOp) -> _Match | str | None:
+        """hkproj: ``x_rotated = xc * freqs`` bound to a name, then ``view_as_real(x_rotated)`` [..., D/2, 2]
+        (viewed back by a later statement, which is kept): the fused result is given the pairs layout back
+        (``unflatten(-1, (-1, 2))``: lane 2i is pair i's real part). The product's statement goes with the
+        site when it is the one right before it and its name is read nowhere else."""
+        for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+            val = _resolve(scope, xc)
+            if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
+                continue
+            got = _complex_pairs(scope, val.args[0], val.lineno)
+            if isinstance(got, str):
+                return got
+            x, cast = got
+            # the freqs' layout is what it is at the product's line: the run-time check decides (batch, rank)
+            m = self._complex_checked(module, node, x, xc, freqs, cast)
+            m.post, m.freqs = ".unflatten(-1, (-1, 2))", freqs
+            name = node.args[0].id  # type: ignore[attr-defined]
+            here = _stmt_of(scope, node)
+            if here is not None and here[1] > 0 and here[0][here[1] - 1] is prod_stmt and not scope.uses_after(name, node.lineno):
+                m.absorb = [prod_stmt]
+            return m
         return None
 
     def _match_complex_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
@@ -1850,6 +1920,8 @@ class RopePattern(Pattern):
 
     @staticmethod
     def _complex_freqs(m: _Match) -> ast.expr:
+        if m.freqs is not None:
+            return m.freqs
         prod = m.node.func.value.args[0]  # type: ignore[attr-defined]
         return prod.right if ast.unparse(prod.left) in m.x_text else prod.left
 
@@ -3397,5 +3469,97 @@ x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
 out = RotaryEmbedding(16)(x)
 leaves = [x]
 ''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # picotron: the half point is the last of x's dims unpacked from x.size(); the rotated copy is bound to a
+        # name (one that reads like a helper) and x is rebound by the sum
+        name="halves_cut_at_unpacked_last_dim",
+        code='''
+import torch
+
+
+def apply_rotary_pos_emb(x, cos, sin):
+    batch_size, num_head, seq_length, head_dim = x.size()
+    x1 = x[..., : head_dim // 2]
+    x2 = x[..., head_dim // 2 :]
+    rotate_half = torch.cat([-x2, x1], dim=-1)
+    x = x * cos + rotate_half * sin
+    return x
+''',
+        expect={"mode": "half", "targets": ["x"], "qualname": "apply_rotary_pos_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = ang.repeat(1, 2)
+x = torch.randn(2, 4, 6, 16, requires_grad=True)
+out = apply_rotary_pos_emb(x, emb.cos(), emb.sin())
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # hkproj/pytorch-llama: the complex product bound to a name, view_as_real of that name, viewed back by the
+        # next statement: the fused result is given the [..., D/2, 2] pairs layout, the product's statement goes
+        name="complex_product_named_then_viewed_back",
+        code='''
+import torch
+
+
+def precompute(head_dim, seq_len, theta=10000.0):
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq_len).float(), inv)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_embeddings(x, freqs_complex, device):
+    x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs_complex = freqs_complex.unsqueeze(0).unsqueeze(2)
+    x_rotated = x_complex * freqs_complex
+    x_out = torch.view_as_real(x_rotated)
+    x_out = x_out.reshape(*x.shape)
+    return x_out.type_as(x).to(device)
+''',
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked", "qualname": "apply_rotary_embeddings", "line": 14, "end_line": 15},
+        run='''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_embeddings(x, precompute(16, 6), "cpu")
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the cut is at the unpacked SEQUENCE length, not the head dim: no halves of the last dim
+        '''
+import torch
+
+
+def apply_rotary_pos_emb(x, cos, sin):
+    batch_size, num_head, seq_length, head_dim = x.size()
+    x1 = x[..., : seq_length // 2]
+    x2 = x[..., seq_length // 2 :]
+    rotate_half = torch.cat([-x2, x1], dim=-1)
+    x = x * cos + rotate_half * sin
+    return x
+''',
+        reason="",
+        name="halves_cut_at_unpacked_other_dim",
+    ),
+    Keep(
+        # the complex numbers pair x_i with x_{i+D/2} through a transpose: not the lane pairs the op rotates
+        '''
+import torch
+
+
+def apply(x, freqs):
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], 2, -1).transpose(-1, -2).contiguous())
+    prod = xc * freqs
+    out = torch.view_as_real(prod)
+    return out.flatten(3)
+''',
+        reason="complex rope whose pairs are not formed by reshape(..., -1, 2)",
+        name="complex_named_product_other_pairs",
     ),
 ]
