@@ -142,6 +142,9 @@ class _Rotation:
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
     """The definition of a called helper: a module function, or ``self.f`` / ``Cls.f`` in this class."""
     if isinstance(func, ast.Name):
+        nested = _nested_def(scope, func)
+        if nested is not None:
+            return nested, func.id
         fn = module.helper(func.id)
         if fn is not None:
             return fn, func.id
@@ -154,6 +157,24 @@ def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.F
                 if isinstance(node, ast.FunctionDef) and node.name == func.attr:
                     return node, f"{cls.name}.{func.attr}"
     return None, ast.unparse(func)
+
+
+def _nested_def(scope: Scope, func: ast.Name) -> ast.FunctionDef | None:
+    """minimind: ``def rotate_half(x): ...`` written inside the calling function, before the call (the
+    name's binding there wins over a module-level one). Only a def in the function's own body
+    statements (not under an if/loop, where it may not be the binding the call sees)."""
+    body = getattr(scope.node, "body", None)
+    if not isinstance(body, list):
+        return None
+    found = None
+    for st in body:
+        if st.lineno >= func.lineno:
+            break
+        if isinstance(st, ast.FunctionDef) and st.name == func.id:
+            found = st
+        elif func.id in scope.assignments and any(b.lineno == st.lineno for b, _v in scope.assignments[func.id]):
+            found = None  # rebound to something else after the def
+    return found
 
 
 def _is_name(text: str) -> bool:
@@ -3561,5 +3582,42 @@ def apply(x, freqs):
 ''',
         reason="complex rope whose pairs are not formed by reshape(..., -1, 2)",
         name="complex_named_product_other_pairs",
+    ),
+]
+
+_NESTED_HELPER = '''
+import torch
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    def rotate_half(x): return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+    q_embed = ((q * cos.unsqueeze(unsqueeze_dim)) + (rotate_half(q) * sin.unsqueeze(unsqueeze_dim))).to(q.dtype)
+    k_embed = ((k * cos.unsqueeze(unsqueeze_dim)) + (rotate_half(k) * sin.unsqueeze(unsqueeze_dim))).to(k.dtype)
+    return q_embed, k_embed
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # minimind: the rotation helper is a def nested in the function that calls it (followed like a module one)
+        name="nested_rotation_helper",
+        code=_NESTED_HELPER,
+        expect={"mode": "half", "targets": ["q", "k"], "qualname": "apply_rotary_pos_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)
+q = torch.randn(2, 6, 4, 16, requires_grad=True)
+k = torch.randn(2, 6, 2, 16, requires_grad=True)
+out = apply_rotary_pos_emb(q, k, emb.cos()[None], emb.sin()[None], unsqueeze_dim=2)
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the nested helper swaps the halves without negating one: no rotation (the module-level name is not used)
+        _NESTED_HELPER.replace("torch.cat((-x[..., x.shape[-1] // 2:]", "torch.cat((x[..., x.shape[-1] // 2:]"),
+        reason="the rotation is not the standard cat(-x2, x1) of the two halves",
+        name="nested_helper_without_negation",
     ),
 ]
