@@ -848,8 +848,27 @@ def _is_product(node: ast.expr, u: ast.expr, v: ast.expr) -> bool:
     return f is not None and ((same_expr(f[0], u) and same_expr(f[1], v)) or (same_expr(f[0], v) and same_expr(f[1], u)))
 
 
+def _stacked_pair(call: ast.AST) -> ast.Call | None:
+    """The ``torch.stack([a, b], dim=-1)`` of ``torch.stack([a, b], dim=-1).flatten(3 | -2)``: lane
+    pairs (a_i, b_i) merged back into the last dim, a interleaved with b."""
+    if not (_method(call, "flatten") and isinstance(call.func.value, ast.Call)):  # type: ignore[union-attr]
+        return None
+    start, end = keyword(call, "start_dim", 0), keyword(call, "end_dim", 1)  # type: ignore[arg-type]
+    inner = call.func.value  # type: ignore[union-attr]
+    if not (_is_int(start, -2, 3) and (end is None or _is_int(end, -1))):
+        return None
+    if _pair_of(inner, _STACK) is None or not _is_int(keyword(inner, "dim", 1), -1):
+        return None  # (a stack at dim 3 of 4-D parts would put the pair axis before D/2: halves, not lanes)
+    return inner
+
+
 def _named_pair(call: ast.Call) -> tuple[ast.Name, ast.Name] | None:
-    """(y1, y2) of ``torch.cat([y1, y2], <last dim>)`` with two plain names."""
+    """(y1, y2) of ``torch.cat([y1, y2], <last dim>)`` (halves) or ``torch.stack([y1, y2], -1).flatten(-2)``
+    (llama2.c: lane pairs) with two plain names."""
+    stacked = _stacked_pair(call)
+    if stacked is not None:
+        pair = _pair_of(stacked, _STACK)
+        return pair if pair is not None and all(isinstance(p, ast.Name) for p in pair) else None  # type: ignore[return-value]
     pair = _pair_of(call, _CAT) if isinstance(call, ast.Call) else None
     if pair is None or not all(isinstance(p, ast.Name) for p in pair):
         return None
@@ -1194,13 +1213,14 @@ class RopePattern(Pattern):
         if not any(h in text for h in hints):
             return
         runs: list[tuple[list[ast.stmt], list[tuple[int, ast.stmt, list[_Match]]]]] = []
+        pending: list[tuple[list[ast.stmt], int, ast.stmt, list[_Match]]] = []  # sites whose parts were not right before them
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
                 continue
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
-                    and "view_as_real" not in st_text:
+                    and "view_as_real" not in st_text and "stack(" not in st_text:
                 continue
             matches: list[_Match] = []
             for node in self._candidates(stmt, scope):
@@ -1221,19 +1241,25 @@ class RopePattern(Pattern):
             if absorb:
                 # the statements computing the two rotated halves (nanochat's y1 = ..., y2 = ...) go
                 # with the site when they are the ones right before it: the fused call replaces them
-                ids = {id(a) for a in absorb}
-                if i >= len(absorb) and {id(b) for b in block[i - len(absorb) : i]} == ids:
-                    start = i - len(absorb)
+                # llama2.c computes the parts of q AND k first, then the two stacks: sites right after each
+                # other whose parts, all together, are the statements right before the first of them
+                group = pending if pending and pending[-1][0] is block and pending[-1][1] == i - 1 else []
+                ids = {id(a) for a in absorb} | {id(a) for _b, _j, _st, ms in group for m in ms for a in m.absorb}
+                first = group[0][1] if group else i
+                if first >= len(ids) and {id(b) for b in block[first - len(ids) : first]} == ids:
+                    start = first - len(ids)
                     if runs and runs[-1][0] is block and runs[-1][1][-1][0] >= start:
                         runs[-1][1][:] = [it for it in runs[-1][1] if it[0] < start]
                         if not runs[-1][1]:
                             runs.pop()
-                    pre = [(j, block[j], []) for j in range(start, i)]
+                    pre = [(j, block[j], []) for j in range(start, first)] + [(j, st, ms) for _b, j, st, ms in group]
                     if runs and runs[-1][0] is block and runs[-1][1][-1][0] == start - 1:
                         runs[-1][1].extend(pre + [(i, stmt, matches)])
                     else:
                         runs.append((block, pre + [(i, stmt, matches)]))
+                    pending = []
                     continue
+                pending = group + [(block, i, stmt, [m for m in matches if m.absorb])]
                 matches = [m for m in matches if not m.absorb]
                 if not matches:
                     continue
@@ -1385,11 +1411,14 @@ class RopePattern(Pattern):
             return None
         scope_for_halves = scope
         scope = path_scope
+        # cat([y1, y2]): halves; stack([y1, y2], -1).flatten(-2) (llama2.c's real/imag parts): lane pairs
+        kind = "pairs" if _stacked_pair(node) is not None else "halves"
+        p0, p1 = ("even", "odd") if kind == "pairs" else ("first", "second")
         base = None
         for _sign, u, v in terms[0] + terms[1]:
             # the shared canonical layer: chunk / split / unbind / slice halves alike
             h = canonical.lane_of(module, scope, u, node.lineno) or canonical.lane_of(module, scope, v, node.lineno)
-            if h is not None and h.kind == "halves":
+            if h is not None and h.kind == kind:
                 base = h.source
                 break
         if base is None:
@@ -1402,7 +1431,7 @@ class RopePattern(Pattern):
                 part = halves.part(u)
                 if part is None:
                     part, u, v = halves.part(v), v, u
-                if part not in ("first", "second"):
+                if part not in (p0, p1):
                     return None
                 neg = halves.neg_of(v)
                 if neg is not None:
@@ -1413,12 +1442,16 @@ class RopePattern(Pattern):
         a, b = canon(terms[0]), canon(terms[1])
         if a is None or b is None:
             return None
-        (s1a, c_a), (s1b, s_a) = a["first"], a["second"]   # y1 = ±x1*c ± x2*s
-        (s2b, c_b), (s2a, s_b) = b["second"], b["first"]   # y2 = ±x2*c ± x1*s
+        (s1a, c_a), (s1b, s_a) = a[p0], a[p1]   # y1 = ±x1*c ± x2*s
+        (s2b, c_b), (s2a, s_b) = b[p1], b[p0]   # y2 = ±x2*c ± x1*s
         if not (same_expr(c_a, c_b) and same_expr(s_a, s_b) and s1a == 1 and s2b == 1 and s1b == -s2a):
             return None
         negate = s1b == 1  # y1 = x1*c + x2*s: the rotation by -angle, i.e. sin negated
         scope = scope_for_halves
+        if kind == "pairs":
+            if anchor is not site:
+                return None  # (a flag-chosen pair form is vLLM's, handled with its halves above)
+            return self._named_lane_pairs(module, scope, node, base, c_a, s_a, negate, [d[0] for d in defs])
         m = self._build_real(module, scope, node, "half", base, c_a, s_a)
         if isinstance(m, str):
             return m
@@ -1434,6 +1467,42 @@ class RopePattern(Pattern):
             m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
             m.only_note = f"the other path of `{ast.unparse(anchor.test)}` (the interleaved stack) keeps the original code"  # type: ignore[attr-defined]
+        return m
+
+    def _named_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr, c: ast.expr, s: ast.expr,
+                          negate: bool, defs: list[ast.stmt]) -> _Match | str:
+        """llama2.c: ``r, i = x.float().reshape(..., -1, 2).unbind(-1)``; ``out_r = r*c - i*s``; ``out_i = r*s + i*c``;
+        ``stack([out_r, out_i], -1).flatten(3)``: the interleave rotation with half-size c/s (repeat_interleave(2)).
+        Where c/s are batch-independent here, the fused call takes them as they are; where their layout is not
+        visible (a broadcast helper's view), it is checked at run time (interleave mode takes only
+        11SD / 1S1D / S11D cos/sin) and elsewhere the original code runs."""
+        cs = [segment(module, c), segment(module, s)]
+        tag = _ident(segment(module, base))
+        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
+        sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
+        prep = [f"{full[0]} = {_atom(cs[0])}.repeat_interleave(2, dim=-1)  # half-size cos/sin of each lane pair -> the full head dim",
+                f"{full[1]} = {sin_half}.repeat_interleave(2, dim=-1)" + ("  # out_r = r*cos + i*sin: the rotation by -angle" if negate else "")]
+        m = self._build_real(module, scope, node, "interleave", base, c, s)
+        if isinstance(m, _Match):
+            m.prep, m.cos, m.sin, m.x_text = prep, full[0], full[1], segment(module, base)
+        else:
+            if not m.startswith("interleave mode with cos/sin that may depend on the batch"):
+                return m
+            x_text = segment(module, base)
+            prep.append(f"{full[0]}, {full[1]} = {full[0]}[(None,) * (4 - {full[0]}.dim())], {full[1]}[(None,) * (4 - {full[1]}.dim())]  # the eager broadcast, made 4-D")
+            m = _Match(
+                node=node, mode="interleave", x=base, cos=full[0], sin=full[1], cos_node=None, sin_node=None, x_text=x_text,
+                cos_info=_CosInfo(batch_free=False, layout="half-size tables of a layout not visible here, checked at run time"),
+                prep=prep, x_dtype=_dtype_token(scope, base), cs_dtype=None,
+            )
+            m.only_if = (f"{_atom(x_text)}.dim() == 4 and {full[0]}.dim() == 4 and {full[0]}.shape[0] == 1 and ({full[0]}.shape[1] == 1 or "
+                         f"{full[0]}.shape[2] == 1) and {full[0]}.shape == {full[1]}.shape")
+            m.only_note = "cos/sin of a batch-dependent or non-4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
+        if _is_int(keyword(node, "start_dim", 0), 3):
+            # flatten(3) merges the pair axis only for 4-D parts: the fused call is for 4-D x
+            rank = f"{_atom(segment(module, strip_casts(base)[0]))}.dim() == 4"  # (a cast keeps the rank)
+            m.only_if = rank if m.only_if is None else (m.only_if if rank in m.only_if else f"({m.only_if}) and {rank}")
+        m.absorb = defs
         return m
 
     def _match_matrix(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, mat: ast.expr, sum_dim: ast.expr | None) -> _Match | str:
@@ -1868,7 +1937,8 @@ class RopePattern(Pattern):
             elif any(m.only_note for m in all_matches):
                 notes.append(f"fused where `{cond}`; " + "; ".join(sorted({m.only_note for m in all_matches if m.only_note}))
                              + ": there the original code runs")
-                variant = "rotation_helper_one_path_verified"
+                checked = any("checked at run time" in (m.cos_info.layout or "") for m in all_matches)
+                variant = "interleave_tables_checked" if checked else "rotation_helper_one_path_verified"
             elif any(m.chosen_half for m in all_matches):
                 notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
                              "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
@@ -3619,5 +3689,88 @@ RopePattern.KEEP += [
         _NESTED_HELPER.replace("torch.cat((-x[..., x.shape[-1] // 2:]", "torch.cat((x[..., x.shape[-1] // 2:]"),
         reason="the rotation is not the standard cat(-x2, x1) of the two halves",
         name="nested_helper_without_negation",
+    ),
+]
+
+_REAL_IMAG_PARTS = '''
+import torch
+
+
+def reshape_for_broadcast(freqs_cis, x):
+    ndim = x.ndim
+    shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis.view(shape)
+
+
+def apply_rotary_emb(xq, xk, freqs_cos, freqs_sin):
+    xq_r, xq_i = xq.float().reshape(xq.shape[:-1] + (-1, 2)).unbind(-1)
+    xk_r, xk_i = xk.float().reshape(xk.shape[:-1] + (-1, 2)).unbind(-1)
+    freqs_cos = reshape_for_broadcast(freqs_cos, xq_r)
+    freqs_sin = reshape_for_broadcast(freqs_sin, xq_r)
+    xq_out_r = xq_r * freqs_cos - xq_i * freqs_sin
+    xq_out_i = xq_r * freqs_sin + xq_i * freqs_cos
+    xk_out_r = xk_r * freqs_cos - xk_i * freqs_sin
+    xk_out_i = xk_r * freqs_sin + xk_i * freqs_cos
+    xq_out = torch.stack([xq_out_r, xq_out_i], dim=-1).flatten(3)
+    xk_out = torch.stack([xk_out_r, xk_out_i], dim=-1).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def apply_rotary_emb_tables(x, cos, sin):
+    # tables of a layout not visible here (the caller's): checked at run time
+    x_r, x_i = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out_r = x_r * cos - x_i * sin
+    out_i = x_r * sin + x_i * cos
+    return torch.stack([out_r, out_i], dim=-1).flatten(-2)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # llama2.c: real / imaginary parts of the lane pairs rotated in real arithmetic, stacked back and flattened;
+        # q's and k's parts are all computed before the two stacks (one site of six statements)
+        name="real_imag_parts_stacked",
+        code=_REAL_IMAG_PARTS,
+        expect={"mode": "interleave", "targets": ["xq.float()", "xk.float()"], "qualname": "apply_rotary_emb", "line": 16, "end_line": 21},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+xq = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 6, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(xq, xk, ang.cos(), ang.sin())
+leaves = [xq, xk]
+''',
+    ),
+    Fuse(
+        # the same form with tables from the caller: 1S1D tables are fused, per-batch tables run the original
+        name="real_imag_parts_tables_checked",
+        code=_REAL_IMAG_PARTS,
+        expect={"mode": "interleave", "qualname": "apply_rotary_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+x = torch.randn(2, 6, 4, 16, requires_grad=True)
+per_batch = torch.stack((ang, ang * 0.5))[:, :, None, :]
+out = (apply_rotary_emb_tables(x, ang.cos()[None, :, None], ang.sin()[None, :, None]),
+       apply_rotary_emb_tables(x, per_batch.cos(), per_batch.sin()),
+       apply_rotary_emb_tables(x, ang.cos()[:, None], ang.sin()[:, None]))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # both parts take + signs: out_r = r*cos + i*sin with out_i = r*sin + i*cos is no rotation
+        _REAL_IMAG_PARTS.replace("xq_out_r = xq_r * freqs_cos - xq_i * freqs_sin", "xq_out_r = xq_r * freqs_cos + xq_i * freqs_sin")
+        .replace("xk_out_r = xk_r * freqs_cos - xk_i * freqs_sin", "xk_out_r = xk_r * freqs_cos + xk_i * freqs_sin")
+        .replace("out_r = x_r * cos - x_i * sin", "out_r = x_r * cos + x_i * sin"),
+        reason="",
+        name="real_imag_parts_not_a_rotation",
+    ),
+    Keep(
+        # the parts stacked at dim 3 of 4-D parts: the pair axis lands before D/2 (halves, not lanes), not the op's layout
+        _REAL_IMAG_PARTS.replace("torch.stack([xq_out_r, xq_out_i], dim=-1).flatten(3)", "torch.stack([xq_out_r, xq_out_i], dim=3).flatten(3)")
+        .replace("torch.stack([xk_out_r, xk_out_i], dim=-1).flatten(3)", "torch.stack([xk_out_r, xk_out_i], dim=3).flatten(3)")
+        .replace("torch.stack([out_r, out_i], dim=-1).flatten(-2)", "torch.stack([out_r, out_i], dim=-2).flatten(-2)"),
+        reason="",
+        name="real_imag_parts_stacked_before_lanes",
     ),
 ]
