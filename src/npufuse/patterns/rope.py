@@ -34,6 +34,7 @@ from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
 _CAT = {"torch.cat", "torch.concat", "torch.concatenate"}
+_BATCH_REASON = "interleave mode with cos/sin that may depend on the batch"
 _STACK = {"torch.stack"}
 _DTYPE_NAMES = {
     "torch.float32": "float32", "torch.float": "float32", "torch.float16": "float16", "torch.half": "float16",
@@ -798,6 +799,25 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
         return (f"complex rope computed in float64 (`{ast.unparse(x)}`): npu_rotary_mul takes fp16/bf16/fp32 only, "
                 "and computing in fp32 instead would change the numbers this code asks for")
     return x, (cast if certain else None)
+
+
+def _keeps_lead_dim(scope: Scope, node: ast.expr) -> bool:
+    """The table is built here by an indexing that keeps the caller's leading dim and inserts a
+    broadcast axis after it (HF GPT-J's ``sin[:, :, None, :]`` of [B, S, D/2]): a batch-dependent
+    layout written out, not a layout this function cannot see."""
+    for _ in range(6):
+        val = _resolve(scope, node)
+        for n in fast_walk(val):
+            if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Tuple) and n.slice.elts:
+                first = n.slice.elts[0]
+                if isinstance(first, ast.Slice) and first.lower is None and first.upper is None \
+                        and any(isinstance(e, ast.Constant) and e.value is None for e in n.slice.elts):
+                    return True
+        inner = val.args[0] if isinstance(val, ast.Call) and val.args and isinstance(val.args[0], ast.Name) else None
+        if inner is None or inner is node:
+            return False
+        node = inner
+    return False
 
 
 def _named_complex_product(scope: Scope, node: ast.Call) -> tuple[ast.Assign, ast.BinOp] | None:
@@ -1600,6 +1620,9 @@ class RopePattern(Pattern):
                         best_reason = best_reason or rot.reason
                         continue
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
+                    if isinstance(m, str) and rot.kind == "interleave" and m.startswith(_BATCH_REASON) \
+                            and rot.half_if is None and rot.only_if is None and rot.mode_expr is None:
+                        m = self._interleave_checked(module, scope, node, x, cos, sin, m)
                     if isinstance(m, _Match) and rot.upcast:
                         # eager: x*cos + R(x).float()*sin is at least fp32: the fused dtype is widened the same way
                         m.x_dtype, m.widen = None, "torch.float32"
@@ -1626,7 +1649,7 @@ class RopePattern(Pattern):
             )
         if mode == "interleave" and not (cinfo.batch_free and sinfo.batch_free):
             return (
-                f"interleave mode with cos/sin that may depend on the batch (`{segment(module, cos)}`: {cinfo.layout or 'shape not known'}): "
+                f"{_BATCH_REASON} (`{segment(module, cos)}`: {cinfo.layout or 'shape not known'}): "
                 "npu_rotary_mul's interleave mode takes only 11SD / 1S1D / S11D cos/sin (no per-batch positions); "
                 "if every row shares its positions, passing cos[:1] / sin[:1] would make it eligible"
             )
@@ -1648,6 +1671,26 @@ class RopePattern(Pattern):
             x_text=segment(module, x), cos_info=cinfo, rotary_dim=rotary_dim,
             x_dtype=_dtype_token(scope, x), cs_dtype=self._same_token(_dtype_token(scope, cos), _dtype_token(scope, sin)),
         )
+
+    def _interleave_checked(self, module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr, cos: ast.expr, sin: ast.expr,
+                            reason: str) -> _Match | str:
+        """The interleave rotation with cos/sin whose layout is not visible here (HunyuanVideo's tables from a
+        broadcast helper whose view depends on a flag): their shape, padded with leading 1s the way the eager
+        product broadcasts, is checked at run time to be 11SD / 1S1D / S11D (npu_rotary_mul's interleave mode);
+        elsewhere (per-batch positions) the original code runs."""
+        m = self._build_real(module, scope, node, "half", x, cos, sin)  # (half mode takes any layout: the same checks)
+        if isinstance(m, str) or m.cos_info.rank is not None or _cos_info(scope, sin, module).rank is not None \
+                or any(_keeps_lead_dim(scope, t) for t in (cos, sin)):
+            return reason  # a layout seen here with a batch dim (GPT-J's [B, S, 1, D]) stays refused
+        m.mode = "interleave"
+        shape = f"_npufuse_{_ident(segment(module, x))}_cs_shape"
+        c0, s0 = _atom(m.cos), _atom(m.sin)
+        m.prep = m.prep + [f"{shape} = (1,) * (4 - {c0}.dim()) + tuple({c0}.shape)  # cos as the eager product broadcasts it (leading 1s)"]
+        check = f"{c0}.dim() <= 4 and {c0}.shape == {s0}.shape and {shape}[0] == 1 and ({shape}[1] == 1 or {shape}[2] == 1)"
+        m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
+        m.only_note = "cos/sin with a batch-dependent or more than 4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
+        m.cos_info = _CosInfo(rank=m.cos_info.rank, batch_free=False, layout="layout not visible here, checked at run time")
+        return m
 
     @staticmethod
     def _same_token(a: str | None, b: str | None) -> str | None:
@@ -3772,5 +3815,53 @@ RopePattern.KEEP += [
         .replace("torch.stack([out_r, out_i], dim=-1).flatten(-2)", "torch.stack([out_r, out_i], dim=-2).flatten(-2)"),
         reason="",
         name="real_imag_parts_stacked_before_lanes",
+    ),
+]
+
+_FLAG_VIEWED_TABLES = '''
+import torch
+
+
+def reshape_for_broadcast(freqs_cis, x, head_first=False):
+    ndim = x.ndim
+    if head_first:
+        shape = [d if i == ndim - 2 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    else:
+        shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis[0].view(*shape), freqs_cis[1].view(*shape)
+
+
+def rotate_half(x):
+    x_real, x_imag = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    return torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis, head_first=False):
+    if isinstance(freqs_cis, tuple):
+        cos, sin = reshape_for_broadcast(freqs_cis, xq, head_first)
+    else:
+        cos, sin = freqs_cis.cos(), freqs_cis.sin()  # per-batch tables given whole
+    xq_out = (xq.float() * cos + rotate_half(xq.float()) * sin).type_as(xq)
+    xk_out = (xk.float() * cos + rotate_half(xk.float()) * sin).type_as(xk)
+    return xq_out, xk_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # HunyuanVideo: the interleaved helper with tables viewed by a flag (11SD or 1S1D) or given per batch: the
+        # layout is checked at run time, interleave mode where batch-independent, the original code elsewhere
+        name="interleave_tables_layout_checked",
+        code=_FLAG_VIEWED_TABLES,
+        expect={"mode": "interleave", "targets": ["xq.float()", "xk.float()"], "variant": "interleave_tables_checked"},
+        run='''
+ang = (torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))).repeat_interleave(2, dim=-1)
+xq = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+per_batch = torch.stack((ang, ang * 0.5))[:, :, None, :]
+out = (apply_rotary_emb(xq, xq, (ang.cos(), ang.sin())),
+       apply_rotary_emb(xk, xk, (ang.cos(), ang.sin()), head_first=True),
+       apply_rotary_emb(xq, xq, per_batch))
+leaves = [xq, xk]
+''',
     ),
 ]
