@@ -1710,7 +1710,7 @@ class RopePattern(Pattern):
             if not node.args or node.keywords:
                 return None
             post = f".{node.func.attr}({', '.join(segment(module, a) for a in node.args)})"
-        elif not _is_int(keyword(node, "start_dim", 0), 3, -2):
+        elif not _is_int(keyword(node, "start_dim", 0), 3, -2) and not self._merges_pair_axis(scope, node):
             return None
         real = node.func.value
         if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
@@ -1745,6 +1745,24 @@ class RopePattern(Pattern):
                 x_dtype=cast, cs_dtype=None,
             )
         return None
+
+    @staticmethod
+    def _merges_pair_axis(scope: Scope, node: ast.Call) -> bool:
+        """``view_as_real(xc * f).flatten(k)`` where xc's pairs view names k + 2 sizes (Wan's 3-D tokens
+        ``reshape(seq, n, -1, 2)`` then ``flatten(2)``): flatten(k) merges just the last two dims."""
+        k = const_value(keyword(node, "start_dim", 0))
+        real = node.func.value  # type: ignore[attr-defined]
+        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1 and isinstance(real, ast.Call) and len(real.args) == 1
+                and isinstance(real.args[0], ast.BinOp) and isinstance(real.args[0].op, ast.Mult)):
+            return False
+        for side in (real.args[0].left, real.args[0].right):
+            val = _resolve(scope, side)
+            if isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args:
+                pairs = _resolve(scope, val.args[0])
+                if _method(pairs, "reshape", "view") and not any(isinstance(a, ast.Starred) for a in pairs.args) \
+                        and len(pairs.args) == k + 2 and _is_int(pairs.args[-1], 2):
+                    return True
+        return False
 
     def _match_named_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call, prod_stmt: ast.Assign, prod: ast.BinOp) -> _Match | str | None:
         """hkproj: ``x_rotated = xc * freqs`` bound to a name, then ``view_as_real(x_rotated)`` [..., D/2, 2]
@@ -3863,5 +3881,58 @@ out = (apply_rotary_emb(xq, xq, (ang.cos(), ang.sin())),
        apply_rotary_emb(xq, xq, per_batch))
 leaves = [xq, xk]
 ''',
+    ),
+]
+
+_PER_SAMPLE_AXES = '''
+import torch
+
+
+def rope_params(max_seq_len, dim, theta=10000, dtype=torch.float32):
+    freqs = torch.outer(torch.arange(max_seq_len), 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(dtype).div(dim)))
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def rope_apply(x, grid_sizes, freqs):
+    n, c = x.size(2), x.size(3) // 2
+    freqs = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+    output = []
+    for i, (f, h, w) in enumerate(grid_sizes.tolist()):
+        seq_len = f * h * w
+        x_i = torch.view_as_complex(x[i, :seq_len].float().reshape(seq_len, n, -1, 2))
+        freqs_i = torch.cat([
+            freqs[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+            freqs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+            freqs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+        ], dim=-1).reshape(seq_len, 1, -1)
+        x_i = torch.view_as_real(x_i * freqs_i).flatten(2)
+        x_i = torch.cat([x_i, x[i, seq_len:]])
+        output.append(x_i)
+    return torch.stack(output).float()
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # Wan2.1-style video rope: per-sample [L, N, D] tokens, 3-axis (f, h, w) frequencies concatenated, the pairs
+        # view names 4 sizes so flatten(2) merges the pair axis; fused per sample as one batch of L tokens (1S1D);
+        # complex128 freqs make the product float64, which the run-time check leaves to the original code
+        name="per_sample_axis_freqs_3d_tokens",
+        code=_PER_SAMPLE_AXES,
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked", "qualname": "rope_apply"},
+        run='''
+x = torch.randn(2, 30, 4, 24, requires_grad=True)
+grid = torch.tensor([[2, 3, 4], [1, 3, 5]])
+out = (rope_apply(x, grid, rope_params(8, 24)), rope_apply(x, grid, rope_params(8, 24, dtype=torch.float64)))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # Wan2.1 as written: the tokens are cast to float64 before the complex view
+        _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)"),
+        reason="complex rope computed in float64",
+        name="per_sample_axis_freqs_float64",
     ),
 ]
