@@ -20,6 +20,7 @@ everything around it (``torch.cat([<rope>, q_pass], -1)`` of partial rotary, ``.
 from __future__ import annotations
 
 import ast
+import contextvars
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -376,9 +377,16 @@ class _Halves:
         return None
 
 
+# bare names this module imports from torch (``from torch import cat, stack``: vit-pytorch), set by
+# RopePattern.detect before each statement is matched (a ContextVar: the matchers below take no module)
+_TORCH_IMPORTS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("_rope_torch_imports", default={})
+
+
 def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
     """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)``."""
     fn = ast.unparse(call.func)
+    if isinstance(call.func, ast.Name):
+        fn = _TORCH_IMPORTS.get().get(fn, fn)
     if fn not in names and not (isinstance(call.func, ast.Attribute) and call.func.attr in {n.split(".")[-1] for n in names} and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch"):
         return None
     if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
@@ -1234,9 +1242,11 @@ class RopePattern(Pattern):
             return
         runs: list[tuple[list[ast.stmt], list[tuple[int, ast.stmt, list[_Match]]]]] = []
         pending: list[tuple[list[ast.stmt], int, ast.stmt, list[_Match]]] = []  # sites whose parts were not right before them
+        torch_imports = {k: v for k, v in module.aliases.items() if v in _CAT | _STACK}
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
                 continue
+            _TORCH_IMPORTS.set(torch_imports)
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
@@ -1288,6 +1298,7 @@ class RopePattern(Pattern):
             else:
                 runs.append((block, [(i, stmt, matches)]))
         for _block, items in runs:
+            _TORCH_IMPORTS.set(torch_imports)
             yield self._finding(module, scope, items)
 
     @staticmethod
@@ -3934,5 +3945,49 @@ RopePattern.KEEP += [
         _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)"),
         reason="complex rope computed in float64",
         name="per_sample_axis_freqs_float64",
+    ),
+]
+
+_BARE_TORCH_CAT = '''
+import torch
+from torch import nn, cat
+
+
+class NdRotary(nn.Module):
+    def __init__(self, heads, n_freqs, dim_pos):
+        super().__init__()
+        self.register_buffer("freqs", torch.randn(heads, n_freqs, dim_pos))
+
+    def forward(self, input, pos):
+        x, y = input.float().chunk(2, dim=-1)
+        theta = (self.freqs[None, :, None] * pos.float()[:, None, :, None]).sum(-1)  # per (batch, head, position)
+        cos_theta = torch.cos(theta)
+        sin_theta = torch.sin(theta)
+        x_out = x * cos_theta - y * sin_theta
+        y_out = x * sin_theta + y * cos_theta
+        output = cat((x_out, y_out), dim=-1)
+        return output.type_as(input)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # vit-pytorch GoldenGate N-d rope: ``from torch import cat``; theta per batch, head and position (BNSD half mode)
+        name="bare_torch_cat_named_halves",
+        code=_BARE_TORCH_CAT,
+        expect={"mode": "half", "qualname": "NdRotary.forward"},
+        run='''
+x = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+out = NdRotary(4, 8, 3)(x, torch.randn(2, 6, 3))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # a ``cat`` that is not torch's (a local function of the same name): not assumed to be a concatenation
+        _BARE_TORCH_CAT.replace("from torch import nn, cat", "from torch import nn\n\n\ndef cat(ts, dim=-1):\n    return ts[0] + ts[1]"),
+        reason="",
+        name="bare_cat_not_torch",
     ),
 ]
