@@ -1252,6 +1252,14 @@ class RopePattern(Pattern):
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
                     and "view_as_real" not in st_text and "stack(" not in st_text:
                 continue
+            if "lambda" in st_text:
+                for lam, node in self._lambda_candidates(stmt, scope):
+                    res = self._match(module, scope, node)
+                    if isinstance(res, _Match):
+                        res = (f"the rotation is written in a lambda (`{segment(module, lam)}`): npufuse rewrites statements, "
+                               "not lambda bodies (the fused call needs its guard and table statements around it), so it is left as is")
+                    if isinstance(res, str):
+                        yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, res)
             matches: list[_Match] = []
             for node in self._candidates(stmt, scope):
                 res = self._match(module, scope, node)
@@ -1354,6 +1362,17 @@ class RopePattern(Pattern):
 
         visit(stmt)
         return found
+
+    @classmethod
+    def _lambda_candidates(cls, stmt: ast.stmt, scope: Scope) -> list[tuple[ast.Lambda, ast.expr]]:
+        """Rotation-shaped bodies of the lambdas in a statement (vit-pytorch's
+        ``q, k = map(lambda t: (t * cos) + (rotate_every_two(t) * sin), (q, k))``)."""
+        out = []
+        for lam in fast_walk(stmt):
+            if isinstance(lam, ast.Lambda):
+                holder = ast.Expr(value=lam.body, lineno=stmt.lineno, col_offset=0, end_lineno=stmt.end_lineno, end_col_offset=0)
+                out += [(lam, node) for node in cls._candidates(holder, scope)]
+        return out
 
     def _match(self, module: ModuleInfo, scope: Scope, node: ast.expr) -> _Match | str | None:
         mf = _matrix_formula(scope, node)
@@ -3989,5 +4008,31 @@ RopePattern.KEEP += [
         _BARE_TORCH_CAT.replace("from torch import nn, cat", "from torch import nn\n\n\ndef cat(ts, dim=-1):\n    return ts[0] + ts[1]"),
         reason="",
         name="bare_cat_not_torch",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # vit-pytorch rvt: the rotation is a lambda body mapped over (q, k): a true rotation, but not a statement
+        # npufuse can put behind its guard
+        '''
+import torch
+from torch import nn
+
+
+def rotate_every_two(x):
+    x = x.unflatten(-1, (-1, 2))
+    x1, x2 = x.unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def forward(self, q, k, pos_emb):
+        sin, cos = pos_emb
+        q, k = map(lambda t: (t * cos) + (rotate_every_two(t) * sin), (q, k))
+        return q, k
+''',
+        reason="the rotation is written in a lambda",
+        name="rotation_in_a_lambda",
     ),
 ]
