@@ -1603,6 +1603,8 @@ class RopePattern(Pattern):
         ``[..., D/2, 2]`` of (cos, sin): ``stack([xs0*c - xs1*s, xs1*c + xs0*s], -1)`` is the
         interleaved rotation of the pairs, kept in the ``[..., D/2, 2]`` shape the code flattens next."""
         xs = _resolve(scope, pairs)
+        if self._explicit_pairs_view(scope, xs):
+            return self._match_lane_pairs_regrouped(module, scope, node, xs, cache)
         # ``t.reshape(*t.shape[:-1], -1, 2)``: the leading dims kept, the last one cut into lane pairs
         if not (_method(xs, "reshape", "view") and len(xs.args) == 3 and _is_int(xs.args[2], 2) and isinstance(xs.args[0], ast.Starred)):
             return None
@@ -1632,6 +1634,53 @@ class RopePattern(Pattern):
         )
         # npu_rotary_mul takes a 4-D x and, in interleave mode, batch-independent cos/sin only (11SD/1S1D/S11D):
         # checked at run time, the original code runs otherwise
+        m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
+                     f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+        return m
+
+    @staticmethod
+    def _explicit_pairs_view(scope: Scope, xs: ast.expr) -> bool:
+        """``x.reshape(a0, .., ak, d // 2, 2)`` with every size written out (no ``*``) and d x's last dim
+        (``x.shape[-1]``, or the last name unpacked from ``x.shape``): x regrouped by leading dims the code
+        chooses (torchtune's vision rope splits tiles from the sequence), the last dim cut into lane pairs."""
+        if not (_method(xs, "reshape", "view") and len(xs.args) >= 3 and _is_int(xs.args[-1], 2)
+                and not any(isinstance(a, ast.Starred) for a in xs.args)):
+            return False
+        base = strip_casts(xs.func.value)[0]  # type: ignore[attr-defined]
+        halves = _Halves(scope, lambda n: same_expr(n, base) or same_expr(strip_casts(n)[0], base))
+        half = xs.args[-2]  # type: ignore[attr-defined]
+        return isinstance(half, ast.BinOp) and isinstance(half.op, ast.FloorDiv) and _is_int(half.right, 2) \
+            and (halves._unpacked_last_dim(half.left) or halves._is_half_point(half))
+
+    def _match_lane_pairs_regrouped(self, module: ModuleInfo, scope: Scope, node: ast.expr, xs: ast.Call, cache: ast.expr) -> _Match:
+        """The lane-pair form over x regrouped as ``[a0, .., ak, D/2, 2]`` (torchtune's vision rope:
+        ``[b, tiles, s, n_h, D/2, 2]`` with a ``[1, 1, s, 1, D/2, 2]`` cache). The fused call takes x as
+        ``[a0, .., ak, D]``; leading dims over which cos/sin are constant (size 1 there) are merged into one
+        so x is 4-D (tiles join the batch), checked at run time with the interleave layout; the result is
+        given the original ``[a0, .., ak, D/2, 2]`` shape back."""
+        xs_src = segment(module, xs)
+        x = xs.func.value  # type: ignore[attr-defined]
+        c_src = segment(module, cache)
+        tag = _ident(c_src)
+        cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+        key = _ident(segment(module, x))
+        xv, dt, shape, lead = f"_npufuse_{key}_x", f"_npufuse_{key}_dtype", f"_npufuse_{key}_pairs_shape", f"_npufuse_{key}_lead"
+        prep = [
+            f"{xv} = {_atom(xs_src)}.flatten(-2)  # x as the code regroups it, lane pairs merged back into the last dim",
+            f"{shape} = {xv}.shape[:-1] + (-1, 2)",
+            f"{cos} = {_atom(c_src)}[..., 0].repeat_interleave(2, dim=-1)  # (cos, sin) pairs -> interleave-mode cos/sin",
+            f"{sin} = {_atom(c_src)}[..., 1].repeat_interleave(2, dim=-1)",
+            f"{cos}, {sin} = {cos}[(None,) * ({xv}.dim() - {cos}.dim())], {sin}[(None,) * ({xv}.dim() - {sin}.dim())]  # the eager broadcast",
+            f"{lead} = max({xv}.dim() - 4, 0)  # leading dims to merge so x is 4-D",
+            f"if {lead} and {cos}.shape[:{lead} + 1] == (1,) * ({lead} + 1) and {sin}.shape == {cos}.shape:",
+            f"    {xv}, {cos}, {sin} = {xv}.flatten(0, {lead}), {cos}.flatten(0, {lead}), {sin}.flatten(0, {lead})  # cos/sin are constant over them",
+            f"{dt} = torch.promote_types(torch.promote_types({xv}.dtype, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
+        ]
+        m = _Match(
+            node=node, mode="interleave", x=x, cos=f"{cos}.to({dt})", sin=f"{sin}.to({dt})", cos_node=None, sin_node=None,
+            x_text=f"{xv}.to({dt})", cos_info=_CosInfo(rank=4, batch_free=False, layout="from the (cos, sin) pair cache; checked at run time"),
+            prep=prep, x_dtype="same", cs_dtype="same", suffix=f".reshape({shape})",
+        )
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
                      f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
         return m
@@ -4034,5 +4083,57 @@ class Attention(nn.Module):
 ''',
         reason="the rotation is written in a lambda",
         name="rotation_in_a_lambda",
+    ),
+]
+
+_REGROUPED_PAIRS = '''
+import torch
+from torch import nn
+
+
+class VisionRotary(nn.Module):
+    def __init__(self, seq_len, dim):
+        super().__init__()
+        self.seq_len = seq_len
+        ang = torch.arange(seq_len).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("cache", torch.stack((ang.cos(), ang.sin()), dim=-1))  # [s, D/2, 2]
+
+    def forward(self, x):
+        bsz, _, n_h, h_d = x.shape
+        xshaped = x.float().reshape(bsz, -1, self.seq_len, n_h, h_d // 2, 2)  # tiles split from the sequence
+        rope_cache = self.cache.view(1, 1, self.seq_len, 1, h_d // 2, 2)
+        x_out = torch.stack(
+            [
+                xshaped[..., 0] * rope_cache[..., 0] - xshaped[..., 1] * rope_cache[..., 1],
+                xshaped[..., 1] * rope_cache[..., 0] + xshaped[..., 0] * rope_cache[..., 1],
+            ],
+            -1,
+        )
+        x_out = x_out.reshape(bsz, -1, n_h, h_d)
+        return x_out.type_as(x)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # torchtune VisionRotaryPositionalEmbeddings: x regrouped 6-D [b, tiles, s, n_h, D/2, 2], cache [1, 1, s, 1, D/2, 2]:
+        # tiles merged into the batch (the cache is constant over them), interleave mode with 1S1D cos/sin
+        name="lane_pairs_regrouped_by_tiles",
+        code=_REGROUPED_PAIRS,
+        expect={"mode": "interleave", "qualname": "VisionRotary.forward", "variant": "interleaved_pairs_real_cache"},
+        run='''
+x = torch.randn(2, 12, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = VisionRotary(6, 16)(x)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the cut before the pairs is the head count, not the head dim: no lane pairs of x's last dim
+        _REGROUPED_PAIRS.replace("xshaped = x.float().reshape(bsz, -1, self.seq_len, n_h, h_d // 2, 2)",
+                                 "xshaped = x.float().reshape(bsz, -1, self.seq_len, h_d, n_h // 2, 2)"),
+        reason="",
+        name="regrouped_view_not_head_dim_pairs",
     ),
 ]
