@@ -1758,7 +1758,10 @@ class RopePattern(Pattern):
         product broadcasts, is checked at run time to be 11SD / 1S1D / S11D (npu_rotary_mul's interleave mode);
         elsewhere (per-batch positions) the original code runs."""
         m = self._build_real(module, scope, node, "half", x, cos, sin)  # (half mode takes any layout: the same checks)
-        if isinstance(m, str) or m.cos_info.rank is not None or _cos_info(scope, sin, module).rank is not None \
+        sinfo = _cos_info(scope, sin, module)
+        # a layout described here (HF's cos.unsqueeze(1) of [B, S, D]: B1SD) stays refused: only tables whose
+        # layout this function cannot see at all are left to the run-time check
+        if isinstance(m, str) or m.cos_info.rank is not None or sinfo.rank is not None or m.cos_info.layout or sinfo.layout \
                 or any(_keeps_lead_dim(scope, t) for t in (cos, sin)):
             return reason  # a layout seen here with a batch dim (GPT-J's [B, S, 1, D]) stays refused
         m.mode = "interleave"
