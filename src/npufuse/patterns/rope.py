@@ -809,6 +809,12 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
     return x, (cast if certain else None)
 
 
+def _calls_view_as_real(call: ast.Call) -> bool:
+    """``torch.view_as_real(..)`` / a bare ``view_as_real(..)`` (cheap: no unparse per node)."""
+    f = call.func
+    return (isinstance(f, ast.Attribute) and f.attr == "view_as_real") or (isinstance(f, ast.Name) and f.id == "view_as_real")
+
+
 def _keeps_lead_dim(scope: Scope, node: ast.expr) -> bool:
     """The table is built here by an indexing that keeps the caller's leading dim and inserts a
     broadcast axis after it (HF GPT-J's ``sin[:, :, None, :]`` of [B, S, D/2]): a batch-dependent
@@ -1242,7 +1248,9 @@ class RopePattern(Pattern):
             return
         runs: list[tuple[list[ast.stmt], list[tuple[int, ast.stmt, list[_Match]]]]] = []
         pending: list[tuple[list[ast.stmt], int, ast.stmt, list[_Match]]] = []  # sites whose parts were not right before them
-        torch_imports = {k: v for k, v in module.aliases.items() if v in _CAT | _STACK}
+        torch_imports = module.__dict__.get("_rope_torch_imports")
+        if torch_imports is None:
+            torch_imports = module.__dict__["_rope_torch_imports"] = {k: v for k, v in module.aliases.items() if v in _CAT | _STACK}
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
                 continue
@@ -1250,7 +1258,7 @@ class RopePattern(Pattern):
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
-                    and "view_as_real" not in st_text and "stack(" not in st_text:
+                    and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text):
                 continue
             if "lambda" in st_text:
                 for lam, node in self._lambda_candidates(stmt, scope):
@@ -1354,7 +1362,7 @@ class RopePattern(Pattern):
             if _method(node, "flatten", "view", "reshape") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
-            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("view_as_real") and _named_complex_product(scope, node) is not None:
+            if isinstance(node, ast.Call) and _calls_view_as_real(node) and _named_complex_product(scope, node) is not None:
                 found.append(node)  # hkproj: ``x_rotated = xc * freqs; x_out = view_as_real(x_rotated)``
                 return
             for child in child_nodes(node):
