@@ -13,7 +13,7 @@ import torch
 
 from npufuse.patterns.rope import RopePattern
 from npufuse.scan import canonical
-from npufuse.scan.dataflow import ModuleInfo
+from npufuse.scan.dataflow import ModuleInfo, strip_casts
 from pattern_harness import check_rewrite_runs, detect_all
 
 PATTERN = RopePattern()
@@ -41,12 +41,16 @@ def _lane(body: str, name: str) -> canonical.Lane | None:
     # OLMo: x's own unpacked dims, the last cut in two
     ("    B, nh, T, hs = x.size()\n    y = x.view(B, nh, T, 2, hs // 2)\n    a, b = y.unbind(dim=-2)\n", "a", "b", "halves", "unbind"),
     ("    B, T, hs = x.shape\n    a, b = x.reshape(B, T, hs // 2, 2).unbind(-1)\n", "a", "b", "pairs", "unbind"),
+    # llama2.c: the sizes as one tuple built from x's leading dims
+    ("    a, b = x.float().reshape(x.shape[:-1] + (-1, 2)).unbind(-1)\n", "a", "b", "pairs", "unbind"),
+    ("    a, b = x.view((*x.shape[:-1], 2, -1)).unbind(-2)\n", "a", "b", "halves", "unbind"),
 ])
 def test_lane_spellings_name_the_tensor_the_piece_and_the_kind(body, first, second, kind, spelling):
     for name, index in ((first, 0), (second, 1)):
         lane = _lane(body, name)
         assert lane is not None, (body, name)
-        assert isinstance(lane.source, ast.Name) and lane.source.id == "x"
+        source = strip_casts(lane.source)[0]  # (x.float() is x's lanes, made fp32)
+        assert isinstance(source, ast.Name) and source.id == "x"
         assert (lane.index, lane.kind, lane.spelling) == (index, kind, spelling)
 
 
@@ -201,3 +205,31 @@ def test_names_reused_for_the_key_do_not_hide_the_query_site():
     sites = [f for f in findings if f.qualname == "forward_native"]
     assert len(sites) == 2
     assert all(f.fused.startswith("if (is_neox_style)") for f in sites)
+
+
+def test_nested_helper_shadows_the_module_level_one():
+    """A def inside the function is the binding its call sees: a correct module-level rotate_half does not
+    make a wrong nested one a rotation, and a wrong module-level one does not hide a correct nested one."""
+    right = "    def rotate_half(x):\n        x1, x2 = x.chunk(2, dim=-1)\n        return torch.cat((-x2, x1), dim=-1)\n"
+    wrong = "    def rotate_half(x):\n        x1, x2 = x.chunk(2, dim=-1)\n        return torch.cat((x2, x1), dim=-1)\n"
+    call = "    return q * cos + rotate_half(q) * sin\n"
+    module_level = lambda body: "\n" + body.replace("\n    ", "\n").lstrip()  # noqa: E731
+
+    def run(top: str, nested: str):
+        return detect_all(PATTERN, "import torch\n" + module_level(top) + "\n\ndef apply(q, cos, sin):\n" + nested + call)
+
+    findings, _ = run(wrong, right)
+    assert findings and findings[0].params["mode"] == "half"
+    findings, misses = run(right, wrong)
+    assert not findings and any("not the standard cat(-x2, x1)" in m.reason for m in misses)
+
+
+def test_lambda_rotation_is_a_near_miss_and_other_lambdas_are_silent():
+    code = (
+        "import torch\n\n\ndef rotate_half(x):\n    x1, x2 = x.chunk(2, dim=-1)\n    return torch.cat((-x2, x1), dim=-1)\n\n\n"
+        "def apply(q, k, cos, sin):\n    q, k = map(lambda t: t * cos + rotate_half(t) * sin, (q, k))\n"
+        "    a, b = map(lambda t: t * 2 + t * 3, (q, k))\n    return q, k, a, b\n"
+    )
+    findings, misses = detect_all(PATTERN, code)
+    assert not findings
+    assert [m.line for m in misses if "written in a lambda" in m.reason] == [10]

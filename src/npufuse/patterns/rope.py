@@ -20,6 +20,7 @@ everything around it (``torch.cat([<rope>, q_pass], -1)`` of partial rotary, ``.
 from __future__ import annotations
 
 import ast
+import contextvars
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
 _CAT = {"torch.cat", "torch.concat", "torch.concatenate"}
+_BATCH_REASON = "interleave mode with cos/sin that may depend on the batch"
 _STACK = {"torch.stack"}
 _DTYPE_NAMES = {
     "torch.float32": "float32", "torch.float": "float32", "torch.float16": "float16", "torch.half": "float16",
@@ -142,6 +144,9 @@ class _Rotation:
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
     """The definition of a called helper: a module function, or ``self.f`` / ``Cls.f`` in this class."""
     if isinstance(func, ast.Name):
+        nested = _nested_def(scope, func)
+        if nested is not None:
+            return nested, func.id
         fn = module.helper(func.id)
         if fn is not None:
             return fn, func.id
@@ -154,6 +159,24 @@ def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.F
                 if isinstance(node, ast.FunctionDef) and node.name == func.attr:
                     return node, f"{cls.name}.{func.attr}"
     return None, ast.unparse(func)
+
+
+def _nested_def(scope: Scope, func: ast.Name) -> ast.FunctionDef | None:
+    """minimind: ``def rotate_half(x): ...`` written inside the calling function, before the call (the
+    name's binding there wins over a module-level one). Only a def in the function's own body
+    statements (not under an if/loop, where it may not be the binding the call sees)."""
+    body = getattr(scope.node, "body", None)
+    if not isinstance(body, list):
+        return None
+    found = None
+    for st in body:
+        if st.lineno >= func.lineno:
+            break
+        if isinstance(st, ast.FunctionDef) and st.name == func.id:
+            found = st
+        elif func.id in scope.assignments and any(b.lineno == st.lineno for b, _v in scope.assignments[func.id]):
+            found = None  # rebound to something else after the def
+    return found
 
 
 def _is_name(text: str) -> bool:
@@ -212,12 +235,32 @@ class _Halves:
             return False
         if not _is_int(node.right, 2):
             return False
+        if self._unpacked_last_dim(node.left):
+            return True
         size = _resolve(self.scope, node.left)
         if isinstance(size, ast.Subscript) and isinstance(size.value, ast.Attribute) and size.value.attr == "shape":
             return self.is_x(size.value.value) and _is_int(size.slice, -1, 3)
         if _method(size, "size") and size.args:
             return self.is_x(size.func.value) and _is_int(size.args[0], -1, 3)
         return False
+
+    def _unpacked_last_dim(self, node: ast.expr) -> bool:
+        """``d`` bound last by ``b, h, s, d = x.size()`` / ``= x.shape`` (picotron): x's last dim."""
+        if not isinstance(node, ast.Name):
+            return False
+        binds = [(st, v) for st, v in self.scope.assignments.get(node.id, []) if st.lineno <= getattr(node, "lineno", st.lineno)]
+        if not binds:
+            return False
+        st, v = binds[-1]
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple)):
+            return False
+        elts = st.targets[0].elts
+        if not (isinstance(elts[-1], ast.Name) and elts[-1].id == node.id and isinstance(v, ast.Subscript) and const_value(v.slice) == len(elts) - 1):
+            return False
+        size = v.value
+        if _method(size, "size") and not size.args:
+            return self.is_x(size.func.value)
+        return isinstance(size, ast.Attribute) and size.attr == "shape" and self.is_x(size.value)
 
     def part(self, node: ast.expr) -> str | None:
         """'first' / 'second' half, 'even' / 'odd' lanes of x, or None."""
@@ -334,9 +377,16 @@ class _Halves:
         return None
 
 
+# bare names this module imports from torch (``from torch import cat, stack``: vit-pytorch), set by
+# RopePattern.detect before each statement is matched (a ContextVar: the matchers below take no module)
+_TORCH_IMPORTS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("_rope_torch_imports", default={})
+
+
 def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
     """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)``."""
     fn = ast.unparse(call.func)
+    if isinstance(call.func, ast.Name):
+        fn = _TORCH_IMPORTS.get().get(fn, fn)
     if fn not in names and not (isinstance(call.func, ast.Attribute) and call.func.attr in {n.split(".")[-1] for n in names} and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch"):
         return None
     if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
@@ -701,6 +751,7 @@ class _Match:
     inner_prep: list[str] = field(default_factory=list)  # statements inside the fused branch, before the call
     widen: str = ""  # a dtype the eager sum is promoted with too (a helper rotating in fp32)
     post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
+    freqs: ast.expr | None = None  # the complex form's freqs operand (a product bound to a name elsewhere)
 
 
 def _is_float_cast(node: ast.AST) -> bool:
@@ -758,6 +809,50 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
     return x, (cast if certain else None)
 
 
+def _calls_view_as_real(call: ast.Call) -> bool:
+    """``torch.view_as_real(..)`` / a bare ``view_as_real(..)`` (cheap: no unparse per node)."""
+    f = call.func
+    return (isinstance(f, ast.Attribute) and f.attr == "view_as_real") or (isinstance(f, ast.Name) and f.id == "view_as_real")
+
+
+def _keeps_lead_dim(scope: Scope, node: ast.expr) -> bool:
+    """The table is built here by an indexing that keeps the caller's leading dim and inserts a
+    broadcast axis after it (HF GPT-J's ``sin[:, :, None, :]`` of [B, S, D/2]): a batch-dependent
+    layout written out, not a layout this function cannot see."""
+    for _ in range(6):
+        val = _resolve(scope, node)
+        for n in fast_walk(val):
+            if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Tuple) and n.slice.elts:
+                first = n.slice.elts[0]
+                if isinstance(first, ast.Slice) and first.lower is None and first.upper is None \
+                        and any(isinstance(e, ast.Constant) and e.value is None for e in n.slice.elts):
+                    return True
+        inner = val.args[0] if isinstance(val, ast.Call) and val.args and isinstance(val.args[0], ast.Name) else None
+        if inner is None or inner is node:
+            return False
+        node = inner
+    return False
+
+
+def _named_complex_product(scope: Scope, node: ast.Call) -> tuple[ast.Assign, ast.BinOp] | None:
+    """``view_as_real(name)`` where ``name = a * b`` is bound once before, one factor a
+    ``view_as_complex(..)`` (through names): (that assignment, the product)."""
+    if len(node.args) != 1 or not isinstance(node.args[0], ast.Name):
+        return None
+    defs = [(st, v) for st, v in scope.assignments.get(node.args[0].id, []) if st.lineno < node.lineno]
+    if len(defs) != 1:
+        return None
+    st, prod = defs[0]
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+            and isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+        return None
+    for f in (prod.left, prod.right):
+        val = _resolve(scope, f)
+        if isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex"):
+            return st, prod
+    return None
+
+
 def _flat_factors(node: ast.expr) -> list[ast.expr]:
     """The factors of a product chain ``a * b * c`` (left to right); ``[node]`` when not a product."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
@@ -787,8 +882,27 @@ def _is_product(node: ast.expr, u: ast.expr, v: ast.expr) -> bool:
     return f is not None and ((same_expr(f[0], u) and same_expr(f[1], v)) or (same_expr(f[0], v) and same_expr(f[1], u)))
 
 
+def _stacked_pair(call: ast.AST) -> ast.Call | None:
+    """The ``torch.stack([a, b], dim=-1)`` of ``torch.stack([a, b], dim=-1).flatten(3 | -2)``: lane
+    pairs (a_i, b_i) merged back into the last dim, a interleaved with b."""
+    if not (_method(call, "flatten") and isinstance(call.func.value, ast.Call)):  # type: ignore[union-attr]
+        return None
+    start, end = keyword(call, "start_dim", 0), keyword(call, "end_dim", 1)  # type: ignore[arg-type]
+    inner = call.func.value  # type: ignore[union-attr]
+    if not (_is_int(start, -2, 3) and (end is None or _is_int(end, -1))):
+        return None
+    if _pair_of(inner, _STACK) is None or not _is_int(keyword(inner, "dim", 1), -1):
+        return None  # (a stack at dim 3 of 4-D parts would put the pair axis before D/2: halves, not lanes)
+    return inner
+
+
 def _named_pair(call: ast.Call) -> tuple[ast.Name, ast.Name] | None:
-    """(y1, y2) of ``torch.cat([y1, y2], <last dim>)`` with two plain names."""
+    """(y1, y2) of ``torch.cat([y1, y2], <last dim>)`` (halves) or ``torch.stack([y1, y2], -1).flatten(-2)``
+    (llama2.c: lane pairs) with two plain names."""
+    stacked = _stacked_pair(call)
+    if stacked is not None:
+        pair = _pair_of(stacked, _STACK)
+        return pair if pair is not None and all(isinstance(p, ast.Name) for p in pair) else None  # type: ignore[return-value]
     pair = _pair_of(call, _CAT) if isinstance(call, ast.Call) else None
     if pair is None or not all(isinstance(p, ast.Name) for p in pair):
         return None
@@ -1133,13 +1247,27 @@ class RopePattern(Pattern):
         if not any(h in text for h in hints):
             return
         runs: list[tuple[list[ast.stmt], list[tuple[int, ast.stmt, list[_Match]]]]] = []
+        pending: list[tuple[list[ast.stmt], int, ast.stmt, list[_Match]]] = []  # sites whose parts were not right before them
+        torch_imports = module.__dict__.get("_rope_torch_imports")
+        if torch_imports is None:
+            torch_imports = module.__dict__["_rope_torch_imports"] = {k: v for k, v in module.aliases.items() if v in _CAT | _STACK}
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
                 continue
+            _TORCH_IMPORTS.set(torch_imports)
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
-            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text:
+            if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
+                    and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text):
                 continue
+            if "lambda" in st_text:
+                for lam, node in self._lambda_candidates(stmt, scope):
+                    res = self._match(module, scope, node)
+                    if isinstance(res, _Match):
+                        res = (f"the rotation is written in a lambda (`{segment(module, lam)}`): npufuse rewrites statements, "
+                               "not lambda bodies (the fused call needs its guard and table statements around it), so it is left as is")
+                    if isinstance(res, str):
+                        yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, res)
             matches: list[_Match] = []
             for node in self._candidates(stmt, scope):
                 res = self._match(module, scope, node)
@@ -1159,19 +1287,25 @@ class RopePattern(Pattern):
             if absorb:
                 # the statements computing the two rotated halves (nanochat's y1 = ..., y2 = ...) go
                 # with the site when they are the ones right before it: the fused call replaces them
-                ids = {id(a) for a in absorb}
-                if i >= len(absorb) and {id(b) for b in block[i - len(absorb) : i]} == ids:
-                    start = i - len(absorb)
+                # llama2.c computes the parts of q AND k first, then the two stacks: sites right after each
+                # other whose parts, all together, are the statements right before the first of them
+                group = pending if pending and pending[-1][0] is block and pending[-1][1] == i - 1 else []
+                ids = {id(a) for a in absorb} | {id(a) for _b, _j, _st, ms in group for m in ms for a in m.absorb}
+                first = group[0][1] if group else i
+                if first >= len(ids) and {id(b) for b in block[first - len(ids) : first]} == ids:
+                    start = first - len(ids)
                     if runs and runs[-1][0] is block and runs[-1][1][-1][0] >= start:
                         runs[-1][1][:] = [it for it in runs[-1][1] if it[0] < start]
                         if not runs[-1][1]:
                             runs.pop()
-                    pre = [(j, block[j], []) for j in range(start, i)]
+                    pre = [(j, block[j], []) for j in range(start, first)] + [(j, st, ms) for _b, j, st, ms in group]
                     if runs and runs[-1][0] is block and runs[-1][1][-1][0] == start - 1:
                         runs[-1][1].extend(pre + [(i, stmt, matches)])
                     else:
                         runs.append((block, pre + [(i, stmt, matches)]))
+                    pending = []
                     continue
+                pending = group + [(block, i, stmt, [m for m in matches if m.absorb])]
                 matches = [m for m in matches if not m.absorb]
                 if not matches:
                     continue
@@ -1180,6 +1314,7 @@ class RopePattern(Pattern):
             else:
                 runs.append((block, [(i, stmt, matches)]))
         for _block, items in runs:
+            _TORCH_IMPORTS.set(torch_imports)
             yield self._finding(module, scope, items)
 
     @staticmethod
@@ -1227,11 +1362,25 @@ class RopePattern(Pattern):
             if _method(node, "flatten", "view", "reshape") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
+            if isinstance(node, ast.Call) and _calls_view_as_real(node) and _named_complex_product(scope, node) is not None:
+                found.append(node)  # hkproj: ``x_rotated = xc * freqs; x_out = view_as_real(x_rotated)``
+                return
             for child in child_nodes(node):
                 visit(child)
 
         visit(stmt)
         return found
+
+    @classmethod
+    def _lambda_candidates(cls, stmt: ast.stmt, scope: Scope) -> list[tuple[ast.Lambda, ast.expr]]:
+        """Rotation-shaped bodies of the lambdas in a statement (vit-pytorch's
+        ``q, k = map(lambda t: (t * cos) + (rotate_every_two(t) * sin), (q, k))``)."""
+        out = []
+        for lam in fast_walk(stmt):
+            if isinstance(lam, ast.Lambda):
+                holder = ast.Expr(value=lam.body, lineno=stmt.lineno, col_offset=0, end_lineno=stmt.end_lineno, end_col_offset=0)
+                out += [(lam, node) for node in cls._candidates(holder, scope)]
+        return out
 
     def _match(self, module: ModuleInfo, scope: Scope, node: ast.expr) -> _Match | str | None:
         mf = _matrix_formula(scope, node)
@@ -1320,11 +1469,14 @@ class RopePattern(Pattern):
             return None
         scope_for_halves = scope
         scope = path_scope
+        # cat([y1, y2]): halves; stack([y1, y2], -1).flatten(-2) (llama2.c's real/imag parts): lane pairs
+        kind = "pairs" if _stacked_pair(node) is not None else "halves"
+        p0, p1 = ("even", "odd") if kind == "pairs" else ("first", "second")
         base = None
         for _sign, u, v in terms[0] + terms[1]:
             # the shared canonical layer: chunk / split / unbind / slice halves alike
             h = canonical.lane_of(module, scope, u, node.lineno) or canonical.lane_of(module, scope, v, node.lineno)
-            if h is not None and h.kind == "halves":
+            if h is not None and h.kind == kind:
                 base = h.source
                 break
         if base is None:
@@ -1337,7 +1489,7 @@ class RopePattern(Pattern):
                 part = halves.part(u)
                 if part is None:
                     part, u, v = halves.part(v), v, u
-                if part not in ("first", "second"):
+                if part not in (p0, p1):
                     return None
                 neg = halves.neg_of(v)
                 if neg is not None:
@@ -1348,12 +1500,16 @@ class RopePattern(Pattern):
         a, b = canon(terms[0]), canon(terms[1])
         if a is None or b is None:
             return None
-        (s1a, c_a), (s1b, s_a) = a["first"], a["second"]   # y1 = ±x1*c ± x2*s
-        (s2b, c_b), (s2a, s_b) = b["second"], b["first"]   # y2 = ±x2*c ± x1*s
+        (s1a, c_a), (s1b, s_a) = a[p0], a[p1]   # y1 = ±x1*c ± x2*s
+        (s2b, c_b), (s2a, s_b) = b[p1], b[p0]   # y2 = ±x2*c ± x1*s
         if not (same_expr(c_a, c_b) and same_expr(s_a, s_b) and s1a == 1 and s2b == 1 and s1b == -s2a):
             return None
         negate = s1b == 1  # y1 = x1*c + x2*s: the rotation by -angle, i.e. sin negated
         scope = scope_for_halves
+        if kind == "pairs":
+            if anchor is not site:
+                return None  # (a flag-chosen pair form is vLLM's, handled with its halves above)
+            return self._named_lane_pairs(module, scope, node, base, c_a, s_a, negate, [d[0] for d in defs])
         m = self._build_real(module, scope, node, "half", base, c_a, s_a)
         if isinstance(m, str):
             return m
@@ -1369,6 +1525,42 @@ class RopePattern(Pattern):
             m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
             m.only_note = f"the other path of `{ast.unparse(anchor.test)}` (the interleaved stack) keeps the original code"  # type: ignore[attr-defined]
+        return m
+
+    def _named_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr, c: ast.expr, s: ast.expr,
+                          negate: bool, defs: list[ast.stmt]) -> _Match | str:
+        """llama2.c: ``r, i = x.float().reshape(..., -1, 2).unbind(-1)``; ``out_r = r*c - i*s``; ``out_i = r*s + i*c``;
+        ``stack([out_r, out_i], -1).flatten(3)``: the interleave rotation with half-size c/s (repeat_interleave(2)).
+        Where c/s are batch-independent here, the fused call takes them as they are; where their layout is not
+        visible (a broadcast helper's view), it is checked at run time (interleave mode takes only
+        11SD / 1S1D / S11D cos/sin) and elsewhere the original code runs."""
+        cs = [segment(module, c), segment(module, s)]
+        tag = _ident(segment(module, base))
+        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
+        sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
+        prep = [f"{full[0]} = {_atom(cs[0])}.repeat_interleave(2, dim=-1)  # half-size cos/sin of each lane pair -> the full head dim",
+                f"{full[1]} = {sin_half}.repeat_interleave(2, dim=-1)" + ("  # out_r = r*cos + i*sin: the rotation by -angle" if negate else "")]
+        m = self._build_real(module, scope, node, "interleave", base, c, s)
+        if isinstance(m, _Match):
+            m.prep, m.cos, m.sin, m.x_text = prep, full[0], full[1], segment(module, base)
+        else:
+            if not m.startswith("interleave mode with cos/sin that may depend on the batch"):
+                return m
+            x_text = segment(module, base)
+            prep.append(f"{full[0]}, {full[1]} = {full[0]}[(None,) * (4 - {full[0]}.dim())], {full[1]}[(None,) * (4 - {full[1]}.dim())]  # the eager broadcast, made 4-D")
+            m = _Match(
+                node=node, mode="interleave", x=base, cos=full[0], sin=full[1], cos_node=None, sin_node=None, x_text=x_text,
+                cos_info=_CosInfo(batch_free=False, layout="half-size tables of a layout not visible here, checked at run time"),
+                prep=prep, x_dtype=_dtype_token(scope, base), cs_dtype=None,
+            )
+            m.only_if = (f"{_atom(x_text)}.dim() == 4 and {full[0]}.dim() == 4 and {full[0]}.shape[0] == 1 and ({full[0]}.shape[1] == 1 or "
+                         f"{full[0]}.shape[2] == 1) and {full[0]}.shape == {full[1]}.shape")
+            m.only_note = "cos/sin of a batch-dependent or non-4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
+        if _is_int(keyword(node, "start_dim", 0), 3):
+            # flatten(3) merges the pair axis only for 4-D parts: the fused call is for 4-D x
+            rank = f"{_atom(segment(module, strip_casts(base)[0]))}.dim() == 4"  # (a cast keeps the rank)
+            m.only_if = rank if m.only_if is None else (m.only_if if rank in m.only_if else f"({m.only_if}) and {rank}")
+        m.absorb = defs
         return m
 
     def _match_matrix(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, mat: ast.expr, sum_dim: ast.expr | None) -> _Match | str:
@@ -1419,6 +1611,8 @@ class RopePattern(Pattern):
         ``[..., D/2, 2]`` of (cos, sin): ``stack([xs0*c - xs1*s, xs1*c + xs0*s], -1)`` is the
         interleaved rotation of the pairs, kept in the ``[..., D/2, 2]`` shape the code flattens next."""
         xs = _resolve(scope, pairs)
+        if self._explicit_pairs_view(scope, xs):
+            return self._match_lane_pairs_regrouped(module, scope, node, xs, cache)
         # ``t.reshape(*t.shape[:-1], -1, 2)``: the leading dims kept, the last one cut into lane pairs
         if not (_method(xs, "reshape", "view") and len(xs.args) == 3 and _is_int(xs.args[2], 2) and isinstance(xs.args[0], ast.Starred)):
             return None
@@ -1452,6 +1646,53 @@ class RopePattern(Pattern):
                      f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
         return m
 
+    @staticmethod
+    def _explicit_pairs_view(scope: Scope, xs: ast.expr) -> bool:
+        """``x.reshape(a0, .., ak, d // 2, 2)`` with every size written out (no ``*``) and d x's last dim
+        (``x.shape[-1]``, or the last name unpacked from ``x.shape``): x regrouped by leading dims the code
+        chooses (torchtune's vision rope splits tiles from the sequence), the last dim cut into lane pairs."""
+        if not (_method(xs, "reshape", "view") and len(xs.args) >= 3 and _is_int(xs.args[-1], 2)
+                and not any(isinstance(a, ast.Starred) for a in xs.args)):
+            return False
+        base = strip_casts(xs.func.value)[0]  # type: ignore[attr-defined]
+        halves = _Halves(scope, lambda n: same_expr(n, base) or same_expr(strip_casts(n)[0], base))
+        half = xs.args[-2]  # type: ignore[attr-defined]
+        return isinstance(half, ast.BinOp) and isinstance(half.op, ast.FloorDiv) and _is_int(half.right, 2) \
+            and (halves._unpacked_last_dim(half.left) or halves._is_half_point(half))
+
+    def _match_lane_pairs_regrouped(self, module: ModuleInfo, scope: Scope, node: ast.expr, xs: ast.Call, cache: ast.expr) -> _Match:
+        """The lane-pair form over x regrouped as ``[a0, .., ak, D/2, 2]`` (torchtune's vision rope:
+        ``[b, tiles, s, n_h, D/2, 2]`` with a ``[1, 1, s, 1, D/2, 2]`` cache). The fused call takes x as
+        ``[a0, .., ak, D]``; leading dims over which cos/sin are constant (size 1 there) are merged into one
+        so x is 4-D (tiles join the batch), checked at run time with the interleave layout; the result is
+        given the original ``[a0, .., ak, D/2, 2]`` shape back."""
+        xs_src = segment(module, xs)
+        x = xs.func.value  # type: ignore[attr-defined]
+        c_src = segment(module, cache)
+        tag = _ident(c_src)
+        cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
+        key = _ident(segment(module, x))
+        xv, dt, shape, lead = f"_npufuse_{key}_x", f"_npufuse_{key}_dtype", f"_npufuse_{key}_pairs_shape", f"_npufuse_{key}_lead"
+        prep = [
+            f"{xv} = {_atom(xs_src)}.flatten(-2)  # x as the code regroups it, lane pairs merged back into the last dim",
+            f"{shape} = {xv}.shape[:-1] + (-1, 2)",
+            f"{cos} = {_atom(c_src)}[..., 0].repeat_interleave(2, dim=-1)  # (cos, sin) pairs -> interleave-mode cos/sin",
+            f"{sin} = {_atom(c_src)}[..., 1].repeat_interleave(2, dim=-1)",
+            f"{cos}, {sin} = {cos}[(None,) * ({xv}.dim() - {cos}.dim())], {sin}[(None,) * ({xv}.dim() - {sin}.dim())]  # the eager broadcast",
+            f"{lead} = max({xv}.dim() - 4, 0)  # leading dims to merge so x is 4-D",
+            f"if {lead} and {cos}.shape[:{lead} + 1] == (1,) * ({lead} + 1) and {sin}.shape == {cos}.shape:",
+            f"    {xv}, {cos}, {sin} = {xv}.flatten(0, {lead}), {cos}.flatten(0, {lead}), {sin}.flatten(0, {lead})  # cos/sin are constant over them",
+            f"{dt} = torch.promote_types(torch.promote_types({xv}.dtype, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
+        ]
+        m = _Match(
+            node=node, mode="interleave", x=x, cos=f"{cos}.to({dt})", sin=f"{sin}.to({dt})", cos_node=None, sin_node=None,
+            x_text=f"{xv}.to({dt})", cos_info=_CosInfo(rank=4, batch_free=False, layout="from the (cos, sin) pair cache; checked at run time"),
+            prep=prep, x_dtype="same", cs_dtype="same", suffix=f".reshape({shape})",
+        )
+        m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
+                     f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+        return m
+
     def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:
         t1, t2 = _flat_factors(node.left), _flat_factors(node.right)
         assert len(t1) >= 2 and len(t2) >= 2
@@ -1466,6 +1707,9 @@ class RopePattern(Pattern):
                         best_reason = best_reason or rot.reason
                         continue
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
+                    if isinstance(m, str) and rot.kind == "interleave" and m.startswith(_BATCH_REASON) \
+                            and rot.half_if is None and rot.only_if is None and rot.mode_expr is None:
+                        m = self._interleave_checked(module, scope, node, x, cos, sin, m)
                     if isinstance(m, _Match) and rot.upcast:
                         # eager: x*cos + R(x).float()*sin is at least fp32: the fused dtype is widened the same way
                         m.x_dtype, m.widen = None, "torch.float32"
@@ -1492,7 +1736,7 @@ class RopePattern(Pattern):
             )
         if mode == "interleave" and not (cinfo.batch_free and sinfo.batch_free):
             return (
-                f"interleave mode with cos/sin that may depend on the batch (`{segment(module, cos)}`: {cinfo.layout or 'shape not known'}): "
+                f"{_BATCH_REASON} (`{segment(module, cos)}`: {cinfo.layout or 'shape not known'}): "
                 "npu_rotary_mul's interleave mode takes only 11SD / 1S1D / S11D cos/sin (no per-batch positions); "
                 "if every row shares its positions, passing cos[:1] / sin[:1] would make it eligible"
             )
@@ -1515,6 +1759,29 @@ class RopePattern(Pattern):
             x_dtype=_dtype_token(scope, x), cs_dtype=self._same_token(_dtype_token(scope, cos), _dtype_token(scope, sin)),
         )
 
+    def _interleave_checked(self, module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr, cos: ast.expr, sin: ast.expr,
+                            reason: str) -> _Match | str:
+        """The interleave rotation with cos/sin whose layout is not visible here (HunyuanVideo's tables from a
+        broadcast helper whose view depends on a flag): their shape, padded with leading 1s the way the eager
+        product broadcasts, is checked at run time to be 11SD / 1S1D / S11D (npu_rotary_mul's interleave mode);
+        elsewhere (per-batch positions) the original code runs."""
+        m = self._build_real(module, scope, node, "half", x, cos, sin)  # (half mode takes any layout: the same checks)
+        sinfo = _cos_info(scope, sin, module)
+        # a layout described here (HF's cos.unsqueeze(1) of [B, S, D]: B1SD) stays refused: only tables whose
+        # layout this function cannot see at all are left to the run-time check
+        if isinstance(m, str) or m.cos_info.rank is not None or sinfo.rank is not None or m.cos_info.layout or sinfo.layout \
+                or any(_keeps_lead_dim(scope, t) for t in (cos, sin)):
+            return reason  # a layout seen here with a batch dim (GPT-J's [B, S, 1, D]) stays refused
+        m.mode = "interleave"
+        shape = f"_npufuse_{_ident(segment(module, x))}_cs_shape"
+        c0, s0 = _atom(m.cos), _atom(m.sin)
+        m.prep = m.prep + [f"{shape} = (1,) * (4 - {c0}.dim()) + tuple({c0}.shape)  # cos as the eager product broadcasts it (leading 1s)"]
+        check = f"{c0}.dim() <= 4 and {c0}.shape == {s0}.shape and {shape}[0] == 1 and ({shape}[1] == 1 or {shape}[2] == 1)"
+        m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
+        m.only_note = "cos/sin with a batch-dependent or more than 4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
+        m.cos_info = _CosInfo(rank=m.cos_info.rank, batch_free=False, layout="layout not visible here, checked at run time")
+        return m
+
     @staticmethod
     def _same_token(a: str | None, b: str | None) -> str | None:
         return a if a is not None and a == b else None
@@ -1522,6 +1789,9 @@ class RopePattern(Pattern):
     def _match_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
         """``torch.view_as_real(xc * freqs).flatten(3)`` with ``xc = view_as_complex(x.float().reshape(..., -1, 2))``."""
         if ast.unparse(node.func).endswith("view_as_real"):
+            named = _named_complex_product(scope, node)
+            if named is not None:
+                return self._match_named_complex(module, scope, node, *named)
             return self._match_complex_halves(module, scope, node)
         post = ""
         if _method(node, "view", "reshape"):
@@ -1530,7 +1800,7 @@ class RopePattern(Pattern):
             if not node.args or node.keywords:
                 return None
             post = f".{node.func.attr}({', '.join(segment(module, a) for a in node.args)})"
-        elif not _is_int(keyword(node, "start_dim", 0), 3, -2):
+        elif not _is_int(keyword(node, "start_dim", 0), 3, -2) and not self._merges_pair_axis(scope, node):
             return None
         real = node.func.value
         if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
@@ -1564,6 +1834,47 @@ class RopePattern(Pattern):
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
+        return None
+
+    @staticmethod
+    def _merges_pair_axis(scope: Scope, node: ast.Call) -> bool:
+        """``view_as_real(xc * f).flatten(k)`` where xc's pairs view names k + 2 sizes (Wan's 3-D tokens
+        ``reshape(seq, n, -1, 2)`` then ``flatten(2)``): flatten(k) merges just the last two dims."""
+        k = const_value(keyword(node, "start_dim", 0))
+        real = node.func.value  # type: ignore[attr-defined]
+        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1 and isinstance(real, ast.Call) and len(real.args) == 1
+                and isinstance(real.args[0], ast.BinOp) and isinstance(real.args[0].op, ast.Mult)):
+            return False
+        for side in (real.args[0].left, real.args[0].right):
+            val = _resolve(scope, side)
+            if isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args:
+                pairs = _resolve(scope, val.args[0])
+                if _method(pairs, "reshape", "view") and not any(isinstance(a, ast.Starred) for a in pairs.args) \
+                        and len(pairs.args) == k + 2 and _is_int(pairs.args[-1], 2):
+                    return True
+        return False
+
+    def _match_named_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call, prod_stmt: ast.Assign, prod: ast.BinOp) -> _Match | str | None:
+        """hkproj: ``x_rotated = xc * freqs`` bound to a name, then ``view_as_real(x_rotated)`` [..., D/2, 2]
+        (viewed back by a later statement, which is kept): the fused result is given the pairs layout back
+        (``unflatten(-1, (-1, 2))``: lane 2i is pair i's real part). The product's statement goes with the
+        site when it is the one right before it and its name is read nowhere else."""
+        for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+            val = _resolve(scope, xc)
+            if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
+                continue
+            got = _complex_pairs(scope, val.args[0], val.lineno)
+            if isinstance(got, str):
+                return got
+            x, cast = got
+            # the freqs' layout is what it is at the product's line: the run-time check decides (batch, rank)
+            m = self._complex_checked(module, node, x, xc, freqs, cast)
+            m.post, m.freqs = ".unflatten(-1, (-1, 2))", freqs
+            name = node.args[0].id  # type: ignore[attr-defined]
+            here = _stmt_of(scope, node)
+            if here is not None and here[1] > 0 and here[0][here[1] - 1] is prod_stmt and not scope.uses_after(name, node.lineno):
+                m.absorb = [prod_stmt]
+            return m
         return None
 
     def _match_complex_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
@@ -1777,7 +2088,8 @@ class RopePattern(Pattern):
             elif any(m.only_note for m in all_matches):
                 notes.append(f"fused where `{cond}`; " + "; ".join(sorted({m.only_note for m in all_matches if m.only_note}))
                              + ": there the original code runs")
-                variant = "rotation_helper_one_path_verified"
+                checked = any("checked at run time" in (m.cos_info.layout or "") for m in all_matches)
+                variant = "interleave_tables_checked" if checked else "rotation_helper_one_path_verified"
             elif any(m.chosen_half for m in all_matches):
                 notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
                              "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
@@ -1850,6 +2162,8 @@ class RopePattern(Pattern):
 
     @staticmethod
     def _complex_freqs(m: _Match) -> ast.expr:
+        if m.freqs is not None:
+            return m.freqs
         prod = m.node.func.value.args[0]  # type: ignore[attr-defined]
         return prod.right if ast.unparse(prod.left) in m.x_text else prod.left
 
@@ -3397,5 +3711,440 @@ x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
 out = RotaryEmbedding(16)(x)
 leaves = [x]
 ''',
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # picotron: the half point is the last of x's dims unpacked from x.size(); the rotated copy is bound to a
+        # name (one that reads like a helper) and x is rebound by the sum
+        name="halves_cut_at_unpacked_last_dim",
+        code='''
+import torch
+
+
+def apply_rotary_pos_emb(x, cos, sin):
+    batch_size, num_head, seq_length, head_dim = x.size()
+    x1 = x[..., : head_dim // 2]
+    x2 = x[..., head_dim // 2 :]
+    rotate_half = torch.cat([-x2, x1], dim=-1)
+    x = x * cos + rotate_half * sin
+    return x
+''',
+        expect={"mode": "half", "targets": ["x"], "qualname": "apply_rotary_pos_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = ang.repeat(1, 2)
+x = torch.randn(2, 4, 6, 16, requires_grad=True)
+out = apply_rotary_pos_emb(x, emb.cos(), emb.sin())
+leaves = [x]
+''',
+    ),
+    Fuse(
+        # hkproj/pytorch-llama: the complex product bound to a name, view_as_real of that name, viewed back by the
+        # next statement: the fused result is given the [..., D/2, 2] pairs layout, the product's statement goes
+        name="complex_product_named_then_viewed_back",
+        code='''
+import torch
+
+
+def precompute(head_dim, seq_len, theta=10000.0):
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq_len).float(), inv)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_embeddings(x, freqs_complex, device):
+    x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs_complex = freqs_complex.unsqueeze(0).unsqueeze(2)
+    x_rotated = x_complex * freqs_complex
+    x_out = torch.view_as_real(x_rotated)
+    x_out = x_out.reshape(*x.shape)
+    return x_out.type_as(x).to(device)
+''',
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked", "qualname": "apply_rotary_embeddings", "line": 14, "end_line": 15},
+        run='''
+x = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_embeddings(x, precompute(16, 6), "cpu")
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the cut is at the unpacked SEQUENCE length, not the head dim: no halves of the last dim
+        '''
+import torch
+
+
+def apply_rotary_pos_emb(x, cos, sin):
+    batch_size, num_head, seq_length, head_dim = x.size()
+    x1 = x[..., : seq_length // 2]
+    x2 = x[..., seq_length // 2 :]
+    rotate_half = torch.cat([-x2, x1], dim=-1)
+    x = x * cos + rotate_half * sin
+    return x
+''',
+        reason="",
+        name="halves_cut_at_unpacked_other_dim",
+    ),
+    Keep(
+        # the complex numbers pair x_i with x_{i+D/2} through a transpose: not the lane pairs the op rotates
+        '''
+import torch
+
+
+def apply(x, freqs):
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], 2, -1).transpose(-1, -2).contiguous())
+    prod = xc * freqs
+    out = torch.view_as_real(prod)
+    return out.flatten(3)
+''',
+        reason="complex rope whose pairs are not formed by reshape(..., -1, 2)",
+        name="complex_named_product_other_pairs",
+    ),
+]
+
+_NESTED_HELPER = '''
+import torch
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    def rotate_half(x): return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+    q_embed = ((q * cos.unsqueeze(unsqueeze_dim)) + (rotate_half(q) * sin.unsqueeze(unsqueeze_dim))).to(q.dtype)
+    k_embed = ((k * cos.unsqueeze(unsqueeze_dim)) + (rotate_half(k) * sin.unsqueeze(unsqueeze_dim))).to(k.dtype)
+    return q_embed, k_embed
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # minimind: the rotation helper is a def nested in the function that calls it (followed like a module one)
+        name="nested_rotation_helper",
+        code=_NESTED_HELPER,
+        expect={"mode": "half", "targets": ["q", "k"], "qualname": "apply_rotary_pos_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+emb = torch.cat((ang, ang), dim=-1)
+q = torch.randn(2, 6, 4, 16, requires_grad=True)
+k = torch.randn(2, 6, 2, 16, requires_grad=True)
+out = apply_rotary_pos_emb(q, k, emb.cos()[None], emb.sin()[None], unsqueeze_dim=2)
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the nested helper swaps the halves without negating one: no rotation (the module-level name is not used)
+        _NESTED_HELPER.replace("torch.cat((-x[..., x.shape[-1] // 2:]", "torch.cat((x[..., x.shape[-1] // 2:]"),
+        reason="the rotation is not the standard cat(-x2, x1) of the two halves",
+        name="nested_helper_without_negation",
+    ),
+]
+
+_REAL_IMAG_PARTS = '''
+import torch
+
+
+def reshape_for_broadcast(freqs_cis, x):
+    ndim = x.ndim
+    shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis.view(shape)
+
+
+def apply_rotary_emb(xq, xk, freqs_cos, freqs_sin):
+    xq_r, xq_i = xq.float().reshape(xq.shape[:-1] + (-1, 2)).unbind(-1)
+    xk_r, xk_i = xk.float().reshape(xk.shape[:-1] + (-1, 2)).unbind(-1)
+    freqs_cos = reshape_for_broadcast(freqs_cos, xq_r)
+    freqs_sin = reshape_for_broadcast(freqs_sin, xq_r)
+    xq_out_r = xq_r * freqs_cos - xq_i * freqs_sin
+    xq_out_i = xq_r * freqs_sin + xq_i * freqs_cos
+    xk_out_r = xk_r * freqs_cos - xk_i * freqs_sin
+    xk_out_i = xk_r * freqs_sin + xk_i * freqs_cos
+    xq_out = torch.stack([xq_out_r, xq_out_i], dim=-1).flatten(3)
+    xk_out = torch.stack([xk_out_r, xk_out_i], dim=-1).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def apply_rotary_emb_tables(x, cos, sin):
+    # tables of a layout not visible here (the caller's): checked at run time
+    x_r, x_i = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out_r = x_r * cos - x_i * sin
+    out_i = x_r * sin + x_i * cos
+    return torch.stack([out_r, out_i], dim=-1).flatten(-2)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # llama2.c: real / imaginary parts of the lane pairs rotated in real arithmetic, stacked back and flattened;
+        # q's and k's parts are all computed before the two stacks (one site of six statements)
+        name="real_imag_parts_stacked",
+        code=_REAL_IMAG_PARTS,
+        expect={"mode": "interleave", "targets": ["xq.float()", "xk.float()"], "qualname": "apply_rotary_emb", "line": 16, "end_line": 21},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+xq = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 6, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(xq, xk, ang.cos(), ang.sin())
+leaves = [xq, xk]
+''',
+    ),
+    Fuse(
+        # the same form with tables from the caller: 1S1D tables are fused, per-batch tables run the original
+        name="real_imag_parts_tables_checked",
+        code=_REAL_IMAG_PARTS,
+        expect={"mode": "interleave", "qualname": "apply_rotary_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+x = torch.randn(2, 6, 4, 16, requires_grad=True)
+per_batch = torch.stack((ang, ang * 0.5))[:, :, None, :]
+out = (apply_rotary_emb_tables(x, ang.cos()[None, :, None], ang.sin()[None, :, None]),
+       apply_rotary_emb_tables(x, per_batch.cos(), per_batch.sin()),
+       apply_rotary_emb_tables(x, ang.cos()[:, None], ang.sin()[:, None]))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # both parts take + signs: out_r = r*cos + i*sin with out_i = r*sin + i*cos is no rotation
+        _REAL_IMAG_PARTS.replace("xq_out_r = xq_r * freqs_cos - xq_i * freqs_sin", "xq_out_r = xq_r * freqs_cos + xq_i * freqs_sin")
+        .replace("xk_out_r = xk_r * freqs_cos - xk_i * freqs_sin", "xk_out_r = xk_r * freqs_cos + xk_i * freqs_sin")
+        .replace("out_r = x_r * cos - x_i * sin", "out_r = x_r * cos + x_i * sin"),
+        reason="",
+        name="real_imag_parts_not_a_rotation",
+    ),
+    Keep(
+        # the parts stacked at dim 3 of 4-D parts: the pair axis lands before D/2 (halves, not lanes), not the op's layout
+        _REAL_IMAG_PARTS.replace("torch.stack([xq_out_r, xq_out_i], dim=-1).flatten(3)", "torch.stack([xq_out_r, xq_out_i], dim=3).flatten(3)")
+        .replace("torch.stack([xk_out_r, xk_out_i], dim=-1).flatten(3)", "torch.stack([xk_out_r, xk_out_i], dim=3).flatten(3)")
+        .replace("torch.stack([out_r, out_i], dim=-1).flatten(-2)", "torch.stack([out_r, out_i], dim=-2).flatten(-2)"),
+        reason="",
+        name="real_imag_parts_stacked_before_lanes",
+    ),
+]
+
+_FLAG_VIEWED_TABLES = '''
+import torch
+
+
+def reshape_for_broadcast(freqs_cis, x, head_first=False):
+    ndim = x.ndim
+    if head_first:
+        shape = [d if i == ndim - 2 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    else:
+        shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis[0].view(*shape), freqs_cis[1].view(*shape)
+
+
+def rotate_half(x):
+    x_real, x_imag = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    return torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis, head_first=False):
+    if isinstance(freqs_cis, tuple):
+        cos, sin = reshape_for_broadcast(freqs_cis, xq, head_first)
+    else:
+        cos, sin = freqs_cis.cos(), freqs_cis.sin()  # per-batch tables given whole
+    xq_out = (xq.float() * cos + rotate_half(xq.float()) * sin).type_as(xq)
+    xk_out = (xk.float() * cos + rotate_half(xk.float()) * sin).type_as(xk)
+    return xq_out, xk_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # HunyuanVideo: the interleaved helper with tables viewed by a flag (11SD or 1S1D) or given per batch: the
+        # layout is checked at run time, interleave mode where batch-independent, the original code elsewhere
+        name="interleave_tables_layout_checked",
+        code=_FLAG_VIEWED_TABLES,
+        expect={"mode": "interleave", "targets": ["xq.float()", "xk.float()"], "variant": "interleave_tables_checked"},
+        run='''
+ang = (torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))).repeat_interleave(2, dim=-1)
+xq = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+per_batch = torch.stack((ang, ang * 0.5))[:, :, None, :]
+out = (apply_rotary_emb(xq, xq, (ang.cos(), ang.sin())),
+       apply_rotary_emb(xk, xk, (ang.cos(), ang.sin()), head_first=True),
+       apply_rotary_emb(xq, xq, per_batch))
+leaves = [xq, xk]
+''',
+    ),
+]
+
+_PER_SAMPLE_AXES = '''
+import torch
+
+
+def rope_params(max_seq_len, dim, theta=10000, dtype=torch.float32):
+    freqs = torch.outer(torch.arange(max_seq_len), 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(dtype).div(dim)))
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def rope_apply(x, grid_sizes, freqs):
+    n, c = x.size(2), x.size(3) // 2
+    freqs = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+    output = []
+    for i, (f, h, w) in enumerate(grid_sizes.tolist()):
+        seq_len = f * h * w
+        x_i = torch.view_as_complex(x[i, :seq_len].float().reshape(seq_len, n, -1, 2))
+        freqs_i = torch.cat([
+            freqs[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+            freqs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+            freqs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+        ], dim=-1).reshape(seq_len, 1, -1)
+        x_i = torch.view_as_real(x_i * freqs_i).flatten(2)
+        x_i = torch.cat([x_i, x[i, seq_len:]])
+        output.append(x_i)
+    return torch.stack(output).float()
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # Wan2.1-style video rope: per-sample [L, N, D] tokens, 3-axis (f, h, w) frequencies concatenated, the pairs
+        # view names 4 sizes so flatten(2) merges the pair axis; fused per sample as one batch of L tokens (1S1D);
+        # complex128 freqs make the product float64, which the run-time check leaves to the original code
+        name="per_sample_axis_freqs_3d_tokens",
+        code=_PER_SAMPLE_AXES,
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked", "qualname": "rope_apply"},
+        run='''
+x = torch.randn(2, 30, 4, 24, requires_grad=True)
+grid = torch.tensor([[2, 3, 4], [1, 3, 5]])
+out = (rope_apply(x, grid, rope_params(8, 24)), rope_apply(x, grid, rope_params(8, 24, dtype=torch.float64)))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # Wan2.1 as written: the tokens are cast to float64 before the complex view
+        _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)"),
+        reason="complex rope computed in float64",
+        name="per_sample_axis_freqs_float64",
+    ),
+]
+
+_BARE_TORCH_CAT = '''
+import torch
+from torch import nn, cat
+
+
+class NdRotary(nn.Module):
+    def __init__(self, heads, n_freqs, dim_pos):
+        super().__init__()
+        self.register_buffer("freqs", torch.randn(heads, n_freqs, dim_pos))
+
+    def forward(self, input, pos):
+        x, y = input.float().chunk(2, dim=-1)
+        theta = (self.freqs[None, :, None] * pos.float()[:, None, :, None]).sum(-1)  # per (batch, head, position)
+        cos_theta = torch.cos(theta)
+        sin_theta = torch.sin(theta)
+        x_out = x * cos_theta - y * sin_theta
+        y_out = x * sin_theta + y * cos_theta
+        output = cat((x_out, y_out), dim=-1)
+        return output.type_as(input)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # vit-pytorch GoldenGate N-d rope: ``from torch import cat``; theta per batch, head and position (BNSD half mode)
+        name="bare_torch_cat_named_halves",
+        code=_BARE_TORCH_CAT,
+        expect={"mode": "half", "qualname": "NdRotary.forward"},
+        run='''
+x = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
+out = NdRotary(4, 8, 3)(x, torch.randn(2, 6, 3))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # a ``cat`` that is not torch's (a local function of the same name): not assumed to be a concatenation
+        _BARE_TORCH_CAT.replace("from torch import nn, cat", "from torch import nn\n\n\ndef cat(ts, dim=-1):\n    return ts[0] + ts[1]"),
+        reason="",
+        name="bare_cat_not_torch",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # vit-pytorch rvt: the rotation is a lambda body mapped over (q, k): a true rotation, but not a statement
+        # npufuse can put behind its guard
+        '''
+import torch
+from torch import nn
+
+
+def rotate_every_two(x):
+    x = x.unflatten(-1, (-1, 2))
+    x1, x2 = x.unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def forward(self, q, k, pos_emb):
+        sin, cos = pos_emb
+        q, k = map(lambda t: (t * cos) + (rotate_every_two(t) * sin), (q, k))
+        return q, k
+''',
+        reason="the rotation is written in a lambda",
+        name="rotation_in_a_lambda",
+    ),
+]
+
+_REGROUPED_PAIRS = '''
+import torch
+from torch import nn
+
+
+class VisionRotary(nn.Module):
+    def __init__(self, seq_len, dim):
+        super().__init__()
+        self.seq_len = seq_len
+        ang = torch.arange(seq_len).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("cache", torch.stack((ang.cos(), ang.sin()), dim=-1))  # [s, D/2, 2]
+
+    def forward(self, x):
+        bsz, _, n_h, h_d = x.shape
+        xshaped = x.float().reshape(bsz, -1, self.seq_len, n_h, h_d // 2, 2)  # tiles split from the sequence
+        rope_cache = self.cache.view(1, 1, self.seq_len, 1, h_d // 2, 2)
+        x_out = torch.stack(
+            [
+                xshaped[..., 0] * rope_cache[..., 0] - xshaped[..., 1] * rope_cache[..., 1],
+                xshaped[..., 1] * rope_cache[..., 0] + xshaped[..., 0] * rope_cache[..., 1],
+            ],
+            -1,
+        )
+        x_out = x_out.reshape(bsz, -1, n_h, h_d)
+        return x_out.type_as(x)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # torchtune VisionRotaryPositionalEmbeddings: x regrouped 6-D [b, tiles, s, n_h, D/2, 2], cache [1, 1, s, 1, D/2, 2]:
+        # tiles merged into the batch (the cache is constant over them), interleave mode with 1S1D cos/sin
+        name="lane_pairs_regrouped_by_tiles",
+        code=_REGROUPED_PAIRS,
+        expect={"mode": "interleave", "qualname": "VisionRotary.forward", "variant": "interleaved_pairs_real_cache"},
+        run='''
+x = torch.randn(2, 12, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = VisionRotary(6, 16)(x)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the cut before the pairs is the head count, not the head dim: no lane pairs of x's last dim
+        _REGROUPED_PAIRS.replace("xshaped = x.float().reshape(bsz, -1, self.seq_len, n_h, h_d // 2, 2)",
+                                 "xshaped = x.float().reshape(bsz, -1, self.seq_len, h_d, n_h // 2, 2)"),
+        reason="",
+        name="regrouped_view_not_head_dim_pairs",
     ),
 ]

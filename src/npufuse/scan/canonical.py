@@ -423,6 +423,20 @@ def _shape_lead(node: ast.AST, x: ast.expr) -> bool:
             and const_value(sub.slice.upper) == -1 and sub.slice.step is None)
 
 
+def _shape_plus_two(view: ast.Call, x: ast.expr) -> list[ast.expr] | None:
+    """The two trailing sizes of a one-argument view of x's leading dims: ``x.reshape(x.shape[:-1] + (a, b))``
+    (llama2.c) or ``x.view((*x.shape[:-1], a, b))``."""
+    if len(view.args) != 1 or view.keywords:
+        return None
+    arg = view.args[0]
+    if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add) and isinstance(arg.right, ast.Tuple) and len(arg.right.elts) == 2 \
+            and _shape_lead(ast.Starred(value=arg.left, ctx=ast.Load()), x):
+        return list(arg.right.elts)
+    if isinstance(arg, ast.Tuple) and len(arg.elts) == 3 and _shape_lead(arg.elts[0], x):
+        return list(arg.elts[1:])
+    return None
+
+
 def _two_axes(module: ModuleInfo, node: ast.expr, scope: Scope | None = None) -> tuple[ast.expr, str] | None:
     """(x, "outer2" | "inner2") when ``node`` views x's last dim D as two axes, the 2 outer
     (``(2, D/2)``: halves) or inner (``(D/2, 2)``: lane pairs)."""
@@ -438,8 +452,9 @@ def _two_axes(module: ModuleInfo, node: ast.expr, scope: Scope | None = None) ->
             if a == -1 and b == 2:
                 return f.value, "inner2"
         return None
-    if isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) == 3 and _shape_lead(node.args[0], f.value):
-        a, b = const_value(node.args[1]), const_value(node.args[2])
+    sizes_two = _shape_plus_two(node, f.value) if isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") else None
+    if sizes_two is not None or (isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) == 3 and _shape_lead(node.args[0], f.value)):
+        a, b = (const_value(e) for e in sizes_two) if sizes_two is not None else (const_value(node.args[1]), const_value(node.args[2]))
         if a == 2 and b == -1:
             return f.value, "outer2"
         if a == -1 and b == 2:
