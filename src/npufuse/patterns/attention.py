@@ -2090,7 +2090,9 @@ class AttentionPattern(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         text = scope_text(module, scope)
         # no softmax, no eager attention: skip the scope without walking it
-        if "softmax" not in text.lower() or not ("@" in text or "matmul" in text or "bmm" in text or "einsum" in text):
+        if not ("@" in text or "matmul" in text or "bmm" in text or "einsum" in text):
+            return
+        if "softmax" not in text.lower() and not self._class_builds_softmax(module, scope):
             return
         blocks: dict[int, list[ast.stmt]] = {}
         anchors: dict[int, list[tuple[ast.AST, Product]]] = {}
@@ -2106,6 +2108,17 @@ class AttentionPattern(Pattern):
                     res = self._site(module, scope, interp, i, stmt, node, pv)
                     if res is not None:
                         yield res
+
+    @staticmethod
+    def _class_builds_softmax(module: ModuleInfo, scope: Scope) -> bool:
+        """The scope is a method of a class whose source builds a softmax module
+        (``self.attend = nn.Softmax(dim=-1)`` in ``__init__``, called as ``self.attend(dots)``): the
+        method's own text never says softmax. Only asked for scopes that hold a product, and only a
+        substring test on the file first, so files without ``Softmax`` pay nothing."""
+        if not scope.class_name or "Softmax" not in module.source:
+            return False
+        cls = module.classes.get(scope.class_name)
+        return cls is not None and "Softmax" in segment(module, cls)
 
     def _anchors(self, module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.AST, Product]]:
         if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
@@ -3847,3 +3860,52 @@ def capped(q, k, v, cap=30.0):
         reason="soft-capping",
     ),
 ]
+
+# softmax built as a module attribute in __init__ and called under another name: the method's own
+# text never says "softmax", so the scope gate asks the class (issue 14 class 3, held-out corpus)
+_SOFTMAX_MODULE_ATTN = '''
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=64, heads=4, dim_head=16, dropout=0.0):
+        super().__init__()
+        self.heads = heads
+        self.scale = dim_head ** -0.5
+        self.attend = nn.Softmax(dim=SOFTMAX_DIM)
+        self.dropout = nn.Dropout(dropout)
+        self.to_qkv = nn.Linear(dim, heads * dim_head * 3, bias=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.to_qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        dots = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        attn = self.attend(dots)
+        attn = self.dropout(attn)
+        out = torch.matmul(attn, v)
+        return out.transpose(1, 2).reshape(b, n, -1)
+'''
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="softmax_module_attribute",
+        code=_SOFTMAX_MODULE_ATTN.replace("SOFTMAX_DIM", "-1"),
+        expect={"mask_kind": "none", "scale": "self.scale", "dropout": "self.dropout.p", "qualname": "Attention.forward"},
+        run="""
+m = Attention().eval()
+x = torch.randn(2, 10, 64, requires_grad=True)
+out = m(x)
+leaves = [x, m.to_qkv.weight]
+""",
+    )
+)
+
+AttentionPattern.KEEP.append(
+    Keep(
+        name="softmax_module_attribute_wrong_dim",
+        # the same module attribute normalising over the query axis: not attention over the keys
+        code=_SOFTMAX_MODULE_ATTN.replace("SOFTMAX_DIM", "-2"),
+        reason="not the last (key) dim",
+    )
+)
