@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, Product, einops_permutation, product, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -786,6 +786,10 @@ class _Matcher:
         self.module, self.scope, self.interp = module, scope, interp
         self._line = line  # the P@V statement: assignments before it feed the site
         self.repeat_of: dict[int, Any] = {}
+        # einsum equations chosen among the values of a conditional placeholder (spec node id -> variant):
+        # the fused call runs only where that variant is the one used
+        self.variants: dict[int, EquationVariant] = {}
+        self.site_line = 10**9  # the P@V statement's line: a placeholder's value must be assigned before it
 
     # -- classification helpers
     def method(self, node: Any, *names: str) -> bool:
@@ -794,7 +798,49 @@ class _Matcher:
     def is_matmul(self, node: Any) -> Product | None:
         """A matmul-like node (``a @ b``, ``torch.matmul``/``bmm``, ``a.matmul(b)``, einsum, baddbmm with
         beta=0) read by the canonical layer, names resolved through this module's imports."""
-        return product(node, self._fn)
+        return self.resolved(product(node, self._fn))
+
+    def resolved(self, prod: Product | None) -> Product | None:
+        """An einsum whose f-string equation has a placeholder holding one of two string constants
+        (``kv_eq = 'b j d' if k.ndim == 3 else 'b h j d'``) read as the variant whose placeholder
+        carries the most axes (every operand with its own heads: the plain attention layout); the
+        variant is recorded so the fused call runs only under its condition. Anything else unchanged."""
+        if prod is None or prod.kind != "einsum" or prod.subs is not None:
+            return prod
+        variants = equation_variants(prod.spec, self._assigned_once)
+        if not variants:
+            return prod
+        chosen = max(variants, key=lambda v: (len(v.placeholder.replace(" ", "")), v.when_true))
+        self.variants[id(prod.spec)] = chosen
+        return Product(prod.a, prod.b, prod.kind, chosen.subs, prod.alpha, prod.spec)
+
+    def _assigned_once(self, placeholder: ast.expr) -> ast.AST | None:
+        """The value of a placeholder variable (a name, or the block's symbolic reference to one) when
+        this scope assigns it exactly once, by a plain ``name = value`` before the site, and nothing
+        the value reads is reassigned between there and the site (so the value's condition can be
+        re-evaluated at the fused call); else None. The source expression, never a symbolic copy."""
+        name = placeholder.id if isinstance(placeholder, ast.Name) else placeholder.name if isinstance(placeholder, Ref) else None
+        if name is None:
+            return None
+        cache = self.__dict__.setdefault("_assigned_cache", {})
+        if name not in cache:
+            cache[name] = self._find_assigned_once(name)
+        return cache[name]
+
+    def _find_assigned_once(self, name: str) -> ast.AST | None:
+        stores: list[ast.AST] = []
+        assign: ast.Assign | None = None
+        for node in fast_walk(self.scope.node):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                stores.append(node)
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name:
+                assign = node
+        if assign is None or sum(1 for n in stores if n.id == name) != 1 or assign.lineno >= self.site_line:  # type: ignore[attr-defined]
+            return None
+        read = {n.id for n in fast_walk(assign.value) if isinstance(n, ast.Name)}
+        if any(n.id in read and assign.lineno <= n.lineno <= self.site_line for n in stores):  # type: ignore[attr-defined]
+            return None
+        return assign.value
 
     def _fn(self, call: ast.Call) -> str | None:
         func = call.func
@@ -2136,6 +2182,8 @@ class AttentionPattern(Pattern):
 
     def _site(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, e: int, stmt: ast.stmt, node: ast.AST, pv: Product) -> Result | None:
         matcher = _Matcher(module, scope, interp, interp.block[0].lineno)
+        matcher.site_line = stmt.lineno
+        pv = matcher.resolved(pv) or pv
         env = interp.before[e]
         sym_pv = Product(interp.sym(pv.a, env), interp.sym(pv.b, env), pv.kind, pv.subs,
                          interp.sym(pv.alpha, env) if pv.alpha is not None else None, pv.spec)
@@ -2402,6 +2450,18 @@ class AttentionPattern(Pattern):
                     risks.append(Risk("other", f"`{step}` on the scores when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
                                                "equivalent: the fused call runs only where that branch is not taken; where it is "
                                                "(soft-capped models such as Gemma 2), the original code runs"))
+            chosen = {(id(v.test), v.when_true): v for v in matcher.variants.values()}
+            if chosen:
+                # an einsum equation picked by a condition (``'b j d' if k.ndim == 3 else 'b h j d'``): the
+                # fused call stands for the variant read; the other one runs the original code
+                run = [atom(r.text(v.test)) if v.when_true else f"not {atom(r.text(v.test))}" for v in chosen.values()]
+                if value_check is not None:
+                    run.append(value_check)
+                value_check = " and ".join(run) if len(run) == 1 else " and ".join(f"({c})" for c in run)
+                value_split = 0
+                for v in chosen.values():
+                    risks.append(Risk("other", f"the einsum equation takes `{v.placeholder}` only where `{'' if v.when_true else 'not '}{r.text(v.test)}`: "
+                                               "the fused call runs there; under the other value of the equation the original code runs"))
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         kwargs.append(("scale", scale))
@@ -3907,5 +3967,56 @@ AttentionPattern.KEEP.append(
         # the same module attribute normalising over the query axis: not attention over the keys
         code=_SOFTMAX_MODULE_ATTN.replace("SOFTMAX_DIM", "-2"),
         reason="not the last (key) dim",
+    )
+)
+
+# an einsum equation with a placeholder holding one of two literals (a key/value shared by the heads
+# when 3-D): read as the per-head variant, fused only where that variant is the one used
+_PLACEHOLDER_EINSUM = '''
+import torch
+from torch import einsum, nn
+
+
+class Attend(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.attn_dropout = nn.Dropout(dropout)
+
+    def forward(self, q, k, v, mask=None):
+        scale = q.shape[-1] ** -0.5
+        kv_eq = KV_EQ
+        sim = einsum(f"b h i d, {kv_eq} -> b h i j", q, k) * scale
+        if mask is not None:
+            sim = sim.masked_fill(~mask, -torch.finfo(sim.dtype).max)
+        attn = sim.softmax(dim=-1)
+        attn = self.attn_dropout(attn)
+        return einsum(f"b h i j, {kv_eq} -> b h i d", attn, v)
+'''
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="einsum_equation_placeholder_conditional",
+        code=_PLACEHOLDER_EINSUM.replace("KV_EQ", "'b j d' if k.ndim == 3 else 'b h j d'"),
+        expect={"mask_kind": "bool_masked", "qualname": "Attend.forward"},
+        run="""
+m = Attend().eval()
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+keep = torch.ones(2, 1, 6, 8, dtype=torch.bool)
+keep[1, :, :, 6:] = False
+shared = m(q, k[:, 0], v[:, 0], keep)  # the 3-D (shared key/value) variant: the original code runs
+out = m(q, k, v, keep) + shared.sum() * 0
+leaves = [q, k, v]
+""",
+    )
+)
+
+AttentionPattern.KEEP.append(
+    Keep(
+        name="einsum_equation_placeholder_one_variant_invalid",
+        # one value of the placeholder does not make a product of the two operands: the equation is not read
+        code=_PLACEHOLDER_EINSUM.replace("KV_EQ", "'b j d' if k.ndim == 3 else 'b h j j'"),
+        reason="with an equation npufuse does not parse",
     )
 )
