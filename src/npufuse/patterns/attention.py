@@ -348,6 +348,11 @@ class Renderer:
         self.meta_base: str | None = None  # the query, whose dtype/device stand for the scores'
         self.consumed: set[int] = set()  # statements inlined into the rendered text
         self.emitted: set[str] = set()  # variable names the rendered text reads
+        # the scores' shape in terms of q and k (``torch.Size((*q.shape[:-1], k.shape[-2]))``) and the
+        # statements of the attention steps: ``sim.shape`` read by mask code (``i, j = sim.shape[-2:]``)
+        # needs the scores' size only, never their values, so it is rendered without computing them
+        self.scores_shape: str | None = None
+        self.scores_steps: set[int] = set()
 
     def text(self, node: Any) -> str:
         return ast.unparse(self._ast(node))
@@ -364,6 +369,14 @@ class Renderer:
             raise Miss(f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
         self.consumed.add(ref.idx)
         return self._inline(ref.value)
+
+    def _is_scores_step(self, node: Any) -> bool:
+        """``node`` names a value assigned by one of the attention steps (scores or probabilities,
+        all of the scores' shape)."""
+        return isinstance(node, Ref) and node.idx in self.scores_steps and _heavy(node, through_meta=False)
+
+    def _ast_miss(self, node: Any) -> ast.expr:
+        raise Miss(f"`{ast.unparse(_plain(node))}` reads the attention scores' size in a way npufuse does not render")
 
     def _inline(self, value: Any) -> ast.expr:
         if _heavy(value, through_meta=False):
@@ -384,6 +397,12 @@ class Renderer:
         # scores.dtype / scores.device in mask code: the query's (the scores are not computed here)
         if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device") and self.meta_base and _heavy(node.value):
             return ast.Attribute(value=ast.Name(atom(self.meta_base), ast.Load()), attr=node.attr, ctx=ast.Load())
+        if self.scores_shape is not None and self._is_scores_step(node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size" else
+                                                                  node.value if isinstance(node, ast.Attribute) and node.attr == "shape" else None):
+            shape = ast.parse(self.scores_shape, mode="eval").body
+            if isinstance(node, ast.Attribute):
+                return shape
+            return ast.Subscript(value=shape, slice=node.args[0], ctx=ast.Load()) if len(node.args) == 1 and not node.keywords else shape if not node.args and not node.keywords else self._ast_miss(node)
         # mask.expand_as(scores) / mask.type_as(scores): the broadcast is the shape step's business and
         # the dtype does not change the sign the bool conversion reads
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("expand_as", "type_as") and len(node.args) == 1 and _heavy(node.args[0]):
@@ -2187,6 +2206,21 @@ class AttentionPattern(Pattern):
                         yield res
 
     @staticmethod
+    def _scores_shape(chain: Chain, q_t: str, k_t: str) -> str | None:
+        """The scores' shape as an expression of q and k, for the layouts where it is plain: BNSD
+        (and one-head 3-D) ``[*q.shape[:-1], Skv]``, BSND ``[B, N, Sq, Skv]`` read off q's axes;
+        Skv is k's sequence axis (3-D multi-query keys included). None elsewhere (channel-first
+        keys, heads folded into the batch, 5-D windows): such reads keep their near miss."""
+        assert chain.q and chain.k
+        if chain.k_transposed or chain.heads_in_batch or chain.q.heads_added or chain.q.layout != chain.k.layout:
+            return None
+        if chain.q.layout in ("BNSD", "3D"):
+            return f"torch.Size((*{atom(q_t)}.shape[:-1], {atom(k_t)}.shape[-2]))"
+        if chain.q.layout == "BSND":
+            return f"torch.Size(({atom(q_t)}.shape[0], {atom(q_t)}.shape[2], {atom(q_t)}.shape[1], {atom(k_t)}.shape[1]))"
+        return None
+
+    @staticmethod
     def _class_builds_softmax(module: ModuleInfo, scope: Scope) -> bool:
         """The scope is a method of a class whose source builds a softmax module
         (``self.attend = nn.Softmax(dim=-1)`` in ``__init__``, called as ``self.attend(dots)``): the
@@ -2254,6 +2288,8 @@ class AttentionPattern(Pattern):
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
             r.meta_base = q_t if is_simple(q_t) else "_npufuse_q"
+            r.scores_shape = self._scores_shape(chain, q_t, k_t)
+            r.scores_steps = set(chain.seen)
             # render every other input once now: what gets inlined is consumed by the fused call
             for x in chain.scale_num + chain.scale_den + [m.node for m in chain.masks if not (sole_causal and m.causal)]:
                 r.text(x)
@@ -4071,5 +4107,86 @@ def sdpa_with_sinks(q, k, v, sinks, scale):
     return torch.matmul(w, v)
 """,
         reason="attention sinks",
+    )
+)
+
+# a mask built from the scores' SIZE and DTYPE only (``i, j = sim.shape[-2:]``, ``-finfo(sim.dtype).max``):
+# it does not depend on the scores' values, so the fused call reads the sizes off q and k
+_SCORES_SHAPE_MASK = '''
+import torch
+from torch import einsum, nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, q, k, v):
+        sim = einsum("b h i d, b j d -> b h i j", q, k) * q.shape[-1] ** -0.5
+        i, j = sim.shape[-2:]
+        causal_mask = torch.ones((i, j), dtype=torch.bool, device=q.device).triu(j - i + 1)
+        sim = sim.masked_fill(causal_mask, -torch.finfo(sim.dtype).max)
+        attn = sim.softmax(dim=-1)
+        attn = self.dropout(attn)
+        return einsum("b h i j, b j d -> b h i d", attn, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        name="mask_from_scores_shape_multi_query",
+        code=_SCORES_SHAPE_MASK,
+        expect={"mask_kind": "bool_masked", "qualname": "Attention.forward"},
+        run="""
+m = Attention().eval()
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 8, 16, requires_grad=True)
+v = torch.randn(2, 8, 16, requires_grad=True)
+out = m(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+    Fuse(
+        name="mask_from_scores_size_bsnd",
+        # BSND operands: the scores' [B, N, Sq, Skv] sizes come from q's and k's axes in that layout
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    n = scores.size(-1)
+    keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[-scores.size(-2):]
+    scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+""",
+        expect={"qualname": "attend"},
+        run="""
+q = torch.randn(2, 5, 4, 16, requires_grad=True)
+k = torch.randn(2, 7, 4, 16, requires_grad=True)
+v = torch.randn(2, 7, 4, 16, requires_grad=True)
+out = attend(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+]
+
+AttentionPattern.KEEP.append(
+    Keep(
+        name="mask_from_scores_values",
+        # a mask computed from the scores' VALUES (top-k sparsification) cannot be built before them
+        code="""
+import torch
+
+
+def topk_attend(q, k, v):
+    sim = torch.matmul(q, k.transpose(-1, -2)) * 0.25
+    cutoff = sim.topk(4, dim=-1).values[..., -1:]
+    sim = sim.masked_fill(sim < cutoff, float("-inf"))
+    attn = sim.softmax(dim=-1)
+    return torch.matmul(attn, v)
+""",
+        reason="computed from the attention scores themselves",
     )
 )
