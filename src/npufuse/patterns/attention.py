@@ -305,6 +305,13 @@ def is_meta(node: Any) -> bool:
 
 
 _SHAPE_ONLY_ARG_CALLS = {"expand_as", "view_as", "reshape_as", "type_as"}
+# ``torch.zeros_like(t)`` / ``ones_like`` / ``full_like(t, v)``: t gives the shape (and dtype/device),
+# never the values; only the fill value is read
+_SHAPE_LIKE_FUNCS = {"zeros_like", "ones_like", "full_like"}
+
+
+def _shape_like_call(node: Any) -> bool:
+    return isinstance(node, ast.Call) and bool(node.args) and (dotted(_plain(node.func)) or "").rpartition(".")[2] in _SHAPE_LIKE_FUNCS
 
 
 def walk_values(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
@@ -324,6 +331,10 @@ def walk_values(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
             continue
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _SHAPE_ONLY_ARG_CALLS:
             stack.append(n.func.value)
+            continue
+        if _shape_like_call(n):
+            stack.extend(n.args[1:])
+            stack.extend(kw.value for kw in n.keywords)
             continue
         for _name, value in ast.iter_fields(n):
             if isinstance(value, list):
@@ -403,6 +414,17 @@ class Renderer:
             if isinstance(node, ast.Attribute):
                 return shape
             return ast.Subscript(value=shape, slice=node.args[0], ctx=ast.Load()) if len(node.args) == 1 and not node.keywords else shape if not node.args and not node.keywords else self._ast_miss(node)
+        # torch.zeros_like(scores) in mask code: a tensor of the scores' shape, built from q's and k's sizes
+        if self.scores_shape is not None and _shape_like_call(node) and self._is_scores_step(node.args[0]) \
+                and all(kw.arg in ("dtype", "device") for kw in node.keywords):
+            kws = {kw.arg: self._ast(kw.value) for kw in node.keywords}
+            base = ast.Name(atom(self.meta_base or "q"), ast.Load())
+            for key in ("dtype", "device"):
+                kws.setdefault(key, ast.Attribute(value=base, attr=key, ctx=ast.Load()))
+            fn = (dotted(_plain(node.func)) or "").rpartition(".")[2].replace("_like", "")
+            args = [ast.parse(self.scores_shape, mode="eval").body] + [self._ast(a) for a in node.args[1:]]
+            return ast.Call(func=ast.Attribute(value=ast.Name("torch", ast.Load()), attr=fn, ctx=ast.Load()), args=args,
+                            keywords=[ast.keyword(arg=k, value=v) for k, v in kws.items()])
         # mask.expand_as(scores) / mask.type_as(scores): the broadcast is the shape step's business and
         # the dtype does not change the sign the bool conversion reads
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("expand_as", "type_as") and len(node.args) == 1 and _heavy(node.args[0]):
@@ -808,6 +830,22 @@ def _deref_value(node: Any) -> Any:
         else:
             break
     return node
+
+
+def _zero_or_minus_inf_built(node: Any, depth: int = 0) -> bool:
+    """An additive term built in view from -inf / finfo.min on EVERY branch of its conditionals (a
+    branch that is a plain zeros tensor counts: all 0); one branch passing a parameter through
+    (``attn_mask.to(q.dtype)``) makes the whole term unproven, whatever the other branches hold."""
+    node = _deref_value(node)
+    if isinstance(node, Ref) and isinstance(node.value, Cond):
+        node = node.value
+    if depth > 16:
+        return False
+    if isinstance(node, (Cond, ast.IfExp)):
+        return all(not isinstance(b, Undef) and _zero_or_minus_inf_built(b, depth + 1) for b in (node.body, node.orelse))
+    if isinstance(node, ast.Call) and (dotted(_plain(node.func)) or "").rpartition(".")[2] in ("zeros_like", "zeros"):
+        return True
+    return any(_minus_infinity(n) for n in walk_sym(node))
 
 
 class _Matcher:
@@ -2643,8 +2681,8 @@ class AttentionPattern(Pattern):
         for m in masks:
             if m.kind != "additive" or m.causal:
                 continue
-            if any(_minus_infinity(n) for n in walk_sym(m.node)):
-                continue  # built in view from -inf / finfo.min: a 0/-inf mask
+            if _zero_or_minus_inf_built(m.node):
+                continue  # built in view from -inf / finfo.min (or zeros) on every branch: a 0/-inf mask
             t = r.text(m.node)
             check = additive_mask_exact(t)
             if m.cond is not None:
@@ -4188,5 +4226,64 @@ def topk_attend(q, k, v):
     return torch.matmul(attn, v)
 """,
         reason="computed from the attention scores themselves",
+    )
+)
+
+# an additive term chosen among a causal -inf triangle, a mask parameter and ``zeros_like(scores)``:
+# the zeros read only the scores' shape (not "scores added to scores"); the parameter branch may hold
+# graded values, so the whole term is value-checked at run time (the original code runs otherwise)
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="bias_branches_with_zeros_like_scores",
+        code="""
+import math
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+        attn_weights = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        if is_causal:
+            query_len, key_len = q.shape[-2], k.shape[-2]
+            attn_bias = torch.triu(torch.full((key_len, key_len), float("-inf"), device=q.device), 1)[None, None, :query_len, :key_len]
+        elif attn_mask is not None:
+            attn_bias = attn_mask.to(q.dtype)
+        else:
+            attn_bias = torch.zeros_like(attn_weights)
+        attn_weights += attn_bias
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1).to(q.dtype)
+        attn_weights = nn.functional.dropout(attn_weights, p=dropout_p)
+        return torch.matmul(attn_weights, v)
+""",
+        expect={"mask_kind": "additive_float", "mask_values_checked": True, "qualname": "Block.attend"},
+        run="""
+m = Block()
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 6, 16, requires_grad=True)
+v = torch.randn(2, 4, 6, 16, requires_grad=True)
+pad = torch.zeros(2, 1, 1, 6)
+pad[1, ..., 4:] = float("-inf")
+alibi = -torch.arange(6.0).view(1, 1, 1, 6)  # graded: the original code must run
+out = m.attend(q, k, v) + m.attend(q, k, v, is_causal=True) + m.attend(q, k, v, attn_mask=pad) + m.attend(q, k, v, attn_mask=alibi)
+leaves = [q, k, v]
+""",
+    )
+)
+
+AttentionPattern.KEEP.append(
+    Keep(
+        name="scores_added_to_their_own_statistic",
+        # full_like(scores, scores.mean()) reads the scores' values: a term computed from the scores
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    s = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+    s = s + torch.full_like(s, 1.0) * s.mean()
+    return torch.matmul(s.softmax(dim=-1), v)
+""",
+        reason="scores added to scores",
     )
 )
