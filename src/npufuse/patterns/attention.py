@@ -2716,14 +2716,16 @@ class AttentionPattern(Pattern):
                     lines.append(f"_npufuse_mask = ({b}) if {cond} else None  # True = masked")
                     maybe = True
                 continue
-            combine = f"_npufuse_mask | ({b})" if have and not maybe else f"({b}) if _npufuse_mask is None else _npufuse_mask | ({b})"
+            # the term is bound once: written in both arms of the None test it would read as called twice
+            bind = [] if have and not maybe else [f"_npufuse_term = {b}"]
+            combine = f"_npufuse_mask | ({b})" if not bind else "_npufuse_term if _npufuse_mask is None else _npufuse_mask | _npufuse_term"
             if cond is None:
-                lines.append(f"_npufuse_mask = {combine}")
+                lines += bind + [f"_npufuse_mask = {combine}"]
                 if maybe:
                     maybe, have = False, True
             else:
                 lines.append(f"if {cond}:")
-                lines.append(f"    _npufuse_mask = {combine}")
+                lines += [f"    {x}" for x in bind + [f"_npufuse_mask = {combine}"]]
         return lines, maybe
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
@@ -4285,5 +4287,53 @@ def attend(q, k, v):
     return torch.matmul(s.softmax(dim=-1), v)
 """,
         reason="scores added to scores",
+    )
+)
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="conditional_masks_module_call_bound_once",
+        # an optional key-padding mask and an optional causal mask from a method call, each under its
+        # own condition: the call is rendered once (bound to a temporary), never in both arms of a test
+        code="""
+import torch
+from torch import einsum, nn
+
+
+class Attend(nn.Module):
+    def __init__(self, causal=False):
+        super().__init__()
+        self.causal = causal
+        self.attn_dropout = nn.Dropout(0.0)
+
+    def get_mask(self, i, j, device):
+        return torch.ones((i, j), device=device, dtype=torch.bool).triu(j - i + 1)
+
+    def forward(self, q, k, v, mask=None):
+        q_len, k_len, device = q.shape[-2], k.shape[-2], q.device
+        scale = q.shape[-1] ** -0.5
+        sim = einsum("b h i d, b h j d -> b h i j", q, k) * scale
+        if self.causal:
+            causal_mask = self.get_mask(q_len, k_len, device)
+            sim = sim.masked_fill(causal_mask, -torch.finfo(sim.dtype).max)
+        if mask is not None:
+            if mask.ndim != 4:
+                mask = mask[:, None, None, :]
+            sim = sim.masked_fill(~mask, -torch.finfo(sim.dtype).max)
+        attn = sim.softmax(dim=-1)
+        attn = self.attn_dropout(attn)
+        return einsum("b h i j, b h j d -> b h i d", attn, v)
+""",
+        expect={"qualname": "Attend.forward"},
+        run="""
+m = Attend(causal=True).eval()
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 7, 16, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+keep = torch.ones(2, 7, dtype=torch.bool)
+keep[1, :2] = False
+out = m(q, k, v, keep) + m(q, k, v) + Attend()(q, k, v, keep)
+leaves = [q, k, v]
+""",
     )
 )
