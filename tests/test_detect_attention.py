@@ -293,3 +293,72 @@ def test_a_bias_with_a_causal_fill_is_still_a_bias():
     build = 'torch.arange(s)[None, :].float().masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))'
     findings, misses = detect_all(ATTENTION, BUILT.replace("NAME", "mask").replace("BUILD", build))
     assert not findings and any("token positions" in m.reason for m in misses)
+
+
+# -- canonical layer: einsum equations with a conditional placeholder ------------------------------
+
+
+def _variants(code: str):
+    from npufuse.scan.canonical import equation_variants
+
+    tree = ast.parse(code)
+    assign = tree.body[0]
+    spec = tree.body[1].value.args[0]
+    return equation_variants(spec, lambda e: assign.value if isinstance(e, ast.Name) and e.id == assign.targets[0].id else None)
+
+
+def test_equation_variants_read_both_values_of_a_conditional_placeholder():
+    got = _variants("kv = 'b j d' if k.ndim == 3 else 'b h j d'\neinsum(f'b h i d, {kv} -> b h i j', q, k)")
+    assert [(v.equation.replace(" ", ""), v.when_true) for v in got] == [("bhid,bjd->bhij", True), ("bhid,bhjd->bhij", False)]
+    assert all(ast.unparse(v.test) == "k.ndim == 3" for v in got)
+    assert got[0].subs.batch == "b" and got[1].subs.batch == "bh"
+
+
+@pytest.mark.parametrize("code", [
+    "kv = 'b j d' if c else 'b h j j'\neinsum(f'b h i d, {kv} -> b h i j', q, k)",  # one value is not a product
+    "kv = 'b j d' if c else x\neinsum(f'b h i d, {kv} -> b h i j', q, k)",  # one value is not a constant
+    "kv = 'b h j d'\neinsum(f'b h i d, {kv} -> b h i j', q, k)",  # not a conditional
+    "kv = 'b j d' if c else 'b h j d'\neinsum(f'b h i d, {kv!r} -> b h i j', q, k)",  # a conversion
+    "kv = 'b j d' if c else 'b h j d'\neinsum(f'b h i d, {other} -> b h i j', q, k)",  # an unknown placeholder
+])
+def test_equation_variants_refuse_anything_else(code):
+    assert _variants(code) is None
+
+
+def test_placeholder_reassigned_between_its_condition_and_the_site_is_not_read():
+    code = '''
+import torch
+from torch import einsum
+
+
+def attend(q, k, v):
+    kv_eq = 'b j d' if k.ndim == 3 else 'b h j d'
+    k = k.flatten(1, 2)
+    sim = einsum(f"b h i d, {kv_eq} -> b h i j", q, k) * 0.25
+    attn = sim.softmax(dim=-1)
+    return einsum(f"b h i j, {kv_eq} -> b h i d", attn, v)
+'''
+    findings, misses = detect_all(ATTENTION, code)
+    assert not findings
+    assert any("does not parse" in m.reason for m in misses)
+
+
+def test_softmax_module_attribute_is_found_only_when_the_class_builds_one():
+    base = '''
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, scale=0.25):
+        super().__init__()
+        self.scale = scale
+        self.attend = CTOR
+
+    def forward(self, q, k, v):
+        dots = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        return torch.matmul(self.attend(dots), v)
+'''
+    findings, _ = detect_all(ATTENTION, base.replace("CTOR", "nn.Softmax(dim=-1)"))
+    assert [f.qualname for f in findings] == ["Attention.forward"]
+    assert detect_all(ATTENTION, base.replace("CTOR", "nn.Identity()")) == ([], [])

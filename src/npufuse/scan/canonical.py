@@ -787,3 +787,55 @@ def shaped_like_indices(module: ModuleInfo, scope: Scope, weights: str, indices:
         else:
             node = step
     return False
+
+
+# --- attention: einsum equations with a placeholder chosen by a condition ---
+# lucidrains' ``kv_eq = 'b j d' if k.ndim == 3 else 'b h j d'`` then ``einsum(f"b h i d, {kv_eq} -> b h i j", q, k)``:
+# the equation is one of two literals, decided at run time. Each variant is read as its own product;
+# which one a detector may fuse (and under what run-time condition) is its decision.
+
+
+@dataclass(frozen=True)
+class EquationVariant:
+    """One value of an einsum equation whose placeholder is a conditional of two string constants:
+    the equation text, its contraction, and the condition under which it is the one used
+    (``test`` true when ``when_true``, false otherwise)."""
+
+    equation: str
+    subs: Contraction
+    test: ast.expr
+    when_true: bool
+    placeholder: str  # the placeholder's value in this variant (``"b h j d"``)
+
+
+def equation_variants(spec: ast.AST | None, assigned: Callable[[ast.expr], ast.AST | None]) -> list[EquationVariant] | None:
+    """Both variants of an f-string einsum equation whose placeholders all hold one value
+    (``assigned(expr)``: the expression a placeholder stands for, or None when that is not known)
+    of the form ``"A" if test else "B"`` with string constants; None unless both variants parse as
+    two-operand products (an equation that only works for one value is not read)."""
+    if not isinstance(spec, ast.JoinedStr):
+        return None
+    values = []
+    for part in spec.values:
+        if isinstance(part, ast.FormattedValue):
+            if part.conversion != -1 or part.format_spec is not None:
+                return None
+            values.append(assigned(part.value))
+        elif not (isinstance(part, ast.Constant) and isinstance(part.value, str)):
+            return None
+    if not values or any(v is not values[0] for v in values):
+        return None
+    value = values[0]
+    if not isinstance(value, ast.IfExp):
+        return None
+    texts = const_value(value.body), const_value(value.orelse)
+    if not all(isinstance(t, str) for t in texts):
+        return None
+    out = []
+    for text, when_true in zip(texts, (True, False)):
+        eq = "".join(p.value if isinstance(p, ast.Constant) else text for p in spec.values)  # type: ignore[operator]
+        subs = contraction(einsum_subscripts(ast.Constant(eq)))
+        if subs is None:
+            return None
+        out.append(EquationVariant(eq, subs, value.test, when_true, text))  # type: ignore[arg-type]
+    return out
