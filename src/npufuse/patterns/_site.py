@@ -150,13 +150,7 @@ def source_of(module: ModuleInfo, node: ast.AST) -> str:
     parts = [first[c0:] if first.isascii() else first.encode("utf-8")[c0:].decode("utf-8")]
     parts += lines[l0 + 1 : l1]
     parts.append(last[:c1] if last.isascii() else last.encode("utf-8")[:c1].decode("utf-8"))
-    text = "".join(parts)
-    # An expression spread over lines is valid only inside the brackets it came from: templates
-    # put it in other places (`_npu_x1, _npu_x2 = x, self.attention(\n...)\n* m` does not parse),
-    # so it travels in its own parentheses, which never change its value.
-    if isinstance(node, ast.expr) and not isinstance(node, (ast.Starred, ast.Slice)):
-        return f"({text})"
-    return text
+    return "".join(parts)
 
 
 def scope_text(module: ModuleInfo, scope: Scope) -> str:

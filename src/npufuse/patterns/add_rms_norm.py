@@ -442,8 +442,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         block, i = S.stmt_index(scope).block[id(site.add)]
         if i > 0 and (block[i - 1].end_lineno or 0) >= site.add.lineno:
             return "statement shares a line with another"
-    x1 = S.source_of(module, site.x1)
-    x2 = S.source_of(module, site.x2)
+    # an operand spread over lines is valid only inside brackets: it travels in its own parentheses
+    # (cut out of them, torchchat's multi-line residual operand gave code that did not parse)
+    x1, x2 = (f"({t})" if "\n" in t else t for t in (S.source_of(module, site.x1), S.source_of(module, site.x2)))
     pre: list[str] = []
     if not (_simple(site.x1) and _simple(site.x2)):
         # evaluate the operands once, in the original order, for the dtype check and both paths
