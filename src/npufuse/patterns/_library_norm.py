@@ -141,19 +141,29 @@ def _miss(scope: Scope, stmt: ast.stmt, reason: str) -> NearMiss:
     return NearMiss("rms_norm", scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
 
 
+def float32_eps(T: str) -> str:
+    """PyTorch's rms_norm epsilon when none is given, as its kernel uses it (the float32 one)."""
+    return f"{T}.finfo({T}.float32).eps"
+
+
+def eps_or_default(src: str, T: str) -> str:
+    """``src`` read at run time, where None means :func:`float32_eps` (PyTorch's rule)."""
+    return f"({src} if {src} is not None else {float32_eps(T)})"
+
+
 def _eps_code(eps: ast.expr | None, module: ModuleInfo, T: str, notes: list[str]) -> tuple[str, object] | None:
     """(source of the epsilon argument, its value for params); None when it cannot be written once."""
     value = const_value(eps) if eps is not None else None
     if eps is None or value is None:
         notes.append(DEFAULT_EPS_NOTE)
-        return f"{T}.finfo({T}.float32).eps", "finfo(float32).eps"
+        return float32_eps(T), "finfo(float32).eps"
     if type(value) in (int, float):
         return S.source_of(module, eps), float(value)  # type: ignore[arg-type]
     if _atom(eps):
         # may be None at run time (a parameter defaulting to None): same rule as PyTorch's
         src = S.source_of(module, eps)
         notes.append("eps is read at run time; None means torch.finfo(torch.float32).eps, as in PyTorch's kernel")
-        return f"({src} if {src} is not None else {T}.finfo({T}.float32).eps)", src
+        return eps_or_default(src, T), src
     return None
 
 
@@ -328,7 +338,7 @@ def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.C
         e = _eps_code(eps_node, module, T, notes)
     else:
         # eps from the config, a parameter, or another constructor: the instance knows it
-        e = (f"({attr}.eps if {attr}.eps is not None else {T}.finfo({T}.float32).eps)", f"{attr}.eps")
+        e = (eps_or_default(f"{attr}.eps", T), f"{attr}.eps")
         notes.append(f"eps read from {attr}.eps at run time; None means torch.finfo(torch.float32).eps, as in PyTorch's kernel")
     assert e is not None
     expr = f"torch_npu.npu_rms_norm({x_src}, {gamma}, epsilon={e[0]})[0]"

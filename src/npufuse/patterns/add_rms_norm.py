@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
+from npufuse.patterns._library_norm import eps_or_default, float32_eps
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, dotted, fast_walk
 from npufuse.scan.value import estimate, symbolic
@@ -53,9 +54,6 @@ class NormCall:
     conditions: list[str] = field(default_factory=list)  # run-time checks for the fused code (else the original)
 
 
-_FLOAT32_EPS = "{T}.finfo({T}.float32).eps"  # PyTorch's rms_norm default for fp16/bf16/fp32 (see _library_norm)
-
-
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
     """(gamma, eps) of ``self.<attr> = nn.RMSNorm(shape, eps=None, elementwise_affine=True)``;
     None when it has no weight (npu_add_rms_norm needs gamma)."""
@@ -68,10 +66,10 @@ def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[st
     eps = keyword(ctor, "eps", 1)
     v = const_value(eps) if eps is not None else None
     if eps is None or v is None:
-        return f"{mod}.weight", _FLOAT32_EPS.format(T=T)
+        return f"{mod}.weight", float32_eps(T)
     if type(v) in (int, float):
         return f"{mod}.weight", S.source_of(module, eps)
-    return f"{mod}.weight", f"({mod}.eps if {mod}.eps is not None else {_FLOAT32_EPS.format(T=T)})"
+    return f"{mod}.weight", eps_or_default(f"{mod}.eps", T)
 
 
 def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str) -> tuple[str, str] | None:
@@ -102,13 +100,13 @@ def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str) -> tupl
         return None
     T = S.torch_name(module) or "torch"
     if eps is None or const_value(eps) is None:
-        return gamma, _FLOAT32_EPS.format(T=T)
+        return gamma, float32_eps(T)
     if isinstance(const_value(eps), (int, float)):
         return gamma, S.source_of(module, eps)
     e = as_mod(eps)
     if e is None:
         return None
-    return gamma, f"({e} if {e} is not None else {_FLOAT32_EPS.format(T=T)})"
+    return gamma, eps_or_default(e, T)
 
 
 def _eps_text(module: ModuleInfo, eps: ast.expr | None) -> str | None:
@@ -117,12 +115,12 @@ def _eps_text(module: ModuleInfo, eps: ast.expr | None) -> str | None:
 
     T = S.torch_name(module) or "torch"
     if eps is None or (isinstance(eps, ast.Constant) and eps.value is None):
-        return _FLOAT32_EPS.format(T=T)
+        return float32_eps(T)
     if type(const_value(eps)) in (int, float):
         return S.source_of(module, eps)
     if dotted(eps) is not None:  # a name or attribute: None at run time means PyTorch's default
         e = S.source_of(module, eps)
-        return f"({e} if {e} is not None else {_FLOAT32_EPS.format(T=T)})"
+        return eps_or_default(e, T)
     return None
 
 
@@ -228,7 +226,7 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
             mod = f"self.{f.attr}"
             T = S.torch_name(module) or "torch"
             return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=f"{mod}.weight",
-                            eps=f"({mod}.eps if {mod}.eps is not None else {_FLOAT32_EPS.format(T=T)})",
+                            eps=eps_or_default(f"{mod}.eps", T),
                             conditions=[f"type({mod}).forward is {T}.nn.RMSNorm.forward", f"{mod}.weight is not None"])
         value = sides[0] if len(sides) == 1 else None
     if not isinstance(value, ast.Call):
@@ -251,7 +249,7 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         mod = f"self.{f.attr}"
         T = S.torch_name(module) or "torch"
         return NormCall(call, f.attr, "library", cls=cls, gamma=f"{mod}.weight",
-                        eps=f"({mod}.eps if {mod}.eps is not None else {_FLOAT32_EPS.format(T=T)})",
+                        eps=eps_or_default(f"{mod}.eps", T),
                         conditions=[f"{mod}.weight is not None"])
     if cls in module.classes:
         fwd = S.method(module, cls, "forward")
