@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import expert_mask, shaped_like_indices
+from npufuse.scan.canonical import expert_mask, flattened_to_1d, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -684,6 +684,7 @@ class _Eval:
         self.where_indices = ""
         self.probs = ""
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
+        self.column_rows = False  # tokens picked as x[idx] with idx an [n, 1] column: the expert sees [n, 1, H]
 
     # -- header ---------------------------------------------------------------------------
 
@@ -878,6 +879,9 @@ class _Eval:
                 for n, v in zip(names, val.args):
                     self.env[n] = v
                 return
+            if val.kind == "mod_out":
+                raise _Miss(f"the expert returns {len(names)} values (`{ast.unparse(s)[:60]}`): the fused layer combines "
+                            "one output tensor per expert")
             if val.kind == "unknown" and isinstance(s.value, ast.Call) and _canon(self.m, s.value.func) == "torch.where":
                 raise _Miss(f"tokens are picked with `{ast.unparse(s.value)[:50]}` from a mask that is not "
                             "one_hot(expert indices).permute(...) built in this function (e.g. a router mask with capacity)")
@@ -885,6 +889,9 @@ class _Eval:
         if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name):
             # DeepSeek: y[flat_topk_idx == i] = expert(x[flat_topk_idx == i])
             sel = self.ev(tgt.slice)
+            parts = list(tgt.slice.elts) if isinstance(tgt.slice, ast.Tuple) else [tgt.slice]
+            if [self._part_kind(p) for p in parts] in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
+                sel = V("flatmask", self.ev(parts[0]).args)  # y[idx, :] = ... with idx = (flat_idx == e).nonzero()
             if sel.kind != "flatmask":
                 raise _Miss(f"rows are written through `{ast.unparse(tgt)[:50]}`, not selected by an expert-index "
                             "comparison (router masks, e.g. capacity-limited ones, are not supported)")
@@ -1049,6 +1056,11 @@ class _Eval:
             if kinds == ["flatmask"]:
                 self.flat.add(self.ev(sl).args[0])
                 return V("x", (name,))  # hidden_states[flat_topk_idx == i]
+            if kinds in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
+                self.flat.add(self.ev(parts[0]).args[0])
+                if kinds[0] == "flatcol":
+                    self.column_rows = True  # x[idx] with idx [n, 1]: the expert gets [n, 1, H]
+                return V("x", (name,))  # hidden_states[(flat_idx == e).nonzero(), :]
             if kinds == ["tokmask"]:
                 return V("x", (name,))  # x[(indices == e).any(-1)]: the rows of the tokens routed to e, in order
             if kinds == ["tokmask", "eidx"]:
@@ -1081,6 +1093,14 @@ class _Eval:
         if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in fast_walk(sl)):
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
         return V("unknown", (ast.unparse(node),))
+
+    def _flat_rows(self, flat: str) -> V:
+        """``(flat_idx == e).nonzero()``: an ``[n, 1]`` column of the rows routed to e, in order, when
+        ``flat_idx`` is 1-D (tokens repeated per routed expert, or top-1 indices)."""
+        if not flattened_to_1d(self.m, self.scope, flat, self.loop.lineno):
+            raise _Miss(f"`({flat} == e).nonzero()` over expert indices not shown to be 1-D (a `.view(-1)` / `.flatten()` "
+                        "before the loop): for [T, K] indices it lists (row, slot) pairs, not rows")
+        return V("flatcol", (flat,))
 
     def _where_flat(self, arg: V) -> V:
         if self.where_indices and self.where_indices != arg.args[0]:
@@ -1138,6 +1158,11 @@ class _Eval:
                 return V("where", (_pair_order(self.masks[recv.args[0]][2]),))
             if attr == "nonzero" and recv.kind == "flatmask" and _as_tuple(node):
                 return self._where_flat(recv)  # (indices == e).nonzero(as_tuple=True) is torch.where(indices == e)
+            if attr == "nonzero" and recv.kind == "flatmask" and not node.args and not node.keywords:
+                return self._flat_rows(recv.args[0])  # (flat_idx == e).nonzero(): [n, 1] row numbers
+            if recv.kind == "flatcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
+                                           or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
+                return V("flatrow", recv.args)  # [n] row numbers
             if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and self.ev(node.args[1]).kind == "tok":
                 return V("x", recv.args)
             if attr == "squeeze" and recv.kind in ("scaled", "mod_out") and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
@@ -1192,6 +1217,8 @@ class _Eval:
                 return self._tokmask(arg.args[0])
         if name == "torch.nonzero" and node.args and self.ev(node.args[0]).kind == "tokmask" and not node.keywords:
             return V("tokcol")
+        if name == "torch.nonzero" and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]).kind == "flatmask":
+            return self._flat_rows(self.ev(node.args[0]).args[0])
         if name == "torch.nonzero" and len(node.args) == 1 and _as_tuple(node):
             arg = self.ev(node.args[0])
             if arg.kind == "flatmask":
@@ -1467,6 +1494,9 @@ class _Eval:
 
     def _finish_flat(self, block: list[ast.stmt], i: int, acc: str, contrib: V, flat: str) -> _Site:
         mlp = self._mlp(contrib, weighted=False)
+        if mlp.layout == "opaque" and self.column_rows:
+            raise _Miss("the experts get their rows as `x[idx]` with idx an [n, 1] column (an [n, 1, H] input) and their "
+                        f"MLP is not read ({mlp.why_opaque}): the fused path would call them on [n, H] rows")
         if self.flat - {flat}:
             raise _Miss("tokens are selected and written back with different index tensors")
         if self.loop_kind not in ("range", "enumerate_experts"):
@@ -1844,13 +1874,22 @@ def _class_init_assigns(module: ModuleInfo, cls: ast.ClassDef, seen: Optional[se
         if b and b in module.classes and b not in seen:
             seen.add(b)
             out.update(_class_init_assigns(module, module.classes[b], seen))
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
-            for s in fast_walk(node):
-                if isinstance(s, ast.Assign):
-                    for t in s.targets:
-                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
-                            out[t.attr] = s.value
+    methods = {node.name: node for node in cls.body if isinstance(node, ast.FunctionDef)}
+    # __init__ and the helpers it calls as ``self._setup_experts()`` (builders split out of __init__)
+    todo, done = ["__init__"], set()
+    while todo:
+        name = todo.pop(0)
+        if name in done or name not in methods:
+            continue
+        done.add(name)
+        for s in fast_walk(methods[name]):
+            if isinstance(s, ast.Assign):
+                for t in s.targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        out[t.attr] = s.value
+            elif (isinstance(s, ast.Call) and isinstance(s.func, ast.Attribute) and isinstance(s.func.value, ast.Name)
+                  and s.func.value.id == "self" and s.func.attr in methods):
+                todo.append(s.func.attr)
     return out
 
 
@@ -4466,4 +4505,133 @@ class Calculator(nn.Module):
         outs = [self.experts(split_x[i], i) for i in range(self.num_experts) if split_x[i].shape[0] > 0]
         return torch.cat(outs, 0)
 ''', reason="one module holding every expert is called per expert", name="indexed_expert_module_in_comprehension"),
+]
+
+
+# -- issue 14, class 4 (second pass): builder methods, nonzero() row columns, tuple-returning experts --
+
+# experts built in a helper that __init__ calls (``self._setup_experts()``), DeepSeek-style
+# ``moe_infer`` over tokens pre-sorted by expert
+_BUILDER_SORTED = _HEAD + '''
+class GatedMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SortedMoE(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.d, self.h, self.n = d, h, n
+        self._build_experts()
+
+    def _build_experts(self):
+        self.experts = nn.ModuleList([GatedMLP(self.d, self.h) for _ in range(self.n)])
+
+    def forward(self, x, topk_ids, topk_weight):
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        idxs = topk_ids.view(-1).argsort()
+        sorted_tokens = x[idxs // topk_ids.shape[1]]
+        tokens_per_expert = tokens_per_expert.cpu().numpy()
+        outputs = []
+        start_idx = 0
+        for i, num_tokens in enumerate(tokens_per_expert):
+            end_idx = start_idx + num_tokens
+            if num_tokens == 0:
+                continue
+            expert = self.experts[i]
+            outputs.append(expert(sorted_tokens[start_idx:end_idx]))
+            start_idx = end_idx
+        outs = torch.cat(outputs, dim=0)
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs
+        return (new_x.view(*topk_ids.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)
+'''
+
+_BUILDER_SORTED_RUN = '''\
+moe = SortedMoE(16, 24, 4)
+x = torch.randn(7, 16)
+w, ids = torch.randn(7, 4).softmax(-1).topk(2, dim=-1)
+ids[0, 0] = 0
+ids[0, 1] = 2
+out = moe(x, ids, w)
+'''
+
+# top-1 switch routing: rows of expert e as a column ``(flat == e).nonzero()`` ([n, 1]), gathered
+# with ``x[idx, :]`` ([n, 1, H]) and written back with ``out[idx, :] = ...``; weights after the loop
+_NONZERO_COLUMN = _HEAD + '''
+class FF(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h, bias=False)
+        self.fc2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Switch(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, hidden_states):
+        s, b, h = hidden_states.shape
+        route = torch.softmax(self.router(hidden_states), dim=2)
+        max_prob, max_ind = torch.max(route, dim=2)
+        hidden_states = hidden_states.view(-1, h)
+        max_prob = max_prob.view(-1, 1)
+        max_ind = max_ind.view(-1)
+        output_total = torch.empty_like(hidden_states)
+        for expert_num, expert in enumerate(self.experts):
+            local_indices = (max_ind == expert_num).nonzero()
+            hidden = hidden_states[local_indices, :]
+            output_total[local_indices, :] = expert(hidden)
+        output_total = output_total * max_prob
+        return output_total.view(s, b, h)
+'''
+
+_NONZERO_COLUMN_RUN = '''\
+blk = Switch(16, 24, 4)
+x = torch.randn(5, 2, 16, requires_grad=True)
+out = blk(x)
+leaves = [x, blk.router.weight, blk.experts[1].fc1.weight, blk.experts[2].fc2.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_BUILDER_SORTED, name="experts_built_in_a_helper_method_sorted_counts", run=_BUILDER_SORTED_RUN, expect={
+        "routing": "sorted_counts", "loop": "counts", "tokens": "sorted_tokens", "layout": "per_expert_linear",
+        "activation": "silu_gated"}),
+    Fuse(_NONZERO_COLUMN, name="top1_nonzero_column_rows", run=_NONZERO_COLUMN_RUN, expect={
+        "routing": "flat_mask", "indices": "max_ind", "tokens": "hidden_states", "routing_weights": "after_loop",
+        "weights": {"fc1": "fc1", "down": "fc2"}, "output": "output_total"}),
+    # the column squeezed to 1-D row numbers, through torch.nonzero
+    Fuse(_NONZERO_COLUMN.replace("local_indices = (max_ind == expert_num).nonzero()",
+                                 "local_indices = torch.nonzero(max_ind == expert_num).squeeze(-1)"),
+         name="top1_torch_nonzero_squeezed_rows", run=_NONZERO_COLUMN_RUN, expect={"routing": "flat_mask", "indices": "max_ind"}),
+]
+
+MoeExperts.KEEP += [
+    # [T, K] indices: nonzero() lists (row, slot) pairs, x[pairs, :] is not the expert's rows
+    Keep(_NONZERO_COLUMN.replace("max_ind = max_ind.view(-1)", "max_ind = max_ind.view(-1, 1)"),
+         reason="not shown to be 1-D", name="nonzero_over_indices_not_shown_1d"),
+    # the expert returns (output, bias) written to two outputs (Megatron's ParallelMLP)
+    Keep(_NONZERO_COLUMN.replace("return self.fc2(F.gelu(self.fc1(x)))", "return self.fc2(F.gelu(self.fc1(x))), None").replace(
+        "            output_total[local_indices, :] = expert(hidden)\n",
+        "            output, output_bias = expert(hidden)\n            output_total[local_indices, :] = output\n"),
+         reason="the expert returns 2 values", name="expert_returns_output_and_bias"),
+    # opaque experts (passed in, MLP unknown) on [n, 1, H] rows: the fused path would give them [n, H]
+    Keep(_NONZERO_COLUMN.replace("def __init__(self, d, h, n):\n        super().__init__()\n        self.router = nn.Linear(d, n)\n"
+                                 "        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])",
+                                 "def __init__(self, d, n, experts):\n        super().__init__()\n        self.router = nn.Linear(d, n)\n"
+                                 "        self.experts = experts"),
+         reason="an [n, 1, H] input", name="opaque_experts_on_column_rows"),
 ]
