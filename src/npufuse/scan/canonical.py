@@ -858,7 +858,7 @@ def flattened_to_1d(module: ModuleInfo, scope: Scope, name: str, before_line: in
             return const_value(node.args[0]) == -1
         if isinstance(f, ast.Attribute) and f.attr == "flatten" and not node.args and not node.keywords:
             return True
-        if isinstance(f, ast.Attribute) and f.attr in _SHAPE_KEEPING_CASTS:
+        if isinstance(f, ast.Attribute) and f.attr in _SHAPE_KEEPING_CASTS + ("long", "int", "cpu"):
             node = f.value
             continue
         return api(module, f) == "torch.flatten" and len(node.args) == 1 and not node.keywords

@@ -1,0 +1,156 @@
+"""issue 14 class 4 (MoE), second pass: forms outside HF's spellings that the pattern's own
+Fuse/Keep examples do not cover alone: experts built in helper methods, ``(flat == e).nonzero()``
+row columns (1-D indices proven, never guessed), and grouped_gemm's ``gmm`` (candidates only when
+``GROUPED_GEMM_CANDIDATES`` is on; the rewrite checked against the emulator either way)."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from npufuse.patterns import moe_experts as moe
+from npufuse.scan.canonical import flattened_to_1d
+from npufuse.scan.dataflow import ModuleInfo
+from npufuse import emulate
+from npufuse.rewrite.codegen import splice
+from pattern_harness import _exec, check_rewrite_runs, detect_all
+
+PATTERN = moe.MoeExperts()
+
+
+# -- canonical.flattened_to_1d ---------------------------------------------------------------------
+
+
+def _one_d(body: str, name: str = "flat") -> bool:
+    code = "import torch\nimport torch as th\n\ndef f(idx, x):\n" + "".join(f"    {ln}\n" for ln in body.splitlines()) + "    return x\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    return flattened_to_1d(module, scope, name, len(code.splitlines()))
+
+
+@pytest.mark.parametrize("body", [
+    "flat = idx.view(-1)",
+    "flat = idx.reshape(-1)",
+    "flat = idx.flatten()",
+    "flat = th.flatten(idx)",
+    "flat = idx.view(-1).long()",
+    "flat = idx.flatten().to(x.device)",
+    "flat = idx.view(2, 3)\nflat = flat.view(-1)",  # the last assignment decides
+])
+def test_flattened_to_1d_reads_flattening_spellings(body):
+    assert _one_d(body)
+
+
+@pytest.mark.parametrize("body", [
+    "flat = idx",  # unknown rank
+    "flat = idx.view(-1, 1)",  # 2-D column
+    "flat = idx.flatten(1)",  # flattens only trailing dims
+    "flat = idx.view(-1)\nflat = flat.unsqueeze(-1)",  # re-shaped after flattening
+    "flat = th.flatten(idx, 0, 1)",  # flattens a range of dims only
+])
+def test_flattened_to_1d_refuses_unproven_ranks(body):
+    assert not _one_d(body)
+
+
+# -- experts built in helper methods __init__ calls --------------------------------------------------
+
+
+def test_class_init_assigns_follows_helper_methods_once():
+    code = '''
+class A:
+    def __init__(self):
+        self.a = 1
+        self._build()
+
+    def _build(self):
+        self.experts = make()
+        self._build()  # recursion: visited once
+
+    def unrelated(self):
+        self.b = 2
+'''
+    module = ModuleInfo.from_source("m.py", code)
+    found = moe._class_init_assigns(module, module.classes["A"])
+    assert set(found) == {"a", "experts"}
+    assert ast.unparse(found["experts"]) == "make()"
+
+
+# -- (flat == e).nonzero() rows ---------------------------------------------------------------------
+
+
+def _example(name: str, kind: str = "FUSE"):
+    return next(ex for ex in getattr(moe.MoeExperts, kind) if ex.name == name)
+
+
+def test_nonzero_column_site_spans_loop_and_writes_every_row():
+    ex = _example("top1_nonzero_column_rows")
+    findings, _ = detect_all(PATTERN, ex.code)
+    (f,) = findings
+    assert f.params["indices"] == "max_ind" and f.params["routing"] == "flat_mask"
+    # the rewrite covers the loop and the fresh accumulator it fills
+    lines = ex.code.splitlines()
+    assert "output_total = torch.empty_like" in lines[f.line - 1] and "output_total[local_indices, :]" in lines[f.end_line - 1]
+    facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
+    assert facts["all_calls"].get("npu_grouped_matmul", 0) >= 2
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+@pytest.mark.parametrize("spelling", [
+    "local_indices = (max_ind == expert_num).nonzero().squeeze(-1)",
+    "local_indices = (max_ind == expert_num).nonzero().view(-1)",
+    "local_indices = torch.nonzero(max_ind == expert_num)",
+])
+def test_nonzero_row_spellings_are_found(spelling):
+    ex = _example("top1_nonzero_column_rows")
+    code = ex.code.replace("local_indices = (max_ind == expert_num).nonzero()", spelling)
+    findings, _ = detect_all(PATTERN, code)
+    assert len(findings) == 1
+    facts = check_rewrite_runs(PATTERN, code, ex.run, findings)
+    assert min(facts["cos_out"]) >= 0.9999
+
+
+def test_nonzero_rows_written_with_another_index_are_refused():
+    ex = _example("top1_nonzero_column_rows")
+    code = ex.code.replace("output_total[local_indices, :] = expert(hidden)", "output_total[other, :] = expert(hidden)").replace(
+        "for expert_num, expert in", "other = max_ind\n        for expert_num, expert in")
+    findings, misses = detect_all(PATTERN, code)
+    assert not findings and misses
+
+
+# -- grouped_gemm's gmm -------------------------------------------------------------------------------
+
+
+def test_grouped_gemm_is_a_near_miss_naming_the_replacement_by_default():
+    ex = moe.GROUPED_GEMM_EXAMPLES[0]
+    findings, misses = detect_all(PATTERN, ex.code)
+    assert not findings
+    assert any("npu_grouped_matmul" in m.reason and "group_list_type=1" in m.reason for m in misses)
+
+
+@pytest.mark.parametrize("ex", moe.GROUPED_GEMM_EXAMPLES, ids=[e.name for e in moe.GROUPED_GEMM_EXAMPLES])
+def test_grouped_gemm_candidates_rewrite_exactly(ex, monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_GEMM_CANDIDATES", True)
+    findings, _ = detect_all(PATTERN, ex.code)
+    assert findings
+    for key, want in ex.expect.items():
+        got = findings[0].variant if key == "variant" else findings[0].params.get(key)
+        assert got == want, (key, got, want)
+    facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
+    assert facts["all_calls"].get("npu_grouped_matmul", 0) >= 2
+    assert [a == b for a, b in facts["dtypes"]] == [True] * len(facts["dtypes"])
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_grouped_gemm_rows_past_the_counts_come_back_as_zeros(monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_GEMM_CANDIDATES", True)
+    ex = moe.GROUPED_GEMM_EXAMPLES[1]
+    findings, _ = detect_all(PATTERN, ex.code)
+    # 8 rows, counts summing to 6: the last two rows belong to no group (the stand-in returns 6 rows)
+    run = "glu = GroupedGLU(3, 16, 8)\nx = torch.randn(8, 16)\nfull = glu(x, torch.tensor([2, 3, 1]))\nout = full[:6]\n"
+    facts = check_rewrite_runs(PATTERN, ex.code, run, findings)
+    assert min(facts["cos_out"]) >= 0.9999
+    with emulate.install():
+        ns = _exec(splice(ex.code, findings), "rewritten")
+        exec(compile(run, "<run>", "exec"), ns)
+    assert tuple(ns["full"].shape) == (8, 16) and not ns["full"][6:].any()
