@@ -1082,6 +1082,8 @@ class _Eval:
             return V("slotmask")  # (indices == e)[rows]: each selected token's top-k slots of e
         if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
             return V("tok")
+        if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
+            return V("rw")  # (w * mask).sum(-1, keepdim=True)[rows]: [n, 1]
         if base.kind == "rw_row" and [self._part_kind(p) for p in parts] == ["all", "none"]:
             return V("rw")  # gates[mask, e][:, None]
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
@@ -1094,6 +1096,23 @@ class _Eval:
         if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in fast_walk(sl)):
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
         return V("unknown", (ast.unparse(node),))
+
+    def _slot_weight_sum(self, prod: ast.BinOp, call: ast.Call, first: int) -> Optional[V]:
+        """``(topk_w * (topk_i == e)).sum(dim=-1, keepdim=True)``: each token's weight for expert e
+        ([T, 1]; 0 for tokens not routed to e), with the weights shaped like the indices (one slot of
+        e per token: top-k indices are distinct). ``first``: the dim's position (1 for torch.sum)."""
+        dim, keep = keyword(call, "dim", first), keyword(call, "keepdim", first + 1)
+        if dim is None or const_value(dim) != -1 or keep is None or const_value(keep) is not True:
+            return None
+        sides = [_strip_casts(prod.left), _strip_casts(prod.right)]
+        pairs = [(n, self.ev(n)) for n in sides]
+        for (w, wv), (_, mv) in (pairs, pairs[::-1]):
+            if mv.kind == "flatmask" and wv.kind == "outer" and isinstance(w, ast.Name) \
+                    and shaped_like_indices(self.m, self.scope, w.id, mv.args[0], self.loop.lineno):
+                self._tokmask(mv.args[0])
+                self._set_probs(w.id)
+                return V("rw_dense")
+        return None
 
     def _flat_rows(self, flat: str) -> V:
         """``(flat_idx == e).nonzero()``: an ``[n, 1]`` column of the rows routed to e, in order, when
@@ -1144,6 +1163,10 @@ class _Eval:
             attr = f.attr
             if self.expert_init is not None and isinstance(f.value, ast.Name) and f.value.id == "self":
                 return self._expert_attr_call(node, attr)
+            if attr == "sum" and isinstance(f.value, ast.BinOp) and isinstance(f.value.op, ast.Mult):
+                dense = self._slot_weight_sum(f.value, node, first=0)
+                if dense is not None:
+                    return dense
             recv = self.ev(f.value)
             if attr == "contiguous" and not node.args:
                 return recv
@@ -1207,6 +1230,10 @@ class _Eval:
                 return recv
             if attr == "chunk" and recv.kind == "proj":
                 return self._chunk(recv, node, method=True)
+        if name == "torch.sum" and node.args and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult):
+            dense = self._slot_weight_sum(node.args[0], node, first=1)
+            if dense is not None:
+                return dense
         if name == "torch.gather" and node.args:
             src = self.ev(node.args[0])
             if src.kind == "x" and self._gather_slot(node, first=1):
@@ -2249,6 +2276,17 @@ def _fused_text(site: _Site) -> str:
         ]
         site = copy.copy(site)
         site.indices, site.tokens, site.probs = f"{P}ids", f"{P}tokens", f"{P}p"
+    flat_shape = ""
+    if site.routing == "flat_mask":
+        # x[flat == e] picks rows of the leading dims in row-major order (a [B, S] index over [B, S, H]
+        # tokens as well as a [T] one over [T, H]): the permute sees the flattened rows
+        flat_shape = f"{site.tokens}.shape[:-1]"
+        lines += [
+            f"{P}ids = {site.indices}.reshape(-1)",
+            f"{P}tokens = {site.tokens}.reshape(-1, {site.tokens}.shape[-1])",
+        ]
+        site = copy.copy(site)
+        site.indices, site.tokens = f"{P}ids", f"{P}tokens"
     if site.routing == "sorted_counts":
         lines += [
             f"# {site.tokens} is already sorted by expert; {site.counts} holds the per-expert counts on the device",
@@ -2335,6 +2373,8 @@ def _fused_text(site: _Site) -> str:
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
         if site.flat_rows:
             result = f"{result}.reshape({out}.shape)"
+        elif flat_shape:
+            result = f"{result}.reshape(*{flat_shape}, -1)"
         if site.out_mode == "assign":
             lines.append(f"{out} = {result}.to({site.out_dtype})")
         else:
@@ -4833,4 +4873,98 @@ MoeExperts.KEEP += [
 def run_experts(args):
     return grouped_gemm.ops.gmm(*args)
 """, reason="operands npufuse does not bind", name="grouped_gemm_unpacked_operands"),
+]
+
+
+# -- top-1 masks over [B, S] indices and 3-D tokens; per-expert weights summed off the slot mask -----
+
+_FF_SWIGLU = '''
+class FF(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+        self.w3 = nn.Linear(d, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+'''
+
+# x[mask] with a [B, S] mask over [B, S, H] tokens picks rows in row-major order: the permute sees
+# the flattened rows and the result takes the tokens' leading shape back
+_TOP1_MASK_3D = _HEAD + _FF_SWIGLU + '''
+
+class Top1(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        p, expert_idx = probs.max(dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            mask = expert_idx == i
+            out[mask] = expert(x[mask])
+        return out * p.unsqueeze(-1)
+'''
+
+_TOP1_MASK_3D_RUN = '''\
+m = Top1(16, 24, 4)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[1].w1.weight, m.experts[3].w2.weight]
+'''
+
+# w = (topk_w * (topk_i == e)).sum(-1, keepdim=True): each token's weight for e, read at its rows
+_SLOT_WEIGHT_SUM = _HEAD + _FF_SWIGLU + '''
+
+class MoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+        self.k = k
+
+    def forward(self, x):
+        orig = x.shape
+        x = x.reshape(-1, orig[-1])
+        scores = self.gate(x).softmax(dim=-1)
+        topk_w, topk_i = scores.topk(self.k, dim=-1)
+        topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = topk_i == e
+            rows = mask.any(dim=-1)
+            if not rows.any():
+                continue
+            w = (topk_w * mask.float()).sum(dim=-1, keepdim=True)
+            out[rows] += expert(x[rows]) * w[rows]
+        return out.reshape(orig)
+'''
+
+_SLOT_WEIGHT_SUM_RUN = '''\
+m = MoE(16, 24, 4, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[0].w3.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_TOP1_MASK_3D, name="top1_mask_over_3d_tokens", run=_TOP1_MASK_3D_RUN, expect={
+        "routing": "flat_mask", "indices": "expert_idx", "tokens": "x", "routing_weights": "after_loop", "output": "out"}),
+    Fuse(_SLOT_WEIGHT_SUM, name="slot_mask_weight_sum", run=_SLOT_WEIGHT_SUM_RUN, expect={
+        "routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "routing_weights": "after_down"}),
+]
+
+MoeExperts.KEEP += [
+    # dense [T, E] scores times the [T, K] slot mask: not one weight per slot (shapes differ)
+    Keep(_SLOT_WEIGHT_SUM.replace("w = (topk_w * mask.float()).sum(dim=-1, keepdim=True)",
+                                  "w = (scores * mask.float()).sum(dim=-1, keepdim=True)"),
+         reason="not recognised as the routing weight", name="slot_mask_times_dense_scores"),
+    # the mask summed without keepdim is [T]: w[rows] is a vector, broadcast against the last dim
+    Keep(_SLOT_WEIGHT_SUM.replace("w = (topk_w * mask.float()).sum(dim=-1, keepdim=True)",
+                                  "w = (topk_w * mask.float()).sum(dim=-1)"),
+         reason="not recognised as the routing weight", name="slot_weight_sum_without_keepdim"),
 ]
