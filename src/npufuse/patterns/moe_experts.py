@@ -135,6 +135,12 @@ class _Site:
     dense_gates: str = ""  # weights are gates[mask, e] of dense [.., E] gates: probs = gates.gather(-1, indices)
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
     zero_link: str = ""  # the dropped else of a skip guard that added 0 * (...) to the output
+    column_rows: bool = False  # opaque experts called on [n, 1, H] rows (x[idx] with idx an [n, 1] column)
+    # opaque experts returning a tuple: (names the call unpacks to, statements on them replayed per expert,
+    # [(output, name written to it, its dtype)] one per accumulator)
+    tuple_names: tuple = ()
+    part_steps: tuple = ()
+    part_outs: tuple = ()
     first_line: int = 0
     last_line: int = 0
 
@@ -686,6 +692,8 @@ class _Eval:
         self.probs = ""
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
         self.column_rows = False  # tokens picked as x[idx] with idx an [n, 1] column: the expert sees [n, 1, H]
+        self.tuple_call: Optional[tuple[ast.Assign, list[str], V]] = None  # `a, b = expert(rows)`
+        self.part_steps: list[ast.stmt] = []  # `b = b.expand_as(a)`: per-expert steps on the unpacked outputs
 
     # -- header ---------------------------------------------------------------------------
 
@@ -867,7 +875,14 @@ class _Eval:
             if self._is_eidx(s.value) and self.expert_init is None:
                 self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
                 return
-            self.env[tgt.id] = self.ev(s.value)
+            val = self.ev(s.value)
+            if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
+                raise _Miss(f"`{ast.unparse(s)[:60]}` on an unpacked expert output is not replayed by the fused layer")
+            if val.kind == "mod_part":
+                if tgt.id not in (self.tuple_call[1] if self.tuple_call else ()):
+                    raise _Miss(f"an unpacked expert output is bound to a new name (`{ast.unparse(s)[:60]}`)")
+                self.part_steps.append(s)  # b = b.expand_as(a): replayed on each expert's outputs
+            self.env[tgt.id] = val
             return
         if isinstance(tgt, ast.Tuple) and all(isinstance(e, ast.Name) for e in tgt.elts):
             names = [e.id for e in tgt.elts]  # type: ignore[union-attr]
@@ -881,8 +896,12 @@ class _Eval:
                     self.env[n] = v
                 return
             if val.kind == "mod_out":
-                raise _Miss(f"the expert returns {len(names)} values (`{ast.unparse(s)[:60]}`): the fused layer combines "
-                            "one output tensor per expert")
+                if self.tuple_call is not None or len(set(names)) != len(names):
+                    raise _Miss(f"the expert outputs are unpacked twice (`{ast.unparse(s)[:60]}`)")
+                self.tuple_call = (s, names, val)  # type: ignore[assignment]
+                for j, n in enumerate(names):
+                    self.env[n] = V("mod_part", (val, j))
+                return
             if val.kind == "unknown" and isinstance(s.value, ast.Call) and _canon(self.m, s.value.func) == "torch.where":
                 raise _Miss(f"tokens are picked with `{ast.unparse(s.value)[:50]}` from a mask that is not "
                             "one_hot(expert indices).permute(...) built in this function (e.g. a router mask with capacity)")
@@ -922,7 +941,7 @@ class _Eval:
             if self._is_eidx(left):
                 self.sentinel = segment(self.m, right)  # dead when the mask has exactly that many classes
                 return
-            if isinstance(right, ast.Constant) and right.value == 0 and self._size_kind(left) in ("tok", "kpos", "count", "x", "x_sorted"):
+            if isinstance(right, ast.Constant) and right.value == 0 and self._size_kind(left) in ("tok", "kpos", "count", "x", "x_sorted", "flatcol", "flatrow"):
                 self.skip_empty = True
                 return
             if isinstance(right, ast.Constant) and right.value == 0 and isinstance(left, ast.Subscript) and isinstance(left.value, ast.Name) \
@@ -941,7 +960,7 @@ class _Eval:
 
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
-        kinds = ("tok", "kpos", "x", "tokmask", "flatmask")
+        kinds = ("tok", "kpos", "x", "tokmask", "flatmask", "flatcol", "flatrow")
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "item" and not test.args:
             test = test.func.value  # mask.any().item()
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
@@ -1168,6 +1187,12 @@ class _Eval:
                 if dense is not None:
                     return dense
             recv = self.ev(f.value)
+            if recv.kind == "mod_part":
+                # per-row-count-free steps on one unpacked output: replayed as written on each expert's result
+                args_ok = all(self.ev(a).kind in ("mod_part", "outer") for a in node.args) and not node.keywords
+                if attr in ("expand_as", "contiguous", "float", "half", "bfloat16", "type_as") and args_ok:
+                    return recv
+                raise _Miss(f"`{ast.unparse(node)[:60]}` on an unpacked expert output is not replayed by the fused layer")
             if attr == "contiguous" and not node.args:
                 return recv
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
@@ -1302,6 +1327,9 @@ class _Eval:
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
                 raise _Miss(f"the expert takes arguments besides its rows and routing weights (`{ast.unparse(node)[:70]}`): "
                             "the fused layer calls each expert on its rows only")
+            if args and args[0].kind == "scaled" and args[0].args[0].kind in ("x", "x_sorted"):
+                raise _Miss(f"the routing weights scale the expert's input (`{ast.unparse(node)[:60]}`), not its output: "
+                            "the same only for a linear expert; the fused layer weights the expert outputs")
             if not args or args[0].kind not in ("x", "x_sorted"):
                 raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`: npufuse does not trace its input to the "
                             "rows routed to this expert")
@@ -1433,8 +1461,18 @@ class _Eval:
         if not self.results:
             return None
         if len(self.results) > 1:
+            parts = [c for _, _, c, _ in self.results]
+            if self.tuple_call is not None and all(m == "assign" for m, _, _, _ in self.results) \
+                    and all(c.kind == "mod_part" for c in parts) and len({c.args[1] for c in parts}) == len(parts) \
+                    and len({x for _, _, _, x in self.results}) == 1 and len({t for _, t, _, _ in self.results}) == len(parts):
+                site = self._finish_flat(block, i, self.results[0][1], self.tuple_call[2], self.results[0][3])
+                site.zero_link = self.zero_link
+                return site
             raise _Miss("the loop writes its output more than once per expert")
         mode, target, contrib, extra = self.results[0]
+        if contrib.kind == "mod_part":
+            raise _Miss("the expert returns several values and the loop keeps only one: the fused layer calls the "
+                        "experts for one output tensor")
         if mode == "accumulate":
             site = self._finish_mask_where(block, i, target, contrib)
         elif mode == "assign":
@@ -1525,9 +1563,12 @@ class _Eval:
 
     def _finish_flat(self, block: list[ast.stmt], i: int, acc: str, contrib: V, flat: str) -> _Site:
         mlp = self._mlp(contrib, weighted=False)
-        if mlp.layout == "opaque" and self.column_rows:
-            raise _Miss("the experts get their rows as `x[idx]` with idx an [n, 1] column (an [n, 1, H] input) and their "
-                        f"MLP is not read ({mlp.why_opaque}): the fused path would call them on [n, H] rows")
+        if self.tuple_call is not None and mlp.layout != "opaque":
+            raise _Miss("the expert returns several values: only experts called as they are can give them back")
+        if self.tuple_call is not None and self.skip_empty:
+            raise _Miss("the loop skips experts without rows and the expert returns several values: not replayed")
+        if self.column_rows and mlp.layout == "opaque" and self.skip_empty:
+            raise _Miss("the loop skips experts without rows and calls the others on [n, 1, H] rows: not replayed")
         if self.flat - {flat}:
             raise _Miss("tokens are selected and written back with different index tensors")
         if self.loop_kind not in ("range", "enumerate_experts"):
@@ -1538,10 +1579,27 @@ class _Eval:
             self.bins = f"len({P}experts)"
         site = _Site(routing="flat_mask", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=flat,
                      num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc, local_start=self.local_start,
-                     skip_empty=self.skip_empty)
+                     skip_empty=self.skip_empty, column_rows=self.column_rows and mlp.layout == "opaque")
         site.top_k = "1 (tokens repeated per routed expert before the loop)"
         self._experts_list(site)
-        self._span(block, i, site, acc, extra=set(), fresh_init_required=True)
+        if self.tuple_call is None:
+            self._span(block, i, site, acc, extra=set(), fresh_init_required=True)
+            return site
+        # the expert returns a tuple whose parts go to separate accumulators at the same rows
+        stmt, names, _ = self.tuple_call
+        writes = {c.args[1]: t for _, t, c, _ in self.results}
+        accs = set(writes.values())
+        self._span(block, i, site, acc, extra=accs - {acc}, fresh_init_required=True, outputs=frozenset(accs))
+        outs = []
+        for j in sorted(writes):
+            init = next((st for st in block[:i] if writes[j] in _assigned([st]) and st.lineno >= site.first_line), None)
+            if init is None:
+                raise _Miss(f"`{writes[j]}` is not freshly allocated right before the loop: rows no expert writes would "
+                            "keep old values")
+            outs.append((names[j], writes[j], self._init_dtype(init, writes[j])))
+        site.tuple_names = tuple(names)
+        site.part_steps = tuple(ast.unparse(st) for st in self.part_steps)
+        site.part_outs = tuple(outs)
         return site
 
     def _finish_sorted(self, block: list[ast.stmt], i: int, lst: str, contrib: V) -> _Site:
@@ -1653,7 +1711,8 @@ class _Eval:
 
     # -- spans ----------------------------------------------------------------------------
 
-    def _span(self, block: list[ast.stmt], i: int, site: _Site, acc: str, extra: set[str], fresh_init_required: bool = False) -> None:
+    def _span(self, block: list[ast.stmt], i: int, site: _Site, acc: str, extra: set[str], fresh_init_required: bool = False,
+              outputs: frozenset = frozenset()) -> None:
         """The loop plus the statements right before it that only build its accumulator and masks."""
         loop_end = self.loop.end_lineno or self.loop.lineno
         start, init = i, None
@@ -1667,7 +1726,7 @@ class _Eval:
             simple = isinstance(s, (ast.Assign, ast.AnnAssign)) or (isinstance(s, ast.With) and all(isinstance(b, ast.Assign) for b in s.body))
             if not simple or not names or not names <= (own | extra):
                 break
-            if any(self.scope.uses_after(n, loop_end) for n in names - {acc}):
+            if any(self.scope.uses_after(n, loop_end) for n in names - {acc} - outputs):
                 break
             if acc in names:
                 init = s
@@ -1680,7 +1739,7 @@ class _Eval:
         else:
             site.out_dtype, site.out_mode = f"{acc}.dtype", "add"
         site.first_line, site.last_line = block[start].lineno, loop_end
-        self._check_span(block[start : i + 1], site, {acc}, loop_end)
+        self._check_span(block[start : i + 1], site, {acc} | outputs, loop_end)
 
     def _span_sorted(self, block: list[ast.stmt], i: int, site: _Site, lst: str) -> None:
         miss = _Miss("the per-expert outputs are not concatenated (torch.cat) right after the loop")
@@ -2346,6 +2405,43 @@ def _fused_text(site: _Site) -> str:
                 f"{P}counts = torch.histc({indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
             ]
     h = f"{P}h"
+    if opaque and (site.part_outs or site.column_rows):
+        # experts called as they are, on [n, 1, H] rows when the loop gave them that (x[idx] with an
+        # [n, 1] index column); what the loop wrote through acc[idx] = v is v broadcast to the rows
+        rows = f"{P}rows_e"
+        arg = f"{rows}.unsqueeze(1)" if site.column_rows else rows
+        parts = site.part_outs or (("", site.out_name, site.out_dtype),)
+
+        def rowwise(v: str) -> str:
+            if site.column_rows:
+                return f"torch.broadcast_to({v}, ({rows}.shape[0], 1, {v}.shape[-1])).reshape({rows}.shape[0], -1)"
+            return f"torch.broadcast_to({v}, ({rows}.shape[0], {v}.shape[-1]))"
+
+        lines += [
+            "# the experts' rows are contiguous after the permute: each expert runs once on its slice",
+            f"{P}outs = [[] for _ in range({len(parts)})]",
+            f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):",
+        ]
+        if site.part_outs:
+            lines.append(f"    {', '.join(site.tuple_names)} = {P}expert({arg})")
+            lines += [f"    {st}" for st in site.part_steps]
+            lines += [f"    {P}outs[{j}].append({rowwise(name)})" for j, (name, _, _) in enumerate(parts)]
+        else:
+            lines += [f"    {P}o = {P}expert({arg})", f"    {P}outs[0].append({rowwise(P + 'o')})"]
+        for j, (_, out, dtype) in enumerate(parts):
+            hj = f"torch.cat({P}outs[{j}])"
+            if local:
+                hj = f"{P}pad_rows({hj})"
+            result = f"torch_npu.npu_moe_token_unpermute({hj}, {P}order)"
+            if flat_shape:
+                result = f"{result}.reshape(*{flat_shape}, -1)"
+            if j == 0 and local:
+                lines += [
+                    f"{P}pad_rows = lambda t: torch.cat([t, t.new_zeros({P}order.numel() - t.shape[0], t.shape[-1])])  "
+                    "# rows of no local expert: 0",
+                ]
+            lines.append(f"{out} = {result}.to({dtype})")
+        return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
         call = f"{P}expert({rows})"
@@ -4770,17 +4866,66 @@ MoeExperts.KEEP += [
     # [T, K] indices: nonzero() lists (row, slot) pairs, x[pairs, :] is not the expert's rows
     Keep(_NONZERO_COLUMN.replace("max_ind = max_ind.view(-1)", "max_ind = max_ind.view(-1, 1)"),
          reason="not shown to be 1-D", name="nonzero_over_indices_not_shown_1d"),
-    # the expert returns (output, bias) written to two outputs (Megatron's ParallelMLP)
-    Keep(_NONZERO_COLUMN.replace("return self.fc2(F.gelu(self.fc1(x)))", "return self.fc2(F.gelu(self.fc1(x))), None").replace(
-        "            output_total[local_indices, :] = expert(hidden)\n",
-        "            output, output_bias = expert(hidden)\n            output_total[local_indices, :] = output\n"),
-         reason="the expert returns 2 values", name="expert_returns_output_and_bias"),
-    # opaque experts (passed in, MLP unknown) on [n, 1, H] rows: the fused path would give them [n, H]
-    Keep(_NONZERO_COLUMN.replace("def __init__(self, d, h, n):\n        super().__init__()\n        self.router = nn.Linear(d, n)\n"
-                                 "        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])",
-                                 "def __init__(self, d, n, experts):\n        super().__init__()\n        self.router = nn.Linear(d, n)\n"
-                                 "        self.experts = experts"),
-         reason="an [n, 1, H] input", name="opaque_experts_on_column_rows"),
+]
+
+# Megatron's legacy SwitchMLP: the expert returns (output, bias), each written to its own
+# accumulator at the expert's rows; experts built by appends (their MLP is not read: called as they are)
+_SWITCH_TUPLE = _NONZERO_COLUMN.replace(
+    "return self.fc2(F.gelu(self.fc1(x)))",
+    "return self.fc2(F.gelu(self.fc1(x))), self.out_bias").replace(
+    "        self.fc2 = nn.Linear(h, d, bias=False)\n",
+    "        self.fc2 = nn.Linear(h, d, bias=False)\n        self.out_bias = nn.Parameter(torch.randn(d))\n").replace(
+    "        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])",
+    "        self.experts = nn.ModuleList()\n        for _ in range(n):\n            self.experts.append(FF(d, h))").replace(
+    "        output_total = torch.empty_like(hidden_states)\n",
+    "        output_total = torch.empty_like(hidden_states)\n        output_bias_total = torch.empty_like(hidden_states)\n").replace(
+    "            output_total[local_indices, :] = expert(hidden)\n",
+    "            output, output_bias = expert(hidden)\n            output_bias = output_bias.expand_as(output)\n"
+    "            output_total[local_indices, :] = output\n            output_bias_total[local_indices, :] = output_bias\n").replace(
+    "        output_total = output_total * max_prob\n        return output_total.view(s, b, h)\n",
+    "        output_total = output_total * max_prob\n        output_bias_total = output_bias_total * max_prob\n"
+    "        return output_total.view(s, b, h), output_bias_total.view(s, b, h)\n")
+
+_SWITCH_TUPLE_RUN = '''\
+blk = Switch(16, 24, 4)
+x = torch.randn(5, 2, 16, requires_grad=True)
+out = blk(x)
+leaves = [x, blk.router.weight, blk.experts[1].fc1.weight, blk.experts[2].out_bias]
+'''
+
+# experts passed into __init__ (MLP unknown) on [n, 1, H] rows: called as they are, on the same shape
+_COLUMN_OPAQUE = _NONZERO_COLUMN.replace(
+    "def __init__(self, d, h, n):\n        super().__init__()\n        self.router = nn.Linear(d, n)\n"
+    "        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])",
+    "def __init__(self, d, n, experts):\n        super().__init__()\n        self.router = nn.Linear(d, n)\n"
+    "        self.experts = experts")
+
+_COLUMN_OPAQUE_RUN = '''\
+blk = Switch(16, 4, nn.ModuleList([FF(16, 24) for _ in range(4)]))
+x = torch.randn(5, 2, 16, requires_grad=True)
+out = blk(x)
+leaves = [x, blk.router.weight, blk.experts[1].fc1.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SWITCH_TUPLE, name="switch_expert_returns_output_and_bias", run=_SWITCH_TUPLE_RUN, expect={
+        "routing": "flat_mask", "layout": "expert_modules", "indices": "max_ind", "output": "output_total"}),
+    Fuse(_COLUMN_OPAQUE, name="opaque_experts_on_column_rows", run=_COLUMN_OPAQUE_RUN, expect={
+        "routing": "flat_mask", "layout": "expert_modules", "tokens": "hidden_states"}),
+]
+
+MoeExperts.KEEP += [
+    # one of the two outputs dropped: the loop keeps only the first value
+    Keep(_SWITCH_TUPLE.replace("            output_bias_total[local_indices, :] = output_bias\n", ""),
+         reason="the loop keeps only one", name="expert_tuple_one_output_kept"),
+    # an unpacked output sliced by its own row count: not a step the fused layer replays
+    Keep(_SWITCH_TUPLE.replace("output_bias = output_bias.expand_as(output)", "output_bias = output_bias[: hidden.shape[0]]"),
+         reason="not replayed", name="expert_tuple_sliced_output"),
+    # experts without rows skipped while the expert returns a tuple
+    Keep(_SWITCH_TUPLE.replace("            hidden = hidden_states[local_indices, :]\n",
+                               "            if local_indices.numel() == 0:\n                continue\n"
+                               "            hidden = hidden_states[local_indices, :]\n"),
+         reason="returns several values", name="expert_tuple_with_skip_guard"),
 ]
 
 
