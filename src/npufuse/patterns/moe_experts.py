@@ -1095,7 +1095,8 @@ class _Eval:
             if kinds in (["kpos", "tok"], ["kpos", "tok", "none"]):
                 raise _Miss("routing weights are indexed [k, token]: layout not recognised")
             if kinds == ["slice"] and isinstance(sl, ast.Slice) and sl.step is None and sl.lower is not None and sl.upper is not None:
-                if self.ev(sl.lower).kind == "start" and self.ev(sl.upper).kind == "end":
+                upper = self.ev(sl.upper)  # first: `start + count` names the running start (xs[start:start + c])
+                if self.ev(sl.lower).kind == "start" and upper.kind == "end":
                     return V("x_sorted", (name,))  # sorted_tokens[start_idx:end_idx]
         if base.kind == "flatmask" and [self._part_kind(p) for p in parts] == ["tok"]:
             return V("slotmask")  # (indices == e)[rows]: each selected token's top-k slots of e
@@ -1678,6 +1679,17 @@ class _Eval:
         inner, hops = node, 0
         while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("cpu", "numpy", "tolist", "detach"):
             inner, hops = inner.func.value, hops + 1
+        counting = isinstance(inner, ast.Call) and (
+            _canon(self.m, inner.func) in ("torch.bincount", "torch.histc", "torch.count_nonzero")
+            or isinstance(inner.func, ast.Attribute) and inner.func.attr in ("bincount", "histc", "count_nonzero"))
+        if hops and counting:
+            # counts = torch.bincount(flat_idx, ...).tolist(): the fused text computes the same counts on the
+            # device (the names it reads are checked not to change inside the loop)
+            text = f"({segment(self.m, inner)})"
+            if {n.id for n in fast_walk(inner) if isinstance(n, ast.Name)} & _assigned(self.loop.body):
+                raise _Miss(f"the tensor the counts `{self.counts_name}` are computed from changes inside the loop")
+            self.count_source = text
+            return text
         if hops == 0 or not isinstance(inner, ast.Name):
             raise _Miss(f"the per-expert counts `{self.counts_name}` are not a tensor moved to the host in this function")
         self.count_source = inner.id
@@ -5112,4 +5124,58 @@ MoeExperts.KEEP += [
     Keep(_SLOT_WEIGHT_SUM.replace("w = (topk_w * mask.float()).sum(dim=-1, keepdim=True)",
                                   "w = (topk_w * mask.float()).sum(dim=-1)"),
          reason="not recognised as the routing weight", name="slot_weight_sum_without_keepdim"),
+]
+
+
+# -- host counts computed inline (bincount(...).tolist()), slices written xs[start:start + c] --------
+
+_INLINE_COUNTS = _HEAD + _FF_SWIGLU + '''
+
+class MoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+        self.k = k
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        flat = idx.view(-1)
+        order = flat.argsort()
+        xs = x[order // self.k]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        outs = []
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            outs.append(self.experts[e](xs[start:start + c]))
+            start += c
+        outs = torch.cat(outs)
+        y = torch.empty_like(outs)
+        y[order] = outs
+        return (y.view(-1, self.k, y.shape[-1]) * w.unsqueeze(-1)).sum(1)
+'''
+
+_INLINE_COUNTS_RUN = '''\
+m = MoE(16, 24, 4, 2)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[1].w1.weight, m.experts[2].w2.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_INLINE_COUNTS, name="inline_bincount_host_counts_running_start", run=_INLINE_COUNTS_RUN, expect={
+        "routing": "sorted_counts", "loop": "counts", "tokens": "xs", "output": "outs"}),
+]
+
+MoeExperts.KEEP += [
+    # host "counts" that are not counts of anything: the rows per expert are not known on the device
+    Keep(_INLINE_COUNTS.replace("counts = torch.bincount(flat, minlength=len(self.experts)).tolist()",
+                                "counts = torch.randint(0, 3, (len(self.experts),)).tolist()"),
+         reason="not a tensor moved to the host", name="host_counts_not_counted"),
+    # routing weights applied to the expert's input: equal to weighting its output only for a linear expert
+    Keep(_ZIP_MASKS.replace("out.index_add_(0, tok, expert(x[tok]) * w[tok, top, None])",
+                            "out.index_add_(0, tok, expert(x[tok] * w[tok, top, None]))"),
+         reason="scale the expert's input", name="weights_scale_expert_input"),
 ]
