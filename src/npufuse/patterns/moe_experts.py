@@ -173,6 +173,10 @@ class MoeExperts(Pattern):
                     if found is not None:
                         yield found
                         continue
+                comp = _expert_comprehension(module, stmt) if not quiet else None
+                if comp is not None:
+                    yield _comprehension_result(module, scope, block, i, stmt, comp)
+                    continue
                 if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
                     reason = _comprehension_over_experts(stmt.value)
                     if reason:
@@ -595,6 +599,67 @@ def _comprehension_over_experts(comp: ast.expr) -> str:
             "to replace with permute/unpermute")
 
 
+def _expert_comprehension(module: ModuleInfo, stmt: ast.stmt) -> Optional[ast.ListComp]:
+    """The comprehension of ``outs = [expert(rows) for expert, rows in zip(self.experts, parts)]``
+    or ``y = torch.cat([...])`` / ``return torch.cat([...])`` when it runs experts (one generator)."""
+    value = stmt.value if isinstance(stmt, (ast.Assign, ast.Return)) else None
+    if isinstance(stmt, ast.Assign) and (len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name)):
+        return None
+    if isinstance(value, ast.Call) and _canon(module, value.func) == "torch.cat" and len(value.args) >= 1 \
+            and isinstance(value.args[0], (ast.ListComp, ast.GeneratorExp)):
+        dim = keyword(value, "dim", 1)
+        if dim is not None and const_value(dim) != 0:
+            return None
+        value = value.args[0]
+    elif not isinstance(stmt, ast.Assign):
+        return None
+    if not isinstance(value, (ast.ListComp, ast.GeneratorExp)) or len(value.generators) != 1 \
+            or value.generators[0].is_async or len(value.generators[0].ifs) > 1:
+        return None
+    if not _comprehension_over_experts(value):
+        return None  # not experts run per item
+    return value  # type: ignore[return-value]
+
+
+def _comprehension_result(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
+                          comp: ast.expr) -> Result:
+    """A comprehension over the experts analysed as the loop it stands for: ``lst = []``; ``for
+    <target> in <iter>: [if <cond>:] lst.append(<elt>)``; then the ``torch.cat`` (the next statement,
+    or the statement's own). The synthetic statements carry the statement's lines, so the finding
+    spans the original text. Falls back to the comprehension's own near-miss reason."""
+    assert isinstance(comp, (ast.ListComp, ast.GeneratorExp))
+    gen = comp.generators[0]
+    inline_cat = not (isinstance(stmt, ast.Assign) and stmt.value is comp)
+    lst = f"{P}list" if inline_cat else stmt.targets[0].id  # type: ignore[attr-defined]
+
+    def at(node: ast.AST) -> ast.AST:
+        for n in ast.walk(node):
+            if not hasattr(n, "lineno") or n is node:
+                n.lineno, n.end_lineno = stmt.lineno, stmt.end_lineno  # type: ignore[attr-defined]
+                n.col_offset, n.end_col_offset = stmt.col_offset, stmt.end_col_offset  # type: ignore[attr-defined]
+        return node
+
+    init = at(ast.Assign(targets=[ast.Name(lst, ast.Store())], value=ast.List([], ast.Load())))
+    append: ast.stmt = at(ast.Expr(ast.Call(ast.Attribute(ast.Name(lst, ast.Load()), "append", ast.Load()), [comp.elt], [])))  # type: ignore[assignment]
+    body = [at(ast.If(test=gen.ifs[0], body=[append], orelse=[]))] if gen.ifs else [append]
+    loop = at(ast.For(target=gen.target, iter=gen.iter, body=body, orelse=[]))
+    if inline_cat:
+        assert isinstance(stmt, (ast.Assign, ast.Return)) and isinstance(stmt.value, ast.Call)
+        cat = ast.Call(stmt.value.func, [ast.Name(lst, ast.Load()), *stmt.value.args[1:]], stmt.value.keywords)
+        tail = at(ast.Assign(targets=stmt.targets, value=cat) if isinstance(stmt, ast.Assign) else ast.Return(value=cat))
+        synthetic = block[:i] + [init, loop, tail] + block[i + 1:]  # type: ignore[list-item]
+    else:
+        synthetic = block[:i] + [init, loop] + block[i + 1:]  # type: ignore[list-item]
+    end = stmt.end_lineno or stmt.lineno
+    try:
+        site = _analyze_loop(module, scope, synthetic, i + 1, loop)  # type: ignore[arg-type]
+    except _Miss as miss:
+        return NearMiss(_ID, scope.qualname, stmt.lineno, end, _comprehension_over_experts(comp) or str(miss))
+    if site is None:
+        return NearMiss(_ID, scope.qualname, stmt.lineno, end, _comprehension_over_experts(comp))
+    return _finding(module, scope, site)
+
+
 def _names_in(node: ast.AST) -> set[str]:
     out: set[str] = set()
     for n in fast_walk(node):
@@ -960,7 +1025,7 @@ class _Eval:
 
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
-        kinds = ("tok", "kpos", "x", "tokmask", "flatmask", "flatcol", "flatrow")
+        kinds = ("tok", "kpos", "x", "x_sorted", "tokmask", "flatmask", "flatcol", "flatrow")
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "item" and not test.args:
             test = test.func.value  # mask.any().item()
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
@@ -1679,10 +1744,7 @@ class _Eval:
         inner, hops = node, 0
         while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("cpu", "numpy", "tolist", "detach"):
             inner, hops = inner.func.value, hops + 1
-        counting = isinstance(inner, ast.Call) and (
-            _canon(self.m, inner.func) in ("torch.bincount", "torch.histc", "torch.count_nonzero")
-            or isinstance(inner.func, ast.Attribute) and inner.func.attr in ("bincount", "histc", "count_nonzero"))
-        if hops and counting:
+        if hops and _counting_call(inner):
             # counts = torch.bincount(flat_idx, ...).tolist(): the fused text computes the same counts on the
             # device (the names it reads are checked not to change inside the loop)
             text = f"({segment(self.m, inner)})"
@@ -1705,6 +1767,10 @@ class _Eval:
                 raise _Miss("a module called with the expert index, in a loop that is not range(E)")
             mod = ast.unparse(self.indexed_module)  # one callable per expert, its index bound early
             site.experts_list = f"[(lambda {P}r, {P}e={P}i: {mod}({P}r, {P}e)) for {P}i in range({site.bins})]"
+            return
+        if self.loop_kind == "counts" and self.experts_list and site.counts:
+            # zip(experts, torch.split(rows, counts)) stops at the shorter: one expert per count
+            site.experts_list = f"{self.experts_list}[:len({site.counts})]"
             return
         if self.loop_kind == "enumerate_experts" or (self.loop_kind == "counts" and self.experts_list):
             site.experts_list = self.experts_list
@@ -1932,9 +1998,17 @@ def _host_counts(scope: Scope, node: ast.expr, line: int) -> Optional[tuple[str,
     inner, hops = node, 0
     while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("cpu", "numpy", "tolist", "detach") and not inner.args:
         inner, hops = inner.func.value, hops + 1
+    if hops and _counting_call(inner):
+        return f"({ast.unparse(inner)})", host  # bincount(...).tolist(): the same counts, computed again on the device
     if hops == 0 or not isinstance(inner, ast.Name):
         return None
     return inner.id, host
+
+
+def _counting_call(node: Optional[ast.expr]) -> bool:
+    """``torch.bincount(...)`` / ``x.bincount(...)`` / ``histc`` / ``count_nonzero``: deterministic
+    counts that the fused text may compute again on the device from the same (unchanged) tensors."""
+    return isinstance(node, ast.Call) and (dotted(node.func) or "").split(".")[-1] in ("bincount", "histc", "count_nonzero")
 
 
 def _bincount_source(scope: Scope, name: str, line: int) -> Optional[str]:
@@ -5178,4 +5252,69 @@ MoeExperts.KEEP += [
     Keep(_ZIP_MASKS.replace("out.index_add_(0, tok, expert(x[tok]) * w[tok, top, None])",
                             "out.index_add_(0, tok, expert(x[tok] * w[tok, top, None]))"),
          reason="scale the expert's input", name="weights_scale_expert_input"),
+]
+
+
+# -- comprehensions over the experts, read as the loops they stand for ---------------------------
+
+# rows sorted by expert, split by host counts, experts run in a comprehension inside torch.cat
+_COMPREHENSION_CAT = _HEAD + _FF_SWIGLU + '''
+
+class MoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+        self.k = k
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        flat = idx.view(-1)
+        order = flat.argsort()
+        xs = x.repeat_interleave(self.k, dim=0)[order]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        chunks = torch.split(xs, counts)
+        outs = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)])
+        y = torch.empty_like(outs)
+        y[order] = outs
+        return (y.view(-1, self.k, y.shape[-1]) * w.unsqueeze(-1)).sum(1)
+'''
+
+_COMPREHENSION_CAT_RUN = '''\
+m = MoE(16, 24, 4, 2)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[1].w1.weight, m.experts[3].w2.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_COMPREHENSION_CAT, name="comprehension_inside_cat_over_split_rows", run=_COMPREHENSION_CAT_RUN, expect={
+        "routing": "sorted_counts", "loop": "counts", "tokens": "xs", "output": "outs"}),
+    # the list bound first, concatenated by the next statement; experts without rows filtered out
+    Fuse(_COMPREHENSION_CAT.replace(
+        "        outs = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)])\n",
+        "        outs = [expert(c) for expert, c in zip(self.experts, chunks) if c.shape[0] > 0]\n"
+        "        outs = torch.cat(outs, dim=0)\n"),
+         name="comprehension_list_then_cat_with_filter", run=_COMPREHENSION_CAT_RUN, expect={
+             "routing": "sorted_counts", "tokens": "xs", "output": "outs"}),
+]
+
+MoeExperts.KEEP += [
+    # the experts' inputs come from a dispatcher object: the routing is not in this function
+    Keep(_HEAD + _FF_SWIGLU + '''
+
+class MoE(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, dispatcher, x):
+        expert_inputs = dispatcher.dispatch(x)
+        expert_outputs = [self.experts[i](expert_inputs[i]) for i in range(len(self.experts))]
+        return dispatcher.combine(expert_outputs)
+''', reason="inputs dispatched before this statement", name="comprehension_over_dispatcher_inputs"),
+    # concatenated along the features, not the rows: not the grouped matmul's output
+    Keep(_COMPREHENSION_CAT.replace("outs = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)])",
+                                    "outs = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)], dim=-1)"),
+         reason="", name="comprehension_cat_along_features"),
 ]
