@@ -164,8 +164,13 @@ class MoeExperts(Pattern):
         quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
         if module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _grouped_mm_sites(module, scope)
+        covered: list[tuple[int, int]] = []
         if _sort_combine_text(module):
-            yield from _sort_permute_sites(module, scope)
+            for r in _sort_permute_sites(module, scope):
+                covered.append((r.line, r.end_line))
+                yield r
+        if _routing_text(module):
+            yield from _routed_elsewhere(module, scope, covered)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, ast.For):
                 if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
@@ -391,6 +396,100 @@ def _flat_of(node: Optional[ast.expr]) -> Optional[str]:
                  and [const_value(a) for a in node.args] == [-1]) and not node.keywords:
         return node.func.value.id
     return None
+
+
+def _routing_text(module: ModuleInfo) -> bool:
+    """The file adds rows back at indices or gathers them through a routing map (string tests, once per file)."""
+    cached = module.__dict__.get("_npufuse_moe_routing_text")
+    if cached is None:
+        src = module.source
+        cached = module.__dict__["_npufuse_moe_routing_text"] = "scatter_add" in src or "index_add" in src or "masked_select" in src
+    return bool(cached)
+
+
+def _index_root(node: Optional[ast.expr]) -> Optional[ast.expr]:
+    """The index tensor under ``idx.unsqueeze(1).expand(-1, H)`` / ``.view(-1, 1)`` / ``.long()``."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in ("unsqueeze", "expand", "expand_as", "view", "reshape", "long", "to", "int", "flatten", "squeeze"):
+        node = node.func.value
+    return node if isinstance(node, (ast.Name, ast.Attribute)) else None
+
+
+def _index_origin(module: ModuleInfo, scope: Scope, root: ast.expr, line: int) -> Optional[str]:
+    """Where an index tensor comes from when that is outside this function: "a parameter", "an
+    attribute set elsewhere" (``self.batch_index``), or "returned by `self.router(...)`" (a call to
+    anything but torch); None when this function computes it (or the chain is not followed)."""
+    for _ in range(8):
+        if isinstance(root, ast.Attribute):
+            return "an attribute set elsewhere" if isinstance(root.value, ast.Name) and root.value.id == "self" else None
+        if not isinstance(root, ast.Name):
+            return None
+        defined = scope.definition(root.id, line)
+        if defined is None:
+            params = scope.node.args if isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            names = {a.arg for a in (params.posonlyargs + params.args + params.kwonlyargs)} if params else set()
+            return "a parameter" if root.id in names else None
+        line = getattr(defined, "lineno", line)
+        if isinstance(defined, ast.Subscript) and isinstance(defined.value, ast.Call):
+            defined = defined.value  # a, idx, c = self.router(x): one output of the call
+        if isinstance(defined, ast.Call):
+            name = _canon(module, defined.func) or ""
+            if not name.startswith("torch") and not (isinstance(defined.func, ast.Attribute) and defined.func.attr in (
+                    "unsqueeze", "expand", "expand_as", "view", "reshape", "long", "to", "int", "flatten", "squeeze")):
+                return f"returned by `{ast.unparse(defined.func)[:40]}(...)`"
+        nxt = _index_root(defined) if isinstance(defined, ast.Call) else None
+        if nxt is None or nxt is defined:
+            return None
+        root = nxt
+    return None
+
+
+def _routed_elsewhere(module: ModuleInfo, scope: Scope, covered: list[tuple[int, int]]) -> Iterable[Result]:
+    """Near misses (never candidates) for the halves of a token permutation written outside any
+    expert loop whose other half is not in this function: rows added back with index_add /
+    scatter_add at indices computed elsewhere (a router, a gate, a caller), and tokens gathered
+    through a [tokens, experts] routing map (``masked_select``)."""
+    listing, parents = scope.listing()
+    parent_of = {id(st): par for (_, _, st), par in zip(listing, parents)}
+    for block, i, stmt in listing:
+        value = stmt.value if isinstance(stmt, (ast.Assign, ast.Expr, ast.Return)) else None
+        if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute):
+            continue
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        if any(a <= end and line <= b for a, b in covered):
+            continue
+        par = parent_of.get(id(stmt))
+        in_loop = False
+        while par is not None:
+            if isinstance(par, (ast.For, ast.While)):
+                in_loop = True
+                break
+            par = parent_of.get(id(par))
+        if in_loop:
+            continue  # loops are the expert-loop analysis' business
+        attr = value.func.attr
+        if attr in ("index_add", "index_add_", "scatter_add", "scatter_add_"):
+            dim, index = keyword(value, "dim", 0), keyword(value, "index", 1)
+            root = _index_root(index)
+            if dim is None or const_value(dim) != 0 or root is None:
+                continue
+            origin = _index_origin(module, scope, root, line)
+            if origin is None:
+                continue  # computed here (or unknown): no claim about where the order comes from
+            yield NearMiss(_ID, scope.qualname, line, end,
+                           f"rows are added back (`{ast.unparse(value)[:60]}`) at indices computed outside this function "
+                           f"(`{ast.unparse(root)[:40]}`, {origin}): npu_moe_token_unpermute takes the sorted_indices of its own "
+                           "npu_moe_token_permute (the inverse permutation), so it replaces this only together with the "
+                           "permute that made the order, which is not here")
+        elif attr == "index_select" and len(value.args) >= 2 and const_value(value.args[0]) == 0:
+            root = _index_root(value.args[1])
+            defined = scope.definition(root.id, line) if isinstance(root, ast.Name) else None
+            if isinstance(defined, ast.Call) and isinstance(defined.func, ast.Attribute) and defined.func.attr == "masked_select":
+                yield NearMiss(_ID, scope.qualname, line, end,
+                               f"tokens are gathered per expert through a [tokens, experts] routing map (`{root.id} = "
+                               f"{ast.unparse(defined)[:50]}`): torch_npu.npu_moe_token_permute_with_routing_map is the "
+                               "fused op for this form (MindSpeed uses it); npufuse does not emulate that op, so it "
+                               "proposes no rewrite")
 
 
 def _sort_order_of(scope: Scope, name: str, line: int) -> Optional[str]:
@@ -5317,4 +5416,49 @@ class MoE(nn.Module):
     Keep(_COMPREHENSION_CAT.replace("outs = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)])",
                                     "outs = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)], dim=-1)"),
          reason="", name="comprehension_cat_along_features"),
+]
+
+
+# -- halves of a token permutation whose other half is elsewhere: near misses that say so -------------
+
+MoeExperts.KEEP += [
+    # unpermute by indices a caller computed: npu_moe_token_unpermute needs its own permute's order
+    Keep(_HEAD + '''
+def unpermute_experts(permuted_tokens, sorted_indices, restore_shape, probs):
+    _, hidden = restore_shape
+    permuted_tokens = permuted_tokens * probs.unsqueeze(-1)
+    output_tokens = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    output_tokens.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, hidden), permuted_tokens)
+    return output_tokens
+''', reason="at indices computed outside this function", name="unpermute_with_indices_from_the_caller"),
+    # rows gathered in the order a router module returned, experts called on them, added back
+    Keep(_HEAD + '''
+class MoE(nn.Module):
+    def __init__(self, experts, router):
+        super().__init__()
+        self.experts, self.router = experts, router
+
+    def forward(self, x):
+        scores, token_indices, counts = self.router(x)
+        routed = x[token_indices] * scores.unsqueeze(-1)
+        out = self.experts(routed, counts)
+        return torch.zeros_like(x).index_add(0, token_indices, out)
+''', reason="returned by `self.router(...)`", name="router_made_order_index_add"),
+    # Megatron's routing-map permute: a fused op exists, npufuse does not emulate it
+    Keep(_HEAD + '''
+def permute_tokens(tokens, routing_map):
+    num_tokens, hidden = tokens.shape
+    num_experts = routing_map.shape[1]
+    routing_map = routing_map.bool().T.contiguous()
+    token_indices = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand(num_experts, -1)
+    sorted_indices = token_indices.masked_select(routing_map)
+    permuted_input = tokens.index_select(0, sorted_indices)
+    return permuted_input, sorted_indices
+''', reason="npu_moe_token_permute_with_routing_map", name="routing_map_permute_masked_select"),
+    # the index is computed here (no sort, no other function): no claim, no near miss from this rule
+    Keep(_HEAD + '''
+def combine(expert_out, idx_src, n):
+    idx = torch.arange(n).repeat_interleave(2)
+    return torch.zeros(n, expert_out.shape[-1]).index_add(0, idx, expert_out)
+''', reason="", name="index_add_at_indices_made_here"),
 ]
