@@ -154,3 +154,77 @@ def test_grouped_gemm_rows_past_the_counts_come_back_as_zeros(monkeypatch):
         ns = _exec(splice(ex.code, findings), "rewritten")
         exec(compile(run, "<run>", "exec"), ns)
     assert tuple(ns["full"].shape) == (8, 16) and not ns["full"][6:].any()
+
+
+# -- comprehensions read as loops ----------------------------------------------------------------------
+
+
+def test_comprehension_finding_spans_the_original_statements_and_leaves_the_tree_alone():
+    ex = _example("comprehension_inside_cat_over_split_rows")
+    module = ModuleInfo.from_source("m.py", ex.code)
+    before = ast.dump(module.tree, include_attributes=True)
+    findings = [r for s in module.scopes for r in PATTERN.detect(module, s) if not isinstance(r, moe.NearMiss)]
+    assert ast.dump(module.tree, include_attributes=True) == before  # synthetic loops never touch the parsed tree
+    (f,) = findings
+    lines = ex.code.splitlines()
+    # from the host counts to the comprehension statement, nothing after it
+    assert lines[f.line - 1].strip().startswith("counts = torch.bincount")
+    assert lines[f.end_line - 1].strip().startswith("outs = torch.cat([expert(c)")
+    assert "_npufuse_list" not in f.fused  # the synthetic list never reaches the replacement
+
+
+def test_comprehension_experts_follow_the_counts_not_the_module_list():
+    # zip(experts, split) stops at the shorter: with fewer counts than experts only those experts run
+    ex = _example("comprehension_inside_cat_over_split_rows")
+    code = ex.code.replace("counts = torch.bincount(flat, minlength=len(self.experts)).tolist()",
+                           "counts = torch.bincount(flat).tolist()")
+    findings, _ = detect_all(PATTERN, code)
+    (f,) = findings
+    run = "m = MoE(16, 24, 5, 1)\nx = torch.randn(7, 16)\nwith torch.no_grad():\n    m.gate.weight[4].fill_(-1e4)\nout = m(x)\n"
+    facts = check_rewrite_runs(PATTERN, code, run, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) >= 0.9999
+
+
+def test_dispatcher_comprehension_keeps_its_reason():
+    ex = next(k for k in moe.MoeExperts.KEEP if k.name == "comprehension_over_dispatcher_inputs")
+    findings, misses = detect_all(PATTERN, ex.code)
+    assert not findings
+    assert [m.reason for m in misses if "dispatched before this statement" in m.reason]
+
+
+# -- where an index comes from (permutation halves outside loops) --------------------------------------
+
+
+@pytest.mark.parametrize("body,origin", [
+    ("pass", "a parameter"),
+    ("idx = idx.unsqueeze(1).expand(-1, 4)", "a parameter"),
+    ("a, idx, c = self.router(x)", "returned by `self.router(...)`"),
+    ("a, idx, c = self.router(x)\n    idx = idx.reshape(-1, 1)", "returned by `self.router(...)`"),
+    ("idx = torch.where(x > 0)[0]", None),  # computed here
+    ("idx = torch.arange(4)", None),
+    ("idx = other[perm]", None),  # reordered here: no claim
+])
+def test_index_origin(body, origin):
+    code = f"import torch\n\ndef f(self, x, idx, other, perm):\n    {body}\n    return idx\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    root = ast.parse("idx", mode="eval").body
+    assert moe._index_origin(module, scope, root, len(code.splitlines())) == origin
+
+
+def test_self_attribute_index_origin():
+    code = "import torch\n\nclass M:\n    def f(self, x):\n        return x\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "M.f")
+    assert moe._index_origin(module, scope, ast.parse("self.batch_index", mode="eval").body, 5) == "an attribute set elsewhere"
+
+
+def test_tuple_returning_experts_replay_their_steps_per_expert():
+    ex = _example("switch_expert_returns_output_and_bias")
+    findings, _ = detect_all(PATTERN, ex.code)
+    (f,) = findings
+    assert "output, output_bias = _npufuse_expert(_npufuse_rows_e.unsqueeze(1))" in f.fused
+    assert "output_bias = output_bias.expand_as(output)" in f.fused
+    assert f.fused.count("npu_moe_token_unpermute") == 2  # one per accumulator
+    facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
+    assert len(facts["cos_out"]) == 2 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999

@@ -732,8 +732,8 @@ def _comprehension_result(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     lst = f"{P}list" if inline_cat else stmt.targets[0].id  # type: ignore[attr-defined]
 
     def at(node: ast.AST) -> ast.AST:
-        for n in ast.walk(node):
-            if not hasattr(n, "lineno") or n is node:
+        for n in ast.walk(node):  # only the synthetic statements/expressions (parsed ones have lines; ctx singletons none)
+            if "lineno" in n._attributes and (not hasattr(n, "lineno") or n is node):
                 n.lineno, n.end_lineno = stmt.lineno, stmt.end_lineno  # type: ignore[attr-defined]
                 n.col_offset, n.end_col_offset = stmt.col_offset, stmt.end_col_offset  # type: ignore[attr-defined]
         return node
