@@ -228,3 +228,15 @@ def test_tuple_returning_experts_replay_their_steps_per_expert():
     assert f.fused.count("npu_moe_token_unpermute") == 2  # one per accumulator
     facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
     assert len(facts["cos_out"]) == 2 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_index_add_outside_expert_code_says_nothing():
+    # a graph network's message passing: rows added back at caller-given indices, no experts anywhere
+    code = '''import torch
+
+def aggregate(messages, dst, num_nodes):
+    out = torch.zeros(num_nodes, messages.shape[-1])
+    return out.index_add(0, dst, messages)
+'''
+    findings, misses = detect_all(PATTERN, code)
+    assert not findings and not misses

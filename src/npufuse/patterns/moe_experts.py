@@ -403,7 +403,9 @@ def _routing_text(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_moe_routing_text")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_moe_routing_text"] = "scatter_add" in src or "index_add" in src or "masked_select" in src
+        # only in files about experts: index_add / scatter_add are everyday ops elsewhere (graph networks, embeddings)
+        cached = module.__dict__["_npufuse_moe_routing_text"] = "xpert" in src and (
+            "scatter_add" in src or "index_add" in src or "masked_select" in src)
     return bool(cached)
 
 
