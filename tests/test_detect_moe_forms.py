@@ -240,3 +240,21 @@ def aggregate(messages, dst, num_nodes):
 '''
     findings, misses = detect_all(PATTERN, code)
     assert not findings and not misses
+
+
+def test_index_computed_by_a_local_tensor_method_makes_no_claim():
+    code = "import torch\n\ndef f(self, batch_indices, order):\n    idx = batch_indices.index_select(0, order)\n    return idx\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    assert moe._index_origin(module, scope, ast.parse("idx", mode="eval").body, 5) is None
+    code = code.replace("batch_indices.index_select(0, order)", "compute_gating(order)")
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    assert moe._index_origin(module, scope, ast.parse("idx", mode="eval").body, 5) == "returned by `compute_gating(...)`"
+
+
+def test_attribute_set_in_this_function_makes_no_claim():
+    code = "import torch\n\nclass M:\n    def f(self, x):\n        self.batch_index = x.argsort()\n        return x\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "M.f")
+    assert moe._index_origin(module, scope, ast.parse("self.batch_index", mode="eval").body, 6) is None

@@ -136,6 +136,7 @@ class _Site:
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
     zero_link: str = ""  # the dropped else of a skip guard that added 0 * (...) to the output
     column_rows: bool = False  # opaque experts called on [n, 1, H] rows (x[idx] with idx an [n, 1] column)
+    count_bound: str = ""  # sorted_counts in range(E) over split pieces: only the first E groups run
     # opaque experts returning a tuple: (names the call unpacks to, statements on them replayed per expert,
     # [(output, name written to it, its dtype)] one per accumulator)
     tuple_names: tuple = ()
@@ -423,7 +424,13 @@ def _index_origin(module: ModuleInfo, scope: Scope, root: ast.expr, line: int) -
     anything but torch); None when this function computes it (or the chain is not followed)."""
     for _ in range(8):
         if isinstance(root, ast.Attribute):
-            return "an attribute set elsewhere" if isinstance(root.value, ast.Name) and root.value.id == "self" else None
+            if not (isinstance(root.value, ast.Name) and root.value.id == "self"):
+                return None
+            set_here = any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+                           and t.attr == root.attr and t.lineno < line
+                           for n in fast_walk(scope.node) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                           for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+            return None if set_here else "an attribute set elsewhere"
         if not isinstance(root, ast.Name):
             return None
         defined = scope.definition(root.id, line)
@@ -435,10 +442,15 @@ def _index_origin(module: ModuleInfo, scope: Scope, root: ast.expr, line: int) -
         if isinstance(defined, ast.Subscript) and isinstance(defined.value, ast.Call):
             defined = defined.value  # a, idx, c = self.router(x): one output of the call
         if isinstance(defined, ast.Call):
-            name = _canon(module, defined.func) or ""
-            if not name.startswith("torch") and not (isinstance(defined.func, ast.Attribute) and defined.func.attr in (
-                    "unsqueeze", "expand", "expand_as", "view", "reshape", "long", "to", "int", "flatten", "squeeze")):
-                return f"returned by `{ast.unparse(defined.func)[:40]}(...)`"
+            # another module or function made it: self.router(...), compute_gating(...) (a method of a
+            # local tensor, x.index_select(...), is a computation here)
+            f = defined.func
+            callee = f.id if isinstance(f, ast.Name) else (dotted(f) or "")
+            is_module = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"
+            is_function = isinstance(f, ast.Name) and not (_canon(module, f) or "").startswith("torch") \
+                and callee not in ("int", "len", "list", "tuple", "sorted", "range")
+            if is_module or is_function:
+                return f"returned by `{ast.unparse(f)[:40]}(...)`"
         nxt = _index_root(defined) if isinstance(defined, ast.Call) else None
         if nxt is None or nxt is defined:
             return None
@@ -858,6 +870,7 @@ class _Eval:
         self.probs = ""
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
         self.column_rows = False  # tokens picked as x[idx] with idx an [n, 1] column: the expert sees [n, 1, H]
+        self.range_pieces = ""  # `for i in range(E): ... pieces[i]` over torch.split(sorted, host counts): E
         self.tuple_call: Optional[tuple[ast.Assign, list[str], V]] = None  # `a, b = expert(rows)`
         self.part_steps: list[ast.stmt] = []  # `b = b.expand_as(a)`: per-expert steps on the unpacked outputs
 
@@ -1227,6 +1240,14 @@ class _Eval:
             info = self._mask_info(name) if "eidx" in kinds else None
             if kinds == ["eidx"] and info is not None and info[2] != "tke":
                 return V("mask_e", (name,))  # expert_mask[expert_idx]
+            if kinds == ["eidx"] and info is None and self.loop_kind in ("range", "counts") and not self.local_start:
+                split = self._split_rows(ast.Name(name, ast.Load()))
+                if split is not None and (self.split_sizes is None or ast.dump(split[1]) == ast.dump(self.split_sizes)):
+                    # pieces[i] of torch.split(sorted_rows, host_counts) in range(E): expert i's contiguous rows
+                    if self.loop_kind == "range":
+                        self.range_pieces, self.loop_kind = self.bins, "counts"
+                    self.split_sizes = split[1]
+                    return V("x_sorted", (split[0],))
             if info is not None and info[2] == "tke" and (kinds == ["ellipsis", "eidx"] or kinds == ["all", "all", "eidx"]):
                 return V("mask_e", (name,))  # one_hot(idx, E)[..., e]: [T, K]
             if info is not None:
@@ -1779,6 +1800,9 @@ class _Eval:
         counts = self._count_tensor()
         site = _Site(routing="sorted_counts", loop="counts", tokens=self._tokens_name(contrib), counts=counts,
                      num_experts=f"len({counts})", bins=f"len({counts})", mlp=mlp)
+        if self.range_pieces:
+            # range(E) over the pieces: groups past E are never run (their rows are not in the output)
+            site.count_bound = site.bins = site.num_experts = self.range_pieces
         site.top_k = "(tokens pre-sorted by expert)"
         self._experts_list(site)
         self._span_sorted(block, i, site, lst)
@@ -2539,6 +2563,12 @@ def _fused_text(site: _Site) -> str:
             f"{P}counts = {site.counts}.to(torch.int64)",
             f"{P}x = {site.tokens}",
         ]
+        if site.count_bound:
+            lines += [
+                f"# the loop runs range({site.count_bound}) over the pieces: only those groups' rows (one host sync)",
+                f"{P}counts = {P}counts[:{site.count_bound}]",
+                f"{P}x = {P}x[:int({P}counts.sum())]",
+            ]
     elif local:
         indices = site.indices
         lines.append(f"{n} = {site.bins}")
@@ -5463,4 +5493,34 @@ def combine(expert_out, idx_src, n):
     idx = torch.arange(n).repeat_interleave(2)
     return torch.zeros(n, expert_out.shape[-1]).index_add(0, idx, expert_out)
 ''', reason="", name="index_add_at_indices_made_here"),
+]
+
+
+# -- range(E) over the pieces of torch.split(sorted rows, host counts) -------------------------------
+
+_RANGE_PIECES = _COMPREHENSION_CAT.replace(
+    "        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()\n"
+    "        chunks = torch.split(xs, counts)\n"
+    "        outs = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)])\n",
+    "        counts = torch.bincount(flat, minlength=len(self.experts))\n"
+    "        pieces = torch.split(xs, counts.tolist(), dim=0)\n"
+    "        outs = []\n"
+    "        for i in range(len(self.experts)):\n"
+    "            outs.append(self.experts[i](pieces[i]))\n"
+    "        outs = torch.cat(outs, 0)\n")
+
+MoeExperts.FUSE += [
+    Fuse(_RANGE_PIECES, name="range_loop_over_split_pieces", run=_COMPREHENSION_CAT_RUN, expect={
+        "routing": "sorted_counts", "tokens": "xs", "counts": "counts", "num_experts": "len(self.experts)"}),
+    # the comprehension spelling of the same
+    Fuse(_RANGE_PIECES.replace(
+        "        outs = []\n        for i in range(len(self.experts)):\n            outs.append(self.experts[i](pieces[i]))\n",
+        "        outs = [self.experts[i](pieces[i]) for i in range(len(self.experts))]\n"),
+         name="range_comprehension_over_split_pieces", run=_COMPREHENSION_CAT_RUN, expect={"routing": "sorted_counts"}),
+]
+
+MoeExperts.KEEP += [
+    # expert i runs on the pieces of another expert: not the grouped matmul's pairing
+    Keep(_RANGE_PIECES.replace("outs.append(self.experts[i](pieces[i]))", "outs.append(self.experts[i](pieces[-1 - i]))"),
+         reason="not trace its input", name="range_pieces_in_another_order"),
 ]
