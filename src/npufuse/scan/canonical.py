@@ -839,3 +839,27 @@ def equation_variants(spec: ast.AST | None, assigned: Callable[[ast.expr], ast.A
             return None
         out.append(EquationVariant(eq, subs, value.test, when_true, text))  # type: ignore[arg-type]
     return out
+
+
+# --- moe: flattened (1-D) expert indices ---
+
+
+def flattened_to_1d(module: ModuleInfo, scope: Scope, name: str, before_line: int) -> bool:
+    """Whether ``name`` provably holds a 1-D tensor when read before ``before_line``: its last
+    assignment is ``x.view(-1)`` / ``x.reshape(-1)`` / ``x.flatten()`` / ``torch.flatten(x)``
+    (optionally followed by casts). Only then is ``(name == e).nonzero()`` an ``[n, 1]`` column of
+    row numbers (for ``[T, K]`` indices it is ``[n, 2]`` (row, slot) pairs, which pick no rows)."""
+    node = scope.definition(name, before_line)
+    for _ in range(4):
+        if not isinstance(node, ast.Call):
+            return False
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) == 1 and not node.keywords:
+            return const_value(node.args[0]) == -1
+        if isinstance(f, ast.Attribute) and f.attr == "flatten" and not node.args and not node.keywords:
+            return True
+        if isinstance(f, ast.Attribute) and f.attr in _SHAPE_KEEPING_CASTS + ("long", "int", "cpu"):
+            node = f.value
+            continue
+        return api(module, f) == "torch.flatten" and len(node.args) == 1 and not node.keywords
+    return False
