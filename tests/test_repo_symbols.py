@@ -191,3 +191,22 @@ def test_shared_index_per_scan(repo):
     repo_symbols.forget()
     assert repo_symbols.shared(repo, files, 1 << 20) is not b
     repo_symbols.forget()
+
+
+def test_a_package_module_does_not_import_its_sibling_absolutely(tmp_path):
+    # pkg/enum.py beside pkg/types.py: `from enum import Enum` in the package is the standard library's
+    # (absolute import); in a script folder (no __init__.py) the sibling would be found first
+    root = tmp_path / "r"
+    for rel, text in {"pkg/__init__.py": "", "pkg/enum.py": "from enum import Enum\n", "pkg/types.py": "from enum import Enum\n",
+                      "gen.py": "def generate():\n    pass\n", "gen/lora.py": "from gen import generate\n",
+                      "transformers/convert.py": "x = 1\n", "run.py": "from transformers import AutoModel, convert\n"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    s = RepoSymbols(root, walk(root).files)
+    assert s.resolve("pkg/types.py", "Enum").target == "enum.Enum"
+    assert s.resolve("pkg/enum.py", "Enum").target == "enum.Enum"
+    # gen.py (a module) beats the namespace folder gen/ even from inside gen/
+    assert s.resolve("gen/lora.py", "generate").file == "gen.py"
+    # a folder without __init__.py named like an installed package: what it lacks is the package's
+    assert s.resolve("run.py", "AutoModel").target == "transformers.AutoModel"
+    assert s.resolve("run.py", "convert").file == "transformers/convert.py"

@@ -31,10 +31,10 @@ files must be applied after the analysis, in the parent, as :mod:`npufuse.scan.r
 Such a pass gets the one index of the scan with :func:`shared` (same root and file list: same
 object; :func:`forget` drops it when the scan ends, so a later scan re-reads changed files).
 
-Module names: the repository root, the importing file's own folder (a script's ``sys.path[0]``) and
-any folder holding a top-level package (a ``src/`` layout) are import roots; among several files
-that could be ``import a.b``, the one sharing the longest folder prefix with the importing file
-wins. Relative imports follow the importing file's package. A name bound more than once in a module
+Module names: the repository root, the importing file's own folder when it is not a package (a
+script's ``sys.path[0]``) and any folder holding a top-level package (a ``src/`` layout) are import
+roots; among several files that could be ``import a.b``, a module or regular package beats a
+namespace folder, then the one sharing the longest folder prefix with the importing file wins. Relative imports follow the importing file's package. A name bound more than once in a module
 resolves to its last binding in the repository (``try: from apex import X / except ImportError:
 from .x import X`` gives ``.x``'s X, flagged ``conditional``).
 
@@ -147,6 +147,7 @@ class _ModuleRef:
     key: str
     conditional: bool
     via: tuple[str, ...]
+    dotted: str = ""  # the absolute module name it was imported as ("" for a relative import)
 
 
 class RepoSymbols:
@@ -243,11 +244,13 @@ class RepoSymbols:
         depth = dotted_name.count(".") + 1
         parts = path.split("/")
         base = "/".join(parts[: len(parts) - depth])
-        if base == "" or base == importer.rpartition("/")[0]:
-            return True  # the repository root, or the importing script's own folder
+        assert self._packages is not None
+        if base == "":
+            return True  # the repository root
+        if base == importer.rpartition("/")[0] and base not in self._packages:
+            return True  # a script's own folder (sys.path[0]); a package's modules import absolutely
         # a source root (src/ layout): the top of the match is a package and its folder is not one
         top = "/".join(parts[: len(parts) - depth + 1])
-        assert self._packages is not None
         return top in self._packages and base not in self._packages
 
     def module_key(self, dotted_name: str, importer: str = "", level: int = 0) -> Optional[str]:
@@ -277,7 +280,8 @@ class RepoSymbols:
                 n += 1
             return n
 
-        return sorted(keys, key=lambda k: (-shared_prefix(k), k.endswith("/"), k.count("/"), k))[0]
+        # a module or regular package on any import root beats a namespace package (Python's rule)
+        return sorted(keys, key=lambda k: (k.endswith("/"), -shared_prefix(k), k.count("/"), k))[0]
 
     # --- names -------------------------------------------------------------------------------
 
@@ -391,7 +395,7 @@ class RepoSymbols:
             key = self._import_key(rel, bound, 0)
             if key is None:
                 return Symbol("external", target=bound, conditional=cond, via=via)
-            return _ModuleRef(key, cond, via)
+            return _ModuleRef(key, cond, via, bound)
         # from M import X
         key = self._import_key(rel, b.module, b.level)
         if key is None:
@@ -399,7 +403,7 @@ class RepoSymbols:
                 return Symbol("unresolved", reason=f"{rel}:{b.line}: the relative module {'.' * b.level}{b.module} is not in the repository",
                               via=via)
             return Symbol("external", target=f"{b.module}.{b.name}", conditional=cond, via=via)
-        return self._attribute(_ModuleRef(key, cond, via), b.name, seen)
+        return self._attribute(_ModuleRef(key, cond, via, "" if b.level else b.module), b.name, seen)
 
     def _attribute(self, ans: _Answer, attr: str, seen: set[tuple[str, str]]) -> _Answer:
         """``attr`` of a module (its binding, else its submodule) or of a class (a def in its body)."""
@@ -412,12 +416,18 @@ class RepoSymbols:
                     return got
             folder = ans.key[:-1] if ans.key.endswith("/") else ans.key.rpartition("/")[0]
             sub = _join(folder, attr)
+            dotted_sub = f"{ans.dotted}.{attr}" if ans.dotted else ""
             for key in (sub + ".py", sub + "/__init__.py"):
                 if key in self._files():
-                    return _ModuleRef(key, ans.conditional, ans.via)
+                    return _ModuleRef(key, ans.conditional, ans.via, dotted_sub)
             self._module_table()
             if sub in self._dirs:
-                return _ModuleRef(sub + "/", ans.conditional, ans.via)
+                return _ModuleRef(sub + "/", ans.conditional, ans.via, dotted_sub)
+            if ans.key.endswith("/") and ans.dotted:
+                # a folder without __init__.py is a namespace package only where no installed package
+                # of that name exists (any regular package wins): `from transformers import AutoModel`
+                # beside a repo folder transformers/ is the installed library's
+                return Symbol("external", target=f"{ans.dotted}.{attr}", conditional=ans.conditional, via=ans.via)
             return Symbol("unresolved", reason=f"`{attr}` is not defined in {ans.key}", via=ans.via)
         if ans.kind == "class" and isinstance(ans.node, ast.ClassDef):
             for st in reversed(ans.node.body):
