@@ -236,7 +236,8 @@ class _FileFacts:
         if isinstance(node, ast.Assign) or isinstance(node, ast.AugAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                if isinstance(t, ast.Attribute) and t.attr == "grad" and self.grad_assign is None:
+                # `p.grad /= n` divides in place (the same tensor is set back): only `p.grad = <new>` re-allocates
+                if isinstance(t, ast.Attribute) and t.attr == "grad" and self.grad_assign is None and isinstance(node, ast.Assign):
                     self.grad_assign = node.lineno
                 # `self.data = ...` is an object's attribute (a Dataset's tensor), not a parameter's storage
                 if (isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign) and self.data_assign is None
@@ -825,8 +826,9 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     if bf16:
         return (f"bf16 parameters unsupported: the file casts or loads the model in bfloat16 (line {bf16[0][0]}); "
                 "torch_npu fused optimizers take fp32/fp16 params only (keep fp32 master weights)")
-    if facts.set_to_none:
-        ln, recv = facts.set_to_none[0]
+    free = [(ln, r) for ln, r in facts.set_to_none if fix is None or not fix.handles(ln, r)]
+    if free:
+        ln, recv = free[0]
         if not _looks_like_optimizer(recv):  # a module's zero_grad does not raise: it frees silently
             return (f"`{recv}.zero_grad(set_to_none=...)` (line {ln}) may set the parameters' grads to None: the next "
                     "backward allocates new ones outside the fused optimizer's flat buffer and its update silently uses "
@@ -845,6 +847,20 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
         return (f"parameters are re-allocated (`.data = ...` at line {facts.data_assign}): the fused optimizer's "
                 "combined buffers would go stale")
     return None
+
+
+# The fused branch's replacement of an optimizer's zero_grad where the code frees grads
+# (``zero_grad(set_to_none=True)``, directly or through accelerate): torch_npu's fused class raises
+# ValueError on set_to_none=True, and its own zero_grad(set_to_none=False) zeroes the flat buffer in
+# place. Also used by npufuse.scan.repo_facts when the call is in another file.
+ZERO_IN_PLACE_COMMENT = ("# torch_npu fused optimizers keep grads in a flat buffer and raise on set_to_none=True: "
+                         "zero them in place")
+
+
+def zero_in_place(target: str) -> str:
+    """The expression bound to ``<target>.zero_grad`` in the fused branch (``target``: the optimizer
+    or a module; its zero_grad is called with set_to_none=False whatever the caller asks)."""
+    return f"(lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))({target}.zero_grad)"
 
 
 class _ZeroGradFix:
@@ -874,7 +890,27 @@ class _ZeroGradFix:
         self.accelerate = bool(self.target) and prepared is not None and any(t.zero_grad_calls for t in tiers[:2])
         self._handled: set[tuple[int, str]] = set()
         self.patch_model: list[int] = []  # lines of M.zero_grad() calls the patch covers
+        # zero_grad(set_to_none=True) (or a flag) on the optimizer this statement binds / on the model
+        # whose parameters it takes: the fused branch makes those calls zero in place
+        self.free_optimizer: list[int] = []
+        self.free_model: list[int] = []
         site_tests = _enclosing_tests(module.tree, stmt.lineno)
+        # other receivers that provably hold the model (`model.zero_grad()` where the optimizer takes
+        # `raw_model.lm_head.parameters()` and `raw_model = model.module`): their zero_grad is bound too
+        self.holders: dict[str, list[int]] = {}
+        for t in tiers:
+            for ln, recv in t.set_to_none:
+                if _excluded_branch(site_tests, _enclosing_tests(module.tree, ln)):
+                    self._handled.add((ln, recv))
+                elif self.target and recv == self.target:
+                    self._handled.add((ln, recv))
+                    self.free_optimizer.append(ln)
+                elif self.model and recv == self.model and not _other_optimizer_over(module, scope, self.model, stmt):
+                    self._handled.add((ln, recv))
+                    self.free_model.append(ln)
+                elif self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno):
+                    self._handled.add((ln, recv))
+                    self.holders.setdefault(recv, []).append(ln)
         for t in tiers:
             for ln, recv in t.module_zero_grad:
                 if _excluded_branch(site_tests, _enclosing_tests(module.tree, ln)):
@@ -882,6 +918,9 @@ class _ZeroGradFix:
                 elif self.model and recv == self.model and not _other_optimizer_over(module, scope, self.model, stmt):
                     self._handled.add((ln, recv))
                     self.patch_model.append(ln)
+                elif self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno):
+                    self._handled.add((ln, recv))
+                    self.holders.setdefault(recv, []).append(ln)
                 elif self.model and _other_object(module, scope, recv, self.model, ln, stmt.lineno):
                     self._handled.add((ln, recv))
 
@@ -890,21 +929,52 @@ class _ZeroGradFix:
 
     def statements(self) -> str:
         out = ""
-        if self.patch_model:
+        if self.free_model:
+            m = self.model
+            out += ("# the fused optimizer reads grads from its flat buffer: zero them in place, never free them "
+                    "(whatever set_to_none asks)\n"
+                    f"{m}.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))({m}.zero_grad)\n")
+        elif self.patch_model:
             m = self.model
             out += ("# the fused optimizer reads grads from its flat buffer: zero them in place, never free them\n"
                     "import functools as _npufuse_functools\n"
                     f"{m}.zero_grad = _npufuse_functools.partial({m}.zero_grad, set_to_none=False)\n")
-        if self.accelerate:
+        for h in sorted(self.holders):
+            out += (f"# `{h}` holds the parameters the fused optimizer takes: its zero_grad zeroes in place\n"
+                    f"{h}.zero_grad = {zero_in_place(h)}\n")
+        if self.free_optimizer:
+            # (accelerate's wrapper passes set_to_none=True to it too: also zeroed in place)
+            o = self.target
+            out += (f"{ZERO_IN_PLACE_COMMENT}\n"
+                    f"{o}.zero_grad = {zero_in_place(o)}\n")
+        elif self.accelerate:
             o = self.target
             out += ("# accelerate passes set_to_none=True to a zero_grad that takes it (the fused class raises): "
                     "zero in place\n"
                     f"{o}.zero_grad = (lambda zero_grad: lambda: zero_grad(set_to_none=False))({o}.zero_grad)\n")
         return out
 
+    def risks(self) -> list[Risk]:
+        lines = sorted(set(self.free_optimizer + self.free_model + [ln for lns in self.holders.values() for ln in lns]))
+        if not lines:
+            return []
+        return [Risk("other", f"the code frees grads with zero_grad(set_to_none=...) (line {', '.join(map(str, lines))}); "
+                     "torch_npu's fused optimizers raise ValueError on set_to_none=True and read grads from their flat "
+                     "buffer, so the fused branch zeroes them in place instead: a parameter that gets no grad in some step "
+                     "is then updated with a zero grad (weight decay and momentum still apply) where torch.optim would skip "
+                     "it, and grad memory is not released between steps"
+                     + (f"; every parameter under {', '.join(f'`{h}`' for h in sorted(self.holders))} is zeroed in place, "
+                        "including those another optimizer updates" if self.holders else ""))]
+
     def notes(self) -> list[str]:
         out = []
-        if self.patch_model:
+        if self.free_model:
+            out.append(f"`{self.model}.zero_grad(set_to_none=...)` (line {', '.join(map(str, sorted(set(self.free_model))))}): "
+                       f"the fused branch binds `{self.model}.zero_grad` to one that zeroes in place")
+        if self.free_optimizer:
+            out.append(f"`{self.target}.zero_grad(set_to_none=...)` (line {', '.join(map(str, sorted(set(self.free_optimizer))))}): "
+                       f"the fused branch gives `{self.target}` a zero_grad that accepts set_to_none and zeroes in place")
+        if self.patch_model and not self.free_model:
             lines = ", ".join(str(x) for x in sorted(set(self.patch_model)))
             out.append(f"`{self.model}.zero_grad()` (line {lines}) would set grads to None (torch >= 2.0) and the next "
                        "backward would allocate new ones outside the fused optimizer's flat buffer (its update would "
@@ -915,6 +985,25 @@ class _ZeroGradFix:
                        f"a wrapped zero_grad that takes it (torch_npu fused optimizers raise ValueError): the fused branch "
                        f"gives `{self.target}` a zero_grad without that parameter, zeroing in place")
         return out
+
+
+def _holds(module: ModuleInfo, scope: Scope, recv: str, model: str, line: int, site_line: int) -> bool:
+    """Does ``recv`` (whose zero_grad is called at ``line``) hold ``model``'s parameters, by dataflow
+    in the site's scope: ``model`` is an attribute path under it (``recv.lm_head``), or ``model``'s
+    root name is last bound, before the site, to an attribute path under it (``raw_model =
+    model.module``); and ``recv`` names the same object at the call as at the site (a plain name of
+    the site's scope, not re-bound between them)."""
+    if "." in recv or not recv.isidentifier() or not (_in_scope(scope, line) or _reads_global(module, scope, recv, line)):
+        return False
+    bindings = scope.assignments.get(recv, [])
+    if not bindings or any(st.lineno >= site_line for st, _ in bindings):
+        return False  # unknown, or re-bound after the optimizer is built (the call may see another object)
+    if model.startswith(recv + "."):
+        return True
+    root = model.split(".")[0]
+    value = scope.definition(root, site_line)
+    name = dotted(value) if isinstance(value, ast.Attribute) else None
+    return bool(name) and name.startswith(recv + ".")
 
 
 def _other_optimizer_over(module: ModuleInfo, scope: Scope, model: str, stmt: ast.stmt) -> bool:
@@ -1088,6 +1177,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
              "(.cpu()/.to(), new Parameter, p.grad = ..., load_state_dict into new tensors)"),
         Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError); mixed fp32/fp16 params get one buffer each"),
     ]
+    risks += fix.risks()
     if sharded_when is not None:
         test, in_body, where = sharded_when
         risks.append(Risk("other", f"FSDP/DeepSpeed/ZeRO is chosen at run time ({where}, when `{test}` is "
@@ -1522,6 +1612,21 @@ for it in range(10):
     optimizer.zero_grad(set_to_none=True)
 '''
 
+# a `return` hands the optimizer out: nothing can follow it to make set_to_none=True zero in place
+_KEEP_OPTIMIZER_RETURNED_SET_TO_NONE = _NET + '''
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def train(model, steps=3):
+    opt = build(model)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+'''
+
 _EXTRA_ARGS = _NET + '''
 import inspect
 
@@ -1793,7 +1898,7 @@ FusedOptimizer.FUSE = [
 ]
 
 FusedOptimizer.KEEP = [
-    Keep(_KEEP_NANOGPT_TRAIN, reason="set_to_none=True", name="nanogpt_train_zero_grad_set_to_none"),
+    Keep(_KEEP_OPTIMIZER_RETURNED_SET_TO_NONE, reason="set_to_none=True", name="returned_optimizer_zero_grad_set_to_none"),
     Keep(_KEEP_FSDP, reason="FSDP", name="fsdp_wrapped_model"),
     Keep(_KEEP_BF16, reason="bf16 parameters unsupported", name="hf_model_loaded_in_bf16"),
     Keep(_KEEP_GRAD_ASSIGN, reason="re-allocated", name="manual_grad_averaging"),
@@ -2108,15 +2213,8 @@ def train(model, loader):
         other_opt.step()
         model.zero_grad()
 ''', reason="`model.zero_grad()`", name="module_zero_grad_with_a_second_optimizer_over_the_model"),
-    Keep(_NET + '''
-
-def train(model, loader):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
-    for x in loader:
-        model(x).mean().backward()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-''', reason="backward allocates new ones outside the fused optimizer's flat buffer", name="module_zero_grad_set_to_none_true"),
+    # (`model.zero_grad(set_to_none=True)` on the optimizer's own model: a Fuse example now,
+    # model_zero_grad_set_to_none_zeroed_in_place)
 ]
 
 
@@ -2285,4 +2383,95 @@ def build(model, learning_rate=3e-3):
 FusedOptimizer.FUSE += [
     Fuse(_CONDITIONAL_DEEPSPEED_CHECKED, name="deepspeed_conditional_with_isinstance_check_elsewhere", run=_TRAIN_RUN, expect={
         "guard": "fresh_generator_unsharded_runs_only"}),
+]
+
+# --- set_to_none made to zero in place (issue 14 class 5) ---------------------------------------
+# torch_npu's fused zero_grad raises ValueError on set_to_none=True (the emulator does too), so each
+# run below fails if the fused branch does not bind zero_grad to zero in place.
+
+# nanoGPT's loop: the optimizer frees the grads every step
+_NANOGPT_TRAIN_SET_TO_NONE = _NET + '''
+
+def main(steps=3):
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    for it in range(steps):
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        # flush the gradients as soon as we can, no need for this memory anymore
+        optimizer.zero_grad(set_to_none=True)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+# the model frees them (minGPT's trainer), after an in-place grad division (`p.grad /= n`)
+_MODEL_SET_TO_NONE = _NET + '''
+
+def train(steps=3, accumulation=2):
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        for _ in range(accumulation):
+            model(torch.randn(4, 8)).square().mean().backward()
+        for p in model.parameters():
+            p.grad /= accumulation
+        opt.step()
+        model.zero_grad(set_to_none=True)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+
+# a wrapper (DDP-like) frees the grads of the whole model; the optimizer takes one part of the raw
+# model (`raw = model.module`): the wrapper's zero_grad is bound
+_HOLDER_SET_TO_NONE = _NET + '''
+
+
+class Wrapped(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def train(steps=3):
+    model = Wrapped(Net())
+    raw = model.module
+    head = torch.optim.AdamW(raw.fc2.parameters(), lr=1e-2, weight_decay=0.0)
+    rest = torch.optim.SGD(raw.fc1.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        head.step()
+        rest.step()
+        model.zero_grad(set_to_none=True)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_NANOGPT_TRAIN_SET_TO_NONE, name="optimizer_zero_grad_set_to_none_zeroed_in_place",
+         run="out = main()\n",
+         expect={"optimizer": "torch.optim.AdamW", "args": {"lr": "6e-4", "betas": "(0.9, 0.95)", "weight_decay": "0.1"}}),
+    Fuse(_MODEL_SET_TO_NONE, name="model_zero_grad_set_to_none_zeroed_in_place", run="out = train()\n",
+         expect={"optimizer": "torch.optim.Adam", "qualname": "train"}),
+    Fuse(_HOLDER_SET_TO_NONE, name="wrapper_holding_the_params_zeroed_in_place", run="out = train()\n",
+         expect={"optimizer": "torch.optim.AdamW", "params": "raw.fc2.parameters()"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the wrapper is re-bound after the optimizer is built: binding its zero_grad at the optimizer's
+    # line would patch another object
+    Keep(_HOLDER_SET_TO_NONE.replace("    for _ in range(steps):\n", "    model = Wrapped(raw)\n    for _ in range(steps):\n", 1),
+         reason="may set the parameters' grads to None", name="wrapper_rebound_after_the_optimizer"),
+    # set_to_none on an object that is neither the optimizer nor provably holds its parameters
+    Keep(_NET + '''
+
+def train(model, other, steps=3):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        other.zero_grad(set_to_none=True)
+''', reason="may set the parameters' grads to None", name="unrelated_receiver_set_to_none"),
 ]
