@@ -116,8 +116,10 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             verdict = _verdict(tree, rel, b)
             if verdict is None:
                 continue
-            blocked, text = verdict
+            blocked, text, fix = verdict
             f = h.finding
+            if blocked and fix is not None and _zero_in_place(root, o, h, b, fix, text, max_bytes):
+                continue  # the fused branch now zeroes those grads in place (a risk says so); other files may still block
             if blocked:
                 if h in o.hits:
                     o.hits.remove(h)
@@ -208,8 +210,10 @@ def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
     return out
 
 
-def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str]]:
-    """(blocks?, reason or risk text) of the facts ``rel`` holds about the optimizer ``b`` builds."""
+def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str, Optional[str]]]:
+    """(blocks?, reason or risk text, fix) of the facts ``rel`` holds about the optimizer ``b``
+    builds. ``fix``: "optimizer" / "model" where the blocker is grads freed by that object's
+    zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`)."""
     models: set[str] = set()
     optimizers: set[str] = set()
     where = 0
@@ -248,33 +252,104 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
             if frees:
                 return True, (f"`{recv}.zero_grad(set_to_none=...)` at {rel}:{node.lineno} on the optimizer this builds ({via}): "
                               "torch_npu fused optimizers raise ValueError on set_to_none=True (grads must stay allocated); "
-                              "pass set_to_none=False there")
+                              "pass set_to_none=False there"), "optimizer"
             if prepared is not None and flag is None:
                 return True, (f"the optimizer this builds ({via}) goes through accelerate's prepare ({rel}:{prepared}) and "
                               f"`{recv}.zero_grad()` is called ({rel}:{node.lineno}): AcceleratedOptimizer.zero_grad() passes "
                               "set_to_none=True and torch_npu fused optimizers raise ValueError on it; call "
-                              "zero_grad(set_to_none=False)")
+                              "zero_grad(set_to_none=False)"), "optimizer"
         elif attr == "zero_grad" and recv in models:
             if flag is None or not (isinstance(flag, ast.Constant) and flag.value is False):
                 return True, (f"`{recv}.zero_grad({'' if flag is None else 'set_to_none=...'})` at {rel}:{node.lineno} on the "
                               f"model whose parameters the optimizer takes ({via}) sets their grads to None"
                               f"{' (torch >= 2.0 default)' if flag is None else ''}: the next backward allocates new ones outside "
                               "the fused optimizer's flat buffer and its update silently uses stale grads; pass "
-                              "set_to_none=False there")
+                              "set_to_none=False there"), "model"
         elif attr == "share_memory" and recv in models:
             return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
                           f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
                           "every parameter's storage into its own flat buffer at the first step, so the processes would "
-                          "stop sharing them")
+                          "stop sharing them"), None
         elif attr in ("prepare", "prepare_optimizer") and _flat_names(node.args) & optimizers:
             prepared = prepared or node.lineno
         elif any(s in full for s in _SHARDING_PARTS) and (_flat_names([*node.args, *(k.value for k in node.keywords)]) & (models | optimizers)):
             text = (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{dotted(func) or attr}` at {rel}:{node.lineno}, on what "
                     f"`{b.function}` gets or builds: {via}): the fused optimizer's combined buffers would go stale")
             if cond is None:
-                return True, text
+                return True, text, None
             risk = risk or (f"{text}; that wrapping is chosen at run time (the condition at {rel}:{cond}): run the fused "
                             "branch only where it is not taken (switch the fused optimizer off for those runs)")
     if risk is not None:
-        return False, risk
+        return False, risk, None
+    return None
+
+
+# --- grads freed in another file, zeroed in place by the fused branch (issue 14 class 5) --------
+
+def _zero_in_place(root: Path, o: Any, h: Any, b: _Builder, fix: str, text: str, max_bytes: int) -> bool:
+    """Make the candidate's fused branch bind the freeing zero_grad to one that zeroes in place
+    (as fused_optimizer does for calls in the candidate's own file): ``fix`` "optimizer": the name
+    the construction binds (a ``return`` is rewritten to bind one first); "model": the object whose
+    ``parameters()`` the guard reads, when that is what the driving file hands over (``self`` of a
+    method, or a parameter of the builder function). False: no such name; the caller refuses."""
+    from npufuse.patterns.base import Risk
+    from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_COMMENT, zero_in_place
+
+    f = h.finding
+    if not isinstance(f.fused, str) or not f.fused:
+        return False
+    done = f.__dict__.setdefault("_npufuse_zeroed_in_place", set())
+    if fix == "model":
+        guard = f.guard_tensor or ""
+        if not (guard.startswith("next(") and guard.endswith(".parameters(), None)")):
+            return False
+        target = guard[len("next("):-len(".parameters(), None)")]
+        fn = _builder_def(root, b, max_bytes)
+        params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)} if fn is not None else set()
+        if not (target.isidentifier() and ((b.cls and target == "self") or (not b.cls and target in params and target != "self"))):
+            return False
+        if target in done:
+            return True
+        f.fused += (f"# another file frees these grads with a zero_grad of `{target}`: zero them in place\n"
+                    f"{target}.zero_grad = {zero_in_place(target)}\n")
+    else:
+        target = _bound_name(f.fused)
+        if target is None and f.fused.startswith("return "):
+            # `return Cls(...)`: bind it first, so the zero_grad can be replaced before it is handed out
+            target = "_npufuse_optimizer"
+            f.fused = f"{target} = {f.fused[len('return '):]}"
+            f.__dict__["_npufuse_return_pending"] = True
+        if target is None:
+            return False
+        if target in done:
+            return True
+        tail = f"return {target}\n" if f.__dict__.get("_npufuse_return_pending") else ""
+        f.fused += f"{ZERO_IN_PLACE_COMMENT}\n{target}.zero_grad = {zero_in_place(target)}\n" + tail
+    done.add(target)
+    h.body = None  # the precomputed replacement predates this: render it again from the finding
+    f.risks.append(Risk("other", f"{text.split(': ')[0]}: the fused branch zeroes those grads in place instead (torch_npu's "
+                        "fused optimizers raise ValueError on set_to_none=True and read grads from their flat buffer); a "
+                        "parameter that gets no grad in some step is then updated with a zero grad (weight decay and "
+                        "momentum still apply) where torch.optim would skip it"))
+    return True
+
+
+def _bound_name(fused: str) -> Optional[str]:
+    """The one dotted name the fused text's first statement assigns (``optimizer = ...``)."""
+    try:
+        first = ast.parse(fused).body[0]
+    except (SyntaxError, ValueError, IndexError, RecursionError):
+        return None
+    if isinstance(first, ast.Assign) and len(first.targets) == 1:
+        return dotted(first.targets[0])
+    if isinstance(first, ast.AnnAssign) and first.value is not None:
+        return dotted(first.target)
+    return None
+
+
+def _builder_def(root: Path, b: _Builder, max_bytes: int) -> Optional[ast.AST]:
+    tree = _parse(_read(root, b.rel, max_bytes))
+    for n in tree.body if tree is not None else ():
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == b.function and not b.cls:
+            return n
     return None
