@@ -1142,6 +1142,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
             return miss(reason)
     if guard is None:
         return miss(why)
+    if plan.runtime is not None:
+        mapping, taken, filtered = plan.runtime
+        guard = f"({guard}) if set({mapping}).issubset({tuple(sorted(taken + filtered))!r}) else None"
     if sharded_when is not None:
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
@@ -1157,7 +1160,14 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     text = _statement_text(module, stmt)
     if text is None:
         return miss("the optimizer statement shares its line with other code")
-    fused = _fused_text(module, stmt, call, fused_cls, kind, plan.drop) + fix.statements()
+    fused = _fused_text(module, stmt, call, fused_cls, kind, plan.drop)
+    if plan.runtime is not None:
+        mapping, _taken, filtered = plan.runtime
+        star = re.compile(r"\*\*\s*" + re.escape(mapping) + r"(?![\w.])")
+        if len(star.findall(fused)) != 1:
+            return miss(f"`**{mapping}` is written more than once in the statement")
+        fused = star.sub(lambda _m: f"**{{_k: _v for _k, _v in {mapping}.items() if _k not in {filtered!r}}}", fused)
+    fused += fix.statements()
     lr_given = keyword(call, "lr", 1) is not None
     params = {
         "optimizer": f"torch.optim.{kind}",
@@ -1166,7 +1176,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0},
         "params": segment(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
         "param_groups": _is_groups(module, scope, keyword(call, "params", 0), stmt.lineno),  # type: ignore[arg-type]
-        "guard": ("fresh_generator_trainable_dtypes_checked" if dtype_checked else "fresh_generator") if model else "materialised_list",
+        "guard": (("fresh_generator_trainable_dtypes_checked" if dtype_checked else "fresh_generator") if model else "materialised_list")
+        + ("_kwargs_checked" if plan.runtime is not None else ""),
         "lr_default_added": kind == "SGD" and not lr_given,
     }
     risks = [
@@ -1309,6 +1320,9 @@ class _KeywordPlan:
         self.drop: list[ast.keyword] = []
         self.notes: list[str] = []
         self.reason: Optional[str] = None
+        # `**mapping` whose keys only the run time knows: (its source, the keys the fused branch may
+        # pass on, the keys it filters out). The guard checks the keys; the fused call filters them.
+        self.runtime: Optional[tuple[str, tuple[str, ...], tuple[str, ...]]] = None
         graph = _graph_capture_line(module)
         for k in call.keywords:
             if k.arg is None:
@@ -1333,6 +1347,16 @@ class _KeywordPlan:
         name = k.value.id if isinstance(k.value, ast.Name) else None
         text = segment(module, k.value)
         keys = _mapping_keys(scope, name, line) if name else None
+        if keys is None and self.runtime is None and _side_effect_free(k.value) and dotted(k.value):
+            # an opaque mapping (a parameter, a config's dict, one updated in place): checked at run
+            # time. Implementation choices are filtered out of the fused call (the same update);
+            # any other key the fused class does not take keeps torch.optim
+            filtered = ("foreach", "fused") + (("capturable",) if graph is None else ())
+            self.runtime = (text, tuple(a for a in accepted if a != "params"), filtered)
+            self.notes.append(f"`**{text}`: its keys are known only at run time; the guard runs the fused class only "
+                              f"when they are among {', '.join(self.runtime[1])} (taken) and {', '.join(filtered)} "
+                              "(implementation choices, filtered out of the fused call); otherwise torch.optim runs")
+            return
         if keys is None:
             self.reason = (f"keyword arguments passed through `**{text}` (not a dict built in this function from "
                            "literal keys): they may carry maximize=/differentiable=, which change the update, and "
@@ -2165,8 +2189,8 @@ FusedOptimizer.KEEP += [
     Keep(_NET + '''
 
 def build(model, extra):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, **extra)
-''', reason="not a dict built in this function", name="extra_mapping_from_the_caller"),
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **extra.kwargs())
+''', reason="not a dict built in this function", name="extra_mapping_from_a_call"),
     Keep(_CAPTURABLE + '''
 
 def capture(model, opt, x):
@@ -2474,4 +2498,30 @@ def train(model, other, steps=3):
         opt.step()
         other.zero_grad(set_to_none=True)
 ''', reason="may set the parameters' grads to None", name="unrelated_receiver_set_to_none"),
+]
+
+# --- `**mapping` of keys known at run time (issue 14 class 5) -----------------------------------
+# open_clip's `opt_kwargs.update(args.opt_kwargs or {})`, InternEvo's `extra["fused"] = True`: the
+# guard checks the keys when the optimizer is built; implementation choices are filtered out
+
+_RUNTIME_KWARGS = _NET + '''
+
+def build(model, extra):
+    extra = dict(extra)
+    extra.update({"betas": (0.9, 0.95)})
+    return torch.optim.AdamW([{"params": [model.fc1.weight, model.fc2.weight], "weight_decay": 0.1},
+                              {"params": [model.fc1.bias, model.fc2.bias, *model.ln.parameters()], "weight_decay": 0.0}],
+                             lr=1e-2, **extra)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_RUNTIME_KWARGS, name="runtime_kwargs_checked_and_filtered",
+         run=_TRAIN_RUN.replace("opt = build(model)", "opt = build(model, {'eps': 1e-7, 'fused': False})"),
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator_kwargs_checked"}),
+    Fuse(_NET + '''
+
+def build(model, extra=None):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **extra)
+''', name="caller_mapping_checked_at_run_time", run=_TRAIN_RUN.replace("opt = build(model)", "opt = build(model, {'foreach': False})"),
+         expect={"guard": "fresh_generator_kwargs_checked"}),
 ]
