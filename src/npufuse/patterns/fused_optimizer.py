@@ -550,8 +550,28 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         e = segment(module, params)
         return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
                 f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({e})"), ""
+    handed = _module_handed_to_helper(module, scope, params)
+    if handed is not None:
+        # `get_parameters(model)` of another file: its result is never read by the guard (it may be a
+        # generator); the guard reads a fresh generator of the module handed to it, checked to be an
+        # nn.Module at run time, and the helper runs once, in the branch taken
+        return f"next({handed}.parameters(), None) if isinstance({handed}, torch.nn.Module) else None", ""
     return None, (f"the params come from `{segment(module, params)[:50]}`, which may be a one-shot iterator (a generator): "
                   "reading a tensor from it for the guard would consume it")
+
+
+def _module_handed_to_helper(module: ModuleInfo, scope: Scope, params: ast.expr) -> Optional[str]:
+    """``M`` of ``helper(M, ...)`` where ``helper`` is not a function of this file (imported: its
+    code is elsewhere) and ``M`` a plain name or attribute path, in a file where ``torch`` names the
+    torch module (the guard's run-time check ``isinstance(M, torch.nn.Module)`` needs it)."""
+    if not (isinstance(params, ast.Call) and params.args and not isinstance(params.args[0], ast.Starred)):
+        return None
+    name = dotted(params.func) or ""
+    if not name or _local_function(module, scope, name) is not None or name in _LIST_BUILDERS or module.aliases.get("torch") != "torch":
+        return None
+    if name.split(".")[0] in ("self", "cls") or (module.canonical(params.func) or "").startswith(("torch.", "itertools.", "builtins.")):
+        return None  # a method of this object (its code is this file's) or a library call of known meaning
+    return dotted(params.args[0])
 
 
 _LIST_BUILDERS = ("list", "sorted", "tuple")
@@ -2524,4 +2544,51 @@ def build(model, extra=None):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, **extra)
 ''', name="caller_mapping_checked_at_run_time", run=_TRAIN_RUN.replace("opt = build(model)", "opt = build(model, {'foreach': False})"),
          expect={"guard": "fresh_generator_kwargs_checked"}),
+]
+
+# --- params from a helper of another file (issue 14 class 5) ------------------------------------
+# ShuffleNet's `SGD(get_parameters(model), ...)` with `from utils import get_parameters`: the
+# helper's result may be a generator; the guard reads a fresh `model.parameters()` instead
+_IMPORTED_HELPER = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def build(model):
+    return torch.optim.SGD(get_param_groups(model), lr=1e-2, momentum=0.9, weight_decay=1e-4)
+'''
+# the run defines the helper as another module would: a generator of param groups
+_IMPORTED_HELPER_RUN = '''\
+def get_param_groups(m):
+    yield {"params": [p for n, p in m.named_parameters() if n.endswith("weight")]}
+    yield {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}
+
+
+''' + _TRAIN_RUN
+
+FusedOptimizer.FUSE += [
+    Fuse(_IMPORTED_HELPER, name="params_from_a_helper_of_another_file", run=_IMPORTED_HELPER_RUN,
+         expect={"optimizer": "torch.optim.SGD", "params": "get_param_groups(model)", "guard": "fresh_generator"}),
+]
+
+FusedOptimizer.KEEP += [
+    # without `import torch` the guard cannot check that the argument is an nn.Module
+    Keep('''\
+import torch.optim as optim
+
+
+def build(model):
+    return optim.SGD(get_param_groups(model), lr=1e-2)
+''', reason="may be a one-shot iterator", name="params_from_a_helper_without_torch_bound"),
 ]
