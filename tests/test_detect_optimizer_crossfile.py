@@ -128,3 +128,51 @@ def test_share_memory_elsewhere_still_refuses(tmp_path: Path) -> None:
     assert [c["qualname"] for c in data["candidates"]] == ["GPT.configure_optimizers"]
     near = [m for m in data["near_misses"] if m["qualname"] == "build_sgd"]
     assert len(near) == 1 and "share_memory()" in near[0]["reason"]
+
+
+_BUCKET = '''\
+import torch.nn as nn
+
+
+class BucketDP(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.data = None  # an attribute of the wrapper, not a parameter's storage
+
+    def forward(self, x):
+        return self.module(x)
+
+    def finish(self):
+        for p in self.module.parameters():
+            p.grad = p.main_grad.to(p.dtype)
+'''
+
+_TRAIN_WRAPPED = '''\
+import torch
+from parallel.bucket import BucketDP
+from model import GPT
+
+model = GPT()
+if torch.cuda.device_count() > 1:
+    model = BucketDP(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+
+def test_a_repo_class_reassigning_grads_wraps_the_model(tmp_path: Path) -> None:
+    # the wrapper's code is in another file: repo_symbols resolves `BucketDP` to parallel/bucket.py
+    root = tmp_path / "repo"
+    _write(root, {"model.py": _MODEL, "train.py": _TRAIN_WRAPPED})
+    (root / "parallel").mkdir()
+    (root / "parallel" / "__init__.py").write_text("")
+    (root / "parallel" / "bucket.py").write_text(_BUCKET)
+    data = scan(root, patterns=[FusedOptimizer()])
+    near = [m for m in data["near_misses"] if m["file"] == "train.py"]
+    assert [c["file"] for c in data["candidates"] if c["file"] == "train.py"] == []
+    assert len(near) == 1 and "class BucketDP, parallel/bucket.py:4" in near[0]["reason"]
+    assert "assigns new grads" in near[0]["reason"] and "parallel/bucket.py:15" in near[0]["reason"]
+    # a wrapper that only keeps its own attributes re-allocates nothing: the candidate stays
+    (root / "parallel" / "bucket.py").write_text(_BUCKET.replace("            p.grad = p.main_grad.to(p.dtype)\n", "            p.grad.zero_()\n"))
+    data = scan(root, patterns=[FusedOptimizer()])
+    assert [c["line"] for c in data["candidates"] if c["file"] == "train.py"] == [8]

@@ -78,6 +78,10 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
+    _wrapped_by_reallocating_class(root, files, outcomes, near, max_bytes)
+    hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
+    if not hits:
+        return
     builders: dict[tuple[str, str], _Builder] = {}
     for o, h in hits:
         if (o.file, h.finding.qualname) not in builders:
@@ -352,4 +356,84 @@ def _builder_def(root: Path, b: _Builder, max_bytes: int) -> Optional[ast.AST]:
     for n in tree.body if tree is not None else ():
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == b.function and not b.cls:
             return n
+    return None
+
+
+# --- a repository class that re-allocates grads wraps the model or the optimizer ----------------
+# picotron's `model = DataParallelBucket(model)` (its hook sets `p.grad = p.main_grad.to(...)` every
+# step), InternEvo's `HybridZeroOptimizer(naive_optimizer)` (`flat_param.grad = ...`): the wrapper's
+# code is in another file; repo_symbols finds it.
+
+def _wrapped_by_reallocating_class(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    from npufuse.scan import repo_symbols
+
+    symbols = repo_symbols.shared(root, files, max_bytes)
+    for o in outcomes:
+        for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
+            f = h.finding
+            tree, _why = symbols.tree(o.file)
+            if tree is None:
+                continue
+            region = _region(tree, f.qualname)
+            if region is None:
+                continue
+            handed = _handed_names(f)
+            for call in [n for r in region for n in ast.walk(r) if isinstance(n, ast.Call)]:
+                if not isinstance(call.func, (ast.Name, ast.Attribute)):
+                    continue
+                args = {dotted(a) for a in [*call.args, *(k.value for k in call.keywords)]}
+                if not (args & handed):
+                    continue
+                sym = symbols.resolve_node(o.file, call.func)
+                if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef):
+                    continue
+                where = _reallocates(sym.node)
+                if where is None:
+                    continue
+                what, line = where
+                o.hits.remove(h)
+                near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                             "reason": f"`{dotted(call.func)}` (class {sym.qualname}, {sym.file}:{sym.node.lineno}) takes "
+                                       f"`{', '.join(sorted(args & handed))}` at line {call.lineno} and {what} ({sym.file}:{line}): "
+                                       "the fused optimizer's combined buffers would go stale"})
+                break
+
+
+def _region(tree: ast.Module, qualname: str) -> Optional[list[ast.AST]]:
+    """The statements of the candidate's function (or the module's own statements for <module>)."""
+    if qualname == "<module>":
+        return [st for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    body: list[ast.stmt] = tree.body
+    node: Optional[ast.AST] = None
+    for part in qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            return None
+        body = node.body  # type: ignore[attr-defined]
+    return [node] if node is not None else None
+
+
+def _handed_names(f: Any) -> set[str]:
+    """The model whose parameters the guard reads and the names the optimizer is bound to."""
+    out: set[str] = set()
+    guard = f.guard_tensor or ""
+    if guard.startswith("next(") and ".parameters()" in guard:
+        out.add(guard[len("next("):guard.index(".parameters()")])
+    name = _bound_name(f.fused) if isinstance(f.fused, str) else None
+    if name and not name.startswith("_npufuse"):
+        out.add(name)
+    return {n for n in out if n}
+
+
+def _reallocates(cls: ast.ClassDef) -> Optional[tuple[str, int]]:
+    """(what, line) where the class's own code assigns a tensor's ``.grad`` or ``.data`` (not
+    ``self.data``): a new tensor, or None (freed), every time it runs."""
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                if isinstance(t, ast.Attribute) and t.attr == "grad":
+                    return ("sets grads to None" if isinstance(n.value, ast.Constant) and n.value.value is None
+                            else "assigns new grads (`.grad = ...`)"), n.lineno
+                if isinstance(t, ast.Attribute) and t.attr == "data" and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")):
+                    return "re-points parameters (`.data = ...`)", n.lineno
     return None
