@@ -176,3 +176,44 @@ def test_a_repo_class_reassigning_grads_wraps_the_model(tmp_path: Path) -> None:
     (root / "parallel" / "bucket.py").write_text(_BUCKET.replace("            p.grad = p.main_grad.to(p.dtype)\n", "            p.grad.zero_()\n"))
     data = scan(root, patterns=[FusedOptimizer()])
     assert [c["line"] for c in data["candidates"] if c["file"] == "train.py"] == [8]
+
+
+_TRAINER_NO_IMPORT = '''\
+import torch
+
+
+class Trainer:
+    def __init__(self, model, config):
+        self.model = model
+
+    def run(self, steps=3):
+        model = self.model
+        self.optimizer = model.configure_optimizers(0.1, 1e-2)
+        for _ in range(steps):
+            model(torch.randn(4, 8)).square().mean().backward()
+            self.optimizer.step()
+            model.zero_grad(set_to_none=True)
+'''
+
+
+def test_a_method_defined_once_in_the_repo_is_linked_without_an_import(tmp_path: Path) -> None:
+    # minGPT: the trainer never imports the model's module; `configure_optimizers` is defined only
+    # in model.py, so `model.configure_optimizers(...)` is that method and the trainer's
+    # `model.zero_grad(set_to_none=True)` concerns its parameters
+    root = tmp_path / "repo"
+    _write(root, {"model.py": _MODEL, "trainer.py": _TRAINER_NO_IMPORT})
+    data = scan(root, patterns=[FusedOptimizer()])
+    cand = next(c for c in data["candidates"] if c["qualname"] == "GPT.configure_optimizers")
+    assert any("trainer.py:14" in r["detail"] and "zeroes those grads in place" in r["detail"] for r in cand["risks"])
+    assert "self.zero_grad = (lambda zero_grad:" in cand["replacement"]
+    # a second definition of that name elsewhere: no link (which class the trainer's object is, is unknown)
+    (root / "other.py").write_text("class Lit:\n    def configure_optimizers(self, a, b):\n        return None\n")
+    data = scan(root, patterns=[FusedOptimizer()])
+    cand = next(c for c in data["candidates"] if c["qualname"] == "GPT.configure_optimizers")
+    assert not any("trainer.py" in r["detail"] for r in cand["risks"]) and "self.zero_grad" not in cand["replacement"]
+
+
+def test_model_set_to_none_elsewhere_binds_self_of_the_builder_method(tmp_path: Path) -> None:
+    cand, rewritten = _scan_apply_run(tmp_path, "model.configure_optimizers(0.1, 1e-2)", "model.zero_grad(set_to_none=True)",
+                                      "GPT.configure_optimizers")
+    assert "self.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))(self.zero_grad)" in rewritten

@@ -90,8 +90,13 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     if not names:
         return
     texts: dict[str, str] = {}
+    defined: dict[str, set[str]] = {}  # builder name -> the files defining a function/method of that name
     for rel in files:
         text = _read(root, rel, max_bytes)
+        if text is not None:
+            for n in names:
+                if f"def {n}(" in text:
+                    defined.setdefault(n, set()).add(rel)
         if text is not None and any(n in text for n in names) and any(w in text for w in _WORDS):
             texts[rel] = text
     trees: dict[str, Optional[ast.Module]] = {}
@@ -99,8 +104,11 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
         b = builders[(o.file, h.finding.qualname)]
         if not b.function:
             continue
+        # a method defined nowhere else in the repo is reached through any object (minGPT's trainer
+        # gets the model as an argument and calls `model.configure_optimizers(...)`, importing nothing)
+        unique = bool(b.cls) and defined.get(b.function) == {b.rel}
         for rel in sorted(texts):
-            if rel == b.rel or b.function not in texts[rel] or b.module not in texts[rel]:
+            if rel == b.rel or b.function not in texts[rel] or (b.module not in texts[rel] and not unique):
                 continue
             if rel not in trees:
                 try:
@@ -115,7 +123,7 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             # object of its class, which the file must import (or the module holding it)
             found, names_ = imported
             reach = b.cls if b.cls else b.function
-            if not found or not ("*" in names_ or reach in names_):
+            if not unique and (not found or not ("*" in names_ or reach in names_)):
                 continue
             verdict = _verdict(tree, rel, b)
             if verdict is None:
@@ -216,9 +224,10 @@ def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
 
 def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str, Optional[str]]]:
     """(blocks?, reason or risk text, fix) of the facts ``rel`` holds about the optimizer ``b``
-    builds. ``fix``: "optimizer" / "model" where the blocker is grads freed by that object's
+    builds. ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
     zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`)."""
     models: set[str] = set()
+    receivers: set[str] = set()  # objects whose builder method is called: `self` in that method
     optimizers: set[str] = set()
     where = 0
     for node in ast.walk(tree):
@@ -235,6 +244,7 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
                 recv = dotted(node.func.value)
                 if recv:
                     models.add(recv)
+                    receivers.add(recv)
         elif not b.cls and any(_handed(a, b.function) for a in args):  # handed on: Process(target=train, args=(...))
             where = where or node.lineno
             models |= _flat_names(args)
@@ -268,7 +278,7 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
                               f"model whose parameters the optimizer takes ({via}) sets their grads to None"
                               f"{' (torch >= 2.0 default)' if flag is None else ''}: the next backward allocates new ones outside "
                               "the fused optimizer's flat buffer and its update silently uses stale grads; pass "
-                              "set_to_none=False there"), "model"
+                              "set_to_none=False there"), ("self" if b.cls and recv in receivers else "model")
         elif attr == "share_memory" and recv in models:
             return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
                           f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
@@ -303,7 +313,9 @@ def _zero_in_place(root: Path, o: Any, h: Any, b: _Builder, fix: str, text: str,
     if not isinstance(f.fused, str) or not f.fused:
         return False
     done = f.__dict__.setdefault("_npufuse_zeroed_in_place", set())
-    if fix == "model":
+    if fix == "self":
+        target: Optional[str] = "self"  # the driving file frees the grads of the object whose method builds the optimizer
+    elif fix == "model":
         guard = f.guard_tensor or ""
         if not (guard.startswith("next(") and guard.endswith(".parameters(), None)")):
             return False
@@ -312,23 +324,21 @@ def _zero_in_place(root: Path, o: Any, h: Any, b: _Builder, fix: str, text: str,
         params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)} if fn is not None else set()
         if not (target.isidentifier() and ((b.cls and target == "self") or (not b.cls and target in params and target != "self"))):
             return False
-        if target in done:
-            return True
-        f.fused += (f"# another file frees these grads with a zero_grad of `{target}`: zero them in place\n"
-                    f"{target}.zero_grad = {zero_in_place(target)}\n")
     else:
-        target = _bound_name(f.fused)
-        if target is None and f.fused.startswith("return "):
-            # `return Cls(...)`: bind it first, so the zero_grad can be replaced before it is handed out
-            target = "_npufuse_optimizer"
-            f.fused = f"{target} = {f.fused[len('return '):]}"
-            f.__dict__["_npufuse_return_pending"] = True
-        if target is None:
-            return False
-        if target in done:
-            return True
-        tail = f"return {target}\n" if f.__dict__.get("_npufuse_return_pending") else ""
-        f.fused += f"{ZERO_IN_PLACE_COMMENT}\n{target}.zero_grad = {zero_in_place(target)}\n" + tail
+        target = _bound_name(f.fused) or ("_npufuse_optimizer" if f.fused.startswith("return ") else None)
+    if target is None:
+        return False
+    if target in done:
+        return True
+    if f.fused.startswith("return "):
+        # `return Cls(...)`: bind it first, so zero_grad can be replaced before it is handed out
+        f.fused = f"_npufuse_optimizer = {f.fused[len('return '):]}return _npufuse_optimizer\n"
+    what = f"`{target}`" if fix != "optimizer" else "the optimizer"
+    added = (f"# another file frees these grads with a zero_grad of {what}: zero them in place\n"
+             f"{target}.zero_grad = {zero_in_place(target)}\n") if fix != "optimizer" else \
+        f"{ZERO_IN_PLACE_COMMENT}\n{target}.zero_grad = {zero_in_place(target)}\n"
+    tail = "return _npufuse_optimizer\n"
+    f.fused = f.fused[: -len(tail)] + added + tail if f.fused.endswith(tail) else f.fused + added
     done.add(target)
     h.body = None  # the precomputed replacement predates this: render it again from the finding
     f.risks.append(Risk("other", f"{text.split(': ')[0]}: the fused branch zeroes those grads in place instead (torch_npu's "
