@@ -217,3 +217,24 @@ def test_model_set_to_none_elsewhere_binds_self_of_the_builder_method(tmp_path: 
     cand, rewritten = _scan_apply_run(tmp_path, "model.configure_optimizers(0.1, 1e-2)", "model.zero_grad(set_to_none=True)",
                                       "GPT.configure_optimizers")
     assert "self.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))(self.zero_grad)" in rewritten
+
+
+def test_warm_scan_from_the_cache_gives_the_same_zeroed_replacement(tmp_path: Path) -> None:
+    # per-file results come from the cache on the second scan; the cross-file fix is applied again
+    # to them (never stored in a file's cache entry), and renders the same text
+    from npufuse.scan.engine import scan_repo
+
+    root = tmp_path / "repo"
+    _write(root, {"model.py": _MODEL, "train.py": _TRAIN.format(build="model.configure_optimizers(0.1, 1e-2)",
+                                                                 zero="optimizer.zero_grad(set_to_none=True)")})
+    cache = tmp_path / "cache"
+    cold = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache)
+    warm = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache)
+    assert warm.stats["from_cache"] == 2
+    pick = lambda r: [(c["qualname"], c["replacement"], [x["detail"] for x in c["risks"]]) for c in r.candidates]
+    assert pick(cold) == pick(warm)
+    assert any("_npufuse_optimizer.zero_grad" in rep for _q, rep, _r in pick(warm))
+    # the train.py change is seen by the next scan: set_to_none=False needs no fix
+    (root / "train.py").write_text((root / "train.py").read_text().replace("set_to_none=True", "set_to_none=False"))
+    again = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache)
+    assert not any("_npufuse_optimizer" in rep for _q, rep, _r in pick(again))
