@@ -204,6 +204,7 @@ class _FileFacts:
         self.prepared: list[tuple[int, str, list[str]]] = []
         self.zero_grad_calls: list[tuple[int, str]] = []  # an optimizer's `.zero_grad(...)` not given set_to_none=False
         self.returned: set[str] = set()  # dotted names a `return` hands out (`return model, optimizer`)
+        self.dtype_casts: list[tuple[int, str, str]] = []  # (line, receiver, name) of `.to(<a dtype held in a name>)`
         for root in roots:
             for node in fast_walk(root):
                 self._visit(module, node)
@@ -217,7 +218,7 @@ class _FileFacts:
             out.sharding_nodes.extend(f.sharding_nodes)
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
-            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls"):
+            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
         return out
@@ -269,6 +270,10 @@ class _FileFacts:
             self.bf16.append((node.lineno, recv))
         elif attr == "to" and any(_is_bf16(a) for a in [*node.args, *(k.value for k in node.keywords if k.arg == "dtype")]):
             self.bf16.append((node.lineno, recv))
+        elif attr == "to":
+            for a in [*node.args[:1], *(k.value for k in node.keywords if k.arg == "dtype")]:
+                if isinstance(a, ast.Name):
+                    self.dtype_casts.append((node.lineno, recv, a.id))
         self._bf16_kw(node)
 
     def _bf16_kw(self, node: ast.Call) -> None:
@@ -804,9 +809,28 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
     return None
 
 
+def _run_time_dtype_casts(module: ModuleInfo, tiers: tuple[_FileFacts, ...], model: str) -> list[tuple[int, str, str]]:
+    """``M.to(d)`` casts of the model where the name ``d`` is bound somewhere in the file to an
+    expression naming bfloat16 (``dtype = torch.bfloat16 if cuda_bf16 else torch.float32``)."""
+    out = []
+    for t in tiers:
+        for ln, recv, name in t.dtype_casts:
+            if not _concerns(recv, model):
+                continue
+            values = [v for sc in module.scopes for _st, v in sc.assignments.get(name, [])]
+            if any(_is_bf16(n) for v in values for n in fast_walk(v)):
+                out.append((ln, recv, name))
+    return out
+
+
+def _concerns(recv: str, model: str) -> bool:
+    """May a cast of ``recv`` ("" : of whatever is loaded) concern ``model``'s parameters?"""
+    return not recv or not model or recv == model or recv.split(".")[0] in (model, model.split(".")[0]) or "model" in recv.lower()
+
+
 def _bf16_hits(facts: _FileFacts, model: str) -> list[tuple[int, str]]:
     """The bf16 casts/loads of ``facts`` that may concern ``model``'s parameters."""
-    return [(ln, r) for ln, r in facts.bf16 if not r or not model or r == model or r.split(".")[0] in (model, model.split(".")[0]) or "model" in r.lower()]
+    return [(ln, r) for ln, r in facts.bf16 if _concerns(r, model)]
 
 
 def _peft_wrapped(module: ModuleInfo, scope: Scope, model: str, line: int) -> bool:
@@ -1170,6 +1194,14 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         test, in_body, where = sharded_when
         guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
     dtype_checked = peft and any(_bf16_hits(t, model) for t in tiers)
+    chosen = _run_time_dtype_casts(module, tiers, model)
+    if chosen:
+        ln, recv, name = chosen[0]
+        if not model or any(c[0] >= stmt.lineno or not _in_scope(scope, c[0]) for c in chosen):
+            return miss(f"`{recv}.to({name})` (line {ln}) may cast the parameters to bfloat16 (`{name}` can be bfloat16 by its "
+                        "definition) after, or away from, the optimizer's construction; torch_npu fused optimizers take "
+                        "fp32/fp16 params only (TypeError at the first step)")
+        dtype_checked = True  # cast before the construction, in its scope: checked at run time below
     if dtype_checked:
         # a bf16 base under peft: fuse only if every parameter that can get a grad is fp32/fp16
         # (peft's modules_to_save copies stay bf16; then the original optimizer runs). str(dtype):
@@ -1230,7 +1262,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
            else "materialises the params iterable once into a list (walrus) so both branches see the same parameters; "
            "param-group dicts passed this way keep the original optimizer"),
     ]
-    if dtype_checked:
+    if chosen:
+        notes.append(f"`{chosen[0][1]}.to({chosen[0][2]})` (line {chosen[0][0]}) casts the model to a dtype chosen at run time "
+                     "(bfloat16 in some runs): the guard checks that every trainable parameter is fp32/fp16, else the "
+                     "original optimizer runs")
+    elif dtype_checked:
         notes.append(f"`{model}` is a peft model over a bf16 base: the frozen base never gets grads (the fused class "
                      "only takes params with grads), peft upcasts adapters to fp32; the guard also checks at run time "
                      "that every trainable parameter is fp32/fp16 (modules_to_save copies stay bf16: then the original runs)")
@@ -2591,4 +2627,29 @@ import torch.optim as optim
 def build(model):
     return optim.SGD(get_param_groups(model), lr=1e-2)
 ''', reason="may be a one-shot iterator", name="params_from_a_helper_without_torch_bound"),
+]
+
+# --- a dtype chosen at run time (issue 14 class 5) ------------------------------------------------
+# picotron: `dtype = torch.bfloat16 if <cuda has bf16> else torch.float32; model.to(dtype)` before
+# the optimizer: the guard checks the trainable parameters' dtypes when the optimizer is built
+_RUN_TIME_DTYPE = _NET + '''
+use_bf16 = False
+
+
+def build(model):
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    model.to(dtype)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_RUN_TIME_DTYPE, name="dtype_chosen_at_run_time_checked_by_the_guard", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator_trainable_dtypes_checked"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the cast comes after the construction: a check at construction would see fp32 and pass
+    Keep(_RUN_TIME_DTYPE.replace("    model.to(dtype)\n    return torch.optim.AdamW(model.parameters(), lr=1e-3)\n",
+                                 "    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n    model.to(dtype)\n    return opt\n"),
+         reason="may cast the parameters to bfloat16", name="dtype_chosen_at_run_time_cast_after_the_optimizer"),
 ]
