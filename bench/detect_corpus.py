@@ -2,15 +2,27 @@
 blind hand labels, with Wilson 95% intervals (issue 14).
 
     .venv/bin/python bench/detect_corpus.py [--labels bench/detect_labels.json] [--mirrors /work/.mirror] [--list]
+                                            [--labelled-only | --context] [--only IDS]
 
 The labels file (committed; labels only, no third-party code) names, per repository, the commit
 and the files that were labelled, and per file every site a human judged: ``pattern``, ``qualname``,
 ``line``/``end_line`` and ``label`` (``fuse``: the pattern's fused op should replace it; ``keep``: a
 look-alike that must not be replaced). The code itself is never copied into this repository: each
-repository's git mirror (the ``fetch`` tool's ``<mirrors>/<owner>+<name>/``) provides the labelled
-files at the recorded commit, extracted into a temporary folder and scanned there with
-``npufuse.scan`` (tests/examples folders included: the labelled files are the corpus). A repository
-whose mirror or commit is absent is skipped with a message.
+repository's git mirror (the ``fetch`` tool's ``<mirrors>/<owner>+<name>/``) provides the files at
+the recorded commit, extracted into a temporary folder and scanned there with ``npufuse.scan``.
+A repository whose mirror or commit is absent is skipped with a message.
+
+What is scanned (only the labelled files are ever scored):
+
+* default, the whole repository, as a user runs ``npufuse scan <repo>``: every tracked ``.py`` file
+  and every configuration file the scan reads for shapes (``config.json``, ``configs/*.yaml``), so
+  facts the scan resolves across files (a trainer calling ``zero_grad(set_to_none=True)`` on the
+  optimizer a model file builds) are there. Like the scan's default, files under tests/, examples/,
+  tutorials/, docs/ folders (``walk.NON_MODEL_DIRS``) are left out, except the labelled files
+  themselves (a labelled file is the corpus wherever it sits); symlinks and submodules are not
+  extracted. Per repository it prints the files scanned, the files left out and the scan's time.
+* ``--labelled-only``: only the labelled files (the benchmark's earlier mode: no cross-file facts);
+* ``--context``: the labelled files and the other ``.py`` files of their folders.
 
 Matching: a candidate matches a label when the pattern is the same, the file is the same and the
 line ranges overlap; each label and each candidate is matched at most once. Per pattern:
@@ -30,6 +42,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +149,74 @@ def extract(gd: Path, commit: str, paths: list[str], dest: Path) -> list[str]:
     return missing
 
 
+def _non_model(path: str) -> bool:
+    """A path the scan skips by default: a folder on it is a test/example/tutorial/docs folder."""
+    from npufuse.scan.walk import NON_MODEL_DIRS
+
+    return any(part.lower() in NON_MODEL_DIRS for part in path.split("/")[:-1])
+
+
+def repo_sources(gd: Path, commit: str, labelled: list[str]) -> tuple[list[tuple[str, str]], int]:
+    """The whole repository's scan inputs at ``commit``: (path, blob id) of every tracked ``.py``
+    file and shape configuration file, regular files only (no symlink, no submodule), without the
+    files of test/example folders that are not labelled; and how many such files were left out."""
+    from npufuse.scan.walk import is_data_file
+
+    res = subprocess.run(["git", "--git-dir", str(gd), "ls-tree", "-r", "-z", commit], capture_output=True)
+    if res.returncode != 0:
+        return [], 0
+    wanted = set(labelled)
+    out: list[tuple[str, str]] = []
+    left_out = 0
+    for entry in res.stdout.split(b"\0"):
+        if not entry:
+            continue
+        meta, _, raw = entry.partition(b"\t")
+        parts = meta.split()
+        path = raw.decode("utf-8", errors="replace")
+        if len(parts) != 3 or parts[1] != b"blob" or parts[0] not in (b"100644", b"100755"):
+            continue  # a symlink (120000) or a submodule (commit): not extracted
+        if not (path.endswith(".py") or is_data_file(path)):
+            continue
+        if path not in wanted and _non_model(path):
+            left_out += path.endswith(".py")
+            continue
+        if path.startswith("/") or ".." in path.split("/"):
+            continue
+        out.append((path, parts[2].decode()))
+    return out, left_out
+
+
+def extract_blobs(gd: Path, blobs: list[tuple[str, str]], dest: Path) -> None:
+    """Write each (path, blob id) under ``dest``, reading all blobs through one ``git cat-file --batch``."""
+    if not blobs:
+        return
+    proc = subprocess.Popen(["git", "--git-dir", str(gd), "cat-file", "--batch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    # the requests go in from a thread: a pipe full of answers would otherwise block git while we write
+    import threading
+
+    def feed() -> None:
+        try:
+            proc.stdin.write(b"".join(sha.encode() + b"\n" for _, sha in blobs))  # type: ignore[union-attr]
+        finally:
+            proc.stdin.close()  # type: ignore[union-attr]
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    for path, _ in blobs:
+        header = proc.stdout.readline().split()
+        if len(header) != 3:  # "<sha> missing"
+            continue
+        data = proc.stdout.read(int(header[2]))
+        proc.stdout.read(1)  # the newline after each object
+        out = dest / path
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+    t.join()
+    proc.wait()
+
+
 def sibling_sources(gd: Path, commit: str, paths: list[str]) -> list[str]:
     """The .py files at ``commit`` in the folders of ``paths`` (not below them)."""
     out: list[str] = []
@@ -152,9 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="labels JSON (default: bench/detect_labels.json)")
     ap.add_argument("--mirrors", type=Path, default=DEFAULT_MIRRORS, help="folder of <owner>+<name>/ git mirrors (default: /work/.mirror)")
     ap.add_argument("--list", action="store_true", help="also list every missed label and every unmatched candidate")
+    ap.add_argument("--labelled-only", action="store_true",
+                    help="scan only the labelled files (default: the whole repository at the commit, as a user's scan)")
     ap.add_argument("--context", action="store_true",
-                    help="also extract the other .py files of each labelled file's folder (facts from other files of the "
-                         "repo: a trainer beside the model); only the labelled files are scored")
+                    help="scan the labelled files and the other .py files of their folders (not the whole repository)")
     ap.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to score (default: every labelled pattern)")
     args = ap.parse_args(argv)
     try:
@@ -169,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     cands: list[Site] = []
     misses: list[tuple[Site, str]] = []  # near misses the scan reported: why a label was missed
     scanned_repos = 0
+    whole = not (args.labelled_only or args.context)
+    scan_seconds = 0.0
+    scanned_files = 0
     with tempfile.TemporaryDirectory(prefix="npufuse-detect-") as tmp:
         for r in repos:
             repo, commit = r["repo"], str(r.get("commit") or "HEAD")
@@ -179,7 +264,13 @@ def main(argv: list[str] | None = None) -> int:
             paths = [f["path"] for f in r["files"]]
             dest = Path(tmp) / repo.replace("/", "+")
             dest.mkdir(parents=True)
-            missing = extract(gd, commit, paths, dest)
+            left_out = 0
+            if whole:
+                blobs, left_out = repo_sources(gd, commit, paths)
+                extract_blobs(gd, blobs, dest)
+                missing = [p for p in paths if not (dest / p).is_file()]
+            else:
+                missing = extract(gd, commit, paths, dest)
             if args.context:
                 extract(gd, commit, sorted(set(sibling_sources(gd, commit, paths)) - set(paths)), dest)
             if len(missing) == len(paths):
@@ -193,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 for s in f.get("sites", []):
                     labels.append(Site(s["pattern"], f"{repo}/{f['path']}", s["line"], s.get("end_line", s["line"]), s["label"], s.get("qualname", "")))
+            # tests/examples folders: only labelled files are there (repo_sources left the rest out),
+            # and those are scanned wherever they sit
+            t0 = time.perf_counter()
             result = scan_repo(dest, jobs=1, include_tests=True)
+            took = time.perf_counter() - t0
+            scan_seconds += took
+            scanned_files += result.files_scanned
+            print(f"scanned {repo}: {result.files_scanned} files in {took:.1f}s"
+                  + (f" ({left_out} .py files under tests/examples/docs folders left out)" if left_out else ""), flush=True)
             scored = set(paths)
             for c in result.candidates:
                 if c["file"] not in scored:
@@ -227,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             tallies[l.pattern].fn += 1
             tallies[l.pattern].missed.append(l)
 
-    print(f"\n{scanned_repos} of {len(repos)} repositories scanned, {sum(len(r['files']) for r in repos)} labelled files, "
+    mode = "whole repositories" if whole else ("labelled files and their folders" if args.context else "labelled files only")
+    print(f"\n{scanned_repos} of {len(repos)} repositories scanned ({mode}: {scanned_files} files, scan {scan_seconds:.1f}s), "
+          f"{sum(len(r['files']) for r in repos)} labelled files, "
           f"{sum(1 for s in labels if s.label == 'fuse')} fuse / {sum(1 for s in labels if s.label == 'keep')} keep labels")
     if recall_only:
         print("recall-only labels (sites replaced in real ports): precision is not measured here")

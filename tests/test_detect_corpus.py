@@ -124,3 +124,54 @@ def test_bad_labels_exit_2_with_one_line(tmp_path, capsys, text):
     assert detect_corpus.main(["--labels", str(p), "--mirrors", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("detect_corpus: ")
+
+
+def _mirror_with_tree(tmp_path: Path, files: dict[str, str], links: dict[str, str] | None = None) -> tuple[Path, str]:
+    work = tmp_path / "tree"
+    for rel, text in files.items():
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text(text)
+    for rel, target in (links or {}).items():
+        (work / rel).symlink_to(target)
+    git = ["git", "-C", str(work), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "m"], check=True)
+    commit = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    mirrors = tmp_path / "mirrors"
+    (mirrors / "someone+model").mkdir(parents=True)
+    subprocess.run(["git", "clone", "-q", "--bare", str(work), str(mirrors / "someone+model" / "repo")], check=True)
+    return mirrors, commit
+
+
+def test_repo_sources_take_the_whole_repo_but_only_labelled_test_files(tmp_path):
+    mirrors, commit = _mirror_with_tree(tmp_path, {
+        "model.py": MODEL, "pkg/train.py": "x = 1\n", "tests/test_model.py": MODEL, "examples/labelled.py": MODEL,
+        "configs/config.json": "{}", "README.md": "hi",
+    }, links={"pkg/link.py": "../model.py"})
+    gd = detect_corpus.git_dir(mirrors, "someone/model")
+    blobs, left_out = detect_corpus.repo_sources(gd, commit, ["examples/labelled.py"])
+    paths = sorted(p for p, _ in blobs)
+    # the symlink is not extracted, tests/ is left out (counted), the labelled example file is in
+    assert paths == ["configs/config.json", "examples/labelled.py", "model.py", "pkg/train.py"]
+    assert left_out == 1
+    dest = tmp_path / "out"
+    detect_corpus.extract_blobs(gd, blobs, dest)
+    assert (dest / "examples/labelled.py").read_text() == MODEL and (dest / "pkg/train.py").read_text() == "x = 1\n"
+
+
+def test_whole_repo_mode_scores_only_labelled_files_and_reports_the_scan(tmp_path, capsys):
+    # the same model text in a tests/ folder: the default (whole repo) mode leaves it out, the labelled
+    # copy under examples/ is scanned and scored; model.py is scanned but not labelled, so not scored
+    mirrors, commit = _mirror_with_tree(tmp_path, {"model.py": MODEL, "tests/t.py": MODEL, "examples/m.py": MODEL})
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps({"repos": [{"repo": "someone/model", "commit": commit, "files": [{"path": "examples/m.py", "sites": [
+        {"pattern": "swiglu", "qualname": "FeedForward.forward", "line": 27, "end_line": 27, "label": "fuse"}]}]}]}))
+    assert detect_corpus.main(["--labels", str(labels), "--mirrors", str(mirrors), "--only", "swiglu"]) == 0
+    out = capsys.readouterr().out
+    assert "scanned someone/model: 2 files in" in out and "(1 .py files under tests/examples/docs folders left out)" in out
+    row = next(ln.split() for ln in out.splitlines() if ln.startswith("swiglu"))
+    assert row[1:5] == ["1", "0", "0", "0"]
+    assert detect_corpus.main(["--labels", str(labels), "--mirrors", str(mirrors), "--only", "swiglu", "--labelled-only"]) == 0
+    out = capsys.readouterr().out
+    assert "scanned someone/model: 1 files in" in out and "labelled files only" in out

@@ -53,12 +53,14 @@ def _opt(result):
     return cands, near
 
 
-def test_trainer_elsewhere_with_set_to_none_true_makes_a_near_miss_naming_it(tmp_path: Path) -> None:
+def test_trainer_elsewhere_with_set_to_none_true_is_zeroed_in_place_naming_it(tmp_path: Path) -> None:
+    # (was a near miss; the fused branch now binds the optimizer's zero_grad to zero in place:
+    # tests/test_detect_optimizer_crossfile.py runs such a rewrite under the emulator)
     cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": _TRAIN.format(flag="set_to_none=True")}))
-    assert cands == []
-    assert len(near) == 1 and near[0]["file"] == "model.py" and near[0]["line"] == 14
-    assert "train.py:10" in near[0]["reason"] and "ValueError" in near[0]["reason"]
-    assert "`configure_optimizers` is used at train.py:5" in near[0]["reason"]
+    assert near == [] and [(c["file"], c["line"]) for c in cands] == [("model.py", 14)]
+    risk = next(r["detail"] for r in cands[0]["risks"] if "zeroes those grads in place" in r["detail"])
+    assert "train.py:10" in risk and "ValueError" in risk and "`configure_optimizers` is used at train.py:5" in risk
+    assert "optimizer.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))" in cands[0]["replacement"]
 
 
 def test_trainer_elsewhere_zeroing_in_place_keeps_the_candidate(tmp_path: Path) -> None:
@@ -74,11 +76,14 @@ def test_a_file_that_does_not_import_the_builder_module_says_nothing(tmp_path: P
     assert [c["line"] for c in cands] == [14] and near == []
 
 
-def test_model_zero_grad_default_elsewhere_is_a_near_miss(tmp_path: Path) -> None:
+def test_model_zero_grad_default_elsewhere_binds_self_zero_grad(tmp_path: Path) -> None:
     train = _TRAIN.format(flag="").replace("    optimizer.zero_grad()", "    model.zero_grad()")
     cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": train}))
-    assert cands == [] and len(near) == 1
-    assert "`model.zero_grad()` at train.py:10" in near[0]["reason"] and "torch >= 2.0 default" in near[0]["reason"]
+    assert near == [] and len(cands) == 1
+    risk = next(r["detail"] for r in cands[0]["risks"] if "zeroes those grads in place" in r["detail"])
+    assert "`model.zero_grad()` at train.py:10" in risk and "torch >= 2.0 default" in risk
+    # the method's model is `self`: the driving file's `model` is its receiver
+    assert "self.zero_grad = (lambda zero_grad:" in cands[0]["replacement"]
 
 
 _WORKER = '''\
@@ -190,7 +195,9 @@ class Trainer:
     linked = trainer.replace("from helpers import make_model", "from helpers import make_model, optimizer").replace(
         "self.optimizer = None", "self.optimizer = optimizer(self.model)")
     cands, near = _opt(_scan(tmp_path, {"trainer.py": linked}))
-    assert cands == [] and "trainer.py:10" in near[0]["reason"] and "ValueError" in near[0]["reason"]
+    assert near == [] and [c["file"] for c in cands] == ["helpers.py"]
+    assert any("trainer.py:10" in r["detail"] and "ValueError" in r["detail"] for r in cands[0]["risks"])
+    assert "_npufuse_optimizer.zero_grad = " in cands[0]["replacement"]
 
 
 def test_accelerate_prepare_elsewhere_with_zero_grad_is_a_near_miss(tmp_path: Path) -> None:
@@ -207,7 +214,9 @@ for step in range(3):
     optimizer.zero_grad()
 '''
     cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": train}))
-    assert cands == [] and "accelerate's prepare (train.py:7)" in near[0]["reason"] and "train.py:10" in near[0]["reason"]
+    assert near == [] and len(cands) == 1
+    assert any("accelerate's prepare (train.py:7)" in r["detail"] and "train.py:10" in r["detail"] for r in cands[0]["risks"])
+    assert "optimizer.zero_grad = (lambda zero_grad:" in cands[0]["replacement"]
     # prepared but zeroed in place: nothing passes set_to_none=True
     cands, near = _opt(_scan(tmp_path, {"train.py": train.replace("zero_grad()", "zero_grad(set_to_none=False)")}))
     assert [c["file"] for c in cands] == ["model.py"] and near == []

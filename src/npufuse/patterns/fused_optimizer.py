@@ -204,6 +204,7 @@ class _FileFacts:
         self.prepared: list[tuple[int, str, list[str]]] = []
         self.zero_grad_calls: list[tuple[int, str]] = []  # an optimizer's `.zero_grad(...)` not given set_to_none=False
         self.returned: set[str] = set()  # dotted names a `return` hands out (`return model, optimizer`)
+        self.dtype_casts: list[tuple[int, str, str]] = []  # (line, receiver, name) of `.to(<a dtype held in a name>)`
         for root in roots:
             for node in fast_walk(root):
                 self._visit(module, node)
@@ -217,7 +218,7 @@ class _FileFacts:
             out.sharding_nodes.extend(f.sharding_nodes)
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
-            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls"):
+            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
         return out
@@ -236,7 +237,8 @@ class _FileFacts:
         if isinstance(node, ast.Assign) or isinstance(node, ast.AugAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                if isinstance(t, ast.Attribute) and t.attr == "grad" and self.grad_assign is None:
+                # `p.grad /= n` divides in place (the same tensor is set back): only `p.grad = <new>` re-allocates
+                if isinstance(t, ast.Attribute) and t.attr == "grad" and self.grad_assign is None and isinstance(node, ast.Assign):
                     self.grad_assign = node.lineno
                 # `self.data = ...` is an object's attribute (a Dataset's tensor), not a parameter's storage
                 if (isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign) and self.data_assign is None
@@ -268,6 +270,10 @@ class _FileFacts:
             self.bf16.append((node.lineno, recv))
         elif attr == "to" and any(_is_bf16(a) for a in [*node.args, *(k.value for k in node.keywords if k.arg == "dtype")]):
             self.bf16.append((node.lineno, recv))
+        elif attr == "to":
+            for a in [*node.args[:1], *(k.value for k in node.keywords if k.arg == "dtype")]:
+                if isinstance(a, ast.Name):
+                    self.dtype_casts.append((node.lineno, recv, a.id))
         self._bf16_kw(node)
 
     def _bf16_kw(self, node: ast.Call) -> None:
@@ -549,8 +555,28 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         e = segment(module, params)
         return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
                 f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({e})"), ""
+    handed = _module_handed_to_helper(module, scope, params)
+    if handed is not None:
+        # `get_parameters(model)` of another file: its result is never read by the guard (it may be a
+        # generator); the guard reads a fresh generator of the module handed to it, checked to be an
+        # nn.Module at run time, and the helper runs once, in the branch taken
+        return f"next({handed}.parameters(), None) if isinstance({handed}, torch.nn.Module) else None", ""
     return None, (f"the params come from `{segment(module, params)[:50]}`, which may be a one-shot iterator (a generator): "
                   "reading a tensor from it for the guard would consume it")
+
+
+def _module_handed_to_helper(module: ModuleInfo, scope: Scope, params: ast.expr) -> Optional[str]:
+    """``M`` of ``helper(M, ...)`` where ``helper`` is not a function of this file (imported: its
+    code is elsewhere) and ``M`` a plain name or attribute path, in a file where ``torch`` names the
+    torch module (the guard's run-time check ``isinstance(M, torch.nn.Module)`` needs it)."""
+    if not (isinstance(params, ast.Call) and params.args and not isinstance(params.args[0], ast.Starred)):
+        return None
+    name = dotted(params.func) or ""
+    if not name or _local_function(module, scope, name) is not None or name in _LIST_BUILDERS or module.aliases.get("torch") != "torch":
+        return None
+    if name.split(".")[0] in ("self", "cls") or (module.canonical(params.func) or "").startswith(("torch.", "itertools.", "builtins.")):
+        return None  # a method of this object (its code is this file's) or a library call of known meaning
+    return dotted(params.args[0])
 
 
 _LIST_BUILDERS = ("list", "sorted", "tuple")
@@ -783,9 +809,28 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
     return None
 
 
+def _run_time_dtype_casts(module: ModuleInfo, tiers: tuple[_FileFacts, ...], model: str) -> list[tuple[int, str, str]]:
+    """``M.to(d)`` casts of the model where the name ``d`` is bound somewhere in the file to an
+    expression naming bfloat16 (``dtype = torch.bfloat16 if cuda_bf16 else torch.float32``)."""
+    out = []
+    for t in tiers:
+        for ln, recv, name in t.dtype_casts:
+            if not _concerns(recv, model):
+                continue
+            values = [v for sc in module.scopes for _st, v in sc.assignments.get(name, [])]
+            if any(_is_bf16(n) for v in values for n in fast_walk(v)):
+                out.append((ln, recv, name))
+    return out
+
+
+def _concerns(recv: str, model: str) -> bool:
+    """May a cast of ``recv`` ("" : of whatever is loaded) concern ``model``'s parameters?"""
+    return not recv or not model or recv == model or recv.split(".")[0] in (model, model.split(".")[0]) or "model" in recv.lower()
+
+
 def _bf16_hits(facts: _FileFacts, model: str) -> list[tuple[int, str]]:
     """The bf16 casts/loads of ``facts`` that may concern ``model``'s parameters."""
-    return [(ln, r) for ln, r in facts.bf16 if not r or not model or r == model or r.split(".")[0] in (model, model.split(".")[0]) or "model" in r.lower()]
+    return [(ln, r) for ln, r in facts.bf16 if _concerns(r, model)]
 
 
 def _peft_wrapped(module: ModuleInfo, scope: Scope, model: str, line: int) -> bool:
@@ -825,8 +870,9 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     if bf16:
         return (f"bf16 parameters unsupported: the file casts or loads the model in bfloat16 (line {bf16[0][0]}); "
                 "torch_npu fused optimizers take fp32/fp16 params only (keep fp32 master weights)")
-    if facts.set_to_none:
-        ln, recv = facts.set_to_none[0]
+    free = [(ln, r) for ln, r in facts.set_to_none if fix is None or not fix.handles(ln, r)]
+    if free:
+        ln, recv = free[0]
         if not _looks_like_optimizer(recv):  # a module's zero_grad does not raise: it frees silently
             return (f"`{recv}.zero_grad(set_to_none=...)` (line {ln}) may set the parameters' grads to None: the next "
                     "backward allocates new ones outside the fused optimizer's flat buffer and its update silently uses "
@@ -845,6 +891,20 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
         return (f"parameters are re-allocated (`.data = ...` at line {facts.data_assign}): the fused optimizer's "
                 "combined buffers would go stale")
     return None
+
+
+# The fused branch's replacement of an optimizer's zero_grad where the code frees grads
+# (``zero_grad(set_to_none=True)``, directly or through accelerate): torch_npu's fused class raises
+# ValueError on set_to_none=True, and its own zero_grad(set_to_none=False) zeroes the flat buffer in
+# place. Also used by npufuse.scan.repo_facts when the call is in another file.
+ZERO_IN_PLACE_COMMENT = ("# torch_npu fused optimizers keep grads in a flat buffer and raise on set_to_none=True: "
+                         "zero them in place")
+
+
+def zero_in_place(target: str) -> str:
+    """The expression bound to ``<target>.zero_grad`` in the fused branch (``target``: the optimizer
+    or a module; its zero_grad is called with set_to_none=False whatever the caller asks)."""
+    return f"(lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))({target}.zero_grad)"
 
 
 class _ZeroGradFix:
@@ -874,7 +934,27 @@ class _ZeroGradFix:
         self.accelerate = bool(self.target) and prepared is not None and any(t.zero_grad_calls for t in tiers[:2])
         self._handled: set[tuple[int, str]] = set()
         self.patch_model: list[int] = []  # lines of M.zero_grad() calls the patch covers
+        # zero_grad(set_to_none=True) (or a flag) on the optimizer this statement binds / on the model
+        # whose parameters it takes: the fused branch makes those calls zero in place
+        self.free_optimizer: list[int] = []
+        self.free_model: list[int] = []
         site_tests = _enclosing_tests(module.tree, stmt.lineno)
+        # other receivers that provably hold the model (`model.zero_grad()` where the optimizer takes
+        # `raw_model.lm_head.parameters()` and `raw_model = model.module`): their zero_grad is bound too
+        self.holders: dict[str, list[int]] = {}
+        for t in tiers:
+            for ln, recv in t.set_to_none:
+                if _excluded_branch(site_tests, _enclosing_tests(module.tree, ln)):
+                    self._handled.add((ln, recv))
+                elif self.target and recv == self.target:
+                    self._handled.add((ln, recv))
+                    self.free_optimizer.append(ln)
+                elif self.model and recv == self.model and not _other_optimizer_over(module, scope, self.model, stmt):
+                    self._handled.add((ln, recv))
+                    self.free_model.append(ln)
+                elif self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno):
+                    self._handled.add((ln, recv))
+                    self.holders.setdefault(recv, []).append(ln)
         for t in tiers:
             for ln, recv in t.module_zero_grad:
                 if _excluded_branch(site_tests, _enclosing_tests(module.tree, ln)):
@@ -882,6 +962,9 @@ class _ZeroGradFix:
                 elif self.model and recv == self.model and not _other_optimizer_over(module, scope, self.model, stmt):
                     self._handled.add((ln, recv))
                     self.patch_model.append(ln)
+                elif self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno):
+                    self._handled.add((ln, recv))
+                    self.holders.setdefault(recv, []).append(ln)
                 elif self.model and _other_object(module, scope, recv, self.model, ln, stmt.lineno):
                     self._handled.add((ln, recv))
 
@@ -890,21 +973,52 @@ class _ZeroGradFix:
 
     def statements(self) -> str:
         out = ""
-        if self.patch_model:
+        if self.free_model:
+            m = self.model
+            out += ("# the fused optimizer reads grads from its flat buffer: zero them in place, never free them "
+                    "(whatever set_to_none asks)\n"
+                    f"{m}.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))({m}.zero_grad)\n")
+        elif self.patch_model:
             m = self.model
             out += ("# the fused optimizer reads grads from its flat buffer: zero them in place, never free them\n"
                     "import functools as _npufuse_functools\n"
                     f"{m}.zero_grad = _npufuse_functools.partial({m}.zero_grad, set_to_none=False)\n")
-        if self.accelerate:
+        for h in sorted(self.holders):
+            out += (f"# `{h}` holds the parameters the fused optimizer takes: its zero_grad zeroes in place\n"
+                    f"{h}.zero_grad = {zero_in_place(h)}\n")
+        if self.free_optimizer:
+            # (accelerate's wrapper passes set_to_none=True to it too: also zeroed in place)
+            o = self.target
+            out += (f"{ZERO_IN_PLACE_COMMENT}\n"
+                    f"{o}.zero_grad = {zero_in_place(o)}\n")
+        elif self.accelerate:
             o = self.target
             out += ("# accelerate passes set_to_none=True to a zero_grad that takes it (the fused class raises): "
                     "zero in place\n"
                     f"{o}.zero_grad = (lambda zero_grad: lambda: zero_grad(set_to_none=False))({o}.zero_grad)\n")
         return out
 
+    def risks(self) -> list[Risk]:
+        lines = sorted(set(self.free_optimizer + self.free_model + [ln for lns in self.holders.values() for ln in lns]))
+        if not lines:
+            return []
+        return [Risk("other", f"the code frees grads with zero_grad(set_to_none=...) (line {', '.join(map(str, lines))}); "
+                     "torch_npu's fused optimizers raise ValueError on set_to_none=True and read grads from their flat "
+                     "buffer, so the fused branch zeroes them in place instead: a parameter that gets no grad in some step "
+                     "is then updated with a zero grad (weight decay and momentum still apply) where torch.optim would skip "
+                     "it, and grad memory is not released between steps"
+                     + (f"; every parameter under {', '.join(f'`{h}`' for h in sorted(self.holders))} is zeroed in place, "
+                        "including those another optimizer updates" if self.holders else ""))]
+
     def notes(self) -> list[str]:
         out = []
-        if self.patch_model:
+        if self.free_model:
+            out.append(f"`{self.model}.zero_grad(set_to_none=...)` (line {', '.join(map(str, sorted(set(self.free_model))))}): "
+                       f"the fused branch binds `{self.model}.zero_grad` to one that zeroes in place")
+        if self.free_optimizer:
+            out.append(f"`{self.target}.zero_grad(set_to_none=...)` (line {', '.join(map(str, sorted(set(self.free_optimizer))))}): "
+                       f"the fused branch gives `{self.target}` a zero_grad that accepts set_to_none and zeroes in place")
+        if self.patch_model and not self.free_model:
             lines = ", ".join(str(x) for x in sorted(set(self.patch_model)))
             out.append(f"`{self.model}.zero_grad()` (line {lines}) would set grads to None (torch >= 2.0) and the next "
                        "backward would allocate new ones outside the fused optimizer's flat buffer (its update would "
@@ -915,6 +1029,25 @@ class _ZeroGradFix:
                        f"a wrapped zero_grad that takes it (torch_npu fused optimizers raise ValueError): the fused branch "
                        f"gives `{self.target}` a zero_grad without that parameter, zeroing in place")
         return out
+
+
+def _holds(module: ModuleInfo, scope: Scope, recv: str, model: str, line: int, site_line: int) -> bool:
+    """Does ``recv`` (whose zero_grad is called at ``line``) hold ``model``'s parameters, by dataflow
+    in the site's scope: ``model`` is an attribute path under it (``recv.lm_head``), or ``model``'s
+    root name is last bound, before the site, to an attribute path under it (``raw_model =
+    model.module``); and ``recv`` names the same object at the call as at the site (a plain name of
+    the site's scope, not re-bound between them)."""
+    if "." in recv or not recv.isidentifier() or not (_in_scope(scope, line) or _reads_global(module, scope, recv, line)):
+        return False
+    bindings = scope.assignments.get(recv, [])
+    if not bindings or any(st.lineno >= site_line for st, _ in bindings):
+        return False  # unknown, or re-bound after the optimizer is built (the call may see another object)
+    if model.startswith(recv + "."):
+        return True
+    root = model.split(".")[0]
+    value = scope.definition(root, site_line)
+    name = dotted(value) if isinstance(value, ast.Attribute) else None
+    return bool(name) and name.startswith(recv + ".")
 
 
 def _other_optimizer_over(module: ModuleInfo, scope: Scope, model: str, stmt: ast.stmt) -> bool:
@@ -1053,11 +1186,22 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
             return miss(reason)
     if guard is None:
         return miss(why)
+    if plan.runtime is not None:
+        mapping, taken, filtered = plan.runtime
+        guard = f"({guard}) if set({mapping}).issubset({tuple(sorted(taken + filtered))!r}) else None"
     if sharded_when is not None:
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
         guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
     dtype_checked = peft and any(_bf16_hits(t, model) for t in tiers)
+    chosen = _run_time_dtype_casts(module, tiers, model)
+    if chosen:
+        ln, recv, name = chosen[0]
+        if not model or any(c[0] >= stmt.lineno or not _in_scope(scope, c[0]) for c in chosen):
+            return miss(f"`{recv}.to({name})` (line {ln}) may cast the parameters to bfloat16 (`{name}` can be bfloat16 by its "
+                        "definition) after, or away from, the optimizer's construction; torch_npu fused optimizers take "
+                        "fp32/fp16 params only (TypeError at the first step)")
+        dtype_checked = True  # cast before the construction, in its scope: checked at run time below
     if dtype_checked:
         # a bf16 base under peft: fuse only if every parameter that can get a grad is fp32/fp16
         # (peft's modules_to_save copies stay bf16; then the original optimizer runs). str(dtype):
@@ -1068,7 +1212,14 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     text = _statement_text(module, stmt)
     if text is None:
         return miss("the optimizer statement shares its line with other code")
-    fused = _fused_text(module, stmt, call, fused_cls, kind, plan.drop) + fix.statements()
+    fused = _fused_text(module, stmt, call, fused_cls, kind, plan.drop)
+    if plan.runtime is not None:
+        mapping, _taken, filtered = plan.runtime
+        star = re.compile(r"\*\*\s*" + re.escape(mapping) + r"(?![\w.])")
+        if len(star.findall(fused)) != 1:
+            return miss(f"`**{mapping}` is written more than once in the statement")
+        fused = star.sub(lambda _m: f"**{{_k: _v for _k, _v in {mapping}.items() if _k not in {filtered!r}}}", fused)
+    fused += fix.statements()
     lr_given = keyword(call, "lr", 1) is not None
     params = {
         "optimizer": f"torch.optim.{kind}",
@@ -1077,7 +1228,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0},
         "params": segment(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
         "param_groups": _is_groups(module, scope, keyword(call, "params", 0), stmt.lineno),  # type: ignore[arg-type]
-        "guard": ("fresh_generator_trainable_dtypes_checked" if dtype_checked else "fresh_generator") if model else "materialised_list",
+        "guard": (("fresh_generator_trainable_dtypes_checked" if dtype_checked else "fresh_generator") if model else "materialised_list")
+        + ("_kwargs_checked" if plan.runtime is not None else ""),
         "lr_default_added": kind == "SGD" and not lr_given,
     }
     risks = [
@@ -1088,6 +1240,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
              "(.cpu()/.to(), new Parameter, p.grad = ..., load_state_dict into new tensors)"),
         Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError); mixed fp32/fp16 params get one buffer each"),
     ]
+    risks += fix.risks()
     if sharded_when is not None:
         test, in_body, where = sharded_when
         risks.append(Risk("other", f"FSDP/DeepSpeed/ZeRO is chosen at run time ({where}, when `{test}` is "
@@ -1109,7 +1262,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
            else "materialises the params iterable once into a list (walrus) so both branches see the same parameters; "
            "param-group dicts passed this way keep the original optimizer"),
     ]
-    if dtype_checked:
+    if chosen:
+        notes.append(f"`{chosen[0][1]}.to({chosen[0][2]})` (line {chosen[0][0]}) casts the model to a dtype chosen at run time "
+                     "(bfloat16 in some runs): the guard checks that every trainable parameter is fp32/fp16, else the "
+                     "original optimizer runs")
+    elif dtype_checked:
         notes.append(f"`{model}` is a peft model over a bf16 base: the frozen base never gets grads (the fused class "
                      "only takes params with grads), peft upcasts adapters to fp32; the guard also checks at run time "
                      "that every trainable parameter is fp32/fp16 (modules_to_save copies stay bf16: then the original runs)")
@@ -1219,6 +1376,9 @@ class _KeywordPlan:
         self.drop: list[ast.keyword] = []
         self.notes: list[str] = []
         self.reason: Optional[str] = None
+        # `**mapping` whose keys only the run time knows: (its source, the keys the fused branch may
+        # pass on, the keys it filters out). The guard checks the keys; the fused call filters them.
+        self.runtime: Optional[tuple[str, tuple[str, ...], tuple[str, ...]]] = None
         graph = _graph_capture_line(module)
         for k in call.keywords:
             if k.arg is None:
@@ -1243,6 +1403,16 @@ class _KeywordPlan:
         name = k.value.id if isinstance(k.value, ast.Name) else None
         text = segment(module, k.value)
         keys = _mapping_keys(scope, name, line) if name else None
+        if keys is None and self.runtime is None and _side_effect_free(k.value) and dotted(k.value):
+            # an opaque mapping (a parameter, a config's dict, one updated in place): checked at run
+            # time. Implementation choices are filtered out of the fused call (the same update);
+            # any other key the fused class does not take keeps torch.optim
+            filtered = ("foreach", "fused") + (("capturable",) if graph is None else ())
+            self.runtime = (text, tuple(a for a in accepted if a != "params"), filtered)
+            self.notes.append(f"`**{text}`: its keys are known only at run time; the guard runs the fused class only "
+                              f"when they are among {', '.join(self.runtime[1])} (taken) and {', '.join(filtered)} "
+                              "(implementation choices, filtered out of the fused call); otherwise torch.optim runs")
+            return
         if keys is None:
             self.reason = (f"keyword arguments passed through `**{text}` (not a dict built in this function from "
                            "literal keys): they may carry maximize=/differentiable=, which change the update, and "
@@ -1522,6 +1692,21 @@ for it in range(10):
     optimizer.zero_grad(set_to_none=True)
 '''
 
+# a `return` hands the optimizer out: nothing can follow it to make set_to_none=True zero in place
+_KEEP_OPTIMIZER_RETURNED_SET_TO_NONE = _NET + '''
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def train(model, steps=3):
+    opt = build(model)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+'''
+
 _EXTRA_ARGS = _NET + '''
 import inspect
 
@@ -1793,7 +1978,7 @@ FusedOptimizer.FUSE = [
 ]
 
 FusedOptimizer.KEEP = [
-    Keep(_KEEP_NANOGPT_TRAIN, reason="set_to_none=True", name="nanogpt_train_zero_grad_set_to_none"),
+    Keep(_KEEP_OPTIMIZER_RETURNED_SET_TO_NONE, reason="set_to_none=True", name="returned_optimizer_zero_grad_set_to_none"),
     Keep(_KEEP_FSDP, reason="FSDP", name="fsdp_wrapped_model"),
     Keep(_KEEP_BF16, reason="bf16 parameters unsupported", name="hf_model_loaded_in_bf16"),
     Keep(_KEEP_GRAD_ASSIGN, reason="re-allocated", name="manual_grad_averaging"),
@@ -2060,8 +2245,8 @@ FusedOptimizer.KEEP += [
     Keep(_NET + '''
 
 def build(model, extra):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, **extra)
-''', reason="not a dict built in this function", name="extra_mapping_from_the_caller"),
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **extra.kwargs())
+''', reason="not a dict built in this function", name="extra_mapping_from_a_call"),
     Keep(_CAPTURABLE + '''
 
 def capture(model, opt, x):
@@ -2108,15 +2293,8 @@ def train(model, loader):
         other_opt.step()
         model.zero_grad()
 ''', reason="`model.zero_grad()`", name="module_zero_grad_with_a_second_optimizer_over_the_model"),
-    Keep(_NET + '''
-
-def train(model, loader):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
-    for x in loader:
-        model(x).mean().backward()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-''', reason="backward allocates new ones outside the fused optimizer's flat buffer", name="module_zero_grad_set_to_none_true"),
+    # (`model.zero_grad(set_to_none=True)` on the optimizer's own model: a Fuse example now,
+    # model_zero_grad_set_to_none_zeroed_in_place)
 ]
 
 
@@ -2285,4 +2463,193 @@ def build(model, learning_rate=3e-3):
 FusedOptimizer.FUSE += [
     Fuse(_CONDITIONAL_DEEPSPEED_CHECKED, name="deepspeed_conditional_with_isinstance_check_elsewhere", run=_TRAIN_RUN, expect={
         "guard": "fresh_generator_unsharded_runs_only"}),
+]
+
+# --- set_to_none made to zero in place (issue 14 class 5) ---------------------------------------
+# torch_npu's fused zero_grad raises ValueError on set_to_none=True (the emulator does too), so each
+# run below fails if the fused branch does not bind zero_grad to zero in place.
+
+# nanoGPT's loop: the optimizer frees the grads every step
+_NANOGPT_TRAIN_SET_TO_NONE = _NET + '''
+
+def main(steps=3):
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    for it in range(steps):
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        # flush the gradients as soon as we can, no need for this memory anymore
+        optimizer.zero_grad(set_to_none=True)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+# the model frees them (minGPT's trainer), after an in-place grad division (`p.grad /= n`)
+_MODEL_SET_TO_NONE = _NET + '''
+
+def train(steps=3, accumulation=2):
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        for _ in range(accumulation):
+            model(torch.randn(4, 8)).square().mean().backward()
+        for p in model.parameters():
+            p.grad /= accumulation
+        opt.step()
+        model.zero_grad(set_to_none=True)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+
+# a wrapper (DDP-like) frees the grads of the whole model; the optimizer takes one part of the raw
+# model (`raw = model.module`): the wrapper's zero_grad is bound
+_HOLDER_SET_TO_NONE = _NET + '''
+
+
+class Wrapped(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def train(steps=3):
+    model = Wrapped(Net())
+    raw = model.module
+    head = torch.optim.AdamW(raw.fc2.parameters(), lr=1e-2, weight_decay=0.0)
+    rest = torch.optim.SGD(raw.fc1.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        head.step()
+        rest.step()
+        model.zero_grad(set_to_none=True)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_NANOGPT_TRAIN_SET_TO_NONE, name="optimizer_zero_grad_set_to_none_zeroed_in_place",
+         run="out = main()\n",
+         expect={"optimizer": "torch.optim.AdamW", "args": {"lr": "6e-4", "betas": "(0.9, 0.95)", "weight_decay": "0.1"}}),
+    Fuse(_MODEL_SET_TO_NONE, name="model_zero_grad_set_to_none_zeroed_in_place", run="out = train()\n",
+         expect={"optimizer": "torch.optim.Adam", "qualname": "train"}),
+    Fuse(_HOLDER_SET_TO_NONE, name="wrapper_holding_the_params_zeroed_in_place", run="out = train()\n",
+         expect={"optimizer": "torch.optim.AdamW", "params": "raw.fc2.parameters()"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the wrapper is re-bound after the optimizer is built: binding its zero_grad at the optimizer's
+    # line would patch another object
+    Keep(_HOLDER_SET_TO_NONE.replace("    for _ in range(steps):\n", "    model = Wrapped(raw)\n    for _ in range(steps):\n", 1),
+         reason="may set the parameters' grads to None", name="wrapper_rebound_after_the_optimizer"),
+    # set_to_none on an object that is neither the optimizer nor provably holds its parameters
+    Keep(_NET + '''
+
+def train(model, other, steps=3):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        other.zero_grad(set_to_none=True)
+''', reason="may set the parameters' grads to None", name="unrelated_receiver_set_to_none"),
+]
+
+# --- `**mapping` of keys known at run time (issue 14 class 5) -----------------------------------
+# open_clip's `opt_kwargs.update(args.opt_kwargs or {})`, InternEvo's `extra["fused"] = True`: the
+# guard checks the keys when the optimizer is built; implementation choices are filtered out
+
+_RUNTIME_KWARGS = _NET + '''
+
+def build(model, extra):
+    extra = dict(extra)
+    extra.update({"betas": (0.9, 0.95)})
+    return torch.optim.AdamW([{"params": [model.fc1.weight, model.fc2.weight], "weight_decay": 0.1},
+                              {"params": [model.fc1.bias, model.fc2.bias, *model.ln.parameters()], "weight_decay": 0.0}],
+                             lr=1e-2, **extra)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_RUNTIME_KWARGS, name="runtime_kwargs_checked_and_filtered",
+         run=_TRAIN_RUN.replace("opt = build(model)", "opt = build(model, {'eps': 1e-7, 'fused': False})"),
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator_kwargs_checked"}),
+    Fuse(_NET + '''
+
+def build(model, extra=None):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **extra)
+''', name="caller_mapping_checked_at_run_time", run=_TRAIN_RUN.replace("opt = build(model)", "opt = build(model, {'foreach': False})"),
+         expect={"guard": "fresh_generator_kwargs_checked"}),
+]
+
+# --- params from a helper of another file (issue 14 class 5) ------------------------------------
+# ShuffleNet's `SGD(get_parameters(model), ...)` with `from utils import get_parameters`: the
+# helper's result may be a generator; the guard reads a fresh `model.parameters()` instead
+_IMPORTED_HELPER = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def build(model):
+    return torch.optim.SGD(get_param_groups(model), lr=1e-2, momentum=0.9, weight_decay=1e-4)
+'''
+# the run defines the helper as another module would: a generator of param groups
+_IMPORTED_HELPER_RUN = '''\
+def get_param_groups(m):
+    yield {"params": [p for n, p in m.named_parameters() if n.endswith("weight")]}
+    yield {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}
+
+
+''' + _TRAIN_RUN
+
+FusedOptimizer.FUSE += [
+    Fuse(_IMPORTED_HELPER, name="params_from_a_helper_of_another_file", run=_IMPORTED_HELPER_RUN,
+         expect={"optimizer": "torch.optim.SGD", "params": "get_param_groups(model)", "guard": "fresh_generator"}),
+]
+
+FusedOptimizer.KEEP += [
+    # without `import torch` the guard cannot check that the argument is an nn.Module
+    Keep('''\
+import torch.optim as optim
+
+
+def build(model):
+    return optim.SGD(get_param_groups(model), lr=1e-2)
+''', reason="may be a one-shot iterator", name="params_from_a_helper_without_torch_bound"),
+]
+
+# --- a dtype chosen at run time (issue 14 class 5) ------------------------------------------------
+# picotron: `dtype = torch.bfloat16 if <cuda has bf16> else torch.float32; model.to(dtype)` before
+# the optimizer: the guard checks the trainable parameters' dtypes when the optimizer is built
+_RUN_TIME_DTYPE = _NET + '''
+use_bf16 = False
+
+
+def build(model):
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    model.to(dtype)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_RUN_TIME_DTYPE, name="dtype_chosen_at_run_time_checked_by_the_guard", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator_trainable_dtypes_checked"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the cast comes after the construction: a check at construction would see fp32 and pass
+    Keep(_RUN_TIME_DTYPE.replace("    model.to(dtype)\n    return torch.optim.AdamW(model.parameters(), lr=1e-3)\n",
+                                 "    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n    model.to(dtype)\n    return opt\n"),
+         reason="may cast the parameters to bfloat16", name="dtype_chosen_at_run_time_cast_after_the_optimizer"),
 ]

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
-from npufuse.scan import config_shapes, replacement, repo_facts, repo_search, risks
+from npufuse.scan import config_shapes, replacement, repo_facts, repo_search, repo_symbols, risks
 from npufuse.scan.dataflow import ModuleInfo, Scope, lf_line_ends, scope_text
 from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
@@ -907,7 +907,10 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
         switches += found
 
     # facts from other files of the repo (a trainer elsewhere driving an optimizer built here)
-    repo_facts.apply(walked.root, walked.files, outcomes, near, max_file_bytes)
+    try:
+        repo_facts.apply(walked.root, walked.files, outcomes, near, max_file_bytes)
+    finally:
+        repo_symbols.forget()  # the cross-file passes' shared index lives for this scan only
     existing.sort(key=lambda e: (e["file"], e["line"], e["what"]))
     switches.sort(key=lambda s: (s["file"], s["line"], s["name"], s["kind"]))
     near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))

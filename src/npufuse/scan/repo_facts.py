@@ -78,6 +78,10 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
+    _wrapped_by_reallocating_class(root, files, outcomes, near, max_bytes)
+    hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
+    if not hits:
+        return
     builders: dict[tuple[str, str], _Builder] = {}
     for o, h in hits:
         if (o.file, h.finding.qualname) not in builders:
@@ -86,8 +90,13 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     if not names:
         return
     texts: dict[str, str] = {}
+    defined: dict[str, set[str]] = {}  # builder name -> the files defining a function/method of that name
     for rel in files:
         text = _read(root, rel, max_bytes)
+        if text is not None:
+            for n in names:
+                if f"def {n}(" in text:
+                    defined.setdefault(n, set()).add(rel)
         if text is not None and any(n in text for n in names) and any(w in text for w in _WORDS):
             texts[rel] = text
     trees: dict[str, Optional[ast.Module]] = {}
@@ -95,8 +104,11 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
         b = builders[(o.file, h.finding.qualname)]
         if not b.function:
             continue
+        # a method defined nowhere else in the repo is reached through any object (minGPT's trainer
+        # gets the model as an argument and calls `model.configure_optimizers(...)`, importing nothing)
+        unique = bool(b.cls) and defined.get(b.function) == {b.rel}
         for rel in sorted(texts):
-            if rel == b.rel or b.function not in texts[rel] or b.module not in texts[rel]:
+            if rel == b.rel or b.function not in texts[rel] or (b.module not in texts[rel] and not unique):
                 continue
             if rel not in trees:
                 try:
@@ -111,13 +123,15 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             # object of its class, which the file must import (or the module holding it)
             found, names_ = imported
             reach = b.cls if b.cls else b.function
-            if not found or not ("*" in names_ or reach in names_):
+            if not unique and (not found or not ("*" in names_ or reach in names_)):
                 continue
             verdict = _verdict(tree, rel, b)
             if verdict is None:
                 continue
-            blocked, text = verdict
+            blocked, text, fix = verdict
             f = h.finding
+            if blocked and fix is not None and _zero_in_place(root, o, h, b, fix, text, max_bytes):
+                continue  # the fused branch now zeroes those grads in place (a risk says so); other files may still block
             if blocked:
                 if h in o.hits:
                     o.hits.remove(h)
@@ -208,9 +222,12 @@ def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
     return out
 
 
-def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str]]:
-    """(blocks?, reason or risk text) of the facts ``rel`` holds about the optimizer ``b`` builds."""
+def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str, Optional[str]]]:
+    """(blocks?, reason or risk text, fix) of the facts ``rel`` holds about the optimizer ``b``
+    builds. ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
+    zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`)."""
     models: set[str] = set()
+    receivers: set[str] = set()  # objects whose builder method is called: `self` in that method
     optimizers: set[str] = set()
     where = 0
     for node in ast.walk(tree):
@@ -227,6 +244,7 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
                 recv = dotted(node.func.value)
                 if recv:
                     models.add(recv)
+                    receivers.add(recv)
         elif not b.cls and any(_handed(a, b.function) for a in args):  # handed on: Process(target=train, args=(...))
             where = where or node.lineno
             models |= _flat_names(args)
@@ -248,33 +266,184 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
             if frees:
                 return True, (f"`{recv}.zero_grad(set_to_none=...)` at {rel}:{node.lineno} on the optimizer this builds ({via}): "
                               "torch_npu fused optimizers raise ValueError on set_to_none=True (grads must stay allocated); "
-                              "pass set_to_none=False there")
+                              "pass set_to_none=False there"), "optimizer"
             if prepared is not None and flag is None:
                 return True, (f"the optimizer this builds ({via}) goes through accelerate's prepare ({rel}:{prepared}) and "
                               f"`{recv}.zero_grad()` is called ({rel}:{node.lineno}): AcceleratedOptimizer.zero_grad() passes "
                               "set_to_none=True and torch_npu fused optimizers raise ValueError on it; call "
-                              "zero_grad(set_to_none=False)")
+                              "zero_grad(set_to_none=False)"), "optimizer"
         elif attr == "zero_grad" and recv in models:
             if flag is None or not (isinstance(flag, ast.Constant) and flag.value is False):
                 return True, (f"`{recv}.zero_grad({'' if flag is None else 'set_to_none=...'})` at {rel}:{node.lineno} on the "
                               f"model whose parameters the optimizer takes ({via}) sets their grads to None"
                               f"{' (torch >= 2.0 default)' if flag is None else ''}: the next backward allocates new ones outside "
                               "the fused optimizer's flat buffer and its update silently uses stale grads; pass "
-                              "set_to_none=False there")
+                              "set_to_none=False there"), ("self" if b.cls and recv in receivers else "model")
         elif attr == "share_memory" and recv in models:
             return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
                           f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
                           "every parameter's storage into its own flat buffer at the first step, so the processes would "
-                          "stop sharing them")
+                          "stop sharing them"), None
         elif attr in ("prepare", "prepare_optimizer") and _flat_names(node.args) & optimizers:
             prepared = prepared or node.lineno
         elif any(s in full for s in _SHARDING_PARTS) and (_flat_names([*node.args, *(k.value for k in node.keywords)]) & (models | optimizers)):
             text = (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{dotted(func) or attr}` at {rel}:{node.lineno}, on what "
                     f"`{b.function}` gets or builds: {via}): the fused optimizer's combined buffers would go stale")
             if cond is None:
-                return True, text
+                return True, text, None
             risk = risk or (f"{text}; that wrapping is chosen at run time (the condition at {rel}:{cond}): run the fused "
                             "branch only where it is not taken (switch the fused optimizer off for those runs)")
     if risk is not None:
-        return False, risk
+        return False, risk, None
+    return None
+
+
+# --- grads freed in another file, zeroed in place by the fused branch (issue 14 class 5) --------
+
+def _zero_in_place(root: Path, o: Any, h: Any, b: _Builder, fix: str, text: str, max_bytes: int) -> bool:
+    """Make the candidate's fused branch bind the freeing zero_grad to one that zeroes in place
+    (as fused_optimizer does for calls in the candidate's own file): ``fix`` "optimizer": the name
+    the construction binds (a ``return`` is rewritten to bind one first); "model": the object whose
+    ``parameters()`` the guard reads, when that is what the driving file hands over (``self`` of a
+    method, or a parameter of the builder function). False: no such name; the caller refuses."""
+    from npufuse.patterns.base import Risk
+    from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_COMMENT, zero_in_place
+
+    f = h.finding
+    if not isinstance(f.fused, str) or not f.fused:
+        return False
+    done = f.__dict__.setdefault("_npufuse_zeroed_in_place", set())
+    if fix == "self":
+        target: Optional[str] = "self"  # the driving file frees the grads of the object whose method builds the optimizer
+    elif fix == "model":
+        guard = f.guard_tensor or ""
+        if not (guard.startswith("next(") and guard.endswith(".parameters(), None)")):
+            return False
+        target = guard[len("next("):-len(".parameters(), None)")]
+        fn = _builder_def(root, b, max_bytes)
+        params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)} if fn is not None else set()
+        if not (target.isidentifier() and ((b.cls and target == "self") or (not b.cls and target in params and target != "self"))):
+            return False
+    else:
+        target = _bound_name(f.fused) or ("_npufuse_optimizer" if f.fused.startswith("return ") else None)
+    if target is None:
+        return False
+    if target in done:
+        return True
+    if f.fused.startswith("return "):
+        # `return Cls(...)`: bind it first, so zero_grad can be replaced before it is handed out
+        f.fused = f"_npufuse_optimizer = {f.fused[len('return '):]}return _npufuse_optimizer\n"
+    what = f"`{target}`" if fix != "optimizer" else "the optimizer"
+    added = (f"# another file frees these grads with a zero_grad of {what}: zero them in place\n"
+             f"{target}.zero_grad = {zero_in_place(target)}\n") if fix != "optimizer" else \
+        f"{ZERO_IN_PLACE_COMMENT}\n{target}.zero_grad = {zero_in_place(target)}\n"
+    tail = "return _npufuse_optimizer\n"
+    f.fused = f.fused[: -len(tail)] + added + tail if f.fused.endswith(tail) else f.fused + added
+    done.add(target)
+    h.body = None  # the precomputed replacement predates this: render it again from the finding
+    f.risks.append(Risk("other", f"{text.split(': ')[0]}: the fused branch zeroes those grads in place instead (torch_npu's "
+                        "fused optimizers raise ValueError on set_to_none=True and read grads from their flat buffer); a "
+                        "parameter that gets no grad in some step is then updated with a zero grad (weight decay and "
+                        "momentum still apply) where torch.optim would skip it"))
+    return True
+
+
+def _bound_name(fused: str) -> Optional[str]:
+    """The one dotted name the fused text's first statement assigns (``optimizer = ...``)."""
+    try:
+        first = ast.parse(fused).body[0]
+    except (SyntaxError, ValueError, IndexError, RecursionError):
+        return None
+    if isinstance(first, ast.Assign) and len(first.targets) == 1:
+        return dotted(first.targets[0])
+    if isinstance(first, ast.AnnAssign) and first.value is not None:
+        return dotted(first.target)
+    return None
+
+
+def _builder_def(root: Path, b: _Builder, max_bytes: int) -> Optional[ast.AST]:
+    tree = _parse(_read(root, b.rel, max_bytes))
+    for n in tree.body if tree is not None else ():
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == b.function and not b.cls:
+            return n
+    return None
+
+
+# --- a repository class that re-allocates grads wraps the model or the optimizer ----------------
+# picotron's `model = DataParallelBucket(model)` (its hook sets `p.grad = p.main_grad.to(...)` every
+# step), InternEvo's `HybridZeroOptimizer(naive_optimizer)` (`flat_param.grad = ...`): the wrapper's
+# code is in another file; repo_symbols finds it.
+
+def _wrapped_by_reallocating_class(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    from npufuse.scan import repo_symbols
+
+    symbols = repo_symbols.shared(root, files, max_bytes)
+    for o in outcomes:
+        for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
+            f = h.finding
+            tree, _why = symbols.tree(o.file)
+            if tree is None:
+                continue
+            region = _region(tree, f.qualname)
+            if region is None:
+                continue
+            handed = _handed_names(f)
+            for call in [n for r in region for n in ast.walk(r) if isinstance(n, ast.Call)]:
+                if not isinstance(call.func, (ast.Name, ast.Attribute)):
+                    continue
+                args = {dotted(a) for a in [*call.args, *(k.value for k in call.keywords)]}
+                if not (args & handed):
+                    continue
+                sym = symbols.resolve_node(o.file, call.func)
+                if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef):
+                    continue
+                where = _reallocates(sym.node)
+                if where is None:
+                    continue
+                what, line = where
+                o.hits.remove(h)
+                near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                             "reason": f"`{dotted(call.func)}` (class {sym.qualname}, {sym.file}:{sym.node.lineno}) takes "
+                                       f"`{', '.join(sorted(args & handed))}` at line {call.lineno} and {what} ({sym.file}:{line}): "
+                                       "the fused optimizer's combined buffers would go stale"})
+                break
+
+
+def _region(tree: ast.Module, qualname: str) -> Optional[list[ast.AST]]:
+    """The statements of the candidate's function (or the module's own statements for <module>)."""
+    if qualname == "<module>":
+        return [st for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    body: list[ast.stmt] = tree.body
+    node: Optional[ast.AST] = None
+    for part in qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            return None
+        body = node.body  # type: ignore[attr-defined]
+    return [node] if node is not None else None
+
+
+def _handed_names(f: Any) -> set[str]:
+    """The model whose parameters the guard reads and the names the optimizer is bound to."""
+    out: set[str] = set()
+    guard = f.guard_tensor or ""
+    if guard.startswith("next(") and ".parameters()" in guard:
+        out.add(guard[len("next("):guard.index(".parameters()")])
+    name = _bound_name(f.fused) if isinstance(f.fused, str) else None
+    if name and not name.startswith("_npufuse"):
+        out.add(name)
+    return {n for n in out if n}
+
+
+def _reallocates(cls: ast.ClassDef) -> Optional[tuple[str, int]]:
+    """(what, line) where the class's own code assigns a tensor's ``.grad`` or ``.data`` (not
+    ``self.data``): a new tensor, or None (freed), every time it runs."""
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                if isinstance(t, ast.Attribute) and t.attr == "grad":
+                    return ("sets grads to None" if isinstance(n.value, ast.Constant) and n.value.value is None
+                            else "assigns new grads (`.grad = ...`)"), n.lineno
+                if isinstance(t, ast.Attribute) and t.attr == "data" and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")):
+                    return "re-points parameters (`.data = ...`)", n.lineno
     return None
