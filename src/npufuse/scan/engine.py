@@ -29,6 +29,7 @@ import signal
 import threading
 import tokenize
 import traceback
+import unicodedata
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
 from npufuse.scan import config_shapes, replacement, repo_facts, repo_search, risks
-from npufuse.scan.dataflow import ModuleInfo, Scope, lf_line_ends, scope_text
+from npufuse.scan.dataflow import ModuleInfo, Scope, lf_line_ends
 from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
 DEFAULT_MAX_FILE_BYTES = 10 * 1024 * 1024
@@ -267,6 +268,47 @@ def _inside(spans: Iterable[tuple[int, int, str]], line: int, end_line: int) -> 
     return None
 
 
+# Pattern.SCOPE_WORDS gates on (tests switch them off to compare: the findings must not change)
+SCOPE_GATES = True
+
+
+def gate_words(module: ModuleInfo, pattern: Pattern) -> tuple[str, ...] | None:
+    """The words a scope of ``module`` must hold (one of them) for ``pattern.detect`` to run
+    there, or None (every scope). ``SCOPE_WORDS`` plus each import alias of the module whose
+    target names one of them (``from torch.optim import AdamW as W``: ``W(...)`` is an AdamW
+    call without the word; detectors resolve calls through ``module.aliases``). A word outside
+    ASCII (or an alias that is) opens the gate: only ASCII survives ``gate_text``'s NFKD intact."""
+    words = getattr(pattern, "SCOPE_WORDS", None)
+    if not isinstance(words, tuple) or not all(isinstance(w, str) and w and w.isascii() for w in words):
+        return None
+    extra = tuple(local for local, target in module.aliases.items() if any(w in target for w in words))
+    if extra and not all(a.isascii() for a in extra):
+        return None
+    return words + extra
+
+
+def gate_text(module: ModuleInfo, scope: Scope) -> str:
+    """The text ``SCOPE_WORDS`` are looked for in: the scope's whole lines (the file for
+    ``<module>``), which hold both ``dataflow.scope_text`` (the exact segment) and the lines
+    detectors cut (``_site.scope_text``), so a word test a detector makes on either is implied.
+    Text outside ASCII is NFKD-decomposed: Python reads an identifier as its NFKC form (a
+    fullwidth ``ｒｓｑｒｔ`` is ``rsqrt``), and every ASCII run of an identifier's NFKC form is
+    an ASCII run of its NFKD form, which is the concatenation of its characters' NFKD forms
+    (canonical reordering never moves a character across an ASCII one), so a word an identifier
+    holds is in the decomposed text. Computed once per scope, shared by every pattern."""
+    cached = scope.__dict__.get("_npufuse_gate_text")
+    if cached is None:
+        if isinstance(scope.node, ast.Module):
+            cached = module.source
+        else:
+            node = scope.node
+            cached = "".join(module.lines[node.lineno - 1 : (node.end_lineno or node.lineno)])  # type: ignore[attr-defined]
+        if not cached.isascii():
+            cached = unicodedata.normalize("NFKD", cached)
+        scope.__dict__["_npufuse_gate_text"] = cached
+    return cached
+
+
 def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:
     """Everything one file contributes to the scan. Never raises for bad input."""
     # The cyclic garbage collector is off while one file is analysed: parsing and detection
@@ -320,10 +362,10 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
         entry[3].add(scope.qualname)
 
     # Pattern.SCOPE_WORDS: a scope whose text holds none of a pattern's words is not handed to it
-    gates = [p.SCOPE_WORDS if isinstance(getattr(p, "SCOPE_WORDS", None), tuple) else None for p in patterns] if text.isascii() else [None] * len(patterns)
+    gates = [gate_words(module, p) for p in patterns] if SCOPE_GATES else [None] * len(patterns)
     gated = any(g is not None for g in gates)
     for scope in module.scopes:
-        scope_src = scope_text(module, scope) if gated else ""
+        scope_src = gate_text(module, scope) if gated else ""
         for pattern, words in zip(patterns, gates):
             if words is not None and not any(w in scope_src for w in words):
                 continue
