@@ -249,8 +249,7 @@ def _gated_out(module, scope, pattern: base.Pattern) -> bool:
     """Would the scan skip ``scope`` for ``pattern`` (engine.gate_words / gate_text)?"""
     from npufuse.scan import engine
 
-    words = engine.gate_words(module, pattern)
-    return words is not None and not any(w in engine.gate_text(module, scope) for w in words)
+    return engine.gated_out(module, scope, engine.gate_words(module, pattern))
 
 
 def _declaration_violations(pattern: base.Pattern, texts: list[str]) -> list[tuple[str, str]]:
