@@ -370,3 +370,28 @@ def test_gates_on_and_off_give_the_same_scan_of_sample_files(tmp_path, monkeypat
             continue
         on, off = _scan_both_ways(tmp_path, code, patterns, monkeypatch)
         assert on == off, str(path)
+
+
+_ODD_TEXTS = [
+    # text outside ASCII in docstrings, comments and identifiers; a fullwidth word; a \r\n file
+    'import torch\n"""Modèle — ∑ notes"""\n\n\ndef f(x):\n    """é"""\n    return x * 2\n\n\ndef g(x):\n    return x.\uff57here(1)\n\n\ndef h(x):\n    return x\n',
+    "import torch\r\n\r\n\r\ndef f(x):\r\n    # caf\u00e9\r\n    return x + 1\r\n\r\n\r\ndef g(x):\r\n    return x\r\n",
+    "import torch\n\nclass A:\n    def f(self, x):\n        return torch.\uff53caled_dot_product_attention(x, x, x)\n\n    def g(self, x):\n        return x  # \u00e9\n",
+    "from torch.optim import AdamW as W\n\n\ndef build(p):\n    return W(p)\n\n\ndef other(p):\n    return p\n",
+    "x = 1\n\x0cdef f(a):\n    return a @ a\n",  # a form feed: lines cut differently by source_lines
+]
+
+
+def test_gates_on_and_off_give_the_same_scan_of_odd_texts(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text outside ASCII (decomposed words, accents in docstrings), "\\r\\n" line ends, a form
+    feed, an import alias of a word: the same scan with gates on and off, and some scope skipped."""
+    from npufuse.scan import engine
+
+    patterns = list(all_patterns())
+    skipped = 0
+    for code in _ODD_TEXTS:
+        on, off = _scan_both_ways(tmp_path, code, patterns, monkeypatch)
+        assert on == off, code[:40]
+        module = _module(code)
+        skipped += sum(engine.gated_out(module, s, engine.gate_words(module, p)) for s in module.scopes for p in patterns)
+    assert skipped > 10
