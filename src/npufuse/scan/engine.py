@@ -398,18 +398,30 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     # Pattern.SCOPE_WORDS: a scope whose text holds none of a pattern's words is not handed to it
     gates = [gate_words(module, p) for p in patterns] if SCOPE_GATES else [None] * len(patterns)
     gated = any(g is not None for g in gates)
+    # per pattern: does the file hold one of its words as written (None: not looked yet)? A
+    # function's text is a run of the file's lines, so where the file holds none, no function
+    # does either: its scopes skip the search (most words of most patterns are in no scope)
+    in_file: list[bool | None] = [None] * len(patterns)
+    if gated and sum(map(len, module.lines)) != len(module.source):
+        in_file = [True] * len(patterns)  # lines not cut from the text as it is: search every scope
     for scope in module.scopes:
         # gated_out, inline (it runs for every scope and pattern): the words as written, then
         # the NFKD form of text outside ASCII (not for the <module> scope: kept unless ASCII)
         scope_src = gate_text(module, scope) if gated else None
         plain: bool | None = None
         top = isinstance(scope.node, ast.Module)
-        for pattern, words in zip(patterns, gates):
+        for k, (pattern, words) in enumerate(zip(patterns, gates)):
             if words is not None and scope_src is not None:
-                for w in words:
-                    if w in scope_src:
-                        break
-                else:
+                held = in_file[k]
+                if held is None:
+                    held = in_file[k] = any(w in module.source for w in words)
+                if held and not top:
+                    for w in words:
+                        if w in scope_src:
+                            break
+                    else:
+                        held = False
+                if not held:
                     if plain is None:
                         plain = scope_src.isascii()
                     if plain or not (top or any(w in gate_folded(module, scope) for w in words)):
