@@ -218,20 +218,43 @@ def test_scan_hands_a_pattern_only_scopes_with_its_words(tmp_path) -> None:
     assert sorted(m["qualname"] for m in out.near_misses) == ["<module>", "C.m", "has"]
 
 
-def test_scan_does_not_gate_a_file_with_text_outside_ascii(tmp_path) -> None:
+def test_scan_gates_text_outside_ascii_by_its_nfkd_form(tmp_path) -> None:
+    """A file with text outside ASCII is gated scope by scope: a scope naming the word in
+    fullwidth letters (Python reads ``ｎｅｅｄｌｅ`` as ``needle``) is still handed over, one
+    without the word in any spelling is not (before, no scope of such a file was gated)."""
     from npufuse.scan import engine
 
-    (tmp_path / "a.py").write_text(_NEEDLE_CODE + "\n\ndef caf\u00e9(x):\n    return x\n", encoding="utf-8")
+    extra = ("\n\ndef caf\u00e9(x):\n    return x\n"
+             "\n\ndef wide(x):\n    return x.\uff4e\uff45\uff45\uff44\uff4c\uff45()\n"
+             "\n\ndef acc\u0065\u0301nt(x):  # combining accent\n    return x.needle()\n")
+    (tmp_path / "a.py").write_text(_NEEDLE_CODE + extra, encoding="utf-8")
     probe = _Needle()
     engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
-    assert probe.seen == ["<module>", "has", "hasnt", "C.m", "caf\u00e9"]
+    assert probe.seen == ["<module>", "has", "C.m", "wide", "acc\u00e9nt"]  # not `hasnt`, not `caf\u00e9`
+
+
+def test_an_import_alias_of_a_word_opens_the_gate(tmp_path) -> None:
+    """``from m import needle as nd``: a scope calling ``nd(...)`` is handed over (detectors
+    resolve calls through the module's aliases), one naming neither is not."""
+    from npufuse.scan import engine
+
+    code = "from m import needle as nd\n\n\ndef a(x):\n    return nd(x)\n\n\ndef b(x):\n    return x\n"
+    (tmp_path / "a.py").write_text(code)
+    probe = _Needle()
+    engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
+    assert probe.seen == ["<module>", "a"]
+
+
+def _gated_out(module, scope, pattern: base.Pattern) -> bool:
+    """Would the scan skip ``scope`` for ``pattern`` (engine.gate_words / gate_text)?"""
+    from npufuse.scan import engine
+
+    return engine.gated_out(module, scope, engine.gate_words(module, pattern))
 
 
 def _declaration_violations(pattern: base.Pattern, texts: list[str]) -> list[tuple[str, str]]:
-    """(qualname, first line of the code) of each scope lacking all of the pattern's SCOPE_WORDS
+    """(qualname, first line of the code) of each scope the scan's gate skips for the pattern
     where its detector (unwrapped and ungated) still yields something."""
-    from npufuse.scan.dataflow import scope_text
-
     words = pattern.SCOPE_WORDS
     assert words is not None
     detect = getattr(type(pattern).detect, "__wrapped__", type(pattern).detect)
@@ -239,7 +262,7 @@ def _declaration_violations(pattern: base.Pattern, texts: list[str]) -> list[tup
     for code in texts:
         module = _module(code)
         for scope in module.scopes:
-            if any(w in scope_text(module, scope) for w in words):
+            if not _gated_out(module, scope, pattern):
                 continue
             try:
                 results = list(detect(pattern, module, scope))
@@ -271,3 +294,104 @@ def test_parsed_code_is_ast_parse_cached() -> None:
     assert body is not None and ast.dump(ast.Module(body, [])) == ast.dump(ast.parse(code))
     assert base.parsed_code(code) is body  # the same statements: parsed once
     assert base.parsed_code("a = (\n") is None and base.parsed_code("a = 1\x00") is None
+
+
+# -- every example, gates on and off ---------------------------------------------------------------
+
+
+def _outcome_summary(out) -> tuple:
+    """What a file contributes to scan.json, in comparable form: findings (span, params, fused
+    code, guard, variant), near misses with their reasons, and failures."""
+    hits = sorted((h.finding.pattern, h.finding.qualname, h.finding.line, h.finding.end_line, repr(h.finding.params),
+                   h.finding.fused, h.finding.guard_tensor, h.finding.variant, h.finding.confidence, repr(h.body))
+                  for h in out.hits)
+    near = sorted((m["pattern"], m["qualname"], m["line"], m["end_line"], m["reason"]) for m in out.near_misses)
+    return hits, near, sorted((f.kind, f.error) for f in out.failures)
+
+
+def _scan_both_ways(tmp_path, code: str, patterns, monkeypatch: pytest.MonkeyPatch) -> tuple[tuple, tuple]:
+    from npufuse.scan import engine
+
+    (tmp_path / "example.py").write_text(code, encoding="utf-8")
+    on = _outcome_summary(engine.analyze_file(tmp_path, "example.py", patterns, engine.ScanOptions()))
+    with monkeypatch.context() as m:
+        m.setattr(engine, "SCOPE_GATES", False)
+        off = _outcome_summary(engine.analyze_file(tmp_path, "example.py", patterns, engine.ScanOptions()))
+    return on, off
+
+
+@pytest.mark.parametrize("pid", sorted(p.id for p in all_patterns()))
+def test_every_example_scans_the_same_with_gates_on_and_off(pid: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each FUSE and KEEP example of the pattern, scanned by the engine with every detector: the
+    same findings (params, fused code, replacement text) and the same near-miss reasons whether
+    or not ``SCOPE_WORDS`` gates skip scopes. An example merged later that a word list does not
+    cover fails here (and in the declaration check below)."""
+    patterns = list(all_patterns())
+    pattern = next(p for p in patterns if p.id == pid)
+    examples = [*pattern.FUSE, *pattern.KEEP]
+    for i, ex in enumerate(examples):
+        on, off = _scan_both_ways(tmp_path, ex.code, patterns, monkeypatch)
+        assert on == off, (pid, i, getattr(ex, "name", ""))
+
+
+def test_every_declaration_holds_on_every_example_of_every_pattern() -> None:
+    """Per declared pattern, per example of ANY pattern (a look-alike of another pattern is a
+    near miss of this one): no scope the gate skips yields anything for the pattern."""
+    codes = _example_codes_all()
+    for p in all_patterns():
+        if p.SCOPE_WORDS is not None:
+            assert _declaration_violations(p, codes) == [], p.id
+
+
+def _example_codes_all() -> list[str]:
+    return [ex.code for p in all_patterns() for ex in [*p.FUSE, *p.KEEP]]
+
+
+def test_gates_skip_detector_calls_on_the_examples() -> None:
+    """The gates are not vacuous: on the examples some scopes are skipped for most declared
+    patterns (a declaration that never skips anything would be dead weight)."""
+    codes = _example_codes_all()
+    declared = [p for p in all_patterns() if p.SCOPE_WORDS is not None]
+    skipped = {p.id: 0 for p in declared}
+    for code in codes:
+        module = _module(code)
+        for scope in module.scopes:
+            for p in declared:
+                skipped[p.id] += _gated_out(module, scope, p)
+    assert sum(1 for n in skipped.values() if n > 0) >= len(declared) // 2, skipped
+
+
+def test_gates_on_and_off_give_the_same_scan_of_sample_files(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    patterns = list(all_patterns())
+    for path in _sample_files(6):
+        try:
+            code = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        on, off = _scan_both_ways(tmp_path, code, patterns, monkeypatch)
+        assert on == off, str(path)
+
+
+_ODD_TEXTS = [
+    # text outside ASCII in docstrings, comments and identifiers; a fullwidth word; a \r\n file
+    'import torch\n"""Modèle — ∑ notes"""\n\n\ndef f(x):\n    """é"""\n    return x * 2\n\n\ndef g(x):\n    return x.\uff57here(1)\n\n\ndef h(x):\n    return x\n',
+    "import torch\r\n\r\n\r\ndef f(x):\r\n    # caf\u00e9\r\n    return x + 1\r\n\r\n\r\ndef g(x):\r\n    return x\r\n",
+    "import torch\n\nclass A:\n    def f(self, x):\n        return torch.\uff53caled_dot_product_attention(x, x, x)\n\n    def g(self, x):\n        return x  # \u00e9\n",
+    "from torch.optim import AdamW as W\n\n\ndef build(p):\n    return W(p)\n\n\ndef other(p):\n    return p\n",
+    "x = 1\n\x0cdef f(a):\n    return a @ a\n",  # a form feed: lines cut differently by source_lines
+]
+
+
+def test_gates_on_and_off_give_the_same_scan_of_odd_texts(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text outside ASCII (decomposed words, accents in docstrings), "\\r\\n" line ends, a form
+    feed, an import alias of a word: the same scan with gates on and off, and some scope skipped."""
+    from npufuse.scan import engine
+
+    patterns = list(all_patterns())
+    skipped = 0
+    for code in _ODD_TEXTS:
+        on, off = _scan_both_ways(tmp_path, code, patterns, monkeypatch)
+        assert on == off, code[:40]
+        module = _module(code)
+        skipped += sum(engine.gated_out(module, s, engine.gate_words(module, p)) for s in module.scopes for p in patterns)
+    assert skipped > 10

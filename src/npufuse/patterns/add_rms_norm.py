@@ -606,6 +606,8 @@ class AddRmsNorm(Pattern):
     title = "residual add + RMSNorm -> npu_add_rms_norm"
     training_ok = False  # the API has no backward; the generated branch trains via npu_rms_norm
     bound = "memory"
+    # detect's first text test (a residual add), made once by the scan
+    SCOPE_WORDS = ("+",)
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if isinstance(scope.node, ast.Module) or not scope.class_name:

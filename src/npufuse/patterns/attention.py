@@ -2220,6 +2220,8 @@ class AttentionPattern(Pattern):
     title = "Eager attention (QKᵀ, scale, mask, softmax, dropout, @V) as one npu_fusion_attention"
     training_ok = True
     bound = "memory"
+    # detect's first test (no product of q and k: no eager attention), made once by the scan
+    SCOPE_WORDS = ("@", "matmul", "bmm", "einsum")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         text = scope_text(module, scope)

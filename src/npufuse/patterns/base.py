@@ -113,13 +113,16 @@ class Pattern:
     FUSE: ClassVar[list[Fuse]] = []
     KEEP: ClassVar[list[Keep]] = []
     #: Words the scan looks for before it calls ``detect`` on a scope: where the scope's own text
-    #: (``dataflow.scope_text``: a function's source, the whole file for ``<module>``) holds none
-    #: of them, ``detect`` is not called there (the detector's own text gate, done once by the
-    #: scan instead of by each detector on each of the ~20 scopes of a typical file). None: every
-    #: scope. Declare it only where ``detect`` yields nothing at all (no finding, no near miss)
-    #: for such a scope, helpers it follows included; tests/test_scan_speed_paths.py checks the
-    #: declaration on every example and sample file. Files with text outside ASCII are not
-    #: gated (identifiers are NFKC-normalised: a name need not be spelled as it reads).
+    #: (``engine.gate_text``: a function's whole lines, the whole file for ``<module>``) holds
+    #: none of them, nor the name of an import alias whose target holds one, ``detect`` is not
+    #: called there (the detector's own text gate, done once by the scan instead of by each
+    #: detector on each of the ~20 scopes of a typical file). None: every scope. Declare it only
+    #: where ``detect`` yields nothing at all (no finding, no near miss) for such a scope, helpers
+    #: it follows included (a helper named in the scope need not hold the word: then the words
+    #: cannot be static). Derive the words from the detector's own first text test where it has
+    #: one. tests/test_scan_speed_paths.py checks the declaration on every example and sample file
+    #: and that every FUSE/KEEP example gives the same findings and reasons with gates on and off.
+    #: Words are ASCII; text outside ASCII is NFKD-decomposed first (identifiers are read in NFKC).
     SCOPE_WORDS: ClassVar[tuple[str, ...] | None] = None
 
     def detect(self, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:

@@ -160,6 +160,11 @@ _THIRD_PARTY: dict[tuple[str, str], str] = {
     ("pytorch_pretrained_bert", "BertAdam"): _SAME_MATH.format(fused="NpuFusedBertAdam", origin="pytorch-pretrained-bert BertAdam"),
 }
 _THIRD_PARTY_CLASSES = tuple({k[1] for k in _THIRD_PARTY})
+# Pattern.SCOPE_WORDS: every result of detect hangs on a name or attribute whose canonical name
+# (module.canonical: the head import alias resolved) is one of these classes: its last dotted
+# part is the class name as written in the scope, or the whole name is an import alias of it
+# (the scan adds those aliases to the words); run-time choices are the scope's own assignments.
+FusedOptimizer.SCOPE_WORDS = (*_OPTIMIZERS, *_NO_FUSED, *sorted(_THIRD_PARTY_CLASSES))
 
 
 def _third_party_calls(module: ModuleInfo, stmt: ast.stmt) -> list[tuple[ast.Call, str]]:

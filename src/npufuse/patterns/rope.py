@@ -1236,6 +1236,8 @@ class RopePattern(Pattern):
     title = "Rotary position embedding (half / interleaved / complex) as one npu_rotary_mul"
     training_ok = True
     bound = "memory"
+    # detect's first test (a rotation multiplies: ``a*c + b*s``), made once by the scan
+    SCOPE_WORDS = ("*",)
 
     # ---------------------------------------------------------------------------------------------
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:

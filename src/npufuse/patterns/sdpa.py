@@ -74,6 +74,8 @@ class SdpaPattern(Pattern):
     title = "F.scaled_dot_product_attention as one npu_fusion_attention"
     training_ok = True
     bound = "memory"
+    # detect's first test, made once by the scan
+    SCOPE_WORDS = ("scaled_dot_product_attention",)
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if "scaled_dot_product_attention" not in scope_text(module, scope):

@@ -1432,6 +1432,8 @@ class Swiglu(Pattern):
     title = "SwiGLU (silu(gate) * up) -> npu_swiglu"
     training_ok = True
     bound = "memory"
+    # gate_results' first text test (a gated activation multiplies), made once by the scan
+    SCOPE_WORDS = ("*",)
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in gate_results(module, scope):

@@ -29,6 +29,7 @@ import signal
 import threading
 import tokenize
 import traceback
+import unicodedata
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
 from npufuse.scan import config_shapes, replacement, repo_facts, repo_search, repo_symbols, risks
-from npufuse.scan.dataflow import ModuleInfo, Scope, lf_line_ends, scope_text
+from npufuse.scan.dataflow import ModuleInfo, Scope, lf_line_ends
 from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
 DEFAULT_MAX_FILE_BYTES = 10 * 1024 * 1024
@@ -267,6 +268,81 @@ def _inside(spans: Iterable[tuple[int, int, str]], line: int, end_line: int) -> 
     return None
 
 
+# Pattern.SCOPE_WORDS gates on (tests switch them off to compare: the findings must not change)
+SCOPE_GATES = True
+
+
+def gate_words(module: ModuleInfo, pattern: Pattern) -> tuple[str, ...] | None:
+    """The words a scope of ``module`` must hold (one of them) for ``pattern.detect`` to run
+    there, or None (every scope). ``SCOPE_WORDS`` plus each import alias of the module whose
+    target names one of them (``from torch.optim import AdamW as W``: ``W(...)`` is an AdamW
+    call without the word; detectors resolve calls through ``module.aliases``). A word outside
+    ASCII (or an alias that is) opens the gate: only ASCII survives ``gate_folded``'s NFKD intact."""
+    declared = getattr(pattern, "SCOPE_WORDS", None)
+    if not isinstance(declared, tuple):
+        return None
+    words = _SHORTEST.get(declared)
+    if words is None:
+        if not all(isinstance(w, str) and w and w.isascii() for w in declared):
+            return None
+        # a word holding another word is found wherever that one is: looking for it adds nothing
+        words = _SHORTEST[declared] = tuple(w for w in dict.fromkeys(declared) if not any(o != w and o in w for o in declared))
+    targets = module.__dict__.get("_npufuse_alias_targets")
+    if targets is None:  # every alias target on one line each: one test per word finds most words absent
+        targets = module.__dict__["_npufuse_alias_targets"] = "\n".join(module.aliases.values())
+    if not any(w in targets for w in words):
+        return words
+    extra = tuple(local for local, target in module.aliases.items() if any(w in target for w in words))
+    if extra and not all(a.isascii() for a in extra):
+        return None
+    return words + extra
+
+
+_SHORTEST: dict[tuple[Any, ...], tuple[str, ...]] = {}
+
+
+def gate_text(module: ModuleInfo, scope: Scope) -> str:
+    """The text ``SCOPE_WORDS`` are looked for in first: the scope's whole lines (the file for
+    ``<module>``; ``_site.scope_text``, shared with the detectors that cut it), which hold
+    ``dataflow.scope_text`` (the exact segment) too, so a word test a detector makes on either
+    is implied by the same test here."""
+    from npufuse.patterns._site import scope_text as lines_text
+
+    return lines_text(module, scope)
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+
+
+def gate_folded(module: ModuleInfo, scope: Scope) -> str:
+    """``gate_text`` NFKD-decomposed, for a scope with text outside ASCII that lacks the words
+    as written. Python reads an identifier as its NFKC form (a fullwidth ``ｒｓｑｒｔ`` is
+    ``rsqrt``); every ASCII run of an identifier's NFKC form is an ASCII run of its NFKD form,
+    which is the concatenation of its characters' NFKD forms (canonical reordering moves no
+    character across an ASCII one, composition makes no ASCII character), so a word an
+    identifier holds is in the decomposed text. Only the runs outside ASCII are decomposed:
+    the same text (ASCII characters bound every run). Computed once per scope."""
+    cached = scope.__dict__.get("_npufuse_gate_folded")
+    if cached is None:
+        cached = scope.__dict__["_npufuse_gate_folded"] = _NON_ASCII.sub(lambda m: unicodedata.normalize("NFKD", m.group()), gate_text(module, scope))
+    return cached
+
+
+def gated_out(module: ModuleInfo, scope: Scope, words: tuple[str, ...] | None) -> bool:
+    """Does the scan skip ``scope`` for a pattern with these ``gate_words``? (The loop in
+    ``_analyze_file`` makes the same test inline.) The ``<module>`` scope is not decomposed: its
+    text is the whole file, where decomposing the text outside ASCII costs more than the
+    detector's own first test: that scope is skipped only in an ASCII file."""
+    if words is None:
+        return False
+    text = gate_text(module, scope)
+    if any(w in text for w in words):
+        return False
+    if isinstance(scope.node, ast.Module):
+        return text.isascii()
+    return text.isascii() or not any(w in gate_folded(module, scope) for w in words)
+
+
 def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:
     """Everything one file contributes to the scan. Never raises for bad input."""
     # The cyclic garbage collector is off while one file is analysed: parsing and detection
@@ -320,13 +396,36 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
         entry[3].add(scope.qualname)
 
     # Pattern.SCOPE_WORDS: a scope whose text holds none of a pattern's words is not handed to it
-    gates = [p.SCOPE_WORDS if isinstance(getattr(p, "SCOPE_WORDS", None), tuple) else None for p in patterns] if text.isascii() else [None] * len(patterns)
+    gates = [gate_words(module, p) for p in patterns] if SCOPE_GATES else [None] * len(patterns)
     gated = any(g is not None for g in gates)
+    # per pattern: does the file hold one of its words as written (None: not looked yet)? A
+    # function's text is a run of the file's lines, so where the file holds none, no function
+    # does either: its scopes skip the search (most words of most patterns are in no scope)
+    in_file: list[bool | None] = [None] * len(patterns)
+    if gated and sum(map(len, module.lines)) != len(module.source):
+        in_file = [True] * len(patterns)  # lines not cut from the text as it is: search every scope
     for scope in module.scopes:
-        scope_src = scope_text(module, scope) if gated else ""
-        for pattern, words in zip(patterns, gates):
-            if words is not None and not any(w in scope_src for w in words):
-                continue
+        # gated_out, inline (it runs for every scope and pattern): the words as written, then
+        # the NFKD form of text outside ASCII (not for the <module> scope: kept unless ASCII)
+        scope_src = gate_text(module, scope) if gated else None
+        plain: bool | None = None
+        top = isinstance(scope.node, ast.Module)
+        for k, (pattern, words) in enumerate(zip(patterns, gates)):
+            if words is not None and scope_src is not None:
+                held = in_file[k]
+                if held is None:
+                    held = in_file[k] = any(w in module.source for w in words)
+                if held and not top:
+                    for w in words:
+                        if w in scope_src:
+                            break
+                    else:
+                        held = False
+                if not held:
+                    if plain is None:
+                        plain = scope_src.isascii()
+                    if plain or not (top or any(w in gate_folded(module, scope) for w in words)):
+                        continue
             try:
                 results = list(pattern.detect(module, scope))
             except RecursionError:
