@@ -364,6 +364,12 @@ class Renderer:
         # needs the scores' size only, never their values, so it is rendered without computing them
         self.scores_shape: str | None = None
         self.scores_steps: set[int] = set()
+        # statements of the span run as written on the fused branch (before the call) instead of being
+        # inlined into its inputs: one that calls a module (``k, v = self.to_kv(ctx).chunk(2, -1)``,
+        # inlined per operand it would run twice, issue 14 class 7) or one whose result is read after
+        # the site (``k`` returned for a cache: the fused op does not produce it, so it is computed as before)
+        self.bound: set[int] = set()
+        self.live_after: Any = None  # (Ref) -> bool: the name's value at the site, read after it
 
     def text(self, node: Any) -> str:
         return ast.unparse(self._ast(node))
@@ -378,8 +384,47 @@ class Renderer:
             return ast.Name(ref.name, ast.Load())
         if ref.value is None or isinstance(ref.value, Opaque):
             raise Miss(f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
+        if ref.idx in self.bound or (self._wants_binding(ref) and self._bindable(ref.idx, 0)):
+            self.emitted.add(ref.name)
+            return ast.Name(ref.name, ast.Load())
         self.consumed.add(ref.idx)
         return self._inline(ref.value)
+
+    def _wants_binding(self, ref: Ref) -> bool:
+        stmt = self.interp.block[ref.idx]
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and any(
+                isinstance(n, ast.Call) and (dotted(n.func) or "").startswith("self.") for n in fast_walk(stmt.value)):
+            return True
+        return self.live_after is not None and bool(self.live_after(ref))
+
+    def _bindable(self, idx: int, depth: int) -> bool:
+        """Statement ``idx`` can run as written on the fused branch: a plain assignment or an ``if``
+        of them, none of whose values involves the scores, reading only names live before the span
+        or bound by statements that are bound too (marked, with them, in ``bound``)."""
+        if idx in self.bound:
+            return True
+        stmt = self.interp.block[idx]
+        if depth > 8 or not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.If)) or idx < self.start:
+            return False
+        if isinstance(stmt, ast.If) and any(not isinstance(n, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Pass)) for n in stmt.body + stmt.orelse):
+            return False
+        after = self.interp.before[idx + 1] if idx + 1 < len(self.interp.block) else self.interp.after
+        values = [after.get(n) for n in self.interp.assigned[idx]]
+        if not values or any(v is None or _heavy(v, through_meta=False) for v in values):
+            return False
+        deps = {d.idx for v in values for d in _direct_refs(v) if self.start <= d.idx < idx}
+        if not all(self._bindable(d, depth + 1) for d in deps):
+            return False
+        # where the fused call is guarded by a run-time check, the bound statements run before that
+        # check and the original code (less them) after it: no earlier statement of the span may read
+        # or write what this one assigns
+        mine = self.interp.assigned[idx]
+        for j in range(self.start, idx):
+            if j not in self.bound and (self.interp.assigned[j] & mine or any(
+                    isinstance(n, ast.Name) and n.id in mine for n in fast_walk(self.interp.block[j]))):
+                return False
+        self.bound.add(idx)
+        return True
 
     def _is_scores_step(self, node: Any) -> bool:
         """``node`` names a value assigned by one of the attention steps (scores or probabilities,
@@ -457,6 +502,17 @@ class Renderer:
         if id(n) in self.repeat_of and all(i >= self.start for i in seen):
             return self.repeat_of[id(n)]
         return None
+
+
+def _direct_refs(node: Any) -> Iterator[Ref]:
+    """The variable references a symbolic value reads directly (not through their own values)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Ref):
+            yield n
+        elif isinstance(n, ast.AST) and not isinstance(n, (Undef, Opaque)):
+            stack.extend(child_nodes(n))
 
 
 # the last name of a product's callee, however torch is imported (``th.matmul``, ``from torch import
@@ -2323,6 +2379,7 @@ class AttentionPattern(Pattern):
                 if bias:
                     return NearMiss(self.id, scope.qualname, span_line, end_line, bias)
         r = Renderer(module, interp, s, matcher.repeat_of)
+        r.live_after = lambda ref: interp.before[e].get(ref.name) is ref and scope.uses_after(ref.name, end_line)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
             r.meta_base = q_t if is_simple(q_t) else "_npufuse_q"
@@ -2375,19 +2432,25 @@ class AttentionPattern(Pattern):
         steps = chain.seen | r.consumed
         # a statement inlined into the fused call's inputs (``output_size = (v.size(1), ...)``) whose names are
         # read after the site too is kept: the fused branch runs it as the original does
-        kept = {j for j in r.consumed - chain.seen if s <= j < e and isinstance(block[j], ast.Assign)
+        kept = {j for j in r.consumed - chain.seen - r.bound if s <= j < e and isinstance(block[j], ast.Assign)
                 and not _heavy(interp.sym(block[j].value, interp.before[j]), through_meta=False)
                 and any(scope.uses_after(name, end_line) for name in interp.assigned[j]) and not interp.assigned[j] & r.emitted}
         internal: set[str] = set()
+        # bound statements go first: they read only names live before the span or bound before them,
+        # and no other statement of the span before them touches what they assign (Renderer._bindable)
+        bound_lines: list[str] = []
         for j in range(s, e):
-            if j in steps and j not in kept:
+            if j in steps and j not in kept and j not in r.bound:
                 internal |= interp.assigned[j]
         for j in range(s, e):
+            if j in r.bound:
+                bound_lines.append(_statement_text(module, block[j]))  # runs as written (see Renderer.bound)
+                continue
             if j in steps and j not in kept:
                 continue
             other = block[j]
             # names assigned by earlier steps only: a later step's rebinding is not what this statement reads
-            internal_here = set().union(*(interp.assigned[i] for i in range(s, j) if i in steps and i not in kept))
+            internal_here = set().union(*(interp.assigned[i] for i in range(s, j) if i in steps and i not in kept and i not in r.bound))
             reads = {n.id for n in fast_walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
             reads_internal = reads & internal_here
             if reads_internal and self._meta_only(other, reads_internal) and not any(
@@ -2413,6 +2476,7 @@ class AttentionPattern(Pattern):
                     f"line {other.lineno} reassigns `{sorted(interp.assigned[j] & r.emitted)[0]}`, an input of the attention, inside the site",
                 )
             lines.append(_statement_text(module, other))
+        lines = bound_lines + lines
         # live-outs: names computed inside the span and read after it
         pv_nodes = {id(n) for n in fast_walk(node)}
         in_final = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in pv_nodes}
@@ -2609,7 +2673,14 @@ class AttentionPattern(Pattern):
         lines.append(replace_segments(module, stmt, [(node, call)]))
         if value_check is not None:
             span = block[s : next(n for n, b in enumerate(block) if b is stmt) + 1]
-            lines = checked_body(lines[:value_split], lines[value_split:], value_check, block_source(module, span))
+            if r.bound & set(range(s, e)):
+                # the bound statements run before the check (they are among its inputs): the original
+                # code after it runs without them, so nothing is computed twice (``k = cat((mem, k))``)
+                original = "\n".join(block_source(module, [b]) for j, b in enumerate(span, s) if j not in r.bound)
+                value_split = max(value_split, len(bound_lines))
+            else:
+                original = block_source(module, span)
+            lines = checked_body(lines[:value_split], lines[value_split:], value_check, original)
         if none_probs:
             risks.append(Risk("other", f"the attention weights are not returned on the fused branch: `{', '.join(none_probs)}` (the attention probabilities) is None there, because "
                               "npu_fusion_attention does not produce them — a caller asking for attention weights (output_attentions=True) gets None instead of the "
@@ -4337,3 +4408,128 @@ leaves = [q, k, v]
 """,
     )
 )
+
+
+# --- issue 14 class 3/7: statements bound once on the fused branch (Renderer.bound) ---
+# a module call feeding k and v through one tuple (``k, v = self.to_kv(ctx).chunk(2, -1)``) runs once,
+# as written, before the fused call; k/v read after the site (a memory / cache) are computed as before
+_BIND_ONCE = '''
+import torch
+from torch import einsum, nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=32, heads=4, dim_head=8):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(dim, dim_head * 2, bias=False)
+
+    def forward(self, x, memory=None, bias=None):
+        q, k, v = (self.to_q(x), *self.to_kv(x).chunk(2, dim=-1))
+        q = q.view(q.shape[0], q.shape[1], self.heads, -1).transpose(1, 2)
+        q = q * self.scale
+        if memory is not None:
+            k_mem, v_mem = memory.unbind(dim=-2)
+            k = torch.cat((k_mem, k), dim=-2)
+            v = torch.cat((v_mem, v), dim=-2)
+        sim = einsum("b h i d, b j d -> b h i j", q, k)
+        i, j = sim.shape[-2:]
+        BIAS
+        causal_mask = torch.ones((i, j), dtype=torch.bool, device=x.device).triu(j - i + 1)
+        sim = sim.masked_fill(causal_mask, -torch.finfo(sim.dtype).max)
+        attn = sim.softmax(dim=-1)
+        out = einsum("b h i j, b j d -> b h i d", attn, v)
+        out = out.transpose(1, 2).flatten(2)
+        new_memory = torch.stack((k, v), dim=-2).detach()
+        return out, new_memory
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        name="module_call_bound_once",
+        # CoCa-style cross attention: k and v from one projection; inlined per operand the projection
+        # would run twice, so its statement runs once, as written, on the fused branch
+        code="""
+import torch
+from torch import einsum, nn
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, dim_head=8):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(dim, dim_head * 2, bias=False)
+
+    def forward(self, x, context):
+        q = self.to_q(x)
+        q = q.view(q.shape[0], q.shape[1], self.heads, -1).transpose(1, 2)
+        q = q * self.scale
+        k, v = self.to_kv(context).chunk(2, dim=-1)
+        sim = einsum("b h i d, b j d -> b h i j", q, k)
+        sim = sim - sim.amax(dim=-1, keepdim=True)
+        attn = sim.softmax(dim=-1)
+        out = einsum("b h i j, b j d -> b h i d", attn, v)
+        return out.transpose(1, 2).flatten(2)
+""",
+        expect={"k": "k", "v": "v", "scale": "self.scale"},
+        run="""
+m = CrossAttention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+c = torch.randn(2, 7, 32, requires_grad=True)
+out = m(x, c)
+leaves = [x, c, m.to_kv.weight]
+""",
+    ),
+    Fuse(
+        name="keys_kept_for_a_memory",
+        # memorizing-transformers style: k/v extended by a memory under a condition, and stacked after the
+        # attention as the next memory: the fused op does not consume them, so their statements run as before
+        code=_BIND_ONCE.replace("BIAS", "pass"),
+        expect={"k": "k", "v": "v", "mask_kind": "bool_masked"},
+        run="""
+m = Attention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+mem = torch.randn(2, 3, 2, 8)
+out = (m(x, mem)[0] + m(x)[0], m(x, mem)[1])
+leaves = [x, m.to_kv.weight, m.to_q.weight]
+""",
+    ),
+    Fuse(
+        name="keys_kept_for_a_memory_value_checked",
+        # the same with an additive float term whose values are checked at run time: the bound statements run
+        # before the check, and the original code after it runs without them (the memory is concatenated once)
+        code=_BIND_ONCE.replace("BIAS", "if bias is not None:\n            sim = bias + sim"),
+        expect={"mask_values_checked": True},
+        run="""
+m = Attention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+mem = torch.randn(2, 3, 2, 8)
+pad = torch.zeros(2, 1, 5, 8)
+pad[..., 0] = float("-inf")
+alibi = -torch.arange(8.0).expand(2, 1, 5, 8)
+out = (m(x, mem)[0] + m(x)[0] + m(x, mem, pad)[0] + m(x, mem, alibi)[0], m(x, mem, alibi)[1])
+leaves = [x, m.to_kv.weight, m.to_q.weight]
+""",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="scaled_key_used_after",
+        # the key's scaling is folded into the fused call's scale: the scaled k the code returns is not computed
+        # on the fused branch, and k's statement reads the pre-scale key the call needs
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    k = k * 0.125
+    sim = torch.matmul(q, k.transpose(-1, -2))
+    attn = sim.softmax(dim=-1)
+    return torch.matmul(attn, v), k
+""",
+        reason="intermediate `k` is used after the attention",
+    ),
+]
