@@ -846,6 +846,8 @@ class Chain:
     # channel-first single-head attention (VQ-VAE attention blocks): bmm(qᵀ, k) with k already [B, D, S],
     # and bmm(v, Pᵀ) with v [B, D, S] giving the output [B, D, Sq]
     k_transposed: bool = False
+    # guided/latent-diffusion QKVAttention: q too laid out [B*H, C, Sq] (einsum "bct,bcs->bts")
+    q_transposed: bool = False
     v_transposed: bool = False
     out_transposed: bool = False  # the product's result is [B, D, Sq] (bmm(v, Pᵀ), einsum "bcj,bji->bci")
     p_transposed: bool = False  # the probabilities reach the product transposed (einops "b i j -> b j i")
@@ -1780,9 +1782,10 @@ class _Matcher:
             chain.k.heads_added = heads_added
         elif len(c.out) == 3:
             bb, i = c.out[0], c.out[1]
-            if qs != bb + i + d or set(ks) != {bb, j, d} or ks[0] != bb:
+            if set(qs) != {bb, i, d} or qs[0] != bb or set(ks) != {bb, j, d} or ks[0] != bb:
                 raise Miss(f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
             chain.q = self.peel_operand(q_node, "q", "3D", chain)
+            chain.q_transposed = qs == bb + d + i  # q laid out [B, D, Sq] (channel-first)
             chain.k = self.peel_operand(k_node, "k", "3D", chain)
             chain.k_transposed = ks == bb + d + j  # k laid out [B, D, Skv] (channel-first)
         else:
@@ -2306,7 +2309,7 @@ class AttentionPattern(Pattern):
         Skv is k's sequence axis (3-D multi-query keys included). None elsewhere (channel-first
         keys, heads folded into the batch, 5-D windows): such reads keep their near miss."""
         assert chain.q and chain.k
-        if chain.k_transposed or chain.heads_in_batch or chain.q.heads_added or chain.q.layout != chain.k.layout:
+        if chain.k_transposed or chain.q_transposed or chain.heads_in_batch or chain.q.heads_added or chain.q.layout != chain.k.layout:
             return None
         if chain.q.layout in ("BNSD", "3D"):
             return f"torch.Size((*{atom(q_t)}.shape[:-1], {atom(k_t)}.shape[-2]))"
@@ -2527,11 +2530,11 @@ class AttentionPattern(Pattern):
                 return NearMiss(self.id, scope.qualname, span_line, end_line, "bmm attention mixing 3-D and 4-D operands")
             layout = "BNSD"
             # channel-first operands ([B, D, S] kᵀ / vᵀ) are transposed back to [B, S, D]
-            k_3, v_3 = (f"{atom(x)}.transpose(1, 2)" if t else x for x, t in ((k_n, chain.k_transposed), (v_n, chain.v_transposed)))
-            tail = ".contiguous()" if chain.k_transposed or chain.v_transposed else ""  # transposed views are copied
-            q_a, k_a, v_a = (f"{atom(x)}.unsqueeze(1){tail}" for x in (q_n, k_3, v_3))
-            head_num, sq = "1", f"{atom(q_n)}.shape[1]"
-            if chain.k_transposed or chain.v_transposed:
+            q_3, k_3, v_3 = (f"{atom(x)}.transpose(1, 2)" if t else x for x, t in ((q_n, chain.q_transposed), (k_n, chain.k_transposed), (v_n, chain.v_transposed)))
+            tail = ".contiguous()" if chain.q_transposed or chain.k_transposed or chain.v_transposed else ""  # transposed views are copied
+            q_a, k_a, v_a = (f"{atom(x)}.unsqueeze(1){tail}" for x in (q_3, k_3, v_3))
+            head_num, sq = "1", f"{atom(q_n)}.shape[{2 if chain.q_transposed else 1}]"
+            if chain.q_transposed or chain.k_transposed or chain.v_transposed:
                 chain.notes.append("channel-first attention (k and/or v laid out [B, D, S], output of bmm(v, Pᵀ) [B, D, Sq]): "
                                    "the fused call takes [B, 1, S, D] views and the result is transposed back")
         elif folded:
@@ -2731,10 +2734,10 @@ class AttentionPattern(Pattern):
     @staticmethod
     def _guard(q_text: str) -> str:
         node = ast.parse(q_text, mode="eval").body
-        for n in fast_walk(node):
-            if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"):
-                return n.id
-        return q_text
+        # the first name in source order: ``(q * scale).view(b * h, ch, t)`` is guarded on ``q``, not on the
+        # int ``ch`` a breadth-first walk meets first (an int is never on the NPU: the fused branch never ran)
+        names = sorted((n.col_offset, n.id) for n in fast_walk(node) if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"))
+        return names[0][1] if names else q_text
 
     def _mask_desc(self, r: Renderer, m: MaskTerm) -> str:
         kind = m.causal or m.kind
@@ -4531,5 +4534,97 @@ def attend(q, k, v):
     return torch.matmul(attn, v), k
 """,
         reason="intermediate `k` is used after the attention",
+    ),
+]
+
+
+# --- issue 14 class 3: channel-first einsum attention (q, k and v all [B*H, C, T]) ---
+AttentionPattern.FUSE += [
+    Fuse(
+        name="channel_first_einsum_qkv",
+        # guided/latent-diffusion QKVAttention(Legacy): q/k/v [B*H, C, T], scores "bct,bcs->bts" with the scale
+        # on both operands, fp32 softmax cast back, output "bts,bcs->bct" [B*H, C, T]: the fused call takes
+        # [B*H, 1, T, C] (each operand transposed) and its result is transposed back
+        code="""
+import math
+
+import torch as th
+from torch import nn
+
+
+class QKVAttentionLegacy(nn.Module):
+    def __init__(self, n_heads=2):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def forward(self, qkv):
+        bs, width, length = qkv.shape
+        ch = width // (3 * self.n_heads)
+        q, k, v = qkv.reshape(bs * self.n_heads, ch * 3, length).split(ch, dim=1)
+        scale = 1 / math.sqrt(math.sqrt(ch))
+        weight = th.einsum("bct,bcs->bts", q * scale, k * scale)
+        weight = th.softmax(weight.float(), dim=-1).type(weight.dtype)
+        a = th.einsum("bts,bcs->bct", weight, v)
+        return a.reshape(bs, -1, length)
+""",
+        expect={"output_layout": "3D", "q": "q * scale", "k": "k * scale"},
+        run="""
+x = th.randn(2, 3 * 2 * 16, 10, requires_grad=True)
+out = QKVAttentionLegacy()(x)
+leaves = [x]
+""",
+    ),
+    Fuse(
+        name="channel_first_einsum_viewed_operands",
+        # the same with heads split out of the operands by views inside the einsum call (QKVAttention)
+        code="""
+import math
+
+import torch as th
+from torch import nn
+
+
+class QKVAttention(nn.Module):
+    def __init__(self, n_heads=2):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def forward(self, qkv):
+        bs, width, length = qkv.shape
+        ch = width // (3 * self.n_heads)
+        q, k, v = qkv.chunk(3, dim=1)
+        scale = 1 / math.sqrt(math.sqrt(ch))
+        weight = th.einsum(
+            "bct,bcs->bts",
+            (q * scale).view(bs * self.n_heads, ch, length),
+            (k * scale).view(bs * self.n_heads, ch, length),
+        )
+        weight = th.softmax(weight.float(), dim=-1).type(weight.dtype)
+        a = th.einsum("bts,bcs->bct", weight, v.reshape(bs * self.n_heads, ch, length))
+        return a.reshape(bs, -1, length)
+""",
+        expect={"output_layout": "3D"},
+        run="""
+x = th.randn(2, 3 * 2 * 16, 10, requires_grad=True)
+out = QKVAttention()(x)
+leaves = [x]
+""",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="channel_first_softmax_over_queries",
+        # the same layout normalised over the query axis: not attention over the keys
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    w = torch.einsum("bct,bcs->bts", q, k) * 0.25
+    w = torch.softmax(w, dim=1)
+    return torch.einsum("bts,bcs->bct", w, v)
+""",
+        reason="softmax over dim 1, not the last (key) dim",
     ),
 ]
