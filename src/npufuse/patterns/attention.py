@@ -90,6 +90,18 @@ class Opaque(ast.expr):
     _fields = ()
 
 
+class Under(ast.expr):
+    """A value assigned inside ``with <ctx>:`` (a one-assignment body, no ``as``): Megatron's dropout
+    under ``get_cuda_rng_tracker().fork()``, a mask sliced under ``torch.no_grad()``. Only the dropout
+    step and the renderer of non-differentiable inputs know it; anywhere else it stops the match."""
+
+    _fields = ("value",)
+
+    def __init__(self, value: ast.expr, ctx: str) -> None:
+        super().__init__()
+        self.value, self.ctx = value, ctx
+
+
 def _shallow_copy(node: ast.AST) -> ast.AST:
     """``copy.copy(node)`` for the parser's node classes (what copy.copy does for them — a new
     instance with the same ``__dict__`` — without its generic reduce/reconstruct machinery);
@@ -237,6 +249,13 @@ class BlockInterp:
                         cond = Cond()
                         cond.test, cond.body, cond.orelse = test, a if a is not None else before, b if b is not None else before
                         env[name] = Ref(name, i, cond, stmt)
+            elif isinstance(stmt, ast.With) and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Assign) \
+                    and all(it.optional_vars is None for it in stmt.items) \
+                    and all(isinstance(t, ast.Name) for t in stmt.body[0].targets):
+                ctx = ", ".join(ast.unparse(it.context_expr) for it in stmt.items)
+                value = Under(self.sym(stmt.body[0].value, env), ctx)
+                for t in stmt.body[0].targets:
+                    self._bind(t, value, env, i, stmt)
             elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or type(stmt).__name__ in ("TryStar", "Match"):
                 for name in _assigned_names([stmt]):
                     env[name] = Ref(name, i, Opaque(), stmt)
@@ -858,6 +877,9 @@ class Chain:
     # (test, negated, step): a branch of the scores the fused op has no equivalent of (soft-capping);
     # the fused call runs only where that branch is not taken
     excluded: list[tuple[Any, bool, str]] = field(default_factory=list)
+    # (test, risk): conditions the fused call needs (a softmax module that builds its own mask when given
+    # none runs the original code then)
+    requires: list[tuple[Any, str]] = field(default_factory=list)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1191,6 +1213,12 @@ class _Matcher:
                 chain.p_transposed = not chain.p_transposed
                 node = self._transposed_input(node)
                 continue
+            if isinstance(node, Under):
+                inner = deref(node.value, chain.seen)
+                if self.dropout_of(inner) is None:
+                    raise Miss(f"the attention probabilities are computed inside `with {node.ctx}:` (a context npufuse does not reproduce)")
+                self._under_dropout(node, chain)
+                node = inner
             drop = self.dropout_of(node)
             if drop is not None:
                 x, p, active = drop
@@ -1212,6 +1240,13 @@ class _Matcher:
                     chain.dropout = ("dropout", inner_b[1], inner_b[2])
                     chain.dropout_cond = (node.test, True)
                     node = a
+                    continue
+                if inner_a is not None and inner_b is not None and inner_a[0] is inner_b[0] \
+                        and self.src(inner_a[1]) == self.src(inner_b[1]) and self.src(inner_a[2]) == self.src(inner_b[2]):
+                    # Megatron: ``if not sequence_parallel: with rng.fork(): p = drop(p) else: p = drop(p)``:
+                    # the same dropout on either branch
+                    chain.dropout = ("dropout", inner_a[1], inner_a[2])
+                    node = inner_a[0]
                     continue
                 # BART-style ``if output_attentions: w = w.view(4-D).view(3-D)``: both branches feed the same
                 # product, so a branch that only re-views the other is the same tensor: follow the other
@@ -1244,9 +1279,70 @@ class _Matcher:
             if self._qk_softmax(node):
                 self._sink_column(node)
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
+            pre = self._softmax_module(node, chain)
+            if pre is not None:
+                return pre
             self._opaque_normaliser(node)
             return None
         return None
+
+    def _softmax_module(self, node: Any, chain: Chain) -> Any:
+        """``self.<m>(scores, mask)`` with ``self.<m>`` built in ``__init__`` from a class (this file or
+        another file of the repo) whose forward is read by :func:`repo_facts.softmax_module` as
+        ``softmax(mask_func(x * self.scale, mask))`` and whose mask function (resolved through the
+        constructor's callers, across files) fills the mask's True positions with a large negative value:
+        returns the softmax input that computes the same, ``(x.masked_fill(mask, v) if mask is not None
+        else x) * scale``; None when ``node`` is not such a call (or the class is not found: the caller
+        reports it); raises the near miss when the class or its mask function is not of that form."""
+        from npufuse.scan import repo_facts
+
+        if not (isinstance(node, ast.Call) and _is_self_attr(node.func) and node.args):
+            return None
+        ctor = self._module_attr_ctor(node.func)
+        if ctor is None or not _heavy(node.args[0], through_meta=False):
+            return None
+        cls = dotted(ctor.func)
+        if cls is None or (self.module.canonical(ctor.func) or "").startswith("torch."):
+            return None
+        d = repo_facts.definition(self.module, cls)
+        if d is None:
+            return None
+        what = f"`{self.src(node.func)}` (a `{cls}` module built in `__init__`, defined in {d.rel}:{getattr(d.node, 'lineno', 0)})"
+        sem = repo_facts.softmax_module(d)
+        if sem is None:
+            raise Miss(f"the probabilities come from {what}: its forward is not read as scale -> mask function -> softmax over the "
+                       "last dim, so npufuse cannot check that npu_fusion_attention computes the same")
+        mask_arg = repo_facts._arg_for(ctor, sem.init_params, sem.mask_param)
+        if mask_arg is None:
+            raise Miss(f"the probabilities come from {what}, built without its mask function `{sem.mask_param}`")
+        fill, where = repo_facts.resolve_function(repo_facts.repo_root(self.module), self.module.path, self.module.tree, mask_arg,
+                                                  repo_facts._enclosing(self.module.tree, ctor))
+        if fill is None:
+            raise Miss(f"the probabilities come from {what}, read as softmax({sem.mask_param}(x * scale, mask)), but what its mask "
+                       f"function computes is not known: {where}")
+        if len(node.args) == 2 and not node.keywords:
+            x, mask = node.args
+        elif len(node.args) == 1 and len(node.keywords) == 1:
+            x, mask = node.args[0], node.keywords[0].value
+        else:
+            raise Miss(f"the softmax module {what} is called with arguments npufuse does not map onto `forward(input, mask)`")
+        not_none = ast.Compare(left=mask, ops=[ast.IsNot()], comparators=[ast.Constant(None)])
+        masked = ast.Call(func=ast.Attribute(value=x, attr="masked_fill", ctx=ast.Load()), args=[mask, ast.parse(fill, mode="eval").body], keywords=[])
+        pre = Cond()
+        pre.test, pre.body, pre.orelse = not_none, masked, x
+        if sem.scale_attr:
+            attr = ast.Attribute(value=node.func, attr=sem.scale_attr, ctx=ast.Load())
+            factor = ast.IfExp(test=ast.Compare(left=attr, ops=[ast.IsNot()], comparators=[ast.Constant(None)]), body=attr, orelse=ast.Constant(1.0))
+            pre = ast.BinOp(left=pre, op=ast.Mult(), right=factor)
+        if sem.makes_mask_when_none:
+            chain.requires.append((not_none, f"`{sem.name}` builds its own (causal) mask when it gets none: the fused call runs only where "
+                                             f"`{self.src(mask)}` is not None; the original code runs otherwise"))
+        other = f"; its other path{'s' if len(sem.other_paths) > 1 else ''} ({', '.join(sem.other_paths)}: CUDA kernels) are not what the fused call follows" if sem.other_paths else ""
+        chain.risks.append(Risk("numerics", f"the probabilities come from {what}, read as its torch path softmax({sem.mask_param}(x * "
+                                            f"self.{sem.scale_attr or '<none>'}, mask)) with {sem.mask_param} = {where}, a masked_fill with {fill}: the fused "
+                                            f"call masks those positions out entirely (exp({fill}) is 0 in fp32 too){other}"))
+        chain.spelling.append("softmax_module")
+        return pre
 
     def _sink_column(self, node: Any) -> None:
         """gpt-oss style attention sinks: a logit column concatenated to the scores on the key axis
@@ -1357,7 +1453,22 @@ class _Matcher:
         return False
 
     def _strip_dropout(self, node: Any, chain: Chain) -> tuple[Any, Any, Any] | None:
-        return self.dropout_of(deref(node, chain.seen))
+        n = deref(node, chain.seen)
+        if isinstance(n, Under):
+            drop = self.dropout_of(deref(n.value, chain.seen))
+            if drop is not None:
+                self._under_dropout(n, chain)
+            return drop
+        return self.dropout_of(n)
+
+    def _under_dropout(self, node: Under, chain: Chain) -> None:
+        """A dropout run inside ``with <ctx>:`` (Megatron's model-parallel RNG fork): the fused op draws its
+        dropout mask from the NPU generator outside that context."""
+        risk = (f"the dropout ran inside `with {node.ctx}:` (an RNG-state context, e.g. Megatron's model-parallel "
+                "fork); the fused op draws its dropout mask from the NPU generator, outside that context: masks "
+                "differ from the original's, and tensor-parallel ranks may draw correlated masks (compare with dropout off)")
+        if not any(r.detail == risk for r in chain.risks):
+            chain.risks.append(Risk("numerics", risk))
 
     def _first_diff(self, a: Any, b: Any) -> str:
         for n in (a, b):
@@ -2622,6 +2733,14 @@ class AttentionPattern(Pattern):
                     risks.append(Risk("other", f"`{step}` on the scores when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
                                                "equivalent: the fused call runs only where that branch is not taken; where it is "
                                                "(soft-capped models such as Gemma 2), the original code runs"))
+            if chain.requires:
+                # conditions the fused call needs (a softmax module building its own mask when given none)
+                need = [atom(r.text(t)) for t, _why in chain.requires]
+                if value_check is not None:
+                    need.append(value_check)
+                value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
+                value_split = 0
+                risks += [Risk("other", why) for _t, why in chain.requires]
             chosen = {(id(v.test), v.when_true): v for v in matcher.variants.values()}
             if chosen:
                 # an einsum equation picked by a condition (``'b j d' if k.ndim == 3 else 'b h j d'``): the

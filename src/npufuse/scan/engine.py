@@ -297,6 +297,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     out.lines = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
     try:
         module = ModuleInfo.from_source(rel, text, tree)
+        repo_facts.attach_root(module, root)  # detectors may resolve a class / function of another file
         facts = repo_search.file_facts(module)
     except RecursionError:  # its text depends on the stack depth at the time: keep it stable
         out.failures.append(Failure(rel, "syntax", "cannot index: RecursionError: code nested too deep"))
