@@ -11,7 +11,7 @@ from npufuse.patterns.attention import AttentionPattern
 from pattern_harness import check_rewrite_runs, detect_all
 
 PATTERN = AttentionPattern()
-NEW = {"module_call_bound_once", "keys_kept_for_a_memory", "keys_kept_for_a_memory_value_checked"}
+NEW = {"module_call_bound_once", "keys_kept_for_a_memory", "keys_kept_for_a_memory_value_checked", "scaled_key_returned"}
 
 
 def _example(name: str):
@@ -41,7 +41,14 @@ def test_value_checked_fallback_does_not_repeat_bound_statement() -> None:
     assert "torch.cat((k_mem, k)" in head and "torch.cat" not in orig
 
 
-def test_scaled_key_used_after_stays_a_near_miss() -> None:
-    findings, misses = detect_all(PATTERN, _example("scaled_key_used_after").code)
+def test_scaled_key_runs_after_the_fused_call() -> None:
+    findings, _ = detect_all(PATTERN, _example("scaled_key_returned").code)
+    fused = findings[0].fused
+    # the call reads the pre-scale k; the scaled k the function returns is computed after it
+    assert fused.index("npu_fusion_attention") < fused.index("k = k * 0.125")
+
+
+def test_scores_returned_stays_a_near_miss() -> None:
+    findings, misses = detect_all(PATTERN, _example("scores_returned").code)
     assert not findings
-    assert any("intermediate `k` is used after the attention" in m.reason for m in misses)
+    assert any("intermediate `sim` is used after the attention" in m.reason for m in misses)

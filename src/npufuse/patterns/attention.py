@@ -97,7 +97,7 @@ class Under(ast.expr):
 
     _fields = ("value",)
 
-    def __init__(self, value: ast.expr, ctx: str) -> None:
+    def __init__(self, value: ast.expr | None = None, ctx: str = "") -> None:
         super().__init__()
         self.value, self.ctx = value, ctx
 
@@ -409,6 +409,9 @@ class Renderer:
         self.consumed.add(ref.idx)
         return self._inline(ref.value)
 
+    def bound_names(self) -> set[str]:
+        return set().union(*(self.interp.assigned[j] for j in self.bound)) if self.bound else set()
+
     def _wants_binding(self, ref: Ref) -> bool:
         stmt = self.interp.block[ref.idx]
         if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and any(
@@ -469,6 +472,12 @@ class Renderer:
             return ast.IfExp(test=self._ast(node.test), body=self._ast(node.body), orelse=self._ast(node.orelse))
         if isinstance(node, (Undef, Opaque)):
             raise Miss("a value npufuse cannot follow feeds the attention")
+        if isinstance(node, Under):
+            # a mask / scale input computed under ``with torch.no_grad():`` (gpt-neox slices its mask so): the fused
+            # op takes no gradient through a bool mask or a Python scale, so the context changes nothing there
+            if _heavy(node.value, through_meta=False):
+                raise Miss(f"an input of the fused call is computed inside `with {node.ctx}:` from the scores")
+            return self._ast(node.value)
         # scores.dtype / scores.device in mask code: the query's (the scores are not computed here)
         if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device") and self.meta_base and _heavy(node.value):
             return ast.Attribute(value=ast.Name(atom(self.meta_base), ast.Load()), attr=node.attr, ctx=ast.Load())
@@ -874,6 +883,7 @@ class Chain:
     # shape), the probabilities viewed back to 3-D for the bmm with v
     heads_in_batch: bool = False
     scores_viewed: bool = False
+    scores_view: Any = None  # the ``view(b, np, sq, sk)`` call giving the 4-D scores: its arguments are their shape
     # (test, negated, step): a branch of the scores the fused op has no equivalent of (soft-capping);
     # the fused call runs only where that branch is not taken
     excluded: list[tuple[Any, bool, str]] = field(default_factory=list)
@@ -1490,6 +1500,7 @@ class _Matcher:
             if chain.heads_in_batch and not chain.scores_viewed and self.method(node, "view", "reshape") and self._arity(node) == 4:
                 # ... and the [b*np, sq, sk] product viewed as the [b, np, sq, sk] scores the masks apply to
                 chain.scores_viewed = True
+                chain.scores_view = node
                 node = node.func.value
                 continue
             if isinstance(node, Cond):
@@ -1508,6 +1519,14 @@ class _Matcher:
                         # Gemma's optional soft-capping: the fused call runs only where the branch does not
                         # (a run-time guard; the original code runs where it does)
                         chain.excluded.append((node.test, neg, self.src(capped)))
+                        node = base
+                        continue
+                    opaque = next((n for n in self._until(branch, base) if self._module_on_scores(n, base)), None)
+                    if opaque is not None and cond is None and not _heavy(node.test, through_meta=False):
+                        # gpt-neox ``if self.pos_emb == "alibi": s = self.alibi_embed(s)``: a module applied to the scores
+                        # under a run-time condition: the fused call runs where the branch is not taken, the
+                        # original code where it is
+                        chain.excluded.append((node.test, neg, self.src(opaque)))
                         node = base
                         continue
                     self.peel_scores(branch, chain, stop=base, cond=(node.test, neg))
@@ -1617,6 +1636,10 @@ class _Matcher:
         return isinstance(node, ast.Call) and (
             (self._fn(node) or "").rpartition(".")[2] in ("tanh", "clamp", "clip", "sigmoid") or self.method(node, "tanh", "clamp", "clip", "sigmoid", "tanh_", "clamp_"))
 
+    def _module_on_scores(self, n: Any, base: Any) -> bool:
+        """``n`` calls a module / method of ``self`` (``self.alibi_embed(s)``) with the scores ``base`` as an argument."""
+        return isinstance(n, ast.Call) and _is_self_attr(n.func) and any(self._reaches(a, base) for a in n.args)
+
     def _until(self, node: Any, stop: Any) -> Iterator[ast.AST]:
         """The nodes of ``node``'s value tree that are not inside ``stop``'s."""
         stack, visited = [node], set()
@@ -1663,6 +1686,15 @@ class _Matcher:
         evidence = graded_evidence(self.module, self.scope, term, self._line)
         if evidence:
             raise Miss(bias_reason(self.src(term), evidence))
+        module_call = next((n for n in walk_values(term) if isinstance(n, ast.Call) and _is_self_attr(n.func)), None)
+        if module_call is not None:
+            # a term a module computes (gpt-neox ``rpe = self.rpe(sq, sk)``) is a learned bias, not a 0/-inf mask; its
+            # values could only be checked after computing it, and the original code would compute it again
+            if cond is None or _heavy(cond[0], through_meta=False):
+                raise Miss(f"an additive term computed by a module (`{self.src(module_call)}`) is added to the scores: a bias "
+                           "(npu_fusion_attention's `pse`), which npufuse does not generate")
+            chain.excluded.append((cond[0], cond[1], f"+ {self.src(term)}"))
+            return
         term_obj = MaskTerm("additive", term, cond[0] if cond else None, cond[1] if cond else False)
         causal = self._additive_causal(term)
         if causal:
@@ -2498,6 +2530,12 @@ class AttentionPattern(Pattern):
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
             r.meta_base = q_t if is_simple(q_t) else "_npufuse_q"
             r.scores_shape = self._scores_shape(chain, q_t, k_t)
+            if r.scores_shape is None and chain.heads_in_batch and chain.scores_view is not None:
+                # Megatron: ``scores = product.view(*output_size)``: the scores' size is the view's shape
+                args = chain.scores_view.args
+                shape = r.text(args[0].value) if len(args) == 1 and isinstance(args[0], ast.Starred) else \
+                    r.text(args[0]) if len(args) == 1 else "(" + ", ".join(r.text(a) for a in args) + ")"
+                r.scores_shape = f"torch.Size({shape})"
             r.scores_steps = set(chain.seen)
             # render every other input once now: what gets inlined is consumed by the fused call
             for x in chain.scale_num + chain.scale_den + [m.node for m in chain.masks if not (sole_causal and m.causal)]:
@@ -2595,6 +2633,7 @@ class AttentionPattern(Pattern):
         pv_nodes = {id(n) for n in fast_walk(node)}
         in_final = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in pv_nodes}
         none_probs: list[str] = []
+        post: set[int] = set()  # statements run as written after the fused call (their results are read later)
         risks = list(chain.risks)
         for name in sorted(internal):
             if name in _targets(stmt):
@@ -2603,10 +2642,21 @@ class AttentionPattern(Pattern):
             if not (used_after or name in in_final):
                 continue
             final = interp.before[e].get(name)
+            if isinstance(final, Ref) and s <= final.idx < e and (final.idx in kept or final.idx in r.bound):
+                continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
                 none_probs.append(name)
                 continue
+            if not is_probs and isinstance(final, Ref) and s <= final.idx < e and isinstance(block[final.idx], ast.Assign) \
+                    and not _heavy(final.value, through_meta=False):
+                reads = {n.id for n in fast_walk(block[final.idx].value) if isinstance(n, ast.Name)}
+                if not any(reads & interp.assigned[j] for j in range(s, final.idx)) and not reads & _targets(stmt):
+                    # Megatron's second ``output_size = (v.size(1), ...)`` read after the site: it reads only names
+                    # the span does not assign, so it runs as written after the fused call (its earlier value may
+                    # still be an input of the call)
+                    post.add(final.idx)
+                    continue
             what = "the attention probabilities" if is_probs else f"intermediate `{name}`"
             return NearMiss(
                 self.id, scope.qualname, span_line, end_line,
@@ -2731,8 +2781,8 @@ class AttentionPattern(Pattern):
                 value_split = 0
                 for test, neg, step in chain.excluded:
                     risks.append(Risk("other", f"`{step}` on the scores when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
-                                               "equivalent: the fused call runs only where that branch is not taken; where it is "
-                                               "(soft-capped models such as Gemma 2), the original code runs"))
+                                               "equivalent npufuse generates: the fused call runs only where that branch is not taken; where it is "
+                                               "(soft-capped models such as Gemma 2, a bias module such as ALiBi), the original code runs"))
             if chain.requires:
                 # conditions the fused call needs (a softmax module building its own mask when given none)
                 need = [atom(r.text(t)) for t, _why in chain.requires]
@@ -2792,7 +2842,14 @@ class AttentionPattern(Pattern):
             call = f"{call}.transpose(1, 2)"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
-        lines.append(replace_segments(module, stmt, [(node, call)]))
+        if post:
+            # the result first, then the statements whose results are read later (the site statement itself may
+            # read them: ``return out, k``), then the site statement
+            lines.append(f"_npufuse_attn = {call}")
+            lines += [_statement_text(module, block[j]) for j in sorted(post)]
+            lines.append(replace_segments(module, stmt, [(node, "_npufuse_attn")]))
+        else:
+            lines.append(replace_segments(module, stmt, [(node, call)]))
         if value_check is not None:
             span = block[s : next(n for n, b in enumerate(block) if b is stmt) + 1]
             if r.bound & set(range(s, e)):
@@ -4637,11 +4694,11 @@ leaves = [x, m.to_kv.weight, m.to_q.weight]
     ),
 ]
 
-AttentionPattern.KEEP += [
-    Keep(
-        name="scaled_key_used_after",
-        # the key's scaling is folded into the fused call's scale: the scaled k the code returns is not computed
-        # on the fused branch, and k's statement reads the pre-scale key the call needs
+AttentionPattern.FUSE += [
+    Fuse(
+        name="scaled_key_returned",
+        # the key's scaling is folded into the fused call's scale, and the scaled k is returned: its statement reads
+        # only names the span does not assign, so it runs as written AFTER the fused call (which needs the pre-scale k)
         code="""
 import torch
 
@@ -4652,7 +4709,31 @@ def attend(q, k, v):
     attn = sim.softmax(dim=-1)
     return torch.matmul(attn, v), k
 """,
-        reason="intermediate `k` is used after the attention",
+        expect={"scale": "0.125", "k": "k"},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 7, 16, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+out = attend(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="scores_returned",
+        # the scores themselves are read after the site: the fused op never materialises them
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    sim = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+    attn = sim.softmax(dim=-1)
+    return torch.matmul(attn, v), sim
+""",
+        reason="intermediate `sim` is used after the attention",
     ),
 ]
 

@@ -449,6 +449,25 @@ def mask_fill(fn: ast.AST) -> Optional[str]:
     if isinstance(fn, ast.Lambda):
         return fill_of(fn.body, "masked_fill", s)
     body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    # ``v = torch.finfo(scores.dtype).min; v = torch.tensor(v, dtype=..., device=...)`` before the fill: the fill
+    # value through local names (a tensor of it holds the same value)
+    local: dict[str, ast.AST] = {}
+    while len(body) > 2 and isinstance(body[0], ast.Assign) and len(body[0].targets) == 1 and isinstance(body[0].targets[0], ast.Name) \
+            and body[0].targets[0].id not in (s, m):
+        value = body[0].value
+        if isinstance(value, ast.Call) and (dotted(value.func) or "").endswith("tensor") and len(value.args) == 1:
+            value = value.args[0]
+        if isinstance(value, ast.Name) and value.id in local:
+            value = local[value.id]
+        if _is_minus_large(value) is None:
+            return None
+        local[body[0].targets[0].id] = value
+        body = body[1:]
+
+    def fill_of(call: ast.AST, method: str, base: str, _inner: Any = fill_of) -> Optional[str]:  # type: ignore[no-redef]
+        if isinstance(call, ast.Call) and len(call.args) == 2 and isinstance(call.args[1], ast.Name) and call.args[1].id in local:
+            call = ast.Call(func=call.func, args=[call.args[0], local[call.args[1].id]], keywords=call.keywords)
+        return _inner(call, method, base)
     if len(body) == 1 and isinstance(body[0], ast.Return):
         return fill_of(body[0].value, "masked_fill", s) if body[0].value is not None else None
     if len(body) == 2 and isinstance(body[1], ast.Return) and isinstance(body[1].value, ast.Name) and body[1].value.id == s:
@@ -698,20 +717,36 @@ def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast
     if root is None:
         return None, f"`{param}` is passed into `{cls.name}.__init__` by its callers, in files npufuse was not given"
     fills: list[tuple[str, str]] = []
+    texts: dict[str, str] = {}
     for other in _repo_py_files(root):
         try:
             text = (root / other).read_text(encoding="utf-8", errors="replace") if (root / other).stat().st_size <= _DEF_MAX_BYTES else ""
         except OSError:
             continue
-        if f"{cls.name}(" not in text:
-            continue
+        if cls.name in text:
+            texts[other] = text
+    # subclasses that keep the constructor (``class LayerPipe(Layer)`` without an ``__init__``) are built with it too
+    names = {cls.name}
+    for other in texts:
+        t = _parse(root, other)
+        for n in ast.walk(t) if t is not None else ():
+            if isinstance(n, ast.ClassDef) and any((dotted(b) or "").rpartition(".")[2] == cls.name for b in n.bases) \
+                    and not any(isinstance(f, ast.FunctionDef) and f.name == "__init__" for f in n.body):
+                names.add(n.name)
+    for other in texts:
         t = _parse(root, other)
         if t is None:
             continue
         for call in ast.walk(t):
-            if not (isinstance(call, ast.Call) and (dotted(call.func) or "").rpartition(".")[2] == cls.name):
+            if not isinstance(call, ast.Call):
                 continue
-            arg = _arg_for(call, params, param)
+            if (dotted(call.func) or "").rpartition(".")[2] in names:
+                arg = _arg_for(call, params, param)
+            elif call.args and (dotted(call.args[0]) or "").rpartition(".")[2] in names:
+                # a factory given the class and its constructor's keywords (DeepSpeed ``LayerSpec(Cls, **kw)``)
+                arg = next((k.value for k in call.keywords if k.arg == param), None)
+            else:
+                continue
             if arg is None:
                 continue  # the default: the code raises or skips without a mask function
             fill, where = resolve_function(root, other, t, arg, _enclosing(t, call), depth + 1)
