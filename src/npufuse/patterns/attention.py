@@ -1392,7 +1392,10 @@ class _Matcher:
         cls = self.module.canonical(ctor.func) or self.src(ctor.func)
         if cls.startswith("torch."):
             return  # a torch module is known: not this case
-        where = "defined in this file, whose forward npufuse does not interpret" if cls.rpartition(".")[2] in self.module.classes else "defined outside this file"
+        from npufuse.scan import repo_facts
+
+        where = "defined in this file, whose forward npufuse does not interpret" if cls.rpartition(".")[2] in self.module.classes else \
+            "defined outside this file and not found among the scanned files" if repo_facts.repo_root(self.module) is not None else "defined outside this file"
         raise Miss(f"the probabilities come from `{self.src(node.func)}` (a `{cls}` module built in `__init__`, {where}) applied to the Q@Kᵀ scores: "
                    "its scaling, masking and softmax are not visible, so npufuse cannot check that npu_fusion_attention computes the same")
 
@@ -4826,5 +4829,184 @@ def attend(q, k, v):
     return torch.einsum("bts,bcs->bct", w, v)
 """,
         reason="softmax over dim 1, not the last (key) dim",
+    ),
+]
+
+
+# --- issue 14 class 3: Megatron-style attention through a softmax MODULE (repo_facts.softmax_module) ---
+_MEGATRON = '''
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+
+class ScaledSoftmaxKernel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs, scale):
+        import scaled_softmax_cuda
+
+        return scaled_softmax_cuda.forward(inputs, scale)
+
+
+class ScaleMaskSoftmax(nn.Module):
+    def __init__(self, input_in_fp16, input_in_bf16, fusion, mask_func, softmax_in_fp32, scale):
+        super().__init__()
+        self.input_in_fp16 = input_in_fp16
+        self.input_in_bf16 = input_in_bf16
+        self.input_in_float16 = input_in_fp16 or input_in_bf16
+        self.fusion = fusion
+        self.mask_func = mask_func
+        self.softmax_in_fp32 = softmax_in_fp32
+        self.scale = scale
+
+    def forward(self, input, mask):
+        assert input.dim() == 4
+        if self.fusion and self.input_in_float16 and mask is None:
+            return self.forward_fused_softmax(input, mask)
+        else:
+            return self.forward_torch_softmax(input, mask)
+
+    def forward_fused_softmax(self, input, mask):
+        scale = self.scale if self.scale is not None else 1.0
+        return ScaledSoftmaxKernel.apply(input, scale)
+
+    def forward_torch_softmax(self, input, mask):
+        if self.input_in_float16 and self.softmax_in_fp32:
+            input = input.float()
+        if self.scale is not None:
+            input = input * self.scale
+        MAKES_MASK
+        mask_output = self.mask_func(input, mask) if mask is not None else input
+        probs = torch.nn.Softmax(dim=-1)(mask_output)
+        if self.input_in_float16 and self.softmax_in_fp32:
+            if self.input_in_fp16:
+                probs = probs.half()
+            else:
+                probs = probs.bfloat16()
+        return probs
+
+
+def attention_mask_func(attention_scores, attention_mask):
+    MASK_FUNC
+
+
+def rng_fork():
+    return contextlib.nullcontext()
+
+
+class CoreAttention(nn.Module):
+    def __init__(self, layer_number=2, head_dim=16, p=0.0, sequence_parallel=False, alibi=None):
+        super().__init__()
+        self.sequence_parallel, self.alibi = sequence_parallel, alibi
+        coeff = layer_number
+        self.norm_factor = math.sqrt(head_dim) * coeff
+        self.scale_mask_softmax = ScaleMaskSoftmax(False, False, False, attention_mask_func, True, coeff)
+        self.attention_dropout = nn.Dropout(p)
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask):
+        # [sq, b, np, hn] -> [b * np, sq, hn] views, scores [b, np, sq, sk]
+        output_size = (query_layer.size(1), query_layer.size(2), query_layer.size(0), key_layer.size(0))
+        query_layer = query_layer.reshape(output_size[2], output_size[0] * output_size[1], -1)
+        key_layer = key_layer.view(output_size[3], output_size[0] * output_size[1], -1)
+        buffer = torch.empty(output_size[0] * output_size[1], output_size[2], output_size[3], dtype=query_layer.dtype, device=query_layer.device)
+        matmul_result = torch.baddbmm(buffer, query_layer.transpose(0, 1), key_layer.transpose(0, 1).transpose(1, 2),
+                                      beta=0.0, alpha=(1.0 / self.norm_factor))
+        attention_scores = matmul_result.view(*output_size)
+        if self.alibi is not None:
+            attention_scores = self.alibi(attention_scores)
+        attention_probs = self.scale_mask_softmax(attention_scores, attention_mask)
+        if not self.sequence_parallel:
+            with rng_fork():
+                attention_probs = self.attention_dropout(attention_probs)
+        else:
+            attention_probs = self.attention_dropout(attention_probs)
+        output_size = (value_layer.size(1), value_layer.size(2), query_layer.size(0), value_layer.size(3))
+        value_layer = value_layer.view(value_layer.size(0), output_size[0] * output_size[1], -1)
+        attention_probs = attention_probs.view(output_size[0] * output_size[1], output_size[2], -1)
+        context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
+        context_layer = context_layer.view(*output_size)
+        context_layer = context_layer.permute(2, 0, 1, 3).contiguous()
+        return context_layer.view(context_layer.size(0), context_layer.size(1), -1)
+'''
+_MEGATRON_FILL = "attention_scores.masked_fill_(attention_mask, -10000.0)\n    return attention_scores"
+_MEGATRON_RUN = """
+m = CoreAttention(p=0.0).eval()
+q = torch.randn(6, 2, 4, 16, requires_grad=True)
+k = torch.randn(6, 2, 4, 16, requires_grad=True)
+v = torch.randn(6, 2, 4, 16, requires_grad=True)
+causal = torch.ones(6, 6, dtype=torch.bool).triu(1).view(1, 1, 6, 6)
+pad = torch.zeros(2, 1, 1, 6, dtype=torch.bool)
+pad[1, ..., :2] = True
+biased = CoreAttention(alibi=lambda s: s - torch.arange(6.0)).eval()  # the module branch: the original code runs
+out = (m(q, k, v, causal), m(q, k, v, None), m(q, k, v, pad), biased(q, k, v, causal))
+leaves = [q, k, v]
+"""
+
+AttentionPattern.FUSE += [
+    Fuse(
+        name="megatron_softmax_module_torch_path",
+        # Megatron CoreAttention: baddbmm scores on [b*np, sq, hn] views (alpha = 1/norm_factor), a softmax MODULE whose
+        # torch path is softmax(mask_func(x * self.scale, mask)) with a module-level masked_fill mask function, the
+        # dropout under an RNG-fork context on one branch and plain on the other, an optional module on the scores
+        # (excluded: the original code runs where it is set), bmm with v; the class and the mask function may live in
+        # other files of the repo (repo_facts.definition / resolve_function)
+        code=_MEGATRON.replace("MAKES_MASK", "pass").replace("MASK_FUNC", _MEGATRON_FILL),
+        expect={"mask_kind": "bool_masked", "layout": "3D (bmm) -> BNSD with N=1",
+                "scale": "(self.scale_mask_softmax.scale if self.scale_mask_softmax.scale is not None else 1.0) * (1.0 / self.norm_factor)"},
+        run=_MEGATRON_RUN,
+    ),
+    Fuse(
+        name="megatron_softmax_module_makes_causal_mask",
+        # Megatron-LM's module builds a causal mask itself when given none: the fused call runs only with a mask
+        code=_MEGATRON.replace("MAKES_MASK", "if mask is None and input.size(2) > 1:\n            mask = torch.ones(input.size(2), input.size(3), dtype=torch.bool, device=input.device).triu(1)")
+        .replace("MASK_FUNC", "mask_value = torch.finfo(attention_scores.dtype).min\n    mask_value = torch.tensor(mask_value, dtype=attention_scores.dtype)\n"
+                              "    attention_scores.masked_fill_(attention_mask, mask_value)\n    return attention_scores"),
+        expect={"mask_values_checked": True},
+        run=_MEGATRON_RUN,
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="megatron_softmax_module_additive_mask_func",
+        # a mask function that ADDS the mask: a float bias, not the mask fill the fused op reproduces
+        code=_MEGATRON.replace("MAKES_MASK", "pass").replace("MASK_FUNC", "return attention_scores + attention_mask"),
+        reason="is not a plain masked_fill of the scores",
+    ),
+    Keep(
+        name="megatron_softmax_module_mask_func_from_caller",
+        # the mask function is a constructor parameter of the attention class: only its callers say what it is
+        code=_MEGATRON.replace("MAKES_MASK", "pass").replace("MASK_FUNC", _MEGATRON_FILL)
+        .replace("sequence_parallel=False, alibi=None):", "sequence_parallel=False, alibi=None, mask_func=None):")
+        .replace("ScaleMaskSoftmax(False, False, False, attention_mask_func, True, coeff)", "ScaleMaskSoftmax(False, False, False, mask_func, True, coeff)"),
+        reason="what its mask function computes is not known",
+    ),
+    Keep(
+        name="megatron_softmax_module_other_forward",
+        # a softmax module whose forward is not scale -> mask function -> softmax (here it also clamps)
+        code=_MEGATRON.replace("MAKES_MASK", "input = input.clamp(min=-50.0)").replace("MASK_FUNC", _MEGATRON_FILL),
+        reason="its forward is not read as scale -> mask function -> softmax",
+    ),
+    Keep(
+        name="bias_module_always_on_scores",
+        # a module's output added to the scores on every call: a learned bias (pse), never a 0/-inf mask
+        code="""
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.rel = bias
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+        s = s + self.rel(q.shape[-2], k.shape[-2])
+        return torch.matmul(s.softmax(dim=-1), v)
+""",
+        reason="an additive term computed by a module",
     ),
 ]
