@@ -142,3 +142,58 @@ def test_definition_follows_relative_imports_and_package_reexports(tmp_path: Pat
         d = repo_facts.definition_in(tmp_path, "a/user.py", tree, name)
         assert d is not None and d.rel == "a/b/impl.py" and d.node.name == "Thing"
     assert repo_facts.definition_in(tmp_path, "a/user.py", tree, "Missing") is None
+
+
+def test_mask_fill_info_reads_a_mask_cut_to_the_scores_size_on_one_path() -> None:
+    fn = ast.parse(textwrap.dedent("""
+        def attention_mask_func(attention_scores, attention_mask):
+            args = get_args()
+            if args.curriculum:
+                mask_ = attention_mask
+                n = attention_scores.size()[2]
+                if n != mask_.size()[2]:
+                    mask_ = mask_[:, :, :n, :n].contiguous()
+                attention_scores.masked_fill_(mask_, -10000.0)
+            else:
+                attention_scores.masked_fill_(attention_mask, -10000.0)
+            return attention_scores
+    """)).body[0]
+    assert repo_facts.mask_fill_info(fn) == ("-10000.0", True)
+    # filled on one path only, or with two values, or branching on the scores' values: not a mask function
+    one_path = ast.parse(textwrap.dedent("""
+        def f(s, m):
+            if flag:
+                s.masked_fill_(m, -10000.0)
+            return s
+    """)).body[0]
+    two_values = ast.parse(textwrap.dedent("""
+        def f(s, m):
+            if flag:
+                s.masked_fill_(m, -10000.0)
+            else:
+                s.masked_fill_(m, float("-inf"))
+            return s
+    """)).body[0]
+    on_values = ast.parse(textwrap.dedent("""
+        def f(s, m):
+            if s.max() > 0:
+                s.masked_fill_(m, -10000.0)
+            else:
+                s.masked_fill_(m, -10000.0)
+            return s
+    """)).body[0]
+    assert repo_facts.mask_fill_info(one_path) is None
+    assert repo_facts.mask_fill_info(two_values) is None
+    assert repo_facts.mask_fill_info(on_values) is None
+
+
+def test_cut_mask_is_passed_cut_to_the_fused_call(tmp_path: Path) -> None:
+    cut = ("n = attention_scores.size()[2]\n    if n != attention_mask.size()[2]:\n        attention_mask_ = attention_mask[:, :, :n, :n]\n"
+           "    else:\n        attention_mask_ = attention_mask\n    attention_scores.masked_fill_(attention_mask_, -10000.0)\n    return attention_scores")
+    code = _MEGATRON.replace("MAKES_MASK", "pass").replace("MASK_FUNC", cut)
+    findings, misses = detect_all(PATTERN, code)
+    assert findings, [m.reason for m in misses]
+    assert "attention_mask[..., :" in findings[0].fused
+    run = _example("megatron_softmax_module_torch_path").run + "\nbig = torch.ones(8, 8, dtype=torch.bool).triu(1).view(1, 1, 8, 8)\nout = out + (m(q, k, v, big),)\n"
+    facts = check_rewrite_runs(PATTERN, code, run, findings)
+    assert facts["calls"] == 4 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999

@@ -1325,7 +1325,7 @@ class _Matcher:
         mask_arg = repo_facts._arg_for(ctor, sem.init_params, sem.mask_param)
         if mask_arg is None:
             raise Miss(f"the probabilities come from {what}, built without its mask function `{sem.mask_param}`")
-        fill, where = repo_facts.resolve_function(repo_facts.repo_root(self.module), self.module.path, self.module.tree, mask_arg,
+        fill, where, sliced = repo_facts.resolve_function(repo_facts.repo_root(self.module), self.module.path, self.module.tree, mask_arg,
                                                   repo_facts._enclosing(self.module.tree, ctor))
         if fill is None:
             raise Miss(f"the probabilities come from {what}, read as softmax({sem.mask_param}(x * scale, mask)), but what its mask "
@@ -1337,7 +1337,14 @@ class _Matcher:
         else:
             raise Miss(f"the softmax module {what} is called with arguments npufuse does not map onto `forward(input, mask)`")
         not_none = ast.Compare(left=mask, ops=[ast.IsNot()], comparators=[ast.Constant(None)])
-        masked = ast.Call(func=ast.Attribute(value=x, attr="masked_fill", ctx=ast.Load()), args=[mask, ast.parse(fill, mode="eval").body], keywords=[])
+        filled_at = mask
+        if sliced:
+            # the mask function cuts the mask to the scores' size on some path (Megatron-DeepSpeed's curriculum
+            # branch): ``mask[..., :Sq, :Skv]`` is that cut, and changes nothing where the mask already broadcasts
+            size = [ast.Call(func=ast.Attribute(value=x, attr="size", ctx=ast.Load()), args=[ast.Constant(d)], keywords=[]) for d in (-2, -1)]
+            filled_at = ast.Subscript(value=mask, slice=ast.Tuple(elts=[ast.Constant(Ellipsis)] + [ast.Slice(upper=u) for u in size], ctx=ast.Load()), ctx=ast.Load())
+            chain.notes.append(f"the mask function cuts the mask to the scores' size on some path: the fused call takes `mask[..., :Sq, :Skv]`")
+        masked = ast.Call(func=ast.Attribute(value=x, attr="masked_fill", ctx=ast.Load()), args=[filled_at, ast.parse(fill, mode="eval").body], keywords=[])
         pre = Cond()
         pre.test, pre.body, pre.orelse = not_none, masked, x
         if sem.scale_attr:

@@ -428,6 +428,86 @@ def _is_minus_large(node: ast.AST | None) -> Optional[str]:
     return None
 
 
+def mask_fill_info(fn: ast.AST) -> Optional[tuple[str, bool]]:
+    """(fill value, slices the mask) for a mask function: :func:`mask_fill`'s forms, or statements that on every
+    path fill ``scores`` once at the mask or at the mask sliced on its last two axes by the scores' own sizes
+    (Megatron-DeepSpeed's curriculum branch ``m = m[:, :, :n, :n]`` with ``n = scores.size()[2]``), with the same
+    value, branching on anything but the scores' values; else None."""
+    fill = mask_fill(fn)
+    if fill is not None:
+        return fill, False
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(fn.args.args) != 2 or fn.args.vararg or fn.args.kwarg:
+        return None
+    s, m = (a.arg for a in fn.args.args)
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if not body or not (isinstance(body[-1], ast.Return) and isinstance(body[-1].value, ast.Name) and body[-1].value.id == s):
+        return None
+
+    def reads_scores_values(node: ast.AST) -> bool:
+        sizes = {id(n.value) for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr in ("size", "shape", "dtype", "device")}
+        return any(isinstance(n, ast.Name) and n.id == s and id(n) not in sizes for n in ast.walk(node))
+
+    def sized_by_scores(node: ast.AST, env: dict[str, str]) -> bool:
+        return isinstance(node, ast.Name) and env.get(node.id) == "size" or not reads_scores_values(node) and any(
+            isinstance(n, ast.Attribute) and n.attr in ("size", "shape") and isinstance(n.value, ast.Name) and n.value.id == s for n in ast.walk(node))
+
+    fills: set[str] = set()
+
+    def run(stmts: list[ast.stmt], env: dict[str, str], filled: bool) -> Optional[tuple[dict[str, str], bool, bool]]:
+        sliced = False
+        for st in stmts:
+            if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+                name, v = st.targets[0].id, st.value
+                if name in (s, m):
+                    return None
+                while isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "contiguous" and not v.args:
+                    v = v.func.value
+                if isinstance(v, ast.Name) and env.get(v.id, "") in ("mask", "mask_sliced"):
+                    env[name] = env[v.id]
+                elif isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and env.get(v.value.id, "") in ("mask", "mask_sliced") \
+                        and isinstance(v.slice, ast.Tuple) and all(isinstance(e, ast.Slice) and e.lower is None and e.step is None for e in v.slice.elts) \
+                        and all(e.upper is None for e in v.slice.elts[:-2]) and all(e.upper is not None and sized_by_scores(e.upper, env) for e in v.slice.elts[-2:]):
+                    env[name], sliced = "mask_sliced", True
+                elif sized_by_scores(v, env):
+                    env[name] = "size"
+                elif not reads_scores_values(v) and not any(isinstance(n, ast.Name) and env.get(n.id, "").startswith("mask") for n in ast.walk(v)):
+                    env[name] = "other"  # a configuration read (``args = get_args()``)
+                else:
+                    return None
+            elif isinstance(st, ast.If):
+                if reads_scores_values(st.test):
+                    return None
+                a = run(st.body, dict(env), filled)
+                b = run(st.orelse, dict(env), filled)
+                if a is None or b is None:
+                    return None
+                env = {k: ("mask_sliced" if "mask_sliced" in (a[0].get(k), b[0].get(k)) else a[0].get(k, b[0].get(k, "")))
+                       for k in set(a[0]) | set(b[0])}
+                if a[1] != b[1]:
+                    return None  # filled on one path only
+                filled, sliced = a[1], sliced or a[2] or b[2]
+            elif isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Attribute) \
+                    and st.value.func.attr == "masked_fill_" and isinstance(st.value.func.value, ast.Name) and st.value.func.value.id == s \
+                    and len(st.value.args) == 2 and isinstance(st.value.args[0], ast.Name) and env.get(st.value.args[0].id, "") in ("mask", "mask_sliced") \
+                    and not filled:
+                value = _is_minus_large(st.value.args[1])
+                if value is None:
+                    return None
+                fills.add(value)
+                sliced = sliced or env[st.value.args[0].id] == "mask_sliced"
+                filled = True
+            elif isinstance(st, ast.Pass):
+                continue
+            else:
+                return None
+        return env, filled, sliced
+
+    out = run(body[:-1], {m: "mask"}, False)
+    if out is None or not out[1] or len(fills) != 1:
+        return None
+    return next(iter(fills)), out[2]
+
+
 def mask_fill(fn: ast.AST) -> Optional[str]:
     """The fill value when ``fn`` (a two-parameter def or lambda ``(scores, mask)``) returns ``scores``
     with the True positions of ``mask`` filled by a large negative value (``masked_fill_`` then
@@ -676,17 +756,17 @@ def _arg_for(call: ast.Call, params: tuple[str, ...], param: str) -> Optional[as
 
 
 def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast.AST, scope: Optional[tuple[ast.ClassDef | None, ast.FunctionDef | None]],
-                     depth: int = 0) -> tuple[Optional[str], str]:
-    """(fill value, where) when ``expr`` (as written in file ``rel``, inside ``scope``: (class, function))
+                     depth: int = 0) -> tuple[Optional[str], str, bool]:
+    """(fill value, where, slices the mask to the scores' size) when ``expr`` (as written in file ``rel``, inside ``scope``: (class, function))
     is a mask function of :func:`mask_fill`'s form — a lambda, a function of this or another file of the
     repo, or a parameter of ``__init__`` (stored as ``self.<attr>`` or not) that every constructor call in
     the repo fills with such a function (followed through up to four constructors) — else (None, why)."""
     if depth > 4:
-        return None, "passed through more constructors than npufuse follows"
+        return None, "passed through more constructors than npufuse follows", False
     cls, fn = scope if scope is not None else (None, None)
     if isinstance(expr, ast.Lambda):
         fill = mask_fill(expr)
-        return (fill, f"the lambda at {rel}:{expr.lineno}") if fill else (None, f"the lambda at {rel}:{expr.lineno} is not a plain mask fill")
+        return (fill, f"the lambda at {rel}:{expr.lineno}", False) if fill else (None, f"the lambda at {rel}:{expr.lineno} is not a plain mask fill", False)
     param = None
     attr = _self_attr(expr)
     if attr is not None and cls is not None:
@@ -697,26 +777,26 @@ def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast
                     param, fn = n.value.id, init
                     break
         if param is None:
-            return None, f"`self.{attr}` is not set from a parameter of `{cls.name}.__init__`"
+            return None, f"`self.{attr}` is not set from a parameter of `{cls.name}.__init__`", False
     elif isinstance(expr, ast.Name):
         if fn is not None and expr.id in [a.arg for a in fn.args.args + fn.args.kwonlyargs]:
             param = expr.id
         else:
             d = definition_in(root, rel, tree, expr.id)
             if d is None:
-                return None, f"`{expr.id}` is not defined in {rel} nor in a file of the repo it imports"
-            fill = mask_fill(d.node)
-            return (fill, f"`{expr.id}` ({d.rel}:{getattr(d.node, 'lineno', 0)})") if fill else \
-                (None, f"`{expr.id}` ({d.rel}:{getattr(d.node, 'lineno', 0)}) is not a plain masked_fill of the scores")
+                return None, f"`{expr.id}` is not defined in {rel} nor in a file of the repo it imports", False
+            info = mask_fill_info(d.node)
+            return (info[0], f"`{expr.id}` ({d.rel}:{getattr(d.node, 'lineno', 0)})", info[1]) if info else \
+                (None, f"`{expr.id}` ({d.rel}:{getattr(d.node, 'lineno', 0)}) is not a plain masked_fill of the scores", False)
     else:
-        return None, f"`{ast.unparse(expr)}` is not a function npufuse can read"
+        return None, f"`{ast.unparse(expr)}` is not a function npufuse can read", False
     # a parameter: what the callers pass
     if fn is None or fn.name != "__init__" or cls is None:
-        return None, f"`{param}` is a parameter of `{fn.name if fn else '?'}`: what the callers pass is not followed"
+        return None, f"`{param}` is a parameter of `{fn.name if fn else '?'}`: what the callers pass is not followed", False
     params = tuple(a.arg for a in fn.args.args[1:])
     if root is None:
-        return None, f"`{param}` is passed into `{cls.name}.__init__` by its callers, in files npufuse was not given"
-    fills: list[tuple[str, str]] = []
+        return None, f"`{param}` is passed into `{cls.name}.__init__` by its callers, in files npufuse was not given", False
+    fills: list[tuple[str, str, bool]] = []
     texts: dict[str, str] = {}
     for other in _repo_py_files(root):
         try:
@@ -749,12 +829,12 @@ def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast
                 continue
             if arg is None:
                 continue  # the default: the code raises or skips without a mask function
-            fill, where = resolve_function(root, other, t, arg, _enclosing(t, call), depth + 1)
+            fill, where, sliced = resolve_function(root, other, t, arg, _enclosing(t, call), depth + 1)
             if fill is None:
-                return None, f"`{cls.name}(...)` at {other}:{call.lineno} passes `{ast.unparse(arg)}` as `{param}`: {where}"
-            fills.append((fill, where))
+                return None, f"`{cls.name}(...)` at {other}:{call.lineno} passes `{ast.unparse(arg)}` as `{param}`: {where}", False
+            fills.append((fill, where, sliced))
     if not fills:
-        return None, f"`{param}` is passed into `{cls.name}.__init__` by its callers, and no call of `{cls.name}(...)` in the repo passes it"
-    if len({f for f, _ in fills}) != 1:
-        return None, f"the callers of `{cls.name}` pass mask functions with different fill values"
-    return fills[0][0], fills[0][1]
+        return None, f"`{param}` is passed into `{cls.name}.__init__` by its callers, and no call of `{cls.name}(...)` in the repo passes it", False
+    if len({f for f, _w, _s in fills}) != 1:
+        return None, f"the callers of `{cls.name}` pass mask functions with different fill values", False
+    return fills[0][0], fills[0][1], any(sl for _f, _w, sl in fills)
