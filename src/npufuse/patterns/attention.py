@@ -883,6 +883,10 @@ class Chain:
     # shape), the probabilities viewed back to 3-D for the bmm with v
     heads_in_batch: bool = False
     scores_viewed: bool = False
+    # gpt-neox gMLP: 3-D scores given a head axis for a 4-D softmax module (``w.unsqueeze(1)``) and the
+    # probabilities squeezed back (``.squeeze(1)``) for the 3-D P@V
+    head_axis: bool = False
+    head_axis_removed: bool = False
     scores_view: Any = None  # the ``view(b, np, sq, sk)`` call giving the 4-D scores: its arguments are their shape
     # (test, negated, step): a branch of the scores the fused op has no equivalent of (soft-capping);
     # the fused call runs only where that branch is not taken
@@ -1131,6 +1135,8 @@ class _Matcher:
             raise Miss("no Q@Kᵀ product found under the softmax")
         if chain.heads_in_batch and not chain.scores_viewed:
             raise Miss("the probabilities are re-viewed to 3-D for P@V but the scores were not a 4-D view of the 3-D Q@Kᵀ product")
+        if chain.head_axis != chain.head_axis_removed:
+            raise Miss("the probabilities are squeezed on axis 1 for P@V but the scores were not unsqueezed there")
         return chain
 
     def _match_einsum(self, pv: Product) -> Chain | None:
@@ -1190,6 +1196,8 @@ class _Matcher:
             raise Miss("no Q@Kᵀ product found under the softmax")
         if (chain.q.layout == "3D") != self.three_d:
             raise Miss("the scores and the probabilities' product disagree on the rank (3-D vs 4-D)")
+        if chain.head_axis != chain.head_axis_removed:
+            raise Miss("the probabilities are squeezed on axis 1 for P@V but the scores were not unsqueezed there")
         return chain
 
     def _transposed_3d(self, node: Any, chain: Chain) -> Any:
@@ -1219,6 +1227,13 @@ class _Matcher:
                 chain.heads_in_batch = True
                 node = node.func.value
                 continue
+            if getattr(self, "three_d", False) and not chain.head_axis and self.method(node, "squeeze") and len(node.args) == 1 \
+                    and const_value(node.args[0]) == 1:
+                inner = deref(node.func.value, chain.seen)
+                if isinstance(inner, ast.Call) and (_is_self_attr(inner.func) or self.softmax_of(inner) is not None):
+                    chain.head_axis = True  # the matching ``unsqueeze(1)`` of the scores is required in peel_scores
+                    node = inner
+                    continue
             if self._last_two_swapped(node):
                 chain.p_transposed = not chain.p_transposed
                 node = self._transposed_input(node)
@@ -1505,6 +1520,11 @@ class _Matcher:
             if stop is not None and node is stop:
                 return
             if self.method(node, *_CASTS):
+                node = node.func.value
+                continue
+            if chain.head_axis and not chain.head_axis_removed and stop is None and self.method(node, "unsqueeze") and len(node.args) == 1 \
+                    and const_value(node.args[0]) == 1:
+                chain.head_axis_removed = True
                 node = node.func.value
                 continue
             if chain.heads_in_batch and not chain.scores_viewed and self.method(node, "view", "reshape") and self._arity(node) == 4:
@@ -5017,3 +5037,52 @@ class Attn(nn.Module):
         reason="an additive term computed by a module",
     ),
 ]
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="softmax_module_head_axis_3d",
+        # gpt-neox gMLP TinyAttention: 3-D single-head einsum scores given a head axis for a 4-D softmax module
+        # (``unsqueeze(1)``), the probabilities squeezed back for the 3-D P@V; the mask sliced by the scores' size
+        code=_MEGATRON.split("\n\ndef rng_fork")[0].replace("MAKES_MASK", "pass").replace("MASK_FUNC", _MEGATRON_FILL) + '''
+
+
+class TinyAttention(nn.Module):
+    def __init__(self, d_ff=32, d_attn=16):
+        super().__init__()
+        self.proj_qkv = nn.Linear(d_ff, 3 * d_attn)
+        self.scale = d_attn ** -0.5
+        self.softmax = ScaleMaskSoftmax(False, False, False, attention_mask_func, True, None)
+
+    def forward(self, x, attention_mask):
+        q, k, v = torch.chunk(self.proj_qkv(x), 3, dim=-1)
+        w = torch.einsum("bnd,bmd->bnm", q, k).unsqueeze(1) * self.scale
+        a = self.softmax(w, mask=attention_mask[..., : w.size(-2), : w.size(-1)]).squeeze(1)
+        return torch.einsum("bnm,bmd->bnd", a, v)
+''',
+        expect={"layout": "3D (bmm) -> BNSD with N=1", "mask_kind": "bool_masked"},
+        run="""
+m = TinyAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+ltor = torch.ones(8, 8, dtype=torch.bool).triu(1).view(1, 1, 8, 8)
+out = m(x, ltor)
+leaves = [x, m.proj_qkv.weight]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="softmax_squeezed_without_head_axis",
+        # the head axis added by indexing (``[:, None]``), not by the ``unsqueeze(1)`` npufuse pairs with ``squeeze(1)``
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def odd(q, k, v):
+    w = torch.einsum("bnd,bmd->bnm", q, k)[:, None] * 0.25
+    a = F.softmax(w, dim=-1).squeeze(1)
+    return torch.einsum("bnm,bmd->bnd", a, v)
+""",
+        reason="unsupported operation on the attention scores: `torch.einsum('bnd,bmd->bnm', q, k)[:, None]`",
+    )
+)
