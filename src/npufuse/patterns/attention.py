@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, slice_add_as_padded, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -222,6 +222,12 @@ class BlockInterp:
                     self._bind(t, value, env, i, stmt)
             elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
                 self._bind(stmt.target, self.sym(stmt.value, env), env, i, stmt)
+            elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Add) and slice_add_as_padded(stmt.target, stmt.value) is not None:
+                # ``scores[..., -n:] += t``: ``scores = scores + F.pad(t, (scores.size(-1) - n, 0))`` (canonical layer)
+                name = stmt.target.value.id  # type: ignore[attr-defined]
+                cur = self.sym(ast.Name(name, ast.Load()), env)
+                term = self.sym(slice_add_as_padded(stmt.target, stmt.value), env)  # type: ignore[arg-type]
+                self._bind(ast.Name(name, ast.Store()), ast.copy_location(ast.BinOp(left=cur, op=ast.Add(), right=term), stmt), env, i, stmt)
             elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
                 cur = self.sym(ast.Name(stmt.target.id, ast.Load()), env)
                 value = ast.copy_location(ast.BinOp(left=cur, op=stmt.op, right=self.sym(stmt.value, env)), stmt)
@@ -2648,9 +2654,21 @@ class AttentionPattern(Pattern):
                         self.id, scope.qualname, span_line, end_line,
                         f"the attention probabilities (`{probs[0]}`) are used at line {other.lineno}; the fused op does not materialise them",
                     )
+                # an in-place write (``s[..] += t``, ``s.add_(t)`` that the interpreter does not read) is a step of the
+                # chain npufuse cannot follow; a read (a log, a store) needs a value the fused op does not produce
+                written = [t for t in fast_walk(other) if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(getattr(t, "ctx", None), ast.Store)
+                           and isinstance(t.value, ast.Name) and t.value.id in reads_internal]
+                inplace = [c for c in fast_walk(other) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr.endswith("_")
+                           and not c.func.attr.startswith("_") and isinstance(c.func.value, ast.Name) and c.func.value.id in reads_internal]
+                text = " ".join(_statement_text(module, other).split())[:80]
+                if written or inplace:
+                    name = (written[0].value if written else inplace[0].func.value).id  # type: ignore[union-attr]
+                    return NearMiss(self.id, scope.qualname, span_line, end_line,
+                                    f"line {other.lineno} between the attention steps uses intermediate `{name}`: it modifies it in place "
+                                    f"(`{text}`) in a way npufuse does not read as a mask or scale")
                 return NearMiss(
                     self.id, scope.qualname, span_line, end_line,
-                    f"line {other.lineno} between the attention steps uses intermediate `{used[0]}`",
+                    f"line {other.lineno} between the attention steps uses intermediate `{used[0]}` (`{text}`): the fused op does not produce it",
                 )
             if interp.assigned[j] & r.emitted:
                 return NearMiss(
@@ -5084,5 +5102,73 @@ def odd(q, k, v):
     return torch.einsum("bnm,bmd->bnd", a, v)
 """,
         reason="unsupported operation on the attention scores: `torch.einsum('bnd,bmd->bnm', q, k)[:, None]`",
+    )
+)
+
+
+# --- issue 14 class 3: masks added in place on a trailing slice of the scores (canonical.slice_add_as_padded) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="causal_added_in_place_on_newest_keys",
+        # minimind: ``scores[:, :, :, -seq_len:] += full((seq_len, seq_len), -inf).triu(1)`` (causal over the newest keys
+        # of a cache) and ``scores += (1 - mask) * -1e9`` on their own lines: read as adds of a padded term
+        code="""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(xq, xk, xv, seq_len, causal=True, attention_mask=None):
+    scores = (xq @ xk.transpose(-2, -1)) / math.sqrt(xq.shape[-1])
+    if causal: scores[:, :, :, -seq_len:] += torch.full((seq_len, seq_len), float("-inf"), device=scores.device).triu(1)
+    if attention_mask is not None: scores += (1.0 - attention_mask.unsqueeze(1).unsqueeze(2)) * -1e9
+    return F.softmax(scores.float(), dim=-1).type_as(xq) @ xv
+""",
+        expect={"mask_values_checked": True},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+keep = torch.ones(2, 8)
+keep[1, :2] = 0
+out = (attend(q, k, v, 5), attend(q, k, v, 5, attention_mask=keep), attend(q, k, v, 5, causal=False, attention_mask=keep))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="in_place_add_on_middle_slice",
+        # an in-place add on a slice npufuse does not read as a padded term (here the query rows): the scores are
+        # modified in a way the chain does not follow
+        code="""
+import torch
+
+
+def attend(q, k, v, n):
+    scores = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+    scores[:, :, -n:, :] += torch.full((n, k.shape[-2]), float("-inf")).triu(1)
+    return torch.matmul(scores.softmax(dim=-1), v)
+""",
+        reason="between the attention steps uses intermediate `scores`: it modifies it in place",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="scores_stored_between_steps",
+        # the scores stored on the module between two steps (a debug hook): a value the fused op never produces
+        code="""
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def forward(self, q, k, v):
+        scores = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+        self.last_scores = scores
+        return torch.matmul(scores.softmax(dim=-1), v)
+""",
+        reason="uses intermediate `scores` (`self.last_scores = scores`): the fused op does not produce it",
     )
 )

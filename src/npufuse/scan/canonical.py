@@ -839,3 +839,50 @@ def equation_variants(spec: ast.AST | None, assigned: Callable[[ast.expr], ast.A
             return None
         out.append(EquationVariant(eq, subs, value.test, when_true, text))  # type: ignore[arg-type]
     return out
+
+
+# --- attention: an in-place add on a trailing slice as an add of a padded term ---
+from npufuse.scan.dataflow import dotted  # noqa: E402  (this block's own import)
+_SHAPED_CTORS = ("full", "zeros", "ones", "empty")
+_SHAPE_KEEPING = ("triu", "tril", "to", "float", "half", "bfloat16", "type", "type_as", "contiguous")
+
+
+def _last_dim_text(node: ast.AST) -> str | None:
+    """The source of a tensor expression's last dim when its constructor states it (``torch.full((s, s), v)``,
+    ``torch.zeros(a, b)``, through ``.triu(1)`` / ``.to(...)``), else None."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SHAPE_KEEPING:
+        node = node.func.value
+    if not (isinstance(node, ast.Call) and (dotted(node.func) or "").rpartition(".")[2] in _SHAPED_CTORS and node.args):
+        return None
+    shape = node.args[0]
+    if isinstance(shape, (ast.Tuple, ast.List)):
+        return ast.unparse(shape.elts[-1]) if shape.elts and not any(isinstance(e, ast.Starred) for e in shape.elts) else None
+    if (dotted(node.func) or "").rpartition(".")[2] == "full":
+        return None  # full(size, value): one positional shape only as a tuple
+    dims = [a for a in node.args if not isinstance(a, ast.Starred)]
+    return ast.unparse(dims[-1]) if len(dims) == len(node.args) else None
+
+
+def slice_add_as_padded(target: ast.AST, value: ast.AST) -> ast.expr | None:
+    """``x[:, :, :, -n:] += t`` (every axis but the last taken whole, the last from ``-n``; ``t``'s last dim
+    stated as ``n`` by its constructor) as ``x = x + F.pad(t, (x.size(-1) - n, 0))``: the same sum, with the
+    zeros of the untouched columns written out (minimind's causal triangle over the newest keys). None for
+    any other target."""
+    if not (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)):
+        return None
+    parts = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
+    if not parts or not all(isinstance(p, ast.Slice) for p in parts):
+        return None
+    if any(p.lower is not None or p.upper is not None or p.step is not None for p in parts[:-1]):
+        return None
+    last = parts[-1]
+    if not (last.upper is None and last.step is None and isinstance(last.lower, ast.UnaryOp) and isinstance(last.lower.op, ast.USub)):
+        return None
+    n = last.lower.operand
+    if _last_dim_text(value) != ast.unparse(n):
+        return None
+    width = ast.BinOp(left=ast.Call(func=ast.Attribute(value=ast.Name(target.value.id, ast.Load()), attr="size", ctx=ast.Load()),
+                                    args=[ast.Constant(-1)], keywords=[]), op=ast.Sub(), right=n)
+    pad = ast.Attribute(value=ast.Attribute(value=ast.Attribute(value=ast.Name("torch", ast.Load()), attr="nn", ctx=ast.Load()),
+                                            attr="functional", ctx=ast.Load()), attr="pad", ctx=ast.Load())
+    return ast.Call(func=pad, args=[value, ast.Tuple(elts=[width, ast.Constant(0)], ctx=ast.Load())], keywords=[])
