@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, slice_add_as_padded, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -1586,6 +1586,17 @@ class _Matcher:
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
                 left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
                 if left_qk == right_qk:
+                    merged = summed_product(self.is_matmul(deref(node.left, chain.seen)), self.is_matmul(deref(node.right, chain.seen)))
+                    if merged is not None and stop is None and cond is None:
+                        # MLA: q_pe @ k_peᵀ + q_nope @ k_nopeᵀ is one product of the concatenated features; the fused
+                        # call runs where the concatenated parts agree in every other axis (torch.cat does not broadcast)
+                        prod, guard = merged
+                        chain.requires.append((guard, f"the scores are a sum of two products (`{self.src(node)}`), passed as one product "
+                                                      "of the concatenated q / k features: the fused call runs where the parts agree in "
+                                                      "every other axis; the original code runs otherwise"))
+                        chain.spelling.append("summed_products")
+                        self.parse_qk(prod.a, prod, chain)
+                        return
                     raise Miss(f"scores added to scores (`{self.src(node)}`)")
                 base, term = (node.left, node.right) if left_qk else (node.right, node.left)
                 self.add_additive(term, chain, cond)
@@ -2587,7 +2598,21 @@ class AttentionPattern(Pattern):
                 r.text(chain.dropout_cond[0])
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
-        if chain.k.heads_added != chain.v.heads_added:
+        v_shared = False
+        if chain.v.heads_added and not chain.k.heads_added and chain.k.layout in ("BNSD", "BSND") and chain.k.repeat is None:
+            # absorbed MLA: a 4-D key (``cat([k_pe, kv.unsqueeze(-3)], -1)``) beside a 3-D value shared by every head: the
+            # fused call takes the value with a head axis of 1 and runs where the key has one head too
+            v_shared = True
+            axis = 1 if chain.k.layout == "BNSD" else 2
+            k_parts = [k_t]
+            k_node = ast.parse(k_t, mode="eval").body
+            if isinstance(k_node, ast.Call) and dotted(k_node.func) == "torch.cat" and k_node.args and isinstance(k_node.args[0], ast.List):
+                k_parts = [ast.unparse(e) for e in k_node.args[0].elts]  # read each part's size: no concatenation in the guard
+            one_head = " and ".join(f"{atom(x)}.shape[{axis}] == 1" for x in k_parts)
+            chain.requires.append((ast.parse(one_head, mode="eval").body,
+                                   f"the values are shared by every head (3-D) while the keys carry a head axis: the fused call runs where "
+                                   f"that axis is 1 (`{one_head}`, one kv head); the original code runs otherwise"))
+        elif chain.k.heads_added != chain.v.heads_added:
             return NearMiss(self.id, scope.qualname, span_line, end_line,
                             "keys and values differ in heads (one is shared by every head, the other is not): npu_fusion_attention takes one kv head count")
         if (chain.k.repeat is None) != (chain.v.repeat is None):
@@ -2724,6 +2749,8 @@ class AttentionPattern(Pattern):
             return var
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
+        if v_shared:
+            v_n = f"{atom(v_n)}.unsqueeze({1 if chain.k.layout == 'BNSD' else 2})"
         if chain.k.heads_added:
             # one kv head for every query head (multi-query): the op's GQA takes N_kv = 1
             k_n, v_n = (f"{atom(x)}.unsqueeze({1 if op.layout == 'BNSD' else 2})" for x, op in ((k_n, chain.k), (v_n, chain.v)))
@@ -5170,5 +5197,55 @@ class Attn(nn.Module):
         return torch.matmul(scores.softmax(dim=-1), v)
 """,
         reason="uses intermediate `scores` (`self.last_scores = scores`): the fused op does not produce it",
+    )
+)
+
+
+# --- issue 14 class 3: MLA scores as a sum of two products (canonical.summed_product) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="mla_summed_products_shared_value",
+        # DeepSeek-V2/VL2 absorbed MLA: q_pe @ k_peᵀ + q_nope @ kvᵀ (kv [B, L, C] shared by the heads, also the value):
+        # one product of cat([q_pe, q_nope]) and cat([k_pe, kv.unsqueeze(-3)]) (Dk = 576 >= Dv = 512 is allowed), the
+        # value passed with a head axis of 1; run-time guards: the parts agree in every other axis, one kv head
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def mla(q_pe, k_pe, q_nope, compressed_kv, attention_mask, softmax_scale):
+    attn_weights = (torch.matmul(q_pe, k_pe.mT) + torch.matmul(q_nope, compressed_kv.unsqueeze(-3).mT)) * softmax_scale
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q_pe.dtype)
+    return torch.einsum("bhql,blc->bhqc", attn_weights, compressed_kv)
+""",
+        expect={"q": "torch.cat([q_pe, q_nope], dim=-1)", "k": "torch.cat([k_pe, compressed_kv.unsqueeze(-3)], dim=-1)", "mask_values_checked": True},
+        run="""
+qp = torch.randn(2, 4, 5, 8, requires_grad=True)
+kp = torch.randn(2, 1, 7, 8, requires_grad=True)
+qn = torch.randn(2, 4, 5, 32, requires_grad=True)
+kv = torch.randn(2, 7, 32, requires_grad=True)
+pad = torch.zeros(2, 1, 5, 7)
+pad[1, ..., :2] = float("-inf")
+kp4 = torch.randn(2, 4, 7, 8)  # a key with 4 heads beside the shared value: the original code runs
+out = (mla(qp, kp, qn, kv, pad, 0.2), mla(qp, kp, qn, kv, None, 0.2), mla(qp, kp4, qn, kv, None, 0.2))
+leaves = [qp, kp, qn, kv]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="summed_products_key_not_transposed",
+        # a sum of two products whose second key is not a visible transpose: not read as one product
+        code="""
+import torch
+
+
+def odd(q1, k1, q2, k2t, v):
+    s = torch.matmul(q1, k1.transpose(-2, -1)) + torch.matmul(q2, k2t)
+    return torch.matmul(s.softmax(dim=-1), v)
+""",
+        reason="scores added to scores",
     )
 )

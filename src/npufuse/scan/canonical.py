@@ -886,3 +886,40 @@ def slice_add_as_padded(target: ast.AST, value: ast.AST) -> ast.expr | None:
     pad = ast.Attribute(value=ast.Attribute(value=ast.Attribute(value=ast.Name("torch", ast.Load()), attr="nn", ctx=ast.Load()),
                                             attr="functional", ctx=ast.Load()), attr="pad", ctx=ast.Load())
     return ast.Call(func=pad, args=[value, ast.Tuple(elts=[width, ast.Constant(0)], ctx=ast.Load())], keywords=[])
+
+
+# --- attention: a sum of two Q@Kᵀ products as one product of concatenated features ---
+def _last_two_swapped_base(node: ast.AST) -> ast.expr | None:
+    """X of ``X.mT`` / ``X.transpose(-2, -1)`` / ``X.transpose(-1, -2)``, else None."""
+    if isinstance(node, ast.Attribute) and node.attr == "mT":
+        return node.value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "transpose" and len(node.args) == 2 \
+            and {const_value(a) for a in node.args} == {-2, -1}:
+        return node.func.value
+    return None
+
+
+def _torch_call(attr: str, args: list[ast.expr], keywords: list[ast.keyword]) -> ast.Call:
+    return ast.Call(func=ast.Attribute(value=ast.Name("torch", ast.Load()), attr=attr, ctx=ast.Load()), args=args, keywords=keywords)
+
+
+def summed_product(p1: "Product | None", p2: "Product | None") -> "tuple[Product, ast.expr] | None":
+    """``a1 @ b1ᵀ + a2 @ b2ᵀ`` (matmul / ``@``, each key a visible transpose of its last two axes) as one product
+    ``cat([a1, a2], -1) @ cat([b1, b2], -1)ᵀ`` — equal where the parts agree in every axis but the last
+    (``torch.cat`` does not broadcast) — and that condition as an expression; None for other sums."""
+    if p1 is None or p2 is None or p1.kind not in ("@", "matmul") or p2.kind not in ("@", "matmul") or p1.alpha is not None or p2.alpha is not None:
+        return None
+    k1, k2 = _last_two_swapped_base(p1.b), _last_two_swapped_base(p2.b)
+    if k1 is None or k2 is None:
+        return None
+    dim = [ast.keyword(arg="dim", value=ast.Constant(-1))]
+    q = _torch_call("cat", [ast.List(elts=[p1.a, p2.a], ctx=ast.Load())], dim)
+    k = _torch_call("cat", [ast.List(elts=[k1, k2], ctx=ast.Load())], dim)
+
+    def lead(x: ast.expr) -> ast.expr:
+        shape = ast.Attribute(value=x, attr="shape", ctx=ast.Load())
+        return ast.Subscript(value=shape, slice=ast.Slice(upper=ast.Constant(-1)), ctx=ast.Load())
+
+    guard = ast.BoolOp(op=ast.And(), values=[ast.Compare(left=lead(p1.a), ops=[ast.Eq()], comparators=[lead(p2.a)]),
+                                             ast.Compare(left=lead(k1), ops=[ast.Eq()], comparators=[lead(k2)])])
+    return Product(q, ast.Attribute(value=k, attr="mT", ctx=ast.Load()), "matmul"), guard
