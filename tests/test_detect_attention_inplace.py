@@ -52,10 +52,26 @@ def test_in_place_causal_over_newest_keys_matches_under_emulator() -> None:
 
 
 @pytest.mark.parametrize("name,reason", [
-    ("in_place_add_on_middle_slice", "it modifies it in place (`scores[:, :, -n:, :] +="),
+    ("in_place_add_on_middle_slice", "line 7 modifies `scores` in place (`scores[:, :, -n:, :] +="),
     ("scores_stored_between_steps", "(`self.last_scores = scores`): the fused op does not produce it"),
 ])
 def test_statement_between_steps_says_what_it_does(name: str, reason: str) -> None:
     findings, misses = detect_all(PATTERN, _example(name).code)
     assert not findings
     assert any(reason in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_mask_changed_in_place_is_never_read_as_its_first_value() -> None:
+    findings, misses = detect_all(PATTERN, _example("window_mask_changed_in_place").code)
+    assert not findings
+    assert any("modifies `window_mask` in place" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_key_transposed_upstream_matches_under_emulator() -> None:
+    ex = _example("key_transposed_upstream")
+    findings, misses = detect_all(PATTERN, ex.code)
+    assert findings, [m.reason for m in misses]
+    # the causal mask is built on the query's device/dtype (the scores are never computed on the fused branch)
+    assert "q.new_ones(" in findings[0].fused and "attn_weight" not in findings[0].fused.split("else:")[0].replace("attn_weight = None", "")
+    facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
+    assert facts["calls"] == 2 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999

@@ -90,6 +90,21 @@ class Opaque(ast.expr):
     _fields = ()
 
 
+class InPlace(ast.expr):
+    """A local tensor after a statement changed part of it in place (``m[:, :-w] = False``, ``s[i] += t``) in a way
+    the interpreter does not read: ``value`` is what it held before (so the dataflow still sees the scores in
+    it); any step or rendering that meets it stops with a near miss saying so."""
+
+    _fields = ("value",)
+
+    def __init__(self, value: ast.expr | None = None, name: str = "", line: int = 0, text: str = "") -> None:
+        super().__init__()
+        self.value, self.name, self.line, self.text = value, name, line, text
+
+    def reason(self) -> str:
+        return f"line {self.line} modifies `{self.name}` in place (`{self.text}`) in a way npufuse does not read as a mask or scale"
+
+
 class Under(ast.expr):
     """A value assigned inside ``with <ctx>:`` (a one-assignment body, no ``as``): Megatron's dropout
     under ``get_cuda_rng_tracker().fork()``, a mask sliced under ``torch.no_grad()``. Only the dropout
@@ -212,7 +227,17 @@ class BlockInterp:
                 else:
                     part = ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load())
                 self._bind(elt, part, env, i, stmt)
-        # attribute / subscript targets: side effects on objects, no local binding
+        elif isinstance(target, ast.Subscript):
+            # ``window_mask[:, :-w] = False``: the tensor a local name holds changes in place; its value is no longer the
+            # expression it was assigned (reading it as that would build a wrong mask): unknown from here on
+            base = target.value
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if isinstance(base, ast.Name):
+                before = self.sym(ast.Name(base.id, ast.Load()), env)
+                text = " ".join(ast.unparse(stmt).split())[:80]
+                env[base.id] = Ref(base.id, i, InPlace(before, base.id, stmt.lineno, text), stmt)
+        # attribute targets: side effects on objects, no local binding
 
     def _exec(self, stmts: list[ast.stmt], env: dict[str, ast.expr], i: int) -> None:
         for stmt in stmts:
@@ -228,6 +253,8 @@ class BlockInterp:
                 cur = self.sym(ast.Name(name, ast.Load()), env)
                 term = self.sym(slice_add_as_padded(stmt.target, stmt.value), env)  # type: ignore[arg-type]
                 self._bind(ast.Name(name, ast.Store()), ast.copy_location(ast.BinOp(left=cur, op=ast.Add(), right=term), stmt), env, i, stmt)
+            elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript):
+                self._bind(stmt.target, Opaque(), env, i, stmt)  # an in-place update of part of a tensor npufuse does not read
             elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
                 cur = self.sym(ast.Name(stmt.target.id, ast.Load()), env)
                 value = ast.copy_location(ast.BinOp(left=cur, op=stmt.op, right=self.sym(stmt.value, env)), stmt)
@@ -335,6 +362,9 @@ _SHAPE_ONLY_ARG_CALLS = {"expand_as", "view_as", "reshape_as", "type_as"}
 _SHAPE_LIKE_FUNCS = {"zeros_like", "ones_like", "full_like"}
 
 
+_NEW_TENSOR_METHODS = {"new_ones", "new_zeros", "new_full", "new_empty"}
+
+
 def _shape_like_call(node: Any) -> bool:
     return isinstance(node, ast.Call) and bool(node.args) and (dotted(_plain(node.func)) or "").rpartition(".")[2] in _SHAPE_LIKE_FUNCS
 
@@ -359,6 +389,11 @@ def walk_values(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
             continue
         if _shape_like_call(n):
             stack.extend(n.args[1:])
+            stack.extend(kw.value for kw in n.keywords)
+            continue
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _NEW_TENSOR_METHODS:
+            # ``scores.new_ones(s, s)``: only the receiver's dtype / device are read
+            stack.extend(n.args)
             stack.extend(kw.value for kw in n.keywords)
             continue
         for _name, value in ast.iter_fields(n):
@@ -464,7 +499,7 @@ class Renderer:
 
     def _inline(self, value: Any) -> ast.expr:
         if _heavy(value, through_meta=False):
-            raise Miss("an input of the fused call (mask / scale) is computed from the attention scores themselves")
+            raise Miss(f"an input of the fused call (mask / scale) is computed from the attention scores themselves (`{ast.unparse(_plain(value))[:80]}`)")
         inner = self._ast(value)
         text = ast.unparse(inner)
         return ast.Name(text if _is_atom(inner) else f"({text})", ast.Load())
@@ -478,12 +513,19 @@ class Renderer:
             return ast.IfExp(test=self._ast(node.test), body=self._ast(node.body), orelse=self._ast(node.orelse))
         if isinstance(node, (Undef, Opaque)):
             raise Miss("a value npufuse cannot follow feeds the attention")
+        if isinstance(node, InPlace):
+            raise Miss(node.reason())
         if isinstance(node, Under):
             # a mask / scale input computed under ``with torch.no_grad():`` (gpt-neox slices its mask so): the fused
             # op takes no gradient through a bool mask or a Python scale, so the context changes nothing there
             if _heavy(node.value, through_meta=False):
                 raise Miss(f"an input of the fused call is computed inside `with {node.ctx}:` from the scores")
             return self._ast(node.value)
+        # ``scores.new_ones(s, s, dtype=...)`` in mask code: a new tensor on the scores' device / dtype, the query's
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _NEW_TENSOR_METHODS \
+                and self.meta_base and _heavy(node.func.value):
+            return ast.Call(func=ast.Attribute(value=ast.Name(atom(self.meta_base), ast.Load()), attr=node.func.attr, ctx=ast.Load()),
+                            args=[self._ast(a) for a in node.args], keywords=[self._kw(k) for k in node.keywords])
         # scores.dtype / scores.device in mask code: the query's (the scores are not computed here)
         if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device") and self.meta_base and _heavy(node.value):
             return ast.Attribute(value=ast.Name(atom(self.meta_base), ast.Load()), attr=node.attr, ctx=ast.Load())
@@ -1225,6 +1267,10 @@ class _Matcher:
             chain.probs_objs.add(id(node))
             node = deref(node, chain.seen)
             chain.probs_objs.add(id(node))
+            if isinstance(node, InPlace):
+                if _heavy(node.value, through_meta=False):
+                    raise Miss(node.reason())
+                return None
             if self.method(node, *_CASTS) and (node.func.attr != "to" or len(node.args) + len(node.keywords) <= 2):
                 node = node.func.value
                 continue
@@ -1525,6 +1571,8 @@ class _Matcher:
             node = deref(node, chain.seen)
             if stop is not None and node is stop:
                 return
+            if isinstance(node, InPlace):
+                raise Miss(node.reason())
             if self.method(node, *_CASTS):
                 node = node.func.value
                 continue
@@ -1933,6 +1981,13 @@ class _Matcher:
                 # bmm(q, kᵀ) with kᵀ built as [B, D, S] directly (channel-first attention blocks): K = kᵀ.transpose(1, 2)
                 chain.k = self.peel_operand(kt_d, "k", layout, chain)
                 chain.k_transposed = True
+                return
+            if layout == "BNSD" and not isinstance(kt_d, (ast.BinOp, Cond, Opaque, Undef, ast.IfExp)):
+                # the key is already laid out [B, N, D, S] upstream (llm-foundry's ``rearrange(k, 'b s (h d) -> b h d s')``,
+                # a cache kept transposed): K is its transpose, whatever built it
+                k_node = ast.Call(func=ast.Attribute(value=kt_d, attr="transpose", ctx=ast.Load()), args=[ast.Constant(-2), ast.Constant(-1)], keywords=[])
+                chain.k = self.peel_operand(k_node, "k", layout, chain)
+                chain.notes.append(f"the key operand `{self.src(b)}` is taken as K already transposed ([B, N, D, S]): the fused call gets its transpose")
                 return
             raise Miss(f"the key operand `{self.src(b)}` is not a transpose of K")
 
@@ -5178,7 +5233,7 @@ def attend(q, k, v, n):
     scores[:, :, -n:, :] += torch.full((n, k.shape[-2]), float("-inf")).triu(1)
     return torch.matmul(scores.softmax(dim=-1), v)
 """,
-        reason="between the attention steps uses intermediate `scores`: it modifies it in place",
+        reason="modifies `scores` in place (`scores[:, :, -n:, :] +=",
     )
 )
 AttentionPattern.KEEP.append(
@@ -5247,5 +5302,61 @@ def odd(q1, k1, q2, k2t, v):
     return torch.matmul(s.softmax(dim=-1), v)
 """,
         reason="scores added to scores",
+    )
+)
+
+
+# --- issue 14 class 3: a key already laid out [B, N, D, S]; masks changed in place ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="key_transposed_upstream",
+        # llm-foundry: k built [B, N, D, S] upstream (a rearrange / a cache kept transposed), then ``q.matmul(k)``; the
+        # causal mask from ``scores.new_ones(s, s)`` (only the scores' device / dtype are read)
+        code="""
+import torch
+
+
+def attend(q, kt, v, is_causal=True):
+    s_q, s_k = q.shape[-2], kt.shape[-1]
+    attn_weight = q.matmul(kt) * 0.25
+    if is_causal:
+        s = max(s_q, s_k)
+        causal_mask = ~attn_weight.new_ones(s, s, dtype=torch.float32).tril().to(torch.bool)
+        causal_mask = causal_mask[-s_q:, -s_k:]
+        attn_weight = attn_weight.masked_fill(causal_mask.view(1, 1, s_q, s_k), torch.finfo(q.dtype).min)
+    attn_weight = torch.softmax(attn_weight, dim=-1)
+    return attn_weight.to(v.dtype).matmul(v)
+""",
+        expect={"k": "kt.transpose(-2, -1)", "layout": "BNSD"},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 16, 7, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+out = (attend(q, k, v), attend(q, k, v, is_causal=False))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="window_mask_changed_in_place",
+        # a mask changed in place on one branch (``window_mask[:, :-(w + 1)] = False``): its value is not the expression
+        # first assigned, so reading it as that would build a wrong mask
+        code="""
+import torch
+
+
+def attend(q, k, v, w):
+    s_q, s_k = q.shape[-2], k.shape[-2]
+    attn = torch.matmul(q, k.transpose(-1, -2)) * 0.25
+    window_mask = torch.ones((s_q, s_k), dtype=torch.bool, device=q.device)
+    if s_q > 1:
+        window_mask = torch.tril(window_mask, diagonal=w)
+    else:
+        window_mask[:, :-(w + 1)] = False
+    attn = attn.masked_fill(~window_mask, float("-inf"))
+    return torch.matmul(attn.softmax(dim=-1), v)
+""",
+        reason="modifies `window_mask` in place (`window_mask[:, :-(w + 1)] = False`)",
     )
 )
