@@ -2779,7 +2779,11 @@ class AttentionPattern(Pattern):
             if not is_probs and isinstance(final, Ref) and s <= final.idx < e and isinstance(block[final.idx], ast.Assign) \
                     and not _heavy(final.value, through_meta=False):
                 reads = {n.id for n in fast_walk(block[final.idx].value) if isinstance(n, ast.Name)}
-                if not any(reads & interp.assigned[j] for j in range(s, final.idx)) and not reads & _targets(stmt):
+                # the fused branch runs it after the call: what it reads must hold there what it held where it stood
+                # (nothing of the span before it assigns those names; no statement the fused branch runs after it does)
+                executed_after = [j for j in range(final.idx + 1, e) if j not in steps or j in kept or j in r.bound]
+                if not any(reads & interp.assigned[j] for j in range(s, final.idx)) and not reads & _targets(stmt) \
+                        and not any(reads & interp.assigned[j] for j in executed_after):
                     # Megatron's second ``output_size = (v.size(1), ...)`` read after the site: it reads only names
                     # the span does not assign, so it runs as written after the fused call (its earlier value may
                     # still be an input of the call)
