@@ -1387,8 +1387,8 @@ class _Matcher:
         what = f"`{self.src(node.func)}` (a `{cls}` module built in `__init__`, defined in {d.rel}:{getattr(d.node, 'lineno', 0)})"
         sem = repo_facts.softmax_module(d)
         if sem is None:
-            raise Miss(f"the probabilities come from {what}: its forward is not read as scale -> mask function -> softmax over the "
-                       "last dim, so npufuse cannot check that npu_fusion_attention computes the same")
+            raise Miss(f"the probabilities come from {what}: its forward is not read as a dropout, nor as scale -> mask function -> "
+                       "softmax over the last dim, so npufuse cannot check that npu_fusion_attention computes the same")
         mask_arg = repo_facts._arg_for(ctor, sem.init_params, sem.mask_param)
         if mask_arg is None:
             raise Miss(f"the probabilities come from {what}, built without its mask function `{sem.mask_param}`")
@@ -5118,7 +5118,7 @@ AttentionPattern.KEEP += [
         name="megatron_softmax_module_other_forward",
         # a softmax module whose forward is not scale -> mask function -> softmax (here it also clamps)
         code=_MEGATRON.replace("MAKES_MASK", "input = input.clamp(min=-50.0)").replace("MASK_FUNC", _MEGATRON_FILL),
-        reason="its forward is not read as scale -> mask function -> softmax",
+        reason="nor as scale -> mask function -> softmax",
     ),
     Keep(
         name="bias_module_always_on_scores",
