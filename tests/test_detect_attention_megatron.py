@@ -197,3 +197,15 @@ def test_cut_mask_is_passed_cut_to_the_fused_call(tmp_path: Path) -> None:
     run = _example("megatron_softmax_module_torch_path").run + "\nbig = torch.ones(8, 8, dtype=torch.bool).triu(1).view(1, 1, 8, 8)\nout = out + (m(q, k, v, big),)\n"
     facts = check_rewrite_runs(PATTERN, code, run, findings)
     assert facts["calls"] == 4 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_outcome_that_read_other_files_is_not_cached(tmp_path: Path) -> None:
+    # the mask function lives in another file: editing it must change the next scan, so the per-file cache
+    # (keyed by the attention file's own content) does not keep that file's outcome
+    root = _repo(tmp_path / "repo", _MEGATRON_FILL)
+    cache_dir = tmp_path / "cache"
+    first = scan_repo(root, jobs=1, only=["attention"], cache_dir=cache_dir)
+    assert [c for c in first.candidates if c["file"] == "pkg/layers/attention.py"]
+    (root / "pkg/model/utils.py").write_text("def gpt_mask_func(attention_scores, attention_mask):\n    return attention_scores + attention_mask\n")
+    second = scan_repo(root, jobs=1, only=["attention"], cache_dir=cache_dir)
+    assert not [c for c in second.candidates if c["file"] == "pkg/layers/attention.py"]

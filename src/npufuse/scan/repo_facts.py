@@ -299,6 +299,29 @@ _PY_FILES: dict[str, list[str]] = {}
 _SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", "site-packages", ".tox", "build", "dist"}
 
 
+_DEPENDENT: set[tuple[str, str]] = set()  # (root, file) whose analysis read other files of the repo (this process)
+
+
+def reads_other_files(root: Path, rel: str) -> bool:
+    """Did analysing ``rel`` read other files of the repo (a class, a mask function, callers)? Such a file's
+    outcome depends on them, so the per-file cache (keyed by the file's own content) must not keep it."""
+    return (str(root), rel) in _DEPENDENT
+
+
+def _depends(root: Optional[Path], rel: str) -> None:
+    if root is not None:
+        if len(_DEPENDENT) > 100000:
+            _DEPENDENT.clear()
+        _DEPENDENT.add((str(root), rel))
+
+
+def reset() -> None:
+    """Forget the files parsed and listed for earlier scans (a scan reads the repo as it is now)."""
+    _PARSED.clear()
+    _PY_FILES.clear()
+    _DEPENDENT.clear()
+
+
 def attach_root(module: Any, root: Path) -> None:
     """Record the scan root on a parsed file (``ModuleInfo``) so detectors can resolve other files."""
     try:
@@ -407,7 +430,10 @@ def definition_in(root: Optional[Path], rel: str, tree: ast.Module, name: str) -
 
 def definition(module: Any, name: str) -> Optional[Definition]:
     """``definition_in`` for a parsed file (``ModuleInfo``) of the scan."""
-    return definition_in(repo_root(module), module.path, module.tree, name)
+    root = repo_root(module)
+    if "." in name or _top_def(module.tree, name) is None:
+        _depends(root, module.path)  # found or not, the answer depends on other files
+    return definition_in(root, module.path, module.tree, name)
 
 
 def _is_minus_large(node: ast.AST | None) -> Optional[str]:
@@ -761,6 +787,8 @@ def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast
     is a mask function of :func:`mask_fill`'s form — a lambda, a function of this or another file of the
     repo, or a parameter of ``__init__`` (stored as ``self.<attr>`` or not) that every constructor call in
     the repo fills with such a function (followed through up to four constructors) — else (None, why)."""
+    if depth == 0:
+        _depends(root, rel)
     if depth > 4:
         return None, "passed through more constructors than npufuse follows", False
     cls, fn = scope if scope is not None else (None, None)
