@@ -343,7 +343,7 @@ class Definition:
     tree: ast.Module
 
 
-def _parse(root: Path, rel: str) -> Optional[ast.Module]:
+def _parse_repo_file(root: Path, rel: str) -> Optional[ast.Module]:
     key = (str(root), rel)
     if key in _PARSED:
         return _PARSED[key]
@@ -397,7 +397,7 @@ def _find(root: Path, from_rel: str, mod: str, attr: str, depth: int) -> Optiona
     for base in dict.fromkeys(bases):
         for cand in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
             rel = str(cand)
-            tree = _parse(root, rel)
+            tree = _parse_repo_file(root, rel)
             if tree is None:
                 continue
             node = _top_def(tree, attr)
@@ -836,13 +836,13 @@ def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast
     # subclasses that keep the constructor (``class LayerPipe(Layer)`` without an ``__init__``) are built with it too
     names = {cls.name}
     for other in texts:
-        t = _parse(root, other)
+        t = _parse_repo_file(root, other)
         for n in ast.walk(t) if t is not None else ():
             if isinstance(n, ast.ClassDef) and any((dotted(b) or "").rpartition(".")[2] == cls.name for b in n.bases) \
                     and not any(isinstance(f, ast.FunctionDef) and f.name == "__init__" for f in n.body):
                 names.add(n.name)
     for other in texts:
-        t = _parse(root, other)
+        t = _parse_repo_file(root, other)
         if t is None:
             continue
         for call in ast.walk(t):
