@@ -1410,7 +1410,7 @@ class _Matcher:
             # branch): ``mask[..., :Sq, :Skv]`` is that cut, and changes nothing where the mask already broadcasts
             size = [ast.Call(func=ast.Attribute(value=x, attr="size", ctx=ast.Load()), args=[ast.Constant(d)], keywords=[]) for d in (-2, -1)]
             filled_at = ast.Subscript(value=mask, slice=ast.Tuple(elts=[ast.Constant(Ellipsis)] + [ast.Slice(upper=u) for u in size], ctx=ast.Load()), ctx=ast.Load())
-            chain.notes.append(f"the mask function cuts the mask to the scores' size on some path: the fused call takes `mask[..., :Sq, :Skv]`")
+            chain.notes.append("the mask function cuts the mask to the scores' size on some path: the fused call takes `mask[..., :Sq, :Skv]`")
         masked = ast.Call(func=ast.Attribute(value=x, attr="masked_fill", ctx=ast.Load()), args=[filled_at, ast.parse(fill, mode="eval").body], keywords=[])
         pre = Cond()
         pre.test, pre.body, pre.orelse = not_none, masked, x
