@@ -75,3 +75,9 @@ def test_key_transposed_upstream_matches_under_emulator() -> None:
     assert "q.new_ones(" in findings[0].fused and "attn_weight" not in findings[0].fused.split("else:")[0].replace("attn_weight = None", "")
     facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
     assert facts["calls"] == 2 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_key_operand_that_is_an_expression_stays_a_near_miss() -> None:
+    findings, misses = detect_all(PATTERN, _example("key_operand_scaled_product").code)
+    assert not findings
+    assert any("`k.transpose(-2, -1) + w` is not a transpose of K" in m.reason for m in misses)

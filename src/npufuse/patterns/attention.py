@@ -5364,3 +5364,19 @@ def attend(q, k, v, w):
         reason="modifies `window_mask` in place (`window_mask[:, :-(w + 1)] = False`)",
     )
 )
+AttentionPattern.KEEP.append(
+    Keep(
+        name="key_operand_scaled_product",
+        # the key operand is an arithmetic expression (not a tensor laid out [B, N, D, S] nor a visible transpose):
+        # npufuse does not guess which axes it swaps
+        code="""
+import torch
+
+
+def attend(q, k, v, w):
+    scores = q.matmul(k.transpose(-2, -1) + w) * 0.25
+    return scores.softmax(dim=-1).matmul(v)
+""",
+        reason="is not a transpose of K",
+    )
+)
