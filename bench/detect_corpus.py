@@ -228,6 +228,48 @@ def sibling_sources(gd: Path, commit: str, paths: list[str]) -> list[str]:
     return out
 
 
+def imported_sources(gd: Path, commit: str, paths: list[str], depth: int = 2) -> list[str]:
+    """The repo's .py files at ``commit`` that ``paths`` import (``from a.b import X`` -> a/b.py or
+    a/b/__init__.py, also below any parent folder of the importing file, and relative imports), followed
+    ``depth`` levels: a softmax class or mask function a labelled file uses from another folder."""
+    import ast
+
+    res = subprocess.run(["git", "--git-dir", str(gd), "ls-tree", "-r", "--name-only", commit], capture_output=True, text=True)
+    if res.returncode != 0:
+        return []
+    present = {ln for ln in res.stdout.splitlines() if ln.endswith(".py")}
+    seen, frontier = set(paths), list(paths)
+    for _ in range(depth):
+        nxt: list[str] = []
+        for p in frontier:
+            src = subprocess.run(["git", "--git-dir", str(gd), "show", f"{commit}:{p}"], capture_output=True)
+            try:
+                tree = ast.parse(src.stdout)
+            except (SyntaxError, ValueError, RecursionError):
+                continue
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                if node.level:
+                    base = Path(p).parent
+                    for _i in range(node.level - 1):
+                        base = base.parent
+                    mods = [str(base.joinpath(*(node.module or "").split("."))) if node.module else str(base)]
+                    bases = [Path(".")]
+                else:
+                    mods = [str(Path(*(node.module or "").split(".")))] if node.module else []
+                    bases = [Path(".")] + list(Path(p).parents)
+                for m in mods:
+                    for b in bases:
+                        for cand in (f"{b / m}.py", str(b / m / "__init__.py")):
+                            cand = str(Path(cand))
+                            if cand in present and cand not in seen:
+                                seen.add(cand)
+                                nxt.append(cand)
+        frontier = nxt
+    return sorted(seen - set(paths))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="labels JSON (default: bench/detect_labels.json)")
@@ -236,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--labelled-only", action="store_true",
                     help="scan only the labelled files (default: the whole repository at the commit, as a user's scan)")
     ap.add_argument("--context", action="store_true",
-                    help="scan the labelled files and the other .py files of their folders (not the whole repository)")
+                    help="scan the labelled files, the other .py files of their folders and the repo modules they import "
+                         "(two levels), not the whole repository; only the labelled files are scored")
     ap.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to score (default: every labelled pattern)")
     args = ap.parse_args(argv)
     try:
@@ -272,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 missing = extract(gd, commit, paths, dest)
             if args.context:
-                extract(gd, commit, sorted(set(sibling_sources(gd, commit, paths)) - set(paths)), dest)
+                extract(gd, commit, sorted((set(sibling_sources(gd, commit, paths)) | set(imported_sources(gd, commit, paths))) - set(paths)), dest)
             if len(missing) == len(paths):
                 print(f"skipped {repo}: commit {commit[:12]} or its files are not in the mirror")
                 continue

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -88,6 +88,33 @@ class Opaque(ast.expr):
     """Assigned somewhere the interpreter does not follow (loop, with, try, nested def)."""
 
     _fields = ()
+
+
+class InPlace(ast.expr):
+    """A local tensor after a statement changed part of it in place (``m[:, :-w] = False``, ``s[i] += t``) in a way
+    the interpreter does not read: ``value`` is what it held before (so the dataflow still sees the scores in
+    it); any step or rendering that meets it stops with a near miss saying so."""
+
+    _fields = ("value",)
+
+    def __init__(self, value: ast.expr | None = None, name: str = "", line: int = 0, text: str = "") -> None:
+        super().__init__()
+        self.value, self.name, self.line, self.text = value, name, line, text
+
+    def reason(self) -> str:
+        return f"line {self.line} modifies `{self.name}` in place (`{self.text}`) in a way npufuse does not read as a mask or scale"
+
+
+class Under(ast.expr):
+    """A value assigned inside ``with <ctx>:`` (a one-assignment body, no ``as``): Megatron's dropout
+    under ``get_cuda_rng_tracker().fork()``, a mask sliced under ``torch.no_grad()``. Only the dropout
+    step and the renderer of non-differentiable inputs know it; anywhere else it stops the match."""
+
+    _fields = ("value",)
+
+    def __init__(self, value: ast.expr | None = None, ctx: str = "") -> None:
+        super().__init__()
+        self.value, self.ctx = value, ctx
 
 
 def _shallow_copy(node: ast.AST) -> ast.AST:
@@ -200,7 +227,17 @@ class BlockInterp:
                 else:
                     part = ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load())
                 self._bind(elt, part, env, i, stmt)
-        # attribute / subscript targets: side effects on objects, no local binding
+        elif isinstance(target, ast.Subscript):
+            # ``window_mask[:, :-w] = False``: the tensor a local name holds changes in place; its value is no longer the
+            # expression it was assigned (reading it as that would build a wrong mask): unknown from here on
+            base = target.value
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if isinstance(base, ast.Name):
+                before = self.sym(ast.Name(base.id, ast.Load()), env)
+                text = " ".join(ast.unparse(stmt).split())[:80]
+                env[base.id] = Ref(base.id, i, InPlace(before, base.id, stmt.lineno, text), stmt)
+        # attribute targets: side effects on objects, no local binding
 
     def _exec(self, stmts: list[ast.stmt], env: dict[str, ast.expr], i: int) -> None:
         for stmt in stmts:
@@ -210,6 +247,14 @@ class BlockInterp:
                     self._bind(t, value, env, i, stmt)
             elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
                 self._bind(stmt.target, self.sym(stmt.value, env), env, i, stmt)
+            elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Add) and slice_add_as_padded(stmt.target, stmt.value) is not None:
+                # ``scores[..., -n:] += t``: ``scores = scores + F.pad(t, (scores.size(-1) - n, 0))`` (canonical layer)
+                name = stmt.target.value.id  # type: ignore[attr-defined]
+                cur = self.sym(ast.Name(name, ast.Load()), env)
+                term = self.sym(slice_add_as_padded(stmt.target, stmt.value), env)  # type: ignore[arg-type]
+                self._bind(ast.Name(name, ast.Store()), ast.copy_location(ast.BinOp(left=cur, op=ast.Add(), right=term), stmt), env, i, stmt)
+            elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript):
+                self._bind(stmt.target, Opaque(), env, i, stmt)  # an in-place update of part of a tensor npufuse does not read
             elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
                 cur = self.sym(ast.Name(stmt.target.id, ast.Load()), env)
                 value = ast.copy_location(ast.BinOp(left=cur, op=stmt.op, right=self.sym(stmt.value, env)), stmt)
@@ -237,6 +282,13 @@ class BlockInterp:
                         cond = Cond()
                         cond.test, cond.body, cond.orelse = test, a if a is not None else before, b if b is not None else before
                         env[name] = Ref(name, i, cond, stmt)
+            elif isinstance(stmt, ast.With) and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Assign) \
+                    and all(it.optional_vars is None for it in stmt.items) \
+                    and all(isinstance(t, ast.Name) for t in stmt.body[0].targets):
+                ctx = ", ".join(ast.unparse(it.context_expr) for it in stmt.items)
+                value = Under(self.sym(stmt.body[0].value, env), ctx)
+                for t in stmt.body[0].targets:
+                    self._bind(t, value, env, i, stmt)
             elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or type(stmt).__name__ in ("TryStar", "Match"):
                 for name in _assigned_names([stmt]):
                     env[name] = Ref(name, i, Opaque(), stmt)
@@ -310,6 +362,9 @@ _SHAPE_ONLY_ARG_CALLS = {"expand_as", "view_as", "reshape_as", "type_as"}
 _SHAPE_LIKE_FUNCS = {"zeros_like", "ones_like", "full_like"}
 
 
+_NEW_TENSOR_METHODS = {"new_ones", "new_zeros", "new_full", "new_empty"}
+
+
 def _shape_like_call(node: Any) -> bool:
     return isinstance(node, ast.Call) and bool(node.args) and (dotted(_plain(node.func)) or "").rpartition(".")[2] in _SHAPE_LIKE_FUNCS
 
@@ -334,6 +389,11 @@ def walk_values(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
             continue
         if _shape_like_call(n):
             stack.extend(n.args[1:])
+            stack.extend(kw.value for kw in n.keywords)
+            continue
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _NEW_TENSOR_METHODS:
+            # ``scores.new_ones(s, s)``: only the receiver's dtype / device are read
+            stack.extend(n.args)
             stack.extend(kw.value for kw in n.keywords)
             continue
         for _name, value in ast.iter_fields(n):
@@ -364,6 +424,12 @@ class Renderer:
         # needs the scores' size only, never their values, so it is rendered without computing them
         self.scores_shape: str | None = None
         self.scores_steps: set[int] = set()
+        # statements of the span run as written on the fused branch (before the call) instead of being
+        # inlined into its inputs: one that calls a module (``k, v = self.to_kv(ctx).chunk(2, -1)``,
+        # inlined per operand it would run twice, issue 14 class 7) or one whose result is read after
+        # the site (``k`` returned for a cache: the fused op does not produce it, so it is computed as before)
+        self.bound: set[int] = set()
+        self.live_after: Any = None  # (Ref) -> bool: the name's value at the site, read after it
 
     def text(self, node: Any) -> str:
         return ast.unparse(self._ast(node))
@@ -378,8 +444,50 @@ class Renderer:
             return ast.Name(ref.name, ast.Load())
         if ref.value is None or isinstance(ref.value, Opaque):
             raise Miss(f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
+        if ref.idx in self.bound or (self._wants_binding(ref) and self._bindable(ref.idx, 0)):
+            self.emitted.add(ref.name)
+            return ast.Name(ref.name, ast.Load())
         self.consumed.add(ref.idx)
         return self._inline(ref.value)
+
+    def bound_names(self) -> set[str]:
+        return set().union(*(self.interp.assigned[j] for j in self.bound)) if self.bound else set()
+
+    def _wants_binding(self, ref: Ref) -> bool:
+        stmt = self.interp.block[ref.idx]
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and any(
+                isinstance(n, ast.Call) and (dotted(n.func) or "").startswith("self.") for n in fast_walk(stmt.value)):
+            return True
+        return self.live_after is not None and bool(self.live_after(ref))
+
+    def _bindable(self, idx: int, depth: int) -> bool:
+        """Statement ``idx`` can run as written on the fused branch: a plain assignment or an ``if``
+        of them, none of whose values involves the scores, reading only names live before the span
+        or bound by statements that are bound too (marked, with them, in ``bound``)."""
+        if idx in self.bound:
+            return True
+        stmt = self.interp.block[idx]
+        if depth > 8 or not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.If)) or idx < self.start:
+            return False
+        if isinstance(stmt, ast.If) and any(not isinstance(n, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Pass)) for n in stmt.body + stmt.orelse):
+            return False
+        after = self.interp.before[idx + 1] if idx + 1 < len(self.interp.block) else self.interp.after
+        values = [after.get(n) for n in self.interp.assigned[idx]]
+        if not values or any(v is None or _heavy(v, through_meta=False) for v in values):
+            return False
+        deps = {d.idx for v in values for d in _direct_refs(v) if self.start <= d.idx < idx}
+        if not all(self._bindable(d, depth + 1) for d in deps):
+            return False
+        # where the fused call is guarded by a run-time check, the bound statements run before that
+        # check and the original code (less them) after it: no earlier statement of the span may read
+        # or write what this one assigns
+        mine = self.interp.assigned[idx]
+        for j in range(self.start, idx):
+            if j not in self.bound and (self.interp.assigned[j] & mine or any(
+                    isinstance(n, ast.Name) and n.id in mine for n in fast_walk(self.interp.block[j]))):
+                return False
+        self.bound.add(idx)
+        return True
 
     def _is_scores_step(self, node: Any) -> bool:
         """``node`` names a value assigned by one of the attention steps (scores or probabilities,
@@ -391,7 +499,7 @@ class Renderer:
 
     def _inline(self, value: Any) -> ast.expr:
         if _heavy(value, through_meta=False):
-            raise Miss("an input of the fused call (mask / scale) is computed from the attention scores themselves")
+            raise Miss(f"an input of the fused call (mask / scale) is computed from the attention scores themselves (`{ast.unparse(_plain(value))[:80]}`)")
         inner = self._ast(value)
         text = ast.unparse(inner)
         return ast.Name(text if _is_atom(inner) else f"({text})", ast.Load())
@@ -405,6 +513,19 @@ class Renderer:
             return ast.IfExp(test=self._ast(node.test), body=self._ast(node.body), orelse=self._ast(node.orelse))
         if isinstance(node, (Undef, Opaque)):
             raise Miss("a value npufuse cannot follow feeds the attention")
+        if isinstance(node, InPlace):
+            raise Miss(node.reason())
+        if isinstance(node, Under):
+            # a mask / scale input computed under ``with torch.no_grad():`` (gpt-neox slices its mask so): the fused
+            # op takes no gradient through a bool mask or a Python scale, so the context changes nothing there
+            if _heavy(node.value, through_meta=False):
+                raise Miss(f"an input of the fused call is computed inside `with {node.ctx}:` from the scores")
+            return self._ast(node.value)
+        # ``scores.new_ones(s, s, dtype=...)`` in mask code: a new tensor on the scores' device / dtype, the query's
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _NEW_TENSOR_METHODS \
+                and self.meta_base and _heavy(node.func.value):
+            return ast.Call(func=ast.Attribute(value=ast.Name(atom(self.meta_base), ast.Load()), attr=node.func.attr, ctx=ast.Load()),
+                            args=[self._ast(a) for a in node.args], keywords=[self._kw(k) for k in node.keywords])
         # scores.dtype / scores.device in mask code: the query's (the scores are not computed here)
         if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device") and self.meta_base and _heavy(node.value):
             return ast.Attribute(value=ast.Name(atom(self.meta_base), ast.Load()), attr=node.attr, ctx=ast.Load())
@@ -457,6 +578,17 @@ class Renderer:
         if id(n) in self.repeat_of and all(i >= self.start for i in seen):
             return self.repeat_of[id(n)]
         return None
+
+
+def _direct_refs(node: Any) -> Iterator[Ref]:
+    """The variable references a symbolic value reads directly (not through their own values)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Ref):
+            yield n
+        elif isinstance(n, ast.AST) and not isinstance(n, (Undef, Opaque)):
+            stack.extend(child_nodes(n))
 
 
 # the last name of a product's callee, however torch is imported (``th.matmul``, ``from torch import
@@ -790,6 +922,8 @@ class Chain:
     # channel-first single-head attention (VQ-VAE attention blocks): bmm(qᵀ, k) with k already [B, D, S],
     # and bmm(v, Pᵀ) with v [B, D, S] giving the output [B, D, Sq]
     k_transposed: bool = False
+    # guided/latent-diffusion QKVAttention: q too laid out [B*H, C, Sq] (einsum "bct,bcs->bts")
+    q_transposed: bool = False
     v_transposed: bool = False
     out_transposed: bool = False  # the product's result is [B, D, Sq] (bmm(v, Pᵀ), einsum "bcj,bji->bci")
     p_transposed: bool = False  # the probabilities reach the product transposed (einops "b i j -> b j i")
@@ -797,9 +931,17 @@ class Chain:
     # shape), the probabilities viewed back to 3-D for the bmm with v
     heads_in_batch: bool = False
     scores_viewed: bool = False
+    # gpt-neox gMLP: 3-D scores given a head axis for a 4-D softmax module (``w.unsqueeze(1)``) and the
+    # probabilities squeezed back (``.squeeze(1)``) for the 3-D P@V
+    head_axis: bool = False
+    head_axis_removed: bool = False
+    scores_view: Any = None  # the ``view(b, np, sq, sk)`` call giving the 4-D scores: its arguments are their shape
     # (test, negated, step): a branch of the scores the fused op has no equivalent of (soft-capping);
     # the fused call runs only where that branch is not taken
     excluded: list[tuple[Any, bool, str]] = field(default_factory=list)
+    # (test, risk): conditions the fused call needs (a softmax module that builds its own mask when given
+    # none runs the original code then)
+    requires: list[tuple[Any, str]] = field(default_factory=list)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1041,6 +1183,8 @@ class _Matcher:
             raise Miss("no Q@Kᵀ product found under the softmax")
         if chain.heads_in_batch and not chain.scores_viewed:
             raise Miss("the probabilities are re-viewed to 3-D for P@V but the scores were not a 4-D view of the 3-D Q@Kᵀ product")
+        if chain.head_axis != chain.head_axis_removed:
+            raise Miss("the probabilities are squeezed on axis 1 for P@V but the scores were not unsqueezed there")
         return chain
 
     def _match_einsum(self, pv: Product) -> Chain | None:
@@ -1100,6 +1244,8 @@ class _Matcher:
             raise Miss("no Q@Kᵀ product found under the softmax")
         if (chain.q.layout == "3D") != self.three_d:
             raise Miss("the scores and the probabilities' product disagree on the rank (3-D vs 4-D)")
+        if chain.head_axis != chain.head_axis_removed:
+            raise Miss("the probabilities are squeezed on axis 1 for P@V but the scores were not unsqueezed there")
         return chain
 
     def _transposed_3d(self, node: Any, chain: Chain) -> Any:
@@ -1121,6 +1267,10 @@ class _Matcher:
             chain.probs_objs.add(id(node))
             node = deref(node, chain.seen)
             chain.probs_objs.add(id(node))
+            if isinstance(node, InPlace):
+                if _heavy(node.value, through_meta=False):
+                    raise Miss(node.reason())
+                return None
             if self.method(node, *_CASTS) and (node.func.attr != "to" or len(node.args) + len(node.keywords) <= 2):
                 node = node.func.value
                 continue
@@ -1129,10 +1279,23 @@ class _Matcher:
                 chain.heads_in_batch = True
                 node = node.func.value
                 continue
+            if getattr(self, "three_d", False) and not chain.head_axis and self.method(node, "squeeze") and len(node.args) == 1 \
+                    and const_value(node.args[0]) == 1:
+                inner = deref(node.func.value, chain.seen)
+                if isinstance(inner, ast.Call) and (_is_self_attr(inner.func) or self.softmax_of(inner) is not None):
+                    chain.head_axis = True  # the matching ``unsqueeze(1)`` of the scores is required in peel_scores
+                    node = inner
+                    continue
             if self._last_two_swapped(node):
                 chain.p_transposed = not chain.p_transposed
                 node = self._transposed_input(node)
                 continue
+            if isinstance(node, Under):
+                inner = deref(node.value, chain.seen)
+                if self.dropout_of(inner) is None:
+                    raise Miss(f"the attention probabilities are computed inside `with {node.ctx}:` (a context npufuse does not reproduce)")
+                self._under_dropout(node, chain)
+                node = inner
             drop = self.dropout_of(node)
             if drop is not None:
                 x, p, active = drop
@@ -1154,6 +1317,13 @@ class _Matcher:
                     chain.dropout = ("dropout", inner_b[1], inner_b[2])
                     chain.dropout_cond = (node.test, True)
                     node = a
+                    continue
+                if inner_a is not None and inner_b is not None and inner_a[0] is inner_b[0] \
+                        and self.src(inner_a[1]) == self.src(inner_b[1]) and self.src(inner_a[2]) == self.src(inner_b[2]):
+                    # Megatron: ``if not sequence_parallel: with rng.fork(): p = drop(p) else: p = drop(p)``:
+                    # the same dropout on either branch
+                    chain.dropout = ("dropout", inner_a[1], inner_a[2])
+                    node = inner_a[0]
                     continue
                 # BART-style ``if output_attentions: w = w.view(4-D).view(3-D)``: both branches feed the same
                 # product, so a branch that only re-views the other is the same tensor: follow the other
@@ -1186,9 +1356,77 @@ class _Matcher:
             if self._qk_softmax(node):
                 self._sink_column(node)
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
+            pre = self._softmax_module(node, chain)
+            if pre is not None:
+                return pre
             self._opaque_normaliser(node)
             return None
         return None
+
+    def _softmax_module(self, node: Any, chain: Chain) -> Any:
+        """``self.<m>(scores, mask)`` with ``self.<m>`` built in ``__init__`` from a class (this file or
+        another file of the repo) whose forward is read by :func:`repo_facts.softmax_module` as
+        ``softmax(mask_func(x * self.scale, mask))`` and whose mask function (resolved through the
+        constructor's callers, across files) fills the mask's True positions with a large negative value:
+        returns the softmax input that computes the same, ``(x.masked_fill(mask, v) if mask is not None
+        else x) * scale``; None when ``node`` is not such a call (or the class is not found: the caller
+        reports it); raises the near miss when the class or its mask function is not of that form."""
+        from npufuse.scan import repo_facts
+
+        if not (isinstance(node, ast.Call) and _is_self_attr(node.func) and node.args):
+            return None
+        ctor = self._module_attr_ctor(node.func)
+        if ctor is None or not _heavy(node.args[0], through_meta=False):
+            return None
+        cls = dotted(ctor.func)
+        if cls is None or (self.module.canonical(ctor.func) or "").startswith("torch."):
+            return None
+        d = repo_facts.definition(self.module, cls)
+        if d is None:
+            return None
+        what = f"`{self.src(node.func)}` (a `{cls}` module built in `__init__`, defined in {d.rel}:{getattr(d.node, 'lineno', 0)})"
+        sem = repo_facts.softmax_module(d)
+        if sem is None:
+            raise Miss(f"the probabilities come from {what}: its forward is not read as a dropout, nor as scale -> mask function -> "
+                       "softmax over the last dim, so npufuse cannot check that npu_fusion_attention computes the same")
+        mask_arg = repo_facts._arg_for(ctor, sem.init_params, sem.mask_param)
+        if mask_arg is None:
+            raise Miss(f"the probabilities come from {what}, built without its mask function `{sem.mask_param}`")
+        fill, where, sliced = repo_facts.resolve_function(repo_facts.repo_root(self.module), self.module.path, self.module.tree, mask_arg,
+                                                  repo_facts._enclosing(self.module.tree, ctor))
+        if fill is None:
+            raise Miss(f"the probabilities come from {what}, read as softmax({sem.mask_param}(x * scale, mask)), but what its mask "
+                       f"function computes is not known: {where}")
+        if len(node.args) == 2 and not node.keywords:
+            x, mask = node.args
+        elif len(node.args) == 1 and len(node.keywords) == 1:
+            x, mask = node.args[0], node.keywords[0].value
+        else:
+            raise Miss(f"the softmax module {what} is called with arguments npufuse does not map onto `forward(input, mask)`")
+        not_none = ast.Compare(left=mask, ops=[ast.IsNot()], comparators=[ast.Constant(None)])
+        filled_at = mask
+        if sliced:
+            # the mask function cuts the mask to the scores' size on some path (Megatron-DeepSpeed's curriculum
+            # branch): ``mask[..., :Sq, :Skv]`` is that cut, and changes nothing where the mask already broadcasts
+            size = [ast.Call(func=ast.Attribute(value=x, attr="size", ctx=ast.Load()), args=[ast.Constant(d)], keywords=[]) for d in (-2, -1)]
+            filled_at = ast.Subscript(value=mask, slice=ast.Tuple(elts=[ast.Constant(Ellipsis)] + [ast.Slice(upper=u) for u in size], ctx=ast.Load()), ctx=ast.Load())
+            chain.notes.append("the mask function cuts the mask to the scores' size on some path: the fused call takes `mask[..., :Sq, :Skv]`")
+        masked = ast.Call(func=ast.Attribute(value=x, attr="masked_fill", ctx=ast.Load()), args=[filled_at, ast.parse(fill, mode="eval").body], keywords=[])
+        pre = Cond()
+        pre.test, pre.body, pre.orelse = not_none, masked, x
+        if sem.scale_attr:
+            attr = ast.Attribute(value=node.func, attr=sem.scale_attr, ctx=ast.Load())
+            factor = ast.IfExp(test=ast.Compare(left=attr, ops=[ast.IsNot()], comparators=[ast.Constant(None)]), body=attr, orelse=ast.Constant(1.0))
+            pre = ast.BinOp(left=pre, op=ast.Mult(), right=factor)
+        if sem.makes_mask_when_none:
+            chain.requires.append((not_none, f"`{sem.name}` builds its own (causal) mask when it gets none: the fused call runs only where "
+                                             f"`{self.src(mask)}` is not None; the original code runs otherwise"))
+        other = f"; its other path{'s' if len(sem.other_paths) > 1 else ''} ({', '.join(sem.other_paths)}: CUDA kernels) are not what the fused call follows" if sem.other_paths else ""
+        chain.risks.append(Risk("numerics", f"the probabilities come from {what}, read as its torch path softmax({sem.mask_param}(x * "
+                                            f"self.{sem.scale_attr or '<none>'}, mask)) with {sem.mask_param} = {where}, a masked_fill with {fill}: the fused "
+                                            f"call masks those positions out entirely (exp({fill}) is 0 in fp32 too){other}"))
+        chain.spelling.append("softmax_module")
+        return pre
 
     def _sink_column(self, node: Any) -> None:
         """gpt-oss style attention sinks: a logit column concatenated to the scores on the key axis
@@ -1228,7 +1466,10 @@ class _Matcher:
         cls = self.module.canonical(ctor.func) or self.src(ctor.func)
         if cls.startswith("torch."):
             return  # a torch module is known: not this case
-        where = "defined in this file, whose forward npufuse does not interpret" if cls.rpartition(".")[2] in self.module.classes else "defined outside this file"
+        from npufuse.scan import repo_facts
+
+        where = "defined in this file, whose forward npufuse does not interpret" if cls.rpartition(".")[2] in self.module.classes else \
+            "defined outside this file and not found among the scanned files" if repo_facts.repo_root(self.module) is not None else "defined outside this file"
         raise Miss(f"the probabilities come from `{self.src(node.func)}` (a `{cls}` module built in `__init__`, {where}) applied to the Q@Kᵀ scores: "
                    "its scaling, masking and softmax are not visible, so npufuse cannot check that npu_fusion_attention computes the same")
 
@@ -1299,7 +1540,22 @@ class _Matcher:
         return False
 
     def _strip_dropout(self, node: Any, chain: Chain) -> tuple[Any, Any, Any] | None:
-        return self.dropout_of(deref(node, chain.seen))
+        n = deref(node, chain.seen)
+        if isinstance(n, Under):
+            drop = self.dropout_of(deref(n.value, chain.seen))
+            if drop is not None:
+                self._under_dropout(n, chain)
+            return drop
+        return self.dropout_of(n)
+
+    def _under_dropout(self, node: Under, chain: Chain) -> None:
+        """A dropout run inside ``with <ctx>:`` (Megatron's model-parallel RNG fork): the fused op draws its
+        dropout mask from the NPU generator outside that context."""
+        risk = (f"the dropout ran inside `with {node.ctx}:` (an RNG-state context, e.g. Megatron's model-parallel "
+                "fork); the fused op draws its dropout mask from the NPU generator, outside that context: masks "
+                "differ from the original's, and tensor-parallel ranks may draw correlated masks (compare with dropout off)")
+        if not any(r.detail == risk for r in chain.risks):
+            chain.risks.append(Risk("numerics", risk))
 
     def _first_diff(self, a: Any, b: Any) -> str:
         for n in (a, b):
@@ -1315,12 +1571,20 @@ class _Matcher:
             node = deref(node, chain.seen)
             if stop is not None and node is stop:
                 return
+            if isinstance(node, InPlace):
+                raise Miss(node.reason())
             if self.method(node, *_CASTS):
+                node = node.func.value
+                continue
+            if chain.head_axis and not chain.head_axis_removed and stop is None and self.method(node, "unsqueeze") and len(node.args) == 1 \
+                    and const_value(node.args[0]) == 1:
+                chain.head_axis_removed = True
                 node = node.func.value
                 continue
             if chain.heads_in_batch and not chain.scores_viewed and self.method(node, "view", "reshape") and self._arity(node) == 4:
                 # ... and the [b*np, sq, sk] product viewed as the [b, np, sq, sk] scores the masks apply to
                 chain.scores_viewed = True
+                chain.scores_view = node
                 node = node.func.value
                 continue
             if isinstance(node, Cond):
@@ -1339,6 +1603,14 @@ class _Matcher:
                         # Gemma's optional soft-capping: the fused call runs only where the branch does not
                         # (a run-time guard; the original code runs where it does)
                         chain.excluded.append((node.test, neg, self.src(capped)))
+                        node = base
+                        continue
+                    opaque = next((n for n in self._until(branch, base) if self._module_on_scores(n, base)), None)
+                    if opaque is not None and cond is None and not _heavy(node.test, through_meta=False):
+                        # gpt-neox ``if self.pos_emb == "alibi": s = self.alibi_embed(s)``: a module applied to the scores
+                        # under a run-time condition: the fused call runs where the branch is not taken, the
+                        # original code where it is
+                        chain.excluded.append((node.test, neg, self.src(opaque)))
                         node = base
                         continue
                     self.peel_scores(branch, chain, stop=base, cond=(node.test, neg))
@@ -1362,6 +1634,17 @@ class _Matcher:
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
                 left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
                 if left_qk == right_qk:
+                    merged = summed_product(self.is_matmul(deref(node.left, chain.seen)), self.is_matmul(deref(node.right, chain.seen)))
+                    if merged is not None and stop is None and cond is None:
+                        # MLA: q_pe @ k_peᵀ + q_nope @ k_nopeᵀ is one product of the concatenated features; the fused
+                        # call runs where the concatenated parts agree in every other axis (torch.cat does not broadcast)
+                        prod, guard = merged
+                        chain.requires.append((guard, f"the scores are a sum of two products (`{self.src(node)}`), passed as one product "
+                                                      "of the concatenated q / k features: the fused call runs where the parts agree in "
+                                                      "every other axis; the original code runs otherwise"))
+                        chain.spelling.append("summed_products")
+                        self.parse_qk(prod.a, prod, chain)
+                        return
                     raise Miss(f"scores added to scores (`{self.src(node)}`)")
                 base, term = (node.left, node.right) if left_qk else (node.right, node.left)
                 self.add_additive(term, chain, cond)
@@ -1448,6 +1731,10 @@ class _Matcher:
         return isinstance(node, ast.Call) and (
             (self._fn(node) or "").rpartition(".")[2] in ("tanh", "clamp", "clip", "sigmoid") or self.method(node, "tanh", "clamp", "clip", "sigmoid", "tanh_", "clamp_"))
 
+    def _module_on_scores(self, n: Any, base: Any) -> bool:
+        """``n`` calls a module / method of ``self`` (``self.alibi_embed(s)``) with the scores ``base`` as an argument."""
+        return isinstance(n, ast.Call) and _is_self_attr(n.func) and any(self._reaches(a, base) for a in n.args)
+
     def _until(self, node: Any, stop: Any) -> Iterator[ast.AST]:
         """The nodes of ``node``'s value tree that are not inside ``stop``'s."""
         stack, visited = [node], set()
@@ -1494,6 +1781,15 @@ class _Matcher:
         evidence = graded_evidence(self.module, self.scope, term, self._line)
         if evidence:
             raise Miss(bias_reason(self.src(term), evidence))
+        module_call = next((n for n in walk_values(term) if isinstance(n, ast.Call) and _is_self_attr(n.func)), None)
+        if module_call is not None:
+            # a term a module computes (gpt-neox ``rpe = self.rpe(sq, sk)``) is a learned bias, not a 0/-inf mask; its
+            # values could only be checked after computing it, and the original code would compute it again
+            if cond is None or _heavy(cond[0], through_meta=False):
+                raise Miss(f"an additive term computed by a module (`{self.src(module_call)}`) is added to the scores: a bias "
+                           "(npu_fusion_attention's `pse`), which npufuse does not generate")
+            chain.excluded.append((cond[0], cond[1], f"+ {self.src(term)}"))
+            return
         term_obj = MaskTerm("additive", term, cond[0] if cond else None, cond[1] if cond else False)
         causal = self._additive_causal(term)
         if causal:
@@ -1686,6 +1982,13 @@ class _Matcher:
                 chain.k = self.peel_operand(kt_d, "k", layout, chain)
                 chain.k_transposed = True
                 return
+            if layout == "BNSD" and not isinstance(kt_d, (ast.BinOp, Cond, Opaque, Undef, ast.IfExp)):
+                # the key is already laid out [B, N, D, S] upstream (llm-foundry's ``rearrange(k, 'b s (h d) -> b h d s')``,
+                # a cache kept transposed): K is its transpose, whatever built it
+                k_node = ast.Call(func=ast.Attribute(value=kt_d, attr="transpose", ctx=ast.Load()), args=[ast.Constant(-2), ast.Constant(-1)], keywords=[])
+                chain.k = self.peel_operand(k_node, "k", layout, chain)
+                chain.notes.append(f"the key operand `{self.src(b)}` is taken as K already transposed ([B, N, D, S]): the fused call gets its transpose")
+                return
             raise Miss(f"the key operand `{self.src(b)}` is not a transpose of K")
 
     def _qk_einsum(self, mm: Product, chain: Chain) -> None:
@@ -1724,9 +2027,10 @@ class _Matcher:
             chain.k.heads_added = heads_added
         elif len(c.out) == 3:
             bb, i = c.out[0], c.out[1]
-            if qs != bb + i + d or set(ks) != {bb, j, d} or ks[0] != bb:
+            if set(qs) != {bb, i, d} or qs[0] != bb or set(ks) != {bb, j, d} or ks[0] != bb:
                 raise Miss(f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
             chain.q = self.peel_operand(q_node, "q", "3D", chain)
+            chain.q_transposed = qs == bb + d + i  # q laid out [B, D, Sq] (channel-first)
             chain.k = self.peel_operand(k_node, "k", "3D", chain)
             chain.k_transposed = ks == bb + d + j  # k laid out [B, D, Skv] (channel-first)
         else:
@@ -2252,7 +2556,7 @@ class AttentionPattern(Pattern):
         Skv is k's sequence axis (3-D multi-query keys included). None elsewhere (channel-first
         keys, heads folded into the batch, 5-D windows): such reads keep their near miss."""
         assert chain.q and chain.k
-        if chain.k_transposed or chain.heads_in_batch or chain.q.heads_added or chain.q.layout != chain.k.layout:
+        if chain.k_transposed or chain.q_transposed or chain.heads_in_batch or chain.q.heads_added or chain.q.layout != chain.k.layout:
             return None
         if chain.q.layout in ("BNSD", "3D"):
             return f"torch.Size((*{atom(q_t)}.shape[:-1], {atom(k_t)}.shape[-2]))"
@@ -2325,10 +2629,17 @@ class AttentionPattern(Pattern):
                 if bias:
                     return NearMiss(self.id, scope.qualname, span_line, end_line, bias)
         r = Renderer(module, interp, s, matcher.repeat_of)
+        r.live_after = lambda ref: interp.before[e].get(ref.name) is ref and scope.uses_after(ref.name, end_line)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
             r.meta_base = q_t if is_simple(q_t) else "_npufuse_q"
             r.scores_shape = self._scores_shape(chain, q_t, k_t)
+            if r.scores_shape is None and chain.heads_in_batch and chain.scores_view is not None:
+                # Megatron: ``scores = product.view(*output_size)``: the scores' size is the view's shape
+                args = chain.scores_view.args
+                shape = r.text(args[0].value) if len(args) == 1 and isinstance(args[0], ast.Starred) else \
+                    r.text(args[0]) if len(args) == 1 else "(" + ", ".join(r.text(a) for a in args) + ")"
+                r.scores_shape = f"torch.Size({shape})"
             r.scores_steps = set(chain.seen)
             # render every other input once now: what gets inlined is consumed by the fused call
             for x in chain.scale_num + chain.scale_den + [m.node for m in chain.masks if not (sole_causal and m.causal)]:
@@ -2344,7 +2655,21 @@ class AttentionPattern(Pattern):
                 r.text(chain.dropout_cond[0])
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
-        if chain.k.heads_added != chain.v.heads_added:
+        v_shared = False
+        if chain.v.heads_added and not chain.k.heads_added and chain.k.layout in ("BNSD", "BSND") and chain.k.repeat is None:
+            # absorbed MLA: a 4-D key (``cat([k_pe, kv.unsqueeze(-3)], -1)``) beside a 3-D value shared by every head: the
+            # fused call takes the value with a head axis of 1 and runs where the key has one head too
+            v_shared = True
+            axis = 1 if chain.k.layout == "BNSD" else 2
+            k_parts = [k_t]
+            k_node = ast.parse(k_t, mode="eval").body
+            if isinstance(k_node, ast.Call) and dotted(k_node.func) == "torch.cat" and k_node.args and isinstance(k_node.args[0], ast.List):
+                k_parts = [ast.unparse(e) for e in k_node.args[0].elts]  # read each part's size: no concatenation in the guard
+            one_head = " and ".join(f"{atom(x)}.shape[{axis}] == 1" for x in k_parts)
+            chain.requires.append((ast.parse(one_head, mode="eval").body,
+                                   f"the values are shared by every head (3-D) while the keys carry a head axis: the fused call runs where "
+                                   f"that axis is 1 (`{one_head}`, one kv head); the original code runs otherwise"))
+        elif chain.k.heads_added != chain.v.heads_added:
             return NearMiss(self.id, scope.qualname, span_line, end_line,
                             "keys and values differ in heads (one is shared by every head, the other is not): npu_fusion_attention takes one kv head count")
         if (chain.k.repeat is None) != (chain.v.repeat is None):
@@ -2377,19 +2702,25 @@ class AttentionPattern(Pattern):
         steps = chain.seen | r.consumed
         # a statement inlined into the fused call's inputs (``output_size = (v.size(1), ...)``) whose names are
         # read after the site too is kept: the fused branch runs it as the original does
-        kept = {j for j in r.consumed - chain.seen if s <= j < e and isinstance(block[j], ast.Assign)
+        kept = {j for j in r.consumed - chain.seen - r.bound if s <= j < e and isinstance(block[j], ast.Assign)
                 and not _heavy(interp.sym(block[j].value, interp.before[j]), through_meta=False)
                 and any(scope.uses_after(name, end_line) for name in interp.assigned[j]) and not interp.assigned[j] & r.emitted}
         internal: set[str] = set()
+        # bound statements go first: they read only names live before the span or bound before them,
+        # and no other statement of the span before them touches what they assign (Renderer._bindable)
+        bound_lines: list[str] = []
         for j in range(s, e):
-            if j in steps and j not in kept:
+            if j in steps and j not in kept and j not in r.bound:
                 internal |= interp.assigned[j]
         for j in range(s, e):
+            if j in r.bound:
+                bound_lines.append(_statement_text(module, block[j]))  # runs as written (see Renderer.bound)
+                continue
             if j in steps and j not in kept:
                 continue
             other = block[j]
             # names assigned by earlier steps only: a later step's rebinding is not what this statement reads
-            internal_here = set().union(*(interp.assigned[i] for i in range(s, j) if i in steps and i not in kept))
+            internal_here = set().union(*(interp.assigned[i] for i in range(s, j) if i in steps and i not in kept and i not in r.bound))
             reads = {n.id for n in fast_walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
             reads_internal = reads & internal_here
             if reads_internal and self._meta_only(other, reads_internal) and not any(
@@ -2405,9 +2736,21 @@ class AttentionPattern(Pattern):
                         self.id, scope.qualname, span_line, end_line,
                         f"the attention probabilities (`{probs[0]}`) are used at line {other.lineno}; the fused op does not materialise them",
                     )
+                # an in-place write (``s[..] += t``, ``s.add_(t)`` that the interpreter does not read) is a step of the
+                # chain npufuse cannot follow; a read (a log, a store) needs a value the fused op does not produce
+                written = [t for t in fast_walk(other) if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(getattr(t, "ctx", None), ast.Store)
+                           and isinstance(t.value, ast.Name) and t.value.id in reads_internal]
+                inplace = [c for c in fast_walk(other) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr.endswith("_")
+                           and not c.func.attr.startswith("_") and isinstance(c.func.value, ast.Name) and c.func.value.id in reads_internal]
+                text = " ".join(_statement_text(module, other).split())[:80]
+                if written or inplace:
+                    name = (written[0].value if written else inplace[0].func.value).id  # type: ignore[union-attr]
+                    return NearMiss(self.id, scope.qualname, span_line, end_line,
+                                    f"line {other.lineno} between the attention steps uses intermediate `{name}`: it modifies it in place "
+                                    f"(`{text}`) in a way npufuse does not read as a mask or scale")
                 return NearMiss(
                     self.id, scope.qualname, span_line, end_line,
-                    f"line {other.lineno} between the attention steps uses intermediate `{used[0]}`",
+                    f"line {other.lineno} between the attention steps uses intermediate `{used[0]}` (`{text}`): the fused op does not produce it",
                 )
             if interp.assigned[j] & r.emitted:
                 return NearMiss(
@@ -2415,10 +2758,12 @@ class AttentionPattern(Pattern):
                     f"line {other.lineno} reassigns `{sorted(interp.assigned[j] & r.emitted)[0]}`, an input of the attention, inside the site",
                 )
             lines.append(_statement_text(module, other))
+        lines = bound_lines + lines
         # live-outs: names computed inside the span and read after it
         pv_nodes = {id(n) for n in fast_walk(node)}
         in_final = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in pv_nodes}
         none_probs: list[str] = []
+        post: set[int] = set()  # statements run as written after the fused call (their results are read later)
         risks = list(chain.risks)
         for name in sorted(internal):
             if name in _targets(stmt):
@@ -2427,10 +2772,25 @@ class AttentionPattern(Pattern):
             if not (used_after or name in in_final):
                 continue
             final = interp.before[e].get(name)
+            if isinstance(final, Ref) and s <= final.idx < e and (final.idx in kept or final.idx in r.bound):
+                continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
                 none_probs.append(name)
                 continue
+            if not is_probs and isinstance(final, Ref) and s <= final.idx < e and isinstance(block[final.idx], ast.Assign) \
+                    and not _heavy(final.value, through_meta=False):
+                reads = {n.id for n in fast_walk(block[final.idx].value) if isinstance(n, ast.Name)}
+                # the fused branch runs it after the call: what it reads must hold there what it held where it stood
+                # (nothing of the span before it assigns those names; no statement the fused branch runs after it does)
+                executed_after = [j for j in range(final.idx + 1, e) if j not in steps or j in kept or j in r.bound]
+                if not any(reads & interp.assigned[j] for j in range(s, final.idx)) and not reads & _targets(stmt) \
+                        and not any(reads & interp.assigned[j] for j in executed_after):
+                    # Megatron's second ``output_size = (v.size(1), ...)`` read after the site: it reads only names
+                    # the span does not assign, so it runs as written after the fused call (its earlier value may
+                    # still be an input of the call)
+                    post.add(final.idx)
+                    continue
             what = "the attention probabilities" if is_probs else f"intermediate `{name}`"
             return NearMiss(
                 self.id, scope.qualname, span_line, end_line,
@@ -2450,6 +2810,8 @@ class AttentionPattern(Pattern):
             return var
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
+        if v_shared:
+            v_n = f"{atom(v_n)}.unsqueeze({1 if chain.k.layout == 'BNSD' else 2})"
         if chain.k.heads_added:
             # one kv head for every query head (multi-query): the op's GQA takes N_kv = 1
             k_n, v_n = (f"{atom(x)}.unsqueeze({1 if op.layout == 'BNSD' else 2})" for x, op in ((k_n, chain.k), (v_n, chain.v)))
@@ -2465,11 +2827,11 @@ class AttentionPattern(Pattern):
                 return NearMiss(self.id, scope.qualname, span_line, end_line, "bmm attention mixing 3-D and 4-D operands")
             layout = "BNSD"
             # channel-first operands ([B, D, S] kᵀ / vᵀ) are transposed back to [B, S, D]
-            k_3, v_3 = (f"{atom(x)}.transpose(1, 2)" if t else x for x, t in ((k_n, chain.k_transposed), (v_n, chain.v_transposed)))
-            tail = ".contiguous()" if chain.k_transposed or chain.v_transposed else ""  # transposed views are copied
-            q_a, k_a, v_a = (f"{atom(x)}.unsqueeze(1){tail}" for x in (q_n, k_3, v_3))
-            head_num, sq = "1", f"{atom(q_n)}.shape[1]"
-            if chain.k_transposed or chain.v_transposed:
+            q_3, k_3, v_3 = (f"{atom(x)}.transpose(1, 2)" if t else x for x, t in ((q_n, chain.q_transposed), (k_n, chain.k_transposed), (v_n, chain.v_transposed)))
+            tail = ".contiguous()" if chain.q_transposed or chain.k_transposed or chain.v_transposed else ""  # transposed views are copied
+            q_a, k_a, v_a = (f"{atom(x)}.unsqueeze(1){tail}" for x in (q_3, k_3, v_3))
+            head_num, sq = "1", f"{atom(q_n)}.shape[{2 if chain.q_transposed else 1}]"
+            if chain.q_transposed or chain.k_transposed or chain.v_transposed:
                 chain.notes.append("channel-first attention (k and/or v laid out [B, D, S], output of bmm(v, Pᵀ) [B, D, Sq]): "
                                    "the fused call takes [B, 1, S, D] views and the result is transposed back")
         elif folded:
@@ -2555,8 +2917,16 @@ class AttentionPattern(Pattern):
                 value_split = 0
                 for test, neg, step in chain.excluded:
                     risks.append(Risk("other", f"`{step}` on the scores when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
-                                               "equivalent: the fused call runs only where that branch is not taken; where it is "
-                                               "(soft-capped models such as Gemma 2), the original code runs"))
+                                               "equivalent npufuse generates: the fused call runs only where that branch is not taken; where it is "
+                                               "(soft-capped models such as Gemma 2, a bias module such as ALiBi), the original code runs"))
+            if chain.requires:
+                # conditions the fused call needs (a softmax module building its own mask when given none)
+                need = [atom(r.text(t)) for t, _why in chain.requires]
+                if value_check is not None:
+                    need.append(value_check)
+                value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
+                value_split = 0
+                risks += [Risk("other", why) for _t, why in chain.requires]
             chosen = {(id(v.test), v.when_true): v for v in matcher.variants.values()}
             if chosen:
                 # an einsum equation picked by a condition (``'b j d' if k.ndim == 3 else 'b h j d'``): the
@@ -2608,10 +2978,24 @@ class AttentionPattern(Pattern):
             call = f"{call}.transpose(1, 2)"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
-        lines.append(replace_segments(module, stmt, [(node, call)]))
+        if post:
+            # the result first, then the statements whose results are read later (the site statement itself may
+            # read them: ``return out, k``), then the site statement
+            lines.append(f"_npufuse_attn = {call}")
+            lines += [_statement_text(module, block[j]) for j in sorted(post)]
+            lines.append(replace_segments(module, stmt, [(node, "_npufuse_attn")]))
+        else:
+            lines.append(replace_segments(module, stmt, [(node, call)]))
         if value_check is not None:
             span = block[s : next(n for n, b in enumerate(block) if b is stmt) + 1]
-            lines = checked_body(lines[:value_split], lines[value_split:], value_check, block_source(module, span))
+            if r.bound & set(range(s, e)):
+                # the bound statements run before the check (they are among its inputs): the original
+                # code after it runs without them, so nothing is computed twice (``k = cat((mem, k))``)
+                original = "\n".join(block_source(module, [b]) for j, b in enumerate(span, s) if j not in r.bound)
+                value_split = max(value_split, len(bound_lines))
+            else:
+                original = block_source(module, span)
+            lines = checked_body(lines[:value_split], lines[value_split:], value_check, original)
         if none_probs:
             risks.append(Risk("other", f"the attention weights are not returned on the fused branch: `{', '.join(none_probs)}` (the attention probabilities) is None there, because "
                               "npu_fusion_attention does not produce them — a caller asking for attention weights (output_attentions=True) gets None instead of the "
@@ -2662,10 +3046,10 @@ class AttentionPattern(Pattern):
     @staticmethod
     def _guard(q_text: str) -> str:
         node = ast.parse(q_text, mode="eval").body
-        for n in fast_walk(node):
-            if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"):
-                return n.id
-        return q_text
+        # the first name in source order: ``(q * scale).view(b * h, ch, t)`` is guarded on ``q``, not on the
+        # int ``ch`` a breadth-first walk meets first (an int is never on the NPU: the fused branch never ran)
+        names = sorted((n.col_offset, n.id) for n in fast_walk(node) if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"))
+        return names[0][1] if names else q_text
 
     def _mask_desc(self, r: Renderer, m: MaskTerm) -> str:
         kind = m.causal or m.kind
@@ -4337,5 +4721,664 @@ keep[1, :2] = False
 out = m(q, k, v, keep) + m(q, k, v) + Attend()(q, k, v, keep)
 leaves = [q, k, v]
 """,
+    )
+)
+
+
+# --- issue 14 class 3/7: statements bound once on the fused branch (Renderer.bound) ---
+# a module call feeding k and v through one tuple (``k, v = self.to_kv(ctx).chunk(2, -1)``) runs once,
+# as written, before the fused call; k/v read after the site (a memory / cache) are computed as before
+_BIND_ONCE = '''
+import torch
+from torch import einsum, nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=32, heads=4, dim_head=8):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(dim, dim_head * 2, bias=False)
+
+    def forward(self, x, memory=None, bias=None):
+        q, k, v = (self.to_q(x), *self.to_kv(x).chunk(2, dim=-1))
+        q = q.view(q.shape[0], q.shape[1], self.heads, -1).transpose(1, 2)
+        q = q * self.scale
+        if memory is not None:
+            k_mem, v_mem = memory.unbind(dim=-2)
+            k = torch.cat((k_mem, k), dim=-2)
+            v = torch.cat((v_mem, v), dim=-2)
+        sim = einsum("b h i d, b j d -> b h i j", q, k)
+        i, j = sim.shape[-2:]
+        BIAS
+        causal_mask = torch.ones((i, j), dtype=torch.bool, device=x.device).triu(j - i + 1)
+        sim = sim.masked_fill(causal_mask, -torch.finfo(sim.dtype).max)
+        attn = sim.softmax(dim=-1)
+        out = einsum("b h i j, b j d -> b h i d", attn, v)
+        out = out.transpose(1, 2).flatten(2)
+        new_memory = torch.stack((k, v), dim=-2).detach()
+        return out, new_memory
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        name="module_call_bound_once",
+        # CoCa-style cross attention: k and v from one projection; inlined per operand the projection
+        # would run twice, so its statement runs once, as written, on the fused branch
+        code="""
+import torch
+from torch import einsum, nn
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, dim_head=8):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(dim, dim_head * 2, bias=False)
+
+    def forward(self, x, context):
+        q = self.to_q(x)
+        q = q.view(q.shape[0], q.shape[1], self.heads, -1).transpose(1, 2)
+        q = q * self.scale
+        k, v = self.to_kv(context).chunk(2, dim=-1)
+        sim = einsum("b h i d, b j d -> b h i j", q, k)
+        sim = sim - sim.amax(dim=-1, keepdim=True)
+        attn = sim.softmax(dim=-1)
+        out = einsum("b h i j, b j d -> b h i d", attn, v)
+        return out.transpose(1, 2).flatten(2)
+""",
+        expect={"k": "k", "v": "v", "scale": "self.scale"},
+        run="""
+m = CrossAttention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+c = torch.randn(2, 7, 32, requires_grad=True)
+out = m(x, c)
+leaves = [x, c, m.to_kv.weight]
+""",
+    ),
+    Fuse(
+        name="keys_kept_for_a_memory",
+        # memorizing-transformers style: k/v extended by a memory under a condition, and stacked after the
+        # attention as the next memory: the fused op does not consume them, so their statements run as before
+        code=_BIND_ONCE.replace("BIAS", "pass"),
+        expect={"k": "k", "v": "v", "mask_kind": "bool_masked"},
+        run="""
+m = Attention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+mem = torch.randn(2, 3, 2, 8)
+out = (m(x, mem)[0] + m(x)[0], m(x, mem)[1])
+leaves = [x, m.to_kv.weight, m.to_q.weight]
+""",
+    ),
+    Fuse(
+        name="keys_kept_for_a_memory_value_checked",
+        # the same with an additive float term whose values are checked at run time: the bound statements run
+        # before the check, and the original code after it runs without them (the memory is concatenated once)
+        code=_BIND_ONCE.replace("BIAS", "if bias is not None:\n            sim = bias + sim"),
+        expect={"mask_values_checked": True},
+        run="""
+m = Attention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+mem = torch.randn(2, 3, 2, 8)
+pad = torch.zeros(2, 1, 5, 8)
+pad[..., 0] = float("-inf")
+alibi = -torch.arange(8.0).expand(2, 1, 5, 8)
+out = (m(x, mem)[0] + m(x)[0] + m(x, mem, pad)[0] + m(x, mem, alibi)[0], m(x, mem, alibi)[1])
+leaves = [x, m.to_kv.weight, m.to_q.weight]
+""",
+    ),
+]
+
+AttentionPattern.FUSE += [
+    Fuse(
+        name="scaled_key_returned",
+        # the key's scaling is folded into the fused call's scale, and the scaled k is returned: its statement reads
+        # only names the span does not assign, so it runs as written AFTER the fused call (which needs the pre-scale k)
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    k = k * 0.125
+    sim = torch.matmul(q, k.transpose(-1, -2))
+    attn = sim.softmax(dim=-1)
+    return torch.matmul(attn, v), k
+""",
+        expect={"scale": "0.125", "k": "k"},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 7, 16, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+out = attend(q, k, v)
+leaves = [q, k, v]
+""",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="scores_returned",
+        # the scores themselves are read after the site: the fused op never materialises them
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    sim = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+    attn = sim.softmax(dim=-1)
+    return torch.matmul(attn, v), sim
+""",
+        reason="intermediate `sim` is used after the attention",
+    ),
+]
+
+
+# --- issue 14 class 3: channel-first einsum attention (q, k and v all [B*H, C, T]) ---
+AttentionPattern.FUSE += [
+    Fuse(
+        name="channel_first_einsum_qkv",
+        # guided/latent-diffusion QKVAttention(Legacy): q/k/v [B*H, C, T], scores "bct,bcs->bts" with the scale
+        # on both operands, fp32 softmax cast back, output "bts,bcs->bct" [B*H, C, T]: the fused call takes
+        # [B*H, 1, T, C] (each operand transposed) and its result is transposed back
+        code="""
+import math
+
+import torch as th
+from torch import nn
+
+
+class QKVAttentionLegacy(nn.Module):
+    def __init__(self, n_heads=2):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def forward(self, qkv):
+        bs, width, length = qkv.shape
+        ch = width // (3 * self.n_heads)
+        q, k, v = qkv.reshape(bs * self.n_heads, ch * 3, length).split(ch, dim=1)
+        scale = 1 / math.sqrt(math.sqrt(ch))
+        weight = th.einsum("bct,bcs->bts", q * scale, k * scale)
+        weight = th.softmax(weight.float(), dim=-1).type(weight.dtype)
+        a = th.einsum("bts,bcs->bct", weight, v)
+        return a.reshape(bs, -1, length)
+""",
+        expect={"output_layout": "3D", "q": "q * scale", "k": "k * scale"},
+        run="""
+x = th.randn(2, 3 * 2 * 16, 10, requires_grad=True)
+out = QKVAttentionLegacy()(x)
+leaves = [x]
+""",
+    ),
+    Fuse(
+        name="channel_first_einsum_viewed_operands",
+        # the same with heads split out of the operands by views inside the einsum call (QKVAttention)
+        code="""
+import math
+
+import torch as th
+from torch import nn
+
+
+class QKVAttention(nn.Module):
+    def __init__(self, n_heads=2):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def forward(self, qkv):
+        bs, width, length = qkv.shape
+        ch = width // (3 * self.n_heads)
+        q, k, v = qkv.chunk(3, dim=1)
+        scale = 1 / math.sqrt(math.sqrt(ch))
+        weight = th.einsum(
+            "bct,bcs->bts",
+            (q * scale).view(bs * self.n_heads, ch, length),
+            (k * scale).view(bs * self.n_heads, ch, length),
+        )
+        weight = th.softmax(weight.float(), dim=-1).type(weight.dtype)
+        a = th.einsum("bts,bcs->bct", weight, v.reshape(bs * self.n_heads, ch, length))
+        return a.reshape(bs, -1, length)
+""",
+        expect={"output_layout": "3D"},
+        run="""
+x = th.randn(2, 3 * 2 * 16, 10, requires_grad=True)
+out = QKVAttention()(x)
+leaves = [x]
+""",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="channel_first_softmax_over_queries",
+        # the same layout normalised over the query axis: not attention over the keys
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    w = torch.einsum("bct,bcs->bts", q, k) * 0.25
+    w = torch.softmax(w, dim=1)
+    return torch.einsum("bts,bcs->bct", w, v)
+""",
+        reason="softmax over dim 1, not the last (key) dim",
+    ),
+]
+
+
+# --- issue 14 class 3: Megatron-style attention through a softmax MODULE (repo_facts.softmax_module) ---
+_MEGATRON = '''
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+
+class ScaledSoftmaxKernel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs, scale):
+        import scaled_softmax_cuda
+
+        return scaled_softmax_cuda.forward(inputs, scale)
+
+
+class ScaleMaskSoftmax(nn.Module):
+    def __init__(self, input_in_fp16, input_in_bf16, fusion, mask_func, softmax_in_fp32, scale):
+        super().__init__()
+        self.input_in_fp16 = input_in_fp16
+        self.input_in_bf16 = input_in_bf16
+        self.input_in_float16 = input_in_fp16 or input_in_bf16
+        self.fusion = fusion
+        self.mask_func = mask_func
+        self.softmax_in_fp32 = softmax_in_fp32
+        self.scale = scale
+
+    def forward(self, input, mask):
+        assert input.dim() == 4
+        if self.fusion and self.input_in_float16 and mask is None:
+            return self.forward_fused_softmax(input, mask)
+        else:
+            return self.forward_torch_softmax(input, mask)
+
+    def forward_fused_softmax(self, input, mask):
+        scale = self.scale if self.scale is not None else 1.0
+        return ScaledSoftmaxKernel.apply(input, scale)
+
+    def forward_torch_softmax(self, input, mask):
+        if self.input_in_float16 and self.softmax_in_fp32:
+            input = input.float()
+        if self.scale is not None:
+            input = input * self.scale
+        MAKES_MASK
+        mask_output = self.mask_func(input, mask) if mask is not None else input
+        probs = torch.nn.Softmax(dim=-1)(mask_output)
+        if self.input_in_float16 and self.softmax_in_fp32:
+            if self.input_in_fp16:
+                probs = probs.half()
+            else:
+                probs = probs.bfloat16()
+        return probs
+
+
+def attention_mask_func(attention_scores, attention_mask):
+    MASK_FUNC
+
+
+def rng_fork():
+    return contextlib.nullcontext()
+
+
+class CoreAttention(nn.Module):
+    def __init__(self, layer_number=2, head_dim=16, p=0.0, sequence_parallel=False, alibi=None):
+        super().__init__()
+        self.sequence_parallel, self.alibi = sequence_parallel, alibi
+        coeff = layer_number
+        self.norm_factor = math.sqrt(head_dim) * coeff
+        self.scale_mask_softmax = ScaleMaskSoftmax(False, False, False, attention_mask_func, True, coeff)
+        self.attention_dropout = nn.Dropout(p)
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask):
+        # [sq, b, np, hn] -> [b * np, sq, hn] views, scores [b, np, sq, sk]
+        output_size = (query_layer.size(1), query_layer.size(2), query_layer.size(0), key_layer.size(0))
+        query_layer = query_layer.reshape(output_size[2], output_size[0] * output_size[1], -1)
+        key_layer = key_layer.view(output_size[3], output_size[0] * output_size[1], -1)
+        buffer = torch.empty(output_size[0] * output_size[1], output_size[2], output_size[3], dtype=query_layer.dtype, device=query_layer.device)
+        matmul_result = torch.baddbmm(buffer, query_layer.transpose(0, 1), key_layer.transpose(0, 1).transpose(1, 2),
+                                      beta=0.0, alpha=(1.0 / self.norm_factor))
+        attention_scores = matmul_result.view(*output_size)
+        if self.alibi is not None:
+            attention_scores = self.alibi(attention_scores)
+        attention_probs = self.scale_mask_softmax(attention_scores, attention_mask)
+        if not self.sequence_parallel:
+            with rng_fork():
+                attention_probs = self.attention_dropout(attention_probs)
+        else:
+            attention_probs = self.attention_dropout(attention_probs)
+        output_size = (value_layer.size(1), value_layer.size(2), query_layer.size(0), value_layer.size(3))
+        value_layer = value_layer.view(value_layer.size(0), output_size[0] * output_size[1], -1)
+        attention_probs = attention_probs.view(output_size[0] * output_size[1], output_size[2], -1)
+        context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
+        context_layer = context_layer.view(*output_size)
+        context_layer = context_layer.permute(2, 0, 1, 3).contiguous()
+        return context_layer.view(context_layer.size(0), context_layer.size(1), -1)
+'''
+_MEGATRON_FILL = "attention_scores.masked_fill_(attention_mask, -10000.0)\n    return attention_scores"
+_MEGATRON_RUN = """
+m = CoreAttention(p=0.0).eval()
+q = torch.randn(6, 2, 4, 16, requires_grad=True)
+k = torch.randn(6, 2, 4, 16, requires_grad=True)
+v = torch.randn(6, 2, 4, 16, requires_grad=True)
+causal = torch.ones(6, 6, dtype=torch.bool).triu(1).view(1, 1, 6, 6)
+pad = torch.zeros(2, 1, 1, 6, dtype=torch.bool)
+pad[1, ..., :2] = True
+biased = CoreAttention(alibi=lambda s: s - torch.arange(6.0)).eval()  # the module branch: the original code runs
+out = (m(q, k, v, causal), m(q, k, v, None), m(q, k, v, pad), biased(q, k, v, causal))
+leaves = [q, k, v]
+"""
+
+AttentionPattern.FUSE += [
+    Fuse(
+        name="megatron_softmax_module_torch_path",
+        # Megatron CoreAttention: baddbmm scores on [b*np, sq, hn] views (alpha = 1/norm_factor), a softmax MODULE whose
+        # torch path is softmax(mask_func(x * self.scale, mask)) with a module-level masked_fill mask function, the
+        # dropout under an RNG-fork context on one branch and plain on the other, an optional module on the scores
+        # (excluded: the original code runs where it is set), bmm with v; the class and the mask function may live in
+        # other files of the repo (repo_facts.definition / resolve_function)
+        code=_MEGATRON.replace("MAKES_MASK", "pass").replace("MASK_FUNC", _MEGATRON_FILL),
+        expect={"mask_kind": "bool_masked", "layout": "3D (bmm) -> BNSD with N=1",
+                "scale": "(self.scale_mask_softmax.scale if self.scale_mask_softmax.scale is not None else 1.0) * (1.0 / self.norm_factor)"},
+        run=_MEGATRON_RUN,
+    ),
+    Fuse(
+        name="megatron_softmax_module_makes_causal_mask",
+        # Megatron-LM's module builds a causal mask itself when given none: the fused call runs only with a mask
+        code=_MEGATRON.replace("MAKES_MASK", "if mask is None and input.size(2) > 1:\n            mask = torch.ones(input.size(2), input.size(3), dtype=torch.bool, device=input.device).triu(1)")
+        .replace("MASK_FUNC", "mask_value = torch.finfo(attention_scores.dtype).min\n    mask_value = torch.tensor(mask_value, dtype=attention_scores.dtype)\n"
+                              "    attention_scores.masked_fill_(attention_mask, mask_value)\n    return attention_scores"),
+        expect={"mask_values_checked": True},
+        run=_MEGATRON_RUN,
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        name="megatron_softmax_module_additive_mask_func",
+        # a mask function that ADDS the mask: a float bias, not the mask fill the fused op reproduces
+        code=_MEGATRON.replace("MAKES_MASK", "pass").replace("MASK_FUNC", "return attention_scores + attention_mask"),
+        reason="is not a plain masked_fill of the scores",
+    ),
+    Keep(
+        name="megatron_softmax_module_mask_func_from_caller",
+        # the mask function is a constructor parameter of the attention class: only its callers say what it is
+        code=_MEGATRON.replace("MAKES_MASK", "pass").replace("MASK_FUNC", _MEGATRON_FILL)
+        .replace("sequence_parallel=False, alibi=None):", "sequence_parallel=False, alibi=None, mask_func=None):")
+        .replace("ScaleMaskSoftmax(False, False, False, attention_mask_func, True, coeff)", "ScaleMaskSoftmax(False, False, False, mask_func, True, coeff)"),
+        reason="what its mask function computes is not known",
+    ),
+    Keep(
+        name="megatron_softmax_module_other_forward",
+        # a softmax module whose forward is not scale -> mask function -> softmax (here it also clamps)
+        code=_MEGATRON.replace("MAKES_MASK", "input = input.clamp(min=-50.0)").replace("MASK_FUNC", _MEGATRON_FILL),
+        reason="nor as scale -> mask function -> softmax",
+    ),
+    Keep(
+        name="bias_module_always_on_scores",
+        # a module's output added to the scores on every call: a learned bias (pse), never a 0/-inf mask
+        code="""
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.rel = bias
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+        s = s + self.rel(q.shape[-2], k.shape[-2])
+        return torch.matmul(s.softmax(dim=-1), v)
+""",
+        reason="an additive term computed by a module",
+    ),
+]
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="softmax_module_head_axis_3d",
+        # gpt-neox gMLP TinyAttention: 3-D single-head einsum scores given a head axis for a 4-D softmax module
+        # (``unsqueeze(1)``), the probabilities squeezed back for the 3-D P@V; the mask sliced by the scores' size
+        code=_MEGATRON.split("\n\ndef rng_fork")[0].replace("MAKES_MASK", "pass").replace("MASK_FUNC", _MEGATRON_FILL) + '''
+
+
+class TinyAttention(nn.Module):
+    def __init__(self, d_ff=32, d_attn=16):
+        super().__init__()
+        self.proj_qkv = nn.Linear(d_ff, 3 * d_attn)
+        self.scale = d_attn ** -0.5
+        self.softmax = ScaleMaskSoftmax(False, False, False, attention_mask_func, True, None)
+
+    def forward(self, x, attention_mask):
+        q, k, v = torch.chunk(self.proj_qkv(x), 3, dim=-1)
+        w = torch.einsum("bnd,bmd->bnm", q, k).unsqueeze(1) * self.scale
+        a = self.softmax(w, mask=attention_mask[..., : w.size(-2), : w.size(-1)]).squeeze(1)
+        return torch.einsum("bnm,bmd->bnd", a, v)
+''',
+        expect={"layout": "3D (bmm) -> BNSD with N=1", "mask_kind": "bool_masked"},
+        run="""
+m = TinyAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+ltor = torch.ones(8, 8, dtype=torch.bool).triu(1).view(1, 1, 8, 8)
+out = m(x, ltor)
+leaves = [x, m.proj_qkv.weight]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="softmax_squeezed_without_head_axis",
+        # the head axis added by indexing (``[:, None]``), not by the ``unsqueeze(1)`` npufuse pairs with ``squeeze(1)``
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def odd(q, k, v):
+    w = torch.einsum("bnd,bmd->bnm", q, k)[:, None] * 0.25
+    a = F.softmax(w, dim=-1).squeeze(1)
+    return torch.einsum("bnm,bmd->bnd", a, v)
+""",
+        reason="unsupported operation on the attention scores: `torch.einsum('bnd,bmd->bnm', q, k)[:, None]`",
+    )
+)
+
+
+# --- issue 14 class 3: masks added in place on a trailing slice of the scores (canonical.slice_add_as_padded) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="causal_added_in_place_on_newest_keys",
+        # minimind: ``scores[:, :, :, -seq_len:] += full((seq_len, seq_len), -inf).triu(1)`` (causal over the newest keys
+        # of a cache) and ``scores += (1 - mask) * -1e9`` on their own lines: read as adds of a padded term
+        code="""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(xq, xk, xv, seq_len, causal=True, attention_mask=None):
+    scores = (xq @ xk.transpose(-2, -1)) / math.sqrt(xq.shape[-1])
+    if causal: scores[:, :, :, -seq_len:] += torch.full((seq_len, seq_len), float("-inf"), device=scores.device).triu(1)
+    if attention_mask is not None: scores += (1.0 - attention_mask.unsqueeze(1).unsqueeze(2)) * -1e9
+    return F.softmax(scores.float(), dim=-1).type_as(xq) @ xv
+""",
+        expect={"mask_values_checked": True},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+keep = torch.ones(2, 8)
+keep[1, :2] = 0
+out = (attend(q, k, v, 5), attend(q, k, v, 5, attention_mask=keep), attend(q, k, v, 5, causal=False, attention_mask=keep))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="in_place_add_on_middle_slice",
+        # an in-place add on a slice npufuse does not read as a padded term (here the query rows): the scores are
+        # modified in a way the chain does not follow
+        code="""
+import torch
+
+
+def attend(q, k, v, n):
+    scores = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+    scores[:, :, -n:, :] += torch.full((n, k.shape[-2]), float("-inf")).triu(1)
+    return torch.matmul(scores.softmax(dim=-1), v)
+""",
+        reason="modifies `scores` in place (`scores[:, :, -n:, :] +=",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="scores_stored_between_steps",
+        # the scores stored on the module between two steps (a debug hook): a value the fused op never produces
+        code="""
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def forward(self, q, k, v):
+        scores = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+        self.last_scores = scores
+        return torch.matmul(scores.softmax(dim=-1), v)
+""",
+        reason="uses intermediate `scores` (`self.last_scores = scores`): the fused op does not produce it",
+    )
+)
+
+
+# --- issue 14 class 3: MLA scores as a sum of two products (canonical.summed_product) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="mla_summed_products_shared_value",
+        # DeepSeek-V2/VL2 absorbed MLA: q_pe @ k_peᵀ + q_nope @ kvᵀ (kv [B, L, C] shared by the heads, also the value):
+        # one product of cat([q_pe, q_nope]) and cat([k_pe, kv.unsqueeze(-3)]) (Dk = 576 >= Dv = 512 is allowed), the
+        # value passed with a head axis of 1; run-time guards: the parts agree in every other axis, one kv head
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def mla(q_pe, k_pe, q_nope, compressed_kv, attention_mask, softmax_scale):
+    attn_weights = (torch.matmul(q_pe, k_pe.mT) + torch.matmul(q_nope, compressed_kv.unsqueeze(-3).mT)) * softmax_scale
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q_pe.dtype)
+    return torch.einsum("bhql,blc->bhqc", attn_weights, compressed_kv)
+""",
+        expect={"q": "torch.cat([q_pe, q_nope], dim=-1)", "k": "torch.cat([k_pe, compressed_kv.unsqueeze(-3)], dim=-1)", "mask_values_checked": True},
+        run="""
+qp = torch.randn(2, 4, 5, 8, requires_grad=True)
+kp = torch.randn(2, 1, 7, 8, requires_grad=True)
+qn = torch.randn(2, 4, 5, 32, requires_grad=True)
+kv = torch.randn(2, 7, 32, requires_grad=True)
+pad = torch.zeros(2, 1, 5, 7)
+pad[1, ..., :2] = float("-inf")
+kp4 = torch.randn(2, 4, 7, 8)  # a key with 4 heads beside the shared value: the original code runs
+out = (mla(qp, kp, qn, kv, pad, 0.2), mla(qp, kp, qn, kv, None, 0.2), mla(qp, kp4, qn, kv, None, 0.2))
+leaves = [qp, kp, qn, kv]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="summed_products_key_not_transposed",
+        # a sum of two products whose second key is not a visible transpose: not read as one product
+        code="""
+import torch
+
+
+def odd(q1, k1, q2, k2t, v):
+    s = torch.matmul(q1, k1.transpose(-2, -1)) + torch.matmul(q2, k2t)
+    return torch.matmul(s.softmax(dim=-1), v)
+""",
+        reason="scores added to scores",
+    )
+)
+
+
+# --- issue 14 class 3: a key already laid out [B, N, D, S]; masks changed in place ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="key_transposed_upstream",
+        # llm-foundry: k built [B, N, D, S] upstream (a rearrange / a cache kept transposed), then ``q.matmul(k)``; the
+        # causal mask from ``scores.new_ones(s, s)`` (only the scores' device / dtype are read)
+        code="""
+import torch
+
+
+def attend(q, kt, v, is_causal=True):
+    s_q, s_k = q.shape[-2], kt.shape[-1]
+    attn_weight = q.matmul(kt) * 0.25
+    if is_causal:
+        s = max(s_q, s_k)
+        causal_mask = ~attn_weight.new_ones(s, s, dtype=torch.float32).tril().to(torch.bool)
+        causal_mask = causal_mask[-s_q:, -s_k:]
+        attn_weight = attn_weight.masked_fill(causal_mask.view(1, 1, s_q, s_k), torch.finfo(q.dtype).min)
+    attn_weight = torch.softmax(attn_weight, dim=-1)
+    return attn_weight.to(v.dtype).matmul(v)
+""",
+        expect={"k": "kt.transpose(-2, -1)", "layout": "BNSD"},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 16, 7, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+out = (attend(q, k, v), attend(q, k, v, is_causal=False))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="window_mask_changed_in_place",
+        # a mask changed in place on one branch (``window_mask[:, :-(w + 1)] = False``): its value is not the expression
+        # first assigned, so reading it as that would build a wrong mask
+        code="""
+import torch
+
+
+def attend(q, k, v, w):
+    s_q, s_k = q.shape[-2], k.shape[-2]
+    attn = torch.matmul(q, k.transpose(-1, -2)) * 0.25
+    window_mask = torch.ones((s_q, s_k), dtype=torch.bool, device=q.device)
+    if s_q > 1:
+        window_mask = torch.tril(window_mask, diagonal=w)
+    else:
+        window_mask[:, :-(w + 1)] = False
+    attn = attn.masked_fill(~window_mask, float("-inf"))
+    return torch.matmul(attn.softmax(dim=-1), v)
+""",
+        reason="modifies `window_mask` in place (`window_mask[:, :-(w + 1)] = False`)",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="key_operand_scaled_product",
+        # the key operand is an arithmetic expression (not a tensor laid out [B, N, D, S] nor a visible transpose):
+        # npufuse does not guess which axes it swaps
+        code="""
+import torch
+
+
+def attend(q, k, v, w):
+    scores = q.matmul(k.transpose(-2, -1) + w) * 0.25
+    return scores.softmax(dim=-1).matmul(v)
+""",
+        reason="is not a transpose of K",
     )
 )

@@ -863,3 +863,86 @@ def flattened_to_1d(module: ModuleInfo, scope: Scope, name: str, before_line: in
             continue
         return api(module, f) == "torch.flatten" and len(node.args) == 1 and not node.keywords
     return False
+
+# --- attention: an in-place add on a trailing slice as an add of a padded term ---
+from npufuse.scan.dataflow import dotted  # noqa: E402  (this block's own import)
+_SHAPED_CTORS = ("full", "zeros", "ones", "empty")
+_SHAPE_KEEPING = ("triu", "tril", "to", "float", "half", "bfloat16", "type", "type_as", "contiguous")
+
+
+def _last_dim_text(node: ast.AST) -> str | None:
+    """The source of a tensor expression's last dim when its constructor states it (``torch.full((s, s), v)``,
+    ``torch.zeros(a, b)``, through ``.triu(1)`` / ``.to(...)``), else None."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SHAPE_KEEPING:
+        node = node.func.value
+    if not (isinstance(node, ast.Call) and (dotted(node.func) or "").rpartition(".")[2] in _SHAPED_CTORS and node.args):
+        return None
+    shape = node.args[0]
+    if isinstance(shape, (ast.Tuple, ast.List)):
+        return ast.unparse(shape.elts[-1]) if shape.elts and not any(isinstance(e, ast.Starred) for e in shape.elts) else None
+    if (dotted(node.func) or "").rpartition(".")[2] == "full":
+        return None  # full(size, value): one positional shape only as a tuple
+    dims = [a for a in node.args if not isinstance(a, ast.Starred)]
+    return ast.unparse(dims[-1]) if len(dims) == len(node.args) else None
+
+
+def slice_add_as_padded(target: ast.AST, value: ast.AST) -> ast.expr | None:
+    """``x[:, :, :, -n:] += t`` (every axis but the last taken whole, the last from ``-n``; ``t``'s last dim
+    stated as ``n`` by its constructor) as ``x = x + F.pad(t, (x.size(-1) - n, 0))``: the same sum, with the
+    zeros of the untouched columns written out (minimind's causal triangle over the newest keys). None for
+    any other target."""
+    if not (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)):
+        return None
+    parts = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
+    if not parts or not all(isinstance(p, ast.Slice) for p in parts):
+        return None
+    if any(p.lower is not None or p.upper is not None or p.step is not None for p in parts[:-1]):
+        return None
+    last = parts[-1]
+    if not (last.upper is None and last.step is None and isinstance(last.lower, ast.UnaryOp) and isinstance(last.lower.op, ast.USub)):
+        return None
+    n = last.lower.operand
+    if _last_dim_text(value) != ast.unparse(n):
+        return None
+    width = ast.BinOp(left=ast.Call(func=ast.Attribute(value=ast.Name(target.value.id, ast.Load()), attr="size", ctx=ast.Load()),
+                                    args=[ast.Constant(-1)], keywords=[]), op=ast.Sub(), right=n)
+    pad = ast.Attribute(value=ast.Attribute(value=ast.Attribute(value=ast.Name("torch", ast.Load()), attr="nn", ctx=ast.Load()),
+                                            attr="functional", ctx=ast.Load()), attr="pad", ctx=ast.Load())
+    return ast.Call(func=pad, args=[value, ast.Tuple(elts=[width, ast.Constant(0)], ctx=ast.Load())], keywords=[])
+
+
+# --- attention: a sum of two Q@Kᵀ products as one product of concatenated features ---
+def _last_two_swapped_base(node: ast.AST) -> ast.expr | None:
+    """X of ``X.mT`` / ``X.transpose(-2, -1)`` / ``X.transpose(-1, -2)``, else None."""
+    if isinstance(node, ast.Attribute) and node.attr == "mT":
+        return node.value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "transpose" and len(node.args) == 2 \
+            and {const_value(a) for a in node.args} == {-2, -1}:
+        return node.func.value
+    return None
+
+
+def _torch_call(attr: str, args: list[ast.expr], keywords: list[ast.keyword]) -> ast.Call:
+    return ast.Call(func=ast.Attribute(value=ast.Name("torch", ast.Load()), attr=attr, ctx=ast.Load()), args=args, keywords=keywords)
+
+
+def summed_product(p1: "Product | None", p2: "Product | None") -> "tuple[Product, ast.expr] | None":
+    """``a1 @ b1ᵀ + a2 @ b2ᵀ`` (matmul / ``@``, each key a visible transpose of its last two axes) as one product
+    ``cat([a1, a2], -1) @ cat([b1, b2], -1)ᵀ`` — equal where the parts agree in every axis but the last
+    (``torch.cat`` does not broadcast) — and that condition as an expression; None for other sums."""
+    if p1 is None or p2 is None or p1.kind not in ("@", "matmul") or p2.kind not in ("@", "matmul") or p1.alpha is not None or p2.alpha is not None:
+        return None
+    k1, k2 = _last_two_swapped_base(p1.b), _last_two_swapped_base(p2.b)
+    if k1 is None or k2 is None:
+        return None
+    dim = [ast.keyword(arg="dim", value=ast.Constant(-1))]
+    q = _torch_call("cat", [ast.List(elts=[p1.a, p2.a], ctx=ast.Load())], dim)
+    k = _torch_call("cat", [ast.List(elts=[k1, k2], ctx=ast.Load())], dim)
+
+    def lead(x: ast.expr) -> ast.expr:
+        shape = ast.Attribute(value=x, attr="shape", ctx=ast.Load())
+        return ast.Subscript(value=shape, slice=ast.Slice(upper=ast.Constant(-1)), ctx=ast.Load())
+
+    guard = ast.BoolOp(op=ast.And(), values=[ast.Compare(left=lead(p1.a), ops=[ast.Eq()], comparators=[lead(p2.a)]),
+                                             ast.Compare(left=lead(k1), ops=[ast.Eq()], comparators=[lead(k2)])])
+    return Product(q, ast.Attribute(value=k, attr="mT", ctx=ast.Load()), "matmul"), guard

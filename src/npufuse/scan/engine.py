@@ -373,6 +373,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     out.lines = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
     try:
         module = ModuleInfo.from_source(rel, text, tree)
+        repo_facts.attach_root(module, root)  # detectors may resolve a class / function of another file
         facts = repo_search.file_facts(module)
     except RecursionError:  # its text depends on the stack depth at the time: keep it stable
         out.failures.append(Failure(rel, "syntax", "cannot index: RecursionError: code nested too deep"))
@@ -613,7 +614,8 @@ def _worker_stopped() -> bool:
 
 def _analyze_and_store(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any) -> FileOutcome:
     outcome = analyze_file(root, rel, patterns, options)
-    if cache is not None:
+    if cache is not None and not repo_facts.reads_other_files(root, rel):
+        # (an outcome that read other files of the repo is not cached: the entry is keyed by this file's content only)
         cache.put(outcome)  # in the worker: writing entries is spread over the cores too
     return outcome
 
@@ -673,6 +675,7 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
     False: the cache is known to hold nothing (a cold scan), so it is only written."""
     total = len(files)
     jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    repo_facts.reset()  # other files of the repo read by detectors: read afresh by each scan
     results: dict[str, FileOutcome] = {}
     done = 0
     if cache is not None and reuse:

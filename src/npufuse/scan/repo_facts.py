@@ -447,3 +447,591 @@ def _reallocates(cls: ast.ClassDef) -> Optional[tuple[str, int]]:
                 if isinstance(t, ast.Attribute) and t.attr == "data" and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")):
                     return "re-points parameters (`.data = ...`)", n.lineno
     return None
+
+
+# --- attention: classes and functions of other files of the repo (issue 14, class 3) ---
+# Megatron-style attention gets its probabilities from a softmax MODULE built in ``__init__`` from a class
+# of another file (FusedScaleMaskSoftmax: scale, mask function, softmax), with the mask function passed in
+# by the constructor's caller, often from a third file. The attention detector asks here what such a class
+# and such a function compute. The scan's root is attached to each parsed file (``attach_root``) so that a
+# detector can read the repo; files are parsed on demand (size-limited, cached per scan root) and only when
+# a detector asks, which happens for the rare sites that reach a class or function not defined in their file.
+# Nothing here raises: what cannot be read or recognised is None, and the detector says so.
+import os
+import re as _re
+from dataclasses import dataclass as _dataclass
+
+_ROOT_KEY = "_npufuse_repo_root"
+_DEF_MAX_BYTES = 1 << 20
+_PARSED: dict[tuple[str, str], Optional[ast.Module]] = {}
+_PY_FILES: dict[str, list[str]] = {}
+_SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", "site-packages", ".tox", "build", "dist"}
+
+
+_DEPENDENT: set[tuple[str, str]] = set()  # (root, file) whose analysis read other files of the repo (this process)
+
+
+def reads_other_files(root: Path, rel: str) -> bool:
+    """Did analysing ``rel`` read other files of the repo (a class, a mask function, callers)? Such a file's
+    outcome depends on them, so the per-file cache (keyed by the file's own content) must not keep it."""
+    return (str(root), rel) in _DEPENDENT
+
+
+def _depends(root: Optional[Path], rel: str) -> None:
+    if root is not None:
+        if len(_DEPENDENT) > 100000:
+            _DEPENDENT.clear()
+        _DEPENDENT.add((str(root), rel))
+
+
+def reset() -> None:
+    """Forget the files parsed and listed for earlier scans (a scan reads the repo as it is now)."""
+    _PARSED.clear()
+    _PY_FILES.clear()
+    _DEPENDENT.clear()
+
+
+def attach_root(module: Any, root: Path) -> None:
+    """Record the scan root on a parsed file (``ModuleInfo``) so detectors can resolve other files."""
+    try:
+        module.__dict__[_ROOT_KEY] = Path(root)
+    except Exception:
+        pass
+
+
+def repo_root(module: Any) -> Optional[Path]:
+    return getattr(module, "__dict__", {}).get(_ROOT_KEY)
+
+
+@_dataclass(frozen=True)
+class Definition:
+    """A class or function definition: the repo-relative file that holds it, the node, the file's tree."""
+
+    rel: str
+    node: ast.AST
+    tree: ast.Module
+
+
+def _parse_repo_file(root: Path, rel: str) -> Optional[ast.Module]:
+    key = (str(root), rel)
+    if key in _PARSED:
+        return _PARSED[key]
+    tree = None
+    try:
+        path = (root / rel).resolve()
+        if path.is_relative_to(root.resolve()) and path.is_file() and path.stat().st_size <= _DEF_MAX_BYTES:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (Exception, RecursionError):
+        tree = None
+    if len(_PARSED) > 512:
+        _PARSED.clear()
+    _PARSED[key] = tree
+    return tree
+
+
+def _imported(tree: ast.Module, rel: str, name: str) -> Optional[tuple[str, str]]:
+    """(module, attribute) a top-level import of ``tree`` binds ``name`` to (relative imports resolved
+    against ``rel``; ``import a.b as c`` with ``name`` ``c.X``)."""
+    head, _, rest = name.partition(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not rest:
+            for a in node.names:
+                if (a.asname or a.name) == name:
+                    if node.level == 0:
+                        return (node.module or "", a.name)
+                    base = PurePosixPath(rel).parent
+                    for _ in range(node.level - 1):
+                        base = base.parent
+                    parts = [p for p in base.parts if p not in ("", ".")] + ((node.module or "").split(".") if node.module else [])
+                    return (".".join(parts), a.name)
+        elif isinstance(node, ast.Import) and rest and "." not in rest:
+            for a in node.names:
+                if a.asname == head or (a.asname is None and a.name == head):
+                    return (a.name, rest)
+    return None
+
+
+def _top_def(tree: ast.Module, name: str) -> Optional[ast.AST]:
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+    return None
+
+
+def _find(root: Path, from_rel: str, mod: str, attr: str, depth: int) -> Optional[Definition]:
+    if depth > 3 or not mod or any(p in ("", "..") for p in mod.split(".")):
+        return None
+    parts = mod.split(".")
+    bases = [PurePosixPath(".")] + list(PurePosixPath(from_rel).parents)
+    for base in dict.fromkeys(bases):
+        for cand in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
+            rel = str(cand)
+            tree = _parse_repo_file(root, rel)
+            if tree is None:
+                continue
+            node = _top_def(tree, attr)
+            if node is not None:
+                return Definition(rel, node, tree)
+            again = _imported(tree, rel, attr)  # re-exported by the package
+            if again is not None:
+                return _find(root, rel, again[0], again[1], depth + 1)
+            return None
+    return None
+
+
+def definition_in(root: Optional[Path], rel: str, tree: ast.Module, name: str) -> Optional[Definition]:
+    """What ``name`` (as used in file ``rel``) denotes: a top-level class/function of that file or one
+    imported from a file of the repo; None when it is not found or not readable."""
+    if "." not in name:
+        node = _top_def(tree, name)
+        if node is not None:
+            return Definition(rel, node, tree)
+    if root is None:
+        return None
+    target = _imported(tree, rel, name)
+    if target is None:
+        return None
+    try:
+        return _find(root, rel, target[0], target[1], 0)
+    except (Exception, RecursionError):
+        return None
+
+
+def definition(module: Any, name: str) -> Optional[Definition]:
+    """``definition_in`` for a parsed file (``ModuleInfo``) of the scan."""
+    root = repo_root(module)
+    if "." in name or _top_def(module.tree, name) is None:
+        _depends(root, module.path)  # found or not, the answer depends on other files
+    return definition_in(root, module.path, module.tree, name)
+
+
+def _is_minus_large(node: ast.AST | None) -> Optional[str]:
+    """Source of a masking fill value (a constant <= -1e4, -inf, ``-finfo.max`` / ``finfo.min``), else None."""
+    if node is None:
+        return None
+    text = ast.unparse(node).replace(" ", "")
+    if _re.fullmatch(r"(-float\(['\"]inf['\"]\)|float\(['\"]-inf['\"]\)|-(math|torch|np|numpy)\.inf)", text):
+        return ast.unparse(node)
+    if ".finfo(" in text and (text.endswith(".min") or (text.startswith("-") and text.endswith(".max"))):
+        return ast.unparse(node)
+    try:
+        v = ast.literal_eval(node)
+    except Exception:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= -1e4:
+        return ast.unparse(node)
+    return None
+
+
+def mask_fill_info(fn: ast.AST) -> Optional[tuple[str, bool]]:
+    """(fill value, slices the mask) for a mask function: :func:`mask_fill`'s forms, or statements that on every
+    path fill ``scores`` once at the mask or at the mask sliced on its last two axes by the scores' own sizes
+    (Megatron-DeepSpeed's curriculum branch ``m = m[:, :, :n, :n]`` with ``n = scores.size()[2]``), with the same
+    value, branching on anything but the scores' values; else None."""
+    fill = mask_fill(fn)
+    if fill is not None:
+        return fill, False
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(fn.args.args) != 2 or fn.args.vararg or fn.args.kwarg:
+        return None
+    s, m = (a.arg for a in fn.args.args)
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if not body or not (isinstance(body[-1], ast.Return) and isinstance(body[-1].value, ast.Name) and body[-1].value.id == s):
+        return None
+
+    def reads_scores_values(node: ast.AST) -> bool:
+        sizes = {id(n.value) for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr in ("size", "shape", "dtype", "device")}
+        return any(isinstance(n, ast.Name) and n.id == s and id(n) not in sizes for n in ast.walk(node))
+
+    def sized_by_scores(node: ast.AST, env: dict[str, str]) -> bool:
+        return isinstance(node, ast.Name) and env.get(node.id) == "size" or not reads_scores_values(node) and any(
+            isinstance(n, ast.Attribute) and n.attr in ("size", "shape") and isinstance(n.value, ast.Name) and n.value.id == s for n in ast.walk(node))
+
+    fills: set[str] = set()
+
+    def run(stmts: list[ast.stmt], env: dict[str, str], filled: bool) -> Optional[tuple[dict[str, str], bool, bool]]:
+        sliced = False
+        for st in stmts:
+            if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+                name, v = st.targets[0].id, st.value
+                if name in (s, m):
+                    return None
+                while isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "contiguous" and not v.args:
+                    v = v.func.value
+                if isinstance(v, ast.Name) and env.get(v.id, "") in ("mask", "mask_sliced"):
+                    env[name] = env[v.id]
+                elif isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and env.get(v.value.id, "") in ("mask", "mask_sliced") \
+                        and isinstance(v.slice, ast.Tuple) and all(isinstance(e, ast.Slice) and e.lower is None and e.step is None for e in v.slice.elts) \
+                        and all(e.upper is None for e in v.slice.elts[:-2]) and all(e.upper is not None and sized_by_scores(e.upper, env) for e in v.slice.elts[-2:]):
+                    env[name], sliced = "mask_sliced", True
+                elif sized_by_scores(v, env):
+                    env[name] = "size"
+                elif not reads_scores_values(v) and not any(isinstance(n, ast.Name) and env.get(n.id, "").startswith("mask") for n in ast.walk(v)):
+                    env[name] = "other"  # a configuration read (``args = get_args()``)
+                else:
+                    return None
+            elif isinstance(st, ast.If):
+                if reads_scores_values(st.test):
+                    return None
+                a = run(st.body, dict(env), filled)
+                b = run(st.orelse, dict(env), filled)
+                if a is None or b is None:
+                    return None
+                env = {k: ("mask_sliced" if "mask_sliced" in (a[0].get(k), b[0].get(k)) else a[0].get(k, b[0].get(k, "")))
+                       for k in set(a[0]) | set(b[0])}
+                if a[1] != b[1]:
+                    return None  # filled on one path only
+                filled, sliced = a[1], sliced or a[2] or b[2]
+            elif isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Attribute) \
+                    and st.value.func.attr == "masked_fill_" and isinstance(st.value.func.value, ast.Name) and st.value.func.value.id == s \
+                    and len(st.value.args) == 2 and isinstance(st.value.args[0], ast.Name) and env.get(st.value.args[0].id, "") in ("mask", "mask_sliced") \
+                    and not filled:
+                value = _is_minus_large(st.value.args[1])
+                if value is None:
+                    return None
+                fills.add(value)
+                sliced = sliced or env[st.value.args[0].id] == "mask_sliced"
+                filled = True
+            elif isinstance(st, ast.Pass):
+                continue
+            else:
+                return None
+        return env, filled, sliced
+
+    out = run(body[:-1], {m: "mask"}, False)
+    if out is None or not out[1] or len(fills) != 1:
+        return None
+    return next(iter(fills)), out[2]
+
+
+def mask_fill(fn: ast.AST) -> Optional[str]:
+    """The fill value when ``fn`` (a two-parameter def or lambda ``(scores, mask)``) returns ``scores``
+    with the True positions of ``mask`` filled by a large negative value (``masked_fill_`` then
+    ``return scores``, ``return scores.masked_fill(mask, v)``); else None."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        return None
+    params = [a.arg for a in fn.args.args]
+    if len(params) != 2 or fn.args.vararg or fn.args.kwarg:
+        return None
+    s, m = params
+
+    def fill_of(call: ast.AST, method: str, base: str) -> Optional[str]:
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == method \
+                and isinstance(call.func.value, ast.Name) and call.func.value.id == base and len(call.args) == 2 \
+                and isinstance(call.args[0], ast.Name) and call.args[0].id == m and not call.keywords:
+            return _is_minus_large(call.args[1])
+        return None
+
+    if isinstance(fn, ast.Lambda):
+        return fill_of(fn.body, "masked_fill", s)
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    # ``v = torch.finfo(scores.dtype).min; v = torch.tensor(v, dtype=..., device=...)`` before the fill: the fill
+    # value through local names (a tensor of it holds the same value)
+    local: dict[str, ast.AST] = {}
+    while len(body) > 2 and isinstance(body[0], ast.Assign) and len(body[0].targets) == 1 and isinstance(body[0].targets[0], ast.Name) \
+            and body[0].targets[0].id not in (s, m):
+        value = body[0].value
+        if isinstance(value, ast.Call) and (dotted(value.func) or "").endswith("tensor") and len(value.args) == 1:
+            value = value.args[0]
+        if isinstance(value, ast.Name) and value.id in local:
+            value = local[value.id]
+        if _is_minus_large(value) is None:
+            return None
+        local[body[0].targets[0].id] = value
+        body = body[1:]
+
+    def fill_of(call: ast.AST, method: str, base: str, _inner: Any = fill_of) -> Optional[str]:  # type: ignore[no-redef]
+        if isinstance(call, ast.Call) and len(call.args) == 2 and isinstance(call.args[1], ast.Name) and call.args[1].id in local:
+            call = ast.Call(func=call.func, args=[call.args[0], local[call.args[1].id]], keywords=call.keywords)
+        return _inner(call, method, base)
+    if len(body) == 1 and isinstance(body[0], ast.Return):
+        return fill_of(body[0].value, "masked_fill", s) if body[0].value is not None else None
+    if len(body) == 2 and isinstance(body[1], ast.Return) and isinstance(body[1].value, ast.Name) and body[1].value.id == s:
+        first = body[0]
+        if isinstance(first, ast.Expr):
+            return fill_of(first.value, "masked_fill_", s)
+        if isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Name) and first.targets[0].id == s:
+            return fill_of(first.value, "masked_fill", s)
+    return None
+
+
+@_dataclass(frozen=True)
+class SoftmaxModule:
+    """What a softmax module class computes on its torch path: ``softmax(mask_func(x * self.<scale>, mask))``
+    (``scale`` applied when not None, the mask function applied when the mask is not None)."""
+
+    rel: str
+    name: str
+    scale_attr: Optional[str]
+    mask_attr: str
+    mask_param: str  # the __init__ parameter stored as the mask function
+    init_params: tuple[str, ...]  # __init__'s parameters after self, in order
+    makes_mask_when_none: bool  # the torch path builds a (causal) mask itself when none is given
+    other_paths: tuple[str, ...]  # methods of forward's other branches (CUDA kernels)
+
+
+def _self_attr(node: ast.AST | None) -> Optional[str]:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+_CAST_ATTRS = {"float", "half", "bfloat16", "to", "type", "type_as", "contiguous"}
+
+
+def _is_cast_of(value: ast.AST, name: str) -> bool:
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _CAST_ATTRS \
+        and isinstance(value.func.value, ast.Name) and value.func.value.id == name
+
+
+def _softmax_last(call: ast.AST) -> Optional[ast.AST]:
+    """The input of a softmax over the last dim (``nn.Softmax(dim=-1)(y)``, ``F.softmax(y, dim=-1)``,
+    ``torch.softmax(y, -1)``, ``y.softmax(-1)``), else None."""
+    if not isinstance(call, ast.Call) or len(call.args) < 1:
+        return None
+
+    def last(n: Optional[ast.AST]) -> bool:
+        try:
+            return n is not None and ast.literal_eval(n) == -1
+        except Exception:
+            return False
+
+    def kw(c: ast.Call, name: str, pos: int) -> Optional[ast.AST]:
+        for k in c.keywords:
+            if k.arg == name:
+                return k.value
+        return c.args[pos] if len(c.args) > pos else None
+
+    f = call.func
+    if isinstance(f, ast.Call) and (dotted(f.func) or "").rpartition(".")[2] == "Softmax" and last(kw(f, "dim", 0)) and len(call.args) == 1:
+        return call.args[0]
+    if isinstance(f, ast.Attribute) and f.attr == "softmax":
+        if dotted(f.value) in ("torch", "F", "functional", "nn.functional", "torch.nn.functional", "torch.special"):
+            return call.args[0] if last(kw(call, "dim", 1)) else None
+        method = ast.Call(func=f, args=[f.value, *call.args], keywords=call.keywords)  # ``y.softmax(-1)``: dim is argument 0
+        return f.value if last(kw(method, "dim", 1)) else None
+    return None
+
+
+def _torch_path(fn: ast.FunctionDef) -> Optional[tuple[Optional[str], str, bool]]:
+    """(scale attr, mask-function attr, builds a mask when none) when ``fn(self, x, mask)`` is the plain
+    scale -> mask function -> softmax path (casts, asserts, size reads allowed), else None."""
+    params = [a.arg for a in fn.args.args]
+    if len(params) != 3 or params[0] != "self":
+        return None
+    x, mask = params[1], params[2]
+    cur, scale, mfunc, makes, probs = x, None, None, False, None
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    for st in body:
+        if isinstance(st, (ast.Assert, ast.Pass)):
+            continue
+        checked = [b for b in st.body if not isinstance(b, ast.Assert)] if isinstance(st, ast.If) else []
+        if probs is None and isinstance(st, ast.If) and not st.orelse and len(checked) == 1 and isinstance(checked[0], ast.Assign):
+            a = checked[0]
+            tgt = a.targets[0] if len(a.targets) == 1 and isinstance(a.targets[0], ast.Name) else None
+            if tgt is not None and tgt.id == cur and _is_cast_of(a.value, cur):
+                continue
+            if tgt is not None and tgt.id == cur and isinstance(a.value, ast.BinOp) and isinstance(a.value.op, ast.Mult) \
+                    and isinstance(a.value.left, ast.Name) and a.value.left.id == cur and _self_attr(a.value.right) and scale is None:
+                scale = _self_attr(a.value.right)
+                continue
+            if tgt is not None and tgt.id == mask and mfunc is None and any(
+                    isinstance(n, ast.Compare) and isinstance(n.left, ast.Name) and n.left.id == mask and isinstance(n.ops[0], ast.Is)
+                    for n in ast.walk(st.test)):
+                makes = True
+                continue
+            return None
+        if probs is not None and isinstance(st, ast.If):
+            inner = st.body + st.orelse
+            ok = all(isinstance(b, ast.Assign) and len(b.targets) == 1 and isinstance(b.targets[0], ast.Name) and b.targets[0].id == probs
+                     and _is_cast_of(b.value, probs) or isinstance(b, ast.If) and all(
+                         isinstance(c, ast.Assign) and len(c.targets) == 1 and isinstance(c.targets[0], ast.Name)
+                         and c.targets[0].id == probs and _is_cast_of(c.value, probs) for c in b.body + b.orelse) for b in inner)
+            if ok:
+                continue
+            return None
+        if isinstance(st, ast.Assign) and len(st.targets) == 1:
+            tgt = st.targets[0]
+            if probs is None and isinstance(tgt, ast.Tuple) and all(isinstance(e, ast.Name) and e.id not in (cur, mask) for e in tgt.elts) \
+                    and all(isinstance(n, (ast.Name, ast.Attribute, ast.Call, ast.Tuple, ast.Constant, ast.Load)) for n in ast.walk(st.value)) \
+                    and all(isinstance(c.func, ast.Attribute) and c.func.attr in ("size", "dim") for c in ast.walk(st.value) if isinstance(c, ast.Call)):
+                continue  # ``sq, sk = x.size(2), x.size(3)``
+            if not isinstance(tgt, ast.Name):
+                return None
+            v = st.value
+            if probs is None and tgt.id == cur and _is_cast_of(v, cur):
+                continue
+            if probs is None and mfunc is None and isinstance(v, ast.IfExp) and isinstance(v.orelse, ast.Name) and v.orelse.id == cur \
+                    and isinstance(v.body, ast.Call) and _self_attr(v.body.func) and [getattr(a, "id", None) for a in v.body.args] == [cur, mask] \
+                    and isinstance(v.test, ast.Compare) and isinstance(v.test.left, ast.Name) and v.test.left.id == mask \
+                    and isinstance(v.test.ops[0], ast.IsNot):
+                mfunc, cur = _self_attr(v.body.func), tgt.id
+                continue
+            if probs is None and mfunc is not None:
+                src = _softmax_last(v)
+                if isinstance(src, ast.Name) and src.id == cur:
+                    probs = tgt.id
+                    continue
+            if probs is not None and tgt.id == probs and _is_cast_of(v, probs):
+                continue
+            return None
+        if isinstance(st, ast.Return) and probs is not None and isinstance(st.value, ast.Name) and st.value.id == probs:
+            return (scale, mfunc, makes)
+        return None
+    return None
+
+
+def softmax_module(d: Definition) -> Optional[SoftmaxModule]:
+    """What a softmax module class computes, when its ``forward(self, x, mask)`` reaches (directly or
+    through one method call per branch) the plain torch path of :func:`_torch_path`, and its ``__init__``
+    stores the mask function from one of its parameters; else None."""
+    cls = d.node
+    if not isinstance(cls, ast.ClassDef):
+        return None
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    init, fwd = methods.get("__init__"), methods.get("forward")
+    if init is None or fwd is None:
+        return None
+    found = _torch_path(fwd)
+    other: list[str] = []
+    if found is None:
+        called = [a for n in ast.walk(fwd) if isinstance(n, ast.Call) and (a := _self_attr(n.func)) in methods]
+        paths = [(m, _torch_path(methods[m])) for m in dict.fromkeys(called)]
+        torch_paths = [(m, p) for m, p in paths if p is not None]
+        if len(torch_paths) != 1:
+            return None
+        found = torch_paths[0][1]
+        other = [m for m, p in paths if p is None and m != torch_paths[0][0] and not m.startswith(("is_", "get_"))]
+    scale, mattr, makes = found
+    params = tuple(a.arg for a in init.args.args[1:])
+    stored = {}
+    for n in ast.walk(init):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and _self_attr(n.targets[0]) and isinstance(n.value, ast.Name) and n.value.id in params:
+            stored.setdefault(_self_attr(n.targets[0]), n.value.id)
+    if mattr not in stored:
+        return None
+    return SoftmaxModule(d.rel, cls.name, scale, mattr, stored[mattr], params, makes, tuple(other))
+
+
+def _repo_py_files(root: Path) -> list[str]:
+    key = str(root)
+    if key not in _PY_FILES:
+        out: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+            for f in sorted(filenames):
+                if f.endswith(".py"):
+                    out.append(str(PurePosixPath(Path(dirpath).relative_to(root).as_posix()) / f))
+            if len(out) > 20000:
+                break
+        if len(_PY_FILES) > 8:
+            _PY_FILES.clear()
+        _PY_FILES[key] = out
+    return _PY_FILES[key]
+
+
+def _enclosing(tree: ast.Module, target: ast.AST) -> tuple[Optional[ast.ClassDef], Optional[ast.FunctionDef]]:
+    for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and any(n is target for n in ast.walk(fn)):
+                return cls, fn
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and any(n is target for n in ast.walk(fn)):
+            return None, fn
+    return None, None
+
+
+def _arg_for(call: ast.Call, params: tuple[str, ...], param: str) -> Optional[ast.AST]:
+    for k in call.keywords:
+        if k.arg == param:
+            return k.value
+    i = params.index(param) if param in params else -1
+    if 0 <= i < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[: i + 1]):
+        return call.args[i]
+    return None
+
+
+def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast.AST, scope: Optional[tuple[ast.ClassDef | None, ast.FunctionDef | None]],
+                     depth: int = 0) -> tuple[Optional[str], str, bool]:
+    """(fill value, where, slices the mask to the scores' size) when ``expr`` (as written in file ``rel``, inside ``scope``: (class, function))
+    is a mask function of :func:`mask_fill`'s form — a lambda, a function of this or another file of the
+    repo, or a parameter of ``__init__`` (stored as ``self.<attr>`` or not) that every constructor call in
+    the repo fills with such a function (followed through up to four constructors) — else (None, why)."""
+    if depth == 0:
+        _depends(root, rel)
+    if depth > 4:
+        return None, "passed through more constructors than npufuse follows", False
+    cls, fn = scope if scope is not None else (None, None)
+    if isinstance(expr, ast.Lambda):
+        fill = mask_fill(expr)
+        return (fill, f"the lambda at {rel}:{expr.lineno}", False) if fill else (None, f"the lambda at {rel}:{expr.lineno} is not a plain mask fill", False)
+    param = None
+    attr = _self_attr(expr)
+    if attr is not None and cls is not None:
+        init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        if init is not None:
+            for n in ast.walk(init):
+                if isinstance(n, ast.Assign) and len(n.targets) == 1 and _self_attr(n.targets[0]) == attr and isinstance(n.value, ast.Name):
+                    param, fn = n.value.id, init
+                    break
+        if param is None:
+            return None, f"`self.{attr}` is not set from a parameter of `{cls.name}.__init__`", False
+    elif isinstance(expr, ast.Name):
+        if fn is not None and expr.id in [a.arg for a in fn.args.args + fn.args.kwonlyargs]:
+            param = expr.id
+        else:
+            d = definition_in(root, rel, tree, expr.id)
+            if d is None:
+                return None, f"`{expr.id}` is not defined in {rel} nor in a file of the repo it imports", False
+            info = mask_fill_info(d.node)
+            return (info[0], f"`{expr.id}` ({d.rel}:{getattr(d.node, 'lineno', 0)})", info[1]) if info else \
+                (None, f"`{expr.id}` ({d.rel}:{getattr(d.node, 'lineno', 0)}) is not a plain masked_fill of the scores", False)
+    else:
+        return None, f"`{ast.unparse(expr)}` is not a function npufuse can read", False
+    # a parameter: what the callers pass
+    if fn is None or fn.name != "__init__" or cls is None:
+        return None, f"`{param}` is a parameter of `{fn.name if fn else '?'}`: what the callers pass is not followed", False
+    params = tuple(a.arg for a in fn.args.args[1:])
+    if root is None:
+        return None, f"`{param}` is passed into `{cls.name}.__init__` by its callers, in files npufuse was not given", False
+    fills: list[tuple[str, str, bool]] = []
+    texts: dict[str, str] = {}
+    for other in _repo_py_files(root):
+        try:
+            text = (root / other).read_text(encoding="utf-8", errors="replace") if (root / other).stat().st_size <= _DEF_MAX_BYTES else ""
+        except OSError:
+            continue
+        if cls.name in text:
+            texts[other] = text
+    # subclasses that keep the constructor (``class LayerPipe(Layer)`` without an ``__init__``) are built with it too
+    names = {cls.name}
+    for other in texts:
+        t = _parse_repo_file(root, other)
+        for n in ast.walk(t) if t is not None else ():
+            if isinstance(n, ast.ClassDef) and any((dotted(b) or "").rpartition(".")[2] == cls.name for b in n.bases) \
+                    and not any(isinstance(f, ast.FunctionDef) and f.name == "__init__" for f in n.body):
+                names.add(n.name)
+    for other in texts:
+        t = _parse_repo_file(root, other)
+        if t is None:
+            continue
+        for call in ast.walk(t):
+            if not isinstance(call, ast.Call):
+                continue
+            if (dotted(call.func) or "").rpartition(".")[2] in names:
+                arg = _arg_for(call, params, param)
+            elif call.args and (dotted(call.args[0]) or "").rpartition(".")[2] in names:
+                # a factory given the class and its constructor's keywords (DeepSpeed ``LayerSpec(Cls, **kw)``)
+                arg = next((k.value for k in call.keywords if k.arg == param), None)
+            else:
+                continue
+            if arg is None:
+                continue  # the default: the code raises or skips without a mask function
+            fill, where, sliced = resolve_function(root, other, t, arg, _enclosing(t, call), depth + 1)
+            if fill is None:
+                return None, f"`{cls.name}(...)` at {other}:{call.lineno} passes `{ast.unparse(arg)}` as `{param}`: {where}", False
+            fills.append((fill, where, sliced))
+    if not fills:
+        return None, f"`{param}` is passed into `{cls.name}.__init__` by its callers, and no call of `{cls.name}(...)` in the repo passes it", False
+    if len({f for f, _w, _s in fills}) != 1:
+        return None, f"the callers of `{cls.name}` pass mask functions with different fill values", False
+    return fills[0][0], fills[0][1], any(sl for _f, _w, sl in fills)
