@@ -160,9 +160,11 @@ leaves = [x]
     assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
 
 
-def test_torchscript_compiled_rope_stays_a_true_near_miss():
-    """gpt-neox's ``@torch.jit.script`` apply_rotary_pos_emb: the fused branch would not compile, so
-    no candidate; the near miss says why (measured: the rewritten module fails at import)."""
+def test_torchscript_compiled_rope_is_rewritten_at_module_level():
+    """gpt-neox's ``@torch.jit.script`` apply_rotary_pos_emb: a fused branch inside it would not
+    compile, so the whole definition is the site: the scripted original stays (renamed) as the
+    fallback and a Python wrapper of the same name runs the fused op (tests/test_detect_ropeglu.py
+    imports the rewritten file with and without torch_npu)."""
     code = '''
 import torch
 
@@ -178,8 +180,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, offset: int = 0):
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 '''
     findings, misses = detect_all(PATTERN, code)
-    assert not findings
-    assert any("TorchScript compiles `apply_rotary_pos_emb`" in m.reason for m in misses)
+    assert [(f.qualname, f.line, f.params["lifted_from"]) for f in findings] == [("<module>", 11, "apply_rotary_pos_emb")]
+    assert "@torch.jit.script\ndef _npufuse_scripted_apply_rotary_pos_emb(" in findings[0].fused
+    assert not misses
 
 
 def test_flagged_helper_reports_the_path_it_does_not_fuse():

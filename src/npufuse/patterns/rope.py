@@ -4148,3 +4148,61 @@ RopePattern.KEEP += [
         name="regrouped_view_not_head_dim_pairs",
     ),
 ]
+
+# --- ropeglu: TorchScript functions rewritten as a whole (issue 14, class 7) -------------------
+
+_SCRIPTED_ROPE = '''
+import torch
+
+
+def swap_halves(t):
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+@torch.jit.script
+def rotate_qk(q, k, cos, sin, start: int = 0):
+    cos = cos[start : q.shape[0] + start]
+    sin = sin[start : q.shape[0] + start]
+    return q * cos + swap_halves(q) * sin, k * cos + swap_halves(k) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # a @torch.jit.script rope [S, B, H, D] with offset slicing of the cache: the scripted original
+        # stays compiled (renamed) as the fallback, a Python wrapper of the same name runs the fused op
+        name="torchscript_function_lifted",
+        code=_SCRIPTED_ROPE,
+        expect={"mode": "half", "qualname": "<module>", "lifted_from": "rotate_qk"},
+        run='''
+q = torch.randn(5, 2, 3, 8, requires_grad=True)
+k = torch.randn(5, 2, 3, 8, requires_grad=True)
+cos, sin = torch.randn(9, 1, 1, 8), torch.randn(9, 1, 1, 8)
+out = rotate_qk(q, k, cos, sin, 3)
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # another scripted function calls it: that caller would compile the Python wrapper
+        _SCRIPTED_ROPE + '''
+
+@torch.jit.script
+def attend(q, k, cos, sin):
+    q, k = rotate_qk(q, k, cos, sin)
+    return q @ k.transpose(-1, -2)
+''',
+        reason="compiled code (`attend`) calls it",
+        name="torchscript_function_called_from_scripted_code",
+    ),
+    Keep(
+        # the rotated tensor is made inside the scripted function: no parameter to test the device of
+        # before the scripted original is chosen
+        _SCRIPTED_ROPE.replace("def rotate_qk(q, k, cos, sin, start: int = 0):\n",
+                               "def rotate_qk(q, k, cos, sin, start: int = 0):\n    q = q.float()\n"),
+        reason="is not a parameter left unchanged",
+        name="torchscript_guard_tensor_made_inside",
+    ),
+]
