@@ -13,6 +13,7 @@ exact, but it adds a copy — merging the projections' weights into one is what 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -1158,8 +1159,66 @@ def _optional_gate(scope: Scope, stmt: ast.stmt, g: Gate) -> str | None:
         return None
     return (f"optional gate: the activation (line {d[0].lineno}) runs on every path and the product only under "
             f"`if {ast.unparse(parent.test)}:`; a correct rewrite must restructure both into if/else (fused op "
-            "under the if, the activation alone otherwise), which npufuse does not do, and fusing the product "
-            "alone would compute the gate projection twice")
+            "under the if, the activation alone otherwise; fusing the product alone would compute the gate "
+            "projection twice), and npufuse cannot here")
+
+
+@dataclass
+class _OptionalBranch:
+    """``h = act(gate(x))`` then ``if <test>: ...; h = h * up(x); ...`` rewritten as one if/else:
+    the fused product (with the body's other statements, verbatim) under the test, the
+    activation statements (verbatim) otherwise."""
+
+    node: ast.If
+    product: ast.stmt
+    activation: list[ast.stmt]  # the statements computing the activation on every path, in order
+    kept: list[ast.stmt]  # statements of the span's block emitted verbatim before the if/else
+
+    def around(self, module: ModuleInfo, fused_product: str) -> str:
+        body = [fused_product if s is self.product else S.stmt_source(module, s) for s in self.node.body]
+        return "\n".join([f"if {S.source_of(module, self.node.test)}:", S.indent("\n".join(body)),
+                          "else:", S.indent(S.block_source(module, self.activation))])
+
+
+# what an optional gate's `if` may test: it is evaluated once, before the gate projection
+_PURE_TEST = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
+              ast.Is, ast.IsNot, ast.Not, ast.And, ast.Or, ast.Eq, ast.NotEq)
+
+
+def _optional_plan(module: ModuleInfo, scope: Scope, stmt: ast.stmt, g: Gate, trace: S.Trace) -> tuple[S.SpanPlan, _OptionalBranch] | str:
+    """The span and if/else of an optional gate (see :func:`_optional_gate`), or why it cannot be
+    restructured."""
+    idx = S.stmt_index(scope)
+    parent = idx.parent.get(id(stmt))
+    if not isinstance(parent, ast.If) or not any(x is stmt for x in parent.body):
+        return "the product is not directly in the body of the `if`"
+    if parent.orelse:
+        return "the `if` has an else branch"
+    if not all(isinstance(n, _PURE_TEST) for n in fast_walk(parent.test)):
+        return "the `if` test is not a plain comparison of names and attributes"
+    plan = S.plan_span(scope, parent, trace)
+    if isinstance(plan, str):
+        return plan
+    written = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
+    for s in parent.body:
+        if s is stmt:
+            continue
+        if S.names_read(s) & written or S.names_written(s) & written:
+            return f"another statement of the `if` body (line {s.lineno}) uses the activation's names"
+    if not written <= S.names_written(stmt):
+        return "the activation's names are not all overwritten by the product"
+    if S.names_read(parent.test) & written:
+        return "the `if` test reads the activation's result"
+    # kept statements now run before the activation statements (moved into the else branch)
+    read_by_activation = set().union(*(S.names_read(s) for s in plan.dropped)) if plan.dropped else set()
+    for s in plan.kept:
+        if S.names_written(s) & read_by_activation:
+            return f"line {s.lineno} changes what the activation reads"
+    # the body's other statements run before the fused product, inside the `if`: names they
+    # assign may appear in it (a render plan that counts them as kept); emitted by `around`
+    others = [x for x in parent.body if x is not stmt]
+    render_plan = dataclasses.replace(plan, kept=sorted([*plan.kept, *others], key=lambda x: x.lineno))
+    return render_plan, _OptionalBranch(parent, stmt, list(plan.dropped), list(plan.kept))
 
 
 def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[Gate]) -> list[GateResult]:
@@ -1185,9 +1244,15 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     for g in gates:
         trace.stmts.update(g.trace.stmts)
     plan = S.plan_span(scope, stmt, trace)
+    branch: _OptionalBranch | None = None
     if isinstance(plan, str):
         optional = _optional_gate(scope, stmt, g0)
-        return miss(optional or plan)
+        if optional is None:
+            return miss(plan)
+        opt = _optional_plan(module, scope, stmt, g0, trace)
+        if isinstance(opt, str):
+            return miss(f"{optional} ({opt})")
+        plan, branch = opt
     dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
     inner = {id(n) for g in gates for n in fast_walk(g.node)}
     outside = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner} & dropped
@@ -1196,7 +1261,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     guard = _guard(module, g0, plan)
     if guard is None:
         return miss("no input tensor live before the site to guard the fused branch on")
-    kept = [S.stmt_source(module, s) for s in plan.kept]
+    kept = [S.stmt_source(module, s) for s in (branch.kept if branch else plan.kept)]
     try:
         if kind == CONFIG:
             tests = _runtime_tests(module, g0.act, plan)
@@ -1208,18 +1273,22 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             body = []
             for i, (test, root) in enumerate(branches):
                 body.append(f"{'if' if i == 0 else 'elif'} {test}:")
-                body.append(S.indent("\n".join(kept + [root])))
+                body.append(S.indent("\n".join(kept + [branch.around(module, root) if branch else root])))
             body.append("else:  # an activation the fused ops do not compute: the original code")
             body.append(S.indent(S.block_source(module, plan.stmts)))
             fused = "\n".join(body)
         else:
             ak = approx_code_of(module, g0.act, kind, plan) if kind in GELU_KINDS else None
             root = S.splice(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
-            fused = "\n".join(kept + [root])
+            fused = "\n".join(kept + [branch.around(module, root) if branch else root])
     except S.RenderError as e:
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
+    if branch is not None:
+        params["optional_gate"] = ast.unparse(branch.node.test)
+        notes.append(f"optional up projection: fused under `if {params['optional_gate']}:`, the activation alone otherwise "
+                     f"(lines {plan.line}-{plan.end_line} restructured into if/else; the gate projection runs once on either path)")
     variant = ("halves_" + ("gate_first" if g0.halves.gate_index == 0 else "gate_second")) if g0.halves else "two_projections"
     f = Finding(
         pattern=pat,
@@ -2319,9 +2388,26 @@ Swiglu.FUSE += [
          name="injected_projections_caller_passes_tanh_gelu"),
 ]
 
+_OPTIONAL_UP = _INJECTED.replace(
+    "        return self.w2(self.activation(self.w1(x)) * self.w3(x))",
+    "        h = self.activation(self.w1(x))\n        if self.w3 is not None:\n            h = h * self.w3(x)\n        return self.w2(h)")
+
+Swiglu.FUSE += [
+    # the up projection is optional: activation on every path, the product only under the if ->
+    # one if/else: the fused op under the test, the activation alone otherwise (gate projected once)
+    Fuse(_OPTIONAL_UP, expect={"optional_gate": "self.w3 is not None", "line": 15, "end_line": 17},
+         run=_RUN_INJECTED.format(arg="") + '''
+m0 = FeedForward(gate_proj=nn.Linear(8, 12), down_proj=nn.Linear(12, 8))
+out = (out, m0(x))
+leaves = leaves + [m0.w1.weight]
+''', name="optional_up_projection_under_if"),
+]
+
 Swiglu.KEEP += [
-    # the up projection is optional: activation on every path, the product only under the if
-    Keep(_INJECTED.replace("        return self.w2(self.activation(self.w1(x)) * self.w3(x))",
-                           "        h = self.activation(self.w1(x))\n        if self.w3 is not None:\n            h = h * self.w3(x)\n        return self.w2(h)"),
-         reason="optional gate", name="optional_up_projection_under_if"),
+    # an else branch computes something else from the activation: not an optional gate npufuse restructures
+    Keep(_OPTIONAL_UP.replace("            h = h * self.w3(x)\n", "            h = h * self.w3(x)\n        else:\n            h = h * 2\n"),
+         reason="npufuse cannot here (the `if` has an else branch)", name="optional_up_projection_with_else"),
+    # the test reads the activation's result: it cannot be evaluated before the gate projection
+    Keep(_OPTIONAL_UP.replace("if self.w3 is not None:", "if h.requires_grad:"),
+         reason="the `if` test reads the activation's result", name="optional_up_projection_test_reads_activation"),
 ]
