@@ -766,6 +766,10 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
     if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute)):
         name = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id
         args = [a for a in n.args if not isinstance(a, ast.Starred)]
+        if name in ("cat", "concat", "concatenate") and args:
+            # tensor-parallel slices: ``cat([F.linear(x, w_i) for ...], dim=-1)`` is a projection of x
+            # (the slices' outputs side by side along the output features)
+            return _sliced_projection_input(n, args[0], c)
         if name == "einsum" and len(args) == 3 and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str):
             # ``einsum("ti,taoi->tao", x, w)``: the same equation (spaces aside) on the same input
             return f"einsum[{args[0].value.replace(' ', '')}]{S.key(args[1], c)}"
@@ -779,6 +783,28 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
     if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
         return S.key(n.left, c)
     return None
+
+
+def _sliced_projection_input(call: ast.Call, parts: ast.expr, ctx: S.Ctx) -> str | None:
+    """The input key of a concatenation of projections of one input along the last dim, else None."""
+    dim = S.arg(call, "dim", 1)
+    if dim is None or const_value(dim) != -1:
+        return None
+    if isinstance(parts, (ast.ListComp, ast.GeneratorExp)) and len(parts.generators) == 1:
+        elts = [parts.elt]
+    elif isinstance(parts, (ast.List, ast.Tuple)) and len(parts.elts) > 1:
+        elts = list(parts.elts)
+    else:
+        return None
+    keys = set()
+    for e in elts:
+        if not (isinstance(e, ast.Call) or (isinstance(e, ast.BinOp) and isinstance(e.op, ast.MatMult))):
+            return None
+        keys.add(_projection_input(e, ctx))
+    if len(keys) != 1 or None in keys:
+        return None
+    (key,) = keys
+    return key
 
 
 def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, other_input: str | None = None) -> str | None:
@@ -2410,4 +2436,50 @@ Swiglu.KEEP += [
     # the test reads the activation's result: it cannot be evaluated before the gate projection
     Keep(_OPTIONAL_UP.replace("if self.w3 is not None:", "if h.requires_grad:"),
          reason="the `if` test reads the activation's result", name="optional_up_projection_test_reads_activation"),
+]
+
+
+# --- ropeglu: projections computed in tensor-parallel slices (issue 14, class 6) ---------------
+
+_SLICED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SlicedMLP(nn.Module):
+    def __init__(self, d, h, parts):
+        super().__init__()
+        self.parts = parts
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        n = self.gate.weight.shape[0] // self.parts
+        gw = self.gate.weight.split(n, dim=0)
+        uw = self.up.weight.split(n, dim=0)
+        g = torch.cat([F.linear(x, gw[i]) for i in range(self.parts)], dim=-1)
+        u = torch.cat([F.linear(x, uw[i]) for i in range(self.parts)], dim=-1)
+        return self.down(F.silu(g) * u)
+'''
+
+Swiglu.FUSE += [
+    # gate and up each a concatenation of per-slice projections of x along the output features
+    Fuse(_SLICED, expect={"gate": "g", "up": "u"}, name="tensor_parallel_slices_concatenated",
+         run='''
+m = SlicedMLP(8, 12, 3)
+x = torch.randn(2, 5, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.up.weight]
+'''),
+]
+
+Swiglu.KEEP += [
+    # slices joined along the token dim: not the output features of one projection
+    Keep(_SLICED.replace("for i in range(self.parts)], dim=-1)\n        u", "for i in range(self.parts)], dim=0)\n        u"),
+         reason="not projections of one input", name="slices_concatenated_along_tokens"),
+    # the up slices project another input
+    Keep(_SLICED.replace("u = torch.cat([F.linear(x, uw[i])", "u = torch.cat([F.linear(x.flip(-1), uw[i])"),
+         reason="not projections of one input", name="slices_of_another_input"),
 ]
