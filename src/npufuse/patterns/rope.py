@@ -494,10 +494,70 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         if key not in cache:
             cache[key] = _rotation_helper(module, scope, node)
         return dataclasses.replace(cache[key])
+    if isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Starred) and same_expr(node.args[0], x) \
+            and _plain_flag_args(node):
+        # Megatron's ``_rotate_half(t, rotary_interleaved)``: extra arguments that only pick the helper's
+        # return path (checked in _flagged_helper); the verdict depends on them, so they are in the key
+        key = (scope.class_name, ast.dump(node.func), tuple(ast.dump(a) for a in node.args[1:]),
+               tuple((k.arg, ast.dump(k.value)) for k in node.keywords))
+        cache = module.__dict__.setdefault("_rotation_verdicts", {})
+        if key not in cache:
+            cache[key] = _rotation_helper(module, scope, node)
+        return dataclasses.replace(cache[key])
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
     rot.name = "inline"
     return rot
+
+
+def _plain_flag_args(call: ast.Call) -> bool:
+    """The arguments after the first are names, attributes or constants (read twice, no effect)."""
+    rest = [*call.args[1:], *(k.value for k in call.keywords)]
+    if not rest or any(k.arg is None for k in call.keywords):
+        return False
+    return all(isinstance(n, _PLAIN_ARG) for a in rest for n in fast_walk(a))
+
+
+# what a flag argument may be: read again by the guard at the call site, it must give the same value
+_PLAIN_ARG = (ast.Name, ast.Attribute, ast.Constant, ast.Load, ast.UnaryOp, ast.USub, ast.Not)
+
+
+def _bound_flags(fn: ast.FunctionDef, node: ast.Call, params: list[str]) -> dict[str, ast.expr] | None:
+    """The helper's parameters after the first, bound to the call's arguments (or their defaults);
+    None where one is unbound or the call passes something the signature does not take."""
+    a = fn.args
+    if a.vararg is not None or a.kwarg is not None or a.posonlyargs:
+        return None
+    positional = list(node.args[1:])
+    names = params[1:]
+    if len(positional) > len(names):
+        return None
+    bound: dict[str, ast.expr] = dict(zip(names, positional))
+    kwonly = [k.arg for k in a.kwonlyargs]
+    for k in node.keywords:
+        if k.arg in bound or (k.arg not in names and k.arg not in kwonly):
+            return None
+        bound[k.arg] = k.value  # type: ignore[index]
+    defaults = dict(zip([x.arg for x in a.args][len(a.args) - len(a.defaults):], a.defaults))
+    defaults.update({k.arg: d for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    for n in [*names, *kwonly]:
+        if n not in bound:
+            if n not in defaults:
+                return None
+            bound[n] = defaults[n]
+    return bound
+
+
+def _substituted(test: ast.expr, values: dict[str, ast.expr]) -> ast.expr:
+    """``test`` with the named parameters replaced by the call site's argument expressions."""
+
+    class Sub(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return values[n.id] if n.id in values else n
+
+    import copy
+
+    return Sub().visit(copy.deepcopy(test))
 
 
 def _chosen_rotation(module: ModuleInfo, scope: Scope, node: ast.Call, chosen: ast.IfExp) -> _Rotation:
@@ -572,12 +632,31 @@ def _flagged_helper(module: ModuleInfo, node: ast.Call, fn: ast.FunctionDef, hsc
     if len(then_rets) != 1 or not isinstance(branch.body[-1], ast.Return):
         return _Rotation(None, f"rotation helper `{name}` has 2 return paths not chosen by one leading `if`: not verified", name)
     other = next(r for r in rets if r is not then_rets[0])
-    # the flag, read at the call site: self.<attr> of this class, or module-level names
+    # the flag, read at the call site: self.<attr> of this class, module-level names, or a parameter
+    # after the first bound to a plain argument of the call (Megatron's `_rotate_half(t, rotary_interleaved)`)
     via_self = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
     local = {a.arg for a in fn.args.args + fn.args.kwonlyargs} | set(hscope.assignments)
+    params = [a.arg for a in fn.args.args]
+    if isinstance(node.func, ast.Attribute) and params and params[0] in ("self", "cls") and not any(
+            isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
+        params = params[1:]
+    flags: dict[str, ast.expr] = {}
+    if len(node.args) > 1 or node.keywords:
+        bound = _bound_flags(fn, node, params)
+        test_ids = {id(n) for n in fast_walk(branch.test)}
+        # each flag parameter is read by the leading test only (the return paths use x alone) and never assigned
+        if bound is None or any(isinstance(n, ast.Name) and n.id in bound and (id(n) not in test_ids or not isinstance(n.ctx, ast.Load))
+                                for n in fast_walk(fn)):
+            return _Rotation(None, f"rotation helper `{name}` takes arguments besides the rotated tensor that its "
+                             "return paths use: not verified", name)
+        flags = {k: v for k, v in bound.items() if k in {n.id for n in fast_walk(branch.test) if isinstance(n, ast.Name)}}
+        if any(not all(isinstance(n, _PLAIN_ARG) for n in fast_walk(v)) for v in flags.values()):
+            return _Rotation(None, f"rotation helper `{name}` picks its return path by a default that is not a plain value: not verified", name)
     for n in fast_walk(branch.test):
         if isinstance(n, ast.Call):
             return _Rotation(None, f"rotation helper `{name}` picks its return path by a call (`{ast.unparse(branch.test)}`): not verified", name)
+        if isinstance(n, ast.Name) and n.id in flags:
+            continue
         if isinstance(n, ast.Name) and (n.id in local and not (via_self and n.id == "self")) and n.id not in module.functions:
             return _Rotation(None, f"rotation helper `{name}` picks its return path by `{ast.unparse(branch.test)}`, "
                              "a value the call site cannot read: not verified", name)
@@ -585,7 +664,7 @@ def _flagged_helper(module: ModuleInfo, node: ast.Call, fn: ast.FunctionDef, hsc
     for ret in (then_rets[0], other):
         rot = _rotation_expr(hscope, ret.value, is_param, module)
         kinds.append(rot.kind)
-    test = ast.unparse(branch.test)
+    test = ast.unparse(_substituted(branch.test, flags)) if flags else ast.unparse(branch.test)
     if kinds[0] is None and kinds[1] is None:
         return _Rotation(None, f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even) on either return path", name)
     if kinds[0] == kinds[1]:
@@ -4204,5 +4283,64 @@ def attend(q, k, cos, sin):
                                "def rotate_qk(q, k, cos, sin, start: int = 0):\n    q = q.float()\n"),
         reason="is not a parameter left unchanged",
         name="torchscript_guard_tensor_made_inside",
+    ),
+]
+
+
+# --- ropeglu: a helper whose return path a parameter picks (issue 14, class 2) -------------------
+
+_FLAG_PARAM_HELPER = '''
+import torch
+
+
+def _swap(x, interleaved: bool):
+    if not interleaved:
+        a, b = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-b, a), dim=-1)
+    else:
+        ev = x[..., ::2]
+        od = x[..., 1::2]
+        return torch.stack((-od, ev), dim=-1).flatten(-2)
+
+
+def rotate_sbhd(t, freqs, interleaved: bool = False, mscale: float = 1.0):
+    rot = freqs.shape[-1]
+    t, t_pass = t[..., :rot], t[..., rot:]
+    cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+    t = (t * cos_) + (_swap(t, interleaved) * sin_)
+    return torch.cat((t, t_pass), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # Megatron-style: the rotate helper's path picked by a parameter the call site passes on, cos/sin
+        # computed from freqs with a scale, partial rotary with the pass-through concatenated back, [S, B, H, D]
+        name="helper_path_picked_by_a_parameter",
+        code=_FLAG_PARAM_HELPER,
+        expect={"mode": "half", "variant": "rotate_half_chosen_at_run_time"},
+        run='''
+t = torch.randn(5, 2, 3, 12, requires_grad=True)
+freqs = torch.randn(5, 1, 1, 8)
+out = (rotate_sbhd(t, freqs, mscale=0.5), rotate_sbhd(t, freqs, True))
+leaves = [t]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the extra parameter also shapes the result (the cat dim): the helper is not a rotation by x alone
+        _FLAG_PARAM_HELPER.replace("def _swap(x, interleaved: bool):", "def _swap(x, interleaved: bool, dim: int = -1):")
+                          .replace("return torch.cat((-b, a), dim=-1)", "return torch.cat((-b, a), dim=dim)")
+                          .replace("_swap(t, interleaved)", "_swap(t, interleaved, -1)"),
+        reason="takes arguments besides the rotated tensor that its return paths use",
+        name="helper_extra_parameter_used_by_the_rotation",
+    ),
+    Keep(
+        # the flag reaches the helper as a call: evaluated again by the guard, it could differ
+        _FLAG_PARAM_HELPER.replace("_swap(t, interleaved)", "_swap(t, bool(interleaved))"),
+        reason="",
+        name="helper_flag_argument_is_a_call",
     ),
 ]
