@@ -227,12 +227,14 @@ def test_nested_helper_shadows_the_module_level_one():
     assert not findings and any("not the standard cat(-x2, x1)" in m.reason for m in misses)
 
 
-def test_lambda_rotation_is_a_near_miss_and_other_lambdas_are_silent():
+def test_lambda_rotation_becomes_a_local_function_and_other_lambdas_are_silent():
     code = (
         "import torch\n\n\ndef rotate_half(x):\n    x1, x2 = x.chunk(2, dim=-1)\n    return torch.cat((-x2, x1), dim=-1)\n\n\n"
         "def apply(q, k, cos, sin):\n    q, k = map(lambda t: t * cos + rotate_half(t) * sin, (q, k))\n"
         "    a, b = map(lambda t: t * 2 + t * 3, (q, k))\n    return q, k, a, b\n"
     )
     findings, misses = detect_all(PATTERN, code)
-    assert not findings
-    assert [m.line for m in misses if "written in a lambda" in m.reason] == [10]
+    assert [(f.line, f.guard_tensor) for f in findings] == [(10, "q")]
+    assert findings[0].fused.startswith("def _npufuse_rope_10(t):")
+    assert findings[0].fused.endswith("q, k = map(_npufuse_rope_10, (q, k))")
+    assert not [m for m in misses if "lambda" in m.reason]

@@ -510,6 +510,40 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
     return rot
 
 
+def _lambda_args_plain(lam: ast.Lambda) -> bool:
+    a = lam.args
+    return len(a.args) == 1 and not (a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg or a.defaults)
+
+
+def _lambda_guard(stmt: ast.stmt, lam: ast.Lambda) -> str | None:
+    """A tensor the lambda is applied to, live before the statement: the first plain name of the
+    iterable of ``map(lam, (q, k))``; None otherwise."""
+    for n in fast_walk(stmt):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "map" and len(n.args) == 2 and n.args[0] is lam:
+            seq = n.args[1]
+            elts = seq.elts if isinstance(seq, (ast.Tuple, ast.List)) else []
+            if elts and isinstance(elts[0], ast.Name):
+                return elts[0].id
+    return None
+
+
+def _lambda_refusal(module: ModuleInfo, stmt: ast.stmt, lam: ast.Lambda, m: "_Match") -> str | None:
+    """Why a rotation in ``lam`` cannot become a local function (the wording completes "rewrites it
+    ... only where"), or None. The local def closes over the same names, so the lambda's meaning is
+    kept wherever it stands; what must hold: one plain parameter, the rotation of that parameter,
+    a tensor to guard on (``map(lam, (q, k))``), and no fused statements tied to the enclosing block."""
+    if not _lambda_args_plain(lam):
+        return "the lambda takes one plain parameter"
+    if "map" in module.functions or _lambda_guard(stmt, lam) is None:
+        return "the lambda is mapped over a tuple or list of named tensors (`map(lambda t: ..., (q, k))`)"
+    param = lam.args.args[0].arg
+    if not any(isinstance(n, ast.Name) and n.id == param for n in fast_walk(m.x)):
+        return "the rotated tensor is the lambda's parameter"
+    if m.absorb or m.anchor is not None or m.site_stmt is not None:
+        return "the rotation is one expression of the lambda's body"
+    return None
+
+
 def _plain_flag_args(call: ast.Call) -> bool:
     """The arguments after the first are names, attributes or constants (read twice, no effect)."""
     rest = [*call.args[1:], *(k.value for k in call.keywords)]
@@ -831,6 +865,8 @@ class _Match:
     widen: str = ""  # a dtype the eager sum is promoted with too (a helper rotating in fp32)
     post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
     freqs: ast.expr | None = None  # the complex form's freqs operand (a product bound to a name elsewhere)
+    # the rotation is a lambda's body: the fused statements go into a local def that replaces the lambda
+    in_lambda: ast.Lambda | None = None
 
 
 def _is_float_cast(node: ast.AST) -> bool:
@@ -1340,13 +1376,23 @@ class RopePattern(Pattern):
                     and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text):
                 continue
             if "lambda" in st_text:
+                lambda_sites = 0
                 for lam, node in self._lambda_candidates(stmt, scope):
                     res = self._match(module, scope, node)
                     if isinstance(res, _Match):
-                        res = (f"the rotation is written in a lambda (`{segment(module, lam)}`): npufuse rewrites statements, "
-                               "not lambda bodies (the fused call needs its guard and table statements around it), so it is left as is")
+                        why = _lambda_refusal(module, stmt, lam, res) if lambda_sites == 0 else "a second rotation in the same statement"
+                        if why is None:
+                            res.in_lambda = lam
+                            lambda_sites += 1
+                            _TORCH_IMPORTS.set(torch_imports)
+                            yield self._finding(module, scope, [(i, stmt, [res])])
+                            continue
+                        res = (f"the rotation is written in a lambda (`{segment(module, lam)}`): npufuse rewrites it as a local "
+                               f"function only where {why}, so it is left as is")
                     if isinstance(res, str):
                         yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, res)
+                if lambda_sites:
+                    continue
             matches: list[_Match] = []
             for node in self._candidates(stmt, scope):
                 res = self._match(module, scope, node)
@@ -2082,7 +2128,11 @@ class RopePattern(Pattern):
                     mode_arg = f", rotary_mode={m.mode_expr}"
                 reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
             target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
-            lines.append(replace_segments(module, target, reps))
+            lam = matches[0].in_lambda
+            if lam is not None:
+                lines.append(f"return ({replace_segments(module, lam.body, reps)})")  # type: ignore[arg-type]
+            else:
+                lines.append(replace_segments(module, target, reps))
         if broadcast_note:
             notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
                          "the broadcast the eager product makes (npu_rotary_mul rejects 2-D/3-D cos/sin)")
@@ -2143,8 +2193,9 @@ class RopePattern(Pattern):
         if conditions:
             cond = " and ".join(conditions) if len(conditions) == 1 else " and ".join(f"({c})" for c in conditions)
             span = [st for _i, st, _ms in items]
+            original = _block_text(module, span) if first.in_lambda is None else f"return ({segment(module, first.in_lambda.body)})"
             lines = hoisted + [f"if {cond}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
-                ["else:"] + ["    " + ln if ln.strip() else ln for ln in _block_text(module, span).splitlines()]
+                ["else:"] + ["    " + ln if ln.strip() else ln for ln in original.splitlines()]
             if any(m.suffix and m.mode == "complex" for m in all_matches):
                 notes.append("complex form with freqs of a layout not visible here: [T, N, D] tokens are seen as one batch [1, T, N, D]; "
                              "fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's interleave mode takes only "
@@ -2180,6 +2231,18 @@ class RopePattern(Pattern):
             params["mode"] = f"chosen at run time: {first.mode_expr}"
             variant = "rotation_chosen_at_run_time"
             notes.append(f"the rotation helper is chosen at run time; both choices are verified and rotary_mode follows the same condition ({first.mode_expr})")
+        if first.in_lambda is not None:
+            # the lambda becomes a local function holding the fused statements (closing over the same
+            # names); the statement calls it where it held the lambda
+            lam = first.in_lambda
+            fn = f"_npufuse_rope_{first_stmt.lineno}"
+            param = lam.args.args[0].arg
+            lines = [f"def {fn}({param}):"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
+                [replace_segments(module, first_stmt, [(lam, fn)])]
+            guard = _lambda_guard(first_stmt, lam) or guard
+            params["lambda"] = segment(module, lam)
+            notes.append(f"the rotation is a lambda's body: the lambda is replaced by a local function `{fn}` holding the fused call "
+                         "(the same closure over the enclosing names)")
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=first_stmt.lineno, end_line=last_stmt.end_lineno or last_stmt.lineno,
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
@@ -4150,31 +4213,6 @@ RopePattern.KEEP += [
     ),
 ]
 
-RopePattern.KEEP += [
-    Keep(
-        # vit-pytorch rvt: the rotation is a lambda body mapped over (q, k): a true rotation, but not a statement
-        # npufuse can put behind its guard
-        '''
-import torch
-from torch import nn
-
-
-def rotate_every_two(x):
-    x = x.unflatten(-1, (-1, 2))
-    x1, x2 = x.unbind(dim=-1)
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
-
-
-class Attention(nn.Module):
-    def forward(self, q, k, pos_emb):
-        sin, cos = pos_emb
-        q, k = map(lambda t: (t * cos) + (rotate_every_two(t) * sin), (q, k))
-        return q, k
-''',
-        reason="the rotation is written in a lambda",
-        name="rotation_in_a_lambda",
-    ),
-]
 
 _REGROUPED_PAIRS = '''
 import torch
@@ -4342,5 +4380,93 @@ RopePattern.KEEP += [
         _FLAG_PARAM_HELPER.replace("_swap(t, interleaved)", "_swap(t, bool(interleaved))"),
         reason="",
         name="helper_flag_argument_is_a_call",
+    ),
+]
+
+
+# --- ropeglu: the rotation written as a lambda mapped over q and k (issue 14, class 2) -----------
+
+_LAMBDA_ROPE = '''
+import torch
+
+
+def rotate_pairs(x):
+    x = x.unflatten(-1, (-1, 2))
+    x1, x2 = x.unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotate_tokens(q, k, pos):
+    sin, cos = pos
+    rot = sin.shape[-1]
+    (q_cls, q), (k_cls, k) = map(lambda t: (t[:, :1], t[:, 1:]), (q, k))
+    (q, q_pass), (k, k_pass) = map(lambda t: (t[..., :rot], t[..., rot:]), (q, k))
+    q, k = map(lambda t: (t * cos) + (rotate_pairs(t) * sin), (q, k))
+    q, k = map(lambda t: torch.cat(t, dim=-1), ((q, q_pass), (k, k_pass)))
+    return torch.cat((q_cls, q), dim=1), torch.cat((k_cls, k), dim=1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # vit-pytorch rvt-style: [(b h), n, d] tokens (3-D), partial rotary, the class token left out, the
+        # rotation in a lambda mapped over (q, k): the lambda becomes a local function with the fused call
+        name="rotation_in_a_mapped_lambda",
+        code=_LAMBDA_ROPE,
+        expect={"mode": "interleave", "lambda": "lambda t: (t * cos) + (rotate_pairs(t) * sin)"},
+        run='''
+q = torch.randn(6, 5, 12, requires_grad=True)
+k = torch.randn(6, 5, 12, requires_grad=True)
+ang = torch.randn(1, 4, 4).repeat_interleave(2, dim=-1)
+out = rotate_tokens(q, k, (ang.sin(), ang.cos()))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the lambda is bound to a name and called later: no tensor to guard the statement on
+        _LAMBDA_ROPE.replace("    q, k = map(lambda t: (t * cos) + (rotate_pairs(t) * sin), (q, k))\n",
+                             "    rope = lambda t: (t * cos) + (rotate_pairs(t) * sin)\n    q, k = rope(q), rope(k)\n"),
+        reason="only where the lambda is mapped over a tuple or list of named tensors",
+        name="rotation_lambda_bound_to_a_name",
+    ),
+    Keep(
+        # the lambda rotates a tensor it closes over, not its parameter
+        _LAMBDA_ROPE.replace("lambda t: (t * cos) + (rotate_pairs(t) * sin)", "lambda t: (q * cos) + (rotate_pairs(q) * sin) + t"),
+        reason="only where the rotated tensor is the lambda's parameter",
+        name="rotation_lambda_of_a_closed_over_tensor",
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # vit-pytorch rvt: the rotation is a lambda body mapped over (q, k) (was a near miss: now a local function)
+        name="rotation_in_a_lambda",
+        code='''
+import torch
+from torch import nn
+
+
+def rotate_every_two(x):
+    x = x.unflatten(-1, (-1, 2))
+    x1, x2 = x.unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def forward(self, q, k, pos_emb):
+        sin, cos = pos_emb
+        q, k = map(lambda t: (t * cos) + (rotate_every_two(t) * sin), (q, k))
+        return q, k
+''',
+        expect={"mode": "interleave"},
+        run='''
+q = torch.randn(2, 3, 5, 8, requires_grad=True)
+k = torch.randn(2, 3, 5, 8, requires_grad=True)
+ang = torch.randn(1, 1, 5, 4).repeat_interleave(2, dim=-1)
+out = Attention()(q, k, (ang.sin(), ang.cos()))
+leaves = [q, k]
+''',
     ),
 ]
