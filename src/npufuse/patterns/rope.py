@@ -527,7 +527,7 @@ def _lambda_guard(stmt: ast.stmt, lam: ast.Lambda) -> str | None:
     return None
 
 
-def _lambda_refusal(module: ModuleInfo, stmt: ast.stmt, lam: ast.Lambda, m: "_Match") -> str | None:
+def _lambda_refusal(module: ModuleInfo, scope: Scope, stmt: ast.stmt, lam: ast.Lambda, m: "_Match") -> str | None:
     """Why a rotation in ``lam`` cannot become a local function (the wording completes "rewrites it
     ... only where"), or None. The local def closes over the same names, so the lambda's meaning is
     kept wherever it stands; what must hold: one plain parameter, the rotation of that parameter,
@@ -537,6 +537,9 @@ def _lambda_refusal(module: ModuleInfo, stmt: ast.stmt, lam: ast.Lambda, m: "_Ma
     if "map" in module.functions or _lambda_guard(stmt, lam) is None:
         return "the lambda is mapped over a tuple or list of named tensors (`map(lambda t: ..., (q, k))`)"
     param = lam.args.args[0].arg
+    if param in scope.assignments or param in scope.args:
+        # the matcher reads the parameter's name through the enclosing function's bindings
+        return "the lambda's parameter is not also a name of the enclosing function"
     if not any(isinstance(n, ast.Name) and n.id == param for n in fast_walk(m.x)):
         return "the rotated tensor is the lambda's parameter"
     if m.absorb or m.anchor is not None or m.site_stmt is not None:
@@ -1380,7 +1383,7 @@ class RopePattern(Pattern):
                 for lam, node in self._lambda_candidates(stmt, scope):
                     res = self._match(module, scope, node)
                     if isinstance(res, _Match):
-                        why = _lambda_refusal(module, stmt, lam, res) if lambda_sites == 0 else "a second rotation in the same statement"
+                        why = _lambda_refusal(module, scope, stmt, lam, res) if lambda_sites == 0 else "a second rotation in the same statement"
                         if why is None:
                             res.in_lambda = lam
                             lambda_sites += 1
@@ -4430,6 +4433,12 @@ RopePattern.KEEP += [
                              "    rope = lambda t: (t * cos) + (rotate_pairs(t) * sin)\n    q, k = rope(q), rope(k)\n"),
         reason="only where the lambda is mapped over a tuple or list of named tensors",
         name="rotation_lambda_bound_to_a_name",
+    ),
+    Keep(
+        # the lambda's parameter shadows a local of the function (whose binding the matcher would read)
+        _LAMBDA_ROPE.replace("    rot = sin.shape[-1]\n", "    rot = sin.shape[-1]\n    t = q.float()\n"),
+        reason="only where the lambda's parameter is not also a name of the enclosing function",
+        name="rotation_lambda_parameter_shadows_a_local",
     ),
     Keep(
         # the lambda rotates a tensor it closes over, not its parameter
