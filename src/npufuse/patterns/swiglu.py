@@ -254,6 +254,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         value = init.get(f.attr)
         if value is not None:
             desc = f"self.{f.attr} = {ast.unparse(value)}"
+            if isinstance(value, ast.IfExp):
+                return _chosen_act(module, value, f, gate, ctx, desc)
             k = _module_act(module, value)
             if k is not None:
                 kind, extra = k
@@ -310,12 +312,37 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
     if isinstance(f, ast.Name):
+        local = S.definition(ctx, f.id)
+        if local is not None and isinstance(local[1], ast.IfExp):
+            # `act = F.silu if activation == "silu" else F.gelu` in this function
+            return _chosen_act(module, local[1], f, gate, ctx, f"{f.id} = {ast.unparse(local[1])}")
         fn = module.helper(f.id)
         if isinstance(fn, ast.FunctionDef) and S.definition(ctx, f.id) is None:
             k3 = _helper_act(module, fn)
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
+
+
+def _chosen_act(module: ModuleInfo, value: ast.IfExp, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """An activation object chosen by a condition (``nn.GELU() if use_gelu else nn.SiLU()``): both
+    choices must be activations npufuse knows. The same kind: that kind; different kinds: chosen
+    at run time like a configured activation, by testing the object itself (``isinstance(self.act,
+    nn.SiLU)``), so whichever the condition picked is fused correctly."""
+    kinds = []
+    for branch in (value.body, value.orelse):
+        k = _module_act(module, branch)
+        if k is None or k[0] in (CONFIG, GELU_DYN):
+            return None
+        kinds.append(k[0])
+    if kinds[0] == kinds[1]:
+        return Act(kinds[0], gate, ctx, desc, obj=f)
+    if not any(k in (SILU, GELU, GELU_TANH) for k in kinds):
+        if any("gelu" in k for k in kinds):
+            return None  # (a gelu variant: the geglu pattern's own wording does not fit a choice)
+        return Act(f"{kinds[0]} or {kinds[1]}", gate, ctx, desc, obj=f)  # a near miss: neither choice is fused
+    # a choice the fused ops do not compute (relu) runs the original code: the run-time test says so
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=SILU not in kinds)
 
 
 def _sequential_act(module: ModuleInfo, value: ast.expr, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
@@ -2482,4 +2509,64 @@ Swiglu.KEEP += [
     # the up slices project another input
     Keep(_SLICED.replace("u = torch.cat([F.linear(x, uw[i])", "u = torch.cat([F.linear(x.flip(-1), uw[i])"),
          reason="not projections of one input", name="slices_of_another_input"),
+]
+
+
+# --- ropeglu: an activation chosen by a condition (issue 14, class 6) ---------------------------
+
+_CHOSEN_ACT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PackedGLU(nn.Module):
+    def __init__(self, d, h, use_gelu=False):
+        super().__init__()
+        self.w12 = nn.Linear(d, 2 * h)
+        self.w3 = nn.Linear(h, d)
+        self.act = nn.GELU(approximate="tanh") if use_gelu else nn.SiLU()
+
+    def forward(self, x):
+        x1, x2 = self.w12(x).chunk(2, dim=-1)
+        return self.w3(self.act(x1) * x2)
+'''
+
+_CHOSEN_LOCAL_ACT = '''
+import torch
+import torch.nn.functional as F
+
+
+def glu_weights(x, w1, w2, w3, activation: str = "silu"):
+    act = F.silu if activation == "silu" else F.gelu
+    return (act(x @ w1) * (x @ w3)) @ w2
+'''
+
+Swiglu.FUSE += [
+    # the activation object picked by a constructor flag: tested at run time (isinstance), each choice fused
+    # with its op; the packed projection self.w12(x) computed once on every branch
+    Fuse(_CHOSEN_ACT, expect={"activation": "config", "runtime_check": "activation type"}, name="activation_chosen_by_a_flag",
+         run='''
+x = torch.randn(2, 3, 8, requires_grad=True)
+m1, m2 = PackedGLU(8, 12), PackedGLU(8, 12, use_gelu=True)
+out = (m1(x), m2(x))
+leaves = [x, m1.w12.weight, m2.w12.weight]
+'''),
+    # a local `act = F.silu if ... else F.gelu` in a function taking the weights
+    Fuse(_CHOSEN_LOCAL_ACT, expect={"activation": "config", "gate": "x @ w1"}, name="local_activation_chosen_by_an_argument",
+         run='''
+x = torch.randn(5, 8, requires_grad=True)
+w1, w3, w2 = torch.randn(8, 12), torch.randn(8, 12), torch.randn(12, 8)
+out = (glu_weights(x, w1, w2, w3), glu_weights(x, w1, w2, w3, "gelu"))
+leaves = [x]
+'''),
+]
+
+Swiglu.KEEP += [
+    # neither choice is an activation a fused gated op computes
+    Keep(_CHOSEN_ACT.replace('nn.GELU(approximate="tanh") if use_gelu else nn.SiLU()', "nn.ReLU() if use_gelu else nn.Tanh()"),
+         reason="activation is not silu (relu or tanh: self.act = nn.ReLU() if use_gelu else nn.Tanh())", name="activation_chosen_between_unfusable_ones"),
+    # a callable picked between non-activations (a module chosen by the flag) is no activation at all
+    Keep(_CHOSEN_ACT.replace('nn.GELU(approximate="tanh") if use_gelu else nn.SiLU()', "nn.Identity() if use_gelu else nn.Linear(12, 12)"),
+         reason="", name="callable_chosen_between_non_activations"),
 ]
