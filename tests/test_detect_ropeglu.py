@@ -163,3 +163,34 @@ def scores(q, k, cos, sin):
     assert not findings
     (m,) = [m for m in misses if "TorchScript" in m.reason]
     assert "compiled code (`scores`) calls it" in m.reason
+
+
+def _rope_example(name: str):
+    p = get_pattern("rope")
+    return next(e for e in p.FUSE if e.name == name)
+
+
+def test_lambda_rope_with_merged_batch_heads_over_the_op_limit_runs_the_original():
+    """[(b h), n, d] tokens lifted to [1, b*h, n, d]: interleave mode takes B*N < 1000, so a merged
+    batch*heads of 1200 must not reach npu_rotary_mul (the emulator rejects it as the op does)."""
+    from pattern_harness import _exec
+
+    ex = _rope_example("rotation_in_a_mapped_lambda")
+    findings, _ = _detect("rope", ex.code)
+    rewritten = splice(ex.code, findings)
+    run = '''
+torch.manual_seed(0)
+q = torch.randn({bh}, 5, 12)
+k = torch.randn({bh}, 5, 12)
+ang = torch.randn(1, 4, 4).repeat_interleave(2, dim=-1)
+out = rotate_tokens(q, k, (ang.sin(), ang.cos()))
+'''
+    for bh, calls in ((1200, 0), (96, 2)):
+        ref = _exec(ex.code, "orig")
+        exec(run.format(bh=bh), ref)
+        with emulate.install() as emu:
+            ns = _exec(rewritten, "rewritten")
+            exec(run.format(bh=bh), ns)
+        assert emu.calls.get("npu_rotary_mul", 0) == calls
+        for a, b in zip(ref["out"], ns["out"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

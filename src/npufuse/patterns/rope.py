@@ -1905,6 +1905,10 @@ class RopePattern(Pattern):
         c0, s0 = _atom(m.cos), _atom(m.sin)
         m.prep = m.prep + [f"{shape} = (1,) * (4 - {c0}.dim()) + tuple({c0}.shape)  # cos as the eager product broadcasts it (leading 1s)"]
         check = f"{c0}.dim() <= 4 and {c0}.shape == {s0}.shape and {shape}[0] == 1 and ({shape}[1] == 1 or {shape}[2] == 1)"
+        if _is_name(m.x_text) and "." not in m.x_text:
+            # interleave mode takes B*N < 1000: with batch-free tables the leading dims of x other than S
+            # (the one dim where cos is not 1) are B and N; a [(b h), n, d] x lifted to [1, b*h, n, d] can pass it
+            check += f" and {m.x_text}.numel() // max({m.x_text}.shape[-1], 1) < 1000 * max({shape}[:3])"
         m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
         m.only_note = "cos/sin with a batch-dependent or more than 4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
         m.cos_info = _CosInfo(rank=m.cos_info.rank, batch_free=False, layout="layout not visible here, checked at run time")
