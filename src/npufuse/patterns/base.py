@@ -213,7 +213,7 @@ def _lifted_sites(pattern: Pattern, detect: Any, module: "ModuleInfo") -> Iterab
     for scope in module.scopes:
         if scope.qualname not in functions or "." in scope.qualname or _lift_refusal(module, scope.qualname) is not None:
             continue
-        found = [r for r in detect(pattern, module, scope) if isinstance(r, Finding)]
+        found = [r for r in detect(pattern, module, scope) if isinstance(r, Finding) and _called_more_often(module, r) is None]
         if not found:
             continue
         first = found[0]
