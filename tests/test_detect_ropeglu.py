@@ -194,3 +194,35 @@ out = rotate_tokens(q, k, (ang.sin(), ang.cos()))
         assert emu.calls.get("npu_rotary_mul", 0) == calls
         for a, b in zip(ref["out"], ns["out"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+MERGED_HEADS_HALF = '''import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(t, cos, sin):
+    return t * cos + rotate_half(t) * sin
+'''
+
+
+def test_lifted_half_mode_keeps_the_op_limits():
+    """x [(b h), n, d] with tables [n, d]: lifted to [1, b*h, n, d] / [1, 1, n, d] (BNSD, N = b*h);
+    half mode takes B < 1000 and N < 1000, so b*h = 1200 runs the original code and 96 the op.
+    A token layout [T, N, D] with tables [T, 1, D] (BSND) may have T >= 1000."""
+    from pattern_harness import _exec
+
+    findings, _ = _detect("rope", MERGED_HEADS_HALF)
+    rewritten = splice(MERGED_HEADS_HALF, findings)
+    cases = [((1200, 5, 16), (5, 16), 0), ((96, 5, 16), (5, 16), 1), ((1500, 4, 16), (1500, 1, 16), 1), ((1500, 1200, 16), (1500, 1, 16), 0)]
+    for xs, cs, calls in cases:
+        torch.manual_seed(0)
+        t, cos, sin = torch.randn(*xs), torch.randn(*cs), torch.randn(*cs)
+        want = _exec(MERGED_HEADS_HALF, "orig")["apply_rotary"](t, cos, sin)
+        with emulate.install() as emu:
+            got = _exec(rewritten, "rewritten")["apply_rotary"](t, cos, sin)
+        assert emu.calls.get("npu_rotary_mul", 0) == calls, (xs, cs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -510,6 +510,24 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
     return rot
 
 
+def _lifted_limits(x: str, cos: str, mode: str) -> str:
+    """A run-time test that npu_rotary_mul's B/N limits hold for ``x`` and ``cos`` lifted to 4-D (spec
+    4.1: half B < 1000 and N < 1000, interleave B*N < 1000), or "" where ``cos`` is an expression (it
+    would be evaluated again). x's leading dims where the table has size 1 are batch or head dims
+    (the sequence dim of the table matches x's); a [(b h), n, d] x lifted to [1, b*h, n, d] puts b*h
+    in N. Half mode: those dims below 1000 and at most one other leading dim (the sequence) at or
+    above it; interleave (batch-free tables, one dim not 1): the product of the leading dims over
+    the sequence length below 1000."""
+    if not (_is_name(cos) and "." not in cos):
+        return ""
+    if mode == "half":
+        # x's leading dims (last first) beside the table's, 1 where the table has fewer: a broadcast
+        # dim at or above 1000 counts twice, any other once: at most one (the sequence) may be that long
+        return (f"sum((_d >= 1000) + (_c == 1 and _d >= 1000) for _d, _c in "
+                f"zip({x}.shape[-2::-1], tuple({cos}.shape[-2::-1]) + (1, 1, 1))) <= 1")
+    return f"{x}.numel() // max({x}.shape[-1], 1) < 1000 * max({cos}.shape[:-1], default=1)"
+
+
 def _lambda_args_plain(lam: ast.Lambda) -> bool:
     a = lam.args
     return len(a.args) == 1 and not (a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg or a.defaults)
@@ -2287,6 +2305,11 @@ class RopePattern(Pattern):
                 break
         if isinstance(base, ast.Name):
             rank_ok = f"{base.id}.dim() <= 4"
+            # the table as the original code names it (a prepared _npufuse_ table is bound later)
+            table = m.cos if not m.cos.startswith("_npufuse_") else (m.cos_node.id if isinstance(m.cos_node, ast.Name) else "")
+            limits = _lifted_limits(base.id, table, m.mode) if table else ""
+            if limits:
+                rank_ok = f"{rank_ok} and {limits}"
             m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
 
     @staticmethod
