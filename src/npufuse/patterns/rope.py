@@ -533,35 +533,64 @@ def _lambda_args_plain(lam: ast.Lambda) -> bool:
     return len(a.args) == 1 and not (a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg or a.defaults)
 
 
-def _lambda_guard(stmt: ast.stmt, lam: ast.Lambda) -> str | None:
-    """A tensor the lambda is applied to, live before the statement: the first plain name of the
-    iterable of ``map(lam, (q, k))``; None otherwise."""
+def _lambda_local(module: ModuleInfo, lam: ast.Lambda, stmt: ast.stmt) -> _LocalFn:
+    """The local function a lambda becomes; applied to ``map``'s iterable where it is ``map(lam, ...)``."""
+    iterable = None
     for n in fast_walk(stmt):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "map" and len(n.args) == 2 and n.args[0] is lam:
-            seq = n.args[1]
-            elts = seq.elts if isinstance(seq, (ast.Tuple, ast.List)) else []
-            if elts and isinstance(elts[0], ast.Name):
-                return elts[0].id
+            iterable = n.args[1]
+    param = lam.args.args[0].arg if lam.args.args else ""
+    return _LocalFn("lambda", param, lam.body, lam, "{fn}", segment(module, lam), iterable)
+
+
+def _comprehension_of(module: ModuleInfo, stmt: ast.stmt, m: "_Match") -> _LocalFn | None:
+    """The comprehension of ``stmt`` whose element holds the rotation ``m`` of its own variable, as a
+    local function of that variable; None where the rotation is not in such a comprehension."""
+    for comp in fast_walk(stmt):
+        if not isinstance(comp, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+            continue
+        if not any(n is m.node for n in fast_walk(comp.elt)):
+            continue
+        bound = {n.id for g in comp.generators for n in fast_walk(g.target) if isinstance(n, ast.Name)}
+        if not bound & {n.id for n in fast_walk(m.x) if isinstance(n, ast.Name)}:
+            return None  # the rotated tensor is not the comprehension's variable: live at the statement
+        g = comp.generators[0]
+        param = g.target.id if len(comp.generators) == 1 and isinstance(g.target, ast.Name) and not g.is_async else ""
+        return _LocalFn("comprehension", param, comp.elt, comp.elt, "{fn}(" + param + ")", segment(module, comp), g.iter)
     return None
 
 
-def _lambda_refusal(module: ModuleInfo, scope: Scope, stmt: ast.stmt, lam: ast.Lambda, m: "_Match") -> str | None:
-    """Why a rotation in ``lam`` cannot become a local function (the wording completes "rewrites it
-    ... only where"), or None. The local def closes over the same names, so the lambda's meaning is
-    kept wherever it stands; what must hold: one plain parameter, the rotation of that parameter,
-    a tensor to guard on (``map(lam, (q, k))``), and no fused statements tied to the enclosing block."""
-    if not _lambda_args_plain(lam):
+def _local_guard(local: _LocalFn) -> str | None:
+    """A tensor the local function is applied to, live before the statement: the first plain name of
+    a tuple or list it iterates over (``map(lam, (q, k))``, ``for t in (q, k)``); None otherwise."""
+    seq = local.iterable
+    elts = seq.elts if isinstance(seq, (ast.Tuple, ast.List)) else []
+    if elts and isinstance(elts[0], ast.Name):
+        return elts[0].id
+    return None
+
+
+def _local_refusal(module: ModuleInfo, scope: Scope, local: _LocalFn, m: "_Match") -> str | None:
+    """Why a rotation in a lambda / comprehension cannot become a local function (the wording
+    completes "rewrites it ... only where"), or None. The local def closes over the same names, so
+    the meaning is kept wherever it stands; what must hold: one plain parameter (a single ``for
+    <name> in``), the rotation of that parameter, a tensor to guard on (applied to a tuple or list
+    of named tensors), and no fused statements tied to the enclosing block."""
+    if local.kind == "lambda" and not _lambda_args_plain(local.replace):  # type: ignore[arg-type]
         return "the lambda takes one plain parameter"
-    if "map" in module.functions or _lambda_guard(stmt, lam) is None:
-        return "the lambda is mapped over a tuple or list of named tensors (`map(lambda t: ..., (q, k))`)"
-    param = lam.args.args[0].arg
-    if param in scope.assignments or param in scope.args:
+    if not local.param:
+        return "the comprehension has a single `for <name> in ...`"
+    if _local_guard(local) is None or (local.kind == "lambda" and "map" in module.functions):
+        return (f"the {local.kind} is {'mapped' if local.kind == 'lambda' else 'run'} over a tuple or list of named tensors "
+                f"(`{'map(lambda t: ..., (q, k))' if local.kind == 'lambda' else '[... for t in (q, k)]'}`)")
+    var = "parameter" if local.kind == "lambda" else "variable"
+    if local.param in scope.assignments or local.param in scope.args:
         # the matcher reads the parameter's name through the enclosing function's bindings
-        return "the lambda's parameter is not also a name of the enclosing function"
-    if not any(isinstance(n, ast.Name) and n.id == param for n in fast_walk(m.x)):
-        return "the rotated tensor is the lambda's parameter"
+        return f"the {local.kind}'s {var} is not also a name of the enclosing function"
+    if not any(isinstance(n, ast.Name) and n.id == local.param for n in fast_walk(m.x)):
+        return f"the rotated tensor is the {local.kind}'s {var}"
     if m.absorb or m.anchor is not None or m.site_stmt is not None:
-        return "the rotation is one expression of the lambda's body"
+        return f"the rotation is one expression of the {local.kind}"
     return None
 
 
@@ -886,8 +915,24 @@ class _Match:
     widen: str = ""  # a dtype the eager sum is promoted with too (a helper rotating in fp32)
     post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
     freqs: ast.expr | None = None  # the complex form's freqs operand (a product bound to a name elsewhere)
-    # the rotation is a lambda's body: the fused statements go into a local def that replaces the lambda
-    in_lambda: ast.Lambda | None = None
+    # the rotation is a lambda's body or a comprehension's element: the fused statements go into a
+    # local def called there
+    local: "_LocalFn | None" = None
+
+
+@dataclass
+class _LocalFn:
+    """A rotation inside a lambda or a comprehension, rewritten as a local function of ``param``
+    returning ``body`` (the fused statements inside it), with ``replace`` (a node of the statement)
+    replaced by ``call`` (``{fn}`` formatted with the function's name)."""
+
+    kind: str  # "lambda" | "comprehension"
+    param: str
+    body: ast.expr
+    replace: ast.AST
+    call: str
+    text: str  # the lambda / comprehension as written (report)
+    iterable: ast.expr | None  # what it is applied to: the first named tensor there is the guard
 
 
 def _is_float_cast(node: ast.AST) -> bool:
@@ -1401,9 +1446,10 @@ class RopePattern(Pattern):
                 for lam, node in self._lambda_candidates(stmt, scope):
                     res = self._match(module, scope, node)
                     if isinstance(res, _Match):
-                        why = _lambda_refusal(module, scope, stmt, lam, res) if lambda_sites == 0 else "a second rotation in the same statement"
+                        local = _lambda_local(module, lam, stmt)
+                        why = _local_refusal(module, scope, local, res) if lambda_sites == 0 else "a second rotation in the same statement"
                         if why is None:
-                            res.in_lambda = lam
+                            res.local = local
                             lambda_sites += 1
                             _TORCH_IMPORTS.set(torch_imports)
                             yield self._finding(module, scope, [(i, stmt, [res])])
@@ -1422,6 +1468,21 @@ class RopePattern(Pattern):
                 elif res is not None:
                     matches.append(res)
             if not matches:
+                continue
+            comp = next(((m, c) for m in matches if (c := _comprehension_of(module, stmt, m)) is not None), None)
+            if comp is not None:
+                # `q, k = [t * cos + rotate_half(t) * sin for t in (q, k)]`: its variable is not live at the
+                # statement, so the fused code goes into a local function called for each element
+                m, local = comp
+                why = _local_refusal(module, scope, local, m) if len(matches) == 1 else "a single rotation in the statement"
+                if why is None:
+                    m.local = local
+                    _TORCH_IMPORTS.set(torch_imports)
+                    yield self._finding(module, scope, [(i, stmt, [m])])
+                else:
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                                   f"the rotation is written in a comprehension (`{local.text}`): npufuse rewrites it as a local "
+                                   f"function only where {why}, so it is left as is")
                 continue
             anchored = [m for m in matches if m.anchor is not None]
             if anchored:
@@ -2153,9 +2214,9 @@ class RopePattern(Pattern):
                     mode_arg = f", rotary_mode={m.mode_expr}"
                 reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
             target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
-            lam = matches[0].in_lambda
-            if lam is not None:
-                lines.append(f"return ({replace_segments(module, lam.body, reps)})")  # type: ignore[arg-type]
+            local = matches[0].local
+            if local is not None:
+                lines.append(f"return ({replace_segments(module, local.body, reps)})")  # type: ignore[arg-type]
             else:
                 lines.append(replace_segments(module, target, reps))
         if broadcast_note:
@@ -2218,7 +2279,7 @@ class RopePattern(Pattern):
         if conditions:
             cond = " and ".join(conditions) if len(conditions) == 1 else " and ".join(f"({c})" for c in conditions)
             span = [st for _i, st, _ms in items]
-            original = _block_text(module, span) if first.in_lambda is None else f"return ({segment(module, first.in_lambda.body)})"
+            original = _block_text(module, span) if first.local is None else f"return ({segment(module, first.local.body)})"
             lines = hoisted + [f"if {cond}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
                 ["else:"] + ["    " + ln if ln.strip() else ln for ln in original.splitlines()]
             if any(m.suffix and m.mode == "complex" for m in all_matches):
@@ -2256,18 +2317,17 @@ class RopePattern(Pattern):
             params["mode"] = f"chosen at run time: {first.mode_expr}"
             variant = "rotation_chosen_at_run_time"
             notes.append(f"the rotation helper is chosen at run time; both choices are verified and rotary_mode follows the same condition ({first.mode_expr})")
-        if first.in_lambda is not None:
-            # the lambda becomes a local function holding the fused statements (closing over the same
-            # names); the statement calls it where it held the lambda
-            lam = first.in_lambda
+        if first.local is not None:
+            # the lambda / comprehension element becomes a local function holding the fused statements
+            # (closing over the same names); the statement calls it where it held them
+            local = first.local
             fn = f"_npufuse_rope_{first_stmt.lineno}"
-            param = lam.args.args[0].arg
-            lines = [f"def {fn}({param}):"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
-                [replace_segments(module, first_stmt, [(lam, fn)])]
-            guard = _lambda_guard(first_stmt, lam) or guard
-            params["lambda"] = segment(module, lam)
-            notes.append(f"the rotation is a lambda's body: the lambda is replaced by a local function `{fn}` holding the fused call "
-                         "(the same closure over the enclosing names)")
+            lines = [f"def {fn}({local.param}):"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
+                [replace_segments(module, first_stmt, [(local.replace, local.call.format(fn=fn))])]
+            guard = _local_guard(local) or guard
+            params[local.kind] = local.text
+            notes.append(f"the rotation is written in a {local.kind}: it becomes a local function `{fn}` holding the fused call "
+                         "(the same closure over the enclosing names), called where the original computed it")
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=first_stmt.lineno, end_line=last_stmt.end_lineno or last_stmt.lineno,
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
@@ -4504,5 +4564,49 @@ ang = torch.randn(1, 1, 5, 4).repeat_interleave(2, dim=-1)
 out = Attention()(q, k, (ang.sin(), ang.cos()))
 leaves = [q, k]
 ''',
+    ),
+]
+
+
+# --- ropeglu: the rotation written in a comprehension over q and k -------------------------------
+
+_COMPREHENSION_ROPE = '''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_both(q, k, cos, sin):
+    q, k = [t * cos + rotate_half(t) * sin for t in (q, k)]
+    return q, k
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # the comprehension's variable is not live at the statement (the guard tested it before: a NameError,
+        # or another tensor of that name): the element becomes a local function, guarded on q
+        name="rotation_in_a_comprehension",
+        code=_COMPREHENSION_ROPE,
+        expect={"mode": "half", "comprehension": "[t * cos + rotate_half(t) * sin for t in (q, k)]"},
+        run='''
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 6, 16, requires_grad=True)
+cos, sin = torch.randn(6, 16), torch.randn(6, 16)
+out = rotate_both(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # two loops: which variable is the parameter of a local function is not one name
+        _COMPREHENSION_ROPE.replace("q, k = [t * cos + rotate_half(t) * sin for t in (q, k)]",
+                                    "q, k = [t * cos + rotate_half(t) * sin for pair in ((q, k),) for t in pair]"),
+        reason="only where the comprehension has a single `for <name> in ...`",
+        name="rotation_in_a_comprehension_of_two_loops",
     ),
 ]
