@@ -226,3 +226,14 @@ def test_lifted_half_mode_keeps_the_op_limits():
             got = _exec(rewritten, "rewritten")["apply_rotary"](t, cos, sin)
         assert emu.calls.get("npu_rotary_mul", 0) == calls, (xs, cs)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decorator_from_another_module_is_a_stated_risk():
+    """`@jit_fuser` imported from elsewhere may be torch.jit.script: not visible here, so the finding
+    stays and says so; torch's own decorators say nothing."""
+    body = "\ndef glu(y):\n    a, b = torch.chunk(y, 2, -1)\n    return F.silu(a) * b\n"
+    head = "import torch\nimport torch.nn.functional as F\n"
+    imported, _ = _detect("swiglu", head + "from mylib.jit import jit_fuser\n\n\n@jit_fuser" + body)
+    assert any("decorated with `@jit_fuser` from another module" in r.detail for r in imported[0].risks)
+    plain, _ = _detect("swiglu", head + "\n\n@torch.no_grad()" + body)
+    assert not any("from another module" in r.detail for r in plain[0].risks)

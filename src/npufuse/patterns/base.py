@@ -184,6 +184,11 @@ def _outside_compiled_code(detect: Any) -> Any:
                     why = _lift_refusal(module, scope.qualname) if "." not in scope.qualname else None
                     yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason + (f" (npufuse rewrites a scripted function as a whole only when it can: here {why})" if why else ""))
                     continue
+                opaque = _imported_decorators(module, scope)
+                if opaque:
+                    r.risks.append(Risk("other", f"`{scope.qualname}` is decorated with {', '.join(f'`@{d}`' for d in opaque)} from another "
+                                        "module: if that compiles it with TorchScript (Megatron's `jit_fuser` is torch.jit.script "
+                                        "before torch 2.2), the fused branch does not compile and the module fails to import"))
                 twice = _called_more_often(module, r)
                 if twice is not None:
                     yield NearMiss(r.pattern, r.qualname, r.line, r.end_line,
@@ -195,6 +200,27 @@ def _outside_compiled_code(detect: Any) -> Any:
             yield from _lifted_sites(self, detect, module)
 
     return wrapped
+
+
+# decorators whose effect is known: they do not compile the function with TorchScript
+_KNOWN_DECORATORS = ("torch.", "functools.", "typing.", "contextlib.", "abc.", "dataclasses.", "staticmethod", "classmethod",
+                     "property", "override", "lru_cache", "cache", "wraps")
+
+
+def _imported_decorators(module: "ModuleInfo", scope: "Scope") -> list[str]:
+    """Decorators of ``scope``'s function imported from another (non-torch) module: what they do
+    to the function is not visible here."""
+    out = []
+    for d in getattr(scope.node, "decorator_list", ()):
+        target = d.func if isinstance(d, ast.Call) else d
+        name = module.canonical(target) or ""
+        head = name.split(".")[0]
+        local = getattr(target, "id", None) or (getattr(target, "value", None) and getattr(target.value, "id", None))  # type: ignore[union-attr]
+        if not name or name.startswith(_KNOWN_DECORATORS) or name in _KNOWN_DECORATORS:
+            continue
+        if isinstance(local, str) and local in module.aliases and "." in module.aliases[local] and head not in ("torch",):
+            out.append(ast.unparse(target))
+    return out
 
 
 def _lift_refusal(module: "ModuleInfo", qualname: str) -> str | None:
