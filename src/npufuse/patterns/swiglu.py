@@ -1310,7 +1310,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     inner = {id(n) for g in gates for n in fast_walk(g.node)}
     outside = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner} & dropped
     if outside:
-        return miss(f"intermediate `{sorted(outside)[0]}` reused after the fused region")
+        return miss(f"intermediate `{sorted(outside)[0]}` is also read elsewhere in the statement, outside the gated product the fused op replaces")
     guard = _guard(module, g0, plan)
     if guard is None:
         return miss("no input tensor live before the site to guard the fused branch on")
@@ -2569,4 +2569,11 @@ Swiglu.KEEP += [
     # a callable picked between non-activations (a module chosen by the flag) is no activation at all
     Keep(_CHOSEN_ACT.replace('nn.GELU(approximate="tanh") if use_gelu else nn.SiLU()', "nn.Identity() if use_gelu else nn.Linear(12, 12)"),
          reason="", name="callable_chosen_between_non_activations"),
+]
+
+Swiglu.KEEP += [
+    # the optional product written as a conditional expression: its else arm reads the activation itself
+    Keep(_OPTIONAL_UP.replace("        if self.w3 is not None:\n            h = h * self.w3(x)\n",
+                              "        h = h * self.w3(x) if self.w3 is not None else h\n"),
+         reason="is also read elsewhere in the statement", name="optional_up_projection_in_a_conditional_expression"),
 ]
