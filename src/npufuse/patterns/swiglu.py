@@ -1235,7 +1235,8 @@ class _OptionalBranch:
 
 # what an optional gate's `if` may test: it is evaluated once, before the gate projection
 _PURE_TEST = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
-              ast.Is, ast.IsNot, ast.Not, ast.And, ast.Or, ast.Eq, ast.NotEq)
+              ast.Is, ast.IsNot, ast.Not, ast.And, ast.Or, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
+              ast.In, ast.NotIn, ast.Tuple)
 
 
 def _optional_plan(module: ModuleInfo, scope: Scope, stmt: ast.stmt, g: Gate, trace: S.Trace) -> tuple[S.SpanPlan, _OptionalBranch] | str:
