@@ -3,6 +3,7 @@ code executed under the emulator against the original (the example is the test).
 
 from __future__ import annotations
 
+import linecache
 import types
 from typing import Any
 
@@ -27,6 +28,9 @@ def detect_all(pattern: Pattern, code: str, path: str = "example.py") -> tuple[l
 def _exec(code: str, name: str) -> dict[str, Any]:
     mod = types.ModuleType(name)
     mod.__file__ = f"<{name}>"
+    # TorchScript reads a scripted function's source through inspect (linecache): registered
+    # here, @torch.jit.script examples compile as they would from a file
+    linecache.cache[f"<{name}>"] = (len(code), None, code.splitlines(keepends=True), f"<{name}>")
     exec(compile(code, f"<{name}>", "exec"), mod.__dict__)
     return mod.__dict__
 

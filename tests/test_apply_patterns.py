@@ -45,6 +45,17 @@ def _applied(tmp_path, name, pattern, code, *extra):
     return root, data
 
 
+def _first_line(code: str, line: int) -> int:
+    """Where the statement starting at ``line`` begins in the text: a span starting at a decorated
+    def (a @torch.jit.script function rewritten as a whole) takes its decorators along."""
+    import ast
+
+    for node in ast.walk(ast.parse(code)):
+        if getattr(node, "lineno", None) == line and getattr(node, "decorator_list", None):
+            return min(d.lineno for d in node.decorator_list)
+    return line
+
+
 @pytest.mark.skipif(not CASES, reason="no pattern detectors with runnable examples are installed yet")
 @pytest.mark.parametrize("pattern,example", CASES)
 def test_applied_rewrite_matches_the_original(pattern, example, tmp_path, monkeypatch):
@@ -77,7 +88,7 @@ def test_applied_rewrite_matches_the_original(pattern, example, tmp_path, monkey
         span = st[c["id"]]["applied"]["span"]
         block = block_of(rewritten, span)
         assert block == c["replacement"]
-        original = "".join(source_lines(code)[c["line"] - 1 : c["end_line"]])
+        original = "".join(source_lines(code)[_first_line(code, c["line"]) - 1 : c["end_line"]])
         assert same_statements(fallback_of(block), original), c["key"]
     assert npufuse("revert", "--state-dir", str(root / ".npufuse")) == 0
     assert (root / "example.py").read_text(encoding="utf-8") == code

@@ -160,9 +160,11 @@ leaves = [x]
     assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
 
 
-def test_torchscript_compiled_rope_stays_a_true_near_miss():
-    """gpt-neox's ``@torch.jit.script`` apply_rotary_pos_emb: the fused branch would not compile, so
-    no candidate; the near miss says why (measured: the rewritten module fails at import)."""
+def test_torchscript_compiled_rope_is_rewritten_at_module_level():
+    """gpt-neox's ``@torch.jit.script`` apply_rotary_pos_emb: a fused branch inside it would not
+    compile, so the whole definition is the site: the scripted original stays (renamed) as the
+    fallback and a Python wrapper of the same name runs the fused op (tests/test_detect_ropeglu.py
+    imports the rewritten file with and without torch_npu)."""
     code = '''
 import torch
 
@@ -178,8 +180,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, offset: int = 0):
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 '''
     findings, misses = detect_all(PATTERN, code)
-    assert not findings
-    assert any("TorchScript compiles `apply_rotary_pos_emb`" in m.reason for m in misses)
+    assert [(f.qualname, f.line, f.params["lifted_from"]) for f in findings] == [("<module>", 11, "apply_rotary_pos_emb")]
+    assert "@torch.jit.script\ndef _npufuse_scripted_apply_rotary_pos_emb(" in findings[0].fused
+    assert not misses
 
 
 def test_flagged_helper_reports_the_path_it_does_not_fuse():
@@ -224,12 +227,14 @@ def test_nested_helper_shadows_the_module_level_one():
     assert not findings and any("not the standard cat(-x2, x1)" in m.reason for m in misses)
 
 
-def test_lambda_rotation_is_a_near_miss_and_other_lambdas_are_silent():
+def test_lambda_rotation_becomes_a_local_function_and_other_lambdas_are_silent():
     code = (
         "import torch\n\n\ndef rotate_half(x):\n    x1, x2 = x.chunk(2, dim=-1)\n    return torch.cat((-x2, x1), dim=-1)\n\n\n"
         "def apply(q, k, cos, sin):\n    q, k = map(lambda t: t * cos + rotate_half(t) * sin, (q, k))\n"
         "    a, b = map(lambda t: t * 2 + t * 3, (q, k))\n    return q, k, a, b\n"
     )
     findings, misses = detect_all(PATTERN, code)
-    assert not findings
-    assert [m.line for m in misses if "written in a lambda" in m.reason] == [10]
+    assert [(f.line, f.guard_tensor) for f in findings] == [(10, "q")]
+    assert findings[0].fused.startswith("def _npufuse_rope_10(t):")
+    assert findings[0].fused.endswith("q, k = map(_npufuse_rope_10, (q, k))")
+    assert not [m for m in misses if "lambda" in m.reason]

@@ -174,13 +174,24 @@ def _outside_compiled_code(detect: Any) -> Any:
             has_jit = module.__dict__["_npufuse_has_jit"] = may_compile(module.source)
         reason: str | None = None
         looked = not has_jit
+        lifted = False  # the scope is a scripted function rewritten as a whole from <module>
         for r in detect(self, module, scope):
             if isinstance(r, Finding):
                 if not looked:
                     reason, looked = compiled_reason(module, scope), True
+                    if reason is not None:
+                        lifted = _lift_refusal(module, scope.qualname) is None
+                if lifted:
+                    continue  # yielded by the <module> scope, as a module-level rewrite
                 if reason is not None:
-                    yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason)
+                    why = _lift_refusal(module, scope.qualname) if "." not in scope.qualname else None
+                    yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, reason + (f" (npufuse rewrites a scripted function as a whole only when it can: here {why})" if why else ""))
                     continue
+                opaque = _imported_decorators(module, scope)
+                if opaque:
+                    r.risks.append(Risk("other", f"`{scope.qualname}` is decorated with {', '.join(f'`@{d}`' for d in opaque)} from another "
+                                        "module: if that compiles it with TorchScript (Megatron's `jit_fuser` is torch.jit.script "
+                                        "before torch 2.2), the fused branch does not compile and the module fails to import"))
                 twice = _called_more_often(module, r)
                 if twice is not None:
                     yield NearMiss(r.pattern, r.qualname, r.line, r.end_line,
@@ -188,8 +199,75 @@ def _outside_compiled_code(detect: Any) -> Any:
                                    "(a module call evaluated twice: double the work, and a different result with dropout)")
                     continue
             yield r
+        if has_jit and scope.qualname == "<module>":
+            yield from _lifted_sites(self, detect, module)
 
     return wrapped
+
+
+# decorators whose effect is known: they do not compile the function with TorchScript
+_KNOWN_DECORATORS = ("torch.", "functools.", "typing.", "contextlib.", "abc.", "dataclasses.", "staticmethod", "classmethod",
+                     "property", "override", "lru_cache", "cache", "wraps")
+
+
+def _imported_decorators(module: "ModuleInfo", scope: "Scope") -> list[str]:
+    """Decorators of ``scope``'s function imported from another (non-torch) module: what they do
+    to the function is not visible here."""
+    out = []
+    for d in getattr(scope.node, "decorator_list", ()):
+        target = d.func if isinstance(d, ast.Call) else d
+        name = module.canonical(target) or ""
+        head = name.split(".")[0]
+        local = getattr(target, "id", None) or (getattr(target, "value", None) and getattr(target.value, "id", None))  # type: ignore[union-attr]
+        if not name or name.startswith(_KNOWN_DECORATORS) or name in _KNOWN_DECORATORS:
+            continue
+        if isinstance(local, str) and local in module.aliases and "." in module.aliases[local] and head not in ("torch",):
+            out.append(ast.unparse(target))
+    return out
+
+
+def _lift_refusal(module: "ModuleInfo", qualname: str) -> str | None:
+    from npufuse.patterns._compiled import lift_refusal
+
+    return lift_refusal(module, qualname)
+
+
+def _lifted_sites(pattern: Pattern, detect: Any, module: "ModuleInfo") -> Iterable[Result]:
+    """The findings of ``detect`` inside each ``@torch.jit.script`` function of ``module`` that can be
+    rewritten as a whole (:mod:`npufuse.patterns._compiled`), as one module-level finding per
+    function; a near miss saying why where the wrapper cannot be written."""
+    from npufuse.patterns._compiled import _compiled, lifted_text
+
+    functions, _classes = _compiled(module)
+    for scope in module.scopes:
+        if scope.qualname not in functions or "." in scope.qualname or _lift_refusal(module, scope.qualname) is not None:
+            continue
+        found = [r for r in detect(pattern, module, scope) if isinstance(r, Finding) and _called_more_often(module, r) is None]
+        if not found:
+            continue
+        first = found[0]
+        fn = scope.node
+        text = lifted_text(module, scope.qualname, [(f.line, f.end_line, f.fused) for f in found], first.guard_tensor)
+        if text is None:
+            for f in found:
+                yield NearMiss(f.pattern, f.qualname, f.line, f.end_line,
+                               f"TorchScript compiles `{scope.qualname}` at import, and npufuse cannot write its Python wrapper "
+                               f"(the fused site's guard tensor `{first.guard_tensor}` is not a parameter left unchanged, or the "
+                               "fused code does not fit the wrapper); rewrite by hand outside the scripted code")
+            continue
+        risks = [x for f in found for x in f.risks]
+        risks.append(Risk("other", f"`{scope.qualname}` is @torch.jit.script: with torch_npu importable it becomes a Python "
+                                   f"function that calls the scripted original (`_npufuse_scripted_{scope.qualname}`) off the NPU; "
+                                   "code elsewhere that passes it to torch.jit.script or calls it from scripted code would now "
+                                   "compile the Python wrapper"))
+        notes = [n for f in found for n in f.notes]
+        notes.append(f"rewritten at module level: the scripted original stays compiled as the fallback, the fused "
+                     f"statements run in a Python wrapper named `{scope.qualname}` (lines {', '.join(f'{f.line}-{f.end_line}' for f in found)})")
+        params = dict(first.params)
+        params["lifted_from"] = scope.qualname
+        yield Finding(first.pattern, "<module>", fn.lineno, fn.end_lineno or fn.lineno, params, text, first.guard_tensor,
+                      confidence=first.confidence, variant=first.variant, risks=risks, notes=notes,
+                      training_ok=all(f.training_ok for f in found))
 
 
 def _module_calls(stmts: list[ast.stmt], chains: frozenset[str] | None = None) -> dict[str, int]:

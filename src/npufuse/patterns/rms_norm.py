@@ -2361,6 +2361,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x_fp32 = x.float()
     normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (normed * weight.float()).to(x.dtype)
+
+
+@torch.jit.script
+def block(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x + rms_norm(x, weight, 1e-6)  # scripted code calls it: it stays compiled, not rewritten
 ''',
         reason="TorchScript compiles `rms_norm` at import",
         name="inside_torch_jit_script",

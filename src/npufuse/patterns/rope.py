@@ -494,10 +494,154 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         if key not in cache:
             cache[key] = _rotation_helper(module, scope, node)
         return dataclasses.replace(cache[key])
+    if isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Starred) and same_expr(node.args[0], x) \
+            and _plain_flag_args(node):
+        # Megatron's ``_rotate_half(t, rotary_interleaved)``: extra arguments that only pick the helper's
+        # return path (checked in _flagged_helper); the verdict depends on them, so they are in the key
+        key = (scope.class_name, ast.dump(node.func), tuple(ast.dump(a) for a in node.args[1:]),
+               tuple((k.arg, ast.dump(k.value)) for k in node.keywords))
+        cache = module.__dict__.setdefault("_rotation_verdicts", {})
+        if key not in cache:
+            cache[key] = _rotation_helper(module, scope, node)
+        return dataclasses.replace(cache[key])
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
     rot.name = "inline"
     return rot
+
+
+def _lifted_limits(x: str, cos: str, mode: str) -> str:
+    """A run-time test that npu_rotary_mul's B/N limits hold for ``x`` and ``cos`` lifted to 4-D (spec
+    4.1: half B < 1000 and N < 1000, interleave B*N < 1000), or "" where ``cos`` is an expression (it
+    would be evaluated again). x's leading dims where the table has size 1 are batch or head dims
+    (the sequence dim of the table matches x's); a [(b h), n, d] x lifted to [1, b*h, n, d] puts b*h
+    in N. Half mode: those dims below 1000 and at most one other leading dim (the sequence) at or
+    above it; interleave (batch-free tables, one dim not 1): the product of the leading dims over
+    the sequence length below 1000."""
+    if not (_is_name(cos) and "." not in cos):
+        return ""
+    if mode == "half":
+        # x's leading dims (last first) beside the table's, 1 where the table has fewer: a broadcast
+        # dim at or above 1000 counts twice, any other once: at most one (the sequence) may be that long
+        return (f"sum((_d >= 1000) + (_c == 1 and _d >= 1000) for _d, _c in "
+                f"zip({x}.shape[-2::-1], tuple({cos}.shape[-2::-1]) + (1, 1, 1))) <= 1")
+    return f"{x}.numel() // max({x}.shape[-1], 1) < 1000 * max({cos}.shape[:-1], default=1)"
+
+
+def _lambda_args_plain(lam: ast.Lambda) -> bool:
+    a = lam.args
+    return len(a.args) == 1 and not (a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg or a.defaults)
+
+
+def _lambda_local(module: ModuleInfo, lam: ast.Lambda, stmt: ast.stmt) -> _LocalFn:
+    """The local function a lambda becomes; applied to ``map``'s iterable where it is ``map(lam, ...)``."""
+    iterable = None
+    for n in fast_walk(stmt):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "map" and len(n.args) == 2 and n.args[0] is lam:
+            iterable = n.args[1]
+    param = lam.args.args[0].arg if lam.args.args else ""
+    return _LocalFn("lambda", param, lam.body, lam, "{fn}", segment(module, lam), iterable)
+
+
+def _comprehension_of(module: ModuleInfo, stmt: ast.stmt, m: "_Match") -> _LocalFn | None:
+    """The comprehension of ``stmt`` whose element holds the rotation ``m`` of its own variable, as a
+    local function of that variable; None where the rotation is not in such a comprehension."""
+    for comp in fast_walk(stmt):
+        if not isinstance(comp, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+            continue
+        if not any(n is m.node for n in fast_walk(comp.elt)):
+            continue
+        bound = {n.id for g in comp.generators for n in fast_walk(g.target) if isinstance(n, ast.Name)}
+        if not bound & {n.id for n in fast_walk(m.x) if isinstance(n, ast.Name)}:
+            return None  # the rotated tensor is not the comprehension's variable: live at the statement
+        g = comp.generators[0]
+        param = g.target.id if len(comp.generators) == 1 and isinstance(g.target, ast.Name) and not g.is_async else ""
+        return _LocalFn("comprehension", param, comp.elt, comp.elt, "{fn}(" + param + ")", segment(module, comp), g.iter)
+    return None
+
+
+def _local_guard(local: _LocalFn) -> str | None:
+    """A tensor the local function is applied to, live before the statement: the first plain name of
+    a tuple or list it iterates over (``map(lam, (q, k))``, ``for t in (q, k)``); None otherwise."""
+    seq = local.iterable
+    elts = seq.elts if isinstance(seq, (ast.Tuple, ast.List)) else []
+    if elts and isinstance(elts[0], ast.Name):
+        return elts[0].id
+    return None
+
+
+def _local_refusal(module: ModuleInfo, scope: Scope, local: _LocalFn, m: "_Match") -> str | None:
+    """Why a rotation in a lambda / comprehension cannot become a local function (the wording
+    completes "rewrites it ... only where"), or None. The local def closes over the same names, so
+    the meaning is kept wherever it stands; what must hold: one plain parameter (a single ``for
+    <name> in``), the rotation of that parameter, a tensor to guard on (applied to a tuple or list
+    of named tensors), and no fused statements tied to the enclosing block."""
+    if local.kind == "lambda" and not _lambda_args_plain(local.replace):  # type: ignore[arg-type]
+        return "the lambda takes one plain parameter"
+    if not local.param:
+        return "the comprehension has a single `for <name> in ...`"
+    if _local_guard(local) is None or (local.kind == "lambda" and "map" in module.functions):
+        return (f"the {local.kind} is {'mapped' if local.kind == 'lambda' else 'run'} over a tuple or list of named tensors "
+                f"(`{'map(lambda t: ..., (q, k))' if local.kind == 'lambda' else '[... for t in (q, k)]'}`)")
+    var = "parameter" if local.kind == "lambda" else "variable"
+    if local.param in scope.assignments or local.param in scope.args:
+        # the matcher reads the parameter's name through the enclosing function's bindings
+        return f"the {local.kind}'s {var} is not also a name of the enclosing function"
+    if not any(isinstance(n, ast.Name) and n.id == local.param for n in fast_walk(m.x)):
+        return f"the rotated tensor is the {local.kind}'s {var}"
+    if m.absorb or m.anchor is not None or m.site_stmt is not None:
+        return f"the rotation is one expression of the {local.kind}"
+    return None
+
+
+def _plain_flag_args(call: ast.Call) -> bool:
+    """The arguments after the first are names, attributes or constants (read twice, no effect)."""
+    rest = [*call.args[1:], *(k.value for k in call.keywords)]
+    if not rest or any(k.arg is None for k in call.keywords):
+        return False
+    return all(isinstance(n, _PLAIN_ARG) for a in rest for n in fast_walk(a))
+
+
+# what a flag argument may be: read again by the guard at the call site, it must give the same value
+_PLAIN_ARG = (ast.Name, ast.Attribute, ast.Constant, ast.Load, ast.UnaryOp, ast.USub, ast.Not)
+
+
+def _bound_flags(fn: ast.FunctionDef, node: ast.Call, params: list[str]) -> dict[str, ast.expr] | None:
+    """The helper's parameters after the first, bound to the call's arguments (or their defaults);
+    None where one is unbound or the call passes something the signature does not take."""
+    a = fn.args
+    if a.vararg is not None or a.kwarg is not None or a.posonlyargs:
+        return None
+    positional = list(node.args[1:])
+    names = params[1:]
+    if len(positional) > len(names):
+        return None
+    bound: dict[str, ast.expr] = dict(zip(names, positional))
+    kwonly = [k.arg for k in a.kwonlyargs]
+    for k in node.keywords:
+        if k.arg in bound or (k.arg not in names and k.arg not in kwonly):
+            return None
+        bound[k.arg] = k.value  # type: ignore[index]
+    defaults = dict(zip([x.arg for x in a.args][len(a.args) - len(a.defaults):], a.defaults))
+    defaults.update({k.arg: d for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    for n in [*names, *kwonly]:
+        if n not in bound:
+            if n not in defaults:
+                return None
+            bound[n] = defaults[n]
+    return bound
+
+
+def _substituted(test: ast.expr, values: dict[str, ast.expr]) -> ast.expr:
+    """``test`` with the named parameters replaced by the call site's argument expressions."""
+
+    class Sub(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return values[n.id] if n.id in values else n
+
+    import copy
+
+    return Sub().visit(copy.deepcopy(test))
 
 
 def _chosen_rotation(module: ModuleInfo, scope: Scope, node: ast.Call, chosen: ast.IfExp) -> _Rotation:
@@ -572,12 +716,31 @@ def _flagged_helper(module: ModuleInfo, node: ast.Call, fn: ast.FunctionDef, hsc
     if len(then_rets) != 1 or not isinstance(branch.body[-1], ast.Return):
         return _Rotation(None, f"rotation helper `{name}` has 2 return paths not chosen by one leading `if`: not verified", name)
     other = next(r for r in rets if r is not then_rets[0])
-    # the flag, read at the call site: self.<attr> of this class, or module-level names
+    # the flag, read at the call site: self.<attr> of this class, module-level names, or a parameter
+    # after the first bound to a plain argument of the call (Megatron's `_rotate_half(t, rotary_interleaved)`)
     via_self = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
     local = {a.arg for a in fn.args.args + fn.args.kwonlyargs} | set(hscope.assignments)
+    params = [a.arg for a in fn.args.args]
+    if isinstance(node.func, ast.Attribute) and params and params[0] in ("self", "cls") and not any(
+            isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
+        params = params[1:]
+    flags: dict[str, ast.expr] = {}
+    if len(node.args) > 1 or node.keywords:
+        bound = _bound_flags(fn, node, params)
+        test_ids = {id(n) for n in fast_walk(branch.test)}
+        # each flag parameter is read by the leading test only (the return paths use x alone) and never assigned
+        if bound is None or any(isinstance(n, ast.Name) and n.id in bound and (id(n) not in test_ids or not isinstance(n.ctx, ast.Load))
+                                for n in fast_walk(fn)):
+            return _Rotation(None, f"rotation helper `{name}` takes arguments besides the rotated tensor that its "
+                             "return paths use: not verified", name)
+        flags = {k: v for k, v in bound.items() if k in {n.id for n in fast_walk(branch.test) if isinstance(n, ast.Name)}}
+        if any(not all(isinstance(n, _PLAIN_ARG) for n in fast_walk(v)) for v in flags.values()):
+            return _Rotation(None, f"rotation helper `{name}` picks its return path by a default that is not a plain value: not verified", name)
     for n in fast_walk(branch.test):
         if isinstance(n, ast.Call):
             return _Rotation(None, f"rotation helper `{name}` picks its return path by a call (`{ast.unparse(branch.test)}`): not verified", name)
+        if isinstance(n, ast.Name) and n.id in flags:
+            continue
         if isinstance(n, ast.Name) and (n.id in local and not (via_self and n.id == "self")) and n.id not in module.functions:
             return _Rotation(None, f"rotation helper `{name}` picks its return path by `{ast.unparse(branch.test)}`, "
                              "a value the call site cannot read: not verified", name)
@@ -585,7 +748,7 @@ def _flagged_helper(module: ModuleInfo, node: ast.Call, fn: ast.FunctionDef, hsc
     for ret in (then_rets[0], other):
         rot = _rotation_expr(hscope, ret.value, is_param, module)
         kinds.append(rot.kind)
-    test = ast.unparse(branch.test)
+    test = ast.unparse(_substituted(branch.test, flags)) if flags else ast.unparse(branch.test)
     if kinds[0] is None and kinds[1] is None:
         return _Rotation(None, f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even) on either return path", name)
     if kinds[0] == kinds[1]:
@@ -752,6 +915,24 @@ class _Match:
     widen: str = ""  # a dtype the eager sum is promoted with too (a helper rotating in fp32)
     post: str = ""  # the original view/reshape applied to the fused result (same elements, same order)
     freqs: ast.expr | None = None  # the complex form's freqs operand (a product bound to a name elsewhere)
+    # the rotation is a lambda's body or a comprehension's element: the fused statements go into a
+    # local def called there
+    local: "_LocalFn | None" = None
+
+
+@dataclass
+class _LocalFn:
+    """A rotation inside a lambda or a comprehension, rewritten as a local function of ``param``
+    returning ``body`` (the fused statements inside it), with ``replace`` (a node of the statement)
+    replaced by ``call`` (``{fn}`` formatted with the function's name)."""
+
+    kind: str  # "lambda" | "comprehension"
+    param: str
+    body: ast.expr
+    replace: ast.AST
+    call: str
+    text: str  # the lambda / comprehension as written (report)
+    iterable: ast.expr | None  # what it is applied to: the first named tensor there is the guard
 
 
 def _is_float_cast(node: ast.AST) -> bool:
@@ -1263,13 +1444,24 @@ class RopePattern(Pattern):
                     and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text):
                 continue
             if "lambda" in st_text:
+                lambda_sites = 0
                 for lam, node in self._lambda_candidates(stmt, scope):
                     res = self._match(module, scope, node)
                     if isinstance(res, _Match):
-                        res = (f"the rotation is written in a lambda (`{segment(module, lam)}`): npufuse rewrites statements, "
-                               "not lambda bodies (the fused call needs its guard and table statements around it), so it is left as is")
+                        local = _lambda_local(module, lam, stmt)
+                        why = _local_refusal(module, scope, local, res) if lambda_sites == 0 else "a second rotation in the same statement"
+                        if why is None:
+                            res.local = local
+                            lambda_sites += 1
+                            _TORCH_IMPORTS.set(torch_imports)
+                            yield self._finding(module, scope, [(i, stmt, [res])])
+                            continue
+                        res = (f"the rotation is written in a lambda (`{segment(module, lam)}`): npufuse rewrites it as a local "
+                               f"function only where {why}, so it is left as is")
                     if isinstance(res, str):
                         yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, res)
+                if lambda_sites:
+                    continue
             matches: list[_Match] = []
             for node in self._candidates(stmt, scope):
                 res = self._match(module, scope, node)
@@ -1278,6 +1470,21 @@ class RopePattern(Pattern):
                 elif res is not None:
                     matches.append(res)
             if not matches:
+                continue
+            comp = next(((m, c) for m in matches if (c := _comprehension_of(module, stmt, m)) is not None), None)
+            if comp is not None:
+                # `q, k = [t * cos + rotate_half(t) * sin for t in (q, k)]`: its variable is not live at the
+                # statement, so the fused code goes into a local function called for each element
+                m, local = comp
+                why = _local_refusal(module, scope, local, m) if len(matches) == 1 else "a single rotation in the statement"
+                if why is None:
+                    m.local = local
+                    _TORCH_IMPORTS.set(torch_imports)
+                    yield self._finding(module, scope, [(i, stmt, [m])])
+                else:
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                                   f"the rotation is written in a comprehension (`{local.text}`): npufuse rewrites it as a local "
+                                   f"function only where {why}, so it is left as is")
                 continue
             anchored = [m for m in matches if m.anchor is not None]
             if anchored:
@@ -1779,6 +1986,10 @@ class RopePattern(Pattern):
         c0, s0 = _atom(m.cos), _atom(m.sin)
         m.prep = m.prep + [f"{shape} = (1,) * (4 - {c0}.dim()) + tuple({c0}.shape)  # cos as the eager product broadcasts it (leading 1s)"]
         check = f"{c0}.dim() <= 4 and {c0}.shape == {s0}.shape and {shape}[0] == 1 and ({shape}[1] == 1 or {shape}[2] == 1)"
+        if _is_name(m.x_text) and "." not in m.x_text:
+            # interleave mode takes B*N < 1000: with batch-free tables the leading dims of x other than S
+            # (the one dim where cos is not 1) are B and N; a [(b h), n, d] x lifted to [1, b*h, n, d] can pass it
+            check += f" and {m.x_text}.numel() // max({m.x_text}.shape[-1], 1) < 1000 * max({shape}[:3])"
         m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
         m.only_note = "cos/sin with a batch-dependent or more than 4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
         m.cos_info = _CosInfo(rank=m.cos_info.rank, batch_free=False, layout="layout not visible here, checked at run time")
@@ -2005,7 +2216,11 @@ class RopePattern(Pattern):
                     mode_arg = f", rotary_mode={m.mode_expr}"
                 reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
             target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
-            lines.append(replace_segments(module, target, reps))
+            local = matches[0].local
+            if local is not None:
+                lines.append(f"return ({replace_segments(module, local.body, reps)})")  # type: ignore[arg-type]
+            else:
+                lines.append(replace_segments(module, target, reps))
         if broadcast_note:
             notes.append("cos/sin come from the caller with a rank not visible here: they are given leading size-1 dims up to 4-D, "
                          "the broadcast the eager product makes (npu_rotary_mul rejects 2-D/3-D cos/sin)")
@@ -2066,8 +2281,9 @@ class RopePattern(Pattern):
         if conditions:
             cond = " and ".join(conditions) if len(conditions) == 1 else " and ".join(f"({c})" for c in conditions)
             span = [st for _i, st, _ms in items]
+            original = _block_text(module, span) if first.local is None else f"return ({segment(module, first.local.body)})"
             lines = hoisted + [f"if {cond}:"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
-                ["else:"] + ["    " + ln if ln.strip() else ln for ln in _block_text(module, span).splitlines()]
+                ["else:"] + ["    " + ln if ln.strip() else ln for ln in original.splitlines()]
             if any(m.suffix and m.mode == "complex" for m in all_matches):
                 notes.append("complex form with freqs of a layout not visible here: [T, N, D] tokens are seen as one batch [1, T, N, D]; "
                              "fused where x is 4-D and cos/sin batch-independent (npu_rotary_mul's interleave mode takes only "
@@ -2103,6 +2319,17 @@ class RopePattern(Pattern):
             params["mode"] = f"chosen at run time: {first.mode_expr}"
             variant = "rotation_chosen_at_run_time"
             notes.append(f"the rotation helper is chosen at run time; both choices are verified and rotary_mode follows the same condition ({first.mode_expr})")
+        if first.local is not None:
+            # the lambda / comprehension element becomes a local function holding the fused statements
+            # (closing over the same names); the statement calls it where it held them
+            local = first.local
+            fn = f"_npufuse_rope_{first_stmt.lineno}"
+            lines = [f"def {fn}({local.param}):"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
+                [replace_segments(module, first_stmt, [(local.replace, local.call.format(fn=fn))])]
+            guard = _local_guard(local) or guard
+            params[local.kind] = local.text
+            notes.append(f"the rotation is written in a {local.kind}: it becomes a local function `{fn}` holding the fused call "
+                         "(the same closure over the enclosing names), called where the original computed it")
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=first_stmt.lineno, end_line=last_stmt.end_lineno or last_stmt.lineno,
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
@@ -2140,6 +2367,11 @@ class RopePattern(Pattern):
                 break
         if isinstance(base, ast.Name):
             rank_ok = f"{base.id}.dim() <= 4"
+            # the table as the original code names it (a prepared _npufuse_ table is bound later)
+            table = m.cos if not m.cos.startswith("_npufuse_") else (m.cos_node.id if isinstance(m.cos_node, ast.Name) else "")
+            limits = _lifted_limits(base.id, table, m.mode) if table else ""
+            if limits:
+                rank_ok = f"{rank_ok} and {limits}"
             m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
 
     @staticmethod
@@ -4073,31 +4305,6 @@ RopePattern.KEEP += [
     ),
 ]
 
-RopePattern.KEEP += [
-    Keep(
-        # vit-pytorch rvt: the rotation is a lambda body mapped over (q, k): a true rotation, but not a statement
-        # npufuse can put behind its guard
-        '''
-import torch
-from torch import nn
-
-
-def rotate_every_two(x):
-    x = x.unflatten(-1, (-1, 2))
-    x1, x2 = x.unbind(dim=-1)
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
-
-
-class Attention(nn.Module):
-    def forward(self, q, k, pos_emb):
-        sin, cos = pos_emb
-        q, k = map(lambda t: (t * cos) + (rotate_every_two(t) * sin), (q, k))
-        return q, k
-''',
-        reason="the rotation is written in a lambda",
-        name="rotation_in_a_lambda",
-    ),
-]
 
 _REGROUPED_PAIRS = '''
 import torch
@@ -4148,5 +4355,260 @@ RopePattern.KEEP += [
                                  "xshaped = x.float().reshape(bsz, -1, self.seq_len, h_d, n_h // 2, 2)"),
         reason="",
         name="regrouped_view_not_head_dim_pairs",
+    ),
+]
+
+# --- ropeglu: TorchScript functions rewritten as a whole (issue 14, class 7) -------------------
+
+_SCRIPTED_ROPE = '''
+import torch
+
+
+def swap_halves(t):
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+@torch.jit.script
+def rotate_qk(q, k, cos, sin, start: int = 0):
+    cos = cos[start : q.shape[0] + start]
+    sin = sin[start : q.shape[0] + start]
+    return q * cos + swap_halves(q) * sin, k * cos + swap_halves(k) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # a @torch.jit.script rope [S, B, H, D] with offset slicing of the cache: the scripted original
+        # stays compiled (renamed) as the fallback, a Python wrapper of the same name runs the fused op
+        name="torchscript_function_lifted",
+        code=_SCRIPTED_ROPE,
+        expect={"mode": "half", "qualname": "<module>", "lifted_from": "rotate_qk"},
+        run='''
+q = torch.randn(5, 2, 3, 8, requires_grad=True)
+k = torch.randn(5, 2, 3, 8, requires_grad=True)
+cos, sin = torch.randn(9, 1, 1, 8), torch.randn(9, 1, 1, 8)
+out = rotate_qk(q, k, cos, sin, 3)
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # another scripted function calls it: that caller would compile the Python wrapper
+        _SCRIPTED_ROPE + '''
+
+@torch.jit.script
+def attend(q, k, cos, sin):
+    q, k = rotate_qk(q, k, cos, sin)
+    return q @ k.transpose(-1, -2)
+''',
+        reason="compiled code (`attend`) calls it",
+        name="torchscript_function_called_from_scripted_code",
+    ),
+    Keep(
+        # the rotated tensor is made inside the scripted function: no parameter to test the device of
+        # before the scripted original is chosen
+        _SCRIPTED_ROPE.replace("def rotate_qk(q, k, cos, sin, start: int = 0):\n",
+                               "def rotate_qk(q, k, cos, sin, start: int = 0):\n    q = q.float()\n"),
+        reason="is not a parameter left unchanged",
+        name="torchscript_guard_tensor_made_inside",
+    ),
+]
+
+
+# --- ropeglu: a helper whose return path a parameter picks (issue 14, class 2) -------------------
+
+_FLAG_PARAM_HELPER = '''
+import torch
+
+
+def _swap(x, interleaved: bool):
+    if not interleaved:
+        a, b = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-b, a), dim=-1)
+    else:
+        ev = x[..., ::2]
+        od = x[..., 1::2]
+        return torch.stack((-od, ev), dim=-1).flatten(-2)
+
+
+def rotate_sbhd(t, freqs, interleaved: bool = False, mscale: float = 1.0):
+    rot = freqs.shape[-1]
+    t, t_pass = t[..., :rot], t[..., rot:]
+    cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+    t = (t * cos_) + (_swap(t, interleaved) * sin_)
+    return torch.cat((t, t_pass), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # Megatron-style: the rotate helper's path picked by a parameter the call site passes on, cos/sin
+        # computed from freqs with a scale, partial rotary with the pass-through concatenated back, [S, B, H, D]
+        name="helper_path_picked_by_a_parameter",
+        code=_FLAG_PARAM_HELPER,
+        expect={"mode": "half", "variant": "rotate_half_chosen_at_run_time"},
+        run='''
+t = torch.randn(5, 2, 3, 12, requires_grad=True)
+freqs = torch.randn(5, 1, 1, 8)
+out = (rotate_sbhd(t, freqs, mscale=0.5), rotate_sbhd(t, freqs, True))
+leaves = [t]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the extra parameter also shapes the result (the cat dim): the helper is not a rotation by x alone
+        _FLAG_PARAM_HELPER.replace("def _swap(x, interleaved: bool):", "def _swap(x, interleaved: bool, dim: int = -1):")
+                          .replace("return torch.cat((-b, a), dim=-1)", "return torch.cat((-b, a), dim=dim)")
+                          .replace("_swap(t, interleaved)", "_swap(t, interleaved, -1)"),
+        reason="takes arguments besides the rotated tensor that its return paths use",
+        name="helper_extra_parameter_used_by_the_rotation",
+    ),
+    Keep(
+        # the flag reaches the helper as a call: evaluated again by the guard, it could differ
+        _FLAG_PARAM_HELPER.replace("_swap(t, interleaved)", "_swap(t, bool(interleaved))"),
+        reason="",
+        name="helper_flag_argument_is_a_call",
+    ),
+]
+
+
+# --- ropeglu: the rotation written as a lambda mapped over q and k (issue 14, class 2) -----------
+
+_LAMBDA_ROPE = '''
+import torch
+
+
+def rotate_pairs(x):
+    x = x.unflatten(-1, (-1, 2))
+    x1, x2 = x.unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotate_tokens(q, k, pos):
+    sin, cos = pos
+    rot = sin.shape[-1]
+    (q_cls, q), (k_cls, k) = map(lambda t: (t[:, :1], t[:, 1:]), (q, k))
+    (q, q_pass), (k, k_pass) = map(lambda t: (t[..., :rot], t[..., rot:]), (q, k))
+    q, k = map(lambda t: (t * cos) + (rotate_pairs(t) * sin), (q, k))
+    q, k = map(lambda t: torch.cat(t, dim=-1), ((q, q_pass), (k, k_pass)))
+    return torch.cat((q_cls, q), dim=1), torch.cat((k_cls, k), dim=1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # vit-pytorch rvt-style: [(b h), n, d] tokens (3-D), partial rotary, the class token left out, the
+        # rotation in a lambda mapped over (q, k): the lambda becomes a local function with the fused call
+        name="rotation_in_a_mapped_lambda",
+        code=_LAMBDA_ROPE,
+        expect={"mode": "interleave", "lambda": "lambda t: (t * cos) + (rotate_pairs(t) * sin)"},
+        run='''
+q = torch.randn(6, 5, 12, requires_grad=True)
+k = torch.randn(6, 5, 12, requires_grad=True)
+ang = torch.randn(1, 4, 4).repeat_interleave(2, dim=-1)
+out = rotate_tokens(q, k, (ang.sin(), ang.cos()))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the lambda is bound to a name and called later: no tensor to guard the statement on
+        _LAMBDA_ROPE.replace("    q, k = map(lambda t: (t * cos) + (rotate_pairs(t) * sin), (q, k))\n",
+                             "    rope = lambda t: (t * cos) + (rotate_pairs(t) * sin)\n    q, k = rope(q), rope(k)\n"),
+        reason="only where the lambda is mapped over a tuple or list of named tensors",
+        name="rotation_lambda_bound_to_a_name",
+    ),
+    Keep(
+        # the lambda's parameter shadows a local of the function (whose binding the matcher would read)
+        _LAMBDA_ROPE.replace("    rot = sin.shape[-1]\n", "    rot = sin.shape[-1]\n    t = q.float()\n"),
+        reason="only where the lambda's parameter is not also a name of the enclosing function",
+        name="rotation_lambda_parameter_shadows_a_local",
+    ),
+    Keep(
+        # the lambda rotates a tensor it closes over, not its parameter
+        _LAMBDA_ROPE.replace("lambda t: (t * cos) + (rotate_pairs(t) * sin)", "lambda t: (q * cos) + (rotate_pairs(q) * sin) + t"),
+        reason="only where the rotated tensor is the lambda's parameter",
+        name="rotation_lambda_of_a_closed_over_tensor",
+    ),
+]
+
+RopePattern.FUSE += [
+    Fuse(
+        # vit-pytorch rvt: the rotation is a lambda body mapped over (q, k) (was a near miss: now a local function)
+        name="rotation_in_a_lambda",
+        code='''
+import torch
+from torch import nn
+
+
+def rotate_every_two(x):
+    x = x.unflatten(-1, (-1, 2))
+    x1, x2 = x.unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def forward(self, q, k, pos_emb):
+        sin, cos = pos_emb
+        q, k = map(lambda t: (t * cos) + (rotate_every_two(t) * sin), (q, k))
+        return q, k
+''',
+        expect={"mode": "interleave"},
+        run='''
+q = torch.randn(2, 3, 5, 8, requires_grad=True)
+k = torch.randn(2, 3, 5, 8, requires_grad=True)
+ang = torch.randn(1, 1, 5, 4).repeat_interleave(2, dim=-1)
+out = Attention()(q, k, (ang.sin(), ang.cos()))
+leaves = [q, k]
+''',
+    ),
+]
+
+
+# --- ropeglu: the rotation written in a comprehension over q and k -------------------------------
+
+_COMPREHENSION_ROPE = '''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_both(q, k, cos, sin):
+    q, k = [t * cos + rotate_half(t) * sin for t in (q, k)]
+    return q, k
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # the comprehension's variable is not live at the statement (the guard tested it before: a NameError,
+        # or another tensor of that name): the element becomes a local function, guarded on q
+        name="rotation_in_a_comprehension",
+        code=_COMPREHENSION_ROPE,
+        expect={"mode": "half", "comprehension": "[t * cos + rotate_half(t) * sin for t in (q, k)]"},
+        run='''
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 6, 16, requires_grad=True)
+cos, sin = torch.randn(6, 16), torch.randn(6, 16)
+out = rotate_both(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # two loops: which variable is the parameter of a local function is not one name
+        _COMPREHENSION_ROPE.replace("q, k = [t * cos + rotate_half(t) * sin for t in (q, k)]",
+                                    "q, k = [t * cos + rotate_half(t) * sin for pair in ((q, k),) for t in pair]"),
+        reason="only where the comprehension has a single `for <name> in ...`",
+        name="rotation_in_a_comprehension_of_two_loops",
     ),
 ]

@@ -13,6 +13,7 @@ exact, but it adds a copy — merging the projections' weights into one is what 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -253,6 +254,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         value = init.get(f.attr)
         if value is not None:
             desc = f"self.{f.attr} = {ast.unparse(value)}"
+            if isinstance(value, ast.IfExp):
+                return _chosen_act(module, value, f, gate, ctx, desc)
             k = _module_act(module, value)
             if k is not None:
                 kind, extra = k
@@ -309,12 +312,37 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
     if isinstance(f, ast.Name):
+        local = S.definition(ctx, f.id)
+        if local is not None and isinstance(local[1], ast.IfExp):
+            # `act = F.silu if activation == "silu" else F.gelu` in this function
+            return _chosen_act(module, local[1], f, gate, ctx, f"{f.id} = {ast.unparse(local[1])}")
         fn = module.helper(f.id)
         if isinstance(fn, ast.FunctionDef) and S.definition(ctx, f.id) is None:
             k3 = _helper_act(module, fn)
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
+
+
+def _chosen_act(module: ModuleInfo, value: ast.IfExp, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """An activation object chosen by a condition (``nn.GELU() if use_gelu else nn.SiLU()``): both
+    choices must be activations npufuse knows. The same kind: that kind; different kinds: chosen
+    at run time like a configured activation, by testing the object itself (``isinstance(self.act,
+    nn.SiLU)``), so whichever the condition picked is fused correctly."""
+    kinds = []
+    for branch in (value.body, value.orelse):
+        k = _module_act(module, branch)
+        if k is None or k[0] in (CONFIG, GELU_DYN):
+            return None
+        kinds.append(k[0])
+    if kinds[0] == kinds[1]:
+        return Act(kinds[0], gate, ctx, desc, obj=f)
+    if not any(k in (SILU, GELU, GELU_TANH) for k in kinds):
+        if any("gelu" in k for k in kinds):
+            return None  # (a gelu variant: the geglu pattern's own wording does not fit a choice)
+        return Act(f"{kinds[0]} or {kinds[1]}", gate, ctx, desc, obj=f)  # a near miss: neither choice is fused
+    # a choice the fused ops do not compute (relu) runs the original code: the run-time test says so
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=SILU not in kinds)
 
 
 def _sequential_act(module: ModuleInfo, value: ast.expr, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
@@ -765,6 +793,10 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
     if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute)):
         name = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id
         args = [a for a in n.args if not isinstance(a, ast.Starred)]
+        if name in ("cat", "concat", "concatenate") and args:
+            # tensor-parallel slices: ``cat([F.linear(x, w_i) for ...], dim=-1)`` is a projection of x
+            # (the slices' outputs side by side along the output features)
+            return _sliced_projection_input(n, args[0], c)
         if name == "einsum" and len(args) == 3 and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str):
             # ``einsum("ti,taoi->tao", x, w)``: the same equation (spaces aside) on the same input
             return f"einsum[{args[0].value.replace(' ', '')}]{S.key(args[1], c)}"
@@ -778,6 +810,28 @@ def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
     if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
         return S.key(n.left, c)
     return None
+
+
+def _sliced_projection_input(call: ast.Call, parts: ast.expr, ctx: S.Ctx) -> str | None:
+    """The input key of a concatenation of projections of one input along the last dim, else None."""
+    dim = S.arg(call, "dim", 1)
+    if dim is None or const_value(dim) != -1:
+        return None
+    if isinstance(parts, (ast.ListComp, ast.GeneratorExp)) and len(parts.generators) == 1:
+        elts = [parts.elt]
+    elif isinstance(parts, (ast.List, ast.Tuple)) and len(parts.elts) > 1:
+        elts = list(parts.elts)
+    else:
+        return None
+    keys = set()
+    for e in elts:
+        if not (isinstance(e, ast.Call) or (isinstance(e, ast.BinOp) and isinstance(e.op, ast.MatMult))):
+            return None
+        keys.add(_projection_input(e, ctx))
+    if len(keys) != 1 or None in keys:
+        return None
+    (key,) = keys
+    return key
 
 
 def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, other_input: str | None = None) -> str | None:
@@ -1158,8 +1212,67 @@ def _optional_gate(scope: Scope, stmt: ast.stmt, g: Gate) -> str | None:
         return None
     return (f"optional gate: the activation (line {d[0].lineno}) runs on every path and the product only under "
             f"`if {ast.unparse(parent.test)}:`; a correct rewrite must restructure both into if/else (fused op "
-            "under the if, the activation alone otherwise), which npufuse does not do, and fusing the product "
-            "alone would compute the gate projection twice")
+            "under the if, the activation alone otherwise; fusing the product alone would compute the gate "
+            "projection twice), and npufuse cannot here")
+
+
+@dataclass
+class _OptionalBranch:
+    """``h = act(gate(x))`` then ``if <test>: ...; h = h * up(x); ...`` rewritten as one if/else:
+    the fused product (with the body's other statements, verbatim) under the test, the
+    activation statements (verbatim) otherwise."""
+
+    node: ast.If
+    product: ast.stmt
+    activation: list[ast.stmt]  # the statements computing the activation on every path, in order
+    kept: list[ast.stmt]  # statements of the span's block emitted verbatim before the if/else
+
+    def around(self, module: ModuleInfo, fused_product: str) -> str:
+        body = [fused_product if s is self.product else S.stmt_source(module, s) for s in self.node.body]
+        return "\n".join([f"if {S.source_of(module, self.node.test)}:", S.indent("\n".join(body)),
+                          "else:", S.indent(S.block_source(module, self.activation))])
+
+
+# what an optional gate's `if` may test: it is evaluated once, before the gate projection
+_PURE_TEST = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
+              ast.Is, ast.IsNot, ast.Not, ast.And, ast.Or, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
+              ast.In, ast.NotIn, ast.Tuple)
+
+
+def _optional_plan(module: ModuleInfo, scope: Scope, stmt: ast.stmt, g: Gate, trace: S.Trace) -> tuple[S.SpanPlan, _OptionalBranch] | str:
+    """The span and if/else of an optional gate (see :func:`_optional_gate`), or why it cannot be
+    restructured."""
+    idx = S.stmt_index(scope)
+    parent = idx.parent.get(id(stmt))
+    if not isinstance(parent, ast.If) or not any(x is stmt for x in parent.body):
+        return "the product is not directly in the body of the `if`"
+    if parent.orelse:
+        return "the `if` has an else branch"
+    if not all(isinstance(n, _PURE_TEST) for n in fast_walk(parent.test)):
+        return "the `if` test is not a plain comparison of names and attributes"
+    plan = S.plan_span(scope, parent, trace)
+    if isinstance(plan, str):
+        return plan
+    written = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
+    for s in parent.body:
+        if s is stmt:
+            continue
+        if S.names_read(s) & written or S.names_written(s) & written:
+            return f"another statement of the `if` body (line {s.lineno}) uses the activation's names"
+    if not written <= S.names_written(stmt):
+        return "the activation's names are not all overwritten by the product"
+    if S.names_read(parent.test) & written:
+        return "the `if` test reads the activation's result"
+    # kept statements now run before the activation statements (moved into the else branch)
+    read_by_activation = set().union(*(S.names_read(s) for s in plan.dropped)) if plan.dropped else set()
+    for s in plan.kept:
+        if S.names_written(s) & read_by_activation:
+            return f"line {s.lineno} changes what the activation reads"
+    # the body's other statements run before the fused product, inside the `if`: names they
+    # assign may appear in it (a render plan that counts them as kept); emitted by `around`
+    others = [x for x in parent.body if x is not stmt]
+    render_plan = dataclasses.replace(plan, kept=sorted([*plan.kept, *others], key=lambda x: x.lineno))
+    return render_plan, _OptionalBranch(parent, stmt, list(plan.dropped), list(plan.kept))
 
 
 def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[Gate]) -> list[GateResult]:
@@ -1185,18 +1298,24 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     for g in gates:
         trace.stmts.update(g.trace.stmts)
     plan = S.plan_span(scope, stmt, trace)
+    branch: _OptionalBranch | None = None
     if isinstance(plan, str):
         optional = _optional_gate(scope, stmt, g0)
-        return miss(optional or plan)
+        if optional is None:
+            return miss(plan)
+        opt = _optional_plan(module, scope, stmt, g0, trace)
+        if isinstance(opt, str):
+            return miss(f"{optional} ({opt})")
+        plan, branch = opt
     dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
     inner = {id(n) for g in gates for n in fast_walk(g.node)}
     outside = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inner} & dropped
     if outside:
-        return miss(f"intermediate `{sorted(outside)[0]}` reused after the fused region")
+        return miss(f"intermediate `{sorted(outside)[0]}` is also read elsewhere in the statement, outside the gated product the fused op replaces")
     guard = _guard(module, g0, plan)
     if guard is None:
         return miss("no input tensor live before the site to guard the fused branch on")
-    kept = [S.stmt_source(module, s) for s in plan.kept]
+    kept = [S.stmt_source(module, s) for s in (branch.kept if branch else plan.kept)]
     try:
         if kind == CONFIG:
             tests = _runtime_tests(module, g0.act, plan)
@@ -1208,18 +1327,22 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             body = []
             for i, (test, root) in enumerate(branches):
                 body.append(f"{'if' if i == 0 else 'elif'} {test}:")
-                body.append(S.indent("\n".join(kept + [root])))
+                body.append(S.indent("\n".join(kept + [branch.around(module, root) if branch else root])))
             body.append("else:  # an activation the fused ops do not compute: the original code")
             body.append(S.indent(S.block_source(module, plan.stmts)))
             fused = "\n".join(body)
         else:
             ak = approx_code_of(module, g0.act, kind, plan) if kind in GELU_KINDS else None
             root = S.splice(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
-            fused = "\n".join(kept + [root])
+            fused = "\n".join(kept + [branch.around(module, root) if branch else root])
     except S.RenderError as e:
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
+    if branch is not None:
+        params["optional_gate"] = ast.unparse(branch.node.test)
+        notes.append(f"optional up projection: fused under `if {params['optional_gate']}:`, the activation alone otherwise "
+                     f"(lines {plan.line}-{plan.end_line} restructured into if/else; the gate projection runs once on either path)")
     variant = ("halves_" + ("gate_first" if g0.halves.gate_index == 0 else "gate_second")) if g0.halves else "two_projections"
     f = Finding(
         pattern=pat,
@@ -2321,9 +2444,139 @@ Swiglu.FUSE += [
          name="injected_projections_caller_passes_tanh_gelu"),
 ]
 
+_OPTIONAL_UP = _INJECTED.replace(
+    "        return self.w2(self.activation(self.w1(x)) * self.w3(x))",
+    "        h = self.activation(self.w1(x))\n        if self.w3 is not None:\n            h = h * self.w3(x)\n        return self.w2(h)")
+
+Swiglu.FUSE += [
+    # the up projection is optional: activation on every path, the product only under the if ->
+    # one if/else: the fused op under the test, the activation alone otherwise (gate projected once)
+    Fuse(_OPTIONAL_UP, expect={"optional_gate": "self.w3 is not None", "line": 15, "end_line": 17},
+         run=_RUN_INJECTED.format(arg="") + '''
+m0 = FeedForward(gate_proj=nn.Linear(8, 12), down_proj=nn.Linear(12, 8))
+out = (out, m0(x))
+leaves = leaves + [m0.w1.weight]
+''', name="optional_up_projection_under_if"),
+]
+
 Swiglu.KEEP += [
-    # the up projection is optional: activation on every path, the product only under the if
-    Keep(_INJECTED.replace("        return self.w2(self.activation(self.w1(x)) * self.w3(x))",
-                           "        h = self.activation(self.w1(x))\n        if self.w3 is not None:\n            h = h * self.w3(x)\n        return self.w2(h)"),
-         reason="optional gate", name="optional_up_projection_under_if"),
+    # an else branch computes something else from the activation: not an optional gate npufuse restructures
+    Keep(_OPTIONAL_UP.replace("            h = h * self.w3(x)\n", "            h = h * self.w3(x)\n        else:\n            h = h * 2\n"),
+         reason="npufuse cannot here (the `if` has an else branch)", name="optional_up_projection_with_else"),
+    # the test reads the activation's result: it cannot be evaluated before the gate projection
+    Keep(_OPTIONAL_UP.replace("if self.w3 is not None:", "if h.requires_grad:"),
+         reason="the `if` test reads the activation's result", name="optional_up_projection_test_reads_activation"),
+]
+
+
+# --- ropeglu: projections computed in tensor-parallel slices (issue 14, class 6) ---------------
+
+_SLICED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SlicedMLP(nn.Module):
+    def __init__(self, d, h, parts):
+        super().__init__()
+        self.parts = parts
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        n = self.gate.weight.shape[0] // self.parts
+        gw = self.gate.weight.split(n, dim=0)
+        uw = self.up.weight.split(n, dim=0)
+        g = torch.cat([F.linear(x, gw[i]) for i in range(self.parts)], dim=-1)
+        u = torch.cat([F.linear(x, uw[i]) for i in range(self.parts)], dim=-1)
+        return self.down(F.silu(g) * u)
+'''
+
+Swiglu.FUSE += [
+    # gate and up each a concatenation of per-slice projections of x along the output features
+    Fuse(_SLICED, expect={"gate": "g", "up": "u"}, name="tensor_parallel_slices_concatenated",
+         run='''
+m = SlicedMLP(8, 12, 3)
+x = torch.randn(2, 5, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.up.weight]
+'''),
+]
+
+Swiglu.KEEP += [
+    # slices joined along the token dim: not the output features of one projection
+    Keep(_SLICED.replace("for i in range(self.parts)], dim=-1)\n        u", "for i in range(self.parts)], dim=0)\n        u"),
+         reason="not projections of one input", name="slices_concatenated_along_tokens"),
+    # the up slices project another input
+    Keep(_SLICED.replace("u = torch.cat([F.linear(x, uw[i])", "u = torch.cat([F.linear(x.flip(-1), uw[i])"),
+         reason="not projections of one input", name="slices_of_another_input"),
+]
+
+
+# --- ropeglu: an activation chosen by a condition (issue 14, class 6) ---------------------------
+
+_CHOSEN_ACT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PackedGLU(nn.Module):
+    def __init__(self, d, h, use_gelu=False):
+        super().__init__()
+        self.w12 = nn.Linear(d, 2 * h)
+        self.w3 = nn.Linear(h, d)
+        self.act = nn.GELU(approximate="tanh") if use_gelu else nn.SiLU()
+
+    def forward(self, x):
+        x1, x2 = self.w12(x).chunk(2, dim=-1)
+        return self.w3(self.act(x1) * x2)
+'''
+
+_CHOSEN_LOCAL_ACT = '''
+import torch
+import torch.nn.functional as F
+
+
+def glu_weights(x, w1, w2, w3, activation: str = "silu"):
+    act = F.silu if activation == "silu" else F.gelu
+    return (act(x @ w1) * (x @ w3)) @ w2
+'''
+
+Swiglu.FUSE += [
+    # the activation object picked by a constructor flag: tested at run time (isinstance), each choice fused
+    # with its op; the packed projection self.w12(x) computed once on every branch
+    Fuse(_CHOSEN_ACT, expect={"activation": "config", "runtime_check": "activation type"}, name="activation_chosen_by_a_flag",
+         run='''
+x = torch.randn(2, 3, 8, requires_grad=True)
+m1, m2 = PackedGLU(8, 12), PackedGLU(8, 12, use_gelu=True)
+out = (m1(x), m2(x))
+leaves = [x, m1.w12.weight, m2.w12.weight]
+'''),
+    # a local `act = F.silu if ... else F.gelu` in a function taking the weights
+    Fuse(_CHOSEN_LOCAL_ACT, expect={"activation": "config", "gate": "x @ w1"}, name="local_activation_chosen_by_an_argument",
+         run='''
+x = torch.randn(5, 8, requires_grad=True)
+w1, w3, w2 = torch.randn(8, 12), torch.randn(8, 12), torch.randn(12, 8)
+out = (glu_weights(x, w1, w2, w3), glu_weights(x, w1, w2, w3, "gelu"))
+leaves = [x]
+'''),
+]
+
+Swiglu.KEEP += [
+    # neither choice is an activation a fused gated op computes
+    Keep(_CHOSEN_ACT.replace('nn.GELU(approximate="tanh") if use_gelu else nn.SiLU()', "nn.ReLU() if use_gelu else nn.Tanh()"),
+         reason="activation is not silu (relu or tanh: self.act = nn.ReLU() if use_gelu else nn.Tanh())", name="activation_chosen_between_unfusable_ones"),
+    # a callable picked between non-activations (a module chosen by the flag) is no activation at all
+    Keep(_CHOSEN_ACT.replace('nn.GELU(approximate="tanh") if use_gelu else nn.SiLU()', "nn.Identity() if use_gelu else nn.Linear(12, 12)"),
+         reason="", name="callable_chosen_between_non_activations"),
+]
+
+Swiglu.KEEP += [
+    # the optional product written as a conditional expression: its else arm reads the activation itself
+    Keep(_OPTIONAL_UP.replace("        if self.w3 is not None:\n            h = h * self.w3(x)\n",
+                              "        h = h * self.w3(x) if self.w3 is not None else h\n"),
+         reason="is also read elsewhere in the statement", name="optional_up_projection_in_a_conditional_expression"),
 ]

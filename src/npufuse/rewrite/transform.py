@@ -20,6 +20,7 @@ node-level insert could not tell on removal which blank lines were ours.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass, field
 
@@ -98,6 +99,18 @@ def _fused_statements(fused: str) -> list:
     return body
 
 
+def _lifted(edit: SiteEdit) -> tuple[str, str]:
+    """(fused text, ``if`` test) of a site. A site lifted out of a TorchScript-compiled function
+    (npufuse.patterns._compiled) is a module-level definition whose fused text holds the
+    placeholder ``LIFTED_GUARD`` where the site's guard goes (inside the Python wrapper, where
+    its tensor is in scope); its module-level test is ``LIFTED_TEST``."""
+    from npufuse.patterns._compiled import LIFTED_GUARD, LIFTED_TEST
+
+    if LIFTED_GUARD not in edit.fused:
+        return edit.fused, edit.guard
+    return re.sub(rf"\b{LIFTED_GUARD}\b", lambda _m: edit.guard, edit.fused), LIFTED_TEST
+
+
 class _SiteRewriter(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
@@ -158,9 +171,10 @@ class _SiteRewriter(cst.CSTTransformer):
             # Comments/blank lines above the first statement stay above the new `if`.
             leading = first.leading_lines
             originals[0] = first.with_changes(leading_lines=())
+            fused_text, guard_text = _lifted(edit)
             try:
-                fused_body = _fused_statements(edit.fused)
-                test = parse_expression(edit.guard)
+                fused_body = _fused_statements(fused_text)
+                test = parse_expression(guard_text)
             except cst.ParserSyntaxError as exc:
                 self._skip(edit, f"generated code does not parse: {exc.message}")
                 out.extend(upd[i : j + 1])
