@@ -65,28 +65,29 @@ def relevant(module: ModuleInfo) -> bool:
 
 def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
     """Findings and near misses for library norms in one scope."""
-    if scope.qualname == "<module>" or not relevant(module):
+    if not relevant(module):
         return
-    norm_attrs = _norm_attributes(module, scope.class_name)
     text = S.scope_text(module, scope)
+    idx = S.stmt_index(scope)
+    out: list[Result] = []
+    if "RMSNorm" in text or (scope.qualname.endswith(".__init__") and rms_subclass(module, scope.class_name)):
+        # nn.RMSNorm modules: swapped where they are constructed (see construction_sites)
+        out.extend(construction_sites(module, scope, idx))
+    if scope.qualname == "<module>":
+        out.sort(key=lambda r: r.line)
+        yield from out
+        return
     l2 = _l2_text(text)
-    if not ("rms_norm" in text or l2 or any(f"self.{a}(" in text for a in norm_attrs)):
+    if not ("rms_norm" in text or l2):
+        yield from out
         return
     calls = scope.nodes().get(ast.Call, [])
-    idx = S.stmt_index(scope)
     sites: dict[int, list[_Site]] = {}
     missed: set[int] = set()
-    out: list[Result] = []
     for call in calls:
-        name = canonical.api(module, call.func)
-        if name == RMS_NORM_FN:
-            found = list(_functional(module, scope, idx, call))
-        elif norm_attrs and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) \
-                and call.func.value.id == "self" and call.func.attr in norm_attrs:
-            found = list(_module_call(module, scope, idx, call, norm_attrs[call.func.attr]))
-        else:
+        if canonical.api(module, call.func) != RMS_NORM_FN:
             continue
-        for r in found:
+        for r in _functional(module, scope, idx, call):
             if isinstance(r, _Site):
                 sites.setdefault(id(r.stmt), []).append(r)
             else:
@@ -243,39 +244,6 @@ def _functional(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Ca
     yield _Site(stmt, call, expr, guard, params, variant, notes)
 
 
-def _norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, list[ast.expr]]:
-    """``attr -> [values assigned to self.attr in __init__]`` for the attributes of which at least
-    one assignment constructs ``nn.RMSNorm`` (cached per class)."""
-    if not class_name or class_name not in module.classes:
-        return {}
-    cache = module.__dict__.setdefault("_npufuse_library_norms", {})
-    if class_name in cache:
-        return cache[class_name]
-    found: dict[str, list[ast.expr]] = {}
-    for item in module.classes[class_name].body:
-        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-            for n in S._stmts_in(item.body):
-                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) and n.value is not None else []
-                for t in targets:
-                    d = dotted(t)
-                    if d and d.startswith("self.") and d.count(".") == 1:
-                        found.setdefault(d[5:], []).append(n.value)  # type: ignore[union-attr]
-    out = {a: vs for a, vs in found.items() if any(_rms_ctor(module, v) is not None for v in vs)}
-    cache[class_name] = out
-    return out
-
-
-def _rms_ctor(module: ModuleInfo, value: ast.expr) -> ast.Call | None:
-    """The ``nn.RMSNorm(...)`` call of an assigned value (also one branch of ``a if c else b``)."""
-    if isinstance(value, ast.Call) and canonical.api(module, value.func) == RMS_NORM_CLASS:
-        return value
-    if isinstance(value, ast.Call) and rms_subclass(module, dotted(value.func)):
-        return value
-    if isinstance(value, ast.IfExp):
-        return _rms_ctor(module, value.body) or _rms_ctor(module, value.orelse)
-    return None
-
-
 def rms_subclass(module: ModuleInfo, name: str | None) -> bool:
     """A class of this module deriving from ``nn.RMSNorm`` without its own ``forward``
     (torchtitan's configurable ``class RMSNorm(nn.RMSNorm, Module)``): it computes nn.RMSNorm."""
@@ -285,65 +253,110 @@ def rms_subclass(module: ModuleInfo, name: str | None) -> bool:
     return any(canonical.api(module, b) == RMS_NORM_CLASS for b in cls.bases)
 
 
-def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call, values: list[ast.expr]) -> Iterator["Result | _Site"]:
-    stmt = _stmt_of(idx, scope, call)
-    if stmt is None:
-        return
-    attr = f"self.{call.func.attr}"  # type: ignore[union-attr]
-    done = S.already_fused(module, scope, stmt)
-    if done:
-        yield _miss(scope, stmt, done)
-        return
-    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
-        yield _miss(scope, stmt, f"{attr} is an nn.RMSNorm called with other than one input")
-        return
+# --- nn.RMSNorm modules: swapped where they are constructed --------------------------------
+#
+# A port replaces the module, not each call: the finding is the statement constructing it
+# (``self.norm = nn.RMSNorm(dim, eps=eps)``; where humans point), and the fused branch constructs
+# the same module and gives that instance a forward that runs ``npu_rms_norm`` on NPU input and
+# nn.RMSNorm's own forward otherwise. The instance stays an nn.RMSNorm: its ``weight`` parameter,
+# ``eps``, ``normalized_shape`` and state_dict keys are unchanged (checkpoints load as before),
+# every call site is covered (``self.norm(x.permute(...))``, calls from other classes), and the
+# weightless and ``eps=None`` cases are read from the instance at run time. The switch is read
+# at construction; the device is checked on every call. A subclass of nn.RMSNorm without its own
+# forward (torchtitan) is swapped in its own ``__init__``, right after ``super().__init__(...)``.
+
+_SWAP = "_npufuse_rms_norm_swap"
+
+_SWAP_RISKS = [
+    Risk("other", "the module's forward is replaced on the instance by a function defined where it is constructed: "
+                  "pickling the whole module (torch.save(model), not its state_dict) and torch.jit.script of it "
+                  "fail; deepcopy, state_dict and torch.compile work"),
+]
+
+
+def _swap_helper(T: str) -> str:
+    """The statements defining the swap: a local function, so the file needs nothing new imported."""
+    return "\n".join([
+        f"def {_SWAP}(norm):",
+        "    # nn.RMSNorm's forward through torch_npu.npu_rms_norm for NPU input; weight, eps and the",
+        "    # state_dict keys stay those of the nn.RMSNorm instance",
+        "    def forward(self, x):",
+        f"        if _npufuse_on_npu(x) and type(self).forward is {T}.nn.RMSNorm.forward and 2 <= x.dim() <= 8:",
+        f"            gamma = self.weight if self.weight is not None else {T}.ones(self.normalized_shape, dtype=x.dtype, device=x.device)",
+        f"            eps = self.eps if self.eps is not None else {float32_eps(T)}",
+        "            return torch_npu.npu_rms_norm(x, gamma, epsilon=eps)[0]",
+        "        return type(self).forward(self, x)",
+        "",
+        "    norm.forward = forward.__get__(norm)",
+        "    return norm",
+        "",
+    ])
+
+
+def _ctor_call(module: ModuleInfo, call: ast.Call) -> str | None:
+    """The class a call constructs when it is PyTorch's RMSNorm (or a subclass of this module
+    without forward nor __init__ of its own: one with an ``__init__`` is swapped there)."""
+    if canonical.api(module, call.func) == RMS_NORM_CLASS:
+        return "nn.RMSNorm"
+    name = dotted(call.func)
+    if rms_subclass(module, name) and S.method(module, name, "__init__") is None:
+        return name
+    return None
+
+
+def _super_init(stmt: ast.stmt) -> bool:
+    """``super().__init__(...)`` as a statement."""
+    if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
+        return False
+    f = stmt.value.func
+    return isinstance(f, ast.Attribute) and f.attr == "__init__" and isinstance(f.value, ast.Call) \
+        and isinstance(f.value.func, ast.Name) and f.value.func.id == "super"
+
+
+def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """One finding per statement constructing nn.RMSNorm modules (each construction wrapped in the
+    swap), and the ``super().__init__`` of an nn.RMSNorm subclass without its own forward."""
     T = S.torch_name(module) or "torch"
-    ctors = [_rms_ctor(module, v) for v in values]
-    only_rms = len(values) == 1 and isinstance(values[0], ast.Call) and ctors[0] is not None \
-        and canonical.api(module, values[0].func) == RMS_NORM_CLASS
-    ctor = ctors[0] if only_rms else None
-    notes: list[str] = []
-    conditions: list[str] = []
-    if not only_rms:
-        # another module may sit in the attribute (``RMSNorm(d) if cfg.rms else LayerNorm(d)``):
-        # the fused branch runs only when it really is PyTorch's RMSNorm
-        conditions.append(f"type({attr}).forward is {T}.nn.RMSNorm.forward")
-        notes.append(f"{attr} is not always an nn.RMSNorm (assigned conditionally or more than once, or a subclass): "
-                     "the fused branch checks that nn.RMSNorm's forward is what runs")
-    x = call.args[0]
-    x_src = S.source_of(module, x)
-    affine = keyword(ctor, "elementwise_affine", 2) if ctor is not None else None
-    affine_value = const_value(affine) if affine is not None else True
-    if ctor is not None and affine_value is False:
-        if not _atom(x):
-            yield _miss(scope, stmt, f"{attr} has no weight (elementwise_affine=False) and its input is an inline expression: "
-                                     "the replacement needs the input twice; bind it to a name first")
-            return
-        gamma = f"{T}.ones({attr}.normalized_shape, dtype={x_src}.dtype, device={x_src}.device)"
-        guard = x_src
-    else:
-        gamma = f"{attr}.weight"
-        # the guard runs before the fused branch's own checks: the input when it is a name (a
-        # tensor whatever sits in the attribute), the weight only when the attribute surely
-        # holds an nn.RMSNorm with one
-        guard = x_src if _atom(x) else gamma if only_rms and affine_value is True else None
-        if guard is None:
-            yield _miss(scope, stmt, f"{attr} may hold another module and its input is an inline expression: no tensor "
-                                     "to check the device of before the call; bind the input to a name first")
-            return
-        if ctor is None or affine_value is not True:
-            conditions.append(f"{attr}.weight is not None")
-    eps_node = keyword(ctor, "eps", 1) if ctor is not None else None
-    if ctor is not None and (eps_node is None or type(const_value(eps_node)) in (int, float) or const_value(eps_node) is None):
-        e = _eps_code(eps_node, module, T, notes)
-    else:
-        # eps from the config, a parameter, or another constructor: the instance knows it
-        e = (eps_or_default(f"{attr}.eps", T), f"{attr}.eps")
-        notes.append(f"eps read from {attr}.eps at run time; None means torch.finfo(torch.float32).eps, as in PyTorch's kernel")
-    assert e is not None
-    expr = f"torch_npu.npu_rms_norm({x_src}, {gamma}, epsilon={e[0]})[0]"
-    params = {"eps": e[1], "weight": None if gamma.startswith(f"{T}.ones") else gamma, "source": "library", "module": attr, "x": x_src}
-    yield _Site(stmt, call, expr, guard, params, "nn_rmsnorm", notes, conditions)
+    cls_name = scope.class_name
+    subclass_init = scope.qualname.endswith(".__init__") and rms_subclass(module, cls_name)
+    for stmt in idx.stmts:
+        if not S.simple_stmt(stmt):
+            continue
+        if subclass_init and _super_init(stmt) and idx.parent.get(id(stmt)) is None:
+            ctors: list[ast.Call] = []
+            classes = [cls_name or ""]
+        else:
+            ctors = [n for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and _ctor_call(module, n) is not None]
+            if not ctors:
+                continue
+            classes = [_ctor_call(module, c) or "" for c in ctors]
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        if ctors:
+            body = S.splice(module, stmt, [(c, f"{_SWAP}({S.source_of(module, c)})") for c in ctors])
+        else:
+            body = S.stmt_source(module, stmt) + f"\n{_SWAP}(self)"
+        params: dict = {"source": "library", "module": ", ".join(dict.fromkeys(classes)), "constructions": max(len(ctors), 1),
+                        "eps": "the module's eps (None: torch.finfo(torch.float32).eps)", "weight": "the module's weight"}
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+        if target is not None and dotted(target):
+            params["target"] = dotted(target)
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params=params, fused=_swap_helper(T) + body,
+            # nothing is a tensor yet where a module is built: the guard asks only whether
+            # torch_npu is loaded (it gives torch.Tensor its is_npu property); the swapped forward
+            # checks the device of each input
+            guard_tensor=f"{T}.Tensor", confidence="high", variant="nn_rmsnorm",
+            risks=[*_RISKS, *_SWAP_RISKS],
+            notes=["unfused: PyTorch's RMSNorm (several kernels on NPU); fused: 1",
+                   "the module is swapped where it is built: every call of it runs npu_rms_norm on NPU input "
+                   "(weight and eps read from the instance; eps=None means torch.finfo(torch.float32).eps, as in "
+                   "PyTorch's kernel; no weight: ones of normalized_shape)"],
+            training_ok=True,
+        )
 
 
 # --- L2-normalisation RMSNorms: ``F.normalize(x, dim=-1) * sqrt(d) * g`` and

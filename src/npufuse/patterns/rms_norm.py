@@ -2281,15 +2281,15 @@ _RUN_BLOCK_BF16 = (
 RmsNorm.FUSE += [
     Fuse(
         _NN_RMSNORM_BLOCK,
-        expect={"variant": "nn_rmsnorm", "module": "self.attention_norm", "eps": "self.attention_norm.eps",
-                "weight": "self.attention_norm.weight", "qualname": "Block.forward", "line": 14, "end_line": 14},
+        expect={"variant": "nn_rmsnorm", "module": "nn.RMSNorm", "target": "self.attention_norm",
+                "qualname": "Block.__init__", "line": 9, "end_line": 9},
         run=_RUN_BLOCK_BF16,
         name="nn_rmsnorm_modules",
     ),
     Fuse(
         # eps omitted: PyTorch takes float32's epsilon for bf16 input (not bf16's; see _library_norm)
         _NN_RMSNORM_DEFAULT_EPS,
-        expect={"variant": "nn_rmsnorm", "eps": "finfo(float32).eps", "weight": "self.norm.weight"},
+        expect={"variant": "nn_rmsnorm", "target": "self.norm", "qualname": "Layer.__init__"},
         run=("m = Layer(16).to(th.bfloat16)\nx = (th.randn(3, 4, 16) * 1e-3).to(th.bfloat16).requires_grad_()\n"
              "out = m(x)\nleaves = [x, m.norm.weight]\n"),
         name="nn_rmsnorm_default_eps_tiny_input",
@@ -2309,7 +2309,7 @@ RmsNorm.FUSE += [
     ),
     Fuse(
         _NN_RMSNORM_CONDITIONAL,
-        expect={"variant": "nn_rmsnorm", "module": "self.norm"},
+        expect={"variant": "nn_rmsnorm", "target": "self.norm", "module": "nn.RMSNorm"},
         run=("m = Block(16)\nwith torch.no_grad():\n    m.norm.weight.normal_()\nx = torch.randn(4, 16, requires_grad=True)\n"
              "out = (m(x), Block(16, use_rms=False)(x))\nleaves = [x]\n"),
         name="nn_rmsnorm_or_layernorm_by_flag",
@@ -2329,23 +2329,42 @@ def norm_all(x, w, eps):
         reason="neither the input nor the weight",
         name="f_rms_norm_of_inline_expressions",
     ),
-    Keep(
-        '''
+]
+
+_NN_RMSNORM_MANY = '''
 import torch
 from torch import nn
 
 
 class Head(nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, depth=2):
         super().__init__()
         self.norm = nn.RMSNorm(dim, elementwise_affine=False)
+        self.norms = nn.ModuleList([nn.RMSNorm(dim, eps=1e-6) for _ in range(depth)])
+        self.grid_norm = nn.RMSNorm([4, dim])
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x):
-        return self.out(self.norm(self.out(x)))
-''',
-        reason="no weight (elementwise_affine=False) and its input is an inline expression",
-        name="nn_rmsnorm_no_weight_inline_input",
+        h = self.out(self.norm(self.out(x)))
+        for n in self.norms:
+            h = n(h.permute(0, 2, 1, 3))
+        return self.grid_norm(h)
+
+
+def make_norm(dim):
+    return nn.RMSNorm(dim, eps=None)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # no weight (ones gamma), one statement building several modules, a multi-dim normalized_shape
+        # (npu_rms_norm normalises gamma's trailing dims), a permuted input at the call
+        _NN_RMSNORM_MANY,
+        expect={"variant": "nn_rmsnorm", "target": "self.norm", "qualname": "Head.__init__", "line": 9},
+        run=("m = Head(8)\nwith torch.no_grad():\n    m.grid_norm.weight.normal_()\n    m.norms[1].weight.normal_()\n"
+             "x = torch.randn(2, 4, 4, 8, requires_grad=True)\nf = make_norm(8)\nout = (m(x), f(x))\n"
+             "leaves = [x, m.grid_norm.weight, m.norms[1].weight]\n"),
+        name="nn_rmsnorm_no_weight_list_multidim_factory",
     ),
 ]
 
@@ -2774,7 +2793,7 @@ class Block(nn.Module):
 '''
 
 RmsNorm.FUSE += [
-    Fuse(_RMSNORM_SUBCLASS, expect={"variant": "nn_rmsnorm", "module": "self.norm", "eps": "self.norm.eps", "weight": "self.norm.weight"},
+    Fuse(_RMSNORM_SUBCLASS, expect={"variant": "nn_rmsnorm", "module": "RMSNorm", "qualname": "RMSNorm.__init__", "line": 10},
          run=("m = Block(16).to(torch.bfloat16)\nwith torch.no_grad():\n    m.norm.weight.normal_()\n"
               "x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x, m.norm.weight]\n"),
          name="nn_rmsnorm_subclass_without_forward"),
