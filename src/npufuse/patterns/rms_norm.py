@@ -1172,7 +1172,7 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
                 results.append(SiteResult(stmt, None, None, NearMiss("rms_norm", scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, e.reason), e.rstd))
                 inside.append(node)
                 continue
-            if is_name:
+            if is_name and m.condition is None:
                 continue  # the statement that computes it is matched on its own (smaller span)
             inside.append(node)
             res = _finalize(module, scope, stmt, m)
@@ -2812,4 +2812,51 @@ RmsNorm.FUSE += [
     Fuse(_L2_NORMALIZE.replace("F.normalize(x, dim=-1) * self.scale * self.gamma", "F.normalize(x, dim=-1) * x.shape[-1] ** 0.5 * self.gamma"),
          expect={"variant": "l2_normalize", "weight": "(x.shape[-1] ** 0.5) * (self.gamma)"},
          run=_L2_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", w="gamma"), name="f_normalize_times_inline_sqrt_d"),
+]
+
+
+# -- norms with an optional weight applied in a branch, the result returned by name (issue 14) ------
+
+_OPTIONAL_WEIGHT_BY_NAME = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, elementwise_affine=True, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float()).type_as(x)
+        if hasattr(self, "weight"):
+            output = output * self.weight
+        return output
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # the weight exists only with elementwise_affine: fused with it, the original code without it
+        _OPTIONAL_WEIGHT_BY_NAME,
+        expect={"weight": "self.weight", "weight_condition": 'hasattr(self, "weight")', "qualname": "RMSNorm.forward",
+                "line": 17, "end_line": 20},
+        run=("m = RMSNorm(16).to(torch.bfloat16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+             "x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = (m(x), RMSNorm(16, elementwise_affine=False)(x))\nleaves = [x, m.weight]\n"),
+        name="optional_weight_in_a_branch_returned_by_name",
+    ),
+    Fuse(
+        _OPTIONAL_WEIGHT_BY_NAME.replace("if elementwise_affine:\n            self.weight = nn.Parameter(torch.ones(dim))",
+                                         "self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None")
+                                .replace('if hasattr(self, "weight"):', "if self.weight is not None:"),
+        expect={"weight": "self.weight", "weight_condition": "self.weight is not None"},
+        run=("m = RMSNorm(16)\nwith torch.no_grad():\n    m.weight.normal_()\nx = torch.randn(2, 3, 16, requires_grad=True)\n"
+             "out = (m(x), RMSNorm(16, elementwise_affine=False)(x))\nleaves = [x, m.weight]\n"),
+        name="weight_is_not_none_branch_returned_by_name",
+    ),
 ]
