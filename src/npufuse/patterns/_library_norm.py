@@ -77,7 +77,7 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         out.sort(key=lambda r: r.line)
         yield from out
         return
-    l2 = _l2_text(text)
+    l2 = _l2_text(text) or any(f"{h}(" in text for h in _l2_helpers(module))
     if not ("rms_norm" in text or l2):
         yield from out
         return
@@ -375,6 +375,22 @@ _CLAMP_RISK = Risk("numerics", "eps is a clamp on the norm in the original (x / 
                                "except on rows whose norm is near eps (near-zero rows), where the two differ slightly")
 
 
+def _l2_helpers(module: ModuleInfo) -> tuple[str, ...]:
+    """Module-level one-line ``F.normalize(t, dim=-1)`` helpers (lucidrains' ``l2norm``), cached:
+    a scope calling one is read for the L2 spelling of an RMSNorm."""
+    cached = module.__dict__.get("_npufuse_l2_helpers")
+    if cached is None:
+        names = []
+        if "normalize(" in module.source:
+            for fn in module.tree.body:
+                if isinstance(fn, ast.FunctionDef) and len(fn.body) <= 2 and isinstance(fn.body[-1], ast.Return):
+                    probe = ast.Call(ast.Name(fn.name, ast.Load()), [ast.Name("x", ast.Load())], [])
+                    if canonical.l2_normalize_of(module, probe) is not None:
+                        names.append(fn.name)
+        cached = module.__dict__["_npufuse_l2_helpers"] = tuple(names)
+    return cached
+
+
 def _l2_text(text: str) -> bool:
     return "normalize(" in text or ("norm(" in text and "clamp" in text)
 
@@ -438,15 +454,23 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         name = canonical.api(module, call.func)  # type: ignore[arg-type]
         S_factors: list[ast.expr] = []
         prev: ast.stmt | None = None
-        if name == NORMALIZE_FN:
-            x = keyword(call, "input", 0)  # type: ignore[arg-type]
-            dim, p, eps = keyword(call, "dim", 2), keyword(call, "p", 1), keyword(call, "eps", 3)  # type: ignore[arg-type]
-            if x is None or S.const_dim(dim) != -1 or (p is not None and const_value(p) not in (2, 2.0)):
-                continue
+        l2n = canonical.l2_normalize_of(module, call)
+        if l2n is not None:
+            x, eps = l2n.x, l2n.eps
             eps_src = S.source_of(module, eps) if eps is not None else "1e-12"
             stmt = _stmt_of(idx, scope, call)  # type: ignore[arg-type]
             unit: ast.expr = call  # type: ignore[assignment]
-            spelling = "F.normalize(x, dim=-1)"
+            spelling = "F.normalize(x, dim=-1)" if l2n.via_helper is None else f"{l2n.via_helper}(x) (F.normalize(x, dim=-1))"
+            if stmt is not None and isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1 \
+                    and isinstance(stmt.targets[0], ast.Name):
+                # ``normed = F.normalize(x, dim=-1)`` then ``normed * scale * gamma`` on the next line
+                loc = idx.block.get(id(stmt))
+                nxt = loc[0][loc[1] + 1] if loc is not None and loc[1] + 1 < len(loc[0]) else None
+                use = next((n for n in S.iter_exprs_topdown(nxt) if isinstance(n, ast.Name) and n.id == stmt.targets[0].id), None) \
+                    if nxt is not None and S.simple_stmt(nxt) else None
+                if use is None:
+                    continue
+                prev, stmt, unit = stmt, nxt, use
         else:
             clamp = canonical.clamp_min_of(module, call)  # type: ignore[arg-type]
             if clamp is None:
@@ -525,22 +549,23 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         fused_expr = (f"torch_npu.npu_rms_norm({xs_}, _npu_g.to({xs_}.dtype), epsilon=float(({eps_src}) / ({scale})) ** 2)[0]"
                       f".to({T}.result_type({xs_}, _npu_p))")
         new_stmt = S.splice(module, stmt, [(node, fused_expr)])
+        after_expr = (f"(torch_npu.npu_rms_norm({xs_}, {xs_}.new_ones({xs_}.shape[-1]), epsilon=float(({eps_src}) / ({scale})) ** 2)[0]"
+                      f" * _npu_g).to({T}.result_type({xs_}, _npu_p))")
         first = prev if prev is not None and not scope.uses_after(prev.targets[0].id, stmt.end_lineno or stmt.lineno) else None  # type: ignore[attr-defined]
-        original = S.block_source(module, [first, stmt] if first is not None else [stmt])
         fused = "\n".join([
             f"_npu_p = {P}",
             "# gamma = P / (s * sqrt(d)): the gain over the rms (||x|| = sqrt(d) * rms(x))",
             f"_npu_g = {xs_}.new_ones({xs_}.shape[-1], dtype={T}.float32) * _npu_p / ({scale})",
             "if _npu_g.dim() == 1:",
             S.indent(new_stmt),
-            "else:  # a gain that is not one value per feature: the original code",
-            S.indent(S.stmt_source(module, stmt) if first is None else original),
+            "else:  # a gain that is not one value per feature (per head, per sample): multiplied after the norm",
+            S.indent(S.splice(module, stmt, [(node, after_expr)])),
         ])
         start = first if first is not None else stmt
         yield Finding(
             pattern="rms_norm", qualname=scope.qualname, line=start.lineno, end_line=stmt.end_lineno or stmt.lineno,
             params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": xs_, "source": "l2_normalize"},
-            fused=fused, guard_tensor=xs_, confidence="medium", variant="l2_normalize" if name == NORMALIZE_FN else "l2_norm_clamp",
+            fused=fused, guard_tensor=xs_, confidence="medium", variant="l2_normalize" if l2n is not None else "l2_norm_clamp",
             risks=[*_RISKS, _CLAMP_RISK],
             notes=[f"{spelling} with a sqrt(d) factor is x / rms(x): replaced by npu_rms_norm with the gain folded into gamma",
                    "eps: a clamp on the norm in the original, inside the root in the fused op (see the risk)"],

@@ -2860,3 +2860,62 @@ RmsNorm.FUSE += [
         name="weight_is_not_none_branch_returned_by_name",
     ),
 ]
+
+
+# -- L2 spellings through a one-line helper, a named intermediate, a per-head gain (issue 14, class 1) --
+
+_L2_HELPER_AND_HEADS = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def l2norm(t):
+    return F.normalize(t, dim = -1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return l2norm(x) * self.scale * self.gamma
+
+
+class HeadNorm(nn.Module):
+    def __init__(self, heads, dim):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(heads, 1, dim))
+
+    def forward(self, x):
+        normed = F.normalize(x, dim = -1)
+        return normed * self.scale * self.gamma
+'''
+
+_L2_HELPER_RUN = ("m = RMSNorm(16)\nh = HeadNorm(4, 16)\nwith torch.no_grad():\n    m.gamma.normal_()\n    h.gamma.normal_()\n"
+                  "x = torch.randn(2, 4, 5, 16, dtype=torch.bfloat16, requires_grad=True)\nout = (m(x), h(x))\nleaves = [x, m.gamma, h.gamma]\n")
+
+RmsNorm.FUSE += [
+    Fuse(
+        # ``l2norm(x)`` is F.normalize(x, dim=-1) through a helper; HeadNorm's gain is [heads, 1, d]: not a
+        # gamma of the last dim, so it multiplies the fused norm's output (a run-time branch on its shape)
+        _L2_HELPER_AND_HEADS,
+        expect={"variant": "l2_normalize", "eps_rule": "clamp on the norm", "qualname": "RMSNorm.forward", "line": 18},
+        run=_L2_HELPER_RUN,
+        name="l2norm_helper_and_per_head_gain",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a helper that normalises over dim 1 (channels of NCHW) is not a last-dim norm; with no
+        # sqrt(d) factor the direct spelling is an L2 normalisation: said so
+        _L2_HELPER_AND_HEADS.replace("return F.normalize(t, dim = -1)", "return F.normalize(t, dim = 1)")
+                            .replace("self.scale = dim ** 0.5", "self.scale = 2.0"),
+        reason="without a sqrt(d) factor",
+        name="l2norm_helper_other_dim_and_no_sqrt_d",
+    ),
+]
