@@ -372,13 +372,14 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
     idx = S.stmt_index(scope)
     lines = S.module_lines(module)
     for stmt in idx.stmts:
-        if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
+        if not (S.simple_stmt(stmt) or isinstance(stmt, ast.AugAssign)) or getattr(stmt, "value", None) is None:
             continue
-        # a sum assigned to a name, then the norm of it
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-            ops = _operands(module, stmt.value)
+        # a sum assigned to a name (or added in place to it), then the norm of it
+        in_place = _in_place_sum(scope, idx, stmt)
+        if in_place is not None or (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            ops = in_place if in_place is not None else _operands(module, stmt.value)  # type: ignore[attr-defined]
             if ops is not None:
-                s_name = stmt.targets[0].id
+                s_name = stmt.target.id if in_place is not None else stmt.targets[0].id  # type: ignore[attr-defined]
                 block, i = idx.block[id(stmt)]
                 j = i + 1
                 aliases: list[ast.stmt] = []
@@ -413,6 +414,31 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                     yield stmt, ops
                 else:
                     yield stmt, _Site(stmt, [], stmt, nc, ops[0], ops[1], None)
+
+
+def _in_place_sum(scope: Scope, idx: S.StmtIndex, stmt: ast.stmt) -> tuple[ast.expr, ast.expr] | str | None:
+    """(x1, x2) of ``h += r`` when rebinding ``h = h + r`` instead is invisible: ``h`` was assigned in
+    this block by the statement just before (a fresh tensor from a call or an expression, not
+    another name's tensor, not the caller's argument), so no other name holds the tensor the
+    original adds into (MiniMind's ``hidden_states, kv = self.self_attn(...)`` then
+    ``hidden_states += residual``). A reason when it may be aliased; None when not ``+=``."""
+    if not (isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Add) and isinstance(stmt.target, ast.Name)):
+        return None
+    name = stmt.target.id
+    block, i = idx.block[id(stmt)]
+    prev = block[i - 1] if i > 0 else None
+    fresh = False
+    if isinstance(prev, ast.Assign) and len(prev.targets) == 1 and not isinstance(prev.value, (ast.Name, ast.Attribute, ast.Subscript)):
+        t = prev.targets[0]
+        names = [t] if isinstance(t, ast.Name) else list(t.elts) if isinstance(t, ast.Tuple) else []
+        fresh = any(isinstance(n, ast.Name) and n.id == name for n in names)
+    if not fresh:
+        return (f"in-place residual add (`{name} += ...`): the tensor `{name}` holds may be shared with another name "
+                "or the caller, which see the sum in the original; npufuse rewrites it only right after "
+                f"`{name}` is assigned a new tensor")
+    if isinstance(stmt.value, ast.Constant):
+        return None
+    return ast.copy_location(ast.Name(name, ast.Load()), stmt.target), stmt.value
 
 
 def _is_alias(stmt: ast.stmt, name: str) -> bool:
@@ -1437,4 +1463,59 @@ AddRmsNorm.FUSE += [
          run=_run_block("Block(32)", bf16=True, train=False, extra="with torch.no_grad():\n    blk.w.normal_()\n")
          + "out = (out, Block(32, rms=False).to(torch.bfloat16)(x))\n",
          name="function_norm_and_rmsnorm_or_layernorm_inference_bf16"),
+]
+
+
+# -- an in-place residual add (`h += residual`) right after h gets a new tensor (issue 14) --------------
+
+_IN_PLACE_ADD = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        return (self.weight * self.norm(x.float())).type_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.mlp = nn.Linear(dim, dim)
+        self.input_layernorm = RMSNorm(dim)
+        self.post_attention_layernorm = RMSNorm(dim)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(self.input_layernorm(hidden_states))
+        hidden_states += residual
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_IN_PLACE_ADD, expect={"sum": "hidden_states", "x1": "hidden_states", "x2": "residual", "line": 30, "end_line": 31},
+         run=_run_block("Block(32)"), name="in_place_residual_add_training"),
+    Fuse(_IN_PLACE_ADD, expect={"sum": "hidden_states"}, run=_run_block("Block(32)", bf16=True, train=False),
+         name="in_place_residual_add_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # the tensor added into is also held by `kept`, which sees the sum in the original: rebinding
+        # the name to a new tensor would change what `kept` holds
+        _IN_PLACE_ADD.replace("        hidden_states += residual\n", "        kept = hidden_states\n        hidden_states += residual\n")
+                     .replace("        return hidden_states\n", "        return hidden_states, kept\n"),
+        reason="in-place residual add",
+        name="in_place_add_into_an_aliased_tensor",
+    ),
 ]
