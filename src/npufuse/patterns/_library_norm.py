@@ -313,6 +313,16 @@ def _super_init(stmt: ast.stmt) -> bool:
         and isinstance(f.value.func, ast.Name) and f.value.func.id == "super"
 
 
+def _in_fused_branch(idx: S.StmtIndex, stmt: ast.stmt) -> bool:
+    """Inside the fused branch npufuse wrote (``if _npufuse_on_npu(...) ...:``): the swap's own code."""
+    child = stmt
+    for anc in S.ancestors(idx, stmt):
+        if isinstance(anc, ast.If) and "_npufuse_" in ast.unparse(anc.test) and any(s is child for s in anc.body):
+            return True
+        child = anc
+    return False
+
+
 def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
     """One finding per statement constructing nn.RMSNorm modules (each construction wrapped in the
     swap), and the ``super().__init__`` of an nn.RMSNorm subclass without its own forward."""
@@ -320,7 +330,7 @@ def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> It
     cls_name = scope.class_name
     subclass_init = scope.qualname.endswith(".__init__") and rms_subclass(module, cls_name)
     for stmt in idx.stmts:
-        if not S.simple_stmt(stmt):
+        if not S.simple_stmt(stmt) or _in_fused_branch(idx, stmt):
             continue
         if subclass_init and _super_init(stmt) and idx.parent.get(id(stmt)) is None:
             ctors: list[ast.Call] = []
