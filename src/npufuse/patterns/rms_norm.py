@@ -1143,6 +1143,8 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
     for stmt in reversed(idx.stmts):
         if id(stmt) in consumed or not S.simple_stmt(stmt):
             continue
+        if any(a <= stmt.lineno <= b for a, b in scope.__dict__.get("_npufuse_rms_lifted", ())):
+            continue  # another return of ifs already taken whole by a finding (its other paths run the original)
         if (stmt.end_lineno or stmt.lineno) < first:
             break
         # text prefilter: a norm's output is a product/division, a cast, a helper call or a name
@@ -1183,6 +1185,37 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
     return results
 
 
+_OTHER_BLOCK = "part of the computation is in another block (control flow)"
+
+
+def _lift_to_branches(module: ModuleInfo, scope: Scope, stmt: ast.Return, trace: S.Trace) -> tuple[S.SpanPlan, str] | None:
+    """A ``return`` of the norm inside ``if``/``else`` branches that follow the computation: the span
+    grows to the outermost of those ``if`` statements in the computation's block, and the fused
+    code runs only on this return's path (the conjunction of the tests, negated for ``else``)."""
+    idx = S.stmt_index(scope)
+    child: ast.stmt = stmt
+    conds: list[str] = []
+    for anc in S.ancestors(idx, stmt)[:3]:
+        if not isinstance(anc, ast.If):
+            return None
+        test = S.source_of(module, anc.test)
+        if "\n" in test:
+            return None
+        if any(x is child for x in anc.body):
+            conds.insert(0, f"({test})")
+        elif any(x is child for x in anc.orelse):
+            conds.insert(0, f"not ({test})")
+        else:
+            return None
+        plan = S.plan_span(scope, anc, trace)
+        if isinstance(plan, S.SpanPlan):
+            return plan, " and ".join(conds)
+        if plan != _OTHER_BLOCK:
+            return None
+        child = anc
+    return None
+
+
 def _within(node: ast.AST, outer: ast.AST) -> bool:
     return node is not outer and any(n is node for n in fast_walk(outer))
 
@@ -1203,6 +1236,11 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
             return miss(f"no weight in the matched norm, but its result is multiplied later (`{later}`) in a way "
                         "npufuse does not follow into the norm (control flow or a reshaped factor)")
     plan = S.plan_span(scope, stmt, m.trace)
+    path_cond: str | None = None
+    if plan == _OTHER_BLOCK and isinstance(stmt, ast.Return):
+        lifted = _lift_to_branches(module, scope, stmt, m.trace)
+        if lifted is not None:
+            plan, path_cond = lifted
     early: ast.If | None = None
     in_place: list[ast.stmt] = []
     if isinstance(plan, str) and plan.endswith("is used by another statement inside the fused region"):
@@ -1240,6 +1278,11 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
     if p.condition is not None:
         # the weight is optional: fused with it, the original code without it (npu_rms_norm needs gamma)
         body = [f"if {p.condition}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, plan.stmts))]
+    if path_cond is not None:
+        # the norm is returned in one branch of ifs after it (OLMo: ``if self.weight is not None: ...
+        # return self.weight * x``): that path fused, every other path the original statements
+        body = [f"if {path_cond}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, plan.stmts))]
+        scope.__dict__.setdefault("_npufuse_rms_lifted", []).append((plan.line, plan.end_line))
     risks = [
         Risk("dtype", "npu_rms_norm: fp16/bf16/fp32; gamma in the input's dtype, or fp32 with fp16/bf16 input (A2/A3 only; 310P/910 need the same dtype)"),
         Risk("numerics", "npu_rms_norm applies gamma in fp32 and rounds once; the original rounds before the weight: ≤1-ulp differences"),
@@ -2917,5 +2960,58 @@ RmsNorm.KEEP += [
                             .replace("self.scale = dim ** 0.5", "self.scale = 2.0"),
         reason="without a sqrt(d) factor",
         name="l2norm_helper_other_dim_and_no_sqrt_d",
+    ),
+]
+
+
+# -- the norm returned in one branch of ifs after the computation (OLMo; issue 14) ---------------
+
+_RETURN_IN_BRANCHES = '''
+import torch
+from torch import nn
+
+
+class RMSLayerNorm(nn.Module):
+    def __init__(self, size, eps=1e-5, affine=True, bias=False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(size)) if affine and bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(enabled=False, device_type=x.device.type):
+            og_dtype = x.dtype
+            x = x.to(torch.float32)
+            variance = x.pow(2).mean(-1, keepdim=True)
+            x = x * torch.rsqrt(variance + self.eps)
+            x = x.to(og_dtype)
+
+        if self.weight is not None:
+            if self.bias is not None:
+                return self.weight * x + self.bias
+            else:
+                return self.weight * x
+        else:
+            return x
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # the path returning ``self.weight * x`` is fused; the bias and weightless paths run the original
+        _RETURN_IN_BRANCHES,
+        expect={"weight": "self.weight", "qualname": "RMSLayerNorm.forward", "line": 14, "end_line": 27},
+        run=("a = RMSLayerNorm(16)\nb = RMSLayerNorm(16, bias=True)\nc = RMSLayerNorm(16, affine=False)\nwith torch.no_grad():\n"
+             "    a.weight.normal_()\nx = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = (a(x), b(x), c(x))\nleaves = [x, a.weight]\n"),
+        name="norm_returned_in_one_branch_of_ifs",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a loop between the computation and the return is not an if: still refused, with the reason
+        _RETURN_IN_BRANCHES.replace("        if self.weight is not None:\n", "        for _ in range(1):\n"),
+        reason="another block",
+        name="norm_returned_inside_a_loop",
     ),
 ]
