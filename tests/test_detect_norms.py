@@ -150,3 +150,50 @@ class Block(nn.Module):
 '''
     findings, misses = detect_all(AddRmsNorm(), code)
     assert not findings and any("in-place residual add" in m.reason for m in misses)
+
+
+class _StandInLlamaRMSNorm(torch.nn.Module):
+    """transformers' LlamaRMSNorm forward, written out (transformers is not a dependency)."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def test_imported_transformers_rmsnorm_call_is_fused_and_checked_at_run_time(monkeypatch):
+    import sys
+    import types
+
+    for name in ("transformers", "transformers.models", "transformers.models.llama"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    llama = types.ModuleType("transformers.models.llama.modeling_llama")
+    llama.LlamaRMSNorm = _StandInLlamaRMSNorm  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, llama.__name__, llama)
+    code = R._HF_NORM_IMPORTED
+    findings, _ = detect_all(R.RmsNorm(), code)
+    assert [(f.qualname, f.line) for f in findings] == [("Patchify.forward", 15)]  # Down's flag-chosen norm is not a site
+    text = splice(code, findings)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    ref_mod = _exec(code, "orig")["Patchify"](16).to(torch.bfloat16)
+    with torch.no_grad():
+        ref_mod.norm.weight.normal_()
+    ref = ref_mod(x)
+    with emulate.install() as emu:
+        mod = _exec(text, "new")["Patchify"](16).to(torch.bfloat16)
+        mod.load_state_dict(ref_mod.state_dict())
+        out = mod(x)
+        assert emu.calls.get("npu_rms_norm") == 1
+        mod.norm = _exec(text, "new2")["nn"].LayerNorm(16).to(torch.bfloat16)  # another module there: the original call
+        mod(x)
+        assert emu.calls.get("npu_rms_norm") == 1
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0) > 0.999

@@ -77,6 +77,9 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         out.sort(key=lambda r: r.line)
         yield from out
         return
+    hf = _hf_norm_attributes(module, scope.class_name)
+    if hf and any(f"self.{a}(" in text for a in hf):
+        out.extend(hf_norm_calls(module, scope, idx, hf))
     l2 = _l2_text(text) or any(f"{h}(" in text for h in _l2_helpers(module))
     if not ("rms_norm" in text or l2):
         yield from out
@@ -118,7 +121,7 @@ def _claimed_by_add_rms_norm(module: ModuleInfo, scope: Scope) -> set[int]:
         return set()
     out: set[int] = set()
     for _stmt, site in A._sites(module, scope):
-        if isinstance(site, A._Site) and site.nc.kind == "library" and isinstance(A._build(module, scope, site), Finding):
+        if isinstance(site, A._Site) and site.nc.kind in ("library", "external") and isinstance(A._build(module, scope, site), Finding):
             out.add(id(site.nc.call))
     return out
 
@@ -579,5 +582,104 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             risks=[*_RISKS, _CLAMP_RISK],
             notes=[f"{spelling} with a sqrt(d) factor is x / rms(x): replaced by npu_rms_norm with the gain folded into gamma",
                    "eps: a clamp on the norm in the original, inside the root in the fused op (see the risk)"],
+            training_ok=True,
+        )
+
+
+# --- Hugging Face RMSNorm classes imported into a model (issue 14) --------------------------------
+#
+# ``from transformers.models.llama.modeling_llama import LlamaRMSNorm as RMSNorm`` then
+# ``self.norm = RMSNorm(c, eps)`` and ``x = self.norm(x.permute(0, 2, 3, 1))`` (Janus). The class's
+# code is not in the repository: its forward is transformers' (fp32 statistics, ``weight *
+# x.to(input_dtype)``, eps in ``variance_epsilon``), the same in every release these classes exist
+# in. The call is rewritten where it is made, under a run-time check that the attribute holds
+# exactly that class (anything else, a subclass included, runs the original call).
+
+_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm"}
+
+
+def _hf_norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, str]:
+    """``attr -> local class name`` for ``self.<attr> = <HF Llama-style RMSNorm>(...)`` assigned once,
+    unconditionally, at the top of ``__init__`` (a norm chosen by a flag is another module at times)."""
+    init = S.method(module, class_name, "__init__")
+    if init is None:
+        return {}
+    cache = module.__dict__.setdefault("_npufuse_hf_norms", {})
+    if class_name in cache:
+        return cache[class_name]
+    counts: dict[str, int] = {}
+    found: dict[str, str] = {}
+    for st in S._stmts_in(init.body):
+        targets = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            d = dotted(t)
+            if d and d.startswith("self.") and d.count(".") == 1:
+                counts[d[5:]] = counts.get(d[5:], 0) + 1
+    for st in init.body:  # top level only: not under if/for/try
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Name):
+            d = dotted(st.targets[0])
+            full = module.aliases.get(st.value.func.id, "")
+            if d and d.startswith("self.") and d.count(".") == 1 and full.startswith("transformers.") \
+                    and full.rsplit(".", 1)[-1] in _HF_LLAMA_NORMS:
+                found[d[5:]] = st.value.func.id
+    out = {a: c for a, c in found.items() if counts.get(a) == 1}
+    cache[class_name] = out
+    return out
+
+
+def hf_norm_calls(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, attrs: dict[str, str]) -> Iterator[Result]:
+    """Findings for ``self.<attr>(x)`` calls of an imported HF Llama-style RMSNorm."""
+    T = S.torch_name(module) or "torch"
+    claimed = _claimed_by_add_rms_norm(module, scope)
+    for call in scope.nodes().get(ast.Call, []):
+        f = call.func
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in attrs):
+            continue
+        if id(call) in claimed:
+            continue
+        stmt = _stmt_of(idx, scope, call)
+        if stmt is None:
+            continue
+        mod, cls = f"self.{f.attr}", attrs[f.attr]
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+            yield _miss(scope, stmt, f"{mod} ({cls}) is called with other than one input")
+            continue
+        x = call.args[0]
+        whole = getattr(stmt, "value", None) is call
+        if not _atom(x) and not whole:
+            # binding the input first would move its evaluation before the rest of the statement
+            yield _miss(scope, stmt, f"{mod} ({cls}) of an inline expression inside a larger statement: bind the input to a name first")
+            continue
+        guard = next((n.id for n in ast.walk(x) if isinstance(n, ast.Name) and n.id not in ("self", T)), None)
+        if guard is None:
+            yield _miss(scope, stmt, f"{mod} ({cls}): no tensor named in its input to check the device of before the call")
+            continue
+        pre = [] if _atom(x) else [f"_npu_x = {S.source_of(module, x)}"]
+        xs = S.source_of(module, x) if _atom(x) else "_npu_x"
+        w = f"{mod}.weight"
+        expr = (f"torch_npu.npu_rms_norm({xs}, _npu_gamma, epsilon={mod}.variance_epsilon)[0]"
+                f".to({T}.promote_types({xs}.dtype, {w}.dtype))")
+        body = "\n".join([
+            *pre,
+            "# npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input",
+            f"_npu_gamma = {w} if {w}.dtype in ({xs}.dtype, {T}.float32) else {w}.to({xs}.dtype)",
+            S.splice(module, stmt, [(call, expr)]),
+        ])
+        fused = f"if type({mod}) is {cls}:\n{S.indent(body)}\nelse:\n{S.indent(S.stmt_source(module, stmt))}"
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params={"eps": f"{mod}.variance_epsilon", "weight": w, "source": "transformers", "module": mod, "norm_class": cls,
+                    "x": S.source_of(module, x), "output_dtype": "promote(input, weight)"},
+            fused=fused, guard_tensor=guard, confidence="medium", variant="hf_norm_module",
+            risks=[*_RISKS,
+                   Risk("numerics", f"{cls} is transformers' code, not this repository's: its forward is read as transformers' "
+                                    "(x.float() * rsqrt(mean(x^2) + variance_epsilon), then weight * x.to(input_dtype)); "
+                                    "npu_rms_norm applies the weight in fp32 and rounds once (≤1-ulp differences)")],
+            notes=["unfused: transformers' RMSNorm (about 8 kernels); fused: 1",
+                   f"fused only while {mod} is exactly {cls} (checked at run time)"],
             training_ok=True,
         )

@@ -3015,3 +3015,54 @@ RmsNorm.KEEP += [
         name="norm_returned_inside_a_loop",
     ),
 ]
+
+
+# -- Hugging Face Llama-style RMSNorm classes imported into a model (issue 14) --------------------
+
+_HF_NORM_IMPORTED = '''
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm as RMSNorm
+
+
+class Patchify(nn.Module):
+    def __init__(self, c, eps=1e-6):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 2, stride=2)
+        self.norm = RMSNorm(c, eps)
+
+    def forward(self, x):
+        e = self.conv(x)
+        e = self.norm(e.permute(0, 2, 3, 1))
+        return e.permute(0, 3, 1, 2)
+
+
+class Down(nn.Module):
+    def __init__(self, c, norm_type="rms_norm"):
+        super().__init__()
+        if norm_type == "rms_norm":
+            self.norm = RMSNorm(c, 1e-6)
+        else:
+            self.norm = nn.LayerNorm(c)
+
+    def forward(self, x):
+        return self.norm(x)
+'''
+
+RmsNorm.FUSE += [
+    # run end to end in tests/test_detect_norms.py (transformers is not a dependency: a stand-in module
+    # with transformers' LlamaRMSNorm forward is installed there)
+    Fuse(_HF_NORM_IMPORTED, expect={"variant": "hf_norm_module", "module": "self.norm", "norm_class": "RMSNorm",
+                                    "qualname": "Patchify.forward", "line": 15, "end_line": 15},
+         name="transformers_llama_rmsnorm_on_a_permuted_input"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the only module held by `self.norm` of Down is chosen by a flag (LayerNorm otherwise): not a site
+        _HF_NORM_IMPORTED.split("class Down")[0].replace("class Patchify", "class Unused").replace(
+            "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1))\n"),
+        reason="inline expression inside a larger statement",
+        name="transformers_norm_of_an_inline_input_inside_a_sum",
+    ),
+]
