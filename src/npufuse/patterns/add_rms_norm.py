@@ -1519,3 +1519,65 @@ AddRmsNorm.KEEP += [
         name="in_place_add_into_an_aliased_tensor",
     ),
 ]
+
+
+# -- a norm with an optional bias after it, and an optional upcast (issue 14) ----------------------
+
+_OPTIONAL_SHIFT = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, emb_dim, eps=1e-6, bias=False, qwen3_compatible=True):
+        super().__init__()
+        self.eps = eps
+        self.qwen3_compatible = qwen3_compatible
+        self.scale = nn.Parameter(torch.ones(emb_dim))
+        self.shift = nn.Parameter(torch.zeros(emb_dim)) if bias else None
+
+    def forward(self, x):
+        input_dtype = x.dtype
+
+        if self.qwen3_compatible:
+            x = x.to(torch.float32)
+
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        norm_x = x * torch.rsqrt(variance + self.eps)
+        norm_x = norm_x * self.scale
+
+        if self.shift is not None:
+            norm_x = norm_x + self.shift
+
+        return norm_x.to(input_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.att = nn.Linear(d, d)
+        self.ff = nn.Linear(d, d)
+        self.norm1 = RMSNorm(d, eps=1e-6)
+        self.norm2 = RMSNorm(d, eps=1e-6)
+
+    def forward(self, x):
+        shortcut = x
+        x = self.norm1(x)
+        x = self.att(x)
+        x = x + shortcut
+
+        shortcut = x
+        x = self.norm2(x)
+        x = self.ff(x)
+        x = x + shortcut
+        return x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_OPTIONAL_SHIFT, expect={"sum": "x", "residual_aliases": ["shortcut"], "condition": "not (self.norm2.shift is not None)",
+                                  "line": 42, "end_line": 45},
+         run=_run_block("Block(32)", bf16=True), name="norm_with_optional_shift_training_bf16"),
+    Fuse(_OPTIONAL_SHIFT, expect={"sum": "x"},
+         run=_run_block("Block(32)", train=False) + "out = (out, RMSNorm(32, bias=True)(x))\n",
+         name="norm_with_optional_shift_inference"),
+]

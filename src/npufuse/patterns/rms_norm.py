@@ -465,6 +465,13 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
                     ops.append(Op("condmul", other, vctx, None, cond.test, ctx.at(cond.lineno)))  # type: ignore[attr-defined]
                     node, ctx = ast.copy_location(ast.Name(node.id, ast.Load()), value), vctx
                     continue
+                # an optional bias after the norm (``if self.shift is not None: y = y + self.shift``):
+                # the fused code runs on the path without it (the test false), the original on the other
+                if simple and _added_term(value, node.id) is not None:
+                    S.follow(node, ctx, trace, allow_conditional=True)
+                    ops.append(Op("skip", value, vctx, None, cond.test, ctx.at(cond.lineno)))  # type: ignore[attr-defined]
+                    node, ctx = ast.copy_location(ast.Name(node.id, ast.Load()), value), vctx
+                    continue
                 # Gemma: ``if self.add_unit_offset: h = h * (1 + w) else: h = h * w`` -- one weight
                 # factor chosen by the test, read as ``h * ((1 + w) if test else w)``
                 sel = _selected_factor(cond, node.id)
@@ -605,6 +612,27 @@ def _selected_factor(cond: ast.stmt, name: str) -> ast.IfExp | None:
             return None
         sides.append(w)
     return ast.IfExp(test=cond.test, body=sides[0], orelse=sides[1])
+
+
+def _added_term(value: ast.expr, name: str) -> ast.expr | None:
+    """``b`` for ``name + b`` / ``b + name`` (b not reading ``name``)."""
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+        for mine, other in ((value.left, value.right), (value.right, value.left)):
+            if _is_name(mine, name) and not any(_is_name(n, name) for n in ast.walk(other)):
+                return other
+    return None
+
+
+def _skip_conditions(module: ModuleInfo, m: "Match", plan: S.SpanPlan | None) -> list[str]:
+    """``not (test)`` for each optional step the fused code leaves out (an optional bias)."""
+    out = []
+    for op in m.ops:
+        if op.kind == "skip":
+            try:
+                out.append(f"not ({S.render(module, op.test, op.test_ctx, plan)})")  # type: ignore[arg-type]
+            except S.RenderError as e:
+                raise Miss(f"cannot express the replacement at the site: {e}", m.core.rstd)
+    return out
 
 
 def _is_name(node: ast.AST, name: str) -> bool:
@@ -859,6 +887,8 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
                     unfused.append("cast")
                 d = op.dtype
                 order.append("cast")
+        elif op.kind == "skip":
+            continue  # not on the fused path (see _skip_conditions)
         elif op.kind == "condcast":
             assert op.dtype is not None
             d = ("cond", tests[id(op)], op.dtype, d)
@@ -944,7 +974,17 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     if checks:
         params["dim_check"] = " and ".join(checks)
         condition = " and ".join(([condition] if condition else []) + checks)
+    condition = _with_skips(module, m, plan, params, condition)
     return Plan(x, pre, expr, params, variant, unfused, out_code, condition)
+
+
+def _with_skips(module: ModuleInfo, m: "Match", plan: S.SpanPlan | None, params: dict[str, Any], condition: str | None) -> str | None:
+    """The fused path's condition with the optional steps it leaves out absent (``optional_absent``)."""
+    skips = _skip_conditions(module, m, plan)
+    if not skips:
+        return condition
+    params["optional_absent"] = " and ".join(skips)
+    return " and ".join(([condition] if condition else []) + skips)
 
 
 def _dim_conditions(module: ModuleInfo, core: Core, plan: S.SpanPlan | None) -> list[str]:
@@ -972,6 +1012,8 @@ def _plan_weightless(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_sr
     d: tuple = D_F32 if core.upcast else D_IN
     unfused = list(core.rstd_ops)
     for op in m.ops:
+        if op.kind == "skip":
+            continue
         if op.kind != "cast":
             raise Miss("no weight and a conditional step after the norm: not replaced", core.rstd)
         assert op.dtype is not None
@@ -1006,6 +1048,7 @@ def _plan_weightless(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_sr
     condition = None
     if checks:
         params["dim_check"] = condition = " and ".join(checks)
+    condition = _with_skips(module, m, plan, params, condition)
     return Plan(x, pre, expr, params, "no_weight", unfused, out_code, condition)
 
 
