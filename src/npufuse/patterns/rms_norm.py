@@ -3102,7 +3102,7 @@ RmsNorm.FUSE += [
 
 RmsNorm.KEEP += [
     Keep(
-        # the only module held by `self.norm` of Down is chosen by a flag (LayerNorm otherwise): not a site
+        # the norm of an inline input inside a larger statement: binding the input first would reorder evaluation
         _HF_NORM_IMPORTED.split("class Down")[0].replace("class Patchify", "class Unused").replace(
             "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1))\n"),
         reason="inline expression inside a larger statement",
