@@ -231,6 +231,14 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if not S.is_last_dim_expr(dim):
         if isinstance(const_value(dim), int):
             raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+        trailing = _trailing_dims_of(module, dim, vctx, trace)
+        if trailing is not None and dim_checks is not None:
+            # ``dims = tuple(range(-1, -len(shape) - 1, -1))``: the last len(shape) dims; the fused
+            # branch runs when that is the last dim alone (len(shape) == 1), the original otherwise
+            dim_checks.append(trailing)
+            if const_value(keepdim) is not True:
+                raise Miss("mean without keepdim=True", rstd)
+            return y, sqctx, up or up2 or up3
         why = _default_last_dim(module, dim, vctx)
         if why is not None or dim_checks is None:
             raise Miss(f"mean over dim `{ast.unparse(dim)}`, {why or 'a run-time value'}: npufuse cannot prove it to be "
@@ -242,6 +250,39 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
 
 
 _RUNTIME_DIM = "a run-time value"
+
+
+def _trailing_dims_of(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx] | None:
+    """For a name holding ``tuple(range(-1, -len(shape) - 1, -1))`` (also as ``tuple(i for i in
+    range(...))`` or a list comprehension): ``(-len(shape), ctx)``, so that the run-time dim check
+    ``-len(shape) == -1`` holds exactly when the dims are the last one alone (InternEvo's
+    ``manual_rms_norm``)."""
+    if not isinstance(dim, ast.Name):
+        return None
+    value, vctx, stmt = S.follow(dim, ctx)
+    if value is dim or stmt is None:
+        return None
+    rng = value
+    if isinstance(rng, ast.Call) and isinstance(rng.func, ast.Name) and rng.func.id in ("tuple", "list") and len(rng.args) == 1 and not rng.keywords:
+        rng = rng.args[0]
+    if isinstance(rng, (ast.GeneratorExp, ast.ListComp)) and len(rng.generators) == 1:
+        gen = rng.generators[0]
+        if gen.ifs or gen.is_async or not (isinstance(gen.target, ast.Name) and isinstance(rng.elt, ast.Name) and rng.elt.id == gen.target.id):
+            return None
+        rng = gen.iter
+    if not (isinstance(rng, ast.Call) and isinstance(rng.func, ast.Name) and rng.func.id == "range" and len(rng.args) == 3 and not rng.keywords):
+        return None
+    start, stop, step = rng.args
+    if const_value(start) != -1 or const_value(step) != -1:
+        return None
+    # stop: -len(shape) - 1
+    if not (isinstance(stop, ast.BinOp) and isinstance(stop.op, ast.Sub) and const_value(stop.right) == 1
+            and isinstance(stop.left, ast.UnaryOp) and isinstance(stop.left.op, ast.USub)
+            and isinstance(stop.left.operand, ast.Call) and isinstance(stop.left.operand.func, ast.Name)
+            and stop.left.operand.func.id == "len" and len(stop.left.operand.args) == 1):
+        return None
+    S.follow(dim, ctx, trace)
+    return stop.left, vctx
 
 
 def _default_last_dim(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx) -> str | None:
@@ -3107,5 +3148,50 @@ RmsNorm.KEEP += [
             "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1))\n"),
         reason="inline expression inside a larger statement",
         name="transformers_norm_of_an_inline_input_inside_a_sum",
+    ),
+]
+
+
+# -- a mean over the trailing len(normalized_shape) dims (InternEvo's manual_rms_norm; issue 14) ------
+
+_TRAILING_DIMS = '''
+import torch
+
+
+def manual_rms_norm(my_input, normalized_shape, weight, eps):
+    # layer norm should always be calculated in float32
+    dims = tuple(i for i in range(-1, -len(normalized_shape) - 1, -1))
+    variance = my_input.to(torch.float32).pow(2).mean(dims, keepdim=True)
+    my_input = my_input * torch.rsqrt(variance + eps)
+
+    if weight is None:
+        return my_input
+
+    # convert into half-precision if necessary
+    if weight.dtype in [torch.float16, torch.bfloat16]:
+        my_input = my_input.to(weight.dtype)
+
+    return weight * my_input
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # dims = the last len(normalized_shape) dims: fused when that is the last dim alone, the original
+        # otherwise (and on the weightless early return)
+        _TRAILING_DIMS,
+        expect={"dim_check": "-len(normalized_shape) == -1", "weight": "weight", "qualname": "manual_rms_norm", "line": 7, "end_line": 18},
+        run=("x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nw = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "w2 = torch.randn(3, 16, requires_grad=True)\nout = (manual_rms_norm(x, (16,), w, 1e-5), manual_rms_norm(x, (16,), None, 1e-5),\n"
+             "       manual_rms_norm(x, (3, 16), w2, 1e-5), manual_rms_norm(x.float(), [16], w.float(), 1e-5))\nleaves = [x, w, w2]\n"),
+        name="mean_over_trailing_dims_of_normalized_shape",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the leading dims instead (range(0, len(shape))): not the trailing ones, refused with the reason
+        _TRAILING_DIMS.replace("range(-1, -len(normalized_shape) - 1, -1)", "range(0, len(normalized_shape))"),
+        reason="a run-time value",
+        name="mean_over_leading_dims_from_a_shape",
     ),
 ]
