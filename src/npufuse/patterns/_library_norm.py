@@ -352,7 +352,9 @@ def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> It
         else:
             body = S.stmt_source(module, stmt) + f"\n{_SWAP}(self)"
         params: dict = {"source": "library", "module": ", ".join(dict.fromkeys(classes)), "constructions": max(len(ctors), 1),
-                        "eps": "the module's eps (None: torch.finfo(torch.float32).eps)", "weight": "the module's weight"}
+                        "eps": "the module's eps (None: torch.finfo(torch.float32).eps)", "weight": "the module's weight",
+                        # PyTorch's composite rms_norm where no fused kernel serves the device (the value estimate)
+                        "unfused_ops": ["cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"], "upcast": "float32"}
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
         if target is not None and dotted(target):
             params["target"] = dotted(target)
