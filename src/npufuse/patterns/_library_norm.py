@@ -70,7 +70,7 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
     text = S.scope_text(module, scope)
     idx = S.stmt_index(scope)
     out: list[Result] = []
-    if "RMSNorm" in text or (scope.qualname.endswith(".__init__") and rms_subclass(module, scope.class_name)):
+    if any(w in text for w in _ctor_words(module)) or (scope.qualname.endswith(".__init__") and rms_subclass(module, scope.class_name)):
         # nn.RMSNorm modules: swapped where they are constructed (see construction_sites)
         out.extend(construction_sites(module, scope, idx))
     if scope.qualname == "<module>":
@@ -307,6 +307,15 @@ def _ctor_call(module: ModuleInfo, call: ast.Call) -> str | None:
     return None
 
 
+def _ctor_words(module: ModuleInfo) -> tuple[str, ...]:
+    """Words a statement constructing an RMSNorm module holds: ``RMSNorm`` and the names of this
+    module's nn.RMSNorm subclasses (cached per module)."""
+    cached = module.__dict__.get("_npufuse_rms_ctor_words")
+    if cached is None:
+        cached = module.__dict__["_npufuse_rms_ctor_words"] = ("RMSNorm", *(c for c in module.classes if rms_subclass(module, c)))
+    return cached
+
+
 def _super_init(stmt: ast.stmt) -> bool:
     """``super().__init__(...)`` as a statement."""
     if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
@@ -332,8 +341,17 @@ def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> It
     T = S.torch_name(module) or "torch"
     cls_name = scope.class_name
     subclass_init = scope.qualname.endswith(".__init__") and rms_subclass(module, cls_name)
+    words = _ctor_words(module)
+    lines = S.module_lines(module)
     for stmt in idx.stmts:
-        if not S.simple_stmt(stmt) or _in_fused_branch(idx, stmt):
+        if not S.simple_stmt(stmt):
+            continue
+        # text first: a construction names its class (RMSNorm, or a subclass's name); the
+        # subclass's own super().__init__ is looked at only in that class's __init__
+        text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
+        if not (subclass_init and "__init__" in text) and not any(w in text for w in words):
+            continue
+        if _in_fused_branch(idx, stmt):
             continue
         if subclass_init and _super_init(stmt) and idx.parent.get(id(stmt)) is None:
             ctors: list[ast.Call] = []

@@ -3195,3 +3195,29 @@ RmsNorm.KEEP += [
         name="mean_over_leading_dims_from_a_shape",
     ),
 ]
+
+RmsNorm.FUSE += [
+    Fuse(
+        # a subclass of nn.RMSNorm with neither forward nor __init__: swapped where it is built
+        '''
+import torch
+from torch import nn
+
+
+class Norm(nn.RMSNorm):
+    pass
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.n = Norm(d)
+
+    def forward(self, x):
+        return self.n(x)
+''',
+        expect={"variant": "nn_rmsnorm", "module": "Norm", "target": "self.n", "qualname": "Block.__init__", "line": 13},
+        run="b = Block(8)\nx = torch.randn(2, 8, requires_grad=True)\nout = b(x)\nleaves = [x]\n",
+        name="nn_rmsnorm_bare_subclass_built_in_another_class",
+    ),
+]
