@@ -210,6 +210,13 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     if canonical.api(module, f) == "torch.nn.functional.rms_norm":
         return _functional_norm(module, call, "F.rms_norm")
     if isinstance(f, ast.Name):
+        unpacked = _loop_unpacked(scope, f.id)
+        if unpacked is not None and "norm" in f.id.lower():
+            # lucidrains: ``for attn_norm, attn, ff_norm, ff in self.layers:`` -- a near miss saying so
+            # (the name only picks what to report; which module it is stays unknown)
+            return NormCall(call, f.id, "not_rms", cls=f.id,
+                            reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse does not read which "
+                                   "module each position of the list holds")
         return _function_norm(module, call, ctx)
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
         return None
@@ -287,6 +294,20 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # nanotron: ``norm_class = TritonRMSNorm if config.fused else RMSNorm`` in __init__, both
         # defined elsewhere: the same assumptions as one external class (checked at run time)
         return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
+    return None
+
+
+def _loop_unpacked(scope: Scope, name: str) -> str | None:
+    """The iterated attribute when ``name`` is one of the names a ``for a, b, ... in self.x:`` of this
+    scope unpacks (and is bound nowhere else in it)."""
+    if len(scope.assignments.get(name, [])) > 1:
+        return None
+    for loop in scope.nodes().get(ast.For, []):
+        t = loop.target  # type: ignore[attr-defined]
+        if isinstance(t, ast.Tuple) and any(isinstance(e, ast.Name) and e.id == name for e in t.elts):
+            it = dotted(loop.iter)  # type: ignore[attr-defined]
+            if it is not None and it.startswith("self."):
+                return it
     return None
 
 
@@ -1580,4 +1601,38 @@ AddRmsNorm.FUSE += [
     Fuse(_OPTIONAL_SHIFT, expect={"sum": "x"},
          run=_run_block("Block(32)", train=False) + "out = (out, RMSNorm(32, bias=True)(x))\n",
          name="norm_with_optional_shift_inference"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # lucidrains: the norms are unpacked from a ModuleList in the loop; which module sits at each position
+        # is not read: a near miss saying so (not a silent skip)
+        '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.g
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim, depth):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), RMSNorm(dim), nn.Linear(dim, dim)]) for _ in range(depth)])
+
+    def forward(self, x):
+        for attn_norm, attn, ff_norm, ff in self.layers:
+            x = attn(attn_norm(x)) + x
+            x = ff(ff_norm(x)) + x
+        return x
+''',
+        reason="unpacked from `self.layers` in a loop",
+        name="norm_unpacked_from_a_module_list_in_a_loop",
+    ),
 ]
