@@ -197,3 +197,27 @@ def test_imported_transformers_rmsnorm_call_is_fused_and_checked_at_run_time(mon
         assert emu.calls.get("npu_rms_norm") == 1
     assert out.dtype == ref.dtype and out.shape == ref.shape
     assert torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0) > 0.999
+
+
+def test_in_place_add_before_a_layer_norm_says_layer_norm():
+    # HF embeddings: ``embeddings += position_embeddings; embeddings = self.LayerNorm(embeddings)``: the
+    # reason is the LayerNorm, not the in-place add
+    code = '''
+import torch
+from torch import nn
+
+
+class Embeddings(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.pos = nn.Embedding(16, dim)
+        self.LayerNorm = nn.LayerNorm(dim)
+
+    def forward(self, embeddings, position_ids):
+        position_embeddings = self.pos(position_ids)
+        embeddings += position_embeddings
+        embeddings = self.LayerNorm(embeddings)
+        return embeddings
+'''
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert not findings and [m.reason.split(" (")[0] for m in misses] == ["norm is not RMSNorm"]

@@ -415,7 +415,8 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                             if nc is None:
                                 continue
                             if isinstance(ops, str):
-                                yield nstmt, ops
+                                # a norm that is not RMSNorm is the first reason (the add's form is moot then)
+                                yield nstmt, nc.reason if nc.kind == "not_rms" else ops
                             else:
                                 yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, wrapper)
                             break
