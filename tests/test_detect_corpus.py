@@ -73,7 +73,8 @@ def _labels(tmp_path: Path, commit: str, sites: list[dict]) -> Path:
 def test_scores_a_labelled_mirror(tmp_path, capsys):
     mirrors, commit = _mirror(tmp_path)
     labels = _labels(tmp_path, commit, [
-        {"pattern": "rms_norm", "qualname": "Block.forward", "line": 12, "end_line": 12, "label": "fuse"},
+        # nn.RMSNorm: the site is where the module is built (the module is swapped there)
+        {"pattern": "rms_norm", "qualname": "Block.__init__", "line": 8, "end_line": 8, "label": "fuse"},
         {"pattern": "rms_norm", "qualname": "hand_norm", "line": 16, "end_line": 16, "label": "keep"},  # judged keep on purpose
         {"pattern": "swiglu", "qualname": "FeedForward.forward", "line": 27, "end_line": 27, "label": "fuse"},
         {"pattern": "swiglu", "qualname": "nowhere", "line": 3, "end_line": 3, "label": "fuse"},
@@ -82,7 +83,7 @@ def test_scores_a_labelled_mirror(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "skipped absent/repo: no mirror" in out
     rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("rms_norm", "swiglu", "all")}
-    # rms_norm: the nn.RMSNorm call matched (TP 1); the hand-written norm is a candidate on a keep label (FP 1, on keep 1)
+    # rms_norm: the nn.RMSNorm construction matched (TP 1); the hand-written norm is a candidate on a keep label (FP 1, on keep 1)
     assert rows["rms_norm"][1:5] == ["1", "1", "1", "0"]
     # swiglu: one label matched, one missed
     assert rows["swiglu"][1:5] == ["1", "0", "0", "1"]

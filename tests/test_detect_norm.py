@@ -92,7 +92,7 @@ def test_weightless_helper_called_on_its_own_is_a_site_and_its_weighted_caller_t
     assert fwd.params["eps"] == "self.eps"
 
 
-def test_weightless_statement_whose_result_gets_a_weight_later_is_refused():
+def test_weight_applied_in_a_branch_then_returned_by_name_is_fused_under_that_branch():
     code = '''
 import torch
 
@@ -104,8 +104,11 @@ def norm(x, w, flag: bool):
     return x
 '''
     findings, misses = detect_all(R.RmsNorm(), code)
-    assert not findings
-    assert any("multiplied later" in m.reason or "control flow" in m.reason for m in misses)
+    # the weight is applied only when flag holds: fused with it then, the original code otherwise
+    assert len(findings) == 1 and findings[0].params["weight_condition"] == "flag"
+    run = "x = torch.randn(2, 3, 8)\nw = torch.randn(8)\nout = (norm(x, w, True), norm(x, w, False))\n"
+    facts = check_rewrite_runs(R.RmsNorm(), code, run, findings)
+    assert facts["calls"] == 1 and min(facts["cos_out"]) > 0.99999
 
 
 def test_dim_attribute_set_to_another_dim_at_run_time_takes_the_original_code():
@@ -142,11 +145,12 @@ def test_l2_normalize_states_the_clamp_risk_and_handles_zero_rows():
     assert torch.allclose(got[0], ref[0], rtol=1e-4, atol=1e-5)
 
 
-def test_l2_gain_that_is_not_per_feature_takes_the_original_code():
+def test_l2_gain_that_is_not_per_feature_multiplies_the_fused_output():
+    # a [1, d] gain is not a gamma of the last dim: the fused op runs with ones and the gain after it
     code = R._L2_NORMALIZE.replace("torch.ones(dim)", "torch.ones(1, dim)")
     findings, _ = detect_all(R.RmsNorm(), code)
     facts = check_rewrite_runs(R.RmsNorm(), code, "m = RMSNorm(8)\nx = torch.randn(2, 3, 8)\nout = m(x)\n", findings)
-    assert facts["calls"] == 0 and facts["shapes"][0][0] == facts["shapes"][0][1] and min(facts["cos_out"]) > 0.999999
+    assert facts["calls"] == 1 and facts["shapes"][0][0] == facts["shapes"][0][1] and min(facts["cos_out"]) > 0.99999
 
 
 # -- add_rms_norm: a norm class from another module --------------------------------------------------

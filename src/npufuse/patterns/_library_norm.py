@@ -65,28 +65,32 @@ def relevant(module: ModuleInfo) -> bool:
 
 def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
     """Findings and near misses for library norms in one scope."""
-    if scope.qualname == "<module>" or not relevant(module):
+    if not relevant(module):
         return
-    norm_attrs = _norm_attributes(module, scope.class_name)
     text = S.scope_text(module, scope)
-    l2 = _l2_text(text)
-    if not ("rms_norm" in text or l2 or any(f"self.{a}(" in text for a in norm_attrs)):
+    idx = S.stmt_index(scope)
+    out: list[Result] = []
+    if any(w in text for w in _ctor_words(module)) or (scope.qualname.endswith(".__init__") and rms_subclass(module, scope.class_name)):
+        # nn.RMSNorm modules: swapped where they are constructed (see construction_sites)
+        out.extend(construction_sites(module, scope, idx))
+    if scope.qualname == "<module>":
+        out.sort(key=lambda r: r.line)
+        yield from out
+        return
+    hf = _hf_norm_attributes(module, scope.class_name)
+    if hf and any(f"self.{a}(" in text for a in hf):
+        out.extend(hf_norm_calls(module, scope, idx, hf))
+    l2 = _l2_text(text) or any(f"{h}(" in text for h in _l2_helpers(module))
+    if not ("rms_norm" in text or l2):
+        yield from out
         return
     calls = scope.nodes().get(ast.Call, [])
-    idx = S.stmt_index(scope)
     sites: dict[int, list[_Site]] = {}
     missed: set[int] = set()
-    out: list[Result] = []
     for call in calls:
-        name = canonical.api(module, call.func)
-        if name == RMS_NORM_FN:
-            found = list(_functional(module, scope, idx, call))
-        elif norm_attrs and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) \
-                and call.func.value.id == "self" and call.func.attr in norm_attrs:
-            found = list(_module_call(module, scope, idx, call, norm_attrs[call.func.attr]))
-        else:
+        if canonical.api(module, call.func) != RMS_NORM_FN:
             continue
-        for r in found:
+        for r in _functional(module, scope, idx, call):
             if isinstance(r, _Site):
                 sites.setdefault(id(r.stmt), []).append(r)
             else:
@@ -117,7 +121,7 @@ def _claimed_by_add_rms_norm(module: ModuleInfo, scope: Scope) -> set[int]:
         return set()
     out: set[int] = set()
     for _stmt, site in A._sites(module, scope):
-        if isinstance(site, A._Site) and site.nc.kind == "library" and isinstance(A._build(module, scope, site), Finding):
+        if isinstance(site, A._Site) and site.nc.kind in ("library", "external") and isinstance(A._build(module, scope, site), Finding):
             out.add(id(site.nc.call))
     return out
 
@@ -243,39 +247,6 @@ def _functional(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Ca
     yield _Site(stmt, call, expr, guard, params, variant, notes)
 
 
-def _norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, list[ast.expr]]:
-    """``attr -> [values assigned to self.attr in __init__]`` for the attributes of which at least
-    one assignment constructs ``nn.RMSNorm`` (cached per class)."""
-    if not class_name or class_name not in module.classes:
-        return {}
-    cache = module.__dict__.setdefault("_npufuse_library_norms", {})
-    if class_name in cache:
-        return cache[class_name]
-    found: dict[str, list[ast.expr]] = {}
-    for item in module.classes[class_name].body:
-        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-            for n in S._stmts_in(item.body):
-                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) and n.value is not None else []
-                for t in targets:
-                    d = dotted(t)
-                    if d and d.startswith("self.") and d.count(".") == 1:
-                        found.setdefault(d[5:], []).append(n.value)  # type: ignore[union-attr]
-    out = {a: vs for a, vs in found.items() if any(_rms_ctor(module, v) is not None for v in vs)}
-    cache[class_name] = out
-    return out
-
-
-def _rms_ctor(module: ModuleInfo, value: ast.expr) -> ast.Call | None:
-    """The ``nn.RMSNorm(...)`` call of an assigned value (also one branch of ``a if c else b``)."""
-    if isinstance(value, ast.Call) and canonical.api(module, value.func) == RMS_NORM_CLASS:
-        return value
-    if isinstance(value, ast.Call) and rms_subclass(module, dotted(value.func)):
-        return value
-    if isinstance(value, ast.IfExp):
-        return _rms_ctor(module, value.body) or _rms_ctor(module, value.orelse)
-    return None
-
-
 def rms_subclass(module: ModuleInfo, name: str | None) -> bool:
     """A class of this module deriving from ``nn.RMSNorm`` without its own ``forward``
     (torchtitan's configurable ``class RMSNorm(nn.RMSNorm, Module)``): it computes nn.RMSNorm."""
@@ -285,65 +256,140 @@ def rms_subclass(module: ModuleInfo, name: str | None) -> bool:
     return any(canonical.api(module, b) == RMS_NORM_CLASS for b in cls.bases)
 
 
-def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.Call, values: list[ast.expr]) -> Iterator["Result | _Site"]:
-    stmt = _stmt_of(idx, scope, call)
-    if stmt is None:
-        return
-    attr = f"self.{call.func.attr}"  # type: ignore[union-attr]
-    done = S.already_fused(module, scope, stmt)
-    if done:
-        yield _miss(scope, stmt, done)
-        return
-    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
-        yield _miss(scope, stmt, f"{attr} is an nn.RMSNorm called with other than one input")
-        return
+# --- nn.RMSNorm modules: swapped where they are constructed --------------------------------
+#
+# A port replaces the module, not each call: the finding is the statement constructing it
+# (``self.norm = nn.RMSNorm(dim, eps=eps)``; where humans point), and the fused branch constructs
+# the same module and gives that instance a forward that runs ``npu_rms_norm`` on NPU input and
+# nn.RMSNorm's own forward otherwise. The instance stays an nn.RMSNorm: its ``weight`` parameter,
+# ``eps``, ``normalized_shape`` and state_dict keys are unchanged (checkpoints load as before),
+# every call site is covered (``self.norm(x.permute(...))``, calls from other classes), and the
+# weightless and ``eps=None`` cases are read from the instance at run time. The switch is read
+# at construction; the device is checked on every call. A subclass of nn.RMSNorm without its own
+# forward (torchtitan) is swapped in its own ``__init__``, right after ``super().__init__(...)``.
+
+_SWAP = "_npufuse_rms_norm_swap"
+
+_SWAP_RISKS = [
+    Risk("other", "the module's forward is replaced on the instance by a function defined where it is constructed: "
+                  "pickling the whole module (torch.save(model), not its state_dict) and torch.jit.script of it "
+                  "fail; deepcopy, state_dict and torch.compile work"),
+]
+
+
+def _swap_helper(T: str) -> str:
+    """The statements defining the swap: a local function, so the file needs nothing new imported."""
+    return "\n".join([
+        f"def {_SWAP}(norm):",
+        "    # nn.RMSNorm's forward through torch_npu.npu_rms_norm for NPU input; weight, eps and the",
+        "    # state_dict keys stay those of the nn.RMSNorm instance",
+        "    def forward(self, x):",
+        f"        if _npufuse_on_npu(x) and type(self).forward is {T}.nn.RMSNorm.forward and 2 <= x.dim() <= 8:",
+        f"            gamma = self.weight if self.weight is not None else {T}.ones(self.normalized_shape, dtype=x.dtype, device=x.device)",
+        f"            eps = self.eps if self.eps is not None else {float32_eps(T)}",
+        "            return torch_npu.npu_rms_norm(x, gamma, epsilon=eps)[0]",
+        "        return type(self).forward(self, x)",
+        "",
+        "    norm.forward = forward.__get__(norm)",
+        "    return norm",
+        "",
+    ])
+
+
+def _ctor_call(module: ModuleInfo, call: ast.Call) -> str | None:
+    """The class a call constructs when it is PyTorch's RMSNorm (or a subclass of this module
+    without forward nor __init__ of its own: one with an ``__init__`` is swapped there)."""
+    if canonical.api(module, call.func) == RMS_NORM_CLASS:
+        return "nn.RMSNorm"
+    name = dotted(call.func)
+    if rms_subclass(module, name) and S.method(module, name, "__init__") is None:
+        return name
+    return None
+
+
+def _ctor_words(module: ModuleInfo) -> tuple[str, ...]:
+    """Words a statement constructing an RMSNorm module holds: ``RMSNorm`` and the names of this
+    module's nn.RMSNorm subclasses (cached per module)."""
+    cached = module.__dict__.get("_npufuse_rms_ctor_words")
+    if cached is None:
+        cached = module.__dict__["_npufuse_rms_ctor_words"] = ("RMSNorm", *(c for c in module.classes if rms_subclass(module, c)))
+    return cached
+
+
+def _super_init(stmt: ast.stmt) -> bool:
+    """``super().__init__(...)`` as a statement."""
+    if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
+        return False
+    f = stmt.value.func
+    return isinstance(f, ast.Attribute) and f.attr == "__init__" and isinstance(f.value, ast.Call) \
+        and isinstance(f.value.func, ast.Name) and f.value.func.id == "super"
+
+
+def _in_fused_branch(idx: S.StmtIndex, stmt: ast.stmt) -> bool:
+    """Inside the fused branch npufuse wrote (``if _npufuse_on_npu(...) ...:``): the swap's own code."""
+    child = stmt
+    for anc in S.ancestors(idx, stmt):
+        if isinstance(anc, ast.If) and "_npufuse_" in ast.unparse(anc.test) and any(s is child for s in anc.body):
+            return True
+        child = anc
+    return False
+
+
+def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """One finding per statement constructing nn.RMSNorm modules (each construction wrapped in the
+    swap), and the ``super().__init__`` of an nn.RMSNorm subclass without its own forward."""
     T = S.torch_name(module) or "torch"
-    ctors = [_rms_ctor(module, v) for v in values]
-    only_rms = len(values) == 1 and isinstance(values[0], ast.Call) and ctors[0] is not None \
-        and canonical.api(module, values[0].func) == RMS_NORM_CLASS
-    ctor = ctors[0] if only_rms else None
-    notes: list[str] = []
-    conditions: list[str] = []
-    if not only_rms:
-        # another module may sit in the attribute (``RMSNorm(d) if cfg.rms else LayerNorm(d)``):
-        # the fused branch runs only when it really is PyTorch's RMSNorm
-        conditions.append(f"type({attr}).forward is {T}.nn.RMSNorm.forward")
-        notes.append(f"{attr} is not always an nn.RMSNorm (assigned conditionally or more than once, or a subclass): "
-                     "the fused branch checks that nn.RMSNorm's forward is what runs")
-    x = call.args[0]
-    x_src = S.source_of(module, x)
-    affine = keyword(ctor, "elementwise_affine", 2) if ctor is not None else None
-    affine_value = const_value(affine) if affine is not None else True
-    if ctor is not None and affine_value is False:
-        if not _atom(x):
-            yield _miss(scope, stmt, f"{attr} has no weight (elementwise_affine=False) and its input is an inline expression: "
-                                     "the replacement needs the input twice; bind it to a name first")
-            return
-        gamma = f"{T}.ones({attr}.normalized_shape, dtype={x_src}.dtype, device={x_src}.device)"
-        guard = x_src
-    else:
-        gamma = f"{attr}.weight"
-        # the guard runs before the fused branch's own checks: the input when it is a name (a
-        # tensor whatever sits in the attribute), the weight only when the attribute surely
-        # holds an nn.RMSNorm with one
-        guard = x_src if _atom(x) else gamma if only_rms and affine_value is True else None
-        if guard is None:
-            yield _miss(scope, stmt, f"{attr} may hold another module and its input is an inline expression: no tensor "
-                                     "to check the device of before the call; bind the input to a name first")
-            return
-        if ctor is None or affine_value is not True:
-            conditions.append(f"{attr}.weight is not None")
-    eps_node = keyword(ctor, "eps", 1) if ctor is not None else None
-    if ctor is not None and (eps_node is None or type(const_value(eps_node)) in (int, float) or const_value(eps_node) is None):
-        e = _eps_code(eps_node, module, T, notes)
-    else:
-        # eps from the config, a parameter, or another constructor: the instance knows it
-        e = (eps_or_default(f"{attr}.eps", T), f"{attr}.eps")
-        notes.append(f"eps read from {attr}.eps at run time; None means torch.finfo(torch.float32).eps, as in PyTorch's kernel")
-    assert e is not None
-    expr = f"torch_npu.npu_rms_norm({x_src}, {gamma}, epsilon={e[0]})[0]"
-    params = {"eps": e[1], "weight": None if gamma.startswith(f"{T}.ones") else gamma, "source": "library", "module": attr, "x": x_src}
-    yield _Site(stmt, call, expr, guard, params, "nn_rmsnorm", notes, conditions)
+    cls_name = scope.class_name
+    subclass_init = scope.qualname.endswith(".__init__") and rms_subclass(module, cls_name)
+    words = _ctor_words(module)
+    lines = S.module_lines(module)
+    for stmt in idx.stmts:
+        if not S.simple_stmt(stmt):
+            continue
+        # text first: a construction names its class (RMSNorm, or a subclass's name); the
+        # subclass's own super().__init__ is looked at only in that class's __init__
+        text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
+        if not (subclass_init and "__init__" in text) and not any(w in text for w in words):
+            continue
+        if _in_fused_branch(idx, stmt):
+            continue
+        if subclass_init and _super_init(stmt) and idx.parent.get(id(stmt)) is None:
+            ctors: list[ast.Call] = []
+            classes = [cls_name or ""]
+        else:
+            ctors = [n for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and _ctor_call(module, n) is not None]
+            if not ctors:
+                continue
+            classes = [_ctor_call(module, c) or "" for c in ctors]
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        if ctors:
+            body = S.splice(module, stmt, [(c, f"{_SWAP}({S.source_of(module, c)})") for c in ctors])
+        else:
+            body = S.stmt_source(module, stmt) + f"\n{_SWAP}(self)"
+        params: dict = {"source": "library", "module": ", ".join(dict.fromkeys(classes)), "constructions": max(len(ctors), 1),
+                        "eps": "the module's eps (None: torch.finfo(torch.float32).eps)", "weight": "the module's weight",
+                        # PyTorch's composite rms_norm where no fused kernel serves the device (the value estimate)
+                        "unfused_ops": ["cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"], "upcast": "float32"}
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+        if target is not None and dotted(target):
+            params["target"] = dotted(target)
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params=params, fused=_swap_helper(T) + body,
+            # nothing is a tensor yet where a module is built: the guard asks only whether
+            # torch_npu is loaded (it gives torch.Tensor its is_npu property); the swapped forward
+            # checks the device of each input
+            guard_tensor=f"{T}.Tensor", confidence="high", variant="nn_rmsnorm",
+            risks=[*_RISKS, *_SWAP_RISKS],
+            notes=["unfused: PyTorch's RMSNorm (several kernels on NPU); fused: 1",
+                   "the module is swapped where it is built: every call of it runs npu_rms_norm on NPU input "
+                   "(weight and eps read from the instance; eps=None means torch.finfo(torch.float32).eps, as in "
+                   "PyTorch's kernel; no weight: ones of normalized_shape)"],
+            training_ok=True,
+        )
 
 
 # --- L2-normalisation RMSNorms: ``F.normalize(x, dim=-1) * sqrt(d) * g`` and
@@ -360,6 +406,22 @@ def _module_call(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, call: ast.C
 _CLAMP_RISK = Risk("numerics", "eps is a clamp on the norm in the original (x / max(||x|| * s, eps)); the fused op adds "
                                "eps' = (eps / (s * sqrt(d)))**2 inside the root instead: the same floor, identical results "
                                "except on rows whose norm is near eps (near-zero rows), where the two differ slightly")
+
+
+def _l2_helpers(module: ModuleInfo) -> tuple[str, ...]:
+    """Module-level one-line ``F.normalize(t, dim=-1)`` helpers (lucidrains' ``l2norm``), cached:
+    a scope calling one is read for the L2 spelling of an RMSNorm."""
+    cached = module.__dict__.get("_npufuse_l2_helpers")
+    if cached is None:
+        names = []
+        if "normalize(" in module.source:
+            for fn in module.tree.body:
+                if isinstance(fn, ast.FunctionDef) and len(fn.body) <= 2 and isinstance(fn.body[-1], ast.Return):
+                    probe = ast.Call(ast.Name(fn.name, ast.Load()), [ast.Name("x", ast.Load())], [])
+                    if canonical.l2_normalize_of(module, probe) is not None:
+                        names.append(fn.name)
+        cached = module.__dict__["_npufuse_l2_helpers"] = tuple(names)
+    return cached
 
 
 def _l2_text(text: str) -> bool:
@@ -425,15 +487,23 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         name = canonical.api(module, call.func)  # type: ignore[arg-type]
         S_factors: list[ast.expr] = []
         prev: ast.stmt | None = None
-        if name == NORMALIZE_FN:
-            x = keyword(call, "input", 0)  # type: ignore[arg-type]
-            dim, p, eps = keyword(call, "dim", 2), keyword(call, "p", 1), keyword(call, "eps", 3)  # type: ignore[arg-type]
-            if x is None or S.const_dim(dim) != -1 or (p is not None and const_value(p) not in (2, 2.0)):
-                continue
+        l2n = canonical.l2_normalize_of(module, call)
+        if l2n is not None:
+            x, eps = l2n.x, l2n.eps
             eps_src = S.source_of(module, eps) if eps is not None else "1e-12"
             stmt = _stmt_of(idx, scope, call)  # type: ignore[arg-type]
             unit: ast.expr = call  # type: ignore[assignment]
-            spelling = "F.normalize(x, dim=-1)"
+            spelling = "F.normalize(x, dim=-1)" if l2n.via_helper is None else f"{l2n.via_helper}(x) (F.normalize(x, dim=-1))"
+            if stmt is not None and isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1 \
+                    and isinstance(stmt.targets[0], ast.Name):
+                # ``normed = F.normalize(x, dim=-1)`` then ``normed * scale * gamma`` on the next line
+                loc = idx.block.get(id(stmt))
+                nxt = loc[0][loc[1] + 1] if loc is not None and loc[1] + 1 < len(loc[0]) else None
+                use = next((n for n in S.iter_exprs_topdown(nxt) if isinstance(n, ast.Name) and n.id == stmt.targets[0].id), None) \
+                    if nxt is not None and S.simple_stmt(nxt) else None
+                if use is None:
+                    continue
+                prev, stmt, unit = stmt, nxt, use
         else:
             clamp = canonical.clamp_min_of(module, call)  # type: ignore[arg-type]
             if clamp is None:
@@ -512,24 +582,124 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         fused_expr = (f"torch_npu.npu_rms_norm({xs_}, _npu_g.to({xs_}.dtype), epsilon=float(({eps_src}) / ({scale})) ** 2)[0]"
                       f".to({T}.result_type({xs_}, _npu_p))")
         new_stmt = S.splice(module, stmt, [(node, fused_expr)])
+        after_expr = (f"(torch_npu.npu_rms_norm({xs_}, {xs_}.new_ones({xs_}.shape[-1]), epsilon=float(({eps_src}) / ({scale})) ** 2)[0]"
+                      f" * _npu_g).to({T}.result_type({xs_}, _npu_p))")
         first = prev if prev is not None and not scope.uses_after(prev.targets[0].id, stmt.end_lineno or stmt.lineno) else None  # type: ignore[attr-defined]
-        original = S.block_source(module, [first, stmt] if first is not None else [stmt])
         fused = "\n".join([
             f"_npu_p = {P}",
             "# gamma = P / (s * sqrt(d)): the gain over the rms (||x|| = sqrt(d) * rms(x))",
             f"_npu_g = {xs_}.new_ones({xs_}.shape[-1], dtype={T}.float32) * _npu_p / ({scale})",
             "if _npu_g.dim() == 1:",
             S.indent(new_stmt),
-            "else:  # a gain that is not one value per feature: the original code",
-            S.indent(S.stmt_source(module, stmt) if first is None else original),
+            "else:  # a gain that is not one value per feature (per head, per sample): multiplied after the norm",
+            S.indent(S.splice(module, stmt, [(node, after_expr)])),
         ])
         start = first if first is not None else stmt
         yield Finding(
             pattern="rms_norm", qualname=scope.qualname, line=start.lineno, end_line=stmt.end_lineno or stmt.lineno,
             params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": xs_, "source": "l2_normalize"},
-            fused=fused, guard_tensor=xs_, confidence="medium", variant="l2_normalize" if name == NORMALIZE_FN else "l2_norm_clamp",
+            fused=fused, guard_tensor=xs_, confidence="medium", variant="l2_normalize" if l2n is not None else "l2_norm_clamp",
             risks=[*_RISKS, _CLAMP_RISK],
             notes=[f"{spelling} with a sqrt(d) factor is x / rms(x): replaced by npu_rms_norm with the gain folded into gamma",
                    "eps: a clamp on the norm in the original, inside the root in the fused op (see the risk)"],
+            training_ok=True,
+        )
+
+
+# --- Hugging Face RMSNorm classes imported into a model (issue 14) --------------------------------
+#
+# ``from transformers.models.llama.modeling_llama import LlamaRMSNorm as RMSNorm`` then
+# ``self.norm = RMSNorm(c, eps)`` and ``x = self.norm(x.permute(0, 2, 3, 1))`` (Janus). The class's
+# code is not in the repository: its forward is transformers' (fp32 statistics, ``weight *
+# x.to(input_dtype)``, eps in ``variance_epsilon``), the same in every release these classes exist
+# in. The call is rewritten where it is made, under a run-time check that the attribute holds
+# exactly that class (anything else, a subclass included, runs the original call).
+
+_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm"}
+
+
+def _hf_norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, str]:
+    """``attr -> local class name`` for ``self.<attr> = <HF Llama-style RMSNorm>(...)`` assigned once,
+    unconditionally, at the top of ``__init__`` (a norm chosen by a flag is another module at times)."""
+    init = S.method(module, class_name, "__init__")
+    if init is None:
+        return {}
+    cache = module.__dict__.setdefault("_npufuse_hf_norms", {})
+    if class_name in cache:
+        return cache[class_name]
+    counts: dict[str, int] = {}
+    found: dict[str, str] = {}
+    for st in S._stmts_in(init.body):
+        targets = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            d = dotted(t)
+            if d and d.startswith("self.") and d.count(".") == 1:
+                counts[d[5:]] = counts.get(d[5:], 0) + 1
+    for st in init.body:  # top level only: not under if/for/try
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Name):
+            d = dotted(st.targets[0])
+            full = module.aliases.get(st.value.func.id, "")
+            if d and d.startswith("self.") and d.count(".") == 1 and full.startswith("transformers.") \
+                    and full.rsplit(".", 1)[-1] in _HF_LLAMA_NORMS:
+                found[d[5:]] = st.value.func.id
+    out = {a: c for a, c in found.items() if counts.get(a) == 1}
+    cache[class_name] = out
+    return out
+
+
+def hf_norm_calls(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, attrs: dict[str, str]) -> Iterator[Result]:
+    """Findings for ``self.<attr>(x)`` calls of an imported HF Llama-style RMSNorm."""
+    T = S.torch_name(module) or "torch"
+    claimed = _claimed_by_add_rms_norm(module, scope)
+    for call in scope.nodes().get(ast.Call, []):
+        f = call.func
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in attrs):
+            continue
+        if id(call) in claimed:
+            continue
+        stmt = _stmt_of(idx, scope, call)
+        if stmt is None:
+            continue
+        mod, cls = f"self.{f.attr}", attrs[f.attr]
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+            yield _miss(scope, stmt, f"{mod} ({cls}) is called with other than one input")
+            continue
+        x = call.args[0]
+        whole = getattr(stmt, "value", None) is call
+        if not _atom(x) and not whole:
+            # binding the input first would move its evaluation before the rest of the statement
+            yield _miss(scope, stmt, f"{mod} ({cls}) of an inline expression inside a larger statement: bind the input to a name first")
+            continue
+        guard = next((n.id for n in ast.walk(x) if isinstance(n, ast.Name) and n.id not in ("self", T)), None)
+        if guard is None:
+            yield _miss(scope, stmt, f"{mod} ({cls}): no tensor named in its input to check the device of before the call")
+            continue
+        pre = [] if _atom(x) else [f"_npu_x = {S.source_of(module, x)}"]
+        xs = S.source_of(module, x) if _atom(x) else "_npu_x"
+        w = f"{mod}.weight"
+        expr = (f"torch_npu.npu_rms_norm({xs}, _npu_gamma, epsilon={mod}.variance_epsilon)[0]"
+                f".to({T}.promote_types({xs}.dtype, {w}.dtype))")
+        body = "\n".join([
+            *pre,
+            "# npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input",
+            f"_npu_gamma = {w} if {w}.dtype in ({xs}.dtype, {T}.float32) else {w}.to({xs}.dtype)",
+            S.splice(module, stmt, [(call, expr)]),
+        ])
+        fused = f"if type({mod}) is {cls}:\n{S.indent(body)}\nelse:\n{S.indent(S.stmt_source(module, stmt))}"
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params={"eps": f"{mod}.variance_epsilon", "weight": w, "source": "transformers", "module": mod, "norm_class": cls,
+                    "x": S.source_of(module, x), "output_dtype": "promote(input, weight)"},
+            fused=fused, guard_tensor=guard, confidence="medium", variant="hf_norm_module",
+            risks=[*_RISKS,
+                   Risk("numerics", f"{cls} is transformers' code, not this repository's: its forward is read as transformers' "
+                                    "(x.float() * rsqrt(mean(x^2) + variance_epsilon), then weight * x.to(input_dtype)); "
+                                    "npu_rms_norm applies the weight in fp32 and rounds once (≤1-ulp differences)")],
+            notes=["unfused: transformers' RMSNorm (about 8 kernels); fused: 1",
+                   f"fused only while {mod} is exactly {cls} (checked at run time)"],
             training_ok=True,
         )

@@ -210,6 +210,13 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     if canonical.api(module, f) == "torch.nn.functional.rms_norm":
         return _functional_norm(module, call, "F.rms_norm")
     if isinstance(f, ast.Name):
+        unpacked = _loop_unpacked(scope, f.id)
+        if unpacked is not None and "norm" in f.id.lower():
+            # lucidrains: ``for attn_norm, attn, ff_norm, ff in self.layers:`` -- a near miss saying so
+            # (the name only picks what to report; which module it is stays unknown)
+            return NormCall(call, f.id, "not_rms", cls=f.id,
+                            reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse does not read which "
+                                   "module each position of the list holds")
         return _function_norm(module, call, ctx)
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
         return None
@@ -287,6 +294,20 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # nanotron: ``norm_class = TritonRMSNorm if config.fused else RMSNorm`` in __init__, both
         # defined elsewhere: the same assumptions as one external class (checked at run time)
         return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
+    return None
+
+
+def _loop_unpacked(scope: Scope, name: str) -> str | None:
+    """The iterated attribute when ``name`` is one of the names a ``for a, b, ... in self.x:`` of this
+    scope unpacks (and is bound nowhere else in it)."""
+    if len(scope.assignments.get(name, [])) > 1:
+        return None
+    for loop in scope.nodes().get(ast.For, []):
+        t = loop.target  # type: ignore[attr-defined]
+        if isinstance(t, ast.Tuple) and any(isinstance(e, ast.Name) and e.id == name for e in t.elts):
+            it = dotted(loop.iter)  # type: ignore[attr-defined]
+            if it is not None and it.startswith("self."):
+                return it
     return None
 
 
@@ -372,13 +393,14 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
     idx = S.stmt_index(scope)
     lines = S.module_lines(module)
     for stmt in idx.stmts:
-        if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
+        if not (S.simple_stmt(stmt) or isinstance(stmt, ast.AugAssign)) or getattr(stmt, "value", None) is None:
             continue
-        # a sum assigned to a name, then the norm of it
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-            ops = _operands(module, stmt.value)
+        # a sum assigned to a name (or added in place to it), then the norm of it
+        in_place = _in_place_sum(scope, idx, stmt)
+        if in_place is not None or (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            ops = in_place if in_place is not None else _operands(module, stmt.value)  # type: ignore[attr-defined]
             if ops is not None:
-                s_name = stmt.targets[0].id
+                s_name = stmt.target.id if in_place is not None else stmt.targets[0].id  # type: ignore[attr-defined]
                 block, i = idx.block[id(stmt)]
                 j = i + 1
                 aliases: list[ast.stmt] = []
@@ -393,7 +415,8 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                             if nc is None:
                                 continue
                             if isinstance(ops, str):
-                                yield nstmt, ops
+                                # a norm that is not RMSNorm is the first reason (the add's form is moot then)
+                                yield nstmt, nc.reason if nc.kind == "not_rms" else ops
                             else:
                                 yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, wrapper)
                             break
@@ -413,6 +436,31 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                     yield stmt, ops
                 else:
                     yield stmt, _Site(stmt, [], stmt, nc, ops[0], ops[1], None)
+
+
+def _in_place_sum(scope: Scope, idx: S.StmtIndex, stmt: ast.stmt) -> tuple[ast.expr, ast.expr] | str | None:
+    """(x1, x2) of ``h += r`` when rebinding ``h = h + r`` instead is invisible: ``h`` was assigned in
+    this block by the statement just before (a fresh tensor from a call or an expression, not
+    another name's tensor, not the caller's argument), so no other name holds the tensor the
+    original adds into (MiniMind's ``hidden_states, kv = self.self_attn(...)`` then
+    ``hidden_states += residual``). A reason when it may be aliased; None when not ``+=``."""
+    if not (isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Add) and isinstance(stmt.target, ast.Name)):
+        return None
+    name = stmt.target.id
+    block, i = idx.block[id(stmt)]
+    prev = block[i - 1] if i > 0 else None
+    fresh = False
+    if isinstance(prev, ast.Assign) and len(prev.targets) == 1 and not isinstance(prev.value, (ast.Name, ast.Attribute, ast.Subscript)):
+        t = prev.targets[0]
+        names = [t] if isinstance(t, ast.Name) else list(t.elts) if isinstance(t, ast.Tuple) else []
+        fresh = any(isinstance(n, ast.Name) and n.id == name for n in names)
+    if not fresh:
+        return (f"in-place residual add (`{name} += ...`): the tensor `{name}` holds may be shared with another name "
+                "or the caller, which see the sum in the original; npufuse rewrites it only right after "
+                f"`{name}` is assigned a new tensor")
+    if isinstance(stmt.value, ast.Constant):
+        return None
+    return ast.copy_location(ast.Name(name, ast.Load()), stmt.target), stmt.value
 
 
 def _is_alias(stmt: ast.stmt, name: str) -> bool:
@@ -1439,4 +1487,155 @@ AddRmsNorm.FUSE += [
          run=_run_block("Block(32)", bf16=True, train=False, extra="with torch.no_grad():\n    blk.w.normal_()\n")
          + "out = (out, Block(32, rms=False).to(torch.bfloat16)(x))\n",
          name="function_norm_and_rmsnorm_or_layernorm_inference_bf16"),
+]
+
+
+# -- an in-place residual add (`h += residual`) right after h gets a new tensor (issue 14) --------------
+
+_IN_PLACE_ADD = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        return (self.weight * self.norm(x.float())).type_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.mlp = nn.Linear(dim, dim)
+        self.input_layernorm = RMSNorm(dim)
+        self.post_attention_layernorm = RMSNorm(dim)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(self.input_layernorm(hidden_states))
+        hidden_states += residual
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_IN_PLACE_ADD, expect={"sum": "hidden_states", "x1": "hidden_states", "x2": "residual", "line": 30, "end_line": 31},
+         run=_run_block("Block(32)"), name="in_place_residual_add_training"),
+    Fuse(_IN_PLACE_ADD, expect={"sum": "hidden_states"}, run=_run_block("Block(32)", bf16=True, train=False),
+         name="in_place_residual_add_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # the tensor added into is also held by `kept`, which sees the sum in the original: rebinding
+        # the name to a new tensor would change what `kept` holds
+        _IN_PLACE_ADD.replace("        hidden_states += residual\n", "        kept = hidden_states\n        hidden_states += residual\n")
+                     .replace("        return hidden_states\n", "        return hidden_states, kept\n"),
+        reason="in-place residual add",
+        name="in_place_add_into_an_aliased_tensor",
+    ),
+]
+
+
+# -- a norm with an optional bias after it, and an optional upcast (issue 14) ----------------------
+
+_OPTIONAL_SHIFT = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, emb_dim, eps=1e-6, bias=False, qwen3_compatible=True):
+        super().__init__()
+        self.eps = eps
+        self.qwen3_compatible = qwen3_compatible
+        self.scale = nn.Parameter(torch.ones(emb_dim))
+        self.shift = nn.Parameter(torch.zeros(emb_dim)) if bias else None
+
+    def forward(self, x):
+        input_dtype = x.dtype
+
+        if self.qwen3_compatible:
+            x = x.to(torch.float32)
+
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        norm_x = x * torch.rsqrt(variance + self.eps)
+        norm_x = norm_x * self.scale
+
+        if self.shift is not None:
+            norm_x = norm_x + self.shift
+
+        return norm_x.to(input_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.att = nn.Linear(d, d)
+        self.ff = nn.Linear(d, d)
+        self.norm1 = RMSNorm(d, eps=1e-6)
+        self.norm2 = RMSNorm(d, eps=1e-6)
+
+    def forward(self, x):
+        shortcut = x
+        x = self.norm1(x)
+        x = self.att(x)
+        x = x + shortcut
+
+        shortcut = x
+        x = self.norm2(x)
+        x = self.ff(x)
+        x = x + shortcut
+        return x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_OPTIONAL_SHIFT, expect={"sum": "x", "residual_aliases": ["shortcut"], "condition": "not (self.norm2.shift is not None)",
+                                  "line": 42, "end_line": 45},
+         run=_run_block("Block(32)", bf16=True), name="norm_with_optional_shift_training_bf16"),
+    Fuse(_OPTIONAL_SHIFT, expect={"sum": "x"},
+         run=_run_block("Block(32)", train=False) + "out = (out, RMSNorm(32, bias=True)(x))\n",
+         name="norm_with_optional_shift_inference"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # lucidrains: the norms are unpacked from a ModuleList in the loop; which module sits at each position
+        # is not read: a near miss saying so (not a silent skip)
+        '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.g
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim, depth):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), RMSNorm(dim), nn.Linear(dim, dim)]) for _ in range(depth)])
+
+    def forward(self, x):
+        for attn_norm, attn, ff_norm, ff in self.layers:
+            x = attn(attn_norm(x)) + x
+            x = ff(ff_norm(x)) + x
+        return x
+''',
+        reason="unpacked from `self.layers` in a loop",
+        name="norm_unpacked_from_a_module_list_in_a_loop",
+    ),
 ]

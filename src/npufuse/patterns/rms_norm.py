@@ -231,6 +231,14 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if not S.is_last_dim_expr(dim):
         if isinstance(const_value(dim), int):
             raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+        trailing = _trailing_dims_of(module, dim, vctx, trace)
+        if trailing is not None and dim_checks is not None:
+            # ``dims = tuple(range(-1, -len(shape) - 1, -1))``: the last len(shape) dims; the fused
+            # branch runs when that is the last dim alone (len(shape) == 1), the original otherwise
+            dim_checks.append(trailing)
+            if const_value(keepdim) is not True:
+                raise Miss("mean without keepdim=True", rstd)
+            return y, sqctx, up or up2 or up3
         why = _default_last_dim(module, dim, vctx)
         if why is not None or dim_checks is None:
             raise Miss(f"mean over dim `{ast.unparse(dim)}`, {why or 'a run-time value'}: npufuse cannot prove it to be "
@@ -242,6 +250,39 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
 
 
 _RUNTIME_DIM = "a run-time value"
+
+
+def _trailing_dims_of(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx] | None:
+    """For a name holding ``tuple(range(-1, -len(shape) - 1, -1))`` (also as ``tuple(i for i in
+    range(...))`` or a list comprehension): ``(-len(shape), ctx)``, so that the run-time dim check
+    ``-len(shape) == -1`` holds exactly when the dims are the last one alone (InternEvo's
+    ``manual_rms_norm``)."""
+    if not isinstance(dim, ast.Name):
+        return None
+    value, vctx, stmt = S.follow(dim, ctx)
+    if value is dim or stmt is None:
+        return None
+    rng = value
+    if isinstance(rng, ast.Call) and isinstance(rng.func, ast.Name) and rng.func.id in ("tuple", "list") and len(rng.args) == 1 and not rng.keywords:
+        rng = rng.args[0]
+    if isinstance(rng, (ast.GeneratorExp, ast.ListComp)) and len(rng.generators) == 1:
+        gen = rng.generators[0]
+        if gen.ifs or gen.is_async or not (isinstance(gen.target, ast.Name) and isinstance(rng.elt, ast.Name) and rng.elt.id == gen.target.id):
+            return None
+        rng = gen.iter
+    if not (isinstance(rng, ast.Call) and isinstance(rng.func, ast.Name) and rng.func.id == "range" and len(rng.args) == 3 and not rng.keywords):
+        return None
+    start, stop, step = rng.args
+    if const_value(start) != -1 or const_value(step) != -1:
+        return None
+    # stop: -len(shape) - 1
+    if not (isinstance(stop, ast.BinOp) and isinstance(stop.op, ast.Sub) and const_value(stop.right) == 1
+            and isinstance(stop.left, ast.UnaryOp) and isinstance(stop.left.op, ast.USub)
+            and isinstance(stop.left.operand, ast.Call) and isinstance(stop.left.operand.func, ast.Name)
+            and stop.left.operand.func.id == "len" and len(stop.left.operand.args) == 1):
+        return None
+    S.follow(dim, ctx, trace)
+    return stop.left, vctx
 
 
 def _default_last_dim(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx) -> str | None:
@@ -465,6 +506,13 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
                     ops.append(Op("condmul", other, vctx, None, cond.test, ctx.at(cond.lineno)))  # type: ignore[attr-defined]
                     node, ctx = ast.copy_location(ast.Name(node.id, ast.Load()), value), vctx
                     continue
+                # an optional bias after the norm (``if self.shift is not None: y = y + self.shift``):
+                # the fused code runs on the path without it (the test false), the original on the other
+                if simple and _added_term(value, node.id) is not None:
+                    S.follow(node, ctx, trace, allow_conditional=True)
+                    ops.append(Op("skip", value, vctx, None, cond.test, ctx.at(cond.lineno)))  # type: ignore[attr-defined]
+                    node, ctx = ast.copy_location(ast.Name(node.id, ast.Load()), value), vctx
+                    continue
                 # Gemma: ``if self.add_unit_offset: h = h * (1 + w) else: h = h * w`` -- one weight
                 # factor chosen by the test, read as ``h * ((1 + w) if test else w)``
                 sel = _selected_factor(cond, node.id)
@@ -605,6 +653,27 @@ def _selected_factor(cond: ast.stmt, name: str) -> ast.IfExp | None:
             return None
         sides.append(w)
     return ast.IfExp(test=cond.test, body=sides[0], orelse=sides[1])
+
+
+def _added_term(value: ast.expr, name: str) -> ast.expr | None:
+    """``b`` for ``name + b`` / ``b + name`` (b not reading ``name``)."""
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+        for mine, other in ((value.left, value.right), (value.right, value.left)):
+            if _is_name(mine, name) and not any(_is_name(n, name) for n in ast.walk(other)):
+                return other
+    return None
+
+
+def _skip_conditions(module: ModuleInfo, m: "Match", plan: S.SpanPlan | None) -> list[str]:
+    """``not (test)`` for each optional step the fused code leaves out (an optional bias)."""
+    out = []
+    for op in m.ops:
+        if op.kind == "skip":
+            try:
+                out.append(f"not ({S.render(module, op.test, op.test_ctx, plan)})")  # type: ignore[arg-type]
+            except S.RenderError as e:
+                raise Miss(f"cannot express the replacement at the site: {e}", m.core.rstd)
+    return out
 
 
 def _is_name(node: ast.AST, name: str) -> bool:
@@ -859,6 +928,8 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
                     unfused.append("cast")
                 d = op.dtype
                 order.append("cast")
+        elif op.kind == "skip":
+            continue  # not on the fused path (see _skip_conditions)
         elif op.kind == "condcast":
             assert op.dtype is not None
             d = ("cond", tests[id(op)], op.dtype, d)
@@ -944,7 +1015,17 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     if checks:
         params["dim_check"] = " and ".join(checks)
         condition = " and ".join(([condition] if condition else []) + checks)
+    condition = _with_skips(module, m, plan, params, condition)
     return Plan(x, pre, expr, params, variant, unfused, out_code, condition)
+
+
+def _with_skips(module: ModuleInfo, m: "Match", plan: S.SpanPlan | None, params: dict[str, Any], condition: str | None) -> str | None:
+    """The fused path's condition with the optional steps it leaves out absent (``optional_absent``)."""
+    skips = _skip_conditions(module, m, plan)
+    if not skips:
+        return condition
+    params["optional_absent"] = " and ".join(skips)
+    return " and ".join(([condition] if condition else []) + skips)
 
 
 def _dim_conditions(module: ModuleInfo, core: Core, plan: S.SpanPlan | None) -> list[str]:
@@ -972,6 +1053,8 @@ def _plan_weightless(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_sr
     d: tuple = D_F32 if core.upcast else D_IN
     unfused = list(core.rstd_ops)
     for op in m.ops:
+        if op.kind == "skip":
+            continue
         if op.kind != "cast":
             raise Miss("no weight and a conditional step after the norm: not replaced", core.rstd)
         assert op.dtype is not None
@@ -1006,6 +1089,7 @@ def _plan_weightless(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_sr
     condition = None
     if checks:
         params["dim_check"] = condition = " and ".join(checks)
+    condition = _with_skips(module, m, plan, params, condition)
     return Plan(x, pre, expr, params, "no_weight", unfused, out_code, condition)
 
 
@@ -1143,6 +1227,8 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
     for stmt in reversed(idx.stmts):
         if id(stmt) in consumed or not S.simple_stmt(stmt):
             continue
+        if any(a <= stmt.lineno <= b for a, b in scope.__dict__.get("_npufuse_rms_lifted", ())):
+            continue  # another return of ifs already taken whole by a finding (its other paths run the original)
         if (stmt.end_lineno or stmt.lineno) < first:
             break
         # text prefilter: a norm's output is a product/division, a cast, a helper call or a name
@@ -1172,7 +1258,7 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
                 results.append(SiteResult(stmt, None, None, NearMiss("rms_norm", scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, e.reason), e.rstd))
                 inside.append(node)
                 continue
-            if is_name:
+            if is_name and m.condition is None:
                 continue  # the statement that computes it is matched on its own (smaller span)
             inside.append(node)
             res = _finalize(module, scope, stmt, m)
@@ -1181,6 +1267,37 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
                 consumed.update(m.trace.stmts.keys())
     _attribute_misses(module, scope, results)
     return results
+
+
+_OTHER_BLOCK = "part of the computation is in another block (control flow)"
+
+
+def _lift_to_branches(module: ModuleInfo, scope: Scope, stmt: ast.Return, trace: S.Trace) -> tuple[S.SpanPlan, str] | None:
+    """A ``return`` of the norm inside ``if``/``else`` branches that follow the computation: the span
+    grows to the outermost of those ``if`` statements in the computation's block, and the fused
+    code runs only on this return's path (the conjunction of the tests, negated for ``else``)."""
+    idx = S.stmt_index(scope)
+    child: ast.stmt = stmt
+    conds: list[str] = []
+    for anc in S.ancestors(idx, stmt)[:3]:
+        if not isinstance(anc, ast.If):
+            return None
+        test = S.source_of(module, anc.test)
+        if "\n" in test:
+            return None
+        if any(x is child for x in anc.body):
+            conds.insert(0, f"({test})")
+        elif any(x is child for x in anc.orelse):
+            conds.insert(0, f"not ({test})")
+        else:
+            return None
+        plan = S.plan_span(scope, anc, trace)
+        if isinstance(plan, S.SpanPlan):
+            return plan, " and ".join(conds)
+        if plan != _OTHER_BLOCK:
+            return None
+        child = anc
+    return None
 
 
 def _within(node: ast.AST, outer: ast.AST) -> bool:
@@ -1203,6 +1320,11 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
             return miss(f"no weight in the matched norm, but its result is multiplied later (`{later}`) in a way "
                         "npufuse does not follow into the norm (control flow or a reshaped factor)")
     plan = S.plan_span(scope, stmt, m.trace)
+    path_cond: str | None = None
+    if plan == _OTHER_BLOCK and isinstance(stmt, ast.Return):
+        lifted = _lift_to_branches(module, scope, stmt, m.trace)
+        if lifted is not None:
+            plan, path_cond = lifted
     early: ast.If | None = None
     in_place: list[ast.stmt] = []
     if isinstance(plan, str) and plan.endswith("is used by another statement inside the fused region"):
@@ -1240,6 +1362,11 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
     if p.condition is not None:
         # the weight is optional: fused with it, the original code without it (npu_rms_norm needs gamma)
         body = [f"if {p.condition}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, plan.stmts))]
+    if path_cond is not None:
+        # the norm is returned in one branch of ifs after it (OLMo: ``if self.weight is not None: ...
+        # return self.weight * x``): that path fused, every other path the original statements
+        body = [f"if {path_cond}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, plan.stmts))]
+        scope.__dict__.setdefault("_npufuse_rms_lifted", []).append((plan.line, plan.end_line))
     risks = [
         Risk("dtype", "npu_rms_norm: fp16/bf16/fp32; gamma in the input's dtype, or fp32 with fp16/bf16 input (A2/A3 only; 310P/910 need the same dtype)"),
         Risk("numerics", "npu_rms_norm applies gamma in fp32 and rounds once; the original rounds before the weight: ≤1-ulp differences"),
@@ -2281,15 +2408,15 @@ _RUN_BLOCK_BF16 = (
 RmsNorm.FUSE += [
     Fuse(
         _NN_RMSNORM_BLOCK,
-        expect={"variant": "nn_rmsnorm", "module": "self.attention_norm", "eps": "self.attention_norm.eps",
-                "weight": "self.attention_norm.weight", "qualname": "Block.forward", "line": 14, "end_line": 14},
+        expect={"variant": "nn_rmsnorm", "module": "nn.RMSNorm", "target": "self.attention_norm",
+                "qualname": "Block.__init__", "line": 9, "end_line": 9},
         run=_RUN_BLOCK_BF16,
         name="nn_rmsnorm_modules",
     ),
     Fuse(
         # eps omitted: PyTorch takes float32's epsilon for bf16 input (not bf16's; see _library_norm)
         _NN_RMSNORM_DEFAULT_EPS,
-        expect={"variant": "nn_rmsnorm", "eps": "finfo(float32).eps", "weight": "self.norm.weight"},
+        expect={"variant": "nn_rmsnorm", "target": "self.norm", "qualname": "Layer.__init__"},
         run=("m = Layer(16).to(th.bfloat16)\nx = (th.randn(3, 4, 16) * 1e-3).to(th.bfloat16).requires_grad_()\n"
              "out = m(x)\nleaves = [x, m.norm.weight]\n"),
         name="nn_rmsnorm_default_eps_tiny_input",
@@ -2309,7 +2436,7 @@ RmsNorm.FUSE += [
     ),
     Fuse(
         _NN_RMSNORM_CONDITIONAL,
-        expect={"variant": "nn_rmsnorm", "module": "self.norm"},
+        expect={"variant": "nn_rmsnorm", "target": "self.norm", "module": "nn.RMSNorm"},
         run=("m = Block(16)\nwith torch.no_grad():\n    m.norm.weight.normal_()\nx = torch.randn(4, 16, requires_grad=True)\n"
              "out = (m(x), Block(16, use_rms=False)(x))\nleaves = [x]\n"),
         name="nn_rmsnorm_or_layernorm_by_flag",
@@ -2329,23 +2456,42 @@ def norm_all(x, w, eps):
         reason="neither the input nor the weight",
         name="f_rms_norm_of_inline_expressions",
     ),
-    Keep(
-        '''
+]
+
+_NN_RMSNORM_MANY = '''
 import torch
 from torch import nn
 
 
 class Head(nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, depth=2):
         super().__init__()
         self.norm = nn.RMSNorm(dim, elementwise_affine=False)
+        self.norms = nn.ModuleList([nn.RMSNorm(dim, eps=1e-6) for _ in range(depth)])
+        self.grid_norm = nn.RMSNorm([4, dim])
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x):
-        return self.out(self.norm(self.out(x)))
-''',
-        reason="no weight (elementwise_affine=False) and its input is an inline expression",
-        name="nn_rmsnorm_no_weight_inline_input",
+        h = self.out(self.norm(self.out(x)))
+        for n in self.norms:
+            h = n(h.permute(0, 2, 1, 3))
+        return self.grid_norm(h)
+
+
+def make_norm(dim):
+    return nn.RMSNorm(dim, eps=None)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # no weight (ones gamma), one statement building several modules, a multi-dim normalized_shape
+        # (npu_rms_norm normalises gamma's trailing dims), a permuted input at the call
+        _NN_RMSNORM_MANY,
+        expect={"variant": "nn_rmsnorm", "target": "self.norm", "qualname": "Head.__init__", "line": 9},
+        run=("m = Head(8)\nwith torch.no_grad():\n    m.grid_norm.weight.normal_()\n    m.norms[1].weight.normal_()\n"
+             "x = torch.randn(2, 4, 4, 8, requires_grad=True)\nf = make_norm(8)\nout = (m(x), f(x))\n"
+             "leaves = [x, m.grid_norm.weight, m.norms[1].weight]\n"),
+        name="nn_rmsnorm_no_weight_list_multidim_factory",
     ),
 ]
 
@@ -2779,7 +2925,7 @@ class Block(nn.Module):
 '''
 
 RmsNorm.FUSE += [
-    Fuse(_RMSNORM_SUBCLASS, expect={"variant": "nn_rmsnorm", "module": "self.norm", "eps": "self.norm.eps", "weight": "self.norm.weight"},
+    Fuse(_RMSNORM_SUBCLASS, expect={"variant": "nn_rmsnorm", "module": "RMSNorm", "qualname": "RMSNorm.__init__", "line": 10},
          run=("m = Block(16).to(torch.bfloat16)\nwith torch.no_grad():\n    m.norm.weight.normal_()\n"
               "x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x, m.norm.weight]\n"),
          name="nn_rmsnorm_subclass_without_forward"),
@@ -2798,4 +2944,285 @@ RmsNorm.FUSE += [
     Fuse(_L2_NORMALIZE.replace("F.normalize(x, dim=-1) * self.scale * self.gamma", "F.normalize(x, dim=-1) * x.shape[-1] ** 0.5 * self.gamma"),
          expect={"variant": "l2_normalize", "weight": "(x.shape[-1] ** 0.5) * (self.gamma)"},
          run=_L2_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", w="gamma"), name="f_normalize_times_inline_sqrt_d"),
+]
+
+
+# -- norms with an optional weight applied in a branch, the result returned by name (issue 14) ------
+
+_OPTIONAL_WEIGHT_BY_NAME = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, elementwise_affine=True, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float()).type_as(x)
+        if hasattr(self, "weight"):
+            output = output * self.weight
+        return output
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # the weight exists only with elementwise_affine: fused with it, the original code without it
+        _OPTIONAL_WEIGHT_BY_NAME,
+        expect={"weight": "self.weight", "weight_condition": 'hasattr(self, "weight")', "qualname": "RMSNorm.forward",
+                "line": 17, "end_line": 20},
+        run=("m = RMSNorm(16).to(torch.bfloat16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+             "x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = (m(x), RMSNorm(16, elementwise_affine=False)(x))\nleaves = [x, m.weight]\n"),
+        name="optional_weight_in_a_branch_returned_by_name",
+    ),
+    Fuse(
+        _OPTIONAL_WEIGHT_BY_NAME.replace("if elementwise_affine:\n            self.weight = nn.Parameter(torch.ones(dim))",
+                                         "self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None")
+                                .replace('if hasattr(self, "weight"):', "if self.weight is not None:"),
+        expect={"weight": "self.weight", "weight_condition": "self.weight is not None"},
+        run=("m = RMSNorm(16)\nwith torch.no_grad():\n    m.weight.normal_()\nx = torch.randn(2, 3, 16, requires_grad=True)\n"
+             "out = (m(x), RMSNorm(16, elementwise_affine=False)(x))\nleaves = [x, m.weight]\n"),
+        name="weight_is_not_none_branch_returned_by_name",
+    ),
+]
+
+
+# -- L2 spellings through a one-line helper, a named intermediate, a per-head gain (issue 14, class 1) --
+
+_L2_HELPER_AND_HEADS = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def l2norm(t):
+    return F.normalize(t, dim = -1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return l2norm(x) * self.scale * self.gamma
+
+
+class HeadNorm(nn.Module):
+    def __init__(self, heads, dim):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(heads, 1, dim))
+
+    def forward(self, x):
+        normed = F.normalize(x, dim = -1)
+        return normed * self.scale * self.gamma
+'''
+
+_L2_HELPER_RUN = ("m = RMSNorm(16)\nh = HeadNorm(4, 16)\nwith torch.no_grad():\n    m.gamma.normal_()\n    h.gamma.normal_()\n"
+                  "x = torch.randn(2, 4, 5, 16, dtype=torch.bfloat16, requires_grad=True)\nout = (m(x), h(x))\nleaves = [x, m.gamma, h.gamma]\n")
+
+RmsNorm.FUSE += [
+    Fuse(
+        # ``l2norm(x)`` is F.normalize(x, dim=-1) through a helper; HeadNorm's gain is [heads, 1, d]: not a
+        # gamma of the last dim, so it multiplies the fused norm's output (a run-time branch on its shape)
+        _L2_HELPER_AND_HEADS,
+        expect={"variant": "l2_normalize", "eps_rule": "clamp on the norm", "qualname": "RMSNorm.forward", "line": 18},
+        run=_L2_HELPER_RUN,
+        name="l2norm_helper_and_per_head_gain",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a helper that normalises over dim 1 (channels of NCHW) is not a last-dim norm; with no
+        # sqrt(d) factor the direct spelling is an L2 normalisation: said so
+        _L2_HELPER_AND_HEADS.replace("return F.normalize(t, dim = -1)", "return F.normalize(t, dim = 1)")
+                            .replace("self.scale = dim ** 0.5", "self.scale = 2.0"),
+        reason="without a sqrt(d) factor",
+        name="l2norm_helper_other_dim_and_no_sqrt_d",
+    ),
+]
+
+
+# -- the norm returned in one branch of ifs after the computation (OLMo; issue 14) ---------------
+
+_RETURN_IN_BRANCHES = '''
+import torch
+from torch import nn
+
+
+class RMSLayerNorm(nn.Module):
+    def __init__(self, size, eps=1e-5, affine=True, bias=False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(size)) if affine and bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(enabled=False, device_type=x.device.type):
+            og_dtype = x.dtype
+            x = x.to(torch.float32)
+            variance = x.pow(2).mean(-1, keepdim=True)
+            x = x * torch.rsqrt(variance + self.eps)
+            x = x.to(og_dtype)
+
+        if self.weight is not None:
+            if self.bias is not None:
+                return self.weight * x + self.bias
+            else:
+                return self.weight * x
+        else:
+            return x
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # the path returning ``self.weight * x`` is fused; the bias and weightless paths run the original
+        _RETURN_IN_BRANCHES,
+        expect={"weight": "self.weight", "qualname": "RMSLayerNorm.forward", "line": 14, "end_line": 27},
+        run=("a = RMSLayerNorm(16)\nb = RMSLayerNorm(16, bias=True)\nc = RMSLayerNorm(16, affine=False)\nwith torch.no_grad():\n"
+             "    a.weight.normal_()\nx = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = (a(x), b(x), c(x))\nleaves = [x, a.weight]\n"),
+        name="norm_returned_in_one_branch_of_ifs",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a loop between the computation and the return is not an if: still refused, with the reason
+        _RETURN_IN_BRANCHES.replace("        if self.weight is not None:\n", "        for _ in range(1):\n"),
+        reason="another block",
+        name="norm_returned_inside_a_loop",
+    ),
+]
+
+
+# -- Hugging Face Llama-style RMSNorm classes imported into a model (issue 14) --------------------
+
+_HF_NORM_IMPORTED = '''
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm as RMSNorm
+
+
+class Patchify(nn.Module):
+    def __init__(self, c, eps=1e-6):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 2, stride=2)
+        self.norm = RMSNorm(c, eps)
+
+    def forward(self, x):
+        e = self.conv(x)
+        e = self.norm(e.permute(0, 2, 3, 1))
+        return e.permute(0, 3, 1, 2)
+
+
+class Down(nn.Module):
+    def __init__(self, c, norm_type="rms_norm"):
+        super().__init__()
+        if norm_type == "rms_norm":
+            self.norm = RMSNorm(c, 1e-6)
+        else:
+            self.norm = nn.LayerNorm(c)
+
+    def forward(self, x):
+        return self.norm(x)
+'''
+
+RmsNorm.FUSE += [
+    # run end to end in tests/test_detect_norms.py (transformers is not a dependency: a stand-in module
+    # with transformers' LlamaRMSNorm forward is installed there)
+    Fuse(_HF_NORM_IMPORTED, expect={"variant": "hf_norm_module", "module": "self.norm", "norm_class": "RMSNorm",
+                                    "qualname": "Patchify.forward", "line": 15, "end_line": 15},
+         name="transformers_llama_rmsnorm_on_a_permuted_input"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the norm of an inline input inside a larger statement: binding the input first would reorder evaluation
+        _HF_NORM_IMPORTED.split("class Down")[0].replace("class Patchify", "class Unused").replace(
+            "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1))\n"),
+        reason="inline expression inside a larger statement",
+        name="transformers_norm_of_an_inline_input_inside_a_sum",
+    ),
+]
+
+
+# -- a mean over the trailing len(normalized_shape) dims (InternEvo's manual_rms_norm; issue 14) ------
+
+_TRAILING_DIMS = '''
+import torch
+
+
+def manual_rms_norm(my_input, normalized_shape, weight, eps):
+    # layer norm should always be calculated in float32
+    dims = tuple(i for i in range(-1, -len(normalized_shape) - 1, -1))
+    variance = my_input.to(torch.float32).pow(2).mean(dims, keepdim=True)
+    my_input = my_input * torch.rsqrt(variance + eps)
+
+    if weight is None:
+        return my_input
+
+    # convert into half-precision if necessary
+    if weight.dtype in [torch.float16, torch.bfloat16]:
+        my_input = my_input.to(weight.dtype)
+
+    return weight * my_input
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # dims = the last len(normalized_shape) dims: fused when that is the last dim alone, the original
+        # otherwise (and on the weightless early return)
+        _TRAILING_DIMS,
+        expect={"dim_check": "-len(normalized_shape) == -1", "weight": "weight", "qualname": "manual_rms_norm", "line": 7, "end_line": 18},
+        run=("x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nw = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "w2 = torch.randn(3, 16, requires_grad=True)\nout = (manual_rms_norm(x, (16,), w, 1e-5), manual_rms_norm(x, (16,), None, 1e-5),\n"
+             "       manual_rms_norm(x, (3, 16), w2, 1e-5), manual_rms_norm(x.float(), [16], w.float(), 1e-5))\nleaves = [x, w, w2]\n"),
+        name="mean_over_trailing_dims_of_normalized_shape",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the leading dims instead (range(0, len(shape))): not the trailing ones, refused with the reason
+        _TRAILING_DIMS.replace("range(-1, -len(normalized_shape) - 1, -1)", "range(0, len(normalized_shape))"),
+        reason="a run-time value",
+        name="mean_over_leading_dims_from_a_shape",
+    ),
+]
+
+RmsNorm.FUSE += [
+    Fuse(
+        # a subclass of nn.RMSNorm with neither forward nor __init__: swapped where it is built
+        '''
+import torch
+from torch import nn
+
+
+class Norm(nn.RMSNorm):
+    pass
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.n = Norm(d)
+
+    def forward(self, x):
+        return self.n(x)
+''',
+        expect={"variant": "nn_rmsnorm", "module": "Norm", "target": "self.n", "qualname": "Block.__init__", "line": 13},
+        run="b = Block(8)\nx = torch.randn(2, 8, requires_grad=True)\nout = b(x)\nleaves = [x]\n",
+        name="nn_rmsnorm_bare_subclass_built_in_another_class",
+    ),
 ]

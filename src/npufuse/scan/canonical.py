@@ -946,3 +946,58 @@ def summed_product(p1: "Product | None", p2: "Product | None") -> "tuple[Product
     guard = ast.BoolOp(op=ast.And(), values=[ast.Compare(left=lead(p1.a), ops=[ast.Eq()], comparators=[lead(p2.a)]),
                                              ast.Compare(left=lead(k1), ops=[ast.Eq()], comparators=[lead(k2)])])
     return Product(q, ast.Attribute(value=k, attr="mT", ctx=ast.Load()), "matmul"), guard
+
+# --- norms: L2 normalisation of the last dim through a one-line helper ---
+# lucidrains' ``def l2norm(t): return F.normalize(t, dim=-1)`` then ``l2norm(x) * self.scale * self.gamma``:
+# the helper's call is the normalisation of its argument, with the helper's own p/eps.
+
+NORMALIZE_FN = "torch.nn.functional.normalize"
+
+
+@dataclass(frozen=True)
+class L2Normalize:
+    """``F.normalize(x, p=2, dim=-1, eps=eps)`` read at a call: the normalised operand (an expression
+    at the call) and the eps source (None: F.normalize's default 1e-12)."""
+
+    x: ast.expr
+    eps: ast.expr | None
+    via_helper: str | None  # the helper's name when the call goes through one
+
+
+def _normalize_last_dim(module: ModuleInfo, call: ast.Call) -> tuple[ast.expr, ast.expr | None] | None:
+    if api(module, call.func) != NORMALIZE_FN or any(isinstance(a, ast.Starred) for a in call.args) \
+            or any(k.arg is None for k in call.keywords):
+        return None
+    x = call.args[0] if call.args else _kw(call, "input")
+    p = call.args[1] if len(call.args) > 1 else _kw(call, "p")
+    dim = call.args[2] if len(call.args) > 2 else _kw(call, "dim")
+    eps = call.args[3] if len(call.args) > 3 else _kw(call, "eps")
+    if x is None or not is_last_dim(dim) or (p is not None and const_value(p) not in (2, 2.0)):
+        return None
+    return x, eps
+
+
+def l2_normalize_of(module: ModuleInfo, call: ast.AST | None) -> L2Normalize | None:
+    """The last-dim L2 normalisation a call computes: ``F.normalize(x, dim=-1)`` itself, or a call
+    ``h(x)`` of a module-level function whose body is only ``return F.normalize(<its one parameter>,
+    dim=-1[, p=2][, eps=<constant>])`` (docstring allowed)."""
+    if not isinstance(call, ast.Call):
+        return None
+    direct = _normalize_last_dim(module, call)
+    if direct is not None:
+        return L2Normalize(direct[0], direct[1], None)
+    if not isinstance(call.func, ast.Name) or len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+        return None
+    fn = next((n for n in module.tree.body if isinstance(n, ast.FunctionDef) and n.name == call.func.id), None)
+    if fn is None or fn.decorator_list or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs:
+        return None
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(params) != 1 or len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return None
+    inner = _normalize_last_dim(module, body[0].value)
+    if inner is None or not (isinstance(inner[0], ast.Name) and inner[0].id == params[0]):
+        return None
+    if inner[1] is not None and type(const_value(inner[1])) not in (int, float):
+        return None  # an eps read from the helper's scope cannot be written at the call
+    return L2Normalize(call.args[0], inner[1], fn.name)
