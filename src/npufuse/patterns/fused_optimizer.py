@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
@@ -93,6 +93,21 @@ class FusedOptimizer(Pattern):
     title = "torch.optim AdamW/Adam/SGD → torch_npu.optim.NpuFused* (flat-buffer fused update)"
     training_ok = True
     bound = "launch"
+    #: ``npufuse scan --optimizer-zero-grad-in-place`` (ScanOptions.optimizer_zero_grad_in_place):
+    #: an explicit ``zero_grad(set_to_none=True)`` on the optimizer, its model or a wrapper holding it
+    #: is rebound to zero in place instead of refusing (see :class:`_ZeroGradFix`)
+    zero_grad_in_place: bool = False
+    #: examples of that option (found and run only with it on; near misses by default: see KEEP)
+    FUSE_ZERO_IN_PLACE: ClassVar[list[Fuse]] = []
+    KEEP_ZERO_IN_PLACE: ClassVar[list[Keep]] = []
+
+    def with_scan_options(self, options: Any) -> "FusedOptimizer":
+        wanted = bool(getattr(options, "optimizer_zero_grad_in_place", False))
+        if wanted == self.zero_grad_in_place:
+            return self
+        copy = type(self)()
+        copy.zero_grad_in_place = wanted  # an instance attribute: cache.fingerprint keys it
+        return copy
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _relevant(module):
@@ -102,7 +117,7 @@ class FusedOptimizer(Pattern):
                 continue
             calls = _optimizer_calls(module, stmt)
             for call in calls:
-                yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname))
+                yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=self.zero_grad_in_place)
             for call in _unfusable_calls(module, stmt):
                 kind = _NO_FUSED_NAMES[module.canonical(call.func) or ""]
                 yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
@@ -873,17 +888,24 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     free = [(ln, r) for ln, r in facts.set_to_none if fix is None or not fix.handles(ln, r)]
     if free:
         ln, recv = free[0]
-        if not _looks_like_optimizer(recv):  # a module's zero_grad does not raise: it frees silently
+        opt_in = ZERO_IN_PLACE_OPT_IN if fix is not None and fix.opts_in(ln, recv) else ""
+        if not _looks_like_optimizer(recv) and not (fix is not None and recv == fix.target):
+            # a module's zero_grad does not raise: it frees silently
             return (f"`{recv}.zero_grad(set_to_none=...)` (line {ln}) may set the parameters' grads to None: the next "
                     "backward allocates new ones outside the fused optimizer's flat buffer and its update silently uses "
-                    "stale grads; pass set_to_none=False there")
-        return (f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: the fused optimizer raises "
-                "on it (grads must stay allocated); use zero_grad() / set_to_none=False")
+                    "stale grads (torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
+                    "zero_grad(set_to_none=True)); pass set_to_none=False there" + opt_in)
+        return (f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: torch_npu fused optimizers raise "
+                "ValueError on zero_grad(set_to_none=True) (grads must stay allocated in their flat buffer); use "
+                "zero_grad() / set_to_none=False" + opt_in)
     left = [(ln, r) for ln, r in facts.module_zero_grad if fix is None or not fix.handles(ln, r)]
     if left:
         ln, recv = left[0]
         return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0, so they are re-allocated "
-                "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False")
+                "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False"
+                + ("; torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
+                   "zero_grad(set_to_none=True), so the call cannot be handed to them" + ZERO_IN_PLACE_OPT_IN
+                   if fix is not None and fix.opts_in(ln, recv) else ""))
     if facts.grad_assign is not None:
         return (f"grads are re-allocated (`.grad = ...` at line {facts.grad_assign}): the fused optimizer keeps "
                 "updating from its combined grad buffer")
@@ -899,6 +921,16 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
 # place. Also used by npufuse.scan.repo_facts when the call is in another file.
 ZERO_IN_PLACE_COMMENT = ("# torch_npu fused optimizers keep grads in a flat buffer and raise on set_to_none=True: "
                          "zero them in place")
+
+
+# What a near miss adds where ``npufuse scan --optimizer-zero-grad-in-place`` would make the site a
+# candidate (also used by npufuse.scan.repo_facts): the code's own choice to free grads is kept by
+# default (issue 14 class 5: set_to_none=True is a reason to keep the torch optimizer).
+ZERO_IN_PLACE_OPT_IN = (
+    "; `npufuse scan --optimizer-zero-grad-in-place` makes this a candidate whose fused branch rebinds that "
+    "zero_grad to zero the grads in place (risk: a parameter that gets no grad in some step is then updated with "
+    "a zero grad, so weight decay and momentum still apply where torch.optim would skip it, and grad memory is "
+    "not released between steps)")
 
 
 def zero_in_place(target: str) -> str:
@@ -924,15 +956,26 @@ class _ZeroGradFix:
       ValueError on it); the fused optimizer's zero_grad is replaced by one without the parameter
       that zeroes in place.
 
+    With ``in_place`` (``npufuse scan --optimizer-zero-grad-in-place``) also, and only then:
+
+    * ``zero_grad(set_to_none=True)`` (or a flag) on the optimizer, on its model, or on a wrapper
+      provably holding its parameters (``raw = model.module``), and ``zero_grad()`` on such a
+      wrapper: bound to a zero_grad that zeroes in place whatever set_to_none asks. Without it those
+      calls are the code's stated choice to free grads: they stay blockers, whose reason names the
+      option (:meth:`opts_in`).
+
     Only for a statement that binds the optimizer to one name (nothing can follow a ``return``)."""
 
     def __init__(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, model: str,
-                 prepared: Optional[tuple[int, str]], tiers: tuple[_FileFacts, _FileFacts, _FileFacts]) -> None:
+                 prepared: Optional[tuple[int, str]], tiers: tuple[_FileFacts, _FileFacts, _FileFacts],
+                 in_place: bool = False) -> None:
         names = _target_names(stmt)
         self.target = next(iter(names)) if len(names) == 1 and not isinstance(stmt, ast.Return) else ""
         self.model = model if self.target else ""
         self.accelerate = bool(self.target) and prepared is not None and any(t.zero_grad_calls for t in tiers[:2])
         self._handled: set[tuple[int, str]] = set()
+        # calls the option would handle (left as blockers without it)
+        self._opt_in: set[tuple[int, str]] = set()
         self.patch_model: list[int] = []  # lines of M.zero_grad() calls the patch covers
         # zero_grad(set_to_none=True) (or a flag) on the optimizer this statement binds / on the model
         # whose parameters it takes: the fused branch makes those calls zero in place
@@ -946,6 +989,11 @@ class _ZeroGradFix:
             for ln, recv in t.set_to_none:
                 if _excluded_branch(site_tests, _enclosing_tests(module.tree, ln)):
                     self._handled.add((ln, recv))
+                elif not in_place:
+                    if ((self.target and recv == self.target)
+                            or (self.model and recv == self.model and not _other_optimizer_over(module, scope, self.model, stmt))
+                            or (self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno))):
+                        self._opt_in.add((ln, recv))
                 elif self.target and recv == self.target:
                     self._handled.add((ln, recv))
                     self.free_optimizer.append(ln)
@@ -963,13 +1011,20 @@ class _ZeroGradFix:
                     self._handled.add((ln, recv))
                     self.patch_model.append(ln)
                 elif self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno):
-                    self._handled.add((ln, recv))
-                    self.holders.setdefault(recv, []).append(ln)
+                    if in_place:
+                        self._handled.add((ln, recv))
+                        self.holders.setdefault(recv, []).append(ln)
+                    else:
+                        self._opt_in.add((ln, recv))
                 elif self.model and _other_object(module, scope, recv, self.model, ln, stmt.lineno):
                     self._handled.add((ln, recv))
 
     def handles(self, line: int, recv: str) -> bool:
         return (line, recv) in self._handled
+
+    def opts_in(self, line: int, recv: str) -> bool:
+        """Would ``--optimizer-zero-grad-in-place`` make this freeing call zero in place?"""
+        return (line, recv) in self._opt_in
 
     def statements(self) -> str:
         out = ""
@@ -1154,7 +1209,7 @@ def _constructor(module: ModuleInfo, value: Optional[ast.expr]) -> Optional[str]
 
 
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
-          tiers: tuple[_FileFacts, _FileFacts, _FileFacts]) -> Result:
+          tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False) -> Result:
     kind = _CANONICAL[module.canonical(call.func) or ""]
     fused_cls, accepted = _OPTIMIZERS[kind]
     line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
@@ -1177,7 +1232,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     model = guard[len("next("):].split(".parameters()")[0] if guard and ".parameters()" in guard else ""
     prepared = _accelerate_prepared(stmt, tiers[0], tiers[1])
     peft = _peft_wrapped(module, scope, model, stmt.lineno)
-    fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers)
+    fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers, in_place)
     sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
                     if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
     for n, facts in enumerate(tiers):
@@ -2465,9 +2520,13 @@ FusedOptimizer.FUSE += [
         "guard": "fresh_generator_unsharded_runs_only"}),
 ]
 
-# --- set_to_none made to zero in place (issue 14 class 5) ---------------------------------------
-# torch_npu's fused zero_grad raises ValueError on set_to_none=True (the emulator does too), so each
-# run below fails if the fused branch does not bind zero_grad to zero in place.
+# --- set_to_none: kept by default, zeroed in place on request (issue 14 class 5) -----------------
+# An explicit zero_grad(set_to_none=True) is the code's choice (memory); torch_npu's fused class
+# raises ValueError on it. By default the site is a near miss naming the option; with
+# `npufuse scan --optimizer-zero-grad-in-place` (FusedOptimizer.FUSE_ZERO_IN_PLACE, run by
+# tests/test_detect_optimizer_zero_grad.py with the option on) the fused branch binds zero_grad to zero
+# in place. The emulator's fused zero_grad raises on set_to_none=True too, so each run there fails
+# if that binding is missing.
 
 # nanoGPT's loop: the optimizer frees the grads every step
 _NANOGPT_TRAIN_SET_TO_NONE = _NET + '''
@@ -2529,7 +2588,31 @@ def train(steps=3):
     return tuple(p.detach().clone() for p in model.parameters())
 '''
 
-FusedOptimizer.FUSE += [
+# the reason states the fact and names the option (with its risk)
+_OPT_IN_SAYS = "makes this a candidate whose fused branch rebinds that zero_grad to zero the grads in place (risk:"
+
+FusedOptimizer.KEEP += [
+    Keep(_NANOGPT_TRAIN_SET_TO_NONE, name="optimizer_zero_grad_set_to_none_kept_by_default",
+         reason="raise ValueError on zero_grad(set_to_none=True) (grads must stay allocated in their flat buffer); use "
+                "zero_grad() / set_to_none=False; `npufuse scan --optimizer-zero-grad-in-place` " + _OPT_IN_SAYS),
+    Keep(_MODEL_SET_TO_NONE, name="model_zero_grad_set_to_none_kept_by_default",
+         reason="raise ValueError on zero_grad(set_to_none=True)); pass set_to_none=False there; "
+                "`npufuse scan --optimizer-zero-grad-in-place` " + _OPT_IN_SAYS),
+    Keep(_HOLDER_SET_TO_NONE, name="wrapper_holding_the_params_set_to_none_kept_by_default",
+         reason="`model.zero_grad(set_to_none=...)` (line 36) may set the parameters' grads to None: the next backward "
+                "allocates new ones outside the fused optimizer's flat buffer and its update silently uses stale grads "
+                "(torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
+                "zero_grad(set_to_none=True)); pass set_to_none=False there; `npufuse scan --optimizer-zero-grad-in-place` "
+                + _OPT_IN_SAYS),
+    Keep(_HOLDER_SET_TO_NONE.replace("model.zero_grad(set_to_none=True)", "model.zero_grad()"),
+         name="wrapper_holding_the_params_zero_grad_kept_by_default",
+         reason="sets grads to None on torch >= 2.0, so they are re-allocated every step and the fused optimizer's "
+                "combined grad buffer goes stale; pass set_to_none=False; torch_npu fused optimizers read grads only "
+                "from that buffer and raise ValueError on zero_grad(set_to_none=True), so the call cannot be handed to "
+                "them; `npufuse scan --optimizer-zero-grad-in-place` " + _OPT_IN_SAYS),
+]
+
+FusedOptimizer.FUSE_ZERO_IN_PLACE = [
     Fuse(_NANOGPT_TRAIN_SET_TO_NONE, name="optimizer_zero_grad_set_to_none_zeroed_in_place",
          run="out = main()\n",
          expect={"optimizer": "torch.optim.AdamW", "args": {"lr": "6e-4", "betas": "(0.9, 0.95)", "weight_decay": "0.1"}}),
@@ -2537,9 +2620,13 @@ FusedOptimizer.FUSE += [
          expect={"optimizer": "torch.optim.Adam", "qualname": "train"}),
     Fuse(_HOLDER_SET_TO_NONE, name="wrapper_holding_the_params_zeroed_in_place", run="out = train()\n",
          expect={"optimizer": "torch.optim.AdamW", "params": "raw.fc2.parameters()"}),
+    Fuse(_HOLDER_SET_TO_NONE.replace("model.zero_grad(set_to_none=True)", "model.zero_grad()"),
+         name="wrapper_holding_the_params_zero_grad_zeroed_in_place", run="out = train()\n",
+         expect={"optimizer": "torch.optim.AdamW", "params": "raw.fc2.parameters()"}),
 ]
 
-FusedOptimizer.KEEP += [
+# near misses in both modes (FusedOptimizer.KEEP_ZERO_IN_PLACE: the option's test runs them too)
+FusedOptimizer.KEEP_ZERO_IN_PLACE = [
     # the wrapper is re-bound after the optimizer is built: binding its zero_grad at the optimizer's
     # line would patch another object
     Keep(_HOLDER_SET_TO_NONE.replace("    for _ in range(steps):\n", "    model = Wrapped(raw)\n    for _ in range(steps):\n", 1),
@@ -2555,6 +2642,7 @@ def train(model, other, steps=3):
         other.zero_grad(set_to_none=True)
 ''', reason="may set the parameters' grads to None", name="unrelated_receiver_set_to_none"),
 ]
+FusedOptimizer.KEEP += FusedOptimizer.KEEP_ZERO_IN_PLACE
 
 # --- `**mapping` of keys known at run time (issue 14 class 5) -----------------------------------
 # open_clip's `opt_kwargs.update(args.opt_kwargs or {})`, InternEvo's `extra["fused"] = True`: the

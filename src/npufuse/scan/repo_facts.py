@@ -26,6 +26,10 @@ the call's result is bound to are the optimizer. Facts on those names, in that f
 * accelerate ``prepare`` of O followed by ``O.zero_grad()``: AcceleratedOptimizer passes
   set_to_none=True -> near miss.
 
+With ``npufuse scan --optimizer-zero-grad-in-place`` the zero_grad facts above (not sharing, not
+sharding) make the candidate's fused branch rebind that zero_grad to zero in place instead, with
+the risk stated; without it their near-miss reason names that option.
+
 Every reason names the other file and line. Never raises: a file it cannot read or parse says
 nothing.
 """
@@ -45,11 +49,15 @@ _WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shar
 _SHARDING_PARTS = ("fsdp", "fullyshard", "fully_shard", "deepspeed", "zeroredundancy")
 
 
-def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int,
+          zero_in_place: bool = False) -> None:
     """Turn fused_optimizer hits that another file makes unsafe into near misses (appended to
-    ``near``) and attach risks for run-time-chosen sharding. Mutates ``outcomes``' hits."""
+    ``near``) and attach risks for run-time-chosen sharding. Mutates ``outcomes``' hits.
+    ``zero_in_place`` (``npufuse scan --optimizer-zero-grad-in-place``): grads another file frees
+    through a zero_grad are zeroed in place by the fused branch instead (:func:`_zero_in_place`);
+    without it those are near misses whose reason names the option."""
     try:
-        _apply(root, list(files), outcomes, near, max_bytes)
+        _apply(root, list(files), outcomes, near, max_bytes, zero_in_place)
     except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
         return
 
@@ -74,7 +82,7 @@ class _Builder:
                 self.function, self.cls = parts[1], parts[0]
 
 
-def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int, zero_in_place: bool) -> None:
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
@@ -130,8 +138,14 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
                 continue
             blocked, text, fix = verdict
             f = h.finding
-            if blocked and fix is not None and _zero_in_place(root, o, h, b, fix, text, max_bytes):
+            target = _zero_target(root, h, b, fix, max_bytes) if blocked and fix is not None else None
+            if target is not None and zero_in_place:
+                _zero_in_place(o, h, fix, target, text)
                 continue  # the fused branch now zeroes those grads in place (a risk says so); other files may still block
+            if target is not None:
+                from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
+
+                text += ZERO_IN_PLACE_OPT_IN
             if blocked:
                 if h in o.hits:
                     o.hits.remove(h)
@@ -277,8 +291,9 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
                 return True, (f"`{recv}.zero_grad({'' if flag is None else 'set_to_none=...'})` at {rel}:{node.lineno} on the "
                               f"model whose parameters the optimizer takes ({via}) sets their grads to None"
                               f"{' (torch >= 2.0 default)' if flag is None else ''}: the next backward allocates new ones outside "
-                              "the fused optimizer's flat buffer and its update silently uses stale grads; pass "
-                              "set_to_none=False there"), ("self" if b.cls and recv in receivers else "model")
+                              "the fused optimizer's flat buffer and its update silently uses stale grads (torch_npu fused "
+                              "optimizers read grads only from that buffer and raise ValueError on zero_grad(set_to_none=True)); "
+                              "pass set_to_none=False there"), ("self" if b.cls and recv in receivers else "model")
         elif attr == "share_memory" and recv in models:
             return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
                           f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
@@ -300,36 +315,41 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
 
 # --- grads freed in another file, zeroed in place by the fused branch (issue 14 class 5) --------
 
-def _zero_in_place(root: Path, o: Any, h: Any, b: _Builder, fix: str, text: str, max_bytes: int) -> bool:
-    """Make the candidate's fused branch bind the freeing zero_grad to one that zeroes in place
-    (as fused_optimizer does for calls in the candidate's own file): ``fix`` "optimizer": the name
-    the construction binds (a ``return`` is rewritten to bind one first); "model": the object whose
-    ``parameters()`` the guard reads, when that is what the driving file hands over (``self`` of a
-    method, or a parameter of the builder function). False: no such name; the caller refuses."""
-    from npufuse.patterns.base import Risk
-    from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_COMMENT, zero_in_place
-
+def _zero_target(root: Path, h: Any, b: _Builder, fix: str, max_bytes: int) -> Optional[str]:
+    """The name whose zero_grad the candidate's fused branch would bind to zero in place (as
+    fused_optimizer does for calls in the candidate's own file, with the option): ``fix``
+    "optimizer": the name the construction binds (a ``return`` gets one bound first); "model": the
+    object whose ``parameters()`` the guard reads, when that is what the driving file hands over
+    (``self`` of a method, or a parameter of the builder function). None: no such name."""
     f = h.finding
     if not isinstance(f.fused, str) or not f.fused:
-        return False
-    done = f.__dict__.setdefault("_npufuse_zeroed_in_place", set())
+        return None
     if fix == "self":
         target: Optional[str] = "self"  # the driving file frees the grads of the object whose method builds the optimizer
     elif fix == "model":
         guard = f.guard_tensor or ""
         if not (guard.startswith("next(") and guard.endswith(".parameters(), None)")):
-            return False
+            return None
         target = guard[len("next("):-len(".parameters(), None)")]
         fn = _builder_def(root, b, max_bytes)
         params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)} if fn is not None else set()
         if not (target.isidentifier() and ((b.cls and target == "self") or (not b.cls and target in params and target != "self"))):
-            return False
+            return None
     else:
         target = _bound_name(f.fused) or ("_npufuse_optimizer" if f.fused.startswith("return ") else None)
-    if target is None:
-        return False
+    return target
+
+
+def _zero_in_place(o: Any, h: Any, fix: str, target: str, text: str) -> None:
+    """Make the candidate's fused branch bind ``target``'s zero_grad (:func:`_zero_target`) to one
+    that zeroes in place, with the risk stated (``--optimizer-zero-grad-in-place`` only)."""
+    from npufuse.patterns.base import Risk
+    from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_COMMENT, zero_in_place
+
+    f = h.finding
+    done = f.__dict__.setdefault("_npufuse_zeroed_in_place", set())
     if target in done:
-        return True
+        return
     if f.fused.startswith("return "):
         # `return Cls(...)`: bind it first, so zero_grad can be replaced before it is handed out
         f.fused = f"_npufuse_optimizer = {f.fused[len('return '):]}return _npufuse_optimizer\n"
@@ -345,7 +365,6 @@ def _zero_in_place(root: Path, o: Any, h: Any, b: _Builder, fix: str, text: str,
                         "fused optimizers raise ValueError on set_to_none=True and read grads from their flat buffer); a "
                         "parameter that gets no grad in some step is then updated with a zero grad (weight decay and "
                         "momentum still apply) where torch.optim would skip it"))
-    return True
 
 
 def _bound_name(fused: str) -> Optional[str]:
