@@ -95,3 +95,11 @@ def test_cli_flag_scans_applies_and_runs_under_the_emulator(tmp_path: Path, monk
         outs, _ = _run(_exec(rewritten, "rewritten"), ex.run)
     assert sum(emu.calls.values()) >= 1
     assert all(cosine(a, b) >= 0.9999 for a, b in zip(ref, outs))
+
+
+def test_an_uncalled_helper_reallocating_parameters_is_a_stated_risk() -> None:
+    ex = next(e for e in FusedOptimizer.FUSE if e.name == "reallocation_in_a_helper_the_file_never_calls")
+    findings, _ = detect_all(DEFAULT, ex.code)
+    assert len(findings) == 1
+    risk = [r.detail for r in findings[0].risks if "convert_models_to_fp32" in r.detail]
+    assert risk and "line 20" in risk[0] and "nothing in this file calls it" in risk[0]

@@ -220,6 +220,9 @@ class _FileFacts:
         self.zero_grad_calls: list[tuple[int, str]] = []  # an optimizer's `.zero_grad(...)` not given set_to_none=False
         self.returned: set[str] = set()  # dotted names a `return` hands out (`return model, optimizer`)
         self.dtype_casts: list[tuple[int, str, str]] = []  # (line, receiver, name) of `.to(<a dtype held in a name>)`
+        # (line, function) of a `.data =` / `.grad =` re-allocation left out of data_assign/grad_assign
+        # because it sits in a module-level function nothing in the file calls (:meth:`_Units.tiers`)
+        self.uncalled_reallocation: Optional[tuple[int, str]] = None
         for root in roots:
             for node in fast_walk(root):
                 self._visit(module, node)
@@ -490,9 +493,23 @@ class _Units:
         entries = [n for n, x in self.units.items() if not x.test and n not in mine and not self.callers[n]]
         shared = self._closure(entries)
         rest = sorted(n for n, x in self.units.items() if n not in mine and not x.test and (n not in theirs or n in shared))
+        third = _FileFacts.merged(self.module, (self._unit_facts(n) for n in rest))
+        # the optimizer belongs to this file's own program (built at module level or in a function
+        # the module-level code reaches, `if __name__ == "__main__": main()`): a module-level function
+        # that nothing in the file calls or names (Chinese-CLIP's unused `convert_models_to_fp32(model)`:
+        # `p.data = p.data.float()`) cannot touch its parameters; that re-allocation is a risk (other
+        # files may call the helper on their own models), not a refusal. An optimizer built in a
+        # library function (`def build(model)`, called from elsewhere) may meet any of them.
+        script = own == _MODULE or own in self._closure([_MODULE])
+        uncalled = {n for n in rest if self.units[n].cls is None and n != _MODULE and not self.callers[n]} if script else set()
+        if uncalled and (third.data_assign is not None or third.grad_assign is not None):
+            kept = _FileFacts.merged(self.module, (self._unit_facts(n) for n in rest if n not in uncalled))
+            lines = [(ln, n) for n in sorted(uncalled) for ln in (self._unit_facts(n).data_assign, self._unit_facts(n).grad_assign) if ln is not None]
+            third.data_assign, third.grad_assign = kept.data_assign, kept.grad_assign
+            third.uncalled_reallocation = min(lines) if lines else None
         out = (self._unit_facts(own),
                _FileFacts.merged(self.module, (self._unit_facts(n) for n in sorted(mine - {own}))),
-               _FileFacts.merged(self.module, (self._unit_facts(n) for n in rest)))
+               third)
         self._regions[own] = out
         return out
 
@@ -1296,6 +1313,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError); mixed fp32/fp16 params get one buffer each"),
     ]
     risks += fix.risks()
+    if tiers[2].uncalled_reallocation is not None:
+        ln, fn = tiers[2].uncalled_reallocation
+        risks.append(Risk("other", f"`{fn}` re-allocates parameters or grads (`.data =` / `.grad =` at line {ln}); nothing in this "
+                          "file calls it, but if other code runs it on these parameters after the optimizer's first step, the "
+                          "fused optimizer's combined buffers go stale"))
     if sharded_when is not None:
         test, in_body, where = sharded_when
         risks.append(Risk("other", f"FSDP/DeepSpeed/ZeRO is chosen at run time ({where}, when `{test}` is "
@@ -2740,4 +2762,43 @@ FusedOptimizer.KEEP += [
     Keep(_RUN_TIME_DTYPE.replace("    model.to(dtype)\n    return torch.optim.AdamW(model.parameters(), lr=1e-3)\n",
                                  "    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n    model.to(dtype)\n    return opt\n"),
          reason="may cast the parameters to bfloat16", name="dtype_chosen_at_run_time_cast_after_the_optimizer"),
+]
+
+# --- a re-allocation in a helper nothing in the file calls (issue 14 class 5) ---------------------
+# Chinese-CLIP's training main.py defines `convert_models_to_fp32(model)` (`p.data = p.data.float()`)
+# and never calls it (other files import it for evaluation): it cannot touch the optimizer main()
+# builds. A stated risk, not a refusal; called after the construction it still refuses.
+_UNCALLED_REALLOCATION = _NET + '''
+
+
+def convert_models_to_fp32(model):
+    for p in model.parameters():
+        p.data = p.data.float()
+
+
+def main(steps=3):
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return tuple(p.detach().clone() for p in model.parameters())
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_UNCALLED_REALLOCATION, name="reallocation_in_a_helper_the_file_never_calls", run="out = main()\n",
+         expect={"optimizer": "torch.optim.AdamW", "qualname": "main"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_UNCALLED_REALLOCATION.replace("        optimizer.step()\n", "        optimizer.step()\n        convert_models_to_fp32(model)\n"),
+         reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_called_in_the_loop"),
+    # the optimizer is built in a library function other files call: they may call the helper too
+    Keep(_UNCALLED_REALLOCATION.replace('if __name__ == "__main__":\n    main()\n', ""),
+         reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_beside_a_library_builder"),
 ]
