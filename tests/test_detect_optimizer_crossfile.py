@@ -85,17 +85,21 @@ def _run(root: Path) -> list[torch.Tensor]:
 _OPT_IN = "`npufuse scan --optimizer-zero-grad-in-place` makes this a candidate whose fused branch rebinds that zero_grad"
 
 
-def _scan_apply_run(tmp_path: Path, build: str, zero: str, qualname: str) -> tuple[dict, str]:
+def _scan_apply_run(tmp_path: Path, build: str, zero: str, qualname: str, explicit: bool = True) -> tuple[dict, str]:
     train = _TRAIN.format(build=build, zero=zero)
     ref = _run_files(tmp_path / "ref", train)
     root = tmp_path / "repo"
     _write(root, {"model.py": _MODEL, "train.py": train})
     # by default the trainer's choice to free grads is kept: a near miss naming train.py's line and the option
+    # (a zero_grad that frees by default, `model.zero_grad()`, is zeroed in place without the option too)
     data = scan(root, patterns=[FusedOptimizer()])
-    assert not [c for c in data["candidates"] if c["qualname"] == qualname]
     near = [m for m in data["near_misses"] if m["pattern"] == "fused_optimizer" and m["qualname"] == qualname]
-    assert len(near) == 1 and "train.py:12" in near[0]["reason"] and _OPT_IN in near[0]["reason"], near
-    data = scan(root, patterns=[FusedOptimizer()], optimizer_zero_grad_in_place=True)
+    if explicit:
+        assert not [c for c in data["candidates"] if c["qualname"] == qualname]
+        assert len(near) == 1 and "train.py:12" in near[0]["reason"] and _OPT_IN in near[0]["reason"], near
+        data = scan(root, patterns=[FusedOptimizer()], optimizer_zero_grad_in_place=True)
+    else:
+        assert near == []
     cands = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer" and c["qualname"] == qualname]
     assert len(cands) == 1 and cands[0]["file"] == "model.py", data["near_misses"]
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
@@ -122,7 +126,7 @@ def test_optimizer_set_to_none_elsewhere_returned_construction(tmp_path: Path) -
 
 
 def test_model_zero_grad_elsewhere_binds_the_builders_parameter(tmp_path: Path) -> None:
-    cand, rewritten = _scan_apply_run(tmp_path, "build_sgd(model, 1e-2)", "model.zero_grad()", "build_sgd")
+    cand, rewritten = _scan_apply_run(tmp_path, "build_sgd(model, 1e-2)", "model.zero_grad()", "build_sgd", explicit=False)
     assert "model.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))(model.zero_grad)" in rewritten
     assert any("`model.zero_grad()` at train.py:12" in r["detail"] for r in cand["risks"])
 

@@ -919,10 +919,7 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     if left:
         ln, recv = left[0]
         return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0, so they are re-allocated "
-                "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False"
-                + ("; torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
-                   "zero_grad(set_to_none=True), so the call cannot be handed to them" + ZERO_IN_PLACE_OPT_IN
-                   if fix is not None and fix.opts_in(ln, recv) else ""))
+                "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False")
     if facts.grad_assign is not None:
         return (f"grads are re-allocated (`.grad = ...` at line {facts.grad_assign}): the fused optimizer keeps "
                 "updating from its combined grad buffer")
@@ -976,10 +973,10 @@ class _ZeroGradFix:
     With ``in_place`` (``npufuse scan --optimizer-zero-grad-in-place``) also, and only then:
 
     * ``zero_grad(set_to_none=True)`` (or a flag) on the optimizer, on its model, or on a wrapper
-      provably holding its parameters (``raw = model.module``), and ``zero_grad()`` on such a
-      wrapper: bound to a zero_grad that zeroes in place whatever set_to_none asks. Without it those
-      calls are the code's stated choice to free grads: they stay blockers, whose reason names the
-      option (:meth:`opts_in`).
+      provably holding its parameters (``raw = model.module``): bound to a zero_grad that zeroes in
+      place whatever set_to_none asks. Without it those calls are the code's stated choice to free
+      grads: they stay blockers, whose reason names the option (:meth:`opts_in`). (``zero_grad()``
+      on such a wrapper frees by default, like ``M.zero_grad()``: zeroed in place in both modes.)
 
     Only for a statement that binds the optimizer to one name (nothing can follow a ``return``)."""
 
@@ -1028,11 +1025,9 @@ class _ZeroGradFix:
                     self._handled.add((ln, recv))
                     self.patch_model.append(ln)
                 elif self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno):
-                    if in_place:
-                        self._handled.add((ln, recv))
-                        self.holders.setdefault(recv, []).append(ln)
-                    else:
-                        self._opt_in.add((ln, recv))
+                    # frees by default (torch >= 2.0), like M.zero_grad() above: zeroed in place in both modes
+                    self._handled.add((ln, recv))
+                    self.holders.setdefault(recv, []).append(ln)
                 elif self.model and _other_object(module, scope, recv, self.model, ln, stmt.lineno):
                     self._handled.add((ln, recv))
 
@@ -2626,12 +2621,6 @@ FusedOptimizer.KEEP += [
                 "(torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
                 "zero_grad(set_to_none=True)); pass set_to_none=False there; `npufuse scan --optimizer-zero-grad-in-place` "
                 + _OPT_IN_SAYS),
-    Keep(_HOLDER_SET_TO_NONE.replace("model.zero_grad(set_to_none=True)", "model.zero_grad()"),
-         name="wrapper_holding_the_params_zero_grad_kept_by_default",
-         reason="sets grads to None on torch >= 2.0, so they are re-allocated every step and the fused optimizer's "
-                "combined grad buffer goes stale; pass set_to_none=False; torch_npu fused optimizers read grads only "
-                "from that buffer and raise ValueError on zero_grad(set_to_none=True), so the call cannot be handed to "
-                "them; `npufuse scan --optimizer-zero-grad-in-place` " + _OPT_IN_SAYS),
 ]
 
 FusedOptimizer.FUSE_ZERO_IN_PLACE = [
@@ -2646,6 +2635,8 @@ FusedOptimizer.FUSE_ZERO_IN_PLACE = [
          name="wrapper_holding_the_params_zero_grad_zeroed_in_place", run="out = train()\n",
          expect={"optimizer": "torch.optim.AdamW", "params": "raw.fc2.parameters()"}),
 ]
+# a wrapper's zero_grad() frees by default (torch >= 2.0), like model.zero_grad(): zeroed in place in both modes
+FusedOptimizer.FUSE.append(FusedOptimizer.FUSE_ZERO_IN_PLACE.pop())
 
 # near misses in both modes (FusedOptimizer.KEEP_ZERO_IN_PLACE: the option's test runs them too)
 FusedOptimizer.KEEP_ZERO_IN_PLACE = [

@@ -26,9 +26,11 @@ the call's result is bound to are the optimizer. Facts on those names, in that f
 * accelerate ``prepare`` of O followed by ``O.zero_grad()``: AcceleratedOptimizer passes
   set_to_none=True -> near miss.
 
-With ``npufuse scan --optimizer-zero-grad-in-place`` the zero_grad facts above (not sharing, not
-sharding) make the candidate's fused branch rebind that zero_grad to zero in place instead, with
-the risk stated; without it their near-miss reason names that option.
+A zero_grad that frees grads by default (``M.zero_grad()``, accelerate's ``O.zero_grad()``) makes
+the candidate's fused branch rebind that zero_grad to zero in place instead, with the risk stated
+(as fused_optimizer does when the call is in the candidate's own file). An explicit
+``set_to_none=True`` (or a flag) is the code's choice: that rebinding only with ``npufuse scan
+--optimizer-zero-grad-in-place``; without it the near miss's reason names that option.
 
 Every reason names the other file and line. Never raises: a file it cannot read or parse says
 nothing.
@@ -136,13 +138,16 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             verdict = _verdict(tree, rel, b)
             if verdict is None:
                 continue
-            blocked, text, fix = verdict
+            blocked, text, fix, explicit = verdict
             f = h.finding
+            # an explicit set_to_none=True (or a flag) is the code's choice to free grads: zeroed in
+            # place only on request; a free by default (`model.zero_grad()` on torch >= 2.0,
+            # accelerate's prepared `zero_grad()`) is zeroed in place as fused_optimizer does in one file
             target = _zero_target(root, h, b, fix, max_bytes) if blocked and fix is not None else None
-            if target is not None and zero_in_place:
+            if target is not None and (zero_in_place or not explicit):
                 _zero_in_place(o, h, fix, target, text)
                 continue  # the fused branch now zeroes those grads in place (a risk says so); other files may still block
-            if target is not None:
+            if target is not None:  # explicit, without the option
                 from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
 
                 text += ZERO_IN_PLACE_OPT_IN
@@ -236,10 +241,11 @@ def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
     return out
 
 
-def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str, Optional[str]]]:
-    """(blocks?, reason or risk text, fix) of the facts ``rel`` holds about the optimizer ``b``
+def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str, Optional[str], bool]]:
+    """(blocks?, reason or risk text, fix, explicit) of the facts ``rel`` holds about the optimizer ``b``
     builds. ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
-    zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`)."""
+    zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`); ``explicit``: that
+    zero_grad is given set_to_none=True or a flag (the code's choice; in place only with the option)."""
     models: set[str] = set()
     receivers: set[str] = set()  # objects whose builder method is called: `self` in that method
     optimizers: set[str] = set()
@@ -280,12 +286,12 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
             if frees:
                 return True, (f"`{recv}.zero_grad(set_to_none=...)` at {rel}:{node.lineno} on the optimizer this builds ({via}): "
                               "torch_npu fused optimizers raise ValueError on set_to_none=True (grads must stay allocated); "
-                              "pass set_to_none=False there"), "optimizer"
+                              "pass set_to_none=False there"), "optimizer", True
             if prepared is not None and flag is None:
                 return True, (f"the optimizer this builds ({via}) goes through accelerate's prepare ({rel}:{prepared}) and "
                               f"`{recv}.zero_grad()` is called ({rel}:{node.lineno}): AcceleratedOptimizer.zero_grad() passes "
                               "set_to_none=True and torch_npu fused optimizers raise ValueError on it; call "
-                              "zero_grad(set_to_none=False)"), "optimizer"
+                              "zero_grad(set_to_none=False)"), "optimizer", False
         elif attr == "zero_grad" and recv in models:
             if flag is None or not (isinstance(flag, ast.Constant) and flag.value is False):
                 return True, (f"`{recv}.zero_grad({'' if flag is None else 'set_to_none=...'})` at {rel}:{node.lineno} on the "
@@ -293,23 +299,23 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
                               f"{' (torch >= 2.0 default)' if flag is None else ''}: the next backward allocates new ones outside "
                               "the fused optimizer's flat buffer and its update silently uses stale grads (torch_npu fused "
                               "optimizers read grads only from that buffer and raise ValueError on zero_grad(set_to_none=True)); "
-                              "pass set_to_none=False there"), ("self" if b.cls and recv in receivers else "model")
+                              "pass set_to_none=False there"), ("self" if b.cls and recv in receivers else "model"), flag is not None
         elif attr == "share_memory" and recv in models:
             return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
                           f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
                           "every parameter's storage into its own flat buffer at the first step, so the processes would "
-                          "stop sharing them"), None
+                          "stop sharing them"), None, False
         elif attr in ("prepare", "prepare_optimizer") and _flat_names(node.args) & optimizers:
             prepared = prepared or node.lineno
         elif any(s in full for s in _SHARDING_PARTS) and (_flat_names([*node.args, *(k.value for k in node.keywords)]) & (models | optimizers)):
             text = (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{dotted(func) or attr}` at {rel}:{node.lineno}, on what "
                     f"`{b.function}` gets or builds: {via}): the fused optimizer's combined buffers would go stale")
             if cond is None:
-                return True, text, None
+                return True, text, None, False
             risk = risk or (f"{text}; that wrapping is chosen at run time (the condition at {rel}:{cond}): run the fused "
                             "branch only where it is not taken (switch the fused optimizer off for those runs)")
     if risk is not None:
-        return False, risk, None
+        return False, risk, None, False
     return None
 
 
