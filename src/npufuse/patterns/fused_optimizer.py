@@ -832,12 +832,41 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
         items = list(value.elts)
     for item in items:
         kind = _CANONICAL.get(module.canonical(item) or "") if isinstance(item, (ast.Name, ast.Attribute)) else None
+        built = _called_later(scope, stmt) if kind is not None else None
+        if built is not None:
+            # diffusers' `optimizer_cls = torch.optim.AdamW` (else bnb's AdamW8bit), dlrm's
+            # `opts = {"sgd": torch.optim.SGD, ...}; opts[args.optimizer](...)`: built right here
+            name, at = built
+            return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                            f"torch.optim.{kind} is bound to `{name}` (line {stmt.lineno}) and the optimizer is built "
+                            f"through `{name}` at line {at}, the class chosen at run time: npufuse swaps a torch.optim "
+                            f"class named at the construction only; torch_npu.optim.{_OPTIMIZERS[kind][0]} could take its "
+                            "place by hand once the constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no "
+                            "set_to_none, fp32/fp16)")
         if kind is not None:
             return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
                             f"torch.optim.{kind} is handed around as a value (a registry or factory) and the optimizer is "
                             "built elsewhere with arguments npufuse does not see here: npufuse swaps a class named at the "
                             f"construction only; torch_npu.optim.{_OPTIMIZERS[kind][0]} could take its place by hand once the "
                             "constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no set_to_none, fp32/fp16)")
+    return None
+
+
+def _called_later(scope: Scope, stmt: ast.stmt) -> Optional[tuple[str, int]]:
+    """(name, line) where the one name ``stmt`` binds is called later in ``scope``, directly
+    (``name(...)``) or through a subscript (``name[key](...)``)."""
+    targets = getattr(stmt, "targets", None) or ([stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+    if len(targets) != 1 or not isinstance(targets[0], ast.Name):
+        return None
+    name = targets[0].id
+    for _b, _i, st in scope.statements():
+        if st.lineno <= (stmt.end_lineno or stmt.lineno):
+            continue
+        for n in fast_walk(st):
+            if isinstance(n, ast.Call):
+                f = n.func.value if isinstance(n.func, ast.Subscript) else n.func
+                if isinstance(f, ast.Name) and f.id == name:
+                    return name, n.lineno
     return None
 
 
@@ -2792,4 +2821,28 @@ FusedOptimizer.KEEP += [
     # the optimizer is built in a library function other files call: they may call the helper too
     Keep(_UNCALLED_REALLOCATION.replace('if __name__ == "__main__":\n    main()\n', ""),
          reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_beside_a_library_builder"),
+]
+
+# --- an optimizer class bound to a name and called in the same function (issue 14 class 5) --------
+# the reason says where it is built (not "elsewhere"): the swap stays a hand edit
+FusedOptimizer.KEEP += [
+    Keep(_NET + """
+
+def build(model, use_8bit=False):
+    if use_8bit:
+        import bitsandbytes as bnb
+        optimizer_cls = bnb.optim.AdamW8bit
+    else:
+        optimizer_cls = torch.optim.AdamW
+    optimizer = optimizer_cls(model.parameters(), lr=1e-4, weight_decay=1e-2)
+    return optimizer
+""", reason="torch.optim.AdamW is bound to `optimizer_cls` (line 22) and the optimizer is built through `optimizer_cls` at line 23",
+         name="optimizer_class_chosen_by_if_and_built_here"),
+    Keep(_NET + """
+
+def run(model, name="sgd"):
+    opts = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
+    return opts[name](model.parameters(), lr=0.1)
+""", reason="torch.optim.SGD is bound to `opts` (line 18) and the optimizer is built through `opts` at line 19",
+         name="optimizer_class_from_a_dict_built_here"),
 ]
