@@ -103,3 +103,11 @@ def test_an_uncalled_helper_reallocating_parameters_is_a_stated_risk() -> None:
     assert len(findings) == 1
     risk = [r.detail for r in findings[0].risks if "convert_models_to_fp32" in r.detail]
     assert risk and "line 20" in risk[0] and "nothing in this file calls it" in risk[0]
+
+
+def test_a_reallocation_that_runs_before_the_construction_is_a_note() -> None:
+    ex = next(e for e in FusedOptimizer.FUSE if e.name == "reallocation_in_a_helper_called_before_the_optimizer")
+    findings, _ = detect_all(DEFAULT, ex.code)
+    assert len(findings) == 1
+    assert any("`convert_models_to_fp32` re-allocates parameters or grads (line 20) but runs only at line 25, before the optimizer" in n
+               for n in findings[0].notes), findings[0].notes

@@ -390,6 +390,7 @@ class _Units:
                 self.callers[t].add(name)
         self._facts: dict[str, _FileFacts] = {}
         self._regions: dict[str, tuple[_FileFacts, _FileFacts, _FileFacts]] = {}
+        self.near: dict[str, set[str]] = {}  # unit -> its callers and callees (the second tier's units)
 
     def _split(self, body: list[ast.stmt], prefix: str, cls: Optional[str], in_test: bool, module_roots: list[ast.AST]) -> None:
         for node in body:
@@ -487,6 +488,7 @@ class _Units:
                 if c not in mine:
                     mine.add(c)
                     todo.append(c)
+        self.near[own] = mine - {own}
         # helpers only other tests reach (a `_deepspeed_zero3()` context of the ZeRO tests) are theirs
         others = [n for n, x in self.units.items() if x.test and n not in mine]
         theirs = self._closure(others)
@@ -850,6 +852,51 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
                             f"construction only; torch_npu.optim.{_OPTIMIZERS[kind][0]} could take its place by hand once the "
                             "constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no set_to_none, fp32/fp16)")
     return None
+
+
+def _reallocated_before(module: ModuleInfo, scope: Scope, stmt: ast.stmt, tiers: tuple[_FileFacts, _FileFacts, _FileFacts]
+                        ) -> Optional[tuple[tuple[_FileFacts, _FileFacts, _FileFacts], list[tuple[str, int, int]]]]:
+    """Chinese-CLIP's ``main()`` calls ``convert_models_to_fp32(model)`` (``p.data = p.data.float()``)
+    before it builds the optimizer: harmless, the fused class reads the parameters at construction
+    and at its first step. The second tier without such helpers: module-level functions whose only
+    calls are in the site's own function, each before the construction and in no loop that also
+    holds it, called by no other code of the file. (tiers, [(helper, re-allocation line, call line)])
+    or None when nothing changes."""
+    if tiers[1].data_assign is None and tiers[1].grad_assign is None:
+        return None
+    units = _units(module)
+    own = units.unit_of(scope.qualname)
+    if own != scope.qualname or own not in units.near:
+        return None
+    fn_node = units.units[own].roots[0] if units.units[own].roots else None
+    if not isinstance(fn_node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    loops = [n for n in fast_walk(fn_node) if isinstance(n, (ast.For, ast.AsyncFor, ast.While))
+             and n.lineno <= stmt.lineno <= (n.end_lineno or n.lineno)]
+    harmless: list[tuple[str, int, int]] = []
+    for name in sorted(units.near[own]):
+        u = units.units[name]
+        facts = units._unit_facts(name)
+        line = facts.data_assign if facts.data_assign is not None else facts.grad_assign
+        if line is None or u.cls is not None or units.callers[name] != {own}:
+            continue
+        refs = [n for n in fast_walk(fn_node) if isinstance(n, ast.Name) and n.id == name]
+        calls = [n for n in fast_walk(fn_node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
+        if not calls or len(refs) != len(calls):
+            continue  # handed on by name (partial, a callback): when it runs is unknown
+        if any(c.lineno >= stmt.lineno or any(lp.lineno <= c.lineno <= (lp.end_lineno or lp.lineno) for lp in loops) for c in calls):
+            continue
+        harmless.append((name, line, max(c.lineno for c in calls)))
+    if not harmless:
+        return None
+    skip = {h[0] for h in harmless}
+    second = _FileFacts.merged(module, (units._unit_facts(n) for n in sorted(units.near[own] - skip)))
+    if second.data_assign == tiers[1].data_assign and second.grad_assign == tiers[1].grad_assign:
+        return None
+    # only the re-allocation facts change: the other facts of the skipped helpers still count
+    kept = _FileFacts.merged(module, [tiers[1]])
+    kept.data_assign, kept.grad_assign = second.data_assign, second.grad_assign
+    return (tiers[0], kept, tiers[2]), harmless
 
 
 def _called_later(scope: Scope, stmt: ast.stmt) -> Optional[tuple[str, int]]:
@@ -1274,6 +1321,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     prepared = _accelerate_prepared(stmt, tiers[0], tiers[1])
     peft = _peft_wrapped(module, scope, model, stmt.lineno)
     fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers, in_place)
+    before = _reallocated_before(module, scope, stmt, tiers)
+    if before is not None:
+        tiers, ran_before = before
+    else:
+        ran_before = []
     sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
                     if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
     for n, facts in enumerate(tiers):
@@ -1377,6 +1429,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         notes.append(f"dropped from the fused call: {', '.join(dropped)} (it picks torch.optim's implementation or "
                      "states a default; the fused class computes the same update without it)")
     notes += plan.notes + fix.notes()
+    for fn, ln, call_line in ran_before:
+        notes.append(f"`{fn}` re-allocates parameters or grads (line {ln}) but runs only at line {call_line}, before the "
+                     "optimizer is built (the fused class reads its parameters at construction and its first step)")
     if any(k.arg == "fused" or k.arg is None for k in plan.drop):
         notes.append("the call may ask for torch.optim's own fused kernel (fused=True); torch_npu 2.14 registers "
                      "_fused_adam_/_fused_adamw_/_fused_sgd_ for NPU, so that path is fused already there: measure "
@@ -2845,4 +2900,20 @@ def run(model, name="sgd"):
     return opts[name](model.parameters(), lr=0.1)
 """, reason="torch.optim.SGD is bound to `opts` (line 18) and the optimizer is built through `opts` at line 19",
          name="optimizer_class_from_a_dict_built_here"),
+]
+
+# --- a re-allocation that runs before the optimizer is built (issue 14 class 5) -------------------
+# Chinese-CLIP's main(): `convert_models_to_fp32(model)` (`p.data = p.data.float()`) at line 103,
+# the optimizer at line 158; the fused class reads the parameters at construction and first step.
+FusedOptimizer.FUSE += [
+    Fuse(_UNCALLED_REALLOCATION.replace("    model = Net()\n", "    model = Net()\n    convert_models_to_fp32(model)\n"),
+         name="reallocation_in_a_helper_called_before_the_optimizer", run="out = main()\n",
+         expect={"optimizer": "torch.optim.AdamW", "qualname": "main"}),
+]
+
+FusedOptimizer.KEEP += [
+    # called before AND after the construction (a second call later): still refused
+    Keep(_UNCALLED_REALLOCATION.replace("    model = Net()\n", "    model = Net()\n    convert_models_to_fp32(model)\n").replace(
+        "    return tuple(", "    convert_models_to_fp32(model)\n    optimizer.step()\n    return tuple("),
+         reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_called_before_and_after"),
 ]
