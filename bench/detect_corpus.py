@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="scan the labelled files, the other .py files of their folders and the repo modules they import "
                          "(two levels), not the whole repository; only the labelled files are scored")
     ap.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to score (default: every labelled pattern)")
+    ap.add_argument("--optimizer-zero-grad-in-place", action="store_true",
+                    help="scan as `npufuse scan --optimizer-zero-grad-in-place` does (fused_optimizer zeroes freed grads in place)")
     args = ap.parse_args(argv)
     try:
         repos, recall_only = load_labels(args.labels)
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             # tests/examples folders: only labelled files are there (repo_sources left the rest out),
             # and those are scanned wherever they sit
             t0 = time.perf_counter()
-            result = scan_repo(dest, jobs=1, include_tests=True)
+            result = scan_repo(dest, jobs=1, include_tests=True, optimizer_zero_grad_in_place=args.optimizer_zero_grad_in_place)
             took = time.perf_counter() - t0
             scan_seconds += took
             scanned_files += result.files_scanned

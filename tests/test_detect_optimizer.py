@@ -39,12 +39,15 @@ for step in range(10):
 '''
 
 
-def _scan(tmp_path: Path, files: dict[str, str]):
+def _scan(tmp_path: Path, files: dict[str, str], in_place: bool = False):
     for rel, text in files.items():
         p = tmp_path / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
-    return scan_repo(tmp_path, only=["fused_optimizer"], jobs=1)
+    return scan_repo(tmp_path, only=["fused_optimizer"], jobs=1, optimizer_zero_grad_in_place=in_place)
+
+
+_OPT_IN = "`npufuse scan --optimizer-zero-grad-in-place` makes this a candidate whose fused branch rebinds that zero_grad"
 
 
 def _opt(result):
@@ -53,10 +56,18 @@ def _opt(result):
     return cands, near
 
 
-def test_trainer_elsewhere_with_set_to_none_true_is_zeroed_in_place_naming_it(tmp_path: Path) -> None:
-    # (was a near miss; the fused branch now binds the optimizer's zero_grad to zero in place:
-    # tests/test_detect_optimizer_crossfile.py runs such a rewrite under the emulator)
+def test_trainer_elsewhere_with_set_to_none_true_is_a_near_miss_naming_the_option(tmp_path: Path) -> None:
     cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": _TRAIN.format(flag="set_to_none=True")}))
+    assert cands == [] and [(m["file"], m["line"]) for m in near] == [("model.py", 14)]
+    reason = near[0]["reason"]
+    assert reason.startswith("`optimizer.zero_grad(set_to_none=...)` at train.py:10 on the optimizer this builds")
+    assert "raise ValueError on set_to_none=True" in reason and _OPT_IN in reason
+    assert "weight decay and momentum still apply" in reason
+
+
+def test_trainer_elsewhere_with_set_to_none_true_is_zeroed_in_place_with_the_option(tmp_path: Path) -> None:
+    # tests/test_detect_optimizer_crossfile.py runs such a rewrite under the emulator
+    cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": _TRAIN.format(flag="set_to_none=True")}, in_place=True))
     assert near == [] and [(c["file"], c["line"]) for c in cands] == [("model.py", 14)]
     risk = next(r["detail"] for r in cands[0]["risks"] if "zeroes those grads in place" in r["detail"])
     assert "train.py:10" in risk and "ValueError" in risk and "`configure_optimizers` is used at train.py:5" in risk
@@ -72,13 +83,19 @@ def test_trainer_elsewhere_zeroing_in_place_keeps_the_candidate(tmp_path: Path) 
 
 def test_a_file_that_does_not_import_the_builder_module_says_nothing(tmp_path: Path) -> None:
     other = _TRAIN.format(flag="set_to_none=True").replace("from model import GPT", "from othermodel import GPT")
-    cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": other}))
+    # another class of the repo defines configure_optimizers too: no link without the import (a
+    # method defined in one file only is linked through any object: the next test file's minGPT case)
+    twin = "class Other:\n    def configure_optimizers(self, weight_decay, learning_rate):\n        return None\n"
+    cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": other, "other.py": twin}))
     assert [c["line"] for c in cands] == [14] and near == []
 
 
 def test_model_zero_grad_default_elsewhere_binds_self_zero_grad(tmp_path: Path) -> None:
     train = _TRAIN.format(flag="").replace("    optimizer.zero_grad()", "    model.zero_grad()")
-    cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": train}))
+    # frees by default (torch >= 2.0), not by the code's choice: zeroed in place without the option too
+    for in_place in (False, True):
+        cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": train}, in_place=in_place))
+        assert near == [] and len(cands) == 1
     assert near == [] and len(cands) == 1
     risk = next(r["detail"] for r in cands[0]["risks"] if "zeroes those grads in place" in r["detail"])
     assert "`model.zero_grad()` at train.py:10" in risk and "torch >= 2.0 default" in risk
@@ -195,12 +212,14 @@ class Trainer:
     linked = trainer.replace("from helpers import make_model", "from helpers import make_model, optimizer").replace(
         "self.optimizer = None", "self.optimizer = optimizer(self.model)")
     cands, near = _opt(_scan(tmp_path, {"trainer.py": linked}))
+    assert cands == [] and [m["file"] for m in near] == ["helpers.py"] and "trainer.py:10" in near[0]["reason"]
+    cands, near = _opt(_scan(tmp_path, {"trainer.py": linked}, in_place=True))
     assert near == [] and [c["file"] for c in cands] == ["helpers.py"]
     assert any("trainer.py:10" in r["detail"] and "ValueError" in r["detail"] for r in cands[0]["risks"])
     assert "_npufuse_optimizer.zero_grad = " in cands[0]["replacement"]
 
 
-def test_accelerate_prepare_elsewhere_with_zero_grad_is_a_near_miss(tmp_path: Path) -> None:
+def test_accelerate_prepare_elsewhere_with_zero_grad_is_zeroed_in_place(tmp_path: Path) -> None:
     train = '''\
 from accelerate import Accelerator
 from model import GPT
@@ -213,8 +232,15 @@ for step in range(3):
     optimizer.step()
     optimizer.zero_grad()
 '''
+    # accelerate passes set_to_none=True by itself (the code asks for no free): zeroed in place in both modes
+    for in_place in (True, False):
+        cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": train}, in_place=in_place))
+        assert near == [] and len(cands) == 1
+    # the code's own explicit set_to_none=True through accelerate: kept by default, the option named
+    explicit = train.replace("optimizer.zero_grad()", "optimizer.zero_grad(set_to_none=True)")
+    cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": explicit}))
+    assert cands == [] and "`optimizer.zero_grad(set_to_none=...)` at train.py:10" in near[0]["reason"] and _OPT_IN in near[0]["reason"]
     cands, near = _opt(_scan(tmp_path, {"model.py": _MODEL, "train.py": train}))
-    assert near == [] and len(cands) == 1
     assert any("accelerate's prepare (train.py:7)" in r["detail"] and "train.py:10" in r["detail"] for r in cands[0]["risks"])
     assert "optimizer.zero_grad = (lambda zero_grad:" in cands[0]["replacement"]
     # prepared but zeroed in place: nothing passes set_to_none=True

@@ -1,8 +1,9 @@
 """Issue 14 class 5: grads freed by a zero_grad in ANOTHER file of the repo (a trainer calling
-``optimizer.zero_grad(set_to_none=True)``, ``model.zero_grad()``, accelerate's prepare) no longer
-refuse the fused optimizer built elsewhere: the fused branch binds that zero_grad to one that
-zeroes in place (npufuse.scan.repo_facts), with the risk stated; the rewritten repo runs under the
-emulator, whose fused class raises ValueError on set_to_none=True as torch_npu's does."""
+``optimizer.zero_grad(set_to_none=True)``, ``model.zero_grad()``, accelerate's prepare) refuse the
+fused optimizer built elsewhere by default, with a reason naming that file and line and the option;
+with ``--optimizer-zero-grad-in-place`` the fused branch binds that zero_grad to one that zeroes in
+place (npufuse.scan.repo_facts), with the risk stated; the rewritten repo runs under the emulator,
+whose fused class raises ValueError on set_to_none=True as torch_npu's does."""
 
 from __future__ import annotations
 
@@ -81,12 +82,24 @@ def _run(root: Path) -> list[torch.Tensor]:
             sys.modules["model"] = saved
 
 
-def _scan_apply_run(tmp_path: Path, build: str, zero: str, qualname: str) -> tuple[dict, str]:
+_OPT_IN = "`npufuse scan --optimizer-zero-grad-in-place` makes this a candidate whose fused branch rebinds that zero_grad"
+
+
+def _scan_apply_run(tmp_path: Path, build: str, zero: str, qualname: str, explicit: bool = True) -> tuple[dict, str]:
     train = _TRAIN.format(build=build, zero=zero)
     ref = _run_files(tmp_path / "ref", train)
     root = tmp_path / "repo"
     _write(root, {"model.py": _MODEL, "train.py": train})
+    # by default the trainer's choice to free grads is kept: a near miss naming train.py's line and the option
+    # (a zero_grad that frees by default, `model.zero_grad()`, is zeroed in place without the option too)
     data = scan(root, patterns=[FusedOptimizer()])
+    near = [m for m in data["near_misses"] if m["pattern"] == "fused_optimizer" and m["qualname"] == qualname]
+    if explicit:
+        assert not [c for c in data["candidates"] if c["qualname"] == qualname]
+        assert len(near) == 1 and "train.py:12" in near[0]["reason"] and _OPT_IN in near[0]["reason"], near
+        data = scan(root, patterns=[FusedOptimizer()], optimizer_zero_grad_in_place=True)
+    else:
+        assert near == []
     cands = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer" and c["qualname"] == qualname]
     assert len(cands) == 1 and cands[0]["file"] == "model.py", data["near_misses"]
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
@@ -113,7 +126,7 @@ def test_optimizer_set_to_none_elsewhere_returned_construction(tmp_path: Path) -
 
 
 def test_model_zero_grad_elsewhere_binds_the_builders_parameter(tmp_path: Path) -> None:
-    cand, rewritten = _scan_apply_run(tmp_path, "build_sgd(model, 1e-2)", "model.zero_grad()", "build_sgd")
+    cand, rewritten = _scan_apply_run(tmp_path, "build_sgd(model, 1e-2)", "model.zero_grad()", "build_sgd", explicit=False)
     assert "model.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))(model.zero_grad)" in rewritten
     assert any("`model.zero_grad()` at train.py:12" in r["detail"] for r in cand["risks"])
 
@@ -203,12 +216,15 @@ def test_a_method_defined_once_in_the_repo_is_linked_without_an_import(tmp_path:
     root = tmp_path / "repo"
     _write(root, {"model.py": _MODEL, "trainer.py": _TRAINER_NO_IMPORT})
     data = scan(root, patterns=[FusedOptimizer()])
+    near = next(m for m in data["near_misses"] if m["qualname"] == "GPT.configure_optimizers")
+    assert "`model.zero_grad(set_to_none=...)` at trainer.py:14" in near["reason"] and _OPT_IN in near["reason"]
+    data = scan(root, patterns=[FusedOptimizer()], optimizer_zero_grad_in_place=True)
     cand = next(c for c in data["candidates"] if c["qualname"] == "GPT.configure_optimizers")
     assert any("trainer.py:14" in r["detail"] and "zeroes those grads in place" in r["detail"] for r in cand["risks"])
     assert "self.zero_grad = (lambda zero_grad:" in cand["replacement"]
     # a second definition of that name elsewhere: no link (which class the trainer's object is, is unknown)
     (root / "other.py").write_text("class Lit:\n    def configure_optimizers(self, a, b):\n        return None\n")
-    data = scan(root, patterns=[FusedOptimizer()])
+    data = scan(root, patterns=[FusedOptimizer()], optimizer_zero_grad_in_place=True)
     cand = next(c for c in data["candidates"] if c["qualname"] == "GPT.configure_optimizers")
     assert not any("trainer.py" in r["detail"] for r in cand["risks"]) and "self.zero_grad" not in cand["replacement"]
 
@@ -228,13 +244,18 @@ def test_warm_scan_from_the_cache_gives_the_same_zeroed_replacement(tmp_path: Pa
     _write(root, {"model.py": _MODEL, "train.py": _TRAIN.format(build="model.configure_optimizers(0.1, 1e-2)",
                                                                  zero="optimizer.zero_grad(set_to_none=True)")})
     cache = tmp_path / "cache"
-    cold = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache)
-    warm = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache)
+    cold = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache, optimizer_zero_grad_in_place=True)
+    warm = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache, optimizer_zero_grad_in_place=True)
     assert warm.stats["from_cache"] == 2
     pick = lambda r: [(c["qualname"], c["replacement"], [x["detail"] for x in c["risks"]]) for c in r.candidates]
     assert pick(cold) == pick(warm)
     assert any("_npufuse_optimizer.zero_grad" in rep for _q, rep, _r in pick(warm))
+    # the same cache without the option: its own entries (the option is part of the key), a near miss
+    default = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache)
+    assert default.stats["from_cache"] == 0
+    assert not any("_npufuse_optimizer" in rep for _q, rep, _r in pick(default))
+    assert any(m["qualname"] == "GPT.configure_optimizers" and _OPT_IN in m["reason"] for m in default.near_misses)
     # the train.py change is seen by the next scan: set_to_none=False needs no fix
     (root / "train.py").write_text((root / "train.py").read_text().replace("set_to_none=True", "set_to_none=False"))
-    again = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache)
+    again = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache, optimizer_zero_grad_in_place=True)
     assert not any("_npufuse_optimizer" in rep for _q, rep, _r in pick(again))

@@ -129,6 +129,12 @@ class Pattern:
         """Yield findings and near misses inside ``scope`` (one function body or the module body)."""
         raise NotImplementedError
 
+    def with_scan_options(self, options: Any) -> "Pattern":
+        """The detector for a scan with ``options`` (npufuse.scan.engine.ScanOptions): itself, or a
+        configured copy where an option changes what it reports (the copy's attributes are part of
+        the cache's fingerprint). Never mutates the registry's shared instance."""
+        return self
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "detect" in cls.__dict__:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
@@ -93,6 +93,21 @@ class FusedOptimizer(Pattern):
     title = "torch.optim AdamW/Adam/SGD → torch_npu.optim.NpuFused* (flat-buffer fused update)"
     training_ok = True
     bound = "launch"
+    #: ``npufuse scan --optimizer-zero-grad-in-place`` (ScanOptions.optimizer_zero_grad_in_place):
+    #: an explicit ``zero_grad(set_to_none=True)`` on the optimizer, its model or a wrapper holding it
+    #: is rebound to zero in place instead of refusing (see :class:`_ZeroGradFix`)
+    zero_grad_in_place: bool = False
+    #: examples of that option (found and run only with it on; near misses by default: see KEEP)
+    FUSE_ZERO_IN_PLACE: ClassVar[list[Fuse]] = []
+    KEEP_ZERO_IN_PLACE: ClassVar[list[Keep]] = []
+
+    def with_scan_options(self, options: Any) -> "FusedOptimizer":
+        wanted = bool(getattr(options, "optimizer_zero_grad_in_place", False))
+        if wanted == self.zero_grad_in_place:
+            return self
+        copy = type(self)()
+        copy.zero_grad_in_place = wanted  # an instance attribute: cache.fingerprint keys it
+        return copy
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _relevant(module):
@@ -102,7 +117,7 @@ class FusedOptimizer(Pattern):
                 continue
             calls = _optimizer_calls(module, stmt)
             for call in calls:
-                yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname))
+                yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=self.zero_grad_in_place)
             for call in _unfusable_calls(module, stmt):
                 kind = _NO_FUSED_NAMES[module.canonical(call.func) or ""]
                 yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
@@ -210,6 +225,9 @@ class _FileFacts:
         self.zero_grad_calls: list[tuple[int, str]] = []  # an optimizer's `.zero_grad(...)` not given set_to_none=False
         self.returned: set[str] = set()  # dotted names a `return` hands out (`return model, optimizer`)
         self.dtype_casts: list[tuple[int, str, str]] = []  # (line, receiver, name) of `.to(<a dtype held in a name>)`
+        # (line, function) of a `.data =` / `.grad =` re-allocation left out of data_assign/grad_assign
+        # because it sits in a module-level function nothing in the file calls (:meth:`_Units.tiers`)
+        self.uncalled_reallocation: Optional[tuple[int, str]] = None
         for root in roots:
             for node in fast_walk(root):
                 self._visit(module, node)
@@ -377,6 +395,7 @@ class _Units:
                 self.callers[t].add(name)
         self._facts: dict[str, _FileFacts] = {}
         self._regions: dict[str, tuple[_FileFacts, _FileFacts, _FileFacts]] = {}
+        self.near: dict[str, set[str]] = {}  # unit -> its callers and callees (the second tier's units)
 
     def _split(self, body: list[ast.stmt], prefix: str, cls: Optional[str], in_test: bool, module_roots: list[ast.AST]) -> None:
         for node in body:
@@ -474,15 +493,30 @@ class _Units:
                 if c not in mine:
                     mine.add(c)
                     todo.append(c)
+        self.near[own] = mine - {own}
         # helpers only other tests reach (a `_deepspeed_zero3()` context of the ZeRO tests) are theirs
         others = [n for n, x in self.units.items() if x.test and n not in mine]
         theirs = self._closure(others)
         entries = [n for n, x in self.units.items() if not x.test and n not in mine and not self.callers[n]]
         shared = self._closure(entries)
         rest = sorted(n for n, x in self.units.items() if n not in mine and not x.test and (n not in theirs or n in shared))
+        third = _FileFacts.merged(self.module, (self._unit_facts(n) for n in rest))
+        # the optimizer belongs to this file's own program (built at module level or in a function
+        # the module-level code reaches, `if __name__ == "__main__": main()`): a module-level function
+        # that nothing in the file calls or names (Chinese-CLIP's unused `convert_models_to_fp32(model)`:
+        # `p.data = p.data.float()`) cannot touch its parameters; that re-allocation is a risk (other
+        # files may call the helper on their own models), not a refusal. An optimizer built in a
+        # library function (`def build(model)`, called from elsewhere) may meet any of them.
+        script = own == _MODULE or own in self._closure([_MODULE])
+        uncalled = {n for n in rest if self.units[n].cls is None and n != _MODULE and not self.callers[n]} if script else set()
+        if uncalled and (third.data_assign is not None or third.grad_assign is not None):
+            kept = _FileFacts.merged(self.module, (self._unit_facts(n) for n in rest if n not in uncalled))
+            lines = [(ln, n) for n in sorted(uncalled) for ln in (self._unit_facts(n).data_assign, self._unit_facts(n).grad_assign) if ln is not None]
+            third.data_assign, third.grad_assign = kept.data_assign, kept.grad_assign
+            third.uncalled_reallocation = min(lines) if lines else None
         out = (self._unit_facts(own),
                _FileFacts.merged(self.module, (self._unit_facts(n) for n in sorted(mine - {own}))),
-               _FileFacts.merged(self.module, (self._unit_facts(n) for n in rest)))
+               third)
         self._regions[own] = out
         return out
 
@@ -805,12 +839,86 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
         items = list(value.elts)
     for item in items:
         kind = _CANONICAL.get(module.canonical(item) or "") if isinstance(item, (ast.Name, ast.Attribute)) else None
+        built = _called_later(scope, stmt) if kind is not None else None
+        if built is not None:
+            # diffusers' `optimizer_cls = torch.optim.AdamW` (else bnb's AdamW8bit), dlrm's
+            # `opts = {"sgd": torch.optim.SGD, ...}; opts[args.optimizer](...)`: built right here
+            name, at = built
+            return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                            f"torch.optim.{kind} is bound to `{name}` (line {stmt.lineno}) and the optimizer is built "
+                            f"through `{name}` at line {at}, the class chosen at run time: npufuse swaps a torch.optim "
+                            f"class named at the construction only; torch_npu.optim.{_OPTIMIZERS[kind][0]} could take its "
+                            "place by hand once the constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no "
+                            "set_to_none, fp32/fp16)")
         if kind is not None:
             return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
                             f"torch.optim.{kind} is handed around as a value (a registry or factory) and the optimizer is "
                             "built elsewhere with arguments npufuse does not see here: npufuse swaps a class named at the "
                             f"construction only; torch_npu.optim.{_OPTIMIZERS[kind][0]} could take its place by hand once the "
                             "constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no set_to_none, fp32/fp16)")
+    return None
+
+
+def _reallocated_before(module: ModuleInfo, scope: Scope, stmt: ast.stmt, tiers: tuple[_FileFacts, _FileFacts, _FileFacts]
+                        ) -> Optional[tuple[tuple[_FileFacts, _FileFacts, _FileFacts], list[tuple[str, int, int]]]]:
+    """Chinese-CLIP's ``main()`` calls ``convert_models_to_fp32(model)`` (``p.data = p.data.float()``)
+    before it builds the optimizer: harmless, the fused class reads the parameters at construction
+    and at its first step. The second tier without such helpers: module-level functions whose only
+    calls are in the site's own function, each before the construction and in no loop that also
+    holds it, called by no other code of the file. (tiers, [(helper, re-allocation line, call line)])
+    or None when nothing changes."""
+    if tiers[1].data_assign is None and tiers[1].grad_assign is None:
+        return None
+    units = _units(module)
+    own = units.unit_of(scope.qualname)
+    if own != scope.qualname or own not in units.near:
+        return None
+    fn_node = units.units[own].roots[0] if units.units[own].roots else None
+    if not isinstance(fn_node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    loops = [n for n in fast_walk(fn_node) if isinstance(n, (ast.For, ast.AsyncFor, ast.While))
+             and n.lineno <= stmt.lineno <= (n.end_lineno or n.lineno)]
+    harmless: list[tuple[str, int, int]] = []
+    for name in sorted(units.near[own]):
+        u = units.units[name]
+        facts = units._unit_facts(name)
+        line = facts.data_assign if facts.data_assign is not None else facts.grad_assign
+        if line is None or u.cls is not None or units.callers[name] != {own}:
+            continue
+        refs = [n for n in fast_walk(fn_node) if isinstance(n, ast.Name) and n.id == name]
+        calls = [n for n in fast_walk(fn_node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
+        if not calls or len(refs) != len(calls):
+            continue  # handed on by name (partial, a callback): when it runs is unknown
+        if any(c.lineno >= stmt.lineno or any(lp.lineno <= c.lineno <= (lp.end_lineno or lp.lineno) for lp in loops) for c in calls):
+            continue
+        harmless.append((name, line, max(c.lineno for c in calls)))
+    if not harmless:
+        return None
+    skip = {h[0] for h in harmless}
+    second = _FileFacts.merged(module, (units._unit_facts(n) for n in sorted(units.near[own] - skip)))
+    if second.data_assign == tiers[1].data_assign and second.grad_assign == tiers[1].grad_assign:
+        return None
+    # only the re-allocation facts change: the other facts of the skipped helpers still count
+    kept = _FileFacts.merged(module, [tiers[1]])
+    kept.data_assign, kept.grad_assign = second.data_assign, second.grad_assign
+    return (tiers[0], kept, tiers[2]), harmless
+
+
+def _called_later(scope: Scope, stmt: ast.stmt) -> Optional[tuple[str, int]]:
+    """(name, line) where the one name ``stmt`` binds is called later in ``scope``, directly
+    (``name(...)``) or through a subscript (``name[key](...)``)."""
+    targets = getattr(stmt, "targets", None) or ([stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+    if len(targets) != 1 or not isinstance(targets[0], ast.Name):
+        return None
+    name = targets[0].id
+    for _b, _i, st in scope.statements():
+        if st.lineno <= (stmt.end_lineno or stmt.lineno):
+            continue
+        for n in fast_walk(st):
+            if isinstance(n, ast.Call):
+                f = n.func.value if isinstance(n.func, ast.Subscript) else n.func
+                if isinstance(f, ast.Name) and f.id == name:
+                    return name, n.lineno
     return None
 
 
@@ -878,12 +986,16 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     free = [(ln, r) for ln, r in facts.set_to_none if fix is None or not fix.handles(ln, r)]
     if free:
         ln, recv = free[0]
-        if not _looks_like_optimizer(recv):  # a module's zero_grad does not raise: it frees silently
+        opt_in = ZERO_IN_PLACE_OPT_IN if fix is not None and fix.opts_in(ln, recv) else ""
+        if not _looks_like_optimizer(recv) and not (fix is not None and recv == fix.target):
+            # a module's zero_grad does not raise: it frees silently
             return (f"`{recv}.zero_grad(set_to_none=...)` (line {ln}) may set the parameters' grads to None: the next "
                     "backward allocates new ones outside the fused optimizer's flat buffer and its update silently uses "
-                    "stale grads; pass set_to_none=False there")
-        return (f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: the fused optimizer raises "
-                "on it (grads must stay allocated); use zero_grad() / set_to_none=False")
+                    "stale grads (torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
+                    "zero_grad(set_to_none=True)); pass set_to_none=False there" + opt_in)
+        return (f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: torch_npu fused optimizers raise "
+                "ValueError on zero_grad(set_to_none=True) (grads must stay allocated in their flat buffer); use "
+                "zero_grad() / set_to_none=False" + opt_in)
     left = [(ln, r) for ln, r in facts.module_zero_grad if fix is None or not fix.handles(ln, r)]
     if left:
         ln, recv = left[0]
@@ -904,6 +1016,16 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
 # place. Also used by npufuse.scan.repo_facts when the call is in another file.
 ZERO_IN_PLACE_COMMENT = ("# torch_npu fused optimizers keep grads in a flat buffer and raise on set_to_none=True: "
                          "zero them in place")
+
+
+# What a near miss adds where ``npufuse scan --optimizer-zero-grad-in-place`` would make the site a
+# candidate (also used by npufuse.scan.repo_facts): the code's own choice to free grads is kept by
+# default (issue 14 class 5: set_to_none=True is a reason to keep the torch optimizer).
+ZERO_IN_PLACE_OPT_IN = (
+    "; `npufuse scan --optimizer-zero-grad-in-place` makes this a candidate whose fused branch rebinds that "
+    "zero_grad to zero the grads in place (risk: a parameter that gets no grad in some step is then updated with "
+    "a zero grad, so weight decay and momentum still apply where torch.optim would skip it, and grad memory is "
+    "not released between steps)")
 
 
 def zero_in_place(target: str) -> str:
@@ -929,15 +1051,26 @@ class _ZeroGradFix:
       ValueError on it); the fused optimizer's zero_grad is replaced by one without the parameter
       that zeroes in place.
 
+    With ``in_place`` (``npufuse scan --optimizer-zero-grad-in-place``) also, and only then:
+
+    * ``zero_grad(set_to_none=True)`` (or a flag) on the optimizer, on its model, or on a wrapper
+      provably holding its parameters (``raw = model.module``): bound to a zero_grad that zeroes in
+      place whatever set_to_none asks. Without it those calls are the code's stated choice to free
+      grads: they stay blockers, whose reason names the option (:meth:`opts_in`). (``zero_grad()``
+      on such a wrapper frees by default, like ``M.zero_grad()``: zeroed in place in both modes.)
+
     Only for a statement that binds the optimizer to one name (nothing can follow a ``return``)."""
 
     def __init__(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, model: str,
-                 prepared: Optional[tuple[int, str]], tiers: tuple[_FileFacts, _FileFacts, _FileFacts]) -> None:
+                 prepared: Optional[tuple[int, str]], tiers: tuple[_FileFacts, _FileFacts, _FileFacts],
+                 in_place: bool = False) -> None:
         names = _target_names(stmt)
         self.target = next(iter(names)) if len(names) == 1 and not isinstance(stmt, ast.Return) else ""
         self.model = model if self.target else ""
         self.accelerate = bool(self.target) and prepared is not None and any(t.zero_grad_calls for t in tiers[:2])
         self._handled: set[tuple[int, str]] = set()
+        # calls the option would handle (left as blockers without it)
+        self._opt_in: set[tuple[int, str]] = set()
         self.patch_model: list[int] = []  # lines of M.zero_grad() calls the patch covers
         # zero_grad(set_to_none=True) (or a flag) on the optimizer this statement binds / on the model
         # whose parameters it takes: the fused branch makes those calls zero in place
@@ -951,6 +1084,11 @@ class _ZeroGradFix:
             for ln, recv in t.set_to_none:
                 if _excluded_branch(site_tests, _enclosing_tests(module.tree, ln)):
                     self._handled.add((ln, recv))
+                elif not in_place:
+                    if ((self.target and recv == self.target)
+                            or (self.model and recv == self.model and not _other_optimizer_over(module, scope, self.model, stmt))
+                            or (self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno))):
+                        self._opt_in.add((ln, recv))
                 elif self.target and recv == self.target:
                     self._handled.add((ln, recv))
                     self.free_optimizer.append(ln)
@@ -968,6 +1106,7 @@ class _ZeroGradFix:
                     self._handled.add((ln, recv))
                     self.patch_model.append(ln)
                 elif self.model and _holds(module, scope, recv, self.model, ln, stmt.lineno):
+                    # frees by default (torch >= 2.0), like M.zero_grad() above: zeroed in place in both modes
                     self._handled.add((ln, recv))
                     self.holders.setdefault(recv, []).append(ln)
                 elif self.model and _other_object(module, scope, recv, self.model, ln, stmt.lineno):
@@ -975,6 +1114,10 @@ class _ZeroGradFix:
 
     def handles(self, line: int, recv: str) -> bool:
         return (line, recv) in self._handled
+
+    def opts_in(self, line: int, recv: str) -> bool:
+        """Would ``--optimizer-zero-grad-in-place`` make this freeing call zero in place?"""
+        return (line, recv) in self._opt_in
 
     def statements(self) -> str:
         out = ""
@@ -1159,7 +1302,7 @@ def _constructor(module: ModuleInfo, value: Optional[ast.expr]) -> Optional[str]
 
 
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
-          tiers: tuple[_FileFacts, _FileFacts, _FileFacts]) -> Result:
+          tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False) -> Result:
     kind = _CANONICAL[module.canonical(call.func) or ""]
     fused_cls, accepted = _OPTIMIZERS[kind]
     line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
@@ -1182,7 +1325,12 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     model = guard[len("next("):].split(".parameters()")[0] if guard and ".parameters()" in guard else ""
     prepared = _accelerate_prepared(stmt, tiers[0], tiers[1])
     peft = _peft_wrapped(module, scope, model, stmt.lineno)
-    fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers)
+    fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers, in_place)
+    before = _reallocated_before(module, scope, stmt, tiers)
+    if before is not None:
+        tiers, ran_before = before
+    else:
+        ran_before = []
     sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
                     if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
     for n, facts in enumerate(tiers):
@@ -1246,6 +1394,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError); mixed fp32/fp16 params get one buffer each"),
     ]
     risks += fix.risks()
+    if tiers[2].uncalled_reallocation is not None:
+        ln, fn = tiers[2].uncalled_reallocation
+        risks.append(Risk("other", f"`{fn}` re-allocates parameters or grads (`.data =` / `.grad =` at line {ln}); nothing in this "
+                          "file calls it, but if other code runs it on these parameters after the optimizer's first step, the "
+                          "fused optimizer's combined buffers go stale"))
     if sharded_when is not None:
         test, in_body, where = sharded_when
         risks.append(Risk("other", f"FSDP/DeepSpeed/ZeRO is chosen at run time ({where}, when `{test}` is "
@@ -1281,6 +1434,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         notes.append(f"dropped from the fused call: {', '.join(dropped)} (it picks torch.optim's implementation or "
                      "states a default; the fused class computes the same update without it)")
     notes += plan.notes + fix.notes()
+    for fn, ln, call_line in ran_before:
+        notes.append(f"`{fn}` re-allocates parameters or grads (line {ln}) but runs only at line {call_line}, before the "
+                     "optimizer is built (the fused class reads its parameters at construction and its first step)")
     if any(k.arg == "fused" or k.arg is None for k in plan.drop):
         notes.append("the call may ask for torch.optim's own fused kernel (fused=True); torch_npu 2.14 registers "
                      "_fused_adam_/_fused_adamw_/_fused_sgd_ for NPU, so that path is fused already there: measure "
@@ -2470,9 +2626,13 @@ FusedOptimizer.FUSE += [
         "guard": "fresh_generator_unsharded_runs_only"}),
 ]
 
-# --- set_to_none made to zero in place (issue 14 class 5) ---------------------------------------
-# torch_npu's fused zero_grad raises ValueError on set_to_none=True (the emulator does too), so each
-# run below fails if the fused branch does not bind zero_grad to zero in place.
+# --- set_to_none: kept by default, zeroed in place on request (issue 14 class 5) -----------------
+# An explicit zero_grad(set_to_none=True) is the code's choice (memory); torch_npu's fused class
+# raises ValueError on it. By default the site is a near miss naming the option; with
+# `npufuse scan --optimizer-zero-grad-in-place` (FusedOptimizer.FUSE_ZERO_IN_PLACE, run by
+# tests/test_detect_optimizer_zero_grad.py with the option on) the fused branch binds zero_grad to zero
+# in place. The emulator's fused zero_grad raises on set_to_none=True too, so each run there fails
+# if that binding is missing.
 
 # nanoGPT's loop: the optimizer frees the grads every step
 _NANOGPT_TRAIN_SET_TO_NONE = _NET + '''
@@ -2534,7 +2694,25 @@ def train(steps=3):
     return tuple(p.detach().clone() for p in model.parameters())
 '''
 
-FusedOptimizer.FUSE += [
+# the reason states the fact and names the option (with its risk)
+_OPT_IN_SAYS = "makes this a candidate whose fused branch rebinds that zero_grad to zero the grads in place (risk:"
+
+FusedOptimizer.KEEP += [
+    Keep(_NANOGPT_TRAIN_SET_TO_NONE, name="optimizer_zero_grad_set_to_none_kept_by_default",
+         reason="raise ValueError on zero_grad(set_to_none=True) (grads must stay allocated in their flat buffer); use "
+                "zero_grad() / set_to_none=False; `npufuse scan --optimizer-zero-grad-in-place` " + _OPT_IN_SAYS),
+    Keep(_MODEL_SET_TO_NONE, name="model_zero_grad_set_to_none_kept_by_default",
+         reason="raise ValueError on zero_grad(set_to_none=True)); pass set_to_none=False there; "
+                "`npufuse scan --optimizer-zero-grad-in-place` " + _OPT_IN_SAYS),
+    Keep(_HOLDER_SET_TO_NONE, name="wrapper_holding_the_params_set_to_none_kept_by_default",
+         reason="`model.zero_grad(set_to_none=...)` (line 36) may set the parameters' grads to None: the next backward "
+                "allocates new ones outside the fused optimizer's flat buffer and its update silently uses stale grads "
+                "(torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
+                "zero_grad(set_to_none=True)); pass set_to_none=False there; `npufuse scan --optimizer-zero-grad-in-place` "
+                + _OPT_IN_SAYS),
+]
+
+FusedOptimizer.FUSE_ZERO_IN_PLACE = [
     Fuse(_NANOGPT_TRAIN_SET_TO_NONE, name="optimizer_zero_grad_set_to_none_zeroed_in_place",
          run="out = main()\n",
          expect={"optimizer": "torch.optim.AdamW", "args": {"lr": "6e-4", "betas": "(0.9, 0.95)", "weight_decay": "0.1"}}),
@@ -2542,9 +2720,15 @@ FusedOptimizer.FUSE += [
          expect={"optimizer": "torch.optim.Adam", "qualname": "train"}),
     Fuse(_HOLDER_SET_TO_NONE, name="wrapper_holding_the_params_zeroed_in_place", run="out = train()\n",
          expect={"optimizer": "torch.optim.AdamW", "params": "raw.fc2.parameters()"}),
+    Fuse(_HOLDER_SET_TO_NONE.replace("model.zero_grad(set_to_none=True)", "model.zero_grad()"),
+         name="wrapper_holding_the_params_zero_grad_zeroed_in_place", run="out = train()\n",
+         expect={"optimizer": "torch.optim.AdamW", "params": "raw.fc2.parameters()"}),
 ]
+# a wrapper's zero_grad() frees by default (torch >= 2.0), like model.zero_grad(): zeroed in place in both modes
+FusedOptimizer.FUSE.append(FusedOptimizer.FUSE_ZERO_IN_PLACE.pop())
 
-FusedOptimizer.KEEP += [
+# near misses in both modes (FusedOptimizer.KEEP_ZERO_IN_PLACE: the option's test runs them too)
+FusedOptimizer.KEEP_ZERO_IN_PLACE = [
     # the wrapper is re-bound after the optimizer is built: binding its zero_grad at the optimizer's
     # line would patch another object
     Keep(_HOLDER_SET_TO_NONE.replace("    for _ in range(steps):\n", "    model = Wrapped(raw)\n    for _ in range(steps):\n", 1),
@@ -2560,6 +2744,7 @@ def train(model, other, steps=3):
         other.zero_grad(set_to_none=True)
 ''', reason="may set the parameters' grads to None", name="unrelated_receiver_set_to_none"),
 ]
+FusedOptimizer.KEEP += FusedOptimizer.KEEP_ZERO_IN_PLACE
 
 # --- `**mapping` of keys known at run time (issue 14 class 5) -----------------------------------
 # open_clip's `opt_kwargs.update(args.opt_kwargs or {})`, InternEvo's `extra["fused"] = True`: the
@@ -2657,4 +2842,83 @@ FusedOptimizer.KEEP += [
     Keep(_RUN_TIME_DTYPE.replace("    model.to(dtype)\n    return torch.optim.AdamW(model.parameters(), lr=1e-3)\n",
                                  "    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n    model.to(dtype)\n    return opt\n"),
          reason="may cast the parameters to bfloat16", name="dtype_chosen_at_run_time_cast_after_the_optimizer"),
+]
+
+# --- a re-allocation in a helper nothing in the file calls (issue 14 class 5) ---------------------
+# Chinese-CLIP's training main.py defines `convert_models_to_fp32(model)` (`p.data = p.data.float()`)
+# and never calls it (other files import it for evaluation): it cannot touch the optimizer main()
+# builds. A stated risk, not a refusal; called after the construction it still refuses.
+_UNCALLED_REALLOCATION = _NET + '''
+
+
+def convert_models_to_fp32(model):
+    for p in model.parameters():
+        p.data = p.data.float()
+
+
+def main(steps=3):
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return tuple(p.detach().clone() for p in model.parameters())
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_UNCALLED_REALLOCATION, name="reallocation_in_a_helper_the_file_never_calls", run="out = main()\n",
+         expect={"optimizer": "torch.optim.AdamW", "qualname": "main"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_UNCALLED_REALLOCATION.replace("        optimizer.step()\n", "        optimizer.step()\n        convert_models_to_fp32(model)\n"),
+         reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_called_in_the_loop"),
+    # the optimizer is built in a library function other files call: they may call the helper too
+    Keep(_UNCALLED_REALLOCATION.replace('if __name__ == "__main__":\n    main()\n', ""),
+         reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_beside_a_library_builder"),
+]
+
+# --- an optimizer class bound to a name and called in the same function (issue 14 class 5) --------
+# the reason says where it is built (not "elsewhere"): the swap stays a hand edit
+FusedOptimizer.KEEP += [
+    Keep(_NET + """
+
+def build(model, use_8bit=False):
+    if use_8bit:
+        import bitsandbytes as bnb
+        optimizer_cls = bnb.optim.AdamW8bit
+    else:
+        optimizer_cls = torch.optim.AdamW
+    optimizer = optimizer_cls(model.parameters(), lr=1e-4, weight_decay=1e-2)
+    return optimizer
+""", reason="torch.optim.AdamW is bound to `optimizer_cls` (line 22) and the optimizer is built through `optimizer_cls` at line 23",
+         name="optimizer_class_chosen_by_if_and_built_here"),
+    Keep(_NET + """
+
+def run(model, name="sgd"):
+    opts = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
+    return opts[name](model.parameters(), lr=0.1)
+""", reason="torch.optim.SGD is bound to `opts` (line 18) and the optimizer is built through `opts` at line 19",
+         name="optimizer_class_from_a_dict_built_here"),
+]
+
+# --- a re-allocation that runs before the optimizer is built (issue 14 class 5) -------------------
+# Chinese-CLIP's main(): `convert_models_to_fp32(model)` (`p.data = p.data.float()`) at line 103,
+# the optimizer at line 158; the fused class reads the parameters at construction and first step.
+FusedOptimizer.FUSE += [
+    Fuse(_UNCALLED_REALLOCATION.replace("    model = Net()\n", "    model = Net()\n    convert_models_to_fp32(model)\n"),
+         name="reallocation_in_a_helper_called_before_the_optimizer", run="out = main()\n",
+         expect={"optimizer": "torch.optim.AdamW", "qualname": "main"}),
+]
+
+FusedOptimizer.KEEP += [
+    # called before AND after the construction (a second call later): still refused
+    Keep(_UNCALLED_REALLOCATION.replace("    model = Net()\n", "    model = Net()\n    convert_models_to_fp32(model)\n").replace(
+        "    return tuple(", "    convert_models_to_fp32(model)\n    optimizer.step()\n    return tuple("),
+         reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_called_before_and_after"),
 ]

@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown only when stderr is a terminal)")
     parser.add_argument("--include-tests", action="store_true", help="also scan tests/, examples/, tutorials/ (and similar) folders below PATH (skipped by default; the report lists them)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the per-file result cache (STATE_DIR/cache)")
+    # issue 14 class 5: an explicit zero_grad(set_to_none=True) is the code's choice; overriding it is the user's
+    parser.add_argument("--optimizer-zero-grad-in-place", action="store_true",
+                        help="fused_optimizer: where the code frees grads with zero_grad(set_to_none=True) (which torch_npu's fused "
+                             "optimizers reject with ValueError), propose the fused class anyway with that zero_grad rebound to zero "
+                             "grads in place (risk: a parameter without a grad in some step still gets weight decay and momentum); "
+                             "default: such optimizers are near misses")
     # issue 16: model code that lives in installed packages (npufuse.scan.follow)
     parser.add_argument("--no-follow-imports", action="store_true", help="scan only the repo, not the installed modeling files it uses (transformers)")
     parser.add_argument("--python", metavar="EXE", help="the interpreter the repo runs with: its sys.path says where installed packages live")
@@ -292,6 +298,7 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
             overrides={"batch_size": args.batch_size, "seq_len": args.seq_len},
             cache_dir=cache_dir,
             include_tests=args.include_tests,
+            optimizer_zero_grad_in_place=getattr(args, "optimizer_zero_grad_in_place", False),
         )
     except engine.UnknownPatternError as exc:
         raise UsageError(f"--only: {exc}") from None

@@ -55,6 +55,10 @@ class UnknownPatternError(ValueError):
 @dataclass(frozen=True)
 class ScanOptions:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    # ``npufuse scan --optimizer-zero-grad-in-place``: where the code frees grads with an explicit
+    # zero_grad(set_to_none=True) (or a flag), fused_optimizer rebinds that zero_grad to zero in
+    # place instead of refusing (a behaviour change the user opts into; see fused_optimizer)
+    optimizer_zero_grad_in_place: bool = False
 
 
 @dataclass
@@ -871,6 +875,7 @@ def gather_inputs(
     overrides: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     include_tests: bool = False,
+    optimizer_zero_grad_in_place: bool = False,
 ) -> ScanInputs:
     """Walk (tests/examples/tutorials folders only with ``include_tests``), choose the detectors and, with a cache, hash every file the scan will read and key
     the lot (the run key: equal keys mean equal scan results). Raises like :func:`scan_repo`."""
@@ -878,7 +883,9 @@ def gather_inputs(
     if not target.exists() and not target.is_symlink():
         raise FileNotFoundError(f"{root}: no such file or folder")
     chosen, missing = select_patterns(only, patterns)
-    options = ScanOptions(max_file_bytes=max_file_bytes)
+    options = ScanOptions(max_file_bytes=max_file_bytes, optimizer_zero_grad_in_place=optimizer_zero_grad_in_place)
+    # a detector's own reading of the options (a configured copy: the registry's instance is shared)
+    chosen = [p.with_scan_options(options) if hasattr(p, "with_scan_options") else p for p in chosen]
     walked = walk(target, include_tests=include_tests)
     overrides = dict(overrides or {})
     inputs = ScanInputs(target, walked, chosen, missing, options, switch_mode, overrides, _open_cache(cache_dir, chosen, options))
@@ -953,13 +960,14 @@ def scan_repo(
     progress: Callable[[int, int], None] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     include_tests: bool = False,
+    optimizer_zero_grad_in_place: bool = False,
 ) -> ScanResult:
     """Scan a folder or one file. Raises FileNotFoundError for a missing ``root`` and
     :class:`UnknownPatternError` for an unknown id in ``only``; everything else is reported in
     the result. ``overrides`` (e.g. ``{"batch_size": 8}``) beat shapes read from the repo.
     ``cache_dir``: reuse and store per-file results there (:mod:`npufuse.scan.cache`); None: no cache."""
     inputs = gather_inputs(root, only=only, patterns=patterns, max_file_bytes=max_file_bytes, switch_mode=switch_mode, overrides=overrides, cache_dir=cache_dir,
-                           include_tests=include_tests)
+                           include_tests=include_tests, optimizer_zero_grad_in_place=optimizer_zero_grad_in_place)
     return run_scan(inputs, jobs=jobs, progress=progress)
 
 
@@ -1010,7 +1018,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
 
     # facts from other files of the repo (a trainer elsewhere driving an optimizer built here)
     try:
-        repo_facts.apply(walked.root, walked.files, outcomes, near, max_file_bytes)
+        repo_facts.apply(walked.root, walked.files, outcomes, near, max_file_bytes, zero_in_place=options.optimizer_zero_grad_in_place)
     finally:
         repo_symbols.forget()  # the cross-file passes' shared index lives for this scan only
     existing.sort(key=lambda e: (e["file"], e["line"], e["what"]))
@@ -1045,6 +1053,8 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
             "hardware": "Atlas A2 (910B) roofline figures (npufuse.scan.value)",
             "switch_mode": switch_mode,
             "max_file_bytes": max_file_bytes,
+            # present only when asked for: scans without the option keep their earlier scan.json
+            **({"optimizer_zero_grad_in_place": True} if options.optimizer_zero_grad_in_place else {}),
         },
     )
 

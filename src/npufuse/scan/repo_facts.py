@@ -26,6 +26,12 @@ the call's result is bound to are the optimizer. Facts on those names, in that f
 * accelerate ``prepare`` of O followed by ``O.zero_grad()``: AcceleratedOptimizer passes
   set_to_none=True -> near miss.
 
+A zero_grad that frees grads by default (``M.zero_grad()``, accelerate's ``O.zero_grad()``) makes
+the candidate's fused branch rebind that zero_grad to zero in place instead, with the risk stated
+(as fused_optimizer does when the call is in the candidate's own file). An explicit
+``set_to_none=True`` (or a flag) is the code's choice: that rebinding only with ``npufuse scan
+--optimizer-zero-grad-in-place``; without it the near miss's reason names that option.
+
 Every reason names the other file and line. Never raises: a file it cannot read or parse says
 nothing.
 """
@@ -45,11 +51,15 @@ _WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shar
 _SHARDING_PARTS = ("fsdp", "fullyshard", "fully_shard", "deepspeed", "zeroredundancy")
 
 
-def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int,
+          zero_in_place: bool = False) -> None:
     """Turn fused_optimizer hits that another file makes unsafe into near misses (appended to
-    ``near``) and attach risks for run-time-chosen sharding. Mutates ``outcomes``' hits."""
+    ``near``) and attach risks for run-time-chosen sharding. Mutates ``outcomes``' hits.
+    ``zero_in_place`` (``npufuse scan --optimizer-zero-grad-in-place``): grads another file frees
+    through a zero_grad are zeroed in place by the fused branch instead (:func:`_zero_in_place`);
+    without it those are near misses whose reason names the option."""
     try:
-        _apply(root, list(files), outcomes, near, max_bytes)
+        _apply(root, list(files), outcomes, near, max_bytes, zero_in_place)
     except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
         return
 
@@ -74,7 +84,7 @@ class _Builder:
                 self.function, self.cls = parts[1], parts[0]
 
 
-def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int, zero_in_place: bool) -> None:
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
@@ -128,10 +138,19 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             verdict = _verdict(tree, rel, b)
             if verdict is None:
                 continue
-            blocked, text, fix = verdict
+            blocked, text, fix, explicit = verdict
             f = h.finding
-            if blocked and fix is not None and _zero_in_place(root, o, h, b, fix, text, max_bytes):
+            # an explicit set_to_none=True (or a flag) is the code's choice to free grads: zeroed in
+            # place only on request; a free by default (`model.zero_grad()` on torch >= 2.0,
+            # accelerate's prepared `zero_grad()`) is zeroed in place as fused_optimizer does in one file
+            target = _zero_target(root, h, b, fix, max_bytes) if blocked and fix is not None else None
+            if target is not None and (zero_in_place or not explicit):
+                _zero_in_place(o, h, fix, target, text)
                 continue  # the fused branch now zeroes those grads in place (a risk says so); other files may still block
+            if target is not None:  # explicit, without the option
+                from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
+
+                text += ZERO_IN_PLACE_OPT_IN
             if blocked:
                 if h in o.hits:
                     o.hits.remove(h)
@@ -222,10 +241,11 @@ def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
     return out
 
 
-def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str, Optional[str]]]:
-    """(blocks?, reason or risk text, fix) of the facts ``rel`` holds about the optimizer ``b``
+def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str, Optional[str], bool]]:
+    """(blocks?, reason or risk text, fix, explicit) of the facts ``rel`` holds about the optimizer ``b``
     builds. ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
-    zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`)."""
+    zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`); ``explicit``: that
+    zero_grad is given set_to_none=True or a flag (the code's choice; in place only with the option)."""
     models: set[str] = set()
     receivers: set[str] = set()  # objects whose builder method is called: `self` in that method
     optimizers: set[str] = set()
@@ -266,70 +286,76 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
             if frees:
                 return True, (f"`{recv}.zero_grad(set_to_none=...)` at {rel}:{node.lineno} on the optimizer this builds ({via}): "
                               "torch_npu fused optimizers raise ValueError on set_to_none=True (grads must stay allocated); "
-                              "pass set_to_none=False there"), "optimizer"
+                              "pass set_to_none=False there"), "optimizer", True
             if prepared is not None and flag is None:
                 return True, (f"the optimizer this builds ({via}) goes through accelerate's prepare ({rel}:{prepared}) and "
                               f"`{recv}.zero_grad()` is called ({rel}:{node.lineno}): AcceleratedOptimizer.zero_grad() passes "
                               "set_to_none=True and torch_npu fused optimizers raise ValueError on it; call "
-                              "zero_grad(set_to_none=False)"), "optimizer"
+                              "zero_grad(set_to_none=False)"), "optimizer", False
         elif attr == "zero_grad" and recv in models:
             if flag is None or not (isinstance(flag, ast.Constant) and flag.value is False):
                 return True, (f"`{recv}.zero_grad({'' if flag is None else 'set_to_none=...'})` at {rel}:{node.lineno} on the "
                               f"model whose parameters the optimizer takes ({via}) sets their grads to None"
                               f"{' (torch >= 2.0 default)' if flag is None else ''}: the next backward allocates new ones outside "
-                              "the fused optimizer's flat buffer and its update silently uses stale grads; pass "
-                              "set_to_none=False there"), ("self" if b.cls and recv in receivers else "model")
+                              "the fused optimizer's flat buffer and its update silently uses stale grads (torch_npu fused "
+                              "optimizers read grads only from that buffer and raise ValueError on zero_grad(set_to_none=True)); "
+                              "pass set_to_none=False there"), ("self" if b.cls and recv in receivers else "model"), flag is not None
         elif attr == "share_memory" and recv in models:
             return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
                           f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
                           "every parameter's storage into its own flat buffer at the first step, so the processes would "
-                          "stop sharing them"), None
+                          "stop sharing them"), None, False
         elif attr in ("prepare", "prepare_optimizer") and _flat_names(node.args) & optimizers:
             prepared = prepared or node.lineno
         elif any(s in full for s in _SHARDING_PARTS) and (_flat_names([*node.args, *(k.value for k in node.keywords)]) & (models | optimizers)):
             text = (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{dotted(func) or attr}` at {rel}:{node.lineno}, on what "
                     f"`{b.function}` gets or builds: {via}): the fused optimizer's combined buffers would go stale")
             if cond is None:
-                return True, text, None
+                return True, text, None, False
             risk = risk or (f"{text}; that wrapping is chosen at run time (the condition at {rel}:{cond}): run the fused "
                             "branch only where it is not taken (switch the fused optimizer off for those runs)")
     if risk is not None:
-        return False, risk, None
+        return False, risk, None, False
     return None
 
 
 # --- grads freed in another file, zeroed in place by the fused branch (issue 14 class 5) --------
 
-def _zero_in_place(root: Path, o: Any, h: Any, b: _Builder, fix: str, text: str, max_bytes: int) -> bool:
-    """Make the candidate's fused branch bind the freeing zero_grad to one that zeroes in place
-    (as fused_optimizer does for calls in the candidate's own file): ``fix`` "optimizer": the name
-    the construction binds (a ``return`` is rewritten to bind one first); "model": the object whose
-    ``parameters()`` the guard reads, when that is what the driving file hands over (``self`` of a
-    method, or a parameter of the builder function). False: no such name; the caller refuses."""
-    from npufuse.patterns.base import Risk
-    from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_COMMENT, zero_in_place
-
+def _zero_target(root: Path, h: Any, b: _Builder, fix: str, max_bytes: int) -> Optional[str]:
+    """The name whose zero_grad the candidate's fused branch would bind to zero in place (as
+    fused_optimizer does for calls in the candidate's own file, with the option): ``fix``
+    "optimizer": the name the construction binds (a ``return`` gets one bound first); "model": the
+    object whose ``parameters()`` the guard reads, when that is what the driving file hands over
+    (``self`` of a method, or a parameter of the builder function). None: no such name."""
     f = h.finding
     if not isinstance(f.fused, str) or not f.fused:
-        return False
-    done = f.__dict__.setdefault("_npufuse_zeroed_in_place", set())
+        return None
     if fix == "self":
         target: Optional[str] = "self"  # the driving file frees the grads of the object whose method builds the optimizer
     elif fix == "model":
         guard = f.guard_tensor or ""
         if not (guard.startswith("next(") and guard.endswith(".parameters(), None)")):
-            return False
+            return None
         target = guard[len("next("):-len(".parameters(), None)")]
         fn = _builder_def(root, b, max_bytes)
         params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)} if fn is not None else set()
         if not (target.isidentifier() and ((b.cls and target == "self") or (not b.cls and target in params and target != "self"))):
-            return False
+            return None
     else:
         target = _bound_name(f.fused) or ("_npufuse_optimizer" if f.fused.startswith("return ") else None)
-    if target is None:
-        return False
+    return target
+
+
+def _zero_in_place(o: Any, h: Any, fix: str, target: str, text: str) -> None:
+    """Make the candidate's fused branch bind ``target``'s zero_grad (:func:`_zero_target`) to one
+    that zeroes in place, with the risk stated (``--optimizer-zero-grad-in-place`` only)."""
+    from npufuse.patterns.base import Risk
+    from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_COMMENT, zero_in_place
+
+    f = h.finding
+    done = f.__dict__.setdefault("_npufuse_zeroed_in_place", set())
     if target in done:
-        return True
+        return
     if f.fused.startswith("return "):
         # `return Cls(...)`: bind it first, so zero_grad can be replaced before it is handed out
         f.fused = f"_npufuse_optimizer = {f.fused[len('return '):]}return _npufuse_optimizer\n"
@@ -345,7 +371,6 @@ def _zero_in_place(root: Path, o: Any, h: Any, b: _Builder, fix: str, text: str,
                         "fused optimizers raise ValueError on set_to_none=True and read grads from their flat buffer); a "
                         "parameter that gets no grad in some step is then updated with a zero grad (weight decay and "
                         "momentum still apply) where torch.optim would skip it"))
-    return True
 
 
 def _bound_name(fused: str) -> Optional[str]:
