@@ -142,6 +142,8 @@ class _Site:
     tuple_names: tuple = ()
     part_steps: tuple = ()
     part_outs: tuple = ()
+    # opaque experts called as ``expert.forward(rows)`` (no module hooks): the fused layer calls them the same way
+    expert_call: str = ""
     first_line: int = 0
     last_line: int = 0
 
@@ -865,6 +867,7 @@ class _Eval:
         self.flat: set[str] = set()  # flat expert-index names compared with the loop index
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
         self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
+        self.forward_spelled = False  # the expert is called through its .forward (module hooks skipped)
         self.indexed_module: Optional[ast.Attribute] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
         self.where_indices = ""
         self.probs = ""
@@ -1365,6 +1368,12 @@ class _Eval:
 
     def _call(self, node: ast.Call) -> V:
         m, f = self.m, node.func
+        if isinstance(f, ast.Attribute) and f.attr == "forward" and self.expert_init is None \
+                and self.ev(f.value).kind in ("expert", "indexed"):
+            # expert.forward(rows) is expert(rows) without the module's hooks: read as the call, and the
+            # fused layer calls .forward too
+            self.forward_spelled = True
+            return self._call(ast.copy_location(ast.Call(func=f.value, args=node.args, keywords=node.keywords), node))
         name = _canon(m, f)
         if isinstance(f, ast.Attribute):
             attr = f.attr
@@ -1887,6 +1896,7 @@ class _Eval:
         assert mlp is not None
         if mlp.layout not in ("per_expert_linear", "opaque"):
             return
+        site.expert_call = ".forward" if self.forward_spelled else ""
         if self.indexed_module is not None:
             if self.loop_kind != "range" or self.local_start:
                 raise _Miss("a module called with the expert index, in a loop that is not range(E)")
@@ -2640,11 +2650,11 @@ def _fused_text(site: _Site) -> str:
             f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):",
         ]
         if site.part_outs:
-            lines.append(f"    {', '.join(site.tuple_names)} = {P}expert({arg})")
+            lines.append(f"    {', '.join(site.tuple_names)} = {P}expert{site.expert_call}({arg})")
             lines += [f"    {st}" for st in site.part_steps]
             lines += [f"    {P}outs[{j}].append({rowwise(name)})" for j, (name, _, _) in enumerate(parts)]
         else:
-            lines += [f"    {P}o = {P}expert({arg})", f"    {P}outs[0].append({rowwise(P + 'o')})"]
+            lines += [f"    {P}o = {P}expert{site.expert_call}({arg})", f"    {P}outs[0].append({rowwise(P + 'o')})"]
         for j, (_, out, dtype) in enumerate(parts):
             hj = f"torch.cat({P}outs[{j}])"
             if local:
@@ -2661,7 +2671,7 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        call = f"{P}expert({rows})"
+        call = f"{P}expert{site.expert_call}({rows})"
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
         lines += [
@@ -5523,4 +5533,30 @@ MoeExperts.KEEP += [
     # expert i runs on the pieces of another expert: not the grouped matmul's pairing
     Keep(_RANGE_PIECES.replace("outs.append(self.experts[i](pieces[i]))", "outs.append(self.experts[i](pieces[-1 - i]))"),
          reason="not trace its input", name="range_pieces_in_another_order"),
+]
+
+
+# -- third pass: experts called through .forward (ktransformers-style inference code) -----------------
+
+_FORWARD_SPELLED_OPAQUE = _KEEP_BIAS.replace("self.experts[e](x[t])", "self.experts[e].forward(x[t])")
+_FORWARD_SPELLED_SORTED = _DEEPSEEK_V3.replace("expert_out = expert(tokens_for_this_expert)",
+                                               "expert_out = expert.forward(tokens_for_this_expert)")
+
+MoeExperts.FUSE += [
+    # expert.forward(rows): the call without module hooks; the fused layer calls .forward as well
+    Fuse(_FORWARD_SPELLED_OPAQUE, name="expert_forward_spelled_opaque", run='''\
+moe = BiasedMoE(16, 24, 5)
+x = torch.randn(11, 16, requires_grad=True)
+w, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)
+out = moe(x, w, idx)
+leaves = [x, moe.experts[0].w1.bias, moe.experts[4].w2.weight]
+''', expect={"layout": "expert_modules", "probs": "weights", "indices": "chosen"}),
+    Fuse(_FORWARD_SPELLED_SORTED, name="expert_forward_spelled_sorted_counts", run=_DEEPSEEK_V3_RUN, expect={
+        "routing": "sorted_counts", "loop": "counts", "counts": "tokens_per_expert", "tokens": "sorted_tokens"}),
+]
+
+MoeExperts.KEEP += [
+    # .forward with an extra argument is still an expert called with more than its rows
+    Keep(_KEEP_BIAS.replace("self.experts[e](x[t])", "self.experts[e].forward(x[t], t)"),
+         reason="takes arguments besides its rows", name="expert_forward_spelled_extra_argument"),
 ]
