@@ -32,3 +32,27 @@ def test_forward_hooks_are_skipped_as_in_the_original():
            "x = torch.randn(11, 16)\nw, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)\nout = moe(x, w, idx)\n")
     res = _rewrite(M._FORWARD_SPELLED_OPAQUE, run)
     assert min(res["cos_out"]) > 0.9999
+
+
+def test_sorted_dispatch_spans_gather_to_weighted_sum_and_keeps_the_loop():
+    code = M._SORTED_DISPATCH_OPAQUE
+    findings, _ = detect_all(M.MoeExperts(), code)
+    assert [f.variant for f in findings] == ["sorted_dispatch"]
+    f = findings[0]
+    lines = code.splitlines()
+    assert lines[f.line - 1].strip().startswith("sorted_tokens = x[idxs //")
+    assert lines[f.end_line - 1].strip() == ")"  # the weighted sum's closing parenthesis
+    fused = f.fused
+    assert "npu_moe_token_permute(x, topk_ids)" in fused and "npu_moe_token_unpermute(" in fused
+    fused_branch = fused.split("else:")[0]
+    assert "idxs" not in fused_branch.replace("if ", "")  # the fused branch never reads the code's own order
+    assert "expert.forward(tokens_for_this_expert)" in fused_branch  # the loop runs as written
+
+
+def test_sorted_dispatch_runs_the_original_where_the_permute_does_not_apply():
+    # float64 tokens: npu_moe_token_permute takes fp16/bf16/fp32 only, so the guard runs the code as written
+    run = M._DEEPSEEK_V3_RUN.replace("moe = DeepseekV3MoE(cfg)", "moe = DeepseekV3MoE(cfg).double()") \
+        .replace("x = torch.randn(11, 16)", "x = torch.randn(11, 16, dtype=torch.float64)")
+    res = _rewrite(M._SORTED_DISPATCH_OPAQUE, run)
+    assert res["calls"] == 0
+    assert min(res["cos_out"]) > 0.9999999

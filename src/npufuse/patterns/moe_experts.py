@@ -66,6 +66,11 @@ class _Miss(Exception):
     """A look-alike that must not be replaced; the message is the near-miss reason."""
 
 
+class _SortedOpaque(_Miss):
+    """The loop over pre-sorted rows calls experts whose MLP is not read: a candidate only when the
+    function around it also permutes and unpermutes by hand (see :func:`_sorted_dispatch_site`)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Symbolic values of the loop body / expert forward
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +200,16 @@ class MoeExperts(Pattern):
             looks = not quiet
             try:
                 site = _analyze_loop(module, scope, block, i, stmt)
+            except _SortedOpaque as miss:
+                try:
+                    whole = _sorted_dispatch_site(module, scope, block, i)
+                except _Miss as refined:
+                    whole, miss = None, refined
+                if whole is not None:
+                    yield whole
+                elif looks:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                continue
             except _Miss as miss:
                 if looks:
                     yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
@@ -668,6 +683,174 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     return Finding(
         pattern=_ID, qualname=scope.qualname, line=gather.lineno, end_line=stmt.end_lineno or stmt.lineno, params=params,
         fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sort_permute", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _cast_of(node: ast.expr) -> Optional[tuple[ast.expr, ast.expr]]:
+    """``(v, dtype)`` of ``v.type(dtype)`` / ``v.to(dtype)`` (one positional argument, no keywords)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("type", "to") \
+            and len(node.args) == 1 and not node.keywords:
+        return node.func.value, node.args[0]
+    return None
+
+
+def _weight_column(node: ast.expr) -> Optional[str]:
+    """:func:`_gate_column`, also with ``w.unsqueeze(dim=-1)`` spelled with the keyword."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze" \
+            and isinstance(node.func.value, ast.Name) and not node.args and len(node.keywords) == 1 \
+            and node.keywords[0].arg == "dim" and const_value(node.keywords[0].value) in (1, -1):
+        return node.func.value.id
+    return _gate_column(node)
+
+
+def _sorted_dispatch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Finding]:
+    """DeepSeek's reference ``moe_infer`` (widely copied into inference code) around a loop over
+    per-expert counts whose experts are called as they are::
+
+        idxs = E.view(-1).argsort()              # ascending sort of the flat [T, K] expert indices
+        sorted_tokens = x[idxs // K]             # the permute, written by hand
+        ... for i, n in enumerate(counts): outputs.append(expert(sorted_tokens[start:end])) ...
+        outs = torch.cat(outputs, dim=0)
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs                       # back to slot order ...
+        y = new_x.view(*E.shape, -1).type(W.dtype).mul_(W.unsqueeze(-1)).sum(dim=1).type(new_x.dtype)  # ... weighted, summed
+
+    The gather is npu_moe_token_permute (rows of one expert contiguous, experts in ascending order:
+    the counts the loop walks are unchanged), the scatter plus the weighted sum over K is
+    npu_moe_token_unpermute; the statements between (counts, loop, cat) run as written. Returns None
+    where the function is not that shape (the loop's own near miss stands); raises ``_Miss`` for a
+    look-alike whose difference matters."""
+    loop = block[i]
+    # the gather: sorted = x[order // K], before the loop in the same block
+    g = next((j for j in range(i - 1, -1, -1) if isinstance(block[j], ast.Assign) and len(block[j].targets) == 1  # type: ignore[attr-defined]
+              and isinstance(block[j].value, ast.Subscript) and isinstance(block[j].value.slice, ast.BinOp)  # type: ignore[attr-defined]
+              and isinstance(block[j].value.slice.op, ast.FloorDiv)), None)  # type: ignore[attr-defined]
+    if g is None:
+        return None
+    gather = block[g]
+    assert isinstance(gather, ast.Assign)
+    gv = gather.value
+    assert isinstance(gv, ast.Subscript) and isinstance(gv.slice, ast.BinOp)
+    if not (isinstance(gather.targets[0], ast.Name) and isinstance(gv.value, ast.Name) and isinstance(gv.slice.left, ast.Name)):
+        return None
+    sorted_name, tokens, order, k_node = gather.targets[0].id, gv.value.id, gv.slice.left.id, gv.slice.right
+    experts_idx = _sort_order_of(scope, order, gather.lineno)
+    if experts_idx is None:
+        raise _Miss(f"the rows are gathered at `{order} // {segment(module, k_node)}`, but `{order}` is not the ascending "
+                    "sort order of the flattened expert indices (what npu_moe_token_permute computes)")
+    # the scatter back: new_x[order] = outs, new_x = torch.empty_like(outs) right before it
+    s = next((j for j in range(i + 1, len(block)) if isinstance(block[j], ast.Assign) and len(block[j].targets) == 1  # type: ignore[attr-defined]
+              and isinstance(block[j].targets[0], ast.Subscript)  # type: ignore[attr-defined]
+              and isinstance(block[j].targets[0].slice, ast.Name) and block[j].targets[0].slice.id == order), None)  # type: ignore[attr-defined]
+    if s is None or s + 1 >= len(block) or s < 1:
+        return None
+    scatter = block[s]
+    assert isinstance(scatter, ast.Assign) and isinstance(scatter.targets[0], ast.Subscript)
+    buf_node, outs_node = scatter.targets[0].value, scatter.value
+    if not (isinstance(buf_node, ast.Name) and isinstance(outs_node, ast.Name)):
+        return None
+    buf, outs = buf_node.id, outs_node.id
+    make = block[s - 1]
+    mv = make.value if isinstance(make, ast.Assign) and len(make.targets) == 1 and isinstance(make.targets[0], ast.Name) \
+        and make.targets[0].id == buf else None
+    if not (isinstance(mv, ast.Call) and _canon(module, mv.func) in ("torch.empty_like", "torch.zeros_like")
+            and len(mv.args) == 1 and isinstance(mv.args[0], ast.Name) and mv.args[0].id == outs and not mv.keywords):
+        raise _Miss(f"the expert rows are written back through `{buf}[{order}]`, a buffer not made like `{outs}` right before")
+    # the combine: y = buf.view(*E.shape, -1)[.type(D1)].mul_(W.unsqueeze(-1)).sum(dim=1)[.type(D2)]
+    final = block[s + 1]
+    if not (isinstance(final, ast.Assign) and len(final.targets) == 1 and isinstance(final.targets[0], ast.Name)):
+        raise _Miss(f"`{segment(module, final)[:60]}` after the write-back is not the weighted sum over the top-k slots")
+    why = (f"`{segment(module, final.value)[:80]}` is not read as the weighted sum over the top-k slots "
+           f"(`{buf}.view(*{experts_idx}.shape, -1).type(w.dtype).mul_(w.unsqueeze(-1)).sum(dim=1)`)")
+    node: ast.expr = final.value
+    out_cast = None
+    c = _cast_of(node)
+    if c is not None:
+        node, out_cast = c
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sum"
+            and ([const_value(a) for a in node.args] + [const_value(k.value) for k in node.keywords if k.arg == "dim"]) == [1]
+            and all(k.arg == "dim" for k in node.keywords)):
+        raise _Miss(why)
+    mul = node.func.value
+    if not (isinstance(mul, ast.Call) and isinstance(mul.func, ast.Attribute) and mul.func.attr in ("mul", "mul_")
+            and len(mul.args) == 1 and not mul.keywords and _weight_column(mul.args[0]) is not None):
+        raise _Miss(why)
+    weights = _weight_column(mul.args[0])
+    assert weights is not None
+    node = mul.func.value
+    c = _cast_of(node)
+    if c is None:
+        raise _Miss(f"the slot rows are weighted in their own dtype before the sum (no cast): npufuse reads the "
+                    f"reference spelling that casts to the weights' dtype first")
+    node, inner_cast = c
+    if mul.func.attr == "mul" and segment(module, inner_cast) != f"{weights}.dtype":
+        raise _Miss(why)  # .mul promotes: same dtype only when the rows were cast to the weights' dtype
+    view_ok = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape") \
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == buf and len(node.args) == 2 and not node.keywords \
+        and isinstance(node.args[0], ast.Starred) and segment(module, node.args[0].value) in (f"{experts_idx}.shape", f"{experts_idx}.size()") \
+        and const_value(node.args[1]) == -1
+    if not view_ok:
+        raise _Miss(why)
+    y = final.targets[0].id
+    # what runs between stays as written; it must not read the order or change what the fused ops take
+    middle = block[g + 1 : s - 1]
+    for st in middle:
+        if any(isinstance(n, ast.Name) and n.id == order for n in fast_walk(st)):
+            raise _Miss(f"`{segment(module, st)[:50]}` reads the sort order `{order}` between the gather and the write-back")
+    changed = _assigned(middle)
+    for name in (tokens, experts_idx, weights, order, buf, sorted_name):
+        if name in changed:
+            raise _Miss(f"`{name}` is reassigned between the gather and the weighted sum")
+    if outs not in changed:
+        return None
+    end = final.end_lineno or final.lineno
+    if scope.uses_after(buf, end) and buf != y:
+        raise _Miss(f"`{buf}` (the rows in slot order) is used after the weighted sum; the fused layer does not produce it")
+    e_, k_, w_ = experts_idx, segment(module, k_node), weights
+    d1 = segment(module, inner_cast)
+    ind = "    "
+    result = f"torch_npu.npu_moe_token_unpermute({outs}.to({d1}), {P}order, probs={w_}.to({d1}))"
+    if out_cast is not None:
+        d2 = segment(module, out_cast)
+        if any(isinstance(n, ast.Name) and n.id == buf for n in fast_walk(out_cast)):
+            d2 = f"{outs}.dtype" if d2 == f"{buf}.dtype" else ""
+            if not d2:
+                raise _Miss(why)
+        result = f"{result}.to({d2})"
+    span = block[g : s + 2]
+    body = [
+        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {e_}.numel() > 0 and not {e_}.is_floating_point() "
+        f"and {tokens}.dim() == 2 and {tokens}.shape[0] == {e_}.shape[0] and {w_}.shape == {e_}.shape "
+        f"and {tokens}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, experts ascending)",
+        f"{ind}{sorted_name}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})",
+        *(ind + ln for st in middle for ln in ast.unparse(st).splitlines()),
+        f"{ind}# the write-back to slot order and the weighted sum over the top-k slots are the unpermute",
+        f"{ind}{y} = {result}",
+        "else:  # other shapes: as written",
+        *(ind + ln for st in span for ln in ast.unparse(st).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": "(as the experts take them)", "top_k": k_, "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_loop",
+        "routing": "sorted_dispatch", "loop": "counts", "tokens": tokens, "indices": e_, "probs": w_,
+        "counts": None, "output": y, "output_dtype": segment(module, out_cast) if out_cast is not None else None,
+        "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"the code's own argsort of {e_} may order the rows of one expert differently than the permute "
+             "(a stable sort): equal only while each expert treats rows independently (no batch statistics)"),
+        Risk("dtype", f"the unpermute sums the weighted slots in fp32 and returns {d1}; the original sums in {d1}"),
+        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, {tokens} is [T, H] and the "
+             "weights one per slot; otherwise the code runs as written"),
+    ]
+    notes = ["the gather of tokens in sorted-expert order becomes npu_moe_token_permute and the write-back plus the "
+             "weighted sum over the slots npu_moe_token_unpermute; the per-expert loop between them runs as written on "
+             "the same contiguous groups; the sort computed before stays (the fused branch no longer reads it)"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=gather.lineno, end_line=end, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sorted_dispatch", risks=risks,
         notes=notes, training_ok=True,
     )
 
@@ -1804,7 +1987,7 @@ class _Eval:
             raise _Miss("expert outputs are appended to a list but the loop is not over per-expert token counts")
         mlp = self._mlp(contrib, weighted=False)
         if mlp.layout == "opaque":
-            raise _Miss("the tokens are already sorted by expert and every expert runs once on its contiguous rows: only a "
+            raise _SortedOpaque("the tokens are already sorted by expert and every expert runs once on its contiguous rows: only a "
                         f"grouped matmul would save more, and it needs the expert MLP, which is not read: {mlp.why_opaque}")
         counts = self._count_tensor()
         site = _Site(routing="sorted_counts", loop="counts", tokens=self._tokens_name(contrib), counts=counts,
@@ -5559,4 +5742,27 @@ MoeExperts.KEEP += [
     # .forward with an extra argument is still an expert called with more than its rows
     Keep(_KEEP_BIAS.replace("self.experts[e](x[t])", "self.experts[e].forward(x[t], t)"),
          reason="takes arguments besides its rows", name="expert_forward_spelled_extra_argument"),
+]
+
+# DeepSeek's reference moe_infer around experts whose MLP is not read (here: Linear layers with a bias): the
+# hand-written gather and the write-back + weighted sum over the slots are the permute and the unpermute
+_SORTED_DISPATCH_OPAQUE = _FORWARD_SPELLED_SORTED.replace(
+    "self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)",
+    "self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size)")
+
+MoeExperts.FUSE += [
+    Fuse(_SORTED_DISPATCH_OPAQUE, name="sorted_dispatch_opaque_experts_moe_infer", run=_DEEPSEEK_V3_RUN, expect={"routing": "sorted_dispatch", "variant": "sorted_dispatch", "tokens": "x", "indices": "topk_ids",
+             "probs": "topk_weight", "output": "final_out", "layout": "expert_modules"}),
+]
+
+MoeExperts.KEEP += [
+    # a descending sort groups the experts in the other order: not the permute's
+    Keep(_SORTED_DISPATCH_OPAQUE.replace("idxs = topk_ids.view(-1).argsort()", "idxs = topk_ids.view(-1).argsort(descending=True)"),
+         reason="is not the ascending sort order", name="sorted_dispatch_descending_sort"),
+    # rows weighted in their own dtype with a promoting .mul: the dtype of the sum is not the reference's
+    Keep(_SORTED_DISPATCH_OPAQUE.replace(".type(topk_weight.dtype)\n            .mul_(", "\n            .mul_("),
+         reason="no cast", name="sorted_dispatch_weighting_without_cast"),
+    # the loop reads the sort order itself: the fused branch does not compute it
+    Keep(_SORTED_DISPATCH_OPAQUE.replace("        outputs = []\n", "        outputs = []\n        first = idxs[0]\n"),
+         reason="reads the sort order `idxs`", name="sorted_dispatch_reads_order_between"),
 ]
