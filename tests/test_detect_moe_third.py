@@ -56,3 +56,25 @@ def test_sorted_dispatch_runs_the_original_where_the_permute_does_not_apply():
     res = _rewrite(M._SORTED_DISPATCH_OPAQUE, run)
     assert res["calls"] == 0
     assert min(res["cos_out"]) > 0.9999999
+
+
+def test_token_slot_loops_become_one_call_per_chosen_expert():
+    res = _rewrite(M._TOKEN_SLOT, M._TOKEN_SLOT_RUN)
+    assert res["all_calls"] == {"npu_moe_token_permute": 1, "npu_moe_token_unpermute": 1}
+    assert "self.experts[_npufuse_e].forward(_npufuse_rows)" in res["rewritten"]
+    assert min(res["cos_out"]) > 0.9999
+
+
+def test_token_slot_negative_indices_run_the_original():
+    # -1 picks the last module in the original (Python indexing); bincount cannot take it: the guard keeps the loop
+    run = M._TOKEN_SLOT_RUN.replace("out = moe(x, w, idx)", "idx[0, 0] = -1\nout = moe(x, w, idx)")
+    res = _rewrite(M._TOKEN_SLOT, run)
+    assert res["calls"] == 0
+    assert min(res["cos_out"]) > 0.9999999
+
+
+def test_token_slot_refusal_is_reported_once():
+    code = M._TOKEN_SLOT.replace("outs = torch.zeros_like(x)", "outs = x.clone()")
+    findings, misses = detect_all(M.MoeExperts(), code)
+    assert not findings
+    assert len(misses) == 1 and "fresh" in misses[0].reason

@@ -173,6 +173,7 @@ class MoeExperts(Pattern):
         if module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _grouped_mm_sites(module, scope)
         covered: list[tuple[int, int]] = []
+        slot_spans: list[tuple[int, int]] = []
         if _sort_combine_text(module):
             for r in _sort_permute_sites(module, scope):
                 covered.append((r.line, r.end_line))
@@ -195,6 +196,21 @@ class MoeExperts(Pattern):
                     if reason:
                         yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
                 continue
+            if len(stmt.body) == 1 and isinstance(stmt.body[0], ast.For):
+                # per token, per top-k slot: read off the dataflow (module picked by ids[t, k]), not the names
+                try:
+                    slots = _token_slot_site(module, scope, block, i, stmt)
+                except _Miss as miss:
+                    slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
+                    if not quiet:
+                        yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                    continue
+                if slots is not None:
+                    slot_spans.append((slots.line, slots.end_line))
+                    yield slots
+                    continue
+            if any(a <= stmt.lineno <= b for a, b in slot_spans):
+                continue  # the inner loop of a per-token, per-slot site already reported
             if not _looks_like_moe(module, stmt):
                 continue  # every recognised form mentions experts or scatters rows back
             looks = not quiet
@@ -851,6 +867,152 @@ def _sorted_dispatch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     return Finding(
         pattern=_ID, qualname=scope.qualname, line=gather.lineno, end_line=end, params=params,
         fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sorted_dispatch", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _slot_index(node: ast.expr, t: str, k: str) -> Optional[str]:
+    """``a`` of ``a[t, k]`` / ``a[t][k]`` (also under ``int(...)`` / ``.item()``)."""
+    if isinstance(node, ast.Call) and dotted(node.func) == "int" and len(node.args) == 1 and not node.keywords:
+        node = node.args[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "item" and not node.args:
+        node = node.func.value
+    if not isinstance(node, ast.Subscript):
+        return None
+    if isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2 and isinstance(node.value, ast.Name):
+        a, b = node.slice.elts
+        if isinstance(a, ast.Name) and a.id == t and isinstance(b, ast.Name) and b.id == k:
+            return node.value.id
+    inner = node.value
+    if isinstance(node.slice, ast.Name) and node.slice.id == k and isinstance(inner, ast.Subscript) \
+            and isinstance(inner.slice, ast.Name) and inner.slice.id == t and isinstance(inner.value, ast.Name):
+        return inner.value.id
+    return None
+
+
+def _range_bound(node: ast.expr) -> Optional[ast.expr]:
+    if isinstance(node, ast.Call) and dotted(node.func) == "range" and len(node.args) == 1 and not node.keywords:
+        return node.args[0]
+    return None
+
+
+def _is_dim_of(module: ModuleInfo, node: ast.expr, names: set[str], dim: int) -> bool:
+    """``a.size(dim)`` / ``a.shape[dim]`` (``len(a)`` for dim 0) of one of ``names``."""
+    text = segment(module, node)
+    return any(text in (f"{a}.size({dim})", f"{a}.shape[{dim}]") or dim == 0 and text == f"len({a})" for a in names)
+
+
+def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Finding]:
+    """Per token, per top-k slot (ktransformers' ``moe_infer_simple`` and the like)::
+
+        out = torch.zeros_like(x)
+        for t in range(ids.size(0)):
+            for k in range(ids.size(1)):
+                expert = self.experts[ids[t, k]]
+                out[t] += expert(x[t]) * w[t, k]
+
+    ``out[t] = sum_k expert_{ids[t, k]}(x[t]) * w[t, k]``: the permute, each expert once on its rows,
+    the unpermute with the weights. Returns None for anything else (the loop's own reading stands)."""
+    if not (isinstance(loop.target, ast.Name) and len(loop.body) == 1 and isinstance(loop.body[0], ast.For) and not loop.orelse):
+        return None
+    inner = loop.body[0]
+    assert isinstance(inner, ast.For)
+    if not (isinstance(inner.target, ast.Name) and not inner.orelse and 1 <= len(inner.body) <= 2):
+        return None
+    t, k = loop.target.id, inner.target.id
+    tb, kb = _range_bound(loop.iter), _range_bound(inner.iter)
+    if tb is None or kb is None or i == 0:
+        return None
+    *pre, acc_st = inner.body
+    if not (isinstance(acc_st, ast.AugAssign) and isinstance(acc_st.op, ast.Add) and isinstance(acc_st.target, ast.Subscript)
+            and isinstance(acc_st.target.value, ast.Name) and isinstance(acc_st.target.slice, ast.Name) and acc_st.target.slice.id == t):
+        return None
+    out = acc_st.target.value.id
+    val = acc_st.value
+    if not (isinstance(val, ast.BinOp) and isinstance(val.op, ast.Mult)):
+        return None
+    call = weights = None
+    for a, b in ((val.left, val.right), (val.right, val.left)):
+        if isinstance(a, ast.Call) and _slot_index(b, t, k) is not None:
+            call, weights = a, _slot_index(b, t, k)
+    if call is None or weights is None:
+        return None
+    bound: dict[str, ast.expr] = {}
+    for st in pre:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            return None
+        bound[st.targets[0].id] = st.value
+    f = call.func
+    via_forward = isinstance(f, ast.Attribute) and f.attr == "forward"
+    if via_forward:
+        f = f.value  # type: ignore[union-attr]
+    if isinstance(f, ast.Name) and f.id in bound:
+        f = bound[f.id]
+    if not (isinstance(f, ast.Subscript) and isinstance(f.value, (ast.Attribute, ast.Name))):
+        return None
+    ids = _slot_index(f.slice, t, k)
+    if ids is None:
+        return None
+    if not (len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Subscript)
+            and isinstance(call.args[0].value, ast.Name) and isinstance(call.args[0].slice, ast.Name) and call.args[0].slice.id == t):
+        raise _Miss(f"the expert of each token and slot is called as `{segment(module, call)[:60]}`: not on the token's "
+                    "row alone, which the fused layer passes")
+    tokens = call.args[0].value.id
+    container = segment(module, f.value)
+    used = {n.id for n in fast_walk(f.value) if isinstance(n, ast.Name)}
+    if used & {t, k, out} or used & set(bound):
+        return None
+    if not (_is_dim_of(module, tb, {ids, weights, tokens}, 0) and _is_dim_of(module, kb, {ids, weights}, 1)):
+        raise _Miss(f"the loops run over `{segment(module, tb)}` tokens and `{segment(module, kb)}` slots, not over the "
+                    f"rows and top-k columns of `{ids}`")
+    init = block[i - 1]
+    iv = init.value if isinstance(init, ast.Assign) and len(init.targets) == 1 and isinstance(init.targets[0], ast.Name) \
+        and init.targets[0].id == out else None
+    if not (isinstance(iv, ast.Call) and _canon(module, iv.func) == "torch.zeros_like" and len(iv.args) == 1
+            and isinstance(iv.args[0], ast.Name) and iv.args[0].id == tokens and not iv.keywords):
+        raise _Miss(f"`{out}` is not a fresh `torch.zeros_like({tokens})` right before the loop: the unpermute "
+                    "produces the whole sum")
+    for name in (ids, weights, tokens, out):
+        if name in _assigned(loop.body):
+            return None
+    e, rows, ind = f"{P}e", f"{P}rows", "    "
+    expert = f"{container}[{e}]" + (".forward" if via_forward else "")
+    span = block[i - 1 : i + 1]
+    body = [
+        f"if {ids}.dim() == 2 and {ids}.numel() > 0 and not {ids}.is_floating_point() and {tokens}.dim() == 2 "
+        f"and {tokens}.shape[0] == {ids}.shape[0] and {weights}.shape == {ids}.shape "
+        f"and {tokens}.dtype in (torch.float16, torch.bfloat16, torch.float32) and bool(({ids} >= 0).all()):",
+        f"{ind}# every (token, slot) pair, grouped by expert: each expert runs once on its rows",
+        f"{ind}{P}x, {P}order = torch_npu.npu_moe_token_permute({tokens}, {ids})",
+        f"{ind}{P}outs = []",
+        f"{ind}for {e}, {rows} in enumerate({P}x.split(torch.bincount({ids}.flatten()).tolist())):",
+        f"{ind}{ind}if {rows}.shape[0]:  # like the loop: only experts some token chose are called",
+        f"{ind}{ind}{ind}{P}outs.append({expert}({rows}))",
+        f"{ind}{P}h = torch.cat({P}outs)",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {weights}.dtype))  # the original multiplies with promotion",
+        f"{ind}{out} = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={weights}.to({P}h.dtype)).to({tokens}.dtype)",
+        "else:  # other shapes: as written",
+        *(ind + ln for st in span for ln in ast.unparse(st).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": f"(as {container} holds them)", "top_k": f"{ids}.shape[1]", "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_down",
+        "routing": "token_slot", "loop": "tokens_slots", "tokens": tokens, "indices": ids, "probs": weights,
+        "counts": None, "output": out, "output_dtype": f"{tokens}.dtype", "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"each expert is called once on all its rows ([n, H]) instead of once per token ([H]): equal only "
+             "while the expert treats rows independently (no batch statistics, no shape-dependent branches)"),
+        Risk("dtype", f"the weighted slots are summed in fp32 and rounded once to {tokens}.dtype; the original adds "
+             f"each slot into `{out}` in {tokens}.dtype"),
+        Risk("other", f"the fused branch runs only when {ids} is [T, K] of integers, {tokens} is [T, H] and the weights "
+             "one per slot; otherwise the code runs as written"),
+    ]
+    notes = ["the per-token, per-slot loop becomes npu_moe_token_permute, one call of each chosen expert on its "
+             "contiguous rows, and npu_moe_token_unpermute with the routing weights (T*K expert calls become at most E)"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=init.lineno, end_line=loop.end_lineno or loop.lineno, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="token_slot", risks=risks,
         notes=notes, training_ok=True,
     )
 
@@ -5765,4 +5927,48 @@ MoeExperts.KEEP += [
     # the loop reads the sort order itself: the fused branch does not compute it
     Keep(_SORTED_DISPATCH_OPAQUE.replace("        outputs = []\n", "        outputs = []\n        first = idxs[0]\n"),
          reason="reads the sort order `idxs`", name="sorted_dispatch_reads_order_between"),
+]
+
+# per token, per top-k slot (ktransformers' moe_infer_simple): out[t] = sum_k expert_{ids[t, k]}(x[t]) * w[t, k]
+_TOKEN_SLOT = _KEEP_BIAS.replace('''        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in range(len(self.experts)):
+            k, t = torch.where(mask[e])
+            out.index_add_(0, t, self.experts[e](x[t]) * weights[t, k, None])
+        return out''', '''        outs = torch.zeros_like(x)
+        for token_idx in range(chosen.size(0)):
+            for slot in range(chosen.size(1)):
+                module = self.experts[chosen[token_idx, slot]]
+                outs[token_idx] += module.forward(x[token_idx]) * weights[token_idx, slot]
+        return outs''')
+_TOKEN_SLOT_RUN = '''\
+moe = BiasedMoE(16, 24, 5)
+x = torch.randn(11, 16, requires_grad=True)
+w, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)
+w.requires_grad_(True)
+out = moe(x, w, idx)
+leaves = [x, w, moe.experts[0].w1.bias, moe.experts[3].w2.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_TOKEN_SLOT, name="token_slot_loops_forward_spelled", run=_TOKEN_SLOT_RUN, expect={
+        "routing": "token_slot", "variant": "token_slot", "tokens": "x", "indices": "chosen", "probs": "weights",
+        "output": "outs", "layout": "expert_modules"}),
+    # the module indexed inline, x[t] spelled with the call on the right, weights as w[t][k]
+    Fuse(_TOKEN_SLOT.replace("                module = self.experts[chosen[token_idx, slot]]\n", "").replace(
+        "outs[token_idx] += module.forward(x[token_idx]) * weights[token_idx, slot]",
+        "outs[token_idx] += weights[token_idx][slot] * self.experts[chosen[token_idx, slot]](x[token_idx])"),
+         name="token_slot_loops_inline_module", run=_TOKEN_SLOT_RUN, expect={"routing": "token_slot"}),
+]
+
+MoeExperts.KEEP += [
+    # the inner loop runs over the hidden dim, not the top-k slots
+    Keep(_TOKEN_SLOT.replace("for slot in range(chosen.size(1))", "for slot in range(x.size(1))"),
+         reason="not over the rows and top-k columns", name="token_slot_inner_loop_not_slots"),
+    # the sum starts from the tokens themselves (a residual): the unpermute alone does not produce it
+    Keep(_TOKEN_SLOT.replace("outs = torch.zeros_like(x)", "outs = x.clone()"),
+         reason="is not a fresh `torch.zeros_like(x)`", name="token_slot_accumulator_not_fresh"),
+    # each expert sees the whole batch: not per-row dispatch
+    Keep(_TOKEN_SLOT.replace("module.forward(x[token_idx])", "module.forward(x)[token_idx]"),
+         reason="unrecognised statement in the expert loop", name="token_slot_expert_on_all_tokens"),
 ]
