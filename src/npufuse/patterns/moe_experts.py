@@ -1949,6 +1949,9 @@ class _Eval:
             w, transposed = w.func.value, True
         if isinstance(w, ast.Name) and w.id in self.weight_alias:
             w = self.weight_alias[w.id]  # w1 = self.w1[e] / w1, w2 = (self.w1[e], self.w2[e]) earlier in the loop
+        if isinstance(w, ast.Subscript) and isinstance(w.slice, ast.Tuple) and len(w.slice.elts) == 2 \
+                and const_value(w.slice.elts[1]) is Ellipsis and self._is_eidx(w.slice.elts[0]):
+            w = ast.copy_location(ast.Subscript(value=w.value, slice=w.slice.elts[0], ctx=ast.Load()), w)  # W[e, ...] is W[e]
         if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and self._stacked_base(w.value)):
             raise _Miss(f"expert weight `{ast.unparse(weight)[:50]}` is not a stacked parameter indexed by the expert")
         if how == "linear":
@@ -5971,4 +5974,45 @@ MoeExperts.KEEP += [
     # each expert sees the whole batch: not per-row dispatch
     Keep(_TOKEN_SLOT.replace("module.forward(x[token_idx])", "module.forward(x)[token_idx]"),
          reason="unrecognised statement in the expert loop", name="token_slot_expert_on_all_tokens"),
+]
+
+# stacked [E, out, in] weights read per expert as W[e, ...].T (ktransformers' torch experts)
+_STACKED_ELLIPSIS_T = _HEAD + '''
+class StackedExperts(nn.Module):
+    def __init__(self, n, d, f):
+        super().__init__()
+        self.n = n
+        self.gate = nn.Parameter(torch.randn(n, f, d) * 0.1)
+        self.up = nn.Parameter(torch.randn(n, f, d) * 0.1)
+        self.down = nn.Parameter(torch.randn(n, d, f) * 0.1)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x, chosen, weights):
+        T, d = x.size()
+        out = torch.zeros((T, d), dtype=x.dtype, device=x.device)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=self.n).permute(2, 1, 0)
+        for e in range(self.n):
+            idx, top_x = torch.where(mask[e])
+            rows = x[None, top_x].reshape(-1, d)
+            g = rows @ self.gate[e, ...].T
+            h = self.act_fn(g) * (rows @ self.up[e, ...].T)
+            y = h @ self.down[e, ...].T * weights[top_x, idx, None]
+            out.index_add_(0, top_x, y)
+        return out
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_STACKED_ELLIPSIS_T, name="stacked_weights_ellipsis_transposed", run='''\
+m = StackedExperts(4, 16, 24)
+x = torch.randn(9, 16, requires_grad=True)
+w, idx = torch.randn(9, 4).softmax(-1).topk(2, dim=-1)
+out = m(x, idx, w)
+leaves = [x, m.gate, m.down]
+''', expect={"layout": "stacked_out_in", "weights": {"gate": "self.gate", "up": "self.up", "down": "self.down"}}),
+]
+
+MoeExperts.KEEP += [
+    # W[e, 0]: one row of the expert's weight, not the expert's matrix
+    Keep(_STACKED_ELLIPSIS_T.replace("self.gate[e, ...].T", "self.gate[e, 0].T"),
+         reason="is not a stacked parameter indexed by the expert", name="stacked_weights_indexed_past_the_expert"),
 ]
