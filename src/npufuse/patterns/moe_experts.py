@@ -1326,7 +1326,15 @@ class _Eval:
             return None
         if dim is not None and const_value(dim) != 0:
             return None
-        if not isinstance(x, ast.Name) or _host_counts(self.scope, sizes, self.loop.lineno) is None:
+        if _host_counts(self.scope, sizes, self.loop.lineno) is None:
+            return None
+        if isinstance(x, ast.Subscript) and isinstance(x.value, ast.Name) and isinstance(x.slice, ast.Slice) \
+                and x.slice.lower is None and x.slice.step is None and isinstance(x.slice.upper, ast.Call) \
+                and dotted(x.slice.upper.func) == "sum" and len(x.slice.upper.args) == 1 \
+                and ast.dump(x.slice.upper.args[0]) == ast.dump(sizes):
+            # tokens[:sum(sizes)]: the rows the sizes cover (padding rows past them are left out, as written)
+            return f"{x.value.id}[:sum({segment(self.m, sizes)})]", sizes
+        if not isinstance(x, ast.Name):
             return None
         return x.id, sizes
 
@@ -6015,4 +6023,37 @@ MoeExperts.KEEP += [
     # W[e, 0]: one row of the expert's weight, not the expert's matrix
     Keep(_STACKED_ELLIPSIS_T.replace("self.gate[e, ...].T", "self.gate[e, 0].T"),
          reason="is not a stacked parameter indexed by the expert", name="stacked_weights_indexed_past_the_expert"),
+]
+
+# rows padded past the per-expert counts: the split takes tokens[:sum(sizes)], the padding comes back as zeros
+_SPLIT_PADDED = _HEAD + '''
+def run_experts(w_gate, w_down, w_up, tokens, counts):
+    sizes = counts.tolist()
+    pad = tokens.shape[0] - sum(sizes)
+    pieces = torch.split(tokens[: sum(sizes)], split_size_or_sections=sizes, dim=0)
+    outs = []
+    for expert, rows in enumerate(pieces):
+        a = F.silu(torch.matmul(rows, w_gate[expert].transpose(-2, -1)))
+        a = a * torch.matmul(rows, w_up[expert].transpose(-2, -1))
+        outs.append(torch.matmul(a, w_down[expert].transpose(-2, -1)))
+    y = torch.cat(outs, dim=0)
+    return torch.vstack((y, y.new_zeros((pad, y.shape[-1]))))
+'''
+_SPLIT_PADDED_RUN = '''\
+wg, wu = torch.randn(4, 24, 16) * 0.1, torch.randn(4, 24, 16) * 0.1
+wd = torch.randn(4, 16, 24) * 0.1
+x = torch.randn(13, 16, requires_grad=True)
+out = run_experts(wg, wd, wu, x, torch.tensor([3, 0, 5, 2]))
+leaves = [x]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SPLIT_PADDED, name="split_of_rows_covered_by_the_counts", run=_SPLIT_PADDED_RUN, expect={
+        "routing": "sorted_counts", "tokens": "tokens[:sum(sizes)]", "layout": "stacked_out_in"}),
+]
+
+MoeExperts.KEEP += [
+    # a prefix not tied to the sizes: the rows split are not proven to be the tokens the counts describe
+    Keep(_SPLIT_PADDED.replace("tokens[: sum(sizes)]", "tokens[: pad]"),
+         reason="something other than the tokens", name="split_of_a_prefix_not_the_counts"),
 ]
