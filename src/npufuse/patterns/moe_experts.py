@@ -439,7 +439,7 @@ def _routing_text(module: ModuleInfo) -> bool:
         src = module.source
         # only in files about experts: index_add / scatter_add are everyday ops elsewhere (graph networks, embeddings)
         cached = module.__dict__["_npufuse_moe_routing_text"] = "xpert" in src and (
-            "scatter_add" in src or "index_add" in src or "masked_select" in src)
+            "scatter_add" in src or "index_add" in src or "masked_select" in src or "] = " in src)
     return bool(cached)
 
 
@@ -500,9 +500,27 @@ def _routed_elsewhere(module: ModuleInfo, scope: Scope, covered: list[tuple[int,
     parent_of = {id(st): par for (_, _, st), par in zip(listing, parents)}
     for block, i, stmt in listing:
         value = stmt.value if isinstance(stmt, (ast.Assign, ast.Expr, ast.Return)) else None
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript) \
+                and isinstance(stmt.value, ast.Name) and not any(a <= end and line <= b for a, b in covered):
+            # buf[order] = rows / buf[order, :] = rows: rows written back to slot order at indices made elsewhere
+            tgt = stmt.targets[0]
+            sl = tgt.slice.elts[0] if isinstance(tgt.slice, ast.Tuple) and len(tgt.slice.elts) == 2 \
+                and isinstance(tgt.slice.elts[1], ast.Slice) and tgt.slice.elts[1].lower is None \
+                and tgt.slice.elts[1].upper is None else tgt.slice
+            buf = scope.definition(tgt.value.id, line) if isinstance(tgt.value, ast.Name) else None
+            made = isinstance(buf, ast.Call) and ((_canon(module, buf.func) or "") in ("torch.zeros", "torch.empty")
+                                                  or isinstance(buf.func, ast.Attribute) and buf.func.attr in ("new_empty", "new_zeros"))
+            origin = _index_origin(module, scope, sl, line) if made and isinstance(sl, ast.Name) else None
+            if origin is not None:
+                yield NearMiss(_ID, scope.qualname, line, end,
+                               f"rows are written back (`{ast.unparse(stmt)[:60]}`) at indices computed outside this "
+                               f"function (`{ast.unparse(sl)[:40]}`, {origin}): npu_moe_token_unpermute takes the "
+                               "sorted_indices of its own npu_moe_token_permute (the inverse permutation), so it replaces "
+                               "this only together with the permute that made the order, which is not here")
+            continue
         if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute):
             continue
-        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
         if any(a <= end and line <= b for a, b in covered):
             continue
         par = parent_of.get(id(stmt))
@@ -6056,4 +6074,29 @@ MoeExperts.KEEP += [
     # a prefix not tied to the sizes: the rows split are not proven to be the tokens the counts describe
     Keep(_SPLIT_PADDED.replace("tokens[: sum(sizes)]", "tokens[: pad]"),
          reason="something other than the tokens", name="split_of_a_prefix_not_the_counts"),
+]
+
+MoeExperts.KEEP += [
+    # the write-back half of a permutation whose order a reorderer module made: a near miss naming where
+    Keep(_HEAD + '''
+class ExpertCombine(nn.Module):
+    def __init__(self, experts, reorderer, k):
+        super().__init__()
+        self.experts, self.reorderer, self.k = experts, reorderer, k
+
+    def forward(self, x, scores, chosen):
+        order, counts = self.reorderer(chosen)
+        rows = self.experts(x[order // self.k], counts)
+        back = torch.zeros((x.shape[0] * self.k, x.shape[-1]), dtype=rows.dtype, device=rows.device)
+        back[order] = rows
+        return (back.view(-1, self.k, x.shape[-1]) * scores.unsqueeze(-1)).sum(1)
+''', reason="returned by `self.reorderer(...)`", name="write_back_at_reorderer_indices"),
+    # the same write-back at indices sorted here is not claimed to come from elsewhere
+    Keep(_HEAD + '''
+def unsort_experts(rows, flat_expert_ids):
+    order = torch.argsort(flat_expert_ids)
+    back = rows.new_empty(rows.shape)
+    back[order] = rows
+    return back
+''', reason="", name="write_back_at_indices_made_here"),
 ]
