@@ -519,22 +519,6 @@ def _routed_elsewhere(module: ModuleInfo, scope: Scope, covered: list[tuple[int,
                                "sorted_indices of its own npu_moe_token_permute (the inverse permutation), so it replaces "
                                "this only together with the permute that made the order, which is not here")
             continue
-        if isinstance(stmt, ast.Assign) and isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) \
-                and not any(a <= end and line <= b for a, b in covered):
-            # x = x[order, :] at indices another function or module made: the permute half without its sort
-            # only the explicit row gather x[idx, :] (a bare x[idx] is every embedding lookup)
-            sl = value.slice
-            rows_gather = isinstance(sl, ast.Tuple) and len(sl.elts) == 2 and isinstance(sl.elts[1], ast.Slice) \
-                and sl.elts[1].lower is None and sl.elts[1].upper is None
-            sl = sl.elts[0] if rows_gather else sl  # type: ignore[attr-defined]
-            origin = _index_origin(module, scope, sl, line) if rows_gather and isinstance(sl, ast.Name) else None
-            if origin is not None and origin.startswith("returned by"):
-                yield NearMiss(_ID, scope.qualname, line, end,
-                               f"tokens are gathered (`{ast.unparse(value)[:60]}`) at indices {origin}: "
-                               "npu_moe_token_permute computes its own order (a stable sort of the expert indices, no "
-                               "padding rows), which is the same only where those indices are that sort; npufuse does "
-                               "not read the other function")
-            continue
         if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute):
             continue
         if any(a <= end and line <= b for a, b in covered):
@@ -6117,14 +6101,3 @@ def unsort_experts(rows, flat_expert_ids):
 ''', reason="", name="write_back_at_indices_made_here"),
 ]
 
-MoeExperts.KEEP += [
-    # the gather half with indices from another function (a kernel that may pad groups): a near miss naming it
-    Keep(_HEAD + '''
-def permute_for_experts(x, num_tokens_per_expert, make_indices):
-    with torch.no_grad():
-        permuted_indices, counts = make_indices(num_tokens_per_expert)
-    x = torch.vstack((x, x.new_zeros((x.shape[-1]))))
-    x = x[permuted_indices, :]
-    return x, permuted_indices, counts
-''', reason="npu_moe_token_permute computes its own order", name="gather_at_indices_from_another_function"),
-]
