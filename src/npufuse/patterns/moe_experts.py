@@ -66,6 +66,11 @@ class _Miss(Exception):
     """A look-alike that must not be replaced; the message is the near-miss reason."""
 
 
+class _SortedOpaque(_Miss):
+    """The loop over pre-sorted rows calls experts whose MLP is not read: a candidate only when the
+    function around it also permutes and unpermutes by hand (see :func:`_sorted_dispatch_site`)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Symbolic values of the loop body / expert forward
 # ---------------------------------------------------------------------------------------------
@@ -142,6 +147,8 @@ class _Site:
     tuple_names: tuple = ()
     part_steps: tuple = ()
     part_outs: tuple = ()
+    # opaque experts called as ``expert.forward(rows)`` (no module hooks): the fused layer calls them the same way
+    expert_call: str = ""
     first_line: int = 0
     last_line: int = 0
 
@@ -166,6 +173,7 @@ class MoeExperts(Pattern):
         if module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _grouped_mm_sites(module, scope)
         covered: list[tuple[int, int]] = []
+        slot_spans: list[tuple[int, int]] = []
         if _sort_combine_text(module):
             for r in _sort_permute_sites(module, scope):
                 covered.append((r.line, r.end_line))
@@ -188,11 +196,36 @@ class MoeExperts(Pattern):
                     if reason:
                         yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
                 continue
+            if len(stmt.body) == 1 and isinstance(stmt.body[0], ast.For):
+                # per token, per top-k slot: read off the dataflow (module picked by ids[t, k]), not the names
+                try:
+                    slots = _token_slot_site(module, scope, block, i, stmt)
+                except _Miss as miss:
+                    slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
+                    if not quiet:
+                        yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                    continue
+                if slots is not None:
+                    slot_spans.append((slots.line, slots.end_line))
+                    yield slots
+                    continue
+            if any(a <= stmt.lineno <= b for a, b in slot_spans):
+                continue  # the inner loop of a per-token, per-slot site already reported
             if not _looks_like_moe(module, stmt):
                 continue  # every recognised form mentions experts or scatters rows back
             looks = not quiet
             try:
                 site = _analyze_loop(module, scope, block, i, stmt)
+            except _SortedOpaque as miss:
+                try:
+                    whole = _sorted_dispatch_site(module, scope, block, i)
+                except _Miss as refined:
+                    whole, miss = None, refined
+                if whole is not None:
+                    yield whole
+                elif looks:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                continue
             except _Miss as miss:
                 if looks:
                     yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
@@ -405,8 +438,8 @@ def _routing_text(module: ModuleInfo) -> bool:
     if cached is None:
         src = module.source
         # only in files about experts: index_add / scatter_add are everyday ops elsewhere (graph networks, embeddings)
-        cached = module.__dict__["_npufuse_moe_routing_text"] = "xpert" in src and (
-            "scatter_add" in src or "index_add" in src or "masked_select" in src)
+        # (gathers x[order] and write-backs buf[order] = rows are spelled with brackets alone: any expert file)
+        cached = module.__dict__["_npufuse_moe_routing_text"] = "xpert" in src
     return bool(cached)
 
 
@@ -467,9 +500,27 @@ def _routed_elsewhere(module: ModuleInfo, scope: Scope, covered: list[tuple[int,
     parent_of = {id(st): par for (_, _, st), par in zip(listing, parents)}
     for block, i, stmt in listing:
         value = stmt.value if isinstance(stmt, (ast.Assign, ast.Expr, ast.Return)) else None
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript) \
+                and isinstance(stmt.value, ast.Name) and not any(a <= end and line <= b for a, b in covered):
+            # buf[order] = rows / buf[order, :] = rows: rows written back to slot order at indices made elsewhere
+            tgt = stmt.targets[0]
+            sl = tgt.slice.elts[0] if isinstance(tgt.slice, ast.Tuple) and len(tgt.slice.elts) == 2 \
+                and isinstance(tgt.slice.elts[1], ast.Slice) and tgt.slice.elts[1].lower is None \
+                and tgt.slice.elts[1].upper is None else tgt.slice
+            buf = scope.definition(tgt.value.id, line) if isinstance(tgt.value, ast.Name) else None
+            made = isinstance(buf, ast.Call) and ((_canon(module, buf.func) or "") in ("torch.zeros", "torch.empty")
+                                                  or isinstance(buf.func, ast.Attribute) and buf.func.attr in ("new_empty", "new_zeros"))
+            origin = _index_origin(module, scope, sl, line) if made and isinstance(sl, ast.Name) else None
+            if origin is not None:
+                yield NearMiss(_ID, scope.qualname, line, end,
+                               f"rows are written back (`{ast.unparse(stmt)[:60]}`) at indices computed outside this "
+                               f"function (`{ast.unparse(sl)[:40]}`, {origin}): npu_moe_token_unpermute takes the "
+                               "sorted_indices of its own npu_moe_token_permute (the inverse permutation), so it replaces "
+                               "this only together with the permute that made the order, which is not here")
+            continue
         if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute):
             continue
-        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
         if any(a <= end and line <= b for a, b in covered):
             continue
         par = parent_of.get(id(stmt))
@@ -670,6 +721,320 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     )
 
 
+def _cast_of(node: ast.expr) -> Optional[tuple[ast.expr, ast.expr]]:
+    """``(v, dtype)`` of ``v.type(dtype)`` / ``v.to(dtype)`` (one positional argument, no keywords)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("type", "to") \
+            and len(node.args) == 1 and not node.keywords:
+        return node.func.value, node.args[0]
+    return None
+
+
+def _weight_column(node: ast.expr) -> Optional[str]:
+    """:func:`_gate_column`, also with ``w.unsqueeze(dim=-1)`` spelled with the keyword."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze" \
+            and isinstance(node.func.value, ast.Name) and not node.args and len(node.keywords) == 1 \
+            and node.keywords[0].arg == "dim" and const_value(node.keywords[0].value) in (1, -1):
+        return node.func.value.id
+    return _gate_column(node)
+
+
+def _sorted_dispatch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Finding]:
+    """DeepSeek's reference ``moe_infer`` (widely copied into inference code) around a loop over
+    per-expert counts whose experts are called as they are::
+
+        idxs = E.view(-1).argsort()              # ascending sort of the flat [T, K] expert indices
+        sorted_tokens = x[idxs // K]             # the permute, written by hand
+        ... for i, n in enumerate(counts): outputs.append(expert(sorted_tokens[start:end])) ...
+        outs = torch.cat(outputs, dim=0)
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs                       # back to slot order ...
+        y = new_x.view(*E.shape, -1).type(W.dtype).mul_(W.unsqueeze(-1)).sum(dim=1).type(new_x.dtype)  # ... weighted, summed
+
+    The gather is npu_moe_token_permute (rows of one expert contiguous, experts in ascending order:
+    the counts the loop walks are unchanged), the scatter plus the weighted sum over K is
+    npu_moe_token_unpermute; the statements between (counts, loop, cat) run as written. Returns None
+    where the function is not that shape (the loop's own near miss stands); raises ``_Miss`` for a
+    look-alike whose difference matters."""
+    loop = block[i]
+    # the gather: sorted = x[order // K], before the loop in the same block
+    g = next((j for j in range(i - 1, -1, -1) if isinstance(block[j], ast.Assign) and len(block[j].targets) == 1  # type: ignore[attr-defined]
+              and isinstance(block[j].value, ast.Subscript) and isinstance(block[j].value.slice, ast.BinOp)  # type: ignore[attr-defined]
+              and isinstance(block[j].value.slice.op, ast.FloorDiv)), None)  # type: ignore[attr-defined]
+    if g is None:
+        return None
+    gather = block[g]
+    assert isinstance(gather, ast.Assign)
+    gv = gather.value
+    assert isinstance(gv, ast.Subscript) and isinstance(gv.slice, ast.BinOp)
+    if not (isinstance(gather.targets[0], ast.Name) and isinstance(gv.value, ast.Name) and isinstance(gv.slice.left, ast.Name)):
+        return None
+    sorted_name, tokens, order, k_node = gather.targets[0].id, gv.value.id, gv.slice.left.id, gv.slice.right
+    experts_idx = _sort_order_of(scope, order, gather.lineno)
+    if experts_idx is None:
+        raise _Miss(f"the rows are gathered at `{order} // {segment(module, k_node)}`, but `{order}` is not the ascending "
+                    "sort order of the flattened expert indices (what npu_moe_token_permute computes)")
+    # the scatter back: new_x[order] = outs, new_x = torch.empty_like(outs) right before it
+    s = next((j for j in range(i + 1, len(block)) if isinstance(block[j], ast.Assign) and len(block[j].targets) == 1  # type: ignore[attr-defined]
+              and isinstance(block[j].targets[0], ast.Subscript)  # type: ignore[attr-defined]
+              and isinstance(block[j].targets[0].slice, ast.Name) and block[j].targets[0].slice.id == order), None)  # type: ignore[attr-defined]
+    if s is None or s + 1 >= len(block) or s < 1:
+        return None
+    scatter = block[s]
+    assert isinstance(scatter, ast.Assign) and isinstance(scatter.targets[0], ast.Subscript)
+    buf_node, outs_node = scatter.targets[0].value, scatter.value
+    if not (isinstance(buf_node, ast.Name) and isinstance(outs_node, ast.Name)):
+        return None
+    buf, outs = buf_node.id, outs_node.id
+    make = block[s - 1]
+    mv = make.value if isinstance(make, ast.Assign) and len(make.targets) == 1 and isinstance(make.targets[0], ast.Name) \
+        and make.targets[0].id == buf else None
+    if not (isinstance(mv, ast.Call) and _canon(module, mv.func) in ("torch.empty_like", "torch.zeros_like")
+            and len(mv.args) == 1 and isinstance(mv.args[0], ast.Name) and mv.args[0].id == outs and not mv.keywords):
+        raise _Miss(f"the expert rows are written back through `{buf}[{order}]`, a buffer not made like `{outs}` right before")
+    # the combine: y = buf.view(*E.shape, -1)[.type(D1)].mul_(W.unsqueeze(-1)).sum(dim=1)[.type(D2)]
+    final = block[s + 1]
+    if not (isinstance(final, ast.Assign) and len(final.targets) == 1 and isinstance(final.targets[0], ast.Name)):
+        raise _Miss(f"`{segment(module, final)[:60]}` after the write-back is not the weighted sum over the top-k slots")
+    why = (f"`{segment(module, final.value)[:80]}` is not read as the weighted sum over the top-k slots "
+           f"(`{buf}.view(*{experts_idx}.shape, -1).type(w.dtype).mul_(w.unsqueeze(-1)).sum(dim=1)`)")
+    node: ast.expr = final.value
+    out_cast = None
+    c = _cast_of(node)
+    if c is not None:
+        node, out_cast = c
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sum"
+            and ([const_value(a) for a in node.args] + [const_value(k.value) for k in node.keywords if k.arg == "dim"]) == [1]
+            and all(k.arg == "dim" for k in node.keywords)):
+        raise _Miss(why)
+    mul = node.func.value
+    if not (isinstance(mul, ast.Call) and isinstance(mul.func, ast.Attribute) and mul.func.attr in ("mul", "mul_")
+            and len(mul.args) == 1 and not mul.keywords and _weight_column(mul.args[0]) is not None):
+        raise _Miss(why)
+    weights = _weight_column(mul.args[0])
+    assert weights is not None
+    node = mul.func.value
+    c = _cast_of(node)
+    if c is None:
+        raise _Miss(f"the slot rows are weighted in their own dtype before the sum (no cast): npufuse reads the "
+                    f"reference spelling that casts to the weights' dtype first")
+    node, inner_cast = c
+    if mul.func.attr == "mul" and segment(module, inner_cast) != f"{weights}.dtype":
+        raise _Miss(why)  # .mul promotes: same dtype only when the rows were cast to the weights' dtype
+    view_ok = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape") \
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == buf and len(node.args) == 2 and not node.keywords \
+        and isinstance(node.args[0], ast.Starred) and segment(module, node.args[0].value) in (f"{experts_idx}.shape", f"{experts_idx}.size()") \
+        and const_value(node.args[1]) == -1
+    if not view_ok:
+        raise _Miss(why)
+    y = final.targets[0].id
+    # what runs between stays as written; it must not read the order or change what the fused ops take
+    middle = block[g + 1 : s - 1]
+    for st in middle:
+        if any(isinstance(n, ast.Name) and n.id == order for n in fast_walk(st)):
+            raise _Miss(f"`{segment(module, st)[:50]}` reads the sort order `{order}` between the gather and the write-back")
+    changed = _assigned(middle)
+    for name in (tokens, experts_idx, weights, order, buf, sorted_name):
+        if name in changed:
+            raise _Miss(f"`{name}` is reassigned between the gather and the weighted sum")
+    if outs not in changed:
+        return None
+    end = final.end_lineno or final.lineno
+    if scope.uses_after(buf, end) and buf != y:
+        raise _Miss(f"`{buf}` (the rows in slot order) is used after the weighted sum; the fused layer does not produce it")
+    e_, k_, w_ = experts_idx, segment(module, k_node), weights
+    d1 = segment(module, inner_cast)
+    ind = "    "
+    result = f"torch_npu.npu_moe_token_unpermute({outs}.to({d1}), {P}order, probs={w_}.to({d1}))"
+    if out_cast is not None:
+        d2 = segment(module, out_cast)
+        if any(isinstance(n, ast.Name) and n.id == buf for n in fast_walk(out_cast)):
+            d2 = f"{outs}.dtype" if d2 == f"{buf}.dtype" else ""
+            if not d2:
+                raise _Miss(why)
+        result = f"{result}.to({d2})"
+    span = block[g : s + 2]
+    body = [
+        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {e_}.numel() > 0 and not {e_}.is_floating_point() "
+        f"and {tokens}.dim() == 2 and {tokens}.shape[0] == {e_}.shape[0] and {w_}.shape == {e_}.shape "
+        f"and {tokens}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, experts ascending)",
+        f"{ind}{sorted_name}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})",
+        *(ind + ln for st in middle for ln in ast.unparse(st).splitlines()),
+        f"{ind}# the write-back to slot order and the weighted sum over the top-k slots are the unpermute",
+        f"{ind}{y} = {result}",
+        "else:  # other shapes: as written",
+        *(ind + ln for st in span for ln in ast.unparse(st).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": "(as the experts take them)", "top_k": k_, "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_loop",
+        "routing": "sorted_dispatch", "loop": "counts", "tokens": tokens, "indices": e_, "probs": w_,
+        "counts": None, "output": y, "output_dtype": segment(module, out_cast) if out_cast is not None else None,
+        "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"the code's own argsort of {e_} may order the rows of one expert differently than the permute "
+             "(a stable sort): equal only while each expert treats rows independently (no batch statistics)"),
+        Risk("dtype", f"the unpermute sums the weighted slots in fp32 and returns {d1}; the original sums in {d1}"),
+        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, {tokens} is [T, H] and the "
+             "weights one per slot; otherwise the code runs as written"),
+    ]
+    notes = ["the gather of tokens in sorted-expert order becomes npu_moe_token_permute and the write-back plus the "
+             "weighted sum over the slots npu_moe_token_unpermute; the per-expert loop between them runs as written on "
+             "the same contiguous groups; the sort computed before stays (the fused branch no longer reads it)"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=gather.lineno, end_line=end, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sorted_dispatch", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _slot_index(node: ast.expr, t: str, k: str) -> Optional[str]:
+    """``a`` of ``a[t, k]`` / ``a[t][k]`` (also under ``int(...)`` / ``.item()``)."""
+    if isinstance(node, ast.Call) and dotted(node.func) == "int" and len(node.args) == 1 and not node.keywords:
+        node = node.args[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "item" and not node.args:
+        node = node.func.value
+    if not isinstance(node, ast.Subscript):
+        return None
+    if isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2 and isinstance(node.value, ast.Name):
+        a, b = node.slice.elts
+        if isinstance(a, ast.Name) and a.id == t and isinstance(b, ast.Name) and b.id == k:
+            return node.value.id
+    inner = node.value
+    if isinstance(node.slice, ast.Name) and node.slice.id == k and isinstance(inner, ast.Subscript) \
+            and isinstance(inner.slice, ast.Name) and inner.slice.id == t and isinstance(inner.value, ast.Name):
+        return inner.value.id
+    return None
+
+
+def _range_bound(node: ast.expr) -> Optional[ast.expr]:
+    if isinstance(node, ast.Call) and dotted(node.func) == "range" and len(node.args) == 1 and not node.keywords:
+        return node.args[0]
+    return None
+
+
+def _is_dim_of(module: ModuleInfo, node: ast.expr, names: set[str], dim: int) -> bool:
+    """``a.size(dim)`` / ``a.shape[dim]`` (``len(a)`` for dim 0) of one of ``names``."""
+    text = segment(module, node)
+    return any(text in (f"{a}.size({dim})", f"{a}.shape[{dim}]") or dim == 0 and text == f"len({a})" for a in names)
+
+
+def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Finding]:
+    """Per token, per top-k slot (ktransformers' ``moe_infer_simple`` and the like)::
+
+        out = torch.zeros_like(x)
+        for t in range(ids.size(0)):
+            for k in range(ids.size(1)):
+                expert = self.experts[ids[t, k]]
+                out[t] += expert(x[t]) * w[t, k]
+
+    ``out[t] = sum_k expert_{ids[t, k]}(x[t]) * w[t, k]``: the permute, each expert once on its rows,
+    the unpermute with the weights. Returns None for anything else (the loop's own reading stands)."""
+    if not (isinstance(loop.target, ast.Name) and len(loop.body) == 1 and isinstance(loop.body[0], ast.For) and not loop.orelse):
+        return None
+    inner = loop.body[0]
+    assert isinstance(inner, ast.For)
+    if not (isinstance(inner.target, ast.Name) and not inner.orelse and 1 <= len(inner.body) <= 2):
+        return None
+    t, k = loop.target.id, inner.target.id
+    tb, kb = _range_bound(loop.iter), _range_bound(inner.iter)
+    if tb is None or kb is None or i == 0:
+        return None
+    *pre, acc_st = inner.body
+    if not (isinstance(acc_st, ast.AugAssign) and isinstance(acc_st.op, ast.Add) and isinstance(acc_st.target, ast.Subscript)
+            and isinstance(acc_st.target.value, ast.Name) and isinstance(acc_st.target.slice, ast.Name) and acc_st.target.slice.id == t):
+        return None
+    out = acc_st.target.value.id
+    val = acc_st.value
+    if not (isinstance(val, ast.BinOp) and isinstance(val.op, ast.Mult)):
+        return None
+    call = weights = None
+    for a, b in ((val.left, val.right), (val.right, val.left)):
+        if isinstance(a, ast.Call) and _slot_index(b, t, k) is not None:
+            call, weights = a, _slot_index(b, t, k)
+    if call is None or weights is None:
+        return None
+    bound: dict[str, ast.expr] = {}
+    for st in pre:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            return None
+        bound[st.targets[0].id] = st.value
+    f = call.func
+    via_forward = isinstance(f, ast.Attribute) and f.attr == "forward"
+    if via_forward:
+        f = f.value  # type: ignore[union-attr]
+    if isinstance(f, ast.Name) and f.id in bound:
+        f = bound[f.id]
+    if not (isinstance(f, ast.Subscript) and isinstance(f.value, (ast.Attribute, ast.Name))):
+        return None
+    ids = _slot_index(f.slice, t, k)
+    if ids is None:
+        return None
+    if not (len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Subscript)
+            and isinstance(call.args[0].value, ast.Name) and isinstance(call.args[0].slice, ast.Name) and call.args[0].slice.id == t):
+        raise _Miss(f"the expert of each token and slot is called as `{segment(module, call)[:60]}`: not on the token's "
+                    "row alone, which the fused layer passes")
+    tokens = call.args[0].value.id
+    container = segment(module, f.value)
+    used = {n.id for n in fast_walk(f.value) if isinstance(n, ast.Name)}
+    if used & {t, k, out} or used & set(bound):
+        return None
+    if not (_is_dim_of(module, tb, {ids, weights, tokens}, 0) and _is_dim_of(module, kb, {ids, weights}, 1)):
+        raise _Miss(f"the loops run over `{segment(module, tb)}` tokens and `{segment(module, kb)}` slots, not over the "
+                    f"rows and top-k columns of `{ids}`")
+    init = block[i - 1]
+    iv = init.value if isinstance(init, ast.Assign) and len(init.targets) == 1 and isinstance(init.targets[0], ast.Name) \
+        and init.targets[0].id == out else None
+    if not (isinstance(iv, ast.Call) and _canon(module, iv.func) == "torch.zeros_like" and len(iv.args) == 1
+            and isinstance(iv.args[0], ast.Name) and iv.args[0].id == tokens and not iv.keywords):
+        raise _Miss(f"`{out}` is not a fresh `torch.zeros_like({tokens})` right before the loop: the unpermute "
+                    "produces the whole sum")
+    for name in (ids, weights, tokens, out):
+        if name in _assigned(loop.body):
+            return None
+    e, rows, ind = f"{P}e", f"{P}rows", "    "
+    expert = f"{container}[{e}]" + (".forward" if via_forward else "")
+    span = block[i - 1 : i + 1]
+    body = [
+        f"if {ids}.dim() == 2 and {ids}.numel() > 0 and not {ids}.is_floating_point() and {tokens}.dim() == 2 "
+        f"and {tokens}.shape[0] == {ids}.shape[0] and {weights}.shape == {ids}.shape "
+        f"and {tokens}.dtype in (torch.float16, torch.bfloat16, torch.float32) and bool(({ids} >= 0).all()):",
+        f"{ind}# every (token, slot) pair, grouped by expert: each expert runs once on its rows",
+        f"{ind}{P}x, {P}order = torch_npu.npu_moe_token_permute({tokens}, {ids})",
+        f"{ind}{P}outs = []",
+        f"{ind}for {e}, {rows} in enumerate({P}x.split(torch.bincount({ids}.flatten()).tolist())):",
+        f"{ind}{ind}if {rows}.shape[0]:  # like the loop: only experts some token chose are called",
+        f"{ind}{ind}{ind}{P}outs.append({expert}({rows}))",
+        f"{ind}{P}h = torch.cat({P}outs)",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {weights}.dtype))  # the original multiplies with promotion",
+        f"{ind}{out} = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={weights}.to({P}h.dtype)).to({tokens}.dtype)",
+        "else:  # other shapes: as written",
+        *(ind + ln for st in span for ln in ast.unparse(st).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": f"(as {container} holds them)", "top_k": f"{ids}.shape[1]", "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_down",
+        "routing": "token_slot", "loop": "tokens_slots", "tokens": tokens, "indices": ids, "probs": weights,
+        "counts": None, "output": out, "output_dtype": f"{tokens}.dtype", "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"each expert is called once on all its rows ([n, H]) instead of once per token ([H]): equal only "
+             "while the expert treats rows independently (no batch statistics, no shape-dependent branches)"),
+        Risk("dtype", f"the weighted slots are summed in fp32 and rounded once to {tokens}.dtype; the original adds "
+             f"each slot into `{out}` in {tokens}.dtype"),
+        Risk("other", f"the fused branch runs only when {ids} is [T, K] of integers, {tokens} is [T, H] and the weights "
+             "one per slot; otherwise the code runs as written"),
+    ]
+    notes = ["the per-token, per-slot loop becomes npu_moe_token_permute, one call of each chosen expert on its "
+             "contiguous rows, and npu_moe_token_unpermute with the routing weights (T*K expert calls become at most E)"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=init.lineno, end_line=loop.end_lineno or loop.lineno, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="token_slot", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
 def _gate_column(node: ast.expr) -> Optional[str]:
     """``g`` of ``g.unsqueeze(-1)`` / ``g.unsqueeze(1)`` / ``g[:, None]`` / ``g.view(-1, 1)`` / ``g.reshape(-1, 1)``."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and not node.keywords:
@@ -865,6 +1230,7 @@ class _Eval:
         self.flat: set[str] = set()  # flat expert-index names compared with the loop index
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
         self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
+        self.forward_spelled = False  # the expert is called through its .forward (module hooks skipped)
         self.indexed_module: Optional[ast.Attribute] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
         self.where_indices = ""
         self.probs = ""
@@ -978,7 +1344,15 @@ class _Eval:
             return None
         if dim is not None and const_value(dim) != 0:
             return None
-        if not isinstance(x, ast.Name) or _host_counts(self.scope, sizes, self.loop.lineno) is None:
+        if _host_counts(self.scope, sizes, self.loop.lineno) is None:
+            return None
+        if isinstance(x, ast.Subscript) and isinstance(x.value, ast.Name) and isinstance(x.slice, ast.Slice) \
+                and x.slice.lower is None and x.slice.step is None and isinstance(x.slice.upper, ast.Call) \
+                and dotted(x.slice.upper.func) == "sum" and len(x.slice.upper.args) == 1 \
+                and ast.dump(x.slice.upper.args[0]) == ast.dump(sizes):
+            # tokens[:sum(sizes)]: the rows the sizes cover (padding rows past them are left out, as written)
+            return f"{x.value.id}[:sum({segment(self.m, sizes)})]", sizes
+        if not isinstance(x, ast.Name):
             return None
         return x.id, sizes
 
@@ -1365,6 +1739,12 @@ class _Eval:
 
     def _call(self, node: ast.Call) -> V:
         m, f = self.m, node.func
+        if isinstance(f, ast.Attribute) and f.attr == "forward" and self.expert_init is None \
+                and self.ev(f.value).kind in ("expert", "indexed"):
+            # expert.forward(rows) is expert(rows) without the module's hooks: read as the call, and the
+            # fused layer calls .forward too
+            self.forward_spelled = True
+            return self._call(ast.copy_location(ast.Call(func=f.value, args=node.args, keywords=node.keywords), node))
         name = _canon(m, f)
         if isinstance(f, ast.Attribute):
             attr = f.attr
@@ -1595,6 +1975,9 @@ class _Eval:
             w, transposed = w.func.value, True
         if isinstance(w, ast.Name) and w.id in self.weight_alias:
             w = self.weight_alias[w.id]  # w1 = self.w1[e] / w1, w2 = (self.w1[e], self.w2[e]) earlier in the loop
+        if isinstance(w, ast.Subscript) and isinstance(w.slice, ast.Tuple) and len(w.slice.elts) == 2 \
+                and const_value(w.slice.elts[1]) is Ellipsis and self._is_eidx(w.slice.elts[0]):
+            w = ast.copy_location(ast.Subscript(value=w.value, slice=w.slice.elts[0], ctx=ast.Load()), w)  # W[e, ...] is W[e]
         if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and self._stacked_base(w.value)):
             raise _Miss(f"expert weight `{ast.unparse(weight)[:50]}` is not a stacked parameter indexed by the expert")
         if how == "linear":
@@ -1795,7 +2178,7 @@ class _Eval:
             raise _Miss("expert outputs are appended to a list but the loop is not over per-expert token counts")
         mlp = self._mlp(contrib, weighted=False)
         if mlp.layout == "opaque":
-            raise _Miss("the tokens are already sorted by expert and every expert runs once on its contiguous rows: only a "
+            raise _SortedOpaque("the tokens are already sorted by expert and every expert runs once on its contiguous rows: only a "
                         f"grouped matmul would save more, and it needs the expert MLP, which is not read: {mlp.why_opaque}")
         counts = self._count_tensor()
         site = _Site(routing="sorted_counts", loop="counts", tokens=self._tokens_name(contrib), counts=counts,
@@ -1887,6 +2270,7 @@ class _Eval:
         assert mlp is not None
         if mlp.layout not in ("per_expert_linear", "opaque"):
             return
+        site.expert_call = ".forward" if self.forward_spelled else ""
         if self.indexed_module is not None:
             if self.loop_kind != "range" or self.local_start:
                 raise _Miss("a module called with the expert index, in a loop that is not range(E)")
@@ -2640,11 +3024,11 @@ def _fused_text(site: _Site) -> str:
             f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):",
         ]
         if site.part_outs:
-            lines.append(f"    {', '.join(site.tuple_names)} = {P}expert({arg})")
+            lines.append(f"    {', '.join(site.tuple_names)} = {P}expert{site.expert_call}({arg})")
             lines += [f"    {st}" for st in site.part_steps]
             lines += [f"    {P}outs[{j}].append({rowwise(name)})" for j, (name, _, _) in enumerate(parts)]
         else:
-            lines += [f"    {P}o = {P}expert({arg})", f"    {P}outs[0].append({rowwise(P + 'o')})"]
+            lines += [f"    {P}o = {P}expert{site.expert_call}({arg})", f"    {P}outs[0].append({rowwise(P + 'o')})"]
         for j, (_, out, dtype) in enumerate(parts):
             hj = f"torch.cat({P}outs[{j}])"
             if local:
@@ -2661,7 +3045,7 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        call = f"{P}expert({rows})"
+        call = f"{P}expert{site.expert_call}({rows})"
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
         lines += [
@@ -5524,3 +5908,196 @@ MoeExperts.KEEP += [
     Keep(_RANGE_PIECES.replace("outs.append(self.experts[i](pieces[i]))", "outs.append(self.experts[i](pieces[-1 - i]))"),
          reason="not trace its input", name="range_pieces_in_another_order"),
 ]
+
+
+# -- third pass: experts called through .forward (ktransformers-style inference code) -----------------
+
+_FORWARD_SPELLED_OPAQUE = _KEEP_BIAS.replace("self.experts[e](x[t])", "self.experts[e].forward(x[t])")
+_FORWARD_SPELLED_SORTED = _DEEPSEEK_V3.replace("expert_out = expert(tokens_for_this_expert)",
+                                               "expert_out = expert.forward(tokens_for_this_expert)")
+
+MoeExperts.FUSE += [
+    # expert.forward(rows): the call without module hooks; the fused layer calls .forward as well
+    Fuse(_FORWARD_SPELLED_OPAQUE, name="expert_forward_spelled_opaque", run='''\
+moe = BiasedMoE(16, 24, 5)
+x = torch.randn(11, 16, requires_grad=True)
+w, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)
+out = moe(x, w, idx)
+leaves = [x, moe.experts[0].w1.bias, moe.experts[4].w2.weight]
+''', expect={"layout": "expert_modules", "probs": "weights", "indices": "chosen"}),
+    Fuse(_FORWARD_SPELLED_SORTED, name="expert_forward_spelled_sorted_counts", run=_DEEPSEEK_V3_RUN, expect={
+        "routing": "sorted_counts", "loop": "counts", "counts": "tokens_per_expert", "tokens": "sorted_tokens"}),
+]
+
+MoeExperts.KEEP += [
+    # .forward with an extra argument is still an expert called with more than its rows
+    Keep(_KEEP_BIAS.replace("self.experts[e](x[t])", "self.experts[e].forward(x[t], t)"),
+         reason="takes arguments besides its rows", name="expert_forward_spelled_extra_argument"),
+]
+
+# DeepSeek's reference moe_infer around experts whose MLP is not read (here: Linear layers with a bias): the
+# hand-written gather and the write-back + weighted sum over the slots are the permute and the unpermute
+_SORTED_DISPATCH_OPAQUE = _FORWARD_SPELLED_SORTED.replace(
+    "self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)",
+    "self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size)")
+
+MoeExperts.FUSE += [
+    Fuse(_SORTED_DISPATCH_OPAQUE, name="sorted_dispatch_opaque_experts_moe_infer", run=_DEEPSEEK_V3_RUN, expect={"routing": "sorted_dispatch", "variant": "sorted_dispatch", "tokens": "x", "indices": "topk_ids",
+             "probs": "topk_weight", "output": "final_out", "layout": "expert_modules"}),
+]
+
+MoeExperts.KEEP += [
+    # a descending sort groups the experts in the other order: not the permute's
+    Keep(_SORTED_DISPATCH_OPAQUE.replace("idxs = topk_ids.view(-1).argsort()", "idxs = topk_ids.view(-1).argsort(descending=True)"),
+         reason="is not the ascending sort order", name="sorted_dispatch_descending_sort"),
+    # rows weighted in their own dtype with a promoting .mul: the dtype of the sum is not the reference's
+    Keep(_SORTED_DISPATCH_OPAQUE.replace(".type(topk_weight.dtype)\n            .mul_(", "\n            .mul_("),
+         reason="no cast", name="sorted_dispatch_weighting_without_cast"),
+    # the loop reads the sort order itself: the fused branch does not compute it
+    Keep(_SORTED_DISPATCH_OPAQUE.replace("        outputs = []\n", "        outputs = []\n        first = idxs[0]\n"),
+         reason="reads the sort order `idxs`", name="sorted_dispatch_reads_order_between"),
+]
+
+# per token, per top-k slot (ktransformers' moe_infer_simple): out[t] = sum_k expert_{ids[t, k]}(x[t]) * w[t, k]
+_TOKEN_SLOT = _KEEP_BIAS.replace('''        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in range(len(self.experts)):
+            k, t = torch.where(mask[e])
+            out.index_add_(0, t, self.experts[e](x[t]) * weights[t, k, None])
+        return out''', '''        outs = torch.zeros_like(x)
+        for token_idx in range(chosen.size(0)):
+            for slot in range(chosen.size(1)):
+                module = self.experts[chosen[token_idx, slot]]
+                outs[token_idx] += module.forward(x[token_idx]) * weights[token_idx, slot]
+        return outs''')
+_TOKEN_SLOT_RUN = '''\
+moe = BiasedMoE(16, 24, 5)
+x = torch.randn(11, 16, requires_grad=True)
+w, idx = torch.randn(11, 5).softmax(-1).topk(2, dim=-1)
+w.requires_grad_(True)
+out = moe(x, w, idx)
+leaves = [x, w, moe.experts[0].w1.bias, moe.experts[3].w2.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_TOKEN_SLOT, name="token_slot_loops_forward_spelled", run=_TOKEN_SLOT_RUN, expect={
+        "routing": "token_slot", "variant": "token_slot", "tokens": "x", "indices": "chosen", "probs": "weights",
+        "output": "outs", "layout": "expert_modules"}),
+    # the module indexed inline, x[t] spelled with the call on the right, weights as w[t][k]
+    Fuse(_TOKEN_SLOT.replace("                module = self.experts[chosen[token_idx, slot]]\n", "").replace(
+        "outs[token_idx] += module.forward(x[token_idx]) * weights[token_idx, slot]",
+        "outs[token_idx] += weights[token_idx][slot] * self.experts[chosen[token_idx, slot]](x[token_idx])"),
+         name="token_slot_loops_inline_module", run=_TOKEN_SLOT_RUN, expect={"routing": "token_slot"}),
+]
+
+MoeExperts.KEEP += [
+    # the inner loop runs over the hidden dim, not the top-k slots
+    Keep(_TOKEN_SLOT.replace("for slot in range(chosen.size(1))", "for slot in range(x.size(1))"),
+         reason="not over the rows and top-k columns", name="token_slot_inner_loop_not_slots"),
+    # the sum starts from the tokens themselves (a residual): the unpermute alone does not produce it
+    Keep(_TOKEN_SLOT.replace("outs = torch.zeros_like(x)", "outs = x.clone()"),
+         reason="is not a fresh `torch.zeros_like(x)`", name="token_slot_accumulator_not_fresh"),
+    # each expert sees the whole batch: not per-row dispatch
+    Keep(_TOKEN_SLOT.replace("module.forward(x[token_idx])", "module.forward(x)[token_idx]"),
+         reason="unrecognised statement in the expert loop", name="token_slot_expert_on_all_tokens"),
+]
+
+# stacked [E, out, in] weights read per expert as W[e, ...].T (ktransformers' torch experts)
+_STACKED_ELLIPSIS_T = _HEAD + '''
+class StackedExperts(nn.Module):
+    def __init__(self, n, d, f):
+        super().__init__()
+        self.n = n
+        self.gate = nn.Parameter(torch.randn(n, f, d) * 0.1)
+        self.up = nn.Parameter(torch.randn(n, f, d) * 0.1)
+        self.down = nn.Parameter(torch.randn(n, d, f) * 0.1)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x, chosen, weights):
+        T, d = x.size()
+        out = torch.zeros((T, d), dtype=x.dtype, device=x.device)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=self.n).permute(2, 1, 0)
+        for e in range(self.n):
+            idx, top_x = torch.where(mask[e])
+            rows = x[None, top_x].reshape(-1, d)
+            g = rows @ self.gate[e, ...].T
+            h = self.act_fn(g) * (rows @ self.up[e, ...].T)
+            y = h @ self.down[e, ...].T * weights[top_x, idx, None]
+            out.index_add_(0, top_x, y)
+        return out
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_STACKED_ELLIPSIS_T, name="stacked_weights_ellipsis_transposed", run='''\
+m = StackedExperts(4, 16, 24)
+x = torch.randn(9, 16, requires_grad=True)
+w, idx = torch.randn(9, 4).softmax(-1).topk(2, dim=-1)
+out = m(x, idx, w)
+leaves = [x, m.gate, m.down]
+''', expect={"layout": "stacked_out_in", "weights": {"gate": "self.gate", "up": "self.up", "down": "self.down"}}),
+]
+
+MoeExperts.KEEP += [
+    # W[e, 0]: one row of the expert's weight, not the expert's matrix
+    Keep(_STACKED_ELLIPSIS_T.replace("self.gate[e, ...].T", "self.gate[e, 0].T"),
+         reason="is not a stacked parameter indexed by the expert", name="stacked_weights_indexed_past_the_expert"),
+]
+
+# rows padded past the per-expert counts: the split takes tokens[:sum(sizes)], the padding comes back as zeros
+_SPLIT_PADDED = _HEAD + '''
+def run_experts(w_gate, w_down, w_up, tokens, counts):
+    sizes = counts.tolist()
+    pad = tokens.shape[0] - sum(sizes)
+    pieces = torch.split(tokens[: sum(sizes)], split_size_or_sections=sizes, dim=0)
+    outs = []
+    for expert, rows in enumerate(pieces):
+        a = F.silu(torch.matmul(rows, w_gate[expert].transpose(-2, -1)))
+        a = a * torch.matmul(rows, w_up[expert].transpose(-2, -1))
+        outs.append(torch.matmul(a, w_down[expert].transpose(-2, -1)))
+    y = torch.cat(outs, dim=0)
+    return torch.vstack((y, y.new_zeros((pad, y.shape[-1]))))
+'''
+_SPLIT_PADDED_RUN = '''\
+wg, wu = torch.randn(4, 24, 16) * 0.1, torch.randn(4, 24, 16) * 0.1
+wd = torch.randn(4, 16, 24) * 0.1
+x = torch.randn(13, 16, requires_grad=True)
+out = run_experts(wg, wd, wu, x, torch.tensor([3, 0, 5, 2]))
+leaves = [x]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_SPLIT_PADDED, name="split_of_rows_covered_by_the_counts", run=_SPLIT_PADDED_RUN, expect={
+        "routing": "sorted_counts", "tokens": "tokens[:sum(sizes)]", "layout": "stacked_out_in"}),
+]
+
+MoeExperts.KEEP += [
+    # a prefix not tied to the sizes: the rows split are not proven to be the tokens the counts describe
+    Keep(_SPLIT_PADDED.replace("tokens[: sum(sizes)]", "tokens[: pad]"),
+         reason="something other than the tokens", name="split_of_a_prefix_not_the_counts"),
+]
+
+MoeExperts.KEEP += [
+    # the write-back half of a permutation whose order a reorderer module made: a near miss naming where
+    Keep(_HEAD + '''
+class ExpertCombine(nn.Module):
+    def __init__(self, experts, reorderer, k):
+        super().__init__()
+        self.experts, self.reorderer, self.k = experts, reorderer, k
+
+    def forward(self, x, scores, chosen):
+        order, counts = self.reorderer(chosen)
+        rows = self.experts(x[order // self.k], counts)
+        back = torch.zeros((x.shape[0] * self.k, x.shape[-1]), dtype=rows.dtype, device=rows.device)
+        back[order] = rows
+        return (back.view(-1, self.k, x.shape[-1]) * scores.unsqueeze(-1)).sum(1)
+''', reason="returned by `self.reorderer(...)`", name="write_back_at_reorderer_indices"),
+    # the same write-back at indices sorted here is not claimed to come from elsewhere
+    Keep(_HEAD + '''
+def unsort_experts(rows, flat_expert_ids):
+    order = torch.argsort(flat_expert_ids)
+    back = rows.new_empty(rows.shape)
+    back[order] = rows
+    return back
+''', reason="", name="write_back_at_indices_made_here"),
+]
+
