@@ -5382,3 +5382,43 @@ def attend(q, k, v, w):
         reason="is not a transpose of K",
     )
 )
+
+
+# --- issue 14 class 3: einops ``einsum`` (operands first, the equation last; canonical.product) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="einops_einsum_equation_last",
+        # lucidrains' cached decode step: ``from einops import einsum``; ``einsum(q, k, "b h i d, b h j d -> b h i j")``
+        # with one-letter axis names means what torch's einsum means; an optional float bias is value-checked
+        code="""
+import torch
+from einops import einsum
+
+
+def decode(q, k, v, attn_bias=None):
+    q = q * (q.shape[-1] ** -0.5)
+    sim = einsum(q, k, "b h i d, b h j d -> b h i j")
+    if attn_bias is not None:
+        sim = sim + attn_bias
+    attn = sim.softmax(dim=-1)
+    return einsum(attn, v, "b h i j, b h j d -> b h i d")
+""",
+        expect={"layout": "BNSD", "mask_values_checked": True},
+            )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="einops_einsum_word_axis_names",
+        # einops names axes by words: ``"bh i d"`` is three axes to einops and four letters to torch; npufuse reads only
+        # one-letter names and says so instead of guessing
+        code="""
+from einops import einsum
+
+
+def attend(q, k, v):
+    sim = einsum(q, k, "bh i d, bh j d -> bh i j") * 0.125
+    return einsum(sim.softmax(dim=-1), v, "bh i j, bh j d -> bh i d")
+""",
+        reason="equation npufuse does not parse",
+    )
+)

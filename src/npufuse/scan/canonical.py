@@ -698,15 +698,34 @@ def product(node: ast.AST, callee: Callable[[ast.Call], str | None]) -> Product 
         else:
             return None
         return Product(a, b, "einsum", contraction(einsum_subscripts(node.args[0])), spec=node.args[0])
+    if name == "einops.einsum" and len(node.args) == 3 and not node.keywords:
+        # einops puts the equation last and names axes by space-separated words (``"b h i d, b h j
+        # d -> b h i j"``); read only one-letter axis names, where the text means what torch reads
+        return Product(node.args[0], node.args[1], "einsum", contraction(einops_equation_subscripts(node.args[2])), spec=node.args[2])
     if name == "torch.baddbmm" and len(node.args) == 3 and const_value(_kw(node, "beta")) in (0, 0.0):
         return Product(node.args[1], node.args[2], "baddbmm", alpha=_kw(node, "alpha"))
-    if isinstance(node.func, ast.Attribute) and name not in MATMUL_NAMES + ("torch.einsum", "torch.baddbmm"):
+    if isinstance(node.func, ast.Attribute) and name not in MATMUL_NAMES + ("torch.einsum", "torch.baddbmm", "einops.einsum"):
         attr = node.func.attr
         if attr in ("matmul", "bmm") and len(node.args) == 1 and not node.keywords:
             return Product(node.func.value, node.args[0], attr)
         if attr == "baddbmm" and len(node.args) == 2 and const_value(_kw(node, "beta")) in (0, 0.0):
             return Product(node.args[0], node.args[1], "baddbmm", alpha=_kw(node, "alpha"))
     return None
+
+
+def einops_equation_subscripts(node: ast.AST | None) -> tuple[str, str, str] | None:
+    """(a, b, out) of an einops ``einsum`` pattern whose axis names are all one letter (or
+    ``...``); None for longer names (``"batch i d"`` is one axis ``batch`` to einops, three letters
+    to torch) and for anything :func:`einsum_subscripts` does not read."""
+    text = const_value(node)
+    if isinstance(node, ast.JoinedStr) and all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in node.values):
+        text = "".join(v.value for v in node.values)  # type: ignore[union-attr]
+    if not isinstance(text, str):
+        return None
+    words = text.replace(",", " ").replace("->", " ").split()
+    if not all(len(w) == 1 or w == "..." for w in words):
+        return None
+    return einsum_subscripts(ast.Constant(text))
 
 
 def einops_permutation(pattern: ast.AST | None) -> tuple[int, ...] | None:

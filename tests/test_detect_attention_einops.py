@@ -1,0 +1,64 @@
+"""Issue 14 class 3 for attention: einops ``einsum`` (equation last) read as a product."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+
+import pytest
+import torch
+
+from npufuse.patterns.attention import AttentionPattern
+from npufuse.scan.canonical import einops_equation_subscripts
+from pattern_harness import check_rewrite_runs, detect_all
+
+PATTERN = AttentionPattern()
+
+
+def _example(name: str):
+    return next(ex for ex in PATTERN.FUSE + PATTERN.KEEP if ex.name == name)
+
+
+def test_einops_equation_reads_one_letter_axes_only() -> None:
+    assert einops_equation_subscripts(ast.Constant("b h i d, b h j d -> b h i j")) == ("bhid", "bhjd", "bhij")
+    # a word is one axis to einops: torch would read three letters
+    assert einops_equation_subscripts(ast.Constant("bh i d, bh j d -> bh i j")) is None
+    assert einops_equation_subscripts(ast.Name("eq")) is None
+
+
+_RUN = """
+q = torch.randn(2, 4, 1, 16, requires_grad=True)
+k = torch.randn(2, 4, 9, 16, requires_grad=True)
+v = torch.randn(2, 4, 9, 16, requires_grad=True)
+pad = torch.zeros(2, 1, 1, 9)
+pad[1, ..., :3] = float("-inf")
+out = (decode(q, k, v), decode(q, k, v, pad))
+leaves = [q, k, v]
+"""
+
+
+def _einops_stand_in(*args: object) -> torch.Tensor:
+    # einops is not a dependency: for one-letter axis names its einsum is torch's with the equation moved first
+    *operands, equation = args
+    return torch.einsum(equation, *operands)  # type: ignore[arg-type]
+
+
+def test_einops_einsum_attention_matches_under_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    if "einops" not in sys.modules:
+        try:
+            import einops  # noqa: F401
+        except ImportError:
+            monkeypatch.setitem(sys.modules, "einops", types.SimpleNamespace(einsum=_einops_stand_in))
+    ex = _example("einops_einsum_equation_last")
+    findings, misses = detect_all(PATTERN, ex.code)
+    assert findings, [m.reason for m in misses]
+    facts = check_rewrite_runs(PATTERN, ex.code, _RUN, findings)
+    assert facts["calls"] == 2
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_einops_word_axis_names_stay_a_near_miss() -> None:
+    findings, misses = detect_all(PATTERN, _example("einops_einsum_word_axis_names").code)
+    assert not findings
+    assert any("equation npufuse does not parse" in m.reason for m in misses)
