@@ -62,3 +62,18 @@ def test_einops_word_axis_names_stay_a_near_miss() -> None:
     findings, misses = detect_all(PATTERN, _example("einops_einsum_word_axis_names").code)
     assert not findings
     assert any("equation npufuse does not parse" in m.reason for m in misses)
+
+
+def test_read_only_in_other_branch_is_not_live_after_the_site() -> None:
+    ex = _example("bias_reassigned_read_only_in_other_branch")
+    findings, misses = detect_all(PATTERN, ex.code)
+    assert findings, [m.reason for m in misses]
+    facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
+    assert facts["calls"] == 2
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_read_in_other_branch_inside_a_loop_stays_live() -> None:
+    findings, misses = detect_all(PATTERN, _example("bias_reassigned_read_in_other_branch_of_a_loop").code)
+    assert not findings
+    assert any("intermediate `bias` is used after the attention" in m.reason for m in misses)

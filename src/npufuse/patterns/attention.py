@@ -2768,7 +2768,7 @@ class AttentionPattern(Pattern):
         for name in sorted(internal):
             if name in _targets(stmt):
                 continue
-            used_after = scope.uses_after(name, end_line)
+            used_after = scope.uses_after(name, end_line) and _read_on_a_path_after(scope, name, span_line, end_line)
             if not (used_after or name in in_final):
                 continue
             final = interp.before[e].get(name)
@@ -3185,6 +3185,26 @@ def _packaging_use(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
         if isinstance(parent, ast.Assign) and cur is parent.value and all(isinstance(t, ast.Name) for t in parent.targets):
             return True  # outputs = (attn_output, attn_weights) ...: packaged for the caller
         return False
+
+
+def _read_on_a_path_after(scope: Scope, name: str, first: int, last: int) -> bool:
+    """Is a read of ``name`` after line ``last`` reachable from the site on lines ``first``..``last``?
+    A read in the other branch of an ``if`` whose one branch holds the site is not (LocalMHA's cached
+    decode path in the ``if``, the windowed call reading the same argument in the ``else``), unless a
+    loop around that ``if`` can carry the value into the other branch on its next pass."""
+    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > last]
+    if not loads:
+        return False
+    nodes = scope.nodes()
+    loops = [n for t in (ast.For, ast.AsyncFor, ast.While) for n in nodes.get(t, ())]
+    exclusive: list[tuple[int, int]] = []  # line ranges the site's path never reaches
+    for branch in nodes.get(ast.If, ()):
+        if not branch.orelse or any(lp.lineno <= branch.lineno and lp.end_lineno >= branch.end_lineno for lp in loops):  # type: ignore[attr-defined, operator]
+            continue
+        for here, other in ((branch.body, branch.orelse), (branch.orelse, branch.body)):  # type: ignore[attr-defined]
+            if here[0].lineno <= first and here[-1].end_lineno >= last:
+                exclusive.append((other[0].lineno, other[-1].end_lineno))
+    return any(not any(lo <= n.lineno <= hi for lo, hi in exclusive) for n in loads)
 
 
 def _only_returned(scope: Scope, name: str, after: int) -> bool:
@@ -5420,5 +5440,66 @@ def attend(q, k, v):
     return einsum(sim.softmax(dim=-1), v, "bh i j, bh j d -> bh i d")
 """,
         reason="equation npufuse does not parse",
+    )
+)
+
+
+# --- issue 14 class 3: a name the site reassigns, read again only in the other branch of an ``if`` ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="bias_reassigned_read_only_in_other_branch",
+        # LocalMHA: the cached decode path cuts the bias to the newest keys (``bias = bias[..., -1:, -n:]``) in the
+        # ``if``; the ``else`` hands the uncut bias to another module. That read is not reachable from the site, so
+        # the reassignment is not a value the fused branch must produce
+        code="""
+import torch
+
+
+def attend(q, k, v, window_fn, cached, bias=None):
+    if cached:
+        sim = torch.einsum("bhid,bhjd->bhij", q * q.shape[-1] ** -0.5, k)
+        if bias is not None:
+            bias = bias[..., -1:, -k.shape[-2]:]
+            sim = sim + bias
+        out = torch.einsum("bhij,bhjd->bhid", sim.softmax(dim=-1), v)
+    else:
+        out = window_fn(q, k, v, bias)
+    return out
+""",
+        expect={"mask_values_checked": True},
+        run="""
+q = torch.randn(2, 4, 1, 16, requires_grad=True)
+k = torch.randn(2, 4, 9, 16, requires_grad=True)
+v = torch.randn(2, 4, 9, 16, requires_grad=True)
+pad = torch.zeros(2, 1, 3, 12)
+pad[1, ..., -5:-2] = float("-inf")
+out = (attend(q, k, v, None, True), attend(q, k, v, None, True, pad))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="bias_reassigned_read_in_other_branch_of_a_loop",
+        # the same shape inside a loop: the next pass can take the ``else`` and read the cut bias, a value the fused
+        # branch does not produce
+        code="""
+import torch
+
+
+def attend(q, k, v, window_fn, steps, bias):
+    outs = []
+    for cached in steps:
+        if cached:
+            sim = torch.einsum("bhid,bhjd->bhij", q * 0.25, k)
+            if bias is not None:
+                bias = bias[..., -1:, -k.shape[-2]:]
+                sim = sim + bias
+            outs.append(torch.einsum("bhij,bhjd->bhid", sim.softmax(dim=-1), v))
+        else:
+            outs.append(window_fn(q, k, v, bias))
+    return outs
+""",
+        reason="intermediate `bias` is used after the attention",
     )
 )
