@@ -77,3 +77,13 @@ def test_read_in_other_branch_inside_a_loop_stays_live() -> None:
     findings, misses = detect_all(PATTERN, _example("bias_reassigned_read_in_other_branch_of_a_loop").code)
     assert not findings
     assert any("intermediate `bias` is used after the attention" in m.reason for m in misses)
+
+
+def test_sdpa_bias_returned_by_a_method_from_a_learned_table_is_a_near_miss() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    sdpa = SdpaPattern()
+    ex = next(e for e in sdpa.KEEP if e.name == "relative_position_bias_from_method")
+    findings, misses = detect_all(sdpa, ex.code)
+    assert not findings
+    assert any("`self._bias(...)`, which returns values of `self.table`, a learned Parameter" in m.reason for m in misses)

@@ -2290,6 +2290,32 @@ def _method_builds_positions(module: ModuleInfo, class_name: str | None, name: s
     return False
 
 
+def _method_returns_learned(module: ModuleInfo, class_name: str | None, name: str) -> str | None:
+    """``self.<attr>`` (an ``nn.Parameter`` / ``nn.Embedding`` built in the class) whose values the method
+    ``name`` of the class returns, followed through the method's own local names (BEiT's
+    ``_get_rel_pos_bias``: a learned relative-position table indexed, viewed and permuted); None otherwise."""
+    cls = module.classes.get(class_name or "")
+    fn = next((f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == name), None) if cls else None
+    if fn is None:
+        return None
+    assigned: dict[str, list[ast.expr]] = {}
+    for st in fast_walk(fn):
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            assigned.setdefault(st.targets[0].id, []).append(st.value)
+    stack: list[ast.expr] = [r.value for r in fast_walk(fn) if isinstance(r, ast.Return) and r.value is not None]
+    seen: set[str] = set()
+    while stack:
+        for n in _value_flow(stack.pop()):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                ctor = _self_attr_ctor(module, class_name, n.attr)
+                if ctor is not None and module.canonical(ctor.func) in _LEARNED_CTORS:
+                    return f"`self.{n.attr}`, a learned {module.canonical(ctor.func).rpartition('.')[2]} (graded values)"
+            elif isinstance(n, ast.Name) and n.id not in seen:
+                seen.add(n.id)
+                stack.extend(assigned.get(n.id, ()))
+    return None
+
+
 def _mask_fill(n: ast.AST) -> bool:
     """-inf / finfo.min / a constant <= -1e4: the fill of a mask's masked positions."""
     if _minus_infinity(n):
@@ -2347,6 +2373,9 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
             if callee.startswith("self.") and callee.count(".") == 1:
                 if _method_builds_positions(module, scope.class_name, last):
                     return f"`{callee}(...)`, which builds it from token positions (`arange`)"
+                table = _method_returns_learned(module, scope.class_name, last)
+                if table:
+                    return f"`{callee}(...)`, which returns values of {table}"
                 ctor = _self_attr_ctor(module, scope.class_name, last)
                 if ctor is not None and module.canonical(ctor.func) == "torch.nn.Embedding":
                     return f"`{callee}`, an nn.Embedding (learned values)"
