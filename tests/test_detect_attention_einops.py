@@ -87,3 +87,36 @@ def test_sdpa_bias_returned_by_a_method_from_a_learned_table_is_a_near_miss() ->
     findings, misses = detect_all(sdpa, ex.code)
     assert not findings
     assert any("`self._bias(...)`, which returns values of `self.table`, a learned Parameter" in m.reason for m in misses)
+
+
+def test_inline_return_expression_binds_arguments_and_refuses_globals() -> None:
+    from npufuse.scan.canonical import inline_return_expression, returns_its_argument
+
+    fn = ast.parse("def f(s, m=None):\n    return s if m is None else s + m\n").body[0]
+    call = ast.parse("f(a, mask)", mode="eval").body
+    out = inline_return_expression(fn, call, lambda d: False)  # type: ignore[arg-type]
+    assert out is not None and ast.unparse(out) == "a if mask is None else a + mask"
+    only_first = inline_return_expression(fn, ast.parse("f(a)", mode="eval").body, lambda d: False)  # type: ignore[arg-type]
+    assert only_first is not None and ast.unparse(only_first) == "a if None is None else a + None"
+    glob = ast.parse("def g(s):\n    return s * SCALE\n").body[0]
+    assert inline_return_expression(glob, ast.parse("g(a)", mode="eval").body, lambda d: True) is None  # type: ignore[arg-type]
+    decorated = ast.parse("@deco\ndef f(s):\n    return s\n").body[0]
+    assert inline_return_expression(decorated, ast.parse("f(a)", mode="eval").body, lambda d: False) is None  # type: ignore[arg-type]
+    assert returns_its_argument(ast.parse("def reg(fn):\n    TABLE.add(fn)\n    return fn\n").body[0])
+    assert not returns_its_argument(ast.parse("def wrap(fn):\n    def inner(*a):\n        return fn(*a)\n    return inner\n").body[0])
+
+
+def test_one_expression_helper_on_scores_matches_under_emulator() -> None:
+    ex = _example("one_expression_helper_adds_mask")
+    findings, misses = detect_all(PATTERN, ex.code)
+    assert findings, [m.reason for m in misses]
+    facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
+    assert facts["calls"] == 2
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_helper_near_misses_say_why() -> None:
+    findings, misses = detect_all(PATTERN, _example("helper_with_a_wrapping_decorator").code)
+    assert not findings and any("unsupported operation on the attention scores: `maybe_add_mask" in m.reason for m in misses)
+    findings, misses = detect_all(PATTERN, _example("mask_helper_given_the_scores").code)
+    assert not findings and any("computed by `resolve_mask(q.shape[-2], attn, causal)`, a function given the scores" in m.reason for m in misses)

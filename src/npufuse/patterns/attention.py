@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, slice_add_as_padded, summed_product, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -1645,6 +1645,13 @@ class _Matcher:
                         chain.spelling.append("summed_products")
                         self.parse_qk(prod.a, prod, chain)
                         return
+                    for side in (node.left, node.right):
+                        if self.is_matmul(deref(side, chain.seen)) is None:
+                            helper = next((c for c in walk_values(side) if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, Ref))
+                                           and any(self._reaches(a, stop) for a in list(c.args) + [k.value for k in c.keywords])), None)
+                            if helper is not None:
+                                raise Miss(f"the term `{self.src(side)}` added to the scores is computed by `{self.src(helper)}`, a function "
+                                           "given the scores as an argument: npufuse does not read what it takes from them")
                     raise Miss(f"scores added to scores (`{self.src(node)}`)")
                 base, term = (node.left, node.right) if left_qk else (node.right, node.left)
                 self.add_additive(term, chain, cond)
@@ -1690,8 +1697,41 @@ class _Matcher:
             if self._capping(node):
                 raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}` (logit soft-capping / clamping): "
                            "npu_fusion_attention has no such step")
+            inlined = self._inlined_helper(node)
+            if inlined is not None:
+                # timm's ``maybe_add_mask(s, m)`` = ``s if m is None else s + m``: read through its one returned expression
+                chain.spelling.append("helper_inlined")
+                node = Cond(test=inlined.test, body=inlined.body, orelse=inlined.orelse) if isinstance(inlined, ast.IfExp) else inlined
+                continue
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
         raise Miss("attention score chain too long to follow")
+
+    def _inlined_helper(self, node: Any) -> ast.expr | None:
+        """A call of a function of this file or of another file of the repo whose body is one ``return`` of an
+        expression of its parameters (canonical.inline_return_expression), that expression with the call's
+        arguments in place; decorators must return the function itself (``torch.fx.wrap``, a registry)."""
+        if not isinstance(node, ast.Call):
+            return None
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.name if isinstance(func, Ref) and func.idx == -1 else None
+        if name is None or self.scope.assignments.get(name):
+            return None  # a local name (a callable chosen at run time) is not the module-level function
+        from npufuse.scan import repo_facts
+
+        found = repo_facts.definition(self.module, name)
+        if found is None or not isinstance(found.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return None
+
+        def keeps(dec: ast.expr) -> bool:
+            name = dotted(dec)
+            if name is None:
+                return False
+            if name == "torch.fx.wrap":
+                return True
+            target = repo_facts.definition_in(repo_facts.repo_root(self.module), found.rel, found.tree, name)
+            return target is not None and returns_its_argument(target.node)
+
+        return inline_return_expression(found.node, node, keeps)
 
     def _common_base(self, a: Any, b: Any, stop: Any) -> Any:
         """The scores both branches of a conditional start from (``stop`` inside an outer branch, else
@@ -5530,5 +5570,93 @@ def attend(q, k, v, window_fn, steps, bias):
     return outs
 """,
         reason="intermediate `bias` is used after the attention",
+    )
+)
+
+
+# --- issue 14 class 3: a one-expression helper applied to the scores (canonical.inline_return_expression) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="one_expression_helper_adds_mask",
+        # timm: ``attn = maybe_add_mask(attn, attn_mask)`` with ``return scores if mask is None else scores + mask``
+        # (a tracing marker as decorator): read through the returned expression; the float mask is value-checked
+        code="""
+import torch
+
+
+@torch.fx.wrap
+def maybe_add_mask(scores, mask=None):
+    return scores if mask is None else scores + mask
+
+
+def attend(q, k, v, attn_mask=None):
+    attn = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    attn = maybe_add_mask(attn, attn_mask)
+    return attn.softmax(dim=-1) @ v
+""",
+        expect={"mask_values_checked": True},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 7, 16, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+pad = torch.zeros(2, 1, 1, 7)
+pad[1, ..., :2] = float("-inf")
+out = (attend(q, k, v), attend(q, k, v, pad))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="helper_with_a_wrapping_decorator",
+        # a decorator that wraps the helper may change what a call does (here it scales the result): not read through
+        code="""
+import functools
+
+
+def doubled(fn):
+    @functools.wraps(fn)
+    def inner(*args):
+        return 2 * fn(*args)
+    return inner
+
+
+@doubled
+def maybe_add_mask(scores, mask=None):
+    return scores if mask is None else scores + mask
+
+
+def attend(q, k, v, attn_mask=None):
+    attn = q @ k.transpose(-2, -1) * 0.25
+    attn = maybe_add_mask(attn, attn_mask)
+    return attn.softmax(dim=-1) @ v
+""",
+        reason="unsupported operation on the attention scores: `maybe_add_mask(attn, attn_mask)`",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="mask_helper_given_the_scores",
+        # the mask is built by a function that receives the scores (for their dtype, here): npufuse does not read what
+        # such a function takes from them, and says so instead of calling it "scores added to scores"
+        code="""
+import torch
+
+
+def resolve_mask(n, scores, causal):
+    return scores.new_full((n, n), float("-inf")).triu_(1) if causal else None
+
+
+def maybe_add_mask(scores, mask=None):
+    return scores if mask is None else scores + mask
+
+
+def attend(q, k, v, causal):
+    attn = q @ k.transpose(-2, -1) * 0.25
+    bias = resolve_mask(q.shape[-2], attn, causal)
+    attn = maybe_add_mask(attn, bias)
+    return attn.softmax(dim=-1) @ v
+""",
+        reason="a function given the scores as an argument",
     )
 )

@@ -23,6 +23,7 @@ never reach these questions.
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import dataclass
 
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value
@@ -965,3 +966,59 @@ def summed_product(p1: "Product | None", p2: "Product | None") -> "tuple[Product
     guard = ast.BoolOp(op=ast.And(), values=[ast.Compare(left=lead(p1.a), ops=[ast.Eq()], comparators=[lead(p2.a)]),
                                              ast.Compare(left=lead(k1), ops=[ast.Eq()], comparators=[lead(k2)])])
     return Product(q, ast.Attribute(value=k, attr="mT", ctx=ast.Load()), "matmul"), guard
+
+# --- attention: one-expression helpers inlined at their call ---
+# timm's ``maybe_add_mask(scores, mask)`` is ``return scores if mask is None else scores + mask``: a
+# detector reading the scores' dataflow sees through it when the helper's body is one ``return`` of an
+# expression of its own parameters only (no globals, whose meaning at the caller could differ).
+
+
+def inline_return_expression(fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call,
+                             decorator_keeps_function: Callable[[ast.expr], bool]) -> ast.expr | None:
+    """The helper's single returned expression with its parameters replaced by the call's arguments
+    (positional, keyword, defaults); None when the body is more than a docstring and one ``return``, the
+    signature has ``*args``/``**kwargs``/keyword-only parameters, an argument is starred or unknown, a
+    decorator may change what a call does (``decorator_keeps_function(d)`` false), or the expression
+    reads any name that is not a parameter."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(const_value(s.value), str))]
+    a = fn.args
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or a.vararg or a.kwarg \
+            or a.kwonlyargs or a.posonlyargs or not all(decorator_keeps_function(d) for d in fn.decorator_list):
+        return None
+    params = [p.arg for p in a.args]
+    bound: dict[str, ast.expr] = {}
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
+    if len(call.args) > len(params) or any(isinstance(x, ast.Starred) for x in call.args):
+        return None
+    bound.update(zip(params, call.args))
+    for kw in call.keywords:
+        if kw.arg is None or kw.arg not in params or kw.arg in bound:
+            return None
+        bound[kw.arg] = kw.value
+    for p in params:
+        if p not in bound:
+            if p not in defaults:
+                return None
+            bound[p] = defaults[p]
+    expr = body[0].value
+    if any(isinstance(n, ast.Name) and n.id not in bound for n in ast.walk(expr)) \
+            or any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.comprehension)) for n in ast.walk(expr)):
+        return None
+
+    class _Substitute(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.AST:
+            return bound[node.id]
+
+    return _Substitute().visit(copy.deepcopy(expr))
+
+
+def returns_its_argument(fn: ast.AST | None) -> bool:
+    """A decorator defined as ``def d(f): ...; return f`` (a registry such as timm's
+    ``register_notrace_function``): eager calls of what it decorates are the function itself."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(fn.args.args) != 1 or not fn.body:
+        return False
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return)]
+    last = fn.body[-1]
+    return isinstance(last, ast.Return) and isinstance(last.value, ast.Name) and last.value.id == fn.args.args[0].arg \
+        and all(isinstance(r.value, ast.Name) and r.value.id == fn.args.args[0].arg for r in returns) \
+        and not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) for n in ast.walk(fn) if n is not fn)
