@@ -120,3 +120,15 @@ def test_helper_near_misses_say_why() -> None:
     assert not findings and any("unsupported operation on the attention scores: `maybe_add_mask" in m.reason for m in misses)
     findings, misses = detect_all(PATTERN, _example("mask_helper_given_the_scores").code)
     assert not findings and any("computed by `resolve_mask(q.shape[-2], attn, causal)`, a function given the scores" in m.reason for m in misses)
+
+
+def test_probabilities_chosen_by_a_flag_fuse_only_where_the_plain_softmax_runs() -> None:
+    ex = _example("probabilities_chosen_by_flag")
+    findings, misses = detect_all(PATTERN, ex.code)
+    assert findings, [m.reason for m in misses]
+    assert findings[0].fused.startswith("if not inverted:")
+    facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
+    assert facts["calls"] == 1  # the inverted call runs the original code
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+    findings, misses = detect_all(PATTERN, _example("probabilities_chosen_by_a_computed_condition").code)
+    assert not findings and any("modified after softmax under `if torch.rand(()) < 0.1`" in m.reason for m in misses)

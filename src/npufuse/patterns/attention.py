@@ -1333,6 +1333,17 @@ class _Matcher:
                 if self._views_of(b, a):
                     node = a
                     continue
+                plain = [(x, neg) for x, neg in ((a, True), (b, False)) if self._last_dim_softmax(x)]
+                if len(plain) == 1 and self._qk_softmax(node) and not _heavy(node.test, through_meta=False) \
+                        and not any(isinstance(t, ast.Call) for t in walk_sym(node.test)):
+                    # perceiver's ``if inverted_attention: attn = l1norm(sim.softmax(-2)) else: attn = sim.softmax(-1)``:
+                    # a run-time flag picks the probabilities; the fused call runs where the plain softmax is taken,
+                    # the original code where the other branch is (as soft-capping under a flag)
+                    taken, neg = plain[0]
+                    other = b if taken is a else a
+                    chain.excluded.append((node.test, neg, f"`{self._first_diff(other, taken)}` on the probabilities"))
+                    node = taken
+                    continue
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
@@ -1503,6 +1514,14 @@ class _Matcher:
         if isinstance(node, ast.Attribute):
             return node.value
         return node.args[0] if self._fn(node) == "einops.rearrange" else node.func.value
+
+    def _last_dim_softmax(self, node: Any) -> bool:
+        """``node`` is (through casts) a softmax over the last dim of something computed from a product."""
+        node = deref(node, set())
+        while self.method(node, *_CASTS):
+            node = deref(node.func.value, set())
+        sm = self.softmax_of(node)
+        return sm is not None and sm[1] is not None and const_value(sm[1]) == -1 and _heavy(sm[0], through_meta=False)
 
     def _qk_softmax(self, node: Any) -> bool:
         """A softmax of a Q@Kᵀ-like product is reachable (without crossing another product)."""
@@ -2985,7 +3004,7 @@ class AttentionPattern(Pattern):
                 value_check = " and ".join(skip) if len(skip) == 1 else " and ".join(f"({c})" for c in skip)
                 value_split = 0
                 for test, neg, step in chain.excluded:
-                    risks.append(Risk("other", f"`{step}` on the scores when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
+                    risks.append(Risk("other", f"{step if step.startswith('`') else f'`{step}` on the scores'} when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
                                                "equivalent npufuse generates: the fused call runs only where that branch is not taken; where it is "
                                                "(soft-capped models such as Gemma 2, a bias module such as ALiBi), the original code runs"))
             if chain.requires:
@@ -5658,5 +5677,56 @@ def attend(q, k, v, causal):
     return attn.softmax(dim=-1) @ v
 """,
         reason="a function given the scores as an argument",
+    )
+)
+
+
+# --- issue 14 class 3: probabilities chosen by a run-time flag (one branch a plain last-dim softmax) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="probabilities_chosen_by_flag",
+        # perceiver's inverted attention: ``if inverted: attn = l1norm(sim.softmax(dim=-2)) else: attn = sim.softmax(dim=-1)``;
+        # the fused call runs where the flag is false, the original code where it is true
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, inverted=False):
+    sim = torch.einsum("bid,bjd->bij", q, k) * 0.25
+    if inverted:
+        attn = F.normalize(sim.softmax(dim=-2), p=1, dim=-1)
+    else:
+        attn = sim.softmax(dim=-1)
+    return torch.einsum("bij,bjd->bid", attn, v)
+""",
+        expect={"layout": "BNSD"},
+        run="""
+q = torch.randn(3, 5, 16, requires_grad=True)
+k = torch.randn(3, 7, 16, requires_grad=True)
+v = torch.randn(3, 7, 16, requires_grad=True)
+out = (attend(q, k, v), attend(q, k, v, inverted=True))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="probabilities_chosen_by_a_computed_condition",
+        # the branch is chosen by a call evaluated at the site (a random draw here): evaluating it again in a guard
+        # would change what the code does, so the modified probabilities stay a near miss
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    sim = q @ k.transpose(-2, -1) * 0.25
+    if torch.rand(()) < 0.1:
+        attn = sim.softmax(dim=-2)
+    else:
+        attn = sim.softmax(dim=-1)
+    return attn @ v
+""",
+        reason="attention probabilities are modified after softmax under `if torch.rand(()) < 0.1`",
     )
 )
