@@ -132,3 +132,12 @@ def test_probabilities_chosen_by_a_flag_fuse_only_where_the_plain_softmax_runs()
     assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
     findings, misses = detect_all(PATTERN, _example("probabilities_chosen_by_a_computed_condition").code)
     assert not findings and any("modified after softmax under `if torch.rand(()) < 0.1`" in m.reason for m in misses)
+
+
+def test_softmax_module_called_inline_matches_under_emulator() -> None:
+    ex = _example("softmax_module_called_inline")
+    findings, misses = detect_all(PATTERN, ex.code)
+    assert findings, [m.reason for m in misses]
+    facts = check_rewrite_runs(PATTERN, ex.code, ex.run, findings)
+    assert facts["calls"] == 1
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999

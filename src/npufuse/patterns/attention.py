@@ -1099,7 +1099,8 @@ class _Matcher:
             return None
         if self.method(node, "softmax") and name not in SOFTMAXES:
             return node.func.value, keyword(node, "dim", 0), keyword(node, "dtype", 1)
-        if isinstance(node.func, ast.Call) and self.module.canonical(getattr(node.func, "func", None)) == "torch.nn.Softmax" and len(node.args) == 1:
+        if isinstance(node.func, ast.Call) and self.module.canonical(_plain(node.func.func)) == "torch.nn.Softmax" and len(node.args) == 1:
+            # ``torch.nn.Softmax(dim=-1)(x)`` (GLM): the symbolic tree holds ``torch`` as a Ref, read through _plain
             return node.args[0], keyword(node.func, "dim", 0), None
         return None
 
@@ -5728,5 +5729,33 @@ def attend(q, k, v):
     return attn @ v
 """,
         reason="attention probabilities are modified after softmax under `if torch.rand(()) < 0.1`",
+    )
+)
+
+
+# --- issue 14 class 3: a softmax module built and called in one expression ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="softmax_module_called_inline",
+        # GLM: ``torch.nn.Softmax(dim=-1)(scores)`` (constructed and applied in one expression)
+        code="""
+import math
+
+import torch
+
+
+def attend(q, k, v):
+    scores = torch.matmul(q, k.transpose(-1, -2) / math.sqrt(q.shape[-1]))
+    probs = torch.nn.Softmax(dim=-1)(scores)
+    return torch.matmul(probs, v)
+""",
+        expect={"layout": "BNSD"},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 7, 16, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+out = attend(q, k, v)
+leaves = [q, k, v]
+""",
     )
 )
