@@ -5701,7 +5701,7 @@ def attend(q, k, v, inverted=False):
         attn = sim.softmax(dim=-1)
     return torch.einsum("bij,bjd->bid", attn, v)
 """,
-        expect={"layout": "BNSD"},
+        expect={"layout": "3D (bmm) -> BNSD with N=1"},
         run="""
 q = torch.randn(3, 5, 16, requires_grad=True)
 k = torch.randn(3, 7, 16, requires_grad=True)
