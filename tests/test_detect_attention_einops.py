@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import sys
 import types
 
@@ -45,11 +46,8 @@ def _einops_stand_in(*args: object) -> torch.Tensor:
 
 
 def test_einops_einsum_attention_matches_under_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
-    if "einops" not in sys.modules:
-        try:
-            import einops  # noqa: F401
-        except ImportError:
-            monkeypatch.setitem(sys.modules, "einops", types.SimpleNamespace(einsum=_einops_stand_in))
+    if "einops" not in sys.modules and importlib.util.find_spec("einops") is None:
+        monkeypatch.setitem(sys.modules, "einops", types.SimpleNamespace(einsum=_einops_stand_in))
     ex = _example("einops_einsum_equation_last")
     findings, misses = detect_all(PATTERN, ex.code)
     assert findings, [m.reason for m in misses]
