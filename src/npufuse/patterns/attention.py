@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, product, slice_add_as_padded, summed_product, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -1099,7 +1099,8 @@ class _Matcher:
             return None
         if self.method(node, "softmax") and name not in SOFTMAXES:
             return node.func.value, keyword(node, "dim", 0), keyword(node, "dtype", 1)
-        if isinstance(node.func, ast.Call) and self.module.canonical(getattr(node.func, "func", None)) == "torch.nn.Softmax" and len(node.args) == 1:
+        if isinstance(node.func, ast.Call) and self.module.canonical(_plain(node.func.func)) == "torch.nn.Softmax" and len(node.args) == 1:
+            # ``torch.nn.Softmax(dim=-1)(x)`` (GLM): the symbolic tree holds ``torch`` as a Ref, read through _plain
             return node.args[0], keyword(node.func, "dim", 0), None
         return None
 
@@ -1333,6 +1334,17 @@ class _Matcher:
                 if self._views_of(b, a):
                     node = a
                     continue
+                plain = [(x, neg) for x, neg in ((a, True), (b, False)) if self._last_dim_softmax(x)]
+                if len(plain) == 1 and self._qk_softmax(node) and not _heavy(node.test, through_meta=False) \
+                        and not any(isinstance(t, ast.Call) for t in walk_sym(node.test)):
+                    # perceiver's ``if inverted_attention: attn = l1norm(sim.softmax(-2)) else: attn = sim.softmax(-1)``:
+                    # a run-time flag picks the probabilities; the fused call runs where the plain softmax is taken,
+                    # the original code where the other branch is (as soft-capping under a flag)
+                    taken, neg = plain[0]
+                    other = b if taken is a else a
+                    chain.excluded.append((node.test, neg, f"`{self._first_diff(other, taken)}` on the probabilities"))
+                    node = taken
+                    continue
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
@@ -1504,6 +1516,14 @@ class _Matcher:
             return node.value
         return node.args[0] if self._fn(node) == "einops.rearrange" else node.func.value
 
+    def _last_dim_softmax(self, node: Any) -> bool:
+        """``node`` is (through casts) a softmax over the last dim of something computed from a product."""
+        node = deref(node, set())
+        while self.method(node, *_CASTS):
+            node = deref(node.func.value, set())
+        sm = self.softmax_of(node)
+        return sm is not None and sm[1] is not None and const_value(sm[1]) == -1 and _heavy(sm[0], through_meta=False)
+
     def _qk_softmax(self, node: Any) -> bool:
         """A softmax of a Q@Kᵀ-like product is reachable (without crossing another product)."""
         stack, visited = [node], set()
@@ -1645,6 +1665,13 @@ class _Matcher:
                         chain.spelling.append("summed_products")
                         self.parse_qk(prod.a, prod, chain)
                         return
+                    for side in (node.left, node.right):
+                        if self.is_matmul(deref(side, chain.seen)) is None:
+                            helper = next((c for c in walk_values(side) if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, Ref))
+                                           and any(self._reaches(a, stop) for a in list(c.args) + [k.value for k in c.keywords])), None)
+                            if helper is not None:
+                                raise Miss(f"the term `{self.src(side)}` added to the scores is computed by `{self.src(helper)}`, a function "
+                                           "given the scores as an argument: npufuse does not read what it takes from them")
                     raise Miss(f"scores added to scores (`{self.src(node)}`)")
                 base, term = (node.left, node.right) if left_qk else (node.right, node.left)
                 self.add_additive(term, chain, cond)
@@ -1690,8 +1717,41 @@ class _Matcher:
             if self._capping(node):
                 raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}` (logit soft-capping / clamping): "
                            "npu_fusion_attention has no such step")
+            inlined = self._inlined_helper(node)
+            if inlined is not None:
+                # timm's ``maybe_add_mask(s, m)`` = ``s if m is None else s + m``: read through its one returned expression
+                chain.spelling.append("helper_inlined")
+                node = Cond(test=inlined.test, body=inlined.body, orelse=inlined.orelse) if isinstance(inlined, ast.IfExp) else inlined
+                continue
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
         raise Miss("attention score chain too long to follow")
+
+    def _inlined_helper(self, node: Any) -> ast.expr | None:
+        """A call of a function of this file or of another file of the repo whose body is one ``return`` of an
+        expression of its parameters (canonical.inline_return_expression), that expression with the call's
+        arguments in place; decorators must return the function itself (``torch.fx.wrap``, a registry)."""
+        if not isinstance(node, ast.Call):
+            return None
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.name if isinstance(func, Ref) and func.idx == -1 else None
+        if name is None or self.scope.assignments.get(name):
+            return None  # a local name (a callable chosen at run time) is not the module-level function
+        from npufuse.scan import repo_facts
+
+        found = repo_facts.definition(self.module, name)
+        if found is None or not isinstance(found.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return None
+
+        def keeps(dec: ast.expr) -> bool:
+            name = dotted(dec)
+            if name is None:
+                return False
+            if name == "torch.fx.wrap":
+                return True
+            target = repo_facts.definition_in(repo_facts.repo_root(self.module), found.rel, found.tree, name)
+            return target is not None and returns_its_argument(target.node)
+
+        return inline_return_expression(found.node, node, keeps)
 
     def _common_base(self, a: Any, b: Any, stop: Any) -> Any:
         """The scores both branches of a conditional start from (``stop`` inside an outer branch, else
@@ -2290,6 +2350,32 @@ def _method_builds_positions(module: ModuleInfo, class_name: str | None, name: s
     return False
 
 
+def _method_returns_learned(module: ModuleInfo, class_name: str | None, name: str) -> str | None:
+    """``self.<attr>`` (an ``nn.Parameter`` / ``nn.Embedding`` built in the class) whose values the method
+    ``name`` of the class returns, followed through the method's own local names (BEiT's
+    ``_get_rel_pos_bias``: a learned relative-position table indexed, viewed and permuted); None otherwise."""
+    cls = module.classes.get(class_name or "")
+    fn = next((f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == name), None) if cls else None
+    if fn is None:
+        return None
+    assigned: dict[str, list[ast.expr]] = {}
+    for st in fast_walk(fn):
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            assigned.setdefault(st.targets[0].id, []).append(st.value)
+    stack: list[ast.expr] = [r.value for r in fast_walk(fn) if isinstance(r, ast.Return) and r.value is not None]
+    seen: set[str] = set()
+    while stack:
+        for n in _value_flow(stack.pop()):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                ctor = _self_attr_ctor(module, class_name, n.attr)
+                if ctor is not None and module.canonical(ctor.func) in _LEARNED_CTORS:
+                    return f"`self.{n.attr}`, a learned {module.canonical(ctor.func).rpartition('.')[2]} (graded values)"
+            elif isinstance(n, ast.Name) and n.id not in seen:
+                seen.add(n.id)
+                stack.extend(assigned.get(n.id, ()))
+    return None
+
+
 def _mask_fill(n: ast.AST) -> bool:
     """-inf / finfo.min / a constant <= -1e4: the fill of a mask's masked positions."""
     if _minus_infinity(n):
@@ -2347,6 +2433,9 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
             if callee.startswith("self.") and callee.count(".") == 1:
                 if _method_builds_positions(module, scope.class_name, last):
                     return f"`{callee}(...)`, which builds it from token positions (`arange`)"
+                table = _method_returns_learned(module, scope.class_name, last)
+                if table:
+                    return f"`{callee}(...)`, which returns values of {table}"
                 ctor = _self_attr_ctor(module, scope.class_name, last)
                 if ctor is not None and module.canonical(ctor.func) == "torch.nn.Embedding":
                     return f"`{callee}`, an nn.Embedding (learned values)"
@@ -2768,7 +2857,7 @@ class AttentionPattern(Pattern):
         for name in sorted(internal):
             if name in _targets(stmt):
                 continue
-            used_after = scope.uses_after(name, end_line)
+            used_after = scope.uses_after(name, end_line) and _read_on_a_path_after(scope, name, span_line, end_line)
             if not (used_after or name in in_final):
                 continue
             final = interp.before[e].get(name)
@@ -2916,7 +3005,7 @@ class AttentionPattern(Pattern):
                 value_check = " and ".join(skip) if len(skip) == 1 else " and ".join(f"({c})" for c in skip)
                 value_split = 0
                 for test, neg, step in chain.excluded:
-                    risks.append(Risk("other", f"`{step}` on the scores when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
+                    risks.append(Risk("other", f"{step if step.startswith('`') else f'`{step}` on the scores'} when `{'not ' if neg else ''}{r.text(test)}` has no npu_fusion_attention "
                                                "equivalent npufuse generates: the fused call runs only where that branch is not taken; where it is "
                                                "(soft-capped models such as Gemma 2, a bias module such as ALiBi), the original code runs"))
             if chain.requires:
@@ -3185,6 +3274,26 @@ def _packaging_use(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
         if isinstance(parent, ast.Assign) and cur is parent.value and all(isinstance(t, ast.Name) for t in parent.targets):
             return True  # outputs = (attn_output, attn_weights) ...: packaged for the caller
         return False
+
+
+def _read_on_a_path_after(scope: Scope, name: str, first: int, last: int) -> bool:
+    """Is a read of ``name`` after line ``last`` reachable from the site on lines ``first``..``last``?
+    A read in the other branch of an ``if`` whose one branch holds the site is not (LocalMHA's cached
+    decode path in the ``if``, the windowed call reading the same argument in the ``else``), unless a
+    loop around that ``if`` can carry the value into the other branch on its next pass."""
+    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > last]
+    if not loads:
+        return False
+    nodes = scope.nodes()
+    loops = [n for t in (ast.For, ast.AsyncFor, ast.While) for n in nodes.get(t, ())]
+    exclusive: list[tuple[int, int]] = []  # line ranges the site's path never reaches
+    for branch in nodes.get(ast.If, ()):
+        if not branch.orelse or any(lp.lineno <= branch.lineno and lp.end_lineno >= branch.end_lineno for lp in loops):  # type: ignore[attr-defined, operator]
+            continue
+        for here, other in ((branch.body, branch.orelse), (branch.orelse, branch.body)):  # type: ignore[attr-defined]
+            if here[0].lineno <= first and here[-1].end_lineno >= last:
+                exclusive.append((other[0].lineno, other[-1].end_lineno))
+    return any(not any(lo <= n.lineno <= hi for lo, hi in exclusive) for n in loads)
 
 
 def _only_returned(scope: Scope, name: str, after: int) -> bool:
@@ -5380,5 +5489,273 @@ def attend(q, k, v, w):
     return scores.softmax(dim=-1).matmul(v)
 """,
         reason="is not a transpose of K",
+    )
+)
+
+
+# --- issue 14 class 3: einops ``einsum`` (operands first, the equation last; canonical.product) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="einops_einsum_equation_last",
+        # lucidrains' cached decode step: ``from einops import einsum``; ``einsum(q, k, "b h i d, b h j d -> b h i j")``
+        # with one-letter axis names means what torch's einsum means; an optional float bias is value-checked
+        code="""
+import torch
+from einops import einsum
+
+
+def decode(q, k, v, attn_bias=None):
+    q = q * (q.shape[-1] ** -0.5)
+    sim = einsum(q, k, "b h i d, b h j d -> b h i j")
+    if attn_bias is not None:
+        sim = sim + attn_bias
+    attn = sim.softmax(dim=-1)
+    return einsum(attn, v, "b h i j, b h j d -> b h i d")
+""",
+        expect={"layout": "BNSD", "mask_values_checked": True},
+            )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="einops_einsum_word_axis_names",
+        # einops names axes by words: ``"bh i d"`` is three axes to einops and four letters to torch; npufuse reads only
+        # one-letter names and says so instead of guessing
+        code="""
+from einops import einsum
+
+
+def attend(q, k, v):
+    sim = einsum(q, k, "bh i d, bh j d -> bh i j") * 0.125
+    return einsum(sim.softmax(dim=-1), v, "bh i j, bh j d -> bh i d")
+""",
+        reason="equation npufuse does not parse",
+    )
+)
+
+
+# --- issue 14 class 3: a name the site reassigns, read again only in the other branch of an ``if`` ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="bias_reassigned_read_only_in_other_branch",
+        # LocalMHA: the cached decode path cuts the bias to the newest keys (``bias = bias[..., -1:, -n:]``) in the
+        # ``if``; the ``else`` hands the uncut bias to another module. That read is not reachable from the site, so
+        # the reassignment is not a value the fused branch must produce
+        code="""
+import torch
+
+
+def attend(q, k, v, window_fn, cached, bias=None):
+    if cached:
+        sim = torch.einsum("bhid,bhjd->bhij", q * q.shape[-1] ** -0.5, k)
+        if bias is not None:
+            bias = bias[..., -1:, -k.shape[-2]:]
+            sim = sim + bias
+        out = torch.einsum("bhij,bhjd->bhid", sim.softmax(dim=-1), v)
+    else:
+        out = window_fn(q, k, v, bias)
+    return out
+""",
+        expect={"mask_values_checked": True},
+        run="""
+q = torch.randn(2, 4, 1, 16, requires_grad=True)
+k = torch.randn(2, 4, 9, 16, requires_grad=True)
+v = torch.randn(2, 4, 9, 16, requires_grad=True)
+pad = torch.zeros(2, 1, 3, 12)
+pad[1, ..., -5:-2] = float("-inf")
+out = (attend(q, k, v, None, True), attend(q, k, v, None, True, pad))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="bias_reassigned_read_in_other_branch_of_a_loop",
+        # the same shape inside a loop: the next pass can take the ``else`` and read the cut bias, a value the fused
+        # branch does not produce
+        code="""
+import torch
+
+
+def attend(q, k, v, window_fn, steps, bias):
+    outs = []
+    for cached in steps:
+        if cached:
+            sim = torch.einsum("bhid,bhjd->bhij", q * 0.25, k)
+            if bias is not None:
+                bias = bias[..., -1:, -k.shape[-2]:]
+                sim = sim + bias
+            outs.append(torch.einsum("bhij,bhjd->bhid", sim.softmax(dim=-1), v))
+        else:
+            outs.append(window_fn(q, k, v, bias))
+    return outs
+""",
+        reason="intermediate `bias` is used after the attention",
+    )
+)
+
+
+# --- issue 14 class 3: a one-expression helper applied to the scores (canonical.inline_return_expression) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="one_expression_helper_adds_mask",
+        # timm: ``attn = maybe_add_mask(attn, attn_mask)`` with ``return scores if mask is None else scores + mask``
+        # (a tracing marker as decorator): read through the returned expression; the float mask is value-checked
+        code="""
+import torch
+
+
+@torch.fx.wrap
+def maybe_add_mask(scores, mask=None):
+    return scores if mask is None else scores + mask
+
+
+def attend(q, k, v, attn_mask=None):
+    attn = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    attn = maybe_add_mask(attn, attn_mask)
+    return attn.softmax(dim=-1) @ v
+""",
+        expect={"mask_values_checked": True},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 7, 16, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+pad = torch.zeros(2, 1, 1, 7)
+pad[1, ..., :2] = float("-inf")
+out = (attend(q, k, v), attend(q, k, v, pad))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="helper_with_a_wrapping_decorator",
+        # a decorator that wraps the helper may change what a call does (here it scales the result): not read through
+        code="""
+import functools
+
+
+def doubled(fn):
+    @functools.wraps(fn)
+    def inner(*args):
+        return 2 * fn(*args)
+    return inner
+
+
+@doubled
+def maybe_add_mask(scores, mask=None):
+    return scores if mask is None else scores + mask
+
+
+def attend(q, k, v, attn_mask=None):
+    attn = q @ k.transpose(-2, -1) * 0.25
+    attn = maybe_add_mask(attn, attn_mask)
+    return attn.softmax(dim=-1) @ v
+""",
+        reason="unsupported operation on the attention scores: `maybe_add_mask(attn, attn_mask)`",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="mask_helper_given_the_scores",
+        # the mask is built by a function that receives the scores (for their dtype, here): npufuse does not read what
+        # such a function takes from them, and says so instead of calling it "scores added to scores"
+        code="""
+import torch
+
+
+def resolve_mask(n, scores, causal):
+    return scores.new_full((n, n), float("-inf")).triu_(1) if causal else None
+
+
+def maybe_add_mask(scores, mask=None):
+    return scores if mask is None else scores + mask
+
+
+def attend(q, k, v, causal):
+    attn = q @ k.transpose(-2, -1) * 0.25
+    bias = resolve_mask(q.shape[-2], attn, causal)
+    attn = maybe_add_mask(attn, bias)
+    return attn.softmax(dim=-1) @ v
+""",
+        reason="a function given the scores as an argument",
+    )
+)
+
+
+# --- issue 14 class 3: probabilities chosen by a run-time flag (one branch a plain last-dim softmax) ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="probabilities_chosen_by_flag",
+        # perceiver's inverted attention: ``if inverted: attn = l1norm(sim.softmax(dim=-2)) else: attn = sim.softmax(dim=-1)``;
+        # the fused call runs where the flag is false, the original code where it is true
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, inverted=False):
+    sim = torch.einsum("bid,bjd->bij", q, k) * 0.25
+    if inverted:
+        attn = F.normalize(sim.softmax(dim=-2), p=1, dim=-1)
+    else:
+        attn = sim.softmax(dim=-1)
+    return torch.einsum("bij,bjd->bid", attn, v)
+""",
+        expect={"layout": "3D (bmm) -> BNSD with N=1"},
+        run="""
+q = torch.randn(3, 5, 16, requires_grad=True)
+k = torch.randn(3, 7, 16, requires_grad=True)
+v = torch.randn(3, 7, 16, requires_grad=True)
+out = (attend(q, k, v), attend(q, k, v, inverted=True))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="probabilities_chosen_by_a_computed_condition",
+        # the branch is chosen by a call evaluated at the site (a random draw here): evaluating it again in a guard
+        # would change what the code does, so the modified probabilities stay a near miss
+        code="""
+import torch
+
+
+def attend(q, k, v):
+    sim = q @ k.transpose(-2, -1) * 0.25
+    if torch.rand(()) < 0.1:
+        attn = sim.softmax(dim=-2)
+    else:
+        attn = sim.softmax(dim=-1)
+    return attn @ v
+""",
+        reason="attention probabilities are modified after softmax under `if torch.rand(()) < 0.1`",
+    )
+)
+
+
+# --- issue 14 class 3: a softmax module built and called in one expression ---
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="softmax_module_called_inline",
+        # GLM: ``torch.nn.Softmax(dim=-1)(scores)`` (constructed and applied in one expression)
+        code="""
+import math
+
+import torch
+
+
+def attend(q, k, v):
+    scores = torch.matmul(q, k.transpose(-1, -2) / math.sqrt(q.shape[-1]))
+    probs = torch.nn.Softmax(dim=-1)(scores)
+    return torch.matmul(probs, v)
+""",
+        expect={"layout": "BNSD"},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 7, 16, requires_grad=True)
+v = torch.randn(2, 4, 7, 16, requires_grad=True)
+out = attend(q, k, v)
+leaves = [q, k, v]
+""",
     )
 )

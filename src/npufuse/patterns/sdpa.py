@@ -732,3 +732,35 @@ def packed(qkv):
         reason="passed with `*`",
     ),
 ]
+
+# issue 14 class 3: the bias returned by a method of the class from a learned table (BEiT/Swin's relative position
+# bias: ``self.table[self.index.view(-1)].view(n, n, -1).permute(2, 0, 1)``): graded values, a near miss that says so
+SdpaPattern.KEEP.append(
+    Keep(
+        name="relative_position_bias_from_method",
+        code='''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, n=16, heads=4):
+        super().__init__()
+        self.n = n
+        self.table = nn.Parameter(torch.zeros(2 * n, heads))
+        self.register_buffer("index", torch.zeros(n, n, dtype=torch.long))
+
+    def _bias(self):
+        bias = self.table[self.index.view(-1)].view(self.n, self.n, -1)
+        return bias.permute(2, 0, 1).contiguous().unsqueeze(0)
+
+    def forward(self, q, k, v, extra=None):
+        rel = self._bias()
+        if extra is not None:
+            rel = rel + extra
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=rel)
+''',
+        reason="which returns values of `self.table`, a learned Parameter",
+    )
+)

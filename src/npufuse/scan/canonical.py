@@ -23,6 +23,7 @@ never reach these questions.
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import dataclass
 
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value
@@ -698,15 +699,34 @@ def product(node: ast.AST, callee: Callable[[ast.Call], str | None]) -> Product 
         else:
             return None
         return Product(a, b, "einsum", contraction(einsum_subscripts(node.args[0])), spec=node.args[0])
+    if name == "einops.einsum" and len(node.args) == 3 and not node.keywords:
+        # einops puts the equation last and names axes by space-separated words (``"b h i d, b h j
+        # d -> b h i j"``); read only one-letter axis names, where the text means what torch reads
+        return Product(node.args[0], node.args[1], "einsum", contraction(einops_equation_subscripts(node.args[2])), spec=node.args[2])
     if name == "torch.baddbmm" and len(node.args) == 3 and const_value(_kw(node, "beta")) in (0, 0.0):
         return Product(node.args[1], node.args[2], "baddbmm", alpha=_kw(node, "alpha"))
-    if isinstance(node.func, ast.Attribute) and name not in MATMUL_NAMES + ("torch.einsum", "torch.baddbmm"):
+    if isinstance(node.func, ast.Attribute) and name not in MATMUL_NAMES + ("torch.einsum", "torch.baddbmm", "einops.einsum"):
         attr = node.func.attr
         if attr in ("matmul", "bmm") and len(node.args) == 1 and not node.keywords:
             return Product(node.func.value, node.args[0], attr)
         if attr == "baddbmm" and len(node.args) == 2 and const_value(_kw(node, "beta")) in (0, 0.0):
             return Product(node.args[0], node.args[1], "baddbmm", alpha=_kw(node, "alpha"))
     return None
+
+
+def einops_equation_subscripts(node: ast.AST | None) -> tuple[str, str, str] | None:
+    """(a, b, out) of an einops ``einsum`` pattern whose axis names are all one letter (or
+    ``...``); None for longer names (``"batch i d"`` is one axis ``batch`` to einops, three letters
+    to torch) and for anything :func:`einsum_subscripts` does not read."""
+    text = const_value(node)
+    if isinstance(node, ast.JoinedStr) and all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in node.values):
+        text = "".join(v.value for v in node.values)  # type: ignore[union-attr]
+    if not isinstance(text, str):
+        return None
+    words = text.replace(",", " ").replace("->", " ").split()
+    if not all(len(w) == 1 or w == "..." for w in words):
+        return None
+    return einsum_subscripts(ast.Constant(text))
 
 
 def einops_permutation(pattern: ast.AST | None) -> tuple[int, ...] | None:
@@ -1001,3 +1021,59 @@ def l2_normalize_of(module: ModuleInfo, call: ast.AST | None) -> L2Normalize | N
     if inner[1] is not None and type(const_value(inner[1])) not in (int, float):
         return None  # an eps read from the helper's scope cannot be written at the call
     return L2Normalize(call.args[0], inner[1], fn.name)
+
+# --- attention: one-expression helpers inlined at their call ---
+# timm's ``maybe_add_mask(scores, mask)`` is ``return scores if mask is None else scores + mask``: a
+# detector reading the scores' dataflow sees through it when the helper's body is one ``return`` of an
+# expression of its own parameters only (no globals, whose meaning at the caller could differ).
+
+
+def inline_return_expression(fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call,
+                             decorator_keeps_function: Callable[[ast.expr], bool]) -> ast.expr | None:
+    """The helper's single returned expression with its parameters replaced by the call's arguments
+    (positional, keyword, defaults); None when the body is more than a docstring and one ``return``, the
+    signature has ``*args``/``**kwargs``/keyword-only parameters, an argument is starred or unknown, a
+    decorator may change what a call does (``decorator_keeps_function(d)`` false), or the expression
+    reads any name that is not a parameter."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(const_value(s.value), str))]
+    a = fn.args
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or a.vararg or a.kwarg \
+            or a.kwonlyargs or a.posonlyargs or not all(decorator_keeps_function(d) for d in fn.decorator_list):
+        return None
+    params = [p.arg for p in a.args]
+    bound: dict[str, ast.expr] = {}
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
+    if len(call.args) > len(params) or any(isinstance(x, ast.Starred) for x in call.args):
+        return None
+    bound.update(zip(params, call.args))
+    for kw in call.keywords:
+        if kw.arg is None or kw.arg not in params or kw.arg in bound:
+            return None
+        bound[kw.arg] = kw.value
+    for p in params:
+        if p not in bound:
+            if p not in defaults:
+                return None
+            bound[p] = defaults[p]
+    expr = body[0].value
+    if any(isinstance(n, ast.Name) and n.id not in bound for n in ast.walk(expr)) \
+            or any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.comprehension)) for n in ast.walk(expr)):
+        return None
+
+    class _Substitute(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.AST:
+            return bound[node.id]
+
+    return _Substitute().visit(copy.deepcopy(expr))
+
+
+def returns_its_argument(fn: ast.AST | None) -> bool:
+    """A decorator defined as ``def d(f): ...; return f`` (a registry such as timm's
+    ``register_notrace_function``): eager calls of what it decorates are the function itself."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(fn.args.args) != 1 or not fn.body:
+        return False
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return)]
+    last = fn.body[-1]
+    return isinstance(last, ast.Return) and isinstance(last.value, ast.Name) and last.value.id == fn.args.args[0].arg \
+        and all(isinstance(r.value, ast.Name) and r.value.id == fn.args.args[0].arg for r in returns) \
+        and not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) for n in ast.walk(fn) if n is not fn)
