@@ -275,11 +275,15 @@ def _trailing_dims_of(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx, trace: S.Tr
     start, stop, step = rng.args
     if const_value(start) != -1 or const_value(step) != -1:
         return None
-    # stop: -len(shape) - 1
+    # stop: -len(shape) - 1, or -n - 1 with n a name bound once to len(shape) (timm's
+    # ``norm_ndim = len(normalized_shape)``): the check reads the name where the norm is
     if not (isinstance(stop, ast.BinOp) and isinstance(stop.op, ast.Sub) and const_value(stop.right) == 1
-            and isinstance(stop.left, ast.UnaryOp) and isinstance(stop.left.op, ast.USub)
-            and isinstance(stop.left.operand, ast.Call) and isinstance(stop.left.operand.func, ast.Name)
-            and stop.left.operand.func.id == "len" and len(stop.left.operand.args) == 1):
+            and isinstance(stop.left, ast.UnaryOp) and isinstance(stop.left.op, ast.USub)):
+        return None
+    count = stop.left.operand
+    if isinstance(count, ast.Name):
+        count = S.follow(count, vctx)[0]
+    if not (isinstance(count, ast.Call) and isinstance(count.func, ast.Name) and count.func.id == "len" and len(count.args) == 1):
         return None
     S.follow(dim, ctx, trace)
     return stop.left, vctx
@@ -3192,7 +3196,27 @@ RmsNorm.FUSE += [
     ),
 ]
 
+RmsNorm.FUSE += [
+    Fuse(
+        # the count of trailing dims through a name bound to len(normalized_shape)
+        _TRAILING_DIMS.replace("    dims = tuple(i for i in range(-1, -len(normalized_shape) - 1, -1))",
+                               "    norm_ndim = len(normalized_shape)\n    dims = tuple(range(-1, -norm_ndim - 1, -1))"),
+        expect={"dim_check": "-norm_ndim == -1", "weight": "weight", "qualname": "manual_rms_norm"},
+        run=("x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nw = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "w2 = torch.randn(3, 16, requires_grad=True)\nout = (manual_rms_norm(x, (16,), w, 1e-5), manual_rms_norm(x, (3, 16), w2, 1e-5))\n"
+             "leaves = [x, w, w2]\n"),
+        name="mean_over_trailing_dims_counted_by_a_name",
+    ),
+]
+
 RmsNorm.KEEP += [
+    Keep(
+        # the count is a name bound to something else than len(shape) (a shape entry): refused
+        _TRAILING_DIMS.replace("    dims = tuple(i for i in range(-1, -len(normalized_shape) - 1, -1))",
+                               "    norm_ndim = normalized_shape[0]\n    dims = tuple(range(-1, -norm_ndim - 1, -1))"),
+        reason="a run-time value",
+        name="mean_over_trailing_dims_counted_by_a_shape_entry",
+    ),
     Keep(
         # the leading dims instead (range(0, len(shape))): not the trailing ones, refused with the reason
         _TRAILING_DIMS.replace("range(-1, -len(normalized_shape) - 1, -1)", "range(0, len(normalized_shape))"),

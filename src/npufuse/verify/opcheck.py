@@ -81,6 +81,7 @@ from npufuse.emulate.checks import FALLBACK_WARNING
 from npufuse.safe_write import write_text_atomic
 from npufuse.verify import inputs as inp
 from npufuse.verify.candidate import Candidate, update_state
+from npufuse.verify.norm_swap import is_construction_swap, swap_switcher, swapped_norm_check
 from npufuse.verify.probe import LineTrace, SiteCounter, instrument
 
 SEED_COSINE = 0.999
@@ -524,6 +525,18 @@ def run_op_check(cand: Candidate, opts: OpOptions, capture_path: Path | None = N
                         init[name] = inp.traced_config(module, spec)
                         # its sizes also feed the naming heuristics (the scan read no config of an installed model)
                         values = {**{k: v for k, v in spec["config"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}, **values}
+                if is_construction_swap(cand.site.fused_text):
+                    # an nn.RMSNorm swapped where it is built: the module's forward is the operator
+                    # (npufuse.verify.norm_swap), not the __init__ holding the site
+                    switch = swap_switcher(Switcher(module, cand.site.env_switch, npu_module, cand.site.site_switch))
+                    try:
+                        target, inputs = swapped_norm_check(cand, module, target, values, opts, init, switch)
+                        if capture_path is not None:
+                            inputs.notes.append("the captured call is that of the function holding the site; the module's input is synthesised (its shape from the module)")
+                        golden_dtype = torch.float64 if inputs.dtype == torch.float64 or device == "cpu" else torch.float32
+                        return _three_runs(cand, opts, target, inputs, golden_dtype, device, label, counter, switch)
+                    finally:
+                        switch.restore()
                 if capture_path is not None:
                     inputs = inp.from_capture(capture_path, module, target, values, dtype, init, opts.seed)
                 else:
