@@ -1568,7 +1568,7 @@ class RopePattern(Pattern):
                     and any(_complex_halves(scope, f) is not None for f in (node.args[0].left, node.args[0].right)):
                 found.append(node)  # gemma: the complex numbers are made of the two halves
                 return
-            if _method(node, "flatten", "view", "reshape") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
+            if _method(node, "flatten", "view", "reshape", "view_as") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
             if isinstance(node, ast.Call) and _calls_view_as_real(node) and _named_complex_product(scope, node) is not None:
@@ -2013,6 +2013,11 @@ class RopePattern(Pattern):
             if not node.args or node.keywords:
                 return None
             post = f".{node.func.attr}({', '.join(segment(module, a) for a in node.args)})"
+        elif _method(node, "view_as"):
+            # ``view_as_real(xc * f).view_as(x)`` (audiocraft): x's shape, the same elements in the same order
+            if len(node.args) != 1 or node.keywords:
+                return None
+            post = f".view_as({segment(module, node.args[0])})"
         elif not _is_int(keyword(node, "start_dim", 0), 3, -2) and not self._merges_pair_axis(scope, node):
             return None
         real = node.func.value
@@ -4610,5 +4615,61 @@ RopePattern.KEEP += [
                                     "q, k = [t * cos + rotate_half(t) * sin for pair in ((q, k),) for t in pair]"),
         reason="only where the comprehension has a single `for <name> in ...`",
         name="rotation_in_a_comprehension_of_two_loops",
+    ),
+]
+
+# a complex multiplier that is no unit rotation (a blend ``rot * scale + (1 - scale)``, audiocraft-like)
+# and a result viewed back as the input's shape with ``.view_as(x)``; x cast to a dtype chosen at
+# construction (float64 allowed there: checked at run time, the original code runs for it)
+_COMPLEX_VIEW_AS = '''
+import torch
+import torch.nn as nn
+
+
+class Rotation(nn.Module):
+    def __init__(self, dim, scale=1.0, dtype=torch.float32):
+        super().__init__()
+        self.scale = scale
+        self.dtype = dtype
+        self.register_buffer("inv", 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=dtype) / dim)))
+
+    def table(self, start, end):
+        ang = torch.outer(torch.arange(end, dtype=self.dtype), self.inv)
+        return torch.polar(torch.ones_like(ang), ang)[start:end]
+
+    def rotate(self, x, start: int = 0, time_dim: int = 1):
+        n = x.shape[time_dim]
+        shape = [1] * x.dim()
+        shape[time_dim] = n
+        shape[-1] = -1
+        rot = self.table(start, start + n).view(shape)
+        xc = torch.view_as_complex(x.to(self.dtype).reshape(*x.shape[:-1], -1, 2))
+        blended = rot * self.scale + (1.0 - self.scale)
+        out = torch.view_as_real(xc * blended).view_as(x)
+        return out.type_as(x)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_blend_view_as",
+        code=_COMPLEX_VIEW_AS,
+        expect={"mode": "complex", "freqs": "blended", "line": 25},
+        run='''
+x = torch.randn(2, 6, 3, 16, requires_grad=True)
+m32 = Rotation(16, scale=0.75)
+m64 = Rotation(16, scale=0.5, dtype=torch.float64)
+out = (m32.rotate(x), m32.rotate(x, start=2), m64.rotate(x), m32.rotate(x.transpose(1, 2), time_dim=2))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # pairs (x_i, x_{i+D/2}) made by a transpose: not the lane pairs the complex form reads
+        _COMPLEX_VIEW_AS.replace("x.to(self.dtype).reshape(*x.shape[:-1], -1, 2)",
+                                 "x.to(self.dtype).reshape(*x.shape[:-1], 2, -1).transpose(-1, -2).contiguous()"),
+        reason="pairs are not formed by reshape(..., -1, 2) on the last dim",
+        name="complex_blend_pairs_of_halves",
     ),
 ]
