@@ -560,13 +560,20 @@ def _comprehension_of(module: ModuleInfo, stmt: ast.stmt, m: "_Match") -> _Local
     return None
 
 
-def _local_guard(local: _LocalFn) -> str | None:
+def _local_guard(local: _LocalFn, m: "_Match | None" = None) -> str | None:
     """A tensor the local function is applied to, live before the statement: the first plain name of
-    a tuple or list it iterates over (``map(lam, (q, k))``, ``for t in (q, k)``); None otherwise."""
+    a tuple or list it iterates over (``map(lam, (q, k))``, ``for t in (q, k)``); else (a list passed
+    in, ``[... for t in xs]``) the rotation's cos table when it is a plain name live before the
+    statement: every rotated element is multiplied by it, so it sits on their device (the eager
+    product fails otherwise). None where neither is there."""
     seq = local.iterable
     elts = seq.elts if isinstance(seq, (ast.Tuple, ast.List)) else []
     if elts and isinstance(elts[0], ast.Name):
         return elts[0].id
+    if m is not None and isinstance(m.cos_node, ast.Name) and m.cos_node.id != local.param \
+            and not any(isinstance(n, ast.Name) and n.id == m.cos_node.id for n in fast_walk(local.replace)
+                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)):
+        return m.cos_node.id
     return None
 
 
@@ -580,9 +587,10 @@ def _local_refusal(module: ModuleInfo, scope: Scope, local: _LocalFn, m: "_Match
         return "the lambda takes one plain parameter"
     if not local.param:
         return "the comprehension has a single `for <name> in ...`"
-    if _local_guard(local) is None or (local.kind == "lambda" and "map" in module.functions):
+    if _local_guard(local, m) is None or (local.kind == "lambda" and "map" in module.functions):
         return (f"the {local.kind} is {'mapped' if local.kind == 'lambda' else 'run'} over a tuple or list of named tensors "
-                f"(`{'map(lambda t: ..., (q, k))' if local.kind == 'lambda' else '[... for t in (q, k)]'}`)")
+                f"(`{'map(lambda t: ..., (q, k))' if local.kind == 'lambda' else '[... for t in (q, k)]'}`) or its cos table "
+                "is a plain name of the enclosing code (a tensor to test the device on before the statement)")
     var = "parameter" if local.kind == "lambda" else "variable"
     if local.param in scope.assignments or local.param in scope.args:
         # the matcher reads the parameter's name through the enclosing function's bindings
@@ -2331,7 +2339,7 @@ class RopePattern(Pattern):
             fn = f"_npufuse_rope_{first_stmt.lineno}"
             lines = [f"def {fn}({local.param}):"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
                 [replace_segments(module, first_stmt, [(local.replace, local.call.format(fn=fn))])]
-            guard = _local_guard(local) or guard
+            guard = _local_guard(local, first) or guard
             params[local.kind] = local.text
             notes.append(f"the rotation is written in a {local.kind}: it becomes a local function `{fn}` holding the fused call "
                          "(the same closure over the enclosing names), called where the original computed it")
@@ -4671,5 +4679,46 @@ RopePattern.KEEP += [
                                  "x.to(self.dtype).reshape(*x.shape[:-1], 2, -1).transpose(-1, -2).contiguous()"),
         reason="pairs are not formed by reshape(..., -1, 2) on the last dim",
         name="complex_blend_pairs_of_halves",
+    ),
+]
+
+# the comprehension runs over a list passed in (``[... for t in xs]``): no named element to test the
+# device on, so the guard tests the cos table (every element is multiplied by it: same device)
+_COMPREHENSION_OVER_LIST = '''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_all(xs, sin, cos):
+    if isinstance(xs, torch.Tensor):
+        xs = [xs]
+    return [t * cos + rotate_half(t) * sin for t in xs]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_in_a_comprehension_over_a_list",
+        code=_COMPREHENSION_OVER_LIST,
+        expect={"mode": "half", "comprehension": "[t * cos + rotate_half(t) * sin for t in xs]"},
+        run='''
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 6, 16, requires_grad=True)
+cos, sin = torch.randn(6, 16), torch.randn(6, 16)
+out = (rotate_all([q, k], sin, cos), rotate_all(q, sin, cos), rotate_all([], sin, cos))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the table is an expression (a slice per call): no plain name to test the device on before the statement
+        _COMPREHENSION_OVER_LIST.replace("t * cos + rotate_half(t) * sin for t in xs", "t * cos[: t.shape[-2]] + rotate_half(t) * sin[: t.shape[-2]] for t in xs"),
+        reason="or its cos table is a plain name of the enclosing code",
+        name="rotation_in_a_comprehension_over_a_list_table_expression",
     ),
 ]
