@@ -2027,7 +2027,12 @@ class RopePattern(Pattern):
                 return None
             post = f".view_as({segment(module, node.args[0])})"
         elif not _is_int(keyword(node, "start_dim", 0), 3, -2) and not self._merges_pair_axis(scope, node):
-            return None
+            k = self._merges_more_axes(scope, node)
+            if k is None:
+                return None
+            # ``view_as_real(xc * f).flatten(2)`` of [b, s, n, d/2, 2] (VeOmni's Wan): the lane pairs merged
+            # and then the heads too; the fused call gives the first merge, the original flatten the rest
+            post = f".flatten({k})"
         real = node.func.value
         if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
             return None
@@ -2079,6 +2084,26 @@ class RopePattern(Pattern):
                         and len(pairs.args) == k + 2 and _is_int(pairs.args[-1], 2):
                     return True
         return False
+
+    @staticmethod
+    def _merges_more_axes(scope: Scope, node: ast.Call) -> int | None:
+        """k of ``view_as_real(xc * f).flatten(k)`` whose pairs view ``reshape(a0, .., a_{R-2}, 2)`` (no
+        starred size) has R sizes and 0 <= k <= R - 2: flatten(k) of the R-D real view equals
+        ``flatten(-2)`` (the lanes back in order) followed by ``flatten(k)``; None otherwise."""
+        k = const_value(keyword(node, "start_dim", 0))
+        real = node.func.value  # type: ignore[attr-defined]
+        if len(node.args) + len(node.keywords) != 1 or not (isinstance(k, int) and not isinstance(k, bool) and k >= 0) \
+                or not (isinstance(real, ast.Call) and len(real.args) == 1 and isinstance(real.args[0], ast.BinOp)
+                        and isinstance(real.args[0].op, ast.Mult)):
+            return None
+        for side in (real.args[0].left, real.args[0].right):
+            val = _resolve(scope, side)
+            if isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args:
+                pairs = _resolve(scope, val.args[0])
+                if _method(pairs, "reshape", "view") and not any(isinstance(a, ast.Starred) for a in pairs.args) \
+                        and len(pairs.args) >= 3 and _is_int(pairs.args[-1], 2) and k <= len(pairs.args) - 2:
+                    return k
+        return None
 
     def _match_named_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call, prod_stmt: ast.Assign, prod: ast.BinOp) -> _Match | str | None:
         """hkproj: ``x_rotated = xc * freqs`` bound to a name, then ``view_as_real(x_rotated)`` [..., D/2, 2]
@@ -4720,5 +4745,47 @@ RopePattern.KEEP += [
         _COMPREHENSION_OVER_LIST.replace("t * cos + rotate_half(t) * sin for t in xs", "t * cos[: t.shape[-2]] + rotate_half(t) * sin[: t.shape[-2]] for t in xs"),
         reason="or its cos table is a plain name of the enclosing code",
         name="rotation_in_a_comprehension_over_a_list_table_expression",
+    ),
+]
+
+# ``view_as_real(xc * freqs).flatten(2)`` on [b, s, n, d/2, 2] pairs: the lanes and then the heads merged
+# (the token layout [b, s, n*d] back, Wan-like); in float64 it stays a near miss that says so
+_COMPLEX_FLATTEN_HEADS = '''
+import torch
+
+
+def rope_tokens(x, freqs, head_dim):
+    b, s = x.shape[0], x.shape[1]
+    x = x.view(b, s, -1, head_dim)
+    x_out = torch.view_as_complex(x.float().reshape(x.shape[0], x.shape[1], x.shape[2], -1, 2))
+    x_out = torch.view_as_real(x_out * freqs).flatten(2)
+    return x_out.to(x.dtype)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_flatten_heads_too",
+        code=_COMPLEX_FLATTEN_HEADS,
+        expect={"mode": "complex", "freqs": "freqs", "line": 9},
+        run='''
+ang = torch.outer(torch.arange(6).float(), 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+freqs = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+x = torch.randn(2, 6, 3 * 8, requires_grad=True)
+out = rope_tokens(x, freqs, 8)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        _COMPLEX_FLATTEN_HEADS.replace("x.float().reshape", "x.to(torch.float64).reshape"),
+        reason="complex rope computed in float64",
+        name="complex_flatten_heads_too_float64",
+    ),
+    Keep(
+        # flatten(4) of the 5-D real view keeps every axis: no lane merge, not the rotation's output
+        _COMPLEX_FLATTEN_HEADS.replace(".flatten(2)", ".flatten(4)"),
+        name="complex_flatten_past_the_pairs",
     ),
 ]
