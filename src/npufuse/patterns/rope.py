@@ -485,6 +485,9 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         return _rotation_call(module, scope, inner, x_inner) if casts == x_casts else _Rotation(None)
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x) and isinstance(node.func, ast.Name):
         chosen = scope.definition(node.func.id, node.lineno)
+        if not isinstance(chosen, ast.IfExp):
+            # ``if flag: f = a`` / ``else: f = b``: the same choice as ``f = a if flag else b``
+            chosen = canonical.if_else_binding(scope.body, node.func.id, node.lineno) or chosen
         if isinstance(chosen, ast.IfExp):
             return _chosen_rotation(module, scope, node, chosen)
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x):
@@ -570,7 +573,7 @@ def _local_guard(local: _LocalFn, m: "_Match | None" = None) -> str | None:
     elts = seq.elts if isinstance(seq, (ast.Tuple, ast.List)) else []
     if elts and isinstance(elts[0], ast.Name):
         return elts[0].id
-    if m is not None and isinstance(m.cos_node, ast.Name) and m.cos_node.id != local.param \
+    if m is not None and local.kind == "comprehension" and isinstance(m.cos_node, ast.Name) and m.cos_node.id != local.param \
             and not any(isinstance(n, ast.Name) and n.id == m.cos_node.id for n in fast_walk(local.replace)
                         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)):
         return m.cos_node.id
@@ -589,8 +592,9 @@ def _local_refusal(module: ModuleInfo, scope: Scope, local: _LocalFn, m: "_Match
         return "the comprehension has a single `for <name> in ...`"
     if _local_guard(local, m) is None or (local.kind == "lambda" and "map" in module.functions):
         return (f"the {local.kind} is {'mapped' if local.kind == 'lambda' else 'run'} over a tuple or list of named tensors "
-                f"(`{'map(lambda t: ..., (q, k))' if local.kind == 'lambda' else '[... for t in (q, k)]'}`) or its cos table "
-                "is a plain name of the enclosing code (a tensor to test the device on before the statement)")
+                f"(`{'map(lambda t: ..., (q, k))' if local.kind == 'lambda' else '[... for t in (q, k)]'}`)"
+                + (" or its cos table is a plain name of the enclosing code (a tensor to test the device on before the statement)"
+                   if local.kind == "comprehension" else ""))
     var = "parameter" if local.kind == "lambda" else "variable"
     if local.param in scope.assignments or local.param in scope.args:
         # the matcher reads the parameter's name through the enclosing function's bindings
@@ -700,7 +704,9 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     if len(rets) != 1:
         return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
 
-    rot = _rotation_expr(hscope, rets[0].value, is_param, module)
+    # ``out = empty_like(x); out[..., :h] = -x2; out[..., h:] = x1; return out``: the cat it fills
+    filled = canonical.filled_halves(fn, rets[0]) if isinstance(fn, ast.FunctionDef) else None
+    rot = _rotation_expr(hscope, filled if filled is not None else rets[0].value, is_param, module)
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
@@ -1548,7 +1554,8 @@ class RopePattern(Pattern):
                 # a function's scope_text is its segment, cut once and shared with every detector
                 scope = scopes.get(id(fn))
                 body = scope_text(module, scope) if scope is not None else segment(module, fn)
-                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body
+                # (or fill a new tensor's halves / lanes: ``out = torch.empty_like(x); out[..., :h] = -x2``)
+                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()}
             for cls in module.classes.values():
