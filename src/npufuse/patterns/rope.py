@@ -4796,3 +4796,62 @@ RopePattern.KEEP += [
         name="complex_flatten_past_the_pairs",
     ),
 ]
+
+# the rotation helper chosen by if/else statements, each helper filling a new tensor by slice
+# assignment (halves: rotate_half; even/odd lanes: the interleaved rotation), lmdeploy-like
+_FILLED_HELPERS = '''
+import torch
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    x1 = x[..., :h]
+    x2 = x[..., h:]
+    out = torch.empty_like(x)
+    out[..., :h] = -x2
+    out[..., h:] = x1
+    return out
+
+
+def rotate_pairs(x):
+    even = x[..., 0::2]
+    odd = x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = -odd
+    out[..., 1::2] = even
+    return out
+
+
+def apply(q, k, cos, sin, pairs: bool = False):
+    if pairs:
+        rotate_fn = rotate_pairs
+    else:
+        rotate_fn = rotate_half
+    q_out = (q * cos) + (rotate_fn(q) * sin)
+    k_out = (k * cos) + (rotate_fn(k) * sin)
+    return q_out, k_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="filled_helpers_chosen_by_if_else",
+        code=_FILLED_HELPERS,
+        expect={"mode": "half", "targets": ["q", "k"]},
+        run='''
+q = torch.randn(2, 3, 6, 8, requires_grad=True)
+k = torch.randn(2, 3, 6, 8, requires_grad=True)
+cos, sin = torch.randn(6, 8), torch.randn(6, 8)
+out = (apply(q, k, cos, sin), apply(q, k, cos, sin, pairs=True))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the second slice overlaps the first (h-1:): the filled tensor is no rotation of x
+        _FILLED_HELPERS.replace("    out[..., h:] = x1\n", "    out[..., h - 1:] = x[..., h - 1:]\n"),
+        reason="does not compute the standard rotate_half",
+        name="filled_helper_overlapping_slices",
+    ),
+]
