@@ -67,6 +67,9 @@ class Site:
     label: str = ""  # fuse | keep ("" for a candidate)
     qualname: str = ""
     matched: bool = False
+    # a candidate whose replacement dispatches at run time to more than one pattern's op
+    # (params.dispatches_to: a config-chosen activation runs npu_swiglu or npu_geglu)
+    covers: tuple[str, ...] = ()
 
     def overlaps(self, other: "Site") -> bool:
         return self.pattern == other.pattern and self.file == other.file and self.line <= other.end_line and other.line <= self.end_line
@@ -78,6 +81,7 @@ class Tally:
     fp: int = 0  # other candidates
     fp_on_keep: int = 0  # of fp: on a site labelled keep
     fn: int = 0  # fuse labels no candidate matched
+    again: int = 0  # further candidates inside a fuse label another candidate already matched (not scored)
     missed: list[Site] = field(default_factory=list)
     wrong: list[Site] = field(default_factory=list)
 
@@ -342,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
             for c in result.candidates:
                 if c["file"] not in scored:
                     continue  # a --context file: read for its facts, not labelled
-                cands.append(Site(c["pattern"], f"{repo}/{c['file']}", c["line"], c["end_line"], "", c.get("qualname", "")))
+                params = c.get("params") if isinstance(c.get("params"), dict) else {}
+                covers = tuple(p for p in params.get("dispatches_to", ()) if isinstance(p, str))
+                cands.append(Site(c["pattern"], f"{repo}/{c['file']}", c["line"], c["end_line"], "", c.get("qualname", ""), covers=covers))
             for n in result.near_misses:
                 misses.append((Site(n["pattern"], f"{repo}/{n['file']}", n["line"], n["end_line"]), n.get("reason", "")))
             for fail in result.files_failed:
@@ -357,10 +363,23 @@ def main(argv: list[str] | None = None) -> int:
         t = tallies.get(c.pattern)
         if t is None:
             continue
-        hit = next((l for l in labels if l.label == "fuse" and not l.matched and l.overlaps(c)), None)
-        if hit is not None:
-            hit.matched = c.matched = True
-            t.tp += 1
+        # the candidate's own pattern, and any other pattern its run-time dispatch may run: each
+        # unmatched fuse label of those on the candidate's lines is matched (one TP per label)
+        covered = [c.pattern] + [p for p in c.covers if p != c.pattern]
+        on_lines = [l for l in labels if l.label == "fuse" and l.file == c.file and l.line <= c.end_line and c.line <= l.end_line]
+        hits = [next((l for l in on_lines if l.pattern == p and not l.matched), None) for p in covered]
+        if any(h is not None for h in hits):
+            c.matched = True
+            for p, hit in zip(covered, hits):
+                if hit is not None:
+                    hit.matched = True
+                    if p in tallies:
+                        tallies[p].tp += 1
+        elif any(l.pattern == c.pattern and l.matched for l in on_lines):
+            # a second site inside one labelled span (both branches of `if half: ... else: ...`):
+            # the label is already counted; this candidate is neither a new TP nor a false one
+            t.again += 1
+            t.wrong.append(c)
         else:
             t.fp += 1
             t.wrong.append(c)
@@ -387,13 +406,19 @@ def main(argv: list[str] | None = None) -> int:
         tot.fn += t.fn
         print(_row(p, t, recall_only))
     print(_row("all", tot, recall_only))
+    again = {p: tallies[p].again for p in patterns if tallies[p].again}
+    if again:
+        print("not scored (further sites inside a fuse label already matched): "
+              + ", ".join(f"{p} {n}" for p, n in again.items()))
     if args.list:
         for p in patterns:
             for s in tallies[p].missed:
                 why = next((r for n, r in misses if n.overlaps(s)), "no near miss either")
                 print(f"missed  {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}: {why[:160]}")
             for s in [] if recall_only else tallies[p].wrong:
-                print(f"extra   {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}")
+                again = any(l.label == "fuse" and l.matched and l.overlaps(s) for l in labels)
+                print(f"{'again' if again else 'extra':<7} {p:<18} {s.file}:{s.line}-{s.end_line} {s.qualname}"
+                      + (" (a further site inside a fuse label already matched: not scored)" if again else ""))
     return 0
 
 

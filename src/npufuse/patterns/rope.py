@@ -485,6 +485,9 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         return _rotation_call(module, scope, inner, x_inner) if casts == x_casts else _Rotation(None)
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x) and isinstance(node.func, ast.Name):
         chosen = scope.definition(node.func.id, node.lineno)
+        if not isinstance(chosen, ast.IfExp):
+            # ``if flag: f = a`` / ``else: f = b``: the same choice as ``f = a if flag else b``
+            chosen = canonical.if_else_binding(scope.body, node.func.id, node.lineno) or chosen
         if isinstance(chosen, ast.IfExp):
             return _chosen_rotation(module, scope, node, chosen)
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and same_expr(node.args[0], x):
@@ -560,13 +563,20 @@ def _comprehension_of(module: ModuleInfo, stmt: ast.stmt, m: "_Match") -> _Local
     return None
 
 
-def _local_guard(local: _LocalFn) -> str | None:
+def _local_guard(local: _LocalFn, m: "_Match | None" = None) -> str | None:
     """A tensor the local function is applied to, live before the statement: the first plain name of
-    a tuple or list it iterates over (``map(lam, (q, k))``, ``for t in (q, k)``); None otherwise."""
+    a tuple or list it iterates over (``map(lam, (q, k))``, ``for t in (q, k)``); else (a list passed
+    in, ``[... for t in xs]``) the rotation's cos table when it is a plain name live before the
+    statement: every rotated element is multiplied by it, so it sits on their device (the eager
+    product fails otherwise). None where neither is there."""
     seq = local.iterable
     elts = seq.elts if isinstance(seq, (ast.Tuple, ast.List)) else []
     if elts and isinstance(elts[0], ast.Name):
         return elts[0].id
+    if m is not None and local.kind == "comprehension" and isinstance(m.cos_node, ast.Name) and m.cos_node.id != local.param \
+            and not any(isinstance(n, ast.Name) and n.id == m.cos_node.id for n in fast_walk(local.replace)
+                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)):
+        return m.cos_node.id
     return None
 
 
@@ -580,9 +590,11 @@ def _local_refusal(module: ModuleInfo, scope: Scope, local: _LocalFn, m: "_Match
         return "the lambda takes one plain parameter"
     if not local.param:
         return "the comprehension has a single `for <name> in ...`"
-    if _local_guard(local) is None or (local.kind == "lambda" and "map" in module.functions):
+    if _local_guard(local, m) is None or (local.kind == "lambda" and "map" in module.functions):
         return (f"the {local.kind} is {'mapped' if local.kind == 'lambda' else 'run'} over a tuple or list of named tensors "
-                f"(`{'map(lambda t: ..., (q, k))' if local.kind == 'lambda' else '[... for t in (q, k)]'}`)")
+                f"(`{'map(lambda t: ..., (q, k))' if local.kind == 'lambda' else '[... for t in (q, k)]'}`)"
+                + (" or its cos table is a plain name of the enclosing code (a tensor to test the device on before the statement)"
+                   if local.kind == "comprehension" else ""))
     var = "parameter" if local.kind == "lambda" else "variable"
     if local.param in scope.assignments or local.param in scope.args:
         # the matcher reads the parameter's name through the enclosing function's bindings
@@ -692,7 +704,9 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     if len(rets) != 1:
         return _Rotation(None, f"rotation helper `{name}` has {len(rets)} return paths: not verified", name)
 
-    rot = _rotation_expr(hscope, rets[0].value, is_param, module)
+    # ``out = empty_like(x); out[..., :h] = -x2; out[..., h:] = x1; return out``: the cat it fills
+    filled = canonical.filled_halves(fn, rets[0]) if isinstance(fn, ast.FunctionDef) else None
+    rot = _rotation_expr(hscope, filled if filled is not None else rets[0].value, is_param, module)
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
@@ -1540,7 +1554,8 @@ class RopePattern(Pattern):
                 # a function's scope_text is its segment, cut once and shared with every detector
                 scope = scopes.get(id(fn))
                 body = scope_text(module, scope) if scope is not None else segment(module, fn)
-                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body
+                # (or fill a new tensor's halves / lanes: ``out = torch.empty_like(x); out[..., :h] = -x2``)
+                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()}
             for cls in module.classes.values():
@@ -1568,7 +1583,7 @@ class RopePattern(Pattern):
                     and any(_complex_halves(scope, f) is not None for f in (node.args[0].left, node.args[0].right)):
                 found.append(node)  # gemma: the complex numbers are made of the two halves
                 return
-            if _method(node, "flatten", "view", "reshape") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
+            if _method(node, "flatten", "view", "reshape", "view_as") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
             if isinstance(node, ast.Call) and _calls_view_as_real(node) and _named_complex_product(scope, node) is not None:
@@ -2013,8 +2028,18 @@ class RopePattern(Pattern):
             if not node.args or node.keywords:
                 return None
             post = f".{node.func.attr}({', '.join(segment(module, a) for a in node.args)})"
+        elif _method(node, "view_as"):
+            # ``view_as_real(xc * f).view_as(x)`` (audiocraft): x's shape, the same elements in the same order
+            if len(node.args) != 1 or node.keywords:
+                return None
+            post = f".view_as({segment(module, node.args[0])})"
         elif not _is_int(keyword(node, "start_dim", 0), 3, -2) and not self._merges_pair_axis(scope, node):
-            return None
+            k = self._merges_more_axes(scope, node)
+            if k is None:
+                return None
+            # ``view_as_real(xc * f).flatten(2)`` of [b, s, n, d/2, 2] (VeOmni's Wan): the lane pairs merged
+            # and then the heads too; the fused call gives the first merge, the original flatten the rest
+            post = f".flatten({k})"
         real = node.func.value
         if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
             return None
@@ -2066,6 +2091,26 @@ class RopePattern(Pattern):
                         and len(pairs.args) == k + 2 and _is_int(pairs.args[-1], 2):
                     return True
         return False
+
+    @staticmethod
+    def _merges_more_axes(scope: Scope, node: ast.Call) -> int | None:
+        """k of ``view_as_real(xc * f).flatten(k)`` whose pairs view ``reshape(a0, .., a_{R-2}, 2)`` (no
+        starred size) has R sizes and 0 <= k <= R - 2: flatten(k) of the R-D real view equals
+        ``flatten(-2)`` (the lanes back in order) followed by ``flatten(k)``; None otherwise."""
+        k = const_value(keyword(node, "start_dim", 0))
+        real = node.func.value  # type: ignore[attr-defined]
+        if len(node.args) + len(node.keywords) != 1 or not (isinstance(k, int) and not isinstance(k, bool) and k >= 0) \
+                or not (isinstance(real, ast.Call) and len(real.args) == 1 and isinstance(real.args[0], ast.BinOp)
+                        and isinstance(real.args[0].op, ast.Mult)):
+            return None
+        for side in (real.args[0].left, real.args[0].right):
+            val = _resolve(scope, side)
+            if isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args:
+                pairs = _resolve(scope, val.args[0])
+                if _method(pairs, "reshape", "view") and not any(isinstance(a, ast.Starred) for a in pairs.args) \
+                        and len(pairs.args) >= 3 and _is_int(pairs.args[-1], 2) and k <= len(pairs.args) - 2:
+                    return k
+        return None
 
     def _match_named_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call, prod_stmt: ast.Assign, prod: ast.BinOp) -> _Match | str | None:
         """hkproj: ``x_rotated = xc * freqs`` bound to a name, then ``view_as_real(x_rotated)`` [..., D/2, 2]
@@ -2326,7 +2371,7 @@ class RopePattern(Pattern):
             fn = f"_npufuse_rope_{first_stmt.lineno}"
             lines = [f"def {fn}({local.param}):"] + ["    " + ln if ln.strip() else ln for ln in "\n".join(lines).splitlines()] + \
                 [replace_segments(module, first_stmt, [(local.replace, local.call.format(fn=fn))])]
-            guard = _local_guard(local) or guard
+            guard = _local_guard(local, first) or guard
             params[local.kind] = local.text
             notes.append(f"the rotation is written in a {local.kind}: it becomes a local function `{fn}` holding the fused call "
                          "(the same closure over the enclosing names), called where the original computed it")
@@ -4610,5 +4655,203 @@ RopePattern.KEEP += [
                                     "q, k = [t * cos + rotate_half(t) * sin for pair in ((q, k),) for t in pair]"),
         reason="only where the comprehension has a single `for <name> in ...`",
         name="rotation_in_a_comprehension_of_two_loops",
+    ),
+]
+
+# a complex multiplier that is no unit rotation (a blend ``rot * scale + (1 - scale)``, audiocraft-like)
+# and a result viewed back as the input's shape with ``.view_as(x)``; x cast to a dtype chosen at
+# construction (float64 allowed there: checked at run time, the original code runs for it)
+_COMPLEX_VIEW_AS = '''
+import torch
+import torch.nn as nn
+
+
+class Rotation(nn.Module):
+    def __init__(self, dim, scale=1.0, dtype=torch.float32):
+        super().__init__()
+        self.scale = scale
+        self.dtype = dtype
+        self.register_buffer("inv", 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=dtype) / dim)))
+
+    def table(self, start, end):
+        ang = torch.outer(torch.arange(end, dtype=self.dtype), self.inv)
+        return torch.polar(torch.ones_like(ang), ang)[start:end]
+
+    def rotate(self, x, start: int = 0, time_dim: int = 1):
+        n = x.shape[time_dim]
+        shape = [1] * x.dim()
+        shape[time_dim] = n
+        shape[-1] = -1
+        rot = self.table(start, start + n).view(shape)
+        xc = torch.view_as_complex(x.to(self.dtype).reshape(*x.shape[:-1], -1, 2))
+        blended = rot * self.scale + (1.0 - self.scale)
+        out = torch.view_as_real(xc * blended).view_as(x)
+        return out.type_as(x)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_blend_view_as",
+        code=_COMPLEX_VIEW_AS,
+        expect={"mode": "complex", "freqs": "blended", "line": 25},
+        run='''
+x = torch.randn(2, 6, 3, 16, requires_grad=True)
+m32 = Rotation(16, scale=0.75)
+m64 = Rotation(16, scale=0.5, dtype=torch.float64)
+out = (m32.rotate(x), m32.rotate(x, start=2), m64.rotate(x), m32.rotate(x.transpose(1, 2), time_dim=2))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # pairs (x_i, x_{i+D/2}) made by a transpose: not the lane pairs the complex form reads
+        _COMPLEX_VIEW_AS.replace("x.to(self.dtype).reshape(*x.shape[:-1], -1, 2)",
+                                 "x.to(self.dtype).reshape(*x.shape[:-1], 2, -1).transpose(-1, -2).contiguous()"),
+        reason="pairs are not formed by reshape(..., -1, 2) on the last dim",
+        name="complex_blend_pairs_of_halves",
+    ),
+]
+
+# the comprehension runs over a list passed in (``[... for t in xs]``): no named element to test the
+# device on, so the guard tests the cos table (every element is multiplied by it: same device)
+_COMPREHENSION_OVER_LIST = '''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_all(xs, sin, cos):
+    if isinstance(xs, torch.Tensor):
+        xs = [xs]
+    return [t * cos + rotate_half(t) * sin for t in xs]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_in_a_comprehension_over_a_list",
+        code=_COMPREHENSION_OVER_LIST,
+        expect={"mode": "half", "comprehension": "[t * cos + rotate_half(t) * sin for t in xs]"},
+        run='''
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 6, 16, requires_grad=True)
+cos, sin = torch.randn(6, 16), torch.randn(6, 16)
+out = (rotate_all([q, k], sin, cos), rotate_all(q, sin, cos), rotate_all([], sin, cos))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the table is an expression (a slice per call): no plain name to test the device on before the statement
+        _COMPREHENSION_OVER_LIST.replace("t * cos + rotate_half(t) * sin for t in xs", "t * cos[: t.shape[-2]] + rotate_half(t) * sin[: t.shape[-2]] for t in xs"),
+        reason="or its cos table is a plain name of the enclosing code",
+        name="rotation_in_a_comprehension_over_a_list_table_expression",
+    ),
+]
+
+# ``view_as_real(xc * freqs).flatten(2)`` on [b, s, n, d/2, 2] pairs: the lanes and then the heads merged
+# (the token layout [b, s, n*d] back, Wan-like); in float64 it stays a near miss that says so
+_COMPLEX_FLATTEN_HEADS = '''
+import torch
+
+
+def rope_tokens(x, freqs, head_dim):
+    b, s = x.shape[0], x.shape[1]
+    x = x.view(b, s, -1, head_dim)
+    x_out = torch.view_as_complex(x.float().reshape(x.shape[0], x.shape[1], x.shape[2], -1, 2))
+    x_out = torch.view_as_real(x_out * freqs).flatten(2)
+    return x_out.to(x.dtype)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_flatten_heads_too",
+        code=_COMPLEX_FLATTEN_HEADS,
+        expect={"mode": "complex", "freqs": "freqs", "line": 9},
+        run='''
+ang = torch.outer(torch.arange(6).float(), 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+freqs = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+x = torch.randn(2, 6, 3 * 8, requires_grad=True)
+out = rope_tokens(x, freqs, 8)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        _COMPLEX_FLATTEN_HEADS.replace("x.float().reshape", "x.to(torch.float64).reshape"),
+        reason="complex rope computed in float64",
+        name="complex_flatten_heads_too_float64",
+    ),
+    Keep(
+        # flatten(4) of the 5-D real view keeps every axis: no lane merge, not the rotation's output
+        _COMPLEX_FLATTEN_HEADS.replace(".flatten(2)", ".flatten(4)"),
+        name="complex_flatten_past_the_pairs",
+    ),
+]
+
+# the rotation helper chosen by if/else statements, each helper filling a new tensor by slice
+# assignment (halves: rotate_half; even/odd lanes: the interleaved rotation), lmdeploy-like
+_FILLED_HELPERS = '''
+import torch
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    x1 = x[..., :h]
+    x2 = x[..., h:]
+    out = torch.empty_like(x)
+    out[..., :h] = -x2
+    out[..., h:] = x1
+    return out
+
+
+def rotate_pairs(x):
+    even = x[..., 0::2]
+    odd = x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = -odd
+    out[..., 1::2] = even
+    return out
+
+
+def apply(q, k, cos, sin, pairs: bool = False):
+    if pairs:
+        rotate_fn = rotate_pairs
+    else:
+        rotate_fn = rotate_half
+    q_out = (q * cos) + (rotate_fn(q) * sin)
+    k_out = (k * cos) + (rotate_fn(k) * sin)
+    return q_out, k_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="filled_helpers_chosen_by_if_else",
+        code=_FILLED_HELPERS,
+        expect={"mode": "half", "targets": ["q", "k"]},
+        run='''
+q = torch.randn(2, 3, 6, 8, requires_grad=True)
+k = torch.randn(2, 3, 6, 8, requires_grad=True)
+cos, sin = torch.randn(6, 8), torch.randn(6, 8)
+out = (apply(q, k, cos, sin), apply(q, k, cos, sin, pairs=True))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the second slice overlaps the first (h-1:): the filled tensor is no rotation of x
+        _FILLED_HELPERS.replace("    out[..., h:] = x1\n", "    out[..., h - 1:] = x[..., h - 1:]\n"),
+        reason="does not compute the standard rotate_half",
+        name="filled_helper_overlapping_slices",
     ),
 ]

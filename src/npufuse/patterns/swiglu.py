@@ -1411,6 +1411,9 @@ def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str
         if act.default is not None:
             # what the code picks when nobody passes another: decides the pattern id; the code still dispatches
             p["default_activation"] = act.default
+        # the run-time dispatch runs npu_swiglu for a SiLU and npu_geglu for a GELU: the site is
+        # either pattern, whichever id it is filed under (the object decides, not the scan)
+        p["dispatches_to"] = ["swiglu", "geglu"]
     if g.halves is not None:
         h = g.halves
         p["source"] = "split"

@@ -1077,3 +1077,80 @@ def returns_its_argument(fn: ast.AST | None) -> bool:
     return isinstance(last, ast.Return) and isinstance(last.value, ast.Name) and last.value.id == fn.args.args[0].arg \
         and all(isinstance(r.value, ast.Name) and r.value.id == fn.args.args[0].arg for r in returns) \
         and not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) for n in ast.walk(fn) if n is not fn)
+
+
+# --- rope / helper spellings (glu2) ---
+
+
+def if_else_binding(body: list[ast.stmt], name: str, before_line: int) -> ast.IfExp | None:
+    """``if c: f = a`` / ``else: f = b`` (each branch that one assignment, the statement before
+    ``before_line`` in ``body``, the scope's top level) as the conditional expression
+    ``a if c else b``; None where ``name`` is bound any other way before that line."""
+    chosen: ast.IfExp | None = None
+    for st in body:
+        if st.lineno >= before_line:
+            break
+        if isinstance(st, ast.If) and len(st.body) == 1 and len(st.orelse) == 1:
+            a, b = st.body[0], st.orelse[0]
+            if all(isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+                   and s.targets[0].id == name for s in (a, b)):
+                chosen = ast.copy_location(ast.IfExp(test=st.test, body=a.value, orelse=b.value), st)  # type: ignore[attr-defined]
+                continue
+        if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(st)):
+            return None  # bound (again) some other way
+    return chosen
+
+
+def filled_halves(fn: ast.FunctionDef, ret: ast.Return) -> ast.expr | None:
+    """A helper body ``out = torch.empty_like(x); out[..., :h] = A; out[..., h:] = B; return out``
+    as ``torch.cat((A, B), dim=-1)`` (the two slices partition the last dim whatever h is), and
+    ``out[..., 0::2] = A; out[..., 1::2] = B`` as ``torch.stack((A, B), dim=-1).flatten(-2)`` (even
+    lanes A, odd lanes B). Only where those are the three statements right before the return at the
+    function's top level, and A and B do not read ``out``; None otherwise."""
+    if not (isinstance(ret.value, ast.Name)) or ret not in fn.body:
+        return None
+    i = fn.body.index(ret)
+    if i < 3:
+        return None
+    alloc, first, second = fn.body[i - 3:i]
+    out = ret.value.id
+    if not (isinstance(alloc, ast.Assign) and len(alloc.targets) == 1 and isinstance(alloc.targets[0], ast.Name)
+            and alloc.targets[0].id == out and isinstance(alloc.value, ast.Call)
+            and isinstance(alloc.value.func, ast.Attribute) and alloc.value.func.attr in ("empty_like", "zeros_like")
+            and len(alloc.value.args) == 1 and not alloc.value.keywords):
+        return None
+    torch_mod = alloc.value.func.value
+    parts: list[tuple[ast.Slice, ast.expr]] = []
+    for st in (first, second):
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)):
+            return None
+        t = st.targets[0]
+        if not (isinstance(t.value, ast.Name) and t.value.id == out and isinstance(t.slice, ast.Tuple) and len(t.slice.elts) == 2
+                and isinstance(t.slice.elts[0], ast.Constant) and t.slice.elts[0].value is Ellipsis and isinstance(t.slice.elts[1], ast.Slice)):
+            return None
+        if any(isinstance(n, ast.Name) and n.id == out for n in ast.walk(st.value)):
+            return None
+        parts.append((t.slice.elts[1], st.value))
+    (s1, a), (s2, b) = parts
+
+    def const(n: ast.expr | None) -> object:
+        return n.value if isinstance(n, ast.Constant) else (None if n is None else ...)
+
+    if s1.lower is None and s1.step is None and s1.upper is not None and s2.upper is None and s2.step is None \
+            and s2.lower is not None and ast.dump(s1.upper) == ast.dump(s2.lower):
+        pair = ast.Tuple(elts=[a, b], ctx=ast.Load())
+        expr: ast.expr = ast.Call(func=ast.Attribute(value=torch_mod, attr="cat", ctx=ast.Load()), args=[pair],
+                                  keywords=[ast.keyword(arg="dim", value=ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1)))])
+    elif const(s1.lower) in (None, 0) and const(s1.upper) is None and const(s1.step) == 2 \
+            and const(s2.lower) == 1 and const(s2.upper) is None and const(s2.step) == 2:
+        pair = ast.Tuple(elts=[a, b], ctx=ast.Load())
+        stacked = ast.Call(func=ast.Attribute(value=torch_mod, attr="stack", ctx=ast.Load()), args=[pair],
+                           keywords=[ast.keyword(arg="dim", value=ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1)))])
+        expr = ast.Call(func=ast.Attribute(value=stacked, attr="flatten", ctx=ast.Load()),
+                        args=[ast.UnaryOp(op=ast.USub(), operand=ast.Constant(2))], keywords=[])
+    else:
+        return None
+    for n in ast.walk(expr):
+        ast.copy_location(n, ret)
+        n.end_lineno, n.end_col_offset = ret.end_lineno, ret.end_col_offset  # type: ignore[attr-defined]
+    return expr
