@@ -105,10 +105,12 @@ def test_rewritten_file_compiles_with_and_without_torch_npu(tmp_path, monkeypatc
         assert torch.equal(mod.attention_scores(q, k, cos, sin), want)
         assert dict(emu.calls) == before
         monkeypatch.delenv("NPUFUSE_ROPE")
-        # a tensor off the NPU: the scripted original
-        monkeypatch.setattr(torch.Tensor, "is_npu", property(lambda self: False))
-        assert torch.equal(mod.attention_scores(q, k, cos, sin), want)
-        assert dict(emu.calls) == before
+        # a tensor off the NPU: the scripted original (undone before the emulator is removed: a
+        # monkeypatch undone at teardown would put the emulator's `is_npu` back on torch.Tensor)
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.Tensor, "is_npu", property(lambda self: False))
+            assert torch.equal(mod.attention_scores(q, k, cos, sin), want)
+            assert dict(emu.calls) == before
 
 
 def test_revert_gives_the_scripted_file_back():

@@ -671,6 +671,9 @@ def indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + ln if ln.strip() else ln for ln in text.splitlines())
 
 
+_NPU_WORD = re.compile(r"(?<![a-z0-9])npu(?![a-z0-9])")
+
+
 def already_fused(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> str | None:
     """Why a site needs no rewrite: it sits in the fallback of an existing torch_npu/npufuse branch."""
     idx = stmt_index(scope)
@@ -679,7 +682,9 @@ def already_fused(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> str | Non
         if isinstance(anc, ast.If):
             test = ast.unparse(anc.test).lower()
             in_else = any(s is child for s in anc.orelse) or _contains(anc.orelse, stmt)
-            if in_else and ("npu" in test):
+            # "npu" as a word of the test (torch_npu, is_npu_available, device.type == "npu"), not
+            # as letters inside another word: `if adaln_input is not None:` is no NPU branch
+            if in_else and _NPU_WORD.search(test):
                 if "_npufuse_" in test:
                     return "already rewritten by npufuse"
                 return "already has a torch_npu branch"
