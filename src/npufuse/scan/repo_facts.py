@@ -537,15 +537,26 @@ class Definition:
     tree: ast.Module
 
 
+def _repo_text(root: Path, rel: str) -> Optional[str]:
+    """The text of a file of the repo, or None: absent, larger than the limit, or a link that leads
+    out of the repo (an untrusted repo's ``x.py -> /etc/...`` is never read)."""
+    try:
+        path = (root / rel).resolve()
+        if path.is_relative_to(root.resolve()) and path.is_file() and path.stat().st_size <= _DEF_MAX_BYTES:
+            return path.read_text(encoding="utf-8", errors="replace")
+    except (OSError, ValueError, RuntimeError):
+        pass
+    return None
+
+
 def _parse_repo_file(root: Path, rel: str) -> Optional[ast.Module]:
     key = (str(root), rel)
     if key in _PARSED:
         return _PARSED[key]
     tree = None
     try:
-        path = (root / rel).resolve()
-        if path.is_relative_to(root.resolve()) and path.is_file() and path.stat().st_size <= _DEF_MAX_BYTES:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        text = _repo_text(root, rel)
+        tree = ast.parse(text) if text is not None else None
     except (Exception, RecursionError):
         tree = None
     if len(_PARSED) > 512:
@@ -1021,11 +1032,8 @@ def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast
     fills: list[tuple[str, str, bool]] = []
     texts: dict[str, str] = {}
     for other in _repo_py_files(root):
-        try:
-            text = (root / other).read_text(encoding="utf-8", errors="replace") if (root / other).stat().st_size <= _DEF_MAX_BYTES else ""
-        except OSError:
-            continue
-        if cls.name in text:
+        text = _repo_text(root, other)
+        if text is not None and cls.name in text:
             texts[other] = text
     # subclasses that keep the constructor (``class LayerPipe(Layer)`` without an ``__init__``) are built with it too
     names = {cls.name}
