@@ -316,7 +316,9 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
         return NearMiss(_ID, scope.qualname, line, end, reason)
 
     cond, a, b = _operands(call)  # type: ignore[misc]
-    texts = [segment(module, x) for x in (cond, a, b)]
+    # an operand written over several lines (`a -\n b` inside the call's parentheses) is only valid
+    # Python inside brackets: the tuple assignment below takes it out of them, so wrap it
+    texts = [_bracketed(segment(module, x)) for x in (cond, a, b)]
     for side, text in ((a, texts[1]), (b, texts[2])):
         if _is_literal(side) or is_scalar(module, scope, side, line) or _module_scalar(module, side):
             return miss(f"a branch is the scalar `{text}`: torch.lerp needs two tensors, and a Python scalar branch "
@@ -386,6 +388,11 @@ def _statement_text(module: ModuleInfo, stmt: ast.stmt) -> Optional[str]:
     if tail and not tail.startswith("#"):
         return None
     return "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
+
+
+def _bracketed(text: str) -> str:
+    """``text`` in parentheses when it spans lines (a bare continuation line does not parse)."""
+    return f"({text})" if "\n" in text else text
 
 
 def _replace_call(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, replacement: str) -> str:
@@ -477,6 +484,19 @@ def blend_features(fine, coarse, confidence, threshold=0.5):
         coarse,
     )
     return fused
+'''
+
+_MULTILINE_OPERAND = '''\
+import torch
+
+
+def integrate_fire(integrate, alpha, threshold, batch_size):
+    integrate = integrate + alpha
+    fire_place = integrate >= threshold
+    integrate = torch.where(fire_place, integrate -
+                            torch.ones([batch_size], device=integrate.device),
+                            integrate)
+    return integrate
 '''
 
 _KEEP_SCALAR = '''\
@@ -619,6 +639,7 @@ AffinityWhere.FUSE = [
     Fuse(_KEYWORDS, name="keyword_arguments_inside_expression", expect={
         "cond": "condition > 0", "a": "x", "b": "y", "cond_is_bool": True}),
     Fuse(_DIFFUSION_CFG, name="diffusion_per_sample_guidance", expect={"a": "guided", "b": "noise_pred_text"}),
+    Fuse(_MULTILINE_OPERAND, name="operand_continued_over_lines", expect={"cond": "fire_place", "b": "integrate"}),
     Fuse(_MULTILINE, name="multiline_call", expect={"cond": "confidence > threshold", "a": "fine", "b": "coarse"}),
     Fuse(_FLOAT_COUNT, name="timesfm_float_count_despite_its_name", expect={
         "cond": "inc_count == 0", "a": "torch.ones_like(inc_count)", "b": "inc_count"}),
