@@ -218,6 +218,7 @@ class _FileFacts:
         self.set_to_none: list[tuple[int, str]] = []  # (line, receiver) of zero_grad(set_to_none=True)
         self.module_zero_grad: list[tuple[int, str]] = []  # receiver.zero_grad() that is not an optimizer's
         self.grad_assign: Optional[int] = None
+        self.grad_assigns: list[tuple[int, str]] = []  # (line, receiver) of every `X.grad = ...`
         self.data_assign: Optional[int] = None
         self.bf16: list[tuple[int, str]] = []  # (line, receiver or "") of bf16 casts / loads
         # accelerate: (line, receiver, dotted args) of `<accelerator>.prepare(...)` / `.prepare_optimizer(...)`
@@ -241,7 +242,7 @@ class _FileFacts:
             out.sharding_nodes.extend(f.sharding_nodes)
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
-            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts"):
+            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts", "grad_assigns"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
         return out
@@ -261,8 +262,10 @@ class _FileFacts:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 # `p.grad /= n` divides in place (the same tensor is set back): only `p.grad = <new>` re-allocates
-                if isinstance(t, ast.Attribute) and t.attr == "grad" and self.grad_assign is None and isinstance(node, ast.Assign):
-                    self.grad_assign = node.lineno
+                if isinstance(t, ast.Attribute) and t.attr == "grad" and isinstance(node, ast.Assign):
+                    if self.grad_assign is None:
+                        self.grad_assign = node.lineno
+                    self.grad_assigns.append((node.lineno, dotted(t.value) or ""))
                 # `self.data = ...` is an object's attribute (a Dataset's tensor), not a parameter's storage
                 if (isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign) and self.data_assign is None
                         and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))):
@@ -1301,6 +1304,113 @@ def _constructor(module: ModuleInfo, value: Optional[ast.expr]) -> Optional[str]
     return None
 
 
+# --- wrapper classes of other optimizers (issue 14 class 5) --------------------------------------
+# OpenNMT's `MultipleOptimizer.zero_grad(self, set_to_none=True): for op in self.optimizers:
+# op.zero_grad(set_to_none)` frees the grads of the optimizers it was built with, and only those:
+# an optimizer of the same file that is never handed to `MultipleOptimizer(...)` keeps its grads.
+
+def _foreign_wrapper_lines(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -> set[int]:
+    """Lines of grad-freeing code (``zero_grad(set_to_none=...)``, ``X.grad = ...``) in methods of a
+    class of this file, on objects the instance holds (``self.x``, or a name iterating / built from
+    ``self``), where that class is not the site's own class or one of its bases/subclasses, its
+    constructions in this file are all seen, and none is handed this optimizer (by the call itself,
+    the name the statement binds, a call of the site's function, or anything npufuse cannot tell
+    apart from them)."""
+    units = _units(module)
+    if not units.classes:
+        return set()
+    site_cls = units.units[units.unit_of(scope.qualname)].cls
+    related = _class_family(units, site_cls) if site_cls else set()
+    out: set[int] = set()
+    for cls_name, methods in units.classes.items():
+        if cls_name in related:
+            continue
+        lines = []
+        for m in methods:
+            u = units.units[m]
+            fn = u.roots[0] if u.roots else None
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            facts = units._unit_facts(m)
+            lines += [ln for ln, recv in (*facts.set_to_none, *facts.grad_assigns) if held_by_instance(fn, recv)]
+        if lines and not _handed_to_class(module, scope, cls_name, stmt, call):
+            out.update(lines)
+    return out
+
+
+def _class_family(units: "_Units", cls: str) -> set[str]:
+    """``cls``, its bases and its subclasses among the classes of the file (transitively)."""
+    family, todo = {cls}, [cls]
+    while todo:
+        c = todo.pop()
+        near = set(units.bases.get(c, [])) | {k for k, bs in units.bases.items() if c in bs}
+        for n in near - family:
+            family.add(n)
+            todo.append(n)
+    return family
+
+
+def held_by_instance(fn: ast.AST, recv: str) -> bool:
+    """Is ``recv`` (in method ``fn``) an object the instance holds: ``self.x``, or a name bound by a
+    ``for`` over / an assignment from an expression reading ``self``?"""
+    root = recv.split(".")[0]
+    if not root:
+        return False
+    if root in ("self", "cls"):
+        return True
+    for n in fast_walk(fn):
+        if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+            if any(isinstance(t, ast.Name) and t.id == root for t in fast_walk(n.target)) and \
+                    any(isinstance(x, ast.Name) and x.id == "self" for x in fast_walk(n.iter)):
+                return True
+        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == root for t in n.targets):
+            if any(isinstance(x, ast.Name) and x.id == "self" for x in fast_walk(n.value)):
+                return True
+    return False
+
+
+def _handed_to_class(module: ModuleInfo, scope: Scope, cls: str, stmt: ast.stmt, call: ast.Call) -> bool:
+    """May this optimizer reach an instance of ``cls``? True unless every ``cls(...)`` of the file
+    (there must be one) takes only constants and constructions of other objects."""
+    ctors = [n for n in fast_walk(module.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == cls]
+    if not ctors:
+        return True  # built elsewhere, with whatever optimizer
+    builder = scope.qualname.rsplit(".", 1)[-1] if scope.qualname != _MODULE else ""
+    todo: list[ast.AST] = [a for c in ctors for a in (*c.args, *(k.value for k in c.keywords))]
+    while todo:
+        a = todo.pop()
+        if any(n is call for n in fast_walk(a)):
+            return True
+        if isinstance(a, (ast.List, ast.Tuple, ast.Set)):
+            todo += a.elts
+        elif isinstance(a, ast.Starred):
+            todo.append(a.value)
+        elif isinstance(a, ast.Constant):
+            continue
+        elif isinstance(a, ast.Call):
+            name = module.canonical(a.func) or ""
+            head = dotted(a.func) or ""
+            other_ctor = name.startswith("torch.optim.") or head in module.classes
+            if not other_ctor or (builder and head.rsplit(".", 1)[-1] == builder):
+                return True  # a function's result: it may be this optimizer
+        else:
+            return True  # a name or attribute: it may hold this optimizer
+    return False
+
+
+def _without_lines(module: ModuleInfo, facts: _FileFacts, lines: set[int]) -> _FileFacts:
+    """``facts`` less the grad-freeing facts at ``lines``."""
+    if not any(ln in lines for ln, _r in (*facts.set_to_none, *facts.grad_assigns)):
+        return facts
+    out = _FileFacts.merged(module, [facts])
+    out.uncalled_reallocation = facts.uncalled_reallocation
+    out.set_to_none = [(ln, r) for ln, r in facts.set_to_none if ln not in lines]
+    out.grad_assigns = [(ln, r) for ln, r in facts.grad_assigns if ln not in lines]
+    if facts.grad_assign in lines:
+        out.grad_assign = out.grad_assigns[0][0] if out.grad_assigns else None
+    return out
+
+
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
           tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False) -> Result:
     kind = _CANONICAL[module.canonical(call.func) or ""]
@@ -1310,6 +1420,12 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     def miss(reason: str) -> NearMiss:
         return NearMiss(_ID, scope.qualname, line, end, reason)
 
+    # grads freed by a wrapper class's own objects (`for op in self.optimizers: op.zero_grad(True)`)
+    # concern only the optimizers handed to that class: not this one when it never is
+    foreign = _foreign_wrapper_lines(module, scope, stmt, call)
+    if foreign:
+        tiers = (_without_lines(module, tiers[0], foreign), _without_lines(module, tiers[1], foreign),
+                 _without_lines(module, tiers[2], foreign))
     # -- arguments ---------------------------------------------------------------------------
     plan = _KeywordPlan(module, scope, call, line, accepted, fused_cls)
     if plan.reason is not None:
