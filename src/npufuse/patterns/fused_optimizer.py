@@ -1352,21 +1352,26 @@ def _class_family(units: "_Units", cls: str) -> set[str]:
 
 def held_by_instance(fn: ast.AST, recv: str) -> bool:
     """Is ``recv`` (in method ``fn``) an object the instance holds: ``self.x``, or a name bound by a
-    ``for`` over / an assignment from an expression reading ``self``?"""
+    ``for`` over / an assignment from an expression reading ``self`` or such a name (to a fixed
+    point: ``for group in self.param_groups: for p in group["params"]``)?"""
     root = recv.split(".")[0]
     if not root:
         return False
-    if root in ("self", "cls"):
-        return True
-    for n in fast_walk(fn):
-        if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
-            if any(isinstance(t, ast.Name) and t.id == root for t in fast_walk(n.target)) and \
-                    any(isinstance(x, ast.Name) and x.id == "self" for x in fast_walk(n.iter)):
-                return True
-        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == root for t in n.targets):
-            if any(isinstance(x, ast.Name) and x.id == "self" for x in fast_walk(n.value)):
-                return True
-    return False
+    held = {"self", "cls"}
+    for _ in range(4):
+        before = len(held)
+        for n in fast_walk(fn):
+            src: Optional[ast.AST] = None
+            tgt: list[ast.AST] = []
+            if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                src, tgt = n.iter, [n.target]
+            elif isinstance(n, ast.Assign):
+                src, tgt = n.value, list(n.targets)
+            if src is not None and any(isinstance(x, ast.Name) and x.id in held for x in fast_walk(src)):
+                held |= {x.id for t in tgt for x in fast_walk(t) if isinstance(x, ast.Name)}
+        if len(held) == before:
+            break
+    return root in held
 
 
 def _handed_to_class(module: ModuleInfo, scope: Scope, cls: str, stmt: ast.stmt, call: ast.Call) -> bool:
@@ -3037,4 +3042,88 @@ FusedOptimizer.KEEP += [
     Keep(_UNCALLED_REALLOCATION.replace("    model = Net()\n", "    model = Net()\n    convert_models_to_fp32(model)\n").replace(
         "    return tuple(", "    convert_models_to_fp32(model)\n    optimizer.step()\n    return tuple("),
          reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_called_before_and_after"),
+]
+
+# --- wrapper classes that free the grads of the optimizers they hold (issue 14 class 5) ---------
+# OpenNMT-style: a class of the file frees the grads of the optimizers it is built with
+# (`for op in self.optimizers: op.zero_grad(set_to_none)`, `for p in self.params: p.grad = None`);
+# an optimizer of the same file never handed to it is not concerned (dataflow, not names).
+
+_WRAPPER_CLASS = _NET + '''
+
+class ManyOptimizers:
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    def zero_grad(self, set_to_none=True):
+        for op in self.optimizers:
+            op.zero_grad(set_to_none)
+
+    def step(self):
+        for op in self.optimizers:
+            op.step()
+
+
+def build(model, kind="sgd", lr=1e-2):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "sgd":
+        optimizer = torch.optim.SGD(params, lr=lr)
+    elif kind == "adadelta":
+        optimizer = torch.optim.Adadelta(params, lr=lr)
+    else:
+        optimizer = ManyOptimizers([torch.optim.Adam(params, lr=lr), torch.optim.Adagrad(params, lr=lr)])
+    return optimizer
+'''
+
+# the instance's own parameters freed by a loop over what it holds, in a class built only from
+# other objects' constructions
+_WRAPPER_GRAD_NONE = _NET + '''
+
+class Holder:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def zero_grad(self):
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+def build(model, lr=1e-2):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    spare = Holder(torch.optim.SGD(model.fc1.parameters(), lr=lr))
+    return opt, spare
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_WRAPPER_CLASS, name="optimizer_never_handed_to_a_freeing_wrapper_class",
+         run="model = Net()\nopt = build(model)\nfor _ in range(3):\n    model(torch.randn(4, 8)).square().mean().backward()\n"
+             "    opt.step()\n    opt.zero_grad()\nout = tuple(p.detach().clone() for p in model.parameters())\n",
+         expect={"optimizer": "torch.optim.SGD", "qualname": "build"}),
+    Fuse(_WRAPPER_GRAD_NONE, name="optimizer_never_handed_to_a_class_setting_grads_to_none",
+         run="model = Net()\nopt, _spare = build(model)\nfor _ in range(3):\n    model(torch.randn(4, 8)).square().mean().backward()\n"
+             "    opt.step()\n    opt.zero_grad()\nout = tuple(p.detach().clone() for p in model.parameters())\n",
+         expect={"optimizer": "torch.optim.AdamW", "qualname": "build"}),
+]
+FusedOptimizer.KEEP += [
+    # the same class given this optimizer (inline, or by the name it is bound to): its grads are freed
+    Keep(_WRAPPER_CLASS.replace('''    if kind == "sgd":
+        optimizer = torch.optim.SGD(params, lr=lr)
+    elif kind == "adadelta":
+        optimizer = torch.optim.Adadelta(params, lr=lr)
+    else:
+''', '''    if kind == "sgd":
+        optimizer = ManyOptimizers([torch.optim.SGD(params, lr=lr)])
+    else:
+'''), name="optimizer_handed_inline_to_a_freeing_wrapper_class",
+         reason="`op.zero_grad(set_to_none=...)` (line 23) may set the parameters' grads to None"),
+    Keep(_WRAPPER_GRAD_NONE.replace("    spare = Holder(torch.optim.SGD(model.fc1.parameters(), lr=lr))\n",
+                                    "    spare = Holder(opt)\n"),
+         name="optimizer_handed_by_name_to_a_class_setting_grads_to_none",
+         reason="grads are re-allocated (`.grad = ...` at line 24)"),
+    # a wrapper built from something npufuse cannot tell apart from this optimizer (a parameter)
+    Keep(_WRAPPER_GRAD_NONE.replace("    spare = Holder(torch.optim.SGD(model.fc1.parameters(), lr=lr))\n",
+                                    "    spare = Holder(model.extra_optimizer)\n"),
+         name="wrapper_built_from_an_opaque_object",
+         reason="grads are re-allocated (`.grad = ...` at line 24)"),
 ]
