@@ -1144,9 +1144,12 @@ class _ZeroGradFix:
                     f"{o}.zero_grad = {zero_in_place(o)}\n")
         elif self.accelerate:
             o = self.target
+            # it takes set_to_none and ignores it: accelerate >= 0.2x passes True by default, older
+            # versions False, and a caller's own `zero_grad(set_to_none=False)` through the wrapper
+            # would raise ValueError in accelerate if the rebound zero_grad had no such parameter
             out += ("# accelerate passes set_to_none=True to a zero_grad that takes it (the fused class raises): "
                     "zero in place\n"
-                    f"{o}.zero_grad = (lambda zero_grad: lambda: zero_grad(set_to_none=False))({o}.zero_grad)\n")
+                    f"{o}.zero_grad = {zero_in_place(o)}\n")
         return out
 
     def risks(self) -> list[Risk]:
