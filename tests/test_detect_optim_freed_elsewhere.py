@@ -211,3 +211,19 @@ def test_freeing_code_of_an_unrelated_class_elsewhere_does_not_refuse(tmp_path: 
                   "optim/sgd.py": _SGD.format(base="Plain")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "optim/sgd.py")
     assert len(cands) == 1 and near == []
+
+
+def test_helper_of_another_file_run_only_before_the_construction_keeps_the_candidate(tmp_path: Path) -> None:
+    # a helper re-allocating the grads runs once before the optimizer is built (the fused class
+    # reads parameters and grads at construction and its first step): harmless; in the loop it is not
+    train = _TRAIN.format(helper="clip(net, 0.5)").replace(
+        "    groups = helpers.build_groups(student)\n", "    helpers.reset(student)\n    groups = helpers.build_groups(student)\n")
+    helpers = _HELPERS + "\n\ndef reset(model):\n    for p in model.parameters():\n        p.grad = None\n"
+    root = tmp_path / "repo"
+    _write(root, {"helpers.py": helpers, "train.py": train})
+    cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
+    assert len(cands) == 1 and near == [], (cands, near)
+    _write(root, {"train.py": train.replace("        one_epoch(student, optimizer, epoch, teacher)\n",
+                                            "        one_epoch(student, optimizer, epoch, teacher)\n        helpers.reset(student)\n")})
+    cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
+    assert cands == [] and "`helpers.reset` (train.py:34) -> `reset` (helpers.py:26) gets `model` and sets grads to None" in near[0]["reason"]

@@ -1199,6 +1199,20 @@ def _param_sources(region: list[ast.AST], f: Any) -> set[str]:
     return names
 
 
+def _runs_before(region: list[ast.AST], call: ast.Call, site_line: int) -> bool:
+    """Does ``call`` (in the site's own function) run only before the optimizer is built: above
+    the construction and in no loop that also holds it (the fused class reads its parameters and
+    grads at construction and at its first step)?"""
+    if call.lineno >= site_line:
+        return False
+    for root in region:
+        for n in ast.walk(root):
+            if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and n.lineno <= call.lineno <= (n.end_lineno or n.lineno) \
+                    and n.lineno <= site_line <= (n.end_lineno or n.lineno):
+                return False
+    return True
+
+
 def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optional[str]:
     """Does a function the site's function hands the model or the optimizer to (directly or through
     up to three calls, in any file of the repo) free or re-allocate their grads?"""
@@ -1227,12 +1241,13 @@ def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optiona
                 got = {params[i] for i, _a in passed if i < len(params)} | {k for k, _v in named if k in params or fn.args.kwonlyargs}
                 got &= {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
                 key = (sym.file, sym.qualname, frozenset(got))
-                if not got or key in seen:
+                if not got or key in seen or (depth == 0 and _runs_before(region, call, f.line)):
                     continue
                 seen.add(key)
                 here = f"{path}`{dotted(call.func)}` ({file}:{call.lineno}) -> "
                 derived = _derived(fn, got)
-                hit = _frees(fn, lambda _fn, recv: recv.split(".")[0] in derived)
+                # a function of the site's own file was judged with the file (which knows when it runs)
+                hit = _frees(fn, lambda _fn, recv: recv.split(".")[0] in derived) if sym.file != rel else None
                 if hit is not None:
                     what, line = hit
                     return (f"{here}`{sym.qualname}` ({sym.file}:{line}) gets "
