@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Any, ClassVar, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional, Union
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
@@ -127,9 +127,17 @@ class FusedOptimizer(Pattern):
             for _call, reason in _third_party_calls(module, stmt):
                 yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             if not calls:
-                chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
-                if chosen is not None:
-                    yield chosen
+                built = _chosen_construction(module, scope, stmt)
+                if isinstance(built, NearMiss):
+                    yield built
+                elif built is not None:
+                    call, kind, test = built
+                    yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=self.zero_grad_in_place,
+                                chosen_class=(kind, test))
+                else:
+                    chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
+                    if chosen is not None:
+                        yield chosen
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         return _assess(finding, config)
@@ -804,6 +812,79 @@ def _accelerate_prepared(stmt: ast.stmt, own: _FileFacts, near: _FileFacts) -> O
     return None
 
 
+# --- an optimizer class chosen at run time and built in the same function (issue 14 class 5) -------
+# diffusers' `optimizer_cls = bnb.optim.AdamW8bit` / `else: optimizer_cls = torch.optim.AdamW` then
+# `optimizer_cls(unet.parameters(), ...)`; dlrm's `opts = {"sgd": torch.optim.SGD, ...}` then
+# `opts[args.optimizer](parameters, lr=...)`; `cls = DummyOptim if ds else AdamW`. The construction
+# is the site: its fused branch runs only when the class chosen at run time IS the one torch.optim
+# class among the choices (the guard tests identity), so every other choice keeps its own class.
+
+def _chosen_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt
+                         ) -> Optional[Union[NearMiss, tuple[ast.Call, str, str]]]:
+    """(call, torch.optim class, run-time test) of a construction through a name or a dict entry
+    bound in this scope, before the call, only to class expressions (``if``/``else`` arms, a
+    conditional expression, a dict literal never mutated) among which exactly one fusable
+    torch.optim class is; a NearMiss when torch.optim classes are among the choices but that test
+    cannot be written; None when no torch.optim class is chosen here."""
+    for call in fast_walk(stmt):
+        if not isinstance(call, ast.Call):
+            continue
+        func = call.func
+        key: Optional[ast.expr] = None
+        if isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name):
+            name, key = func.value.id, func.slice
+        elif isinstance(func, ast.Name):
+            name = func.id
+        else:
+            continue
+        bound = [v for st, v in scope.assignments.get(name, []) if st.lineno < stmt.lineno]
+        if not bound:
+            continue
+        choices: list[ast.expr] = []
+        todo = list(bound)
+        while todo:
+            v = todo.pop()
+            if isinstance(v, ast.IfExp):
+                todo += [v.body, v.orelse]
+            elif isinstance(v, ast.BoolOp):
+                todo += v.values
+            elif isinstance(v, ast.Dict) and key is not None:
+                choices += [x for x in v.values if x is not None]
+                if any(k is None for k in v.keys):
+                    choices.append(v)  # `{**other}`: entries npufuse does not see
+            else:
+                choices.append(v)
+        kinds = {_CANONICAL.get(module.canonical(c) or "") for c in choices if isinstance(c, (ast.Name, ast.Attribute))} - {None}
+        if not kinds:
+            continue
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        where = f"`{segment(module, func)}` (bound at line {min(getattr(b, 'lineno', line) for b in bound)})"
+
+        def refuse(why: str) -> NearMiss:
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"the optimizer class is chosen at run time through {where} and {why}: torch_npu.optim."
+                            f"{_OPTIMIZERS[sorted(kinds)[0]][0]} could take the place of torch.optim.{sorted(kinds)[0]} by hand "
+                            "once the constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no set_to_none, fp32/fp16)")
+        if len(kinds) > 1:
+            return refuse(f"several torch.optim classes are among the choices ({', '.join(sorted(kinds))}), each with its "
+                          "own arguments")
+        (kind,) = kinds
+        pick = next(c for c in choices if isinstance(c, (ast.Name, ast.Attribute)) and _CANONICAL.get(module.canonical(c) or "") == kind)
+        text = dotted(pick) or ""
+        root = text.split(".")[0]
+        if not text or root not in module.aliases or root in scope.assignments or root in scope.args:
+            return refuse(f"`{segment(module, pick)}` is not a module-level name the guard could test the choice against")
+        if name in scope.args or any(isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.value, ast.Name) and n.value.id == name
+                                     and (isinstance(n.ctx, ast.Store) or (isinstance(n, ast.Attribute) and n.attr in
+                                          ("update", "setdefault", "__setitem__", "pop", "clear")))
+                                     for n in fast_walk(scope.node)):
+            return refuse("its value may change outside these bindings")
+        if key is not None and not _side_effect_free(key):
+            return refuse("the dict key calls code (the guard would evaluate it a second time)")
+        return call, kind, f"{segment(module, func)} is {text}"
+    return None
+
+
 def _class_chosen_at_run_time(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[NearMiss]:
     """``cls = AdamW if cond else DummyOptim; opt = cls(...)``: a torch optimizer built through a
     class picked at run time. Named as a near miss, not swapped: the choice is elsewhere."""
@@ -843,6 +924,8 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
     for item in items:
         kind = _CANONICAL.get(module.canonical(item) or "") if isinstance(item, (ast.Name, ast.Attribute)) else None
         built = _called_later(scope, stmt) if kind is not None else None
+        if built is not None and _built_statement(module, scope, built[1]) is not None:
+            return None  # the construction reports itself (_chosen_construction): candidate or near miss
         if built is not None:
             # diffusers' `optimizer_cls = torch.optim.AdamW` (else bnb's AdamW8bit), dlrm's
             # `opts = {"sgd": torch.optim.SGD, ...}; opts[args.optimizer](...)`: built right here
@@ -905,6 +988,15 @@ def _reallocated_before(module: ModuleInfo, scope: Scope, stmt: ast.stmt, tiers:
     kept = _FileFacts.merged(module, [tiers[1]])
     kept.data_assign, kept.grad_assign = second.data_assign, second.grad_assign
     return (tiers[0], kept, tiers[2]), harmless
+
+
+def _built_statement(module: ModuleInfo, scope: Scope, line: int) -> Optional[ast.stmt]:
+    """The statement of ``scope`` at ``line`` that detect judges as a construction through a class
+    chosen at run time (an assignment, expression or return holding such a call)."""
+    for _b, _i, st in scope.statements():
+        if st.lineno <= line <= (st.end_lineno or st.lineno) and isinstance(st, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
+            return st if _chosen_construction(module, scope, st) is not None else None
+    return None
 
 
 def _called_later(scope: Scope, stmt: ast.stmt) -> Optional[tuple[str, int]]:
@@ -1420,8 +1512,11 @@ def _without_lines(module: ModuleInfo, facts: _FileFacts, lines: set[int]) -> _F
 
 
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
-          tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False) -> Result:
-    kind = _CANONICAL[module.canonical(call.func) or ""]
+          tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False,
+          chosen_class: Optional[tuple[str, str]] = None) -> Result:
+    """``chosen_class``: (torch.optim class, test) when the class is chosen at run time
+    (:func:`_chosen_construction`): the guard runs the fused class only when the test holds."""
+    kind = chosen_class[0] if chosen_class is not None else _CANONICAL[module.canonical(call.func) or ""]
     fused_cls, accepted = _OPTIMIZERS[kind]
     line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
 
@@ -1466,6 +1561,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if plan.runtime is not None:
         mapping, taken, filtered = plan.runtime
         guard = f"({guard}) if set({mapping}).issubset({tuple(sorted(taken + filtered))!r}) else None"
+    if chosen_class is not None:
+        # the class is chosen at run time: the fused class only where torch.optim's was chosen
+        guard = f"({guard}) if {chosen_class[1]} else None"
     if sharded_when is not None:
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
@@ -1568,6 +1666,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if any(k.arg == "capturable" for k in plan.drop):
         notes.append("capturable= only keeps torch.optim's step count on the device for graph capture (no graph is "
                      "captured in this file); the fused class keeps a Python int")
+    if chosen_class is not None:
+        params["class_chosen_at_run_time"] = chosen_class[1]
+        params["guard"] += "_class_checked"
+        notes.append(f"the optimizer class is chosen at run time: the guard runs torch_npu.optim.{fused_cls} only when "
+                     f"`{chosen_class[1]}`; any other choice keeps its own class")
     if params["lr_default_added"]:
         notes.append("NpuFusedSGD has no lr default: torch.optim.SGD's lr=1e-3 is passed explicitly")
     return Finding(
@@ -2268,7 +2371,7 @@ FusedOptimizer.KEEP = [
     Keep(_KEEP_BF16, reason="bf16 parameters unsupported", name="hf_model_loaded_in_bf16"),
     Keep(_KEEP_GRAD_ASSIGN, reason="re-allocated", name="manual_grad_averaging"),
     Keep(_KEEP_LIST_GRAD_ASSIGNED, reason="grads are re-allocated", name="list_params_grad_assigned_each_step"),
-    Keep(_KEEP_CLASS_CHOSEN, reason="chosen at run time", name="optimizer_class_chosen_at_run_time"),
+
     Keep(_KEEP_FIXTURE_BF16, reason="bf16 parameters unsupported", name="pytest_fixture_bf16_model"),
 ]
 
@@ -3008,9 +3111,8 @@ FusedOptimizer.KEEP += [
 ]
 
 # --- an optimizer class bound to a name and called in the same function (issue 14 class 5) --------
-# the reason says where it is built (not "elsewhere"): the swap stays a hand edit
-FusedOptimizer.KEEP += [
-    Keep(_NET + """
+# the construction is the site; its guard tests which class was chosen (_chosen_construction)
+_CHOSEN_BY_IF = _NET + """
 
 def build(model, use_8bit=False):
     if use_8bit:
@@ -3018,17 +3120,37 @@ def build(model, use_8bit=False):
         optimizer_cls = bnb.optim.AdamW8bit
     else:
         optimizer_cls = torch.optim.AdamW
-    optimizer = optimizer_cls(model.parameters(), lr=1e-4, weight_decay=1e-2)
+    optimizer = optimizer_cls(model.parameters(), lr=1e-2, weight_decay=1e-2)
     return optimizer
-""", reason="torch.optim.AdamW is bound to `optimizer_cls` (line 22) and the optimizer is built through `optimizer_cls` at line 23",
-         name="optimizer_class_chosen_by_if_and_built_here"),
-    Keep(_NET + """
+"""
+_CHOSEN_FROM_DICT = _NET + """
+
+class RowWise(torch.optim.SGD):  # the repo's own variant (not a torch.optim class)
+    pass
+
 
 def run(model, name="sgd"):
-    opts = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
+    opts = {"sgd": torch.optim.SGD, "rowwise": RowWise, "adagrad": torch.optim.Adagrad}
     return opts[name](model.parameters(), lr=0.1)
-""", reason="torch.optim.SGD is bound to `opts` (line 18) and the optimizer is built through `opts` at line 19",
-         name="optimizer_class_from_a_dict_built_here"),
+"""
+_TRAIN_STEPS = ("for _ in range(3):\n    model(torch.randn(4, 8)).square().mean().backward()\n    opt.step()\n    opt.zero_grad()\n"
+                "out = tuple(p.detach().clone() for p in model.parameters())\n")
+FusedOptimizer.FUSE += [
+    Fuse(_CHOSEN_BY_IF, name="optimizer_class_chosen_by_if_and_built_here", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.AdamW", "class_chosen_at_run_time": "optimizer_cls is torch.optim.AdamW"}),
+    Fuse(_CHOSEN_FROM_DICT, name="optimizer_class_from_a_dict_built_here", run="model = Net()\nopt = run(model)\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.SGD", "class_chosen_at_run_time": "opts[name] is torch.optim.SGD"}),
+]
+FusedOptimizer.KEEP += [
+    # two torch.optim classes among the choices: each has its own arguments, no single swap
+    Keep(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam'),
+         reason="several torch.optim classes are among the choices (Adam, SGD)", name="optimizer_class_from_a_dict_of_two_fusable"),
+    # the dict gains entries at run time: what `opts[name]` is cannot be read from its literal
+    Keep(_CHOSEN_FROM_DICT.replace("    return opts[name]", "    opts.update(EXTRA)\n    return opts[name]"),
+         reason="its value may change outside these bindings", name="optimizer_class_dict_updated"),
+    # the key calls code: testing the choice would run it twice
+    Keep(_CHOSEN_FROM_DICT.replace("opts[name](", "opts[name.lower()]("),
+         reason="the dict key calls code", name="optimizer_class_dict_key_calls_code"),
 ]
 
 # --- a re-allocation that runs before the optimizer is built (issue 14 class 5) -------------------
@@ -3130,3 +3252,10 @@ FusedOptimizer.KEEP += [
          name="wrapper_built_from_an_opaque_object",
          reason="grads are re-allocated (`.grad = ...` at line 24)"),
 ]
+
+# accelerate-style `optimizer_cls = DummyOptim if engine_has_optimizer else AdamW`: the fused class
+# only where AdamW is chosen
+FusedOptimizer.FUSE.append(
+    Fuse(_KEEP_CLASS_CHOSEN, name="optimizer_class_chosen_at_run_time",
+         run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.AdamW", "class_chosen_at_run_time": "optimizer_cls is AdamW"}))
