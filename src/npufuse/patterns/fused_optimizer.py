@@ -227,6 +227,8 @@ class _FileFacts:
         self.module_zero_grad: list[tuple[int, str]] = []  # receiver.zero_grad() that is not an optimizer's
         self.grad_assign: Optional[int] = None
         self.grad_assigns: list[tuple[int, str]] = []  # (line, receiver) of every `X.grad = ...`
+        # (line, flag source) of embeddings with sparse grads (`nn.EmbeddingBag(..., sparse=True)`)
+        self.sparse: list[tuple[int, str]] = []
         self.data_assign: Optional[int] = None
         self.bf16: list[tuple[int, str]] = []  # (line, receiver or "") of bf16 casts / loads
         # accelerate: (line, receiver, dotted args) of `<accelerator>.prepare(...)` / `.prepare_optimizer(...)`
@@ -250,7 +252,7 @@ class _FileFacts:
             out.sharding_nodes.extend(f.sharding_nodes)
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
-            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts", "grad_assigns"):
+            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts", "grad_assigns", "sparse"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
         return out
@@ -312,6 +314,10 @@ class _FileFacts:
 
     def _bf16_kw(self, node: ast.Call) -> None:
         name = (dotted(node.func) or "").split(".")[-1]
+        if name in _SPARSE_GRAD_CALLS:
+            flag = keyword(node, "sparse", _SPARSE_GRAD_CALLS[name])
+            if flag is not None and not (isinstance(flag, ast.Constant) and not flag.value):
+                self.sparse.append((node.lineno, "" if isinstance(flag, ast.Constant) else " ".join(ast.unparse(flag).split())[:60]))
         for k in node.keywords:
             # Lightning's true-half precision keeps the parameters themselves in bf16 ("bf16-mixed"
             # keeps fp32 master weights)
@@ -323,6 +329,10 @@ class _FileFacts:
                     self.bf16.append((node.lineno, ""))
             if name == "set_default_dtype" and node.args and _is_bf16(node.args[0]):
                 self.bf16.append((node.lineno, ""))
+
+
+# calls that give sparse grads with `sparse=<true>` -> the position of that argument
+_SPARSE_GRAD_CALLS = {"Embedding": 6, "EmbeddingBag": 6, "embedding": 6, "embedding_bag": 7}
 
 
 def _is_bf16(node: ast.AST) -> bool:
@@ -1096,6 +1106,11 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
         ln, recv = left[0]
         return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0, so they are re-allocated "
                 "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False")
+    if facts.sparse:
+        ln, flag = facts.sparse[0]
+        return (f"sparse gradients: an embedding built with sparse={flag or 'True'} (line {ln}) gets sparse grad tensors"
+                + (f" whenever `{flag}` is true (a run-time or configuration value)" if flag else "")
+                + "; torch_npu fused optimizers take dense grads only (every grad is copied into one dense flat buffer)")
     if facts.grad_assign is not None:
         return (f"grads are re-allocated (`.grad = ...` at line {facts.grad_assign}): the fused optimizer keeps "
                 "updating from its combined grad buffer")
@@ -3259,3 +3274,41 @@ FusedOptimizer.FUSE.append(
     Fuse(_KEEP_CLASS_CHOSEN, name="optimizer_class_chosen_at_run_time",
          run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
          expect={"optimizer": "torch.optim.AdamW", "class_chosen_at_run_time": "optimizer_cls is AdamW"}))
+
+# --- sparse embedding grads (issue 14 class 5) --------------------------------------------------
+# dlrm's `nn.EmbeddingBag(n, m, mode="sum", sparse=True)`: sparse grads cannot go into the fused
+# class's dense flat buffer (spec 10); a flag says it depends on the run
+_SPARSE_EMBEDDING = """\
+import torch
+import torch.nn as nn
+
+
+class Ranker(nn.Module):
+    def __init__(self, rows, dim, sparse=True):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(rows, dim, mode="sum", sparse=sparse)
+        self.top = nn.Linear(dim, 1)
+
+    def forward(self, idx, offsets):
+        return self.top(self.emb(idx, offsets))
+
+
+def build(model, lr=0.1):
+    return torch.optim.SGD(model.parameters(), lr=lr)
+"""
+FusedOptimizer.KEEP += [
+    Keep(_SPARSE_EMBEDDING, name="sparse_embedding_grads_by_flag",
+         reason="an embedding built with sparse=sparse (line 8) gets sparse grad tensors whenever `sparse` is true"),
+    # positional: EmbeddingBag(num, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse)
+    Keep(_SPARSE_EMBEDDING.replace('mode="sum", sparse=sparse)', 'None, 2.0, False, "sum", True)'), name="sparse_embedding_grads_positional",
+         reason="sparse gradients: an embedding built with sparse=True (line 8)"),
+    Keep(_SPARSE_EMBEDDING.replace("sparse=sparse)", "sparse=True)"), name="sparse_embedding_grads",
+         reason="sparse gradients: an embedding built with sparse=True (line 8) gets sparse grad tensors; torch_npu fused "
+                "optimizers take dense grads only"),
+]
+FusedOptimizer.FUSE.append(
+    Fuse(_SPARSE_EMBEDDING.replace("sparse=sparse)", "sparse=False)"), name="dense_embedding_grads",
+         run="model = Ranker(10, 4)\nopt = build(model)\nfor _ in range(2):\n"
+             "    model(torch.tensor([1, 2, 4, 5]), torch.tensor([0, 2])).square().mean().backward()\n    opt.step()\n"
+             "    opt.zero_grad()\nout = tuple(p.detach().clone() for p in model.parameters())\n",
+         expect={"optimizer": "torch.optim.SGD"}))
