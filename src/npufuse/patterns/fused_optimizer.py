@@ -229,6 +229,7 @@ class _FileFacts:
         self.grad_assigns: list[tuple[int, str]] = []  # (line, receiver) of every `X.grad = ...`
         # (line, flag source) of embeddings with sparse grads (`nn.EmbeddingBag(..., sparse=True)`)
         self.sparse: list[tuple[int, str]] = []
+        self.flags: dict[int, ast.expr] = {}  # line -> the non-constant set_to_none of a zero_grad there
         self.data_assign: Optional[int] = None
         self.bf16: list[tuple[int, str]] = []  # (line, receiver or "") of bf16 casts / loads
         # accelerate: (line, receiver, dotted args) of `<accelerator>.prepare(...)` / `.prepare_optimizer(...)`
@@ -255,6 +256,7 @@ class _FileFacts:
             for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts", "grad_assigns", "sparse"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
+            out.flags.update(f.flags)
         return out
 
     def _visit(self, module: ModuleInfo, node: ast.AST) -> None:
@@ -299,6 +301,7 @@ class _FileFacts:
                 self.module_zero_grad.append((node.lineno, recv))
             elif flag is not None and not explicit_false and not isinstance(flag, ast.Constant):
                 self.set_to_none.append((node.lineno, recv))
+                self.flags[node.lineno] = flag
         elif attr in ("prepare", "prepare_optimizer") and "accelerator" in recv.split(".")[-1].lower():
             args = [dotted(a.value if isinstance(a, ast.Starred) else a) or "" for a in node.args]
             self.prepared.append((node.lineno, recv, args))
@@ -1098,6 +1101,13 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
                     "backward allocates new ones outside the fused optimizer's flat buffer and its update silently uses "
                     "stale grads (torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
                     "zero_grad(set_to_none=True)); pass set_to_none=False there" + opt_in)
+        flag = facts.flags.get(ln)
+        if flag is not None:
+            text = " ".join(ast.unparse(flag).split())[:60]
+            return (f"`{recv}.zero_grad(set_to_none={text})` (line {ln}) frees the grads whenever `{text}` is true (a "
+                    "run-time or configuration value npufuse cannot test where the optimizer is built): torch_npu fused "
+                    "optimizers raise ValueError on zero_grad(set_to_none=True) (grads must stay allocated in their flat "
+                    "buffer); use set_to_none=False" + opt_in)
         return (f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: torch_npu fused optimizers raise "
                 "ValueError on zero_grad(set_to_none=True) (grads must stay allocated in their flat buffer); use "
                 "zero_grad() / set_to_none=False" + opt_in)
@@ -1448,6 +1458,35 @@ def _foreign_wrapper_lines(module: ModuleInfo, scope: Scope, stmt: ast.stmt, cal
     return out
 
 
+def _testable_flags(module: ModuleInfo, scope: Scope, stmt: ast.stmt, own: _FileFacts) -> list[tuple[int, str]]:
+    """(line, test source) of each ``zero_grad(set_to_none=<flag>)`` directly in the site's scope
+    whose flag reads the same value where the optimizer is built: side-effect free, every name in
+    it a parameter of the site's function or a module-level name, never re-bound in the function.
+    Only when every non-constant flag of the site's own function is such (else nothing)."""
+    flagged = [(ln, r) for ln, r in own.set_to_none if ln in own.flags]
+    if not flagged:
+        return []
+    fn = scope.node
+    params_ = set(scope.args)
+    module_scope = next((s for s in module.scopes if s.qualname == _MODULE), None)
+    out = []
+    for ln, _recv in flagged:
+        flag = own.flags[ln]
+        if not _in_scope(scope, ln) or not _side_effect_free(flag):
+            return []
+        for n in fast_walk(flag):
+            if isinstance(n, ast.Name):
+                rebound = scope.qualname != _MODULE and n.id in scope.assignments
+                known = n.id in params_ or (module_scope is not None and n.id in module_scope.assignments) or n.id in module.aliases
+                if rebound or not known or (scope.qualname == _MODULE and n.id in scope.assignments
+                                            and any(st.lineno > stmt.lineno for st, _v in scope.assignments[n.id])):
+                    return []
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+            return []
+        out.append((ln, " ".join(segment(module, flag).split())))
+    return out
+
+
 def _class_family(units: "_Units", cls: str) -> set[str]:
     """``cls``, its bases and its subclasses among the classes of the file (transitively)."""
     family, todo = {cls}, [cls]
@@ -1544,6 +1583,12 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if foreign:
         tiers = (_without_lines(module, tiers[0], foreign), _without_lines(module, tiers[1], foreign),
                  _without_lines(module, tiers[2], foreign))
+    # `zero_grad(set_to_none=<flag>)` in the site's own scope, with a flag the guard can read where
+    # the optimizer is built: the fused branch only for runs where the flag is false
+    flag_tests = [] if in_place else _testable_flags(module, scope, stmt, tiers[0])
+    if flag_tests:
+        lines = {ln for ln, _t in flag_tests}
+        tiers = (_without_lines(module, tiers[0], lines), tiers[1], tiers[2])
     # -- arguments ---------------------------------------------------------------------------
     plan = _KeywordPlan(module, scope, call, line, accepted, fused_cls)
     if plan.reason is not None:
@@ -1576,6 +1621,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if plan.runtime is not None:
         mapping, taken, filtered = plan.runtime
         guard = f"({guard}) if set({mapping}).issubset({tuple(sorted(taken + filtered))!r}) else None"
+    for _ln, test in flag_tests:
+        guard = f"({guard}) if not ({test}) else None"
     if chosen_class is not None:
         # the class is chosen at run time: the fused class only where torch.optim's was chosen
         guard = f"({guard}) if {chosen_class[1]} else None"
@@ -1681,6 +1728,13 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if any(k.arg == "capturable" for k in plan.drop):
         notes.append("capturable= only keeps torch.optim's step count on the device for graph capture (no graph is "
                      "captured in this file); the fused class keeps a Python int")
+    if flag_tests:
+        params["guard"] += "_set_to_none_flag_checked"
+        notes.append("zero_grad(set_to_none=...) with a run-time flag (" + ", ".join(f"`{t}` at line {ln}" for ln, t in flag_tests)
+                     + "): the guard runs the fused class only when the flag is false where the optimizer is built (the "
+                     "fused class raises ValueError on set_to_none=True); runs that free grads keep torch.optim")
+        risks.append(Risk("other", "the set_to_none flag is read once where the optimizer is built: if the code changes it "
+                          "later in the run, the fused optimizer would get set_to_none=True (ValueError)"))
     if chosen_class is not None:
         params["class_chosen_at_run_time"] = chosen_class[1]
         params["guard"] += "_class_checked"
@@ -3312,3 +3366,50 @@ FusedOptimizer.FUSE.append(
              "    model(torch.tensor([1, 2, 4, 5]), torch.tensor([0, 2])).square().mean().backward()\n    opt.step()\n"
              "    opt.zero_grad()\nout = tuple(p.detach().clone() for p in model.parameters())\n",
          expect={"optimizer": "torch.optim.SGD"}))
+
+# --- zero_grad(set_to_none=<a flag>) (issue 14 class 5) -------------------------------------------
+# the flag is a run-time or configuration value: read where the optimizer is built (a parameter of
+# the same function, never re-bound), the guard keeps torch.optim for runs that free grads;
+# elsewhere (another method's `self.zero_out_grads`) the near miss says it depends on the run
+_FLAG_SET_TO_NONE = _NET + '''
+
+class Config:
+    def __init__(self, free_grads=False, lr=1e-2):
+        self.free_grads, self.lr = free_grads, lr
+
+
+def train(model, cfg, steps=3):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=cfg.free_grads)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+_FLAG_IN_ANOTHER_METHOD = _NET + '''
+
+class Trainer:
+    def __init__(self, model, zero_out_grads=True):
+        self.model = model
+        self.zero_out_grads = zero_out_grads
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(self):
+        self.model(torch.randn(4, 8)).square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=self.zero_out_grads)
+'''
+
+FusedOptimizer.FUSE.append(
+    Fuse(_FLAG_SET_TO_NONE, name="set_to_none_flag_read_where_the_optimizer_is_built",
+         run="out = train(Net(), Config())\n", expect={"optimizer": "torch.optim.AdamW", "qualname": "train"}))
+FusedOptimizer.KEEP += [
+    Keep(_FLAG_IN_ANOTHER_METHOD, name="set_to_none_flag_of_another_method",
+         reason="`self.optimizer.zero_grad(set_to_none=self.zero_out_grads)` (line 26) frees the grads whenever "
+                "`self.zero_out_grads` is true (a run-time or configuration value"),
+    # the flag is re-bound in the function: its value where the optimizer is built says nothing
+    Keep(_FLAG_SET_TO_NONE.replace("    for _ in range(steps):\n", "    free = cfg.free_grads\n    for _ in range(steps):\n        free = not free\n", 1)
+         .replace("set_to_none=cfg.free_grads", "set_to_none=free"),
+         name="set_to_none_flag_rebound_in_the_loop", reason="frees the grads whenever `free` is true"),
+]
