@@ -227,3 +227,41 @@ def test_helper_of_another_file_run_only_before_the_construction_keeps_the_candi
                                             "        one_epoch(student, optimizer, epoch, teacher)\n        helpers.reset(student)\n")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert cands == [] and "`helpers.reset` (train.py:34) -> `reset` (helpers.py:26) gets `model` and sets grads to None" in near[0]["reason"]
+
+
+_WRAPPER = '''\
+class Wrapped:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+'''
+
+_WRAPPED_TRAIN = '''\
+import torch
+
+from wrap import Wrapped
+
+
+def build(model):
+    {build}
+    return opt
+'''
+
+
+def test_wrapper_class_of_another_file_asking_its_optimizer_to_free_refuses(tmp_path: Path) -> None:
+    for build in ("opt = Wrapped(torch.optim.AdamW(model.parameters(), lr=1e-3))",
+                  "inner = torch.optim.AdamW(model.parameters(), lr=1e-3)\n    opt = Wrapped(inner)"):
+        root = tmp_path / f"repo{len(build)}"
+        _write(root, {"wrap.py": _WRAPPER, "train.py": _WRAPPED_TRAIN.format(build=build)})
+        cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
+        assert cands == [] and len(near) == 1, (build, cands, near)
+        assert "(class Wrapped, wrap.py:1)" in near[0]["reason"] and "(wrap.py:9)" in near[0]["reason"]
+        # the wrapper that zeroes through the optimizer's own default (in place for the fused class)
+        _write(root, {"wrap.py": _WRAPPER.replace("zero_grad(set_to_none=True)", "zero_grad()")})
+        cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
+        assert len(cands) == 1 and near == [], (build, cands, near)

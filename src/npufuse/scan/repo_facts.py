@@ -417,20 +417,26 @@ def _wrapped_by_reallocating_class(root: Path, files: list[str], outcomes: list[
             for call in [n for r in region for n in ast.walk(r) if isinstance(n, ast.Call)]:
                 if not isinstance(call.func, (ast.Name, ast.Attribute)):
                     continue
-                args = {dotted(a) for a in [*call.args, *(k.value for k in call.keywords)]}
-                if not (args & handed):
+                given = [*call.args, *(k.value for k in call.keywords)]
+                args = {dotted(a) for a in given}
+                # `Wrapper(torch.optim.AdamW(...))`: the optimizer built inline as the wrapper's argument
+                inline = [a for a in given if isinstance(a, ast.Call) and f.line <= a.lineno and (a.end_lineno or a.lineno) <= f.end_line
+                          and isinstance(a.func, (ast.Name, ast.Attribute)) and (dotted(a.func) or "").rsplit(".", 1)[-1][:1].isupper()]
+                if not (args & handed) and not inline:
                     continue
                 sym = symbols.resolve_node(o.file, call.func)
                 if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef):
                     continue
                 where = _reallocates(sym.node)
-                if where is None:
+                found = (where[0], sym.file, where[1]) if where is not None else _frees_through_bases(symbols, sym.file, sym.node)
+                if found is None:
                     continue
-                what, line = where
+                what, wfile, line = found
+                takes = ", ".join(sorted(args & handed)) or " ".join(ast.unparse(inline[0].func).split())[:60] + "(...)"
                 o.hits.remove(h)
                 near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
                              "reason": f"`{dotted(call.func)}` (class {sym.qualname}, {sym.file}:{sym.node.lineno}) takes "
-                                       f"`{', '.join(sorted(args & handed))}` at line {call.lineno} and {what} ({sym.file}:{line}): "
+                                       f"`{takes}` at line {call.lineno} and {what} ({wfile}:{line}): "
                                        "the fused optimizer's combined buffers would go stale"})
                 break
 
@@ -1121,6 +1127,31 @@ def _frees(fn: ast.AST, held: Any) -> Optional[tuple[str, int]]:
             flag = next((k.value for k in n.keywords if k.arg == "set_to_none"), n.args[0] if n.args else None)
             if flag is not None and not (isinstance(flag, ast.Constant) and flag.value is False) and held(fn, dotted(n.func.value) or ""):
                 return f"frees grads (`{dotted(n.func) or 'zero_grad'}(set_to_none=...)`)", n.lineno
+    return None
+
+
+def _frees_through_bases(symbols: Any, file: str, cls: ast.ClassDef) -> Optional[tuple[str, str, int]]:
+    """(what, file, line) where a method of ``cls`` or of one of its bases (any file of the repo)
+    frees the grads of what the instance holds (``self.optimizer.zero_grad(set_to_none=True)``,
+    ``for p in self.params: p.grad = None``)."""
+    from npufuse.patterns.fused_optimizer import held_by_instance
+
+    todo: list[tuple[str, ast.ClassDef, int]] = [(file, cls, 0)]
+    seen: set[tuple[str, int]] = set()
+    while todo:
+        f, node, depth = todo.pop(0)
+        if (f, node.lineno) in seen or depth > _BASE_DEPTH:
+            continue
+        seen.add((f, node.lineno))
+        for m in node.body:
+            if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                hit = _frees(m, held_by_instance)
+                if hit is not None:
+                    return hit[0], f, hit[1]
+        for base in node.bases:
+            sym = symbols.resolve_node(f, base)
+            if sym.kind == "class" and isinstance(sym.node, ast.ClassDef):
+                todo.append((sym.file, sym.node, depth + 1))
     return None
 
 
