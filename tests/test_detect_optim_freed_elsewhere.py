@@ -265,3 +265,16 @@ def test_wrapper_class_of_another_file_asking_its_optimizer_to_free_refuses(tmp_
         _write(root, {"wrap.py": _WRAPPER.replace("zero_grad(set_to_none=True)", "zero_grad()")})
         cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
         assert len(cands) == 1 and near == [], (build, cands, near)
+
+
+def test_helper_of_another_file_calling_the_models_default_zero_grad_refuses(tmp_path: Path) -> None:
+    # `model.zero_grad()` frees by default on torch >= 2.0; the optimizer's own zero_grad() does not
+    helpers = _HELPERS + "\n\ndef reset(model, optimizer):\n    optimizer.zero_grad()\n    model.zero_grad()\n"
+    root = tmp_path / "repo"
+    _write(root, {"helpers.py": helpers, "train.py": _TRAIN.format(helper="reset(net, optimizer)")})
+    cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
+    assert cands == [] and "`reset` (helpers.py:26) gets `model, optimizer` and frees them with `model.zero_grad()`" \
+        in near[0]["reason"], near
+    _write(root, {"helpers.py": helpers.replace("    model.zero_grad()\n", "")})
+    cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
+    assert len(cands) == 1 and near == []

@@ -1217,9 +1217,11 @@ def _param_sources(region: list[ast.AST], f: Any) -> set[str]:
         return set()
 
     def operands(node: ast.AST) -> set[str]:
-        called = {id(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
-        called |= {id(a.value) for a in ast.walk(node) if isinstance(a, ast.Attribute) and id(a) in called}
-        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and id(n) not in called and n.id != "self"}
+        # bare names only: `args` of `args.wd` is a configuration object read for a value, not the
+        # object whose parameters are taken (that one is handed whole: `get_groups(model, args.wd)`)
+        read = {id(a.value) for a in ast.walk(node) if isinstance(a, ast.Attribute)}
+        read |= {id(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and id(n) not in read and n.id != "self"}
 
     names = operands(expr)
     for _ in range(2):
@@ -1244,6 +1246,16 @@ def _runs_before(region: list[ast.AST], call: ast.Call, site_line: int) -> bool:
     return True
 
 
+def _module_zero_grad(fn: ast.AST, modules: set[str]) -> Optional[tuple[str, int]]:
+    """(what, line) of ``M.zero_grad()`` without set_to_none on one of ``modules`` (torch >= 2.0
+    frees by default)."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "zero_grad" and not n.args \
+                and not any(k.arg == "set_to_none" for k in n.keywords) and (dotted(n.func.value) or "").split(".")[0] in modules:
+            return f"frees them with `{dotted(n.func)}()` (set_to_none=True by default on torch >= 2.0)", n.lineno
+    return None
+
+
 def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optional[str]:
     """Does a function the site's function hands the model or the optimizer to (directly or through
     up to three calls, in any file of the repo) free or re-allocate their grads?"""
@@ -1251,11 +1263,15 @@ def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optiona
     handed = _handed_names(f) | (_param_sources(region, f) if region is not None else set())
     if region is None or not handed:
         return None
-    todo: list[tuple[str, list[ast.AST], set[str], Optional[ast.AST], int, str]] = [
-        (rel, region, handed, region[0] if len(region) == 1 else None, 0, "")]
+    # the objects whose parameters the optimizer takes (not the optimizer itself): their own
+    # `zero_grad()` frees by default (torch >= 2.0), an optimizer's (the fused class's) does not
+    bound = _bound_name(f.fused) if isinstance(f.fused, str) else None
+    modules = handed - {bound}
+    todo: list[tuple[str, list[ast.AST], set[str], set[str], Optional[ast.AST], int, str]] = [
+        (rel, region, handed, modules, region[0] if len(region) == 1 else None, 0, "")]
     seen: set[tuple[str, str, frozenset[str]]] = set()
     while todo:
-        file, roots, tracked, scope, depth, path = todo.pop(0)
+        file, roots, tracked, mods, scope, depth, path = todo.pop(0)
         for root in roots:
             for call in ast.walk(root):
                 if not isinstance(call, ast.Call) or not isinstance(call.func, (ast.Name, ast.Attribute)):
@@ -1271,6 +1287,8 @@ def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optiona
                 params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
                 got = {params[i] for i, _a in passed if i < len(params)} | {k for k, _v in named if k in params or fn.args.kwonlyargs}
                 got &= {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+                got_mods = {params[i] for i, a in passed if i < len(params) and dotted(a) in mods} | \
+                    {k for k, v in named if dotted(v) in mods} & got
                 key = (sym.file, sym.qualname, frozenset(got))
                 if not got or key in seen or (depth == 0 and _runs_before(region, call, f.line)):
                     continue
@@ -1279,10 +1297,12 @@ def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optiona
                 derived = _derived(fn, got)
                 # a function of the site's own file was judged with the file (which knows when it runs)
                 hit = _frees(fn, lambda _fn, recv: recv.split(".")[0] in derived) if sym.file != rel else None
+                if hit is None and sym.file != rel:
+                    hit = _module_zero_grad(fn, _derived(fn, got_mods))
                 if hit is not None:
                     what, line = hit
                     return (f"{here}`{sym.qualname}` ({sym.file}:{line}) gets "
-                            f"`{', '.join(sorted(got))}` and {what} of them")
+                            f"`{', '.join(sorted(got))}` and {what}" + ("" if what.startswith("frees them") else " of them"))
                 if depth + 1 < _CALL_DEPTH:
-                    todo.append((sym.file, [fn], got, fn, depth + 1, here))
+                    todo.append((sym.file, [fn], got, got_mods, fn, depth + 1, here))
     return None
