@@ -702,9 +702,14 @@ def _model_via_helper(module: ModuleInfo, scope: Scope, params: ast.expr) -> Opt
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    own_method = bool(names) and names[0] == "self" and isinstance(params.func, ast.Attribute) and dotted(params.func.value) == "self"
     if names and names[0] in ("self", "cls") and isinstance(params.func, ast.Attribute):
         names = names[1:]
     bound = {n: dotted(a) for n, a in zip(names, params.args)} | {k.arg: dotted(k.value) for k in params.keywords if k.arg}
+    if own_method:
+        # `self.param_groups(wd)`: a method of the site's own class builds them from its own
+        # modules (`self.named_parameters()`, `self.model.parameters()`): the same object here
+        bound["self"] = "self"
     for n in fast_walk(fn):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("parameters", "named_parameters", "modules", "named_modules") \
                 and isinstance(n.func.value, ast.Name) and bound.get(n.func.value.id):
@@ -3413,3 +3418,30 @@ FusedOptimizer.KEEP += [
          .replace("set_to_none=cfg.free_grads", "set_to_none=free"),
          name="set_to_none_flag_rebound_in_the_loop", reason="frees the grads whenever `free` is true"),
 ]
+
+# --- param groups built by a method of the site's own class (issue 14 class 5) -------------------
+# Lightning-style `configure_optimizers(self): return AdamW(self.param_groups(wd), ...)` where the
+# method builds decay / no-decay groups from `self.named_parameters()`: the guard reads a fresh
+# `self.parameters()`, the method still runs once, in the branch taken
+_GROUPS_FROM_OWN_METHOD = _NET + '''
+
+class WithGroups(Net):
+    def param_groups(self, wd):
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.param_groups(0.1), lr=1e-2)
+'''
+FusedOptimizer.FUSE.append(
+    Fuse(_GROUPS_FROM_OWN_METHOD, name="param_groups_from_a_method_of_the_own_class",
+         run="model = WithGroups()\nopt = model.configure_optimizers()\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator", "param_groups": False}))
+FusedOptimizer.KEEP.append(
+    # a method of another object (its class is not this one): what it returns, and whether reading a
+    # tensor from it consumes it, npufuse cannot tell here
+    Keep(_GROUPS_FROM_OWN_METHOD.replace("return torch.optim.AdamW(self.param_groups(0.1), lr=1e-2)",
+                                         "return torch.optim.AdamW(self.helper.param_groups(0.1), lr=1e-2)"),
+         reason="the params come from `self.helper.param_groups(0.1)`, which may be a one-shot iterator",
+         name="param_groups_from_a_method_of_another_object"))
