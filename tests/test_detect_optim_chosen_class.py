@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from apply_support import npufuse, scan
 from pattern_harness import check_rewrite_runs, detect_all
