@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from apply_support import npufuse, scan
 from pattern_harness import check_rewrite_runs, detect_all
 from npufuse.patterns.fused_optimizer import _CHOSEN_BY_IF, _CHOSEN_FROM_DICT, FusedOptimizer
