@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Any, ClassVar, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional, Union
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
@@ -127,9 +127,17 @@ class FusedOptimizer(Pattern):
             for _call, reason in _third_party_calls(module, stmt):
                 yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             if not calls:
-                chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
-                if chosen is not None:
-                    yield chosen
+                built = _chosen_construction(module, scope, stmt)
+                if isinstance(built, NearMiss):
+                    yield built
+                elif built is not None:
+                    call, kind, test = built
+                    yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=self.zero_grad_in_place,
+                                chosen_class=(kind, test))
+                else:
+                    chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
+                    if chosen is not None:
+                        yield chosen
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         return _assess(finding, config)
@@ -218,6 +226,10 @@ class _FileFacts:
         self.set_to_none: list[tuple[int, str]] = []  # (line, receiver) of zero_grad(set_to_none=True)
         self.module_zero_grad: list[tuple[int, str]] = []  # receiver.zero_grad() that is not an optimizer's
         self.grad_assign: Optional[int] = None
+        self.grad_assigns: list[tuple[int, str]] = []  # (line, receiver) of every `X.grad = ...`
+        # (line, flag source) of embeddings with sparse grads (`nn.EmbeddingBag(..., sparse=True)`)
+        self.sparse: list[tuple[int, str]] = []
+        self.flags: dict[int, ast.expr] = {}  # line -> the non-constant set_to_none of a zero_grad there
         self.data_assign: Optional[int] = None
         self.bf16: list[tuple[int, str]] = []  # (line, receiver or "") of bf16 casts / loads
         # accelerate: (line, receiver, dotted args) of `<accelerator>.prepare(...)` / `.prepare_optimizer(...)`
@@ -241,9 +253,10 @@ class _FileFacts:
             out.sharding_nodes.extend(f.sharding_nodes)
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
-            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts"):
+            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts", "grad_assigns", "sparse"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
+            out.flags.update(f.flags)
         return out
 
     def _visit(self, module: ModuleInfo, node: ast.AST) -> None:
@@ -261,8 +274,10 @@ class _FileFacts:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 # `p.grad /= n` divides in place (the same tensor is set back): only `p.grad = <new>` re-allocates
-                if isinstance(t, ast.Attribute) and t.attr == "grad" and self.grad_assign is None and isinstance(node, ast.Assign):
-                    self.grad_assign = node.lineno
+                if isinstance(t, ast.Attribute) and t.attr == "grad" and isinstance(node, ast.Assign):
+                    if self.grad_assign is None:
+                        self.grad_assign = node.lineno
+                    self.grad_assigns.append((node.lineno, dotted(t.value) or ""))
                 # `self.data = ...` is an object's attribute (a Dataset's tensor), not a parameter's storage
                 if (isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign) and self.data_assign is None
                         and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))):
@@ -286,6 +301,7 @@ class _FileFacts:
                 self.module_zero_grad.append((node.lineno, recv))
             elif flag is not None and not explicit_false and not isinstance(flag, ast.Constant):
                 self.set_to_none.append((node.lineno, recv))
+                self.flags[node.lineno] = flag
         elif attr in ("prepare", "prepare_optimizer") and "accelerator" in recv.split(".")[-1].lower():
             args = [dotted(a.value if isinstance(a, ast.Starred) else a) or "" for a in node.args]
             self.prepared.append((node.lineno, recv, args))
@@ -301,6 +317,10 @@ class _FileFacts:
 
     def _bf16_kw(self, node: ast.Call) -> None:
         name = (dotted(node.func) or "").split(".")[-1]
+        if name in _SPARSE_GRAD_CALLS:
+            flag = keyword(node, "sparse", _SPARSE_GRAD_CALLS[name])
+            if flag is not None and not (isinstance(flag, ast.Constant) and not flag.value):
+                self.sparse.append((node.lineno, "" if isinstance(flag, ast.Constant) else " ".join(ast.unparse(flag).split())[:60]))
         for k in node.keywords:
             # Lightning's true-half precision keeps the parameters themselves in bf16 ("bf16-mixed"
             # keeps fp32 master weights)
@@ -312,6 +332,10 @@ class _FileFacts:
                     self.bf16.append((node.lineno, ""))
             if name == "set_default_dtype" and node.args and _is_bf16(node.args[0]):
                 self.bf16.append((node.lineno, ""))
+
+
+# calls that give sparse grads with `sparse=<true>` -> the position of that argument
+_SPARSE_GRAD_CALLS = {"Embedding": 6, "EmbeddingBag": 6, "embedding": 6, "embedding_bag": 7}
 
 
 def _is_bf16(node: ast.AST) -> bool:
@@ -678,9 +702,14 @@ def _model_via_helper(module: ModuleInfo, scope: Scope, params: ast.expr) -> Opt
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    own_method = bool(names) and names[0] == "self" and isinstance(params.func, ast.Attribute) and dotted(params.func.value) == "self"
     if names and names[0] in ("self", "cls") and isinstance(params.func, ast.Attribute):
         names = names[1:]
     bound = {n: dotted(a) for n, a in zip(names, params.args)} | {k.arg: dotted(k.value) for k in params.keywords if k.arg}
+    if own_method:
+        # `self.param_groups(wd)`: a method of the site's own class builds them from its own
+        # modules (`self.named_parameters()`, `self.model.parameters()`): the same object here
+        bound["self"] = "self"
     for n in fast_walk(fn):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("parameters", "named_parameters", "modules", "named_modules") \
                 and isinstance(n.func.value, ast.Name) and bound.get(n.func.value.id):
@@ -801,6 +830,79 @@ def _accelerate_prepared(stmt: ast.stmt, own: _FileFacts, near: _FileFacts) -> O
     return None
 
 
+# --- an optimizer class chosen at run time and built in the same function (issue 14 class 5) -------
+# diffusers' `optimizer_cls = bnb.optim.AdamW8bit` / `else: optimizer_cls = torch.optim.AdamW` then
+# `optimizer_cls(unet.parameters(), ...)`; dlrm's `opts = {"sgd": torch.optim.SGD, ...}` then
+# `opts[args.optimizer](parameters, lr=...)`; `cls = DummyOptim if ds else AdamW`. The construction
+# is the site: its fused branch runs only when the class chosen at run time IS the one torch.optim
+# class among the choices (the guard tests identity), so every other choice keeps its own class.
+
+def _chosen_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt
+                         ) -> Optional[Union[NearMiss, tuple[ast.Call, str, str]]]:
+    """(call, torch.optim class, run-time test) of a construction through a name or a dict entry
+    bound in this scope, before the call, only to class expressions (``if``/``else`` arms, a
+    conditional expression, a dict literal never mutated) among which exactly one fusable
+    torch.optim class is; a NearMiss when torch.optim classes are among the choices but that test
+    cannot be written; None when no torch.optim class is chosen here."""
+    for call in fast_walk(stmt):
+        if not isinstance(call, ast.Call):
+            continue
+        func = call.func
+        key: Optional[ast.expr] = None
+        if isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name):
+            name, key = func.value.id, func.slice
+        elif isinstance(func, ast.Name):
+            name = func.id
+        else:
+            continue
+        bound = [v for st, v in scope.assignments.get(name, []) if st.lineno < stmt.lineno]
+        if not bound:
+            continue
+        choices: list[ast.expr] = []
+        todo = list(bound)
+        while todo:
+            v = todo.pop()
+            if isinstance(v, ast.IfExp):
+                todo += [v.body, v.orelse]
+            elif isinstance(v, ast.BoolOp):
+                todo += v.values
+            elif isinstance(v, ast.Dict) and key is not None:
+                choices += [x for x in v.values if x is not None]
+                if any(k is None for k in v.keys):
+                    choices.append(v)  # `{**other}`: entries npufuse does not see
+            else:
+                choices.append(v)
+        kinds = {_CANONICAL.get(module.canonical(c) or "") for c in choices if isinstance(c, (ast.Name, ast.Attribute))} - {None}
+        if not kinds:
+            continue
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        where = f"`{segment(module, func)}` (bound at line {min(getattr(b, 'lineno', line) for b in bound)})"
+
+        def refuse(why: str) -> NearMiss:
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"the optimizer class is chosen at run time through {where} and {why}: torch_npu.optim."
+                            f"{_OPTIMIZERS[sorted(kinds)[0]][0]} could take the place of torch.optim.{sorted(kinds)[0]} by hand "
+                            "once the constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no set_to_none, fp32/fp16)")
+        if len(kinds) > 1:
+            return refuse(f"several torch.optim classes are among the choices ({', '.join(sorted(kinds))}), each with its "
+                          "own arguments")
+        (kind,) = kinds
+        pick = next(c for c in choices if isinstance(c, (ast.Name, ast.Attribute)) and _CANONICAL.get(module.canonical(c) or "") == kind)
+        text = dotted(pick) or ""
+        root = text.split(".")[0]
+        if not text or root not in module.aliases or root in scope.assignments or root in scope.args:
+            return refuse(f"`{segment(module, pick)}` is not a module-level name the guard could test the choice against")
+        if name in scope.args or any(isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.value, ast.Name) and n.value.id == name
+                                     and (isinstance(n.ctx, ast.Store) or (isinstance(n, ast.Attribute) and n.attr in
+                                          ("update", "setdefault", "__setitem__", "pop", "clear")))
+                                     for n in fast_walk(scope.node)):
+            return refuse("its value may change outside these bindings")
+        if key is not None and not _side_effect_free(key):
+            return refuse("the dict key calls code (the guard would evaluate it a second time)")
+        return call, kind, f"{segment(module, func)} is {text}"
+    return None
+
+
 def _class_chosen_at_run_time(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[NearMiss]:
     """``cls = AdamW if cond else DummyOptim; opt = cls(...)``: a torch optimizer built through a
     class picked at run time. Named as a near miss, not swapped: the choice is elsewhere."""
@@ -840,6 +942,8 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
     for item in items:
         kind = _CANONICAL.get(module.canonical(item) or "") if isinstance(item, (ast.Name, ast.Attribute)) else None
         built = _called_later(scope, stmt) if kind is not None else None
+        if built is not None and _built_statement(module, scope, built[1]) is not None:
+            return None  # the construction reports itself (_chosen_construction): candidate or near miss
         if built is not None:
             # diffusers' `optimizer_cls = torch.optim.AdamW` (else bnb's AdamW8bit), dlrm's
             # `opts = {"sgd": torch.optim.SGD, ...}; opts[args.optimizer](...)`: built right here
@@ -902,6 +1006,15 @@ def _reallocated_before(module: ModuleInfo, scope: Scope, stmt: ast.stmt, tiers:
     kept = _FileFacts.merged(module, [tiers[1]])
     kept.data_assign, kept.grad_assign = second.data_assign, second.grad_assign
     return (tiers[0], kept, tiers[2]), harmless
+
+
+def _built_statement(module: ModuleInfo, scope: Scope, line: int) -> Optional[ast.stmt]:
+    """The statement of ``scope`` at ``line`` that detect judges as a construction through a class
+    chosen at run time (an assignment, expression or return holding such a call)."""
+    for _b, _i, st in scope.statements():
+        if st.lineno <= line <= (st.end_lineno or st.lineno) and isinstance(st, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
+            return st if _chosen_construction(module, scope, st) is not None else None
+    return None
 
 
 def _called_later(scope: Scope, stmt: ast.stmt) -> Optional[tuple[str, int]]:
@@ -993,6 +1106,13 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
                     "backward allocates new ones outside the fused optimizer's flat buffer and its update silently uses "
                     "stale grads (torch_npu fused optimizers read grads only from that buffer and raise ValueError on "
                     "zero_grad(set_to_none=True)); pass set_to_none=False there" + opt_in)
+        flag = facts.flags.get(ln)
+        if flag is not None:
+            text = " ".join(ast.unparse(flag).split())[:60]
+            return (f"`{recv}.zero_grad(set_to_none={text})` (line {ln}) frees the grads whenever `{text}` is true (a "
+                    "run-time or configuration value npufuse cannot test where the optimizer is built): torch_npu fused "
+                    "optimizers raise ValueError on zero_grad(set_to_none=True) (grads must stay allocated in their flat "
+                    "buffer); use set_to_none=False" + opt_in)
         return (f"`{recv}.zero_grad(set_to_none=True)` (line {ln}) frees the grads: torch_npu fused optimizers raise "
                 "ValueError on zero_grad(set_to_none=True) (grads must stay allocated in their flat buffer); use "
                 "zero_grad() / set_to_none=False" + opt_in)
@@ -1001,6 +1121,11 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
         ln, recv = left[0]
         return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0, so they are re-allocated "
                 "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False")
+    if facts.sparse:
+        ln, flag = facts.sparse[0]
+        return (f"sparse gradients: an embedding built with sparse={flag or 'True'} (line {ln}) gets sparse grad tensors"
+                + (f" whenever `{flag}` is true (a run-time or configuration value)" if flag else "")
+                + "; torch_npu fused optimizers take dense grads only (every grad is copied into one dense flat buffer)")
     if facts.grad_assign is not None:
         return (f"grads are re-allocated (`.grad = ...` at line {facts.grad_assign}): the fused optimizer keeps "
                 "updating from its combined grad buffer")
@@ -1141,9 +1266,12 @@ class _ZeroGradFix:
                     f"{o}.zero_grad = {zero_in_place(o)}\n")
         elif self.accelerate:
             o = self.target
+            # it takes set_to_none and ignores it: accelerate >= 0.2x passes True by default, older
+            # versions False, and a caller's own `zero_grad(set_to_none=False)` through the wrapper
+            # would raise ValueError in accelerate if the rebound zero_grad had no such parameter
             out += ("# accelerate passes set_to_none=True to a zero_grad that takes it (the fused class raises): "
                     "zero in place\n"
-                    f"{o}.zero_grad = (lambda zero_grad: lambda: zero_grad(set_to_none=False))({o}.zero_grad)\n")
+                    f"{o}.zero_grad = {zero_in_place(o)}\n")
         return out
 
     def risks(self) -> list[Risk]:
@@ -1301,15 +1429,171 @@ def _constructor(module: ModuleInfo, value: Optional[ast.expr]) -> Optional[str]
     return None
 
 
+# --- wrapper classes of other optimizers (issue 14 class 5) --------------------------------------
+# OpenNMT's `MultipleOptimizer.zero_grad(self, set_to_none=True): for op in self.optimizers:
+# op.zero_grad(set_to_none)` frees the grads of the optimizers it was built with, and only those:
+# an optimizer of the same file that is never handed to `MultipleOptimizer(...)` keeps its grads.
+
+def _foreign_wrapper_lines(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -> set[int]:
+    """Lines of grad-freeing code (``zero_grad(set_to_none=...)``, ``X.grad = ...``) in methods of a
+    class of this file, on objects the instance holds (``self.x``, or a name iterating / built from
+    ``self``), where that class is not the site's own class or one of its bases/subclasses, its
+    constructions in this file are all seen, and none is handed this optimizer (by the call itself,
+    the name the statement binds, a call of the site's function, or anything npufuse cannot tell
+    apart from them)."""
+    units = _units(module)
+    if not units.classes:
+        return set()
+    site_cls = units.units[units.unit_of(scope.qualname)].cls
+    related = _class_family(units, site_cls) if site_cls else set()
+    out: set[int] = set()
+    for cls_name, methods in units.classes.items():
+        if cls_name in related:
+            continue
+        lines = []
+        for m in methods:
+            u = units.units[m]
+            fn = u.roots[0] if u.roots else None
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            facts = units._unit_facts(m)
+            lines += [ln for ln, recv in (*facts.set_to_none, *facts.grad_assigns) if held_by_instance(fn, recv)]
+        if lines and not _handed_to_class(module, scope, cls_name, stmt, call):
+            out.update(lines)
+    return out
+
+
+def _testable_flags(module: ModuleInfo, scope: Scope, stmt: ast.stmt, own: _FileFacts) -> list[tuple[int, str]]:
+    """(line, test source) of each ``zero_grad(set_to_none=<flag>)`` directly in the site's scope
+    whose flag reads the same value where the optimizer is built: side-effect free, every name in
+    it a parameter of the site's function or a module-level name, never re-bound in the function.
+    Only when every non-constant flag of the site's own function is such (else nothing)."""
+    flagged = [(ln, r) for ln, r in own.set_to_none if ln in own.flags]
+    if not flagged:
+        return []
+    fn = scope.node
+    params_ = set(scope.args)
+    module_scope = next((s for s in module.scopes if s.qualname == _MODULE), None)
+    out = []
+    for ln, _recv in flagged:
+        flag = own.flags[ln]
+        if not _in_scope(scope, ln) or not _side_effect_free(flag):
+            return []
+        for n in fast_walk(flag):
+            if isinstance(n, ast.Name):
+                rebound = scope.qualname != _MODULE and n.id in scope.assignments
+                known = n.id in params_ or (module_scope is not None and n.id in module_scope.assignments) or n.id in module.aliases
+                if rebound or not known or (scope.qualname == _MODULE and n.id in scope.assignments
+                                            and any(st.lineno > stmt.lineno for st, _v in scope.assignments[n.id])):
+                    return []
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+            return []
+        out.append((ln, " ".join(segment(module, flag).split())))
+    return out
+
+
+def _class_family(units: "_Units", cls: str) -> set[str]:
+    """``cls``, its bases and its subclasses among the classes of the file (transitively)."""
+    family, todo = {cls}, [cls]
+    while todo:
+        c = todo.pop()
+        near = set(units.bases.get(c, [])) | {k for k, bs in units.bases.items() if c in bs}
+        for n in near - family:
+            family.add(n)
+            todo.append(n)
+    return family
+
+
+def held_by_instance(fn: ast.AST, recv: str) -> bool:
+    """Is ``recv`` (in method ``fn``) an object the instance holds: ``self.x``, or a name bound by a
+    ``for`` over / an assignment from an expression reading ``self`` or such a name (to a fixed
+    point: ``for group in self.param_groups: for p in group["params"]``)?"""
+    root = recv.split(".")[0]
+    if not root:
+        return False
+    held = {"self", "cls"}
+    for _ in range(4):
+        before = len(held)
+        for n in fast_walk(fn):
+            src: Optional[ast.AST] = None
+            tgt: list[ast.AST] = []
+            if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                src, tgt = n.iter, [n.target]
+            elif isinstance(n, ast.Assign):
+                src, tgt = n.value, list(n.targets)
+            if src is not None and any(isinstance(x, ast.Name) and x.id in held for x in fast_walk(src)):
+                held |= {x.id for t in tgt for x in fast_walk(t) if isinstance(x, ast.Name)}
+        if len(held) == before:
+            break
+    return root in held
+
+
+def _handed_to_class(module: ModuleInfo, scope: Scope, cls: str, stmt: ast.stmt, call: ast.Call) -> bool:
+    """May this optimizer reach an instance of ``cls``? True unless every ``cls(...)`` of the file
+    (there must be one) takes only constants and constructions of other objects."""
+    ctors = [n for n in fast_walk(module.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == cls]
+    if not ctors:
+        return True  # built elsewhere, with whatever optimizer
+    builder = scope.qualname.rsplit(".", 1)[-1] if scope.qualname != _MODULE else ""
+    todo: list[ast.AST] = [a for c in ctors for a in (*c.args, *(k.value for k in c.keywords))]
+    while todo:
+        a = todo.pop()
+        if any(n is call for n in fast_walk(a)):
+            return True
+        if isinstance(a, (ast.List, ast.Tuple, ast.Set)):
+            todo += a.elts
+        elif isinstance(a, ast.Starred):
+            todo.append(a.value)
+        elif isinstance(a, ast.Constant):
+            continue
+        elif isinstance(a, ast.Call):
+            name = module.canonical(a.func) or ""
+            head = dotted(a.func) or ""
+            other_ctor = name.startswith("torch.optim.") or head in module.classes
+            if not other_ctor or (builder and head.rsplit(".", 1)[-1] == builder):
+                return True  # a function's result: it may be this optimizer
+        else:
+            return True  # a name or attribute: it may hold this optimizer
+    return False
+
+
+def _without_lines(module: ModuleInfo, facts: _FileFacts, lines: set[int]) -> _FileFacts:
+    """``facts`` less the grad-freeing facts at ``lines``."""
+    if not any(ln in lines for ln, _r in (*facts.set_to_none, *facts.grad_assigns)):
+        return facts
+    out = _FileFacts.merged(module, [facts])
+    out.uncalled_reallocation = facts.uncalled_reallocation
+    out.set_to_none = [(ln, r) for ln, r in facts.set_to_none if ln not in lines]
+    out.grad_assigns = [(ln, r) for ln, r in facts.grad_assigns if ln not in lines]
+    if facts.grad_assign in lines:
+        out.grad_assign = out.grad_assigns[0][0] if out.grad_assigns else None
+    return out
+
+
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
-          tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False) -> Result:
-    kind = _CANONICAL[module.canonical(call.func) or ""]
+          tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False,
+          chosen_class: Optional[tuple[str, str]] = None) -> Result:
+    """``chosen_class``: (torch.optim class, test) when the class is chosen at run time
+    (:func:`_chosen_construction`): the guard runs the fused class only when the test holds."""
+    kind = chosen_class[0] if chosen_class is not None else _CANONICAL[module.canonical(call.func) or ""]
     fused_cls, accepted = _OPTIMIZERS[kind]
     line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
 
     def miss(reason: str) -> NearMiss:
         return NearMiss(_ID, scope.qualname, line, end, reason)
 
+    # grads freed by a wrapper class's own objects (`for op in self.optimizers: op.zero_grad(True)`)
+    # concern only the optimizers handed to that class: not this one when it never is
+    foreign = _foreign_wrapper_lines(module, scope, stmt, call)
+    if foreign:
+        tiers = (_without_lines(module, tiers[0], foreign), _without_lines(module, tiers[1], foreign),
+                 _without_lines(module, tiers[2], foreign))
+    # `zero_grad(set_to_none=<flag>)` in the site's own scope, with a flag the guard can read where
+    # the optimizer is built: the fused branch only for runs where the flag is false
+    flag_tests = [] if in_place else _testable_flags(module, scope, stmt, tiers[0])
+    if flag_tests:
+        lines = {ln for ln, _t in flag_tests}
+        tiers = (_without_lines(module, tiers[0], lines), tiers[1], tiers[2])
     # -- arguments ---------------------------------------------------------------------------
     plan = _KeywordPlan(module, scope, call, line, accepted, fused_cls)
     if plan.reason is not None:
@@ -1342,6 +1626,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if plan.runtime is not None:
         mapping, taken, filtered = plan.runtime
         guard = f"({guard}) if set({mapping}).issubset({tuple(sorted(taken + filtered))!r}) else None"
+    for _ln, test in flag_tests:
+        guard = f"({guard}) if not ({test}) else None"
+    if chosen_class is not None:
+        # the class is chosen at run time: the fused class only where torch.optim's was chosen
+        guard = f"({guard}) if {chosen_class[1]} else None"
     if sharded_when is not None:
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
@@ -1444,6 +1733,18 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if any(k.arg == "capturable" for k in plan.drop):
         notes.append("capturable= only keeps torch.optim's step count on the device for graph capture (no graph is "
                      "captured in this file); the fused class keeps a Python int")
+    if flag_tests:
+        params["guard"] += "_set_to_none_flag_checked"
+        notes.append("zero_grad(set_to_none=...) with a run-time flag (" + ", ".join(f"`{t}` at line {ln}" for ln, t in flag_tests)
+                     + "): the guard runs the fused class only when the flag is false where the optimizer is built (the "
+                     "fused class raises ValueError on set_to_none=True); runs that free grads keep torch.optim")
+        risks.append(Risk("other", "the set_to_none flag is read once where the optimizer is built: if the code changes it "
+                          "later in the run, the fused optimizer would get set_to_none=True (ValueError)"))
+    if chosen_class is not None:
+        params["class_chosen_at_run_time"] = chosen_class[1]
+        params["guard"] += "_class_checked"
+        notes.append(f"the optimizer class is chosen at run time: the guard runs torch_npu.optim.{fused_cls} only when "
+                     f"`{chosen_class[1]}`; any other choice keeps its own class")
     if params["lr_default_added"]:
         notes.append("NpuFusedSGD has no lr default: torch.optim.SGD's lr=1e-3 is passed explicitly")
     return Finding(
@@ -2144,7 +2445,7 @@ FusedOptimizer.KEEP = [
     Keep(_KEEP_BF16, reason="bf16 parameters unsupported", name="hf_model_loaded_in_bf16"),
     Keep(_KEEP_GRAD_ASSIGN, reason="re-allocated", name="manual_grad_averaging"),
     Keep(_KEEP_LIST_GRAD_ASSIGNED, reason="grads are re-allocated", name="list_params_grad_assigned_each_step"),
-    Keep(_KEEP_CLASS_CHOSEN, reason="chosen at run time", name="optimizer_class_chosen_at_run_time"),
+
     Keep(_KEEP_FIXTURE_BF16, reason="bf16 parameters unsupported", name="pytest_fixture_bf16_model"),
 ]
 
@@ -2884,9 +3185,8 @@ FusedOptimizer.KEEP += [
 ]
 
 # --- an optimizer class bound to a name and called in the same function (issue 14 class 5) --------
-# the reason says where it is built (not "elsewhere"): the swap stays a hand edit
-FusedOptimizer.KEEP += [
-    Keep(_NET + """
+# the construction is the site; its guard tests which class was chosen (_chosen_construction)
+_CHOSEN_BY_IF = _NET + """
 
 def build(model, use_8bit=False):
     if use_8bit:
@@ -2894,17 +3194,37 @@ def build(model, use_8bit=False):
         optimizer_cls = bnb.optim.AdamW8bit
     else:
         optimizer_cls = torch.optim.AdamW
-    optimizer = optimizer_cls(model.parameters(), lr=1e-4, weight_decay=1e-2)
+    optimizer = optimizer_cls(model.parameters(), lr=1e-2, weight_decay=1e-2)
     return optimizer
-""", reason="torch.optim.AdamW is bound to `optimizer_cls` (line 22) and the optimizer is built through `optimizer_cls` at line 23",
-         name="optimizer_class_chosen_by_if_and_built_here"),
-    Keep(_NET + """
+"""
+_CHOSEN_FROM_DICT = _NET + """
+
+class RowWise(torch.optim.SGD):  # the repo's own variant (not a torch.optim class)
+    pass
+
 
 def run(model, name="sgd"):
-    opts = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
+    opts = {"sgd": torch.optim.SGD, "rowwise": RowWise, "adagrad": torch.optim.Adagrad}
     return opts[name](model.parameters(), lr=0.1)
-""", reason="torch.optim.SGD is bound to `opts` (line 18) and the optimizer is built through `opts` at line 19",
-         name="optimizer_class_from_a_dict_built_here"),
+"""
+_TRAIN_STEPS = ("for _ in range(3):\n    model(torch.randn(4, 8)).square().mean().backward()\n    opt.step()\n    opt.zero_grad()\n"
+                "out = tuple(p.detach().clone() for p in model.parameters())\n")
+FusedOptimizer.FUSE += [
+    Fuse(_CHOSEN_BY_IF, name="optimizer_class_chosen_by_if_and_built_here", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.AdamW", "class_chosen_at_run_time": "optimizer_cls is torch.optim.AdamW"}),
+    Fuse(_CHOSEN_FROM_DICT, name="optimizer_class_from_a_dict_built_here", run="model = Net()\nopt = run(model)\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.SGD", "class_chosen_at_run_time": "opts[name] is torch.optim.SGD"}),
+]
+FusedOptimizer.KEEP += [
+    # two torch.optim classes among the choices: each has its own arguments, no single swap
+    Keep(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam'),
+         reason="several torch.optim classes are among the choices (Adam, SGD)", name="optimizer_class_from_a_dict_of_two_fusable"),
+    # the dict gains entries at run time: what `opts[name]` is cannot be read from its literal
+    Keep(_CHOSEN_FROM_DICT.replace("    return opts[name]", "    opts.update(EXTRA)\n    return opts[name]"),
+         reason="its value may change outside these bindings", name="optimizer_class_dict_updated"),
+    # the key calls code: testing the choice would run it twice
+    Keep(_CHOSEN_FROM_DICT.replace("opts[name](", "opts[name.lower()]("),
+         reason="the dict key calls code", name="optimizer_class_dict_key_calls_code"),
 ]
 
 # --- a re-allocation that runs before the optimizer is built (issue 14 class 5) -------------------
@@ -2922,3 +3242,206 @@ FusedOptimizer.KEEP += [
         "    return tuple(", "    convert_models_to_fp32(model)\n    optimizer.step()\n    return tuple("),
          reason="parameters are re-allocated (`.data = ...` at line 20)", name="reallocation_in_a_helper_called_before_and_after"),
 ]
+
+# --- wrapper classes that free the grads of the optimizers they hold (issue 14 class 5) ---------
+# OpenNMT-style: a class of the file frees the grads of the optimizers it is built with
+# (`for op in self.optimizers: op.zero_grad(set_to_none)`, `for p in self.params: p.grad = None`);
+# an optimizer of the same file never handed to it is not concerned (dataflow, not names).
+
+_WRAPPER_CLASS = _NET + '''
+
+class ManyOptimizers:
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    def zero_grad(self, set_to_none=True):
+        for op in self.optimizers:
+            op.zero_grad(set_to_none)
+
+    def step(self):
+        for op in self.optimizers:
+            op.step()
+
+
+def build(model, kind="sgd", lr=1e-2):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "sgd":
+        optimizer = torch.optim.SGD(params, lr=lr)
+    elif kind == "adadelta":
+        optimizer = torch.optim.Adadelta(params, lr=lr)
+    else:
+        optimizer = ManyOptimizers([torch.optim.Adam(params, lr=lr), torch.optim.Adagrad(params, lr=lr)])
+    return optimizer
+'''
+
+# the instance's own parameters freed by a loop over what it holds, in a class built only from
+# other objects' constructions
+_WRAPPER_GRAD_NONE = _NET + '''
+
+class Holder:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def zero_grad(self):
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+def build(model, lr=1e-2):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    spare = Holder(torch.optim.SGD(model.fc1.parameters(), lr=lr))
+    return opt, spare
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_WRAPPER_CLASS, name="optimizer_never_handed_to_a_freeing_wrapper_class",
+         run="model = Net()\nopt = build(model)\nfor _ in range(3):\n    model(torch.randn(4, 8)).square().mean().backward()\n"
+             "    opt.step()\n    opt.zero_grad()\nout = tuple(p.detach().clone() for p in model.parameters())\n",
+         expect={"optimizer": "torch.optim.SGD", "qualname": "build"}),
+    Fuse(_WRAPPER_GRAD_NONE, name="optimizer_never_handed_to_a_class_setting_grads_to_none",
+         run="model = Net()\nopt, _spare = build(model)\nfor _ in range(3):\n    model(torch.randn(4, 8)).square().mean().backward()\n"
+             "    opt.step()\n    opt.zero_grad()\nout = tuple(p.detach().clone() for p in model.parameters())\n",
+         expect={"optimizer": "torch.optim.AdamW", "qualname": "build"}),
+]
+FusedOptimizer.KEEP += [
+    # the same class given this optimizer (inline, or by the name it is bound to): its grads are freed
+    Keep(_WRAPPER_CLASS.replace('''    if kind == "sgd":
+        optimizer = torch.optim.SGD(params, lr=lr)
+    elif kind == "adadelta":
+        optimizer = torch.optim.Adadelta(params, lr=lr)
+    else:
+''', '''    if kind == "sgd":
+        optimizer = ManyOptimizers([torch.optim.SGD(params, lr=lr)])
+    else:
+'''), name="optimizer_handed_inline_to_a_freeing_wrapper_class",
+         reason="`op.zero_grad(set_to_none=...)` (line 23) may set the parameters' grads to None"),
+    Keep(_WRAPPER_GRAD_NONE.replace("    spare = Holder(torch.optim.SGD(model.fc1.parameters(), lr=lr))\n",
+                                    "    spare = Holder(opt)\n"),
+         name="optimizer_handed_by_name_to_a_class_setting_grads_to_none",
+         reason="grads are re-allocated (`.grad = ...` at line 24)"),
+    # a wrapper built from something npufuse cannot tell apart from this optimizer (a parameter)
+    Keep(_WRAPPER_GRAD_NONE.replace("    spare = Holder(torch.optim.SGD(model.fc1.parameters(), lr=lr))\n",
+                                    "    spare = Holder(model.extra_optimizer)\n"),
+         name="wrapper_built_from_an_opaque_object",
+         reason="grads are re-allocated (`.grad = ...` at line 24)"),
+]
+
+# accelerate-style `optimizer_cls = DummyOptim if engine_has_optimizer else AdamW`: the fused class
+# only where AdamW is chosen
+FusedOptimizer.FUSE.append(
+    Fuse(_KEEP_CLASS_CHOSEN, name="optimizer_class_chosen_at_run_time",
+         run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.AdamW", "class_chosen_at_run_time": "optimizer_cls is AdamW"}))
+
+# --- sparse embedding grads (issue 14 class 5) --------------------------------------------------
+# dlrm's `nn.EmbeddingBag(n, m, mode="sum", sparse=True)`: sparse grads cannot go into the fused
+# class's dense flat buffer (spec 10); a flag says it depends on the run
+_SPARSE_EMBEDDING = """\
+import torch
+import torch.nn as nn
+
+
+class Ranker(nn.Module):
+    def __init__(self, rows, dim, sparse=True):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(rows, dim, mode="sum", sparse=sparse)
+        self.top = nn.Linear(dim, 1)
+
+    def forward(self, idx, offsets):
+        return self.top(self.emb(idx, offsets))
+
+
+def build(model, lr=0.1):
+    return torch.optim.SGD(model.parameters(), lr=lr)
+"""
+FusedOptimizer.KEEP += [
+    Keep(_SPARSE_EMBEDDING, name="sparse_embedding_grads_by_flag",
+         reason="an embedding built with sparse=sparse (line 8) gets sparse grad tensors whenever `sparse` is true"),
+    # positional: EmbeddingBag(num, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse)
+    Keep(_SPARSE_EMBEDDING.replace('mode="sum", sparse=sparse)', 'None, 2.0, False, "sum", True)'), name="sparse_embedding_grads_positional",
+         reason="sparse gradients: an embedding built with sparse=True (line 8)"),
+    Keep(_SPARSE_EMBEDDING.replace("sparse=sparse)", "sparse=True)"), name="sparse_embedding_grads",
+         reason="sparse gradients: an embedding built with sparse=True (line 8) gets sparse grad tensors; torch_npu fused "
+                "optimizers take dense grads only"),
+]
+FusedOptimizer.FUSE.append(
+    Fuse(_SPARSE_EMBEDDING.replace("sparse=sparse)", "sparse=False)"), name="dense_embedding_grads",
+         run="model = Ranker(10, 4)\nopt = build(model)\nfor _ in range(2):\n"
+             "    model(torch.tensor([1, 2, 4, 5]), torch.tensor([0, 2])).square().mean().backward()\n    opt.step()\n"
+             "    opt.zero_grad()\nout = tuple(p.detach().clone() for p in model.parameters())\n",
+         expect={"optimizer": "torch.optim.SGD"}))
+
+# --- zero_grad(set_to_none=<a flag>) (issue 14 class 5) -------------------------------------------
+# the flag is a run-time or configuration value: read where the optimizer is built (a parameter of
+# the same function, never re-bound), the guard keeps torch.optim for runs that free grads;
+# elsewhere (another method's `self.zero_out_grads`) the near miss says it depends on the run
+_FLAG_SET_TO_NONE = _NET + '''
+
+class Config:
+    def __init__(self, free_grads=False, lr=1e-2):
+        self.free_grads, self.lr = free_grads, lr
+
+
+def train(model, cfg, steps=3):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=cfg.free_grads)
+    return tuple(p.detach().clone() for p in model.parameters())
+'''
+
+_FLAG_IN_ANOTHER_METHOD = _NET + '''
+
+class Trainer:
+    def __init__(self, model, zero_out_grads=True):
+        self.model = model
+        self.zero_out_grads = zero_out_grads
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(self):
+        self.model(torch.randn(4, 8)).square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=self.zero_out_grads)
+'''
+
+FusedOptimizer.FUSE.append(
+    Fuse(_FLAG_SET_TO_NONE, name="set_to_none_flag_read_where_the_optimizer_is_built",
+         run="out = train(Net(), Config())\n", expect={"optimizer": "torch.optim.AdamW", "qualname": "train"}))
+FusedOptimizer.KEEP += [
+    Keep(_FLAG_IN_ANOTHER_METHOD, name="set_to_none_flag_of_another_method",
+         reason="`self.optimizer.zero_grad(set_to_none=self.zero_out_grads)` (line 26) frees the grads whenever "
+                "`self.zero_out_grads` is true (a run-time or configuration value"),
+    # the flag is re-bound in the function: its value where the optimizer is built says nothing
+    Keep(_FLAG_SET_TO_NONE.replace("    for _ in range(steps):\n", "    free = cfg.free_grads\n    for _ in range(steps):\n        free = not free\n", 1)
+         .replace("set_to_none=cfg.free_grads", "set_to_none=free"),
+         name="set_to_none_flag_rebound_in_the_loop", reason="frees the grads whenever `free` is true"),
+]
+
+# --- param groups built by a method of the site's own class (issue 14 class 5) -------------------
+# Lightning-style `configure_optimizers(self): return AdamW(self.param_groups(wd), ...)` where the
+# method builds decay / no-decay groups from `self.named_parameters()`: the guard reads a fresh
+# `self.parameters()`, the method still runs once, in the branch taken
+_GROUPS_FROM_OWN_METHOD = _NET + '''
+
+class WithGroups(Net):
+    def param_groups(self, wd):
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.param_groups(0.1), lr=1e-2)
+'''
+FusedOptimizer.FUSE.append(
+    Fuse(_GROUPS_FROM_OWN_METHOD, name="param_groups_from_a_method_of_the_own_class",
+         run="model = WithGroups()\nopt = model.configure_optimizers()\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator", "param_groups": False}))
+FusedOptimizer.KEEP.append(
+    # a method of another object (its class is not this one): what it returns, and whether reading a
+    # tensor from it consumes it, npufuse cannot tell here
+    Keep(_GROUPS_FROM_OWN_METHOD.replace("return torch.optim.AdamW(self.param_groups(0.1), lr=1e-2)",
+                                         "return torch.optim.AdamW(self.helper.param_groups(0.1), lr=1e-2)"),
+         reason="the params come from `self.helper.param_groups(0.1)`, which may be a one-shot iterator",
+         name="param_groups_from_a_method_of_another_object"))

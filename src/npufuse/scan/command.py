@@ -352,7 +352,8 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
     scan = result.to_json()
     if followed is not None and (followed.files or followed.unresolved or followed.trainer):
         follow.extend_scan(scan, followed, only=only, max_file_bytes=int(args.max_file_mb * 1024 * 1024), switch_mode=args.switch,
-                           overrides={"batch_size": args.batch_size, "seq_len": args.seq_len})
+                           overrides={"batch_size": args.batch_size, "seq_len": args.seq_len},
+                           optimizer_zero_grad_in_place=getattr(args, "optimizer_zero_grad_in_place", False))
     profile_section = _join_profile(scan, args.profile) if args.profile else None
     if profile_section is not None:
         scan["suggested_order"] = engine.suggested_order(scan["candidates"])

@@ -417,14 +417,17 @@ def merge(scan: dict[str, Any], followed: FollowedFile, part: dict[str, Any]) ->
 
 
 def extend_scan(scan: dict[str, Any], found: FollowResult, *, only: list[str] | None, max_file_bytes: int, switch_mode: str,
-                overrides: dict[str, Any]) -> None:
+                overrides: dict[str, Any], optimizer_zero_grad_in_place: bool = False) -> None:
     """Scan each followed file (read-only, like the repo) and merge it into ``scan``; note the
-    library's own NPU switches and rank candidates its default path bypasses last."""
+    library's own NPU switches and rank candidates its default path bypasses last.
+    ``optimizer_zero_grad_in_place``: the repo scan's ``--optimizer-zero-grad-in-place`` (ScanOptions),
+    so a followed file's optimizers are judged under the same option as the repo's."""
     from npufuse.scan import engine
 
     packages: dict[str, InstalledPackage] = {}
     for f in found.files:
-        inputs = engine.gather_inputs(f.path, only=only, max_file_bytes=max_file_bytes, switch_mode=switch_mode, overrides=overrides)
+        inputs = engine.gather_inputs(f.path, only=only, max_file_bytes=max_file_bytes, switch_mode=switch_mode, overrides=overrides,
+                                      optimizer_zero_grad_in_place=optimizer_zero_grad_in_place)
         part = engine.run_scan(inputs, jobs=1).to_json()
         merge(scan, f, part)
         packages[f.package.name] = f.package

@@ -89,6 +89,7 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     if not hits:
         return
     _wrapped_by_reallocating_class(root, files, outcomes, near, max_bytes)
+    _freed_through_other_files(root, files, outcomes, near, max_bytes)
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
@@ -416,20 +417,26 @@ def _wrapped_by_reallocating_class(root: Path, files: list[str], outcomes: list[
             for call in [n for r in region for n in ast.walk(r) if isinstance(n, ast.Call)]:
                 if not isinstance(call.func, (ast.Name, ast.Attribute)):
                     continue
-                args = {dotted(a) for a in [*call.args, *(k.value for k in call.keywords)]}
-                if not (args & handed):
+                given = [*call.args, *(k.value for k in call.keywords)]
+                args = {dotted(a) for a in given}
+                # `Wrapper(torch.optim.AdamW(...))`: the optimizer built inline as the wrapper's argument
+                inline = [a for a in given if isinstance(a, ast.Call) and f.line <= a.lineno and (a.end_lineno or a.lineno) <= f.end_line
+                          and isinstance(a.func, (ast.Name, ast.Attribute)) and (dotted(a.func) or "").rsplit(".", 1)[-1][:1].isupper()]
+                if not (args & handed) and not inline:
                     continue
                 sym = symbols.resolve_node(o.file, call.func)
                 if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef):
                     continue
                 where = _reallocates(sym.node)
-                if where is None:
+                found = (where[0], sym.file, where[1]) if where is not None else _frees_through_bases(symbols, sym.file, sym.node)
+                if found is None:
                     continue
-                what, line = where
+                what, wfile, line = found
+                takes = ", ".join(sorted(args & handed)) or " ".join(ast.unparse(inline[0].func).split())[:60] + "(...)"
                 o.hits.remove(h)
                 near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
                              "reason": f"`{dotted(call.func)}` (class {sym.qualname}, {sym.file}:{sym.node.lineno}) takes "
-                                       f"`{', '.join(sorted(args & handed))}` at line {call.lineno} and {what} ({sym.file}:{line}): "
+                                       f"`{takes}` at line {call.lineno} and {what} ({wfile}:{line}): "
                                        "the fused optimizer's combined buffers would go stale"})
                 break
 
@@ -1068,3 +1075,234 @@ def resolve_function(root: Optional[Path], rel: str, tree: ast.Module, expr: ast
     if len({f for f, _w, _s in fills}) != 1:
         return None, f"the callers of `{cls.name}` pass mask functions with different fill values", False
     return fills[0][0], fills[0][1], any(sl for _f, _w, sl in fills)
+
+
+# --- fused_optimizer: grads freed by code of other files (issue 14 class 5) ----------------------
+# dino's `train_one_epoch(student, ...)` calls `utils.cancel_gradients_last_layer(epoch, student, n)`
+# (utils.py: `p.grad = None` for the last layer's params during the first epochs); fairseq's
+# `class SGD(LegacyFairseqOptimizer)` holds `self._optimizer = torch.optim.SGD(...)` and inherits
+# `FairseqOptimizer.zero_grad` (another file: `for p in self.params: p.grad = None`). The code that
+# frees is in another file; repo_symbols finds it. Followed by dataflow only: the objects the site
+# hands on (the model whose parameters the guard reads, the name the optimizer is bound to), through
+# the parameters of the functions they are passed to (three calls deep), or the instance itself for
+# a class's inherited methods. Freed grads are re-allocated by the next backward outside the fused
+# optimizer's flat buffer (and a parameter without a grad at the first step is left out of it).
+
+_CALL_DEPTH = 3
+_BASE_DEPTH = 8
+
+
+def _freed_through_other_files(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    from npufuse.scan import repo_symbols
+
+    symbols = repo_symbols.shared(root, files, max_bytes)
+    for o in outcomes:
+        for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
+            f = h.finding
+            tree, _why = symbols.tree(o.file)
+            if tree is None:
+                continue
+            reason = _inherited_freeing(symbols, o.file, tree, f.qualname) or _callee_freeing(symbols, o.file, tree, f)
+            if reason is None:
+                continue
+            o.hits.remove(h)
+            near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                         "reason": reason + ": the next backward allocates new grads outside the fused optimizer's flat "
+                                   "buffer and its update silently uses stale ones (a parameter without a grad at the first "
+                                   "step is left out of that buffer for good); torch.optim handles freed grads"})
+
+
+def _frees(fn: ast.AST, held: Any) -> Optional[tuple[str, int]]:
+    """(what, line) where ``fn`` frees or re-allocates the grad of an object ``held(fn, receiver)``
+    accepts: ``X.grad = ...``, ``X.grad.data = ...``, ``X.zero_grad(set_to_none=<not False>)``."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                if isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(t.value, ast.Attribute) and t.value.attr == "grad":
+                    t = t.value
+                if isinstance(t, ast.Attribute) and t.attr == "grad" and held(fn, dotted(t.value) or ""):
+                    return ("sets grads to None" if isinstance(n.value, ast.Constant) and n.value.value is None
+                            else "assigns new grads (`.grad = ...`)"), n.lineno
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "zero_grad":
+            flag = next((k.value for k in n.keywords if k.arg == "set_to_none"), n.args[0] if n.args else None)
+            if flag is not None and not (isinstance(flag, ast.Constant) and flag.value is False) and held(fn, dotted(n.func.value) or ""):
+                return f"frees grads (`{dotted(n.func) or 'zero_grad'}(set_to_none=...)`)", n.lineno
+    return None
+
+
+def _frees_through_bases(symbols: Any, file: str, cls: ast.ClassDef) -> Optional[tuple[str, str, int]]:
+    """(what, file, line) where a method of ``cls`` or of one of its bases (any file of the repo)
+    frees the grads of what the instance holds (``self.optimizer.zero_grad(set_to_none=True)``,
+    ``for p in self.params: p.grad = None``)."""
+    from npufuse.patterns.fused_optimizer import held_by_instance
+
+    todo: list[tuple[str, ast.ClassDef, int]] = [(file, cls, 0)]
+    seen: set[tuple[str, int]] = set()
+    while todo:
+        f, node, depth = todo.pop(0)
+        if (f, node.lineno) in seen or depth > _BASE_DEPTH:
+            continue
+        seen.add((f, node.lineno))
+        for m in node.body:
+            if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                hit = _frees(m, held_by_instance)
+                if hit is not None:
+                    return hit[0], f, hit[1]
+        for base in node.bases:
+            sym = symbols.resolve_node(f, base)
+            if sym.kind == "class" and isinstance(sym.node, ast.ClassDef):
+                todo.append((sym.file, sym.node, depth + 1))
+    return None
+
+
+def _inherited_freeing(symbols: Any, rel: str, tree: ast.Module, qualname: str) -> Optional[str]:
+    """A site in a method of a module-level class: does a base class (of any file of the repo)
+    free the grads of what the instance holds?"""
+    from npufuse.patterns.fused_optimizer import held_by_instance
+
+    parts = qualname.split(".")
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == parts[0]), None) if len(parts) > 1 else None
+    if cls is None:
+        return None
+    todo: list[tuple[str, ast.ClassDef, int]] = [(rel, cls, 0)]
+    seen: set[tuple[str, str]] = set()
+    while todo:
+        file, node, depth = todo.pop(0)
+        if depth >= _BASE_DEPTH:
+            continue
+        for base in node.bases:
+            sym = symbols.resolve_node(file, base)
+            if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef) or (sym.file, sym.qualname) in seen:
+                continue
+            seen.add((sym.file, sym.qualname))
+            for m in sym.node.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    hit = _frees(m, held_by_instance)
+                    if hit is not None:
+                        what, line = hit
+                        return (f"`{cls.name}` holds this optimizer and inherits `{sym.qualname}.{m.name}` "
+                                f"({sym.file}:{line}), which {what} of what the instance holds")
+            todo.append((sym.file, sym.node, depth + 1))
+    return None
+
+
+def _derived(fn: ast.AST, names: set[str]) -> set[str]:
+    """``names`` and the local names bound from them in ``fn`` (``for p in model.parameters()``,
+    ``params = list(model.parameters())``), to a fixed point."""
+    out = set(names)
+    for _ in range(3):
+        before = len(out)
+        for n in ast.walk(fn):
+            src: Optional[ast.AST] = None
+            tgt: list[ast.AST] = []
+            if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                src, tgt = n.iter, [n.target]
+            elif isinstance(n, ast.Assign):
+                src, tgt = n.value, list(n.targets)
+            if src is not None and any(isinstance(x, ast.Name) and x.id in out for x in ast.walk(src)):
+                out |= {x.id for t in tgt for x in ast.walk(t) if isinstance(x, ast.Name)}
+        if len(out) == before:
+            break
+    return out
+
+
+def _param_sources(region: list[ast.AST], f: Any) -> set[str]:
+    """The objects the optimizer's params argument is built from (``params_groups`` of
+    ``params_groups = utils.get_params_groups(student)`` gives ``student``), two definitions deep
+    in the site's function; names in call position (functions, modules) and ``self`` are not."""
+    try:
+        given = f.params.get("params") if isinstance(f.params, dict) else None
+        expr = ast.parse(given if isinstance(given, str) else "", mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        return set()
+
+    def operands(node: ast.AST) -> set[str]:
+        # bare names only: `args` of `args.wd` is a configuration object read for a value, not the
+        # object whose parameters are taken (that one is handed whole: `get_groups(model, args.wd)`)
+        read = {id(a.value) for a in ast.walk(node) if isinstance(a, ast.Attribute)}
+        read |= {id(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and id(n) not in read and n.id != "self"}
+
+    names = operands(expr)
+    for _ in range(2):
+        for root in region:
+            for n in ast.walk(root):
+                if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in names for t in n.targets):
+                    names |= operands(n.value)
+    return names
+
+
+def _runs_before(region: list[ast.AST], call: ast.Call, site_line: int) -> bool:
+    """Does ``call`` (in the site's own function) run only before the optimizer is built: above
+    the construction and in no loop that also holds it (the fused class reads its parameters and
+    grads at construction and at its first step)?"""
+    if call.lineno >= site_line:
+        return False
+    for root in region:
+        for n in ast.walk(root):
+            if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and n.lineno <= call.lineno <= (n.end_lineno or n.lineno) \
+                    and n.lineno <= site_line <= (n.end_lineno or n.lineno):
+                return False
+    return True
+
+
+def _module_zero_grad(fn: ast.AST, modules: set[str]) -> Optional[tuple[str, int]]:
+    """(what, line) of ``M.zero_grad()`` without set_to_none on one of ``modules`` (torch >= 2.0
+    frees by default)."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "zero_grad" and not n.args \
+                and not any(k.arg == "set_to_none" for k in n.keywords) and (dotted(n.func.value) or "").split(".")[0] in modules:
+            return f"frees them with `{dotted(n.func)}()` (set_to_none=True by default on torch >= 2.0)", n.lineno
+    return None
+
+
+def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optional[str]:
+    """Does a function the site's function hands the model or the optimizer to (directly or through
+    up to three calls, in any file of the repo) free or re-allocate their grads?"""
+    region = _region(tree, f.qualname)
+    handed = _handed_names(f) | (_param_sources(region, f) if region is not None else set())
+    if region is None or not handed:
+        return None
+    # the objects whose parameters the optimizer takes (not the optimizer itself): their own
+    # `zero_grad()` frees by default (torch >= 2.0), an optimizer's (the fused class's) does not
+    bound = _bound_name(f.fused) if isinstance(f.fused, str) else None
+    modules = handed - {bound}
+    todo: list[tuple[str, list[ast.AST], set[str], set[str], Optional[ast.AST], int, str]] = [
+        (rel, region, handed, modules, region[0] if len(region) == 1 else None, 0, "")]
+    seen: set[tuple[str, str, frozenset[str]]] = set()
+    while todo:
+        file, roots, tracked, mods, scope, depth, path = todo.pop(0)
+        for root in roots:
+            for call in ast.walk(root):
+                if not isinstance(call, ast.Call) or not isinstance(call.func, (ast.Name, ast.Attribute)):
+                    continue
+                passed = [(i, a) for i, a in enumerate(call.args) if (dotted(a) or "").split(".")[0] in tracked and dotted(a) in tracked]
+                named = [(k.arg, k.value) for k in call.keywords if k.arg and dotted(k.value) in tracked]
+                if not passed and not named:
+                    continue
+                sym = symbols.resolve_node(file, call.func, scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+                fn = sym.node
+                if sym.kind != "function" or "." in sym.qualname or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue  # a method or a class: its code works on its own object
+                params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+                got = {params[i] for i, _a in passed if i < len(params)} | {k for k, _v in named if k in params or fn.args.kwonlyargs}
+                got &= {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+                got_mods = {params[i] for i, a in passed if i < len(params) and dotted(a) in mods} | \
+                    {k for k, v in named if dotted(v) in mods} & got
+                key = (sym.file, sym.qualname, frozenset(got))
+                if not got or key in seen or (depth == 0 and _runs_before(region, call, f.line)):
+                    continue
+                seen.add(key)
+                here = f"{path}`{dotted(call.func)}` ({file}:{call.lineno}) -> "
+                derived = _derived(fn, got)
+                # a function of the site's own file was judged with the file (which knows when it runs)
+                hit = _frees(fn, lambda _fn, recv: recv.split(".")[0] in derived) if sym.file != rel else None
+                if hit is None and sym.file != rel:
+                    hit = _module_zero_grad(fn, _derived(fn, got_mods))
+                if hit is not None:
+                    what, line = hit
+                    return (f"{here}`{sym.qualname}` ({sym.file}:{line}) gets "
+                            f"`{', '.join(sorted(got))}` and {what}" + ("" if what.startswith("frees them") else " of them"))
+                if depth + 1 < _CALL_DEPTH:
+                    todo.append((sym.file, [fn], got, got_mods, fn, depth + 1, here))
+    return None
