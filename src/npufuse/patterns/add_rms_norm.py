@@ -648,6 +648,192 @@ def _guard(site: _Site) -> str | None:
     return None
 
 
+# -- the optional residual of inference engines (lmdeploy / vLLM ``RMSNorm.forward(x, residual=None)``)
+
+
+@dataclass
+class _OptionalResidual:
+    test: ast.If  # ``if <r> is not None:``
+    sum_name: str  # the name the sum is assigned to
+    x1: str
+    x2: str
+    aliases: list[ast.stmt]  # ``residual = x`` after the sum, inside the ``if``
+    names: set[str]  # names holding the sum after the ``if``
+
+
+def _optional_residual(stmt: ast.stmt) -> _OptionalResidual | None:
+    """``if r is not None: s = a + b`` (``{a, b}`` names, one of them ``r``) then only aliases of
+    ``s``, no ``else``: the residual add that runs when a residual is passed."""
+    if not (isinstance(stmt, ast.If) and not stmt.orelse and stmt.body):
+        return None
+    t = stmt.test
+    if not (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and len(t.ops) == 1 and isinstance(t.ops[0], ast.IsNot)
+            and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value is None):
+        return None
+    r = t.left.id
+    add = stmt.body[0]
+    if isinstance(add, ast.AugAssign) and isinstance(add.op, ast.Add) and isinstance(add.target, ast.Name) and isinstance(add.value, ast.Name):
+        # ``x += r`` adds into the caller's tensor: not the rebinding npufuse rewrites
+        return None
+    if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name)
+            and isinstance(add.value, ast.BinOp) and isinstance(add.value.op, ast.Add)
+            and isinstance(add.value.left, ast.Name) and isinstance(add.value.right, ast.Name)):
+        return None
+    a, b = add.value.left.id, add.value.right.id
+    s_name = add.targets[0].id
+    if r not in (a, b) or a == b or s_name not in (a, b):
+        return None
+    aliases = stmt.body[1:]
+    if not all(_is_alias(al, s_name) for al in aliases):
+        return None
+    names = {s_name} | {al.targets[0].id for al in aliases}  # type: ignore[attr-defined]
+    return _OptionalResidual(stmt, s_name, a, b, list(aliases), names)
+
+
+def _optional_residual_results(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    idx = S.stmt_index(scope)
+    ifs = [(s, o) for s in idx.stmts if isinstance(s, ast.If) for o in [_optional_residual(s)] if o is not None]
+    if not ifs:
+        return
+    results = R.scope_results(module, scope)
+    for stmt, o in ifs:
+        block, i = idx.block[id(stmt)]
+        nxt = block[i + 1] if i + 1 < len(block) else None
+        for sr in results:
+            if sr.finding is None or sr.match is None or nxt is None or sr.finding.line != nxt.lineno:
+                continue
+            if not (isinstance(sr.match.core.x, ast.Name) and sr.match.core.x.id in o.names):
+                continue
+            r = _build_optional(module, scope, o, sr)
+            if isinstance(r, str):
+                yield NearMiss("add_rms_norm", scope.qualname, stmt.lineno, sr.finding.end_line, r)
+            else:
+                yield r
+            break
+
+
+def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: R.SiteResult) -> Finding | str:
+    """Inference with a residual of x's dtype and gamma of x's dtype: one npu_add_rms_norm (its
+    third output is the sum the original keeps as the residual); every other case (training, no
+    residual, mixed dtypes) the original add and the rms_norm candidate's own fused code."""
+    T = S.torch_name(module) or "torch"
+    m, f = sr.match, sr.finding
+    assert m is not None and f is not None
+    done = S.already_fused(module, scope, o.test)
+    if done:
+        return done
+    plan = S.plan_span(scope, sr.stmt, m.trace)
+    if isinstance(plan, str):
+        return plan
+    try:
+        p = R.plan_norm(module, m, plan)
+    except (R.Miss, R.NoMatch) as e:
+        return f"the norm of the sum cannot be fused: {getattr(e, 'reason', '')}".rstrip(": ")
+    if p.condition is not None or p.variant not in ("fp32_output", "weight_then_cast", "cast_then_weight", "no_upcast", "no_weight"):
+        return (f"the norm of the sum is the `{p.variant}` form{' with a run-time condition' if p.condition else ''}: "
+                "npufuse fuses the residual add only into a plain x * rstd * weight norm")
+    x = o.sum_name
+    conditions = [f"{S.source_of(module, o.test.test)}", f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
+    if m.weights:
+        w = R.analyse_weight(module, m.weights[0])
+        if w.offset or w.conditional:
+            return "the norm's weight is `1 + w` or chosen at run time: not fused with the residual add"
+        base = S.render(module, w.base, w.base_ctx, plan)
+        # npu_add_rms_norm takes gamma in x1's dtype: a weight of another dtype would be rounded
+        # first (the original multiplies by it in its own precision), so that case is not fused
+        conditions.append(f"{base}.dtype == {o.x1}.dtype")
+        gamma = base
+    else:
+        gamma = f"{T}.ones({o.x1}.shape[-1], dtype={o.x1}.dtype, device={o.x1}.device)"
+    eps = p.params["eps"]
+    y = "_npu_normed"
+    after: list[ast.stmt] = []
+    end_line = f.end_line
+    if p.out_dtype != f"{p.x}.dtype":
+        # npu_add_rms_norm returns x1's dtype: fused only where the result ends in that dtype, either
+        # as the norm's own output or through the cast statement right after it
+        # (lmdeploy: ``x = weight.float() * x`` then ``x = x.to(input_dtype)``)
+        final = p.out_dtype
+        cast = _cast_after(module, scope, sr.stmt, o.test.lineno)
+        if cast is not None:
+            after, final = [cast[0]], cast[1]
+            end_line = cast[0].end_lineno or cast[0].lineno
+        conditions.append(f"{final} == {o.x1}.dtype")
+    infer = [f"_npu_normed, _npu_rstd, {x} = torch_npu.npu_add_rms_norm({o.x1}, {o.x2}, {gamma}, epsilon={eps})"]
+    infer += [S.stmt_source(module, a) for a in o.aliases]
+    infer += [S.stmt_source(module, k) for k in plan.kept]
+    infer.append(S.splice(module, sr.stmt, [(m.node, y)]))
+    other = [S.stmt_source(module, o.test), f.fused] + [S.stmt_source(module, a) for a in after]
+    body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(infer)), "else:",
+            "    # training, no residual or mixed dtypes: the add as written, then the fused norm",
+            S.indent("\n".join(other))]
+    params = {k: v for k, v in p.params.items() if k != "input"}
+    params.update({"x1": o.x1, "x2": o.x2, "sum": x, "norm": "inline", "norm_class": "",
+                   "residual_aliases": [a.targets[0].id for a in o.aliases],  # type: ignore[attr-defined]
+                   "condition": " and ".join(conditions)})
+    return Finding(
+        pattern="add_rms_norm",
+        qualname=scope.qualname,
+        line=o.test.lineno,
+        end_line=end_line,
+        params=params,
+        fused="\n".join(body),
+        guard_tensor=f.guard_tensor,
+        confidence="high",
+        variant="optional_residual",
+        risks=[Risk("inference_only", "npu_add_rms_norm has no backward: used only with autograd off; otherwise the add "
+                                      "as written and npu_rms_norm"),
+               Risk("numerics", "npu_add_rms_norm may normalize the fp32 sum where the original normalizes the sum "
+                                "rounded to the input dtype (spec §2.2): <=1-ulp differences")],
+        notes=["the residual is optional (`if ... is not None`): without one the rms_norm fused code runs"],
+        training_ok=True,
+    )
+
+
+def _cast_after(module: ModuleInfo, scope: Scope, stmt: ast.stmt, first_line: int) -> tuple[ast.stmt, str] | None:
+    """``t = t.to(<dtype>)`` (or ``.float()``, ``.type_as(u)``) right after ``t = <norm>``: the
+    statement and its dtype as source text."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    name = stmt.targets[0].id
+    block, i = S.stmt_index(scope).block[id(stmt)]
+    nxt = block[i + 1] if i + 1 < len(block) else None
+    if not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)
+            and nxt.targets[0].id == name and S.is_cast(nxt.value) and isinstance(nxt.value.func.value, ast.Name)  # type: ignore[union-attr]
+            and nxt.value.func.value.id == name):  # type: ignore[union-attr]
+        return None
+    cast = nxt.value
+    T = S.torch_name(module) or "torch"
+    attr = cast.func.attr  # type: ignore[union-attr]
+    fixed = {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}
+    if attr in fixed and not cast.args and not cast.keywords:  # type: ignore[union-attr]
+        text = f"{T}.{fixed[attr]}"
+    elif attr in ("to", "type", "type_as") and len(cast.args) == 1 and not cast.keywords \
+            and isinstance(cast.args[0], (ast.Name, ast.Attribute)) and dotted(cast.args[0]):  # type: ignore[union-attr]
+        # the dtype as written (``input_dtype`` bound before the residual add, ``torch.bfloat16``):
+        # evaluated at the fused statement, so it must not be rebound in between
+        arg = cast.args[0]  # type: ignore[union-attr]
+        root = dotted(arg).split(".")[0]  # type: ignore[union-attr]
+        if root == name or any(root in S.names_written(s) for s in block[: i + 2]
+                               if s.lineno >= first_line):
+            return None
+        if attr == "type_as":
+            text = f"{dotted(arg)}.dtype"
+        elif isinstance(arg, ast.Attribute) and arg.attr in ("float32", "float16", "bfloat16", "half", "float", "float64"):
+            text = dotted(arg)  # type: ignore[assignment]
+        elif attr == "to" and isinstance(arg, ast.Name):
+            # a name holding a dtype (``input_dtype = x.dtype``); a tensor argument would move devices too
+            value, _, _ = S.follow(arg, S.Ctx(scope, nxt.lineno))
+            if not (isinstance(value, ast.Attribute) and value.attr == "dtype"):
+                return None
+            text = arg.id
+        else:
+            return None
+    else:
+        return None
+    return nxt, text
+
+
 class AddRmsNorm(Pattern):
     id = "add_rms_norm"
     api = "torch_npu.npu_add_rms_norm"
@@ -658,9 +844,14 @@ class AddRmsNorm(Pattern):
     SCOPE_WORDS = ("+",)
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
-        if isinstance(scope.node, ast.Module) or not scope.class_name:
+        if isinstance(scope.node, ast.Module):
             return
         if "+" not in S.scope_text(module, scope):
+            return
+        # the inference-engine norm (``if residual is not None: x = x + residual; residual = x``
+        # then the hand-written norm of ``x``): methods and plain functions alike
+        yield from _optional_residual_results(module, scope)
+        if not scope.class_name:
             return
         for stmt, site in _sites(module, scope):
             first = site.add if isinstance(site, _Site) else stmt

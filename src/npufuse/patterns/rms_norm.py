@@ -883,8 +883,15 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     if not weights:
         return _plan_weightless(module, m, plan, x_src, checks)
     if len(weights) > 1:
+        if not any(_is_parameter_like(module, o) for o in weights):
+            return _plan_modulated(module, m, plan, x_src, checks)
         raise Miss("more than one factor besides the rms: " + ", ".join(f"`{ast.unparse(w.node)}`" for w in weights), core.rstd)
-    w = analyse_weight(module, weights[0])
+    try:
+        w = analyse_weight(module, weights[0])
+    except Miss as e:
+        if not e.reason.endswith("is not a parameter"):
+            raise
+        return _plan_modulated(module, m, plan, x_src, checks)
     T = S.torch_name(module) or "torch"
     try:
         x = x_src or S.render(module, core.x, core.xctx, plan)
@@ -1095,6 +1102,81 @@ def _plan_weightless(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_sr
         params["dim_check"] = condition = " and ".join(checks)
     condition = _with_skips(module, m, plan, params, condition)
     return Plan(x, pre, expr, params, "no_weight", unfused, out_code, condition)
+
+
+def _is_parameter_like(module: ModuleInfo, op: Op) -> bool:
+    """Whether a factor reads as a gamma (``self.weight``, ``(1 + w).float()``...), not a run-time
+    modulation (``1 + scale[:, None]``, ``tanh(gate)``)."""
+    try:
+        analyse_weight(module, op)
+    except Miss:
+        return False
+    except NoMatch:
+        return True  # unknown: treated as a gamma, so the caller keeps its own refusal
+    return True
+
+
+def _plan_modulated(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_src: str | None, checks: list[str]) -> Plan:
+    """A norm whose factors are values computed at run time (adaLN / modulated norms:
+    ``x * rstd * (1 + scale[:, None])``, ``x_res * rstd * tanh(gate)``): npu_rms_norm cannot take
+    them as gamma (gamma's shape must equal the input's trailing dims, and a per-sample scale
+    has a batch dim), so the op normalizes with a gamma of ones (exact: multiplying by 1) and
+    the factors and casts are applied afterwards, in the original order and dtypes."""
+    core = m.core
+    T = S.torch_name(module) or "torch"
+    try:
+        x = x_src or S.render(module, core.x, core.xctx, plan)
+        eps = S.render(module, core.eps, core.eps_ctx, plan)
+        steps: list[tuple[str, Any]] = []
+        for op in m.ops:
+            if op.kind == "skip":
+                continue
+            if op.kind == "mul":
+                if core.x_key in S.key(op.node, op.ctx):
+                    raise Miss(f"factor `{ast.unparse(op.node)}` reads the normalized input again", core.rstd)
+                steps.append(("mul", S.render(module, op.node, op.ctx, plan)))
+            elif op.kind == "cast":
+                steps.append(("cast", op.dtype))
+            else:
+                raise Miss("run-time factor and a conditional step after the norm: not replaced", core.rstd)
+    except S.RenderError as e:
+        raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
+    pre: list[str] = []
+    xin = f"{x}.float()" if core.upcast else x
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", xin):
+        pre.append(f"_npu_x = {xin}")
+        xin = "_npu_x"
+    gamma = f"{T}.ones({xin}.shape[-1], dtype={xin}.dtype, device={xin}.device)"
+    expr = f"torch_npu.npu_rms_norm({xin}, {gamma}, epsilon={eps})[0]"
+    R = _DtypeRender(module, plan, x, T, None)
+    d: tuple = D_F32 if core.upcast else D_IN
+    unfused = list(core.rstd_ops)
+    factors: list[str] = []
+    for kind, val in steps:
+        if kind == "mul":
+            expr = f"{expr} * ({val})"
+            factors.append(val)
+            unfused.append("mul")
+        elif val != ("same",):
+            if val != d:
+                unfused.append("cast")
+            d = val
+            expr = f"({expr}).to({R.code(val)})"
+    params: dict[str, Any] = {
+        "eps": eps,
+        "weight": None,
+        "weight_offset": 0,
+        "modulation": factors,
+        "upcast": "float32" if core.upcast else None,
+        "output_dtype": R.rule(d),
+        "input": x,
+        "unfused_ops": unfused,
+    }
+    condition = None
+    if checks:
+        params["dim_check"] = condition = " and ".join(checks)
+    condition = _with_skips(module, m, plan, params, condition)
+    return Plan(x, pre, expr, params, "modulated", unfused, R.code(d), condition)
 
 
 def _is_atom(node: ast.expr) -> bool:
@@ -3248,5 +3330,87 @@ class Block(nn.Module):
         expect={"variant": "nn_rmsnorm", "module": "Norm", "target": "self.n", "qualname": "Block.__init__", "line": 13},
         run="b = Block(8)\nx = torch.randn(2, 8, requires_grad=True)\nout = b(x)\nleaves = [x]\n",
         name="nn_rmsnorm_bare_subclass_built_in_another_class",
+    ),
+]
+
+
+# -- issue 14, class 1: modulated / conditioned norms (adaLN, gated residual norms) -------------
+# The factor after the norm is computed at run time (a per-sample scale with a batch dim): not a
+# gamma npu_rms_norm takes, so the op normalizes with ones and the factor is applied after it.
+
+_MODULATED_FN = '''
+import torch
+
+
+def modulated_rms(x, scale, eps=1e-6):
+    dtype = x.dtype
+    x = x.float()
+    ms = x.pow(2).mean(-1, keepdim=True)
+    inv = torch.rsqrt(ms + eps)
+    x_normed = x * inv
+    return (x_normed * (1 + scale.unsqueeze(1).float())).to(dtype)
+'''
+
+_MODULATED_MODULE = '''
+import torch
+from torch import nn
+
+
+class AdaNorm(nn.Module):
+    """adaLN: shift and scale from a conditioning vector, applied to a weightless norm."""
+
+    def __init__(self, d, c, eps=1e-6):
+        super().__init__()
+        self.proj = nn.Linear(c, 2 * d)
+        self.eps = eps
+
+    def forward(self, x, cond):
+        shift, scale = self.proj(cond).chunk(2, dim=-1)
+        h = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + self.eps)
+        return h * (1 + scale[:, None, :]) + shift[:, None, :]
+'''
+
+_GATED_RESIDUAL = '''
+import torch
+
+
+def gated_residual_rms(x, x_res, gate, eps=1e-6):
+    x_res = x_res.float()
+    rstd = torch.rsqrt(torch.mean(x_res * x_res, dim=-1, keepdim=True) + eps)
+    g = torch.tanh(gate).unsqueeze(1)
+    return x + (x_res * rstd * g).type_as(x)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _MODULATED_FN,
+        expect={"variant": "modulated", "weight": None, "modulation": ["1 + scale.unsqueeze(1).float()"],
+                "upcast": "float32", "output_dtype": "input"},
+        run=("x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)\ns = torch.randn(2, 16, requires_grad=True)\n"
+             "out = modulated_rms(x, s)\nleaves = [x, s]\n"),
+        name="modulated_function_per_sample_scale",
+    ),
+    Fuse(
+        _MODULATED_MODULE,
+        expect={"variant": "modulated", "modulation": ["1 + scale[:, None, :]"], "upcast": None, "qualname": "AdaNorm.forward"},
+        run=("m = AdaNorm(16, 8)\nx = torch.randn(3, 4, 16, requires_grad=True)\nc = torch.randn(3, 8)\n"
+             "out = m(x, c)\nleaves = [x, m.proj.weight]\n"),
+        name="modulated_module_adaln_shift_scale",
+    ),
+    Fuse(
+        _GATED_RESIDUAL,
+        expect={"variant": "modulated", "modulation": ["g"], "input": "x_res", "output_dtype": "dtype of x"},
+        run=("x = torch.randn(2, 3, 16, dtype=torch.bfloat16)\nr = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "g = torch.randn(2, 16, requires_grad=True)\nout = gated_residual_rms(x, r, g)\nleaves = [r, g]\n"),
+        name="modulated_tanh_gated_residual",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the factor reads the normalized input again (a gated activation of x): not a modulation
+        _GATED_RESIDUAL.replace("g = torch.tanh(gate).unsqueeze(1)", "g = torch.sigmoid(x_res)").replace("    x_res = x_res.float()\n", ""),
+        reason="reads the normalized input again",
+        name="modulated_factor_reads_the_input",
     ),
 ]
