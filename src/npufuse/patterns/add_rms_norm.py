@@ -1830,3 +1830,103 @@ class Transformer(nn.Module):
         name="norm_unpacked_from_a_module_list_in_a_loop",
     ),
 ]
+
+
+# -- issue 14, class 1: the optional residual of inference engines ------------------------------
+# ``forward(x, weight, residual=None)``: the add runs only when a residual is passed, the norm is
+# written out in the same function, and (normed, residual) is returned.
+
+_OPTIONAL_RESIDUAL = '''
+import torch
+
+
+class NormImpl:
+    def __init__(self, eps: float = 1e-6):
+        self.eps = eps
+
+    def forward(self, x, weight, residual=None):
+        input_dtype = x.dtype
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x = x.to(torch.float32)
+        variance = x.square().mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        x = weight.to(torch.float32) * x
+        x = x.to(input_dtype)
+        if residual is None:
+            return x
+        return x, residual
+'''
+
+_OPTIONAL_RESIDUAL_FUNCTION = '''
+import torch
+
+
+def fused_add_norm(hidden, weight, residual=None, eps: float = 1e-5):
+    """The sum kept in ``residual``, then aliased back to the name the norm reads."""
+    if residual is not None:
+        residual = residual + hidden
+        hidden = residual
+    var = torch.mean(hidden.float() ** 2, dim=-1, keepdim=True)
+    out = hidden * torch.rsqrt(var + eps)
+    return out * weight, residual
+'''
+
+_RUN_OPTIONAL = '''
+w = torch.randn(32, dtype=torch.bfloat16, requires_grad=True)
+x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+r = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+n = NormImpl(1e-5)
+with torch.no_grad():
+    infer = n.forward(x, w, r)
+    alone = n.forward(x, w)
+out = (infer, alone, n.forward(x, w, r))
+leaves = [x, w, r]
+'''
+
+_RUN_OPTIONAL_FUNCTION = '''
+w = torch.randn(32, requires_grad=True)
+x = torch.randn(2, 5, 32, requires_grad=True)
+r = torch.randn(2, 5, 32, requires_grad=True)
+with torch.no_grad():
+    infer = fused_add_norm(x, w, r)
+out = (infer, fused_add_norm(x, w, r)[0], fused_add_norm(x, w)[0])
+leaves = [x, w, r]
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(
+        _OPTIONAL_RESIDUAL,
+        expect={"variant": "optional_residual", "x1": "x", "x2": "residual", "sum": "x", "residual_aliases": ["residual"],
+                "weight": "weight", "qualname": "NormImpl.forward",
+                "condition": "residual is not None and not torch.is_grad_enabled() and x.dtype == residual.dtype "
+                             "and weight.dtype == x.dtype and input_dtype == x.dtype"},
+        run=_RUN_OPTIONAL,
+        name="optional_residual_inference_engine_method",
+    ),
+    Fuse(
+        _OPTIONAL_RESIDUAL_FUNCTION,
+        expect={"variant": "optional_residual", "x1": "residual", "x2": "hidden", "sum": "residual", "residual_aliases": ["hidden"],
+                "qualname": "fused_add_norm"},
+        run=_RUN_OPTIONAL_FUNCTION,
+        name="optional_residual_plain_function_sum_in_residual",
+    ),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # the norm of the sum is modulated by a per-sample factor: the add is left to the original
+        _OPTIONAL_RESIDUAL_FUNCTION.replace("def fused_add_norm(hidden, weight,", "def fused_add_norm(hidden, scale,")
+        .replace("return out * weight, residual", "return out * (1 + scale[:, None]), residual"),
+        reason="fuses the residual add only into a plain x * rstd * weight norm",
+        name="optional_residual_modulated_norm",
+    ),
+    Keep(
+        # ``x += residual`` writes into the caller's tensor: not the rebinding npufuse rewrites, and
+        # the norm alone is the rms_norm pattern's
+        _OPTIONAL_RESIDUAL.replace("            x = x + residual\n", "            x += residual\n"),
+        reason="",
+        name="optional_residual_added_in_place",
+    ),
+]
