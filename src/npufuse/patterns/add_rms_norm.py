@@ -735,9 +735,7 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     x = o.sum_name
     conditions = [f"{S.source_of(module, o.test.test)}", f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
     if m.weights:
-        w = R.analyse_weight(module, m.weights[0])
-        if w.offset or w.conditional:
-            return "the norm's weight is `1 + w` or chosen at run time: not fused with the residual add"
+        w = R.analyse_weight(module, m.weights[0])  # a plain weight: the variants above exclude `1 + w` and chosen ones
         base = S.render(module, w.base, w.base_ctx, plan)
         # npu_add_rms_norm takes gamma in x1's dtype: a weight of another dtype would be rounded
         # first (the original multiplies by it in its own precision), so that case is not fused
