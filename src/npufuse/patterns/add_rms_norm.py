@@ -729,11 +729,14 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         p = R.plan_norm(module, m, plan)
     except (R.Miss, R.NoMatch) as e:
         return f"the norm of the sum cannot be fused: {getattr(e, 'reason', '')}".rstrip(": ")
-    if p.condition is not None or p.variant not in ("fp32_output", "weight_then_cast", "cast_then_weight", "no_upcast", "no_weight"):
-        return (f"the norm of the sum is the `{p.variant}` form{' with a run-time condition' if p.condition else ''}: "
+    extra = p.condition if p.condition != p.params.get("weight_check") else None  # the 1-D weight check is taken along
+    if extra is not None or p.variant not in ("fp32_output", "weight_then_cast", "cast_then_weight", "no_upcast", "no_weight"):
+        return (f"the norm of the sum is the `{p.variant}` form{' with a run-time condition' if extra else ''}: "
                 "npufuse fuses the residual add only into a plain x * rstd * weight norm")
     x = o.sum_name
     conditions = [f"{S.source_of(module, o.test.test)}", f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
+    if p.condition is not None:
+        conditions.append(p.condition)
     if m.weights:
         w = R.analyse_weight(module, m.weights[0])  # a plain weight: the variants above exclude `1 + w` and chosen ones
         base = S.render(module, w.base, w.base_ctx, plan)
@@ -1899,7 +1902,7 @@ AddRmsNorm.FUSE += [
         expect={"variant": "optional_residual", "x1": "x", "x2": "residual", "sum": "x", "residual_aliases": ["residual"],
                 "weight": "weight", "qualname": "NormImpl.forward",
                 "condition": "residual is not None and not torch.is_grad_enabled() and x.dtype == residual.dtype "
-                             "and weight.dtype == x.dtype and input_dtype == x.dtype"},
+                             "and (weight is None or weight.dim() == 1) and weight.dtype == x.dtype and input_dtype == x.dtype"},
         run=_RUN_OPTIONAL,
         name="optional_residual_inference_engine_method",
     ),

@@ -356,6 +356,20 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
     """For a factor ``rsqrt(V + eps)`` (or an inverse factor ``sqrt(V + eps)``): (V, eps, node)."""
     node, ctx = _peel_any(f.node, f.ctx, trace)
     node, ctx, _ = _strip_casts(module, node, ctx, trace)
+    for _ in range(2):
+        # the rstd returned by a helper of this module (``def _rstd(x, eps): return rsqrt(...)``):
+        # read in the helper's body with its parameters bound to the call's arguments
+        if not isinstance(node, ast.Call) or S.is_cast(node) or not _root_helper_call(module, node, ctx):
+            break
+        callee = S.resolve_callee(module, node, ctx)
+        assert callee is not None
+        fn, is_method = callee
+        ret = _helper_return(fn)
+        hctx = S.bind_call(module, node, fn, ctx, is_method) if ret is not None else None
+        if ret is None or hctx is None:
+            return None
+        node, ctx = _peel_any(ret.value, hctx.at(ret.lineno), trace)  # type: ignore[arg-type]
+        node, ctx, _ = _strip_casts(module, node, ctx, trace)
     inner: ast.expr | None = None
     ops: list[str] = []
     if not f.inverse:
@@ -397,6 +411,16 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
         if _call_of(module, vv, "torch.mean", "mean") is not None or _call_of(module, vv, "torch.var", "var") is not None:
             return v, ectx, eps, ectx, rnode, ["mean", "add"] + ops
     return None
+
+
+def _root_helper_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> bool:
+    """A call of a helper of this module whose single return is an inverse square root."""
+    callee = S.resolve_callee(module, call, ctx)
+    if callee is None:
+        return False
+    ret = _helper_return(callee[0])
+    return ret is not None and ret.value is not None and _calls_sqrt_helper(module, callee[0]) \
+        and bool(_TORCH_ROOT.search(ast.unparse(ret.value)) or isinstance(ret.value, ast.Name))
 
 
 def _peel_x(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx, bool, int]:
@@ -596,9 +620,44 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
                 trace.stmts.update(sub.stmts)
                 trace.conditional.extend(sub.conditional)
                 return core, ops + sub_ops
+            cast_core = _cast_weight_factor(module, factors, t)
+            if cast_core is not None:
+                trace.stmts.update(t.stmts)
+                return cast_core[0], ops + cast_core[1]
             raise NoMatch
         raise NoMatch
     raise NoMatch
+
+
+def _cast_weight_factor(module: ModuleInfo, factors: list[_Factor], trace: S.Trace) -> tuple[Core, list[Op]] | None:
+    """``x * s.to(x.dtype)`` with ``s = w.to(dt) * rsqrt(mean(x^2) + eps)`` (stable-audio style):
+    the weight and the rstd multiplied first, the product cast, then x. Read as
+    ``(x * rstd * w).to(...)``: the same value up to where it is rounded (npu_rms_norm rounds once).
+    Only the two-factor form ``x * cast(product)``: a further outer factor would be applied after
+    the cast in the original."""
+    if len(factors) != 2:
+        return None
+    for i, f in enumerate(factors):
+        other = factors[1 - i]
+        if f.inverse or other.inverse or not S.is_cast(f.node):
+            continue
+        t = trace.copy()
+        inner, ictx = _peel_any(f.node.func.value, f.ctx, t)  # type: ignore[union-attr]
+        if not _is_muldiv(inner):
+            continue
+        sub: list[_Factor] = []
+        _flatten(inner, ictx, t, False, sub)
+        if any(g.inverse for g in sub):
+            continue
+        found = _find_core(module, [other] + sub, t)
+        if found is None:
+            continue
+        core, rest = found
+        if any(r is other for r in rest):
+            continue  # x was inside the cast: the ordinary chain's business
+        trace.stmts.update(t.stmts)
+        return core, [Op("cast", f.node, f.ctx)] + [Op("mul", r.node, r.ctx) for r in rest]
+    return None
 
 
 def _nested_callee(call: ast.Call, ctx: S.Ctx) -> tuple[ast.FunctionDef, bool] | None:
@@ -1026,7 +1085,16 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     if checks:
         params["dim_check"] = " and ".join(checks)
         condition = " and ".join(([condition] if condition else []) + checks)
+    if isinstance(w.base, ast.Name):
+        # a weight handed in (a function's argument, a local): npu_rms_norm normalizes over gamma's
+        # trailing dims, so a per-sample [B, 1, D] scale passed as the "weight" (adaLN through a
+        # shared helper) would change what is normalized; fused only for a 1-D weight
+        # (None passes: an optional weight's own ``is None`` path runs inside the fused branch as written)
+        params["weight_check"] = f"({w_base} is None or {w_base}.dim() == 1)"
     condition = _with_skips(module, m, plan, params, condition)
+    if "weight_check" in params:
+        # last: after the optional weight's ``is not None`` test
+        condition = " and ".join(([condition] if condition else []) + [params["weight_check"]])
     return Plan(x, pre, expr, params, variant, unfused, out_code, condition)
 
 
@@ -3412,5 +3480,77 @@ RmsNorm.KEEP += [
         _GATED_RESIDUAL.replace("g = torch.tanh(gate).unsqueeze(1)", "g = torch.sigmoid(x_res)").replace("    x_res = x_res.float()\n", ""),
         reason="reads the normalized input again",
         name="modulated_factor_reads_the_input",
+    ),
+]
+
+
+# -- issue 14, class 1: the rstd built in one statement and applied in another -------------------
+# The weight times the rstd first, that product cast, then x (``x * s.to(x.dtype)``); the rstd
+# returned by a helper. A weight handed in as an argument is fused only where it is 1-D: a shared
+# helper also called with a per-sample scale ([B, 1, D]) would otherwise change what is normalized.
+
+_WEIGHT_TIMES_RSTD = '''
+from functools import reduce
+
+import torch
+
+
+def rms_norm(x, scale, eps):
+    dtype = reduce(torch.promote_types, (x.dtype, scale.dtype, torch.float32))
+    mean_sq = torch.mean(x.to(dtype) ** 2, dim=-1, keepdim=True)
+    scale = scale.to(dtype) * torch.rsqrt(mean_sq + eps)
+    return x * scale.to(x.dtype)
+
+
+class AdaNorm(torch.nn.Module):
+    def __init__(self, d, c):
+        super().__init__()
+        self.lin = torch.nn.Linear(c, d)
+
+    def forward(self, x, cond):
+        return rms_norm(x, self.lin(cond)[:, None, :] + 1, 1e-6)
+'''
+
+_RSTD_HELPER = '''
+import torch
+
+
+def _inv_rms(t, eps):
+    return torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+class Norm(torch.nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return (x.float() * _inv_rms(x, self.eps)).type_as(x) * self.weight
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _WEIGHT_TIMES_RSTD,
+        expect={"qualname": "rms_norm", "weight": "scale", "weight_check": "(scale is None or scale.dim() == 1)", "output_dtype": "input"},
+        run=("x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)\ng = torch.randn(16, requires_grad=True)\n"
+             "m = AdaNorm(16, 8)\nout = (rms_norm(x, g, 1e-6), m(x.float(), torch.randn(2, 8)))\nleaves = [x, g]\n"),
+        name="weight_times_rstd_cast_then_x",
+    ),
+    Fuse(
+        _RSTD_HELPER,
+        expect={"qualname": "Norm.forward", "weight": "self.weight", "upcast": "float32"},
+        run=("m = Norm(16)\nwith torch.no_grad():\n    m.weight.normal_()\nx = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = m(x)\nleaves = [x, m.weight]\n"),
+        name="rstd_returned_by_a_helper",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the rstd of x applied to another tensor (x reversed along its last dim): not a norm of anything
+        _WEIGHT_TIMES_RSTD.replace("return x * scale.to(x.dtype)", "return x.flip(-1) * scale.to(x.dtype)"),
+        reason="computed but not applied as x * rstd * weight in one place",
+        name="weight_times_rstd_with_a_factor_after_the_cast",
     ),
 ]
