@@ -69,3 +69,28 @@ def test_a_unit_offset_weight_is_a_stated_near_miss():
     findings, misses = detect_all(AddRmsNorm(), code)
     assert not findings
     assert any("`one_plus_weight` form" in m.reason and "plain x * rstd * weight norm" in m.reason for m in misses)
+
+
+def test_the_forked_block_uses_the_fused_add_once_for_either_branch():
+    from npufuse.patterns.add_rms_norm import _FORKED_BLOCK
+
+    findings, _ = detect_all(AddRmsNorm(), _FORKED_BLOCK)
+    assert len(findings) == 1
+    run = ("b = SandwichBlock(16)\nb2 = SandwichBlock(16, use_moe=True)\nwith torch.no_grad():\n"
+           "    x = torch.randn(2, 3, 16)\n    g = torch.randn(2, 1, 16)\n    out = (b(x, g), b2(x, g))\n")
+    facts = check_rewrite_runs(AddRmsNorm(), _FORKED_BLOCK, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm") == 2 and min(facts["cos_out"]) >= 0.9999
+    infer = findings[0].fused.split("else:\n", 1)[1]
+    assert infer.count("npu_add_rms_norm") == 1 and infer.count("_npu_normed") == 3  # bound once, read in each branch
+
+
+def test_different_norms_or_a_call_in_the_test_are_not_a_fork():
+    from npufuse.patterns.add_rms_norm import _FORKED_BLOCK
+
+    other_norm = _FORKED_BLOCK.replace("out = h + self.dense(self.ffn_norm(h))", "out = h + self.dense(self.attn_out_norm(h))")
+    calling_test = _FORKED_BLOCK.replace("if self.use_moe:", "if self.route(h):")
+    base, _ = detect_all(AddRmsNorm(), _FORKED_BLOCK)
+    add_line = base[0].line  # the residual add of the forked site
+    for code in (other_norm, calling_test):
+        findings, _ = detect_all(AddRmsNorm(), code)
+        assert [f.qualname for f in findings if f.line == add_line] == []

@@ -361,10 +361,27 @@ class _Site:
     # Gemma2: ``if self.pre_feedforward_layernorm is not None: h = self.pre_feedforward_layernorm(h)``:
     # the ``if`` holding the norm statement (the fused branch runs when its test holds)
     wrapper: ast.If | None = None
+    # Lumina's sandwich block: ``if self.num_experts > 0: out = h + ff(norm(h) ...) else: out = h +
+    # other_ff(norm(h) ...)``: the same norm of the sum in both branches (the if, and the else
+    # branch's statement and norm call; ``norm_stmt`` / ``nc`` are the if branch's)
+    fork: ast.If | None = None
+    fork_else: tuple[ast.stmt, ast.Call] | None = None
 
     @property
     def last(self) -> ast.stmt:
+        if self.fork is not None:
+            return self.fork
         return self.wrapper if self.wrapper is not None else self.norm_stmt
+
+    def splice_norm(self, module: ModuleInfo, rep) -> str:
+        """The norm statement(s) with each norm call replaced by ``rep(call)`` (a list of
+        (node, text) pairs): one statement, or the fork's if/else with both branches."""
+        first = S.splice(module, self.norm_stmt, rep(self.nc.call))
+        if self.fork is None or self.fork_else is None:
+            return first
+        st, call = self.fork_else
+        return "\n".join([f"if {S.source_of(module, self.fork.test)}:", S.indent(first), "else:",
+                          S.indent(S.splice(module, st, rep(call)))])
 
 
 def _sum_arg(call: ast.Call, name: str) -> bool:
@@ -408,6 +425,13 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                     aliases.append(block[j])
                     j += 1
                 nstmt, wrapper = _norm_stmt(block[j]) if j < len(block) else (None, None)
+                fork = _fork(module, scope, block[j], s_name) if j < len(block) and wrapper is None else None
+                if fork is not None:
+                    fork_if, fork_stmt, fork_nc, fork_else = fork
+                    if isinstance(ops, str):
+                        yield fork_stmt, fork_nc.reason if fork_nc.kind == "not_rms" else ops
+                    else:
+                        yield fork_stmt, _Site(stmt, aliases, fork_stmt, fork_nc, ops[0], ops[1], s_name, None, fork_if, fork_else)
                 if nstmt is not None and S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None:
                     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
                         if isinstance(node, ast.Call) and _sum_arg(node, s_name):
@@ -436,6 +460,32 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                     yield stmt, ops
                 else:
                     yield stmt, _Site(stmt, [], stmt, nc, ops[0], ops[1], None)
+
+
+_PURE_TEST = (ast.Attribute, ast.Name, ast.Compare, ast.Constant, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop, ast.unaryop, ast.Load)
+
+
+def _fork(module: ModuleInfo, scope: Scope, stmt: ast.stmt, s_name: str) -> tuple[ast.If, ast.stmt, NormCall, tuple[ast.stmt, ast.Call]] | None:
+    """``if <test without calls>: a = ...norm(s)... else: b = ...norm(s)...``: one simple statement per
+    branch, each calling the same norm on the sum (the norm can then run before the test)."""
+    if not (isinstance(stmt, ast.If) and len(stmt.body) == 1 and len(stmt.orelse) == 1
+            and all(isinstance(n, _PURE_TEST) for n in ast.walk(stmt.test))):
+        return None
+    found: list[tuple[ast.stmt, ast.Call]] = []
+    for st in (stmt.body[0], stmt.orelse[0]):
+        if not (S.simple_stmt(st) and getattr(st, "value", None) is not None):
+            return None
+        calls = [n for n in S.iter_exprs_topdown(st.value) if isinstance(n, ast.Call) and _sum_arg(n, s_name)]  # type: ignore[attr-defined]
+        if not calls:
+            return None
+        found.append((st, calls[0]))
+    (a, ca), (b, cb) = found
+    if ast.dump(ca) != ast.dump(cb):
+        return None  # another norm (or other arguments) on the other path
+    nc = _norm_call(module, scope, ca, S.Ctx(scope, a.lineno))
+    if nc is None:
+        return None
+    return stmt, a, nc, (b, cb)
 
 
 def _in_place_sum(scope: Scope, idx: S.StmtIndex, stmt: ast.stmt) -> tuple[ast.expr, ast.expr] | str | None:
@@ -582,9 +632,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     train += [S.stmt_source(module, a) for a in site.aliases]
     train += norm_pre
     if train_norm:
-        train.append(S.splice(module, site.norm_stmt, [(norm_node, train_norm)]))
+        train.append(site.splice_norm(module, lambda call: [(call, train_norm)]))
     else:
-        train.append(S.splice(module, site.norm_stmt, [] if site.sum_name else [(norm_node.args[0], s_name)]))
+        train.append(site.splice_norm(module, lambda call: [] if site.sum_name else [(call.args[0], s_name)]))
     # -- inference: one npu_add_rms_norm (returns y, rstd, x1 + x2)
     y = "_npu_normed" if out_code == f"{s_name}.dtype" else f"_npu_normed.to({out_code})"
     infer: list[str] = []
@@ -592,7 +642,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         infer += [ln for ln in norm_pre if ln.startswith("_npu_dtype")]
     infer.append(f"_npu_normed, _npu_rstd, {s_name} = torch_npu.npu_add_rms_norm({x1}, {x2}, {gamma_npu}, epsilon={eps})")
     infer += [S.stmt_source(module, a) for a in site.aliases]
-    infer.append(S.splice(module, site.norm_stmt, [(norm_node, y)]))
+    infer.append(site.splice_norm(module, lambda call: [(call, y)]))
     body = list(pre)
     mixed = f"{x1}.dtype != {x2}.dtype"
     if out_code == "_npu_dtype":
@@ -1929,5 +1979,63 @@ AddRmsNorm.KEEP += [
         _OPTIONAL_RESIDUAL.replace("            x = x + residual\n", "            x += residual\n"),
         reason="",
         name="optional_residual_added_in_place",
+    ),
+]
+
+
+# -- issue 14, class 1: the norm of the sum in both branches of a configuration ``if`` -----------
+# (sandwich / MoE-or-dense blocks): the norm runs once before the test on the fused path.
+
+_FORKED_BLOCK = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, dim, use_moe=False):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.attn_out_norm = RMSNorm(dim)
+        self.ffn_norm = RMSNorm(dim)
+        self.dense = nn.Linear(dim, dim)
+        self.experts = nn.Linear(dim, dim)
+        self.use_moe = use_moe
+
+    def forward(self, x, gate):
+        h = x + gate.tanh() * self.attn_out_norm(self.attn(x))
+        if self.use_moe:
+            out = h + self.experts(self.ffn_norm(h))
+        else:
+            out = h + self.dense(self.ffn_norm(h))
+        return out
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(
+        _FORKED_BLOCK,
+        expect={"variant": "residual_then_norm", "sum": "h", "norm": "self.ffn_norm", "qualname": "SandwichBlock.forward"},
+        run=("b = SandwichBlock(16)\nb2 = SandwichBlock(16, use_moe=True)\nwith torch.no_grad():\n    b.ffn_norm.weight.normal_()\n"
+             "    x = torch.randn(2, 3, 16)\n    g = torch.randn(2, 1, 16)\n    infer = (b(x, g), b2(x, g))\n"
+             "xt = torch.randn(2, 3, 16, requires_grad=True)\nout = (infer, b(xt, g), b2(xt, g))\nleaves = [xt, b.ffn_norm.weight]\n"),
+        name="norm_of_the_sum_in_both_branches",
+    ),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # a LayerNorm of the sum in both branches: not an RMSNorm
+        _FORKED_BLOCK.replace("self.ffn_norm = RMSNorm(dim)", "self.ffn_norm = nn.LayerNorm(dim)"),
+        reason="LayerNorm",
+        name="layer_norm_of_the_sum_in_both_branches",
     ),
 ]
