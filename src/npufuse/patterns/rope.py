@@ -1745,6 +1745,7 @@ class RopePattern(Pattern):
         if base is None:
             return None
         halves = _Halves(scope, lambda n: same_expr(n, base), module)
+        halves.allow_split = True
 
         def canon(ts: list) -> dict | None:
             out = {}
@@ -1788,6 +1789,7 @@ class RopePattern(Pattern):
             m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
             m.only_note = f"the other path of `{ast.unparse(anchor.test)}` (the interleaved stack) keeps the original code"  # type: ignore[attr-defined]
+        _add_split_checks(m, halves)
         return m
 
     def _named_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr, c: ast.expr, s: ast.expr,
@@ -4970,7 +4972,7 @@ leaves = [q, k]
 RopePattern.FUSE += [
     Fuse(
         _SPLIT_FROM_TABLE,
-        expect={"variant": "halves_split_checked", "mode": "half", "targets": ["q", "k"], "qualname": "rotate_qk"},
+        expect={"variant": "halves_split_checked", "mode": "half", "targets": ["query", "key"], "qualname": "rotate_qk"},
         run=_RUN_SPLIT.format(rd=16, call="rotate_qk(q, k, cs)"),
         name="halves_cut_at_the_table_width",
     ),
@@ -5008,5 +5010,41 @@ def rotate_gathered(query, cos_sin, position_ids):
 ''',
         reason="interleave mode with cos/sin that may depend on the batch",
         name="interleaved_lanes_with_gathered_tables",
+    ),
+]
+
+_FLAG_CHOSEN_SPLIT = '''
+import torch
+
+
+def rotate(query, cos_sin, interleave: bool):
+    """Halves or lane pairs chosen by a flag, rotated by one written-out formula, partial rotary
+    (the rotated width is the table's): the halves path fused, the pairs path as written."""
+    B, S, H, D = query.shape
+    rd = cos_sin.size(1)
+    q_rot, q_pass = query[..., :rd], query[..., rd:]
+    if interleave:
+        q1, q2 = q_rot.view(B, S, H, -1, 2).unbind(-1)
+    else:
+        half = rd // 2
+        q1, q2 = q_rot[..., :half], q_rot[..., half:]
+    cos = cos_sin[None, :, None, : rd // 2]
+    sin = cos_sin[None, :, None, rd // 2 :]
+    qr = q1 * cos - q2 * sin
+    qi = q1 * sin + q2 * cos
+    if interleave:
+        q_rotated = torch.stack((qr, qi), dim=-1).flatten(-2)
+    else:
+        q_rotated = torch.cat((qr, qi), dim=-1)
+    return torch.cat((q_rotated, q_pass), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _FLAG_CHOSEN_SPLIT,
+        expect={"variant": "halves_split_checked", "mode": "half", "rotary_dim": "rd", "qualname": "rotate"},
+        run=("cs = torch.randn(6, 8)\nq = torch.randn(2, 6, 3, 12, requires_grad=True)\n"
+             "out = (rotate(q, cs, False), rotate(q, cs, True))\nleaves = [q]\n"),
+        name="flag_chosen_halves_at_the_table_width_partial",
     ),
 ]
