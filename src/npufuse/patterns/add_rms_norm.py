@@ -901,7 +901,8 @@ class AddRmsNorm(Pattern):
             return
         # the inference-engine norm (``if residual is not None: x = x + residual; residual = x``
         # then the hand-written norm of ``x``): methods and plain functions alike
-        yield from _optional_residual_results(module, scope)
+        if "is not None" in S.scope_text(module, scope):
+            yield from _optional_residual_results(module, scope)
         if not scope.class_name:
             return
         for stmt, site in _sites(module, scope):
