@@ -103,3 +103,41 @@ class GroupedNorm(nn.Module):
     findings, misses = detect_all(RmsNorm(), code)
     assert not findings
     assert any("grouped norm" in m.reason for m in misses)
+
+
+def test_a_per_sample_scale_handed_to_a_shared_helper_runs_the_original():
+    from npufuse.patterns.rms_norm import _WEIGHT_TIMES_RSTD
+
+    findings, _ = detect_all(RmsNorm(), _WEIGHT_TIMES_RSTD)
+    assert [f.params.get("weight_check") for f in findings] == ["(scale is None or scale.dim() == 1)"]
+    run = "m = AdaNorm(16, 8)\nx = torch.randn(2, 5, 16, requires_grad=True)\nout = m(x, torch.randn(2, 8))\nleaves = [x]\n"
+    facts = check_rewrite_runs(RmsNorm(), _WEIGHT_TIMES_RSTD, run, findings)
+    assert "npu_rms_norm" not in facts["all_calls"]  # [B, 1, D] is not a gamma: the original code ran
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_the_rstd_from_a_method_helper_is_read_through_its_binding():
+    code = '''
+import torch
+from torch import nn
+
+
+class Norm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def _inv(self, t):
+        return torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        h = x.float()
+        return (h * self._inv(h)).to(x.dtype) * self.g
+'''
+    findings, _ = detect_all(RmsNorm(), code)
+    assert [(f.qualname, f.params["weight"], f.params["eps"]) for f in findings] == [("Norm.forward", "self.g", "self.eps")]
+    run = ("m = Norm(16).to(torch.bfloat16)\nwith torch.no_grad():\n    m.g.normal_()\n"
+           "x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x, m.g]\n")
+    facts = check_rewrite_runs(RmsNorm(), code, run, findings)
+    assert facts["all_calls"].get("npu_rms_norm") == 1 and min(facts["cos_out"]) >= 0.9999
