@@ -409,9 +409,22 @@ def dtype_of_expr(module: ModuleInfo, node: ast.expr, ctx: Ctx, trace: Trace | N
             found = dtype_of_expr(module, value, vctx, trace, depth + 1)
             if found is not None and trace is not None:
                 follow(node, ctx, trace)
+            if found is None and _is_promotion(module, value):
+                # ``dtype = torch.promote_types(x.dtype, w.dtype)`` / ``reduce(torch.promote_types, ...)``:
+                # a computed dtype, read through its name as is
+                return ("expr", node, ctx)
             return found
         return ("expr", node, ctx)  # a parameter holding a dtype: used as is
     return None
+
+
+def _is_promotion(module: ModuleInfo, value: ast.expr) -> bool:
+    if not isinstance(value, ast.Call):
+        return False
+    name = module.call_name(value)
+    if name == "torch.promote_types":
+        return True
+    return name in ("functools.reduce", "reduce") and bool(value.args) and module.canonical(value.args[0]) == "torch.promote_types"
 
 
 # --------------------------------------------------------------------------------------------

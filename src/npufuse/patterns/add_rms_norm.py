@@ -361,10 +361,27 @@ class _Site:
     # Gemma2: ``if self.pre_feedforward_layernorm is not None: h = self.pre_feedforward_layernorm(h)``:
     # the ``if`` holding the norm statement (the fused branch runs when its test holds)
     wrapper: ast.If | None = None
+    # Lumina's sandwich block: ``if self.num_experts > 0: out = h + ff(norm(h) ...) else: out = h +
+    # other_ff(norm(h) ...)``: the same norm of the sum in both branches (the if, and the else
+    # branch's statement and norm call; ``norm_stmt`` / ``nc`` are the if branch's)
+    fork: ast.If | None = None
+    fork_else: tuple[ast.stmt, ast.Call] | None = None
 
     @property
     def last(self) -> ast.stmt:
+        if self.fork is not None:
+            return self.fork
         return self.wrapper if self.wrapper is not None else self.norm_stmt
+
+    def splice_norm(self, module: ModuleInfo, rep) -> str:
+        """The norm statement(s) with each norm call replaced by ``rep(call)`` (a list of
+        (node, text) pairs): one statement, or the fork's if/else with both branches."""
+        first = S.splice(module, self.norm_stmt, rep(self.nc.call))
+        if self.fork is None or self.fork_else is None:
+            return first
+        st, call = self.fork_else
+        return "\n".join([f"if {S.source_of(module, self.fork.test)}:", S.indent(first), "else:",
+                          S.indent(S.splice(module, st, rep(call)))])
 
 
 def _sum_arg(call: ast.Call, name: str) -> bool:
@@ -408,6 +425,13 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                     aliases.append(block[j])
                     j += 1
                 nstmt, wrapper = _norm_stmt(block[j]) if j < len(block) else (None, None)
+                fork = _fork(module, scope, block[j], s_name) if j < len(block) and wrapper is None else None
+                if fork is not None:
+                    fork_if, fork_stmt, fork_nc, fork_else = fork
+                    if isinstance(ops, str):
+                        yield fork_stmt, fork_nc.reason if fork_nc.kind == "not_rms" else ops
+                    else:
+                        yield fork_stmt, _Site(stmt, aliases, fork_stmt, fork_nc, ops[0], ops[1], s_name, None, fork_if, fork_else)
                 if nstmt is not None and S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None:
                     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
                         if isinstance(node, ast.Call) and _sum_arg(node, s_name):
@@ -436,6 +460,32 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                     yield stmt, ops
                 else:
                     yield stmt, _Site(stmt, [], stmt, nc, ops[0], ops[1], None)
+
+
+_PURE_TEST = (ast.Attribute, ast.Name, ast.Compare, ast.Constant, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop, ast.unaryop, ast.Load)
+
+
+def _fork(module: ModuleInfo, scope: Scope, stmt: ast.stmt, s_name: str) -> tuple[ast.If, ast.stmt, NormCall, tuple[ast.stmt, ast.Call]] | None:
+    """``if <test without calls>: a = ...norm(s)... else: b = ...norm(s)...``: one simple statement per
+    branch, each calling the same norm on the sum (the norm can then run before the test)."""
+    if not (isinstance(stmt, ast.If) and len(stmt.body) == 1 and len(stmt.orelse) == 1
+            and all(isinstance(n, _PURE_TEST) for n in ast.walk(stmt.test))):
+        return None
+    found: list[tuple[ast.stmt, ast.Call]] = []
+    for st in (stmt.body[0], stmt.orelse[0]):
+        if not (S.simple_stmt(st) and getattr(st, "value", None) is not None):
+            return None
+        calls = [n for n in S.iter_exprs_topdown(st.value) if isinstance(n, ast.Call) and _sum_arg(n, s_name)]  # type: ignore[attr-defined]
+        if not calls:
+            return None
+        found.append((st, calls[0]))
+    (a, ca), (b, cb) = found
+    if ast.dump(ca) != ast.dump(cb):
+        return None  # another norm (or other arguments) on the other path
+    nc = _norm_call(module, scope, ca, S.Ctx(scope, a.lineno))
+    if nc is None:
+        return None
+    return stmt, a, nc, (b, cb)
 
 
 def _in_place_sum(scope: Scope, idx: S.StmtIndex, stmt: ast.stmt) -> tuple[ast.expr, ast.expr] | str | None:
@@ -582,9 +632,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     train += [S.stmt_source(module, a) for a in site.aliases]
     train += norm_pre
     if train_norm:
-        train.append(S.splice(module, site.norm_stmt, [(norm_node, train_norm)]))
+        train.append(site.splice_norm(module, lambda call: [(call, train_norm)]))
     else:
-        train.append(S.splice(module, site.norm_stmt, [] if site.sum_name else [(norm_node.args[0], s_name)]))
+        train.append(site.splice_norm(module, lambda call: [] if site.sum_name else [(call.args[0], s_name)]))
     # -- inference: one npu_add_rms_norm (returns y, rstd, x1 + x2)
     y = "_npu_normed" if out_code == f"{s_name}.dtype" else f"_npu_normed.to({out_code})"
     infer: list[str] = []
@@ -592,7 +642,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         infer += [ln for ln in norm_pre if ln.startswith("_npu_dtype")]
     infer.append(f"_npu_normed, _npu_rstd, {s_name} = torch_npu.npu_add_rms_norm({x1}, {x2}, {gamma_npu}, epsilon={eps})")
     infer += [S.stmt_source(module, a) for a in site.aliases]
-    infer.append(S.splice(module, site.norm_stmt, [(norm_node, y)]))
+    infer.append(site.splice_norm(module, lambda call: [(call, y)]))
     body = list(pre)
     mixed = f"{x1}.dtype != {x2}.dtype"
     if out_code == "_npu_dtype":
@@ -648,6 +698,193 @@ def _guard(site: _Site) -> str | None:
     return None
 
 
+# -- the optional residual of inference engines (lmdeploy / vLLM ``RMSNorm.forward(x, residual=None)``)
+
+
+@dataclass
+class _OptionalResidual:
+    test: ast.If  # ``if <r> is not None:``
+    sum_name: str  # the name the sum is assigned to
+    x1: str
+    x2: str
+    aliases: list[ast.stmt]  # ``residual = x`` after the sum, inside the ``if``
+    names: set[str]  # names holding the sum after the ``if``
+
+
+def _optional_residual(stmt: ast.stmt) -> _OptionalResidual | None:
+    """``if r is not None: s = a + b`` (``{a, b}`` names, one of them ``r``) then only aliases of
+    ``s``, no ``else``: the residual add that runs when a residual is passed."""
+    if not (isinstance(stmt, ast.If) and not stmt.orelse and stmt.body):
+        return None
+    t = stmt.test
+    if not (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and len(t.ops) == 1 and isinstance(t.ops[0], ast.IsNot)
+            and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value is None):
+        return None
+    r = t.left.id
+    add = stmt.body[0]
+    if isinstance(add, ast.AugAssign) and isinstance(add.op, ast.Add) and isinstance(add.target, ast.Name) and isinstance(add.value, ast.Name):
+        # ``x += r`` adds into the caller's tensor: not the rebinding npufuse rewrites
+        return None
+    if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name)
+            and isinstance(add.value, ast.BinOp) and isinstance(add.value.op, ast.Add)
+            and isinstance(add.value.left, ast.Name) and isinstance(add.value.right, ast.Name)):
+        return None
+    a, b = add.value.left.id, add.value.right.id
+    s_name = add.targets[0].id
+    if r not in (a, b) or a == b or s_name not in (a, b):
+        return None
+    aliases = stmt.body[1:]
+    if not all(_is_alias(al, s_name) for al in aliases):
+        return None
+    names = {s_name} | {al.targets[0].id for al in aliases}  # type: ignore[attr-defined]
+    return _OptionalResidual(stmt, s_name, a, b, list(aliases), names)
+
+
+def _optional_residual_results(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    idx = S.stmt_index(scope)
+    ifs = [(s, o) for s in idx.stmts if isinstance(s, ast.If) for o in [_optional_residual(s)] if o is not None]
+    if not ifs:
+        return
+    results = R.scope_results(module, scope)
+    for stmt, o in ifs:
+        block, i = idx.block[id(stmt)]
+        nxt = block[i + 1] if i + 1 < len(block) else None
+        for sr in results:
+            if sr.finding is None or sr.match is None or nxt is None or sr.finding.line != nxt.lineno:
+                continue
+            if not (isinstance(sr.match.core.x, ast.Name) and sr.match.core.x.id in o.names):
+                continue
+            r = _build_optional(module, scope, o, sr)
+            if isinstance(r, str):
+                yield NearMiss("add_rms_norm", scope.qualname, stmt.lineno, sr.finding.end_line, r)
+            else:
+                yield r
+            break
+
+
+def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: R.SiteResult) -> Finding | str:
+    """Inference with a residual of x's dtype and gamma of x's dtype: one npu_add_rms_norm (its
+    third output is the sum the original keeps as the residual); every other case (training, no
+    residual, mixed dtypes) the original add and the rms_norm candidate's own fused code."""
+    T = S.torch_name(module) or "torch"
+    m, f = sr.match, sr.finding
+    assert m is not None and f is not None
+    done = S.already_fused(module, scope, o.test)
+    if done:
+        return done
+    plan = S.plan_span(scope, sr.stmt, m.trace)
+    if isinstance(plan, str):
+        return plan
+    try:
+        p = R.plan_norm(module, m, plan)
+    except (R.Miss, R.NoMatch) as e:
+        return f"the norm of the sum cannot be fused: {getattr(e, 'reason', '')}".rstrip(": ")
+    extra = p.condition if p.condition != p.params.get("weight_check") else None  # the 1-D weight check is taken along
+    if extra is not None or p.variant not in ("fp32_output", "weight_then_cast", "cast_then_weight", "no_upcast", "no_weight"):
+        return (f"the norm of the sum is the `{p.variant}` form{' with a run-time condition' if extra else ''}: "
+                "npufuse fuses the residual add only into a plain x * rstd * weight norm")
+    x = o.sum_name
+    conditions = [f"{S.source_of(module, o.test.test)}", f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
+    if p.condition is not None:
+        conditions.append(p.condition)
+    if m.weights:
+        w = R.analyse_weight(module, m.weights[0])  # a plain weight: the variants above exclude `1 + w` and chosen ones
+        base = S.render(module, w.base, w.base_ctx, plan)
+        # npu_add_rms_norm takes gamma in x1's dtype: a weight of another dtype would be rounded
+        # first (the original multiplies by it in its own precision), so that case is not fused
+        conditions.append(f"{base}.dtype == {o.x1}.dtype")
+        gamma = base
+    else:
+        gamma = f"{T}.ones({o.x1}.shape[-1], dtype={o.x1}.dtype, device={o.x1}.device)"
+    eps = p.params["eps"]
+    y = "_npu_normed"
+    after: list[ast.stmt] = []
+    end_line = f.end_line
+    if p.out_dtype != f"{p.x}.dtype":
+        # npu_add_rms_norm returns x1's dtype: fused only where the result ends in that dtype, either
+        # as the norm's own output or through the cast statement right after it
+        # (lmdeploy: ``x = weight.float() * x`` then ``x = x.to(input_dtype)``)
+        final = p.out_dtype
+        cast = _cast_after(module, scope, sr.stmt, o.test.lineno)
+        if cast is not None:
+            after, final = [cast[0]], cast[1]
+            end_line = cast[0].end_lineno or cast[0].lineno
+        conditions.append(f"{final} == {o.x1}.dtype")
+    infer = [f"_npu_normed, _npu_rstd, {x} = torch_npu.npu_add_rms_norm({o.x1}, {o.x2}, {gamma}, epsilon={eps})"]
+    infer += [S.stmt_source(module, a) for a in o.aliases]
+    infer += [S.stmt_source(module, k) for k in plan.kept]
+    infer.append(S.splice(module, sr.stmt, [(m.node, y)]))
+    other = [S.stmt_source(module, o.test), f.fused] + [S.stmt_source(module, a) for a in after]
+    body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(infer)), "else:",
+            "    # training, no residual or mixed dtypes: the add as written, then the fused norm",
+            S.indent("\n".join(other))]
+    params = {k: v for k, v in p.params.items() if k != "input"}
+    params.update({"x1": o.x1, "x2": o.x2, "sum": x, "norm": "inline", "norm_class": "",
+                   "residual_aliases": [a.targets[0].id for a in o.aliases],  # type: ignore[attr-defined]
+                   "condition": " and ".join(conditions)})
+    return Finding(
+        pattern="add_rms_norm",
+        qualname=scope.qualname,
+        line=o.test.lineno,
+        end_line=end_line,
+        params=params,
+        fused="\n".join(body),
+        guard_tensor=f.guard_tensor,
+        confidence="high",
+        variant="optional_residual",
+        risks=[Risk("inference_only", "npu_add_rms_norm has no backward: used only with autograd off; otherwise the add "
+                                      "as written and npu_rms_norm"),
+               Risk("numerics", "npu_add_rms_norm may normalize the fp32 sum where the original normalizes the sum "
+                                "rounded to the input dtype (spec §2.2): <=1-ulp differences")],
+        notes=["the residual is optional (`if ... is not None`): without one the rms_norm fused code runs"],
+        training_ok=True,
+    )
+
+
+def _cast_after(module: ModuleInfo, scope: Scope, stmt: ast.stmt, first_line: int) -> tuple[ast.stmt, str] | None:
+    """``t = t.to(<dtype>)`` (or ``.float()``, ``.type_as(u)``) right after ``t = <norm>``: the
+    statement and its dtype as source text."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    name = stmt.targets[0].id
+    block, i = S.stmt_index(scope).block[id(stmt)]
+    nxt = block[i + 1] if i + 1 < len(block) else None
+    if not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)
+            and nxt.targets[0].id == name and S.is_cast(nxt.value) and isinstance(nxt.value.func.value, ast.Name)  # type: ignore[union-attr]
+            and nxt.value.func.value.id == name):  # type: ignore[union-attr]
+        return None
+    cast = nxt.value
+    T = S.torch_name(module) or "torch"
+    attr = cast.func.attr  # type: ignore[union-attr]
+    fixed = {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}
+    if attr in fixed and not cast.args and not cast.keywords:  # type: ignore[union-attr]
+        text = f"{T}.{fixed[attr]}"
+    elif attr in ("to", "type", "type_as") and len(cast.args) == 1 and not cast.keywords \
+            and isinstance(cast.args[0], (ast.Name, ast.Attribute)) and dotted(cast.args[0]):  # type: ignore[union-attr]
+        # the dtype as written (``input_dtype`` bound before the residual add, ``torch.bfloat16``):
+        # evaluated at the fused statement, so it must not be rebound in between
+        arg = cast.args[0]  # type: ignore[union-attr]
+        root = dotted(arg).split(".")[0]  # type: ignore[union-attr]
+        if root == name or any(root in S.names_written(s) for s in block[: i + 2]
+                               if s.lineno >= first_line):
+            return None
+        if attr == "type_as":
+            text = f"{dotted(arg)}.dtype"
+        elif isinstance(arg, ast.Attribute) and arg.attr in ("float32", "float16", "bfloat16", "half", "float", "float64"):
+            text = dotted(arg)  # type: ignore[assignment]
+        elif attr == "to" and isinstance(arg, ast.Name):
+            # a name holding a dtype (``input_dtype = x.dtype``); a tensor argument would move devices too
+            value, _, _ = S.follow(arg, S.Ctx(scope, nxt.lineno))
+            if not (isinstance(value, ast.Attribute) and value.attr == "dtype"):
+                return None
+            text = arg.id
+        else:
+            return None
+    else:
+        return None
+    return nxt, text
+
+
 class AddRmsNorm(Pattern):
     id = "add_rms_norm"
     api = "torch_npu.npu_add_rms_norm"
@@ -658,9 +895,15 @@ class AddRmsNorm(Pattern):
     SCOPE_WORDS = ("+",)
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
-        if isinstance(scope.node, ast.Module) or not scope.class_name:
+        if isinstance(scope.node, ast.Module):
             return
         if "+" not in S.scope_text(module, scope):
+            return
+        # the inference-engine norm (``if residual is not None: x = x + residual; residual = x``
+        # then the hand-written norm of ``x``): methods and plain functions alike
+        if "is not None" in S.scope_text(module, scope):
+            yield from _optional_residual_results(module, scope)
+        if not scope.class_name:
             return
         for stmt, site in _sites(module, scope):
             first = site.add if isinstance(site, _Site) else stmt
@@ -1637,5 +1880,163 @@ class Transformer(nn.Module):
 ''',
         reason="unpacked from `self.layers` in a loop",
         name="norm_unpacked_from_a_module_list_in_a_loop",
+    ),
+]
+
+
+# -- issue 14, class 1: the optional residual of inference engines ------------------------------
+# ``forward(x, weight, residual=None)``: the add runs only when a residual is passed, the norm is
+# written out in the same function, and (normed, residual) is returned.
+
+_OPTIONAL_RESIDUAL = '''
+import torch
+
+
+class NormImpl:
+    def __init__(self, eps: float = 1e-6):
+        self.eps = eps
+
+    def forward(self, x, weight, residual=None):
+        input_dtype = x.dtype
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x = x.to(torch.float32)
+        variance = x.square().mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        x = weight.to(torch.float32) * x
+        x = x.to(input_dtype)
+        if residual is None:
+            return x
+        return x, residual
+'''
+
+_OPTIONAL_RESIDUAL_FUNCTION = '''
+import torch
+
+
+def fused_add_norm(hidden, weight, residual=None, eps: float = 1e-5):
+    """The sum kept in ``residual``, then aliased back to the name the norm reads."""
+    if residual is not None:
+        residual = residual + hidden
+        hidden = residual
+    var = torch.mean(hidden.float() ** 2, dim=-1, keepdim=True)
+    out = hidden * torch.rsqrt(var + eps)
+    return out * weight, residual
+'''
+
+_RUN_OPTIONAL = '''
+w = torch.randn(32, dtype=torch.bfloat16, requires_grad=True)
+x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+r = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+n = NormImpl(1e-5)
+with torch.no_grad():
+    infer = n.forward(x, w, r)
+    alone = n.forward(x, w)
+out = (infer, alone, n.forward(x, w, r))
+leaves = [x, w, r]
+'''
+
+_RUN_OPTIONAL_FUNCTION = '''
+w = torch.randn(32, requires_grad=True)
+x = torch.randn(2, 5, 32, requires_grad=True)
+r = torch.randn(2, 5, 32, requires_grad=True)
+with torch.no_grad():
+    infer = fused_add_norm(x, w, r)
+out = (infer, fused_add_norm(x, w, r)[0], fused_add_norm(x, w)[0])
+leaves = [x, w, r]
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(
+        _OPTIONAL_RESIDUAL,
+        expect={"variant": "optional_residual", "x1": "x", "x2": "residual", "sum": "x", "residual_aliases": ["residual"],
+                "weight": "weight", "qualname": "NormImpl.forward",
+                "condition": "residual is not None and not torch.is_grad_enabled() and x.dtype == residual.dtype "
+                             "and (weight is None or weight.dim() == 1) and weight.dtype == x.dtype and input_dtype == x.dtype"},
+        run=_RUN_OPTIONAL,
+        name="optional_residual_inference_engine_method",
+    ),
+    Fuse(
+        _OPTIONAL_RESIDUAL_FUNCTION,
+        expect={"variant": "optional_residual", "x1": "residual", "x2": "hidden", "sum": "residual", "residual_aliases": ["hidden"],
+                "qualname": "fused_add_norm"},
+        run=_RUN_OPTIONAL_FUNCTION,
+        name="optional_residual_plain_function_sum_in_residual",
+    ),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # the norm of the sum is modulated by a per-sample factor: the add is left to the original
+        _OPTIONAL_RESIDUAL_FUNCTION.replace("def fused_add_norm(hidden, weight,", "def fused_add_norm(hidden, scale,")
+        .replace("return out * weight, residual", "return out * (1 + scale[:, None]), residual"),
+        reason="fuses the residual add only into a plain x * rstd * weight norm",
+        name="optional_residual_modulated_norm",
+    ),
+    Keep(
+        # ``x += residual`` writes into the caller's tensor: not the rebinding npufuse rewrites, and
+        # the norm alone is the rms_norm pattern's
+        _OPTIONAL_RESIDUAL.replace("            x = x + residual\n", "            x += residual\n"),
+        reason="",
+        name="optional_residual_added_in_place",
+    ),
+]
+
+
+# -- issue 14, class 1: the norm of the sum in both branches of a configuration ``if`` -----------
+# (sandwich / MoE-or-dense blocks): the norm runs once before the test on the fused path.
+
+_FORKED_BLOCK = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, dim, use_moe=False):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.attn_out_norm = RMSNorm(dim)
+        self.ffn_norm = RMSNorm(dim)
+        self.dense = nn.Linear(dim, dim)
+        self.experts = nn.Linear(dim, dim)
+        self.use_moe = use_moe
+
+    def forward(self, x, gate):
+        h = x + gate.tanh() * self.attn_out_norm(self.attn(x))
+        if self.use_moe:
+            out = h + self.experts(self.ffn_norm(h))
+        else:
+            out = h + self.dense(self.ffn_norm(h))
+        return out
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(
+        _FORKED_BLOCK,
+        expect={"variant": "residual_then_norm", "sum": "h", "norm": "self.ffn_norm", "qualname": "SandwichBlock.forward"},
+        run=("b = SandwichBlock(16)\nb2 = SandwichBlock(16, use_moe=True)\nwith torch.no_grad():\n    b.ffn_norm.weight.normal_()\n"
+             "    x = torch.randn(2, 3, 16)\n    g = torch.randn(2, 1, 16)\n    infer = (b(x, g), b2(x, g))\n"
+             "xt = torch.randn(2, 3, 16, requires_grad=True)\nout = (infer, b(xt, g), b2(xt, g))\nleaves = [xt, b.ffn_norm.weight]\n"),
+        name="norm_of_the_sum_in_both_branches",
+    ),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # a LayerNorm of the sum in both branches: not an RMSNorm
+        _FORKED_BLOCK.replace("self.ffn_norm = RMSNorm(dim)", "self.ffn_norm = nn.LayerNorm(dim)"),
+        reason="LayerNorm",
+        name="layer_norm_of_the_sum_in_both_branches",
     ),
 ]

@@ -356,6 +356,20 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
     """For a factor ``rsqrt(V + eps)`` (or an inverse factor ``sqrt(V + eps)``): (V, eps, node)."""
     node, ctx = _peel_any(f.node, f.ctx, trace)
     node, ctx, _ = _strip_casts(module, node, ctx, trace)
+    for _ in range(2):
+        # the rstd returned by a helper of this module (``def _rstd(x, eps): return rsqrt(...)``):
+        # read in the helper's body with its parameters bound to the call's arguments
+        if not isinstance(node, ast.Call) or S.is_cast(node) or not _root_helper_call(module, node, ctx):
+            break
+        callee = S.resolve_callee(module, node, ctx)
+        assert callee is not None
+        fn, is_method = callee
+        ret = _helper_return(fn)
+        hctx = S.bind_call(module, node, fn, ctx, is_method) if ret is not None else None
+        if ret is None or hctx is None:
+            return None
+        node, ctx = _peel_any(ret.value, hctx.at(ret.lineno), trace)  # type: ignore[arg-type]
+        node, ctx, _ = _strip_casts(module, node, ctx, trace)
     inner: ast.expr | None = None
     ops: list[str] = []
     if not f.inverse:
@@ -397,6 +411,16 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
         if _call_of(module, vv, "torch.mean", "mean") is not None or _call_of(module, vv, "torch.var", "var") is not None:
             return v, ectx, eps, ectx, rnode, ["mean", "add"] + ops
     return None
+
+
+def _root_helper_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> bool:
+    """A call of a helper of this module whose single return is an inverse square root."""
+    callee = S.resolve_callee(module, call, ctx)
+    if callee is None:
+        return False
+    ret = _helper_return(callee[0])
+    return ret is not None and ret.value is not None and _calls_sqrt_helper(module, callee[0]) \
+        and bool(_TORCH_ROOT.search(ast.unparse(ret.value)) or isinstance(ret.value, ast.Name))
 
 
 def _peel_x(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx, bool, int]:
@@ -596,9 +620,44 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
                 trace.stmts.update(sub.stmts)
                 trace.conditional.extend(sub.conditional)
                 return core, ops + sub_ops
+            cast_core = _cast_weight_factor(module, factors, t)
+            if cast_core is not None:
+                trace.stmts.update(t.stmts)
+                return cast_core[0], ops + cast_core[1]
             raise NoMatch
         raise NoMatch
     raise NoMatch
+
+
+def _cast_weight_factor(module: ModuleInfo, factors: list[_Factor], trace: S.Trace) -> tuple[Core, list[Op]] | None:
+    """``x * s.to(x.dtype)`` with ``s = w.to(dt) * rsqrt(mean(x^2) + eps)`` (stable-audio style):
+    the weight and the rstd multiplied first, the product cast, then x. Read as
+    ``(x * rstd * w).to(...)``: the same value up to where it is rounded (npu_rms_norm rounds once).
+    Only the two-factor form ``x * cast(product)``: a further outer factor would be applied after
+    the cast in the original."""
+    if len(factors) != 2:
+        return None
+    for i, f in enumerate(factors):
+        other = factors[1 - i]
+        if f.inverse or other.inverse or not S.is_cast(f.node):
+            continue
+        t = trace.copy()
+        inner, ictx = _peel_any(f.node.func.value, f.ctx, t)  # type: ignore[union-attr]
+        if not _is_muldiv(inner):
+            continue
+        sub: list[_Factor] = []
+        _flatten(inner, ictx, t, False, sub)
+        if any(g.inverse for g in sub):
+            continue
+        found = _find_core(module, [other] + sub, t)
+        if found is None:
+            continue
+        core, rest = found
+        if any(r is other for r in rest):
+            continue  # x was inside the cast: the ordinary chain's business
+        trace.stmts.update(t.stmts)
+        return core, [Op("cast", f.node, f.ctx)] + [Op("mul", r.node, r.ctx) for r in rest]
+    return None
 
 
 def _nested_callee(call: ast.Call, ctx: S.Ctx) -> tuple[ast.FunctionDef, bool] | None:
@@ -883,8 +942,15 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     if not weights:
         return _plan_weightless(module, m, plan, x_src, checks)
     if len(weights) > 1:
+        if not any(_is_parameter_like(module, o) for o in weights):
+            return _plan_modulated(module, m, plan, x_src, checks)
         raise Miss("more than one factor besides the rms: " + ", ".join(f"`{ast.unparse(w.node)}`" for w in weights), core.rstd)
-    w = analyse_weight(module, weights[0])
+    try:
+        w = analyse_weight(module, weights[0])
+    except Miss as e:
+        if not e.reason.endswith("is not a parameter"):
+            raise
+        return _plan_modulated(module, m, plan, x_src, checks)
     T = S.torch_name(module) or "torch"
     try:
         x = x_src or S.render(module, core.x, core.xctx, plan)
@@ -1019,7 +1085,16 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     if checks:
         params["dim_check"] = " and ".join(checks)
         condition = " and ".join(([condition] if condition else []) + checks)
+    if isinstance(w.base, ast.Name):
+        # a weight handed in (a function's argument, a local): npu_rms_norm normalizes over gamma's
+        # trailing dims, so a per-sample [B, 1, D] scale passed as the "weight" (adaLN through a
+        # shared helper) would change what is normalized; fused only for a 1-D weight
+        # (None passes: an optional weight's own ``is None`` path runs inside the fused branch as written)
+        params["weight_check"] = f"({w_base} is None or {w_base}.dim() == 1)"
     condition = _with_skips(module, m, plan, params, condition)
+    if "weight_check" in params:
+        # last: after the optional weight's ``is not None`` test
+        condition = " and ".join(([condition] if condition else []) + [params["weight_check"]])
     return Plan(x, pre, expr, params, variant, unfused, out_code, condition)
 
 
@@ -1095,6 +1170,81 @@ def _plan_weightless(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_sr
         params["dim_check"] = condition = " and ".join(checks)
     condition = _with_skips(module, m, plan, params, condition)
     return Plan(x, pre, expr, params, "no_weight", unfused, out_code, condition)
+
+
+def _is_parameter_like(module: ModuleInfo, op: Op) -> bool:
+    """Whether a factor reads as a gamma (``self.weight``, ``(1 + w).float()``...), not a run-time
+    modulation (``1 + scale[:, None]``, ``tanh(gate)``)."""
+    try:
+        analyse_weight(module, op)
+    except Miss:
+        return False
+    except NoMatch:
+        return True  # unknown: treated as a gamma, so the caller keeps its own refusal
+    return True
+
+
+def _plan_modulated(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_src: str | None, checks: list[str]) -> Plan:
+    """A norm whose factors are values computed at run time (adaLN / modulated norms:
+    ``x * rstd * (1 + scale[:, None])``, ``x_res * rstd * tanh(gate)``): npu_rms_norm cannot take
+    them as gamma (gamma's shape must equal the input's trailing dims, and a per-sample scale
+    has a batch dim), so the op normalizes with a gamma of ones (exact: multiplying by 1) and
+    the factors and casts are applied afterwards, in the original order and dtypes."""
+    core = m.core
+    T = S.torch_name(module) or "torch"
+    try:
+        x = x_src or S.render(module, core.x, core.xctx, plan)
+        eps = S.render(module, core.eps, core.eps_ctx, plan)
+        steps: list[tuple[str, Any]] = []
+        for op in m.ops:
+            if op.kind == "skip":
+                continue
+            if op.kind == "mul":
+                if core.x_key in S.key(op.node, op.ctx):
+                    raise Miss(f"factor `{ast.unparse(op.node)}` reads the normalized input again", core.rstd)
+                steps.append(("mul", S.render(module, op.node, op.ctx, plan)))
+            elif op.kind == "cast":
+                steps.append(("cast", op.dtype))
+            else:
+                raise Miss("run-time factor and a conditional step after the norm: not replaced", core.rstd)
+    except S.RenderError as e:
+        raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
+    pre: list[str] = []
+    xin = f"{x}.float()" if core.upcast else x
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", xin):
+        pre.append(f"_npu_x = {xin}")
+        xin = "_npu_x"
+    gamma = f"{T}.ones({xin}.shape[-1], dtype={xin}.dtype, device={xin}.device)"
+    expr = f"torch_npu.npu_rms_norm({xin}, {gamma}, epsilon={eps})[0]"
+    R = _DtypeRender(module, plan, x, T, None)
+    d: tuple = D_F32 if core.upcast else D_IN
+    unfused = list(core.rstd_ops)
+    factors: list[str] = []
+    for kind, val in steps:
+        if kind == "mul":
+            expr = f"{expr} * ({val})"
+            factors.append(val)
+            unfused.append("mul")
+        elif val != ("same",):
+            if val != d:
+                unfused.append("cast")
+            d = val
+            expr = f"({expr}).to({R.code(val)})"
+    params: dict[str, Any] = {
+        "eps": eps,
+        "weight": None,
+        "weight_offset": 0,
+        "modulation": factors,
+        "upcast": "float32" if core.upcast else None,
+        "output_dtype": R.rule(d),
+        "input": x,
+        "unfused_ops": unfused,
+    }
+    condition = None
+    if checks:
+        params["dim_check"] = condition = " and ".join(checks)
+    condition = _with_skips(module, m, plan, params, condition)
+    return Plan(x, pre, expr, params, "modulated", unfused, R.code(d), condition)
 
 
 def _is_atom(node: ast.expr) -> bool:
@@ -3248,5 +3398,159 @@ class Block(nn.Module):
         expect={"variant": "nn_rmsnorm", "module": "Norm", "target": "self.n", "qualname": "Block.__init__", "line": 13},
         run="b = Block(8)\nx = torch.randn(2, 8, requires_grad=True)\nout = b(x)\nleaves = [x]\n",
         name="nn_rmsnorm_bare_subclass_built_in_another_class",
+    ),
+]
+
+
+# -- issue 14, class 1: modulated / conditioned norms (adaLN, gated residual norms) -------------
+# The factor after the norm is computed at run time (a per-sample scale with a batch dim): not a
+# gamma npu_rms_norm takes, so the op normalizes with ones and the factor is applied after it.
+
+_MODULATED_FN = '''
+import torch
+
+
+def modulated_rms(x, scale, eps=1e-6):
+    dtype = x.dtype
+    x = x.float()
+    ms = x.pow(2).mean(-1, keepdim=True)
+    inv = torch.rsqrt(ms + eps)
+    x_normed = x * inv
+    return (x_normed * (1 + scale.unsqueeze(1).float())).to(dtype)
+'''
+
+_MODULATED_MODULE = '''
+import torch
+from torch import nn
+
+
+class AdaNorm(nn.Module):
+    """adaLN: shift and scale from a conditioning vector, applied to a weightless norm."""
+
+    def __init__(self, d, c, eps=1e-6):
+        super().__init__()
+        self.proj = nn.Linear(c, 2 * d)
+        self.eps = eps
+
+    def forward(self, x, cond):
+        shift, scale = self.proj(cond).chunk(2, dim=-1)
+        h = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + self.eps)
+        return h * (1 + scale[:, None, :]) + shift[:, None, :]
+'''
+
+_GATED_RESIDUAL = '''
+import torch
+
+
+def gated_residual_rms(x, x_res, gate, eps=1e-6):
+    x_res = x_res.float()
+    rstd = torch.rsqrt(torch.mean(x_res * x_res, dim=-1, keepdim=True) + eps)
+    g = torch.tanh(gate).unsqueeze(1)
+    return x + (x_res * rstd * g).type_as(x)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _MODULATED_FN,
+        expect={"variant": "modulated", "weight": None, "modulation": ["1 + scale.unsqueeze(1).float()"],
+                "upcast": "float32", "output_dtype": "input"},
+        run=("x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)\ns = torch.randn(2, 16, requires_grad=True)\n"
+             "out = modulated_rms(x, s)\nleaves = [x, s]\n"),
+        name="modulated_function_per_sample_scale",
+    ),
+    Fuse(
+        _MODULATED_MODULE,
+        expect={"variant": "modulated", "modulation": ["1 + scale[:, None, :]"], "upcast": None, "qualname": "AdaNorm.forward"},
+        run=("m = AdaNorm(16, 8)\nx = torch.randn(3, 4, 16, requires_grad=True)\nc = torch.randn(3, 8)\n"
+             "out = m(x, c)\nleaves = [x, m.proj.weight]\n"),
+        name="modulated_module_adaln_shift_scale",
+    ),
+    Fuse(
+        _GATED_RESIDUAL,
+        expect={"variant": "modulated", "modulation": ["g"], "input": "x_res", "output_dtype": "dtype of x"},
+        run=("x = torch.randn(2, 3, 16, dtype=torch.bfloat16)\nr = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "g = torch.randn(2, 16, requires_grad=True)\nout = gated_residual_rms(x, r, g)\nleaves = [r, g]\n"),
+        name="modulated_tanh_gated_residual",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the factor reads the normalized input again (a gated activation of x): not a modulation
+        _GATED_RESIDUAL.replace("g = torch.tanh(gate).unsqueeze(1)", "g = torch.sigmoid(x_res)").replace("    x_res = x_res.float()\n", ""),
+        reason="reads the normalized input again",
+        name="modulated_factor_reads_the_input",
+    ),
+]
+
+
+# -- issue 14, class 1: the rstd built in one statement and applied in another -------------------
+# The weight times the rstd first, that product cast, then x (``x * s.to(x.dtype)``); the rstd
+# returned by a helper. A weight handed in as an argument is fused only where it is 1-D: a shared
+# helper also called with a per-sample scale ([B, 1, D]) would otherwise change what is normalized.
+
+_WEIGHT_TIMES_RSTD = '''
+from functools import reduce
+
+import torch
+
+
+def rms_norm(x, scale, eps):
+    dtype = reduce(torch.promote_types, (x.dtype, scale.dtype, torch.float32))
+    mean_sq = torch.mean(x.to(dtype) ** 2, dim=-1, keepdim=True)
+    scale = scale.to(dtype) * torch.rsqrt(mean_sq + eps)
+    return x * scale.to(x.dtype)
+
+
+class AdaNorm(torch.nn.Module):
+    def __init__(self, d, c):
+        super().__init__()
+        self.lin = torch.nn.Linear(c, d)
+
+    def forward(self, x, cond):
+        return rms_norm(x, self.lin(cond)[:, None, :] + 1, 1e-6)
+'''
+
+_RSTD_HELPER = '''
+import torch
+
+
+def _inv_rms(t, eps):
+    return torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+class Norm(torch.nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return (x.float() * _inv_rms(x, self.eps)).type_as(x) * self.weight
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _WEIGHT_TIMES_RSTD,
+        expect={"qualname": "rms_norm", "weight": "scale", "weight_check": "(scale is None or scale.dim() == 1)", "output_dtype": "input"},
+        run=("x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)\ng = torch.randn(16, requires_grad=True)\n"
+             "m = AdaNorm(16, 8)\nout = (rms_norm(x, g, 1e-6), m(x.float(), torch.randn(2, 8)))\nleaves = [x, g]\n"),
+        name="weight_times_rstd_cast_then_x",
+    ),
+    Fuse(
+        _RSTD_HELPER,
+        expect={"qualname": "Norm.forward", "weight": "self.weight", "upcast": "float32"},
+        run=("m = Norm(16)\nwith torch.no_grad():\n    m.weight.normal_()\nx = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = m(x)\nleaves = [x, m.weight]\n"),
+        name="rstd_returned_by_a_helper",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the rstd of x applied to another tensor (x reversed along its last dim): not a norm of anything
+        _WEIGHT_TIMES_RSTD.replace("return x * scale.to(x.dtype)", "return x.flip(-1) * scale.to(x.dtype)"),
+        reason="computed but not applied as x * rstd * weight in one place",
+        name="weight_times_rstd_with_a_factor_after_the_cast",
     ),
 ]

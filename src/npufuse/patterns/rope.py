@@ -198,6 +198,32 @@ def _scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
     return None
 
 
+def _add_split_checks(m: "_Match", halves: _Halves) -> None:
+    """Halves cut at a run-time split point: fused only where it is x's last dim // 2."""
+    if not halves.split_checks:
+        return
+    check = " and ".join(halves.split_checks)
+    m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
+    m.only_note = (m.only_note + "; " if m.only_note else "") + "halves cut at a run-time split point: fused where it is half the last dim"
+
+
+def _split_point(scope: Scope, h: ast.expr) -> bool:
+    """An int-valued split point safe to re-read where the fused code runs: names (bound at most
+    once in the scope), attributes, constants, arithmetic, ``.shape[i]`` / ``.size(i)``."""
+    for n in ast.walk(h):
+        if isinstance(n, ast.Name):
+            if len(scope.assignments.get(n.id, [])) > 1:
+                return False
+        elif isinstance(n, ast.Call):
+            if not (_method(n, "size") and len(n.args) <= 1 and not n.keywords):
+                return False
+        elif not isinstance(n, (ast.Attribute, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Subscript, ast.Load, ast.operator,
+                                ast.unaryop)):
+            return False
+    c = const_value(h)
+    return not isinstance(c, (int, float))  # a literal split is the head dim's own business: left to _is_half_point
+
+
 class _Halves:
     """Recognises the two halves (or the even/odd lanes) of a tensor ``x`` given by a predicate."""
 
@@ -206,6 +232,11 @@ class _Halves:
         self.is_x = is_x
         self.module = module  # given: the shared canonical layer answers the spellings not matched here
         self.upcast = False  # a lane came through ``.float()``: the rotation is computed in fp32
+        # slices at a split point not provably x's last dim // 2 (``half = Rd // 2`` from the cos width,
+        # ``q``'s half used for ``k``): accepted only by callers that fuse under the run-time checks
+        # collected here (``x.shape[-1] == 2 * (h)``), the original code running elsewhere
+        self.allow_split = False
+        self.split_checks: list[str] = []
 
     def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
         sl = sub.slice
@@ -302,6 +333,12 @@ class _Halves:
                         return "first"
                     if sl.upper is None and self._is_half_point(sl.lower):
                         return "second"
+                    h = sl.upper if sl.lower is None else sl.lower if sl.upper is None else None
+                    if self.allow_split and h is not None and _split_point(self.scope, h):
+                        check = f"{_atom(ast.unparse(base))}.shape[-1] == 2 * ({ast.unparse(h)})"
+                        if check not in self.split_checks:
+                            self.split_checks.append(check)
+                        return "first" if sl.lower is None else "second"
                 elif _is_int(sl.step, 2) and sl.upper is None:
                     if sl.lower is None or _is_int(sl.lower, 0):
                         return "even"
@@ -1643,6 +1680,7 @@ class RopePattern(Pattern):
         if base is None:
             return None
         halves = _Halves(scope, lambda n: same_expr(n, base), module)
+        halves.allow_split = True
         parts = (halves.part(a), halves.part(b))
         if how == "cat" and parts == ("first", "second"):
             mode, x_text = "half", segment(module, base)
@@ -1666,6 +1704,7 @@ class RopePattern(Pattern):
             m.prep.append(f"{lanes} = {x_text}  # the original rotates the de-interleaved lanes (even | odd) and returns that order")
             x_text = lanes
         m.cos, m.sin, m.x_text = full[0], full[1], x_text
+        _add_split_checks(m, halves)
         return m
 
     def _match_named_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
@@ -1706,6 +1745,7 @@ class RopePattern(Pattern):
         if base is None:
             return None
         halves = _Halves(scope, lambda n: same_expr(n, base), module)
+        halves.allow_split = True
 
         def canon(ts: list) -> dict | None:
             out = {}
@@ -1749,6 +1789,7 @@ class RopePattern(Pattern):
             m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
             m.only_note = f"the other path of `{ast.unparse(anchor.test)}` (the interleaved stack) keeps the original code"  # type: ignore[attr-defined]
+        _add_split_checks(m, halves)
         return m
 
     def _named_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr, c: ast.expr, s: ast.expr,
@@ -2353,6 +2394,8 @@ class RopePattern(Pattern):
                              + ": there the original code runs")
                 checked = any("checked at run time" in (m.cos_info.layout or "") for m in all_matches)
                 variant = "interleave_tables_checked" if checked else "rotation_helper_one_path_verified"
+                if not checked and all("run-time split point" in m.only_note for m in all_matches if m.only_note):
+                    variant = "halves_split_checked"
             elif any(m.chosen_half for m in all_matches):
                 notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
                              "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
@@ -4853,5 +4896,155 @@ RopePattern.KEEP += [
         _FILLED_HELPERS.replace("    out[..., h:] = x1\n", "    out[..., h - 1:] = x[..., h - 1:]\n"),
         reason="does not compute the standard rotate_half",
         name="filled_helper_overlapping_slices",
+    ),
+]
+
+
+# -- issue 14, class 2: halves cut at a run-time split point (the cos width, q's half for k, per-axis
+# chunks of a multi-dimensional rope): fused where the point is half the last dim, checked at run time
+
+_SPLIT_FROM_TABLE = '''
+import torch
+
+
+def rotate_qk(query, key, cos_sin):
+    """cos_sin [S, Rd]: cos in the first half, sin in the second; halves cut at the table's width."""
+    rd = cos_sin.size(1)
+    cos = cos_sin[None, :, None, : rd // 2]
+    sin = cos_sin[None, :, None, rd // 2 :]
+    half = rd // 2
+    q1, q2 = query[..., :half], query[..., half:]
+    k1, k2 = key[..., :half], key[..., half:]
+    q_out = torch.cat((q1 * cos - q2 * sin, q1 * sin + q2 * cos), dim=-1)
+    k_out = torch.cat((k1 * cos - k2 * sin, k1 * sin + k2 * cos), dim=-1)
+    return q_out, k_out
+'''
+
+_SPLIT_OF_Q_FOR_K = '''
+import torch
+
+
+def rope_pair(q, k, cos, sin):
+    """k cut at q's half point: the same head dim in practice, checked where the code runs."""
+    h = q.shape[-1] // 2
+    q_a, q_b = q[..., :h], q[..., h:]
+    k_a, k_b = k[..., :h], k[..., h:]
+    return (torch.cat((q_a * cos - q_b * sin, q_b * cos + q_a * sin), dim=-1),
+            torch.cat((k_a * cos - k_b * sin, k_b * cos + k_a * sin), dim=-1))
+'''
+
+_AXIAL_CHUNKS = '''
+import torch
+
+
+def axial_rope(query, key, cos_sin, ndim: int = 2):
+    """2-D (image) rope: the head dim cut into one chunk per axis, each rotated in halves with its
+    own slice of the tables."""
+    head_dim = query.shape[-1]
+    chunk = head_dim // ndim
+    half_chunk = chunk // 2
+    d = head_dim // 2
+    per_axis = d // ndim
+    cos_full = cos_sin[None, :, None, :d]
+    sin_full = cos_sin[None, :, None, d:]
+    q_parts = []
+    k_parts = []
+    for i in range(ndim):
+        qi = query[..., i * chunk : (i + 1) * chunk]
+        ki = key[..., i * chunk : (i + 1) * chunk]
+        ci = cos_full[..., i * per_axis : (i + 1) * per_axis]
+        si = sin_full[..., i * per_axis : (i + 1) * per_axis]
+        q1, q2 = qi[..., :half_chunk], qi[..., half_chunk:]
+        k1, k2 = ki[..., :half_chunk], ki[..., half_chunk:]
+        q_parts.append(torch.cat([q1 * ci - q2 * si, q2 * ci + q1 * si], dim=-1))
+        k_parts.append(torch.cat([k1 * ci - k2 * si, k2 * ci + k1 * si], dim=-1))
+    return torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
+'''
+
+_RUN_SPLIT = '''
+cs = torch.randn(7, {rd})
+q = torch.randn(2, 7, 4, {rd}, requires_grad=True)
+k = torch.randn(2, 7, 2, {rd}, requires_grad=True)
+out = {call}
+leaves = [q, k]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _SPLIT_FROM_TABLE,
+        expect={"variant": "halves_split_checked", "mode": "half", "targets": ["query", "key"], "qualname": "rotate_qk"},
+        run=_RUN_SPLIT.format(rd=16, call="rotate_qk(q, k, cs)"),
+        name="halves_cut_at_the_table_width",
+    ),
+    Fuse(
+        _SPLIT_OF_Q_FOR_K,
+        expect={"variant": "halves_split_checked", "mode": "half", "qualname": "rope_pair"},
+        run=("q = torch.randn(2, 4, 5, 16, requires_grad=True)\nk = torch.randn(2, 2, 5, 16, requires_grad=True)\n"
+             "cos = torch.randn(5, 8)\nsin = torch.randn(5, 8)\nout = rope_pair(q, k, cos, sin)\nleaves = [q, k]\n"),
+        name="k_halves_cut_at_q_half_point",
+    ),
+    Fuse(
+        _AXIAL_CHUNKS,
+        expect={"variant": "halves_split_checked", "mode": "half", "qualname": "axial_rope"},
+        run=_RUN_SPLIT.format(rd=16, call="axial_rope(q, k, cs)"),
+        name="axial_rope_chunk_per_axis",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the interleaved lanes with per-sample (gathered by position ids) tables: interleave mode takes
+        # no batch-dependent cos/sin (11SD / 1S1D / S11D only)
+        '''
+import torch
+
+
+def rotate_gathered(query, cos_sin, position_ids):
+    rd = cos_sin.size(1)
+    cos = cos_sin[:, : rd // 2][position_ids]
+    sin = cos_sin[:, rd // 2 :][position_ids]
+    cos = cos.view(cos.size(0), cos.size(1), 1, -1)
+    sin = sin.view(sin.size(0), sin.size(1), 1, -1)
+    q1, q2 = query[..., 0::2], query[..., 1::2]
+    return torch.stack((q1 * cos - q2 * sin, q1 * sin + q2 * cos), dim=-1).flatten(-2)
+''',
+        reason="interleave mode with cos/sin that may depend on the batch",
+        name="interleaved_lanes_with_gathered_tables",
+    ),
+]
+
+_FLAG_CHOSEN_SPLIT = '''
+import torch
+
+
+def rotate(query, cos_sin, interleave: bool):
+    """Halves or lane pairs chosen by a flag, rotated by one written-out formula, partial rotary
+    (the rotated width is the table's): the halves path fused, the pairs path as written."""
+    B, S, H, D = query.shape
+    rd = cos_sin.size(1)
+    q_rot, q_pass = query[..., :rd], query[..., rd:]
+    if interleave:
+        q1, q2 = q_rot.view(B, S, H, -1, 2).unbind(-1)
+    else:
+        half = rd // 2
+        q1, q2 = q_rot[..., :half], q_rot[..., half:]
+    cos = cos_sin[None, :, None, : rd // 2]
+    sin = cos_sin[None, :, None, rd // 2 :]
+    qr = q1 * cos - q2 * sin
+    qi = q1 * sin + q2 * cos
+    if interleave:
+        q_rotated = torch.stack((qr, qi), dim=-1).flatten(-2)
+    else:
+        q_rotated = torch.cat((qr, qi), dim=-1)
+    return torch.cat((q_rotated, q_pass), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _FLAG_CHOSEN_SPLIT,
+        expect={"variant": "halves_split_checked", "mode": "half", "rotary_dim": "rd", "qualname": "rotate"},
+        run=("cs = torch.randn(6, 8)\nq = torch.randn(2, 6, 3, 12, requires_grad=True)\n"
+             "out = (rotate(q, cs, False), rotate(q, cs, True))\nleaves = [q]\n"),
+        name="flag_chosen_halves_at_the_table_width_partial",
     ),
 ]
