@@ -293,11 +293,12 @@ class _FileFacts:
         if attr == "zero_grad":
             flag = keyword(node, "set_to_none", 0)
             explicit_false = isinstance(flag, ast.Constant) and flag.value is False
-            if not explicit_false and _looks_like_optimizer(recv):
+            optimizer_like = _looks_like_optimizer(recv, module)
+            if not explicit_false and optimizer_like:
                 self.zero_grad_calls.append((node.lineno, recv))
             if isinstance(flag, ast.Constant) and flag.value is True:
                 self.set_to_none.append((node.lineno, recv))
-            elif flag is None and not _looks_like_optimizer(recv):
+            elif flag is None and not optimizer_like:
                 self.module_zero_grad.append((node.lineno, recv))
             elif flag is not None and not explicit_false and not isinstance(flag, ast.Constant):
                 self.set_to_none.append((node.lineno, recv))
@@ -344,9 +345,29 @@ def _is_bf16(node: ast.AST) -> bool:
     return (dotted(node) or "").split(".")[-1] in ("bfloat16", "bf16") and not isinstance(node, ast.Constant)
 
 
-def _looks_like_optimizer(recv: str) -> bool:
+def _looks_like_optimizer(recv: str, module: Optional[ModuleInfo] = None) -> bool:
     last = recv.split(".")[-1].lower()
-    return "opt" in last or last in ("o", "solver")
+    return "opt" in last or last in ("o", "solver") or (module is not None and recv in _step_receivers(module))
+
+
+def _step_receivers(module: ModuleInfo) -> frozenset[str]:
+    """Receivers of ``X.step()`` / ``X.step(closure)`` in the file. An object with both
+    ``zero_grad`` and ``step`` is an optimizer or holds one (``nn.Module`` has no ``step``;
+    a scheduler or an environment has no ``zero_grad``), whatever its name: a wrapper's
+    ``for op in self.optimizers: op.zero_grad()`` zeroes through the optimizer's own
+    zero_grad, whose default on torch_npu's fused classes is set_to_none=False."""
+    cached = module.__dict__.get("_npufuse_step_receivers")
+    if cached is None:
+        found: set[str] = set()
+        if ".step(" in module.source:
+            for n in fast_walk(module.tree):
+                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step"
+                        and len(n.args) <= 1 and not n.keywords):
+                    name = dotted(n.func.value)
+                    if name:
+                        found.add(name)
+        cached = module.__dict__["_npufuse_step_receivers"] = frozenset(found)
+    return cached
 
 
 # Parts of identifiers that name parameter sharding/flattening (`FSDP`, `fully_shard`,
@@ -619,6 +640,13 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
                 f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({e})"), ""
     handed = _module_handed_to_helper(module, scope, params)
+    if handed is None:
+        # ``[{"params": helper(M, ...)}, {"params": helper(M, ...)}]``: the groups' helpers may be
+        # generators (lightweight-pose's get_parameters_conv yields from M.modules()); the guard reads
+        # the module handed to the first group's helper, never the helpers' results
+        group = _first_group_value(params)
+        if group is not None:
+            handed = _module_handed_to_helper(module, scope, group, local_ok=True)
     if handed is not None:
         # `get_parameters(model)` of another file: its result is never read by the guard (it may be a
         # generator); the guard reads a fresh generator of the module handed to it, checked to be an
@@ -628,14 +656,23 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
                   "reading a tensor from it for the guard would consume it")
 
 
-def _module_handed_to_helper(module: ModuleInfo, scope: Scope, params: ast.expr) -> Optional[str]:
+def _first_group_value(params: ast.expr) -> Optional[ast.expr]:
+    """The first group's ``"params"`` value of an inline ``[{"params": ..., ...}, ...]``."""
+    if not (isinstance(params, (ast.List, ast.Tuple)) and params.elts and isinstance(params.elts[0], ast.Dict)):
+        return None
+    return next((v for k, v in zip(params.elts[0].keys, params.elts[0].values)
+                 if isinstance(k, ast.Constant) and k.value == "params"), None)
+
+
+def _module_handed_to_helper(module: ModuleInfo, scope: Scope, params: ast.expr, local_ok: bool = False) -> Optional[str]:
     """``M`` of ``helper(M, ...)`` where ``helper`` is not a function of this file (imported: its
-    code is elsewhere) and ``M`` a plain name or attribute path, in a file where ``torch`` names the
+    code is elsewhere; with ``local_ok`` any helper, for param groups whose helpers the guard never
+    reads) and ``M`` a plain name or attribute path, in a file where ``torch`` names the
     torch module (the guard's run-time check ``isinstance(M, torch.nn.Module)`` needs it)."""
     if not (isinstance(params, ast.Call) and params.args and not isinstance(params.args[0], ast.Starred)):
         return None
     name = dotted(params.func) or ""
-    if not name or _local_function(module, scope, name) is not None or name in _LIST_BUILDERS or module.aliases.get("torch") != "torch":
+    if not name or (not local_ok and _local_function(module, scope, name) is not None) or name in _LIST_BUILDERS or module.aliases.get("torch") != "torch":
         return None
     if name.split(".")[0] in ("self", "cls") or (module.canonical(params.func) or "").startswith(("torch.", "itertools.", "builtins.")):
         return None  # a method of this object (its code is this file's) or a library call of known meaning
@@ -2222,6 +2259,63 @@ def build(model):
     return torch.optim.SGD(model.parameters(), lr=0.01)
 '''
 
+# A wrapper holding several optimizers, zeroed through each one's own zero_grad (BertSum/OpenNMT
+# style `for op in self.optimizers: op.zero_grad()`): the loop variable's name says nothing, its
+# `.step()` says it is an optimizer, and a fused optimizer's zero_grad() keeps its grads allocated.
+_OPTIMIZER_LIST_WRAPPER = _NET + '''
+
+class MultipleOptimizer:
+    def __init__(self, op):
+        self.optimizers = op
+
+    def zero_grad(self):
+        for op in self.optimizers:
+            op.zero_grad()
+
+    def step(self):
+        for op in self.optimizers:
+            op.step()
+
+
+def build(model):
+    return MultipleOptimizer([torch.optim.Adam(model.parameters(), lr=1e-3)])
+'''
+
+# The near miss: the same wrapper zeroing a *module* (no `.step()` on it anywhere): torch >= 2
+# frees the grads there, and the fused optimizer would keep reading its stale flat buffer.
+_KEEP_WRAPPER_ZEROES_A_MODULE = _NET + '''
+
+class Trainer:
+    def __init__(self, net):
+        self.net = net
+        self.optim = torch.optim.Adam(net.parameters(), lr=1e-3)
+
+    def train_step(self, x):
+        loss = self.net(x).mean()
+        loss.backward()
+        self.optim.step()
+        self.net.zero_grad()
+'''
+
+
+# Param groups built by generator helpers over the model's modules (lightweight-pose style): the
+# guard reads the module handed to the first group's helper; each helper runs once, in the branch taken.
+_GROUPS_FROM_GENERATOR_HELPERS = _NET + '''
+
+def params_of(model, kind):
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            yield getattr(m, kind)
+
+
+def build(model):
+    return torch.optim.Adam([
+        {'params': params_of(model, 'weight')},
+        {'params': params_of(model, 'bias'), 'lr': 2e-3, 'weight_decay': 0},
+    ], lr=1e-3, weight_decay=5e-4)
+'''
+
+
 _MODEL_ZERO_GRAD = _NET + '''
 
 def train(model, loader, epochs=1):
@@ -2688,6 +2782,10 @@ FusedOptimizer.FUSE += [
         "args": {"lr": "args.lr", "betas": "(args.beta1, args.beta2)"}}),
     Fuse(_CAPTURABLE, name="capturable_without_graph_capture_dropped", run=_TRAIN_RUN, expect={
         "optimizer": "torch.optim.Adam", "dropped": ["capturable=graphs"]}),
+    Fuse(_GROUPS_FROM_GENERATOR_HELPERS, name="param_groups_from_generator_helpers_guarded_on_the_model", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.Adam"}),
+    Fuse(_OPTIMIZER_LIST_WRAPPER, name="wrapper_zeroes_each_optimizer_by_its_own_zero_grad", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.Adam"}),
     Fuse(_MODEL_ZERO_GRAD, name="module_zero_grad_bound_to_set_to_none_false",
          run="out = tuple(p.detach().clone() for p in (train(Net(), [torch.randn(4, 8) for _ in range(3)]) or ()))\n"
              "model = Net()\ntrain(model, [torch.randn(4, 8) for _ in range(3)])\n"
@@ -3445,3 +3543,7 @@ FusedOptimizer.KEEP.append(
                                          "return torch.optim.AdamW(self.helper.param_groups(0.1), lr=1e-2)"),
          reason="the params come from `self.helper.param_groups(0.1)`, which may be a one-shot iterator",
          name="param_groups_from_a_method_of_another_object"))
+
+FusedOptimizer.KEEP += [
+    Keep(_KEEP_WRAPPER_ZEROES_A_MODULE, reason="`self.net.zero_grad()`", name="wrapper_zeroes_a_module_not_an_optimizer"),
+]
