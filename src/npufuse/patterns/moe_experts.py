@@ -141,6 +141,7 @@ class _Site:
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
     zero_link: str = ""  # the dropped else of a skip guard that added 0 * (...) to the output
     column_rows: bool = False  # opaque experts called on [n, 1, H] rows (x[idx] with idx an [n, 1] column)
+    lead_rows: bool = False  # opaque experts called on [1, n, H] rows (x[sel].unsqueeze(0))
     count_bound: str = ""  # sorted_counts in range(E) over split pieces: only the first E groups run
     # opaque experts returning a tuple: (names the call unpacks to, statements on them replayed per expert,
     # [(output, name written to it, its dtype)] one per accumulator)
@@ -149,6 +150,11 @@ class _Site:
     part_outs: tuple = ()
     # opaque experts called as ``expert.forward(rows)`` (no module hooks): the fused layer calls them the same way
     expert_call: str = ""
+    # experts as one callable given the expert index: (the call as written, what it resolves to in this file or why not,
+    # random draws found in its body)
+    index_call: str = ""
+    index_callee: str = ""
+    index_random: str = ""
     first_line: int = 0
     last_line: int = 0
 
@@ -170,6 +176,9 @@ class MoeExperts(Pattern):
             return  # no torch, or nothing about experts / index_add in this file
         # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
         quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
+        if not _moe_words(module) and not module.__dict__.get("_npufuse_moe_grouped_mm"):
+            yield from _wordless_sites(module, scope, quiet)
+            return
         if module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _grouped_mm_sites(module, scope)
         covered: list[tuple[int, int]] = []
@@ -277,8 +286,59 @@ def _relevant(module: ModuleInfo) -> bool:
         torch_file = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
         # torch._grouped_mm, or the grouped_gemm package's gmm (Megatron / megablocks / nanotron)
         grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and ("_grouped_mm" in src or "gmm(" in src)  # read per scope by detect
-        cached = module.__dict__["_npufuse_moe_relevant"] = grouped or (torch_file and ("index_add" in src or "xpert" in src))
+        words = module.__dict__["_npufuse_moe_words"] = torch_file and ("index_add" in src or "xpert" in src)
+        # files without those words still reach the loop analysis when a loop has the dispatch shape
+        # (see _dispatch_shape): MoE code says "moe", "routed", "ffn_list", "num_local" as often
+        cached = module.__dict__["_npufuse_moe_relevant"] = grouped or words or (torch_file and "==" in src)
     return bool(cached)
+
+
+def _moe_words(module: ModuleInfo) -> bool:
+    """The file says "xpert" or index_add: every form is looked for and near misses are reported.
+    Elsewhere only loops of the dispatch shape are analysed, silently unless they are a candidate."""
+    return bool(module.__dict__.get("_npufuse_moe_words"))
+
+
+def _dispatch_shape(loop: ast.For) -> bool:
+    """The loop selects rows by comparing with its own variable (``ids == i``, ``where(mask[i])``) and
+    writes rows back (``y[sel] = ...``, ``out[rows] += ...``, ``index_add_``): the structure of a
+    per-expert dispatch, whatever its names."""
+    tgt = loop.target
+    names = {tgt.id} if isinstance(tgt, ast.Name) else {e.id for e in tgt.elts if isinstance(e, ast.Name)} \
+        if isinstance(tgt, ast.Tuple) else set()
+    if not names:
+        return False
+    selects = writes = False
+    for n in fast_walk(loop):
+        if isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], ast.Eq):
+            selects = selects or any(isinstance(side, ast.Name) and side.id in names for side in (n.left, n.comparators[0]))
+        elif isinstance(n, ast.Call):
+            attr = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
+            if attr in ("index_add_", "index_add", "scatter_add_", "index_copy_", "index_put_"):
+                writes = True
+            elif attr in ("where", "nonzero") and any(isinstance(a, ast.Subscript) and isinstance(a.slice, ast.Name)
+                                                      and a.slice.id in names for a in n.args):
+                selects = True
+        elif isinstance(n, (ast.Assign, ast.AugAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            writes = writes or any(isinstance(t, ast.Subscript) for t in targets)
+    return selects and writes
+
+
+def _wordless_sites(module: ModuleInfo, scope: Scope, quiet: bool) -> Iterable[Result]:
+    """A file without "xpert", index_add or grouped matmuls: loops of the dispatch shape analysed like any
+    expert loop; no near misses (most such loops are no MoE at all)."""
+    if quiet:
+        return
+    for block, i, stmt in scope.statements():
+        if not isinstance(stmt, ast.For) or not _dispatch_shape(stmt):
+            continue
+        try:
+            site = _analyze_loop(module, scope, block, i, stmt)
+        except _Miss:
+            continue
+        if site is not None:
+            yield _finding(module, scope, site)
 
 
 def _split_projection(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
@@ -1138,6 +1198,17 @@ def _comprehension_result(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     return _finding(module, scope, site)
 
 
+def _called_in(body: list[ast.stmt], name: str) -> bool:
+    """``name(...)`` or ``name.forward(...)`` is called somewhere in ``body``."""
+    for st in body:
+        for n in fast_walk(st):
+            if isinstance(n, ast.Call):
+                f = n.func.value if isinstance(n.func, ast.Attribute) and n.func.attr == "forward" else n.func
+                if isinstance(f, ast.Name) and f.id == name:
+                    return True
+    return False
+
+
 def _names_in(node: ast.AST) -> set[str]:
     out: set[str] = set()
     for n in fast_walk(node):
@@ -1158,7 +1229,7 @@ def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
             return True
         if isinstance(n, ast.Attribute) and n.attr == "experts":
             return True
-    return False
+    return _dispatch_shape(loop)
 
 
 def _canon(module: ModuleInfo, node: ast.AST) -> str:
@@ -1231,11 +1302,14 @@ class _Eval:
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
         self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
         self.forward_spelled = False  # the expert is called through its .forward (module hooks skipped)
-        self.indexed_module: Optional[ast.Attribute] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
+        self.indexed_module: Optional[ast.expr] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
+        self.indexed_call: Optional[ast.Call] = None  # that call as written: replayed per expert with its rows and index
+        self._loop_bound: Optional[set[str]] = None  # names the loop (re)binds: values that vary per expert
         self.where_indices = ""
         self.probs = ""
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
         self.column_rows = False  # tokens picked as x[idx] with idx an [n, 1] column: the expert sees [n, 1, H]
+        self.lead_rows = False  # the selected rows get a leading 1 (`x[sel].unsqueeze(0)`): the expert sees [1, n, H]
         self.range_pieces = ""  # `for i in range(E): ... pieces[i]` over torch.split(sorted, host counts): E
         self.tuple_call: Optional[tuple[ast.Assign, list[str], V]] = None  # `a, b = expert(rows)`
         self.part_steps: list[ast.stmt] = []  # `b = b.expand_as(a)`: per-expert steps on the unpacked outputs
@@ -1251,7 +1325,8 @@ class _Eval:
             inner = it.args[0]
             idx_name, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
             self.eidx.add(idx_name)
-            if self._is_expert_container(inner):
+            if self._is_expert_container(inner) or (dotted(inner) is not None and _called_in(loop.body, item_name)):
+                # self.experts, or any list whose items the loop calls (`ffn(x[sel])`): the experts
                 self.loop_kind = "enumerate_experts"
                 self.experts_list = f"list({segment(m, inner)})"
                 self.num_experts = f"len({segment(m, _container_of(inner))})"
@@ -1765,6 +1840,10 @@ class _Eval:
                 return recv
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
                 return recv
+            if attr == "unsqueeze" and recv.kind == "x" and len(node.args) == 1 and const_value(node.args[0]) == 0 \
+                    and not node.keywords:
+                self.lead_rows = True  # [1, n, H]: written back through y[sel] = ..., which drops the leading 1
+                return recv
             if attr == "tolist" and recv.kind in ("tok", "kpos"):
                 return recv
             if recv.kind in ("tok", "kpos") and _device_move_of(node, None):
@@ -1871,17 +1950,15 @@ class _Eval:
             return V("sigmoid", (self.ev(node.args[0]),))
         if name in _ACT_FUNCS and node.args:
             return V("act", (_Act("call", _template(node)), self.ev(node.args[0])))
-        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 2 \
-                and not node.keywords and self._is_eidx(node.args[1]) and self.expert_init is None:
-            # self.mlp(rows, e): one module holding every expert, called with the expert's index
-            x = self.ev(node.args[0])
-            if x.kind not in ("x", "x_sorted"):
-                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`: npufuse does not trace its input to the "
-                            "rows routed to this expert")
+        if self.expert_init is None and self._index_call(node):
+            # self.mlp(rows, e) / run_expert(e, rows) / mlp_forward(rows, expert_id=e, **kw): one callable,
+            # the same before the loop, given this expert's rows and its index (what it computes per index
+            # is its own business: the fused layer calls it the same way on the same rows)
             if self.indexed_module is not None and ast.dump(self.indexed_module) != ast.dump(f):
                 raise _Miss("two different expert expressions in one loop")
             self.indexed_module = f
-            return V("mod_out", (x, False))
+            self.indexed_call = node
+            return V("mod_out", (self.ev(self._index_call_rows(node)), False))
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
         if fv.kind == "indexed" and not self._is_expert_container(fv.args[0].value):
@@ -1889,7 +1966,7 @@ class _Eval:
             if lst is not None and len(node.args) == 1 and not node.keywords:
                 return V("proj", (("stk", lst, "list_out_in"), self.ev(node.args[0])))  # self.fc1[e](x): one Linear per expert
         if fv.kind == "indexed":
-            fv = self._expert_from_indexed(fv.args[0])
+            fv = self._expert_from_indexed(fv.args[0], bool(node.args) and self.ev(node.args[0]).kind in ("x", "x_sorted"))
         if fv.kind == "expert":
             args = [self.ev(a) for a in node.args]
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
@@ -1908,6 +1985,66 @@ class _Eval:
             if act is not None:
                 return V("act", (act, self.ev(node.args[0])))
         return V("unknown", (ast.unparse(node),))
+
+    def _loop_names(self) -> set[str]:
+        if self._loop_bound is None:
+            self._loop_bound = _assigned([self.loop]) | set(self.eidx)
+        return self._loop_bound
+
+    def _invariant(self, node: ast.AST) -> bool:
+        """The value is the same for every expert: no name of it is bound by the loop."""
+        bound = self._loop_names()
+        return not any(isinstance(n, ast.Name) and (n.id in bound or n.id in self.eidx) for n in fast_walk(node))
+
+    def _index_call_args(self, node: ast.Call) -> list[tuple[Optional[int], Optional[str], ast.expr]]:
+        out: list[tuple[Optional[int], Optional[str], ast.expr]] = [(j, None, a) for j, a in enumerate(node.args)]
+        out += [(None, k.arg, k.value) for k in node.keywords]
+        return out
+
+    def _index_call(self, node: ast.Call) -> bool:
+        """``f(..rows.., ..e..)``: a callable bound before the loop (a method, a function, a hook picked
+        before it), given exactly this expert's rows once and the expert index once; every other
+        argument (``**kw_args`` included) the same for all experts. Torch functions are not experts."""
+        f = node.func
+        if dotted(f) is None or not self._invariant(f) or _canon(self.m, f).startswith("torch."):
+            return False
+        if isinstance(f, ast.Name) and f.id in ("getattr", "len", "int", "float", "range", "zip", "enumerate", "print", "isinstance"):
+            return False
+        rows = idx = 0
+        for _, _, a in self._index_call_args(node):
+            inner = a.value if isinstance(a, ast.Starred) else a
+            if self._is_eidx(inner):
+                idx += 1
+            elif not isinstance(a, ast.Starred) and self.ev(a).kind in ("x", "x_sorted"):
+                rows += 1
+            elif not self._invariant(inner):
+                return False  # routing weights, counts, masks: per-expert values the fused layer does not pass
+        return rows == 1 and idx == 1
+
+    def _index_call_rows(self, node: ast.Call) -> ast.expr:
+        for _, _, a in self._index_call_args(node):
+            if not isinstance(a, ast.Starred) and not self._is_eidx(a) and self.ev(a).kind in ("x", "x_sorted"):
+                return a
+        raise AssertionError("checked by _index_call")
+
+    def _index_call_template(self) -> str:
+        """The call with its rows and index replaced by the lambda's parameters (``{P}r``, ``{P}e``)."""
+        node = self.indexed_call
+        assert node is not None
+        rows = self._index_call_rows(node)
+        t = copy.deepcopy(node)
+
+        def swap(a: ast.expr) -> ast.expr:
+            if a is rows:
+                return ast.Name(f"{P}r", ast.Load())
+            if not isinstance(a, ast.Starred) and self._is_eidx(a):
+                return ast.Name(f"{P}e", ast.Load())
+            return a
+
+        t.args = [swap(a) for a in node.args]
+        t.keywords = [ast.keyword(arg=k.arg, value=swap(k.value)) for k in node.keywords]
+        t.func = node.func
+        return ast.unparse(t)
 
     def _expert_attr_call(self, node: ast.Call, attr: str) -> V:
         """``self.<linear>(v)`` / ``self.<act>(v)`` inside a per-expert module's forward."""
@@ -1948,8 +2085,11 @@ class _Eval:
             raise _Miss(f"the per-expert Linear list `self.{node.attr}` has a bias: not passed to the grouped matmul")
         return f"self.{node.attr}"
 
-    def _expert_from_indexed(self, node: ast.Subscript) -> V:
-        if not self._is_expert_container(node.value):
+    def _expert_from_indexed(self, node: ast.Subscript, on_rows: bool = False) -> V:
+        """``self.experts[e]``; or any list bound before the loop, indexed by the expert and called on
+        this expert's rows (``self.ffn_list[i](x[sel])``): the call is the evidence, not the name."""
+        if not (self._is_expert_container(node.value)
+                or on_rows and dotted(node.value) is not None and self._invariant(node.value)):
             return V("unknown", (ast.unparse(node),))
         if self.template is not None and ast.dump(self.template) != ast.dump(node):
             raise _Miss("two different expert expressions in one loop")
@@ -2084,6 +2224,9 @@ class _Eval:
         return mlp
 
     def _finish_mask_where(self, block: list[ast.stmt], i: int, acc: str, contrib: V) -> _Site:
+        if self.lead_rows:
+            raise _Miss("the expert's rows get a leading 1 (`.unsqueeze(0)`) and its [1, n, H] output is added back: "
+                        "replayed only for outputs assigned through y[sel] = ...")
         mlp = self._mlp(contrib, weighted=True)
         if len(self.masks) > 1:
             raise _Miss("two different expert masks in one loop")
@@ -2140,6 +2283,9 @@ class _Eval:
             raise _Miss("the loop skips experts without rows and the expert returns several values: not replayed")
         if self.column_rows and mlp.layout == "opaque" and self.skip_empty:
             raise _Miss("the loop skips experts without rows and calls the others on [n, 1, H] rows: not replayed")
+        if self.lead_rows and (self.tuple_call is not None or self.column_rows):
+            raise _Miss("the expert is called on [1, n, H] rows (`.unsqueeze(0)`) and returns several values or takes "
+                        "[n, 1] index columns: not replayed")
         if self.flat - {flat}:
             raise _Miss("tokens are selected and written back with different index tensors")
         if self.loop_kind not in ("range", "enumerate_experts"):
@@ -2150,7 +2296,8 @@ class _Eval:
             self.bins = f"len({P}experts)"
         site = _Site(routing="flat_mask", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=flat,
                      num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc, local_start=self.local_start,
-                     skip_empty=self.skip_empty, column_rows=self.column_rows and mlp.layout == "opaque")
+                     skip_empty=self.skip_empty, column_rows=self.column_rows and mlp.layout == "opaque",
+                     lead_rows=self.lead_rows and mlp.layout == "opaque")
         site.top_k = "1 (tokens repeated per routed expert before the loop)"
         self._experts_list(site)
         if self.tuple_call is None:
@@ -2174,6 +2321,9 @@ class _Eval:
         return site
 
     def _finish_sorted(self, block: list[ast.stmt], i: int, lst: str, contrib: V) -> _Site:
+        if self.lead_rows:
+            raise _Miss("the expert's rows get a leading 1 (`.unsqueeze(0)`) and its [1, n, H] outputs are concatenated: "
+                        "replayed only for outputs assigned through y[sel] = ...")
         if self.loop_kind != "counts":
             raise _Miss("expert outputs are appended to a list but the loop is not over per-expert token counts")
         mlp = self._mlp(contrib, weighted=False)
@@ -2274,8 +2424,11 @@ class _Eval:
         if self.indexed_module is not None:
             if self.loop_kind != "range" or self.local_start:
                 raise _Miss("a module called with the expert index, in a loop that is not range(E)")
-            mod = ast.unparse(self.indexed_module)  # one callable per expert, its index bound early
-            site.experts_list = f"[(lambda {P}r, {P}e={P}i: {mod}({P}r, {P}e)) for {P}i in range({site.bins})]"
+            call = self._index_call_template()  # one callable per expert, its index bound early
+            assert self.indexed_call is not None
+            site.index_call = ast.unparse(self.indexed_call)[:90]
+            site.index_callee, site.index_random = _index_callee(self.m, self.scope, self.indexed_call.func)
+            site.experts_list = f"[(lambda {P}r, {P}e={P}i: {call}) for {P}i in range({site.bins})]"
             return
         if self.loop_kind == "counts" and self.experts_list and site.counts:
             # zip(experts, torch.split(rows, counts)) stops at the shorter: one expert per count
@@ -2591,6 +2744,36 @@ def _method(module: ModuleInfo, cls: ast.ClassDef, name: str) -> Optional[ast.Fu
     return None
 
 
+_RANDOM = {"torch.rand", "torch.randn", "torch.randint", "torch.rand_like", "torch.randn_like", "torch.randint_like",
+           "torch.bernoulli", "torch.multinomial", "torch.normal", "torch.randperm", "torch.nn.functional.dropout",
+           "torch.dropout", "torch.nn.Dropout"}
+
+
+def _index_callee(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[str, str]:
+    """What ``func`` (the callable given the expert index) is in this file, and the first random draw
+    in its body: ("", "") when it is not defined here (a hook, a partial, another file's function)."""
+    fn: Optional[ast.FunctionDef] = None
+    where = ""
+    cls = module.classes.get(scope.class_name or "")
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self" and cls is not None:
+        fn = _method(module, cls, func.attr)
+        where = f"method {cls.name}.{func.attr}"
+        if fn is None:
+            value = _class_init_assigns(module, cls).get(func.attr)
+            sub = module.classes.get(dotted(value.func) or "") if isinstance(value, ast.Call) else None
+            if sub is not None:
+                fn, where = _method(module, sub, "forward"), f"{sub.name}.forward (self.{func.attr} = {sub.name}(...))"
+    elif isinstance(func, ast.Name) and func.id in module.functions and not any(
+            isinstance(n.ctx, ast.Store) and n.id == func.id for n in scope.nodes().get(ast.Name, ())):  # type: ignore[attr-defined]
+        fn, where = module.functions[func.id], f"function {func.id}"
+    if fn is None:
+        return "", ""
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Call) and (_canon(module, n.func) in _RANDOM or isinstance(n.func, ast.Attribute) and "dropout" in n.func.attr.lower()):
+            return f"{where} (line {fn.lineno})", ast.unparse(n)[:60]
+    return f"{where} (line {fn.lineno})", ""
+
+
 def _activation_value(module: ModuleInfo, value: ast.expr, attr: str, owner: str) -> Optional[_Act]:
     if isinstance(value, ast.Subscript) and (dotted(value.value) or "").split(".")[-1] == "ACT2FN":
         if isinstance(value.slice, ast.Constant) and value.slice.value in ("silu", "swish"):
@@ -2643,7 +2826,7 @@ def _expert_class(ev: _Eval) -> ast.ClassDef:
     """The class of the per-expert modules, from ``self.experts = nn.ModuleList([...])``."""
     m, scope = ev.m, ev.scope
     if ev.indexed_module is not None:
-        raise _Miss(f"the experts are one module called with the expert index (`{ast.unparse(ev.indexed_module)}(rows, e)`)")
+        raise _Miss(f"the experts are one callable given the expert index (`{ast.unparse(ev.indexed_call or ev.indexed_module)[:70]}`)")
     container = ev.template.value if ev.template is not None else None
     if container is None and (ev.loop_kind == "enumerate_experts" or ev.experts_node is not None):
         container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
@@ -3006,16 +3189,19 @@ def _fused_text(site: _Site) -> str:
                 f"{P}counts = torch.histc({indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
             ]
     h = f"{P}h"
-    if opaque and (site.part_outs or site.column_rows):
+    if opaque and (site.part_outs or site.column_rows or site.lead_rows):
         # experts called as they are, on [n, 1, H] rows when the loop gave them that (x[idx] with an
-        # [n, 1] index column); what the loop wrote through acc[idx] = v is v broadcast to the rows
+        # [n, 1] index column) or [1, n, H] (x[sel].unsqueeze(0)); what the loop wrote through
+        # acc[idx] = v is v broadcast to the rows
         rows = f"{P}rows_e"
-        arg = f"{rows}.unsqueeze(1)" if site.column_rows else rows
+        arg = f"{rows}.unsqueeze(1)" if site.column_rows else f"{rows}.unsqueeze(0)" if site.lead_rows else rows
         parts = site.part_outs or (("", site.out_name, site.out_dtype),)
 
         def rowwise(v: str) -> str:
             if site.column_rows:
                 return f"torch.broadcast_to({v}, ({rows}.shape[0], 1, {v}.shape[-1])).reshape({rows}.shape[0], -1)"
+            if site.lead_rows:
+                return f"torch.broadcast_to({v}, (1, {rows}.shape[0], {v}.shape[-1]))[0]"
             return f"torch.broadcast_to({v}, ({rows}.shape[0], {v}.shape[-1]))"
 
         lines += [
@@ -3027,6 +3213,9 @@ def _fused_text(site: _Site) -> str:
             lines.append(f"    {', '.join(site.tuple_names)} = {P}expert{site.expert_call}({arg})")
             lines += [f"    {st}" for st in site.part_steps]
             lines += [f"    {P}outs[{j}].append({rowwise(name)})" for j, (name, _, _) in enumerate(parts)]
+        elif site.skip_empty:
+            # like the loop: experts without rows are not called (their empty slice stands for their output)
+            lines += [f"    {P}outs[0].append({rowwise(P + 'expert' + site.expert_call + '(' + arg + ')')} if {rows}.shape[0] else {rows})"]
         else:
             lines += [f"    {P}o = {P}expert{site.expert_call}({arg})", f"    {P}outs[0].append({rowwise(P + 'o')})"]
         for j, (_, out, dtype) in enumerate(parts):
@@ -3144,6 +3333,20 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
             "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
             "nonzero / .cpu()",
         ]
+    if site.index_call:
+        if not site.index_callee:
+            risks.append(Risk("other", f"the experts are one callable given the expert index (`{site.index_call}`), not "
+                              "defined in this file (a hook, a partial or another file's function): the fused layer calls "
+                              "it once per expert with that expert's rows and index, as the loop does; correct only while "
+                              "it computes each row from that row and the index alone (no batch statistics, no random draws)"))
+        elif site.index_random:
+            risks.append(Risk("numerics", f"the callable given the expert index ({site.index_callee}) draws random numbers "
+                              f"(`{site.index_random}`): same calls and row counts as the loop, but the rows reach it in "
+                              "another order within each expert, so dropout-style masks fall on other rows (equal in "
+                              "distribution, not bit-equal)"))
+        else:
+            notes.append(f"the experts are one callable given the expert index, {site.index_callee}: read in this file, "
+                         "no random draws; the fused layer calls it once per expert on that expert's rows")
     if site.zero_link:
         risks.append(Risk("other", f"the loop's else (`{site.zero_link}`) adds zero to the output so that experts "
                           "without tokens still get a (zero) gradient, for DDP without find_unused_parameters; the "
