@@ -2011,6 +2011,7 @@ class _Eval:
         if isinstance(f, ast.Name) and f.id in ("getattr", "len", "int", "float", "range", "zip", "enumerate", "print", "isinstance"):
             return False
         rows = idx = 0
+        varying: list[ast.expr] = []
         for _, _, a in self._index_call_args(node):
             inner = a.value if isinstance(a, ast.Starred) else a
             if self._is_eidx(inner):
@@ -2018,7 +2019,11 @@ class _Eval:
             elif not isinstance(a, ast.Starred) and self.ev(a).kind in ("x", "x_sorted"):
                 rows += 1
             elif not self._invariant(inner):
-                return False  # routing weights, counts, masks: per-expert values the fused layer does not pass
+                varying.append(inner)  # routing weights, counts, masks: per-expert values
+        if rows == 1 and idx == 1 and varying:
+            raise _Miss(f"the callable given the expert index also takes `{ast.unparse(varying[0])[:40]}`, a value that "
+                        f"changes per expert (`{ast.unparse(node)[:60]}`): the fused layer passes each expert only its rows "
+                        "and its index")
         return rows == 1 and idx == 1
 
     def _index_call_rows(self, node: ast.Call) -> ast.expr:
@@ -6304,3 +6309,161 @@ def unsort_experts(rows, flat_expert_ids):
 ''', reason="", name="write_back_at_indices_made_here"),
 ]
 
+
+
+# -- fourth pass (issue 14 class 4): experts reached through a callable given the expert index, rows
+# with a leading 1, and dispatch loops in files that never say "expert" ------------------------------
+
+# the experts are a method of the block taking (index, rows); the weights are stacked parameters it indexes
+_INDEX_METHOD = _HEAD + '''
+class StackedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.w_in = nn.Parameter(torch.randn(n, d, h) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(n, h, d) * 0.1)
+
+    def run_one(self, e, rows):
+        return F.gelu(rows @ self.w_in[e]) @ self.w_out[e]
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            y = self.run_one(e, x[tok])
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out
+'''
+_INDEX_METHOD_RUN = "moe = StackedMoE(16, 24, 5, 2)\nx = torch.randn(11, 16)\nout = moe(x)\nleaves = [moe.w_in, moe.w_out]\n"
+
+# a module-level function given the layer, the rows, the index as a keyword and the caller's **kw
+_INDEX_FUNCTION_KW = _HEAD + '''
+def ffn_apply(layer, h, expert_id=0, scale=1.0):
+    return layer.down[expert_id](F.silu(layer.up[expert_id](h))) * scale
+
+
+class Block(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.num_local = n
+        self.up = nn.ModuleList([nn.Linear(d, h) for _ in range(n)])
+        self.down = nn.ModuleList([nn.Linear(h, d) for _ in range(n)])
+        self.router = nn.Linear(d, n, bias=False)
+
+    def forward(self, x, **kw):
+        b, s, d = x.shape
+        x = x.view(-1, d)
+        probs, ids = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        mask = F.one_hot(ids, num_classes=self.num_local).permute(2, 1, 0)
+        acc = torch.zeros_like(x)
+        for i in range(self.num_local):
+            slot, rows = torch.where(mask[i])
+            if rows.shape[0] == 0:
+                continue
+            rows_list, slot_list = rows.tolist(), slot.tolist()
+            cur = ffn_apply(self, x[rows_list], expert_id=i, **kw) * probs[rows_list, slot_list, None]
+            acc.index_add_(0, rows, cur.to(x.dtype))
+        return acc.view(b, s, d)
+'''
+_INDEX_FUNCTION_KW_RUN = "m = Block(16, 24, 4)\nx = torch.randn(2, 5, 16)\nout = m(x, scale=0.5)\n"
+
+# the callable is a hook chosen at run time (not readable here): a candidate with a stated risk
+_INDEX_HOOK = _INDEX_METHOD.replace(
+    "        out = torch.zeros_like(x)\n",
+    "        run = getattr(self, 'hook', None) or self.run_one\n        out = torch.zeros_like(x)\n").replace(
+    "y = self.run_one(e, x[tok])", "y = run(rows=x[tok], e=e)")
+
+# experts handed in as a list (no "expert" anywhere in the file), tokens pre-repeated per slot, each
+# called on [1, n, H] rows (`.unsqueeze(0)`) and written back through y[ids == i] = ...
+_LEAD_ROWS = _HEAD.replace('ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU()}\n', "") + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.a = nn.Linear(d, h, bias=False)
+        self.b = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    y = torch.empty_like(x)
+    for i, ffn in enumerate(ffn_list):
+        if torch.any(flat == i):
+            y[flat == i] = ffn(x[flat == i].unsqueeze(0)).to(dtype=y.dtype)
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+'''
+_LEAD_ROWS_RUN = '''\
+ffns = nn.ModuleList([FFN(16, 24) for _ in range(4)])
+x = torch.randn(7, 16)
+w, ids = torch.randn(7, 4).softmax(-1).topk(2, dim=-1)
+out = routed(x.repeat_interleave(2, dim=0), w, ids, 2, ffns)
+leaves = [ffns[0].a.weight, ffns[3].b.weight]
+'''
+
+# a list attribute of the block indexed by the loop (range over a local count), rows without the leading 1
+_RANGE_LIST_ATTR = _LEAD_ROWS.replace('''def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    y = torch.empty_like(x)
+    for i, ffn in enumerate(ffn_list):
+        if torch.any(flat == i):
+            y[flat == i] = ffn(x[flat == i].unsqueeze(0)).to(dtype=y.dtype)
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+''', '''class Routed(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_local, self.k = n, k
+        self.ffn_list = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.router = nn.Linear(d, n, bias=False)
+
+    def forward(self, x):
+        w, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(self.k, dim=0)
+        y = torch.empty_like(xs)
+        for i in range(self.num_local):
+            y[flat == i] = self.ffn_list[i](xs[flat == i])
+        return (y.view(-1, self.k, x.shape[-1]) * w.unsqueeze(-1)).sum(dim=1)
+''')
+_RANGE_LIST_ATTR_RUN = "m = Routed(16, 24, 4, 2)\nx = torch.randn(9, 16)\nout = m(x)\nleaves = [m.ffn_list[1].a.weight]\n"
+
+MoeExperts.FUSE += [
+    Fuse(_INDEX_METHOD, name="callable_given_index_method", run=_INDEX_METHOD_RUN, expect={
+        "routing": "mask_where", "layout": "expert_modules", "loop": "range", "num_experts": "self.n"}),
+    Fuse(_INDEX_FUNCTION_KW, name="callable_given_index_keyword_and_kwargs", run=_INDEX_FUNCTION_KW_RUN, expect={
+        "routing": "mask_where", "layout": "expert_modules", "output": "acc"}),
+    Fuse(_INDEX_HOOK, name="callable_given_index_run_time_hook", run=_INDEX_METHOD_RUN, expect={
+        "layout": "expert_modules"}),
+    Fuse(_LEAD_ROWS, name="list_of_callables_on_leading_one_rows_wordless", run=_LEAD_ROWS_RUN, expect={
+        "routing": "flat_mask", "layout": "expert_modules", "loop": "enumerate_experts", "output": "y"}),
+    Fuse(_RANGE_LIST_ATTR, name="list_attribute_indexed_by_range_wordless", run=_RANGE_LIST_ATTR_RUN, expect={
+        "routing": "flat_mask", "num_experts": "self.num_local", "tokens": "xs"}),
+]
+
+MoeExperts.KEEP += [
+    # the callable also takes the routing weights of this expert's rows: the fused layer passes rows and index only
+    Keep(_INDEX_METHOD.replace("def run_one(self, e, rows):", "def run_one(self, e, rows, g):").replace(
+        "y = self.run_one(e, x[tok])", "y = self.run_one(e, x[tok], w[tok, slot, None])"),
+         reason="a value that changes per expert", name="callable_given_index_and_per_expert_weights"),
+    # [1, n, H] rows whose outputs are added back through index_add: not the y[sel] = ... write it replays
+    Keep(_INDEX_METHOD.replace("y = self.run_one(e, x[tok])", "y = self.experts[e](x[tok].unsqueeze(0))").replace(
+        "        self.w_out = nn.Parameter(torch.randn(n, h, d) * 0.1)\n",
+        "        self.w_out = nn.Parameter(torch.randn(n, h, d) * 0.1)\n        self.experts = nn.ModuleList([nn.Identity() for _ in range(n)])\n"),
+         reason="replayed only for outputs assigned through y[sel]", name="leading_one_rows_added_back"),
+    # the dispatch shape in a file without the word, but the per-class value is no function of the rows
+    Keep(_HEAD.replace('ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU()}\n', "") + '''
+def per_class_scale(x, labels, scales):
+    out = torch.empty_like(x)
+    for c in range(scales.shape[0]):
+        out[labels == c] = x[labels == c] * scales[c]
+    return out
+''', reason="", name="per_class_scaling_wordless"),
+    # a word-carrying file: the same loop shape gets its near-miss reason (a skip on something else)
+    Keep(_LEAD_ROWS.replace("if torch.any(flat == i):", "if i % 2 == 0:") + "\n# experts\n",
+         reason="conditional code inside the expert loop", name="list_of_callables_skipped_by_parity"),
+]
