@@ -322,6 +322,9 @@ def _dispatch_shape(loop: ast.For) -> bool:
         elif isinstance(n, (ast.Assign, ast.AugAssign)):
             targets = n.targets if isinstance(n, ast.Assign) else [n.target]
             writes = writes or any(isinstance(t, ast.Subscript) for t in targets)
+        elif isinstance(n, ast.Slice) and len(names) == 2 and isinstance(n.lower, ast.Name) and isinstance(n.upper, ast.Name) \
+                and {n.lower.id, n.upper.id} == names:
+            selects = True  # order[s:e] of `for s, e in zip(starts, ends)`: one run of sorted rows
     return selects and writes
 
 
@@ -1198,6 +1201,129 @@ def _comprehension_result(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     return _finding(module, scope, site)
 
 
+@dataclass(frozen=True)
+class _Runs:
+    """``for s, e in zip(starts, ends)`` over the runs of equal ids of ``sorted_ids = flat[order].tolist()``."""
+
+    start: str
+    end: str
+    sorted_ids: str
+    order: str
+    flat: str
+    bounds: tuple = ()  # the names of the starts and ends lists (and the comprehension's variable)
+
+
+def _length_of(scope: Scope, node: Optional[ast.expr], names: set[str], line: int) -> bool:
+    """``node`` is the length of one of ``names`` (``len(a)``, ``a.size(0)``, ``a.shape[0]``, ``a.numel()``),
+    directly or through a name bound to it."""
+    for _ in range(3):
+        if isinstance(node, ast.Name) and node.id not in names:
+            node = scope.definition(node.id, line)
+            continue
+        break
+    if isinstance(node, ast.Call) and dotted(node.func) == "len" and len(node.args) == 1:
+        return isinstance(node.args[0], ast.Name) and node.args[0].id in names
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id in names and not node.keywords:
+        return node.func.attr in ("numel", "nelement") and not node.args or node.func.attr == "size" and \
+            len(node.args) == 1 and const_value(node.args[0]) in (0, -1)
+    if isinstance(node, ast.Subscript) and const_value(node.slice) in (0, -1) and isinstance(node.value, ast.Attribute) \
+            and node.value.attr == "shape" and isinstance(node.value.value, ast.Name):
+        return node.value.value.id in names
+    return False
+
+
+def _argsort_of(scope: Scope, name: str, line: int) -> Optional[str]:
+    """``F`` when ``name`` is the ascending sort order of a 1-D ``F`` (argsort / sort()[1], stable or not)."""
+    node = scope.definition(name, line)
+    if isinstance(node, ast.Subscript) and const_value(node.slice) == 1 and isinstance(node.value, ast.Call):
+        call, want = node.value, "sort"
+    elif isinstance(node, ast.Call):
+        call, want = node, "argsort"
+    else:
+        return None
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr == want and not call.args:
+        src = f.value
+    elif (dotted(f) or "") in (f"torch.{want}", want) and len(call.args) == 1:
+        src = call.args[0]
+    else:
+        return None
+    if any(k.arg not in ("dim", "stable") or (k.arg == "dim" and const_value(k.value) not in (0, -1)) for k in call.keywords):
+        return None  # descending, another dim
+    if not isinstance(src, ast.Name):
+        return None
+    return src.id
+
+
+def _sorted_runs(module: ModuleInfo, scope: Scope, loop: ast.For) -> Optional[_Runs]:
+    """``for s, e in zip(starts, ends)`` where, before the loop,
+    ``order = argsort(F)`` (F 1-D), ``S = F[order].tolist()``,
+    ``starts = [0] + [i for i in range(1, N) if S[i] != S[i - 1]]`` and ``ends = starts[1:] + [N]``
+    with N the length of F: the maximal runs of equal expert ids in the sort order (every row in one run)."""
+    it, tgt = loop.iter, loop.target
+    if not (isinstance(it, ast.Call) and dotted(it.func) == "zip" and len(it.args) == 2 and not it.keywords
+            and all(isinstance(a, ast.Name) for a in it.args) and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2
+            and all(isinstance(e, ast.Name) for e in tgt.elts)):
+        return None
+    line = loop.lineno
+    starts_name, ends_name = it.args[0].id, it.args[1].id  # type: ignore[attr-defined]
+    starts, ends = scope.definition(starts_name, line), scope.definition(ends_name, line)
+    # ends = starts[1:] + [N]
+    if not (isinstance(ends, ast.BinOp) and isinstance(ends.op, ast.Add) and isinstance(ends.left, ast.Subscript)
+            and isinstance(ends.left.value, ast.Name) and ends.left.value.id == starts_name
+            and isinstance(ends.left.slice, ast.Slice) and const_value(ends.left.slice.lower) == 1
+            and ends.left.slice.upper is None and ends.left.slice.step is None
+            and isinstance(ends.right, ast.List) and len(ends.right.elts) == 1):
+        return None
+    # starts = [0] + [i for i in range(1, N) if S[i] != S[i - 1]]
+    if not (isinstance(starts, ast.BinOp) and isinstance(starts.op, ast.Add) and isinstance(starts.left, ast.List)
+            and [const_value(e) for e in starts.left.elts] == [0] and isinstance(starts.right, ast.ListComp)):
+        return None
+    comp = starts.right
+    gen = comp.generators[0] if len(comp.generators) == 1 else None
+    if gen is None or not isinstance(gen.target, ast.Name) or not isinstance(comp.elt, ast.Name) \
+            or comp.elt.id != gen.target.id or len(gen.ifs) != 1 or gen.is_async:
+        return None
+    i = gen.target.id
+    rng = gen.iter
+    if not (isinstance(rng, ast.Call) and dotted(rng.func) == "range" and len(rng.args) == 2 and const_value(rng.args[0]) == 1):
+        return None
+    test = gen.ifs[0]
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotEq)):
+        return None
+    sides = [test.left, test.comparators[0]]
+    if not all(isinstance(x, ast.Subscript) and isinstance(x.value, ast.Name) for x in sides):
+        return None
+    sorted_ids = sides[0].value.id  # type: ignore[attr-defined]
+    if sides[1].value.id != sorted_ids:  # type: ignore[attr-defined]
+        return None
+    here = ast.dump(ast.Name(i, ast.Load()))
+    prev = ast.dump(ast.BinOp(ast.Name(i, ast.Load()), ast.Sub(), ast.Constant(1)))
+    if sorted(ast.dump(x.slice) for x in sides) != sorted([here, prev]):  # type: ignore[attr-defined]
+        return None
+    # S = F[order].tolist() (optionally .cpu() first)
+    sv = scope.definition(sorted_ids, line)
+    if not (isinstance(sv, ast.Call) and isinstance(sv.func, ast.Attribute) and sv.func.attr == "tolist" and not sv.args):
+        return None
+    inner = sv.func.value
+    if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr == "cpu" and not inner.args:
+        inner = inner.func.value
+    if not (isinstance(inner, ast.Subscript) and isinstance(inner.value, ast.Name) and isinstance(inner.slice, ast.Name)):
+        return None
+    flat, order = inner.value.id, inner.slice.id
+    if _argsort_of(scope, order, line) != flat or not flattened_to_1d(module, scope, flat, line):
+        return None
+    lengths = {flat, sorted_ids}
+    if not (_length_of(scope, rng.args[1], lengths, line) and _length_of(scope, ends.right.elts[0], lengths, line)):
+        return None  # runs that stop short of the last row
+    # nothing rebinds these names between their definitions and the loop (definition() gives the last one)
+    s_name, e_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
+    if {s_name, e_name} & _assigned(loop.body):
+        return None
+    return _Runs(s_name, e_name, sorted_ids, order, flat, (starts_name, ends_name, i))
+
+
 def _called_in(body: list[ast.stmt], name: str) -> bool:
     """``name(...)`` or ``name.forward(...)`` is called somewhere in ``body``."""
     for st in body:
@@ -1310,6 +1436,7 @@ class _Eval:
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
         self.column_rows = False  # tokens picked as x[idx] with idx an [n, 1] column: the expert sees [n, 1, H]
         self.lead_rows = False  # the selected rows get a leading 1 (`x[sel].unsqueeze(0)`): the expert sees [1, n, H]
+        self.runs: Optional[_Runs] = None  # sorted_runs loop: the names of its run boundaries
         self.range_pieces = ""  # `for i in range(E): ... pieces[i]` over torch.split(sorted, host counts): E
         self.tuple_call: Optional[tuple[ast.Assign, list[str], V]] = None  # `a, b = expert(rows)`
         self.part_steps: list[ast.stmt] = []  # `b = b.expand_as(a)`: per-expert steps on the unpacked outputs
@@ -1319,6 +1446,13 @@ class _Eval:
     def run_header(self) -> None:
         loop, m = self.loop, self.m
         it, tgt = loop.iter, loop.target
+        runs = _sorted_runs(m, self.scope, loop)
+        if runs is not None:
+            # for s, e in zip(starts, ends): runs of equal expert ids in the sort order of the flat indices
+            self.loop_kind = "sorted_runs"
+            self.runs = runs
+            self.skip_empty = True  # only experts with rows have a run
+            return
         if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and it.args:
             if not (isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts)):
                 raise _Miss("enumerate loop target is not `index, item`")
@@ -1617,6 +1751,9 @@ class _Eval:
     def _is_eidx(self, node: ast.AST) -> bool:
         if isinstance(node, ast.Name):
             return node.id in self.eidx
+        if self.runs is not None and isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and node.value.id == self.runs.sorted_ids and isinstance(node.slice, ast.Name) and node.slice.id == self.runs.start:
+            return True  # sorted_ids[s]: the expert id of this run
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == 0:
             return self._is_eidx(node.value)
         if isinstance(node, ast.Call):
@@ -1680,8 +1817,13 @@ class _Eval:
         return self.ev(p).kind
 
     def _subscript(self, node: ast.Subscript) -> V:
-        base = self.ev(node.value)
         sl = node.slice
+        r = self.runs
+        if r is not None and isinstance(node.value, ast.Name) and node.value.id == r.order and isinstance(sl, ast.Slice) \
+                and sl.step is None and isinstance(sl.lower, ast.Name) and sl.lower.id == r.start \
+                and isinstance(sl.upper, ast.Name) and sl.upper.id == r.end:
+            return V("flatrow", (r.flat,))  # order[s:e]: the rows whose flat expert index is this run's id
+        base = self.ev(node.value)
         parts = list(sl.elts) if isinstance(sl, ast.Tuple) else [sl]
         if base.kind == "outer":
             name = base.args[0]
@@ -1961,6 +2103,9 @@ class _Eval:
             return V("mod_out", (self.ev(self._index_call_rows(node)), False))
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
+        if fv.kind == "unknown" and isinstance(f, ast.Subscript) and isinstance(f.value, ast.Name) and self._is_eidx(f.slice) \
+                and self._invariant(f.value) and node.args and self.ev(node.args[0]).kind in ("x", "x_sorted"):
+            fv = V("indexed", (f,))  # ffn_list[e](rows): a list handed in, indexed by the expert, called on its rows
         if fv.kind == "indexed" and not self._is_expert_container(fv.args[0].value):
             lst = self._linear_list(fv.args[0].value)
             if lst is not None and len(node.args) == 1 and not node.keywords:
@@ -2293,8 +2438,13 @@ class _Eval:
                         "[n, 1] index columns: not replayed")
         if self.flat - {flat}:
             raise _Miss("tokens are selected and written back with different index tensors")
-        if self.loop_kind not in ("range", "enumerate_experts"):
+        if self.loop_kind not in ("range", "enumerate_experts", "sorted_runs"):
             raise _Miss("flat-index expert loop that is not over range(E) or enumerate(experts)")
+        if self.loop_kind == "sorted_runs" and mlp.layout == "stacked":
+            raise _Miss("runs of sorted expert ids over stacked weights: the number of experts (the grouped matmul's "
+                        "groups) is not read off the loop")
+        if self.runs is not None and flat != self.runs.flat:
+            raise _Miss("rows are written back at another index than the one the runs were sorted by")
         self._check_count_guard(flat)
         if not self.bins and mlp.layout != "stacked":
             self.num_experts = f"len({self._container_text()})"
@@ -2306,7 +2456,10 @@ class _Eval:
         site.top_k = "1 (tokens repeated per routed expert before the loop)"
         self._experts_list(site)
         if self.tuple_call is None:
-            self._span(block, i, site, acc, extra=set(), fresh_init_required=True)
+            # the sort, the host list of sorted ids and the run bounds exist only for the loop: replaced with it
+            # (each kept where it is read after the loop)
+            runs = {self.runs.order, self.runs.sorted_ids, *self.runs.bounds} if self.runs is not None else set()
+            self._span(block, i, site, acc, extra=runs, fresh_init_required=True)
             return site
         # the expert returns a tuple whose parts go to separate accumulators at the same rows
         stmt, names, _ = self.tuple_call
@@ -3392,6 +3545,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
     if site.routing == "sorted_counts":
         notes.append(f"{site.tokens} is already sorted by expert, so only the expert MLPs are replaced; "
                      f"{site.counts} stays on the device (the original moves it to the host)")
+    if site.loop == "sorted_runs":
+        notes.append(f"the loop visits the runs of equal expert ids in the argsort order of {site.indices} (one host "
+                     "sync for the sorted ids, then one per run); the permute gives each expert exactly its rows "
+                     "(in token order, where argsort left them in any order within the run)")
     if site.loop == "expert_hit":
         notes.append("the loop visits only experts that received tokens; the grouped matmul skips empty groups itself")
     cls = module.classes.get(scope.class_name or "")
