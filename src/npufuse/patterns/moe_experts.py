@@ -287,9 +287,10 @@ def _relevant(module: ModuleInfo) -> bool:
         # torch._grouped_mm, or the grouped_gemm package's gmm (Megatron / megablocks / nanotron)
         grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and ("_grouped_mm" in src or "gmm(" in src)  # read per scope by detect
         words = module.__dict__["_npufuse_moe_words"] = torch_file and ("index_add" in src or "xpert" in src)
-        # files without those words still reach the loop analysis when a loop has the dispatch shape
-        # (see _dispatch_shape): MoE code says "moe", "routed", "ffn_list", "num_local" as often
-        cached = module.__dict__["_npufuse_moe_relevant"] = grouped or words or (torch_file and "==" in src)
+        # every torch file reaches the loop analysis when a loop has the dispatch shape (see
+        # _dispatch_shape; a walk of its For loops only): MoE code says "moe", "routed", "ffn_list",
+        # "num_local" as often as "expert", and selects rows with ==, != runs, where(mask[i]), ...
+        cached = module.__dict__["_npufuse_moe_relevant"] = grouped or words or torch_file
     return bool(cached)
 
 
@@ -1447,6 +1448,12 @@ class _Eval:
         loop, m = self.loop, self.m
         it, tgt = loop.iter, loop.target
         runs = _sorted_runs(m, self.scope, loop)
+        if runs is None and _dispatch_shape(loop) and isinstance(tgt, ast.Tuple) and not any(
+                isinstance(n, ast.Compare) for n in fast_walk(loop)):
+            # rows taken as order[s:e] per (s, e) pair, but the pairs are not proven to be the runs
+            raise _Miss(f"the loop takes rows as slices between the pairs of `{ast.unparse(it)[:50]}`, which are not "
+                        "proven to be the runs of equal ids of flat[argsort(flat)].tolist() covering every row (starts = "
+                        "[0] + the positions where the sorted id changes, ends = starts[1:] + [len(flat)])")
         if runs is not None:
             # for s, e in zip(starts, ends): runs of equal expert ids in the sort order of the flat indices
             self.loop_kind = "sorted_runs"
@@ -2441,8 +2448,8 @@ class _Eval:
         if self.loop_kind not in ("range", "enumerate_experts", "sorted_runs"):
             raise _Miss("flat-index expert loop that is not over range(E) or enumerate(experts)")
         if self.loop_kind == "sorted_runs" and mlp.layout == "stacked":
-            raise _Miss("runs of sorted expert ids over stacked weights: the number of experts (the grouped matmul's "
-                        "groups) is not read off the loop")
+            raise _Miss("runs of sorted expert ids over stacked weights: npufuse takes the grouped matmul's number of "
+                        "groups from a range(E) loop or a list of experts, and this loop has neither")
         if self.runs is not None and flat != self.runs.flat:
             raise _Miss("rows are written back at another index than the one the runs were sorted by")
         self._check_count_guard(flat)
@@ -2597,10 +2604,16 @@ class _Eval:
             return
         if self.template is None:
             raise _Miss("the expert module is not indexed by the expert")
-        t = copy.deepcopy(self.template)
-        for n in fast_walk(t):
-            if isinstance(n, ast.Name) and n.id in self.eidx:
-                n.id = f"{P}i"
+        ev = self
+
+        class _ToIndex(ast.NodeTransformer):
+            # every spelling of the expert index (a name, sorted_ids[s], int(e), ...) becomes the list's index
+            def visit(self, node: ast.AST) -> ast.AST:
+                if isinstance(node, ast.expr) and ev._is_eidx(node):
+                    return ast.Name(f"{P}i", ast.Load())
+                return self.generic_visit(node)
+
+        t = _ToIndex().visit(copy.deepcopy(self.template))
         if self.local_start:
             bounds = ", ".join(segment(self.m, a) for a in self.loop.iter.args)  # type: ignore[attr-defined]
         else:
@@ -6623,4 +6636,81 @@ def per_class_scale(x, labels, scales):
     # a word-carrying file: the same loop shape gets its near-miss reason (a skip on something else)
     Keep(_LEAD_ROWS.replace("if torch.any(flat == i):", "if i % 2 == 0:") + "\n# experts\n",
          reason="conditional code inside the expert loop", name="list_of_callables_skipped_by_parity"),
+]
+
+
+# -- runs of equal expert ids in the argsort order (one call per run, no per-expert mask) -------------
+
+_SORTED_RUNS = _LEAD_ROWS.replace('''def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    y = torch.empty_like(x)
+    for i, ffn in enumerate(ffn_list):
+        if torch.any(flat == i):
+            y[flat == i] = ffn(x[flat == i].unsqueeze(0)).to(dtype=y.dtype)
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+''', '''def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    n = flat.size(0)
+    order = torch.argsort(flat, stable=False)
+    sorted_ids = flat[order].tolist()
+    starts = [0] + [j for j in range(1, n) if sorted_ids[j] != sorted_ids[j - 1]]
+    ends = starts[1:] + [n]
+    y = torch.empty_like(x)
+    for s, e in zip(starts, ends):
+        eid = sorted_ids[s]
+        rows = order[s:e]
+        y[rows] = ffn_list[eid](x[rows])
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+''')
+
+# the same inside a module, spelled with .sort(), len() of the host list and the id used inline
+_SORTED_RUNS_MODULE = _LEAD_ROWS.replace('''def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    y = torch.empty_like(x)
+    for i, ffn in enumerate(ffn_list):
+        if torch.any(flat == i):
+            y[flat == i] = ffn(x[flat == i].unsqueeze(0)).to(dtype=y.dtype)
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+''', '''class RunMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(d, n, bias=False)
+        self.ffns = nn.ModuleList([FFN(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        w, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        flat = ids.flatten()
+        xs = x.repeat_interleave(self.k, dim=0)
+        order = flat.sort()[1]
+        host = flat[order].cpu().tolist()
+        starts = [0] + [t for t in range(1, len(host)) if host[t - 1] != host[t]]
+        ends = starts[1:] + [len(host)]
+        out = torch.zeros_like(xs)
+        for a, b in zip(starts, ends):
+            out[order[a:b]] = self.ffns[host[a]](xs[order[a:b]])
+        return (out.view(-1, self.k, x.shape[-1]) * w.unsqueeze(-1)).sum(1)
+''')
+_SORTED_RUNS_MODULE_RUN = "m = RunMoE(16, 24, 5, 2)\nx = torch.randn(9, 16)\nout = m(x)\nleaves = [m.ffns[2].a.weight, m.router.weight]\n"
+
+MoeExperts.FUSE += [
+    Fuse(_SORTED_RUNS, name="runs_of_sorted_ids_list_handed_in", run=_LEAD_ROWS_RUN, expect={
+        "routing": "flat_mask", "loop": "sorted_runs", "layout": "expert_modules", "indices": "flat", "output": "y"}),
+    Fuse(_SORTED_RUNS_MODULE, name="runs_of_sorted_ids_module_sort_spelling", run=_SORTED_RUNS_MODULE_RUN, expect={
+        "routing": "flat_mask", "loop": "sorted_runs", "tokens": "xs", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # the last run stops one row short: the original leaves that row unwritten, the permute would fill it
+    Keep(_SORTED_RUNS.replace("ends = starts[1:] + [n]", "ends = starts[1:] + [n - 1]") + "\n# experts\n",
+         reason="not proven to be the runs of equal ids", name="runs_stopping_short"),
+    # descending sort: the runs are still runs, but the sorted list is not the argsort order proven here
+    Keep(_SORTED_RUNS.replace("order = torch.argsort(flat, stable=False)", "order = torch.argsort(flat, descending=True)")
+         + "\n# experts\n", reason="not proven to be the runs of equal ids", name="runs_over_a_descending_sort"),
+    # the experts' weights stacked in one parameter: the number of groups is not read off the runs
+    Keep(_SORTED_RUNS_MODULE.replace("self.ffns = nn.ModuleList([FFN(d, h) for _ in range(n)])",
+                                     "self.w1 = nn.Parameter(torch.randn(n, d, h))\n        self.w2 = nn.Parameter(torch.randn(n, h, d))")
+         .replace("out[order[a:b]] = self.ffns[host[a]](xs[order[a:b]])",
+                  "out[order[a:b]] = F.silu(xs[order[a:b]] @ self.w1[host[a]]) @ self.w2[host[a]]") + "\n# experts\n",
+         reason="stacked weights", name="runs_over_stacked_weights"),
 ]
