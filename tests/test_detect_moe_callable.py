@@ -105,3 +105,72 @@ def test_dispatch_shape_needs_a_selection_by_the_loop_variable_and_a_write_back(
     assert shape("for e in range(n):\n    t, k = torch.where(m[e])\n    out.index_add_(0, t, g(x[t]))\n")
     assert not shape("for i in range(n):\n    y = f(x[ids == i])\n")  # no write-back
     assert not shape("for i in range(n):\n    y[ids == j] = f(x)\n")  # selection not by the loop variable
+
+
+# -- runs of equal ids in the argsort order -------------------------------------------------------------
+
+
+def _runs_of(code: str):
+    import ast
+
+    module = ModuleInfo.from_source("r.py", code)
+    for scope in module.scopes:
+        for _, _, st in scope.statements():
+            if isinstance(st, ast.For):
+                return M._sorted_runs(module, scope, st)
+    raise AssertionError("no loop")
+
+
+_RUNS = '''
+import torch
+def f(x, ids, experts):
+    flat = ids.view(-1)
+    n = flat.size(0)
+    order = torch.argsort(flat)
+    s_ids = flat[order].tolist()
+    starts = [0] + [j for j in range(1, n) if s_ids[j] != s_ids[j - 1]]
+    ends = starts[1:] + [n]
+    y = torch.empty_like(x)
+    for s, e in zip(starts, ends):
+        y[order[s:e]] = experts[s_ids[s]](x[order[s:e]])
+    return y
+'''
+
+
+def test_runs_are_proven_from_the_sorted_host_list():
+    runs = _runs_of(_RUNS)
+    assert runs is not None and (runs.flat, runs.order, runs.sorted_ids) == ("flat", "order", "s_ids")
+    # the comparison written the other way round, the length as len() of the host list
+    assert _runs_of(_RUNS.replace("s_ids[j] != s_ids[j - 1]", "s_ids[j - 1] != s_ids[j]")
+                    .replace("[n]", "[len(s_ids)]")) is not None
+
+
+def test_runs_that_are_not_the_runs_of_equal_ids_are_refused():
+    assert _runs_of(_RUNS.replace("flat = ids.view(-1)", "flat = ids")) is None  # 2-D ids: argsort per row
+    assert _runs_of(_RUNS.replace("range(1, n)", "range(2, n)")) is None  # a change at row 1 missed
+    assert _runs_of(_RUNS.replace("s_ids[j - 1]", "s_ids[j - 2]")) is None  # not neighbours
+    assert _runs_of(_RUNS.replace("flat[order].tolist()", "flat.tolist()")) is None  # not in sorted order
+    # a name rebound between the sort and the loop: the runs may belong to another tensor
+    assert _runs_of(_RUNS.replace("ends = starts[1:] + [n]", "ends = starts[1:] + [n]\n    n = 3")) is None
+    assert _runs_of(_RUNS.replace("    y = torch.empty_like(x)\n", "    flat = flat.flip(0)\n    y = torch.empty_like(x)\n")) is None
+    assert _runs_of(_RUNS.replace("+ [n]\n", "+ [n // 2]\n")) is None
+
+
+def test_runs_span_replaces_the_sort_and_keeps_what_is_read_later():
+    f = _one(M._SORTED_RUNS)
+    lines = M._SORTED_RUNS.splitlines()
+    assert lines[f.line - 1].strip().startswith("order = torch.argsort(flat")
+    # the sorted host list read after the loop: its statement (and the sort before it) stay outside the span
+    code = M._SORTED_RUNS.replace("    return (y.view(", "    print(len(sorted_ids))\n    return (y.view(")
+    g = _one(code)
+    assert code.splitlines()[g.line - 1].strip().startswith("starts = ")
+
+
+def test_runs_rewrite_with_experts_that_get_no_rows():
+    # ids clamped: experts 3 and up get no run, the permute gives them empty slices and they are not called
+    code = M._SORTED_RUNS.replace("return self.b(F.relu(self.a(x)))", "assert x.shape[0] > 0\n        return self.b(F.relu(self.a(x)))")
+    run = M._LEAD_ROWS_RUN.replace("w, ids = torch.randn(7, 4).softmax(-1).topk(2, dim=-1)",
+                                   "w, ids = torch.randn(7, 4).softmax(-1).topk(2, dim=-1)\nids = ids.clamp(max=2)")
+    res = check_rewrite_runs(M.MoeExperts(), code, run, [_one(code)])
+    assert res["all_calls"].get("npu_moe_token_permute") == 1
+    assert min(res["cos_out"]) > 0.9999

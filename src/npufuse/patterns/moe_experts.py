@@ -1318,7 +1318,11 @@ def _sorted_runs(module: ModuleInfo, scope: Scope, loop: ast.For) -> Optional[_R
     lengths = {flat, sorted_ids}
     if not (_length_of(scope, rng.args[1], lengths, line) and _length_of(scope, ends.right.elts[0], lengths, line)):
         return None  # runs that stop short of the last row
-    # nothing rebinds these names between their definitions and the loop (definition() gives the last one)
+    # each name bound once in the function: what the sort, the list and the bounds were computed from is
+    # what the loop reads (a rebinding in between would pair runs of one tensor with rows of another)
+    lens = [a.id for a in (rng.args[1], ends.right.elts[0]) if isinstance(a, ast.Name)]
+    if any(len(scope.assignments.get(n, [])) > 1 for n in (flat, order, sorted_ids, starts_name, ends_name, *lens)):
+        return None
     s_name, e_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
     if {s_name, e_name} & _assigned(loop.body):
         return None
@@ -1448,8 +1452,10 @@ class _Eval:
         loop, m = self.loop, self.m
         it, tgt = loop.iter, loop.target
         runs = _sorted_runs(m, self.scope, loop)
-        if runs is None and _dispatch_shape(loop) and isinstance(tgt, ast.Tuple) and not any(
-                isinstance(n, ast.Compare) for n in fast_walk(loop)):
+        if runs is None and isinstance(it, ast.Call) and dotted(it.func) == "zip" and isinstance(tgt, ast.Tuple) \
+                and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts) and any(
+                isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name) and isinstance(n.upper, ast.Name)
+                and (n.lower.id, n.upper.id) == (tgt.elts[0].id, tgt.elts[1].id) for n in fast_walk(loop)):  # type: ignore[attr-defined]
             # rows taken as order[s:e] per (s, e) pair, but the pairs are not proven to be the runs
             raise _Miss(f"the loop takes rows as slices between the pairs of `{ast.unparse(it)[:50]}`, which are not "
                         "proven to be the runs of equal ids of flat[argsort(flat)].tolist() covering every row (starts = "
