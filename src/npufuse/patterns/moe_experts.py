@@ -2593,8 +2593,10 @@ class _Eval:
             return
         site.expert_call = ".forward" if self.forward_spelled else ""
         if self.indexed_module is not None:
-            if self.loop_kind != "range" or self.local_start:
-                raise _Miss("a module called with the expert index, in a loop that is not range(E)")
+            if self.loop_kind not in ("range", "expert_hit") or self.local_start or f"{P}experts" in site.bins:
+                # the number of callables to bind comes from range(E) or the routing mask's classes
+                raise _Miss("a callable given the expert index, in a loop that is not range(E) or over the "
+                            "experts hit in a one-hot mask")
             call = self._index_call_template()  # one callable per expert, its index bound early
             assert self.indexed_call is not None
             site.index_call = ast.unparse(self.indexed_call)[:90]
@@ -6719,4 +6721,45 @@ MoeExperts.KEEP += [
          .replace("out[order[a:b]] = self.ffns[host[a]](xs[order[a:b]])",
                   "out[order[a:b]] = F.silu(xs[order[a:b]] @ self.w1[host[a]]) @ self.w2[host[a]]") + "\n# experts\n",
          reason="stacked weights", name="runs_over_stacked_weights"),
+]
+
+
+# the callable given the index in a flat-index loop over pre-repeated tokens, and over the experts hit in a mask
+_INDEX_METHOD_FLAT = _INDEX_METHOD.replace('''        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            y = self.run_one(e, x[tok])
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out''', '''        flat = idx.view(-1)
+        xs = x.repeat_interleave(self.k, dim=0)
+        y = torch.empty_like(xs)
+        for e in range(self.n):
+            y[flat == e] = self.run_one(e, xs[flat == e])
+        return (y.view(-1, self.k, x.shape[-1]) * w.unsqueeze(-1)).sum(1)''')
+_INDEX_METHOD_HIT = _INDEX_METHOD.replace('''        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+''', '''        mask = F.one_hot(idx, num_classes=self.n).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = e[0]
+            slot, tok = torch.where(mask[e])
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_INDEX_METHOD_FLAT, name="callable_given_index_flat_mask", run=_INDEX_METHOD_RUN, expect={
+        "routing": "flat_mask", "layout": "expert_modules", "num_experts": "self.n", "tokens": "xs"}),
+    Fuse(_INDEX_METHOD_HIT, name="callable_given_index_over_experts_hit", run=_INDEX_METHOD_RUN, expect={
+        "routing": "mask_where", "loop": "expert_hit", "layout": "expert_modules", "num_experts": "self.n"}),
+]
+
+MoeExperts.KEEP += [
+    # runs of sorted ids calling one callable with the run's id: no count of callables to bind
+    Keep(_SORTED_RUNS.replace("y[rows] = ffn_list[eid](x[rows])", "y[rows] = apply_ffn(x[rows], eid)")
+         .replace("def routed(x, weights, ids, k, ffn_list):", "def apply_ffn(rows, i):\n    return rows * (i + 1)\n\n\n"
+                  "def routed(x, weights, ids, k, ffn_list):") + "\n# experts\n",
+         reason="not range(E) or over the experts hit", name="callable_given_index_over_sorted_runs"),
 ]
