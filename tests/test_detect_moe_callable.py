@@ -174,3 +174,18 @@ def test_runs_rewrite_with_experts_that_get_no_rows():
     res = check_rewrite_runs(M.MoeExperts(), code, run, [_one(code)])
     assert res["all_calls"].get("npu_moe_token_permute") == 1
     assert min(res["cos_out"]) > 0.9999
+
+
+def test_leading_one_spellings_read_the_same():
+    import pytest
+
+    for spelling in ("ffn(x[flat == i][None])", "ffn(x[None, flat == i])", "ffn(x[flat == i].unsqueeze(dim=0))"):
+        code = M._LEAD_ROWS.replace("ffn(x[flat == i].unsqueeze(0))", spelling)
+        f = _one(code)
+        assert f.params["routing"] == "flat_mask" and "_npufuse_rows_e.unsqueeze(0)" in f.fused, spelling
+        res = check_rewrite_runs(M.MoeExperts(), code, M._LEAD_ROWS_RUN, [f])
+        assert min(res["cos_out"]) > 0.9999, spelling
+    # a leading 1 on another axis is not the same call: the expert would see [n, 1, H]
+    code = M._LEAD_ROWS.replace("ffn(x[flat == i].unsqueeze(0))", "ffn(x[flat == i].unsqueeze(1))")
+    with pytest.raises(AssertionError):
+        _one(code)

@@ -1867,6 +1867,10 @@ class _Eval:
             if kinds == ["flatmask"]:
                 self.flat.add(self.ev(sl).args[0])
                 return V("x", (name,))  # hidden_states[flat_topk_idx == i]
+            if kinds == ["none", "flatmask"]:
+                self.flat.add(self.ev(parts[1]).args[0])
+                self.lead_rows = True  # x[None, flat == i]: [1, n, H]
+                return V("x", (name,))
             if kinds in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
                 self.flat.add(self.ev(parts[0]).args[0])
                 if kinds[0] == "flatcol":
@@ -1889,6 +1893,9 @@ class _Eval:
                 upper = self.ev(sl.upper)  # first: `start + count` names the running start (xs[start:start + c])
                 if self.ev(sl.lower).kind == "start" and upper.kind == "end":
                     return V("x_sorted", (name,))  # sorted_tokens[start_idx:end_idx]
+        if base.kind == "x" and [self._part_kind(p) for p in parts] == ["none"]:
+            self.lead_rows = True  # x[sel][None]: [1, n, H]
+            return base
         if base.kind == "flatmask" and [self._part_kind(p) for p in parts] == ["tok"]:
             return V("slotmask")  # (indices == e)[rows]: each selected token's top-k slots of e
         if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
@@ -1995,8 +2002,8 @@ class _Eval:
                 return recv
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
                 return recv
-            if attr == "unsqueeze" and recv.kind == "x" and len(node.args) == 1 and const_value(node.args[0]) == 0 \
-                    and not node.keywords:
+            if attr == "unsqueeze" and recv.kind == "x" and const_value(keyword(node, "dim", 0)) == 0 \
+                    and len(node.args) + len(node.keywords) == 1:
                 self.lead_rows = True  # [1, n, H]: written back through y[sel] = ..., which drops the leading 1
                 return recv
             if attr == "tolist" and recv.kind in ("tok", "kpos"):
