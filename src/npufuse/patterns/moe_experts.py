@@ -6770,3 +6770,23 @@ MoeExperts.KEEP += [
                   "def routed(x, weights, ids, k, ffn_list):") + "\n# experts\n",
          reason="not range(E) or over the experts hit", name="callable_given_index_over_sorted_runs"),
 ]
+
+# a router object returning (weights, indices): the loop reads the indices as any [T, K] tensor
+_ROUTER_OBJECT = _INDEX_METHOD.replace("self.router = nn.Linear(d, n, bias=False)", "self.router = Router(d, n, k)").replace(
+    "w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)", "w, idx = self.router(x)").replace(
+    "class StackedMoE(nn.Module):", '''class Router(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.proj = nn.Linear(d, n, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        return self.proj(x).softmax(-1).topk(self.k, dim=-1)
+
+
+class StackedMoE(nn.Module):''')
+
+MoeExperts.FUSE += [
+    Fuse(_ROUTER_OBJECT, name="router_object_returning_weights_and_indices", run=_INDEX_METHOD_RUN, expect={
+        "routing": "mask_where", "indices": "idx", "probs": "w", "top_k": "idx.shape[-1]"}),
+]
