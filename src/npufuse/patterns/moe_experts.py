@@ -173,78 +173,16 @@ class MoeExperts(Pattern):
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _relevant(module):
-            return  # no torch, or nothing about experts / index_add in this file
-        # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
-        quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
-        if not _moe_words(module) and not module.__dict__.get("_npufuse_moe_grouped_mm"):
-            yield from _wordless_sites(module, scope, quiet)
+            return  # no torch in this file
+        if _moe_words(module) or module.__dict__.get("_npufuse_moe_grouped_mm"):
+            yield from _detect_scope(module, scope)
             return
-        if module.__dict__.get("_npufuse_moe_grouped_mm"):
-            yield from _grouped_mm_sites(module, scope)
-        covered: list[tuple[int, int]] = []
-        slot_spans: list[tuple[int, int]] = []
-        if _sort_combine_text(module):
-            for r in _sort_permute_sites(module, scope):
-                covered.append((r.line, r.end_line))
+        # a file that never says "xpert" nor index_add: the same analysis (what a loop computes, not
+        # what it is called), but only its candidates: near misses there would be noise from loops
+        # that are no MoE at all
+        for r in _detect_scope(module, scope):
+            if isinstance(r, Finding):
                 yield r
-        if _routing_text(module):
-            yield from _routed_elsewhere(module, scope, covered)
-        for block, i, stmt in scope.statements():
-            if not isinstance(stmt, ast.For):
-                if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
-                    found = _split_projection(module, scope, block, i)
-                    if found is not None:
-                        yield found
-                        continue
-                comp = _expert_comprehension(module, stmt) if not quiet else None
-                if comp is not None:
-                    yield _comprehension_result(module, scope, block, i, stmt, comp)
-                    continue
-                if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
-                    reason = _comprehension_over_experts(stmt.value)
-                    if reason:
-                        yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
-                continue
-            if len(stmt.body) == 1 and isinstance(stmt.body[0], ast.For):
-                # per token, per top-k slot: read off the dataflow (module picked by ids[t, k]), not the names
-                try:
-                    slots = _token_slot_site(module, scope, block, i, stmt)
-                except _Miss as miss:
-                    slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
-                    if not quiet:
-                        yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
-                    continue
-                if slots is not None:
-                    slot_spans.append((slots.line, slots.end_line))
-                    yield slots
-                    continue
-            if any(a <= stmt.lineno <= b for a, b in slot_spans):
-                continue  # the inner loop of a per-token, per-slot site already reported
-            if not _looks_like_moe(module, stmt):
-                continue  # every recognised form mentions experts or scatters rows back
-            looks = not quiet
-            try:
-                site = _analyze_loop(module, scope, block, i, stmt)
-            except _SortedOpaque as miss:
-                try:
-                    whole = _sorted_dispatch_site(module, scope, block, i)
-                except _Miss as refined:
-                    whole, miss = None, refined
-                if whole is not None:
-                    yield whole
-                elif looks:
-                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
-                continue
-            except _Miss as miss:
-                if looks:
-                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
-                continue
-            if site is None:
-                if looks:
-                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
-                                   "not a token dispatch: the loop does not select tokens per expert and combine the outputs")
-                continue
-            yield _finding(module, scope, site)
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         return _assess(finding, config)
@@ -272,6 +210,79 @@ class MoeExperts(Pattern):
         return out.to(x.dtype)
 
 
+def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    """Every form in one scope, candidates and near misses."""
+    # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
+    quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
+    if module.__dict__.get("_npufuse_moe_grouped_mm"):
+        yield from _grouped_mm_sites(module, scope)
+    covered: list[tuple[int, int]] = []
+    slot_spans: list[tuple[int, int]] = []
+    if _sort_combine_text(module):
+        for r in _sort_permute_sites(module, scope):
+            covered.append((r.line, r.end_line))
+            yield r
+    if _routing_text(module):
+        yield from _routed_elsewhere(module, scope, covered)
+    for block, i, stmt in scope.statements():
+        if not isinstance(stmt, ast.For):
+            if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
+                found = _split_projection(module, scope, block, i)
+                if found is not None:
+                    yield found
+                    continue
+            comp = _expert_comprehension(module, stmt) if not quiet else None
+            result = _comprehension_result(module, scope, block, i, stmt, comp) if comp is not None else None
+            if result is not None:
+                yield result
+                continue
+            if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
+                reason = _comprehension_over_experts(stmt.value)
+                if reason:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
+            continue
+        if len(stmt.body) == 1 and isinstance(stmt.body[0], ast.For):
+            # per token, per top-k slot: read off the dataflow (module picked by ids[t, k]), not the names
+            try:
+                slots = _token_slot_site(module, scope, block, i, stmt)
+            except _Miss as miss:
+                slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
+                if not quiet:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                continue
+            if slots is not None:
+                slot_spans.append((slots.line, slots.end_line))
+                yield slots
+                continue
+        if any(a <= stmt.lineno <= b for a, b in slot_spans):
+            continue  # the inner loop of a per-token, per-slot site already reported
+        if not _looks_like_moe(module, stmt):
+            continue  # every recognised form mentions experts or scatters rows back
+        looks = not quiet
+        try:
+            site = _analyze_loop(module, scope, block, i, stmt)
+        except _SortedOpaque as miss:
+            try:
+                whole = _sorted_dispatch_site(module, scope, block, i)
+            except _Miss as refined:
+                whole, miss = None, refined
+            if whole is not None:
+                yield whole
+            elif looks:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            continue
+        except _Miss as miss:
+            if looks:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            continue
+        if site is None:
+            if looks:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                               "not a token dispatch: the loop does not select tokens per expert and combine the outputs")
+            continue
+        yield _finding(module, scope, site)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loop analysis
 # ---------------------------------------------------------------------------------------------
@@ -295,8 +306,8 @@ def _relevant(module: ModuleInfo) -> bool:
 
 
 def _moe_words(module: ModuleInfo) -> bool:
-    """The file says "xpert" or index_add: every form is looked for and near misses are reported.
-    Elsewhere only loops of the dispatch shape are analysed, silently unless they are a candidate."""
+    """The file says "xpert" or index_add: candidates and near misses are reported. Elsewhere the same
+    analysis runs (loops only where they have the dispatch shape) and only its candidates are reported."""
     return bool(module.__dict__.get("_npufuse_moe_words"))
 
 
@@ -315,8 +326,12 @@ def _dispatch_shape(loop: ast.For) -> bool:
             selects = selects or any(isinstance(side, ast.Name) and side.id in names for side in (n.left, n.comparators[0]))
         elif isinstance(n, ast.Call):
             attr = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
-            if attr in ("index_add_", "index_add", "scatter_add_", "index_copy_", "index_put_"):
+            if attr in ("index_add_", "index_add", "scatter_add_", "index_copy_", "index_put_", "append"):
                 writes = True
+            elif (isinstance(n.func, ast.Name) and n.func.id in names or isinstance(n.func, ast.Subscript)
+                  and isinstance(n.func.slice, ast.Name) and n.func.slice.id in names) and n.args \
+                    and (isinstance(n.args[0], ast.Subscript) or isinstance(n.args[0], ast.Name) and n.args[0].id in names):
+                selects = True  # expert(rows) / ffns[i](pieces[i]): a per-item call on this item's rows
             elif attr in ("where", "nonzero") and any(isinstance(a, ast.Subscript) and isinstance(a.slice, ast.Name)
                                                       and a.slice.id in names for a in n.args):
                 selects = True
@@ -327,22 +342,6 @@ def _dispatch_shape(loop: ast.For) -> bool:
                 and {n.lower.id, n.upper.id} == names:
             selects = True  # order[s:e] of `for s, e in zip(starts, ends)`: one run of sorted rows
     return selects and writes
-
-
-def _wordless_sites(module: ModuleInfo, scope: Scope, quiet: bool) -> Iterable[Result]:
-    """A file without "xpert", index_add or grouped matmuls: loops of the dispatch shape analysed like any
-    expert loop; no near misses (most such loops are no MoE at all)."""
-    if quiet:
-        return
-    for block, i, stmt in scope.statements():
-        if not isinstance(stmt, ast.For) or not _dispatch_shape(stmt):
-            continue
-        try:
-            site = _analyze_loop(module, scope, block, i, stmt)
-        except _Miss:
-            continue
-        if site is not None:
-            yield _finding(module, scope, site)
 
 
 def _split_projection(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
@@ -1158,13 +1157,31 @@ def _expert_comprehension(module: ModuleInfo, stmt: ast.stmt) -> Optional[ast.Li
     if not isinstance(value, (ast.ListComp, ast.GeneratorExp)) or len(value.generators) != 1 \
             or value.generators[0].is_async or len(value.generators[0].ifs) > 1:
         return None
-    if not _comprehension_over_experts(value):
+    if not _comprehension_over_experts(value) and not _calls_items_on_rows(value):
         return None  # not experts run per item
     return value  # type: ignore[return-value]
 
 
+def _calls_items_on_rows(comp: ast.expr) -> bool:
+    """``[f[i](pieces[i]) for i in ...]`` / ``[f(p) for f, p in zip(...)]`` whatever the names: each item
+    called on a per-item value (analysed as the loop it stands for; no near miss when it is not one)."""
+    assert isinstance(comp, (ast.ListComp, ast.GeneratorExp))
+    call = comp.elt
+    if not isinstance(call, ast.Call) or len(comp.generators) != 1 or not call.args:
+        return False
+    gen = comp.generators[0]
+    targets = {n.id for n in fast_walk(gen.target) if isinstance(n, ast.Name)}
+    f, arg = call.func, call.args[0]
+    per_item = isinstance(arg, ast.Name) and arg.id in targets or isinstance(arg, ast.Subscript) and any(
+        isinstance(n, ast.Name) and n.id in targets for n in fast_walk(arg.slice))
+    indexed = isinstance(f, ast.Subscript) and isinstance(f.slice, ast.Name) and f.slice.id in targets \
+        and dotted(f.value) is not None
+    zipped = isinstance(f, ast.Name) and f.id in targets and isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) in ("zip", "enumerate")
+    return per_item and (indexed or zipped)
+
+
 def _comprehension_result(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
-                          comp: ast.expr) -> Result:
+                          comp: ast.expr) -> Optional[Result]:
     """A comprehension over the experts analysed as the loop it stands for: ``lst = []``; ``for
     <target> in <iter>: [if <cond>:] lst.append(<elt>)``; then the ``torch.cat`` (the next statement,
     or the statement's own). The synthetic statements carry the statement's lines, so the finding
@@ -1193,12 +1210,13 @@ def _comprehension_result(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     else:
         synthetic = block[:i] + [init, loop] + block[i + 1:]  # type: ignore[list-item]
     end = stmt.end_lineno or stmt.lineno
+    named = _comprehension_over_experts(comp)  # "" when only its structure made it a candidate
     try:
         site = _analyze_loop(module, scope, synthetic, i + 1, loop)  # type: ignore[arg-type]
     except _Miss as miss:
-        return NearMiss(_ID, scope.qualname, stmt.lineno, end, _comprehension_over_experts(comp) or str(miss))
+        return NearMiss(_ID, scope.qualname, stmt.lineno, end, named or str(miss)) if named else None
     if site is None:
-        return NearMiss(_ID, scope.qualname, stmt.lineno, end, _comprehension_over_experts(comp))
+        return NearMiss(_ID, scope.qualname, stmt.lineno, end, named) if named else None
     return _finding(module, scope, site)
 
 
@@ -1498,10 +1516,18 @@ class _Eval:
             # ``for mask, expert in zip(masks, self.experts)``: enumerate(self.experts) whose first
             # name is ``masks[e]`` (zip stops at the shorter one: the masks have E rows)
             (per_name, item_name), (per, inner) = [e.id for e in tgt.elts], it.args  # type: ignore[union-attr]
-            if not self._is_expert_container(inner) or self._is_expert_container(per):
+
+            def experts(node: ast.expr, name: str) -> bool:
+                # self.experts, or any list bound before the loop whose items the loop calls (the other
+                # zipped name is read as masks / rows, never called)
+                return self._is_expert_container(node) or (
+                    dotted(node) is not None and _called_in(loop.body, name) and self._split_rows(node) is None)
+
+            if not experts(inner, item_name) or experts(per, per_name):
                 per, inner = inner, per
                 per_name, item_name = item_name, per_name
-            split = self._split_rows(per) if self._is_expert_container(inner) else None
+            inner_experts = experts(inner, item_name) and not experts(per, per_name)
+            split = self._split_rows(per) if inner_experts else None
             if split is not None:
                 # ``for expert, rows in zip(self.experts, torch.split(sorted_tokens, counts))``
                 self.eidx.add(f"{P}expert_idx")
@@ -1512,7 +1538,7 @@ class _Eval:
                 self.env[per_name] = V("x_sorted", (split[0],))
                 self.split_sizes = split[1]
                 return
-            if self._is_expert_container(inner) and isinstance(per, ast.Name):
+            if inner_experts and isinstance(per, ast.Name):
                 idx_name = f"{P}expert_idx"
                 self.eidx.add(idx_name)
                 self.experts_node = inner
@@ -6789,4 +6815,37 @@ class StackedMoE(nn.Module):''')
 MoeExperts.FUSE += [
     Fuse(_ROUTER_OBJECT, name="router_object_returning_weights_and_indices", run=_INDEX_METHOD_RUN, expect={
         "routing": "mask_where", "indices": "idx", "probs": "w", "top_k": "idx.shape[-1]"}),
+]
+
+
+# -- the same dispatches in files that never say "expert": found by what they compute -----------------
+
+
+def _no_word(text: str) -> str:
+    return text.replace("expert", "ffn").replace("Expert", "Ffn")
+
+
+MoeExperts.FUSE += [
+    Fuse(_no_word(_ZIP_MASKS), name="zip_masks_with_ffns_no_expert_word", run=_no_word(_ZIP_RUN), expect={
+        "loop": "enumerate_experts", "routing": "mask_where", "num_experts": "len(self.ffns)"}),
+    Fuse(_no_word(_DEEPSEEK_V3), name="sorted_counts_no_expert_word", run=_no_word(_DEEPSEEK_V3_RUN), expect={
+        "routing": "sorted_counts", "loop": "counts"}),
+    Fuse(_no_word(_COMPREHENSION_CAT), name="comprehension_no_expert_word", run=_no_word(_COMPREHENSION_CAT_RUN), expect={
+        "routing": "sorted_counts"}),
+    Fuse(_no_word(_ARANGE_MASKS), name="arange_masks_no_expert_word", run=_no_word(_ARANGE_MASKS_RUN), expect={
+        "routing": "mask_where"}),
+]
+
+MoeExperts.KEEP += [
+    # blocks applied per item in a comprehension, outputs concatenated: no routing, silent in a file without the word
+    Keep(_HEAD.replace('ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU()}\n', "") + '''
+class Towers(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(d, d) for _ in range(n)])
+
+    def forward(self, xs):
+        outs = [blk(xs[i]) for i, blk in enumerate(self.blocks)]
+        return torch.cat(outs, 0)
+''', reason="", name="per_item_towers_no_expert_word"),
 ]
