@@ -189,3 +189,29 @@ def test_leading_one_spellings_read_the_same():
     code = M._LEAD_ROWS.replace("ffn(x[flat == i].unsqueeze(0))", "ffn(x[flat == i].unsqueeze(1))")
     with pytest.raises(AssertionError):
         _one(code)
+
+
+# -- files that never say "expert" ---------------------------------------------------------------------
+
+
+def test_word_free_files_report_candidates_but_no_near_misses():
+    skipped = M._LEAD_ROWS.replace("if torch.any(flat == i):", "if i % 2 == 0:")
+    assert detect_all(M.MoeExperts(), skipped) == ([], [])  # refused, silently
+    findings, misses = detect_all(M.MoeExperts(), skipped + "\n# experts\n")
+    assert not findings and [m.reason.split(":")[0] for m in misses] == ["conditional code inside the expert loop"]
+
+
+def test_dispatch_forms_are_found_whatever_the_experts_are_called():
+    # the same examples with every "expert" renamed: found by what they compute, and the rewrite still runs
+    by_name = {ex.name: ex for ex in M.MoeExperts.FUSE}
+    for name in ("zip_masks_with_experts", "deepseek_v3_moe_infer_sorted_counts", "experts_passed_into_init_enumerate_where",
+                 "arange_eq_masks_zip_biased_experts", "split_by_counts_sorted_tokens_index_add",
+                 "comprehension_inside_cat_over_split_rows", "range_loop_over_split_pieces",
+                 "comprehension_list_then_cat_with_filter", "range_comprehension_over_split_pieces"):
+        ex = by_name[name]
+        code = M._no_word(ex.code)
+        assert "xpert" not in code
+        findings, _ = detect_all(M.MoeExperts(), code)
+        assert len(findings) == 1, name
+        original, _ = detect_all(M.MoeExperts(), ex.code)
+        assert findings[0].params["routing"] == original[0].params["routing"], name
