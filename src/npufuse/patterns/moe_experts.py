@@ -141,6 +141,7 @@ class _Site:
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
     zero_link: str = ""  # the dropped else of a skip guard that added 0 * (...) to the output
     column_rows: bool = False  # opaque experts called on [n, 1, H] rows (x[idx] with idx an [n, 1] column)
+    lead_rows: bool = False  # opaque experts called on [1, n, H] rows (x[sel].unsqueeze(0))
     count_bound: str = ""  # sorted_counts in range(E) over split pieces: only the first E groups run
     # opaque experts returning a tuple: (names the call unpacks to, statements on them replayed per expert,
     # [(output, name written to it, its dtype)] one per accumulator)
@@ -149,6 +150,11 @@ class _Site:
     part_outs: tuple = ()
     # opaque experts called as ``expert.forward(rows)`` (no module hooks): the fused layer calls them the same way
     expert_call: str = ""
+    # experts as one callable given the expert index: (the call as written, what it resolves to in this file or why not,
+    # random draws found in its body)
+    index_call: str = ""
+    index_callee: str = ""
+    index_random: str = ""
     first_line: int = 0
     last_line: int = 0
 
@@ -167,75 +173,16 @@ class MoeExperts(Pattern):
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _relevant(module):
-            return  # no torch, or nothing about experts / index_add in this file
-        # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
-        quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
-        if module.__dict__.get("_npufuse_moe_grouped_mm"):
-            yield from _grouped_mm_sites(module, scope)
-        covered: list[tuple[int, int]] = []
-        slot_spans: list[tuple[int, int]] = []
-        if _sort_combine_text(module):
-            for r in _sort_permute_sites(module, scope):
-                covered.append((r.line, r.end_line))
-                yield r
-        if _routing_text(module):
-            yield from _routed_elsewhere(module, scope, covered)
-        for block, i, stmt in scope.statements():
-            if not isinstance(stmt, ast.For):
-                if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
-                    found = _split_projection(module, scope, block, i)
-                    if found is not None:
-                        yield found
-                        continue
-                comp = _expert_comprehension(module, stmt) if not quiet else None
-                if comp is not None:
-                    yield _comprehension_result(module, scope, block, i, stmt, comp)
-                    continue
-                if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
-                    reason = _comprehension_over_experts(stmt.value)
-                    if reason:
-                        yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
-                continue
-            if len(stmt.body) == 1 and isinstance(stmt.body[0], ast.For):
-                # per token, per top-k slot: read off the dataflow (module picked by ids[t, k]), not the names
-                try:
-                    slots = _token_slot_site(module, scope, block, i, stmt)
-                except _Miss as miss:
-                    slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
-                    if not quiet:
-                        yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
-                    continue
-                if slots is not None:
-                    slot_spans.append((slots.line, slots.end_line))
-                    yield slots
-                    continue
-            if any(a <= stmt.lineno <= b for a, b in slot_spans):
-                continue  # the inner loop of a per-token, per-slot site already reported
-            if not _looks_like_moe(module, stmt):
-                continue  # every recognised form mentions experts or scatters rows back
-            looks = not quiet
-            try:
-                site = _analyze_loop(module, scope, block, i, stmt)
-            except _SortedOpaque as miss:
-                try:
-                    whole = _sorted_dispatch_site(module, scope, block, i)
-                except _Miss as refined:
-                    whole, miss = None, refined
-                if whole is not None:
-                    yield whole
-                elif looks:
-                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
-                continue
-            except _Miss as miss:
-                if looks:
-                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
-                continue
-            if site is None:
-                if looks:
-                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
-                                   "not a token dispatch: the loop does not select tokens per expert and combine the outputs")
-                continue
-            yield _finding(module, scope, site)
+            return  # no torch in this file
+        if _moe_words(module) or module.__dict__.get("_npufuse_moe_grouped_mm"):
+            yield from _detect_scope(module, scope)
+            return
+        # a file that never says "xpert" nor index_add: the loops and comprehensions of the dispatch
+        # shape get the same analysis (what they compute, not what they are called), and only their
+        # candidates are reported (near misses there would be noise from loops that are no MoE); the
+        # other forms (per-token slot loops, hand permutes, split projections) stay behind the words:
+        # analysing every nested loop of every torch file tripled this detector's scan time
+        yield from _wordless_sites(module, scope)
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         return _assess(finding, config)
@@ -263,6 +210,79 @@ class MoeExperts(Pattern):
         return out.to(x.dtype)
 
 
+def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    """Every form in one scope, candidates and near misses."""
+    # loops that build or initialise experts are not dispatch sites: no near-miss noise from them
+    quiet = scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters")
+    if module.__dict__.get("_npufuse_moe_grouped_mm"):
+        yield from _grouped_mm_sites(module, scope)
+    covered: list[tuple[int, int]] = []
+    slot_spans: list[tuple[int, int]] = []
+    if _sort_combine_text(module):
+        for r in _sort_permute_sites(module, scope):
+            covered.append((r.line, r.end_line))
+            yield r
+    if _routing_text(module):
+        yield from _routed_elsewhere(module, scope, covered)
+    for block, i, stmt in scope.statements():
+        if not isinstance(stmt, ast.For):
+            if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
+                found = _split_projection(module, scope, block, i)
+                if found is not None:
+                    yield found
+                    continue
+            comp = _expert_comprehension(module, stmt) if not quiet else None
+            result = _comprehension_result(module, scope, block, i, stmt, comp) if comp is not None else None
+            if result is not None:
+                yield result
+                continue
+            if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp)):
+                reason = _comprehension_over_experts(stmt.value)
+                if reason:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
+            continue
+        if len(stmt.body) == 1 and isinstance(stmt.body[0], ast.For):
+            # per token, per top-k slot: read off the dataflow (module picked by ids[t, k]), not the names
+            try:
+                slots = _token_slot_site(module, scope, block, i, stmt)
+            except _Miss as miss:
+                slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
+                if not quiet:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                continue
+            if slots is not None:
+                slot_spans.append((slots.line, slots.end_line))
+                yield slots
+                continue
+        if any(a <= stmt.lineno <= b for a, b in slot_spans):
+            continue  # the inner loop of a per-token, per-slot site already reported
+        if not _looks_like_moe(module, stmt):
+            continue  # every recognised form mentions experts or scatters rows back
+        looks = not quiet
+        try:
+            site = _analyze_loop(module, scope, block, i, stmt)
+        except _SortedOpaque as miss:
+            try:
+                whole = _sorted_dispatch_site(module, scope, block, i)
+            except _Miss as refined:
+                whole, miss = None, refined
+            if whole is not None:
+                yield whole
+            elif looks:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            continue
+        except _Miss as miss:
+            if looks:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            continue
+        if site is None:
+            if looks:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                               "not a token dispatch: the loop does not select tokens per expert and combine the outputs")
+            continue
+        yield _finding(module, scope, site)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loop analysis
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +297,73 @@ def _relevant(module: ModuleInfo) -> bool:
         torch_file = any(v == "torch" or v.startswith("torch.") for v in module.aliases.values())
         # torch._grouped_mm, or the grouped_gemm package's gmm (Megatron / megablocks / nanotron)
         grouped = module.__dict__["_npufuse_moe_grouped_mm"] = torch_file and ("_grouped_mm" in src or "gmm(" in src)  # read per scope by detect
-        cached = module.__dict__["_npufuse_moe_relevant"] = grouped or (torch_file and ("index_add" in src or "xpert" in src))
+        words = module.__dict__["_npufuse_moe_words"] = torch_file and ("index_add" in src or "xpert" in src)
+        # every torch file reaches the loop analysis when a loop has the dispatch shape (see
+        # _dispatch_shape; a walk of its For loops only): MoE code says "moe", "routed", "ffn_list",
+        # "num_local" as often as "expert", and selects rows with ==, != runs, where(mask[i]), ...
+        cached = module.__dict__["_npufuse_moe_relevant"] = grouped or words or torch_file
     return bool(cached)
+
+
+def _moe_words(module: ModuleInfo) -> bool:
+    """The file says "xpert" or index_add: candidates and near misses are reported. Elsewhere the same
+    analysis runs (loops only where they have the dispatch shape) and only its candidates are reported."""
+    return bool(module.__dict__.get("_npufuse_moe_words"))
+
+
+def _dispatch_shape(loop: ast.For) -> bool:
+    """The loop selects rows by comparing with its own variable (``ids == i``, ``where(mask[i])``) and
+    writes rows back (``y[sel] = ...``, ``out[rows] += ...``, ``index_add_``): the structure of a
+    per-expert dispatch, whatever its names."""
+    tgt = loop.target
+    names = {tgt.id} if isinstance(tgt, ast.Name) else {e.id for e in tgt.elts if isinstance(e, ast.Name)} \
+        if isinstance(tgt, ast.Tuple) else set()
+    if not names:
+        return False
+    selects = writes = False
+    for n in fast_walk(loop):
+        if isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], ast.Eq):
+            selects = selects or any(isinstance(side, ast.Name) and side.id in names for side in (n.left, n.comparators[0]))
+        elif isinstance(n, ast.Call):
+            attr = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
+            if attr in ("index_add_", "index_add", "scatter_add_", "index_copy_", "index_put_", "append"):
+                writes = True
+            elif (isinstance(n.func, ast.Name) and n.func.id in names or isinstance(n.func, ast.Subscript)
+                  and isinstance(n.func.slice, ast.Name) and n.func.slice.id in names) and n.args \
+                    and (isinstance(n.args[0], ast.Subscript) or isinstance(n.args[0], ast.Name) and n.args[0].id in names):
+                selects = True  # expert(rows) / ffns[i](pieces[i]): a per-item call on this item's rows
+            elif attr in ("where", "nonzero") and any(isinstance(a, ast.Subscript) and isinstance(a.slice, ast.Name)
+                                                      and a.slice.id in names for a in n.args):
+                selects = True
+        elif isinstance(n, (ast.Assign, ast.AugAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            writes = writes or any(isinstance(t, ast.Subscript) for t in targets)
+        elif isinstance(n, ast.Slice) and len(names) == 2 and isinstance(n.lower, ast.Name) and isinstance(n.upper, ast.Name) \
+                and {n.lower.id, n.upper.id} == names:
+            selects = True  # order[s:e] of `for s, e in zip(starts, ends)`: one run of sorted rows
+    return selects and writes
+
+
+def _wordless_sites(module: ModuleInfo, scope: Scope) -> Iterable[Finding]:
+    """Candidates of a file without "xpert" / index_add: loops of the dispatch shape and comprehensions
+    calling items on per-item rows, analysed like any expert loop; refusals stay silent."""
+    if scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters"):
+        return
+    for block, i, stmt in scope.statements():
+        if isinstance(stmt, ast.For):
+            if not _dispatch_shape(stmt):
+                continue
+            try:
+                site = _analyze_loop(module, scope, block, i, stmt)
+            except _Miss:
+                continue
+            if site is not None:
+                yield _finding(module, scope, site)
+        elif isinstance(stmt, (ast.Assign, ast.Return)) and isinstance(stmt.value, (ast.ListComp, ast.GeneratorExp, ast.Call)):
+            comp = _expert_comprehension(module, stmt)
+            result = _comprehension_result(module, scope, block, i, stmt, comp) if comp is not None else None
+            if isinstance(result, Finding):
+                yield result
 
 
 def _split_projection(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
@@ -1094,13 +1179,31 @@ def _expert_comprehension(module: ModuleInfo, stmt: ast.stmt) -> Optional[ast.Li
     if not isinstance(value, (ast.ListComp, ast.GeneratorExp)) or len(value.generators) != 1 \
             or value.generators[0].is_async or len(value.generators[0].ifs) > 1:
         return None
-    if not _comprehension_over_experts(value):
+    if not _comprehension_over_experts(value) and not _calls_items_on_rows(value):
         return None  # not experts run per item
     return value  # type: ignore[return-value]
 
 
+def _calls_items_on_rows(comp: ast.expr) -> bool:
+    """``[f[i](pieces[i]) for i in ...]`` / ``[f(p) for f, p in zip(...)]`` whatever the names: each item
+    called on a per-item value (analysed as the loop it stands for; no near miss when it is not one)."""
+    assert isinstance(comp, (ast.ListComp, ast.GeneratorExp))
+    call = comp.elt
+    if not isinstance(call, ast.Call) or len(comp.generators) != 1 or not call.args:
+        return False
+    gen = comp.generators[0]
+    targets = {n.id for n in fast_walk(gen.target) if isinstance(n, ast.Name)}
+    f, arg = call.func, call.args[0]
+    per_item = isinstance(arg, ast.Name) and arg.id in targets or isinstance(arg, ast.Subscript) and any(
+        isinstance(n, ast.Name) and n.id in targets for n in fast_walk(arg.slice))
+    indexed = isinstance(f, ast.Subscript) and isinstance(f.slice, ast.Name) and f.slice.id in targets \
+        and dotted(f.value) is not None
+    zipped = isinstance(f, ast.Name) and f.id in targets and isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) in ("zip", "enumerate")
+    return per_item and (indexed or zipped)
+
+
 def _comprehension_result(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
-                          comp: ast.expr) -> Result:
+                          comp: ast.expr) -> Optional[Result]:
     """A comprehension over the experts analysed as the loop it stands for: ``lst = []``; ``for
     <target> in <iter>: [if <cond>:] lst.append(<elt>)``; then the ``torch.cat`` (the next statement,
     or the statement's own). The synthetic statements carry the statement's lines, so the finding
@@ -1129,13 +1232,152 @@ def _comprehension_result(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     else:
         synthetic = block[:i] + [init, loop] + block[i + 1:]  # type: ignore[list-item]
     end = stmt.end_lineno or stmt.lineno
+    named = _comprehension_over_experts(comp)  # "" when only its structure made it a candidate
     try:
         site = _analyze_loop(module, scope, synthetic, i + 1, loop)  # type: ignore[arg-type]
     except _Miss as miss:
-        return NearMiss(_ID, scope.qualname, stmt.lineno, end, _comprehension_over_experts(comp) or str(miss))
+        return NearMiss(_ID, scope.qualname, stmt.lineno, end, named or str(miss)) if named else None
     if site is None:
-        return NearMiss(_ID, scope.qualname, stmt.lineno, end, _comprehension_over_experts(comp))
+        return NearMiss(_ID, scope.qualname, stmt.lineno, end, named) if named else None
     return _finding(module, scope, site)
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """``for s, e in zip(starts, ends)`` over the runs of equal ids of ``sorted_ids = flat[order].tolist()``."""
+
+    start: str
+    end: str
+    sorted_ids: str
+    order: str
+    flat: str
+    bounds: tuple = ()  # the names of the starts and ends lists (and the comprehension's variable)
+
+
+def _length_of(scope: Scope, node: Optional[ast.expr], names: set[str], line: int) -> bool:
+    """``node`` is the length of one of ``names`` (``len(a)``, ``a.size(0)``, ``a.shape[0]``, ``a.numel()``),
+    directly or through a name bound to it."""
+    for _ in range(3):
+        if isinstance(node, ast.Name) and node.id not in names:
+            node = scope.definition(node.id, line)
+            continue
+        break
+    if isinstance(node, ast.Call) and dotted(node.func) == "len" and len(node.args) == 1:
+        return isinstance(node.args[0], ast.Name) and node.args[0].id in names
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id in names and not node.keywords:
+        return node.func.attr in ("numel", "nelement") and not node.args or node.func.attr == "size" and \
+            len(node.args) == 1 and const_value(node.args[0]) in (0, -1)
+    if isinstance(node, ast.Subscript) and const_value(node.slice) in (0, -1) and isinstance(node.value, ast.Attribute) \
+            and node.value.attr == "shape" and isinstance(node.value.value, ast.Name):
+        return node.value.value.id in names
+    return False
+
+
+def _argsort_of(scope: Scope, name: str, line: int) -> Optional[str]:
+    """``F`` when ``name`` is the ascending sort order of a 1-D ``F`` (argsort / sort()[1], stable or not)."""
+    node = scope.definition(name, line)
+    if isinstance(node, ast.Subscript) and const_value(node.slice) == 1 and isinstance(node.value, ast.Call):
+        call, want = node.value, "sort"
+    elif isinstance(node, ast.Call):
+        call, want = node, "argsort"
+    else:
+        return None
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr == want and not call.args:
+        src = f.value
+    elif (dotted(f) or "") in (f"torch.{want}", want) and len(call.args) == 1:
+        src = call.args[0]
+    else:
+        return None
+    if any(k.arg not in ("dim", "stable") or (k.arg == "dim" and const_value(k.value) not in (0, -1)) for k in call.keywords):
+        return None  # descending, another dim
+    if not isinstance(src, ast.Name):
+        return None
+    return src.id
+
+
+def _sorted_runs(module: ModuleInfo, scope: Scope, loop: ast.For) -> Optional[_Runs]:
+    """``for s, e in zip(starts, ends)`` where, before the loop,
+    ``order = argsort(F)`` (F 1-D), ``S = F[order].tolist()``,
+    ``starts = [0] + [i for i in range(1, N) if S[i] != S[i - 1]]`` and ``ends = starts[1:] + [N]``
+    with N the length of F: the maximal runs of equal expert ids in the sort order (every row in one run)."""
+    it, tgt = loop.iter, loop.target
+    if not (isinstance(it, ast.Call) and dotted(it.func) == "zip" and len(it.args) == 2 and not it.keywords
+            and all(isinstance(a, ast.Name) for a in it.args) and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2
+            and all(isinstance(e, ast.Name) for e in tgt.elts)):
+        return None
+    line = loop.lineno
+    starts_name, ends_name = it.args[0].id, it.args[1].id  # type: ignore[attr-defined]
+    starts, ends = scope.definition(starts_name, line), scope.definition(ends_name, line)
+    # ends = starts[1:] + [N]
+    if not (isinstance(ends, ast.BinOp) and isinstance(ends.op, ast.Add) and isinstance(ends.left, ast.Subscript)
+            and isinstance(ends.left.value, ast.Name) and ends.left.value.id == starts_name
+            and isinstance(ends.left.slice, ast.Slice) and const_value(ends.left.slice.lower) == 1
+            and ends.left.slice.upper is None and ends.left.slice.step is None
+            and isinstance(ends.right, ast.List) and len(ends.right.elts) == 1):
+        return None
+    # starts = [0] + [i for i in range(1, N) if S[i] != S[i - 1]]
+    if not (isinstance(starts, ast.BinOp) and isinstance(starts.op, ast.Add) and isinstance(starts.left, ast.List)
+            and [const_value(e) for e in starts.left.elts] == [0] and isinstance(starts.right, ast.ListComp)):
+        return None
+    comp = starts.right
+    gen = comp.generators[0] if len(comp.generators) == 1 else None
+    if gen is None or not isinstance(gen.target, ast.Name) or not isinstance(comp.elt, ast.Name) \
+            or comp.elt.id != gen.target.id or len(gen.ifs) != 1 or gen.is_async:
+        return None
+    i = gen.target.id
+    rng = gen.iter
+    if not (isinstance(rng, ast.Call) and dotted(rng.func) == "range" and len(rng.args) == 2 and const_value(rng.args[0]) == 1):
+        return None
+    test = gen.ifs[0]
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotEq)):
+        return None
+    sides = [test.left, test.comparators[0]]
+    if not all(isinstance(x, ast.Subscript) and isinstance(x.value, ast.Name) for x in sides):
+        return None
+    sorted_ids = sides[0].value.id  # type: ignore[attr-defined]
+    if sides[1].value.id != sorted_ids:  # type: ignore[attr-defined]
+        return None
+    here = ast.dump(ast.Name(i, ast.Load()))
+    prev = ast.dump(ast.BinOp(ast.Name(i, ast.Load()), ast.Sub(), ast.Constant(1)))
+    if sorted(ast.dump(x.slice) for x in sides) != sorted([here, prev]):  # type: ignore[attr-defined]
+        return None
+    # S = F[order].tolist() (optionally .cpu() first)
+    sv = scope.definition(sorted_ids, line)
+    if not (isinstance(sv, ast.Call) and isinstance(sv.func, ast.Attribute) and sv.func.attr == "tolist" and not sv.args):
+        return None
+    inner = sv.func.value
+    if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr == "cpu" and not inner.args:
+        inner = inner.func.value
+    if not (isinstance(inner, ast.Subscript) and isinstance(inner.value, ast.Name) and isinstance(inner.slice, ast.Name)):
+        return None
+    flat, order = inner.value.id, inner.slice.id
+    if _argsort_of(scope, order, line) != flat or not flattened_to_1d(module, scope, flat, line):
+        return None
+    lengths = {flat, sorted_ids}
+    if not (_length_of(scope, rng.args[1], lengths, line) and _length_of(scope, ends.right.elts[0], lengths, line)):
+        return None  # runs that stop short of the last row
+    # each name bound once in the function: what the sort, the list and the bounds were computed from is
+    # what the loop reads (a rebinding in between would pair runs of one tensor with rows of another)
+    lens = [a.id for a in (rng.args[1], ends.right.elts[0]) if isinstance(a, ast.Name)]
+    if any(len(scope.assignments.get(n, [])) > 1 for n in (flat, order, sorted_ids, starts_name, ends_name, *lens)):
+        return None
+    s_name, e_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
+    if {s_name, e_name} & _assigned(loop.body):
+        return None
+    return _Runs(s_name, e_name, sorted_ids, order, flat, (starts_name, ends_name, i))
+
+
+def _called_in(body: list[ast.stmt], name: str) -> bool:
+    """``name(...)`` or ``name.forward(...)`` is called somewhere in ``body``."""
+    for st in body:
+        for n in fast_walk(st):
+            if isinstance(n, ast.Call):
+                f = n.func.value if isinstance(n.func, ast.Attribute) and n.func.attr == "forward" else n.func
+                if isinstance(f, ast.Name) and f.id == name:
+                    return True
+    return False
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -1158,7 +1400,7 @@ def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
             return True
         if isinstance(n, ast.Attribute) and n.attr == "experts":
             return True
-    return False
+    return _dispatch_shape(loop)
 
 
 def _canon(module: ModuleInfo, node: ast.AST) -> str:
@@ -1231,11 +1473,15 @@ class _Eval:
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
         self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
         self.forward_spelled = False  # the expert is called through its .forward (module hooks skipped)
-        self.indexed_module: Optional[ast.Attribute] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
+        self.indexed_module: Optional[ast.expr] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
+        self.indexed_call: Optional[ast.Call] = None  # that call as written: replayed per expert with its rows and index
+        self._loop_bound: Optional[set[str]] = None  # names the loop (re)binds: values that vary per expert
         self.where_indices = ""
         self.probs = ""
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
         self.column_rows = False  # tokens picked as x[idx] with idx an [n, 1] column: the expert sees [n, 1, H]
+        self.lead_rows = False  # the selected rows get a leading 1 (`x[sel].unsqueeze(0)`): the expert sees [1, n, H]
+        self.runs: Optional[_Runs] = None  # sorted_runs loop: the names of its run boundaries
         self.range_pieces = ""  # `for i in range(E): ... pieces[i]` over torch.split(sorted, host counts): E
         self.tuple_call: Optional[tuple[ast.Assign, list[str], V]] = None  # `a, b = expert(rows)`
         self.part_steps: list[ast.stmt] = []  # `b = b.expand_as(a)`: per-expert steps on the unpacked outputs
@@ -1245,13 +1491,29 @@ class _Eval:
     def run_header(self) -> None:
         loop, m = self.loop, self.m
         it, tgt = loop.iter, loop.target
+        runs = _sorted_runs(m, self.scope, loop)
+        if runs is None and isinstance(it, ast.Call) and dotted(it.func) == "zip" and isinstance(tgt, ast.Tuple) \
+                and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts) and any(
+                isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name) and isinstance(n.upper, ast.Name)
+                and (n.lower.id, n.upper.id) == (tgt.elts[0].id, tgt.elts[1].id) for n in fast_walk(loop)):  # type: ignore[attr-defined]
+            # rows taken as order[s:e] per (s, e) pair, but the pairs are not proven to be the runs
+            raise _Miss(f"the loop takes rows as slices between the pairs of `{ast.unparse(it)[:50]}`, which are not "
+                        "proven to be the runs of equal ids of flat[argsort(flat)].tolist() covering every row (starts = "
+                        "[0] + the positions where the sorted id changes, ends = starts[1:] + [len(flat)])")
+        if runs is not None:
+            # for s, e in zip(starts, ends): runs of equal expert ids in the sort order of the flat indices
+            self.loop_kind = "sorted_runs"
+            self.runs = runs
+            self.skip_empty = True  # only experts with rows have a run
+            return
         if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and it.args:
             if not (isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts)):
                 raise _Miss("enumerate loop target is not `index, item`")
             inner = it.args[0]
             idx_name, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
             self.eidx.add(idx_name)
-            if self._is_expert_container(inner):
+            if self._is_expert_container(inner) or (dotted(inner) is not None and _called_in(loop.body, item_name)):
+                # self.experts, or any list whose items the loop calls (`ffn(x[sel])`): the experts
                 self.loop_kind = "enumerate_experts"
                 self.experts_list = f"list({segment(m, inner)})"
                 self.num_experts = f"len({segment(m, _container_of(inner))})"
@@ -1276,10 +1538,18 @@ class _Eval:
             # ``for mask, expert in zip(masks, self.experts)``: enumerate(self.experts) whose first
             # name is ``masks[e]`` (zip stops at the shorter one: the masks have E rows)
             (per_name, item_name), (per, inner) = [e.id for e in tgt.elts], it.args  # type: ignore[union-attr]
-            if not self._is_expert_container(inner) or self._is_expert_container(per):
+
+            def experts(node: ast.expr, name: str) -> bool:
+                # self.experts, or any list bound before the loop whose items the loop calls (the other
+                # zipped name is read as masks / rows, never called)
+                return self._is_expert_container(node) or (
+                    dotted(node) is not None and _called_in(loop.body, name) and self._split_rows(node) is None)
+
+            if not experts(inner, item_name) or experts(per, per_name):
                 per, inner = inner, per
                 per_name, item_name = item_name, per_name
-            split = self._split_rows(per) if self._is_expert_container(inner) else None
+            inner_experts = experts(inner, item_name) and not experts(per, per_name)
+            split = self._split_rows(per) if inner_experts else None
             if split is not None:
                 # ``for expert, rows in zip(self.experts, torch.split(sorted_tokens, counts))``
                 self.eidx.add(f"{P}expert_idx")
@@ -1290,7 +1560,7 @@ class _Eval:
                 self.env[per_name] = V("x_sorted", (split[0],))
                 self.split_sizes = split[1]
                 return
-            if self._is_expert_container(inner) and isinstance(per, ast.Name):
+            if inner_experts and isinstance(per, ast.Name):
                 idx_name = f"{P}expert_idx"
                 self.eidx.add(idx_name)
                 self.experts_node = inner
@@ -1542,6 +1812,9 @@ class _Eval:
     def _is_eidx(self, node: ast.AST) -> bool:
         if isinstance(node, ast.Name):
             return node.id in self.eidx
+        if self.runs is not None and isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and node.value.id == self.runs.sorted_ids and isinstance(node.slice, ast.Name) and node.slice.id == self.runs.start:
+            return True  # sorted_ids[s]: the expert id of this run
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == 0:
             return self._is_eidx(node.value)
         if isinstance(node, ast.Call):
@@ -1605,8 +1878,13 @@ class _Eval:
         return self.ev(p).kind
 
     def _subscript(self, node: ast.Subscript) -> V:
-        base = self.ev(node.value)
         sl = node.slice
+        r = self.runs
+        if r is not None and isinstance(node.value, ast.Name) and node.value.id == r.order and isinstance(sl, ast.Slice) \
+                and sl.step is None and isinstance(sl.lower, ast.Name) and sl.lower.id == r.start \
+                and isinstance(sl.upper, ast.Name) and sl.upper.id == r.end:
+            return V("flatrow", (r.flat,))  # order[s:e]: the rows whose flat expert index is this run's id
+        base = self.ev(node.value)
         parts = list(sl.elts) if isinstance(sl, ast.Tuple) else [sl]
         if base.kind == "outer":
             name = base.args[0]
@@ -1637,6 +1915,10 @@ class _Eval:
             if kinds == ["flatmask"]:
                 self.flat.add(self.ev(sl).args[0])
                 return V("x", (name,))  # hidden_states[flat_topk_idx == i]
+            if kinds == ["none", "flatmask"]:
+                self.flat.add(self.ev(parts[1]).args[0])
+                self.lead_rows = True  # x[None, flat == i]: [1, n, H]
+                return V("x", (name,))
             if kinds in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
                 self.flat.add(self.ev(parts[0]).args[0])
                 if kinds[0] == "flatcol":
@@ -1659,6 +1941,9 @@ class _Eval:
                 upper = self.ev(sl.upper)  # first: `start + count` names the running start (xs[start:start + c])
                 if self.ev(sl.lower).kind == "start" and upper.kind == "end":
                     return V("x_sorted", (name,))  # sorted_tokens[start_idx:end_idx]
+        if base.kind == "x" and [self._part_kind(p) for p in parts] == ["none"]:
+            self.lead_rows = True  # x[sel][None]: [1, n, H]
+            return base
         if base.kind == "flatmask" and [self._part_kind(p) for p in parts] == ["tok"]:
             return V("slotmask")  # (indices == e)[rows]: each selected token's top-k slots of e
         if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
@@ -1764,6 +2049,10 @@ class _Eval:
             if attr == "contiguous" and not node.args:
                 return recv
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
+                return recv
+            if attr == "unsqueeze" and recv.kind == "x" and const_value(keyword(node, "dim", 0)) == 0 \
+                    and len(node.args) + len(node.keywords) == 1:
+                self.lead_rows = True  # [1, n, H]: written back through y[sel] = ..., which drops the leading 1
                 return recv
             if attr == "tolist" and recv.kind in ("tok", "kpos"):
                 return recv
@@ -1871,25 +2160,26 @@ class _Eval:
             return V("sigmoid", (self.ev(node.args[0]),))
         if name in _ACT_FUNCS and node.args:
             return V("act", (_Act("call", _template(node)), self.ev(node.args[0])))
-        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 2 \
-                and not node.keywords and self._is_eidx(node.args[1]) and self.expert_init is None:
-            # self.mlp(rows, e): one module holding every expert, called with the expert's index
-            x = self.ev(node.args[0])
-            if x.kind not in ("x", "x_sorted"):
-                raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`: npufuse does not trace its input to the "
-                            "rows routed to this expert")
+        if self.expert_init is None and self._index_call(node):
+            # self.mlp(rows, e) / run_expert(e, rows) / mlp_forward(rows, expert_id=e, **kw): one callable,
+            # the same before the loop, given this expert's rows and its index (what it computes per index
+            # is its own business: the fused layer calls it the same way on the same rows)
             if self.indexed_module is not None and ast.dump(self.indexed_module) != ast.dump(f):
                 raise _Miss("two different expert expressions in one loop")
             self.indexed_module = f
-            return V("mod_out", (x, False))
+            self.indexed_call = node
+            return V("mod_out", (self.ev(self._index_call_rows(node)), False))
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
+        if fv.kind == "unknown" and isinstance(f, ast.Subscript) and isinstance(f.value, ast.Name) and self._is_eidx(f.slice) \
+                and self._invariant(f.value) and node.args and self.ev(node.args[0]).kind in ("x", "x_sorted"):
+            fv = V("indexed", (f,))  # ffn_list[e](rows): a list handed in, indexed by the expert, called on its rows
         if fv.kind == "indexed" and not self._is_expert_container(fv.args[0].value):
             lst = self._linear_list(fv.args[0].value)
             if lst is not None and len(node.args) == 1 and not node.keywords:
                 return V("proj", (("stk", lst, "list_out_in"), self.ev(node.args[0])))  # self.fc1[e](x): one Linear per expert
         if fv.kind == "indexed":
-            fv = self._expert_from_indexed(fv.args[0])
+            fv = self._expert_from_indexed(fv.args[0], bool(node.args) and self.ev(node.args[0]).kind in ("x", "x_sorted"))
         if fv.kind == "expert":
             args = [self.ev(a) for a in node.args]
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
@@ -1908,6 +2198,71 @@ class _Eval:
             if act is not None:
                 return V("act", (act, self.ev(node.args[0])))
         return V("unknown", (ast.unparse(node),))
+
+    def _loop_names(self) -> set[str]:
+        if self._loop_bound is None:
+            self._loop_bound = _assigned([self.loop]) | set(self.eidx)
+        return self._loop_bound
+
+    def _invariant(self, node: ast.AST) -> bool:
+        """The value is the same for every expert: no name of it is bound by the loop."""
+        bound = self._loop_names()
+        return not any(isinstance(n, ast.Name) and (n.id in bound or n.id in self.eidx) for n in fast_walk(node))
+
+    def _index_call_args(self, node: ast.Call) -> list[tuple[Optional[int], Optional[str], ast.expr]]:
+        out: list[tuple[Optional[int], Optional[str], ast.expr]] = [(j, None, a) for j, a in enumerate(node.args)]
+        out += [(None, k.arg, k.value) for k in node.keywords]
+        return out
+
+    def _index_call(self, node: ast.Call) -> bool:
+        """``f(..rows.., ..e..)``: a callable bound before the loop (a method, a function, a hook picked
+        before it), given exactly this expert's rows once and the expert index once; every other
+        argument (``**kw_args`` included) the same for all experts. Torch functions are not experts."""
+        f = node.func
+        if dotted(f) is None or not self._invariant(f) or _canon(self.m, f).startswith("torch."):
+            return False
+        if isinstance(f, ast.Name) and f.id in ("getattr", "len", "int", "float", "range", "zip", "enumerate", "print", "isinstance"):
+            return False
+        rows = idx = 0
+        varying: list[ast.expr] = []
+        for _, _, a in self._index_call_args(node):
+            inner = a.value if isinstance(a, ast.Starred) else a
+            if self._is_eidx(inner):
+                idx += 1
+            elif not isinstance(a, ast.Starred) and self.ev(a).kind in ("x", "x_sorted"):
+                rows += 1
+            elif not self._invariant(inner):
+                varying.append(inner)  # routing weights, counts, masks: per-expert values
+        if rows == 1 and idx == 1 and varying:
+            raise _Miss(f"the callable given the expert index also takes `{ast.unparse(varying[0])[:40]}`, a value that "
+                        f"changes per expert (`{ast.unparse(node)[:60]}`): the fused layer passes each expert only its rows "
+                        "and its index")
+        return rows == 1 and idx == 1
+
+    def _index_call_rows(self, node: ast.Call) -> ast.expr:
+        for _, _, a in self._index_call_args(node):
+            if not isinstance(a, ast.Starred) and not self._is_eidx(a) and self.ev(a).kind in ("x", "x_sorted"):
+                return a
+        raise AssertionError("checked by _index_call")
+
+    def _index_call_template(self) -> str:
+        """The call with its rows and index replaced by the lambda's parameters (``{P}r``, ``{P}e``)."""
+        node = self.indexed_call
+        assert node is not None
+        rows = self._index_call_rows(node)
+        t = copy.deepcopy(node)
+
+        def swap(a: ast.expr) -> ast.expr:
+            if a is rows:
+                return ast.Name(f"{P}r", ast.Load())
+            if not isinstance(a, ast.Starred) and self._is_eidx(a):
+                return ast.Name(f"{P}e", ast.Load())
+            return a
+
+        t.args = [swap(a) for a in node.args]
+        t.keywords = [ast.keyword(arg=k.arg, value=swap(k.value)) for k in node.keywords]
+        t.func = node.func
+        return ast.unparse(t)
 
     def _expert_attr_call(self, node: ast.Call, attr: str) -> V:
         """``self.<linear>(v)`` / ``self.<act>(v)`` inside a per-expert module's forward."""
@@ -1948,8 +2303,11 @@ class _Eval:
             raise _Miss(f"the per-expert Linear list `self.{node.attr}` has a bias: not passed to the grouped matmul")
         return f"self.{node.attr}"
 
-    def _expert_from_indexed(self, node: ast.Subscript) -> V:
-        if not self._is_expert_container(node.value):
+    def _expert_from_indexed(self, node: ast.Subscript, on_rows: bool = False) -> V:
+        """``self.experts[e]``; or any list bound before the loop, indexed by the expert and called on
+        this expert's rows (``self.ffn_list[i](x[sel])``): the call is the evidence, not the name."""
+        if not (self._is_expert_container(node.value)
+                or on_rows and dotted(node.value) is not None and self._invariant(node.value)):
             return V("unknown", (ast.unparse(node),))
         if self.template is not None and ast.dump(self.template) != ast.dump(node):
             raise _Miss("two different expert expressions in one loop")
@@ -2084,6 +2442,9 @@ class _Eval:
         return mlp
 
     def _finish_mask_where(self, block: list[ast.stmt], i: int, acc: str, contrib: V) -> _Site:
+        if self.lead_rows:
+            raise _Miss("the expert's rows get a leading 1 (`.unsqueeze(0)`) and its [1, n, H] output is added back: "
+                        "replayed only for outputs assigned through y[sel] = ...")
         mlp = self._mlp(contrib, weighted=True)
         if len(self.masks) > 1:
             raise _Miss("two different expert masks in one loop")
@@ -2140,21 +2501,33 @@ class _Eval:
             raise _Miss("the loop skips experts without rows and the expert returns several values: not replayed")
         if self.column_rows and mlp.layout == "opaque" and self.skip_empty:
             raise _Miss("the loop skips experts without rows and calls the others on [n, 1, H] rows: not replayed")
+        if self.lead_rows and (self.tuple_call is not None or self.column_rows):
+            raise _Miss("the expert is called on [1, n, H] rows (`.unsqueeze(0)`) and returns several values or takes "
+                        "[n, 1] index columns: not replayed")
         if self.flat - {flat}:
             raise _Miss("tokens are selected and written back with different index tensors")
-        if self.loop_kind not in ("range", "enumerate_experts"):
+        if self.loop_kind not in ("range", "enumerate_experts", "sorted_runs"):
             raise _Miss("flat-index expert loop that is not over range(E) or enumerate(experts)")
+        if self.loop_kind == "sorted_runs" and mlp.layout == "stacked":
+            raise _Miss("runs of sorted expert ids over stacked weights: npufuse takes the grouped matmul's number of "
+                        "groups from a range(E) loop or a list of experts, and this loop has neither")
+        if self.runs is not None and flat != self.runs.flat:
+            raise _Miss("rows are written back at another index than the one the runs were sorted by")
         self._check_count_guard(flat)
         if not self.bins and mlp.layout != "stacked":
             self.num_experts = f"len({self._container_text()})"
             self.bins = f"len({P}experts)"
         site = _Site(routing="flat_mask", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=flat,
                      num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc, local_start=self.local_start,
-                     skip_empty=self.skip_empty, column_rows=self.column_rows and mlp.layout == "opaque")
+                     skip_empty=self.skip_empty, column_rows=self.column_rows and mlp.layout == "opaque",
+                     lead_rows=self.lead_rows and mlp.layout == "opaque")
         site.top_k = "1 (tokens repeated per routed expert before the loop)"
         self._experts_list(site)
         if self.tuple_call is None:
-            self._span(block, i, site, acc, extra=set(), fresh_init_required=True)
+            # the sort, the host list of sorted ids and the run bounds exist only for the loop: replaced with it
+            # (each kept where it is read after the loop)
+            runs = {self.runs.order, self.runs.sorted_ids, *self.runs.bounds} if self.runs is not None else set()
+            self._span(block, i, site, acc, extra=runs, fresh_init_required=True)
             return site
         # the expert returns a tuple whose parts go to separate accumulators at the same rows
         stmt, names, _ = self.tuple_call
@@ -2174,6 +2547,9 @@ class _Eval:
         return site
 
     def _finish_sorted(self, block: list[ast.stmt], i: int, lst: str, contrib: V) -> _Site:
+        if self.lead_rows:
+            raise _Miss("the expert's rows get a leading 1 (`.unsqueeze(0)`) and its [1, n, H] outputs are concatenated: "
+                        "replayed only for outputs assigned through y[sel] = ...")
         if self.loop_kind != "counts":
             raise _Miss("expert outputs are appended to a list but the loop is not over per-expert token counts")
         mlp = self._mlp(contrib, weighted=False)
@@ -2272,10 +2648,15 @@ class _Eval:
             return
         site.expert_call = ".forward" if self.forward_spelled else ""
         if self.indexed_module is not None:
-            if self.loop_kind != "range" or self.local_start:
-                raise _Miss("a module called with the expert index, in a loop that is not range(E)")
-            mod = ast.unparse(self.indexed_module)  # one callable per expert, its index bound early
-            site.experts_list = f"[(lambda {P}r, {P}e={P}i: {mod}({P}r, {P}e)) for {P}i in range({site.bins})]"
+            if self.loop_kind not in ("range", "expert_hit") or self.local_start or f"{P}experts" in site.bins:
+                # the number of callables to bind comes from range(E) or the routing mask's classes
+                raise _Miss("a callable given the expert index, in a loop that is not range(E) or over the "
+                            "experts hit in a one-hot mask")
+            call = self._index_call_template()  # one callable per expert, its index bound early
+            assert self.indexed_call is not None
+            site.index_call = ast.unparse(self.indexed_call)[:90]
+            site.index_callee, site.index_random = _index_callee(self.m, self.scope, self.indexed_call.func)
+            site.experts_list = f"[(lambda {P}r, {P}e={P}i: {call}) for {P}i in range({site.bins})]"
             return
         if self.loop_kind == "counts" and self.experts_list and site.counts:
             # zip(experts, torch.split(rows, counts)) stops at the shorter: one expert per count
@@ -2286,10 +2667,16 @@ class _Eval:
             return
         if self.template is None:
             raise _Miss("the expert module is not indexed by the expert")
-        t = copy.deepcopy(self.template)
-        for n in fast_walk(t):
-            if isinstance(n, ast.Name) and n.id in self.eidx:
-                n.id = f"{P}i"
+        ev = self
+
+        class _ToIndex(ast.NodeTransformer):
+            # every spelling of the expert index (a name, sorted_ids[s], int(e), ...) becomes the list's index
+            def visit(self, node: ast.AST) -> ast.AST:
+                if isinstance(node, ast.expr) and ev._is_eidx(node):
+                    return ast.Name(f"{P}i", ast.Load())
+                return self.generic_visit(node)
+
+        t = _ToIndex().visit(copy.deepcopy(self.template))
         if self.local_start:
             bounds = ", ".join(segment(self.m, a) for a in self.loop.iter.args)  # type: ignore[attr-defined]
         else:
@@ -2591,6 +2978,36 @@ def _method(module: ModuleInfo, cls: ast.ClassDef, name: str) -> Optional[ast.Fu
     return None
 
 
+_RANDOM = {"torch.rand", "torch.randn", "torch.randint", "torch.rand_like", "torch.randn_like", "torch.randint_like",
+           "torch.bernoulli", "torch.multinomial", "torch.normal", "torch.randperm", "torch.nn.functional.dropout",
+           "torch.dropout", "torch.nn.Dropout"}
+
+
+def _index_callee(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[str, str]:
+    """What ``func`` (the callable given the expert index) is in this file, and the first random draw
+    in its body: ("", "") when it is not defined here (a hook, a partial, another file's function)."""
+    fn: Optional[ast.FunctionDef] = None
+    where = ""
+    cls = module.classes.get(scope.class_name or "")
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self" and cls is not None:
+        fn = _method(module, cls, func.attr)
+        where = f"method {cls.name}.{func.attr}"
+        if fn is None:
+            value = _class_init_assigns(module, cls).get(func.attr)
+            sub = module.classes.get(dotted(value.func) or "") if isinstance(value, ast.Call) else None
+            if sub is not None:
+                fn, where = _method(module, sub, "forward"), f"{sub.name}.forward (self.{func.attr} = {sub.name}(...))"
+    elif isinstance(func, ast.Name) and func.id in module.functions and not any(
+            isinstance(n.ctx, ast.Store) and n.id == func.id for n in scope.nodes().get(ast.Name, ())):  # type: ignore[attr-defined]
+        fn, where = module.functions[func.id], f"function {func.id}"
+    if fn is None:
+        return "", ""
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Call) and (_canon(module, n.func) in _RANDOM or isinstance(n.func, ast.Attribute) and "dropout" in n.func.attr.lower()):
+            return f"{where} (line {fn.lineno})", ast.unparse(n)[:60]
+    return f"{where} (line {fn.lineno})", ""
+
+
 def _activation_value(module: ModuleInfo, value: ast.expr, attr: str, owner: str) -> Optional[_Act]:
     if isinstance(value, ast.Subscript) and (dotted(value.value) or "").split(".")[-1] == "ACT2FN":
         if isinstance(value.slice, ast.Constant) and value.slice.value in ("silu", "swish"):
@@ -2643,7 +3060,7 @@ def _expert_class(ev: _Eval) -> ast.ClassDef:
     """The class of the per-expert modules, from ``self.experts = nn.ModuleList([...])``."""
     m, scope = ev.m, ev.scope
     if ev.indexed_module is not None:
-        raise _Miss(f"the experts are one module called with the expert index (`{ast.unparse(ev.indexed_module)}(rows, e)`)")
+        raise _Miss(f"the experts are one callable given the expert index (`{ast.unparse(ev.indexed_call or ev.indexed_module)[:70]}`)")
     container = ev.template.value if ev.template is not None else None
     if container is None and (ev.loop_kind == "enumerate_experts" or ev.experts_node is not None):
         container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
@@ -3006,16 +3423,19 @@ def _fused_text(site: _Site) -> str:
                 f"{P}counts = torch.histc({indices}.flatten().float(), bins={e}, min=0, max={e}).to(torch.int64)",
             ]
     h = f"{P}h"
-    if opaque and (site.part_outs or site.column_rows):
+    if opaque and (site.part_outs or site.column_rows or site.lead_rows):
         # experts called as they are, on [n, 1, H] rows when the loop gave them that (x[idx] with an
-        # [n, 1] index column); what the loop wrote through acc[idx] = v is v broadcast to the rows
+        # [n, 1] index column) or [1, n, H] (x[sel].unsqueeze(0)); what the loop wrote through
+        # acc[idx] = v is v broadcast to the rows
         rows = f"{P}rows_e"
-        arg = f"{rows}.unsqueeze(1)" if site.column_rows else rows
+        arg = f"{rows}.unsqueeze(1)" if site.column_rows else f"{rows}.unsqueeze(0)" if site.lead_rows else rows
         parts = site.part_outs or (("", site.out_name, site.out_dtype),)
 
         def rowwise(v: str) -> str:
             if site.column_rows:
                 return f"torch.broadcast_to({v}, ({rows}.shape[0], 1, {v}.shape[-1])).reshape({rows}.shape[0], -1)"
+            if site.lead_rows:
+                return f"torch.broadcast_to({v}, (1, {rows}.shape[0], {v}.shape[-1]))[0]"
             return f"torch.broadcast_to({v}, ({rows}.shape[0], {v}.shape[-1]))"
 
         lines += [
@@ -3027,6 +3447,9 @@ def _fused_text(site: _Site) -> str:
             lines.append(f"    {', '.join(site.tuple_names)} = {P}expert{site.expert_call}({arg})")
             lines += [f"    {st}" for st in site.part_steps]
             lines += [f"    {P}outs[{j}].append({rowwise(name)})" for j, (name, _, _) in enumerate(parts)]
+        elif site.skip_empty:
+            # like the loop: experts without rows are not called (their empty slice stands for their output)
+            lines += [f"    {P}outs[0].append({rowwise(P + 'expert' + site.expert_call + '(' + arg + ')')} if {rows}.shape[0] else {rows})"]
         else:
             lines += [f"    {P}o = {P}expert{site.expert_call}({arg})", f"    {P}outs[0].append({rowwise(P + 'o')})"]
         for j, (_, out, dtype) in enumerate(parts):
@@ -3144,6 +3567,20 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
             "no host sync: counts come from torch.histc on the device; the original loop syncs for every torch.where / "
             "nonzero / .cpu()",
         ]
+    if site.index_call:
+        if not site.index_callee:
+            risks.append(Risk("other", f"the experts are one callable given the expert index (`{site.index_call}`), not "
+                              "defined in this file (a hook, a partial or another file's function): the fused layer calls "
+                              "it once per expert with that expert's rows and index, as the loop does; correct only while "
+                              "it computes each row from that row and the index alone (no batch statistics, no random draws)"))
+        elif site.index_random:
+            risks.append(Risk("numerics", f"the callable given the expert index ({site.index_callee}) draws random numbers "
+                              f"(`{site.index_random}`): same calls and row counts as the loop, but the rows reach it in "
+                              "another order within each expert, so dropout-style masks fall on other rows (equal in "
+                              "distribution, not bit-equal)"))
+        else:
+            notes.append(f"the experts are one callable given the expert index, {site.index_callee}: read in this file, "
+                         "no random draws; the fused layer calls it once per expert on that expert's rows")
     if site.zero_link:
         risks.append(Risk("other", f"the loop's else (`{site.zero_link}`) adds zero to the output so that experts "
                           "without tokens still get a (zero) gradient, for DDP without find_unused_parameters; the "
@@ -3184,6 +3621,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
     if site.routing == "sorted_counts":
         notes.append(f"{site.tokens} is already sorted by expert, so only the expert MLPs are replaced; "
                      f"{site.counts} stays on the device (the original moves it to the host)")
+    if site.loop == "sorted_runs":
+        notes.append(f"the loop visits the runs of equal expert ids in the argsort order of {site.indices} (one host "
+                     "sync for the sorted ids, then one per run); the permute gives each expert exactly its rows "
+                     "(in token order, where argsort left them in any order within the run)")
     if site.loop == "expert_hit":
         notes.append("the loop visits only experts that received tokens; the grouped matmul skips empty groups itself")
     cls = module.classes.get(scope.class_name or "")
@@ -6101,3 +6542,332 @@ def unsort_experts(rows, flat_expert_ids):
 ''', reason="", name="write_back_at_indices_made_here"),
 ]
 
+
+
+# -- fourth pass (issue 14 class 4): experts reached through a callable given the expert index, rows
+# with a leading 1, and dispatch loops in files that never say "expert" ------------------------------
+
+# the experts are a method of the block taking (index, rows); the weights are stacked parameters it indexes
+_INDEX_METHOD = _HEAD + '''
+class StackedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.w_in = nn.Parameter(torch.randn(n, d, h) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(n, h, d) * 0.1)
+
+    def run_one(self, e, rows):
+        return F.gelu(rows @ self.w_in[e]) @ self.w_out[e]
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            y = self.run_one(e, x[tok])
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out
+'''
+_INDEX_METHOD_RUN = "moe = StackedMoE(16, 24, 5, 2)\nx = torch.randn(11, 16)\nout = moe(x)\nleaves = [moe.w_in, moe.w_out]\n"
+
+# a module-level function given the layer, the rows, the index as a keyword and the caller's **kw
+_INDEX_FUNCTION_KW = _HEAD + '''
+def ffn_apply(layer, h, expert_id=0, scale=1.0):
+    return layer.down[expert_id](F.silu(layer.up[expert_id](h))) * scale
+
+
+class Block(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.num_local = n
+        self.up = nn.ModuleList([nn.Linear(d, h) for _ in range(n)])
+        self.down = nn.ModuleList([nn.Linear(h, d) for _ in range(n)])
+        self.router = nn.Linear(d, n, bias=False)
+
+    def forward(self, x, **kw):
+        b, s, d = x.shape
+        x = x.view(-1, d)
+        probs, ids = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        mask = F.one_hot(ids, num_classes=self.num_local).permute(2, 1, 0)
+        acc = torch.zeros_like(x)
+        for i in range(self.num_local):
+            slot, rows = torch.where(mask[i])
+            if rows.shape[0] == 0:
+                continue
+            rows_list, slot_list = rows.tolist(), slot.tolist()
+            cur = ffn_apply(self, x[rows_list], expert_id=i, **kw) * probs[rows_list, slot_list, None]
+            acc.index_add_(0, rows, cur.to(x.dtype))
+        return acc.view(b, s, d)
+'''
+_INDEX_FUNCTION_KW_RUN = "m = Block(16, 24, 4)\nx = torch.randn(2, 5, 16)\nout = m(x, scale=0.5)\n"
+
+# the callable is a hook chosen at run time (not readable here): a candidate with a stated risk
+_INDEX_HOOK = _INDEX_METHOD.replace(
+    "        out = torch.zeros_like(x)\n",
+    "        run = getattr(self, 'hook', None) or self.run_one\n        out = torch.zeros_like(x)\n").replace(
+    "y = self.run_one(e, x[tok])", "y = run(rows=x[tok], e=e)")
+
+# experts handed in as a list (no "expert" anywhere in the file), tokens pre-repeated per slot, each
+# called on [1, n, H] rows (`.unsqueeze(0)`) and written back through y[ids == i] = ...
+_LEAD_ROWS = _HEAD.replace('ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU()}\n', "") + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.a = nn.Linear(d, h, bias=False)
+        self.b = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    y = torch.empty_like(x)
+    for i, ffn in enumerate(ffn_list):
+        if torch.any(flat == i):
+            y[flat == i] = ffn(x[flat == i].unsqueeze(0)).to(dtype=y.dtype)
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+'''
+_LEAD_ROWS_RUN = '''\
+ffns = nn.ModuleList([FFN(16, 24) for _ in range(4)])
+x = torch.randn(7, 16)
+w, ids = torch.randn(7, 4).softmax(-1).topk(2, dim=-1)
+out = routed(x.repeat_interleave(2, dim=0), w, ids, 2, ffns)
+leaves = [ffns[0].a.weight, ffns[3].b.weight]
+'''
+
+# a list attribute of the block indexed by the loop (range over a local count), rows without the leading 1
+_RANGE_LIST_ATTR = _LEAD_ROWS.replace('''def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    y = torch.empty_like(x)
+    for i, ffn in enumerate(ffn_list):
+        if torch.any(flat == i):
+            y[flat == i] = ffn(x[flat == i].unsqueeze(0)).to(dtype=y.dtype)
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+''', '''class Routed(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_local, self.k = n, k
+        self.ffn_list = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.router = nn.Linear(d, n, bias=False)
+
+    def forward(self, x):
+        w, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(self.k, dim=0)
+        y = torch.empty_like(xs)
+        for i in range(self.num_local):
+            y[flat == i] = self.ffn_list[i](xs[flat == i])
+        return (y.view(-1, self.k, x.shape[-1]) * w.unsqueeze(-1)).sum(dim=1)
+''')
+_RANGE_LIST_ATTR_RUN = "m = Routed(16, 24, 4, 2)\nx = torch.randn(9, 16)\nout = m(x)\nleaves = [m.ffn_list[1].a.weight]\n"
+
+MoeExperts.FUSE += [
+    Fuse(_INDEX_METHOD, name="callable_given_index_method", run=_INDEX_METHOD_RUN, expect={
+        "routing": "mask_where", "layout": "expert_modules", "loop": "range", "num_experts": "self.n"}),
+    Fuse(_INDEX_FUNCTION_KW, name="callable_given_index_keyword_and_kwargs", run=_INDEX_FUNCTION_KW_RUN, expect={
+        "routing": "mask_where", "layout": "expert_modules", "output": "acc"}),
+    Fuse(_INDEX_HOOK, name="callable_given_index_run_time_hook", run=_INDEX_METHOD_RUN, expect={
+        "layout": "expert_modules"}),
+    Fuse(_LEAD_ROWS, name="list_of_callables_on_leading_one_rows_wordless", run=_LEAD_ROWS_RUN, expect={
+        "routing": "flat_mask", "layout": "expert_modules", "loop": "enumerate_experts", "output": "y"}),
+    Fuse(_RANGE_LIST_ATTR, name="list_attribute_indexed_by_range_wordless", run=_RANGE_LIST_ATTR_RUN, expect={
+        "routing": "flat_mask", "num_experts": "self.num_local", "tokens": "xs"}),
+]
+
+MoeExperts.KEEP += [
+    # the callable also takes the routing weights of this expert's rows: the fused layer passes rows and index only
+    Keep(_INDEX_METHOD.replace("def run_one(self, e, rows):", "def run_one(self, e, rows, g):").replace(
+        "y = self.run_one(e, x[tok])", "y = self.run_one(e, x[tok], w[tok, slot, None])"),
+         reason="a value that changes per expert", name="callable_given_index_and_per_expert_weights"),
+    # [1, n, H] rows whose outputs are added back through index_add: not the y[sel] = ... write it replays
+    Keep(_INDEX_METHOD.replace("y = self.run_one(e, x[tok])", "y = self.experts[e](x[tok].unsqueeze(0))").replace(
+        "        self.w_out = nn.Parameter(torch.randn(n, h, d) * 0.1)\n",
+        "        self.w_out = nn.Parameter(torch.randn(n, h, d) * 0.1)\n        self.experts = nn.ModuleList([nn.Identity() for _ in range(n)])\n"),
+         reason="replayed only for outputs assigned through y[sel]", name="leading_one_rows_added_back"),
+    # the dispatch shape in a file without the word, but the per-class value is no function of the rows
+    Keep(_HEAD.replace('ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU()}\n', "") + '''
+def per_class_scale(x, labels, scales):
+    out = torch.empty_like(x)
+    for c in range(scales.shape[0]):
+        out[labels == c] = x[labels == c] * scales[c]
+    return out
+''', reason="", name="per_class_scaling_wordless"),
+    # a word-carrying file: the same loop shape gets its near-miss reason (a skip on something else)
+    Keep(_LEAD_ROWS.replace("if torch.any(flat == i):", "if i % 2 == 0:") + "\n# experts\n",
+         reason="conditional code inside the expert loop", name="list_of_callables_skipped_by_parity"),
+]
+
+
+# -- runs of equal expert ids in the argsort order (one call per run, no per-expert mask) -------------
+
+_SORTED_RUNS = _LEAD_ROWS.replace('''def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    y = torch.empty_like(x)
+    for i, ffn in enumerate(ffn_list):
+        if torch.any(flat == i):
+            y[flat == i] = ffn(x[flat == i].unsqueeze(0)).to(dtype=y.dtype)
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+''', '''def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    n = flat.size(0)
+    order = torch.argsort(flat, stable=False)
+    sorted_ids = flat[order].tolist()
+    starts = [0] + [j for j in range(1, n) if sorted_ids[j] != sorted_ids[j - 1]]
+    ends = starts[1:] + [n]
+    y = torch.empty_like(x)
+    for s, e in zip(starts, ends):
+        eid = sorted_ids[s]
+        rows = order[s:e]
+        y[rows] = ffn_list[eid](x[rows])
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+''')
+
+# the same inside a module, spelled with .sort(), len() of the host list and the id used inline
+_SORTED_RUNS_MODULE = _LEAD_ROWS.replace('''def routed(x, weights, ids, k, ffn_list):
+    flat = ids.view(-1)
+    y = torch.empty_like(x)
+    for i, ffn in enumerate(ffn_list):
+        if torch.any(flat == i):
+            y[flat == i] = ffn(x[flat == i].unsqueeze(0)).to(dtype=y.dtype)
+    return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+''', '''class RunMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(d, n, bias=False)
+        self.ffns = nn.ModuleList([FFN(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        w, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        flat = ids.flatten()
+        xs = x.repeat_interleave(self.k, dim=0)
+        order = flat.sort()[1]
+        host = flat[order].cpu().tolist()
+        starts = [0] + [t for t in range(1, len(host)) if host[t - 1] != host[t]]
+        ends = starts[1:] + [len(host)]
+        out = torch.zeros_like(xs)
+        for a, b in zip(starts, ends):
+            out[order[a:b]] = self.ffns[host[a]](xs[order[a:b]])
+        return (out.view(-1, self.k, x.shape[-1]) * w.unsqueeze(-1)).sum(1)
+''')
+_SORTED_RUNS_MODULE_RUN = "m = RunMoE(16, 24, 5, 2)\nx = torch.randn(9, 16)\nout = m(x)\nleaves = [m.ffns[2].a.weight, m.router.weight]\n"
+
+MoeExperts.FUSE += [
+    Fuse(_SORTED_RUNS, name="runs_of_sorted_ids_list_handed_in", run=_LEAD_ROWS_RUN, expect={
+        "routing": "flat_mask", "loop": "sorted_runs", "layout": "expert_modules", "indices": "flat", "output": "y"}),
+    Fuse(_SORTED_RUNS_MODULE, name="runs_of_sorted_ids_module_sort_spelling", run=_SORTED_RUNS_MODULE_RUN, expect={
+        "routing": "flat_mask", "loop": "sorted_runs", "tokens": "xs", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # the last run stops one row short: the original leaves that row unwritten, the permute would fill it
+    Keep(_SORTED_RUNS.replace("ends = starts[1:] + [n]", "ends = starts[1:] + [n - 1]") + "\n# experts\n",
+         reason="not proven to be the runs of equal ids", name="runs_stopping_short"),
+    # descending sort: the runs are still runs, but the sorted list is not the argsort order proven here
+    Keep(_SORTED_RUNS.replace("order = torch.argsort(flat, stable=False)", "order = torch.argsort(flat, descending=True)")
+         + "\n# experts\n", reason="not proven to be the runs of equal ids", name="runs_over_a_descending_sort"),
+    # the experts' weights stacked in one parameter: the number of groups is not read off the runs
+    Keep(_SORTED_RUNS_MODULE.replace("self.ffns = nn.ModuleList([FFN(d, h) for _ in range(n)])",
+                                     "self.w1 = nn.Parameter(torch.randn(n, d, h))\n        self.w2 = nn.Parameter(torch.randn(n, h, d))")
+         .replace("out[order[a:b]] = self.ffns[host[a]](xs[order[a:b]])",
+                  "out[order[a:b]] = F.silu(xs[order[a:b]] @ self.w1[host[a]]) @ self.w2[host[a]]") + "\n# experts\n",
+         reason="stacked weights", name="runs_over_stacked_weights"),
+]
+
+
+# the callable given the index in a flat-index loop over pre-repeated tokens, and over the experts hit in a mask
+_INDEX_METHOD_FLAT = _INDEX_METHOD.replace('''        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            y = self.run_one(e, x[tok])
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out''', '''        flat = idx.view(-1)
+        xs = x.repeat_interleave(self.k, dim=0)
+        y = torch.empty_like(xs)
+        for e in range(self.n):
+            y[flat == e] = self.run_one(e, xs[flat == e])
+        return (y.view(-1, self.k, x.shape[-1]) * w.unsqueeze(-1)).sum(1)''')
+_INDEX_METHOD_HIT = _INDEX_METHOD.replace('''        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+''', '''        mask = F.one_hot(idx, num_classes=self.n).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = e[0]
+            slot, tok = torch.where(mask[e])
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_INDEX_METHOD_FLAT, name="callable_given_index_flat_mask", run=_INDEX_METHOD_RUN, expect={
+        "routing": "flat_mask", "layout": "expert_modules", "num_experts": "self.n", "tokens": "xs"}),
+    Fuse(_INDEX_METHOD_HIT, name="callable_given_index_over_experts_hit", run=_INDEX_METHOD_RUN, expect={
+        "routing": "mask_where", "loop": "expert_hit", "layout": "expert_modules", "num_experts": "self.n"}),
+]
+
+MoeExperts.KEEP += [
+    # runs of sorted ids calling one callable with the run's id: no count of callables to bind
+    Keep(_SORTED_RUNS.replace("y[rows] = ffn_list[eid](x[rows])", "y[rows] = apply_ffn(x[rows], eid)")
+         .replace("def routed(x, weights, ids, k, ffn_list):", "def apply_ffn(rows, i):\n    return rows * (i + 1)\n\n\n"
+                  "def routed(x, weights, ids, k, ffn_list):") + "\n# experts\n",
+         reason="not range(E) or over the experts hit", name="callable_given_index_over_sorted_runs"),
+]
+
+# a router object returning (weights, indices): the loop reads the indices as any [T, K] tensor
+_ROUTER_OBJECT = _INDEX_METHOD.replace("self.router = nn.Linear(d, n, bias=False)", "self.router = Router(d, n, k)").replace(
+    "w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)", "w, idx = self.router(x)").replace(
+    "class StackedMoE(nn.Module):", '''class Router(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.proj = nn.Linear(d, n, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        return self.proj(x).softmax(-1).topk(self.k, dim=-1)
+
+
+class StackedMoE(nn.Module):''')
+
+MoeExperts.FUSE += [
+    Fuse(_ROUTER_OBJECT, name="router_object_returning_weights_and_indices", run=_INDEX_METHOD_RUN, expect={
+        "routing": "mask_where", "indices": "idx", "probs": "w", "top_k": "idx.shape[-1]"}),
+]
+
+
+# -- the same dispatches in files that never say "expert": found by what they compute -----------------
+
+
+def _no_word(text: str) -> str:
+    return text.replace("expert", "ffn").replace("Expert", "Ffn")
+
+
+MoeExperts.FUSE += [
+    Fuse(_no_word(_ZIP_MASKS), name="zip_masks_with_ffns_no_expert_word", run=_no_word(_ZIP_RUN), expect={
+        "loop": "enumerate_experts", "routing": "mask_where", "num_experts": "len(self.ffns)"}),
+    Fuse(_no_word(_DEEPSEEK_V3), name="sorted_counts_no_expert_word", run=_no_word(_DEEPSEEK_V3_RUN), expect={
+        "routing": "sorted_counts", "loop": "counts"}),
+    Fuse(_no_word(_COMPREHENSION_CAT), name="comprehension_no_expert_word", run=_no_word(_COMPREHENSION_CAT_RUN), expect={
+        "routing": "sorted_counts"}),
+    Fuse(_no_word(_ARANGE_MASKS), name="arange_masks_no_expert_word", run=_no_word(_ARANGE_MASKS_RUN), expect={
+        "routing": "mask_where"}),
+]
+
+MoeExperts.KEEP += [
+    # blocks applied per item in a comprehension, outputs concatenated: no routing, silent in a file without the word
+    Keep(_HEAD.replace('ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU()}\n', "") + '''
+class Towers(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(d, d) for _ in range(n)])
+
+    def forward(self, xs):
+        outs = [blk(xs[i]) for i, blk in enumerate(self.blocks)]
+        return torch.cat(outs, 0)
+''', reason="", name="per_item_towers_no_expert_word"),
+]
