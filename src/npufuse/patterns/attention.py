@@ -669,6 +669,31 @@ def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = 
     return check
 
 
+def zero_one_exact(text: str) -> str:
+    """Run-time condition: the multiplicative mask ``text`` holds only 0 and 1, so ``s * m - C * (1 - m)`` equals
+    ``s`` where m == 1 and ``-C`` where m == 0 (a fractional m would scale the logits instead)."""
+    a = atom(text)
+    return f"bool((({a} == 0) | ({a} == 1)).all())"
+
+
+def _zero_one_built(node: Any, depth: int = 0) -> bool:
+    """``node`` is a comparison (or a logical combination of comparisons) cast to a number: ``(x != pad).float()``,
+    ``(ids > 0).to(dtype)``, ``mask.bool().long()``: its values are 0 and 1 by construction."""
+    node = deref(node)
+    if depth > 6:
+        return False
+    if isinstance(node, ast.Compare):
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("float", "half", "bfloat16", "long", "int", "to", "type", "type_as", "bool", "unsqueeze", "view", "reshape", "expand", "contiguous") \
+            and not (node.func.attr == "to" and any(isinstance(a, ast.Constant) for a in node.args)):
+        return node.func.attr == "bool" or _zero_one_built(node.func.value, depth + 1)
+    if isinstance(node, ast.Subscript):
+        return _zero_one_built(node.value, depth + 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+        return _zero_one_built(node.left, depth + 1) and _zero_one_built(node.right, depth + 1)
+    return False
+
+
 VALUE_CHECK_RISK = ("the float mask's values are not known statically: the fused branch checks that every entry is 0 or "
                     f"<= {ADDITIVE_MASK_FLOOR:g} (a 0/-inf mask; a graded bias such as ALiBi or a 0/1 float mask runs the "
                     "original code instead), a reduction and a host sync per call (a graph break under torch.compile)")
@@ -1651,6 +1676,13 @@ class _Matcher:
                 chain.notes.append("the row max subtracted before softmax (numerical stabilisation) is dropped: softmax is shift-invariant and the fused kernel does it internally")
                 node = node.left
                 continue
+            multiplicative = self._multiplicative_mask(node, stop)
+            if multiplicative is not None:
+                # ``s * m - 10000.0 * (1.0 - m)``: a 0/1 keep mask applied by multiplication and an offset
+                base, m_node, fill = multiplicative
+                self.add_keep01(m_node, fill, chain, cond)
+                node = base
+                continue
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
                 left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
                 if left_qk == right_qk:
@@ -1684,6 +1716,10 @@ class _Matcher:
                 if isinstance(node.op, ast.Div) and right_qk:
                     raise Miss(f"scores in a denominator (`{self.src(node)}`)")
                 base, factor = (node.left, node.right) if left_qk else (node.right, node.left)
+                if _zero_one_built(factor):
+                    # ``s * (ids != pad).float()``: masked logits become 0, not -inf; no offset makes it a mask
+                    raise Miss(f"the scores are multiplied by `{self.src(factor)}`, a 0/1 tensor built from a comparison, with no "
+                               "large negative offset: masked logits become 0 (still attended), which npu_fusion_attention's mask cannot express")
                 if cond is not None:
                     raise Miss(f"the scale is applied only under `if {self.src(cond[0])}`")
                 self.add_scale(factor, isinstance(node.op, ast.Div), chain)
@@ -1872,6 +1908,75 @@ class _Matcher:
                 "which the fused op returns as zeros instead of a uniform average"
             )
         chain.masks.append(term)
+
+    # -- multiplicative 0/1 masks (BERT-era / GLM ``s * m - 10000.0 * (1.0 - m)``)
+    def _product_with(self, node: Any, stop: Any) -> tuple[Any, Any] | None:
+        """(scores side, other factor) of ``a * b`` / ``torch.mul(a, b)`` / ``a.mul(b)`` where exactly one
+        side reaches the scores."""
+        node = deref(node)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            a, b = node.left, node.right
+        elif isinstance(node, ast.Call) and self._fn(node) == "torch.mul" and len(node.args) == 2 and not node.keywords:
+            a, b = node.args
+        elif self.method(node, "mul") and len(node.args) == 1 and not node.keywords and self._fn(node) != "torch.mul":
+            a, b = node.func.value, node.args[0]
+        else:
+            return None
+        ra, rb = self._reaches(a, stop), self._reaches(b, stop)
+        if ra == rb:
+            return None
+        return (a, b) if ra else (b, a)
+
+    def _one_minus(self, node: Any) -> Any:
+        """``m`` if ``node`` is ``1 - m`` / ``1.0 - m`` (possibly through a variable), else None."""
+        node = deref(node)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and const_value(node.left) in (1, 1.0) \
+                and not isinstance(const_value(node.left), bool):
+            return node.right
+        return None
+
+    def _same_value(self, a: Any, b: Any) -> bool:
+        da, db = deref(a), deref(b)
+        return da is db or self.src(da) == self.src(db) and not _heavy(da, through_meta=False)
+
+    def _multiplicative_mask(self, node: Any, stop: Any) -> tuple[Any, Any, float] | None:
+        """(scores, m, fill) if ``node`` is the scores multiplied by ``m`` and offset by ``-C * (1 - m)``:
+        ``s * m - C * (1 - m)``, ``s * m + (1 - m) * -C``, ``torch.mul(s, m) - (1.0 - m) * C`` (C >= 1e4).
+        Where m is 0 or 1 this is ``s`` where m == 1 and ``-C`` where m == 0, a keep mask with a finite fill;
+        anything else about m (fractional values) is checked at run time (add_keep01 / _value_checks)."""
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub))):
+            return None
+        for prod_side, off_side in ((node.left, node.right), (node.right, node.left)):
+            if isinstance(node.op, ast.Sub) and prod_side is node.right:
+                continue  # ``C * (1 - m) - s * m`` negates the scores: not a mask
+            prod = self._product_with(prod_side, stop)
+            if prod is None or self._reaches(off_side, stop):
+                continue
+            scores, m_node = prod
+            off = deref(off_side)
+            if not (isinstance(off, ast.BinOp) and isinstance(off.op, ast.Mult)):
+                continue
+            for coef, rest in ((off.left, off.right), (off.right, off.left)):
+                m2 = self._one_minus(rest)
+                c = const_value(deref(coef))
+                if m2 is None or not isinstance(c, (int, float)) or isinstance(c, bool) or not self._same_value(m_node, m2):
+                    continue
+                fill = -float(c) if isinstance(node.op, ast.Sub) else float(c)
+                if fill > -1e4:
+                    raise Miss(f"the scores are multiplied by `{self.src(m_node)}` and offset by `{self.src(off)}`: the masked logits "
+                               f"become {fill:g}, not a large negative value (<= -1e4), so this is not a mask npufuse converts")
+                return scores, m_node, fill
+        return None
+
+    def add_keep01(self, m_node: Any, fill: float, chain: Chain, cond: tuple[Any, bool] | None) -> None:
+        term = MaskTerm("keep01", m_node, cond[0] if cond else None, cond[1] if cond else False, fill=f"{fill:g}")
+        chain.masks.append(term)
+        chain.spelling.append("multiplicative_mask")
+        chain.notes.append(
+            f"a 0/1 keep mask applied as `scores * m {'-' if fill < 0 else '+'} {abs(fill):g} * (1 - m)` is passed as `m == 0` (True = masked): "
+            "identical where m holds only 0 and 1 (" + ("its construction from a comparison guarantees it" if _zero_one_built(m_node)
+                                                       else "checked at run time") +
+            f"), except fully masked rows, which the fused op returns as zeros instead of a uniform average (fill {fill:g} is finite)")
 
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
@@ -2978,6 +3083,10 @@ class AttentionPattern(Pattern):
                     value_split = len(lines)
                     value_check = " and ".join(checks) if len(checks) == 1 else " and ".join(f"({c})" for c in checks)
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
+                if any(m.kind == "keep01" for m in chain.masks):
+                    risks.append(Risk("numerics", "a 0/1 mask applied by multiplication and a finite offset (`s * m - C * (1 - m)`) is passed as `m == 0` "
+                                                  "(True = masked): exact where m holds only 0 and 1" + (" (checked at run time: a fractional m runs the original code)" if checks else "")
+                                                  + "; masked logits were a finite -C, so fully masked rows differ (zeros instead of a uniform average)"))
                 lines += mask_lines
                 if chain.heads_in_batch:
                     # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
@@ -2989,7 +3098,7 @@ class AttentionPattern(Pattern):
                     lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
                 kinds = {m.kind for m in chain.masks}
-                mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep"}[m.kind]) for m in chain.masks))
+                mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep", "keep01": "multiplicative_01"}[m.kind]) for m in chain.masks))
                 if "additive" in kinds and checks:
                     risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked) only after its values are checked to be 0 or <= -1000 (HF's and BERT's masks are); otherwise the original code runs"))
                 elif "additive" in kinds:
@@ -3154,12 +3263,18 @@ class AttentionPattern(Pattern):
         are checked (a tensor named ``mask`` may carry ALiBi or 0/1 values)."""
         checks: list[str] = []
         for m in masks:
-            if m.kind != "additive" or m.causal:
+            if m.kind == "keep01":
+                if _zero_one_built(m.node):
+                    continue  # a comparison cast to a number: 0 and 1 only
+                t = r.text(m.node)
+                check = zero_one_exact(t)
+            elif m.kind != "additive" or m.causal:
                 continue
-            if _zero_or_minus_inf_built(m.node):
+            elif _zero_or_minus_inf_built(m.node):
                 continue  # built in view from -inf / finfo.min (or zeros) on every branch: a 0/-inf mask
-            t = r.text(m.node)
-            check = additive_mask_exact(t)
+            else:
+                t = r.text(m.node)
+                check = additive_mask_exact(t)
             if m.cond is not None:
                 c = r.text(m.cond)
                 check = f"{atom(c)} or {check}" if m.negate_cond else f"not {atom(c)} or {check}"
@@ -3175,6 +3290,8 @@ class AttentionPattern(Pattern):
             t = r.text(m.node)
             if m.kind == "additive":
                 b = f"{atom(t)} < 0"
+            elif m.kind == "keep01":
+                b = f"{atom(t)} == 0"  # 0/1 keep mask (values checked in _value_checks)
             elif m.kind == "masked":
                 b = t
             else:
@@ -5757,5 +5874,131 @@ v = torch.randn(2, 4, 7, 16, requires_grad=True)
 out = attend(q, k, v)
 leaves = [q, k, v]
 """,
+    )
+)
+
+
+# --- issue 14 class 3: multiplicative 0/1 masks ---
+# ``s * m - C * (1 - m)`` (C >= 1e4) is ``s`` where m == 1 and ``-C`` where m == 0: a keep mask with a finite fill,
+# passed as ``m == 0`` (True = masked) where m holds only 0 and 1 (its construction from a comparison, else a run-time
+# check). A fractional m, a small offset, or a product without an offset is not a mask.
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="multiplicative_mask_guarded_function",
+        # the mask is applied under a data-dependent test and its 0/1 values are checked at run time
+        code="""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def standard_attention(query, key, value, mask, dropout=None, scaled=True, **kwargs):
+    if scaled:
+        query = query / math.sqrt(query.shape[-1])
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    if not (mask.shape[-2] == 1 and (mask > 0).all()):
+        scores = torch.mul(scores, mask) - 10000.0 * (1.0 - mask)
+    probs = F.softmax(scores, dim=-1)
+    if dropout is not None:
+        probs = dropout(probs)
+    return torch.matmul(probs, value)
+""",
+        expect={"mask_kind": "multiplicative_01", "mask_values_checked": True, "mask": ["keep01: mask"]},
+        run="""
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 6, 16, requires_grad=True)
+v = torch.randn(2, 4, 6, 16, requires_grad=True)
+m = torch.ones(6, 6).tril()[None, None].expand(2, 1, 6, 6)
+out = (standard_attention(q, k, v, m), standard_attention(q, k, v, torch.ones(2, 1, 1, 6)),
+       standard_attention(q, k, v, m * 0.5 + 0.25, scaled=False))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="multiplicative_mask_from_comparison",
+        # a padding keep mask built from a comparison: 0/1 by construction, no run-time check
+        code="""
+import torch
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, heads=4, dim_head=16):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+
+    def forward(self, q, k, v, ids):
+        keep = (ids != 0).to(q.dtype)[:, None, None, :]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        s = s.mul(keep) + (1 - keep) * -1e9
+        p = torch.softmax(s, -1)
+        return torch.matmul(p, v)
+""",
+        expect={"mask_kind": "multiplicative_01", "mask_values_checked": False},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 5, 16, requires_grad=True)
+v = torch.randn(2, 4, 5, 16, requires_grad=True)
+ids = torch.tensor([[3, 4, 5, 0, 0], [1, 2, 3, 4, 5]])
+out = SelfAttention()(q, k, v, ids)
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="multiplicative_mask_operator_form",
+        # ``s * m + (1.0 - m) * -10000.0`` with a float mask parameter of unknown values
+        code="""
+import torch
+
+
+def attend(q, k, v, m):
+    s = q @ k.transpose(-2, -1) / 4.0
+    s = s * m + (1.0 - m) * -10000.0
+    return s.softmax(-1) @ v
+""",
+        expect={"mask_kind": "multiplicative_01", "mask_values_checked": True, "scale": "1.0 / 4.0"},
+        run="""
+q = torch.randn(2, 2, 4, 16, requires_grad=True)
+k = torch.randn(2, 2, 4, 16, requires_grad=True)
+v = torch.randn(2, 2, 4, 16, requires_grad=True)
+m = torch.tensor([1.0, 1.0, 1.0, 0.0])[None, None, None, :].expand(2, 1, 4, 4)
+out = attend(q, k, v, m)
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="multiplicative_mask_small_offset",
+        code="""
+import torch
+
+
+def attend(q, k, v, m):
+    s = q @ k.transpose(-2, -1) * 0.125
+    s = s * m - 10.0 * (1.0 - m)
+    return torch.softmax(s, dim=-1) @ v
+""",
+        reason="the masked logits become -10, not a large negative value",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="multiplicative_mask_without_offset",
+        code="""
+import torch
+
+
+def attend(q, k, v, ids):
+    keep = (ids > 0).float()[:, None, None, :]
+    s = q @ k.transpose(-2, -1) * 0.125
+    s = s * keep
+    return torch.softmax(s, dim=-1) @ v
+""",
+        reason="a 0/1 tensor built from a comparison, with no large negative offset",
     )
 )
