@@ -1584,8 +1584,15 @@ class _Matcher:
             n, hops = n.func.value, hops + 1
         return False
 
-    def _strip_dropout(self, node: Any, chain: Chain) -> tuple[Any, Any, Any] | None:
+    def _strip_dropout(self, node: Any, chain: Chain, depth: int = 0) -> tuple[Any, Any, Any] | None:
         n = deref(node, chain.seen)
+        if isinstance(n, Cond) and depth < 3:
+            # GLM-130B ``if rng_tracker is not None: with rng_tracker().fork(): p = drop(p) else: p = drop(p)`` nested in
+            # ``if dropout is not None``: the same dropout of the same probabilities on either branch of the inner test
+            a, b = self._strip_dropout(n.body, chain, depth + 1), self._strip_dropout(n.orelse, chain, depth + 1)
+            if a is not None and b is not None and a[0] is b[0] and self.src(a[1]) == self.src(b[1]) and self.src(a[2]) == self.src(b[2]):
+                return a
+            return None
         if isinstance(n, Under):
             drop = self.dropout_of(deref(n.value, chain.seen))
             if drop is not None:
@@ -2970,6 +2977,13 @@ class AttentionPattern(Pattern):
                 continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
+                if not _weights_may_be_none(module, scope, name, end_line):
+                    # DINO's ``return x, attn`` read by ``get_last_selfattention``: a caller relies on the probabilities
+                    return NearMiss(
+                        self.id, scope.qualname, span_line, end_line,
+                        f"the attention probabilities (`{name}`) are returned to the callers, and nothing shows a caller accepts None "
+                        "for them (no path of this function sets them to None; the function is not one of interchangeable "
+                        "implementations picked at run time): npu_fusion_attention does not produce the probabilities")
                 none_probs.append(name)
                 continue
             if not is_probs and isinstance(final, Ref) and s <= final.idx < e and isinstance(block[final.idx], ast.Assign) \
@@ -3424,6 +3438,80 @@ def _only_returned(scope: Scope, name: str, after: int) -> bool:
     return all(_packaging_use(n, parents) for n in loads)
 
 
+def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int) -> bool:
+    """Evidence that the callers of ``scope`` accept None for the returned probabilities ``name``: the function
+    itself sets ``name = None`` on a path after the site (HF's ``if not output_attentions: attn_weights = None``), or
+    the function is referenced as a value, not only called (``attention_interface = eager_attention_forward``,
+    ``fn = self._attn if ... else self._flash``): one of interchangeable implementations whose callers take
+    whatever each returns."""
+    for st, value in scope.assignments.get(name, ()):
+        if st.lineno > after and isinstance(value, ast.Constant) and value.value is None:
+            return True
+    fn = getattr(scope.node, "name", None)
+    if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn is None:
+        return False
+    parents = _parents(module.tree)
+    if scope.class_name is not None and _flag_gated_in_class(module, scope, fn, name, parents):
+        return True
+    for n in fast_walk(module.tree):
+        ref = isinstance(n, ast.Name) and n.id == fn and scope.class_name is None or \
+            isinstance(n, ast.Attribute) and n.attr == fn and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") and scope.class_name is not None
+        if not ref or not isinstance(getattr(n, "ctx", None), ast.Load):
+            continue
+        parent = parents.get(id(n))
+        if isinstance(parent, ast.Call) and parent.func is n:
+            continue  # a call: the caller may still read the weights
+        return True
+    return False
+
+
+def _flag_gated_in_class(module: ModuleInfo, scope: Scope, fn: str, name: str, parents: dict[int, ast.AST]) -> bool:
+    """GPT-Neo's ``attn_output, attn_weights = self._attn(...)`` ... ``if output_attentions: outputs += (attn_weights,)``:
+    every caller of the method in its own class unpacks the result and reads the probabilities only under an ``if``
+    on one of its own parameters (an optional output the user asks for), never otherwise; at least one such caller."""
+    position = None
+    for st in fast_walk(scope.node):
+        if isinstance(st, ast.Return) and isinstance(st.value, ast.Tuple):
+            names = [e.id if isinstance(e, ast.Name) else None for e in st.value.elts]
+            if name in names:
+                position = names.index(name)
+    if position is None:
+        return False
+    cls = next((c for c in fast_walk(module.tree) if isinstance(c, ast.ClassDef) and c.name == scope.class_name), None)
+    if cls is None:
+        return False
+    callers = 0
+    for method in cls.body:
+        if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or method is scope.node:
+            continue
+        params = {a.arg for a in (*method.args.posonlyargs, *method.args.args, *method.args.kwonlyargs)}
+        for call in fast_walk(method):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == fn
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"):
+                continue
+            assign = parents.get(id(call))
+            if not (isinstance(assign, ast.Assign) and len(assign.targets) == 1 and isinstance(assign.targets[0], ast.Tuple)
+                    and position < len(assign.targets[0].elts) and isinstance(assign.targets[0].elts[position], ast.Name)):
+                return False  # the result kept whole (returned / stored): what reads the weights is not visible
+            weights = assign.targets[0].elts[position].id
+            for load in fast_walk(method):
+                if not (isinstance(load, ast.Name) and load.id == weights and isinstance(load.ctx, ast.Load)):
+                    continue
+                up, gated = parents.get(id(load)), False
+                while up is not None and up is not method:
+                    test = up.test if isinstance(up, (ast.If, ast.IfExp)) else None
+                    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+                        test = test.operand
+                    if isinstance(test, ast.Name) and test.id in params:
+                        gated = True
+                        break
+                    up = parents.get(id(up))
+                if not gated:
+                    return False
+            callers += 1
+    return callers > 0
+
+
 def _only_returned_in(stmt: ast.stmt, name: str, skip: set[int]) -> bool:
     parents = _parents(stmt)
     for n in fast_walk(stmt):
@@ -3464,6 +3552,20 @@ class _Mod:
     num_key_value_groups = 2
 '''
 
+# transformers picks the attention function at run time (its sdpa / flash functions return None for the weights):
+# eager_attention_forward is one of interchangeable implementations, so its callers accept None weights
+_HF_DISPATCH = '''
+
+class _Dispatch:
+    _attn_implementation = "eager"
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        attention_interface = eager_attention_forward
+        if self._attn_implementation != "eager":
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self._attn_implementation]
+        return attention_interface(module, query, key, value, attention_mask, scaling)
+'''
+
 AttentionPattern.FUSE = [
     Fuse(
         name="hf_llama_eager_gqa",
@@ -3485,7 +3587,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     attn_output = attn_output.transpose(1, 2).contiguous()
 
     return attn_output, attn_weights
-''' + _HF_MASK,
+''' + _HF_MASK + _HF_DISPATCH,
         expect={"gqa": "module.num_key_value_groups", "mask_kind": "additive_float", "scale": "scaling", "returns_probs": "attn_weights",
                 "layout": "BNSD", "dropout": "dropout", "q": "query", "k": "key", "qualname": "eager_attention_forward"},
         run='''
@@ -3516,7 +3618,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     attn_output = attn_output.transpose(1, 2).contiguous()
 
     return attn_output, attn_weights
-''' + _HF_MASK,
+''' + _HF_MASK + _HF_DISPATCH,
         expect={"softmax_dtype": "torch.float32"},
         run='''
 q = torch.randn(1, 4, 16, 32).half().requires_grad_()
@@ -3743,36 +3845,6 @@ leaves = [x, m.qkv.weight]
 ''',
     ),
     Fuse(
-        name="annotated_transformer_keep_mask",
-        # harvardnlp "The Annotated Transformer": keep-polarity mask, -1e9 fill, probabilities returned
-        code='''
-import math
-import torch
-
-
-def attention(query, key, value, mask=None, dropout=None):
-    "Compute 'Scaled Dot Product Attention'"
-    d_k = query.size(-1)
-    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
-    if mask is not None:
-        scores = scores.masked_fill(mask == 0, -1e9)
-    p_attn = scores.softmax(dim=-1)
-    if dropout is not None:
-        p_attn = dropout(p_attn)
-    return torch.matmul(p_attn, value), p_attn
-''',
-        expect={"mask_kind": "bool_masked", "returns_probs": "p_attn", "scale": "1.0 / math.sqrt(d_k)", "mask_conditions": ["mask is not None"]},
-        run='''
-q = torch.randn(2, 4, 8, 16, requires_grad=True)
-k = torch.randn(2, 4, 8, 16, requires_grad=True)
-v = torch.randn(2, 4, 8, 16, requires_grad=True)
-mask = torch.ones(2, 1, 1, 8, dtype=torch.long)
-mask[0, ..., 6:] = 0
-out = attention(q, k, v, mask, dropout=torch.nn.Dropout(0.1).eval())[0]
-leaves = [q, k, v]
-''',
-    ),
-    Fuse(
         name="gpt2_bottom_right_causal_kv_cache",
         # GPT-2 style: tril buffer sliced bottom-right ([k - q : k, :k]), torch.where keep-mask, Sq < Skv
         code='''
@@ -3885,6 +3957,13 @@ class GPTNeoSelfAttention(nn.Module):
         attn_output = torch.matmul(attn_weights, value)
 
         return attn_output, attn_weights
+
+    def forward(self, query, key, value, attention_mask=None, output_attentions=False):
+        attn_output, attn_weights = self._attn(query, key, value, attention_mask)
+        outputs = (attn_output,)
+        if output_attentions:
+            outputs += (attn_weights,)
+        return outputs
 ''',
         expect={"mask_kind": "additive_float+causal", "sparse_mode": 0, "scale": "1.0", "returns_probs": "attn_weights"},
         run='''
@@ -6000,5 +6079,165 @@ def attend(q, k, v, ids):
     return torch.softmax(s, dim=-1) @ v
 """,
         reason="a 0/1 tensor built from a comparison, with no large negative offset",
+    )
+)
+
+
+# --- issue 14 class 3: attention probabilities returned to the callers ---
+# the fused op does not produce the probabilities; returning None for them is accepted only where the code shows its
+# callers take None (a path setting them to None, the function chosen among interchangeable implementations, or every
+# in-class caller reading them only under one of its flags). Otherwise a caller relies on them: a near miss.
+AttentionPattern.KEEP.append(
+    Keep(
+        name="annotated_transformer_probs_returned",
+        # harvardnlp "The Annotated Transformer": ``x, self.attn = attention(...)`` keeps them for visualisation
+        code='''
+import math
+import torch
+
+
+def attention(query, key, value, mask=None, dropout=None):
+    "Compute 'Scaled Dot Product Attention'"
+    d_k = query.size(-1)
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -1e9)
+    p_attn = scores.softmax(dim=-1)
+    if dropout is not None:
+        p_attn = dropout(p_attn)
+    return torch.matmul(p_attn, value), p_attn
+''',
+        reason="the attention probabilities (`p_attn`) are returned to the callers, and nothing shows a caller accepts None",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="vit_returns_attention_for_visualisation",
+        code='''
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = (q @ k.transpose(-2, -1)) * self.scale
+        attn = attn.softmax(dim=-1)
+        x = (attn @ v).transpose(1, 2).reshape(b, n, c)
+        return x, attn
+''',
+        reason="the attention probabilities (`attn`) are returned to the callers",
+    )
+)
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="probs_returned_none_on_a_path",
+        # the function itself drops the weights unless asked: None is an accepted value for its callers
+        code='''
+import math
+
+import torch
+
+
+def attention(query, key, value, mask=None, need_weights=False):
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(query.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -1e9)
+    p_attn = scores.softmax(dim=-1)
+    out = torch.matmul(p_attn, value)
+    if not need_weights:
+        p_attn = None
+    return out, p_attn
+''',
+        expect={"mask_kind": "bool_masked", "returns_probs": "p_attn", "mask_conditions": ["mask is not None"]},
+        run="""
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+mask = torch.ones(2, 1, 1, 8, dtype=torch.long)
+mask[0, ..., 6:] = 0
+out = attention(q, k, v, mask)[0]
+leaves = [q, k, v]
+""",
+    )
+)
+
+
+# --- issue 14 class 3: flag-guarded dropout on the probabilities ---
+# GLM-130B / SwissArmyTransformer: ``if dropout is not None: if rng_tracker is not None: with tracker.fork(): p = drop(p)
+# else: p = drop(p)``: the same dropout on either branch of the inner test, none where the outer one fails
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="dropout_under_flag_and_rng_fork",
+        code="""
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class Tracker:
+    def fork(self):
+        return contextlib.nullcontext()
+
+
+class FP32SoftmaxMixin:
+    def attention_fn(self, q, k, v, mask, attention_dropout=None, rng=None, layer_id=0):
+        coeff = float(layer_id + 1)
+        q = q / (math.sqrt(q.shape[-1]) * coeff)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if not (mask.shape[-2] == 1 and (mask > 0).all()):
+            scores = scores.masked_fill(mask, -10000.0)
+        scores = scores.float()
+        scores = scores * coeff
+        probs = F.softmax(scores, dim=-1)
+        probs = probs.to(v.dtype)
+        if attention_dropout is not None:
+            if rng is not None:
+                with rng.fork():
+                    probs = attention_dropout(probs)
+            else:
+                probs = attention_dropout(probs)
+        return torch.matmul(probs, v)
+""",
+        expect={"mask_kind": "bool_masked", "dropout": "attention_dropout.p"},
+        run="""
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 6, 16, requires_grad=True)
+v = torch.randn(2, 4, 6, 16, requires_grad=True)
+mask = torch.ones(6, 6, dtype=torch.bool).triu(1)[None, None]
+drop = torch.nn.Dropout(0.1).eval()
+m = FP32SoftmaxMixin()
+out = (m.attention_fn(q, k, v, mask, drop, Tracker(), layer_id=2), m.attention_fn(q, k, v, mask, None, None))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="dropout_on_one_branch_only_differs",
+        # the inner branches apply different dropouts (one rescaled) under a run-time test: not one dropout the fused op can stand for
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, drop_a, drop_b, flag):
+    p = F.softmax(torch.matmul(q, k.transpose(-1, -2)) * 0.125, dim=-1)
+    if torch.is_grad_enabled():
+        if flag:
+            p = drop_a(p)
+        else:
+            p = drop_b(p) * 2.0
+    return torch.matmul(p, v)
+""",
+        reason="attention probabilities are modified after softmax under `if torch.is_grad_enabled()`",
     )
 )
