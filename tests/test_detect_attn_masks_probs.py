@@ -226,3 +226,30 @@ def test_sdpa_after_an_unconditional_exit(body: str, reachable: bool) -> None:
     assert bool(findings) is reachable, reasons
     if not reachable:
         assert any("the call is unreachable" in r for r in reasons)
+
+
+_BERT = """
+import torch
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def forward(self, q, k, v, output_attentions=False):
+        probs = torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+        ctx = probs @ v
+        {ret}
+{sibling}
+"""
+
+
+@pytest.mark.parametrize("ret,sibling,fused", [
+    ("return (ctx, probs) if output_attentions else (ctx,)", "", True),  # read only under the caller's flag
+    ("return (ctx, probs) if not output_attentions else (ctx,)", "", True),  # a flag either way: the caller chooses
+    ("return ctx, probs", "", False),
+    # another class of the file with the same method returns None there: interchangeable implementations
+    ("return ctx, probs", "\nclass FlashSelfAttention(nn.Module):\n    def forward(self, q, k, v, output_attentions=False):\n        return q, None\n", True),
+    ("return (ctx, probs) if q.shape[0] > 1 else (ctx,)", "", False),  # a data test, not the caller's flag
+])
+def test_probabilities_returned_under_a_flag_or_beside_a_none_sibling(ret: str, sibling: str, fused: bool) -> None:
+    findings, reasons = _one(ATTN, _BERT.format(ret=ret, sibling=sibling))
+    assert bool(findings) is fused, reasons

@@ -3451,7 +3451,14 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
     if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn is None:
         return False
     parents = _parents(module.tree)
+    params = set(scope.args)
+    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    if loads and all(_gated_by_param(n, parents, params, scope.node) for n in loads):
+        # BERT's ``outputs = (context, probs) if output_attentions else (context,)``: returned only when the caller asks
+        return True
     if scope.class_name is not None and _flag_gated_in_class(module, scope, fn, name, parents):
+        return True
+    if scope.class_name is not None and _sibling_returns_none(module, scope, fn, parents):
         return True
     for n in fast_walk(module.tree):
         ref = isinstance(n, ast.Name) and n.id == fn and scope.class_name is None or \
@@ -3462,6 +3469,45 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
         if isinstance(parent, ast.Call) and parent.func is n:
             continue  # a call: the caller may still read the weights
         return True
+    return False
+
+
+def _gated_by_param(node: ast.AST, parents: dict[int, ast.AST], params: set[str], stop: ast.AST) -> bool:
+    """``node`` sits inside an ``if`` / conditional expression (the taken branch) whose test is one of ``params``
+    or its negation: it is read only when the caller passes that flag."""
+    up, child = parents.get(id(node)), node
+    while up is not None and up is not stop:
+        test = up.test if isinstance(up, (ast.If, ast.IfExp)) and child is not up.test else None
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test = test.operand
+        if isinstance(test, ast.Name) and test.id in params:
+            return True
+        up, child = parents.get(id(up)), up
+    return False
+
+
+def _sibling_returns_none(module: ModuleInfo, scope: Scope, fn: str, parents: dict[int, ast.AST]) -> bool:
+    """Bark's ``BarkSelfFlashAttention2.forward`` returns ``attn_output, None`` beside the eager class's
+    ``attn_output, attn_weights``: another class of the file defines the method (or the in-class method that calls
+    it) and returns a tuple holding a literal None: the classes are interchangeable and None is what callers get
+    from the other one."""
+    cls = next((c for c in fast_walk(module.tree) if isinstance(c, ast.ClassDef) and c.name == scope.class_name), None)
+    if cls is None:
+        return False
+    names = {fn}
+    for method in cls.body:
+        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == fn
+                and isinstance(c.func.value, ast.Name) and c.func.value.id == "self" for c in fast_walk(method)):
+            names.add(method.name)
+    for other in fast_walk(module.tree):
+        if not isinstance(other, ast.ClassDef) or other is cls:
+            continue
+        for method in other.body:
+            if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name in names and any(
+                    isinstance(r, ast.Return) and isinstance(r.value, ast.Tuple)
+                    and any(isinstance(e, ast.Constant) and e.value is None for e in r.value.elts) for r in fast_walk(method)):
+                return True
     return False
 
 
@@ -3495,18 +3541,8 @@ def _flag_gated_in_class(module: ModuleInfo, scope: Scope, fn: str, name: str, p
                 return False  # the result kept whole (returned / stored): what reads the weights is not visible
             weights = assign.targets[0].elts[position].id
             for load in fast_walk(method):
-                if not (isinstance(load, ast.Name) and load.id == weights and isinstance(load.ctx, ast.Load)):
-                    continue
-                up, gated = parents.get(id(load)), False
-                while up is not None and up is not method:
-                    test = up.test if isinstance(up, (ast.If, ast.IfExp)) else None
-                    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-                        test = test.operand
-                    if isinstance(test, ast.Name) and test.id in params:
-                        gated = True
-                        break
-                    up = parents.get(id(up))
-                if not gated:
+                if isinstance(load, ast.Name) and load.id == weights and isinstance(load.ctx, ast.Load) \
+                        and not _gated_by_param(load, parents, params, method):
                     return False
             callers += 1
     return callers > 0
