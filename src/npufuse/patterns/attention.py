@@ -1956,6 +1956,10 @@ class _Matcher:
         for prod_side, off_side in ((node.left, node.right), (node.right, node.left)):
             if isinstance(node.op, ast.Sub) and prod_side is node.right:
                 continue  # ``C * (1 - m) - s * m`` negates the scores: not a mask
+            off = deref(off_side)
+            if not (isinstance(off, ast.BinOp) and isinstance(off.op, ast.Mult)
+                    and (self._one_minus(off.left) is not None or self._one_minus(off.right) is not None)):
+                continue  # the cheap structural test first: most sums on the scores are not this
             prod = self._product_with(prod_side, stop)
             if prod is None or self._reaches(off_side, stop):
                 continue
@@ -3450,25 +3454,29 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
     fn = getattr(scope.node, "name", None)
     if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn is None:
         return False
-    parents = _parents(module.tree)
     params = set(scope.args)
     loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
-    if loads and all(_gated_by_param(n, parents, params, scope.node) for n in loads):
+    scope_parents = scope.__dict__.get("_npufuse_parents")
+    if scope_parents is None:
+        scope_parents = scope.__dict__["_npufuse_parents"] = _parents(scope.node)
+    if loads and all(_gated_by_param(n, scope_parents, params, scope.node) for n in loads):
         # BERT's ``outputs = (context, probs) if output_attentions else (context,)``: returned only when the caller asks
         return True
-    if scope.class_name is not None and _flag_gated_in_class(module, scope, fn, name, parents):
-        return True
-    if scope.class_name is not None and _sibling_returns_none(module, scope, fn, parents):
-        return True
-    for n in fast_walk(module.tree):
-        ref = isinstance(n, ast.Name) and n.id == fn and scope.class_name is None or \
-            isinstance(n, ast.Attribute) and n.attr == fn and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") and scope.class_name is not None
-        if not ref or not isinstance(getattr(n, "ctx", None), ast.Load):
+    cls = module.classes.get(scope.class_name) if scope.class_name is not None else None
+    if cls is not None:
+        class_parents = _parents(cls)
+        if _flag_gated_in_class(cls, scope, fn, name, class_parents) or _sibling_returns_none(module, cls, fn):
+            return True
+    if not re.search(rf"\b{re.escape(fn)}\b(?!\s*\()", module.source):
+        return False  # never written other than called (or defined): a text test before the walk
+    nodes = list(fast_walk(module.tree))
+    called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
+    for n in nodes:
+        if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
             continue
-        parent = parents.get(id(n))
-        if isinstance(parent, ast.Call) and parent.func is n:
-            continue  # a call: the caller may still read the weights
-        return True
+        if isinstance(n, ast.Name) and n.id == fn and scope.class_name is None or \
+                isinstance(n, ast.Attribute) and n.attr == fn and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") and scope.class_name is not None:
+            return True
     return False
 
 
@@ -3486,22 +3494,19 @@ def _gated_by_param(node: ast.AST, parents: dict[int, ast.AST], params: set[str]
     return False
 
 
-def _sibling_returns_none(module: ModuleInfo, scope: Scope, fn: str, parents: dict[int, ast.AST]) -> bool:
+def _sibling_returns_none(module: ModuleInfo, cls: ast.ClassDef, fn: str) -> bool:
     """Bark's ``BarkSelfFlashAttention2.forward`` returns ``attn_output, None`` beside the eager class's
     ``attn_output, attn_weights``: another class of the file defines the method (or the in-class method that calls
     it) and returns a tuple holding a literal None: the classes are interchangeable and None is what callers get
     from the other one."""
-    cls = next((c for c in fast_walk(module.tree) if isinstance(c, ast.ClassDef) and c.name == scope.class_name), None)
-    if cls is None:
-        return False
     names = {fn}
     for method in cls.body:
         if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == fn
                 and isinstance(c.func.value, ast.Name) and c.func.value.id == "self" for c in fast_walk(method)):
             names.add(method.name)
-    for other in fast_walk(module.tree):
-        if not isinstance(other, ast.ClassDef) or other is cls:
+    for other in module.classes.values():
+        if other is cls:
             continue
         for method in other.body:
             if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name in names and any(
@@ -3511,7 +3516,7 @@ def _sibling_returns_none(module: ModuleInfo, scope: Scope, fn: str, parents: di
     return False
 
 
-def _flag_gated_in_class(module: ModuleInfo, scope: Scope, fn: str, name: str, parents: dict[int, ast.AST]) -> bool:
+def _flag_gated_in_class(cls: ast.ClassDef, scope: Scope, fn: str, name: str, parents: dict[int, ast.AST]) -> bool:
     """GPT-Neo's ``attn_output, attn_weights = self._attn(...)`` ... ``if output_attentions: outputs += (attn_weights,)``:
     every caller of the method in its own class unpacks the result and reads the probabilities only under an ``if``
     on one of its own parameters (an optional output the user asks for), never otherwise; at least one such caller."""
@@ -3522,9 +3527,6 @@ def _flag_gated_in_class(module: ModuleInfo, scope: Scope, fn: str, name: str, p
             if name in names:
                 position = names.index(name)
     if position is None:
-        return False
-    cls = next((c for c in fast_walk(module.tree) if isinstance(c, ast.ClassDef) and c.name == scope.class_name), None)
-    if cls is None:
         return False
     callers = 0
     for method in cls.body:
