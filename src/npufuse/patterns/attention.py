@@ -1876,7 +1876,45 @@ class _Matcher:
                 )
             if self.method(n, "exp", "sigmoid") or isinstance(n, ast.Call) and self.method(n, "item"):
                 raise Miss(f"the scale `{text}` is a tensor (learned / computed): npu_fusion_attention takes a Python float")
+
+        param = self._factor_param(factor)
+        use = self._tensor_use(param) if param is not None else None
+        if use is not None:
+            # ``s = s * mask`` with ``mask.unsqueeze(1)`` elsewhere: a tensor multiplied into the scores, not a scale
+            raise Miss(f"the factor `{param}` multiplying the scores is used as a tensor in this function (`{use}`): "
+                       "npu_fusion_attention takes a Python float scale, and a tensor factor is not a mask it can express")
         (chain.scale_den if divide else chain.scale_num).append(factor)
+
+    _TENSOR_ATTRS = frozenset(("shape", "size", "dim", "ndim", "unsqueeze", "view", "reshape", "expand", "masked_fill", "bool",
+                               "float", "to", "type_as", "device", "dtype", "transpose", "permute", "contiguous", "squeeze"))
+
+    def _factor_param(self, factor: Any) -> str | None:
+        """The parameter the factor IS (possibly re-viewed: ``mask.unsqueeze(1)``, ``mask[:, None]``, ``mask.to(x)``),
+        not one it is computed from (``q.shape[-1] ** -0.5`` reads q's metadata only), or None."""
+        f = factor
+        for _ in range(8):
+            f = deref(f)
+            if isinstance(f, ast.Call) and isinstance(f.func, ast.Attribute) and f.func.attr in self._TENSOR_ATTRS - {"shape", "size", "dim", "ndim", "device", "dtype"}:
+                f = f.func.value
+            elif isinstance(f, ast.Subscript):
+                f = f.value
+            else:
+                break
+        if isinstance(f, Ref) and f.idx == -1 and f.name not in ("self", "cls"):
+            return f.name
+        if isinstance(f, ast.Name):
+            return f.id if f.id in self.scope.args else None
+        return None
+
+    def _tensor_use(self, name: str) -> str | None:
+        """A read of parameter ``name`` in this function that only a tensor has (``m.unsqueeze(1)``, ``m[:, None]``,
+        ``m.shape``), as source text, or None."""
+        for n in fast_walk(self.scope.node):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == name and n.attr in self._TENSOR_ATTRS:
+                return ast.unparse(n)
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == name and isinstance(n.ctx, ast.Load):
+                return ast.unparse(n)
+        return None
 
     def add_additive(self, term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> None:
         # what the term is decides, from its dataflow: built from positions / learned values -> a bias (near
@@ -6277,5 +6315,22 @@ def attend(q, k, v, drop_a, drop_b, flag):
     return torch.matmul(p, v)
 """,
         reason="attention probabilities are modified after softmax under `if torch.is_grad_enabled()`",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="tensor_factor_not_a_scale",
+        # a mask parameter multiplied into the scores (no offset): used as a tensor in the function, so not a scale
+        code="""
+import torch
+
+
+def attend(q, k, v, mask):
+    mask = mask.unsqueeze(1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+    s = s * mask
+    return torch.softmax(s, dim=-1) @ v
+""",
+        reason="is used as a tensor in this function (`mask.unsqueeze`)",
     )
 )
