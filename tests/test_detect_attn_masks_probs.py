@@ -253,3 +253,17 @@ class SelfAttention(nn.Module):
 def test_probabilities_returned_under_a_flag_or_beside_a_none_sibling(ret: str, sibling: str, fused: bool) -> None:
     findings, reasons = _one(ATTN, _BERT.format(ret=ret, sibling=sibling))
     assert bool(findings) is fused, reasons
+
+
+@pytest.mark.parametrize("body,fused", [
+    ("    m = mask[:, None]\n    s = q @ k.transpose(-2, -1) * m", False),  # the mask parameter itself, re-viewed
+    ("    s = (q @ k.transpose(-2, -1)) * mask\n    n = mask.shape[-1]", False),  # used as a tensor elsewhere
+    ("    s = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5)", True),  # computed from q's metadata: a float
+    ("    s = q @ k.transpose(-2, -1) * mask", True),  # nothing says it is a tensor: taken as a scale, as before
+])
+def test_factor_used_as_a_tensor_is_not_a_scale(body: str, fused: bool) -> None:
+    code = f"import torch\n\n\ndef attend(q, k, v, mask):\n{body}\n    return torch.softmax(s, dim=-1) @ v\n"
+    findings, reasons = _one(ATTN, code)
+    assert bool(findings) is fused, reasons
+    if not fused:
+        assert any("is used as a tensor in this function" in r for r in reasons), reasons
