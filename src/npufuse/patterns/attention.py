@@ -669,6 +669,31 @@ def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = 
     return check
 
 
+def zero_one_exact(text: str) -> str:
+    """Run-time condition: the multiplicative mask ``text`` holds only 0 and 1, so ``s * m - C * (1 - m)`` equals
+    ``s`` where m == 1 and ``-C`` where m == 0 (a fractional m would scale the logits instead)."""
+    a = atom(text)
+    return f"bool((({a} == 0) | ({a} == 1)).all())"
+
+
+def _zero_one_built(node: Any, depth: int = 0) -> bool:
+    """``node`` is a comparison (or a logical combination of comparisons) cast to a number: ``(x != pad).float()``,
+    ``(ids > 0).to(dtype)``, ``mask.bool().long()``: its values are 0 and 1 by construction."""
+    node = deref(node)
+    if depth > 6:
+        return False
+    if isinstance(node, ast.Compare):
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("float", "half", "bfloat16", "long", "int", "to", "type", "type_as", "bool", "unsqueeze", "view", "reshape", "expand", "contiguous") \
+            and not (node.func.attr == "to" and any(isinstance(a, ast.Constant) for a in node.args)):
+        return node.func.attr == "bool" or _zero_one_built(node.func.value, depth + 1)
+    if isinstance(node, ast.Subscript):
+        return _zero_one_built(node.value, depth + 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+        return _zero_one_built(node.left, depth + 1) and _zero_one_built(node.right, depth + 1)
+    return False
+
+
 VALUE_CHECK_RISK = ("the float mask's values are not known statically: the fused branch checks that every entry is 0 or "
                     f"<= {ADDITIVE_MASK_FLOOR:g} (a 0/-inf mask; a graded bias such as ALiBi or a 0/1 float mask runs the "
                     "original code instead), a reduction and a host sync per call (a graph break under torch.compile)")
@@ -1559,8 +1584,15 @@ class _Matcher:
             n, hops = n.func.value, hops + 1
         return False
 
-    def _strip_dropout(self, node: Any, chain: Chain) -> tuple[Any, Any, Any] | None:
+    def _strip_dropout(self, node: Any, chain: Chain, depth: int = 0) -> tuple[Any, Any, Any] | None:
         n = deref(node, chain.seen)
+        if isinstance(n, Cond) and depth < 3:
+            # GLM-130B ``if rng_tracker is not None: with rng_tracker().fork(): p = drop(p) else: p = drop(p)`` nested in
+            # ``if dropout is not None``: the same dropout of the same probabilities on either branch of the inner test
+            a, b = self._strip_dropout(n.body, chain, depth + 1), self._strip_dropout(n.orelse, chain, depth + 1)
+            if a is not None and b is not None and a[0] is b[0] and self.src(a[1]) == self.src(b[1]) and self.src(a[2]) == self.src(b[2]):
+                return a
+            return None
         if isinstance(n, Under):
             drop = self.dropout_of(deref(n.value, chain.seen))
             if drop is not None:
@@ -1651,6 +1683,13 @@ class _Matcher:
                 chain.notes.append("the row max subtracted before softmax (numerical stabilisation) is dropped: softmax is shift-invariant and the fused kernel does it internally")
                 node = node.left
                 continue
+            multiplicative = self._multiplicative_mask(node, stop)
+            if multiplicative is not None:
+                # ``s * m - 10000.0 * (1.0 - m)``: a 0/1 keep mask applied by multiplication and an offset
+                base, m_node, fill = multiplicative
+                self.add_keep01(m_node, fill, chain, cond)
+                node = base
+                continue
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
                 left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
                 if left_qk == right_qk:
@@ -1684,6 +1723,10 @@ class _Matcher:
                 if isinstance(node.op, ast.Div) and right_qk:
                     raise Miss(f"scores in a denominator (`{self.src(node)}`)")
                 base, factor = (node.left, node.right) if left_qk else (node.right, node.left)
+                if _zero_one_built(factor):
+                    # ``s * (ids != pad).float()``: masked logits become 0, not -inf; no offset makes it a mask
+                    raise Miss(f"the scores are multiplied by `{self.src(factor)}`, a 0/1 tensor built from a comparison, with no "
+                               "large negative offset: masked logits become 0 (still attended), which npu_fusion_attention's mask cannot express")
                 if cond is not None:
                     raise Miss(f"the scale is applied only under `if {self.src(cond[0])}`")
                 self.add_scale(factor, isinstance(node.op, ast.Div), chain)
@@ -1833,7 +1876,45 @@ class _Matcher:
                 )
             if self.method(n, "exp", "sigmoid") or isinstance(n, ast.Call) and self.method(n, "item"):
                 raise Miss(f"the scale `{text}` is a tensor (learned / computed): npu_fusion_attention takes a Python float")
+
+        param = self._factor_param(factor)
+        use = self._tensor_use(param) if param is not None else None
+        if use is not None:
+            # ``s = s * mask`` with ``mask.unsqueeze(1)`` elsewhere: a tensor multiplied into the scores, not a scale
+            raise Miss(f"the factor `{param}` multiplying the scores is used as a tensor in this function (`{use}`): "
+                       "npu_fusion_attention takes a Python float scale, and a tensor factor is not a mask it can express")
         (chain.scale_den if divide else chain.scale_num).append(factor)
+
+    _TENSOR_ATTRS = frozenset(("shape", "size", "dim", "ndim", "unsqueeze", "view", "reshape", "expand", "masked_fill", "bool",
+                               "float", "to", "type_as", "device", "dtype", "transpose", "permute", "contiguous", "squeeze"))
+
+    def _factor_param(self, factor: Any) -> str | None:
+        """The parameter the factor IS (possibly re-viewed: ``mask.unsqueeze(1)``, ``mask[:, None]``, ``mask.to(x)``),
+        not one it is computed from (``q.shape[-1] ** -0.5`` reads q's metadata only), or None."""
+        f = factor
+        for _ in range(8):
+            f = deref(f)
+            if isinstance(f, ast.Call) and isinstance(f.func, ast.Attribute) and f.func.attr in self._TENSOR_ATTRS - {"shape", "size", "dim", "ndim", "device", "dtype"}:
+                f = f.func.value
+            elif isinstance(f, ast.Subscript):
+                f = f.value
+            else:
+                break
+        if isinstance(f, Ref) and f.idx == -1 and f.name not in ("self", "cls"):
+            return f.name
+        if isinstance(f, ast.Name):
+            return f.id if f.id in self.scope.args else None
+        return None
+
+    def _tensor_use(self, name: str) -> str | None:
+        """A read of parameter ``name`` in this function that only a tensor has (``m.unsqueeze(1)``, ``m[:, None]``,
+        ``m.shape``), as source text, or None."""
+        for n in fast_walk(self.scope.node):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == name and n.attr in self._TENSOR_ATTRS:
+                return ast.unparse(n)
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == name and isinstance(n.ctx, ast.Load):
+                return ast.unparse(n)
+        return None
 
     def add_additive(self, term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> None:
         # what the term is decides, from its dataflow: built from positions / learned values -> a bias (near
@@ -1872,6 +1953,79 @@ class _Matcher:
                 "which the fused op returns as zeros instead of a uniform average"
             )
         chain.masks.append(term)
+
+    # -- multiplicative 0/1 masks (BERT-era / GLM ``s * m - 10000.0 * (1.0 - m)``)
+    def _product_with(self, node: Any, stop: Any) -> tuple[Any, Any] | None:
+        """(scores side, other factor) of ``a * b`` / ``torch.mul(a, b)`` / ``a.mul(b)`` where exactly one
+        side reaches the scores."""
+        node = deref(node)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            a, b = node.left, node.right
+        elif isinstance(node, ast.Call) and self._fn(node) == "torch.mul" and len(node.args) == 2 and not node.keywords:
+            a, b = node.args
+        elif self.method(node, "mul") and len(node.args) == 1 and not node.keywords and self._fn(node) != "torch.mul":
+            a, b = node.func.value, node.args[0]
+        else:
+            return None
+        ra, rb = self._reaches(a, stop), self._reaches(b, stop)
+        if ra == rb:
+            return None
+        return (a, b) if ra else (b, a)
+
+    def _one_minus(self, node: Any) -> Any:
+        """``m`` if ``node`` is ``1 - m`` / ``1.0 - m`` (possibly through a variable), else None."""
+        node = deref(node)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and const_value(node.left) in (1, 1.0) \
+                and not isinstance(const_value(node.left), bool):
+            return node.right
+        return None
+
+    def _same_value(self, a: Any, b: Any) -> bool:
+        da, db = deref(a), deref(b)
+        return da is db or self.src(da) == self.src(db) and not _heavy(da, through_meta=False)
+
+    def _multiplicative_mask(self, node: Any, stop: Any) -> tuple[Any, Any, float] | None:
+        """(scores, m, fill) if ``node`` is the scores multiplied by ``m`` and offset by ``-C * (1 - m)``:
+        ``s * m - C * (1 - m)``, ``s * m + (1 - m) * -C``, ``torch.mul(s, m) - (1.0 - m) * C`` (C >= 1e4).
+        Where m is 0 or 1 this is ``s`` where m == 1 and ``-C`` where m == 0, a keep mask with a finite fill;
+        anything else about m (fractional values) is checked at run time (add_keep01 / _value_checks)."""
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub))):
+            return None
+        for prod_side, off_side in ((node.left, node.right), (node.right, node.left)):
+            if isinstance(node.op, ast.Sub) and prod_side is node.right:
+                continue  # ``C * (1 - m) - s * m`` negates the scores: not a mask
+            off = deref(off_side)
+            if not (isinstance(off, ast.BinOp) and isinstance(off.op, ast.Mult)
+                    and (self._one_minus(off.left) is not None or self._one_minus(off.right) is not None)):
+                continue  # the cheap structural test first: most sums on the scores are not this
+            prod = self._product_with(prod_side, stop)
+            if prod is None or self._reaches(off_side, stop):
+                continue
+            scores, m_node = prod
+            off = deref(off_side)
+            if not (isinstance(off, ast.BinOp) and isinstance(off.op, ast.Mult)):
+                continue
+            for coef, rest in ((off.left, off.right), (off.right, off.left)):
+                m2 = self._one_minus(rest)
+                c = const_value(deref(coef))
+                if m2 is None or not isinstance(c, (int, float)) or isinstance(c, bool) or not self._same_value(m_node, m2):
+                    continue
+                fill = -float(c) if isinstance(node.op, ast.Sub) else float(c)
+                if fill > -1e4:
+                    raise Miss(f"the scores are multiplied by `{self.src(m_node)}` and offset by `{self.src(off)}`: the masked logits "
+                               f"become {fill:g}, not a large negative value (<= -1e4), so this is not a mask npufuse converts")
+                return scores, m_node, fill
+        return None
+
+    def add_keep01(self, m_node: Any, fill: float, chain: Chain, cond: tuple[Any, bool] | None) -> None:
+        term = MaskTerm("keep01", m_node, cond[0] if cond else None, cond[1] if cond else False, fill=f"{fill:g}")
+        chain.masks.append(term)
+        chain.spelling.append("multiplicative_mask")
+        chain.notes.append(
+            f"a 0/1 keep mask applied as `scores * m {'-' if fill < 0 else '+'} {abs(fill):g} * (1 - m)` is passed as `m == 0` (True = masked): "
+            "identical where m holds only 0 and 1 (" + ("its construction from a comparison guarantees it" if _zero_one_built(m_node)
+                                                       else "checked at run time") +
+            f"), except fully masked rows, which the fused op returns as zeros instead of a uniform average (fill {fill:g} is finite)")
 
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
@@ -2865,6 +3019,13 @@ class AttentionPattern(Pattern):
                 continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
+                if not _weights_may_be_none(module, scope, name, end_line):
+                    # DINO's ``return x, attn`` read by ``get_last_selfattention``: a caller relies on the probabilities
+                    return NearMiss(
+                        self.id, scope.qualname, span_line, end_line,
+                        f"the attention probabilities (`{name}`) are returned to the callers, and nothing shows a caller accepts None "
+                        "for them (no path of this function sets them to None; the function is not one of interchangeable "
+                        "implementations picked at run time): npu_fusion_attention does not produce the probabilities")
                 none_probs.append(name)
                 continue
             if not is_probs and isinstance(final, Ref) and s <= final.idx < e and isinstance(block[final.idx], ast.Assign) \
@@ -2978,6 +3139,10 @@ class AttentionPattern(Pattern):
                     value_split = len(lines)
                     value_check = " and ".join(checks) if len(checks) == 1 else " and ".join(f"({c})" for c in checks)
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
+                if any(m.kind == "keep01" for m in chain.masks):
+                    risks.append(Risk("numerics", "a 0/1 mask applied by multiplication and a finite offset (`s * m - C * (1 - m)`) is passed as `m == 0` "
+                                                  "(True = masked): exact where m holds only 0 and 1" + (" (checked at run time: a fractional m runs the original code)" if checks else "")
+                                                  + "; masked logits were a finite -C, so fully masked rows differ (zeros instead of a uniform average)"))
                 lines += mask_lines
                 if chain.heads_in_batch:
                     # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
@@ -2989,7 +3154,7 @@ class AttentionPattern(Pattern):
                     lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
                 kinds = {m.kind for m in chain.masks}
-                mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep"}[m.kind]) for m in chain.masks))
+                mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep", "keep01": "multiplicative_01"}[m.kind]) for m in chain.masks))
                 if "additive" in kinds and checks:
                     risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked) only after its values are checked to be 0 or <= -1000 (HF's and BERT's masks are); otherwise the original code runs"))
                 elif "additive" in kinds:
@@ -3154,12 +3319,18 @@ class AttentionPattern(Pattern):
         are checked (a tensor named ``mask`` may carry ALiBi or 0/1 values)."""
         checks: list[str] = []
         for m in masks:
-            if m.kind != "additive" or m.causal:
+            if m.kind == "keep01":
+                if _zero_one_built(m.node):
+                    continue  # a comparison cast to a number: 0 and 1 only
+                t = r.text(m.node)
+                check = zero_one_exact(t)
+            elif m.kind != "additive" or m.causal:
                 continue
-            if _zero_or_minus_inf_built(m.node):
+            elif _zero_or_minus_inf_built(m.node):
                 continue  # built in view from -inf / finfo.min (or zeros) on every branch: a 0/-inf mask
-            t = r.text(m.node)
-            check = additive_mask_exact(t)
+            else:
+                t = r.text(m.node)
+                check = additive_mask_exact(t)
             if m.cond is not None:
                 c = r.text(m.cond)
                 check = f"{atom(c)} or {check}" if m.negate_cond else f"not {atom(c)} or {check}"
@@ -3175,6 +3346,8 @@ class AttentionPattern(Pattern):
             t = r.text(m.node)
             if m.kind == "additive":
                 b = f"{atom(t)} < 0"
+            elif m.kind == "keep01":
+                b = f"{atom(t)} == 0"  # 0/1 keep mask (values checked in _value_checks)
             elif m.kind == "masked":
                 b = t
             else:
@@ -3307,6 +3480,114 @@ def _only_returned(scope: Scope, name: str, after: int) -> bool:
     return all(_packaging_use(n, parents) for n in loads)
 
 
+def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int) -> bool:
+    """Evidence that the callers of ``scope`` accept None for the returned probabilities ``name``: the function
+    itself sets ``name = None`` on a path after the site (HF's ``if not output_attentions: attn_weights = None``), or
+    the function is referenced as a value, not only called (``attention_interface = eager_attention_forward``,
+    ``fn = self._attn if ... else self._flash``): one of interchangeable implementations whose callers take
+    whatever each returns."""
+    for st, value in scope.assignments.get(name, ()):
+        if st.lineno > after and isinstance(value, ast.Constant) and value.value is None:
+            return True
+    fn = getattr(scope.node, "name", None)
+    if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn is None:
+        return False
+    params = set(scope.args)
+    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    scope_parents = scope.__dict__.get("_npufuse_parents")
+    if scope_parents is None:
+        scope_parents = scope.__dict__["_npufuse_parents"] = _parents(scope.node)
+    if loads and all(_gated_by_param(n, scope_parents, params, scope.node) for n in loads):
+        # BERT's ``outputs = (context, probs) if output_attentions else (context,)``: returned only when the caller asks
+        return True
+    cls = module.classes.get(scope.class_name) if scope.class_name is not None else None
+    if cls is not None:
+        class_parents = _parents(cls)
+        if _flag_gated_in_class(cls, scope, fn, name, class_parents) or _sibling_returns_none(module, cls, fn):
+            return True
+    if not re.search(rf"\b{re.escape(fn)}\b(?!\s*\()", module.source):
+        return False  # never written other than called (or defined): a text test before the walk
+    nodes = list(fast_walk(module.tree))
+    called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
+    for n in nodes:
+        if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
+            continue
+        if isinstance(n, ast.Name) and n.id == fn and scope.class_name is None or \
+                isinstance(n, ast.Attribute) and n.attr == fn and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") and scope.class_name is not None:
+            return True
+    return False
+
+
+def _gated_by_param(node: ast.AST, parents: dict[int, ast.AST], params: set[str], stop: ast.AST) -> bool:
+    """``node`` sits inside an ``if`` / conditional expression (the taken branch) whose test is one of ``params``
+    or its negation: it is read only when the caller passes that flag."""
+    up, child = parents.get(id(node)), node
+    while up is not None and up is not stop:
+        test = up.test if isinstance(up, (ast.If, ast.IfExp)) and child is not up.test else None
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test = test.operand
+        if isinstance(test, ast.Name) and test.id in params:
+            return True
+        up, child = parents.get(id(up)), up
+    return False
+
+
+def _sibling_returns_none(module: ModuleInfo, cls: ast.ClassDef, fn: str) -> bool:
+    """Bark's ``BarkSelfFlashAttention2.forward`` returns ``attn_output, None`` beside the eager class's
+    ``attn_output, attn_weights``: another class of the file defines the method (or the in-class method that calls
+    it) and returns a tuple holding a literal None: the classes are interchangeable and None is what callers get
+    from the other one."""
+    names = {fn}
+    for method in cls.body:
+        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == fn
+                and isinstance(c.func.value, ast.Name) and c.func.value.id == "self" for c in fast_walk(method)):
+            names.add(method.name)
+    for other in module.classes.values():
+        if other is cls:
+            continue
+        for method in other.body:
+            if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name in names and any(
+                    isinstance(r, ast.Return) and isinstance(r.value, ast.Tuple)
+                    and any(isinstance(e, ast.Constant) and e.value is None for e in r.value.elts) for r in fast_walk(method)):
+                return True
+    return False
+
+
+def _flag_gated_in_class(cls: ast.ClassDef, scope: Scope, fn: str, name: str, parents: dict[int, ast.AST]) -> bool:
+    """GPT-Neo's ``attn_output, attn_weights = self._attn(...)`` ... ``if output_attentions: outputs += (attn_weights,)``:
+    every caller of the method in its own class unpacks the result and reads the probabilities only under an ``if``
+    on one of its own parameters (an optional output the user asks for), never otherwise; at least one such caller."""
+    position = None
+    for st in fast_walk(scope.node):
+        if isinstance(st, ast.Return) and isinstance(st.value, ast.Tuple):
+            names = [e.id if isinstance(e, ast.Name) else None for e in st.value.elts]
+            if name in names:
+                position = names.index(name)
+    if position is None:
+        return False
+    callers = 0
+    for method in cls.body:
+        if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or method is scope.node:
+            continue
+        params = {a.arg for a in (*method.args.posonlyargs, *method.args.args, *method.args.kwonlyargs)}
+        for call in fast_walk(method):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == fn
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"):
+                continue
+            assign = parents.get(id(call))
+            if not (isinstance(assign, ast.Assign) and len(assign.targets) == 1 and isinstance(assign.targets[0], ast.Tuple)
+                    and position < len(assign.targets[0].elts) and isinstance(assign.targets[0].elts[position], ast.Name)):
+                return False  # the result kept whole (returned / stored): what reads the weights is not visible
+            weights = assign.targets[0].elts[position].id
+            for load in fast_walk(method):
+                if isinstance(load, ast.Name) and load.id == weights and isinstance(load.ctx, ast.Load) \
+                        and not _gated_by_param(load, parents, params, method):
+                    return False
+            callers += 1
+    return callers > 0
+
+
 def _only_returned_in(stmt: ast.stmt, name: str, skip: set[int]) -> bool:
     parents = _parents(stmt)
     for n in fast_walk(stmt):
@@ -3347,6 +3628,20 @@ class _Mod:
     num_key_value_groups = 2
 '''
 
+# transformers picks the attention function at run time (its sdpa / flash functions return None for the weights):
+# eager_attention_forward is one of interchangeable implementations, so its callers accept None weights
+_HF_DISPATCH = '''
+
+class _Dispatch:
+    _attn_implementation = "eager"
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        attention_interface = eager_attention_forward
+        if self._attn_implementation != "eager":
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self._attn_implementation]
+        return attention_interface(module, query, key, value, attention_mask, scaling)
+'''
+
 AttentionPattern.FUSE = [
     Fuse(
         name="hf_llama_eager_gqa",
@@ -3368,7 +3663,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     attn_output = attn_output.transpose(1, 2).contiguous()
 
     return attn_output, attn_weights
-''' + _HF_MASK,
+''' + _HF_MASK + _HF_DISPATCH,
         expect={"gqa": "module.num_key_value_groups", "mask_kind": "additive_float", "scale": "scaling", "returns_probs": "attn_weights",
                 "layout": "BNSD", "dropout": "dropout", "q": "query", "k": "key", "qualname": "eager_attention_forward"},
         run='''
@@ -3399,7 +3694,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     attn_output = attn_output.transpose(1, 2).contiguous()
 
     return attn_output, attn_weights
-''' + _HF_MASK,
+''' + _HF_MASK + _HF_DISPATCH,
         expect={"softmax_dtype": "torch.float32"},
         run='''
 q = torch.randn(1, 4, 16, 32).half().requires_grad_()
@@ -3626,36 +3921,6 @@ leaves = [x, m.qkv.weight]
 ''',
     ),
     Fuse(
-        name="annotated_transformer_keep_mask",
-        # harvardnlp "The Annotated Transformer": keep-polarity mask, -1e9 fill, probabilities returned
-        code='''
-import math
-import torch
-
-
-def attention(query, key, value, mask=None, dropout=None):
-    "Compute 'Scaled Dot Product Attention'"
-    d_k = query.size(-1)
-    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
-    if mask is not None:
-        scores = scores.masked_fill(mask == 0, -1e9)
-    p_attn = scores.softmax(dim=-1)
-    if dropout is not None:
-        p_attn = dropout(p_attn)
-    return torch.matmul(p_attn, value), p_attn
-''',
-        expect={"mask_kind": "bool_masked", "returns_probs": "p_attn", "scale": "1.0 / math.sqrt(d_k)", "mask_conditions": ["mask is not None"]},
-        run='''
-q = torch.randn(2, 4, 8, 16, requires_grad=True)
-k = torch.randn(2, 4, 8, 16, requires_grad=True)
-v = torch.randn(2, 4, 8, 16, requires_grad=True)
-mask = torch.ones(2, 1, 1, 8, dtype=torch.long)
-mask[0, ..., 6:] = 0
-out = attention(q, k, v, mask, dropout=torch.nn.Dropout(0.1).eval())[0]
-leaves = [q, k, v]
-''',
-    ),
-    Fuse(
         name="gpt2_bottom_right_causal_kv_cache",
         # GPT-2 style: tril buffer sliced bottom-right ([k - q : k, :k]), torch.where keep-mask, Sq < Skv
         code='''
@@ -3768,6 +4033,13 @@ class GPTNeoSelfAttention(nn.Module):
         attn_output = torch.matmul(attn_weights, value)
 
         return attn_output, attn_weights
+
+    def forward(self, query, key, value, attention_mask=None, output_attentions=False):
+        attn_output, attn_weights = self._attn(query, key, value, attention_mask)
+        outputs = (attn_output,)
+        if output_attentions:
+            outputs += (attn_weights,)
+        return outputs
 ''',
         expect={"mask_kind": "additive_float+causal", "sparse_mode": 0, "scale": "1.0", "returns_probs": "attn_weights"},
         run='''
@@ -5757,5 +6029,308 @@ v = torch.randn(2, 4, 7, 16, requires_grad=True)
 out = attend(q, k, v)
 leaves = [q, k, v]
 """,
+    )
+)
+
+
+# --- issue 14 class 3: multiplicative 0/1 masks ---
+# ``s * m - C * (1 - m)`` (C >= 1e4) is ``s`` where m == 1 and ``-C`` where m == 0: a keep mask with a finite fill,
+# passed as ``m == 0`` (True = masked) where m holds only 0 and 1 (its construction from a comparison, else a run-time
+# check). A fractional m, a small offset, or a product without an offset is not a mask.
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="multiplicative_mask_guarded_function",
+        # the mask is applied under a data-dependent test and its 0/1 values are checked at run time
+        code="""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def standard_attention(query, key, value, mask, dropout=None, scaled=True, **kwargs):
+    if scaled:
+        query = query / math.sqrt(query.shape[-1])
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    if not (mask.shape[-2] == 1 and (mask > 0).all()):
+        scores = torch.mul(scores, mask) - 10000.0 * (1.0 - mask)
+    probs = F.softmax(scores, dim=-1)
+    if dropout is not None:
+        probs = dropout(probs)
+    return torch.matmul(probs, value)
+""",
+        expect={"mask_kind": "multiplicative_01", "mask_values_checked": True, "mask": ["keep01: mask"]},
+        run="""
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 6, 16, requires_grad=True)
+v = torch.randn(2, 4, 6, 16, requires_grad=True)
+m = torch.ones(6, 6).tril()[None, None].expand(2, 1, 6, 6)
+out = (standard_attention(q, k, v, m), standard_attention(q, k, v, torch.ones(2, 1, 1, 6)),
+       standard_attention(q, k, v, m * 0.5 + 0.25, scaled=False))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="multiplicative_mask_from_comparison",
+        # a padding keep mask built from a comparison: 0/1 by construction, no run-time check
+        code="""
+import torch
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, heads=4, dim_head=16):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+
+    def forward(self, q, k, v, ids):
+        keep = (ids != 0).to(q.dtype)[:, None, None, :]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        s = s.mul(keep) + (1 - keep) * -1e9
+        p = torch.softmax(s, -1)
+        return torch.matmul(p, v)
+""",
+        expect={"mask_kind": "multiplicative_01", "mask_values_checked": False},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 5, 16, requires_grad=True)
+v = torch.randn(2, 4, 5, 16, requires_grad=True)
+ids = torch.tensor([[3, 4, 5, 0, 0], [1, 2, 3, 4, 5]])
+out = SelfAttention()(q, k, v, ids)
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="multiplicative_mask_operator_form",
+        # ``s * m + (1.0 - m) * -10000.0`` with a float mask parameter of unknown values
+        code="""
+import torch
+
+
+def attend(q, k, v, m):
+    s = q @ k.transpose(-2, -1) / 4.0
+    s = s * m + (1.0 - m) * -10000.0
+    return s.softmax(-1) @ v
+""",
+        expect={"mask_kind": "multiplicative_01", "mask_values_checked": True, "scale": "1.0 / 4.0"},
+        run="""
+q = torch.randn(2, 2, 4, 16, requires_grad=True)
+k = torch.randn(2, 2, 4, 16, requires_grad=True)
+v = torch.randn(2, 2, 4, 16, requires_grad=True)
+m = torch.tensor([1.0, 1.0, 1.0, 0.0])[None, None, None, :].expand(2, 1, 4, 4)
+out = attend(q, k, v, m)
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="multiplicative_mask_small_offset",
+        code="""
+import torch
+
+
+def attend(q, k, v, m):
+    s = q @ k.transpose(-2, -1) * 0.125
+    s = s * m - 10.0 * (1.0 - m)
+    return torch.softmax(s, dim=-1) @ v
+""",
+        reason="the masked logits become -10, not a large negative value",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="multiplicative_mask_without_offset",
+        code="""
+import torch
+
+
+def attend(q, k, v, ids):
+    keep = (ids > 0).float()[:, None, None, :]
+    s = q @ k.transpose(-2, -1) * 0.125
+    s = s * keep
+    return torch.softmax(s, dim=-1) @ v
+""",
+        reason="a 0/1 tensor built from a comparison, with no large negative offset",
+    )
+)
+
+
+# --- issue 14 class 3: attention probabilities returned to the callers ---
+# the fused op does not produce the probabilities; returning None for them is accepted only where the code shows its
+# callers take None (a path setting them to None, the function chosen among interchangeable implementations, or every
+# in-class caller reading them only under one of its flags). Otherwise a caller relies on them: a near miss.
+AttentionPattern.KEEP.append(
+    Keep(
+        name="annotated_transformer_probs_returned",
+        # harvardnlp "The Annotated Transformer": ``x, self.attn = attention(...)`` keeps them for visualisation
+        code='''
+import math
+import torch
+
+
+def attention(query, key, value, mask=None, dropout=None):
+    "Compute 'Scaled Dot Product Attention'"
+    d_k = query.size(-1)
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -1e9)
+    p_attn = scores.softmax(dim=-1)
+    if dropout is not None:
+        p_attn = dropout(p_attn)
+    return torch.matmul(p_attn, value), p_attn
+''',
+        reason="the attention probabilities (`p_attn`) are returned to the callers, and nothing shows a caller accepts None",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="vit_returns_attention_for_visualisation",
+        code='''
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = (q @ k.transpose(-2, -1)) * self.scale
+        attn = attn.softmax(dim=-1)
+        x = (attn @ v).transpose(1, 2).reshape(b, n, c)
+        return x, attn
+''',
+        reason="the attention probabilities (`attn`) are returned to the callers",
+    )
+)
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="probs_returned_none_on_a_path",
+        # the function itself drops the weights unless asked: None is an accepted value for its callers
+        code='''
+import math
+
+import torch
+
+
+def attention(query, key, value, mask=None, need_weights=False):
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(query.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -1e9)
+    p_attn = scores.softmax(dim=-1)
+    out = torch.matmul(p_attn, value)
+    if not need_weights:
+        p_attn = None
+    return out, p_attn
+''',
+        expect={"mask_kind": "bool_masked", "returns_probs": "p_attn", "mask_conditions": ["mask is not None"]},
+        run="""
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 4, 8, 16, requires_grad=True)
+v = torch.randn(2, 4, 8, 16, requires_grad=True)
+mask = torch.ones(2, 1, 1, 8, dtype=torch.long)
+mask[0, ..., 6:] = 0
+out = attention(q, k, v, mask)[0]
+leaves = [q, k, v]
+""",
+    )
+)
+
+
+# --- issue 14 class 3: flag-guarded dropout on the probabilities ---
+# GLM-130B / SwissArmyTransformer: ``if dropout is not None: if rng_tracker is not None: with tracker.fork(): p = drop(p)
+# else: p = drop(p)``: the same dropout on either branch of the inner test, none where the outer one fails
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="dropout_under_flag_and_rng_fork",
+        code="""
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class Tracker:
+    def fork(self):
+        return contextlib.nullcontext()
+
+
+class FP32SoftmaxMixin:
+    def attention_fn(self, q, k, v, mask, attention_dropout=None, rng=None, layer_id=0):
+        coeff = float(layer_id + 1)
+        q = q / (math.sqrt(q.shape[-1]) * coeff)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if not (mask.shape[-2] == 1 and (mask > 0).all()):
+            scores = scores.masked_fill(mask, -10000.0)
+        scores = scores.float()
+        scores = scores * coeff
+        probs = F.softmax(scores, dim=-1)
+        probs = probs.to(v.dtype)
+        if attention_dropout is not None:
+            if rng is not None:
+                with rng.fork():
+                    probs = attention_dropout(probs)
+            else:
+                probs = attention_dropout(probs)
+        return torch.matmul(probs, v)
+""",
+        expect={"mask_kind": "bool_masked", "dropout": "attention_dropout.p"},
+        run="""
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 6, 16, requires_grad=True)
+v = torch.randn(2, 4, 6, 16, requires_grad=True)
+mask = torch.ones(6, 6, dtype=torch.bool).triu(1)[None, None]
+drop = torch.nn.Dropout(0.1).eval()
+m = FP32SoftmaxMixin()
+out = (m.attention_fn(q, k, v, mask, drop, Tracker(), layer_id=2), m.attention_fn(q, k, v, mask, None, None))
+leaves = [q, k, v]
+""",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="dropout_on_one_branch_only_differs",
+        # the inner branches apply different dropouts (one rescaled) under a run-time test: not one dropout the fused op can stand for
+        code="""
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, drop_a, drop_b, flag):
+    p = F.softmax(torch.matmul(q, k.transpose(-1, -2)) * 0.125, dim=-1)
+    if torch.is_grad_enabled():
+        if flag:
+            p = drop_a(p)
+        else:
+            p = drop_b(p) * 2.0
+    return torch.matmul(p, v)
+""",
+        reason="attention probabilities are modified after softmax under `if torch.is_grad_enabled()`",
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="tensor_factor_not_a_scale",
+        # a mask parameter multiplied into the scores (no offset): used as a tensor in the function, so not a scale
+        code="""
+import torch
+
+
+def attend(q, k, v, mask):
+    mask = mask.unsqueeze(1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+    s = s * mask
+    return torch.softmax(s, dim=-1) @ v
+""",
+        reason="is used as a tensor in this function (`mask.unsqueeze`)",
     )
 )

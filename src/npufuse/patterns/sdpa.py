@@ -57,6 +57,27 @@ SDPA_NAMES = {
 _BOOL_CALLS = {"torch.tril", "torch.triu", "torch.logical_not", "torch.logical_and", "torch.logical_or", "torch.eq", "torch.ne", "torch.isin"}
 
 
+_EXITS = (ast.Raise, ast.Return, ast.Continue, ast.Break)
+
+
+def unconditional_exit_before(scope: Scope, stmt: ast.stmt) -> ast.stmt | None:
+    """A ``raise`` / ``return`` / ``continue`` / ``break`` that precedes ``stmt`` in its own block or in a block
+    enclosing it (a ``with`` / ``try`` body / loop body holding it): control never reaches ``stmt``.
+    An exception handler's body is reached by the raise, so the walk stops at a handler."""
+    listing, owners = scope.listing()
+    where = {id(st): (blk, j, owner) for (blk, j, st), owner in zip(listing, owners)}
+    cur: ast.stmt | None = stmt
+    while cur is not None and id(cur) in where:
+        blk, j, owner = where[id(cur)]
+        exit_stmt = next((b for b in blk[:j] if isinstance(b, _EXITS)), None)
+        if exit_stmt is not None:
+            return exit_stmt
+        if owner is None or isinstance(owner, ast.Try) and blk is not owner.body and blk is not getattr(owner, "orelse", None):
+            return None  # a handler / finally body runs however the try body ends
+        cur = owner  # reached only if its owner is
+    return None
+
+
 def _resolve(scope: Scope, node: ast.expr) -> ast.expr:
     for _ in range(12):
         if not isinstance(node, ast.Name):
@@ -97,6 +118,12 @@ class SdpaPattern(Pattern):
 
         def miss(reason: str) -> NearMiss:
             return NearMiss(self.id, scope.qualname, line, end, reason)
+
+        exit_stmt = unconditional_exit_before(scope, stmt)
+        if exit_stmt is not None:
+            # ``try: raise Exception(); with ...: out = F.sdpa(...)``: the call never runs, a rewrite changes nothing
+            return miss(f"the call is unreachable: `{' '.join(segment(module, exit_stmt).split())[:60]}` (line {exit_stmt.lineno}) "
+                        "always leaves its block before it, so the SDPA call never runs")
 
         if any(isinstance(a, ast.Starred) for a in call.args):
             return miss("arguments passed with `*`: which one is the mask / causal flag is not visible")
@@ -762,5 +789,72 @@ class WindowAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=rel)
 ''',
         reason="which returns values of `self.table`, a learned Parameter",
+    )
+)
+
+# --- issue 14 class 3: SDPA calls control never reaches ---
+# a ``raise`` (or ``return``) earlier in the call's block or an enclosing with/try/loop body: the call never runs
+SdpaPattern.KEEP.append(
+    Keep(
+        name="sdpa_after_raise_in_try",
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+def fast_attend(q, k, v, fallback):
+    try:
+        raise RuntimeError("disabled")
+        with torch.backends.cuda.sdp_kernel(enable_math=False):
+            out = F.scaled_dot_product_attention(q, k, v)
+    except RuntimeError:
+        out = fallback(q, k, v)
+    return out
+''',
+        reason='the call is unreachable: `raise RuntimeError("disabled")`',
+    )
+)
+SdpaPattern.KEEP.append(
+    Keep(
+        name="sdpa_after_early_return",
+        code='''
+import torch.nn.functional as F
+
+
+class Attend:
+    def forward(self, q, k, v):
+        return self.naive(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out
+''',
+        reason="the call is unreachable: `return self.naive(q, k, v)`",
+    )
+)
+SdpaPattern.FUSE.append(
+    Fuse(
+        name="sdpa_after_conditional_raise",
+        # a raise inside an ``if`` (or an except handler's body) does not make what follows unreachable
+        code='''
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v):
+    if q.dim() != 4:
+        raise ValueError("expected [B, N, S, D]")
+    try:
+        out = F.scaled_dot_product_attention(q, k, v)
+    except RuntimeError:
+        raise
+    return out
+''',
+        expect={"mask_kind": "none"},
+        run="""
+q = torch.randn(2, 4, 5, 16, requires_grad=True)
+k = torch.randn(2, 4, 5, 16, requires_grad=True)
+v = torch.randn(2, 4, 5, 16, requires_grad=True)
+out = attend(q, k, v)
+leaves = [q, k, v]
+""",
     )
 )
