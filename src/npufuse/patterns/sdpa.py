@@ -185,6 +185,7 @@ class SdpaPattern(Pattern):
                 names[tag] = f"_npufuse_{tag}"
                 lines.append(f"_npufuse_{tag} = {text}")
         qn, kn, vn = names["q"], names["k"], names["v"]
+        n_qkv = len(lines)  # the lines binding q/k/v: the head-dim check below reads them
         if layout == "BNSD":
             qa, ka, va = (f"{atom(x)}.contiguous()" for x in (qn, kn, vn))
             head_num, sq, d_expr = f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[-1]"
@@ -283,9 +284,15 @@ class SdpaPattern(Pattern):
         if layout == "BSND":
             fa = f"{fa}.transpose(1, 2)"  # SDPA returns [B, N, S, D]
         lines.append(replace_segments(module, stmt, [(call, fa)]))
+        # npu_fusion_attention takes Dk >= Dv only (SDPA any Dv): where v's head dim exceeds k's the
+        # original runs (two shape reads; a value head wider than the key's is rare but real)
+        dv_check = f"{atom(vn)}.shape[-1] <= {atom(kn)}.shape[-1]"
         if value_check is not None:
             split = next(n for n, ln in enumerate(lines) if ln.startswith("_npufuse_mask = "))
-            lines = checked_body(lines[:split], lines[split:], value_check, block_source(module, block[start : i + 1]))
+            lines = checked_body(lines[:split], lines[split:], f"({value_check}) and {dv_check}", block_source(module, block[start : i + 1]))
+        else:
+            lines = checked_body(lines[:n_qkv], lines[n_qkv:], dv_check, block_source(module, block[start : i + 1]))
+        notes.append("npu_fusion_attention needs v's head dim <= k's (SDPA takes any): checked at run time, else the original runs")
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         params: dict[str, Any] = {
             "mask_kind": mask_kind,
