@@ -73,6 +73,7 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
     if any(w in text for w in _ctor_words(module)) or (scope.qualname.endswith(".__init__") and rms_subclass(module, scope.class_name)):
         # nn.RMSNorm modules: swapped where they are constructed (see construction_sites)
         out.extend(construction_sites(module, scope, idx))
+        out.extend(hf_construction_sites(module, scope, idx))
     if scope.qualname == "<module>":
         out.sort(key=lambda r: r.line)
         yield from out
@@ -701,5 +702,104 @@ def hf_norm_calls(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, attrs: dic
                                     "npu_rms_norm applies the weight in fp32 and rounds once (≤1-ulp differences)")],
             notes=["unfused: transformers' RMSNorm (about 8 kernels); fused: 1",
                    f"fused only while {mod} is exactly {cls} (checked at run time)"],
+            training_ok=True,
+        )
+
+
+# --- transformers' Llama-style RMSNorm modules built in this repo, called by code outside it -------
+#
+# ``class MoEDecoderLayer(LlamaDecoderLayer)`` whose ``__init__`` builds ``self.input_layernorm =
+# LlamaRMSNorm(...)``: the calls are in transformers' inherited forward, not in the repository, so
+# :func:`hf_norm_calls` has no call to rewrite. The module is swapped where it is built instead (as
+# nn.RMSNorm modules are): the instance keeps its class, ``weight`` and ``variance_epsilon`` (state
+# dict unchanged) and gets a forward running npu_rms_norm on NPU input while its type is exactly the
+# imported class. Which classes are Llama-style is a fact about transformers (``_HF_LLAMA_NORMS``:
+# fp32 statistics, ``weight * x.to(input_dtype)``), as for the call sites. Where the class itself
+# calls the attribute, the call site is the finding (:func:`hf_norm_calls`) and nothing is added here.
+
+_HF_SWAP = "_npufuse_hf_rms_norm_swap"
+
+
+def _hf_swap_helper(T: str) -> str:
+    """The local function swapping a transformers Llama-style RMSNorm's forward on one instance."""
+    return "\n".join([
+        f"def {_HF_SWAP}(norm):",
+        "    # transformers' Llama-style RMSNorm through torch_npu.npu_rms_norm for NPU input; weight,",
+        "    # variance_epsilon and the state_dict keys stay those of the instance",
+        "    cls = type(norm)",
+        "    def forward(self, hidden_states):",
+        "        if _npufuse_on_npu(hidden_states) and type(self) is cls and 2 <= hidden_states.dim() <= 8:",
+        "            w = self.weight",
+        "            # npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input",
+        f"            gamma = w if w.dtype in (hidden_states.dtype, {T}.float32) else w.to(hidden_states.dtype)",
+        "            out = torch_npu.npu_rms_norm(hidden_states, gamma, epsilon=self.variance_epsilon)[0]",
+        f"            return out.to({T}.promote_types(hidden_states.dtype, w.dtype))",
+        "        return cls.forward(self, hidden_states)",
+        "",
+        "    norm.forward = forward.__get__(norm)",
+        "    return norm",
+        "",
+    ])
+
+
+def _hf_norm_class(module: ModuleInfo, call: ast.Call) -> str | None:
+    """The local name of the class ``call`` constructs when it is a transformers Llama-style RMSNorm."""
+    if not isinstance(call.func, ast.Name):
+        return None
+    full = module.aliases.get(call.func.id, "")
+    if full.startswith("transformers.") and full.rsplit(".", 1)[-1] in _HF_LLAMA_NORMS:
+        return call.func.id
+    return None
+
+
+def _class_calls_attr(module: ModuleInfo, class_name: str | None, attr: str) -> bool:
+    """Some method of the class (as written in this file) calls ``self.<attr>(...)``."""
+    node = module.classes.get(class_name or "")
+    if node is None:
+        return True  # unknown class: leave it to the call-site finding
+    text = "".join(S.module_lines(module)[node.lineno - 1 : node.end_lineno or node.lineno])
+    return f"self.{attr}(" in text
+
+
+def hf_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """One finding per statement building a transformers Llama-style RMSNorm into ``self.<attr>``
+    that this class never calls itself (the inherited, installed code does)."""
+    if not scope.class_name or "RMSNorm" not in S.scope_text(module, scope):
+        return
+    T = S.torch_name(module) or "torch"
+    lines = S.module_lines(module)
+    for stmt in idx.stmts:
+        if not S.simple_stmt(stmt) or not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+            continue
+        if "RMSNorm" not in "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
+            continue
+        if not isinstance(stmt.value, ast.Call) or _in_fused_branch(idx, stmt):
+            continue
+        cls = _hf_norm_class(module, stmt.value)
+        target = dotted(stmt.targets[0])
+        if cls is None or not target or not target.startswith("self.") or target.count(".") != 1:
+            continue
+        if _class_calls_attr(module, scope.class_name, target[5:]):
+            continue
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        body = S.splice(module, stmt, [(stmt.value, f"{_HF_SWAP}({S.source_of(module, stmt.value)})")])
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params={"source": "transformers", "module": cls, "norm_class": cls, "target": target, "constructions": 1,
+                    "eps": f"{target}.variance_epsilon", "weight": f"{target}.weight", "output_dtype": "promote(input, weight)",
+                    "unfused_ops": ["cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"], "upcast": "float32"},
+            fused=_hf_swap_helper(T) + body,
+            # nothing is a tensor yet where a module is built (see construction_sites)
+            guard_tensor=f"{T}.Tensor", confidence="medium", variant="hf_norm_construction",
+            risks=[*_RISKS, *_SWAP_RISKS,
+                   Risk("numerics", f"{cls} is transformers' code, not this repository's: its forward is read as transformers' "
+                                    "(x.float() * rsqrt(mean(x^2) + variance_epsilon), then weight * x.to(input_dtype)); "
+                                    "npu_rms_norm applies the weight in fp32 and rounds once (≤1-ulp differences)")],
+            notes=["unfused: transformers' RMSNorm (about 8 kernels); fused: 1",
+                   f"{target} is called by inherited code outside this repository: the module is swapped where it is "
+                   f"built, and its forward runs npu_rms_norm while its type is exactly {cls} (checked at run time)"],
             training_ok=True,
         )

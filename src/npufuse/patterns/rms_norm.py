@@ -3250,3 +3250,43 @@ class Block(nn.Module):
         name="nn_rmsnorm_bare_subclass_built_in_another_class",
     ),
 ]
+
+
+# -- transformers' Llama-style RMSNorm built in this repo and called by inherited code (issue 14) ----
+
+_HF_NORM_BUILT_FOR_INHERITED = '''
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel, LlamaRMSNorm
+
+
+class SparseLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
+
+
+class Backbone(LlamaModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+'''
+
+RmsNorm.FUSE += [
+    # run end to end in tests/test_detect_ho4_norm_rope_attn.py (a stand-in transformers module there)
+    Fuse(_HF_NORM_BUILT_FOR_INHERITED, expect={"variant": "hf_norm_construction", "target": "self.input_layernorm",
+                                               "norm_class": "LlamaRMSNorm", "qualname": "SparseLayer.__init__", "line": 10},
+         name="transformers_rmsnorm_built_for_an_inherited_forward"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a norm class transformers writes differently (Gemma: x * (1 + weight)) is not assumed Llama-style
+        _HF_NORM_BUILT_FOR_INHERITED.replace("LlamaRMSNorm", "GemmaRMSNorm").replace("modeling_llama import", "modeling_gemma import"),
+        reason="",
+        name="transformers_gemma_rmsnorm_built_is_not_llama_style",
+    ),
+]
