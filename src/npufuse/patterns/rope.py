@@ -1099,6 +1099,8 @@ def _named_pair(call: ast.Call) -> tuple[ast.Name, ast.Name] | None:
         pair = _pair_of(stacked, _STACK)
         return pair if pair is not None and all(isinstance(p, ast.Name) for p in pair) else None  # type: ignore[return-value]
     pair = _pair_of(call, _CAT) if isinstance(call, ast.Call) else None
+    if pair is not None and not all(isinstance(p, ast.Name) for p in pair):
+        pair = _uncast_named_pair(pair)
     if pair is None or not all(isinstance(p, ast.Name) for p in pair):
         return None
     return pair  # type: ignore[return-value]
@@ -1745,6 +1747,7 @@ class RopePattern(Pattern):
                   f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
         m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
         m.absorb = [d[0] for d in defs]
+        m.post = _pair_cast_suffix(node) + m.post
         if anchor is not site:
             m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
@@ -4853,5 +4856,87 @@ RopePattern.KEEP += [
         _FILLED_HELPERS.replace("    out[..., h:] = x1\n", "    out[..., h - 1:] = x[..., h - 1:]\n"),
         reason="does not compute the standard rotate_half",
         name="filled_helper_overlapping_slices",
+    ),
+]
+
+
+# --- named rotated halves cast before the cat (issue 14, held-out 4) -------------------------------
+#
+# dia: ``y1 = x1*cos - x2*sin; y2 = x2*cos + x1*sin; cat((y1.to(dt), y2.to(dt)), -1)``: the same
+# cast on both halves is the cast of the cat (a cast is elementwise), so the site is the named
+# pair with the cast applied to the fused result. Different casts on the two halves (or any other
+# call) are not a pair of halves of one tensor and are left alone.
+
+_PAIR_CASTS = ("to", "float", "half", "bfloat16", "double", "type", "type_as")
+
+
+def _cast_of(node: ast.expr) -> tuple[ast.Name, str] | None:
+    """(y, ".to(...)") of ``y.to(...)`` / ``y.float()`` / ``y.type_as(t)`` with y a plain name."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _PAIR_CASTS             and isinstance(node.func.value, ast.Name) and not any(isinstance(a, ast.Starred) for a in node.args)             and all(k.arg is not None for k in node.keywords):
+        return node.func.value, ast.unparse(node)[len(node.func.value.id):]
+    return None
+
+
+def _uncast_named_pair(pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, ast.expr] | None:
+    """The two names of ``(y1.<cast>, y2.<cast>)`` when both halves take the same cast."""
+    a, b = _cast_of(pair[0]), _cast_of(pair[1])
+    if a is None or b is None or a[1] != b[1]:
+        return None
+    return a[0], b[0]
+
+
+def _pair_cast_suffix(call: ast.Call) -> str:
+    """The common cast of the two halves of a named-pair cat, as a suffix for the fused result ("" if none)."""
+    pair = _pair_of(call, _CAT)
+    if pair is None or all(isinstance(p, ast.Name) for p in pair):
+        return ""
+    a = _cast_of(pair[0])
+    return a[1] if a is not None and _uncast_named_pair(pair) is not None else ""
+
+
+_HALVES_CAST_BEFORE_CAT = '''
+import torch
+import torch.nn as nn
+
+
+class Rotary(nn.Module):
+    def __init__(self, dims: int, max_timescale: float = 10000.0, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.out_dtype = dtype
+        fraction = (2.0 * torch.arange(0, dims // 2)) / dims
+        self.register_buffer("timescale", max_timescale ** fraction, persistent=False)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor):
+        angle = position.unsqueeze(-1).unsqueeze(-1) / self.timescale
+        sin = torch.sin(angle)
+        cos = torch.cos(angle)
+        x1, x2 = torch.chunk(x.to(torch.float32), 2, dim=-1)
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        return torch.cat((y1.to(self.out_dtype), y2.to(self.out_dtype)), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _HALVES_CAST_BEFORE_CAT,
+        expect={"qualname": "Rotary.forward", "line": 18, "end_line": 20},
+        # per-batch positions: cos/sin (B, T, 1, D/2), x (B, T, N, D) (half mode takes BS1D)
+        run='''
+m = Rotary(16)
+x = torch.randn(2, 5, 3, 16).bfloat16().requires_grad_()
+pos = torch.stack([torch.arange(5), torch.arange(5) + 3]).float()
+out = m(x, pos)
+leaves = [x]
+''',
+        name="named_halves_cast_before_the_cat",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # two different casts: not one tensor's halves cast together
+        _HALVES_CAST_BEFORE_CAT.replace("y2.to(self.out_dtype)", "y2.to(torch.float16)"),
+        reason="",
+        name="named_halves_cast_differently_before_the_cat",
     ),
 ]
