@@ -1351,6 +1351,11 @@ class _Matcher:
                         f"(`{self._first_diff(a, b)}`): the fused op has no hook for it"
                     )
                 return None
+            if isinstance(node, ast.IfExp):
+                taken = self._conditional_dropout_expr(node, chain)
+                if taken is not None:
+                    node = taken
+                    continue
             sm = self.softmax_of(node)
             if sm is not None:
                 x, dim, dtype = sm
@@ -1567,6 +1572,21 @@ class _Matcher:
                 self._under_dropout(n, chain)
             return drop
         return self.dropout_of(n)
+
+    def _conditional_dropout_expr(self, node: ast.IfExp, chain: Chain) -> Any:
+        """VAR: ``F.dropout(P, p) if p > 0 else P`` with P written twice (the same expression on both
+        branches): the dropout under the condition, as the ``if`` statement form (Cond) is read; the
+        branch without it is followed. None where the branches differ otherwise."""
+        if chain.dropout is not None:
+            return None
+        for with_drop, plain, neg in ((node.body, node.orelse, False), (node.orelse, node.body, True)):
+            drop = self._strip_dropout(with_drop, chain)
+            if drop is not None and ast.dump(deref(drop[0], chain.seen)) == ast.dump(deref(plain, chain.seen)) \
+                    and not any(isinstance(t, ast.Call) for t in walk_sym(node.test)):
+                chain.dropout = ("dropout", drop[1], drop[2])
+                chain.dropout_cond = (node.test, neg)
+                return plain
+        return None
 
     def _under_dropout(self, node: Under, chain: Chain) -> None:
         """A dropout run inside ``with <ctx>:`` (Megatron's model-parallel RNG fork): the fused op draws its
@@ -5759,3 +5779,48 @@ leaves = [q, k, v]
 """,
     )
 )
+
+
+_DROPOUT_IF_P = '''
+import torch
+import torch.nn.functional as F
+
+
+def eager_attn(query, key, value, scale: float, attn_mask=None, dropout_p=0.0):
+    attn = query.mul(scale) @ key.transpose(-2, -1)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    return (F.dropout(attn.softmax(dim=-1), p=dropout_p, inplace=True) if dropout_p > 0 else attn.softmax(dim=-1)) @ value
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _DROPOUT_IF_P,
+        expect={"qualname": "eager_attn", "dropout": "dropout_p"},
+        run='''
+q = torch.randn(2, 3, 5, 8, requires_grad=True)
+k = torch.randn(2, 3, 5, 8, requires_grad=True)
+v = torch.randn(2, 3, 5, 8, requires_grad=True)
+bias = torch.zeros(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+out = (eager_attn(q, k, v, 8 ** -0.5, bias), eager_attn(q, k, v, 8 ** -0.5))
+leaves = [q, k, v]
+''',
+        name="post_softmax_dropout_in_a_conditional_expression",
+    ),
+    Fuse(
+        # the other order: the plain probabilities when the condition holds
+        _DROPOUT_IF_P.replace("(F.dropout(attn.softmax(dim=-1), p=dropout_p, inplace=True) if dropout_p > 0 else attn.softmax(dim=-1))",
+                              "(attn.softmax(dim=-1) if dropout_p == 0 else F.dropout(attn.softmax(dim=-1), dropout_p))"),
+        expect={"qualname": "eager_attn", "dropout": "dropout_p"},
+        name="post_softmax_dropout_in_the_else_of_a_conditional_expression",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the branches differ by more than the dropout: the plain branch rescales the probabilities
+        _DROPOUT_IF_P.replace("else attn.softmax(dim=-1))", "else attn.softmax(dim=-1) * 0.5)"),
+        reason="modified after softmax",
+        name="conditional_expression_differing_by_more_than_dropout",
+    ),
+]
