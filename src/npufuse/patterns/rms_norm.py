@@ -3290,3 +3290,61 @@ RmsNorm.KEEP += [
         name="transformers_gemma_rmsnorm_built_is_not_llama_style",
     ),
 ]
+
+
+# -- eps added to the scaled 2-norm (stripedhyena-style; issue 14, held-out 4) ---------------------
+
+_EPS_ADDED_TO_NORM = '''
+import math
+import torch
+from torch import nn
+
+
+class ScaledNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps, self.d = eps, d
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        y = x / (x.norm(2, dim=-1, keepdim=True) * self.d ** (-1.0 / 2) + self.eps)
+        return self.scale * y
+
+
+class InlineNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps, self.d = eps, d
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.g * x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) / math.sqrt(self.d) + self.eps)
+'''
+
+_EPS_ADDED_RUN = '''
+m = {cls}(32){cast}
+with torch.no_grad():
+    getattr(m, "{w}").normal_()
+x = torch.randn(3, 5, 32{dtype}, requires_grad=True)
+out = m(x)
+leaves = [x, getattr(m, "{w}")]
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_EPS_ADDED_TO_NORM, expect={"variant": "l2_norm_eps_added", "qualname": "ScaledNorm.forward", "eps": "self.eps",
+                                     "eps_rule": "added to the scaled norm", "x": "x"},
+         run=_EPS_ADDED_RUN.format(cls="ScaledNorm", cast="", dtype="", w="scale"), name="eps_added_to_scaled_norm_next_statement_gain"),
+    Fuse(_EPS_ADDED_TO_NORM.split("class ScaledNorm")[0] + "class ScaledNorm" + _EPS_ADDED_TO_NORM.split("class InlineNorm")[1].replace("(nn.Module)", "(nn.Module)", 1),
+         expect={"variant": "l2_norm_eps_added", "qualname": "ScaledNorm.forward"},
+         run=_EPS_ADDED_RUN.format(cls="ScaledNorm", cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", w="g"),
+         name="eps_added_to_norm_over_sqrt_d_inline_gain_bf16"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # no 1/sqrt(d) on the norm: x / (||x|| + eps) * g is an L2 normalisation with a gain (ScaleNorm)
+        _EPS_ADDED_TO_NORM.split("class InlineNorm")[0].replace(" * self.d ** (-1.0 / 2) + self.eps)", " + self.eps)"),
+        reason="without a sqrt(d) factor",
+        name="eps_added_to_unscaled_norm_is_scalenorm",
+    ),
+]
