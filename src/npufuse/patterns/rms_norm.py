@@ -229,8 +229,12 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if dim is None:
         raise Miss("mean over all elements, not over the last dim", rstd)
     if not S.is_last_dim_expr(dim):
-        if isinstance(const_value(dim), int):
+        if isinstance(const_value(dim), int) and not _asserted_last_dim(ctx, y_inner, const_value(dim)):
             raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+        if isinstance(const_value(dim), int):
+            if const_value(keepdim) is not True:
+                raise Miss("mean without keepdim=True", rstd)
+            return y, sqctx, up or up2 or up3
         trailing = _trailing_dims_of(module, dim, vctx, trace)
         if trailing is not None and dim_checks is not None:
             # ``dims = tuple(range(-1, -len(shape) - 1, -1))``: the last len(shape) dims; the fused
@@ -3347,4 +3351,97 @@ RmsNorm.KEEP += [
         reason="without a sqrt(d) factor",
         name="eps_added_to_unscaled_norm_is_scalenorm",
     ),
+]
+
+
+
+# --- a non-negative mean dim that is the last one by an asserted rank (moshi; issue 14, held-out 4) ---
+#
+# ``assert x.dim() == 3`` then ``torch.mean(x**2, dim=2, keepdim=True)``: dim 2 of a 3-D tensor is its
+# last dim. The rank is taken from an ``assert`` at the top level of the same function on the same
+# name, where every assignment to that name in the function is a cast of itself (a cast keeps the
+# rank); anything else (a reshape, a value from elsewhere) leaves the dim unproven.
+
+_RANK_KEEPING = ("to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous")
+
+
+def _asserted_rank(stmt: ast.stmt, name: str) -> int | None:
+    """N of ``assert <name>.dim() == N`` / ``<name>.ndim == N`` / ``len(<name>.shape) == N`` (also inside ``and``)."""
+    if not isinstance(stmt, ast.Assert):
+        return None
+    tests = stmt.test.values if isinstance(stmt.test, ast.BoolOp) and isinstance(stmt.test.op, ast.And) else [stmt.test]
+    for t in tests:
+        if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)):
+            continue
+        for a, b in ((t.left, t.comparators[0]), (t.comparators[0], t.left)):
+            n = const_value(b)
+            if not isinstance(n, int) or isinstance(n, bool):
+                continue
+            if isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and a.func.attr in ("dim", "ndimension") and not a.args \
+                    and isinstance(a.func.value, ast.Name) and a.func.value.id == name:
+                return n
+            if isinstance(a, ast.Attribute) and a.attr == "ndim" and isinstance(a.value, ast.Name) and a.value.id == name:
+                return n
+            if isinstance(a, ast.Call) and isinstance(a.func, ast.Name) and a.func.id == "len" and len(a.args) == 1 \
+                    and isinstance(a.args[0], ast.Attribute) and a.args[0].attr == "shape" \
+                    and isinstance(a.args[0].value, ast.Name) and a.args[0].value.id == name:
+                return n
+    return None
+
+
+def _casts_itself(value: ast.AST | None, name: str) -> bool:
+    """``name.to(...)`` / ``name.float()`` ...: a value of the same rank as ``name``."""
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _RANK_KEEPING \
+        and isinstance(value.func.value, ast.Name) and value.func.value.id == name
+
+
+def _asserted_last_dim(ctx: "S.Ctx", y: ast.expr, dim: int) -> bool:
+    """``dim`` (>= 0) is the last dim of ``y`` by a rank asserted in the enclosing function."""
+    fn = ctx.scope.node
+    if dim < 0 or not isinstance(y, ast.Name) or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    ranks = {r for st in fn.body if (r := _asserted_rank(st, y.id)) is not None}
+    if ranks != {dim + 1}:
+        return False
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == y.id for t in targets) and not _casts_itself(node.value, y.id):
+                return False
+        elif isinstance(node, (ast.For, ast.With, ast.NamedExpr)) and any(
+                isinstance(t, ast.Name) and t.id == y.id for t in ast.walk(getattr(node, "target", node))
+                if isinstance(node, (ast.For, ast.NamedExpr))):
+            return False
+    return True
+
+_ASSERTED_RANK_NORM = '''
+import torch
+from torch import nn
+
+
+class Norm3d(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        assert x.dim() == 3, "expects [B, T, C]"
+        x = x.float()
+        var = torch.mean(x ** 2, dim=2, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_ASSERTED_RANK_NORM, expect={"qualname": "Norm3d.forward"},
+         run=("m = Norm3d(16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+              "x = torch.randn(2, 5, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.weight]\n"),
+         name="mean_over_dim_2_of_an_asserted_3d_input"),
+]
+
+RmsNorm.KEEP += [
+    Keep(_ASSERTED_RANK_NORM.replace("x.dim() == 3", "x.dim() == 4"), reason="mean over dim 2, not the last dim",
+         name="mean_over_dim_2_of_an_asserted_4d_input"),
+    Keep(_ASSERTED_RANK_NORM.replace("x = x.float()", "x = x.transpose(1, 2)"), reason="mean over dim 2, not the last dim",
+         name="mean_over_dim_2_after_a_rank_assert_and_a_transpose"),
 ]
