@@ -1573,6 +1573,16 @@ class _Matcher:
             return drop
         return self.dropout_of(n)
 
+    def _scores_back_to_3d(self, node: Any, chain: Chain, stop: Any) -> bool:
+        """FlexLLMGen / OPT-style: the [b*np, sq, sk] product viewed as [b, np, sq, sk] for the mask, then
+        viewed back to [b*np, sq, sk] before the softmax (Megatron views the probabilities back instead).
+        The same heads-in-batch reading; the 4-D view below it is then required (match checks it)."""
+        if not (getattr(self, "three_d", False) and not chain.heads_in_batch and stop is None
+                and self.method(node, "view", "reshape") and self._arity(node) == 3):
+            return False
+        chain.heads_in_batch = True
+        return True
+
     def _conditional_dropout_expr(self, node: ast.IfExp, chain: Chain) -> Any:
         """VAR: ``F.dropout(P, p) if p > 0 else P`` with P written twice (the same expression on both
         branches): the dropout under the condition, as the ``if`` statement form (Cond) is read; the
@@ -1619,6 +1629,9 @@ class _Matcher:
             if chain.head_axis and not chain.head_axis_removed and stop is None and self.method(node, "unsqueeze") and len(node.args) == 1 \
                     and const_value(node.args[0]) == 1:
                 chain.head_axis_removed = True
+                node = node.func.value
+                continue
+            if self._scores_back_to_3d(node, chain, stop):
                 node = node.func.value
                 continue
             if chain.heads_in_batch and not chain.scores_viewed and self.method(node, "view", "reshape") and self._arity(node) == 4:
@@ -5822,5 +5835,81 @@ AttentionPattern.KEEP += [
         _DROPOUT_IF_P.replace("else attn.softmax(dim=-1))", "else attn.softmax(dim=-1) * 0.5)"),
         reason="modified after softmax",
         name="conditional_expression_differing_by_more_than_dropout",
+    ),
+]
+
+
+_SCORES_VIEWED_BACK = '''
+import torch
+import torch.nn.functional as F
+
+
+def prefill_attention(q, k, v, attention_mask, b, s, n_head, head_dim):
+    # q, k, v: (b, s, n_head, head_dim); q already scaled
+    q = q.permute(0, 2, 1, 3).reshape(b * n_head, s, head_dim)
+    k = k.permute(0, 2, 3, 1).reshape(b * n_head, head_dim, s)
+    v = v.permute(0, 2, 1, 3).reshape(b * n_head, s, head_dim)
+    attn_weights = torch.bmm(q, k)
+    idx = torch.arange(s)
+    causal_mask = (idx <= idx.view(s, 1)).view(1, 1, s, s)
+    mask = attention_mask.view(b, 1, 1, s) & causal_mask
+    attn_weights = attn_weights.view(b, n_head, s, s)
+    attn_weights = torch.where(mask, attn_weights, -1e4)
+    attn_weights = attn_weights.view(b * n_head, s, s)
+    attn_weights = F.softmax(attn_weights, dim=2)
+    return torch.bmm(attn_weights, v).view(b, n_head, s, head_dim)
+
+
+def biased_attention(q, k, v, bias, b, s, n_head, head_dim):
+    q = q.reshape(b * n_head, s, head_dim)
+    k = k.reshape(b * n_head, s, head_dim)
+    v = v.reshape(b * n_head, s, head_dim)
+    w = torch.bmm(q, k.transpose(1, 2))
+    w = w.view(b, n_head, s, s) + bias
+    w = w.view(b * n_head, s, s)
+    w = F.softmax(w, dim=-1)
+    return torch.bmm(w, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SCORES_VIEWED_BACK,
+        expect={"qualname": "prefill_attention"},
+        run='''
+b, s, n, d = 2, 6, 4, 8
+q = (torch.randn(b, s, n, d) * d ** -0.5).requires_grad_()
+k = torch.randn(b, s, n, d, requires_grad=True)
+v = torch.randn(b, s, n, d, requires_grad=True)
+pad = torch.ones(b, s, dtype=torch.bool)
+pad[1, 4:] = False  # right padding of the second sequence (no row fully masked: the -1e4 fill differs only there)
+out = prefill_attention(q, k, v, pad, b, s, n, d)
+leaves = [q, k, v]
+''',
+        name="scores_viewed_4d_for_the_mask_and_back_to_3d_before_softmax",
+    ),
+    Fuse(
+        _SCORES_VIEWED_BACK.split("def prefill_attention")[0] + "def biased_attention" + _SCORES_VIEWED_BACK.split("def biased_attention")[1],
+        expect={"qualname": "biased_attention"},
+        run='''
+b, s, n, d = 2, 5, 3, 8
+q = torch.randn(b, n, s, d, requires_grad=True)
+k = torch.randn(b, n, s, d, requires_grad=True)
+v = torch.randn(b, n, s, d, requires_grad=True)
+bias = torch.zeros(b, 1, s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+out = biased_attention(q, k, v, bias, b, s, n, d)
+leaves = [q, k, v]
+''',
+        name="scores_viewed_4d_for_an_additive_mask_and_back_to_3d",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # viewed to [b*np, sq, sk] before the softmax, but never a 4-D view of the 3-D product: the head
+        # grouping of the mask is not visible
+        _SCORES_VIEWED_BACK.split("def prefill_attention")[0] + "def biased_attention"
+        + _SCORES_VIEWED_BACK.split("def biased_attention")[1].replace("w = w.view(b, n_head, s, s) + bias", "w = w + bias"),
+        reason="the scores were not a 4-D view of the 3-D",
+        name="scores_viewed_back_without_a_4d_view_for_the_mask",
     ),
 ]
