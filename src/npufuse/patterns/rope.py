@@ -392,6 +392,8 @@ def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | Non
     if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
         return None
     dim = keyword(call, "dim", 1)
+    if dim is None:
+        dim = keyword(call, "axis")  # torch.cat/stack take numpy's ``axis`` as an alias of dim
     # the last dim also as gpt-neox writes it: ``dim=x1.ndim - 1`` (x1 has the result's rank)
     if not (_is_int(dim, -1, 3, 4) or is_last_dim_expr(dim)):
         return None
@@ -4938,5 +4940,50 @@ RopePattern.KEEP += [
         _HALVES_CAST_BEFORE_CAT.replace("y2.to(self.out_dtype)", "y2.to(torch.float16)"),
         reason="",
         name="named_halves_cast_differently_before_the_cat",
+    ),
+]
+
+
+# --- torch.stack/cat with numpy's ``axis`` keyword (issue 14, held-out 4) -------------------------
+
+_STACK_AXIS_KEYWORD = '''
+import torch
+import torch.nn as nn
+
+
+class Rotary(nn.Module):
+    def rotate_every_two(self, x):
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+        x = torch.stack((-x2, x1), axis=-1)
+        return x.flatten(-2)
+
+    def apply_rotary_pos_emb(self, x, sincos, offset=0):
+        sin, cos = map(lambda t: t[None, offset : x.shape[-2] + offset, :].repeat_interleave(2, 2), sincos)
+        return (x * cos) + (self.rotate_every_two(x) * sin)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _STACK_AXIS_KEYWORD,
+        expect={"qualname": "Rotary.apply_rotary_pos_emb"},
+        run='''
+s, d = 6, 16
+inv = 1.0 / (10000 ** (torch.arange(0, d, 2) / d))
+ang = torch.einsum("i , j -> i j", torch.arange(s).float(), inv)
+x = torch.randn(2, s, 4, d, requires_grad=True).transpose(1, 2)
+out = Rotary().apply_rotary_pos_emb(x, (torch.sin(ang), torch.cos(ang)))
+leaves = [x]
+''',
+        name="interleaved_stack_with_numpy_axis_keyword",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # stacked on axis -2 then flattened: lanes paired across positions, not a rotation of each pair
+        _STACK_AXIS_KEYWORD.replace("axis=-1", "axis=-2"),
+        reason="does not compute the standard rotate_half",
+        name="stack_on_axis_minus_two_is_not_the_interleave",
     ),
 ]
