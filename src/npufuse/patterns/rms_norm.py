@@ -3445,3 +3445,39 @@ RmsNorm.KEEP += [
     Keep(_ASSERTED_RANK_NORM.replace("x = x.float()", "x = x.transpose(1, 2)"), reason="mean over dim 2, not the last dim",
          name="mean_over_dim_2_after_a_rank_assert_and_a_transpose"),
 ]
+
+
+# -- a TorchScript RMSNorm rebinding its input inside the fused statements (ModelCenter-style) -------
+
+_SCRIPTED_RMS_REBINDS_INPUT = '''
+import torch
+
+
+@torch.jit.script
+def rms_layernorm(hidden: torch.Tensor, weight: torch.Tensor, eps: float):
+    old_dtype = hidden.dtype
+    variance = hidden.to(torch.float32).pow(2).mean(dim=-1, keepdim=True)
+    hidden = (hidden * torch.rsqrt(variance + eps)).to(old_dtype)
+    return hidden * weight
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # the input is rebound by the statements the fused code replaces: the wrapper's entry check reads
+        # the value the site reads
+        _SCRIPTED_RMS_REBINDS_INPUT,
+        expect={"qualname": "<module>", "lifted_from": "rms_layernorm"},
+        run=("x = torch.randn(3, 5, 16).to(torch.bfloat16).requires_grad_()\nw = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = rms_layernorm(x, w, 1e-5)\nleaves = [x, w]\n"),
+        name="torchscript_rmsnorm_rebinding_its_input_in_the_site",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # rebound before the site: the tensor the wrapper would test is not the one normalised
+        _SCRIPTED_RMS_REBINDS_INPUT.replace("    old_dtype = hidden.dtype\n", "    hidden = hidden.flip(-1)\n    old_dtype = hidden.dtype\n"),
+        reason="is not a parameter left unchanged",
+        name="torchscript_rmsnorm_rebinding_its_input_before_the_site",
+    ),
+]
