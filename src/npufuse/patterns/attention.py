@@ -1184,6 +1184,7 @@ class _Matcher:
             raise Miss("no Q@Kᵀ product found under the softmax")
         if chain.heads_in_batch and not chain.scores_viewed:
             raise Miss("the probabilities are re-viewed to 3-D for P@V but the scores were not a 4-D view of the 3-D Q@Kᵀ product")
+        self._check_zeroed_rows(chain, layout)
         if chain.head_axis != chain.head_axis_removed:
             raise Miss("the probabilities are squeezed on axis 1 for P@V but the scores were not unsqueezed there")
         return chain
@@ -1370,6 +1371,10 @@ class _Matcher:
                     chain.softmax_dtype = self.src(dtype)
                 chain.spelling.append("softmax")
                 return x
+            zeroed = self._zeroed_masked_probs(node, chain)
+            if zeroed is not None:
+                node = zeroed
+                continue
             if self._qk_softmax(node):
                 self._sink_column(node)
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
@@ -1583,6 +1588,41 @@ class _Matcher:
         chain.heads_in_batch = True
         return True
 
+    def _zeroed_masked_probs(self, node: Any, chain: Chain) -> Any:
+        """ModelCenter / "avoid nan": ``P.masked_fill(M, 0)`` (or ``torch.masked_fill(P, M, 0)``, the fill
+        a 0 literal or ``torch.scalar_tensor(0, ...)``) right on the softmax output P: the softmax input
+        is returned and M recorded; :meth:`_check_zeroed_rows` then requires M to be the mask the scores
+        were masked with (True = masked), which makes the zeroing touch only fully masked rows."""
+        if getattr(chain, "zero_masked", None) is not None:
+            return None
+        if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
+            x, m, fill = node.func.value, node.args[0], node.args[1]
+        elif isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3:
+            x, m, fill = node.args
+        else:
+            return None
+        f = deref(fill)
+        if isinstance(f, ast.Call) and self._fn(f) in ("torch.scalar_tensor", "torch.tensor") and f.args:
+            f = deref(f.args[0])
+        if const_value(f) not in (0, 0.0) or isinstance(const_value(f), bool):
+            return None
+        if self.softmax_of(deref(x, chain.seen)) is None:
+            return None
+        chain.zero_masked = m  # type: ignore[attr-defined]
+        return x
+
+    def _check_zeroed_rows(self, chain: Chain, layout: str) -> None:
+        m = getattr(chain, "zero_masked", None)
+        if m is None:
+            return
+        same = [t for t in chain.masks if t.kind == "masked" and t.cond is None and ast.dump(deref(t.node)) == ast.dump(deref(m))]
+        if not same:
+            raise Miss(f"attention probabilities are modified after softmax (`masked_fill` with 0 by `{self.src(m)}`, "
+                       "not the mask the scores were masked with: it would zero kept positions too)")
+        if layout != "BNSD" or chain.heads_in_batch:
+            raise Miss(f"attention probabilities are zeroed on masked keys after softmax with {layout} scores: npufuse "
+                       "zeroes the fully masked rows of a BNSD result only")
+
     def _conditional_dropout_expr(self, node: ast.IfExp, chain: Chain) -> Any:
         """VAR: ``F.dropout(P, p) if p > 0 else P`` with P written twice (the same expression on both
         branches): the dropout under the condition, as the ``if`` statement form (Cond) is read; the
@@ -1725,6 +1765,11 @@ class _Matcher:
             if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
                 self.add_bool(node.args[0], node.args[1], "masked", chain, cond)
                 node = node.func.value
+                continue
+            if isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3 and not node.keywords:
+                # the function spelling of the same (ModelCenter)
+                self.add_bool(node.args[1], node.args[2], "masked", chain, cond)
+                node = node.args[0]
                 continue
             if isinstance(node, ast.Call) and self._fn(node) == "torch.where" and len(node.args) == 3:
                 c, x, y = node.args
@@ -1909,8 +1954,8 @@ class _Matcher:
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
         fill = deref(fill)
-        if isinstance(fill, ast.Call) and self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like") and len(fill.args) >= 1:
-            fill = deref(fill.args[1] if self._fn(fill) != "torch.tensor" and len(fill.args) > 1 else fill.args[0])
+        if isinstance(fill, ast.Call) and self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like", "torch.scalar_tensor") and len(fill.args) >= 1:
+            fill = deref(fill.args[1] if self._fn(fill) not in ("torch.tensor", "torch.scalar_tensor") and len(fill.args) > 1 else fill.args[0])
         text = self.src(fill).replace(" ", "")
         if re.fullmatch(r"(-float\(['\"]inf['\"]\)|float\(['\"]-inf['\"]\)|-(math|torch|np|numpy)\.inf|-inf|float\(['\"]-Infinity['\"]\))", text):
             return True, False
@@ -3090,6 +3135,15 @@ class AttentionPattern(Pattern):
         if sparse:
             kwargs.append(("sparse_mode", str(sparse)))
         call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)
+        zero_rows = getattr(chain, "zero_masked", None)
+        if zero_rows is not None:
+            try:
+                # the original zeroes the probabilities of masked keys after the softmax: a no-op on rows
+                # with a key left (already 0 there), zeros on fully masked rows; the fused op's value on
+                # such rows is not pinned down (spec: zeros or a uniform average), so they are zeroed here
+                call = f"{call}.masked_fill(({r.text(zero_rows)}).all(-1, keepdim=True), 0)"
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         if cast_v:
             call = f"{call}.to({out_dtype})"
         if three_d:
@@ -5911,5 +5965,72 @@ AttentionPattern.KEEP += [
         + _SCORES_VIEWED_BACK.split("def biased_attention")[1].replace("w = w.view(b, n_head, s, s) + bias", "w = w + bias"),
         reason="the scores were not a 4-D view of the 3-D",
         name="scores_viewed_back_without_a_4d_view_for_the_mask",
+    ),
+]
+
+
+# --- probabilities of masked keys zeroed after the softmax ("avoid nan"; held-out 4) --------------
+
+_ZEROED_AFTER_SOFTMAX = '''
+import math
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, mask_value=float("-inf")):
+        super().__init__()
+        self.num_heads, self.dim_head = heads, dim // heads
+        self.proj = nn.Linear(dim, 3 * dim, bias=False)
+        self.softmax = nn.Softmax(dim=-1)
+        self.mask_value = mask_value
+
+    def forward(self, x, attention_mask):
+        batch_size, len_q, _ = x.shape
+        len_k = len_q
+        h_q, h_k, h_v = self.proj(x).view(batch_size, len_q, 3, self.num_heads, self.dim_head).permute(2, 0, 3, 1, 4)
+        score = torch.matmul(h_q, h_k.transpose(2, 3))
+        score = score / math.sqrt(self.dim_head)
+        score = torch.masked_fill(
+            score,
+            attention_mask.view(batch_size, 1, len_q, len_k) == False,
+            torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype),
+        )
+        score = self.softmax(score)
+        # avoid nan in softmax
+        score = torch.masked_fill(
+            score,
+            attention_mask.view(batch_size, 1, len_q, len_k) == False,
+            torch.scalar_tensor(0, device=score.device, dtype=score.dtype),
+        )
+        score = torch.matmul(score, h_v)
+        return score
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _ZEROED_AFTER_SOFTMAX,
+        expect={"qualname": "Attention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = Attention(32, 4)
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.ones(2, 5, 5, dtype=torch.bool).tril()
+keep[1, :, 3:] = False
+keep[1, 2, :] = False  # a fully masked row: zeros in the original (NaN softmax zeroed) and in the rewrite
+out = m(x, keep)
+leaves = [x]
+''',
+        name="probabilities_zeroed_on_masked_keys_after_softmax",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the zeroing mask is not the one the scores were masked with: it zeroes kept positions too
+        _ZEROED_AFTER_SOFTMAX.replace(
+            "        score = self.softmax(score)\n        # avoid nan in softmax\n        score = torch.masked_fill(\n            score,\n            attention_mask.view(batch_size, 1, len_q, len_k) == False,",
+            "        score = self.softmax(score)\n        # avoid nan in softmax\n        score = torch.masked_fill(\n            score,\n            attention_mask.view(batch_size, 1, len_q, len_k).transpose(-1, -2) == False,"),
+        reason="not the mask the scores were masked with",
+        name="probabilities_zeroed_by_another_mask",
     ),
 ]
