@@ -1588,6 +1588,21 @@ class _Matcher:
         chain.heads_in_batch = True
         return True
 
+    def _run_time_fill(self, fill: Any, chain: Chain) -> bool:
+        """A fill read from ``self.<attr>`` (ModelCenter's ``self.mask_value``, a constructor argument
+        defaulting to -inf): its value is a run-time fact, so the fused call runs only where it is a mask
+        value (-inf or <= -1e4) and the original code elsewhere."""
+        f = deref(fill)
+        if isinstance(f, ast.Call) and self._fn(f) in ("torch.tensor", "torch.scalar_tensor") and f.args:
+            f = deref(f.args[0])
+        d = self.src(f) if isinstance(f, ast.Attribute) else None
+        if d is None or not re.fullmatch(r"self\.[A-Za-z_]\w*", d):
+            return False
+        chain.requires.append((ast.parse(f"float({d}) <= -1e4", mode="eval").body,
+                               f"the masking value `{d}` is read at run time: the fused call runs where it is -inf or <= -1e4 "
+                               "(a mask), the original code otherwise"))
+        return True
+
     def _zeroed_masked_probs(self, node: Any, chain: Chain) -> Any:
         """ModelCenter / "avoid nan": ``P.masked_fill(M, 0)`` (or ``torch.masked_fill(P, M, 0)``, the fill
         a 0 literal or ``torch.scalar_tensor(0, ...)``) right on the softmax output P: the softmax input
@@ -1940,6 +1955,8 @@ class _Matcher:
             if isinstance(n, Ref) and n.idx >= 0 and n.value is not None:
                 chain.seen.add(n.idx)
         ok, finite = self._fill_ok(fill)
+        if not ok and self._run_time_fill(fill, chain):
+            ok, finite = True, True
         if not ok:
             raise Miss(f"masked with `{self.src(fill)}`, not −inf or a large negative value: not a mask npufuse converts")
         term = MaskTerm(kind, c, cond[0] if cond else None, cond[1] if cond else False, fill=self.src(fill))
@@ -6032,5 +6049,30 @@ AttentionPattern.KEEP += [
             "        score = self.softmax(score)\n        # avoid nan in softmax\n        score = torch.masked_fill(\n            score,\n            attention_mask.view(batch_size, 1, len_q, len_k).transpose(-1, -2) == False,"),
         reason="not the mask the scores were masked with",
         name="probabilities_zeroed_by_another_mask",
+    ),
+]
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the fill is an attribute set from a constructor argument: checked at run time (-inf / <= -1e4 fused)
+        _ZEROED_AFTER_SOFTMAX.replace('torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype)',
+                                      "torch.scalar_tensor(self.mask_value, device=score.device, dtype=score.dtype)"),
+        expect={"qualname": "Attention.forward", "mask_kind": "bool_masked"},
+        run='''
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.ones(2, 5, 5, dtype=torch.bool).tril()
+out = (Attention(32, 4)(x, keep), Attention(32, 4, mask_value=-0.5)(x, keep))  # the second runs the original code
+leaves = [x]
+''',
+        name="masking_value_read_from_an_attribute_checked_at_run_time",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the fill is a local value computed from the scores: not a value npufuse can test before the call
+        _ZEROED_AFTER_SOFTMAX.replace('torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype)', "score.min() - 1.0"),
+        reason="not −inf or a large negative value",
+        name="masking_value_computed_from_the_scores",
     ),
 ]
