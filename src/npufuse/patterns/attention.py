@@ -1588,6 +1588,17 @@ class _Matcher:
         chain.heads_in_batch = True
         return True
 
+    def _flag_scale(self, factor: Any, cond: tuple[Any, bool]) -> Any:
+        """ModelCenter: ``if self.attn_scale: score = score / math.sqrt(d)``: the scale under a flag read
+        at the site (no call, nothing computed from tensors) is ``factor if flag else 1.0``; None otherwise."""
+        test, neg = cond
+        if _heavy(test, through_meta=False) or any(isinstance(t, ast.Call) for t in walk_sym(test)):
+            return None
+        if isinstance(test, (Cond, Undef)) or any(isinstance(t, (Cond, Undef)) for t in walk_sym(test)):
+            return None
+        t = ast.UnaryOp(op=ast.Not(), operand=test) if neg else test
+        return ast.IfExp(test=t, body=factor, orelse=ast.Constant(1.0))
+
     def _run_time_fill(self, fill: Any, chain: Chain) -> bool:
         """A fill read from ``self.<attr>`` (ModelCenter's ``self.mask_value``, a constructor argument
         defaulting to -inf): its value is a run-time fact, so the fused call runs only where it is a mask
@@ -1773,6 +1784,8 @@ class _Matcher:
                     raise Miss(f"scores in a denominator (`{self.src(node)}`)")
                 base, factor = (node.left, node.right) if left_qk else (node.right, node.left)
                 if cond is not None:
+                    factor = self._flag_scale(factor, cond)
+                if cond is not None and factor is None:
                     raise Miss(f"the scale is applied only under `if {self.src(cond[0])}`")
                 self.add_scale(factor, isinstance(node.op, ast.Div), chain)
                 node = base
@@ -6074,5 +6087,55 @@ AttentionPattern.KEEP += [
         _ZEROED_AFTER_SOFTMAX.replace('torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype)', "score.min() - 1.0"),
         reason="not −inf or a large negative value",
         name="masking_value_computed_from_the_scores",
+    ),
+]
+
+
+# --- the scale applied under a flag (ModelCenter's ``if self.attn_scale``; held-out 4) --------------
+
+_SCALE_UNDER_FLAG = '''
+import math
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, attn_scale=True):
+        super().__init__()
+        self.num_heads, self.dim_head = heads, dim // heads
+        self.proj = nn.Linear(dim, 3 * dim, bias=False)
+        self.attn_scale = attn_scale
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        h_q, h_k, h_v = self.proj(x).view(b, s, 3, self.num_heads, self.dim_head).permute(2, 0, 3, 1, 4)
+        score = torch.matmul(h_q, h_k.transpose(2, 3))
+        if self.attn_scale:
+            score = score / math.sqrt(self.dim_head)
+        score = score.masked_fill(~keep, float("-inf"))
+        score = torch.softmax(score, dim=-1)
+        return torch.matmul(score, h_v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SCALE_UNDER_FLAG,
+        expect={"qualname": "Attention.forward", "scale": "1.0 / (math.sqrt(self.dim_head) if self.attn_scale else 1.0)"},
+        run='''
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.ones(5, 5, dtype=torch.bool).tril()
+out = (Attention(32, 4)(x, keep), Attention(32, 4, attn_scale=False)(x, keep))
+leaves = [x]
+''',
+        name="scale_applied_under_a_flag",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the flag is computed from the scores: not a value the fused call can read before it
+        _SCALE_UNDER_FLAG.replace("if self.attn_scale:", "if score.abs().max() > 100:"),
+        reason="the scale is applied only under",
+        name="scale_under_a_condition_on_the_scores",
     ),
 ]
