@@ -220,7 +220,11 @@ def lifted_text(module: "ModuleInfo", qualname: str, sites: list[tuple[int, int,
         return None
     if not guard_names or not guard_names <= set(params):
         return None
-    stored = {t.id for n in fast_walk(fn) for t in ([n] if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) else [])}
+    # the wrapper checks the guard tensor once, at entry: it must be the value the first site reads, so
+    # no statement before that site may rebind it (rebinding inside or after the sites is theirs to do)
+    first_site = min((line for line, _e, _f in sites), default=0)
+    stored = {t.id for n in fast_walk(fn) for t in ([n] if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) else [])
+              if t.lineno < first_site}
     if guard_names & stored:
         return None
     if any('"""' in f or "'''" in f for _a, _b, f in sites):

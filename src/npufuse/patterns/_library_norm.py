@@ -59,7 +59,8 @@ def relevant(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_library_norm_text")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_library_norm_text"] = "rms_norm" in src or "RMSNorm" in src or _l2_text(src)
+        cached = module.__dict__["_npufuse_library_norm_text"] = "rms_norm" in src or "RMSNorm" in src or _l2_text(src) \
+            or ("norm(" in src and "keepdim" in src)  # x / (||x|| * s + eps): see eps_added_norm_sites
     return cached
 
 
@@ -73,6 +74,7 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
     if any(w in text for w in _ctor_words(module)) or (scope.qualname.endswith(".__init__") and rms_subclass(module, scope.class_name)):
         # nn.RMSNorm modules: swapped where they are constructed (see construction_sites)
         out.extend(construction_sites(module, scope, idx))
+        out.extend(hf_construction_sites(module, scope, idx))
     if scope.qualname == "<module>":
         out.sort(key=lambda r: r.line)
         yield from out
@@ -81,7 +83,7 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
     if hf and any(f"self.{a}(" in text for a in hf):
         out.extend(hf_norm_calls(module, scope, idx, hf))
     l2 = _l2_text(text) or any(f"{h}(" in text for h in _l2_helpers(module))
-    if not ("rms_norm" in text or l2):
+    if not ("rms_norm" in text or l2 or ("norm(" in text and "+" in text)):
         yield from out
         return
     calls = scope.nodes().get(ast.Call, [])
@@ -108,6 +110,8 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         out.append(_finding(module, scope, group))
     if l2:
         out.extend(l2_norm_sites(module, scope, idx))
+    if "norm(" in text and "+" in text:
+        out.extend(eps_added_norm_sites(module, scope, idx))
     out.sort(key=lambda r: r.line)
     yield from out
 
@@ -701,5 +705,262 @@ def hf_norm_calls(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, attrs: dic
                                     "npu_rms_norm applies the weight in fp32 and rounds once (≤1-ulp differences)")],
             notes=["unfused: transformers' RMSNorm (about 8 kernels); fused: 1",
                    f"fused only while {mod} is exactly {cls} (checked at run time)"],
+            training_ok=True,
+        )
+
+
+# --- transformers' Llama-style RMSNorm modules built in this repo, called by code outside it -------
+#
+# ``class MoEDecoderLayer(LlamaDecoderLayer)`` whose ``__init__`` builds ``self.input_layernorm =
+# LlamaRMSNorm(...)``: the calls are in transformers' inherited forward, not in the repository, so
+# :func:`hf_norm_calls` has no call to rewrite. The module is swapped where it is built instead (as
+# nn.RMSNorm modules are): the instance keeps its class, ``weight`` and ``variance_epsilon`` (state
+# dict unchanged) and gets a forward running npu_rms_norm on NPU input while its type is exactly the
+# imported class. Which classes are Llama-style is a fact about transformers (``_HF_LLAMA_NORMS``:
+# fp32 statistics, ``weight * x.to(input_dtype)``), as for the call sites. Where the class itself
+# calls the attribute, the call site is the finding (:func:`hf_norm_calls`) and nothing is added here.
+
+_HF_SWAP = "_npufuse_hf_rms_norm_swap"
+
+
+def _hf_swap_helper(T: str) -> str:
+    """The local function swapping a transformers Llama-style RMSNorm's forward on one instance."""
+    return "\n".join([
+        f"def {_HF_SWAP}(norm):",
+        "    # transformers' Llama-style RMSNorm through torch_npu.npu_rms_norm for NPU input; weight,",
+        "    # variance_epsilon and the state_dict keys stay those of the instance",
+        "    cls = type(norm)",
+        "    def forward(self, hidden_states):",
+        "        if _npufuse_on_npu(hidden_states) and type(self) is cls and 2 <= hidden_states.dim() <= 8:",
+        "            w = self.weight",
+        "            # npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input",
+        f"            gamma = w if w.dtype in (hidden_states.dtype, {T}.float32) else w.to(hidden_states.dtype)",
+        "            out = torch_npu.npu_rms_norm(hidden_states, gamma, epsilon=self.variance_epsilon)[0]",
+        f"            return out.to({T}.promote_types(hidden_states.dtype, w.dtype))",
+        "        return cls.forward(self, hidden_states)",
+        "",
+        "    norm.forward = forward.__get__(norm)",
+        "    return norm",
+        "",
+    ])
+
+
+def _hf_norm_class(module: ModuleInfo, call: ast.Call) -> str | None:
+    """The local name of the class ``call`` constructs when it is a transformers Llama-style RMSNorm."""
+    if not isinstance(call.func, ast.Name):
+        return None
+    full = module.aliases.get(call.func.id, "")
+    if full.startswith("transformers.") and full.rsplit(".", 1)[-1] in _HF_LLAMA_NORMS:
+        return call.func.id
+    return None
+
+
+def _class_calls_attr(module: ModuleInfo, class_name: str | None, attr: str) -> bool:
+    """Some method of the class (as written in this file) calls ``self.<attr>(...)``."""
+    node = module.classes.get(class_name or "")
+    if node is None:
+        return True  # unknown class: leave it to the call-site finding
+    text = "".join(S.module_lines(module)[node.lineno - 1 : node.end_lineno or node.lineno])
+    return f"self.{attr}(" in text
+
+
+def hf_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """One finding per statement building a transformers Llama-style RMSNorm into ``self.<attr>``
+    that this class never calls itself (the inherited, installed code does)."""
+    if not scope.class_name or "RMSNorm" not in S.scope_text(module, scope):
+        return
+    T = S.torch_name(module) or "torch"
+    lines = S.module_lines(module)
+    for stmt in idx.stmts:
+        if not S.simple_stmt(stmt) or not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+            continue
+        if "RMSNorm" not in "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
+            continue
+        if not isinstance(stmt.value, ast.Call) or _in_fused_branch(idx, stmt):
+            continue
+        cls = _hf_norm_class(module, stmt.value)
+        target = dotted(stmt.targets[0])
+        if cls is None or not target or not target.startswith("self.") or target.count(".") != 1:
+            continue
+        if _class_calls_attr(module, scope.class_name, target[5:]):
+            continue
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        body = S.splice(module, stmt, [(stmt.value, f"{_HF_SWAP}({S.source_of(module, stmt.value)})")])
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params={"source": "transformers", "module": cls, "norm_class": cls, "target": target, "constructions": 1,
+                    "eps": f"{target}.variance_epsilon", "weight": f"{target}.weight", "output_dtype": "promote(input, weight)",
+                    "unfused_ops": ["cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"], "upcast": "float32"},
+            fused=_hf_swap_helper(T) + body,
+            # nothing is a tensor yet where a module is built (see construction_sites)
+            guard_tensor=f"{T}.Tensor", confidence="medium", variant="hf_norm_construction",
+            risks=[*_RISKS, *_SWAP_RISKS,
+                   Risk("numerics", f"{cls} is transformers' code, not this repository's: its forward is read as transformers' "
+                                    "(x.float() * rsqrt(mean(x^2) + variance_epsilon), then weight * x.to(input_dtype)); "
+                                    "npu_rms_norm applies the weight in fp32 and rounds once (≤1-ulp differences)")],
+            notes=["unfused: transformers' RMSNorm (about 8 kernels); fused: 1",
+                   f"{target} is called by inherited code outside this repository: the module is swapped where it is "
+                   f"built, and its forward runs npu_rms_norm while its type is exactly {cls} (checked at run time)"],
+            training_ok=True,
+        )
+
+
+# --- eps added to the scaled 2-norm: ``x / (x.norm(2, dim=-1, keepdim=True) * d ** -0.5 + eps) * g`` --
+#
+# stripedhyena's RMSNorm: the rms is ||x|| * s (s = d ** -0.5) and eps is added to it, not under the
+# root. As for the clamp spelling above, ||x|| * s = s * sqrt(D) * rms(x), so the replacement is
+# npu_rms_norm with gamma = P / (s * sqrt(D)) (D read from x at run time) and eps' = (eps / (s *
+# sqrt(D)))**2, which gives the same value where the norm is zero. Elsewhere the two differ by the
+# factor (r + e) / sqrt(r**2 + e**2) (r the scaled norm, e = eps): about 1 + eps / r on rows whose
+# norm is far above eps, up to sqrt(2) where the norm is near eps: a stated numerics risk.
+
+_EPS_ADDED_RISK = Risk("numerics", "eps is added to the (scaled) norm in the original (x / (||x|| * s + eps)); the fused op adds "
+                                   "eps' = (eps / (s * sqrt(d)))**2 inside the root: equal on zero rows, relative difference about "
+                                   "eps / (||x|| * s) on rows whose norm is far above eps (negligible for eps ~1e-6 and unit-scale "
+                                   "activations), up to 1.41x on rows whose scaled norm is close to eps")
+
+
+def _number(node: ast.AST | None) -> float | None:
+    """The value of a constant arithmetic expression (``-1.0 / 2``), else None."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _number(node.operand)
+        return None if v is None else (-v if isinstance(node.op, ast.USub) else v)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        a, b = _number(node.left), _number(node.right)
+        if a is None or b is None or (isinstance(node.op, ast.Div) and b == 0):
+            return None
+        return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}.get(type(node.op), a / b if b else 0.0)
+    return None
+
+
+def _root_power_any(module: ModuleInfo, node: ast.expr, init: dict) -> float | None:
+    """root_power, also with the exponent spelled as arithmetic (``d ** (-1.0 / 2)``)."""
+    p = canonical.root_power(module, node, init.get)
+    if p is None and isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and _number(node.right) in (0.5, -0.5):
+        p = _number(node.right)
+    return p
+
+
+def _eps_added_norm(module: ModuleInfo, den: ast.expr) -> tuple[ast.expr, list[tuple[ast.expr, bool]], ast.expr] | None:
+    """(x, scale factors s as (factor, divided), eps) of ``||x|| * s + eps`` (either order of the sum)
+    with eps a number or a plain attribute/name, and the norm a factor of the product (not divided)."""
+    if not (isinstance(den, ast.BinOp) and isinstance(den.op, ast.Add)):
+        return None
+    for prod, eps in ((den.left, den.right), (den.right, den.left)):
+        if not (_number(eps) is not None or dotted(eps) is not None):
+            continue
+        factors: list[tuple[ast.expr, bool]] = []
+        _flatten(prod, False, factors)
+        norms = [(f, canonical.l2_norm_operand(module, f)) for f, inv in factors if not inv]
+        norms = [(f, v) for f, v in norms if v is not None]
+        if len(norms) != 1:
+            continue
+        return norms[0][1], [(f, inv) for f, inv in factors if f is not norms[0][0]], eps
+    return None
+
+
+def eps_added_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """Findings/near misses for ``x / (||x|| * s + eps)`` times a gain (the gain on the same statement
+    or on the next one reading the quotient)."""
+    T = S.torch_name(module) or "torch"
+    init = S.init_assignments(module, scope.class_name)
+    for div in scope.nodes().get(ast.BinOp, []):
+        if not isinstance(div.op, ast.Div):
+            continue
+        found = _eps_added_norm(module, div.right)
+        if found is None:
+            continue
+        x, s_factors, eps = found
+        if dotted(x) is None:
+            continue
+        stmt = _stmt_of(idx, scope, div)  # type: ignore[arg-type]
+        if stmt is None:
+            continue
+        prev: ast.stmt | None = None
+        unit: ast.expr = div
+        if not canonical.same(div.left, x):
+            # ``g * x / (...)``: the denominator is a divided factor of the chain, x a multiplied one
+            chain = _mul_chain(stmt, div.right)
+            if chain is None or not any(f is div.right and inv for f, inv in chain[1]):
+                continue
+            xs = [f for f, inv in chain[1] if not inv and canonical.same(f, x)]
+            if len(xs) != 1:
+                continue
+            rest = [(f, inv) for f, inv in chain[1] if f is not div.right and f is not xs[0]]
+            yield from _eps_added_finding(module, scope, T, init, stmt, None, chain[0], rest, x, s_factors, eps)
+            continue
+        if isinstance(stmt, ast.Assign) and stmt.value is div and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            # ``y = x / (...)`` then ``g * y`` on the next statement
+            loc = idx.block.get(id(stmt))
+            nxt = loc[0][loc[1] + 1] if loc is not None and loc[1] + 1 < len(loc[0]) else None
+            use = next((n for n in S.iter_exprs_topdown(nxt) if isinstance(n, ast.Name) and n.id == stmt.targets[0].id), None) \
+                if nxt is not None and S.simple_stmt(nxt) else None
+            if use is None:
+                continue
+            prev, stmt, unit = stmt, nxt, use
+        chain = _mul_chain(stmt, unit)
+        if chain is None:
+            continue
+        node, factors = chain
+        if any(f is unit and inv for f, inv in factors):
+            continue
+        rest = [(f, inv) for f, inv in factors if f is not unit]
+        yield from _eps_added_finding(module, scope, T, init, stmt, prev, node, rest, x, s_factors, eps)
+
+
+def _eps_added_finding(module: ModuleInfo, scope: Scope, T: str, init: dict, stmt: ast.stmt, prev: ast.stmt | None, node: ast.expr,
+                       rest: list[tuple[ast.expr, bool]], x: ast.expr, s_factors: list[tuple[ast.expr, bool]], eps: ast.expr) -> Iterator[Result]:
+    """The finding (or near miss) for ``node``, the product ``x / (||x|| * s + eps)`` times the ``rest`` factors."""
+    for _once in (0,):
+        if not rest:
+            continue  # a bare unit vector: no gain
+        spelling = "x / (norm(x) * s + eps)"
+        powers = [(_root_power_any(module, f, init), inv) for f, inv in rest] + [(_root_power_any(module, f, init), not inv) for f, inv in s_factors]
+        if 0.5 not in [(-p if inv else p) for p, inv in powers if p is not None]:
+            yield _miss(scope, stmt, f"{spelling} times a gain without a sqrt(d) factor: an L2 normalisation (ScaleNorm), "
+                                     "not an RMSNorm (npu_rms_norm divides by the root of the mean, ||x|| / sqrt(d))")
+            continue
+        if not all(_pure(module, f) for f, _ in rest) or not all(_pure(module, f) for f, _ in s_factors):
+            yield _miss(scope, stmt, f"{spelling}: a factor besides the norm is computed by a call (the replacement "
+                                     "evaluates the factors again on its fallback path: it would run twice)")
+            continue
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        xs_ = S.source_of(module, x)
+        eps_src = S.source_of(module, eps)
+        num = " * ".join(f"({S.source_of(module, f)})" for f, inv in rest if not inv) or "1.0"
+        den = [f"({S.source_of(module, f)})" for f, inv in rest if inv]
+        P = num if not den else f"{num} / ({' * '.join(den)})"
+        scale = " * ".join([f"({S.source_of(module, f)})" if not inv else f"(1.0 / ({S.source_of(module, f)}))" for f, inv in s_factors]
+                           + [f"{xs_}.shape[-1] ** 0.5"])
+        eps_arg = f"float(({eps_src}) / ({scale})) ** 2"
+        fused_expr = f"torch_npu.npu_rms_norm({xs_}, _npu_g.to({xs_}.dtype), epsilon={eps_arg})[0].to({T}.result_type({xs_}, _npu_p))"
+        after_expr = (f"(torch_npu.npu_rms_norm({xs_}, {xs_}.new_ones({xs_}.shape[-1]), epsilon={eps_arg})[0]"
+                      f" * _npu_g).to({T}.result_type({xs_}, _npu_p))")
+        first = prev if prev is not None and not scope.uses_after(prev.targets[0].id, stmt.end_lineno or stmt.lineno) else None  # type: ignore[attr-defined]
+        fused = "\n".join([
+            f"_npu_p = {P}",
+            "# gamma = P / (s * sqrt(d)): the gain over the rms (||x|| = sqrt(d) * rms(x))",
+            f"_npu_g = {xs_}.new_ones({xs_}.shape[-1], dtype={T}.float32) * _npu_p / ({scale})",
+            "if _npu_g.dim() == 1:",
+            S.indent(S.splice(module, stmt, [(node, fused_expr)])),
+            "else:  # a gain that is not one value per feature (per head, per sample): multiplied after the norm",
+            S.indent(S.splice(module, stmt, [(node, after_expr)])),
+        ])
+        start = first if first is not None else stmt
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=start.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params={"eps": eps_src, "eps_rule": "added to the scaled norm", "weight": P, "norm_scale": scale, "x": xs_, "source": "l2_norm"},
+            fused=fused, guard_tensor=xs_, confidence="medium", variant="l2_norm_eps_added",
+            risks=[*_RISKS, _EPS_ADDED_RISK],
+            notes=[f"{spelling} with s = 1/sqrt(d) is x / (rms(x) + eps): replaced by npu_rms_norm with the gain folded into gamma",
+                   "eps: added to the rms in the original, inside the root in the fused op (see the risk)"],
             training_ok=True,
         )

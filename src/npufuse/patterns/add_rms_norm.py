@@ -222,6 +222,9 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         return None
     if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
         return None
+    chosen_norm = _flag_chosen_local_norm(module, scope, call, ctx, f.attr)
+    if chosen_norm is not None:
+        return chosen_norm
     value = S.init_assignments(module, scope.class_name).get(f.attr)
     if isinstance(value, ast.IfExp):
         # ``RMSNorm(d) if config.use_norm else None`` (Gemma2): calling None fails in the original
@@ -2038,5 +2041,140 @@ AddRmsNorm.KEEP += [
         _FORKED_BLOCK.replace("self.ffn_norm = RMSNorm(dim)", "self.ffn_norm = nn.LayerNorm(dim)"),
         reason="LayerNorm",
         name="layer_norm_of_the_sum_in_both_branches",
+    ),
+]
+
+
+
+
+# --- a norm attribute built by one of several branches of ``__init__`` (issue 14, held-out 4) -------
+#
+# HunyuanImage-3: ``if config.norm_type in ('hf_rms', 'rms'): self.post_attention_layernorm =
+# HunyuanRMSNorm(...) elif ...: self.post_attention_layernorm = nn.LayerNorm(...)``. Which module
+# the attribute holds is a configuration fact; the last assignment (nn.LayerNorm) is not "the" norm.
+# Where exactly one of the branches builds a class of this module whose forward parses as an
+# RMSNorm, the site is fused under a run-time check that the attribute holds exactly that class
+# (the original code runs for the other branches' modules).
+
+
+def _flag_chosen_local_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, attr: str) -> NormCall | None:
+    init = S.method(module, scope.class_name, "__init__")
+    if init is None:
+        return None
+    target = f"self.{attr}"
+    values = [st.value for st in S._stmts_in(init.body) if isinstance(st, ast.Assign) and len(st.targets) == 1
+              and dotted(st.targets[0]) == target]
+    if len(values) < 2 or not all(isinstance(v, ast.Call) for v in values):
+        return None
+    local = {dotted(v.func) for v in values if dotted(v.func) in module.classes}  # type: ignore[union-attr]
+    if len(local) != 1:
+        return None
+    cls = next(iter(local))
+    if not all(dotted(v.func) == cls or (module.canonical(v.func) or "") in _LAYER_NORMS for v in values):  # type: ignore[union-attr]
+        return None  # another kind of module (a library RMSNorm, an unknown class): left to the plain reading
+    nc = _local_class_norm(module, call, ctx, cls)
+    if nc is None or nc.kind != "rms":
+        return None
+    nc.conditions = [*nc.conditions, f"type({target}) is {cls}"]
+    return nc
+
+
+def _local_class_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str) -> NormCall | None:
+    """The NormCall for ``self.<attr>(x)`` read through the forward of the module class ``cls`` (as
+    :func:`_norm_call` reads a class built unconditionally)."""
+    f = call.func
+    fwd = S.method(module, cls, "forward")
+    if fwd is None or not isinstance(f, ast.Attribute) or len(call.args) != 1:
+        return None
+    ret = S.helper_return(fwd)
+    nscope = S.scope_of(module, fwd)
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if ret is None or nscope is None or len(params) < 2:
+        return None
+    defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
+    hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
+    bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (call.args[0], ctx)}
+    for p in params[2:]:
+        if p not in defaults:
+            return None
+        bind[p] = (defaults[p], hctx)
+    hctx.bind = bind
+    try:
+        m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
+    except (R.NoMatch, R.Miss):
+        return None
+    return NormCall(call, f.attr, "rms", match=m, cls=cls)
+
+
+# --- a norm attribute built by one of several branches of __init__ (held-out 4) ---------------------
+
+_NORM_CHOSEN_BY_BRANCH = '''
+import torch
+from torch import nn
+
+
+class HyRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden_size, norm_type="rms", eps=1e-6):
+        super().__init__()
+        self.attn = nn.Linear(hidden_size, hidden_size)
+        self.mlp = nn.Linear(hidden_size, hidden_size)
+        if norm_type == "hf_rms" or norm_type == "rms":
+            self.input_layernorm = HyRMSNorm(hidden_size, eps=eps)
+            self.post_attention_layernorm = HyRMSNorm(hidden_size, eps=eps)
+        elif norm_type == "torch_nn":
+            self.input_layernorm = nn.LayerNorm(hidden_size, eps=eps)
+            self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=eps)
+        else:
+            assert False, "other norm_type are not supported"
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.attn(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(
+        _NORM_CHOSEN_BY_BRANCH,
+        expect={"qualname": "DecoderLayer.forward", "line": 38},
+        run=(
+            "with torch.no_grad():\n"
+            "    layer = DecoderLayer(16).eval()\n"
+            "    layer.post_attention_layernorm.weight.normal_()\n"
+            "    other = DecoderLayer(16, norm_type='torch_nn').eval()\n"
+            "    x = torch.randn(2, 5, 16)\n"
+            "    out = (layer(x), other(x))\n"
+        ),
+        name="norm_class_chosen_by_init_branches",
+    ),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # every branch builds a LayerNorm: not an RMSNorm whichever is taken
+        _NORM_CHOSEN_BY_BRANCH.replace("self.post_attention_layernorm = HyRMSNorm(hidden_size, eps=eps)",
+                                       "self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=eps)"),
+        reason="norm is not RMSNorm (nn.LayerNorm",
+        name="norm_chosen_by_init_branches_all_layernorm",
     ),
 ]

@@ -1209,6 +1209,7 @@ class _Matcher:
             raise Miss("no Q@Kᵀ product found under the softmax")
         if chain.heads_in_batch and not chain.scores_viewed:
             raise Miss("the probabilities are re-viewed to 3-D for P@V but the scores were not a 4-D view of the 3-D Q@Kᵀ product")
+        self._check_zeroed_rows(chain, layout)
         if chain.head_axis != chain.head_axis_removed:
             raise Miss("the probabilities are squeezed on axis 1 for P@V but the scores were not unsqueezed there")
         return chain
@@ -1376,6 +1377,11 @@ class _Matcher:
                         f"(`{self._first_diff(a, b)}`): the fused op has no hook for it"
                     )
                 return None
+            if isinstance(node, ast.IfExp):
+                taken = self._conditional_dropout_expr(node, chain)
+                if taken is not None:
+                    node = taken
+                    continue
             sm = self.softmax_of(node)
             if sm is not None:
                 x, dim, dtype = sm
@@ -1390,6 +1396,10 @@ class _Matcher:
                     chain.softmax_dtype = self.src(dtype)
                 chain.spelling.append("softmax")
                 return x
+            zeroed = self._zeroed_masked_probs(node, chain)
+            if zeroed is not None:
+                node = zeroed
+                continue
             if self._qk_softmax(node):
                 self._sink_column(node)
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
@@ -1600,6 +1610,92 @@ class _Matcher:
             return drop
         return self.dropout_of(n)
 
+    def _scores_back_to_3d(self, node: Any, chain: Chain, stop: Any) -> bool:
+        """FlexLLMGen / OPT-style: the [b*np, sq, sk] product viewed as [b, np, sq, sk] for the mask, then
+        viewed back to [b*np, sq, sk] before the softmax (Megatron views the probabilities back instead).
+        The same heads-in-batch reading; the 4-D view below it is then required (match checks it)."""
+        if not (getattr(self, "three_d", False) and not chain.heads_in_batch and stop is None
+                and self.method(node, "view", "reshape") and self._arity(node) == 3):
+            return False
+        chain.heads_in_batch = True
+        return True
+
+    def _flag_scale(self, factor: Any, cond: tuple[Any, bool]) -> Any:
+        """ModelCenter: ``if self.attn_scale: score = score / math.sqrt(d)``: the scale under a flag read
+        at the site (no call, nothing computed from tensors) is ``factor if flag else 1.0``; None otherwise."""
+        test, neg = cond
+        if _heavy(test, through_meta=False) or any(isinstance(t, ast.Call) for t in walk_sym(test)):
+            return None
+        if isinstance(test, (Cond, Undef)) or any(isinstance(t, (Cond, Undef)) for t in walk_sym(test)):
+            return None
+        t = ast.UnaryOp(op=ast.Not(), operand=test) if neg else test
+        return ast.IfExp(test=t, body=factor, orelse=ast.Constant(1.0))
+
+    def _run_time_fill(self, fill: Any, chain: Chain) -> bool:
+        """A fill read from ``self.<attr>`` (ModelCenter's ``self.mask_value``, a constructor argument
+        defaulting to -inf): its value is a run-time fact, so the fused call runs only where it is a mask
+        value (-inf or <= -1e4) and the original code elsewhere."""
+        f = deref(fill)
+        if isinstance(f, ast.Call) and self._fn(f) in ("torch.tensor", "torch.scalar_tensor") and f.args:
+            f = deref(f.args[0])
+        d = self.src(f) if isinstance(f, ast.Attribute) else None
+        if d is None or not re.fullmatch(r"self\.[A-Za-z_]\w*", d):
+            return False
+        chain.requires.append((ast.parse(f"float({d}) <= -1e4", mode="eval").body,
+                               f"the masking value `{d}` is read at run time: the fused call runs where it is -inf or <= -1e4 "
+                               "(a mask), the original code otherwise"))
+        return True
+
+    def _zeroed_masked_probs(self, node: Any, chain: Chain) -> Any:
+        """ModelCenter / "avoid nan": ``P.masked_fill(M, 0)`` (or ``torch.masked_fill(P, M, 0)``, the fill
+        a 0 literal or ``torch.scalar_tensor(0, ...)``) right on the softmax output P: the softmax input
+        is returned and M recorded; :meth:`_check_zeroed_rows` then requires M to be the mask the scores
+        were masked with (True = masked), which makes the zeroing touch only fully masked rows."""
+        if getattr(chain, "zero_masked", None) is not None:
+            return None
+        if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
+            x, m, fill = node.func.value, node.args[0], node.args[1]
+        elif isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3:
+            x, m, fill = node.args
+        else:
+            return None
+        f = deref(fill)
+        if isinstance(f, ast.Call) and self._fn(f) in ("torch.scalar_tensor", "torch.tensor") and f.args:
+            f = deref(f.args[0])
+        if const_value(f) not in (0, 0.0) or isinstance(const_value(f), bool):
+            return None
+        if self.softmax_of(deref(x, chain.seen)) is None:
+            return None
+        chain.zero_masked = m  # type: ignore[attr-defined]
+        return x
+
+    def _check_zeroed_rows(self, chain: Chain, layout: str) -> None:
+        m = getattr(chain, "zero_masked", None)
+        if m is None:
+            return
+        same = [t for t in chain.masks if t.kind == "masked" and t.cond is None and ast.dump(deref(t.node)) == ast.dump(deref(m))]
+        if not same:
+            raise Miss(f"attention probabilities are modified after softmax (`masked_fill` with 0 by `{self.src(m)}`, "
+                       "not the mask the scores were masked with: it would zero kept positions too)")
+        if layout != "BNSD" or chain.heads_in_batch:
+            raise Miss(f"attention probabilities are zeroed on masked keys after softmax with {layout} scores: npufuse "
+                       "zeroes the fully masked rows of a BNSD result only")
+
+    def _conditional_dropout_expr(self, node: ast.IfExp, chain: Chain) -> Any:
+        """VAR: ``F.dropout(P, p) if p > 0 else P`` with P written twice (the same expression on both
+        branches): the dropout under the condition, as the ``if`` statement form (Cond) is read; the
+        branch without it is followed. None where the branches differ otherwise."""
+        if chain.dropout is not None:
+            return None
+        for with_drop, plain, neg in ((node.body, node.orelse, False), (node.orelse, node.body, True)):
+            drop = self._strip_dropout(with_drop, chain)
+            if drop is not None and ast.dump(deref(drop[0], chain.seen)) == ast.dump(deref(plain, chain.seen)) \
+                    and not any(isinstance(t, ast.Call) for t in walk_sym(node.test)):
+                chain.dropout = ("dropout", drop[1], drop[2])
+                chain.dropout_cond = (node.test, neg)
+                return plain
+        return None
+
     def _under_dropout(self, node: Under, chain: Chain) -> None:
         """A dropout run inside ``with <ctx>:`` (Megatron's model-parallel RNG fork): the fused op draws its
         dropout mask from the NPU generator outside that context."""
@@ -1631,6 +1727,9 @@ class _Matcher:
             if chain.head_axis and not chain.head_axis_removed and stop is None and self.method(node, "unsqueeze") and len(node.args) == 1 \
                     and const_value(node.args[0]) == 1:
                 chain.head_axis_removed = True
+                node = node.func.value
+                continue
+            if self._scores_back_to_3d(node, chain, stop):
                 node = node.func.value
                 continue
             if chain.heads_in_batch and not chain.scores_viewed and self.method(node, "view", "reshape") and self._arity(node) == 4:
@@ -1728,6 +1827,8 @@ class _Matcher:
                     raise Miss(f"the scores are multiplied by `{self.src(factor)}`, a 0/1 tensor built from a comparison, with no "
                                "large negative offset: masked logits become 0 (still attended), which npu_fusion_attention's mask cannot express")
                 if cond is not None:
+                    factor = self._flag_scale(factor, cond)
+                if cond is not None and factor is None:
                     raise Miss(f"the scale is applied only under `if {self.src(cond[0])}`")
                 self.add_scale(factor, isinstance(node.op, ast.Div), chain)
                 node = base
@@ -1735,6 +1836,11 @@ class _Matcher:
             if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
                 self.add_bool(node.args[0], node.args[1], "masked", chain, cond)
                 node = node.func.value
+                continue
+            if isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3 and not node.keywords:
+                # the function spelling of the same (ModelCenter)
+                self.add_bool(node.args[1], node.args[2], "masked", chain, cond)
+                node = node.args[0]
                 continue
             if isinstance(node, ast.Call) and self._fn(node) == "torch.where" and len(node.args) == 3:
                 c, x, y = node.args
@@ -1943,6 +2049,8 @@ class _Matcher:
             if isinstance(n, Ref) and n.idx >= 0 and n.value is not None:
                 chain.seen.add(n.idx)
         ok, finite = self._fill_ok(fill)
+        if not ok and self._run_time_fill(fill, chain):
+            ok, finite = True, True
         if not ok:
             raise Miss(f"masked with `{self.src(fill)}`, not −inf or a large negative value: not a mask npufuse converts")
         term = MaskTerm(kind, c, cond[0] if cond else None, cond[1] if cond else False, fill=self.src(fill))
@@ -2030,8 +2138,8 @@ class _Matcher:
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
         fill = deref(fill)
-        if isinstance(fill, ast.Call) and self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like") and len(fill.args) >= 1:
-            fill = deref(fill.args[1] if self._fn(fill) != "torch.tensor" and len(fill.args) > 1 else fill.args[0])
+        if isinstance(fill, ast.Call) and self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like", "torch.scalar_tensor") and len(fill.args) >= 1:
+            fill = deref(fill.args[1] if self._fn(fill) not in ("torch.tensor", "torch.scalar_tensor") and len(fill.args) > 1 else fill.args[0])
         text = self.src(fill).replace(" ", "")
         if re.fullmatch(r"(-float\(['\"]inf['\"]\)|float\(['\"]-inf['\"]\)|-(math|torch|np|numpy)\.inf|-inf|float\(['\"]-Infinity['\"]\))", text):
             return True, False
@@ -3222,6 +3330,15 @@ class AttentionPattern(Pattern):
         if sparse:
             kwargs.append(("sparse_mode", str(sparse)))
         call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)
+        zero_rows = getattr(chain, "zero_masked", None)
+        if zero_rows is not None:
+            try:
+                # the original zeroes the probabilities of masked keys after the softmax: a no-op on rows
+                # with a key left (already 0 there), zeros on fully masked rows; the fused op's value on
+                # such rows is not pinned down (spec: zeros or a uniform average), so they are zeroed here
+                call = f"{call}.masked_fill(({r.text(zero_rows)}).all(-1, keepdim=True), 0)"
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         if cast_v:
             call = f"{call}.to({out_dtype})"
         if three_d:
@@ -6334,3 +6451,267 @@ def attend(q, k, v, mask):
         reason="is used as a tensor in this function (`mask.unsqueeze`)",
     )
 )
+
+
+
+_DROPOUT_IF_P = '''
+import torch
+import torch.nn.functional as F
+
+
+def eager_attn(query, key, value, scale: float, attn_mask=None, dropout_p=0.0):
+    attn = query.mul(scale) @ key.transpose(-2, -1)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    return (F.dropout(attn.softmax(dim=-1), p=dropout_p, inplace=True) if dropout_p > 0 else attn.softmax(dim=-1)) @ value
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _DROPOUT_IF_P,
+        expect={"qualname": "eager_attn", "dropout": "dropout_p"},
+        run='''
+q = torch.randn(2, 3, 5, 8, requires_grad=True)
+k = torch.randn(2, 3, 5, 8, requires_grad=True)
+v = torch.randn(2, 3, 5, 8, requires_grad=True)
+bias = torch.zeros(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+out = (eager_attn(q, k, v, 8 ** -0.5, bias), eager_attn(q, k, v, 8 ** -0.5))
+leaves = [q, k, v]
+''',
+        name="post_softmax_dropout_in_a_conditional_expression",
+    ),
+    Fuse(
+        # the other order: the plain probabilities when the condition holds
+        _DROPOUT_IF_P.replace("(F.dropout(attn.softmax(dim=-1), p=dropout_p, inplace=True) if dropout_p > 0 else attn.softmax(dim=-1))",
+                              "(attn.softmax(dim=-1) if dropout_p == 0 else F.dropout(attn.softmax(dim=-1), dropout_p))"),
+        expect={"qualname": "eager_attn", "dropout": "dropout_p"},
+        name="post_softmax_dropout_in_the_else_of_a_conditional_expression",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the branches differ by more than the dropout: the plain branch rescales the probabilities
+        _DROPOUT_IF_P.replace("else attn.softmax(dim=-1))", "else attn.softmax(dim=-1) * 0.5)"),
+        reason="modified after softmax",
+        name="conditional_expression_differing_by_more_than_dropout",
+    ),
+]
+
+
+_SCORES_VIEWED_BACK = '''
+import torch
+import torch.nn.functional as F
+
+
+def prefill_attention(q, k, v, attention_mask, b, s, n_head, head_dim):
+    # q, k, v: (b, s, n_head, head_dim); q already scaled
+    q = q.permute(0, 2, 1, 3).reshape(b * n_head, s, head_dim)
+    k = k.permute(0, 2, 3, 1).reshape(b * n_head, head_dim, s)
+    v = v.permute(0, 2, 1, 3).reshape(b * n_head, s, head_dim)
+    attn_weights = torch.bmm(q, k)
+    idx = torch.arange(s)
+    causal_mask = (idx <= idx.view(s, 1)).view(1, 1, s, s)
+    mask = attention_mask.view(b, 1, 1, s) & causal_mask
+    attn_weights = attn_weights.view(b, n_head, s, s)
+    attn_weights = torch.where(mask, attn_weights, -1e4)
+    attn_weights = attn_weights.view(b * n_head, s, s)
+    attn_weights = F.softmax(attn_weights, dim=2)
+    return torch.bmm(attn_weights, v).view(b, n_head, s, head_dim)
+
+
+def biased_attention(q, k, v, bias, b, s, n_head, head_dim):
+    q = q.reshape(b * n_head, s, head_dim)
+    k = k.reshape(b * n_head, s, head_dim)
+    v = v.reshape(b * n_head, s, head_dim)
+    w = torch.bmm(q, k.transpose(1, 2))
+    w = w.view(b, n_head, s, s) + bias
+    w = w.view(b * n_head, s, s)
+    w = F.softmax(w, dim=-1)
+    return torch.bmm(w, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SCORES_VIEWED_BACK,
+        expect={"qualname": "prefill_attention"},
+        run='''
+b, s, n, d = 2, 6, 4, 8
+q = (torch.randn(b, s, n, d) * d ** -0.5).requires_grad_()
+k = torch.randn(b, s, n, d, requires_grad=True)
+v = torch.randn(b, s, n, d, requires_grad=True)
+pad = torch.ones(b, s, dtype=torch.bool)
+pad[1, 4:] = False  # right padding of the second sequence (no row fully masked: the -1e4 fill differs only there)
+out = prefill_attention(q, k, v, pad, b, s, n, d)
+leaves = [q, k, v]
+''',
+        name="scores_viewed_4d_for_the_mask_and_back_to_3d_before_softmax",
+    ),
+    Fuse(
+        _SCORES_VIEWED_BACK.split("def prefill_attention")[0] + "def biased_attention" + _SCORES_VIEWED_BACK.split("def biased_attention")[1],
+        expect={"qualname": "biased_attention"},
+        run='''
+b, s, n, d = 2, 5, 3, 8
+q = torch.randn(b, n, s, d, requires_grad=True)
+k = torch.randn(b, n, s, d, requires_grad=True)
+v = torch.randn(b, n, s, d, requires_grad=True)
+bias = torch.zeros(b, 1, s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+out = biased_attention(q, k, v, bias, b, s, n, d)
+leaves = [q, k, v]
+''',
+        name="scores_viewed_4d_for_an_additive_mask_and_back_to_3d",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # viewed to [b*np, sq, sk] before the softmax, but never a 4-D view of the 3-D product: the head
+        # grouping of the mask is not visible
+        _SCORES_VIEWED_BACK.split("def prefill_attention")[0] + "def biased_attention"
+        + _SCORES_VIEWED_BACK.split("def biased_attention")[1].replace("w = w.view(b, n_head, s, s) + bias", "w = w + bias"),
+        reason="the scores were not a 4-D view of the 3-D",
+        name="scores_viewed_back_without_a_4d_view_for_the_mask",
+    ),
+]
+
+
+# --- probabilities of masked keys zeroed after the softmax ("avoid nan"; held-out 4) --------------
+
+_ZEROED_AFTER_SOFTMAX = '''
+import math
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, mask_value=float("-inf")):
+        super().__init__()
+        self.num_heads, self.dim_head = heads, dim // heads
+        self.proj = nn.Linear(dim, 3 * dim, bias=False)
+        self.softmax = nn.Softmax(dim=-1)
+        self.mask_value = mask_value
+
+    def forward(self, x, attention_mask):
+        batch_size, len_q, _ = x.shape
+        len_k = len_q
+        h_q, h_k, h_v = self.proj(x).view(batch_size, len_q, 3, self.num_heads, self.dim_head).permute(2, 0, 3, 1, 4)
+        score = torch.matmul(h_q, h_k.transpose(2, 3))
+        score = score / math.sqrt(self.dim_head)
+        score = torch.masked_fill(
+            score,
+            attention_mask.view(batch_size, 1, len_q, len_k) == False,
+            torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype),
+        )
+        score = self.softmax(score)
+        # avoid nan in softmax
+        score = torch.masked_fill(
+            score,
+            attention_mask.view(batch_size, 1, len_q, len_k) == False,
+            torch.scalar_tensor(0, device=score.device, dtype=score.dtype),
+        )
+        score = torch.matmul(score, h_v)
+        return score
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _ZEROED_AFTER_SOFTMAX,
+        expect={"qualname": "Attention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = Attention(32, 4)
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.ones(2, 5, 5, dtype=torch.bool).tril()
+keep[1, :, 3:] = False
+keep[1, 2, :] = False  # a fully masked row: zeros in the original (NaN softmax zeroed) and in the rewrite
+out = m(x, keep)
+leaves = [x]
+''',
+        name="probabilities_zeroed_on_masked_keys_after_softmax",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the zeroing mask is not the one the scores were masked with: it zeroes kept positions too
+        _ZEROED_AFTER_SOFTMAX.replace(
+            "        score = self.softmax(score)\n        # avoid nan in softmax\n        score = torch.masked_fill(\n            score,\n            attention_mask.view(batch_size, 1, len_q, len_k) == False,",
+            "        score = self.softmax(score)\n        # avoid nan in softmax\n        score = torch.masked_fill(\n            score,\n            attention_mask.view(batch_size, 1, len_q, len_k).transpose(-1, -2) == False,"),
+        reason="not the mask the scores were masked with",
+        name="probabilities_zeroed_by_another_mask",
+    ),
+]
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the fill is an attribute set from a constructor argument: checked at run time (-inf / <= -1e4 fused)
+        _ZEROED_AFTER_SOFTMAX.replace('torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype)',
+                                      "torch.scalar_tensor(self.mask_value, device=score.device, dtype=score.dtype)"),
+        expect={"qualname": "Attention.forward", "mask_kind": "bool_masked"},
+        run='''
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.ones(2, 5, 5, dtype=torch.bool).tril()
+out = (Attention(32, 4)(x, keep), Attention(32, 4, mask_value=-0.5)(x, keep))  # the second runs the original code
+leaves = [x]
+''',
+        name="masking_value_read_from_an_attribute_checked_at_run_time",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the fill is a local value computed from the scores: not a value npufuse can test before the call
+        _ZEROED_AFTER_SOFTMAX.replace('torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype)', "score.min() - 1.0"),
+        reason="not −inf or a large negative value",
+        name="masking_value_computed_from_the_scores",
+    ),
+]
+
+
+# --- the scale applied under a flag (ModelCenter's ``if self.attn_scale``; held-out 4) --------------
+
+_SCALE_UNDER_FLAG = '''
+import math
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, attn_scale=True):
+        super().__init__()
+        self.num_heads, self.dim_head = heads, dim // heads
+        self.proj = nn.Linear(dim, 3 * dim, bias=False)
+        self.attn_scale = attn_scale
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        h_q, h_k, h_v = self.proj(x).view(b, s, 3, self.num_heads, self.dim_head).permute(2, 0, 3, 1, 4)
+        score = torch.matmul(h_q, h_k.transpose(2, 3))
+        if self.attn_scale:
+            score = score / math.sqrt(self.dim_head)
+        score = score.masked_fill(~keep, float("-inf"))
+        score = torch.softmax(score, dim=-1)
+        return torch.matmul(score, h_v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SCALE_UNDER_FLAG,
+        expect={"qualname": "Attention.forward", "scale": "1.0 / (math.sqrt(self.dim_head) if self.attn_scale else 1.0)"},
+        run='''
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.ones(5, 5, dtype=torch.bool).tril()
+out = (Attention(32, 4)(x, keep), Attention(32, 4, attn_scale=False)(x, keep))
+leaves = [x]
+''',
+        name="scale_applied_under_a_flag",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the flag is computed from the scores: not a value the fused call can read before it
+        _SCALE_UNDER_FLAG.replace("if self.attn_scale:", "if score.abs().max() > 100:"),
+        reason="the scale is applied only under",
+        name="scale_under_a_condition_on_the_scores",
+    ),
+]

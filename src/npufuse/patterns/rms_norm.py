@@ -229,8 +229,12 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if dim is None:
         raise Miss("mean over all elements, not over the last dim", rstd)
     if not S.is_last_dim_expr(dim):
-        if isinstance(const_value(dim), int):
+        if isinstance(const_value(dim), int) and not _asserted_last_dim(ctx, y_inner, const_value(dim)):
             raise Miss(f"mean over dim {ast.unparse(dim)}, not the last dim", rstd)
+        if isinstance(const_value(dim), int):
+            if const_value(keepdim) is not True:
+                raise Miss("mean without keepdim=True", rstd)
+            return y, sqctx, up or up2 or up3
         trailing = _trailing_dims_of(module, dim, vctx, trace)
         if trailing is not None and dim_checks is not None:
             # ``dims = tuple(range(-1, -len(shape) - 1, -1))``: the last len(shape) dims; the fused
@@ -3552,5 +3556,233 @@ RmsNorm.KEEP += [
         _WEIGHT_TIMES_RSTD.replace("return x * scale.to(x.dtype)", "return x.flip(-1) * scale.to(x.dtype)"),
         reason="computed but not applied as x * rstd * weight in one place",
         name="weight_times_rstd_with_a_factor_after_the_cast",
+    ),
+]
+
+
+
+# -- transformers' Llama-style RMSNorm built in this repo and called by inherited code (issue 14) ----
+
+_HF_NORM_BUILT_FOR_INHERITED = '''
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel, LlamaRMSNorm
+
+
+class SparseLayer(LlamaDecoderLayer):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
+
+
+class Backbone(LlamaModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+'''
+
+RmsNorm.FUSE += [
+    # run end to end in tests/test_detect_ho4_norm_rope_attn.py (a stand-in transformers module there)
+    Fuse(_HF_NORM_BUILT_FOR_INHERITED, expect={"variant": "hf_norm_construction", "target": "self.input_layernorm",
+                                               "norm_class": "LlamaRMSNorm", "qualname": "SparseLayer.__init__", "line": 10},
+         name="transformers_rmsnorm_built_for_an_inherited_forward"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # a norm class transformers writes differently (Gemma: x * (1 + weight)) is not assumed Llama-style
+        _HF_NORM_BUILT_FOR_INHERITED.replace("LlamaRMSNorm", "GemmaRMSNorm").replace("modeling_llama import", "modeling_gemma import"),
+        reason="",
+        name="transformers_gemma_rmsnorm_built_is_not_llama_style",
+    ),
+]
+
+
+# -- eps added to the scaled 2-norm (stripedhyena-style; issue 14, held-out 4) ---------------------
+
+_EPS_ADDED_TO_NORM = '''
+import math
+import torch
+from torch import nn
+
+
+class ScaledNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps, self.d = eps, d
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        y = x / (x.norm(2, dim=-1, keepdim=True) * self.d ** (-1.0 / 2) + self.eps)
+        return self.scale * y
+
+
+class InlineNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps, self.d = eps, d
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.g * x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) / math.sqrt(self.d) + self.eps)
+'''
+
+_EPS_ADDED_RUN = '''
+m = {cls}(32){cast}
+with torch.no_grad():
+    getattr(m, "{w}").normal_()
+x = torch.randn(3, 5, 32{dtype}, requires_grad=True)
+out = m(x)
+leaves = [x, getattr(m, "{w}")]
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_EPS_ADDED_TO_NORM, expect={"variant": "l2_norm_eps_added", "qualname": "ScaledNorm.forward", "eps": "self.eps",
+                                     "eps_rule": "added to the scaled norm", "x": "x"},
+         run=_EPS_ADDED_RUN.format(cls="ScaledNorm", cast="", dtype="", w="scale"), name="eps_added_to_scaled_norm_next_statement_gain"),
+    Fuse(_EPS_ADDED_TO_NORM.split("class ScaledNorm")[0] + "class ScaledNorm" + _EPS_ADDED_TO_NORM.split("class InlineNorm")[1].replace("(nn.Module)", "(nn.Module)", 1),
+         expect={"variant": "l2_norm_eps_added", "qualname": "ScaledNorm.forward"},
+         run=_EPS_ADDED_RUN.format(cls="ScaledNorm", cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", w="g"),
+         name="eps_added_to_norm_over_sqrt_d_inline_gain_bf16"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # no 1/sqrt(d) on the norm: x / (||x|| + eps) * g is an L2 normalisation with a gain (ScaleNorm)
+        _EPS_ADDED_TO_NORM.split("class InlineNorm")[0].replace(" * self.d ** (-1.0 / 2) + self.eps)", " + self.eps)"),
+        reason="without a sqrt(d) factor",
+        name="eps_added_to_unscaled_norm_is_scalenorm",
+    ),
+]
+
+
+
+# --- a non-negative mean dim that is the last one by an asserted rank (moshi; issue 14, held-out 4) ---
+#
+# ``assert x.dim() == 3`` then ``torch.mean(x**2, dim=2, keepdim=True)``: dim 2 of a 3-D tensor is its
+# last dim. The rank is taken from an ``assert`` at the top level of the same function on the same
+# name, where every assignment to that name in the function is a cast of itself (a cast keeps the
+# rank); anything else (a reshape, a value from elsewhere) leaves the dim unproven.
+
+_RANK_KEEPING = ("to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous")
+
+
+def _asserted_rank(stmt: ast.stmt, name: str) -> int | None:
+    """N of ``assert <name>.dim() == N`` / ``<name>.ndim == N`` / ``len(<name>.shape) == N`` (also inside ``and``)."""
+    if not isinstance(stmt, ast.Assert):
+        return None
+    tests = stmt.test.values if isinstance(stmt.test, ast.BoolOp) and isinstance(stmt.test.op, ast.And) else [stmt.test]
+    for t in tests:
+        if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)):
+            continue
+        for a, b in ((t.left, t.comparators[0]), (t.comparators[0], t.left)):
+            n = const_value(b)
+            if not isinstance(n, int) or isinstance(n, bool):
+                continue
+            if isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and a.func.attr in ("dim", "ndimension") and not a.args \
+                    and isinstance(a.func.value, ast.Name) and a.func.value.id == name:
+                return n
+            if isinstance(a, ast.Attribute) and a.attr == "ndim" and isinstance(a.value, ast.Name) and a.value.id == name:
+                return n
+            if isinstance(a, ast.Call) and isinstance(a.func, ast.Name) and a.func.id == "len" and len(a.args) == 1 \
+                    and isinstance(a.args[0], ast.Attribute) and a.args[0].attr == "shape" \
+                    and isinstance(a.args[0].value, ast.Name) and a.args[0].value.id == name:
+                return n
+    return None
+
+
+def _casts_itself(value: ast.AST | None, name: str) -> bool:
+    """``name.to(...)`` / ``name.float()`` ...: a value of the same rank as ``name``."""
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _RANK_KEEPING \
+        and isinstance(value.func.value, ast.Name) and value.func.value.id == name
+
+
+def _asserted_last_dim(ctx: "S.Ctx", y: ast.expr, dim: int) -> bool:
+    """``dim`` (>= 0) is the last dim of ``y`` by a rank asserted in the enclosing function."""
+    fn = ctx.scope.node
+    if dim < 0 or not isinstance(y, ast.Name) or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    ranks = {r for st in fn.body if (r := _asserted_rank(st, y.id)) is not None}
+    if ranks != {dim + 1}:
+        return False
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == y.id for t in targets) and not _casts_itself(node.value, y.id):
+                return False
+        elif isinstance(node, (ast.For, ast.With, ast.NamedExpr)) and any(
+                isinstance(t, ast.Name) and t.id == y.id for t in ast.walk(getattr(node, "target", node))
+                if isinstance(node, (ast.For, ast.NamedExpr))):
+            return False
+    return True
+
+_ASSERTED_RANK_NORM = '''
+import torch
+from torch import nn
+
+
+class Norm3d(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        assert x.dim() == 3, "expects [B, T, C]"
+        x = x.float()
+        var = torch.mean(x ** 2, dim=2, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_ASSERTED_RANK_NORM, expect={"qualname": "Norm3d.forward"},
+         run=("m = Norm3d(16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+              "x = torch.randn(2, 5, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.weight]\n"),
+         name="mean_over_dim_2_of_an_asserted_3d_input"),
+]
+
+RmsNorm.KEEP += [
+    Keep(_ASSERTED_RANK_NORM.replace("x.dim() == 3", "x.dim() == 4"), reason="mean over dim 2, not the last dim",
+         name="mean_over_dim_2_of_an_asserted_4d_input"),
+    Keep(_ASSERTED_RANK_NORM.replace("x = x.float()", "x = x.transpose(1, 2)"), reason="mean over dim 2, not the last dim",
+         name="mean_over_dim_2_after_a_rank_assert_and_a_transpose"),
+]
+
+
+# -- a TorchScript RMSNorm rebinding its input inside the fused statements (ModelCenter-style) -------
+
+_SCRIPTED_RMS_REBINDS_INPUT = '''
+import torch
+
+
+@torch.jit.script
+def rms_layernorm(hidden: torch.Tensor, weight: torch.Tensor, eps: float):
+    old_dtype = hidden.dtype
+    variance = hidden.to(torch.float32).pow(2).mean(dim=-1, keepdim=True)
+    hidden = (hidden * torch.rsqrt(variance + eps)).to(old_dtype)
+    return hidden * weight
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # the input is rebound by the statements the fused code replaces: the wrapper's entry check reads
+        # the value the site reads
+        _SCRIPTED_RMS_REBINDS_INPUT,
+        expect={"qualname": "<module>", "lifted_from": "rms_layernorm"},
+        run=("x = torch.randn(3, 5, 16).to(torch.bfloat16).requires_grad_()\nw = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = rms_layernorm(x, w, 1e-5)\nleaves = [x, w]\n"),
+        name="torchscript_rmsnorm_rebinding_its_input_in_the_site",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # rebound before the site: the tensor the wrapper would test is not the one normalised
+        _SCRIPTED_RMS_REBINDS_INPUT.replace("    old_dtype = hidden.dtype\n", "    hidden = hidden.flip(-1)\n    old_dtype = hidden.dtype\n"),
+        reason="is not a parameter left unchanged",
+        name="torchscript_rmsnorm_rebinding_its_input_before_the_site",
     ),
 ]

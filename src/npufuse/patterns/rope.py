@@ -429,6 +429,8 @@ def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | Non
     if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
         return None
     dim = keyword(call, "dim", 1)
+    if dim is None:
+        dim = keyword(call, "axis")  # torch.cat/stack take numpy's ``axis`` as an alias of dim
     # the last dim also as gpt-neox writes it: ``dim=x1.ndim - 1`` (x1 has the result's rank)
     if not (_is_int(dim, -1, 3, 4) or is_last_dim_expr(dim)):
         return None
@@ -1136,6 +1138,8 @@ def _named_pair(call: ast.Call) -> tuple[ast.Name, ast.Name] | None:
         pair = _pair_of(stacked, _STACK)
         return pair if pair is not None and all(isinstance(p, ast.Name) for p in pair) else None  # type: ignore[return-value]
     pair = _pair_of(call, _CAT) if isinstance(call, ast.Call) else None
+    if pair is not None and not all(isinstance(p, ast.Name) for p in pair):
+        pair = _uncast_named_pair(pair)
     if pair is None or not all(isinstance(p, ast.Name) for p in pair):
         return None
     return pair  # type: ignore[return-value]
@@ -1785,6 +1789,7 @@ class RopePattern(Pattern):
                   f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
         m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
         m.absorb = [d[0] for d in defs]
+        m.post = _pair_cast_suffix(node) + m.post
         if anchor is not site:
             m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
@@ -5046,5 +5051,133 @@ RopePattern.FUSE += [
         run=("cs = torch.randn(6, 8)\nq = torch.randn(2, 6, 3, 12, requires_grad=True)\n"
              "out = (rotate(q, cs, False), rotate(q, cs, True))\nleaves = [q]\n"),
         name="flag_chosen_halves_at_the_table_width_partial",
+    ),
+]
+
+
+
+# --- named rotated halves cast before the cat (issue 14, held-out 4) -------------------------------
+#
+# dia: ``y1 = x1*cos - x2*sin; y2 = x2*cos + x1*sin; cat((y1.to(dt), y2.to(dt)), -1)``: the same
+# cast on both halves is the cast of the cat (a cast is elementwise), so the site is the named
+# pair with the cast applied to the fused result. Different casts on the two halves (or any other
+# call) are not a pair of halves of one tensor and are left alone.
+
+_PAIR_CASTS = ("to", "float", "half", "bfloat16", "double", "type", "type_as")
+
+
+def _cast_of(node: ast.expr) -> tuple[ast.Name, str] | None:
+    """(y, ".to(...)") of ``y.to(...)`` / ``y.float()`` / ``y.type_as(t)`` with y a plain name."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _PAIR_CASTS             and isinstance(node.func.value, ast.Name) and not any(isinstance(a, ast.Starred) for a in node.args)             and all(k.arg is not None for k in node.keywords):
+        return node.func.value, ast.unparse(node)[len(node.func.value.id):]
+    return None
+
+
+def _uncast_named_pair(pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, ast.expr] | None:
+    """The two names of ``(y1.<cast>, y2.<cast>)`` when both halves take the same cast."""
+    a, b = _cast_of(pair[0]), _cast_of(pair[1])
+    if a is None or b is None or a[1] != b[1]:
+        return None
+    return a[0], b[0]
+
+
+def _pair_cast_suffix(call: ast.Call) -> str:
+    """The common cast of the two halves of a named-pair cat, as a suffix for the fused result ("" if none)."""
+    pair = _pair_of(call, _CAT)
+    if pair is None or all(isinstance(p, ast.Name) for p in pair):
+        return ""
+    a = _cast_of(pair[0])
+    return a[1] if a is not None and _uncast_named_pair(pair) is not None else ""
+
+
+_HALVES_CAST_BEFORE_CAT = '''
+import torch
+import torch.nn as nn
+
+
+class Rotary(nn.Module):
+    def __init__(self, dims: int, max_timescale: float = 10000.0, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.out_dtype = dtype
+        fraction = (2.0 * torch.arange(0, dims // 2)) / dims
+        self.register_buffer("timescale", max_timescale ** fraction, persistent=False)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor):
+        angle = position.unsqueeze(-1).unsqueeze(-1) / self.timescale
+        sin = torch.sin(angle)
+        cos = torch.cos(angle)
+        x1, x2 = torch.chunk(x.to(torch.float32), 2, dim=-1)
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        return torch.cat((y1.to(self.out_dtype), y2.to(self.out_dtype)), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _HALVES_CAST_BEFORE_CAT,
+        expect={"qualname": "Rotary.forward", "line": 18, "end_line": 20},
+        # per-batch positions: cos/sin (B, T, 1, D/2), x (B, T, N, D) (half mode takes BS1D)
+        run='''
+m = Rotary(16)
+x = torch.randn(2, 5, 3, 16).bfloat16().requires_grad_()
+pos = torch.stack([torch.arange(5), torch.arange(5) + 3]).float()
+out = m(x, pos)
+leaves = [x]
+''',
+        name="named_halves_cast_before_the_cat",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # two different casts: not one tensor's halves cast together
+        _HALVES_CAST_BEFORE_CAT.replace("y2.to(self.out_dtype)", "y2.to(torch.float16)"),
+        reason="",
+        name="named_halves_cast_differently_before_the_cat",
+    ),
+]
+
+
+# --- torch.stack/cat with numpy's ``axis`` keyword (issue 14, held-out 4) -------------------------
+
+_STACK_AXIS_KEYWORD = '''
+import torch
+import torch.nn as nn
+
+
+class Rotary(nn.Module):
+    def rotate_every_two(self, x):
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+        x = torch.stack((-x2, x1), axis=-1)
+        return x.flatten(-2)
+
+    def apply_rotary_pos_emb(self, x, sincos, offset=0):
+        sin, cos = map(lambda t: t[None, offset : x.shape[-2] + offset, :].repeat_interleave(2, 2), sincos)
+        return (x * cos) + (self.rotate_every_two(x) * sin)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _STACK_AXIS_KEYWORD,
+        expect={"qualname": "Rotary.apply_rotary_pos_emb"},
+        run='''
+s, d = 6, 16
+inv = 1.0 / (10000 ** (torch.arange(0, d, 2) / d))
+ang = torch.einsum("i , j -> i j", torch.arange(s).float(), inv)
+x = torch.randn(2, s, 4, d, requires_grad=True).transpose(1, 2)
+out = Rotary().apply_rotary_pos_emb(x, (torch.sin(ang), torch.cos(ang)))
+leaves = [x]
+''',
+        name="interleaved_stack_with_numpy_axis_keyword",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # stacked on axis -2 then flattened: lanes paired across positions, not a rotation of each pair
+        _STACK_AXIS_KEYWORD.replace("axis=-1", "axis=-2"),
+        reason="does not compute the standard rotate_half",
+        name="stack_on_axis_minus_two_is_not_the_interleave",
     ),
 ]
