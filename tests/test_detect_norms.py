@@ -221,3 +221,29 @@ class Embeddings(nn.Module):
 '''
     findings, misses = detect_all(AddRmsNorm(), code)
     assert not findings and [m.reason.split(" (")[0] for m in misses] == ["norm is not RMSNorm"]
+
+
+def test_functional_rms_norm_gate_reads_the_whole_word_and_import_aliases():
+    """The functional branch is entered only where a callee can be ``rms_norm`` (bench/scan.py:
+    most transformers scopes hold only ``rms_norm_eps``); an aliased import still is one."""
+    from npufuse.patterns import _library_norm as L
+
+    aliased = '''
+import torch
+from torch.nn.functional import rms_norm as rn
+
+
+def norm(x, w, cfg):
+    eps = cfg.rms_norm_eps
+    return rn(x, (x.shape[-1],), w, eps)
+'''
+    module = ModuleInfo.from_source("m.py", aliased)
+    assert L._may_call_rms_norm(module, aliased)
+    assert not L._may_call_rms_norm(module, "eps = cfg.rms_norm_eps\nrms_norm_weight = 1\n")
+    assert L._may_call_rms_norm(module, "y = F.rms_norm (x, s)")
+    assert L._may_call_rms_norm(module, "y = torch.\\\n    rms_norm(x, s)")
+    findings, _ = detect_all(R.RmsNorm(), aliased)
+    assert [f.qualname for f in findings] == ["norm"]
+    # only the eps word: nothing to find, and no walk needed to say so
+    eps_only = aliased.replace("rn(x, (x.shape[-1],), w, eps)", "x * eps")
+    assert detect_all(R.RmsNorm(), eps_only)[0] == []

@@ -45,3 +45,14 @@ def test_corpus_findings_tables(tmp_path):
     assert "| pattern | candidates | near misses |" in out.stdout
     assert "## Unflagged suspects (recall check)" in out.stdout
     assert md.read_text() == out.stdout
+
+
+def test_bench_scan_ab_compares_two_source_trees(tmp_path):
+    root = copy_fixture(tmp_path)
+    src = str(BENCH.parent / "src")
+    out = subprocess.run([sys.executable, str(BENCH / "scan_ab.py"), src, src, str(root), "--rounds", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "files whose results differ between A and B: 0" in out.stdout and "round 1 B" in out.stdout
+    assert subprocess.run([sys.executable, str(BENCH / "scan_ab.py"), src, str(tmp_path / "nope"), str(root)],
+                          capture_output=True, text=True, timeout=60).returncode == 2

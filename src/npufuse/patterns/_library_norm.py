@@ -31,6 +31,7 @@ Facts the replacement relies on (checked against torch 2.13 on CPU):
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -69,23 +70,24 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
     if not relevant(module):
         return
     text = S.scope_text(module, scope)
-    idx = S.stmt_index(scope)
     out: list[Result] = []
     if any(w in text for w in _ctor_words(module)) or (scope.qualname.endswith(".__init__") and rms_subclass(module, scope.class_name)):
         # nn.RMSNorm modules: swapped where they are constructed (see construction_sites)
-        out.extend(construction_sites(module, scope, idx))
-        out.extend(hf_construction_sites(module, scope, idx))
+        ctor_idx = S.stmt_index(scope)
+        out.extend(construction_sites(module, scope, ctor_idx))
+        out.extend(hf_construction_sites(module, scope, ctor_idx))
     if scope.qualname == "<module>":
         out.sort(key=lambda r: r.line)
         yield from out
         return
-    hf = _hf_norm_attributes(module, scope.class_name)
+    hf = _hf_norm_attributes(module, scope.class_name) if _imports_hf_norm(module) else None
     if hf and any(f"self.{a}(" in text for a in hf):
-        out.extend(hf_norm_calls(module, scope, idx, hf))
+        out.extend(hf_norm_calls(module, scope, S.stmt_index(scope), hf))
     l2 = _l2_text(text) or any(f"{h}(" in text for h in _l2_helpers(module))
-    if not ("rms_norm" in text or l2 or ("norm(" in text and "+" in text)):
+    if not (l2 or _may_call_rms_norm(module, text) or ("norm(" in text and "+" in text)):
         yield from out
         return
+    idx = S.stmt_index(scope)
     calls = scope.nodes().get(ast.Call, [])
     sites: dict[int, list[_Site]] = {}
     missed: set[int] = set()
@@ -114,6 +116,42 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         out.extend(eps_added_norm_sites(module, scope, idx))
     out.sort(key=lambda r: r.line)
     yield from out
+
+
+_RMS_NORM_WORD = re.compile(r"(?<!\w)rms_norm(?!\w)")
+
+
+def _may_call_rms_norm(module: ModuleInfo, text: str) -> bool:
+    """Can a call in ``text`` resolve to ``F.rms_norm``? Its callee's last name is ``rms_norm``
+    as a whole word (``F.rms_norm``, ``torch.rms_norm``) or an import alias of the function
+    (``from torch.nn.functional import rms_norm as rn``); ``rms_norm_eps`` (in most Hugging Face
+    files) is neither, and a scope holding only that word used to be walked node by node.
+    Text outside ASCII keeps the plain substring test (an identifier is read in NFKC form).
+    Narrows the test this replaces (``"rms_norm" in text``), never widens it."""
+    if "rms_norm" not in text:
+        return False
+    if not text.isascii():
+        return True
+    return _RMS_NORM_WORD.search(text) is not None or any(a in text for a in _rms_norm_aliases(module))
+
+
+def _rms_norm_aliases(module: ModuleInfo) -> tuple[str, ...]:
+    """Local names the module imports ``rms_norm`` itself under, when not ``rms_norm`` (cached)."""
+    cached = module.__dict__.get("_npufuse_rms_norm_aliases")
+    if cached is None:
+        cached = module.__dict__["_npufuse_rms_norm_aliases"] = tuple(
+            local for local, target in module.aliases.items() if local != "rms_norm" and canonical.SYNONYMS.get(target, target) == RMS_NORM_FN)
+    return cached
+
+
+def _imports_hf_norm(module: ModuleInfo) -> bool:
+    """Does the module import one of ``_HF_LLAMA_NORMS`` from transformers? Without one,
+    ``_hf_norm_attributes`` finds nothing in any class (cached per module)."""
+    cached = module.__dict__.get("_npufuse_imports_hf_norm")
+    if cached is None:
+        cached = module.__dict__["_npufuse_imports_hf_norm"] = any(
+            full.startswith("transformers.") and full.rsplit(".", 1)[-1] in _HF_LLAMA_NORMS for full in module.aliases.values())
+    return cached
 
 
 def _claimed_by_add_rms_norm(module: ModuleInfo, scope: Scope) -> set[int]:

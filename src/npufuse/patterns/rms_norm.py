@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from npufuse.patterns import _library_norm
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk
+from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with
 from npufuse.scan.value import estimate, symbolic
 
 if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
@@ -1751,7 +1751,7 @@ def _weightless_helper_covered(module: ModuleInfo, scope: Scope) -> bool:
     # of the same name: Llama4's weightless and weighted norms both define ``_norm``); a function
     # as ``name(...)``
     cls = module.classes.get(scope.class_name or "") if scope.class_name else None
-    for call in module.scopes[0].nodes().get(ast.Call, []):  # every call of the file
+    for call in _calls_naming(module, fn.name):  # every call of the file that can be one of fn
         f = call.func  # type: ignore[attr-defined]
         line = call.lineno  # type: ignore[attr-defined]
         if cls is not None:
@@ -1762,6 +1762,16 @@ def _weightless_helper_covered(module: ModuleInfo, scope: Scope) -> bool:
         if not (own[0] <= line <= own[1]) and not any(lo <= line <= hi for lo, hi in spans):
             return False
     return True
+
+
+def _calls_naming(module: ModuleInfo, name: str) -> list[ast.Call]:
+    """The file's calls, or those of its statements whose lines hold ``name`` (a call of it
+    does): the whole file is walked node by node only where another question already did."""
+    top = module.scopes[0]
+    lines = None if "_nodes" in top.__dict__ else lines_with(module, (name,))
+    if lines is None:
+        return top.nodes().get(ast.Call, [])
+    return calls_on_lines(module.tree, lines)
 
 
 def _helper_used_by_finding(module: ModuleInfo, scope: Scope) -> bool:

@@ -231,6 +231,11 @@ def _finish(args: argparse.Namespace, counts: dict[str, int], paths: list[Path],
     return 0
 
 
+def _say_missing(args: argparse.Namespace, followed: Any) -> None:
+    for name in followed.missing if (args.python or args.site) else ():  # asked for by name: say it was not there
+        print(f"npufuse scan: the repo imports {name}, which is not installed where npufuse looked; --python EXE or --site PATH names where it is", file=sys.stderr)
+
+
 def _load_template() -> None:
     from npufuse.report.markdown import _env
 
@@ -307,6 +312,10 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
     info.files = len(inputs.walked.files)
     followed = None
     follow_key = ""  # the followed installed files' part of the outputs' key
+    # only reusing recorded outputs (a cache with a run key) needs the followed files before the
+    # analysis; otherwise (a cold cache, --no-cache) they are read while the pool's workers
+    # analyse (this process only waits then), not before the pool starts with the cores idle
+    follow_later: list[Any] = []
     if not args.no_follow_imports:
         from npufuse.scan import follow
 
@@ -314,10 +323,12 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
             paths = follow.search_path(args.python, args.site)
         except follow.FollowError as exc:
             raise UsageError(str(exc)) from None
-        followed = follow.follow_imports(Path(inputs.walked.root), inputs.walked.files, paths)
-        follow_key = follow.digest(followed)
-        for name in followed.missing if (args.python or args.site) else ():  # asked for by name: say it was not there
-            print(f"npufuse scan: the repo imports {name}, which is not installed where npufuse looked; --python EXE or --site PATH names where it is", file=sys.stderr)
+        if cache_dir is None or args.profile or trace is not None or inputs.key is None:
+            follow_later.append(lambda: follow.follow_imports(Path(inputs.walked.root), inputs.walked.files, paths))
+        else:
+            followed = follow.follow_imports(Path(inputs.walked.root), inputs.walked.files, paths)
+            follow_key = follow.digest(followed)
+            _say_missing(args, followed)
 
     # The profile join reads profiler output the key does not cover: such a run always scans.
     # A cold cache (inputs.cold) has no record to reuse: its key comes with the scan's result.
@@ -337,15 +348,27 @@ def _run_locked(args: argparse.Namespace, target: Path, only: list[str] | None, 
         info.shortcut = "miss"
 
     bar, update = _progress(sys.stderr.isatty() and not args.no_progress)
+    followed_early: list[Any] = []
+
+    def while_waiting() -> None:
+        # while the workers analyse, this process would only wait: import jinja2 and compile
+        # the report template then, not after the last file; and follow the imports (cold scan)
+        if follow_later:
+            followed_early.append(follow_later[0]())
+        if report_path is not None:
+            _load_template()
+
     try:
         if bar is not None:
             bar.start()
-        # while the workers analyse, this process would only wait: import jinja2 and compile
-        # the report template then, not after the last file
-        result = engine.run_scan(inputs, jobs=args.jobs, progress=update, while_waiting=_load_template if report_path is not None else None)
+        result = engine.run_scan(inputs, jobs=args.jobs, progress=update, while_waiting=while_waiting if (follow_later or report_path is not None) else None)
     finally:
         if bar is not None:
             bar.stop()
+    if follow_later:  # (not done while waiting: no pool ran, or it raised and is done here again)
+        followed = followed_early[0] if followed_early else follow_later[0]()
+        follow_key = follow.digest(followed)
+        _say_missing(args, followed)
     info.files_analyzed = result.stats.get("analyzed", 0)
     info.files_from_cache = result.stats.get("from_cache", 0)
 
