@@ -321,6 +321,9 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             k3 = _helper_act(module, fn)
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
+        passed = _parameter_act(module, f, gate, ctx)
+        if passed is not None:
+            return passed
     return None
 
 
@@ -2582,4 +2585,71 @@ Swiglu.KEEP += [
     Keep(_OPTIONAL_UP.replace("        if self.w3 is not None:\n            h = h * self.w3(x)\n",
                               "        h = h * self.w3(x) if self.w3 is not None else h\n"),
          reason="is also read elsewhere in the statement", name="optional_up_projection_in_a_conditional_expression"),
+]
+
+
+# --- activation handed in as a function parameter (held-out 4) ---
+
+
+def _parameter_act(module: ModuleInfo, f: ast.Name, gate: ast.expr, ctx: S.Ctx) -> Act | None:
+    """``activation(x[..., 0, :]) * x[..., 1, :]`` with ``activation`` a parameter of this function
+    (never rebound in it): a callable the caller chooses, so only a run-time test of the object
+    tells SiLU from GELU (the fused branch runs npu_swiglu / npu_geglu for those and the original
+    code for anything else). Weak: an activation only when the product is a GLU's structure
+    (halves of one tensor, projections of one input), never a reason to refuse another product."""
+    if f.id not in ctx.scope.args or S.definition(ctx, f.id) is not None:
+        return None
+    fn = ctx.scope.node if isinstance(getattr(ctx.scope, "node", None), (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    default: str | None = None
+    if fn is not None:
+        args = fn.args.posonlyargs + fn.args.args
+        defaults = dict(zip([a.arg for a in args][len(args) - len(fn.args.defaults):], fn.args.defaults))
+        defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None})
+        dv = defaults.get(f.id)
+        if dv is not None:
+            k = _module_act(module, ast.Call(func=dv, args=[], keywords=[])) or _module_act(module, dv)
+            default = k[0] if k is not None and k[0] != CONFIG else None
+    return Act(CONFIG, gate, ctx, f"{f.id} (a parameter of the function)", obj=f, default=default,
+               gelu_hint=_gelu_hint(f.id, None), weak=True)
+
+
+_PARAM_ACT = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def gated_ffn(w_in, w_out, activation, x):
+    h = F.linear(x, w_in)
+    a, b = h.chunk(2, dim=-1)
+    return F.linear(activation(a) * b, w_out)
+
+
+def gated_ffn_view(linear_in, linear_out, act_fn, x):
+    x = linear_in(x)
+    n, t, _ = x.shape
+    x = x.view(n, t, 2, -1)
+    x = act_fn(x[..., 0, :]) * x[..., 1, :]
+    return linear_out(x)
+'''
+
+_RUN_PARAM_ACT = '''
+w_in = torch.randn(24, 8, requires_grad=True)
+w_out = torch.randn(8, 12)
+lin_in, lin_out = nn.Linear(8, 24, bias=False), nn.Linear(12, 8, bias=False)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = gated_ffn(w_in, w_out, {act}, x) + gated_ffn_view(lin_in, lin_out, {act}, x)
+leaves = [x, w_in, lin_in.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_PARAM_ACT, expect={"conditional": True}, run=_RUN_PARAM_ACT.format(act="F.silu"), name="activation_function_parameter_silu"),
+    Fuse(_PARAM_ACT, expect={"conditional": True}, run=_RUN_PARAM_ACT.format(act="nn.GELU()"), name="activation_function_parameter_gelu"),
+]
+
+Swiglu.KEEP += [
+    # the parameter is a callable beside a product that is no GLU (a scale times a different tensor):
+    # weak, so not even a near miss
+    Keep(_PARAM_ACT.replace("activation(a) * b", "activation(a) * x.sum()").replace(
+        "act_fn(x[..., 0, :]) * x[..., 1, :]", "act_fn(x[..., 0, :]) * n"), reason="", name="activation_parameter_not_a_glu"),
 ]
