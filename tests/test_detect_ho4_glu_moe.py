@@ -34,3 +34,30 @@ def test_zeros_moved_by_a_cast_or_a_device_move_are_still_zeros(src, inner, dtyp
 def test_unknown_moves_and_plain_makers_are_not_taken_as_moved(src):
     module = _module(src)
     assert moe._zeros_moved_dtype(module, module.tree.body[-1].value) is None
+
+
+def test_an_activation_assigned_in_init_branches_is_dispatched_at_run_time_not_taken_from_the_last_branch():
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.registry import get_pattern as get
+    from npufuse.patterns.swiglu import _BRANCH_ACT
+
+    code = _BRANCH_ACT.replace("self.act = nn.ReLU()", "self.act = make_act()").replace(
+        "import torch\n", "import torch\nfrom acts import make_act\n", 1)
+    findings, _ = detect_all(get("swiglu"), code)
+    assert len(findings) == 1
+    params = findings[0].params
+    # the last branch assigns F.silu, but which branch runs is decided when the object is built
+    assert params["conditional"] is True and params["activation"] == "config"
+    assert "branches of __init__" in params["activation_source"]
+    assert params["dispatches_to"] == ["swiglu", "geglu"]
+
+
+def test_an_activation_function_parameter_outside_a_glu_is_not_even_a_near_miss():
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.registry import get_pattern as get
+
+    code = "import torch\n\ndef f(act, x, y):\n    return act(x) * y\n"
+    findings, misses = detect_all(get("swiglu"), code)
+    assert findings == [] and misses == []

@@ -254,6 +254,9 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         value = init.get(f.attr)
         if value is not None:
             desc = f"self.{f.attr} = {ast.unparse(value)}"
+            branched = _branch_assigned_act(module, cls_name, f, gate, ctx)
+            if branched is not None:
+                return branched
             if isinstance(value, ast.IfExp):
                 return _chosen_act(module, value, f, gate, ctx, desc)
             k = _module_act(module, value)
@@ -2652,4 +2655,98 @@ Swiglu.KEEP += [
     # weak, so not even a near miss
     Keep(_PARAM_ACT.replace("activation(a) * b", "activation(a) * x.sum()").replace(
         "act_fn(x[..., 0, :]) * x[..., 1, :]", "act_fn(x[..., 0, :]) * n"), reason="", name="activation_parameter_not_a_glu"),
+]
+
+
+# --- activation assigned in several branches of __init__ (held-out 4) ---
+
+
+def _init_values(module: ModuleInfo, class_name: str | None, attr: str) -> list[ast.expr]:
+    """Every value ``self.<attr>`` is assigned in the class's ``__init__``, in source order."""
+    if not class_name or class_name not in module.classes:
+        return []
+    out: list[ast.expr] = []
+    for item in module.classes[class_name].body:
+        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+            for n in S._stmts_in(item.body):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) and n.value is not None else []
+                if any(dotted(t) == f"self.{attr}" for t in targets):
+                    out.append(n.value)  # type: ignore[union-attr]
+    return out
+
+
+def _branch_assigned_act(module: ModuleInfo, cls_name: str | None, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx) -> Act | None:
+    """``if act == "relu": self.act = nn.ReLU() elif ...: self.act = F.silu``: which assignment runs
+    is decided when the object is built, so the last one in the source is not the activation (taking
+    it made an unconditional npu_swiglu where the default was GELU). Every value known: one kind is
+    that kind; several kinds: chosen at run time, tested on the object in the fused branch. None when
+    the attribute is assigned once (the existing lookup decides) or a value is not an activation
+    npufuse knows (then nothing tells what runs)."""
+    values = _init_values(module, cls_name, f.attr)
+    if len(values) < 2:
+        return None
+    kinds: list[str] = []
+    for v in values:
+        k = _module_act(module, v)
+        if k is None and isinstance(v, ast.Name):
+            fn = module.helper(v.id)
+            k3 = _helper_act(module, fn) if isinstance(fn, ast.FunctionDef) else None
+            k = (k3, None) if k3 is not None else None
+        kinds.append(k[0] if k is not None and k[0] not in (CONFIG, GELU_DYN) else CONFIG)
+    if CONFIG in kinds:
+        # a branch npufuse cannot resolve: only testing the object at run time tells what runs
+        return Act(CONFIG, gate, ctx, f"self.{f.attr} assigned in {len(values)} branches of __init__, one not resolved",
+                   obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
+    desc = f"self.{f.attr} assigned in {len(values)} branches of __init__ ({', '.join(sorted(set(kinds)))})"
+    if len(set(kinds)) == 1:
+        return Act(kinds[0], gate, ctx, desc, obj=f)
+    if not {SILU, GELU, GELU_TANH} & set(kinds):
+        return None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, None))
+
+
+_BRANCH_ACT = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class GatedFF(nn.Module):
+    def __init__(self, d, h, activate_fn="gelu"):
+        super().__init__()
+        self.w_0 = nn.Linear(d, h, bias=False)
+        self.w_1 = nn.Linear(d, h, bias=False)
+        if activate_fn == "relu":
+            self.act = nn.ReLU()
+        elif activate_fn == "gelu":
+            self.act = nn.GELU()
+        elif activate_fn == "silu":
+            self.act = F.silu
+        else:
+            raise ValueError(activate_fn)
+
+    def forward(self, x):
+        gate_score = self.act(self.w_0(x))
+        x = self.w_1(x)
+        x = gate_score * x
+        return x
+'''
+
+_RUN_BRANCH_ACT = '''
+m = GatedFF(8, 12, activate_fn="{act}")
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.w_0.weight, m.w_1.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_BRANCH_ACT, expect={"conditional": True, "dispatches_to": ["swiglu", "geglu"]}, run=_RUN_BRANCH_ACT.format(act="silu"),
+         name="activation_assigned_in_init_branches_silu"),
+    Fuse(_BRANCH_ACT, expect={"conditional": True}, run=_RUN_BRANCH_ACT.format(act="gelu"), name="activation_assigned_in_init_branches_gelu"),
+]
+
+Swiglu.KEEP += [
+    # every branch assigns an activation torch_npu has no gated op for: resolved, nothing to fuse
+    Keep(_BRANCH_ACT.replace("self.act = nn.GELU()", "self.act = nn.Tanh()").replace("self.act = F.silu", "self.act = nn.ReLU6()"),
+         reason="", name="activation_init_branches_none_fusable"),
 ]
