@@ -254,7 +254,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         value = init.get(f.attr)
         if value is not None:
             desc = f"self.{f.attr} = {ast.unparse(value)}"
-            branched = _branch_assigned_act(module, cls_name, f, gate, ctx)
+            branched = _branch_assigned_act(module, cls_name, f, gate, ctx) or _getattr_act(module, value, f, gate, ctx, desc)
             if branched is not None:
                 return branched
             if isinstance(value, ast.IfExp):
@@ -2749,4 +2749,86 @@ Swiglu.KEEP += [
     # every branch assigns an activation torch_npu has no gated op for: resolved, nothing to fuse
     Keep(_BRANCH_ACT.replace("self.act = nn.GELU()", "self.act = nn.Tanh()").replace("self.act = F.silu", "self.act = nn.ReLU6()"),
          reason="", name="activation_init_branches_none_fusable"),
+]
+
+
+# --- activation looked up by name in torch's namespaces (held-out 4) ---
+
+_ACT_NAMESPACES = {"torch.nn.functional": False, "torch": False, "torch.nn": True}  # True: a class, instantiated
+
+
+def _getattr_act(module: ModuleInfo, value: ast.expr, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """``self.act = getattr(F, config.act)`` / ``getattr(nn, name)()``: an activation of torch looked
+    up by a name known only at run time. A literal name resolves (``getattr(F, "silu")`` is F.silu);
+    otherwise only testing the object in the fused branch tells SiLU from GELU (anything else runs
+    the original code)."""
+    call = value
+    instantiated = False
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Call) and not call.args and not call.keywords:
+        call, instantiated = call.func, True  # getattr(nn, name)()
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "getattr"
+            and len(call.args) == 2 and not call.keywords):
+        return None
+    space = module.canonical(call.args[0])
+    if space not in _ACT_NAMESPACES or _ACT_NAMESPACES[space] != instantiated:
+        return None
+    name = const_value(call.args[1])
+    if isinstance(name, str):
+        target = f"{space}.{name}" if not instantiated else None
+        kind = _FUNCS.get(target) if target else None
+        if kind is None and instantiated:
+            k = _module_act(module, ast.parse(f"torch.nn.{name}()", mode="eval").body)
+            kind = k[0] if k is not None and k[0] != CONFIG else None
+        return Act(kind, gate, ctx, desc, obj=f) if kind in (SILU, GELU) else None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(getattr(f, "attr", ""), None))
+
+
+_GETATTR_ACT = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class GLUFFN(nn.Module):
+    def __init__(self, d, h, act_name):
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * h, bias=False)
+        self.out = nn.Linear(h, d)
+        self.act = getattr(F, act_name)
+
+    def forward(self, x):
+        g, u = self.proj(x).chunk(2, dim=-1)
+        return self.out(self.act(g) * u)
+
+
+class GLUFFNModule(nn.Module):
+    def __init__(self, d, h, act_cls):
+        super().__init__()
+        self.w_gate = nn.Linear(d, h, bias=False)
+        self.w_up = nn.Linear(d, h, bias=False)
+        self.act = getattr(nn, act_cls)()
+
+    def forward(self, x):
+        return self.act(self.w_gate(x)) * self.w_up(x)
+'''
+
+_RUN_GETATTR_ACT = '''
+m1, m2 = GLUFFN(8, 6, "{fn}"), GLUFFNModule(8, 6, "{cls}")
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m1(x).sum() + m2(x).sum()
+leaves = [x, m1.proj.weight, m2.w_gate.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_GETATTR_ACT, expect={"conditional": True}, run=_RUN_GETATTR_ACT.format(fn="silu", cls="SiLU"), name="activation_getattr_by_name_silu"),
+    Fuse(_GETATTR_ACT, expect={"conditional": True}, run=_RUN_GETATTR_ACT.format(fn="gelu", cls="GELU"), name="activation_getattr_by_name_gelu"),
+]
+
+Swiglu.KEEP += [
+    # a literal name resolves: getattr(F, "relu") is relu, which no gated torch_npu op computes
+    Keep(_GETATTR_ACT.replace("getattr(F, act_name)", 'getattr(F, "relu")').replace("getattr(nn, act_cls)()", 'getattr(nn, "ReLU")()'),
+         reason="", name="activation_getattr_literal_relu"),
+    # getattr on a user's object: not torch's namespace, nothing says it is an activation
+    Keep(_GETATTR_ACT.replace("getattr(F, act_name)", "getattr(self, act_name)").replace("getattr(nn, act_cls)()", "getattr(self, act_cls)()"),
+         reason="", name="activation_getattr_on_own_object"),
 ]
