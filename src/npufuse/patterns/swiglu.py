@@ -258,7 +258,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if branched is not None:
                 return branched
             if isinstance(value, ast.IfExp):
-                return _chosen_act(module, value, f, gate, ctx, desc)
+                return _chosen_act(module, value, f, gate, ctx, desc) or _config_arm_act(module, value, f, gate, ctx, desc)
             k = _module_act(module, value)
             if k is not None:
                 kind, extra = k
@@ -2831,4 +2831,68 @@ Swiglu.KEEP += [
     # getattr on a user's object: not torch's namespace, nothing says it is an activation
     Keep(_GETATTR_ACT.replace("getattr(F, act_name)", "getattr(self, act_name)").replace("getattr(nn, act_cls)()", "getattr(self, act_cls)()"),
          reason="", name="activation_getattr_on_own_object"),
+]
+
+
+# --- a conditional activation whose arm is configuration's (held-out 4) ---
+
+
+def _config_arm_act(module: ModuleInfo, value: ast.IfExp, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """``ACT2FN[cfg.act] if isinstance(cfg.act, str) else cfg.act``: each arm is an activation chosen
+    by configuration (a table lookup by a run-time name, or a callable the config holds) or a known
+    one, so only testing the object in the fused branch tells what runs. An arm that is neither
+    (a call of something unknown, a constant) leaves it unresolved (None)."""
+    has_config = False
+    for arm in (value.body, value.orelse):
+        k = _module_act(module, arm)
+        if k is not None:
+            has_config = has_config or k[0] == CONFIG
+            continue
+        text = dotted(arm) or ""
+        if isinstance(arm, ast.Attribute) and text and not (module.canonical(arm) or "").startswith("torch.") \
+                and not text.startswith("self."):
+            has_config = True  # `config.act_fn`: a callable handed in by configuration
+            continue
+        return None
+    if not has_config:
+        return None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(getattr(f, "attr", ""), None))
+
+
+_CONFIG_ARM_ACT = '''
+import torch
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU(), "relu": nn.ReLU()}
+
+
+class FusedGateUp(nn.Module):
+    def __init__(self, cfg, d, h):
+        super().__init__()
+        self.gate_up = nn.Linear(d, 2 * h, bias=False)
+        self.act_fn = ACT2FN[cfg.act] if isinstance(cfg.act, str) else cfg.act
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return up * self.act_fn(gate)
+'''
+
+_RUN_CONFIG_ARM_ACT = '''
+class Cfg:
+    act = {act}
+m = FusedGateUp(Cfg(), 8, 6)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate_up.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_CONFIG_ARM_ACT, expect={"conditional": True}, run=_RUN_CONFIG_ARM_ACT.format(act="torch.nn.SiLU()"), name="activation_config_table_or_callable_silu"),
+    Fuse(_CONFIG_ARM_ACT, expect={"conditional": True}, run=_RUN_CONFIG_ARM_ACT.format(act="torch.nn.GELU()"), name="activation_config_table_or_callable_gelu"),
+    Fuse(_CONFIG_ARM_ACT, expect={"conditional": True}, run=_RUN_CONFIG_ARM_ACT.format(act='"silu"'), name="activation_config_table_or_callable_name_silu"),
+]
+
+Swiglu.KEEP += [
+    # one arm is a call of something npufuse cannot see into: nothing says what the object is
+    Keep(_CONFIG_ARM_ACT.replace("else cfg.act", "else cfg.build()"), reason="", name="activation_config_arm_unknown_call"),
 ]
