@@ -61,3 +61,19 @@ def test_an_activation_function_parameter_outside_a_glu_is_not_even_a_near_miss(
     code = "import torch\n\ndef f(act, x, y):\n    return act(x) * y\n"
     findings, misses = detect_all(get("swiglu"), code)
     assert findings == [] and misses == []
+
+
+def test_gate_and_up_indexed_out_of_one_pair_are_found_in_both_layouts_and_written_as_mul_calls():
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.registry import get_pattern
+    from npufuse.patterns.swiglu import _PAIR_INDEXED
+
+    findings, misses = detect_all(get_pattern("swiglu"), _PAIR_INDEXED)
+    assert sorted(f.qualname for f in findings) == ["PairFirstDim.forward", "PairProjection.forward"]
+    assert misses == []
+    same = _PAIR_INDEXED.replace("up = fused[..., 1, :]", "up = fused[..., 0, :]")
+    findings, misses = detect_all(get_pattern("swiglu"), same)
+    assert [f.qualname for f in findings] == ["PairFirstDim.forward"]
+    assert [m.qualname for m in misses] == ["PairProjection.forward"]
+    assert "not two parts" in misses[0].reason

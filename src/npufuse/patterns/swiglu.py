@@ -772,6 +772,10 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
             trace.stmts.update(t.stmts)
             trace.stmts.update(tb.stmts)
             return (S.key(base, bctx), merged, bctx, ast.Constant(-1), int(const_value(elts[1])), "view", True)  # type: ignore[call-overload]
+        pair = _indexed_pair_part(n, c)
+        if pair is not None:
+            trace.stmts.update(t.stmts)
+            return pair
         if elts and isinstance(elts[-1], ast.Slice) and all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None or (isinstance(e, ast.Constant) and e.value is Ellipsis) for e in elts[:-1]):
             s = elts[-1]
             if s.step is not None:
@@ -1161,7 +1165,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         return cached
     results: list[GateResult] = []
     scope.__dict__["_npufuse_gates"] = results
-    if isinstance(scope.node, ast.Module) or "*" not in S.scope_text(module, scope):
+    if isinstance(scope.node, ast.Module) or ("*" not in S.scope_text(module, scope) and "mul(" not in S.scope_text(module, scope)):
         return results
     text = S.scope_text(module, scope).lower()
     if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name):
@@ -1170,12 +1174,13 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     for stmt in S.stmt_index(scope).stmts:
         if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
             continue
-        if not any("*" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
+        if not any("*" in ln or "mul(" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
             continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
         inside: list[ast.AST] = []
         for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+            node = _mul_call_as_product(module, node)
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
                 continue
             if any(any(n is node for n in fast_walk(m)) for m in inside):
@@ -1565,7 +1570,7 @@ class Swiglu(Pattern):
     training_ok = True
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
-    SCOPE_WORDS = ("*",)
+    SCOPE_WORDS = ("*", "mul(")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in gate_results(module, scope):
@@ -2895,4 +2900,122 @@ Swiglu.FUSE += [
 Swiglu.KEEP += [
     # one arm is a call of something npufuse cannot see into: nothing says what the object is
     Keep(_CONFIG_ARM_ACT.replace("else cfg.act", "else cfg.build()"), reason="", name="activation_config_arm_unknown_call"),
+]
+
+
+# --- gate and up indexed out of one tensor along a non-last dim (held-out 4) ---
+
+
+def _indexed_pair_part(n: ast.Subscript, ctx: S.Ctx) -> tuple[str, ast.expr, S.Ctx, ast.expr, object, str, bool] | None:
+    """``T[..., 0, :]`` / ``T[..., 1, :]`` (one projection producing ``[..., 2, I]``; gate and up
+    indexed out of it): one part of a pair along one dim, every other dim taken whole. Both parts
+    then have T's shape less that dim, so they are equal-width operands and the fused op takes them
+    concatenated along the last dim: exact whatever T's size along the indexed dim (no shape is
+    assumed). Only indices 0 and 1 (the two members of a pair); a plain ``T[0]`` is a row, not a
+    part of a pair, and stays out."""
+    sl = n.slice
+    elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+    if len(elts) < 2:
+        return None
+    ints = [i for i, e in enumerate(elts) if isinstance(e, ast.Constant) and type(e.value) is int]
+    whole = [i for i, e in enumerate(elts) if isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None
+             or isinstance(e, ast.Constant) and e.value is Ellipsis]
+    if len(ints) != 1 or len(ints) + len(whole) != len(elts) or elts[ints[0]].value not in (0, 1):  # type: ignore[attr-defined]
+        return None
+    if not isinstance(elts[-1], ast.Slice):
+        return None  # the last dim indexed: a scalar column per row, not a feature vector
+    pos = ints[0]
+    ellipsis = [i for i in whole if isinstance(elts[i], ast.Constant)]
+    if len(ellipsis) > 1:
+        return None
+    if ellipsis and ellipsis[0] < pos:
+        dim: ast.expr = ast.Constant(pos - len(elts))  # counted from the end: [..., 0, :] is dim -2
+    elif ellipsis:
+        return None  # [0, ..., :]: the dim is counted from the start, the ellipsis after it
+    else:
+        dim = ast.Constant(pos)
+    idx = elts[pos].value  # type: ignore[attr-defined]
+    return (S.key(n.value, ctx), n.value, ctx, dim, idx, "part", True)
+
+
+# --- torch.mul(a, b) / a.mul(b): the product written as a call (held-out 4) ---
+
+
+def _mul_call_as_product(module: ModuleInfo, node: ast.AST) -> ast.AST:
+    """``torch.mul(a, b)`` / ``a.mul(b)`` as the product ``a * b`` it computes, spanning the call's
+    text (so the replacement replaces the whole call); anything else unchanged. Cached on the call
+    so every look at it sees one node. ``out=``/in-place ``mul_`` are not products to replace."""
+    if not isinstance(node, ast.Call) or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+        return node
+    cached = node.__dict__.get("_npufuse_product")
+    if cached is not None:
+        return cached
+    f = node.func
+    if module.canonical(f) in ("torch.mul", "torch.multiply") and len(node.args) == 2:
+        left, right = node.args
+    elif isinstance(f, ast.Attribute) and f.attr in ("mul", "multiply") and len(node.args) == 1 \
+            and not (isinstance(f.value, ast.Name) and module.canonical(f.value) == "torch"):
+        left, right = f.value, node.args[0]
+    else:
+        return node
+    prod = ast.BinOp(left=left, op=ast.Mult(), right=right)
+    ast.copy_location(prod, node)
+    node.__dict__["_npufuse_product"] = prod
+    return prod
+
+
+_PAIR_INDEXED = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class PairProjection(nn.Module):
+    """One projection whose output is [..., 2, I]: gate and up indexed out of it."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.wi = nn.Linear(d, 2 * h, bias=False)
+        self.wo = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        fused = self.wi(x).unflatten(-1, (2, self.h))
+        gate = fused[..., 0, :]
+        up = fused[..., 1, :]
+        hidden = torch.mul(F.silu(gate), up).to(x.dtype)
+        return self.wo(hidden)
+
+
+class PairFirstDim(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.wi = nn.Linear(d, 2 * h, bias=False)
+
+    def forward(self, x):
+        t = self.wi(x).view(x.shape[0], 2, -1)
+        return t[:, 1, :].mul(F.silu(t[:, 0, :]))
+'''
+
+_RUN_PAIR_INDEXED = '''
+m1, m2 = PairProjection(8, 6), PairFirstDim(8, 5)
+x = torch.randn(2, 3, 8, requires_grad=True)
+x2 = torch.randn(4, 8, requires_grad=True)
+out = m1(x).sum() + m2(x2).sum()
+leaves = [x, x2, m1.wi.weight, m2.wi.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_PAIR_INDEXED, run=_RUN_PAIR_INDEXED, name="gate_up_indexed_pair_and_mul_calls"),
+]
+
+Swiglu.KEEP += [
+    # the same member of the pair twice: silu(g) * g is no gate/up pair
+    Keep(_PAIR_INDEXED.replace("up = fused[..., 1, :]", "up = fused[..., 0, :]").replace(
+        "t[:, 1, :].mul(F.silu(t[:, 0, :]))", "t[:, 0, :].mul(F.silu(t[:, 0, :]))"),
+         reason="", name="indexed_pair_same_member_twice"),
+    # rows 0 and 1 of a batch (no other dim taken whole): not the two members of a pair
+    Keep(_PAIR_INDEXED.replace("gate = fused[..., 0, :]", "gate = fused[0]").replace("up = fused[..., 1, :]", "up = fused[1]").replace(
+        "t[:, 1, :].mul(F.silu(t[:, 0, :]))", "t[1].mul(F.silu(t[0]))"),
+         reason="", name="rows_of_a_batch_not_a_pair"),
 ]
