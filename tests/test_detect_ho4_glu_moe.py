@@ -77,3 +77,19 @@ def test_gate_and_up_indexed_out_of_one_pair_are_found_in_both_layouts_and_writt
     assert [f.qualname for f in findings] == ["PairFirstDim.forward"]
     assert [m.qualname for m in misses] == ["PairProjection.forward"]
     assert "not two parts" in misses[0].reason
+
+
+def test_projections_through_a_one_argument_helper_keep_the_rebinding_statement_as_written():
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.registry import get_pattern
+    from npufuse.patterns.swiglu import _UNARY_HELPER
+
+    findings, misses = detect_all(get_pattern("swiglu"), _UNARY_HELPER)
+    assert len(findings) == 1 and misses == []
+    f = findings[0]
+    # only the product's line is rewritten: `z1, z2 = first_if_tuple(z1), first_if_tuple(z2)` stays,
+    # so the helper runs once per operand (never rendered as `(..., ...)[0]`, evaluating both twice)
+    assert (f.line, f.end_line) == (29, 29)
+    assert "first_if_tuple" not in str(f.fused)
+    assert f.params["conditional"] is True

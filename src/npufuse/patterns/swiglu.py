@@ -795,7 +795,7 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
 
 def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
     """Key of the input of a projection-like value: ``self.w(x)``, ``F.linear(x, w)``, ``x @ w``."""
-    n, c = S.peel(node, ctx)
+    n, c = _through_unary_helper(*S.peel(node, ctx))
     while S.is_cast(n):
         n = n.func.value  # type: ignore[union-attr]
     if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Call) and const_value(n.slice) == 0:
@@ -1040,7 +1040,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         # CpmAnt's ``x = self.w_1(x)`` before ``gate * x``: the statement rebinding the
         # projections' input joins the fused region; kept verbatim it would clobber x for the gate
         d = S.definition(ctx, b.id)
-        if d is not None and d[1] is not None and b.id in S.names_read(d[1]):
+        if d is not None and d[1] is not None and b.id in S.names_read(d[1]) and not _binds_gate_too(d[0], a):
             S.peel(b, ctx, trace)
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ia)
 
@@ -3018,4 +3018,88 @@ Swiglu.KEEP += [
     Keep(_PAIR_INDEXED.replace("gate = fused[..., 0, :]", "gate = fused[0]").replace("up = fused[..., 1, :]", "up = fused[1]").replace(
         "t[:, 1, :].mul(F.silu(t[:, 0, :]))", "t[1].mul(F.silu(t[0]))"),
          reason="", name="rows_of_a_batch_not_a_pair"),
+]
+
+
+# --- a projection passed through a one-argument helper (held-out 4) ---
+
+
+def _through_unary_helper(n: ast.expr, ctx: S.Ctx) -> tuple[ast.expr, S.Ctx]:
+    """``grab_first_if_tuple(self.l1(z))`` (a plain function of one argument, applied to a
+    projection's output: unwrap a (output, bias) tuple, a tensor-parallel gather): the projection it
+    wraps, for the question "are gate and up projections of one input". The operands are still
+    rendered as written in the fused text, so the helper runs exactly as before; this only lets the
+    structure check see through it. Only a plain name's call (not a method, not a module of this
+    object) whose argument is itself a method/attribute call (``self.l1(z)``), one level."""
+    if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and len(n.args) == 1 and not n.keywords
+            and not isinstance(n.args[0], ast.Starred)):
+        return n, ctx
+    if S.definition(ctx, n.func.id) is not None or n.func.id in ctx.scope.args:
+        return n, ctx  # a local callable (a module object passed in or built here): it may be the projection
+    inner, ictx = S.peel(n.args[0], ctx)
+    if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and isinstance(inner.func.value, ast.Name) \
+            and inner.func.value.id == "self" and inner.args:
+        return inner, ictx
+    return n, ctx
+
+
+
+def _binds_gate_too(stmt: ast.AST, a: ast.expr) -> bool:
+    """``z1, z2 = f(z1), f(z2)``: the statement rebinding up's name binds the gate's name too, so
+    the gate reads the new value as well and the statement can stay as written before the fused
+    text (joining it to the region would render each of its values twice, as a tuple indexed)."""
+    if not (isinstance(a, ast.Name) and isinstance(stmt, ast.Assign)):
+        return False
+    return any(isinstance(n, ast.Name) and n.id == a.id and isinstance(n.ctx, ast.Store) for t in stmt.targets for n in ast.walk(t))
+
+
+_UNARY_HELPER = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def first_if_tuple(x):
+    if isinstance(x, tuple):
+        return x[0]
+    return x
+
+
+class GatedMLP2(nn.Module):
+    def __init__(self, d, h, act="silu"):
+        super().__init__()
+        if act == "gelu":
+            self.act = F.gelu
+        elif act == "silu":
+            self.act = F.silu
+        else:
+            raise NotImplementedError(act)
+        self.l1 = nn.Linear(d, h, bias=False)
+        self.l2 = nn.Linear(d, h, bias=False)
+        self.l3 = nn.Linear(h, d, bias=False)
+
+    def forward(self, z):
+        z1, z2 = self.l1(z), self.l2(z)
+        z1, z2 = first_if_tuple(z1), first_if_tuple(z2)
+        y = self.l3(self.act(z1) * z2)
+        return first_if_tuple(y)
+'''
+
+_RUN_UNARY_HELPER = '''
+m = GatedMLP2(8, 6, act="{act}")
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.l1.weight, m.l2.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_UNARY_HELPER, expect={"conditional": True}, run=_RUN_UNARY_HELPER.format(act="silu"), name="projections_through_unary_helper_silu"),
+    Fuse(_UNARY_HELPER, expect={"conditional": True}, run=_RUN_UNARY_HELPER.format(act="gelu"), name="projections_through_unary_helper_gelu"),
+]
+
+Swiglu.KEEP += [
+    # the helper wraps projections of two different inputs: a gated output, not a GLU MLP
+    Keep(_UNARY_HELPER.replace("def forward(self, z):", "def forward(self, z, w):").replace(
+        "self.l2(z)", "self.l2(w)").replace("first_if_tuple(y)", "first_if_tuple(y)"),
+         reason="not projections of one input", name="unary_helper_over_projections_of_two_inputs"),
 ]
