@@ -2607,6 +2607,11 @@ def _parameter_act(module: ModuleInfo, f: ast.Name, gate: ast.expr, ctx: S.Ctx) 
     (halves of one tensor, projections of one input), never a reason to refuse another product."""
     if f.id not in ctx.scope.args or S.definition(ctx, f.id) is not None:
         return None
+    cls = module.classes.get(ctx.scope.class_name or "")
+    if cls is not None and any((module.canonical(b) or dotted(b) or "").endswith("autograd.Function") for b in cls.bases):
+        # forward of a hand-written autograd.Function: its backward recomputes the activation from the
+        # saved inputs with the same callable, so the pair is the Function's own business
+        return None
     fn = ctx.scope.node if isinstance(getattr(ctx.scope, "node", None), (ast.FunctionDef, ast.AsyncFunctionDef)) else None
     default: str | None = None
     if fn is not None:
@@ -3102,4 +3107,29 @@ Swiglu.KEEP += [
     Keep(_UNARY_HELPER.replace("def forward(self, z):", "def forward(self, z, w):").replace(
         "self.l2(z)", "self.l2(w)").replace("first_if_tuple(y)", "first_if_tuple(y)"),
          reason="not projections of one input", name="unary_helper_over_projections_of_two_inputs"),
+]
+
+
+_PARAM_ACT_AUTOGRAD = '''
+import torch
+import torch.nn.functional as F
+
+
+class GatedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w3, activation_fn):
+        a = x @ w1.t()
+        b = x @ w3.t()
+        ctx.save_for_backward(x, w1, w3)
+        ctx.activation_fn = activation_fn
+        return activation_fn(a) * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+'''
+
+Swiglu.KEEP += [
+    # a hand-written autograd.Function handed the activation: its backward owns the recomputation
+    Keep(_PARAM_ACT_AUTOGRAD, reason="", name="activation_parameter_in_autograd_function"),
 ]
