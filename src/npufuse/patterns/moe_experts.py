@@ -2767,6 +2767,13 @@ class _Eval:
                     value = b.value
         if not isinstance(value, ast.Call):
             raise _Miss(f"`{acc}` is not initialised with zeros/empty right before the loop")
+        moved = _zeros_moved_dtype(self.m, value)
+        if moved is None and isinstance(value.func, ast.Attribute) and value.func.attr in ("to", "type"):
+            raise _Miss(f"`{acc}` starts from `{ast.unparse(value)[:50]}`: whether `.{value.func.attr}(...)` "
+                        "sets a dtype or a device cannot be told here, so the output dtype is unknown")
+        if moved is not None:  # torch.zeros_like(x).to(x.dtype): still zeros, in the moved-to dtype
+            inner_dtype = self._init_dtype(ast.Assign(targets=[ast.Name(acc)], value=moved[0]), acc)
+            return moved[1] or inner_dtype
         name = _canon(self.m, value.func)
         dt = keyword(value, "dtype")
         f = value.func
@@ -6870,4 +6877,71 @@ class Towers(nn.Module):
         outs = [blk(xs[i]) for i, blk in enumerate(self.blocks)]
         return torch.cat(outs, 0)
 ''', reason="", name="per_item_towers_no_expert_word"),
+]
+
+
+
+
+# --- zeros moved by .to()/.type()/.float(): still zeros ---
+
+_CAST_METHODS = {"float": "torch.float32", "half": "torch.float16", "bfloat16": "torch.bfloat16", "double": "torch.float64"}
+_DEVICE_METHODS = ("cuda", "cpu", "contiguous")
+
+
+def _zeros_moved_dtype(module: "ModuleInfo", value: ast.Call) -> "tuple[ast.Call, str | None] | None":
+    """``(inner zeros call, dtype text or None)`` when ``value`` is a zeros/empty maker followed by a move or a
+    cast (``torch.zeros_like(x).to(x.dtype)``, ``.to(device)``, ``.float()``): a move or cast keeps zeros zeros,
+    so the accumulator still starts from zeros; the dtype is the cast's (None: the inner call's). None when
+    ``value`` is not such a chain or a ``.to`` argument's meaning (dtype or device) cannot be told."""
+    dtype: str | None = None
+    node: ast.expr = value
+    found_cast = False
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        attr = node.func.attr
+        if attr in _CAST_METHODS and not node.args and not node.keywords:
+            dtype = dtype or _CAST_METHODS[attr]
+        elif attr in _DEVICE_METHODS and not node.args:
+            pass
+        elif attr in ("to", "type") and len(node.args) <= 1:
+            kw = {k.arg: k.value for k in node.keywords}
+            if set(kw) - {"dtype", "device", "non_blocking", "copy"}:
+                return None
+            if "dtype" in kw:
+                dtype = dtype or segment(module, kw["dtype"])
+            if node.args:
+                arg = node.args[0]
+                text = segment(module, arg)
+                if isinstance(arg, ast.Attribute) and arg.attr == "dtype" or _canon(module, arg) in _TORCH_DTYPES:
+                    dtype = dtype or text
+                elif isinstance(arg, ast.Attribute) and arg.attr == "device" or isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    pass  # a device: the dtype stays the inner call's
+                else:
+                    return None  # .to(other_tensor) or a variable: dtype or device cannot be told here
+        else:
+            break  # the maker itself (torch.zeros_like(...), x.new_zeros(...)): _init_dtype judges it
+        found_cast = True
+        node = node.func.value
+    if not found_cast or not isinstance(node, ast.Call):
+        return None
+    return node, dtype
+
+
+_TORCH_DTYPES = {f"torch.{t}" for t in ("float32", "float", "float16", "half", "bfloat16", "float64", "double")}
+
+
+_ZEROS_MOVED = _CUSTOM_IN_OUT.replace("out = torch.zeros_like(x)", "out = torch.zeros_like(x).to(x.dtype)")
+_ZEROS_MOVED_FLOAT = _CUSTOM_IN_OUT.replace("out = torch.zeros_like(x)", "out = x.new_zeros(x.shape).float()")
+_KEEP_ONES_MOVED = _CUSTOM_IN_OUT.replace("out = torch.zeros_like(x)", "out = torch.ones_like(x).to(x.dtype)")
+_KEEP_ZEROS_TO_VAR = _CUSTOM_IN_OUT.replace("out = torch.zeros_like(x)", "out = torch.zeros_like(x).to(target)").replace(
+    "def forward(self, x, indices, scores):", "def forward(self, x, indices, scores, target):")
+
+MoeExperts.FUSE += [
+    Fuse(_ZEROS_MOVED, name="accumulator_zeros_like_then_to_dtype", run=_CUSTOM_IN_OUT_RUN, expect={
+        "layout": "stacked_in_out", "output": "out", "output_dtype": "x.dtype"}),
+    Fuse(_ZEROS_MOVED_FLOAT, name="accumulator_new_zeros_then_float", run=_CUSTOM_IN_OUT_RUN, expect={
+        "layout": "stacked_in_out", "output": "out", "output_dtype": "torch.float32"}),
+]
+MoeExperts.KEEP += [
+    Keep(_KEEP_ONES_MOVED, reason="not zeros", name="accumulator_ones_like_then_to_dtype"),
+    Keep(_KEEP_ZEROS_TO_VAR, reason="cannot be told", name="accumulator_zeros_to_unknown_argument"),
 ]

@@ -254,8 +254,11 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         value = init.get(f.attr)
         if value is not None:
             desc = f"self.{f.attr} = {ast.unparse(value)}"
+            branched = _branch_assigned_act(module, cls_name, f, gate, ctx) or _getattr_act(module, value, f, gate, ctx, desc)
+            if branched is not None:
+                return branched
             if isinstance(value, ast.IfExp):
-                return _chosen_act(module, value, f, gate, ctx, desc)
+                return _chosen_act(module, value, f, gate, ctx, desc) or _config_arm_act(module, value, f, gate, ctx, desc)
             k = _module_act(module, value)
             if k is not None:
                 kind, extra = k
@@ -321,6 +324,9 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             k3 = _helper_act(module, fn)
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
+        passed = _parameter_act(module, f, gate, ctx)
+        if passed is not None:
+            return passed
     return None
 
 
@@ -766,6 +772,10 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
             trace.stmts.update(t.stmts)
             trace.stmts.update(tb.stmts)
             return (S.key(base, bctx), merged, bctx, ast.Constant(-1), int(const_value(elts[1])), "view", True)  # type: ignore[call-overload]
+        pair = _indexed_pair_part(n, c)
+        if pair is not None:
+            trace.stmts.update(t.stmts)
+            return pair
         if elts and isinstance(elts[-1], ast.Slice) and all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None or (isinstance(e, ast.Constant) and e.value is Ellipsis) for e in elts[:-1]):
             s = elts[-1]
             if s.step is not None:
@@ -785,7 +795,7 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
 
 def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
     """Key of the input of a projection-like value: ``self.w(x)``, ``F.linear(x, w)``, ``x @ w``."""
-    n, c = S.peel(node, ctx)
+    n, c = _through_unary_helper(*S.peel(node, ctx))
     while S.is_cast(n):
         n = n.func.value  # type: ignore[union-attr]
     if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Call) and const_value(n.slice) == 0:
@@ -1030,7 +1040,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         # CpmAnt's ``x = self.w_1(x)`` before ``gate * x``: the statement rebinding the
         # projections' input joins the fused region; kept verbatim it would clobber x for the gate
         d = S.definition(ctx, b.id)
-        if d is not None and d[1] is not None and b.id in S.names_read(d[1]):
+        if d is not None and d[1] is not None and b.id in S.names_read(d[1]) and not _binds_gate_too(d[0], a):
             S.peel(b, ctx, trace)
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ia)
 
@@ -1155,7 +1165,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         return cached
     results: list[GateResult] = []
     scope.__dict__["_npufuse_gates"] = results
-    if isinstance(scope.node, ast.Module) or "*" not in S.scope_text(module, scope):
+    if isinstance(scope.node, ast.Module) or ("*" not in S.scope_text(module, scope) and "mul(" not in S.scope_text(module, scope)):
         return results
     text = S.scope_text(module, scope).lower()
     if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name):
@@ -1164,12 +1174,13 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     for stmt in S.stmt_index(scope).stmts:
         if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
             continue
-        if not any("*" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
+        if not any("*" in ln or "mul(" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
             continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
         inside: list[ast.AST] = []
         for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+            node = _mul_call_as_product(module, node)
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
                 continue
             if any(any(n is node for n in fast_walk(m)) for m in inside):
@@ -1559,7 +1570,7 @@ class Swiglu(Pattern):
     training_ok = True
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
-    SCOPE_WORDS = ("*",)
+    SCOPE_WORDS = ("*", "mul(")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in gate_results(module, scope):
@@ -2582,4 +2593,543 @@ Swiglu.KEEP += [
     Keep(_OPTIONAL_UP.replace("        if self.w3 is not None:\n            h = h * self.w3(x)\n",
                               "        h = h * self.w3(x) if self.w3 is not None else h\n"),
          reason="is also read elsewhere in the statement", name="optional_up_projection_in_a_conditional_expression"),
+]
+
+
+# --- activation handed in as a function parameter (held-out 4) ---
+
+
+def _parameter_act(module: ModuleInfo, f: ast.Name, gate: ast.expr, ctx: S.Ctx) -> Act | None:
+    """``activation(x[..., 0, :]) * x[..., 1, :]`` with ``activation`` a parameter of this function
+    (never rebound in it): a callable the caller chooses, so only a run-time test of the object
+    tells SiLU from GELU (the fused branch runs npu_swiglu / npu_geglu for those and the original
+    code for anything else). Weak: an activation only when the product is a GLU's structure
+    (halves of one tensor, projections of one input), never a reason to refuse another product."""
+    if f.id not in ctx.scope.args or S.definition(ctx, f.id) is not None:
+        return None
+    cls = module.classes.get(ctx.scope.class_name or "")
+    if cls is not None and any((module.canonical(b) or dotted(b) or "").endswith("autograd.Function") for b in cls.bases):
+        # forward of a hand-written autograd.Function: its backward recomputes the activation from the
+        # saved inputs with the same callable, so the pair is the Function's own business
+        return None
+    fn = ctx.scope.node if isinstance(getattr(ctx.scope, "node", None), (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    default: str | None = None
+    if fn is not None:
+        args = fn.args.posonlyargs + fn.args.args
+        defaults = dict(zip([a.arg for a in args][len(args) - len(fn.args.defaults):], fn.args.defaults))
+        defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None})
+        dv = defaults.get(f.id)
+        if dv is not None:
+            k = _module_act(module, ast.Call(func=dv, args=[], keywords=[])) or _module_act(module, dv)
+            default = k[0] if k is not None and k[0] != CONFIG else None
+    return Act(CONFIG, gate, ctx, f"{f.id} (a parameter of the function)", obj=f, default=default,
+               gelu_hint=_gelu_hint(f.id, None), weak=True)
+
+
+_PARAM_ACT = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def gated_ffn(w_in, w_out, activation, x):
+    h = F.linear(x, w_in)
+    a, b = h.chunk(2, dim=-1)
+    return F.linear(activation(a) * b, w_out)
+
+
+def gated_ffn_view(linear_in, linear_out, act_fn, x):
+    x = linear_in(x)
+    n, t, _ = x.shape
+    x = x.view(n, t, 2, -1)
+    x = act_fn(x[..., 0, :]) * x[..., 1, :]
+    return linear_out(x)
+'''
+
+_RUN_PARAM_ACT = '''
+w_in = torch.randn(24, 8, requires_grad=True)
+w_out = torch.randn(8, 12)
+lin_in, lin_out = nn.Linear(8, 24, bias=False), nn.Linear(12, 8, bias=False)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = gated_ffn(w_in, w_out, {act}, x) + gated_ffn_view(lin_in, lin_out, {act}, x)
+leaves = [x, w_in, lin_in.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_PARAM_ACT, expect={"conditional": True}, run=_RUN_PARAM_ACT.format(act="F.silu"), name="activation_function_parameter_silu"),
+    Fuse(_PARAM_ACT, expect={"conditional": True}, run=_RUN_PARAM_ACT.format(act="nn.GELU()"), name="activation_function_parameter_gelu"),
+]
+
+Swiglu.KEEP += [
+    # the parameter is a callable beside a product that is no GLU (a scale times a different tensor):
+    # weak, so not even a near miss
+    Keep(_PARAM_ACT.replace("activation(a) * b", "activation(a) * x.sum()").replace(
+        "act_fn(x[..., 0, :]) * x[..., 1, :]", "act_fn(x[..., 0, :]) * n"), reason="", name="activation_parameter_not_a_glu"),
+]
+
+
+# --- activation assigned in several branches of __init__ (held-out 4) ---
+
+
+def _init_values(module: ModuleInfo, class_name: str | None, attr: str) -> list[ast.expr]:
+    """Every value ``self.<attr>`` is assigned in the class's ``__init__``, in source order."""
+    if not class_name or class_name not in module.classes:
+        return []
+    out: list[ast.expr] = []
+    for item in module.classes[class_name].body:
+        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+            for n in S._stmts_in(item.body):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) and n.value is not None else []
+                if any(dotted(t) == f"self.{attr}" for t in targets):
+                    out.append(n.value)  # type: ignore[union-attr]
+    return out
+
+
+def _branch_assigned_act(module: ModuleInfo, cls_name: str | None, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx) -> Act | None:
+    """``if act == "relu": self.act = nn.ReLU() elif ...: self.act = F.silu``: which assignment runs
+    is decided when the object is built, so the last one in the source is not the activation (taking
+    it made an unconditional npu_swiglu where the default was GELU). Every value known: one kind is
+    that kind; several kinds: chosen at run time, tested on the object in the fused branch. None when
+    the attribute is assigned once (the existing lookup decides) or a value is not an activation
+    npufuse knows (then nothing tells what runs)."""
+    values = _init_values(module, cls_name, f.attr)
+    if len(values) < 2:
+        return None
+    kinds: list[str] = []
+    for v in values:
+        k = _module_act(module, v)
+        if k is None and isinstance(v, ast.Name):
+            fn = module.helper(v.id)
+            k3 = _helper_act(module, fn) if isinstance(fn, ast.FunctionDef) else None
+            k = (k3, None) if k3 is not None else None
+        kinds.append(k[0] if k is not None and k[0] not in (CONFIG, GELU_DYN) else CONFIG)
+    if CONFIG in kinds:
+        # a branch npufuse cannot resolve: only testing the object at run time tells what runs
+        return Act(CONFIG, gate, ctx, f"self.{f.attr} assigned in {len(values)} branches of __init__, one not resolved",
+                   obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
+    desc = f"self.{f.attr} assigned in {len(values)} branches of __init__ ({', '.join(sorted(set(kinds)))})"
+    if len(set(kinds)) == 1:
+        return Act(kinds[0], gate, ctx, desc, obj=f)
+    if not {SILU, GELU, GELU_TANH} & set(kinds):
+        return None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, None))
+
+
+_BRANCH_ACT = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class GatedFF(nn.Module):
+    def __init__(self, d, h, activate_fn="gelu"):
+        super().__init__()
+        self.w_0 = nn.Linear(d, h, bias=False)
+        self.w_1 = nn.Linear(d, h, bias=False)
+        if activate_fn == "relu":
+            self.act = nn.ReLU()
+        elif activate_fn == "gelu":
+            self.act = nn.GELU()
+        elif activate_fn == "silu":
+            self.act = F.silu
+        else:
+            raise ValueError(activate_fn)
+
+    def forward(self, x):
+        gate_score = self.act(self.w_0(x))
+        x = self.w_1(x)
+        x = gate_score * x
+        return x
+'''
+
+_RUN_BRANCH_ACT = '''
+m = GatedFF(8, 12, activate_fn="{act}")
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.w_0.weight, m.w_1.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_BRANCH_ACT, expect={"conditional": True, "dispatches_to": ["swiglu", "geglu"]}, run=_RUN_BRANCH_ACT.format(act="silu"),
+         name="activation_assigned_in_init_branches_silu"),
+    Fuse(_BRANCH_ACT, expect={"conditional": True}, run=_RUN_BRANCH_ACT.format(act="gelu"), name="activation_assigned_in_init_branches_gelu"),
+]
+
+Swiglu.KEEP += [
+    # every branch assigns an activation torch_npu has no gated op for: resolved, nothing to fuse
+    Keep(_BRANCH_ACT.replace("self.act = nn.GELU()", "self.act = nn.Tanh()").replace("self.act = F.silu", "self.act = nn.ReLU6()"),
+         reason="", name="activation_init_branches_none_fusable"),
+]
+
+
+# --- activation looked up by name in torch's namespaces (held-out 4) ---
+
+_ACT_NAMESPACES = {"torch.nn.functional": False, "torch": False, "torch.nn": True}  # True: a class, instantiated
+
+
+def _getattr_act(module: ModuleInfo, value: ast.expr, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """``self.act = getattr(F, config.act)`` / ``getattr(nn, name)()``: an activation of torch looked
+    up by a name known only at run time. A literal name resolves (``getattr(F, "silu")`` is F.silu);
+    otherwise only testing the object in the fused branch tells SiLU from GELU (anything else runs
+    the original code)."""
+    call = value
+    instantiated = False
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Call) and not call.args and not call.keywords:
+        call, instantiated = call.func, True  # getattr(nn, name)()
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "getattr"
+            and len(call.args) == 2 and not call.keywords):
+        return None
+    space = module.canonical(call.args[0])
+    if space not in _ACT_NAMESPACES or _ACT_NAMESPACES[space] != instantiated:
+        return None
+    name = const_value(call.args[1])
+    if isinstance(name, str):
+        target = f"{space}.{name}" if not instantiated else None
+        kind = _FUNCS.get(target) if target else None
+        if kind is None and instantiated:
+            k = _module_act(module, ast.parse(f"torch.nn.{name}()", mode="eval").body)
+            kind = k[0] if k is not None and k[0] != CONFIG else None
+        return Act(kind, gate, ctx, desc, obj=f) if kind in (SILU, GELU) else None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(getattr(f, "attr", ""), None))
+
+
+_GETATTR_ACT = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class GLUFFN(nn.Module):
+    def __init__(self, d, h, act_name):
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * h, bias=False)
+        self.out = nn.Linear(h, d)
+        self.act = getattr(F, act_name)
+
+    def forward(self, x):
+        g, u = self.proj(x).chunk(2, dim=-1)
+        return self.out(self.act(g) * u)
+
+
+class GLUFFNModule(nn.Module):
+    def __init__(self, d, h, act_cls):
+        super().__init__()
+        self.w_gate = nn.Linear(d, h, bias=False)
+        self.w_up = nn.Linear(d, h, bias=False)
+        self.act = getattr(nn, act_cls)()
+
+    def forward(self, x):
+        return self.act(self.w_gate(x)) * self.w_up(x)
+'''
+
+_RUN_GETATTR_ACT = '''
+m1, m2 = GLUFFN(8, 6, "{fn}"), GLUFFNModule(8, 6, "{cls}")
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m1(x).sum() + m2(x).sum()
+leaves = [x, m1.proj.weight, m2.w_gate.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_GETATTR_ACT, expect={"conditional": True}, run=_RUN_GETATTR_ACT.format(fn="silu", cls="SiLU"), name="activation_getattr_by_name_silu"),
+    Fuse(_GETATTR_ACT, expect={"conditional": True}, run=_RUN_GETATTR_ACT.format(fn="gelu", cls="GELU"), name="activation_getattr_by_name_gelu"),
+]
+
+Swiglu.KEEP += [
+    # a literal name resolves: getattr(F, "relu") is relu, which no gated torch_npu op computes
+    Keep(_GETATTR_ACT.replace("getattr(F, act_name)", 'getattr(F, "relu")').replace("getattr(nn, act_cls)()", 'getattr(nn, "ReLU")()'),
+         reason="", name="activation_getattr_literal_relu"),
+    # getattr on a user's object: not torch's namespace, nothing says it is an activation
+    Keep(_GETATTR_ACT.replace("getattr(F, act_name)", "getattr(self, act_name)").replace("getattr(nn, act_cls)()", "getattr(self, act_cls)()"),
+         reason="", name="activation_getattr_on_own_object"),
+]
+
+
+# --- a conditional activation whose arm is configuration's (held-out 4) ---
+
+
+def _config_arm_act(module: ModuleInfo, value: ast.IfExp, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """``ACT2FN[cfg.act] if isinstance(cfg.act, str) else cfg.act``: each arm is an activation chosen
+    by configuration (a table lookup by a run-time name, or a callable the config holds) or a known
+    one, so only testing the object in the fused branch tells what runs. An arm that is neither
+    (a call of something unknown, a constant) leaves it unresolved (None)."""
+    has_config = False
+    for arm in (value.body, value.orelse):
+        k = _module_act(module, arm)
+        if k is not None:
+            has_config = has_config or k[0] == CONFIG
+            continue
+        text = dotted(arm) or ""
+        if isinstance(arm, ast.Attribute) and text and not (module.canonical(arm) or "").startswith("torch.") \
+                and not text.startswith("self."):
+            has_config = True  # `config.act_fn`: a callable handed in by configuration
+            continue
+        return None
+    if not has_config:
+        return None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(getattr(f, "attr", ""), None))
+
+
+_CONFIG_ARM_ACT = '''
+import torch
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "gelu": nn.GELU(), "relu": nn.ReLU()}
+
+
+class FusedGateUp(nn.Module):
+    def __init__(self, cfg, d, h):
+        super().__init__()
+        self.gate_up = nn.Linear(d, 2 * h, bias=False)
+        self.act_fn = ACT2FN[cfg.act] if isinstance(cfg.act, str) else cfg.act
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return up * self.act_fn(gate)
+'''
+
+_RUN_CONFIG_ARM_ACT = '''
+class Cfg:
+    act = {act}
+m = FusedGateUp(Cfg(), 8, 6)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate_up.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_CONFIG_ARM_ACT, expect={"conditional": True}, run=_RUN_CONFIG_ARM_ACT.format(act="torch.nn.SiLU()"), name="activation_config_table_or_callable_silu"),
+    Fuse(_CONFIG_ARM_ACT, expect={"conditional": True}, run=_RUN_CONFIG_ARM_ACT.format(act="torch.nn.GELU()"), name="activation_config_table_or_callable_gelu"),
+    Fuse(_CONFIG_ARM_ACT, expect={"conditional": True}, run=_RUN_CONFIG_ARM_ACT.format(act='"silu"'), name="activation_config_table_or_callable_name_silu"),
+]
+
+Swiglu.KEEP += [
+    # one arm is a call of something npufuse cannot see into: nothing says what the object is
+    Keep(_CONFIG_ARM_ACT.replace("else cfg.act", "else cfg.build()"), reason="", name="activation_config_arm_unknown_call"),
+]
+
+
+# --- gate and up indexed out of one tensor along a non-last dim (held-out 4) ---
+
+
+def _indexed_pair_part(n: ast.Subscript, ctx: S.Ctx) -> tuple[str, ast.expr, S.Ctx, ast.expr, object, str, bool] | None:
+    """``T[..., 0, :]`` / ``T[..., 1, :]`` (one projection producing ``[..., 2, I]``; gate and up
+    indexed out of it): one part of a pair along one dim, every other dim taken whole. Both parts
+    then have T's shape less that dim, so they are equal-width operands and the fused op takes them
+    concatenated along the last dim: exact whatever T's size along the indexed dim (no shape is
+    assumed). Only indices 0 and 1 (the two members of a pair); a plain ``T[0]`` is a row, not a
+    part of a pair, and stays out."""
+    sl = n.slice
+    elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+    if len(elts) < 2:
+        return None
+    ints = [i for i, e in enumerate(elts) if isinstance(e, ast.Constant) and type(e.value) is int]
+    whole = [i for i, e in enumerate(elts) if isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None
+             or isinstance(e, ast.Constant) and e.value is Ellipsis]
+    if len(ints) != 1 or len(ints) + len(whole) != len(elts) or elts[ints[0]].value not in (0, 1):  # type: ignore[attr-defined]
+        return None
+    if not isinstance(elts[-1], ast.Slice):
+        return None  # the last dim indexed: a scalar column per row, not a feature vector
+    pos = ints[0]
+    ellipsis = [i for i in whole if isinstance(elts[i], ast.Constant)]
+    if len(ellipsis) > 1:
+        return None
+    if ellipsis and ellipsis[0] < pos:
+        dim: ast.expr = ast.Constant(pos - len(elts))  # counted from the end: [..., 0, :] is dim -2
+    elif ellipsis:
+        return None  # [0, ..., :]: the dim is counted from the start, the ellipsis after it
+    else:
+        dim = ast.Constant(pos)
+    idx = elts[pos].value  # type: ignore[attr-defined]
+    return (S.key(n.value, ctx), n.value, ctx, dim, idx, "part", True)
+
+
+# --- torch.mul(a, b) / a.mul(b): the product written as a call (held-out 4) ---
+
+
+def _mul_call_as_product(module: ModuleInfo, node: ast.AST) -> ast.AST:
+    """``torch.mul(a, b)`` / ``a.mul(b)`` as the product ``a * b`` it computes, spanning the call's
+    text (so the replacement replaces the whole call); anything else unchanged. Cached on the call
+    so every look at it sees one node. ``out=``/in-place ``mul_`` are not products to replace."""
+    if not isinstance(node, ast.Call) or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+        return node
+    cached = node.__dict__.get("_npufuse_product")
+    if cached is not None:
+        return cached
+    f = node.func
+    if module.canonical(f) in ("torch.mul", "torch.multiply") and len(node.args) == 2:
+        left, right = node.args
+    elif isinstance(f, ast.Attribute) and f.attr in ("mul", "multiply") and len(node.args) == 1 \
+            and not (isinstance(f.value, ast.Name) and module.canonical(f.value) == "torch"):
+        left, right = f.value, node.args[0]
+    else:
+        return node
+    prod = ast.BinOp(left=left, op=ast.Mult(), right=right)
+    ast.copy_location(prod, node)
+    node.__dict__["_npufuse_product"] = prod
+    return prod
+
+
+_PAIR_INDEXED = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class PairProjection(nn.Module):
+    """One projection whose output is [..., 2, I]: gate and up indexed out of it."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.wi = nn.Linear(d, 2 * h, bias=False)
+        self.wo = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        fused = self.wi(x).unflatten(-1, (2, self.h))
+        gate = fused[..., 0, :]
+        up = fused[..., 1, :]
+        hidden = torch.mul(F.silu(gate), up).to(x.dtype)
+        return self.wo(hidden)
+
+
+class PairFirstDim(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.wi = nn.Linear(d, 2 * h, bias=False)
+
+    def forward(self, x):
+        t = self.wi(x).view(x.shape[0], 2, -1)
+        return t[:, 1, :].mul(F.silu(t[:, 0, :]))
+'''
+
+_RUN_PAIR_INDEXED = '''
+m1, m2 = PairProjection(8, 6), PairFirstDim(8, 5)
+x = torch.randn(2, 3, 8, requires_grad=True)
+x2 = torch.randn(4, 8, requires_grad=True)
+out = m1(x).sum() + m2(x2).sum()
+leaves = [x, x2, m1.wi.weight, m2.wi.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_PAIR_INDEXED, run=_RUN_PAIR_INDEXED, name="gate_up_indexed_pair_and_mul_calls"),
+]
+
+Swiglu.KEEP += [
+    # the same member of the pair twice: silu(g) * g is no gate/up pair
+    Keep(_PAIR_INDEXED.replace("up = fused[..., 1, :]", "up = fused[..., 0, :]").replace(
+        "t[:, 1, :].mul(F.silu(t[:, 0, :]))", "t[:, 0, :].mul(F.silu(t[:, 0, :]))"),
+         reason="", name="indexed_pair_same_member_twice"),
+    # rows 0 and 1 of a batch (no other dim taken whole): not the two members of a pair
+    Keep(_PAIR_INDEXED.replace("gate = fused[..., 0, :]", "gate = fused[0]").replace("up = fused[..., 1, :]", "up = fused[1]").replace(
+        "t[:, 1, :].mul(F.silu(t[:, 0, :]))", "t[1].mul(F.silu(t[0]))"),
+         reason="", name="rows_of_a_batch_not_a_pair"),
+]
+
+
+# --- a projection passed through a one-argument helper (held-out 4) ---
+
+
+def _through_unary_helper(n: ast.expr, ctx: S.Ctx) -> tuple[ast.expr, S.Ctx]:
+    """``grab_first_if_tuple(self.l1(z))`` (a plain function of one argument, applied to a
+    projection's output: unwrap a (output, bias) tuple, a tensor-parallel gather): the projection it
+    wraps, for the question "are gate and up projections of one input". The operands are still
+    rendered as written in the fused text, so the helper runs exactly as before; this only lets the
+    structure check see through it. Only a plain name's call (not a method, not a module of this
+    object) whose argument is itself a method/attribute call (``self.l1(z)``), one level."""
+    if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and len(n.args) == 1 and not n.keywords
+            and not isinstance(n.args[0], ast.Starred)):
+        return n, ctx
+    if S.definition(ctx, n.func.id) is not None or n.func.id in ctx.scope.args:
+        return n, ctx  # a local callable (a module object passed in or built here): it may be the projection
+    inner, ictx = S.peel(n.args[0], ctx)
+    if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and isinstance(inner.func.value, ast.Name) \
+            and inner.func.value.id == "self" and inner.args:
+        return inner, ictx
+    return n, ctx
+
+
+
+def _binds_gate_too(stmt: ast.AST, a: ast.expr) -> bool:
+    """``z1, z2 = f(z1), f(z2)``: the statement rebinding up's name binds the gate's name too, so
+    the gate reads the new value as well and the statement can stay as written before the fused
+    text (joining it to the region would render each of its values twice, as a tuple indexed)."""
+    if not (isinstance(a, ast.Name) and isinstance(stmt, ast.Assign)):
+        return False
+    return any(isinstance(n, ast.Name) and n.id == a.id and isinstance(n.ctx, ast.Store) for t in stmt.targets for n in ast.walk(t))
+
+
+_UNARY_HELPER = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def first_if_tuple(x):
+    if isinstance(x, tuple):
+        return x[0]
+    return x
+
+
+class GatedMLP2(nn.Module):
+    def __init__(self, d, h, act="silu"):
+        super().__init__()
+        if act == "gelu":
+            self.act = F.gelu
+        elif act == "silu":
+            self.act = F.silu
+        else:
+            raise NotImplementedError(act)
+        self.l1 = nn.Linear(d, h, bias=False)
+        self.l2 = nn.Linear(d, h, bias=False)
+        self.l3 = nn.Linear(h, d, bias=False)
+
+    def forward(self, z):
+        z1, z2 = self.l1(z), self.l2(z)
+        z1, z2 = first_if_tuple(z1), first_if_tuple(z2)
+        y = self.l3(self.act(z1) * z2)
+        return first_if_tuple(y)
+'''
+
+_RUN_UNARY_HELPER = '''
+m = GatedMLP2(8, 6, act="{act}")
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.l1.weight, m.l2.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_UNARY_HELPER, expect={"conditional": True}, run=_RUN_UNARY_HELPER.format(act="silu"), name="projections_through_unary_helper_silu"),
+    Fuse(_UNARY_HELPER, expect={"conditional": True}, run=_RUN_UNARY_HELPER.format(act="gelu"), name="projections_through_unary_helper_gelu"),
+]
+
+Swiglu.KEEP += [
+    # the helper wraps projections of two different inputs: a gated output, not a GLU MLP
+    Keep(_UNARY_HELPER.replace("def forward(self, z):", "def forward(self, z, w):").replace(
+        "self.l2(z)", "self.l2(w)").replace("first_if_tuple(y)", "first_if_tuple(y)"),
+         reason="not projections of one input", name="unary_helper_over_projections_of_two_inputs"),
+]
+
+
+_PARAM_ACT_AUTOGRAD = '''
+import torch
+import torch.nn.functional as F
+
+
+class GatedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w3, activation_fn):
+        a = x @ w1.t()
+        b = x @ w3.t()
+        ctx.save_for_backward(x, w1, w3)
+        ctx.activation_fn = activation_fn
+        return activation_fn(a) * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+'''
+
+Swiglu.KEEP += [
+    # a hand-written autograd.Function handed the activation: its backward owns the recomputation
+    Keep(_PARAM_ACT_AUTOGRAD, reason="", name="activation_parameter_in_autograd_function"),
 ]
