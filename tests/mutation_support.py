@@ -157,7 +157,7 @@ MUTANTS = [
     M("sdpa", "missing scale", "timm_fused_attn", ("scale=q.shape[-1] ** -0.5", "scale=1.0")),
     M("sdpa", "wrong sparse_mode (3 for 2, Sq<Skv)", "gqa_causal_sq_ne_skv", ("sparse_mode=2", "sparse_mode=3")),
     M("sdpa", "causal sparse_mode without mask", "gqa_causal_sq_ne_skv", ("atten_mask=_npufuse_masks[q.device],", "atten_mask=None,")),
-    M("sdpa", "missing [0]", "gqa_causal_sq_ne_skv", ("\n)[0]", "\n)"), expect="result tuple without its [0]"),
+    M("sdpa", "missing [0]", "gqa_causal_sq_ne_skv", ("\n    )[0]", "\n    )"), expect="result tuple without its [0]"),
     M("sdpa", "inverted mask", "bool_key_padding_mask", ("_npufuse_mask = ~mask", "_npufuse_mask = mask")),
     M("sdpa", "wrong layout (BNSD for BSND)", "bsnd_inline_transpose_bf16", ('_npufuse_autocast(q, k, v), q.shape[2], "BSND"', '_npufuse_autocast(q, k, v), q.shape[1], "BNSD"')),
     # moe_experts

@@ -682,6 +682,10 @@ CHECKS: dict[str, str] = {
         "out = apply_guidance(u, t, 7.5, torch.tensor([True, False, True]))\nleaves = [u, t]"
     ),
     "multiline_call": "out = blend_features(torch.randn(4, 5), torch.randn(4, 5), torch.rand(4, 5))",
+    "operand_continued_over_lines": (
+        "i = torch.rand(6, requires_grad=True)\na = torch.rand(6, requires_grad=True)\n"
+        "out = integrate_fire(i, a, 0.9, 6)\nleaves = [i, a]"
+    ),
     "timesfm_float_count_despite_its_name": (
         "m = torch.rand(3, 6) > 0.5\nm[0] = True\nx = torch.randn(3, 6, requires_grad=True)\nout = safe_counts(x, m)\nleaves = [x]"
     ),
