@@ -601,6 +601,9 @@ class Gate:
     trace: S.Trace
     input_key: str | None  # the projections' common input
     parts: str | None = None  # two parts of one chunk/split taken as operands: how ("chunk", "split")
+    # gate and up are parameters of the enclosing helper; the lines of the calls (in this module)
+    # that pass it projections (or halves) of one input
+    caller_lines: list[int] | None = None
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -1021,7 +1024,10 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                 why = _transformed(module, op, octx, other)
                 if why:
                     raise GateMiss(why)
-            raise GateMiss("gate and up are not projections of one input (a gated output, not a GLU MLP)")
+            callers = _caller_operands(module, a, actx, b, ctx)
+            if isinstance(callers, list):
+                return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=callers)
+            raise GateMiss(callers or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
             raise GateMiss(f"activation is a {act.kind}, not silu: npu_swiglu computes silu(gate) * up only "
                            "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
@@ -1033,6 +1039,100 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         if d is not None and d[1] is not None and b.id in S.names_read(d[1]):
             S.peel(b, ctx, trace)
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ia)
+
+
+def _param_operand(node: ast.expr, ctx: S.Ctx) -> str | None:
+    """The parameter name an operand is, when it is a parameter of the scanned function not
+    reassigned before the product (``x1`` in ``def _gating(self, x1, x3): return F.silu(x1) * x3``)."""
+    if ctx.depth or not isinstance(node, ast.Name) or node.id not in ctx.scope.args:
+        return None
+    return node.id if S.definition(ctx, node.id) is None else None
+
+
+def _call_sites(module: ModuleInfo, fn: ast.AST, is_method: bool, class_name: str | None) -> tuple[list[tuple[ast.Call, Scope]], int | None]:
+    """Direct calls of ``fn`` in this module (a method: ``<receiver>.<name>(...)`` from the same
+    class's methods, the receiver being their first parameter; a module-level function: ``name(...)``),
+    and the line of a reference that is not a direct call (the function passed on or stored:
+    its callers are then unknown), else None."""
+    name = getattr(fn, "name", "")
+    calls: list[tuple[ast.Call, Scope]] = []
+    other: int | None = None
+    for sc in module.scopes:
+        if sc.node is fn or isinstance(sc.node, ast.Module) and is_method:
+            continue
+        if is_method and sc.class_name != class_name:
+            continue
+        recv = sc.args[0] if is_method and sc.args else None
+        if is_method and recv is None:
+            continue
+        text = S.scope_text(module, sc) if not isinstance(sc.node, ast.Module) else module.source
+        if name not in text:
+            continue
+        funcs: set[int] = set()
+        nodes = [n for n in fast_walk(sc.node) if n is not sc.node] if not isinstance(sc.node, ast.Module) else \
+            [n for st in sc.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for n in fast_walk(st)]
+        for n in nodes:
+            if isinstance(n, ast.Call):
+                f = n.func
+                if (is_method and isinstance(f, ast.Attribute) and f.attr == name and isinstance(f.value, ast.Name) and f.value.id == recv) \
+                        or (not is_method and isinstance(f, ast.Name) and f.id == name and f.id not in sc.args and not sc.assignments.get(name)):
+                    calls.append((n, sc))
+                    funcs.add(id(f))
+        for n in nodes:
+            if id(n) in funcs:
+                continue
+            if (is_method and isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.value, ast.Name) and n.value.id == recv) \
+                    or (not is_method and isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)):
+                other = other or n.lineno
+    return calls, other
+
+
+def _caller_operands(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> list[int] | str | None:
+    """Gate and up are both parameters of the function holding the product (a gating helper,
+    ``self._gating(self.w1(x), self.w3(x))``): what the module's own calls pass them decides
+    whether it is a GLU MLP. The lines of those calls when every one passes two projections of
+    one input (or the two halves of one tensor); else the true reason it is not (a string), or
+    None when the operands are not two parameters."""
+    pa, pb = _param_operand(a, actx), _param_operand(b, ctx)
+    if pa is None or pb is None or pa == pb:
+        return None
+    fn = ctx.scope.node
+    cls = ctx.scope.class_name
+    is_method = cls is not None and cls in module.classes and any(x is fn for x in module.classes[cls].body)
+    if is_method and any(module.canonical(d) in ("staticmethod", "classmethod") for d in getattr(fn, "decorator_list", [])):
+        return None
+    if not is_method and module.functions.get(getattr(fn, "name", "")) is not fn:
+        return None  # a nested function: its calls are not looked for
+    where = f"`{getattr(fn, 'name', '?')}`"
+    calls, other = _call_sites(module, fn, is_method, cls)
+    if other is not None:
+        return (f"gate and up are parameters of {where}, which is also referenced without a direct call (line {other}): "
+                "what its callers pass is unknown, so it may be a gated output, not a GLU MLP")
+    if not calls:
+        return (f"gate and up are parameters of {where} and no call in this module passes them: whether its callers pass "
+                "projections of one input is unknown (a gated output, not a GLU MLP, otherwise)")
+    lines = []
+    for call, sc in calls:
+        cctx = S.Ctx(sc, call.lineno)
+        hctx = S.bind_call(module, call, fn, cctx, is_method)
+        if hctx is None or pa not in hctx.bind or pb not in hctx.bind:
+            return f"gate and up are parameters of {where}; the call on line {call.lineno} passes them in a form npufuse cannot bind (*args/**kwargs)"
+        (ga, gctx), (ub, uctx) = hctx.bind[pa], hctx.bind[pb]
+        ia, ib = _projection_input(ga, gctx), _projection_input(ub, uctx)
+        if ia is not None and ia == ib:
+            lines.append(call.lineno)
+            continue
+        try:
+            sa, sb = _split_of(module, ga, gctx, S.Trace()), _split_of(module, ub, uctx, S.Trace())
+        except GateMiss:
+            sa = sb = None
+        if sa is not None and sb is not None and sa[0] == sb[0] and sa[5] in ("chunk", "split") and sa[5] == sb[5] \
+                and {sa[4], sb[4]} == {0, 1} and S.key(sa[3], sa[2]) == S.key(sb[3], sb[2]):
+            lines.append(call.lineno)
+            continue
+        return (f"gate and up are parameters of {where}; the call on line {call.lineno} passes `{ast.unparse(ga)}` and "
+                f"`{ast.unparse(ub)}`, not projections of one input (a gated output, not a GLU MLP)")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -1335,10 +1435,26 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             ak = approx_code_of(module, g0.act, kind, plan) if kind in GELU_KINDS else None
             root = S.splice(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
             fused = "\n".join(kept + [branch.around(module, root) if branch else root])
+        if g0.caller_lines:
+            # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
+            # torch.cat rejects; equal shapes (a host-side check, no sync) take the fused op
+            ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g0.a, g0.b))
+            fused = "\n".join([f"if {ga}.shape == {gb}.shape:", S.indent(fused),
+                               "else:  # operands that broadcast: the original code",
+                               S.indent(S.block_source(module, plan.stmts))])
     except S.RenderError as e:
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
+    if g0.caller_lines:
+        params["operands_from_callers"] = list(g0.caller_lines)
+        notes.append(f"gate and up are parameters of `{scope.qualname}`: every call of it in this module (line(s) "
+                     f"{', '.join(map(str, g0.caller_lines))}) passes projections (or halves) of one input; the fused op "
+                     "runs when both have one shape, the original code otherwise")
+        if any(module.canonical(d.func if isinstance(d, ast.Call) else d) == "torch.compile" for d in getattr(scope.node, "decorator_list", [])):
+            risks.append(Risk("other", "the helper is compiled with @torch.compile: the fused branch (its is_npu / environment "
+                                       "switch tests and the torch_npu call) is traced by dynamo; torch_npu's ops are "
+                                       "registered torch ops, but check the compiled graph on the device"))
     if branch is not None:
         params["optional_gate"] = ast.unparse(branch.node.test)
         notes.append(f"optional up projection: fused under `if {params['optional_gate']}:`, the activation alone otherwise "
@@ -2582,4 +2698,127 @@ Swiglu.KEEP += [
     Keep(_OPTIONAL_UP.replace("        if self.w3 is not None:\n            h = h * self.w3(x)\n",
                               "        h = h * self.w3(x) if self.w3 is not None else h\n"),
          reason="is also read elsewhere in the statement", name="optional_up_projection_in_a_conditional_expression"),
+]
+
+
+# --- glu: gating in a helper whose operands the callers project (issue 14, class 6) ----------
+
+_GATING_HELPER = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+        self.w3 = nn.Linear(d, h, bias=False)
+
+    def _gating(self, x1, x3):
+        return F.silu(x1) * x3
+
+    def forward(self, x):
+        return self.w2(self._gating(self.w1(x), self.w3(x)))
+'''
+
+_RUN_GATING = '''
+m = FeedForward(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.w1.weight, m.w3.weight]
+'''
+
+# a module-level helper, its callers' projections held in names and passed by keyword
+_GATING_FUNCTION = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def gated_silu(gate, up):
+    return up * F.silu(gate)
+
+
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h)
+        self.up_proj = nn.Linear(d, h)
+        self.down_proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        u = self.up_proj(x)
+        return self.down_proj(gated_silu(up=u, gate=g))
+
+
+def mlp_weights(x, w1, w3, w2):
+    return gated_silu(x @ w1, x @ w3) @ w2
+'''
+
+_RUN_GATING_FUNCTION = '''
+m = MLP(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+w1, w3, w2 = torch.randn(8, 12), torch.randn(8, 12), torch.randn(12, 8)
+out = (m(x), mlp_weights(x, w1, w3, w2))
+leaves = [x, m.gate_proj.weight, m.up_proj.weight]
+'''
+
+# the caller splits one packed projection and hands the two halves over
+_GATING_HALVES = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PackedFFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w13 = nn.Linear(d, 2 * h)
+        self.w2 = nn.Linear(h, d)
+        self.act = nn.SiLU()
+
+    def gate(self, a, b):
+        return self.act(a) * b
+
+    def forward(self, x):
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(self.gate(a, b))
+'''
+
+Swiglu.FUSE += [
+    Fuse(_GATING_HELPER, expect={"gate": "x1", "up": "x3", "operands_from_callers": [18], "line": 15}, run=_RUN_GATING,
+         name="gating_helper_projections_from_the_caller"),
+    Fuse(_GATING_HELPER.replace("    def _gating", "    @torch.compile\n    def _gating"), expect={"operands_from_callers": [19]},
+         name="gating_helper_compiled_with_torch_compile"),
+    Fuse(_GATING_FUNCTION, expect={"gate": "gate", "up": "up", "operands_from_callers": [21, 25]}, run=_RUN_GATING_FUNCTION,
+         name="gating_function_called_by_keyword_and_with_matmuls"),
+    Fuse(_GATING_HALVES, expect={"operands_from_callers": [19]}, name="gating_helper_given_the_halves_of_one_projection",
+         run='''
+m = PackedFFN(8, 12)
+x = torch.randn(4, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.w13.weight]
+'''),
+]
+
+Swiglu.KEEP += [
+    # a second caller gates an SSM output with a projection: a gated output, not a GLU MLP
+    Keep(_GATING_HELPER.replace("        return self.w2(self._gating(self.w1(x), self.w3(x)))",
+                                "        y = self.w2(self._gating(self.w1(x), self.w3(x)))\n"
+                                "        return self._gating(self.w1(y), x.cumsum(1))"),
+         reason="the call on line 19 passes `self.w1(y)` and `x.cumsum(1)`, not projections of one input",
+         name="gating_helper_one_caller_passes_other_tensors"),
+    # projections of two different inputs (cross-attention-like gating)
+    Keep(_GATING_HELPER.replace("def forward(self, x):", "def forward(self, x, ctx):").replace("self.w3(x)))", "self.w3(ctx)))"),
+         reason="not projections of one input", name="gating_helper_projections_of_two_inputs"),
+    # no call in the module: the operands come from elsewhere (an operator library's forward)
+    Keep(_GATING_HELPER.replace("self._gating(self.w1(x), self.w3(x))", "self.w1(x)"),
+         reason="no call in this module passes them", name="gating_helper_without_callers"),
+    # the helper handed on as a callable: its callers are unknown
+    Keep(_GATING_HELPER.replace("return self.w2(self._gating(self.w1(x), self.w3(x)))",
+                                "fn = self._gating\n        return self.w2(fn(self.w1(x), self.w3(x)))"),
+         reason="also referenced without a direct call (line 18)", name="gating_helper_passed_as_a_callable"),
 ]
