@@ -633,3 +633,20 @@ Geglu.KEEP += [
     Keep(_SEQUENTIAL_GATE.replace("self.fc1(x) * self.gate(x)", "self.fc1(x) * self.gate(x.flip(-1))"),
          reason="not projections of one input", name="sequential_gate_on_another_input"),
 ]
+
+
+# --- glu: an activation read with getattr and a gelu fallback (issue 14, class 6) --------------
+
+Geglu.FUSE += [
+    # the fallback (F.gelu) files it under geglu; the fused branch dispatches on the object
+    Fuse(G._GETATTR_ACT, expect={"activation": "config", "default_activation": "gelu", "split": "split"},
+           run=G._RUN_GETATTR, name="activation_from_getattr_with_gelu_fallback"),
+    Fuse(G._GETATTR_ACT, expect={"activation": "config"},
+           run=G._RUN_GETATTR.replace("for _ in range(3)]", "for _ in range(3)]\nfor e in experts:\n    e.activation = nn.SiLU()"),
+           name="activation_from_getattr_set_to_silu"),
+]
+Geglu.KEEP += [
+    # three parts of one split: gate and up are not the two halves
+    Keep(G._GETATTR_ACT.replace("gate, up = gate_up.split(self.ffn, dim=1)", "gate, up, extra = gate_up.split(self.ffn, dim=1)"),
+           reason="split into 3 parts (unpacked into (gate, up, extra)), not two halves", name="activation_from_getattr_three_part_split"),
+]

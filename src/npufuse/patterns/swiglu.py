@@ -266,6 +266,11 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             seq = _sequential_act(module, value, f, gate, ctx, desc)
             if seq is not None:
                 return seq
+            fallback = _getattr_default_kind(module, value)
+            if fallback is not None:
+                # `self.act = getattr(expert, "activation", F.gelu)`: another object's callable,
+                # an activation when it has none: chosen at run time, dispatched on the object
+                return Act(CONFIG, gate, ctx, desc, obj=f, default=fallback, gelu_hint=fallback in GELU_KINDS)
             if isinstance(value, ast.Call):
                 cname = dotted(value.func)
                 if cname and cname in module.classes:
@@ -311,6 +316,12 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
     if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2:
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and _foreign_receiver(module, f.value.id, ctx):
+        # `layer.act(layer.gate(x)) * layer.up(x)` with `layer` a local or a parameter of a plain
+        # function (not a method's own receiver, whose __init__ would say what it is): a callable
+        # another object holds; an activation only if the product is a GLU's (weak), dispatched
+        # on the object at run time
+        return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
     if isinstance(f, ast.Name):
         local = S.definition(ctx, f.id)
         if local is not None and isinstance(local[1], ast.IfExp):
@@ -322,6 +333,28 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
+
+
+def _foreign_receiver(module: ModuleInfo, name: str, ctx: S.Ctx) -> bool:
+    """``name`` holds some other object: a local of the function, or a parameter of a plain
+    (module-level or nested) function; never a method's own receiver, a module, a class or a
+    function of this module."""
+    if ctx.depth or name in module.aliases or name in module.classes or name in module.functions:
+        return False
+    scope = ctx.scope
+    cls = scope.class_name
+    is_method = cls is not None and cls in module.classes and any(x is scope.node for x in module.classes[cls].body)
+    if is_method and scope.args and name == scope.args[0]:
+        return S.definition(ctx, name) is not None  # the receiver rebound (`self = self.layers[i].mlp`)
+    return name in scope.args or S.definition(ctx, name) is not None
+
+
+def _getattr_default_kind(module: ModuleInfo, value: ast.expr) -> str | None:
+    """``getattr(obj, "name", <activation>)``: the activation kind of the fallback, else None."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "getattr"
+            and module.canonical(value.func) in (None, "getattr") and len(value.args) == 3 and not value.keywords):
+        return None
+    return _default_object_kind(module, value.args[2])
 
 
 def _chosen_act(module: ModuleInfo, value: ast.IfExp, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
@@ -745,6 +778,12 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                             raise GateMiss(f"gate and up have different sizes ({ast.unparse(size)})")
                     else:
                         equal = False  # split(n): two parts only if the size is 2n (assumed, see risks)
+                        for st in [*t.stmts.values(), *tb.stmts.values()]:
+                            # `a, b, c = T.split(n, d)`: the unpacking says how many parts there are
+                            if isinstance(st, ast.Assign) and st.value is call and isinstance(st.targets[0], (ast.Tuple, ast.List)) \
+                                    and len(st.targets[0].elts) != 2:
+                                raise GateMiss(f"split into {len(st.targets[0].elts)} parts (unpacked into {ast.unparse(st.targets[0])}), "
+                                               "not two halves")
                     _ = sv
                 trace.stmts.update(t.stmts)
                 trace.stmts.update(tb.stmts)
@@ -929,6 +968,13 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
     trace = S.Trace()
     acts = [(i, _act_of(module, f, ctx, trace)) for i, f in enumerate(factors)]
     found = [(i, a) for i, a in acts if a is not None]
+    if len(factors) == 2 and len(found) == 2 and all(a.weak for _, a in found):
+        # two callables other objects hold (`layer.act(layer.gate(x)) * layer.up(x)`): the
+        # activation is the one applied to a projection of the input the other factor projects
+        def glu_like(i: int, a: Act) -> bool:
+            ia = _projection_input(a.gate, a.ctx) if a.gate is not None else None
+            return ia is not None and ia == _projection_input(factors[1 - i], ctx)
+        found = [(i, a) for i, a in found if glu_like(i, a)]
     if len(found) > 1 and any(a.weak for _, a in found):
         # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
         found = [(i, a) for i, a in found if not a.weak]
@@ -2821,4 +2867,86 @@ Swiglu.KEEP += [
     Keep(_GATING_HELPER.replace("return self.w2(self._gating(self.w1(x), self.w3(x)))",
                                 "fn = self._gating\n        return self.w2(fn(self.w1(x), self.w3(x)))"),
          reason="also referenced without a direct call (line 18)", name="gating_helper_passed_as_a_callable"),
+]
+
+
+# --- glu: activations another object holds (issue 14, class 6) ---------------------------------
+
+# a plain function reading the layers from an object it is handed (SwissArmyTransformer-style hooks)
+_FOREIGN_LAYER = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self, d, h, act):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.gate = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.activation_func = act
+
+
+def mlp_forward(model, hidden_states, layer_id):
+    layer = model[layer_id]
+    inter = layer.up(hidden_states)
+    gated = layer.gate(hidden_states)
+    inter = layer.activation_func(gated) * inter
+    return layer.down(inter)
+'''
+
+_RUN_FOREIGN = '''
+model = [Layer(8, 12, F.silu), Layer(8, 12, nn.GELU()), Layer(8, 12, torch.tanh)]
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = (mlp_forward(model, x, 0), mlp_forward(model, x, 1), mlp_forward(model, x, 2))
+leaves = [x, model[0].gate.weight, model[1].up.weight]
+'''
+
+# an expert's activation read with getattr and a gelu fallback; one packed projection split in two
+_GETATTR_ACT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, experts, ffn):
+        super().__init__()
+        self.ffn = ffn
+        self.w_gate_up = nn.ParameterList([nn.Parameter(torch.cat([e[0].weight, e[1].weight], 0)) for e in experts])
+        self.w_down = nn.ParameterList([nn.Parameter(e[2].weight) for e in experts])
+        self.activation = getattr(experts[0], "activation", F.gelu)
+
+    def forward_tokens(self, x, ids):
+        y = torch.zeros_like(x)
+        for e in range(len(self.w_down)):
+            pos = ids == e
+            gate_up = F.linear(x[pos], self.w_gate_up[e])
+            gate, up = gate_up.split(self.ffn, dim=1)
+            gate = self.activation(gate)
+            hidden = gate * up
+            y[pos] = F.linear(hidden, self.w_down[e])
+        return y
+'''
+
+_RUN_GETATTR = '''
+experts = [nn.ModuleList([nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)]) for _ in range(3)]
+m = GroupedExperts(experts, 12)
+x = torch.randn(10, 8, requires_grad=True)
+out = m.forward_tokens(x, torch.arange(10) % 3)
+leaves = [x, m.w_gate_up[0]]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_FOREIGN_LAYER, expect={"activation": "config", "runtime_check": "activation type", "gate": "gated", "up": "inter"},
+         run=_RUN_FOREIGN, name="activation_held_by_a_layer_object_of_a_plain_function"),
+]
+Swiglu.KEEP += [
+    # the other object's callable applied to the input itself: no projection pair, so no activation either
+    Keep(_FOREIGN_LAYER.replace("layer.activation_func(gated) * inter", "layer.activation_func(hidden_states) * inter"),
+         reason="", name="foreign_callable_on_the_input_is_no_glu"),
+    # projections of two different inputs
+    Keep(_FOREIGN_LAYER.replace("gated = layer.gate(hidden_states)", "gated = layer.gate(hidden_states.flip(1))"),
+         reason="", name="foreign_callable_projections_of_two_inputs"),
 ]
