@@ -146,10 +146,38 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
             if isinstance(v, str):
                 return ACT_NAMES.get(v, v), None
             return CONFIG, value.slice
+        own = _own_act_table(module, value.value)
+        if own is not None:
+            # the module's own table ({"relu": F.relu, "silu": F.silu, "gated-gelu": F.gelu}): its
+            # keys are its own, so a run-time key is not compared with transformers' names; the
+            # fused branch dispatches on the object the lookup returned
+            v = const_value(value.slice)
+            if isinstance(v, str):
+                return own.get(v) or ("unknown", None)
+            kinds = set(own.values())
+            return kinds.pop() if len(kinds) == 1 else (CONFIG, None)
     name = module.canonical(value)
     if name in _FUNCS:
         return _FUNCS[name], None
     return None
+
+
+def _own_act_table(module: ModuleInfo, table: ast.expr) -> dict[str, tuple[str, ast.expr | None]] | None:
+    """A module-level dict literal of activations (string keys, every value an activation object
+    npufuse knows): key -> kind; else None."""
+    if not isinstance(table, ast.Name):
+        return None
+    d = _module_value(module, table.id)
+    if not isinstance(d, ast.Dict) or not d.values or len(d.values) > 64:
+        return None
+    out: dict[str, tuple[str, ast.expr | None]] = {}
+    for k, v in zip(d.keys, d.values):
+        key = const_value(k) if k is not None else None
+        kind = _module_act(module, v) if not isinstance(v, ast.Subscript) else None
+        if not isinstance(key, str) or kind is None or kind[0] == CONFIG:
+            return None
+        out[key] = kind
+    return out
 
 
 def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str | None:
@@ -825,11 +853,38 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
     return None
 
 
-def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
+def _checkpointed(module: ModuleInfo | None, call: ast.Call, ctx: S.Ctx) -> bool:
+    """``checkpoint(fn, x, ...)`` (torch.utils.checkpoint), or a ``self.<attr>`` that ``__init__``
+    sets to it or to a plain call-through (``checkpoint if ckpt else lambda f, x: f(x)``): the
+    value is ``fn(x, ...)``."""
+    if module is None or len(call.args) < 2 or any(isinstance(a, ast.Starred) for a in call.args[:2]):
+        return False
+
+    def is_ckpt(v: ast.expr) -> bool:
+        if module.canonical(v) == "torch.utils.checkpoint.checkpoint":
+            return True
+        if isinstance(v, ast.Lambda) and len(v.args.args) >= 2 and isinstance(v.body, ast.Call) and isinstance(v.body.func, ast.Name):
+            names = [a.arg for a in v.args.args]
+            return v.body.func.id == names[0] and [dotted(a) for a in v.body.args] == names[1:] and not v.body.keywords
+        return False
+
+    f = call.func
+    if is_ckpt(f):
+        return True
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and ctx.scope.class_name:
+        v = S.init_assignments(module, ctx.scope.class_name).get(f.attr)
+        if v is not None:
+            return all(is_ckpt(b) for b in ((v.body, v.orelse) if isinstance(v, ast.IfExp) else (v,)))
+    return False
+
+
+def _projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None = None) -> str | None:
     """Key of the input of a projection-like value: ``self.w(x)``, ``F.linear(x, w)``, ``x @ w``."""
     n, c = S.peel(node, ctx)
     while S.is_cast(n):
         n = n.func.value  # type: ignore[union-attr]
+    if isinstance(n, ast.Call) and _checkpointed(module, n, c):
+        return S.key(n.args[1], c)  # checkpoint(self.w1, x): a projection of x, recomputed in backward
     if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Call) and const_value(n.slice) == 0:
         n = n.value  # vLLM-style ``self.wi_0(x)[0]`` (output, bias)
     if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute)):
@@ -1057,8 +1112,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         return Gate(act, Operand(a, actx), Operand(b, ctx), node, halves, trace, None)
     if sa is not None and sb is not None:
         raise GateMiss("gate and up are halves of different tensors")
-    ia = _projection_input(a, actx)
-    ib = _projection_input(b, ctx)
+    ia = _projection_input(a, actx, module)
+    ib = _projection_input(b, ctx, module)
     if (ia is None or ib is None or ia != ib) and act.kind in (SILU, CONFIG) + GELU_KINDS:
         biased = _biased_halves(module, a, actx, b, ctx)
         if biased is not None:
@@ -1164,7 +1219,7 @@ def _caller_operands(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, 
         if hctx is None or pa not in hctx.bind or pb not in hctx.bind:
             return f"gate and up are parameters of {where}; the call on line {call.lineno} passes them in a form npufuse cannot bind (*args/**kwargs)"
         (ga, gctx), (ub, uctx) = hctx.bind[pa], hctx.bind[pb]
-        ia, ib = _projection_input(ga, gctx), _projection_input(ub, uctx)
+        ia, ib = _projection_input(ga, gctx, module), _projection_input(ub, uctx, module)
         if ia is not None and ia == ib:
             lines.append(call.lineno)
             continue
@@ -2949,4 +3004,57 @@ Swiglu.KEEP += [
     # projections of two different inputs
     Keep(_FOREIGN_LAYER.replace("gated = layer.gate(hidden_states)", "gated = layer.gate(hidden_states.flip(1))"),
          reason="", name="foreign_callable_projections_of_two_inputs"),
+]
+
+
+# --- glu: a module's own activation table, projections through a checkpoint wrapper (class 6) --
+
+_OWN_TABLE_CKPT = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "gated-gelu": F.gelu}
+
+
+class PositionwiseFeedForward(nn.Module):
+    def __init__(self, d_model, d_ff, activation_fn="silu", use_ckpting=()):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+        self.w_3 = nn.Linear(d_model, d_ff)
+        self.activation = ACTIVATIONS[activation_fn]
+        self.maybe_ckpt = (lambda f, x: checkpoint(f, x, use_reentrant=False)) if "ffn" in use_ckpting else lambda f, x: f(x)
+
+    def forward(self, x):
+        inter = self.activation(self.maybe_ckpt(self.w_1, x))
+        inter = inter * self.maybe_ckpt(self.w_3, x)
+        return self.w_2(inter) + x
+'''
+
+_RUN_OWN_TABLE = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [PositionwiseFeedForward(8, 12, a) for a in ("silu", "gated-gelu", "relu")]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.w_1.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # the table's keys are the module's own ("gated-gelu"): dispatch on the object the lookup returned
+    Fuse(_OWN_TABLE_CKPT.replace("(lambda f, x: checkpoint(f, x, use_reentrant=False)) if", "checkpoint if"),
+         expect={"activation": "config", "runtime_check": "activation type", "up": "self.maybe_ckpt(self.w_3, x)"},
+         run=_RUN_OWN_TABLE, name="activation_from_own_table_projections_through_call_through_wrapper"),
+    Fuse(_OWN_TABLE_CKPT.replace("self.maybe_ckpt(self.w_1, x)", "checkpoint(self.w_1, x, use_reentrant=False)")
+         .replace("self.maybe_ckpt(self.w_3, x)", "checkpoint(self.w_3, x, use_reentrant=False)"),
+         expect={"activation": "config"}, run=_RUN_OWN_TABLE, name="activation_from_own_table_projections_checkpointed"),
+]
+Swiglu.KEEP += [
+    # a wrapper that is neither checkpoint nor a call-through: the "projections" are unknown
+    Keep(_OWN_TABLE_CKPT.replace("(lambda f, x: checkpoint(f, x, use_reentrant=False)) if \"ffn\" in use_ckpting else lambda f, x: f(x)",
+                                 "lambda f, x: f(x.flip(-1))"),
+         reason="not projections of one input", name="activation_from_own_table_projections_through_unknown_wrapper"),
+    # the checkpointed projections read two different inputs
+    Keep(_OWN_TABLE_CKPT.replace("self.maybe_ckpt(self.w_3, x)", "self.maybe_ckpt(self.w_3, x.flip(-1))"),
+         reason="not projections of one input", name="activation_from_own_table_projections_of_two_inputs"),
 ]
