@@ -275,6 +275,12 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         k = _module_act(module, f)
         if k is not None:
             return Act(k[0], gate, ctx, ast.unparse(f), obj=f, config_key=k[1] if k[0] == CONFIG else None, approx=k[1] if k[0] == GELU_DYN else None)
+    if isinstance(f, ast.Attribute) and f.attr not in _TENSOR_METHODS and isinstance(f.value, ast.Name) and _foreign_receiver(module, f.value.id, ctx):
+        # `layer.act(layer.gate(x)) * layer.up(x)` with `layer` a local or a parameter of a plain
+        # function (not a method's own receiver, whose __init__ would say what it is): a callable
+        # another object holds; an activation only if the product is a GLU's (weak), dispatched
+        # on the object at run time
+        return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
     # self.act_fn(x): what __init__ assigned (this class's, or an in-module base class's)
     if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
         cls_name = _assigning_class(module, ctx.scope.class_name, f.attr) or ctx.scope.class_name
@@ -344,12 +350,6 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
     if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2:
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
-    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and _foreign_receiver(module, f.value.id, ctx):
-        # `layer.act(layer.gate(x)) * layer.up(x)` with `layer` a local or a parameter of a plain
-        # function (not a method's own receiver, whose __init__ would say what it is): a callable
-        # another object holds; an activation only if the product is a GLU's (weak), dispatched
-        # on the object at run time
-        return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
     if isinstance(f, ast.Name):
         local = S.definition(ctx, f.id)
         if local is not None and isinstance(local[1], ast.IfExp):
@@ -361,6 +361,14 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k3 is not None:
                 return Act(k3, gate, ctx, f"{f.id}()", kernels=_formula_kernels(module, fn))
     return None
+
+
+# torch.Tensor methods taking one tensor: `h.matmul(self.w1(x))` is arithmetic, never an activation object
+_TENSOR_METHODS = frozenset(("matmul", "mm", "bmm", "mul", "add", "sub", "div", "view", "view_as", "reshape", "reshape_as",
+                             "expand", "expand_as", "to", "type_as", "masked_fill", "clamp", "repeat", "permute", "transpose",
+                             "index_select", "gather", "scatter", "where", "pow", "softmax", "log_softmax", "sum", "mean",
+                             "max", "min", "flatten", "unflatten", "narrow", "split", "chunk", "copy_", "mul_", "add_", "dot",
+                             "outer", "lerp", "maximum", "minimum", "masked_select", "index_add", "roll", "unsqueeze", "squeeze"))
 
 
 def _foreign_receiver(module: ModuleInfo, name: str, ctx: S.Ctx) -> bool:
