@@ -650,3 +650,33 @@ Geglu.KEEP += [
     Keep(G._GETATTR_ACT.replace("gate, up = gate_up.split(self.ffn, dim=1)", "gate, up, extra = gate_up.split(self.ffn, dim=1)"),
            reason="split into 3 parts (unpacked into (gate, up, extra)), not two halves", name="activation_from_getattr_three_part_split"),
 ]
+
+
+# the gated branch of an if/else whose other branch assigns the same names before reading them
+_GATED_OR_NOT = G._GETATTR_ACT.replace(
+    "    def __init__(self, experts, ffn):\n        super().__init__()\n",
+    "    def __init__(self, experts, ffn, gated=True):\n        super().__init__()\n        self.gated = gated\n"
+    "        self.w_gate = nn.ParameterList([nn.Parameter(e[0].weight) for e in experts])\n").replace(
+    "            gate_up = F.linear(x[pos], self.w_gate_up[e])\n"
+    "            gate, up = gate_up.split(self.ffn, dim=1)\n"
+    "            gate = self.activation(gate)\n"
+    "            hidden = gate * up\n",
+    "            if self.gated:\n"
+    "                gate_up = F.linear(x[pos], self.w_gate_up[e])\n"
+    "                gate, up = gate_up.split(self.ffn, dim=1)\n"
+    "                gate = self.activation(gate)\n"
+    "                hidden = gate * up\n"
+    "            else:\n"
+    "                gate = F.linear(x[pos], self.w_gate[e])\n"
+    "                hidden = self.activation(gate)\n")
+
+Geglu.FUSE += [
+    Fuse(_GATED_OR_NOT, expect={"activation": "config", "line": 23, "end_line": 25},
+         run=G._RUN_GETATTR + "m2 = GroupedExperts(experts, 12, gated=False)\nout = (out, m2.forward_tokens(x, torch.arange(10) % 3))\n",
+         name="activation_from_getattr_gated_branch_of_an_if_else"),
+]
+Geglu.KEEP += [
+    # the other branch reads the activated gate the span no longer computes
+    Keep(_GATED_OR_NOT.replace("                gate = F.linear(x[pos], self.w_gate[e])\n", ""),
+         reason="intermediate `gate` reused after the fused region", name="activation_from_getattr_other_branch_reads_the_gate"),
+]
