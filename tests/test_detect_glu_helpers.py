@@ -10,7 +10,7 @@ from npufuse.patterns.geglu import Geglu
 from npufuse.patterns.swiglu import Swiglu
 from pattern_harness import check_rewrite_runs, detect_all
 
-_TOPIC = ("gating_", "activation_held_by", "foreign_callable", "activation_from_getattr", "activation_from_own_table")
+_TOPIC = ("gating_", "activation_held_by", "foreign_callable", "activation_from_getattr", "activation_from_own_table", "product_")
 
 
 def _cases(kind: str):

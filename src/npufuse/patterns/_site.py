@@ -532,12 +532,17 @@ def names_written(stmt: ast.stmt) -> set[str]:
     targets: list[ast.expr] = []
     if isinstance(stmt, ast.Assign):
         targets = list(stmt.targets)
+    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
+            and stmt.value.func.attr in ("mul_", "multiply_") and isinstance(stmt.value.func.value, ast.Name):
+        return {stmt.value.func.value.id}  # `t.mul_(b)` changes t's value (swiglu rewrites it as `t = ...`)
     elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
         targets = [stmt.target]
     elif isinstance(stmt, (ast.If, ast.With, ast.For, ast.While, ast.Try)):
         for n in fast_walk(stmt):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 out.add(n.id)
+            elif isinstance(n, ast.Expr):
+                out |= names_written(n)
         return out
     for t in targets:
         for n in fast_walk(t):

@@ -152,8 +152,8 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
             # keys are its own, so a run-time key is not compared with transformers' names; the
             # fused branch dispatches on the object the lookup returned
             v = const_value(value.slice)
-            if isinstance(v, str):
-                return own.get(v) or ("unknown", None)
+            if isinstance(v, str) and v in own:
+                return own[v]
             kinds = set(own.values())
             return kinds.pop() if len(kinds) == 1 else (CONFIG, None)
     name = module.canonical(value)
@@ -163,8 +163,9 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
 
 
 def _own_act_table(module: ModuleInfo, table: ast.expr) -> dict[str, tuple[str, ast.expr | None]] | None:
-    """A module-level dict literal of activations (string keys, every value an activation object
-    npufuse knows): key -> kind; else None."""
+    """A module-level dict literal of activations (every value an activation object npufuse
+    knows; the keys any hashable: ``{Act.silu: F.silu}``): key text -> kind; else None. A
+    string key is its value, any other key its source text (only a string literal is looked up)."""
     if not isinstance(table, ast.Name):
         return None
     d = _module_value(module, table.id)
@@ -172,11 +173,13 @@ def _own_act_table(module: ModuleInfo, table: ast.expr) -> dict[str, tuple[str, 
         return None
     out: dict[str, tuple[str, ast.expr | None]] = {}
     for k, v in zip(d.keys, d.values):
-        key = const_value(k) if k is not None else None
+        if k is None:
+            return None  # `**other`: values unknown
+        key = const_value(k)
         kind = _module_act(module, v) if not isinstance(v, ast.Subscript) else None
-        if not isinstance(key, str) or kind is None or kind[0] == CONFIG:
+        if kind is None or kind[0] == CONFIG:
             return None
-        out[key] = kind
+        out[key if isinstance(key, str) else "<" + ast.unparse(k) + ">"] = kind
     return out
 
 
@@ -1364,7 +1367,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         return cached
     results: list[GateResult] = []
     scope.__dict__["_npufuse_gates"] = results
-    if isinstance(scope.node, ast.Module) or "*" not in S.scope_text(module, scope):
+    if isinstance(scope.node, ast.Module) or ("*" not in S.scope_text(module, scope) and "mul" not in S.scope_text(module, scope)):
         return results
     text = S.scope_text(module, scope).lower()
     if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name):
@@ -1373,12 +1376,14 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     for stmt in S.stmt_index(scope).stmts:
         if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
             continue
-        if not any("*" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
+        if not any("*" in ln or "mul" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
             continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
         inside: list[ast.AST] = []
         for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+            if isinstance(node, ast.Call):
+                node = _call_product(module, stmt, node)  # type: ignore[assignment]
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
                 continue
             if any(any(n is node for n in fast_walk(m)) for m in inside):
@@ -1404,6 +1409,45 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         if gates:
             results.extend(_site_results(module, scope, stmt, gates))
     return results
+
+
+def _call_product(module: ModuleInfo, stmt: ast.stmt, call: ast.Call) -> ast.BinOp | None:
+    """``a.mul(b)`` / ``torch.mul(a, b)`` as the product ``a * b`` (a node at the call's place, so
+    the call's text is what the fused expression replaces); ``t.mul_(b)`` as a statement of its
+    own as ``t = t * b`` (see :func:`_inplace_target`)."""
+    if call.keywords or any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    f = call.func
+    pair: tuple[ast.expr, ast.expr] | None = None
+    if module.canonical(f) in ("torch.mul", "torch.multiply") and len(call.args) == 2:
+        pair = (call.args[0], call.args[1])
+    elif isinstance(f, ast.Attribute) and len(call.args) == 1 and not (isinstance(f.value, ast.Name) and f.value.id in module.aliases):
+        if f.attr in ("mul", "multiply"):
+            pair = (f.value, call.args[0])
+        elif f.attr in ("mul_", "multiply_") and _inplace_target(stmt) is not None and isinstance(stmt, ast.Expr) and stmt.value is call:
+            pair = (f.value, call.args[0])
+    if pair is None:
+        return None
+    return ast.BinOp(left=pair[0], op=ast.Mult(), right=pair[1], lineno=call.lineno, col_offset=call.col_offset,
+                     end_lineno=call.end_lineno, end_col_offset=call.end_col_offset)
+
+
+def _inplace_target(stmt: ast.stmt) -> str | None:
+    """``t.mul_(b)`` as a whole statement: the name it updates in place. Rewritten as ``t = <fused>``:
+    the same value under the same name; the tensor object differs, which only shows through another
+    reference to it, and the product's operand ``t`` is the activation's fresh result (its one
+    name, or the span that drops its statement is refused)."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
+            and stmt.value.func.attr in ("mul_", "multiply_") and isinstance(stmt.value.func.value, ast.Name):
+        return stmt.value.func.value.id
+    return None
+
+
+def _splice_product(module: ModuleInfo, stmt: ast.stmt, reps: list[tuple[ast.AST, str]]) -> str:
+    """The statement with its gated products replaced; an in-place ``t.mul_(b)`` becomes ``t = ...``."""
+    text = S.splice(module, stmt, reps)
+    target = _inplace_target(stmt)
+    return f"{target} = {text}" if target is not None else text
 
 
 def _optional_gate(scope: Scope, stmt: ast.stmt, g: Gate) -> str | None:
@@ -1531,7 +1575,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             branches = []
             order = [SILU, GELU, GELU_TANH] if pat == "swiglu" else [GELU, GELU_TANH, SILU]
             for k in order:
-                root = S.splice(module, stmt, [(g.node, fused_expr(module, g, k, plan, approx_code_of(module, g.act, k, plan) if k != SILU else None)) for g in gates])
+                root = _splice_product(module, stmt, [(g.node, fused_expr(module, g, k, plan, approx_code_of(module, g.act, k, plan) if k != SILU else None)) for g in gates])
                 branches.append((tests[k], root))
             body = []
             for i, (test, root) in enumerate(branches):
@@ -1542,7 +1586,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             fused = "\n".join(body)
         else:
             ak = approx_code_of(module, g0.act, kind, plan) if kind in GELU_KINDS else None
-            root = S.splice(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
+            root = _splice_product(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
             fused = "\n".join(kept + [branch.around(module, root) if branch else root])
         if g0.caller_lines:
             # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
@@ -1784,7 +1828,7 @@ class Swiglu(Pattern):
     training_ok = True
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
-    SCOPE_WORDS = ("*",)
+    SCOPE_WORDS = ("*", "mul")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in gate_results(module, scope):
@@ -3065,4 +3109,94 @@ Swiglu.KEEP += [
     # the checkpointed projections read two different inputs
     Keep(_OWN_TABLE_CKPT.replace("self.maybe_ckpt(self.w_3, x)", "self.maybe_ckpt(self.w_3, x.flip(-1))"),
          reason="not projections of one input", name="activation_from_own_table_projections_of_two_inputs"),
+]
+
+
+# --- glu: the product as a method call, in place, under an optional up projection (class 6) ----
+
+_INPLACE_OPTIONAL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "gated-gelu": F.gelu}
+
+
+class PositionwiseFeedForward(nn.Module):
+    def __init__(self, d_model, d_ff, activation_fn="relu"):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+        self.activation = ACTIVATIONS[activation_fn]
+        if activation_fn in ("silu", "gated-gelu"):
+            self.w_3 = nn.Linear(d_model, d_ff)
+        else:
+            self.w_3 = None
+        self.maybe_ckpt = lambda f, x: f(x)
+
+    def forward(self, x):
+        norm_x = x * 0.5
+        inter = self.maybe_ckpt(self.w_1, norm_x)
+        inter = self.activation(inter)
+        if self.w_3 is not None:
+            inter.mul_(self.maybe_ckpt(self.w_3, norm_x))
+        return self.w_2(inter) + x
+'''
+
+_RUN_INPLACE = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [PositionwiseFeedForward(8, 12, a) for a in ("silu", "gated-gelu", "relu")]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.w_1.weight for m in ms]
+'''
+
+_METHOD_PRODUCT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(d, h)
+        self.proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.proj(F.silu(self.fc1(x)).mul(self.fc2(x)))
+'''
+
+_RUN_METHOD = '''
+m = MLP(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.fc1.weight, m.fc2.weight]
+'''
+
+Swiglu.FUSE += [
+    # `inter.mul_(up)` as `inter = inter * up`, restructured with the optional up projection; the
+    # activation from the module's own table, the projections through a call-through wrapper
+    Fuse(_INPLACE_OPTIONAL, expect={"activation": "config", "optional_gate": "self.w_3 is not None", "line": 24, "end_line": 26},
+         run=_RUN_INPLACE, name="product_in_place_under_an_optional_up_projection"),
+    # the table keyed by class constants (`Names.silu`), not string literals
+    Fuse(_INPLACE_OPTIONAL.replace('ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "gated-gelu": F.gelu}',
+                                   'class Names:\n    relu = "relu"\n    silu = "silu"\n    gated_gelu = "gated-gelu"\n\n\n'
+                                   'ACTIVATIONS = {Names.relu: F.relu, Names.silu: F.silu, Names.gated_gelu: F.gelu}'),
+         expect={"activation": "config", "optional_gate": "self.w_3 is not None"}, run=_RUN_INPLACE,
+         name="product_in_place_activation_table_keyed_by_class_constants"),
+    Fuse(_METHOD_PRODUCT, expect={"activation": "silu", "gate": "self.fc1(x)", "up": "self.fc2(x)"}, run=_RUN_METHOD,
+         name="product_as_a_mul_method"),
+    Fuse(_METHOD_PRODUCT.replace("F.silu(self.fc1(x)).mul(self.fc2(x))", "torch.mul(self.fc2(x), F.silu(self.fc1(x)))"),
+         expect={"activation": "silu", "gate": "self.fc1(x)"}, run=_RUN_METHOD, name="product_as_torch_mul"),
+]
+Swiglu.KEEP += [
+    # another name holds the activation's tensor before the in-place product: it sees the product
+    Keep(_INPLACE_OPTIONAL.replace("        if self.w_3 is not None:\n            inter.mul_",
+                                   "        self.last = inter\n        if self.w_3 is not None:\n            inter.mul_"),
+         reason="(intermediate `inter` is used by another statement inside the fused region)", name="product_in_place_seen_through_another_reference"),
+    # in place inside a larger expression statement: not the whole statement, so no rebinding
+    Keep(_METHOD_PRODUCT.replace("return self.proj(F.silu(self.fc1(x)).mul(self.fc2(x)))",
+                                 "h = F.silu(self.fc1(x))\n        self.proj(h.mul_(self.fc2(x)))\n        return self.proj(h)"),
+         reason="", name="product_in_place_inside_an_expression"),
 ]
