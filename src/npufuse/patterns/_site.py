@@ -545,12 +545,17 @@ def names_written(stmt: ast.stmt) -> set[str]:
     targets: list[ast.expr] = []
     if isinstance(stmt, ast.Assign):
         targets = list(stmt.targets)
+    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
+            and stmt.value.func.attr in ("mul_", "multiply_") and isinstance(stmt.value.func.value, ast.Name):
+        return {stmt.value.func.value.id}  # `t.mul_(b)` changes t's value (swiglu rewrites it as `t = ...`)
     elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
         targets = [stmt.target]
     elif isinstance(stmt, (ast.If, ast.With, ast.For, ast.While, ast.Try)):
         for n in fast_walk(stmt):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 out.add(n.id)
+            elif isinstance(n, ast.Expr):
+                out |= names_written(n)
         return out
     for t in targets:
         for n in fast_walk(t):
@@ -615,7 +620,7 @@ def plan_span(scope: Scope, root: ast.stmt, trace: Trace, reads: set[str] | None
         for name in names_written(s):
             if name in root_writes:
                 continue
-            if name in live_after:
+            if name in live_after and _read_later(scope, idx, root, end_line, name):
                 if _is_cheap(s):
                     dropped.remove(s)
                     kept.append(s)
@@ -641,6 +646,36 @@ def plan_span(scope: Scope, root: ast.stmt, trace: Trace, reads: set[str] | None
             return f"intermediate `{sorted(clash)[0]}` is used by another statement inside the fused region"
     dropped_ids = {id(n) for s in dropped for n in fast_walk(s) if isinstance(n, ast.stmt)}
     return SpanPlan(block, start, end, dropped, kept, line, end_line, dropped_ids)
+
+
+_HEADERS = {ast.If: ("test",), ast.While: ("test",), ast.For: ("target", "iter"), ast.AsyncFor: ("target", "iter"),
+            ast.With: ("items",), ast.AsyncWith: ("items",), ast.Try: ()}
+
+
+def _read_later(scope: Scope, idx: StmtIndex, root: ast.stmt, end_line: int, name: str) -> bool:
+    """Is ``name`` read after ``end_line`` where the value ``root``'s span leaves can reach it?
+
+    A read in the other branch of an ``if`` holding ``root`` (eole's ``if gated: ... gate * up
+    else: gate = linear(x); act(gate)``) is not, when that branch assigns the name first in the
+    read's own block: also in a loop, the read then sees that assignment, never the span's value.
+    Anything else read later counts (headers of compound statements included)."""
+    for s in idx.stmts:
+        header = _HEADERS.get(type(s))
+        if header is not None:
+            nodes = [n for f in header for v in ([getattr(s, f)] if not isinstance(getattr(s, f), list) else getattr(s, f)) for n in fast_walk(v)]
+        elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            nodes = list(fast_walk(s))
+        else:
+            nodes = list(fast_walk(s))
+        if not any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > end_line for n in nodes):
+            continue
+        if header is None and _exclusive(idx, s, root):
+            d = definition(Ctx(scope, s.lineno), name)
+            if d is not None and d[0] is not s and idx.block.get(id(d[0]), (None,))[0] is idx.block.get(id(s), (0,))[0] \
+                    and _exclusive(idx, d[0], root):
+                continue
+        return True
+    return False
 
 
 def _names_used_after(scope: Scope, line: int) -> set[str]:

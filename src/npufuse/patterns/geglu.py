@@ -28,7 +28,7 @@ class Geglu(Pattern):
     training_ok = True  # npu_geglu has a backward through output 0; npu_gelu_mul (forward-only) is not used
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
-    SCOPE_WORDS = ("*", "mul(")
+    SCOPE_WORDS = ("*", "mul")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in G.gate_results(module, scope):
@@ -632,4 +632,51 @@ Geglu.KEEP += [
     # the gate's Sequential reads another input than the up projection
     Keep(_SEQUENTIAL_GATE.replace("self.fc1(x) * self.gate(x)", "self.fc1(x) * self.gate(x.flip(-1))"),
          reason="not projections of one input", name="sequential_gate_on_another_input"),
+]
+
+
+# --- glu: an activation read with getattr and a gelu fallback (issue 14, class 6) --------------
+
+Geglu.FUSE += [
+    # the fallback (F.gelu) files it under geglu; the fused branch dispatches on the object
+    Fuse(G._GETATTR_ACT, expect={"activation": "config", "default_activation": "gelu", "split": "split"},
+           run=G._RUN_GETATTR, name="activation_from_getattr_with_gelu_fallback"),
+    Fuse(G._GETATTR_ACT, expect={"activation": "config"},
+           run=G._RUN_GETATTR.replace("for _ in range(3)]", "for _ in range(3)]\nfor e in experts:\n    e.activation = nn.SiLU()"),
+           name="activation_from_getattr_set_to_silu"),
+]
+Geglu.KEEP += [
+    # three parts of one split: gate and up are not the two halves
+    Keep(G._GETATTR_ACT.replace("gate, up = gate_up.split(self.ffn, dim=1)", "gate, up, extra = gate_up.split(self.ffn, dim=1)"),
+           reason="split into 3 parts (unpacked into (gate, up, extra)), not two halves", name="activation_from_getattr_three_part_split"),
+]
+
+
+# the gated branch of an if/else whose other branch assigns the same names before reading them
+_GATED_OR_NOT = G._GETATTR_ACT.replace(
+    "    def __init__(self, experts, ffn):\n        super().__init__()\n",
+    "    def __init__(self, experts, ffn, gated=True):\n        super().__init__()\n        self.gated = gated\n"
+    "        self.w_gate = nn.ParameterList([nn.Parameter(e[0].weight) for e in experts])\n").replace(
+    "            gate_up = F.linear(x[pos], self.w_gate_up[e])\n"
+    "            gate, up = gate_up.split(self.ffn, dim=1)\n"
+    "            gate = self.activation(gate)\n"
+    "            hidden = gate * up\n",
+    "            if self.gated:\n"
+    "                gate_up = F.linear(x[pos], self.w_gate_up[e])\n"
+    "                gate, up = gate_up.split(self.ffn, dim=1)\n"
+    "                gate = self.activation(gate)\n"
+    "                hidden = gate * up\n"
+    "            else:\n"
+    "                gate = F.linear(x[pos], self.w_gate[e])\n"
+    "                hidden = self.activation(gate)\n")
+
+Geglu.FUSE += [
+    Fuse(_GATED_OR_NOT, expect={"activation": "config", "line": 23, "end_line": 25},
+         run=G._RUN_GETATTR + "m2 = GroupedExperts(experts, 12, gated=False)\nout = (out, m2.forward_tokens(x, torch.arange(10) % 3))\n",
+         name="activation_from_getattr_gated_branch_of_an_if_else"),
+]
+Geglu.KEEP += [
+    # the other branch reads the activated gate the span no longer computes
+    Keep(_GATED_OR_NOT.replace("                gate = F.linear(x[pos], self.w_gate[e])\n", ""),
+         reason="intermediate `gate` reused after the fused region", name="activation_from_getattr_other_branch_reads_the_gate"),
 ]

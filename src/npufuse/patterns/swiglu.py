@@ -146,10 +146,41 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
             if isinstance(v, str):
                 return ACT_NAMES.get(v, v), None
             return CONFIG, value.slice
+        own = _own_act_table(module, value.value)
+        if own is not None:
+            # the module's own table ({"relu": F.relu, "silu": F.silu, "gated-gelu": F.gelu}): its
+            # keys are its own, so a run-time key is not compared with transformers' names; the
+            # fused branch dispatches on the object the lookup returned
+            v = const_value(value.slice)
+            if isinstance(v, str) and v in own:
+                return own[v]
+            kinds = set(own.values())
+            return kinds.pop() if len(kinds) == 1 else (CONFIG, None)
     name = module.canonical(value)
     if name in _FUNCS:
         return _FUNCS[name], None
     return None
+
+
+def _own_act_table(module: ModuleInfo, table: ast.expr) -> dict[str, tuple[str, ast.expr | None]] | None:
+    """A module-level dict literal of activations (every value an activation object npufuse
+    knows; the keys any hashable: ``{Act.silu: F.silu}``): key text -> kind; else None. A
+    string key is its value, any other key its source text (only a string literal is looked up)."""
+    if not isinstance(table, ast.Name):
+        return None
+    d = _module_value(module, table.id)
+    if not isinstance(d, ast.Dict) or not d.values or len(d.values) > 64:
+        return None
+    out: dict[str, tuple[str, ast.expr | None]] = {}
+    for k, v in zip(d.keys, d.values):
+        if k is None:
+            return None  # `**other`: values unknown
+        key = const_value(k)
+        kind = _module_act(module, v) if not isinstance(v, ast.Subscript) else None
+        if kind is None or kind[0] == CONFIG:
+            return None
+        out[key if isinstance(key, str) else "<" + ast.unparse(k) + ">"] = kind
+    return out
 
 
 def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str | None:
@@ -247,6 +278,12 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         k = _module_act(module, f)
         if k is not None:
             return Act(k[0], gate, ctx, ast.unparse(f), obj=f, config_key=k[1] if k[0] == CONFIG else None, approx=k[1] if k[0] == GELU_DYN else None)
+    if isinstance(f, ast.Attribute) and f.attr not in _TENSOR_METHODS and isinstance(f.value, ast.Name) and _foreign_receiver(module, f.value.id, ctx):
+        # `layer.act(layer.gate(x)) * layer.up(x)` with `layer` a local or a parameter of a plain
+        # function (not a method's own receiver, whose __init__ would say what it is): a callable
+        # another object holds; an activation only if the product is a GLU's (weak), dispatched
+        # on the object at run time
+        return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
     # self.act_fn(x): what __init__ assigned (this class's, or an in-module base class's)
     if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
         cls_name = _assigning_class(module, ctx.scope.class_name, f.attr) or ctx.scope.class_name
@@ -269,6 +306,11 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             seq = _sequential_act(module, value, f, gate, ctx, desc)
             if seq is not None:
                 return seq
+            fallback = _getattr_default_kind(module, value)
+            if fallback is not None:
+                # `self.act = getattr(expert, "activation", F.gelu)`: another object's callable,
+                # an activation when it has none: chosen at run time, dispatched on the object
+                return Act(CONFIG, gate, ctx, desc, obj=f, default=fallback, gelu_hint=fallback in GELU_KINDS)
             if isinstance(value, ast.Call):
                 cname = dotted(value.func)
                 if cname and cname in module.classes:
@@ -328,6 +370,36 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         if passed is not None:
             return passed
     return None
+
+
+# torch.Tensor methods taking one tensor: `h.matmul(self.w1(x))` is arithmetic, never an activation object
+_TENSOR_METHODS = frozenset(("matmul", "mm", "bmm", "mul", "add", "sub", "div", "view", "view_as", "reshape", "reshape_as",
+                             "expand", "expand_as", "to", "type_as", "masked_fill", "clamp", "repeat", "permute", "transpose",
+                             "index_select", "gather", "scatter", "where", "pow", "softmax", "log_softmax", "sum", "mean",
+                             "max", "min", "flatten", "unflatten", "narrow", "split", "chunk", "copy_", "mul_", "add_", "dot",
+                             "outer", "lerp", "maximum", "minimum", "masked_select", "index_add", "roll", "unsqueeze", "squeeze"))
+
+
+def _foreign_receiver(module: ModuleInfo, name: str, ctx: S.Ctx) -> bool:
+    """``name`` holds some other object: a local of the function, or a parameter of a plain
+    (module-level or nested) function; never a method's own receiver, a module, a class or a
+    function of this module."""
+    if ctx.depth or name in module.aliases or name in module.classes or name in module.functions:
+        return False
+    scope = ctx.scope
+    cls = scope.class_name
+    is_method = cls is not None and cls in module.classes and any(x is scope.node for x in module.classes[cls].body)
+    if is_method and scope.args and name == scope.args[0]:
+        return S.definition(ctx, name) is not None  # the receiver rebound (`self = self.layers[i].mlp`)
+    return name in scope.args or S.definition(ctx, name) is not None
+
+
+def _getattr_default_kind(module: ModuleInfo, value: ast.expr) -> str | None:
+    """``getattr(obj, "name", <activation>)``: the activation kind of the fallback, else None."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "getattr"
+            and module.canonical(value.func) in (None, "getattr") and len(value.args) == 3 and not value.keywords):
+        return None
+    return _default_object_kind(module, value.args[2])
 
 
 def _chosen_act(module: ModuleInfo, value: ast.IfExp, f: ast.expr, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
@@ -607,6 +679,9 @@ class Gate:
     trace: S.Trace
     input_key: str | None  # the projections' common input
     parts: str | None = None  # two parts of one chunk/split taken as operands: how ("chunk", "split")
+    # gate and up are parameters of the enclosing helper; the lines of the calls (in this module)
+    # that pass it projections (or halves) of one input
+    caller_lines: list[int] | None = None
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -748,6 +823,12 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                             raise GateMiss(f"gate and up have different sizes ({ast.unparse(size)})")
                     else:
                         equal = False  # split(n): two parts only if the size is 2n (assumed, see risks)
+                        for st in [*t.stmts.values(), *tb.stmts.values()]:
+                            # `a, b, c = T.split(n, d)`: the unpacking says how many parts there are
+                            if isinstance(st, ast.Assign) and st.value is call and isinstance(st.targets[0], (ast.Tuple, ast.List)) \
+                                    and len(st.targets[0].elts) != 2:
+                                raise GateMiss(f"split into {len(st.targets[0].elts)} parts (unpacked into {ast.unparse(st.targets[0])}), "
+                                               "not two halves")
                     _ = sv
                 trace.stmts.update(t.stmts)
                 trace.stmts.update(tb.stmts)
@@ -793,11 +874,38 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
     return None
 
 
-def _projection_input(node: ast.expr, ctx: S.Ctx) -> str | None:
+def _checkpointed(module: ModuleInfo | None, call: ast.Call, ctx: S.Ctx) -> bool:
+    """``checkpoint(fn, x, ...)`` (torch.utils.checkpoint), or a ``self.<attr>`` that ``__init__``
+    sets to it or to a plain call-through (``checkpoint if ckpt else lambda f, x: f(x)``): the
+    value is ``fn(x, ...)``."""
+    if module is None or len(call.args) < 2 or any(isinstance(a, ast.Starred) for a in call.args[:2]):
+        return False
+
+    def is_ckpt(v: ast.expr) -> bool:
+        if module.canonical(v) == "torch.utils.checkpoint.checkpoint":
+            return True
+        if isinstance(v, ast.Lambda) and len(v.args.args) >= 2 and isinstance(v.body, ast.Call) and isinstance(v.body.func, ast.Name):
+            names = [a.arg for a in v.args.args]
+            return v.body.func.id == names[0] and [dotted(a) for a in v.body.args] == names[1:] and not v.body.keywords
+        return False
+
+    f = call.func
+    if is_ckpt(f):
+        return True
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and ctx.scope.class_name:
+        v = S.init_assignments(module, ctx.scope.class_name).get(f.attr)
+        if v is not None:
+            return all(is_ckpt(b) for b in ((v.body, v.orelse) if isinstance(v, ast.IfExp) else (v,)))
+    return False
+
+
+def _projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None = None) -> str | None:
     """Key of the input of a projection-like value: ``self.w(x)``, ``F.linear(x, w)``, ``x @ w``."""
     n, c = _through_unary_helper(*S.peel(node, ctx))
     while S.is_cast(n):
         n = n.func.value  # type: ignore[union-attr]
+    if isinstance(n, ast.Call) and _checkpointed(module, n, c):
+        return S.key(n.args[1], c)  # checkpoint(self.w1, x): a projection of x, recomputed in backward
     if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Call) and const_value(n.slice) == 0:
         n = n.value  # vLLM-style ``self.wi_0(x)[0]`` (output, bias)
     if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute)):
@@ -936,6 +1044,13 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
     trace = S.Trace()
     acts = [(i, _act_of(module, f, ctx, trace)) for i, f in enumerate(factors)]
     found = [(i, a) for i, a in acts if a is not None]
+    if len(factors) == 2 and len(found) == 2 and all(a.weak for _, a in found):
+        # two callables other objects hold (`layer.act(layer.gate(x)) * layer.up(x)`): the
+        # activation is the one applied to a projection of the input the other factor projects
+        def glu_like(i: int, a: Act) -> bool:
+            ia = _projection_input(a.gate, a.ctx) if a.gate is not None else None
+            return ia is not None and ia == _projection_input(factors[1 - i], ctx)
+        found = [(i, a) for i, a in found if glu_like(i, a)]
     if len(found) > 1 and any(a.weak for _, a in found):
         # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
         found = [(i, a) for i, a in found if not a.weak]
@@ -1018,8 +1133,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         return Gate(act, Operand(a, actx), Operand(b, ctx), node, halves, trace, None)
     if sa is not None and sb is not None:
         raise GateMiss("gate and up are halves of different tensors")
-    ia = _projection_input(a, actx)
-    ib = _projection_input(b, ctx)
+    ia = _projection_input(a, actx, module)
+    ib = _projection_input(b, ctx, module)
     if (ia is None or ib is None or ia != ib) and act.kind in (SILU, CONFIG) + GELU_KINDS:
         biased = _biased_halves(module, a, actx, b, ctx)
         if biased is not None:
@@ -1031,7 +1146,10 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                 why = _transformed(module, op, octx, other)
                 if why:
                     raise GateMiss(why)
-            raise GateMiss("gate and up are not projections of one input (a gated output, not a GLU MLP)")
+            callers = _caller_operands(module, a, actx, b, ctx)
+            if isinstance(callers, list):
+                return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=callers)
+            raise GateMiss(callers or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
             raise GateMiss(f"activation is a {act.kind}, not silu: npu_swiglu computes silu(gate) * up only "
                            "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
@@ -1043,6 +1161,100 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         if d is not None and d[1] is not None and b.id in S.names_read(d[1]) and not _binds_gate_too(d[0], a):
             S.peel(b, ctx, trace)
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ia)
+
+
+def _param_operand(node: ast.expr, ctx: S.Ctx) -> str | None:
+    """The parameter name an operand is, when it is a parameter of the scanned function not
+    reassigned before the product (``x1`` in ``def _gating(self, x1, x3): return F.silu(x1) * x3``)."""
+    if ctx.depth or not isinstance(node, ast.Name) or node.id not in ctx.scope.args:
+        return None
+    return node.id if S.definition(ctx, node.id) is None else None
+
+
+def _call_sites(module: ModuleInfo, fn: ast.AST, is_method: bool, class_name: str | None) -> tuple[list[tuple[ast.Call, Scope]], int | None]:
+    """Direct calls of ``fn`` in this module (a method: ``<receiver>.<name>(...)`` from the same
+    class's methods, the receiver being their first parameter; a module-level function: ``name(...)``),
+    and the line of a reference that is not a direct call (the function passed on or stored:
+    its callers are then unknown), else None."""
+    name = getattr(fn, "name", "")
+    calls: list[tuple[ast.Call, Scope]] = []
+    other: int | None = None
+    for sc in module.scopes:
+        if sc.node is fn or isinstance(sc.node, ast.Module) and is_method:
+            continue
+        if is_method and sc.class_name != class_name:
+            continue
+        recv = sc.args[0] if is_method and sc.args else None
+        if is_method and recv is None:
+            continue
+        text = S.scope_text(module, sc) if not isinstance(sc.node, ast.Module) else module.source
+        if name not in text:
+            continue
+        funcs: set[int] = set()
+        nodes = [n for n in fast_walk(sc.node) if n is not sc.node] if not isinstance(sc.node, ast.Module) else \
+            [n for st in sc.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for n in fast_walk(st)]
+        for n in nodes:
+            if isinstance(n, ast.Call):
+                f = n.func
+                if (is_method and isinstance(f, ast.Attribute) and f.attr == name and isinstance(f.value, ast.Name) and f.value.id == recv) \
+                        or (not is_method and isinstance(f, ast.Name) and f.id == name and f.id not in sc.args and not sc.assignments.get(name)):
+                    calls.append((n, sc))
+                    funcs.add(id(f))
+        for n in nodes:
+            if id(n) in funcs:
+                continue
+            if (is_method and isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.value, ast.Name) and n.value.id == recv) \
+                    or (not is_method and isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)):
+                other = other or n.lineno
+    return calls, other
+
+
+def _caller_operands(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> list[int] | str | None:
+    """Gate and up are both parameters of the function holding the product (a gating helper,
+    ``self._gating(self.w1(x), self.w3(x))``): what the module's own calls pass them decides
+    whether it is a GLU MLP. The lines of those calls when every one passes two projections of
+    one input (or the two halves of one tensor); else the true reason it is not (a string), or
+    None when the operands are not two parameters."""
+    pa, pb = _param_operand(a, actx), _param_operand(b, ctx)
+    if pa is None or pb is None or pa == pb:
+        return None
+    fn = ctx.scope.node
+    cls = ctx.scope.class_name
+    is_method = cls is not None and cls in module.classes and any(x is fn for x in module.classes[cls].body)
+    if is_method and any(module.canonical(d) in ("staticmethod", "classmethod") for d in getattr(fn, "decorator_list", [])):
+        return None
+    if not is_method and module.functions.get(getattr(fn, "name", "")) is not fn:
+        return None  # a nested function: its calls are not looked for
+    where = f"`{getattr(fn, 'name', '?')}`"
+    calls, other = _call_sites(module, fn, is_method, cls)
+    if other is not None:
+        return (f"gate and up are parameters of {where}, which is also referenced without a direct call (line {other}): "
+                "what its callers pass is unknown, so it may be a gated output, not a GLU MLP")
+    if not calls:
+        return (f"gate and up are parameters of {where} and no call in this module passes them: whether its callers pass "
+                "projections of one input is unknown (a gated output, not a GLU MLP, otherwise)")
+    lines = []
+    for call, sc in calls:
+        cctx = S.Ctx(sc, call.lineno)
+        hctx = S.bind_call(module, call, fn, cctx, is_method)
+        if hctx is None or pa not in hctx.bind or pb not in hctx.bind:
+            return f"gate and up are parameters of {where}; the call on line {call.lineno} passes them in a form npufuse cannot bind (*args/**kwargs)"
+        (ga, gctx), (ub, uctx) = hctx.bind[pa], hctx.bind[pb]
+        ia, ib = _projection_input(ga, gctx, module), _projection_input(ub, uctx, module)
+        if ia is not None and ia == ib:
+            lines.append(call.lineno)
+            continue
+        try:
+            sa, sb = _split_of(module, ga, gctx, S.Trace()), _split_of(module, ub, uctx, S.Trace())
+        except GateMiss:
+            sa = sb = None
+        if sa is not None and sb is not None and sa[0] == sb[0] and sa[5] in ("chunk", "split") and sa[5] == sb[5] \
+                and {sa[4], sb[4]} == {0, 1} and S.key(sa[3], sa[2]) == S.key(sb[3], sb[2]):
+            lines.append(call.lineno)
+            continue
+        return (f"gate and up are parameters of {where}; the call on line {call.lineno} passes `{ast.unparse(ga)}` and "
+                f"`{ast.unparse(ub)}`, not projections of one input (a gated output, not a GLU MLP)")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -1165,7 +1377,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         return cached
     results: list[GateResult] = []
     scope.__dict__["_npufuse_gates"] = results
-    if isinstance(scope.node, ast.Module) or ("*" not in S.scope_text(module, scope) and "mul(" not in S.scope_text(module, scope)):
+    if isinstance(scope.node, ast.Module) or ("*" not in S.scope_text(module, scope) and "mul" not in S.scope_text(module, scope)):
         return results
     text = S.scope_text(module, scope).lower()
     if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name):
@@ -1174,13 +1386,14 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     for stmt in S.stmt_index(scope).stmts:
         if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
             continue
-        if not any("*" in ln or "mul(" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
+        if not any("*" in ln or "mul" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
             continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
         inside: list[ast.AST] = []
         for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
-            node = _mul_call_as_product(module, node)
+            if isinstance(node, ast.Call):
+                node = _call_product(module, stmt, node)  # type: ignore[assignment]
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
                 continue
             if any(any(n is node for n in fast_walk(m)) for m in inside):
@@ -1206,6 +1419,45 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         if gates:
             results.extend(_site_results(module, scope, stmt, gates))
     return results
+
+
+def _call_product(module: ModuleInfo, stmt: ast.stmt, call: ast.Call) -> ast.BinOp | None:
+    """``a.mul(b)`` / ``torch.mul(a, b)`` as the product ``a * b`` (a node at the call's place, so
+    the call's text is what the fused expression replaces); ``t.mul_(b)`` as a statement of its
+    own as ``t = t * b`` (see :func:`_inplace_target`)."""
+    if call.keywords or any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    f = call.func
+    pair: tuple[ast.expr, ast.expr] | None = None
+    if module.canonical(f) in ("torch.mul", "torch.multiply") and len(call.args) == 2:
+        pair = (call.args[0], call.args[1])
+    elif isinstance(f, ast.Attribute) and len(call.args) == 1 and not (isinstance(f.value, ast.Name) and f.value.id in module.aliases):
+        if f.attr in ("mul", "multiply"):
+            pair = (f.value, call.args[0])
+        elif f.attr in ("mul_", "multiply_") and _inplace_target(stmt) is not None and isinstance(stmt, ast.Expr) and stmt.value is call:
+            pair = (f.value, call.args[0])
+    if pair is None:
+        return None
+    return ast.BinOp(left=pair[0], op=ast.Mult(), right=pair[1], lineno=call.lineno, col_offset=call.col_offset,
+                     end_lineno=call.end_lineno, end_col_offset=call.end_col_offset)
+
+
+def _inplace_target(stmt: ast.stmt) -> str | None:
+    """``t.mul_(b)`` as a whole statement: the name it updates in place. Rewritten as ``t = <fused>``:
+    the same value under the same name; the tensor object differs, which only shows through another
+    reference to it, and the product's operand ``t`` is the activation's fresh result (its one
+    name, or the span that drops its statement is refused)."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
+            and stmt.value.func.attr in ("mul_", "multiply_") and isinstance(stmt.value.func.value, ast.Name):
+        return stmt.value.func.value.id
+    return None
+
+
+def _splice_product(module: ModuleInfo, stmt: ast.stmt, reps: list[tuple[ast.AST, str]]) -> str:
+    """The statement with its gated products replaced; an in-place ``t.mul_(b)`` becomes ``t = ...``."""
+    text = S.splice(module, stmt, reps)
+    target = _inplace_target(stmt)
+    return f"{target} = {text}" if target is not None else text
 
 
 def _optional_gate(scope: Scope, stmt: ast.stmt, g: Gate) -> str | None:
@@ -1333,7 +1585,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             branches = []
             order = [SILU, GELU, GELU_TANH] if pat == "swiglu" else [GELU, GELU_TANH, SILU]
             for k in order:
-                root = S.splice(module, stmt, [(g.node, fused_expr(module, g, k, plan, approx_code_of(module, g.act, k, plan) if k != SILU else None)) for g in gates])
+                root = _splice_product(module, stmt, [(g.node, fused_expr(module, g, k, plan, approx_code_of(module, g.act, k, plan) if k != SILU else None)) for g in gates])
                 branches.append((tests[k], root))
             body = []
             for i, (test, root) in enumerate(branches):
@@ -1344,12 +1596,28 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             fused = "\n".join(body)
         else:
             ak = approx_code_of(module, g0.act, kind, plan) if kind in GELU_KINDS else None
-            root = S.splice(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
+            root = _splice_product(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
             fused = "\n".join(kept + [branch.around(module, root) if branch else root])
+        if g0.caller_lines:
+            # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
+            # torch.cat rejects; equal shapes (a host-side check, no sync) take the fused op
+            ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g0.a, g0.b))
+            fused = "\n".join([f"if {ga}.shape == {gb}.shape:", S.indent(fused),
+                               "else:  # operands that broadcast: the original code",
+                               S.indent(S.block_source(module, plan.stmts))])
     except S.RenderError as e:
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
+    if g0.caller_lines:
+        params["operands_from_callers"] = list(g0.caller_lines)
+        notes.append(f"gate and up are parameters of `{scope.qualname}`: every call of it in this module (line(s) "
+                     f"{', '.join(map(str, g0.caller_lines))}) passes projections (or halves) of one input; the fused op "
+                     "runs when both have one shape, the original code otherwise")
+        if any(module.canonical(d.func if isinstance(d, ast.Call) else d) == "torch.compile" for d in getattr(scope.node, "decorator_list", [])):
+            risks.append(Risk("other", "the helper is compiled with @torch.compile: the fused branch (its is_npu / environment "
+                                       "switch tests and the torch_npu call) is traced by dynamo; torch_npu's ops are "
+                                       "registered torch ops, but check the compiled graph on the device"))
     if branch is not None:
         params["optional_gate"] = ast.unparse(branch.node.test)
         notes.append(f"optional up projection: fused under `if {params['optional_gate']}:`, the activation alone otherwise "
@@ -1570,7 +1838,7 @@ class Swiglu(Pattern):
     training_ok = True
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
-    SCOPE_WORDS = ("*", "mul(")
+    SCOPE_WORDS = ("*", "mul")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in gate_results(module, scope):
@@ -2946,29 +3214,6 @@ def _indexed_pair_part(n: ast.Subscript, ctx: S.Ctx) -> tuple[str, ast.expr, S.C
 # --- torch.mul(a, b) / a.mul(b): the product written as a call (held-out 4) ---
 
 
-def _mul_call_as_product(module: ModuleInfo, node: ast.AST) -> ast.AST:
-    """``torch.mul(a, b)`` / ``a.mul(b)`` as the product ``a * b`` it computes, spanning the call's
-    text (so the replacement replaces the whole call); anything else unchanged. Cached on the call
-    so every look at it sees one node. ``out=``/in-place ``mul_`` are not products to replace."""
-    if not isinstance(node, ast.Call) or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-        return node
-    cached = node.__dict__.get("_npufuse_product")
-    if cached is not None:
-        return cached
-    f = node.func
-    if module.canonical(f) in ("torch.mul", "torch.multiply") and len(node.args) == 2:
-        left, right = node.args
-    elif isinstance(f, ast.Attribute) and f.attr in ("mul", "multiply") and len(node.args) == 1 \
-            and not (isinstance(f.value, ast.Name) and module.canonical(f.value) == "torch"):
-        left, right = f.value, node.args[0]
-    else:
-        return node
-    prod = ast.BinOp(left=left, op=ast.Mult(), right=right)
-    ast.copy_location(prod, node)
-    node.__dict__["_npufuse_product"] = prod
-    return prod
-
-
 _PAIR_INDEXED = '''
 import torch
 from torch import nn
@@ -3132,4 +3377,353 @@ class GatedFn(torch.autograd.Function):
 Swiglu.KEEP += [
     # a hand-written autograd.Function handed the activation: its backward owns the recomputation
     Keep(_PARAM_ACT_AUTOGRAD, reason="", name="activation_parameter_in_autograd_function"),
+]
+
+
+
+# --- glu: gating in a helper whose operands the callers project (issue 14, class 6) ----------
+
+_GATING_HELPER = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+        self.w3 = nn.Linear(d, h, bias=False)
+
+    def _gating(self, x1, x3):
+        return F.silu(x1) * x3
+
+    def forward(self, x):
+        return self.w2(self._gating(self.w1(x), self.w3(x)))
+'''
+
+_RUN_GATING = '''
+m = FeedForward(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.w1.weight, m.w3.weight]
+'''
+
+# a module-level helper, its callers' projections held in names and passed by keyword
+_GATING_FUNCTION = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def gated_silu(gate, up):
+    return up * F.silu(gate)
+
+
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h)
+        self.up_proj = nn.Linear(d, h)
+        self.down_proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        u = self.up_proj(x)
+        return self.down_proj(gated_silu(up=u, gate=g))
+
+
+def mlp_weights(x, w1, w3, w2):
+    return gated_silu(x @ w1, x @ w3) @ w2
+'''
+
+_RUN_GATING_FUNCTION = '''
+m = MLP(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+w1, w3, w2 = torch.randn(8, 12), torch.randn(8, 12), torch.randn(12, 8)
+out = (m(x), mlp_weights(x, w1, w3, w2))
+leaves = [x, m.gate_proj.weight, m.up_proj.weight]
+'''
+
+# the caller splits one packed projection and hands the two halves over
+_GATING_HALVES = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PackedFFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w13 = nn.Linear(d, 2 * h)
+        self.w2 = nn.Linear(h, d)
+        self.act = nn.SiLU()
+
+    def gate(self, a, b):
+        return self.act(a) * b
+
+    def forward(self, x):
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(self.gate(a, b))
+'''
+
+Swiglu.FUSE += [
+    Fuse(_GATING_HELPER, expect={"gate": "x1", "up": "x3", "operands_from_callers": [18], "line": 15}, run=_RUN_GATING,
+         name="gating_helper_projections_from_the_caller"),
+    Fuse(_GATING_HELPER.replace("    def _gating", "    @torch.compile\n    def _gating"), expect={"operands_from_callers": [19]},
+         name="gating_helper_compiled_with_torch_compile"),
+    Fuse(_GATING_FUNCTION, expect={"gate": "gate", "up": "up", "operands_from_callers": [21, 25]}, run=_RUN_GATING_FUNCTION,
+         name="gating_function_called_by_keyword_and_with_matmuls"),
+    Fuse(_GATING_HALVES, expect={"operands_from_callers": [19]}, name="gating_helper_given_the_halves_of_one_projection",
+         run='''
+m = PackedFFN(8, 12)
+x = torch.randn(4, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.w13.weight]
+'''),
+]
+
+Swiglu.KEEP += [
+    # a second caller gates an SSM output with a projection: a gated output, not a GLU MLP
+    Keep(_GATING_HELPER.replace("        return self.w2(self._gating(self.w1(x), self.w3(x)))",
+                                "        y = self.w2(self._gating(self.w1(x), self.w3(x)))\n"
+                                "        return self._gating(self.w1(y), x.cumsum(1))"),
+         reason="the call on line 19 passes `self.w1(y)` and `x.cumsum(1)`, not projections of one input",
+         name="gating_helper_one_caller_passes_other_tensors"),
+    # projections of two different inputs (cross-attention-like gating)
+    Keep(_GATING_HELPER.replace("def forward(self, x):", "def forward(self, x, ctx):").replace("self.w3(x)))", "self.w3(ctx)))"),
+         reason="not projections of one input", name="gating_helper_projections_of_two_inputs"),
+    # no call in the module: the operands come from elsewhere (an operator library's forward)
+    Keep(_GATING_HELPER.replace("self._gating(self.w1(x), self.w3(x))", "self.w1(x)"),
+         reason="no call in this module passes them", name="gating_helper_without_callers"),
+    # the helper handed on as a callable: its callers are unknown
+    Keep(_GATING_HELPER.replace("return self.w2(self._gating(self.w1(x), self.w3(x)))",
+                                "fn = self._gating\n        return self.w2(fn(self.w1(x), self.w3(x)))"),
+         reason="also referenced without a direct call (line 18)", name="gating_helper_passed_as_a_callable"),
+]
+
+
+# --- glu: activations another object holds (issue 14, class 6) ---------------------------------
+
+# a plain function reading the layers from an object it is handed (SwissArmyTransformer-style hooks)
+_FOREIGN_LAYER = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self, d, h, act):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.gate = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.activation_func = act
+
+
+def mlp_forward(model, hidden_states, layer_id):
+    layer = model[layer_id]
+    inter = layer.up(hidden_states)
+    gated = layer.gate(hidden_states)
+    inter = layer.activation_func(gated) * inter
+    return layer.down(inter)
+'''
+
+_RUN_FOREIGN = '''
+model = [Layer(8, 12, F.silu), Layer(8, 12, nn.GELU()), Layer(8, 12, torch.tanh)]
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = (mlp_forward(model, x, 0), mlp_forward(model, x, 1), mlp_forward(model, x, 2))
+leaves = [x, model[0].gate.weight, model[1].up.weight]
+'''
+
+# an expert's activation read with getattr and a gelu fallback; one packed projection split in two
+_GETATTR_ACT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, experts, ffn):
+        super().__init__()
+        self.ffn = ffn
+        self.w_gate_up = nn.ParameterList([nn.Parameter(torch.cat([e[0].weight, e[1].weight], 0)) for e in experts])
+        self.w_down = nn.ParameterList([nn.Parameter(e[2].weight) for e in experts])
+        self.activation = getattr(experts[0], "activation", F.gelu)
+
+    def forward_tokens(self, x, ids):
+        y = torch.zeros_like(x)
+        for e in range(len(self.w_down)):
+            pos = ids == e
+            gate_up = F.linear(x[pos], self.w_gate_up[e])
+            gate, up = gate_up.split(self.ffn, dim=1)
+            gate = self.activation(gate)
+            hidden = gate * up
+            y[pos] = F.linear(hidden, self.w_down[e])
+        return y
+'''
+
+_RUN_GETATTR = '''
+experts = [nn.ModuleList([nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)]) for _ in range(3)]
+m = GroupedExperts(experts, 12)
+x = torch.randn(10, 8, requires_grad=True)
+out = m.forward_tokens(x, torch.arange(10) % 3)
+leaves = [x, m.w_gate_up[0]]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_FOREIGN_LAYER, expect={"activation": "config", "runtime_check": "activation type", "gate": "gated", "up": "inter"},
+         run=_RUN_FOREIGN, name="activation_held_by_a_layer_object_of_a_plain_function"),
+]
+Swiglu.KEEP += [
+    # the other object's callable applied to the input itself: no projection pair, so no activation either
+    Keep(_FOREIGN_LAYER.replace("layer.activation_func(gated) * inter", "layer.activation_func(hidden_states) * inter"),
+         reason="", name="foreign_callable_on_the_input_is_no_glu"),
+    # projections of two different inputs
+    Keep(_FOREIGN_LAYER.replace("gated = layer.gate(hidden_states)", "gated = layer.gate(hidden_states.flip(1))"),
+         reason="", name="foreign_callable_projections_of_two_inputs"),
+]
+
+
+# --- glu: a module's own activation table, projections through a checkpoint wrapper (class 6) --
+
+_OWN_TABLE_CKPT = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "gated-gelu": F.gelu}
+
+
+class PositionwiseFeedForward(nn.Module):
+    def __init__(self, d_model, d_ff, activation_fn="silu", use_ckpting=()):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+        self.w_3 = nn.Linear(d_model, d_ff)
+        self.activation = ACTIVATIONS[activation_fn]
+        self.maybe_ckpt = (lambda f, x: checkpoint(f, x, use_reentrant=False)) if "ffn" in use_ckpting else lambda f, x: f(x)
+
+    def forward(self, x):
+        inter = self.activation(self.maybe_ckpt(self.w_1, x))
+        inter = inter * self.maybe_ckpt(self.w_3, x)
+        return self.w_2(inter) + x
+'''
+
+_RUN_OWN_TABLE = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [PositionwiseFeedForward(8, 12, a) for a in ("silu", "gated-gelu", "relu")]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.w_1.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # the table's keys are the module's own ("gated-gelu"): dispatch on the object the lookup returned
+    Fuse(_OWN_TABLE_CKPT.replace("(lambda f, x: checkpoint(f, x, use_reentrant=False)) if", "checkpoint if"),
+         expect={"activation": "config", "runtime_check": "activation type", "up": "self.maybe_ckpt(self.w_3, x)"},
+         run=_RUN_OWN_TABLE, name="activation_from_own_table_projections_through_call_through_wrapper"),
+    Fuse(_OWN_TABLE_CKPT.replace("self.maybe_ckpt(self.w_1, x)", "checkpoint(self.w_1, x, use_reentrant=False)")
+         .replace("self.maybe_ckpt(self.w_3, x)", "checkpoint(self.w_3, x, use_reentrant=False)"),
+         expect={"activation": "config"}, run=_RUN_OWN_TABLE, name="activation_from_own_table_projections_checkpointed"),
+]
+Swiglu.KEEP += [
+    # a wrapper that is neither checkpoint nor a call-through: the "projections" are unknown
+    Keep(_OWN_TABLE_CKPT.replace("(lambda f, x: checkpoint(f, x, use_reentrant=False)) if \"ffn\" in use_ckpting else lambda f, x: f(x)",
+                                 "lambda f, x: f(x.flip(-1))"),
+         reason="not projections of one input", name="activation_from_own_table_projections_through_unknown_wrapper"),
+    # the checkpointed projections read two different inputs
+    Keep(_OWN_TABLE_CKPT.replace("self.maybe_ckpt(self.w_3, x)", "self.maybe_ckpt(self.w_3, x.flip(-1))"),
+         reason="not projections of one input", name="activation_from_own_table_projections_of_two_inputs"),
+]
+
+
+# --- glu: the product as a method call, in place, under an optional up projection (class 6) ----
+
+_INPLACE_OPTIONAL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "gated-gelu": F.gelu}
+
+
+class PositionwiseFeedForward(nn.Module):
+    def __init__(self, d_model, d_ff, activation_fn="relu"):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+        self.activation = ACTIVATIONS[activation_fn]
+        if activation_fn in ("silu", "gated-gelu"):
+            self.w_3 = nn.Linear(d_model, d_ff)
+        else:
+            self.w_3 = None
+        self.maybe_ckpt = lambda f, x: f(x)
+
+    def forward(self, x):
+        norm_x = x * 0.5
+        inter = self.maybe_ckpt(self.w_1, norm_x)
+        inter = self.activation(inter)
+        if self.w_3 is not None:
+            inter.mul_(self.maybe_ckpt(self.w_3, norm_x))
+        return self.w_2(inter) + x
+'''
+
+_RUN_INPLACE = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [PositionwiseFeedForward(8, 12, a) for a in ("silu", "gated-gelu", "relu")]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.w_1.weight for m in ms]
+'''
+
+_METHOD_PRODUCT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(d, h)
+        self.proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.proj(F.silu(self.fc1(x)).mul(self.fc2(x)))
+'''
+
+_RUN_METHOD = '''
+m = MLP(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.fc1.weight, m.fc2.weight]
+'''
+
+Swiglu.FUSE += [
+    # `inter.mul_(up)` as `inter = inter * up`, restructured with the optional up projection; the
+    # activation from the module's own table, the projections through a call-through wrapper
+    Fuse(_INPLACE_OPTIONAL, expect={"activation": "config", "optional_gate": "self.w_3 is not None", "line": 24, "end_line": 26},
+         run=_RUN_INPLACE, name="product_in_place_under_an_optional_up_projection"),
+    # the table keyed by class constants (`Names.silu`), not string literals
+    Fuse(_INPLACE_OPTIONAL.replace('ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "gated-gelu": F.gelu}',
+                                   'class Names:\n    relu = "relu"\n    silu = "silu"\n    gated_gelu = "gated-gelu"\n\n\n'
+                                   'ACTIVATIONS = {Names.relu: F.relu, Names.silu: F.silu, Names.gated_gelu: F.gelu}'),
+         expect={"activation": "config", "optional_gate": "self.w_3 is not None"}, run=_RUN_INPLACE,
+         name="product_in_place_activation_table_keyed_by_class_constants"),
+    Fuse(_METHOD_PRODUCT, expect={"activation": "silu", "gate": "self.fc1(x)", "up": "self.fc2(x)"}, run=_RUN_METHOD,
+         name="product_as_a_mul_method"),
+    Fuse(_METHOD_PRODUCT.replace("F.silu(self.fc1(x)).mul(self.fc2(x))", "torch.mul(self.fc2(x), F.silu(self.fc1(x)))"),
+         expect={"activation": "silu", "gate": "self.fc1(x)"}, run=_RUN_METHOD, name="product_as_torch_mul"),
+]
+Swiglu.KEEP += [
+    # another name holds the activation's tensor before the in-place product: it sees the product
+    Keep(_INPLACE_OPTIONAL.replace("        if self.w_3 is not None:\n            inter.mul_",
+                                   "        self.last = inter\n        if self.w_3 is not None:\n            inter.mul_"),
+         reason="(intermediate `inter` is used by another statement inside the fused region)", name="product_in_place_seen_through_another_reference"),
+    # in place inside a larger expression statement: not the whole statement, so no rebinding
+    Keep(_METHOD_PRODUCT.replace("return self.proj(F.silu(self.fc1(x)).mul(self.fc2(x)))",
+                                 "h = F.silu(self.fc1(x))\n        self.proj(h.mul_(self.fc2(x)))\n        return self.proj(h)"),
+         reason="", name="product_in_place_inside_an_expression"),
 ]
