@@ -28,7 +28,7 @@ class Geglu(Pattern):
     training_ok = True  # npu_geglu has a backward through output 0; npu_gelu_mul (forward-only) is not used
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
-    SCOPE_WORDS = ("*", "mul")
+    SCOPE_WORDS = ("*", ".mul(", ".mul_(", "multiply")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in G.gate_results(module, scope):

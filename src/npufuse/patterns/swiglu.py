@@ -1370,6 +1370,10 @@ def _has_sequential_attr(module: ModuleInfo, class_name: str | None) -> bool:
                for v in S.init_assignments(module, class_name).values())
 
 
+# how a product is spelled: `a * b`, `a.mul(b)`, `torch.mul(a, b)`, `t.mul_(b)`, `multiply`
+_PRODUCT_WORDS = ("*", ".mul(", ".mul_(", "multiply")
+
+
 def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     """Gated-activation findings and near misses of one scope, for both patterns (cached)."""
     cached = scope.__dict__.get("_npufuse_gates")
@@ -1377,7 +1381,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         return cached
     results: list[GateResult] = []
     scope.__dict__["_npufuse_gates"] = results
-    if isinstance(scope.node, ast.Module) or ("*" not in S.scope_text(module, scope) and "mul" not in S.scope_text(module, scope)):
+    if isinstance(scope.node, ast.Module) or not any(w in S.scope_text(module, scope) for w in _PRODUCT_WORDS):
         return results
     text = S.scope_text(module, scope).lower()
     if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name):
@@ -1386,7 +1390,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     for stmt in S.stmt_index(scope).stmts:
         if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
             continue
-        if not any("*" in ln or "mul" in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]):
+        if not any(w in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno] for w in _PRODUCT_WORDS):
             continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
@@ -1838,7 +1842,7 @@ class Swiglu(Pattern):
     training_ok = True
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
-    SCOPE_WORDS = ("*", "mul")
+    SCOPE_WORDS = ("*", ".mul(", ".mul_(", "multiply")
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in gate_results(module, scope):
