@@ -168,6 +168,16 @@ def _claimed_by_add_rms_norm(module: ModuleInfo, scope: Scope) -> set[int]:
     return out
 
 
+def _next_reader(idx: S.StmtIndex, stmt: ast.Assign) -> tuple[ast.stmt | None, ast.Name | None]:
+    """The statement right after ``stmt`` (``n = ...`` binding one name) in its block, and its
+    first read of that name (None when there is no next simple statement or it does not read it)."""
+    loc = idx.block.get(id(stmt))
+    nxt = loc[0][loc[1] + 1] if loc is not None and loc[1] + 1 < len(loc[0]) else None
+    use = next((n for n in S.iter_exprs_topdown(nxt) if isinstance(n, ast.Name) and n.id == stmt.targets[0].id), None) \
+        if nxt is not None and S.simple_stmt(nxt) else None
+    return nxt, use
+
+
 def _stmt_of(idx: S.StmtIndex, scope: Scope, call: ast.Call) -> ast.stmt | None:
     """The simple statement holding ``call`` directly in this scope (not in a nested def/lambda)."""
     best = None
@@ -526,7 +536,6 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
     """Findings/near misses for the two L2-normalisation spellings of an RMSNorm in one scope."""
     T = S.torch_name(module) or "torch"
     for call in scope.nodes().get(ast.Call, []):
-        name = canonical.api(module, call.func)  # type: ignore[arg-type]
         S_factors: list[ast.expr] = []
         prev: ast.stmt | None = None
         l2n = canonical.l2_normalize_of(module, call)
@@ -539,10 +548,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             if stmt is not None and isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1 \
                     and isinstance(stmt.targets[0], ast.Name):
                 # ``normed = F.normalize(x, dim=-1)`` then ``normed * scale * gamma`` on the next line
-                loc = idx.block.get(id(stmt))
-                nxt = loc[0][loc[1] + 1] if loc is not None and loc[1] + 1 < len(loc[0]) else None
-                use = next((n for n in S.iter_exprs_topdown(nxt) if isinstance(n, ast.Name) and n.id == stmt.targets[0].id), None) \
-                    if nxt is not None and S.simple_stmt(nxt) else None
+                nxt, use = _next_reader(idx, stmt)
                 if use is None:
                     continue
                 prev, stmt, unit = stmt, nxt, use
@@ -557,10 +563,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             unit = call  # type: ignore[assignment]
             if isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
                 # ``n = torch.norm(x, ...).clamp(min=eps)`` then ``x / n * g`` on the next line
-                loc = idx.block.get(id(stmt))
-                nxt = loc[0][loc[1] + 1] if loc is not None and loc[1] + 1 < len(loc[0]) else None
-                use = next((n for n in S.iter_exprs_topdown(nxt) if isinstance(n, ast.Name) and n.id == stmt.targets[0].id), None) \
-                    if nxt is not None and S.simple_stmt(nxt) else None
+                nxt, use = _next_reader(idx, stmt)
                 if use is None:
                     continue
                 prev, stmt, unit = stmt, nxt, use
@@ -934,10 +937,7 @@ def eps_added_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> 
             continue
         if isinstance(stmt, ast.Assign) and stmt.value is div and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
             # ``y = x / (...)`` then ``g * y`` on the next statement
-            loc = idx.block.get(id(stmt))
-            nxt = loc[0][loc[1] + 1] if loc is not None and loc[1] + 1 < len(loc[0]) else None
-            use = next((n for n in S.iter_exprs_topdown(nxt) if isinstance(n, ast.Name) and n.id == stmt.targets[0].id), None) \
-                if nxt is not None and S.simple_stmt(nxt) else None
+            nxt, use = _next_reader(idx, stmt)
             if use is None:
                 continue
             prev, stmt, unit = stmt, nxt, use

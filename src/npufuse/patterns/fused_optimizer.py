@@ -33,7 +33,7 @@ import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, names_bound_from, segment
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "fused_optimizer"
@@ -1548,21 +1548,7 @@ def held_by_instance(fn: ast.AST, recv: str) -> bool:
     root = recv.split(".")[0]
     if not root:
         return False
-    held = {"self", "cls"}
-    for _ in range(4):
-        before = len(held)
-        for n in fast_walk(fn):
-            src: Optional[ast.AST] = None
-            tgt: list[ast.AST] = []
-            if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
-                src, tgt = n.iter, [n.target]
-            elif isinstance(n, ast.Assign):
-                src, tgt = n.value, list(n.targets)
-            if src is not None and any(isinstance(x, ast.Name) and x.id in held for x in fast_walk(src)):
-                held |= {x.id for t in tgt for x in fast_walk(t) if isinstance(x, ast.Name)}
-        if len(held) == before:
-            break
-    return root in held
+    return root in names_bound_from(fn, {"self", "cls"}, 4)
 
 
 def _handed_to_class(module: ModuleInfo, scope: Scope, cls: str, stmt: ast.stmt, call: ast.Call) -> bool:

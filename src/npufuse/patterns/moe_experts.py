@@ -642,9 +642,10 @@ def _routed_elsewhere(module: ModuleInfo, scope: Scope, covered: list[tuple[int,
                                "proposes no rewrite")
 
 
-def _sort_order_of(scope: Scope, name: str, line: int) -> Optional[str]:
-    """``E`` when ``name`` is the ascending sort order of the flattened expert indices
-    (``_, order = E.flatten().sort()`` / ``torch.sort(E.view(-1))`` / ``E.flatten().argsort()``)."""
+def _sorted_operand(scope: Scope, name: str, line: int, bare_name: bool = False) -> Optional[ast.expr]:
+    """``X`` when ``name`` is the ascending sort order of ``X`` along its last/only dim:
+    ``X.argsort()``, ``X.sort()[1]`` (``_, order = X.sort()``), ``torch.argsort(X)`` / ``torch.sort(X)[1]``
+    (with ``bare_name``, also ``argsort(X)`` / ``sort(X)[1]`` imported by name), stable or not."""
     node = scope.definition(name, line)
     if isinstance(node, ast.Subscript) and const_value(node.slice) == 1 and isinstance(node.value, ast.Call):
         call, want = node.value, "sort"
@@ -655,13 +656,20 @@ def _sort_order_of(scope: Scope, name: str, line: int) -> Optional[str]:
     f = call.func
     if isinstance(f, ast.Attribute) and f.attr == want and not call.args:
         src = f.value
-    elif (dotted(f) or "") == f"torch.{want}" and len(call.args) == 1:
+    elif (dotted(f) or "") in ((f"torch.{want}", want) if bare_name else (f"torch.{want}",)) and len(call.args) == 1:
         src = call.args[0]
     else:
         return None
     if any(k.arg not in ("dim", "stable") or (k.arg == "dim" and const_value(k.value) not in (0, -1)) for k in call.keywords):
         return None  # descending=True, another dim: not the order by expert
-    return _flat_of(src)
+    return src
+
+
+def _sort_order_of(scope: Scope, name: str, line: int) -> Optional[str]:
+    """``E`` when ``name`` is the ascending sort order of the flattened expert indices
+    (``_, order = E.flatten().sort()`` / ``torch.sort(E.view(-1))`` / ``E.flatten().argsort()``)."""
+    src = _sorted_operand(scope, name, line)
+    return _flat_of(src) if src is not None else None
 
 
 def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
@@ -840,7 +848,6 @@ def _sorted_dispatch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     npu_moe_token_unpermute; the statements between (counts, loop, cat) run as written. Returns None
     where the function is not that shape (the loop's own near miss stands); raises ``_Miss`` for a
     look-alike whose difference matters."""
-    loop = block[i]
     # the gather: sorted = x[order // K], before the loop in the same block
     g = next((j for j in range(i - 1, -1, -1) if isinstance(block[j], ast.Assign) and len(block[j].targets) == 1  # type: ignore[attr-defined]
               and isinstance(block[j].value, ast.Subscript) and isinstance(block[j].value.slice, ast.BinOp)  # type: ignore[attr-defined]
@@ -1276,25 +1283,8 @@ def _length_of(scope: Scope, node: Optional[ast.expr], names: set[str], line: in
 
 def _argsort_of(scope: Scope, name: str, line: int) -> Optional[str]:
     """``F`` when ``name`` is the ascending sort order of a 1-D ``F`` (argsort / sort()[1], stable or not)."""
-    node = scope.definition(name, line)
-    if isinstance(node, ast.Subscript) and const_value(node.slice) == 1 and isinstance(node.value, ast.Call):
-        call, want = node.value, "sort"
-    elif isinstance(node, ast.Call):
-        call, want = node, "argsort"
-    else:
-        return None
-    f = call.func
-    if isinstance(f, ast.Attribute) and f.attr == want and not call.args:
-        src = f.value
-    elif (dotted(f) or "") in (f"torch.{want}", want) and len(call.args) == 1:
-        src = call.args[0]
-    else:
-        return None
-    if any(k.arg not in ("dim", "stable") or (k.arg == "dim" and const_value(k.value) not in (0, -1)) for k in call.keywords):
-        return None  # descending, another dim
-    if not isinstance(src, ast.Name):
-        return None
-    return src.id
+    src = _sorted_operand(scope, name, line, bare_name=True)
+    return src.id if isinstance(src, ast.Name) else None
 
 
 def _sorted_runs(module: ModuleInfo, scope: Scope, loop: ast.For) -> Optional[_Runs]:

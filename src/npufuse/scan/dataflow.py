@@ -13,7 +13,7 @@ import ast
 import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 # Canonical names for the aliases real code uses.
 _CANONICAL_MODULES = {
@@ -493,6 +493,27 @@ def lf_line_ends(text: str) -> str:
     words a detector cut from a file with Windows (or old Mac) line ends, made the same as from
     its "\n" twin. apply (libcst) writes fused code with the file's own line end."""
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
+def names_bound_from(fn: ast.AST, names: Iterable[str], rounds: int) -> set[str]:
+    """``names`` and the names bound in ``fn`` from an expression reading one of them: a ``for`` /
+    comprehension target over it or an assignment target of it (``for p in model.parameters()``,
+    ``params = list(model.parameters())``), repeated to a fixed point or ``rounds`` passes."""
+    out = set(names)
+    for _ in range(rounds):
+        before = len(out)
+        for n in fast_walk(fn):
+            src: Optional[ast.AST] = None
+            tgt: list[ast.AST] = []
+            if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                src, tgt = n.iter, [n.target]
+            elif isinstance(n, ast.Assign):
+                src, tgt = n.value, list(n.targets)
+            if src is not None and any(isinstance(x, ast.Name) and x.id in out for x in fast_walk(src)):
+                out |= {x.id for t in tgt for x in fast_walk(t) if isinstance(x, ast.Name)}
+        if len(out) == before:
+            break
+    return out
 
 
 def segment(module: "ModuleInfo", node: ast.AST) -> str:

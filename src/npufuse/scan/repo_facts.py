@@ -43,7 +43,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Risk
-from npufuse.scan.dataflow import dotted
+from npufuse.scan.dataflow import dotted, names_bound_from
 
 _PATTERN = "fused_optimizer"
 # words a driving file must contain for this pass to parse it
@@ -1188,22 +1188,8 @@ def _inherited_freeing(symbols: Any, rel: str, tree: ast.Module, qualname: str) 
 
 def _derived(fn: ast.AST, names: set[str]) -> set[str]:
     """``names`` and the local names bound from them in ``fn`` (``for p in model.parameters()``,
-    ``params = list(model.parameters())``), to a fixed point."""
-    out = set(names)
-    for _ in range(3):
-        before = len(out)
-        for n in ast.walk(fn):
-            src: Optional[ast.AST] = None
-            tgt: list[ast.AST] = []
-            if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
-                src, tgt = n.iter, [n.target]
-            elif isinstance(n, ast.Assign):
-                src, tgt = n.value, list(n.targets)
-            if src is not None and any(isinstance(x, ast.Name) and x.id in out for x in ast.walk(src)):
-                out |= {x.id for t in tgt for x in ast.walk(t) if isinstance(x, ast.Name)}
-        if len(out) == before:
-            break
-    return out
+    ``params = list(model.parameters())``), to a fixed point (three passes at most)."""
+    return names_bound_from(fn, names, 3)
 
 
 def _param_sources(region: list[ast.AST], f: Any) -> set[str]:
