@@ -3796,3 +3796,87 @@ RmsNorm.KEEP += [
         name="torchscript_rmsnorm_rebinding_its_input_before_the_site",
     ),
 ]
+
+
+# --- norms (s25): the hand-written norm in one branch of a backend switch ----------------------
+# TGI / lorax / DeepSpeed style: ``if <backend a>: kernel(x) elif <cond>: <hand-written norm of x>
+# else: other_kernel(x)``. The other branches read x too, but never after the norm's branch ran.
+
+_BACKEND_BRANCHES = '''
+import torch
+from torch import nn
+
+USE_KERNEL = False
+
+
+def kernel_norm(x, w, eps):
+    return x
+
+
+class FastRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, residual=None):
+        if USE_KERNEL:
+            return kernel_norm(hidden_states, self.weight, self.variance_epsilon), residual
+        elif hidden_states.shape[-1] >= 8:
+            if residual is not None:
+                hidden_states = hidden_states + residual
+            residual = hidden_states
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            if self.weight.dtype in [torch.float16, torch.bfloat16]:
+                hidden_states = hidden_states.to(self.weight.dtype)
+            return self.weight * hidden_states, residual
+        else:
+            out = kernel_norm(hidden_states, self.weight, self.variance_epsilon)
+            return out * 2, hidden_states
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _BACKEND_BRANCHES,
+        expect={"qualname": "FastRMSNorm.forward", "eps": "self.variance_epsilon"},
+        run=("norm = FastRMSNorm(32).to(torch.bfloat16)\nwith torch.no_grad():\n    norm.weight.normal_()\n"
+             "x = torch.randn(3, 32, dtype=torch.bfloat16, requires_grad=True)\nout = norm(x)[0]\nleaves = [x]\n"),
+        name="norm_in_one_branch_of_a_backend_switch",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # in a loop the next iteration's other branch does read the value the norm's branch left
+        '''
+import torch
+from torch import nn
+
+
+def kernel_norm(x):
+    return x
+
+
+class LoopNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, h, steps):
+        for step in range(steps):
+            if step % 2 == 0:
+                h = h.to(torch.float32)
+                variance = h.pow(2).mean(-1, keepdim=True)
+                normed = h * torch.rsqrt(variance + self.eps)
+                h = normed * self.weight
+            else:
+                h = kernel_norm(h) + normed  # the previous step's intermediate
+        return h
+''',
+        reason="reused after the fused region",
+        name="norm_in_one_branch_of_an_if_inside_a_loop",
+    ),
+]
