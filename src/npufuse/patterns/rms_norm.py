@@ -3880,3 +3880,55 @@ class LoopNorm(nn.Module):
         name="norm_in_one_branch_of_an_if_inside_a_loop",
     ),
 ]
+
+
+# --- norms (s25): other libraries' RMSNorm modules (see _library_norm.library_construction_sites;
+# the emulated rewrite is checked with stand-ins of apex/xformers in tests/test_detect_norm_libraries.py)
+
+RmsNorm.FUSE += [
+    Fuse(
+        '''
+from torch import nn
+from xformers.ops import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.ffn_norm = RMSNorm(dim, eps=eps)
+''',
+        expect={"variant": "library_rmsnorm", "module": "xformers.ops.RMSNorm", "target": "self.ffn_norm"},
+        name="xformers_rmsnorm_construction",
+    ),
+    Fuse(
+        '''
+from torch import nn
+from apex.normalization import MixedFusedRMSNorm as RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = RMSNorm(dim, eps=1e-6)
+''',
+        expect={"variant": "library_rmsnorm", "module": "apex.normalization.MixedFusedRMSNorm"},
+        name="apex_mixed_fused_rmsnorm_construction",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        '''
+from torch import nn
+import transformer_engine.pytorch as te
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = te.RMSNorm(dim, eps=1e-5, zero_centered_gamma=True)
+''',
+        reason="TransformerEngine's RMSNorm",
+        name="transformer_engine_rmsnorm_construction",
+    ),
+]
