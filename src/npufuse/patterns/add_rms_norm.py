@@ -275,7 +275,7 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
             return None
         defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
         hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
-        bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (call.args[0], ctx)}
+        bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (_norm_input(call.args[0]), ctx)}
         for p in params[2:]:
             if p not in defaults:
                 return None
@@ -2176,5 +2176,66 @@ AddRmsNorm.KEEP += [
                                        "self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=eps)"),
         reason="norm is not RMSNorm (nn.LayerNorm",
         name="norm_chosen_by_init_branches_all_layernorm",
+    ),
+]
+
+
+# --- norms (s25): the sum passed inline to a norm class of this file --------------------------
+# Yuan's ``lf_output = self.output_layernorm(output2 + residual)``: the norm's forward is read with
+# its input bound to the sum. An expression there made the norm matcher refuse ("computed inline");
+# the fused code names the sum itself (``_npu_sum``, :func:`_build`), so the forward is read with the
+# input bound to that name.
+
+def _norm_input(arg: ast.expr) -> ast.expr:
+    """What the norm's forward is read with as its input: the argument, or for an inline sum the
+    name the fused code binds it to."""
+    if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add):
+        return ast.copy_location(ast.Name(id="_npu_sum", ctx=ast.Load()), arg)
+    return arg
+
+
+_INLINE_SUM_LOCAL = '''
+import torch
+from torch import nn
+''' + _NORM + '''
+
+class LocalizedFiltering(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.conv = nn.Linear(hidden_size, hidden_size)
+        self.output_layernorm = LlamaRMSNorm(hidden_size, eps=eps)
+
+    def forward(self, inputs):
+        residual = inputs
+        output2 = self.conv(inputs)
+        lf_output = self.output_layernorm(output2 + residual)
+        return lf_output
+'''
+
+_RUN_INLINE_SUM_LOCAL = '''
+blk = LocalizedFiltering(32, eps=1e-5){cast}
+with torch.no_grad():
+    blk.output_layernorm.weight.normal_()
+{ctx}x = torch.randn(2, 5, 32{dtype}, requires_grad={grad})
+out = blk(x)
+leaves = {leaves}
+torch.set_grad_enabled(True)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_INLINE_SUM_LOCAL, expect={"variant": "inline_sum", "line": 28, "end_line": 28, "norm_class": "LlamaRMSNorm"},
+         run=_RUN_INLINE_SUM_LOCAL.format(cast="", dtype="", ctx="", grad=True, leaves="[x, blk.output_layernorm.weight]"),
+         name="inline_sum_into_a_norm_class_of_this_file_training"),
+    Fuse(_INLINE_SUM_LOCAL, expect={"variant": "inline_sum"},
+         run=_RUN_INLINE_SUM_LOCAL.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", ctx="torch.set_grad_enabled(False)\n",
+                                          grad=False, leaves="[]"),
+         name="inline_sum_into_a_norm_class_of_this_file_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # the operand is a product, not a residual sum: no add to fuse, and the norm stays the rms_norm pattern's
+        _INLINE_SUM_LOCAL.replace("self.output_layernorm(output2 + residual)", "self.output_layernorm(output2 * residual)"),
+        name="inline_product_into_a_norm_class_of_this_file",
     ),
 ]
