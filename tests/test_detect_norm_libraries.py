@@ -222,3 +222,22 @@ class Layer(nn.Module):
     data = scan(root, patterns=[R.RmsNorm()])
     cands = [(c["file"], c["line"], c["variant"]) for c in data["candidates"] if c["pattern"] == "rms_norm"]
     assert cands == [("megatron/model/transformer.py", 8, "library_rmsnorm")]
+
+
+def test_tgi_in_place_residual_candidate_states_the_in_place_difference() -> None:
+    from npufuse.patterns.add_rms_norm import _TGI_NORM, AddRmsNorm
+
+    findings, _ = detect_all(AddRmsNorm(), _TGI_NORM)
+    (f,) = findings
+    assert f.variant == "optional_residual" and not f.params["residual_aliases"]
+    assert any("in place (`hidden_states += residual`)" in r.detail for r in f.risks)
+    # inference: the sum comes back as the residual; the caller's tensor is left as it was
+    text = splice(_TGI_NORM, findings)
+    x, r = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    ref_x = x.clone()
+    ref_out, ref_res = _exec(_TGI_NORM, "o")["FastRMSNorm"](torch.ones(16), 1e-5)(x.clone(), r)
+    with torch.no_grad(), emulate.install() as emu:
+        out, res = _exec(text, "n")["FastRMSNorm"](torch.ones(16), 1e-5)(x, r)
+        assert emu.calls.get("npu_add_rms_norm") == 1
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(res, ref_res)
+    assert torch.equal(x, ref_x)
