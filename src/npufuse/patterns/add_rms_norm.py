@@ -1982,13 +1982,6 @@ AddRmsNorm.KEEP += [
         reason="fuses the residual add only into a plain x * rstd * weight norm",
         name="optional_residual_modulated_norm",
     ),
-    Keep(
-        # ``x += residual`` writes into the caller's tensor: not the rebinding npufuse rewrites, and
-        # the norm alone is the rms_norm pattern's
-        _OPTIONAL_RESIDUAL.replace("            x = x + residual\n", "            x += residual\n"),
-        reason="",
-        name="optional_residual_added_in_place",
-    ),
 ]
 
 
@@ -2334,5 +2327,15 @@ AddRmsNorm.KEEP += [
         _TGI_NORM.replace("return self.weight * hidden_states, residual", "return (1 + self.weight) * hidden_states, residual"),
         reason="npufuse fuses the residual add only into a plain x * rstd * weight norm",
         name="tgi_in_place_optional_residual_into_a_one_plus_weight_norm",
+    ),
+]
+
+AddRmsNorm.FUSE += [
+    Fuse(
+        # was a Keep (``x += residual`` writes into the caller's tensor): since s25 the in-place form is a
+        # candidate whose risk states that difference (TGI/lorax; see _in_place_optional_residual)
+        _OPTIONAL_RESIDUAL.replace("            x = x + residual\n", "            x += residual\n"),
+        expect={"variant": "optional_residual", "x1": "x", "x2": "residual", "residual_aliases": ["residual"]},
+        name="optional_residual_added_in_place",
     ),
 ]
