@@ -189,6 +189,10 @@ def _square_operand(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> ast.expr 
     c = _call_of(module, node, "torch.square", "square")
     if c is not None:
         return c[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        from npufuse.scan import canonical  # builtin pow(y, 2), torch's pow/square imported by name
+
+        return canonical.name_square_operand(module, node)
     return None
 
 
