@@ -241,3 +241,18 @@ def test_tgi_in_place_residual_candidate_states_the_in_place_difference() -> Non
         assert emu.calls.get("npu_add_rms_norm") == 1
     assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(res, ref_res)
     assert torch.equal(x, ref_x)
+
+
+def test_a_re_export_chosen_at_run_time_is_not_taken_for_the_library(tmp_path: Path) -> None:
+    # Megatron-DeepSpeed: apex's class on CUDA, the repo's own hand-written RMSNorm elsewhere (on NPU)
+    root = tmp_path / "repo"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text(
+        "import torch\nif torch.cuda.is_available():\n    from apex.normalization import MixedFusedRMSNorm as RMSNorm\n"
+        "else:\n    from .rmsnorm import RMSNorm\n", encoding="utf-8")
+    (root / "pkg" / "rmsnorm.py").write_text("from torch import nn\n\n\nclass RMSNorm(nn.Module):\n    pass\n", encoding="utf-8")
+    (root / "pkg" / "layer.py").write_text(
+        "from torch import nn\nfrom pkg import RMSNorm\n\n\nclass Layer(nn.Module):\n    def __init__(self, d):\n"
+        "        super().__init__()\n        self.norm = RMSNorm(d, 1e-5)\n", encoding="utf-8")
+    data = scan(root, patterns=[R.RmsNorm()])
+    assert not [c for c in data["candidates"] if c.get("variant") == "library_rmsnorm"]

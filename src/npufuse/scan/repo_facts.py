@@ -1326,11 +1326,24 @@ def external_origin(module: Any, name: str) -> Optional[str]:
         if found is None:
             return f"{mod}.{attr}"
         rel, tree = found
-        if _top_def(tree, attr) is not None:
-            return None
+        if _top_def(tree, attr) is not None or _bindings(tree, attr) > 1:
+            return None  # defined here, or chosen at run time (Megatron-DeepSpeed: apex's on CUDA, its own elsewhere)
         again = _imported(tree, rel, attr)
         if again is None:
             return None
         mod, attr = again
         from_rel = rel
     return None
+
+
+def _bindings(tree: ast.Module, name: str) -> int:
+    """How many statements of the file bind ``name`` (imports, definitions, assignments)."""
+    n = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            n += sum(1 for a in node.names if (a.asname or a.name.split(".")[0]) == name)
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            n += 1
+        elif isinstance(node, ast.Assign):
+            n += sum(1 for t in node.targets if isinstance(t, ast.Name) and t.id == name)
+    return n
