@@ -76,6 +76,7 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         ctor_idx = S.stmt_index(scope)
         out.extend(construction_sites(module, scope, ctor_idx))
         out.extend(hf_construction_sites(module, scope, ctor_idx))
+        out.extend(library_construction_sites(module, scope, ctor_idx))  # apex / xformers modules
     if scope.qualname == "<module>":
         out.sort(key=lambda r: r.line)
         yield from out
@@ -1000,5 +1001,130 @@ def _eps_added_finding(module: ModuleInfo, scope: Scope, T: str, init: dict, stm
             risks=[*_RISKS, _EPS_ADDED_RISK],
             notes=[f"{spelling} with s = 1/sqrt(d) is x / (rms(x) + eps): replaced by npu_rms_norm with the gain folded into gamma",
                    "eps: added to the rms in the original, inside the root in the fused op (see the risk)"],
+            training_ok=True,
+        )
+
+
+# --- norms (s25): RMSNorm modules of other libraries, swapped where they are built --------------
+#
+# ``from apex.normalization import MixedFusedRMSNorm as RMSNorm`` (Megatron forks, Lumina),
+# ``from xformers.ops import RMSNorm`` (BitNet), directly or through a package of the repository
+# that re-exports them (:func:`repo_facts.external_origin`). Their forward is nn.RMSNorm's math
+# (mean of squares over the trailing ``normalized_shape`` dims, eps inside the root, weight or none),
+# but on an NPU tensor apex runs its unfused Python reference (its fused path needs ``is_cuda``)
+# and xformers' triton kernel does not run at all. As for nn.RMSNorm, the instance is swapped where
+# it is built (weight, eps and state_dict keys stay the library's) and its forward runs npu_rms_norm
+# on NPU input. The swap also checks at run time that the instance's class comes from that library
+# (a ``try: from apex ... except ImportError: RMSNorm = MyRMSNorm`` fallback keeps its own forward).
+# TransformerEngine's RMSNorm is not swapped: a near miss says why.
+
+LIBRARY_RMS_CLASSES = {
+    "apex.normalization.FusedRMSNorm": "apex",
+    "apex.normalization.MixedFusedRMSNorm": "apex",
+    "apex.normalization.fused_layer_norm.FusedRMSNorm": "apex",
+    "apex.normalization.fused_layer_norm.MixedFusedRMSNorm": "apex",
+    "xformers.ops.RMSNorm": "xformers",
+    "xformers.ops.rmsnorm.RMSNorm": "xformers",
+}
+TE_RMS_CLASSES = ("transformer_engine.pytorch.RMSNorm", "transformer_engine.pytorch.module.rmsnorm.RMSNorm",
+                  "transformer_engine.pytorch.module.RMSNorm")
+_TE_REASON = ("TransformerEngine's RMSNorm (a CUDA library module; with zero_centered_gamma=True it scales by 1 + weight): "
+              "not swapped: TransformerEngine runs on Ascend only as Ascend's own TransformerEngineNPU port; build nn.RMSNorm "
+              "here (weight + 1 for zero_centered_gamma) to get npu_rms_norm")
+
+_LIB_SWAP = "_npufuse_library_rms_norm_swap"
+_LIB_WHY = {"apex": "apex runs its Python reference, about 8 kernels, on non-CUDA input",
+            "xformers": "xformers' triton kernel runs on CUDA only"}
+
+_LIB_RISKS = [
+    Risk("numerics", "the library's kernel is replaced by npu_rms_norm: statistics in fp32, weight applied in fp32 and "
+                     "rounded once to the input's dtype (the library's CUDA kernels also return the input's dtype); "
+                     "an fp32 weight with fp16/bf16 input is passed as is (A2/A3)"),
+]
+
+
+def _lib_swap_helper(T: str) -> str:
+    """The local function swapping one library RMSNorm instance's forward (``origin``: the library's
+    top-level package, checked against the instance's class at run time)."""
+    return "\n".join([
+        f"def {_LIB_SWAP}(norm, origin):",
+        "    # the library RMSNorm's forward through torch_npu.npu_rms_norm for NPU input; weight, eps and",
+        "    # the state_dict keys stay those of the instance",
+        "    cls = type(norm)",
+        "    if cls.__module__.split('.')[0] != origin:",
+        "        return norm  # another class bound to the name (an import fallback): left as it is",
+        "    def forward(self, x):",
+        "        if _npufuse_on_npu(x) and type(self) is cls and 2 <= x.dim() <= 8:",
+        "            w = getattr(self, 'weight', None)",
+        f"            gamma = w if w is not None else {T}.ones(getattr(self, 'normalized_shape', x.shape[-1:]), dtype=x.dtype, device=x.device)",
+        "            # npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input",
+        f"            if gamma.dtype not in (x.dtype, {T}.float32):",
+        "                gamma = gamma.to(x.dtype)",
+        "            return torch_npu.npu_rms_norm(x, gamma, epsilon=self.eps)[0]",
+        "        return cls.forward(self, x)",
+        "",
+        "    norm.forward = forward.__get__(norm)",
+        "    return norm",
+        "",
+    ])
+
+
+def library_class(module: ModuleInfo, func: ast.expr) -> str | None:
+    """The canonical name of the library RMSNorm class (or TransformerEngine's) a constructor
+    call's callee stands for, in this file or through a re-export of the repository."""
+    name = canonical.api(module, func)
+    if not name or "." not in name:
+        return None
+    if name in LIBRARY_RMS_CLASSES or name in TE_RMS_CLASSES:
+        return name
+    if not name.rsplit(".", 1)[-1].lower().endswith("norm") or name.startswith("torch."):
+        return None  # only norm-named classes are followed into other files
+    from npufuse.scan import repo_facts
+
+    origin = repo_facts.external_origin(module, name)
+    if origin in LIBRARY_RMS_CLASSES or origin in TE_RMS_CLASSES:
+        return origin
+    return None
+
+
+def library_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """One finding per statement constructing apex / xformers RMSNorm modules (each wrapped in the
+    swap); a near miss for TransformerEngine's."""
+    T = S.torch_name(module) or "torch"
+    lines = S.module_lines(module)
+    for stmt in idx.stmts:
+        if not S.simple_stmt(stmt):
+            continue
+        text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
+        if "Norm" not in text or _in_fused_branch(idx, stmt):
+            continue
+        ctors = [(n, c) for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))
+                 and "norm" in ast.unparse(n.func).lower() for c in [library_class(module, n.func)] if c is not None]
+        if not ctors:
+            continue
+        if any(c in TE_RMS_CLASSES for _, c in ctors):
+            yield _miss(scope, stmt, _TE_REASON)
+            continue
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        body = S.splice(module, stmt, [(n, f"{_LIB_SWAP}({S.source_of(module, n)}, {LIBRARY_RMS_CLASSES[c]!r})") for n, c in ctors])
+        classes = list(dict.fromkeys(c for _, c in ctors))
+        params: dict = {"source": "library", "module": ", ".join(classes), "constructions": len(ctors),
+                        "eps": "the module's eps", "weight": "the module's weight (None: ones of normalized_shape)",
+                        "unfused_ops": ["cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"], "upcast": "float32"}
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+        if target is not None and dotted(target):
+            params["target"] = dotted(target)
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params=params, fused=_lib_swap_helper(T) + body,
+            # nothing is a tensor yet where a module is built (see construction_sites)
+            guard_tensor=f"{T}.Tensor", confidence="medium", variant="library_rmsnorm",
+            risks=[*_RISKS, *_SWAP_RISKS, *_LIB_RISKS],
+            notes=[f"unfused: {', '.join(classes)} ({'; '.join(dict.fromkeys(_LIB_WHY[LIBRARY_RMS_CLASSES[c]] for c in classes))}); fused: 1",
+                   "the module is swapped where it is built: every call of it runs npu_rms_norm on NPU input "
+                   "(weight and eps read from the instance; no weight: ones of normalized_shape)"],
             training_ok=True,
         )

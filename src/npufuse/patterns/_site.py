@@ -669,6 +669,8 @@ def _read_later(scope: Scope, idx: StmtIndex, root: ast.stmt, end_line: int, nam
             nodes = list(fast_walk(s))
         if not any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > end_line for n in nodes):
             continue
+        if _exclusive_outside_loops(idx, s, root):
+            continue  # another branch of an if that no loop repeats: it never runs after the span
         if header is None and _exclusive(idx, s, root):
             d = definition(Ctx(scope, s.lineno), name)
             if d is not None and d[0] is not s and idx.block.get(id(d[0]), (None,))[0] is idx.block.get(id(s), (0,))[0] \
@@ -732,7 +734,7 @@ def already_fused(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> str | Non
             in_else = any(s is child for s in anc.orelse) or _contains(anc.orelse, stmt)
             # "npu" as a word of the test (torch_npu, is_npu_available, device.type == "npu"), not
             # as letters inside another word: `if adaln_input is not None:` is no NPU branch
-            if in_else and _NPU_WORD.search(test):
+            if (in_else or _negated_npu_test(anc, child)) and _NPU_WORD.search(test):
                 if "_npufuse_" in test:
                     return "already rewritten by npufuse"
                 return "already has a torch_npu branch"
@@ -918,3 +920,24 @@ def resolve_callee(module: ModuleInfo, call: ast.Call, ctx: Ctx) -> tuple[ast.Fu
         if isinstance(fn, ast.FunctionDef):
             return fn, False
     return None
+
+
+# --- norms (s25): a read in another branch of a non-repeated if never sees the span's value -----
+#
+# TGI / lorax ``FastRMSNorm.forward``: ``if SYSTEM == "xpu": ... elif x.shape[-1] > 8192: <the norm>
+# elif SYSTEM == "cuda": kernel(x, ...)``. The cuda branch reads ``x``, but only on a call where the
+# norm's branch did not run: the value the span leaves can reach it only through a loop around the
+# if (the next iteration), so without an enclosing loop such a read is not a reuse.
+
+def _exclusive_outside_loops(idx: StmtIndex, s: ast.stmt, root: ast.stmt) -> bool:
+    """``s`` and ``root`` sit in different branches of one ``if`` and no loop of the scope holds ``root``."""
+    if any(isinstance(a, (ast.For, ast.AsyncFor, ast.While)) for a in ancestors(idx, root)):
+        return False
+    return _exclusive(idx, s, root)
+
+
+
+def _negated_npu_test(anc: ast.If, child: ast.stmt) -> bool:
+    """``if not is_torch_npu_available(): <site>`` (the site in the body of a negated NPU test: the
+    same fallback as an ``else``; the caller checks that the test names NPU)."""
+    return isinstance(anc.test, ast.UnaryOp) and isinstance(anc.test.op, ast.Not) and any(s is child for s in anc.body)

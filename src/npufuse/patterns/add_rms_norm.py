@@ -275,7 +275,7 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
             return None
         defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
         hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
-        bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (call.args[0], ctx)}
+        bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (_norm_input(call.args[0]), ctx)}
         for p in params[2:]:
             if p not in defaults:
                 return None
@@ -712,6 +712,8 @@ class _OptionalResidual:
     x2: str
     aliases: list[ast.stmt]  # ``residual = x`` after the sum, inside the ``if``
     names: set[str]  # names holding the sum after the ``if``
+    after: list[ast.stmt] = field(default_factory=list)  # ``residual = x`` right after the ``if`` (TGI)
+    in_place: bool = False  # ``x += r``: the original adds into the caller's tensor
 
 
 def _optional_residual(stmt: ast.stmt) -> _OptionalResidual | None:
@@ -726,8 +728,8 @@ def _optional_residual(stmt: ast.stmt) -> _OptionalResidual | None:
     r = t.left.id
     add = stmt.body[0]
     if isinstance(add, ast.AugAssign) and isinstance(add.op, ast.Add) and isinstance(add.target, ast.Name) and isinstance(add.value, ast.Name):
-        # ``x += r`` adds into the caller's tensor: not the rebinding npufuse rewrites
-        return None
+        # ``x += r`` adds into the caller's tensor (TGI): see _in_place_optional_residual
+        return _in_place_optional_residual(stmt, r, add)
     if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name)
             and isinstance(add.value, ast.BinOp) and isinstance(add.value.op, ast.Add)
             and isinstance(add.value.left, ast.Name) and isinstance(add.value.right, ast.Name)):
@@ -751,7 +753,7 @@ def _optional_residual_results(module: ModuleInfo, scope: Scope) -> Iterable[Res
     results = R.scope_results(module, scope)
     for stmt, o in ifs:
         block, i = idx.block[id(stmt)]
-        nxt = block[i + 1] if i + 1 < len(block) else None
+        nxt = _after_aliases(o, block, i)
         for sr in results:
             if sr.finding is None or sr.match is None or nxt is None or sr.finding.line != nxt.lineno:
                 continue
@@ -783,7 +785,7 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     except (R.Miss, R.NoMatch) as e:
         return f"the norm of the sum cannot be fused: {getattr(e, 'reason', '')}".rstrip(": ")
     extra = p.condition if p.condition != p.params.get("weight_check") else None  # the 1-D weight check is taken along
-    if extra is not None or p.variant not in ("fp32_output", "weight_then_cast", "cast_then_weight", "no_upcast", "no_weight"):
+    if extra is not None or p.variant not in ("fp32_output", "weight_then_cast", "cast_then_weight", "no_upcast", "no_weight", "t5"):
         return (f"the norm of the sum is the `{p.variant}` form{' with a run-time condition' if extra else ''}: "
                 "npufuse fuses the residual add only into a plain x * rstd * weight norm")
     x = o.sum_name
@@ -803,7 +805,9 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     y = "_npu_normed"
     after: list[ast.stmt] = []
     end_line = f.end_line
-    if p.out_dtype != f"{p.x}.dtype":
+    # t5 (``if w is half: x = x.to(w.dtype)``, then ``w * x``): with the weight in x1's dtype (a
+    # condition above) the result has x1's dtype, fp32 and half alike
+    if p.out_dtype != f"{p.x}.dtype" and p.variant != "t5":
         # npu_add_rms_norm returns x1's dtype: fused only where the result ends in that dtype, either
         # as the norm's own output or through the cast statement right after it
         # (lmdeploy: ``x = weight.float() * x`` then ``x = x.to(input_dtype)``)
@@ -814,10 +818,10 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
             end_line = cast[0].end_lineno or cast[0].lineno
         conditions.append(f"{final} == {o.x1}.dtype")
     infer = [f"_npu_normed, _npu_rstd, {x} = torch_npu.npu_add_rms_norm({o.x1}, {o.x2}, {gamma}, epsilon={eps})"]
-    infer += [S.stmt_source(module, a) for a in o.aliases]
+    infer += [S.stmt_source(module, a) for a in o.aliases + o.after]
     infer += [S.stmt_source(module, k) for k in plan.kept]
     infer.append(S.splice(module, sr.stmt, [(m.node, y)]))
-    other = [S.stmt_source(module, o.test), f.fused] + [S.stmt_source(module, a) for a in after]
+    other = [S.stmt_source(module, o.test), *(S.stmt_source(module, a) for a in o.after), f.fused] + [S.stmt_source(module, a) for a in after]
     body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(infer)), "else:",
             "    # training, no residual or mixed dtypes: the add as written, then the fused norm",
             S.indent("\n".join(other))]
@@ -838,7 +842,8 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         risks=[Risk("inference_only", "npu_add_rms_norm has no backward: used only with autograd off; otherwise the add "
                                       "as written and npu_rms_norm"),
                Risk("numerics", "npu_add_rms_norm may normalize the fp32 sum where the original normalizes the sum "
-                                "rounded to the input dtype (spec §2.2): <=1-ulp differences")],
+                                "rounded to the input dtype (spec §2.2): <=1-ulp differences"),
+               *_in_place_risks(o)],
         notes=["the residual is optional (`if ... is not None`): without one the rms_norm fused code runs"],
         training_ok=True,
     )
@@ -1977,13 +1982,6 @@ AddRmsNorm.KEEP += [
         reason="fuses the residual add only into a plain x * rstd * weight norm",
         name="optional_residual_modulated_norm",
     ),
-    Keep(
-        # ``x += residual`` writes into the caller's tensor: not the rebinding npufuse rewrites, and
-        # the norm alone is the rms_norm pattern's
-        _OPTIONAL_RESIDUAL.replace("            x = x + residual\n", "            x += residual\n"),
-        reason="",
-        name="optional_residual_added_in_place",
-    ),
 ]
 
 
@@ -2176,5 +2174,168 @@ AddRmsNorm.KEEP += [
                                        "self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=eps)"),
         reason="norm is not RMSNorm (nn.LayerNorm",
         name="norm_chosen_by_init_branches_all_layernorm",
+    ),
+]
+
+
+# --- norms (s25): the sum passed inline to a norm class of this file --------------------------
+# Yuan's ``lf_output = self.output_layernorm(output2 + residual)``: the norm's forward is read with
+# its input bound to the sum. An expression there made the norm matcher refuse ("computed inline");
+# the fused code names the sum itself (``_npu_sum``, :func:`_build`), so the forward is read with the
+# input bound to that name.
+
+def _norm_input(arg: ast.expr) -> ast.expr:
+    """What the norm's forward is read with as its input: the argument, or for an inline sum the
+    name the fused code binds it to."""
+    if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add):
+        return ast.copy_location(ast.Name(id="_npu_sum", ctx=ast.Load()), arg)
+    return arg
+
+
+_INLINE_SUM_LOCAL = '''
+import torch
+from torch import nn
+''' + _NORM + '''
+
+class LocalizedFiltering(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.conv = nn.Linear(hidden_size, hidden_size)
+        self.output_layernorm = LlamaRMSNorm(hidden_size, eps=eps)
+
+    def forward(self, inputs):
+        residual = inputs
+        output2 = self.conv(inputs)
+        lf_output = self.output_layernorm(output2 + residual)
+        return lf_output
+'''
+
+_RUN_INLINE_SUM_LOCAL = '''
+blk = LocalizedFiltering(32, eps=1e-5){cast}
+with torch.no_grad():
+    blk.output_layernorm.weight.normal_()
+{ctx}x = torch.randn(2, 5, 32{dtype}, requires_grad={grad})
+out = blk(x)
+leaves = {leaves}
+torch.set_grad_enabled(True)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_INLINE_SUM_LOCAL, expect={"variant": "inline_sum", "line": 28, "end_line": 28, "norm_class": "LlamaRMSNorm"},
+         run=_RUN_INLINE_SUM_LOCAL.format(cast="", dtype="", ctx="", grad=True, leaves="[x, blk.output_layernorm.weight]"),
+         name="inline_sum_into_a_norm_class_of_this_file_training"),
+    Fuse(_INLINE_SUM_LOCAL, expect={"variant": "inline_sum"},
+         run=_RUN_INLINE_SUM_LOCAL.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", ctx="torch.set_grad_enabled(False)\n",
+                                          grad=False, leaves="[]"),
+         name="inline_sum_into_a_norm_class_of_this_file_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # the operand is a product, not a residual sum: no add to fuse, and the norm stays the rms_norm pattern's
+        _INLINE_SUM_LOCAL.replace("self.output_layernorm(output2 + residual)", "self.output_layernorm(output2 * residual)"),
+        name="inline_product_into_a_norm_class_of_this_file",
+    ),
+]
+
+
+# --- norms (s25): TGI's in-place optional residual -------------------------------------------
+# ``if residual is not None: hidden_states += residual`` then ``residual = hidden_states`` after the
+# ``if`` and the norm of ``hidden_states``, returning ``(normed, residual)`` (TGI / lorax FastRMSNorm,
+# their LlamaRMSNorm). The fused branch binds the sum npu_add_rms_norm returns to the same local name
+# (the caller gets it back as the returned residual); the caller's own tensor then no longer holds
+# the sum: a stated risk.
+
+
+def _in_place_optional_residual(stmt: ast.If, r: str, add: ast.AugAssign) -> _OptionalResidual | None:
+    """``if r is not None: x += r`` (then only aliases of x inside the ``if``)."""
+    x = add.target.id  # type: ignore[union-attr]
+    if add.value.id != r or x == r:  # type: ignore[union-attr]
+        return None
+    aliases = stmt.body[1:]
+    if not all(_is_alias(al, x) for al in aliases):
+        return None
+    names = {x} | {al.targets[0].id for al in aliases}  # type: ignore[attr-defined]
+    return _OptionalResidual(stmt, x, x, r, list(aliases), names, in_place=True)
+
+
+def _after_aliases(o: _OptionalResidual, block: list[ast.stmt], i: int) -> ast.stmt | None:
+    """The statement after the ``if`` and the aliases of the sum right after it (recorded in ``o.after``)."""
+    j = i + 1
+    o.after = []
+    while j < len(block) and any(_is_alias(block[j], n) for n in o.names):
+        o.after.append(block[j])
+        o.names |= {block[j].targets[0].id}  # type: ignore[attr-defined]
+        j += 1
+    return block[j] if j < len(block) else None
+
+
+def _in_place_risks(o: _OptionalResidual) -> list[Risk]:
+    if not o.in_place:
+        return []
+    return [Risk("other", f"the original adds the residual into the caller's tensor in place (`{o.x1} += {o.x2}`); the fused "
+                          f"branch binds the sum npu_add_rms_norm returns to `{o.x1}` instead (returned to the caller as the "
+                          "residual): a caller reading its own input tensor after the call would see it without the residual")]
+
+
+_TGI_NORM = '''
+import torch
+from torch import nn
+
+
+class FastRMSNorm(nn.Module):
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, residual=None):
+        if residual is not None:
+            hidden_states += residual
+        residual = hidden_states
+
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+        # convert into half-precision if necessary
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+
+        return self.weight * hidden_states, residual
+'''
+
+_RUN_TGI = '''
+norm = FastRMSNorm(torch.randn(32{dtype}), 1e-5)
+{ctx}x = torch.randn(2, 5, 32{dtype})
+r = torch.randn(2, 5, 32{dtype})
+out = norm(x, r)
+torch.set_grad_enabled(True)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_TGI_NORM, expect={"variant": "optional_residual", "x1": "hidden_states", "x2": "residual", "line": 13, "end_line": 25},
+         run=_RUN_TGI.format(dtype=", dtype=torch.bfloat16", ctx="torch.set_grad_enabled(False)\n"),
+         name="tgi_in_place_optional_residual_inference_bf16"),
+    Fuse(_TGI_NORM, expect={"variant": "optional_residual"},
+         run=_RUN_TGI.format(dtype="", ctx=""), name="tgi_in_place_optional_residual_fp32_with_grad"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(
+        # Gemma's (1 + w) after the in-place add: only the plain x * rstd * weight norm takes the add
+        _TGI_NORM.replace("return self.weight * hidden_states, residual", "return (1 + self.weight) * hidden_states, residual"),
+        reason="npufuse fuses the residual add only into a plain x * rstd * weight norm",
+        name="tgi_in_place_optional_residual_into_a_one_plus_weight_norm",
+    ),
+]
+
+AddRmsNorm.FUSE += [
+    Fuse(
+        # was a Keep (``x += residual`` writes into the caller's tensor): since s25 the in-place form is a
+        # candidate whose risk states that difference (TGI/lorax; see _in_place_optional_residual)
+        _OPTIONAL_RESIDUAL.replace("            x = x + residual\n", "            x += residual\n"),
+        expect={"variant": "optional_residual", "x1": "x", "x2": "residual", "residual_aliases": ["residual"]},
+        name="optional_residual_added_in_place",
     ),
 ]

@@ -189,6 +189,10 @@ def _square_operand(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> ast.expr 
     c = _call_of(module, node, "torch.square", "square")
     if c is not None:
         return c[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        from npufuse.scan import canonical  # builtin pow(y, 2), torch's pow/square imported by name
+
+        return canonical.name_square_operand(module, node)
     return None
 
 
@@ -1424,6 +1428,7 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
             if res.finding is not None:
                 consumed.update(m.trace.stmts.keys())
     _attribute_misses(module, scope, results)
+    _already_fused_statistics(module, scope, results)
     return results
 
 
@@ -3794,5 +3799,222 @@ RmsNorm.KEEP += [
         _SCRIPTED_RMS_REBINDS_INPUT.replace("    old_dtype = hidden.dtype\n", "    hidden = hidden.flip(-1)\n    old_dtype = hidden.dtype\n"),
         reason="is not a parameter left unchanged",
         name="torchscript_rmsnorm_rebinding_its_input_before_the_site",
+    ),
+]
+
+
+# --- norms (s25): the hand-written norm in one branch of a backend switch ----------------------
+# TGI / lorax / DeepSpeed style: ``if <backend a>: kernel(x) elif <cond>: <hand-written norm of x>
+# else: other_kernel(x)``. The other branches read x too, but never after the norm's branch ran.
+
+_BACKEND_BRANCHES = '''
+import torch
+from torch import nn
+
+USE_KERNEL = False
+
+
+def kernel_norm(x, w, eps):
+    return x
+
+
+class FastRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, residual=None):
+        if USE_KERNEL:
+            return kernel_norm(hidden_states, self.weight, self.variance_epsilon), residual
+        elif hidden_states.shape[-1] >= 8:
+            if residual is not None:
+                hidden_states = hidden_states + residual
+            residual = hidden_states
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            if self.weight.dtype in [torch.float16, torch.bfloat16]:
+                hidden_states = hidden_states.to(self.weight.dtype)
+            return self.weight * hidden_states, residual
+        else:
+            out = kernel_norm(hidden_states, self.weight, self.variance_epsilon)
+            return out * 2, hidden_states
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _BACKEND_BRANCHES,
+        expect={"qualname": "FastRMSNorm.forward", "eps": "self.variance_epsilon"},
+        run=("norm = FastRMSNorm(32).to(torch.bfloat16)\nwith torch.no_grad():\n    norm.weight.normal_()\n"
+             "x = torch.randn(3, 32, dtype=torch.bfloat16, requires_grad=True)\nout = norm(x)[0]\nleaves = [x]\n"),
+        name="norm_in_one_branch_of_a_backend_switch",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # in a loop the next iteration's other branch does read the value the norm's branch left
+        '''
+import torch
+from torch import nn
+
+
+def kernel_norm(x):
+    return x
+
+
+class LoopNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, h, steps):
+        for step in range(steps):
+            if step % 2 == 0:
+                h = h.to(torch.float32)
+                variance = h.pow(2).mean(-1, keepdim=True)
+                normed = h * torch.rsqrt(variance + self.eps)
+                h = normed * self.weight
+            else:
+                h = kernel_norm(h) + normed  # the previous step's intermediate
+        return h
+''',
+        reason="reused after the fused region",
+        name="norm_in_one_branch_of_an_if_inside_a_loop",
+    ),
+]
+
+
+# --- norms (s25): other libraries' RMSNorm modules (see _library_norm.library_construction_sites;
+# the emulated rewrite is checked with stand-ins of apex/xformers in tests/test_detect_norm_libraries.py)
+
+RmsNorm.FUSE += [
+    Fuse(
+        '''
+from torch import nn
+from xformers.ops import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.ffn_norm = RMSNorm(dim, eps=eps)
+''',
+        expect={"variant": "library_rmsnorm", "module": "xformers.ops.RMSNorm", "target": "self.ffn_norm"},
+        name="xformers_rmsnorm_construction",
+    ),
+    Fuse(
+        '''
+from torch import nn
+from apex.normalization import MixedFusedRMSNorm as RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = RMSNorm(dim, eps=1e-6)
+''',
+        expect={"variant": "library_rmsnorm", "module": "apex.normalization.MixedFusedRMSNorm"},
+        name="apex_mixed_fused_rmsnorm_construction",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        '''
+from torch import nn
+import transformer_engine.pytorch as te
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = te.RMSNorm(dim, eps=1e-5, zero_centered_gamma=True)
+''',
+        reason="TransformerEngine's RMSNorm",
+        name="transformer_engine_rmsnorm_construction",
+    ),
+]
+
+
+
+# --- norms (s25): a statistic in the fallback of an existing NPU branch, never matched whole --------
+# diffusers' RMSNorm: ``if is_torch_npu_available(): ... npu_rms_norm ... else: <hand-written norm
+# whose weight multiply sits in a nested if>``. The matcher never completes there, so the site said
+# nothing at all; it is already fused on NPU, and the near miss says so.
+
+def _already_fused_statistics(module: ModuleInfo, scope: Scope, results: list[SiteResult]) -> None:
+    """A near miss for each rsqrt statistic no result covers that sits in an NPU branch's fallback."""
+    covered = [(r.stmt.lineno, r.stmt.end_lineno or r.stmt.lineno) for r in results]
+    covered += [(x.line, x.end_line) for r in results for x in (r.finding, r.miss) if x is not None]
+    seen: set[int] = set()
+    for stmt, node in _rstd_sites(module, scope):
+        if id(stmt) in seen or any(a <= stmt.lineno <= b for a, b in covered):
+            continue
+        seen.add(id(stmt))
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            results.append(SiteResult(stmt, None, None, NearMiss("rms_norm", scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                                                                 f"{done} (this statistic is in its fallback)"), node))
+
+
+_NPU_BRANCH_NESTED_WEIGHT = '''
+import torch
+from torch import nn
+
+
+def is_torch_npu_available():
+    return False
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps, elementwise_affine=True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+
+    def forward(self, hidden_states):
+        if is_torch_npu_available():
+            import torch_npu
+
+            hidden_states = torch_npu.npu_rms_norm(hidden_states, self.weight, epsilon=self.eps)[0]
+        else:
+            input_dtype = hidden_states.dtype
+            variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
+            if self.weight is not None:
+                if self.weight.dtype in [torch.float16, torch.bfloat16]:
+                    hidden_states = hidden_states.to(self.weight.dtype)
+                hidden_states = hidden_states * self.weight
+            else:
+                hidden_states = hidden_states.to(input_dtype)
+        return hidden_states
+'''
+
+RmsNorm.KEEP += [
+    Keep(_NPU_BRANCH_NESTED_WEIGHT, reason="already has a torch_npu branch (this statistic is in its fallback)",
+         name="statistic_in_the_fallback_of_an_npu_branch"),
+    Keep(
+        '''
+import torch
+from torch import nn
+
+HAS_NPU = False
+
+
+class Norm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        if not HAS_NPU:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return torch_npu.npu_rms_norm(x, self.weight, epsilon=1e-6)[0]
+''',
+        reason="already has a torch_npu branch",
+        name="norm_in_the_body_of_a_negated_npu_test",
     ),
 ]

@@ -95,6 +95,8 @@ def square_operand(module: ModuleInfo, node: ast.AST) -> ast.expr | None:
             return f.value
         if f.attr == "pow" and len(node.args) == 1 and not node.keywords and _is_two(node.args[0]):
             return f.value
+    if isinstance(f, ast.Name):
+        return name_square_operand(module, node)
     return None
 
 
@@ -1154,3 +1156,24 @@ def filled_halves(fn: ast.FunctionDef, ret: ast.Return) -> ast.expr | None:
         ast.copy_location(n, ret)
         n.end_lineno, n.end_col_offset = ret.end_lineno, ret.end_col_offset  # type: ignore[attr-defined]
     return expr
+
+
+
+# --- norms (s25): squares written with a bare name -----------------------------------------------
+# pi-zero's ``pow(x_float, 2).mean(-1, keepdim=True)`` (Python's builtin pow calls Tensor.__pow__),
+# ``from torch import pow, square`` then ``pow(x, 2)`` / ``square(x)``.
+
+def name_square_operand(module: ModuleInfo, node: ast.Call) -> ast.expr | None:
+    """``x`` for ``pow(x, 2)`` (builtin, or torch's imported by name) and ``square(x)`` (torch's
+    imported by name); None for a ``pow`` the module defines itself or imports from elsewhere."""
+    f = node.func
+    if not isinstance(f, ast.Name) or node.keywords:
+        return None
+    name = api(module, f)
+    builtin = name == "pow" and f.id == "pow" and not any(
+        isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == "pow" for n in module.tree.body)
+    if (builtin or name == "torch.pow") and len(node.args) == 2 and _is_two(node.args[1]):
+        return node.args[0]
+    if name == "torch.square" and len(node.args) == 1:
+        return node.args[0]
+    return None

@@ -1292,3 +1292,58 @@ def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optiona
                 if depth + 1 < _CALL_DEPTH:
                     todo.append((sym.file, [fn], got, got_mods, fn, depth + 1, here))
     return None
+
+
+# --- norms (s25): where a name re-exported by the repository really comes from ------------------
+# Yuan's ``megatron/model/__init__.py`` holds ``from apex.normalization import MixedFusedRMSNorm as
+# RMSNorm`` and transformer.py builds ``RMSNorm(hidden, eps=1e-6)`` from ``from megatron.model import
+# RMSNorm``: the class is apex's, which the file itself never names.
+
+def external_origin(module: Any, name: str) -> Optional[str]:
+    """The dotted name outside the repository that ``name`` (a canonical ``pkg.mod.Attr`` as file
+    ``module`` imports it) stands for, following the repository's re-exports; the name itself when
+    its module is not a file of the repo; None when it is defined in the repo (or unreadable)."""
+    root = repo_root(module)
+    if root is None or "." not in name:
+        return None
+    _depends(root, module.path)  # found or not, the answer depends on other files
+    mod, attr = name.rsplit(".", 1)
+    from_rel = module.path
+    for _hop in range(4):
+        if not mod or any(p in ("", "..") for p in mod.split(".")):
+            return None
+        parts = mod.split(".")
+        bases = [PurePosixPath(".")] + list(PurePosixPath(from_rel).parents)
+        found: Optional[tuple[str, ast.Module]] = None
+        for base in dict.fromkeys(bases):
+            for cand in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
+                tree = _parse_repo_file(root, str(cand))
+                if tree is not None:
+                    found = (str(cand), tree)
+                    break
+            if found is not None:
+                break
+        if found is None:
+            return f"{mod}.{attr}"
+        rel, tree = found
+        if _top_def(tree, attr) is not None or _bindings(tree, attr) > 1:
+            return None  # defined here, or chosen at run time (Megatron-DeepSpeed: apex's on CUDA, its own elsewhere)
+        again = _imported(tree, rel, attr)
+        if again is None:
+            return None
+        mod, attr = again
+        from_rel = rel
+    return None
+
+
+def _bindings(tree: ast.Module, name: str) -> int:
+    """How many statements of the file bind ``name`` (imports, definitions, assignments)."""
+    n = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            n += sum(1 for a in node.names if (a.asname or a.name.split(".")[0]) == name)
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            n += 1
+        elif isinstance(node, ast.Assign):
+            n += sum(1 for t in node.targets if isinstance(t, ast.Name) and t.id == name)
+    return n
