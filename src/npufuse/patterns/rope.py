@@ -721,6 +721,9 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     """Verdict on a called rotation helper (followed into its definition and verified)."""
     fn, name = _helper_def(module, scope, node.func)
     if fn is None:
+        imported = _imported_rotation(module, node, name)
+        if imported is not None:
+            return imported
         if "rotate" in name.lower() or "rot" in name.lower():
             return _Rotation(None, f"rotation helper `{name}` is not defined in this module: it cannot be verified", name)
         return _Rotation(None)
@@ -1226,8 +1229,9 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
     """The rotation written out on two parts a, b of x with half-size c, s:
     ``cat([a*c - b*s, b*c + a*s], -1)`` ('cat': DeepSeek's even/odd lanes, gpt-oss's halves) or
     ``stack([...], -1).flatten(-2)`` ('stack': interleaved pairs). Returns (how, a, b, c, s)."""
-    if _method(node, "flatten") and _is_int(keyword(node, "start_dim", 0), -2) and keyword(node, "end_dim", 1) is None and isinstance(node.func.value, ast.Call):
-        how, pair = "stack", _pair_of(node.func.value, _STACK)
+    merged = canonical.merges_last_two(node)  # .flatten(-2) / .flatten(-2, -1) / torch.flatten(t, -2)
+    if isinstance(merged, ast.Call):
+        how, pair = "stack", _pair_of(merged, _STACK)
     elif isinstance(node, ast.Call):
         how, pair = "cat", _pair_of(node, _CAT)
     else:
@@ -1598,7 +1602,8 @@ class RopePattern(Pattern):
                 # (or fill a new tensor's halves / lanes: ``out = torch.empty_like(x); out[..., :h] = -x2``)
                 return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body
 
-            names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()}
+            names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()} \
+                | _relative_rotation_imports(module)
             for cls in module.classes.values():
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
             hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)")
@@ -1695,6 +1700,10 @@ class RopePattern(Pattern):
         else:
             return None
         m = self._build_real(module, scope, node, mode, base, c, s)
+        if isinstance(m, str) and mode == "interleave" and m.startswith(_BATCH_REASON):
+            # RoFormer's ``sin, cos = sinusoidal_pos``: tables whose layout is not visible here are
+            # checked at run time, as for the ``x*cos + rotate_every_two(x)*sin`` spelling
+            m = self._interleave_checked(module, scope, node, base, c, s, m)
         if isinstance(m, str):
             return m
         tag = _ident(segment(module, c))
@@ -1702,7 +1711,7 @@ class RopePattern(Pattern):
         full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
         widen = "torch.cat(({0}, {0}), dim=-1)" if mode == "half" else "{0}.repeat_interleave(2, dim=-1)"
         m.prep = [f"{full[0]} = {widen.format(_atom(cs[0]))}  # the written-out rotation takes half-size cos/sin; npu_rotary_mul the full head dim",
-                  f"{full[1]} = {widen.format(_atom(cs[1]))}"]
+                  f"{full[1]} = {widen.format(_atom(cs[1]))}"] + m.prep
         if x_text != segment(module, base):
             lanes = f"_npufuse_{_ident(segment(module, base))}_lanes"
             m.prep.append(f"{lanes} = {x_text}  # the original rotates the de-interleaved lanes (even | odd) and returns that order")
@@ -1976,6 +1985,9 @@ class RopePattern(Pattern):
                     if rot.kind is None:
                         best_reason = best_reason or rot.reason
                         continue
+                    scaled = _scaled_tables(module, cos, sin)
+                    if scaled is not None:
+                        return scaled
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
                     if isinstance(m, str) and rot.kind == "interleave" and m.startswith(_BATCH_REASON) \
                             and rot.half_if is None and rot.only_if is None and rot.mode_expr is None:
@@ -5179,5 +5191,166 @@ RopePattern.KEEP += [
         _STACK_AXIS_KEYWORD.replace("axis=-1", "axis=-2"),
         reason="does not compute the standard rotate_half",
         name="stack_on_axis_minus_two_is_not_the_interleave",
+    ),
+]
+
+
+# --- rope s25 (issue 14 harvest): rotation helpers imported from elsewhere -----------------------
+#
+# streaming-llm's ``from transformers.models.llama.modeling_llama import rotate_half`` and a repo's
+# ``from .layers import rotate_half``: the helper is not in the scanned file. A known library helper
+# is read from canonical.LIBRARY_ROTATIONS; one in another file of the repository is read there
+# (repo_facts.definition) and verified with the same rules as a local one.
+
+
+def _imported_rotation(module: ModuleInfo, node: ast.Call, name: str) -> _Rotation | None:
+    """The verdict on an imported rotation helper called as ``f(x)``, or None where it is not one
+    npufuse can read (then the caller's "cannot be verified" near miss stands)."""
+    kind = canonical.library_rotation(module, node.func)
+    if kind is not None:
+        return _Rotation(kind, "", f"{name} ({kind} rotation of the library)")
+    if not isinstance(node.func, ast.Name) or len(node.args) != 1 or node.keywords:
+        return None
+    from npufuse.scan import repo_facts
+
+    found = repo_facts.definition(module, node.func.id)
+    if found is None or found.rel == module.path or not isinstance(found.node, ast.FunctionDef):
+        return None
+    cache = _FOREIGN_MODULES
+    key = (str(repo_facts.repo_root(module)), found.rel)
+    other = cache.get(key)
+    if other is None or other.tree is not found.tree:
+        root = repo_facts.repo_root(module)
+        text = repo_facts._repo_text(root, found.rel) if root is not None else None  # the tree's own text (segments by position)
+        if text is None:
+            return None
+        try:
+            other = ModuleInfo.from_source(found.rel, text, found.tree)
+        except (Exception, RecursionError):
+            return None
+        if len(cache) > 64:
+            cache.clear()
+        cache[key] = other
+    call = ast.copy_location(ast.Call(func=ast.copy_location(ast.Name(id=found.node.name, ctx=ast.Load()), node.func),
+                                      args=node.args, keywords=[]), node)
+    rot = _rotation_helper(other, other.scopes[0], call)
+    # a verdict that names code of the other file (a flag read there, a choice made there) is not used here
+    if rot.kind is None or rot.mode_expr or rot.only_if or rot.half_if:
+        return None if rot.kind is not None or not rot.reason else _Rotation(None, f"{rot.reason} (in {found.rel})", name)
+    rot.name = f"{name} (from {found.rel})"
+    return rot
+
+
+_FOREIGN_MODULES: dict[tuple[str, str], ModuleInfo] = {}
+
+
+def _relative_rotation_imports(module: ModuleInfo) -> set[str]:
+    """Names a top-level ``from .layers import rotate_half`` binds that could be rotation helpers (the
+    module's alias table holds absolute imports only)."""
+    return {a.asname or a.name for node in module.tree.body if isinstance(node, ast.ImportFrom) and node.level
+            for a in node.names if "rot" in (a.asname or a.name).lower()}
+
+
+# --- rope s25: xPos-scaled tables --------------------------------------------------------------
+
+
+def _scaled_tables(module: ModuleInfo, cos: ast.expr, sin: ast.expr) -> str | None:
+    """Near-miss reason where one factor multiplies both tables (xPos: ``t*cos*scale + rotate_half(t)*
+    sin*scale``, with ``scale**-1`` for keys): r1/r2 are then no longer cos/sin values in [-1, 1], the
+    range torch_npu documents for npu_rotary_mul's r1/r2; else None."""
+    cf, sf = _flat_factors(cos), _flat_factors(sin)
+    if len(cf) < 2 or len(sf) < 2:
+        return None
+    shared = {ast.dump(f) for f in cf} & {ast.dump(f) for f in sf}
+    for f in cf:
+        if ast.dump(f) in shared and not isinstance(f, ast.Constant):
+            return (f"cos and sin are both multiplied by `{segment(module, f)}` (an xPos-style scale): r1/r2 are then not "
+                    "cos/sin values in [-1, 1], the range torch_npu documents for npu_rotary_mul, so it is left as is")
+    return None
+
+
+# --- rope s25 examples (issue 14 harvest): the pair merge spelled flatten(-2, -1) / torch.flatten,
+# imported rotation helpers (tests/test_detect_rope_harvest.py: they need a repository), xPos ------
+
+_ROFORMER_PAIRS = '''
+import torch
+import torch.nn as nn
+
+
+class SelfAttention(nn.Module):
+    def forward(self, q, sinusoidal_pos):
+        return self.apply_rotary(q, sinusoidal_pos)
+
+    @staticmethod
+    def apply_rotary(x, sinusoidal_pos):
+        sin, cos = sinusoidal_pos
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2, -1)
+'''
+
+# the sinusoidal table of RoFormer: [S, D] = sin half | cos half, chunked into half-size sin/cos
+_ROFORMER_RUN = '''
+s, d = 7, 16
+inv = 1.0 / (10000 ** (torch.arange(0, d, 2) / d))
+ang = torch.einsum("i , j -> i j", torch.arange(s).float(), inv)
+table = torch.cat((torch.sin(ang), torch.cos(ang)), dim=-1)[None, None, :, :]
+x = torch.randn(2, 3, s, d, requires_grad=True)
+out = SelfAttention()(x, table.chunk(2, dim=-1))
+leaves = [x]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _ROFORMER_PAIRS,
+        expect={"qualname": "SelfAttention.apply_rotary", "mode": "interleave", "line": 14, "end_line": 14},
+        run=_ROFORMER_RUN,
+        name="roformer_pairs_flatten_last_two_spelled_out",
+    ),
+    Fuse(
+        _ROFORMER_PAIRS.replace("torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2, -1)",
+                                "torch.flatten(torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1), -2)"),
+        expect={"qualname": "SelfAttention.apply_rotary", "mode": "interleave"},
+        run=_ROFORMER_RUN,
+        name="roformer_pairs_torch_flatten",
+    ),
+    Fuse(
+        _ROFORMER_PAIRS.replace(".flatten(-2, -1)", ".flatten(start_dim=-2, end_dim=-1)")
+                       .replace("x1, x2 = x[..., 0::2], x[..., 1::2]", "x1 = x[..., ::2]\n        x2 = x[..., 1::2]"),
+        expect={"qualname": "SelfAttention.apply_rotary", "mode": "interleave"},
+        run=_ROFORMER_RUN,
+        name="roformer_pairs_flatten_keywords",
+    ),
+]
+
+_XPOS = '''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(t, pos, scale=1.0):
+    return (t * pos.cos() * scale) + (rotate_half(t) * pos.sin() * scale)
+'''
+
+RopePattern.KEEP += [
+    Keep(
+        # three axes merged: the pair axis and the one before it (not a re-interleave of the pairs)
+        _ROFORMER_PAIRS.replace(".flatten(-2, -1)", ".flatten(-3, -1)"),
+        reason="",
+        name="stack_flattened_over_three_axes_is_not_the_interleave",
+    ),
+    Keep(
+        # per-batch positions visible here: cos [B, 1, S, D/2] (interleave mode takes 11SD/1S1D/S11D only)
+        _ROFORMER_PAIRS.replace("sin, cos = sinusoidal_pos", "sin, cos = sinusoidal_pos\n        sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)"),
+        reason="interleave mode with cos/sin that may depend on the batch",
+        name="roformer_pairs_with_per_batch_tables",
+    ),
+    Keep(
+        _XPOS,
+        reason="multiplied by `scale` (an xPos-style scale)",
+        name="xpos_scale_on_cos_and_sin",
     ),
 ]

@@ -1154,3 +1154,64 @@ def filled_halves(fn: ast.FunctionDef, ret: ast.Return) -> ast.expr | None:
         ast.copy_location(n, ret)
         n.end_lineno, n.end_col_offset = ret.end_lineno, ret.end_col_offset  # type: ignore[attr-defined]
     return expr
+
+
+# --- rope harvest (s25): merged pair axis, library rotation helpers ---
+
+
+def _neg_int(node: ast.AST | None) -> int | None:
+    """-k of a literal ``-k`` (an ``ast.UnaryOp``), else None."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+            and type(node.operand.value) is int:
+        return -node.operand.value
+    return None
+
+
+def merges_last_two(node: ast.AST | None) -> ast.expr | None:
+    """The tensor whose last two axes ``node`` merges into one, for the spellings authors use after
+    ``stack([...], dim=-1)``: ``t.flatten(-2)``, ``t.flatten(-2, -1)``, ``t.flatten(start_dim=-2,
+    end_dim=-1)``, ``torch.flatten(t, -2[, -1])``; None for anything else (a positive start dim
+    depends on the rank, which only the caller may know)."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or node.func.attr != "flatten":
+        return None
+    args = list(node.args)
+    is_fn = isinstance(node.func.value, ast.Name) and node.func.value.id in ("torch", "th")
+    if is_fn:
+        if not args:
+            return None
+        inner, args = args[0], args[1:]
+    else:
+        inner = node.func.value
+    if len(args) > 2:
+        return None
+    start = args[0] if args else _kw(node, "start_dim")
+    end = args[1] if len(args) > 1 else _kw(node, "end_dim")
+    if _neg_int(start) != -2 or (end is not None and _neg_int(end) != -1):
+        return None
+    if any(k.arg not in ("start_dim", "end_dim") for k in node.keywords):
+        return None
+    return inner
+
+
+# Rotation helpers of libraries, by their import path: what they compute is fixed by the library
+# (the function is not in the scanned repository, so its body cannot be read). ``half``:
+# ``cat((-x2, x1), -1)`` over the two halves of the last dim; ``interleave``: ``stack((-x[..., 1::2],
+# x[..., ::2]), -1).flatten(-2)``. Hugging Face transformers has carried these bodies unchanged
+# since the models were added; Cohere's ``rotate_half`` is the interleaved one despite its name.
+LIBRARY_ROTATIONS: dict[str, str] = {
+    **{f"transformers.models.{m}.modeling_{m}.rotate_half": "half" for m in (
+        "llama", "gpt_neox", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+        "gemma3", "phi", "phi3", "falcon", "starcoder2", "stablelm", "olmo", "olmo2", "persimmon", "esm",
+        "granite", "deepseek_v3", "idefics")},
+    "transformers.models.cohere.modeling_cohere.rotate_half": "interleave",
+    "transformers.models.gptj.modeling_gptj.rotate_every_two": "interleave",
+    "transformers.models.codegen.modeling_codegen.rotate_every_two": "interleave",
+}
+
+
+def library_rotation(module: ModuleInfo, func: ast.AST | None) -> str | None:
+    """``half`` / ``interleave`` for a call of a known library rotation helper (:data:`LIBRARY_ROTATIONS`)
+    through this module's imports (``from transformers.models.llama.modeling_llama import rotate_half``,
+    ``modeling_llama.rotate_half``), else None."""
+    name = module.canonical(func) if func is not None else None
+    return LIBRARY_ROTATIONS.get(name) if name else None
