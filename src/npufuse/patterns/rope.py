@@ -139,6 +139,9 @@ class _Rotation:
     only_if: str | None = None
     other: str = ""  # why the other path keeps the original code
     upcast: bool = False  # the helper rotates x.float(): its result is fp32 whatever x's dtype
+    # verified on its ``if x.dim() == 4:`` branch only (ModelCenter's rank-sliced rotate_every_two): fused
+    # where the rotated tensor is 4-D, the test written with the call's argument by _rotation_call
+    rank4_only: bool = False
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -535,6 +538,8 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         cache = module.__dict__.setdefault("_rotation_verdicts", {})
         if key not in cache:
             cache[key] = _rotation_helper(module, scope, node)
+        if cache[key].rank4_only:
+            return dataclasses.replace(cache[key], only_if=f"{_atom(segment(module, node.args[0]))}.dim() == 4")
         return dataclasses.replace(cache[key])
     if isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Starred) and same_expr(node.args[0], x) \
             and _plain_flag_args(node):
@@ -749,6 +754,8 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     # ``out = empty_like(x); out[..., :h] = -x2; out[..., h:] = x1; return out``: the cat it fills
     filled = canonical.filled_halves(fn, rets[0]) if isinstance(fn, ast.FunctionDef) else None
     rot = _rotation_expr(hscope, filled if filled is not None else rets[0].value, is_param, module)
+    if rot.kind is None and isinstance(fn, ast.FunctionDef) and filled is None:
+        rot = _rank4_branch_rotation(module, fn, pname) or rot
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
@@ -1990,12 +1997,14 @@ class RopePattern(Pattern):
                         return scaled
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
                     if isinstance(m, str) and rot.kind == "interleave" and m.startswith(_BATCH_REASON) \
-                            and rot.half_if is None and rot.only_if is None and rot.mode_expr is None:
+                            and rot.half_if is None and (rot.only_if is None or rot.rank4_only) and rot.mode_expr is None:
                         m = self._interleave_checked(module, scope, node, x, cos, sin, m)
                     if isinstance(m, _Match) and rot.upcast:
                         # eager: x*cos + R(x).float()*sin is at least fp32: the fused dtype is widened the same way
                         m.x_dtype, m.widen = None, "torch.float32"
-                    if isinstance(m, _Match) and rot.only_if is not None:
+                    if isinstance(m, _Match) and rot.only_if is not None and rot.rank4_only and m.only_if is not None:
+                        m.only_if, m.only_note = f"{rot.only_if} and ({m.only_if})", f"{rot.other}; {m.only_note}"
+                    elif isinstance(m, _Match) and rot.only_if is not None:
                         m.only_if, m.only_note = rot.only_if, rot.other
                     elif isinstance(m, _Match) and rot.mode_expr is not None:
                         m.mode_expr = rot.mode_expr
@@ -5352,5 +5361,115 @@ RopePattern.KEEP += [
         _XPOS,
         reason="multiplied by `scale` (an xPos-style scale)",
         name="xpos_scale_on_cos_and_sin",
+    ),
+]
+
+
+# --- rope s25: a rotation helper that slices by rank (``if x.dim() == 4: x1 = x[:, :, :, ::2] ... else: ...``) --
+
+
+def _rank4_test(test: ast.expr, pname: str) -> bool:
+    """``x.dim() == 4`` / ``x.ndim == 4`` / ``len(x.shape) == 4`` / ``x.dim() == 4`` on the helper's tensor."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) and _is_int(test.comparators[0], 4)):
+        return False
+    left = test.left
+    if _method(left, "dim") and not left.args:
+        left = left.func.value
+    elif isinstance(left, ast.Attribute) and left.attr == "ndim":
+        left = left.value
+    elif isinstance(left, ast.Call) and isinstance(left.func, ast.Name) and left.func.id == "len" and len(left.args) == 1 \
+            and isinstance(left.args[0], ast.Attribute) and left.args[0].attr == "shape":
+        left = left.args[0].value
+    else:
+        return False
+    return isinstance(left, ast.Name) and left.id == pname
+
+
+def _rank4_branch_rotation(module: ModuleInfo, fn: ast.FunctionDef, pname: str) -> _Rotation | None:
+    """ModelCenter's ``rotate_every_two``: ``if x.dim() == 4: x1 = x[:, :, :, ::2]; x2 = ... else: x1 = x[:, :, ::2] ...``
+    then one return. The ``x.dim() == 4`` branch is verified on its own (the helper rewritten with that branch's
+    statements in place of the ``if``); the verdict holds where x is 4-D, the other ranks keep the original code.
+    Only assignments in both branches, one leading-level ``if``; None otherwise."""
+    ifs = [st for st in fn.body if isinstance(st, ast.If)]
+    if len(ifs) != 1 or not ifs[0].orelse or not _rank4_test(ifs[0].test, pname):
+        return None
+    branch = ifs[0]
+    if not all(isinstance(st, ast.Assign) for st in branch.body + branch.orelse):
+        return None
+    body = [st2 for st in fn.body for st2 in (branch.body if st is branch else [st])]
+    special = ast.FunctionDef(name=fn.name, args=fn.args, body=body, decorator_list=[], returns=None, type_params=[])
+    try:
+        other = ModuleInfo.from_source(module.path, ast.unparse(ast.fix_missing_locations(ast.Module(body=[special], type_ignores=[]))))
+    except (Exception, RecursionError):
+        return None
+    hscope = next((sc for sc in other.scopes if sc.qualname == fn.name), None)
+    rets = [n for n in fast_walk(other.tree) if isinstance(n, ast.Return) and n.value is not None]
+    if hscope is None or len(rets) != 1:
+        return None
+
+    def is_param(n: ast.AST) -> bool:
+        return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
+
+    rot = _rotation_expr(hscope, rets[0].value, is_param, other)
+    if rot.kind is None or rot.mode_expr or rot.only_if or rot.half_if:
+        return None
+    rot.rank4_only = True
+    rot.other = f"a rotated tensor that is not 4-D keeps the original code (`{fn.name}` slices it by rank)"
+    return rot
+
+
+_RANK_SLICED = '''
+import torch
+import torch.nn as nn
+
+
+class RotaryEmbedding(nn.Module):
+    def rotate_every_two(self, x):
+        if x.dim() == 4:
+            x1 = x[:, :, :, ::2]
+            x2 = x[:, :, :, 1::2]
+        else:
+            x1 = x[:, :, ::2]
+            x2 = x[:, :, 1::2]
+        x = torch.stack((-x2, x1), axis=-1)
+        return x.flatten(-2)
+
+    def apply_rotary_pos_emb(self, x, sincos, offset=0):
+        sin, cos = map(lambda t: t[None, offset : x.shape[-2] + offset, :].repeat_interleave(2, 2), sincos)
+        return (x * cos) + (self.rotate_every_two(x) * sin)
+'''
+
+_RANK_SLICED_RUN = '''
+s, d = 6, 16
+inv = 1.0 / (10000 ** (torch.arange(0, d, 2) / d))
+ang = torch.einsum("i , j -> i j", torch.arange(s).float(), inv)
+x = torch.randn(2, 3, s, d, requires_grad=True)
+x3 = torch.randn(3, s, d)
+m = RotaryEmbedding()
+out = (m.apply_rotary_pos_emb(x, (torch.sin(ang), torch.cos(ang))), m.apply_rotary_pos_emb(x3, (torch.sin(ang), torch.cos(ang))))
+leaves = [x]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _RANK_SLICED,
+        expect={"qualname": "RotaryEmbedding.apply_rotary_pos_emb", "mode": "interleave"},
+        run=_RANK_SLICED_RUN,
+        name="rotate_every_two_sliced_by_rank",
+    ),
+    Fuse(
+        _RANK_SLICED.replace("if x.dim() == 4:", "if len(x.shape) == 4:"),
+        expect={"qualname": "RotaryEmbedding.apply_rotary_pos_emb", "mode": "interleave"},
+        run=_RANK_SLICED_RUN,
+        name="rotate_every_two_sliced_by_len_shape",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the 4-D branch slices the sequence axis, not the head dim: no rotation of the pairs
+        _RANK_SLICED.replace("x1 = x[:, :, :, ::2]\n            x2 = x[:, :, :, 1::2]", "x1 = x[:, :, ::2, :]\n            x2 = x[:, :, 1::2, :]"),
+        reason="does not compute the standard rotate_half",
+        name="rank_sliced_helper_on_the_wrong_axis",
     ),
 ]
