@@ -1992,9 +1992,6 @@ class RopePattern(Pattern):
                     if rot.kind is None:
                         best_reason = best_reason or rot.reason
                         continue
-                    scaled = _scaled_tables(module, cos, sin)
-                    if scaled is not None:
-                        return scaled
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
                     if isinstance(m, str) and rot.kind == "interleave" and m.startswith(_BATCH_REASON) \
                             and rot.half_if is None and (rot.only_if is None or rot.rank4_only) and rot.mode_expr is None:
@@ -5258,18 +5255,6 @@ def _relative_rotation_imports(module: ModuleInfo) -> set[str]:
     module's alias table holds absolute imports only)."""
     return {a.asname or a.name for node in module.tree.body if isinstance(node, ast.ImportFrom) and node.level
             for a in node.names if "rot" in (a.asname or a.name).lower()}
-
-
-# --- rope s25: xPos-scaled tables --------------------------------------------------------------
-
-
-def _scaled_tables(module: ModuleInfo, cos: ast.expr, sin: ast.expr) -> str | None:
-    """Near-miss reason where one factor multiplies both tables (xPos: ``t*cos*scale + rotate_half(t)*
-    sin*scale``, with ``scale**-1`` for keys): r1/r2 are then no longer cos/sin values in [-1, 1], the
-    range torch_npu documents for npu_rotary_mul's r1/r2; else None."""
-    cf, sf = _flat_factors(cos), _flat_factors(sin)
-    if len(cf) < 2 or len(sf) < 2:
-        return None
     shared = {ast.dump(f) for f in cf} & {ast.dump(f) for f in sf}
     for f in cf:
         if ast.dump(f) in shared and not isinstance(f, ast.Constant):
@@ -5279,7 +5264,7 @@ def _scaled_tables(module: ModuleInfo, cos: ast.expr, sin: ast.expr) -> str | No
 
 
 # --- rope s25 examples (issue 14 harvest): the pair merge spelled flatten(-2, -1) / torch.flatten,
-# imported rotation helpers (tests/test_detect_rope_harvest.py: they need a repository), xPos ------
+# imported rotation helpers (tests/test_detect_rope_harvest.py: they need a repository) -------------
 
 _ROFORMER_PAIRS = '''
 import torch
@@ -5331,18 +5316,6 @@ RopePattern.FUSE += [
     ),
 ]
 
-_XPOS = '''
-import torch
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(t, pos, scale=1.0):
-    return (t * pos.cos() * scale) + (rotate_half(t) * pos.sin() * scale)
-'''
 
 RopePattern.KEEP += [
     Keep(
@@ -5356,11 +5329,6 @@ RopePattern.KEEP += [
         _ROFORMER_PAIRS.replace("sin, cos = sinusoidal_pos", "sin, cos = sinusoidal_pos\n        sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)"),
         reason="interleave mode with cos/sin that may depend on the batch",
         name="roformer_pairs_with_per_batch_tables",
-    ),
-    Keep(
-        _XPOS,
-        reason="multiplied by `scale` (an xPos-style scale)",
-        name="xpos_scale_on_cos_and_sin",
     ),
 ]
 
