@@ -1500,10 +1500,26 @@ class RopePattern(Pattern):
         torch_imports = module.__dict__.get("_rope_torch_imports")
         if torch_imports is None:
             torch_imports = module.__dict__["_rope_torch_imports"] = {k: v for k, v in module.aliases.items() if v in _CAT | _STACK}
+        filled_done: set[int] = set()  # fill statements of an ``out = empty_like(x)`` site already matched
         for block, i, stmt in scope.statements():
-            if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
+            if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)) or id(stmt) in filled_done:
                 continue
             _TORCH_IMPORTS.set(torch_imports)
+            filled = _filled_site(block, i, stmt)
+            if filled is not None:
+                res = self._match(module, scope, filled.value)
+                if isinstance(res, _Match) and not same_expr(stmt.value.args[0], res.x):  # type: ignore[attr-defined]
+                    res = (f"the rotated halves are written into `{segment(module, stmt.value)}`, a new tensor shaped "  # type: ignore[attr-defined]
+                           f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
+                elif isinstance(res, _Match):
+                    # the fills cast into the new tensor's dtype (x's): the fused result is cast the same way
+                    res.post += f".to({_atom(segment(module, res.x))}.dtype)"
+                if isinstance(res, _Match):
+                    filled_done.update(id(st) for st in block[i + 1 : i + 3])
+                    runs.append((block, [(i, filled, [res])]))
+                    continue
+                if isinstance(res, str):
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + 2].end_lineno or stmt.lineno, res)
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
@@ -5439,5 +5455,86 @@ RopePattern.KEEP += [
         _RANK_SLICED.replace("x1 = x[:, :, :, ::2]\n            x2 = x[:, :, :, 1::2]", "x1 = x[:, :, ::2, :]\n            x2 = x[:, :, 1::2, :]"),
         reason="does not compute the standard rotate_half",
         name="rank_sliced_helper_on_the_wrong_axis",
+    ),
+]
+
+
+# --- rope s25: the written-out rotation filled into a new tensor (lerobot's pi0 ``apply_rope``) -------
+
+
+def _filled_site(block: list[ast.stmt], i: int, stmt: ast.stmt) -> ast.Assign | None:
+    """``res = torch.empty_like(x); res[..., :h] = x1*cos - x2*sin; res[..., h:] = x2*cos + x1*sin`` at
+    ``block[i]`` as one statement ``res = torch.cat((x1*cos - x2*sin, x2*cos + x1*sin), dim=-1)`` spanning
+    the three (canonical.filled_output): the fused call then replaces the three with ``res = <fused>``."""
+    if not (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
+            and stmt.value.func.attr in ("empty_like", "zeros_like") and i + 2 < len(block)):
+        return None
+    found = canonical.filled_output(block[i : i + 3])
+    if found is None:
+        return None
+    out, expr = found
+    last = block[i + 2]
+    target = ast.Name(id=out, ctx=ast.Store(), lineno=stmt.targets[0].lineno, col_offset=stmt.targets[0].col_offset,
+                      end_lineno=stmt.targets[0].end_lineno, end_col_offset=stmt.targets[0].end_col_offset)
+    return ast.Assign(targets=[target], value=expr, lineno=stmt.lineno, col_offset=stmt.col_offset,
+                      end_lineno=last.end_lineno, end_col_offset=last.end_col_offset)
+
+
+_FILLED_HALVES = '''
+import torch
+
+
+def apply_rope(x, positions, max_wavelength=10_000):
+    d_half = x.shape[-1] // 2
+    freq_exponents = (2.0 / x.shape[-1]) * torch.arange(d_half, dtype=torch.float32, device=x.device)
+    timescale = max_wavelength**freq_exponents
+    radians = positions[..., None].to(torch.float32) / timescale[None, None, :]
+    radians = radians[..., None, :]
+    sin = torch.sin(radians)
+    cos = torch.cos(radians)
+    x1, x2 = x.split(d_half, dim=-1)
+    res = torch.empty_like(x)
+    res[..., :d_half] = x1 * cos - x2 * sin
+    res[..., d_half:] = x2 * cos + x1 * sin
+    return res
+'''
+
+# bf16 x, fp32 tables: the eager fills cast into res (bf16); per-batch positions [B, S] (half mode takes BS1D)
+_FILLED_HALVES_RUN = '''
+x = torch.randn(2, 5, 3, 16).bfloat16().requires_grad_()
+pos = torch.stack([torch.arange(5), torch.arange(5) + 2]).float()
+out = apply_rope(x, pos)
+leaves = [x]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _FILLED_HALVES,
+        expect={"qualname": "apply_rope", "mode": "half", "line": 14, "end_line": 16},
+        run=_FILLED_HALVES_RUN,
+        name="written_out_halves_filled_into_empty_like",
+    ),
+    Fuse(
+        _FILLED_HALVES.replace("res[..., :d_half] = x1 * cos - x2 * sin\n    res[..., d_half:] = x2 * cos + x1 * sin",
+                               "res[..., 0::2] = x1 * cos - x2 * sin\n    res[..., 1::2] = x2 * cos + x1 * sin")
+                      .replace("x1, x2 = x.split(d_half, dim=-1)", "x1, x2 = x[..., 0::2], x[..., 1::2]")
+                      .replace("radians = radians[..., None, :]", "radians = radians[0, None, :, None, :]"),
+        expect={"qualname": "apply_rope", "mode": "interleave"},
+        run=_FILLED_HALVES_RUN,
+        name="written_out_pairs_filled_into_lanes",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # both fills on the same half: the second half of res is never written
+        _FILLED_HALVES.replace("res[..., d_half:] = x2 * cos + x1 * sin", "res[..., :d_half] += x2 * cos + x1 * sin"),
+        reason="",
+        name="filled_output_with_one_half_written_twice",
+    ),
+    Keep(
+        _FILLED_HALVES.replace("res = torch.empty_like(x)", "res = torch.empty_like(positions)"),
+        reason="a new tensor shaped like another tensor than the rotated",
+        name="filled_output_shaped_like_another_tensor",
     ),
 ]

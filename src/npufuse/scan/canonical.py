@@ -1215,3 +1215,57 @@ def library_rotation(module: ModuleInfo, func: ast.AST | None) -> str | None:
     ``modeling_llama.rotate_half``), else None."""
     name = module.canonical(func) if func is not None else None
     return LIBRARY_ROTATIONS.get(name) if name else None
+
+
+def filled_output(stmts: list[ast.stmt]) -> tuple[str, ast.expr] | None:
+    """Three statements ``out = torch.empty_like(x); out[..., :h] = A; out[..., h:] = B`` (or the
+    ``0::2`` / ``1::2`` lanes) as (``out``, the expression they leave in ``out``): ``torch.cat((A, B),
+    dim=-1)`` or ``torch.stack((A, B), dim=-1).flatten(-2)``, the shapes of :func:`filled_halves`. The new
+    wrapper nodes span the three statements (the allocation's value to the end of the second fill), so a
+    caller may replace them with ``out = <new value>``; A and B are the original nodes, untouched (their
+    positions stay theirs). A and B must not read ``out``. None otherwise."""
+    if len(stmts) != 3:
+        return None
+    alloc, first, second = stmts
+    if not (isinstance(alloc, ast.Assign) and len(alloc.targets) == 1 and isinstance(alloc.targets[0], ast.Name)
+            and isinstance(alloc.value, ast.Call) and isinstance(alloc.value.func, ast.Attribute)
+            and alloc.value.func.attr in ("empty_like", "zeros_like") and len(alloc.value.args) == 1 and not alloc.value.keywords):
+        return None
+    out = alloc.targets[0].id
+    torch_mod = alloc.value.func.value
+    parts: list[tuple[ast.Slice, ast.expr]] = []
+    for st in (first, second):
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)):
+            return None
+        t = st.targets[0]
+        if not (isinstance(t.value, ast.Name) and t.value.id == out and isinstance(t.slice, ast.Tuple) and len(t.slice.elts) == 2
+                and isinstance(t.slice.elts[0], ast.Constant) and t.slice.elts[0].value is Ellipsis and isinstance(t.slice.elts[1], ast.Slice)):
+            return None
+        if any(isinstance(n, ast.Name) and n.id == out for n in ast.walk(st.value)):
+            return None
+        parts.append((t.slice.elts[1], st.value))
+    (s1, a), (s2, b) = parts
+
+    def const(n: ast.expr | None) -> object:
+        return n.value if isinstance(n, ast.Constant) else (None if n is None else ...)
+
+    def at(node: ast.AST) -> ast.AST:
+        node.lineno, node.col_offset = alloc.value.lineno, alloc.value.col_offset  # type: ignore[attr-defined]
+        node.end_lineno, node.end_col_offset = second.end_lineno, second.end_col_offset  # type: ignore[attr-defined]
+        return node
+
+    minus_one = ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1))
+    pair = at(ast.Tuple(elts=[a, b], ctx=ast.Load()))
+    if s1.lower is None and s1.step is None and s1.upper is not None and s2.upper is None and s2.step is None \
+            and s2.lower is not None and ast.dump(s1.upper) == ast.dump(s2.lower):
+        expr = at(ast.Call(func=at(ast.Attribute(value=torch_mod, attr="cat", ctx=ast.Load())), args=[pair],
+                           keywords=[ast.keyword(arg="dim", value=at(minus_one))]))
+    elif const(s1.lower) in (None, 0) and const(s1.upper) is None and const(s1.step) == 2 \
+            and const(s2.lower) == 1 and const(s2.upper) is None and const(s2.step) == 2:
+        stacked = at(ast.Call(func=at(ast.Attribute(value=torch_mod, attr="stack", ctx=ast.Load())), args=[pair],
+                              keywords=[ast.keyword(arg="dim", value=at(minus_one))]))
+        expr = at(ast.Call(func=at(ast.Attribute(value=stacked, attr="flatten", ctx=ast.Load())),
+                           args=[at(ast.UnaryOp(op=ast.USub(), operand=ast.Constant(2)))], keywords=[]))
+    else:
+        return None
+    return out, expr  # type: ignore[return-value]
