@@ -5538,3 +5538,30 @@ RopePattern.KEEP += [
         name="filled_output_shaped_like_another_tensor",
     ),
 ]
+
+
+# look-alikes from the harvest: a sinusoidal position table added to x, and an ALiBi bias built from
+# sin/cos-free slopes (products summed, but no rotation of x's halves or lanes)
+_SINUSOID_ADDED = '''
+import torch
+
+
+def add_sinusoid(x, pos, dim):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2) / dim))
+    ang = pos[:, None] * inv[None]
+    pe = torch.cat((ang.sin(), ang.cos()), dim=-1)
+    return x * 1.0 + torch.cat((pe[..., dim // 2:], pe[..., :dim // 2]), dim=-1) * 0.5
+'''
+
+_ALIBI = '''
+import torch
+
+
+def alibi_scores(qk, bias, past_slopes, future_slopes):
+    return qk * 1.0 + torch.cat((torch.tril(bias * past_slopes), torch.triu(bias * future_slopes)), dim=-1) * 1.0
+'''
+
+RopePattern.KEEP += [
+    Keep(_SINUSOID_ADDED, reason="", name="sinusoidal_table_added_is_no_rotation"),
+    Keep(_ALIBI, reason="", name="alibi_bias_is_no_rotation"),
+]
