@@ -139,6 +139,9 @@ class _Rotation:
     only_if: str | None = None
     other: str = ""  # why the other path keeps the original code
     upcast: bool = False  # the helper rotates x.float(): its result is fp32 whatever x's dtype
+    # verified on its ``if x.dim() == 4:`` branch only (ModelCenter's rank-sliced rotate_every_two): fused
+    # where the rotated tensor is 4-D, the test written with the call's argument by _rotation_call
+    rank4_only: bool = False
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -535,6 +538,8 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         cache = module.__dict__.setdefault("_rotation_verdicts", {})
         if key not in cache:
             cache[key] = _rotation_helper(module, scope, node)
+        if cache[key].rank4_only:
+            return dataclasses.replace(cache[key], only_if=f"{_atom(segment(module, node.args[0]))}.dim() == 4")
         return dataclasses.replace(cache[key])
     if isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Starred) and same_expr(node.args[0], x) \
             and _plain_flag_args(node):
@@ -721,6 +726,9 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     """Verdict on a called rotation helper (followed into its definition and verified)."""
     fn, name = _helper_def(module, scope, node.func)
     if fn is None:
+        imported = _imported_rotation(module, node, name)
+        if imported is not None:
+            return imported
         if "rotate" in name.lower() or "rot" in name.lower():
             return _Rotation(None, f"rotation helper `{name}` is not defined in this module: it cannot be verified", name)
         return _Rotation(None)
@@ -746,6 +754,8 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     # ``out = empty_like(x); out[..., :h] = -x2; out[..., h:] = x1; return out``: the cat it fills
     filled = canonical.filled_halves(fn, rets[0]) if isinstance(fn, ast.FunctionDef) else None
     rot = _rotation_expr(hscope, filled if filled is not None else rets[0].value, is_param, module)
+    if rot.kind is None and isinstance(fn, ast.FunctionDef) and filled is None:
+        rot = _rank4_branch_rotation(module, fn, pname) or rot
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
@@ -1226,8 +1236,9 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
     """The rotation written out on two parts a, b of x with half-size c, s:
     ``cat([a*c - b*s, b*c + a*s], -1)`` ('cat': DeepSeek's even/odd lanes, gpt-oss's halves) or
     ``stack([...], -1).flatten(-2)`` ('stack': interleaved pairs). Returns (how, a, b, c, s)."""
-    if _method(node, "flatten") and _is_int(keyword(node, "start_dim", 0), -2) and keyword(node, "end_dim", 1) is None and isinstance(node.func.value, ast.Call):
-        how, pair = "stack", _pair_of(node.func.value, _STACK)
+    merged = canonical.merges_last_two(node)  # .flatten(-2) / .flatten(-2, -1) / torch.flatten(t, -2)
+    if isinstance(merged, ast.Call):
+        how, pair = "stack", _pair_of(merged, _STACK)
     elif isinstance(node, ast.Call):
         how, pair = "cat", _pair_of(node, _CAT)
     else:
@@ -1489,10 +1500,26 @@ class RopePattern(Pattern):
         torch_imports = module.__dict__.get("_rope_torch_imports")
         if torch_imports is None:
             torch_imports = module.__dict__["_rope_torch_imports"] = {k: v for k, v in module.aliases.items() if v in _CAT | _STACK}
+        filled_done: set[int] = set()  # fill statements of an ``out = empty_like(x)`` site already matched
         for block, i, stmt in scope.statements():
-            if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
+            if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)) or id(stmt) in filled_done:
                 continue
             _TORCH_IMPORTS.set(torch_imports)
+            filled = _filled_site(block, i, stmt)
+            if filled is not None:
+                res = self._match(module, scope, filled.value)
+                if isinstance(res, _Match) and not same_expr(stmt.value.args[0], res.x):  # type: ignore[attr-defined]
+                    res = (f"the rotated halves are written into `{segment(module, stmt.value)}`, a new tensor shaped "  # type: ignore[attr-defined]
+                           f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
+                elif isinstance(res, _Match):
+                    # the fills cast into the new tensor's dtype (x's): the fused result is cast the same way
+                    res.post += f".to({_atom(segment(module, res.x))}.dtype)"
+                if isinstance(res, _Match):
+                    filled_done.update(id(st) for st in block[i + 1 : i + 3])
+                    runs.append((block, [(i, filled, [res])]))
+                    continue
+                if isinstance(res, str):
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + 2].end_lineno or stmt.lineno, res)
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
@@ -1598,7 +1625,8 @@ class RopePattern(Pattern):
                 # (or fill a new tensor's halves / lanes: ``out = torch.empty_like(x); out[..., :h] = -x2``)
                 return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body
 
-            names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()}
+            names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()} \
+                | _relative_rotation_imports(module)
             for cls in module.classes.values():
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
             hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)")
@@ -1695,6 +1723,10 @@ class RopePattern(Pattern):
         else:
             return None
         m = self._build_real(module, scope, node, mode, base, c, s)
+        if isinstance(m, str) and mode == "interleave" and m.startswith(_BATCH_REASON):
+            # RoFormer's ``sin, cos = sinusoidal_pos``: tables whose layout is not visible here are
+            # checked at run time, as for the ``x*cos + rotate_every_two(x)*sin`` spelling
+            m = self._interleave_checked(module, scope, node, base, c, s, m)
         if isinstance(m, str):
             return m
         tag = _ident(segment(module, c))
@@ -1702,7 +1734,7 @@ class RopePattern(Pattern):
         full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
         widen = "torch.cat(({0}, {0}), dim=-1)" if mode == "half" else "{0}.repeat_interleave(2, dim=-1)"
         m.prep = [f"{full[0]} = {widen.format(_atom(cs[0]))}  # the written-out rotation takes half-size cos/sin; npu_rotary_mul the full head dim",
-                  f"{full[1]} = {widen.format(_atom(cs[1]))}"]
+                  f"{full[1]} = {widen.format(_atom(cs[1]))}"] + m.prep
         if x_text != segment(module, base):
             lanes = f"_npufuse_{_ident(segment(module, base))}_lanes"
             m.prep.append(f"{lanes} = {x_text}  # the original rotates the de-interleaved lanes (even | odd) and returns that order")
@@ -1978,12 +2010,14 @@ class RopePattern(Pattern):
                         continue
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
                     if isinstance(m, str) and rot.kind == "interleave" and m.startswith(_BATCH_REASON) \
-                            and rot.half_if is None and rot.only_if is None and rot.mode_expr is None:
+                            and rot.half_if is None and (rot.only_if is None or rot.rank4_only) and rot.mode_expr is None:
                         m = self._interleave_checked(module, scope, node, x, cos, sin, m)
                     if isinstance(m, _Match) and rot.upcast:
                         # eager: x*cos + R(x).float()*sin is at least fp32: the fused dtype is widened the same way
                         m.x_dtype, m.widen = None, "torch.float32"
-                    if isinstance(m, _Match) and rot.only_if is not None:
+                    if isinstance(m, _Match) and rot.only_if is not None and rot.rank4_only and m.only_if is not None:
+                        m.only_if, m.only_note = f"{rot.only_if} and ({m.only_if})", f"{rot.other}; {m.only_note}"
+                    elif isinstance(m, _Match) and rot.only_if is not None:
                         m.only_if, m.only_note = rot.only_if, rot.other
                     elif isinstance(m, _Match) and rot.mode_expr is not None:
                         m.mode_expr = rot.mode_expr
@@ -5180,4 +5214,354 @@ RopePattern.KEEP += [
         reason="does not compute the standard rotate_half",
         name="stack_on_axis_minus_two_is_not_the_interleave",
     ),
+]
+
+
+# --- rope s25 (issue 14 harvest): rotation helpers imported from elsewhere -----------------------
+#
+# streaming-llm's ``from transformers.models.llama.modeling_llama import rotate_half`` and a repo's
+# ``from .layers import rotate_half``: the helper is not in the scanned file. A known library helper
+# is read from canonical.LIBRARY_ROTATIONS; one in another file of the repository is read there
+# (repo_facts.definition) and verified with the same rules as a local one.
+
+
+def _imported_rotation(module: ModuleInfo, node: ast.Call, name: str) -> _Rotation | None:
+    """The verdict on an imported rotation helper called as ``f(x)``, or None where it is not one
+    npufuse can read (then the caller's "cannot be verified" near miss stands)."""
+    kind = canonical.library_rotation(module, node.func)
+    if kind is not None:
+        return _Rotation(kind, "", f"{name} ({kind} rotation of the library)")
+    if not isinstance(node.func, ast.Name) or len(node.args) != 1 or node.keywords:
+        return None
+    from npufuse.scan import repo_facts
+
+    found = repo_facts.definition(module, node.func.id)
+    if found is None or found.rel == module.path or not isinstance(found.node, ast.FunctionDef):
+        return None
+    cache = _FOREIGN_MODULES
+    key = (str(repo_facts.repo_root(module)), found.rel)
+    other = cache.get(key)
+    if other is None or other.tree is not found.tree:
+        root = repo_facts.repo_root(module)
+        text = repo_facts._repo_text(root, found.rel) if root is not None else None  # the tree's own text (segments by position)
+        if text is None:
+            return None
+        try:
+            other = ModuleInfo.from_source(found.rel, text, found.tree)
+        except (Exception, RecursionError):
+            return None
+        if len(cache) > 64:
+            cache.clear()
+        cache[key] = other
+    call = ast.copy_location(ast.Call(func=ast.copy_location(ast.Name(id=found.node.name, ctx=ast.Load()), node.func),
+                                      args=node.args, keywords=[]), node)
+    rot = _rotation_helper(other, other.scopes[0], call)
+    # a verdict that names code of the other file (a flag read there, a choice made there) is not used here
+    if rot.kind is None or rot.mode_expr or rot.only_if or rot.half_if:
+        return None if rot.kind is not None or not rot.reason else _Rotation(None, f"{rot.reason} (in {found.rel})", name)
+    rot.name = f"{name} (from {found.rel})"
+    return rot
+
+
+_FOREIGN_MODULES: dict[tuple[str, str], ModuleInfo] = {}
+
+
+def _relative_rotation_imports(module: ModuleInfo) -> set[str]:
+    """Names a top-level ``from .layers import rotate_half`` binds that could be rotation helpers (the
+    module's alias table holds absolute imports only)."""
+    return {a.asname or a.name for node in module.tree.body if isinstance(node, ast.ImportFrom) and node.level
+            for a in node.names if "rot" in (a.asname or a.name).lower()}
+    shared = {ast.dump(f) for f in cf} & {ast.dump(f) for f in sf}
+    for f in cf:
+        if ast.dump(f) in shared and not isinstance(f, ast.Constant):
+            return (f"cos and sin are both multiplied by `{segment(module, f)}` (an xPos-style scale): r1/r2 are then not "
+                    "cos/sin values in [-1, 1], the range torch_npu documents for npu_rotary_mul, so it is left as is")
+    return None
+
+
+# --- rope s25 examples (issue 14 harvest): the pair merge spelled flatten(-2, -1) / torch.flatten,
+# imported rotation helpers (tests/test_detect_rope_harvest.py: they need a repository) -------------
+
+_ROFORMER_PAIRS = '''
+import torch
+import torch.nn as nn
+
+
+class SelfAttention(nn.Module):
+    def forward(self, q, sinusoidal_pos):
+        return self.apply_rotary(q, sinusoidal_pos)
+
+    @staticmethod
+    def apply_rotary(x, sinusoidal_pos):
+        sin, cos = sinusoidal_pos
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2, -1)
+'''
+
+# the sinusoidal table of RoFormer: [S, D] = sin half | cos half, chunked into half-size sin/cos
+_ROFORMER_RUN = '''
+s, d = 7, 16
+inv = 1.0 / (10000 ** (torch.arange(0, d, 2) / d))
+ang = torch.einsum("i , j -> i j", torch.arange(s).float(), inv)
+table = torch.cat((torch.sin(ang), torch.cos(ang)), dim=-1)[None, None, :, :]
+x = torch.randn(2, 3, s, d, requires_grad=True)
+out = SelfAttention()(x, table.chunk(2, dim=-1))
+leaves = [x]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _ROFORMER_PAIRS,
+        expect={"qualname": "SelfAttention.apply_rotary", "mode": "interleave", "line": 14, "end_line": 14},
+        run=_ROFORMER_RUN,
+        name="roformer_pairs_flatten_last_two_spelled_out",
+    ),
+    Fuse(
+        _ROFORMER_PAIRS.replace("torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2, -1)",
+                                "torch.flatten(torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1), -2)"),
+        expect={"qualname": "SelfAttention.apply_rotary", "mode": "interleave"},
+        run=_ROFORMER_RUN,
+        name="roformer_pairs_torch_flatten",
+    ),
+    Fuse(
+        _ROFORMER_PAIRS.replace(".flatten(-2, -1)", ".flatten(start_dim=-2, end_dim=-1)")
+                       .replace("x1, x2 = x[..., 0::2], x[..., 1::2]", "x1 = x[..., ::2]\n        x2 = x[..., 1::2]"),
+        expect={"qualname": "SelfAttention.apply_rotary", "mode": "interleave"},
+        run=_ROFORMER_RUN,
+        name="roformer_pairs_flatten_keywords",
+    ),
+]
+
+
+RopePattern.KEEP += [
+    Keep(
+        # three axes merged: the pair axis and the one before it (not a re-interleave of the pairs)
+        _ROFORMER_PAIRS.replace(".flatten(-2, -1)", ".flatten(-3, -1)"),
+        reason="",
+        name="stack_flattened_over_three_axes_is_not_the_interleave",
+    ),
+    Keep(
+        # per-batch positions visible here: cos [B, 1, S, D/2] (interleave mode takes 11SD/1S1D/S11D only)
+        _ROFORMER_PAIRS.replace("sin, cos = sinusoidal_pos", "sin, cos = sinusoidal_pos\n        sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)"),
+        reason="interleave mode with cos/sin that may depend on the batch",
+        name="roformer_pairs_with_per_batch_tables",
+    ),
+]
+
+
+# --- rope s25: a rotation helper that slices by rank (``if x.dim() == 4: x1 = x[:, :, :, ::2] ... else: ...``) --
+
+
+def _rank4_test(test: ast.expr, pname: str) -> bool:
+    """``x.dim() == 4`` / ``x.ndim == 4`` / ``len(x.shape) == 4`` / ``x.dim() == 4`` on the helper's tensor."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) and _is_int(test.comparators[0], 4)):
+        return False
+    left = test.left
+    if _method(left, "dim") and not left.args:
+        left = left.func.value
+    elif isinstance(left, ast.Attribute) and left.attr == "ndim":
+        left = left.value
+    elif isinstance(left, ast.Call) and isinstance(left.func, ast.Name) and left.func.id == "len" and len(left.args) == 1 \
+            and isinstance(left.args[0], ast.Attribute) and left.args[0].attr == "shape":
+        left = left.args[0].value
+    else:
+        return False
+    return isinstance(left, ast.Name) and left.id == pname
+
+
+def _rank4_branch_rotation(module: ModuleInfo, fn: ast.FunctionDef, pname: str) -> _Rotation | None:
+    """ModelCenter's ``rotate_every_two``: ``if x.dim() == 4: x1 = x[:, :, :, ::2]; x2 = ... else: x1 = x[:, :, ::2] ...``
+    then one return. The ``x.dim() == 4`` branch is verified on its own (the helper rewritten with that branch's
+    statements in place of the ``if``); the verdict holds where x is 4-D, the other ranks keep the original code.
+    Only assignments in both branches, one leading-level ``if``; None otherwise."""
+    ifs = [st for st in fn.body if isinstance(st, ast.If)]
+    if len(ifs) != 1 or not ifs[0].orelse or not _rank4_test(ifs[0].test, pname):
+        return None
+    branch = ifs[0]
+    if not all(isinstance(st, ast.Assign) for st in branch.body + branch.orelse):
+        return None
+    body = [st2 for st in fn.body for st2 in (branch.body if st is branch else [st])]
+    special = ast.FunctionDef(name=fn.name, args=fn.args, body=body, decorator_list=[], returns=None, type_params=[])
+    try:
+        other = ModuleInfo.from_source(module.path, ast.unparse(ast.fix_missing_locations(ast.Module(body=[special], type_ignores=[]))))
+    except (Exception, RecursionError):
+        return None
+    hscope = next((sc for sc in other.scopes if sc.qualname == fn.name), None)
+    rets = [n for n in fast_walk(other.tree) if isinstance(n, ast.Return) and n.value is not None]
+    if hscope is None or len(rets) != 1:
+        return None
+
+    def is_param(n: ast.AST) -> bool:
+        return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
+
+    rot = _rotation_expr(hscope, rets[0].value, is_param, other)
+    if rot.kind is None or rot.mode_expr or rot.only_if or rot.half_if:
+        return None
+    rot.rank4_only = True
+    rot.other = f"a rotated tensor that is not 4-D keeps the original code (`{fn.name}` slices it by rank)"
+    return rot
+
+
+_RANK_SLICED = '''
+import torch
+import torch.nn as nn
+
+
+class RotaryEmbedding(nn.Module):
+    def rotate_every_two(self, x):
+        if x.dim() == 4:
+            x1 = x[:, :, :, ::2]
+            x2 = x[:, :, :, 1::2]
+        else:
+            x1 = x[:, :, ::2]
+            x2 = x[:, :, 1::2]
+        x = torch.stack((-x2, x1), axis=-1)
+        return x.flatten(-2)
+
+    def apply_rotary_pos_emb(self, x, sincos, offset=0):
+        sin, cos = map(lambda t: t[None, offset : x.shape[-2] + offset, :].repeat_interleave(2, 2), sincos)
+        return (x * cos) + (self.rotate_every_two(x) * sin)
+'''
+
+_RANK_SLICED_RUN = '''
+s, d = 6, 16
+inv = 1.0 / (10000 ** (torch.arange(0, d, 2) / d))
+ang = torch.einsum("i , j -> i j", torch.arange(s).float(), inv)
+x = torch.randn(2, 3, s, d, requires_grad=True)
+x3 = torch.randn(3, s, d)
+m = RotaryEmbedding()
+out = (m.apply_rotary_pos_emb(x, (torch.sin(ang), torch.cos(ang))), m.apply_rotary_pos_emb(x3, (torch.sin(ang), torch.cos(ang))))
+leaves = [x]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _RANK_SLICED,
+        expect={"qualname": "RotaryEmbedding.apply_rotary_pos_emb", "mode": "interleave"},
+        run=_RANK_SLICED_RUN,
+        name="rotate_every_two_sliced_by_rank",
+    ),
+    Fuse(
+        _RANK_SLICED.replace("if x.dim() == 4:", "if len(x.shape) == 4:"),
+        expect={"qualname": "RotaryEmbedding.apply_rotary_pos_emb", "mode": "interleave"},
+        run=_RANK_SLICED_RUN,
+        name="rotate_every_two_sliced_by_len_shape",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the 4-D branch slices the sequence axis, not the head dim: no rotation of the pairs
+        _RANK_SLICED.replace("x1 = x[:, :, :, ::2]\n            x2 = x[:, :, :, 1::2]", "x1 = x[:, :, ::2, :]\n            x2 = x[:, :, 1::2, :]"),
+        reason="does not compute the standard rotate_half",
+        name="rank_sliced_helper_on_the_wrong_axis",
+    ),
+]
+
+
+# --- rope s25: the written-out rotation filled into a new tensor (lerobot's pi0 ``apply_rope``) -------
+
+
+def _filled_site(block: list[ast.stmt], i: int, stmt: ast.stmt) -> ast.Assign | None:
+    """``res = torch.empty_like(x); res[..., :h] = x1*cos - x2*sin; res[..., h:] = x2*cos + x1*sin`` at
+    ``block[i]`` as one statement ``res = torch.cat((x1*cos - x2*sin, x2*cos + x1*sin), dim=-1)`` spanning
+    the three (canonical.filled_output): the fused call then replaces the three with ``res = <fused>``."""
+    if not (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
+            and stmt.value.func.attr in ("empty_like", "zeros_like") and i + 2 < len(block)):
+        return None
+    found = canonical.filled_output(block[i : i + 3])
+    if found is None:
+        return None
+    out, expr = found
+    last = block[i + 2]
+    target = ast.Name(id=out, ctx=ast.Store(), lineno=stmt.targets[0].lineno, col_offset=stmt.targets[0].col_offset,
+                      end_lineno=stmt.targets[0].end_lineno, end_col_offset=stmt.targets[0].end_col_offset)
+    return ast.Assign(targets=[target], value=expr, lineno=stmt.lineno, col_offset=stmt.col_offset,
+                      end_lineno=last.end_lineno, end_col_offset=last.end_col_offset)
+
+
+_FILLED_HALVES = '''
+import torch
+
+
+def apply_rope(x, positions, max_wavelength=10_000):
+    d_half = x.shape[-1] // 2
+    freq_exponents = (2.0 / x.shape[-1]) * torch.arange(d_half, dtype=torch.float32, device=x.device)
+    timescale = max_wavelength**freq_exponents
+    radians = positions[..., None].to(torch.float32) / timescale[None, None, :]
+    radians = radians[..., None, :]
+    sin = torch.sin(radians)
+    cos = torch.cos(radians)
+    x1, x2 = x.split(d_half, dim=-1)
+    res = torch.empty_like(x)
+    res[..., :d_half] = x1 * cos - x2 * sin
+    res[..., d_half:] = x2 * cos + x1 * sin
+    return res
+'''
+
+# bf16 x, fp32 tables: the eager fills cast into res (bf16); per-batch positions [B, S] (half mode takes BS1D)
+_FILLED_HALVES_RUN = '''
+x = torch.randn(2, 5, 3, 16).bfloat16().requires_grad_()
+pos = torch.stack([torch.arange(5), torch.arange(5) + 2]).float()
+out = apply_rope(x, pos)
+leaves = [x]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        _FILLED_HALVES,
+        expect={"qualname": "apply_rope", "mode": "half", "line": 14, "end_line": 16},
+        run=_FILLED_HALVES_RUN,
+        name="written_out_halves_filled_into_empty_like",
+    ),
+    Fuse(
+        _FILLED_HALVES.replace("res[..., :d_half] = x1 * cos - x2 * sin\n    res[..., d_half:] = x2 * cos + x1 * sin",
+                               "res[..., 0::2] = x1 * cos - x2 * sin\n    res[..., 1::2] = x2 * cos + x1 * sin")
+                      .replace("x1, x2 = x.split(d_half, dim=-1)", "x1, x2 = x[..., 0::2], x[..., 1::2]")
+                      .replace("radians = radians[..., None, :]", "radians = radians[0, None, :, None, :]"),
+        expect={"qualname": "apply_rope", "mode": "interleave"},
+        run=_FILLED_HALVES_RUN,
+        name="written_out_pairs_filled_into_lanes",
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # both fills on the same half: the second half of res is never written
+        _FILLED_HALVES.replace("res[..., d_half:] = x2 * cos + x1 * sin", "res[..., :d_half] += x2 * cos + x1 * sin"),
+        reason="",
+        name="filled_output_with_one_half_written_twice",
+    ),
+    Keep(
+        _FILLED_HALVES.replace("res = torch.empty_like(x)", "res = torch.empty_like(positions)"),
+        reason="a new tensor shaped like another tensor than the rotated",
+        name="filled_output_shaped_like_another_tensor",
+    ),
+]
+
+
+# look-alikes from the harvest: a sinusoidal position table added to x, and an ALiBi bias built from
+# sin/cos-free slopes (products summed, but no rotation of x's halves or lanes)
+_SINUSOID_ADDED = '''
+import torch
+
+
+def add_sinusoid(x, pos, dim):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2) / dim))
+    ang = pos[:, None] * inv[None]
+    pe = torch.cat((ang.sin(), ang.cos()), dim=-1)
+    return x * 1.0 + torch.cat((pe[..., dim // 2:], pe[..., :dim // 2]), dim=-1) * 0.5
+'''
+
+_ALIBI = '''
+import torch
+
+
+def alibi_scores(qk, bias, past_slopes, future_slopes):
+    return qk * 1.0 + torch.cat((torch.tril(bias * past_slopes), torch.triu(bias * future_slopes)), dim=-1) * 1.0
+'''
+
+RopePattern.KEEP += [
+    Keep(_SINUSOID_ADDED, reason="", name="sinusoidal_table_added_is_no_rotation"),
+    Keep(_ALIBI, reason="", name="alibi_bias_is_no_rotation"),
 ]

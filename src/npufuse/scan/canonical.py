@@ -1177,3 +1177,119 @@ def name_square_operand(module: ModuleInfo, node: ast.Call) -> ast.expr | None:
     if name == "torch.square" and len(node.args) == 1:
         return node.args[0]
     return None
+
+
+
+# --- rope harvest (s25): merged pair axis, library rotation helpers ---
+
+
+def _neg_int(node: ast.AST | None) -> int | None:
+    """-k of a literal ``-k`` (an ``ast.UnaryOp``), else None."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+            and type(node.operand.value) is int:
+        return -node.operand.value
+    return None
+
+
+def merges_last_two(node: ast.AST | None) -> ast.expr | None:
+    """The tensor whose last two axes ``node`` merges into one, for the spellings authors use after
+    ``stack([...], dim=-1)``: ``t.flatten(-2)``, ``t.flatten(-2, -1)``, ``t.flatten(start_dim=-2,
+    end_dim=-1)``, ``torch.flatten(t, -2[, -1])``; None for anything else (a positive start dim
+    depends on the rank, which only the caller may know)."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or node.func.attr != "flatten":
+        return None
+    args = list(node.args)
+    is_fn = isinstance(node.func.value, ast.Name) and node.func.value.id in ("torch", "th")
+    if is_fn:
+        if not args:
+            return None
+        inner, args = args[0], args[1:]
+    else:
+        inner = node.func.value
+    if len(args) > 2:
+        return None
+    start = args[0] if args else _kw(node, "start_dim")
+    end = args[1] if len(args) > 1 else _kw(node, "end_dim")
+    if _neg_int(start) != -2 or (end is not None and _neg_int(end) != -1):
+        return None
+    if any(k.arg not in ("start_dim", "end_dim") for k in node.keywords):
+        return None
+    return inner
+
+
+# Rotation helpers of libraries, by their import path: what they compute is fixed by the library
+# (the function is not in the scanned repository, so its body cannot be read). ``half``:
+# ``cat((-x2, x1), -1)`` over the two halves of the last dim; ``interleave``: ``stack((-x[..., 1::2],
+# x[..., ::2]), -1).flatten(-2)``. Hugging Face transformers has carried these bodies unchanged
+# since the models were added; Cohere's ``rotate_half`` is the interleaved one despite its name.
+LIBRARY_ROTATIONS: dict[str, str] = {
+    **{f"transformers.models.{m}.modeling_{m}.rotate_half": "half" for m in (
+        "llama", "gpt_neox", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+        "gemma3", "phi", "phi3", "falcon", "starcoder2", "stablelm", "olmo", "olmo2", "persimmon", "esm",
+        "granite", "deepseek_v3", "idefics")},
+    "transformers.models.cohere.modeling_cohere.rotate_half": "interleave",
+    "transformers.models.gptj.modeling_gptj.rotate_every_two": "interleave",
+    "transformers.models.codegen.modeling_codegen.rotate_every_two": "interleave",
+}
+
+
+def library_rotation(module: ModuleInfo, func: ast.AST | None) -> str | None:
+    """``half`` / ``interleave`` for a call of a known library rotation helper (:data:`LIBRARY_ROTATIONS`)
+    through this module's imports (``from transformers.models.llama.modeling_llama import rotate_half``,
+    ``modeling_llama.rotate_half``), else None."""
+    name = module.canonical(func) if func is not None else None
+    return LIBRARY_ROTATIONS.get(name) if name else None
+
+
+def filled_output(stmts: list[ast.stmt]) -> tuple[str, ast.expr] | None:
+    """Three statements ``out = torch.empty_like(x); out[..., :h] = A; out[..., h:] = B`` (or the
+    ``0::2`` / ``1::2`` lanes) as (``out``, the expression they leave in ``out``): ``torch.cat((A, B),
+    dim=-1)`` or ``torch.stack((A, B), dim=-1).flatten(-2)``, the shapes of :func:`filled_halves`. The new
+    wrapper nodes span the three statements (the allocation's value to the end of the second fill), so a
+    caller may replace them with ``out = <new value>``; A and B are the original nodes, untouched (their
+    positions stay theirs). A and B must not read ``out``. None otherwise."""
+    if len(stmts) != 3:
+        return None
+    alloc, first, second = stmts
+    if not (isinstance(alloc, ast.Assign) and len(alloc.targets) == 1 and isinstance(alloc.targets[0], ast.Name)
+            and isinstance(alloc.value, ast.Call) and isinstance(alloc.value.func, ast.Attribute)
+            and alloc.value.func.attr in ("empty_like", "zeros_like") and len(alloc.value.args) == 1 and not alloc.value.keywords):
+        return None
+    out = alloc.targets[0].id
+    torch_mod = alloc.value.func.value
+    parts: list[tuple[ast.Slice, ast.expr]] = []
+    for st in (first, second):
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)):
+            return None
+        t = st.targets[0]
+        if not (isinstance(t.value, ast.Name) and t.value.id == out and isinstance(t.slice, ast.Tuple) and len(t.slice.elts) == 2
+                and isinstance(t.slice.elts[0], ast.Constant) and t.slice.elts[0].value is Ellipsis and isinstance(t.slice.elts[1], ast.Slice)):
+            return None
+        if any(isinstance(n, ast.Name) and n.id == out for n in ast.walk(st.value)):
+            return None
+        parts.append((t.slice.elts[1], st.value))
+    (s1, a), (s2, b) = parts
+
+    def const(n: ast.expr | None) -> object:
+        return n.value if isinstance(n, ast.Constant) else (None if n is None else ...)
+
+    def at(node: ast.AST) -> ast.AST:
+        node.lineno, node.col_offset = alloc.value.lineno, alloc.value.col_offset  # type: ignore[attr-defined]
+        node.end_lineno, node.end_col_offset = second.end_lineno, second.end_col_offset  # type: ignore[attr-defined]
+        return node
+
+    minus_one = ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1))
+    pair = at(ast.Tuple(elts=[a, b], ctx=ast.Load()))
+    if s1.lower is None and s1.step is None and s1.upper is not None and s2.upper is None and s2.step is None \
+            and s2.lower is not None and ast.dump(s1.upper) == ast.dump(s2.lower):
+        expr = at(ast.Call(func=at(ast.Attribute(value=torch_mod, attr="cat", ctx=ast.Load())), args=[pair],
+                           keywords=[ast.keyword(arg="dim", value=at(minus_one))]))
+    elif const(s1.lower) in (None, 0) and const(s1.upper) is None and const(s1.step) == 2 \
+            and const(s2.lower) == 1 and const(s2.upper) is None and const(s2.step) == 2:
+        stacked = at(ast.Call(func=at(ast.Attribute(value=torch_mod, attr="stack", ctx=ast.Load())), args=[pair],
+                              keywords=[ast.keyword(arg="dim", value=at(minus_one))]))
+        expr = at(ast.Call(func=at(ast.Attribute(value=stacked, attr="flatten", ctx=ast.Load())),
+                           args=[at(ast.UnaryOp(op=ast.USub(), operand=ast.Constant(2)))], keywords=[]))
+    else:
+        return None
+    return out, expr  # type: ignore[return-value]
