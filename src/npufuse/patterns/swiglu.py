@@ -134,11 +134,12 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
                     return GELU_DYN, approx
             return kind, None
         short = (dotted(value.func) or "").split(".")[-1]
-        if short in _GETTERS and value.args:
-            v = const_value(value.args[0])
+        named = _getter_name_arg(value) if short in _GETTERS else None
+        if named is not None:
+            v = const_value(named)
             if isinstance(v, str):
                 return ACT_NAMES.get(v.lower(), v), None
-            return CONFIG, value.args[0]
+            return CONFIG, named
     if isinstance(value, ast.Subscript):
         table = (dotted(value.value) or "").split(".")[-1]
         if table in _ACT_TABLES:
@@ -352,7 +353,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             k2 = _helper_act(module, m)
             if k2 is not None:
                 return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
-        return None
+        return _inherited_act(module, f, gate, ctx)
     if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2:
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
@@ -369,6 +370,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         passed = _parameter_act(module, f, gate, ctx)
         if passed is not None:
             return passed
+        return _local_callable_act(module, f, gate, ctx)
     return None
 
 
@@ -717,10 +719,11 @@ def _act_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> A
     if moved:
         n = n.func.value  # type: ignore[union-attr]
     if S.is_cast(n) and n.func.value is not None:  # type: ignore[union-attr]
+        act = _cast_back_act(module, n, c)  # `act(g.float()).type_as(g)`: else no activation
+    elif not isinstance(n, ast.Call):
         return None
-    if not isinstance(n, ast.Call):
-        return None
-    act = classify_call(module, n, c)
+    else:
+        act = classify_call(module, n, c)
     if act is not None:
         act.moved = moved
         trace.stmts.update(t.stmts)
@@ -902,6 +905,8 @@ def _checkpointed(module: ModuleInfo | None, call: ast.Call, ctx: S.Ctx) -> bool
 def _projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None = None) -> str | None:
     """Key of the input of a projection-like value: ``self.w(x)``, ``F.linear(x, w)``, ``x @ w``."""
     n, c = _through_unary_helper(*S.peel(node, ctx))
+    n, c = _through_identity_module(module, n, c)
+    n = _biased_projection(n, c)
     while S.is_cast(n):
         n = n.func.value  # type: ignore[union-attr]
     if isinstance(n, ast.Call) and _checkpointed(module, n, c):
@@ -1048,8 +1053,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         # two callables other objects hold (`layer.act(layer.gate(x)) * layer.up(x)`): the
         # activation is the one applied to a projection of the input the other factor projects
         def glu_like(i: int, a: Act) -> bool:
-            ia = _projection_input(a.gate, a.ctx) if a.gate is not None else None
-            return ia is not None and ia == _projection_input(factors[1 - i], ctx)
+            ia = _projection_input(a.gate, a.ctx, module) if a.gate is not None else None
+            return ia is not None and ia == _projection_input(factors[1 - i], ctx, module)
         found = [(i, a) for i, a in found if glu_like(i, a)]
     if len(found) > 1 and any(a.weak for _, a in found):
         # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
@@ -1388,14 +1393,15 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         return results
     lines = S.module_lines(module)
     for stmt in S.stmt_index(scope).stmts:
-        if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
+        aug = _augassign_product(stmt, module, scope)
+        if not (S.simple_stmt(stmt) or aug is not None) or getattr(stmt, "value", None) is None:
             continue
         if not any(w in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno] for w in _PRODUCT_WORDS):
             continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
         inside: list[ast.AST] = []
-        for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+        for node in [*([aug] if aug is not None else []), *S.iter_exprs_topdown(stmt.value)]:  # type: ignore[attr-defined]
             if isinstance(node, ast.Call):
                 node = _call_product(module, stmt, node)  # type: ignore[assignment]
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
@@ -1415,6 +1421,11 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
                     inside.append(node)
                 continue
             if g is None:
+                continue
+            saved = _saved_activation_reason(module, scope, g)
+            if saved is not None:
+                misses.append((owner(g.act) or "swiglu", saved))
+                inside.append(node)
                 continue
             inside.append(node)
             gates.append(g)
@@ -1454,6 +1465,8 @@ def _inplace_target(stmt: ast.stmt) -> str | None:
     if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
             and stmt.value.func.attr in ("mul_", "multiply_") and isinstance(stmt.value.func.value, ast.Name):
         return stmt.value.func.value.id
+    if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Mult) and isinstance(stmt.target, ast.Name):
+        return stmt.target.id  # `t *= a` (see _augassign_product)
     return None
 
 
@@ -3731,3 +3744,232 @@ Swiglu.KEEP += [
                                  "h = F.silu(self.fc1(x))\n        self.proj(h.mul_(self.fc2(x)))\n        return self.proj(h)"),
          reason="", name="product_in_place_inside_an_expression"),
 ]
+
+
+# --- glu harvest (s25): casts around the activation, identity wrappers, callables chosen
+# elsewhere, the product as `t *= a` (issue 14, classes 6 and 7) ------------------------------
+
+_UPCASTS = ("float",)
+
+
+def _upcast_of(module: ModuleInfo, node: ast.expr) -> ast.expr | None:
+    """``g.float()`` / ``g.to(torch.float32)`` / ``g.to(dtype=torch.float32)``: ``g``; else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr in _UPCASTS and not node.args and not node.keywords:
+        return node.func.value
+    if node.func.attr == "to" and len(node.args) + len(node.keywords) == 1:
+        target = node.args[0] if node.args else (node.keywords[0].value if node.keywords[0].arg == "dtype" else None)
+        if target is not None and module.canonical(target) in ("torch.float32", "torch.float"):
+            return node.func.value
+    return None
+
+
+def _cast_back_target(node: ast.Call) -> ast.expr | None:
+    """The tensor whose dtype ``x.type_as(t)`` / ``x.to(t.dtype)`` / ``x.to(dtype=t.dtype)`` casts to."""
+    f = node.func
+    if not isinstance(f, ast.Attribute):
+        return None
+    if f.attr == "type_as" and len(node.args) == 1 and not node.keywords:
+        return node.args[0]
+    if f.attr == "to" and len(node.args) + len(node.keywords) == 1:
+        t = node.args[0] if node.args else (node.keywords[0].value if node.keywords[0].arg == "dtype" else None)
+        if isinstance(t, ast.Attribute) and t.attr == "dtype":
+            return t.value
+    return None
+
+
+def _cast_back_act(module: ModuleInfo, cast: ast.Call, ctx: S.Ctx) -> Act | None:
+    """``act(g.float()).type_as(g)`` (torchscale's GLU; also ``.to(g.dtype)``, and without the
+    up-cast): the activation computed in fp32 and rounded back to the gate's own dtype. That is
+    exactly how npu_swiglu / npu_geglu compute a half-precision gate (the activation in fp32, its
+    result rounded to the input dtype before the product), so the activation of ``g`` itself,
+    with ``g`` (not its fp32 copy) as the fused op's operand. A cast to any other tensor's dtype
+    (the block input's, under autocast another dtype than the projection's) is not this and stays
+    unrecognised."""
+    target = _cast_back_target(cast)
+    inner = cast.func.value  # type: ignore[attr-defined]
+    if target is None or not isinstance(inner, ast.Call) or not inner.args or isinstance(inner.args[0], ast.Starred):
+        return None
+    act = classify_call(module, inner, ctx)
+    if act is None or act.gate is None or act.kind == SIGMOID:
+        return None
+    g = _upcast_of(module, act.gate) or act.gate
+    tkey, gkey = S.key(target, ctx), S.key(g, act.ctx)
+    if S.is_cast(g) or tkey != gkey:
+        return None
+    act.gate = g
+    return act
+
+
+def _through_identity_module(module: ModuleInfo | None, n: ast.expr, ctx: S.Ctx) -> tuple[ast.expr, S.Ctx]:
+    """``self.hook_pre(F.linear(x, W))`` with ``self.hook_pre = HookPoint()`` (TransformerLens), or
+    ``nn.Identity()`` / ``nn.Dropout()``: a module built with no argument at all holds no weight
+    sized for the features, so it is no projection; the projection is its argument. Only for the
+    question "are gate and up projections of one input": the operands are still rendered as
+    written, so the wrapper (and any hook on it) runs exactly as before."""
+    if module is None or not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+                              and n.func.value.id == "self" and len(n.args) == 1 and not n.keywords
+                              and not isinstance(n.args[0], ast.Starred)) or ctx.depth:
+        return n, ctx
+    cls = _assigning_class(module, ctx.scope.class_name, n.func.attr)
+    value = S.init_assignments(module, cls).get(n.func.attr) if cls else None
+    if not (isinstance(value, ast.Call) and not value.args and not value.keywords and isinstance(value.func, (ast.Name, ast.Attribute))):
+        return n, ctx
+    if _module_act(module, value) is not None:
+        return n, ctx  # an activation module is not an identity
+    inner, ictx = S.peel(n.args[0], ctx)
+    if isinstance(inner, (ast.Call, ast.BinOp)):
+        return inner, ictx
+    return n, ctx
+
+
+def _self_stores(module: ModuleInfo, class_name: str, attr: str, depth: int = 0) -> bool:
+    """Some method of the class (or of an in-module base) assigns ``self.<attr>``, or defines it."""
+    cls = module.classes.get(class_name)
+    if cls is None or depth > 3:
+        return False
+    for item in cls.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if item.name == attr:
+                return True
+            for n in fast_walk(item):
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == attr and isinstance(n.value, ast.Name) \
+                        and n.value.id == "self":
+                    return True
+        elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+            targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+            if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
+                return True
+    return any(isinstance(b, ast.Name) and b.id in module.classes and b.id != class_name and _self_stores(module, b.id, attr, depth + 1)
+               for b in cls.bases)
+
+
+def _imported_base(module: ModuleInfo, class_name: str, depth: int = 0) -> bool:
+    """The class (or an in-module base of it) derives from a class defined in another file of the
+    repository or a package, other than torch's own modules (whose attributes npufuse knows)."""
+    cls = module.classes.get(class_name)
+    if cls is None or depth > 3:
+        return False
+    for b in cls.bases:
+        if isinstance(b, ast.Name) and b.id in module.classes and b.id != class_name:
+            if _imported_base(module, b.id, depth + 1):
+                return True
+            continue
+        name = module.canonical(b) or dotted(b) or ""
+        if name and not name.startswith("torch.") and name not in ("object", "Generic", "ABC", "abc.ABC"):
+            return True
+    return False
+
+
+def _inherited_act(module: ModuleInfo, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx) -> Act | None:
+    """``self.act(self.gate_proj(x)) * self.up_proj(x)`` where nothing in this file assigns
+    ``self.act``: a base class from another file does (megablocks' SharedGLU, TransformerLens'
+    GatedMLP picking ``act_fn`` from the config). A callable chosen elsewhere: weak (an activation
+    only when the product is a GLU's structure), dispatched on the object at run time."""
+    cls = ctx.scope.class_name
+    if ctx.depth or not cls or cls not in module.classes or f.attr in _TENSOR_METHODS:
+        return None
+    if _self_stores(module, cls, f.attr) or not _imported_base(module, cls):
+        return None
+    return Act(CONFIG, gate, ctx, f"self.{f.attr} (set by a base class in another file)", obj=f,
+               gelu_hint=_gelu_hint(f.attr, None), weak=True)
+
+
+def _local_callable_act(module: ModuleInfo, f: ast.Name, gate: ast.expr, ctx: S.Ctx) -> Act | None:
+    """``act_fn = resolve_activation_fn(self.config)`` (a module function: what its returns are)
+    or ``act_fn = self._resolve_activation_fn()`` (anything else: weak, dispatched on the object
+    at run time), then ``act_fn(gate) * up``."""
+    local = S.definition(ctx, f.id)
+    if local is None or not isinstance(local[1], ast.Call):
+        return None
+    value = local[1]
+    desc = f"{f.id} = {ast.unparse(value)}"
+    if _module_act(module, value) is not None:
+        return None  # an activation object built here: classify_call's own business
+    if isinstance(value.func, ast.Name) and value.func.id in module.functions and S.definition(ctx, value.func.id) is None:
+        act = _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
+        if act.kind != CONFIG:
+            return act
+        return dataclasses.replace(act, weak=True)
+    if isinstance(value.func, ast.Name) and (value.func.id in module.classes or value.func.id in module.aliases):
+        return None  # a class instantiated here / an imported factory: a module, not a chosen callable
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.id, None), weak=True)
+
+
+_VIEWS = frozenset(("view", "view_as", "reshape", "transpose", "permute", "expand", "expand_as", "narrow", "unsqueeze", "squeeze",
+                    "flatten", "unflatten", "chunk", "split", "unbind", "select", "t", "T", "detach", "as_strided", "movedim"))
+
+
+def _augassign_product(stmt: ast.stmt, module: ModuleInfo | None = None, scope: Scope | None = None) -> ast.BinOp | None:
+    """``t *= a`` as the product ``t * a`` spanning the whole statement (rewritten ``t = <fused>``
+    like ``t.mul_(a)``, see :func:`_inplace_target`). Only where ``t`` is a fresh tensor of this
+    function (a local assigned from a call that is not a view): the original multiplies that
+    tensor in place, and the rewrite rebinds the name instead, which differs only for another
+    reference to the same storage (a parameter, a view, a slice)."""
+    if not (isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Mult) and isinstance(stmt.target, ast.Name)):
+        return None
+    if scope is not None:
+        d = S.definition(S.Ctx(scope, stmt.lineno), stmt.target.id)
+        v = d[1] if d is not None else None
+        if not (isinstance(v, ast.Call) and not (isinstance(v.func, ast.Attribute) and v.func.attr in _VIEWS)):
+            return None
+    target = ast.Name(id=stmt.target.id, ctx=ast.Load(), lineno=stmt.target.lineno, col_offset=stmt.target.col_offset,
+                      end_lineno=stmt.target.end_lineno, end_col_offset=stmt.target.end_col_offset)
+    return ast.BinOp(left=target, op=ast.Mult(), right=stmt.value, lineno=stmt.lineno, col_offset=stmt.col_offset,
+                     end_lineno=stmt.end_lineno, end_col_offset=stmt.end_col_offset)
+
+
+def _getter_name_arg(call: ast.Call) -> ast.expr | None:
+    """The activation's name an activation getter is given: its first argument, or its only
+    keyword (torchscale's ``get_activation_fn(activation=str(name))``)."""
+    if call.args:
+        return None if isinstance(call.args[0], ast.Starred) else call.args[0]
+    if len(call.keywords) == 1 and call.keywords[0].arg is not None:
+        return call.keywords[0].value
+    return None
+
+
+def _biased_projection(n: ast.expr, ctx: S.Ctx) -> ast.expr:
+    """``x @ w1.transpose(-2, -1) + b1`` / ``F.linear(x, w) + b`` (xformers' decomposed SwiGLU):
+    an affine projection written as a matmul plus a bias, which is a parameter of the function or
+    an attribute (``self.b1``), never the projection's own input (a residual ``x @ w + x``): the
+    matmul part, for the question "are gate and up projections of one input"."""
+    if not (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add)):
+        return n
+    for proj, bias in ((n.left, n.right), (n.right, n.left)):
+        is_proj = (isinstance(proj, ast.BinOp) and isinstance(proj.op, ast.MatMult)) or (
+            isinstance(proj, ast.Call) and (dotted(proj.func) or "").split(".")[-1] in ("linear", "matmul", "mm") and len(proj.args) >= 2)
+        is_bias = (isinstance(bias, ast.Name) and bias.id in ctx.scope.args and S.definition(ctx, bias.id) is None) or (
+            isinstance(bias, ast.Attribute) and (dotted(bias) or "").startswith("self."))
+        if is_proj and is_bias:
+            x = proj.left if isinstance(proj, ast.BinOp) else proj.args[0]
+            if S.key(x, ctx) != S.key(bias, ctx):
+                return proj
+    return n
+
+
+def _saved_activation_reason(module: ModuleInfo, scope: Scope, g: Gate) -> str | None:
+    """The forward of a hand-written ``torch.autograd.Function`` that saves the activation's result
+    for its own backward (``x3 = F.silu(x1); x4 = x3 * x2; ctx.save_for_backward(..., x3, ...)``):
+    the activation must still be computed, so the fused op would replace the multiplication alone
+    (and add a concatenation): why it is not a candidate, else None."""
+    cls = module.classes.get(scope.class_name or "")
+    if cls is None or not any((module.canonical(b) or dotted(b) or "").endswith("autograd.Function") for b in cls.bases):
+        return None
+    factors: list[ast.expr] = []
+    _flatten_mul(g.node, factors)
+    held = {f.id for f in factors if isinstance(f, ast.Name)}
+    for n in fast_walk(scope.node):
+        saved: list[ast.expr] = []
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("save_for_backward", "mark_non_differentiable"):
+            saved = list(n.args)
+        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) for t in n.targets):
+            saved = [n.value]
+        for e in saved:
+            for name in fast_walk(e):
+                if isinstance(name, ast.Name) and name.id in held and _act_of(module, name, S.Ctx(scope, g.node.lineno), S.Trace()) is not None:
+                    return (f"inside the hand-written autograd.Function `{cls.name}`: the activation's result `{name.id}` is saved "
+                            "for its backward, so the activation runs anyway and the fused op would replace only the "
+                            "multiplication (adding a concatenation)")
+    return None
