@@ -680,3 +680,12 @@ Geglu.KEEP += [
     Keep(_GATED_OR_NOT.replace("                gate = F.linear(x[pos], self.w_gate[e])\n", ""),
          reason="intermediate `gate` reused after the fused region", name="activation_from_getattr_other_branch_reads_the_gate"),
 ]
+
+
+# --- glu harvest (s25): the gelu side of the harvest's classes (tests/test_detect_glu_harvest.py) ---
+
+Geglu.FUSE += [
+    # T5-style gated gelu with the activation in fp32, rounded back to the gate's dtype
+    Fuse(G._HARVEST_CAST_TO.replace("F.silu(g.float()).to(g.dtype)", "F.gelu(g.float(), approximate=\"tanh\").type_as(g)"),
+         expect={"activation": "gelu_tanh", "gate": "g"}, run=G._RUN_HARVEST_CAST_TO, name="harvest_gelu_in_fp32_cast_back"),
+]

@@ -3892,8 +3892,8 @@ def _local_callable_act(module: ModuleInfo, f: ast.Name, gate: ast.expr, ctx: S.
         if act.kind != CONFIG:
             return act
         return dataclasses.replace(act, weak=True)
-    if isinstance(value.func, ast.Name) and (value.func.id in module.classes or value.func.id in module.aliases):
-        return None  # a class instantiated here / an imported factory: a module, not a chosen callable
+    if (isinstance(value.func, ast.Name) and value.func.id in module.classes) or (module.canonical(value.func) or "").startswith("torch."):
+        return None  # a class of this file instantiated here, or a torch object (an activation would be known)
     return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.id, None), weak=True)
 
 
@@ -3973,3 +3973,371 @@ def _saved_activation_reason(module: ModuleInfo, scope: Scope, g: Gate) -> str |
                             "for its backward, so the activation runs anyway and the fused op would replace only the "
                             "multiplication (adding a concatenation)")
     return None
+
+
+# --- glu harvest (s25): examples (run by name in tests/test_detect_glu_harvest.py) ---------------
+
+# torchscale's GLU: the activation in fp32 and rounded back to the gate's dtype, chosen by a
+# getter imported from elsewhere and given its name by keyword
+_HARVEST_CAST = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def get_activation_fn(activation):
+    if activation == "relu":
+        return F.relu
+    elif activation == "gelu":
+        return F.gelu
+    elif activation == "swish":
+        return F.silu
+    raise NotImplementedError
+
+
+class GLU(nn.Module):
+    def __init__(self, d, h, activation_fn):
+        super().__init__()
+        self.activation_fn = get_activation_fn(activation=str(activation_fn))
+        self.fc1 = nn.Linear(d, h, bias=False)
+        self.fc2 = nn.Linear(h, d, bias=False)
+        self.gate = nn.Linear(d, h, bias=False)
+
+    def forward(self, x):
+        g = self.gate(x)
+        x = self.fc1(x)
+        x = self.activation_fn(x.float()).type_as(x) * g
+        return self.fc2(x)
+'''
+
+_RUN_HARVEST_CAST = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GLU(8, 12, a) for a in ("swish", "gelu", "relu")]
+half = GLU(8, 12, "swish").to(torch.bfloat16)
+out = tuple(m(x) for m in ms) + (half(x.detach().to(torch.bfloat16)),)
+leaves = [x] + [m.fc1.weight for m in ms]
+'''
+
+# the cast spelled `.to(g.dtype)` / `.to(dtype=g.dtype)`, the up-cast `.to(torch.float32)`
+_HARVEST_CAST_TO = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h)
+        self.w3 = nn.Linear(d, h)
+
+    def forward(self, x):
+        g = self.w1(x)
+        return F.silu(g.float()).to(g.dtype) * self.w3(x)
+'''
+
+_RUN_HARVEST_CAST_TO = '''
+m = MLP(8, 12)
+x = torch.randn(4, 8, requires_grad=True)
+out = (m(x), m.to(torch.bfloat16)(x.detach().to(torch.bfloat16)))
+leaves = [x]
+'''
+
+# TransformerLens: every projection passes through a HookPoint (an identity module users hook)
+_HARVEST_HOOKS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class HookPoint(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.W_in = nn.Parameter(torch.randn(d, h) / d ** 0.5)
+        self.W_gate = nn.Parameter(torch.randn(d, h) / d ** 0.5)
+        self.W_out = nn.Parameter(torch.randn(h, d) / h ** 0.5)
+        self.b_in = nn.Parameter(torch.zeros(h))
+        self.hook_pre = HookPoint()
+        self.hook_pre_linear = HookPoint()
+        self.hook_post = HookPoint()
+        self.act_fn = F.silu
+
+    def forward(self, x):
+        pre_act = self.hook_pre(F.linear(x, self.W_gate.T.contiguous()))
+        pre_linear = self.hook_pre_linear(F.linear(x, self.W_in.T.contiguous()))
+        post_act = self.hook_post((self.act_fn(pre_act) * pre_linear) + self.b_in)
+        return F.linear(post_act, self.W_out.T.contiguous())
+'''
+
+_RUN_HARVEST_HOOKS = '''
+m = GatedMLP(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.W_gate, m.W_in]
+'''
+
+# megablocks' SharedGLU / TransformerLens' GatedMLP: `self.act` set by a base class from another file
+_HARVEST_INHERITED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlp_base import SharedMLP
+
+
+class SharedGLU(SharedMLP):
+    def __init__(self, d, h, act):
+        super().__init__(d, h, act)
+        self.gate_proj = nn.Linear(d, h)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+'''
+
+# the same with the base class made where it runs (the example executes standalone)
+_HARVEST_INHERITED_RUNNABLE = _HARVEST_INHERITED.replace("from mlp_base import SharedMLP\n", '''
+def _base():
+    class SharedMLP(nn.Module):
+        def __init__(self, d, h, act):
+            super().__init__()
+            self.up_proj = nn.Linear(d, h)
+            self.down_proj = nn.Linear(h, d)
+            self.act = act
+    return SharedMLP
+
+
+SharedMLP = _base()
+''')
+
+_RUN_HARVEST_INHERITED = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [SharedGLU(8, 12, a) for a in (F.silu, nn.GELU(), torch.relu)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_proj.weight for m in ms]
+'''
+
+# a local callable: a module function's choice, or what a method returns
+_HARVEST_LOCAL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def resolve_activation_fn(config):
+    name = getattr(config, "hidden_act", None)
+    if name is None or name in ("silu", "swish"):
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    return F.relu
+
+
+class Bridge(nn.Module):
+    def __init__(self, d, h, config):
+        super().__init__()
+        self.config = config
+        self.W_gate = nn.Parameter(torch.randn(h, d) / d ** 0.5)
+        self.W_in = nn.Parameter(torch.randn(h, d) / d ** 0.5)
+
+    def _resolve(self):
+        return resolve_activation_fn(self.config)
+
+    def forward(self, hidden_states):
+        gate_output = F.linear(hidden_states, self.W_gate)
+        linear_output = F.linear(hidden_states, self.W_in)
+        act_fn = resolve_activation_fn(self.config)
+        activated = act_fn(gate_output)
+        return activated * linear_output
+
+    def forward_method(self, hidden_states):
+        act_fn = self._resolve()
+        return act_fn(F.linear(hidden_states, self.W_gate)) * F.linear(hidden_states, self.W_in)
+'''
+
+_RUN_HARVEST_LOCAL = '''
+class Cfg:
+    def __init__(self, a):
+        self.hidden_act = a
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [Bridge(8, 12, Cfg(a)) for a in ("silu", "gelu", "relu")]
+out = tuple(m(x) for m in ms) + tuple(m.forward_method(x) for m in ms)
+leaves = [x] + [m.W_gate for m in ms]
+'''
+
+# Protenix's inference loop: the activation in place, then `b *= a`
+_HARVEST_AUGASSIGN = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Transition(nn.Module):
+    def __init__(self, c, n):
+        super().__init__()
+        self.lin_a = nn.Linear(c, n * c, bias=False)
+        self.lin_b = nn.Linear(c, n * c, bias=False)
+        self.out = nn.Linear(n * c, c, bias=False)
+
+    def forward(self, x):
+        outputs = []
+        for chunk in torch.chunk(x, 2, dim=0):
+            a = self.lin_a(chunk)
+            a = F.silu(a, True)
+            b = self.lin_b(chunk)
+            b *= a
+            del a
+            outputs.append(self.out(b))
+        return torch.cat(outputs)
+
+    def forward_up_first(self, x):
+        h = self.lin_b(x)
+        h *= F.silu(self.lin_a(x))
+        return self.out(h)
+'''
+
+_RUN_HARVEST_AUGASSIGN = '''
+m = Transition(8, 2)
+x = torch.randn(6, 8)
+out = (m(x), m.forward_up_first(x))
+'''
+
+# xformers' decomposed SwiGLU: `x @ w.transpose(-2, -1) + b` projections as plain function arguments
+_HARVEST_BIASED = '''
+import torch
+import torch.nn.functional as F
+
+
+def swiglu_reference(x, w1, b1, w2, b2, w3, b3):
+    x1 = x @ w1.transpose(-2, -1) + b1
+    x2 = x @ w2.transpose(-2, -1) + b2
+    hidden = F.silu(x1) * x2
+    return hidden @ w3.transpose(-2, -1) + b3
+'''
+
+_RUN_HARVEST_BIASED = '''
+x = torch.randn(5, 8, requires_grad=True)
+w1, w2, w3 = torch.randn(12, 8), torch.randn(12, 8), torch.randn(8, 12)
+b1, b2, b3 = torch.randn(12), torch.randn(12), torch.randn(8)
+out = swiglu_reference(x, w1, b1, w2, b2, w3, b3)
+leaves = [x]
+'''
+
+# the same inside a hand-written autograd.Function that saves the activation for its backward
+_HARVEST_SAVED = '''
+import torch
+import torch.nn.functional as F
+
+
+class DecomposedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        x1 = x @ w1.transpose(-2, -1) + b1
+        x2 = x @ w2.transpose(-2, -1) + b2
+        x3 = F.silu(x1)
+        x4 = x3 * x2
+        ctx.save_for_backward(x, w1, w2, x1, x2, x3)
+        return x4
+'''
+
+# bigscience's GLU modules: the activation handed up to a base whose forward TorchScript compiles
+_HARVEST_SCRIPTED_BASE = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class _GLUBaseModule(nn.Module):
+    def __init__(self, activation_fn):
+        super().__init__()
+        self.activation_fn = activation_fn
+
+    def forward(self, x):
+        x1, x2 = x.chunk(2, dim=(x.ndim - 1))
+        return x1 * self.activation_fn(x2)
+
+
+class SwiGLU(_GLUBaseModule):
+    def __init__(self):
+        super().__init__(F.silu)
+
+
+swiglu = torch.jit.script(SwiGLU())
+'''
+
+Swiglu.FUSE += [
+    Fuse(_HARVEST_CAST, expect={"activation": "config", "gate": "x", "up": "g", "dispatches_to": ["swiglu", "geglu"]},
+         run=_RUN_HARVEST_CAST, name="harvest_activation_in_fp32_cast_back_to_the_gate_dtype"),
+    Fuse(_HARVEST_CAST_TO, expect={"activation": "silu", "gate": "g"}, run=_RUN_HARVEST_CAST_TO,
+         name="harvest_activation_cast_back_with_to_dtype"),
+    Fuse(_HARVEST_CAST_TO.replace("F.silu(g.float()).to(g.dtype)", "F.silu(g.to(torch.float32)).to(dtype=g.dtype)"),
+         expect={"activation": "silu", "gate": "g"}, run=_RUN_HARVEST_CAST_TO, name="harvest_activation_upcast_with_to_float32"),
+    Fuse(_HARVEST_HOOKS, expect={"activation": "silu", "gate": "pre_act", "up": "pre_linear"}, run=_RUN_HARVEST_HOOKS,
+         name="harvest_projections_through_identity_hook_modules"),
+    Fuse(_HARVEST_HOOKS.replace("self.hook_pre_linear = HookPoint()", "self.hook_pre_linear = nn.Dropout()"),
+         expect={"activation": "silu", "up": "pre_linear"}, run=_RUN_HARVEST_HOOKS, name="harvest_projection_through_a_dropout"),
+    Fuse(_HARVEST_INHERITED, expect={"activation": "config", "gate": "self.gate_proj(x)", "up": "self.up_proj(x)"},
+         name="harvest_activation_set_by_an_imported_base_class"),
+    Fuse(_HARVEST_INHERITED_RUNNABLE, expect={"activation": "config", "dispatches_to": ["swiglu", "geglu"]}, run=_RUN_HARVEST_INHERITED,
+         name="harvest_activation_set_by_a_base_class_made_elsewhere"),
+    Fuse(_HARVEST_LOCAL, expect={"activation": "config", "gate": "gate_output", "up": "linear_output"}, run=_RUN_HARVEST_LOCAL,
+         name="harvest_local_callable_from_a_module_function_or_a_method"),
+    Fuse(_HARVEST_AUGASSIGN, expect={"activation": "silu", "up": "b", "line": 18, "end_line": 20}, run=_RUN_HARVEST_AUGASSIGN,
+         name="harvest_product_as_augmented_assignment_after_an_in_place_activation"),
+    Fuse(_HARVEST_BIASED, expect={"activation": "silu", "gate": "x1", "up": "x2"}, run=_RUN_HARVEST_BIASED,
+         name="harvest_projections_as_matmul_plus_bias"),
+]
+
+Swiglu.KEEP += [
+    # the activation's result rounded to the block input's dtype, not the gate's: under autocast
+    # that is another dtype than the projection's, so it is not how the fused op rounds
+    Keep(_HARVEST_CAST_TO.replace("F.silu(g.float()).to(g.dtype)", "F.silu(g.float()).to(x.dtype)"), reason="",
+         name="harvest_activation_cast_to_another_tensors_dtype"),
+    # a module built with arguments is no identity: the up operand is a normalised projection
+    Keep(_HARVEST_HOOKS.replace("self.hook_pre_linear = HookPoint()", "self.hook_pre_linear = nn.LayerNorm(h)"),
+         reason="not projections of one input", name="harvest_projection_through_a_module_with_weights"),
+    # the inherited callable times a mask: no GLU structure, so not even a look-alike
+    Keep(_HARVEST_INHERITED.replace("self.act(self.gate_proj(x)) * self.up_proj(x)", "self.act(self.gate_proj(x)) * x.ne(0)"),
+         reason="", name="harvest_inherited_callable_times_a_mask"),
+    # the class assigns the attribute itself (a projection), so it is not a callable chosen elsewhere
+    Keep(_HARVEST_INHERITED.replace("self.gate_proj = nn.Linear(d, h)", "self.gate_proj = nn.Linear(d, h)\n        self.act = nn.Linear(h, h)"),
+         reason="", name="harvest_attribute_assigned_by_the_class_itself"),
+    # `up *= silu(g)` on a parameter: the caller's tensor is multiplied in place; a rebinding would not
+    Keep('''
+import torch
+import torch.nn.functional as F
+
+
+def gate_in_place(g, up):
+    up *= F.silu(g)
+    return up
+''', reason="", name="harvest_augmented_product_on_a_parameter"),
+    Keep('''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Up(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.lin_a = nn.Linear(c, 2 * c)
+        self.lin_b = nn.Linear(c, 2 * c)
+
+    def forward(self, x):
+        h = self.lin_b(x).view(-1, 16)
+        h *= F.silu(self.lin_a(x)).view(-1, 16)
+        return h
+''', reason="", name="harvest_augmented_product_on_a_view"),
+    Keep(_HARVEST_SAVED, reason="the activation's result `x3` is saved for its backward",
+         name="harvest_autograd_function_saving_the_activation"),
+    # the bias is the projection's own input: a residual, not an affine projection
+    Keep(_HARVEST_BIASED.replace("x2 = x @ w2.transpose(-2, -1) + b2", "x2 = x @ w2.transpose(-2, -1) + x"),
+         reason="transformed after its projection", name="harvest_matmul_plus_its_own_input"),
+    Keep(_HARVEST_SCRIPTED_BASE, reason="TorchScript compiles `_GLUBaseModule (passed to torch.jit.script)`",
+         name="harvest_forward_inherited_by_a_scripted_class"),
+]
