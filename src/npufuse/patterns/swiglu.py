@@ -863,7 +863,7 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
         if elts and isinstance(elts[-1], ast.Slice) and all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None or (isinstance(e, ast.Constant) and e.value is Ellipsis) for e in elts[:-1]):
             s = elts[-1]
             if s.step is not None:
-                raise GateMiss("gate and up interleaved (x[..., ::2] / x[..., 1::2]): the fused op splits contiguous halves")
+                return _interleaved_part(n, c, s, elts, trace, t)
             has_ellipsis = any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts[:-1])
             dim: ast.expr = ast.Constant(-1) if has_ellipsis or len(elts) == 1 and False else ast.Constant(len(elts) - 1)
             if not has_ellipsis and len(elts) == 1:
@@ -2249,25 +2249,6 @@ class GptOssExperts(nn.Module):
 ''',
         reason="interleaved",
         name="gpt_oss_interleaved_alpha",
-    ),
-    Keep(
-        '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class InterleavedSwiGLU(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.w = nn.Linear(d, 2 * h)
-
-    def forward(self, x):
-        h = self.w(x)
-        return F.silu(h[..., ::2]) * h[..., 1::2]
-''',
-        reason="interleaved",
-        name="interleaved_halves",
     ),
     Keep(
         '''
@@ -4340,4 +4321,51 @@ class Up(nn.Module):
          reason="transformed after its projection", name="harvest_matmul_plus_its_own_input"),
     Keep(_HARVEST_SCRIPTED_BASE, reason="TorchScript compiles `_GLUBaseModule (passed to torch.jit.script)`",
          name="harvest_forward_inherited_by_a_scripted_class"),
+]
+
+
+def _interleaved_part(n: ast.Subscript, ctx: S.Ctx, s: ast.Slice, elts: list[ast.expr], trace: S.Trace, t: S.Trace) -> tuple:
+    """``T[..., ::2]`` / ``T[..., 0::2]`` and ``T[..., 1::2]``: the even and odd columns of one
+    fused gate/up projection (gpt-oss' interleaved layout). Two parts of one tensor, taken as two
+    operands: the fused op gets them concatenated (``torch.cat([T[..., ::2], T[..., 1::2]], -1)``:
+    exact; the copy is the cost, as for two projections; de-interleaving the weight's rows once
+    makes the op take ``T`` itself). Any other strided slice is refused (GateMiss)."""
+    lower, step, upper = const_value(s.lower) if s.lower is not None else 0, const_value(s.step), s.upper
+    if step != 2 or upper is not None or lower not in (0, 1) or not elts[:-1] or not all(
+            isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts[:-1]):
+        raise GateMiss("gate and up interleaved (x[..., ::2] / x[..., 1::2]): the fused op splits contiguous halves")
+    trace.stmts.update(t.stmts)
+    return (S.key(n.value, ctx), n.value, ctx, ast.Constant(-1), lower, "part", True)
+
+
+_HARVEST_INTERLEAVED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class InterleavedSwiGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        h = self.w(x)
+        return F.silu(h[..., ::2]) * h[..., 1::2]
+
+    def forward_named(self, x):
+        gate_up = self.w(x)
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+        return up * F.silu(gate)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_HARVEST_INTERLEAVED, expect={"activation": "silu", "gate": "h[..., ::2]", "up": "h[..., 1::2]"},
+         run="m = InterleavedSwiGLU(8, 6)\nx = torch.randn(3, 8, requires_grad=True)\nout = (m(x), m.forward_named(x))\nleaves = [x, m.w.weight]\n",
+         name="harvest_interleaved_gate_up_columns"),
+]
+Swiglu.KEEP += [
+    # odd columns activated against a stride-3 slice: not the two halves of one interleaving
+    Keep(_HARVEST_INTERLEAVED.replace("1::2]", "1::3]"), reason="interleaved",
+         name="harvest_interleaved_other_stride"),
 ]
