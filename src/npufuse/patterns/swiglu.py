@@ -2247,7 +2247,7 @@ class GptOssExperts(nn.Module):
         glu = gate * torch.sigmoid(gate * self.alpha)
         return (up + 1) * glu
 ''',
-        reason="interleaved",
+        reason="swish with beta",
         name="gpt_oss_interleaved_alpha",
     ),
     Keep(
@@ -3806,7 +3806,16 @@ def _through_identity_module(module: ModuleInfo | None, n: ast.expr, ctx: S.Ctx)
 
 
 def _self_stores(module: ModuleInfo, class_name: str, attr: str, depth: int = 0) -> bool:
-    """Some method of the class (or of an in-module base) assigns ``self.<attr>``, or defines it."""
+    """Some method of the class (or of an in-module base) assigns ``self.<attr>``, or defines it
+    (cached per module: every unknown ``self.<attr>(...)`` factor of the class asks)."""
+    cache = module.__dict__.setdefault("_npufuse_glu_self_stores", {})
+    k = (class_name, attr, depth)
+    if k not in cache:
+        cache[k] = _self_stores_uncached(module, class_name, attr, depth)
+    return cache[k]
+
+
+def _self_stores_uncached(module: ModuleInfo, class_name: str, attr: str, depth: int) -> bool:
     cls = module.classes.get(class_name)
     if cls is None or depth > 3:
         return False
