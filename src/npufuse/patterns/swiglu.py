@@ -1105,14 +1105,14 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
     sa = _split_of(module, a, actx, trace)
     sb = _split_of(module, b, ctx, trace)
     halves = None
-    if sa is not None and sb is not None and "part" in (sa[5], sb[5]):
+    if sa is not None and sb is not None and ("part" in (sa[5], sb[5]) or "interleaved" in (sa[5], sb[5])):
         if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
             raise GateMiss("gate and up are not two parts of one chunk along one dim")
         if not (sa[6] and sb[6]):
             raise GateMiss("gate or up is the last part of a chunk, which is shorter than the others when the size does "
                            "not divide evenly (the product then broadcasts; the fused op would split wrongly)")
         # two equal parts of one tensor: the fused op takes them concatenated (exact for any dim)
-        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="chunk")
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="chunk" if sa[5] == "part" else "interleaved")
     if sa is not None and sb is not None and "sized" in (sa[5], sb[5]):
         if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
             raise GateMiss("gate and up are not two parts of one split along one dim")
@@ -1746,7 +1746,12 @@ def _as_written(module: ModuleInfo, op: Operand, plan: S.SpanPlan) -> str:
 def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
     risks: list[Risk] = [Risk("dtype", f"npu_{pat}: fp16/bf16/fp32 only (bf16 needs A2+)")]
     notes: list[str] = []
-    if g.halves is None and g.parts is not None:
+    if g.halves is None and g.parts == "interleaved":
+        risks.append(Risk("other", "the even and odd columns of one projection taken as operands: the fused op needs [gate, up] "
+                                   "in one tensor, so this adds a torch.cat copy of both (2 x T x I elements written and read "
+                                   "again) and keeps it for backward; de-interleaving the projection's weight rows once "
+                                   "([gate; up] order) lets the op take the projection itself"))
+    elif g.halves is None and g.parts is not None:
         risks.append(Risk("other", f"two parts of one {g.parts} taken as operands: the fused op needs [gate, up] in one "
                                    "tensor, so this adds a torch.cat copy of both parts (2 x T x I elements written and read "
                                    "again) and keeps it for backward; npufuse does not slice the adjacent pair out of the "
@@ -4344,7 +4349,7 @@ def _interleaved_part(n: ast.Subscript, ctx: S.Ctx, s: ast.Slice, elts: list[ast
             isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts[:-1]):
         raise GateMiss("gate and up interleaved (x[..., ::2] / x[..., 1::2]): the fused op splits contiguous halves")
     trace.stmts.update(t.stmts)
-    return (S.key(n.value, ctx), n.value, ctx, ast.Constant(-1), lower, "part", True)
+    return (S.key(n.value, ctx), n.value, ctx, ast.Constant(-1), lower, "interleaved", True)
 
 
 _HARVEST_INTERLEAVED = '''
