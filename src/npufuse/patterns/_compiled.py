@@ -76,6 +76,7 @@ def _compiled(module: "ModuleInfo") -> tuple[set[str], set[str]]:
                     functions.add(arg.id)
                 elif isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id in module.classes:
                     classes.add(arg.func.id)
+        classes |= _scripted_bases(module, classes)
         # what compiled code calls in this module is compiled with it (a few levels)
         todo = list(functions)
         for _ in range(4):
@@ -260,3 +261,25 @@ def lifted_text(module: "ModuleInfo", qualname: str, sites: list[tuple[int, int,
     except SyntaxError:
         return None
     return text
+
+
+# --- glu harvest (s25): methods a scripted class inherits ------------------------------------
+
+
+def _scripted_bases(module: "ModuleInfo", classes: set[str]) -> set[str]:
+    """The in-module base classes of classes passed to ``torch.jit.script(Cls())``: TorchScript
+    compiles the methods the instance has, inherited ones included (bigscience's ``GEGLU(
+    _GLUBaseModule)`` whose ``forward`` is the base's), so a rewrite in the base's method breaks
+    the import just the same."""
+    out: set[str] = set()
+    todo = list(classes)
+    for _ in range(8):
+        nxt = []
+        for name in todo:
+            cls = module.classes.get(name)
+            for b in cls.bases if cls is not None else ():
+                if isinstance(b, ast.Name) and b.id in module.classes and b.id not in classes and b.id not in out:
+                    out.add(b.id)
+                    nxt.append(b.id)
+        todo = nxt
+    return out

@@ -365,25 +365,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class InterleavedGEGLU(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.proj = nn.Linear(d, 2 * h)
-
-    def forward(self, x):
-        h = self.proj(x)
-        return h[..., 0::2] * F.gelu(h[..., 1::2])
-''',
-        reason="interleaved",
-        name="interleaved_halves",
-    ),
-    Keep(
-        '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
 class GEGLUWithGate(nn.Module):
     def __init__(self, d, h):
         super().__init__()
@@ -679,4 +660,34 @@ Geglu.KEEP += [
     # the other branch reads the activated gate the span no longer computes
     Keep(_GATED_OR_NOT.replace("                gate = F.linear(x[pos], self.w_gate[e])\n", ""),
          reason="intermediate `gate` reused after the fused region", name="activation_from_getattr_other_branch_reads_the_gate"),
+]
+
+
+# --- glu harvest (s25): the gelu side of the harvest's classes (tests/test_detect_glu_harvest.py) ---
+
+Geglu.FUSE += [
+    # T5-style gated gelu with the activation in fp32, rounded back to the gate's dtype
+    Fuse(G._HARVEST_CAST_TO.replace("F.silu(g.float()).to(g.dtype)", "F.gelu(g.float(), approximate=\"tanh\").type_as(g)"),
+         expect={"activation": "gelu_tanh", "gate": "g"}, run=G._RUN_HARVEST_CAST_TO, name="harvest_gelu_in_fp32_cast_back"),
+]
+
+# interleaved gate/up columns (was a near miss): the two strided parts concatenated
+Geglu.FUSE += [
+    Fuse('''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class InterleavedGEGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h[..., 0::2] * F.gelu(h[..., 1::2])
+''', expect={"activation": "gelu", "gate": "h[..., 1::2]", "up": "h[..., 0::2]", "approximate": 0},
+         run="m = InterleavedGEGLU(8, 6)\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.proj.weight]\n",
+         name="harvest_interleaved_gelu_columns"),
 ]

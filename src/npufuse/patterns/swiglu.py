@@ -134,11 +134,12 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
                     return GELU_DYN, approx
             return kind, None
         short = (dotted(value.func) or "").split(".")[-1]
-        if short in _GETTERS and value.args:
-            v = const_value(value.args[0])
+        named = _getter_name_arg(value) if short in _GETTERS else None
+        if named is not None:
+            v = const_value(named)
             if isinstance(v, str):
                 return ACT_NAMES.get(v.lower(), v), None
-            return CONFIG, value.args[0]
+            return CONFIG, named
     if isinstance(value, ast.Subscript):
         table = (dotted(value.value) or "").split(".")[-1]
         if table in _ACT_TABLES:
@@ -352,7 +353,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             k2 = _helper_act(module, m)
             if k2 is not None:
                 return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
-        return None
+        return _inherited_act(module, f, gate, ctx)
     if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2:
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
@@ -369,6 +370,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         passed = _parameter_act(module, f, gate, ctx)
         if passed is not None:
             return passed
+        return _local_callable_act(module, f, gate, ctx)
     return None
 
 
@@ -717,10 +719,11 @@ def _act_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> A
     if moved:
         n = n.func.value  # type: ignore[union-attr]
     if S.is_cast(n) and n.func.value is not None:  # type: ignore[union-attr]
+        act = _cast_back_act(module, n, c)  # `act(g.float()).type_as(g)`: else no activation
+    elif not isinstance(n, ast.Call):
         return None
-    if not isinstance(n, ast.Call):
-        return None
-    act = classify_call(module, n, c)
+    else:
+        act = classify_call(module, n, c)
     if act is not None:
         act.moved = moved
         trace.stmts.update(t.stmts)
@@ -860,7 +863,7 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
         if elts and isinstance(elts[-1], ast.Slice) and all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None or (isinstance(e, ast.Constant) and e.value is Ellipsis) for e in elts[:-1]):
             s = elts[-1]
             if s.step is not None:
-                raise GateMiss("gate and up interleaved (x[..., ::2] / x[..., 1::2]): the fused op splits contiguous halves")
+                return _interleaved_part(n, c, s, elts, trace, t)
             has_ellipsis = any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts[:-1])
             dim: ast.expr = ast.Constant(-1) if has_ellipsis or len(elts) == 1 and False else ast.Constant(len(elts) - 1)
             if not has_ellipsis and len(elts) == 1:
@@ -902,6 +905,8 @@ def _checkpointed(module: ModuleInfo | None, call: ast.Call, ctx: S.Ctx) -> bool
 def _projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None = None) -> str | None:
     """Key of the input of a projection-like value: ``self.w(x)``, ``F.linear(x, w)``, ``x @ w``."""
     n, c = _through_unary_helper(*S.peel(node, ctx))
+    n, c = _through_identity_module(module, n, c)
+    n = _biased_projection(n, c)
     while S.is_cast(n):
         n = n.func.value  # type: ignore[union-attr]
     if isinstance(n, ast.Call) and _checkpointed(module, n, c):
@@ -1048,8 +1053,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         # two callables other objects hold (`layer.act(layer.gate(x)) * layer.up(x)`): the
         # activation is the one applied to a projection of the input the other factor projects
         def glu_like(i: int, a: Act) -> bool:
-            ia = _projection_input(a.gate, a.ctx) if a.gate is not None else None
-            return ia is not None and ia == _projection_input(factors[1 - i], ctx)
+            ia = _projection_input(a.gate, a.ctx, module) if a.gate is not None else None
+            return ia is not None and ia == _projection_input(factors[1 - i], ctx, module)
         found = [(i, a) for i, a in found if glu_like(i, a)]
     if len(found) > 1 and any(a.weak for _, a in found):
         # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
@@ -1100,14 +1105,14 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
     sa = _split_of(module, a, actx, trace)
     sb = _split_of(module, b, ctx, trace)
     halves = None
-    if sa is not None and sb is not None and "part" in (sa[5], sb[5]):
+    if sa is not None and sb is not None and ("part" in (sa[5], sb[5]) or "interleaved" in (sa[5], sb[5])):
         if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
             raise GateMiss("gate and up are not two parts of one chunk along one dim")
         if not (sa[6] and sb[6]):
             raise GateMiss("gate or up is the last part of a chunk, which is shorter than the others when the size does "
                            "not divide evenly (the product then broadcasts; the fused op would split wrongly)")
         # two equal parts of one tensor: the fused op takes them concatenated (exact for any dim)
-        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="chunk")
+        return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="chunk" if sa[5] == "part" else "interleaved")
     if sa is not None and sb is not None and "sized" in (sa[5], sb[5]):
         if sa[5] != sb[5] or sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4]:
             raise GateMiss("gate and up are not two parts of one split along one dim")
@@ -1388,14 +1393,15 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         return results
     lines = S.module_lines(module)
     for stmt in S.stmt_index(scope).stmts:
-        if not S.simple_stmt(stmt) or getattr(stmt, "value", None) is None:
+        aug = _augassign_product(stmt, module, scope)
+        if not (S.simple_stmt(stmt) or aug is not None) or getattr(stmt, "value", None) is None:
             continue
         if not any(w in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno] for w in _PRODUCT_WORDS):
             continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
         inside: list[ast.AST] = []
-        for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+        for node in [*([aug] if aug is not None else []), *S.iter_exprs_topdown(stmt.value)]:  # type: ignore[attr-defined]
             if isinstance(node, ast.Call):
                 node = _call_product(module, stmt, node)  # type: ignore[assignment]
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
@@ -1415,6 +1421,11 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
                     inside.append(node)
                 continue
             if g is None:
+                continue
+            saved = _saved_activation_reason(module, scope, g)
+            if saved is not None:
+                misses.append((owner(g.act) or "swiglu", saved))
+                inside.append(node)
                 continue
             inside.append(node)
             gates.append(g)
@@ -1454,6 +1465,8 @@ def _inplace_target(stmt: ast.stmt) -> str | None:
     if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
             and stmt.value.func.attr in ("mul_", "multiply_") and isinstance(stmt.value.func.value, ast.Name):
         return stmt.value.func.value.id
+    if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Mult) and isinstance(stmt.target, ast.Name):
+        return stmt.target.id  # `t *= a` (see _augassign_product)
     return None
 
 
@@ -1733,7 +1746,12 @@ def _as_written(module: ModuleInfo, op: Operand, plan: S.SpanPlan) -> str:
 def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
     risks: list[Risk] = [Risk("dtype", f"npu_{pat}: fp16/bf16/fp32 only (bf16 needs A2+)")]
     notes: list[str] = []
-    if g.halves is None and g.parts is not None:
+    if g.halves is None and g.parts == "interleaved":
+        risks.append(Risk("other", "the even and odd columns of one projection taken as operands: the fused op needs [gate, up] "
+                                   "in one tensor, so this adds a torch.cat copy of both (2 x T x I elements written and read "
+                                   "again) and keeps it for backward; de-interleaving the projection's weight rows once "
+                                   "([gate; up] order) lets the op take the projection itself"))
+    elif g.halves is None and g.parts is not None:
         risks.append(Risk("other", f"two parts of one {g.parts} taken as operands: the fused op needs [gate, up] in one "
                                    "tensor, so this adds a torch.cat copy of both parts (2 x T x I elements written and read "
                                    "again) and keeps it for backward; npufuse does not slice the adjacent pair out of the "
@@ -2234,27 +2252,8 @@ class GptOssExperts(nn.Module):
         glu = gate * torch.sigmoid(gate * self.alpha)
         return (up + 1) * glu
 ''',
-        reason="interleaved",
+        reason="swish with beta",
         name="gpt_oss_interleaved_alpha",
-    ),
-    Keep(
-        '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class InterleavedSwiGLU(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.w = nn.Linear(d, 2 * h)
-
-    def forward(self, x):
-        h = self.w(x)
-        return F.silu(h[..., ::2]) * h[..., 1::2]
-''',
-        reason="interleaved",
-        name="interleaved_halves",
     ),
     Keep(
         '''
@@ -3730,4 +3729,657 @@ Swiglu.KEEP += [
     Keep(_METHOD_PRODUCT.replace("return self.proj(F.silu(self.fc1(x)).mul(self.fc2(x)))",
                                  "h = F.silu(self.fc1(x))\n        self.proj(h.mul_(self.fc2(x)))\n        return self.proj(h)"),
          reason="", name="product_in_place_inside_an_expression"),
+]
+
+
+# --- glu harvest (s25): casts around the activation, identity wrappers, callables chosen
+# elsewhere, the product as `t *= a` (issue 14, classes 6 and 7) ------------------------------
+
+_UPCASTS = ("float",)
+
+
+def _upcast_of(module: ModuleInfo, node: ast.expr) -> ast.expr | None:
+    """``g.float()`` / ``g.to(torch.float32)`` / ``g.to(dtype=torch.float32)``: ``g``; else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr in _UPCASTS and not node.args and not node.keywords:
+        return node.func.value
+    if node.func.attr == "to" and len(node.args) + len(node.keywords) == 1:
+        target = node.args[0] if node.args else (node.keywords[0].value if node.keywords[0].arg == "dtype" else None)
+        if target is not None and module.canonical(target) in ("torch.float32", "torch.float"):
+            return node.func.value
+    return None
+
+
+def _cast_back_target(node: ast.Call) -> ast.expr | None:
+    """The tensor whose dtype ``x.type_as(t)`` / ``x.to(t.dtype)`` / ``x.to(dtype=t.dtype)`` casts to."""
+    f = node.func
+    if not isinstance(f, ast.Attribute):
+        return None
+    if f.attr == "type_as" and len(node.args) == 1 and not node.keywords:
+        return node.args[0]
+    if f.attr == "to" and len(node.args) + len(node.keywords) == 1:
+        t = node.args[0] if node.args else (node.keywords[0].value if node.keywords[0].arg == "dtype" else None)
+        if isinstance(t, ast.Attribute) and t.attr == "dtype":
+            return t.value
+    return None
+
+
+def _cast_back_act(module: ModuleInfo, cast: ast.Call, ctx: S.Ctx) -> Act | None:
+    """``act(g.float()).type_as(g)`` (torchscale's GLU; also ``.to(g.dtype)``, and without the
+    up-cast): the activation computed in fp32 and rounded back to the gate's own dtype. That is
+    exactly how npu_swiglu / npu_geglu compute a half-precision gate (the activation in fp32, its
+    result rounded to the input dtype before the product), so the activation of ``g`` itself,
+    with ``g`` (not its fp32 copy) as the fused op's operand. A cast to any other tensor's dtype
+    (the block input's, under autocast another dtype than the projection's) is not this and stays
+    unrecognised."""
+    target = _cast_back_target(cast)
+    inner = cast.func.value  # type: ignore[attr-defined]
+    if target is None or not isinstance(inner, ast.Call) or not inner.args or isinstance(inner.args[0], ast.Starred):
+        return None
+    act = classify_call(module, inner, ctx)
+    if act is None or act.gate is None or act.kind == SIGMOID:
+        return None
+    g = _upcast_of(module, act.gate) or act.gate
+    tkey, gkey = S.key(target, ctx), S.key(g, act.ctx)
+    if S.is_cast(g) or tkey != gkey:
+        return None
+    act.gate = g
+    return act
+
+
+def _through_identity_module(module: ModuleInfo | None, n: ast.expr, ctx: S.Ctx) -> tuple[ast.expr, S.Ctx]:
+    """``self.hook_pre(F.linear(x, W))`` with ``self.hook_pre = HookPoint()`` (TransformerLens), or
+    ``nn.Identity()`` / ``nn.Dropout()``: a module built with no argument at all holds no weight
+    sized for the features, so it is no projection; the projection is its argument. Only for the
+    question "are gate and up projections of one input": the operands are still rendered as
+    written, so the wrapper (and any hook on it) runs exactly as before."""
+    if module is None or not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+                              and n.func.value.id == "self" and len(n.args) == 1 and not n.keywords
+                              and not isinstance(n.args[0], ast.Starred)) or ctx.depth:
+        return n, ctx
+    cls = _assigning_class(module, ctx.scope.class_name, n.func.attr)
+    value = S.init_assignments(module, cls).get(n.func.attr) if cls else None
+    if not (isinstance(value, ast.Call) and not value.args and not value.keywords and isinstance(value.func, (ast.Name, ast.Attribute))):
+        return n, ctx
+    if _module_act(module, value) is not None:
+        return n, ctx  # an activation module is not an identity
+    inner, ictx = S.peel(n.args[0], ctx)
+    if isinstance(inner, (ast.Call, ast.BinOp)):
+        return inner, ictx
+    return n, ctx
+
+
+def _self_stores(module: ModuleInfo, class_name: str, attr: str, depth: int = 0) -> bool:
+    """Some method of the class (or of an in-module base) assigns ``self.<attr>``, or defines it
+    (cached per module: every unknown ``self.<attr>(...)`` factor of the class asks)."""
+    cache = module.__dict__.setdefault("_npufuse_glu_self_stores", {})
+    k = (class_name, attr, depth)
+    if k not in cache:
+        cache[k] = _self_stores_uncached(module, class_name, attr, depth)
+    return cache[k]
+
+
+def _self_stores_uncached(module: ModuleInfo, class_name: str, attr: str, depth: int) -> bool:
+    cls = module.classes.get(class_name)
+    if cls is None or depth > 3:
+        return False
+    for item in cls.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if item.name == attr:
+                return True
+            for n in fast_walk(item):
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == attr and isinstance(n.value, ast.Name) \
+                        and n.value.id == "self":
+                    return True
+        elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+            targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+            if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
+                return True
+    return any(isinstance(b, ast.Name) and b.id in module.classes and b.id != class_name and _self_stores(module, b.id, attr, depth + 1)
+               for b in cls.bases)
+
+
+def _imported_base(module: ModuleInfo, class_name: str, depth: int = 0) -> bool:
+    """The class (or an in-module base of it) derives from a class defined in another file of the
+    repository or a package, other than torch's own modules (whose attributes npufuse knows)."""
+    cls = module.classes.get(class_name)
+    if cls is None or depth > 3:
+        return False
+    for b in cls.bases:
+        if isinstance(b, ast.Name) and b.id in module.classes and b.id != class_name:
+            if _imported_base(module, b.id, depth + 1):
+                return True
+            continue
+        name = module.canonical(b) or dotted(b) or ""
+        if name and not name.startswith("torch.") and name not in ("object", "Generic", "ABC", "abc.ABC"):
+            return True
+    return False
+
+
+def _inherited_act(module: ModuleInfo, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx) -> Act | None:
+    """``self.act(self.gate_proj(x)) * self.up_proj(x)`` where nothing in this file assigns
+    ``self.act``: a base class from another file does (megablocks' SharedGLU, TransformerLens'
+    GatedMLP picking ``act_fn`` from the config). A callable chosen elsewhere: weak (an activation
+    only when the product is a GLU's structure), dispatched on the object at run time."""
+    cls = ctx.scope.class_name
+    if ctx.depth or not cls or cls not in module.classes or f.attr in _TENSOR_METHODS:
+        return None
+    if _self_stores(module, cls, f.attr) or not _imported_base(module, cls):
+        return None
+    return Act(CONFIG, gate, ctx, f"self.{f.attr} (set by a base class in another file)", obj=f,
+               gelu_hint=_gelu_hint(f.attr, None), weak=True)
+
+
+def _local_callable_act(module: ModuleInfo, f: ast.Name, gate: ast.expr, ctx: S.Ctx) -> Act | None:
+    """``act_fn = resolve_activation_fn(self.config)`` (a module function: what its returns are)
+    or ``act_fn = self._resolve_activation_fn()`` (anything else: weak, dispatched on the object
+    at run time), then ``act_fn(gate) * up``."""
+    local = S.definition(ctx, f.id)
+    if local is None or not isinstance(local[1], ast.Call):
+        return None
+    value = local[1]
+    desc = f"{f.id} = {ast.unparse(value)}"
+    if _module_act(module, value) is not None:
+        return None  # an activation object built here: classify_call's own business
+    if isinstance(value.func, ast.Name) and value.func.id in module.functions and S.definition(ctx, value.func.id) is None:
+        act = _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
+        if act.kind != CONFIG:
+            return act
+        return dataclasses.replace(act, weak=True)
+    if (isinstance(value.func, ast.Name) and value.func.id in module.classes) or (module.canonical(value.func) or "").startswith("torch."):
+        return None  # a class of this file instantiated here, or a torch object (an activation would be known)
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.id, None), weak=True)
+
+
+_VIEWS = frozenset(("view", "view_as", "reshape", "transpose", "permute", "expand", "expand_as", "narrow", "unsqueeze", "squeeze",
+                    "flatten", "unflatten", "chunk", "split", "unbind", "select", "t", "T", "detach", "as_strided", "movedim"))
+
+
+def _augassign_product(stmt: ast.stmt, module: ModuleInfo | None = None, scope: Scope | None = None) -> ast.BinOp | None:
+    """``t *= a`` as the product ``t * a`` spanning the whole statement (rewritten ``t = <fused>``
+    like ``t.mul_(a)``, see :func:`_inplace_target`). Only where ``t`` is a fresh tensor of this
+    function (a local assigned from a call that is not a view): the original multiplies that
+    tensor in place, and the rewrite rebinds the name instead, which differs only for another
+    reference to the same storage (a parameter, a view, a slice)."""
+    if not (isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Mult) and isinstance(stmt.target, ast.Name)):
+        return None
+    if scope is not None:
+        d = S.definition(S.Ctx(scope, stmt.lineno), stmt.target.id)
+        v = d[1] if d is not None else None
+        if not (isinstance(v, ast.Call) and not (isinstance(v.func, ast.Attribute) and v.func.attr in _VIEWS)):
+            return None
+    target = ast.Name(id=stmt.target.id, ctx=ast.Load(), lineno=stmt.target.lineno, col_offset=stmt.target.col_offset,
+                      end_lineno=stmt.target.end_lineno, end_col_offset=stmt.target.end_col_offset)
+    return ast.BinOp(left=target, op=ast.Mult(), right=stmt.value, lineno=stmt.lineno, col_offset=stmt.col_offset,
+                     end_lineno=stmt.end_lineno, end_col_offset=stmt.end_col_offset)
+
+
+def _getter_name_arg(call: ast.Call) -> ast.expr | None:
+    """The activation's name an activation getter is given: its first argument, or its only
+    keyword (torchscale's ``get_activation_fn(activation=str(name))``)."""
+    if call.args:
+        return None if isinstance(call.args[0], ast.Starred) else call.args[0]
+    if len(call.keywords) == 1 and call.keywords[0].arg is not None:
+        return call.keywords[0].value
+    return None
+
+
+def _biased_projection(n: ast.expr, ctx: S.Ctx) -> ast.expr:
+    """``x @ w1.transpose(-2, -1) + b1`` / ``F.linear(x, w) + b`` (xformers' decomposed SwiGLU):
+    an affine projection written as a matmul plus a bias, which is a parameter of the function or
+    an attribute (``self.b1``), never the projection's own input (a residual ``x @ w + x``): the
+    matmul part, for the question "are gate and up projections of one input"."""
+    if not (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add)):
+        return n
+    for proj, bias in ((n.left, n.right), (n.right, n.left)):
+        is_proj = (isinstance(proj, ast.BinOp) and isinstance(proj.op, ast.MatMult)) or (
+            isinstance(proj, ast.Call) and (dotted(proj.func) or "").split(".")[-1] in ("linear", "matmul", "mm") and len(proj.args) >= 2)
+        is_bias = (isinstance(bias, ast.Name) and bias.id in ctx.scope.args and S.definition(ctx, bias.id) is None) or (
+            isinstance(bias, ast.Attribute) and (dotted(bias) or "").startswith("self."))
+        if is_proj and is_bias:
+            x = proj.left if isinstance(proj, ast.BinOp) else proj.args[0]
+            if S.key(x, ctx) != S.key(bias, ctx):
+                return proj
+    return n
+
+
+def _saved_activation_reason(module: ModuleInfo, scope: Scope, g: Gate) -> str | None:
+    """The forward of a hand-written ``torch.autograd.Function`` that saves the activation's result
+    for its own backward (``x3 = F.silu(x1); x4 = x3 * x2; ctx.save_for_backward(..., x3, ...)``):
+    the activation must still be computed, so the fused op would replace the multiplication alone
+    (and add a concatenation): why it is not a candidate, else None."""
+    cls = module.classes.get(scope.class_name or "")
+    if cls is None or not any((module.canonical(b) or dotted(b) or "").endswith("autograd.Function") for b in cls.bases):
+        return None
+    factors: list[ast.expr] = []
+    _flatten_mul(g.node, factors)
+    held = {f.id for f in factors if isinstance(f, ast.Name)}
+    for n in fast_walk(scope.node):
+        saved: list[ast.expr] = []
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("save_for_backward", "mark_non_differentiable"):
+            saved = list(n.args)
+        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) for t in n.targets):
+            saved = [n.value]
+        for e in saved:
+            for name in fast_walk(e):
+                if isinstance(name, ast.Name) and name.id in held and _act_of(module, name, S.Ctx(scope, g.node.lineno), S.Trace()) is not None:
+                    return (f"inside the hand-written autograd.Function `{cls.name}`: the activation's result `{name.id}` is saved "
+                            "for its backward, so the activation runs anyway and the fused op would replace only the "
+                            "multiplication (adding a concatenation)")
+    return None
+
+
+# --- glu harvest (s25): examples (run by name in tests/test_detect_glu_harvest.py) ---------------
+
+# torchscale's GLU: the activation in fp32 and rounded back to the gate's dtype, chosen by a
+# getter imported from elsewhere and given its name by keyword
+_HARVEST_CAST = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def get_activation_fn(activation):
+    if activation == "relu":
+        return F.relu
+    elif activation == "gelu":
+        return F.gelu
+    elif activation == "swish":
+        return F.silu
+    raise NotImplementedError
+
+
+class GLU(nn.Module):
+    def __init__(self, d, h, activation_fn):
+        super().__init__()
+        self.activation_fn = get_activation_fn(activation=str(activation_fn))
+        self.fc1 = nn.Linear(d, h, bias=False)
+        self.fc2 = nn.Linear(h, d, bias=False)
+        self.gate = nn.Linear(d, h, bias=False)
+
+    def forward(self, x):
+        g = self.gate(x)
+        x = self.fc1(x)
+        x = self.activation_fn(x.float()).type_as(x) * g
+        return self.fc2(x)
+'''
+
+_RUN_HARVEST_CAST = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GLU(8, 12, a) for a in ("swish", "gelu", "relu")]
+half = GLU(8, 12, "swish").to(torch.bfloat16)
+out = tuple(m(x) for m in ms) + (half(x.detach().to(torch.bfloat16)),)
+leaves = [x] + [m.fc1.weight for m in ms]
+'''
+
+# the cast spelled `.to(g.dtype)` / `.to(dtype=g.dtype)`, the up-cast `.to(torch.float32)`
+_HARVEST_CAST_TO = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h)
+        self.w3 = nn.Linear(d, h)
+
+    def forward(self, x):
+        g = self.w1(x)
+        return F.silu(g.float()).to(g.dtype) * self.w3(x)
+'''
+
+_RUN_HARVEST_CAST_TO = '''
+m = MLP(8, 12)
+x = torch.randn(4, 8, requires_grad=True)
+out = (m(x), m.to(torch.bfloat16)(x.detach().to(torch.bfloat16)))
+leaves = [x]
+'''
+
+# TransformerLens: every projection passes through a HookPoint (an identity module users hook)
+_HARVEST_HOOKS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class HookPoint(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.W_in = nn.Parameter(torch.randn(d, h) / d ** 0.5)
+        self.W_gate = nn.Parameter(torch.randn(d, h) / d ** 0.5)
+        self.W_out = nn.Parameter(torch.randn(h, d) / h ** 0.5)
+        self.b_in = nn.Parameter(torch.zeros(h))
+        self.hook_pre = HookPoint()
+        self.hook_pre_linear = HookPoint()
+        self.hook_post = HookPoint()
+        self.act_fn = F.silu
+
+    def forward(self, x):
+        pre_act = self.hook_pre(F.linear(x, self.W_gate.T.contiguous()))
+        pre_linear = self.hook_pre_linear(F.linear(x, self.W_in.T.contiguous()))
+        post_act = self.hook_post((self.act_fn(pre_act) * pre_linear) + self.b_in)
+        return F.linear(post_act, self.W_out.T.contiguous())
+'''
+
+_RUN_HARVEST_HOOKS = '''
+m = GatedMLP(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.W_gate, m.W_in]
+'''
+
+# megablocks' SharedGLU / TransformerLens' GatedMLP: `self.act` set by a base class from another file
+_HARVEST_INHERITED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlp_base import SharedMLP
+
+
+class SharedGLU(SharedMLP):
+    def __init__(self, d, h, act):
+        super().__init__(d, h, act)
+        self.gate_proj = nn.Linear(d, h)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+'''
+
+# the same with the base class made where it runs (the example executes standalone)
+_HARVEST_INHERITED_RUNNABLE = _HARVEST_INHERITED.replace("from mlp_base import SharedMLP\n", '''
+def _base():
+    class SharedMLP(nn.Module):
+        def __init__(self, d, h, act):
+            super().__init__()
+            self.up_proj = nn.Linear(d, h)
+            self.down_proj = nn.Linear(h, d)
+            self.act = act
+    return SharedMLP
+
+
+SharedMLP = _base()
+''')
+
+_RUN_HARVEST_INHERITED = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [SharedGLU(8, 12, a) for a in (F.silu, nn.GELU(), torch.relu)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_proj.weight for m in ms]
+'''
+
+# a local callable: a module function's choice, or what a method returns
+_HARVEST_LOCAL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def resolve_activation_fn(config):
+    name = getattr(config, "hidden_act", None)
+    if name is None or name in ("silu", "swish"):
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    return F.relu
+
+
+class Bridge(nn.Module):
+    def __init__(self, d, h, config):
+        super().__init__()
+        self.config = config
+        self.W_gate = nn.Parameter(torch.randn(h, d) / d ** 0.5)
+        self.W_in = nn.Parameter(torch.randn(h, d) / d ** 0.5)
+
+    def _resolve(self):
+        return resolve_activation_fn(self.config)
+
+    def forward(self, hidden_states):
+        gate_output = F.linear(hidden_states, self.W_gate)
+        linear_output = F.linear(hidden_states, self.W_in)
+        act_fn = resolve_activation_fn(self.config)
+        activated = act_fn(gate_output)
+        return activated * linear_output
+
+    def forward_method(self, hidden_states):
+        act_fn = self._resolve()
+        return act_fn(F.linear(hidden_states, self.W_gate)) * F.linear(hidden_states, self.W_in)
+'''
+
+_RUN_HARVEST_LOCAL = '''
+class Cfg:
+    def __init__(self, a):
+        self.hidden_act = a
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [Bridge(8, 12, Cfg(a)) for a in ("silu", "gelu", "relu")]
+out = tuple(m(x) for m in ms) + tuple(m.forward_method(x) for m in ms)
+leaves = [x] + [m.W_gate for m in ms]
+'''
+
+# Protenix's inference loop: the activation in place, then `b *= a`
+_HARVEST_AUGASSIGN = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Transition(nn.Module):
+    def __init__(self, c, n):
+        super().__init__()
+        self.lin_a = nn.Linear(c, n * c, bias=False)
+        self.lin_b = nn.Linear(c, n * c, bias=False)
+        self.out = nn.Linear(n * c, c, bias=False)
+
+    def forward(self, x):
+        outputs = []
+        for chunk in torch.chunk(x, 2, dim=0):
+            a = self.lin_a(chunk)
+            a = F.silu(a, True)
+            b = self.lin_b(chunk)
+            b *= a
+            del a
+            outputs.append(self.out(b))
+        return torch.cat(outputs)
+
+    def forward_up_first(self, x):
+        h = self.lin_b(x)
+        h *= F.silu(self.lin_a(x))
+        return self.out(h)
+'''
+
+_RUN_HARVEST_AUGASSIGN = '''
+m = Transition(8, 2)
+x = torch.randn(6, 8)
+out = (m(x), m.forward_up_first(x))
+'''
+
+# xformers' decomposed SwiGLU: `x @ w.transpose(-2, -1) + b` projections as plain function arguments
+_HARVEST_BIASED = '''
+import torch
+import torch.nn.functional as F
+
+
+def swiglu_reference(x, w1, b1, w2, b2, w3, b3):
+    x1 = x @ w1.transpose(-2, -1) + b1
+    x2 = x @ w2.transpose(-2, -1) + b2
+    hidden = F.silu(x1) * x2
+    return hidden @ w3.transpose(-2, -1) + b3
+'''
+
+_RUN_HARVEST_BIASED = '''
+x = torch.randn(5, 8, requires_grad=True)
+w1, w2, w3 = torch.randn(12, 8), torch.randn(12, 8), torch.randn(8, 12)
+b1, b2, b3 = torch.randn(12), torch.randn(12), torch.randn(8)
+out = swiglu_reference(x, w1, b1, w2, b2, w3, b3)
+leaves = [x]
+'''
+
+# the same inside a hand-written autograd.Function that saves the activation for its backward
+_HARVEST_SAVED = '''
+import torch
+import torch.nn.functional as F
+
+
+class DecomposedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        x1 = x @ w1.transpose(-2, -1) + b1
+        x2 = x @ w2.transpose(-2, -1) + b2
+        x3 = F.silu(x1)
+        x4 = x3 * x2
+        ctx.save_for_backward(x, w1, w2, x1, x2, x3)
+        return x4
+'''
+
+# bigscience's GLU modules: the activation handed up to a base whose forward TorchScript compiles
+_HARVEST_SCRIPTED_BASE = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class _GLUBaseModule(nn.Module):
+    def __init__(self, activation_fn):
+        super().__init__()
+        self.activation_fn = activation_fn
+
+    def forward(self, x):
+        x1, x2 = x.chunk(2, dim=(x.ndim - 1))
+        return x1 * self.activation_fn(x2)
+
+
+class SwiGLU(_GLUBaseModule):
+    def __init__(self):
+        super().__init__(F.silu)
+
+
+swiglu = torch.jit.script(SwiGLU())
+'''
+
+Swiglu.FUSE += [
+    Fuse(_HARVEST_CAST, expect={"activation": "config", "gate": "x", "up": "g", "dispatches_to": ["swiglu", "geglu"]},
+         run=_RUN_HARVEST_CAST, name="harvest_activation_in_fp32_cast_back_to_the_gate_dtype"),
+    Fuse(_HARVEST_CAST_TO, expect={"activation": "silu", "gate": "g"}, run=_RUN_HARVEST_CAST_TO,
+         name="harvest_activation_cast_back_with_to_dtype"),
+    Fuse(_HARVEST_CAST_TO.replace("F.silu(g.float()).to(g.dtype)", "F.silu(g.to(torch.float32)).to(dtype=g.dtype)"),
+         expect={"activation": "silu", "gate": "g"}, run=_RUN_HARVEST_CAST_TO, name="harvest_activation_upcast_with_to_float32"),
+    Fuse(_HARVEST_HOOKS, expect={"activation": "silu", "gate": "pre_act", "up": "pre_linear"}, run=_RUN_HARVEST_HOOKS,
+         name="harvest_projections_through_identity_hook_modules"),
+    Fuse(_HARVEST_HOOKS.replace("self.hook_pre_linear = HookPoint()", "self.hook_pre_linear = nn.Dropout()"),
+         expect={"activation": "silu", "up": "pre_linear"}, run=_RUN_HARVEST_HOOKS, name="harvest_projection_through_a_dropout"),
+    Fuse(_HARVEST_INHERITED, expect={"activation": "config", "gate": "self.gate_proj(x)", "up": "self.up_proj(x)"},
+         name="harvest_activation_set_by_an_imported_base_class"),
+    Fuse(_HARVEST_INHERITED_RUNNABLE, expect={"activation": "config", "dispatches_to": ["swiglu", "geglu"]}, run=_RUN_HARVEST_INHERITED,
+         name="harvest_activation_set_by_a_base_class_made_elsewhere"),
+    Fuse(_HARVEST_LOCAL, expect={"activation": "config", "gate": "gate_output", "up": "linear_output"}, run=_RUN_HARVEST_LOCAL,
+         name="harvest_local_callable_from_a_module_function_or_a_method"),
+    Fuse(_HARVEST_AUGASSIGN, expect={"activation": "silu", "up": "b", "line": 18, "end_line": 20}, run=_RUN_HARVEST_AUGASSIGN,
+         name="harvest_product_as_augmented_assignment_after_an_in_place_activation"),
+    Fuse(_HARVEST_BIASED, expect={"activation": "silu", "gate": "x1", "up": "x2"}, run=_RUN_HARVEST_BIASED,
+         name="harvest_projections_as_matmul_plus_bias"),
+]
+
+Swiglu.KEEP += [
+    # the activation's result rounded to the block input's dtype, not the gate's: under autocast
+    # that is another dtype than the projection's, so it is not how the fused op rounds
+    Keep(_HARVEST_CAST_TO.replace("F.silu(g.float()).to(g.dtype)", "F.silu(g.float()).to(x.dtype)"), reason="",
+         name="harvest_activation_cast_to_another_tensors_dtype"),
+    # a module built with arguments is no identity: the up operand is a normalised projection
+    Keep(_HARVEST_HOOKS.replace("self.hook_pre_linear = HookPoint()", "self.hook_pre_linear = nn.LayerNorm(h)"),
+         reason="not projections of one input", name="harvest_projection_through_a_module_with_weights"),
+    # the inherited callable times a mask: no GLU structure, so not even a look-alike
+    Keep(_HARVEST_INHERITED.replace("self.act(self.gate_proj(x)) * self.up_proj(x)", "self.act(self.gate_proj(x)) * x.ne(0)"),
+         reason="", name="harvest_inherited_callable_times_a_mask"),
+    # the class assigns the attribute itself (a projection), so it is not a callable chosen elsewhere
+    Keep(_HARVEST_INHERITED.replace("self.gate_proj = nn.Linear(d, h)", "self.gate_proj = nn.Linear(d, h)\n        self.act = nn.Linear(h, h)"),
+         reason="", name="harvest_attribute_assigned_by_the_class_itself"),
+    # `up *= silu(g)` on a parameter: the caller's tensor is multiplied in place; a rebinding would not
+    Keep('''
+import torch
+import torch.nn.functional as F
+
+
+def gate_in_place(g, up):
+    up *= F.silu(g)
+    return up
+''', reason="", name="harvest_augmented_product_on_a_parameter"),
+    Keep('''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Up(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.lin_a = nn.Linear(c, 2 * c)
+        self.lin_b = nn.Linear(c, 2 * c)
+
+    def forward(self, x):
+        h = self.lin_b(x).view(-1, 16)
+        h *= F.silu(self.lin_a(x)).view(-1, 16)
+        return h
+''', reason="", name="harvest_augmented_product_on_a_view"),
+    Keep(_HARVEST_SAVED, reason="the activation's result `x3` is saved for its backward",
+         name="harvest_autograd_function_saving_the_activation"),
+    # the bias is the projection's own input: a residual, not an affine projection
+    Keep(_HARVEST_BIASED.replace("x2 = x @ w2.transpose(-2, -1) + b2", "x2 = x @ w2.transpose(-2, -1) + x"),
+         reason="transformed after its projection", name="harvest_matmul_plus_its_own_input"),
+    Keep(_HARVEST_SCRIPTED_BASE, reason="TorchScript compiles `_GLUBaseModule (passed to torch.jit.script)`",
+         name="harvest_forward_inherited_by_a_scripted_class"),
+]
+
+
+def _interleaved_part(n: ast.Subscript, ctx: S.Ctx, s: ast.Slice, elts: list[ast.expr], trace: S.Trace, t: S.Trace) -> tuple:
+    """``T[..., ::2]`` / ``T[..., 0::2]`` and ``T[..., 1::2]``: the even and odd columns of one
+    fused gate/up projection (gpt-oss' interleaved layout). Two parts of one tensor, taken as two
+    operands: the fused op gets them concatenated (``torch.cat([T[..., ::2], T[..., 1::2]], -1)``:
+    exact; the copy is the cost, as for two projections; de-interleaving the weight's rows once
+    makes the op take ``T`` itself). Any other strided slice is refused (GateMiss)."""
+    lower, step, upper = const_value(s.lower) if s.lower is not None else 0, const_value(s.step), s.upper
+    if step != 2 or upper is not None or lower not in (0, 1) or not elts[:-1] or not all(
+            isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts[:-1]):
+        raise GateMiss("gate and up interleaved (x[..., ::2] / x[..., 1::2]): the fused op splits contiguous halves")
+    trace.stmts.update(t.stmts)
+    return (S.key(n.value, ctx), n.value, ctx, ast.Constant(-1), lower, "interleaved", True)
+
+
+_HARVEST_INTERLEAVED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class InterleavedSwiGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w = nn.Linear(d, 2 * h)
+
+    def forward(self, x):
+        h = self.w(x)
+        return F.silu(h[..., ::2]) * h[..., 1::2]
+
+    def forward_named(self, x):
+        gate_up = self.w(x)
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+        return up * F.silu(gate)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_HARVEST_INTERLEAVED, expect={"activation": "silu", "gate": "h[..., ::2]", "up": "h[..., 1::2]"},
+         run="m = InterleavedSwiGLU(8, 6)\nx = torch.randn(3, 8, requires_grad=True)\nout = (m(x), m.forward_named(x))\nleaves = [x, m.w.weight]\n",
+         name="harvest_interleaved_gate_up_columns"),
+]
+Swiglu.KEEP += [
+    # odd columns activated against a stride-3 slice: not the two halves of one interleaving
+    Keep(_HARVEST_INTERLEAVED.replace("1::2]", "1::3]"), reason="interleaved",
+         name="harvest_interleaved_other_stride"),
 ]
