@@ -241,6 +241,11 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 if reason:
                     yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             continue
+        if not quiet:
+            grouped = _grouped_loop_site(module, scope, block, i, stmt)  # a grouped matmul written as a loop
+            if grouped is not None:
+                yield grouped
+                continue
         if len(stmt.body) == 1 and isinstance(stmt.body[0], ast.For):
             # per token, per top-k slot: read off the dataflow (module picked by ids[t, k]), not the names
             try:
@@ -351,6 +356,10 @@ def _wordless_sites(module: ModuleInfo, scope: Scope) -> Iterable[Finding]:
         return
     for block, i, stmt in scope.statements():
         if isinstance(stmt, ast.For):
+            grouped = _grouped_loop_site(module, scope, block, i, stmt)  # a grouped matmul written as a loop
+            if isinstance(grouped, Finding):
+                yield grouped
+                continue
             if not _dispatch_shape(stmt):
                 continue
             try:
@@ -3671,6 +3680,7 @@ class _GroupedMm:
     offs: ast.expr  # torch._grouped_mm: cumulative end offsets; grouped_gemm's gmm: per-group counts
     counts: bool = False  # grouped_gemm.ops.gmm(a, b, batch_sizes, trans_b=False)
     trans_b: Optional[ast.expr] = None  # gmm: b stored [E, N, K] when true
+    out_dtype: Optional[ast.expr] = None  # torch._grouped_mm(..., out_dtype=): fp32 accumulation, output in that dtype
 
 
 def _is_grouped_gemm(module: ModuleInfo, func: ast.expr) -> bool:
@@ -3731,12 +3741,12 @@ def _grouped_mm_of(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional
             raise _Miss(f"`{ast.unparse(call)[:60]}`: grouped_gemm's gmm with operands npufuse does not bind")
         return _GroupedMm(call, a, b, sizes, counts=True, trans_b=keyword(call, "trans_b", 3))
     if _canon(module, call.func) == "torch._grouped_mm":
-        if keyword(call, "bias", 3) is not None or keyword(call, "out_dtype", 4) is not None:
-            raise _Miss("torch._grouped_mm with a bias or an out_dtype: the replacement covers the plain grouped matmul")
+        if keyword(call, "bias", 3) is not None:
+            raise _Miss("torch._grouped_mm with a bias: the replacement covers the grouped matmul without one")
         a, b, offs = keyword(call, "self", 0) or keyword(call, "input", 0), keyword(call, "mat2", 1), keyword(call, "offs", 2)
         if a is None or b is None or offs is None:
             raise _Miss("torch._grouped_mm without offs: not grouped by expert")
-        return _GroupedMm(call, a, b, offs)
+        return _GroupedMm(call, a, b, offs, out_dtype=keyword(call, "out_dtype", 4))
     found = _grouped_mm_wrapper(module, scope, call)
     if found is None:
         return None
@@ -3834,10 +3844,11 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
         f"    {P}m = int({P}offs[-1])  # one host sync: rows past the last offset belong to no group (padding)",
         "",
         "",
-        f"def {P}grouped_mm(a, b):",
-        f"    if {P}offs is None or a.dim() != 2 or b.dim() != 3:",
-        f"        return torch._grouped_mm(a, b, offs={P}offs)  # other grouped_mm forms: as written",
-        f"    y = {P}gmm(a[:{P}m], b, {P}counts)",
+        *(_grouped_mm_function_out_dtype() if any(g.out_dtype is not None for g in mms) else [
+            f"def {P}grouped_mm(a, b):",
+            f"    if {P}offs is None or a.dim() != 2 or b.dim() != 3:",
+            f"        return torch._grouped_mm(a, b, offs={P}offs)  # other grouped_mm forms: as written",
+            f"    y = {P}gmm(a[:{P}m], b, {P}counts)"]),
         "    if y.shape[0] < a.shape[0]:  # rows in no group: zeros (torch._grouped_mm leaves them unset)",
         "        y = torch.cat([y, y.new_zeros(a.shape[0] - y.shape[0], y.shape[-1])])",
         "    return y",
@@ -3984,7 +3995,8 @@ def _swap_copy(stmt: ast.stmt, via: dict[int, "_GroupedMm"]) -> ast.stmt:
                 args.append(same_place(orig, node, g.offs))
             if g.trans_b is not None:
                 args.append(same_place(orig, node, g.trans_b))
-            return ast.Call(func=ast.Name(f"{P}grouped_mm", ast.Load()), args=args, keywords=[])
+            kws = [ast.keyword("out_dtype", same_place(orig, node, g.out_dtype))] if g.out_dtype is not None else []
+            return ast.Call(func=ast.Name(f"{P}grouped_mm", ast.Load()), args=args, keywords=kws)
 
     return _Swap().visit(clone)
 
@@ -5063,8 +5075,8 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     Keep(_GROUPED_MM_DIRECT.replace("w3.bfloat16().transpose(-2, -1), offs=offsets)", "w3.bfloat16().transpose(-2, -1), offs=offsets[1:])"),
          reason="different group offsets", name="grouped_mm_two_offsets"),
-    Keep(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, out_dtype=torch.float32))\n    h = h"),
-         reason="out_dtype", name="grouped_mm_out_dtype"),
+    Keep(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, bias=None))\n    h = h"),
+         reason="with a bias", name="grouped_mm_bias"),
 ]
 
 
@@ -6934,4 +6946,477 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     Keep(_KEEP_ONES_MOVED, reason="not zeros", name="accumulator_ones_like_then_to_dtype"),
     Keep(_KEEP_ZEROS_TO_VAR, reason="cannot be told", name="accumulator_zeros_to_unknown_argument"),
+]
+
+
+# --- s25 harvest: grouped-matmul loops over contiguous row runs ----------------------------------
+#
+# Reference grouped GEMMs written as a Python loop (the "loop-free" MoE forms' inner kernel: rows are
+# already sorted by expert, each group's rows are multiplied by that group's weight):
+#
+#     start = 0                                   xs = x.split(sizes)        (or torch.split)
+#     for g in range(E):                          outs = []
+#         size = sizes[g]                         for g in range(E):
+#         if size > 0:                                outs.append(xs[g] @ w[g])
+#             end = start + size                  y = torch.cat(outs)
+#             y[start:end] = x[start:end] @ w[g]
+#             start = end
+#
+# (``@`` / torch.mm / torch.matmul with ``w[g]`` [K, N], or F.linear / ``w[g].T`` with [N, K], or a
+# loop-invariant ``w[g].T if flag else w[g]``): one npu_grouped_matmul with the counts on the device.
+
+_GL_FLIPS = {(0, 1), (1, 0), (-1, -2), (-2, -1)}
+
+
+class _GroupLoop:
+    """Symbolic reading of one grouped-matmul loop body (see the block comment above)."""
+
+    def __init__(self, module: ModuleInfo, loop: ast.For) -> None:
+        self.m = module
+        self.loop = loop
+        self.g = ""  # the group index
+        self.size_item = ""  # `for g, size in enumerate(sizes)`: the per-group size name
+        self.sizes: Optional[ast.expr] = None  # the per-group sizes (tensor or host list)
+        self.bound: Optional[ast.expr] = None  # range(bound)
+        self.start = ""  # the running row offset (form A)
+        self.pieces = ""  # the split list (form B)
+        self.env: dict[str, tuple] = {}
+        self.weight: Optional[ast.expr] = None  # the stacked weight W of `W[g]`
+        self.orient: Any = None  # "in_out" | "out_in" | ("if", test, a, b)
+        self.rows: Optional[ast.expr] = None  # X of X[start:end] (form A)
+        self.out_target: Optional[ast.expr] = None  # result of result[start:end] = ... (form A)
+        self.out_list = ""  # outs of outs.append(...) (form B)
+        self.products = 0
+        self.advanced = False  # form A: the offset moves on by this group's size
+
+    # -- header ----------------------------------------------------------------------------
+    def header(self) -> bool:
+        it, tgt = self.loop.iter, self.loop.target
+        if not isinstance(it, ast.Call) or it.keywords:
+            return False
+        if dotted(it.func) == "range" and len(it.args) == 1 and isinstance(tgt, ast.Name):
+            self.g, self.bound = tgt.id, it.args[0]
+            return True
+        if dotted(it.func) == "enumerate" and len(it.args) == 1 and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 \
+                and all(isinstance(e, ast.Name) for e in tgt.elts) and isinstance(it.args[0], (ast.Name, ast.Attribute)):
+            self.g, self.size_item = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
+            self.sizes = it.args[0]
+            self.env[self.size_item] = ("size",)
+            return True
+        return False
+
+    # -- expressions -------------------------------------------------------------------------
+    def _is_g(self, node: ast.expr) -> bool:
+        return isinstance(node, ast.Name) and node.id == self.g
+
+    def _invariant(self, node: ast.expr) -> bool:
+        names = {n.id for n in fast_walk(node) if isinstance(n, ast.Name)}
+        return not (names & (_assigned(self.loop.body) | {self.g, self.size_item}))
+
+    def ev(self, node: ast.expr) -> tuple:
+        if isinstance(node, ast.Name):
+            return self.env.get(node.id, ("other",))
+        if isinstance(node, ast.Subscript) and self._is_g(node.slice) and self._invariant(node.value):
+            if isinstance(node.value, ast.Name) and node.value.id == self.pieces:
+                return ("rows",)
+            return ("w", "id", node.value)  # W[g], or sizes[g]: told apart by use
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice) and node.slice.step is None \
+                and isinstance(node.slice.lower, ast.Name) and node.slice.lower.id == self.start \
+                and node.slice.upper is not None and self.ev(node.slice.upper)[0] == "end" and self._invariant(node.value):
+            return ("rows_of", node.value)  # X[start:end]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and self.start:
+            sides = [self.ev(node.left), self.ev(node.right)]
+            names = [node.left, node.right]
+            for a, b, na in ((sides[0], sides[1], names[0]), (sides[1], sides[0], names[1])):
+                if isinstance(na, ast.Name) and na.id == self.start and self._is_size(b):
+                    return ("end",)
+        if isinstance(node, ast.Attribute) and node.attr == "T":
+            return self._flip(self.ev(node.value))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+            base = self.ev(node.func.value)
+            if node.func.attr == "t" and not node.args:
+                return self._flip(base)
+            if node.func.attr == "transpose" and len(node.args) == 2 and (const_value(node.args[0]), const_value(node.args[1])) in _GL_FLIPS:
+                return self._flip(base)
+        if isinstance(node, ast.IfExp) and self._invariant(node.test):
+            a, b = self.ev(node.body), self.ev(node.orelse)
+            if a[0] == "w" and b[0] == "w" and ast.dump(a[2]) == ast.dump(b[2]):
+                return ("w", ("if", node.test, a[1], b[1]), a[2])
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            return self._product(node.left, node.right, flip=False)
+        if isinstance(node, ast.Call) and len(node.args) == 2 and not node.keywords:
+            api = _canon(self.m, node.func)
+            if api in _MATMUL or api == "torch.matmul":
+                return self._product(node.args[0], node.args[1], flip=False)
+            if api in _LINEAR:
+                return self._product(node.args[0], node.args[1], flip=True)
+        return ("other",)
+
+    def _flip(self, v: tuple) -> tuple:
+        if v[0] != "w":
+            return ("other",)
+        return ("w", ("flip", v[1]), v[2])
+
+    def _product(self, a: ast.expr, b: ast.expr, flip: bool) -> tuple:
+        rows, w = self.ev(a), self.ev(b)
+        if w[0] != "w" or rows[0] not in ("rows", "rows_of"):
+            return ("other",)
+        orient = ("flip", w[1]) if flip else w[1]
+        if self.sizes is not None and ast.dump(self.sizes) == ast.dump(w[2]):
+            return ("other",)
+        if self.weight is not None and ast.dump(self.weight) != ast.dump(w[2]):
+            return ("other",)
+        if rows[0] == "rows_of":
+            if self.rows is not None and ast.dump(self.rows) != ast.dump(rows[1]):
+                return ("other",)
+            self.rows = rows[1]
+        self.weight, self.orient = w[2], orient
+        self.products += 1
+        return ("y",)
+
+    # -- statements --------------------------------------------------------------------------
+    def body(self, stmts: list[ast.stmt]) -> None:
+        for s in stmts:
+            self.stmt(s)
+
+    def stmt(self, s: ast.stmt) -> None:
+        if isinstance(s, ast.If) and not s.orelse and self._size_test(s.test, positive=True):
+            self.body(s.body)  # `if size > 0:` (a group without rows does nothing)
+            return
+        if isinstance(s, ast.If) and not s.orelse and len(s.body) == 1 and isinstance(s.body[0], ast.Continue) \
+                and self._size_test(s.test, positive=False) and not self.start:
+            return  # `if size == 0: continue` (form B only: form A must still advance its offset)
+        if isinstance(s, ast.Assign) and len(s.targets) == 1:
+            tgt = s.targets[0]
+            if isinstance(tgt, ast.Name):
+                v = self.ev(s.value)
+                if v[0] == "other":
+                    raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of one grouped projection")
+                if self.start and tgt.id == self.start:
+                    if v[0] != "end":
+                        raise _Miss(f"the row offset `{self.start}` advances by something other than this group's size")
+                    self.env.pop(tgt.id, None)
+                    self.advanced = True
+                    return
+                self.env[tgt.id] = v
+                return
+            if isinstance(tgt, ast.Subscript) and self.start and self.ev(s.value)[0] == "y":
+                sl = tgt.slice
+                if isinstance(sl, ast.Slice) and sl.step is None and isinstance(sl.lower, ast.Name) and sl.lower.id == self.start \
+                        and sl.upper is not None and self.ev(sl.upper)[0] == "end" and self._invariant(tgt.value) \
+                        and self.out_target is None:
+                    self.out_target = tgt.value
+                    return
+        if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name) and s.target.id == self.start \
+                and isinstance(s.op, ast.Add) and self._is_size(self.ev(s.value)):
+            self.advanced = True
+            return
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Attribute) \
+                and s.value.func.attr == "append" and isinstance(s.value.func.value, ast.Name) and len(s.value.args) == 1 \
+                and not self.start and self.ev(s.value.args[0])[0] == "y" and not self.out_list:
+            self.out_list = s.value.func.value.id
+            return
+        raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of one grouped projection")
+
+    def _is_size(self, v: tuple) -> bool:
+        """This group's size: the enumerate item, or ``sizes[g]`` (the first such table read as a size fixes
+        which one; a second table read as a size is not this form)."""
+        if v[0] == "size":
+            return True
+        if v[0] == "w" and v[1] == "id":
+            if self.sizes is None and self.size_item == "":
+                self.sizes = v[2]
+            return self.sizes is not None and ast.dump(v[2]) == ast.dump(self.sizes)
+        return False
+
+    def _size_test(self, test: ast.expr, positive: bool) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and const_value(test.comparators[0]) == 0):
+            return False
+        op = test.ops[0]
+        if positive and not isinstance(op, (ast.Gt, ast.NotEq)) or not positive and not isinstance(op, (ast.Eq, ast.LtE)):
+            return False
+        left = test.left
+        if isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr in ("numel", "size") and not left.args:
+            left = left.func.value  # rows.numel() > 0 / pieces[g].numel() == 0
+        elif isinstance(left, ast.Subscript) and isinstance(left.value, ast.Attribute) and left.value.attr == "shape" \
+                and const_value(left.slice) == 0:
+            left = left.value.value
+        elif isinstance(left, ast.Call) and dotted(left.func) == "len" and len(left.args) == 1:
+            left = left.args[0]
+        v = self.ev(left)
+        return self._is_size(v) or v[0] in ("rows", "rows_of")
+
+
+def _grouped_loop_gate(loop: ast.For) -> bool:
+    """Cheap structural test: the body multiplies something by ``<name>[<loop variable>]``."""
+    tgt = loop.target
+    g = tgt.id if isinstance(tgt, ast.Name) else tgt.elts[0].id if isinstance(tgt, ast.Tuple) and tgt.elts \
+        and isinstance(tgt.elts[0], ast.Name) else ""
+    it = loop.iter
+    if not g or not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id in ("range", "enumerate")):
+        return False
+    has_mm = False
+    for n in fast_walk(loop):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
+            has_mm = True
+        elif isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name)) \
+                and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) in ("mm", "matmul", "linear"):
+            has_mm = True
+        if has_mm:
+            break
+    if not has_mm:
+        return False
+    return any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == g for n in fast_walk(loop))
+
+
+def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """A grouped matmul written as a loop over contiguous row runs (see the block comment): a Finding, a
+    NearMiss when the loop is one but something in it is not replayed, None when it is no such loop."""
+    if loop.orelse or not _grouped_loop_gate(loop):
+        return None
+    ev = _GroupLoop(module, loop)
+    if not ev.header():
+        return None
+    # form A: `start = 0` right before the loop (the running row offset)
+    prev = block[i - 1] if i > 0 else None
+    if isinstance(prev, ast.Assign) and len(prev.targets) == 1 and isinstance(prev.targets[0], ast.Name) \
+            and const_value(prev.value) == 0 and any(isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name)
+                                                     and n.lower.id == prev.targets[0].id for n in fast_walk(loop)):
+        ev.start = prev.targets[0].id
+    split_st: Optional[ast.Assign] = None
+    if not ev.start:
+        # form B: `pieces = X.split(sizes)` before the loop, `outs = []`, then `y = torch.cat(outs)`
+        for j in (i - 1, i - 2):
+            st = block[j] if j >= 0 else None
+            if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
+                    and isinstance(st.value, ast.Call):
+                call = st.value
+                if _canon(module, call.func) == "torch.split" and call.args:
+                    x, sizes, dim = call.args[0], keyword(call, "split_size_or_sections", 1), keyword(call, "dim", 2)
+                elif isinstance(call.func, ast.Attribute) and call.func.attr == "split":
+                    x, sizes, dim = call.func.value, keyword(call, "split_size", 0), keyword(call, "dim", 1)
+                else:
+                    continue
+                if sizes is None or (dim is not None and const_value(dim) != 0) or isinstance(sizes, ast.Constant) \
+                        or not isinstance(x, ast.Name):
+                    continue
+                ev.pieces, ev.rows, split_st = st.targets[0].id, x, st
+                ev.sizes = sizes
+                break
+        if split_st is None:
+            return None
+    try:
+        ev.body(loop.body)
+    except _Miss:
+        return None  # something else in the loop: the expert-loop analysis (or nothing) judges it
+    if ev.products != 1 or ev.weight is None or ev.rows is None or ev.sizes is None:
+        return None
+    first_stmt: ast.stmt = prev if ev.start else split_st  # type: ignore[assignment]
+    stmts = block[block.index(first_stmt): i + 1]
+    cat_st: Optional[ast.stmt] = None
+    out_name = ""
+    if ev.start:
+        if ev.out_target is None or not ev.advanced:
+            return None
+    else:
+        inits = [st for st in block[max(0, i - 2): i] if st is not split_st]
+        if not ev.out_list or not any(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                                      and st.targets[0].id == ev.out_list and isinstance(st.value, ast.List) and not st.value.elts
+                                      for st in inits) or len(inits) != 1:
+            return None
+        nxt = block[i + 1] if i + 1 < len(block) else None
+        cat = nxt.value if isinstance(nxt, (ast.Assign, ast.Return)) else None
+        if not (isinstance(cat, ast.Call) and _canon(module, cat.func) == "torch.cat" and cat.args and isinstance(cat.args[0], ast.Name)
+                and cat.args[0].id == ev.out_list and (keyword(cat, "dim", 1) is None or const_value(keyword(cat, "dim", 1)) == 0)):
+            return None
+        if isinstance(nxt, ast.Assign):
+            if len(nxt.targets) != 1 or not isinstance(nxt.targets[0], ast.Name):
+                return None
+            out_name = nxt.targets[0].id
+        cat_st = nxt
+        stmts = block[i - 2: i + 2]
+    end = stmts[-1].end_lineno or stmts[-1].lineno
+    loop_names = (_assigned(loop.body) | {ev.g, ev.size_item, ev.pieces, ev.out_list}) - {"", out_name, ev.start}
+    for n in sorted(loop_names):
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, stmts[0].lineno, end, f"grouped matmul loop: `{n}` (a per-group value) is "
+                            "used after the loop; the grouped matmul does not produce it")
+    x_text, w_text = segment(module, ev.rows), segment(module, ev.weight)
+
+    def stacked(o: Any) -> str:
+        if o == "id":
+            return w_text
+        if isinstance(o, tuple) and o[0] == "flip":
+            inner = stacked(o[1])
+            return inner[: -len(".transpose(1, 2)")] if inner.endswith(".transpose(1, 2)") else f"{inner}.transpose(1, 2)"
+        if isinstance(o, tuple) and o[0] == "if":
+            return f"({stacked(o[2])} if {segment(module, o[1])} else {stacked(o[3])})"
+        raise _Miss("weight orientation")
+
+    try:
+        gw = stacked(ev.orient)
+    except _Miss:
+        return None
+    sizes_text = segment(module, ev.sizes)
+    on_device = _host_counts(scope, ev.sizes, loop.lineno)  # x.split(counts.tolist()): the counts before the host copy
+    if on_device is not None:
+        sizes_text = on_device[0]
+    bound = segment(module, ev.bound) if ev.bound is not None else ""
+    check = f"{P}counts.numel() == {w_text}.shape[0]" + (f" == ({bound})" if bound else "")
+    original = "\n".join("    " + ln for st in stmts for ln in ast.unparse(st).splitlines())
+    lines = [_GMM_FUNCTION.rstrip("\n"),
+             f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
+             f"if isinstance({w_text}, torch.Tensor) and {w_text}.dim() == 3 and {x_text}.dim() == 2 and {P}counts.dim() == 1 "
+             f"and {check}:"]
+    if ev.start:
+        out_text = segment(module, ev.out_target)
+        lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
+                  f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
+        if scope.uses_after(ev.start, end):
+            lines.append(f"    {ev.start} = {P}m")
+    else:
+        res = f"return {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)" if isinstance(cat_st, ast.Return) \
+            else f"{out_name} = {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)"
+        lines.append(f"    {res}")
+    lines += ["else:  # a list of weights, other ranks, a count list of another length: as written", original]
+    guard = next((n.id for n in fast_walk(ev.rows) if isinstance(n, ast.Name) and n.id not in ("self", "torch")), "")
+    if not guard:
+        return None
+    orient_name = ev.orient if isinstance(ev.orient, str) else "conditional" if isinstance(ev.orient, tuple) and ev.orient[0] == "if" else "flip"
+    params: dict[str, Any] = {
+        "num_experts": bound or f"{w_text}.shape[0]", "top_k": "(rows pre-sorted by group)",
+        "layout": "stacked_in_out" if ev.orient == "id" else "stacked_out_in" if orient_name == "flip" else "stacked_conditional",
+        "weights": {"proj": w_text}, "activation": "none (one projection)", "conditional": True,
+        "routing_weights": "outside", "routing": "running_offsets" if ev.start else "sorted_counts",
+        "loop": "group_loop", "tokens": x_text, "indices": None, "probs": None, "counts": sizes_text,
+        "output": segment(module, ev.out_target) if ev.start else out_name, "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [
+        Risk("dynamic_shape", "group sizes are data dependent; they reach npu_grouped_matmul as a device tensor"),
+        Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32; the weight is cast to the rows' dtype"),
+        Risk("other", f"the fused branch runs only for one 3-D weight tensor, 2-D rows and one size per group ({check}); "
+             "anything else keeps the loop as written"),
+    ]
+    notes = ["a grouped matmul written as a Python loop over contiguous row runs (rows already sorted by group): one "
+             "npu_grouped_matmul with the per-group sizes; npu_grouped_matmul has no backward in torch_npu 2.14: the fused "
+             "text wraps it in an autograd.Function (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)"]
+    if ev.start:
+        notes.append("rows past the last group keep what the output held before (the loop never wrote them)")
+    return Finding(pattern=_ID, qualname=scope.qualname, line=stmts[0].lineno, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=guard,
+                   confidence="high", variant="grouped_loop", risks=risks, notes=notes, training_ok=True)
+
+
+# examples: reference grouped GEMMs (rows already sorted by group; three spellings of the loop)
+_GROUP_LOOP_OFFSETS = _HEAD + '''
+def reference_grouped_gemm(rows, weights, group_sizes, weights_are_out_in=True):
+    rows = rows.view(-1, rows.shape[-1])
+    num_groups = group_sizes.shape[0]
+    out = torch.zeros((rows.shape[0], weights.shape[1]), dtype=rows.dtype, device=rows.device)
+    offset = 0
+    for g in range(num_groups):
+        n = group_sizes[g]
+        if n > 0:
+            stop = offset + n
+            part = rows[offset:stop]
+            w_g = weights[g]
+            w_g = w_g.T if weights_are_out_in else w_g
+            y_g = part @ w_g
+            out[offset:stop] = y_g
+            offset = stop
+    return out
+'''
+
+_GROUP_LOOP_OFFSETS_RUN = '''\
+w = (torch.randn(4, 24, 16) * 0.25).requires_grad_()
+x = torch.randn(13, 16, requires_grad=True)
+out = reference_grouped_gemm(x, w, torch.tensor([3, 0, 6, 4]))
+leaves = [x, w]
+'''
+
+_GROUP_LOOP_APPEND = _HEAD + '''
+def per_group_linear(tokens, stacked, counts):
+    pieces = tokens.split(counts.tolist())
+    outs = []
+    for e in range(stacked.shape[0]):
+        outs.append(F.linear(pieces[e], stacked[e]))
+    return torch.cat(outs, dim=0)
+'''
+
+_GROUP_LOOP_ENUMERATE = _HEAD + '''
+class GroupedProjection(nn.Module):
+    def __init__(self, groups, d_in, d_out):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(groups, d_in, d_out) * d_in ** -0.5)
+
+    def forward(self, x, sizes):
+        y = x.new_zeros(x.shape[0], self.w.shape[-1])
+        start = 0
+        for i, size in enumerate(sizes):
+            y[start:start + size] = torch.mm(x[start:start + size], self.w[i])
+            start += size
+        return y, start
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_GROUP_LOOP_OFFSETS, name="grouped_gemm_loop_running_offset_conditional_transpose", run=_GROUP_LOOP_OFFSETS_RUN,
+         expect={"variant": "grouped_loop", "routing": "running_offsets", "layout": "stacked_conditional",
+                 "counts": "group_sizes", "output": "out", "tokens": "rows"}),
+    Fuse(_GROUP_LOOP_APPEND, name="grouped_gemm_loop_split_append_cat", run='''\
+w = (torch.randn(3, 8, 16) * 0.25).requires_grad_()
+x = torch.randn(9, 16, requires_grad=True)
+out = per_group_linear(x, w, torch.tensor([4, 5, 0]))
+leaves = [x, w]
+''', expect={"variant": "grouped_loop", "routing": "sorted_counts", "layout": "stacked_out_in", "counts": "counts"}),
+    Fuse(_GROUP_LOOP_ENUMERATE, name="grouped_gemm_loop_enumerate_sizes_start_live_after", run='''\
+layer = GroupedProjection(3, 16, 8)
+x = torch.randn(11, 16, requires_grad=True)
+out = layer(x, [5, 0, 6])[0]
+leaves = [x, layer.w]
+''', expect={"variant": "grouped_loop", "layout": "stacked_in_out", "counts": "sizes", "output": "y"}),
+]
+
+MoeExperts.KEEP += [
+    # the per-group pieces are read after the loop: the grouped matmul does not produce them (the file
+    # talks about experts, so the refusal is reported)
+    Keep(_GROUP_LOOP_APPEND.replace("    return torch.cat(outs, dim=0)\n", "    y = torch.cat(outs, dim=0)\n    return y, pieces  # expert pieces\n"),
+         reason="used after the loop", name="grouped_loop_pieces_used_after"),
+    # a per-group bias inside the loop: not one grouped projection (nothing reported)
+    Keep(_GROUP_LOOP_OFFSETS.replace("y_g = part @ w_g", "y_g = part @ w_g + g"), name="grouped_loop_adds_group_term"),
+    # rows start at an offset the loop did not set to 0: not the rows of the groups from the first row
+    Keep(_GROUP_LOOP_OFFSETS.replace("    offset = 0\n", "    offset = 1\n"), name="grouped_loop_offset_not_zero"),
+    # two different weights for the same group: not one grouped projection
+    Keep(_GROUP_LOOP_APPEND.replace("F.linear(pieces[e], stacked[e])", "F.linear(pieces[e], stacked[e]) + F.linear(pieces[e], stacked[e - 1])"),
+         name="grouped_loop_two_weights"),
+]
+
+
+
+# --- s25 harvest: torch._grouped_mm(..., out_dtype=) ----------------------------------------------
+
+
+def _grouped_mm_function_out_dtype() -> list[str]:
+    """The head of ``_npufuse_grouped_mm`` when a call passes ``out_dtype``: torch._grouped_mm multiplies
+    in the operands' dtype with float32 accumulation and writes ``out_dtype``; the grouped matmul here
+    runs in float32 when ``out_dtype`` differs from the operands' (bf16/fp16 values are exact in float32),
+    then casts, and in the operands' dtype otherwise."""
+    return [
+        f"def {P}grouped_mm(a, b, out_dtype=None):",
+        f"    if {P}offs is None or a.dim() != 2 or b.dim() != 3:",
+        "        # other grouped_mm forms: as written",
+        f"        return torch._grouped_mm(a, b, offs={P}offs) if out_dtype is None else torch._grouped_mm(a, b, offs={P}offs, out_dtype=out_dtype)",
+        "    if out_dtype is None or out_dtype == a.dtype:",
+        f"        y = {P}gmm(a[:{P}m], b.to(a.dtype), {P}counts)",
+        "    else:",
+        f"        y = {P}gmm(a[:{P}m].float(), b.float(), {P}counts).to(out_dtype)",
+    ]
+
+
+MoeExperts.FUSE += [
+    # out_dtype given (here the operands' own bf16: torch's CPU and CUDA grouped GEMMs reject others; another
+    # dtype would run the grouped matmul in float32, then cast)
+    Fuse(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, out_dtype=out_dtype))\n    h = h").replace(
+        "x, num_tokens_per_expert):", "x, num_tokens_per_expert, out_dtype=torch.bfloat16):"),
+         name="grouped_mm_out_dtype_argument", run=_GROUPED_MM_DIRECT_RUN,
+         expect={"routing": "grouped_mm_offsets", "via": "torch._grouped_mm", "grouped_mm_calls": 3}),
 ]
