@@ -243,6 +243,8 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
             continue
         if not quiet:
             grouped = _grouped_loop_site(module, scope, block, i, stmt)  # a grouped matmul written as a loop
+            if grouped is None:
+                grouped = _cumulative_runs_site(module, scope, block, i, stmt)  # DeepSeekMoE's moe_infer
             if grouped is not None:
                 yield grouped
                 continue
@@ -7419,4 +7421,360 @@ MoeExperts.FUSE += [
         "x, num_tokens_per_expert):", "x, num_tokens_per_expert, out_dtype=torch.bfloat16):"),
          name="grouped_mm_out_dtype_argument", run=_GROUPED_MM_DIRECT_RUN,
          expect={"routing": "grouped_mm_offsets", "via": "torch._grouped_mm", "grouped_mm_calls": 3}),
+]
+
+
+# --- s25 harvest: DeepSeekMoE's moe_infer over cumulative run ends -------------------------------
+#
+#     cache = torch.zeros_like(x)
+#     idxs = flat_ids.argsort()
+#     ends = flat_ids.bincount().cpu().numpy().cumsum(0)      (cumulative ends of the runs of each id)
+#     token_idxs = idxs // k
+#     for i, end in enumerate(ends):
+#         start = 0 if i == 0 else ends[i - 1]
+#         if start == end: continue
+#         t = token_idxs[start:end]
+#         out = experts[i](x[t])
+#         out.mul_(flat_weights[idxs[start:end]])
+#         cache = cache.to(out.dtype)
+#         cache.scatter_reduce_(0, t.view(-1, 1).repeat(1, x.shape[-1]), out, reduce="sum")
+#
+# (DeepSeekMoE's HF code and its many copies). The experts are modules called as they are: permute by id,
+# each module once on its contiguous rows, weighted unpermute (exact whatever the expert computes).
+
+
+def _strip_host(node: Optional[ast.expr]) -> Optional[ast.expr]:
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("cpu", "numpy", "tolist", "detach") \
+            and not node.args:
+        node = node.func.value
+    return node
+
+
+class _CumRuns:
+    def __init__(self, module: ModuleInfo, scope: Scope, loop: ast.For) -> None:
+        self.m, self.scope, self.loop = module, scope, loop
+        self.i = self.end = self.ends = self.start = ""
+        self.idxs = self.tok = self.flat = self.k = ""
+        self.env: dict[str, tuple] = {}
+        self.experts: Optional[ast.expr] = None
+        self.x: Optional[ast.expr] = None
+        self.weights: Optional[ast.expr] = None
+        self.cache = ""
+        self.weighted = self.combined = self.recast = False
+
+    def header(self) -> bool:
+        it, tgt, line = self.loop.iter, self.loop.target, self.loop.lineno
+        if not (isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and isinstance(it.args[0], ast.Name)
+                and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts)):
+            return False
+        self.i, self.end = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
+        self.ends = it.args[0].id  # type: ignore[attr-defined]
+        ends = self.scope.definition(self.ends, line)
+        # ends = <counts chain>.cumsum(0) / np.cumsum(<counts chain>) with counts = F.bincount() (host copies anywhere)
+        if isinstance(ends, ast.Call) and isinstance(ends.func, ast.Attribute) and ends.func.attr == "tolist" and not ends.args:
+            ends = ends.func.value
+        if isinstance(ends, ast.Call) and isinstance(ends.func, ast.Attribute) and ends.func.attr == "cumsum" \
+                and [const_value(a) for a in ends.args] in ([0], [-1]) and not ends.keywords:
+            counts = ends.func.value
+        elif isinstance(ends, ast.Call) and (dotted(ends.func) or "").split(".")[-1] == "cumsum" and len(ends.args) >= 1:
+            counts = ends.args[0]
+        else:
+            return False
+        counts = _strip_host(counts)
+        if not (isinstance(counts, ast.Call) and isinstance(counts.func, ast.Attribute) and counts.func.attr == "bincount"
+                and isinstance(counts.func.value, ast.Name) and not counts.args
+                and all(k.arg == "minlength" for k in counts.keywords)):
+            return False
+        self.flat = counts.func.value.id
+        return True
+
+    def _is_start_expr(self, node: ast.expr) -> bool:
+        # 0 if i == 0 else ends[i - 1]
+        if not (isinstance(node, ast.IfExp) and const_value(node.body) == 0 and isinstance(node.test, ast.Compare)
+                and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == self.i and const_value(node.test.comparators[0]) == 0):
+            return False
+        o = node.orelse
+        return isinstance(o, ast.Subscript) and isinstance(o.value, ast.Name) and o.value.id == self.ends \
+            and ast.dump(o.slice) == ast.dump(ast.BinOp(ast.Name(self.i, ast.Load()), ast.Sub(), ast.Constant(1)))
+
+    def _run_slice(self, node: ast.expr, base: str) -> bool:
+        return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == base \
+            and isinstance(node.slice, ast.Slice) and node.slice.step is None and isinstance(node.slice.lower, ast.Name) \
+            and node.slice.lower.id == self.start and isinstance(node.slice.upper, ast.Name) and node.slice.upper.id == self.end
+
+    def ev(self, node: ast.expr) -> tuple:
+        if isinstance(node, ast.Name):
+            return self.env.get(node.id, ("other",))
+        if self.tok and self._run_slice(node, self.tok):
+            return ("tok",)
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and self.env.get(node.slice.id) == ("tok",) \
+                and self._invariant(node.value):
+            if self.x is not None and ast.dump(self.x) != ast.dump(node.value):
+                return ("other",)
+            self.x = node.value
+            return ("rows",)
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and node.slice.id == self.i and self._invariant(node.value):
+            return ("expert", node.value)
+        if isinstance(node, ast.Subscript) and self._run_slice(node.slice, self.idxs) and self._invariant(node.value):
+            return ("weight", node.value)
+        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]) == ("rows",):
+            f = self.ev(node.func)
+            if f[0] == "expert":
+                if self.experts is not None and ast.dump(self.experts) != ast.dump(f[1]):
+                    return ("other",)
+                self.experts = f[1]
+                return ("out",)
+        return ("other",)
+
+    def _invariant(self, node: ast.expr) -> bool:
+        names = {n.id for n in fast_walk(node) if isinstance(n, ast.Name)}
+        return not (names & (_assigned(self.loop.body) | {self.i, self.end}))
+
+    def _expanded_tok(self, node: ast.expr) -> bool:
+        """``t.view(-1, 1).repeat(1, x.shape[-1])`` / ``t.unsqueeze(-1).expand(-1, x.size(-1))`` /
+        ``t[:, None].expand_as(out)``: the run's token ids, one per column of every output row."""
+        def row_width(n: ast.expr) -> bool:
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and n.value.attr == "shape" \
+                    and const_value(n.slice) in (-1, 1):
+                return True
+            return isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "size" \
+                and len(n.args) == 1 and const_value(n.args[0]) in (-1, 1)
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            return False
+        f, args = node.func.attr, node.args
+        if f == "expand_as" and len(args) == 1 and self.ev(args[0]) == ("out",):
+            inner = node.func.value
+        elif f == "repeat" and len(args) == 2 and const_value(args[0]) == 1 and row_width(args[1]):
+            inner = node.func.value
+        elif f == "expand" and len(args) == 2 and const_value(args[0]) == -1 and row_width(args[1]):
+            inner = node.func.value
+        else:
+            return False
+        # t.view(-1, 1) / t.reshape(-1, 1) / t.unsqueeze(-1) / t.unsqueeze(1) / t[:, None]
+        if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
+            a = [const_value(x) for x in inner.args]
+            ok = inner.func.attr in ("view", "reshape") and a == [-1, 1] or inner.func.attr == "unsqueeze" and a in ([-1], [1])
+            return ok and self.ev(inner.func.value) == ("tok",)
+        if isinstance(inner, ast.Subscript) and isinstance(inner.slice, ast.Tuple) and len(inner.slice.elts) == 2 \
+                and isinstance(inner.slice.elts[0], ast.Slice) and const_value(inner.slice.elts[1]) is None \
+                and isinstance(inner.slice.elts[1], ast.Constant):
+            return self.ev(inner.value) == ("tok",)
+        return False
+
+    def stmt(self, s: ast.stmt) -> None:
+        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
+            name, v = s.targets[0].id, s.value
+            if not self.start and self._is_start_expr(v):
+                self.start = name
+                return
+            if name == self.cache:
+                # cache = cache.to(out.dtype): the accumulator follows the experts' output dtype
+                if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "to" and len(v.args) == 1 \
+                        and isinstance(v.func.value, ast.Name) and v.func.value.id == self.cache \
+                        and isinstance(v.args[0], ast.Attribute) and v.args[0].attr == "dtype" and self.ev(v.args[0].value) == ("out",):
+                    self.recast = True
+                    return
+                raise _Miss(f"`{ast.unparse(s)[:60]}`")
+            val = self.ev(v)
+            if val[0] == "other":
+                # out = out * w: the weighting spelled as a product
+                if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Mult) and self.ev(v.left) == ("out",) \
+                        and self.ev(v.right)[0] == "weight" and not self.weighted:
+                    self.weights, self.weighted = self.ev(v.right)[1], True
+                    self.env[name] = ("out",)
+                    return
+                raise _Miss(f"`{ast.unparse(s)[:60]}`")
+            if name in self.env and self.env[name] != val:
+                raise _Miss(f"`{name}` rebound")
+            self.env[name] = val
+            return
+        if isinstance(s, ast.If) and not s.orelse and len(s.body) == 1 and isinstance(s.body[0], ast.Continue) and self.start:
+            t = s.test
+            if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], (ast.Eq, ast.GtE, ast.LtE)):
+                sides = [t.left, t.comparators[0]]
+                if all(isinstance(x, ast.Name) for x in sides) and {x.id for x in sides} == {self.start, self.end}:  # type: ignore[attr-defined]
+                    op = t.ops[0]
+                    left = sides[0].id  # type: ignore[attr-defined]
+                    # start == end, start >= end, end <= start: an empty run (ends never decrease)
+                    if isinstance(op, ast.Eq) or isinstance(op, ast.GtE) and left == self.start or isinstance(op, ast.LtE) and left == self.end:
+                        return
+            raise _Miss(f"the loop skips runs on `{ast.unparse(s.test)[:50]}`")
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Attribute):
+            c, f = s.value, s.value.func
+            if f.attr == "mul_" and len(c.args) == 1 and not c.keywords and self.ev(f.value) == ("out",) and self.ev(c.args[0])[0] == "weight" \
+                    and not self.weighted and not self.combined:
+                self.weights, self.weighted = self.ev(c.args[0])[1], True
+                return
+            if isinstance(f.value, ast.Name) and f.value.id == self.cache and not self.combined:
+                kw = {k.arg: k.value for k in c.keywords}
+                if f.attr == "scatter_reduce_" and len(c.args) >= 3 and const_value(c.args[0]) == 0 and self._expanded_tok(c.args[1]) \
+                        and self.ev(c.args[2]) == ("out",) and const_value(c.args[3] if len(c.args) > 3 else kw.get("reduce")) == "sum" \
+                        and set(kw) <= {"reduce"}:
+                    self.combined = True
+                    return
+                if f.attr == "scatter_add_" and len(c.args) == 3 and not c.keywords and const_value(c.args[0]) == 0 \
+                        and self._expanded_tok(c.args[1]) and self.ev(c.args[2]) == ("out",):
+                    self.combined = True
+                    return
+                if f.attr == "index_add_" and len(c.args) == 3 and not c.keywords and const_value(c.args[0]) == 0 \
+                        and self.ev(c.args[1]) == ("tok",) and self.ev(c.args[2]) == ("out",):
+                    self.combined = True
+                    return
+        raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of this dispatch")
+
+
+def _cumulative_runs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """DeepSeekMoE's ``moe_infer`` (see the block comment): a Finding, a NearMiss when the loop has that
+    header and sort but something in it is not replayed, None when it is no such loop."""
+    ev = _CumRuns(module, scope, loop)
+    if loop.orelse or not ev.header():
+        return None
+    line = loop.lineno
+    # token_idxs = idxs // k with idxs = flat.argsort(): the token of each sorted copy
+    cand_tok = [n.value.id for st in loop.body for n in fast_walk(st) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
+                and isinstance(n.slice, ast.Slice)]
+    for name in dict.fromkeys(cand_tok):
+        d = scope.definition(name, line)
+        if isinstance(d, ast.BinOp) and isinstance(d.op, ast.FloorDiv) and isinstance(d.left, ast.Name) \
+                and _sorted_operand(scope, d.left.id, line) is not None:
+            src = _sorted_operand(scope, d.left.id, line)
+            if isinstance(src, ast.Name) and src.id == ev.flat:
+                ev.tok, ev.idxs, ev.k = name, d.left.id, segment(module, d.right)
+                break
+    if not ev.tok:
+        return None
+    # the accumulator: the tensor the rows are added into
+    for st in loop.body:
+        for n in fast_walk(st):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("scatter_reduce_", "scatter_add_", "index_add_") \
+                    and isinstance(n.func.value, ast.Name):
+                ev.cache = n.func.value.id
+    if not ev.cache:
+        return None
+    span = (loop.lineno, loop.end_lineno or loop.lineno)
+    try:
+        for st in loop.body:
+            ev.stmt(st)
+        if not (ev.combined and ev.weighted and ev.experts is not None and ev.x is not None and ev.weights is not None and ev.start):
+            raise _Miss("the loop does not run each run's rows through its expert, weight them and add them back")
+    except _Miss as miss:
+        return NearMiss(_ID, scope.qualname, span[0], span[1], f"sorted runs over cumulative ends: {miss}")
+    init = scope.definition(ev.cache, line)
+    if not (isinstance(init, ast.Call) and ((_canon(module, init.func) == "torch.zeros_like" and len(init.args) == 1
+                                             and ast.dump(init.args[0]) == ast.dump(ev.x))
+                                            or isinstance(init.func, ast.Attribute) and init.func.attr == "zeros_like")):
+        return NearMiss(_ID, scope.qualname, span[0], span[1], f"sorted runs over cumulative ends: the accumulator `{ev.cache}` "
+                        "is not zeros shaped like the tokens")
+    for n in sorted((_assigned(loop.body) | {ev.i, ev.end}) - {ev.cache}):
+        if scope.uses_after(n, span[1]):
+            return NearMiss(_ID, scope.qualname, span[0], span[1], f"sorted runs over cumulative ends: `{n}` is used after the loop")
+    x, experts, w, k = segment(module, ev.x), segment(module, ev.experts), segment(module, ev.weights), ev.k
+    dtype = f"{P}h.dtype" if ev.recast else f"{ev.cache}.dtype"
+    fused = "\n".join([
+        f"if {ev.flat}.dim() == 1 and {x}.dim() == 2 and {ev.flat}.numel() == {x}.shape[0] * ({k}) == {w}.numel():",
+        f"    {P}experts = list({experts})",
+        f"    {P}x, {P}order = torch_npu.npu_moe_token_permute({x}, {ev.flat}.view(-1, {k}))",
+        "    # one host sync for the group sizes (the loop synced once for the run ends)",
+        f"    {P}sizes = torch.bincount({ev.flat}, minlength=len({P}experts)).tolist()",
+        f"    {P}outs = [{P}e({P}r) for {P}e, {P}r, {P}n in zip({P}experts, {P}x.split({P}sizes), {P}sizes) if {P}n]",
+        f"    {P}h = torch.cat({P}outs) if {P}outs else {P}x[:0]",
+        f"    {ev.cache} = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={w}.reshape(-1, {k}).to({P}h.dtype)).to({dtype})",
+        "else:",
+        *("    " + ln for ln in ast.unparse(loop).splitlines()),
+    ]) + "\n"
+    params: dict[str, Any] = {
+        "num_experts": f"len({experts})", "top_k": k, "layout": "expert_modules", "weights": {},
+        "activation": "as the expert modules compute it", "conditional": True, "routing_weights": "after_down",
+        "routing": "sorted_cumulative_ends", "loop": "enumerate_run_ends", "tokens": x, "indices": ev.flat, "probs": w,
+        "counts": ev.ends, "output": ev.cache, "output_dtype": dtype, "sentinel_index": None,
+    }
+    risks = [
+        Risk("dynamic_shape", "per-expert token counts are data dependent: one host sync reads them (the loop read the run "
+             "ends on the host too)"),
+        Risk("dtype", "npu_moe_token_permute/unpermute take fp16/bf16/fp32; the routing weights are cast to the experts' "
+             "output dtype for unpermute (the original multiplied in place in that dtype too)"),
+        Risk("other", "each expert gets its rows in a stable sort by expert id (the original's argsort was not stable): an "
+             "expert mixing its rows (batch statistics) would see them in another order; the sum of the k weighted copies "
+             "runs in another order (rounding)"),
+    ]
+    notes = ["DeepSeekMoE's moe_infer (runs of one argsort, cumulative ends on the host): npu_moe_token_permute sorts the "
+             "token copies by expert, each expert module runs once on its contiguous rows, npu_moe_token_unpermute weights "
+             "and sums the copies; the expert MLP is not read (the modules run as they are), so no grouped matmul",
+             f"the flat ids `{ev.flat}` must be the row-major flattening of a [tokens, {k}] index (the caller's "
+             "topk_idx.view(-1)); the fused branch checks their count, not their order"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=span[0], end_line=span[1], params=params, fused=fused,
+                   guard_tensor=x if isinstance(ev.x, ast.Name) else next(
+                       (n.id for n in fast_walk(ev.x) if isinstance(n, ast.Name) and n.id != "self"), x),
+                   confidence="medium", variant="sorted_cumulative_ends_expert_modules", risks=risks, notes=notes, training_ok=True)
+
+
+# examples: DeepSeekMoE-style moe_infer over cumulative run ends (own reproducers)
+_CUM_RUNS = _HEAD + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w_in = nn.Linear(d, h, bias=False)
+        self.w_out = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w_out(F.gelu(self.w_in(x)))
+
+
+class SparseBlock(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+
+    @torch.no_grad()
+    def infer(self, x, flat_ids, flat_w):
+        cache = torch.zeros_like(x)
+        order = flat_ids.argsort()
+        run_ends = flat_ids.bincount().cpu().numpy().cumsum(0)
+        token_of = order // self.k
+        for i, end in enumerate(run_ends):
+            start = 0 if i == 0 else run_ends[i - 1]
+            if start == end:
+                continue
+            expert = self.experts[i]
+            t = token_of[start:end]
+            out = expert(x[t])
+            out.mul_(flat_w[order[start:end]])
+            cache = cache.to(out.dtype)
+            cache.scatter_reduce_(0, t.view(-1, 1).repeat(1, x.shape[-1]), out, reduce="sum")
+        return cache
+'''
+
+_CUM_RUNS_RUN = '''\
+block = SparseBlock(16, 24, 5, 2)
+x = torch.randn(7, 16)
+logits = torch.randn(7, 5)
+w, ids = logits.softmax(-1).topk(2, dim=-1)
+ids[0, 0] = 0
+out = block.infer(x, ids.view(-1), w.view(-1, 1))
+'''
+
+_CUM_RUNS_INDEX_ADD = _CUM_RUNS.replace("            cache = cache.to(out.dtype)\n", "").replace(
+    'cache.scatter_reduce_(0, t.view(-1, 1).repeat(1, x.shape[-1]), out, reduce="sum")', "cache.index_add_(0, t, out)").replace(
+    "out.mul_(flat_w[order[start:end]])", "out = out * flat_w[order[start:end]]").replace(
+    "if start == end:", "if end <= start:").replace("flat_ids.bincount().cpu().numpy().cumsum(0)", "flat_ids.bincount().cumsum(0).tolist()")
+
+MoeExperts.FUSE += [
+    Fuse(_CUM_RUNS, name="cumulative_run_ends_scatter_reduce_expert_modules", run=_CUM_RUNS_RUN, expect={
+        "variant": "sorted_cumulative_ends_expert_modules", "layout": "expert_modules", "indices": "flat_ids",
+        "probs": "flat_w", "top_k": "self.k", "output": "cache", "tokens": "x"}),
+    Fuse(_CUM_RUNS_INDEX_ADD, name="cumulative_run_ends_index_add_product_weights", run=_CUM_RUNS_RUN, expect={
+        "variant": "sorted_cumulative_ends_expert_modules", "output_dtype": "cache.dtype", "counts": "run_ends"}),
+]
+
+MoeExperts.KEEP += [
+    # runs are skipped on a size threshold: those tokens would lose their expert
+    Keep(_CUM_RUNS.replace("if start == end:", "if end - start < 2:"), reason="skips runs on", name="cumulative_runs_threshold_skip"),
+    # the accumulator starts from ones: the fused sum starts from zero
+    Keep(_CUM_RUNS.replace("cache = torch.zeros_like(x)", "cache = torch.ones_like(x)"), reason="is not zeros",
+         name="cumulative_runs_ones_accumulator"),
+    # the runs are added to every column from the first run only: not this dispatch
+    Keep(_CUM_RUNS.replace("t.view(-1, 1).repeat(1, x.shape[-1])", "t.view(-1, 1).repeat(1, 4)"),
+         reason="not part of this dispatch", name="cumulative_runs_partial_columns"),
 ]
