@@ -3813,6 +3813,10 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
                         "torch_npu: wrap it); not a candidate by default (a fused library path)")
         return _grouped_gemm_finding(module, scope, stmts, mms)
     offs = mms[0].offs
+    flat_b = next((g for g in mms if _asserted_2d_weight(scope, g.b, g.call.lineno)), None)
+    if flat_b is not None:
+        raise _Miss(f"the grouped matmul's second operand `{segment(module, flat_b.b)[:40]}` is asserted 2-D: a K-grouped "
+                    "product (weight-gradient form), which the replacement would leave to torch._grouped_mm as written")
     if any(ast.dump(g.offs) != ast.dump(offs) for g in mms):
         raise _Miss("the grouped matmuls use different group offsets")
     offs_text = segment(module, offs)
@@ -6990,6 +6994,7 @@ class _GroupLoop:
         self.out_list = ""  # outs of outs.append(...) (form B)
         self.products = 0
         self.advanced = False  # form A: the offset moves on by this group's size
+        self.prefix: Optional[str] = None  # form C: offsets = cat([0], cumsum(sizes)), rows offsets[g]:offsets[g + 1]
 
     # -- header ----------------------------------------------------------------------------
     def header(self) -> bool:
@@ -7022,10 +7027,12 @@ class _GroupLoop:
             if isinstance(node.value, ast.Name) and node.value.id == self.pieces:
                 return ("rows",)
             return ("w", "id", node.value)  # W[g], or sizes[g]: told apart by use
-        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice) and node.slice.step is None \
-                and isinstance(node.slice.lower, ast.Name) and node.slice.lower.id == self.start \
-                and node.slice.upper is not None and self.ev(node.slice.upper)[0] == "end" and self._invariant(node.value):
+        if isinstance(node, ast.Subscript) and self._run_slice(node.slice) and self._invariant(node.value):
             return ("rows_of", node.value)  # X[start:end]
+        if isinstance(node, ast.Subscript) and self.prefix is not None and isinstance(node.value, ast.Name) \
+                and node.value.id == self.prefix and isinstance(node.slice, ast.BinOp) and isinstance(node.slice.op, ast.Add) \
+                and self._is_g(node.slice.left) and const_value(node.slice.right) == 1:
+            return ("pend",)  # offsets[g + 1]
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and self.start:
             sides = [self.ev(node.left), self.ev(node.right)]
             names = [node.left, node.right]
@@ -7054,6 +7061,14 @@ class _GroupLoop:
                 return self._product(node.args[0], node.args[1], flip=True)
         return ("other",)
 
+    def _run_slice(self, sl: ast.expr) -> bool:
+        """``[start:end]`` of this group: the running offset (form A) or the prefix table (form C)."""
+        if not (isinstance(sl, ast.Slice) and sl.step is None and isinstance(sl.lower, ast.Name) and sl.upper is not None):
+            return False
+        if self.start and sl.lower.id == self.start:
+            return self.ev(sl.upper)[0] == "end"
+        return self.prefix is not None and self.env.get(sl.lower.id) == ("pstart",) and self.ev(sl.upper) == ("pend",)
+
     def _flip(self, v: tuple) -> tuple:
         if v[0] != "w":
             return ("other",)
@@ -7064,7 +7079,7 @@ class _GroupLoop:
         if w[0] != "w" or rows[0] not in ("rows", "rows_of"):
             return ("other",)
         orient = ("flip", w[1]) if flip else w[1]
-        if self.sizes is not None and ast.dump(self.sizes) == ast.dump(w[2]):
+        if self.sizes is not None and ast.dump(self.sizes) == ast.dump(w[2]) or isinstance(w[2], ast.Name) and w[2].id == self.prefix:
             return ("other",)
         if self.weight is not None and ast.dump(self.weight) != ast.dump(w[2]):
             return ("other",)
@@ -7092,6 +7107,8 @@ class _GroupLoop:
             tgt = s.targets[0]
             if isinstance(tgt, ast.Name):
                 v = self.ev(s.value)
+                if self.prefix is not None and v[0] == "w" and v[1] == "id" and isinstance(v[2], ast.Name) and v[2].id == self.prefix:
+                    v = ("pstart",)  # offsets[g]
                 if v[0] == "other":
                     raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of one grouped projection")
                 if self.start and tgt.id == self.start:
@@ -7102,11 +7119,8 @@ class _GroupLoop:
                     return
                 self.env[tgt.id] = v
                 return
-            if isinstance(tgt, ast.Subscript) and self.start and self.ev(s.value)[0] == "y":
-                sl = tgt.slice
-                if isinstance(sl, ast.Slice) and sl.step is None and isinstance(sl.lower, ast.Name) and sl.lower.id == self.start \
-                        and sl.upper is not None and self.ev(sl.upper)[0] == "end" and self._invariant(tgt.value) \
-                        and self.out_target is None:
+            if isinstance(tgt, ast.Subscript) and (self.start or self.prefix) and self.ev(s.value)[0] == "y":
+                if self._run_slice(tgt.slice) and self._invariant(tgt.value) and self.out_target is None:
                     self.out_target = tgt.value
                     return
         if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name) and s.target.id == self.start \
@@ -7206,19 +7220,22 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
                 ev.sizes = sizes
                 break
         if split_st is None:
-            return None
+            table = _prefix_offsets(module, scope, loop, ev.g)
+            if table is None:
+                return None
+            ev.prefix, ev.sizes = table
     try:
         ev.body(loop.body)
     except _Miss:
         return None  # something else in the loop: the expert-loop analysis (or nothing) judges it
     if ev.products != 1 or ev.weight is None or ev.rows is None or ev.sizes is None:
         return None
-    first_stmt: ast.stmt = prev if ev.start else split_st  # type: ignore[assignment]
+    first_stmt: ast.stmt = prev if ev.start else split_st if split_st is not None else loop  # type: ignore[assignment]
     stmts = block[block.index(first_stmt): i + 1]
     cat_st: Optional[ast.stmt] = None
     out_name = ""
-    if ev.start:
-        if ev.out_target is None or not ev.advanced:
+    if ev.start or ev.prefix:
+        if ev.out_target is None or (ev.start and not ev.advanced):
             return None
     else:
         inits = [st for st in block[max(0, i - 2): i] if st is not split_st]
@@ -7270,11 +7287,11 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
              f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
              f"if isinstance({w_text}, torch.Tensor) and {w_text}.dim() == 3 and {x_text}.dim() == 2 and {P}counts.dim() == 1 "
              f"and {check}:"]
-    if ev.start:
+    if ev.start or ev.prefix:
         out_text = segment(module, ev.out_target)
         lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
                   f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
-        if scope.uses_after(ev.start, end):
+        if ev.start and scope.uses_after(ev.start, end):
             lines.append(f"    {ev.start} = {P}m")
     else:
         res = f"return {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)" if isinstance(cat_st, ast.Return) \
@@ -7289,9 +7306,9 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         "num_experts": bound or f"{w_text}.shape[0]", "top_k": "(rows pre-sorted by group)",
         "layout": "stacked_in_out" if ev.orient == "id" else "stacked_out_in" if orient_name == "flip" else "stacked_conditional",
         "weights": {"proj": w_text}, "activation": "none (one projection)", "conditional": True,
-        "routing_weights": "outside", "routing": "running_offsets" if ev.start else "sorted_counts",
+        "routing_weights": "outside", "routing": "running_offsets" if ev.start else "prefix_offsets" if ev.prefix else "sorted_counts",
         "loop": "group_loop", "tokens": x_text, "indices": None, "probs": None, "counts": sizes_text,
-        "output": segment(module, ev.out_target) if ev.start else out_name, "output_dtype": None, "sentinel_index": None,
+        "output": segment(module, ev.out_target) if ev.start or ev.prefix else out_name, "output_dtype": None, "sentinel_index": None,
     }
     risks = [
         Risk("dynamic_shape", "group sizes are data dependent; they reach npu_grouped_matmul as a device tensor"),
@@ -7302,7 +7319,7 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     notes = ["a grouped matmul written as a Python loop over contiguous row runs (rows already sorted by group): one "
              "npu_grouped_matmul with the per-group sizes; npu_grouped_matmul has no backward in torch_npu 2.14: the fused "
              "text wraps it in an autograd.Function (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)"]
-    if ev.start:
+    if ev.start or ev.prefix:
         notes.append("rows past the last group keep what the output held before (the loop never wrote them)")
     return Finding(pattern=_ID, qualname=scope.qualname, line=stmts[0].lineno, end_line=end, params=params,
                    fused="\n".join(lines) + "\n", guard_tensor=guard,
@@ -7777,4 +7794,118 @@ MoeExperts.KEEP += [
     # the runs are added to every column from the first run only: not this dispatch
     Keep(_CUM_RUNS.replace("t.view(-1, 1).repeat(1, x.shape[-1])", "t.view(-1, 1).repeat(1, 4)"),
          reason="not part of this dispatch", name="cumulative_runs_partial_columns"),
+]
+
+
+
+def _asserted_2d_weight(scope: Scope, b: ast.expr, line: int) -> bool:
+    """``assert W.ndim == 2`` / ``W.dim() == 2`` in this function for a tensor ``b`` is computed from (the
+    names in ``b`` and, one assignment back, the names their values read): the grouped product is then
+    2-D x 2-D (grouped along K), not the 2-D x 3-D MoE forward the fused path covers."""
+    names = {n.id for n in fast_walk(b) if isinstance(n, ast.Name)}
+    for n in list(names):
+        d = scope.definition(n, line)
+        if d is not None:
+            names |= {m.id for m in fast_walk(d) if isinstance(m, ast.Name)}
+    for st in fast_walk(scope.node):
+        if not isinstance(st, ast.Assert) or not isinstance(st.test, ast.Compare) or len(st.test.ops) != 1 \
+                or not isinstance(st.test.ops[0], ast.Eq) or const_value(st.test.comparators[0]) != 2:
+            continue
+        left = st.test.left
+        if isinstance(left, ast.Attribute) and left.attr == "ndim" and isinstance(left.value, ast.Name) and left.value.id in names:
+            return True
+        if isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr == "dim" and not left.args \
+                and isinstance(left.func.value, ast.Name) and left.func.value.id in names:
+            return True
+    return False
+
+
+MoeExperts.KEEP += [
+    # the weight operand is asserted 2-D: a K-grouped (weight-gradient) grouped_mm, left as written
+    Keep(_GROUPED_MM_DIRECT.replace("    offsets = torch.cumsum(", "    assert w1.dim() == 2\n    offsets = torch.cumsum("),
+         reason="asserted 2-D", name="grouped_mm_asserted_2d_weight"),
+]
+
+
+
+def _prefix_offsets(module: ModuleInfo, scope: Scope, loop: ast.For, g: str) -> Optional[tuple[str, ast.expr]]:
+    """(table name, sizes) when the loop reads ``T[g]`` and ``T[g + 1]`` of a table built before it as
+    ``T = torch.cat((<a single zero>, torch.cumsum(sizes, dim=0)))`` (or ``F.pad(sizes.cumsum(0), (1, 0))``):
+    group g's rows are T[g]:T[g + 1] (form C of the grouped-matmul loops)."""
+    line = loop.lineno
+    for n in fast_walk(loop):
+        if not (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.BinOp)
+                and isinstance(n.slice.op, ast.Add) and isinstance(n.slice.left, ast.Name) and n.slice.left.id == g
+                and const_value(n.slice.right) == 1):
+            continue
+        name = n.value.id
+        entries = [(st, v) for st, v in scope.assignments.get(name, []) if st.lineno < line]
+        if not entries:
+            return None
+        st, table = entries[-1]
+
+        def cumsum_operand(node: Optional[ast.expr], at: int) -> Optional[ast.expr]:
+            if isinstance(node, ast.Name):
+                node = scope.definition(node.id, at)
+            if isinstance(node, ast.Call) and (_canon(module, node.func) == "torch.cumsum") and node.args \
+                    and const_value(keyword(node, "dim", 1)) == 0:
+                return node.args[0]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cumsum" \
+                    and const_value(keyword(node, "dim", 0)) == 0:
+                return node.func.value
+            return None
+
+        def single_zero(node: ast.expr, at: int) -> bool:
+            if isinstance(node, ast.Name):
+                node = scope.definition(node.id, at)  # type: ignore[assignment]
+            if isinstance(node, ast.Call) and _canon(module, node.func) == "torch.zeros" and [const_value(a) for a in node.args] in ([1], [(1,)]):
+                return True
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "new_zeros" \
+                    and [const_value(a) for a in node.args] == [1]:
+                return True
+            return isinstance(node, ast.Call) and _canon(module, node.func) == "torch.tensor" and len(node.args) == 1 \
+                and isinstance(node.args[0], ast.List) and [const_value(e) for e in node.args[0].elts] == [0]
+
+        sizes: Optional[ast.expr] = None
+        if isinstance(table, ast.Call) and _canon(module, table.func) == "torch.cat" and table.args \
+                and isinstance(table.args[0], (ast.Tuple, ast.List)) and len(table.args[0].elts) == 2 \
+                and (keyword(table, "dim", 1) is None or const_value(keyword(table, "dim", 1)) == 0):
+            zero, cum = table.args[0].elts
+            if single_zero(zero, st.lineno):
+                sizes = cumsum_operand(cum, st.lineno)
+        elif isinstance(table, ast.Call) and _canon(module, table.func) == "torch.nn.functional.pad" and len(table.args) == 2 \
+                and isinstance(table.args[1], (ast.Tuple, ast.List)) and [const_value(e) for e in table.args[1].elts] == [1, 0]:
+            sizes = cumsum_operand(table.args[0], st.lineno)
+        if sizes is None or not isinstance(sizes, (ast.Name, ast.Attribute)):
+            return None
+        if {x.id for x in fast_walk(sizes) if isinstance(x, ast.Name)} & _assigned(loop.body):
+            return None
+        return name, sizes
+    return None
+
+
+_GROUP_LOOP_PREFIX = _HEAD + '''
+def sequential_grouped(inp, weight, tokens_per_group):
+    output = torch.zeros(inp.shape[0], weight.shape[-1], dtype=inp.dtype, device=inp.device)
+    bounds = torch.cumsum(tokens_per_group, dim=0)
+    zero = torch.zeros(1, dtype=torch.long, device=bounds.device)
+    bounds = torch.cat((zero, bounds))
+    for g in range(weight.shape[0]):
+        lo = bounds[g]
+        hi = bounds[g + 1]
+        output[lo:hi] = torch.matmul(inp[lo:hi], weight[g])
+    return output
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_GROUP_LOOP_PREFIX, name="grouped_gemm_loop_prefix_offsets_table", run='''\
+w = (torch.randn(4, 16, 8) * 0.25).requires_grad_()
+x = torch.randn(12, 16, requires_grad=True)
+out = sequential_grouped(x, w, torch.tensor([2, 5, 0, 5]))
+leaves = [x, w]
+''', expect={"variant": "grouped_loop", "routing": "prefix_offsets", "counts": "tokens_per_group", "output": "output"}),
+]
+MoeExperts.KEEP += [
+    # the table does not start at 0 (cumulative ends only): group g's rows are not bounds[g]:bounds[g + 1]
+    Keep(_GROUP_LOOP_PREFIX.replace("    bounds = torch.cat((zero, bounds))\n", ""), name="grouped_loop_prefix_table_without_zero"),
 ]
