@@ -224,6 +224,7 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
             yield r
     if _routing_text(module):
         yield from _routed_elsewhere(module, scope, covered)
+    yield from _dispatcher_sites(module, scope)  # permute / unpermute halves of a token dispatcher
     for block, i, stmt in scope.statements():
         if not isinstance(stmt, ast.For):
             if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
@@ -356,6 +357,7 @@ def _wordless_sites(module: ModuleInfo, scope: Scope) -> Iterable[Finding]:
     calling items on per-item rows, analysed like any expert loop; refusals stay silent."""
     if scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters"):
         return
+    yield from (r for r in _dispatcher_sites(module, scope) if isinstance(r, Finding))  # dispatcher halves
     for block, i, stmt in scope.statements():
         if isinstance(stmt, ast.For):
             grouped = _grouped_loop_site(module, scope, block, i, stmt)  # a grouped matmul written as a loop
@@ -7908,4 +7910,224 @@ leaves = [x, w]
 MoeExperts.KEEP += [
     # the table does not start at 0 (cumulative ends only): group g's rows are not bounds[g]:bounds[g + 1]
     Keep(_GROUP_LOOP_PREFIX.replace("    bounds = torch.cat((zero, bounds))\n", ""), name="grouped_loop_prefix_table_without_zero"),
+]
+
+
+# --- s25 harvest: token-dispatcher halves (permute / unpermute methods of a dispatcher object) ---
+#
+# A dispatcher class splits the layer into ``token_permutation`` (stable argsort of the flat top-k ids,
+# rows gathered as ``X.index_select(0, order // k)``, the order kept on the instance) and
+# ``token_unpermutation`` (``index_copy_`` back by that order into zeros [T*k, H], reshape [T, k, H],
+# times the scores, sum over k). Each half is replaced on its own and keeps the other half's contract:
+# the permute still leaves the stable argsort (dst -> src) where the code keeps it, the unpermute
+# still reads it, so either half may run fused or as written.
+
+
+def _stable_argsort_of(module: ModuleInfo, node: ast.expr) -> Optional[ast.expr]:
+    """``F`` of ``torch.argsort(F, stable=True)`` / ``F.argsort(stable=True)`` (dim 0 / -1 of a 1-D F)."""
+    if not isinstance(node, ast.Call):
+        return None
+    kw = {k.arg: k.value for k in node.keywords}
+    if const_value(kw.get("stable")) is not True or set(kw) - {"stable", "dim"} or \
+            ("dim" in kw and const_value(kw["dim"]) not in (0, -1)):
+        return None
+    if _canon(module, node.func) == "torch.argsort" and len(node.args) == 1:
+        return node.args[0]
+    if isinstance(node.func, ast.Attribute) and node.func.attr == "argsort" and not node.args:
+        return node.func.value
+    return None
+
+
+def _dispatcher_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """``order = argsort(flat, stable=True)`` then ``rows = X.index_select(0, order // k)`` (or ``X[order // k]``)."""
+    st, nxt = block[i], block[i + 1] if i + 1 < len(block) else None
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+        return None
+    flat = _stable_argsort_of(module, st.value)
+    if not isinstance(flat, ast.Name) or not flattened_to_1d(module, scope, flat.id, st.lineno):
+        return None
+    order = st.targets[0].id
+    if not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)):
+        return None
+    v = nxt.value
+    if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "index_select" and len(v.args) == 2 \
+            and const_value(v.args[0]) == 0 and not v.keywords:
+        x, idx = v.func.value, v.args[1]
+    elif isinstance(v, ast.Subscript):
+        x, idx = v.value, v.slice
+    else:
+        return None
+    if not (isinstance(idx, ast.BinOp) and isinstance(idx.op, ast.FloorDiv) and isinstance(idx.left, ast.Name)
+            and idx.left.id == order) or not isinstance(x, ast.Name):
+        return None
+    k, rows, xs, fs = segment(module, idx.right), nxt.targets[0].id, x.id, flat.id
+    original = "\n".join("    " + ln for s in (st, nxt) for ln in ast.unparse(s).splitlines())
+    fused = "\n".join([
+        f"if {xs}.dim() == 2 and {fs}.dim() == 1 and {fs}.numel() == {xs}.shape[0] * ({k}):",
+        f"    {rows}, {P}order = torch_npu.npu_moe_token_permute({xs}, {fs}.view(-1, {k}))",
+        "    # what the code keeps: the stable argsort (dst -> src), the inverse of the op's src -> dst order",
+        f"    {order} = torch.empty_like({fs}, dtype=torch.long).scatter_(0, {P}order.long(), "
+        f"torch.arange({fs}.numel(), device={fs}.device))",
+        "else:",
+        original,
+    ]) + "\n"
+    params: dict[str, Any] = {
+        "num_experts": "(ids in the flat indices)", "top_k": k, "layout": "dispatcher", "weights": {},
+        "activation": "none (the permute half of a dispatcher)", "conditional": True, "routing_weights": "outside",
+        "routing": "stable_argsort_permute", "loop": "none", "tokens": xs, "indices": fs, "probs": None, "counts": None,
+        "output": rows, "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [Risk("other", f"`{fs}` must be the row-major flattening of [tokens, {k}] expert ids (the fused branch checks "
+                  "the count only); the op keeps ids below 16777215")]
+    notes = ["the permute half of a token dispatcher: npu_moe_token_permute gathers the rows in the same stable order; the "
+             f"stable argsort `{order}` the code keeps for its unpermute is rebuilt from the op's order (one scatter), so the "
+             "unpermute half may run fused or as written. npu_moe_token_permute has autograd"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=st.lineno, end_line=nxt.end_lineno or nxt.lineno, params=params,
+                   fused=fused, guard_tensor=xs, confidence="medium", variant="dispatcher_permute", risks=risks, notes=notes,
+                   training_ok=True)
+
+
+def _dispatcher_unpermute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """``buf = zeros(n, H)``; ``buf.index_copy_(0, order, rows)``; ``buf = buf.reshape(-1, k, H)``;
+    ``buf = buf * scores.unsqueeze(-1)``; ``buf = buf.sum(dim=1)[.type_as(rows)]``."""
+    if i + 4 >= len(block):
+        return None
+    z, cp, rs, ml, sm = block[i: i + 5]
+    if not (isinstance(z, ast.Assign) and len(z.targets) == 1 and isinstance(z.targets[0], ast.Name)
+            and isinstance(z.value, ast.Call) and _canon(module, z.value.func) == "torch.zeros"):
+        return None
+    buf = z.targets[0].id
+    if not (isinstance(cp, ast.Expr) and isinstance(cp.value, ast.Call) and isinstance(cp.value.func, ast.Attribute)
+            and cp.value.func.attr == "index_copy_" and isinstance(cp.value.func.value, ast.Name) and cp.value.func.value.id == buf
+            and len(cp.value.args) == 3 and const_value(cp.value.args[0]) == 0 and isinstance(cp.value.args[2], ast.Name)):
+        return None
+    order, rows = cp.value.args[1], cp.value.args[2].id
+
+    def assign_to_buf(s: ast.stmt) -> Optional[ast.expr]:
+        return s.value if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) \
+            and s.targets[0].id == buf else None
+
+    r, m, sv = assign_to_buf(rs), assign_to_buf(ml), assign_to_buf(sm)
+    if r is None or m is None or sv is None:
+        return None
+    # buf.reshape(-1, k, H) / buf.view(-1, k, H)
+    if not (isinstance(r, ast.Call) and isinstance(r.func, ast.Attribute) and r.func.attr in ("reshape", "view")
+            and isinstance(r.func.value, ast.Name) and r.func.value.id == buf and len(r.args) == 3 and const_value(r.args[0]) == -1):
+        return None
+    k = segment(module, r.args[1])
+    # buf * scores.unsqueeze(-1) (either side)
+    if not (isinstance(m, ast.BinOp) and isinstance(m.op, ast.Mult)):
+        return None
+    sides = [m.left, m.right]
+    if not any(isinstance(s_, ast.Name) and s_.id == buf for s_ in sides):
+        return None
+    other = sides[1] if isinstance(sides[0], ast.Name) and sides[0].id == buf else sides[0]
+    if not (isinstance(other, ast.Call) and isinstance(other.func, ast.Attribute) and other.func.attr == "unsqueeze"
+            and [const_value(a) for a in other.args] in ([-1], [2])):
+        return None
+    scores = other.func.value
+    # buf.sum(dim=1) [.type_as(rows) / .to(rows.dtype)]
+    cast = ""
+    s_ = sv
+    if isinstance(s_, ast.Call) and isinstance(s_.func, ast.Attribute) and s_.func.attr == "type_as" and len(s_.args) == 1 \
+            and isinstance(s_.args[0], ast.Name) and s_.args[0].id == rows:
+        cast, s_ = rows, s_.func.value
+    if not (isinstance(s_, ast.Call) and isinstance(s_.func, ast.Attribute) and s_.func.attr == "sum"
+            and isinstance(s_.func.value, ast.Name) and s_.func.value.id == buf
+            and (const_value(keyword(s_, "dim", 0)) == 1) and len(s_.args) + len(s_.keywords) == 1):
+        return None
+    o, sc = segment(module, order), segment(module, scores)
+    stmts = [z, cp, rs, ml, sm]
+    original = "\n".join("    " + ln for s in stmts for ln in ast.unparse(s).splitlines())
+    out_dtype = f"{rows}.dtype" if cast else f"torch.promote_types({rows}.dtype, {sc}.dtype)"
+    fused = "\n".join([
+        f"if {rows}.dim() == 2 and {o}.dim() == 1 and {o}.numel() == {rows}.shape[0] == {sc}.numel():",
+        "    # the kept order maps permuted rows to flat slots (dst -> src); the op takes the inverse (src -> dst)",
+        f"    {P}inv = torch.empty_like({o}).scatter_(0, {o}, torch.arange({o}.numel(), device={o}.device, dtype={o}.dtype))",
+        f"    {buf} = torch_npu.npu_moe_token_unpermute({rows}, {P}inv.to(torch.int32), probs={sc}.reshape(-1, {k}).to({rows}.dtype))"
+        f".to({out_dtype})",
+        "else:",
+        original,
+    ]) + "\n"
+    params: dict[str, Any] = {
+        "num_experts": "(rows already grouped by expert)", "top_k": k, "layout": "dispatcher", "weights": {},
+        "activation": "none (the unpermute half of a dispatcher)", "conditional": True, "routing_weights": "after_down",
+        "routing": "kept_order_unpermute", "loop": "none", "tokens": rows, "indices": None, "probs": sc, "counts": None,
+        "output": buf, "output_dtype": out_dtype, "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"`{o}` (kept by the permute half) must be a permutation of the {rows} rows: index_copy_ with a "
+             "duplicate keeps one row, the op rejects duplicates"),
+        Risk("dtype", f"the op weights and sums in {rows}' dtype (the original multiplied in the scores' dtype, then "
+             "summed): rounding differs for bf16/fp16 rows"),
+    ]
+    notes = ["the unpermute half of a token dispatcher: index_copy_ back, reshape [tokens, k, H], times the scores, sum "
+             "over k = npu_moe_token_unpermute with probs (the inverse order computed from the kept one: one scatter). "
+             "npu_moe_token_unpermute has autograd"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=z.lineno, end_line=sm.end_lineno or sm.lineno, params=params,
+                   fused=fused, guard_tensor=rows, confidence="medium", variant="dispatcher_unpermute", risks=risks, notes=notes,
+                   training_ok=True)
+
+
+def _dispatcher_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    """Both halves, over the straight-line statements of one scope (cheap gates: argsort / index_copy_ text)."""
+    src = module.source
+    want_p, want_u = "stable" in src and "argsort" in src, "index_copy_" in src
+    if not (want_p or want_u):
+        return
+    for block, i, stmt in scope.statements():
+        if want_p and isinstance(stmt, ast.Assign):
+            found = _dispatcher_permute_site(module, scope, block, i)
+            if found is not None:
+                yield found
+                continue
+        if want_u and isinstance(stmt, ast.Assign) and i + 4 < len(block):
+            found = _dispatcher_unpermute_site(module, scope, block, i)
+            if found is not None:
+                yield found
+
+
+# examples: a token dispatcher object, each half replaced on its own (own reproducer)
+_DISPATCHER = _HEAD + '''
+class Dispatcher:
+    def __init__(self, topk):
+        self.topk = topk
+        self.saved_order = None
+
+    def permute(self, hidden, indices):
+        hidden = hidden.view(-1, hidden.size(-1))
+        flat = indices.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = hidden.index_select(0, order // self.topk)
+        self.saved_order = order
+        return rows
+
+    def unpermute(self, rows, scores):
+        n = scores.numel()
+        buf = torch.zeros((n, rows.size(1)), dtype=rows.dtype, device=rows.device)
+        buf.index_copy_(0, self.saved_order, rows)
+        buf = buf.reshape(-1, self.topk, rows.size(1))
+        buf = buf * scores.unsqueeze(-1)
+        buf = buf.sum(dim=1).type_as(rows)
+        return buf
+'''
+
+_DISPATCHER_RUN = '''\
+d = Dispatcher(2)
+x = torch.randn(6, 8, requires_grad=True)
+scores, ids = torch.randn(6, 4).softmax(-1).topk(2, dim=-1)
+rows = d.permute(x, ids)
+out = d.unpermute(rows * 2.0 + 1.0, scores)
+leaves = [x]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_DISPATCHER, name="dispatcher_object_permute_and_unpermute_halves", run=_DISPATCHER_RUN,
+         expect={"layout": "dispatcher", "top_k": "self.topk"}),
+]
+MoeExperts.KEEP += [
+    # an unstable argsort: the kept order is not the one the op's stable sort gives (ties differ), and the
+    # unpermute has its own near-miss-free shape change below
+    Keep(_DISPATCHER.replace("torch.argsort(flat, stable=True)", "torch.argsort(flat)").replace(
+        "buf = buf.sum(dim=1).type_as(rows)", "buf = buf.sum(dim=0).type_as(rows)"), name="dispatcher_unstable_sort_sum_over_tokens"),
 ]
