@@ -8071,8 +8071,11 @@ def _dispatcher_unpermute_site(module: ModuleInfo, scope: Scope, block: list[ast
 
 def _dispatcher_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
     """Both halves, over the straight-line statements of one scope (cheap gates: argsort / index_copy_ text)."""
-    src = module.source
-    want_p, want_u = "stable" in src and "argsort" in src, "index_copy_" in src
+    wants = module.__dict__.get("_npufuse_moe_dispatcher_text")  # once per file (detect runs per scope)
+    if wants is None:
+        src = module.source
+        wants = module.__dict__["_npufuse_moe_dispatcher_text"] = ("stable" in src and "argsort" in src, "index_copy_" in src)
+    want_p, want_u = wants
     if not (want_p or want_u):
         return
     for block, i, stmt in scope.statements():
