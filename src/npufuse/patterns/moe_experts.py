@@ -224,6 +224,7 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
             yield r
     if _routing_text(module):
         yield from _routed_elsewhere(module, scope, covered)
+    yield from _dispatcher_sites(module, scope)  # permute / unpermute halves of a token dispatcher
     for block, i, stmt in scope.statements():
         if not isinstance(stmt, ast.For):
             if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
@@ -241,6 +242,13 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 if reason:
                     yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             continue
+        if not quiet:
+            grouped = _grouped_loop_site(module, scope, block, i, stmt)  # a grouped matmul written as a loop
+            if grouped is None:
+                grouped = _cumulative_runs_site(module, scope, block, i, stmt)  # DeepSeekMoE's moe_infer
+            if grouped is not None:
+                yield grouped
+                continue
         if len(stmt.body) == 1 and isinstance(stmt.body[0], ast.For):
             # per token, per top-k slot: read off the dataflow (module picked by ids[t, k]), not the names
             try:
@@ -349,8 +357,13 @@ def _wordless_sites(module: ModuleInfo, scope: Scope) -> Iterable[Finding]:
     calling items on per-item rows, analysed like any expert loop; refusals stay silent."""
     if scope.qualname.rsplit(".", 1)[-1] in ("__init__", "_init_weights", "init_weights", "reset_parameters"):
         return
+    yield from (r for r in _dispatcher_sites(module, scope) if isinstance(r, Finding))  # dispatcher halves
     for block, i, stmt in scope.statements():
         if isinstance(stmt, ast.For):
+            grouped = _grouped_loop_site(module, scope, block, i, stmt)  # a grouped matmul written as a loop
+            if isinstance(grouped, Finding):
+                yield grouped
+                continue
             if not _dispatch_shape(stmt):
                 continue
             try:
@@ -3671,6 +3684,7 @@ class _GroupedMm:
     offs: ast.expr  # torch._grouped_mm: cumulative end offsets; grouped_gemm's gmm: per-group counts
     counts: bool = False  # grouped_gemm.ops.gmm(a, b, batch_sizes, trans_b=False)
     trans_b: Optional[ast.expr] = None  # gmm: b stored [E, N, K] when true
+    out_dtype: Optional[ast.expr] = None  # torch._grouped_mm(..., out_dtype=): fp32 accumulation, output in that dtype
 
 
 def _is_grouped_gemm(module: ModuleInfo, func: ast.expr) -> bool:
@@ -3731,12 +3745,12 @@ def _grouped_mm_of(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional
             raise _Miss(f"`{ast.unparse(call)[:60]}`: grouped_gemm's gmm with operands npufuse does not bind")
         return _GroupedMm(call, a, b, sizes, counts=True, trans_b=keyword(call, "trans_b", 3))
     if _canon(module, call.func) == "torch._grouped_mm":
-        if keyword(call, "bias", 3) is not None or keyword(call, "out_dtype", 4) is not None:
-            raise _Miss("torch._grouped_mm with a bias or an out_dtype: the replacement covers the plain grouped matmul")
+        if keyword(call, "bias", 3) is not None:
+            raise _Miss("torch._grouped_mm with a bias: the replacement covers the grouped matmul without one")
         a, b, offs = keyword(call, "self", 0) or keyword(call, "input", 0), keyword(call, "mat2", 1), keyword(call, "offs", 2)
         if a is None or b is None or offs is None:
             raise _Miss("torch._grouped_mm without offs: not grouped by expert")
-        return _GroupedMm(call, a, b, offs)
+        return _GroupedMm(call, a, b, offs, out_dtype=keyword(call, "out_dtype", 4))
     found = _grouped_mm_wrapper(module, scope, call)
     if found is None:
         return None
@@ -3801,6 +3815,10 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
                         "torch_npu: wrap it); not a candidate by default (a fused library path)")
         return _grouped_gemm_finding(module, scope, stmts, mms)
     offs = mms[0].offs
+    flat_b = next((g for g in mms if _asserted_2d_weight(scope, g.b, g.call.lineno)), None)
+    if flat_b is not None:
+        raise _Miss(f"the grouped matmul's second operand `{segment(module, flat_b.b)[:40]}` is asserted 2-D: a K-grouped "
+                    "product (weight-gradient form), which the replacement would leave to torch._grouped_mm as written")
     if any(ast.dump(g.offs) != ast.dump(offs) for g in mms):
         raise _Miss("the grouped matmuls use different group offsets")
     offs_text = segment(module, offs)
@@ -3834,10 +3852,11 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
         f"    {P}m = int({P}offs[-1])  # one host sync: rows past the last offset belong to no group (padding)",
         "",
         "",
-        f"def {P}grouped_mm(a, b):",
-        f"    if {P}offs is None or a.dim() != 2 or b.dim() != 3:",
-        f"        return torch._grouped_mm(a, b, offs={P}offs)  # other grouped_mm forms: as written",
-        f"    y = {P}gmm(a[:{P}m], b, {P}counts)",
+        *(_grouped_mm_function_out_dtype() if any(g.out_dtype is not None for g in mms) else [
+            f"def {P}grouped_mm(a, b):",
+            f"    if {P}offs is None or a.dim() != 2 or b.dim() != 3:",
+            f"        return torch._grouped_mm(a, b, offs={P}offs)  # other grouped_mm forms: as written",
+            f"    y = {P}gmm(a[:{P}m], b, {P}counts)"]),
         "    if y.shape[0] < a.shape[0]:  # rows in no group: zeros (torch._grouped_mm leaves them unset)",
         "        y = torch.cat([y, y.new_zeros(a.shape[0] - y.shape[0], y.shape[-1])])",
         "    return y",
@@ -3984,7 +4003,8 @@ def _swap_copy(stmt: ast.stmt, via: dict[int, "_GroupedMm"]) -> ast.stmt:
                 args.append(same_place(orig, node, g.offs))
             if g.trans_b is not None:
                 args.append(same_place(orig, node, g.trans_b))
-            return ast.Call(func=ast.Name(f"{P}grouped_mm", ast.Load()), args=args, keywords=[])
+            kws = [ast.keyword("out_dtype", same_place(orig, node, g.out_dtype))] if g.out_dtype is not None else []
+            return ast.Call(func=ast.Name(f"{P}grouped_mm", ast.Load()), args=args, keywords=kws)
 
     return _Swap().visit(clone)
 
@@ -5063,8 +5083,8 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     Keep(_GROUPED_MM_DIRECT.replace("w3.bfloat16().transpose(-2, -1), offs=offsets)", "w3.bfloat16().transpose(-2, -1), offs=offsets[1:])"),
          reason="different group offsets", name="grouped_mm_two_offsets"),
-    Keep(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, out_dtype=torch.float32))\n    h = h"),
-         reason="out_dtype", name="grouped_mm_out_dtype"),
+    Keep(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, bias=None))\n    h = h"),
+         reason="with a bias", name="grouped_mm_bias"),
 ]
 
 
@@ -6934,4 +6954,1183 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     Keep(_KEEP_ONES_MOVED, reason="not zeros", name="accumulator_ones_like_then_to_dtype"),
     Keep(_KEEP_ZEROS_TO_VAR, reason="cannot be told", name="accumulator_zeros_to_unknown_argument"),
+]
+
+
+# --- s25 harvest: grouped-matmul loops over contiguous row runs ----------------------------------
+#
+# Reference grouped GEMMs written as a Python loop (the "loop-free" MoE forms' inner kernel: rows are
+# already sorted by expert, each group's rows are multiplied by that group's weight):
+#
+#     start = 0                                   xs = x.split(sizes)        (or torch.split)
+#     for g in range(E):                          outs = []
+#         size = sizes[g]                         for g in range(E):
+#         if size > 0:                                outs.append(xs[g] @ w[g])
+#             end = start + size                  y = torch.cat(outs)
+#             y[start:end] = x[start:end] @ w[g]
+#             start = end
+#
+# (``@`` / torch.mm / torch.matmul with ``w[g]`` [K, N], or F.linear / ``w[g].T`` with [N, K], or a
+# loop-invariant ``w[g].T if flag else w[g]``): one npu_grouped_matmul with the counts on the device.
+
+_GL_FLIPS = {(0, 1), (1, 0), (-1, -2), (-2, -1)}
+
+
+class _GroupLoop:
+    """Symbolic reading of one grouped-matmul loop body (see the block comment above)."""
+
+    def __init__(self, module: ModuleInfo, loop: ast.For) -> None:
+        self.m = module
+        self.loop = loop
+        self.g = ""  # the group index
+        self.size_item = ""  # `for g, size in enumerate(sizes)`: the per-group size name
+        self.sizes: Optional[ast.expr] = None  # the per-group sizes (tensor or host list)
+        self.bound: Optional[ast.expr] = None  # range(bound)
+        self.start = ""  # the running row offset (form A)
+        self.pieces = ""  # the split list (form B)
+        self.env: dict[str, tuple] = {}
+        self.weight: Optional[ast.expr] = None  # the stacked weight W of `W[g]`
+        self.orient: Any = None  # "in_out" | "out_in" | ("if", test, a, b)
+        self.rows: Optional[ast.expr] = None  # X of X[start:end] (form A)
+        self.out_target: Optional[ast.expr] = None  # result of result[start:end] = ... (form A)
+        self.out_list = ""  # outs of outs.append(...) (form B)
+        self.products = 0
+        self.advanced = False  # form A: the offset moves on by this group's size
+        self.prefix: Optional[str] = None  # form C: offsets = cat([0], cumsum(sizes)), rows offsets[g]:offsets[g + 1]
+
+    # -- header ----------------------------------------------------------------------------
+    def header(self) -> bool:
+        it, tgt = self.loop.iter, self.loop.target
+        if not isinstance(it, ast.Call) or it.keywords:
+            return False
+        if dotted(it.func) == "range" and len(it.args) == 1 and isinstance(tgt, ast.Name):
+            self.g, self.bound = tgt.id, it.args[0]
+            return True
+        if dotted(it.func) == "enumerate" and len(it.args) == 1 and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 \
+                and all(isinstance(e, ast.Name) for e in tgt.elts) and isinstance(it.args[0], (ast.Name, ast.Attribute)):
+            self.g, self.size_item = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
+            self.sizes = it.args[0]
+            self.env[self.size_item] = ("size",)
+            return True
+        return False
+
+    # -- expressions -------------------------------------------------------------------------
+    def _is_g(self, node: ast.expr) -> bool:
+        return isinstance(node, ast.Name) and node.id == self.g
+
+    def _invariant(self, node: ast.expr) -> bool:
+        names = {n.id for n in fast_walk(node) if isinstance(n, ast.Name)}
+        return not (names & (_assigned(self.loop.body) | {self.g, self.size_item}))
+
+    def ev(self, node: ast.expr) -> tuple:
+        if isinstance(node, ast.Name):
+            return self.env.get(node.id, ("other",))
+        if isinstance(node, ast.Subscript) and self._is_g(node.slice) and self._invariant(node.value):
+            if isinstance(node.value, ast.Name) and node.value.id == self.pieces:
+                return ("rows",)
+            return ("w", "id", node.value)  # W[g], or sizes[g]: told apart by use
+        if isinstance(node, ast.Subscript) and self._run_slice(node.slice) and self._invariant(node.value):
+            return ("rows_of", node.value)  # X[start:end]
+        if isinstance(node, ast.Subscript) and self.prefix is not None and isinstance(node.value, ast.Name) \
+                and node.value.id == self.prefix and isinstance(node.slice, ast.BinOp) and isinstance(node.slice.op, ast.Add) \
+                and self._is_g(node.slice.left) and const_value(node.slice.right) == 1:
+            return ("pend",)  # offsets[g + 1]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and self.start:
+            sides = [self.ev(node.left), self.ev(node.right)]
+            names = [node.left, node.right]
+            for a, b, na in ((sides[0], sides[1], names[0]), (sides[1], sides[0], names[1])):
+                if isinstance(na, ast.Name) and na.id == self.start and self._is_size(b):
+                    return ("end",)
+        if isinstance(node, ast.Attribute) and node.attr == "T":
+            return self._flip(self.ev(node.value))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+            base = self.ev(node.func.value)
+            if node.func.attr == "t" and not node.args:
+                return self._flip(base)
+            if node.func.attr == "transpose" and len(node.args) == 2 and (const_value(node.args[0]), const_value(node.args[1])) in _GL_FLIPS:
+                return self._flip(base)
+        if isinstance(node, ast.IfExp) and self._invariant(node.test):
+            a, b = self.ev(node.body), self.ev(node.orelse)
+            if a[0] == "w" and b[0] == "w" and ast.dump(a[2]) == ast.dump(b[2]):
+                return ("w", ("if", node.test, a[1], b[1]), a[2])
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            return self._product(node.left, node.right, flip=False)
+        if isinstance(node, ast.Call) and len(node.args) == 2 and not node.keywords:
+            api = _canon(self.m, node.func)
+            if api in _MATMUL or api == "torch.matmul":
+                return self._product(node.args[0], node.args[1], flip=False)
+            if api in _LINEAR:
+                return self._product(node.args[0], node.args[1], flip=True)
+        return ("other",)
+
+    def _run_slice(self, sl: ast.expr) -> bool:
+        """``[start:end]`` of this group: the running offset (form A) or the prefix table (form C)."""
+        if not (isinstance(sl, ast.Slice) and sl.step is None and isinstance(sl.lower, ast.Name) and sl.upper is not None):
+            return False
+        if self.start and sl.lower.id == self.start:
+            return self.ev(sl.upper)[0] == "end"
+        return self.prefix is not None and self.env.get(sl.lower.id) == ("pstart",) and self.ev(sl.upper) == ("pend",)
+
+    def _flip(self, v: tuple) -> tuple:
+        if v[0] != "w":
+            return ("other",)
+        return ("w", ("flip", v[1]), v[2])
+
+    def _product(self, a: ast.expr, b: ast.expr, flip: bool) -> tuple:
+        rows, w = self.ev(a), self.ev(b)
+        if w[0] != "w" or rows[0] not in ("rows", "rows_of"):
+            return ("other",)
+        orient = ("flip", w[1]) if flip else w[1]
+        if self.sizes is not None and ast.dump(self.sizes) == ast.dump(w[2]) or isinstance(w[2], ast.Name) and w[2].id == self.prefix:
+            return ("other",)
+        if self.weight is not None and ast.dump(self.weight) != ast.dump(w[2]):
+            return ("other",)
+        if rows[0] == "rows_of":
+            if self.rows is not None and ast.dump(self.rows) != ast.dump(rows[1]):
+                return ("other",)
+            self.rows = rows[1]
+        self.weight, self.orient = w[2], orient
+        self.products += 1
+        return ("y",)
+
+    # -- statements --------------------------------------------------------------------------
+    def body(self, stmts: list[ast.stmt]) -> None:
+        for s in stmts:
+            self.stmt(s)
+
+    def stmt(self, s: ast.stmt) -> None:
+        if isinstance(s, ast.If) and not s.orelse and self._size_test(s.test, positive=True):
+            self.body(s.body)  # `if size > 0:` (a group without rows does nothing)
+            return
+        if isinstance(s, ast.If) and not s.orelse and len(s.body) == 1 and isinstance(s.body[0], ast.Continue) \
+                and self._size_test(s.test, positive=False) and not self.start:
+            return  # `if size == 0: continue` (form B only: form A must still advance its offset)
+        if isinstance(s, ast.Assign) and len(s.targets) == 1:
+            tgt = s.targets[0]
+            if isinstance(tgt, ast.Name):
+                v = self.ev(s.value)
+                if self.prefix is not None and v[0] == "w" and v[1] == "id" and isinstance(v[2], ast.Name) and v[2].id == self.prefix:
+                    v = ("pstart",)  # offsets[g]
+                if v[0] == "other":
+                    raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of one grouped projection")
+                if self.start and tgt.id == self.start:
+                    if v[0] != "end":
+                        raise _Miss(f"the row offset `{self.start}` advances by something other than this group's size")
+                    self.env.pop(tgt.id, None)
+                    self.advanced = True
+                    return
+                self.env[tgt.id] = v
+                return
+            if isinstance(tgt, ast.Subscript) and (self.start or self.prefix) and self.ev(s.value)[0] == "y":
+                if self._run_slice(tgt.slice) and self._invariant(tgt.value) and self.out_target is None:
+                    self.out_target = tgt.value
+                    return
+        if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name) and s.target.id == self.start \
+                and isinstance(s.op, ast.Add) and self._is_size(self.ev(s.value)):
+            self.advanced = True
+            return
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Attribute) \
+                and s.value.func.attr == "append" and isinstance(s.value.func.value, ast.Name) and len(s.value.args) == 1 \
+                and not self.start and self.ev(s.value.args[0])[0] == "y" and not self.out_list:
+            self.out_list = s.value.func.value.id
+            return
+        raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of one grouped projection")
+
+    def _is_size(self, v: tuple) -> bool:
+        """This group's size: the enumerate item, or ``sizes[g]`` (the first such table read as a size fixes
+        which one; a second table read as a size is not this form)."""
+        if v[0] == "size":
+            return True
+        if v[0] == "w" and v[1] == "id":
+            if self.sizes is None and self.size_item == "":
+                self.sizes = v[2]
+            return self.sizes is not None and ast.dump(v[2]) == ast.dump(self.sizes)
+        return False
+
+    def _size_test(self, test: ast.expr, positive: bool) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and const_value(test.comparators[0]) == 0):
+            return False
+        op = test.ops[0]
+        if positive and not isinstance(op, (ast.Gt, ast.NotEq)) or not positive and not isinstance(op, (ast.Eq, ast.LtE)):
+            return False
+        left = test.left
+        if isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr in ("numel", "size") and not left.args:
+            left = left.func.value  # rows.numel() > 0 / pieces[g].numel() == 0
+        elif isinstance(left, ast.Subscript) and isinstance(left.value, ast.Attribute) and left.value.attr == "shape" \
+                and const_value(left.slice) == 0:
+            left = left.value.value
+        elif isinstance(left, ast.Call) and dotted(left.func) == "len" and len(left.args) == 1:
+            left = left.args[0]
+        v = self.ev(left)
+        return self._is_size(v) or v[0] in ("rows", "rows_of")
+
+
+def _grouped_loop_gate(loop: ast.For) -> bool:
+    """Cheap structural test: the body multiplies something by ``<name>[<loop variable>]``."""
+    tgt = loop.target
+    g = tgt.id if isinstance(tgt, ast.Name) else tgt.elts[0].id if isinstance(tgt, ast.Tuple) and tgt.elts \
+        and isinstance(tgt.elts[0], ast.Name) else ""
+    it = loop.iter
+    if not g or not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id in ("range", "enumerate")):
+        return False
+    has_mm = False
+    for n in fast_walk(loop):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
+            has_mm = True
+        elif isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name)) \
+                and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) in ("mm", "matmul", "linear"):
+            has_mm = True
+        if has_mm:
+            break
+    if not has_mm:
+        return False
+    return any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == g for n in fast_walk(loop))
+
+
+def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """A grouped matmul written as a loop over contiguous row runs (see the block comment): a Finding, a
+    NearMiss when the loop is one but something in it is not replayed, None when it is no such loop."""
+    if loop.orelse or not _grouped_loop_gate(loop):
+        return None
+    ev = _GroupLoop(module, loop)
+    if not ev.header():
+        return None
+    # form A: `start = 0` right before the loop (the running row offset)
+    prev = block[i - 1] if i > 0 else None
+    if isinstance(prev, ast.Assign) and len(prev.targets) == 1 and isinstance(prev.targets[0], ast.Name) \
+            and const_value(prev.value) == 0 and any(isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name)
+                                                     and n.lower.id == prev.targets[0].id for n in fast_walk(loop)):
+        ev.start = prev.targets[0].id
+    split_st: Optional[ast.Assign] = None
+    if not ev.start:
+        # form B: `pieces = X.split(sizes)` before the loop, `outs = []`, then `y = torch.cat(outs)`
+        for j in (i - 1, i - 2):
+            st = block[j] if j >= 0 else None
+            if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
+                    and isinstance(st.value, ast.Call):
+                call = st.value
+                if _canon(module, call.func) == "torch.split" and call.args:
+                    x, sizes, dim = call.args[0], keyword(call, "split_size_or_sections", 1), keyword(call, "dim", 2)
+                elif isinstance(call.func, ast.Attribute) and call.func.attr == "split":
+                    x, sizes, dim = call.func.value, keyword(call, "split_size", 0), keyword(call, "dim", 1)
+                else:
+                    continue
+                if sizes is None or (dim is not None and const_value(dim) != 0) or isinstance(sizes, ast.Constant) \
+                        or not isinstance(x, ast.Name):
+                    continue
+                ev.pieces, ev.rows, split_st = st.targets[0].id, x, st
+                ev.sizes = sizes
+                break
+        if split_st is None:
+            table = _prefix_offsets(module, scope, loop, ev.g)
+            if table is None:
+                return None
+            ev.prefix, ev.sizes = table
+    try:
+        ev.body(loop.body)
+    except _Miss:
+        return None  # something else in the loop: the expert-loop analysis (or nothing) judges it
+    if ev.products != 1 or ev.weight is None or ev.rows is None or ev.sizes is None:
+        return None
+    first_stmt: ast.stmt = prev if ev.start else split_st if split_st is not None else loop  # type: ignore[assignment]
+    stmts = block[block.index(first_stmt): i + 1]
+    cat_st: Optional[ast.stmt] = None
+    out_name = ""
+    if ev.start or ev.prefix:
+        if ev.out_target is None or (ev.start and not ev.advanced):
+            return None
+    else:
+        inits = [st for st in block[max(0, i - 2): i] if st is not split_st]
+        if not ev.out_list or not any(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                                      and st.targets[0].id == ev.out_list and isinstance(st.value, ast.List) and not st.value.elts
+                                      for st in inits) or len(inits) != 1:
+            return None
+        nxt = block[i + 1] if i + 1 < len(block) else None
+        cat = nxt.value if isinstance(nxt, (ast.Assign, ast.Return)) else None
+        if not (isinstance(cat, ast.Call) and _canon(module, cat.func) == "torch.cat" and cat.args and isinstance(cat.args[0], ast.Name)
+                and cat.args[0].id == ev.out_list and (keyword(cat, "dim", 1) is None or const_value(keyword(cat, "dim", 1)) == 0)):
+            return None
+        if isinstance(nxt, ast.Assign):
+            if len(nxt.targets) != 1 or not isinstance(nxt.targets[0], ast.Name):
+                return None
+            out_name = nxt.targets[0].id
+        cat_st = nxt
+        stmts = block[i - 2: i + 2]
+    end = stmts[-1].end_lineno or stmts[-1].lineno
+    loop_names = (_assigned(loop.body) | {ev.g, ev.size_item, ev.pieces, ev.out_list}) - {"", out_name, ev.start}
+    for n in sorted(loop_names):
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, stmts[0].lineno, end, f"grouped matmul loop: `{n}` (a per-group value) is "
+                            "used after the loop; the grouped matmul does not produce it")
+    x_text, w_text = segment(module, ev.rows), segment(module, ev.weight)
+
+    def stacked(o: Any) -> str:
+        if o == "id":
+            return w_text
+        if isinstance(o, tuple) and o[0] == "flip":
+            inner = stacked(o[1])
+            return inner[: -len(".transpose(1, 2)")] if inner.endswith(".transpose(1, 2)") else f"{inner}.transpose(1, 2)"
+        if isinstance(o, tuple) and o[0] == "if":
+            return f"({stacked(o[2])} if {segment(module, o[1])} else {stacked(o[3])})"
+        raise _Miss("weight orientation")
+
+    try:
+        gw = stacked(ev.orient)
+    except _Miss:
+        return None
+    sizes_text = segment(module, ev.sizes)
+    on_device = _host_counts(scope, ev.sizes, loop.lineno)  # x.split(counts.tolist()): the counts before the host copy
+    if on_device is not None:
+        sizes_text = on_device[0]
+    bound = segment(module, ev.bound) if ev.bound is not None else ""
+    check = f"{P}counts.numel() == {w_text}.shape[0]" + (f" == ({bound})" if bound else "")
+    original = "\n".join("    " + ln for st in stmts for ln in ast.unparse(st).splitlines())
+    lines = [_GMM_FUNCTION.rstrip("\n"),
+             f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
+             f"if isinstance({w_text}, torch.Tensor) and {w_text}.dim() == 3 and {x_text}.dim() == 2 and {P}counts.dim() == 1 "
+             f"and {check}:"]
+    if ev.start or ev.prefix:
+        out_text = segment(module, ev.out_target)
+        lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
+                  f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
+        if ev.start and scope.uses_after(ev.start, end):
+            lines.append(f"    {ev.start} = {P}m")
+    else:
+        res = f"return {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)" if isinstance(cat_st, ast.Return) \
+            else f"{out_name} = {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)"
+        lines.append(f"    {res}")
+    lines += ["else:  # a list of weights, other ranks, a count list of another length: as written", original]
+    guard = next((n.id for n in fast_walk(ev.rows) if isinstance(n, ast.Name) and n.id not in ("self", "torch")), "")
+    if not guard:
+        return None
+    orient_name = ev.orient if isinstance(ev.orient, str) else "conditional" if isinstance(ev.orient, tuple) and ev.orient[0] == "if" else "flip"
+    params: dict[str, Any] = {
+        "num_experts": bound or f"{w_text}.shape[0]", "top_k": "(rows pre-sorted by group)",
+        "layout": "stacked_in_out" if ev.orient == "id" else "stacked_out_in" if orient_name == "flip" else "stacked_conditional",
+        "weights": {"proj": w_text}, "activation": "none (one projection)", "conditional": True,
+        "routing_weights": "outside", "routing": "running_offsets" if ev.start else "prefix_offsets" if ev.prefix else "sorted_counts",
+        "loop": "group_loop", "tokens": x_text, "indices": None, "probs": None, "counts": sizes_text,
+        "output": segment(module, ev.out_target) if ev.start or ev.prefix else out_name, "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [
+        Risk("dynamic_shape", "group sizes are data dependent; they reach npu_grouped_matmul as a device tensor"),
+        Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32; the weight is cast to the rows' dtype"),
+        Risk("other", f"the fused branch runs only for one 3-D weight tensor, 2-D rows and one size per group ({check}); "
+             "anything else keeps the loop as written"),
+    ]
+    notes = ["a grouped matmul written as a Python loop over contiguous row runs (rows already sorted by group): one "
+             "npu_grouped_matmul with the per-group sizes; npu_grouped_matmul has no backward in torch_npu 2.14: the fused "
+             "text wraps it in an autograd.Function (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)"]
+    if ev.start or ev.prefix:
+        notes.append("rows past the last group keep what the output held before (the loop never wrote them)")
+    return Finding(pattern=_ID, qualname=scope.qualname, line=stmts[0].lineno, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=guard,
+                   confidence="high", variant="grouped_loop", risks=risks, notes=notes, training_ok=True)
+
+
+# examples: reference grouped GEMMs (rows already sorted by group; three spellings of the loop)
+_GROUP_LOOP_OFFSETS = _HEAD + '''
+def reference_grouped_gemm(rows, weights, group_sizes, weights_are_out_in=True):
+    rows = rows.view(-1, rows.shape[-1])
+    num_groups = group_sizes.shape[0]
+    out = torch.zeros((rows.shape[0], weights.shape[1]), dtype=rows.dtype, device=rows.device)
+    offset = 0
+    for g in range(num_groups):
+        n = group_sizes[g]
+        if n > 0:
+            stop = offset + n
+            part = rows[offset:stop]
+            w_g = weights[g]
+            w_g = w_g.T if weights_are_out_in else w_g
+            y_g = part @ w_g
+            out[offset:stop] = y_g
+            offset = stop
+    return out
+'''
+
+_GROUP_LOOP_OFFSETS_RUN = '''\
+w = (torch.randn(4, 24, 16) * 0.25).requires_grad_()
+x = torch.randn(13, 16, requires_grad=True)
+out = reference_grouped_gemm(x, w, torch.tensor([3, 0, 6, 4]))
+leaves = [x, w]
+'''
+
+_GROUP_LOOP_APPEND = _HEAD + '''
+def per_group_linear(tokens, stacked, counts):
+    pieces = tokens.split(counts.tolist())
+    outs = []
+    for e in range(stacked.shape[0]):
+        outs.append(F.linear(pieces[e], stacked[e]))
+    return torch.cat(outs, dim=0)
+'''
+
+_GROUP_LOOP_ENUMERATE = _HEAD + '''
+class GroupedProjection(nn.Module):
+    def __init__(self, groups, d_in, d_out):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(groups, d_in, d_out) * d_in ** -0.5)
+
+    def forward(self, x, sizes):
+        y = x.new_zeros(x.shape[0], self.w.shape[-1])
+        start = 0
+        for i, size in enumerate(sizes):
+            y[start:start + size] = torch.mm(x[start:start + size], self.w[i])
+            start += size
+        return y, start
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_GROUP_LOOP_OFFSETS, name="grouped_gemm_loop_running_offset_conditional_transpose", run=_GROUP_LOOP_OFFSETS_RUN,
+         expect={"variant": "grouped_loop", "routing": "running_offsets", "layout": "stacked_conditional",
+                 "counts": "group_sizes", "output": "out", "tokens": "rows"}),
+    Fuse(_GROUP_LOOP_APPEND, name="grouped_gemm_loop_split_append_cat", run='''\
+w = (torch.randn(3, 8, 16) * 0.25).requires_grad_()
+x = torch.randn(9, 16, requires_grad=True)
+out = per_group_linear(x, w, torch.tensor([4, 5, 0]))
+leaves = [x, w]
+''', expect={"variant": "grouped_loop", "routing": "sorted_counts", "layout": "stacked_out_in", "counts": "counts"}),
+    Fuse(_GROUP_LOOP_ENUMERATE, name="grouped_gemm_loop_enumerate_sizes_start_live_after", run='''\
+layer = GroupedProjection(3, 16, 8)
+x = torch.randn(11, 16, requires_grad=True)
+out = layer(x, [5, 0, 6])[0]
+leaves = [x, layer.w]
+''', expect={"variant": "grouped_loop", "layout": "stacked_in_out", "counts": "sizes", "output": "y"}),
+]
+
+MoeExperts.KEEP += [
+    # the per-group pieces are read after the loop: the grouped matmul does not produce them (the file
+    # talks about experts, so the refusal is reported)
+    Keep(_GROUP_LOOP_APPEND.replace("    return torch.cat(outs, dim=0)\n", "    y = torch.cat(outs, dim=0)\n    return y, pieces  # expert pieces\n"),
+         reason="used after the loop", name="grouped_loop_pieces_used_after"),
+    # a per-group bias inside the loop: not one grouped projection (nothing reported)
+    Keep(_GROUP_LOOP_OFFSETS.replace("y_g = part @ w_g", "y_g = part @ w_g + g"), name="grouped_loop_adds_group_term"),
+    # rows start at an offset the loop did not set to 0: not the rows of the groups from the first row
+    Keep(_GROUP_LOOP_OFFSETS.replace("    offset = 0\n", "    offset = 1\n"), name="grouped_loop_offset_not_zero"),
+    # two different weights for the same group: not one grouped projection
+    Keep(_GROUP_LOOP_APPEND.replace("F.linear(pieces[e], stacked[e])", "F.linear(pieces[e], stacked[e]) + F.linear(pieces[e], stacked[e - 1])"),
+         name="grouped_loop_two_weights"),
+]
+
+
+
+# --- s25 harvest: torch._grouped_mm(..., out_dtype=) ----------------------------------------------
+
+
+def _grouped_mm_function_out_dtype() -> list[str]:
+    """The head of ``_npufuse_grouped_mm`` when a call passes ``out_dtype``: torch._grouped_mm multiplies
+    in the operands' dtype with float32 accumulation and writes ``out_dtype``; the grouped matmul here
+    runs in float32 when ``out_dtype`` differs from the operands' (bf16/fp16 values are exact in float32),
+    then casts, and in the operands' dtype otherwise."""
+    return [
+        f"def {P}grouped_mm(a, b, out_dtype=None):",
+        f"    if {P}offs is None or a.dim() != 2 or b.dim() != 3:",
+        "        # other grouped_mm forms: as written",
+        f"        return torch._grouped_mm(a, b, offs={P}offs) if out_dtype is None else torch._grouped_mm(a, b, offs={P}offs, out_dtype=out_dtype)",
+        "    if out_dtype is None or out_dtype == a.dtype:",
+        f"        y = {P}gmm(a[:{P}m], b.to(a.dtype), {P}counts)",
+        "    else:",
+        f"        y = {P}gmm(a[:{P}m].float(), b.float(), {P}counts).to(out_dtype)",
+    ]
+
+
+MoeExperts.FUSE += [
+    # out_dtype given (here the operands' own bf16: torch's CPU and CUDA grouped GEMMs reject others; another
+    # dtype would run the grouped matmul in float32, then cast)
+    Fuse(_GROUPED_MM_DIRECT.replace("offs=offsets))\n    h = h", "offs=offsets, out_dtype=out_dtype))\n    h = h").replace(
+        "x, num_tokens_per_expert):", "x, num_tokens_per_expert, out_dtype=torch.bfloat16):"),
+         name="grouped_mm_out_dtype_argument", run=_GROUPED_MM_DIRECT_RUN,
+         expect={"routing": "grouped_mm_offsets", "via": "torch._grouped_mm", "grouped_mm_calls": 3}),
+]
+
+
+# --- s25 harvest: DeepSeekMoE's moe_infer over cumulative run ends -------------------------------
+#
+#     cache = torch.zeros_like(x)
+#     idxs = flat_ids.argsort()
+#     ends = flat_ids.bincount().cpu().numpy().cumsum(0)      (cumulative ends of the runs of each id)
+#     token_idxs = idxs // k
+#     for i, end in enumerate(ends):
+#         start = 0 if i == 0 else ends[i - 1]
+#         if start == end: continue
+#         t = token_idxs[start:end]
+#         out = experts[i](x[t])
+#         out.mul_(flat_weights[idxs[start:end]])
+#         cache = cache.to(out.dtype)
+#         cache.scatter_reduce_(0, t.view(-1, 1).repeat(1, x.shape[-1]), out, reduce="sum")
+#
+# (DeepSeekMoE's HF code and its many copies). The experts are modules called as they are: permute by id,
+# each module once on its contiguous rows, weighted unpermute (exact whatever the expert computes).
+
+
+def _strip_host(node: Optional[ast.expr]) -> Optional[ast.expr]:
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("cpu", "numpy", "tolist", "detach") \
+            and not node.args:
+        node = node.func.value
+    return node
+
+
+class _CumRuns:
+    def __init__(self, module: ModuleInfo, scope: Scope, loop: ast.For) -> None:
+        self.m, self.scope, self.loop = module, scope, loop
+        self.i = self.end = self.ends = self.start = ""
+        self.idxs = self.tok = self.flat = self.k = ""
+        self.env: dict[str, tuple] = {}
+        self.experts: Optional[ast.expr] = None
+        self.x: Optional[ast.expr] = None
+        self.weights: Optional[ast.expr] = None
+        self.cache = ""
+        self.weighted = self.combined = self.recast = False
+
+    def header(self) -> bool:
+        it, tgt, line = self.loop.iter, self.loop.target, self.loop.lineno
+        if not (isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and isinstance(it.args[0], ast.Name)
+                and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts)):
+            return False
+        self.i, self.end = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
+        self.ends = it.args[0].id  # type: ignore[attr-defined]
+        ends = self.scope.definition(self.ends, line)
+        # ends = <counts chain>.cumsum(0) / np.cumsum(<counts chain>) with counts = F.bincount() (host copies anywhere)
+        if isinstance(ends, ast.Call) and isinstance(ends.func, ast.Attribute) and ends.func.attr == "tolist" and not ends.args:
+            ends = ends.func.value
+        if isinstance(ends, ast.Call) and isinstance(ends.func, ast.Attribute) and ends.func.attr == "cumsum" \
+                and [const_value(a) for a in ends.args] in ([0], [-1]) and not ends.keywords:
+            counts = ends.func.value
+        elif isinstance(ends, ast.Call) and (dotted(ends.func) or "").split(".")[-1] == "cumsum" and len(ends.args) >= 1:
+            counts = ends.args[0]
+        else:
+            return False
+        counts = _strip_host(counts)
+        if not (isinstance(counts, ast.Call) and isinstance(counts.func, ast.Attribute) and counts.func.attr == "bincount"
+                and isinstance(counts.func.value, ast.Name) and not counts.args
+                and all(k.arg == "minlength" for k in counts.keywords)):
+            return False
+        self.flat = counts.func.value.id
+        return True
+
+    def _is_start_expr(self, node: ast.expr) -> bool:
+        # 0 if i == 0 else ends[i - 1]
+        if not (isinstance(node, ast.IfExp) and const_value(node.body) == 0 and isinstance(node.test, ast.Compare)
+                and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == self.i and const_value(node.test.comparators[0]) == 0):
+            return False
+        o = node.orelse
+        return isinstance(o, ast.Subscript) and isinstance(o.value, ast.Name) and o.value.id == self.ends \
+            and ast.dump(o.slice) == ast.dump(ast.BinOp(ast.Name(self.i, ast.Load()), ast.Sub(), ast.Constant(1)))
+
+    def _run_slice(self, node: ast.expr, base: str) -> bool:
+        return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == base \
+            and isinstance(node.slice, ast.Slice) and node.slice.step is None and isinstance(node.slice.lower, ast.Name) \
+            and node.slice.lower.id == self.start and isinstance(node.slice.upper, ast.Name) and node.slice.upper.id == self.end
+
+    def ev(self, node: ast.expr) -> tuple:
+        if isinstance(node, ast.Name):
+            return self.env.get(node.id, ("other",))
+        if self.tok and self._run_slice(node, self.tok):
+            return ("tok",)
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and self.env.get(node.slice.id) == ("tok",) \
+                and self._invariant(node.value):
+            if self.x is not None and ast.dump(self.x) != ast.dump(node.value):
+                return ("other",)
+            self.x = node.value
+            return ("rows",)
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and node.slice.id == self.i and self._invariant(node.value):
+            return ("expert", node.value)
+        if isinstance(node, ast.Subscript) and self._run_slice(node.slice, self.idxs) and self._invariant(node.value):
+            return ("weight", node.value)
+        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]) == ("rows",):
+            f = self.ev(node.func)
+            if f[0] == "expert":
+                if self.experts is not None and ast.dump(self.experts) != ast.dump(f[1]):
+                    return ("other",)
+                self.experts = f[1]
+                return ("out",)
+        return ("other",)
+
+    def _invariant(self, node: ast.expr) -> bool:
+        names = {n.id for n in fast_walk(node) if isinstance(n, ast.Name)}
+        return not (names & (_assigned(self.loop.body) | {self.i, self.end}))
+
+    def _expanded_tok(self, node: ast.expr) -> bool:
+        """``t.view(-1, 1).repeat(1, x.shape[-1])`` / ``t.unsqueeze(-1).expand(-1, x.size(-1))`` /
+        ``t[:, None].expand_as(out)``: the run's token ids, one per column of every output row."""
+        def row_width(n: ast.expr) -> bool:
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and n.value.attr == "shape" \
+                    and const_value(n.slice) in (-1, 1):
+                return True
+            return isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "size" \
+                and len(n.args) == 1 and const_value(n.args[0]) in (-1, 1)
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            return False
+        f, args = node.func.attr, node.args
+        if f == "expand_as" and len(args) == 1 and self.ev(args[0]) == ("out",):
+            inner = node.func.value
+        elif f == "repeat" and len(args) == 2 and const_value(args[0]) == 1 and row_width(args[1]):
+            inner = node.func.value
+        elif f == "expand" and len(args) == 2 and const_value(args[0]) == -1 and row_width(args[1]):
+            inner = node.func.value
+        else:
+            return False
+        # t.view(-1, 1) / t.reshape(-1, 1) / t.unsqueeze(-1) / t.unsqueeze(1) / t[:, None]
+        if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
+            a = [const_value(x) for x in inner.args]
+            ok = inner.func.attr in ("view", "reshape") and a == [-1, 1] or inner.func.attr == "unsqueeze" and a in ([-1], [1])
+            return ok and self.ev(inner.func.value) == ("tok",)
+        if isinstance(inner, ast.Subscript) and isinstance(inner.slice, ast.Tuple) and len(inner.slice.elts) == 2 \
+                and isinstance(inner.slice.elts[0], ast.Slice) and const_value(inner.slice.elts[1]) is None \
+                and isinstance(inner.slice.elts[1], ast.Constant):
+            return self.ev(inner.value) == ("tok",)
+        return False
+
+    def stmt(self, s: ast.stmt) -> None:
+        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
+            name, v = s.targets[0].id, s.value
+            if not self.start and self._is_start_expr(v):
+                self.start = name
+                return
+            if name == self.cache:
+                # cache = cache.to(out.dtype): the accumulator follows the experts' output dtype
+                if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "to" and len(v.args) == 1 \
+                        and isinstance(v.func.value, ast.Name) and v.func.value.id == self.cache \
+                        and isinstance(v.args[0], ast.Attribute) and v.args[0].attr == "dtype" and self.ev(v.args[0].value) == ("out",):
+                    self.recast = True
+                    return
+                raise _Miss(f"`{ast.unparse(s)[:60]}`")
+            val = self.ev(v)
+            if val[0] == "other":
+                # out = out * w: the weighting spelled as a product
+                if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Mult) and self.ev(v.left) == ("out",) \
+                        and self.ev(v.right)[0] == "weight" and not self.weighted:
+                    self.weights, self.weighted = self.ev(v.right)[1], True
+                    self.env[name] = ("out",)
+                    return
+                raise _Miss(f"`{ast.unparse(s)[:60]}`")
+            if name in self.env and self.env[name] != val:
+                raise _Miss(f"`{name}` rebound")
+            self.env[name] = val
+            return
+        if isinstance(s, ast.If) and not s.orelse and len(s.body) == 1 and isinstance(s.body[0], ast.Continue) and self.start:
+            t = s.test
+            if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], (ast.Eq, ast.GtE, ast.LtE)):
+                sides = [t.left, t.comparators[0]]
+                if all(isinstance(x, ast.Name) for x in sides) and {x.id for x in sides} == {self.start, self.end}:  # type: ignore[attr-defined]
+                    op = t.ops[0]
+                    left = sides[0].id  # type: ignore[attr-defined]
+                    # start == end, start >= end, end <= start: an empty run (ends never decrease)
+                    if isinstance(op, ast.Eq) or isinstance(op, ast.GtE) and left == self.start or isinstance(op, ast.LtE) and left == self.end:
+                        return
+            raise _Miss(f"the loop skips runs on `{ast.unparse(s.test)[:50]}`")
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Attribute):
+            c, f = s.value, s.value.func
+            if f.attr == "mul_" and len(c.args) == 1 and not c.keywords and self.ev(f.value) == ("out",) and self.ev(c.args[0])[0] == "weight" \
+                    and not self.weighted and not self.combined:
+                self.weights, self.weighted = self.ev(c.args[0])[1], True
+                return
+            if isinstance(f.value, ast.Name) and f.value.id == self.cache and not self.combined:
+                kw = {k.arg: k.value for k in c.keywords}
+                if f.attr == "scatter_reduce_" and len(c.args) >= 3 and const_value(c.args[0]) == 0 and self._expanded_tok(c.args[1]) \
+                        and self.ev(c.args[2]) == ("out",) and const_value(c.args[3] if len(c.args) > 3 else kw.get("reduce")) == "sum" \
+                        and set(kw) <= {"reduce"}:
+                    self.combined = True
+                    return
+                if f.attr == "scatter_add_" and len(c.args) == 3 and not c.keywords and const_value(c.args[0]) == 0 \
+                        and self._expanded_tok(c.args[1]) and self.ev(c.args[2]) == ("out",):
+                    self.combined = True
+                    return
+                if f.attr == "index_add_" and len(c.args) == 3 and not c.keywords and const_value(c.args[0]) == 0 \
+                        and self.ev(c.args[1]) == ("tok",) and self.ev(c.args[2]) == ("out",):
+                    self.combined = True
+                    return
+        raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of this dispatch")
+
+
+def _cumulative_runs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """DeepSeekMoE's ``moe_infer`` (see the block comment): a Finding, a NearMiss when the loop has that
+    header and sort but something in it is not replayed, None when it is no such loop."""
+    ev = _CumRuns(module, scope, loop)
+    if loop.orelse or not ev.header():
+        return None
+    line = loop.lineno
+    # token_idxs = idxs // k with idxs = flat.argsort(): the token of each sorted copy
+    cand_tok = [n.value.id for st in loop.body for n in fast_walk(st) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
+                and isinstance(n.slice, ast.Slice)]
+    for name in dict.fromkeys(cand_tok):
+        d = scope.definition(name, line)
+        if isinstance(d, ast.BinOp) and isinstance(d.op, ast.FloorDiv) and isinstance(d.left, ast.Name) \
+                and _sorted_operand(scope, d.left.id, line) is not None:
+            src = _sorted_operand(scope, d.left.id, line)
+            if isinstance(src, ast.Name) and src.id == ev.flat:
+                ev.tok, ev.idxs, ev.k = name, d.left.id, segment(module, d.right)
+                break
+    if not ev.tok:
+        return None
+    # the accumulator: the tensor the rows are added into
+    for st in loop.body:
+        for n in fast_walk(st):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("scatter_reduce_", "scatter_add_", "index_add_") \
+                    and isinstance(n.func.value, ast.Name):
+                ev.cache = n.func.value.id
+    if not ev.cache:
+        return None
+    span = (loop.lineno, loop.end_lineno or loop.lineno)
+    try:
+        for st in loop.body:
+            ev.stmt(st)
+        if not (ev.combined and ev.weighted and ev.experts is not None and ev.x is not None and ev.weights is not None and ev.start):
+            raise _Miss("the loop does not run each run's rows through its expert, weight them and add them back")
+    except _Miss as miss:
+        return NearMiss(_ID, scope.qualname, span[0], span[1], f"sorted runs over cumulative ends: {miss}")
+    init = scope.definition(ev.cache, line)
+    if not (isinstance(init, ast.Call) and ((_canon(module, init.func) == "torch.zeros_like" and len(init.args) == 1
+                                             and ast.dump(init.args[0]) == ast.dump(ev.x))
+                                            or isinstance(init.func, ast.Attribute) and init.func.attr == "zeros_like")):
+        return NearMiss(_ID, scope.qualname, span[0], span[1], f"sorted runs over cumulative ends: the accumulator `{ev.cache}` "
+                        "is not zeros shaped like the tokens")
+    for n in sorted((_assigned(loop.body) | {ev.i, ev.end}) - {ev.cache}):
+        if scope.uses_after(n, span[1]):
+            return NearMiss(_ID, scope.qualname, span[0], span[1], f"sorted runs over cumulative ends: `{n}` is used after the loop")
+    x, experts, w, k = segment(module, ev.x), segment(module, ev.experts), segment(module, ev.weights), ev.k
+    dtype = f"{P}h.dtype" if ev.recast else f"{ev.cache}.dtype"
+    fused = "\n".join([
+        f"if {ev.flat}.dim() == 1 and {x}.dim() == 2 and {ev.flat}.numel() == {x}.shape[0] * ({k}) == {w}.numel():",
+        f"    {P}experts = list({experts})",
+        f"    {P}x, {P}order = torch_npu.npu_moe_token_permute({x}, {ev.flat}.view(-1, {k}))",
+        "    # one host sync for the group sizes (the loop synced once for the run ends)",
+        f"    {P}sizes = torch.bincount({ev.flat}, minlength=len({P}experts)).tolist()",
+        f"    {P}outs = [{P}e({P}r) for {P}e, {P}r, {P}n in zip({P}experts, {P}x.split({P}sizes), {P}sizes) if {P}n]",
+        f"    {P}h = torch.cat({P}outs) if {P}outs else {P}x[:0]",
+        f"    {ev.cache} = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={w}.reshape(-1, {k}).to({P}h.dtype)).to({dtype})",
+        "else:",
+        *("    " + ln for ln in ast.unparse(loop).splitlines()),
+    ]) + "\n"
+    params: dict[str, Any] = {
+        "num_experts": f"len({experts})", "top_k": k, "layout": "expert_modules", "weights": {},
+        "activation": "as the expert modules compute it", "conditional": True, "routing_weights": "after_down",
+        "routing": "sorted_cumulative_ends", "loop": "enumerate_run_ends", "tokens": x, "indices": ev.flat, "probs": w,
+        "counts": ev.ends, "output": ev.cache, "output_dtype": dtype, "sentinel_index": None,
+    }
+    risks = [
+        Risk("dynamic_shape", "per-expert token counts are data dependent: one host sync reads them (the loop read the run "
+             "ends on the host too)"),
+        Risk("dtype", "npu_moe_token_permute/unpermute take fp16/bf16/fp32; the routing weights are cast to the experts' "
+             "output dtype for unpermute (the original multiplied in place in that dtype too)"),
+        Risk("other", "each expert gets its rows in a stable sort by expert id (the original's argsort was not stable): an "
+             "expert mixing its rows (batch statistics) would see them in another order; the sum of the k weighted copies "
+             "runs in another order (rounding)"),
+    ]
+    notes = ["DeepSeekMoE's moe_infer (runs of one argsort, cumulative ends on the host): npu_moe_token_permute sorts the "
+             "token copies by expert, each expert module runs once on its contiguous rows, npu_moe_token_unpermute weights "
+             "and sums the copies; the expert MLP is not read (the modules run as they are), so no grouped matmul",
+             f"the flat ids `{ev.flat}` must be the row-major flattening of a [tokens, {k}] index (the caller's "
+             "topk_idx.view(-1)); the fused branch checks their count, not their order"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=span[0], end_line=span[1], params=params, fused=fused,
+                   guard_tensor=x if isinstance(ev.x, ast.Name) else next(
+                       (n.id for n in fast_walk(ev.x) if isinstance(n, ast.Name) and n.id != "self"), x),
+                   confidence="medium", variant="sorted_cumulative_ends_expert_modules", risks=risks, notes=notes, training_ok=True)
+
+
+# examples: DeepSeekMoE-style moe_infer over cumulative run ends (own reproducers)
+_CUM_RUNS = _HEAD + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w_in = nn.Linear(d, h, bias=False)
+        self.w_out = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w_out(F.gelu(self.w_in(x)))
+
+
+class SparseBlock(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+
+    @torch.no_grad()
+    def infer(self, x, flat_ids, flat_w):
+        cache = torch.zeros_like(x)
+        order = flat_ids.argsort()
+        run_ends = flat_ids.bincount().cpu().numpy().cumsum(0)
+        token_of = order // self.k
+        for i, end in enumerate(run_ends):
+            start = 0 if i == 0 else run_ends[i - 1]
+            if start == end:
+                continue
+            expert = self.experts[i]
+            t = token_of[start:end]
+            out = expert(x[t])
+            out.mul_(flat_w[order[start:end]])
+            cache = cache.to(out.dtype)
+            cache.scatter_reduce_(0, t.view(-1, 1).repeat(1, x.shape[-1]), out, reduce="sum")
+        return cache
+'''
+
+_CUM_RUNS_RUN = '''\
+block = SparseBlock(16, 24, 5, 2)
+x = torch.randn(7, 16)
+logits = torch.randn(7, 5)
+w, ids = logits.softmax(-1).topk(2, dim=-1)
+ids[0, 0] = 0
+out = block.infer(x, ids.view(-1), w.view(-1, 1))
+'''
+
+_CUM_RUNS_INDEX_ADD = _CUM_RUNS.replace("            cache = cache.to(out.dtype)\n", "").replace(
+    'cache.scatter_reduce_(0, t.view(-1, 1).repeat(1, x.shape[-1]), out, reduce="sum")', "cache.index_add_(0, t, out)").replace(
+    "out.mul_(flat_w[order[start:end]])", "out = out * flat_w[order[start:end]]").replace(
+    "if start == end:", "if end <= start:").replace("flat_ids.bincount().cpu().numpy().cumsum(0)", "flat_ids.bincount().cumsum(0).tolist()")
+
+MoeExperts.FUSE += [
+    Fuse(_CUM_RUNS, name="cumulative_run_ends_scatter_reduce_expert_modules", run=_CUM_RUNS_RUN, expect={
+        "variant": "sorted_cumulative_ends_expert_modules", "layout": "expert_modules", "indices": "flat_ids",
+        "probs": "flat_w", "top_k": "self.k", "output": "cache", "tokens": "x"}),
+    Fuse(_CUM_RUNS_INDEX_ADD, name="cumulative_run_ends_index_add_product_weights", run=_CUM_RUNS_RUN, expect={
+        "variant": "sorted_cumulative_ends_expert_modules", "output_dtype": "cache.dtype", "counts": "run_ends"}),
+]
+
+MoeExperts.KEEP += [
+    # runs are skipped on a size threshold: those tokens would lose their expert
+    Keep(_CUM_RUNS.replace("if start == end:", "if end - start < 2:"), reason="skips runs on", name="cumulative_runs_threshold_skip"),
+    # the accumulator starts from ones: the fused sum starts from zero
+    Keep(_CUM_RUNS.replace("cache = torch.zeros_like(x)", "cache = torch.ones_like(x)"), reason="is not zeros",
+         name="cumulative_runs_ones_accumulator"),
+    # the runs are added to every column from the first run only: not this dispatch
+    Keep(_CUM_RUNS.replace("t.view(-1, 1).repeat(1, x.shape[-1])", "t.view(-1, 1).repeat(1, 4)"),
+         reason="not part of this dispatch", name="cumulative_runs_partial_columns"),
+]
+
+
+
+def _asserted_2d_weight(scope: Scope, b: ast.expr, line: int) -> bool:
+    """``assert W.ndim == 2`` / ``W.dim() == 2`` in this function for a tensor ``b`` is computed from (the
+    names in ``b`` and, one assignment back, the names their values read): the grouped product is then
+    2-D x 2-D (grouped along K), not the 2-D x 3-D MoE forward the fused path covers."""
+    names = {n.id for n in fast_walk(b) if isinstance(n, ast.Name)}
+    for n in list(names):
+        d = scope.definition(n, line)
+        if d is not None:
+            names |= {m.id for m in fast_walk(d) if isinstance(m, ast.Name)}
+    for st in fast_walk(scope.node):
+        if not isinstance(st, ast.Assert) or not isinstance(st.test, ast.Compare) or len(st.test.ops) != 1 \
+                or not isinstance(st.test.ops[0], ast.Eq) or const_value(st.test.comparators[0]) != 2:
+            continue
+        left = st.test.left
+        if isinstance(left, ast.Attribute) and left.attr == "ndim" and isinstance(left.value, ast.Name) and left.value.id in names:
+            return True
+        if isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr == "dim" and not left.args \
+                and isinstance(left.func.value, ast.Name) and left.func.value.id in names:
+            return True
+    return False
+
+
+MoeExperts.KEEP += [
+    # the weight operand is asserted 2-D: a K-grouped (weight-gradient) grouped_mm, left as written
+    Keep(_GROUPED_MM_DIRECT.replace("    offsets = torch.cumsum(", "    assert w1.dim() == 2\n    offsets = torch.cumsum("),
+         reason="asserted 2-D", name="grouped_mm_asserted_2d_weight"),
+]
+
+
+
+def _prefix_offsets(module: ModuleInfo, scope: Scope, loop: ast.For, g: str) -> Optional[tuple[str, ast.expr]]:
+    """(table name, sizes) when the loop reads ``T[g]`` and ``T[g + 1]`` of a table built before it as
+    ``T = torch.cat((<a single zero>, torch.cumsum(sizes, dim=0)))`` (or ``F.pad(sizes.cumsum(0), (1, 0))``):
+    group g's rows are T[g]:T[g + 1] (form C of the grouped-matmul loops)."""
+    line = loop.lineno
+    for n in fast_walk(loop):
+        if not (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.slice, ast.BinOp)
+                and isinstance(n.slice.op, ast.Add) and isinstance(n.slice.left, ast.Name) and n.slice.left.id == g
+                and const_value(n.slice.right) == 1):
+            continue
+        name = n.value.id
+        entries = [(st, v) for st, v in scope.assignments.get(name, []) if st.lineno < line]
+        if not entries:
+            return None
+        st, table = entries[-1]
+
+        def cumsum_operand(node: Optional[ast.expr], at: int) -> Optional[ast.expr]:
+            if isinstance(node, ast.Name):
+                node = scope.definition(node.id, at)
+            if isinstance(node, ast.Call) and (_canon(module, node.func) == "torch.cumsum") and node.args \
+                    and const_value(keyword(node, "dim", 1)) == 0:
+                return node.args[0]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cumsum" \
+                    and const_value(keyword(node, "dim", 0)) == 0:
+                return node.func.value
+            return None
+
+        def single_zero(node: ast.expr, at: int) -> bool:
+            if isinstance(node, ast.Name):
+                node = scope.definition(node.id, at)  # type: ignore[assignment]
+            if isinstance(node, ast.Call) and _canon(module, node.func) == "torch.zeros" and [const_value(a) for a in node.args] in ([1], [(1,)]):
+                return True
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "new_zeros" \
+                    and [const_value(a) for a in node.args] == [1]:
+                return True
+            return isinstance(node, ast.Call) and _canon(module, node.func) == "torch.tensor" and len(node.args) == 1 \
+                and isinstance(node.args[0], ast.List) and [const_value(e) for e in node.args[0].elts] == [0]
+
+        sizes: Optional[ast.expr] = None
+        if isinstance(table, ast.Call) and _canon(module, table.func) == "torch.cat" and table.args \
+                and isinstance(table.args[0], (ast.Tuple, ast.List)) and len(table.args[0].elts) == 2 \
+                and (keyword(table, "dim", 1) is None or const_value(keyword(table, "dim", 1)) == 0):
+            zero, cum = table.args[0].elts
+            if single_zero(zero, st.lineno):
+                sizes = cumsum_operand(cum, st.lineno)
+        elif isinstance(table, ast.Call) and _canon(module, table.func) == "torch.nn.functional.pad" and len(table.args) == 2 \
+                and isinstance(table.args[1], (ast.Tuple, ast.List)) and [const_value(e) for e in table.args[1].elts] == [1, 0]:
+            sizes = cumsum_operand(table.args[0], st.lineno)
+        if sizes is None or not isinstance(sizes, (ast.Name, ast.Attribute)):
+            return None
+        if {x.id for x in fast_walk(sizes) if isinstance(x, ast.Name)} & _assigned(loop.body):
+            return None
+        return name, sizes
+    return None
+
+
+_GROUP_LOOP_PREFIX = _HEAD + '''
+def sequential_grouped(inp, weight, tokens_per_group):
+    output = torch.zeros(inp.shape[0], weight.shape[-1], dtype=inp.dtype, device=inp.device)
+    bounds = torch.cumsum(tokens_per_group, dim=0)
+    zero = torch.zeros(1, dtype=torch.long, device=bounds.device)
+    bounds = torch.cat((zero, bounds))
+    for g in range(weight.shape[0]):
+        lo = bounds[g]
+        hi = bounds[g + 1]
+        output[lo:hi] = torch.matmul(inp[lo:hi], weight[g])
+    return output
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_GROUP_LOOP_PREFIX, name="grouped_gemm_loop_prefix_offsets_table", run='''\
+w = (torch.randn(4, 16, 8) * 0.25).requires_grad_()
+x = torch.randn(12, 16, requires_grad=True)
+out = sequential_grouped(x, w, torch.tensor([2, 5, 0, 5]))
+leaves = [x, w]
+''', expect={"variant": "grouped_loop", "routing": "prefix_offsets", "counts": "tokens_per_group", "output": "output"}),
+]
+MoeExperts.KEEP += [
+    # the table does not start at 0 (cumulative ends only): group g's rows are not bounds[g]:bounds[g + 1]
+    Keep(_GROUP_LOOP_PREFIX.replace("    bounds = torch.cat((zero, bounds))\n", ""), name="grouped_loop_prefix_table_without_zero"),
+]
+
+
+# --- s25 harvest: token-dispatcher halves (permute / unpermute methods of a dispatcher object) ---
+#
+# A dispatcher class splits the layer into ``token_permutation`` (stable argsort of the flat top-k ids,
+# rows gathered as ``X.index_select(0, order // k)``, the order kept on the instance) and
+# ``token_unpermutation`` (``index_copy_`` back by that order into zeros [T*k, H], reshape [T, k, H],
+# times the scores, sum over k). Each half is replaced on its own and keeps the other half's contract:
+# the permute still leaves the stable argsort (dst -> src) where the code keeps it, the unpermute
+# still reads it, so either half may run fused or as written.
+
+
+def _stable_argsort_of(module: ModuleInfo, node: ast.expr) -> Optional[ast.expr]:
+    """``F`` of ``torch.argsort(F, stable=True)`` / ``F.argsort(stable=True)`` (dim 0 / -1 of a 1-D F)."""
+    if not isinstance(node, ast.Call):
+        return None
+    kw = {k.arg: k.value for k in node.keywords}
+    if const_value(kw.get("stable")) is not True or set(kw) - {"stable", "dim"} or \
+            ("dim" in kw and const_value(kw["dim"]) not in (0, -1)):
+        return None
+    if _canon(module, node.func) == "torch.argsort" and len(node.args) == 1:
+        return node.args[0]
+    if isinstance(node.func, ast.Attribute) and node.func.attr == "argsort" and not node.args:
+        return node.func.value
+    return None
+
+
+def _dispatcher_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """``order = argsort(flat, stable=True)`` then ``rows = X.index_select(0, order // k)`` (or ``X[order // k]``)."""
+    st, nxt = block[i], block[i + 1] if i + 1 < len(block) else None
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+        return None
+    flat = _stable_argsort_of(module, st.value)
+    if not isinstance(flat, ast.Name) or not flattened_to_1d(module, scope, flat.id, st.lineno):
+        return None
+    order = st.targets[0].id
+    if not (isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Name)):
+        return None
+    v = nxt.value
+    if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "index_select" and len(v.args) == 2 \
+            and const_value(v.args[0]) == 0 and not v.keywords:
+        x, idx = v.func.value, v.args[1]
+    elif isinstance(v, ast.Subscript):
+        x, idx = v.value, v.slice
+    else:
+        return None
+    if not (isinstance(idx, ast.BinOp) and isinstance(idx.op, ast.FloorDiv) and isinstance(idx.left, ast.Name)
+            and idx.left.id == order) or not isinstance(x, ast.Name):
+        return None
+    k, rows, xs, fs = segment(module, idx.right), nxt.targets[0].id, x.id, flat.id
+    original = "\n".join("    " + ln for s in (st, nxt) for ln in ast.unparse(s).splitlines())
+    fused = "\n".join([
+        f"if {xs}.dim() == 2 and {fs}.dim() == 1 and {fs}.numel() == {xs}.shape[0] * ({k}):",
+        f"    {rows}, {P}order = torch_npu.npu_moe_token_permute({xs}, {fs}.view(-1, {k}))",
+        "    # what the code keeps: the stable argsort (dst -> src), the inverse of the op's src -> dst order",
+        f"    {order} = torch.empty_like({fs}, dtype=torch.long).scatter_(0, {P}order.long(), "
+        f"torch.arange({fs}.numel(), device={fs}.device))",
+        "else:",
+        original,
+    ]) + "\n"
+    params: dict[str, Any] = {
+        "num_experts": "(ids in the flat indices)", "top_k": k, "layout": "dispatcher", "weights": {},
+        "activation": "none (the permute half of a dispatcher)", "conditional": True, "routing_weights": "outside",
+        "routing": "stable_argsort_permute", "loop": "none", "tokens": xs, "indices": fs, "probs": None, "counts": None,
+        "output": rows, "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [Risk("other", f"`{fs}` must be the row-major flattening of [tokens, {k}] expert ids (the fused branch checks "
+                  "the count only); the op keeps ids below 16777215")]
+    notes = ["the permute half of a token dispatcher: npu_moe_token_permute gathers the rows in the same stable order; the "
+             f"stable argsort `{order}` the code keeps for its unpermute is rebuilt from the op's order (one scatter), so the "
+             "unpermute half may run fused or as written. npu_moe_token_permute has autograd"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=st.lineno, end_line=nxt.end_lineno or nxt.lineno, params=params,
+                   fused=fused, guard_tensor=xs, confidence="medium", variant="dispatcher_permute", risks=risks, notes=notes,
+                   training_ok=True)
+
+
+def _dispatcher_unpermute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """``buf = zeros(n, H)``; ``buf.index_copy_(0, order, rows)``; ``buf = buf.reshape(-1, k, H)``;
+    ``buf = buf * scores.unsqueeze(-1)``; ``buf = buf.sum(dim=1)[.type_as(rows)]``."""
+    if i + 4 >= len(block):
+        return None
+    z, cp, rs, ml, sm = block[i: i + 5]
+    if not (isinstance(z, ast.Assign) and len(z.targets) == 1 and isinstance(z.targets[0], ast.Name)
+            and isinstance(z.value, ast.Call) and _canon(module, z.value.func) == "torch.zeros"):
+        return None
+    buf = z.targets[0].id
+    if not (isinstance(cp, ast.Expr) and isinstance(cp.value, ast.Call) and isinstance(cp.value.func, ast.Attribute)
+            and cp.value.func.attr == "index_copy_" and isinstance(cp.value.func.value, ast.Name) and cp.value.func.value.id == buf
+            and len(cp.value.args) == 3 and const_value(cp.value.args[0]) == 0 and isinstance(cp.value.args[2], ast.Name)):
+        return None
+    order, rows = cp.value.args[1], cp.value.args[2].id
+
+    def assign_to_buf(s: ast.stmt) -> Optional[ast.expr]:
+        return s.value if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) \
+            and s.targets[0].id == buf else None
+
+    r, m, sv = assign_to_buf(rs), assign_to_buf(ml), assign_to_buf(sm)
+    if r is None or m is None or sv is None:
+        return None
+    # buf.reshape(-1, k, H) / buf.view(-1, k, H)
+    if not (isinstance(r, ast.Call) and isinstance(r.func, ast.Attribute) and r.func.attr in ("reshape", "view")
+            and isinstance(r.func.value, ast.Name) and r.func.value.id == buf and len(r.args) == 3 and const_value(r.args[0]) == -1):
+        return None
+    k = segment(module, r.args[1])
+    # buf * scores.unsqueeze(-1) (either side)
+    if not (isinstance(m, ast.BinOp) and isinstance(m.op, ast.Mult)):
+        return None
+    sides = [m.left, m.right]
+    if not any(isinstance(s_, ast.Name) and s_.id == buf for s_ in sides):
+        return None
+    other = sides[1] if isinstance(sides[0], ast.Name) and sides[0].id == buf else sides[0]
+    if not (isinstance(other, ast.Call) and isinstance(other.func, ast.Attribute) and other.func.attr == "unsqueeze"
+            and [const_value(a) for a in other.args] in ([-1], [2])):
+        return None
+    scores = other.func.value
+    # buf.sum(dim=1) [.type_as(rows) / .to(rows.dtype)]
+    cast = ""
+    s_ = sv
+    if isinstance(s_, ast.Call) and isinstance(s_.func, ast.Attribute) and s_.func.attr == "type_as" and len(s_.args) == 1 \
+            and isinstance(s_.args[0], ast.Name) and s_.args[0].id == rows:
+        cast, s_ = rows, s_.func.value
+    if not (isinstance(s_, ast.Call) and isinstance(s_.func, ast.Attribute) and s_.func.attr == "sum"
+            and isinstance(s_.func.value, ast.Name) and s_.func.value.id == buf
+            and (const_value(keyword(s_, "dim", 0)) == 1) and len(s_.args) + len(s_.keywords) == 1):
+        return None
+    o, sc = segment(module, order), segment(module, scores)
+    stmts = [z, cp, rs, ml, sm]
+    original = "\n".join("    " + ln for s in stmts for ln in ast.unparse(s).splitlines())
+    out_dtype = f"{rows}.dtype" if cast else f"torch.promote_types({rows}.dtype, {sc}.dtype)"
+    fused = "\n".join([
+        f"if {rows}.dim() == 2 and {o}.dim() == 1 and {o}.numel() == {rows}.shape[0] == {sc}.numel():",
+        "    # the kept order maps permuted rows to flat slots (dst -> src); the op takes the inverse (src -> dst)",
+        f"    {P}inv = torch.empty_like({o}).scatter_(0, {o}, torch.arange({o}.numel(), device={o}.device, dtype={o}.dtype))",
+        f"    {buf} = torch_npu.npu_moe_token_unpermute({rows}, {P}inv.to(torch.int32), probs={sc}.reshape(-1, {k}).to({rows}.dtype))"
+        f".to({out_dtype})",
+        "else:",
+        original,
+    ]) + "\n"
+    params: dict[str, Any] = {
+        "num_experts": "(rows already grouped by expert)", "top_k": k, "layout": "dispatcher", "weights": {},
+        "activation": "none (the unpermute half of a dispatcher)", "conditional": True, "routing_weights": "after_down",
+        "routing": "kept_order_unpermute", "loop": "none", "tokens": rows, "indices": None, "probs": sc, "counts": None,
+        "output": buf, "output_dtype": out_dtype, "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"`{o}` (kept by the permute half) must be a permutation of the {rows} rows: index_copy_ with a "
+             "duplicate keeps one row, the op rejects duplicates"),
+        Risk("dtype", f"the op weights and sums in {rows}' dtype (the original multiplied in the scores' dtype, then "
+             "summed): rounding differs for bf16/fp16 rows"),
+    ]
+    notes = ["the unpermute half of a token dispatcher: index_copy_ back, reshape [tokens, k, H], times the scores, sum "
+             "over k = npu_moe_token_unpermute with probs (the inverse order computed from the kept one: one scatter). "
+             "npu_moe_token_unpermute has autograd"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=z.lineno, end_line=sm.end_lineno or sm.lineno, params=params,
+                   fused=fused, guard_tensor=rows, confidence="medium", variant="dispatcher_unpermute", risks=risks, notes=notes,
+                   training_ok=True)
+
+
+def _dispatcher_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    """Both halves, over the straight-line statements of one scope (cheap gates: argsort / index_copy_ text)."""
+    wants = module.__dict__.get("_npufuse_moe_dispatcher_text")  # once per file (detect runs per scope)
+    if wants is None:
+        src = module.source
+        wants = module.__dict__["_npufuse_moe_dispatcher_text"] = ("stable" in src and "argsort" in src, "index_copy_" in src)
+    want_p, want_u = wants
+    if not (want_p or want_u):
+        return
+    for block, i, stmt in scope.statements():
+        if want_p and isinstance(stmt, ast.Assign):
+            found = _dispatcher_permute_site(module, scope, block, i)
+            if found is not None:
+                yield found
+                continue
+        if want_u and isinstance(stmt, ast.Assign) and i + 4 < len(block):
+            found = _dispatcher_unpermute_site(module, scope, block, i)
+            if found is not None:
+                yield found
+
+
+# examples: a token dispatcher object, each half replaced on its own (own reproducer)
+_DISPATCHER = _HEAD + '''
+class Dispatcher:
+    def __init__(self, topk):
+        self.topk = topk
+        self.saved_order = None
+
+    def permute(self, hidden, indices):
+        hidden = hidden.view(-1, hidden.size(-1))
+        flat = indices.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = hidden.index_select(0, order // self.topk)
+        self.saved_order = order
+        return rows
+
+    def unpermute(self, rows, scores):
+        n = scores.numel()
+        buf = torch.zeros((n, rows.size(1)), dtype=rows.dtype, device=rows.device)
+        buf.index_copy_(0, self.saved_order, rows)
+        buf = buf.reshape(-1, self.topk, rows.size(1))
+        buf = buf * scores.unsqueeze(-1)
+        buf = buf.sum(dim=1).type_as(rows)
+        return buf
+'''
+
+_DISPATCHER_RUN = '''\
+d = Dispatcher(2)
+x = torch.randn(6, 8, requires_grad=True)
+scores, ids = torch.randn(6, 4).softmax(-1).topk(2, dim=-1)
+rows = d.permute(x, ids)
+out = d.unpermute(rows * 2.0 + 1.0, scores)
+leaves = [x]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_DISPATCHER, name="dispatcher_object_permute_and_unpermute_halves", run=_DISPATCHER_RUN,
+         expect={"layout": "dispatcher", "top_k": "self.topk"}),
+]
+MoeExperts.KEEP += [
+    # an unstable argsort: the kept order is not the one the op's stable sort gives (ties differ), and the
+    # unpermute has its own near-miss-free shape change below
+    Keep(_DISPATCHER.replace("torch.argsort(flat, stable=True)", "torch.argsort(flat)").replace(
+        "buf = buf.sum(dim=1).type_as(rows)", "buf = buf.sum(dim=0).type_as(rows)"), name="dispatcher_unstable_sort_sum_over_tokens"),
 ]
