@@ -274,7 +274,7 @@ class _FileFacts:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 # `p.grad /= n` divides in place (the same tensor is set back): only `p.grad = <new>` re-allocates
-                if isinstance(t, ast.Attribute) and t.attr == "grad" and isinstance(node, ast.Assign):
+                if isinstance(t, ast.Attribute) and t.attr in ("grad", "_grad") and isinstance(node, ast.Assign):
                     if self.grad_assign is None:
                         self.grad_assign = node.lineno
                     self.grad_assigns.append((node.lineno, dotted(t.value) or ""))
@@ -1644,6 +1644,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix, sharding_guarded=sharded_when is not None)
         if reason is not None:
             return miss(reason)
+    reason = _s25_blocker(module, scope, stmt, call, model)
+    if reason is not None:
+        return miss(reason)
     if guard is None:
         return miss(why)
     if plan.runtime is not None:
@@ -3533,3 +3536,151 @@ FusedOptimizer.KEEP.append(
 FusedOptimizer.KEEP += [
     Keep(_KEEP_WRAPPER_ZEROES_A_MODULE, reason="`self.net.zero_grad()`", name="wrapper_zeroes_a_module_not_an_optimizer"),
 ]
+
+
+# --- s25 precision: what the fused classes break, read from the code around the site (issue 14) -------------
+# Found by harvesting optimizer constructions from RL, speech, diffusion, Lightning and LLM-trainer repos:
+# constructions taken as candidates although torch_npu's fused classes (spec §10, npu_fused_optim_base.py)
+# cannot run them as the code uses them. Every test reads values, calls and imports, never names:
+# * `p._grad = ...` re-assigns a grad like `p.grad = ...` (the hogwild A3C idiom);
+# * `M.share_memory()` (nn.Module's, Tensor has only share_memory_()): hogwild processes share parameter
+#   storage that the fused class re-points into its own flat buffer at the first step;
+# * float64 / complex parameters: `.double()`, `.to(torch.float64)`, `dtype=torch.float64`, a tensor made
+#   from a numpy scalar (`torch.tensor(np.log(a))`: numpy computes in float64): the fused class raises
+#   TypeError (float32/float16 only);
+# * the optimizer handed to transformers'/trl's Trainer (`optimizers=(opt, sched)`): Trainer calls
+#   `model.zero_grad()` (set_to_none=True on torch >= 2.0) and goes through accelerate;
+# * a Lightning/Fabric strategy named by a string (`strategy="deepspeed_stage_2"`, `"fsdp"`): sharding;
+# * `opt.add_param_group(...)` after the first step (in a loop, or in another function): the fused
+#   class builds its per-group combined buffers once, so the new group's index is past them (IndexError).
+
+# numpy calls whose result need not be float64: narrower dtype constructors, and array builders whose
+# dtype follows their data (`np.array([1, 2])` is int64)
+_NUMPY_FLOAT_CTORS = ("float32", "float16", "half", "single", "int8", "int16", "int32", "int64", "uint8", "bool_",
+                      "array", "asarray", "arange", "frombuffer", "fromfile", "load")
+_WIDE_DTYPES = ("float64", "double", "complex64", "complex128", "cfloat", "cdouble", "complex32", "chalf")
+
+
+def _is_wide_dtype(node: ast.AST) -> bool:
+    """``torch.float64`` / ``torch.double`` / a complex dtype / the string ``"float64"``."""
+    if isinstance(node, ast.Constant):
+        return node.value in _WIDE_DTYPES
+    name = dotted(node) or ""
+    return name.split(".")[-1] in _WIDE_DTYPES and name.split(".")[0] in ("torch", "th")
+
+
+def _region_roots(module: ModuleInfo, qualname: str) -> list[ast.AST]:
+    """The code that may run with a site's optimizer: the file less other tests' units (as :class:`_Units`)."""
+    units = _units(module)
+    own = units.unit_of(qualname)
+    units.tiers(qualname)  # fills units.near[own]
+    near = units.near.get(own, set())
+    # nearest first, so a reason cites the occurrence closest to the site
+    order = [own, *sorted(near), *sorted(n for n, u in units.units.items() if n != own and n not in near and not u.test)]
+    return [r for n in order for r in units.units[n].roots]
+
+
+def _wide_tensor_value(module: ModuleInfo, value: Optional[ast.AST]) -> Optional[str]:
+    """Why ``value`` (an expression a params list holds) is a float64/complex tensor, else None."""
+    if not isinstance(value, ast.Call):
+        return None
+    if isinstance(value.func, ast.Attribute) and value.func.attr == "double" and not value.args:
+        return f"`{segment(module, value)[:60]}` is float64"
+    name = module.canonical(value.func) or ""
+    if not name.startswith("torch."):
+        return None
+    dtype = next((k.value for k in value.keywords if k.arg == "dtype"), None)
+    if dtype is not None:
+        return f"`{segment(module, value)[:60]}` is {segment(module, dtype)}" if _is_wide_dtype(dtype) else None
+    if name in ("torch.tensor", "torch.as_tensor") and value.args and isinstance(value.args[0], ast.Call):
+        inner = module.canonical(value.args[0].func) or ""
+        if inner.startswith("numpy.") and inner.split(".")[-1] not in _NUMPY_FLOAT_CTORS:
+            return (f"`{segment(module, value)[:60]}` is float64 (numpy computes `{segment(module, value.args[0])[:40]}` "
+                    "in float64 and torch.tensor keeps that dtype)")
+    return None
+
+
+def _element_value(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Optional[ast.AST]:
+    """The value a params-list element was last bound to: a local name, or ``self.x`` assigned in a method of the site's class."""
+    if isinstance(node, ast.Name):
+        return scope.definition(node.id, line)
+    name = dotted(node) or ""
+    if name.startswith("self.") and name.count(".") == 1 and "." in scope.qualname:
+        cls = module.classes.get(scope.qualname.split(".")[0])
+        found = None
+        for n in fast_walk(cls) if cls is not None else ():
+            if isinstance(n, ast.Assign) and any(dotted(t) == name for t in n.targets):
+                found = n.value
+        return found
+    return node
+
+
+def _wide_params(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, model: str,
+                 roots: list[ast.AST]) -> Optional[str]:
+    params = keyword(call, "params", 0)
+    elements = params.elts if isinstance(params, (ast.List, ast.Tuple)) else []
+    for e in elements:
+        why = _wide_tensor_value(module, _element_value(module, scope, e, stmt.lineno))
+        if why is not None:
+            return why
+    for root in roots:
+        for n in fast_walk(root):
+            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+                if isinstance(n, ast.Call) and (module.canonical(n.func) or "") == "torch.set_default_dtype" \
+                        and n.args and _is_wide_dtype(n.args[0]):
+                    return f"`torch.set_default_dtype({segment(module, n.args[0])})` (line {n.lineno}) makes new parameters float64"
+                continue
+            recv = dotted(n.func.value) or ""
+            # the model itself, a module holding it or one of its submodules (`.double()` is common on data
+            # tensors, so the looser name test of the bf16 casts would refuse too much)
+            if not recv or not model or not (recv == model or model.startswith(recv + ".") or recv.startswith(model + ".")):
+                continue
+            if n.func.attr == "double" and not n.args:
+                return f"`{recv}.double()` (line {n.lineno}) makes the parameters float64"
+            if n.func.attr in ("to", "type") and any(_is_wide_dtype(a) for a in [*n.args, *(k.value for k in n.keywords if k.arg == "dtype")]):
+                return f"`{segment(module, n)[:60]}` (line {n.lineno}) makes the parameters float64/complex"
+    return None
+
+
+def _optimizer_names(stmt: ast.stmt) -> set[str]:
+    return _target_names(stmt) | ({"<returned>"} if isinstance(stmt, ast.Return) else set())
+
+
+def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, model: str) -> Optional[str]:
+    """Why the fused class cannot take this construction over (the classes above), else None."""
+    src = module.source
+    roots = _region_roots(module, scope.qualname)
+    wide = _wide_params(module, scope, stmt, call, model, roots)
+    if wide is not None:
+        return (f"float64/complex parameters: {wide}; torch_npu fused optimizers take float32/float16 params only "
+                "(TypeError at the first step)")
+    names = _target_names(stmt)
+    for root in roots:
+        for n in fast_walk(root):
+            if not isinstance(n, ast.Call):
+                continue
+            attr = n.func.attr if isinstance(n.func, ast.Attribute) else ""
+            if attr == "share_memory" and not n.args and "share_memory" in src:
+                return (f"`{segment(module, n.func.value)[:40]}.share_memory()` (line {n.lineno}): hogwild processes share "
+                        "the parameters' storage, and the fused optimizer re-points every parameter into its own flat "
+                        "buffer at the first step, so the processes would stop sharing them")
+            for k in n.keywords if "optimizers" in src or "strategy" in src else ():
+                if k.arg == "optimizers" and (module.canonical(n.func) or "").split(".")[0] in ("transformers", "trl") \
+                        and (not names or any(dotted(e) in names for e in fast_walk(k.value))):
+                    return (f"handed to `{segment(module, n.func)}` (optimizers=, line {n.lineno}): the Hugging Face "
+                            "Trainer calls model.zero_grad() (set_to_none=True on torch >= 2.0) and accelerate's "
+                            "AcceleratedOptimizer.zero_grad() passes set_to_none=True: the grads are freed and "
+                            "re-allocated outside the fused optimizer's flat buffer (or ValueError)")
+                if k.arg == "strategy" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str) \
+                        and any(s in k.value.value.lower() for s in ("deepspeed", "fsdp")):
+                    return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`strategy={k.value.value!r}` at "
+                            f"line {n.lineno}): the fused optimizer's combined buffers would go stale")
+            if attr == "add_param_group" and names and dotted(n.func.value) in names and n.lineno > (stmt.end_lineno or stmt.lineno):
+                loops = [lp for lp in fast_walk(scope.node) if isinstance(lp, (ast.For, ast.AsyncFor, ast.While))
+                         and lp.lineno <= n.lineno <= (lp.end_lineno or lp.lineno)]
+                if loops or not _in_scope(scope, n.lineno):
+                    return (f"`{segment(module, n.func)}(...)` (line {n.lineno}) may add a param group after the first "
+                            "step (in a loop or another function): torch_npu fused optimizers build their per-group "
+                            "combined buffers once, at the first step, so a later group is outside them (IndexError at "
+                            "the next step)")
+    return None
