@@ -3684,3 +3684,133 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
                             "combined buffers once, at the first step, so a later group is outside them (IndexError at "
                             "the next step)")
     return None
+
+
+_S25_HOGWILD_GRAD = _NET + '''
+
+def train(global_model, local_model, steps=3):
+    opt = torch.optim.Adam(global_model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        local_model(torch.randn(2, 8)).sum().backward()
+        for gp, lp in zip(global_model.parameters(), local_model.parameters()):
+            gp._grad = lp.grad
+        opt.step()
+'''
+
+_S25_SHARED_MODEL = _NET + '''
+
+def worker(model, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+
+
+def main(workers=2):
+    model = Net()
+    model.share_memory()
+    return [torch.multiprocessing.Process(target=worker, args=(model,)) for _ in range(workers)]
+'''
+
+_S25_NUMPY_SCALAR = _NET.replace("import torch\n", "import numpy as np\nimport torch\n", 1) + '''
+
+class Policy(nn.Module):
+    def __init__(self, init_alpha=0.01):
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+        self.log_alpha = torch.tensor(np.log(init_alpha))
+        self.log_alpha.requires_grad = True
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=3e-4)
+'''
+
+_S25_DOUBLE_MODEL = _NET + '''
+
+def fit(model):
+    model = model.double()
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+'''
+
+_S25_COMPLEX_PARAM = '''\
+import torch
+
+
+def build(n=16):
+    phases = torch.zeros(n, dtype=torch.complex64, requires_grad=True)
+    return torch.optim.Adam([phases], lr=1e-2)
+'''
+
+_S25_HF_TRAINER = _NET + '''
+from transformers import Trainer
+
+
+def main(args, dataset):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, optimizers=(opt, None))
+    trainer.train()
+'''
+
+_S25_STRING_STRATEGY = _NET + '''
+import lightning as L
+
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def main():
+    L.Trainer(strategy="fsdp", precision="16-mixed").fit(Lit())
+'''
+
+_S25_GROUP_ADDED_LATER = _NET + '''
+
+def train(model, head, loader, epochs=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(epochs):
+        if epoch == 1:
+            opt.add_param_group({"params": head.parameters()})
+        for x in loader:
+            opt.zero_grad()
+            head(model(x)).sum().backward()
+            opt.step()
+'''
+
+# the look-alikes that stay candidates: a data tensor cast to float64, a shared metrics tensor
+# (Tensor.share_memory_), a group added right after the construction, a plain DDP strategy string
+_S25_LOOK_ALIKES = _NET + '''
+
+def launch(strategy="ddp"):
+    return strategy
+
+
+def build(model):
+    stats = torch.zeros(4)
+    stats.share_memory_()
+    opt = torch.optim.SGD(model.fc1.parameters(), lr=1e-2, momentum=0.9)
+    opt.add_param_group({"params": list(model.ln.parameters()) + list(model.fc2.parameters())})
+    reference = torch.randn(3).double()
+    launch(strategy="ddp")
+    return opt
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S25_HOGWILD_GRAD, reason="grads are re-allocated", name="s25_hogwild_underscore_grad_assigned"),
+    Keep(_S25_SHARED_MODEL, reason="`model.share_memory()` (line", name="s25_hogwild_module_share_memory"),
+    Keep(_S25_NUMPY_SCALAR, reason="is float64 (numpy computes `np.log(init_alpha)`", name="s25_param_from_numpy_scalar_is_float64"),
+    Keep(_S25_DOUBLE_MODEL, reason="`model.double()` (line", name="s25_model_cast_to_double"),
+    Keep(_S25_COMPLEX_PARAM, reason="is torch.complex64", name="s25_complex_param"),
+    Keep(_S25_HF_TRAINER, reason="handed to `Trainer` (optimizers=", name="s25_handed_to_hf_trainer"),
+    Keep(_S25_STRING_STRATEGY, reason="`strategy='fsdp'`", name="s25_lightning_string_strategy_fsdp"),
+    Keep(_S25_GROUP_ADDED_LATER, reason="may add a param group after the first step", name="s25_param_group_added_in_the_loop"),
+]
+FusedOptimizer.FUSE += [
+    Fuse(_S25_LOOK_ALIKES, name="s25_float64_data_shared_tensor_early_group_ddp_string", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.SGD", "fused_class": "torch_npu.optim.NpuFusedSGD", "guard": "fresh_generator"}),
+]
