@@ -713,6 +713,8 @@ def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
     if isinstance(node, ast.Name):
         value = scope.definition(node.id, line)
         return value is not None and _list_valued(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if isinstance(node, ast.Attribute):
+        return _self_attribute_list(module, scope, node, depth)
     return False
 
 
@@ -1891,7 +1893,7 @@ class _KeywordPlan:
         name = k.value.id if isinstance(k.value, ast.Name) else None
         text = segment(module, k.value)
         keys = _mapping_keys(scope, name, line) if name else None
-        if keys is None and self.runtime is None and _side_effect_free(k.value) and dotted(k.value):
+        if keys is None and self.runtime is None and _side_effect_free(k.value) and (dotted(k.value) or _constant_subscript(k.value)):
             # an opaque mapping (a parameter, a config's dict, one updated in place): checked at run
             # time. Implementation choices are filtered out of the fused call (the same update);
             # any other key the fused class does not take keeps torch.optim
@@ -3813,4 +3815,86 @@ FusedOptimizer.KEEP += [
 FusedOptimizer.FUSE += [
     Fuse(_S25_LOOK_ALIKES, name="s25_float64_data_shared_tensor_early_group_ddp_string", run=_TRAIN_RUN, expect={
         "optimizer": "torch.optim.SGD", "fused_class": "torch_npu.optim.NpuFusedSGD", "guard": "fresh_generator"}),
+]
+
+
+# --- s25 recall: config-held keyword mappings and list attributes of the object building the optimizer ---
+# wenet's `optim.Adam(model.parameters(), **configs['optim_conf'])`, `**cfg["optimizer"]["kwargs"]`: a dict read
+# from a config by constant keys is as opaque (and as side-effect free to read twice) as `**self.config.kwargs`,
+# so its keys are checked at run time like the latter's (_KeywordPlan._star). OpenNMT-style wrappers
+# (`self.params = []`, `self.params.append(p)`, then `optim.Adam(self.params, ...)`): an attribute of the
+# site's own object that every assignment in its class makes a list is re-iterable, so the guard reads its
+# first tensor without consuming anything.
+
+def _constant_subscript(node: ast.AST) -> bool:
+    """``a.b["k"]`` / ``cfg["optimizer"]["kwargs"]``: subscripts by constant keys of a dotted name."""
+    while isinstance(node, ast.Subscript):
+        if not (isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, (str, int))):
+            return False
+        node = node.value
+    return dotted(node) is not None
+
+
+def _self_attribute_list(module: ModuleInfo, scope: Scope, node: ast.Attribute, depth: int) -> bool:
+    """Is ``self.x`` a list or tuple wherever it is set: every assignment to it in the site's class (its
+    methods; nested functions included) is list-valued and nothing else binds it (no augmented or
+    tuple-unpacking assignment)."""
+    name = dotted(node) or ""
+    if not (name.startswith("self.") and name.count(".") == 1 and "." in scope.qualname):
+        return False
+    cls = module.classes.get(scope.qualname.split(".")[0])
+    if cls is None:
+        return False
+    values = []
+    for n in fast_walk(cls):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                if dotted(t) == name:
+                    values.append(n.value)
+                elif isinstance(t, (ast.Tuple, ast.List)) and any(dotted(e) == name for e in t.elts):
+                    return False
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign)) and dotted(n.target) == name:
+            if isinstance(n, ast.AugAssign) or n.value is None:
+                return False
+            values.append(n.value)
+    return bool(values) and all(isinstance(v, (ast.List, ast.Tuple, ast.ListComp)) or (
+        isinstance(v, ast.Call) and dotted(v.func) in _LIST_BUILDERS and dotted(v.func) not in module.functions)
+        for v in values)
+
+
+_S25_WRAPPER_LIST_ATTRIBUTE = _NET + '''
+
+class OptimWrapper:
+    def __init__(self, lr=1e-2):
+        self.lr = lr
+        self.params = []
+
+    def set_parameters(self, named):
+        self.params = []
+        for _name, p in named:
+            if p.requires_grad:
+                self.params.append(p)
+        self.optimizer = torch.optim.Adam(self.params, lr=self.lr, eps=1e-9)
+'''
+
+_S25_CONFIG_KWARGS = _NET + '''
+
+def build(model, configs={"optim_conf": {"lr": 5e-3, "weight_decay": 1e-4}}):
+    return torch.optim.Adam(model.parameters(), **configs["optim_conf"])
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S25_WRAPPER_LIST_ATTRIBUTE, name="s25_params_list_attribute_of_the_wrapper",
+         run="model = Net()\nw = OptimWrapper()\nw.set_parameters(model.named_parameters())\nopt = w.optimizer\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.Adam", "params": "self.params", "guard": "materialised_list"}),
+    Fuse(_S25_CONFIG_KWARGS, name="s25_kwargs_from_a_config_by_constant_keys", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.Adam", "guard": "fresh_generator_kwargs_checked"}),
+]
+FusedOptimizer.KEEP += [
+    # the attribute is a generator in one of its assignments: reading a tensor from it would consume it
+    Keep(_S25_WRAPPER_LIST_ATTRIBUTE.replace("        self.params = []\n\n    def set", "        self.params = iter(())\n\n    def set"),
+         reason="the params come from `self.params`, which may be a one-shot iterator", name="s25_params_attribute_sometimes_a_generator"),
+    # a key computed at run time: which mapping is read depends on code npufuse does not evaluate twice
+    Keep(_S25_CONFIG_KWARGS.replace('**configs["optim_conf"]', "**configs[key()]").replace("def build(model,", "def build(model, key,"),
+         reason="keyword arguments passed through `**configs[key()]`", name="s25_kwargs_from_a_config_by_a_computed_key"),
 ]
