@@ -135,7 +135,8 @@ class FusedOptimizer(Pattern):
                     yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=self.zero_grad_in_place,
                                 chosen_class=(kind, test))
                 else:
-                    chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
+                    chosen = (_class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
+                              or _looked_up_by_name(module, scope, stmt))
                     if chosen is not None:
                         yield chosen
 
@@ -157,7 +158,7 @@ def _relevant(module: ModuleInfo) -> bool:
     if cached is None:
         src = module.source
         cached = module.__dict__["_npufuse_optim_relevant"] = (any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)) \
-            or any(k in src for k in _THIRD_PARTY_CLASSES)
+            or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src
     return bool(cached)
 
 
@@ -3666,7 +3667,11 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
                 return (f"`{segment(module, n.func.value)[:40]}.share_memory()` (line {n.lineno}): hogwild processes share "
                         "the parameters' storage, and the fused optimizer re-points every parameter into its own flat "
                         "buffer at the first step, so the processes would stop sharing them")
-            for k in n.keywords if "optimizers" in src or "strategy" in src else ():
+            for k in n.keywords if "optimizers" in src or "strategy" in src or "precision" in src else ():
+                if k.arg == "precision" and isinstance(k.value, ast.Constant) and k.value.value in (64, "64", "64-true"):
+                    return (f"float64 parameters: `precision={k.value.value!r}` (line {n.lineno}) makes Lightning cast the "
+                            "model to float64; torch_npu fused optimizers take float32/float16 params only (TypeError at "
+                            "the first step)")
                 if k.arg == "optimizers" and (module.canonical(n.func) or "").split(".")[0] in ("transformers", "trl") \
                         and (not names or any(dotted(e) in names for e in fast_walk(k.value))):
                     return (f"handed to `{segment(module, n.func)}` (optimizers=, line {n.lineno}): the Hugging Face "
@@ -3897,4 +3902,64 @@ FusedOptimizer.KEEP += [
     # a key computed at run time: which mapping is read depends on code npufuse does not evaluate twice
     Keep(_S25_CONFIG_KWARGS.replace('**configs["optim_conf"]', "**configs[key()]").replace("def build(model,", "def build(model, key,"),
          reason="keyword arguments passed through `**configs[key()]`", name="s25_kwargs_from_a_config_by_a_computed_key"),
+]
+
+
+# --- s25: a torch.optim class looked up by name at run time -------------------------------------------------
+# `getattr(torch.optim, cfg.name)(params, **cfg.kwargs)` (litgpt, many research trainers): which class runs is
+# known only at run time, so npufuse cannot pick the fused class or check the arguments against it; named as a
+# near miss (before: no word of the pattern in the scope, so not even that).
+_BY_NAME_WORD = "optim,"
+FusedOptimizer.SCOPE_WORDS = (*FusedOptimizer.SCOPE_WORDS, _BY_NAME_WORD)
+
+
+def _looked_up_by_name(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[NearMiss]:
+    """``getattr(torch.optim, <name>)(...)`` called in this statement, or bound to a name this scope calls later."""
+    if _BY_NAME_WORD not in segment(module, stmt):
+        return None
+    for n in fast_walk(stmt):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr" and len(n.args) >= 2
+                and module.canonical(n.args[0]) == "torch.optim" and "getattr" not in module.aliases):
+            continue
+        if isinstance(n.args[1], ast.Constant):
+            return None  # `getattr(torch.optim, "AdamW")`: one class, spelt as a string; rare, left alone
+        built = any(isinstance(c, ast.Call) and c.func is n for c in fast_walk(stmt)) or _called_later(scope, stmt) is not None
+        if not built:
+            return None
+        fused = ", ".join(f"{k} -> {v[0]}" for k, v in _OPTIMIZERS.items())
+        return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                        f"the optimizer class is looked up by name at run time (`{segment(module, n)[:60]}`): npufuse "
+                        "swaps a torch.optim class named at the construction only; torch_npu.optim has fused classes "
+                        f"for {fused} (same constructor arguments), to be chosen by hand once the constraints hold "
+                        "(fp32/fp16 params, grads never set to None, no FSDP/DeepSpeed)")
+    return None
+
+
+_S25_BY_NAME = _NET + '''
+
+def build(model, name="AdamW", lr=1e-3):
+    return getattr(torch.optim, name)(model.parameters(), lr=lr)
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S25_BY_NAME, reason="looked up by name at run time (`getattr(torch.optim, name)`)", name="s25_class_looked_up_by_name"),
+    Keep(_S25_BY_NAME.replace("    return getattr(torch.optim, name)(model.parameters(), lr=lr)",
+                              "    cls = getattr(torch.optim, name)\n    return cls(model.parameters(), lr=lr)"),
+         reason="looked up by name at run time", name="s25_class_looked_up_by_name_then_called"),
+    Keep(_NET + '''
+import lightning as L
+
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def main():
+    L.Trainer(precision="64-true").fit(Lit())
+''', reason="`precision='64-true'`", name="s25_lightning_precision_64"),
 ]
