@@ -3682,6 +3682,11 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
                         and any(s in k.value.value.lower() for s in ("deepspeed", "fsdp")):
                     return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`strategy={k.value.value!r}` at "
                             f"line {n.lineno}): the fused optimizer's combined buffers would go stale")
+            if "amp" in src and (module.canonical(n.func) or "") == "apex.amp.initialize" \
+                    and (not names or any(dotted(a) in names for a in fast_walk(n) if isinstance(a, (ast.Name, ast.Attribute)))):
+                return (f"handed to `{segment(module, n.func)}` (line {n.lineno}): apex amp sets every parameter's grad "
+                        "to None before each backward (its grad copy elision) and, with master weights, steps fp32 "
+                        "copies; the fused optimizer's flat grad buffer would go stale")
             if attr == "add_param_group" and names and dotted(n.func.value) in names and n.lineno > (stmt.end_lineno or stmt.lineno):
                 loops = [lp for lp in fast_walk(scope.node) if isinstance(lp, (ast.For, ast.AsyncFor, ast.While))
                          and lp.lineno <= n.lineno <= (lp.end_lineno or lp.lineno)]
@@ -3963,3 +3968,13 @@ def main():
     L.Trainer(precision="64-true").fit(Lit())
 ''', reason="`precision='64-true'`", name="s25_lightning_precision_64"),
 ]
+
+FusedOptimizer.KEEP.append(Keep(_NET + '''
+from apex import amp
+
+
+def setup(model):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    return model, optimizer
+''', reason="handed to `amp.initialize` (line", name="s25_apex_amp_initialize"))
