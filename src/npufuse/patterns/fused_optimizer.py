@@ -3658,11 +3658,19 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
         return (f"float64/complex parameters: {wide}; torch_npu fused optimizers take float32/float16 params only "
                 "(TypeError at the first step)")
     names = _target_names(stmt)
+    site_tests: Optional[list[tuple[str, bool]]] = None
     for root in roots:
         for n in fast_walk(root):
             if not isinstance(n, ast.Call):
                 continue
             attr = n.func.attr if isinstance(n.func, ast.Attribute) else ""
+            if attr in ("share_memory", "add_param_group", "initialize") or any(k.arg in ("optimizers", "strategy", "precision")
+                                                                              for k in n.keywords):
+                # the other arm of an `if` the site sits in too (OpenNMT's `elif opt.optim == "fusedadam":
+                # ... apex.amp.initialize(...)` next to `if opt.optim == "sgd": optim.SGD(...)`) never runs with it
+                site_tests = _enclosing_tests(module.tree, stmt.lineno) if site_tests is None else site_tests
+                if _excluded_branch(site_tests, _enclosing_tests(module.tree, n.lineno)):
+                    continue
             if attr == "share_memory" and not n.args and "share_memory" in src:
                 return (f"`{segment(module, n.func.value)[:40]}.share_memory()` (line {n.lineno}): hogwild processes share "
                         "the parameters' storage, and the fused optimizer re-points every parameter into its own flat "
@@ -3978,3 +3986,17 @@ def setup(model):
     model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
     return model, optimizer
 ''', reason="handed to `amp.initialize` (line", name="s25_apex_amp_initialize"))
+
+FusedOptimizer.FUSE.append(Fuse(_NET + '''
+
+def build(model, method="sgd", opt_level=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if method == "sgd":
+        optimizer = torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    elif method == "fusedadam":
+        from apex import amp
+        from apex.optimizers import FusedAdam
+        optimizer = FusedAdam(params, lr=1e-3)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
+    return optimizer
+''', name="s25_apex_amp_only_in_another_branch", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}))
