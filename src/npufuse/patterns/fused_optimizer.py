@@ -135,7 +135,8 @@ class FusedOptimizer(Pattern):
                     yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=self.zero_grad_in_place,
                                 chosen_class=(kind, test))
                 else:
-                    chosen = _class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
+                    chosen = (_class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
+                              or _looked_up_by_name(module, scope, stmt))
                     if chosen is not None:
                         yield chosen
 
@@ -157,7 +158,7 @@ def _relevant(module: ModuleInfo) -> bool:
     if cached is None:
         src = module.source
         cached = module.__dict__["_npufuse_optim_relevant"] = (any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)) \
-            or any(k in src for k in _THIRD_PARTY_CLASSES)
+            or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src
     return bool(cached)
 
 
@@ -274,7 +275,7 @@ class _FileFacts:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 # `p.grad /= n` divides in place (the same tensor is set back): only `p.grad = <new>` re-allocates
-                if isinstance(t, ast.Attribute) and t.attr == "grad" and isinstance(node, ast.Assign):
+                if isinstance(t, ast.Attribute) and t.attr in ("grad", "_grad") and isinstance(node, ast.Assign):
                     if self.grad_assign is None:
                         self.grad_assign = node.lineno
                     self.grad_assigns.append((node.lineno, dotted(t.value) or ""))
@@ -713,6 +714,8 @@ def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
     if isinstance(node, ast.Name):
         value = scope.definition(node.id, line)
         return value is not None and _list_valued(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if isinstance(node, ast.Attribute):
+        return _self_attribute_list(module, scope, node, depth)
     return False
 
 
@@ -1644,6 +1647,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix, sharding_guarded=sharded_when is not None)
         if reason is not None:
             return miss(reason)
+    reason = _s25_blocker(module, scope, stmt, call, model)
+    if reason is not None:
+        return miss(reason)
     if guard is None:
         return miss(why)
     if plan.runtime is not None:
@@ -1888,7 +1894,7 @@ class _KeywordPlan:
         name = k.value.id if isinstance(k.value, ast.Name) else None
         text = segment(module, k.value)
         keys = _mapping_keys(scope, name, line) if name else None
-        if keys is None and self.runtime is None and _side_effect_free(k.value) and dotted(k.value):
+        if keys is None and self.runtime is None and _side_effect_free(k.value) and (dotted(k.value) or _constant_subscript(k.value)):
             # an opaque mapping (a parameter, a config's dict, one updated in place): checked at run
             # time. Implementation choices are filtered out of the fused call (the same update);
             # any other key the fused class does not take keeps torch.optim
@@ -3533,3 +3539,464 @@ FusedOptimizer.KEEP.append(
 FusedOptimizer.KEEP += [
     Keep(_KEEP_WRAPPER_ZEROES_A_MODULE, reason="`self.net.zero_grad()`", name="wrapper_zeroes_a_module_not_an_optimizer"),
 ]
+
+
+# --- s25 precision: what the fused classes break, read from the code around the site (issue 14) -------------
+# Found by harvesting optimizer constructions from RL, speech, diffusion, Lightning and LLM-trainer repos:
+# constructions taken as candidates although torch_npu's fused classes (spec §10, npu_fused_optim_base.py)
+# cannot run them as the code uses them. Every test reads values, calls and imports, never names:
+# * `p._grad = ...` re-assigns a grad like `p.grad = ...` (the hogwild A3C idiom);
+# * `M.share_memory()` (nn.Module's, Tensor has only share_memory_()): hogwild processes share parameter
+#   storage that the fused class re-points into its own flat buffer at the first step;
+# * float64 / complex parameters: `.double()`, `.to(torch.float64)`, `dtype=torch.float64`, a tensor made
+#   from a numpy scalar (`torch.tensor(np.log(a))`: numpy computes in float64): the fused class raises
+#   TypeError (float32/float16 only);
+# * the optimizer handed to transformers'/trl's Trainer (`optimizers=(opt, sched)`): Trainer calls
+#   `model.zero_grad()` (set_to_none=True on torch >= 2.0) and goes through accelerate;
+# * a Lightning/Fabric strategy named by a string (`strategy="deepspeed_stage_2"`, `"fsdp"`): sharding;
+# * `opt.add_param_group(...)` after the first step (in a loop, or in another function): the fused
+#   class builds its per-group combined buffers once, so the new group's index is past them (IndexError).
+
+# numpy calls whose result need not be float64: narrower dtype constructors, and array builders whose
+# dtype follows their data (`np.array([1, 2])` is int64)
+_NUMPY_FLOAT_CTORS = ("float32", "float16", "half", "single", "int8", "int16", "int32", "int64", "uint8", "bool_",
+                      "array", "asarray", "arange", "frombuffer", "fromfile", "load")
+_WIDE_DTYPES = ("float64", "double", "complex64", "complex128", "cfloat", "cdouble", "complex32", "chalf")
+
+
+def _is_wide_dtype(node: ast.AST) -> bool:
+    """``torch.float64`` / ``torch.double`` / a complex dtype / the string ``"float64"``."""
+    if isinstance(node, ast.Constant):
+        return node.value in _WIDE_DTYPES
+    name = dotted(node) or ""
+    return name.split(".")[-1] in _WIDE_DTYPES and name.split(".")[0] in ("torch", "th")
+
+
+def _region_roots(module: ModuleInfo, qualname: str) -> list[ast.AST]:
+    """The code that may run with a site's optimizer: the file less other tests' units (as :class:`_Units`)."""
+    units = _units(module)
+    own = units.unit_of(qualname)
+    units.tiers(qualname)  # fills units.near[own]
+    near = units.near.get(own, set())
+    # nearest first, so a reason cites the occurrence closest to the site
+    order = [own, *sorted(near), *sorted(n for n, u in units.units.items() if n != own and n not in near and not u.test)]
+    return [r for n in order for r in units.units[n].roots]
+
+
+def _wide_tensor_value(module: ModuleInfo, value: Optional[ast.AST]) -> Optional[str]:
+    """Why ``value`` (an expression a params list holds) is a float64/complex tensor, else None."""
+    if not isinstance(value, ast.Call):
+        return None
+    if isinstance(value.func, ast.Attribute) and value.func.attr == "double" and not value.args:
+        return f"`{segment(module, value)[:60]}` is float64"
+    name = module.canonical(value.func) or ""
+    if not name.startswith("torch."):
+        return None
+    dtype = next((k.value for k in value.keywords if k.arg == "dtype"), None)
+    if dtype is not None:
+        return f"`{segment(module, value)[:60]}` is {segment(module, dtype)}" if _is_wide_dtype(dtype) else None
+    if name in ("torch.tensor", "torch.as_tensor") and value.args and isinstance(value.args[0], ast.Call):
+        inner = module.canonical(value.args[0].func) or ""
+        if inner.startswith("numpy.") and inner.split(".")[-1] not in _NUMPY_FLOAT_CTORS:
+            return (f"`{segment(module, value)[:60]}` is float64 (numpy computes `{segment(module, value.args[0])[:40]}` "
+                    "in float64 and torch.tensor keeps that dtype)")
+    return None
+
+
+def _element_value(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Optional[ast.AST]:
+    """The value a params-list element was last bound to: a local name, or ``self.x`` assigned in a method of the site's class."""
+    if isinstance(node, ast.Name):
+        return scope.definition(node.id, line)
+    name = dotted(node) or ""
+    if name.startswith("self.") and name.count(".") == 1 and "." in scope.qualname:
+        cls = module.classes.get(scope.qualname.split(".")[0])
+        found = None
+        for n in fast_walk(cls) if cls is not None else ():
+            if isinstance(n, ast.Assign) and any(dotted(t) == name for t in n.targets):
+                found = n.value
+        return found
+    return node
+
+
+def _wide_params(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, model: str,
+                 roots: list[ast.AST]) -> Optional[str]:
+    params = keyword(call, "params", 0)
+    elements = params.elts if isinstance(params, (ast.List, ast.Tuple)) else []
+    for e in elements:
+        why = _wide_tensor_value(module, _element_value(module, scope, e, stmt.lineno))
+        if why is not None:
+            return why
+    for root in roots:
+        for n in fast_walk(root):
+            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+                if isinstance(n, ast.Call) and (module.canonical(n.func) or "") == "torch.set_default_dtype" \
+                        and n.args and _is_wide_dtype(n.args[0]):
+                    return f"`torch.set_default_dtype({segment(module, n.args[0])})` (line {n.lineno}) makes new parameters float64"
+                continue
+            recv = dotted(n.func.value) or ""
+            # the model itself, a module holding it or one of its submodules (`.double()` is common on data
+            # tensors, so the looser name test of the bf16 casts would refuse too much)
+            if not recv or not model or not (recv == model or model.startswith(recv + ".") or recv.startswith(model + ".")):
+                continue
+            if n.func.attr == "double" and not n.args:
+                return f"`{recv}.double()` (line {n.lineno}) makes the parameters float64"
+            if n.func.attr in ("to", "type") and any(_is_wide_dtype(a) for a in [*n.args, *(k.value for k in n.keywords if k.arg == "dtype")]):
+                return f"`{segment(module, n)[:60]}` (line {n.lineno}) makes the parameters float64/complex"
+    return None
+
+
+def _optimizer_names(stmt: ast.stmt) -> set[str]:
+    return _target_names(stmt) | ({"<returned>"} if isinstance(stmt, ast.Return) else set())
+
+
+def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, model: str) -> Optional[str]:
+    """Why the fused class cannot take this construction over (the classes above), else None."""
+    src = module.source
+    roots = _region_roots(module, scope.qualname)
+    wide = _wide_params(module, scope, stmt, call, model, roots)
+    if wide is not None:
+        return (f"float64/complex parameters: {wide}; torch_npu fused optimizers take float32/float16 params only "
+                "(TypeError at the first step)")
+    names = _target_names(stmt)
+    site_tests: Optional[list[tuple[str, bool]]] = None
+    for root in roots:
+        for n in fast_walk(root):
+            if not isinstance(n, ast.Call):
+                continue
+            attr = n.func.attr if isinstance(n.func, ast.Attribute) else ""
+            if attr in ("share_memory", "add_param_group", "initialize") or any(k.arg in ("optimizers", "strategy", "precision")
+                                                                              for k in n.keywords):
+                # the other arm of an `if` the site sits in too (OpenNMT's `elif opt.optim == "fusedadam":
+                # ... apex.amp.initialize(...)` next to `if opt.optim == "sgd": optim.SGD(...)`) never runs with it
+                site_tests = _enclosing_tests(module.tree, stmt.lineno) if site_tests is None else site_tests
+                if _excluded_branch(site_tests, _enclosing_tests(module.tree, n.lineno)):
+                    continue
+            if attr == "share_memory" and not n.args and "share_memory" in src:
+                return (f"`{segment(module, n.func.value)[:40]}.share_memory()` (line {n.lineno}): hogwild processes share "
+                        "the parameters' storage, and the fused optimizer re-points every parameter into its own flat "
+                        "buffer at the first step, so the processes would stop sharing them")
+            for k in n.keywords if "optimizers" in src or "strategy" in src or "precision" in src else ():
+                if k.arg == "precision" and isinstance(k.value, ast.Constant) and k.value.value in (64, "64", "64-true"):
+                    return (f"float64 parameters: `precision={k.value.value!r}` (line {n.lineno}) makes Lightning cast the "
+                            "model to float64; torch_npu fused optimizers take float32/float16 params only (TypeError at "
+                            "the first step)")
+                if k.arg == "optimizers" and (module.canonical(n.func) or "").split(".")[0] in ("transformers", "trl") \
+                        and (not names or any(dotted(e) in names for e in fast_walk(k.value))):
+                    return (f"handed to `{segment(module, n.func)}` (optimizers=, line {n.lineno}): the Hugging Face "
+                            "Trainer calls model.zero_grad() (set_to_none=True on torch >= 2.0) and accelerate's "
+                            "AcceleratedOptimizer.zero_grad() passes set_to_none=True: the grads are freed and "
+                            "re-allocated outside the fused optimizer's flat buffer (or ValueError)")
+                if k.arg == "strategy" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str) \
+                        and any(s in k.value.value.lower() for s in ("deepspeed", "fsdp")):
+                    return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`strategy={k.value.value!r}` at "
+                            f"line {n.lineno}): the fused optimizer's combined buffers would go stale")
+            if "amp" in src and (module.canonical(n.func) or "") == "apex.amp.initialize" \
+                    and (not names or any(dotted(a) in names for a in fast_walk(n) if isinstance(a, (ast.Name, ast.Attribute)))):
+                return (f"handed to `{segment(module, n.func)}` (line {n.lineno}): apex amp sets every parameter's grad "
+                        "to None before each backward (its grad copy elision) and, with master weights, steps fp32 "
+                        "copies; the fused optimizer's flat grad buffer would go stale")
+            if attr == "add_param_group" and names and dotted(n.func.value) in names and n.lineno > (stmt.end_lineno or stmt.lineno):
+                loops = [lp for lp in fast_walk(scope.node) if isinstance(lp, (ast.For, ast.AsyncFor, ast.While))
+                         and lp.lineno <= n.lineno <= (lp.end_lineno or lp.lineno)]
+                if loops or not _in_scope(scope, n.lineno):
+                    return (f"`{segment(module, n.func)}(...)` (line {n.lineno}) may add a param group after the first "
+                            "step (in a loop or another function): torch_npu fused optimizers build their per-group "
+                            "combined buffers once, at the first step, so a later group is outside them (IndexError at "
+                            "the next step)")
+    return None
+
+
+_S25_HOGWILD_GRAD = _NET + '''
+
+def train(global_model, local_model, steps=3):
+    opt = torch.optim.Adam(global_model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        local_model(torch.randn(2, 8)).sum().backward()
+        for gp, lp in zip(global_model.parameters(), local_model.parameters()):
+            gp._grad = lp.grad
+        opt.step()
+'''
+
+_S25_SHARED_MODEL = _NET + '''
+
+def worker(model, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+
+
+def main(workers=2):
+    model = Net()
+    model.share_memory()
+    return [torch.multiprocessing.Process(target=worker, args=(model,)) for _ in range(workers)]
+'''
+
+_S25_NUMPY_SCALAR = _NET.replace("import torch\n", "import numpy as np\nimport torch\n", 1) + '''
+
+class Policy(nn.Module):
+    def __init__(self, init_alpha=0.01):
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+        self.log_alpha = torch.tensor(np.log(init_alpha))
+        self.log_alpha.requires_grad = True
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=3e-4)
+'''
+
+_S25_DOUBLE_MODEL = _NET + '''
+
+def fit(model):
+    model = model.double()
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+'''
+
+_S25_COMPLEX_PARAM = '''\
+import torch
+
+
+def build(n=16):
+    phases = torch.zeros(n, dtype=torch.complex64, requires_grad=True)
+    return torch.optim.Adam([phases], lr=1e-2)
+'''
+
+_S25_HF_TRAINER = _NET + '''
+from transformers import Trainer
+
+
+def main(args, dataset):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, optimizers=(opt, None))
+    trainer.train()
+'''
+
+_S25_STRING_STRATEGY = _NET + '''
+import lightning as L
+
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def main():
+    L.Trainer(strategy="fsdp", precision="16-mixed").fit(Lit())
+'''
+
+_S25_GROUP_ADDED_LATER = _NET + '''
+
+def train(model, head, loader, epochs=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(epochs):
+        if epoch == 1:
+            opt.add_param_group({"params": head.parameters()})
+        for x in loader:
+            opt.zero_grad()
+            head(model(x)).sum().backward()
+            opt.step()
+'''
+
+# the look-alikes that stay candidates: a data tensor cast to float64, a shared metrics tensor
+# (Tensor.share_memory_), a group added right after the construction, a plain DDP strategy string
+_S25_LOOK_ALIKES = _NET + '''
+
+def launch(strategy="ddp"):
+    return strategy
+
+
+def build(model):
+    stats = torch.zeros(4)
+    stats.share_memory_()
+    opt = torch.optim.SGD(model.fc1.parameters(), lr=1e-2, momentum=0.9)
+    opt.add_param_group({"params": list(model.ln.parameters()) + list(model.fc2.parameters())})
+    reference = torch.randn(3).double()
+    launch(strategy="ddp")
+    return opt
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S25_HOGWILD_GRAD, reason="grads are re-allocated", name="s25_hogwild_underscore_grad_assigned"),
+    Keep(_S25_SHARED_MODEL, reason="`model.share_memory()` (line", name="s25_hogwild_module_share_memory"),
+    Keep(_S25_NUMPY_SCALAR, reason="is float64 (numpy computes `np.log(init_alpha)`", name="s25_param_from_numpy_scalar_is_float64"),
+    Keep(_S25_DOUBLE_MODEL, reason="`model.double()` (line", name="s25_model_cast_to_double"),
+    Keep(_S25_COMPLEX_PARAM, reason="is torch.complex64", name="s25_complex_param"),
+    Keep(_S25_HF_TRAINER, reason="handed to `Trainer` (optimizers=", name="s25_handed_to_hf_trainer"),
+    Keep(_S25_STRING_STRATEGY, reason="`strategy='fsdp'`", name="s25_lightning_string_strategy_fsdp"),
+    Keep(_S25_GROUP_ADDED_LATER, reason="may add a param group after the first step", name="s25_param_group_added_in_the_loop"),
+]
+FusedOptimizer.FUSE += [
+    Fuse(_S25_LOOK_ALIKES, name="s25_float64_data_shared_tensor_early_group_ddp_string", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.SGD", "fused_class": "torch_npu.optim.NpuFusedSGD", "guard": "fresh_generator"}),
+]
+
+
+# --- s25 recall: config-held keyword mappings and list attributes of the object building the optimizer ---
+# wenet's `optim.Adam(model.parameters(), **configs['optim_conf'])`, `**cfg["optimizer"]["kwargs"]`: a dict read
+# from a config by constant keys is as opaque (and as side-effect free to read twice) as `**self.config.kwargs`,
+# so its keys are checked at run time like the latter's (_KeywordPlan._star). OpenNMT-style wrappers
+# (`self.params = []`, `self.params.append(p)`, then `optim.Adam(self.params, ...)`): an attribute of the
+# site's own object that every assignment in its class makes a list is re-iterable, so the guard reads its
+# first tensor without consuming anything.
+
+def _constant_subscript(node: ast.AST) -> bool:
+    """``a.b["k"]`` / ``cfg["optimizer"]["kwargs"]``: subscripts by constant keys of a dotted name."""
+    while isinstance(node, ast.Subscript):
+        if not (isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, (str, int))):
+            return False
+        node = node.value
+    return dotted(node) is not None
+
+
+def _self_attribute_list(module: ModuleInfo, scope: Scope, node: ast.Attribute, depth: int) -> bool:
+    """Is ``self.x`` a list or tuple wherever it is set: every assignment to it in the site's class (its
+    methods; nested functions included) is list-valued and nothing else binds it (no augmented or
+    tuple-unpacking assignment)."""
+    name = dotted(node) or ""
+    if not (name.startswith("self.") and name.count(".") == 1 and "." in scope.qualname):
+        return False
+    cls = module.classes.get(scope.qualname.split(".")[0])
+    if cls is None:
+        return False
+    values = []
+    for n in fast_walk(cls):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                if dotted(t) == name:
+                    values.append(n.value)
+                elif isinstance(t, (ast.Tuple, ast.List)) and any(dotted(e) == name for e in t.elts):
+                    return False
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign)) and dotted(n.target) == name:
+            if isinstance(n, ast.AugAssign) or n.value is None:
+                return False
+            values.append(n.value)
+    return bool(values) and all(isinstance(v, (ast.List, ast.Tuple, ast.ListComp)) or (
+        isinstance(v, ast.Call) and dotted(v.func) in _LIST_BUILDERS and dotted(v.func) not in module.functions)
+        for v in values)
+
+
+_S25_WRAPPER_LIST_ATTRIBUTE = _NET + '''
+
+class OptimWrapper:
+    def __init__(self, lr=1e-2):
+        self.lr = lr
+        self.params = []
+
+    def set_parameters(self, named):
+        self.params = []
+        for _name, p in named:
+            if p.requires_grad:
+                self.params.append(p)
+        self.optimizer = torch.optim.Adam(self.params, lr=self.lr, eps=1e-9)
+'''
+
+_S25_CONFIG_KWARGS = _NET + '''
+
+def build(model, configs={"optim_conf": {"lr": 5e-3, "weight_decay": 1e-4}}):
+    return torch.optim.Adam(model.parameters(), **configs["optim_conf"])
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S25_WRAPPER_LIST_ATTRIBUTE, name="s25_params_list_attribute_of_the_wrapper",
+         run="model = Net()\nw = OptimWrapper()\nw.set_parameters(model.named_parameters())\nopt = w.optimizer\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.Adam", "params": "self.params", "guard": "materialised_list"}),
+    Fuse(_S25_CONFIG_KWARGS, name="s25_kwargs_from_a_config_by_constant_keys", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.Adam", "guard": "fresh_generator_kwargs_checked"}),
+]
+FusedOptimizer.KEEP += [
+    # the attribute is a generator in one of its assignments: reading a tensor from it would consume it
+    Keep(_S25_WRAPPER_LIST_ATTRIBUTE.replace("        self.params = []\n\n    def set", "        self.params = iter(())\n\n    def set"),
+         reason="the params come from `self.params`, which may be a one-shot iterator", name="s25_params_attribute_sometimes_a_generator"),
+    # a key computed at run time: which mapping is read depends on code npufuse does not evaluate twice
+    Keep(_S25_CONFIG_KWARGS.replace('**configs["optim_conf"]', "**configs[key()]").replace("def build(model,", "def build(model, key,"),
+         reason="keyword arguments passed through `**configs[key()]`", name="s25_kwargs_from_a_config_by_a_computed_key"),
+]
+
+
+# --- s25: a torch.optim class looked up by name at run time -------------------------------------------------
+# `getattr(torch.optim, cfg.name)(params, **cfg.kwargs)` (litgpt, many research trainers): which class runs is
+# known only at run time, so npufuse cannot pick the fused class or check the arguments against it; named as a
+# near miss (before: no word of the pattern in the scope, so not even that).
+_BY_NAME_WORD = "optim,"
+FusedOptimizer.SCOPE_WORDS = (*FusedOptimizer.SCOPE_WORDS, _BY_NAME_WORD)
+
+
+def _looked_up_by_name(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[NearMiss]:
+    """``getattr(torch.optim, <name>)(...)`` called in this statement, or bound to a name this scope calls later."""
+    if _BY_NAME_WORD not in segment(module, stmt):
+        return None
+    for n in fast_walk(stmt):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr" and len(n.args) >= 2
+                and module.canonical(n.args[0]) == "torch.optim" and "getattr" not in module.aliases):
+            continue
+        if isinstance(n.args[1], ast.Constant):
+            return None  # `getattr(torch.optim, "AdamW")`: one class, spelt as a string; rare, left alone
+        built = any(isinstance(c, ast.Call) and c.func is n for c in fast_walk(stmt)) or _called_later(scope, stmt) is not None
+        if not built:
+            return None
+        fused = ", ".join(f"{k} -> {v[0]}" for k, v in _OPTIMIZERS.items())
+        return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                        f"the optimizer class is looked up by name at run time (`{segment(module, n)[:60]}`): npufuse "
+                        "swaps a torch.optim class named at the construction only; torch_npu.optim has fused classes "
+                        f"for {fused} (same constructor arguments), to be chosen by hand once the constraints hold "
+                        "(fp32/fp16 params, grads never set to None, no FSDP/DeepSpeed)")
+    return None
+
+
+_S25_BY_NAME = _NET + '''
+
+def build(model, name="AdamW", lr=1e-3):
+    return getattr(torch.optim, name)(model.parameters(), lr=lr)
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S25_BY_NAME, reason="looked up by name at run time (`getattr(torch.optim, name)`)", name="s25_class_looked_up_by_name"),
+    Keep(_S25_BY_NAME.replace("    return getattr(torch.optim, name)(model.parameters(), lr=lr)",
+                              "    cls = getattr(torch.optim, name)\n    return cls(model.parameters(), lr=lr)"),
+         reason="looked up by name at run time", name="s25_class_looked_up_by_name_then_called"),
+    Keep(_NET + '''
+import lightning as L
+
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def main():
+    L.Trainer(precision="64-true").fit(Lit())
+''', reason="`precision='64-true'`", name="s25_lightning_precision_64"),
+]
+
+FusedOptimizer.KEEP.append(Keep(_NET + '''
+from apex import amp
+
+
+def setup(model):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    return model, optimizer
+''', reason="handed to `amp.initialize` (line", name="s25_apex_amp_initialize"))
+
+FusedOptimizer.FUSE.append(Fuse(_NET + '''
+
+def build(model, method="sgd", opt_level=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if method == "sgd":
+        optimizer = torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    elif method == "fusedadam":
+        from apex import amp
+        from apex.optimizers import FusedAdam
+        optimizer = FusedAdam(params, lr=1e-3)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
+    return optimizer
+''', name="s25_apex_amp_only_in_another_branch", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}))
