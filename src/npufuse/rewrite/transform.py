@@ -20,6 +20,7 @@ node-level insert could not tell on removal which blank lines were ours.
 
 from __future__ import annotations
 
+import ast
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -249,15 +250,65 @@ def has_prelude(code: str) -> bool:
     return PRELUDE_MARKER in code
 
 
-def _prelude_text(newline: str) -> str:
-    return PRELUDE.replace("\n", newline)
+# Generated code spells ``torch.<name>`` (dtypes, ``torch.cat``, ``torch.promote_types``); a module
+# that imports only ``torch.nn as nn`` / ``torch.nn.functional as F`` / ``from torch import ...``
+# has no ``torch`` name, and the fused branch (or its guard) would raise NameError on the NPU.
+# Such modules get this line inside the prelude block, so revert still removes exactly what apply wrote.
+TORCH_IMPORT_LINE = "import torch  # npufuse: the fused code below names torch\n"
 
 
-def add_prelude(module: cst.Module) -> str:
+def _prelude_text(newline: str, with_torch: bool = False) -> str:
+    text = PRELUDE
+    if with_torch:
+        first_end = text.index("\n") + 1  # after the marker line
+        text = text[:first_end] + TORCH_IMPORT_LINE + text[first_end:]
+    return text.replace("\n", newline)
+
+
+def binds_torch(tree: ast.AST) -> bool:
+    """Whether any statement of the module binds the name ``torch`` (``import torch``,
+    ``import torch.nn``, ``import x as torch``, ``from m import torch``, an assignment, ...)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if (alias.asname or alias.name.split(".")[0]) == "torch":
+                    return True
+        elif isinstance(node, ast.ImportFrom):
+            if any((alias.asname or alias.name) == "torch" for alias in node.names):
+                return True
+        elif isinstance(node, ast.Name) and node.id == "torch" and not isinstance(node.ctx, ast.Load):
+            return True
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "torch":
+            return True
+        elif isinstance(node, ast.arg) and node.arg == "torch":
+            return True
+    return False
+
+
+def names_torch(texts: list[str]) -> bool:
+    """Whether generated code (fused bodies, guards) reads the name ``torch``."""
+    for text in texts:
+        try:
+            tree = ast.parse(textwrap.dedent(text).strip("\n") + "\n")
+        except SyntaxError:
+            continue
+        if any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree)):
+            return True
+    return False
+
+
+def add_prelude(module: cst.Module, with_torch: bool = False) -> str:
     """The module's code with the availability prelude inserted once: after the docstring,
-    ``__future__`` and leading imports, one blank line above it when anything precedes it."""
+    ``__future__`` and leading imports, one blank line above it when anything precedes it.
+    ``with_torch``: the prelude also imports torch (see ``TORCH_IMPORT_LINE``)."""
     code = module.code
     if has_prelude(code):
+        if with_torch and TORCH_IMPORT_LINE.rstrip("\n") not in code:
+            # an earlier apply wrote the plain prelude; the new site needs torch
+            nl = module.default_newline
+            plain = _prelude_text(nl)
+            if code.count(plain) == 1:
+                return code.replace(plain, _prelude_text(nl, True))
         return code
     idx = _prelude_index(list(module.body))
     # The module's text up to the insertion point: header + the leading statements.
@@ -266,13 +317,15 @@ def add_prelude(module: cst.Module) -> str:
         raise ValueError("cannot place the npufuse prelude in this module")
     nl = module.default_newline
     sep = nl if prefix else ""
-    return prefix + sep + _prelude_text(nl) + code[len(prefix) :]
+    return prefix + sep + _prelude_text(nl, with_torch) + code[len(prefix) :]
 
 
 def remove_prelude(code: str, newline: str = "\n") -> tuple[str, bool]:
     """Drop exactly the text ``add_prelude`` inserted, so apply + revert is byte-identical.
     Returns (code, removed); an edited prelude is left in place (``removed`` False)."""
-    block = _prelude_text(newline)
+    block = _prelude_text(newline, with_torch=True)
+    if code.find(block) < 0:
+        block = _prelude_text(newline)
     at = code.find(block)
     if at < 0 or code.find(block, at + 1) >= 0:
         return code, False
@@ -323,7 +376,13 @@ def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) 
             outcome.skipped.append((e, rewriter.reasons.get(e, f"line {e.line} does not start a statement of an indented block (one-line `if x: ...` bodies are not rewritten)")))
     if not rewriter.applied:
         return outcome
-    outcome.text = add_prelude(new) if prelude else new.code
+    with_torch = False
+    if prelude and names_torch([t for e in rewriter.applied for t in _lifted(e)]):
+        try:
+            with_torch = not binds_torch(ast.parse(source))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            with_torch = False  # libcst parsed it; keep the earlier behaviour if ast cannot
+    outcome.text = add_prelude(new, with_torch) if prelude else new.code
     # Where each new if/else block landed: the k-th marked if of `new` is the k-th of the text
     # (the prelude holds no marked if), so positions map by order, identity picks ours.
     collector = _MarkedCollector()
