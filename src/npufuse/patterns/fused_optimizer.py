@@ -275,7 +275,9 @@ class _FileFacts:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 # `p.grad /= n` divides in place (the same tensor is set back): only `p.grad = <new>` re-allocates
-                if isinstance(t, ast.Attribute) and t.attr in ("grad", "_grad") and isinstance(node, ast.Assign):
+                # `p._grad = g` is the same re-assignment (hogwild A3C); `self._grad` is an object's own field
+                if isinstance(t, ast.Attribute) and isinstance(node, ast.Assign) and (t.attr == "grad" or (
+                        t.attr == "_grad" and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")))):
                     if self.grad_assign is None:
                         self.grad_assign = node.lineno
                     self.grad_assigns.append((node.lineno, dotted(t.value) or ""))
