@@ -275,7 +275,9 @@ class _FileFacts:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 # `p.grad /= n` divides in place (the same tensor is set back): only `p.grad = <new>` re-allocates
-                if isinstance(t, ast.Attribute) and t.attr in ("grad", "_grad") and isinstance(node, ast.Assign):
+                # `p._grad = g` is the same re-assignment (hogwild A3C); `self._grad` is an object's own field
+                if isinstance(t, ast.Attribute) and isinstance(node, ast.Assign) and (t.attr == "grad" or (
+                        t.attr == "_grad" and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")))):
                     if self.grad_assign is None:
                         self.grad_assign = node.lineno
                     self.grad_assigns.append((node.lineno, dotted(t.value) or ""))
@@ -3676,7 +3678,8 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
                         "the parameters' storage, and the fused optimizer re-points every parameter into its own flat "
                         "buffer at the first step, so the processes would stop sharing them")
             for k in n.keywords if "optimizers" in src or "strategy" in src or "precision" in src else ():
-                if k.arg == "precision" and isinstance(k.value, ast.Constant) and k.value.value in (64, "64", "64-true"):
+                if k.arg == "precision" and isinstance(k.value, ast.Constant) and k.value.value in (64, "64", "64-true") \
+                        and (module.canonical(n.func) or "").split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric"):
                     return (f"float64 parameters: `precision={k.value.value!r}` (line {n.lineno}) makes Lightning cast the "
                             "model to float64; torch_npu fused optimizers take float32/float16 params only (TypeError at "
                             "the first step)")
@@ -3696,9 +3699,14 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
                         "to None before each backward (its grad copy elision) and, with master weights, steps fp32 "
                         "copies; the fused optimizer's flat grad buffer would go stale")
             if attr == "add_param_group" and names and dotted(n.func.value) in names and n.lineno > (stmt.end_lineno or stmt.lineno):
+                # a loop that also steps this optimizer (`for g in groups[1:]: opt.add_param_group(g)` before
+                # training is harmless); in another function, only an attribute of the same object (`self.opt`)
                 loops = [lp for lp in fast_walk(scope.node) if isinstance(lp, (ast.For, ast.AsyncFor, ast.While))
-                         and lp.lineno <= n.lineno <= (lp.end_lineno or lp.lineno)]
-                if loops or not _in_scope(scope, n.lineno):
+                         and lp.lineno <= n.lineno <= (lp.end_lineno or lp.lineno)
+                         and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "step"
+                                 and dotted(c.func.value) in names for c in fast_walk(lp))]
+                elsewhere = not _in_scope(scope, n.lineno) and (dotted(n.func.value) or "").startswith("self.")
+                if loops or elsewhere:
                     return (f"`{segment(module, n.func)}(...)` (line {n.lineno}) may add a param group after the first "
                             "step (in a loop or another function): torch_npu fused optimizers build their per-group "
                             "combined buffers once, at the first step, so a later group is outside them (IndexError at "
@@ -4000,3 +4008,14 @@ def build(model, method="sgd", opt_level=None):
         model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
     return optimizer
 ''', name="s25_apex_amp_only_in_another_branch", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}))
+
+FusedOptimizer.FUSE.append(Fuse(_NET + '''
+
+def build(model):
+    groups = [{"params": list(model.fc1.parameters())}, {"params": list(model.ln.parameters())},
+              {"params": list(model.fc2.parameters()), "weight_decay": 0.0}]
+    opt = torch.optim.SGD(groups[0]["params"], lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    for g in groups[1:]:
+        opt.add_param_group(g)
+    return opt
+''', name="s25_groups_added_in_a_loop_before_training", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}))
