@@ -53,7 +53,19 @@ class _ApexFusedRMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _reference_rms(x, self.weight, self.eps, len(self.normalized_shape))
+        return _apex_manual_rms_norm(x, self.weight, self.eps, len(self.normalized_shape))
+
+
+def _apex_manual_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, dims: int) -> torch.Tensor:
+    """What apex's RMSNorm classes run off CUDA (its ``manual_rms_norm``, rewritten here): the product
+    with an fp32 rsqrt promotes half input to float32, cast to the weight's dtype only when that is half."""
+    variance = x.to(torch.float32).pow(2).mean(tuple(range(-dims, 0)), keepdim=True)
+    y = x * torch.rsqrt(variance + eps)
+    if weight is None:
+        return y
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        y = y.to(weight.dtype)
+    return weight * y
 
 
 class _ApexMixedFusedRMSNorm(_ApexFusedRMSNorm):
@@ -140,6 +152,26 @@ def test_apex_rmsnorms_with_trailing_shape_and_no_weight(libraries: None) -> Non
     assert [f.line for f in findings] == [10, 11]
     assert calls.get("npu_rms_norm") == 2
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_apex_swap_returns_the_dtype_apex_returns_off_cuda(libraries: None, weight_dtype: torch.dtype) -> None:
+    # bf16 input: apex's reference returns float32 with an fp32 (or no) weight, bf16 with a bf16 weight
+    x = torch.randn(3, 4, 8, dtype=torch.bfloat16)
+
+    def make(ns):
+        blk = ns["Block"](8)
+        blk.norm.to(weight_dtype)
+        return blk
+
+    findings, _, ref, out, calls = _run_both(_APEX_BLOCK, make, x)
+    assert calls.get("npu_rms_norm") == 2
+    assert ref.dtype == torch.float32  # the weightless outer norm promotes
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+    single = _run_both(_APEX_BLOCK.replace("return self.plain(self.norm(x))", "return self.norm(x)"), make, x)
+    assert single[3].dtype == single[2].dtype == (torch.float32 if weight_dtype == torch.float32 else torch.bfloat16)
+    torch.testing.assert_close(single[3].float(), single[2].float(), atol=3e-2, rtol=3e-2)
 
 
 def test_a_fallback_class_bound_to_the_library_name_keeps_its_own_forward(libraries: None, monkeypatch: pytest.MonkeyPatch) -> None:

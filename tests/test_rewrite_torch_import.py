@@ -77,3 +77,20 @@ def test_second_apply_upgrades_a_plain_prelude() -> None:
     got, want = _run(again.text)
     torch.testing.assert_close(got, want)
     assert revert_source(again.text).text == NO_TORCH_NAME
+
+
+def test_a_function_local_import_of_torch_does_not_bind_it_for_the_module() -> None:
+    source = NO_TORCH_NAME + "\n\ndef make_mask(n):\n    import torch\n\n    return torch.ones(n)\n"
+    out = rewrite_source(source, [EDIT])
+    assert TORCH_IMPORT_LINE in out.text
+    got, want = _run(out.text)
+    torch.testing.assert_close(got, want)
+    assert revert_source(out.text).text == source
+
+
+def test_torch_imported_under_a_top_level_try_counts() -> None:
+    source = NO_TORCH_NAME.replace("import torch.nn as nn\n", "try:\n    import torch\nexcept ImportError:\n    torch = None\nimport torch.nn as nn\n")
+    edit = SiteEdit(line=EDIT.line + 4, end_line=EDIT.line + 4, fused=EDIT.fused, guard=EDIT.guard, pattern="swiglu")
+    out = rewrite_source(source, [edit])
+    assert out.applied == [edit]
+    assert TORCH_IMPORT_LINE not in out.text

@@ -1037,9 +1037,11 @@ _LIB_WHY = {"apex": "apex runs its Python reference, about 8 kernels, on non-CUD
             "xformers": "xformers' triton kernel runs on CUDA only"}
 
 _LIB_RISKS = [
-    Risk("numerics", "the library's kernel is replaced by npu_rms_norm: statistics in fp32, weight applied in fp32 and "
-                     "rounded once to the input's dtype (the library's CUDA kernels also return the input's dtype); "
-                     "an fp32 weight with fp16/bf16 input is passed as is (A2/A3)"),
+    Risk("numerics", "the library's forward is replaced by npu_rms_norm with statistics in fp32. The output dtype is "
+                     "that of what runs on NPU without the swap: apex's Python reference (manual_rms_norm) returns "
+                     "float32 for fp16/bf16 input unless the weight is fp16/bf16 (then the weight's dtype), so the fused "
+                     "call runs on the float32 input there; xformers returns the input's dtype. On CUDA apex's "
+                     "Mixed* classes return the weight's dtype and FusedRMSNorm the input's (A2/A3)"),
 ]
 
 
@@ -1053,14 +1055,23 @@ def _lib_swap_helper(T: str) -> str:
         "    cls = type(norm)",
         "    if cls.__module__.split('.')[0] != origin:",
         "        return norm  # another class bound to the name (an import fallback): left as it is",
+        "    half = ({T}.float16, {T}.bfloat16)".format(T=T),
         "    def forward(self, x):",
-        "        if _npufuse_on_npu(x) and type(self) is cls and 2 <= x.dim() <= 8:",
+        f"        if _npufuse_on_npu(x) and type(self) is cls and 2 <= x.dim() <= 8 and x.dtype in (*half, {T}.float32):",
         "            w = getattr(self, 'weight', None)",
+        "            out_dtype = x.dtype",
+        "            if origin == 'apex':",
+        "                # apex off CUDA runs manual_rms_norm: x * rsqrt(fp32 variance) is float32 for half x, cast",
+        "                # to the weight's dtype only when that is half; so float32 out unless the weight is half",
+        f"                out_dtype = w.dtype if w is not None and w.dtype in half else {T}.float32",
         f"            gamma = w if w is not None else {T}.ones(getattr(self, 'normalized_shape', x.shape[-1:]), dtype=x.dtype, device=x.device)",
         "            # npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input",
         f"            if gamma.dtype not in (x.dtype, {T}.float32):",
         "                gamma = gamma.to(x.dtype)",
-        "            return torch_npu.npu_rms_norm(x, gamma, epsilon=self.eps)[0]",
+        f"            xin = x.float() if out_dtype == {T}.float32 and x.dtype in half else x",
+        "            if xin.dtype != x.dtype and gamma.dtype != xin.dtype:",
+        "                gamma = gamma.float()",
+        "            return torch_npu.npu_rms_norm(xin, gamma, epsilon=self.eps)[0].to(out_dtype)",
         "        return cls.forward(self, x)",
         "",
         "    norm.forward = forward.__get__(norm)",

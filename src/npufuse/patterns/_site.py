@@ -734,7 +734,7 @@ def already_fused(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> str | Non
             in_else = any(s is child for s in anc.orelse) or _contains(anc.orelse, stmt)
             # "npu" as a word of the test (torch_npu, is_npu_available, device.type == "npu"), not
             # as letters inside another word: `if adaln_input is not None:` is no NPU branch
-            if (in_else or _negated_npu_test(anc, child)) and _NPU_WORD.search(test):
+            if (in_else or (_negated_npu_test(anc, child) and "torch_npu" in module.source)) and _NPU_WORD.search(test):
                 if "_npufuse_" in test:
                     return "already rewritten by npufuse"
                 return "already has a torch_npu branch"
@@ -939,5 +939,8 @@ def _exclusive_outside_loops(idx: StmtIndex, s: ast.stmt, root: ast.stmt) -> boo
 
 def _negated_npu_test(anc: ast.If, child: ast.stmt) -> bool:
     """``if not is_torch_npu_available(): <site>`` (the site in the body of a negated NPU test: the
-    same fallback as an ``else``; the caller checks that the test names NPU)."""
-    return isinstance(anc.test, ast.UnaryOp) and isinstance(anc.test.op, ast.Not) and any(s is child for s in anc.body)
+    same fallback as an ``else``; the caller checks that the test names NPU and that the file calls
+    torch_npu). ``not (flag and on_npu)`` is no such test: the site also runs on NPU when the flag
+    is false, so only a negated test without ``and``/``or`` counts."""
+    return (isinstance(anc.test, ast.UnaryOp) and isinstance(anc.test.op, ast.Not)
+            and not isinstance(anc.test.operand, ast.BoolOp) and any(s is child for s in anc.body))

@@ -3651,6 +3651,13 @@ def _optimizer_names(stmt: ast.stmt) -> set[str]:
     return _target_names(stmt) | ({"<returned>"} if isinstance(stmt, ast.Return) else set())
 
 
+def _is_model_receiver(value: ast.expr, model: str) -> bool:
+    """``value`` is the model the parameters come from, a module holding it or one of its submodules
+    (a data tensor's ``share_memory()`` shares no parameter)."""
+    recv = dotted(value) or ""
+    return bool(recv and model) and (recv == model or model.startswith(recv + ".") or recv.startswith(model + "."))
+
+
 def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, model: str) -> Optional[str]:
     """Why the fused class cannot take this construction over (the classes above), else None."""
     src = module.source
@@ -3673,7 +3680,7 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
                 site_tests = _enclosing_tests(module.tree, stmt.lineno) if site_tests is None else site_tests
                 if _excluded_branch(site_tests, _enclosing_tests(module.tree, n.lineno)):
                     continue
-            if attr == "share_memory" and not n.args and "share_memory" in src:
+            if attr == "share_memory" and not n.args and "share_memory" in src and _is_model_receiver(n.func.value, model):
                 return (f"`{segment(module, n.func.value)[:40]}.share_memory()` (line {n.lineno}): hogwild processes share "
                         "the parameters' storage, and the fused optimizer re-points every parameter into its own flat "
                         "buffer at the first step, so the processes would stop sharing them")

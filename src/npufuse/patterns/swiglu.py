@@ -1401,6 +1401,19 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
         inside: list[ast.AST] = []
+        aliased = _aliased_in_place(scope, stmt)
+        if aliased is not None:
+            # `saved = t; t *= act(g)` / `t.mul_(...)`: the original multiplies the tensor `saved` also
+            # holds; the rewrite `t = <fused>` rebinds `t` only, so `saved` would keep the old value
+            defined = aliased[2]
+            stmt_text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]).lower() + \
+                "".join(lines[defined.lineno - 1 : defined.end_lineno or defined.lineno]).lower()
+            if any(w in stmt_text for w in _ACT_SEARCH):
+                results.append(GateResult(stmt, "geglu" if "gelu" in stmt_text else "swiglu", miss=NearMiss(
+                    "geglu" if "gelu" in stmt_text else "swiglu", scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                    f"in-place product on `{aliased[0]}`, which another statement reads before it (line {aliased[1]}): "
+                    f"the rewrite `{aliased[0]} = <fused>` rebinds the name, so that other reference would not see the product")))
+            continue
         for node in [*([aug] if aug is not None else []), *S.iter_exprs_topdown(stmt.value)]:  # type: ignore[attr-defined]
             if isinstance(node, ast.Call):
                 node = _call_product(module, stmt, node)  # type: ignore[assignment]
@@ -3724,7 +3737,7 @@ Swiglu.KEEP += [
     # another name holds the activation's tensor before the in-place product: it sees the product
     Keep(_INPLACE_OPTIONAL.replace("        if self.w_3 is not None:\n            inter.mul_",
                                    "        self.last = inter\n        if self.w_3 is not None:\n            inter.mul_"),
-         reason="(intermediate `inter` is used by another statement inside the fused region)", name="product_in_place_seen_through_another_reference"),
+         reason="in-place product on `inter`, which another statement reads before it", name="product_in_place_seen_through_another_reference"),
     # in place inside a larger expression statement: not the whole statement, so no rebinding
     Keep(_METHOD_PRODUCT.replace("return self.proj(F.silu(self.fc1(x)).mul(self.fc2(x)))",
                                  "h = F.silu(self.fc1(x))\n        self.proj(h.mul_(self.fc2(x)))\n        return self.proj(h)"),
@@ -3913,6 +3926,23 @@ def _augassign_product(stmt: ast.stmt, module: ModuleInfo | None = None, scope: 
                       end_lineno=stmt.target.end_lineno, end_col_offset=stmt.target.end_col_offset)
     return ast.BinOp(left=target, op=ast.Mult(), right=stmt.value, lineno=stmt.lineno, col_offset=stmt.col_offset,
                      end_lineno=stmt.end_lineno, end_col_offset=stmt.end_col_offset)
+
+
+def _aliased_in_place(scope: Scope, stmt: ast.stmt) -> tuple[str, int, ast.stmt] | None:
+    """For an in-place product statement (``t *= a``, ``t.mul_(a)``): ``(t, line)`` when ``t`` is
+    read after its definition and before the product (``saved = t``, ``cache.append(t)``): that
+    other reference sees the in-place multiply, which a rewrite rebinding ``t`` does not give it."""
+    name = _inplace_target(stmt)
+    if name is None:
+        return None
+    d = S.definition(S.Ctx(scope, stmt.lineno), name)
+    if d is None:
+        return None
+    first, last = d[0].end_lineno or d[0].lineno, stmt.lineno
+    for n in fast_walk(scope.node):
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and first < n.lineno < last:
+            return name, n.lineno, d[0]
+    return None
 
 
 def _getter_name_arg(call: ast.Call) -> ast.expr | None:

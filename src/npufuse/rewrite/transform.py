@@ -265,24 +265,39 @@ def _prelude_text(newline: str, with_torch: bool = False) -> str:
     return text.replace("\n", newline)
 
 
-def binds_torch(tree: ast.AST) -> bool:
-    """Whether any statement of the module binds the name ``torch`` (``import torch``,
-    ``import torch.nn``, ``import x as torch``, ``from m import torch``, an assignment, ...)."""
-    for node in ast.walk(tree):
+def binds_torch(tree: ast.Module) -> bool:
+    """Whether a module-level statement binds the name ``torch`` (``import torch``, ``import
+    torch.nn``, ``import x as torch``, ``from m import torch``, an assignment), also inside
+    top-level ``if``/``try``/``with`` blocks. A function's own ``import torch`` or a parameter
+    named torch binds it only in that function, so it does not count."""
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                if (alias.asname or alias.name.split(".")[0]) == "torch":
-                    return True
+            if any((alias.asname or alias.name.split(".")[0]) == "torch" for alias in node.names):
+                return True
         elif isinstance(node, ast.ImportFrom):
             if any((alias.asname or alias.name) == "torch" for alias in node.names):
                 return True
-        elif isinstance(node, ast.Name) and node.id == "torch" and not isinstance(node.ctx, ast.Load):
-            return True
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "torch":
-            return True
-        elif isinstance(node, ast.arg) and node.arg == "torch":
-            return True
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "torch":
+                return True
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)) or type(node).__name__ == "TryStar":
+            for field in ("body", "orelse", "finalbody"):
+                stack.extend(getattr(node, field, []) or [])
+            for handler in getattr(node, "handlers", []) or []:
+                stack.extend(handler.body)
+            if isinstance(node, ast.For) and _binds_name(node.target):
+                return True
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(_binds_name(t) for t in targets):
+                return True
     return False
+
+
+def _binds_name(target: ast.expr) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(target))
 
 
 def names_torch(texts: list[str]) -> bool:
