@@ -176,3 +176,65 @@ def test_follow_imports_finds_the_same_with_and_without_the_bytes_test(tmp_path:
     assert fast.missing == ["transformers"]  # the uses were found (no site given: not installed)
     assert fast_seen == seen == ["doc.py", "mac.py", "train.py"]  # other.py: turned away by the bytes test
     assert re.search(r"\btransformers\b", files["other.py"])  # ... although it holds the word
+
+
+# -- attention: names referenced as values, one walk per file --------------------------------------
+
+
+def _referenced_by_walking(module, fn: str, in_class: bool) -> bool:
+    """The walk ``attention._weights_may_be_none`` made per question before the per-file sets."""
+    from npufuse.scan.dataflow import fast_walk
+
+    nodes = list(fast_walk(module.tree))
+    called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
+    for n in nodes:
+        if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
+            continue
+        if isinstance(n, ast.Name) and n.id == fn and not in_class or \
+                isinstance(n, ast.Attribute) and n.attr == fn and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") and in_class:
+            return True
+    return False
+
+
+VALUE_REFS = '''
+class A:
+    def _attn(self, q):
+        return q
+    def _flash(self, q):
+        return q
+    def forward(self, q, fast):
+        fn = self._flash if fast else self._attn
+        other = cls.helper
+        return fn(q), self.run(q)
+
+def eager(q):
+    return q
+
+interface = eager
+called_only = eager(1)
+def g():
+    return [h for h in (eager,)]
+'''
+
+
+def test_value_references_are_those_the_walk_finds() -> None:
+    from npufuse.patterns import attention
+    from npufuse.scan.dataflow import ModuleInfo
+
+    from test_scan_prefilter import _texts
+
+    texts = [VALUE_REFS] + _texts()
+    checked = 0
+    for text in texts:
+        module = ModuleInfo.from_source("m.py", text, ast.parse(text))
+        names, methods = attention._referenced_as_values(module)
+        # the questions asked: is this function (a scope's name) referenced as a value? (a few
+        # per file: the reference walks the whole file per question)
+        defined = sorted({n.name for n in ast.walk(module.tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))})
+        for w in defined[:: max(1, len(defined) // 8)] + ["self", "x"]:
+            assert (w in names) == _referenced_by_walking(module, w, False), (w, text[:80])
+            assert (w in methods) == _referenced_by_walking(module, w, True), (w, text[:80])
+            checked += 1
+    names, methods = attention._referenced_as_values(ModuleInfo.from_source("m.py", VALUE_REFS, ast.parse(VALUE_REFS)))
+    assert "eager" in names and {"_flash", "_attn", "helper"} <= methods and "run" not in methods and "forward" not in methods
+    assert checked > 100
