@@ -3624,29 +3624,15 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
             return True
     if not re.search(rf"\b{re.escape(fn)}\b(?!\s*\()", module.source):
         return False  # never written other than called (or defined): a text test before the walk
-    names, methods = _referenced_as_values(module)
-    return fn in (names if scope.class_name is None else methods)
-
-
-def _referenced_as_values(module: ModuleInfo) -> tuple[frozenset[str], frozenset[str]]:
-    """(bare names read as values, not called; attributes of ``self``/``cls`` read so) anywhere
-    in the file: one walk of the tree per file, shared by every question ``_weights_may_be_none``
-    asks of it (a walk per question was about a tenth of a plain ``ast.parse`` of a corpus)."""
-    cached = module.__dict__.get("_npufuse_value_refs")
-    if cached is None:
-        nodes = list(fast_walk(module.tree))
-        called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
-        names: set[str] = set()
-        methods: set[str] = set()
-        for n in nodes:
-            if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
-                continue
-            if isinstance(n, ast.Name):
-                names.add(n.id)
-            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
-                methods.add(n.attr)
-        cached = module.__dict__["_npufuse_value_refs"] = (frozenset(names), frozenset(methods))
-    return cached
+    nodes = list(fast_walk(module.tree))
+    called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
+    for n in nodes:
+        if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
+            continue
+        if isinstance(n, ast.Name) and n.id == fn and scope.class_name is None or \
+                isinstance(n, ast.Attribute) and n.attr == fn and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") and scope.class_name is not None:
+            return True
+    return False
 
 
 def _gated_by_param(node: ast.AST, parents: dict[int, ast.AST], params: set[str], stop: ast.AST) -> bool:
