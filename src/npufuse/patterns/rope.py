@@ -1662,6 +1662,10 @@ class RopePattern(Pattern):
                 visit(child)
 
         visit(stmt)
+        # a recursive closure refers to itself through its cell: emptied, the cell lets the
+        # function (and the scope it holds, with its tree and indexes) go when this returns,
+        # not at the next cyclic collection (engine.analyze_file keeps the collector off)
+        visit = None  # type: ignore[assignment]  # noqa: F841
         return found
 
     @classmethod

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from npufuse.scan.dataflow import literal_eval_node
+
 # canonical key -> accepted spellings, most specific first (the first one present wins).
 ALIASES: dict[str, tuple[str, ...]] = {
     "hidden_size": ("hidden_size", "d_model", "n_embd", "n_embed", "dim", "hidden_dim", "embed_dim", "model_dim"),
@@ -93,7 +95,7 @@ def _literal(node: ast.AST | None) -> Any:
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
         return node.attr  # torch.bfloat16 -> "bfloat16"
     try:
-        return ast.literal_eval(node)
+        return literal_eval_node(node)  # ast.literal_eval without its reference cycle
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return None
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from npufuse.scan.dataflow import dotted
+from npufuse.scan.dataflow import _statements_bfs, dotted, fast_walk
 
 # transformers' auto tables: ("model_type", "ClassName") pairs, read as text
 _PAIR = re.compile(r"\(\s*\"([\w\-]+)\"\s*,\s*\"(\w+)\"\s*\)")
@@ -221,10 +221,13 @@ def _uses(repo: Path, rel: str, text: str) -> list[tuple[str, str, str]]:
     out: list[tuple[str, str, str]] = []
     # only a file that imports transformers by its absolute name uses the installed copy (the
     # library's own files import each other relatively: a copy of them is the repo's own code)
+    # (imports are statements: _statements_bfs skips the expressions; fast_walk is ast.walk's
+    # order at a fraction of its cost. A library's files pass the text test on import lines in
+    # their docstrings, and each was walked twice here with ast.walk)
     if not any((isinstance(n, ast.Import) and any(a.name.split(".")[0] == "transformers" for a in n.names))
-               or (isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] == "transformers") for n in ast.walk(tree)):
+               or (isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] == "transformers") for n in _statements_bfs(tree)):
         return out
-    for node in ast.walk(tree):
+    for node in fast_walk(tree):
         where = f"{rel}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -264,6 +267,35 @@ def _uses(repo: Path, rel: str, text: str) -> list[tuple[str, str, str]]:
 _IMPORTS_TRANSFORMERS = re.compile(r"^[ \t]*(?:from|import)\b[^\n]*\btransformers\b", re.M)
 
 
+# _IMPORTS_TRANSFORMERS on one line of the file's bytes, from the line's start (after "\n" or "\r").
+_IMPORT_LINE_BYTES = re.compile(rb"[ \t]*(?:from|import)\b[^\n\r]*\btransformers\b")
+
+
+def _may_import_transformers(data: bytes) -> bool:
+    """False where ``_IMPORTS_TRANSFORMERS`` cannot find an import in the file's text (read as
+    ``follow_imports`` reads it: UTF-8, bad bytes replaced, universal newlines), told from the
+    bytes without decoding them: only the lines holding the word are tried. The regex on the
+    text tried every position of every file (a scan of a library's own tree decoded and
+    searched all of it: ~0.1x a plain ``ast.parse`` of the files, in the scan's parent). True
+    is no answer (the text test decides): ``\b`` on bytes is ASCII-only, so a letter outside
+    ASCII next to a word passes here and not there, never the reverse; a text line, ended by
+    "\n", "\r\n" or "\r", is a run of the bytes holding neither "\n" nor "\r"."""
+    find, rfind = data.find, data.rfind
+    i = find(b"transformers")
+    if i < 0:
+        return False
+    cr = b"\r" in data  # (else looking back for one would read back to the file's start)
+    checked = -1  # the start of the last line tried
+    while i >= 0:
+        start = (max(rfind(b"\n", 0, i), rfind(b"\r", 0, i)) if cr else rfind(b"\n", 0, i)) + 1
+        if start != checked:
+            if _IMPORT_LINE_BYTES.match(data, start) is not None:
+                return True
+            checked = start
+        i = find(b"transformers", i + 12)
+    return False
+
+
 def follow_imports(repo: Path, files: Iterable[str], paths: list[Path]) -> FollowResult:
     """The installed modeling files the repo's ``files`` (paths relative to ``repo``) use."""
     result = FollowResult()
@@ -274,6 +306,8 @@ def follow_imports(repo: Path, files: Iterable[str], paths: list[Path]) -> Follo
             p = repo / rel
             if p.stat().st_size > _MAX_SOURCE_BYTES:
                 continue
+            if not _may_import_transformers(p.read_bytes()):
+                continue  # (the text test below would fail too)
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
