@@ -5275,12 +5275,6 @@ def _relative_rotation_imports(module: ModuleInfo) -> set[str]:
     module's alias table holds absolute imports only)."""
     return {a.asname or a.name for node in module.tree.body if isinstance(node, ast.ImportFrom) and node.level
             for a in node.names if "rot" in (a.asname or a.name).lower()}
-    shared = {ast.dump(f) for f in cf} & {ast.dump(f) for f in sf}
-    for f in cf:
-        if ast.dump(f) in shared and not isinstance(f, ast.Constant):
-            return (f"cos and sin are both multiplied by `{segment(module, f)}` (an xPos-style scale): r1/r2 are then not "
-                    "cos/sin values in [-1, 1], the range torch_npu documents for npu_rotary_mul, so it is left as is")
-    return None
 
 
 # --- rope s25 examples (issue 14 harvest): the pair merge spelled flatten(-2, -1) / torch.flatten,
