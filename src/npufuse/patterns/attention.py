@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
-from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line
 from npufuse.scan.value import estimate, symbolic
 
 MATMULS = {"torch.matmul", "torch.bmm"}
@@ -3661,9 +3661,9 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
         class_parents = _class_parents(module, cls)
         if _flag_gated_in_class(cls, scope, fn, name, class_parents) or _sibling_returns_none(module, cls, fn):
             return True
-    if not _written_uncalled(module, fn):
+    if not _written_uncalled(module, fn, scope.class_name is not None):
         return False  # never written other than called (or defined): a text test before the walk
-    names, methods = _value_references(module)
+    names, methods = _value_references(module, fn)
     return fn in (names if scope.class_name is None else methods)
 
 
@@ -6779,22 +6779,35 @@ def _class_parents(module: ModuleInfo, cls: ast.ClassDef) -> dict[int, ast.AST]:
     return got
 
 
-def _written_uncalled(module: ModuleInfo, fn: str) -> bool:
-    """Does the file's text name ``fn`` other than right before a ``(``? Once per name and file."""
+def _written_uncalled(module: ModuleInfo, fn: str, method: bool) -> bool:
+    """Does the file's text name ``fn`` other than right before a ``(``: as ``self.fn`` / ``cls.fn`` for a
+    method, as a bare name (not after a dot) for a function? A superset of what the module walk looks for
+    (comments and strings match too), so the walk runs only where it can find something. Once per name,
+    kind and file."""
     memo = module.__dict__.setdefault("_npufuse_attn_written_uncalled", {})
-    got = memo.get(fn)
+    got = memo.get((fn, method))
     if got is None:
-        got = memo[fn] = re.search(rf"\b{re.escape(fn)}\b(?!\s*\()", module.source) is not None
+        lead = r"\b(?:self|cls)\s*\.\s*" if method else r"(?<![\w.])"
+        got = memo[(fn, method)] = re.search(rf"{lead}{re.escape(fn)}\b(?!\s*\()", module.source) is not None
     return got
 
 
-def _value_references(module: ModuleInfo) -> tuple[frozenset[str], frozenset[str]]:
-    """The names read as values, not called, in the file: bare names (``fn = eager_attention_forward``)
-    and ``self.x`` / ``cls.x`` attributes (``fn = self._attn if ... else self._flash``). One walk of
-    the module per file instead of one per site."""
-    got = module.__dict__.get("_npufuse_attn_value_refs")
+def _value_references(module: ModuleInfo, fn: str) -> tuple[frozenset[str], frozenset[str]]:
+    """The names read as values, not called, in the statements of the file that span a line holding
+    ``fn`` (``dataflow.lines_with``: a node named ``fn`` lies on such a line; a call and its function
+    sit in one statement): bare names (``fn = eager_attention_forward``) and ``self.x`` / ``cls.x``
+    attributes (``fn = self._attn if ... else self._flash``). Other statements are not entered; once
+    per name and file."""
+    memo = module.__dict__.setdefault("_npufuse_attn_value_refs", {})
+    got = memo.get(fn)
     if got is None:
-        nodes = list(fast_walk(module.tree))
+        lines = lines_with(module, (fn,))
+        if lines is None:
+            nodes = list(fast_walk(module.tree))
+        else:
+            nodes = [module.tree]
+            for n in nodes:  # a queue: the list grows while it is read
+                nodes.extend(c for c in child_nodes(n) if not isinstance(c, ast.stmt) or spans_a_line(c, lines))
         called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
         names: set[str] = set()
         methods: set[str] = set()
@@ -6805,7 +6818,7 @@ def _value_references(module: ModuleInfo) -> tuple[frozenset[str], frozenset[str
                 names.add(n.id)
             elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
                 methods.add(n.attr)
-        got = module.__dict__["_npufuse_attn_value_refs"] = (frozenset(names), frozenset(methods))
+        got = memo[fn] = (frozenset(names), frozenset(methods))
     return got
 
 
