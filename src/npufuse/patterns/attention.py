@@ -1371,16 +1371,6 @@ class _Matcher:
                     chain.excluded.append((node.test, neg, f"`{self._first_diff(other, taken)}` on the probabilities"))
                     node = taken
                     continue
-                kept = self._unmodified_branch(node)
-                if kept is not None and self._qk_softmax(node):
-                    # ``if head_mask is not None: p = p * head_mask`` (BERT), ``if flag: attn = attn.masked_fill(...)``:
-                    # a step on the probabilities under a flag read before the chain; the fused call runs where it is
-                    # not taken, the original code where it is (as a flag-chosen softmax)
-                    taken, neg = kept
-                    other = a if taken is b else b
-                    chain.excluded.append((node.test, neg, f"`{self._first_diff(other, taken)}` on the probabilities"))
-                    node = taken
-                    continue
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
@@ -6822,7 +6812,7 @@ def _value_references(module: ModuleInfo, fn: str) -> tuple[frozenset[str], froz
     return got
 
 
-# --- flag-gated steps on the probabilities (harvest s25: BERT head_mask, flamingo row zeroing, saved maps) ---
+# --- flags a guard can read before the chain (harvest s25): pure tests ---
 
 
 def _pure_predicate(module: ModuleInfo, name: str | None) -> bool:
@@ -6836,30 +6826,9 @@ def _pure_predicate(module: ModuleInfo, name: str | None) -> bool:
         and not any(isinstance(n, ast.Call) for n in fast_walk(body[0].value))
 
 
-def _unmodified_branch_of(matcher: "_Matcher", node: Cond) -> tuple[Any, bool] | None:
-    """(the branch that leaves the probabilities as they are, negated) where the other branch is a step
-    applied to that very value (``p * head_mask``), under a test that reads no tensor the chain computes
-    and calls nothing but pure predicates; None otherwise."""
-    a, b = node.body, node.orelse
-    if isinstance(a, Undef) or isinstance(b, Undef):
-        return None
-    if matcher._derived(a, b):
-        taken, neg = b, False
-    elif matcher._derived(b, a):
-        taken, neg = a, True
-    else:
-        return None
-    if _heavy(node.test, through_meta=False) or not _pure_test(matcher, node.test):
-        return None
-    return taken, neg
-
-
 def _pure_test(matcher: "_Matcher", test: Any) -> bool:
     """The test calls nothing but pure predicates (it is evaluated again by the guard)."""
     return not any(isinstance(n, ast.Call) and not _pure_predicate(matcher.module, matcher._fn(n)) for n in walk_sym(test))
-
-
-_Matcher._unmodified_branch = _unmodified_branch_of  # type: ignore[attr-defined]
 
 
 def _flag_gated_statement(matcher: "_Matcher", interp: BlockInterp, stmt: ast.stmt, s: int, j: int) -> Any | None:
@@ -6990,6 +6959,10 @@ class SelfAttention(nn.Module):
         return torch.matmul(probs, v)
 '''
 
+_GATED_READ = _GATED_PROBS.replace("""        if head_mask is not None:
+            probs = probs * head_mask
+""", "")
+
 _BIAS_UNDER_FLAG = '''
 import torch
 from torch import nn
@@ -7026,17 +6999,17 @@ leaves = [q]
         name="softmax_function_chosen_by_a_flag_helper_fill",
     ),
     Fuse(
-        _GATED_PROBS,
+        _GATED_READ,
         expect={"qualname": "SelfAttention.forward"},
         run='''
 q, k, v = torch.randn(2, 2, 5, 8, requires_grad=True), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
 pad = torch.zeros(2, 1, 1, 5)
 pad[0, ..., 3:] = torch.finfo(torch.float32).min
 m = SelfAttention()
-out = (m(q, k, v), m(q, k, v, bias_mask=pad), m(q, k, v, head_mask=torch.rand(1, 2, 1, 1)), m(q, k, v, record=True), m.saved)
+out = (m(q, k, v), m(q, k, v, bias_mask=pad), m(q, k, v, record=True), m.saved)
 leaves = [q]
 ''',
-        name="steps_and_reads_of_the_probabilities_under_flags",
+        name="reads_of_the_probabilities_under_a_flag",
     ),
 ]
 
@@ -7055,14 +7028,15 @@ AttentionPattern.KEEP += [
         name="helper_fill_not_a_large_negative",
     ),
     Keep(
-        # the step on the probabilities is gated on the probabilities themselves
-        _GATED_PROBS.replace("if head_mask is not None:", "if probs.amax() > 0.5:"),
+        # a step on the probabilities under a flag (BERT's head mask): refused (a value-checked ALiBi term beside
+        # it made composer's ALiBi surgery a candidate whose fused branch never runs)
+        _GATED_PROBS,
         reason="modified after softmax under",
         name="probabilities_step_under_a_test_on_the_probabilities",
     ),
     Keep(
         # a read of the probabilities under a flag the chain computes
-        _GATED_PROBS.replace("if record or self.keep_map:", "if record or scores.amax() > 1:"),
+        _GATED_READ.replace("if record or self.keep_map:", "if record or scores.amax() > 1:"),
         reason="used at line",
         name="probabilities_read_under_a_test_on_the_scores",
     ),
@@ -7149,9 +7123,7 @@ AttentionPattern.KEEP += [
 ]
 
 
-# HF's eager attention with ``head_mask`` (formerly refused for the head-mask product): the product is a step
-# under a flag read before the chain now (the fused call would run where head_mask is None), so what refuses
-# this function is that it returns the probabilities with no evidence its callers accept None
+# HF's eager attention with ``head_mask``: the product with the head mask under a flag is refused
 AttentionPattern.KEEP += [
     Keep(
         name="bert_head_mask",
@@ -7174,6 +7146,6 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
     attn_output = torch.matmul(attn_weights, value)
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 ''',
-        reason="returned to the callers",
+        reason="modified after softmax",
     ),
 ]
