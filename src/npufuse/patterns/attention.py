@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
-from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line
 from npufuse.scan.value import estimate, symbolic
 
 MATMULS = {"torch.matmul", "torch.bmm"}
@@ -1382,6 +1382,12 @@ class _Matcher:
                 if taken is not None:
                     node = taken
                     continue
+            chosen = _flag_chosen_softmax(self, node)
+            if chosen is not None:
+                # ``softmax = torch.softmax if not self.stable else stable_softmax`` ... ``softmax(dots, dim=-1)``: the
+                # fused call runs where the flag picks torch's softmax, the original code where it picks the other
+                node, test, neg, other = chosen
+                chain.excluded.append((test, neg, f"`{self.src(other)}` as the softmax"))
             sm = self.softmax_of(node)
             if sm is not None:
                 x, dim, dtype = sm
@@ -1775,6 +1781,15 @@ class _Matcher:
                         self.peel_scores(branch, chain, stop=base, cond=_and_cond(cond, (node.test, neg)))
                     node = base
                     continue
+                plain = _plain_product_branch(self, node, cond)
+                if plain is not None:
+                    # alphafold's ``if exists(tie_dim): dots = <a tied-rows einsum> else: dots = einsum(q, k)``: the fused
+                    # call stands for the branch that is the plain product, under a flag read before the chain; the
+                    # other branch runs the original code
+                    taken, neg, other = plain
+                    chain.excluded.append((node.test, neg, f"`{self.src(other)}` as the scores"))
+                    node = taken
+                    continue
                 raise Miss(f"the attention scores depend on `if {self.src(node.test)}` in a way npufuse does not convert")
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and self._row_max_of(node.right, node.left):
                 # ``sim - sim.amax(dim=-1, keepdim=True).detach()``: softmax is shift-invariant per row, and the
@@ -2138,6 +2153,9 @@ class _Matcher:
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
         fill = deref(fill)
+        if isinstance(fill, ast.Call) and not self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like", "torch.scalar_tensor"):
+            # ``max_neg_value(t)`` with ``def max_neg_value(t): return -torch.finfo(t.dtype).max``: the helper's value
+            fill = _helper_returned_value(self, fill) or fill
         if isinstance(fill, ast.Call) and self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like", "torch.scalar_tensor") and len(fill.args) >= 1:
             fill = deref(fill.args[1] if self._fn(fill) not in ("torch.tensor", "torch.scalar_tensor") and len(fill.args) > 1 else fill.args[0])
         text = self.src(fill).replace(" ", "")
@@ -3060,6 +3078,7 @@ class AttentionPattern(Pattern):
         # bound statements go first: they read only names live before the span or bound before them,
         # and no other statement of the span before them touches what they assign (Renderer._bindable)
         bound_lines: list[str] = []
+        run_as_written: set[int] = set()  # other statements of the span the fused branch runs as written, before the call
         for j in range(s, e):
             if j in steps and j not in kept and j not in r.bound:
                 internal |= interp.assigned[j]
@@ -3080,6 +3099,12 @@ class AttentionPattern(Pattern):
             if reads_internal:
                 if _is_check(other):
                     continue  # a shape assert on an intermediate: the fused op checks shapes itself
+                gate = _flag_gated_statement(matcher, interp, other, s, j)
+                if gate is not None:
+                    # ``if register_hook: self.save_attention_map(attn)``: the intermediates are read only under a
+                    # flag known before the chain: the fused call runs where it is false, the original where it holds
+                    chain.excluded.append((gate, False, f"`{' '.join(_statement_text(module, other).split())[:60]}` (reads the intermediates)"))
+                    continue
                 used = sorted(reads_internal)
                 probs = [n for n in used if id(interp.before[j].get(n)) in chain.probs_objs]
                 if probs:
@@ -3109,6 +3134,7 @@ class AttentionPattern(Pattern):
                     f"line {other.lineno} reassigns `{sorted(interp.assigned[j] & r.emitted)[0]}`, an input of the attention, inside the site",
                 )
             lines.append(_statement_text(module, other))
+            run_as_written.add(j)
         lines = bound_lines + lines
         # live-outs: names computed inside the span and read after it
         pv_nodes = {id(n) for n in fast_walk(node)}
@@ -3168,6 +3194,7 @@ class AttentionPattern(Pattern):
             return var
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
+        dv_check = value_head_check(k_n, v_n, chain)
         if v_shared:
             v_n = f"{atom(v_n)}.unsqueeze({1 if chain.k.layout == 'BNSD' else 2})"
         if chain.k.heads_added:
@@ -3216,6 +3243,7 @@ class AttentionPattern(Pattern):
             q_a, k_a, v_a = (f"{atom(x)}.contiguous()" if not x.endswith(".contiguous()") else x for x in (q_a, k_a, v_a))
             risks.append(Risk("non_contiguous", "q/k/v are made contiguous for the BNSD call; HF's transposed [B,N,S,D] views are copied (3 tensors of B·S·N·D, small next to the S² scores)"))
         lines += temps
+        n_qkv = len(lines)  # q/k/v (and the statements run before them) are bound here: the head-dim check reads them
         # scale
         try:
             num = [r.text(x) for x in chain.scale_num]
@@ -3357,16 +3385,17 @@ class AttentionPattern(Pattern):
             lines.append(replace_segments(module, stmt, [(node, "_npufuse_attn")]))
         else:
             lines.append(replace_segments(module, stmt, [(node, call)]))
+        span = block[s : next(n for n, b in enumerate(block) if b is stmt) + 1]
+        values_checked = value_check is not None
+        if value_check is not None and r.bound & set(range(s, e)):
+            value_split = max(value_split, len(bound_lines))
+        # npu_fusion_attention takes Dk >= Dv only (the eager matmuls any Dv): checked at run time, else the original runs
+        value_check, value_split, lines = add_value_head_check(lines, value_check, value_split, n_qkv, dv_check,
+                                                               lambda split: _original_after(module, span, s, split, len(bound_lines), r.bound, run_as_written))
+        chain.notes.append("npu_fusion_attention needs v's head dim <= k's (the eager matmuls take any): checked at run time, else the original runs")
         if value_check is not None:
-            span = block[s : next(n for n, b in enumerate(block) if b is stmt) + 1]
-            if r.bound & set(range(s, e)):
-                # the bound statements run before the check (they are among its inputs): the original
-                # code after it runs without them, so nothing is computed twice (``k = cat((mem, k))``)
-                original = "\n".join(block_source(module, [b]) for j, b in enumerate(span, s) if j not in r.bound)
-                value_split = max(value_split, len(bound_lines))
-            else:
-                original = block_source(module, span)
-            lines = checked_body(lines[:value_split], lines[value_split:], value_check, original)
+            lines = checked_body(lines[:value_split], lines[value_split:], value_check,
+                                 _original_after(module, span, s, value_split, len(bound_lines), r.bound, run_as_written))
         if none_probs:
             risks.append(Risk("other", f"the attention weights are not returned on the fused branch: `{', '.join(none_probs)}` (the attention probabilities) is None there, because "
                               "npu_fusion_attention does not produce them — a caller asking for attention weights (output_attentions=True) gets None instead of the "
@@ -3386,7 +3415,7 @@ class AttentionPattern(Pattern):
             "q": q_t, "k": k_t, "v": v_t,
             "returns_probs": none_probs[0] if none_probs else None,
             "head_dim": d,
-            "mask_values_checked": value_check is not None,
+            "mask_values_checked": values_checked,
         }
         if chain.softmax_dtype:
             params["softmax_dtype"] = chain.softmax_dtype
@@ -3619,20 +3648,13 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
         return True
     cls = module.classes.get(scope.class_name) if scope.class_name is not None else None
     if cls is not None:
-        class_parents = _parents(cls)
+        class_parents = _class_parents(module, cls)
         if _flag_gated_in_class(cls, scope, fn, name, class_parents) or _sibling_returns_none(module, cls, fn):
             return True
-    if not re.search(rf"\b{re.escape(fn)}\b(?!\s*\()", module.source):
+    if not _written_uncalled(module, fn, scope.class_name is not None):
         return False  # never written other than called (or defined): a text test before the walk
-    nodes = list(fast_walk(module.tree))
-    called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
-    for n in nodes:
-        if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
-            continue
-        if isinstance(n, ast.Name) and n.id == fn and scope.class_name is None or \
-                isinstance(n, ast.Attribute) and n.attr == fn and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") and scope.class_name is not None:
-            return True
-    return False
+    names, methods = _value_references(module, fn)
+    return fn in (names if scope.class_name is None else methods)
 
 
 def _gated_by_param(node: ast.AST, parents: dict[int, ast.AST], params: set[str], stop: ast.AST) -> bool:
@@ -4197,29 +4219,6 @@ def block(q, k, v):
     return alibi_attention(q, k, v, build_alibi(q.shape[1], q.shape[2]), 0.125)
 ''',
         reason="float bias",
-    ),
-    Keep(
-        name="bert_head_mask",
-        code='''
-import math
-import torch
-from torch import nn
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, head_mask=None, **kwargs):
-    if scaling is None:
-        scaling = query.size(-1) ** -0.5
-    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask[:, :, :, : key.shape[-2]]
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
-    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
-    if head_mask is not None:
-        attn_weights = attn_weights * head_mask
-    attn_output = torch.matmul(attn_weights, value)
-    return attn_output.transpose(1, 2).contiguous(), attn_weights
-''',
-        reason="modified after softmax",
     ),
     Keep(
         name="softmax_over_queries",
@@ -6713,5 +6712,440 @@ AttentionPattern.KEEP += [
         _SCALE_UNDER_FLAG.replace("if self.attn_scale:", "if score.abs().max() > 100:"),
         reason="the scale is applied only under",
         name="scale_under_a_condition_on_the_scores",
+    ),
+]
+
+
+# --- value head check (npu_fusion_attention takes Dk >= Dv; the eager matmuls any Dv) ---
+
+
+def value_head_check(k_n: str, v_n: str, chain: Chain) -> str:
+    """The run-time condition ``v's head dim <= k's`` on the bound k/v (before any unsqueeze or cast:
+    neither moves the last axis). A channel-first 3-D operand ([B, D, S]) has its head dim on axis 1."""
+    def head_dim(x: str, channel_first: bool) -> str:
+        return f"{atom(x)}.shape[{1 if channel_first else -1}]"
+    three_d = chain.q is not None and chain.q.layout == "3D"
+    return f"{head_dim(v_n, three_d and chain.v_transposed)} <= {head_dim(k_n, three_d and chain.k_transposed)}"
+
+
+def add_value_head_check(lines: list[str], value_check: str | None, value_split: int, n_qkv: int, dv_check: str,
+                         original_after: Any) -> tuple[str, int, list[str]]:
+    """Fold the head-dim check into the fused code's run-time check. It reads the bound k/v, so it can
+    only run once ``lines[:n_qkv]`` have: with no other check it splits there; an other check splitting
+    at or after that point takes it as one more condition; one splitting earlier (an einsum equation or a
+    soft-capping branch decides whether the bound operands are even valid) gets the head-dim check nested
+    inside its fused branch, whose else runs the statements of the original not yet run there."""
+    if value_check is None:
+        return dv_check, n_qkv, lines
+    if value_split >= n_qkv:
+        return f"({value_check}) and {dv_check}", value_split, lines
+    return value_check, value_split, checked_body(lines[:n_qkv], lines[n_qkv:], dv_check, original_after(n_qkv))
+
+
+def _original_after(module: ModuleInfo, span: list[ast.stmt], s: int, split: int, n_bound: int, bound: set[int],
+                    run_as_written: set[int]) -> str:
+    """The original statements of the span a check's else branch runs when the check sits after
+    ``lines[:split]``: those the lines before it already ran (the bound statements, then the other
+    statements run as written) are left out, so nothing runs twice."""
+    skip: set[int] = set()
+    if bound and split >= n_bound:
+        skip |= bound
+    if run_as_written and split >= n_bound + len(run_as_written):
+        skip |= run_as_written
+    if not skip & set(range(s, s + len(span))):
+        return block_source(module, span)
+    return "\n".join(block_source(module, [b]) for j, b in enumerate(span, s) if j not in skip)
+
+
+# --- per-module facts of the returned-probabilities evidence search, computed once per file ---
+
+
+def _class_parents(module: ModuleInfo, cls: ast.ClassDef) -> dict[int, ast.AST]:
+    """``_parents(cls)``, once per class of the module (every site of the class asks again)."""
+    memo = module.__dict__.setdefault("_npufuse_attn_class_parents", {})
+    got = memo.get(id(cls))
+    if got is None:
+        got = memo[id(cls)] = _parents(cls)
+    return got
+
+
+def _written_uncalled(module: ModuleInfo, fn: str, method: bool) -> bool:
+    """Does the file's text name ``fn`` other than right before a ``(``: as ``self.fn`` / ``cls.fn`` for a
+    method, as a bare name (not after a dot) for a function? A superset of what the module walk looks for
+    (comments and strings match too), so the walk runs only where it can find something. Once per name,
+    kind and file."""
+    memo = module.__dict__.setdefault("_npufuse_attn_written_uncalled", {})
+    got = memo.get((fn, method))
+    if got is None:
+        lead = r"\b(?:self|cls)\s*\.\s*" if method else r"(?<![\w.])"
+        got = memo[(fn, method)] = re.search(rf"{lead}{re.escape(fn)}\b(?!\s*\()", module.source) is not None
+    return got
+
+
+def _value_references(module: ModuleInfo, fn: str) -> tuple[frozenset[str], frozenset[str]]:
+    """The names read as values, not called, in the statements of the file that span a line holding
+    ``fn`` (``dataflow.lines_with``: a node named ``fn`` lies on such a line; a call and its function
+    sit in one statement): bare names (``fn = eager_attention_forward``) and ``self.x`` / ``cls.x``
+    attributes (``fn = self._attn if ... else self._flash``). Other statements are not entered; once
+    per name and file."""
+    memo = module.__dict__.setdefault("_npufuse_attn_value_refs", {})
+    got = memo.get(fn)
+    if got is None:
+        lines = lines_with(module, (fn,))
+        if lines is None:
+            nodes = list(fast_walk(module.tree))
+        else:
+            nodes = [module.tree]
+            for n in nodes:  # a queue: the list grows while it is read
+                nodes.extend(c for c in child_nodes(n) if not isinstance(c, ast.stmt) or spans_a_line(c, lines))
+        called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
+        names: set[str] = set()
+        methods: set[str] = set()
+        for n in nodes:
+            if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
+                continue
+            if isinstance(n, ast.Name):
+                names.add(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                methods.add(n.attr)
+        got = memo[fn] = (frozenset(names), frozenset(methods))
+    return got
+
+
+# --- flags a guard can read before the chain (harvest s25): pure tests ---
+
+
+def _pure_predicate(module: ModuleInfo, name: str | None) -> bool:
+    """``name`` is a module-level function whose body is one ``return`` of an expression calling
+    nothing (``def exists(val): return val is not None``): calling it again in a guard is harmless."""
+    fn = module.functions.get(name or "")
+    if fn is None:
+        return False
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    return len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None \
+        and not any(isinstance(n, ast.Call) for n in fast_walk(body[0].value))
+
+
+def _pure_test(matcher: "_Matcher", test: Any) -> bool:
+    """The test calls nothing but pure predicates (it is evaluated again by the guard)."""
+    return not any(isinstance(n, ast.Call) and not _pure_predicate(matcher.module, matcher._fn(n)) for n in walk_sym(test))
+
+
+def _flag_gated_statement(matcher: "_Matcher", interp: BlockInterp, stmt: ast.stmt, s: int, j: int) -> Any | None:
+    """The symbolic test of ``if <flag>: ...`` (no else) whose test reads no name the span assigns before
+    it, computes no tensor and calls nothing but pure predicates; None for any other statement."""
+    if not isinstance(stmt, ast.If) or stmt.orelse:
+        return None
+    names = {n.id for n in fast_walk(stmt.test) if isinstance(n, ast.Name)}
+    if any(names & interp.assigned[i] for i in range(s, j)):
+        return None
+    test = interp.sym(stmt.test, interp.before[j])
+    if _heavy(test, through_meta=False) or not _pure_test(matcher, test):
+        return None
+    return test
+
+
+# --- a softmax function chosen by a flag (harvest s25: DALLE's ``softmax = torch.softmax if ... else stable_softmax``) ---
+
+
+def _flag_chosen_softmax(matcher: "_Matcher", node: Any) -> tuple[ast.Call, Any, bool, Any] | None:
+    """``f(x, dim=-1)`` where ``f`` is a local bound to ``torch.softmax if test else g`` (or by an ``if``):
+    (the call with torch's softmax, the test, negated, g) when exactly one branch is a softmax function and
+    the test is a pure flag computing no tensor; None otherwise."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, Ref) or node.func.idx < 0:
+        return None
+    choice = node.func.value
+    if not isinstance(choice, (ast.IfExp, Cond)):
+        return None
+    softmax = [matcher._fn(ast.Call(func=branch, args=[], keywords=[])) in SOFTMAXES for branch in (choice.body, choice.orelse)]
+    if softmax.count(True) != 1 or isinstance(choice.body, Undef) or isinstance(choice.orelse, Undef):
+        return None
+    if _heavy(choice.test, through_meta=False) or not _pure_test(matcher, choice.test):
+        return None
+    fn, other = (choice.body, choice.orelse) if softmax[0] else (choice.orelse, choice.body)
+    call = ast.Call(func=fn, args=node.args, keywords=node.keywords)
+    return call, choice.test, softmax[0], other
+
+
+# --- a mask fill returned by a helper (harvest s25: ``def max_neg_value(t): return -torch.finfo(t.dtype).max``) ---
+
+
+def _helper_returned_value(matcher: "_Matcher", call: ast.Call) -> ast.expr | None:
+    """The expression a function of the repo returns when its body is one ``return`` (docstring aside),
+    as written (its parameters unbound: only its kind of value is read, ``-finfo(...).max``); None for a
+    local callable or any other body."""
+    func = call.func
+    name = func.id if isinstance(func, ast.Name) else func.name if isinstance(func, Ref) and func.idx == -1 else None
+    if name is None or matcher.scope.assignments.get(name):
+        return None
+    from npufuse.scan import repo_facts
+
+    found = repo_facts.definition(matcher.module, name)
+    if found is None or not isinstance(found.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or found.node.decorator_list:
+        return None
+    body = [st for st in found.node.body if not (isinstance(st, ast.Expr) and isinstance(const_value(st.value), str))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
+        return None
+    return body[0].value
+
+
+# --- examples of the harvest classes (s25): flag-chosen softmax function, helper mask fill, steps and reads
+# of the intermediates under a flag known before the chain, a learned bias under a flag ---
+_FLAG_CHOSEN_SOFTMAX = '''
+import torch
+from torch import nn
+
+
+def neg_max(t):
+    return -torch.finfo(t.dtype).max
+
+
+def shifted_softmax(t, dim=-1, alpha=16.0):
+    t = t / alpha
+    t = t - torch.amax(t, dim=dim, keepdim=True).detach()
+    return (t * alpha).softmax(dim=dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, stable=False, causal=True):
+        super().__init__()
+        self.stable = stable
+        self.causal = causal
+        self.scale = 8 ** -0.5
+
+    def forward(self, q, k, v, keep=None):
+        attend = torch.softmax if not self.stable else shifted_softmax
+        q = q * self.scale
+        dots = torch.einsum("b h i d, b h j d -> b h i j", q, k)
+        fill = neg_max(dots)
+        if keep is not None:
+            dots.masked_fill_(~keep[:, None, None, :], fill)
+        if self.causal:
+            i, j = dots.shape[-2:]
+            upper = torch.ones(i, j, device=q.device).triu_(j - i + 1).bool()
+            dots.masked_fill_(upper, fill)
+        attn = attend(dots, dim=-1)
+        return torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+'''
+
+_GATED_PROBS = '''
+import math
+import torch
+from torch import nn
+
+
+def present(x):
+    return x is not None
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, head_dim=8, p=0.0):
+        super().__init__()
+        self.head_dim = head_dim
+        self.drop = nn.Dropout(p)
+        self.keep_map = False
+        self.saved = None
+
+    def forward(self, q, k, v, bias_mask=None, head_mask=None, record=False):
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        if present(bias_mask):
+            scores = scores + bias_mask
+        probs = scores.softmax(dim=-1)
+        if record or self.keep_map:
+            self.saved = probs.detach()
+        probs = self.drop(probs)
+        if head_mask is not None:
+            probs = probs * head_mask
+        return torch.matmul(probs, v)
+'''
+
+_GATED_READ = _GATED_PROBS.replace("""        if head_mask is not None:
+            probs = probs * head_mask
+""", "")
+
+_BIAS_UNDER_FLAG = '''
+import torch
+from torch import nn
+
+
+class RelAttention(nn.Module):
+    def __init__(self, max_len=16, relative=True):
+        super().__init__()
+        self.relative = relative
+        self.max_len = max_len
+        self.distance = nn.Embedding(2 * max_len - 1, 1)
+
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        if self.relative:
+            n = q.shape[-2]
+            pos = torch.arange(n, device=q.device)
+            rel = self.distance(pos[:, None] - pos[None, :] + self.max_len - 1)[..., 0]
+            scores = scores + rel
+        return scores.softmax(dim=-1) @ v
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _FLAG_CHOSEN_SOFTMAX,
+        expect={"qualname": "Attention.forward", "scale": "self.scale"},
+        run='''
+q, k, v = torch.randn(2, 2, 6, 8, requires_grad=True), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+keep = torch.ones(2, 6, dtype=torch.bool)
+keep[1, 4:] = False
+out = (Attention()(q, k, v, keep), Attention(causal=False)(q, k, v), Attention(stable=True)(q, k, v, keep))
+leaves = [q]
+''',
+        name="softmax_function_chosen_by_a_flag_helper_fill",
+    ),
+    Fuse(
+        _GATED_READ,
+        expect={"qualname": "SelfAttention.forward"},
+        run='''
+q, k, v = torch.randn(2, 2, 5, 8, requires_grad=True), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+pad = torch.zeros(2, 1, 1, 5)
+pad[0, ..., 3:] = torch.finfo(torch.float32).min
+m = SelfAttention()
+out = (m(q, k, v), m(q, k, v, bias_mask=pad), m(q, k, v, record=True), m.saved)
+leaves = [q]
+''',
+        name="reads_of_the_probabilities_under_a_flag",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the choice of softmax is a tensor computation (a value on the device): not a flag a guard reads for free
+        _FLAG_CHOSEN_SOFTMAX.replace("attend = torch.softmax if not self.stable else shifted_softmax",
+                                     "attend = torch.softmax if q.abs().amax() < 50 else shifted_softmax"),
+        reason="",
+        name="softmax_function_chosen_by_the_scores",
+    ),
+    Keep(
+        # a helper whose value is not a large negative number: masking with it is not masking out
+        _FLAG_CHOSEN_SOFTMAX.replace("return -torch.finfo(t.dtype).max", "return -t.abs().mean()"),
+        reason="not −inf or a large negative value",
+        name="helper_fill_not_a_large_negative",
+    ),
+    Keep(
+        # a step on the probabilities under a flag (BERT's head mask): refused (a value-checked ALiBi term beside
+        # it made composer's ALiBi surgery a candidate whose fused branch never runs)
+        _GATED_PROBS,
+        reason="modified after softmax under",
+        name="probabilities_step_under_a_test_on_the_probabilities",
+    ),
+    Keep(
+        # a read of the probabilities under a flag the chain computes
+        _GATED_READ.replace("if record or self.keep_map:", "if record or scores.amax() > 1:"),
+        reason="used at line",
+        name="probabilities_read_under_a_test_on_the_scores",
+    ),
+    Keep(
+        # a learned bias under a configuration flag: the fused call could run only where the flag is off, and a
+        # model configured with the bias never takes that branch (BEiT's table): refused with the bias reason
+        _BIAS_UNDER_FLAG,
+        reason="float bias",
+        name="learned_bias_added_under_a_flag",
+    ),
+    Keep(
+        # the learned bias added unconditionally: a pse npufuse does not generate
+        _BIAS_UNDER_FLAG.replace("        if self.relative:\n", "").replace("            n = q", "        n = q").replace("            pos = ", "        pos = ")
+        .replace("            rel = ", "        rel = ").replace("            scores = scores", "        scores = scores"),
+        reason="float bias",
+        name="learned_bias_added_always",
+    ),
+]
+
+
+# --- scores chosen by a flag between the plain product and another computation (harvest s25: alphafold2) ---
+
+
+def _plain_product_branch(matcher: "_Matcher", node: Cond, cond: Any) -> tuple[Any, bool, Any] | None:
+    """(the branch, negated, the other branch) where exactly one branch of the scores' ``if`` is directly a
+    product (``einsum`` / ``matmul`` / ``@``), the test is a pure flag computing no tensor, and the ``if``
+    is not itself under another condition; None otherwise."""
+    if cond is not None or _heavy(node.test, through_meta=False) or not _pure_test(matcher, node.test):
+        return None
+    direct = [matcher.is_matmul(deref(x)) is not None for x in (node.body, node.orelse)]
+    if direct.count(True) != 1:
+        return None
+    return (node.body, True, node.orelse) if direct[0] else (node.orelse, False, node.body)
+
+
+_SCORES_CHOSEN_BY_FLAG = '''
+import torch
+from torch import nn, einsum
+
+
+def exists(val):
+    return val is not None
+
+
+class Attention(nn.Module):
+    def __init__(self, heads=2, dim_head=8):
+        super().__init__()
+        self.heads = heads
+        self.scale = dim_head ** -0.5
+
+    def forward(self, q, k, v, tie_dim=None):
+        q = q * self.scale
+        if exists(tie_dim):
+            q = q.reshape(-1, tie_dim, *q.shape[1:]).mean(dim=1)
+            k = k.reshape(-1, tie_dim, *k.shape[1:])
+            dots = einsum("b h i d, b r h j d -> b r h i j", q, k)
+            dots = dots.reshape(-1, *dots.shape[2:])
+        else:
+            dots = einsum("b h i d, b h j d -> b h i j", q, k)
+        attn = dots.softmax(dim=-1)
+        return einsum("b h i j, b h j d -> b h i d", attn, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SCORES_CHOSEN_BY_FLAG,
+        expect={"qualname": "Attention.forward", "scale": "self.scale"},
+        run='''
+q, k, v = torch.randn(4, 2, 5, 8, requires_grad=True), torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8)
+out = (Attention()(q, k, v), Attention()(q, k, v, tie_dim=2))
+leaves = [q]
+''',
+        name="scores_chosen_by_a_flag_plain_branch_fused",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the branch is chosen by a tensor's values: not a flag a guard reads before the chain
+        _SCORES_CHOSEN_BY_FLAG.replace("if exists(tie_dim):", "if tie_dim is not None and bool(v.sum() > 0):"),
+        reason="in a way npufuse does not convert",
+        name="scores_chosen_by_a_tensor_value",
+    ),
+]
+
+
+# HF's eager attention with ``head_mask``: the product with the head mask under a flag is refused
+AttentionPattern.KEEP += [
+    Keep(
+        name="bert_head_mask",
+        code='''
+import math
+import torch
+from torch import nn
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, head_mask=None, **kwargs):
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask[:, :, :, : key.shape[-2]]
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    if head_mask is not None:
+        attn_weights = attn_weights * head_mask
+    attn_output = torch.matmul(attn_weights, value)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+''',
+        reason="modified after softmax",
     ),
 ]
