@@ -106,3 +106,12 @@ def test_the_aliased_in_place_product_says_why() -> None:
     findings, misses = detect_all(Swiglu(), code)
     assert not findings
     assert any("in-place product on `b`, which another statement reads before it (line 16)" in m.reason for m in misses)
+
+
+def test_block_source_dedents_across_a_page_break_line() -> None:
+    # a blank line holding a form feed between statements (the paged twin of a file): the span is
+    # dedented like its plain twin, and the page break does not become a second blank line
+    from npufuse.patterns._site import _dedent_lines
+
+    assert _dedent_lines("        a = 1\n\x0c\n        b = 2\n") == "a = 1\n\nb = 2\n"
+    assert _dedent_lines("    if x:\n        y()\n") == "if x:\n    y()\n"

@@ -714,7 +714,23 @@ def block_source(module: ModuleInfo, stmts: list[ast.stmt]) -> str:
     """Verbatim source of consecutive statements, dedented (comments between them kept)."""
     lines = module_lines(module)
     text = lf_line_ends("".join(lines[stmts[0].lineno - 1 : (stmts[-1].end_lineno or stmts[-1].lineno)]))
-    return textwrap.dedent(text).rstrip("\n")
+    return _dedent_lines(text).rstrip("\n")
+
+
+def _dedent_lines(text: str) -> str:
+    """``textwrap.dedent`` that also treats a blank line holding a form feed (a page break between
+    statements) as blank: textwrap counts "\x0c" as text, finds no common margin and dedents nothing,
+    and ``str.splitlines`` would later split that line in two. Blank lines come out empty, as
+    textwrap makes whitespace-only lines."""
+    lines = text.split("\n")
+    margins = [ln[: len(ln) - len(ln.lstrip(" \t"))] for ln in lines if ln.strip()]
+    if not margins:
+        return textwrap.dedent(text)
+    common = margins[0]
+    for m in margins[1:]:
+        while not m.startswith(common):
+            common = common[:-1]
+    return "\n".join(ln[len(common):] if ln.strip() else "" for ln in lines)
 
 
 def indent(text: str, prefix: str = "    ") -> str:
