@@ -3638,7 +3638,7 @@ def _wide_params(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
             recv = dotted(n.func.value) or ""
             # the model itself, a module holding it or one of its submodules (`.double()` is common on data
             # tensors, so the looser name test of the bf16 casts would refuse too much)
-            if not recv or not model or not (recv == model or model.startswith(recv + ".") or recv.startswith(model + ".")):
+            if not _is_model_receiver(n.func.value, model):
                 continue
             if n.func.attr == "double" and not n.args:
                 return f"`{recv}.double()` (line {n.lineno}) makes the parameters float64"
