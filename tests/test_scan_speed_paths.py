@@ -233,6 +233,54 @@ def test_scan_gates_text_outside_ascii_by_its_nfkd_form(tmp_path) -> None:
     assert probe.seen == ["<module>", "has", "C.m", "wide", "acc\u00e9nt"]  # not `hasnt`, not `caf\u00e9`
 
 
+def test_text_outside_ascii_that_folds_to_no_ascii_is_gated_as_written(tmp_path) -> None:
+    """Text outside ASCII whose NFKD form holds no ASCII character (CJK, dashes, arrows: most
+    such files) cannot spell a word by decomposing: a scope lacking the word as written is skipped,
+    ``<module>`` included (a file with any text outside ASCII kept it before); scopes holding the
+    word are still handed over. A file with a character that does decompose to ASCII (``\u2026``
+    is "...", ``\u00e9`` is "e" and an accent) keeps ``<module>`` as before."""
+    from npufuse.scan import engine
+
+    cjk = '"""\u6a21\u578b \u2014 \u6ce8\u610f\u529b \u2192 \u8f93\u51fa"""\nimport torch\n\n\ndef f(x):\n    """\u4e2d\u6587"""\n    return x + 1\n'
+    assert not engine.folds_to_ascii(_module(cjk))
+    for odd in ("\u2026", "\u00e9", "\uff4e", "\u00b2"):
+        assert engine.folds_to_ascii(_module(cjk + f"# {odd}\n")), odd
+    assert not engine.folds_to_ascii(_module("import torch\n"))
+    # no scope holds the word: none handed over (before: <module>)
+    (tmp_path / "a.py").write_text(cjk, encoding="utf-8")
+    probe = _Needle()
+    engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
+    assert probe.seen == []
+    # the same file with a scope naming the word: that scope (and <module>, whose text holds it)
+    (tmp_path / "a.py").write_text(cjk + "\n\ndef has(x):\n    \"\"\"\u4e2d\"\"\"\n    return x.needle()\n", encoding="utf-8")
+    probe = _Needle()
+    out = engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
+    assert probe.seen == ["<module>", "has"]
+    assert sorted(m["qualname"] for m in out.near_misses) == ["<module>", "has"]
+    # a character decomposing to ASCII: <module> is handed over as before, `f` still skipped
+    (tmp_path / "a.py").write_text(cjk + "# \u2026\n", encoding="utf-8")
+    probe = _Needle()
+    engine.analyze_file(tmp_path, "a.py", [probe], engine.ScanOptions())
+    assert probe.seen == ["<module>"]
+
+
+def test_a_site_in_a_file_with_cjk_text_is_still_found(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real detectors on a file whose text outside ASCII folds to no ASCII: the eager
+    attention and the rotate_half rope are found, gates on and off alike."""
+    code = ('"""\u6ce8\u610f\u529b \u2014 \u65cb\u8f6c"""\nimport torch\n\n\n'
+            'def attend(q, k, v):\n    """\u6ce8\u610f"""\n    s = torch.matmul(q, k.transpose(-2, -1)) / 8.0\n'
+            '    p = torch.softmax(s, dim=-1)\n    return torch.matmul(p, v)\n\n\n'
+            'def rotate_half(x):\n    x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n'
+            '    return torch.cat((-x2, x1), dim=-1)\n\n\n'
+            'def apply_rope(q, cos, sin):\n    """\u65cb\u8f6c"""\n    return (q * cos) + (rotate_half(q) * sin)\n')
+    from npufuse.scan import engine
+
+    assert not engine.folds_to_ascii(_module(code))
+    on, off = _scan_both_ways(tmp_path, code, list(all_patterns()), monkeypatch)
+    assert on == off
+    assert {h[0] for h in on[0]} >= {"attention", "rope"}, on[0]
+
+
 def test_an_import_alias_of_a_word_opens_the_gate(tmp_path) -> None:
     """``from m import needle as nd``: a scope calling ``nd(...)`` is handed over (detectors
     resolve calls through the module's aliases), one naming neither is not."""
