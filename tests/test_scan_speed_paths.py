@@ -443,3 +443,25 @@ def test_gates_on_and_off_give_the_same_scan_of_odd_texts(tmp_path, monkeypatch:
         module = _module(code)
         skipped += sum(engine.gated_out(module, s, engine.gate_words(module, p)) for s in module.scopes for p in patterns)
     assert skipped > 10
+
+
+def test_lines_with_leaves_out_lines_outside_ascii_that_fold_to_no_ascii() -> None:
+    """``dataflow.lines_with`` lists the lines outside ASCII only where a name could differ from
+    its spelling (a character decomposing to ASCII, or a word outside ASCII); the call named by
+    the word is still on a listed line and found by ``calls_on_lines``. The config-switch lines
+    of repo_search follow the same rule."""
+    from npufuse.scan import dataflow, repo_search
+
+    code = '"""\u6ce8\u610f"""\nimport torch\n\n\ndef f(x):\n    """\u4e2d\u6587 \u2014 \u2192"""\n    return g(x)\n'
+    module = _module(code)
+    lines = dataflow.lines_with(module, ("g",))
+    assert lines == [7]
+    assert [c.func.id for c in dataflow.calls_on_lines(module.tree, lines)] == ["g"]
+    assert dataflow.lines_with(_module(code + "# \u2026\n"), ("g",)) == [1, 6, 7, 8]  # "..." folds: kept as before
+    assert dataflow.lines_with(_module(code), ("\u6ce8\u610f",)) == [1, 6]  # a word outside ASCII: kept
+    cfg = code + "\n\ndef h(config):\n    # \u4e2d\n    return config.use_fused_op\n"
+    assert repo_search._switch_word_lines(cfg, False) == [12]
+    assert repo_search._switch_word_lines(cfg, True) == [1, 6, 11, 12]
+    facts = repo_search.file_facts(_module(cfg))
+    assert [s["name"] for s in facts.switches] == ["use_fused_op"]
+

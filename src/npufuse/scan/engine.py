@@ -39,7 +39,7 @@ from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
 from npufuse.scan import config_shapes, replacement, repo_facts, repo_search, repo_symbols, risks
-from npufuse.scan.dataflow import ModuleInfo, Scope, lf_line_ends
+from npufuse.scan.dataflow import ModuleInfo, Scope, folds_to_ascii, lf_line_ends
 from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
 DEFAULT_MAX_FILE_BYTES = 10 * 1024 * 1024
@@ -348,41 +348,6 @@ def gated_out(module: ModuleInfo, scope: Scope, words: tuple[str, ...] | None) -
     if isinstance(scope.node, ast.Module):
         return False
     return not any(w in gate_folded(module, scope) for w in words)
-
-
-# character outside ASCII -> does its NFKD form hold an ASCII character (``…`` -> "...", ``é`` -> "e"
-# and a combining accent, a fullwidth letter -> the letter)? Most do not (CJK, dashes, quotes, arrows)
-_FOLDS_TO_ASCII: dict[str, bool] = {}
-_ASCII_BYTES = bytes(range(128))
-
-
-def folds_to_ascii(module: ModuleInfo) -> bool:
-    """Whether some character of the file outside ASCII has an NFKD form holding an ASCII
-    character. Where none has, ``gate_folded`` adds no ASCII character to any text of the file:
-    the ASCII runs of the decomposed text are those of the text as written (a character outside
-    ASCII decomposes to characters outside ASCII, never to nothing, so runs stay apart), and a
-    gate word (ASCII) is in the one exactly where it is in the other. 1,422 of the 1,461 files of
-    the transformers corpus with text outside ASCII (docstrings in other scripts, dashes,
-    arrows) are such files: their scopes lacking a word are skipped without decomposing them,
-    ``<module>`` included. Computed once per file, from the set of its characters outside ASCII."""
-    cached = module.__dict__.get("_npufuse_folds_to_ascii")
-    if cached is None:
-        src = module.source
-        cached = False
-        if not src.isascii():
-            # the characters outside ASCII, without a Python loop over the text: the UTF-8 bytes
-            # less the ASCII ones decode to them ("surrogatepass": a lone surrogate stays one)
-            others = set(src.encode("utf-8", "surrogatepass").translate(None, _ASCII_BYTES).decode("utf-8", "surrogatepass"))
-            table = _FOLDS_TO_ASCII
-            for c in others:
-                folds = table.get(c)
-                if folds is None:
-                    folds = table[c] = any(ord(d) < 128 for d in unicodedata.normalize("NFKD", c))
-                if folds:
-                    cached = True
-                    break
-        module.__dict__["_npufuse_folds_to_ascii"] = cached
-    return cached
 
 
 def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:

@@ -24,7 +24,7 @@ from typing import Any
 
 from npufuse.rewrite.codegen import Switch, env_switch
 from npufuse.scan import config_shapes
-from npufuse.scan.dataflow import _CHILD_FIELDS, ModuleInfo, Scope, child_fields, dotted
+from npufuse.scan.dataflow import _CHILD_FIELDS, ModuleInfo, Scope, child_fields, dotted, folds_to_ascii
 
 # Cheap prefilter: a switch name mentions one of these (is_switch decides).
 SWITCH_NAME = re.compile(r"fus(e|ed|ion)|npu|ascend|flash|liger", re.IGNORECASE)
@@ -210,18 +210,19 @@ _SWITCH_WORDS_LOWER = re.compile(r"fus|npu|ascend|flash|liger")  # SWITCH_NAME's
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 
 
-def _switch_word_lines(src: str) -> list[int] | None:
+def _switch_word_lines(src: str, folds: bool = True) -> list[int] | None:
     """The lines (numbered as ast does) where an attribute whose name SWITCH_NAME matches can
     have its name, sorted; None when that cannot be told from the text. A name is written on
     one line; SWITCH_NAME (IGNORECASE) matches it only where the lower-cased line holds one of
     its words (the characters ``_mentions_cfg_switch`` guards against aside), unless the line
     holds a character outside ASCII: identifiers are NFKC-normalised (a ligature "\ufb02" reads
-    as "fl"), so such lines are all kept. Line ends must be "\n" only (ast counts "\r" too)."""
+    as "fl"), so such lines are all kept, unless ``folds`` is False (``dataflow.folds_to_ascii``:
+    no character of the file decomposes to ASCII). Line ends must be "\n" only (ast counts "\r" too)."""
     if "\r" in src or not (src.isascii() or not any(c in src for c in _CFG_ODD)):
         return None
     low = src.lower()  # the same length: no U+0130
     starts = [m.start() for m in _SWITCH_WORDS_LOWER.finditer(low)]
-    if not src.isascii():
+    if not src.isascii() and folds:
         starts += [m.start() for m in _NON_ASCII.finditer(src)]
         starts.sort()
     out: list[int] = []
@@ -299,7 +300,7 @@ def file_facts(module: ModuleInfo) -> FileFacts:
     Call, Attribute, Subscript, Compare = ast.Call, ast.Attribute, ast.Subscript, ast.Compare
     # Only a config-switch read asked for (most files that get here): just the statements on
     # lines that can hold one need walking.
-    lines = _switch_word_lines(src) if _PRUNE and want_cfg and not (want_npu or want_env or want_args or want_train) else None
+    lines = _switch_word_lines(src, folds_to_ascii(module)) if _PRUNE and want_cfg and not (want_npu or want_env or want_args or want_train) else None
     for node in _nodes(module.tree, _FACT_TYPES, lines):
         t = type(node)
         if t is Call:
