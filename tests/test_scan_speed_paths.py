@@ -465,3 +465,9 @@ def test_lines_with_leaves_out_lines_outside_ascii_that_fold_to_no_ascii() -> No
     facts = repo_search.file_facts(_module(cfg))
     assert [s["name"] for s in facts.switches] == ["use_fused_op"]
 
+
+def test_module_calls_keep_the_branches_order() -> None:
+    """``base._module_calls`` lists the calls of an ``if``/``else`` in the branches' order (a set
+    union of the keys made the call a near miss names depend on the string hash seed)."""
+    stmts = ast.parse("if c:\n    self.a(x)\n    self.c(x)\nelse:\n    self.b(x)\n    self.a(x)\n    self.d(x)\n").body
+    assert list(base._module_calls(stmts)) == ["self.a(x)", "self.c(x)", "self.b(x)", "self.d(x)"]
