@@ -471,7 +471,9 @@ def test_plain_classifier_agrees_with_the_tokenizer() -> None:
 # -- the second round: text tests, segment, code lines, line filters -----------------------------------
 
 _CFG_BITS = ["config", "CONFIG", "Cfg", "cfg", ".", " . ", "\n", "_", "use_", "fus", "FUS", "npu", "Ascend", "flash", "liger",
-             "x", "é", "\u0130", "\u0131", "\u017f", "\u212a", "conf\u0131g", "f\u016fs", "\u212a", "ſ", "→"]
+             "x", "é", "\u0130", "\u0131", "\u017f", "\u212a", "conf\u0131g", "f\u016fs", "\u212a", "ſ", "→",
+             # outside ASCII and no odd character: the bytes search first (spaces, word letters, marks)
+             "\x1c", "\u3000", "\u00a0", "\u2028", "\u0301", "\u00c9", "\u4e2d", "é", "→", "\U0001f600"]
 
 
 @settings(max_examples=600, deadline=None)
@@ -479,6 +481,15 @@ _CFG_BITS = ["config", "CONFIG", "Cfg", "cfg", ".", " . ", "\n", "_", "use_", "f
 def test_cfg_switch_text_is_the_regex(bits: list[str]) -> None:
     text = "".join(bits)
     assert repo_search._mentions_cfg_switch(text) == (repo_search._CFG_ATTR.search(text) is not None)
+
+
+def test_cfg_switch_text_outside_ascii() -> None:
+    """The bytes search that text outside ASCII goes through first: spaces, letters and marks
+    outside ASCII between the parts, and near-misses of them."""
+    for text in ("config.\u3000fus \u4e2d", "config\u00a0.\u00a0ascend", "cfg\x1c.\x1cnpu \u00e9", "config.\u00e9fused",
+                 "config.a\u0301flash", "CONFIG.\u00c9FUS", "config.\u2028liger", "conf\u4e2dig.fus", "config\u4e2d.fus",
+                 "config.hidden \u00e9", "cfg.fu\u00e9s", "\u4e2d config . use_fused"):
+        assert repo_search._mentions_cfg_switch(text) == (repo_search._CFG_ATTR.search(text) is not None), text
 
 
 def test_cfg_switch_text_on_real_files() -> None:

@@ -146,9 +146,22 @@ _CFG_ATTR_LOWER = re.compile(r"(?:config|cfg)\s*\.\s*\w*(?:fus|npu|ascend|flash|
 _CFG_ODD = ("\u0130", "\u0131", "\u017f", "\u212a")
 
 
+# Text outside ASCII: str.lower() of a two- or four-byte string costs more than the search.
+# The same search over the UTF-8 bytes (bytes.lower() lowers ASCII only), every byte outside
+# ASCII allowed where the pattern has \s or \w (str's \s also holds \x1c-\x1f), finds every
+# match of _CFG_ATTR_LOWER (config, cfg, "." and the words are ASCII in the lowered text, so
+# ASCII in the text: no character outside _CFG_ODD lower-cases to ASCII) and maybe more: only
+# a text it matches is lowered and searched as before.
+_CFG_ATTR_BYTES = re.compile(rb"(?:config|cfg)[\s\x1c-\x1f\x80-\xff]*\.[\s\x1c-\x1f\x80-\xff]*[\w\x80-\xff]*(?:fus|npu|ascend|flash|liger)")
+
+
 def _mentions_cfg_switch(src: str) -> bool:
     """``_CFG_ATTR.search(src) is not None``."""
-    if src.isascii() or not any(c in src for c in _CFG_ODD):
+    if src.isascii():
+        return _CFG_ATTR_LOWER.search(src.lower()) is not None
+    if not any(c in src for c in _CFG_ODD):
+        if _CFG_ATTR_BYTES.search(src.encode("utf-8", "surrogatepass").lower()) is None:
+            return False
         return _CFG_ATTR_LOWER.search(src.lower()) is not None
     return _CFG_ATTR.search(src) is not None
 
