@@ -471,3 +471,15 @@ def test_module_calls_keep_the_branches_order() -> None:
     union of the keys made the call a near miss names depend on the string hash seed)."""
     stmts = ast.parse("if c:\n    self.a(x)\n    self.c(x)\nelse:\n    self.b(x)\n    self.a(x)\n    self.d(x)\n").body
     assert list(base._module_calls(stmts)) == ["self.a(x)", "self.c(x)", "self.b(x)", "self.d(x)"]
+
+
+@pytest.mark.parametrize("src", ["f", "x.f = 1", "\u00e9f x", "_f", "ff = f", "f (", "af f", "\u4e2df", "1f", "(f)", "g = f\n", "self.f", "f(f)", "f\n(", "#f\nf(", ""])
+def test_written_uncalled_function_is_the_lookbehind_regex(src: str) -> None:
+    """attention._written_uncalled for a function: the lookbehind ``(?<![\\w.])`` checked by hand
+    gives the regex's answer (name after a letter, digit, ``_`` or ``.``; at the start; outside ASCII)."""
+    import re
+
+    from npufuse.patterns import attention
+
+    module = ModuleInfo("m.py", src, ast.Module(body=[], type_ignores=[]))
+    assert attention._written_uncalled(module, "f", False) == (re.search(r"(?<![\w.])f\b(?!\s*\()", src) is not None)

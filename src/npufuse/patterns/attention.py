@@ -6777,8 +6777,13 @@ def _written_uncalled(module: ModuleInfo, fn: str, method: bool) -> bool:
     memo = module.__dict__.setdefault("_npufuse_attn_written_uncalled", {})
     got = memo.get((fn, method))
     if got is None:
-        lead = r"\b(?:self|cls)\s*\.\s*" if method else r"(?<![\w.])"
-        got = memo[(fn, method)] = re.search(rf"{lead}{re.escape(fn)}\b(?!\s*\()", module.source) is not None
+        if method:
+            got = re.search(rf"\b(?:self|cls)\s*\.\s*{re.escape(fn)}\b(?!\s*\()", module.source) is not None
+        else:  # (?<![\w.]) checked by hand: a pattern led by a lookbehind is tried at every position
+            src = module.source
+            got = any(m.start() == 0 or not (src[m.start() - 1].isalnum() or src[m.start() - 1] in "_.")
+                      for m in re.finditer(rf"{re.escape(fn)}\b(?!\s*\()", src))
+        memo[(fn, method)] = got
     return got
 
 
