@@ -1188,8 +1188,8 @@ def _expert_comprehension(module: ModuleInfo, stmt: ast.stmt) -> Optional[ast.Li
     value = stmt.value if isinstance(stmt, (ast.Assign, ast.Return)) else None
     if isinstance(stmt, ast.Assign) and (len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name)):
         return None
-    if isinstance(value, ast.Call) and _canon(module, value.func) == "torch.cat" and len(value.args) >= 1 \
-            and isinstance(value.args[0], (ast.ListComp, ast.GeneratorExp)):
+    if isinstance(value, ast.Call) and len(value.args) >= 1 and isinstance(value.args[0], (ast.ListComp, ast.GeneratorExp)) \
+            and _canon(module, value.func) == "torch.cat":  # (the name resolved last: most calls take no comprehension)
         dim = keyword(value, "dim", 1)
         if dim is not None and const_value(dim) != 0:
             return None
