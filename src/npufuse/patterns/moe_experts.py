@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import expert_mask, flattened_to_1d, shaped_like_indices
+from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -7007,7 +7007,8 @@ class _GroupLoop:
             self.g, self.bound = tgt.id, it.args[0]
             return True
         if dotted(it.func) == "enumerate" and len(it.args) == 1 and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 \
-                and all(isinstance(e, ast.Name) for e in tgt.elts) and isinstance(it.args[0], (ast.Name, ast.Attribute)):
+                and all(isinstance(e, ast.Name) for e in tgt.elts) \
+                and isinstance(host_copy_base(it.args[0]) or it.args[0], (ast.Name, ast.Attribute)):  # sizes.cpu().numpy(): same sizes
             self.g, self.size_item = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
             self.sizes = it.args[0]
             self.env[self.size_item] = ("size",)
@@ -7025,6 +7026,7 @@ class _GroupLoop:
     def ev(self, node: ast.expr) -> tuple:
         if isinstance(node, ast.Name):
             return self.env.get(node.id, ("other",))
+        node = leading_subscript(node)  # type: ignore[assignment]  # w[g, :, :] is w[g]; x[a:b, :] is x[a:b]
         if isinstance(node, ast.Subscript) and self._is_g(node.slice) and self._invariant(node.value):
             if isinstance(node.value, ast.Name) and node.value.id == self.pieces:
                 return ("rows",)
@@ -7131,7 +7133,7 @@ class _GroupLoop:
             return
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Attribute) \
                 and s.value.func.attr == "append" and isinstance(s.value.func.value, ast.Name) and len(s.value.args) == 1 \
-                and not self.start and self.ev(s.value.args[0])[0] == "y" and not self.out_list:
+                and self.ev(s.value.args[0])[0] == "y" and not self.out_list:  # with a running offset too (x[start:start + n])
             self.out_list = s.value.func.value.id
             return
         raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of one grouped projection")
@@ -7184,7 +7186,8 @@ def _grouped_loop_gate(loop: ast.For) -> bool:
             break
     if not has_mm:
         return False
-    return any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == g for n in fast_walk(loop))
+    return any(isinstance(n, ast.Subscript) and isinstance(getattr(leading_subscript(n), "slice", None), ast.Name)
+               and leading_subscript(n).slice.id == g for n in fast_walk(loop))  # type: ignore[union-attr]
 
 
 def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
@@ -7195,12 +7198,15 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     ev = _GroupLoop(module, loop)
     if not ev.header():
         return None
-    # form A: `start = 0` right before the loop (the running row offset)
+    # form A: `start = 0` right before the loop (the running row offset), or before the `outs = []` of
+    # an append form (rows selected by offset, results combined by torch.cat: either selection with either combine)
     prev = block[i - 1] if i > 0 else None
-    if isinstance(prev, ast.Assign) and len(prev.targets) == 1 and isinstance(prev.targets[0], ast.Name) \
-            and const_value(prev.value) == 0 and any(isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name)
-                                                     and n.lower.id == prev.targets[0].id for n in fast_walk(loop)):
-        ev.start = prev.targets[0].id
+    for cand in (block[i - 1] if i > 0 else None, block[i - 2] if i > 1 else None):
+        if isinstance(cand, ast.Assign) and len(cand.targets) == 1 and isinstance(cand.targets[0], ast.Name) \
+                and const_value(cand.value) == 0 and any(isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name)
+                                                         and n.lower.id == cand.targets[0].id for n in fast_walk(loop)):
+            ev.start, prev = cand.targets[0].id, cand
+            break
     split_st: Optional[ast.Assign] = None
     if not ev.start:
         # form B: `pieces = X.split(sizes)` before the loop, `outs = []`, then `y = torch.cat(outs)`
@@ -7236,11 +7242,13 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     stmts = block[block.index(first_stmt): i + 1]
     cat_st: Optional[ast.stmt] = None
     out_name = ""
-    if ev.start or ev.prefix:
+    if (ev.start or ev.prefix) and not ev.out_list:
         if ev.out_target is None or (ev.start and not ev.advanced):
             return None
     else:
-        inits = [st for st in block[max(0, i - 2): i] if st is not split_st]
+        if ev.out_target is not None or ev.prefix or (ev.start and not ev.advanced):
+            return None
+        inits = [st for st in block[max(0, i - 2): i] if st is not split_st and not (ev.start and st is prev)]
         if not ev.out_list or not any(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
                                       and st.targets[0].id == ev.out_list and isinstance(st.value, ast.List) and not st.value.elts
                                       for st in inits) or len(inits) != 1:
@@ -7289,12 +7297,18 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
              f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
              f"if isinstance({w_text}, torch.Tensor) and {w_text}.dim() == 3 and {x_text}.dim() == 2 and {P}counts.dim() == 1 "
              f"and {check}:"]
-    if ev.start or ev.prefix:
+    if (ev.start or ev.prefix) and not ev.out_list:
         out_text = segment(module, ev.out_target)
         lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
                   f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
         if ev.start and scope.uses_after(ev.start, end):
             lines.append(f"    {ev.start} = {P}m")
+    elif ev.start:  # offset-selected rows, concatenated: only the first sum(sizes) rows take part
+        lines.append(f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)")
+        if scope.uses_after(ev.start, end):
+            lines.append(f"    {ev.start} = {P}m")
+        call = f"{P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"
+        lines.append(f"    return {call}" if isinstance(cat_st, ast.Return) else f"    {out_name} = {call}")
     else:
         res = f"return {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)" if isinstance(cat_st, ast.Return) \
             else f"{out_name} = {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)"
@@ -7310,7 +7324,7 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         "weights": {"proj": w_text}, "activation": "none (one projection)", "conditional": True,
         "routing_weights": "outside", "routing": "running_offsets" if ev.start else "prefix_offsets" if ev.prefix else "sorted_counts",
         "loop": "group_loop", "tokens": x_text, "indices": None, "probs": None, "counts": sizes_text,
-        "output": segment(module, ev.out_target) if ev.start or ev.prefix else out_name, "output_dtype": None, "sentinel_index": None,
+        "output": segment(module, ev.out_target) if ev.out_target is not None else out_name, "output_dtype": None, "sentinel_index": None,
     }
     risks = [
         Risk("dynamic_shape", "group sizes are data dependent; they reach npu_grouped_matmul as a device tensor"),
@@ -8133,4 +8147,74 @@ MoeExperts.KEEP += [
     # unpermute has its own near-miss-free shape change below
     Keep(_DISPATCHER.replace("torch.argsort(flat, stable=True)", "torch.argsort(flat)").replace(
         "buf = buf.sum(dim=1).type_as(rows)", "buf = buf.sum(dim=0).type_as(rows)"), name="dispatcher_unstable_sort_sum_over_tokens"),
+]
+
+
+# --- s26: one step model per grouped loop (selection x combine), and the non-token-choice look-alikes --------
+#
+# A grouped matmul loop is three independent steps: which rows a group takes (a running offset
+# `x[start:start + n]`, a split piece, a prefix-table slice), what it computes (one matmul with `W[g]`, its
+# transpose, or a loop-invariant choice of the two) and how the results combine (written into a slice of an
+# output, or appended and concatenated). Every selection goes with every combine; `w[g, :, :]` /
+# `x[a:b, :]` (trailing whole dimensions) and host copies of the sizes (`sizes.cpu().numpy()`) read as
+# the plain forms (scan.canonical.leading_subscript / host_copy_base).
+
+_S26_OFFSET_APPEND = _HEAD + '''
+class FallbackGroupedGemm(nn.Module):
+    def __init__(self, groups, d_in, d_out):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(groups, d_out, d_in) * d_in ** -0.5)
+
+    def gmm(self, x, w, batch_sizes, trans_b=False):
+        out = []
+        start = 0
+        for i, size in enumerate(batch_sizes.cpu().numpy()):
+            rhs = w[i, :, :].t() if trans_b else w[i, :, :]
+            out.append(x[start : start + size, :] @ rhs)
+            start += size
+        return torch.cat(out)
+
+    def forward(self, x, batch_sizes):
+        return self.gmm(x, self.w, batch_sizes, trans_b=True)
+'''
+
+_S26_OFFSET_APPEND_RUN = '''\
+layer = FallbackGroupedGemm(3, 16, 8)
+x = torch.randn(12, 16, requires_grad=True)
+out = layer(x, torch.tensor([4, 0, 6]))
+leaves = [x, layer.w]
+'''
+
+_S26_START_FIRST = _HEAD + '''
+def grouped_rows(x, w, sizes):
+    start = 0
+    ys = []
+    for g, n in enumerate(sizes.tolist()):
+        ys.append(torch.matmul(x[start:start + n], w[g, ...]))
+        start = start + n
+    y = torch.cat(ys, dim=0)
+    return y
+'''
+
+MoeExperts.FUSE += [
+    # offset-selected rows combined by append + cat (rows past sum(sizes) take no part: x[:m])
+    Fuse(_S26_OFFSET_APPEND, name="s26_grouped_loop_offset_rows_append_cat_conditional_t", run=_S26_OFFSET_APPEND_RUN,
+         expect={"variant": "grouped_loop", "routing": "running_offsets", "layout": "stacked_conditional",
+                 "counts": "batch_sizes", "tokens": "x"}),
+    Fuse(_S26_START_FIRST, name="s26_grouped_loop_offset_before_list_ellipsis_index", run='''\
+w = (torch.randn(3, 16, 8) * 0.25).requires_grad_()
+x = torch.randn(14, 16, requires_grad=True)
+out = grouped_rows(x, w, torch.tensor([5, 0, 6]))
+leaves = [x, w]
+''', expect={"variant": "grouped_loop", "routing": "running_offsets", "layout": "stacked_in_out", "output": "y"}),
+]
+
+MoeExperts.KEEP += [
+    # the last group's transposed weight is read after the loop: the grouped matmul never forms it
+    Keep(_S26_OFFSET_APPEND.replace("        return torch.cat(out)\n", "        y = torch.cat(out)\n        return y, rhs\n").replace(
+        "return self.gmm(x, self.w, batch_sizes, trans_b=True)", "return self.gmm(x, self.w, batch_sizes, trans_b=True)[0]"),
+         reason="(a per-group value) is used after the loop", name="s26_grouped_loop_per_group_value_used_after"),
+    # the offset advances by a constant stride, not by the group's size: the runs overlap or leave gaps,
+    # which is not a grouped matmul over contiguous runs (the expert-loop analysis judges it instead)
+    Keep(_S26_START_FIRST.replace("start = start + n", "start = start + 4"), name="s26_grouped_loop_fixed_stride"),
 ]
