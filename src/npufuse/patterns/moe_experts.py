@@ -157,6 +157,10 @@ class _Site:
     index_random: str = ""
     first_line: int = 0
     last_line: int = 0
+    # s26: the loop also ran some experts on every token (`if i < S:` half): that half, replayed as written
+    dense_tail: str = ""
+    # s26: opaque experts return a tuple and the loop keeps only this element of it (`y, _ = expert(rows)`)
+    expert_part: Optional[int] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1423,6 +1427,9 @@ def _assigned(stmts: list[ast.stmt]) -> set[str]:
 def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
     if loop.orelse:
         raise _Miss("the expert loop has an else clause")
+    split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
+    if split is not None:
+        return split
     body_names = _names_in(loop)
     if any("capacity" in n.lower() for n in body_names):
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
@@ -1515,7 +1522,7 @@ class _Eval:
             inner = it.args[0]
             idx_name, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
             self.eidx.add(idx_name)
-            if self._is_expert_container(inner) or (dotted(inner) is not None and _called_in(loop.body, item_name)):
+            if self._is_expert_container(inner) or (dotted(_tail_base(inner)) is not None and _called_in(loop.body, item_name)):
                 # self.experts, or any list whose items the loop calls (`ffn(x[sel])`): the experts
                 self.loop_kind = "enumerate_experts"
                 self.experts_list = f"list({segment(m, inner)})"
@@ -2402,6 +2409,15 @@ class _Eval:
                 return site
             raise _Miss("the loop writes its output more than once per expert")
         mode, target, contrib, extra = self.results[0]
+        kept = _kept_part(self, contrib, block[i]) if mode == "accumulate" else None  # s26: `y, _ = expert(rows)`
+        if kept is not None:
+            site = self._finish_mask_where(block, i, target, kept[0])
+            if site.mlp is None or site.mlp.layout != "opaque" or site.routing != "mask_where":
+                raise _Miss("the expert returns several values and the loop keeps only one: the fused layer calls the "
+                            "experts for one output tensor")
+            site.expert_part = kept[1]
+            site.zero_link = self.zero_link
+            return site
         if contrib.kind == "mod_part":
             raise _Miss("the expert returns several values and the loop keeps only one: the fused layer calls the "
                         "experts for one output tensor")
@@ -3478,7 +3494,7 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        call = f"{P}expert{site.expert_call}({rows})"
+        call = f"{P}expert{site.expert_call}({rows})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
         lines += [
@@ -3509,6 +3525,9 @@ def _fused_text(site: _Site) -> str:
             lines.append(f"{out} = {result}.to({site.out_dtype})")
         else:
             lines.append(f"{out}.add_({result}.to({out}.dtype))")
+    if site.dense_tail:
+        lines.append("# the experts the loop ran on every token (its other branch), as written")
+        lines += site.dense_tail.splitlines()
     return "\n".join(lines) + "\n"
 
 
@@ -8218,3 +8237,186 @@ MoeExperts.KEEP += [
     # which is not a grouped matmul over contiguous runs (the expert-loop analysis judges it instead)
     Keep(_S26_START_FIRST.replace("start = start + n", "start = start + 4"), name="s26_grouped_loop_fixed_stride"),
 ]
+
+
+def _tail_base(node: ast.expr) -> ast.expr:
+    """``experts`` of ``experts[s:]`` (the items from ``s`` on, in order: enumerate over it numbers them from 0),
+    else the node itself."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice) and node.slice.upper is None \
+            and node.slice.step is None and node.slice.lower is not None:
+        return node.value
+    return node
+
+
+# --- s26: experts split by their index inside one loop: `if i < S: <every token> else: <routed tokens>` ---------
+#
+# Shared experts kept in the same ModuleList as the routed ones (the first S run on every token, the rest
+# take the tokens whose routed index is i - S) are two loops written as one: the routed loop over
+# ``experts[S:]`` with index ``i - S`` (a token-choice dispatch like any other), and the dense loop over the
+# first S, replayed as written after the fused routed part (it only adds into the accumulator, so the order
+# of the two sums does not change the value beyond rounding).
+
+
+def _index_branch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
+    """The routed half of ``for i, e in enumerate(C): if i < S: A else: B`` as a site over ``enumerate(C[S:])``
+    with the dense half carried in ``site.dense_tail``; None when the loop is not of that shape (the caller's
+    analysis judges it as written)."""
+    if len(loop.body) != 1 or not isinstance(loop.body[0], ast.If) or not loop.body[0].orelse or loop.orelse:
+        return None
+    branch, it, tgt = loop.body[0], loop.iter, loop.target
+    if not (isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords
+            and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts)
+            and dotted(it.args[0]) is not None):
+        return None
+    idx = tgt.elts[0].id  # type: ignore[attr-defined]
+    test = branch.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    left, op, right = test.left, test.ops[0], test.comparators[0]
+    if isinstance(left, ast.Name) and left.id == idx:
+        bound, below = right, isinstance(op, ast.Lt) if isinstance(op, (ast.Lt, ast.GtE)) else None
+    elif isinstance(right, ast.Name) and right.id == idx:
+        bound, below = left, isinstance(op, ast.Gt) if isinstance(op, (ast.Gt, ast.LtE)) else None
+    else:
+        return None
+    if below is None:
+        return None  # only a prefix / suffix split of the index range (i < S, i >= S, S > i, S <= i)
+    loop_names = _assigned(loop.body) | {n.id for n in tgt.elts}  # type: ignore[attr-defined]
+    if {n.id for n in fast_walk(bound) if isinstance(n, ast.Name)} & loop_names:
+        return None
+    dense, routed = (branch.body, branch.orelse) if below else (branch.orelse, branch.body)
+    bound_dump = ast.dump(bound)
+    replaced: set[int] = set()
+
+    class _Shift(ast.NodeTransformer):
+        def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+            if isinstance(node.op, ast.Sub) and isinstance(node.left, ast.Name) and node.left.id == idx \
+                    and ast.dump(node.right) == bound_dump:
+                new = ast.Name(idx, ast.Load())  # no position: its text is its own (`i`), not the original `i - S`
+                replaced.add(id(new))
+                return new
+            return self.generic_visit(node)
+
+    routed_new = [_Shift().visit(copy.deepcopy(st)) for st in routed]
+    if not replaced or any(isinstance(n, ast.Name) and n.id == idx and id(n) not in replaced for st in routed_new for n in ast.walk(st)):
+        return None  # the routed half reads the global index as well: not a dispatch over C[S:] alone
+    tail = ast.Subscript(value=it.args[0], slice=ast.Slice(lower=bound, upper=None, step=None), ctx=ast.Load())
+    synth = ast.copy_location(ast.For(target=tgt, iter=ast.Call(func=it.func, args=[tail], keywords=[]), body=routed_new,
+                                      orelse=[], type_comment=None), loop)
+    synth.end_lineno, synth.end_col_offset = loop.end_lineno, loop.end_col_offset
+    ev = _Eval(module, scope, synth)
+    ev.run_header()
+    ev.run_body(synth.body)
+    site = ev.finish(block[:i] + [synth] + block[i + 1:], i)
+    if site is None or site.routing != "mask_where" or not site.out_name:
+        return None
+    out = site.out_name
+    # the dense half may only add into the accumulator (and bind its own names): then adding it after the fused
+    # routed part gives the same sum
+    for st in dense:
+        for n in ast.walk(st):
+            if isinstance(n, ast.Name) and n.id == out and not any(
+                    isinstance(a, ast.AugAssign) and isinstance(a.op, ast.Add) and a.target is n for a in ast.walk(st)):
+                raise _Miss(f"the experts of index below `{ast.unparse(bound)[:40]}` run on every token and read or "
+                            f"replace `{out}` (not only add to it): the two halves of the loop cannot be reordered")
+            if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and n.target.id == out \
+                    and any(isinstance(m, ast.Name) and m.id == out for m in ast.walk(n.value)):
+                raise _Miss(f"the dense experts' update of `{out}` reads `{out}` itself")
+    end = loop.end_lineno or loop.lineno
+    for n in sorted(_assigned(dense) - {out}):
+        if scope.uses_after(n, end):
+            raise _Miss(f"`{n}` (set by the experts that run on every token) is used after the loop")
+    keep = ast.If(test=test if below else ast.UnaryOp(op=ast.Not(), operand=test), body=dense, orelse=[])
+    replay = ast.For(target=tgt, iter=it, body=[keep], orelse=[], type_comment=None)
+    site.dense_tail = ast.unparse(ast.fix_missing_locations(replay))
+    return site
+
+
+_S26_SHARED_IN_LOOP = _HEAD + '''
+class TwoLayer(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc = nn.Linear(d, h, bias=False)
+        self.proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x))), None
+
+
+class SharedFirstMoE(nn.Module):
+    def __init__(self, experts, d, n, n_shared, k):
+        super().__init__()
+        self.experts = experts
+        self.n_shared_experts = n_shared
+        self.router = nn.Linear(d, n - n_shared, bias=False)
+        self.top_k = k
+
+    def forward(self, inputs):
+        flat = inputs.view(-1, inputs.shape[-1])
+        weights, selected = torch.topk(self.router(flat), self.top_k)
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32)
+        results = torch.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            if i < self.n_shared_experts:
+                output, _ = expert(flat)
+                results += output
+            else:
+                rows, nth = torch.where(selected == i - self.n_shared_experts)
+                output, _ = expert(flat[rows])
+                results[rows] += weights[rows, nth, None] * output
+        return results.view_as(inputs)
+'''
+
+_S26_SHARED_IN_LOOP_RUN = '''\
+layer = SharedFirstMoE(nn.ModuleList([TwoLayer(16, 24) for _ in range(6)]), 16, 6, 2, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[0].fc.weight, layer.experts[4].proj.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S26_SHARED_IN_LOOP, name="s26_shared_experts_first_in_the_routed_loop", run=_S26_SHARED_IN_LOOP_RUN,
+         expect={"routing": "mask_where", "layout": "expert_modules", "indices": "selected", "probs": "weights"}),
+    # the same split written with the routed half first (`if i >= S:`)
+    Fuse(_S26_SHARED_IN_LOOP.replace("if i < self.n_shared_experts:", "if i >= self.n_shared_experts:").replace(
+        "                output, _ = expert(flat)\n                results += output\n            else:\n", "").replace(
+        "                results[rows] += weights[rows, nth, None] * output\n",
+        "                results[rows] += weights[rows, nth, None] * output\n            else:\n"
+        "                output, _ = expert(flat)\n                results += output\n"),
+         name="s26_shared_experts_routed_branch_first", run=_S26_SHARED_IN_LOOP_RUN, expect={"routing": "mask_where"}),
+]
+
+MoeExperts.KEEP += [
+    # the dense experts read the accumulator: moving them after the routed sum changes the value
+    Keep(_S26_SHARED_IN_LOOP.replace("                results += output\n", "                results = results * 0.5 + output\n"),
+         reason="cannot be reordered", name="s26_shared_experts_read_the_accumulator"),
+    # the routed half also uses the global index (a per-expert scale table): not a dispatch over experts[S:] alone
+    # (the loop is then judged as written: a branch inside the expert loop)
+    Keep(_S26_SHARED_IN_LOOP.replace("weights[rows, nth, None] * output", "weights[rows, nth, None] * output * (i + 1)").replace(
+        "n_shared_experts", "n_dense"),
+         reason="conditional code inside the expert loop", name="s26_shared_experts_routed_half_reads_global_index"),
+]
+
+
+def _kept_part(ev: "_Eval", contrib: V, loop: ast.stmt) -> Optional[tuple[V, int]]:
+    """``out, _ = expert(rows)`` with only ``out`` used: (the contribution with the whole expert call in place of
+    its element, the element's position), so the experts are called as they are and indexed; None when another
+    element is read anywhere in the loop or after it, or is replayed by steps of its own."""
+    core = contrib.args[0] if contrib.kind == "scaled" else contrib
+    if core.kind != "mod_part" or ev.tuple_call is None or ev.part_steps:
+        return None
+    stmt, names, whole = ev.tuple_call
+    j = core.args[1]
+    if not isinstance(j, int) or whole.kind != "mod_out" or whole.args[1]:
+        return None
+    others = set(names) - {names[j]}
+    if names.count(names[j]) != 1:
+        return None
+    for n in fast_walk(loop):
+        if isinstance(n, ast.Name) and n.id in others and isinstance(n.ctx, ast.Load):
+            return None
+    end = loop.end_lineno or loop.lineno
+    if any(ev.scope.uses_after(n, end) for n in others):
+        return None
+    swapped = V("scaled", (whole,) + contrib.args[1:]) if contrib.kind == "scaled" else whole
+    return swapped, j
