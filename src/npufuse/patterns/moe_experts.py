@@ -268,6 +268,15 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 continue
         if any(a <= stmt.lineno <= b for a, b in slot_spans):
             continue  # the inner loop of a per-token, per-slot site already reported
+        try:
+            slot_outer = _slot_outer_site(module, scope, block, i, stmt)  # s26: slots outside, tokens in a comprehension
+        except _Miss as miss:
+            if not quiet:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            continue
+        if slot_outer is not None:
+            yield slot_outer
+            continue
         if not _looks_like_moe(module, stmt):
             continue  # every recognised form mentions experts or scatters rows back
         looks = not quiet
@@ -8420,3 +8429,234 @@ def _kept_part(ev: "_Eval", contrib: V, loop: ast.stmt) -> Optional[tuple[V, int
         return None
     swapped = V("scaled", (whole,) + contrib.args[1:]) if contrib.kind == "scaled" else whole
     return swapped, j
+
+
+# --- s26: per slot, per token (the slot loop outside, the tokens in a comprehension) -------------------------
+#
+#     for k in range(K):
+#         ids_k = ids[:, k]                      (aliases optional; inline subscripts as well)
+#         g_k = w[:, k].unsqueeze(1)
+#         y = torch.stack([experts[e](x[n]) for n, e in enumerate(ids_k)])
+#         out += g_k * y
+#
+# computes out[n] += sum_k w[n, k] * expert_{ids[n, k]}(x[n]): the same (token, slot) sum as the
+# token-outer loop of _token_slot_site, so the same permute / one call per expert / unpermute replaces it.
+
+
+def _strip_item(node: ast.expr) -> ast.expr:
+    """``e`` of ``int(e)`` / ``e.item()`` / ``e`` (one scalar index read three ways)."""
+    if isinstance(node, ast.Call) and dotted(node.func) == "int" and len(node.args) == 1 and not node.keywords:
+        node = node.args[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("item", "tolist") and not node.args:
+        node = node.func.value
+    return node
+
+
+def _slot_column(node: ast.expr, k: str) -> Optional[str]:
+    """``a`` of ``a[:, k]`` (``a[:, k, ...]`` too)."""
+    node = leading_subscript(node) if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) \
+        and len(node.slice.elts) > 2 else node  # type: ignore[assignment]
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Tuple) \
+            and len(node.slice.elts) == 2:
+        a, b = node.slice.elts
+        if isinstance(a, ast.Slice) and a.lower is None and a.upper is None and a.step is None \
+                and isinstance(b, ast.Name) and b.id == k:
+            return node.value.id
+    return None
+
+
+def _slot_outer_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Finding]:
+    """The slot-outer, token-comprehension form above as a Finding; None when the loop is not of that shape."""
+    if loop.orelse or not isinstance(loop.target, ast.Name) or len(loop.body) < 2:
+        return None
+    kb = _range_bound(loop.iter)
+    if kb is None:
+        return None
+    k = loop.target.id
+    *pre, acc_st = loop.body
+    alias: dict[str, ast.expr] = {}
+    for st in pre:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            return None
+        alias[st.targets[0].id] = st.value
+
+    def resolve(node: ast.expr) -> ast.expr:
+        return alias.get(node.id, node) if isinstance(node, ast.Name) else node
+
+    if isinstance(acc_st, ast.AugAssign) and isinstance(acc_st.op, ast.Add) and isinstance(acc_st.target, ast.Name):
+        out, val = acc_st.target.id, acc_st.value
+    elif isinstance(acc_st, ast.Assign) and len(acc_st.targets) == 1 and isinstance(acc_st.targets[0], ast.Name) \
+            and isinstance(acc_st.value, ast.BinOp) and isinstance(acc_st.value.op, ast.Add) \
+            and isinstance(acc_st.value.left, ast.Name) and acc_st.value.left.id == acc_st.targets[0].id:
+        out, val = acc_st.targets[0].id, acc_st.value.right
+    else:
+        return None
+    val = resolve(val)
+    if not (isinstance(val, ast.BinOp) and isinstance(val.op, ast.Mult)):
+        return None
+    weights = stacked = None
+    for a, b in ((val.left, val.right), (val.right, val.left)):
+        col = _gate_column_node(resolve(a))
+        if col is not None and _slot_column(resolve(col), k) is not None:
+            weights, stacked = _slot_column(resolve(col), k), resolve(b)
+    if weights is None or stacked is None:
+        return None
+    if not (isinstance(stacked, ast.Call) and _canon(module, stacked.func) == "torch.stack" and len(stacked.args) == 1
+            and isinstance(stacked.args[0], ast.ListComp) and (keyword(stacked, "dim", 1) is None or const_value(keyword(stacked, "dim", 1)) == 0)):
+        return None
+    comp = stacked.args[0]
+    if len(comp.generators) != 1 or comp.generators[0].ifs or comp.generators[0].is_async:
+        return None
+    gen = comp.generators[0]
+    call = comp.elt
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and isinstance(call.func, ast.Subscript)):
+        return None
+    # which token n and which expert id: enumerate(ids[:, k]) -> (n, e), or range(T) with ids[:, k][n] / ids[n, k]
+    ids: Optional[str] = None
+    if isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) == "enumerate" and len(gen.iter.args) == 1 \
+            and isinstance(gen.target, ast.Tuple) and len(gen.target.elts) == 2 and all(isinstance(e, ast.Name) for e in gen.target.elts):
+        n, e = gen.target.elts[0].id, gen.target.elts[1].id  # type: ignore[attr-defined]
+        ids = _slot_column(resolve(gen.iter.args[0]), k)
+        picked = _strip_item(call.func.slice)
+        if not (isinstance(picked, ast.Name) and picked.id == e):
+            return None
+    elif isinstance(gen.target, ast.Name) and _range_bound(gen.iter) is not None:
+        n = gen.target.id
+        picked = _strip_item(call.func.slice)
+        ids = _slot_index(picked, n, k)
+        if ids is None and isinstance(picked, ast.Subscript) and isinstance(picked.slice, ast.Name) and picked.slice.id == n:
+            ids = _slot_column(resolve(picked.value), k)
+        if ids is not None and not _is_dim_of(module, _range_bound(gen.iter), {ids}, 0):  # type: ignore[arg-type]
+            raise _Miss(f"the tokens run over `{segment(module, _range_bound(gen.iter))}`, not over the rows of `{ids}`")  # type: ignore[arg-type]
+    if ids is None:
+        return None
+    arg = call.args[0]
+    if not (isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Name) and isinstance(arg.slice, ast.Name) and arg.slice.id == n):
+        raise _Miss(f"the expert of each slot and token is called as `{segment(module, call)[:60]}`: not on the token's "
+                    "row alone, which the fused layer passes")
+    tokens = arg.value.id
+    container_node = call.func.value
+    loop_names = _assigned(loop.body) | {k}
+    if {m.id for m in fast_walk(container_node) if isinstance(m, ast.Name)} & (loop_names | {n}) \
+            or {m.id for m in fast_walk(kb) if isinstance(m, ast.Name)} & loop_names:
+        return None
+    for name in (ids, weights, tokens, out):
+        if name in _assigned(pre):
+            return None
+    end = loop.end_lineno or loop.lineno
+    for name in sorted(_assigned(loop.body) - {out}):
+        if scope.uses_after(name, end):
+            raise _Miss(f"`{name}` (a per-slot value of the loop) is used after it; the fused layer does not produce it")
+    container = segment(module, container_node)
+    e_, rows, ind = f"{P}e", f"{P}rows", "    "
+    body = [
+        f"if {ids}.dim() == 2 and {ids}.numel() > 0 and not {ids}.is_floating_point() and {tokens}.dim() == 2 "
+        f"and {tokens}.shape[0] == {ids}.shape[0] and {weights}.shape == {ids}.shape and {ids}.shape[1] == ({segment(module, kb)}) "
+        f"and isinstance({out}, torch.Tensor) and {out}.dim() == 2 and {out}.shape[0] == {ids}.shape[0] "
+        f"and {tokens}.dtype in (torch.float16, torch.bfloat16, torch.float32) and bool(({ids} >= 0).all()):",
+        f"{ind}# every (token, slot) pair, grouped by expert: each expert runs once on its rows",
+        f"{ind}{P}x, {P}order = torch_npu.npu_moe_token_permute({tokens}, {ids})",
+        f"{ind}{P}outs = []",
+        f"{ind}for {e_}, {rows} in enumerate({P}x.split(torch.bincount({ids}.flatten()).tolist())):",
+        f"{ind}{ind}if {rows}.shape[0]:  # like the loop: only experts some token chose are called",
+        f"{ind}{ind}{ind}{P}outs.append({container}[{e_}]({rows}))",
+        f"{ind}{P}h = torch.cat({P}outs)",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {weights}.dtype))  # the original multiplies with promotion",
+        f"{ind}{out} += torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={weights}.to({P}h.dtype)).to({out}.dtype)",
+        "else:  # other shapes: as written",
+        *(ind + ln for ln in ast.unparse(loop).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": f"(as {container} holds them)", "top_k": f"{ids}.shape[1]", "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_down",
+        "routing": "token_slot", "loop": "slots_tokens", "tokens": tokens, "indices": ids, "probs": weights,
+        "counts": None, "output": out, "output_dtype": f"{out}.dtype", "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", "each expert is called once on all its rows ([n, H]) instead of once per token ([H]): equal only "
+             "while the expert treats rows independently (no batch statistics, no shape-dependent branches)"),
+        Risk("dtype", f"the weighted slots are summed first and added to `{out}` once; the original adds slot by slot"),
+        Risk("other", f"the fused branch runs only when {ids} is [T, K] of integers with K = {segment(module, kb)}, "
+             f"{tokens} is [T, H], the weights one per slot and `{out}` is [T, D]; otherwise the loop runs as written"),
+    ]
+    notes = ["the per-slot loop over per-token expert calls becomes npu_moe_token_permute, one call of each chosen "
+             "expert on its contiguous rows, and npu_moe_token_unpermute with the routing weights (T*K expert calls "
+             "become at most E)"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=loop.lineno, end_line=end, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="token_slot", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _gate_column_node(node: ast.expr) -> Optional[ast.expr]:
+    """``g`` (the node) of ``g.unsqueeze(-1)`` / ``g.unsqueeze(1)`` / ``g[:, None]`` / ``g.view(-1, 1)`` / ``g.reshape(-1, 1)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        args = [const_value(a) for a in node.args]
+        if node.func.attr == "unsqueeze" and args in ([-1], [1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
+            return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2 \
+            and isinstance(node.slice.elts[0], ast.Slice) and const_value(node.slice.elts[1]) is None \
+            and isinstance(node.slice.elts[1], ast.Constant) \
+            and node.slice.elts[0].lower is None and node.slice.elts[0].upper is None:
+        return node.value
+    return None
+
+
+_S26_SLOT_OUTER = _HEAD + '''
+class Expert(nn.Module):
+    def __init__(self, d, h, o):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, o))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class PerSlotMoE(nn.Module):
+    def __init__(self, d, h, o, n, k):
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList([Expert(d, h, o) for _ in range(n)])
+        self.k = k
+
+    def forward(self, x):
+        b, s, d = x.shape
+        flat = x.view(-1, d)
+        logits, ids = self.router(flat).topk(self.k, dim=1)
+        gates = F.softmax(logits, dim=1)
+        out = torch.zeros(b * s, self.experts[0].net[-1].out_features, device=x.device)
+        for j in range(self.k):
+            chosen = ids[:, j]
+            g = gates[:, j].unsqueeze(1)
+            y = torch.stack([self.experts[e](flat[n]) for n, e in enumerate(chosen)])
+            out += g * y
+        return out.view(b, s, -1)
+'''
+
+_S26_SLOT_OUTER_RUN = '''\
+layer = PerSlotMoE(8, 16, 6, 4, 2)
+x = torch.randn(2, 5, 8, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[1].net[0].weight, layer.router.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S26_SLOT_OUTER, name="s26_slot_loop_token_comprehension", run=_S26_SLOT_OUTER_RUN,
+         expect={"routing": "token_slot", "loop": "slots_tokens", "indices": "ids", "probs": "gates", "tokens": "flat"}),
+    # the same sum with the token index spelled through range(T) and ids[n, j]
+    Fuse(_S26_SLOT_OUTER.replace("[self.experts[e](flat[n]) for n, e in enumerate(chosen)]",
+                                 "[self.experts[int(ids[n, j])](flat[n]) for n in range(ids.shape[0])]"),
+         name="s26_slot_loop_token_range_comprehension", run=_S26_SLOT_OUTER_RUN,
+         expect={"routing": "token_slot", "indices": "ids", "probs": "gates"}),
+]
+
+MoeExperts.KEEP += [
+    # each token's chosen expert runs on another row (flat[n - 1], the previous token): not a per-token dispatch
+    Keep(_S26_SLOT_OUTER.replace("self.experts[e](flat[n]) for n, e", "self.experts[e](flat[n - 1]) for n, e"),
+         reason="not on the token's row alone", name="s26_slot_loop_expert_on_all_rows"),
+    # the comprehension runs over fewer tokens than the routing table has rows
+    Keep(_S26_SLOT_OUTER.replace("[self.experts[e](flat[n]) for n, e in enumerate(chosen)]",
+                                 "[self.experts[int(ids[n, j])](flat[n]) for n in range(s)]"),
+         reason="not over the rows of `ids`", name="s26_slot_loop_tokens_not_the_table_rows"),
+]
