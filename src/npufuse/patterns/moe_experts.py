@@ -236,6 +236,11 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 if found is not None:
                     yield found
                     continue
+            if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp):
+                dense = _dense_stack_site(module, scope, block, i)  # s26: every expert on every token, sparse gate
+                if dense is not None:
+                    yield dense
+                    continue
             comp = _expert_comprehension(module, stmt) if not quiet else None
             result = _comprehension_result(module, scope, block, i, stmt, comp) if comp is not None else None
             if result is not None:
@@ -8659,4 +8664,337 @@ MoeExperts.KEEP += [
     Keep(_S26_SLOT_OUTER.replace("[self.experts[e](flat[n]) for n, e in enumerate(chosen)]",
                                  "[self.experts[int(ids[n, j])](flat[n]) for n in range(s)]"),
          reason="not over the rows of `ids`", name="s26_slot_loop_tokens_not_the_table_rows"),
+]
+
+
+# --- s26: dense top-k mixtures (every expert on every token, combined with a sparse gate) ---------------------
+#
+#     outs = [expert(x) for expert in self.experts]
+#     stacked = torch.stack(outs, dim=-1)                      # [..., D, E]
+#     y = torch.sum(gates.unsqueeze(-2) * stacked, dim=-1)     # (or .sum(-1); stack dim=-2 with unsqueeze(-1), sum(-2))
+#
+# is sum_e g[..., e] * expert_e(x): when g is zero outside each token's top-k, only the chosen experts
+# contribute, so permuting the tokens by the non-zero gate entries, calling each expert once on its rows and
+# unpermuting with those entries gives the same value while computing each expert on its tokens only. Which
+# entries are non-zero is read at run time (`gates != 0`, one host sync for the largest count per token), so
+# the replacement is exact for any gate; statically npufuse requires evidence that the gate is a top-k routing
+# (topk / one_hot / scatter / masked_fill in its dataflow, here or in the gate module's forward of this file),
+# otherwise it is a dense (soft) mixture and stays as written.
+
+_SPARSE_MAKERS = {"topk", "one_hot", "scatter", "scatter_", "masked_fill", "masked_fill_", "argmax"}
+
+
+def _gate_evidence(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, seen: Optional[set[int]] = None, depth: int = 0) -> set[str]:
+    """Names of the top-k routing steps (topk, scatter, one_hot, masked_fill...) in the dataflow of ``node``:
+    local assignments, and the forward of a gate module of this file called as ``self.<attr>(...)``."""
+    seen = set() if seen is None else seen
+    found: set[str] = set()
+    if depth > 12 or id(node) in seen:
+        return found
+    seen.add(id(node))
+    for n in fast_walk(node):
+        if isinstance(n, ast.Call):
+            name = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
+            if name in _SPARSE_MAKERS:
+                found.add(name)
+            if isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" \
+                    and scope.class_name in module.classes and depth < 6:
+                found |= _gate_module_evidence(module, scope.class_name, n.func.attr, seen, depth)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            value = scope.definition(n.id, line)
+            if value is not None and id(value) not in seen:
+                found |= _gate_evidence(module, scope, value, getattr(value, "lineno", line), seen, depth + 1)
+    return found
+
+
+def _gate_module_evidence(module: ModuleInfo, cls_name: Optional[str], attr: str, seen: set[int], depth: int) -> set[str]:
+    """Evidence in the forward of the module class built as ``self.<attr> = Cls(...)`` in this file."""
+    if cls_name is None or cls_name not in module.classes:
+        return set()
+    value = _class_init_assigns(module, module.classes[cls_name]).get(attr)
+    if not isinstance(value, ast.Call) or dotted(value.func) not in module.classes:
+        return set()
+    gate_cls = dotted(value.func)
+    scope = next((s for s in module.scopes if s.qualname == f"{gate_cls}.forward"), None)
+    if scope is None:
+        return set()
+    found: set[str] = set()
+    for n in fast_walk(scope.node):
+        if isinstance(n, ast.Return) and n.value is not None:
+            ret = n.value.elts[0] if isinstance(n.value, ast.Tuple) and n.value.elts else n.value
+            found |= _gate_evidence(module, scope, ret, n.lineno, seen, depth + 1)
+    return found
+
+
+def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """The dense top-k mixture above starting at ``block[i]`` (the comprehension over the experts)."""
+    st = block[i]
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+            and isinstance(st.value, ast.ListComp) and len(st.value.generators) == 1):
+        return None
+    outs, comp = st.targets[0].id, st.value
+    gen = comp.generators[0]
+    call = comp.elt
+    if gen.ifs or gen.is_async or not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords
+                                       and isinstance(call.args[0], ast.Name)):
+        return None
+    x = call.args[0].id
+    if isinstance(gen.target, ast.Name) and isinstance(call.func, ast.Name) and call.func.id == gen.target.id \
+            and dotted(gen.iter) is not None:
+        container = gen.iter  # [expert(x) for expert in self.experts]
+    elif isinstance(gen.target, ast.Name) and isinstance(call.func, ast.Subscript) and isinstance(call.func.slice, ast.Name) \
+            and call.func.slice.id == gen.target.id and _range_bound(gen.iter) is not None and dotted(call.func.value) is not None:
+        container = call.func.value  # [self.experts[i](x) for i in range(E)]
+    else:
+        return None
+    if x == gen.target.id:  # type: ignore[attr-defined]
+        return None
+    stacked = ""
+    stack_dim: Any = None
+    nan_zero = False
+    replay: list[ast.stmt] = []
+    combine: Optional[ast.stmt] = None
+    for j in range(i + 1, min(len(block), i + 8)):
+        s = block[j]
+        names = {n.id for n in fast_walk(s) if isinstance(n, ast.Name)}
+        if not stacked and isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) \
+                and isinstance(s.value, ast.Call) and _canon(module, s.value.func) == "torch.stack" and len(s.value.args) == 1 \
+                and isinstance(s.value.args[0], ast.Name) and s.value.args[0].id == outs:
+            stacked, stack_dim = s.targets[0].id, const_value(keyword(s.value, "dim", 1)) if keyword(s.value, "dim", 1) is not None else 0
+            continue
+        if stacked and _nan_zeroing(s, stacked):
+            nan_zero = True
+            continue
+        if stacked and stacked in names:
+            combine = s
+            break
+        if outs in names or x in _assigned([s]) or stacked in names:
+            return None
+        replay.append(s)  # statements on other values (the gate's own NaN guard...): replayed before
+    if combine is None or stack_dim not in (-1, -2):
+        return None
+    if not (isinstance(combine, (ast.Assign, ast.Return)) and (isinstance(combine, ast.Return) or (
+            len(combine.targets) == 1 and isinstance(combine.targets[0], ast.Name)))):
+        return None
+    gate = _weighted_sum(module, combine.value, stacked, stack_dim)  # type: ignore[arg-type]
+    if gate is None:
+        return NearMiss(_ID, scope.qualname, st.lineno, combine.end_lineno or combine.lineno,
+                        f"every expert runs on the same input `{x}` and the stacked outputs are combined as "
+                        f"`{ast.unparse(combine)[:60]}`, not as a per-token gate-weighted sum over the experts: "
+                        "no token routing to replace")
+    gate_text = segment(module, gate)
+    end = combine.end_lineno or combine.lineno
+    first = st.lineno
+    evidence = _gate_evidence(module, scope, gate, first)
+    if not evidence & {"topk", "one_hot", "argmax"} or not evidence & {"scatter", "scatter_", "one_hot", "masked_fill", "masked_fill_"}:
+        return NearMiss(_ID, scope.qualname, first, end,
+                        f"every expert runs on every token and the outputs are mixed by `{gate_text[:40]}`, which npufuse "
+                        "does not trace to a top-k routing (topk with scatter / one_hot / masked_fill): a dense (soft) "
+                        "mixture, not a token-choice MoE")
+    for n in sorted({outs, stacked} | _assigned(replay)):
+        if n not in {outs, stacked}:
+            continue
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
+                            "after the mixture; the fused layer computes each expert on its routed tokens only")
+    result = "return {}" if isinstance(combine, ast.Return) else f"{combine.targets[0].id} = {{}}"  # type: ignore[union-attr]
+    cont = segment(module, container)
+    ind = "    "
+    original = [ind + ln for s in block[i: block.index(combine) + 1] for ln in ast.unparse(s).splitlines()]
+    lines = [ln for s in replay for ln in ast.unparse(s).splitlines()]
+    lines += [
+        f"{P}g = {gate_text}",
+        f"{P}experts = list({cont})",
+        f"if isinstance({P}g, torch.Tensor) and {P}g.dim() >= 2 and {P}g.shape[:-1] == {x}.shape[:-1] "
+        f"and {P}g.shape[-1] == len({P}experts) and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        f"{ind}{P}g2 = {P}g.reshape(-1, {P}g.shape[-1])",
+        f"{ind}{P}nz = {P}g2 != 0",
+        f"{ind}# the gate's non-zero entries per token, read at run time (one host sync): exact for any gate",
+        f"{ind}{P}k = max(int({P}nz.sum(-1).max()), 1)",
+        f"{ind}{P}idx = torch.topk({P}nz.to(torch.float32), {P}k, dim=-1).indices",
+        f"{ind}{P}p = {P}g2.gather(-1, {P}idx)",
+        f"{ind}{P}xs, {P}order = torch_npu.npu_moe_token_permute({x}.reshape(-1, {x}.shape[-1]), {P}idx)",
+        f"{ind}{P}outs = []",
+        f"{ind}for {P}expert, {P}rows in zip({P}experts, {P}xs.split(torch.bincount({P}idx.flatten(), minlength=len({P}experts)).tolist())):",
+        f"{ind}{ind}{P}y = {P}expert({P}rows)",
+    ]
+    if nan_zero:
+        lines.append(f"{ind}{ind}{P}y = torch.where(torch.isnan({P}y), torch.zeros_like({P}y), {P}y)  # as the original zeroes NaN outputs")
+    lines += [
+        f"{ind}{ind}{P}outs.append({P}y)",
+        f"{ind}{P}h = torch.cat({P}outs)",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {P}p.dtype))  # the original multiplies with promotion",
+        f"{ind}{P}mixed = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={P}p.to({P}h.dtype)).reshape(*{x}.shape[:-1], -1)",
+        f"{ind}{result.format(P + 'mixed')}",
+        "else:  # other shapes: as written",
+        *original,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": f"len({cont})", "top_k": "non-zero gate entries per token (read at run time)",
+        "layout": "expert_modules", "weights": {}, "activation": "as written", "conditional": True,
+        "routing_weights": "after_down", "routing": "dense_gate", "loop": "comprehension", "tokens": x,
+        "indices": None, "probs": gate_text, "counts": None,
+        "output": "" if isinstance(combine, ast.Return) else combine.targets[0].id,  # type: ignore[union-attr]
+        "output_dtype": None, "sentinel_index": None, "gate_evidence": sorted(evidence),
+    }
+    risks = [
+        Risk("other", "exact only where the original's unrouted terms are exactly zero: the replacement skips "
+             "0 * expert(x) for gate entries that are 0, so an unrouted expert output of inf/NaN (0 * inf = NaN in "
+             "the original) no longer reaches the result" + (" (the original zeroes NaN outputs, and so does the "
+             "replacement)" if nan_zero else "")),
+        Risk("other", "each expert is called once on its routed rows ([n, H]) instead of on the whole input: equal only "
+             "while the expert treats tokens independently (no attention, convolution or batch statistics over them)"),
+        Risk("other", "gradients: d out / d gate is not propagated to entries that are exactly zero (the original "
+             "propagates expert(x) to them; that gradient is zero wherever the zero comes from a top-k mask, a "
+             "scatter of the top-k values or a -inf logit, which is what npufuse found here)"),
+        Risk("dynamic_shape", "the number of routed experts per token and the per-expert row counts are read on the "
+             "host (two syncs instead of none): the original computed every expert on every token"),
+    ]
+    notes = [f"every expert ran on every token and was weighted by a gate that is zero outside the top-k "
+             f"(found in its dataflow: {', '.join(sorted(evidence))}); the tokens are permuted by the gate's non-zero "
+             "entries, each expert runs once on its rows and npu_moe_token_unpermute weights and sums them"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=first, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_gate",
+                   risks=risks, notes=notes, training_ok=True)
+
+
+def _nan_zeroing(s: ast.stmt, name: str) -> bool:
+    """``name[torch.isnan(name)] = 0``, bare or under ``if torch.isnan(name).any():``."""
+    if isinstance(s, ast.If) and not s.orelse and len(s.body) == 1:
+        s = s.body[0]
+    if not (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Subscript)
+            and const_value(s.value) == 0):
+        return False
+    t = s.targets[0]
+    sl = t.slice
+    return isinstance(t.value, ast.Name) and t.value.id == name and isinstance(sl, ast.Call) \
+        and (dotted(sl.func) or "").endswith("isnan") and len(sl.args) == 1 and isinstance(sl.args[0], ast.Name) \
+        and sl.args[0].id == name
+
+
+def _weighted_sum(module: ModuleInfo, node: Optional[ast.expr], stacked: str, stack_dim: Any) -> Optional[ast.expr]:
+    """The gate G of ``torch.sum(G.unsqueeze(d) * stacked, dim=s)`` / ``(G.unsqueeze(d) * stacked).sum(s)`` where
+    the experts are stacked at ``stack_dim`` (-1: [.., D, E], d = -2; -2: [.., E, D], d = -1) and s = stack_dim."""
+    if not isinstance(node, ast.Call):
+        return None
+    if _canon(module, node.func) == "torch.sum" and node.args:
+        prod, dim = node.args[0], keyword(node, "dim", 1)
+    elif isinstance(node.func, ast.Attribute) and node.func.attr == "sum":
+        prod, dim = node.func.value, keyword(node, "dim", 0)
+    else:
+        return None
+    if dim is None or const_value(dim) != stack_dim or keyword(node, "keepdim", 2) is not None:
+        return None
+    if not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+        return None
+    want = -2 if stack_dim == -1 else -1
+    for a, b in ((prod.left, prod.right), (prod.right, prod.left)):
+        if isinstance(b, ast.Name) and b.id == stacked and isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) \
+                and a.func.attr == "unsqueeze" and len(a.args) == 1 and const_value(a.args[0]) == want and not a.keywords:
+            return a.func.value
+    return None
+
+
+_S26_DENSE_GATE = _HEAD + '''
+class TopOneGate(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.proj = nn.Linear(d, n)
+
+    def forward(self, x):
+        scores = F.softmax(self.proj(x), dim=-1)
+        _, chosen = scores.topk(1, dim=-1)
+        mask = torch.zeros_like(scores).scatter_(-1, chosen, 1)
+        kept = scores * mask
+        return kept / (kept.sum(-1, keepdim=True) + 1e-6), None
+
+
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class DenseSwitch(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.gate = TopOneGate(d, n)
+
+    def forward(self, x):
+        gates, aux = self.gate(x)
+        outs = [expert(x) for expert in self.experts]
+        if torch.isnan(gates).any():
+            gates[torch.isnan(gates)] = 0
+        stacked = torch.stack(outs, dim=-1)
+        if torch.isnan(stacked).any():
+            stacked[torch.isnan(stacked)] = 0
+        y = torch.sum(gates.unsqueeze(-2) * stacked, dim=-1)
+        return y, aux
+'''
+
+_S26_DENSE_GATE_RUN = '''\
+layer = DenseSwitch(8, 16, 4)
+x = torch.randn(2, 5, 8, requires_grad=True)
+out = layer(x)[0]
+leaves = [x, layer.experts[2].up.weight, layer.gate.proj.weight]
+'''
+
+# top-2 by a -inf scatter and a softmax, the experts stacked on dim -2, the weighted sum as a method
+_S26_DENSE_NEG_INF = _HEAD + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+class DenseTopK(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.router = nn.Linear(d, n, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        logits = self.router(x)
+        top, idx = logits.topk(self.k, dim=-1)
+        sparse = torch.full_like(logits, float("-inf")).scatter(-1, idx, top)
+        gates = sparse.softmax(dim=-1)
+        outs = [self.experts[i](x) for i in range(len(self.experts))]
+        stacked = torch.stack(outs, dim=-2)
+        return (stacked * gates.unsqueeze(-1)).sum(dim=-2)
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S26_DENSE_GATE, name="s26_dense_experts_top1_gate_module_nan_guard", run=_S26_DENSE_GATE_RUN,
+         expect={"variant": "dense_gate", "routing": "dense_gate", "tokens": "x", "probs": "gates", "output": "y"}),
+    Fuse(_S26_DENSE_NEG_INF, name="s26_dense_experts_neg_inf_scatter_softmax", run='''\
+layer = DenseTopK(8, 16, 4, 2)
+x = torch.randn(7, 8, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[1].down.weight, layer.router.weight]
+''', expect={"variant": "dense_gate", "probs": "gates", "output": ""}),
+]
+
+MoeExperts.KEEP += [
+    # a soft mixture: the gate is a plain softmax, every expert contributes to every token
+    Keep(_S26_DENSE_NEG_INF.replace('''        top, idx = logits.topk(self.k, dim=-1)
+        sparse = torch.full_like(logits, float("-inf")).scatter(-1, idx, top)
+        gates = sparse.softmax(dim=-1)''', '''        gates = logits.softmax(dim=-1)'''),
+         reason="a dense (soft) mixture, not a token-choice MoE", name="s26_dense_soft_mixture"),
+    # every expert's output on every token is returned as well: the fused layer never computes it
+    Keep(_S26_DENSE_NEG_INF.replace("return (stacked * gates.unsqueeze(-1)).sum(dim=-2)",
+                                    "y = (stacked * gates.unsqueeze(-1)).sum(dim=-2)\n        return y, stacked"),
+         reason="is used after the mixture", name="s26_dense_all_outputs_used_after"),
+    # the experts' outputs are averaged (an ensemble), not weighted by a gate
+    Keep(_S26_DENSE_NEG_INF.replace("return (stacked * gates.unsqueeze(-1)).sum(dim=-2)", "return stacked.mean(dim=-2)"),
+         reason="not as a per-token gate-weighted sum", name="s26_dense_ensemble_mean"),
 ]
