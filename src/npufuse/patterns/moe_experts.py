@@ -1618,7 +1618,8 @@ class _Eval:
             self.num_experts = self.bins = segment(m, it.args[0])
             return
         if self._is_expert_container(it):
-            raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing)")
+            raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing): "
+                        "it iterates over the modules without an expert index, so no expert selects tokens of its own")
         self.loop_kind = "expert_hit"  # only the experts that received tokens: checked in _check_hit
 
     def _split_rows(self, node: ast.expr) -> Optional[tuple[str, ast.expr]]:
@@ -1904,6 +1905,11 @@ class _Eval:
     def _subscript(self, node: ast.Subscript) -> V:
         sl = node.slice
         r = self.runs
+        if isinstance(sl, ast.Slice) and (sl.lower is not None or sl.upper is not None or sl.step is not None) \
+                and self.ev(node.value).kind in ("tok", "flatmask", "tokmask", "where"):
+            # s26: an expert's selected tokens cut to a prefix (`where(idx == e)[0][:capacity]`): the rest are dropped
+            raise _Miss(f"the expert's selected tokens are cut to `{ast.unparse(node)[:60]}` (a capacity): tokens past it get "
+                        "no output from this expert, while permute + grouped matmul keeps every routed token")
         if r is not None and isinstance(node.value, ast.Name) and node.value.id == r.order and isinstance(sl, ast.Slice) \
                 and sl.step is None and isinstance(sl.lower, ast.Name) and sl.lower.id == r.start \
                 and isinstance(sl.upper, ast.Name) and sl.upper.id == r.end:
@@ -8997,4 +9003,98 @@ MoeExperts.KEEP += [
     # the experts' outputs are averaged (an ensemble), not weighted by a gate
     Keep(_S26_DENSE_NEG_INF.replace("return (stacked * gates.unsqueeze(-1)).sum(dim=-2)", "return stacked.mean(dim=-2)"),
          reason="not as a per-token gate-weighted sum", name="s26_dense_ensemble_mean"),
+]
+
+
+# --- s26: loops over experts that are not a token-choice MoE (each refused with what it computes) -------------
+
+_S26_FFN = _HEAD + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)))
+'''
+
+MoeExperts.KEEP += [
+    # expert choice: each expert takes its top-C tokens (topk over the token axis); a token may get 0..E experts,
+    # which npu_moe_token_permute's fixed K per token does not express
+    Keep(_S26_FFN + '''
+class ExpertChoice(nn.Module):
+    def __init__(self, d, h, n, capacity):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.gate = nn.Linear(d, n, bias=False)
+        self.capacity = capacity
+
+    def forward(self, x):
+        affinity = self.gate(x).softmax(-1)
+        w, rows = torch.topk(affinity.t(), self.capacity, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out.index_add_(0, rows[e], w[e, :, None] * expert(x[rows[e]]))
+        return out
+''', reason="not the expert's selected tokens", name="s26_expert_choice_routing"),
+    # mixture of depths: one set of top-C tokens (chosen over the sequence) goes through every block
+    Keep(_S26_FFN + '''
+class DepthRouted(nn.Module):
+    def __init__(self, d, h, n, capacity):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.router = nn.Linear(d, 1)
+        self.capacity = capacity
+
+    def forward(self, x):
+        w, rows = torch.topk(self.router(x).squeeze(-1), self.capacity)
+        out = x.clone()
+        for expert in self.experts:
+            out[rows] = out[rows] + w[:, None] * expert(x[rows])
+        return out
+''', reason="no expert selects tokens of its own", name="s26_mixture_of_depths"),
+    # soft MoE: slots are convex combinations of all tokens, every expert runs on its slots
+    Keep(_S26_FFN + '''
+class SoftSlots(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.phi = nn.Parameter(torch.randn(d, n))
+
+    def forward(self, x):
+        logits = x @ self.phi
+        slots = logits.softmax(0).t() @ x
+        outs = torch.stack([expert(slots[e]) for e, expert in enumerate(self.experts)])
+        return logits.softmax(1) @ outs
+''', name="s26_soft_moe_slots"),
+    # GShard-style capacity: each expert keeps only its first C tokens, the rest are dropped (no output row)
+    Keep(_S26_FFN + '''
+class Capacity(nn.Module):
+    def __init__(self, d, h, n, cap):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.gate = nn.Linear(d, n, bias=False)
+        self.cap = cap
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = torch.where(idx == e)[0][: self.cap]
+            out[sel] = w[sel, None] * expert(x[sel])
+        return out
+''', reason="(a capacity)", name="s26_capacity_dropping_first_c_tokens"),
+    # experts applied to channel groups (a grouped / multi-head layer with an `experts` name): no routing at all
+    Keep(_S26_FFN + '''
+class ChannelGroups(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d // n, h) for _ in range(n)])
+        self.n = n
+
+    def forward(self, x):
+        parts = x.chunk(self.n, dim=-1)
+        return torch.cat([expert(p) for p, expert in zip(parts, self.experts)], dim=-1)
+''', name="s26_channel_groups_named_experts"),
 ]
