@@ -282,6 +282,10 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if slot_outer is not None:
             yield slot_outer
             continue
+        dense_loop = _dense_loop_site(module, scope, block, i, stmt) if not quiet else None  # s26: dense top-k loop
+        if dense_loop is not None:
+            yield dense_loop
+            continue
         if not _looks_like_moe(module, stmt):
             continue  # every recognised form mentions experts or scatters rows back
         looks = not quiet
@@ -8808,30 +8812,8 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
     ind = "    "
     original = [ind + ln for s in block[i: block.index(combine) + 1] for ln in ast.unparse(s).splitlines()]
     lines = [ln for s in replay for ln in ast.unparse(s).splitlines()]
+    lines += _dense_fused_lines(gate_text, x, cont, nan_zero, result.format(P + "mixed"), rank2=False)
     lines += [
-        f"{P}g = {gate_text}",
-        f"{P}experts = list({cont})",
-        f"if isinstance({P}g, torch.Tensor) and {P}g.dim() >= 2 and {P}g.shape[:-1] == {x}.shape[:-1] "
-        f"and {P}g.shape[-1] == len({P}experts) and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
-        f"{ind}{P}g2 = {P}g.reshape(-1, {P}g.shape[-1])",
-        f"{ind}{P}nz = {P}g2 != 0",
-        f"{ind}# the gate's non-zero entries per token, read at run time (one host sync): exact for any gate",
-        f"{ind}{P}k = max(int({P}nz.sum(-1).max()), 1)",
-        f"{ind}{P}idx = torch.topk({P}nz.to(torch.float32), {P}k, dim=-1).indices",
-        f"{ind}{P}p = {P}g2.gather(-1, {P}idx)",
-        f"{ind}{P}xs, {P}order = torch_npu.npu_moe_token_permute({x}.reshape(-1, {x}.shape[-1]), {P}idx)",
-        f"{ind}{P}outs = []",
-        f"{ind}for {P}expert, {P}rows in zip({P}experts, {P}xs.split(torch.bincount({P}idx.flatten(), minlength=len({P}experts)).tolist())):",
-        f"{ind}{ind}{P}y = {P}expert({P}rows)",
-    ]
-    if nan_zero:
-        lines.append(f"{ind}{ind}{P}y = torch.where(torch.isnan({P}y), torch.zeros_like({P}y), {P}y)  # as the original zeroes NaN outputs")
-    lines += [
-        f"{ind}{ind}{P}outs.append({P}y)",
-        f"{ind}{P}h = torch.cat({P}outs)",
-        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {P}p.dtype))  # the original multiplies with promotion",
-        f"{ind}{P}mixed = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={P}p.to({P}h.dtype)).reshape(*{x}.shape[:-1], -1)",
-        f"{ind}{result.format(P + 'mixed')}",
         "else:  # other shapes: as written",
         *original,
     ]
@@ -9097,4 +9079,205 @@ class ChannelGroups(nn.Module):
         parts = x.chunk(self.n, dim=-1)
         return torch.cat([expert(p) for p, expert in zip(parts, self.experts)], dim=-1)
 ''', name="s26_channel_groups_named_experts"),
+]
+
+
+def _dense_fused_lines(gate_text: str, x: str, cont: str, nan_zero: bool, result_line: str, rank2: bool) -> list[str]:
+    """The fused branch of a dense top-k mixture (``gate_text`` [..., E] weights ``cont``'s experts on ``x``):
+    permute by the gate's non-zero entries (read at run time), one call per expert, unpermute with those
+    entries into ``{P}mixed``, then ``result_line``. Ends with the ``if`` header's body; the caller adds the else."""
+    ind = "    "
+    rank = f" and {P}g.dim() == 2" if rank2 else ""
+    lines = [
+        f"{P}g = {gate_text}",
+        f"{P}experts = list({cont})",
+        f"if isinstance({P}g, torch.Tensor) and {P}g.dim() >= 2{rank} and {P}g.shape[:-1] == {x}.shape[:-1] "
+        f"and {P}g.shape[-1] == len({P}experts) and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        f"{ind}{P}g2 = {P}g.reshape(-1, {P}g.shape[-1])",
+        f"{ind}{P}nz = {P}g2 != 0",
+        f"{ind}# the gate's non-zero entries per token, read at run time (one host sync): exact for any gate",
+        f"{ind}{P}k = max(int({P}nz.sum(-1).max()), 1)",
+        f"{ind}{P}idx = torch.topk({P}nz.to(torch.float32), {P}k, dim=-1).indices",
+        f"{ind}{P}p = {P}g2.gather(-1, {P}idx)",
+        f"{ind}{P}xs, {P}order = torch_npu.npu_moe_token_permute({x}.reshape(-1, {x}.shape[-1]), {P}idx)",
+        f"{ind}{P}outs = []",
+        f"{ind}for {P}expert, {P}rows in zip({P}experts, {P}xs.split(torch.bincount({P}idx.flatten(), minlength=len({P}experts)).tolist())):",
+        f"{ind}{ind}{P}y = {P}expert({P}rows)",
+    ]
+    if nan_zero:
+        lines.append(f"{ind}{ind}{P}y = torch.where(torch.isnan({P}y), torch.zeros_like({P}y), {P}y)  # as the original zeroes NaN outputs")
+    lines += [
+        f"{ind}{ind}{P}outs.append({P}y)",
+        f"{ind}{P}h = torch.cat({P}outs)",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {P}p.dtype))  # the original multiplies with promotion",
+        f"{ind}{P}mixed = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={P}p.to({P}h.dtype)).reshape(*{x}.shape[:-1], -1)",
+        f"{ind}{result_line}",
+    ]
+    return lines
+
+
+def _dense_gate_column(node: ast.expr, e: str) -> Optional[tuple[ast.expr, bool]]:
+    """(G, needs a 2-D G) of a gate column ``G[..., e:e + 1]`` / ``G[:, e:e + 1]`` / ``G[..., e].unsqueeze(-1)`` /
+    ``G[:, e, None]`` ...: expert ``e``'s weight per token, shaped to broadcast over the output features."""
+    def index_e(n: ast.expr) -> bool:
+        return isinstance(n, ast.Name) and n.id == e
+
+    def unit_slice(n: ast.expr) -> bool:
+        return isinstance(n, ast.Slice) and n.step is None and index_e(n.lower) and isinstance(n.upper, ast.BinOp) \
+            and isinstance(n.upper.op, ast.Add) and index_e(n.upper.left) and const_value(n.upper.right) == 1  # type: ignore[arg-type]
+
+    def lead(n: ast.expr) -> Optional[bool]:
+        if isinstance(n, ast.Constant) and n.value is Ellipsis:
+            return False  # any rank
+        if isinstance(n, ast.Slice) and n.lower is None and n.upper is None and n.step is None:
+            return True  # `:` then the expert axis: G must be 2-D
+        return None
+
+    unsq = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze" \
+        and len(node.args) == 1 and const_value(node.args[0]) == -1 and not node.keywords
+    sub = node.func.value if unsq else node  # type: ignore[union-attr]
+    if not (isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.Tuple)):
+        return None
+    elts = sub.slice.elts
+    if len(elts) == 2 and lead(elts[0]) is not None and (unsq and index_e(elts[1]) or not unsq and unit_slice(elts[1])):
+        return sub.value, bool(lead(elts[0]))
+    if not unsq and len(elts) == 3 and lead(elts[0]) is not None and index_e(elts[1]) \
+            and isinstance(elts[2], ast.Constant) and elts[2].value is None:
+        return sub.value, bool(lead(elts[0]))
+    return None
+
+
+def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """``for e, expert in enumerate(C): out += G[..., e:e + 1] * expert(x)`` (or ``C[e](x)`` over range): every
+    expert on every token, summed with a gate column; the dense top-k mixture of :func:`_dense_stack_site`."""
+    if loop.orelse or len(loop.body) != 1:
+        return None
+    st, it, tgt = loop.body[0], loop.iter, loop.target
+    if isinstance(st, ast.AugAssign) and isinstance(st.op, ast.Add) and isinstance(st.target, ast.Name):
+        out, val, aug = st.target.id, st.value, True
+    elif isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
+            and isinstance(st.value, ast.BinOp) and isinstance(st.value.op, ast.Add) and isinstance(st.value.left, ast.Name) \
+            and st.value.left.id == st.targets[0].id:
+        out, val, aug = st.targets[0].id, st.value.right, False
+    else:
+        return None
+    if not (isinstance(val, ast.BinOp) and isinstance(val.op, ast.Mult)):
+        return None
+    if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and isinstance(tgt, ast.Tuple) \
+            and len(tgt.elts) == 2 and all(isinstance(n, ast.Name) for n in tgt.elts) and dotted(it.args[0]) is not None:
+        e, item, container = tgt.elts[0].id, tgt.elts[1].id, it.args[0]  # type: ignore[attr-defined]
+    elif isinstance(tgt, ast.Name) and _range_bound(it) is not None:
+        e, item, container = tgt.id, "", None
+    else:
+        return None
+    for a, b in ((val.left, val.right), (val.right, val.left)):
+        col = _dense_gate_column(a, e)
+        if col is None or not (isinstance(b, ast.Call) and len(b.args) == 1 and not b.keywords and isinstance(b.args[0], ast.Name)):
+            continue
+        f = b.func
+        if item and isinstance(f, ast.Name) and f.id == item:
+            cont_node = container
+        elif isinstance(f, ast.Subscript) and isinstance(f.slice, ast.Name) and f.slice.id == e and dotted(f.value) is not None \
+                and (container is None or ast.dump(f.value) == ast.dump(container)):
+            cont_node = f.value
+        else:
+            continue
+        gate, rank2 = col
+        x = b.args[0].id
+        if x in (e, item, out) or {n.id for n in fast_walk(gate) if isinstance(n, ast.Name)} & {e, item, out}:
+            return None
+        if container is None:
+            bound = _range_bound(it)
+            if not (isinstance(bound, ast.Call) and dotted(bound.func) == "len" and len(bound.args) == 1
+                    and ast.dump(bound.args[0]) == ast.dump(cont_node)):  # type: ignore[arg-type]
+                return None  # range(E) over a count npufuse cannot tie to the module list
+        gate_text = segment(module, gate)
+        end = loop.end_lineno or loop.lineno
+        evidence = _gate_evidence(module, scope, gate, loop.lineno)
+        if not evidence & {"topk", "one_hot", "argmax"} or not evidence & {"scatter", "scatter_", "one_hot", "masked_fill", "masked_fill_"}:
+            return NearMiss(_ID, scope.qualname, loop.lineno, end,
+                            f"every expert runs on every token and the outputs are mixed by `{gate_text[:40]}`, which npufuse "
+                            "does not trace to a top-k routing (topk with scatter / one_hot / masked_fill): a dense (soft) "
+                            "mixture, not a token-choice MoE")
+        cont = segment(module, cont_node)  # type: ignore[arg-type]
+        result = f"{out} += {P}mixed" if aug else f"{out} = {out} + {P}mixed"
+        lines = _dense_fused_lines(gate_text, x, cont, False, result, rank2)
+        lines += ["else:  # other shapes: as written", *("    " + ln for ln in ast.unparse(loop).splitlines())]
+        params: dict[str, Any] = {
+            "num_experts": f"len({cont})", "top_k": "non-zero gate entries per token (read at run time)",
+            "layout": "expert_modules", "weights": {}, "activation": "as written", "conditional": True,
+            "routing_weights": "after_down", "routing": "dense_gate", "loop": "dense_loop", "tokens": x,
+            "indices": None, "probs": gate_text, "counts": None, "output": out, "output_dtype": None,
+            "sentinel_index": None, "gate_evidence": sorted(evidence),
+        }
+        risks = [
+            Risk("other", "exact only where the original's unrouted terms are exactly zero: the replacement skips "
+                 "0 * expert(x) for gate entries that are 0, so an unrouted expert output of inf/NaN (0 * inf = NaN in "
+                 "the original) no longer reaches the result; the routed terms are summed before they are added to "
+                 f"`{out}` (the loop added them one by one: rounding only)"),
+            Risk("other", "each expert is called once on its routed rows ([n, H]) instead of on the whole input: equal only "
+                 "while the expert treats tokens independently (no attention, convolution or batch statistics over them)"),
+            Risk("other", "gradients: d out / d gate is not propagated to entries that are exactly zero (zero in the "
+                 "original too wherever the zero comes from a top-k mask, a scatter of the top-k values or a -inf logit)"),
+            Risk("dynamic_shape", "the routed experts per token and the per-expert row counts are read on the host"),
+        ]
+        notes = [f"every expert ran on every token, weighted by a gate column that is zero outside the top-k (found in "
+                 f"its dataflow: {', '.join(sorted(evidence))}); permute by the non-zero entries, one call per expert, "
+                 "npu_moe_token_unpermute"]
+        return Finding(pattern=_ID, qualname=scope.qualname, line=loop.lineno, end_line=end, params=params,
+                       fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_gate",
+                       risks=risks, notes=notes, training_ok=True)
+    return None
+
+
+_S26_DENSE_LOOP = _HEAD + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))
+
+
+class MaskedDense(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.gate = nn.Linear(d, n, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        logits = self.gate(x)
+        kth = logits.topk(self.k, dim=-1).values[..., -1:]
+        weights = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            out += weights[..., i:i + 1] * expert(x)
+        return out
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S26_DENSE_LOOP, name="s26_dense_loop_masked_fill_topk", run='''\
+layer = MaskedDense(8, 16, 4, 2)
+x = torch.randn(3, 5, 8, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[0].up.weight, layer.gate.weight]
+''', expect={"variant": "dense_gate", "loop": "dense_loop", "probs": "weights", "output": "out"}),
+    Fuse(_S26_DENSE_LOOP.replace("for i, expert in enumerate(self.experts):\n            out += weights[..., i:i + 1] * expert(x)",
+                                 "for i in range(len(self.experts)):\n            out = out + self.experts[i](x) * weights[..., i].unsqueeze(-1)"),
+         name="s26_dense_loop_range_unsqueeze_column", run='''\
+layer = MaskedDense(8, 16, 4, 1)
+x = torch.randn(6, 8, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[3].down.weight]
+''', expect={"variant": "dense_gate", "loop": "dense_loop"}),
+]
+
+MoeExperts.KEEP += [
+    # a softmax over all experts: a soft mixture (every weight non-zero)
+    Keep(_S26_DENSE_LOOP.replace('''        kth = logits.topk(self.k, dim=-1).values[..., -1:]
+        weights = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)''', '''        weights = logits.softmax(-1)'''),
+         reason="a dense (soft) mixture", name="s26_dense_loop_soft_mixture"),
 ]
