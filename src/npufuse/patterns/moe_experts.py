@@ -8810,7 +8810,9 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
     result = "return {}" if isinstance(combine, ast.Return) else f"{combine.targets[0].id} = {{}}"  # type: ignore[union-attr]
     cont = segment(module, container)
     ind = "    "
-    original = [ind + ln for s in block[i: block.index(combine) + 1] for ln in ast.unparse(s).splitlines()]
+    # the replayed statements already ran above the `if`: the fallback holds the rest, in order
+    original = [ind + ln for s in block[i: block.index(combine) + 1] if not any(s is r for r in replay)
+                for ln in ast.unparse(s).splitlines()]
     lines = [ln for s in replay for ln in ast.unparse(s).splitlines()]
     lines += _dense_fused_lines(gate_text, x, cont, nan_zero, result.format(P + "mixed"), rank2=False)
     lines += [
@@ -9092,7 +9094,7 @@ def _dense_fused_lines(gate_text: str, x: str, cont: str, nan_zero: bool, result
         f"{P}g = {gate_text}",
         f"{P}experts = list({cont})",
         f"if isinstance({P}g, torch.Tensor) and {P}g.dim() >= 2{rank} and {P}g.shape[:-1] == {x}.shape[:-1] "
-        f"and {P}g.shape[-1] == len({P}experts) and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        f"and {P}g.shape[-1] == len({P}experts) and {P}g.numel() > 0 and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
         f"{ind}{P}g2 = {P}g.reshape(-1, {P}g.shape[-1])",
         f"{ind}{P}nz = {P}g2 != 0",
         f"{ind}# the gate's non-zero entries per token, read at run time (one host sync): exact for any gate",
