@@ -8801,9 +8801,11 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
                         f"every expert runs on every token and the outputs are mixed by `{gate_text[:40]}`, which npufuse "
                         "does not trace to a top-k routing (topk with scatter / one_hot / masked_fill): a dense (soft) "
                         "mixture, not a token-choice MoE")
-    for n in sorted({outs, stacked} | _assigned(replay)):
-        if n not in {outs, stacked}:
-            continue
+    mixing = _token_mixing(module, scope, container.value if isinstance(container, ast.Call) else container)
+    if mixing is not None:
+        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on the whole input `{x}` and the experts mix "
+                        f"tokens ({mixing}): the fused layer would call each on its routed rows only")
+    for n in (outs, stacked):
         if scope.uses_after(n, end):
             return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
                             "after the mixture; the fused layer computes each expert on its routed tokens only")
@@ -9201,6 +9203,10 @@ def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
                             f"every expert runs on every token and the outputs are mixed by `{gate_text[:40]}`, which npufuse "
                             "does not trace to a top-k routing (topk with scatter / one_hot / masked_fill): a dense (soft) "
                             "mixture, not a token-choice MoE")
+        mixing = _token_mixing(module, scope, cont_node)  # type: ignore[arg-type]
+        if mixing is not None:
+            return NearMiss(_ID, scope.qualname, loop.lineno, end, f"every expert runs on the whole input `{x}` and the "
+                            f"experts mix tokens ({mixing}): the fused layer would call each on its routed rows only")
         cont = segment(module, cont_node)  # type: ignore[arg-type]
         result = f"{out} += {P}mixed" if aug else f"{out} = {out} + {P}mixed"
         lines = _dense_fused_lines(gate_text, x, cont, False, result, rank2)
@@ -9282,4 +9288,60 @@ MoeExperts.KEEP += [
     Keep(_S26_DENSE_LOOP.replace('''        kth = logits.topk(self.k, dim=-1).values[..., -1:]
         weights = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)''', '''        weights = logits.softmax(-1)'''),
          reason="a dense (soft) mixture", name="s26_dense_loop_soft_mixture"),
+]
+
+
+# The dense forms call every expert on the whole input, the replacement on its routed rows only: equal only for
+# experts that treat tokens independently. When the expert class is in this file, its layers and forward are read
+# for steps that mix tokens; an expert class npufuse cannot read keeps the candidate with that risk stated.
+_TOKEN_MIXING_LAYERS = {"torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d", "torch.nn.MultiheadAttention",
+                        "torch.nn.BatchNorm1d", "torch.nn.BatchNorm2d", "torch.nn.GRU", "torch.nn.LSTM", "torch.nn.RNN",
+                        "torch.nn.TransformerEncoderLayer", "torch.nn.TransformerDecoderLayer", "torch.nn.GroupNorm"}
+_TOKEN_MIXING_CALLS = {"conv1d", "conv2d", "conv3d", "scaled_dot_product_attention", "bmm", "baddbmm", "einsum",
+                       "transpose", "permute", "cumsum", "roll", "batch_norm", "group_norm", "flip"}
+_LAST_DIM_REDUCTIONS = {"softmax", "log_softmax", "mean", "sum", "max", "min", "amax", "norm", "var", "std", "logsumexp"}
+
+
+def _token_mixing(module: ModuleInfo, scope: Scope, container: ast.expr) -> Optional[str]:
+    """What in the expert class (``self.<container>`` built in this class's __init__ from a class of this file)
+    mixes tokens, or None (nothing found, or the class cannot be read)."""
+    attr = container.attr if isinstance(container, ast.Attribute) else None
+    if attr is None or scope.class_name not in module.classes:
+        return None
+    value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)  # type: ignore[index]
+    if isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] in ("ModuleList", "Sequential") and value.args:
+        value = value.args[0]
+    elt = value.elt if isinstance(value, (ast.ListComp, ast.GeneratorExp)) else value
+    if not isinstance(elt, ast.Call) or dotted(elt.func) not in module.classes:
+        return None
+    cls = module.classes[dotted(elt.func)]  # type: ignore[index]
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef) or fn.name not in ("__init__", "forward"):
+            continue
+        for n in fast_walk(fn):
+            if not isinstance(n, ast.Call):
+                continue
+            canon = module.canonical(n.func) or ""
+            if canon in _TOKEN_MIXING_LAYERS:
+                return f"`{ast.unparse(n)[:50]}` in `{cls.name}`"
+            name = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
+            if fn.name == "forward" and name in _TOKEN_MIXING_CALLS:
+                return f"`{ast.unparse(n)[:50]}` in `{cls.name}.forward`"
+            if fn.name == "forward" and name in _LAST_DIM_REDUCTIONS:
+                dim = keyword(n, "dim", 0 if isinstance(n.func, ast.Attribute) else 1)
+                if dim is not None and const_value(dim) not in (-1,):
+                    return f"`{ast.unparse(n)[:50]}` in `{cls.name}.forward` (not over the last dimension)"
+    return None
+
+MoeExperts.KEEP += [
+    # the experts are convolutions over the sequence: on the routed rows alone they would see other neighbours
+    Keep(_S26_DENSE_LOOP.replace('''        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))''', '''        self.conv = nn.Conv1d(d, d, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)'''),
+         reason="the experts mix tokens", name="s26_dense_loop_sequence_mixing_experts"),
 ]
