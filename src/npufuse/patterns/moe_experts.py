@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import expert_mask, flattened_to_1d, shaped_like_indices
+from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
 from npufuse.scan.value import estimate, symbolic
 
@@ -157,6 +157,10 @@ class _Site:
     index_random: str = ""
     first_line: int = 0
     last_line: int = 0
+    # s26: the loop also ran some experts on every token (`if i < S:` half): that half, replayed as written
+    dense_tail: str = ""
+    # s26: opaque experts return a tuple and the loop keeps only this element of it (`y, _ = expert(rows)`)
+    expert_part: Optional[int] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +236,11 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 if found is not None:
                     yield found
                     continue
+            if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp):
+                dense = _dense_stack_site(module, scope, block, i)  # s26: every expert on every token, sparse gate
+                if dense is not None:
+                    yield dense
+                    continue
             comp = _expert_comprehension(module, stmt) if not quiet else None
             result = _comprehension_result(module, scope, block, i, stmt, comp) if comp is not None else None
             if result is not None:
@@ -264,6 +273,19 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 continue
         if any(a <= stmt.lineno <= b for a, b in slot_spans):
             continue  # the inner loop of a per-token, per-slot site already reported
+        try:
+            slot_outer = _slot_outer_site(module, scope, block, i, stmt)  # s26: slots outside, tokens in a comprehension
+        except _Miss as miss:
+            if not quiet:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            continue
+        if slot_outer is not None:
+            yield slot_outer
+            continue
+        dense_loop = _dense_loop_site(module, scope, block, i, stmt) if not quiet else None  # s26: dense top-k loop
+        if dense_loop is not None:
+            yield dense_loop
+            continue
         if not _looks_like_moe(module, stmt):
             continue  # every recognised form mentions experts or scatters rows back
         looks = not quiet
@@ -1423,6 +1445,9 @@ def _assigned(stmts: list[ast.stmt]) -> set[str]:
 def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
     if loop.orelse:
         raise _Miss("the expert loop has an else clause")
+    split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
+    if split is not None:
+        return split
     body_names = _names_in(loop)
     if any("capacity" in n.lower() for n in body_names):
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
@@ -1515,7 +1540,7 @@ class _Eval:
             inner = it.args[0]
             idx_name, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
             self.eidx.add(idx_name)
-            if self._is_expert_container(inner) or (dotted(inner) is not None and _called_in(loop.body, item_name)):
+            if self._is_expert_container(inner) or (dotted(_tail_base(inner)) is not None and _called_in(loop.body, item_name)):
                 # self.experts, or any list whose items the loop calls (`ffn(x[sel])`): the experts
                 self.loop_kind = "enumerate_experts"
                 self.experts_list = f"list({segment(m, inner)})"
@@ -1597,7 +1622,8 @@ class _Eval:
             self.num_experts = self.bins = segment(m, it.args[0])
             return
         if self._is_expert_container(it):
-            raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing)")
+            raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing): "
+                        "it iterates over the modules without an expert index, so no expert selects tokens of its own")
         self.loop_kind = "expert_hit"  # only the experts that received tokens: checked in _check_hit
 
     def _split_rows(self, node: ast.expr) -> Optional[tuple[str, ast.expr]]:
@@ -1883,6 +1909,11 @@ class _Eval:
     def _subscript(self, node: ast.Subscript) -> V:
         sl = node.slice
         r = self.runs
+        if isinstance(sl, ast.Slice) and (sl.lower is not None or sl.upper is not None or sl.step is not None) \
+                and self.ev(node.value).kind in ("tok", "flatmask", "tokmask", "where"):
+            # s26: an expert's selected tokens cut to a prefix (`where(idx == e)[0][:capacity]`): the rest are dropped
+            raise _Miss(f"the expert's selected tokens are cut to `{ast.unparse(node)[:60]}` (a capacity): tokens past it get "
+                        "no output from this expert, while permute + grouped matmul keeps every routed token")
         if r is not None and isinstance(node.value, ast.Name) and node.value.id == r.order and isinstance(sl, ast.Slice) \
                 and sl.step is None and isinstance(sl.lower, ast.Name) and sl.lower.id == r.start \
                 and isinstance(sl.upper, ast.Name) and sl.upper.id == r.end:
@@ -2402,6 +2433,15 @@ class _Eval:
                 return site
             raise _Miss("the loop writes its output more than once per expert")
         mode, target, contrib, extra = self.results[0]
+        kept = _kept_part(self, contrib, block[i]) if mode == "accumulate" else None  # s26: `y, _ = expert(rows)`
+        if kept is not None:
+            site = self._finish_mask_where(block, i, target, kept[0])
+            if site.mlp is None or site.mlp.layout != "opaque" or site.routing != "mask_where":
+                raise _Miss("the expert returns several values and the loop keeps only one: the fused layer calls the "
+                            "experts for one output tensor")
+            site.expert_part = kept[1]
+            site.zero_link = self.zero_link
+            return site
         if contrib.kind == "mod_part":
             raise _Miss("the expert returns several values and the loop keeps only one: the fused layer calls the "
                         "experts for one output tensor")
@@ -3478,7 +3518,7 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        call = f"{P}expert{site.expert_call}({rows})"
+        call = f"{P}expert{site.expert_call}({rows})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
         lines += [
@@ -3509,6 +3549,9 @@ def _fused_text(site: _Site) -> str:
             lines.append(f"{out} = {result}.to({site.out_dtype})")
         else:
             lines.append(f"{out}.add_({result}.to({out}.dtype))")
+    if site.dense_tail:
+        lines.append("# the experts the loop ran on every token (its other branch), as written")
+        lines += site.dense_tail.splitlines()
     return "\n".join(lines) + "\n"
 
 
@@ -7007,7 +7050,8 @@ class _GroupLoop:
             self.g, self.bound = tgt.id, it.args[0]
             return True
         if dotted(it.func) == "enumerate" and len(it.args) == 1 and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 \
-                and all(isinstance(e, ast.Name) for e in tgt.elts) and isinstance(it.args[0], (ast.Name, ast.Attribute)):
+                and all(isinstance(e, ast.Name) for e in tgt.elts) \
+                and isinstance(host_copy_base(it.args[0]) or it.args[0], (ast.Name, ast.Attribute)):  # sizes.cpu().numpy(): same sizes
             self.g, self.size_item = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[attr-defined]
             self.sizes = it.args[0]
             self.env[self.size_item] = ("size",)
@@ -7025,6 +7069,7 @@ class _GroupLoop:
     def ev(self, node: ast.expr) -> tuple:
         if isinstance(node, ast.Name):
             return self.env.get(node.id, ("other",))
+        node = leading_subscript(node)  # type: ignore[assignment]  # w[g, :, :] is w[g]; x[a:b, :] is x[a:b]
         if isinstance(node, ast.Subscript) and self._is_g(node.slice) and self._invariant(node.value):
             if isinstance(node.value, ast.Name) and node.value.id == self.pieces:
                 return ("rows",)
@@ -7131,7 +7176,7 @@ class _GroupLoop:
             return
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Attribute) \
                 and s.value.func.attr == "append" and isinstance(s.value.func.value, ast.Name) and len(s.value.args) == 1 \
-                and not self.start and self.ev(s.value.args[0])[0] == "y" and not self.out_list:
+                and self.ev(s.value.args[0])[0] == "y" and not self.out_list:  # with a running offset too (x[start:start + n])
             self.out_list = s.value.func.value.id
             return
         raise _Miss(f"`{ast.unparse(s)[:60]}` in the loop is not part of one grouped projection")
@@ -7184,7 +7229,8 @@ def _grouped_loop_gate(loop: ast.For) -> bool:
             break
     if not has_mm:
         return False
-    return any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == g for n in fast_walk(loop))
+    return any(isinstance(n, ast.Subscript) and isinstance(getattr(leading_subscript(n), "slice", None), ast.Name)
+               and leading_subscript(n).slice.id == g for n in fast_walk(loop))  # type: ignore[union-attr]
 
 
 def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
@@ -7195,12 +7241,15 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     ev = _GroupLoop(module, loop)
     if not ev.header():
         return None
-    # form A: `start = 0` right before the loop (the running row offset)
+    # form A: `start = 0` right before the loop (the running row offset), or before the `outs = []` of
+    # an append form (rows selected by offset, results combined by torch.cat: either selection with either combine)
     prev = block[i - 1] if i > 0 else None
-    if isinstance(prev, ast.Assign) and len(prev.targets) == 1 and isinstance(prev.targets[0], ast.Name) \
-            and const_value(prev.value) == 0 and any(isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name)
-                                                     and n.lower.id == prev.targets[0].id for n in fast_walk(loop)):
-        ev.start = prev.targets[0].id
+    for cand in (block[i - 1] if i > 0 else None, block[i - 2] if i > 1 else None):
+        if isinstance(cand, ast.Assign) and len(cand.targets) == 1 and isinstance(cand.targets[0], ast.Name) \
+                and const_value(cand.value) == 0 and any(isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name)
+                                                         and n.lower.id == cand.targets[0].id for n in fast_walk(loop)):
+            ev.start, prev = cand.targets[0].id, cand
+            break
     split_st: Optional[ast.Assign] = None
     if not ev.start:
         # form B: `pieces = X.split(sizes)` before the loop, `outs = []`, then `y = torch.cat(outs)`
@@ -7236,11 +7285,13 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     stmts = block[block.index(first_stmt): i + 1]
     cat_st: Optional[ast.stmt] = None
     out_name = ""
-    if ev.start or ev.prefix:
+    if (ev.start or ev.prefix) and not ev.out_list:
         if ev.out_target is None or (ev.start and not ev.advanced):
             return None
     else:
-        inits = [st for st in block[max(0, i - 2): i] if st is not split_st]
+        if ev.out_target is not None or ev.prefix or (ev.start and not ev.advanced):
+            return None
+        inits = [st for st in block[max(0, i - 2): i] if st is not split_st and not (ev.start and st is prev)]
         if not ev.out_list or not any(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
                                       and st.targets[0].id == ev.out_list and isinstance(st.value, ast.List) and not st.value.elts
                                       for st in inits) or len(inits) != 1:
@@ -7289,12 +7340,18 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
              f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
              f"if isinstance({w_text}, torch.Tensor) and {w_text}.dim() == 3 and {x_text}.dim() == 2 and {P}counts.dim() == 1 "
              f"and {check}:"]
-    if ev.start or ev.prefix:
+    if (ev.start or ev.prefix) and not ev.out_list:
         out_text = segment(module, ev.out_target)
         lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
                   f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
         if ev.start and scope.uses_after(ev.start, end):
             lines.append(f"    {ev.start} = {P}m")
+    elif ev.start:  # offset-selected rows, concatenated: only the first sum(sizes) rows take part
+        lines.append(f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)")
+        if scope.uses_after(ev.start, end):
+            lines.append(f"    {ev.start} = {P}m")
+        call = f"{P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"
+        lines.append(f"    return {call}" if isinstance(cat_st, ast.Return) else f"    {out_name} = {call}")
     else:
         res = f"return {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)" if isinstance(cat_st, ast.Return) \
             else f"{out_name} = {P}gmm({x_text}, {gw}.to({x_text}.dtype), {P}counts)"
@@ -7310,7 +7367,7 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         "weights": {"proj": w_text}, "activation": "none (one projection)", "conditional": True,
         "routing_weights": "outside", "routing": "running_offsets" if ev.start else "prefix_offsets" if ev.prefix else "sorted_counts",
         "loop": "group_loop", "tokens": x_text, "indices": None, "probs": None, "counts": sizes_text,
-        "output": segment(module, ev.out_target) if ev.start or ev.prefix else out_name, "output_dtype": None, "sentinel_index": None,
+        "output": segment(module, ev.out_target) if ev.out_target is not None else out_name, "output_dtype": None, "sentinel_index": None,
     }
     risks = [
         Risk("dynamic_shape", "group sizes are data dependent; they reach npu_grouped_matmul as a device tensor"),
@@ -8133,4 +8190,1158 @@ MoeExperts.KEEP += [
     # unpermute has its own near-miss-free shape change below
     Keep(_DISPATCHER.replace("torch.argsort(flat, stable=True)", "torch.argsort(flat)").replace(
         "buf = buf.sum(dim=1).type_as(rows)", "buf = buf.sum(dim=0).type_as(rows)"), name="dispatcher_unstable_sort_sum_over_tokens"),
+]
+
+
+# --- s26: one step model per grouped loop (selection x combine), and the non-token-choice look-alikes --------
+#
+# A grouped matmul loop is three independent steps: which rows a group takes (a running offset
+# `x[start:start + n]`, a split piece, a prefix-table slice), what it computes (one matmul with `W[g]`, its
+# transpose, or a loop-invariant choice of the two) and how the results combine (written into a slice of an
+# output, or appended and concatenated). Every selection goes with every combine; `w[g, :, :]` /
+# `x[a:b, :]` (trailing whole dimensions) and host copies of the sizes (`sizes.cpu().numpy()`) read as
+# the plain forms (scan.canonical.leading_subscript / host_copy_base).
+
+_S26_OFFSET_APPEND = _HEAD + '''
+class FallbackGroupedGemm(nn.Module):
+    def __init__(self, groups, d_in, d_out):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(groups, d_out, d_in) * d_in ** -0.5)
+
+    def gmm(self, x, w, batch_sizes, trans_b=False):
+        out = []
+        start = 0
+        for i, size in enumerate(batch_sizes.cpu().numpy()):
+            rhs = w[i, :, :].t() if trans_b else w[i, :, :]
+            out.append(x[start : start + size, :] @ rhs)
+            start += size
+        return torch.cat(out)
+
+    def forward(self, x, batch_sizes):
+        return self.gmm(x, self.w, batch_sizes, trans_b=True)
+'''
+
+_S26_OFFSET_APPEND_RUN = '''\
+layer = FallbackGroupedGemm(3, 16, 8)
+x = torch.randn(12, 16, requires_grad=True)
+out = layer(x, torch.tensor([4, 0, 6]))
+leaves = [x, layer.w]
+'''
+
+_S26_START_FIRST = _HEAD + '''
+def grouped_rows(x, w, sizes):
+    start = 0
+    ys = []
+    for g, n in enumerate(sizes.tolist()):
+        ys.append(torch.matmul(x[start:start + n], w[g, ...]))
+        start = start + n
+    y = torch.cat(ys, dim=0)
+    return y
+'''
+
+MoeExperts.FUSE += [
+    # offset-selected rows combined by append + cat (rows past sum(sizes) take no part: x[:m])
+    Fuse(_S26_OFFSET_APPEND, name="s26_grouped_loop_offset_rows_append_cat_conditional_t", run=_S26_OFFSET_APPEND_RUN,
+         expect={"variant": "grouped_loop", "routing": "running_offsets", "layout": "stacked_conditional",
+                 "counts": "batch_sizes", "tokens": "x"}),
+    Fuse(_S26_START_FIRST, name="s26_grouped_loop_offset_before_list_ellipsis_index", run='''\
+w = (torch.randn(3, 16, 8) * 0.25).requires_grad_()
+x = torch.randn(14, 16, requires_grad=True)
+out = grouped_rows(x, w, torch.tensor([5, 0, 6]))
+leaves = [x, w]
+''', expect={"variant": "grouped_loop", "routing": "running_offsets", "layout": "stacked_in_out", "output": "y"}),
+]
+
+MoeExperts.KEEP += [
+    # the last group's transposed weight is read after the loop: the grouped matmul never forms it
+    Keep(_S26_OFFSET_APPEND.replace("        return torch.cat(out)\n", "        y = torch.cat(out)\n        return y, rhs\n").replace(
+        "return self.gmm(x, self.w, batch_sizes, trans_b=True)", "return self.gmm(x, self.w, batch_sizes, trans_b=True)[0]"),
+         reason="(a per-group value) is used after the loop", name="s26_grouped_loop_per_group_value_used_after"),
+    # the offset advances by a constant stride, not by the group's size: the runs overlap or leave gaps,
+    # which is not a grouped matmul over contiguous runs (the expert-loop analysis judges it instead)
+    Keep(_S26_START_FIRST.replace("start = start + n", "start = start + 4"), name="s26_grouped_loop_fixed_stride"),
+]
+
+
+def _tail_base(node: ast.expr) -> ast.expr:
+    """``experts`` of ``experts[s:]`` (the items from ``s`` on, in order: enumerate over it numbers them from 0),
+    else the node itself."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice) and node.slice.upper is None \
+            and node.slice.step is None and node.slice.lower is not None:
+        return node.value
+    return node
+
+
+# --- s26: experts split by their index inside one loop: `if i < S: <every token> else: <routed tokens>` ---------
+#
+# Shared experts kept in the same ModuleList as the routed ones (the first S run on every token, the rest
+# take the tokens whose routed index is i - S) are two loops written as one: the routed loop over
+# ``experts[S:]`` with index ``i - S`` (a token-choice dispatch like any other), and the dense loop over the
+# first S, replayed as written after the fused routed part (it only adds into the accumulator, so the order
+# of the two sums does not change the value beyond rounding).
+
+
+def _index_branch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
+    """The routed half of ``for i, e in enumerate(C): if i < S: A else: B`` as a site over ``enumerate(C[S:])``
+    with the dense half carried in ``site.dense_tail``; None when the loop is not of that shape (the caller's
+    analysis judges it as written)."""
+    if len(loop.body) != 1 or not isinstance(loop.body[0], ast.If) or not loop.body[0].orelse or loop.orelse:
+        return None
+    branch, it, tgt = loop.body[0], loop.iter, loop.target
+    if not (isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords
+            and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts)
+            and dotted(it.args[0]) is not None):
+        return None
+    idx = tgt.elts[0].id  # type: ignore[attr-defined]
+    test = branch.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    left, op, right = test.left, test.ops[0], test.comparators[0]
+    if isinstance(left, ast.Name) and left.id == idx:
+        bound, below = right, isinstance(op, ast.Lt) if isinstance(op, (ast.Lt, ast.GtE)) else None
+    elif isinstance(right, ast.Name) and right.id == idx:
+        bound, below = left, isinstance(op, ast.Gt) if isinstance(op, (ast.Gt, ast.LtE)) else None
+    else:
+        return None
+    if below is None:
+        return None  # only a prefix / suffix split of the index range (i < S, i >= S, S > i, S <= i)
+    loop_names = _assigned(loop.body) | {n.id for n in tgt.elts}  # type: ignore[attr-defined]
+    if {n.id for n in fast_walk(bound) if isinstance(n, ast.Name)} & loop_names:
+        return None
+    dense, routed = (branch.body, branch.orelse) if below else (branch.orelse, branch.body)
+    bound_dump = ast.dump(bound)
+    replaced: set[int] = set()
+
+    class _Shift(ast.NodeTransformer):
+        def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+            if isinstance(node.op, ast.Sub) and isinstance(node.left, ast.Name) and node.left.id == idx \
+                    and ast.dump(node.right) == bound_dump:
+                new = ast.Name(idx, ast.Load())  # no position: its text is its own (`i`), not the original `i - S`
+                replaced.add(id(new))
+                return new
+            return self.generic_visit(node)
+
+    routed_new = [_Shift().visit(copy.deepcopy(st)) for st in routed]
+    if not replaced or any(isinstance(n, ast.Name) and n.id == idx and id(n) not in replaced for st in routed_new for n in ast.walk(st)):
+        return None  # the routed half reads the global index as well: not a dispatch over C[S:] alone
+    tail = ast.Subscript(value=it.args[0], slice=ast.Slice(lower=bound, upper=None, step=None), ctx=ast.Load())
+    synth = ast.copy_location(ast.For(target=tgt, iter=ast.Call(func=it.func, args=[tail], keywords=[]), body=routed_new,
+                                      orelse=[], type_comment=None), loop)
+    synth.end_lineno, synth.end_col_offset = loop.end_lineno, loop.end_col_offset
+    ev = _Eval(module, scope, synth)
+    ev.run_header()
+    ev.run_body(synth.body)
+    site = ev.finish(block[:i] + [synth] + block[i + 1:], i)
+    if site is None or site.routing != "mask_where" or not site.out_name:
+        return None
+    out = site.out_name
+    # the dense half may only add into the accumulator (and bind its own names): then adding it after the fused
+    # routed part gives the same sum
+    for st in dense:
+        for n in ast.walk(st):
+            if isinstance(n, ast.Name) and n.id == out and not any(
+                    isinstance(a, ast.AugAssign) and isinstance(a.op, ast.Add) and a.target is n for a in ast.walk(st)):
+                raise _Miss(f"the experts of index below `{ast.unparse(bound)[:40]}` run on every token and read or "
+                            f"replace `{out}` (not only add to it): the two halves of the loop cannot be reordered")
+            if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and n.target.id == out \
+                    and any(isinstance(m, ast.Name) and m.id == out for m in ast.walk(n.value)):
+                raise _Miss(f"the dense experts' update of `{out}` reads `{out}` itself")
+    end = loop.end_lineno or loop.lineno
+    for n in sorted(_assigned(dense) - {out}):
+        if scope.uses_after(n, end):
+            raise _Miss(f"`{n}` (set by the experts that run on every token) is used after the loop")
+    keep = ast.If(test=test if below else ast.UnaryOp(op=ast.Not(), operand=test), body=dense, orelse=[])
+    replay = ast.For(target=tgt, iter=it, body=[keep], orelse=[], type_comment=None)
+    site.dense_tail = ast.unparse(ast.fix_missing_locations(replay))
+    return site
+
+
+_S26_SHARED_IN_LOOP = _HEAD + '''
+class TwoLayer(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc = nn.Linear(d, h, bias=False)
+        self.proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x))), None
+
+
+class SharedFirstMoE(nn.Module):
+    def __init__(self, experts, d, n, n_shared, k):
+        super().__init__()
+        self.experts = experts
+        self.n_shared_experts = n_shared
+        self.router = nn.Linear(d, n - n_shared, bias=False)
+        self.top_k = k
+
+    def forward(self, inputs):
+        flat = inputs.view(-1, inputs.shape[-1])
+        weights, selected = torch.topk(self.router(flat), self.top_k)
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32)
+        results = torch.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            if i < self.n_shared_experts:
+                output, _ = expert(flat)
+                results += output
+            else:
+                rows, nth = torch.where(selected == i - self.n_shared_experts)
+                output, _ = expert(flat[rows])
+                results[rows] += weights[rows, nth, None] * output
+        return results.view_as(inputs)
+'''
+
+_S26_SHARED_IN_LOOP_RUN = '''\
+layer = SharedFirstMoE(nn.ModuleList([TwoLayer(16, 24) for _ in range(6)]), 16, 6, 2, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[0].fc.weight, layer.experts[4].proj.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S26_SHARED_IN_LOOP, name="s26_shared_experts_first_in_the_routed_loop", run=_S26_SHARED_IN_LOOP_RUN,
+         expect={"routing": "mask_where", "layout": "expert_modules", "indices": "selected", "probs": "weights"}),
+    # the same split written with the routed half first (`if i >= S:`)
+    Fuse(_S26_SHARED_IN_LOOP.replace("if i < self.n_shared_experts:", "if i >= self.n_shared_experts:").replace(
+        "                output, _ = expert(flat)\n                results += output\n            else:\n", "").replace(
+        "                results[rows] += weights[rows, nth, None] * output\n",
+        "                results[rows] += weights[rows, nth, None] * output\n            else:\n"
+        "                output, _ = expert(flat)\n                results += output\n"),
+         name="s26_shared_experts_routed_branch_first", run=_S26_SHARED_IN_LOOP_RUN, expect={"routing": "mask_where"}),
+]
+
+MoeExperts.KEEP += [
+    # the dense experts read the accumulator: moving them after the routed sum changes the value
+    Keep(_S26_SHARED_IN_LOOP.replace("                results += output\n", "                results = results * 0.5 + output\n"),
+         reason="cannot be reordered", name="s26_shared_experts_read_the_accumulator"),
+    # the routed half also uses the global index (a per-expert scale table): not a dispatch over experts[S:] alone
+    # (the loop is then judged as written: a branch inside the expert loop)
+    Keep(_S26_SHARED_IN_LOOP.replace("weights[rows, nth, None] * output", "weights[rows, nth, None] * output * (i + 1)").replace(
+        "n_shared_experts", "n_dense"),
+         reason="conditional code inside the expert loop", name="s26_shared_experts_routed_half_reads_global_index"),
+]
+
+
+def _kept_part(ev: "_Eval", contrib: V, loop: ast.stmt) -> Optional[tuple[V, int]]:
+    """``out, _ = expert(rows)`` with only ``out`` used: (the contribution with the whole expert call in place of
+    its element, the element's position), so the experts are called as they are and indexed; None when another
+    element is read anywhere in the loop or after it, or is replayed by steps of its own."""
+    core = contrib.args[0] if contrib.kind == "scaled" else contrib
+    if core.kind != "mod_part" or ev.tuple_call is None or ev.part_steps:
+        return None
+    stmt, names, whole = ev.tuple_call
+    j = core.args[1]
+    if not isinstance(j, int) or whole.kind != "mod_out" or whole.args[1]:
+        return None
+    others = set(names) - {names[j]}
+    if names.count(names[j]) != 1:
+        return None
+    for n in fast_walk(loop):
+        if isinstance(n, ast.Name) and n.id in others and isinstance(n.ctx, ast.Load):
+            return None
+    end = loop.end_lineno or loop.lineno
+    if any(ev.scope.uses_after(n, end) for n in others):
+        return None
+    swapped = V("scaled", (whole,) + contrib.args[1:]) if contrib.kind == "scaled" else whole
+    return swapped, j
+
+
+# --- s26: per slot, per token (the slot loop outside, the tokens in a comprehension) -------------------------
+#
+#     for k in range(K):
+#         ids_k = ids[:, k]                      (aliases optional; inline subscripts as well)
+#         g_k = w[:, k].unsqueeze(1)
+#         y = torch.stack([experts[e](x[n]) for n, e in enumerate(ids_k)])
+#         out += g_k * y
+#
+# computes out[n] += sum_k w[n, k] * expert_{ids[n, k]}(x[n]): the same (token, slot) sum as the
+# token-outer loop of _token_slot_site, so the same permute / one call per expert / unpermute replaces it.
+
+
+def _strip_item(node: ast.expr) -> ast.expr:
+    """``e`` of ``int(e)`` / ``e.item()`` / ``e`` (one scalar index read three ways)."""
+    if isinstance(node, ast.Call) and dotted(node.func) == "int" and len(node.args) == 1 and not node.keywords:
+        node = node.args[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("item", "tolist") and not node.args:
+        node = node.func.value
+    return node
+
+
+def _slot_column(node: ast.expr, k: str) -> Optional[str]:
+    """``a`` of ``a[:, k]`` (``a[:, k, ...]`` too)."""
+    node = leading_subscript(node) if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) \
+        and len(node.slice.elts) > 2 else node  # type: ignore[assignment]
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Tuple) \
+            and len(node.slice.elts) == 2:
+        a, b = node.slice.elts
+        if isinstance(a, ast.Slice) and a.lower is None and a.upper is None and a.step is None \
+                and isinstance(b, ast.Name) and b.id == k:
+            return node.value.id
+    return None
+
+
+def _slot_outer_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Finding]:
+    """The slot-outer, token-comprehension form above as a Finding; None when the loop is not of that shape."""
+    if loop.orelse or not isinstance(loop.target, ast.Name) or len(loop.body) < 2:
+        return None
+    kb = _range_bound(loop.iter)
+    if kb is None:
+        return None
+    k = loop.target.id
+    *pre, acc_st = loop.body
+    alias: dict[str, ast.expr] = {}
+    for st in pre:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            return None
+        alias[st.targets[0].id] = st.value
+
+    def resolve(node: ast.expr) -> ast.expr:
+        return alias.get(node.id, node) if isinstance(node, ast.Name) else node
+
+    if isinstance(acc_st, ast.AugAssign) and isinstance(acc_st.op, ast.Add) and isinstance(acc_st.target, ast.Name):
+        out, val = acc_st.target.id, acc_st.value
+    elif isinstance(acc_st, ast.Assign) and len(acc_st.targets) == 1 and isinstance(acc_st.targets[0], ast.Name) \
+            and isinstance(acc_st.value, ast.BinOp) and isinstance(acc_st.value.op, ast.Add) \
+            and isinstance(acc_st.value.left, ast.Name) and acc_st.value.left.id == acc_st.targets[0].id:
+        out, val = acc_st.targets[0].id, acc_st.value.right
+    else:
+        return None
+    val = resolve(val)
+    if not (isinstance(val, ast.BinOp) and isinstance(val.op, ast.Mult)):
+        return None
+    weights = stacked = None
+    for a, b in ((val.left, val.right), (val.right, val.left)):
+        col = _gate_column_node(resolve(a))
+        if col is not None and _slot_column(resolve(col), k) is not None:
+            weights, stacked = _slot_column(resolve(col), k), resolve(b)
+    if weights is None or stacked is None:
+        return None
+    if not (isinstance(stacked, ast.Call) and _canon(module, stacked.func) == "torch.stack" and len(stacked.args) == 1
+            and isinstance(stacked.args[0], ast.ListComp) and (keyword(stacked, "dim", 1) is None or const_value(keyword(stacked, "dim", 1)) == 0)):
+        return None
+    comp = stacked.args[0]
+    if len(comp.generators) != 1 or comp.generators[0].ifs or comp.generators[0].is_async:
+        return None
+    gen = comp.generators[0]
+    call = comp.elt
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and isinstance(call.func, ast.Subscript)):
+        return None
+    # which token n and which expert id: enumerate(ids[:, k]) -> (n, e), or range(T) with ids[:, k][n] / ids[n, k]
+    ids: Optional[str] = None
+    if isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) == "enumerate" and len(gen.iter.args) == 1 \
+            and isinstance(gen.target, ast.Tuple) and len(gen.target.elts) == 2 and all(isinstance(e, ast.Name) for e in gen.target.elts):
+        n, e = gen.target.elts[0].id, gen.target.elts[1].id  # type: ignore[attr-defined]
+        ids = _slot_column(resolve(gen.iter.args[0]), k)
+        picked = _strip_item(call.func.slice)
+        if not (isinstance(picked, ast.Name) and picked.id == e):
+            return None
+    elif isinstance(gen.target, ast.Name) and _range_bound(gen.iter) is not None:
+        n = gen.target.id
+        picked = _strip_item(call.func.slice)
+        ids = _slot_index(picked, n, k)
+        if ids is None and isinstance(picked, ast.Subscript) and isinstance(picked.slice, ast.Name) and picked.slice.id == n:
+            ids = _slot_column(resolve(picked.value), k)
+        if ids is not None and not _is_dim_of(module, _range_bound(gen.iter), {ids}, 0):  # type: ignore[arg-type]
+            raise _Miss(f"the tokens run over `{segment(module, _range_bound(gen.iter))}`, not over the rows of `{ids}`")  # type: ignore[arg-type]
+    if ids is None:
+        return None
+    arg = call.args[0]
+    if not (isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Name) and isinstance(arg.slice, ast.Name) and arg.slice.id == n):
+        raise _Miss(f"the expert of each slot and token is called as `{segment(module, call)[:60]}`: not on the token's "
+                    "row alone, which the fused layer passes")
+    tokens = arg.value.id
+    container_node = call.func.value
+    loop_names = _assigned(loop.body) | {k}
+    if {m.id for m in fast_walk(container_node) if isinstance(m, ast.Name)} & (loop_names | {n}) \
+            or {m.id for m in fast_walk(kb) if isinstance(m, ast.Name)} & loop_names:
+        return None
+    for name in (ids, weights, tokens, out):
+        if name in _assigned(pre):
+            return None
+    end = loop.end_lineno or loop.lineno
+    for name in sorted(_assigned(loop.body) - {out}):
+        if scope.uses_after(name, end):
+            raise _Miss(f"`{name}` (a per-slot value of the loop) is used after it; the fused layer does not produce it")
+    container = segment(module, container_node)
+    e_, rows, ind = f"{P}e", f"{P}rows", "    "
+    body = [
+        f"if {ids}.dim() == 2 and {ids}.numel() > 0 and not {ids}.is_floating_point() and {tokens}.dim() == 2 "
+        f"and {tokens}.shape[0] == {ids}.shape[0] and {weights}.shape == {ids}.shape and {ids}.shape[1] == ({segment(module, kb)}) "
+        f"and isinstance({out}, torch.Tensor) and {out}.dim() == 2 and {out}.shape[0] == {ids}.shape[0] "
+        f"and {tokens}.dtype in (torch.float16, torch.bfloat16, torch.float32) and bool(({ids} >= 0).all()):",
+        f"{ind}# every (token, slot) pair, grouped by expert: each expert runs once on its rows",
+        f"{ind}{P}x, {P}order = torch_npu.npu_moe_token_permute({tokens}, {ids})",
+        f"{ind}{P}outs = []",
+        f"{ind}for {e_}, {rows} in enumerate({P}x.split(torch.bincount({ids}.flatten()).tolist())):",
+        f"{ind}{ind}if {rows}.shape[0]:  # like the loop: only experts some token chose are called",
+        f"{ind}{ind}{ind}{P}outs.append({container}[{e_}]({rows}))",
+        f"{ind}{P}h = torch.cat({P}outs)",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {weights}.dtype))  # the original multiplies with promotion",
+        f"{ind}{out} += torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={weights}.to({P}h.dtype)).to({out}.dtype)",
+        "else:  # other shapes: as written",
+        *(ind + ln for ln in ast.unparse(loop).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": f"(as {container} holds them)", "top_k": f"{ids}.shape[1]", "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_down",
+        "routing": "token_slot", "loop": "slots_tokens", "tokens": tokens, "indices": ids, "probs": weights,
+        "counts": None, "output": out, "output_dtype": f"{out}.dtype", "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", "each expert is called once on all its rows ([n, H]) instead of once per token ([H]): equal only "
+             "while the expert treats rows independently (no batch statistics, no shape-dependent branches)"),
+        Risk("dtype", f"the weighted slots are summed first and added to `{out}` once; the original adds slot by slot"),
+        Risk("other", f"the fused branch runs only when {ids} is [T, K] of integers with K = {segment(module, kb)}, "
+             f"{tokens} is [T, H], the weights one per slot and `{out}` is [T, D]; otherwise the loop runs as written"),
+    ]
+    notes = ["the per-slot loop over per-token expert calls becomes npu_moe_token_permute, one call of each chosen "
+             "expert on its contiguous rows, and npu_moe_token_unpermute with the routing weights (T*K expert calls "
+             "become at most E)"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=loop.lineno, end_line=end, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="token_slot", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _gate_column_node(node: ast.expr) -> Optional[ast.expr]:
+    """``g`` (the node) of ``g.unsqueeze(-1)`` / ``g.unsqueeze(1)`` / ``g[:, None]`` / ``g.view(-1, 1)`` / ``g.reshape(-1, 1)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        args = [const_value(a) for a in node.args]
+        if node.func.attr == "unsqueeze" and args in ([-1], [1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
+            return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2 \
+            and isinstance(node.slice.elts[0], ast.Slice) and const_value(node.slice.elts[1]) is None \
+            and isinstance(node.slice.elts[1], ast.Constant) \
+            and node.slice.elts[0].lower is None and node.slice.elts[0].upper is None:
+        return node.value
+    return None
+
+
+_S26_SLOT_OUTER = _HEAD + '''
+class Expert(nn.Module):
+    def __init__(self, d, h, o):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, o))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class PerSlotMoE(nn.Module):
+    def __init__(self, d, h, o, n, k):
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList([Expert(d, h, o) for _ in range(n)])
+        self.k = k
+
+    def forward(self, x):
+        b, s, d = x.shape
+        flat = x.view(-1, d)
+        logits, ids = self.router(flat).topk(self.k, dim=1)
+        gates = F.softmax(logits, dim=1)
+        out = torch.zeros(b * s, self.experts[0].net[-1].out_features, device=x.device)
+        for j in range(self.k):
+            chosen = ids[:, j]
+            g = gates[:, j].unsqueeze(1)
+            y = torch.stack([self.experts[e](flat[n]) for n, e in enumerate(chosen)])
+            out += g * y
+        return out.view(b, s, -1)
+'''
+
+_S26_SLOT_OUTER_RUN = '''\
+layer = PerSlotMoE(8, 16, 6, 4, 2)
+x = torch.randn(2, 5, 8, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[1].net[0].weight, layer.router.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S26_SLOT_OUTER, name="s26_slot_loop_token_comprehension", run=_S26_SLOT_OUTER_RUN,
+         expect={"routing": "token_slot", "loop": "slots_tokens", "indices": "ids", "probs": "gates", "tokens": "flat"}),
+    # the same sum with the token index spelled through range(T) and ids[n, j]
+    Fuse(_S26_SLOT_OUTER.replace("[self.experts[e](flat[n]) for n, e in enumerate(chosen)]",
+                                 "[self.experts[int(ids[n, j])](flat[n]) for n in range(ids.shape[0])]"),
+         name="s26_slot_loop_token_range_comprehension", run=_S26_SLOT_OUTER_RUN,
+         expect={"routing": "token_slot", "indices": "ids", "probs": "gates"}),
+]
+
+MoeExperts.KEEP += [
+    # each token's chosen expert runs on another row (flat[n - 1], the previous token): not a per-token dispatch
+    Keep(_S26_SLOT_OUTER.replace("self.experts[e](flat[n]) for n, e", "self.experts[e](flat[n - 1]) for n, e"),
+         reason="not on the token's row alone", name="s26_slot_loop_expert_on_all_rows"),
+    # the comprehension runs over fewer tokens than the routing table has rows
+    Keep(_S26_SLOT_OUTER.replace("[self.experts[e](flat[n]) for n, e in enumerate(chosen)]",
+                                 "[self.experts[int(ids[n, j])](flat[n]) for n in range(s)]"),
+         reason="not over the rows of `ids`", name="s26_slot_loop_tokens_not_the_table_rows"),
+]
+
+
+# --- s26: dense top-k mixtures (every expert on every token, combined with a sparse gate) ---------------------
+#
+#     outs = [expert(x) for expert in self.experts]
+#     stacked = torch.stack(outs, dim=-1)                      # [..., D, E]
+#     y = torch.sum(gates.unsqueeze(-2) * stacked, dim=-1)     # (or .sum(-1); stack dim=-2 with unsqueeze(-1), sum(-2))
+#
+# is sum_e g[..., e] * expert_e(x): when g is zero outside each token's top-k, only the chosen experts
+# contribute, so permuting the tokens by the non-zero gate entries, calling each expert once on its rows and
+# unpermuting with those entries gives the same value while computing each expert on its tokens only. Which
+# entries are non-zero is read at run time (`gates != 0`, one host sync for the largest count per token), so
+# the replacement is exact for any gate; statically npufuse requires evidence that the gate is a top-k routing
+# (topk / one_hot / scatter / masked_fill in its dataflow, here or in the gate module's forward of this file),
+# otherwise it is a dense (soft) mixture and stays as written.
+
+_SPARSE_MAKERS = {"topk", "one_hot", "scatter", "scatter_", "masked_fill", "masked_fill_", "argmax"}
+
+
+def _gate_evidence(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, seen: Optional[set[int]] = None, depth: int = 0) -> set[str]:
+    """Names of the top-k routing steps (topk, scatter, one_hot, masked_fill...) in the dataflow of ``node``:
+    local assignments, and the forward of a gate module of this file called as ``self.<attr>(...)``."""
+    seen = set() if seen is None else seen
+    found: set[str] = set()
+    if depth > 12 or id(node) in seen:
+        return found
+    seen.add(id(node))
+    for n in fast_walk(node):
+        if isinstance(n, ast.Call):
+            name = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
+            if name in _SPARSE_MAKERS:
+                found.add(name)
+            if isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" \
+                    and scope.class_name in module.classes and depth < 6:
+                found |= _gate_module_evidence(module, scope.class_name, n.func.attr, seen, depth)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            value = scope.definition(n.id, line)
+            if value is not None and id(value) not in seen:
+                found |= _gate_evidence(module, scope, value, getattr(value, "lineno", line), seen, depth + 1)
+    return found
+
+
+def _gate_module_evidence(module: ModuleInfo, cls_name: Optional[str], attr: str, seen: set[int], depth: int) -> set[str]:
+    """Evidence in the forward of the module class built as ``self.<attr> = Cls(...)`` in this file."""
+    if cls_name is None or cls_name not in module.classes:
+        return set()
+    value = _class_init_assigns(module, module.classes[cls_name]).get(attr)
+    if not isinstance(value, ast.Call) or dotted(value.func) not in module.classes:
+        return set()
+    gate_cls = dotted(value.func)
+    scope = next((s for s in module.scopes if s.qualname == f"{gate_cls}.forward"), None)
+    if scope is None:
+        return set()
+    found: set[str] = set()
+    for n in fast_walk(scope.node):
+        if isinstance(n, ast.Return) and n.value is not None:
+            ret = n.value.elts[0] if isinstance(n.value, ast.Tuple) and n.value.elts else n.value
+            found |= _gate_evidence(module, scope, ret, n.lineno, seen, depth + 1)
+    return found
+
+
+def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """The dense top-k mixture above starting at ``block[i]`` (the comprehension over the experts)."""
+    st = block[i]
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+            and isinstance(st.value, ast.ListComp) and len(st.value.generators) == 1):
+        return None
+    outs, comp = st.targets[0].id, st.value
+    gen = comp.generators[0]
+    call = comp.elt
+    if gen.ifs or gen.is_async or not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords
+                                       and isinstance(call.args[0], ast.Name)):
+        return None
+    x = call.args[0].id
+    if isinstance(gen.target, ast.Name) and isinstance(call.func, ast.Name) and call.func.id == gen.target.id \
+            and dotted(gen.iter) is not None:
+        container = gen.iter  # [expert(x) for expert in self.experts]
+    elif isinstance(gen.target, ast.Name) and isinstance(call.func, ast.Subscript) and isinstance(call.func.slice, ast.Name) \
+            and call.func.slice.id == gen.target.id and _range_bound(gen.iter) is not None and dotted(call.func.value) is not None:
+        container = call.func.value  # [self.experts[i](x) for i in range(E)]
+    else:
+        return None
+    if x == gen.target.id:  # type: ignore[attr-defined]
+        return None
+    stacked = ""
+    stack_dim: Any = None
+    nan_zero = False
+    replay: list[ast.stmt] = []
+    combine: Optional[ast.stmt] = None
+    for j in range(i + 1, min(len(block), i + 8)):
+        s = block[j]
+        names = {n.id for n in fast_walk(s) if isinstance(n, ast.Name)}
+        if not stacked and isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) \
+                and isinstance(s.value, ast.Call) and _canon(module, s.value.func) == "torch.stack" and len(s.value.args) == 1 \
+                and isinstance(s.value.args[0], ast.Name) and s.value.args[0].id == outs:
+            stacked, stack_dim = s.targets[0].id, const_value(keyword(s.value, "dim", 1)) if keyword(s.value, "dim", 1) is not None else 0
+            continue
+        if stacked and _nan_zeroing(s, stacked):
+            nan_zero = True
+            continue
+        if stacked and stacked in names:
+            combine = s
+            break
+        if outs in names or x in _assigned([s]) or stacked in names:
+            return None
+        replay.append(s)  # statements on other values (the gate's own NaN guard...): replayed before
+    if combine is None or stack_dim not in (-1, -2):
+        return None
+    if not (isinstance(combine, (ast.Assign, ast.Return)) and (isinstance(combine, ast.Return) or (
+            len(combine.targets) == 1 and isinstance(combine.targets[0], ast.Name)))):
+        return None
+    gate = _weighted_sum(module, combine.value, stacked, stack_dim)  # type: ignore[arg-type]
+    if gate is None:
+        return NearMiss(_ID, scope.qualname, st.lineno, combine.end_lineno or combine.lineno,
+                        f"every expert runs on the same input `{x}` and the stacked outputs are combined as "
+                        f"`{ast.unparse(combine)[:60]}`, not as a per-token gate-weighted sum over the experts: "
+                        "no token routing to replace")
+    gate_text = segment(module, gate)
+    end = combine.end_lineno or combine.lineno
+    first = st.lineno
+    evidence = _gate_evidence(module, scope, gate, first)
+    if not evidence & {"topk", "one_hot", "argmax"} or not evidence & {"scatter", "scatter_", "one_hot", "masked_fill", "masked_fill_"}:
+        return NearMiss(_ID, scope.qualname, first, end,
+                        f"every expert runs on every token and the outputs are mixed by `{gate_text[:40]}`, which npufuse "
+                        "does not trace to a top-k routing (topk with scatter / one_hot / masked_fill): a dense (soft) "
+                        "mixture, not a token-choice MoE")
+    mixing = _token_mixing(module, scope, container.value if isinstance(container, ast.Call) else container)
+    if mixing is not None:
+        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on the whole input `{x}` and the experts mix "
+                        f"tokens ({mixing}): the fused layer would call each on its routed rows only")
+    for n in (outs, stacked):
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
+                            "after the mixture; the fused layer computes each expert on its routed tokens only")
+    result = "return {}" if isinstance(combine, ast.Return) else f"{combine.targets[0].id} = {{}}"  # type: ignore[union-attr]
+    cont = segment(module, container)
+    ind = "    "
+    # the replayed statements already ran above the `if`: the fallback holds the rest, in order
+    original = [ind + ln for s in block[i: block.index(combine) + 1] if not any(s is r for r in replay)
+                for ln in ast.unparse(s).splitlines()]
+    lines = [ln for s in replay for ln in ast.unparse(s).splitlines()]
+    lines += _dense_fused_lines(gate_text, x, cont, nan_zero, result.format(P + "mixed"), rank2=False)
+    lines += [
+        "else:  # other shapes: as written",
+        *original,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": f"len({cont})", "top_k": "non-zero gate entries per token (read at run time)",
+        "layout": "expert_modules", "weights": {}, "activation": "as written", "conditional": True,
+        "routing_weights": "after_down", "routing": "dense_gate", "loop": "comprehension", "tokens": x,
+        "indices": None, "probs": gate_text, "counts": None,
+        "output": "" if isinstance(combine, ast.Return) else combine.targets[0].id,  # type: ignore[union-attr]
+        "output_dtype": None, "sentinel_index": None, "gate_evidence": sorted(evidence),
+    }
+    risks = [
+        Risk("other", "exact only where the original's unrouted terms are exactly zero: the replacement skips "
+             "0 * expert(x) for gate entries that are 0, so an unrouted expert output of inf/NaN (0 * inf = NaN in "
+             "the original) no longer reaches the result" + (" (the original zeroes NaN outputs, and so does the "
+             "replacement)" if nan_zero else "")),
+        Risk("other", "each expert is called once on its routed rows ([n, H]) instead of on the whole input: equal only "
+             "while the expert treats tokens independently (no attention, convolution or batch statistics over them)"),
+        Risk("other", "gradients: d out / d gate is not propagated to entries that are exactly zero (the original "
+             "propagates expert(x) to them; that gradient is zero wherever the zero comes from a top-k mask, a "
+             "scatter of the top-k values or a -inf logit, which is what npufuse found here)"),
+        Risk("dynamic_shape", "the number of routed experts per token and the per-expert row counts are read on the "
+             "host (two syncs instead of none): the original computed every expert on every token"),
+    ]
+    notes = [f"every expert ran on every token and was weighted by a gate that is zero outside the top-k "
+             f"(found in its dataflow: {', '.join(sorted(evidence))}); the tokens are permuted by the gate's non-zero "
+             "entries, each expert runs once on its rows and npu_moe_token_unpermute weights and sums them"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=first, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_gate",
+                   risks=risks, notes=notes, training_ok=True)
+
+
+def _nan_zeroing(s: ast.stmt, name: str) -> bool:
+    """``name[torch.isnan(name)] = 0``, bare or under ``if torch.isnan(name).any():``."""
+    if isinstance(s, ast.If) and not s.orelse and len(s.body) == 1:
+        s = s.body[0]
+    if not (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Subscript)
+            and const_value(s.value) == 0):
+        return False
+    t = s.targets[0]
+    sl = t.slice
+    return isinstance(t.value, ast.Name) and t.value.id == name and isinstance(sl, ast.Call) \
+        and (dotted(sl.func) or "").endswith("isnan") and len(sl.args) == 1 and isinstance(sl.args[0], ast.Name) \
+        and sl.args[0].id == name
+
+
+def _weighted_sum(module: ModuleInfo, node: Optional[ast.expr], stacked: str, stack_dim: Any) -> Optional[ast.expr]:
+    """The gate G of ``torch.sum(G.unsqueeze(d) * stacked, dim=s)`` / ``(G.unsqueeze(d) * stacked).sum(s)`` where
+    the experts are stacked at ``stack_dim`` (-1: [.., D, E], d = -2; -2: [.., E, D], d = -1) and s = stack_dim."""
+    if not isinstance(node, ast.Call):
+        return None
+    if _canon(module, node.func) == "torch.sum" and node.args:
+        prod, dim = node.args[0], keyword(node, "dim", 1)
+    elif isinstance(node.func, ast.Attribute) and node.func.attr == "sum":
+        prod, dim = node.func.value, keyword(node, "dim", 0)
+    else:
+        return None
+    if dim is None or const_value(dim) != stack_dim or keyword(node, "keepdim", 2) is not None:
+        return None
+    if not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+        return None
+    want = -2 if stack_dim == -1 else -1
+    for a, b in ((prod.left, prod.right), (prod.right, prod.left)):
+        if isinstance(b, ast.Name) and b.id == stacked and isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) \
+                and a.func.attr == "unsqueeze" and len(a.args) == 1 and const_value(a.args[0]) == want and not a.keywords:
+            return a.func.value
+    return None
+
+
+_S26_DENSE_GATE = _HEAD + '''
+class TopOneGate(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.proj = nn.Linear(d, n)
+
+    def forward(self, x):
+        scores = F.softmax(self.proj(x), dim=-1)
+        _, chosen = scores.topk(1, dim=-1)
+        mask = torch.zeros_like(scores).scatter_(-1, chosen, 1)
+        kept = scores * mask
+        return kept / (kept.sum(-1, keepdim=True) + 1e-6), None
+
+
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class DenseSwitch(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.gate = TopOneGate(d, n)
+
+    def forward(self, x):
+        gates, aux = self.gate(x)
+        outs = [expert(x) for expert in self.experts]
+        if torch.isnan(gates).any():
+            gates[torch.isnan(gates)] = 0
+        stacked = torch.stack(outs, dim=-1)
+        if torch.isnan(stacked).any():
+            stacked[torch.isnan(stacked)] = 0
+        y = torch.sum(gates.unsqueeze(-2) * stacked, dim=-1)
+        return y, aux
+'''
+
+_S26_DENSE_GATE_RUN = '''\
+layer = DenseSwitch(8, 16, 4)
+x = torch.randn(2, 5, 8, requires_grad=True)
+out = layer(x)[0]
+leaves = [x, layer.experts[2].up.weight, layer.gate.proj.weight]
+'''
+
+# top-2 by a -inf scatter and a softmax, the experts stacked on dim -2, the weighted sum as a method
+_S26_DENSE_NEG_INF = _HEAD + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+class DenseTopK(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.router = nn.Linear(d, n, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        logits = self.router(x)
+        top, idx = logits.topk(self.k, dim=-1)
+        sparse = torch.full_like(logits, float("-inf")).scatter(-1, idx, top)
+        gates = sparse.softmax(dim=-1)
+        outs = [self.experts[i](x) for i in range(len(self.experts))]
+        stacked = torch.stack(outs, dim=-2)
+        return (stacked * gates.unsqueeze(-1)).sum(dim=-2)
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S26_DENSE_GATE, name="s26_dense_experts_top1_gate_module_nan_guard", run=_S26_DENSE_GATE_RUN,
+         expect={"variant": "dense_gate", "routing": "dense_gate", "tokens": "x", "probs": "gates", "output": "y"}),
+    Fuse(_S26_DENSE_NEG_INF, name="s26_dense_experts_neg_inf_scatter_softmax", run='''\
+layer = DenseTopK(8, 16, 4, 2)
+x = torch.randn(7, 8, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[1].down.weight, layer.router.weight]
+''', expect={"variant": "dense_gate", "probs": "gates", "output": ""}),
+]
+
+MoeExperts.KEEP += [
+    # a soft mixture: the gate is a plain softmax, every expert contributes to every token
+    Keep(_S26_DENSE_NEG_INF.replace('''        top, idx = logits.topk(self.k, dim=-1)
+        sparse = torch.full_like(logits, float("-inf")).scatter(-1, idx, top)
+        gates = sparse.softmax(dim=-1)''', '''        gates = logits.softmax(dim=-1)'''),
+         reason="a dense (soft) mixture, not a token-choice MoE", name="s26_dense_soft_mixture"),
+    # every expert's output on every token is returned as well: the fused layer never computes it
+    Keep(_S26_DENSE_NEG_INF.replace("return (stacked * gates.unsqueeze(-1)).sum(dim=-2)",
+                                    "y = (stacked * gates.unsqueeze(-1)).sum(dim=-2)\n        return y, stacked"),
+         reason="is used after the mixture", name="s26_dense_all_outputs_used_after"),
+    # the experts' outputs are averaged (an ensemble), not weighted by a gate
+    Keep(_S26_DENSE_NEG_INF.replace("return (stacked * gates.unsqueeze(-1)).sum(dim=-2)", "return stacked.mean(dim=-2)"),
+         reason="not as a per-token gate-weighted sum", name="s26_dense_ensemble_mean"),
+]
+
+
+# --- s26: loops over experts that are not a token-choice MoE (each refused with what it computes) -------------
+
+_S26_FFN = _HEAD + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)))
+'''
+
+MoeExperts.KEEP += [
+    # expert choice: each expert takes its top-C tokens (topk over the token axis); a token may get 0..E experts,
+    # which npu_moe_token_permute's fixed K per token does not express
+    Keep(_S26_FFN + '''
+class ExpertChoice(nn.Module):
+    def __init__(self, d, h, n, capacity):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.gate = nn.Linear(d, n, bias=False)
+        self.capacity = capacity
+
+    def forward(self, x):
+        affinity = self.gate(x).softmax(-1)
+        w, rows = torch.topk(affinity.t(), self.capacity, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out.index_add_(0, rows[e], w[e, :, None] * expert(x[rows[e]]))
+        return out
+''', reason="not the expert's selected tokens", name="s26_expert_choice_routing"),
+    # mixture of depths: one set of top-C tokens (chosen over the sequence) goes through every block
+    Keep(_S26_FFN + '''
+class DepthRouted(nn.Module):
+    def __init__(self, d, h, n, capacity):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.router = nn.Linear(d, 1)
+        self.capacity = capacity
+
+    def forward(self, x):
+        w, rows = torch.topk(self.router(x).squeeze(-1), self.capacity)
+        out = x.clone()
+        for expert in self.experts:
+            out[rows] = out[rows] + w[:, None] * expert(x[rows])
+        return out
+''', reason="no expert selects tokens of its own", name="s26_mixture_of_depths"),
+    # soft MoE: slots are convex combinations of all tokens, every expert runs on its slots
+    Keep(_S26_FFN + '''
+class SoftSlots(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.phi = nn.Parameter(torch.randn(d, n))
+
+    def forward(self, x):
+        logits = x @ self.phi
+        slots = logits.softmax(0).t() @ x
+        outs = torch.stack([expert(slots[e]) for e, expert in enumerate(self.experts)])
+        return logits.softmax(1) @ outs
+''', name="s26_soft_moe_slots"),
+    # GShard-style capacity: each expert keeps only its first C tokens, the rest are dropped (no output row)
+    Keep(_S26_FFN + '''
+class Capacity(nn.Module):
+    def __init__(self, d, h, n, cap):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.gate = nn.Linear(d, n, bias=False)
+        self.cap = cap
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = torch.where(idx == e)[0][: self.cap]
+            out[sel] = w[sel, None] * expert(x[sel])
+        return out
+''', reason="(a capacity)", name="s26_capacity_dropping_first_c_tokens"),
+    # experts applied to channel groups (a grouped / multi-head layer with an `experts` name): no routing at all
+    Keep(_S26_FFN + '''
+class ChannelGroups(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d // n, h) for _ in range(n)])
+        self.n = n
+
+    def forward(self, x):
+        parts = x.chunk(self.n, dim=-1)
+        return torch.cat([expert(p) for p, expert in zip(parts, self.experts)], dim=-1)
+''', name="s26_channel_groups_named_experts"),
+]
+
+
+def _dense_fused_lines(gate_text: str, x: str, cont: str, nan_zero: bool, result_line: str, rank2: bool) -> list[str]:
+    """The fused branch of a dense top-k mixture (``gate_text`` [..., E] weights ``cont``'s experts on ``x``):
+    permute by the gate's non-zero entries (read at run time), one call per expert, unpermute with those
+    entries into ``{P}mixed``, then ``result_line``. Ends with the ``if`` header's body; the caller adds the else."""
+    ind = "    "
+    rank = f" and {P}g.dim() == 2" if rank2 else ""
+    lines = [
+        f"{P}g = {gate_text}",
+        f"{P}experts = list({cont})",
+        f"if isinstance({P}g, torch.Tensor) and {P}g.dim() >= 2{rank} and {P}g.shape[:-1] == {x}.shape[:-1] "
+        f"and {P}g.shape[-1] == len({P}experts) and {P}g.numel() > 0 and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        f"{ind}{P}g2 = {P}g.reshape(-1, {P}g.shape[-1])",
+        f"{ind}{P}nz = {P}g2 != 0",
+        f"{ind}# the gate's non-zero entries per token, read at run time (one host sync): exact for any gate",
+        f"{ind}{P}k = max(int({P}nz.sum(-1).max()), 1)",
+        f"{ind}{P}idx = torch.topk({P}nz.to(torch.float32), {P}k, dim=-1).indices",
+        f"{ind}{P}p = {P}g2.gather(-1, {P}idx)",
+        f"{ind}{P}xs, {P}order = torch_npu.npu_moe_token_permute({x}.reshape(-1, {x}.shape[-1]), {P}idx)",
+        f"{ind}{P}outs = []",
+        f"{ind}for {P}expert, {P}rows in zip({P}experts, {P}xs.split(torch.bincount({P}idx.flatten(), minlength=len({P}experts)).tolist())):",
+        f"{ind}{ind}{P}y = {P}expert({P}rows)",
+    ]
+    if nan_zero:
+        lines.append(f"{ind}{ind}{P}y = torch.where(torch.isnan({P}y), torch.zeros_like({P}y), {P}y)  # as the original zeroes NaN outputs")
+    lines += [
+        f"{ind}{ind}{P}outs.append({P}y)",
+        f"{ind}{P}h = torch.cat({P}outs)",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {P}p.dtype))  # the original multiplies with promotion",
+        f"{ind}{P}mixed = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={P}p.to({P}h.dtype)).reshape(*{x}.shape[:-1], -1)",
+        f"{ind}{result_line}",
+    ]
+    return lines
+
+
+def _dense_gate_column(node: ast.expr, e: str) -> Optional[tuple[ast.expr, bool]]:
+    """(G, needs a 2-D G) of a gate column ``G[..., e:e + 1]`` / ``G[:, e:e + 1]`` / ``G[..., e].unsqueeze(-1)`` /
+    ``G[:, e, None]`` ...: expert ``e``'s weight per token, shaped to broadcast over the output features."""
+    def index_e(n: ast.expr) -> bool:
+        return isinstance(n, ast.Name) and n.id == e
+
+    def unit_slice(n: ast.expr) -> bool:
+        return isinstance(n, ast.Slice) and n.step is None and index_e(n.lower) and isinstance(n.upper, ast.BinOp) \
+            and isinstance(n.upper.op, ast.Add) and index_e(n.upper.left) and const_value(n.upper.right) == 1  # type: ignore[arg-type]
+
+    def lead(n: ast.expr) -> Optional[bool]:
+        if isinstance(n, ast.Constant) and n.value is Ellipsis:
+            return False  # any rank
+        if isinstance(n, ast.Slice) and n.lower is None and n.upper is None and n.step is None:
+            return True  # `:` then the expert axis: G must be 2-D
+        return None
+
+    unsq = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze" \
+        and len(node.args) == 1 and const_value(node.args[0]) == -1 and not node.keywords
+    sub = node.func.value if unsq else node  # type: ignore[union-attr]
+    if not (isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.Tuple)):
+        return None
+    elts = sub.slice.elts
+    if len(elts) == 2 and lead(elts[0]) is not None and (unsq and index_e(elts[1]) or not unsq and unit_slice(elts[1])):
+        return sub.value, bool(lead(elts[0]))
+    if not unsq and len(elts) == 3 and lead(elts[0]) is not None and index_e(elts[1]) \
+            and isinstance(elts[2], ast.Constant) and elts[2].value is None:
+        return sub.value, bool(lead(elts[0]))
+    return None
+
+
+def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """``for e, expert in enumerate(C): out += G[..., e:e + 1] * expert(x)`` (or ``C[e](x)`` over range): every
+    expert on every token, summed with a gate column; the dense top-k mixture of :func:`_dense_stack_site`."""
+    if loop.orelse or len(loop.body) != 1:
+        return None
+    st, it, tgt = loop.body[0], loop.iter, loop.target
+    if isinstance(st, ast.AugAssign) and isinstance(st.op, ast.Add) and isinstance(st.target, ast.Name):
+        out, val, aug = st.target.id, st.value, True
+    elif isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
+            and isinstance(st.value, ast.BinOp) and isinstance(st.value.op, ast.Add) and isinstance(st.value.left, ast.Name) \
+            and st.value.left.id == st.targets[0].id:
+        out, val, aug = st.targets[0].id, st.value.right, False
+    else:
+        return None
+    if not (isinstance(val, ast.BinOp) and isinstance(val.op, ast.Mult)):
+        return None
+    if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and isinstance(tgt, ast.Tuple) \
+            and len(tgt.elts) == 2 and all(isinstance(n, ast.Name) for n in tgt.elts) and dotted(it.args[0]) is not None:
+        e, item, container = tgt.elts[0].id, tgt.elts[1].id, it.args[0]  # type: ignore[attr-defined]
+    elif isinstance(tgt, ast.Name) and _range_bound(it) is not None:
+        e, item, container = tgt.id, "", None
+    else:
+        return None
+    for a, b in ((val.left, val.right), (val.right, val.left)):
+        col = _dense_gate_column(a, e)
+        if col is None or not (isinstance(b, ast.Call) and len(b.args) == 1 and not b.keywords and isinstance(b.args[0], ast.Name)):
+            continue
+        f = b.func
+        if item and isinstance(f, ast.Name) and f.id == item:
+            cont_node = container
+        elif isinstance(f, ast.Subscript) and isinstance(f.slice, ast.Name) and f.slice.id == e and dotted(f.value) is not None \
+                and (container is None or ast.dump(f.value) == ast.dump(container)):
+            cont_node = f.value
+        else:
+            continue
+        gate, rank2 = col
+        x = b.args[0].id
+        if x in (e, item, out) or {n.id for n in fast_walk(gate) if isinstance(n, ast.Name)} & {e, item, out}:
+            return None
+        if container is None:
+            bound = _range_bound(it)
+            if not (isinstance(bound, ast.Call) and dotted(bound.func) == "len" and len(bound.args) == 1
+                    and ast.dump(bound.args[0]) == ast.dump(cont_node)):  # type: ignore[arg-type]
+                return None  # range(E) over a count npufuse cannot tie to the module list
+        gate_text = segment(module, gate)
+        end = loop.end_lineno or loop.lineno
+        evidence = _gate_evidence(module, scope, gate, loop.lineno)
+        if not evidence & {"topk", "one_hot", "argmax"} or not evidence & {"scatter", "scatter_", "one_hot", "masked_fill", "masked_fill_"}:
+            return NearMiss(_ID, scope.qualname, loop.lineno, end,
+                            f"every expert runs on every token and the outputs are mixed by `{gate_text[:40]}`, which npufuse "
+                            "does not trace to a top-k routing (topk with scatter / one_hot / masked_fill): a dense (soft) "
+                            "mixture, not a token-choice MoE")
+        mixing = _token_mixing(module, scope, cont_node)  # type: ignore[arg-type]
+        if mixing is not None:
+            return NearMiss(_ID, scope.qualname, loop.lineno, end, f"every expert runs on the whole input `{x}` and the "
+                            f"experts mix tokens ({mixing}): the fused layer would call each on its routed rows only")
+        cont = segment(module, cont_node)  # type: ignore[arg-type]
+        result = f"{out} += {P}mixed" if aug else f"{out} = {out} + {P}mixed"
+        lines = _dense_fused_lines(gate_text, x, cont, False, result, rank2)
+        lines += ["else:  # other shapes: as written", *("    " + ln for ln in ast.unparse(loop).splitlines())]
+        params: dict[str, Any] = {
+            "num_experts": f"len({cont})", "top_k": "non-zero gate entries per token (read at run time)",
+            "layout": "expert_modules", "weights": {}, "activation": "as written", "conditional": True,
+            "routing_weights": "after_down", "routing": "dense_gate", "loop": "dense_loop", "tokens": x,
+            "indices": None, "probs": gate_text, "counts": None, "output": out, "output_dtype": None,
+            "sentinel_index": None, "gate_evidence": sorted(evidence),
+        }
+        risks = [
+            Risk("other", "exact only where the original's unrouted terms are exactly zero: the replacement skips "
+                 "0 * expert(x) for gate entries that are 0, so an unrouted expert output of inf/NaN (0 * inf = NaN in "
+                 "the original) no longer reaches the result; the routed terms are summed before they are added to "
+                 f"`{out}` (the loop added them one by one: rounding only)"),
+            Risk("other", "each expert is called once on its routed rows ([n, H]) instead of on the whole input: equal only "
+                 "while the expert treats tokens independently (no attention, convolution or batch statistics over them)"),
+            Risk("other", "gradients: d out / d gate is not propagated to entries that are exactly zero (zero in the "
+                 "original too wherever the zero comes from a top-k mask, a scatter of the top-k values or a -inf logit)"),
+            Risk("dynamic_shape", "the routed experts per token and the per-expert row counts are read on the host"),
+        ]
+        notes = [f"every expert ran on every token, weighted by a gate column that is zero outside the top-k (found in "
+                 f"its dataflow: {', '.join(sorted(evidence))}); permute by the non-zero entries, one call per expert, "
+                 "npu_moe_token_unpermute"]
+        return Finding(pattern=_ID, qualname=scope.qualname, line=loop.lineno, end_line=end, params=params,
+                       fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_gate",
+                       risks=risks, notes=notes, training_ok=True)
+    return None
+
+
+_S26_DENSE_LOOP = _HEAD + '''
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))
+
+
+class MaskedDense(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.gate = nn.Linear(d, n, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        logits = self.gate(x)
+        kth = logits.topk(self.k, dim=-1).values[..., -1:]
+        weights = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            out += weights[..., i:i + 1] * expert(x)
+        return out
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S26_DENSE_LOOP, name="s26_dense_loop_masked_fill_topk", run='''\
+layer = MaskedDense(8, 16, 4, 2)
+x = torch.randn(3, 5, 8, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[0].up.weight, layer.gate.weight]
+''', expect={"variant": "dense_gate", "loop": "dense_loop", "probs": "weights", "output": "out"}),
+    Fuse(_S26_DENSE_LOOP.replace("for i, expert in enumerate(self.experts):\n            out += weights[..., i:i + 1] * expert(x)",
+                                 "for i in range(len(self.experts)):\n            out = out + self.experts[i](x) * weights[..., i].unsqueeze(-1)"),
+         name="s26_dense_loop_range_unsqueeze_column", run='''\
+layer = MaskedDense(8, 16, 4, 1)
+x = torch.randn(6, 8, requires_grad=True)
+out = layer(x)
+leaves = [x, layer.experts[3].down.weight]
+''', expect={"variant": "dense_gate", "loop": "dense_loop"}),
+]
+
+MoeExperts.KEEP += [
+    # a softmax over all experts: a soft mixture (every weight non-zero)
+    Keep(_S26_DENSE_LOOP.replace('''        kth = logits.topk(self.k, dim=-1).values[..., -1:]
+        weights = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)''', '''        weights = logits.softmax(-1)'''),
+         reason="a dense (soft) mixture", name="s26_dense_loop_soft_mixture"),
+]
+
+
+# The dense forms call every expert on the whole input, the replacement on its routed rows only: equal only for
+# experts that treat tokens independently. When the expert class is in this file, its layers and forward are read
+# for steps that mix tokens; an expert class npufuse cannot read keeps the candidate with that risk stated.
+_TOKEN_MIXING_LAYERS = {"torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d", "torch.nn.MultiheadAttention",
+                        "torch.nn.BatchNorm1d", "torch.nn.BatchNorm2d", "torch.nn.GRU", "torch.nn.LSTM", "torch.nn.RNN",
+                        "torch.nn.TransformerEncoderLayer", "torch.nn.TransformerDecoderLayer", "torch.nn.GroupNorm"}
+_TOKEN_MIXING_CALLS = {"conv1d", "conv2d", "conv3d", "scaled_dot_product_attention", "bmm", "baddbmm", "einsum",
+                       "transpose", "permute", "cumsum", "roll", "batch_norm", "group_norm", "flip"}
+_LAST_DIM_REDUCTIONS = {"softmax", "log_softmax", "mean", "sum", "max", "min", "amax", "norm", "var", "std", "logsumexp"}
+
+
+def _token_mixing(module: ModuleInfo, scope: Scope, container: ast.expr) -> Optional[str]:
+    """What in the expert class (``self.<container>`` built in this class's __init__ from a class of this file)
+    mixes tokens, or None (nothing found, or the class cannot be read)."""
+    attr = container.attr if isinstance(container, ast.Attribute) else None
+    if attr is None or scope.class_name not in module.classes:
+        return None
+    value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)  # type: ignore[index]
+    if isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] in ("ModuleList", "Sequential") and value.args:
+        value = value.args[0]
+    elt = value.elt if isinstance(value, (ast.ListComp, ast.GeneratorExp)) else value
+    if not isinstance(elt, ast.Call) or dotted(elt.func) not in module.classes:
+        return None
+    cls = module.classes[dotted(elt.func)]  # type: ignore[index]
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef) or fn.name not in ("__init__", "forward"):
+            continue
+        for n in fast_walk(fn):
+            if not isinstance(n, ast.Call):
+                continue
+            canon = module.canonical(n.func) or ""
+            if canon in _TOKEN_MIXING_LAYERS:
+                return f"`{ast.unparse(n)[:50]}` in `{cls.name}`"
+            name = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
+            if fn.name == "forward" and name in _TOKEN_MIXING_CALLS:
+                return f"`{ast.unparse(n)[:50]}` in `{cls.name}.forward`"
+            if fn.name == "forward" and name in _LAST_DIM_REDUCTIONS:
+                dim = keyword(n, "dim", 0 if isinstance(n.func, ast.Attribute) else 1)
+                if dim is not None and const_value(dim) not in (-1,):
+                    return f"`{ast.unparse(n)[:50]}` in `{cls.name}.forward` (not over the last dimension)"
+    return None
+
+MoeExperts.KEEP += [
+    # the experts are convolutions over the sequence: on the routed rows alone they would see other neighbours
+    Keep(_S26_DENSE_LOOP.replace('''        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))''', '''        self.conv = nn.Conv1d(d, d, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)'''),
+         reason="the experts mix tokens", name="s26_dense_loop_sequence_mixing_experts"),
 ]

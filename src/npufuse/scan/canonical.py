@@ -1260,3 +1260,35 @@ def filled_output(stmts: list[ast.stmt]) -> tuple[str, ast.expr] | None:
     else:
         return None
     return out, expr  # type: ignore[return-value]
+
+
+# --- moe (s26): per-group indexing with trailing full slices; host copies of a count tensor ---
+_HOST_COPIES = ("cpu", "numpy", "tolist", "detach")
+
+
+def leading_subscript(node: ast.AST | None) -> ast.AST | None:
+    """``w[i, :, :]`` / ``x[a:b, :]`` / ``w[i, ...]`` read as ``w[i]`` / ``x[a:b]``: a subscript whose index is a
+    tuple of one item followed only by full slices (``:``, no bounds or step) or one ``...`` selects the same
+    elements as the first item alone (trailing dimensions are taken whole). Other nodes come back as they are.
+    The new Subscript carries the original's position, so source segments of it stay the original text."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) >= 2):
+        return node
+    first, *rest = node.slice.elts
+    if isinstance(first, ast.Starred) or isinstance(first, ast.Constant) and first.value is Ellipsis:
+        return node
+    ellipses = sum(1 for e in rest if isinstance(e, ast.Constant) and e.value is Ellipsis)
+    if ellipses > 1 or not all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None
+                               or isinstance(e, ast.Constant) and e.value is Ellipsis for e in rest):
+        return node
+    return ast.copy_location(ast.Subscript(value=node.value, slice=first, ctx=node.ctx), node)
+
+
+def host_copy_base(node: ast.AST | None) -> ast.AST | None:
+    """``counts.cpu().numpy()`` / ``counts.tolist()`` / ``counts.detach().cpu()`` -> ``counts``: the tensor a
+    chain of argument-free host copies starts from (the values are the same; only where they live differs).
+    None when ``node`` is no such chain (at least one copy)."""
+    hops = 0
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _HOST_COPIES \
+            and not node.args and not node.keywords:
+        node, hops = node.func.value, hops + 1
+    return node if hops else None
