@@ -611,7 +611,8 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             yield _miss(scope, stmt, f"{spelling} times a gain without a sqrt(d) factor: an L2 normalisation (ScaleNorm), "
                                      "not an RMSNorm (npu_rms_norm divides by the root of the mean, ||x|| / sqrt(d))")
             continue
-        if dotted(x) is None:
+        cast_base = _cast_of_name(x) if dotted(x) is None else None  # ``F.normalize(x.float(), dim=-1)``
+        if dotted(x) is None and cast_base is None:
             yield _miss(scope, stmt, f"{spelling}: the normalised input is an expression; bind it to a name first")
             continue
         if not all(_pure(module, f) for f, _ in rest) or not all(_pure(module, f) for f in S_factors):
@@ -623,6 +624,9 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             yield _miss(scope, stmt, done)
             continue
         xs_ = S.source_of(module, x)
+        x_param, guard_x = xs_, xs_
+        if cast_base is not None:  # the cast is evaluated once, into _npu_x, inside the fused branch
+            xs_, guard_x = "_npu_x", S.source_of(module, cast_base)
         num = " * ".join(f"({S.source_of(module, f)})" for f, inv in rest if not inv) or "1.0"
         den = [f"({S.source_of(module, f)})" for f, inv in rest if inv]
         P = num if not den else f"{num} / ({' * '.join(den)})"
@@ -634,6 +638,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
                       f" * _npu_g).to({T}.result_type({xs_}, _npu_p))")
         first = prev if prev is not None and not scope.uses_after(prev.targets[0].id, stmt.end_lineno or stmt.lineno) else None  # type: ignore[attr-defined]
         fused = "\n".join([
+            *([f"_npu_x = {x_param}"] if cast_base is not None else []),
             f"_npu_p = {P}",
             "# gamma = P / (s * sqrt(d)): the gain over the rms (||x|| = sqrt(d) * rms(x))",
             f"_npu_g = {xs_}.new_ones({xs_}.shape[-1], dtype={T}.float32) * _npu_p / ({scale})",
@@ -645,8 +650,8 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         start = first if first is not None else stmt
         yield Finding(
             pattern="rms_norm", qualname=scope.qualname, line=start.lineno, end_line=stmt.end_lineno or stmt.lineno,
-            params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": xs_, "source": "l2_normalize"},
-            fused=fused, guard_tensor=xs_, confidence="medium", variant="l2_normalize" if l2n is not None else "l2_norm_clamp",
+            params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": x_param, "source": "l2_normalize"},
+            fused=fused, guard_tensor=guard_x, confidence="medium", variant="l2_normalize" if l2n is not None else "l2_norm_clamp",
             risks=[*_RISKS, _CLAMP_RISK],
             notes=[f"{spelling} with a sqrt(d) factor is x / rms(x): replaced by npu_rms_norm with the gain folded into gamma",
                    "eps: a clamp on the norm in the original, inside the root in the fused op (see the risk)"],
@@ -1268,3 +1273,23 @@ def family_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex
                    "(weight and eps read from the instance; no weight: ones of normalized_shape)"],
             training_ok=True,
         )
+
+
+# --- s26 norms: the normalised input as a cast of a name -----------------------------------
+
+
+def _cast_of_name(node: ast.expr) -> ast.expr | None:
+    """The name (or ``self.a``) under a dtype cast (``x.float()``, ``x.half()``, ``x.bfloat16()``,
+    ``x.to(torch.float32)`` / ``x.to(y.dtype)``): a value the replacement can compute once into a
+    local, the device and shape of which are those of the name. None for anything else."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or node.keywords:
+        return None
+    base = node.func.value
+    if dotted(base) is None:
+        return None
+    if node.func.attr in ("float", "half", "bfloat16") and not node.args:
+        return base
+    if node.func.attr == "to" and len(node.args) == 1 and isinstance(node.args[0], ast.Attribute) \
+            and (node.args[0].attr == "dtype" or node.args[0].attr in ("float32", "float16", "bfloat16")) and dotted(node.args[0]) is not None:
+        return base
+    return None

@@ -4132,3 +4132,50 @@ def norm(x, w, eps):
         name="inplace_eps_add_on_a_named_variance",
     ),
 ]
+
+# s26 norms: F.normalize of a cast of the input (the cast is computed once in the fused branch)
+RmsNorm.FUSE += [
+    Fuse(
+        '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MultiHeadRMSNorm(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(heads, dim))
+
+    def forward(self, x):
+        return (F.normalize(x.float(), dim=-1) * self.gamma * self.scale).to(x.dtype)
+''',
+        expect={"variant": "l2_normalize", "x": "x.float()", "qualname": "MultiHeadRMSNorm.forward"},
+        run="m = MultiHeadRMSNorm(32, 4)\nwith torch.no_grad():\n    m.gamma.normal_()\n"
+            "x = torch.randn(2, 5, 4, 32, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x, m.gamma]\n",
+        name="l2_normalize_of_a_cast_per_head_gamma",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Norm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.normalize(self.proj(x), dim=-1) * self.g * x.shape[-1] ** 0.5
+''',
+        reason="the normalised input is an expression",
+        name="l2_normalize_of_a_call_result",
+    ),
+]
