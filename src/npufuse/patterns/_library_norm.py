@@ -60,7 +60,7 @@ def relevant(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_library_norm_text")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_library_norm_text"] = "rms_norm" in src or "RMSNorm" in src or _l2_text(src) \
+        cached = module.__dict__["_npufuse_library_norm_text"] = "rms_norm" in src or "RMSNorm" in src or "RmsNorm" in src or _l2_text(src) \
             or ("norm(" in src and "keepdim" in src)  # x / (||x|| * s + eps): see eps_added_norm_sites
     return cached
 
@@ -77,6 +77,8 @@ def detect(module: ModuleInfo, scope: Scope) -> Iterator[Result]:
         out.extend(construction_sites(module, scope, ctor_idx))
         out.extend(hf_construction_sites(module, scope, ctor_idx))
         out.extend(library_construction_sites(module, scope, ctor_idx))  # apex / xformers modules
+    if "RmsNorm" in text:  # library families found by package and class name (timm)
+        out.extend(family_construction_sites(module, scope, S.stmt_index(scope)))
     if scope.qualname == "<module>":
         out.sort(key=lambda r: r.line)
         yield from out
@@ -609,7 +611,8 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             yield _miss(scope, stmt, f"{spelling} times a gain without a sqrt(d) factor: an L2 normalisation (ScaleNorm), "
                                      "not an RMSNorm (npu_rms_norm divides by the root of the mean, ||x|| / sqrt(d))")
             continue
-        if dotted(x) is None:
+        cast_base = _cast_of_name(x) if dotted(x) is None else None  # ``F.normalize(x.float(), dim=-1)``
+        if dotted(x) is None and cast_base is None:
             yield _miss(scope, stmt, f"{spelling}: the normalised input is an expression; bind it to a name first")
             continue
         if not all(_pure(module, f) for f, _ in rest) or not all(_pure(module, f) for f in S_factors):
@@ -621,6 +624,9 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             yield _miss(scope, stmt, done)
             continue
         xs_ = S.source_of(module, x)
+        x_param, guard_x = xs_, xs_
+        if cast_base is not None:  # the cast is evaluated once, into _npu_x, inside the fused branch
+            xs_, guard_x = "_npu_x", S.source_of(module, cast_base)
         num = " * ".join(f"({S.source_of(module, f)})" for f, inv in rest if not inv) or "1.0"
         den = [f"({S.source_of(module, f)})" for f, inv in rest if inv]
         P = num if not den else f"{num} / ({' * '.join(den)})"
@@ -632,6 +638,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
                       f" * _npu_g).to({T}.result_type({xs_}, _npu_p))")
         first = prev if prev is not None and not scope.uses_after(prev.targets[0].id, stmt.end_lineno or stmt.lineno) else None  # type: ignore[attr-defined]
         fused = "\n".join([
+            *([f"_npu_x = {x_param}"] if cast_base is not None else []),
             f"_npu_p = {P}",
             "# gamma = P / (s * sqrt(d)): the gain over the rms (||x|| = sqrt(d) * rms(x))",
             f"_npu_g = {xs_}.new_ones({xs_}.shape[-1], dtype={T}.float32) * _npu_p / ({scale})",
@@ -643,8 +650,8 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         start = first if first is not None else stmt
         yield Finding(
             pattern="rms_norm", qualname=scope.qualname, line=start.lineno, end_line=stmt.end_lineno or stmt.lineno,
-            params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": xs_, "source": "l2_normalize"},
-            fused=fused, guard_tensor=xs_, confidence="medium", variant="l2_normalize" if l2n is not None else "l2_norm_clamp",
+            params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": x_param, "source": "l2_normalize"},
+            fused=fused, guard_tensor=guard_x, confidence="medium", variant="l2_normalize" if l2n is not None else "l2_norm_clamp",
             risks=[*_RISKS, _CLAMP_RISK],
             notes=[f"{spelling} with a sqrt(d) factor is x / rms(x): replaced by npu_rms_norm with the gain folded into gamma",
                    "eps: a clamp on the norm in the original, inside the root in the fused op (see the risk)"],
@@ -1139,3 +1146,150 @@ def library_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtInde
                    "(weight and eps read from the instance; no weight: ones of normalized_shape)"],
             training_ok=True,
         )
+
+
+# --- s26 norms: library RMSNorm families found by package and class name ---------------------
+#
+# Libraries re-export their norm classes from many modules (timm's ``RmsNorm`` is importable from
+# ``timm.layers``, ``timm.layers.norm``, ``timm.models.layers`` and every model module that imports
+# it, e.g. ``timm.models.vision_transformer``): a table of full dotted names misses most of them.
+# A family is (top-level package, class names whose semantics were read from the library's source);
+# a constructor whose canonical name (after the repository's own re-exports) starts with the package
+# and ends with one of the class names is that class. The swap checks the same two facts at run
+# time (the instance's class comes from that package and has that name), so a repo that binds the
+# name to its own class (an import fallback) keeps its own forward.
+#
+# timm (timm/layers/norm.py, fast_norm.py; read at timm main 2025):
+# * ``RmsNorm(channels, eps=1e-6, affine=True)``: ``normalized_shape`` (channels,), ``weight`` or None;
+#   forward (``_fast_norm`` False, the default) is ``x * rsqrt(mean(x**2, last dims) + eps) * weight``
+#   in x's dtype (no upcast), so the output dtype is promote(x, weight). With ``set_fast_norm()``
+#   it casts to the autocast dtype first: the swap leaves that mode to timm's forward.
+# * ``RmsNormFp32``: the same on ``x.float()`` and ``weight.float()``, cast back to x's dtype.
+# * ``RmsNorm2d`` / ``RmsNorm2dFp32`` normalise dim 1 of NCHW (not the trailing dims npu_rms_norm
+#   normalises) and ``SimpleNorm*`` subtract nothing but use ``var`` (mean-centred): not in the family.
+
+LIBRARY_RMS_FAMILIES: dict[str, tuple[str, ...]] = {
+    "timm": ("RmsNorm", "RmsNormFp32"),
+}
+
+_TIMM_SWAP = "_npufuse_timm_rms_norm_swap"
+
+_TIMM_RISKS = [
+    Risk("numerics", "timm's RmsNorm computes in the input's dtype (no fp32 upcast); npu_rms_norm keeps its statistics in "
+                     "fp32, so bf16/fp16 outputs differ in the last bits (more accurate). The output dtype is timm's: "
+                     "promote(input, weight) for RmsNorm, the input's for RmsNormFp32"),
+]
+
+
+def library_family_class(module: ModuleInfo, func: ast.expr) -> str | None:
+    """``package.ClassName`` when a constructor's callee is a class of ``LIBRARY_RMS_FAMILIES``
+    (through the repository's re-exports); None for anything else, including a class of that
+    name the repository defines itself (timm's own source)."""
+    name = canonical.api(module, func)
+    if not name or "." not in name:
+        return None
+    pkg, cls = name.split(".", 1)[0], name.rsplit(".", 1)[-1]
+    if cls not in LIBRARY_RMS_FAMILIES.get(pkg, ()):
+        # a repository module re-exporting the class (``from .layers import RmsNorm``)
+        if not cls.lower().endswith("norm") or name.startswith("torch."):
+            return None
+    from npufuse.scan import repo_facts
+
+    origin = repo_facts.external_origin(module, name) if repo_facts.repo_root(module) is not None else name
+    if origin is None:
+        return None  # defined in the repository: its own class, read by the hand-written matcher
+    pkg, cls = origin.split(".", 1)[0], origin.rsplit(".", 1)[-1]
+    return f"{pkg}.{cls}" if cls in LIBRARY_RMS_FAMILIES.get(pkg, ()) else None
+
+
+def _timm_swap_helper(T: str) -> str:
+    """The local function swapping a timm RmsNorm / RmsNormFp32 instance's forward."""
+    return "\n".join([
+        f"def {_TIMM_SWAP}(norm):",
+        "    # timm's RmsNorm forward through torch_npu.npu_rms_norm for NPU input; weight, eps and the",
+        "    # state_dict keys stay those of the instance",
+        "    cls = type(norm)",
+        "    if cls.__module__.split('.')[0] != 'timm' or cls.__name__ not in ('RmsNorm', 'RmsNormFp32'):",
+        "        return norm  # another class bound to the name (an import fallback): left as it is",
+        f"    half = ({T}.float16, {T}.bfloat16)",
+        "    fp32 = cls.__name__ == 'RmsNormFp32'",
+        "    def forward(self, x):",
+        f"        if _npufuse_on_npu(x) and type(self) is cls and not getattr(self, '_fast_norm', False) and 2 <= x.dim() <= 8 and x.dtype in (*half, {T}.float32):",
+        "            w = self.weight",
+        "            if fp32:",
+        "                # statistics and weight in fp32, output in x's dtype (fp32 gamma with half x: A2/A3)",
+        f"                gamma = w.float() if w is not None else {T}.ones(self.normalized_shape, dtype={T}.float32, device=x.device)",
+        "                return torch_npu.npu_rms_norm(x, gamma, epsilon=self.eps)[0]",
+        "            # timm computes in x's dtype and multiplies by the weight: the output is promote(x, weight)",
+        f"            out = {T}.promote_types(x.dtype, w.dtype) if w is not None else x.dtype",
+        "            xin = x.to(out)",
+        f"            gamma = w.to(out) if w is not None else {T}.ones(self.normalized_shape, dtype=out, device=x.device)",
+        "            return torch_npu.npu_rms_norm(xin, gamma, epsilon=self.eps)[0]",
+        "        return cls.forward(self, x)",
+        "",
+        "    norm.forward = forward.__get__(norm)",
+        "    return norm",
+        "",
+    ])
+
+
+def family_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """One finding per statement constructing a library-family RMSNorm (timm's), each construction
+    wrapped in the swap (as for nn.RMSNorm: checkpoints, eps and every call site are unchanged)."""
+    T = S.torch_name(module) or "torch"
+    lines = S.module_lines(module)
+    words = tuple(c for classes in LIBRARY_RMS_FAMILIES.values() for c in classes)
+    for stmt in idx.stmts:
+        if not S.simple_stmt(stmt):
+            continue
+        text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
+        if "Norm" not in text or _in_fused_branch(idx, stmt):
+            continue
+        ctors = [(n, c) for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))
+                 and (any(w in ast.unparse(n.func) for w in words) or ast.unparse(n.func).lower().endswith("norm"))
+                 for c in [library_family_class(module, n.func)] if c is not None]
+        if not ctors:
+            continue
+        done = S.already_fused(module, scope, stmt)
+        if done:
+            yield _miss(scope, stmt, done)
+            continue
+        body = S.splice(module, stmt, [(n, f"{_TIMM_SWAP}({S.source_of(module, n)})") for n, _c in ctors])
+        classes = list(dict.fromkeys(c for _, c in ctors))
+        params: dict = {"source": "library", "module": ", ".join(classes), "constructions": len(ctors),
+                        "eps": "the module's eps", "weight": "the module's weight (None: ones of normalized_shape)",
+                        "unfused_ops": ["pow", "mean", "add", "rsqrt", "mul", "mul"], "upcast": "none"}
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+        if target is not None and dotted(target):
+            params["target"] = dotted(target)
+        yield Finding(
+            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+            params=params, fused=_timm_swap_helper(T) + body,
+            # nothing is a tensor yet where a module is built (see construction_sites)
+            guard_tensor=f"{T}.Tensor", confidence="medium", variant="library_rmsnorm",
+            risks=[*_RISKS, *_SWAP_RISKS, *_TIMM_RISKS],
+            notes=[f"unfused: {', '.join(classes)} (timm's pure-PyTorch RMSNorm: pow, mean, add, rsqrt, mul, mul kernels on NPU); fused: 1",
+                   "the module is swapped where it is built: every call of it runs npu_rms_norm on NPU input "
+                   "(weight and eps read from the instance; no weight: ones of normalized_shape)"],
+            training_ok=True,
+        )
+
+
+# --- s26 norms: the normalised input as a cast of a name -----------------------------------
+
+
+def _cast_of_name(node: ast.expr) -> ast.expr | None:
+    """The name (or ``self.a``) under a dtype cast (``x.float()``, ``x.half()``, ``x.bfloat16()``,
+    ``x.to(torch.float32)`` / ``x.to(y.dtype)``): a value the replacement can compute once into a
+    local, the device and shape of which are those of the name. None for anything else."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or node.keywords:
+        return None
+    base = node.func.value
+    if dotted(base) is None:
+        return None
+    if node.func.attr in ("float", "half", "bfloat16") and not node.args:
+        return base
+    if node.func.attr == "to" and len(node.args) == 1 and isinstance(node.args[0], ast.Attribute) \
+            and (node.args[0].attr == "dtype" or node.args[0].attr in ("float32", "float16", "bfloat16")) and dotted(node.args[0]) is not None:
+        return base
+    return None

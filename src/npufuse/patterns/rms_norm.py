@@ -409,7 +409,7 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
     if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
         pair = (e.left, e.right)
     else:
-        c = _call_of(module, e, "torch.add", "add")
+        c = _call_of(module, e, "torch.add", "add") or _inplace_add_on_temporary(e)
         if c is not None and len(c[1].args) > c[2]:
             pair = (c[0], c[1].args[c[2]])
     if pair is None:
@@ -1903,7 +1903,7 @@ class RmsNorm(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         for r in scope_results(module, scope):
             if r.finding is not None:
-                if r.finding.variant == "no_weight" and _weightless_helper_covered(module, scope):
+                if (r.finding.variant == "no_weight" or _import_fallback_def(module, scope)) and _weightless_helper_covered(module, scope):
                     continue  # Meta's ``_norm``: its callers apply the weight and are replaced whole
                 yield r.finding
             elif r.miss is not None:
@@ -4016,5 +4016,166 @@ class Norm(nn.Module):
 ''',
         reason="already has a torch_npu branch",
         name="norm_in_the_body_of_a_negated_npu_test",
+    ),
+]
+
+
+# --- s26 norms: in-place eps add on a temporary ---------------------------------------------
+
+
+def _inplace_add_on_temporary(node: ast.AST) -> tuple[ast.expr, ast.Call, int] | None:
+    """``mean(...).add_(eps)``: an in-place add on the fresh tensor a call just returned (the
+    mean of squares) is ``mean(...) + eps`` and changes nothing anyone else can read. On a name
+    (``var.add_(eps)``) the add would also change ``var`` for later readers: not accepted."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_" \
+            and isinstance(node.func.value, ast.Call) and len(node.args) == 1 and not node.keywords:
+        return node.func.value, node, 0
+    return None
+
+
+# --- s26 norms: pure-torch fallbacks of an optional kernel import ----------------------------
+
+
+def _import_fallback_def(module: ModuleInfo, scope: Scope) -> bool:
+    """A module-level ``def`` in the ``except ImportError`` handler of a ``try`` that imports the
+    same name (``try: from flash_attn.ops.rms_norm import rms_norm as impl / except ImportError:
+    def impl(x, w, eps): ...``). It is what runs on NPU where the kernel package is absent; when
+    every call of it lies in a caller's finding that reads through it, the callers are the sites
+    (where the kernel or its fallback is used), and the def needs no replacement of its own."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or "ImportError" not in module.source:
+        return False
+    for node in module.tree.body:
+        if not isinstance(node, ast.Try):
+            continue
+        imported = {a.asname or a.name.split(".")[0] for s in node.body if isinstance(s, (ast.Import, ast.ImportFrom)) for a in s.names}
+        if fn.name not in imported:
+            continue
+        for h in node.handlers:
+            names = [h.type] if not isinstance(h.type, ast.Tuple) else list(h.type.elts)
+            if any(isinstance(t, ast.Name) and t.id in ("ImportError", "ModuleNotFoundError") for t in names) \
+                    and any(s is fn for s in h.body):
+                return True
+    return False
+
+
+# --- s26 norms: examples (timm's RmsNorm family; the emulated swap is checked with a timm
+# stand-in in tests/test_detect_s26_norms.py) and optional-kernel fallbacks --------------------
+
+RmsNorm.FUSE += [
+    Fuse(
+        '''
+from torch import nn
+from timm.models.vision_transformer import RmsNorm
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm1 = RmsNorm(dim, eps=1e-6)
+''',
+        expect={"variant": "library_rmsnorm", "module": "timm.RmsNorm", "target": "self.norm1"},
+        name="timm_rmsnorm_reexported_by_a_model_module",
+    ),
+    Fuse(
+        '''
+import torch
+from torch import nn
+
+try:
+    from fused_kernels.rms import rms_norm as rms_norm_impl
+except ImportError:
+    def rms_norm_impl(x, weight, epsilon):
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(epsilon))) * weight
+
+
+class FastRMSNorm(nn.Module):
+    def __init__(self, C, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(C))
+
+    def forward(self, x):
+        src_type = x.dtype
+        return rms_norm_impl(x.float(), self.weight, epsilon=self.eps).to(src_type)
+''',
+        expect={"qualname": "FastRMSNorm.forward", "line": 19},
+        run="m = FastRMSNorm(32)\nwith torch.no_grad():\n    m.weight.normal_()\nx = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x, m.weight]\n",
+        name="kernel_import_fallback_called_by_a_module_inplace_eps_add",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        '''
+from torch import nn
+from timm.layers import RmsNorm2d
+
+
+class Stem(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = RmsNorm2d(dim)  # normalises dim 1 of NCHW, not the trailing dims
+''',
+        name="timm_rmsnorm2d_is_channel_first",
+    ),
+    Keep(
+        '''
+import torch
+
+
+def norm(x, w, eps):
+    var = x.pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(var.add_(eps)) * w  # changes var in place: later readers see var + eps
+    return y, var
+''',
+        name="inplace_eps_add_on_a_named_variance",
+    ),
+]
+
+# s26 norms: F.normalize of a cast of the input (the cast is computed once in the fused branch)
+RmsNorm.FUSE += [
+    Fuse(
+        '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MultiHeadRMSNorm(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(heads, dim))
+
+    def forward(self, x):
+        return (F.normalize(x.float(), dim=-1) * self.gamma * self.scale).to(x.dtype)
+''',
+        expect={"variant": "l2_normalize", "x": "x.float()", "qualname": "MultiHeadRMSNorm.forward"},
+        run="m = MultiHeadRMSNorm(32, 4)\nwith torch.no_grad():\n    m.gamma.normal_()\n"
+            "x = torch.randn(2, 5, 4, 32, dtype=torch.bfloat16, requires_grad=True)\nout = m(x)\nleaves = [x, m.gamma]\n",
+        name="l2_normalize_of_a_cast_per_head_gamma",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Norm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.normalize(self.proj(x), dim=-1) * self.g * x.shape[-1] ** 0.5
+''',
+        reason="the normalised input is an expression",
+        name="l2_normalize_of_a_call_result",
     ),
 ]
