@@ -2125,6 +2125,8 @@ class RopePattern(Pattern):
             # and then the heads too; the fused call gives the first merge, the original flatten the rest
             post = f".flatten({k})"
         real = node.func.value
+        if len(real.args) == 1 and isinstance(real.args[0], ast.Name):
+            return _rebound_complex_product(self, module, scope, node, real.args[0], post)
         if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
             return None
         prod = real.args[0]
@@ -2156,7 +2158,7 @@ class RopePattern(Pattern):
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
-        return None
+        return _complex_parameter_product(self, module, scope, node, prod, post)
 
     @staticmethod
     def _merges_pair_axis(scope: Scope, node: ast.Call) -> bool:
@@ -5562,4 +5564,216 @@ def alibi_scores(qk, bias, past_slopes, future_slopes):
 RopePattern.KEEP += [
     Keep(_SINUSOID_ADDED, reason="", name="sinusoidal_table_added_is_no_rotation"),
     Keep(_ALIBI, reason="", name="alibi_bias_is_no_rotation"),
+]
+
+
+# --- rope s26: the complex form proven by dataflow, not by one spelling -------------------------------
+# ``z = z * f; view_as_real(z).flatten(-2)`` (the product rebinds the complex name) and a helper
+# ``view_as_real(z * f).flatten(3)`` whose complex operand is a parameter its callers fill with
+# ``view_as_complex(pairs)``: the same interleaved rotation as the inline spelling.
+
+def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call, name: ast.Name,
+                             post: str) -> _Match | str | None:
+    """``view_as_real(name).<merge>`` where the statement right before is ``name = a * b`` with one factor
+    a ``view_as_complex`` of x's lane pairs (through names, at that line). The product statement goes with
+    the site: the fused path does not compute it; the original path (run-time shape check) runs both."""
+    here = _stmt_of(scope, node)
+    if here is None or here[1] == 0:
+        return None
+    block, i, stmt = here
+    prev = block[i - 1]
+    if not (isinstance(prev, ast.Assign) and len(prev.targets) == 1 and isinstance(prev.targets[0], ast.Name)
+            and prev.targets[0].id == name.id and isinstance(prev.value, ast.BinOp) and isinstance(prev.value.op, ast.Mult)):
+        return None
+    prod = prev.value
+    for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+        val = _resolve(scope, xc)  # (names in the product resolve to their bindings before its line)
+        if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
+            continue
+        got = _complex_pairs(scope, val.args[0], val.lineno)
+        if isinstance(got, str):
+            return got
+        if scope.uses_after(name.id, stmt.end_lineno or stmt.lineno):
+            # the fused path drops the product: a later read of the name would see the unrotated value
+            return (f"complex rope whose product `{segment(module, prev)}` is read again after "
+                    f"`{segment(module, node)}`: the fused call cannot replace it")
+        x, cast = got
+        m = pat._complex_checked(module, node, x, xc, freqs, cast)
+        m.post, m.freqs, m.absorb = post, freqs, [prev]
+        return m
+    return None
+
+
+def _passes_complex(module: ModuleInfo, fn_scope: Scope, param: str) -> bool:
+    """Every call of the function in this module (by its name; ``self.<name>`` from a method of the same
+    class for a method) passes, for ``param``, a value bound to ``view_as_complex(..)`` in the caller (its
+    last binding before the call); at least one call. The fused path checks complexness at run time too."""
+    fn = fn_scope.node
+    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if param not in params:
+        return False
+    method = bool(params) and params[0] in ("self", "cls")
+    cls_prefix = fn_scope.qualname.rpartition(".")[0] + "."
+    owner: dict[int, tuple[Scope, ast.Call]] = {}  # each call with its innermost scope (scopes come outer first)
+    for scope in module.scopes:
+        if method and not scope.qualname.startswith(cls_prefix):
+            continue  # another class's method of the same name
+        for call in scope.nodes().get(ast.Call, ()):
+            f = call.func  # type: ignore[attr-defined]
+            if (isinstance(f, ast.Name) and f.id == fn.name and not method) \
+                    or (isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) and f.value.id in ("self", "cls") and method):
+                owner[id(call)] = (scope, call)  # type: ignore[assignment]
+    pos = params.index(param) - (1 if method else 0)
+    for scope, call in owner.values():
+        if scope.node is fn:
+            return False  # a recursive call: not followed
+        arg = keyword(call, param, pos)
+        if arg is None:
+            return False
+        if isinstance(arg, ast.Name):
+            # the binding before the call's statement (``q = self.f(.., q)`` over several lines rebinds q
+            # on the statement's first line, before the argument's own line)
+            here = _stmt_of(scope, call)
+            if here is None:
+                return False
+            reaching = _reaching_binding(scope, arg.id, here[2])
+            if reaching is None:
+                return False
+            arg = reaching
+        val = _resolve(scope, arg)
+        if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex")):
+            return False
+    return bool(owner)
+
+
+def _reaching_binding(scope: Scope, name: str, stmt: ast.stmt) -> ast.expr | None:
+    """The value of the last binding of ``name`` before ``stmt`` that can reach it: a binding in the
+    other branch of an ``if`` around ``stmt`` cannot (OLMo-core binds ``k_rot`` in both branches of
+    ``if head_first:``, the textually last one is not the one the else branch reads)."""
+    mine = {id(i): body for i, body, _c in _if_path(scope, stmt) if isinstance(i, ast.If)}
+    for st, value in reversed(scope.assignments.get(name, [])):
+        if st.lineno >= stmt.lineno:
+            continue
+        if any(isinstance(i, ast.If) and id(i) in mine and mine[id(i)] != body for i, body, _c in _if_path(scope, st)):
+            continue  # the other branch of an if this statement is in
+        return value
+    return None
+
+
+def _complex_parameter_product(pat: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call, prod: ast.BinOp,
+                               post: str) -> _Match | str | None:
+    """``view_as_real(z * f).<merge>`` in a helper whose parameter z its callers in this module fill with
+    ``view_as_complex(..)`` of lane pairs. The fused path also runs only where z and f are complex at
+    run time (placeholders of rank 1 otherwise make the shape check fail: the original code runs)."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+        if not (isinstance(xc, ast.Name) and xc.id in scope.args and not scope.assignments.get(xc.id)):
+            continue
+        if not _passes_complex(module, scope, xc.id):
+            return (f"complex product with the parameter `{xc.id}`: not every call of `{scope.qualname}` in this module "
+                    "passes it a view_as_complex(..) value, so its lane pairs are not proven")
+        tag = _ident(segment(module, xc))
+        ok, zc, fc = f"_npufuse_{tag}_complex", f"_npufuse_{tag}_z", f"_npufuse_{tag}_f"
+        f_src, z_src = _atom(segment(module, freqs)), segment(module, xc)
+        m = pat._complex_checked(module, node, xc, ast.Name(id=zc, ctx=ast.Load()), ast.Name(id=fc, ctx=ast.Load()), None)
+        # (a rank-1 placeholder: x's rank 1 fails the fused path's ``dim() == 4`` check)
+        m.prep = [f"{ok} = {z_src}.is_complex() and {f_src}.is_complex()  # its callers pass view_as_complex pairs; checked here too",
+                  f"{zc} = {z_src} if {ok} else torch.zeros(1, dtype=torch.complex64, device={z_src}.device)",
+                  f"{fc} = {f_src} if {ok} else {zc}"] + m.prep
+        m.post, m.freqs = post, freqs
+        return m
+    return None
+
+
+_COMPLEX_REBOUND = '''
+import torch
+import torch.nn as nn
+
+
+class Turn(nn.Module):
+    def __init__(self, dim, n):
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.outer(torch.arange(n).float(), inv)
+        self.register_buffer("table", torch.view_as_real(torch.polar(torch.ones_like(ang), ang)))
+
+    def forward(self, x):
+        f = torch.view_as_complex(self.table)[: x.shape[1]].unsqueeze(1)
+        x2 = x.unflatten(-1, (-1, 2))
+        z = torch.view_as_complex(x2.float())
+        z = z * f
+        y = torch.view_as_real(z).flatten(-2)
+        return y.type_as(x)
+'''
+
+# the complex operand is a parameter of the helper; its callers make it from lane pairs (one of them
+# on each branch of an ``if``: the binding in the other branch does not reach the call)
+_COMPLEX_PARAMETER = '''
+import torch
+import torch.nn as nn
+
+
+class Spin(nn.Module):
+    def _turn(self, f, z):
+        return torch.view_as_real(z * f).flatten(3)
+
+    def forward(self, q, k, f, heads_first: bool = False):
+        qz = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        kz = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+        if heads_first:
+            qz = self._turn(f[None, None], qz)
+            kz = self._turn(f[None, None], kz)
+        else:
+            qz = self._turn(f[None, :, None, :], qz)
+            kz = self._turn(f[None, :, None, :], kz)
+        return qz.type_as(q), kz.type_as(k)
+'''
+
+_COMPLEX_PARAMETER_RUN = '''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+f = torch.polar(torch.ones_like(ang), ang)
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 3, D, requires_grad=True)
+m = Spin()
+out = (m(q, k, f), m(q.transpose(1, 2), k.transpose(1, 2), f, heads_first=True))
+leaves = [q, k]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_product_rebinds_its_name",
+        code=_COMPLEX_REBOUND,
+        expect={"mode": "complex", "freqs": "f", "variant": "complex_freqs_cis_checked"},
+        run='''
+x = torch.randn(2, 6, 3, 16, requires_grad=True)
+m = Turn(16, 10)
+out = (m(x), m(x.half().float()), m(x[:, :4]))
+leaves = [x]
+''',
+    ),
+    Fuse(
+        name="complex_operand_passed_to_helper",
+        code=_COMPLEX_PARAMETER,
+        expect={"mode": "complex", "freqs": "f", "qualname": "Spin._turn"},
+        run=_COMPLEX_PARAMETER_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the rotated complex value is read again after the real view: the fused call cannot drop the product
+        _COMPLEX_REBOUND.replace("        return y.type_as(x)", "        return y.type_as(x), z.abs()"),
+        reason="is read again after",
+        name="complex_product_read_again",
+    ),
+    Keep(
+        # one caller passes a real tensor (a real x times complex f is no rotation of lane pairs)
+        _COMPLEX_PARAMETER.replace("kz = self._turn(f[None, :, None, :], kz)", "kz = self._turn(f[None, :, None, :], k)"),
+        reason="lane pairs are not proven",
+        name="complex_parameter_not_from_pairs",
+    ),
 ]
