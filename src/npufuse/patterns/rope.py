@@ -142,6 +142,9 @@ class _Rotation:
     # verified on its ``if x.dim() == 4:`` branch only (ModelCenter's rank-sliced rotate_every_two): fused
     # where the rotated tensor is 4-D, the test written with the call's argument by _rotation_call
     rank4_only: bool = False
+    # halves cut at a split point that is not provably D/2 (``t[..., : self.dim // 2]``): fused only where
+    # ``{x}.shape[-1] == 2 * (split)`` holds at run time ({x}: the call's argument, written by _rotation_call)
+    split_only_if: str | None = None
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -519,6 +522,10 @@ def _rotation_of_halves(scope: Scope, expr: ast.expr, is_x, halves: _Halves) -> 
 
 def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr) -> _Rotation:
     """Is ``node`` the rotation of ``x``: a helper call ``R(x)`` (followed and verified) or inline?"""
+    if isinstance(node, ast.Name):
+        called = _named_rotation_call(scope, node, x)
+        if called is not None:
+            return _rotation_call(module, scope, called, x)
     inner, casts = strip_casts(node)
     if casts:
         # Ernie's ``q.float() * cos + rotate_half(q).float() * sin``: the same cast on both sides
@@ -540,6 +547,8 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
             cache[key] = _rotation_helper(module, scope, node)
         if cache[key].rank4_only:
             return dataclasses.replace(cache[key], only_if=f"{_atom(segment(module, node.args[0]))}.dim() == 4")
+        if cache[key].split_only_if is not None:
+            return dataclasses.replace(cache[key], only_if=cache[key].split_only_if.format(x=_atom(segment(module, node.args[0]))))
         return dataclasses.replace(cache[key])
     if isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Starred) and same_expr(node.args[0], x) \
             and _plain_flag_args(node):
@@ -756,6 +765,8 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     rot = _rotation_expr(hscope, filled if filled is not None else rets[0].value, is_param, module)
     if rot.kind is None and isinstance(fn, ast.FunctionDef) and filled is None:
         rot = _rank4_branch_rotation(module, fn, pname) or rot
+    if rot.kind is None and filled is None:
+        rot = _split_checked_helper(module, node, hscope, rets[0].value, is_param, pname) or rot
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
@@ -5775,5 +5786,116 @@ RopePattern.KEEP += [
         _COMPLEX_PARAMETER.replace("kz = self._turn(f[None, :, None, :], kz)", "kz = self._turn(f[None, :, None, :], k)"),
         reason="lane pairs are not proven",
         name="complex_parameter_not_from_pairs",
+    ),
+]
+
+
+# --- rope s26: a rotation named before use, and helpers cutting at an attribute split point -----------
+# ``r = self._swap(x); y = x * cos + r * sin`` is the rotation of the helper call (the name bound once,
+# straight before, with x the same binding at both places); fairseq2-style helpers cut the halves at
+# ``self.encoding_dim // 2``, which is D/2 only if the module was built for this x: fused where
+# ``x.shape[-1] == 2 * (self.encoding_dim // 2)`` holds at run time, the original code elsewhere.
+
+def _named_rotation_call(scope: Scope, name: ast.Name, x: ast.expr) -> ast.Call | None:
+    """The call bound to ``name`` (its only binding before the use, in the scope's top block or the same
+    block as the use) when its first argument is ``x`` with the binding ``x`` has at the use."""
+    binds = [(st, v) for st, v in scope.assignments.get(name.id, []) if st.lineno < name.lineno]
+    if len(binds) != 1:
+        return None
+    st, call = binds[0]
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and isinstance(call, ast.Call)
+            and call.args and same_expr(call.args[0], x)):
+        return None
+    if _bound_on_a_branch(scope, name):
+        return None
+    for n in fast_walk(x):
+        # every name in x reads at the call what it reads at the use (no binding between)
+        if isinstance(n, ast.Name) and any(st.lineno <= b.lineno < name.lineno for b, _v in scope.assignments.get(n.id, [])):
+            return None
+    return call
+
+
+def _split_checked_helper(module: ModuleInfo, node: ast.Call, hscope: Scope, ret: ast.expr, is_param, pname: str) -> _Rotation | None:
+    """The helper's return is a rotation when its halves may be cut at a split point read from
+    ``self.<attr>`` / constants (called as ``self.f(x)`` from a method, so ``self`` is the same object at
+    the call): the kind, with the run-time check ``{x}.shape[-1] == 2 * (split)``."""
+    if not (isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+        return None
+    halves = _Halves(hscope, is_param, module)
+    halves.allow_split = True
+    rot = _rotation_of_halves(hscope, ret, is_param, halves)
+    if rot.kind != "half" or not halves.split_checks:
+        return None
+    checks = []
+    for check in halves.split_checks:
+        tree = ast.parse(check, mode="eval").body
+        if any(isinstance(n, ast.Name) and n.id not in (pname, "self") for n in ast.walk(tree)):
+            return None  # only the parameter (the call's argument) and ``self`` can be read at the call site
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Name) and n.id == pname:
+                n.id = "{x}"  # formatted with the call's argument by _rotation_call
+        checks.append(ast.unparse(tree))
+    if any(c.count("{") != c.count("{x}") or "}" in c.replace("{x}", "") for c in checks):
+        return None
+    rot.split_only_if = " and ".join(checks)
+    rot.other = "the helper cuts its halves at a split point read from the module (not provably half the last dim)"
+    return rot
+
+
+_NAMED_SPLIT_HELPER = '''
+import torch
+import torch.nn as nn
+
+
+class HalfTurn(nn.Module):
+    def __init__(self, dim, n):
+        super().__init__()
+        self.dim = dim
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.outer(torch.arange(n).float(), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.register_buffer("c", ang.cos())
+        self.register_buffer("s", ang.sin())
+
+    def forward(self, x):
+        c = self.c[: x.shape[1]].unsqueeze(1)
+        s = self.s[: x.shape[1]].unsqueeze(1)
+        xf = x.float()
+        r = self._swap(xf)
+        xf = (xf * c) + (r * s)
+        return xf.type_as(x)
+
+    def _swap(self, t):
+        a = t[..., : self.dim // 2]
+        b = t[..., self.dim // 2 :]
+        return torch.cat((-b, a), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="named_rotation_of_attribute_split_helper",
+        code=_NAMED_SPLIT_HELPER,
+        expect={"mode": "half", "variant": "rotation_helper_one_path_verified"},
+        run='''
+x = torch.randn(2, 6, 3, 8, requires_grad=True)
+m = HalfTurn(8, 10)
+out = (m(x), m(x[:, :4]), m(x.to(torch.bfloat16)))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # x is rebound between the named rotation and its use: r is the rotation of the old x
+        _NAMED_SPLIT_HELPER.replace("        xf = (xf * c) + (r * s)", "        xf = xf * 2\n        xf = (xf * c) + (r * s)"),
+        name="named_rotation_of_another_binding",
+    ),
+    Keep(
+        # the helper is a free function reading a global split point: not the same object at the call
+        _NAMED_SPLIT_HELPER.replace("r = self._swap(xf)", "r = swap(xf)").replace(
+            "    def _swap(self, t):\n        a = t[..., : self.dim // 2]\n        b = t[..., self.dim // 2 :]\n        return torch.cat((-b, a), dim=-1)\n", "")
+        + "\n\nHALF = 4\n\n\ndef swap(t):\n    return torch.cat((-t[..., HALF:], t[..., :HALF]), dim=-1)\n",
+        name="free_helper_global_split",
     ),
 ]
