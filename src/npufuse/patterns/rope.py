@@ -1252,6 +1252,8 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
         how, pair = "stack", _pair_of(merged, _STACK)
     elif isinstance(node, ast.Call):
         how, pair = "cat", _pair_of(node, _CAT)
+        if pair is None:
+            how, pair = "pairs", _unmerged_lane_stack(node)
     else:
         return None
     if pair is None:
@@ -1701,7 +1703,13 @@ class RopePattern(Pattern):
             return self._match_named_halves(module, scope, node)
         pf = _pair_formula(node)
         if pf is not None:
-            return self._match_pairs(module, scope, node, *pf)
+            res = self._match_pairs(module, scope, node, *pf)
+            if res is None:
+                # a*c - b*s, b*c + a*s is symmetric in (a, b) <-> (c, s) (a complex product): the tables
+                # may be the factors written first (Infinity's ``c * x0 - s * x1``)
+                how, a, b, c, s_ = pf
+                res = self._match_pairs(module, scope, node, how, c, s_, a, b)
+            return res
         if isinstance(node, ast.BinOp):
             return self._match_real(module, scope, node)
         return self._match_complex(module, scope, node)
@@ -1733,7 +1741,7 @@ class RopePattern(Pattern):
             mode, x_text = "half", segment(module, base)
         elif how == "cat" and parts == ("even", "odd"):
             mode, x_text = "half", f"torch.cat(({segment(module, a)}, {segment(module, b)}), dim=-1)"
-        elif how == "stack" and parts == ("even", "odd"):
+        elif how in ("stack", "pairs") and parts == ("even", "odd"):
             mode, x_text = "interleave", segment(module, base)
         else:
             return None
@@ -1756,6 +1764,9 @@ class RopePattern(Pattern):
             x_text = lanes
         m.cos, m.sin, m.x_text = full[0], full[1], x_text
         _add_split_checks(m, halves)
+        if how == "pairs":
+            # ``stack([..], -1)`` not merged here: the rotated lanes as [..., D/2, 2] pairs, the fused result viewed so
+            m.post = ".unflatten(-1, (-1, 2))" + m.post
         return m
 
     def _match_named_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
@@ -2509,7 +2520,18 @@ class RopePattern(Pattern):
                 base = base.func.value  # rank kept
             else:
                 break
-        if isinstance(base, ast.Name):
+        merged = 0
+        if isinstance(base, ast.Call) and canonical.merges_last_two(base) is base.func.value and isinstance(base.func.value, ast.Name):  # type: ignore[attr-defined]
+            # a pairs view flattened back (``qk.flatten(-2)`` of ``qk = qk.reshape(.., -1, 2)``): one rank less
+            base, merged = base.func.value, 1  # type: ignore[attr-defined]
+        if isinstance(base, ast.Name) and merged:
+            rank_ok = f"{base.id}.dim() <= 5"
+            if m.mode != "half" and _is_name(m.cos) and "." not in m.cos:
+                # interleave: B*N < 1000 (x's rows over the table's one long dim), read on the [.., D/2, 2] view
+                rank_ok += (f" and {base.id}.numel() // max({base.id}.shape[-1] * {base.id}.shape[-2], 1)"
+                            f" < 1000 * max({m.cos}.shape[:-1], default=1)")
+            m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
+        elif isinstance(base, ast.Name):
             rank_ok = f"{base.id}.dim() <= 4"
             # the table as the original code names it (a prepared _npufuse_ table is bound later)
             table = m.cos if not m.cos.startswith("_npufuse_") else (m.cos_node.id if isinstance(m.cos_node, ast.Name) else "")
@@ -5806,6 +5828,9 @@ def _named_rotation_call(scope: Scope, name: ast.Name, x: ast.expr) -> ast.Call 
     if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and isinstance(call, ast.Call)
             and call.args and same_expr(call.args[0], x)):
         return None
+    f = call.func
+    if not (isinstance(f, ast.Name) or (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ("self", "cls"))):
+        return None  # a helper function or method, not a tensor method (``stack(..).reshape_as(x)`` is inline code)
     if _bound_on_a_branch(scope, name):
         return None
     for n in fast_walk(x):
@@ -5897,5 +5922,77 @@ RopePattern.KEEP += [
             "    def _swap(self, t):\n        a = t[..., : self.dim // 2]\n        b = t[..., self.dim // 2 :]\n        return torch.cat((-b, a), dim=-1)\n", "")
         + "\n\nHALF = 4\n\n\ndef swap(t):\n    return torch.cat((-t[..., HALF:], t[..., :HALF]), dim=-1)\n",
         name="free_helper_global_split",
+    ),
+]
+
+
+# --- rope s26: the rotated lane pairs stacked and left as [..., D/2, 2] (merged by a later statement) ------
+
+def _unmerged_lane_stack(node: ast.Call) -> tuple[ast.expr, ast.expr] | None:
+    """(a, b) of ``torch.stack([a, b], dim=-1)`` (the pair axis last, not merged in the same expression:
+    Infinity's ``qk = stack([...], -1); qk = qk.reshape(*qk.shape[:-2], -1)``): the caller checks that
+    a, b are the written-out rotation of x's even/odd lanes."""
+    pair = _pair_of(node, _STACK)
+    if pair is None:
+        return None
+    dim = keyword(node, "dim", 1)
+    if dim is None:
+        dim = keyword(node, "axis")
+    return pair if _is_int(dim, -1) else None
+
+
+# the lane pairs indexed out of a (D/2, 2) view bound to the same name, tables written first in each
+# product, the stacked pairs left as [.., D/2, 2] for a later reshape; q and k rotated together as one
+# stacked tensor (5-D: the fused call does not take it, the original runs there) or one at a time (4-D)
+_STACKED_LANES = '''
+import torch
+
+
+def turn_pairs(x, table):
+    n = x.shape[-2]
+    t = table[..., :n, :]
+    x = x.reshape(*x.shape[:-1], -1, 2)
+    x = torch.stack([
+        t[0] * x[..., 0] - t[1] * x[..., 1],
+        t[1] * x[..., 0] + t[0] * x[..., 1],
+    ], dim=-1)
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def turn_qk(q, k, table):
+    qk = turn_pairs(torch.stack((q, k), dim=0), table[:, None])
+    return qk.unbind(0)
+'''
+
+_STACKED_LANES_RUN = '''
+S, D = 6, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+table = torch.stack((ang.cos(), ang.sin()))[:, None, None]  # [2, 1, 1, S, D/2]
+q = torch.randn(2, 3, S, D, requires_grad=True)
+k = torch.randn(2, 3, S, D, requires_grad=True)
+out = (turn_pairs(q, table), turn_pairs(k.to(torch.bfloat16), table), turn_qk(q, k, table))
+leaves = [q, k]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="stacked_lane_pairs_left_unmerged",
+        code=_STACKED_LANES,
+        expect={"mode": "interleave", "qualname": "turn_pairs", "variant": "interleave_tables_checked"},
+        run=_STACKED_LANES_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the second lane's sign is flipped: the conjugate product (a rotation by -angle), not cos/sin as given
+        _STACKED_LANES.replace("t[1] * x[..., 0] + t[0] * x[..., 1]", "-t[1] * x[..., 0] + t[0] * x[..., 1]"),
+        name="stacked_lane_pairs_conjugate",
+    ),
+    Keep(
+        # x is rebound between the pairs view and the rotation: the lanes are not x's any more
+        _STACKED_LANES.replace("    x = x.reshape(*x.shape[:-1], -1, 2)\n", "    xs = x.reshape(*x.shape[:-1], -1, 2)\n    x = x * 2\n")
+        .replace("x[..., 0]", "xs[..., 0]").replace("x[..., 1]", "xs[..., 1]"),
+        name="stacked_lane_pairs_of_an_older_binding",
     ),
 ]
