@@ -1158,6 +1158,10 @@ def _named_pair(call: ast.Call) -> tuple[ast.Name, ast.Name] | None:
     if stacked is not None:
         pair = _pair_of(stacked, _STACK)
         return pair if pair is not None and all(isinstance(p, ast.Name) for p in pair) else None  # type: ignore[return-value]
+    unmerged = _unmerged_lane_stack(call) if isinstance(call, ast.Call) else None
+    if unmerged is not None:
+        # ``stack((y_re, y_im), -1)`` left as [.., D/2, 2] (merged, if at all, by code around it that stays)
+        return unmerged if all(isinstance(p, ast.Name) for p in unmerged) else None  # type: ignore[return-value]
     pair = _pair_of(call, _CAT) if isinstance(call, ast.Call) else None
     if pair is not None and not all(isinstance(p, ast.Name) for p in pair):
         pair = _uncast_named_pair(pair)
@@ -1795,7 +1799,7 @@ class RopePattern(Pattern):
         scope_for_halves = scope
         scope = path_scope
         # cat([y1, y2]): halves; stack([y1, y2], -1).flatten(-2) (llama2.c's real/imag parts): lane pairs
-        kind = "pairs" if _stacked_pair(node) is not None else "halves"
+        kind = "pairs" if _stacked_pair(node) is not None or _unmerged_lane_stack(node) is not None else "halves"
         p0, p1 = ("even", "odd") if kind == "pairs" else ("first", "second")
         base = None
         for _sign, u, v in terms[0] + terms[1]:
@@ -1888,6 +1892,8 @@ class RopePattern(Pattern):
             # flatten(3) merges the pair axis only for 4-D parts: the fused call is for 4-D x
             rank = f"{_atom(segment(module, strip_casts(base)[0]))}.dim() == 4"  # (a cast keeps the rank)
             m.only_if = rank if m.only_if is None else (m.only_if if rank in m.only_if else f"({m.only_if}) and {rank}")
+        if _unmerged_lane_stack(node) is not None:
+            m.post = ".unflatten(-1, (-1, 2))" + m.post  # the stacked pairs' [.., D/2, 2] layout
         m.absorb = defs
         return m
 
@@ -5994,5 +6000,57 @@ RopePattern.KEEP += [
         _STACKED_LANES.replace("    x = x.reshape(*x.shape[:-1], -1, 2)\n", "    xs = x.reshape(*x.shape[:-1], -1, 2)\n    x = x * 2\n")
         .replace("x[..., 0]", "xs[..., 0]").replace("x[..., 1]", "xs[..., 1]"),
         name="stacked_lane_pairs_of_an_older_binding",
+    ),
+]
+
+
+# the real and imaginary parts named first, then stacked (pair axis last) and reshaped by the caller's
+# own code (kept): the fused result is given the [.., D/2, 2] layout the stack had
+_NAMED_PARTS_STACKED = '''
+import torch
+
+
+def table_for(cs, x):
+    shape = [1 if i != 1 and i != x.ndim - 2 else d for i, d in enumerate(x.shape[:-1])] + [2]
+    return cs.view(*shape)
+
+
+def rotate_qk(q, k, cs):
+    q = q.float().reshape(*q.shape[:-1], -1, 2)
+    k = k.float().reshape(*k.shape[:-1], -1, 2)
+    cs = table_for(cs, q)
+    q_re = q[..., 0] * cs[..., 0] - q[..., 1] * cs[..., 1]
+    q_im = q[..., 0] * cs[..., 1] + q[..., 1] * cs[..., 0]
+    k_re = k[..., 0] * cs[..., 0] - k[..., 1] * cs[..., 1]
+    k_im = k[..., 0] * cs[..., 1] + k[..., 1] * cs[..., 0]
+    q_out = torch.stack((q_re, q_im), dim=-1).reshape(q.shape).flatten(3)
+    k_out = torch.stack((k_re, k_im), dim=-1).reshape(k.shape).flatten(3)
+    return q_out, k_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="named_parts_stacked_unmerged",
+        code=_NAMED_PARTS_STACKED,
+        expect={"mode": "interleave", "qualname": "rotate_qk"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+cs = torch.stack((ang.cos(), ang.sin()), dim=-1)
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 3, D, requires_grad=True)
+out = (rotate_qk(q, k, cs), rotate_qk(q.to(torch.bfloat16), k, cs))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the imaginary part reads the real lane twice: not a rotation of the pairs
+        _NAMED_PARTS_STACKED.replace("q_im = q[..., 0] * cs[..., 1] + q[..., 1] * cs[..., 0]",
+                                     "q_im = q[..., 0] * cs[..., 1] + q[..., 0] * cs[..., 0]")
+        .replace("    k_out = torch.stack((k_re, k_im), dim=-1).reshape(k.shape).flatten(3)\n", "    k_out = k\n"),
+        name="named_parts_not_a_rotation",
     ),
 ]
