@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import copy
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -2159,7 +2160,7 @@ class RopePattern(Pattern):
             return None
         prod = real.args[0]
         for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
-            val = _resolve(scope, xc)
+            val = _complex_value(module, scope, xc)
             if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
                 continue
             got = _complex_pairs(scope, val.args[0], val.lineno)
@@ -5626,7 +5627,7 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
         return None
     prod = prev.value
     for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
-        val = _resolve(scope, xc)  # (names in the product resolve to their bindings before its line)
+        val = _complex_value(module, scope, xc)  # (names in the product resolve to their bindings before its line)
         if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
             continue
         got = _complex_pairs(scope, val.args[0], val.lineno)
@@ -6052,5 +6053,107 @@ RopePattern.KEEP += [
                                      "q_im = q[..., 0] * cs[..., 1] + q[..., 0] * cs[..., 0]")
         .replace("    k_out = torch.stack((k_re, k_im), dim=-1).reshape(k.shape).flatten(3)\n", "    k_out = k\n"),
         name="named_parts_not_a_rotation",
+    ),
+]
+
+
+# --- rope s26: ``view_as_complex`` made by a one-line helper (``to_complex(q)`` / ``self.real_to_complex(x)``) ---
+
+def _complex_value(module: ModuleInfo, scope: Scope, xc: ast.expr) -> ast.expr:
+    """xc's value through local names; a call of a helper (nested def, module function, method of this
+    class) whose only statement is ``return torch.view_as_complex(<expr of its one parameter>)`` is given
+    as that return with the call's argument in place of the parameter (the helper's own nodes lose their
+    positions, so the text written for them is the substituted code, not the helper's)."""
+    val = _resolve(scope, xc)
+    if not (isinstance(val, ast.Call) and len(val.args) == 1 and not val.keywords and not isinstance(val.args[0], ast.Starred)):
+        return val
+    if ast.unparse(val.func).endswith("view_as_complex"):
+        return val
+    fn, _name = _helper_def(module, scope, val.func)
+    if fn is None:
+        return val
+    params = [a.arg for a in fn.args.args]
+    if isinstance(val.func, ast.Attribute) and params and params[0] in ("self", "cls") \
+            and not any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
+        params = params[1:]
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(params) != 1 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(body) != 1 or not isinstance(body[0], ast.Return):
+        return val
+    ret = body[0].value
+    if not (isinstance(ret, ast.Call) and ast.unparse(ret.func).endswith("view_as_complex") and len(ret.args) == 1):
+        return val
+    pname = params[0]
+    if any(isinstance(n, ast.Name) and n.id not in (pname, "torch") for n in ast.walk(ret)):
+        return val  # the helper reads something besides its parameter: not inlined
+
+    class _Inline(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return copy.deepcopy(val.args[0]) if n.id == pname else n
+
+    inlined = _Inline().visit(copy.deepcopy(ret))
+    # strip the helper's positions (not the argument's, whose names resolve at the call's line)
+    keep = set()
+    for n in ast.walk(inlined):
+        if isinstance(n, ast.expr) and same_expr(n, val.args[0]) and getattr(n, "lineno", None) == getattr(val.args[0], "lineno", None):
+            keep.update(id(m) for m in ast.walk(n))
+    for n in ast.walk(inlined):
+        if id(n) not in keep:
+            for attr in ("lineno", "end_lineno", "col_offset", "end_col_offset"):
+                if hasattr(n, attr):
+                    delattr(n, attr)
+    inlined.lineno = val.lineno  # (read as the line the pairs are formed at)
+    return inlined
+
+
+# the complex numbers made by a one-line helper (nested def; a method), the product bound or inline
+_COMPLEX_BY_HELPER = '''
+import torch
+
+
+def spin(q, k, f):
+    def as_pairs(t):
+        return torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+
+    qc = as_pairs(q)
+    kc = as_pairs(k)
+    q_out = torch.view_as_real(qc * f).flatten(3)
+    k_out = torch.view_as_real(kc * f).flatten(3)
+    return q_out.type_as(q), k_out.type_as(k)
+
+
+class Spin:
+    def to_c(self, t):
+        return torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))
+
+    def forward(self, q, f):
+        z = self.to_c(q.float())
+        z = z * f
+        return torch.view_as_real(z).flatten(-2).type_as(q)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_made_by_a_helper",
+        code=_COMPLEX_BY_HELPER,
+        expect={"mode": "complex", "qualname": "spin"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 3, D, requires_grad=True)
+out = (spin(q, k, f), Spin().forward(q, f), Spin().forward(q.to(torch.bfloat16), f))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the helper pairs x_i with x_{i+D/2} (a transpose of a (2, D/2) view): not the lane pairs
+        _COMPLEX_BY_HELPER.replace("t.float().reshape(*t.shape[:-1], -1, 2)", "t.float().reshape(*t.shape[:-1], 2, -1).transpose(-1, -2)")
+        .replace("        return torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))", "        return torch.view_as_complex(t.reshape(*t.shape[:-1], 2, -1).transpose(-1, -2))"),
+        reason="pairs are not formed by reshape(..., -1, 2) on the last dim",
+        name="complex_helper_pairs_of_halves",
     ),
 ]
