@@ -5373,13 +5373,19 @@ RopePattern.FUSE += [
 ]
 
 
-RopePattern.KEEP += [
-    Keep(
-        # three axes merged: the pair axis and the one before it (not a re-interleave of the pairs)
+RopePattern.FUSE += [
+    Fuse(
+        # three axes merged: the pair axis and the one before it (not a re-interleave of the pairs). The
+        # stack itself is the rotated lane pairs: s26 fuses it with the [.., D/2, 2] layout given back and
+        # keeps this flatten(-3, -1) as written (it was a Keep while only the flattened form was matched)
         _ROFORMER_PAIRS.replace(".flatten(-2, -1)", ".flatten(-3, -1)"),
-        reason="",
-        name="stack_flattened_over_three_axes_is_not_the_interleave",
+        expect={"qualname": "SelfAttention.apply_rotary", "mode": "interleave"},
+        run=_ROFORMER_RUN,
+        name="stack_flattened_over_three_axes_keeps_that_flatten",
     ),
+]
+
+RopePattern.KEEP += [
     Keep(
         # per-batch positions visible here: cos [B, 1, S, D/2] (interleave mode takes 11SD/1S1D/S11D only)
         _ROFORMER_PAIRS.replace("sin, cos = sinusoidal_pos", "sin, cos = sinusoidal_pos\n        sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)"),
