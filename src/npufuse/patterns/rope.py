@@ -5627,11 +5627,19 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
     if here is None or here[1] == 0:
         return None
     block, i, stmt = here
-    prev = block[i - 1]
+    # the product's statement: the last one of this block before the site binding the name (llama-style code
+    # computes q's and k's products first, then both real views: the run takes the products together)
+    j = next((j for j in range(i - 1, -1, -1) if name.id in _bound_names(block[j])), None)
+    if j is None:
+        return None
+    prev = block[j]
     if not (isinstance(prev, ast.Assign) and len(prev.targets) == 1 and isinstance(prev.targets[0], ast.Name)
             and prev.targets[0].id == name.id and isinstance(prev.value, ast.BinOp) and isinstance(prev.value.op, ast.Mult)):
         return None
     prod = prev.value
+    between = set().union(*(_bound_names(st) for st in block[j + 1 : i])) if j + 1 < i else set()
+    if any(isinstance(n, ast.Name) and n.id in between for n in ast.walk(prod)):
+        return None  # an operand of the product is rebound before the site: the fused call would read another value
     for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
         val = _complex_value(module, scope, xc)  # (names in the product resolve to their bindings before its line)
         if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
@@ -5639,7 +5647,7 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
         got = _complex_pairs(scope, val.args[0], val.lineno)
         if isinstance(got, str):
             return got
-        if scope.uses_after(name.id, stmt.end_lineno or stmt.lineno):
+        if name.id not in _bound_names(stmt) and _read_before_rebound(scope, name.id, stmt.end_lineno or stmt.lineno):
             # the fused path drops the product: a later read of the name would see the unrotated value
             return (f"complex rope whose product `{segment(module, prev)}` is read again after "
                     f"`{segment(module, node)}`: the fused call cannot replace it")
@@ -6161,5 +6169,60 @@ RopePattern.KEEP += [
         .replace("        return torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))", "        return torch.view_as_complex(t.reshape(*t.shape[:-1], 2, -1).transpose(-1, -2))"),
         reason="pairs are not formed by reshape(..., -1, 2) on the last dim",
         name="complex_helper_pairs_of_halves",
+    ),
+]
+
+
+def _bound_names(stmt: ast.stmt) -> set[str]:
+    """Names a statement binds anywhere in it (targets, nested blocks, walrus, loop variables)."""
+    out = set()
+    for n in ast.walk(stmt):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            out.add(n.id)
+    return out
+
+
+# both products first, then both real views (the products' statements go with the sites as one run)
+_COMPLEX_PRODUCTS_FIRST = '''
+import torch
+
+
+def apply(q, k, f):
+    def cplx(t):
+        return torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+
+    qc = cplx(q)
+    kc = cplx(k)
+    qr = qc * f
+    kr = kc * f
+    qr = torch.view_as_real(qr).flatten(-2)
+    kr = torch.view_as_real(kr).flatten(-2)
+    return qr.type_as(q), kr.type_as(k)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_products_first_then_real_views",
+        code=_COMPLEX_PRODUCTS_FIRST,
+        expect={"mode": "complex", "qualname": "apply"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 3, D, requires_grad=True)
+out = (apply(q, k, f), apply(q.to(torch.bfloat16), k, f[:, :, :, :]))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # kc is rebound between k's product and its real view: the fused call would rotate another value
+        _COMPLEX_PRODUCTS_FIRST.replace("    kr = torch.view_as_real(kr).flatten(-2)\n",
+                                        "    kc = kc * 2\n    kr = torch.view_as_real(kr).flatten(-2)\n")
+        .replace("    qr = torch.view_as_real(qr).flatten(-2)\n", "    qr = torch.view_as_real(qr)\n"),
+        name="complex_product_operand_rebound_before_the_view",
     ),
 ]
