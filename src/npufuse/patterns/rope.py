@@ -5953,6 +5953,9 @@ def _unmerged_lane_stack(node: ast.Call) -> tuple[ast.expr, ast.expr] | None:
     """(a, b) of ``torch.stack([a, b], dim=-1)`` (the pair axis last, not merged in the same expression:
     Infinity's ``qk = stack([...], -1); qk = qk.reshape(*qk.shape[:-2], -1)``): the caller checks that
     a, b are the written-out rotation of x's even/odd lanes."""
+    f = node.func
+    if not ((isinstance(f, ast.Attribute) and f.attr == "stack") or isinstance(f, ast.Name)):
+        return None  # (cheap: asked of every call in a candidate statement)
     pair = _pair_of(node, _STACK)
     if pair is None:
         return None
