@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import copy
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -142,6 +143,9 @@ class _Rotation:
     # verified on its ``if x.dim() == 4:`` branch only (ModelCenter's rank-sliced rotate_every_two): fused
     # where the rotated tensor is 4-D, the test written with the call's argument by _rotation_call
     rank4_only: bool = False
+    # halves cut at a split point that is not provably D/2 (``t[..., : self.dim // 2]``): fused only where
+    # ``{x}.shape[-1] == 2 * (split)`` holds at run time ({x}: the call's argument, written by _rotation_call)
+    split_only_if: str | None = None
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -519,6 +523,10 @@ def _rotation_of_halves(scope: Scope, expr: ast.expr, is_x, halves: _Halves) -> 
 
 def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr) -> _Rotation:
     """Is ``node`` the rotation of ``x``: a helper call ``R(x)`` (followed and verified) or inline?"""
+    if isinstance(node, ast.Name):
+        called = _named_rotation_call(scope, node, x)
+        if called is not None:
+            return _rotation_call(module, scope, called, x)
     inner, casts = strip_casts(node)
     if casts:
         # Ernie's ``q.float() * cos + rotate_half(q).float() * sin``: the same cast on both sides
@@ -540,6 +548,8 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
             cache[key] = _rotation_helper(module, scope, node)
         if cache[key].rank4_only:
             return dataclasses.replace(cache[key], only_if=f"{_atom(segment(module, node.args[0]))}.dim() == 4")
+        if cache[key].split_only_if is not None:
+            return dataclasses.replace(cache[key], only_if=cache[key].split_only_if.format(x=_atom(segment(module, node.args[0]))))
         return dataclasses.replace(cache[key])
     if isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Starred) and same_expr(node.args[0], x) \
             and _plain_flag_args(node):
@@ -756,6 +766,8 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     rot = _rotation_expr(hscope, filled if filled is not None else rets[0].value, is_param, module)
     if rot.kind is None and isinstance(fn, ast.FunctionDef) and filled is None:
         rot = _rank4_branch_rotation(module, fn, pname) or rot
+    if rot.kind is None and filled is None:
+        rot = _split_checked_helper(module, node, hscope, rets[0].value, is_param, pname) or rot
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
@@ -1147,6 +1159,10 @@ def _named_pair(call: ast.Call) -> tuple[ast.Name, ast.Name] | None:
     if stacked is not None:
         pair = _pair_of(stacked, _STACK)
         return pair if pair is not None and all(isinstance(p, ast.Name) for p in pair) else None  # type: ignore[return-value]
+    unmerged = _unmerged_lane_stack(call) if isinstance(call, ast.Call) else None
+    if unmerged is not None:
+        # ``stack((y_re, y_im), -1)`` left as [.., D/2, 2] (merged, if at all, by code around it that stays)
+        return unmerged if all(isinstance(p, ast.Name) for p in unmerged) else None  # type: ignore[return-value]
     pair = _pair_of(call, _CAT) if isinstance(call, ast.Call) else None
     if pair is not None and not all(isinstance(p, ast.Name) for p in pair):
         pair = _uncast_named_pair(pair)
@@ -1241,6 +1257,8 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
         how, pair = "stack", _pair_of(merged, _STACK)
     elif isinstance(node, ast.Call):
         how, pair = "cat", _pair_of(node, _CAT)
+        if pair is None:
+            how, pair = "pairs", _unmerged_lane_stack(node)
     else:
         return None
     if pair is None:
@@ -1690,7 +1708,13 @@ class RopePattern(Pattern):
             return self._match_named_halves(module, scope, node)
         pf = _pair_formula(node)
         if pf is not None:
-            return self._match_pairs(module, scope, node, *pf)
+            res = self._match_pairs(module, scope, node, *pf)
+            if res is None:
+                # a*c - b*s, b*c + a*s is symmetric in (a, b) <-> (c, s) (a complex product): the tables
+                # may be the factors written first (Infinity's ``c * x0 - s * x1``)
+                how, a, b, c, s_ = pf
+                res = self._match_pairs(module, scope, node, how, c, s_, a, b)
+            return res
         if isinstance(node, ast.BinOp):
             return self._match_real(module, scope, node)
         return self._match_complex(module, scope, node)
@@ -1722,7 +1746,7 @@ class RopePattern(Pattern):
             mode, x_text = "half", segment(module, base)
         elif how == "cat" and parts == ("even", "odd"):
             mode, x_text = "half", f"torch.cat(({segment(module, a)}, {segment(module, b)}), dim=-1)"
-        elif how == "stack" and parts == ("even", "odd"):
+        elif how in ("stack", "pairs") and parts == ("even", "odd"):
             mode, x_text = "interleave", segment(module, base)
         else:
             return None
@@ -1745,6 +1769,9 @@ class RopePattern(Pattern):
             x_text = lanes
         m.cos, m.sin, m.x_text = full[0], full[1], x_text
         _add_split_checks(m, halves)
+        if how == "pairs":
+            # ``stack([..], -1)`` not merged here: the rotated lanes as [..., D/2, 2] pairs, the fused result viewed so
+            m.post = ".unflatten(-1, (-1, 2))" + m.post
         return m
 
     def _match_named_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
@@ -1773,7 +1800,7 @@ class RopePattern(Pattern):
         scope_for_halves = scope
         scope = path_scope
         # cat([y1, y2]): halves; stack([y1, y2], -1).flatten(-2) (llama2.c's real/imag parts): lane pairs
-        kind = "pairs" if _stacked_pair(node) is not None else "halves"
+        kind = "pairs" if _stacked_pair(node) is not None or _unmerged_lane_stack(node) is not None else "halves"
         p0, p1 = ("even", "odd") if kind == "pairs" else ("first", "second")
         base = None
         for _sign, u, v in terms[0] + terms[1]:
@@ -1866,6 +1893,8 @@ class RopePattern(Pattern):
             # flatten(3) merges the pair axis only for 4-D parts: the fused call is for 4-D x
             rank = f"{_atom(segment(module, strip_casts(base)[0]))}.dim() == 4"  # (a cast keeps the rank)
             m.only_if = rank if m.only_if is None else (m.only_if if rank in m.only_if else f"({m.only_if}) and {rank}")
+        if _unmerged_lane_stack(node) is not None:
+            m.post = ".unflatten(-1, (-1, 2))" + m.post  # the stacked pairs' [.., D/2, 2] layout
         m.absorb = defs
         return m
 
@@ -2125,11 +2154,13 @@ class RopePattern(Pattern):
             # and then the heads too; the fused call gives the first merge, the original flatten the rest
             post = f".flatten({k})"
         real = node.func.value
+        if len(real.args) == 1 and isinstance(real.args[0], ast.Name):
+            return _rebound_complex_product(self, module, scope, node, real.args[0], post)
         if len(real.args) != 1 or not isinstance(real.args[0], ast.BinOp) or not isinstance(real.args[0].op, ast.Mult):
             return None
         prod = real.args[0]
         for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
-            val = _resolve(scope, xc)
+            val = _complex_value(module, scope, xc)
             if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
                 continue
             got = _complex_pairs(scope, val.args[0], val.lineno)
@@ -2156,7 +2187,7 @@ class RopePattern(Pattern):
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
-        return None
+        return _complex_parameter_product(self, module, scope, node, prod, post)
 
     @staticmethod
     def _merges_pair_axis(scope: Scope, node: ast.Call) -> bool:
@@ -2496,7 +2527,18 @@ class RopePattern(Pattern):
                 base = base.func.value  # rank kept
             else:
                 break
-        if isinstance(base, ast.Name):
+        merged = 0
+        if isinstance(base, ast.Call) and canonical.merges_last_two(base) is base.func.value and isinstance(base.func.value, ast.Name):  # type: ignore[attr-defined]
+            # a pairs view flattened back (``qk.flatten(-2)`` of ``qk = qk.reshape(.., -1, 2)``): one rank less
+            base, merged = base.func.value, 1  # type: ignore[attr-defined]
+        if isinstance(base, ast.Name) and merged:
+            rank_ok = f"{base.id}.dim() <= 5"
+            if m.mode != "half" and _is_name(m.cos) and "." not in m.cos:
+                # interleave: B*N < 1000 (x's rows over the table's one long dim), read on the [.., D/2, 2] view
+                rank_ok += (f" and {base.id}.numel() // max({base.id}.shape[-1] * {base.id}.shape[-2], 1)"
+                            f" < 1000 * max({m.cos}.shape[:-1], default=1)")
+            m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
+        elif isinstance(base, ast.Name):
             rank_ok = f"{base.id}.dim() <= 4"
             # the table as the original code names it (a prepared _npufuse_ table is bound later)
             table = m.cos if not m.cos.startswith("_npufuse_") else (m.cos_node.id if isinstance(m.cos_node, ast.Name) else "")
@@ -5331,13 +5373,19 @@ RopePattern.FUSE += [
 ]
 
 
-RopePattern.KEEP += [
-    Keep(
-        # three axes merged: the pair axis and the one before it (not a re-interleave of the pairs)
+RopePattern.FUSE += [
+    Fuse(
+        # three axes merged: the pair axis and the one before it (not a re-interleave of the pairs). The
+        # stack itself is the rotated lane pairs: s26 fuses it with the [.., D/2, 2] layout given back and
+        # keeps this flatten(-3, -1) as written (it was a Keep while only the flattened form was matched)
         _ROFORMER_PAIRS.replace(".flatten(-2, -1)", ".flatten(-3, -1)"),
-        reason="",
-        name="stack_flattened_over_three_axes_is_not_the_interleave",
+        expect={"qualname": "SelfAttention.apply_rotary", "mode": "interleave"},
+        run=_ROFORMER_RUN,
+        name="stack_flattened_over_three_axes_keeps_that_flatten",
     ),
+]
+
+RopePattern.KEEP += [
     Keep(
         # per-batch positions visible here: cos [B, 1, S, D/2] (interleave mode takes 11SD/1S1D/S11D only)
         _ROFORMER_PAIRS.replace("sin, cos = sinusoidal_pos", "sin, cos = sinusoidal_pos\n        sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)"),
@@ -5562,4 +5610,622 @@ def alibi_scores(qk, bias, past_slopes, future_slopes):
 RopePattern.KEEP += [
     Keep(_SINUSOID_ADDED, reason="", name="sinusoidal_table_added_is_no_rotation"),
     Keep(_ALIBI, reason="", name="alibi_bias_is_no_rotation"),
+]
+
+
+# --- rope s26: the complex form proven by dataflow, not by one spelling -------------------------------
+# ``z = z * f; view_as_real(z).flatten(-2)`` (the product rebinds the complex name) and a helper
+# ``view_as_real(z * f).flatten(3)`` whose complex operand is a parameter its callers fill with
+# ``view_as_complex(pairs)``: the same interleaved rotation as the inline spelling.
+
+def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call, name: ast.Name,
+                             post: str) -> _Match | str | None:
+    """``view_as_real(name).<merge>`` where the statement right before is ``name = a * b`` with one factor
+    a ``view_as_complex`` of x's lane pairs (through names, at that line). The product statement goes with
+    the site: the fused path does not compute it; the original path (run-time shape check) runs both."""
+    here = _stmt_of(scope, node)
+    if here is None or here[1] == 0:
+        return None
+    block, i, stmt = here
+    # the product's statement: the last one of this block before the site binding the name (llama-style code
+    # computes q's and k's products first, then both real views: the run takes the products together)
+    j = next((j for j in range(i - 1, -1, -1) if name.id in _bound_names(block[j])), None)
+    if j is None:
+        return None
+    prev = block[j]
+    if not (isinstance(prev, ast.Assign) and len(prev.targets) == 1 and isinstance(prev.targets[0], ast.Name)
+            and prev.targets[0].id == name.id and isinstance(prev.value, ast.BinOp) and isinstance(prev.value.op, ast.Mult)):
+        return None
+    prod = prev.value
+    between = set().union(*(_bound_names(st) for st in block[j + 1 : i])) if j + 1 < i else set()
+    if any(isinstance(n, ast.Name) and n.id in between for n in ast.walk(prod)):
+        return None  # an operand of the product is rebound before the site: the fused call would read another value
+    for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+        val = _complex_value(module, scope, xc)  # (names in the product resolve to their bindings before its line)
+        if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
+            continue
+        got = _complex_pairs(scope, val.args[0], val.lineno)
+        if isinstance(got, str):
+            return got
+        if name.id not in _bound_names(stmt) and _read_before_rebound(scope, name.id, stmt.end_lineno or stmt.lineno):
+            # the fused path drops the product: a later read of the name would see the unrotated value
+            return (f"complex rope whose product `{segment(module, prev)}` is read again after "
+                    f"`{segment(module, node)}`: the fused call cannot replace it")
+        x, cast = got
+        m = pat._complex_checked(module, node, x, xc, freqs, cast)
+        m.post, m.freqs, m.absorb = post, freqs, [prev]
+        return m
+    return None
+
+
+def _passes_complex(module: ModuleInfo, fn_scope: Scope, param: str) -> bool:
+    """Every call of the function in this module (by its name; ``self.<name>`` from a method of the same
+    class for a method) passes, for ``param``, a value bound to ``view_as_complex(..)`` in the caller (its
+    last binding before the call); at least one call. The fused path checks complexness at run time too."""
+    fn = fn_scope.node
+    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if param not in params:
+        return False
+    method = bool(params) and params[0] in ("self", "cls")
+    cls_prefix = fn_scope.qualname.rpartition(".")[0] + "."
+    owner: dict[int, tuple[Scope, ast.Call]] = {}  # each call with its innermost scope (scopes come outer first)
+    for scope in module.scopes:
+        if method and not scope.qualname.startswith(cls_prefix):
+            continue  # another class's method of the same name
+        for call in scope.nodes().get(ast.Call, ()):
+            f = call.func  # type: ignore[attr-defined]
+            if (isinstance(f, ast.Name) and f.id == fn.name and not method) \
+                    or (isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) and f.value.id in ("self", "cls") and method):
+                owner[id(call)] = (scope, call)  # type: ignore[assignment]
+    pos = params.index(param) - (1 if method else 0)
+    for scope, call in owner.values():
+        if scope.node is fn:
+            return False  # a recursive call: not followed
+        arg = keyword(call, param, pos)
+        if arg is None:
+            return False
+        if isinstance(arg, ast.Name):
+            # the binding before the call's statement (``q = self.f(.., q)`` over several lines rebinds q
+            # on the statement's first line, before the argument's own line)
+            here = _stmt_of(scope, call)
+            if here is None:
+                return False
+            reaching = _reaching_binding(scope, arg.id, here[2])
+            if reaching is None:
+                return False
+            arg = reaching
+        val = _resolve(scope, arg)
+        if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex")):
+            return False
+    return bool(owner)
+
+
+def _reaching_binding(scope: Scope, name: str, stmt: ast.stmt) -> ast.expr | None:
+    """The value of the last binding of ``name`` before ``stmt`` that can reach it: a binding in the
+    other branch of an ``if`` around ``stmt`` cannot (OLMo-core binds ``k_rot`` in both branches of
+    ``if head_first:``, the textually last one is not the one the else branch reads)."""
+    mine = {id(i): body for i, body, _c in _if_path(scope, stmt) if isinstance(i, ast.If)}
+    for st, value in reversed(scope.assignments.get(name, [])):
+        if st.lineno >= stmt.lineno:
+            continue
+        if any(isinstance(i, ast.If) and id(i) in mine and mine[id(i)] != body for i, body, _c in _if_path(scope, st)):
+            continue  # the other branch of an if this statement is in
+        return value
+    return None
+
+
+def _complex_parameter_product(pat: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call, prod: ast.BinOp,
+                               post: str) -> _Match | str | None:
+    """``view_as_real(z * f).<merge>`` in a helper whose parameter z its callers in this module fill with
+    ``view_as_complex(..)`` of lane pairs. The fused path also runs only where z and f are complex at
+    run time (placeholders of rank 1 otherwise make the shape check fail: the original code runs)."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+        if not (isinstance(xc, ast.Name) and xc.id in scope.args and not scope.assignments.get(xc.id)):
+            continue
+        if not _passes_complex(module, scope, xc.id):
+            return (f"complex product with the parameter `{xc.id}`: not every call of `{scope.qualname}` in this module "
+                    "passes it a view_as_complex(..) value, so its lane pairs are not proven")
+        tag = _ident(segment(module, xc))
+        ok, zc, fc = f"_npufuse_{tag}_complex", f"_npufuse_{tag}_z", f"_npufuse_{tag}_f"
+        f_src, z_src = _atom(segment(module, freqs)), segment(module, xc)
+        m = pat._complex_checked(module, node, xc, ast.Name(id=zc, ctx=ast.Load()), ast.Name(id=fc, ctx=ast.Load()), None)
+        # (a rank-1 placeholder: x's rank 1 fails the fused path's ``dim() == 4`` check)
+        m.prep = [f"{ok} = {z_src}.is_complex() and {f_src}.is_complex()  # its callers pass view_as_complex pairs; checked here too",
+                  f"{zc} = {z_src} if {ok} else torch.zeros(1, dtype=torch.complex64, device={z_src}.device)",
+                  f"{fc} = {f_src} if {ok} else {zc}"] + m.prep
+        m.post, m.freqs = post, freqs
+        return m
+    return None
+
+
+_COMPLEX_REBOUND = '''
+import torch
+import torch.nn as nn
+
+
+class Turn(nn.Module):
+    def __init__(self, dim, n):
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.outer(torch.arange(n).float(), inv)
+        self.register_buffer("table", torch.view_as_real(torch.polar(torch.ones_like(ang), ang)))
+
+    def forward(self, x):
+        f = torch.view_as_complex(self.table)[: x.shape[1]].unsqueeze(1)
+        x2 = x.unflatten(-1, (-1, 2))
+        z = torch.view_as_complex(x2.float())
+        z = z * f
+        y = torch.view_as_real(z).flatten(-2)
+        return y.type_as(x)
+'''
+
+# the complex operand is a parameter of the helper; its callers make it from lane pairs (one of them
+# on each branch of an ``if``: the binding in the other branch does not reach the call)
+_COMPLEX_PARAMETER = '''
+import torch
+import torch.nn as nn
+
+
+class Spin(nn.Module):
+    def _turn(self, f, z):
+        return torch.view_as_real(z * f).flatten(3)
+
+    def forward(self, q, k, f, heads_first: bool = False):
+        qz = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        kz = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+        if heads_first:
+            qz = self._turn(f[None, None], qz)
+            kz = self._turn(f[None, None], kz)
+        else:
+            qz = self._turn(f[None, :, None, :], qz)
+            kz = self._turn(f[None, :, None, :], kz)
+        return qz.type_as(q), kz.type_as(k)
+'''
+
+_COMPLEX_PARAMETER_RUN = '''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+f = torch.polar(torch.ones_like(ang), ang)
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 3, D, requires_grad=True)
+m = Spin()
+out = (m(q, k, f), m(q.transpose(1, 2), k.transpose(1, 2), f, heads_first=True))
+leaves = [q, k]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_product_rebinds_its_name",
+        code=_COMPLEX_REBOUND,
+        expect={"mode": "complex", "freqs": "f", "variant": "complex_freqs_cis_checked"},
+        run='''
+x = torch.randn(2, 6, 3, 16, requires_grad=True)
+m = Turn(16, 10)
+out = (m(x), m(x.half().float()), m(x[:, :4]))
+leaves = [x]
+''',
+    ),
+    Fuse(
+        name="complex_operand_passed_to_helper",
+        code=_COMPLEX_PARAMETER,
+        expect={"mode": "complex", "freqs": "f", "qualname": "Spin._turn"},
+        run=_COMPLEX_PARAMETER_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the rotated complex value is read again after the real view: the fused call cannot drop the product
+        _COMPLEX_REBOUND.replace("        return y.type_as(x)", "        return y.type_as(x), z.abs()"),
+        reason="is read again after",
+        name="complex_product_read_again",
+    ),
+    Keep(
+        # one caller passes a real tensor (a real x times complex f is no rotation of lane pairs)
+        _COMPLEX_PARAMETER.replace("kz = self._turn(f[None, :, None, :], kz)", "kz = self._turn(f[None, :, None, :], k)"),
+        reason="lane pairs are not proven",
+        name="complex_parameter_not_from_pairs",
+    ),
+]
+
+
+# --- rope s26: a rotation named before use, and helpers cutting at an attribute split point -----------
+# ``r = self._swap(x); y = x * cos + r * sin`` is the rotation of the helper call (the name bound once,
+# straight before, with x the same binding at both places); fairseq2-style helpers cut the halves at
+# ``self.encoding_dim // 2``, which is D/2 only if the module was built for this x: fused where
+# ``x.shape[-1] == 2 * (self.encoding_dim // 2)`` holds at run time, the original code elsewhere.
+
+def _named_rotation_call(scope: Scope, name: ast.Name, x: ast.expr) -> ast.Call | None:
+    """The call bound to ``name`` (its only binding before the use, in the scope's top block or the same
+    block as the use) when its first argument is ``x`` with the binding ``x`` has at the use."""
+    binds = [(st, v) for st, v in scope.assignments.get(name.id, []) if st.lineno < name.lineno]
+    if len(binds) != 1:
+        return None
+    st, call = binds[0]
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and isinstance(call, ast.Call)
+            and call.args and same_expr(call.args[0], x)):
+        return None
+    f = call.func
+    if not (isinstance(f, ast.Name) or (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ("self", "cls"))):
+        return None  # a helper function or method, not a tensor method (``stack(..).reshape_as(x)`` is inline code)
+    if _bound_on_a_branch(scope, name):
+        return None
+    for n in fast_walk(x):
+        # every name in x reads at the call what it reads at the use (no binding between)
+        if isinstance(n, ast.Name) and any(st.lineno <= b.lineno < name.lineno for b, _v in scope.assignments.get(n.id, [])):
+            return None
+    return call
+
+
+def _split_checked_helper(module: ModuleInfo, node: ast.Call, hscope: Scope, ret: ast.expr, is_param, pname: str) -> _Rotation | None:
+    """The helper's return is a rotation when its halves may be cut at a split point read from
+    ``self.<attr>`` / constants (called as ``self.f(x)`` from a method, so ``self`` is the same object at
+    the call): the kind, with the run-time check ``{x}.shape[-1] == 2 * (split)``."""
+    if not (isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+        return None
+    halves = _Halves(hscope, is_param, module)
+    halves.allow_split = True
+    rot = _rotation_of_halves(hscope, ret, is_param, halves)
+    if rot.kind != "half" or not halves.split_checks:
+        return None
+    checks = []
+    for check in halves.split_checks:
+        tree = ast.parse(check, mode="eval").body
+        if any(isinstance(n, ast.Name) and n.id not in (pname, "self") for n in ast.walk(tree)):
+            return None  # only the parameter (the call's argument) and ``self`` can be read at the call site
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Name) and n.id == pname:
+                n.id = "{x}"  # formatted with the call's argument by _rotation_call
+        checks.append(ast.unparse(tree))
+    if any(c.count("{") != c.count("{x}") or "}" in c.replace("{x}", "") for c in checks):
+        return None
+    rot.split_only_if = " and ".join(checks)
+    rot.other = "the helper cuts its halves at a split point read from the module (not provably half the last dim)"
+    return rot
+
+
+_NAMED_SPLIT_HELPER = '''
+import torch
+import torch.nn as nn
+
+
+class HalfTurn(nn.Module):
+    def __init__(self, dim, n):
+        super().__init__()
+        self.dim = dim
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.outer(torch.arange(n).float(), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.register_buffer("c", ang.cos())
+        self.register_buffer("s", ang.sin())
+
+    def forward(self, x):
+        c = self.c[: x.shape[1]].unsqueeze(1)
+        s = self.s[: x.shape[1]].unsqueeze(1)
+        xf = x.float()
+        r = self._swap(xf)
+        xf = (xf * c) + (r * s)
+        return xf.type_as(x)
+
+    def _swap(self, t):
+        a = t[..., : self.dim // 2]
+        b = t[..., self.dim // 2 :]
+        return torch.cat((-b, a), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="named_rotation_of_attribute_split_helper",
+        code=_NAMED_SPLIT_HELPER,
+        expect={"mode": "half", "variant": "rotation_helper_one_path_verified"},
+        run='''
+x = torch.randn(2, 6, 3, 8, requires_grad=True)
+m = HalfTurn(8, 10)
+out = (m(x), m(x[:, :4]), m(x.to(torch.bfloat16)))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # x is rebound between the named rotation and its use: r is the rotation of the old x
+        _NAMED_SPLIT_HELPER.replace("        xf = (xf * c) + (r * s)", "        xf = xf * 2\n        xf = (xf * c) + (r * s)"),
+        name="named_rotation_of_another_binding",
+    ),
+    Keep(
+        # the helper is a free function reading a global split point: not the same object at the call
+        _NAMED_SPLIT_HELPER.replace("r = self._swap(xf)", "r = swap(xf)").replace(
+            "    def _swap(self, t):\n        a = t[..., : self.dim // 2]\n        b = t[..., self.dim // 2 :]\n        return torch.cat((-b, a), dim=-1)\n", "")
+        + "\n\nHALF = 4\n\n\ndef swap(t):\n    return torch.cat((-t[..., HALF:], t[..., :HALF]), dim=-1)\n",
+        name="free_helper_global_split",
+    ),
+]
+
+
+# --- rope s26: the rotated lane pairs stacked and left as [..., D/2, 2] (merged by a later statement) ------
+
+def _unmerged_lane_stack(node: ast.Call) -> tuple[ast.expr, ast.expr] | None:
+    """(a, b) of ``torch.stack([a, b], dim=-1)`` (the pair axis last, not merged in the same expression:
+    Infinity's ``qk = stack([...], -1); qk = qk.reshape(*qk.shape[:-2], -1)``): the caller checks that
+    a, b are the written-out rotation of x's even/odd lanes."""
+    f = node.func
+    if not ((isinstance(f, ast.Attribute) and f.attr == "stack") or isinstance(f, ast.Name)):
+        return None  # (cheap: asked of every call in a candidate statement)
+    pair = _pair_of(node, _STACK)
+    if pair is None:
+        return None
+    dim = keyword(node, "dim", 1)
+    if dim is None:
+        dim = keyword(node, "axis")
+    return pair if _is_int(dim, -1) else None
+
+
+# the lane pairs indexed out of a (D/2, 2) view bound to the same name, tables written first in each
+# product, the stacked pairs left as [.., D/2, 2] for a later reshape; q and k rotated together as one
+# stacked tensor (5-D: the fused call does not take it, the original runs there) or one at a time (4-D)
+_STACKED_LANES = '''
+import torch
+
+
+def turn_pairs(x, table):
+    n = x.shape[-2]
+    t = table[..., :n, :]
+    x = x.reshape(*x.shape[:-1], -1, 2)
+    x = torch.stack([
+        t[0] * x[..., 0] - t[1] * x[..., 1],
+        t[1] * x[..., 0] + t[0] * x[..., 1],
+    ], dim=-1)
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def turn_qk(q, k, table):
+    qk = turn_pairs(torch.stack((q, k), dim=0), table[:, None])
+    return qk.unbind(0)
+'''
+
+_STACKED_LANES_RUN = '''
+S, D = 6, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+table = torch.stack((ang.cos(), ang.sin()))[:, None, None]  # [2, 1, 1, S, D/2]
+q = torch.randn(2, 3, S, D, requires_grad=True)
+k = torch.randn(2, 3, S, D, requires_grad=True)
+out = (turn_pairs(q, table), turn_pairs(k.to(torch.bfloat16), table), turn_qk(q, k, table))
+leaves = [q, k]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="stacked_lane_pairs_left_unmerged",
+        code=_STACKED_LANES,
+        expect={"mode": "interleave", "qualname": "turn_pairs", "variant": "interleave_tables_checked"},
+        run=_STACKED_LANES_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the second lane's sign is flipped: the conjugate product (a rotation by -angle), not cos/sin as given
+        _STACKED_LANES.replace("t[1] * x[..., 0] + t[0] * x[..., 1]", "-t[1] * x[..., 0] + t[0] * x[..., 1]"),
+        name="stacked_lane_pairs_conjugate",
+    ),
+    Keep(
+        # x is rebound between the pairs view and the rotation: the lanes are not x's any more
+        _STACKED_LANES.replace("    x = x.reshape(*x.shape[:-1], -1, 2)\n", "    xs = x.reshape(*x.shape[:-1], -1, 2)\n    x = x * 2\n")
+        .replace("x[..., 0]", "xs[..., 0]").replace("x[..., 1]", "xs[..., 1]"),
+        name="stacked_lane_pairs_of_an_older_binding",
+    ),
+]
+
+
+# the real and imaginary parts named first, then stacked (pair axis last) and reshaped by the caller's
+# own code (kept): the fused result is given the [.., D/2, 2] layout the stack had
+_NAMED_PARTS_STACKED = '''
+import torch
+
+
+def table_for(cs, x):
+    shape = [1 if i != 1 and i != x.ndim - 2 else d for i, d in enumerate(x.shape[:-1])] + [2]
+    return cs.view(*shape)
+
+
+def rotate_qk(q, k, cs):
+    q = q.float().reshape(*q.shape[:-1], -1, 2)
+    k = k.float().reshape(*k.shape[:-1], -1, 2)
+    cs = table_for(cs, q)
+    q_re = q[..., 0] * cs[..., 0] - q[..., 1] * cs[..., 1]
+    q_im = q[..., 0] * cs[..., 1] + q[..., 1] * cs[..., 0]
+    k_re = k[..., 0] * cs[..., 0] - k[..., 1] * cs[..., 1]
+    k_im = k[..., 0] * cs[..., 1] + k[..., 1] * cs[..., 0]
+    q_out = torch.stack((q_re, q_im), dim=-1).reshape(q.shape).flatten(3)
+    k_out = torch.stack((k_re, k_im), dim=-1).reshape(k.shape).flatten(3)
+    return q_out, k_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="named_parts_stacked_unmerged",
+        code=_NAMED_PARTS_STACKED,
+        expect={"mode": "interleave", "qualname": "rotate_qk"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+cs = torch.stack((ang.cos(), ang.sin()), dim=-1)
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 3, D, requires_grad=True)
+out = (rotate_qk(q, k, cs), rotate_qk(q.to(torch.bfloat16), k, cs))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the imaginary part reads the real lane twice: not a rotation of the pairs
+        _NAMED_PARTS_STACKED.replace("q_im = q[..., 0] * cs[..., 1] + q[..., 1] * cs[..., 0]",
+                                     "q_im = q[..., 0] * cs[..., 1] + q[..., 0] * cs[..., 0]")
+        .replace("    k_out = torch.stack((k_re, k_im), dim=-1).reshape(k.shape).flatten(3)\n", "    k_out = k\n"),
+        name="named_parts_not_a_rotation",
+    ),
+]
+
+
+# --- rope s26: ``view_as_complex`` made by a one-line helper (``to_complex(q)`` / ``self.real_to_complex(x)``) ---
+
+def _complex_value(module: ModuleInfo, scope: Scope, xc: ast.expr) -> ast.expr:
+    """xc's value through local names; a call of a helper (nested def, module function, method of this
+    class) whose only statement is ``return torch.view_as_complex(<expr of its one parameter>)`` is given
+    as that return with the call's argument in place of the parameter (the helper's own nodes lose their
+    positions, so the text written for them is the substituted code, not the helper's)."""
+    val = _resolve(scope, xc)
+    if not (isinstance(val, ast.Call) and len(val.args) == 1 and not val.keywords and not isinstance(val.args[0], ast.Starred)):
+        return val
+    if ast.unparse(val.func).endswith("view_as_complex"):
+        return val
+    fn, _name = _helper_def(module, scope, val.func)
+    if fn is None:
+        return val
+    params = [a.arg for a in fn.args.args]
+    if isinstance(val.func, ast.Attribute) and params and params[0] in ("self", "cls") \
+            and not any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
+        params = params[1:]
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(params) != 1 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(body) != 1 or not isinstance(body[0], ast.Return):
+        return val
+    ret = body[0].value
+    if not (isinstance(ret, ast.Call) and ast.unparse(ret.func).endswith("view_as_complex") and len(ret.args) == 1):
+        return val
+    pname = params[0]
+    if any(isinstance(n, ast.Name) and n.id not in (pname, "torch") for n in ast.walk(ret)):
+        return val  # the helper reads something besides its parameter: not inlined
+
+    class _Inline(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return copy.deepcopy(val.args[0]) if n.id == pname else n
+
+    inlined = _Inline().visit(copy.deepcopy(ret))
+    # strip the helper's positions (not the argument's, whose names resolve at the call's line)
+    keep = set()
+    for n in ast.walk(inlined):
+        if isinstance(n, ast.expr) and same_expr(n, val.args[0]) and getattr(n, "lineno", None) == getattr(val.args[0], "lineno", None):
+            keep.update(id(m) for m in ast.walk(n))
+    for n in ast.walk(inlined):
+        if id(n) not in keep:
+            for attr in ("lineno", "end_lineno", "col_offset", "end_col_offset"):
+                if hasattr(n, attr):
+                    delattr(n, attr)
+    inlined.lineno = val.lineno  # (read as the line the pairs are formed at)
+    return inlined
+
+
+# the complex numbers made by a one-line helper (nested def; a method), the product bound or inline
+_COMPLEX_BY_HELPER = '''
+import torch
+
+
+def spin(q, k, f):
+    def as_pairs(t):
+        return torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+
+    qc = as_pairs(q)
+    kc = as_pairs(k)
+    q_out = torch.view_as_real(qc * f).flatten(3)
+    k_out = torch.view_as_real(kc * f).flatten(3)
+    return q_out.type_as(q), k_out.type_as(k)
+
+
+class Spin:
+    def to_c(self, t):
+        return torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))
+
+    def forward(self, q, f):
+        z = self.to_c(q.float())
+        z = z * f
+        return torch.view_as_real(z).flatten(-2).type_as(q)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_made_by_a_helper",
+        code=_COMPLEX_BY_HELPER,
+        expect={"mode": "complex", "qualname": "spin"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 3, D, requires_grad=True)
+out = (spin(q, k, f), Spin().forward(q, f), Spin().forward(q.to(torch.bfloat16), f))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the helper pairs x_i with x_{i+D/2} (a transpose of a (2, D/2) view): not the lane pairs
+        _COMPLEX_BY_HELPER.replace("t.float().reshape(*t.shape[:-1], -1, 2)", "t.float().reshape(*t.shape[:-1], 2, -1).transpose(-1, -2)")
+        .replace("        return torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))", "        return torch.view_as_complex(t.reshape(*t.shape[:-1], 2, -1).transpose(-1, -2))"),
+        reason="pairs are not formed by reshape(..., -1, 2) on the last dim",
+        name="complex_helper_pairs_of_halves",
+    ),
+]
+
+
+def _bound_names(stmt: ast.stmt) -> set[str]:
+    """Names a statement binds anywhere in it (targets, nested blocks, walrus, loop variables)."""
+    out = set()
+    for n in ast.walk(stmt):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            out.add(n.id)
+    return out
+
+
+# both products first, then both real views (the products' statements go with the sites as one run)
+_COMPLEX_PRODUCTS_FIRST = '''
+import torch
+
+
+def apply(q, k, f):
+    def cplx(t):
+        return torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+
+    qc = cplx(q)
+    kc = cplx(k)
+    qr = qc * f
+    kr = kc * f
+    qr = torch.view_as_real(qr).flatten(-2)
+    kr = torch.view_as_real(kr).flatten(-2)
+    return qr.type_as(q), kr.type_as(k)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_products_first_then_real_views",
+        code=_COMPLEX_PRODUCTS_FIRST,
+        expect={"mode": "complex", "qualname": "apply"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 3, D, requires_grad=True)
+out = (apply(q, k, f), apply(q.to(torch.bfloat16), k, f[:, :, :, :]))
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # kc is rebound between k's product and its real view: the fused call would rotate another value
+        _COMPLEX_PRODUCTS_FIRST.replace("    kr = torch.view_as_real(kr).flatten(-2)\n",
+                                        "    kc = kc * 2\n    kr = torch.view_as_real(kr).flatten(-2)\n")
+        .replace("    qr = torch.view_as_real(qr).flatten(-2)\n", "    qr = torch.view_as_real(qr)\n"),
+        name="complex_product_operand_rebound_before_the_view",
+    ),
 ]

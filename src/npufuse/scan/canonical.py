@@ -594,7 +594,7 @@ def lane_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
     h = half_of(module, scope, node, before_line)
     if h is not None:
         return Lane(h.source, h.index, "halves", h.spelling)
-    return None
+    return indexed_lane(module, scope, node, before_line)
 
 # --- attention: products as matmuls with a layout ---
 # ``a @ b``, ``torch.matmul``/``bmm`` (function or method), a two-operand ``torch.einsum`` and
@@ -1292,3 +1292,58 @@ def host_copy_base(node: ast.AST | None) -> ast.AST | None:
             and not node.args and not node.keywords:
         node, hops = node.func.value, hops + 1
     return node if hops else None
+
+
+
+# --- rope: a lane or half indexed out of a two-axis view (``xs[..., 0]`` of ``xs = x.reshape(.., -1, 2)``) ---
+# The same lane as ``xs.unbind(-1)[0]``: authors index the pair axis directly (llama-style "manual complex"
+# rotations, stacked q/k rotations). The view is often bound to the SAME name as the tensor it views
+# (``qk = qk.reshape(*qk.shape[:-1], -1, 2)``): then the name no longer holds x where the lane is read,
+# and the source is given as ``<view>.flatten(-2)`` (the inverse view: x's values, x's shape) so that a
+# replacement reading the source at the use site reads x, not the pairs view.
+
+
+def indexed_lane(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int | None = None) -> Lane | None:
+    """Lane of ``<view>[..., k]`` (k in 0, 1) where ``<view>`` (inline or a name bound once before) views x's
+    last dim as ``(D/2, 2)`` (the lane pairs, k = even/odd) or ``<view>[..., k, :]`` of a ``(2, D/2)`` view
+    (the halves)."""
+    if not isinstance(node, ast.Subscript) or not isinstance(node.slice, ast.Tuple):
+        return None
+    elts = node.slice.elts
+    if not (elts and isinstance(elts[0], ast.Constant) and elts[0].value is Ellipsis):
+        return None
+    if len(elts) == 2:
+        k, want = const_value(elts[1]), "inner2"
+    elif len(elts) == 3 and isinstance(elts[2], ast.Slice) and elts[2].lower is None and elts[2].upper is None and elts[2].step is None:
+        k, want = const_value(elts[1]), "outer2"
+    else:
+        return None
+    if type(k) is not int or k not in (0, 1):
+        return None
+    held = node.value
+    line = before_line if before_line is not None else getattr(node, "lineno", None)
+    view_stmt = None
+    if isinstance(held, ast.Name):
+        # (a binding by the statement holding the lane itself, ``qk = stack([.. qk[..., 0] ..])``, comes after the read)
+        binds = [(st, v) for st, v in scope.assignments.get(held.id, [])
+                 if (line is None or st.lineno < line) and not st.lineno <= node.lineno <= (st.end_lineno or st.lineno)]
+        if not binds:
+            return None
+        view_stmt, view = binds[-1]
+    else:
+        view = held
+    got = _two_axes(module, view, scope)
+    if got is None or got[1] != want:
+        return None
+    x = got[0]
+    base, _casts = strip_casts(x)
+    if isinstance(held, ast.Name) and view_stmt is not None and isinstance(base, ast.Name) and base.id == held.id:
+        # ``qk = qk.reshape(.., -1, 2)``: at the use, the name holds the view; x is its flatten back
+        if want == "outer2":
+            return None  # (a (2, D/2) view flattened back is ``flatten(-2)`` too, but rare: not claimed)
+        minus_two = ast.UnaryOp(op=ast.USub(), operand=ast.Constant(2))
+        x = ast.Call(func=ast.Attribute(value=ast.Name(id=held.id, ctx=ast.Load()), attr="flatten", ctx=ast.Load()), args=[minus_two], keywords=[])
+    elif isinstance(base, ast.Name) and view_stmt is not None and line is not None \
+            and any(view_stmt.lineno <= st.lineno < line for st, _v in scope.assignments.get(base.id, [])):
+        return None  # x's name is rebound between the view and the use: its text there is another tensor
+    return Lane(x, k, "pairs" if want == "inner2" else "halves", "index")
