@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, folded_number, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line
 from npufuse.scan.value import estimate, symbolic
 
@@ -2164,6 +2164,8 @@ class _Matcher:
         if ".finfo(" in text and (text.endswith(".min") or text.startswith("-") and text.endswith(".max")):
             return True, True
         v = const_value(fill)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            v = folded_number(self.module, fill, _name_of_outer_ref)  # ``float("-1e20")``, ``-10 ** 9``, ``-1 * math.inf``: the value decides
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             if v == float("-inf"):
                 return True, False
@@ -7147,5 +7149,82 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 ''',
         reason="modified after softmax",
+    ),
+]
+
+
+# --- s26: values folded through the block interpreter's references ---------------------------------
+def _name_of_outer_ref(node: Any) -> Any:
+    """``node`` with known references followed; a reference to a name from outside the block (a builtin such
+    as ``float``, a module such as ``math``) becomes that plain name, so canonical folding can read it."""
+    node = deref(node)
+    if isinstance(node, Ref) and node.idx == -1:
+        return ast.Name(id=node.name, ctx=ast.Load())
+    if isinstance(node, ast.Attribute) and isinstance(node.value, Ref) and node.value.idx == -1:
+        return ast.Attribute(value=ast.Name(id=node.value.name, ctx=ast.Load()), attr=node.attr, ctx=ast.Load())
+    return node
+
+
+# --- s26: a masking fill is a value, whatever its spelling -----------------------------------------
+# ``float("-1e20")`` (RL transformers' "-inf causes NaN" comment), ``-10 ** 9``, ``-1 * math.inf`` are folded to a
+# number by canonical.folded_number and judged by value: -inf, or finite <= -1e4 (a finite fill differs from -inf only
+# on fully masked rows). In fp16 a fill below -65504 makes the original masked_fill raise (overflow), so that dtype
+# never reaches the comparison; in bf16/fp32 exp(fill - max) is exactly 0 like -inf.
+_FOLDED_FILL = '''
+import torch
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, embed_dim, num_heads):
+        super().__init__()
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_size = embed_dim // num_heads
+        self.values = nn.Linear(self.head_size, self.head_size, bias=False)
+        self.keys = nn.Linear(self.head_size, self.head_size, bias=False)
+        self.queries = nn.Linear(self.head_size, self.head_size, bias=False)
+        self.fc_out = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, values, keys, query, mask):
+        n, q_len, k_len = query.shape[0], query.shape[1], keys.shape[1]
+        values = self.values(values.reshape(n, k_len, self.num_heads, self.head_size))
+        keys = self.keys(keys.reshape(n, k_len, self.num_heads, self.head_size))
+        queries = self.queries(query.reshape(n, q_len, self.num_heads, self.head_size))
+        energy = torch.einsum("nqhd,nkhd->nhqk", queries, keys)
+        if mask is not None:
+            energy = energy.masked_fill(mask.unsqueeze(1).unsqueeze(1) == 0, float("-1e20"))
+        attention = torch.softmax(energy / (self.embed_dim ** (1 / 2)), dim=3)
+        out = torch.einsum("nhql,nlhd->nqhd", attention, values).reshape(n, q_len, self.embed_dim)
+        return self.fc_out(out)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _FOLDED_FILL,
+        expect={"qualname": "MultiHeadAttention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = MultiHeadAttention(32, 4)
+x = torch.randn(2, 6, 32, requires_grad=True)
+mem = torch.randn(2, 7, 32, requires_grad=True)
+keep = torch.ones(2, 7, dtype=torch.long)
+keep[1, 4:] = 0
+out = (m(mem, mem, x, keep), m(mem, mem, x, None))
+leaves = [x, mem]
+''',
+        name="mask_fill_spelled_as_float_of_a_string",
+    ),
+    Fuse(
+        _FOLDED_FILL.replace('float("-1e20")', "-10 ** 9"),
+        expect={"qualname": "MultiHeadAttention.forward", "mask_kind": "bool_masked"},
+        name="mask_fill_spelled_as_a_negated_power",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # folded, the value is -100: masked logits keep exp(-100 - max) > 0 in fp32, so keys stay attended
+        _FOLDED_FILL.replace('float("-1e20")', 'float("-1e2")'),
+        reason="not −inf or a large negative value",
+        name="mask_fill_folded_to_a_small_negative_value",
     ),
 ]

@@ -1,0 +1,34 @@
+"""s26 attention: values folded from their spelling (canonical.folded_number), and the mask fill judged by value."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from npufuse.scan.canonical import folded_number
+from npufuse.scan.dataflow import ModuleInfo
+
+_MODULE = ModuleInfo.from_source("m.py", "import math\nimport numpy as np\nimport torch as th\n")
+
+
+@pytest.mark.parametrize("text, value", [
+    ('float("-1e20")', -1e20),
+    ("float('-inf')", float("-inf")),
+    ("-1e9", -1e9),
+    ("-10 ** 9", -(10 ** 9)),
+    ("-1 * float('inf')", float("-inf")),
+    ("-math.inf", float("-inf")),
+    ("-np.inf", float("-inf")),
+    ("-th.inf", float("-inf")),
+    ("float(-65504)", -65504.0),
+    ("int(-1e4)", -10000),
+    ("2 ** -0.5", 2 ** -0.5),
+])
+def test_folded_number_reads_the_value_not_the_spelling(text: str, value: float) -> None:
+    assert folded_number(_MODULE, ast.parse(text, mode="eval").body) == value
+
+
+@pytest.mark.parametrize("text", ["x", "float(x)", "torch.finfo(t.dtype).min", "float('abc')", "10 ** 10 ** 10", "1 / 0", "-mask"])
+def test_folded_number_refuses_what_is_not_a_literal_value(text: str) -> None:
+    assert folded_number(_MODULE, ast.parse(text, mode="eval").body) is None
