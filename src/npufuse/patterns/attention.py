@@ -3155,7 +3155,7 @@ class AttentionPattern(Pattern):
                 continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
-                if not _weights_may_be_none(module, scope, name, end_line):
+                if not _weights_may_be_none(module, scope, name, end_line) and not probs_discarded_by_callers(module, scope, name):
                     # DINO's ``return x, attn`` read by ``get_last_selfattention``: a caller relies on the probabilities
                     return NearMiss(
                         self.id, scope.qualname, span_line, end_line,
@@ -7226,5 +7226,232 @@ AttentionPattern.KEEP += [
         _FOLDED_FILL.replace('float("-1e20")', 'float("-1e2")'),
         reason="not −inf or a large negative value",
         name="mask_fill_folded_to_a_small_negative_value",
+    ),
+]
+
+
+# --- s26: returned probabilities that every caller discards ----------------------------------------
+# RL / ASR blocks write ``return self.out(x), attn`` and their callers unpack ``x, attn = self.attention(...)`` and
+# never read ``attn`` (or hand it up one more level, where it dies). The value is dead: None in its place changes
+# nothing. Proven, not guessed: every mention of the function/class in the file is accounted for (its definition,
+# the attributes or ModuleLists holding instances, the calls), each call is unpacked into a tuple whose element is
+# never read (or only returned at a position whose callers are checked the same way, two levels up), and no other
+# file of the repository mentions the name.
+def _returned_index(fn: ast.AST, name: str) -> tuple[int, int] | None:
+    """(index, tuple length) when every ``return`` of ``fn`` (nested functions aside) returns a tuple literal holding
+    the plain name ``name`` at the same index; else None."""
+    found: tuple[int, int] | None = None
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(n, ast.Return):
+            v = n.value
+            if not isinstance(v, ast.Tuple) or any(isinstance(e, ast.Starred) for e in v.elts):
+                return None
+            idx = [i for i, e in enumerate(v.elts) if isinstance(e, ast.Name) and e.id == name]
+            if len(idx) != 1 or (found is not None and found != (idx[0], len(v.elts))):
+                return None
+            found = (idx[0], len(v.elts))
+        stack.extend(ast.iter_child_nodes(n))
+    return found
+
+
+def _call_statement_target(parents: dict[int, ast.AST], call: ast.Call, length: int, index: int) -> ast.expr | None:
+    """The name a call's result element ``index`` is unpacked into (``a, b = call``), or None when the result is used
+    any other way."""
+    stmt = parents.get(id(call))
+    if not (isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1):
+        return None
+    target = stmt.targets[0]
+    if not isinstance(target, (ast.Tuple, ast.List)) or len(target.elts) != length or any(isinstance(e, ast.Starred) for e in target.elts):
+        return None
+    element = target.elts[index]
+    return element if isinstance(element, ast.Name) else None
+
+
+def _dead_or_passed_up(module: ModuleInfo, caller: Scope, var: str, depth: int, seen: set[int]) -> bool:
+    """``var`` is never read in ``caller``, or read only as a returned tuple element whose own callers discard it."""
+    loads = caller.name_loads().get(var, ())
+    if not loads:
+        return True
+    ret = _returned_index(caller.node, var)
+    if ret is None:
+        return False
+    parents = _parents(caller.node)
+    for n in loads:  # every read is the element of a returned tuple
+        up = parents.get(id(n))
+        if not (isinstance(up, ast.Tuple) and isinstance(parents.get(id(up)), ast.Return)):
+            return False
+    return _result_element_discarded(module, caller, ret[0], ret[1], depth + 1, seen)
+
+
+def _holders(module: ModuleInfo, class_name: str) -> tuple[set[str], set[str], int] | None:
+    """(attributes holding one instance, attributes holding a ModuleList of instances, constructor mentions
+    accounted for) of ``class_name`` in this file; None when an instance is made any other way."""
+    single = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*" + re.escape(class_name) + r"\s*\(")
+    listed = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*(?:\w+\.)*ModuleList\(\s*\[\s*" + re.escape(class_name) + r"\s*\(")
+    ones = set(single.findall(module.source))
+    many = set(listed.findall(module.source))
+    return ones, many, len(single.findall(module.source)) + len(listed.findall(module.source))
+
+
+def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, length: int, depth: int, seen: set[int]) -> bool:
+    fn = scope.node
+    if depth > 2 or id(fn) in seen or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    seen.add(id(fn))
+    is_forward = fn.name == "forward" and scope.class_name is not None
+    word = scope.class_name if is_forward else fn.name
+    if word is None or fn.decorator_list:
+        return False
+    mentions = len(re.findall(r"\b" + re.escape(word) + r"\b", module.source))
+    accounted = 1 + len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", module.source))  # the definition, ``super(Cls, self)``
+    ones: set[str] = set()
+    many: set[str] = set()
+    if is_forward:
+        held = _holders(module, word)
+        if held is None:
+            return False
+        ones, many, made = held
+        accounted += made
+        # ``forward`` is called through the holders: the word ``forward`` elsewhere (``.forward(``) is another call path
+        if re.search(r"\.forward\s*\(", module.source):
+            return False
+    calls = 0
+    for caller in module.scopes:
+        if not isinstance(caller.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or caller is scope:
+            continue
+        parents: dict[int, ast.AST] | None = None
+        loop_vars: set[str] = set()
+        for node in fast_walk(caller.node):
+            if isinstance(node, ast.For) and isinstance(node.iter, (ast.Attribute, ast.Call)):
+                it = node.iter
+                if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
+                    it = it.args[0]
+                    tgt = node.target.elts[1] if isinstance(node.target, ast.Tuple) and len(node.target.elts) == 2 else None
+                else:
+                    tgt = node.target
+                if isinstance(it, ast.Attribute) and isinstance(it.value, ast.Name) and it.value.id == "self" and it.attr in many \
+                        and isinstance(tgt, ast.Name):
+                    loop_vars.add(tgt.id)
+        for node in fast_walk(caller.node):
+            holder_read = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and (node.attr in ones or node.attr in many) and isinstance(node.ctx, ast.Load)
+            if not isinstance(node, ast.Call):
+                if holder_read and parents is None:
+                    parents = _parents(caller.node)
+                if holder_read:
+                    up = parents.get(id(node))  # type: ignore[union-attr]
+                    # a holder is only called (``self.attn(...)``) or, for a ModuleList, iterated by a for loop
+                    if not (isinstance(up, ast.Call) and up.func is node) and not (
+                            node.attr in many and (isinstance(up, ast.For) or isinstance(up, ast.Call) and isinstance(up.func, ast.Name)
+                                                   and up.func.id == "enumerate" and isinstance(parents.get(id(up)), ast.For))):
+                        return False
+                continue
+            f = node.func
+            direct = (is_forward and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                      and (f.value.id == "self" and f.attr in ones)) or (is_forward and isinstance(f, ast.Name) and f.id in loop_vars) \
+                or (not is_forward and (isinstance(f, ast.Name) and f.id == word and scope.class_name is None
+                                        or isinstance(f, ast.Attribute) and f.attr == word and isinstance(f.value, ast.Name) and f.value.id == "self"
+                                        and scope.class_name is not None and caller.class_name == scope.class_name))
+            if not direct:
+                continue
+            if parents is None:
+                parents = _parents(caller.node)
+            var = _call_statement_target(parents, node, length, index)
+            if var is None or not _dead_or_passed_up(module, caller, var.id, depth, seen):
+                return False
+            calls += 1
+            if not is_forward:
+                accounted += 1
+    if calls == 0 or mentions != accounted:
+        return False  # no caller seen, or the name is used some other way (passed, subclassed, exported in __all__)
+    from npufuse.scan import repo_facts
+    root = repo_facts.repo_root(module)
+    if root is not None:
+        repo_facts._depends(root, module.path)  # the answer reads the other files of the repository
+        pattern = re.compile(r"\b" + re.escape(word) + r"\b")
+        for rel in repo_facts._repo_py_files(root):
+            if rel == module.path:
+                continue
+            text = repo_facts._repo_text(root, rel)
+            if text is None or pattern.search(text):
+                return False  # another file may call it and read the element
+    return True
+
+
+def probs_discarded_by_callers(module: ModuleInfo, scope: Scope, name: str) -> bool:
+    """The probabilities ``name``, returned by ``scope``, are discarded by every caller (see the block comment)."""
+    ret = _returned_index(scope.node, name)
+    if ret is None:
+        return False
+    memo = module.__dict__.setdefault("_npufuse_probs_discarded", {})
+    key = (id(scope.node), name)
+    if key not in memo:
+        try:
+            memo[key] = _result_element_discarded(module, scope, ret[0], ret[1], 0, set())
+        except RecursionError:
+            memo[key] = False
+    return memo[key]
+
+
+_DISCARDED_PROBS = _FOLDED_FILL.replace("        return self.fc_out(out)\n", "        return self.fc_out(out), attention\n") + '''
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super(Block, self).__init__()
+        self.attention = MultiHeadAttention(dim, heads)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, value, key, query, mask):
+        h, weights = self.attention(value, key, query, mask)
+        return self.norm(h + query), weights
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim, heads, n):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(dim, heads) for _ in range(n)])
+
+    def forward(self, x, mem, mask):
+        for i, layer in enumerate(self.layers):
+            x, weights = layer(mem, mem, x, mask)
+        return x
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the probabilities go up two levels and die in an unread loop variable: None in their place changes nothing
+        _DISCARDED_PROBS,
+        expect={"qualname": "MultiHeadAttention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = Transformer(32, 4, 2)
+x = torch.randn(2, 6, 32, requires_grad=True)
+mem = torch.randn(2, 7, 32, requires_grad=True)
+keep = torch.ones(2, 7, dtype=torch.long)
+keep[0, 5:] = 0
+w = torch.randn(2, 6, 32)
+out = m(x, mem, keep) * w  # weighted: the sum of a LayerNorm output has no gradient to compare
+leaves = [x, mem]
+''',
+        name="returned_probabilities_discarded_by_every_caller",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # one caller reads the probabilities (stored for a plot): they must exist
+        _DISCARDED_PROBS.replace("            x, weights = layer(mem, mem, x, mask)\n",
+                                 "            x, weights = layer(mem, mem, x, mask)\n            self.last_weights = weights\n"),
+        reason="the attention probabilities (`attention`) are returned to the callers",
+        name="returned_probabilities_read_by_a_caller_two_levels_up",
+    ),
+    Keep(
+        # the attention module is also handed to a helper: an unseen call path may read the probabilities
+        _DISCARDED_PROBS + "\n\ndef build(dim):\n    return wrap(MultiHeadAttention)\n",
+        reason="the attention probabilities (`attention`) are returned to the callers",
+        name="returned_probabilities_with_the_class_used_as_a_value",
     ),
 ]
