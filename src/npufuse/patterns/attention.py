@@ -1196,6 +1196,9 @@ class _Matcher:
                     chain.v_transposed = chain.out_transposed = True
                     p_node, v_node = v_node, p_node
         if scores is None or not _heavy(scores, through_meta=False):
+            split = split_pipeline_reason(self, p_node)
+            if split:
+                raise Miss(split)
             return None
         if pv.kind == "baddbmm" and pv.alpha is not None and const_value(pv.alpha) not in (1, 1.0):
             raise Miss(f"the P@V product is scaled (`alpha={self.src(pv.alpha)}`): npu_fusion_attention has no output scale")
@@ -7453,5 +7456,134 @@ AttentionPattern.KEEP += [
         _DISCARDED_PROBS + "\n\ndef build(dim):\n    return wrap(MultiHeadAttention)\n",
         reason="the attention probabilities (`attention`) are returned to the callers",
         name="returned_probabilities_with_the_class_used_as_a_value",
+    ),
+]
+
+
+# --- s26: the attention pipeline split across functions (scores made by one, softmax and @V by another) -------
+# wenet/espnet ``forward_attention(value, scores, mask)``, fairseq-style ``attend(probs_input, v)``: the function
+# holding the softmax and the P@V product receives the scores as a parameter. npu_fusion_attention needs q and k;
+# "mask + softmax + dropout + @V" alone is not an operator torch_npu has, and npufuse does not move a fused call
+# into the caller (the callee's tail - reshape, output projection - would have to move with it). A near miss that
+# names the split and the caller's Q@Kᵀ, only when a caller in the file really passes a product: a softmax over a
+# parameter that no caller builds from a product (a pooling weight, a router) stays silent, as before.
+def _softmax_inputs(matcher: "_Matcher", node: Any) -> list[Any]:
+    out = []
+    for n in walk_sym(node, limit=600):
+        sm = matcher.softmax_of(n) if isinstance(n, ast.Call) else None
+        if sm is not None:
+            out.append(sm[0])
+    return out
+
+
+def _parameter_reached(matcher: "_Matcher", node: Any, params: set[str]) -> str | None:
+    """The parameter the softmax input is (possibly masked/scaled/cast: any path through the value), or None."""
+    for n in walk_sym(node, limit=600):
+        if isinstance(n, Ref) and n.idx == -1 and n.name in params:
+            return n.name
+        if isinstance(n, ast.Name) and n.id in params:
+            return n.id
+    return None
+
+
+def _caller_product(module: ModuleInfo, scope: Scope, param: str) -> tuple[str, int, str] | None:
+    """(caller qualname, line, source of the product) of a call of ``scope``'s function in this file whose argument for
+    ``param`` is (a name assigned from) a matmul/einsum product; None when no caller passes one."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "forward":
+        return None
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if param not in names:
+        return None
+    pos = names.index(param) - (1 if scope.class_name and names and names[0] in ("self", "cls") else 0)
+    if pos < 0 or fn.name not in module.source.replace(f"def {fn.name}", "", 1):
+        return None
+    for caller in module.scopes:
+        if caller is scope or not isinstance(caller.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in fast_walk(caller.node):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if not (isinstance(f, ast.Name) and f.id == fn.name or isinstance(f, ast.Attribute) and f.attr == fn.name):
+                continue
+            arg = keyword(node, param, pos)
+            values = [arg]
+            if isinstance(arg, ast.Name):
+                values = [v for st, v in caller.assignments.get(arg.id, ()) if st.lineno <= node.lineno] or values
+            for v in values:
+                for sub in fast_walk(v) if v is not None else ():
+                    if isinstance(sub, (ast.BinOp, ast.Call)) and product(sub, module.call_name) is not None:
+                        return caller.qualname, node.lineno, segment(module, sub)
+    return None
+
+
+def split_pipeline_reason(matcher: "_Matcher", p_node: Any) -> str | None:
+    scope = matcher.scope
+    params = set(scope.args) - {"self", "cls"}
+    if not params:
+        return None
+    for x in _softmax_inputs(matcher, p_node):
+        param = _parameter_reached(matcher, x, params)
+        if param is None:
+            continue
+        found = _caller_product(matcher.module, scope, param)
+        if found is None:
+            continue
+        caller, line, text = found
+        return (f"the scores reach this softmax and P@V as parameter `{param}`, made by a caller (`{caller}`, line {line}: "
+                f"`{' '.join(text.split())[:60]}`): npu_fusion_attention needs q and k at the site, a mask+softmax+dropout+@V "
+                "part alone is no torch_npu operator, and npufuse does not move the fused call into the caller")
+    return None
+
+
+_SPLIT_PIPELINE = '''
+import math
+import torch
+from torch import nn
+
+
+class MHA(nn.Module):
+    def __init__(self, n_head, n_feat, dropout_rate):
+        super().__init__()
+        self.d_k, self.h = n_feat // n_head, n_head
+        self.linear_q = nn.Linear(n_feat, n_feat)
+        self.linear_k = nn.Linear(n_feat, n_feat)
+        self.linear_v = nn.Linear(n_feat, n_feat)
+        self.linear_out = nn.Linear(n_feat, n_feat)
+        self.dropout = nn.Dropout(p=dropout_rate)
+
+    def project(self, x, linear):
+        return linear(x).view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)
+
+    def attend(self, value, logits, keep):
+        if keep is not None:
+            drop = keep.unsqueeze(1).eq(0)
+            logits = logits.masked_fill(drop, float("-inf"))
+            probs = torch.softmax(logits, dim=-1).masked_fill(drop, 0.0)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        x = torch.matmul(self.dropout(probs), value)
+        return self.linear_out(x.transpose(1, 2).reshape(value.size(0), -1, self.h * self.d_k))
+
+    def forward(self, query, key, value, keep=None):
+        q, k, v = self.project(query, self.linear_q), self.project(key, self.linear_k), self.project(value, self.linear_v)
+        logits = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d_k)
+        return self.attend(v, logits, keep)
+'''
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the softmax and @V live in a helper that receives the caller's Q@Kᵀ: q and k are not there to fuse
+        _SPLIT_PIPELINE,
+        reason="the scores reach this softmax and P@V as parameter `logits`, made by a caller (`MHA.forward`",
+        name="pipeline_split_scores_passed_to_a_helper",
+    ),
+    Keep(
+        # the same helper fed a learned pooling weight (no product in the caller): not attention, no near miss
+        _SPLIT_PIPELINE.replace("logits = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d_k)",
+                                "logits = self.linear_q.weight[: q.size(-2)].sum(-1).expand(q.size(0), self.h, q.size(-2), k.size(-2))"),
+        reason=None,
+        name="softmax_of_a_parameter_no_caller_builds_from_a_product",
     ),
 ]
