@@ -32,3 +32,15 @@ def test_folded_number_reads_the_value_not_the_spelling(text: str, value: float)
 @pytest.mark.parametrize("text", ["x", "float(x)", "torch.finfo(t.dtype).min", "float('abc')", "10 ** 10 ** 10", "1 / 0", "-mask"])
 def test_folded_number_refuses_what_is_not_a_literal_value(text: str) -> None:
     assert folded_number(_MODULE, ast.parse(text, mode="eval").body) is None
+
+
+def test_module_call_counts_keep_first_seen_order_across_branches() -> None:
+    # the near-miss text names the first call counted; a set union ordered these by the hash seed, so the
+    # reported call changed between runs (transformers' luke). First-seen order is the same in every run.
+    from npufuse.patterns.base import _module_calls
+
+    calls = [f"self.m{i}(x)" for i in range(8)]
+    body = "\n".join(f"    y = {c}" for c in calls[:4])
+    orelse = "\n".join(f"    y = {c}" for c in calls[4:])
+    stmts = ast.parse(f"if flag:\n{body}\nelse:\n{orelse}\n").body
+    assert list(_module_calls(stmts)) == calls

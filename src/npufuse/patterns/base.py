@@ -290,7 +290,8 @@ def _module_calls(stmts: list[ast.stmt], chains: frozenset[str] | None = None) -
         if isinstance(st, ast.If):
             add(_module_calls_in(st.test, chains))
             a, b = _module_calls(st.body, chains), _module_calls(st.orelse, chains)
-            add({k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()})
+            # keys in first-seen order (a set union's order follows the hash seed: the reported call flipped between runs)
+            add({k: max(a.get(k, 0), b.get(k, 0)) for k in [*a, *(k for k in b if k not in a)]})
         else:
             add(_module_calls_in(st, chains))
     return total
