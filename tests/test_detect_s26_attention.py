@@ -44,3 +44,21 @@ def test_module_call_counts_keep_first_seen_order_across_branches() -> None:
     orelse = "\n".join(f"    y = {c}" for c in calls[4:])
     stmts = ast.parse(f"if flag:\n{body}\nelse:\n{orelse}\n").body
     assert list(_module_calls(stmts)) == calls
+
+
+def test_fill_below_fp16_range_is_fused_with_a_true_note() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.attention import _FOLDED_FILL, AttentionPattern
+
+    findings, _ = detect_all(AttentionPattern(), _FOLDED_FILL)
+    assert findings, "float('-1e20') is a large negative fill"
+    notes = " ".join(findings[0].notes)
+    assert "below fp16's range" in notes and "not pinned down" in notes
+    # a fill inside fp16's range gets no overflow note
+    findings, _ = detect_all(AttentionPattern(), _FOLDED_FILL.replace('float("-1e20")', "-1e4"))
+    assert findings and "below fp16's range" not in " ".join(findings[0].notes)

@@ -2076,8 +2076,9 @@ class _Matcher:
         if finite:
             chain.notes.append(
                 f"masked positions are filled with `{self.src(fill)}` (finite): identical except for fully masked rows, "
-                "which the fused op returns as zeros instead of a uniform average"
+                "where the original averages v uniformly and the fused op's value is not pinned down (spec §14: zeros or a uniform average)"
             )
+            _note_fp16_overflow(self, fill, chain)
         chain.masks.append(term)
 
     # -- multiplicative 0/1 masks (BERT-era / GLM ``s * m - 10000.0 * (1.0 - m)``)
@@ -2151,7 +2152,7 @@ class _Matcher:
             f"a 0/1 keep mask applied as `scores * m {'-' if fill < 0 else '+'} {abs(fill):g} * (1 - m)` is passed as `m == 0` (True = masked): "
             "identical where m holds only 0 and 1 (" + ("its construction from a comparison guarantees it" if _zero_one_built(m_node)
                                                        else "checked at run time") +
-            f"), except fully masked rows, which the fused op returns as zeros instead of a uniform average (fill {fill:g} is finite)")
+            f"), except fully masked rows, where the original averages v uniformly (fill {fill:g} is finite) and the fused op's value is not pinned down (spec §14: zeros or a uniform average)")
 
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
@@ -3283,7 +3284,7 @@ class AttentionPattern(Pattern):
                 if any(m.kind == "keep01" for m in chain.masks):
                     risks.append(Risk("numerics", "a 0/1 mask applied by multiplication and a finite offset (`s * m - C * (1 - m)`) is passed as `m == 0` "
                                                   "(True = masked): exact where m holds only 0 and 1" + (" (checked at run time: a fractional m runs the original code)" if checks else "")
-                                                  + "; masked logits were a finite -C, so fully masked rows differ (zeros instead of a uniform average)"))
+                                                  + "; masked logits were a finite -C, so fully masked rows may differ (the original averages v uniformly; the fused op's value there is not pinned down, spec §14)"))
                 lines += mask_lines
                 if chain.heads_in_batch:
                     # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
@@ -7587,3 +7588,12 @@ AttentionPattern.KEEP += [
         name="softmax_of_a_parameter_no_caller_builds_from_a_product",
     ),
 ]
+
+
+def _note_fp16_overflow(matcher: "_Matcher", fill: Any, chain: Chain) -> None:
+    """A finite fill below fp16's range (``float("-1e20")``): in fp16 the original ``masked_fill`` raises
+    ("value cannot be converted to type c10::Half without overflow") while the fused op runs; say so."""
+    v = folded_number(matcher.module, fill, _name_of_outer_ref)
+    if isinstance(v, (int, float)) and v < -65504.0 and v != float("-inf"):
+        chain.notes.append(f"the fill {v:g} is below fp16's range: in fp16 the original masked_fill raises an overflow error, "
+                           "the fused branch runs (bf16/fp32 behave as -inf there)")
