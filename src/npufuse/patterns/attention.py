@@ -1400,7 +1400,8 @@ class _Matcher:
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
                 if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 3):  # the key axis: last of 3-D / 4-D scores
-                    raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim")
+                    raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim npufuse converts (scores laid out [.., Sq, Skv]; "
+                               "keys on another axis, as in sequence-first [Sq, Skv, B, N] scores, are not converted)")
                 if dtype is not None:
                     chain.softmax_dtype = self.src(dtype)
                 chain.spelling.append("softmax")
