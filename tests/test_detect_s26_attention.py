@@ -62,3 +62,15 @@ def test_fill_below_fp16_range_is_fused_with_a_true_note() -> None:
     # a fill inside fp16's range gets no overflow note
     findings, _ = detect_all(AttentionPattern(), _FOLDED_FILL.replace('float("-1e20")', "-1e4"))
     assert findings and "below fp16's range" not in " ".join(findings[0].notes)
+
+
+def test_module_constant_is_the_single_top_level_binding_only() -> None:
+    from npufuse.scan.canonical import module_constant
+
+    m = ModuleInfo.from_source("c.py", "A = -1e9\nB = 1\nB = 2\nif x:\n    C = 3\nD: float = -5.0\n\ndef f():\n    global E\n    E = 1\nE = -1\n")
+    assert folded_number(m, module_constant(m, "A")) == -1e9
+    assert module_constant(m, "B") is None  # bound twice
+    assert module_constant(m, "C") is None  # bound under an if
+    assert folded_number(m, module_constant(m, "D")) == -5.0
+    assert module_constant(m, "E") is None  # rebound through `global`
+    assert module_constant(m, "f") is None

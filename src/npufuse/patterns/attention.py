@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, folded_number, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line
 from npufuse.scan.value import estimate, symbolic
 
@@ -2170,7 +2170,7 @@ class _Matcher:
             return True, True
         v = const_value(fill)
         if not isinstance(v, (int, float)) or isinstance(v, bool):
-            v = folded_number(self.module, fill, _name_of_outer_ref)  # ``float("-1e20")``, ``-10 ** 9``, ``-1 * math.inf``: the value decides
+            v = _folded_fill(self.module, fill)  # ``float("-1e20")``, ``-10 ** 9``, ``-1 * math.inf``: the value decides
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             if v == float("-inf"):
                 return True, False
@@ -7159,15 +7159,25 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 
 # --- s26: values folded through the block interpreter's references ---------------------------------
-def _name_of_outer_ref(node: Any) -> Any:
+def _name_of_outer_ref(node: Any, module: ModuleInfo | None = None) -> Any:
     """``node`` with known references followed; a reference to a name from outside the block (a builtin such
-    as ``float``, a module such as ``math``) becomes that plain name, so canonical folding can read it."""
+    as ``float``, a module such as ``math``) becomes that plain name, so canonical folding can read it; a name
+    the module binds once at top level (``NEG_INF = -1e9``) becomes the expression it is bound to."""
     node = deref(node)
     if isinstance(node, Ref) and node.idx == -1:
-        return ast.Name(id=node.name, ctx=ast.Load())
+        node = ast.Name(id=node.name, ctx=ast.Load())
+    if isinstance(node, ast.Name) and module is not None:
+        bound = module_constant(module, node.id)
+        if bound is not None:
+            return bound
     if isinstance(node, ast.Attribute) and isinstance(node.value, Ref) and node.value.idx == -1:
         return ast.Attribute(value=ast.Name(id=node.value.name, ctx=ast.Load()), attr=node.attr, ctx=ast.Load())
     return node
+
+
+def _folded_fill(module: ModuleInfo, node: Any) -> float | int | None:
+    """canonical.folded_number through the block interpreter's references and the module's constants."""
+    return folded_number(module, node, lambda n: _name_of_outer_ref(n, module))
 
 
 # --- s26: a masking fill is a value, whatever its spelling -----------------------------------------
@@ -7594,7 +7604,34 @@ AttentionPattern.KEEP += [
 def _note_fp16_overflow(matcher: "_Matcher", fill: Any, chain: Chain) -> None:
     """A finite fill below fp16's range (``float("-1e20")``): in fp16 the original ``masked_fill`` raises
     ("value cannot be converted to type c10::Half without overflow") while the fused op runs; say so."""
-    v = folded_number(matcher.module, fill, _name_of_outer_ref)
+    v = _folded_fill(matcher.module, fill)
     if isinstance(v, (int, float)) and v < -65504.0 and v != float("-inf"):
         chain.notes.append(f"the fill {v:g} is below fp16's range: in fp16 the original masked_fill raises an overflow error, "
                            "the fused branch runs (bf16/fp32 behave as -inf there)")
+
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the fill is a module constant bound once (``INF = 1e10`` ... ``-INF``): its folded value decides
+        _FOLDED_FILL.replace('float("-1e20")', "-INF").replace("from torch import nn\n", "from torch import nn\n\nINF = 1e10\n"),
+        expect={"qualname": "MultiHeadAttention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = MultiHeadAttention(32, 4)
+x = torch.randn(2, 6, 32, requires_grad=True)
+keep = torch.ones(2, 6, dtype=torch.long)
+keep[0, 4:] = 0
+out = m(x, x, x, keep)
+leaves = [x]
+''',
+        name="mask_fill_read_from_a_module_constant",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # bound twice at module level: which value a call reads depends on import-time order npufuse does not model
+        _FOLDED_FILL.replace('float("-1e20")', "NEG").replace("from torch import nn\n", "from torch import nn\n\nNEG = -1e9\nNEG = -1.0\n"),
+        reason="not −inf or a large negative value",
+        name="mask_fill_module_name_bound_twice",
+    ),
+]

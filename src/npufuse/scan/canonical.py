@@ -1267,6 +1267,7 @@ def filled_output(stmts: list[ast.stmt]) -> tuple[str, ast.expr] | None:
 # ``-math.inf``, ``th.finfo``-free constants all mean one number; a detector asks for the number
 # and reasons about it (is it -inf? is it <= -1e4?) instead of matching the spelling.
 from typing import Any  # noqa: E402  (this block's own import)
+import re  # noqa: E402
 
 _INF_NAMES = frozenset(("math.inf", "torch.inf", "numpy.inf", "numpy.Inf", "numpy.Infinity", "numpy.PINF"))
 _NEG_INF_NAMES = frozenset(("numpy.NINF",))
@@ -1333,3 +1334,43 @@ def folded_number(module: ModuleInfo, node: ast.AST | None, unwrap: Callable[[An
         except (ZeroDivisionError, OverflowError, ValueError, TypeError):
             return None
     return None
+
+
+def module_constant(module: ModuleInfo, name: str) -> ast.expr | None:
+    """The expression a module-level name is bound to when the module binds it exactly once, by a plain
+    top-level assignment (``NEG_INF = -1e9``, ``INF = float("inf")``), and no function rebinds it through
+    ``global``; else None. Folding it gives the value every function of the module reads."""
+    table = module.__dict__.get("_npufuse_module_constants")
+    if table is None:
+        counts: dict[str, int] = {}
+        values: dict[str, ast.expr] = {}
+        for st in module.tree.body:
+            targets: list[ast.expr] = []
+            if isinstance(st, ast.Assign):
+                targets = st.targets
+            elif isinstance(st, (ast.AnnAssign, ast.AugAssign)):
+                targets = [st.target]
+            elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                counts[st.name] = counts.get(st.name, 0) + 1
+                continue
+            elif isinstance(st, (ast.Import, ast.ImportFrom)):
+                for a in st.names:
+                    n = (a.asname or a.name).split(".")[0]
+                    counts[n] = counts.get(n, 0) + 1
+                continue
+            elif not isinstance(st, ast.Expr):
+                # a name bound inside if/for/try/with at module level: not a single plain binding
+                for n in ast.walk(st):
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                        counts[n.id] = counts.get(n.id, 0) + 2
+                continue
+            for t in targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        counts[n.id] = counts.get(n.id, 0) + 1
+                if isinstance(t, ast.Name) and isinstance(st, (ast.Assign, ast.AnnAssign)) and st.value is not None:
+                    values[t.id] = st.value
+        table = {k: v for k, v in values.items() if counts.get(k) == 1 and f"global {k}" not in module.source
+                 and not re.search(r"\bglobal\b[^\n]*\b" + re.escape(k) + r"\b", module.source)}
+        module.__dict__["_npufuse_module_constants"] = table
+    return table.get(name)
