@@ -7517,7 +7517,14 @@ def _caller_product(module: ModuleInfo, scope: Scope, param: str) -> tuple[str, 
             if not isinstance(node, ast.Call):
                 continue
             f = node.func
-            if not (isinstance(f, ast.Name) and f.id == fn.name or isinstance(f, ast.Attribute) and f.attr == fn.name):
+            if scope.class_name is None:
+                ours = isinstance(f, ast.Name) and f.id == fn.name
+            else:
+                # ``self.<name>(...)`` from the class itself or a subclass of it in this file (wenet's RelPosition
+                # subclass hands its scores to the base class's forward_attention)
+                ours = isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) \
+                    and f.value.id == "self" and _same_or_subclass(module, caller.class_name, scope.class_name)
+            if not ours:
                 continue
             arg = keyword(node, param, pos)
             values = [arg]
@@ -7635,3 +7642,20 @@ AttentionPattern.KEEP += [
         name="mask_fill_module_name_bound_twice",
     ),
 ]
+
+
+def _same_or_subclass(module: ModuleInfo, cls: str | None, base: str) -> bool:
+    """``cls`` is ``base`` or derives from it through classes of this file (bases read by name)."""
+    seen: set[str] = set()
+    while cls is not None and cls not in seen:
+        if cls == base:
+            return True
+        seen.add(cls)
+        node = module.classes.get(cls)
+        if node is None:
+            return False
+        names = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else None for b in node.bases]
+        if base in names:
+            return True
+        cls = next((n for n in names if n in module.classes), None)
+    return False
