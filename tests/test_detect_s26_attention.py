@@ -74,3 +74,31 @@ def test_module_constant_is_the_single_top_level_binding_only() -> None:
     assert folded_number(m, module_constant(m, "D")) == -5.0
     assert module_constant(m, "E") is None  # rebound through `global`
     assert module_constant(m, "f") is None
+
+
+def test_split_pipeline_near_miss_needs_a_qk_shaped_product_in_the_caller() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.attention import _SPLIT_PIPELINE, AttentionPattern
+
+    _, misses = detect_all(AttentionPattern(), _SPLIT_PIPELINE)
+    assert any("reach this softmax and P@V as parameter `logits`" in m.reason for m in misses)
+    # a categorical mean over bins: the caller's product projects onto a weight, it is no Q@Kᵀ
+    code = '''
+import torch
+
+
+def categorical_mean(logits, centers):
+    return logits.softmax(-1) @ centers
+
+
+def head(x, w, centers):
+    logits = torch.einsum("...c,...cb->...b", x, w)
+    return categorical_mean(logits, centers)
+'''
+    _, misses = detect_all(AttentionPattern(), code)
+    assert not any("reach this softmax" in m.reason for m in misses)

@@ -7532,7 +7532,8 @@ def _caller_product(module: ModuleInfo, scope: Scope, param: str) -> tuple[str, 
                 values = [v for st, v in caller.assignments.get(arg.id, ()) if st.lineno <= node.lineno] or values
             for v in values:
                 for sub in fast_walk(v) if v is not None else ():
-                    if isinstance(sub, (ast.BinOp, ast.Call)) and product(sub, module.call_name) is not None:
+                    prod = product(sub, module.call_name) if isinstance(sub, (ast.BinOp, ast.Call)) else None
+                    if prod is not None and _qk_shaped(prod):
                         return caller.qualname, node.lineno, segment(module, sub)
     return None
 
@@ -7658,4 +7659,25 @@ def _same_or_subclass(module: ModuleInfo, cls: str | None, base: str) -> bool:
         if base in names:
             return True
         cls = next((n for n in names if n in module.classes), None)
+    return False
+
+
+def _qk_shaped(prod: Product) -> bool:
+    """A product shaped like Q@Kᵀ: both operands keep a free (sequence) axis and contract their last one - the
+    right operand of a matmul transposed on its last two axes (``k.transpose(-2, -1)``, ``k.mT``, a permute that
+    swaps them), or an einsum contracting the last letter of both inputs with one free letter each and at least
+    one batch letter. A projection onto a weight (``x @ w``, ``einsum("...c,...cb->...b")``) is not."""
+    c = prod.subs
+    if prod.kind == "einsum":
+        return c is not None and len(c.summed) == 1 and len(c.a_free) == 1 and len(c.b_free) == 1 and len(c.batch) >= 1 \
+            and c.a.endswith(c.summed) and c.b.endswith(c.summed)
+    b = prod.b
+    if isinstance(b, ast.Attribute) and b.attr == "mT":
+        return True
+    if isinstance(b, ast.Call) and isinstance(b.func, ast.Attribute):
+        vals = [const_value(a) for a in b.args]
+        if b.func.attr == "transpose" and len(vals) == 2 and all(isinstance(v, int) for v in vals):
+            return set(vals) in ({-2, -1}, {1, 2}, {2, 3})
+        if b.func.attr == "permute" and vals and all(isinstance(v, int) for v in vals):
+            return swaps_last_two(tuple(v % len(vals) for v in vals))  # type: ignore[operator]
     return False
