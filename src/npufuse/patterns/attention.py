@@ -1374,6 +1374,10 @@ class _Matcher:
                     chain.excluded.append((node.test, neg, f"`{self._first_diff(other, taken)}` on the probabilities"))
                     node = taken
                     continue
+                hoisted = _hoist_common_call(self, node)
+                if hoisted is not None:
+                    node = hoisted  # ``if m: w = softmax(masked(w)) else: w = softmax(w)``: one softmax of a conditional
+                    continue
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
@@ -7681,3 +7685,101 @@ def _qk_shaped(prod: Product) -> bool:
         if b.func.attr == "permute" and vals and all(isinstance(v, int) for v in vals):
             return swaps_last_two(tuple(v % len(vals) for v in vals))  # type: ignore[operator]
     return False
+
+
+# --- s26: the same call on both branches of a condition (jukebox ``if self.mask: ... softmax(w) else: softmax(w)``) ---
+def _hoist_common_call(matcher: "_Matcher", node: Cond, depth: int = 0) -> Any:
+    """``f(a, *rest)`` / ``a.m(*rest)`` when the two branches of ``node`` are the same call (same callee, same other
+    arguments, by source) on different first inputs: the call of the conditional input, ``Cond(test, a, b)``. Where
+    the branches are also that call's inputs, the condition moves down until they differ (``softmax(..).type(t)``
+    on both sides). None when the outer calls differ."""
+    a, b = deref(node.body), deref(node.orelse)
+    if depth > 4 or not (isinstance(a, ast.Call) and isinstance(b, ast.Call)) or len(a.args) != len(b.args) \
+            or [k.arg for k in a.keywords] != [k.arg for k in b.keywords] \
+            or not all(_one_value(x.value, y.value) for x, y in zip(a.keywords, b.keywords)):
+        return None
+    fa, fb = a.func, b.func
+    if isinstance(fa, ast.Attribute) and isinstance(fb, ast.Attribute) and fa.attr == fb.attr \
+            and not _one_value(fa.value, fb.value) and all(_one_value(x, y) for x, y in zip(a.args, b.args)):
+        inner = Cond(test=node.test, body=fa.value, orelse=fb.value)
+        return ast.Call(func=ast.Attribute(value=inner, attr=fa.attr, ctx=ast.Load()), args=a.args, keywords=a.keywords)
+    if _one_value(fa, fb) and a.args and not _heavy(fa, through_meta=False) \
+            and all(_one_value(x, y) for x, y in zip(a.args[1:], b.args[1:])) and not _one_value(a.args[0], b.args[0]):
+        inner = Cond(test=node.test, body=a.args[0], orelse=b.args[0])
+        return ast.Call(func=fa, args=[inner, *a.args[1:]], keywords=a.keywords)
+    return None
+
+
+def _one_value(x: Any, y: Any) -> bool:
+    """The two symbolic expressions are one value: the same object after following references, equal
+    constants, or the same outside name / attribute chain (no reference assigned in between)."""
+    dx, dy = deref(x), deref(y)
+    if dx is dy:
+        return True
+    if isinstance(dx, Ref) or isinstance(dy, Ref):
+        return isinstance(dx, Ref) and isinstance(dy, Ref) and dx.name == dy.name and dx.idx == dy.idx
+    if isinstance(dx, ast.Constant) and isinstance(dy, ast.Constant):
+        return type(dx.value) is type(dy.value) and dx.value == dy.value
+    if isinstance(dx, ast.UnaryOp) and isinstance(dy, ast.UnaryOp):
+        return type(dx.op) is type(dy.op) and _one_value(dx.operand, dy.operand)
+    if isinstance(dx, ast.Attribute) and isinstance(dy, ast.Attribute):
+        return dx.attr == dy.attr and _one_value(dx.value, dy.value)
+    if isinstance(dx, ast.Name) and isinstance(dy, ast.Name):
+        return dx.id == dy.id
+    return False
+
+
+_SAME_CALL_BOTH_BRANCHES = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, dim, heads, mask=True):
+        super().__init__()
+        self.h, self.d, self.mask = heads, dim // heads, mask
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.attn_dropout = nn.Dropout(0.0)
+
+    def forward(self, x, keep):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        scale = 1.0 / self.d ** 0.25
+        w = torch.matmul(q * scale, k.transpose(-2, -1) * scale)
+        wtype = w.dtype
+        w = w.float()
+        if self.mask:
+            w = w * keep + -1e9 * (1 - keep)
+            w = F.softmax(w, dim=-1).type(wtype)
+        else:
+            w = F.softmax(w, dim=-1).type(wtype)
+        w = self.attn_dropout(w)
+        return torch.matmul(w, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the same softmax(..).type(t) on both branches of a flag, one of them on masked scores: one softmax of a
+        # conditional input, the mask applied where the flag holds
+        _SAME_CALL_BOTH_BRANCHES,
+        expect={"qualname": "Attn.forward"},
+        run='''
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.ones(5, 5).tril()
+out = (Attn(32, 4)(x, keep), Attn(32, 4, mask=False)(x, keep))
+leaves = [x]
+''',
+        name="same_softmax_call_on_both_branches_of_a_flag",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the branches cast the probabilities to different dtypes: not one call of a conditional input
+        _SAME_CALL_BOTH_BRANCHES.replace("        else:\n            w = F.softmax(w, dim=-1).type(wtype)",
+                                         "        else:\n            w = F.softmax(w, dim=-1).type(torch.float16)"),
+        reason="attention probabilities are modified after softmax under `if self.mask`",
+        name="different_softmax_calls_on_the_branches_of_a_flag",
+    ),
+]
