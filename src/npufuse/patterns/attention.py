@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
+from npufuse.scan.canonical import Contraction, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line
 from npufuse.scan.value import estimate, symbolic
 
@@ -1196,6 +1196,9 @@ class _Matcher:
                     chain.v_transposed = chain.out_transposed = True
                     p_node, v_node = v_node, p_node
         if scores is None or not _heavy(scores, through_meta=False):
+            split = split_pipeline_reason(self, p_node)
+            if split:
+                raise Miss(split)
             return None
         if pv.kind == "baddbmm" and pv.alpha is not None and const_value(pv.alpha) not in (1, 1.0):
             raise Miss(f"the P@V product is scaled (`alpha={self.src(pv.alpha)}`): npu_fusion_attention has no output scale")
@@ -1371,6 +1374,10 @@ class _Matcher:
                     chain.excluded.append((node.test, neg, f"`{self._first_diff(other, taken)}` on the probabilities"))
                     node = taken
                     continue
+                hoisted = _hoist_common_call(self, node)
+                if hoisted is not None:
+                    node = hoisted  # ``if m: w = softmax(masked(w)) else: w = softmax(w)``: one softmax of a conditional
+                    continue
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
@@ -1397,7 +1404,8 @@ class _Matcher:
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
                 if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 3):  # the key axis: last of 3-D / 4-D scores
-                    raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim")
+                    raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim npufuse converts (scores laid out [.., Sq, Skv]; "
+                               "keys on another axis, as in sequence-first [Sq, Skv, B, N] scores, are not converted)")
                 if dtype is not None:
                     chain.softmax_dtype = self.src(dtype)
                 chain.spelling.append("softmax")
@@ -2073,8 +2081,9 @@ class _Matcher:
         if finite:
             chain.notes.append(
                 f"masked positions are filled with `{self.src(fill)}` (finite): identical except for fully masked rows, "
-                "which the fused op returns as zeros instead of a uniform average"
+                "where the original averages v uniformly and the fused op's value is not pinned down (spec §14: zeros or a uniform average)"
             )
+            _note_fp16_overflow(self, fill, chain)
         chain.masks.append(term)
 
     # -- multiplicative 0/1 masks (BERT-era / GLM ``s * m - 10000.0 * (1.0 - m)``)
@@ -2148,7 +2157,7 @@ class _Matcher:
             f"a 0/1 keep mask applied as `scores * m {'-' if fill < 0 else '+'} {abs(fill):g} * (1 - m)` is passed as `m == 0` (True = masked): "
             "identical where m holds only 0 and 1 (" + ("its construction from a comparison guarantees it" if _zero_one_built(m_node)
                                                        else "checked at run time") +
-            f"), except fully masked rows, which the fused op returns as zeros instead of a uniform average (fill {fill:g} is finite)")
+            f"), except fully masked rows, where the original averages v uniformly (fill {fill:g} is finite) and the fused op's value is not pinned down (spec §14: zeros or a uniform average)")
 
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
@@ -2164,6 +2173,8 @@ class _Matcher:
         if ".finfo(" in text and (text.endswith(".min") or text.startswith("-") and text.endswith(".max")):
             return True, True
         v = const_value(fill)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            v = _folded_fill(self.module, fill)  # ``float("-1e20")``, ``-10 ** 9``, ``-1 * math.inf``: the value decides
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             if v == float("-inf"):
                 return True, False
@@ -3153,7 +3164,7 @@ class AttentionPattern(Pattern):
                 continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
-                if not _weights_may_be_none(module, scope, name, end_line):
+                if not _weights_may_be_none(module, scope, name, end_line) and not probs_discarded_by_callers(module, scope, name):
                     # DINO's ``return x, attn`` read by ``get_last_selfattention``: a caller relies on the probabilities
                     return NearMiss(
                         self.id, scope.qualname, span_line, end_line,
@@ -3278,7 +3289,7 @@ class AttentionPattern(Pattern):
                 if any(m.kind == "keep01" for m in chain.masks):
                     risks.append(Risk("numerics", "a 0/1 mask applied by multiplication and a finite offset (`s * m - C * (1 - m)`) is passed as `m == 0` "
                                                   "(True = masked): exact where m holds only 0 and 1" + (" (checked at run time: a fractional m runs the original code)" if checks else "")
-                                                  + "; masked logits were a finite -C, so fully masked rows differ (zeros instead of a uniform average)"))
+                                                  + "; masked logits were a finite -C, so fully masked rows may differ (the original averages v uniformly; the fused op's value there is not pinned down, spec §14)"))
                 lines += mask_lines
                 if chain.heads_in_batch:
                     # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
@@ -7152,5 +7163,628 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 ''',
         reason="modified after softmax",
+    ),
+]
+
+
+# --- s26: values folded through the block interpreter's references ---------------------------------
+def _name_of_outer_ref(node: Any, module: ModuleInfo | None = None) -> Any:
+    """``node`` with known references followed; a reference to a name from outside the block (a builtin such
+    as ``float``, a module such as ``math``) becomes that plain name, so canonical folding can read it; a name
+    the module binds once at top level (``NEG_INF = -1e9``) becomes the expression it is bound to."""
+    node = deref(node)
+    if isinstance(node, Ref) and node.idx == -1:
+        node = ast.Name(id=node.name, ctx=ast.Load())
+    if isinstance(node, ast.Name) and module is not None:
+        bound = module_constant(module, node.id)
+        if bound is not None:
+            return bound
+    if isinstance(node, ast.Attribute) and isinstance(node.value, Ref) and node.value.idx == -1:
+        return ast.Attribute(value=ast.Name(id=node.value.name, ctx=ast.Load()), attr=node.attr, ctx=ast.Load())
+    return node
+
+
+def _folded_fill(module: ModuleInfo, node: Any) -> float | int | None:
+    """canonical.folded_number through the block interpreter's references and the module's constants."""
+    return folded_number(module, node, lambda n: _name_of_outer_ref(n, module))
+
+
+# --- s26: a masking fill is a value, whatever its spelling -----------------------------------------
+# ``float("-1e20")`` (RL transformers' "-inf causes NaN" comment), ``-10 ** 9``, ``-1 * math.inf`` are folded to a
+# number by canonical.folded_number and judged by value: -inf, or finite <= -1e4 (a finite fill differs from -inf only
+# on fully masked rows). In fp16 a fill below -65504 makes the original masked_fill raise (overflow), so that dtype
+# never reaches the comparison; in bf16/fp32 exp(fill - max) is exactly 0 like -inf.
+_FOLDED_FILL = '''
+import torch
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, embed_dim, num_heads):
+        super().__init__()
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_size = embed_dim // num_heads
+        self.values = nn.Linear(self.head_size, self.head_size, bias=False)
+        self.keys = nn.Linear(self.head_size, self.head_size, bias=False)
+        self.queries = nn.Linear(self.head_size, self.head_size, bias=False)
+        self.fc_out = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, values, keys, query, mask):
+        n, q_len, k_len = query.shape[0], query.shape[1], keys.shape[1]
+        values = self.values(values.reshape(n, k_len, self.num_heads, self.head_size))
+        keys = self.keys(keys.reshape(n, k_len, self.num_heads, self.head_size))
+        queries = self.queries(query.reshape(n, q_len, self.num_heads, self.head_size))
+        energy = torch.einsum("nqhd,nkhd->nhqk", queries, keys)
+        if mask is not None:
+            energy = energy.masked_fill(mask.unsqueeze(1).unsqueeze(1) == 0, float("-1e20"))
+        attention = torch.softmax(energy / (self.embed_dim ** (1 / 2)), dim=3)
+        out = torch.einsum("nhql,nlhd->nqhd", attention, values).reshape(n, q_len, self.embed_dim)
+        return self.fc_out(out)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _FOLDED_FILL,
+        expect={"qualname": "MultiHeadAttention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = MultiHeadAttention(32, 4)
+x = torch.randn(2, 6, 32, requires_grad=True)
+mem = torch.randn(2, 7, 32, requires_grad=True)
+keep = torch.ones(2, 7, dtype=torch.long)
+keep[1, 4:] = 0
+out = (m(mem, mem, x, keep), m(mem, mem, x, None))
+leaves = [x, mem]
+''',
+        name="mask_fill_spelled_as_float_of_a_string",
+    ),
+    Fuse(
+        _FOLDED_FILL.replace('float("-1e20")', "-10 ** 9"),
+        expect={"qualname": "MultiHeadAttention.forward", "mask_kind": "bool_masked"},
+        name="mask_fill_spelled_as_a_negated_power",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # folded, the value is -100: masked logits keep exp(-100 - max) > 0 in fp32, so keys stay attended
+        _FOLDED_FILL.replace('float("-1e20")', 'float("-1e2")'),
+        reason="not −inf or a large negative value",
+        name="mask_fill_folded_to_a_small_negative_value",
+    ),
+]
+
+
+# --- s26: returned probabilities that every caller discards ----------------------------------------
+# RL / ASR blocks write ``return self.out(x), attn`` and their callers unpack ``x, attn = self.attention(...)`` and
+# never read ``attn`` (or hand it up one more level, where it dies). The value is dead: None in its place changes
+# nothing. Proven, not guessed: every mention of the function/class in the file is accounted for (its definition,
+# the attributes or ModuleLists holding instances, the calls), each call is unpacked into a tuple whose element is
+# never read (or only returned at a position whose callers are checked the same way, two levels up), and no other
+# file of the repository mentions the name.
+def _returned_index(fn: ast.AST, name: str) -> tuple[int, int] | None:
+    """(index, tuple length) when every ``return`` of ``fn`` (nested functions aside) returns a tuple literal holding
+    the plain name ``name`` at the same index; else None."""
+    found: tuple[int, int] | None = None
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(n, ast.Return):
+            v = n.value
+            if not isinstance(v, ast.Tuple) or any(isinstance(e, ast.Starred) for e in v.elts):
+                return None
+            idx = [i for i, e in enumerate(v.elts) if isinstance(e, ast.Name) and e.id == name]
+            if len(idx) != 1 or (found is not None and found != (idx[0], len(v.elts))):
+                return None
+            found = (idx[0], len(v.elts))
+        stack.extend(ast.iter_child_nodes(n))
+    return found
+
+
+def _call_statement_target(parents: dict[int, ast.AST], call: ast.Call, length: int, index: int) -> ast.expr | None:
+    """The name a call's result element ``index`` is unpacked into (``a, b = call``), or None when the result is used
+    any other way."""
+    stmt = parents.get(id(call))
+    if not (isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1):
+        return None
+    target = stmt.targets[0]
+    if not isinstance(target, (ast.Tuple, ast.List)) or len(target.elts) != length or any(isinstance(e, ast.Starred) for e in target.elts):
+        return None
+    element = target.elts[index]
+    return element if isinstance(element, ast.Name) else None
+
+
+def _dead_or_passed_up(module: ModuleInfo, caller: Scope, var: str, depth: int, seen: set[int]) -> bool:
+    """``var`` is never read in ``caller``, or read only as a returned tuple element whose own callers discard it."""
+    loads = caller.name_loads().get(var, ())
+    if not loads:
+        return True
+    ret = _returned_index(caller.node, var)
+    if ret is None:
+        return False
+    parents = _parents(caller.node)
+    for n in loads:  # every read is the element of a returned tuple
+        up = parents.get(id(n))
+        if not (isinstance(up, ast.Tuple) and isinstance(parents.get(id(up)), ast.Return)):
+            return False
+    return _result_element_discarded(module, caller, ret[0], ret[1], depth + 1, seen)
+
+
+def _holders(module: ModuleInfo, class_name: str) -> tuple[set[str], set[str], int] | None:
+    """(attributes holding one instance, attributes holding a ModuleList of instances, constructor mentions
+    accounted for) of ``class_name`` in this file; None when an instance is made any other way."""
+    single = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*" + re.escape(class_name) + r"\s*\(")
+    listed = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*(?:\w+\.)*ModuleList\(\s*\[\s*" + re.escape(class_name) + r"\s*\(")
+    ones = set(single.findall(module.source))
+    many = set(listed.findall(module.source))
+    return ones, many, len(single.findall(module.source)) + len(listed.findall(module.source))
+
+
+def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, length: int, depth: int, seen: set[int]) -> bool:
+    fn = scope.node
+    if depth > 2 or id(fn) in seen or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    seen.add(id(fn))
+    is_forward = fn.name == "forward" and scope.class_name is not None
+    word = scope.class_name if is_forward else fn.name
+    if word is None or fn.decorator_list:
+        return False
+    mentions = len(re.findall(r"\b" + re.escape(word) + r"\b", module.source))
+    accounted = 1 + len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", module.source))  # the definition, ``super(Cls, self)``
+    ones: set[str] = set()
+    many: set[str] = set()
+    if is_forward:
+        held = _holders(module, word)
+        if held is None:
+            return False
+        ones, many, made = held
+        accounted += made
+        # ``forward`` is called through the holders: the word ``forward`` elsewhere (``.forward(``) is another call path
+        if re.search(r"\.forward\s*\(", module.source):
+            return False
+    calls = 0
+    for caller in module.scopes:
+        if not isinstance(caller.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or caller is scope:
+            continue
+        parents: dict[int, ast.AST] | None = None
+        loop_vars: set[str] = set()
+        for node in fast_walk(caller.node):
+            if isinstance(node, ast.For) and isinstance(node.iter, (ast.Attribute, ast.Call)):
+                it = node.iter
+                if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
+                    it = it.args[0]
+                    tgt = node.target.elts[1] if isinstance(node.target, ast.Tuple) and len(node.target.elts) == 2 else None
+                else:
+                    tgt = node.target
+                if isinstance(it, ast.Attribute) and isinstance(it.value, ast.Name) and it.value.id == "self" and it.attr in many \
+                        and isinstance(tgt, ast.Name):
+                    loop_vars.add(tgt.id)
+        for node in fast_walk(caller.node):
+            holder_read = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and (node.attr in ones or node.attr in many) and isinstance(node.ctx, ast.Load)
+            if not isinstance(node, ast.Call):
+                if holder_read and parents is None:
+                    parents = _parents(caller.node)
+                if holder_read:
+                    up = parents.get(id(node))  # type: ignore[union-attr]
+                    # a holder is only called (``self.attn(...)``) or, for a ModuleList, iterated by a for loop
+                    if not (isinstance(up, ast.Call) and up.func is node) and not (
+                            node.attr in many and (isinstance(up, ast.For) or isinstance(up, ast.Call) and isinstance(up.func, ast.Name)
+                                                   and up.func.id == "enumerate" and isinstance(parents.get(id(up)), ast.For))):
+                        return False
+                continue
+            f = node.func
+            direct = (is_forward and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                      and (f.value.id == "self" and f.attr in ones)) or (is_forward and isinstance(f, ast.Name) and f.id in loop_vars) \
+                or (not is_forward and (isinstance(f, ast.Name) and f.id == word and scope.class_name is None
+                                        or isinstance(f, ast.Attribute) and f.attr == word and isinstance(f.value, ast.Name) and f.value.id == "self"
+                                        and scope.class_name is not None and caller.class_name == scope.class_name))
+            if not direct:
+                continue
+            if parents is None:
+                parents = _parents(caller.node)
+            var = _call_statement_target(parents, node, length, index)
+            if var is None or not _dead_or_passed_up(module, caller, var.id, depth, seen):
+                return False
+            calls += 1
+            if not is_forward:
+                accounted += 1
+    if calls == 0 or mentions != accounted:
+        return False  # no caller seen, or the name is used some other way (passed, subclassed, exported in __all__)
+    from npufuse.scan import repo_facts
+    root = repo_facts.repo_root(module)
+    if root is not None:
+        repo_facts._depends(root, module.path)  # the answer reads the other files of the repository
+        pattern = re.compile(r"\b" + re.escape(word) + r"\b")
+        for rel in repo_facts._repo_py_files(root):
+            if rel == module.path:
+                continue
+            text = repo_facts._repo_text(root, rel)
+            if text is None or pattern.search(text):
+                return False  # another file may call it and read the element
+    return True
+
+
+def probs_discarded_by_callers(module: ModuleInfo, scope: Scope, name: str) -> bool:
+    """The probabilities ``name``, returned by ``scope``, are discarded by every caller (see the block comment)."""
+    ret = _returned_index(scope.node, name)
+    if ret is None:
+        return False
+    memo = module.__dict__.setdefault("_npufuse_probs_discarded", {})
+    key = (id(scope.node), name)
+    if key not in memo:
+        try:
+            memo[key] = _result_element_discarded(module, scope, ret[0], ret[1], 0, set())
+        except RecursionError:
+            memo[key] = False
+    return memo[key]
+
+
+_DISCARDED_PROBS = _FOLDED_FILL.replace("        return self.fc_out(out)\n", "        return self.fc_out(out), attention\n") + '''
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super(Block, self).__init__()
+        self.attention = MultiHeadAttention(dim, heads)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, value, key, query, mask):
+        h, weights = self.attention(value, key, query, mask)
+        return self.norm(h + query), weights
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim, heads, n):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(dim, heads) for _ in range(n)])
+
+    def forward(self, x, mem, mask):
+        for i, layer in enumerate(self.layers):
+            x, weights = layer(mem, mem, x, mask)
+        return x
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the probabilities go up two levels and die in an unread loop variable: None in their place changes nothing
+        _DISCARDED_PROBS,
+        expect={"qualname": "MultiHeadAttention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = Transformer(32, 4, 2)
+x = torch.randn(2, 6, 32, requires_grad=True)
+mem = torch.randn(2, 7, 32, requires_grad=True)
+keep = torch.ones(2, 7, dtype=torch.long)
+keep[0, 5:] = 0
+w = torch.randn(2, 6, 32)
+out = m(x, mem, keep) * w  # weighted: the sum of a LayerNorm output has no gradient to compare
+leaves = [x, mem]
+''',
+        name="returned_probabilities_discarded_by_every_caller",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # one caller reads the probabilities (stored for a plot): they must exist
+        _DISCARDED_PROBS.replace("            x, weights = layer(mem, mem, x, mask)\n",
+                                 "            x, weights = layer(mem, mem, x, mask)\n            self.last_weights = weights\n"),
+        reason="the attention probabilities (`attention`) are returned to the callers",
+        name="returned_probabilities_read_by_a_caller_two_levels_up",
+    ),
+    Keep(
+        # the attention module is also handed to a helper: an unseen call path may read the probabilities
+        _DISCARDED_PROBS + "\n\ndef build(dim):\n    return wrap(MultiHeadAttention)\n",
+        reason="the attention probabilities (`attention`) are returned to the callers",
+        name="returned_probabilities_with_the_class_used_as_a_value",
+    ),
+]
+
+
+# --- s26: the attention pipeline split across functions (scores made by one, softmax and @V by another) -------
+# wenet/espnet ``forward_attention(value, scores, mask)``, fairseq-style ``attend(probs_input, v)``: the function
+# holding the softmax and the P@V product receives the scores as a parameter. npu_fusion_attention needs q and k;
+# "mask + softmax + dropout + @V" alone is not an operator torch_npu has, and npufuse does not move a fused call
+# into the caller (the callee's tail - reshape, output projection - would have to move with it). A near miss that
+# names the split and the caller's Q@Kᵀ, only when a caller in the file really passes a product: a softmax over a
+# parameter that no caller builds from a product (a pooling weight, a router) stays silent, as before.
+def _softmax_inputs(matcher: "_Matcher", node: Any) -> list[Any]:
+    out = []
+    for n in walk_sym(node, limit=600):
+        sm = matcher.softmax_of(n) if isinstance(n, ast.Call) else None
+        if sm is not None:
+            out.append(sm[0])
+    return out
+
+
+def _parameter_reached(matcher: "_Matcher", node: Any, params: set[str]) -> str | None:
+    """The parameter the softmax input is (possibly masked/scaled/cast: any path through the value), or None."""
+    for n in walk_sym(node, limit=600):
+        if isinstance(n, Ref) and n.idx == -1 and n.name in params:
+            return n.name
+        if isinstance(n, ast.Name) and n.id in params:
+            return n.id
+    return None
+
+
+def _caller_product(module: ModuleInfo, scope: Scope, param: str) -> tuple[str, int, str] | None:
+    """(caller qualname, line, source of the product) of a call of ``scope``'s function in this file whose argument for
+    ``param`` is (a name assigned from) a matmul/einsum product; None when no caller passes one."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "forward":
+        return None
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if param not in names:
+        return None
+    pos = names.index(param) - (1 if scope.class_name and names and names[0] in ("self", "cls") else 0)
+    if pos < 0 or fn.name not in module.source.replace(f"def {fn.name}", "", 1):
+        return None
+    for caller in module.scopes:
+        if caller is scope or not isinstance(caller.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in fast_walk(caller.node):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if scope.class_name is None:
+                ours = isinstance(f, ast.Name) and f.id == fn.name
+            else:
+                # ``self.<name>(...)`` from the class itself or a subclass of it in this file (wenet's RelPosition
+                # subclass hands its scores to the base class's forward_attention)
+                ours = isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) \
+                    and f.value.id == "self" and _same_or_subclass(module, caller.class_name, scope.class_name)
+            if not ours:
+                continue
+            arg = keyword(node, param, pos)
+            values = [arg]
+            if isinstance(arg, ast.Name):
+                values = [v for st, v in caller.assignments.get(arg.id, ()) if st.lineno <= node.lineno] or values
+            for v in values:
+                for sub in fast_walk(v) if v is not None else ():
+                    prod = product(sub, module.call_name) if isinstance(sub, (ast.BinOp, ast.Call)) else None
+                    if prod is not None and _qk_shaped(prod):
+                        return caller.qualname, node.lineno, segment(module, sub)
+    return None
+
+
+def split_pipeline_reason(matcher: "_Matcher", p_node: Any) -> str | None:
+    scope = matcher.scope
+    params = set(scope.args) - {"self", "cls"}
+    if not params:
+        return None
+    for x in _softmax_inputs(matcher, p_node):
+        param = _parameter_reached(matcher, x, params)
+        if param is None:
+            continue
+        found = _caller_product(matcher.module, scope, param)
+        if found is None:
+            continue
+        caller, line, text = found
+        return (f"the scores reach this softmax and P@V as parameter `{param}`, made by a caller (`{caller}`, line {line}: "
+                f"`{' '.join(text.split())[:60]}`): npu_fusion_attention needs q and k at the site, a mask+softmax+dropout+@V "
+                "part alone is no torch_npu operator, and npufuse does not move the fused call into the caller")
+    return None
+
+
+_SPLIT_PIPELINE = '''
+import math
+import torch
+from torch import nn
+
+
+class MHA(nn.Module):
+    def __init__(self, n_head, n_feat, dropout_rate):
+        super().__init__()
+        self.d_k, self.h = n_feat // n_head, n_head
+        self.linear_q = nn.Linear(n_feat, n_feat)
+        self.linear_k = nn.Linear(n_feat, n_feat)
+        self.linear_v = nn.Linear(n_feat, n_feat)
+        self.linear_out = nn.Linear(n_feat, n_feat)
+        self.dropout = nn.Dropout(p=dropout_rate)
+
+    def project(self, x, linear):
+        return linear(x).view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)
+
+    def attend(self, value, logits, keep):
+        if keep is not None:
+            drop = keep.unsqueeze(1).eq(0)
+            logits = logits.masked_fill(drop, float("-inf"))
+            probs = torch.softmax(logits, dim=-1).masked_fill(drop, 0.0)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        x = torch.matmul(self.dropout(probs), value)
+        return self.linear_out(x.transpose(1, 2).reshape(value.size(0), -1, self.h * self.d_k))
+
+    def forward(self, query, key, value, keep=None):
+        q, k, v = self.project(query, self.linear_q), self.project(key, self.linear_k), self.project(value, self.linear_v)
+        logits = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d_k)
+        return self.attend(v, logits, keep)
+'''
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the softmax and @V live in a helper that receives the caller's Q@Kᵀ: q and k are not there to fuse
+        _SPLIT_PIPELINE,
+        reason="the scores reach this softmax and P@V as parameter `logits`, made by a caller (`MHA.forward`",
+        name="pipeline_split_scores_passed_to_a_helper",
+    ),
+    Keep(
+        # the same helper fed a learned pooling weight (no product in the caller): not attention, no near miss
+        _SPLIT_PIPELINE.replace("logits = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d_k)",
+                                "logits = self.linear_q.weight[: q.size(-2)].sum(-1).expand(q.size(0), self.h, q.size(-2), k.size(-2))"),
+        reason=None,
+        name="softmax_of_a_parameter_no_caller_builds_from_a_product",
+    ),
+]
+
+
+def _note_fp16_overflow(matcher: "_Matcher", fill: Any, chain: Chain) -> None:
+    """A finite fill below fp16's range (``float("-1e20")``): in fp16 the original ``masked_fill`` raises
+    ("value cannot be converted to type c10::Half without overflow") while the fused op runs; say so."""
+    v = _folded_fill(matcher.module, fill)
+    if isinstance(v, (int, float)) and v < -65504.0 and v != float("-inf"):
+        chain.notes.append(f"the fill {v:g} is below fp16's range: in fp16 the original masked_fill raises an overflow error, "
+                           "the fused branch runs (bf16/fp32 behave as -inf there)")
+
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the fill is a module constant bound once (``INF = 1e10`` ... ``-INF``): its folded value decides
+        _FOLDED_FILL.replace('float("-1e20")', "-INF").replace("from torch import nn\n", "from torch import nn\n\nINF = 1e10\n"),
+        expect={"qualname": "MultiHeadAttention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = MultiHeadAttention(32, 4)
+x = torch.randn(2, 6, 32, requires_grad=True)
+keep = torch.ones(2, 6, dtype=torch.long)
+keep[0, 4:] = 0
+out = m(x, x, x, keep)
+leaves = [x]
+''',
+        name="mask_fill_read_from_a_module_constant",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # bound twice at module level: which value a call reads depends on import-time order npufuse does not model
+        _FOLDED_FILL.replace('float("-1e20")', "NEG").replace("from torch import nn\n", "from torch import nn\n\nNEG = -1e9\nNEG = -1.0\n"),
+        reason="not −inf or a large negative value",
+        name="mask_fill_module_name_bound_twice",
+    ),
+]
+
+
+def _same_or_subclass(module: ModuleInfo, cls: str | None, base: str) -> bool:
+    """``cls`` is ``base`` or derives from it through classes of this file (bases read by name)."""
+    seen: set[str] = set()
+    while cls is not None and cls not in seen:
+        if cls == base:
+            return True
+        seen.add(cls)
+        node = module.classes.get(cls)
+        if node is None:
+            return False
+        names = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else None for b in node.bases]
+        if base in names:
+            return True
+        cls = next((n for n in names if n in module.classes), None)
+    return False
+
+
+def _qk_shaped(prod: Product) -> bool:
+    """A product shaped like Q@Kᵀ: both operands keep a free (sequence) axis and contract their last one - the
+    right operand of a matmul transposed on its last two axes (``k.transpose(-2, -1)``, ``k.mT``, a permute that
+    swaps them), or an einsum contracting the last letter of both inputs with one free letter each and at least
+    one batch letter. A projection onto a weight (``x @ w``, ``einsum("...c,...cb->...b")``) is not."""
+    c = prod.subs
+    if prod.kind == "einsum":
+        return c is not None and len(c.summed) == 1 and len(c.a_free) == 1 and len(c.b_free) == 1 and len(c.batch) >= 1 \
+            and c.a.endswith(c.summed) and c.b.endswith(c.summed)
+    b = prod.b
+    if isinstance(b, ast.Attribute) and b.attr == "mT":
+        return True
+    if isinstance(b, ast.Call) and isinstance(b.func, ast.Attribute):
+        vals = [const_value(a) for a in b.args]
+        if b.func.attr == "transpose" and len(vals) == 2 and all(isinstance(v, int) for v in vals):
+            return set(vals) in ({-2, -1}, {1, 2}, {2, 3})
+        if b.func.attr == "permute" and vals and all(isinstance(v, int) for v in vals):
+            return swaps_last_two(tuple(v % len(vals) for v in vals))  # type: ignore[operator]
+    return False
+
+
+# --- s26: the same call on both branches of a condition (jukebox ``if self.mask: ... softmax(w) else: softmax(w)``) ---
+def _hoist_common_call(matcher: "_Matcher", node: Cond, depth: int = 0) -> Any:
+    """``f(a, *rest)`` / ``a.m(*rest)`` when the two branches of ``node`` are the same call (same callee, same other
+    arguments, by source) on different first inputs: the call of the conditional input, ``Cond(test, a, b)``. Where
+    the branches are also that call's inputs, the condition moves down until they differ (``softmax(..).type(t)``
+    on both sides). None when the outer calls differ."""
+    a, b = deref(node.body), deref(node.orelse)
+    if depth > 4 or not (isinstance(a, ast.Call) and isinstance(b, ast.Call)) or len(a.args) != len(b.args) \
+            or [k.arg for k in a.keywords] != [k.arg for k in b.keywords] \
+            or not all(_one_value(x.value, y.value) for x, y in zip(a.keywords, b.keywords)):
+        return None
+    fa, fb = a.func, b.func
+    if isinstance(fa, ast.Attribute) and isinstance(fb, ast.Attribute) and fa.attr == fb.attr \
+            and not _one_value(fa.value, fb.value) and all(_one_value(x, y) for x, y in zip(a.args, b.args)):
+        inner = Cond(test=node.test, body=fa.value, orelse=fb.value)
+        return ast.Call(func=ast.Attribute(value=inner, attr=fa.attr, ctx=ast.Load()), args=a.args, keywords=a.keywords)
+    if _one_value(fa, fb) and a.args and not _heavy(fa, through_meta=False) \
+            and all(_one_value(x, y) for x, y in zip(a.args[1:], b.args[1:])) and not _one_value(a.args[0], b.args[0]):
+        inner = Cond(test=node.test, body=a.args[0], orelse=b.args[0])
+        return ast.Call(func=fa, args=[inner, *a.args[1:]], keywords=a.keywords)
+    return None
+
+
+def _one_value(x: Any, y: Any) -> bool:
+    """The two symbolic expressions are one value: the same object after following references, equal
+    constants, or the same outside name / attribute chain (no reference assigned in between)."""
+    dx, dy = deref(x), deref(y)
+    if dx is dy:
+        return True
+    if isinstance(dx, Ref) or isinstance(dy, Ref):
+        return isinstance(dx, Ref) and isinstance(dy, Ref) and dx.name == dy.name and dx.idx == dy.idx
+    if isinstance(dx, ast.Constant) and isinstance(dy, ast.Constant):
+        return type(dx.value) is type(dy.value) and dx.value == dy.value
+    if isinstance(dx, ast.UnaryOp) and isinstance(dy, ast.UnaryOp):
+        return type(dx.op) is type(dy.op) and _one_value(dx.operand, dy.operand)
+    if isinstance(dx, ast.Attribute) and isinstance(dy, ast.Attribute):
+        return dx.attr == dy.attr and _one_value(dx.value, dy.value)
+    if isinstance(dx, ast.Name) and isinstance(dy, ast.Name):
+        return dx.id == dy.id
+    return False
+
+
+_SAME_CALL_BOTH_BRANCHES = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, dim, heads, mask=True):
+        super().__init__()
+        self.h, self.d, self.mask = heads, dim // heads, mask
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.attn_dropout = nn.Dropout(0.0)
+
+    def forward(self, x, keep):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        scale = 1.0 / self.d ** 0.25
+        w = torch.matmul(q * scale, k.transpose(-2, -1) * scale)
+        wtype = w.dtype
+        w = w.float()
+        if self.mask:
+            w = w * keep + -1e9 * (1 - keep)
+            w = F.softmax(w, dim=-1).type(wtype)
+        else:
+            w = F.softmax(w, dim=-1).type(wtype)
+        w = self.attn_dropout(w)
+        return torch.matmul(w, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the same softmax(..).type(t) on both branches of a flag, one of them on masked scores: one softmax of a
+        # conditional input, the mask applied where the flag holds
+        _SAME_CALL_BOTH_BRANCHES,
+        expect={"qualname": "Attn.forward"},
+        run='''
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.ones(5, 5).tril()
+out = (Attn(32, 4)(x, keep), Attn(32, 4, mask=False)(x, keep))
+leaves = [x]
+''',
+        name="same_softmax_call_on_both_branches_of_a_flag",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the branches cast the probabilities to different dtypes: not one call of a conditional input
+        _SAME_CALL_BOTH_BRANCHES.replace("        else:\n            w = F.softmax(w, dim=-1).type(wtype)",
+                                         "        else:\n            w = F.softmax(w, dim=-1).type(torch.float16)"),
+        reason="attention probabilities are modified after softmax under `if self.mask`",
+        name="different_softmax_calls_on_the_branches_of_a_flag",
     ),
 ]

@@ -1347,3 +1347,118 @@ def indexed_lane(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: 
             and any(view_stmt.lineno <= st.lineno < line for st, _v in scope.assignments.get(base.id, [])):
         return None  # x's name is rebound between the view and the use: its text there is another tensor
     return Lane(x, k, "pairs" if want == "inner2" else "halves", "index")
+
+
+
+# --- attention (s26): a numeric value folded from its spelling, whatever the spelling -------------
+# A masking fill is a VALUE: ``-1e20``, ``float("-1e20")``, ``-1 * float("inf")``, ``-10 ** 9``,
+# ``-math.inf``, ``th.finfo``-free constants all mean one number; a detector asks for the number
+# and reasons about it (is it -inf? is it <= -1e4?) instead of matching the spelling.
+from typing import Any  # noqa: E402  (this block's own import)
+import re  # noqa: E402
+
+_INF_NAMES = frozenset(("math.inf", "torch.inf", "numpy.inf", "numpy.Inf", "numpy.Infinity", "numpy.PINF"))
+_NEG_INF_NAMES = frozenset(("numpy.NINF",))
+
+
+def folded_number(module: ModuleInfo, node: ast.AST | None, unwrap: Callable[[Any], Any] | None = None,
+                  depth: int = 0) -> float | int | None:
+    """The number ``node`` evaluates to when it is built only from literals, ``float(<str or number>)``,
+    ``int(<number>)``, the library infinities (``math.inf``, ``torch.inf``, ``np.inf`` through any import
+    alias) and ``+ - * / // **`` on those; None for anything else (names, tensors, calls with effects).
+    ``unwrap`` maps a detector's symbolic wrapper to the expression it stands for."""
+    if depth > 12 or node is None:
+        return None
+    if unwrap is not None:
+        node = unwrap(node)
+    if isinstance(node, ast.Constant):
+        v = node.value
+        return v if type(v) in (int, float) else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = folded_number(module, node.operand, unwrap, depth + 1)
+        if v is None:
+            return None
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        name = api(module, node) if isinstance(node, (ast.Name, ast.Attribute)) else None
+        if name is None and isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            name = f"{node.value.id}.{node.attr}"
+        if name in _INF_NAMES:
+            return float("inf")
+        if name in _NEG_INF_NAMES:
+            return float("-inf")
+        return None
+    if isinstance(node, ast.Call) and len(node.args) <= 1 and not node.keywords:
+        func = unwrap(node.func) if unwrap is not None else node.func
+        fn = api(module, func) or (func.id if isinstance(func, ast.Name) else None)
+        if fn not in ("float", "int"):
+            return None
+        if not node.args:
+            return 0.0 if fn == "float" else 0
+        arg = unwrap(node.args[0]) if unwrap is not None else node.args[0]
+        if fn == "float" and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            try:
+                return float(arg.value.strip())
+            except ValueError:
+                return None
+        v = folded_number(module, arg, unwrap, depth + 1)
+        if v is None:
+            return None
+        if fn == "int":
+            return int(v) if v == v and abs(v) != float("inf") else None
+        return float(v)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Pow)):
+        a = folded_number(module, node.left, unwrap, depth + 1)
+        b = folded_number(module, node.right, unwrap, depth + 1)
+        if a is None or b is None:
+            return None
+        try:
+            if isinstance(node.op, ast.Pow):
+                if abs(b) > 400 or abs(a) > 1e6:
+                    return None  # no huge integer powers: a fill is a magnitude, not a big-number workload
+                return a ** b if not (isinstance(a, int) and isinstance(b, int) and b < 0) else float(a) ** b
+            return {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b,
+                    ast.Div: lambda: a / b, ast.FloorDiv: lambda: a // b}[type(node.op)]()
+        except (ZeroDivisionError, OverflowError, ValueError, TypeError):
+            return None
+    return None
+
+
+def module_constant(module: ModuleInfo, name: str) -> ast.expr | None:
+    """The expression a module-level name is bound to when the module binds it exactly once, by a plain
+    top-level assignment (``NEG_INF = -1e9``, ``INF = float("inf")``), and no function rebinds it through
+    ``global``; else None. Folding it gives the value every function of the module reads."""
+    table = module.__dict__.get("_npufuse_module_constants")
+    if table is None:
+        counts: dict[str, int] = {}
+        values: dict[str, ast.expr] = {}
+        for st in module.tree.body:
+            targets: list[ast.expr] = []
+            if isinstance(st, ast.Assign):
+                targets = st.targets
+            elif isinstance(st, (ast.AnnAssign, ast.AugAssign)):
+                targets = [st.target]
+            elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                counts[st.name] = counts.get(st.name, 0) + 1
+                continue
+            elif isinstance(st, (ast.Import, ast.ImportFrom)):
+                for a in st.names:
+                    n = (a.asname or a.name).split(".")[0]
+                    counts[n] = counts.get(n, 0) + 1
+                continue
+            elif not isinstance(st, ast.Expr):
+                # a name bound inside if/for/try/with at module level: not a single plain binding
+                for n in ast.walk(st):
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                        counts[n.id] = counts.get(n.id, 0) + 2
+                continue
+            for t in targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        counts[n.id] = counts.get(n.id, 0) + 1
+                if isinstance(t, ast.Name) and isinstance(st, (ast.Assign, ast.AnnAssign)) and st.value is not None:
+                    values[t.id] = st.value
+        table = {k: v for k, v in values.items() if counts.get(k) == 1 and f"global {k}" not in module.source
+                 and not re.search(r"\bglobal\b[^\n]*\b" + re.escape(k) + r"\b", module.source)}
+        module.__dict__["_npufuse_module_constants"] = table
+    return table.get(name)
