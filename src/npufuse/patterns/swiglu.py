@@ -296,7 +296,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if branched is not None:
                 return branched
             if isinstance(value, ast.IfExp):
-                return _chosen_act(module, value, f, gate, ctx, desc) or _config_arm_act(module, value, f, gate, ctx, desc)
+                return _chosen_act(module, value, f, gate, ctx, desc) or _config_arm_act(module, value, f, gate, ctx, desc) \
+                    or _param_or_default_act(module, value, f, gate, ctx, desc, cls_name)
             k = _module_act(module, value)
             if k is not None:
                 kind, extra = k
@@ -339,7 +340,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if isinstance(value, ast.Attribute) and dotted(value) is not None and not (module.canonical(value) or "").startswith("torch."):
                 # `self.act = config.activation_func`: a callable handed in by configuration
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
-            return None
+            return _opaque_object_act(module, value, f, gate, ctx, desc)
         elt = _init_tuple_element(module, ctx.scope.class_name, f.attr)
         if elt is not None:  # `self.act, self.is_gated = get_activation(args)`
             call, index = elt
@@ -1159,6 +1160,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             raise GateMiss(f"activation is a {act.kind}, not silu: npu_swiglu computes silu(gate) * up only "
                            "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
         return None
+    _one_value_check(a, actx, b, ctx)
     if isinstance(b, ast.Name):
         # CpmAnt's ``x = self.w_1(x)`` before ``gate * x``: the statement rebinding the
         # projections' input joins the fused region; kept verbatim it would clobber x for the gate
@@ -1435,7 +1437,8 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
                 continue
             if g is None:
                 continue
-            saved = _saved_activation_reason(module, scope, g)
+            saved = _saved_activation_reason(module, scope, g) or _inplace_alias_reason(module, scope, g) \
+                or _unfusable_default_reason(module, scope, g.act)
             if saved is not None:
                 misses.append((owner(g.act) or "swiglu", saved))
                 inside.append(node)
@@ -1464,6 +1467,8 @@ def _call_product(module: ModuleInfo, stmt: ast.stmt, call: ast.Call) -> ast.Bin
             pair = (f.value, call.args[0])
         elif f.attr in ("mul_", "multiply_") and _inplace_target(stmt) is not None and isinstance(stmt, ast.Expr) and stmt.value is call:
             pair = (f.value, call.args[0])
+        elif not (isinstance(stmt, ast.Expr) and stmt.value is call):
+            pair = _fresh_inplace_product(module, call)  # `F.silu(self.w1(x), inplace=True).mul_(self.w3(x))` as a value
     if pair is None:
         return None
     return ast.BinOp(left=pair[0], op=ast.Mult(), right=pair[1], lineno=call.lineno, col_offset=call.col_offset,
@@ -2990,7 +2995,7 @@ def _branch_assigned_act(module: ModuleInfo, cls_name: str | None, f: ast.Attrib
     if CONFIG in kinds:
         # a branch npufuse cannot resolve: only testing the object at run time tells what runs
         return Act(CONFIG, gate, ctx, f"self.{f.attr} assigned in {len(values)} branches of __init__, one not resolved",
-                   obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
+                   obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True, default=_fallback_kind(module, cls_name, values, kinds))
     desc = f"self.{f.attr} assigned in {len(values)} branches of __init__ ({', '.join(sorted(set(kinds)))})"
     if len(set(kinds)) == 1:
         return Act(kinds[0], gate, ctx, desc, obj=f)
@@ -4412,4 +4417,579 @@ Swiglu.KEEP += [
     # odd columns activated against a stride-3 slice: not the two halves of one interleaving
     Keep(_HARVEST_INTERLEAVED.replace("1::2]", "1::3]"), reason="interleaved",
          name="harvest_interleaved_other_stride"),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# s26 (issue 14): opaque activation objects, in-place spellings, non-GLU defaults
+#
+# Three mechanisms, each for a family rather than a spelling:
+# - an activation attribute whose value npufuse cannot resolve statically (`self.act =
+#   activation.build()`, `registry[name]()`, `cfg.make_act()`) is a weak config-chosen activation:
+#   reported only where the product has a GLU's structure, and the fused branch tests the object at
+#   run time (silu -> npu_swiglu, gelu -> npu_geglu, anything else the original code);
+# - `act(a, inplace=True)` writes its operand: fused only when that operand is a value no other
+#   code reads (a fresh projection output), and `fresh.mul_(b)` inside an expression is the product;
+# - a config-chosen activation whose known default is no activation the fused ops compute (a
+#   Dauphin GLU's Sigmoid) is a near miss, not a candidate that never runs.
+
+# tensor methods that return (a view of) their receiver, not a new tensor: their result aliases it
+_ALIASING_METHODS = frozenset(("view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "contiguous", "to",
+                               "type_as", "type", "float", "half", "bfloat16", "double", "squeeze", "unsqueeze", "expand",
+                               "expand_as", "narrow", "select", "flatten", "unflatten", "detach", "as_strided", "movedim",
+                               "swapaxes", "swapdims", "chunk", "split", "unbind", "tensor_split", "real", "imag", "data"))
+
+
+def _inplace_call(call: ast.Call) -> bool:
+    """``F.silu(t, inplace=True)`` / ``t.silu_()`` style: the call writes its operand and returns it."""
+    kw = next((k for k in call.keywords if k.arg == "inplace"), None)
+    if kw is not None:
+        return const_value(kw.value) is not False
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else call.func.id if isinstance(call.func, ast.Name) else ""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _fresh_tensor(module: ModuleInfo, node: ast.expr) -> bool:
+    """``node`` evaluates to a tensor no name or attribute holds: an arithmetic result, or a call
+    (a projection, an activation) that returns a new tensor; an in-place call's result is its
+    operand, so it is fresh only when that operand is. Names, attributes, subscripts and views are not."""
+    for _ in range(8):
+        if isinstance(node, ast.BinOp):
+            return True
+        if not isinstance(node, ast.Call):
+            return False
+        f = node.func
+        if isinstance(f, ast.Attribute) and (f.attr in _ALIASING_METHODS or f.attr.endswith("_")) and not f.attr.endswith("__") \
+                and not (isinstance(f.value, ast.Name) and f.value.id in module.aliases):
+            node = f.value  # `t.view(...)` / `t.mul_(...)`: the receiver's storage
+            continue
+        if _inplace_call(node):
+            if not node.args or isinstance(node.args[0], ast.Starred):
+                return False
+            node = node.args[0]
+            continue
+        return True
+    return False
+
+
+def _fresh_inplace_product(module: ModuleInfo, call: ast.Call) -> tuple[ast.expr, ast.expr] | None:
+    """``fresh.mul_(b)`` used as a value (``F.silu(self.w1(x), inplace=True).mul_(self.w3(x))``): the
+    product ``fresh * b``; the tensor it writes is a temporary nothing else reads, so the fused
+    op's new tensor is the same value. None for any receiver a name or attribute may hold."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and f.attr in ("mul_", "multiply_") and len(call.args) == 1 and not call.keywords
+            and not isinstance(call.args[0], ast.Starred)):
+        return None
+    if not _fresh_tensor(module, f.value):
+        return None
+    return f.value, call.args[0]
+
+
+def _act_call_of(scope: Scope, act: Act) -> ast.Call | None:
+    """The call that applies ``act`` (its first argument is the activation's operand)."""
+    if act.gate is None:
+        return None
+    for n in fast_walk(scope.node):
+        if isinstance(n, ast.Call) and n.args and n.args[0] is act.gate:
+            return n
+    return None
+
+
+def _inplace_alias_reason(module: ModuleInfo, scope: Scope, g: Gate) -> str | None:
+    """An in-place activation (``F.silu(h, inplace=True)``, ``self.act = nn.SiLU(inplace=True)``)
+    on a tensor other code reads: the original leaves act(h) in ``h`` for those reads, the fused op
+    would leave ``h`` as it was. The reason, or None when the operand is fresh or read nowhere else."""
+    call = _act_call_of(scope, g.act)
+    if call is None:
+        return None
+    inplace = _inplace_call(call)
+    if not inplace and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == "self":
+        value = S.init_assignments(module, scope.class_name).get(call.func.attr)
+        inplace = isinstance(value, ast.Call) and any(k.arg == "inplace" and const_value(k.value) is not False for k in value.keywords)
+    if not inplace:
+        return None
+    operand = call.args[0]
+    if _fresh_tensor(module, operand):
+        return None
+    if isinstance(operand, ast.Name):
+        inside = {id(n) for n in fast_walk(call)}
+        reads = [n for n in fast_walk(scope.node) if isinstance(n, ast.Name) and n.id == operand.id
+                 and isinstance(n.ctx, ast.Load) and id(n) not in inside]
+        if not reads:
+            return None
+        return (f"in-place activation on `{operand.id}`, which line {reads[0].lineno} also reads: the original leaves "
+                f"the activation's result in `{operand.id}`, the fused op would leave it unchanged")
+    return (f"in-place activation on `{ast.unparse(operand)}`, which other code may hold: the original leaves the "
+            "activation's result there, the fused op would leave it unchanged")
+
+
+_NOT_ACTIVATIONS = frozenset(("torch.nn.Linear", "torch.nn.Dropout", "torch.nn.LayerNorm", "torch.nn.Identity", "torch.nn.Embedding",
+                              "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Sequential", "torch.nn.ModuleList"))
+
+
+def _opaque_object_act(module: ModuleInfo, value: ast.expr, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """``self.act = activation.build()`` / ``self.act = registry[name]()`` / ``self.act = cfg.act``:
+    an object whose identity configuration decides elsewhere, so no static reading says what it is.
+    Weak (a candidate only where the product is a GLU's: an activation of one projection times
+    another projection of the same input) and dispatched on the object at run time. Never a torch
+    name (those are known: a torch callable that is no activation stays none) or a class of this module
+    (its forward says what it computes)."""
+    call = value.func if isinstance(value, ast.Call) else value
+    if isinstance(call, ast.Subscript):
+        call = call.value
+    name = module.canonical(call) or ""
+    if name.startswith("torch.") or name in _NOT_ACTIVATIONS:
+        return None
+    root = call
+    while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+        root = root.value if not isinstance(root, ast.Call) else root.func
+    if not isinstance(root, ast.Name) or root.id in module.classes or (isinstance(call, ast.Name) and call.id in module.classes):
+        return None
+    if root.id in _BUILTIN_NAMES or root.id in ("self", "cls"):
+        # `getattr(F, "relu")` / `getattr(self, name)` are read by _getattr_act (a resolved relu is
+        # no activation to dispatch on); the object's own methods by the lookups above
+        return None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
+
+
+_BUILTIN_NAMES = frozenset(dir(__import__("builtins")))
+
+
+def _visible_choices(module: ModuleInfo, scope: Scope, act: Act) -> set[str]:
+    """Activation kinds the code itself offers for ``self.<attr>``: every value __init__ assigns it,
+    the arms of a conditional, the entries of a table it is looked up in (a transformers-style name
+    table offers silu and gelu)."""
+    if not (isinstance(act.obj, ast.Attribute) and isinstance(act.obj.value, ast.Name) and act.obj.value.id == "self"):
+        return set()
+    cls_name = _assigning_class(module, scope.class_name, act.obj.attr) or scope.class_name
+    out: set[str] = set()
+    values = list(_init_values(module, cls_name, act.obj.attr))
+    while values:
+        v = values.pop()
+        if isinstance(v, ast.IfExp):
+            values += [v.body, v.orelse]
+            continue
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Subscript):
+            v = v.func
+        if isinstance(v, ast.Subscript):
+            if (dotted(v.value) or "").split(".")[-1] in _ACT_TABLES:
+                out |= {SILU, GELU}
+            own = _own_act_table(module, v.value)
+            out |= {k for k, _ in own.values()} if own else set()
+            continue
+        k = _module_act(module, v)
+        if k is not None and k[0] != CONFIG:
+            out.add(k[0])
+    return out | _compared_choices(module, cls_name, act.obj.attr)
+
+
+def _compared_choices(module: ModuleInfo, cls_name: str | None, attr: str) -> set[str]:
+    """Activations the class tests ``self.<attr>`` against (``self.activation == F.silu``,
+    ``self.act is F.gelu``, ``isinstance(self.act, nn.SiLU)``): the code itself expects them."""
+    cls = module.classes.get(cls_name or "")
+    if cls is None:
+        return set()
+    target = f"self.{attr}"
+    out: set[str] = set()
+    for n in fast_walk(cls):
+        others: list[ast.expr] = []
+        if isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], (ast.Eq, ast.Is)):
+            left, right = n.left, n.comparators[0]
+            others = [right] if dotted(left) == target else [left] if dotted(right) == target else []
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "isinstance" and len(n.args) == 2 \
+                and dotted(n.args[0]) == target:
+            cls_arg = n.args[1]
+            others = [ast.Call(func=e, args=[], keywords=[]) for e in (cls_arg.elts if isinstance(cls_arg, ast.Tuple) else [cls_arg])]
+        for o in others:
+            k = _module_act(module, o)
+            if k is not None and k[0] != CONFIG:
+                out.add(k[0])
+    return out
+
+
+def _unfusable_default_reason(module: ModuleInfo, scope: Scope, act: Act) -> str | None:
+    """A config-chosen activation whose default is known and is no activation the fused ops compute,
+    with no fusable choice anywhere in the code (a Dauphin GLU's ``act or nn.Sigmoid()``): only a
+    caller elsewhere could make it a SwiGLU, so it is a near miss. Where the code itself offers silu
+    or gelu (a name table, branches), the site stays a run-time dispatched candidate."""
+    if act.kind != CONFIG or act.default is None or act.default in (SILU,) + GELU_KINDS:
+        return None
+    if _visible_choices(module, scope, act) & {SILU, GELU, GELU_TANH}:
+        return None
+    if _default_branched_away(module, scope, act):
+        return None
+    return (f"activation chosen by configuration ({act.describe}) defaults to {act.default}, which no fused gated op "
+            "computes (npu_swiglu: silu, npu_geglu: gelu); a sigmoid or relu GLU is not a SwiGLU")
+
+
+def _fallback_kind(module: ModuleInfo, cls_name: str | None, values: list[ast.expr], kinds: list[str]) -> str | None:
+    """``self.act = act if act is not None else nn.SiLU()`` as branches: the unresolved values are
+    __init__ parameters handed in by the caller, the known ones one kind: that kind is the default."""
+    params = S.init_params(module, cls_name)
+    unknown = [v for v, k in zip(values, kinds) if k == CONFIG]
+    known = {k for k in kinds if k != CONFIG}
+    if len(known) == 1 and unknown and all(isinstance(v, ast.Name) and v.id in params for v in unknown):
+        return known.pop()
+    return None
+
+
+def _param_or_default_act(module: ModuleInfo, value: ast.IfExp, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx, desc: str,
+                          cls_name: str | None) -> Act | None:
+    """``self.act = act if act is not None else nn.SiLU()``: the caller's object (an __init__
+    parameter) or a known activation when none is passed. Config-chosen with that default: weak
+    (reported only on a GLU's structure), dispatched on the object at run time; a default the
+    fused ops do not compute (a Sigmoid GLU) makes it a near miss (see _unfusable_default_reason)."""
+    params = S.init_params(module, cls_name)
+    arms = (value.body, value.orelse)
+    passed = [a for a in arms if isinstance(a, ast.Name) and a.id in params]
+    others = [a for a in arms if not (isinstance(a, ast.Name) and a.id in params)]
+    if len(passed) != 1 or len(others) != 1:
+        return None
+    k = _module_act(module, others[0])
+    if k is None or k[0] in (CONFIG, GELU_DYN):
+        return None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=k[0] in GELU_KINDS, default=k[0], weak=True)
+
+
+def _one_value_check(a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> None:
+    """``act(h) * h``: gate and up are one value. That is an activation of one tensor (x * silu(x)),
+    not a gated linear unit's two projections; the fused op would take the value twice (a copy of
+    both in torch.cat) for no fusion gain, so it is no candidate."""
+    if S.key(a, actx) == S.key(b, ctx):
+        raise GateMiss("gate and up are one value (act(h) * h): an activation of a single tensor, not a gated linear "
+                       "unit with two projections")
+
+
+# --- s26 examples: opaque activation objects (issue 14, class 6) ---
+
+_S26_OPAQUE = '''
+import enum
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Activation(str, enum.Enum):
+    silu = "silu"
+    gelu_tanh = "gelu_tanh"
+    relu = "relu"
+
+    def build(self):
+        if self is Activation.silu:
+            return F.silu
+        if self is Activation.gelu_tanh:
+            return functools.partial(F.gelu, approximate="tanh")
+        return F.relu
+
+
+class GatedFeedForward(nn.Module):
+    def __init__(self, d, h, activation=Activation.silu):
+        super().__init__()
+        self.act_fn = activation.build()
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(self.act_fn(self.gate(x)) * self.up(x))
+'''
+
+_RUN_S26_OPAQUE = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GatedFeedForward(8, 12, a) for a in (Activation.silu, Activation.gelu_tanh, Activation.relu)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate.weight for m in ms]
+'''
+
+_S26_REGISTRY = '''
+import torch
+from torch import nn
+
+ACTIVATIONS = {}
+
+
+def register(name, cls):
+    ACTIVATIONS[name] = cls
+
+
+register("swish", nn.SiLU)
+register("gelu", nn.GELU)
+register("relu", nn.ReLU)
+
+
+class Config:
+    def __init__(self, act="swish"):
+        self.act = act
+
+    def make_activation(self):
+        return ACTIVATIONS[self.act]()
+
+
+class RegistryGLU(nn.Module):
+    def __init__(self, d, h, act="swish"):
+        super().__init__()
+        self.act = ACTIVATIONS[act]()
+        self.w_in = nn.Linear(d, 2 * h)
+        self.w_out = nn.Linear(h, d)
+
+    def forward(self, x):
+        a, b = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(self.act(a) * b)
+
+
+class ConfigMethodGLU(nn.Module):
+    def __init__(self, cfg, d, h):
+        super().__init__()
+        self.activation = cfg.make_activation()
+        self.w1 = nn.Linear(d, h)
+        self.w3 = nn.Linear(d, h)
+
+    def forward(self, x):
+        h = self.activation(self.w1(x))
+        return h * self.w3(x)
+'''
+
+_RUN_S26_REGISTRY = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [RegistryGLU(8, 6, a) for a in ("swish", "gelu", "relu")] + [ConfigMethodGLU(Config(a), 8, 6) for a in ("swish", "gelu")]
+out = tuple(m(x) for m in ms)
+leaves = [x]
+'''
+
+Swiglu.FUSE += [
+    # `activation.build()` on an enum the caller passes: only the object says what runs; the
+    # functools.partial gelu(tanh) the enum builds takes npu_geglu, relu the original code
+    Fuse(_S26_OPAQUE, expect={"activation": "config", "runtime_check": "activation type", "dispatches_to": ["swiglu", "geglu"],
+                              "gate": "self.gate(x)", "up": "self.up(x)"},
+         run=_RUN_S26_OPAQUE, name="s26_opaque_activation_built_from_an_enum"),
+    # a registry filled by calls (no literal table to read), halves of one projection
+    Fuse(_S26_REGISTRY, expect={"activation": "config", "source": "split", "order": "gate_first"},
+         run=_RUN_S26_REGISTRY, name="s26_opaque_activation_from_a_registry_lookup"),
+    # a method of a configuration object builds it; the activation assigned to a name first
+    Fuse(_S26_REGISTRY.split("class RegistryGLU")[0] + "class ConfigMethodGLU" + _S26_REGISTRY.split("class ConfigMethodGLU")[1],
+         expect={"activation": "config", "gate": "self.w1(x)", "up": "self.w3(x)"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = tuple(ConfigMethodGLU(Config(a), 8, 6)(x) for a in ('swish', 'gelu', 'relu'))\nleaves = [x]\n",
+         name="s26_opaque_activation_from_a_config_method"),
+]
+
+Swiglu.KEEP += [
+    # the opaque object applied to the projection the other factor also is: x * act(x) of one
+    # tensor, not a GLU; opaque objects report nothing outside a GLU's structure
+    Keep(_S26_OPAQUE.replace("* self.up(x)", "* self.gate(x)"), reason="", name="s26_opaque_activation_times_the_same_projection"),
+    # ... nor beside a tensor that is no projection of the input (a residual gate)
+    Keep(_S26_OPAQUE.replace("self.down(self.act_fn(self.gate(x)) * self.up(x))", "self.down(self.act_fn(self.gate(x)) * x)"),
+         reason="", name="s26_opaque_activation_times_the_residual"),
+    # a known activation on one value twice: silu(h) * h, an activation of one tensor
+    Keep(_S26_OPAQUE.replace("self.act_fn(self.gate(x)) * self.up(x)", "F.silu(self.gate(x)) * self.gate(x)"),
+         reason="gate and up are one value", name="s26_silu_of_a_projection_times_itself"),
+]
+
+
+# --- s26 examples: in-place activations and products (issue 14) ---
+
+_S26_INPLACE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class InplaceGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fcg = nn.Linear(d, h, bias=False)
+        self.fc1 = nn.Linear(d, h, bias=False)
+        self.fc2 = nn.Linear(h, d, bias=False)
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        return self.fc2(F.silu(self.fcg(x), inplace=True).mul_(self.fc1(x)))
+
+    def forward_module(self, x):
+        return self.fc2(self.act(self.fcg(x)) * self.fc1(x))
+'''
+
+_RUN_S26_INPLACE = '''
+m = InplaceGLU(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = (m(x), m.forward_module(x))
+leaves = [x, m.fcg.weight, m.fc1.weight]
+'''
+
+_S26_INPLACE_NAMED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GLUWithStats(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fcg = nn.Linear(d, h, bias=False)
+        self.fc1 = nn.Linear(d, h, bias=False)
+
+    def forward(self, x):
+        g = self.fcg(x)
+        y = F.silu(g, inplace=True) * self.fc1(x)
+        return y, g.mean()
+'''
+
+Swiglu.FUSE += [
+    # in-place silu on a fresh projection output, then `.mul_` on that temporary: the product as a value
+    Fuse(_S26_INPLACE, expect={"activation": "silu", "gate": "self.fcg(x)", "up": "self.fc1(x)"},
+         run=_RUN_S26_INPLACE, name="s26_inplace_silu_then_mul_on_a_temporary"),
+    # an `inplace=True` activation module on a fresh projection output
+    Fuse(_S26_INPLACE.replace("return self.fc2(F.silu(self.fcg(x), inplace=True).mul_(self.fc1(x)))",
+                              "return self.fc2(self.act(self.fcg(x)) * self.fc1(x))"),
+         expect={"activation": "silu"}, run=_RUN_S26_INPLACE, name="s26_inplace_activation_module_on_a_projection"),
+]
+
+Swiglu.KEEP += [
+    # the in-place silu writes `g`, which the return statement reads: the rewrite would change it
+    Keep(_S26_INPLACE_NAMED, reason="in-place activation on `g`", name="s26_inplace_silu_on_a_tensor_read_later"),
+    # the same through an inplace=True module held by the layer
+    Keep(_S26_INPLACE_NAMED.replace("self.fc1 = nn.Linear(d, h, bias=False)", "self.fc1 = nn.Linear(d, h, bias=False)\n        self.act = nn.SiLU(inplace=True)")
+         .replace("F.silu(g, inplace=True)", "self.act(g)"),
+         reason="in-place activation on `g`", name="s26_inplace_activation_module_on_a_tensor_read_later"),
+]
+
+
+# --- s26 examples: caller-chosen activation with a known default (issue 14) ---
+
+_S26_DEFAULT = '''
+import torch
+from torch import nn
+
+
+class GLUFFN(nn.Module):
+    def __init__(self, d, h, gate_activation=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h)
+        self.inner_proj = nn.Linear(d, h)
+        self.output_proj = nn.Linear(h, d)
+        self.gate_activation = gate_activation if gate_activation is not None else nn.SiLU()
+
+    def forward(self, x):
+        return self.output_proj(self.gate_activation(self.gate_proj(x)) * self.inner_proj(x))
+'''
+
+_RUN_S26_DEFAULT = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GLUFFN(8, 6), GLUFFN(8, 6, nn.GELU()), GLUFFN(8, 6, nn.Sigmoid())]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_proj.weight for m in ms]
+'''
+
+_S26_DEFAULT_BRANCHES = '''
+import torch
+from torch import nn
+
+
+class DauphinFFN(nn.Module):
+    def __init__(self, d, h, inner_activation=None):
+        super().__init__()
+        self.inner_proj = nn.Linear(d, 2 * h)
+        if inner_activation is not None:
+            self.inner_activation = inner_activation
+        else:
+            self.inner_activation = nn.Sigmoid()
+        self.output_proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        a, b = self.inner_proj(x).chunk(2, dim=-1)
+        return self.output_proj(self.inner_activation(a) * b)
+'''
+
+_S26_DEFAULT_FACTORY = '''
+import torch
+from torch import nn
+
+
+class GluMlp(nn.Module):
+    def __init__(self, d, h, act_layer=nn.Sigmoid):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.act = act_layer()
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        x1, x2 = x.chunk(2, dim=-1)
+        return self.fc2(self.act(x1) * x2)
+'''
+
+Swiglu.FUSE += [
+    # the caller's object or nn.SiLU(): config-chosen with a silu default, dispatched on the object
+    Fuse(_S26_DEFAULT, expect={"activation": "config", "default_activation": "silu", "dispatches_to": ["swiglu", "geglu"]},
+         run=_RUN_S26_DEFAULT, name="s26_caller_activation_or_silu_default"),
+    # the same as if/else statements in __init__ (a Dauphin-style layer whose default is SiLU)
+    Fuse(_S26_DEFAULT_BRANCHES.replace("nn.Sigmoid()", "nn.SiLU()"), expect={"activation": "config", "default_activation": "silu"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = (DauphinFFN(8, 6)(x), DauphinFFN(8, 6, nn.GELU())(x))\nleaves = [x]\n",
+         name="s26_caller_activation_or_silu_default_in_branches"),
+]
+
+Swiglu.KEEP += [
+    # a sigmoid GLU by default; only some caller elsewhere could pass a SiLU: not a SwiGLU site
+    Keep(_S26_DEFAULT.replace("nn.SiLU()", "nn.Sigmoid()"), reason="defaults to sigmoid", name="s26_caller_activation_or_sigmoid_default"),
+    Keep(_S26_DEFAULT_BRANCHES, reason="defaults to sigmoid", name="s26_caller_activation_or_sigmoid_default_in_branches"),
+    # timm-style act_layer class with a Sigmoid default (GluMlp)
+    Keep(_S26_DEFAULT_FACTORY, reason="defaults to sigmoid", name="s26_act_layer_factory_with_sigmoid_default"),
+]
+
+
+def _default_branched_away(module: ModuleInfo, scope: Scope, act: Act) -> bool:
+    """The product sits where the default never runs: the else of ``if self.act == <default>:``
+    (flash-attn's GatedMlp sends its F.sigmoid default to F.glu and multiplies only otherwise), or
+    the body of ``if self.act != <default>:``."""
+    if act.gate is None or not isinstance(act.obj, ast.Attribute):
+        return False
+    target, line = dotted(act.obj), act.gate.lineno
+    for n in fast_walk(scope.node):
+        if not (isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and len(n.test.ops) == 1):
+            continue
+        left, right = n.test.left, n.test.comparators[0]
+        other = right if dotted(left) == target else left if dotted(right) == target else None
+        k = _module_act(module, other) if other is not None else None
+        if k is None or k[0] != act.default:
+            continue
+        away = n.orelse if isinstance(n.test.ops[0], (ast.Eq, ast.Is)) else n.body if isinstance(n.test.ops[0], (ast.NotEq, ast.IsNot)) else []
+        if away and away[0].lineno <= line <= (away[-1].end_lineno or away[-1].lineno):
+            return True
+    return False
+
+_S26_DEFAULT_SPECIAL_CASED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, d, h, activation=F.sigmoid):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.activation = activation
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        y = self.fc1(x)
+        if self.activation == F.sigmoid:
+            y = F.glu(y, dim=-1)
+        else:
+            y, gate = y.chunk(2, dim=-1)
+            y = y * self.activation(gate)
+        return self.fc2(y)
+'''
+
+Swiglu.FUSE += [
+    # the sigmoid default goes to F.glu; the product runs only for another activation: a candidate
+    # dispatched on the object (silu on the second half: the halves swapped)
+    Fuse(_S26_DEFAULT_SPECIAL_CASED, expect={"activation": "config", "order": "up_first"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = tuple(GatedMlp(8, 6, a)(x) for a in (F.sigmoid, F.silu, F.gelu, F.relu))\nleaves = [x]\n",
+         name="s26_sigmoid_default_special_cased_away_from_the_product"),
+]
+Swiglu.KEEP += [
+    # the same product reached by the default itself (the special case tests another activation)
+    Keep(_S26_DEFAULT_SPECIAL_CASED.replace("if self.activation == F.sigmoid:", "if self.activation == F.relu:"),
+         reason="defaults to sigmoid", name="s26_sigmoid_default_reaching_the_product"),
 ]
