@@ -685,6 +685,10 @@ class Gate:
     # gate and up are parameters of the enclosing helper; the lines of the calls (in this module)
     # that pass it projections (or halves) of one input
     caller_lines: list[int] | None = None
+    # an operand whose value the code may change under a condition before the product (a gate
+    # sparsified when a flag is set): its shape is not proven equal to the other's, so the fused
+    # branch checks it at run time (host-side shapes, no sync)
+    shape_checked: bool = False
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -1148,6 +1152,9 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, biased)
     if ia is None or ib is None or ia != ib:
         if act.kind in (SILU, CONFIG) + GELU_KINDS:
+            conditional = _conditionally_transformed_gate(module, act, a, actx, b, ctx, node, trace, ia, ib)
+            if conditional is not None:
+                return conditional
             for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
                 why = _transformed(module, op, octx, other)
                 if why:
@@ -1614,6 +1621,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     if guard is None:
         return miss("no input tensor live before the site to guard the fused branch on")
     kept = [S.stmt_source(module, s) for s in (branch.kept if branch else plan.kept)]
+    kept_first, kept = (kept, []) if g0.shape_checked and branch is None else ([], kept)  # before the shape check
     try:
         if kind == CONFIG:
             tests = _runtime_tests(module, g0.act, plan)
@@ -1627,12 +1635,14 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
                 body.append(f"{'if' if i == 0 else 'elif'} {test}:")
                 body.append(S.indent("\n".join(kept + [branch.around(module, root) if branch else root])))
             body.append("else:  # an activation the fused ops do not compute: the original code")
-            body.append(S.indent(S.block_source(module, plan.stmts)))
+            body.append(S.indent(_replaced_source(module, plan) if kept_first else S.block_source(module, plan.stmts)))
             fused = "\n".join(body)
         else:
             ak = approx_code_of(module, g0.act, kind, plan) if kind in GELU_KINDS else None
             root = _splice_product(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
             fused = "\n".join(kept + [branch.around(module, root) if branch else root])
+        if g0.shape_checked:
+            fused = _shape_checked_fused(module, g0, plan, fused, kept_first)
         if g0.caller_lines:
             # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
             # torch.cat rejects; equal shapes (a host-side check, no sync) take the fused op
@@ -1644,6 +1654,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
+    if g0.shape_checked:
+        notes.append(_CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
     if g0.caller_lines:
         params["operands_from_callers"] = list(g0.caller_lines)
         notes.append(f"gate and up are parameters of `{scope.qualname}`: every call of it in this module (line(s) "
@@ -2312,34 +2324,6 @@ def selective_state_update(state, x, C, D=None, z=None):
 ''',
         reason="not projections of one input",
         name="mamba_branch_assigned_output",
-    ),
-    Keep(
-        '''
-import torch
-from torch import nn
-
-
-class SparseGateMLP(nn.Module):
-    """Gemma3n: the gate projection is sparsified under a condition before the activation."""
-
-    def __init__(self, d, h, sparsity):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, h, bias=False)
-        self.up_proj = nn.Linear(d, h, bias=False)
-        self.down_proj = nn.Linear(h, d, bias=False)
-        self.act_fn = nn.SiLU()
-        self.sparsity = sparsity
-
-    def forward(self, x):
-        gate_proj = self.gate_proj(x)
-        if self.sparsity > 0.0:
-            gate_proj = torch.relu(gate_proj - 1.0)
-        activations = self.act_fn(gate_proj)
-        up_proj = self.up_proj(x)
-        return self.down_proj(activations * up_proj)
-''',
-        reason="assigned under control flow",
-        name="gate_sparsified_under_condition",
     ),
     Keep(
         '''
@@ -4992,4 +4976,168 @@ Swiglu.KEEP += [
     # the same product reached by the default itself (the special case tests another activation)
     Keep(_S26_DEFAULT_SPECIAL_CASED.replace("if self.activation == F.sigmoid:", "if self.activation == F.relu:"),
          reason="defaults to sigmoid", name="s26_sigmoid_default_reaching_the_product"),
+]
+
+
+# --- s26: an operand transformed under a condition before the product (fairseq2/Gemma3n sparsity) ---
+
+_CONDITIONAL_NOTE = ("`{name}` may be transformed under a condition before the product (e.g. a sparsified gate): the fused op "
+                     "takes its value as it is at the activation, so the transform stays outside and runs as before; the "
+                     "fused branch also checks that gate and up have one shape")
+
+
+def _conditionally_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
+                                    node: ast.expr, trace: S.Trace, ia: str | None, ib: str | None) -> Gate | None:
+    """``gate = self.gate_proj(x); if flag: gate = sparsify(gate); gate = act(gate); up = self.up(x);
+    up * gate``: the activated name's first assignment projects the other operand's input, and every
+    later one before the activation transforms the name itself (so each path starts from that
+    projection). The fused op takes the name's value at the activation (whatever the branch did), so
+    the conditional statements stay outside the replaced span; shapes are checked at run time. Only
+    the activated operand is taken this way; an up operand changed under a condition stays a near miss."""
+    if not isinstance(a, ast.Name) or ib is None or ia == ib:
+        return None
+    assigns = sorted(((st, v) for st, v in actx.scope.assignments.get(a.id, []) if st.lineno < actx.line), key=lambda t: t[0].lineno)
+    if len(assigns) < 2:
+        return None
+    first_stmt, first = assigns[0]
+    if first is None or _projection_input(first, actx.at(first_stmt.lineno), module) != ib:
+        return None
+    idx = S.stmt_index(actx.scope)
+    for st, v in assigns[1:]:
+        if v is None or a.id not in S.names_read(v):
+            return None
+    if not any(isinstance(anc, (ast.If, ast.For, ast.While, ast.Try, ast.With)) for st, _ in assigns[1:] for anc in S.ancestors(idx, st)):
+        return None  # unconditional transforms: the existing "transformed after its projection" reading applies
+    # the up operand is left as written (a name stays a name): the fused branch compares the two
+    # operands' shapes, so both must be values it can read without computing them again
+    return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ib, shape_checked=True)
+
+
+def _shape_checked_fused(module: ModuleInfo, g: Gate, plan: S.SpanPlan, fused: str, kept_first: list[str]) -> str:
+    """The kept statements, then ``if a.shape == b.shape: <fused root> else: <the replaced
+    statements as written>``: the shapes are read after everything the operands need has run.
+    Raises RenderError when an operand is no plain name (checking it would compute it twice) or an
+    optional branch restructured the span."""
+    if len(kept_first) != len(plan.kept):
+        raise S.RenderError("an optional branch and a run-time shape check in one span")
+    ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g.a, g.b))
+    if not (ga.isidentifier() and gb.isidentifier()):
+        raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
+    return "\n".join(kept_first + [f"if {ga}.shape == {gb}.shape:", S.indent(fused),
+                                    "else:  # operands of different shapes (broadcasting): the original code",
+                                    S.indent(_replaced_source(module, plan))])
+
+
+def _replaced_source(module: ModuleInfo, plan: S.SpanPlan) -> str:
+    """The span's statements the fused code replaces (the kept ones already ran before), as written."""
+    return "\n".join(S.stmt_source(module, st) for st in plan.stmts if not any(st is k for k in plan.kept))
+
+
+_S26_SPARSE_GATE = '''
+import torch
+from torch import nn
+
+
+class SparseGateMLP(nn.Module):
+    """Gemma3n: the gate projection is sparsified under a condition before the activation."""
+
+    def __init__(self, d, h, sparsity):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = nn.SiLU()
+        self.sparsity = sparsity
+
+    def forward(self, x):
+        gate_proj = self.gate_proj(x)
+        if self.sparsity > 0.0:
+            gate_proj = torch.relu(gate_proj - 1.0)
+        activations = self.act_fn(gate_proj)
+        up_proj = self.up_proj(x)
+        return self.down_proj(activations * up_proj)
+'''
+
+_S26_GLU_FFN_CONDITIONAL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GLUFeedForward(nn.Module):
+    def __init__(self, d, h, gate_activation=None, sparsity=0.0, dropout_p=0.0):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h)
+        self.gate_activation = gate_activation if gate_activation is not None else nn.SiLU()
+        self.inner_proj = nn.Linear(d, h)
+        self.inner_dropout = nn.Dropout(dropout_p) if dropout_p > 0.0 else None
+        self.output_proj = nn.Linear(h, d)
+        self.sparsity = sparsity
+
+    def _sparsify(self, t):
+        cutoff = t.mean(dim=-1, keepdim=True) + t.std(dim=-1, keepdim=True) * self.sparsity
+        return F.relu(t - cutoff)
+
+    def forward(self, seqs):
+        gate = self.gate_proj(seqs)
+        if self.sparsity > 0.0:
+            gate = self._sparsify(gate)
+        gate = self.gate_activation(gate)
+        seqs = self.inner_proj(seqs)
+        seqs = seqs * gate
+        del gate
+        if self.inner_dropout is not None:
+            seqs = self.inner_dropout(seqs)
+        return self.output_proj(seqs)
+
+
+class TanhGLU(nn.Module):
+    def __init__(self, d, h, sparsity=0.0):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h)
+        self.inner_proj = nn.Linear(d, h)
+        self.output_proj = nn.Linear(h, d)
+        self.sparsity = sparsity
+
+    def forward(self, seqs):
+        gate = self.gate_proj(seqs)
+        if self.sparsity > 0.0:
+            gate = F.relu(gate - gate.mean(dim=-1, keepdim=True))
+        gate = F.gelu(gate, approximate="tanh")
+        seqs = self.inner_proj(seqs)
+        seqs = seqs * gate
+        return self.output_proj(seqs)
+'''
+
+_RUN_S26_GLU_FFN_CONDITIONAL = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GLUFeedForward(8, 6), GLUFeedForward(8, 6, sparsity=0.5), GLUFeedForward(8, 6, nn.GELU()), GLUFeedForward(8, 6, nn.ReLU())]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_proj.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # the gate sparsified under a flag before the activation: the fused op takes the gate's value
+    # at the activation, the condition stays outside; shapes checked at run time
+    Fuse(_S26_SPARSE_GATE, expect={"activation": "silu", "gate": "gate_proj", "up": "up_proj"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (SparseGateMLP(8, 6, 0.0)(x), SparseGateMLP(8, 6, 0.5)(x))\nleaves = [x]\n",
+         name="s26_gate_sparsified_under_condition"),
+    # fairseq2-style GLU FFN: caller's gate activation (SiLU default), optional sparsity before and
+    # optional dropout after the product, the input rebound by the up projection
+    Fuse(_S26_GLU_FFN_CONDITIONAL, expect={"activation": "config", "default_activation": "silu", "gate": "gate", "up": "seqs"},
+         run=_RUN_S26_GLU_FFN_CONDITIONAL, name="s26_glu_ffn_with_optional_sparsity_and_dropout"),
+]
+
+Swiglu.KEEP += [
+    # the pre-activation name is read after the product: the fused path would leave it un-activated
+    Keep(_S26_SPARSE_GATE.replace("return self.down_proj(activations * up_proj)", "return self.down_proj(activations * up_proj), activations.mean()"),
+         reason="", name="s26_gate_sparsified_activation_read_later"),
+    # the up operand is computed inside the product: its shape cannot be read before it is computed once
+    Keep(_S26_SPARSE_GATE.replace("up_proj = self.up_proj(x)\n        return self.down_proj(activations * up_proj)",
+                                  "return self.down_proj(activations * self.up_proj(x))"),
+         reason="shapes must be checked at run time", name="s26_gate_sparsified_up_computed_in_the_product"),
+    # the up operand changed under a condition (not the activated one): no reading of the gate helps
+    Keep(_S26_SPARSE_GATE.replace("        if self.sparsity > 0.0:\n            gate_proj = torch.relu(gate_proj - 1.0)\n", "")
+         .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = up_proj * 0.5\n"),
+         reason="", name="s26_up_scaled_under_condition"),
 ]
