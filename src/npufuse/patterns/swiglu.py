@@ -1059,7 +1059,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         # activation is the one applied to a projection of the input the other factor projects
         def glu_like(i: int, a: Act) -> bool:
             ia = _projection_input(a.gate, a.ctx, module) if a.gate is not None else None
-            return ia is not None and ia == _projection_input(factors[1 - i], ctx, module)
+            ib_ = _projection_input(factors[1 - i], ctx, module)
+            return (ia is not None and ia == ib_) or _conditionally_projected(module, a.gate, a.ctx, ib_)
         found = [(i, a) for i, a in found if glu_like(i, a)]
     if len(found) > 1 and any(a.weak for _, a in found):
         # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
@@ -4994,22 +4995,18 @@ def _conditionally_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, a
     projection). The fused op takes the name's value at the activation (whatever the branch did), so
     the conditional statements stay outside the replaced span; shapes are checked at run time. Only
     the activated operand is taken this way; an up operand changed under a condition stays a near miss."""
-    if not isinstance(a, ast.Name) or ib is None or ia == ib:
+    if ia == ib or not _conditionally_projected(module, a, actx, ib):
         return None
-    assigns = sorted(((st, v) for st, v in actx.scope.assignments.get(a.id, []) if st.lineno < actx.line), key=lambda t: t[0].lineno)
-    if len(assigns) < 2:
-        return None
-    first_stmt, first = assigns[0]
-    if first is None or _projection_input(first, actx.at(first_stmt.lineno), module) != ib:
-        return None
-    idx = S.stmt_index(actx.scope)
-    for st, v in assigns[1:]:
-        if v is None or a.id not in S.names_read(v):
-            return None
-    if not any(isinstance(anc, (ast.If, ast.For, ast.While, ast.Try, ast.With)) for st, _ in assigns[1:] for anc in S.ancestors(idx, st)):
-        return None  # unconditional transforms: the existing "transformed after its projection" reading applies
     # the up operand is left as written (a name stays a name): the fused branch compares the two
-    # operands' shapes, so both must be values it can read without computing them again
+    # operands' shapes, so both must be values it can read without computing them again. Its own
+    # statement (`seqs = self.inner_proj(seqs)`) stays verbatim, even where reading the factors
+    # followed it (an imported Linear looks like an activation object to _act_of)
+    if isinstance(b, ast.Name):
+        d = S.definition(ctx, b.id)
+        if d is not None and id(d[0]) in trace.stmts and S.names_written(d[0]) == {b.id}:
+            others = set().union(*(S.names_written(st) for k, st in trace.stmts.items() if k != id(d[0])))
+            if not (S.names_read(d[0]) & others):
+                del trace.stmts[id(d[0])]
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ib, shape_checked=True)
 
 
@@ -5141,3 +5138,21 @@ Swiglu.KEEP += [
          .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = up_proj * 0.5\n"),
          reason="", name="s26_up_scaled_under_condition"),
 ]
+
+
+def _conditionally_projected(module: ModuleInfo, a: ast.expr | None, actx: S.Ctx, ib: str | None) -> bool:
+    """``a`` is a name first assigned a projection of input ``ib``, then (under a condition) only
+    transformed from itself (``gate = topk(gate)``) before ``actx``'s line."""
+    if not isinstance(a, ast.Name) or ib is None:
+        return False
+    assigns = sorted(((st, v) for st, v in actx.scope.assignments.get(a.id, []) if st.lineno < actx.line), key=lambda t: t[0].lineno)
+    if len(assigns) < 2:
+        return False
+    first_stmt, first = assigns[0]
+    if first is None or _projection_input(first, actx.at(first_stmt.lineno), module) != ib:
+        return False
+    if any(v is None or a.id not in S.names_read(v) for _, v in assigns[1:]):
+        return False
+    idx = S.stmt_index(actx.scope)
+    # unconditional transforms: the "transformed after its projection" reading applies instead
+    return any(isinstance(anc, (ast.If, ast.For, ast.While, ast.Try, ast.With)) for st, _ in assigns[1:] for anc in S.ancestors(idx, st))
