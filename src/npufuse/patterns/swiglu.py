@@ -4565,7 +4565,7 @@ def _visible_choices(module: ModuleInfo, scope: Scope, act: Act) -> set[str]:
         k = _module_act(module, v)
         if k is not None and k[0] != CONFIG:
             out.add(k[0])
-    return out | _compared_choices(module, cls_name, act.obj.attr)
+    return out | _compared_choices(module, cls_name, act.obj.attr) | _constructor_choices(module, cls_name)
 
 
 def _compared_choices(module: ModuleInfo, cls_name: str | None, attr: str) -> set[str]:
@@ -5156,3 +5156,34 @@ def _conditionally_projected(module: ModuleInfo, a: ast.expr | None, actx: S.Ctx
     idx = S.stmt_index(actx.scope)
     # unconditional transforms: the "transformed after its projection" reading applies instead
     return any(isinstance(anc, (ast.If, ast.For, ast.While, ast.Try, ast.With)) for st, _ in assigns[1:] for anc in S.ancestors(idx, st))
+
+
+def _constructor_choices(module: ModuleInfo, cls_name: str | None) -> set[str]:
+    """Activations this module passes when it builds the class (``GluMlp(..., act_layer=nn.SiLU)``,
+    ``partial(GluMlp, act_layer=nn.SiLU)``, timm's SwiGLUPacked): keyword values that are activation
+    objects or activation classes."""
+    if not cls_name:
+        return set()
+    out: set[str] = set()
+    for n in fast_walk(module.tree):
+        if not isinstance(n, ast.Call):
+            continue
+        builds = dotted(n.func) == cls_name or (
+            (dotted(n.func) or "").split(".")[-1] == "partial" and n.args and dotted(n.args[0]) == cls_name)
+        if not builds:
+            continue
+        for kw in n.keywords:
+            for v in (kw.value, ast.Call(func=kw.value, args=[], keywords=[])):
+                k = _module_act(module, v)
+                if k is not None and k[0] != CONFIG:
+                    out.add(k[0])
+    return out
+
+Swiglu.FUSE += [
+    # the Sigmoid default, but the module itself builds the layer with SiLU (timm's SwiGLUPacked):
+    # a candidate dispatched on the object (the plain GLU runs the original code)
+    Fuse("import functools\n" + _S26_DEFAULT_FACTORY + "\n\nSwiGLUPacked = functools.partial(GluMlp, act_layer=nn.SiLU)\n",
+         expect={"activation": "config", "default_activation": "sigmoid"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = (SwiGLUPacked(8, 6)(x), GluMlp(8, 6)(x))\nleaves = [x]\n",
+         name="s26_sigmoid_default_but_built_with_silu_in_the_module"),
+]
