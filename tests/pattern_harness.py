@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import linecache
 import types
+from collections.abc import Iterable
 from typing import Any
 
+import pytest
 import torch
 
 from npufuse import emulate
@@ -84,3 +86,63 @@ def check_rewrite_runs(pattern: Pattern, code: str, run: str, findings: list[Fin
         "cos_out": [cosine(a, b) for a, b in zip(ref_outs, outs)],
         "cos_grad": [cosine(a, b) if a is not None and b is not None else (1.0 if a is None and b is None else 0.0) for a, b in zip(ref_grads, grads)],
     }
+
+
+# --- shared example checks: test_patterns runs them over every example; topic files over a name-prefixed subset ---
+
+_FINDING_ATTRS = ("variant", "qualname", "confidence", "line", "end_line")
+
+
+def example_cases(pattern: Pattern | Iterable[Pattern], prefix: str | tuple[str, ...] = "", kind: str = "fuse") -> list[Any]:
+    """pytest params (pattern, example) for the examples of `kind` ("fuse", "keep", or "run": Fuse
+    examples with a run script) whose name starts with `prefix` ("" selects every example)."""
+    patterns = [pattern] if isinstance(pattern, Pattern) else list(pattern)
+    if kind not in ("fuse", "keep", "run"):
+        raise ValueError(f"unknown example kind {kind!r}")
+    cases = []
+    for p in patterns:
+        for i, ex in enumerate(p.KEEP if kind == "keep" else p.FUSE):
+            if kind == "run" and not ex.run:
+                continue
+            if prefix and not (ex.name or "").startswith(prefix):
+                continue
+            cases.append(pytest.param(p, ex, id=f"{p.id}-{kind}-{ex.name or i}"))
+    return cases
+
+
+def check_fuse_found(pattern: Pattern, example: Any) -> None:
+    """The Fuse example is a candidate with the expected parameters."""
+    findings, _ = detect_all(pattern, example.code)
+    assert findings, f"{pattern.id}: example {example.name!r} not found"
+    f = findings[0]
+    for key, want in example.expect.items():
+        got = getattr(f, key) if key in _FINDING_ATTRS else f.params.get(key)
+        assert got == want, f"{pattern.id}: {key} = {got!r}, expected {want!r}"
+    for f in findings:
+        assert f.pattern == pattern.id and f.fused.strip() and f.guard_tensor
+        assert 1 <= f.line <= f.end_line
+
+
+def check_keep_refused(pattern: Pattern, example: Any) -> None:
+    """The Keep example is no candidate, and (when it names one) a near miss gives the reason."""
+    findings, misses = detect_all(pattern, example.code)
+    assert not findings, f"{pattern.id}: near miss was reported as a candidate: {findings[0].params}"
+    if example.reason:
+        reasons = " | ".join(m.reason for m in misses)
+        assert any(example.reason.lower() in m.reason.lower() for m in misses), (
+            f"{pattern.id}: expected a near miss saying {example.reason!r}, got: {reasons or 'none'}"
+        )
+
+
+def check_replacement_matches(pattern: Pattern, example: Any) -> None:
+    """The rewritten example runs the fused branch under the emulator and matches the original."""
+    findings, _ = detect_all(pattern, example.code)
+    facts = check_rewrite_runs(pattern, example.code, example.run, findings)
+    assert facts["calls"] >= 1, f"fused branch did not run; calls: {facts['all_calls']}"
+    assert facts["n_out"][0] == facts["n_out"][1]
+    for a, b in facts["dtypes"]:
+        assert a == b, f"dtype changed: {a} -> {b}"
+    for a, b in facts["shapes"]:
+        assert a == b
+    assert min(facts["cos_out"], default=1.0) >= 0.9999, facts["cos_out"]
+    assert min(facts["cos_grad"], default=1.0) >= 0.9999, facts["cos_grad"]

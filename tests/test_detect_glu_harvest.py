@@ -3,8 +3,9 @@ session glu, s25): activations computed in fp32 and cast back, projections throu
 modules or written as matmul plus bias, activations set by a base class in another file or held
 by a local callable, ``t *= a`` products, hand-written autograd Functions that keep the
 activation, and forwards a jit-scripted subclass inherits. The examples live in the pattern files
-(names starting ``harvest_``); these tests run them: detection with parameters, near-miss reasons,
-and every Fuse example rewritten and run under the emulator against the original."""
+(names starting ``harvest_``) and run, like every example, in tests/test_patterns.py: detection with
+parameters, near-miss reasons, and every Fuse example rewritten and run under the emulator. This
+file checks the harvest classes all have examples, plus facts about particular rewrites."""
 
 from __future__ import annotations
 
@@ -17,45 +18,19 @@ from npufuse.patterns import swiglu as W
 from npufuse.patterns.geglu import Geglu
 from npufuse.patterns.swiglu import Swiglu
 from npufuse.scan.dataflow import ModuleInfo
-from pattern_harness import check_rewrite_runs, detect_all
+from pattern_harness import check_rewrite_runs, detect_all, example_cases
 
-
-def _cases(kind: str):
-    for p in (Swiglu(), Geglu()):
-        for ex in getattr(p, kind):
-            if ex.name.startswith("harvest_"):
-                yield pytest.param(p, ex, id=f"{p.id}-{ex.name}")
+_PATTERNS = (Swiglu(), Geglu())
 
 
 def test_every_harvest_class_has_examples() -> None:
-    names = {c.values[1].name for c in _cases("FUSE")} | {c.values[1].name for c in _cases("KEEP")}
+    # detection, reasons and the emulator rewrite of each example run in test_patterns.py
+    # (pytest tests/test_patterns.py -k harvest_); this file checks the classes are all there
+    cases = example_cases(_PATTERNS, "harvest_", "fuse") + example_cases(_PATTERNS, "harvest_", "keep")
+    names = {c.values[1].name for c in cases}
     for word in ("cast", "hook", "inherited", "local_callable", "augment", "bias", "autograd", "scripted"):
         assert any(word in n for n in names), word
-
-
-@pytest.mark.parametrize("pattern,example", list(_cases("FUSE")))
-def test_harvest_fuse_found_with_params(pattern, example) -> None:
-    findings, _ = detect_all(pattern, example.code)
-    assert findings, example.name
-    for key, want in example.expect.items():
-        got = getattr(findings[0], key) if key in ("line", "end_line", "qualname") else findings[0].params.get(key)
-        assert got == want, (key, got, want)
-
-
-@pytest.mark.parametrize("pattern,example", [c for c in _cases("FUSE") if c.values[1].run])
-def test_harvest_fuse_rewrite_matches_under_emulator(pattern, example) -> None:
-    findings, _ = detect_all(pattern, example.code)
-    facts = check_rewrite_runs(pattern, example.code, example.run, findings)
-    assert facts["calls"] >= 1, facts["all_calls"]
-    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"], default=1.0) >= 0.9999
-
-
-@pytest.mark.parametrize("pattern,example", list(_cases("KEEP")))
-def test_harvest_keep_refused_with_reason(pattern, example) -> None:
-    findings, misses = detect_all(pattern, example.code)
-    assert not findings
-    if example.reason:
-        assert any(example.reason.lower() in m.reason.lower() for m in misses), [m.reason for m in misses]
+    assert example_cases(_PATTERNS, "harvest_", "run"), "no harvest example is run under the emulator"
 
 
 def test_fused_branch_keeps_the_gate_dtype_for_a_cast_back_activation() -> None:

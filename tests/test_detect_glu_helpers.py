@@ -1,6 +1,7 @@
 """Gated products across calls and run-time chosen activations (issue 14, class 6/7): the
-swiglu/geglu examples of this topic, detection, near-miss reasons and the rewrite under the
-emulator (the examples themselves live in the pattern files; these tests run them by name)."""
+swiglu/geglu examples of this topic live in the pattern files and run, like every example, in
+tests/test_patterns.py (detection with parameters, near-miss reasons, the rewrite under the
+emulator; select them with -k). This file checks that every class of the topic keeps its examples."""
 
 from __future__ import annotations
 
@@ -8,38 +9,18 @@ import pytest
 
 from npufuse.patterns.geglu import Geglu
 from npufuse.patterns.swiglu import Swiglu
-from pattern_harness import check_rewrite_runs, detect_all
+from pattern_harness import example_cases
 
+_PATTERNS = (Swiglu(), Geglu())
 _TOPIC = ("gating_", "activation_held_by", "foreign_callable", "activation_from_getattr", "activation_from_own_table", "product_")
 
 
-def _cases(kind: str):
-    for p in (Swiglu(), Geglu()):
-        for ex in getattr(p, kind):
-            if ex.name.startswith(_TOPIC):
-                yield pytest.param(p, ex, id=f"{p.id}-{ex.name}")
+@pytest.mark.parametrize("prefix", _TOPIC)
+def test_every_topic_class_has_examples(prefix: str) -> None:
+    assert example_cases(_PATTERNS, prefix, "fuse") + example_cases(_PATTERNS, prefix, "keep"), prefix
 
 
-@pytest.mark.parametrize("pattern,example", list(_cases("FUSE")))
-def test_fuse_found_with_params(pattern, example) -> None:
-    findings, _ = detect_all(pattern, example.code)
-    assert findings, example.name
-    for key, want in example.expect.items():
-        got = getattr(findings[0], key) if key in ("line", "end_line", "qualname") else findings[0].params.get(key)
-        assert got == want, (key, got, want)
-
-
-@pytest.mark.parametrize("pattern,example", [c for c in _cases("FUSE") if c.values[1].run])
-def test_fuse_rewrite_matches_under_emulator(pattern, example) -> None:
-    findings, _ = detect_all(pattern, example.code)
-    facts = check_rewrite_runs(pattern, example.code, example.run, findings)
-    assert facts["calls"] >= 1, facts["all_calls"]
-    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"], default=1.0) >= 0.9999
-
-
-@pytest.mark.parametrize("pattern,example", list(_cases("KEEP")))
-def test_keep_refused_with_reason(pattern, example) -> None:
-    findings, misses = detect_all(pattern, example.code)
-    assert not findings
-    if example.reason:
-        assert any(example.reason.lower() in m.reason.lower() for m in misses), [m.reason for m in misses]
+def test_topic_has_near_misses_with_reasons_and_run_examples() -> None:
+    keeps = example_cases(_PATTERNS, _TOPIC, "keep")
+    assert any(c.values[1].reason for c in keeps), "no Keep example of the topic names its reason"
+    assert example_cases(_PATTERNS, _TOPIC, "run"), "no example of the topic is run under the emulator"

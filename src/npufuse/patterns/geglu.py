@@ -691,3 +691,12 @@ class InterleavedGEGLU(nn.Module):
          run="m = InterleavedGEGLU(8, 6)\nx = torch.randn(3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.proj.weight]\n",
          name="harvest_interleaved_gelu_columns"),
 ]
+
+
+# --- s26 (issue 14): a gelu(tanh) gate transformed under a condition before the product (AltUp-style) ---
+
+Geglu.FUSE += [
+    Fuse(G._S26_GLU_FFN_CONDITIONAL, expect={"activation": "gelu_tanh", "approximate": 1, "gate": "gate", "up": "seqs"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (TanhGLU(8, 6)(x), TanhGLU(8, 6, sparsity=0.5)(x))\nleaves = [x]\n",
+         name="s26_tanh_gate_sparsified_under_condition"),
+]

@@ -296,7 +296,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if branched is not None:
                 return branched
             if isinstance(value, ast.IfExp):
-                return _chosen_act(module, value, f, gate, ctx, desc) or _config_arm_act(module, value, f, gate, ctx, desc)
+                return _chosen_act(module, value, f, gate, ctx, desc) or _config_arm_act(module, value, f, gate, ctx, desc) \
+                    or _param_or_default_act(module, value, f, gate, ctx, desc, cls_name)
             k = _module_act(module, value)
             if k is not None:
                 kind, extra = k
@@ -339,7 +340,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if isinstance(value, ast.Attribute) and dotted(value) is not None and not (module.canonical(value) or "").startswith("torch."):
                 # `self.act = config.activation_func`: a callable handed in by configuration
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value))
-            return None
+            return _opaque_object_act(module, value, f, gate, ctx, desc)
         elt = _init_tuple_element(module, ctx.scope.class_name, f.attr)
         if elt is not None:  # `self.act, self.is_gated = get_activation(args)`
             call, index = elt
@@ -684,6 +685,10 @@ class Gate:
     # gate and up are parameters of the enclosing helper; the lines of the calls (in this module)
     # that pass it projections (or halves) of one input
     caller_lines: list[int] | None = None
+    # an operand whose value the code may change under a condition before the product (a gate
+    # sparsified when a flag is set): its shape is not proven equal to the other's, so the fused
+    # branch checks it at run time (host-side shapes, no sync)
+    shape_checked: bool = False
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -1054,7 +1059,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         # activation is the one applied to a projection of the input the other factor projects
         def glu_like(i: int, a: Act) -> bool:
             ia = _projection_input(a.gate, a.ctx, module) if a.gate is not None else None
-            return ia is not None and ia == _projection_input(factors[1 - i], ctx, module)
+            ib_ = _projection_input(factors[1 - i], ctx, module)
+            return (ia is not None and ia == ib_) or _conditionally_projected(module, a.gate, a.ctx, ib_)
         found = [(i, a) for i, a in found if glu_like(i, a)]
     if len(found) > 1 and any(a.weak for _, a in found):
         # an imported builder's object (`self.up = build_fc(...)`) is no activation beside a known one
@@ -1147,6 +1153,9 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, biased)
     if ia is None or ib is None or ia != ib:
         if act.kind in (SILU, CONFIG) + GELU_KINDS:
+            conditional = _conditionally_transformed_gate(module, act, a, actx, b, ctx, node, trace, ia, ib)
+            if conditional is not None:
+                return conditional
             for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
                 why = _transformed(module, op, octx, other)
                 if why:
@@ -1159,6 +1168,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             raise GateMiss(f"activation is a {act.kind}, not silu: npu_swiglu computes silu(gate) * up only "
                            "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
         return None
+    _one_value_check(a, actx, b, ctx)
     if isinstance(b, ast.Name):
         # CpmAnt's ``x = self.w_1(x)`` before ``gate * x``: the statement rebinding the
         # projections' input joins the fused region; kept verbatim it would clobber x for the gate
@@ -1435,7 +1445,8 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
                 continue
             if g is None:
                 continue
-            saved = _saved_activation_reason(module, scope, g)
+            saved = _saved_activation_reason(module, scope, g) or _inplace_alias_reason(module, scope, g) \
+                or _unfusable_default_reason(module, scope, g.act)
             if saved is not None:
                 misses.append((owner(g.act) or "swiglu", saved))
                 inside.append(node)
@@ -1464,6 +1475,8 @@ def _call_product(module: ModuleInfo, stmt: ast.stmt, call: ast.Call) -> ast.Bin
             pair = (f.value, call.args[0])
         elif f.attr in ("mul_", "multiply_") and _inplace_target(stmt) is not None and isinstance(stmt, ast.Expr) and stmt.value is call:
             pair = (f.value, call.args[0])
+        elif not (isinstance(stmt, ast.Expr) and stmt.value is call):
+            pair = _fresh_inplace_product(module, call)  # `F.silu(self.w1(x), inplace=True).mul_(self.w3(x))` as a value
     if pair is None:
         return None
     return ast.BinOp(left=pair[0], op=ast.Mult(), right=pair[1], lineno=call.lineno, col_offset=call.col_offset,
@@ -1609,6 +1622,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     if guard is None:
         return miss("no input tensor live before the site to guard the fused branch on")
     kept = [S.stmt_source(module, s) for s in (branch.kept if branch else plan.kept)]
+    kept_first, kept = (kept, []) if g0.shape_checked and branch is None else ([], kept)  # before the shape check
     try:
         if kind == CONFIG:
             tests = _runtime_tests(module, g0.act, plan)
@@ -1622,12 +1636,14 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
                 body.append(f"{'if' if i == 0 else 'elif'} {test}:")
                 body.append(S.indent("\n".join(kept + [branch.around(module, root) if branch else root])))
             body.append("else:  # an activation the fused ops do not compute: the original code")
-            body.append(S.indent(S.block_source(module, plan.stmts)))
+            body.append(S.indent(_replaced_source(module, plan) if kept_first else S.block_source(module, plan.stmts)))
             fused = "\n".join(body)
         else:
             ak = approx_code_of(module, g0.act, kind, plan) if kind in GELU_KINDS else None
             root = _splice_product(module, stmt, [(g.node, fused_expr(module, g, SILU if kind == SILU else kind, plan, ak)) for g in gates])
             fused = "\n".join(kept + [branch.around(module, root) if branch else root])
+        if g0.shape_checked:
+            fused = _shape_checked_fused(module, g0, plan, fused, kept_first)
         if g0.caller_lines:
             # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
             # torch.cat rejects; equal shapes (a host-side check, no sync) take the fused op
@@ -1639,6 +1655,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
+    if g0.shape_checked:
+        notes.append(_CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
     if g0.caller_lines:
         params["operands_from_callers"] = list(g0.caller_lines)
         notes.append(f"gate and up are parameters of `{scope.qualname}`: every call of it in this module (line(s) "
@@ -2314,34 +2332,6 @@ import torch
 from torch import nn
 
 
-class SparseGateMLP(nn.Module):
-    """Gemma3n: the gate projection is sparsified under a condition before the activation."""
-
-    def __init__(self, d, h, sparsity):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, h, bias=False)
-        self.up_proj = nn.Linear(d, h, bias=False)
-        self.down_proj = nn.Linear(h, d, bias=False)
-        self.act_fn = nn.SiLU()
-        self.sparsity = sparsity
-
-    def forward(self, x):
-        gate_proj = self.gate_proj(x)
-        if self.sparsity > 0.0:
-            gate_proj = torch.relu(gate_proj - 1.0)
-        activations = self.act_fn(gate_proj)
-        up_proj = self.up_proj(x)
-        return self.down_proj(activations * up_proj)
-''',
-        reason="assigned under control flow",
-        name="gate_sparsified_under_condition",
-    ),
-    Keep(
-        '''
-import torch
-from torch import nn
-
-
 class ClampedSwishExperts(nn.Module):
     """GPT-OSS as shipped: the halves are clamped before the alpha-swish, so no split is seen."""
 
@@ -2990,7 +2980,7 @@ def _branch_assigned_act(module: ModuleInfo, cls_name: str | None, f: ast.Attrib
     if CONFIG in kinds:
         # a branch npufuse cannot resolve: only testing the object at run time tells what runs
         return Act(CONFIG, gate, ctx, f"self.{f.attr} assigned in {len(values)} branches of __init__, one not resolved",
-                   obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
+                   obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True, default=_fallback_kind(module, cls_name, values, kinds))
     desc = f"self.{f.attr} assigned in {len(values)} branches of __init__ ({', '.join(sorted(set(kinds)))})"
     if len(set(kinds)) == 1:
         return Act(kinds[0], gate, ctx, desc, obj=f)
@@ -4412,4 +4402,788 @@ Swiglu.KEEP += [
     # odd columns activated against a stride-3 slice: not the two halves of one interleaving
     Keep(_HARVEST_INTERLEAVED.replace("1::2]", "1::3]"), reason="interleaved",
          name="harvest_interleaved_other_stride"),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# s26 (issue 14): opaque activation objects, in-place spellings, non-GLU defaults
+#
+# Three mechanisms, each for a family rather than a spelling:
+# - an activation attribute whose value npufuse cannot resolve statically (`self.act =
+#   activation.build()`, `registry[name]()`, `cfg.make_act()`) is a weak config-chosen activation:
+#   reported only where the product has a GLU's structure, and the fused branch tests the object at
+#   run time (silu -> npu_swiglu, gelu -> npu_geglu, anything else the original code);
+# - `act(a, inplace=True)` writes its operand: fused only when that operand is a value no other
+#   code reads (a fresh projection output), and `fresh.mul_(b)` inside an expression is the product;
+# - a config-chosen activation whose known default is no activation the fused ops compute (a
+#   Dauphin GLU's Sigmoid) is a near miss, not a candidate that never runs.
+
+# tensor methods that return (a view of) their receiver, not a new tensor: their result aliases it
+_ALIASING_METHODS = frozenset(("view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "contiguous", "to",
+                               "type_as", "type", "float", "half", "bfloat16", "double", "squeeze", "unsqueeze", "expand",
+                               "expand_as", "narrow", "select", "flatten", "unflatten", "detach", "as_strided", "movedim",
+                               "swapaxes", "swapdims", "chunk", "split", "unbind", "tensor_split", "real", "imag", "data"))
+
+
+def _inplace_call(call: ast.Call) -> bool:
+    """``F.silu(t, inplace=True)`` / ``t.silu_()`` style: the call writes its operand and returns it."""
+    kw = next((k for k in call.keywords if k.arg == "inplace"), None)
+    if kw is not None:
+        return const_value(kw.value) is not False
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else call.func.id if isinstance(call.func, ast.Name) else ""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _fresh_tensor(module: ModuleInfo, node: ast.expr) -> bool:
+    """``node`` evaluates to a tensor no name or attribute holds: an arithmetic result, or a call
+    (a projection, an activation) that returns a new tensor; an in-place call's result is its
+    operand, so it is fresh only when that operand is. Names, attributes, subscripts and views are not."""
+    for _ in range(8):
+        if isinstance(node, ast.BinOp):
+            return True
+        if not isinstance(node, ast.Call):
+            return False
+        f = node.func
+        if isinstance(f, ast.Attribute) and (f.attr in _ALIASING_METHODS or f.attr.endswith("_")) and not f.attr.endswith("__") \
+                and not (isinstance(f.value, ast.Name) and f.value.id in module.aliases):
+            node = f.value  # `t.view(...)` / `t.mul_(...)`: the receiver's storage
+            continue
+        if _inplace_call(node):
+            if not node.args or isinstance(node.args[0], ast.Starred):
+                return False
+            node = node.args[0]
+            continue
+        return True
+    return False
+
+
+def _fresh_inplace_product(module: ModuleInfo, call: ast.Call) -> tuple[ast.expr, ast.expr] | None:
+    """``fresh.mul_(b)`` used as a value (``F.silu(self.w1(x), inplace=True).mul_(self.w3(x))``): the
+    product ``fresh * b``; the tensor it writes is a temporary nothing else reads, so the fused
+    op's new tensor is the same value. None for any receiver a name or attribute may hold."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and f.attr in ("mul_", "multiply_") and len(call.args) == 1 and not call.keywords
+            and not isinstance(call.args[0], ast.Starred)):
+        return None
+    if not _fresh_tensor(module, f.value):
+        return None
+    return f.value, call.args[0]
+
+
+def _act_call_of(scope: Scope, act: Act) -> ast.Call | None:
+    """The call that applies ``act`` (its first argument is the activation's operand)."""
+    if act.gate is None:
+        return None
+    for n in fast_walk(scope.node):
+        if isinstance(n, ast.Call) and n.args and n.args[0] is act.gate:
+            return n
+    return None
+
+
+def _inplace_alias_reason(module: ModuleInfo, scope: Scope, g: Gate) -> str | None:
+    """An in-place activation (``F.silu(h, inplace=True)``, ``self.act = nn.SiLU(inplace=True)``)
+    on a tensor other code reads: the original leaves act(h) in ``h`` for those reads, the fused op
+    would leave ``h`` as it was. The reason, or None when the operand is fresh or read nowhere else."""
+    call = _act_call_of(scope, g.act)
+    if call is None:
+        return None
+    inplace = _inplace_call(call)
+    if not inplace and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == "self":
+        value = S.init_assignments(module, scope.class_name).get(call.func.attr)
+        inplace = isinstance(value, ast.Call) and any(k.arg == "inplace" and const_value(k.value) is not False for k in value.keywords)
+    if not inplace:
+        return None
+    operand = call.args[0]
+    if _fresh_tensor(module, operand):
+        return None
+    if isinstance(operand, ast.Name):
+        inside = {id(n) for n in fast_walk(call)}
+        reads = [n for n in fast_walk(scope.node) if isinstance(n, ast.Name) and n.id == operand.id
+                 and isinstance(n.ctx, ast.Load) and id(n) not in inside]
+        if not reads:
+            return None
+        return (f"in-place activation on `{operand.id}`, which line {reads[0].lineno} also reads: the original leaves "
+                f"the activation's result in `{operand.id}`, the fused op would leave it unchanged")
+    return (f"in-place activation on `{ast.unparse(operand)}`, which other code may hold: the original leaves the "
+            "activation's result there, the fused op would leave it unchanged")
+
+
+_NOT_ACTIVATIONS = frozenset(("torch.nn.Linear", "torch.nn.Dropout", "torch.nn.LayerNorm", "torch.nn.Identity", "torch.nn.Embedding",
+                              "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Sequential", "torch.nn.ModuleList"))
+
+
+def _opaque_object_act(module: ModuleInfo, value: ast.expr, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """``self.act = activation.build()`` / ``self.act = registry[name]()`` / ``self.act = cfg.act``:
+    an object whose identity configuration decides elsewhere, so no static reading says what it is.
+    Weak (a candidate only where the product is a GLU's: an activation of one projection times
+    another projection of the same input) and dispatched on the object at run time. Never a torch
+    name (those are known: a torch callable that is no activation stays none) or a class of this module
+    (its forward says what it computes)."""
+    call = value.func if isinstance(value, ast.Call) else value
+    if isinstance(call, ast.Subscript):
+        call = call.value
+    name = module.canonical(call) or ""
+    if name.startswith("torch.") or name in _NOT_ACTIVATIONS:
+        return None
+    root = call
+    while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+        root = root.value if not isinstance(root, ast.Call) else root.func
+    if not isinstance(root, ast.Name) or root.id in module.classes or (isinstance(call, ast.Name) and call.id in module.classes):
+        return None
+    if root.id in _BUILTIN_NAMES or root.id in ("self", "cls"):
+        # `getattr(F, "relu")` / `getattr(self, name)` are read by _getattr_act (a resolved relu is
+        # no activation to dispatch on); the object's own methods by the lookups above
+        return None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, None), weak=True)
+
+
+_BUILTIN_NAMES = frozenset(dir(__import__("builtins")))
+
+
+def _visible_choices(module: ModuleInfo, scope: Scope, act: Act) -> set[str]:
+    """Activation kinds the code itself offers for ``self.<attr>``: every value __init__ assigns it,
+    the arms of a conditional, the entries of a table it is looked up in (a transformers-style name
+    table offers silu and gelu)."""
+    if not (isinstance(act.obj, ast.Attribute) and isinstance(act.obj.value, ast.Name) and act.obj.value.id == "self"):
+        return set()
+    cls_name = _assigning_class(module, scope.class_name, act.obj.attr) or scope.class_name
+    out: set[str] = set()
+    values = list(_init_values(module, cls_name, act.obj.attr))
+    while values:
+        v = values.pop()
+        if isinstance(v, ast.IfExp):
+            values += [v.body, v.orelse]
+            continue
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Subscript):
+            v = v.func
+        if isinstance(v, ast.Subscript):
+            if (dotted(v.value) or "").split(".")[-1] in _ACT_TABLES:
+                out |= {SILU, GELU}
+            own = _own_act_table(module, v.value)
+            out |= {k for k, _ in own.values()} if own else set()
+            continue
+        k = _module_act(module, v)
+        if k is not None and k[0] != CONFIG:
+            out.add(k[0])
+    return out | _compared_choices(module, cls_name, act.obj.attr) | _constructor_choices(module, cls_name)
+
+
+def _compared_choices(module: ModuleInfo, cls_name: str | None, attr: str) -> set[str]:
+    """Activations the class tests ``self.<attr>`` against (``self.activation == F.silu``,
+    ``self.act is F.gelu``, ``isinstance(self.act, nn.SiLU)``): the code itself expects them."""
+    cls = module.classes.get(cls_name or "")
+    if cls is None:
+        return set()
+    target = f"self.{attr}"
+    out: set[str] = set()
+    for n in fast_walk(cls):
+        others: list[ast.expr] = []
+        if isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], (ast.Eq, ast.Is)):
+            left, right = n.left, n.comparators[0]
+            others = [right] if dotted(left) == target else [left] if dotted(right) == target else []
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "isinstance" and len(n.args) == 2 \
+                and dotted(n.args[0]) == target:
+            cls_arg = n.args[1]
+            others = [ast.Call(func=e, args=[], keywords=[]) for e in (cls_arg.elts if isinstance(cls_arg, ast.Tuple) else [cls_arg])]
+        for o in others:
+            k = _module_act(module, o)
+            if k is not None and k[0] != CONFIG:
+                out.add(k[0])
+    return out
+
+
+def _unfusable_default_reason(module: ModuleInfo, scope: Scope, act: Act) -> str | None:
+    """A config-chosen activation whose default is known and is no activation the fused ops compute,
+    with no fusable choice anywhere in the code (a Dauphin GLU's ``act or nn.Sigmoid()``): only a
+    caller elsewhere could make it a SwiGLU, so it is a near miss. Where the code itself offers silu
+    or gelu (a name table, branches), the site stays a run-time dispatched candidate."""
+    if act.kind != CONFIG or act.default is None or act.default in (SILU,) + GELU_KINDS:
+        return None
+    if _visible_choices(module, scope, act) & {SILU, GELU, GELU_TANH}:
+        return None
+    if _default_branched_away(module, scope, act):
+        return None
+    return (f"activation chosen by configuration ({act.describe}) defaults to {act.default}, which no fused gated op "
+            "computes (npu_swiglu: silu, npu_geglu: gelu); a sigmoid or relu GLU is not a SwiGLU")
+
+
+def _fallback_kind(module: ModuleInfo, cls_name: str | None, values: list[ast.expr], kinds: list[str]) -> str | None:
+    """``self.act = act if act is not None else nn.SiLU()`` as branches: the unresolved values are
+    __init__ parameters handed in by the caller, the known ones one kind: that kind is the default."""
+    params = S.init_params(module, cls_name)
+    unknown = [v for v, k in zip(values, kinds) if k == CONFIG]
+    known = {k for k in kinds if k != CONFIG}
+    if len(known) == 1 and unknown and all(isinstance(v, ast.Name) and v.id in params for v in unknown):
+        return known.pop()
+    return None
+
+
+def _param_or_default_act(module: ModuleInfo, value: ast.IfExp, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx, desc: str,
+                          cls_name: str | None) -> Act | None:
+    """``self.act = act if act is not None else nn.SiLU()``: the caller's object (an __init__
+    parameter) or a known activation when none is passed. Config-chosen with that default: weak
+    (reported only on a GLU's structure), dispatched on the object at run time; a default the
+    fused ops do not compute (a Sigmoid GLU) makes it a near miss (see _unfusable_default_reason)."""
+    params = S.init_params(module, cls_name)
+    arms = (value.body, value.orelse)
+    passed = [a for a in arms if isinstance(a, ast.Name) and a.id in params]
+    others = [a for a in arms if not (isinstance(a, ast.Name) and a.id in params)]
+    if len(passed) != 1 or len(others) != 1:
+        return None
+    k = _module_act(module, others[0])
+    if k is None or k[0] in (CONFIG, GELU_DYN):
+        return None
+    return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=k[0] in GELU_KINDS, default=k[0], weak=True)
+
+
+def _one_value_check(a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> None:
+    """``act(h) * h``: gate and up are one value. That is an activation of one tensor (x * silu(x)),
+    not a gated linear unit's two projections; the fused op would take the value twice (a copy of
+    both in torch.cat) for no fusion gain, so it is no candidate."""
+    if S.key(a, actx) == S.key(b, ctx):
+        raise GateMiss("gate and up are one value (act(h) * h): an activation of a single tensor, not a gated linear "
+                       "unit with two projections")
+
+
+# --- s26 examples: opaque activation objects (issue 14, class 6) ---
+
+_S26_OPAQUE = '''
+import enum
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Activation(str, enum.Enum):
+    silu = "silu"
+    gelu_tanh = "gelu_tanh"
+    relu = "relu"
+
+    def build(self):
+        if self is Activation.silu:
+            return F.silu
+        if self is Activation.gelu_tanh:
+            return functools.partial(F.gelu, approximate="tanh")
+        return F.relu
+
+
+class GatedFeedForward(nn.Module):
+    def __init__(self, d, h, activation=Activation.silu):
+        super().__init__()
+        self.act_fn = activation.build()
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(self.act_fn(self.gate(x)) * self.up(x))
+'''
+
+_RUN_S26_OPAQUE = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GatedFeedForward(8, 12, a) for a in (Activation.silu, Activation.gelu_tanh, Activation.relu)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate.weight for m in ms]
+'''
+
+_S26_REGISTRY = '''
+import torch
+from torch import nn
+
+ACTIVATIONS = {}
+
+
+def register(name, cls):
+    ACTIVATIONS[name] = cls
+
+
+register("swish", nn.SiLU)
+register("gelu", nn.GELU)
+register("relu", nn.ReLU)
+
+
+class Config:
+    def __init__(self, act="swish"):
+        self.act = act
+
+    def make_activation(self):
+        return ACTIVATIONS[self.act]()
+
+
+class RegistryGLU(nn.Module):
+    def __init__(self, d, h, act="swish"):
+        super().__init__()
+        self.act = ACTIVATIONS[act]()
+        self.w_in = nn.Linear(d, 2 * h)
+        self.w_out = nn.Linear(h, d)
+
+    def forward(self, x):
+        a, b = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(self.act(a) * b)
+
+
+class ConfigMethodGLU(nn.Module):
+    def __init__(self, cfg, d, h):
+        super().__init__()
+        self.activation = cfg.make_activation()
+        self.w1 = nn.Linear(d, h)
+        self.w3 = nn.Linear(d, h)
+
+    def forward(self, x):
+        h = self.activation(self.w1(x))
+        return h * self.w3(x)
+'''
+
+_RUN_S26_REGISTRY = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [RegistryGLU(8, 6, a) for a in ("swish", "gelu", "relu")] + [ConfigMethodGLU(Config(a), 8, 6) for a in ("swish", "gelu")]
+out = tuple(m(x) for m in ms)
+leaves = [x]
+'''
+
+Swiglu.FUSE += [
+    # `activation.build()` on an enum the caller passes: only the object says what runs; the
+    # functools.partial gelu(tanh) the enum builds takes npu_geglu, relu the original code
+    Fuse(_S26_OPAQUE, expect={"activation": "config", "runtime_check": "activation type", "dispatches_to": ["swiglu", "geglu"],
+                              "gate": "self.gate(x)", "up": "self.up(x)"},
+         run=_RUN_S26_OPAQUE, name="s26_opaque_activation_built_from_an_enum"),
+    # a registry filled by calls (no literal table to read), halves of one projection
+    Fuse(_S26_REGISTRY, expect={"activation": "config", "source": "split", "order": "gate_first"},
+         run=_RUN_S26_REGISTRY, name="s26_opaque_activation_from_a_registry_lookup"),
+    # a method of a configuration object builds it; the activation assigned to a name first
+    Fuse(_S26_REGISTRY.split("class RegistryGLU")[0] + "class ConfigMethodGLU" + _S26_REGISTRY.split("class ConfigMethodGLU")[1],
+         expect={"activation": "config", "gate": "self.w1(x)", "up": "self.w3(x)"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = tuple(ConfigMethodGLU(Config(a), 8, 6)(x) for a in ('swish', 'gelu', 'relu'))\nleaves = [x]\n",
+         name="s26_opaque_activation_from_a_config_method"),
+]
+
+Swiglu.KEEP += [
+    # the opaque object applied to the projection the other factor also is: x * act(x) of one
+    # tensor, not a GLU; opaque objects report nothing outside a GLU's structure
+    Keep(_S26_OPAQUE.replace("* self.up(x)", "* self.gate(x)"), reason="", name="s26_opaque_activation_times_the_same_projection"),
+    # ... nor beside a tensor that is no projection of the input (a residual gate)
+    Keep(_S26_OPAQUE.replace("self.down(self.act_fn(self.gate(x)) * self.up(x))", "self.down(self.act_fn(self.gate(x)) * x)"),
+         reason="", name="s26_opaque_activation_times_the_residual"),
+    # a known activation on one value twice: silu(h) * h, an activation of one tensor
+    Keep(_S26_OPAQUE.replace("self.act_fn(self.gate(x)) * self.up(x)", "F.silu(self.gate(x)) * self.gate(x)"),
+         reason="gate and up are one value", name="s26_silu_of_a_projection_times_itself"),
+]
+
+
+# --- s26 examples: in-place activations and products (issue 14) ---
+
+_S26_INPLACE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class InplaceGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fcg = nn.Linear(d, h, bias=False)
+        self.fc1 = nn.Linear(d, h, bias=False)
+        self.fc2 = nn.Linear(h, d, bias=False)
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        return self.fc2(F.silu(self.fcg(x), inplace=True).mul_(self.fc1(x)))
+
+    def forward_module(self, x):
+        return self.fc2(self.act(self.fcg(x)) * self.fc1(x))
+'''
+
+_RUN_S26_INPLACE = '''
+m = InplaceGLU(8, 12)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = (m(x), m.forward_module(x))
+leaves = [x, m.fcg.weight, m.fc1.weight]
+'''
+
+_S26_INPLACE_NAMED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GLUWithStats(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fcg = nn.Linear(d, h, bias=False)
+        self.fc1 = nn.Linear(d, h, bias=False)
+
+    def forward(self, x):
+        g = self.fcg(x)
+        y = F.silu(g, inplace=True) * self.fc1(x)
+        return y, g.mean()
+'''
+
+Swiglu.FUSE += [
+    # in-place silu on a fresh projection output, then `.mul_` on that temporary: the product as a value
+    Fuse(_S26_INPLACE, expect={"activation": "silu", "gate": "self.fcg(x)", "up": "self.fc1(x)"},
+         run=_RUN_S26_INPLACE, name="s26_inplace_silu_then_mul_on_a_temporary"),
+    # an `inplace=True` activation module on a fresh projection output
+    Fuse(_S26_INPLACE.replace("return self.fc2(F.silu(self.fcg(x), inplace=True).mul_(self.fc1(x)))",
+                              "return self.fc2(self.act(self.fcg(x)) * self.fc1(x))"),
+         expect={"activation": "silu"}, run=_RUN_S26_INPLACE, name="s26_inplace_activation_module_on_a_projection"),
+]
+
+Swiglu.KEEP += [
+    # the in-place silu writes `g`, which the return statement reads: the rewrite would change it
+    Keep(_S26_INPLACE_NAMED, reason="in-place activation on `g`", name="s26_inplace_silu_on_a_tensor_read_later"),
+    # the same through an inplace=True module held by the layer
+    Keep(_S26_INPLACE_NAMED.replace("self.fc1 = nn.Linear(d, h, bias=False)", "self.fc1 = nn.Linear(d, h, bias=False)\n        self.act = nn.SiLU(inplace=True)")
+         .replace("F.silu(g, inplace=True)", "self.act(g)"),
+         reason="in-place activation on `g`", name="s26_inplace_activation_module_on_a_tensor_read_later"),
+]
+
+
+# --- s26 examples: caller-chosen activation with a known default (issue 14) ---
+
+_S26_DEFAULT = '''
+import torch
+from torch import nn
+
+
+class GLUFFN(nn.Module):
+    def __init__(self, d, h, gate_activation=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h)
+        self.inner_proj = nn.Linear(d, h)
+        self.output_proj = nn.Linear(h, d)
+        self.gate_activation = gate_activation if gate_activation is not None else nn.SiLU()
+
+    def forward(self, x):
+        return self.output_proj(self.gate_activation(self.gate_proj(x)) * self.inner_proj(x))
+'''
+
+_RUN_S26_DEFAULT = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GLUFFN(8, 6), GLUFFN(8, 6, nn.GELU()), GLUFFN(8, 6, nn.Sigmoid())]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_proj.weight for m in ms]
+'''
+
+_S26_DEFAULT_BRANCHES = '''
+import torch
+from torch import nn
+
+
+class DauphinFFN(nn.Module):
+    def __init__(self, d, h, inner_activation=None):
+        super().__init__()
+        self.inner_proj = nn.Linear(d, 2 * h)
+        if inner_activation is not None:
+            self.inner_activation = inner_activation
+        else:
+            self.inner_activation = nn.Sigmoid()
+        self.output_proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        a, b = self.inner_proj(x).chunk(2, dim=-1)
+        return self.output_proj(self.inner_activation(a) * b)
+'''
+
+_S26_DEFAULT_FACTORY = '''
+import torch
+from torch import nn
+
+
+class GluMlp(nn.Module):
+    def __init__(self, d, h, act_layer=nn.Sigmoid):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.act = act_layer()
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        x1, x2 = x.chunk(2, dim=-1)
+        return self.fc2(self.act(x1) * x2)
+'''
+
+Swiglu.FUSE += [
+    # the caller's object or nn.SiLU(): config-chosen with a silu default, dispatched on the object
+    Fuse(_S26_DEFAULT, expect={"activation": "config", "default_activation": "silu", "dispatches_to": ["swiglu", "geglu"]},
+         run=_RUN_S26_DEFAULT, name="s26_caller_activation_or_silu_default"),
+    # the same as if/else statements in __init__ (a Dauphin-style layer whose default is SiLU)
+    Fuse(_S26_DEFAULT_BRANCHES.replace("nn.Sigmoid()", "nn.SiLU()"), expect={"activation": "config", "default_activation": "silu"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = (DauphinFFN(8, 6)(x), DauphinFFN(8, 6, nn.GELU())(x))\nleaves = [x]\n",
+         name="s26_caller_activation_or_silu_default_in_branches"),
+]
+
+Swiglu.KEEP += [
+    # a sigmoid GLU by default; only some caller elsewhere could pass a SiLU: not a SwiGLU site
+    Keep(_S26_DEFAULT.replace("nn.SiLU()", "nn.Sigmoid()"), reason="defaults to sigmoid", name="s26_caller_activation_or_sigmoid_default"),
+    Keep(_S26_DEFAULT_BRANCHES, reason="defaults to sigmoid", name="s26_caller_activation_or_sigmoid_default_in_branches"),
+    # timm-style act_layer class with a Sigmoid default (GluMlp)
+    Keep(_S26_DEFAULT_FACTORY, reason="defaults to sigmoid", name="s26_act_layer_factory_with_sigmoid_default"),
+]
+
+
+def _default_branched_away(module: ModuleInfo, scope: Scope, act: Act) -> bool:
+    """The product sits where the default never runs: the else of ``if self.act == <default>:``
+    (flash-attn's GatedMlp sends its F.sigmoid default to F.glu and multiplies only otherwise), or
+    the body of ``if self.act != <default>:``."""
+    if act.gate is None or not isinstance(act.obj, ast.Attribute):
+        return False
+    target, line = dotted(act.obj), act.gate.lineno
+    for n in fast_walk(scope.node):
+        if not (isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and len(n.test.ops) == 1):
+            continue
+        left, right = n.test.left, n.test.comparators[0]
+        other = right if dotted(left) == target else left if dotted(right) == target else None
+        k = _module_act(module, other) if other is not None else None
+        if k is None or k[0] != act.default:
+            continue
+        away = n.orelse if isinstance(n.test.ops[0], (ast.Eq, ast.Is)) else n.body if isinstance(n.test.ops[0], (ast.NotEq, ast.IsNot)) else []
+        if away and away[0].lineno <= line <= (away[-1].end_lineno or away[-1].lineno):
+            return True
+    return False
+
+_S26_DEFAULT_SPECIAL_CASED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, d, h, activation=F.sigmoid):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.activation = activation
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        y = self.fc1(x)
+        if self.activation == F.sigmoid:
+            y = F.glu(y, dim=-1)
+        else:
+            y, gate = y.chunk(2, dim=-1)
+            y = y * self.activation(gate)
+        return self.fc2(y)
+'''
+
+Swiglu.FUSE += [
+    # the sigmoid default goes to F.glu; the product runs only for another activation: a candidate
+    # dispatched on the object (silu on the second half: the halves swapped)
+    Fuse(_S26_DEFAULT_SPECIAL_CASED, expect={"activation": "config", "order": "up_first"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = tuple(GatedMlp(8, 6, a)(x) for a in (F.sigmoid, F.silu, F.gelu, F.relu))\nleaves = [x]\n",
+         name="s26_sigmoid_default_special_cased_away_from_the_product"),
+]
+Swiglu.KEEP += [
+    # the same product reached by the default itself (the special case tests another activation)
+    Keep(_S26_DEFAULT_SPECIAL_CASED.replace("if self.activation == F.sigmoid:", "if self.activation == F.relu:"),
+         reason="defaults to sigmoid", name="s26_sigmoid_default_reaching_the_product"),
+]
+
+
+# --- s26: an operand transformed under a condition before the product (fairseq2/Gemma3n sparsity) ---
+
+_CONDITIONAL_NOTE = ("`{name}` may be transformed under a condition before the product (e.g. a sparsified gate): the fused op "
+                     "takes its value as it is at the activation, so the transform stays outside and runs as before; the "
+                     "fused branch also checks that gate and up have one shape")
+
+
+def _conditionally_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
+                                    node: ast.expr, trace: S.Trace, ia: str | None, ib: str | None) -> Gate | None:
+    """``gate = self.gate_proj(x); if flag: gate = sparsify(gate); gate = act(gate); up = self.up(x);
+    up * gate``: the activated name's first assignment projects the other operand's input, and every
+    later one before the activation transforms the name itself (so each path starts from that
+    projection). The fused op takes the name's value at the activation (whatever the branch did), so
+    the conditional statements stay outside the replaced span; shapes are checked at run time. Only
+    the activated operand is taken this way; an up operand changed under a condition stays a near miss."""
+    if ia == ib or not _conditionally_projected(module, a, actx, ib):
+        return None
+    # the up operand is left as written (a name stays a name): the fused branch compares the two
+    # operands' shapes, so both must be values it can read without computing them again. Its own
+    # statement (`seqs = self.inner_proj(seqs)`) stays verbatim, even where reading the factors
+    # followed it (an imported Linear looks like an activation object to _act_of)
+    if isinstance(b, ast.Name):
+        d = S.definition(ctx, b.id)
+        if d is not None and id(d[0]) in trace.stmts and S.names_written(d[0]) == {b.id}:
+            others = set().union(*(S.names_written(st) for k, st in trace.stmts.items() if k != id(d[0])))
+            if not (S.names_read(d[0]) & others):
+                del trace.stmts[id(d[0])]
+    return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ib, shape_checked=True)
+
+
+def _shape_checked_fused(module: ModuleInfo, g: Gate, plan: S.SpanPlan, fused: str, kept_first: list[str]) -> str:
+    """The kept statements, then ``if a.shape == b.shape: <fused root> else: <the replaced
+    statements as written>``: the shapes are read after everything the operands need has run.
+    Raises RenderError when an operand is no plain name (checking it would compute it twice) or an
+    optional branch restructured the span."""
+    if len(kept_first) != len(plan.kept):
+        raise S.RenderError("an optional branch and a run-time shape check in one span")
+    ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g.a, g.b))
+    if not (ga.isidentifier() and gb.isidentifier()):
+        raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
+    return "\n".join(kept_first + [f"if {ga}.shape == {gb}.shape:", S.indent(fused),
+                                    "else:  # operands of different shapes (broadcasting): the original code",
+                                    S.indent(_replaced_source(module, plan))])
+
+
+def _replaced_source(module: ModuleInfo, plan: S.SpanPlan) -> str:
+    """The span's statements the fused code replaces (the kept ones already ran before), as written."""
+    return "\n".join(S.stmt_source(module, st) for st in plan.stmts if not any(st is k for k in plan.kept))
+
+
+_S26_SPARSE_GATE = '''
+import torch
+from torch import nn
+
+
+class SparseGateMLP(nn.Module):
+    """Gemma3n: the gate projection is sparsified under a condition before the activation."""
+
+    def __init__(self, d, h, sparsity):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = nn.SiLU()
+        self.sparsity = sparsity
+
+    def forward(self, x):
+        gate_proj = self.gate_proj(x)
+        if self.sparsity > 0.0:
+            gate_proj = torch.relu(gate_proj - 1.0)
+        activations = self.act_fn(gate_proj)
+        up_proj = self.up_proj(x)
+        return self.down_proj(activations * up_proj)
+'''
+
+_S26_GLU_FFN_CONDITIONAL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GLUFeedForward(nn.Module):
+    def __init__(self, d, h, gate_activation=None, sparsity=0.0, dropout_p=0.0):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h)
+        self.gate_activation = gate_activation if gate_activation is not None else nn.SiLU()
+        self.inner_proj = nn.Linear(d, h)
+        self.inner_dropout = nn.Dropout(dropout_p) if dropout_p > 0.0 else None
+        self.output_proj = nn.Linear(h, d)
+        self.sparsity = sparsity
+
+    def _sparsify(self, t):
+        cutoff = t.mean(dim=-1, keepdim=True) + t.std(dim=-1, keepdim=True) * self.sparsity
+        return F.relu(t - cutoff)
+
+    def forward(self, seqs):
+        gate = self.gate_proj(seqs)
+        if self.sparsity > 0.0:
+            gate = self._sparsify(gate)
+        gate = self.gate_activation(gate)
+        seqs = self.inner_proj(seqs)
+        seqs = seqs * gate
+        del gate
+        if self.inner_dropout is not None:
+            seqs = self.inner_dropout(seqs)
+        return self.output_proj(seqs)
+
+
+class TanhGLU(nn.Module):
+    def __init__(self, d, h, sparsity=0.0):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h)
+        self.inner_proj = nn.Linear(d, h)
+        self.output_proj = nn.Linear(h, d)
+        self.sparsity = sparsity
+
+    def forward(self, seqs):
+        gate = self.gate_proj(seqs)
+        if self.sparsity > 0.0:
+            gate = F.relu(gate - gate.mean(dim=-1, keepdim=True))
+        gate = F.gelu(gate, approximate="tanh")
+        seqs = self.inner_proj(seqs)
+        seqs = seqs * gate
+        return self.output_proj(seqs)
+'''
+
+_RUN_S26_GLU_FFN_CONDITIONAL = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GLUFeedForward(8, 6), GLUFeedForward(8, 6, sparsity=0.5), GLUFeedForward(8, 6, nn.GELU()), GLUFeedForward(8, 6, nn.ReLU())]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_proj.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # the gate sparsified under a flag before the activation: the fused op takes the gate's value
+    # at the activation, the condition stays outside; shapes checked at run time
+    Fuse(_S26_SPARSE_GATE, expect={"activation": "silu", "gate": "gate_proj", "up": "up_proj"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (SparseGateMLP(8, 6, 0.0)(x), SparseGateMLP(8, 6, 0.5)(x))\nleaves = [x]\n",
+         name="s26_gate_sparsified_under_condition"),
+    # fairseq2-style GLU FFN: caller's gate activation (SiLU default), optional sparsity before and
+    # optional dropout after the product, the input rebound by the up projection
+    Fuse(_S26_GLU_FFN_CONDITIONAL, expect={"activation": "config", "default_activation": "silu", "gate": "gate", "up": "seqs"},
+         run=_RUN_S26_GLU_FFN_CONDITIONAL, name="s26_glu_ffn_with_optional_sparsity_and_dropout"),
+]
+
+Swiglu.KEEP += [
+    # the pre-activation name is read after the product: the fused path would leave it un-activated
+    Keep(_S26_SPARSE_GATE.replace("return self.down_proj(activations * up_proj)", "return self.down_proj(activations * up_proj), activations.mean()"),
+         reason="", name="s26_gate_sparsified_activation_read_later"),
+    # the up operand is computed inside the product: its shape cannot be read before it is computed once
+    Keep(_S26_SPARSE_GATE.replace("up_proj = self.up_proj(x)\n        return self.down_proj(activations * up_proj)",
+                                  "return self.down_proj(activations * self.up_proj(x))"),
+         reason="shapes must be checked at run time", name="s26_gate_sparsified_up_computed_in_the_product"),
+    # the up operand changed under a condition (not the activated one): no reading of the gate helps
+    Keep(_S26_SPARSE_GATE.replace("        if self.sparsity > 0.0:\n            gate_proj = torch.relu(gate_proj - 1.0)\n", "")
+         .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = up_proj * 0.5\n"),
+         reason="", name="s26_up_scaled_under_condition"),
+]
+
+
+def _conditionally_projected(module: ModuleInfo, a: ast.expr | None, actx: S.Ctx, ib: str | None) -> bool:
+    """``a`` is a name first assigned a projection of input ``ib``, then (under a condition) only
+    transformed from itself (``gate = topk(gate)``) before ``actx``'s line."""
+    if not isinstance(a, ast.Name) or ib is None:
+        return False
+    assigns = sorted(((st, v) for st, v in actx.scope.assignments.get(a.id, []) if st.lineno < actx.line), key=lambda t: t[0].lineno)
+    if len(assigns) < 2:
+        return False
+    first_stmt, first = assigns[0]
+    if first is None or _projection_input(first, actx.at(first_stmt.lineno), module) != ib:
+        return False
+    if any(v is None or a.id not in S.names_read(v) for _, v in assigns[1:]):
+        return False
+    idx = S.stmt_index(actx.scope)
+    # unconditional transforms: the "transformed after its projection" reading applies instead
+    return any(isinstance(anc, (ast.If, ast.For, ast.While, ast.Try, ast.With)) for st, _ in assigns[1:] for anc in S.ancestors(idx, st))
+
+
+def _constructor_choices(module: ModuleInfo, cls_name: str | None) -> set[str]:
+    """Activations this module passes when it builds the class (``GluMlp(..., act_layer=nn.SiLU)``,
+    ``partial(GluMlp, act_layer=nn.SiLU)``, timm's SwiGLUPacked): keyword values that are activation
+    objects or activation classes."""
+    if not cls_name:
+        return set()
+    out: set[str] = set()
+    for n in fast_walk(module.tree):
+        if not isinstance(n, ast.Call):
+            continue
+        builds = dotted(n.func) == cls_name or (
+            (dotted(n.func) or "").split(".")[-1] == "partial" and n.args and dotted(n.args[0]) == cls_name)
+        if not builds:
+            continue
+        for kw in n.keywords:
+            for v in (kw.value, ast.Call(func=kw.value, args=[], keywords=[])):
+                k = _module_act(module, v)
+                if k is not None and k[0] != CONFIG:
+                    out.add(k[0])
+    return out
+
+Swiglu.FUSE += [
+    # the Sigmoid default, but the module itself builds the layer with SiLU (timm's SwiGLUPacked):
+    # a candidate dispatched on the object (the plain GLU runs the original code)
+    Fuse("import functools\n" + _S26_DEFAULT_FACTORY + "\n\nSwiGLUPacked = functools.partial(GluMlp, act_layer=nn.SiLU)\n",
+         expect={"activation": "config", "default_activation": "sigmoid"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = (SwiGLUPacked(8, 6)(x), GluMlp(8, 6)(x))\nleaves = [x]\n",
+         name="s26_sigmoid_default_but_built_with_silu_in_the_module"),
 ]
