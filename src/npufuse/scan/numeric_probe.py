@@ -520,6 +520,8 @@ class Interpreter:
                     if any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list):
                         return self.call_function(_undecorated(fn), [], {}, base)
                     return Func(fn, base)
+            if node.attr in ("register_buffer", "register_parameter") and self.in_init:
+                return ("register", base, node.attr)
             if node.attr == "training":
                 return False  # the probe runs the module in eval mode; tests on it become guards
             raise Unknown(f"attribute `self.{node.attr}` is not set by __init__")
@@ -564,6 +566,14 @@ class Interpreter:
                 raise Unknown("passes an unknown value to a helper")
             self.entered.append(fv.node)
             return self.call_function(fv.node, args, kwargs, fv.bound)
+        if isinstance(fv, tuple) and len(fv) == 3 and fv[0] == "register":
+            if len(args) < 2 or not isinstance(args[0], str):
+                raise Unknown(f"{fv[2]} with unknown arguments")
+            value = args[1]
+            if isinstance(value, t.Tensor) and fv[2] == "register_parameter":
+                value = value.detach().clone()
+            fv[1].attrs[args[0]] = value
+            return None
         if isinstance(fv, tuple) and len(fv) == 3 and fv[0] == "method":
             _, base, name = fv
             args = [self._plain(a) for a in args]
@@ -877,6 +887,15 @@ def prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | 
     """Evaluate ``fn`` on sampled inputs and decide whether it returns
     ``x * rsqrt(mean(x**2, -1) + eps) * w`` (w: a 1-D weight of the scope, ``1 + w``, or none)."""
     reason = static_gate(module, fn, cls)
+    if reason is None and cls is not None:
+        # self is built by interpreting __init__ (and same-file bases'): the same allowlist holds there
+        for c in _bases(module, cls):
+            init = next((n for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            if init is not None:
+                reason = static_gate(module, init, c)
+                if reason is not None:
+                    reason = f"__init__: {reason}"
+                    break
     if reason is not None:
         return RmsProof("unknown", reason)
     try:
