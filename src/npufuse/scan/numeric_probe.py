@@ -904,6 +904,8 @@ def prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | 
         return RmsProof("unknown", e.reason)
     except RecursionError:
         return RmsProof("unknown", "recursion")
+    except Exception as e:  # torch raising on a sampled value the interpreter did not anticipate
+        return RmsProof("unknown", f"evaluation raised {type(e).__name__}")
 
 
 def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RmsProof:
