@@ -100,8 +100,9 @@ rsqrt sqrt pow square mean sum add mul multiply div divide sub subtract neg abs 
 clamp clamp_min clamp_max clip maximum minimum max min amax amin where cat concat stack norm var
 std var_mean std_mean reciprocal tanh sigmoid matmul einsum ones ones_like zeros zeros_like full
 full_like arange finfo promote_types is_tensor is_floating_point softmax erf cumsum prod
-unsqueeze squeeze reshape transpose permute flatten chunk split unbind rms_norm layer_norm
+unsqueeze squeeze reshape transpose permute flatten chunk split unbind rms_norm layer_norm empty
 """.split())
+_INIT_FILLS = frozenset(("ones_", "zeros_", "normal_", "uniform_", "constant_", "trunc_normal_", "xavier_uniform_"))
 _TORCH_CONSTANT_FALSE = frozenset(("torch.is_autocast_enabled", "torch.jit.is_scripting", "torch.jit.is_tracing",
                                    "torch.compiler.is_compiling", "torch._dynamo.is_compiling",
                                    "torch.is_grad_enabled"))
@@ -145,6 +146,8 @@ def _allowed_dotted(name: str) -> bool:
         return name[2:] in _F_FUNCS
     if name.startswith("torch.linalg."):
         return name[13:] in _LINALG_FUNCS
+    if name.startswith("torch.nn.init."):
+        return name[14:] in _INIT_FILLS
     if name.startswith("torch.nn.") and name.count(".") == 2:
         return name[9:] in _NN_MODULES or name[9:] == "Parameter"
     if name.startswith("torch.") and name.count(".") == 1:
@@ -227,6 +230,8 @@ class Interpreter:
         self.in_init = in_init
         self.decisions: list[Decision] = []
         self.entered: list[ast.FunctionDef] = []  # helpers followed (their findings cover callers)
+        self.stack: list[ast.FunctionDef] = []  # functions running (super() starts after the owner's class)
+        self.scalar_reads: dict[str, Any] = {}  # self.<attr> -> int/float value read by the run
 
     # -- values ----------------------------------------------------------------------------
     def _check(self, v: Any) -> Any:
@@ -249,16 +254,18 @@ class Interpreter:
     def call_function(self, fn: ast.FunctionDef, args: list[Any], kwargs: dict[str, Any], bound: Obj | None) -> Any:
         if self.depth >= MAX_DEPTH:
             raise Unknown("helper calls nested too deeply (recursion?)")
-        if fn.decorator_list and not all(isinstance(d, ast.Name) and d.id in ("staticmethod",) for d in fn.decorator_list):
-            raise Unknown("a decorated function")
+        if self.depth > 0 and fn.decorator_list and not all(isinstance(d, ast.Name) and d.id in ("staticmethod",) for d in fn.decorator_list):
+            raise Unknown("calls a decorated helper")
         env = self._bind(fn, ([bound] if bound is not None and not _is_static(fn) else []) + list(args), kwargs)
         self.depth += 1
+        self.stack.append(fn)
         try:
             self._block(fn.body, env)
         except _Return as r:
             return r.value
         finally:
             self.depth -= 1
+            self.stack.pop()
         return None
 
     def _bind(self, fn: ast.FunctionDef, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -514,7 +521,10 @@ class Interpreter:
             return Dotted(full)
         if isinstance(base, Obj):
             if node.attr in base.attrs:
-                return base.attrs[node.attr]
+                v = base.attrs[node.attr]
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and not self.in_init:
+                    self.scalar_reads[node.attr] = v
+                return v
             for fn in _methods(self.module, base.cls):
                 if fn.name == node.attr:
                     if any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list):
@@ -609,7 +619,9 @@ class Interpreter:
             raise Unknown("super() outside a method")
         args = [self.expr(a, env) for a in node.args]
         kwargs = {k.arg: self.expr(k.value, env) for k in node.keywords if k.arg is not None}
-        for base in _bases(self.module, obj.cls)[1:]:
+        chain = _bases(self.module, obj.cls)
+        owner = next((i for i, c in enumerate(chain) if self.stack and self.stack[-1] in c.body), 0)
+        for base in chain[owner + 1:]:
             for fn in base.body:
                 if isinstance(fn, ast.FunctionDef) and fn.name == name:
                     return self.call_function(fn, args, kwargs, obj)
@@ -637,6 +649,8 @@ class Interpreter:
             if not isinstance(v, t.Tensor):
                 raise Unknown("a Parameter of a non-tensor")
             return v.detach().clone()
+        if name.startswith("torch.nn.init."):
+            return args[0]  # a fill: every float tensor is randomized before a run anyway
         if name.startswith("torch.nn."):
             try:
                 mod = getattr(t.nn, name[9:])(*args, **kwargs)
@@ -657,7 +671,9 @@ class Interpreter:
             fn = getattr(t.linalg, name[13:])
         else:
             fn = getattr(t, name[6:])
-        if name in ("torch.ones", "torch.zeros", "torch.full", "torch.arange"):
+        if name == "torch.empty":
+            fn = t.zeros  # uninitialised memory: zeros (randomized before a run anyway)
+        if name in ("torch.ones", "torch.zeros", "torch.full", "torch.arange", "torch.empty"):
             n = 1
             for s in args[:1] if name in ("torch.full",) else args:
                 for d in (s if isinstance(s, (tuple, list)) else (s,)):
@@ -788,7 +804,7 @@ def _methods(module: ModuleInfo, cls: ast.ClassDef) -> Iterable[ast.FunctionDef]
 # --- building self -------------------------------------------------------------------------
 
 
-def build_self(module: ModuleInfo, cls: ast.ClassDef) -> Obj:
+def build_self(module: ModuleInfo, cls: ast.ClassDef, overrides: dict[str, Any] | None = None) -> Obj:
     """``self`` after the class's ``__init__`` (or its same-file base's) ran with dimension-like
     arguments (no default) set to ``DIM`` and the others to their defaults. Raises Unknown."""
     if not _plain_module_base(module, cls):
@@ -805,15 +821,37 @@ def build_self(module: ModuleInfo, cls: ast.ClassDef) -> Obj:
     for i, p in enumerate(params):
         if i >= len(params) - n_def:
             break
-        ann = ast.unparse(p.annotation) if p.annotation is not None else ""
-        if ann and ann not in ("int", "Optional[int]", "int | None"):
-            raise Unknown(f"constructor argument `{p.arg}: {ann}` has no default")
-        args.append(DIM)
-    kw_missing = [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
-    if kw_missing:
-        raise Unknown(f"constructor argument `{kw_missing[0]}` has no default")
-    it.call_function(init, args, {}, obj)
+        args.append(_dim_argument(p))
+    kwargs = {p.arg: _dim_argument(p) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None}
+    kwargs.update(overrides or {})
+    it.call_function(init, args, kwargs, obj)
     return obj
+
+
+def _dim_argument(p: ast.arg) -> int:
+    """A constructor argument without default: a dimension (int, or not annotated) gets DIM."""
+    ann = ast.unparse(p.annotation) if p.annotation is not None else ""
+    if ann == "bool":
+        return False  # a flag without default: False first, flipped by the exploration
+    if ann and ann not in ("int", "Optional[int]", "int | None"):
+        raise Unknown(f"constructor argument `{p.arg}: {ann}` has no default")
+    return DIM
+
+
+def bool_arguments(module: ModuleInfo, cls: ast.ClassDef) -> dict[str, bool]:
+    """Constructor arguments whose default is True/False (flags the probe may flip)."""
+    init = next((fn for fn in _methods(module, cls) if fn.name == "__init__"), None)
+    if init is None:
+        return {}
+    a = init.args
+    params = [*a.posonlyargs, *a.args]
+    pairs = list(zip(params[len(params) - len(a.defaults):], a.defaults)) + [(p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+    flags = {p.arg: d.value for p, d in pairs if isinstance(d, ast.Constant) and isinstance(d.value, bool)}
+    n_req = len(params) - len(a.defaults)
+    for p in [*params[1:n_req], *(p for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None)]:
+        if p.annotation is not None and ast.unparse(p.annotation) == "bool":
+            flags[p.arg] = False
+    return flags
 
 
 def randomize(obj: Obj, gen: Any, dtype: Any = None) -> Obj:
@@ -856,6 +894,7 @@ class RmsProof:
     guards: list[str] = field(default_factory=list)  # run-time tests the proof assumed
     sampled: list[str] = field(default_factory=list)  # input-dependent branches only sampled
     entered: list[ast.FunctionDef] = field(default_factory=list)
+    scalar_reads: dict[str, Any] = field(default_factory=dict)  # self.<attr> -> value the function read
 
 
 @dataclass
@@ -866,6 +905,7 @@ class _Run:
     tensors: dict[str, Any]  # expression -> 1-D float tensor
     decisions: list[Decision]
     entered: list[ast.FunctionDef]
+    scalar_reads: dict[str, Any] = field(default_factory=dict)
 
 
 _SCALES = (1.0, 10.0, 1e-3, 1e-6, 1e-13)
@@ -899,7 +939,7 @@ def prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | 
     if reason is not None:
         return RmsProof("unknown", reason)
     try:
-        return _prove_rms_norm(module, fn, cls)
+        return _explore(module, fn, cls)
     except Unknown as e:
         return RmsProof("unknown", e.reason)
     except RecursionError:
@@ -908,7 +948,56 @@ def prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | 
         return RmsProof("unknown", f"evaluation raised {type(e).__name__}")
 
 
-def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RmsProof:
+def _explore(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RmsProof:
+    """The constructor's defaults first, then each boolean flag flipped (up to 4): the first
+    configuration proved wins (the forward's tests on those flags become run-time guards);
+    otherwise the defaults' outcome is reported."""
+    configs: list[dict[str, Any]] = [{}]
+    if cls is not None:
+        flags = bool_arguments(module, cls)
+        configs += [{k: not v} for k, v in list(flags.items())[:4]]
+    first: RmsProof | None = None
+    weightless: RmsProof | None = None
+    for overrides in configs:
+        try:
+            proof = _proved_on_two_dims(module, fn, cls, overrides)
+        except Unknown as e:
+            proof = RmsProof("unknown", e.reason)
+        if proof.kind == "proved":
+            if proof.weight is not None:
+                return proof
+            weightless = weightless or proof  # a configuration with a weight is the common one: keep looking
+        first = first or proof
+    assert first is not None
+    return weightless or first
+
+
+def _proved_on_two_dims(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None, overrides: dict[str, Any]) -> RmsProof:
+    """Proved with dimension arguments 16 and 24 alike (a scalar derived from the dimension is
+    then covered); scalar attributes of self read by the function with the same value in both
+    (a constructor default such as ``scale=1.0``) become run-time guards, eps excepted."""
+    global DIM
+    proofs: list[RmsProof] = []
+    for d in (16, 24):
+        DIM = d
+        try:
+            proofs.append(_prove_rms_norm(module, fn, cls, overrides))
+        finally:
+            DIM = 16
+        if proofs[-1].kind != "proved":
+            return proofs[-1]
+    a, b = proofs
+    if (a.weight, a.weight_offset, a.eps, a.dtype_rule) != (b.weight, b.weight_offset, b.eps, b.dtype_rule):
+        return RmsProof("unknown", "the proof depends on the dimension")
+    guards = a.guards + [g for g in b.guards if g not in a.guards]
+    for attr, v in sorted(a.scalar_reads.items()):
+        if b.scalar_reads.get(attr) == v and f"self.{attr}" != a.eps and math.isfinite(v):
+            guards.append(f"self.{attr} == {v!r}")
+    a.guards = guards
+    return a
+
+
+def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None, overrides: dict[str, Any] | None = None) -> RmsProof:
     t = torch_module()
     a = fn.args
     params = [p.arg for p in (*a.posonlyargs, *a.args)]
@@ -926,7 +1015,7 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
         raise Unknown(f"argument `{extra[0]}` has no default")
     if any(d is None for d in a.kw_defaults):
         raise Unknown("a keyword-only argument has no default")
-    base = build_self(module, cls) if is_method else None
+    base = build_self(module, cls, overrides) if is_method else None
     if cls is not None and not is_method:
         raise Unknown("a static method")
     assigned = _assigned_names(fn)
@@ -950,7 +1039,7 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
                     tensors[f"self.{k}"] = v
                 elif isinstance(v, (int, float)) and not isinstance(v, bool):
                     scalars[f"self.{k}"] = v
-        return _Run(xv, out, scalars, tensors, it.decisions, it.entered)
+        return _Run(xv, out, scalars, tensors, it.decisions, it.entered, it.scalar_reads)
 
     gen0 = t.Generator().manual_seed(0)
     base3 = t.randn(2, 3, DIM, generator=gen0, dtype=t.float64)
@@ -1040,7 +1129,10 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
             elif src not in sampled:
                 sampled.append(src)
     entered = list({id(f): f for rr in fp32_runs for f in rr.entered}.values())
-    return RmsProof("proved", "", x_name, k, off, eps_expr, eps_value, rule, guards, sampled, entered)
+    reads: dict[str, Any] = {}
+    for rr in [*fp32_runs, *half_runs]:
+        reads.update(rr.scalar_reads)
+    return RmsProof("proved", "", x_name, k, off, eps_expr, eps_value, rule, guards, sampled, entered, reads)
 
 
 def _only_self_reads(test: ast.expr) -> bool:
