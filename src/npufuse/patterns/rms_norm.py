@@ -4057,13 +4057,14 @@ def _probe_target(module: ModuleInfo, scope: Scope) -> tuple[ast.FunctionDef, as
     return fn, cls
 
 
-# matcher near misses that state a limit of the matcher, not a fact about the code
-_MATCHER_LIMITS = (_OTHER_BLOCK, "is reassigned inside the region", "reused after the fused region",
-                   "is used by another statement inside the fused region", "does not follow")
+# A matcher near miss is a question the spelling could not settle; the probe settles it by
+# value (a proof replaces the whole function, so span questions vanish too). Only the refusals
+# that no value can overturn stand: an existing torch_npu branch.
+_PROBE_NEVER_OVERRIDES = ("torch_npu", "already")
 
 
 def _probe_may_override(reason: str) -> bool:
-    return any(w in reason for w in _MATCHER_LIMITS)
+    return not any(w in reason for w in _PROBE_NEVER_OVERRIDES)
 
 
 def probe_results(module: ModuleInfo, scope: Scope, matched: list[Result | None]) -> list[Result]:
@@ -4086,7 +4087,7 @@ def probe_results(module: ModuleInfo, scope: Scope, matched: list[Result | None]
     if not body:
         return []
     line, end = body[0].lineno, body[-1].end_lineno or body[-1].lineno
-    if proof.kind == "mismatch":
+    if proof.kind == "mismatch" and not matched:  # the matcher's own reasons stand where it gave some
         return [NearMiss("rms_norm", scope.qualname, line, end, f"numeric probe on sampled inputs: {proof.reason}")]
     if proof.kind != "proved":
         return []
@@ -4294,4 +4295,18 @@ RmsNorm.KEEP += [
          name="probe_eps_outside_the_root"),
     Keep(_PROBE_K_DIM1, reason="normalises over another dim than the last", name="probe_statistic_over_dim_1"),
     Keep(_PROBE_K_BIAS, reason="adds `self.b` after the weight (a bias): npu_rms_norm has no bias", name="probe_bias_after_weight"),
+]
+
+# The matcher refuses a mean over ``self.dim`` when a constructor call may pass another dim (it
+# cannot know the value statically); the probe proves the default and guards ``self.dim == -1``
+# at run time, so that Keep becomes a Fuse: the instance built with dim=1 runs the original.
+RmsNorm.KEEP = [k for k in RmsNorm.KEEP if k.name != "dim_attribute_passed_by_a_constructor"]
+RmsNorm.FUSE += [
+    Fuse(
+        _DIM_ATTRIBUTE.replace("self.norm = ScaleNormish(n)", "self.norm = ScaleNormish(n, 1)"),
+        expect={"found_by": "numeric_probe", "weight": "self.scale", "guards": ["self.dim == -1"]},
+        run=("m = ScaleNormish(16)\nother = ScaleNormish(16, 1)\nx = torch.randn(2, 3, 16)\n"
+             "out = (m(x), m(x.to(torch.bfloat16)), other(x))\n"),
+        name="probe_dim_attribute_guarded_at_run_time",
+    ),
 ]
