@@ -1232,7 +1232,9 @@ def _why_eps(runs: list[_Run], k: str | None, off: int, gain: Callable[..., Any]
         return f"eps ({float(o.median()):.3g}) is added outside the square root (x / (sqrt(mean(x^2)) + eps)); npu_rms_norm adds it inside"
     if clamp_ok:
         return "the norm is clamped from below (x / max(||x||, eps) times a constant, F.normalize-like) instead of eps added inside the root"
-    return f"x is scaled per row, but not by rsqrt(mean(x^2, -1) + eps) for one eps of the scope (solved eps {eps_hat:.3g} matches no value in scope)"
+    return (f"x is scaled per row, but not by rsqrt(mean(x^2, -1) + eps) for one eps (solved from the smallest inputs: "
+            f"{eps_hat:.3g}; it does not fit the other scales or no value of the scope equals it: e.g. a sum instead of a mean, "
+            "an L2 normalisation, an extra constant factor)")
 
 
 def _why_not_rms(r: _Run, cands: list[tuple[str | None, int]], gain: Callable[..., Any]) -> str:
