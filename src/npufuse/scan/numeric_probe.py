@@ -973,6 +973,8 @@ def _explore(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) 
                 # (A flipped flag that removes the weight proves a path that rarely runs: not used.)
                 weightless = weightless or proof
         first = first or proof
+        if first.kind != "mismatch":
+            break  # flags are flipped only for a normalisation that differs (a bias, an optional weight): cost
     assert first is not None
     return weightless or first
 
