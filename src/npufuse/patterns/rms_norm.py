@@ -1901,15 +1901,23 @@ class RmsNorm(Pattern):
     bound = "memory"
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        out: list[Result] = []
         for r in scope_results(module, scope):
             if r.finding is not None:
                 if (r.finding.variant == "no_weight" or _import_fallback_def(module, scope)) and _weightless_helper_covered(module, scope):
+                    out.append(None)  # type: ignore[arg-type]  # covered: no probe either
                     continue  # Meta's ``_norm``: its callers apply the weight and are replaced whole
-                yield r.finding
+                out.append(r.finding)
             elif r.miss is not None:
-                yield r.miss
+                out.append(r.miss)
+            elif r.match is not None:
+                out.append(None)  # type: ignore[arg-type]  # a norm covered elsewhere: no probe
         # PyTorch's own RMSNorm (nn.RMSNorm modules, F.rms_norm calls): issue 14, class 1
-        yield from _library_norm.detect(module, scope)
+        library = list(_library_norm.detect(module, scope))
+        # numeric probe fallback (end of module): only where nothing was found
+        probed = probe_results(module, scope, out) if not library else []
+        yield from (r for r in (probed or out) if r is not None)
+        yield from library
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         ops = list(finding.params.get("unfused_ops") or [])
@@ -4177,5 +4185,293 @@ class Norm(nn.Module):
 ''',
         reason="the normalised input is an expression",
         name="l2_normalize_of_a_call_result",
+    ),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# numeric probe fallback (issue 14): a function the syntactic matcher found nothing in, whose
+# text names a statistic and a root/norm, is EVALUATED on sampled inputs by
+# npufuse.scan.numeric_probe and compared with RMSNorm's reference; proven ones become findings.
+
+_PROBE_STAT = re.compile(r"\bmean\b|\bsum\b|(?<!self)\.norm\(|\bvector_norm\b|\bvar\(|\bnormalize\(")
+_PROBE_ROOT = re.compile(r"\brsqrt\b|\bsqrt\b|(?<!self)\.norm\(|\bvector_norm\b|\bpow\b|\bnormalize\(")
+_PROBE = True  # tests switch the fallback off to compare
+
+
+def _probe_target(module: ModuleInfo, scope: Scope) -> tuple[ast.FunctionDef, ast.ClassDef | None] | None:
+    """The function of ``scope`` the probe may evaluate: a module-level function or a method of a
+    module-level class (not a nested def: its closure is unknown), whose text passes the gates."""
+    fn = scope.node
+    if not isinstance(fn, ast.FunctionDef) or fn.name == "__init__":
+        return None
+    cls = None
+    if scope.class_name is not None:
+        cls = module.classes.get(scope.class_name)
+        if cls is None or fn not in cls.body:
+            return None
+    elif module.functions.get(fn.name) is not fn:
+        return None
+    text = S.scope_text(module, scope)
+    # plain substring tests first (the regexes are the exact gate; most scopes fail these)
+    if not (("mean" in text or "sum" in text or "norm" in text or "var(" in text)
+            and ("sqrt" in text or "norm" in text or "pow" in text or "**" in text)):
+        return None
+    if not (_PROBE_STAT.search(text) and (_PROBE_ROOT.search(text) or _power_operator(text))):
+        return None
+    return fn, cls
+
+
+# A matcher near miss is a question the spelling could not settle; the probe settles it by
+# value (a proof replaces the whole function, so span questions vanish too). Only the refusals
+# that no value can overturn stand: an existing torch_npu branch.
+_PROBE_NEVER_OVERRIDES = ("torch_npu", "already")
+
+
+def _probe_may_override(reason: str) -> bool:
+    return not any(w in reason for w in _PROBE_NEVER_OVERRIDES)
+
+
+def probe_results(module: ModuleInfo, scope: Scope, matched: list[Result | None]) -> list[Result]:
+    """Findings/near misses the numeric probe proves in a scope where the matcher found no norm
+    (``matched``: its results there; near misses saying only that the matcher could not follow
+    the code -- control flow, a reassigned input -- do not stop the probe, which then replaces
+    them; any finding, covered norm or factual refusal does)."""
+    if not _PROBE or any(r is None or isinstance(r, Finding) or not _probe_may_override(r.reason) for r in matched):
+        return []
+    target = _probe_target(module, scope)
+    if target is None:
+        return []
+    fn, cls = target
+    from npufuse.scan import numeric_probe  # imports torch only when a probe runs
+
+    proof = numeric_probe.prove_rms_norm(module, fn, cls)
+    stats = module.__dict__.setdefault("_npufuse_probe_stats", [])
+    stats.append((scope.qualname, proof.kind, proof.reason))
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str))]
+    if not body:
+        return []
+    line, end = body[0].lineno, body[-1].end_lineno or body[-1].lineno
+    if proof.kind == "mismatch" and not matched:  # the matcher's own reasons stand where it gave some
+        return [NearMiss("rms_norm", scope.qualname, line, end, f"numeric probe on sampled inputs: {proof.reason}")]
+    if proof.kind != "proved":
+        return []
+    # a helper the function runs that is itself a finding covers it (one replacement per norm)
+    for helper in proof.entered:
+        for sc in module.scopes:
+            if sc.node is helper and any(r.finding is not None for r in scope_results(module, sc)):
+                return []
+    if body[0].lineno == fn.lineno:
+        return []  # ``def f(x): return ...`` on one line: no block to put the guard in
+    T = S.torch_name(module)
+    if T is None:
+        return []
+    return [_probe_finding(module, scope, proof, body, T)]
+
+
+def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.stmt], T: str) -> Finding:
+    x, W = proof.x, proof.weight
+    guards = [f"2 <= {x}.dim() <= 8", f"{x}.dtype in ({T}.float16, {T}.bfloat16, {T}.float32)"]
+    pre: list[str] = []
+    if W is None:
+        gamma = f"{x}.new_ones({x}.shape[-1])"
+    else:
+        guards += [f"isinstance({W}, {T}.Tensor)", f"{W}.dim() == 1", f"{x}.shape[-1] == {W}.shape[0]"]
+        g = f"(1 + {W})" if proof.weight_offset else W
+        if proof.weight_offset:
+            pre.append(f"_npu_gamma = 1 + {W}")
+            g = "_npu_gamma"
+        pre.append("# npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input")
+        pre.append(f"_npu_gamma = {g} if {g}.dtype in ({x}.dtype, {T}.float32) else {g}.to({x}.dtype)")
+        gamma = "_npu_gamma"
+    cast = {"input": "", "float32": f".to({T}.float32)", "weight": f".to({W}.dtype)",
+            "promote": f".to({T}.promote_types({x}.dtype, {W}.dtype))"}[proof.dtype_rule]
+    guards += list(proof.guards)
+    call = f"return torch_npu.npu_rms_norm({x}, {gamma}, epsilon={proof.eps})[0]{cast}"
+    fused = "\n".join([f"if {' and '.join(guards)}:", S.indent("\n".join([*pre, call])), S.block_source(module, body)])
+    risks = [
+        Risk("numerics", "proved by numeric probe on sampled inputs (random x of shapes [2,3,D] and [5,D], fp32/bf16/fp16, "
+             "weights random): the function equals x * rsqrt(mean(x^2, -1) + eps) * w on those samples, not by a proof over all inputs"),
+        Risk("numerics", "npu_rms_norm computes in fp32 and rounds once; the original may round in between: ≤1-ulp differences"),
+        Risk("dtype", "npu_rms_norm: fp16/bf16/fp32; gamma in the input's dtype, or fp32 with fp16/bf16 input (A2/A3 only; 310P/910 need the same dtype)"),
+    ]
+    if proof.sampled:
+        risks.append(Risk("other", "branches on the input were sampled (fp32/bf16/fp16, 2-D and 3-D), not proven for every input: "
+                          + "; ".join(f"`{s}`" for s in proof.sampled[:4])))
+    notes = ["proved by numeric probe on sampled inputs (the syntactic matcher found nothing here)",
+             f"output dtype rule observed: {proof.dtype_rule}; eps solved numerically = {proof.eps_value:.3g}, matched to `{proof.eps}`"]
+    if proof.guards:
+        notes.append("run-time guards for what the probe assumed: " + ", ".join(proof.guards))
+    return Finding(
+        pattern="rms_norm",
+        qualname=scope.qualname,
+        line=body[0].lineno,
+        end_line=body[-1].end_lineno or body[-1].lineno,
+        params={"eps": proof.eps, "weight": W, "weight_offset": proof.weight_offset, "output_dtype": proof.dtype_rule,
+                "input": x, "found_by": "numeric_probe", "guards": list(proof.guards)},
+        fused=fused,
+        guard_tensor=x,
+        confidence="medium",
+        variant="numeric_probe",
+        risks=risks,
+        notes=notes,
+        training_ok=True,
+    )
+
+
+# examples of the numeric probe fallback (each written so that the syntactic matcher misses it)
+_PROBE_OLMO_FLAGS = '''
+import torch
+from torch import nn
+
+
+class FlagRMSNorm(nn.Module):
+    def __init__(self, size, eps=1e-5, bias=False, full_precision=True):
+        super().__init__()
+        self.eps = eps
+        self.full_precision = full_precision
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
+
+    def forward(self, x):
+        with torch.autocast(enabled=False, device_type=x.device.type):
+            og_dtype = x.dtype
+            if self.full_precision:
+                x = x.float()
+            variance = x.pow(2).mean(-1, keepdim=True)
+            x = x * torch.rsqrt(variance + self.eps)
+            x = x.to(og_dtype)
+        if self.weight is not None:
+            if self.bias is not None:
+                return self.weight * x + self.bias
+            return self.weight * x
+        return x
+'''
+_PROBE_VECTOR_NORM = '''
+import torch
+from torch import nn
+
+
+class ScaledNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        n = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+        y = xf * self.dim ** 0.5 / torch.sqrt(n * n + self.dim * self.eps)
+        return y.type_as(x) * self.gain
+'''
+_PROBE_NORM_METHOD = '''
+import torch
+from torch import nn
+
+
+class OffsetNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        ms = x.norm(2, dim=-1, keepdim=True) ** 2 / x.shape[-1]
+        return x / torch.sqrt(ms + self.eps) * (1 + self.scale)
+'''
+_PROBE_VAR = '''
+import torch
+from torch import nn
+
+
+class VarNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        sq = torch.square(x.float())
+        rstd = (sq.sum(dim=-1, keepdim=True) / x.shape[-1] + self.eps) ** -0.5
+        return (x.float() * rstd).to(x.dtype) * self.weight
+'''
+_PROBE_K_NORM_EPS_OUT = '''
+import torch
+from torch import nn
+
+
+class NormPlusEps(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.scale = dim ** -0.5
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        rms = x.norm(2, dim=-1, keepdim=True) * self.scale
+        return x / (rms + self.eps) * self.g
+'''
+_PROBE_K_DIM1 = '''
+import torch
+from torch import nn
+
+
+class ChannelNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        ms = torch.linalg.vector_norm(x, dim=1, keepdim=True) ** 2 / x.shape[1]
+        return x * torch.rsqrt(ms + self.eps) * self.g
+'''
+_PROBE_K_BIAS = '''
+import torch
+from torch import nn
+
+
+class BiasedNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(dim))
+        self.b = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True) ** 2 / x.shape[-1]
+        return x * torch.rsqrt(ms + self.eps) * self.g + self.b
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_PROBE_OLMO_FLAGS, expect={"found_by": "numeric_probe", "eps": "self.eps", "weight": "self.weight", "output_dtype": "promote",
+                                    "guards": ["(self.full_precision)", "(self.weight is not None)", "not (self.bias is not None)"]},
+         run="m = FlagRMSNorm(16)\nx = torch.randn(2, 5, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)))", name="probe_flags_under_autocast"),
+    Fuse(_PROBE_VECTOR_NORM, expect={"found_by": "numeric_probe", "eps": "self.eps", "weight": "self.gain", "weight_offset": 0},
+         run="m = ScaledNorm(16)\nx = torch.randn(2, 5, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)))", name="probe_vector_norm_times_sqrt_d"),
+    Fuse(_PROBE_NORM_METHOD, expect={"found_by": "numeric_probe", "eps": "self.eps", "weight": "self.scale", "weight_offset": 1},
+         run="m = OffsetNorm(16)\nx = torch.randn(2, 5, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)))", name="probe_norm_method_one_plus_weight"),
+    Fuse(_PROBE_VAR, expect={"found_by": "numeric_probe", "eps": "self.eps", "weight": "self.weight"},
+         run="m = VarNorm(16)\nx = torch.randn(2, 5, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)))", name="probe_sum_of_squares_power"),
+]
+RmsNorm.KEEP += [
+    Keep(_PROBE_K_NORM_EPS_OUT, reason="numeric probe on sampled inputs: eps (1e-05) is added outside the square root",
+         name="probe_eps_outside_the_root"),
+    Keep(_PROBE_K_DIM1, reason="normalises over another dim than the last", name="probe_statistic_over_dim_1"),
+    Keep(_PROBE_K_BIAS, reason="adds `self.b` after the weight (a bias): npu_rms_norm has no bias", name="probe_bias_after_weight"),
+]
+
+# The matcher refuses a mean over ``self.dim`` when a constructor call may pass another dim (it
+# cannot know the value statically); the probe proves the default and guards ``self.dim == -1``
+# at run time, so that Keep becomes a Fuse: the instance built with dim=1 runs the original.
+RmsNorm.KEEP = [k for k in RmsNorm.KEEP if k.name != "dim_attribute_passed_by_a_constructor"]
+RmsNorm.FUSE += [
+    Fuse(
+        _DIM_ATTRIBUTE.replace("self.norm = ScaleNormish(n)", "self.norm = ScaleNormish(n, 1)"),
+        expect={"found_by": "numeric_probe", "weight": "self.scale", "guards": ["self.dim == -1"]},
+        run=("m = ScaleNormish(16)\nother = ScaleNormish(16, 1)\nx = torch.randn(2, 3, 16)\n"
+             "out = (m(x), m(x.to(torch.bfloat16)), other(x))\n"),
+        name="probe_dim_attribute_guarded_at_run_time",
     ),
 ]

@@ -1,0 +1,1266 @@
+"""Numeric probe: prove what a function computes by interpreting its AST on sampled inputs.
+
+Every syntactic matcher recognises spellings; a function written another way is missed. This
+module takes a different route: it *evaluates* one function (a module-level function, or a
+method such as ``forward`` with ``self`` built by interpreting the class's ``__init__``) on
+random inputs with a small interpreter of its own, then compares the result with a pattern's
+reference implementation (:func:`prove_rms_norm`).
+
+Safety: repository code is never imported, ``exec``'d or ``eval``'d. The interpreter walks AST
+nodes itself and calls only an allowlist of pure torch functions, tensor methods,
+``torch.nn.functional`` ops, a few ``torch.nn`` modules (torch's own code) and a few builtins.
+Anything else -- an unknown call, I/O, an import, a write to a global or to ``self`` outside
+``__init__``, a loop over an unknown or large range, recursion past a depth budget, a step budget,
+a tensor over ``MAX_NUMEL`` elements -- stops the evaluation with :class:`Unknown` and its reason.
+
+torch is imported only when a probe actually runs (the scan otherwise never pays for it), and
+:func:`static_gate` turns most functions away from their AST alone, before that import.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from npufuse.scan.dataflow import ModuleInfo
+
+MAX_NUMEL = 100_000  # elements of any tensor the probe creates
+MAX_STEPS = 20_000  # AST nodes evaluated per run
+MAX_DEPTH = 6  # nested helper calls
+MAX_LOOP = 64  # iterations of one for loop
+DIM = 16  # what a dimension-like constructor argument is set to
+
+
+class Unknown(Exception):
+    """The evaluation cannot go on; ``reason`` says why (counted in reports)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Opaque:
+    """A value the probe could not build (an unknown construction); any use of it is Unknown."""
+
+    what: str
+
+
+@dataclass
+class Obj:
+    """``self``: attributes built by interpreting ``__init__``, methods from the class AST."""
+
+    cls: ast.ClassDef
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Func:
+    """A function of the probed module (a helper or a method), interpreted when called."""
+
+    node: ast.FunctionDef
+    bound: Obj | None = None
+
+
+@dataclass
+class Dotted:
+    """A torch/math name not yet resolved to an allowlisted object (``torch.nn.functional``)."""
+
+    name: str
+
+
+@dataclass
+class Decision:
+    """One ``if``/``IfExp``/``and``/``or`` test taken during a run, with the value it had."""
+
+    test: ast.expr
+    value: bool
+
+
+_torch: Any = None
+
+
+def torch_module() -> Any:
+    """torch, imported on first use (the scan itself never imports it)."""
+    global _torch
+    if _torch is None:
+        import torch
+
+        _torch = torch
+    return _torch
+
+
+# --- allowlists ----------------------------------------------------------------------------
+
+# torch.<name> functions (pure, deterministic; creation functions are capped by MAX_NUMEL)
+_TORCH_FUNCS = frozenset("""
+rsqrt sqrt pow square mean sum add mul multiply div divide sub subtract neg abs exp log log1p
+clamp clamp_min clamp_max clip maximum minimum max min amax amin where cat concat stack norm var
+std var_mean std_mean reciprocal tanh sigmoid matmul einsum ones ones_like zeros zeros_like full
+full_like arange finfo promote_types is_tensor is_floating_point softmax erf cumsum prod
+unsqueeze squeeze reshape transpose permute flatten chunk split unbind rms_norm layer_norm empty
+""".split())
+_INIT_FILLS = frozenset(("ones_", "zeros_", "normal_", "uniform_", "constant_", "trunc_normal_", "xavier_uniform_"))
+_TORCH_CONSTANT_FALSE = frozenset(("torch.is_autocast_enabled", "torch.jit.is_scripting", "torch.jit.is_tracing",
+                                   "torch.compiler.is_compiling", "torch._dynamo.is_compiling",
+                                   "torch.is_grad_enabled"))
+_LINALG_FUNCS = frozenset(("vector_norm", "norm"))
+_F_FUNCS = frozenset("""
+silu gelu relu sigmoid tanh softmax linear normalize layer_norm rms_norm dropout leaky_relu
+""".split())
+_NN_MODULES = frozenset(("Linear", "Identity", "Dropout"))
+_DTYPES = frozenset("""
+float32 float float16 half bfloat16 float64 double int32 int64 long int bool
+""".split())
+_TENSOR_METHODS = frozenset("""
+float half bfloat16 double to type type_as pow square mean sum rsqrt sqrt mul mul_ add add_ sub
+sub_ div div_ neg abs clamp clamp_ clamp_min clamp_max reshape view view_as flatten unsqueeze
+squeeze transpose permute contiguous size dim numel norm var std chunk split unbind expand
+expand_as exp log sigmoid tanh max min amax amin reciprocal detach clone new_ones new_zeros
+softmax matmul t is_floating_point square_ pow_ rsqrt_ sqrt_ masked_fill eq ne gt lt ge le
+""".split())
+_TENSOR_ATTRS = frozenset(("shape", "dtype", "ndim", "device", "T", "is_cuda", "requires_grad"))
+_BUILTINS = frozenset(("len", "int", "float", "min", "max", "tuple", "list", "isinstance", "range",
+                       "abs", "bool", "super", "getattr", "hasattr", "pow", "round", "sum"))
+_CONTEXTS = frozenset(("torch.autocast", "torch.no_grad", "torch.amp.autocast", "torch.cuda.amp.autocast",
+                       "torch.cpu.amp.autocast", "contextlib.nullcontext", "torch.inference_mode",
+                       "torch.enable_grad"))
+
+
+# --- static gate ---------------------------------------------------------------------------
+
+
+def _canon(module: ModuleInfo, node: ast.AST) -> str | None:
+    name = module.canonical(node)
+    if name is None:
+        return None
+    return name.replace("torch.nn.functional.", "F.").replace("torch.functional.", "torch.")
+
+
+def _allowed_dotted(name: str) -> bool:
+    if name in _TORCH_CONSTANT_FALSE or name in _CONTEXTS:
+        return True
+    if name.startswith("F."):
+        return name[2:] in _F_FUNCS
+    if name.startswith("torch.linalg."):
+        return name[13:] in _LINALG_FUNCS
+    if name.startswith("torch.nn.init."):
+        return name[14:] in _INIT_FILLS
+    if name.startswith("torch.nn.") and name.count(".") == 2:
+        return name[9:] in _NN_MODULES or name[9:] == "Parameter"
+    if name.startswith("torch.") and name.count(".") == 1:
+        return name[6:] in _TORCH_FUNCS or name[6:] in _DTYPES
+    if name.startswith("math."):
+        return name[5:] in ("sqrt", "pi", "e", "log", "exp", "prod", "inf")
+    return False
+
+
+def static_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> str | None:
+    """Why the probe surely cannot evaluate ``fn`` (a call outside the allowlist, a loop it does
+    not run, ...), from the AST alone -- or None. Run before torch is imported."""
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} if cls is not None else set()
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.While, ast.Try, ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal,
+                             ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.ListComp, ast.GeneratorExp,
+                             ast.DictComp, ast.SetComp)):
+            return f"{type(node).__name__.lower()} in the function"
+        if isinstance(node, ast.Raise) and node is not None:
+            continue  # only an error path: a run that reaches it is Unknown
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name):
+            if f.id in _BUILTINS or f.id in module.functions:
+                continue
+            target = _canon(module, f)
+            if target and _allowed_dotted(target):
+                continue
+            return f"call of `{f.id}`"
+        if isinstance(f, ast.Attribute):
+            base = f.value
+            if isinstance(base, ast.Name) and base.id == "self":
+                continue  # a method (interpreted) or a submodule (must be an allowlisted nn module)
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                continue
+            target = _canon(module, f)
+            root = target.split(".")[0] if target else ""
+            if target and root in ("torch", "F", "math", "contextlib", "nn"):
+                if _allowed_dotted(target):
+                    continue
+                return f"call of `{target}`"
+            if target and root in module.aliases and root not in ("torch", "F", "math", "contextlib", "nn"):
+                return f"call of `{target}`"  # an imported module's function (os.system, np.*)
+            if f.attr in _TENSOR_METHODS:
+                continue
+            return f"call of method `.{f.attr}`"
+        else:
+            continue  # a call of a call's result etc.: decided at run time
+    return None
+
+
+# --- the interpreter -----------------------------------------------------------------------
+
+
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+    ast.Pow: lambda a, b: a ** b, ast.MatMult: lambda a, b: a @ b,
+}
+_CMPOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
+    ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b,
+    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+}
+
+
+class _Return(Exception):
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class Interpreter:
+    """Evaluates functions of one module. One instance per run (it counts steps)."""
+
+    def __init__(self, module: ModuleInfo, in_init: bool = False) -> None:
+        self.module = module
+        self.torch = torch_module()
+        self.steps = 0
+        self.depth = 0
+        self.in_init = in_init
+        self.decisions: list[Decision] = []
+        self.entered: list[ast.FunctionDef] = []  # helpers followed (their findings cover callers)
+        self.stack: list[ast.FunctionDef] = []  # functions running (super() starts after the owner's class)
+        self.scalar_reads: dict[str, Any] = {}  # self.<attr> -> int/float value read by the run
+
+    # -- values ----------------------------------------------------------------------------
+    def _check(self, v: Any) -> Any:
+        t = self.torch
+        if isinstance(v, t.Tensor) and v.numel() > MAX_NUMEL:
+            raise Unknown(f"creates a tensor of {v.numel()} elements (cap {MAX_NUMEL})")
+        if isinstance(v, Opaque):
+            raise Unknown(f"uses {v.what}")
+        return v
+
+    def _plain(self, v: Any) -> Any:
+        """A value used in arithmetic or a call: never opaque."""
+        if isinstance(v, Opaque):
+            raise Unknown(f"uses {v.what}")
+        if isinstance(v, (Dotted, Func, Obj)):
+            raise Unknown("uses a function or object as a value")
+        return v
+
+    # -- functions -------------------------------------------------------------------------
+    def call_function(self, fn: ast.FunctionDef, args: list[Any], kwargs: dict[str, Any], bound: Obj | None) -> Any:
+        if self.depth >= MAX_DEPTH:
+            raise Unknown("helper calls nested too deeply (recursion?)")
+        if self.depth > 0 and fn.decorator_list and not all(isinstance(d, ast.Name) and d.id in ("staticmethod",) for d in fn.decorator_list):
+            raise Unknown("calls a decorated helper")
+        env = self._bind(fn, ([bound] if bound is not None and not _is_static(fn) else []) + list(args), kwargs)
+        self.depth += 1
+        self.stack.append(fn)
+        try:
+            self._block(fn.body, env)
+        except _Return as r:
+            return r.value
+        finally:
+            self.depth -= 1
+            self.stack.pop()
+        return None
+
+    def _bind(self, fn: ast.FunctionDef, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        a = fn.args
+        if a.vararg is not None or a.kwarg is not None:
+            if len(args) > len(a.posonlyargs) + len(a.args) or set(kwargs) - {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}:
+                raise Unknown("*args/**kwargs receive arguments")
+        params = [*a.posonlyargs, *a.args]
+        env: dict[str, Any] = {}
+        if a.vararg is not None:
+            env[a.vararg.arg] = ()
+        if a.kwarg is not None:
+            env[a.kwarg.arg] = {}
+        if len(args) > len(params):
+            raise Unknown("too many positional arguments")
+        for p, v in zip(params, args):
+            env[p.arg] = v
+        defaults = dict(zip([p.arg for p in params][len(params) - len(a.defaults):], a.defaults))
+        for p, d in zip(a.kwonlyargs, a.kw_defaults):
+            if d is not None:
+                defaults[p.arg] = d
+        for k, v in kwargs.items():
+            if k in env:
+                raise Unknown(f"argument `{k}` given twice")
+            env[k] = v
+        for p in (*params, *a.kwonlyargs):
+            if p.arg not in env:
+                if p.arg not in defaults:
+                    raise Unknown(f"argument `{p.arg}` has no value")
+                env[p.arg] = self.expr(defaults[p.arg], {})
+        return env
+
+    # -- statements ------------------------------------------------------------------------
+    def _block(self, body: list[ast.stmt], env: dict[str, Any]) -> None:
+        for st in body:
+            self._stmt(st, env)
+
+    def _step(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise Unknown("step budget exhausted")
+
+    def _stmt(self, st: ast.stmt, env: dict[str, Any]) -> None:
+        self._step()
+        if isinstance(st, ast.Expr):
+            if isinstance(st.value, ast.Constant):
+                return  # docstring
+            self.expr(st.value, env)
+        elif isinstance(st, ast.Assign):
+            v = self.expr(st.value, env)
+            for t in st.targets:
+                self._assign(t, v, env)
+        elif isinstance(st, ast.AnnAssign):
+            if st.value is not None:
+                self._assign(st.target, self.expr(st.value, env), env)
+        elif isinstance(st, ast.AugAssign):
+            op = _BINOPS.get(type(st.op))
+            if op is None:
+                raise Unknown(f"operator {type(st.op).__name__}")
+            cur = self.expr(_as_load(st.target), env)
+            self._assign(st.target, self._check(op(self._plain(cur), self._plain(self.expr(st.value, env)))), env)
+        elif isinstance(st, ast.Return):
+            raise _Return(self.expr(st.value, env) if st.value is not None else None)
+        elif isinstance(st, ast.If):
+            self._block(st.body if self._test(st.test, env) else st.orelse, env)
+        elif isinstance(st, ast.With):
+            for item in st.items:
+                ctx = item.context_expr
+                target = _canon(self.module, ctx.func if isinstance(ctx, ast.Call) else ctx)
+                if target not in _CONTEXTS:
+                    raise Unknown(f"with `{ast.unparse(ctx)[:40]}`")
+                if item.optional_vars is not None:
+                    raise Unknown("with ... as")
+            self._block(st.body, env)
+        elif isinstance(st, ast.Assert) or isinstance(st, ast.Pass):
+            return
+        elif isinstance(st, ast.For):
+            it = self.expr(st.iter, env)
+            if isinstance(it, range) or isinstance(it, (tuple, list)):
+                items = list(it)
+            else:
+                raise Unknown("a for loop over an unknown iterable")
+            if len(items) > MAX_LOOP or st.orelse:
+                raise Unknown("a long for loop")
+            for v in items:
+                self._assign(st.target, v, env)
+                self._block(st.body, env)
+        elif isinstance(st, ast.Raise):
+            raise Unknown("reaches a raise")
+        else:
+            raise Unknown(f"statement {type(st).__name__}")
+
+    def _assign(self, t: ast.expr, v: Any, env: dict[str, Any]) -> None:
+        if isinstance(t, ast.Name):
+            env[t.id] = v
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            vals = list(self._plain(v)) if not isinstance(v, self.torch.Tensor) else list(v.unbind(0))
+            if len(vals) != len(t.elts) or any(isinstance(e, ast.Starred) for e in t.elts):
+                raise Unknown("unpacking mismatch")
+            for e, x in zip(t.elts, vals):
+                self._assign(e, x, env)
+        elif isinstance(t, ast.Attribute):
+            obj = self.expr(t.value, env)
+            if not (self.in_init and isinstance(obj, Obj)):
+                raise Unknown("writes an attribute")
+            obj.attrs[t.attr] = v
+        elif isinstance(t, ast.Subscript):
+            obj = self._plain(self.expr(t.value, env))
+            if not isinstance(obj, self.torch.Tensor):
+                raise Unknown("item assignment into a non-tensor")
+            obj[self._index(t.slice, env)] = self._plain(v)
+        else:
+            raise Unknown(f"assignment to {type(t).__name__}")
+
+    def _test(self, test: ast.expr, env: dict[str, Any]) -> bool:
+        v = self.expr(test, env)
+        if isinstance(v, Opaque):
+            # an unknown flag or construction: the value decides nothing we can prove here
+            raise Unknown(f"a branch on {v.what}")
+        if isinstance(v, self.torch.Tensor):
+            if v.numel() != 1:
+                raise Unknown("a branch on a tensor")
+            raise Unknown("a branch on tensor values")
+        b = bool(v)
+        self.decisions.append(Decision(test, b))
+        return b
+
+    # -- expressions -----------------------------------------------------------------------
+    def expr(self, node: ast.expr, env: dict[str, Any]) -> Any:
+        self._step()
+        t = self.torch
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return self._name(node.id, env)
+        if isinstance(node, ast.Attribute):
+            return self._attribute(node, env)
+        if isinstance(node, ast.BinOp):
+            op = _BINOPS.get(type(node.op))
+            if op is None:
+                raise Unknown(f"operator {type(node.op).__name__}")
+            a, b = self._plain(self.expr(node.left, env)), self._plain(self.expr(node.right, env))
+            try:
+                return self._check(op(a, b))
+            except Unknown:
+                raise
+            except Exception as e:  # a shape or type error of the sampled run
+                raise Unknown(f"arithmetic fails on the sample ({type(e).__name__})") from None
+        if isinstance(node, ast.UnaryOp):
+            v = self._plain(self.expr(node.operand, env))
+            if isinstance(node.op, ast.USub):
+                return -v
+            if isinstance(node.op, ast.UAdd):
+                return +v
+            if isinstance(node.op, ast.Not):
+                if isinstance(v, t.Tensor):
+                    raise Unknown("`not` of a tensor")
+                self.decisions.append(Decision(node.operand, bool(v)))
+                return not v
+            raise Unknown("operator ~")
+        if isinstance(node, ast.BoolOp):
+            last: Any = None
+            for i, v_node in enumerate(node.values):
+                last = self.expr(v_node, env)
+                if isinstance(last, (Opaque, t.Tensor)):
+                    raise Unknown("and/or on an unknown value or a tensor")
+                if i < len(node.values) - 1:
+                    self.decisions.append(Decision(v_node, bool(last)))
+                    if isinstance(node.op, ast.And) and not last:
+                        return last
+                    if isinstance(node.op, ast.Or) and last:
+                        return last
+            return last
+        if isinstance(node, ast.Compare):
+            left = self._plain(self.expr(node.left, env))
+            for op, rnode in zip(node.ops, node.comparators):
+                right = self._plain(self.expr(rnode, env))
+                if isinstance(left, t.Tensor) or isinstance(right, t.Tensor):
+                    if isinstance(op, (ast.Is, ast.IsNot)):
+                        r = _CMPOPS[type(op)](left, right)
+                    else:
+                        raise Unknown("a comparison of tensors")
+                else:
+                    try:
+                        r = _CMPOPS[type(op)](left, right)
+                    except Exception:
+                        raise Unknown("a comparison fails on the sample") from None
+                if not r:
+                    return False
+                left = right
+            return True
+        if isinstance(node, ast.IfExp):
+            return self.expr(node.body if self._test(node.test, env) else node.orelse, env)
+        if isinstance(node, (ast.Tuple, ast.List)):
+            vals = [self.expr(e, env) for e in node.elts if not isinstance(e, ast.Starred)]
+            if any(isinstance(e, ast.Starred) for e in node.elts):
+                raise Unknown("a starred element")
+            return tuple(vals) if isinstance(node, ast.Tuple) else vals
+        if isinstance(node, ast.Subscript):
+            base = self._plain(self.expr(node.value, env))
+            idx = self._index(node.slice, env)
+            try:
+                return self._check(base[idx])
+            except Unknown:
+                raise
+            except Exception as e:
+                raise Unknown(f"indexing fails on the sample ({type(e).__name__})") from None
+        if isinstance(node, ast.Call):
+            return self._call(node, env)
+        if isinstance(node, ast.JoinedStr):
+            return ""
+        raise Unknown(f"expression {type(node).__name__}")
+
+    def _index(self, node: ast.expr, env: dict[str, Any]) -> Any:
+        if isinstance(node, ast.Slice):
+            parts = [self._plain(self.expr(p, env)) if p is not None else None for p in (node.lower, node.upper, node.step)]
+            return slice(*parts)
+        if isinstance(node, ast.Tuple):
+            return tuple(self._index(e, env) for e in node.elts)
+        v = self._plain(self.expr(node, env))
+        if v is Ellipsis or v is None or isinstance(v, (int, self.torch.Tensor)):
+            return v
+        raise Unknown("an index of an unknown kind")
+
+    def _name(self, name: str, env: dict[str, Any]) -> Any:
+        if name in env:
+            return env[name]
+        m = self.module
+        if name in m.functions:
+            return Func(m.functions[name])  # type: ignore[arg-type]
+        if name in m.aliases:
+            return Dotted(m.aliases[name].replace("torch.nn.functional", "F"))
+        if name in ("True", "False", "None"):
+            return {"True": True, "False": False, "None": None}[name]
+        if name in _BUILTINS:
+            return Dotted("builtins." + name)
+        const = _module_constant(m, name)
+        if const is not _MISSING:
+            return self.expr(const, {}) if isinstance(const, ast.expr) else const
+        if name in m.classes:
+            return Opaque(f"class `{name}`")
+        raise Unknown(f"name `{name}` is not known")
+
+    def _attribute(self, node: ast.Attribute, env: dict[str, Any]) -> Any:
+        t = self.torch
+        base = self.expr(node.value, env)
+        if isinstance(base, Dotted):
+            full = f"{base.name}.{node.attr}"
+            if full.startswith("torch.") and node.attr in _DTYPES and full.count(".") == 1:
+                return getattr(t, node.attr)
+            if full in ("math.pi", "math.e", "math.inf"):
+                return getattr(math, node.attr)
+            return Dotted(full)
+        if isinstance(base, Obj):
+            if node.attr in base.attrs:
+                v = base.attrs[node.attr]
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and not self.in_init:
+                    self.scalar_reads[node.attr] = v
+                return v
+            for fn in _methods(self.module, base.cls):
+                if fn.name == node.attr:
+                    if any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list):
+                        return self.call_function(_undecorated(fn), [], {}, base)
+                    return Func(fn, base)
+            if node.attr in ("register_buffer", "register_parameter") and self.in_init:
+                return ("register", base, node.attr)
+            if node.attr == "training":
+                return False  # the probe runs the module in eval mode; tests on it become guards
+            raise Unknown(f"attribute `self.{node.attr}` is not set by __init__")
+        if isinstance(base, Opaque):
+            raise Unknown(f"uses {base.what}")
+        if isinstance(base, t.Tensor):
+            if node.attr in _TENSOR_ATTRS:
+                return getattr(base, node.attr)
+            if node.attr in _TENSOR_METHODS:
+                return ("method", base, node.attr)
+            raise Unknown(f"tensor attribute `.{node.attr}`")
+        if isinstance(base, t.nn.Module) and node.attr in ("weight", "bias", "in_features", "out_features"):
+            return getattr(base, node.attr)
+        if isinstance(base, t.dtype) and node.attr in ("is_floating_point", "itemsize"):
+            return getattr(base, node.attr)
+        if isinstance(base, type(t.finfo(t.float32))) and node.attr in ("eps", "tiny", "max", "min"):
+            return getattr(base, node.attr)
+        if isinstance(base, t.Size) and node.attr == "numel":
+            return ("method", base, "numel")
+        raise Unknown(f"attribute `.{node.attr}` of a {type(base).__name__}")
+
+    def _call(self, node: ast.Call, env: dict[str, Any]) -> Any:
+        t = self.torch
+        # super().__init__(...) / super().method(...)
+        f = node.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and isinstance(f.value.func, ast.Name) \
+                and f.value.func.id == "super":
+            return self._super_call(f.attr, node, env)
+        fv = self.expr(f, env)
+        args: list[Any] = []
+        for a in node.args:
+            if isinstance(a, ast.Starred):
+                raise Unknown("a *args call")
+            args.append(self.expr(a, env))
+        kwargs: dict[str, Any] = {}
+        for k in node.keywords:
+            if k.arg is None:
+                raise Unknown("a **kwargs call")
+            kwargs[k.arg] = self.expr(k.value, env)
+        if isinstance(fv, Func):
+            if any(isinstance(a, Opaque) for a in (*args, *kwargs.values())):
+                raise Unknown("passes an unknown value to a helper")
+            self.entered.append(fv.node)
+            return self.call_function(fv.node, args, kwargs, fv.bound)
+        if isinstance(fv, tuple) and len(fv) == 3 and fv[0] == "register":
+            if len(args) < 2 or not isinstance(args[0], str):
+                raise Unknown(f"{fv[2]} with unknown arguments")
+            value = args[1]
+            if isinstance(value, t.Tensor) and fv[2] == "register_parameter":
+                value = value.detach().clone()
+            fv[1].attrs[args[0]] = value
+            return None
+        if isinstance(fv, tuple) and len(fv) == 3 and fv[0] == "method":
+            _, base, name = fv
+            args = [self._plain(a) for a in args]
+            kwargs = {k: self._plain(v) for k, v in kwargs.items()}
+            if name in ("to", "type") and any(isinstance(a, (str, t.device)) for a in args):
+                args = [a for a in args if not isinstance(a, (str, t.device))]
+                if not args and not kwargs:
+                    return base
+            kwargs.pop("device", None)
+            kwargs.pop("non_blocking", None)
+            try:
+                return self._check(getattr(base, name)(*args, **kwargs))
+            except Unknown:
+                raise
+            except Exception as e:
+                raise Unknown(f"`.{name}` fails on the sample ({type(e).__name__})") from None
+        if isinstance(fv, Dotted):
+            return self._dotted_call(fv.name, args, kwargs)
+        if isinstance(fv, t.nn.Module):
+            try:
+                return self._check(fv(*[self._plain(a) for a in args]))
+            except Unknown:
+                raise
+            except Exception as e:
+                raise Unknown(f"a submodule call fails on the sample ({type(e).__name__})") from None
+        if isinstance(fv, Opaque):
+            raise Unknown(f"calls {fv.what}")
+        raise Unknown(f"calls a {type(fv).__name__}")
+
+    def _super_call(self, name: str, node: ast.Call, env: dict[str, Any]) -> Any:
+        obj = env.get("self")
+        if not isinstance(obj, Obj):
+            raise Unknown("super() outside a method")
+        args = [self.expr(a, env) for a in node.args]
+        kwargs = {k.arg: self.expr(k.value, env) for k in node.keywords if k.arg is not None}
+        chain = _bases(self.module, obj.cls)
+        owner = next((i for i, c in enumerate(chain) if self.stack and self.stack[-1] in c.body), 0)
+        for base in chain[owner + 1:]:
+            for fn in base.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == name:
+                    return self.call_function(fn, args, kwargs, obj)
+        if name == "__init__" and _plain_module_base(self.module, obj.cls):
+            return None
+        raise Unknown(f"super().{name} of a class outside this file")
+
+    def _dotted_call(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        t = self.torch
+        if name in _TORCH_CONSTANT_FALSE:
+            return False
+        if name in _CONTEXTS:
+            return None
+        if name.startswith("builtins."):
+            return self._builtin(name[9:], args, kwargs)
+        if not _allowed_dotted(name):
+            raise Unknown(f"call of `{name}`")
+        args = [self._plain(a) for a in args]
+        kwargs = {k: self._plain(v) for k, v in kwargs.items()}
+        kwargs.pop("device", None)
+        if name.startswith("math."):
+            return getattr(math, name[5:])(*args, **kwargs)
+        if name == "torch.nn.Parameter":
+            v = args[0] if args else kwargs.get("data")
+            if not isinstance(v, t.Tensor):
+                raise Unknown("a Parameter of a non-tensor")
+            return v.detach().clone()
+        if name.startswith("torch.nn.init."):
+            return args[0]  # a fill: every float tensor is randomized before a run anyway
+        if name.startswith("torch.nn."):
+            try:
+                mod = getattr(t.nn, name[9:])(*args, **kwargs)
+            except Exception as e:
+                raise Unknown(f"`{name}` fails on the sample ({type(e).__name__})") from None
+            if isinstance(mod, t.nn.Dropout):
+                mod.eval()
+            return mod
+        if name == "F.dropout":
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            if p != 0 and training is not False:
+                raise Unknown("dropout with p > 0 in training mode")
+            return args[0]
+        if name.startswith("F."):
+            fn = getattr(t.nn.functional, name[2:])
+        elif name.startswith("torch.linalg."):
+            fn = getattr(t.linalg, name[13:])
+        else:
+            fn = getattr(t, name[6:])
+        if name == "torch.empty":
+            fn = t.zeros  # uninitialised memory: zeros (randomized before a run anyway)
+        if name in ("torch.ones", "torch.zeros", "torch.full", "torch.arange", "torch.empty"):
+            n = 1
+            for s in args[:1] if name in ("torch.full",) else args:
+                for d in (s if isinstance(s, (tuple, list)) else (s,)):
+                    if not isinstance(d, int):
+                        break
+                    n *= max(d, 1)
+            if n > MAX_NUMEL:
+                raise Unknown(f"creates a tensor of {n} elements (cap {MAX_NUMEL})")
+        try:
+            return self._check(fn(*args, **kwargs))
+        except Unknown:
+            raise
+        except Exception as e:
+            raise Unknown(f"`{name}` fails on the sample ({type(e).__name__})") from None
+
+    def _builtin(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        t = self.torch
+        if name == "isinstance":
+            v, types = args
+            types = types if isinstance(types, tuple) else (types,)
+            real = []
+            for ty in types:
+                if isinstance(ty, Dotted):
+                    if ty.name == "torch.Tensor" or ty.name == "torch.nn.Parameter":
+                        real.append(t.Tensor)
+                    elif ty.name.startswith("builtins.") and ty.name[9:] in ("int", "float", "tuple", "list", "bool"):
+                        real.append(__builtins__[ty.name[9:]] if isinstance(__builtins__, dict) else getattr(__builtins__, ty.name[9:]))
+                    else:
+                        raise Unknown(f"isinstance of `{ty.name}`")
+                else:
+                    raise Unknown("isinstance of an unknown type")
+            if isinstance(v, Opaque):
+                raise Unknown(f"isinstance of {v.what}")
+            return isinstance(v, tuple(real))
+        if name in ("hasattr", "getattr"):
+            obj = args[0]
+            if not isinstance(obj, Obj) or not isinstance(args[1], str):
+                raise Unknown(f"{name} on something other than self")
+            if name == "hasattr":
+                return args[1] in obj.attrs
+            if args[1] in obj.attrs:
+                return obj.attrs[args[1]]
+            if len(args) > 2:
+                return args[2]
+            raise Unknown("getattr of an unset attribute")
+        if name == "super":
+            raise Unknown("super() used as a value")
+        args = [self._plain(a) for a in args]
+        if name == "range":
+            r = range(*args)
+            if len(r) > MAX_LOOP:
+                raise Unknown("a long range")
+            return r
+        if name in ("float", "int", "bool") and args and isinstance(args[0], t.Tensor):
+            raise Unknown(f"{name}() of a tensor")
+        fn = {"len": len, "int": int, "float": float, "min": min, "max": max, "tuple": tuple, "list": list,
+              "abs": abs, "bool": bool, "pow": pow, "round": round, "sum": sum}[name]
+        try:
+            return self._check(fn(*args, **kwargs))
+        except Unknown:
+            raise
+        except Exception as e:
+            raise Unknown(f"{name}() fails on the sample ({type(e).__name__})") from None
+
+
+_MISSING = object()
+
+
+def _module_constant(module: ModuleInfo, name: str) -> Any:
+    """A module-level ``NAME = <literal>`` bound exactly once (else _MISSING)."""
+    found: list[ast.expr] = []
+    for st in module.tree.body:
+        if isinstance(st, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in st.targets):
+            found.append(st.value)
+        elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id == name and st.value is not None:
+            found.append(st.value)
+    if len(found) != 1:
+        return _MISSING
+    try:
+        return ast.literal_eval(found[0])
+    except Exception:
+        return _MISSING
+
+
+def _as_load(node: ast.expr) -> ast.expr:
+    return ast.parse(ast.unparse(node), mode="eval").body
+
+
+def _is_static(fn: ast.FunctionDef) -> bool:
+    return any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+
+
+def _undecorated(fn: ast.FunctionDef) -> ast.FunctionDef:
+    copy = ast.FunctionDef(name=fn.name, args=fn.args, body=fn.body, decorator_list=[], returns=None, type_comment=None)
+    return ast.copy_location(copy, fn)  # type: ignore[return-value]
+
+
+def _bases(module: ModuleInfo, cls: ast.ClassDef) -> list[ast.ClassDef]:
+    """The class and its bases defined in the same file, method-resolution order (single chain)."""
+    out = [cls]
+    cur = cls
+    while len(out) < 8:
+        nxt = None
+        for b in cur.bases:
+            if isinstance(b, ast.Name) and b.id in module.classes and module.classes[b.id] is not cur:
+                nxt = module.classes[b.id]
+                break
+        if nxt is None or nxt in out:
+            break
+        out.append(nxt)
+        cur = nxt
+    return out
+
+
+def _plain_module_base(module: ModuleInfo, cls: ast.ClassDef) -> bool:
+    """The chain ends in ``nn.Module`` (torch's: its __init__ sets nothing the probe reads)."""
+    last = _bases(module, cls)[-1]
+    return any(module.canonical(b) in ("torch.nn.Module", "torch.nn.modules.module.Module") for b in last.bases)
+
+
+def _methods(module: ModuleInfo, cls: ast.ClassDef) -> Iterable[ast.FunctionDef]:
+    for c in _bases(module, cls):
+        for n in c.body:
+            if isinstance(n, ast.FunctionDef):
+                yield n
+
+
+# --- building self -------------------------------------------------------------------------
+
+
+def build_self(module: ModuleInfo, cls: ast.ClassDef, overrides: dict[str, Any] | None = None) -> Obj:
+    """``self`` after the class's ``__init__`` (or its same-file base's) ran with dimension-like
+    arguments (no default) set to ``DIM`` and the others to their defaults. Raises Unknown."""
+    if not _plain_module_base(module, cls):
+        raise Unknown("the class does not derive from nn.Module in this file")
+    obj = Obj(cls)
+    init = next((fn for fn in _methods(module, cls) if fn.name == "__init__"), None)
+    if init is None:
+        return obj
+    it = Interpreter(module, in_init=True)
+    a = init.args
+    params = [*a.posonlyargs, *a.args][1:]
+    n_def = len(a.defaults)
+    args: list[Any] = []
+    for i, p in enumerate(params):
+        if i >= len(params) - n_def:
+            break
+        args.append(_dim_argument(p))
+    kwargs = {p.arg: _dim_argument(p) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None}
+    kwargs.update(overrides or {})
+    it.call_function(init, args, kwargs, obj)
+    return obj
+
+
+def _dim_argument(p: ast.arg) -> int:
+    """A constructor argument without default: a dimension (int, or not annotated) gets DIM."""
+    ann = ast.unparse(p.annotation) if p.annotation is not None else ""
+    if ann == "bool":
+        return False  # a flag without default: False first, flipped by the exploration
+    if ann and ann not in ("int", "Optional[int]", "int | None"):
+        raise Unknown(f"constructor argument `{p.arg}: {ann}` has no default")
+    return DIM
+
+
+def bool_arguments(module: ModuleInfo, cls: ast.ClassDef) -> dict[str, bool]:
+    """Constructor arguments whose default is True/False (flags the probe may flip)."""
+    init = next((fn for fn in _methods(module, cls) if fn.name == "__init__"), None)
+    if init is None:
+        return {}
+    a = init.args
+    params = [*a.posonlyargs, *a.args]
+    pairs = list(zip(params[len(params) - len(a.defaults):], a.defaults)) + [(p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+    flags = {p.arg: d.value for p, d in pairs if isinstance(d, ast.Constant) and isinstance(d.value, bool)}
+    n_req = len(params) - len(a.defaults)
+    for p in [*params[1:n_req], *(p for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None)]:
+        if p.annotation is not None and ast.unparse(p.annotation) == "bool":
+            flags[p.arg] = False
+    return flags
+
+
+def randomize(obj: Obj, gen: Any, dtype: Any = None) -> Obj:
+    """A copy of ``obj`` whose float tensors (parameters, buffers) hold random values in
+    [0.5, 1.5] (ones and zeros would hide which one is the weight), optionally cast to ``dtype``."""
+    t = torch_module()
+    out = Obj(obj.cls, {})
+    for k, v in obj.attrs.items():
+        if isinstance(v, t.Tensor) and v.is_floating_point():
+            r = t.rand(v.shape, generator=gen, dtype=t.float64) + 0.5
+            v = r.to(dtype or v.dtype)
+        elif isinstance(v, t.nn.Module):
+            import copy
+
+            v = copy.deepcopy(v)
+            if dtype is not None:
+                v = v.to(dtype)
+        out.attrs[k] = v
+    return out
+
+
+# --- rms_norm: the reference check -----------------------------------------------------------
+
+
+@dataclass
+class RmsProof:
+    """What :func:`prove_rms_norm` found. ``kind``: "proved" (the other fields say how to call
+    npu_rms_norm), "mismatch" (it ran and computes a normalisation that is not RMSNorm;
+    ``reason`` says how it differs), "other" (it ran and is not a normalisation at all), or
+    "unknown" (the probe could not evaluate it; ``reason`` says why)."""
+
+    kind: str
+    reason: str = ""
+    x: str = ""
+    weight: str | None = None  # expression of the scope, None: no weight
+    weight_offset: int = 0  # 1: the code multiplies by (1 + weight)
+    eps: str = ""  # expression of the scope (or a literal)
+    eps_value: float = 0.0
+    dtype_rule: str = ""  # "input" | "promote" | "weight" | "float32"
+    guards: list[str] = field(default_factory=list)  # run-time tests the proof assumed
+    sampled: list[str] = field(default_factory=list)  # input-dependent branches only sampled
+    entered: list[ast.FunctionDef] = field(default_factory=list)
+    scalar_reads: dict[str, Any] = field(default_factory=dict)  # self.<attr> -> value the function read
+
+
+@dataclass
+class _Run:
+    x: Any
+    out: Any
+    scalars: dict[str, Any]  # expression -> value (self attrs, params)
+    tensors: dict[str, Any]  # expression -> 1-D float tensor
+    decisions: list[Decision]
+    entered: list[ast.FunctionDef]
+    scalar_reads: dict[str, Any] = field(default_factory=dict)
+
+
+_SCALES = (1.0, 10.0, 1e-3, 1e-6, 1e-13)
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _assigned_names(fn: ast.FunctionDef) -> set[str]:
+    out: set[str] = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+    return out
+
+
+def prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RmsProof:
+    """Evaluate ``fn`` on sampled inputs and decide whether it returns
+    ``x * rsqrt(mean(x**2, -1) + eps) * w`` (w: a 1-D weight of the scope, ``1 + w``, or none)."""
+    reason = static_gate(module, fn, cls)
+    if reason is None and cls is not None:
+        # self is built by interpreting __init__ (and same-file bases'): the same allowlist holds there
+        for c in _bases(module, cls):
+            init = next((n for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            if init is not None:
+                reason = static_gate(module, init, c)
+                if reason is not None:
+                    reason = f"__init__: {reason}"
+                    break
+    if reason is not None:
+        return RmsProof("unknown", reason)
+    try:
+        return _explore(module, fn, cls)
+    except Unknown as e:
+        return RmsProof("unknown", e.reason)
+    except RecursionError:
+        return RmsProof("unknown", "recursion")
+    except Exception as e:  # torch raising on a sampled value the interpreter did not anticipate
+        return RmsProof("unknown", f"evaluation raised {type(e).__name__}")
+
+
+def _explore(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RmsProof:
+    """The constructor's defaults first, then each boolean flag flipped (up to 4): the first
+    configuration proved wins (the forward's tests on those flags become run-time guards);
+    otherwise the defaults' outcome is reported."""
+    configs: list[dict[str, Any]] = [{}]
+    if cls is not None:
+        flags = bool_arguments(module, cls)
+        configs += [{k: not v} for k, v in list(flags.items())[:4]]
+    first: RmsProof | None = None
+    weightless: RmsProof | None = None
+    for overrides in configs:
+        try:
+            proof = _proved_on_two_dims(module, fn, cls, overrides)
+        except Unknown as e:
+            proof = RmsProof("unknown", e.reason)
+        if proof.kind == "proved":
+            if proof.weight is not None:
+                return proof
+            if not overrides:
+                # weightless by default: kept unless a configuration with a weight is proved.
+                # (A flipped flag that removes the weight proves a path that rarely runs: not used.)
+                weightless = weightless or proof
+        first = first or proof
+        if first.kind != "mismatch":
+            break  # flags are flipped only for a normalisation that differs (a bias, an optional weight): cost
+    assert first is not None
+    return weightless or first
+
+
+def _proved_on_two_dims(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None, overrides: dict[str, Any]) -> RmsProof:
+    """Proved with dimension arguments 16 and 24 alike (a scalar derived from the dimension is
+    then covered); scalar attributes of self read by the function with the same value in both
+    (a constructor default such as ``scale=1.0``) become run-time guards, eps excepted."""
+    global DIM
+    proofs: list[RmsProof] = []
+    for d in (16, 24):
+        DIM = d
+        try:
+            proofs.append(_prove_rms_norm(module, fn, cls, overrides))
+        finally:
+            DIM = 16
+        if proofs[-1].kind != "proved":
+            return proofs[-1]
+    a, b = proofs
+    if (a.weight, a.weight_offset, a.eps, a.dtype_rule) != (b.weight, b.weight_offset, b.eps, b.dtype_rule):
+        return RmsProof("unknown", "the proof depends on the dimension")
+    guards = a.guards + [g for g in b.guards if g not in a.guards]
+    for attr, v in sorted(a.scalar_reads.items()):
+        if b.scalar_reads.get(attr) == v and f"self.{attr}" != a.eps and math.isfinite(v):
+            guards.append(f"self.{attr} == {v!r}")
+    a.guards = guards
+    return a
+
+
+def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None, overrides: dict[str, Any] | None = None) -> RmsProof:
+    t = torch_module()
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    is_method = cls is not None and not _is_static(fn)
+    if is_method:
+        if not params or params[0] != "self":
+            raise Unknown("a method without self")
+        params = params[1:]
+    if not params:
+        raise Unknown("no input argument")
+    x_name = params[0]
+    n_required = len(params) - len(a.defaults)
+    extra = params[1:n_required]  # arguments without default besides x
+    if is_method and extra:
+        raise Unknown(f"argument `{extra[0]}` has no default")
+    if any(d is None for d in a.kw_defaults):
+        raise Unknown("a keyword-only argument has no default")
+    base = build_self(module, cls, overrides) if is_method else None
+    if cls is not None and not is_method:
+        raise Unknown("a static method")
+    assigned = _assigned_names(fn)
+
+    def run(xv: Any, wdtype: Any, seed: int) -> _Run:
+        gen = t.Generator().manual_seed(1234 + seed)
+        obj = randomize(base, gen, wdtype) if base is not None else None
+        args: list[Any] = [xv]
+        tensors: dict[str, Any] = {}
+        for name in extra:  # a module-level function's weight-like tensor arguments
+            w = (t.rand(DIM, generator=gen, dtype=t.float64) + 0.5).to(wdtype or t.float32)
+            args.append(w)
+            if name not in assigned:
+                tensors[name] = w
+        it = Interpreter(module)
+        out = it.call_function(fn, args, {}, obj)
+        scalars: dict[str, Any] = {}
+        if obj is not None:
+            for k, v in obj.attrs.items():
+                if isinstance(v, t.Tensor) and v.dim() == 1 and v.is_floating_point() and v.numel() == DIM:
+                    tensors[f"self.{k}"] = v
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    scalars[f"self.{k}"] = v
+        return _Run(xv, out, scalars, tensors, it.decisions, it.entered, it.scalar_reads)
+
+    gen0 = t.Generator().manual_seed(0)
+    base3 = t.randn(2, 3, DIM, generator=gen0, dtype=t.float64)
+    base2 = t.randn(5, DIM, generator=gen0, dtype=t.float64)
+    fp32_runs = [run((base3 * s).float(), None, 0) for s in _SCALES]
+    fp32_runs.append(run(base2.float(), None, 1))
+    first = fp32_runs[0]
+    if not isinstance(first.out, t.Tensor) or first.out.shape != first.x.shape or not first.out.is_floating_point():
+        return RmsProof("other", "the output is not a float tensor shaped like the input")
+    for r in fp32_runs:
+        if not isinstance(r.out, t.Tensor) or r.out.shape != r.x.shape:
+            return RmsProof("other", "the output is not shaped like the input on every sample")
+    o1, o10 = first.out.double(), fp32_runs[1].out.double()
+    normalizes = bool(((o1 - o10).abs() <= 1e-3 * o1.abs().amax() + 1e-3 * o1.abs()).all())
+    # weight: the candidate g for which out / (x * g) is one number per row
+    cands: list[tuple[str | None, int]] = [(None, 0)]
+    for k in first.tensors:
+        cands += [(k, 0), (k, 1)]
+
+    def gain(r: _Run, k: str | None, off: int) -> Any:
+        if k is None:
+            return t.ones(DIM, dtype=t.float64)
+        return r.tensors[k].double() + off
+
+    chosen = None
+    for k, off in cands:
+        ratio = first.out.double() / (first.x.double() * gain(first, k, off))
+        spread = (ratio.amax(-1) - ratio.amin(-1)) / ratio.abs().amax(-1)
+        if bool((spread < 1e-4).all()):
+            chosen = (k, off)
+            break
+    if chosen is None:
+        if not normalizes:
+            return RmsProof("other", "not a normalisation (the output is not scale-invariant)")
+        return RmsProof("mismatch", _why_not_rms(first, cands, gain))
+    k, off = chosen
+    # eps from the smallest sample, where eps dominates mean(x^2)
+    tiny = fp32_runs[len(_SCALES) - 1]
+    xt = tiny.x.double()
+    r = (tiny.out.double() / (xt * gain(tiny, k, off))).mean(-1)
+    ms = xt.pow(2).mean(-1)
+    eps_rows = 1.0 / r.pow(2) - ms
+    eps_hat = float(eps_rows.median())
+    eps_expr, eps_value = _match_eps(module, fn, first, eps_hat, params, assigned, a)
+    if eps_expr is None:
+        if not normalizes:
+            return RmsProof("other", "not a normalisation")
+        return RmsProof("mismatch", _why_eps(fp32_runs, k, off, gain, eps_hat))
+    for rr in fp32_runs:
+        err = _rel_err(rr, k, off, gain, eps_value)
+        if err > 1e-4:
+            return RmsProof("mismatch", _why_eps(fp32_runs, k, off, gain, eps_hat))
+    # dtype rule and half-precision agreement
+    pairs = [(t.bfloat16, t.float32), (t.bfloat16, t.bfloat16), (t.float32, t.bfloat16), (t.float16, t.float32),
+             (t.float16, t.float16)]
+    observed: list[tuple[Any, Any, Any]] = []
+    half_runs: list[_Run] = []
+    for xd, wd in pairs:
+        hr = run(base3.to(xd), wd, 0)
+        if not isinstance(hr.out, t.Tensor) or hr.out.shape != hr.x.shape:
+            raise Unknown("the output is not shaped like the input in half precision")
+        err = _rel_err(hr, k, off, gain, eps_value)
+        if err > 3e-2:
+            return RmsProof("mismatch", f"agrees with RMSNorm in float32 but not with {xd} input and {wd} weights "
+                            f"(relative error {err:.2g})")
+        observed.append((xd, wd, hr.out.dtype))
+        half_runs.append(hr)
+    rule = _dtype_rule(observed, weighted=k is not None)
+    if rule is None:
+        raise Unknown("no simple output-dtype rule fits "
+                      + ", ".join(f"{_dn(x)}x{_dn(w)}->{_dn(o)}" for x, w, o in observed))
+    # run-time guards: tests on self/module names/unassigned non-input arguments
+    guards: list[str] = []
+    sampled: list[str] = []
+    guardable = {"self"} | {p for p in params[1:] if p not in assigned}
+    for rr in [*fp32_runs, *half_runs]:
+        for d in rr.decisions:
+            names = _free_names(d.test)
+            src = ast.unparse(d.test)
+            text = f"({src})" if d.value else f"not ({src})"
+            if names and names <= guardable | (set(module.aliases) | set(module.functions)) - assigned - {x_name} \
+                    and _only_self_reads(d.test):
+                if text not in guards:
+                    if (f"not ({src})" if d.value else f"({src})") in guards:
+                        raise Unknown(f"the test `{src}` went both ways on the samples")
+                    guards.append(text)
+            elif src not in sampled:
+                sampled.append(src)
+    entered = list({id(f): f for rr in fp32_runs for f in rr.entered}.values())
+    reads: dict[str, Any] = {}
+    for rr in [*fp32_runs, *half_runs]:
+        reads.update(rr.scalar_reads)
+    return RmsProof("proved", "", x_name, k, off, eps_expr, eps_value, rule, guards, sampled, entered, reads)
+
+
+def _only_self_reads(test: ast.expr) -> bool:
+    """The test reads attributes of self and names only (no call of a helper that may look at
+    state the guard cannot see, no subscript of a tensor)."""
+    for n in ast.walk(test):
+        if isinstance(n, ast.Call):
+            return False
+    return True
+
+
+def _dn(d: Any) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _dtype_rule(observed: list[tuple[Any, Any, Any]], weighted: bool) -> str | None:
+    t = torch_module()
+    rules: dict[str, Callable[[Any, Any], Any]] = {
+        "input": lambda x, w: x,
+        "promote": lambda x, w: t.promote_types(x, w),
+        "weight": lambda x, w: w,
+        "float32": lambda x, w: t.float32,
+    }
+    for name, f in rules.items():
+        if not weighted and name in ("promote", "weight"):
+            continue
+        if all(f(x, w) == o for x, w, o in observed):
+            return name
+    return None
+
+
+def _rel_err(r: _Run, k: str | None, off: int, gain: Callable[..., Any], eps: float) -> float:
+    t = torch_module()
+    x = r.x.double()
+    ref = x * t.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain(r, k, off)
+    d = (r.out.double() - ref).abs()
+    scale = ref.abs().amax(-1, keepdim=True)
+    return float((d / (scale + 1e-300)).max())
+
+
+def _match_eps(module: ModuleInfo, fn: ast.FunctionDef, run: _Run, eps_hat: float, params: list[str],
+               assigned: set[str], a: ast.arguments) -> tuple[str | None, float]:
+    """The expression of the scope whose value is the solved eps: an attribute of self, an
+    argument's default, a module constant, a literal in the function."""
+    cands: list[tuple[str, float]] = list(run.scalars.items())
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
+    for p, d in defaults.items():
+        if p not in assigned and isinstance(d, ast.Constant) and isinstance(d.value, (int, float)) and not isinstance(d.value, bool):
+            cands.append((p, float(d.value)))
+    seen_fns = [fn, *run.entered]
+    for f in seen_fns:
+        for n in ast.walk(f):
+            if isinstance(n, ast.Constant) and isinstance(n.value, float):
+                cands.append((repr(n.value), n.value))
+    for st in module.tree.body:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            v = _module_constant(module, st.targets[0].id)
+            if isinstance(v, float):
+                cands.append((st.targets[0].id, v))
+    if abs(eps_hat) < 1e-30:
+        for expr, v in cands:
+            if v == 0:
+                return expr, 0.0
+        return "0.0", 0.0
+    for expr, v in cands:
+        if v > 0 and abs(v - eps_hat) <= 2e-3 * v:
+            return expr, float(v)
+    return None, eps_hat
+
+
+def _why_eps(runs: list[_Run], k: str | None, off: int, gain: Callable[..., Any], eps_hat: float) -> str:
+    """The output is x scaled per row, but not by rsqrt(mean(x^2) + eps) for one eps: say how."""
+    t = torch_module()
+    outside: list[float] = []
+    slack: list[float] = []  # float32 rounding of 1/s - rms, relative to rms
+    clamp_ok = True
+    for r in runs:
+        x = r.x.double()
+        s = (r.out.double() / (x * gain(r, k, off))).mean(-1)
+        rms = x.pow(2).mean(-1).sqrt()
+        outside.extend((1.0 / s - rms).flatten().tolist())
+        slack.extend((1e-5 * rms).flatten().tolist())
+        norm = x.pow(2).sum(-1).sqrt()
+        big = norm > 1e-6
+        if bool(big.any()):
+            c = (s * norm)[big]
+            clamp_ok = clamp_ok and bool(((c - c.mean()).abs() <= 1e-4 * c.abs().mean()).all())
+    o = t.tensor(outside, dtype=t.float64)
+    sl = t.tensor(slack, dtype=t.float64)
+    if o.numel() and float(o.abs().max()) > 0 and bool(((o - o.median()).abs() <= 1e-3 * o.median().abs() + sl).all()) \
+            and float(o.median()) > 0:
+        return f"eps ({float(o.median()):.3g}) is added outside the square root (x / (sqrt(mean(x^2)) + eps)); npu_rms_norm adds it inside"
+    if clamp_ok:
+        return "the norm is clamped from below (x / max(||x||, eps) times a constant, F.normalize-like) instead of eps added inside the root"
+    return (f"x is scaled per row, but not by rsqrt(mean(x^2, -1) + eps) for one eps (solved from the smallest inputs: "
+            f"{eps_hat:.3g}; it does not fit the other scales or no value of the scope equals it: e.g. a sum instead of a mean, "
+            "an L2 normalisation, an extra constant factor)")
+
+
+def _why_not_rms(r: _Run, cands: list[tuple[str | None, int]], gain: Callable[..., Any]) -> str:
+    """A normalisation that is not x scaled per row: say which kind (checked numerically)."""
+    x = r.x.double()
+    out = r.out.double()
+    for k, off in cands:
+        g = gain(r, k, off)
+        centred = x - x.mean(-1, keepdim=True)
+        ratio = out / (centred * g)
+        spread = (ratio.amax(-1) - ratio.amin(-1)) / ratio.abs().amax(-1)
+        if bool((spread < 1e-3).all()):
+            return "subtracts the mean before normalising (LayerNorm), not RMSNorm"
+        if k is not None:
+            for b in r.tensors:
+                if b == k:
+                    continue
+                ratio = (out - r.tensors[b].double()) / (x * g)
+                spread = (ratio.amax(-1) - ratio.amin(-1)) / ratio.abs().amax(-1)
+                if bool((spread < 1e-4).all()):
+                    return f"adds `{b}` after the weight (a bias): npu_rms_norm has no bias"
+        if x.dim() == 3:
+            ratio = out / (x * g)
+            spread = (ratio.amax(1) - ratio.amin(1)) / ratio.abs().amax(1)
+            if bool((spread < 1e-4).all()):
+                return "normalises over another dim than the last (the statistic is not per row of the last dim)"
+    return "normalises, but the output is not x * rsqrt(mean(x^2, -1) + eps) * w for any 1-D weight of the scope"
