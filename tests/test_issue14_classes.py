@@ -16,8 +16,9 @@ CLASSES: dict[str, dict[str, list[tuple[str, str]]]] = {
     "1 library and alternative norms": {
         "fuse": [("rms_norm", "nn_rmsnorm_modules"), ("rms_norm", "f_rms_norm_in_a_module"),
                  ("rms_norm", "torch_rms_norm_without_weight"), ("rms_norm", "f_normalize_times_sqrt_d"),
-                 ("rms_norm", "dim_attribute_default_last"), ("add_rms_norm", "dim_attribute_norm_training")],
-        "keep": [("rms_norm", "dim_attribute_passed_by_a_constructor"),
+                 ("rms_norm", "dim_attribute_default_last"), ("add_rms_norm", "dim_attribute_norm_training"),
+                 ("rms_norm", "probe_dim_attribute_guarded_at_run_time")],
+        "keep": [("rms_norm", "probe_statistic_over_dim_1"),
                  ("rms_norm", "scalenorm_l2_with_scalar_gain")],
     },
     "2 rope spellings": {

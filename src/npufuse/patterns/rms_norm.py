@@ -2920,12 +2920,6 @@ RmsNorm.FUSE += [
 
 RmsNorm.KEEP += [
     Keep(
-        # a constructor call of this module passes another dim: the default proves nothing
-        _DIM_ATTRIBUTE.replace("self.norm = ScaleNormish(n)", "self.norm = ScaleNormish(n, 1)"),
-        reason="call at line 24 may pass `dim`",
-        name="dim_attribute_passed_by_a_constructor",
-    ),
-    Keep(
         # the weight chosen by the branch is not a parameter on one side: not a norm's weight
         _UNIT_OFFSET_BRANCH.replace("output = output * self.weight.float()", "output = output * self.weight.float().view(-1, 1)"),
         reason="the weight is reshaped",
@@ -4464,8 +4458,8 @@ RmsNorm.KEEP += [
 
 # The matcher refuses a mean over ``self.dim`` when a constructor call may pass another dim (it
 # cannot know the value statically); the probe proves the default and guards ``self.dim == -1``
-# at run time, so that Keep becomes a Fuse: the instance built with dim=1 runs the original.
-RmsNorm.KEEP = [k for k in RmsNorm.KEEP if k.name != "dim_attribute_passed_by_a_constructor"]
+# at run time, so the former Keep ``dim_attribute_passed_by_a_constructor`` is this Fuse: the
+# instance built with dim=1 runs the original.
 RmsNorm.FUSE += [
     Fuse(
         _DIM_ATTRIBUTE.replace("self.norm = ScaleNormish(n)", "self.norm = ScaleNormish(n, 1)"),
