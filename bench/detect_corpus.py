@@ -25,7 +25,9 @@ What is scanned (only the labelled files are ever scored):
 * ``--context``: the labelled files and the other ``.py`` files of their folders.
 
 Matching: a candidate matches a label when the pattern is the same, the file is the same and the
-line ranges overlap; each label and each candidate is matched at most once. Per pattern:
+line ranges overlap, or the candidate's function is one of the label's ``alt_qualnames`` (the
+label conventions name there the other place a site may be reported: a split norm's helper, a rope's
+rotate helper); each label and each candidate is matched at most once. Per pattern:
 precision = matched candidates / all candidates in the labelled files (a candidate on a ``keep``
 site or on an unlabelled line counts against it: the labelled files are labelled exhaustively),
 recall = matched ``fuse`` labels / all ``fuse`` labels. A labels file with a top-level
@@ -70,9 +72,16 @@ class Site:
     # a candidate whose replacement dispatches at run time to more than one pattern's op
     # (params.dispatches_to: a config-chosen activation runs npu_swiglu or npu_geglu)
     covers: tuple[str, ...] = ()
+    # a label's other accepted places (``alt_qualnames``: the helper of a split norm, a rope's
+    # rotate helper): a candidate reported in one of those functions of the file is that site
+    alt: tuple[str, ...] = ()
 
     def overlaps(self, other: "Site") -> bool:
         return self.pattern == other.pattern and self.file == other.file and self.line <= other.end_line and other.line <= self.end_line
+
+    def names(self, cand: "Site") -> bool:
+        """True when *cand* (a candidate of this label's file) sits in one of this label's alt_qualnames."""
+        return bool(cand.qualname) and cand.qualname in self.alt
 
 
 @dataclass
@@ -332,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 if f["path"] in missing:
                     continue
                 for s in f.get("sites", []):
-                    labels.append(Site(s["pattern"], f"{repo}/{f['path']}", s["line"], s.get("end_line", s["line"]), s["label"], s.get("qualname", "")))
+                    alt = tuple(q for q in s.get("alt_qualnames", ()) if isinstance(q, str))
+                    labels.append(Site(s["pattern"], f"{repo}/{f['path']}", s["line"], s.get("end_line", s["line"]), s["label"], s.get("qualname", ""), alt=alt))
             # tests/examples folders: only labelled files are there (repo_sources left the rest out),
             # and those are scanned wherever they sit
             t0 = time.perf_counter()
@@ -367,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         # unmatched fuse label of those on the candidate's lines is matched (one TP per label)
         covered = [c.pattern] + [p for p in c.covers if p != c.pattern]
         on_lines = [l for l in labels if l.label == "fuse" and l.file == c.file and l.line <= c.end_line and c.line <= l.end_line]
+        # then labels naming the candidate's function as an alternative place (line overlap first)
+        on_lines += [l for l in labels if l.label == "fuse" and l.file == c.file and l.names(c) and all(l is not o for o in on_lines)]
         hits = [next((l for l in on_lines if l.pattern == p and not l.matched), None) for p in covered]
         if any(h is not None for h in hits):
             c.matched = True
@@ -383,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             t.fp += 1
             t.wrong.append(c)
-            if any(l.label == "keep" and l.overlaps(c) for l in labels):
+            if any(l.label == "keep" and (l.overlaps(c) or (l.pattern == c.pattern and l.file == c.file and l.names(c))) for l in labels):
                 t.fp_on_keep += 1
     for l in labels:
         if l.label == "fuse" and not l.matched and l.pattern in tallies:

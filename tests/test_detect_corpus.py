@@ -90,6 +90,25 @@ def test_scores_a_labelled_mirror(tmp_path, capsys):
     assert "missed  swiglu" in out and "model.py:3-3" in out
 
 
+def test_alt_qualnames_name_the_other_place_a_site_may_be_reported(tmp_path, capsys):
+    mirrors, commit = _mirror(tmp_path)
+    # a split site labelled at one function whose computation the scan reports in its helper
+    site = {"pattern": "rms_norm", "qualname": "Block.forward", "line": 11, "end_line": 12, "label": "fuse"}
+
+    def rms_row(sites: list[dict]) -> list[str]:
+        labels = _labels(tmp_path, commit, sites)
+        assert detect_corpus.main(["--labels", str(labels), "--mirrors", str(mirrors)]) == 0
+        out = capsys.readouterr().out
+        return next(ln.split() for ln in out.splitlines() if ln.split()[:1] == ["rms_norm"])
+
+    # without alt_qualnames the helper's candidate is an extra and the label a miss
+    assert rms_row([site])[1:5] == ["0", "2", "0", "1"]
+    # naming the helper: its candidate is the site (TP); the unlabelled construction stays an extra
+    assert rms_row([dict(site, alt_qualnames=["hand_norm"])])[1:5] == ["1", "1", "0", "0"]
+    # a keep label's alt place counts a candidate there as a false positive on a keep site
+    assert rms_row([dict(site, label="keep", alt_qualnames=["hand_norm"])])[1:5] == ["0", "2", "1", "0"]
+
+
 def test_recall_only_labels_do_not_count_unlabelled_candidates(tmp_path, capsys):
     mirrors, commit = _mirror(tmp_path)
     labels = _labels(tmp_path, commit, [
