@@ -993,6 +993,10 @@ class _Match:
     # the rotation is a lambda's body or a comprehension's element: the fused statements go into a
     # local def called there
     local: "_LocalFn | None" = None
+    # x above 4-D may run fused with its leading axes merged into one (cos/sin 1 along them, checked at
+    # run time; see _merged_lead_check): the fused call reshapes x/cos/sin to 4-D and restores x's axes
+    merge_lead: bool = False
+    table_rank_check: str = ""  # the run-time ``cos.dim() <= 4`` of the interleave check, widened when merging
 
 
 @dataclass
@@ -1365,7 +1369,11 @@ def _branch_anchor(scope: Scope, node: ast.AST, first_def: ast.stmt) -> tuple[as
     texts: list[str] = []
     for owner, in_body, child in _if_path(scope, site):
         branch = owner.body if in_body else getattr(owner, "orelse", [])
-        if not isinstance(owner, ast.If) or len(branch) != 1 or branch[0] is not child or not _stable_test(scope, owner.test):
+        # the branch holding the site directly may hold more statements (q's and k's sites: _anchor_group;
+        # the fused path is that branch with its sites replaced); a branch further out only the inner ``if``
+        innermost = child is site
+        if not isinstance(owner, ast.If) or not _stable_test(scope, owner.test) or \
+                not (any(st is child for st in branch) if innermost else (len(branch) == 1 and branch[0] is child)):
             return None, None, None, scope
         conds.append((ast.dump(owner.test), in_body))
         texts.append(ast.unparse(owner.test) if in_body else f"not {_atom(ast.unparse(owner.test))}")
@@ -1592,6 +1600,16 @@ class RopePattern(Pattern):
                 listing = scope.listing()[0]
                 block, i, stmt = next(((b, j, st) for b, j, st in listing if st is anchored[0].anchor))
                 matches = [anchored[0]]
+                grouped = _anchor_group(self, module, scope, anchored[0], block, i)
+                if isinstance(grouped, str):
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, grouped)
+                    continue
+                if grouped is not None:
+                    # several rotations in the flag's branch (q and k): one site, the whole branch fused
+                    start, group, siblings = grouped
+                    filled_done.update(siblings)
+                    runs.append((block, [(j, block[j], []) for j in range(start, i)] + [(i, stmt, group)]))
+                    continue
             absorb = [a for m in matches for a in m.absorb]
             if absorb:
                 # the statements computing the two rotated halves (nanochat's y1 = ..., y2 = ...) go
@@ -2112,8 +2130,11 @@ class RopePattern(Pattern):
         m.mode = "interleave"
         shape = f"_npufuse_{_ident(segment(module, x))}_cs_shape"
         c0, s0 = _atom(m.cos), _atom(m.sin)
-        m.prep = m.prep + [f"{shape} = (1,) * (4 - {c0}.dim()) + tuple({c0}.shape)  # cos as the eager product broadcasts it (leading 1s)"]
+        m.prep = m.prep + [f"{shape} = (1,) * (4 - {c0}.dim()) + tuple({c0}.shape) if {c0}.dim() <= 4 else "
+                           f"(({c0}.shape[:-3].numel(),) + tuple({c0}.shape[-3:]))  # cos as the eager product broadcasts it "
+                           "(leading 1s), above 4-D its leading axes merged"]
         check = f"{c0}.dim() <= 4 and {c0}.shape == {s0}.shape and {shape}[0] == 1 and ({shape}[1] == 1 or {shape}[2] == 1)"
+        m.table_rank_check = f"{c0}.dim() <= 4"
         if _is_name(m.x_text) and "." not in m.x_text:
             # interleave mode takes B*N < 1000: with batch-free tables the leading dims of x other than S
             # (the one dim where cos is not 1) are B and N; a [(b h), n, d] x lifted to [1, b*h, n, d] can pass it
@@ -2350,7 +2371,9 @@ class RopePattern(Pattern):
                     lines.extend(b for b in m.lift_binds if b not in lines)
                     broadcast_note = True
                 c0, s0 = c, s  # the tables as named before any broadcast
-                if m.lift:
+                if m.lift and m.merge_lead:
+                    x, c, s, lift_suffix = _merged_lead_call(x, c, s)
+                elif m.lift:
                     c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
                     lift_suffix = f"[(0,) * (4 - {x}.dim())]"
                     x = f"{x}[(None,) * (4 - {x}.dim())]"
@@ -2377,7 +2400,9 @@ class RopePattern(Pattern):
                 reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
             target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
             local = matches[0].local
-            if local is not None:
+            if matches[0].anchor is not None and len(_branch_of(matches[0].anchor, matches[0].site_stmt) or []) > 1:  # type: ignore[arg-type]
+                lines.extend(_branch_with_sites(module, matches, reps))
+            elif local is not None:
                 lines.append(f"return ({replace_segments(module, local.body, reps)})")  # type: ignore[arg-type]
             else:
                 lines.append(replace_segments(module, target, reps))
@@ -2474,7 +2499,11 @@ class RopePattern(Pattern):
                 notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
                              "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
                 variant = "rotate_half_chosen_at_run_time"
-            if any(m.lift for m in all_matches):
+            if any(m.lift and m.merge_lead for m in all_matches):
+                notes.append("x above 4-D (q and k stacked as one tensor) runs fused with its leading axes merged into one "
+                             "(npu_rotary_mul takes 4-D only) where cos/sin are 1 along those axes and their product is below "
+                             "1000, checked at run time, and gets its axes back after; elsewhere the original code runs")
+            elif any(m.lift for m in all_matches):
                 notes.append("fused where x is at most 4-D (npu_rotary_mul takes 4-D only; lower ranks get leading 1s, "
                              "the eager broadcast); a higher rank runs the original code")
         if first.mode_expr is not None:
@@ -2533,6 +2562,7 @@ class RopePattern(Pattern):
             base, merged = base.func.value, 1  # type: ignore[attr-defined]
         if isinstance(base, ast.Name) and merged:
             rank_ok = f"{base.id}.dim() <= 5"
+            rank_ok = _merged_lead_rank_ok(m, rank_ok, f"({base.id}.dim() - 1)", f"{base.id}.shape[:-4]")
             if m.mode != "half" and _is_name(m.cos) and "." not in m.cos:
                 # interleave: B*N < 1000 (x's rows over the table's one long dim), read on the [.., D/2, 2] view
                 rank_ok += (f" and {base.id}.numel() // max({base.id}.shape[-1] * {base.id}.shape[-2], 1)"
@@ -2540,6 +2570,7 @@ class RopePattern(Pattern):
             m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
         elif isinstance(base, ast.Name):
             rank_ok = f"{base.id}.dim() <= 4"
+            rank_ok = _merged_lead_rank_ok(m, rank_ok, f"{base.id}.dim()", f"{base.id}.shape[:-3]")
             # the table as the original code names it (a prepared _npufuse_ table is bound later)
             table = m.cos if not m.cos.startswith("_npufuse_") else (m.cos_node.id if isinstance(m.cos_node, ast.Name) else "")
             limits = _lifted_limits(base.id, table, m.mode) if table else ""
@@ -6227,5 +6258,192 @@ RopePattern.KEEP += [
                                         "    kc = kc * 2\n    kr = torch.view_as_real(kr).flatten(-2)\n")
         .replace("    qr = torch.view_as_real(qr).flatten(-2)\n", "    qr = torch.view_as_real(qr)\n"),
         name="complex_product_operand_rebound_before_the_view",
+    ),
+]
+
+
+# --- rope s27: x above 4-D (q and k stacked into one 5-D tensor) runs fused with its leading axes merged ---
+
+def _merged_lead_rank_ok(m: _Match, rank_ok: str, rank: str, lead: str) -> str:
+    """``rank_ok`` (x at most 4-D) widened to a higher rank of x whose leading axes (all but the last
+    three) can be merged into one: the eager product broadcasts cos/sin from the right, so where they
+    are 1 along those axes (and have no more axes than x) every merged row sees the same table, which
+    is the 4-D call npu_rotary_mul takes; the merged size must stay below 1000 (spec 4.1: B < 1000).
+    ``rank`` is x's rank and ``lead`` x's leading axes as expressions of names bound before the site.
+    Only where cos/sin are names bound before the run-time test (the caller's, or prepared ones that
+    are hoisted above it); else ``rank_ok`` is returned as is."""
+    def bound_before(t: str) -> bool:
+        if not (_is_name(t) and "." not in t):
+            return False
+        return not t.startswith("_npufuse_") or any(p.startswith((f"{t} =", f"{t}, ")) for p in m.prep)
+    if not (bound_before(m.cos) and bound_before(m.sin)):
+        return rank_ok
+    c, s = m.cos, m.sin
+    high = (f"({rank} <= 8 and {c}.dim() <= {rank} and {s}.dim() <= {rank} and {c}.shape[:-3].numel() == 1 "
+            f"and {s}.shape[:-3].numel() == 1 and {lead}.numel() < 1000)")
+    m.merge_lead = True
+    if m.table_rank_check and m.only_if is not None:
+        # the interleave run-time check refused tables above 4-D: their merged 4-D view is checked instead
+        # (the table may be above 4-D only where x is, the test above)
+        m.only_if = m.only_if.replace(m.table_rank_check, f"({m.table_rank_check} or {rank} > 4)", 1)
+    return f"({rank_ok} or {high})"
+
+
+def _merged_lead_call(x: str, c: str, s: str) -> tuple[str, str, str, str]:
+    """x, cos, sin as npu_rotary_mul's 4-D arguments and the suffix restoring x's shape: up to 4-D the
+    leading 1s of the eager broadcast (indexed away after), above 4-D x's leading axes merged into one
+    and cos/sin (1 there, checked before) reshaped alike, unflattened after."""
+    lead = f"max({x}.dim() - 4, 0)"
+    x4 = f"{x}[(None,) * (4 - {x}.dim())].flatten(0, {lead})"
+    c4 = f"{c}[(None,) * (max({x}.dim(), 4) - {c}.dim())].flatten(0, {lead})"
+    s4 = f"{s}[(None,) * (max({x}.dim(), 4) - {s}.dim())].flatten(0, {lead})"
+    suffix = f"[(0,) * (4 - {x}.dim())].unflatten(0, {x}.shape[:-3] if {x}.dim() > 4 else (-1,))"
+    return x4, c4, s4, suffix
+
+
+# --- rope s27: several rotations in one branch of a flag's ``if`` (q and k under ``if not interleave:``) ---
+
+def _branch_of(anchor: ast.If, site: ast.stmt) -> list[ast.stmt] | None:
+    """The branch of ``anchor`` (body or else) holding ``site`` as a direct statement."""
+    for branch in (anchor.body, anchor.orelse):
+        if any(st is site for st in branch):
+            return branch
+    return None
+
+
+def _anchor_group(pat: "RopePattern", module: ModuleInfo, scope: Scope, first: _Match, block: list[ast.stmt],
+                  i: int) -> tuple[int, list[_Match], set[int]] | str | None:
+    """Every rotation in the branch of ``first``'s flag ``if`` (eole's ``if interleave: ... else:`` cutting
+    q's AND k's halves, then recombining both): (index in ``block`` of the first statement the sites
+    absorb, the matches in branch order, ids of the branch statements handled here), or None where the
+    branch holds one site (the one-statement path handles it) or a statement this cannot vouch for: a
+    second rotation that is refused or fused under another condition, a site's parts that are not all
+    written right before the ``if``. The fused path is the branch itself with each site replaced, so
+    other statements of the branch run there unchanged."""
+    anchor, site = first.anchor, first.site_stmt
+    if not isinstance(anchor, ast.If) or site is None:
+        return None
+    branch = _branch_of(anchor, site)
+    if branch is None or len(branch) < 2:
+        return None
+    group: list[_Match] = []
+    for st in branch:
+        if not isinstance(st, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
+            if any(isinstance(n, (ast.Call, ast.BinOp)) for n in fast_walk(st)) and "*" in segment(module, st):
+                return None  # a compound statement that may hold a rotation of its own: not vouched for
+            continue
+        if st is site:
+            group.append(first)
+            continue
+        found: list[_Match] = []
+        for node in pat._candidates(st, scope):
+            res = pat._match(module, scope, node)
+            if isinstance(res, str):
+                return None
+            if res is not None:
+                found.append(res)
+        if not found:
+            continue
+        if len(found) != 1 or found[0].anchor is not anchor or found[0].site_stmt is not st or found[0].only_if is None \
+                or not found[0].only_if.startswith(first.only_if.split(" and ")[0]):
+            return None
+        group.append(found[0])
+    ids = {id(a) for m in group for a in m.absorb}
+    start = i - len(ids)
+    if start < 0 or {id(b) for b in block[start:i]} != ids:
+        if not ids:
+            return None
+        parts = ", ".join(f"`{segment(module, a.targets[0])}`" for m in group for a in m.absorb if isinstance(a, ast.Assign))
+        return (f"the rotated parts {parts} are not the statements right before `if {ast.unparse(anchor.test)}:` (other "
+                "statements stand between them): the fused branch would have to drop statements it does not replace")
+    if len(group) < 2:
+        return None
+    return start, group, {id(st) for st in branch}
+
+
+def _branch_with_sites(module: ModuleInfo, matches: list[_Match], reps: list[tuple[ast.AST, str]]) -> list[str]:
+    """The flag's branch with each site's rotation replaced by its fused call (statements of the branch
+    without a site kept verbatim), in the branch's order."""
+    first = matches[0]
+    branch = _branch_of(first.anchor, first.site_stmt)  # type: ignore[arg-type]
+    by_node = {id(n): r for n, r in reps}
+    out: list[str] = []
+    for st in branch or []:
+        mine = [(m.node, by_node[id(m.node)]) for m in matches if m.site_stmt is st and id(m.node) in by_node]
+        out.append(replace_segments(module, st, mine))
+    return out
+
+
+# q and k cut into halves (or lane pairs) under one flag, rotated by one shared formula, recombined under the
+# same flag: the halves branch holds both sites and is fused as a whole; the lane-pair branch keeps the original
+_FLAG_BRANCH_QK = '''
+import torch
+
+
+def turn(q, k, cs, interleave: bool):
+    n = cs.size(1)
+    q_rot, q_rest = q[..., :n], q[..., n:]
+    k_rot, k_rest = k[..., :n], k[..., n:]
+    if interleave:
+        q1, q2 = q_rot.unflatten(-1, (-1, 2)).unbind(-1)
+        k1, k2 = k_rot.unflatten(-1, (-1, 2)).unbind(-1)
+    else:
+        h = n // 2
+        q1, q2 = q_rot[..., :h], q_rot[..., h:]
+        k1, k2 = k_rot[..., :h], k_rot[..., h:]
+    c = cs[None, :, None, : n // 2]
+    s = cs[None, :, None, n // 2 :]
+    qa = q1 * c - q2 * s
+    qb = q1 * s + q2 * c
+    ka = k1 * c - k2 * s
+    kb = k1 * s + k2 * c
+    if interleave:
+        qo = torch.stack((qa, qb), dim=-1).flatten(-2)
+        ko = torch.stack((ka, kb), dim=-1).flatten(-2)
+    else:
+        qo = torch.cat((qa, qb), dim=-1)
+        ko = torch.cat((ka, kb), dim=-1)
+    return torch.cat((qo, q_rest), dim=-1), torch.cat((ko, k_rest), dim=-1)
+'''
+
+_FLAG_BRANCH_QK_RUN = '''
+S, D, R = 5, 12, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, R, 2).float() / R)))
+cs = torch.cat((ang.cos(), ang.sin()), dim=-1)  # [S, R]: cos | sin, half-size each
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 1, D, requires_grad=True)
+out = (turn(q, k, cs, False), turn(q, k, cs, True))
+leaves = [q, k]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="flag_branch_q_and_k_halves",
+        code=_FLAG_BRANCH_QK,
+        expect={"mode": "half", "qualname": "turn", "variant": "halves_split_checked", "targets": ["q_rot", "k_rot"]},
+        run=_FLAG_BRANCH_QK_RUN,
+    ),
+    Fuse(
+        # a statement of the branch that is no rotation runs on the fused path too (kept verbatim)
+        name="flag_branch_q_and_k_halves_with_other_statement",
+        code=_FLAG_BRANCH_QK.replace("        ko = torch.cat((ka, kb), dim=-1)\n",
+                                     "        ko = torch.cat((ka, kb), dim=-1)\n        qo = qo * 2\n"),
+        expect={"mode": "half", "qualname": "turn"},
+        run=_FLAG_BRANCH_QK_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # k's second half is rotated with the wrong sign (ka = k1*c + k2*s): the branch holds a product that is
+        # no rotation beside q's, so the branch is not fused at all
+        _FLAG_BRANCH_QK.replace("ka = k1 * c - k2 * s", "ka = k1 * c + k2 * s"),
+        reason="are not the statements right before `if interleave:`",
+        name="flag_branch_second_site_not_a_rotation",
+    ),
+    Keep(
+        # the flag is reassigned in the function: the two ``if interleave:`` may take different paths
+        _FLAG_BRANCH_QK.replace("    n = cs.size(1)\n", "    n = cs.size(1)\n    interleave = n > 64 or interleave\n"),
+        name="flag_branch_flag_not_stable",
     ),
 ]
