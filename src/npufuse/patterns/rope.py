@@ -146,6 +146,9 @@ class _Rotation:
     # halves cut at a split point that is not provably D/2 (``t[..., : self.dim // 2]``): fused only where
     # ``{x}.shape[-1] == 2 * (split)`` holds at run time ({x}: the call's argument, written by _rotation_call)
     split_only_if: str | None = None
+    # the rotation is a name bound on a branch of stable ``if`` tests (bert4torch's ``if rank == 'adjacent':
+    # x2 = <pairs> elif ...: x2 = <halves>``): the path condition of the binding that reaches the site
+    path_if: str | None = None
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -564,6 +567,8 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
     rot.name = "inline"
+    if rot.kind is not None and isinstance(node, ast.Name):
+        return _on_its_branch(scope, node, rot)
     return rot
 
 
@@ -2078,6 +2083,8 @@ class RopePattern(Pattern):
                         m = self._build_real(module, scope, node, "half", x, cos, sin)
                         if isinstance(m, _Match):
                             m.only_if, m.chosen_half = rot.half_if, True
+                    if isinstance(m, _Match) and rot.path_if is not None:
+                        _add_path_condition(m, rot)
                     return m
         return best_reason or None
 
@@ -2500,7 +2507,7 @@ class RopePattern(Pattern):
                              "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
                 variant = "rotate_half_chosen_at_run_time"
             if any(m.lift and m.merge_lead for m in all_matches):
-                notes.append("x above 4-D (q and k stacked as one tensor) runs fused with its leading axes merged into one "
+                notes.append("x above 4-D (e.g. q and k stacked as one tensor) runs fused with its leading axes merged into one "
                              "(npu_rotary_mul takes 4-D only) where cos/sin are 1 along those axes and their product is below "
                              "1000, checked at run time, and gets its axes back after; elsewhere the original code runs")
             elif any(m.lift for m in all_matches):
@@ -6445,5 +6452,92 @@ RopePattern.KEEP += [
         # the flag is reassigned in the function: the two ``if interleave:`` may take different paths
         _FLAG_BRANCH_QK.replace("    n = cs.size(1)\n", "    n = cs.size(1)\n    interleave = n > 64 or interleave\n"),
         name="flag_branch_flag_not_stable",
+    ),
+]
+
+
+# --- rope s27: a rotation bound on a branch (``if mode == 'adjacent': x2 = <pairs> elif ...: x2 = <halves>``) ---
+
+def _on_its_branch(scope: Scope, name: ast.Name, rot: _Rotation) -> _Rotation:
+    """``rot`` (the rotation ``name`` was resolved to: its textually last binding before the use) valid only
+    where that binding is the one reaching the use. Bound outside any branch: as is. Bound under ``if``
+    statements whose tests read the same at the use (stable: no calls, no names this scope rebinds): the
+    rotation holds where those tests take the binding's path, so the fused code runs under that
+    condition and the original elsewhere. Bound in a loop / with / try, or under a test that may change:
+    not a rotation this can vouch for."""
+    if not _bound_on_a_branch(scope, name):
+        return rot
+    line = getattr(name, "lineno", 0)
+    defs = [st for st, _v in scope.assignments.get(name.id, []) if st.lineno < line]
+    use = _stmt_of(scope, name)
+    if not defs or use is None:
+        return _Rotation(None)
+    around_use = {id(o) for o, _b, _c in _if_path(scope, use[2])}
+    conds: list[str] = []
+    for owner, in_body, _child in _if_path(scope, defs[-1]):
+        if id(owner) in around_use:
+            continue
+        if not isinstance(owner, ast.If) or not _stable_test(scope, owner.test):
+            return _Rotation(None, f"the rotation `{name.id}` is bound on a branch (line {defs[-1].lineno}) whose test may read "
+                                   "differently at the site, or inside a loop / with / try: which binding reaches the site is not known")
+        test = ast.unparse(owner.test)
+        conds.append(test if in_body else f"not ({test})")
+    if not conds:
+        return rot
+    return dataclasses.replace(rot, path_if=" and ".join(f"({c})" for c in reversed(conds)))
+
+
+def _add_path_condition(m: _Match, rot: _Rotation) -> None:
+    """Fuse ``m`` only where its rotation's binding is the one on the path taken (checked first: the
+    other conditions may read names bound on that path only)."""
+    m.only_if = rot.path_if if m.only_if is None else f"{rot.path_if} and ({m.only_if})"
+    note = f"the rotation is bound under `{rot.path_if}`: fused there, the other paths keep the original code"
+    m.only_note = f"{note}; {m.only_note}" if m.only_note else note
+
+
+# the rotation named on the branches of a mode test (pairs on one, halves on the other): the site is fused
+# under the path of the binding that reaches it (the last one), the other path runs the original code
+_BRANCH_BOUND_ROTATION = '''
+import torch
+
+
+class Pos(torch.nn.Module):
+    def __init__(self, rank: str):
+        super().__init__()
+        self.rank = rank
+
+    def forward(self, x, cos, sin):
+        if self.rank == "pairs":
+            x2 = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape_as(x)
+        elif self.rank == "halves":
+            x2 = torch.cat([-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], dim=-1)
+        return x * cos + x2 * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_bound_on_a_mode_branch",
+        code=_BRANCH_BOUND_ROTATION,
+        expect={"mode": "half", "qualname": "Pos.forward"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+cos_h, sin_h = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+cos_p, sin_p = ang.repeat_interleave(2, -1).cos(), ang.repeat_interleave(2, -1).sin()
+x = torch.randn(2, 3, S, D, requires_grad=True)
+out = (Pos("halves")(x, cos_h, sin_h), Pos("pairs")(x, cos_p, sin_p))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the mode is a local name rebound in the function: the test may read differently at the site
+        _BRANCH_BOUND_ROTATION.replace("    def forward(self, x, cos, sin):\n",
+                                       "    def forward(self, x, cos, sin):\n        rank = self.rank\n")
+        .replace("if self.rank ==", "if rank ==").replace("elif self.rank ==", "elif rank =="),
+        reason="is bound on a branch (line 15) whose test may read differently at the site",
+        name="rotation_bound_on_an_unstable_branch",
     ),
 ]
