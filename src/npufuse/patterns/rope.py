@@ -1818,6 +1818,12 @@ class RopePattern(Pattern):
         if any(_read_before_rebound(scope, y.id, end) for y in (y1, y2)):
             return None  # the halves are read again: keep them (the site would need them)
         terms = [_signed_products(d[1]) for d in defs]
+        def_cast = _common_part_cast(scope, defs, node.lineno) if None in terms else ""
+        if def_cast:
+            terms = [_signed_products(strip_casts(d[1])[0]) for d in defs]
+        elif None in terms and all(strip_casts(d[1])[1] and _signed_products(strip_casts(d[1])[0]) for d in defs):
+            return (f"the rotated parts `{y1.id}`, `{y2.id}` are products cast differently (`{segment(module, defs[0][1])}` / "
+                    f"`{segment(module, defs[1][1])}`): the joined result has no one dtype the fused call could give it")
         if terms[0] is None or terms[1] is None:
             return None
         scope_for_halves = scope
@@ -1863,7 +1869,10 @@ class RopePattern(Pattern):
         if kind == "pairs":
             if anchor is not site:
                 return None  # (a flag-chosen pair form is vLLM's, handled with its halves above)
-            return self._named_lane_pairs(module, scope, node, base, c_a, s_a, negate, [d[0] for d in defs])
+            lanes = self._named_lane_pairs(module, scope, node, base, c_a, s_a, negate, [d[0] for d in defs])
+            if isinstance(lanes, _Match) and def_cast:
+                lanes.post += def_cast  # each part was cast alike: the fused result is cast the same way
+            return lanes
         m = self._build_real(module, scope, node, "half", base, c_a, s_a)
         if isinstance(m, str):
             return m
@@ -1875,7 +1884,7 @@ class RopePattern(Pattern):
                   f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
         m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
         m.absorb = [d[0] for d in defs]
-        m.post = _pair_cast_suffix(node) + m.post
+        m.post = _pair_cast_suffix(node) + def_cast + m.post
         if anchor is not site:
             m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
@@ -2576,8 +2585,9 @@ class RopePattern(Pattern):
                             f" < 1000 * max({m.cos}.shape[:-1], default=1)")
             m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
         elif isinstance(base, ast.Name):
+            # (no merging of leading axes here: a rotation written with positive dims, ``cat(.., 3)``, which
+            # _pair_of takes as the last dim of a 4-D x, is another computation on a 5-D x)
             rank_ok = f"{base.id}.dim() <= 4"
-            rank_ok = _merged_lead_rank_ok(m, rank_ok, f"{base.id}.dim()", f"{base.id}.shape[:-3]")
             # the table as the original code names it (a prepared _npufuse_ table is bound later)
             table = m.cos if not m.cos.startswith("_npufuse_") else (m.cos_node.id if isinstance(m.cos_node, ast.Name) else "")
             limits = _lifted_limits(base.id, table, m.mode) if table else ""
@@ -6539,5 +6549,75 @@ RopePattern.KEEP += [
         .replace("if self.rank ==", "if rank ==").replace("elif self.rank ==", "elif rank =="),
         reason="is bound on a branch (line 15) whose test may read differently at the site",
         name="rotation_bound_on_an_unstable_branch",
+    ),
+]
+
+
+# --- rope s27: the rotated parts each cast alike where they are named (``a = (x1*c - x2*s).type_as(x)``) ---
+
+def _common_part_cast(scope: Scope, defs: list[tuple[ast.stmt, ast.expr]], site_line: int) -> str:
+    """The one cast (``.type_as(x)``, ``.to(torch.bfloat16)``, ``.float()``...) wrapping both named parts'
+    values, as a suffix for the fused result ("" if they differ or are not cast): casting each part
+    before they are joined is casting the joined result (cast and cat/stack commute elementwise). The
+    names the cast reads must not be rebound between the parts and the site (it is evaluated there)."""
+    stripped = [strip_casts(v) for _st, v in defs]
+    # the cast as written after its operand (strip_casts' text assumes an unparenthesised operand)
+    casts = [[ast.unparse(ast.Call(func=ast.Attribute(value=ast.Name("_"), attr=v.func.attr), args=v.args, keywords=v.keywords))[1:]]
+             if c else [] for (_st, v), (_i, c) in zip(defs, stripped)]  # type: ignore[attr-defined]
+    if not casts[0] or casts[0] != casts[1] or len(stripped[0][1]) != 1 or len(stripped[1][1]) != 1:
+        return ""
+    cast_node = defs[0][1]
+    first = min(st.lineno for st, _v in defs)
+    for n in fast_walk(cast_node):
+        if isinstance(n, ast.Name) and n is not stripped[0][0] and \
+                any(first <= b.lineno < site_line for b, _v in scope.assignments.get(n.id, [])):
+            if any(n is m for m in fast_walk(stripped[0][0])):
+                continue  # a name of the rotated expression itself, not of the cast
+            return ""
+    return casts[0][0]
+
+
+_PARTS_CAST_ALIKE = '''
+import torch
+
+
+def turn_lanes(x, fc, fs):
+    ev = x[..., 0::2]
+    od = x[..., 1::2]
+    re_part = (ev * fc - od * fs).type_as(x)
+    im_part = (ev * fs + od * fc).type_as(x)
+    return torch.stack([re_part, im_part], dim=-1).flatten(-2)
+
+
+def turn_halves(x, c, s):
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    y1 = (x1 * c - x2 * s).to(torch.bfloat16)
+    y2 = (x2 * c + x1 * s).to(torch.bfloat16)
+    return torch.cat((y1, y2), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="named_parts_cast_alike_lanes",
+        code=_PARTS_CAST_ALIKE,
+        expect={"mode": "interleave", "qualname": "turn_lanes"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+x = torch.randn(2, 3, S, D).bfloat16().requires_grad_()
+out = (turn_lanes(x, ang.cos(), ang.sin()), turn_halves(x, ang.cos(), ang.sin()))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the two parts take different casts: the joined tensor has no one dtype (torch.stack promotes)
+        _PARTS_CAST_ALIKE.replace("im_part = (ev * fs + od * fc).type_as(x)", "im_part = (ev * fs + od * fc).float()")
+        .replace("y2 = (x2 * c + x1 * s).to(torch.bfloat16)", "y2 = (x2 * c + x1 * s).to(torch.float16)"),
+        reason="are products cast differently",
+        name="named_parts_cast_differently",
     ),
 ]
