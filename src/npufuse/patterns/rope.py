@@ -530,6 +530,9 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         called = _named_rotation_call(scope, node, x)
         if called is not None:
             return _rotation_call(module, scope, called, x)
+    upcast = _upcast_helper_rotation(module, scope, node, x)
+    if upcast is not None:
+        return upcast
     inner, casts = strip_casts(node)
     if casts:
         # Ernie's ``q.float() * cos + rotate_half(q).float() * sin``: the same cast on both sides
@@ -6619,5 +6622,67 @@ RopePattern.KEEP += [
         .replace("y2 = (x2 * c + x1 * s).to(torch.bfloat16)", "y2 = (x2 * c + x1 * s).to(torch.float16)"),
         reason="are products cast differently",
         name="named_parts_cast_differently",
+    ),
+]
+
+
+# --- rope s27: ``x.float() * cos + R(x) * sin`` where the helper R upcasts inside (``x.float().reshape(..)``) ---
+
+_FP32_CASTS = {".float()", ".to(torch.float32)", ".to(dtype=torch.float32)", ".type(torch.float32)", ".to(torch.float)"}
+
+
+def _upcast_helper_rotation(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr) -> _Rotation | None:
+    """The rotation of ``x = t.float()`` written as ``R(t)`` with a helper R that rotates ``t.float()`` itself
+    (JoyImage's ``xq.float() * cos + _rotate_half(xq) * sin``): R(t) is then R(t.float()) exactly (the helper's
+    result is fp32 whatever t's dtype), so it is the rotation of x. None where that does not hold."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(x, ast.Call)):
+        return None
+    x_inner, x_casts = strip_casts(x)
+    if len(x_casts) != 1 or not same_expr(node.args[0], x_inner) or strip_casts(node)[1]:
+        return None
+    cast = ast.unparse(ast.Call(func=ast.Attribute(value=ast.Name("_"), attr=x.func.attr), args=x.args, keywords=x.keywords))[1:]  # type: ignore[attr-defined]
+    if cast.replace(" ", "") not in {c.replace(" ", "") for c in _FP32_CASTS}:
+        return None
+    rot = _rotation_call(module, scope, node, x_inner)
+    return rot if rot.kind is not None and rot.upcast else None
+
+
+_UPCAST_INSIDE_HELPER = '''
+import torch
+
+
+def spin(xq, xk, cos, sin):
+    def _turn(t):
+        re_, im_ = t.float().reshape(*t.shape[:-1], -1, 2).unbind(-1)
+        return torch.stack([-im_, re_], dim=-1).flatten(-2)
+
+    xq_out = (xq.float() * cos + _turn(xq) * sin).type_as(xq)
+    xk_out = (xk.float() * cos + _turn(xk) * sin).type_as(xk)
+    return xq_out, xk_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="upcast_inside_the_helper",
+        code=_UPCAST_INSIDE_HELPER,
+        expect={"mode": "interleave", "qualname": "spin"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+cos, sin = ang.repeat_interleave(2, -1).cos()[None, None], ang.repeat_interleave(2, -1).sin()[None, None]
+q = torch.randn(2, 3, S, D).bfloat16().requires_grad_()
+k = torch.randn(2, 3, S, D).bfloat16().requires_grad_()
+out = spin(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the plain term is cast to fp16, the helper rotates in fp32: not the same tensor rotated
+        _UPCAST_INSIDE_HELPER.replace("xq_out = (xq.float() * cos", "xq_out = (xq.half() * cos")
+        .replace("xk_out = (xk.float() * cos", "xk_out = (xk.half() * cos"),
+        name="upcast_inside_the_helper_other_cast",
     ),
 ]
