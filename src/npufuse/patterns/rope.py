@@ -3417,11 +3417,7 @@ leaves = [q, k]
     ),
 ]
 
-RopePattern.FUSE += [
-    Fuse(
-        # PaLM: einops halves inside rotate_half; the tables computed inline from a [n, d] pos (bound once, made 4-D)
-        name="palm_einops_rotate_half",
-        code='''
+_PALM_EINOPS = '''
 import torch
 from einops import rearrange
 
@@ -3434,7 +3430,13 @@ def rotate_half(x):
 
 def apply_rotary_pos_emb(pos, t):
     return (t * pos.cos()) + (rotate_half(t) * pos.sin())
-''',
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # PaLM: einops halves inside rotate_half; the tables computed inline from a [n, d] pos (bound once, made 4-D)
+        name="palm_einops_rotate_half",
+        code=_PALM_EINOPS,
         expect={"mode": "half", "targets": ["t"]},
     ),
 ]
@@ -3442,20 +3444,7 @@ def apply_rotary_pos_emb(pos, t):
 RopePattern.KEEP += [
     Keep(
         # j is the inner factor here: "(d j)" pairs neighbouring lanes, which is not rotate_half
-        '''
-import torch
-from einops import rearrange
-
-
-def rotate_half(x):
-    x = rearrange(x, "... (d j) -> ... j d", j=2)
-    x1, x2 = x.unbind(dim=-2)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(pos, t):
-    return (t * pos.cos()) + (rotate_half(t) * pos.sin())
-''',
+        _PALM_EINOPS.replace('    x = rearrange(x, "... (j d) -> ... j d", j=2)\n', '    x = rearrange(x, "... (d j) -> ... j d", j=2)\n'),
         reason="does not compute the standard rotate_half",
         name="einops_inner_pair_axis",
     ),
@@ -3805,11 +3794,7 @@ RopePattern.KEEP += [
 ]
 
 # halves / lane pairs cut by viewing the last dim as two axes and unbinding one (canonical.lane_of)
-RopePattern.FUSE += [
-    Fuse(
-        # rotary-embedding-torch (lucidrains): the interleaved rotation through einops, the view bound to x first
-        name="einops_pairs_rotate_rebound",
-        code='''
+_EINOPS_PAIRS = '''
 import torch
 from einops import rearrange
 
@@ -3825,7 +3810,13 @@ def apply_rotary_emb(freqs, t):
     cos = freqs.cos()[None, None]
     sin = freqs.sin()[None, None]
     return t * cos + rotate_half(t) * sin
-''',
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # rotary-embedding-torch (lucidrains): the interleaved rotation through einops, the view bound to x first
+        name="einops_pairs_rotate_rebound",
+        code=_EINOPS_PAIRS,
         # einops is not a dependency: tests/test_detect_rope.py runs this one under a minimal stand-in
         expect={"mode": "interleave", "targets": ["t"]},
     ),
@@ -3874,21 +3865,7 @@ leaves = [x]
 RopePattern.KEEP += [
     Keep(
         # lane pairs (d r) stacked back as (r d): not the interleaved order, not a rotation npu_rotary_mul computes
-        '''
-import torch
-from einops import rearrange
-
-
-def rotate_half(x):
-    x = rearrange(x, "... (d r) -> ... d r", r=2)
-    x1, x2 = x.unbind(dim=-1)
-    x = torch.stack((x2, -x1), dim=-1)
-    return rearrange(x, "... d r -> ... (d r)")
-
-
-def apply_rotary_emb(freqs, t):
-    return t * freqs.cos() + rotate_half(t) * freqs.sin()
-''',
+        _EINOPS_PAIRS.replace('    x = torch.stack((-x2, x1), dim=-1)\n', '    x = torch.stack((x2, -x1), dim=-1)\n').replace('    cos = freqs.cos()[None, None]\n    sin = freqs.sin()[None, None]\n    return t * cos + rotate_half(t) * sin\n', '    return t * freqs.cos() + rotate_half(t) * freqs.sin()\n'),
         reason="sign flipped",
         name="einops_pairs_sign_flipped",
     ),
@@ -4172,12 +4149,7 @@ leaves = [x]
     ),
 ]
 
-RopePattern.FUSE += [
-    Fuse(
-        # picotron: the half point is the last of x's dims unpacked from x.size(); the rotated copy is bound to a
-        # name (one that reads like a helper) and x is rebound by the sum
-        name="halves_cut_at_unpacked_last_dim",
-        code='''
+_UNPACKED_HALVES = '''
 import torch
 
 
@@ -4188,7 +4160,14 @@ def apply_rotary_pos_emb(x, cos, sin):
     rotate_half = torch.cat([-x2, x1], dim=-1)
     x = x * cos + rotate_half * sin
     return x
-''',
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # picotron: the half point is the last of x's dims unpacked from x.size(); the rotated copy is bound to a
+        # name (one that reads like a helper) and x is rebound by the sum
+        name="halves_cut_at_unpacked_last_dim",
+        code=_UNPACKED_HALVES,
         expect={"mode": "half", "targets": ["x"], "qualname": "apply_rotary_pos_emb"},
         run='''
 ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
@@ -4232,18 +4211,7 @@ leaves = [x]
 RopePattern.KEEP += [
     Keep(
         # the cut is at the unpacked SEQUENCE length, not the head dim: no halves of the last dim
-        '''
-import torch
-
-
-def apply_rotary_pos_emb(x, cos, sin):
-    batch_size, num_head, seq_length, head_dim = x.size()
-    x1 = x[..., : seq_length // 2]
-    x2 = x[..., seq_length // 2 :]
-    rotate_half = torch.cat([-x2, x1], dim=-1)
-    x = x * cos + rotate_half * sin
-    return x
-''',
+        _UNPACKED_HALVES.replace('    x1 = x[..., : head_dim // 2]\n    x2 = x[..., head_dim // 2 :]\n', '    x1 = x[..., : seq_length // 2]\n    x2 = x[..., seq_length // 2 :]\n'),
         reason="",
         name="halves_cut_at_unpacked_other_dim",
     ),
