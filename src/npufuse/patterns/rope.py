@@ -571,7 +571,7 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
     rot.name = "inline"
     if rot.kind is not None and isinstance(node, ast.Name):
-        return _on_its_branch(scope, node, rot)
+        return _on_its_branch(scope, node, rot, module, x)
     return rot
 
 
@@ -6439,7 +6439,8 @@ RopePattern.KEEP += [
 
 # --- rope s27: a rotation bound on a branch (``if mode == 'adjacent': x2 = <pairs> elif ...: x2 = <halves>``) ---
 
-def _on_its_branch(scope: Scope, name: ast.Name, rot: _Rotation) -> _Rotation:
+def _on_its_branch(scope: Scope, name: ast.Name, rot: _Rotation, module: ModuleInfo | None = None,
+                   x: ast.expr | None = None) -> _Rotation:
     """``rot`` (the rotation ``name`` was resolved to: its textually last binding before the use) valid only
     where that binding is the one reaching the use. Bound outside any branch: as is. Bound under ``if``
     statements whose tests read the same at the use (stable: no calls, no names this scope rebinds): the
@@ -6465,13 +6466,53 @@ def _on_its_branch(scope: Scope, name: ast.Name, rot: _Rotation) -> _Rotation:
         conds.append(test if in_body else f"not ({test})")
     if not conds:
         return rot
-    return dataclasses.replace(rot, path_if=" and ".join(f"({c})" for c in reversed(conds)))
+    path_if = " and ".join(f"({c})" for c in reversed(conds))
+    other = _other_branch_rotation(scope, name, defs, module, x) if module is not None and x is not None else None
+    if other is not None:
+        # the name is bound on both paths of one ``if``/``elif`` (diffusers' ``use_real_unbind_dim == -1`` lane pairs,
+        # ``== -2`` halves): each path is fused with its own rotary_mode, chosen by the same test at run time
+        kind, cond = other
+        both = f"(({cond}) or ({path_if}))"  # one atom: callers join it with ``and``
+        if kind == rot.kind:
+            return dataclasses.replace(rot, path_if=both)
+        half_if = cond if kind == "half" else path_if
+        return dataclasses.replace(rot, kind="interleave", path_if=both, mode_expr=f'"{kind}" if {cond} else "{rot.kind}"', half_if=half_if)
+    return dataclasses.replace(rot, path_if=path_if)
+
+
+def _other_branch_rotation(scope: Scope, name: ast.Name, defs: list[ast.stmt], module: ModuleInfo, x: ast.expr) -> tuple[str, str] | None:
+    """(kind, path condition) of the binding of ``name`` on the other path of the ``if`` whose ``else`` holds
+    its last binding: exactly two bindings before the use, the first in the body of an ``if`` (stable tests
+    on its path) and the last under that ``if``'s else (elif); the first must be a rotation of x too."""
+    binds = [(st, v) for st, v in scope.assignments.get(name.id, []) if st.lineno < (getattr(name, "lineno", 0))]
+    if len(binds) != 2 or len(defs) != 2 or not isinstance(binds[0][0], ast.Assign):
+        return None
+    first_path = _if_path(scope, binds[0][0])
+    if not first_path or not isinstance(first_path[0][0], ast.If) or not first_path[0][1]:
+        return None
+    owner = first_path[0][0]
+    if not any(o is owner and not in_body for o, in_body, _c in _if_path(scope, defs[-1])):
+        return None  # the last binding is not on the else side of the same ``if``
+    use = _stmt_of(scope, name)
+    around_use = {id(o) for o, _b, _c in _if_path(scope, use[2])} if use is not None else set()
+    conds = []
+    for o, in_body, _c in first_path:
+        if id(o) in around_use:
+            continue
+        if not isinstance(o, ast.If) or not _stable_test(scope, o.test):
+            return None
+        test = ast.unparse(o.test)
+        conds.append(test if in_body else f"not ({test})")
+    kind = _rotation_expr(scope, binds[0][1], lambda n: same_expr(n, x), module).kind
+    if kind is None or not conds:
+        return None
+    return kind, " and ".join(f"({c})" for c in reversed(conds))
 
 
 def _add_path_condition(m: _Match, rot: _Rotation) -> None:
     """Fuse ``m`` only where its rotation's binding is the one on the path taken (checked first: the
     other conditions may read names bound on that path only)."""
-    m.only_if = rot.path_if if m.only_if is None else f"{rot.path_if} and ({m.only_if})"
+    m.only_if = rot.path_if if m.only_if is None else f"({rot.path_if}) and ({m.only_if})"
     note = f"the rotation is bound under `{rot.path_if}`: fused there, the other paths keep the original code"
     m.only_note = f"{note}; {m.only_note}" if m.only_note else note
 
@@ -6652,5 +6693,53 @@ RopePattern.KEEP += [
         _UPCAST_INSIDE_HELPER.replace("xq_out = (xq.float() * cos", "xq_out = (xq.half() * cos")
         .replace("xk_out = (xk.float() * cos", "xk_out = (xk.half() * cos"),
         name="upcast_inside_the_helper_other_cast",
+    ),
+]
+
+
+# the rotated copy bound on both paths of one if/elif (lane pairs under one test, halves under the other):
+# each path fused with its own rotary_mode, the test choosing it at run time
+_BRANCH_BOUND_BOTH_PATHS = '''
+import torch
+
+
+def apply(x, cos, sin, unbind_dim: int = -1):
+    cos = cos[None, None]
+    sin = sin[None, None]
+    if unbind_dim == -1:
+        x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+        x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    elif unbind_dim == -2:
+        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
+        x_rotated = torch.cat([-x_imag, x_real], dim=-1)
+    else:
+        raise ValueError(unbind_dim)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_bound_on_both_paths_of_an_if",
+        code=_BRANCH_BOUND_BOTH_PATHS,
+        expect={"qualname": "apply", "variant": "rotation_chosen_at_run_time"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+x = torch.randn(2, 3, S, D).bfloat16().requires_grad_()
+pairs = ang.repeat_interleave(2, -1)
+halves = torch.cat((ang, ang), -1)
+out = (apply(x, pairs.cos(), pairs.sin(), -1), apply(x, halves.cos(), halves.sin(), -2))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the halves path's sign is flipped (cat([x_imag, -x_real]): the rotation by -angle, not cos/sin as given):
+        # the binding that reaches the site on that path is no rotation, so neither path is fused
+        _BRANCH_BOUND_BOTH_PATHS.replace("torch.cat([-x_imag, x_real], dim=-1)", "torch.cat([x_imag, -x_real], dim=-1)"),
+        reason="sign flipped",
+        name="rotation_bound_on_both_paths_neither_verified",
     ),
 ]
