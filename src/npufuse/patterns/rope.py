@@ -1002,7 +1002,7 @@ class _Match:
     # local def called there
     local: "_LocalFn | None" = None
     # x above 4-D may run fused with its leading axes merged into one (cos/sin 1 along them, checked at
-    # run time; see _merged_lead_check): the fused call reshapes x/cos/sin to 4-D and restores x's axes
+    # run time; see _merged_lead_rank_ok): the fused call reshapes x/cos/sin to 4-D and restores x's axes
     merge_lead: bool = False
     table_rank_check: str = ""  # the run-time ``cos.dim() <= 4`` of the interleave check, widened when merging
 
