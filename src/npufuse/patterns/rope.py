@@ -146,6 +146,9 @@ class _Rotation:
     # halves cut at a split point that is not provably D/2 (``t[..., : self.dim // 2]``): fused only where
     # ``{x}.shape[-1] == 2 * (split)`` holds at run time ({x}: the call's argument, written by _rotation_call)
     split_only_if: str | None = None
+    # the rotation is a name bound on a branch of stable ``if`` tests (bert4torch's ``if rank == 'adjacent':
+    # x2 = <pairs> elif ...: x2 = <halves>``): the path condition of the binding that reaches the site
+    path_if: str | None = None
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -527,6 +530,9 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         called = _named_rotation_call(scope, node, x)
         if called is not None:
             return _rotation_call(module, scope, called, x)
+    upcast = _upcast_helper_rotation(module, scope, node, x)
+    if upcast is not None:
+        return upcast
     inner, casts = strip_casts(node)
     if casts:
         # Ernie's ``q.float() * cos + rotate_half(q).float() * sin``: the same cast on both sides
@@ -564,6 +570,8 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
     rot.name = "inline"
+    if rot.kind is not None and isinstance(node, ast.Name):
+        return _on_its_branch(scope, node, rot, module, x)
     return rot
 
 
@@ -993,6 +1001,10 @@ class _Match:
     # the rotation is a lambda's body or a comprehension's element: the fused statements go into a
     # local def called there
     local: "_LocalFn | None" = None
+    # x above 4-D may run fused with its leading axes merged into one (cos/sin 1 along them, checked at
+    # run time; see _merged_lead_rank_ok): the fused call reshapes x/cos/sin to 4-D and restores x's axes
+    merge_lead: bool = False
+    table_rank_check: str = ""  # the run-time ``cos.dim() <= 4`` of the interleave check, widened when merging
 
 
 @dataclass
@@ -1365,7 +1377,11 @@ def _branch_anchor(scope: Scope, node: ast.AST, first_def: ast.stmt) -> tuple[as
     texts: list[str] = []
     for owner, in_body, child in _if_path(scope, site):
         branch = owner.body if in_body else getattr(owner, "orelse", [])
-        if not isinstance(owner, ast.If) or len(branch) != 1 or branch[0] is not child or not _stable_test(scope, owner.test):
+        # the branch holding the site directly may hold more statements (q's and k's sites: _anchor_group;
+        # the fused path is that branch with its sites replaced); a branch further out only the inner ``if``
+        innermost = child is site
+        if not isinstance(owner, ast.If) or not _stable_test(scope, owner.test) or \
+                not (any(st is child for st in branch) if innermost else (len(branch) == 1 and branch[0] is child)):
             return None, None, None, scope
         conds.append((ast.dump(owner.test), in_body))
         texts.append(ast.unparse(owner.test) if in_body else f"not {_atom(ast.unparse(owner.test))}")
@@ -1592,6 +1608,16 @@ class RopePattern(Pattern):
                 listing = scope.listing()[0]
                 block, i, stmt = next(((b, j, st) for b, j, st in listing if st is anchored[0].anchor))
                 matches = [anchored[0]]
+                grouped = _anchor_group(self, module, scope, anchored[0], block, i)
+                if isinstance(grouped, str):
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, grouped)
+                    continue
+                if grouped is not None:
+                    # several rotations in the flag's branch (q and k): one site, the whole branch fused
+                    start, group, siblings = grouped
+                    filled_done.update(siblings)
+                    runs.append((block, [(j, block[j], []) for j in range(start, i)] + [(i, stmt, group)]))
+                    continue
             absorb = [a for m in matches for a in m.absorb]
             if absorb:
                 # the statements computing the two rotated halves (nanochat's y1 = ..., y2 = ...) go
@@ -1795,6 +1821,12 @@ class RopePattern(Pattern):
         if any(_read_before_rebound(scope, y.id, end) for y in (y1, y2)):
             return None  # the halves are read again: keep them (the site would need them)
         terms = [_signed_products(d[1]) for d in defs]
+        def_cast = _common_part_cast(scope, defs, node.lineno) if None in terms else ""
+        if def_cast:
+            terms = [_signed_products(strip_casts(d[1])[0]) for d in defs]
+        elif None in terms and all(strip_casts(d[1])[1] and _signed_products(strip_casts(d[1])[0]) for d in defs):
+            return (f"the rotated parts `{y1.id}`, `{y2.id}` are products cast differently (`{segment(module, defs[0][1])}` / "
+                    f"`{segment(module, defs[1][1])}`): the joined result has no one dtype the fused call could give it")
         if terms[0] is None or terms[1] is None:
             return None
         scope_for_halves = scope
@@ -1840,7 +1872,10 @@ class RopePattern(Pattern):
         if kind == "pairs":
             if anchor is not site:
                 return None  # (a flag-chosen pair form is vLLM's, handled with its halves above)
-            return self._named_lane_pairs(module, scope, node, base, c_a, s_a, negate, [d[0] for d in defs])
+            lanes = self._named_lane_pairs(module, scope, node, base, c_a, s_a, negate, [d[0] for d in defs])
+            if isinstance(lanes, _Match) and def_cast:
+                lanes.post += def_cast  # each part was cast alike: the fused result is cast the same way
+            return lanes
         m = self._build_real(module, scope, node, "half", base, c_a, s_a)
         if isinstance(m, str):
             return m
@@ -1852,7 +1887,7 @@ class RopePattern(Pattern):
                   f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
         m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
         m.absorb = [d[0] for d in defs]
-        m.post = _pair_cast_suffix(node) + m.post
+        m.post = _pair_cast_suffix(node) + def_cast + m.post
         if anchor is not site:
             m.anchor, m.site_stmt, m.only_if = anchor, site, only_if
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
@@ -2060,6 +2095,8 @@ class RopePattern(Pattern):
                         m = self._build_real(module, scope, node, "half", x, cos, sin)
                         if isinstance(m, _Match):
                             m.only_if, m.chosen_half = rot.half_if, True
+                    if isinstance(m, _Match) and rot.path_if is not None:
+                        _add_path_condition(m, rot)
                     return m
         return best_reason or None
 
@@ -2112,8 +2149,11 @@ class RopePattern(Pattern):
         m.mode = "interleave"
         shape = f"_npufuse_{_ident(segment(module, x))}_cs_shape"
         c0, s0 = _atom(m.cos), _atom(m.sin)
-        m.prep = m.prep + [f"{shape} = (1,) * (4 - {c0}.dim()) + tuple({c0}.shape)  # cos as the eager product broadcasts it (leading 1s)"]
+        m.prep = m.prep + [f"{shape} = (1,) * (4 - {c0}.dim()) + tuple({c0}.shape) if {c0}.dim() <= 4 else "
+                           f"(({c0}.shape[:-3].numel(),) + tuple({c0}.shape[-3:]))  # cos as the eager product broadcasts it "
+                           "(leading 1s), above 4-D its leading axes merged"]
         check = f"{c0}.dim() <= 4 and {c0}.shape == {s0}.shape and {shape}[0] == 1 and ({shape}[1] == 1 or {shape}[2] == 1)"
+        m.table_rank_check = f"{c0}.dim() <= 4"
         if _is_name(m.x_text) and "." not in m.x_text:
             # interleave mode takes B*N < 1000: with batch-free tables the leading dims of x other than S
             # (the one dim where cos is not 1) are B and N; a [(b h), n, d] x lifted to [1, b*h, n, d] can pass it
@@ -2350,7 +2390,9 @@ class RopePattern(Pattern):
                     lines.extend(b for b in m.lift_binds if b not in lines)
                     broadcast_note = True
                 c0, s0 = c, s  # the tables as named before any broadcast
-                if m.lift:
+                if m.lift and m.merge_lead:
+                    x, c, s, lift_suffix = _merged_lead_call(x, c, s)
+                elif m.lift:
                     c, s = f"{c}[(None,) * (4 - {c}.dim())]", f"{s}[(None,) * (4 - {s}.dim())]"
                     lift_suffix = f"[(0,) * (4 - {x}.dim())]"
                     x = f"{x}[(None,) * (4 - {x}.dim())]"
@@ -2377,7 +2419,9 @@ class RopePattern(Pattern):
                 reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
             target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
             local = matches[0].local
-            if local is not None:
+            if matches[0].anchor is not None and len(_branch_of(matches[0].anchor, matches[0].site_stmt) or []) > 1:  # type: ignore[arg-type]
+                lines.extend(_branch_with_sites(module, matches, reps))
+            elif local is not None:
                 lines.append(f"return ({replace_segments(module, local.body, reps)})")  # type: ignore[arg-type]
             else:
                 lines.append(replace_segments(module, target, reps))
@@ -2474,7 +2518,11 @@ class RopePattern(Pattern):
                 notes.append(f"the rotation helper is chosen at run time: its rotate_half choice (where `{cond}`) is fused; the interleaved "
                              "choice keeps the original code (npu_rotary_mul's interleave mode needs batch-independent cos/sin, not provable here)")
                 variant = "rotate_half_chosen_at_run_time"
-            if any(m.lift for m in all_matches):
+            if any(m.lift and m.merge_lead for m in all_matches):
+                notes.append("x above 4-D (e.g. q and k stacked as one tensor) runs fused with its leading axes merged into one "
+                             "(npu_rotary_mul takes 4-D only) where cos/sin are 1 along those axes and their product is below "
+                             "1000, checked at run time, and gets its axes back after; elsewhere the original code runs")
+            elif any(m.lift for m in all_matches):
                 notes.append("fused where x is at most 4-D (npu_rotary_mul takes 4-D only; lower ranks get leading 1s, "
                              "the eager broadcast); a higher rank runs the original code")
         if first.mode_expr is not None:
@@ -2533,12 +2581,15 @@ class RopePattern(Pattern):
             base, merged = base.func.value, 1  # type: ignore[attr-defined]
         if isinstance(base, ast.Name) and merged:
             rank_ok = f"{base.id}.dim() <= 5"
+            rank_ok = _merged_lead_rank_ok(m, rank_ok, f"({base.id}.dim() - 1)", f"{base.id}.shape[:-4]")
             if m.mode != "half" and _is_name(m.cos) and "." not in m.cos:
                 # interleave: B*N < 1000 (x's rows over the table's one long dim), read on the [.., D/2, 2] view
                 rank_ok += (f" and {base.id}.numel() // max({base.id}.shape[-1] * {base.id}.shape[-2], 1)"
                             f" < 1000 * max({m.cos}.shape[:-1], default=1)")
             m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
         elif isinstance(base, ast.Name):
+            # (no merging of leading axes here: a rotation written with positive dims, ``cat(.., 3)``, which
+            # _pair_of takes as the last dim of a 4-D x, is another computation on a 5-D x)
             rank_ok = f"{base.id}.dim() <= 4"
             # the table as the original code names it (a prepared _npufuse_ table is bound later)
             table = m.cos if not m.cos.startswith("_npufuse_") else (m.cos_node.id if isinstance(m.cos_node, ast.Name) else "")
@@ -3366,11 +3417,7 @@ leaves = [q, k]
     ),
 ]
 
-RopePattern.FUSE += [
-    Fuse(
-        # PaLM: einops halves inside rotate_half; the tables computed inline from a [n, d] pos (bound once, made 4-D)
-        name="palm_einops_rotate_half",
-        code='''
+_PALM_EINOPS = '''
 import torch
 from einops import rearrange
 
@@ -3383,7 +3430,13 @@ def rotate_half(x):
 
 def apply_rotary_pos_emb(pos, t):
     return (t * pos.cos()) + (rotate_half(t) * pos.sin())
-''',
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # PaLM: einops halves inside rotate_half; the tables computed inline from a [n, d] pos (bound once, made 4-D)
+        name="palm_einops_rotate_half",
+        code=_PALM_EINOPS,
         expect={"mode": "half", "targets": ["t"]},
     ),
 ]
@@ -3391,20 +3444,7 @@ def apply_rotary_pos_emb(pos, t):
 RopePattern.KEEP += [
     Keep(
         # j is the inner factor here: "(d j)" pairs neighbouring lanes, which is not rotate_half
-        '''
-import torch
-from einops import rearrange
-
-
-def rotate_half(x):
-    x = rearrange(x, "... (d j) -> ... j d", j=2)
-    x1, x2 = x.unbind(dim=-2)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(pos, t):
-    return (t * pos.cos()) + (rotate_half(t) * pos.sin())
-''',
+        _PALM_EINOPS.replace('    x = rearrange(x, "... (j d) -> ... j d", j=2)\n', '    x = rearrange(x, "... (d j) -> ... j d", j=2)\n'),
         reason="does not compute the standard rotate_half",
         name="einops_inner_pair_axis",
     ),
@@ -3754,11 +3794,7 @@ RopePattern.KEEP += [
 ]
 
 # halves / lane pairs cut by viewing the last dim as two axes and unbinding one (canonical.lane_of)
-RopePattern.FUSE += [
-    Fuse(
-        # rotary-embedding-torch (lucidrains): the interleaved rotation through einops, the view bound to x first
-        name="einops_pairs_rotate_rebound",
-        code='''
+_EINOPS_PAIRS = '''
 import torch
 from einops import rearrange
 
@@ -3774,7 +3810,13 @@ def apply_rotary_emb(freqs, t):
     cos = freqs.cos()[None, None]
     sin = freqs.sin()[None, None]
     return t * cos + rotate_half(t) * sin
-''',
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # rotary-embedding-torch (lucidrains): the interleaved rotation through einops, the view bound to x first
+        name="einops_pairs_rotate_rebound",
+        code=_EINOPS_PAIRS,
         # einops is not a dependency: tests/test_detect_rope.py runs this one under a minimal stand-in
         expect={"mode": "interleave", "targets": ["t"]},
     ),
@@ -3823,21 +3865,7 @@ leaves = [x]
 RopePattern.KEEP += [
     Keep(
         # lane pairs (d r) stacked back as (r d): not the interleaved order, not a rotation npu_rotary_mul computes
-        '''
-import torch
-from einops import rearrange
-
-
-def rotate_half(x):
-    x = rearrange(x, "... (d r) -> ... d r", r=2)
-    x1, x2 = x.unbind(dim=-1)
-    x = torch.stack((x2, -x1), dim=-1)
-    return rearrange(x, "... d r -> ... (d r)")
-
-
-def apply_rotary_emb(freqs, t):
-    return t * freqs.cos() + rotate_half(t) * freqs.sin()
-''',
+        _EINOPS_PAIRS.replace('    x = torch.stack((-x2, x1), dim=-1)\n', '    x = torch.stack((x2, -x1), dim=-1)\n').replace('    cos = freqs.cos()[None, None]\n    sin = freqs.sin()[None, None]\n    return t * cos + rotate_half(t) * sin\n', '    return t * freqs.cos() + rotate_half(t) * freqs.sin()\n'),
         reason="sign flipped",
         name="einops_pairs_sign_flipped",
     ),
@@ -4121,12 +4149,7 @@ leaves = [x]
     ),
 ]
 
-RopePattern.FUSE += [
-    Fuse(
-        # picotron: the half point is the last of x's dims unpacked from x.size(); the rotated copy is bound to a
-        # name (one that reads like a helper) and x is rebound by the sum
-        name="halves_cut_at_unpacked_last_dim",
-        code='''
+_UNPACKED_HALVES = '''
 import torch
 
 
@@ -4137,7 +4160,14 @@ def apply_rotary_pos_emb(x, cos, sin):
     rotate_half = torch.cat([-x2, x1], dim=-1)
     x = x * cos + rotate_half * sin
     return x
-''',
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # picotron: the half point is the last of x's dims unpacked from x.size(); the rotated copy is bound to a
+        # name (one that reads like a helper) and x is rebound by the sum
+        name="halves_cut_at_unpacked_last_dim",
+        code=_UNPACKED_HALVES,
         expect={"mode": "half", "targets": ["x"], "qualname": "apply_rotary_pos_emb"},
         run='''
 ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
@@ -4181,18 +4211,7 @@ leaves = [x]
 RopePattern.KEEP += [
     Keep(
         # the cut is at the unpacked SEQUENCE length, not the head dim: no halves of the last dim
-        '''
-import torch
-
-
-def apply_rotary_pos_emb(x, cos, sin):
-    batch_size, num_head, seq_length, head_dim = x.size()
-    x1 = x[..., : seq_length // 2]
-    x2 = x[..., seq_length // 2 :]
-    rotate_half = torch.cat([-x2, x1], dim=-1)
-    x = x * cos + rotate_half * sin
-    return x
-''',
+        _UNPACKED_HALVES.replace('    x1 = x[..., : head_dim // 2]\n    x2 = x[..., head_dim // 2 :]\n', '    x1 = x[..., : seq_length // 2]\n    x2 = x[..., seq_length // 2 :]\n'),
         reason="",
         name="halves_cut_at_unpacked_other_dim",
     ),
@@ -6227,5 +6246,500 @@ RopePattern.KEEP += [
                                         "    kc = kc * 2\n    kr = torch.view_as_real(kr).flatten(-2)\n")
         .replace("    qr = torch.view_as_real(qr).flatten(-2)\n", "    qr = torch.view_as_real(qr)\n"),
         name="complex_product_operand_rebound_before_the_view",
+    ),
+]
+
+
+# --- rope s27: x above 4-D (q and k stacked into one 5-D tensor) runs fused with its leading axes merged ---
+
+def _merged_lead_rank_ok(m: _Match, rank_ok: str, rank: str, lead: str) -> str:
+    """``rank_ok`` (x at most 4-D) widened to a higher rank of x whose leading axes (all but the last
+    three) can be merged into one: the eager product broadcasts cos/sin from the right, so where they
+    are 1 along those axes (and have no more axes than x) every merged row sees the same table, which
+    is the 4-D call npu_rotary_mul takes; the merged size must stay below 1000 (spec 4.1: B < 1000).
+    ``rank`` is x's rank and ``lead`` x's leading axes as expressions of names bound before the site.
+    Only where cos/sin are names bound before the run-time test (the caller's, or prepared ones that
+    are hoisted above it); else ``rank_ok`` is returned as is."""
+    def bound_before(t: str) -> bool:
+        if not (_is_name(t) and "." not in t):
+            return False
+        return not t.startswith("_npufuse_") or any(p.startswith((f"{t} =", f"{t}, ")) for p in m.prep)
+    if not (bound_before(m.cos) and bound_before(m.sin)):
+        return rank_ok
+    c, s = m.cos, m.sin
+    high = (f"({rank} <= 8 and {c}.dim() <= {rank} and {s}.dim() <= {rank} and {c}.shape[:-3].numel() == 1 "
+            f"and {s}.shape[:-3].numel() == 1 and {lead}.numel() < 1000)")
+    m.merge_lead = True
+    if m.table_rank_check and m.only_if is not None:
+        # the interleave run-time check refused tables above 4-D: their merged 4-D view is checked instead
+        # (the table may be above 4-D only where x is, the test above)
+        m.only_if = m.only_if.replace(m.table_rank_check, f"({m.table_rank_check} or {rank} > 4)", 1)
+    return f"({rank_ok} or {high})"
+
+
+def _merged_lead_call(x: str, c: str, s: str) -> tuple[str, str, str, str]:
+    """x, cos, sin as npu_rotary_mul's 4-D arguments and the suffix restoring x's shape: up to 4-D the
+    leading 1s of the eager broadcast (indexed away after), above 4-D x's leading axes merged into one
+    and cos/sin (1 there, checked before) reshaped alike, unflattened after."""
+    lead = f"max({x}.dim() - 4, 0)"
+    x4 = f"{x}[(None,) * (4 - {x}.dim())].flatten(0, {lead})"
+    c4 = f"{c}[(None,) * (max({x}.dim(), 4) - {c}.dim())].flatten(0, {lead})"
+    s4 = f"{s}[(None,) * (max({x}.dim(), 4) - {s}.dim())].flatten(0, {lead})"
+    suffix = f"[(0,) * (4 - {x}.dim())].unflatten(0, {x}.shape[:-3] if {x}.dim() > 4 else (-1,))"
+    return x4, c4, s4, suffix
+
+
+# --- rope s27: several rotations in one branch of a flag's ``if`` (q and k under ``if not interleave:``) ---
+
+def _branch_of(anchor: ast.If, site: ast.stmt) -> list[ast.stmt] | None:
+    """The branch of ``anchor`` (body or else) holding ``site`` as a direct statement."""
+    for branch in (anchor.body, anchor.orelse):
+        if any(st is site for st in branch):
+            return branch
+    return None
+
+
+def _anchor_group(pat: "RopePattern", module: ModuleInfo, scope: Scope, first: _Match, block: list[ast.stmt],
+                  i: int) -> tuple[int, list[_Match], set[int]] | str | None:
+    """Every rotation in the branch of ``first``'s flag ``if`` (eole's ``if interleave: ... else:`` cutting
+    q's AND k's halves, then recombining both): (index in ``block`` of the first statement the sites
+    absorb, the matches in branch order, ids of the branch statements handled here), or None where the
+    branch holds one site (the one-statement path handles it) or a statement this cannot vouch for: a
+    second rotation that is refused or fused under another condition, a site's parts that are not all
+    written right before the ``if``. The fused path is the branch itself with each site replaced, so
+    other statements of the branch run there unchanged."""
+    anchor, site = first.anchor, first.site_stmt
+    if not isinstance(anchor, ast.If) or site is None:
+        return None
+    branch = _branch_of(anchor, site)
+    if branch is None or len(branch) < 2:
+        return None
+    group: list[_Match] = []
+    for st in branch:
+        if not isinstance(st, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)):
+            if any(isinstance(n, (ast.Call, ast.BinOp)) for n in fast_walk(st)) and "*" in segment(module, st):
+                return None  # a compound statement that may hold a rotation of its own: not vouched for
+            continue
+        if st is site:
+            group.append(first)
+            continue
+        found: list[_Match] = []
+        for node in pat._candidates(st, scope):
+            res = pat._match(module, scope, node)
+            if isinstance(res, str):
+                return None
+            if res is not None:
+                found.append(res)
+        if not found:
+            continue
+        if len(found) != 1 or found[0].anchor is not anchor or found[0].site_stmt is not st or found[0].only_if is None \
+                or not found[0].only_if.startswith(first.only_if.split(" and ")[0]):
+            return None
+        group.append(found[0])
+    ids = {id(a) for m in group for a in m.absorb}
+    start = i - len(ids)
+    if start < 0 or {id(b) for b in block[start:i]} != ids:
+        if not ids:
+            return None
+        parts = ", ".join(f"`{segment(module, a.targets[0])}`" for m in group for a in m.absorb if isinstance(a, ast.Assign))
+        return (f"the rotated parts {parts} are not the statements right before `if {ast.unparse(anchor.test)}:` (other "
+                "statements stand between them): the fused branch would have to drop statements it does not replace")
+    if len(group) < 2:
+        return None
+    return start, group, {id(st) for st in branch}
+
+
+def _branch_with_sites(module: ModuleInfo, matches: list[_Match], reps: list[tuple[ast.AST, str]]) -> list[str]:
+    """The flag's branch with each site's rotation replaced by its fused call (statements of the branch
+    without a site kept verbatim), in the branch's order."""
+    first = matches[0]
+    branch = _branch_of(first.anchor, first.site_stmt)  # type: ignore[arg-type]
+    by_node = {id(n): r for n, r in reps}
+    out: list[str] = []
+    for st in branch or []:
+        mine = [(m.node, by_node[id(m.node)]) for m in matches if m.site_stmt is st and id(m.node) in by_node]
+        out.append(replace_segments(module, st, mine))
+    return out
+
+
+# q and k cut into halves (or lane pairs) under one flag, rotated by one shared formula, recombined under the
+# same flag: the halves branch holds both sites and is fused as a whole; the lane-pair branch keeps the original
+_FLAG_BRANCH_QK = '''
+import torch
+
+
+def turn(q, k, cs, interleave: bool):
+    n = cs.size(1)
+    q_rot, q_rest = q[..., :n], q[..., n:]
+    k_rot, k_rest = k[..., :n], k[..., n:]
+    if interleave:
+        q1, q2 = q_rot.unflatten(-1, (-1, 2)).unbind(-1)
+        k1, k2 = k_rot.unflatten(-1, (-1, 2)).unbind(-1)
+    else:
+        h = n // 2
+        q1, q2 = q_rot[..., :h], q_rot[..., h:]
+        k1, k2 = k_rot[..., :h], k_rot[..., h:]
+    c = cs[None, :, None, : n // 2]
+    s = cs[None, :, None, n // 2 :]
+    qa = q1 * c - q2 * s
+    qb = q1 * s + q2 * c
+    ka = k1 * c - k2 * s
+    kb = k1 * s + k2 * c
+    if interleave:
+        qo = torch.stack((qa, qb), dim=-1).flatten(-2)
+        ko = torch.stack((ka, kb), dim=-1).flatten(-2)
+    else:
+        qo = torch.cat((qa, qb), dim=-1)
+        ko = torch.cat((ka, kb), dim=-1)
+    return torch.cat((qo, q_rest), dim=-1), torch.cat((ko, k_rest), dim=-1)
+'''
+
+_FLAG_BRANCH_QK_RUN = '''
+S, D, R = 5, 12, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, R, 2).float() / R)))
+cs = torch.cat((ang.cos(), ang.sin()), dim=-1)  # [S, R]: cos | sin, half-size each
+q = torch.randn(2, S, 3, D, requires_grad=True)
+k = torch.randn(2, S, 1, D, requires_grad=True)
+out = (turn(q, k, cs, False), turn(q, k, cs, True))
+leaves = [q, k]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="flag_branch_q_and_k_halves",
+        code=_FLAG_BRANCH_QK,
+        expect={"mode": "half", "qualname": "turn", "variant": "halves_split_checked", "targets": ["q_rot", "k_rot"]},
+        run=_FLAG_BRANCH_QK_RUN,
+    ),
+    Fuse(
+        # a statement of the branch that is no rotation runs on the fused path too (kept verbatim)
+        name="flag_branch_q_and_k_halves_with_other_statement",
+        code=_FLAG_BRANCH_QK.replace("        ko = torch.cat((ka, kb), dim=-1)\n",
+                                     "        ko = torch.cat((ka, kb), dim=-1)\n        qo = qo * 2\n"),
+        expect={"mode": "half", "qualname": "turn"},
+        run=_FLAG_BRANCH_QK_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # k's second half is rotated with the wrong sign (ka = k1*c + k2*s): the branch holds a product that is
+        # no rotation beside q's, so the branch is not fused at all
+        _FLAG_BRANCH_QK.replace("ka = k1 * c - k2 * s", "ka = k1 * c + k2 * s"),
+        reason="are not the statements right before `if interleave:`",
+        name="flag_branch_second_site_not_a_rotation",
+    ),
+    Keep(
+        # the flag is reassigned in the function: the two ``if interleave:`` may take different paths
+        _FLAG_BRANCH_QK.replace("    n = cs.size(1)\n", "    n = cs.size(1)\n    interleave = n > 64 or interleave\n"),
+        name="flag_branch_flag_not_stable",
+    ),
+]
+
+
+# --- rope s27: a rotation bound on a branch (``if mode == 'adjacent': x2 = <pairs> elif ...: x2 = <halves>``) ---
+
+def _on_its_branch(scope: Scope, name: ast.Name, rot: _Rotation, module: ModuleInfo | None = None,
+                   x: ast.expr | None = None) -> _Rotation:
+    """``rot`` (the rotation ``name`` was resolved to: its textually last binding before the use) valid only
+    where that binding is the one reaching the use. Bound outside any branch: as is. Bound under ``if``
+    statements whose tests read the same at the use (stable: no calls, no names this scope rebinds): the
+    rotation holds where those tests take the binding's path, so the fused code runs under that
+    condition and the original elsewhere. Bound in a loop / with / try, or under a test that may change:
+    not a rotation this can vouch for."""
+    if not _bound_on_a_branch(scope, name):
+        return rot
+    line = getattr(name, "lineno", 0)
+    defs = [st for st, _v in scope.assignments.get(name.id, []) if st.lineno < line]
+    use = _stmt_of(scope, name)
+    if not defs or use is None:
+        return _Rotation(None)
+    around_use = {id(o) for o, _b, _c in _if_path(scope, use[2])}
+    conds: list[str] = []
+    for owner, in_body, _child in _if_path(scope, defs[-1]):
+        if id(owner) in around_use:
+            continue
+        if not isinstance(owner, ast.If) or not _stable_test(scope, owner.test):
+            return _Rotation(None, f"the rotation `{name.id}` is bound on a branch (line {defs[-1].lineno}) whose test may read "
+                                   "differently at the site, or inside a loop / with / try: which binding reaches the site is not known")
+        test = ast.unparse(owner.test)
+        conds.append(test if in_body else f"not ({test})")
+    if not conds:
+        return rot
+    path_if = " and ".join(f"({c})" for c in reversed(conds))
+    other = _other_branch_rotation(scope, name, defs, module, x) if module is not None and x is not None else None
+    if other is not None:
+        # the name is bound on both paths of one ``if``/``elif`` (diffusers' ``use_real_unbind_dim == -1`` lane pairs,
+        # ``== -2`` halves): each path is fused with its own rotary_mode, chosen by the same test at run time
+        kind, cond = other
+        both = f"(({cond}) or ({path_if}))"  # one atom: callers join it with ``and``
+        if kind == rot.kind:
+            return dataclasses.replace(rot, path_if=both)
+        half_if = cond if kind == "half" else path_if
+        return dataclasses.replace(rot, kind="interleave", path_if=both, mode_expr=f'"{kind}" if {cond} else "{rot.kind}"', half_if=half_if)
+    return dataclasses.replace(rot, path_if=path_if)
+
+
+def _other_branch_rotation(scope: Scope, name: ast.Name, defs: list[ast.stmt], module: ModuleInfo, x: ast.expr) -> tuple[str, str] | None:
+    """(kind, path condition) of the binding of ``name`` on the other path of the ``if`` whose ``else`` holds
+    its last binding: exactly two bindings before the use, the first in the body of an ``if`` (stable tests
+    on its path) and the last under that ``if``'s else (elif); the first must be a rotation of x too."""
+    binds = [(st, v) for st, v in scope.assignments.get(name.id, []) if st.lineno < (getattr(name, "lineno", 0))]
+    if len(binds) != 2 or len(defs) != 2 or not isinstance(binds[0][0], ast.Assign):
+        return None
+    first_path = _if_path(scope, binds[0][0])
+    if not first_path or not isinstance(first_path[0][0], ast.If) or not first_path[0][1]:
+        return None
+    owner = first_path[0][0]
+    if not any(o is owner and not in_body for o, in_body, _c in _if_path(scope, defs[-1])):
+        return None  # the last binding is not on the else side of the same ``if``
+    use = _stmt_of(scope, name)
+    around_use = {id(o) for o, _b, _c in _if_path(scope, use[2])} if use is not None else set()
+    conds = []
+    for o, in_body, _c in first_path:
+        if id(o) in around_use:
+            continue
+        if not isinstance(o, ast.If) or not _stable_test(scope, o.test):
+            return None
+        test = ast.unparse(o.test)
+        conds.append(test if in_body else f"not ({test})")
+    kind = _rotation_expr(scope, binds[0][1], lambda n: same_expr(n, x), module).kind
+    if kind is None or not conds:
+        return None
+    return kind, " and ".join(f"({c})" for c in reversed(conds))
+
+
+def _add_path_condition(m: _Match, rot: _Rotation) -> None:
+    """Fuse ``m`` only where its rotation's binding is the one on the path taken (checked first: the
+    other conditions may read names bound on that path only)."""
+    m.only_if = rot.path_if if m.only_if is None else f"({rot.path_if}) and ({m.only_if})"
+    note = f"the rotation is bound under `{rot.path_if}`: fused there, the other paths keep the original code"
+    m.only_note = f"{note}; {m.only_note}" if m.only_note else note
+
+
+# the rotation named on the branches of a mode test (pairs on one, halves on the other): the site is fused
+# under the path of the binding that reaches it (the last one), the other path runs the original code
+_BRANCH_BOUND_ROTATION = '''
+import torch
+
+
+class Pos(torch.nn.Module):
+    def __init__(self, rank: str):
+        super().__init__()
+        self.rank = rank
+
+    def forward(self, x, cos, sin):
+        if self.rank == "pairs":
+            x2 = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape_as(x)
+        elif self.rank == "halves":
+            x2 = torch.cat([-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], dim=-1)
+        return x * cos + x2 * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_bound_on_a_mode_branch",
+        code=_BRANCH_BOUND_ROTATION,
+        expect={"mode": "half", "qualname": "Pos.forward"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+cos_h, sin_h = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+cos_p, sin_p = ang.repeat_interleave(2, -1).cos(), ang.repeat_interleave(2, -1).sin()
+x = torch.randn(2, 3, S, D, requires_grad=True)
+out = (Pos("halves")(x, cos_h, sin_h), Pos("pairs")(x, cos_p, sin_p))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the mode is a local name rebound in the function: the test may read differently at the site
+        _BRANCH_BOUND_ROTATION.replace("    def forward(self, x, cos, sin):\n",
+                                       "    def forward(self, x, cos, sin):\n        rank = self.rank\n")
+        .replace("if self.rank ==", "if rank ==").replace("elif self.rank ==", "elif rank =="),
+        reason="is bound on a branch (line 15) whose test may read differently at the site",
+        name="rotation_bound_on_an_unstable_branch",
+    ),
+]
+
+
+# --- rope s27: the rotated parts each cast alike where they are named (``a = (x1*c - x2*s).type_as(x)``) ---
+
+def _common_part_cast(scope: Scope, defs: list[tuple[ast.stmt, ast.expr]], site_line: int) -> str:
+    """The one cast (``.type_as(x)``, ``.to(torch.bfloat16)``, ``.float()``...) wrapping both named parts'
+    values, as a suffix for the fused result ("" if they differ or are not cast): casting each part
+    before they are joined is casting the joined result (cast and cat/stack commute elementwise). The
+    names the cast reads must not be rebound between the parts and the site (it is evaluated there)."""
+    stripped = [strip_casts(v) for _st, v in defs]
+    # the cast as written after its operand (strip_casts' text assumes an unparenthesised operand)
+    casts = [[ast.unparse(ast.Call(func=ast.Attribute(value=ast.Name("_"), attr=v.func.attr), args=v.args, keywords=v.keywords))[1:]]
+             if c else [] for (_st, v), (_i, c) in zip(defs, stripped)]  # type: ignore[attr-defined]
+    if not casts[0] or casts[0] != casts[1] or len(stripped[0][1]) != 1 or len(stripped[1][1]) != 1:
+        return ""
+    cast_node = defs[0][1]
+    first = min(st.lineno for st, _v in defs)
+    for n in fast_walk(cast_node):
+        if isinstance(n, ast.Name) and n is not stripped[0][0] and \
+                any(first <= b.lineno < site_line for b, _v in scope.assignments.get(n.id, [])):
+            if any(n is m for m in fast_walk(stripped[0][0])):
+                continue  # a name of the rotated expression itself, not of the cast
+            return ""
+    return casts[0][0]
+
+
+_PARTS_CAST_ALIKE = '''
+import torch
+
+
+def turn_lanes(x, fc, fs):
+    ev = x[..., 0::2]
+    od = x[..., 1::2]
+    re_part = (ev * fc - od * fs).type_as(x)
+    im_part = (ev * fs + od * fc).type_as(x)
+    return torch.stack([re_part, im_part], dim=-1).flatten(-2)
+
+
+def turn_halves(x, c, s):
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    y1 = (x1 * c - x2 * s).to(torch.bfloat16)
+    y2 = (x2 * c + x1 * s).to(torch.bfloat16)
+    return torch.cat((y1, y2), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="named_parts_cast_alike_lanes",
+        code=_PARTS_CAST_ALIKE,
+        expect={"mode": "interleave", "qualname": "turn_lanes"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+x = torch.randn(2, 3, S, D).bfloat16().requires_grad_()
+out = (turn_lanes(x, ang.cos(), ang.sin()), turn_halves(x, ang.cos(), ang.sin()))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the two parts take different casts: the joined tensor has no one dtype (torch.stack promotes)
+        _PARTS_CAST_ALIKE.replace("im_part = (ev * fs + od * fc).type_as(x)", "im_part = (ev * fs + od * fc).float()")
+        .replace("y2 = (x2 * c + x1 * s).to(torch.bfloat16)", "y2 = (x2 * c + x1 * s).to(torch.float16)"),
+        reason="are products cast differently",
+        name="named_parts_cast_differently",
+    ),
+]
+
+
+# --- rope s27: ``x.float() * cos + R(x) * sin`` where the helper R upcasts inside (``x.float().reshape(..)``) ---
+
+_FP32_CASTS = {".float()", ".to(torch.float32)", ".to(dtype=torch.float32)", ".type(torch.float32)", ".to(torch.float)"}
+
+
+def _upcast_helper_rotation(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr) -> _Rotation | None:
+    """The rotation of ``x = t.float()`` written as ``R(t)`` with a helper R that rotates ``t.float()`` itself
+    (JoyImage's ``xq.float() * cos + _rotate_half(xq) * sin``): R(t) is then R(t.float()) exactly (the helper's
+    result is fp32 whatever t's dtype), so it is the rotation of x. None where that does not hold."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(x, ast.Call)):
+        return None
+    x_inner, x_casts = strip_casts(x)
+    if len(x_casts) != 1 or not same_expr(node.args[0], x_inner) or strip_casts(node)[1]:
+        return None
+    cast = ast.unparse(ast.Call(func=ast.Attribute(value=ast.Name("_"), attr=x.func.attr), args=x.args, keywords=x.keywords))[1:]  # type: ignore[attr-defined]
+    if cast.replace(" ", "") not in {c.replace(" ", "") for c in _FP32_CASTS}:
+        return None
+    rot = _rotation_call(module, scope, node, x_inner)
+    return rot if rot.kind is not None and rot.upcast else None
+
+
+_UPCAST_INSIDE_HELPER = '''
+import torch
+
+
+def spin(xq, xk, cos, sin):
+    def _turn(t):
+        re_, im_ = t.float().reshape(*t.shape[:-1], -1, 2).unbind(-1)
+        return torch.stack([-im_, re_], dim=-1).flatten(-2)
+
+    xq_out = (xq.float() * cos + _turn(xq) * sin).type_as(xq)
+    xk_out = (xk.float() * cos + _turn(xk) * sin).type_as(xk)
+    return xq_out, xk_out
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="upcast_inside_the_helper",
+        code=_UPCAST_INSIDE_HELPER,
+        expect={"mode": "interleave", "qualname": "spin"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+cos, sin = ang.repeat_interleave(2, -1).cos()[None, None], ang.repeat_interleave(2, -1).sin()[None, None]
+q = torch.randn(2, 3, S, D).bfloat16().requires_grad_()
+k = torch.randn(2, 3, S, D).bfloat16().requires_grad_()
+out = spin(q, k, cos, sin)
+leaves = [q, k]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the plain term is cast to fp16, the helper rotates in fp32: not the same tensor rotated
+        _UPCAST_INSIDE_HELPER.replace("xq_out = (xq.float() * cos", "xq_out = (xq.half() * cos")
+        .replace("xk_out = (xk.float() * cos", "xk_out = (xk.half() * cos"),
+        name="upcast_inside_the_helper_other_cast",
+    ),
+]
+
+
+# the rotated copy bound on both paths of one if/elif (lane pairs under one test, halves under the other):
+# each path fused with its own rotary_mode, the test choosing it at run time
+_BRANCH_BOUND_BOTH_PATHS = '''
+import torch
+
+
+def apply(x, cos, sin, unbind_dim: int = -1):
+    cos = cos[None, None]
+    sin = sin[None, None]
+    if unbind_dim == -1:
+        x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+        x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    elif unbind_dim == -2:
+        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
+        x_rotated = torch.cat([-x_imag, x_real], dim=-1)
+    else:
+        raise ValueError(unbind_dim)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_bound_on_both_paths_of_an_if",
+        code=_BRANCH_BOUND_BOTH_PATHS,
+        expect={"qualname": "apply", "variant": "rotation_chosen_at_run_time"},
+        run='''
+S, D = 5, 8
+ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+x = torch.randn(2, 3, S, D).bfloat16().requires_grad_()
+pairs = ang.repeat_interleave(2, -1)
+halves = torch.cat((ang, ang), -1)
+out = (apply(x, pairs.cos(), pairs.sin(), -1), apply(x, halves.cos(), halves.sin(), -2))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the halves path's sign is flipped (cat([x_imag, -x_real]): the rotation by -angle, not cos/sin as given):
+        # the binding that reaches the site on that path is no rotation, so neither path is fused
+        _BRANCH_BOUND_BOTH_PATHS.replace("torch.cat([-x_imag, x_real], dim=-1)", "torch.cat([x_imag, -x_real], dim=-1)"),
+        reason="sign flipped",
+        name="rotation_bound_on_both_paths_neither_verified",
     ),
 ]
