@@ -3932,7 +3932,8 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
              "last offset (rows past it are padding no group owns)"),
         Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32 (torch._grouped_mm bf16); the output keeps the tokens' dtype"),
         Risk("other", "only the 2-D tokens x 3-D stacked weights form (the MoE forward) goes to npu_grouped_matmul; other "
-             "torch._grouped_mm forms still call it as written, which Ascend does not provide"),
+             "torch._grouped_mm forms still call it as written: on Ascend that is torch's composite fallback (one matmul per "
+             "group; torch 2.13 registers it for every device, older releases may not)"),
     ]
     if wrapper:
         risks.append(Risk("other", f"`self.{wrapper}` is an overridable seam: the fused branch runs only while the instance "
