@@ -1652,6 +1652,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     reason = _s25_blocker(module, scope, stmt, call, model)
     if reason is not None:
         return miss(reason)
+    reason = _s27_single_tensor(module, scope, stmt, call)
+    if reason is not None:
+        return miss(reason)
     if guard is None:
         return miss(why)
     if plan.runtime is not None:
@@ -4026,3 +4029,101 @@ def build(model):
         opt.add_param_group(g)
     return opt
 ''', name="s25_groups_added_in_a_loop_before_training", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}))
+
+
+# --- s27: one parameter tensor (issue 14, class 5 precision) ---------------------------------------
+# torch_npu's fused classes gain by combining many parameter tensors into one flat buffer per dtype
+# and running the update once over it (npu_fused_adamw.py `_group_step`: the same element-wise
+# steps torch.optim runs per tensor, applied per combined buffer). An optimizer over ONE tensor
+# (SAC's `[log_alpha]`, a texture or latent optimised in place) makes one buffer holding that
+# tensor: the step launches as many kernels as torch.optim's, plus a copy of the parameter and its
+# states at the first step. A params list literal holds tensors or param-group dicts (the
+# torch.optim contract), so the element must be proven a tensor by its value, never by its name.
+_TENSOR_MAKERS = ("torch.nn.Parameter", "torch.nn.parameter.Parameter", "torch.zeros", "torch.ones", "torch.full",
+                  "torch.tensor", "torch.as_tensor", "torch.randn", "torch.rand", "torch.empty", "torch.zeros_like",
+                  "torch.ones_like", "torch.full_like", "torch.randn_like", "torch.rand_like", "torch.empty_like",
+                  "torch.arange", "torch.linspace")
+_TENSOR_METHODS = ("requires_grad_", "detach", "clone", "cuda", "npu", "float", "half", "contiguous")
+
+
+def _one_tensor(module: ModuleInfo, value: Optional[ast.AST], depth: int = 0) -> bool:
+    """``value`` is a single tensor by how it is made (a torch constructor, nn.Parameter, or a
+    tensor method over one: ``x.detach().requires_grad_()``)."""
+    if not isinstance(value, ast.Call) or depth > 4:
+        return False
+    if (module.canonical(value.func) or "") in _TENSOR_MAKERS:
+        return True
+    if isinstance(value.func, ast.Attribute) and value.func.attr in _TENSOR_METHODS:
+        # a method a Module has too (`.cuda()`, `.float()`) only counts over a proven tensor
+        return value.func.attr in ("requires_grad_", "detach") or _one_tensor(module, value.func.value, depth + 1)
+    return False
+
+
+def _s27_single_tensor(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -> Optional[str]:
+    """Why fusing gains nothing: the params are one tensor, proven by its value; else None."""
+    params = keyword(call, "params", 0)
+    if isinstance(params, ast.Name):
+        params = scope.definition(params.id, stmt.lineno)
+    if not (isinstance(params, (ast.List, ast.Tuple)) and len(params.elts) == 1):
+        return None
+    element = params.elts[0]
+    if isinstance(element, (ast.Starred, ast.Dict)):
+        return None
+    value = _element_value(module, scope, element, stmt.lineno)
+    if not _one_tensor(module, value):
+        return None
+    return (f"the optimizer updates one tensor (`{segment(module, element)[:40]}`): torch_npu fused optimizers gain by "
+            "combining many parameter tensors into one buffer per dtype, and over a single tensor they run the same "
+            "element-wise steps as torch.optim (plus a copy of the tensor and its states at the first step); "
+            "nothing to fuse")
+
+_S27_SAC_TEMPERATURE = _NET + '''
+
+class Agent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.actor = Net()
+        self.log_alpha = nn.Parameter(torch.zeros(1))
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=3e-4)
+
+
+def temperature_step(agent, log_prob):
+    loss = -(agent.log_alpha * (log_prob + 1.0).detach()).mean()
+    agent.alpha_optimizer.zero_grad()
+    loss.backward()
+    agent.alpha_optimizer.step()
+'''
+
+_S27_LATENT = _NET + '''
+
+def optimise_latent(model, target, steps=10):
+    latent = torch.zeros(1, 8).requires_grad_(True)
+    opt = torch.optim.SGD([latent], lr=0.1)
+    for _ in range(steps):
+        loss = F.mse_loss(model(latent), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return latent
+'''
+
+_S27_TWO_TENSORS = _NET + '''
+
+def build(model):
+    return torch.optim.SGD([model.fc1.weight, model.fc2.weight], lr=1e-2, momentum=0.9)
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S27_SAC_TEMPERATURE, reason="the optimizer updates one tensor (`self.log_alpha`)", name="s27_single_parameter_attribute"),
+    Keep(_S27_LATENT, reason="the optimizer updates one tensor (`latent`)", name="s27_single_latent_tensor"),
+]
+FusedOptimizer.FUSE += [
+    Fuse(_S27_TWO_TENSORS, name="s27_two_tensors_listed", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}),
+    # a one-element list holding a param-group dict is not one tensor: the group's params are combined
+    Fuse(_NET + '''
+
+def build(model):
+    group = {"params": list(model.parameters()), "weight_decay": 0.0}
+    return torch.optim.SGD([group], lr=1e-2, momentum=0.9)
+''', name="s27_one_group_dict_listed", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}),
+]

@@ -2360,11 +2360,12 @@ class _Eval:
 
     def _project(self, src: V, weight: ast.expr, how: str) -> V:
         """``x @ W[e]`` / ``F.linear(x, W[e])`` with ``W`` a stacked parameter of this module."""
-        w, transposed = weight, False
+        w, transposed = _s27_weight_cast(weight), False
         if isinstance(w, ast.Attribute) and w.attr == "T":
             w, transposed = w.value, True
         elif isinstance(w, ast.Call) and isinstance(w.func, ast.Attribute) and w.func.attr in ("t", "transpose") and _is_last_two(w):
             w, transposed = w.func.value, True
+        w = _s27_weight_cast(w)
         if isinstance(w, ast.Name) and w.id in self.weight_alias:
             w = self.weight_alias[w.id]  # w1 = self.w1[e] / w1, w2 = (self.w1[e], self.w2[e]) earlier in the loop
         if isinstance(w, ast.Subscript) and isinstance(w.slice, ast.Tuple) and len(w.slice.elts) == 2 \
@@ -3932,7 +3933,8 @@ def _grouped_mm_finding(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt])
              "last offset (rows past it are padding no group owns)"),
         Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32 (torch._grouped_mm bf16); the output keeps the tokens' dtype"),
         Risk("other", "only the 2-D tokens x 3-D stacked weights form (the MoE forward) goes to npu_grouped_matmul; other "
-             "torch._grouped_mm forms still call it as written, which Ascend does not provide"),
+             "torch._grouped_mm forms still call it as written: on Ascend that is torch's composite fallback (one matmul per "
+             "group; torch 2.13 registers it for every device, older releases may not)"),
     ]
     if wrapper:
         risks.append(Risk("other", f"`self.{wrapper}` is an overridable seam: the fused branch runs only while the instance "
@@ -9344,4 +9346,63 @@ MoeExperts.KEEP += [
     def forward(self, x):
         return self.conv(x.transpose(1, 2)).transpose(1, 2)'''),
          reason="the experts mix tokens", name="s26_dense_loop_sequence_mixing_experts"),
+]
+
+
+# --- s27: casts of an expert's stacked weight inside the loop (issue 14, class 4) ---------------------
+# `x @ W[e].to(x.dtype)`, `F.linear(x, W[e].float())`: a dtype cast of the expert's slice. The grouped
+# replacement already passes the whole stacked weight as `W.to(x.dtype)`, and the original only runs
+# when the cast dtype is the tokens' (a matmul of mixed dtypes raises outside autocast), so a
+# dtype-only cast is read through. A move to a device (`.to(device=...)`, `.to(t)`, `.cuda()`,
+# `.type_as(t)`: its type string names the device) is offloading: the whole stacked weight would
+# have to be on the tokens' device, so it stays a near miss that says so.
+_S27_DTYPE_METHODS = ("float", "half", "bfloat16")
+_S27_MOVE_METHODS = ("cuda", "npu", "cpu", "type_as")
+
+
+def _s27_is_dtype(node: ast.expr) -> bool:
+    """A dtype by its value: ``torch.<float dtype>`` or ``<tensor>.dtype``."""
+    name = dotted(node) or ""
+    return name.endswith(".dtype") or name in ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float", "torch.half")
+
+
+def _s27_weight_cast(w: ast.expr) -> ast.expr:
+    """``W[e]`` under a dtype-only cast (read through); raises _Miss for a device move of ``W[e]``."""
+    if not (isinstance(w, ast.Call) and isinstance(w.func, ast.Attribute)):
+        return w
+    inner, attr = w.func.value, w.func.attr
+    if not isinstance(inner, ast.Subscript) and not (isinstance(inner, ast.Attribute) and inner.attr == "T"):
+        return w
+    if attr in _S27_DTYPE_METHODS and not w.args and not w.keywords:
+        return inner
+    if attr == "to":
+        given = [*w.args, *(k.value for k in w.keywords if k.arg == "dtype")]
+        others = [k for k in w.keywords if k.arg not in ("dtype", "non_blocking", "copy")]
+        if len(given) == 1 and not others and _s27_is_dtype(given[0]):
+            return inner
+    if attr == "to" or attr in _S27_MOVE_METHODS:
+        raise _Miss(f"expert weight `{ast.unparse(w)[:60]}` is moved to a device inside the loop (offloaded experts): "
+                    "the grouped matmul takes the whole stacked weight, which would have to be on the tokens' device")
+    return w
+
+
+MoeExperts.FUSE += [
+    # a dtype cast of the expert's slice before the matmul: the replacement casts the stacked weight the same way
+    Fuse(_STACKED_ELLIPSIS_T.replace("rows @ self.gate[e, ...].T", "rows @ self.gate[e, ...].to(rows.dtype).T")
+         .replace("rows @ self.up[e, ...].T", "rows @ self.up[e, ...].T.float()"),
+         name="s27_stacked_weight_dtype_cast_in_loop", run='''\
+m = StackedExperts(4, 16, 24)
+x = torch.randn(9, 16, requires_grad=True)
+w, idx = torch.randn(9, 4).softmax(-1).topk(2, dim=-1)
+out = m(x, idx, w)
+leaves = [x, m.gate, m.down]
+''', expect={"layout": "stacked_out_in", "weights": {"gate": "self.gate", "up": "self.up", "down": "self.down"}}),
+]
+
+MoeExperts.KEEP += [
+    # offloaded experts: each slice is moved to the tokens' device inside the loop
+    Keep(_STACKED_ELLIPSIS_T.replace("rows @ self.gate[e, ...].T", "rows @ self.gate[e, ...].to(rows.device).T"),
+         reason="is moved to a device inside the loop (offloaded experts)", name="s27_stacked_weight_moved_in_loop"),
+    Keep(_STACKED_ELLIPSIS_T.replace("rows @ self.gate[e, ...].T", "rows @ self.gate[e, ...].to(device=rows.device, dtype=rows.dtype).T"),
+         reason="is moved to a device inside the loop", name="s27_stacked_weight_moved_and_cast_in_loop"),
 ]

@@ -308,7 +308,8 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
                           "stop sharing them"), None, False
         elif attr in ("prepare", "prepare_optimizer") and _flat_names(node.args) & optimizers:
             prepared = prepared or node.lineno
-        elif any(s in full for s in _SHARDING_PARTS) and (_flat_names([*node.args, *(k.value for k in node.keywords)]) & (models | optimizers)):
+        elif any(s in full for s in _SHARDING_PARTS) and ((_flat_names([*node.args, *(k.value for k in node.keywords)]) & (models | optimizers))
+                                                           or _s27_shards_holder(tree, node, recv, models)):
             text = (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{dotted(func) or attr}` at {rel}:{node.lineno}, on what "
                     f"`{b.function}` gets or builds: {via}): the fused optimizer's combined buffers would go stale")
             if cond is None:
@@ -1347,3 +1348,16 @@ def _bindings(tree: ast.Module, name: str) -> int:
         elif isinstance(node, ast.Assign):
             n += sum(1 for t in node.targets if isinstance(t, ast.Name) and t.id == name)
     return n
+
+
+# --- s27: sharding applied through the object holding the model (issue 14 class 5 precision) ----
+# open_clip's driver calls `task.prepare_fsdp(...)` and then `create_optimizer(task.trainable_module)`:
+# the FSDP wrapping is a method of the object that holds the model, not a call taking the model as
+# an argument. A sharding-named call counts when its receiver is the model or holds it (`task` of
+# `task.trainable_module`) and it is a statement of its own (an action on that object, its result
+# unused): a query such as `if task.is_fsdp():` is a test, not a wrapping.
+
+def _s27_shards_holder(tree: ast.Module, node: ast.Call, recv: Optional[str], models: set[str]) -> bool:
+    if not recv or not any(m == recv or m.startswith(recv + ".") for m in models):
+        return False
+    return any(isinstance(s, ast.Expr) and s.value is node for s in ast.walk(tree))
