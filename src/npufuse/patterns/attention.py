@@ -2821,9 +2821,32 @@ def _module_attrs_of(module: ModuleInfo, class_name: str) -> tuple[str, ...]:
     table = module.__dict__.setdefault("_npufuse_module_attrs", {})
     found = table.get(class_name)
     if found is None:
-        pattern = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*" + re.escape(class_name) + r"\s*\(")
-        found = table[class_name] = tuple(sorted(set(pattern.findall(module.source))))
+        if all(c.isalnum() or c == "_" for c in class_name):  # the name is one \w+ run: read off the table
+            found = table[class_name] = _attrs_by_class(module).get(class_name, ())
+        else:
+            pattern = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*" + re.escape(class_name) + r"\s*\(")
+            found = table[class_name] = tuple(sorted(set(pattern.findall(module.source))))
     return found
+
+
+# ``self.<attr> [: annotation] = <Name>(``: the per-class regex above with the class name left open
+_SELF_ATTR_CTOR = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*(\w+)\s*\(")
+
+
+def _attrs_by_class(module: ModuleInfo) -> dict[str, tuple[str, ...]]:
+    """class name -> what ``_module_attrs_of`` answers for it, from one pass over the file (a
+    regex compiled and run per class asked about cost a percent of the scan). The same answers:
+    from a given ``self.`` the regex has one way to reach the first ``=`` (an annotation holds
+    none) and the name after it, so a match for any name starts where the per-class regex's
+    would for that name, and no match hides another one's start (a ``self.`` inside a match lies
+    in its annotation and reaches the same ``=`` and name)."""
+    table = module.__dict__.get("_npufuse_attrs_by_class")
+    if table is None:
+        grouped: dict[str, set[str]] = {}
+        for attr, name in _SELF_ATTR_CTOR.findall(module.source):
+            grouped.setdefault(name, set()).add(attr)
+        table = module.__dict__["_npufuse_attrs_by_class"] = {k: tuple(sorted(v)) for k, v in grouped.items()}
+    return table
 
 
 def caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -> str | None:

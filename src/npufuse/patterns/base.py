@@ -355,16 +355,34 @@ def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
     """A ``self.<module>(...)`` call the fused branch makes more often than the original span."""
     if "self." not in f.fused:
         return None
-    import textwrap
-
     # only a call the original span makes too counts: without `self` there is none
     text = "".join(module.lines[f.line - 1 : f.end_line])
     if "self" not in text:
         return None
+    # the answer depends on the two texts alone: copied code (transformers' "Copied from" modules)
+    # yields the same span and fused text in many files, and each was parsed, walked and unparsed
+    key = (text, f.fused)
+    found = _MORE_OFTEN.get(key, False)
+    if found is False:
+        found = _called_more_often_in(text, f.fused)
+        if len(_MORE_OFTEN) > 4096:
+            _MORE_OFTEN.clear()
+        _MORE_OFTEN[key] = found
+    return found  # type: ignore[return-value]
+
+
+# (original span text, fused text) -> _called_more_often_in's answer, in this process
+_MORE_OFTEN: dict[tuple[str, str], str | None] = {}
+
+
+def _called_more_often_in(text: str, fused_text: str) -> str | None:
+    """:func:`_called_more_often` of an original span's text and the fused code."""
+    import textwrap
+
     original = parsed_code(textwrap.dedent(text))
     if original is None:
         return None
-    fused = parsed_code(f.fused)
+    fused = parsed_code(fused_text)
     if fused is None:
         return None
     # a call counts only where both make it: the same text has the same callee chain, so only

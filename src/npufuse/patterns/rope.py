@@ -2610,8 +2610,8 @@ class RopePattern(Pattern):
                 value = scope.definition(n.id, first_line)
                 if value is None:
                     continue
-                calls = {getattr(c.func, "attr", None) or getattr(c.func, "id", None) for c in ast.walk(value) if isinstance(c, ast.Call)}
-                negs = any(isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) for c in ast.walk(value))
+                calls = {getattr(c.func, "attr", None) or getattr(c.func, "id", None) for c in fast_walk(value) if isinstance(c, ast.Call)}
+                negs = any(isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) for c in fast_walk(value))
                 if calls & {"cat", "stack", "rotate_half", "rotate_every_two"} or (negs and "cat" in calls):
                     tag = f"`{n.id}` (line {value.lineno})"
                     if tag not in found:

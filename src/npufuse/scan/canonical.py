@@ -1088,6 +1088,8 @@ def if_else_binding(body: list[ast.stmt], name: str, before_line: int) -> ast.If
     """``if c: f = a`` / ``else: f = b`` (each branch that one assignment, the statement before
     ``before_line`` in ``body``, the scope's top level) as the conditional expression
     ``a if c else b``; None where ``name`` is bound any other way before that line."""
+    from npufuse.scan.dataflow import fast_walk  # (here: the top import line is shared by every block's edits)
+
     chosen: ast.IfExp | None = None
     for st in body:
         if st.lineno >= before_line:
@@ -1098,7 +1100,7 @@ def if_else_binding(body: list[ast.stmt], name: str, before_line: int) -> ast.If
                    and s.targets[0].id == name for s in (a, b)):
                 chosen = ast.copy_location(ast.IfExp(test=st.test, body=a.value, orelse=b.value), st)  # type: ignore[attr-defined]
                 continue
-        if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(st)):
+        if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in fast_walk(st)):  # ast.walk's nodes, cheaper
             return None  # bound (again) some other way
     return chosen
 

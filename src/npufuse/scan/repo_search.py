@@ -195,7 +195,7 @@ def _nodes(tree: ast.AST, only: frozenset[type] | None = None, lines: list[int] 
     from bisect import bisect_left
 
     stack = [tree]
-    pop, push, extend = stack.pop, stack.append, stack.extend
+    pop, push = stack.pop, stack.append
     AST, leaves, stmt = ast.AST, _LEAVES, ast.stmt
     fields = _CHILD_FIELDS  # child_fields' table, read inline (a call per node cost a fifth of the walk)
     n_lines = len(lines) if lines is not None else 0
@@ -213,7 +213,9 @@ def _nodes(tree: ast.AST, only: frozenset[type] | None = None, lines: list[int] 
         for name in names:
             v = getattr(node, name, None)
             if type(v) is list:
-                extend([x for x in v if isinstance(x, AST) and not isinstance(x, leaves)])
+                for x in v:  # pushed in the list's order, one by one (no comprehension per list)
+                    if isinstance(x, AST) and not isinstance(x, leaves):
+                        push(x)
             elif isinstance(v, AST) and not isinstance(v, leaves):
                 push(v)
 
