@@ -369,6 +369,9 @@ class _Site:
     # branch's statement and norm call; ``norm_stmt`` / ``nc`` are the if branch's)
     fork: ast.If | None = None
     fork_else: tuple[ast.stmt, ast.Call] | None = None
+    # s27: ``if use_mup: h = r + y * s else: h = r + y`` then the norm of ``h``: the ``if`` (``add``)
+    # and each branch's operands; the fused code binds the taken branch's operands, then adds once
+    branches: list[tuple[ast.expr, ast.expr]] | None = None
 
     @property
     def last(self) -> ast.stmt:
@@ -545,7 +548,10 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     # (cut out of them, torchchat's multi-line residual operand gave code that did not parse)
     x1, x2 = (f"({t})" if "\n" in t else t for t in (S.source_of(module, site.x1), S.source_of(module, site.x2)))
     pre: list[str] = []
-    if not (_simple(site.x1) and _simple(site.x2)):
+    if site.branches is not None:
+        pre.append(_branch_operands(module, site))
+        x1, x2 = "_npu_x1", "_npu_x2"
+    elif not (_simple(site.x1) and _simple(site.x2)):
         # evaluate the operands once, in the original order, for the dtype check and both paths
         pre.append(f"_npu_x1, _npu_x2 = {x1}, {x2}")
         x1, x2 = "_npu_x1", "_npu_x2"
@@ -755,7 +761,7 @@ def _optional_residual_results(module: ModuleInfo, scope: Scope) -> Iterable[Res
         block, i = idx.block[id(stmt)]
         nxt = _after_aliases(o, block, i)
         for sr in results:
-            if sr.finding is None or sr.match is None or nxt is None or sr.finding.line != nxt.lineno:
+            if sr.finding is None or sr.match is None or nxt is None or not _starts_at(sr, nxt, stmt):
                 continue
             if not (isinstance(sr.match.core.x, ast.Name) and sr.match.core.x.id in o.names):
                 continue
@@ -777,7 +783,10 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     done = S.already_fused(module, scope, o.test)
     if done:
         return done
-    plan = S.plan_span(scope, sr.stmt, m.trace)
+    before = _reads_before(scope, o, sr)
+    if isinstance(before, str):
+        return before
+    plan = S.plan_span(scope, sr.stmt, _trace_after(m.trace, o.test))
     if isinstance(plan, str):
         return plan
     try:
@@ -812,6 +821,8 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         # as the norm's own output or through the cast statement right after it
         # (lmdeploy: ``x = weight.float() * x`` then ``x = x.to(input_dtype)``)
         final = p.out_dtype
+        if final == "_npu_dtype":  # the plan names the output dtype in a statement of its own
+            final = next((ln.split(" = ", 1)[1] for ln in p.pre if ln.startswith("_npu_dtype = ")), final)
         cast = _cast_after(module, scope, sr.stmt, o.test.lineno)
         if cast is not None:
             after, final = [cast[0]], cast[1]
@@ -821,8 +832,14 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     infer += [S.stmt_source(module, a) for a in o.aliases + o.after]
     infer += [S.stmt_source(module, k) for k in plan.kept]
     infer.append(S.splice(module, sr.stmt, [(m.node, y)]))
-    other = [S.stmt_source(module, o.test), *(S.stmt_source(module, a) for a in o.after), f.fused] + [S.stmt_source(module, a) for a in after]
-    body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(infer)), "else:",
+    if before:
+        # the rms_norm candidate starts at a dtype read above the ``if`` (kept in place): its fused
+        # code holds the ``if`` too; the read runs first here as well (the condition may use it)
+        other = [f.fused] + [S.stmt_source(module, a) for a in after]
+    else:
+        other = [S.stmt_source(module, o.test), *(S.stmt_source(module, a) for a in o.after), f.fused] + [S.stmt_source(module, a) for a in after]
+    body = [*(S.stmt_source(module, b) for b in before),
+            f"if {' and '.join(conditions)}:", S.indent("\n".join(infer)), "else:",
             "    # training, no residual or mixed dtypes: the add as written, then the fused norm",
             S.indent("\n".join(other))]
     params = {k: v for k, v in p.params.items() if k != "input"}
@@ -832,7 +849,7 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     return Finding(
         pattern="add_rms_norm",
         qualname=scope.qualname,
-        line=o.test.lineno,
+        line=before[0].lineno if before else o.test.lineno,
         end_line=end_line,
         params=params,
         fused="\n".join(body),
@@ -913,7 +930,7 @@ class AddRmsNorm(Pattern):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name:
             return
-        for stmt, site in _sites(module, scope):
+        for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope)]:
             first = site.add if isinstance(site, _Site) else stmt
             if isinstance(site, str):
                 yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
@@ -2339,3 +2356,243 @@ AddRmsNorm.FUSE += [
         name="optional_residual_added_in_place",
     ),
 ]
+
+
+# --- s27 norms: a residual sum assigned in both branches of an if ---
+
+
+def _branch_sum(module: ModuleInfo, stmt: ast.stmt) -> tuple[str, list[tuple[ast.expr, ast.expr]]] | str | None:
+    """``if <test>: s = a1 + b1 else: s = a2 + b2`` (one statement per branch, the same name, each a
+    residual add; ``elif`` chains too): (the name, each branch's operands); a reason when a branch's
+    add is one npu_add_rms_norm cannot take; None for any other statement.
+
+    Whichever branch runs, the norm reads ``x1 + x2`` of that branch: the fused code runs the same
+    ``if`` binding only the operands (evaluated in the original order), then adds once."""
+    if not isinstance(stmt, ast.If):
+        return None
+    ops: list[tuple[ast.expr, ast.expr]] = []
+    name: str | None = None
+    cur: ast.If = stmt
+    while True:
+        for body in ([cur.body] if cur.orelse and len(cur.orelse) == 1 and isinstance(cur.orelse[0], ast.If) else [cur.body, cur.orelse]):
+            if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1 \
+                    or not isinstance(body[0].targets[0], ast.Name):
+                return None
+            if name is not None and body[0].targets[0].id != name:
+                return None
+            name = body[0].targets[0].id
+            o = _operands(module, body[0].value)
+            if o is None:
+                return None
+            if isinstance(o, str):
+                return o
+            ops.append(o)
+        if cur.orelse and len(cur.orelse) == 1 and isinstance(cur.orelse[0], ast.If):
+            cur = cur.orelse[0]
+            continue
+        break
+    if name is None or len(ops) < 2:
+        return None
+    # an operand reading the sum's own name reads its value from before the if: fine in both codes
+    return name, ops
+
+
+def _branch_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """Norm calls on a sum each branch of an ``if`` assigns (see :func:`_branch_sum`)."""
+    if "else" not in S.scope_text(module, scope):
+        return
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        found = _branch_sum(module, stmt)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            continue  # a scaled torch.add in a branch: no single x1 + x2 there
+        s_name = found[0]
+        block, i = idx.block[id(stmt)]
+        j = i + 1
+        aliases: list[ast.stmt] = []
+        while j < len(block) and _is_alias(block[j], s_name):
+            aliases.append(block[j])
+            j += 1
+        if j >= len(block):
+            continue
+        nstmt, wrapper = _norm_stmt(block[j])
+        if not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+            continue
+        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+                nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
+                if nc is None:
+                    continue
+                ops = found[1]  # type: ignore[index]
+                yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0][0], ops[0][1], s_name, wrapper, branches=ops)
+                break
+
+
+def _branch_operands(module: ModuleInfo, site: _Site) -> str:
+    """The site's ``if`` with each branch binding its operands to ``_npu_x1, _npu_x2`` (the
+    tests and operands verbatim, evaluated in the original order)."""
+    assert site.branches is not None and isinstance(site.add, ast.If)
+
+    def operands(x1: ast.expr, x2: ast.expr) -> str:
+        a, b = (f"({t})" if "\n" in t else t for t in (S.source_of(module, x1), S.source_of(module, x2)))
+        return f"_npu_x1, _npu_x2 = {a}, {b}"
+
+    out: list[str] = []
+    cur: ast.If = site.add
+    head = "if"
+    for k, (x1, x2) in enumerate(site.branches):
+        if k == len(site.branches) - 1:
+            out.append("else:")
+        else:
+            out.append(f"{head} {S.source_of(module, cur.test)}:")
+        out.append(S.indent(operands(x1, x2)))
+        if _chain_continues(cur):
+            cur, head = cur.orelse[0], "elif"  # type: ignore[assignment]
+    return "\n".join(out)
+
+
+def _chain_continues(cur: ast.If) -> bool:
+    """Is ``cur``'s else an ``elif`` (one ``if`` alone in the else block, as :func:`_branch_sum` reads it)?"""
+    return bool(cur.orelse) and len(cur.orelse) == 1 and isinstance(cur.orelse[0], ast.If)
+
+
+def _cast_sum_misses(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, str]]:
+    """``h = r + y`` then ``self.norm(h.float())``: a residual sum cast before its RMS norm. A near
+    miss with its reason (it was silent): npu_add_rms_norm normalizes the sum in x1's dtype and
+    returns that dtype, where the original normalizes the cast sum and returns the cast dtype
+    (an fp32 output would come back rounded to bf16/fp16)."""
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        ops = _operands(module, stmt.value)
+        if ops is None or isinstance(ops, str):
+            continue
+        s_name = stmt.targets[0].id
+        block, i = idx.block[id(stmt)]
+        j = i + 1
+        while j < len(block) and _is_alias(block[j], s_name):
+            j += 1
+        if j >= len(block):
+            continue
+        nstmt, _ = _norm_stmt(block[j])
+        if not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+            continue
+        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+            if not (isinstance(node, ast.Call) and len(node.args) == 1 and S.is_cast(node.args[0])):
+                continue
+            cast = node.args[0]
+            if not (isinstance(cast.func.value, ast.Name) and cast.func.value.id == s_name):  # type: ignore[attr-defined]
+                continue
+            target = S.cast_dtype(module, cast, S.Ctx(scope, nstmt.lineno))  # type: ignore[arg-type]
+            if target is None or target[0] == "same":
+                continue  # ``.to(device)`` / ``.contiguous()``: no dtype change
+            # the same call on the sum itself: is it an RMS norm?
+            plain = ast.copy_location(ast.Call(node.func, [ast.copy_location(ast.Name(s_name, ast.Load()), cast)], []), node)
+            nc = _norm_call(module, scope, plain, S.Ctx(scope, nstmt.lineno))
+            if nc is None or nc.kind == "not_rms":
+                continue
+            yield nstmt, (f"the residual sum is cast (`{S.source_of(module, cast)}`) before the norm: npu_add_rms_norm "
+                          "normalizes the sum in x1's dtype and returns that dtype, the original normalizes the cast sum "
+                          "(npufuse fuses the norm alone where its code is found)")
+            break
+
+
+_BRANCH_SUM = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, use_mup=False, scale=1.0):
+        super().__init__()
+        self.use_mup = use_mup
+        self.scale = scale
+        self.attn = nn.Linear(dim, dim)
+        self.norm = RMSNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, r):
+        y = self.attn(r)
+        if self.use_mup:
+            h = r + y * self.scale
+        else:
+            h = r + y
+        out = self.mlp(self.norm(h))
+        return h + out
+'''
+
+_BRANCH_SUM_RUN = ("blocks = [Block(16, use_mup=True, scale=0.5){cast}, Block(16){cast}]\n"
+                   "with torch.no_grad():\n    x = torch.randn(2, 3, 16{dtype})\n    out = tuple(b(x) for b in blocks)\n")
+
+AddRmsNorm.FUSE += [
+    # s27: the residual sum assigned in both branches of a flag (muP scaling): the fused code runs
+    # the same if binding only the taken branch's operands, then one npu_add_rms_norm
+    Fuse(_BRANCH_SUM, expect={"variant": "residual_then_norm", "sum": "h", "x1": "r", "x2": "y * self.scale", "line": 30, "end_line": 34},
+         run=_BRANCH_SUM_RUN.format(cast="", dtype=""), name="branch_sum_flag_fp32"),
+    Fuse(_BRANCH_SUM, expect={"norm": "self.norm"}, run=_BRANCH_SUM_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="branch_sum_flag_bf16"),
+    Fuse(_BRANCH_SUM.replace("        else:\n            h = r + y\n",
+                             "        elif self.scale > 1:\n            h = y + r\n        else:\n            h = r + y\n"),
+         expect={"sum": "h", "line": 30, "end_line": 36},
+         run="blocks = [Block(16, use_mup=True), Block(16, scale=2.0), Block(16)]\nwith torch.no_grad():\n"
+             "    x = torch.randn(2, 3, 16)\n    out = tuple(b(x) for b in blocks)\n",
+         name="branch_sum_elif_chain"),
+]
+
+AddRmsNorm.KEEP += [
+    # no else: on the flag's false path ``h`` is whatever it was before (not a sum the norm reads)
+    Keep(_BRANCH_SUM.replace("        else:\n            h = r + y\n", ""), name="branch_sum_without_else"),
+    # a cast between the add and the norm: npu_add_rms_norm would normalize (and return) the sum's dtype
+    Keep(_BRANCH_SUM.replace("        if self.use_mup:\n            h = r + y * self.scale\n        else:\n            h = r + y\n",
+                             "        h = r + y\n").replace("self.norm(h)", "self.norm(h.float())"),
+         reason="the residual sum is cast (`h.float()`) before the norm", name="cast_between_sum_and_norm"),
+]
+
+
+# --- s27 norms: an optional residual below a kept dtype read ---
+
+
+def _starts_at(sr: R.SiteResult, nxt: ast.stmt, test: ast.If) -> bool:
+    """Does the rms_norm candidate start right after the optional-residual ``if`` (its aliases), or
+    at a dtype read above the ``if`` that its span keeps in place (vLLM/lmdeploy's ``input_dtype =
+    x.dtype`` first)?"""
+    assert sr.finding is not None
+    if sr.finding.line == nxt.lineno:
+        return True
+    return sr.finding.line < test.lineno and sr.stmt.lineno >= nxt.lineno
+
+
+def _reads_before(scope: Scope, o: _OptionalResidual, sr: R.SiteResult) -> list[ast.stmt] | str:
+    """The statements of the candidate's span above the ``if``: only dtype/shape reads, which run
+    verbatim before the fused code (re-running one is exact: it reads a value nothing changed)."""
+    assert sr.finding is not None
+    if sr.finding.line >= o.test.lineno:
+        return []
+    block, i = S.stmt_index(scope).block[id(o.test)]
+    out = [s for s in block[:i] if s.lineno >= sr.finding.line]
+    if not all(S._is_metadata_read(s) for s in out):
+        return "the norm's span starts above the residual `if` with a computation npufuse would run twice"
+    return out
+
+
+def _trace_after(trace: S.Trace, test: ast.If) -> S.Trace:
+    """``trace`` without the statements above the residual ``if`` (they run before the fused code)."""
+    out = trace.copy()
+    out.stmts = {k: s for k, s in out.stmts.items() if s.lineno > (test.end_lineno or test.lineno)}
+    return out

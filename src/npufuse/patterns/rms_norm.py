@@ -910,7 +910,13 @@ class _DtypeRender:
         if k == "fixed":
             return d[1].replace("torch.", f"{self.T}.", 1)
         if k == "like":
-            return f"{S.render(self.module, d[1], d[2], self.plan)}.dtype"
+            kept = _kept_metadata_name(self.plan, d[1], d[2])
+            if kept is not None:
+                return kept
+            try:
+                return f"{S.render(self.module, d[1], d[2], self.plan)}.dtype"
+            except S.RenderError as e:
+                raise Miss(f"cannot express the output dtype at the site: {e}") from None
         if k == "expr":
             return S.render(self.module, d[1], d[2], self.plan)
         if k == "promote":
@@ -928,7 +934,13 @@ class _DtypeRender:
         if k == "fixed":
             return d[1].replace("torch.", "")
         if k == "like":
-            src = S.render(self.module, d[1], d[2], self.plan)
+            kept = _kept_metadata_name(self.plan, d[1], d[2])
+            if kept is not None:
+                return kept
+            try:
+                src = S.render(self.module, d[1], d[2], self.plan)
+            except S.RenderError as e:
+                raise Miss(f"cannot express the output dtype at the site: {e}") from None
             return "weight" if src == self.w else f"dtype of {src}"
         if k == "expr":
             return S.render(self.module, d[1], d[2], self.plan)
@@ -4467,5 +4479,69 @@ RmsNorm.FUSE += [
         run=("m = ScaleNormish(16)\nother = ScaleNormish(16, 1)\nx = torch.randn(2, 3, 16)\n"
              "out = (m(x), m(x.to(torch.bfloat16)), other(x))\n"),
         name="probe_dim_attribute_guarded_at_run_time",
+    ),
+]
+
+
+# --- s27 norms: a dtype read kept in place ---
+
+
+def _kept_metadata_name(plan: S.SpanPlan | None, node: ast.expr, ctx: S.Ctx) -> str | None:
+    """The name an ``orig_dtype = x.dtype`` statement binds, when ``node`` (a ``like`` dtype's tensor)
+    is that statement's ``x`` read where it stands and the statement still runs before the fused code
+    (kept in the span, or before it) with the name unchanged up to the root: the fused code reads
+    ``orig_dtype``, which holds the dtype of ``x`` from before the statements that reassigned ``x``
+    (vLLM's forward_native casts to fp32 and adds the residual in between)."""
+    if plan is None or not isinstance(node, ast.Name) or ctx.depth != 0:
+        return None
+    s = S.stmt_index(ctx.scope).by_line.get(ctx.line)
+    if s is None or plan.is_dropped(s) or not (S._is_metadata_read(s) and isinstance(s, ast.Assign)):
+        return None
+    value = s.value
+    if not (isinstance(value, ast.Attribute) and value.attr == "dtype" and isinstance(value.value, ast.Name)
+            and value.value.id == node.id):
+        return None
+    target = s.targets[0].id  # type: ignore[attr-defined]
+    if S._reassigned_before_root(ctx.at(s.lineno), target, plan):
+        return None
+    return target
+
+
+# the dtype read kept in place (s27): a kept statement (a residual branch) reads ``orig_dtype``
+_DTYPE_READ_KEPT = '''
+import torch
+from torch import nn
+
+
+class ResidualRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward_native(self, x, residual=None):
+        orig_dtype = x.dtype
+        x = x.to(torch.float32)
+        if residual is not None:
+            x = x + residual.to(torch.float32)
+            residual = x.to(orig_dtype)
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        x = x.to(orig_dtype) * self.weight
+        if residual is None:
+            return x
+        return x, residual
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _DTYPE_READ_KEPT,
+        expect={"variant": "no_upcast", "weight": "self.weight", "eps": "self.variance_epsilon",
+                "output_dtype": "promote(orig_dtype, weight)", "line": 13, "end_line": 20},
+        run=("m = ResidualRMSNorm(32).to(torch.bfloat16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+             "x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\n"
+             "r = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = (*m.forward_native(x, r), m.forward_native(x))\nleaves = [x, r, m.weight]\n"),
+        name="dtype_read_kept_for_a_residual_branch",
     ),
 ]
