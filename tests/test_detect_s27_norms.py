@@ -132,3 +132,9 @@ def test_branch_sum_of_two_names_is_not_fused() -> None:
     code = code.replace("        else:\n            h = r + y\n", "        else:\n            g = r + y\n")
     findings, _ = detect_all(A.AddRmsNorm(), code)
     assert not findings
+
+
+@pytest.mark.parametrize(("pattern", "example"), example_cases(R.RmsNorm(), "s27_", kind="keep"))
+def test_decisive_reason_before_control_flow(pattern, example, static_only) -> None:
+    # the syntactic matcher's own reason (the probe, switched off here, never overrides these either)
+    check_keep_refused(pattern, example)

@@ -775,8 +775,8 @@ def _through_control_flow(module: ModuleInfo, value: ast.expr, vctx: S.Ctx, node
         except Miss as e:
             if e.reason.startswith("mean subtracted"):
                 return e  # a LayerNorm on that path (an optional affine after it): that is the reason
-            return Miss("control flow between the norm and its result (a branch assigns it)", e.rstd)
-        return Miss("control flow between the norm and its result (a branch assigns it)", core.rstd)
+            return _control_flow_miss(module, ctx, cond, c, e)
+        return _control_flow_miss(module, ctx, cond, c, Miss("", core.rstd))
     return NoMatch()
 
 
@@ -4544,4 +4544,94 @@ RmsNorm.FUSE += [
              "out = (*m.forward_native(x, r), m.forward_native(x))\nleaves = [x, r, m.weight]\n"),
         name="dtype_read_kept_for_a_residual_branch",
     ),
+]
+
+
+# --- s27 norms: the decisive reason before "control flow" ---
+
+_DIM_REASON = re.compile(r"^mean over dim ")
+
+
+def _control_flow_miss(module: ModuleInfo, ctx: S.Ctx, cond: ast.stmt, path_ctx: S.Ctx, found: Miss) -> Miss:
+    """The near miss of a norm whose result a branch assigns. Reasons that no rewrite of the control
+    flow would overturn come first (census s27: diffusers' and MindSpeed's norms sit in the fallback
+    of a torch_npu branch; DC-AE's and TurboVAED's normalise over dim 1): an existing torch_npu branch
+    around the path's statement or beside it in the same ``if``, then a mean over another dim."""
+    idx = S.stmt_index(ctx.scope)
+    where = idx.by_line.get(path_ctx.line) or cond
+    done = S.already_fused(module, ctx.scope, where) or _npu_call_in_sibling_branch(module, idx, where)
+    if done:
+        return Miss(done, found.rstd)
+    if _DIM_REASON.match(found.reason):
+        return found
+    return Miss("control flow between the norm and its result (a branch assigns it)", found.rstd)
+
+
+def _npu_call_in_sibling_branch(module: ModuleInfo, idx: S.StmtIndex, stmt: ast.stmt) -> str | None:
+    """``if <flag>: x = torch_npu.npu_rms_norm(...) else: <the hand-written norm>``: the other branch
+    of an ``if`` holding ``stmt`` already calls torch_npu (a flag test without "npu" in it)."""
+    child: ast.stmt = stmt
+    for anc in S.ancestors(idx, stmt):
+        if isinstance(anc, ast.If):
+            other = anc.body if S._contains(anc.orelse, child) or any(x is child for x in anc.orelse) else anc.orelse
+            for n in (n for b in other for n in fast_walk(b)):
+                if isinstance(n, ast.Call) and (module.call_name(n) or "").startswith("torch_npu."):
+                    return "already has a torch_npu branch"
+        child = anc
+    return None
+
+
+# s27: the decisive reason comes before "control flow" (own reproducers of the census classes)
+_FLAG_NPU_BRANCH = '''
+import torch
+import torch_npu
+from torch import nn
+
+
+class FlagNorm(nn.Module):
+    def __init__(self, dim, fused=True, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.fused = fused
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        if self.fused:
+            x = torch_npu.npu_rms_norm(x, self.weight.float(), epsilon=self.eps)[0]
+        else:
+            var = x.pow(2).mean(-1, keepdim=True)
+            x = x * torch.rsqrt(var + self.eps)
+            x = self.weight * x.to(dt)
+        return x.to(dt)
+'''
+
+_CHANNEL_OPTIONAL_WEIGHT = '''
+import torch
+from torch import nn
+
+
+class ChannelNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6, affine=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        var = x.float().pow(2).mean(1, keepdim=True)
+        x = x * torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            x = x.to(self.weight.dtype) * self.weight
+        else:
+            x = x.to(dt)
+        return x
+'''
+
+RmsNorm.KEEP += [
+    # the other branch of a flag (no "npu" in its test) already calls torch_npu: not "control flow"
+    Keep(_FLAG_NPU_BRANCH, reason="already has a torch_npu branch", name="s27_flag_chosen_npu_branch_beside_the_norm"),
+    # an optional weight assigned in branches of a channel-first norm: the dim is the reason
+    Keep(_CHANNEL_OPTIONAL_WEIGHT, reason="mean over dim 1, not the last dim", name="s27_channel_first_norm_with_optional_weight"),
 ]
