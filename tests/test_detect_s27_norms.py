@@ -91,9 +91,10 @@ def test_dtype_read_kept_is_a_static_finding(pattern, example, static_only) -> N
     check_fuse_found(R.RmsNorm(), example)
     findings, _ = detect_all(R.RmsNorm(), example.code)
     fused = findings[0].fused
-    # the read stays verbatim and the output is cast to it, not to the fp32 ``x``'s dtype
-    assert fused.splitlines()[0] == "orig_dtype = x.dtype"
-    assert "promote_types(self.weight.dtype, orig_dtype)" in fused
+    # the read stays verbatim and the output is cast to it, not to the reassigned ``x``'s dtype
+    name = "orig_dtype" if "orig_dtype" in example.code else "og_dtype"
+    assert fused.splitlines()[0] == f"{name} = x.dtype"
+    assert f"promote_types(self.weight.dtype, {name})" in fused
 
 
 def test_dtype_of_a_reassigned_input_is_not_the_input_dtype(static_only) -> None:

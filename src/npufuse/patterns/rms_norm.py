@@ -4635,3 +4635,40 @@ RmsNorm.KEEP += [
     # an optional weight assigned in branches of a channel-first norm: the dim is the reason
     Keep(_CHANNEL_OPTIONAL_WEIGHT, reason="mean over dim 1, not the last dim", name="s27_channel_first_norm_with_optional_weight"),
 ]
+
+
+# s27 (task B): OLMo-style dtype read before a conditional upcast; the read stays in place and the
+# output cast reads it (``x`` is another tensor by then)
+_DTYPE_READ_CONDITIONAL_CAST = '''
+import torch
+from torch import nn
+
+
+class PlainNorm(nn.Module):
+    def __init__(self, size, eps=1e-5, full_precision=True):
+        super().__init__()
+        self.eps = eps
+        self.full_precision = full_precision
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x):
+        og_dtype = x.dtype
+        if self.full_precision:
+            x = x.float()
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        x = x.to(og_dtype)
+        return x * self.weight
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _DTYPE_READ_CONDITIONAL_CAST,
+        expect={"weight": "self.weight", "eps": "self.eps", "output_dtype": "promote(og_dtype, weight)", "line": 14, "end_line": 20},
+        run=("a = PlainNorm(32).to(torch.bfloat16)\nb = PlainNorm(32, full_precision=False)\nwith torch.no_grad():\n"
+             "    a.weight.normal_()\n    b.weight.normal_()\n"
+             "x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = (a(x), b(x.float()), b(x))\nleaves = [x, a.weight, b.weight]\n"),
+        name="dtype_read_kept_before_a_conditional_upcast",
+    ),
+]
