@@ -7,12 +7,15 @@ from __future__ import annotations
 import ast
 
 import pytest
+import torch
 
+from npufuse import emulate
 from npufuse.patterns import _site as S
 from npufuse.patterns import add_rms_norm as A
 from npufuse.patterns import rms_norm as R
 from npufuse.scan.dataflow import ModuleInfo
-from pattern_harness import check_fuse_found, check_keep_refused, detect_all, example_cases
+from npufuse.rewrite.codegen import splice
+from pattern_harness import _exec, check_fuse_found, check_keep_refused, detect_all, example_cases
 
 
 @pytest.fixture
@@ -139,3 +142,49 @@ def test_branch_sum_of_two_names_is_not_fused() -> None:
 def test_decisive_reason_before_control_flow(pattern, example, static_only) -> None:
     # the syntactic matcher's own reason (the probe, switched off here, never overrides these either)
     check_keep_refused(pattern, example)
+
+
+class _StandInLlamaRMSNorm(torch.nn.Module):
+    """transformers' LlamaRMSNorm forward, written out (transformers is not a dependency)."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def test_inline_input_bound_in_place_runs_under_the_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    for name in ("transformers", "transformers.models", "transformers.models.llama"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    llama = types.ModuleType("transformers.models.llama.modeling_llama")
+    llama.LlamaRMSNorm = _StandInLlamaRMSNorm  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, llama.__name__, llama)
+    code = next(e.code for e in R.RmsNorm.FUSE if e.name == "s27_transformers_norm_of_an_inline_input_bound_in_place")
+    findings, _ = detect_all(R.RmsNorm(), code)
+    # the two norm calls of one statement: one finding each; apply the first (they share the lines)
+    assert [(f.qualname, f.line) for f in findings] == [("Patchify.forward", 15), ("Patchify.forward", 15)]
+    assert "(_npu_x := e.permute(0, 2, 3, 1))" in findings[0].fused
+    for f in findings:
+        text = splice(code, [f])
+        x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+        ref_mod = _exec(code, "orig")["Patchify"](16).to(torch.bfloat16)
+        with torch.no_grad():
+            ref_mod.norm.weight.normal_()
+        ref = ref_mod(x)
+        with emulate.install() as emu:
+            mod = _exec(text, "new")["Patchify"](16).to(torch.bfloat16)
+            mod.load_state_dict(ref_mod.state_dict())
+            out = mod(x)
+            assert emu.calls.get("npu_rms_norm") == 1
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        assert torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0) > 0.999

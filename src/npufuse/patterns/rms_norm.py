@@ -3335,9 +3335,10 @@ RmsNorm.FUSE += [
 
 RmsNorm.KEEP += [
     Keep(
-        # the norm of an inline input inside a larger statement: binding the input first would reorder evaluation
+        # the norm of an inline input inside a larger statement: binding the input first would reorder
+        # evaluation, and inside a comprehension it cannot be bound where it stands (s27: elsewhere it is)
         _HF_NORM_IMPORTED.split("class Down")[0].replace("class Patchify", "class Unused").replace(
-            "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1))\n"),
+            "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = [self.norm(t.permute(0, 2, 3, 1)) for t in e.chunk(2)]\n"),
         reason="inline expression inside a larger statement",
         name="transformers_norm_of_an_inline_input_inside_a_sum",
     ),
@@ -4671,4 +4672,14 @@ RmsNorm.FUSE += [
              "out = (a(x), b(x.float()), b(x))\nleaves = [x, a.weight, b.weight]\n"),
         name="dtype_read_kept_before_a_conditional_upcast",
     ),
+]
+
+
+# s27: a transformers norm of an inline input inside a larger statement, bound where it stands
+# (run end to end in tests/test_detect_s27_norms.py with the transformers stand-in)
+RmsNorm.FUSE += [
+    Fuse(_HF_NORM_IMPORTED.split("class Down")[0].replace(
+        "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1) * 2)\n"),
+        expect={"variant": "hf_norm_module", "module": "self.norm", "qualname": "Patchify.forward", "line": 15},
+        name="s27_transformers_norm_of_an_inline_input_bound_in_place"),
 ]
