@@ -188,3 +188,20 @@ def test_inline_input_bound_in_place_runs_under_the_emulator(monkeypatch: pytest
             assert emu.calls.get("npu_rms_norm") == 1
         assert out.dtype == ref.dtype and out.shape == ref.shape
         assert torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0) > 0.999
+
+
+def test_gap_if_is_fused_only_where_its_test_is_false() -> None:
+    code = next(e.code for e in A.AddRmsNorm.FUSE if e.name == "gap_if_between_sum_and_norm")
+    findings, _ = detect_all(A.AddRmsNorm(), code)
+    assert len(findings) == 1
+    fused = findings[0].fused
+    assert fused.startswith("if not (type(padding_mask) == torch.Tensor):")
+    # the original statements, the if among them, on the other path
+    assert "else:\n    u = self.mix(self.pre_norm(u)) + u\n    if type(padding_mask) == torch.Tensor:" in fused
+
+
+@pytest.mark.parametrize("test", ["self.training and torch.rand(1) > 0.5", "padding_mask.any()"])
+def test_gap_if_with_a_test_that_has_effects_or_calls_is_not_fused(test: str) -> None:
+    code = next(e.code for e in A.AddRmsNorm.FUSE if e.name == "gap_if_between_sum_and_norm")
+    findings, _ = detect_all(A.AddRmsNorm(), code.replace("type(padding_mask) == torch.Tensor", test))
+    assert not findings

@@ -372,6 +372,9 @@ class _Site:
     # s27: ``if use_mup: h = r + y * s else: h = r + y`` then the norm of ``h``: the ``if`` (``add``)
     # and each branch's operands; the fused code binds the taken branch's operands, then adds once
     branches: list[tuple[ast.expr, ast.expr]] | None = None
+    # s27: ``u = attn(norm(u)) + u; if <pure test>: u = u * mask; u = mlp(norm2(u)) + u``: the ``if``
+    # between the sum and its norm; the fused code runs where its test is false (else the original)
+    gap: ast.If | None = None
 
     @property
     def last(self) -> ast.stmt:
@@ -570,6 +573,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     ones = f"{T}.ones({x1}.shape[-1], dtype={x1}.dtype, device={x1}.device)"
     if site.wrapper is not None:
         conditions.append(S.source_of(module, site.wrapper.test))
+    if site.gap is not None:
+        conditions.append(f"not ({S.source_of(module, site.gap.test)})")
     conditions += site.nc.conditions
     if m.kind == "rms":
         assert m.match is not None
@@ -930,7 +935,8 @@ class AddRmsNorm(Pattern):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name:
             return
-        for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope)]:
+        for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
+                           *_gap_sites(module, scope)]:
             first = site.add if isinstance(site, _Site) else stmt
             if isinstance(site, str):
                 yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
@@ -2596,3 +2602,113 @@ def _trace_after(trace: S.Trace, test: ast.If) -> S.Trace:
     out = trace.copy()
     out.stmts = {k: s for k, s in out.stmts.items() if s.lineno > (test.end_lineno or test.lineno)}
     return out
+
+
+# --- s27 norms: a conditional statement between the sum and its norm ---
+
+_PURE_CALLS = ("type", "isinstance", "len")
+
+
+def _pure_test(test: ast.expr) -> bool:
+    """A test without effects that may run earlier than written: names, attributes, comparisons,
+    constants and ``type()`` / ``isinstance()`` / ``len()``."""
+    for n in ast.walk(test):
+        if isinstance(n, ast.Call):
+            if not (isinstance(n.func, ast.Name) and n.func.id in _PURE_CALLS and not n.keywords):
+                return False
+        elif not isinstance(n, (*_PURE_TEST, ast.Call, ast.Tuple, ast.expr_context)):
+            return False
+    return True
+
+
+def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """A residual sum, an ``if <pure test>:`` without ``else`` (its body may change the sum, e.g. a
+    padding mask), then the norm of the sum: fused where the test is false, where the ``if`` does
+    nothing; the original statements run otherwise. The test runs before the add in the fused code,
+    so it must not read the sum, its aliases or anything the add or the ``if`` assigns."""
+    if "if " not in S.scope_text(module, scope):
+        return
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        ops = _operands(module, stmt.value)
+        if ops is None or isinstance(ops, str):
+            continue
+        s_name = stmt.targets[0].id
+        block, i = idx.block[id(stmt)]
+        j = i + 1
+        aliases: list[ast.stmt] = []
+        while j < len(block) and _is_alias(block[j], s_name):
+            aliases.append(block[j])
+            j += 1
+        if j + 1 >= len(block):
+            continue
+        gap = block[j]
+        if not (isinstance(gap, ast.If) and not gap.orelse and _pure_test(gap.test)):
+            continue
+        written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
+        if S.names_read(gap.test) & written:
+            continue
+        nstmt, wrapper = _norm_stmt(block[j + 1])
+        if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+            continue
+        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+                nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
+                if nc is None:
+                    continue
+                if nc.kind == "not_rms":
+                    yield nstmt, nc.reason
+                else:
+                    yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap)
+                break
+
+
+_GAP_IF = '''
+import torch
+from torch import nn
+
+
+class PlainNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.pre_norm = PlainNorm(d)
+        self.post_norm = PlainNorm(d)
+        self.mix = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, u, padding_mask=None):
+        u = self.mix(self.pre_norm(u)) + u
+        if type(padding_mask) == torch.Tensor:
+            u = u * padding_mask[..., None]
+        u = self.mlp(self.post_norm(u)) + u
+        return u
+'''
+
+AddRmsNorm.FUSE += [
+    # s27: an if between the sum and its norm (a padding mask): fused where its test is false
+    Fuse(_GAP_IF, expect={"condition": "not (type(padding_mask) == torch.Tensor)", "sum": "u", "norm": "self.post_norm",
+                          "line": 28, "end_line": 31},
+         run=("b = Block(16)\nwith torch.no_grad():\n    x = torch.randn(2, 3, 16)\n"
+              "    out = (b(x), b(x, (torch.rand(2, 3) > 0.5).float()))\n"),
+         name="gap_if_between_sum_and_norm"),
+]
+
+AddRmsNorm.KEEP += [
+    # the test reads the sum: it cannot run before the add
+    Keep(_GAP_IF.replace("if type(padding_mask) == torch.Tensor:", "if u.dtype == torch.float16:"), name="gap_if_reading_the_sum"),
+]
