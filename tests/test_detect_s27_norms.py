@@ -205,3 +205,12 @@ def test_gap_if_with_a_test_that_has_effects_or_calls_is_not_fused(test: str) ->
     code = next(e.code for e in A.AddRmsNorm.FUSE if e.name == "gap_if_between_sum_and_norm")
     findings, _ = detect_all(A.AddRmsNorm(), code.replace("type(padding_mask) == torch.Tensor", test))
     assert not findings
+
+
+def test_cast_statement_between_sum_and_norm_checks_the_target_dtype() -> None:
+    code = next(e.code for e in A.AddRmsNorm.FUSE if e.name == "cast_stmt_between_sum_and_norm")
+    findings, _ = detect_all(A.AddRmsNorm(), code)
+    assert len(findings) == 1
+    first = findings[0].fused.splitlines()[0]
+    # where the cast would change the sum, the add, the cast and the fused norm run as written
+    assert first.endswith("or self.post_attention_layernorm.weight.dtype != residual.dtype:")

@@ -375,6 +375,9 @@ class _Site:
     # s27: ``u = attn(norm(u)) + u; if <pure test>: u = u * mask; u = mlp(norm2(u)) + u``: the ``if``
     # between the sum and its norm; the fused code runs where its test is false (else the original)
     gap: ast.If | None = None
+    # s27: ``h = r + y; residual = h; h = h.to(<dtype>)`` then the norm of ``h``: the cast statement and
+    # its target dtype as code; npu_add_rms_norm runs only where the cast changes nothing
+    cast: tuple[ast.stmt, str] | None = None
 
     @property
     def last(self) -> ast.stmt:
@@ -644,6 +647,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     # norm class defined elsewhere, the module itself)
     train: list[str] = [f"{s_name} = {x1} + {x2}"]
     train += [S.stmt_source(module, a) for a in site.aliases]
+    if site.cast is not None:
+        train.append(S.stmt_source(module, site.cast[0]))
     train += norm_pre
     if train_norm:
         train.append(site.splice_norm(module, lambda call: [(call, train_norm)]))
@@ -659,6 +664,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     infer.append(site.splice_norm(module, lambda call: [(call, y)]))
     body = list(pre)
     mixed = f"{x1}.dtype != {x2}.dtype"
+    if site.cast is not None:
+        mixed += f" or {site.cast[1]} != {x1}.dtype"  # the cast would change the sum: add, cast, then the norm
     if out_code == "_npu_dtype":
         # T5: a weight that is not half keeps the whole norm in fp32; npu_add_rms_norm (gamma cast to
         # x1's dtype) would compute it at x1's precision, so that case takes the npu_rms_norm path
@@ -936,7 +943,7 @@ class AddRmsNorm(Pattern):
         if not scope.class_name:
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
-                           *_gap_sites(module, scope)]:
+                           *_gap_sites(module, scope), *_cast_stmt_sites(module, scope)]:
             first = site.add if isinstance(site, _Site) else stmt
             if isinstance(site, str):
                 yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
@@ -2469,6 +2476,9 @@ def _cast_sum_misses(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stm
     miss with its reason (it was silent): npu_add_rms_norm normalizes the sum in x1's dtype and
     returns that dtype, where the original normalizes the cast sum and returns the cast dtype
     (an fp32 output would come back rounded to bf16/fp16)."""
+    text = S.scope_text(module, scope)
+    if not any(w in text for w in (".float(", ".to(", ".half(", ".bfloat16(", ".type(", ".double(", ".type_as(")):
+        return  # no cast anywhere in the scope: nothing to look at
     idx = S.stmt_index(scope)
     for stmt in idx.stmts:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
@@ -2711,4 +2721,131 @@ AddRmsNorm.FUSE += [
 AddRmsNorm.KEEP += [
     # the test reads the sum: it cannot run before the add
     Keep(_GAP_IF.replace("if type(padding_mask) == torch.Tensor:", "if u.dtype == torch.float16:"), name="gap_if_reading_the_sum"),
+]
+
+
+# --- s27 norms: a cast statement between the sum and its norm ---
+
+_CAST_METHOD_TARGET = {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}
+
+
+def _cast_target_code(module: ModuleInfo, value: ast.expr, name: str) -> str | None:
+    """The dtype ``<name>.float()`` / ``.to(<dotted dtype>)`` / ``.type_as(<dotted>)`` casts to, as code
+    that reads no intermediate (a torch dtype or a dotted ``self.`` attribute's dtype); None otherwise."""
+    T = S.torch_name(module) or "torch"
+    if not (S.is_cast(value) and isinstance(value.func.value, ast.Name) and value.func.value.id == name):  # type: ignore[attr-defined]
+        return None
+    attr, args = value.func.attr, value.args  # type: ignore[attr-defined]
+    if value.keywords:  # type: ignore[attr-defined]
+        return None
+    if attr in _CAST_METHOD_TARGET and not args:
+        return f"{T}.{_CAST_METHOD_TARGET[attr]}"
+    if len(args) != 1:
+        return None
+    d = dotted(args[0])
+    if d is None or not (d.startswith("self.") or d.startswith(f"{T}.")):
+        return None
+    if attr == "to":
+        return d if d.startswith(f"{T}.") or d.endswith(".dtype") else None
+    if attr == "type_as":
+        return f"{d}.dtype" if d.startswith("self.") else None
+    return None
+
+
+def _cast_stmt_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """A residual sum, its aliases, ``<sum> = <sum>.to(<dtype>)``, then the norm of the sum (lerobot's
+    ``hidden_states.to(self.post_attention_layernorm.weight.dtype)``): fused where x1, x2 and the target
+    share one dtype (the cast is then the identity); add, cast and the fused norm otherwise."""
+    text = S.scope_text(module, scope)
+    if not any(w in text for w in (".float()", ".to(", ".half()", ".bfloat16()", ".type_as(", ".double()")):
+        return
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        ops = _operands(module, stmt.value)
+        if ops is None or isinstance(ops, str):
+            continue
+        s_name = stmt.targets[0].id
+        block, i = idx.block[id(stmt)]
+        j = i + 1
+        aliases: list[ast.stmt] = []
+        while j < len(block) and _is_alias(block[j], s_name):
+            aliases.append(block[j])
+            j += 1
+        if j + 1 >= len(block):
+            continue
+        cast = block[j]
+        if not (isinstance(cast, ast.Assign) and len(cast.targets) == 1 and isinstance(cast.targets[0], ast.Name)
+                and cast.targets[0].id == s_name):
+            continue
+        target = _cast_target_code(module, cast.value, s_name)
+        if target is None:
+            continue
+        nstmt, wrapper = _norm_stmt(block[j + 1])
+        if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+            continue
+        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+                nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
+                if nc is None:
+                    continue
+                if nc.kind == "not_rms":
+                    yield nstmt, nc.reason
+                else:
+                    yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, cast=(cast, target))
+                break
+
+
+_CAST_STMT = '''
+import torch
+from torch import nn
+
+
+class PlainNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.post_attention_layernorm = PlainNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = hidden_states.to(self.post_attention_layernorm.weight.dtype)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states.to(self.mlp.weight.dtype))
+        return residual + hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    # s27: a cast statement between the sum and its norm: npu_add_rms_norm where the cast is the identity
+    Fuse(_CAST_STMT, expect={"sum": "hidden_states", "x1": "residual", "residual_aliases": ["residual"], "line": 30, "end_line": 33},
+         run=("a = Layer(16)\nb = Layer(16).to(torch.bfloat16)\nc = Layer(16)\nc.attn.to(torch.bfloat16)\n"
+              "with torch.no_grad():\n    x = torch.randn(2, 3, 16)\n"
+              "    out = (a(x), b(x.to(torch.bfloat16)), c(x.to(torch.bfloat16)))\n"),
+         name="cast_stmt_between_sum_and_norm"),
+]
+
+AddRmsNorm.KEEP += [
+    # the target dtype is read from a local tensor, not a fixed dtype or a parameter: not fused
+    Keep(_CAST_STMT.replace("hidden_states.to(self.post_attention_layernorm.weight.dtype)\n        hidden_states = self.post",
+                            "hidden_states.to(residual.dtype)\n        hidden_states = self.post"),
+         name="cast_stmt_to_a_local_dtype"),
 ]
