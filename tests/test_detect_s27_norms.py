@@ -214,3 +214,13 @@ def test_cast_statement_between_sum_and_norm_checks_the_target_dtype() -> None:
     first = findings[0].fused.splitlines()[0]
     # where the cast would change the sum, the add, the cast and the fused norm run as written
     assert first.endswith("or self.post_attention_layernorm.weight.dtype != residual.dtype:")
+
+
+def test_gap_if_that_normalises_the_sum_itself_gives_one_site() -> None:
+    # ``if self.attn is not None: x = x + self.attn(norm(x))`` is the site (fused where the test holds);
+    # the norm after it must not make a second, overlapping candidate for the same add
+    code = next(e.code for e in A.AddRmsNorm.FUSE if e.name == "gap_if_between_sum_and_norm")
+    code = code.replace("        if type(padding_mask) == torch.Tensor:\n            u = u * padding_mask[..., None]\n",
+                        "        if self.mix is not None:\n            u = u + self.mix(self.post_norm(u))\n")
+    findings, _ = detect_all(A.AddRmsNorm(), code)
+    assert len([f for f in findings if f.line == 28]) == 1

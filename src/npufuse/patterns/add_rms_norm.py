@@ -2660,6 +2660,8 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
         if S.names_read(gap.test) & written:
             continue
+        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name) for n in fast_walk(gap)):
+            continue  # the if's body normalises the sum itself: that is the site (a wrapper), one per add
         nstmt, wrapper = _norm_stmt(block[j + 1])
         if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
             continue
