@@ -38,7 +38,7 @@ from typing import Iterator
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, NearMiss, Result, Risk
 from npufuse.scan import canonical
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword
 
 RMS_NORM_FN = "torch.nn.functional.rms_norm"
 RMS_NORM_CLASS = "torch.nn.RMSNorm"
@@ -724,9 +724,16 @@ def hf_norm_calls(module: ModuleInfo, scope: Scope, idx: S.StmtIndex, attrs: dic
         x = call.args[0]
         whole = getattr(stmt, "value", None) is call
         if not _atom(x) and not whole:
-            # binding the input first would move its evaluation before the rest of the statement
-            yield _miss(scope, stmt, f"{mod} ({cls}) of an inline expression inside a larger statement: bind the input to a name first")
-            continue
+            # binding the input first would move its evaluation before the rest of the statement:
+            # it is bound where it stands instead (``(_npu_x := <input>)``, the call's first argument)
+            inline = _inline_bound_norm(module, stmt, call, mod, T)
+            if inline is None:
+                yield _miss(scope, stmt, f"{mod} ({cls}) of an inline expression inside a larger statement: bind the input to a name first")
+                continue
+            guard = next((n.id for n in ast.walk(x) if isinstance(n, ast.Name) and n.id not in ("self", T)), None)
+            if guard is not None:
+                yield _hf_inline_finding(module, scope, stmt, call, mod, cls, inline, guard)
+                continue
         guard = next((n.id for n in ast.walk(x) if isinstance(n, ast.Name) and n.id not in ("self", T)), None)
         if guard is None:
             yield _miss(scope, stmt, f"{mod} ({cls}): no tensor named in its input to check the device of before the call")
@@ -1293,3 +1300,46 @@ def _cast_of_name(node: ast.expr) -> ast.expr | None:
             and (node.args[0].attr == "dtype" or node.args[0].attr in ("float32", "float16", "bfloat16")) and dotted(node.args[0]) is not None:
         return base
     return None
+
+
+# --- s27 norms: a norm module of an inline expression, its input bound where it stands ---
+
+
+def _inline_bound_norm(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, mod: str, T: str) -> str | None:
+    """``npu_rms_norm((_npu_x := <input>), <gamma of _npu_x's dtype>, ...)`` for ``self.<norm>(<input>)``
+    inside a larger statement (``self.q_norm(self.q_proj(h).view(shape)).transpose(1, 2)``): the input
+    is evaluated exactly where the original evaluates it, once, and the arguments after it (left to
+    right) read its dtype. None where an assignment expression cannot stand: inside a lambda or a
+    comprehension of the statement."""
+    for n in fast_walk(stmt):
+        if isinstance(n, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) \
+                and any(c is call for c in fast_walk(n)):
+            return None
+    w = f"{mod}.weight"
+    xs = S.source_of(module, call.args[0])
+    if "\n" in xs:
+        xs = f"({xs})"
+    gamma = f"({w} if {w}.dtype in (_npu_x.dtype, {T}.float32) else {w}.to(_npu_x.dtype))"
+    return (f"torch_npu.npu_rms_norm((_npu_x := {xs}), {gamma}, epsilon={mod}.variance_epsilon)[0]"
+            f".to({T}.promote_types(_npu_x.dtype, {w}.dtype))")
+
+
+def _hf_inline_finding(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, mod: str, cls: str, expr: str,
+                       guard: str) -> Finding:
+    """The hf_norm_module finding of :func:`hf_norm_calls` with the input bound inline."""
+    body = S.splice(module, stmt, [(call, expr)])
+    fused = f"if type({mod}) is {cls}:\n{S.indent(body)}\nelse:\n{S.indent(S.stmt_source(module, stmt))}"
+    return Finding(
+        pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
+        params={"eps": f"{mod}.variance_epsilon", "weight": f"{mod}.weight", "source": "transformers", "module": mod,
+                "norm_class": cls, "x": S.source_of(module, call.args[0]), "output_dtype": "promote(input, weight)"},
+        fused=fused, guard_tensor=guard, confidence="medium", variant="hf_norm_module",
+        risks=[*_RISKS,
+               Risk("numerics", f"{cls} is transformers' code, not this repository's: its forward is read as transformers' "
+                                "(x.float() * rsqrt(mean(x^2) + variance_epsilon), then weight * x.to(input_dtype)); "
+                                "npu_rms_norm applies the weight in fp32 and rounds once (≤1-ulp differences)")],
+        notes=["unfused: transformers' RMSNorm (about 8 kernels); fused: 1",
+               f"fused only while {mod} is exactly {cls} (checked at run time)",
+               "the input is bound where it stands (`_npu_x := ...`): evaluated once, in the original order"],
+        training_ok=True,
+    )

@@ -309,7 +309,7 @@ def key(node: ast.expr, ctx: Ctx, depth: int = 0) -> str:
     if isinstance(node, ast.Name):
         value, vctx, stmt = follow(node, ctx)
         if value is node:
-            return f"${node.id}@{ctx.scope.qualname}"
+            return f"${node.id}@{ctx.scope.qualname}" + _version_suffix(node.id, ctx)
         return key(value, vctx, depth + 1)
     if isinstance(node, ast.AST):
         parts = [type(node).__name__]
@@ -478,6 +478,10 @@ def render(module: ModuleInfo, node: ast.expr, ctx: Ctx, plan: SpanPlan | None) 
                 changed[0] = True
                 return sub(value, vctx, depth + 1)
             if d is None:
+                if plan is not None and c.depth == 0 and _reassigned_before_root(c, n.id, plan):
+                    # a parameter read where ``c`` stands but reassigned by a statement that still
+                    # runs before the fused one: there the name holds another value
+                    raise RenderError(f"`{n.id}` is reassigned inside the span")
                 return n
             stmt, value = d
             if c.depth > 0:  # a helper's local: inline its definition
@@ -634,6 +638,7 @@ def plan_span(scope: Scope, root: ast.stmt, trace: Trace, reads: set[str] | None
     # next iteration's kept statement would see that later write too (never made by the fused
     # branch) unless the root statement, which the fused branch does run, writes the name.
     in_loop = any(isinstance(a, (ast.For, ast.AsyncFor, ast.While)) for a in ancestors(idx, root))
+    _keep_metadata_reads_in_place(dropped, kept)
     for s in kept:
         seen: set[str] = set()
         for d in dropped:
@@ -960,3 +965,57 @@ def _negated_npu_test(anc: ast.If, child: ast.stmt) -> bool:
     is false, so only a negated test without ``and``/``or`` counts."""
     return (isinstance(anc.test, ast.UnaryOp) and isinstance(anc.test.op, ast.Not)
             and not isinstance(anc.test.operand, ast.BoolOp) and any(s is child for s in anc.body))
+
+
+# --- s27 norms: metadata reads stay in place ---
+
+
+def _is_metadata_read(stmt: ast.stmt) -> bool:
+    """``dt = x.dtype`` (also ``.device``/``.shape``/``.ndim``) into one plain name: reading it runs no
+    kernel and has no effect, so running it verbatim where it stands is exactly the original."""
+    return isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
+        and isinstance(stmt.value, ast.Attribute) and stmt.value.attr in ("dtype", "device", "shape", "ndim") \
+        and isinstance(stmt.value.value, ast.Name)
+
+
+def _keep_metadata_reads_in_place(dropped: list[ast.stmt], kept: list[ast.stmt]) -> None:
+    """Move dropped metadata reads (``orig_dtype = x.dtype``) that a kept statement reads into ``kept``.
+
+    vLLM's ``forward_native`` / OLMo's norms read the input dtype, then a kept statement (a residual
+    branch, a conditional cast) reads that name: the fused code would otherwise lack it. The moved
+    statement is itself checked by the caller like every kept one (it must not read a value a
+    dropped statement wrote before it), so this is exact or refused, never wrong. Kept sorted."""
+    changed = True
+    while changed:
+        changed = False
+        wanted: set[str] = set().union(*(names_read(s) for s in kept)) if kept else set()
+        for d in list(dropped):
+            if not _is_metadata_read(d):
+                continue
+            # also when a kept statement reassigns the tensor read after the read: the fused code
+            # then needs the name (the tensor's name holds another value where it runs)
+            src = d.value.value.id  # type: ignore[attr-defined]
+            if names_written(d) & wanted or any(s.lineno > d.lineno and src in names_written(s) for s in kept):
+                dropped.remove(d)
+                kept.append(d)
+                changed = True
+    kept.sort(key=lambda s: s.lineno)
+
+
+def _version_suffix(name: str, ctx: Ctx) -> str:
+    """Which assignment of an unfollowed name reaches ``ctx``: none (a parameter or global) or the
+    line of a conditional one. ``orig_dtype = x.dtype`` read above ``if residual is not None:
+    x = x + residual`` (vLLM's forward_native) names another tensor than ``x`` below that ``if``;
+    without this both were ``$x`` and a cast back to ``orig_dtype`` looked like a no-op."""
+    if ctx.depth > 0 and name in ctx.bind:
+        return ""
+    d = definition(ctx, name)
+    return "" if d is None else f"#{d[0].lineno}"
+
+
+def _reassigned_before_root(ctx: Ctx, name: str, plan: SpanPlan) -> bool:
+    """Is ``name`` (unassigned where ``ctx`` stands) assigned by a statement between ``ctx.line`` and
+    the span's root statement that the fused code does not drop (a kept one, or one before the span)?"""
+    root = plan.block[plan.end]
+    return any(ctx.line < stmt.lineno < root.lineno and not plan.is_dropped(stmt)
+               for stmt, _ in ctx.scope.assignments.get(name, []))

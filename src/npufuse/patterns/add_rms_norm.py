@@ -369,6 +369,15 @@ class _Site:
     # branch's statement and norm call; ``norm_stmt`` / ``nc`` are the if branch's)
     fork: ast.If | None = None
     fork_else: tuple[ast.stmt, ast.Call] | None = None
+    # s27: ``if use_mup: h = r + y * s else: h = r + y`` then the norm of ``h``: the ``if`` (``add``)
+    # and each branch's operands; the fused code binds the taken branch's operands, then adds once
+    branches: list[tuple[ast.expr, ast.expr]] | None = None
+    # s27: ``u = attn(norm(u)) + u; if <pure test>: u = u * mask; u = mlp(norm2(u)) + u``: the ``if``
+    # between the sum and its norm; the fused code runs where its test is false (else the original)
+    gap: ast.If | None = None
+    # s27: ``h = r + y; residual = h; h = h.to(<dtype>)`` then the norm of ``h``: the cast statement and
+    # its target dtype as code; npu_add_rms_norm runs only where the cast changes nothing
+    cast: tuple[ast.stmt, str] | None = None
 
     @property
     def last(self) -> ast.stmt:
@@ -545,7 +554,10 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     # (cut out of them, torchchat's multi-line residual operand gave code that did not parse)
     x1, x2 = (f"({t})" if "\n" in t else t for t in (S.source_of(module, site.x1), S.source_of(module, site.x2)))
     pre: list[str] = []
-    if not (_simple(site.x1) and _simple(site.x2)):
+    if site.branches is not None:
+        pre.append(_branch_operands(module, site))
+        x1, x2 = "_npu_x1", "_npu_x2"
+    elif not (_simple(site.x1) and _simple(site.x2)):
         # evaluate the operands once, in the original order, for the dtype check and both paths
         pre.append(f"_npu_x1, _npu_x2 = {x1}, {x2}")
         x1, x2 = "_npu_x1", "_npu_x2"
@@ -564,6 +576,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     ones = f"{T}.ones({x1}.shape[-1], dtype={x1}.dtype, device={x1}.device)"
     if site.wrapper is not None:
         conditions.append(S.source_of(module, site.wrapper.test))
+    if site.gap is not None:
+        conditions.append(f"not ({S.source_of(module, site.gap.test)})")
     conditions += site.nc.conditions
     if m.kind == "rms":
         assert m.match is not None
@@ -633,6 +647,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     # norm class defined elsewhere, the module itself)
     train: list[str] = [f"{s_name} = {x1} + {x2}"]
     train += [S.stmt_source(module, a) for a in site.aliases]
+    if site.cast is not None:
+        train.append(S.stmt_source(module, site.cast[0]))
     train += norm_pre
     if train_norm:
         train.append(site.splice_norm(module, lambda call: [(call, train_norm)]))
@@ -648,6 +664,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     infer.append(site.splice_norm(module, lambda call: [(call, y)]))
     body = list(pre)
     mixed = f"{x1}.dtype != {x2}.dtype"
+    if site.cast is not None:
+        mixed += f" or {site.cast[1]} != {x1}.dtype"  # the cast would change the sum: add, cast, then the norm
     if out_code == "_npu_dtype":
         # T5: a weight that is not half keeps the whole norm in fp32; npu_add_rms_norm (gamma cast to
         # x1's dtype) would compute it at x1's precision, so that case takes the npu_rms_norm path
@@ -755,7 +773,7 @@ def _optional_residual_results(module: ModuleInfo, scope: Scope) -> Iterable[Res
         block, i = idx.block[id(stmt)]
         nxt = _after_aliases(o, block, i)
         for sr in results:
-            if sr.finding is None or sr.match is None or nxt is None or sr.finding.line != nxt.lineno:
+            if sr.finding is None or sr.match is None or nxt is None or not _starts_at(sr, nxt, stmt):
                 continue
             if not (isinstance(sr.match.core.x, ast.Name) and sr.match.core.x.id in o.names):
                 continue
@@ -777,7 +795,10 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     done = S.already_fused(module, scope, o.test)
     if done:
         return done
-    plan = S.plan_span(scope, sr.stmt, m.trace)
+    before = _reads_before(scope, o, sr)
+    if isinstance(before, str):
+        return before
+    plan = S.plan_span(scope, sr.stmt, _trace_after(m.trace, o.test))
     if isinstance(plan, str):
         return plan
     try:
@@ -812,6 +833,8 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         # as the norm's own output or through the cast statement right after it
         # (lmdeploy: ``x = weight.float() * x`` then ``x = x.to(input_dtype)``)
         final = p.out_dtype
+        if final == "_npu_dtype":  # the plan names the output dtype in a statement of its own
+            final = next((ln.split(" = ", 1)[1] for ln in p.pre if ln.startswith("_npu_dtype = ")), final)
         cast = _cast_after(module, scope, sr.stmt, o.test.lineno)
         if cast is not None:
             after, final = [cast[0]], cast[1]
@@ -821,8 +844,14 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     infer += [S.stmt_source(module, a) for a in o.aliases + o.after]
     infer += [S.stmt_source(module, k) for k in plan.kept]
     infer.append(S.splice(module, sr.stmt, [(m.node, y)]))
-    other = [S.stmt_source(module, o.test), *(S.stmt_source(module, a) for a in o.after), f.fused] + [S.stmt_source(module, a) for a in after]
-    body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(infer)), "else:",
+    if before:
+        # the rms_norm candidate starts at a dtype read above the ``if`` (kept in place): its fused
+        # code holds the ``if`` too; the read runs first here as well (the condition may use it)
+        other = [f.fused] + [S.stmt_source(module, a) for a in after]
+    else:
+        other = [S.stmt_source(module, o.test), *(S.stmt_source(module, a) for a in o.after), f.fused] + [S.stmt_source(module, a) for a in after]
+    body = [*(S.stmt_source(module, b) for b in before),
+            f"if {' and '.join(conditions)}:", S.indent("\n".join(infer)), "else:",
             "    # training, no residual or mixed dtypes: the add as written, then the fused norm",
             S.indent("\n".join(other))]
     params = {k: v for k, v in p.params.items() if k != "input"}
@@ -832,7 +861,7 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
     return Finding(
         pattern="add_rms_norm",
         qualname=scope.qualname,
-        line=o.test.lineno,
+        line=before[0].lineno if before else o.test.lineno,
         end_line=end_line,
         params=params,
         fused="\n".join(body),
@@ -913,7 +942,8 @@ class AddRmsNorm(Pattern):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name:
             return
-        for stmt, site in _sites(module, scope):
+        for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
+                           *_gap_sites(module, scope), *_cast_stmt_sites(module, scope)]:
             first = site.add if isinstance(site, _Site) else stmt
             if isinstance(site, str):
                 yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
@@ -2338,4 +2368,486 @@ AddRmsNorm.FUSE += [
         expect={"variant": "optional_residual", "x1": "x", "x2": "residual", "residual_aliases": ["residual"]},
         name="optional_residual_added_in_place",
     ),
+]
+
+
+# --- s27 norms: a residual sum assigned in both branches of an if ---
+
+
+def _branch_sum(module: ModuleInfo, stmt: ast.stmt) -> tuple[str, list[tuple[ast.expr, ast.expr]]] | str | None:
+    """``if <test>: s = a1 + b1 else: s = a2 + b2`` (one statement per branch, the same name, each a
+    residual add; ``elif`` chains too): (the name, each branch's operands); a reason when a branch's
+    add is one npu_add_rms_norm cannot take; None for any other statement.
+
+    Whichever branch runs, the norm reads ``x1 + x2`` of that branch: the fused code runs the same
+    ``if`` binding only the operands (evaluated in the original order), then adds once."""
+    if not isinstance(stmt, ast.If):
+        return None
+    ops: list[tuple[ast.expr, ast.expr]] = []
+    name: str | None = None
+    cur: ast.If = stmt
+    while True:
+        for body in ([cur.body] if cur.orelse and len(cur.orelse) == 1 and isinstance(cur.orelse[0], ast.If) else [cur.body, cur.orelse]):
+            if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1 \
+                    or not isinstance(body[0].targets[0], ast.Name):
+                return None
+            if name is not None and body[0].targets[0].id != name:
+                return None
+            name = body[0].targets[0].id
+            o = _operands(module, body[0].value)
+            if o is None:
+                return None
+            if isinstance(o, str):
+                return o
+            ops.append(o)
+        if cur.orelse and len(cur.orelse) == 1 and isinstance(cur.orelse[0], ast.If):
+            cur = cur.orelse[0]
+            continue
+        break
+    if name is None or len(ops) < 2:
+        return None
+    # an operand reading the sum's own name reads its value from before the if: fine in both codes
+    return name, ops
+
+
+def _branch_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """Norm calls on a sum each branch of an ``if`` assigns (see :func:`_branch_sum`)."""
+    if "else" not in S.scope_text(module, scope):
+        return
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        found = _branch_sum(module, stmt)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            continue  # a scaled torch.add in a branch: no single x1 + x2 there
+        s_name = found[0]
+        block, i = idx.block[id(stmt)]
+        j = i + 1
+        aliases: list[ast.stmt] = []
+        while j < len(block) and _is_alias(block[j], s_name):
+            aliases.append(block[j])
+            j += 1
+        if j >= len(block):
+            continue
+        nstmt, wrapper = _norm_stmt(block[j])
+        if not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+            continue
+        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+                nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
+                if nc is None:
+                    continue
+                ops = found[1]  # type: ignore[index]
+                yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0][0], ops[0][1], s_name, wrapper, branches=ops)
+                break
+
+
+def _branch_operands(module: ModuleInfo, site: _Site) -> str:
+    """The site's ``if`` with each branch binding its operands to ``_npu_x1, _npu_x2`` (the
+    tests and operands verbatim, evaluated in the original order)."""
+    assert site.branches is not None and isinstance(site.add, ast.If)
+
+    def operands(x1: ast.expr, x2: ast.expr) -> str:
+        a, b = (f"({t})" if "\n" in t else t for t in (S.source_of(module, x1), S.source_of(module, x2)))
+        return f"_npu_x1, _npu_x2 = {a}, {b}"
+
+    out: list[str] = []
+    cur: ast.If = site.add
+    head = "if"
+    for k, (x1, x2) in enumerate(site.branches):
+        if k == len(site.branches) - 1:
+            out.append("else:")
+        else:
+            out.append(f"{head} {S.source_of(module, cur.test)}:")
+        out.append(S.indent(operands(x1, x2)))
+        if _chain_continues(cur):
+            cur, head = cur.orelse[0], "elif"  # type: ignore[assignment]
+    return "\n".join(out)
+
+
+def _chain_continues(cur: ast.If) -> bool:
+    """Is ``cur``'s else an ``elif`` (one ``if`` alone in the else block, as :func:`_branch_sum` reads it)?"""
+    return bool(cur.orelse) and len(cur.orelse) == 1 and isinstance(cur.orelse[0], ast.If)
+
+
+def _cast_sum_misses(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, str]]:
+    """``h = r + y`` then ``self.norm(h.float())``: a residual sum cast before its RMS norm. A near
+    miss with its reason (it was silent): npu_add_rms_norm normalizes the sum in x1's dtype and
+    returns that dtype, where the original normalizes the cast sum and returns the cast dtype
+    (an fp32 output would come back rounded to bf16/fp16)."""
+    text = S.scope_text(module, scope)
+    if not any(w in text for w in (".float(", ".to(", ".half(", ".bfloat16(", ".type(", ".double(", ".type_as(")):
+        return  # no cast anywhere in the scope: nothing to look at
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        ops = _operands(module, stmt.value)
+        if ops is None or isinstance(ops, str):
+            continue
+        s_name = stmt.targets[0].id
+        block, i = idx.block[id(stmt)]
+        j = i + 1
+        while j < len(block) and _is_alias(block[j], s_name):
+            j += 1
+        if j >= len(block):
+            continue
+        nstmt, _ = _norm_stmt(block[j])
+        if not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+            continue
+        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+            if not (isinstance(node, ast.Call) and len(node.args) == 1 and S.is_cast(node.args[0])):
+                continue
+            cast = node.args[0]
+            if not (isinstance(cast.func.value, ast.Name) and cast.func.value.id == s_name):  # type: ignore[attr-defined]
+                continue
+            target = S.cast_dtype(module, cast, S.Ctx(scope, nstmt.lineno))  # type: ignore[arg-type]
+            if target is None or target[0] == "same":
+                continue  # ``.to(device)`` / ``.contiguous()``: no dtype change
+            # the same call on the sum itself: is it an RMS norm?
+            plain = ast.copy_location(ast.Call(node.func, [ast.copy_location(ast.Name(s_name, ast.Load()), cast)], []), node)
+            nc = _norm_call(module, scope, plain, S.Ctx(scope, nstmt.lineno))
+            if nc is None or nc.kind == "not_rms":
+                continue
+            yield nstmt, (f"the residual sum is cast (`{S.source_of(module, cast)}`) before the norm: npu_add_rms_norm "
+                          "normalizes the sum in x1's dtype and returns that dtype, the original normalizes the cast sum "
+                          "(npufuse fuses the norm alone where its code is found)")
+            break
+
+
+_BRANCH_SUM = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, use_mup=False, scale=1.0):
+        super().__init__()
+        self.use_mup = use_mup
+        self.scale = scale
+        self.attn = nn.Linear(dim, dim)
+        self.norm = RMSNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, r):
+        y = self.attn(r)
+        if self.use_mup:
+            h = r + y * self.scale
+        else:
+            h = r + y
+        out = self.mlp(self.norm(h))
+        return h + out
+'''
+
+_BRANCH_SUM_RUN = ("blocks = [Block(16, use_mup=True, scale=0.5){cast}, Block(16){cast}]\n"
+                   "with torch.no_grad():\n    x = torch.randn(2, 3, 16{dtype})\n    out = tuple(b(x) for b in blocks)\n")
+
+AddRmsNorm.FUSE += [
+    # s27: the residual sum assigned in both branches of a flag (muP scaling): the fused code runs
+    # the same if binding only the taken branch's operands, then one npu_add_rms_norm
+    Fuse(_BRANCH_SUM, expect={"variant": "residual_then_norm", "sum": "h", "x1": "r", "x2": "y * self.scale", "line": 30, "end_line": 34},
+         run=_BRANCH_SUM_RUN.format(cast="", dtype=""), name="branch_sum_flag_fp32"),
+    Fuse(_BRANCH_SUM, expect={"norm": "self.norm"}, run=_BRANCH_SUM_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="branch_sum_flag_bf16"),
+    Fuse(_BRANCH_SUM.replace("        else:\n            h = r + y\n",
+                             "        elif self.scale > 1:\n            h = y + r\n        else:\n            h = r + y\n"),
+         expect={"sum": "h", "line": 30, "end_line": 36},
+         run="blocks = [Block(16, use_mup=True), Block(16, scale=2.0), Block(16)]\nwith torch.no_grad():\n"
+             "    x = torch.randn(2, 3, 16)\n    out = tuple(b(x) for b in blocks)\n",
+         name="branch_sum_elif_chain"),
+]
+
+AddRmsNorm.KEEP += [
+    # no else: on the flag's false path ``h`` is whatever it was before (not a sum the norm reads)
+    Keep(_BRANCH_SUM.replace("        else:\n            h = r + y\n", ""), name="branch_sum_without_else"),
+    # a cast between the add and the norm: npu_add_rms_norm would normalize (and return) the sum's dtype
+    Keep(_BRANCH_SUM.replace("        if self.use_mup:\n            h = r + y * self.scale\n        else:\n            h = r + y\n",
+                             "        h = r + y\n").replace("self.norm(h)", "self.norm(h.float())"),
+         reason="the residual sum is cast (`h.float()`) before the norm", name="cast_between_sum_and_norm"),
+]
+
+
+# --- s27 norms: an optional residual below a kept dtype read ---
+
+
+def _starts_at(sr: R.SiteResult, nxt: ast.stmt, test: ast.If) -> bool:
+    """Does the rms_norm candidate start right after the optional-residual ``if`` (its aliases), or
+    at a dtype read above the ``if`` that its span keeps in place (vLLM/lmdeploy's ``input_dtype =
+    x.dtype`` first)?"""
+    assert sr.finding is not None
+    if sr.finding.line == nxt.lineno:
+        return True
+    return sr.finding.line < test.lineno and sr.stmt.lineno >= nxt.lineno
+
+
+def _reads_before(scope: Scope, o: _OptionalResidual, sr: R.SiteResult) -> list[ast.stmt] | str:
+    """The statements of the candidate's span above the ``if``: only dtype/shape reads, which run
+    verbatim before the fused code (re-running one is exact: it reads a value nothing changed)."""
+    assert sr.finding is not None
+    if sr.finding.line >= o.test.lineno:
+        return []
+    block, i = S.stmt_index(scope).block[id(o.test)]
+    out = [s for s in block[:i] if s.lineno >= sr.finding.line]
+    if not all(S._is_metadata_read(s) for s in out):
+        return "the norm's span starts above the residual `if` with a computation npufuse would run twice"
+    return out
+
+
+def _trace_after(trace: S.Trace, test: ast.If) -> S.Trace:
+    """``trace`` without the statements above the residual ``if`` (they run before the fused code)."""
+    out = trace.copy()
+    out.stmts = {k: s for k, s in out.stmts.items() if s.lineno > (test.end_lineno or test.lineno)}
+    return out
+
+
+# --- s27 norms: a conditional statement between the sum and its norm ---
+
+_PURE_CALLS = ("type", "isinstance", "len")
+
+
+def _pure_test(test: ast.expr) -> bool:
+    """A test without effects that may run earlier than written: names, attributes, comparisons,
+    constants and ``type()`` / ``isinstance()`` / ``len()``."""
+    for n in ast.walk(test):
+        if isinstance(n, ast.Call):
+            if not (isinstance(n.func, ast.Name) and n.func.id in _PURE_CALLS and not n.keywords):
+                return False
+        elif not isinstance(n, (*_PURE_TEST, ast.Call, ast.Tuple, ast.expr_context)):
+            return False
+    return True
+
+
+def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """A residual sum, an ``if <pure test>:`` without ``else`` (its body may change the sum, e.g. a
+    padding mask), then the norm of the sum: fused where the test is false, where the ``if`` does
+    nothing; the original statements run otherwise. The test runs before the add in the fused code,
+    so it must not read the sum, its aliases or anything the add or the ``if`` assigns."""
+    if "if " not in S.scope_text(module, scope):
+        return
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        ops = _operands(module, stmt.value)
+        if ops is None or isinstance(ops, str):
+            continue
+        s_name = stmt.targets[0].id
+        block, i = idx.block[id(stmt)]
+        j = i + 1
+        aliases: list[ast.stmt] = []
+        while j < len(block) and _is_alias(block[j], s_name):
+            aliases.append(block[j])
+            j += 1
+        if j + 1 >= len(block):
+            continue
+        gap = block[j]
+        if not (isinstance(gap, ast.If) and not gap.orelse and _pure_test(gap.test)):
+            continue
+        written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
+        if S.names_read(gap.test) & written:
+            continue
+        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name) for n in fast_walk(gap)):
+            continue  # the if's body normalises the sum itself: that is the site (a wrapper), one per add
+        nstmt, wrapper = _norm_stmt(block[j + 1])
+        if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+            continue
+        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+                nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
+                if nc is None:
+                    continue
+                if nc.kind == "not_rms":
+                    yield nstmt, nc.reason
+                else:
+                    yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap)
+                break
+
+
+_GAP_IF = '''
+import torch
+from torch import nn
+
+
+class PlainNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.pre_norm = PlainNorm(d)
+        self.post_norm = PlainNorm(d)
+        self.mix = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, u, padding_mask=None):
+        u = self.mix(self.pre_norm(u)) + u
+        if type(padding_mask) == torch.Tensor:
+            u = u * padding_mask[..., None]
+        u = self.mlp(self.post_norm(u)) + u
+        return u
+'''
+
+AddRmsNorm.FUSE += [
+    # s27: an if between the sum and its norm (a padding mask): fused where its test is false
+    Fuse(_GAP_IF, expect={"condition": "not (type(padding_mask) == torch.Tensor)", "sum": "u", "norm": "self.post_norm",
+                          "line": 28, "end_line": 31},
+         run=("b = Block(16)\nwith torch.no_grad():\n    x = torch.randn(2, 3, 16)\n"
+              "    out = (b(x), b(x, (torch.rand(2, 3) > 0.5).float()))\n"),
+         name="gap_if_between_sum_and_norm"),
+]
+
+AddRmsNorm.KEEP += [
+    # the test reads the sum: it cannot run before the add
+    Keep(_GAP_IF.replace("if type(padding_mask) == torch.Tensor:", "if u.dtype == torch.float16:"), name="gap_if_reading_the_sum"),
+]
+
+
+# --- s27 norms: a cast statement between the sum and its norm ---
+
+_CAST_METHOD_TARGET = {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}
+
+
+def _cast_target_code(module: ModuleInfo, value: ast.expr, name: str) -> str | None:
+    """The dtype ``<name>.float()`` / ``.to(<dotted dtype>)`` / ``.type_as(<dotted>)`` casts to, as code
+    that reads no intermediate (a torch dtype or a dotted ``self.`` attribute's dtype); None otherwise."""
+    T = S.torch_name(module) or "torch"
+    if not (S.is_cast(value) and isinstance(value.func.value, ast.Name) and value.func.value.id == name):  # type: ignore[attr-defined]
+        return None
+    attr, args = value.func.attr, value.args  # type: ignore[attr-defined]
+    if value.keywords:  # type: ignore[attr-defined]
+        return None
+    if attr in _CAST_METHOD_TARGET and not args:
+        return f"{T}.{_CAST_METHOD_TARGET[attr]}"
+    if len(args) != 1:
+        return None
+    d = dotted(args[0])
+    if d is None or not (d.startswith("self.") or d.startswith(f"{T}.")):
+        return None
+    if attr == "to":
+        return d if d.startswith(f"{T}.") or d.endswith(".dtype") else None
+    if attr == "type_as":
+        return f"{d}.dtype" if d.startswith("self.") else None
+    return None
+
+
+def _cast_stmt_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """A residual sum, its aliases, ``<sum> = <sum>.to(<dtype>)``, then the norm of the sum (lerobot's
+    ``hidden_states.to(self.post_attention_layernorm.weight.dtype)``): fused where x1, x2 and the target
+    share one dtype (the cast is then the identity); add, cast and the fused norm otherwise."""
+    text = S.scope_text(module, scope)
+    if not any(w in text for w in (".float()", ".to(", ".half()", ".bfloat16()", ".type_as(", ".double()")):
+        return
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        ops = _operands(module, stmt.value)
+        if ops is None or isinstance(ops, str):
+            continue
+        s_name = stmt.targets[0].id
+        block, i = idx.block[id(stmt)]
+        j = i + 1
+        aliases: list[ast.stmt] = []
+        while j < len(block) and _is_alias(block[j], s_name):
+            aliases.append(block[j])
+            j += 1
+        if j + 1 >= len(block):
+            continue
+        cast = block[j]
+        if not (isinstance(cast, ast.Assign) and len(cast.targets) == 1 and isinstance(cast.targets[0], ast.Name)
+                and cast.targets[0].id == s_name):
+            continue
+        target = _cast_target_code(module, cast.value, s_name)
+        if target is None:
+            continue
+        nstmt, wrapper = _norm_stmt(block[j + 1])
+        if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+            continue
+        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+                nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
+                if nc is None:
+                    continue
+                if nc.kind == "not_rms":
+                    yield nstmt, nc.reason
+                else:
+                    yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, cast=(cast, target))
+                break
+
+
+_CAST_STMT = '''
+import torch
+from torch import nn
+
+
+class PlainNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.post_attention_layernorm = PlainNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = hidden_states.to(self.post_attention_layernorm.weight.dtype)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states.to(self.mlp.weight.dtype))
+        return residual + hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    # s27: a cast statement between the sum and its norm: npu_add_rms_norm where the cast is the identity
+    Fuse(_CAST_STMT, expect={"sum": "hidden_states", "x1": "residual", "residual_aliases": ["residual"], "line": 30, "end_line": 33},
+         run=("a = Layer(16)\nb = Layer(16).to(torch.bfloat16)\nc = Layer(16)\nc.attn.to(torch.bfloat16)\n"
+              "with torch.no_grad():\n    x = torch.randn(2, 3, 16)\n"
+              "    out = (a(x), b(x.to(torch.bfloat16)), c(x.to(torch.bfloat16)))\n"),
+         name="cast_stmt_between_sum_and_norm"),
+]
+
+AddRmsNorm.KEEP += [
+    # the target dtype is read from a local tensor, not a fixed dtype or a parameter: not fused
+    Keep(_CAST_STMT.replace("hidden_states.to(self.post_attention_layernorm.weight.dtype)\n        hidden_states = self.post",
+                            "hidden_states.to(residual.dtype)\n        hidden_states = self.post"),
+         name="cast_stmt_to_a_local_dtype"),
 ]

@@ -775,8 +775,8 @@ def _through_control_flow(module: ModuleInfo, value: ast.expr, vctx: S.Ctx, node
         except Miss as e:
             if e.reason.startswith("mean subtracted"):
                 return e  # a LayerNorm on that path (an optional affine after it): that is the reason
-            return Miss("control flow between the norm and its result (a branch assigns it)", e.rstd)
-        return Miss("control flow between the norm and its result (a branch assigns it)", core.rstd)
+            return _control_flow_miss(module, ctx, cond, c, e)
+        return _control_flow_miss(module, ctx, cond, c, Miss("", core.rstd))
     return NoMatch()
 
 
@@ -910,7 +910,13 @@ class _DtypeRender:
         if k == "fixed":
             return d[1].replace("torch.", f"{self.T}.", 1)
         if k == "like":
-            return f"{S.render(self.module, d[1], d[2], self.plan)}.dtype"
+            kept = _kept_metadata_name(self.plan, d[1], d[2])
+            if kept is not None:
+                return kept
+            try:
+                return f"{S.render(self.module, d[1], d[2], self.plan)}.dtype"
+            except S.RenderError as e:
+                raise Miss(f"cannot express the output dtype at the site: {e}") from None
         if k == "expr":
             return S.render(self.module, d[1], d[2], self.plan)
         if k == "promote":
@@ -928,7 +934,13 @@ class _DtypeRender:
         if k == "fixed":
             return d[1].replace("torch.", "")
         if k == "like":
-            src = S.render(self.module, d[1], d[2], self.plan)
+            kept = _kept_metadata_name(self.plan, d[1], d[2])
+            if kept is not None:
+                return kept
+            try:
+                src = S.render(self.module, d[1], d[2], self.plan)
+            except S.RenderError as e:
+                raise Miss(f"cannot express the output dtype at the site: {e}") from None
             return "weight" if src == self.w else f"dtype of {src}"
         if k == "expr":
             return S.render(self.module, d[1], d[2], self.plan)
@@ -3323,9 +3335,10 @@ RmsNorm.FUSE += [
 
 RmsNorm.KEEP += [
     Keep(
-        # the norm of an inline input inside a larger statement: binding the input first would reorder evaluation
+        # the norm of an inline input inside a larger statement: binding the input first would reorder
+        # evaluation, and inside a comprehension it cannot be bound where it stands (s27: elsewhere it is)
         _HF_NORM_IMPORTED.split("class Down")[0].replace("class Patchify", "class Unused").replace(
-            "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1))\n"),
+            "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = [self.norm(t.permute(0, 2, 3, 1)) for t in e.chunk(2)]\n"),
         reason="inline expression inside a larger statement",
         name="transformers_norm_of_an_inline_input_inside_a_sum",
     ),
@@ -4468,4 +4481,205 @@ RmsNorm.FUSE += [
              "out = (m(x), m(x.to(torch.bfloat16)), other(x))\n"),
         name="probe_dim_attribute_guarded_at_run_time",
     ),
+]
+
+
+# --- s27 norms: a dtype read kept in place ---
+
+
+def _kept_metadata_name(plan: S.SpanPlan | None, node: ast.expr, ctx: S.Ctx) -> str | None:
+    """The name an ``orig_dtype = x.dtype`` statement binds, when ``node`` (a ``like`` dtype's tensor)
+    is that statement's ``x`` read where it stands and the statement still runs before the fused code
+    (kept in the span, or before it) with the name unchanged up to the root: the fused code reads
+    ``orig_dtype``, which holds the dtype of ``x`` from before the statements that reassigned ``x``
+    (vLLM's forward_native casts to fp32 and adds the residual in between)."""
+    if plan is None or not isinstance(node, ast.Name) or ctx.depth != 0:
+        return None
+    s = S.stmt_index(ctx.scope).by_line.get(ctx.line)
+    if s is None or plan.is_dropped(s) or not (S._is_metadata_read(s) and isinstance(s, ast.Assign)):
+        return None
+    value = s.value
+    if not (isinstance(value, ast.Attribute) and value.attr == "dtype" and isinstance(value.value, ast.Name)
+            and value.value.id == node.id):
+        return None
+    target = s.targets[0].id  # type: ignore[attr-defined]
+    if S._reassigned_before_root(ctx.at(s.lineno), target, plan):
+        return None
+    return target
+
+
+# the dtype read kept in place (s27): a kept statement (a residual branch) reads ``orig_dtype``
+_DTYPE_READ_KEPT = '''
+import torch
+from torch import nn
+
+
+class ResidualRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward_native(self, x, residual=None):
+        orig_dtype = x.dtype
+        x = x.to(torch.float32)
+        if residual is not None:
+            x = x + residual.to(torch.float32)
+            residual = x.to(orig_dtype)
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        x = x.to(orig_dtype) * self.weight
+        if residual is None:
+            return x
+        return x, residual
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _DTYPE_READ_KEPT,
+        expect={"variant": "no_upcast", "weight": "self.weight", "eps": "self.variance_epsilon",
+                "output_dtype": "promote(orig_dtype, weight)", "line": 13, "end_line": 20},
+        run=("m = ResidualRMSNorm(32).to(torch.bfloat16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+             "x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\n"
+             "r = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = (*m.forward_native(x, r), m.forward_native(x))\nleaves = [x, r, m.weight]\n"),
+        name="dtype_read_kept_for_a_residual_branch",
+    ),
+]
+
+
+# --- s27 norms: the decisive reason before "control flow" ---
+
+_DIM_REASON = re.compile(r"^mean over dim ")
+
+
+def _control_flow_miss(module: ModuleInfo, ctx: S.Ctx, cond: ast.stmt, path_ctx: S.Ctx, found: Miss) -> Miss:
+    """The near miss of a norm whose result a branch assigns. Reasons that no rewrite of the control
+    flow would overturn come first (census s27: diffusers' and MindSpeed's norms sit in the fallback
+    of a torch_npu branch; DC-AE's and TurboVAED's normalise over dim 1): an existing torch_npu branch
+    around the path's statement or beside it in the same ``if``, then a mean over another dim."""
+    idx = S.stmt_index(ctx.scope)
+    where = idx.by_line.get(path_ctx.line) or cond
+    done = S.already_fused(module, ctx.scope, where) or _npu_call_in_sibling_branch(module, idx, where)
+    if done:
+        return Miss(done, found.rstd)
+    if _DIM_REASON.match(found.reason):
+        return found
+    return Miss("control flow between the norm and its result (a branch assigns it)", found.rstd)
+
+
+def _npu_call_in_sibling_branch(module: ModuleInfo, idx: S.StmtIndex, stmt: ast.stmt) -> str | None:
+    """``if <flag>: x = torch_npu.npu_rms_norm(...) else: <the hand-written norm>``: the other branch
+    of an ``if`` holding ``stmt`` already calls torch_npu (a flag test without "npu" in it)."""
+    child: ast.stmt = stmt
+    for anc in S.ancestors(idx, stmt):
+        if isinstance(anc, ast.If):
+            other = anc.body if S._contains(anc.orelse, child) or any(x is child for x in anc.orelse) else anc.orelse
+            for n in (n for b in other for n in fast_walk(b)):
+                if isinstance(n, ast.Call) and (module.call_name(n) or "").startswith("torch_npu."):
+                    return "already has a torch_npu branch"
+        child = anc
+    return None
+
+
+# s27: the decisive reason comes before "control flow" (own reproducers of the census classes)
+_FLAG_NPU_BRANCH = '''
+import torch
+import torch_npu
+from torch import nn
+
+
+class FlagNorm(nn.Module):
+    def __init__(self, dim, fused=True, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.fused = fused
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        if self.fused:
+            x = torch_npu.npu_rms_norm(x, self.weight.float(), epsilon=self.eps)[0]
+        else:
+            var = x.pow(2).mean(-1, keepdim=True)
+            x = x * torch.rsqrt(var + self.eps)
+            x = self.weight * x.to(dt)
+        return x.to(dt)
+'''
+
+_CHANNEL_OPTIONAL_WEIGHT = '''
+import torch
+from torch import nn
+
+
+class ChannelNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6, affine=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        var = x.float().pow(2).mean(1, keepdim=True)
+        x = x * torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            x = x.to(self.weight.dtype) * self.weight
+        else:
+            x = x.to(dt)
+        return x
+'''
+
+RmsNorm.KEEP += [
+    # the other branch of a flag (no "npu" in its test) already calls torch_npu: not "control flow"
+    Keep(_FLAG_NPU_BRANCH, reason="already has a torch_npu branch", name="s27_flag_chosen_npu_branch_beside_the_norm"),
+    # an optional weight assigned in branches of a channel-first norm: the dim is the reason
+    Keep(_CHANNEL_OPTIONAL_WEIGHT, reason="mean over dim 1, not the last dim", name="s27_channel_first_norm_with_optional_weight"),
+]
+
+
+# s27 (task B): OLMo-style dtype read before a conditional upcast; the read stays in place and the
+# output cast reads it (``x`` is another tensor by then)
+_DTYPE_READ_CONDITIONAL_CAST = '''
+import torch
+from torch import nn
+
+
+class PlainNorm(nn.Module):
+    def __init__(self, size, eps=1e-5, full_precision=True):
+        super().__init__()
+        self.eps = eps
+        self.full_precision = full_precision
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x):
+        og_dtype = x.dtype
+        if self.full_precision:
+            x = x.float()
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        x = x.to(og_dtype)
+        return x * self.weight
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        _DTYPE_READ_CONDITIONAL_CAST,
+        expect={"weight": "self.weight", "eps": "self.eps", "output_dtype": "promote(og_dtype, weight)", "line": 14, "end_line": 20},
+        run=("a = PlainNorm(32).to(torch.bfloat16)\nb = PlainNorm(32, full_precision=False)\nwith torch.no_grad():\n"
+             "    a.weight.normal_()\n    b.weight.normal_()\n"
+             "x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)\n"
+             "out = (a(x), b(x.float()), b(x))\nleaves = [x, a.weight, b.weight]\n"),
+        name="dtype_read_kept_before_a_conditional_upcast",
+    ),
+]
+
+
+# s27: a transformers norm of an inline input inside a larger statement, bound where it stands
+# (run end to end in tests/test_detect_s27_norms.py with the transformers stand-in)
+RmsNorm.FUSE += [
+    Fuse(_HF_NORM_IMPORTED.split("class Down")[0].replace(
+        "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1) * 2)\n"),
+        expect={"variant": "hf_norm_module", "module": "self.norm", "qualname": "Patchify.forward", "line": 15},
+        name="s27_transformers_norm_of_an_inline_input_bound_in_place"),
 ]
