@@ -4188,8 +4188,6 @@ class Norm(nn.Module):
 # text names a statistic and a root/norm, is EVALUATED on sampled inputs by
 # npufuse.scan.numeric_probe and compared with RMSNorm's reference; proven ones become findings.
 
-_PROBE_STAT = re.compile(r"\bmean\b|\bsum\b|(?<!self)\.norm\(|\bvector_norm\b|\bvar\(|\bnormalize\(")
-_PROBE_ROOT = re.compile(r"\brsqrt\b|\bsqrt\b|(?<!self)\.norm\(|\bvector_norm\b|\bpow\b|\bnormalize\(")
 _PROBE = True  # tests switch the fallback off to compare
 
 
@@ -4206,12 +4204,9 @@ def _probe_target(module: ModuleInfo, scope: Scope) -> tuple[ast.FunctionDef, as
             return None
     elif module.functions.get(fn.name) is not fn:
         return None
-    text = S.scope_text(module, scope)
-    # plain substring tests first (the regexes are the exact gate; most scopes fail these)
-    if not (("mean" in text or "sum" in text or "norm" in text or "var(" in text)
-            and ("sqrt" in text or "norm" in text or "pow" in text or "**" in text)):
-        return None
-    if not (_PROBE_STAT.search(text) and (_PROBE_ROOT.search(text) or _power_operator(text))):
+    from npufuse.scan import numeric_probe  # no torch: its gates read text and AST only
+
+    if not numeric_probe.probe_worthy(module, scope, fn):
         return None
     return fn, cls
 

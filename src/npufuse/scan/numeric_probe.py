@@ -882,8 +882,9 @@ def randomize(obj: Obj, gen: Any, dtype: Any = None) -> Obj:
 class RmsProof:
     """What :func:`prove_rms_norm` found. ``kind``: "proved" (the other fields say how to call
     npu_rms_norm), "mismatch" (it ran and computes a normalisation that is not RMSNorm;
-    ``reason`` says how it differs), "other" (it ran and is not a normalisation at all), or
-    "unknown" (the probe could not evaluate it; ``reason`` says why)."""
+    ``reason`` says how it differs), "other" (it ran and is not a normalisation at all),
+    "unknown" (the probe could not evaluate it; ``reason`` says why) or "deferred" (a pool
+    worker left it to the parent process: engine.defer_import)."""
 
     kind: str
     reason: str = ""
@@ -938,8 +939,12 @@ def prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | 
                 if reason is not None:
                     reason = f"__init__: {reason}"
                     break
+    if reason is None:
+        reason = structural_gate(module, fn, cls)
     if reason is not None:
         return RmsProof("unknown", reason)
+    if _deferred(module):
+        return RmsProof("deferred", "left to the parent process, which imports torch once for the scan")
     try:
         return _explore(module, fn, cls)
     except Unknown as e:
@@ -1264,3 +1269,91 @@ def _why_not_rms(r: _Run, cands: list[tuple[str | None, int]], gain: Callable[..
             if bool((spread < 1e-4).all()):
                 return "normalises over another dim than the last (the statistic is not per row of the last dim)"
     return "normalises, but the output is not x * rsqrt(mean(x^2, -1) + eps) * w for any 1-D weight of the scope"
+
+
+# --- s27 probe: scope gate, structural preconditions, deferral to the parent ------------------
+#
+# A probe that runs costs a torch import (2-3 s of CPU per process) before anything is known, so
+# everything that can turn a scope away is decided from its text and AST first, cheapest first:
+# (1) the scope words (the Pattern.SCOPE_WORDS mechanism, engine.scope_holds_words: aliases and
+# text outside ASCII as for every pattern), (2) a statistic and a root as code, not in a comment,
+# (3) static_gate (calls outside the allowlist), (4) structural_gate (arguments without a value,
+# a class the probe cannot build); then, in a pool worker, the file is left to the parent
+# (engine.defer_import) which imports torch once for the whole scan.
+
+#: one of these words and one of ROOT_WORDS must be in the scope's text
+STAT_WORDS = ("mean", "sum", "norm", "var")
+ROOT_WORDS = ("sqrt", "norm", "pow", "**")
+_STAT_NAMES = frozenset(("mean", "sum", "norm", "vector_norm", "var", "var_mean", "normalize"))
+_ROOT_NAMES = frozenset(("rsqrt", "sqrt", "norm", "vector_norm", "pow", "normalize"))
+
+
+def _called_names(module: ModuleInfo, fn: ast.FunctionDef) -> set[str]:
+    """Last segments of what ``fn`` names as code (attributes, names resolved through the
+    module's import aliases); ``self.norm`` is a submodule, not the statistic."""
+    out: set[str] = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Attribute):
+            if not (n.attr == "norm" and isinstance(n.value, ast.Name) and n.value.id == "self"):
+                out.add(n.attr)
+        elif isinstance(n, ast.Name):
+            target = module.aliases.get(n.id)
+            out.add(target.rsplit(".", 1)[-1] if target else n.id)
+        elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+            out.add("**")
+        elif isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Pow):
+            out.add("**")
+    return out
+
+
+def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
+    """Gates (1) and (2): the scope's text holds a statistic word and a root word, and its code
+    names a statistic (mean, sum, var, a norm) and a root (sqrt, rsqrt, pow, ``**``, a norm)."""
+    from npufuse.scan import engine
+
+    if not (engine.scope_holds_words(module, scope, STAT_WORDS) and engine.scope_holds_words(module, scope, ROOT_WORDS)):
+        return False
+    names = _called_names(module, fn)
+    return bool(names & _STAT_NAMES) and bool(names & (_ROOT_NAMES | {"**"}))
+
+
+def structural_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> str | None:
+    """Why a run would stop before computing anything, from the AST alone (the checks
+    :func:`_prove_rms_norm` and :func:`build_self` make once torch is imported), or None."""
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    is_method = cls is not None and not _is_static(fn)
+    if cls is not None and not is_method:
+        return "a static method"
+    if is_method:
+        if not params or params[0] != "self":
+            return "a method without self"
+        params = params[1:]
+    if not params:
+        return "no input argument"
+    n_required = len(params) - len(a.defaults)
+    if is_method and params[1:n_required]:
+        return f"argument `{params[1]}` has no default"
+    if any(d is None for d in a.kw_defaults):
+        return "a keyword-only argument has no default"
+    if is_method and cls is not None:
+        if not _plain_module_base(module, cls):
+            return "the class does not derive from nn.Module in this file"
+        init = next((f for f in _methods(module, cls) if f.name == "__init__"), None)
+        if init is not None:
+            ia = init.args
+            iparams = [*ia.posonlyargs, *ia.args][1:]
+            required = iparams[: len(iparams) - len(ia.defaults)] if ia.defaults else iparams
+            required = [*required, *(p for p, d in zip(ia.kwonlyargs, ia.kw_defaults) if d is None)]
+            for p in required:
+                ann = ast.unparse(p.annotation) if p.annotation is not None else ""
+                if ann and ann not in ("int", "Optional[int]", "int | None", "bool"):
+                    return f"constructor argument `{p.arg}: {ann}` has no default"
+    return None
+
+
+def _deferred(module: ModuleInfo) -> bool:
+    """In a pool worker without torch: leave this file to the parent (engine.defer_import)."""
+    from npufuse.scan import engine
+
+    return engine.defer_import(module, "torch")
