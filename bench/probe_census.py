@@ -81,6 +81,10 @@ def census(roots: list[tuple[Path, list[Path]]], show: int, sample_of: str | Non
     print("reasons (template: count)")
     for k, v in reasons.most_common(show):
         print(f"  {v:6d}  {k}")
+    print("reasons as written (top):")
+    raw = collections.Counter(r for k, v in samples.items() for r in (s.split("  (", 1)[1][:-1] for s in v if "  (" in s))
+    for k, v in raw.most_common(show):
+        print(f"  {v:6d}  {k[:150]}")
     print("proved:")
     for p in proved:
         print("  " + p)
@@ -92,7 +96,9 @@ def census(roots: list[tuple[Path, list[Path]]], show: int, sample_of: str | Non
                     print("  " + s)
 
 
-_STATIC = re.compile(r"^(?:__init__: )?(?:call of |call of method |\w+ in the function)")
+_STATIC = re.compile(r"^(?:__init__: )?(?:call of |call of method |\w+ in the function)|^(?:argument `[^`]*` has no default"
+                     r"|constructor argument|the class does not derive|a static method|a method without self|no input argument"
+                     r"|a keyword-only argument has no default)")
 
 
 def _static(reason: str) -> bool:

@@ -101,6 +101,7 @@ clamp clamp_min clamp_max clip maximum minimum max min amax amin where cat conca
 std var_mean std_mean reciprocal tanh sigmoid matmul einsum ones ones_like zeros zeros_like full
 full_like arange finfo promote_types is_tensor is_floating_point softmax erf cumsum prod
 unsqueeze squeeze reshape transpose permute flatten chunk split unbind rms_norm layer_norm empty
+mm bmm argmax argmin tensor linspace square_ float_power
 """.split())
 _INIT_FILLS = frozenset(("ones_", "zeros_", "normal_", "uniform_", "constant_", "trunc_normal_", "xavier_uniform_"))
 _TORCH_CONSTANT_FALSE = frozenset(("torch.is_autocast_enabled", "torch.jit.is_scripting", "torch.jit.is_tracing",
@@ -120,10 +121,12 @@ sub_ div div_ neg abs clamp clamp_ clamp_min clamp_max reshape view view_as flat
 squeeze transpose permute contiguous size dim numel norm var std chunk split unbind expand
 expand_as exp log sigmoid tanh max min amax amin reciprocal detach clone new_ones new_zeros
 softmax matmul t is_floating_point square_ pow_ rsqrt_ sqrt_ masked_fill eq ne gt lt ge le
+bool long int repeat repeat_interleave argmax argmin mm bmm float_power new_full new_empty
 """.split())
 _TENSOR_ATTRS = frozenset(("shape", "dtype", "ndim", "device", "T", "is_cuda", "requires_grad"))
 _BUILTINS = frozenset(("len", "int", "float", "min", "max", "tuple", "list", "isinstance", "range",
-                       "abs", "bool", "super", "getattr", "hasattr", "pow", "round", "sum"))
+                       "abs", "bool", "super", "getattr", "hasattr", "pow", "round", "sum",
+                       "enumerate", "zip", "reversed"))
 _CONTEXTS = frozenset(("torch.autocast", "torch.no_grad", "torch.amp.autocast", "torch.cuda.amp.autocast",
                        "torch.cpu.amp.autocast", "contextlib.nullcontext", "torch.inference_mode",
                        "torch.enable_grad"))
@@ -149,11 +152,11 @@ def _allowed_dotted(name: str) -> bool:
     if name.startswith("torch.nn.init."):
         return name[14:] in _INIT_FILLS
     if name.startswith("torch.nn.") and name.count(".") == 2:
-        return name[9:] in _NN_MODULES or name[9:] == "Parameter"
+        return name[9:] in _NN_MODULES or name[9:] in ("Parameter", "Buffer")
     if name.startswith("torch.") and name.count(".") == 1:
         return name[6:] in _TORCH_FUNCS or name[6:] in _DTYPES
     if name.startswith("math."):
-        return name[5:] in ("sqrt", "pi", "e", "log", "exp", "prod", "inf")
+        return name[5:] in ("sqrt", "pi", "e", "log", "exp", "prod", "inf", "floor", "ceil", "log2")
     return False
 
 
@@ -161,10 +164,9 @@ def static_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | Non
     """Why the probe surely cannot evaluate ``fn`` (a call outside the allowlist, a loop it does
     not run, ...), from the AST alone -- or None. Run before torch is imported."""
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} if cls is not None else set()
-    for node in ast.walk(fn):
+    for node in _code_nodes(fn):
         if isinstance(node, (ast.While, ast.Try, ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal,
-                             ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.ListComp, ast.GeneratorExp,
-                             ast.DictComp, ast.SetComp)):
+                             ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.SetComp)):
             return f"{type(node).__name__.lower()} in the function"
         if isinstance(node, ast.Raise) and node is not None:
             continue  # only an error path: a run that reaches it is Unknown
@@ -479,6 +481,8 @@ class Interpreter:
             return self._call(node, env)
         if isinstance(node, ast.JoinedStr):
             return ""
+        if isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.DictComp)):
+            return _comprehension(self, node, env)
         raise Unknown(f"expression {type(node).__name__}")
 
     def _index(self, node: ast.expr, env: dict[str, Any]) -> Any:
@@ -646,7 +650,7 @@ class Interpreter:
         kwargs.pop("device", None)
         if name.startswith("math."):
             return getattr(math, name[5:])(*args, **kwargs)
-        if name == "torch.nn.Parameter":
+        if name in ("torch.nn.Parameter", "torch.nn.Buffer"):
             v = args[0] if args else kwargs.get("data")
             if not isinstance(v, t.Tensor):
                 raise Unknown("a Parameter of a non-tensor")
@@ -731,6 +735,8 @@ class Interpreter:
             return r
         if name in ("float", "int", "bool") and args and isinstance(args[0], t.Tensor):
             raise Unknown(f"{name}() of a tensor")
+        if name in ("enumerate", "zip", "reversed"):
+            return _finite_iter(name, args, kwargs)
         fn = {"len": len, "int": int, "float": float, "min": min, "max": max, "tuple": tuple, "list": list,
               "abs": abs, "bool": bool, "pow": pow, "round": round, "sum": sum}[name]
         try:
@@ -1357,3 +1363,91 @@ def _deferred(module: ModuleInfo) -> bool:
     from npufuse.scan import engine
 
     return engine.defer_import(module, "torch")
+
+
+# --- s27 probe: reach (bail classes of the census) --------------------------------------------
+
+
+def _code_nodes(fn: ast.FunctionDef) -> Iterable[ast.AST]:
+    """The nodes a run of ``fn`` can evaluate: not its decorators (the rewrite goes inside the
+    body, whatever wraps the function), not annotations, not what an error path (``raise``)
+    builds -- a run that reaches a raise stops with Unknown anyway."""
+    stack: list[ast.AST] = [*fn.body, *fn.args.defaults, *(d for d in fn.args.kw_defaults if d is not None)]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.Raise):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            stack.extend(node.body)  # a nested def: refused when it runs (statement FunctionDef)
+            continue
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.arg) or (isinstance(node, ast.AnnAssign) and child is node.annotation):
+                continue
+            stack.append(child)
+
+
+def _finite_iter(name: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """enumerate / zip / reversed over sequences the probe already holds, as a list (capped)."""
+    t = torch_module()
+    if kwargs and set(kwargs) - {"start", "strict"}:
+        raise Unknown(f"{name}() with keyword arguments")
+    for a in args:
+        if not isinstance(a, (list, tuple, range, str)) and not isinstance(a, t.Tensor):
+            raise Unknown(f"{name}() of a {type(a).__name__}")
+        if len(a) > MAX_LOOP:
+            raise Unknown(f"{name}() of a long sequence")
+    seqs = [list(a.unbind(0)) if isinstance(a, t.Tensor) else list(a) for a in args]
+    if name == "enumerate":
+        if len(seqs) != 1:
+            raise Unknown("enumerate() of an unknown form")
+        start = kwargs.get("start", 0)
+        return list(enumerate(seqs[0], start))
+    if name == "zip":
+        return list(zip(*seqs))
+    if len(seqs) != 1:
+        raise Unknown("reversed() of an unknown form")
+    return list(reversed(seqs[0]))
+
+
+def _comprehension(it: Interpreter, node: ast.ListComp | ast.GeneratorExp | ast.DictComp, env: dict[str, Any]) -> Any:
+    """A list/dict comprehension or generator expression, evaluated at once in its own scope
+    (the code is pure: evaluating a generator eagerly changes nothing); at most MAX_LOOP items."""
+    inner = dict(env)
+    out: list[Any] = []
+    count = [0]
+
+    def gen(k: int) -> None:
+        if k == len(node.generators):
+            count[0] += 1
+            if count[0] > MAX_LOOP:
+                raise Unknown("a long comprehension")
+            if isinstance(node, ast.DictComp):
+                out.append((it.expr(node.key, inner), it.expr(node.value, inner)))
+            else:
+                out.append(it.expr(node.elt, inner))
+            return
+        g = node.generators[k]
+        if g.is_async:
+            raise Unknown("an async comprehension")
+        seq = it.expr(g.iter, inner)
+        t = it.torch
+        if isinstance(seq, t.Tensor):
+            if seq.dim() == 0 or seq.shape[0] > MAX_LOOP:
+                raise Unknown("a comprehension over a tensor")
+            items = list(seq.unbind(0))
+        elif isinstance(seq, (range, tuple, list, dict)):
+            items = list(seq)
+        else:
+            raise Unknown("a comprehension over an unknown iterable")
+        if len(items) > MAX_LOOP:
+            raise Unknown("a long comprehension")
+        for v in items:
+            it._assign(g.target, v, inner)
+            if all(it._test(c, inner) for c in g.ifs):
+                gen(k + 1)
+
+    gen(0)
+    if isinstance(node, ast.DictComp):
+        return dict(out)
+    return out
