@@ -29,12 +29,13 @@ def _template(reason: str) -> str:
     return re.sub(r"`[^`]*`", "`…`", re.sub(r"\d+", "N", reason))
 
 
-def census(roots: list[tuple[Path, list[Path]]], show: int, sample_of: str | None) -> None:
+def census(roots: list[tuple[Path, list[Path]]], show: int, sample_of: str | None, qual: str | None = None) -> None:
     from npufuse.patterns import rms_norm
     from npufuse.scan import numeric_probe, repo_facts
     from npufuse.scan.dataflow import ModuleInfo
 
     pattern = rms_norm.RmsNorm()
+    qual_re = re.compile(qual, re.I) if qual else None
     stages: collections.Counter[str] = collections.Counter()
     reasons: collections.Counter[str] = collections.Counter()
     samples: dict[str, list[str]] = collections.defaultdict(list)
@@ -62,6 +63,8 @@ def census(roots: list[tuple[Path, list[Path]]], show: int, sample_of: str | Non
             stats = module.__dict__.get("_npufuse_probe_stats", [])
             ran_torch = False
             for qual, kind, reason in stats:
+                if qual_re is not None and not qual_re.search(qual):
+                    continue
                 where = f"{root.name}/{rel}:{qual}"
                 stage = "static" if kind == "unknown" and getattr(reason, "startswith", None) and _static(reason) else "ran"
                 if stage == "ran":
@@ -111,13 +114,14 @@ def main() -> None:
     ap.add_argument("--repos", action="store_true", help="each sub-directory is a repository root")
     ap.add_argument("--show", type=int, default=40)
     ap.add_argument("--samples", default=None, help="print the scopes of the reason templates holding this text")
+    ap.add_argument("--qualname", default=None, help="count only scopes whose qualname matches this regex (case-insensitive), e.g. 'rms'")
     args = ap.parse_args()
     roots: list[tuple[Path, list[Path]]] = []
     for d in args.dirs:
         subs = sorted(p for p in d.iterdir() if p.is_dir()) if args.repos else [d]
         for r in subs:
             roots.append((r, sorted(r.rglob("*.py"))))
-    census(roots, args.show, args.samples)
+    census(roots, args.show, args.samples, args.qualname)
 
 
 if __name__ == "__main__":

@@ -204,3 +204,84 @@ def test_a_deferred_outcome_is_not_cached_and_is_marked(tmp_path, monkeypatch) -
     cache = type("C", (), {"put": lambda self, o: put.append(o)})()
     out = engine._analyze_and_store(tmp_path, "norm.py", [R.RmsNorm()], engine.ScanOptions(), cache)
     assert out.deferred and not out.hits and put == []
+
+
+# --- (B) reach: helpers imported from another file of the repo ----------------------------------
+
+_OPS = '''
+import torch
+
+FULL = True
+
+
+def mean_square(x, upcast=True):
+    if upcast{extra}:
+        x = x.float()
+    return (x * x).mean(-1, keepdim=True)
+'''
+_MODEL = '''
+import torch
+from torch import nn
+from .ops import mean_square
+
+
+class Norm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x.float() * torch.rsqrt(mean_square(x) + self.eps)
+        return self.weight * h.to(x.dtype)
+'''
+
+
+def _two_file_repo(root: Path, extra: str) -> Path:
+    from npufuse.scan import repo_facts
+
+    repo_facts.reset()
+    root = root / "repo"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "ops.py").write_text(_OPS.replace("{extra}", extra))
+    (root / "pkg" / "model.py").write_text(_MODEL)
+    return root
+
+
+def test_a_statistic_computed_by_a_helper_of_another_file_is_followed(tmp_path) -> None:
+    from npufuse.scan import repo_facts
+
+    root = _two_file_repo(tmp_path, "")
+    r = engine.scan_repo(root, only=["rms_norm"], jobs=1)
+    found = [c for c in r.candidates if c["file"] == "pkg/model.py"]
+    assert len(found) == 1 and found[0]["params"]["found_by"] == "numeric_probe"
+    assert found[0]["params"]["eps"] == "self.eps" and found[0]["params"]["weight"] == "self.weight"
+    assert "torch_npu.npu_rms_norm(x, _npu_gamma, epsilon=self.eps)" in found[0]["fused"]
+    assert found[0]["fused"].rstrip().endswith("return self.weight * h.to(x.dtype)")  # the original kept verbatim
+    # its outcome depends on ops.py: the per-file cache must not keep it
+    assert repo_facts.reads_other_files(root, "pkg/model.py")
+
+
+def test_a_helper_of_another_file_branching_on_its_global_is_refused(tmp_path) -> None:
+    root = _two_file_repo(tmp_path, " and FULL")
+    r = engine.scan_repo(root, only=["rms_norm"], jobs=1)
+    assert not [c for c in r.candidates if c["file"] == "pkg/model.py"]
+    from npufuse.scan import repo_facts
+
+    m = ModuleInfo.from_source("pkg/model.py", _MODEL)
+    repo_facts.attach_root(m, root)
+    cls = m.classes["Norm"]
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    proof = P.prove_rms_norm(m, fn, cls)
+    assert proof.kind == "unknown" and "branches on its global `FULL`" in proof.reason
+
+
+def test_a_name_that_is_not_imported_never_reads_other_files(tmp_path) -> None:
+    from npufuse.scan import repo_facts
+
+    root = _two_file_repo(tmp_path, "")
+    m = ModuleInfo.from_source("pkg/model.py", _MODEL.replace("from .ops import mean_square\n", ""))
+    repo_facts.attach_root(m, root)
+    assert P._repo_function(m, "mean_square") is None
+    assert not repo_facts.reads_other_files(root, "pkg/model.py")

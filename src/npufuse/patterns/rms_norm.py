@@ -4464,3 +4464,61 @@ RmsNorm.FUSE += [
         name="probe_dim_attribute_guarded_at_run_time",
     ),
 ]
+
+
+# --- s27 probe reach: a decorated forward (the decorator is not code the run evaluates), a
+# comprehension / generator expression and enumerate in the body, a raise on an error path (tests/test_detect_s27_probe.py counts the census before/after)
+_PROBE_S27_DECORATED_GENERATOR = '''
+import torch
+from torch import nn
+
+
+def kernel_hook(name, fallback=False):  # a registry decorator (a hub kernel, a compile hint): not evaluated
+    def wrap(fn):
+        fn.kernel_name = name
+        return fn
+    return wrap
+
+
+class ColumnNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"bad dim {dim}")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    @kernel_hook("rms", fallback=True)
+    def forward(self, x):
+        cols = [x[..., i] for i in range(x.shape[-1])]
+        total = sum(c * c for c in cols)
+        for k, c in enumerate(cols):
+            if k == 0:
+                total = total + 0.0 * c
+        return x * torch.rsqrt(total.unsqueeze(-1) / len(cols) + self.eps) * self.weight
+'''
+_PROBE_S27_K_COMPREHENSION_SUM = '''
+import torch
+from torch import nn
+
+
+class ColumnSumNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        cols = [x[..., i] for i in range(x.shape[-1])]
+        total = sum(c * c for c in cols)  # a sum of squares, not their mean: an L2 normalisation
+        return x * torch.rsqrt(total.unsqueeze(-1) + self.eps) * self.weight
+'''
+RmsNorm.FUSE += [
+    Fuse(_PROBE_S27_DECORATED_GENERATOR, expect={"found_by": "numeric_probe", "eps": "self.eps", "weight": "self.weight"},
+         run="m = ColumnNorm(16)\nx = torch.randn(2, 5, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)))",
+         name="s27_probe_decorated_forward_with_comprehensions"),
+]
+RmsNorm.KEEP += [
+    Keep(_PROBE_S27_K_COMPREHENSION_SUM, reason="numeric probe on sampled inputs: x is scaled per row, but not by rsqrt(mean(x^2, -1) + eps)",
+         name="s27_probe_comprehension_sum_of_squares"),
+]

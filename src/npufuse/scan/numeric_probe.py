@@ -62,6 +62,7 @@ class Func:
 
     node: ast.FunctionDef
     bound: Obj | None = None
+    module: Any = None  # the ModuleInfo of another file of the repo that defines it (None: this one)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Decision:
 
     test: ast.expr
     value: bool
+    foreign: bool = False  # taken inside a helper of another file: its names are not this scope's
 
 
 _torch: Any = None
@@ -179,6 +181,8 @@ def static_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | Non
             target = _canon(module, f)
             if target and _allowed_dotted(target):
                 continue
+            if _repo_function(module, f.id) is not None:
+                continue  # a function of another file of the repo: gated when it is resolved
             return f"call of `{f.id}`"
         if isinstance(f, ast.Attribute):
             base = f.value
@@ -502,6 +506,9 @@ class Interpreter:
         m = self.module
         if name in m.functions:
             return Func(m.functions[name])  # type: ignore[arg-type]
+        other = _repo_function(m, name)
+        if other is not None:
+            return Func(other[1], None, other[0])
         if name in m.aliases:
             return Dotted(m.aliases[name].replace("torch.nn.functional", "F"))
         if name in ("True", "False", "None"):
@@ -581,6 +588,8 @@ class Interpreter:
             if any(isinstance(a, Opaque) for a in (*args, *kwargs.values())):
                 raise Unknown("passes an unknown value to a helper")
             self.entered.append(fv.node)
+            if fv.module is not None:
+                return _call_foreign(self, fv, args, kwargs)
             return self.call_function(fv.node, args, kwargs, fv.bound)
         if isinstance(fv, tuple) and len(fv) == 3 and fv[0] == "register":
             if len(args) < 2 or not isinstance(args[0], str):
@@ -1138,7 +1147,7 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
             names = _free_names(d.test)
             src = ast.unparse(d.test)
             text = f"({src})" if d.value else f"not ({src})"
-            if names and names <= guardable | (set(module.aliases) | set(module.functions)) - assigned - {x_name} \
+            if not d.foreign and names and names <= guardable | (set(module.aliases) | set(module.functions)) - assigned - {x_name} \
                     and _only_self_reads(d.test):
                 if text not in guards:
                     if (f"not ({src})" if d.value else f"({src})") in guards:
@@ -1320,7 +1329,12 @@ def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
     if not (engine.scope_holds_words(module, scope, STAT_WORDS) and engine.scope_holds_words(module, scope, ROOT_WORDS)):
         return False
     names = _called_names(module, fn)
-    return bool(names & _STAT_NAMES) and bool(names & (_ROOT_NAMES | {"**"}))
+    if names & _STAT_NAMES and names & (_ROOT_NAMES | {"**"}):
+        return True
+    # the statistic or the root may be computed by a helper of this file or one imported from
+    # another file of the repo (the run follows both); the scope's words still name them
+    helpers = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    return bool(helpers & (set(module.functions) | _relative_imports(module))) and bool(names & (_STAT_NAMES | _ROOT_NAMES | {"**"}))
 
 
 def structural_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> str | None:
@@ -1451,3 +1465,85 @@ def _comprehension(it: Interpreter, node: ast.ListComp | ast.GeneratorExp | ast.
     if isinstance(node, ast.DictComp):
         return dict(out)
     return out
+
+
+# A helper imported from another file of the repository (``from .ops import rms_norm``) is
+# followed like a same-file one: found through repo_facts.definition (which marks the outcome as
+# depending on other files, so the per-file cache does not keep it), statically gated in its own
+# file, interpreted with that file's names. Its branches never become guards of this scope
+# (their names are the helper's); they are reported as sampled.
+_EXTERNAL_ROOTS = frozenset(("torch", "math", "numpy", "einops", "triton", "functools", "typing", "os", "sys",
+                             "transformers", "apex", "flash_attn", "xformers", "deepspeed", "megatron", "vllm"))
+_FOREIGN_DEPTH = [0]
+
+
+def _repo_function(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.FunctionDef] | None:
+    """(its file's ModuleInfo, its def) for a name this file imports from another file of the
+    repo that defines a plain function there whose code passes the static gate; else None."""
+    if name in module.functions or name in _BUILTINS or name in module.classes:
+        return None
+    target = module.aliases.get(name)
+    if target is not None and target.split(".")[0] in _EXTERNAL_ROOTS:
+        return None
+    if target is None and name not in _relative_imports(module):
+        return None  # not imported at all (a builtin, a local): asking other files would only cost
+    cache = module.__dict__.setdefault("_npufuse_probe_foreign", {})
+    if name in cache:
+        return cache[name]
+    cache[name] = None
+    if _FOREIGN_DEPTH[0] >= 2:
+        return None
+    from npufuse.scan import repo_facts
+
+    d = repo_facts.definition(module, name)
+    if d is None or not isinstance(d.node, ast.FunctionDef) or d.rel == module.path or d.node.decorator_list:
+        return None
+    root = repo_facts.repo_root(module)
+    text = repo_facts._repo_text(root, d.rel) if root is not None else None
+    if text is None:
+        return None
+    try:
+        other = ModuleInfo.from_source(d.rel, text, d.tree)
+    except Exception:
+        return None
+    repo_facts.attach_root(other, root)
+    _FOREIGN_DEPTH[0] += 1
+    try:
+        if static_gate(other, d.node, None) is not None:
+            return None
+    finally:
+        _FOREIGN_DEPTH[0] -= 1
+    cache[name] = (other, d.node)
+    return cache[name]
+
+
+def _call_foreign(it: Interpreter, fv: Func, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    saved, first = it.module, len(it.decisions)
+    it.module = fv.module
+    try:
+        out = it.call_function(fv.node, args, kwargs, fv.bound)
+    finally:
+        it.module = saved
+        for d in it.decisions[first:]:
+            d.foreign = True
+    # a branch on a global of that file (a flag another module may set) is an assumption no
+    # guard of this scope can check: refused; branches on the helper's arguments are sampled
+    a = fv.node.args
+    own = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)} | {n.id for n in ast.walk(fv.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for d in it.decisions[first:]:
+        for name in _free_names(d.test) - own - _BUILTINS:
+            target = fv.module.aliases.get(name)
+            if target is None or target.split(".")[0] not in _EXTERNAL_ROOTS:
+                raise Unknown(f"a helper of another file branches on its global `{name}`")
+    return out
+
+
+def _relative_imports(module: ModuleInfo) -> set[str]:
+    """Names bound by ``from .x import name`` statements of the file (ModuleInfo.aliases holds
+    only absolute imports)."""
+    got = module.__dict__.get("_npufuse_relative_imports")
+    if got is None:
+        got = {a.asname or a.name for n in ast.walk(module.tree) if isinstance(n, ast.ImportFrom) and n.level
+               for a in n.names if a.name != "*"}
+        module.__dict__["_npufuse_relative_imports"] = got
+    return got
