@@ -285,3 +285,36 @@ def test_a_name_that_is_not_imported_never_reads_other_files(tmp_path) -> None:
     repo_facts.attach_root(m, root)
     assert P._repo_function(m, "mean_square") is None
     assert not repo_facts.reads_other_files(root, "pkg/model.py")
+
+
+# --- an eps that depends on the input's dtype is caught by a small-input bf16 run -----------------
+
+_DTYPE_EPS = '''
+import torch
+from torch import nn
+
+
+class HalfEpsNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        eps = self.eps if x.dtype == torch.float32 else 1e-3
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * self.weight
+'''
+
+
+def test_an_eps_that_depends_on_the_dtype_is_not_proved() -> None:
+    m = ModuleInfo.from_source("m.py", _DTYPE_EPS)
+    cls = m.classes["HalfEpsNorm"]
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    proof = P.prove_rms_norm(m, fn, cls)
+    assert proof.kind == "mismatch" and "small bfloat16 inputs" in proof.reason
+    # the same code with one eps for every dtype is proved (the check is not a blanket refusal)
+    m2 = ModuleInfo.from_source("m.py", _DTYPE_EPS.replace("else 1e-3", "else self.eps"))
+    cls2 = m2.classes["HalfEpsNorm"]
+    fn2 = next(n for n in cls2.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    assert P.prove_rms_norm(m2, fn2, cls2).kind == "proved"
