@@ -318,3 +318,17 @@ def test_an_eps_that_depends_on_the_dtype_is_not_proved() -> None:
     cls2 = m2.classes["HalfEpsNorm"]
     fn2 = next(n for n in cls2.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
     assert P.prove_rms_norm(m2, fn2, cls2).kind == "proved"
+
+
+def test_a_name_imported_from_an_outside_package_never_reads_other_files(tmp_path) -> None:
+    from npufuse.scan import repo_facts
+
+    root = _two_file_repo(tmp_path, "")
+    m = ModuleInfo.from_source("pkg/model.py", _MODEL.replace("from .ops import mean_square", "from somelib.ops import mean_square"))
+    repo_facts.attach_root(m, root)
+    assert P._repo_function(m, "mean_square") is None
+    assert not repo_facts.reads_other_files(root, "pkg/model.py")
+    # the same import spelled absolutely from this repository's package is followed
+    m2 = ModuleInfo.from_source("pkg/model.py", _MODEL.replace("from .ops import mean_square", "from pkg.ops import mean_square"))
+    repo_facts.attach_root(m2, root)
+    assert P._repo_function(m2, "mean_square") is not None

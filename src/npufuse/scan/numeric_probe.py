@@ -1507,11 +1507,22 @@ def _repo_function(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.Funct
         return None
     from npufuse.scan import repo_facts
 
+    root = repo_facts.repo_root(module)
+    if root is None:
+        return None
+    if target is not None:
+        # an absolute import: only a package of this repository (asking about timm/numpy would mark
+        # the file as depending on other files and keep it out of the cache for nothing)
+        head = target.split(".")[0]
+        try:
+            if not ((root / head).is_dir() or (root / f"{head}.py").is_file()):
+                return None
+        except OSError:
+            return None
     d = repo_facts.definition(module, name)
     if d is None or not isinstance(d.node, ast.FunctionDef) or d.rel == module.path or d.node.decorator_list:
         return None
-    root = repo_facts.repo_root(module)
-    text = repo_facts._repo_text(root, d.rel) if root is not None else None
+    text = repo_facts._repo_text(root, d.rel)
     if text is None:
         return None
     try:
