@@ -4201,8 +4201,6 @@ class Norm(nn.Module):
 # text names a statistic and a root/norm, is EVALUATED on sampled inputs by
 # npufuse.scan.numeric_probe and compared with RMSNorm's reference; proven ones become findings.
 
-_PROBE_STAT = re.compile(r"\bmean\b|\bsum\b|(?<!self)\.norm\(|\bvector_norm\b|\bvar\(|\bnormalize\(")
-_PROBE_ROOT = re.compile(r"\brsqrt\b|\bsqrt\b|(?<!self)\.norm\(|\bvector_norm\b|\bpow\b|\bnormalize\(")
 _PROBE = True  # tests switch the fallback off to compare
 
 
@@ -4219,12 +4217,9 @@ def _probe_target(module: ModuleInfo, scope: Scope) -> tuple[ast.FunctionDef, as
             return None
     elif module.functions.get(fn.name) is not fn:
         return None
-    text = S.scope_text(module, scope)
-    # plain substring tests first (the regexes are the exact gate; most scopes fail these)
-    if not (("mean" in text or "sum" in text or "norm" in text or "var(" in text)
-            and ("sqrt" in text or "norm" in text or "pow" in text or "**" in text)):
-        return None
-    if not (_PROBE_STAT.search(text) and (_PROBE_ROOT.search(text) or _power_operator(text))):
+    from npufuse.scan import numeric_probe  # no torch: its gates read text and AST only
+
+    if not numeric_probe.probe_worthy(module, scope, fn):
         return None
     return fn, cls
 
@@ -4682,4 +4677,63 @@ RmsNorm.FUSE += [
         "        e = self.norm(e.permute(0, 2, 3, 1))\n", "        e = self.norm(e.permute(0, 2, 3, 1)) + self.norm(e.permute(0, 2, 3, 1) * 2)\n"),
         expect={"variant": "hf_norm_module", "module": "self.norm", "qualname": "Patchify.forward", "line": 15},
         name="s27_transformers_norm_of_an_inline_input_bound_in_place"),
+]
+
+
+
+# --- s27 probe reach: a decorated forward (the decorator is not code the run evaluates), a
+# comprehension / generator expression and enumerate in the body, a raise on an error path (tests/test_detect_s27_probe.py counts the census before/after)
+_PROBE_S27_DECORATED_GENERATOR = '''
+import torch
+from torch import nn
+
+
+def kernel_hook(name, fallback=False):  # a registry decorator (a hub kernel, a compile hint): not evaluated
+    def wrap(fn):
+        fn.kernel_name = name
+        return fn
+    return wrap
+
+
+class ColumnNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"bad dim {dim}")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    @kernel_hook("rms", fallback=True)
+    def forward(self, x):
+        cols = [x[..., i] for i in range(x.shape[-1])]
+        total = sum(c * c for c in cols)
+        for k, c in enumerate(cols):
+            if k == 0:
+                total = total + 0.0 * c
+        return x * torch.rsqrt(total.unsqueeze(-1) / len(cols) + self.eps) * self.weight
+'''
+_PROBE_S27_K_COMPREHENSION_SUM = '''
+import torch
+from torch import nn
+
+
+class ColumnSumNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        cols = [x[..., i] for i in range(x.shape[-1])]
+        total = sum(c * c for c in cols)  # a sum of squares, not their mean: an L2 normalisation
+        return x * torch.rsqrt(total.unsqueeze(-1) + self.eps) * self.weight
+'''
+RmsNorm.FUSE += [
+    Fuse(_PROBE_S27_DECORATED_GENERATOR, expect={"found_by": "numeric_probe", "eps": "self.eps", "weight": "self.weight"},
+         run="m = ColumnNorm(16)\nx = torch.randn(2, 5, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)))",
+         name="s27_probe_decorated_forward_with_comprehensions"),
+]
+RmsNorm.KEEP += [
+    Keep(_PROBE_S27_K_COMPREHENSION_SUM, reason="numeric probe on sampled inputs: x is scaled per row, but not by rsqrt(mean(x^2, -1) + eps)",
+         name="s27_probe_comprehension_sum_of_squares"),
 ]

@@ -26,6 +26,7 @@ import math
 import os
 import re
 import signal
+import sys
 import threading
 import tokenize
 import traceback
@@ -83,6 +84,9 @@ class FileOutcome:
     near_misses: list[dict[str, Any]] = field(default_factory=list)
     facts: repo_search.FileFacts | None = None
     source: str | None = None  # kept only when the file has hits (the replacement needs it)
+    # a pool worker left a costly part of this file's analysis to the parent (see defer_import):
+    # never cached nor reported as is; the parent analyses the file again
+    deferred: bool = False
 
 
 # -- reading and parsing -----------------------------------------------------------------------
@@ -350,6 +354,23 @@ def gated_out(module: ModuleInfo, scope: Scope, words: tuple[str, ...] | None) -
     return not any(w in gate_folded(module, scope) for w in words)
 
 
+class _Words:
+    """``SCOPE_WORDS`` of a part of a detector (gate_words reads the attribute)."""
+
+    def __init__(self, words: tuple[str, ...]) -> None:
+        self.SCOPE_WORDS = words
+
+
+def scope_holds_words(module: ModuleInfo, scope: Scope, words: tuple[str, ...]) -> bool:
+    """The ``Pattern.SCOPE_WORDS`` test for a part of a detector with words of its own (a
+    costly fallback such as the numeric probe): does the scope's text hold one of ``words``, or
+    the name of an import alias whose target does (text outside ASCII decomposed as for the
+    patterns' gates)? Always True while the gates are switched off (``SCOPE_GATES``)."""
+    if not SCOPE_GATES:
+        return True
+    return not gated_out(module, scope, gate_words(module, _Words(words)))  # type: ignore[arg-type]
+
+
 def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:
     """Everything one file contributes to the scan. Never raises for bad input."""
     # The cyclic garbage collector is off while one file is analysed: parsing and detection
@@ -512,6 +533,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
         out.failures.append(Failure(rel, "detector_error", f"detector {pid} {message} in {qual}{more}; its results for this file are incomplete"))
     if any(h.body is None for h in out.hits):
         out.source = text  # only render_site (libcst) needs the whole file
+    out.deferred = bool(module.__dict__.get("_npufuse_deferred"))
     return out
 
 
@@ -585,6 +607,8 @@ _WORKER: dict[str, Any] = {}
 
 def _init_worker(root: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any = None, stop: Any = None) -> None:
     _WORKER.update(root=Path(root), patterns=patterns, options=options, cache=cache, stop=stop, busy=False, interrupted=False)
+    global _DEFERRING
+    _DEFERRING = True
     # Ctrl-C in a terminal signals the whole process group, workers included: the file in hand
     # stops at once and no later one starts (see _analyze_all for a signal to the parent alone).
     # A worker waiting for work only takes note: a KeyboardInterrupt there would print a
@@ -619,9 +643,26 @@ def _worker_stopped() -> bool:
     return bool(_WORKER.get("interrupted")) or (stop is not None and stop.is_set())
 
 
+# A detector about to pay for a heavy import in a pool worker (the numeric probe's torch: about
+# 2-3 s of CPU per process, more than the analysis of hundreds of files) leaves that file to the
+# parent instead: every worker would otherwise pay the import once, the parent pays it once for
+# the scan, and analyses the few such files again while the workers go on with the rest.
+_DEFERRING = False  # True in pool workers
+
+
+def defer_import(module: ModuleInfo, name: str) -> bool:
+    """Should a detector skip the part of its work that imports ``name`` in this process? True
+    in a pool worker where ``name`` is not imported yet: the file is marked, its outcome is not
+    cached, and the parent analyses it again (where this is False). False elsewhere."""
+    if not _DEFERRING or name in sys.modules:
+        return False
+    module.__dict__["_npufuse_deferred"] = True
+    return True
+
+
 def _analyze_and_store(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any) -> FileOutcome:
     outcome = analyze_file(root, rel, patterns, options)
-    if cache is not None and not repo_facts.reads_other_files(root, rel):
+    if cache is not None and not outcome.deferred and not repo_facts.reads_other_files(root, rel):
         # (an outcome that read other files of the repo is not cached: the entry is keyed by this file's content only)
         cache.put(outcome)  # in the worker: writing entries is spread over the cores too
     return outcome
@@ -726,6 +767,8 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
                             pass
                     for fut in as_completed(futures):
                         for outcome in fut.result():
+                            if outcome.deferred:  # its costly part left to this process (defer_import)
+                                outcome = _analyze_and_store(root, outcome.file, patterns, options, cache)
                             results[outcome.file] = outcome
                             done += 1
                             if progress:

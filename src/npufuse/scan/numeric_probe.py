@@ -62,6 +62,7 @@ class Func:
 
     node: ast.FunctionDef
     bound: Obj | None = None
+    module: Any = None  # the ModuleInfo of another file of the repo that defines it (None: this one)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Decision:
 
     test: ast.expr
     value: bool
+    foreign: bool = False  # taken inside a helper of another file: its names are not this scope's
 
 
 _torch: Any = None
@@ -101,6 +103,7 @@ clamp clamp_min clamp_max clip maximum minimum max min amax amin where cat conca
 std var_mean std_mean reciprocal tanh sigmoid matmul einsum ones ones_like zeros zeros_like full
 full_like arange finfo promote_types is_tensor is_floating_point softmax erf cumsum prod
 unsqueeze squeeze reshape transpose permute flatten chunk split unbind rms_norm layer_norm empty
+mm bmm argmax argmin tensor linspace square_ float_power
 """.split())
 _INIT_FILLS = frozenset(("ones_", "zeros_", "normal_", "uniform_", "constant_", "trunc_normal_", "xavier_uniform_"))
 _TORCH_CONSTANT_FALSE = frozenset(("torch.is_autocast_enabled", "torch.jit.is_scripting", "torch.jit.is_tracing",
@@ -120,10 +123,12 @@ sub_ div div_ neg abs clamp clamp_ clamp_min clamp_max reshape view view_as flat
 squeeze transpose permute contiguous size dim numel norm var std chunk split unbind expand
 expand_as exp log sigmoid tanh max min amax amin reciprocal detach clone new_ones new_zeros
 softmax matmul t is_floating_point square_ pow_ rsqrt_ sqrt_ masked_fill eq ne gt lt ge le
+bool long int repeat repeat_interleave argmax argmin mm bmm float_power new_full new_empty
 """.split())
 _TENSOR_ATTRS = frozenset(("shape", "dtype", "ndim", "device", "T", "is_cuda", "requires_grad"))
 _BUILTINS = frozenset(("len", "int", "float", "min", "max", "tuple", "list", "isinstance", "range",
-                       "abs", "bool", "super", "getattr", "hasattr", "pow", "round", "sum"))
+                       "abs", "bool", "super", "getattr", "hasattr", "pow", "round", "sum",
+                       "enumerate", "zip", "reversed"))
 _CONTEXTS = frozenset(("torch.autocast", "torch.no_grad", "torch.amp.autocast", "torch.cuda.amp.autocast",
                        "torch.cpu.amp.autocast", "contextlib.nullcontext", "torch.inference_mode",
                        "torch.enable_grad"))
@@ -149,11 +154,11 @@ def _allowed_dotted(name: str) -> bool:
     if name.startswith("torch.nn.init."):
         return name[14:] in _INIT_FILLS
     if name.startswith("torch.nn.") and name.count(".") == 2:
-        return name[9:] in _NN_MODULES or name[9:] == "Parameter"
+        return name[9:] in _NN_MODULES or name[9:] in ("Parameter", "Buffer")
     if name.startswith("torch.") and name.count(".") == 1:
         return name[6:] in _TORCH_FUNCS or name[6:] in _DTYPES
     if name.startswith("math."):
-        return name[5:] in ("sqrt", "pi", "e", "log", "exp", "prod", "inf")
+        return name[5:] in ("sqrt", "pi", "e", "log", "exp", "prod", "inf", "floor", "ceil", "log2")
     return False
 
 
@@ -161,10 +166,9 @@ def static_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | Non
     """Why the probe surely cannot evaluate ``fn`` (a call outside the allowlist, a loop it does
     not run, ...), from the AST alone -- or None. Run before torch is imported."""
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} if cls is not None else set()
-    for node in ast.walk(fn):
+    for node in _code_nodes(fn):
         if isinstance(node, (ast.While, ast.Try, ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal,
-                             ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.ListComp, ast.GeneratorExp,
-                             ast.DictComp, ast.SetComp)):
+                             ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.SetComp)):
             return f"{type(node).__name__.lower()} in the function"
         if isinstance(node, ast.Raise) and node is not None:
             continue  # only an error path: a run that reaches it is Unknown
@@ -177,6 +181,8 @@ def static_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | Non
             target = _canon(module, f)
             if target and _allowed_dotted(target):
                 continue
+            if _repo_function(module, f.id) is not None:
+                continue  # a function of another file of the repo: gated when it is resolved
             return f"call of `{f.id}`"
         if isinstance(f, ast.Attribute):
             base = f.value
@@ -479,6 +485,8 @@ class Interpreter:
             return self._call(node, env)
         if isinstance(node, ast.JoinedStr):
             return ""
+        if isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.DictComp)):
+            return _comprehension(self, node, env)
         raise Unknown(f"expression {type(node).__name__}")
 
     def _index(self, node: ast.expr, env: dict[str, Any]) -> Any:
@@ -498,6 +506,9 @@ class Interpreter:
         m = self.module
         if name in m.functions:
             return Func(m.functions[name])  # type: ignore[arg-type]
+        other = _repo_function(m, name)
+        if other is not None:
+            return Func(other[1], None, other[0])
         if name in m.aliases:
             return Dotted(m.aliases[name].replace("torch.nn.functional", "F"))
         if name in ("True", "False", "None"):
@@ -577,6 +588,8 @@ class Interpreter:
             if any(isinstance(a, Opaque) for a in (*args, *kwargs.values())):
                 raise Unknown("passes an unknown value to a helper")
             self.entered.append(fv.node)
+            if fv.module is not None:
+                return _call_foreign(self, fv, args, kwargs)
             return self.call_function(fv.node, args, kwargs, fv.bound)
         if isinstance(fv, tuple) and len(fv) == 3 and fv[0] == "register":
             if len(args) < 2 or not isinstance(args[0], str):
@@ -646,7 +659,7 @@ class Interpreter:
         kwargs.pop("device", None)
         if name.startswith("math."):
             return getattr(math, name[5:])(*args, **kwargs)
-        if name == "torch.nn.Parameter":
+        if name in ("torch.nn.Parameter", "torch.nn.Buffer"):
             v = args[0] if args else kwargs.get("data")
             if not isinstance(v, t.Tensor):
                 raise Unknown("a Parameter of a non-tensor")
@@ -731,6 +744,8 @@ class Interpreter:
             return r
         if name in ("float", "int", "bool") and args and isinstance(args[0], t.Tensor):
             raise Unknown(f"{name}() of a tensor")
+        if name in ("enumerate", "zip", "reversed"):
+            return _finite_iter(name, args, kwargs)
         fn = {"len": len, "int": int, "float": float, "min": min, "max": max, "tuple": tuple, "list": list,
               "abs": abs, "bool": bool, "pow": pow, "round": round, "sum": sum}[name]
         try:
@@ -882,8 +897,9 @@ def randomize(obj: Obj, gen: Any, dtype: Any = None) -> Obj:
 class RmsProof:
     """What :func:`prove_rms_norm` found. ``kind``: "proved" (the other fields say how to call
     npu_rms_norm), "mismatch" (it ran and computes a normalisation that is not RMSNorm;
-    ``reason`` says how it differs), "other" (it ran and is not a normalisation at all), or
-    "unknown" (the probe could not evaluate it; ``reason`` says why)."""
+    ``reason`` says how it differs), "other" (it ran and is not a normalisation at all),
+    "unknown" (the probe could not evaluate it; ``reason`` says why) or "deferred" (a pool
+    worker left it to the parent process: engine.defer_import)."""
 
     kind: str
     reason: str = ""
@@ -938,8 +954,12 @@ def prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | 
                 if reason is not None:
                     reason = f"__init__: {reason}"
                     break
+    if reason is None:
+        reason = structural_gate(module, fn, cls)
     if reason is not None:
         return RmsProof("unknown", reason)
+    if _deferred(module):
+        return RmsProof("deferred", "left to the parent process, which imports torch once for the scan")
     try:
         return _explore(module, fn, cls)
     except Unknown as e:
@@ -1114,6 +1134,18 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
                             f"(relative error {err:.2g})")
         observed.append((xd, wd, hr.out.dtype))
         half_runs.append(hr)
+    # s27: at scale 1 eps is invisible (mean(x^2) ~ 1), so an eps that depends on the input's dtype
+    # (``finfo(x.dtype).eps``, a larger eps for half inputs) would pass the runs above: one bf16 run
+    # where mean(x^2) ~ eps (bf16 keeps fp32's exponent range; fp16 would underflow there)
+    if eps_value > 0:
+        hr = run((base3 * math.sqrt(eps_value)).to(t.bfloat16), t.float32, 0)
+        if not isinstance(hr.out, t.Tensor) or hr.out.shape != hr.x.shape:
+            raise Unknown("the output is not shaped like the input in half precision")
+        err = _rel_err(hr, k, off, gain, eps_value)
+        if err > 3e-2:
+            return RmsProof("mismatch", f"agrees with RMSNorm (eps {eps_value:.3g}) in float32 but not with small bfloat16 inputs "
+                            f"(relative error {err:.2g}): eps or the computation depends on the input's dtype")
+        half_runs.append(hr)
     rule = _dtype_rule(observed, weighted=k is not None)
     if rule is None:
         raise Unknown("no simple output-dtype rule fits "
@@ -1127,7 +1159,7 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
             names = _free_names(d.test)
             src = ast.unparse(d.test)
             text = f"({src})" if d.value else f"not ({src})"
-            if names and names <= guardable | (set(module.aliases) | set(module.functions)) - assigned - {x_name} \
+            if not d.foreign and names and names <= guardable | (set(module.aliases) | set(module.functions)) - assigned - {x_name} \
                     and _only_self_reads(d.test):
                 if text not in guards:
                     if (f"not ({src})" if d.value else f"({src})") in guards:
@@ -1264,3 +1296,277 @@ def _why_not_rms(r: _Run, cands: list[tuple[str | None, int]], gain: Callable[..
             if bool((spread < 1e-4).all()):
                 return "normalises over another dim than the last (the statistic is not per row of the last dim)"
     return "normalises, but the output is not x * rsqrt(mean(x^2, -1) + eps) * w for any 1-D weight of the scope"
+
+
+# --- s27 probe: scope gate, structural preconditions, deferral to the parent ------------------
+#
+# A probe that runs costs a torch import (2-3 s of CPU per process) before anything is known, so
+# everything that can turn a scope away is decided from its text and AST first, cheapest first:
+# (1) the scope words (the Pattern.SCOPE_WORDS mechanism, engine.scope_holds_words: aliases and
+# text outside ASCII as for every pattern), (2) a statistic and a root as code, not in a comment,
+# (3) static_gate (calls outside the allowlist), (4) structural_gate (arguments without a value,
+# a class the probe cannot build); then, in a pool worker, the file is left to the parent
+# (engine.defer_import) which imports torch once for the whole scan.
+
+#: one of these words and one of ROOT_WORDS must be in the scope's text
+STAT_WORDS = ("mean", "sum", "norm", "var")
+ROOT_WORDS = ("sqrt", "norm", "pow", "**")
+_STAT_NAMES = frozenset(("mean", "sum", "norm", "vector_norm", "var", "var_mean", "normalize"))
+_ROOT_NAMES = frozenset(("rsqrt", "sqrt", "norm", "vector_norm", "pow", "normalize"))
+
+
+def _called_names(module: ModuleInfo, fn: ast.FunctionDef) -> set[str]:
+    """Last segments of what ``fn`` names as code (attributes, names resolved through the
+    module's import aliases); ``self.norm`` is a submodule, not the statistic."""
+    out: set[str] = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Attribute):
+            if not (n.attr == "norm" and isinstance(n.value, ast.Name) and n.value.id == "self"):
+                out.add(n.attr)
+        elif isinstance(n, ast.Name):
+            target = module.aliases.get(n.id)
+            out.add(target.rsplit(".", 1)[-1] if target else n.id)
+        elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+            out.add("**")
+        elif isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Pow):
+            out.add("**")
+    return out
+
+
+def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
+    """Gates (1) and (2): the scope's text holds a statistic word and a root word, and its code
+    names a statistic (mean, sum, var, a norm) and a root (sqrt, rsqrt, pow, ``**``, a norm)."""
+    from npufuse.scan import engine
+
+    if not (engine.scope_holds_words(module, scope, STAT_WORDS) and engine.scope_holds_words(module, scope, ROOT_WORDS)):
+        return False
+    names = _called_names(module, fn)
+    if names & _STAT_NAMES and names & (_ROOT_NAMES | {"**"}):
+        return True
+    # the statistic or the root may be computed by a helper of this file or one imported from
+    # another file of the repo (the run follows both); the scope's words still name them
+    helpers = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    return bool(helpers & (set(module.functions) | _relative_imports(module))) and bool(names & (_STAT_NAMES | _ROOT_NAMES | {"**"}))
+
+
+def structural_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> str | None:
+    """Why a run would stop before computing anything, from the AST alone (the checks
+    :func:`_prove_rms_norm` and :func:`build_self` make once torch is imported), or None."""
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    is_method = cls is not None and not _is_static(fn)
+    if cls is not None and not is_method:
+        return "a static method"
+    if is_method:
+        if not params or params[0] != "self":
+            return "a method without self"
+        params = params[1:]
+    if not params:
+        return "no input argument"
+    n_required = len(params) - len(a.defaults)
+    if is_method and params[1:n_required]:
+        return f"argument `{params[1]}` has no default"
+    if any(d is None for d in a.kw_defaults):
+        return "a keyword-only argument has no default"
+    if is_method and cls is not None:
+        if not _plain_module_base(module, cls):
+            return "the class does not derive from nn.Module in this file"
+        init = next((f for f in _methods(module, cls) if f.name == "__init__"), None)
+        if init is not None:
+            ia = init.args
+            iparams = [*ia.posonlyargs, *ia.args][1:]
+            required = iparams[: len(iparams) - len(ia.defaults)] if ia.defaults else iparams
+            required = [*required, *(p for p, d in zip(ia.kwonlyargs, ia.kw_defaults) if d is None)]
+            for p in required:
+                ann = ast.unparse(p.annotation) if p.annotation is not None else ""
+                if ann and ann not in ("int", "Optional[int]", "int | None", "bool"):
+                    return f"constructor argument `{p.arg}: {ann}` has no default"
+    return None
+
+
+def _deferred(module: ModuleInfo) -> bool:
+    """In a pool worker without torch: leave this file to the parent (engine.defer_import)."""
+    from npufuse.scan import engine
+
+    return engine.defer_import(module, "torch")
+
+
+# --- s27 probe: reach (bail classes of the census) --------------------------------------------
+
+
+def _code_nodes(fn: ast.FunctionDef) -> Iterable[ast.AST]:
+    """The nodes a run of ``fn`` can evaluate: not its decorators (the rewrite goes inside the
+    body, whatever wraps the function), not annotations, not what an error path (``raise``)
+    builds -- a run that reaches a raise stops with Unknown anyway."""
+    stack: list[ast.AST] = [*fn.body, *fn.args.defaults, *(d for d in fn.args.kw_defaults if d is not None)]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.Raise):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            stack.extend(node.body)  # a nested def: refused when it runs (statement FunctionDef)
+            continue
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.arg) or (isinstance(node, ast.AnnAssign) and child is node.annotation):
+                continue
+            stack.append(child)
+
+
+def _finite_iter(name: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """enumerate / zip / reversed over sequences the probe already holds, as a list (capped)."""
+    t = torch_module()
+    if kwargs and set(kwargs) - {"start", "strict"}:
+        raise Unknown(f"{name}() with keyword arguments")
+    for a in args:
+        if not isinstance(a, (list, tuple, range, str)) and not isinstance(a, t.Tensor):
+            raise Unknown(f"{name}() of a {type(a).__name__}")
+        if len(a) > MAX_LOOP:
+            raise Unknown(f"{name}() of a long sequence")
+    seqs = [list(a.unbind(0)) if isinstance(a, t.Tensor) else list(a) for a in args]
+    if name == "enumerate":
+        if len(seqs) != 1:
+            raise Unknown("enumerate() of an unknown form")
+        start = kwargs.get("start", 0)
+        return list(enumerate(seqs[0], start))
+    if name == "zip":
+        return list(zip(*seqs))
+    if len(seqs) != 1:
+        raise Unknown("reversed() of an unknown form")
+    return list(reversed(seqs[0]))
+
+
+def _comprehension(it: Interpreter, node: ast.ListComp | ast.GeneratorExp | ast.DictComp, env: dict[str, Any]) -> Any:
+    """A list/dict comprehension or generator expression, evaluated at once in its own scope
+    (the code is pure: evaluating a generator eagerly changes nothing); at most MAX_LOOP items."""
+    inner = dict(env)
+    out: list[Any] = []
+    count = [0]
+
+    def gen(k: int) -> None:
+        if k == len(node.generators):
+            count[0] += 1
+            if count[0] > MAX_LOOP:
+                raise Unknown("a long comprehension")
+            if isinstance(node, ast.DictComp):
+                out.append((it.expr(node.key, inner), it.expr(node.value, inner)))
+            else:
+                out.append(it.expr(node.elt, inner))
+            return
+        g = node.generators[k]
+        if g.is_async:
+            raise Unknown("an async comprehension")
+        seq = it.expr(g.iter, inner)
+        t = it.torch
+        if isinstance(seq, t.Tensor):
+            if seq.dim() == 0 or seq.shape[0] > MAX_LOOP:
+                raise Unknown("a comprehension over a tensor")
+            items = list(seq.unbind(0))
+        elif isinstance(seq, (range, tuple, list, dict)):
+            items = list(seq)
+        else:
+            raise Unknown("a comprehension over an unknown iterable")
+        if len(items) > MAX_LOOP:
+            raise Unknown("a long comprehension")
+        for v in items:
+            it._assign(g.target, v, inner)
+            if all(it._test(c, inner) for c in g.ifs):
+                gen(k + 1)
+
+    gen(0)
+    if isinstance(node, ast.DictComp):
+        return dict(out)
+    return out
+
+
+# A helper imported from another file of the repository (``from .ops import rms_norm``) is
+# followed like a same-file one: found through repo_facts.definition (which marks the outcome as
+# depending on other files, so the per-file cache does not keep it), statically gated in its own
+# file, interpreted with that file's names. Its branches never become guards of this scope
+# (their names are the helper's); they are reported as sampled.
+_EXTERNAL_ROOTS = frozenset(("torch", "math", "numpy", "einops", "triton", "functools", "typing", "os", "sys",
+                             "transformers", "apex", "flash_attn", "xformers", "deepspeed", "megatron", "vllm"))
+_FOREIGN_DEPTH = [0]
+
+
+def _repo_function(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.FunctionDef] | None:
+    """(its file's ModuleInfo, its def) for a name this file imports from another file of the
+    repo that defines a plain function there whose code passes the static gate; else None."""
+    if name in module.functions or name in _BUILTINS or name in module.classes:
+        return None
+    target = module.aliases.get(name)
+    if target is not None and target.split(".")[0] in _EXTERNAL_ROOTS:
+        return None
+    if target is None and name not in _relative_imports(module):
+        return None  # not imported at all (a builtin, a local): asking other files would only cost
+    cache = module.__dict__.setdefault("_npufuse_probe_foreign", {})
+    if name in cache:
+        return cache[name]
+    cache[name] = None
+    if _FOREIGN_DEPTH[0] >= 2:
+        return None
+    from npufuse.scan import repo_facts
+
+    root = repo_facts.repo_root(module)
+    if root is None:
+        return None
+    if target is not None:
+        # an absolute import: only a package of this repository (asking about timm/numpy would mark
+        # the file as depending on other files and keep it out of the cache for nothing)
+        head = target.split(".")[0]
+        try:
+            if not ((root / head).is_dir() or (root / f"{head}.py").is_file()):
+                return None
+        except OSError:
+            return None
+    d = repo_facts.definition(module, name)
+    if d is None or not isinstance(d.node, ast.FunctionDef) or d.rel == module.path or d.node.decorator_list:
+        return None
+    text = repo_facts._repo_text(root, d.rel)
+    if text is None:
+        return None
+    try:
+        other = ModuleInfo.from_source(d.rel, text, d.tree)
+    except Exception:
+        return None
+    repo_facts.attach_root(other, root)
+    _FOREIGN_DEPTH[0] += 1
+    try:
+        if static_gate(other, d.node, None) is not None:
+            return None
+    finally:
+        _FOREIGN_DEPTH[0] -= 1
+    cache[name] = (other, d.node)
+    return cache[name]
+
+
+def _call_foreign(it: Interpreter, fv: Func, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    saved, first = it.module, len(it.decisions)
+    it.module = fv.module
+    try:
+        out = it.call_function(fv.node, args, kwargs, fv.bound)
+    finally:
+        it.module = saved
+        for d in it.decisions[first:]:
+            d.foreign = True
+    # a branch on a global of that file (a flag another module may set) is an assumption no
+    # guard of this scope can check: refused; branches on the helper's arguments are sampled
+    a = fv.node.args
+    own = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)} | {n.id for n in ast.walk(fv.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for d in it.decisions[first:]:
+        for name in _free_names(d.test) - own - _BUILTINS:
+            target = fv.module.aliases.get(name)
+            if target is None or target.split(".")[0] not in _EXTERNAL_ROOTS:
+                raise Unknown(f"a helper of another file branches on its global `{name}`")
+    return out
+
+
+def _relative_imports(module: ModuleInfo) -> set[str]:
+    """Names bound by ``from .x import name`` statements of the file (ModuleInfo.aliases holds
+    only absolute imports)."""
+    got = module.__dict__.get("_npufuse_relative_imports")
+    if got is None:
+        got = {a.asname or a.name for n in ast.walk(module.tree) if isinstance(n, ast.ImportFrom) and n.level
+               for a in n.names if a.name != "*"}
+        module.__dict__["_npufuse_relative_imports"] = got
+    return got
