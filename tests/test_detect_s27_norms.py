@@ -138,7 +138,10 @@ def test_branch_sum_of_two_names_is_not_fused() -> None:
     assert not findings
 
 
-@pytest.mark.parametrize(("pattern", "example"), example_cases(R.RmsNorm(), "s27_", kind="keep"))
+@pytest.mark.parametrize(("pattern", "example"), [
+    case for case in example_cases(R.RmsNorm(), "s27_", kind="keep")
+    # the probe's own Keeps are refused by the probe, which this test switches off
+    if not case.values[1].name.startswith("s27_probe_")])
 def test_decisive_reason_before_control_flow(pattern, example, static_only) -> None:
     # the syntactic matcher's own reason (the probe, switched off here, never overrides these either)
     check_keep_refused(pattern, example)
