@@ -1052,7 +1052,11 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
     if len(factors) not in (2, 3):
         return None
     trace = S.Trace()
-    acts = [(i, _act_of(module, f, ctx, trace)) for i, f in enumerate(factors)]
+    # one trace per factor: only the chosen activation's statements join the fused region (a
+    # factor read as a weak activation object and then dropped, e.g. `up = self.up(x)` with an
+    # imported `Linear`, must not pull its assignment into the span)
+    factor_traces = [S.Trace() for _ in factors]
+    acts = [(i, _act_of(module, f, ctx, factor_traces[i])) for i, f in enumerate(factors)]
     found = [(i, a) for i, a in acts if a is not None]
     if len(factors) == 2 and len(found) == 2 and all(a.weak for _, a in found):
         # two callables other objects hold (`layer.act(layer.gate(x)) * layer.up(x)`): the
@@ -1100,6 +1104,9 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                     break
     if act is None or act.gate is None:
         return None
+    for i in used:
+        trace.stmts.update(factor_traces[i].stmts)
+        trace.conditional += factor_traces[i].conditional
     chosen.append(act)
     rest = [k for k in range(len(factors)) if k not in used]
     if len(rest) != 1:
