@@ -160,6 +160,8 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
     name = module.canonical(value)
     if name in _FUNCS:
         return _FUNCS[name], None
+    if isinstance(value, ast.Lambda):
+        return _lambda_act(module, value)
     return None
 
 
@@ -3201,6 +3203,7 @@ def _indexed_pair_part(n: ast.Subscript, ctx: S.Ctx) -> tuple[str, ast.expr, S.C
     part of a pair, and stays out."""
     sl = n.slice
     elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+    elts = _rank_padded_index(n.value, ctx, list(elts))
     if len(elts) < 2:
         return None
     ints = [i for i, e in enumerate(elts) if isinstance(e, ast.Constant) and type(e.value) is int]
@@ -5193,4 +5196,146 @@ Swiglu.FUSE += [
          expect={"activation": "config", "default_activation": "sigmoid"},
          run="x = torch.randn(2, 8, requires_grad=True)\nout = (SwiGLUPacked(8, 6)(x), GluMlp(8, 6)(x))\nleaves = [x]\n",
          name="s26_sigmoid_default_but_built_with_silu_in_the_module"),
+]
+
+
+# --- s27 glu: census classes (issue 14; helper session glu, branch s27-glu) ---
+
+
+def _rank_padded_index(tensor: ast.expr, ctx: S.Ctx, elts: list[ast.expr]) -> list[ast.expr]:
+    """``t[:, 0]`` where ``t = x.view(-1, 2, I)``: an index shorter than the tensor's rank leaves
+    the trailing dims whole, so ``t[:, 0]`` is ``t[:, 0, :]`` (TGI/lorax ``gate_up_states``). The rank
+    is proved by the defining ``view``/``reshape`` (one size argument per dim, no starred sizes); an
+    index with an ellipsis or an unknown rank is returned as written."""
+    if any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts) or not isinstance(tensor, ast.Name):
+        return elts
+    value, _, stmt = S.follow(tensor, ctx)
+    if stmt is None or not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                            and value.func.attr in ("view", "reshape") and not value.keywords):
+        return elts
+    sizes = value.args
+    if len(sizes) == 1 and isinstance(sizes[0], (ast.Tuple, ast.List)):
+        sizes = sizes[0].elts
+    if not sizes or any(isinstance(a, ast.Starred) for a in sizes) or len(sizes) <= len(elts):
+        return elts
+    if len(sizes) == 1 and not isinstance(sizes[0], ast.Constant):
+        return elts  # `t.view(shape)`: one argument that may be a whole shape
+    return elts + [ast.Slice(lower=None, upper=None, step=None) for _ in range(len(sizes) - len(elts))]
+
+
+def _lambda_act(module: ModuleInfo, value: ast.Lambda) -> tuple[str, ast.expr | None] | None:
+    """``lambda x: F.gelu(x, approximate="tanh")`` (TGI's ``ACT2FN[act] if "gelu" not in act else
+    lambda x: ...``): a one-parameter lambda whose body applies a known activation to that parameter
+    and reads it nowhere else is that activation. Anything else in the body (a scale, a second use of
+    the parameter) is no activation object."""
+    a = value.args
+    if len(a.args) != 1 or a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs:
+        return None
+    param = a.args[0].arg
+    body = value.body
+    if not (isinstance(body, ast.Call) and body.args and isinstance(body.args[0], ast.Name) and body.args[0].id == param):
+        return None
+    if sum(1 for n in ast.walk(body) if isinstance(n, ast.Name) and n.id == param) != 1:
+        return None
+    name = module.canonical(body.func)
+    if name not in _FUNCS or _FUNCS[name] == SIGMOID:
+        return None
+    kind = _FUNCS[name]
+    if kind == GELU:
+        approx = S.arg(body, "approximate", 1)
+        if approx is not None:
+            v = const_value(approx)
+            return (GELU_TANH, None) if v == "tanh" else (GELU, None) if v == "none" else (GELU_DYN, approx)
+    return kind, None
+
+
+_S27_PACKED_PAIR = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "relu": nn.ReLU(), "gelu": nn.GELU()}
+
+
+class Cfg:
+    def __init__(self, act):
+        self.hidden_act = act
+
+
+class PackedPairMLP(nn.Module):
+    """A server-style MLP: one projection viewed as [N, 2, I]; a lambda for the gelu family."""
+
+    def __init__(self, cfg, d, h):
+        super().__init__()
+        act = cfg.hidden_act
+        self.act = (
+            ACT2FN[act]
+            if "gelu" not in act
+            else lambda x: F.gelu(x, approximate="tanh" if act in ["gelu_fast", "gelu_pytorch_tanh"] else "none")
+        )
+        self.gate_up = nn.Linear(d, 2 * h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+        self.inner = h
+
+    def forward(self, x):
+        gate_up = self.gate_up(x)
+        gate_up = gate_up.view(-1, 2, self.inner)
+        return self.down(self.act(gate_up[:, 0]) * gate_up[:, 1])
+'''
+
+_RUN_S27_PACKED_PAIR = '''
+x = torch.randn(5, 8, requires_grad=True)
+ms = [PackedPairMLP(Cfg(a), 8, 6) for a in ("silu", "relu", "gelu_pytorch_tanh")]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_up.weight for m in ms]
+'''
+
+_S27_LAMBDA_GATED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "relu": nn.ReLU()}
+
+
+class DenseGatedActDense(nn.Module):
+    def __init__(self, act_name, d, h):
+        super().__init__()
+        self.wi_0 = nn.Linear(d, h, bias=False)
+        self.wi_1 = nn.Linear(d, h, bias=False)
+        self.wo = nn.Linear(h, d, bias=False)
+        self.act = ACT2FN[act_name] if "gelu" not in act_name else lambda x: F.gelu(x, approximate="tanh")
+
+    def forward(self, hidden_states):
+        activated = self.act(self.wi_0(hidden_states))
+        hidden_linear = self.wi_1(hidden_states)
+        hidden_states = activated * hidden_linear
+        return self.wo(hidden_states)
+'''
+
+_RUN_S27_LAMBDA_GATED = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [DenseGatedActDense(a, 8, 6) for a in ("silu", "gelu_new", "relu")]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.wi_0.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # `t = proj(x).view(-1, 2, I)`; `act(t[:, 0]) * t[:, 1]`: the view proves t is 3-D, so `t[:, 0]` is the
+    # pair's first member (trailing dim whole); the config arm dispatches on the object at run time
+    Fuse(_S27_PACKED_PAIR, expect={"activation": "config", "gate": "gate_up[:, 0]", "up": "gate_up[:, 1]"},
+         run=_RUN_S27_PACKED_PAIR, name="s27_pair_indexed_by_a_short_index_on_a_viewed_tensor"),
+    # `ACT2FN[name] if ... else lambda x: F.gelu(x, approximate="tanh")`: the lambda arm is a gelu object
+    Fuse(_S27_LAMBDA_GATED, expect={"activation": "config", "gate": "self.wi_0(hidden_states)", "up": "hidden_linear"},
+         run=_RUN_S27_LAMBDA_GATED, name="s27_config_or_lambda_activation"),
+]
+
+Swiglu.KEEP += [
+    # no view proves the rank: `t[:, 0]` of a 2-D projection is a column (one number per row), not a
+    # pair member; nothing is claimed about it
+    Keep(_S27_PACKED_PAIR.replace("        gate_up = gate_up.view(-1, 2, self.inner)\n", ""),
+         reason="gate and up are not", name="s27_short_index_without_a_proved_rank"),
+    # a lambda that does more than apply an activation to its parameter is no activation object
+    Keep(_S27_LAMBDA_GATED.replace('lambda x: F.gelu(x, approximate="tanh")', 'lambda x: F.gelu(x, approximate="tanh") * x'),
+         reason="", name="s27_lambda_that_is_no_plain_activation"),
 ]
