@@ -691,6 +691,7 @@ class Gate:
     # sparsified when a flag is set): its shape is not proven equal to the other's, so the fused
     # branch checks it at run time (host-side shapes, no sync)
     shape_checked: bool = False
+    elementwise: bool = False  # operands transformed elementwise after their projection (s27)
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -986,7 +987,8 @@ def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, other_input: st
         inner = [(n.func.value, c)]  # x.clamp(max=...)
     for e, ec in inner:
         if _projection_input(e, ec) is not None:
-            return f"gate or up is transformed after its projection (`{text}`): the fused op takes the projections themselves"
+            return (f"gate or up is transformed after its projection (`{text}`) by something other than an elementwise "
+                    "clamp, cast or scale independent of the operands: not a gated product of two projections")
     return None
 
 
@@ -1162,7 +1164,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, biased)
     if ia is None or ib is None or ia != ib:
         if act.kind in (SILU, CONFIG) + GELU_KINDS:
-            conditional = _conditionally_transformed_gate(module, act, a, actx, b, ctx, node, trace, ia, ib)
+            conditional = _conditionally_transformed_gate(module, act, a, actx, b, ctx, node, trace, ia, ib) \
+                or _elementwise_transformed_gate(module, act, a, actx, b, ctx, node, trace)
             if conditional is not None:
                 return conditional
             for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
@@ -1665,7 +1668,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
     if g0.shape_checked:
-        notes.append(_CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
+        notes.append(_ELEMENTWISE_NOTE if g0.elementwise else
+                     _CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
     if g0.caller_lines:
         params["operands_from_callers"] = list(g0.caller_lines)
         notes.append(f"gate and up are parameters of `{scope.qualname}`: every call of it in this module (line(s) "
@@ -5338,4 +5342,194 @@ Swiglu.KEEP += [
     # a lambda that does more than apply an activation to its parameter is no activation object
     Keep(_S27_LAMBDA_GATED.replace('lambda x: F.gelu(x, approximate="tanh")', 'lambda x: F.gelu(x, approximate="tanh") * x'),
          reason="", name="s27_lambda_that_is_no_plain_activation"),
+]
+
+
+# --- s27: operands transformed elementwise after their projection (clamped / scaled GLUs) ---
+
+_ELEMENTWISE_METHODS = frozenset(("clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "to", "type_as", "contiguous"))
+_SHAPE_READS = frozenset(("dtype", "device", "shape"))
+
+
+def _independent(e: ast.expr, ctx: S.Ctx, avoid: set[str], depth: int = 0) -> bool:
+    """``e`` (a clamp bound, a scale) reads none of ``avoid`` (the operands' names and the
+    projections' input) and calls nothing but casts and indexing: a value chosen apart from the
+    product's operands (``self.limit``, ``self.gate_scale * (self.dim ** 0.5)``). ``x.dtype`` /
+    ``x.shape`` reads of any tensor are allowed (metadata, not values)."""
+    if depth > 3:
+        return False
+    for n in fast_walk(e):
+        if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Attribute) and n.func.attr in ("to", "float", "half", "bfloat16", "type_as")):
+            return False
+        if isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+            return False
+    meta = {id(n.value) for n in fast_walk(e) if isinstance(n, ast.Attribute) and n.attr in _SHAPE_READS}
+    for n in fast_walk(e):
+        if not isinstance(n, ast.Name) or id(n) in meta:
+            continue
+        if n.id in avoid:
+            return False
+        d = S.definition(ctx, n.id)
+        if d is not None and (d[1] is None or not _independent(d[1], ctx.at(d[0].lineno), avoid, depth + 1)):
+            return False
+    return True
+
+
+def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str]) -> ast.expr | None:
+    """The tensor a shape-preserving elementwise transform applies to: ``t.clamp(max=L)``,
+    ``torch.clamp(t, -L, L)``, ``t.float()``, ``t * s`` / ``s * t`` / ``t / s`` / ``t + b`` with ``s``
+    independent of the operands (see :func:`_independent`); None for anything else. (A scale may
+    broadcast to a larger shape in principle: the fused branch checks the operands' shapes.)"""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _ELEMENTWISE_METHODS:
+        if value.func.attr == "contiguous" and (value.args or value.keywords):
+            return None
+        if all(_independent(x, ctx, avoid) for x in [*value.args, *(k.value for k in value.keywords if k.arg is not None)]) \
+                and all(k.arg is not None for k in value.keywords):
+            return value.func.value
+        return None
+    if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
+        sides = [(value.left, value.right)] + ([(value.right, value.left)] if isinstance(value.op, (ast.Mult, ast.Add)) else [])
+        for t, sc in sides:
+            if _independent(sc, ctx, avoid) and not _independent(t, ctx, avoid):
+                return t
+    return None
+
+
+def _transform_origin(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, avoid: set[str]) -> tuple[ast.expr, S.Ctx, int]:
+    """Peel elementwise transforms off an operand, through the names they are assigned to
+    (``up = up.clamp(-L, L)`` after ``gate, up = t.chunk(2, -1)``): the value they start from, its
+    context, and how many transforms were peeled."""
+    n, c, count = node, ctx, 0
+    for _ in range(8):
+        if isinstance(n, ast.Name):
+            d = S.definition(c, n.id)
+            if d is None or d[1] is None:
+                return n, c, count
+            inner = _elementwise_operand(d[1], c.at(d[0].lineno), avoid)
+            if inner is None:
+                return n, c, count
+            n, c, count = inner, c.at(d[0].lineno), count + 1
+            continue
+        inner = _elementwise_operand(n, c, avoid)
+        if inner is None:
+            return n, c, count
+        n, count = inner, count + 1
+    return n, c, count
+
+
+def _elementwise_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
+                                  node: ast.expr, trace: S.Trace) -> Gate | None:
+    """``gate = proj_g(x).clamp(max=L); up = proj_u(x).clamp(-L, L); act(gate) * up`` (DeepSeek-V4,
+    Megatron's clamped_swiglu), ``gate = gate * self.gate_scale`` (nGPT-style scaled GLUs): operands
+    that are elementwise transforms of two projections of one input, or of the two halves of one
+    chunk. ``act(a) * b`` is then ``npu_swiglu(cat([a, b], -1))`` on the transformed values exactly,
+    whenever a and b have one shape, so the transforms stay as written (outside the replaced span)
+    and the fused branch checks the shapes at run time (a scale could broadcast). Both operands must
+    be names (the check reads them without computing them again)."""
+    names = isinstance(a, ast.Name) and isinstance(b, ast.Name)
+    if names and a.id == b.id:  # type: ignore[union-attr]
+        return None
+    avoid = {n.id for n in (a, b) if isinstance(n, ast.Name)}
+    oa, ca, na = _transform_origin(module, a, actx, avoid)
+    ob, cb, nb = _transform_origin(module, b, ctx, avoid)
+    if na + nb == 0:
+        return None
+    sa = _split_of(module, oa, ca, S.Trace())
+    sb = _split_of(module, ob, cb, S.Trace())
+    if sa is not None and sb is not None:
+        if sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4] or sa[5] != sb[5]:
+            return None
+        if sa[5] == "slice" or (sa[5] != "sized" and {sa[4], sb[4]} != {0, 1}) or not (sa[6] and sb[6]):
+            return None
+        key = sa[0]
+    else:
+        ia = _projection_input(oa, ca, module)
+        ib = _projection_input(ob, cb, module)
+        if ia is None or ia != ib:
+            return None
+        key = ia
+    if not names:
+        raise GateMiss("gate and up are elementwise transforms (clamp, cast, scale) of projections of one input, computed "
+                       "inside the product: a scale could broadcast, so the fused branch must compare their shapes at run "
+                       "time, which it cannot do without computing them twice (assign them to names first)")
+    return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, key, shape_checked=True, elementwise=True)
+
+
+_ELEMENTWISE_NOTE = ("gate and up are transformed elementwise after their projections (clamped, scaled or cast): the fused "
+                     "op takes the transformed values, so the transforms stay as written; the fused branch checks that "
+                     "gate and up have one shape (a scale could broadcast), the original code runs otherwise")
+
+_S27_CLAMPED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ClampedGLU(nn.Module):
+    """Gate and up clamped after their projections, then silu(gate) * up."""
+
+    def __init__(self, d, h, limit=0.5):
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def clamped_halves(y, clamp_value):
+    y_1, y_2 = torch.chunk(y.float(), 2, -1)
+    y_1 = y_1.clamp(min=None, max=clamp_value)
+    y_2 = y_2.clamp(min=-clamp_value, max=clamp_value)
+    return F.silu(y_1) * y_2
+
+
+class ScaledGLU(nn.Module):
+    """Each projection times a learned per-channel scale (normalized-transformer style)."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.dim = d
+        self.to_hidden = nn.Linear(d, h, bias=False)
+        self.to_gate = nn.Linear(d, h, bias=False)
+        self.hidden_scale = nn.Parameter(torch.rand(h) + 0.5)
+        self.gate_scale = nn.Parameter(torch.rand(h) + 0.5)
+
+    def forward(self, x):
+        hidden, gate = self.to_hidden(x), self.to_gate(x)
+        hidden = hidden * self.hidden_scale
+        gate = gate * self.gate_scale * (self.dim ** 0.5)
+        return F.gelu(gate) * hidden
+'''
+
+_RUN_S27_CLAMPED = '''
+m, s = ClampedGLU(8, 6), ScaledGLU(8, 6)
+x = torch.randn(2, 3, 8, requires_grad=True)
+y = torch.randn(4, 12, requires_grad=True)
+out = (m(x), clamped_halves(y, 0.7), s(x))
+leaves = [x, y, m.gate_proj.weight, s.gate_scale]
+'''
+
+Swiglu.FUSE += [
+    # clamped projections (DeepSeek-V4 style), clamped halves (Megatron clamped_swiglu style): the fused
+    # op takes the clamped values; shapes checked at run time
+    Fuse(_S27_CLAMPED, expect={"activation": "silu", "gate": "gate", "up": "up", "qualname": "ClampedGLU.forward"},
+         run=_RUN_S27_CLAMPED, name="s27_clamped_projections_and_halves"),
+]
+
+Swiglu.KEEP += [
+    # a "scale" that reads the other operand: silu(gate * up) * up is no GLU of two transformed projections
+    Keep(_S27_CLAMPED.replace("gate = self.gate_proj(x).clamp(max=self.limit)", "gate = self.gate_proj(x) * self.up_proj(x)")
+         .replace("y_1 = y_1.clamp(min=None, max=clamp_value)", "y_1 = y_1 * y_2").replace("F.gelu(gate) * hidden", "F.gelu(gate) * x"),
+         reason="not a gated product of two projections", name="s27_transform_reading_the_other_operand"),
+    # a scaled projection written inside the product: its shape cannot be checked without computing it twice
+    Keep(_S27_CLAMPED.split("class ClampedGLU")[0] + "class ScaledGLU" + _S27_CLAMPED.split("class ScaledGLU")[1].replace(
+        "        hidden, gate = self.to_hidden(x), self.to_gate(x)\n        hidden = hidden * self.hidden_scale\n"
+        "        gate = gate * self.gate_scale * (self.dim ** 0.5)\n        return F.gelu(gate) * hidden",
+        "        return F.silu(self.to_gate(x) * self.gate_scale) * self.to_hidden(x)"),
+         reason="computed inside the product", name="s27_scaled_projection_inside_the_product"),
 ]
