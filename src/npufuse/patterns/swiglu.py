@@ -1458,7 +1458,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
             if g is None:
                 continue
             saved = _saved_activation_reason(module, scope, g) or _inplace_alias_reason(module, scope, g) \
-                or _unfusable_default_reason(module, scope, g.act)
+                or _unfusable_default_reason(module, scope, g.act) or _non_torch_reason(module)
             if saved is not None:
                 misses.append((owner(g.act) or "swiglu", saved))
                 inside.append(node)
@@ -5532,4 +5532,37 @@ Swiglu.KEEP += [
         "        gate = gate * self.gate_scale * (self.dim ** 0.5)\n        return F.gelu(gate) * hidden",
         "        return F.silu(self.to_gate(x) * self.gate_scale) * self.to_hidden(x)"),
          reason="computed inside the product", name="s27_scaled_projection_inside_the_product"),
+]
+
+
+def _non_torch_reason(module: ModuleInfo) -> str | None:
+    """A file that imports nothing from torch (JAX, TensorFlow, MLX ports of the same model sit
+    beside the torch files in many repositories): its tensors are not torch tensors, so a torch_npu
+    call has nothing to run on there, whatever the product looks like."""
+    if any(full == "torch" or full.startswith("torch.") for full in module.aliases.values()):
+        return None
+    return ("the file imports nothing from torch (a JAX / TensorFlow / MLX implementation): its arrays are not torch "
+            "tensors, so no torch_npu op applies")
+
+
+_S27_NOT_TORCH = '''
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.proj_1 = nn.Linear(d, 2 * h)
+        self.proj_2 = nn.Linear(h, d)
+        self.act = nn.SiLU()
+
+    def __call__(self, x):
+        y_12 = self.proj_1(x)
+        y_1, y_2 = mx.split(y_12, 2, axis=-1)
+        return self.proj_2(self.act(y_1) * y_2)
+'''
+
+Swiglu.KEEP += [
+    Keep(_S27_NOT_TORCH, reason="imports nothing from torch", name="s27_glu_in_a_file_without_torch"),
 ]
