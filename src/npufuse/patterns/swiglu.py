@@ -1053,6 +1053,8 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
 def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]) -> Gate | None:
     factors: list[ast.expr] = []
     _flatten_mul(node, factors)
+    if len(factors) == 3:
+        factors = _grouped_up(module, node, ctx) or factors
     if len(factors) not in (2, 3):
         return None
     trace = S.Trace()
@@ -5375,7 +5377,7 @@ def _independent(e: ast.expr, ctx: S.Ctx, avoid: set[str], depth: int = 0) -> bo
     return True
 
 
-def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str]) -> ast.expr | None:
+def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str], scales: list[tuple[ast.expr, S.Ctx]] | None = None) -> ast.expr | None:
     """The tensor a shape-preserving elementwise transform applies to: ``t.clamp(max=L)``,
     ``torch.clamp(t, -L, L)``, ``t.float()``, ``t * s`` / ``s * t`` / ``t / s`` / ``t + b`` with ``s``
     independent of the operands (see :func:`_independent`); None for anything else. (A scale may
@@ -5383,19 +5385,24 @@ def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str]) -> ast.ex
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _ELEMENTWISE_METHODS:
         if value.func.attr == "contiguous" and (value.args or value.keywords):
             return None
-        if all(_independent(x, ctx, avoid) for x in [*value.args, *(k.value for k in value.keywords if k.arg is not None)]) \
-                and all(k.arg is not None for k in value.keywords):
+        bounds = [*value.args, *(k.value for k in value.keywords if k.arg is not None)]
+        if all(_independent(x, ctx, avoid) for x in bounds) and all(k.arg is not None for k in value.keywords):
+            if scales is not None:
+                scales.extend((x, ctx) for x in bounds)
             return value.func.value
         return None
     if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
         sides = [(value.left, value.right)] + ([(value.right, value.left)] if isinstance(value.op, (ast.Mult, ast.Add)) else [])
         for t, sc in sides:
             if _independent(sc, ctx, avoid) and not _independent(t, ctx, avoid):
+                if scales is not None:
+                    scales.append((sc, ctx))
                 return t
     return None
 
 
-def _transform_origin(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, avoid: set[str]) -> tuple[ast.expr, S.Ctx, int]:
+def _transform_origin(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, avoid: set[str],
+                      scales: list[tuple[ast.expr, S.Ctx]] | None = None) -> tuple[ast.expr, S.Ctx, int]:
     """Peel elementwise transforms off an operand, through the names they are assigned to
     (``up = up.clamp(-L, L)`` after ``gate, up = t.chunk(2, -1)``): the value they start from, its
     context, and how many transforms were peeled."""
@@ -5405,12 +5412,12 @@ def _transform_origin(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, avoid: set
             d = S.definition(c, n.id)
             if d is None or d[1] is None:
                 return n, c, count
-            inner = _elementwise_operand(d[1], c.at(d[0].lineno), avoid)
+            inner = _elementwise_operand(d[1], c.at(d[0].lineno), avoid, scales)
             if inner is None:
                 return n, c, count
             n, c, count = inner, c.at(d[0].lineno), count + 1
             continue
-        inner = _elementwise_operand(n, c, avoid)
+        inner = _elementwise_operand(n, c, avoid, scales)
         if inner is None:
             return n, c, count
         n, count = inner, count + 1
@@ -5430,8 +5437,9 @@ def _elementwise_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, act
     if names and a.id == b.id:  # type: ignore[union-attr]
         return None
     avoid = {n.id for n in (a, b) if isinstance(n, ast.Name)}
-    oa, ca, na = _transform_origin(module, a, actx, avoid)
-    ob, cb, nb = _transform_origin(module, b, ctx, avoid)
+    scales: list[tuple[ast.expr, S.Ctx]] = []
+    oa, ca, na = _transform_origin(module, a, actx, avoid, scales)
+    ob, cb, nb = _transform_origin(module, b, ctx, avoid, scales)
     if na + nb == 0:
         return None
     sa = _split_of(module, oa, ca, S.Trace())
@@ -5448,10 +5456,15 @@ def _elementwise_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, act
         if ia is None or ia != ib:
             return None
         key = ia
+    # a scale or bound that reads the projections' input (`silu(w1(x) * x)`) gates by the input itself
+    base = _key_name(key)
+    if base is not None and any(base in S.names_read(e) for e, _ in scales):
+        return None
     if not names:
-        raise GateMiss("gate and up are elementwise transforms (clamp, cast, scale) of projections of one input, computed "
-                       "inside the product: a scale could broadcast, so the fused branch must compare their shapes at run "
-                       "time, which it cannot do without computing them twice (assign them to names first)")
+        raise GateMiss("gate and up are elementwise transforms (clamp, cast, scale) of projections of one input, and one "
+                       "is an expression computed inside the activation or product, not a name: a scale could broadcast, so "
+                       "the fused branch must compare their shapes at run time, which it cannot do without computing them "
+                       "twice (assign them to names first)")
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, key, shape_checked=True, elementwise=True)
 
 
@@ -5531,7 +5544,14 @@ Swiglu.KEEP += [
         "        hidden, gate = self.to_hidden(x), self.to_gate(x)\n        hidden = hidden * self.hidden_scale\n"
         "        gate = gate * self.gate_scale * (self.dim ** 0.5)\n        return F.gelu(gate) * hidden",
         "        return F.silu(self.to_gate(x) * self.gate_scale) * self.to_hidden(x)"),
-         reason="computed inside the product", name="s27_scaled_projection_inside_the_product"),
+         reason="computed inside the activation or product", name="s27_scaled_projection_inside_the_product"),
+    # both scaled projections written inline, the up one parenthesised (`act(s1 * w1(x)) * (s3 * w3(x))`):
+    # read as two operands, not three factors, and refused for the same reason
+    Keep(_S27_CLAMPED.split("class ClampedGLU")[0] + "class ScaledGLU" + _S27_CLAMPED.split("class ScaledGLU")[1].replace(
+        "        hidden, gate = self.to_hidden(x), self.to_gate(x)\n        hidden = hidden * self.hidden_scale\n"
+        "        gate = gate * self.gate_scale * (self.dim ** 0.5)\n        return F.gelu(gate) * hidden",
+        "        return F.silu(self.gate_scale * self.to_gate(x)) * (self.hidden_scale * self.to_hidden(x))"),
+         reason="computed inside the activation or product", name="s27_scaled_projections_grouped_in_the_product"),
 ]
 
 
@@ -5566,3 +5586,30 @@ class FeedForward(nn.Module):
 Swiglu.KEEP += [
     Keep(_S27_NOT_TORCH, reason="imports nothing from torch", name="s27_glu_in_a_file_without_torch"),
 ]
+
+
+def _key_name(key: str) -> str | None:
+    """The local name a value key starts from (``$x@Scope.forward`` -> ``x``), if it is one."""
+    m = re.match(r"\$([A-Za-z_]\w*)@", key)
+    return m.group(1) if m else None
+
+
+def _grouped_up(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> list[ast.expr] | None:
+    """``act(a) * (s * u)`` (OLMo-core's NormalizedFeedForward: ``silu(sw1 * w1(x)) * (sw3 * w3(x))``):
+    the parenthesised product is the up operand as written, not two more factors. Only where one
+    side is the activation call and the other a product with no activation in it (a sigmoid form
+    ``sigmoid(a) * a * b`` keeps its three factors)."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+        return None
+    for act_side, other in ((node.left, node.right), (node.right, node.left)):
+        if not (isinstance(act_side, ast.Call) and isinstance(other, ast.BinOp) and isinstance(other.op, ast.Mult)):
+            continue
+        a = _act_of(module, act_side, ctx, S.Trace())
+        if a is None or a.kind == SIGMOID:
+            continue
+        inner: list[ast.expr] = []
+        _flatten_mul(other, inner)
+        if any(_act_of(module, f, ctx, S.Trace()) is not None for f in inner):
+            continue
+        return [node.left, node.right]
+    return None
