@@ -5149,10 +5149,11 @@ Swiglu.KEEP += [
     Keep(_S26_SPARSE_GATE.replace("up_proj = self.up_proj(x)\n        return self.down_proj(activations * up_proj)",
                                   "return self.down_proj(activations * self.up_proj(x))"),
          reason="shapes must be checked at run time", name="s26_gate_sparsified_up_computed_in_the_product"),
-    # the up operand changed under a condition (not the activated one): no reading of the gate helps
+    # the up operand changed under a condition by something that is no elementwise clamp/cast/scale
+    # (s27: a scale is, see s27_up_scaled_under_condition): not proved a projection on every path
     Keep(_S26_SPARSE_GATE.replace("        if self.sparsity > 0.0:\n            gate_proj = torch.relu(gate_proj - 1.0)\n", "")
-         .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = up_proj * 0.5\n"),
-         reason="", name="s26_up_scaled_under_condition"),
+         .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = torch.relu(up_proj)\n"),
+         reason="", name="s26_up_transformed_under_condition"),
 ]
 
 
@@ -5213,8 +5214,8 @@ def _rank_padded_index(tensor: ast.expr, ctx: S.Ctx, elts: list[ast.expr]) -> li
     the trailing dims whole, so ``t[:, 0]`` is ``t[:, 0, :]`` (TGI/lorax ``gate_up_states``). The rank
     is proved by the defining ``view``/``reshape`` (one size argument per dim, no starred sizes); an
     index with an ellipsis or an unknown rank is returned as written."""
-    if any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts) or not isinstance(tensor, ast.Name):
-        return elts
+    if len(elts) < 2 or any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts) or not isinstance(tensor, ast.Name):
+        return elts  # a single index `t[0]` is a row of a batch, never a pair member
     value, _, stmt = S.follow(tensor, ctx)
     if stmt is None or not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
                             and value.func.attr in ("view", "reshape") and not value.keywords):
@@ -5613,3 +5614,14 @@ def _grouped_up(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> list[ast.expr
             continue
         return [node.left, node.right]
     return None
+
+
+Swiglu.FUSE += [
+    # s27: the up operand scaled under a condition (formerly a Keep): on either path it is an elementwise
+    # transform of the projection, so the fused op takes its value at the product, behind a shape check
+    Fuse(_S26_SPARSE_GATE.replace("        if self.sparsity > 0.0:\n            gate_proj = torch.relu(gate_proj - 1.0)\n", "")
+         .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = up_proj * 0.5\n"),
+         expect={"activation": "silu", "gate": "gate_proj", "up": "up_proj"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (SparseGateMLP(8, 6, 0.0)(x), SparseGateMLP(8, 6, 0.5)(x))\nleaves = [x]\n",
+         name="s27_up_scaled_under_condition"),
+]
