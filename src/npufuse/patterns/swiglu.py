@@ -1460,7 +1460,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
             if g is None:
                 continue
             saved = _saved_activation_reason(module, scope, g) or _inplace_alias_reason(module, scope, g) \
-                or _unfusable_default_reason(module, scope, g.act) or _non_torch_reason(module)
+                or _unfusable_default_reason(module, scope, g.act) or _non_torch_reason(module) or getattr(node, "_npufuse_out_reason", None)
             if saved is not None:
                 misses.append((owner(g.act) or "swiglu", saved))
                 inside.append(node)
@@ -1478,6 +1478,8 @@ def _call_product(module: ModuleInfo, stmt: ast.stmt, call: ast.Call) -> ast.Bin
     """``a.mul(b)`` / ``torch.mul(a, b)`` as the product ``a * b`` (a node at the call's place, so
     the call's text is what the fused expression replaces); ``t.mul_(b)`` as a statement of its
     own as ``t = t * b`` (see :func:`_inplace_target`)."""
+    if _out_product(module, call) is not None:
+        return _out_product(module, call)
     if call.keywords or any(isinstance(a, ast.Starred) for a in call.args):
         return None
     f = call.func
@@ -5624,4 +5626,42 @@ Swiglu.FUSE += [
          expect={"activation": "silu", "gate": "gate_proj", "up": "up_proj"},
          run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (SparseGateMLP(8, 6, 0.0)(x), SparseGateMLP(8, 6, 0.5)(x))\nleaves = [x]\n",
          name="s27_up_scaled_under_condition"),
+]
+
+
+def _out_product(module: ModuleInfo, call: ast.Call) -> ast.BinOp | None:
+    """``torch.mul(act(g), u, out=buf)``: the gated product written into a preallocated tensor. Read as
+    the product so a GLU there is reported, but as a near miss: the fused ops return a new tensor, and
+    a rewrite that rebinds the expression would leave ``buf`` unfilled for code that reads it."""
+    if module.canonical(call.func) not in ("torch.mul", "torch.multiply") or len(call.args) != 2 \
+            or any(isinstance(a, ast.Starred) for a in call.args) or [k.arg for k in call.keywords] != ["out"]:
+        return None
+    node = ast.BinOp(left=call.args[0], op=ast.Mult(), right=call.args[1], lineno=call.lineno, col_offset=call.col_offset,
+                     end_lineno=call.end_lineno, end_col_offset=call.end_col_offset)
+    node._npufuse_out_reason = (  # type: ignore[attr-defined]
+        f"the product is written into `out={ast.unparse(call.keywords[0].value)}`: the fused op returns a new tensor, "
+        "so a rewrite would leave that buffer unfilled for the code that reads it")
+    return node
+
+
+_S27_MUL_OUT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BufferedGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w3 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x, buf):
+        torch.mul(F.silu(self.w1(x)), self.w3(x), out=buf)
+        return self.w2(buf)
+'''
+
+Swiglu.KEEP += [
+    Keep(_S27_MUL_OUT, reason="written into `out=buf`", name="s27_mul_into_an_out_buffer"),
 ]
