@@ -692,6 +692,9 @@ class Gate:
     # branch checks it at run time (host-side shapes, no sync)
     shape_checked: bool = False
     elementwise: bool = False  # operands transformed elementwise after their projection (s27)
+    # s27: operands written as expressions (`x_linear + offset`): per operand, the name it starts from
+    # and the scales/bounds applied inline; the shape check reads those instead of the operand
+    inline_guard: list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] | None = None
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -5035,6 +5038,11 @@ def _shape_checked_fused(module: ModuleInfo, g: Gate, plan: S.SpanPlan, fused: s
     optional branch restructured the span."""
     if len(kept_first) != len(plan.kept):
         raise S.RenderError("an optional branch and a run-time shape check in one span")
+    if g.inline_guard is not None:
+        test = _inline_shape_test(module, g, plan)
+        return "\n".join(kept_first + [f"if {test}:", S.indent(fused),
+                                        "else:  # operands of different shapes (broadcasting): the original code",
+                                        S.indent(_replaced_source(module, plan))])
     ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g.a, g.b))
     if not (ga.isidentifier() and gb.isidentifier()):
         raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
@@ -5464,6 +5472,10 @@ def _elementwise_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, act
     if base is not None and any(base in S.names_read(e) for e, _ in scales):
         return None
     if not names:
+        inline = _inline_guard(module, a, actx, b, ctx, avoid)
+        if inline is not None:
+            return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, key, shape_checked=True, elementwise=True,
+                        inline_guard=inline)
         raise GateMiss("gate and up are elementwise transforms (clamp, cast, scale) of projections of one input, and one "
                        "is an expression computed inside the activation or product, not a name: a scale could broadcast, so "
                        "the fused branch must compare their shapes at run time, which it cannot do without computing them "
@@ -5664,4 +5676,101 @@ class BufferedGLU(nn.Module):
 
 Swiglu.KEEP += [
     Keep(_S27_MUL_OUT, reason="written into `out=buf`", name="s27_mul_into_an_out_buffer"),
+]
+
+
+def _plain_value(e: ast.expr) -> bool:
+    """A name, an attribute chain or a constant: reading it twice computes nothing."""
+    return all(isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.Load, ast.UnaryOp, ast.USub, ast.UAdd)) for n in fast_walk(e))
+
+
+def _inline_guard(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
+                  avoid: set[str]) -> list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] | None:
+    """Megatron's ``act(x_glu) * (x_linear + self.config.glu_linear_offset)``: an operand written as an
+    elementwise transform of a name, by plain values (names, attributes, constants). Its shape is the
+    broadcast of the name's shape with the values' shapes, which the fused branch can read without
+    computing the operand: per operand, the name and the inline values; None when an operand is
+    anything else (a projection call computed in the product, a value that is itself computed)."""
+    out: list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] = []
+    for op, octx in ((a, actx), (b, ctx)):
+        scales: list[tuple[ast.expr, S.Ctx]] = []
+        n = op
+        for _ in range(8):
+            if isinstance(n, ast.Name):
+                break
+            inner = _elementwise_operand(n, octx, avoid, scales)
+            if inner is None:
+                return None
+            n = inner
+        if not isinstance(n, ast.Name) or not all(_plain_value(e) for e, _ in scales):
+            return None
+        out.append((n, octx, [(e, c) for e, c in scales if not (isinstance(e, ast.Constant) and e.value is None)]))
+    return out
+
+
+def _inline_shape_test(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str:
+    """``a.shape == b.shape`` for operands written as ``name <op> value``: each operand's shape is
+    ``broadcast_shapes(name.shape, value.shape...)`` (a number has shape ``()``), read from the names
+    and values only (nothing is computed twice)."""
+    T = S.torch_name(module) or "torch"
+    shapes = []
+    for name, nctx, scales in g.inline_guard or []:
+        base = S.render(module, name, nctx, plan)
+        if not base.isidentifier():
+            raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
+        if not scales:
+            shapes.append(f"{base}.shape")
+            continue
+        parts = ", ".join(f'getattr({S.render(module, e, c, plan)}, "shape", ())' for e, c in scales)
+        shapes.append(f"{T}.broadcast_shapes({base}.shape, {parts})")
+    return f"{shapes[0]} == {shapes[1]}"
+
+
+_S27_OFFSET_UP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Cfg:
+    def __init__(self, clamp=None, offset=0.0):
+        self.activation_func = F.silu
+        self.clamp_value = clamp
+        self.linear_offset = offset
+
+
+class OffsetGLU(nn.Module):
+    """Megatron-style: halves of one projection, optionally clamped, the up half offset inline."""
+
+    def __init__(self, cfg, d, h):
+        super().__init__()
+        self.config = cfg
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        y = self.fc1(x)
+
+        def glu(t):
+            x_glu, x_linear = torch.chunk(t, 2, dim=-1)
+            if (val := self.config.clamp_value) is not None:
+                x_glu = x_glu.clamp(min=None, max=val)
+                x_linear = x_linear.clamp(min=-val, max=val)
+            return self.config.activation_func(x_glu) * (x_linear + self.config.linear_offset)
+
+        return self.fc2(glu(y))
+'''
+
+_RUN_S27_OFFSET_UP = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [OffsetGLU(Cfg(), 8, 6), OffsetGLU(Cfg(0.3, 1.0), 8, 6), OffsetGLU(Cfg(None, torch.ones(2, 3, 1)), 8, 6), OffsetGLU(Cfg(None, torch.ones(4, 2, 3, 1)), 8, 6)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.fc1.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # the up half offset inline by a config value: the shape check broadcasts the half's shape with the
+    # offset's (a tensor offset that grows the shape runs the original code)
+    Fuse(_S27_OFFSET_UP, expect={"activation": "config", "gate": "x_glu", "up": "x_linear + self.config.linear_offset"},
+         run=_RUN_S27_OFFSET_UP, name="s27_up_offset_inline_by_a_config_value"),
 ]
