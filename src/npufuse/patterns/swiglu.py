@@ -4647,8 +4647,8 @@ def _param_or_default_act(module: ModuleInfo, value: ast.IfExp, f: ast.Attribute
     fused ops do not compute (a Sigmoid GLU) makes it a near miss (see _unfusable_default_reason)."""
     params = S.init_params(module, cls_name)
     arms = (value.body, value.orelse)
-    passed = [a for a in arms if isinstance(a, ast.Name) and a.id in params]
-    others = [a for a in arms if not (isinstance(a, ast.Name) and a.id in params)]
+    passed = [a for a in arms if _caller_supplied(a, params)]
+    others = [a for a in arms if not _caller_supplied(a, params)]
     if len(passed) != 1 or len(others) != 1:
         return None
     k = _module_act(module, others[0])
@@ -5773,4 +5773,51 @@ Swiglu.FUSE += [
     # offset's (a tensor offset that grows the shape runs the original code)
     Fuse(_S27_OFFSET_UP, expect={"activation": "config", "gate": "x_glu", "up": "x_linear + self.config.linear_offset"},
          run=_RUN_S27_OFFSET_UP, name="s27_up_offset_inline_by_a_config_value"),
+]
+
+
+def _caller_supplied(arm: ast.expr, params: dict) -> bool:
+    """An __init__ parameter (``act``) or an instance the class builds from one (``act_layer()``, timm's
+    ``act_layer() if act_layer is not None else nn.GELU(approximate='tanh')``): the caller's choice."""
+    if isinstance(arm, ast.Call) and not arm.args and not arm.keywords:
+        arm = arm.func
+    return isinstance(arm, ast.Name) and arm.id in params
+
+
+_S27_ACT_LAYER_OR_DEFAULT = '''
+import torch
+from torch import nn
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, d, h, act_layer=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act = act_layer() if act_layer is not None else nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+'''
+
+_RUN_S27_ACT_LAYER_OR_DEFAULT = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GatedMlp(8, 6), GatedMlp(8, 6, nn.GELU), GatedMlp(8, 6, nn.ReLU)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_proj.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # `act_layer() if act_layer is not None else nn.GELU(approximate="tanh")`: an instance of the caller's
+    # class, or gelu(tanh) by default; dispatched on the object at run time
+    Fuse(_S27_ACT_LAYER_OR_DEFAULT.replace('nn.GELU(approximate="tanh")', "nn.SiLU()"),
+         expect={"activation": "config", "default_activation": "silu"},
+         run=_RUN_S27_ACT_LAYER_OR_DEFAULT, name="s27_caller_class_instance_or_default"),
+]
+
+Swiglu.KEEP += [
+    # the default is a sigmoid (a Dauphin GLU) and nothing offers silu/gelu: a near miss, as for `act or nn.Sigmoid()`
+    Keep(_S27_ACT_LAYER_OR_DEFAULT.replace('nn.GELU(approximate="tanh")', "nn.Sigmoid()"), reason="defaults to sigmoid",
+         name="s27_caller_class_instance_or_sigmoid_default"),
 ]
