@@ -160,6 +160,8 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
     name = module.canonical(value)
     if name in _FUNCS:
         return _FUNCS[name], None
+    if isinstance(value, ast.Lambda):
+        return _lambda_act(module, value)
     return None
 
 
@@ -689,6 +691,10 @@ class Gate:
     # sparsified when a flag is set): its shape is not proven equal to the other's, so the fused
     # branch checks it at run time (host-side shapes, no sync)
     shape_checked: bool = False
+    elementwise: bool = False  # operands transformed elementwise after their projection (s27)
+    # s27: operands written as expressions (`x_linear + offset`): per operand, the name it starts from
+    # and the scales/bounds applied inline; the shape check reads those instead of the operand
+    inline_guard: list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] | None = None
 
 
 def _flatten_mul(node: ast.expr, out: list[ast.expr]) -> None:
@@ -984,7 +990,8 @@ def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, other_input: st
         inner = [(n.func.value, c)]  # x.clamp(max=...)
     for e, ec in inner:
         if _projection_input(e, ec) is not None:
-            return f"gate or up is transformed after its projection (`{text}`): the fused op takes the projections themselves"
+            return (f"gate or up is transformed after its projection (`{text}`) by something other than an elementwise "
+                    "clamp, cast or scale independent of the operands: not a gated product of two projections")
     return None
 
 
@@ -1049,10 +1056,16 @@ def find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Gate | None:
 def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]) -> Gate | None:
     factors: list[ast.expr] = []
     _flatten_mul(node, factors)
+    if len(factors) == 3:
+        factors = _grouped_up(module, node, ctx) or factors
     if len(factors) not in (2, 3):
         return None
     trace = S.Trace()
-    acts = [(i, _act_of(module, f, ctx, trace)) for i, f in enumerate(factors)]
+    # one trace per factor: only the chosen activation's statements join the fused region (a
+    # factor read as a weak activation object and then dropped, e.g. `up = self.up(x)` with an
+    # imported `Linear`, must not pull its assignment into the span)
+    factor_traces = [S.Trace() for _ in factors]
+    acts = [(i, _act_of(module, f, ctx, factor_traces[i])) for i, f in enumerate(factors)]
     found = [(i, a) for i, a in acts if a is not None]
     if len(factors) == 2 and len(found) == 2 and all(a.weak for _, a in found):
         # two callables other objects hold (`layer.act(layer.gate(x)) * layer.up(x)`): the
@@ -1100,6 +1113,9 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                     break
     if act is None or act.gate is None:
         return None
+    for i in used:
+        trace.stmts.update(factor_traces[i].stmts)
+        trace.conditional += factor_traces[i].conditional
     chosen.append(act)
     rest = [k for k in range(len(factors)) if k not in used]
     if len(rest) != 1:
@@ -1153,7 +1169,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, biased)
     if ia is None or ib is None or ia != ib:
         if act.kind in (SILU, CONFIG) + GELU_KINDS:
-            conditional = _conditionally_transformed_gate(module, act, a, actx, b, ctx, node, trace, ia, ib)
+            conditional = _conditionally_transformed_gate(module, act, a, actx, b, ctx, node, trace, ia, ib) \
+                or _elementwise_transformed_gate(module, act, a, actx, b, ctx, node, trace)
             if conditional is not None:
                 return conditional
             for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
@@ -1446,7 +1463,7 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
             if g is None:
                 continue
             saved = _saved_activation_reason(module, scope, g) or _inplace_alias_reason(module, scope, g) \
-                or _unfusable_default_reason(module, scope, g.act)
+                or _unfusable_default_reason(module, scope, g.act) or _non_torch_reason(module) or getattr(node, "_npufuse_out_reason", None)
             if saved is not None:
                 misses.append((owner(g.act) or "swiglu", saved))
                 inside.append(node)
@@ -1464,6 +1481,8 @@ def _call_product(module: ModuleInfo, stmt: ast.stmt, call: ast.Call) -> ast.Bin
     """``a.mul(b)`` / ``torch.mul(a, b)`` as the product ``a * b`` (a node at the call's place, so
     the call's text is what the fused expression replaces); ``t.mul_(b)`` as a statement of its
     own as ``t = t * b`` (see :func:`_inplace_target`)."""
+    if _out_product(module, call) is not None:
+        return _out_product(module, call)
     if call.keywords or any(isinstance(a, ast.Starred) for a in call.args):
         return None
     f = call.func
@@ -1656,7 +1675,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
     if g0.shape_checked:
-        notes.append(_CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
+        notes.append(_ELEMENTWISE_NOTE if g0.elementwise else
+                     _CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
     if g0.caller_lines:
         params["operands_from_callers"] = list(g0.caller_lines)
         notes.append(f"gate and up are parameters of `{scope.qualname}`: every call of it in this module (line(s) "
@@ -3194,6 +3214,7 @@ def _indexed_pair_part(n: ast.Subscript, ctx: S.Ctx) -> tuple[str, ast.expr, S.C
     part of a pair, and stays out."""
     sl = n.slice
     elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+    elts = _rank_padded_index(n.value, ctx, list(elts))
     if len(elts) < 2:
         return None
     ints = [i for i, e in enumerate(elts) if isinstance(e, ast.Constant) and type(e.value) is int]
@@ -4626,8 +4647,8 @@ def _param_or_default_act(module: ModuleInfo, value: ast.IfExp, f: ast.Attribute
     fused ops do not compute (a Sigmoid GLU) makes it a near miss (see _unfusable_default_reason)."""
     params = S.init_params(module, cls_name)
     arms = (value.body, value.orelse)
-    passed = [a for a in arms if isinstance(a, ast.Name) and a.id in params]
-    others = [a for a in arms if not (isinstance(a, ast.Name) and a.id in params)]
+    passed = [a for a in arms if _caller_supplied(a, params)]
+    others = [a for a in arms if not _caller_supplied(a, params)]
     if len(passed) != 1 or len(others) != 1:
         return None
     k = _module_act(module, others[0])
@@ -5017,6 +5038,11 @@ def _shape_checked_fused(module: ModuleInfo, g: Gate, plan: S.SpanPlan, fused: s
     optional branch restructured the span."""
     if len(kept_first) != len(plan.kept):
         raise S.RenderError("an optional branch and a run-time shape check in one span")
+    if g.inline_guard is not None:
+        test = _inline_shape_test(module, g, plan)
+        return "\n".join(kept_first + [f"if {test}:", S.indent(fused),
+                                        "else:  # operands of different shapes (broadcasting): the original code",
+                                        S.indent(_replaced_source(module, plan))])
     ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g.a, g.b))
     if not (ga.isidentifier() and gb.isidentifier()):
         raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
@@ -5133,10 +5159,11 @@ Swiglu.KEEP += [
     Keep(_S26_SPARSE_GATE.replace("up_proj = self.up_proj(x)\n        return self.down_proj(activations * up_proj)",
                                   "return self.down_proj(activations * self.up_proj(x))"),
          reason="shapes must be checked at run time", name="s26_gate_sparsified_up_computed_in_the_product"),
-    # the up operand changed under a condition (not the activated one): no reading of the gate helps
+    # the up operand changed under a condition by something that is no elementwise clamp/cast/scale
+    # (s27: a scale is, see s27_up_scaled_under_condition): not proved a projection on every path
     Keep(_S26_SPARSE_GATE.replace("        if self.sparsity > 0.0:\n            gate_proj = torch.relu(gate_proj - 1.0)\n", "")
-         .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = up_proj * 0.5\n"),
-         reason="", name="s26_up_scaled_under_condition"),
+         .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = torch.relu(up_proj)\n"),
+         reason="", name="s26_up_transformed_under_condition"),
 ]
 
 
@@ -5186,4 +5213,611 @@ Swiglu.FUSE += [
          expect={"activation": "config", "default_activation": "sigmoid"},
          run="x = torch.randn(2, 8, requires_grad=True)\nout = (SwiGLUPacked(8, 6)(x), GluMlp(8, 6)(x))\nleaves = [x]\n",
          name="s26_sigmoid_default_but_built_with_silu_in_the_module"),
+]
+
+
+# --- s27 glu: census classes (issue 14; helper session glu, branch s27-glu) ---
+
+
+def _rank_padded_index(tensor: ast.expr, ctx: S.Ctx, elts: list[ast.expr]) -> list[ast.expr]:
+    """``t[:, 0]`` where ``t = x.view(-1, 2, I)``: an index shorter than the tensor's rank leaves
+    the trailing dims whole, so ``t[:, 0]`` is ``t[:, 0, :]`` (TGI/lorax ``gate_up_states``). The rank
+    is proved by the defining ``view``/``reshape`` (one size argument per dim, no starred sizes); an
+    index with an ellipsis or an unknown rank is returned as written."""
+    if len(elts) < 2 or any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts) or not isinstance(tensor, ast.Name):
+        return elts  # a single index `t[0]` is a row of a batch, never a pair member
+    value, _, stmt = S.follow(tensor, ctx)
+    if stmt is None or not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                            and value.func.attr in ("view", "reshape") and not value.keywords):
+        return elts
+    sizes = value.args
+    if len(sizes) == 1 and isinstance(sizes[0], (ast.Tuple, ast.List)):
+        sizes = sizes[0].elts
+    if not sizes or any(isinstance(a, ast.Starred) for a in sizes) or len(sizes) <= len(elts):
+        return elts
+    if len(sizes) == 1 and not isinstance(sizes[0], ast.Constant):
+        return elts  # `t.view(shape)`: one argument that may be a whole shape
+    return elts + [ast.Slice(lower=None, upper=None, step=None) for _ in range(len(sizes) - len(elts))]
+
+
+def _lambda_act(module: ModuleInfo, value: ast.Lambda) -> tuple[str, ast.expr | None] | None:
+    """``lambda x: F.gelu(x, approximate="tanh")`` (TGI's ``ACT2FN[act] if "gelu" not in act else
+    lambda x: ...``): a one-parameter lambda whose body applies a known activation to that parameter
+    and reads it nowhere else is that activation. Anything else in the body (a scale, a second use of
+    the parameter) is no activation object."""
+    a = value.args
+    if len(a.args) != 1 or a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs:
+        return None
+    param = a.args[0].arg
+    body = value.body
+    if not (isinstance(body, ast.Call) and body.args and isinstance(body.args[0], ast.Name) and body.args[0].id == param):
+        return None
+    if sum(1 for n in ast.walk(body) if isinstance(n, ast.Name) and n.id == param) != 1:
+        return None
+    name = module.canonical(body.func)
+    if name not in _FUNCS or _FUNCS[name] == SIGMOID:
+        return None
+    kind = _FUNCS[name]
+    if kind == GELU:
+        approx = S.arg(body, "approximate", 1)
+        if approx is not None:
+            v = const_value(approx)
+            return (GELU_TANH, None) if v == "tanh" else (GELU, None) if v == "none" else (GELU_DYN, approx)
+    return kind, None
+
+
+_S27_PACKED_PAIR = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "relu": nn.ReLU(), "gelu": nn.GELU()}
+
+
+class Cfg:
+    def __init__(self, act):
+        self.hidden_act = act
+
+
+class PackedPairMLP(nn.Module):
+    """A server-style MLP: one projection viewed as [N, 2, I]; a lambda for the gelu family."""
+
+    def __init__(self, cfg, d, h):
+        super().__init__()
+        act = cfg.hidden_act
+        self.act = (
+            ACT2FN[act]
+            if "gelu" not in act
+            else lambda x: F.gelu(x, approximate="tanh" if act in ["gelu_fast", "gelu_pytorch_tanh"] else "none")
+        )
+        self.gate_up = nn.Linear(d, 2 * h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+        self.inner = h
+
+    def forward(self, x):
+        gate_up = self.gate_up(x)
+        gate_up = gate_up.view(-1, 2, self.inner)
+        return self.down(self.act(gate_up[:, 0]) * gate_up[:, 1])
+'''
+
+_RUN_S27_PACKED_PAIR = '''
+x = torch.randn(5, 8, requires_grad=True)
+ms = [PackedPairMLP(Cfg(a), 8, 6) for a in ("silu", "relu", "gelu_pytorch_tanh")]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_up.weight for m in ms]
+'''
+
+_S27_LAMBDA_GATED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACT2FN = {"silu": nn.SiLU(), "relu": nn.ReLU()}
+
+
+class DenseGatedActDense(nn.Module):
+    def __init__(self, act_name, d, h):
+        super().__init__()
+        self.wi_0 = nn.Linear(d, h, bias=False)
+        self.wi_1 = nn.Linear(d, h, bias=False)
+        self.wo = nn.Linear(h, d, bias=False)
+        self.act = ACT2FN[act_name] if "gelu" not in act_name else lambda x: F.gelu(x, approximate="tanh")
+
+    def forward(self, hidden_states):
+        activated = self.act(self.wi_0(hidden_states))
+        hidden_linear = self.wi_1(hidden_states)
+        hidden_states = activated * hidden_linear
+        return self.wo(hidden_states)
+'''
+
+_RUN_S27_LAMBDA_GATED = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [DenseGatedActDense(a, 8, 6) for a in ("silu", "gelu_new", "relu")]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.wi_0.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # `t = proj(x).view(-1, 2, I)`; `act(t[:, 0]) * t[:, 1]`: the view proves t is 3-D, so `t[:, 0]` is the
+    # pair's first member (trailing dim whole); the config arm dispatches on the object at run time
+    Fuse(_S27_PACKED_PAIR, expect={"activation": "config", "gate": "gate_up[:, 0]", "up": "gate_up[:, 1]"},
+         run=_RUN_S27_PACKED_PAIR, name="s27_pair_indexed_by_a_short_index_on_a_viewed_tensor"),
+    # `ACT2FN[name] if ... else lambda x: F.gelu(x, approximate="tanh")`: the lambda arm is a gelu object
+    Fuse(_S27_LAMBDA_GATED, expect={"activation": "config", "gate": "self.wi_0(hidden_states)", "up": "hidden_linear"},
+         run=_RUN_S27_LAMBDA_GATED, name="s27_config_or_lambda_activation"),
+]
+
+Swiglu.KEEP += [
+    # no view proves the rank: `t[:, 0]` of a 2-D projection is a column (one number per row), not a
+    # pair member; nothing is claimed about it
+    Keep(_S27_PACKED_PAIR.replace("        gate_up = gate_up.view(-1, 2, self.inner)\n", ""),
+         reason="gate and up are not", name="s27_short_index_without_a_proved_rank"),
+    # a lambda that does more than apply an activation to its parameter is no activation object
+    Keep(_S27_LAMBDA_GATED.replace('lambda x: F.gelu(x, approximate="tanh")', 'lambda x: F.gelu(x, approximate="tanh") * x'),
+         reason="", name="s27_lambda_that_is_no_plain_activation"),
+]
+
+
+# --- s27: operands transformed elementwise after their projection (clamped / scaled GLUs) ---
+
+_ELEMENTWISE_METHODS = frozenset(("clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "to", "type_as", "contiguous"))
+_SHAPE_READS = frozenset(("dtype", "device", "shape"))
+
+
+def _independent(e: ast.expr, ctx: S.Ctx, avoid: set[str], depth: int = 0) -> bool:
+    """``e`` (a clamp bound, a scale) reads none of ``avoid`` (the operands' names and the
+    projections' input) and calls nothing but casts and indexing: a value chosen apart from the
+    product's operands (``self.limit``, ``self.gate_scale * (self.dim ** 0.5)``). ``x.dtype`` /
+    ``x.shape`` reads of any tensor are allowed (metadata, not values)."""
+    if depth > 3:
+        return False
+    for n in fast_walk(e):
+        if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Attribute) and n.func.attr in ("to", "float", "half", "bfloat16", "type_as")):
+            return False
+        if isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+            return False
+    meta = {id(n.value) for n in fast_walk(e) if isinstance(n, ast.Attribute) and n.attr in _SHAPE_READS}
+    for n in fast_walk(e):
+        if not isinstance(n, ast.Name) or id(n) in meta:
+            continue
+        if n.id in avoid:
+            return False
+        d = S.definition(ctx, n.id)
+        if d is not None and (d[1] is None or not _independent(d[1], ctx.at(d[0].lineno), avoid, depth + 1)):
+            return False
+    return True
+
+
+def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str], scales: list[tuple[ast.expr, S.Ctx]] | None = None) -> ast.expr | None:
+    """The tensor a shape-preserving elementwise transform applies to: ``t.clamp(max=L)``,
+    ``torch.clamp(t, -L, L)``, ``t.float()``, ``t * s`` / ``s * t`` / ``t / s`` / ``t + b`` with ``s``
+    independent of the operands (see :func:`_independent`); None for anything else. (A scale may
+    broadcast to a larger shape in principle: the fused branch checks the operands' shapes.)"""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _ELEMENTWISE_METHODS:
+        if value.func.attr == "contiguous" and (value.args or value.keywords):
+            return None
+        bounds = [*value.args, *(k.value for k in value.keywords if k.arg is not None)]
+        if all(_independent(x, ctx, avoid) for x in bounds) and all(k.arg is not None for k in value.keywords):
+            if scales is not None:
+                scales.extend((x, ctx) for x in bounds)
+            return value.func.value
+        return None
+    if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
+        sides = [(value.left, value.right)] + ([(value.right, value.left)] if isinstance(value.op, (ast.Mult, ast.Add)) else [])
+        for t, sc in sides:
+            if _independent(sc, ctx, avoid) and not _independent(t, ctx, avoid):
+                if scales is not None:
+                    scales.append((sc, ctx))
+                return t
+    return None
+
+
+def _transform_origin(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, avoid: set[str],
+                      scales: list[tuple[ast.expr, S.Ctx]] | None = None) -> tuple[ast.expr, S.Ctx, int]:
+    """Peel elementwise transforms off an operand, through the names they are assigned to
+    (``up = up.clamp(-L, L)`` after ``gate, up = t.chunk(2, -1)``): the value they start from, its
+    context, and how many transforms were peeled."""
+    n, c, count = node, ctx, 0
+    for _ in range(8):
+        if isinstance(n, ast.Name):
+            d = S.definition(c, n.id)
+            if d is None or d[1] is None:
+                return n, c, count
+            inner = _elementwise_operand(d[1], c.at(d[0].lineno), avoid, scales)
+            if inner is None:
+                return n, c, count
+            n, c, count = inner, c.at(d[0].lineno), count + 1
+            continue
+        inner = _elementwise_operand(n, c, avoid, scales)
+        if inner is None:
+            return n, c, count
+        n, count = inner, count + 1
+    return n, c, count
+
+
+def _elementwise_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
+                                  node: ast.expr, trace: S.Trace) -> Gate | None:
+    """``gate = proj_g(x).clamp(max=L); up = proj_u(x).clamp(-L, L); act(gate) * up`` (DeepSeek-V4,
+    Megatron's clamped_swiglu), ``gate = gate * self.gate_scale`` (nGPT-style scaled GLUs): operands
+    that are elementwise transforms of two projections of one input, or of the two halves of one
+    chunk. ``act(a) * b`` is then ``npu_swiglu(cat([a, b], -1))`` on the transformed values exactly,
+    whenever a and b have one shape, so the transforms stay as written (outside the replaced span)
+    and the fused branch checks the shapes at run time (a scale could broadcast). Both operands must
+    be names (the check reads them without computing them again)."""
+    names = isinstance(a, ast.Name) and isinstance(b, ast.Name)
+    if names and a.id == b.id:  # type: ignore[union-attr]
+        return None
+    avoid = {n.id for n in (a, b) if isinstance(n, ast.Name)}
+    scales: list[tuple[ast.expr, S.Ctx]] = []
+    oa, ca, na = _transform_origin(module, a, actx, avoid, scales)
+    ob, cb, nb = _transform_origin(module, b, ctx, avoid, scales)
+    if na + nb == 0:
+        return None
+    sa = _split_of(module, oa, ca, S.Trace())
+    sb = _split_of(module, ob, cb, S.Trace())
+    if sa is not None and sb is not None:
+        if sa[0] != sb[0] or S.key(sa[3], sa[2]) != S.key(sb[3], sb[2]) or sa[4] == sb[4] or sa[5] != sb[5]:
+            return None
+        if sa[5] == "slice" or (sa[5] != "sized" and {sa[4], sb[4]} != {0, 1}) or not (sa[6] and sb[6]):
+            return None
+        key = sa[0]
+    else:
+        ia = _projection_input(oa, ca, module)
+        ib = _projection_input(ob, cb, module)
+        if ia is None or ia != ib:
+            return None
+        key = ia
+    # a scale or bound that reads the projections' input (`silu(w1(x) * x)`) gates by the input itself
+    base = _key_name(key)
+    if base is not None and any(base in S.names_read(e) for e, _ in scales):
+        return None
+    if not names:
+        inline = _inline_guard(module, a, actx, b, ctx, avoid)
+        if inline is not None:
+            return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, key, shape_checked=True, elementwise=True,
+                        inline_guard=inline)
+        raise GateMiss("gate and up are elementwise transforms (clamp, cast, scale) of projections of one input, and one "
+                       "is an expression computed inside the activation or product, not a name: a scale could broadcast, so "
+                       "the fused branch must compare their shapes at run time, which it cannot do without computing them "
+                       "twice (assign them to names first)")
+    return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, key, shape_checked=True, elementwise=True)
+
+
+_ELEMENTWISE_NOTE = ("gate and up are transformed elementwise after their projections (clamped, scaled or cast): the fused "
+                     "op takes the transformed values, so the transforms stay as written; the fused branch checks that "
+                     "gate and up have one shape (a scale could broadcast), the original code runs otherwise")
+
+_S27_CLAMPED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ClampedGLU(nn.Module):
+    """Gate and up clamped after their projections, then silu(gate) * up."""
+
+    def __init__(self, d, h, limit=0.5):
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def clamped_halves(y, clamp_value):
+    y_1, y_2 = torch.chunk(y.float(), 2, -1)
+    y_1 = y_1.clamp(min=None, max=clamp_value)
+    y_2 = y_2.clamp(min=-clamp_value, max=clamp_value)
+    return F.silu(y_1) * y_2
+
+
+class ScaledGLU(nn.Module):
+    """Each projection times a learned per-channel scale (normalized-transformer style)."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.dim = d
+        self.to_hidden = nn.Linear(d, h, bias=False)
+        self.to_gate = nn.Linear(d, h, bias=False)
+        self.hidden_scale = nn.Parameter(torch.rand(h) + 0.5)
+        self.gate_scale = nn.Parameter(torch.rand(h) + 0.5)
+
+    def forward(self, x):
+        hidden, gate = self.to_hidden(x), self.to_gate(x)
+        hidden = hidden * self.hidden_scale
+        gate = gate * self.gate_scale * (self.dim ** 0.5)
+        return F.gelu(gate) * hidden
+'''
+
+_RUN_S27_CLAMPED = '''
+m, s = ClampedGLU(8, 6), ScaledGLU(8, 6)
+x = torch.randn(2, 3, 8, requires_grad=True)
+y = torch.randn(4, 12, requires_grad=True)
+out = (m(x), clamped_halves(y, 0.7), s(x))
+leaves = [x, y, m.gate_proj.weight, s.gate_scale]
+'''
+
+Swiglu.FUSE += [
+    # clamped projections (DeepSeek-V4 style), clamped halves (Megatron clamped_swiglu style): the fused
+    # op takes the clamped values; shapes checked at run time
+    Fuse(_S27_CLAMPED, expect={"activation": "silu", "gate": "gate", "up": "up", "qualname": "ClampedGLU.forward"},
+         run=_RUN_S27_CLAMPED, name="s27_clamped_projections_and_halves"),
+]
+
+Swiglu.KEEP += [
+    # a "scale" that reads the other operand: silu(gate * up) * up is no GLU of two transformed projections
+    Keep(_S27_CLAMPED.replace("gate = self.gate_proj(x).clamp(max=self.limit)", "gate = self.gate_proj(x) * self.up_proj(x)")
+         .replace("y_1 = y_1.clamp(min=None, max=clamp_value)", "y_1 = y_1 * y_2").replace("F.gelu(gate) * hidden", "F.gelu(gate) * x"),
+         reason="not a gated product of two projections", name="s27_transform_reading_the_other_operand"),
+    # a scaled projection written inside the product: its shape cannot be checked without computing it twice
+    Keep(_S27_CLAMPED.split("class ClampedGLU")[0] + "class ScaledGLU" + _S27_CLAMPED.split("class ScaledGLU")[1].replace(
+        "        hidden, gate = self.to_hidden(x), self.to_gate(x)\n        hidden = hidden * self.hidden_scale\n"
+        "        gate = gate * self.gate_scale * (self.dim ** 0.5)\n        return F.gelu(gate) * hidden",
+        "        return F.silu(self.to_gate(x) * self.gate_scale) * self.to_hidden(x)"),
+         reason="computed inside the activation or product", name="s27_scaled_projection_inside_the_product"),
+    # both scaled projections written inline, the up one parenthesised (`act(s1 * w1(x)) * (s3 * w3(x))`):
+    # read as two operands, not three factors, and refused for the same reason
+    Keep(_S27_CLAMPED.split("class ClampedGLU")[0] + "class ScaledGLU" + _S27_CLAMPED.split("class ScaledGLU")[1].replace(
+        "        hidden, gate = self.to_hidden(x), self.to_gate(x)\n        hidden = hidden * self.hidden_scale\n"
+        "        gate = gate * self.gate_scale * (self.dim ** 0.5)\n        return F.gelu(gate) * hidden",
+        "        return F.silu(self.gate_scale * self.to_gate(x)) * (self.hidden_scale * self.to_hidden(x))"),
+         reason="computed inside the activation or product", name="s27_scaled_projections_grouped_in_the_product"),
+]
+
+
+def _non_torch_reason(module: ModuleInfo) -> str | None:
+    """A file that imports nothing from torch (JAX, TensorFlow, MLX ports of the same model sit
+    beside the torch files in many repositories): its tensors are not torch tensors, so a torch_npu
+    call has nothing to run on there, whatever the product looks like."""
+    if any(full == "torch" or full.startswith("torch.") for full in module.aliases.values()):
+        return None
+    return ("the file imports nothing from torch (a JAX / TensorFlow / MLX implementation): its arrays are not torch "
+            "tensors, so no torch_npu op applies")
+
+
+_S27_NOT_TORCH = '''
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.proj_1 = nn.Linear(d, 2 * h)
+        self.proj_2 = nn.Linear(h, d)
+        self.act = nn.SiLU()
+
+    def __call__(self, x):
+        y_12 = self.proj_1(x)
+        y_1, y_2 = mx.split(y_12, 2, axis=-1)
+        return self.proj_2(self.act(y_1) * y_2)
+'''
+
+Swiglu.KEEP += [
+    Keep(_S27_NOT_TORCH, reason="imports nothing from torch", name="s27_glu_in_a_file_without_torch"),
+]
+
+
+def _key_name(key: str) -> str | None:
+    """The local name a value key starts from (``$x@Scope.forward`` -> ``x``), if it is one."""
+    m = re.match(r"\$([A-Za-z_]\w*)@", key)
+    return m.group(1) if m else None
+
+
+def _grouped_up(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> list[ast.expr] | None:
+    """``act(a) * (s * u)`` (OLMo-core's NormalizedFeedForward: ``silu(sw1 * w1(x)) * (sw3 * w3(x))``):
+    the parenthesised product is the up operand as written, not two more factors. Only where one
+    side is the activation call and the other a product with no activation in it (a sigmoid form
+    ``sigmoid(a) * a * b`` keeps its three factors)."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+        return None
+    for act_side, other in ((node.left, node.right), (node.right, node.left)):
+        if not (isinstance(act_side, ast.Call) and isinstance(other, ast.BinOp) and isinstance(other.op, ast.Mult)):
+            continue
+        a = _act_of(module, act_side, ctx, S.Trace())
+        if a is None or a.kind == SIGMOID:
+            continue
+        inner: list[ast.expr] = []
+        _flatten_mul(other, inner)
+        if any(_act_of(module, f, ctx, S.Trace()) is not None for f in inner):
+            continue
+        return [node.left, node.right]
+    return None
+
+
+Swiglu.FUSE += [
+    # s27: the up operand scaled under a condition (formerly a Keep): on either path it is an elementwise
+    # transform of the projection, so the fused op takes its value at the product, behind a shape check
+    Fuse(_S26_SPARSE_GATE.replace("        if self.sparsity > 0.0:\n            gate_proj = torch.relu(gate_proj - 1.0)\n", "")
+         .replace("up_proj = self.up_proj(x)\n", "up_proj = self.up_proj(x)\n        if self.sparsity > 0.0:\n            up_proj = up_proj * 0.5\n"),
+         expect={"activation": "silu", "gate": "gate_proj", "up": "up_proj"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (SparseGateMLP(8, 6, 0.0)(x), SparseGateMLP(8, 6, 0.5)(x))\nleaves = [x]\n",
+         name="s27_up_scaled_under_condition"),
+]
+
+
+def _out_product(module: ModuleInfo, call: ast.Call) -> ast.BinOp | None:
+    """``torch.mul(act(g), u, out=buf)``: the gated product written into a preallocated tensor. Read as
+    the product so a GLU there is reported, but as a near miss: the fused ops return a new tensor, and
+    a rewrite that rebinds the expression would leave ``buf`` unfilled for code that reads it."""
+    if module.canonical(call.func) not in ("torch.mul", "torch.multiply") or len(call.args) != 2 \
+            or any(isinstance(a, ast.Starred) for a in call.args) or [k.arg for k in call.keywords] != ["out"]:
+        return None
+    node = ast.BinOp(left=call.args[0], op=ast.Mult(), right=call.args[1], lineno=call.lineno, col_offset=call.col_offset,
+                     end_lineno=call.end_lineno, end_col_offset=call.end_col_offset)
+    node._npufuse_out_reason = (  # type: ignore[attr-defined]
+        f"the product is written into `out={ast.unparse(call.keywords[0].value)}`: the fused op returns a new tensor, "
+        "so a rewrite would leave that buffer unfilled for the code that reads it")
+    return node
+
+
+_S27_MUL_OUT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BufferedGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w3 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x, buf):
+        torch.mul(F.silu(self.w1(x)), self.w3(x), out=buf)
+        return self.w2(buf)
+'''
+
+Swiglu.KEEP += [
+    Keep(_S27_MUL_OUT, reason="written into `out=buf`", name="s27_mul_into_an_out_buffer"),
+]
+
+
+def _plain_value(e: ast.expr) -> bool:
+    """A name, an attribute chain or a constant: reading it twice computes nothing."""
+    return all(isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.Load, ast.UnaryOp, ast.USub, ast.UAdd)) for n in fast_walk(e))
+
+
+def _inline_guard(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
+                  avoid: set[str]) -> list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] | None:
+    """Megatron's ``act(x_glu) * (x_linear + self.config.glu_linear_offset)``: an operand written as an
+    elementwise transform of a name, by plain values (names, attributes, constants). Its shape is the
+    broadcast of the name's shape with the values' shapes, which the fused branch can read without
+    computing the operand: per operand, the name and the inline values; None when an operand is
+    anything else (a projection call computed in the product, a value that is itself computed)."""
+    out: list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] = []
+    for op, octx in ((a, actx), (b, ctx)):
+        scales: list[tuple[ast.expr, S.Ctx]] = []
+        n = op
+        for _ in range(8):
+            if isinstance(n, ast.Name):
+                break
+            inner = _elementwise_operand(n, octx, avoid, scales)
+            if inner is None:
+                return None
+            n = inner
+        if not isinstance(n, ast.Name) or not all(_plain_value(e) for e, _ in scales):
+            return None
+        out.append((n, octx, [(e, c) for e, c in scales if not (isinstance(e, ast.Constant) and e.value is None)]))
+    return out
+
+
+def _inline_shape_test(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str:
+    """``a.shape == b.shape`` for operands written as ``name <op> value``: each operand's shape is
+    ``broadcast_shapes(name.shape, value.shape...)`` (a number has shape ``()``), read from the names
+    and values only (nothing is computed twice)."""
+    T = S.torch_name(module) or "torch"
+    shapes = []
+    for name, nctx, scales in g.inline_guard or []:
+        base = S.render(module, name, nctx, plan)
+        if not base.isidentifier():
+            raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
+        if not scales:
+            shapes.append(f"{base}.shape")
+            continue
+        parts = ", ".join(f'getattr({S.render(module, e, c, plan)}, "shape", ())' for e, c in scales)
+        shapes.append(f"{T}.broadcast_shapes({base}.shape, {parts})")
+    return f"{shapes[0]} == {shapes[1]}"
+
+
+_S27_OFFSET_UP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Cfg:
+    def __init__(self, clamp=None, offset=0.0):
+        self.activation_func = F.silu
+        self.clamp_value = clamp
+        self.linear_offset = offset
+
+
+class OffsetGLU(nn.Module):
+    """Megatron-style: halves of one projection, optionally clamped, the up half offset inline."""
+
+    def __init__(self, cfg, d, h):
+        super().__init__()
+        self.config = cfg
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        y = self.fc1(x)
+
+        def glu(t):
+            x_glu, x_linear = torch.chunk(t, 2, dim=-1)
+            if (val := self.config.clamp_value) is not None:
+                x_glu = x_glu.clamp(min=None, max=val)
+                x_linear = x_linear.clamp(min=-val, max=val)
+            return self.config.activation_func(x_glu) * (x_linear + self.config.linear_offset)
+
+        return self.fc2(glu(y))
+'''
+
+_RUN_S27_OFFSET_UP = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [OffsetGLU(Cfg(), 8, 6), OffsetGLU(Cfg(0.3, 1.0), 8, 6), OffsetGLU(Cfg(None, torch.ones(2, 3, 1)), 8, 6), OffsetGLU(Cfg(None, torch.ones(4, 2, 3, 1)), 8, 6)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.fc1.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # the up half offset inline by a config value: the shape check broadcasts the half's shape with the
+    # offset's (a tensor offset that grows the shape runs the original code)
+    Fuse(_S27_OFFSET_UP, expect={"activation": "config", "gate": "x_glu", "up": "x_linear + self.config.linear_offset"},
+         run=_RUN_S27_OFFSET_UP, name="s27_up_offset_inline_by_a_config_value"),
+]
+
+
+def _caller_supplied(arm: ast.expr, params: dict) -> bool:
+    """An __init__ parameter (``act``) or an instance the class builds from one (``act_layer()``, timm's
+    ``act_layer() if act_layer is not None else nn.GELU(approximate='tanh')``): the caller's choice."""
+    if isinstance(arm, ast.Call) and not arm.args and not arm.keywords:
+        arm = arm.func
+    return isinstance(arm, ast.Name) and arm.id in params
+
+
+_S27_ACT_LAYER_OR_DEFAULT = '''
+import torch
+from torch import nn
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, d, h, act_layer=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act = act_layer() if act_layer is not None else nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+'''
+
+_RUN_S27_ACT_LAYER_OR_DEFAULT = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GatedMlp(8, 6), GatedMlp(8, 6, nn.GELU), GatedMlp(8, 6, nn.ReLU)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.gate_proj.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # `act_layer() if act_layer is not None else nn.GELU(approximate="tanh")`: an instance of the caller's
+    # class, or gelu(tanh) by default; dispatched on the object at run time
+    Fuse(_S27_ACT_LAYER_OR_DEFAULT.replace('nn.GELU(approximate="tanh")', "nn.SiLU()"),
+         expect={"activation": "config", "default_activation": "silu"},
+         run=_RUN_S27_ACT_LAYER_OR_DEFAULT, name="s27_caller_class_instance_or_default"),
+]
+
+Swiglu.KEEP += [
+    # the default is a sigmoid (a Dauphin GLU) and nothing offers silu/gelu: a near miss, as for `act or nn.Sigmoid()`
+    Keep(_S27_ACT_LAYER_OR_DEFAULT.replace('nn.GELU(approximate="tanh")', "nn.Sigmoid()"), reason="defaults to sigmoid",
+         name="s27_caller_class_instance_or_sigmoid_default"),
 ]
