@@ -33,7 +33,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, NearMiss, Result, Risk
@@ -1115,6 +1115,31 @@ def library_class(module: ModuleInfo, func: ast.expr) -> str | None:
 def library_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
     """One finding per statement constructing apex / xformers RMSNorm modules (each wrapped in the
     swap); a near miss for TransformerEngine's."""
+    return swap_construction_sites(_LIBRARY_SWAP, module, scope, idx)
+
+
+@dataclass(frozen=True)
+class SwapKind:
+    """How one kind of library RMSNorm construction is found and swapped: the callee text test
+    (cheap, before any resolution), the resolver to a class name, a refusal for classes that must
+    not be swapped, the swap call around a construction, the swap helper's source, and what the
+    finding says (unfused kernels, upcast, risks, notes)."""
+
+    callee_may_be: Callable[[str], bool]
+    resolve: Callable[[ModuleInfo, ast.expr], "str | None"]
+    refusal: Callable[[list[str]], "str | None"]
+    wrap: Callable[[str, str], str]  # (construction source, class) -> swapped construction
+    helper: Callable[[str], str]  # torch's local name -> the swap function's source
+    unfused_ops: tuple[str, ...]
+    upcast: str
+    risks: tuple[Risk, ...]
+    why: Callable[[list[str]], str]  # classes -> what runs unfused today
+
+
+def swap_construction_sites(kind: SwapKind, module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """One finding per statement constructing library RMSNorm modules of ``kind`` (each construction
+    wrapped in the swap, as for nn.RMSNorm: checkpoints, eps and every call site are unchanged), or a
+    near miss where ``kind`` refuses the class or the statement already has a torch_npu path."""
     T = S.torch_name(module) or "torch"
     lines = S.module_lines(module)
     for stmt in idx.stmts:
@@ -1124,35 +1149,49 @@ def library_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtInde
         if "Norm" not in text or _in_fused_branch(idx, stmt):
             continue
         ctors = [(n, c) for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))
-                 and "norm" in ast.unparse(n.func).lower() for c in [library_class(module, n.func)] if c is not None]
+                 and kind.callee_may_be(ast.unparse(n.func)) for c in [kind.resolve(module, n.func)] if c is not None]
         if not ctors:
             continue
-        if any(c in TE_RMS_CLASSES for _, c in ctors):
-            yield _miss(scope, stmt, _TE_REASON)
+        refused = kind.refusal([c for _, c in ctors])
+        if refused is not None:
+            yield _miss(scope, stmt, refused)
             continue
         done = S.already_fused(module, scope, stmt)
         if done:
             yield _miss(scope, stmt, done)
             continue
-        body = S.splice(module, stmt, [(n, f"{_LIB_SWAP}({S.source_of(module, n)}, {LIBRARY_RMS_CLASSES[c]!r})") for n, c in ctors])
+        body = S.splice(module, stmt, [(n, kind.wrap(S.source_of(module, n), c)) for n, c in ctors])
         classes = list(dict.fromkeys(c for _, c in ctors))
         params: dict = {"source": "library", "module": ", ".join(classes), "constructions": len(ctors),
                         "eps": "the module's eps", "weight": "the module's weight (None: ones of normalized_shape)",
-                        "unfused_ops": ["cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"], "upcast": "float32"}
+                        "unfused_ops": list(kind.unfused_ops), "upcast": kind.upcast}
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
         if target is not None and dotted(target):
             params["target"] = dotted(target)
         yield Finding(
             pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
-            params=params, fused=_lib_swap_helper(T) + body,
+            params=params, fused=kind.helper(T) + body,
             # nothing is a tensor yet where a module is built (see construction_sites)
             guard_tensor=f"{T}.Tensor", confidence="medium", variant="library_rmsnorm",
-            risks=[*_RISKS, *_SWAP_RISKS, *_LIB_RISKS],
-            notes=[f"unfused: {', '.join(classes)} ({'; '.join(dict.fromkeys(_LIB_WHY[LIBRARY_RMS_CLASSES[c]] for c in classes))}); fused: 1",
+            risks=[*_RISKS, *_SWAP_RISKS, *kind.risks],
+            notes=[f"unfused: {', '.join(classes)} ({kind.why(classes)}); fused: 1",
                    "the module is swapped where it is built: every call of it runs npu_rms_norm on NPU input "
                    "(weight and eps read from the instance; no weight: ones of normalized_shape)"],
             training_ok=True,
         )
+
+
+_LIBRARY_SWAP = SwapKind(
+    callee_may_be=lambda callee: "norm" in callee.lower(),
+    resolve=library_class,
+    refusal=lambda classes: _TE_REASON if any(c in TE_RMS_CLASSES for c in classes) else None,
+    wrap=lambda src, cls: f"{_LIB_SWAP}({src}, {LIBRARY_RMS_CLASSES[cls]!r})",
+    helper=_lib_swap_helper,
+    unfused_ops=("cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"),
+    upcast="float32",
+    risks=tuple(_LIB_RISKS),
+    why=lambda classes: "; ".join(dict.fromkeys(_LIB_WHY[LIBRARY_RMS_CLASSES[c]] for c in classes)),
+)
 
 
 # --- s26 norms: library RMSNorm families found by package and class name ---------------------
@@ -1243,43 +1282,21 @@ def _timm_swap_helper(T: str) -> str:
 def family_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
     """One finding per statement constructing a library-family RMSNorm (timm's), each construction
     wrapped in the swap (as for nn.RMSNorm: checkpoints, eps and every call site are unchanged)."""
-    T = S.torch_name(module) or "torch"
-    lines = S.module_lines(module)
-    words = tuple(c for classes in LIBRARY_RMS_FAMILIES.values() for c in classes)
-    for stmt in idx.stmts:
-        if not S.simple_stmt(stmt):
-            continue
-        text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
-        if "Norm" not in text or _in_fused_branch(idx, stmt):
-            continue
-        ctors = [(n, c) for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))
-                 and (any(w in ast.unparse(n.func) for w in words) or ast.unparse(n.func).lower().endswith("norm"))
-                 for c in [library_family_class(module, n.func)] if c is not None]
-        if not ctors:
-            continue
-        done = S.already_fused(module, scope, stmt)
-        if done:
-            yield _miss(scope, stmt, done)
-            continue
-        body = S.splice(module, stmt, [(n, f"{_TIMM_SWAP}({S.source_of(module, n)})") for n, _c in ctors])
-        classes = list(dict.fromkeys(c for _, c in ctors))
-        params: dict = {"source": "library", "module": ", ".join(classes), "constructions": len(ctors),
-                        "eps": "the module's eps", "weight": "the module's weight (None: ones of normalized_shape)",
-                        "unfused_ops": ["pow", "mean", "add", "rsqrt", "mul", "mul"], "upcast": "none"}
-        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
-        if target is not None and dotted(target):
-            params["target"] = dotted(target)
-        yield Finding(
-            pattern="rms_norm", qualname=scope.qualname, line=stmt.lineno, end_line=stmt.end_lineno or stmt.lineno,
-            params=params, fused=_timm_swap_helper(T) + body,
-            # nothing is a tensor yet where a module is built (see construction_sites)
-            guard_tensor=f"{T}.Tensor", confidence="medium", variant="library_rmsnorm",
-            risks=[*_RISKS, *_SWAP_RISKS, *_TIMM_RISKS],
-            notes=[f"unfused: {', '.join(classes)} (timm's pure-PyTorch RMSNorm: pow, mean, add, rsqrt, mul, mul kernels on NPU); fused: 1",
-                   "the module is swapped where it is built: every call of it runs npu_rms_norm on NPU input "
-                   "(weight and eps read from the instance; no weight: ones of normalized_shape)"],
-            training_ok=True,
-        )
+    return swap_construction_sites(_FAMILY_SWAP, module, scope, idx)
+
+
+_FAMILY_WORDS = tuple(c for classes in LIBRARY_RMS_FAMILIES.values() for c in classes)
+_FAMILY_SWAP = SwapKind(
+    callee_may_be=lambda callee: any(w in callee for w in _FAMILY_WORDS) or callee.lower().endswith("norm"),
+    resolve=library_family_class,
+    refusal=lambda classes: None,
+    wrap=lambda src, cls: f"{_TIMM_SWAP}({src})",
+    helper=_timm_swap_helper,
+    unfused_ops=("pow", "mean", "add", "rsqrt", "mul", "mul"),
+    upcast="none",
+    risks=tuple(_TIMM_RISKS),
+    why=lambda classes: "timm's pure-PyTorch RMSNorm: pow, mean, add, rsqrt, mul, mul kernels on NPU",
+)
 
 
 # --- s26 norms: the normalised input as a cast of a name -----------------------------------
