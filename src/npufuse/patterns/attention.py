@@ -1378,6 +1378,10 @@ class _Matcher:
                 if hoisted is not None:
                     node = hoisted  # ``if m: w = softmax(masked(w)) else: w = softmax(w)``: one softmax of a conditional
                     continue
+                gated = _gated_probability_step(self, node, chain)
+                if gated is not None:
+                    node = gated  # ``if head_mask is not None: p = p * head_mask``: the fused call runs where it is None
+                    continue
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
@@ -1628,7 +1632,7 @@ class _Matcher:
         """FlexLLMGen / OPT-style: the [b*np, sq, sk] product viewed as [b, np, sq, sk] for the mask, then
         viewed back to [b*np, sq, sk] before the softmax (Megatron views the probabilities back instead).
         The same heads-in-batch reading; the 4-D view below it is then required (match checks it)."""
-        if not (getattr(self, "three_d", False) and not chain.heads_in_batch and stop is None
+        if not (getattr(self, "three_d", False) and not chain.heads_in_batch and (stop is None or _round_trip_in_branch(self, node, stop))
                 and self.method(node, "view", "reshape") and self._arity(node) == 3):
             return False
         chain.heads_in_batch = True
@@ -3151,6 +3155,7 @@ class AttentionPattern(Pattern):
         pv_nodes = {id(n) for n in fast_walk(node)}
         in_final = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in pv_nodes}
         none_probs: list[str] = []
+        none_gated: list[str] = []  # probabilities returned under a flag: None where the fused call runs (s27)
         post: set[int] = set()  # statements run as written after the fused call (their results are read later)
         risks = list(chain.risks)
         for name in sorted(internal):
@@ -3186,6 +3191,13 @@ class AttentionPattern(Pattern):
                     # still be an input of the call)
                     post.add(final.idx)
                     continue
+            gated_weights = _flag_gated_weights(matcher, final, chain, s)
+            if gated_weights is not None:
+                # BART's ``if output_attentions: w4 = w.view(4-D) ... else: w4 = None``: the fused call runs where the flag
+                # is off (the name is None there, as the original sets it); the original code where it is on
+                chain.excluded.append(gated_weights)
+                none_gated.append(name)
+                continue
             what = "the attention probabilities" if is_probs else f"intermediate `{name}`"
             return NearMiss(
                 self.id, scope.qualname, span_line, end_line,
@@ -3388,6 +3400,8 @@ class AttentionPattern(Pattern):
             call = f"{call}.transpose(1, 2)"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
+        for name in none_gated:
+            lines.append(f"{name} = None  # as the original where the flag is off (the fused call runs only there)")
         if post:
             # the result first, then the statements whose results are read later (the site statement itself may
             # read them: ``return out, k``), then the site statement
@@ -7044,13 +7058,6 @@ AttentionPattern.KEEP += [
         name="helper_fill_not_a_large_negative",
     ),
     Keep(
-        # a step on the probabilities under a flag (BERT's head mask): refused (a value-checked ALiBi term beside
-        # it made composer's ALiBi surgery a candidate whose fused branch never runs)
-        _GATED_PROBS,
-        reason="modified after softmax under",
-        name="probabilities_step_under_a_test_on_the_probabilities",
-    ),
-    Keep(
         # a read of the probabilities under a flag the chain computes
         _GATED_READ.replace("if record or self.keep_map:", "if record or scores.amax() > 1:"),
         reason="used at line",
@@ -7162,7 +7169,9 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
     attn_output = torch.matmul(attn_weights, value)
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 ''',
-        reason="modified after softmax",
+        # s27: the head-mask step alone is a run-time guard now; the probabilities returned with no sign a
+        # caller takes None are what refuses it
+        reason="are returned to the callers",
     ),
 ]
 
@@ -7786,5 +7795,195 @@ AttentionPattern.KEEP += [
                                          "        else:\n            w = F.softmax(w, dim=-1).type(torch.float16)"),
         reason="attention probabilities are modified after softmax under `if self.mask`",
         name="different_softmax_calls_on_the_branches_of_a_flag",
+    ),
+]
+
+
+# --- s27 attention pass: a step on the probabilities under a flag (BERT / OPT / BART ``head_mask``) ---
+
+
+def _gated_probability_step(matcher: "_Matcher", node: Cond, chain: Chain) -> Any | None:
+    """The plain branch of ``if <flag>: p = f(p)`` on the probabilities, where ``f(p)`` is computed from the
+    other branch's value ``p`` (HF's ``if head_mask is not None: probs = probs * head_mask``) and the test is a
+    pure flag computing no tensor. The step is recorded as excluded: the fused call runs where the flag leaves
+    the probabilities alone, the original code (verbatim) where it does not -- whether a head mask is passed is
+    a run-time fact, never a static one. None for any other ``if``."""
+    a, b = node.body, node.orelse
+    if isinstance(a, Undef) or isinstance(b, Undef):
+        return None
+    if matcher._derived(a, b):
+        step, plain, neg = a, b, False
+    elif matcher._derived(b, a):
+        step, plain, neg = b, a, True
+    else:
+        return None
+    if _heavy(node.test, through_meta=False) or not _pure_test(matcher, node.test):
+        return None  # a test on the probabilities' own values (or a call) is not a flag the guard can re-read
+    if not matcher._qk_softmax(plain):
+        return None
+    chain.excluded.append((node.test, neg, f"`{matcher.src(deref(step))}` on the probabilities"))
+    return plain
+
+
+# --- s27 attention pass: the 3-D scores' 4-D round trip for the mask inside the mask's own branch (BART / CLIP / fairseq) ---
+
+
+def _round_trip_in_branch(matcher: "_Matcher", node: Any, stop: Any) -> bool:
+    """``if mask is not None: w = w.view(b, h, sq, sk) + mask; w = w.view(b * h, sq, sk)``: inside a branch of
+    the scores (``stop`` the [b*h, sq, sk] product the other branch keeps), a 3-D view whose value holds a 4-D
+    view of ``stop`` itself. Both views are in the branch, so the branch's result has the product's layout and
+    the branch's terms apply to the 4-D scores: the heads-in-batch reading of the unconditional spelling."""
+    if not (matcher.method(node, "view", "reshape") and matcher._arity(node) == 3):
+        return False
+    for n in matcher._until(node.func.value, stop):
+        if matcher.method(n, "view", "reshape") and matcher._arity(n) == 4 and (n.func.value is stop or deref(n.func.value) is deref(stop)):
+            return True
+    return False
+
+
+# --- s27 attention pass: the probabilities exposed under a flag (BART / CLIP ``output_attentions``) ---
+
+
+def _flag_gated_weights(matcher: "_Matcher", final: Any, chain: Chain, s: int) -> tuple[Any, bool, str] | None:
+    """(test, negated, step) where a name live after the site holds ``<the probabilities, possibly re-viewed> if
+    <flag> else None`` (BART's ``if output_attentions: w4 = w.view(b, h, sq, sk); w = w4.view(b * h, sq, sk) else:
+    w4 = None``) and the flag is a pure test computing no tensor that no statement of the span assigns: the
+    fused call runs where the name is None (the caller asked for no weights), the original code elsewhere.
+    None for any other value."""
+    node = final.value if isinstance(final, Ref) else final
+    if not isinstance(node, Cond) or isinstance(node.body, Undef) or isinstance(node.orelse, Undef):
+        return None
+    none = [const_value(deref(x)) is None and isinstance(deref(x), ast.Constant) for x in (node.body, node.orelse)]
+    if none.count(True) != 1:
+        return None
+    shown = node.orelse if none[0] else node.body
+    for _ in range(8):  # through views, casts and detach to the probabilities themselves
+        if id(shown) in chain.probs_objs or id(deref(shown)) in chain.probs_objs:
+            break
+        shown = deref(shown)
+        if not (matcher.method(shown, "view", "reshape", "detach", *_CASTS) and isinstance(shown, ast.Call)):
+            return None
+        shown = shown.func.value
+    else:
+        return None
+    test = node.test
+    if _heavy(test, through_meta=False) or not _pure_test(matcher, test):
+        return None
+    if any(isinstance(n, Ref) and n.idx >= s for n in walk_sym(test)):
+        return None  # the flag is computed inside the site: a guard before it could not read it
+    exposed = node.orelse if none[0] else node.body
+    # negated (the convention of ``Chain.excluded``): the fused call runs where the test is true, i.e. None is the body
+    return (test, none[0], f"`{matcher.src(deref(exposed))}` (the probabilities) kept for the callers")
+
+
+# --- s27 examples: a per-head step under a flag, the mask's 4-D round trip inside its branch, weights exposed
+# under a flag (the encoder-decoder spelling of BART / CLIP / fairseq); the step, the mask and the weights are
+# optional run-time inputs, so each is a guard, not a refusal ---
+_FOLDED_HEADS_OPTIONAL_STEPS = '''
+import torch
+from torch import nn
+
+
+class EncDecAttention(nn.Module):
+    def __init__(self, width=32, heads=4, p=0.0):
+        super().__init__()
+        self.heads = heads
+        self.head_width = width // heads
+        self.mul = self.head_width ** -0.5
+        self.p = p
+        self.wq = nn.Linear(width, width)
+        self.wk = nn.Linear(width, width)
+        self.wv = nn.Linear(width, width)
+        self.wo = nn.Linear(width, width)
+
+    def split_heads(self, t, n, b):
+        return t.view(b, n, self.heads, self.head_width).transpose(1, 2).contiguous()
+
+    def forward(self, x, memory=None, pad_bias=None, per_head=None, keep_weights=False):
+        b, n, width = x.size()
+        src = x if memory is None else memory
+        q = self.wq(x) * self.mul
+        k = self.split_heads(self.wk(src), -1, b)
+        v = self.split_heads(self.wv(src), -1, b)
+        folded = (b * self.heads, -1, self.head_width)
+        q = self.split_heads(q, n, b).view(*folded)
+        k = k.view(*folded)
+        v = v.view(*folded)
+        m = k.size(1)
+        w = torch.bmm(q, k.transpose(1, 2))
+        if w.size() != (b * self.heads, n, m):
+            raise ValueError("bad size")
+        if pad_bias is not None:
+            w = w.view(b, self.heads, n, m) + pad_bias
+            w = w.view(b * self.heads, n, m)
+        w = nn.functional.softmax(w, dim=-1)
+        if per_head is not None:
+            w = per_head.view(1, -1, 1, 1) * w.view(b, self.heads, n, m)
+            w = w.view(b * self.heads, n, m)
+        if keep_weights:
+            shown = w.view(b, self.heads, n, m)
+            w = shown.view(b * self.heads, n, m)
+        else:
+            shown = None
+        w = nn.functional.dropout(w, p=self.p, training=self.training)
+        o = torch.bmm(w, v)
+        o = o.view(b, self.heads, n, self.head_width).transpose(1, 2).reshape(b, n, width)
+        return self.wo(o), shown
+'''
+
+_GATED_PROBS_RUN = '''
+q, k, v = torch.randn(2, 2, 5, 8, requires_grad=True), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+pad = torch.zeros(2, 1, 1, 5)
+pad[0, ..., 3:] = torch.finfo(torch.float32).min
+heads = torch.tensor([1.0, 0.5]).view(1, 2, 1, 1)
+m = SelfAttention()
+out = (m(q, k, v), m(q, k, v, bias_mask=pad), m(q, k, v, head_mask=heads), m(q, k, v, bias_mask=pad, head_mask=heads))
+leaves = [q]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _FOLDED_HEADS_OPTIONAL_STEPS,
+        expect={"qualname": "EncDecAttention.forward", "scale": "1.0"},
+        run='''
+torch.manual_seed(0)
+m = EncDecAttention().eval()
+x, mem = torch.randn(2, 5, 32, requires_grad=True), torch.randn(2, 7, 32)
+pad = torch.zeros(2, 1, 5, 7)
+pad[1, ..., 5:] = torch.finfo(torch.float32).min
+heads = torch.tensor([1.0, 0.0, 0.5, 1.0])
+out = (m(x), m(x, mem, pad_bias=pad), m(x, mem, per_head=heads), m(x, pad_bias=pad[..., :5], keep_weights=True))
+leaves = [x]
+''',
+        name="s27_folded_heads_mask_round_trip_in_its_branch_head_mask_and_weights_under_flags",
+    ),
+    Fuse(
+        # BERT's ``if head_mask is not None: probs = probs * head_mask``: a guard (the fused call where no head mask is given)
+        _GATED_PROBS,
+        expect={"qualname": "SelfAttention.forward"},
+        run=_GATED_PROBS_RUN,
+        name="s27_probabilities_step_under_a_flag_guarded",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the step's test reads the probabilities themselves: not a flag a guard re-reads before the chain
+        _GATED_PROBS.replace("if head_mask is not None:", "if head_mask is not None and bool(probs.amax() > 0.5):"),
+        reason="modified after softmax under",
+        name="s27_probabilities_step_under_a_test_on_the_probabilities",
+    ),
+    Keep(
+        # the 3-D view back inside the branch without the 4-D view of the product there: the mask's head grouping
+        # is not visible
+        _FOLDED_HEADS_OPTIONAL_STEPS.replace("w = w.view(b, self.heads, n, m) + pad_bias", "w = w + pad_bias"),
+        reason="unsupported operation on the attention scores",
+        name="s27_branch_views_back_without_the_4d_view",
+    ),
+    Keep(
+        # the weights are exposed under a test on the scores' values: no flag to guard on
+        _FOLDED_HEADS_OPTIONAL_STEPS.replace("if keep_weights:", "if keep_weights or bool(w.amax() > 0.9):"),
+        reason="intermediate `shown` is used after the attention",
+        name="s27_weights_exposed_under_a_test_on_the_probabilities",
     ),
 ]
