@@ -1285,6 +1285,7 @@ class _Matcher:
             if n.idx >= 0:
                 chain.seen.add(n.idx)
             n = n.value
+        n = _through_layout_copies(self, n, chain)  # s27: ``attn.permute(0, 2, 1).contiguous()`` (VAR / LTX-2 VAE blocks)
         if self.method(n, "permute") and tuple(const_value(x) for x in n.args) == (0, 2, 1):
             return n.func.value
         if self.method(n, "transpose") and len(n.args) == 2 and {const_value(x) for x in n.args} in ({1, 2}, {-1, -2}):
@@ -2312,6 +2313,8 @@ class _Matcher:
             if isinstance(kt_d, ast.BinOp) and isinstance(kt_d.op, (ast.Mult, ast.Div)):
                 left_t = self._has_tensor_op(kt_d.left)
                 factor, base = (kt_d.right, kt_d.left) if left_t or isinstance(kt_d.op, ast.Div) else (kt_d.left, kt_d.right)
+                if factor is kt_d.left and _number_on_the_right(self, kt_d):
+                    factor, base = kt_d.right, kt_d.left  # s27: jukebox's ``k * scale`` with k a parameter: the number is the factor
                 self.add_scale(factor, isinstance(kt_d.op, ast.Div), chain)
                 kt = base
                 continue
@@ -7985,5 +7988,168 @@ AttentionPattern.KEEP += [
         _FOLDED_HEADS_OPTIONAL_STEPS.replace("if keep_weights:", "if keep_weights or bool(w.amax() > 0.9):"),
         reason="intermediate `shown` is used after the attention",
         name="s27_weights_exposed_under_a_test_on_the_probabilities",
+    ),
+]
+
+
+# --- s27 attention pass: a transpose wrapped in a copy (``P.permute(0, 2, 1).contiguous()`` before bmm(v, Pᵀ)) ---
+
+
+def _through_layout_copies(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
+    """``node`` without ``.contiguous()`` / ``.clone()`` calls (through local assignments): they copy the
+    layout, not the values, so ``X.permute(0, 2, 1).contiguous()`` is still Xᵀ for the product."""
+    n = node
+    for _ in range(6):
+        if not (isinstance(n, ast.Call) and matcher.method(n, "contiguous", "clone") and not n.args and not n.keywords):
+            return n
+        n = n.func.value
+        while isinstance(n, Ref) and n.value is not None and not isinstance(n.value, (Opaque, Cond)):
+            if n.idx >= 0:
+                chain.seen.add(n.idx)
+            n = n.value
+    return n
+
+
+# --- s27 attention pass: which side of ``k * scale`` is the number ---
+
+
+def _scalar_valued(matcher: "_Matcher", node: Any, depth: int = 0) -> bool:
+    """``node`` is a Python number by construction: literals, ``math`` functions, ``self.<attr>`` reads, tensor
+    metadata (``x.shape[-1]``, ``x.size(-1)``) and arithmetic on those, through local assignments. A parameter or
+    any tensor computation is not (unknown), so ``k * scale`` takes ``scale`` as the factor and ``k`` as the key."""
+    if depth > 8:
+        return False
+    n = deref(node)
+    if isinstance(n, ast.Constant):
+        return type(n.value) in (int, float)
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd)):
+        return _scalar_valued(matcher, n.operand, depth + 1)
+    if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Pow)):
+        return _scalar_valued(matcher, n.left, depth + 1) and _scalar_valued(matcher, n.right, depth + 1)
+    if isinstance(n, ast.Attribute) and matcher.src(n.value) in ("self", "cls"):
+        return True
+    if isinstance(n, ast.Subscript) and isinstance(deref(n.value), ast.Attribute) and deref(n.value).attr == "shape":
+        return True
+    if isinstance(n, ast.Call):
+        fn = matcher._fn(n) or ""
+        if fn.startswith("math.") and all(_scalar_valued(matcher, a, depth + 1) for a in n.args):
+            return True
+        if matcher.method(n, "size") and len(n.args) == 1:
+            return True
+        if fn in ("float", "int") and len(n.args) == 1:
+            return _scalar_valued(matcher, n.args[0], depth + 1)
+    return False
+
+
+def _number_on_the_right(matcher: "_Matcher", prod: ast.BinOp) -> bool:
+    """In ``left * right`` on the key side, the right operand is the factor: it is a number and the left is not,
+    or the left is a bare parameter (the key itself) and the right is an expression (``k * torch.exp(t)``)."""
+    left, right = prod.left, prod.right
+    if _scalar_valued(matcher, left):
+        return False
+    if _scalar_valued(matcher, right):
+        return True
+    bare = [isinstance(deref(x), Ref) and deref(x).idx == -1 for x in (left, right)]
+    return bare[0] and not bare[1]
+
+
+# --- s27 examples: the number of ``k * scale`` is the factor (a key parameter whose size builds the mask is not a
+# scale: jukebox's ``matmul(q * scale, k * scale)``); a transpose copied by ``.contiguous()`` before bmm(v, Pᵀ) ---
+_KEY_TIMES_SCALE = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Factored(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.width, self.heads = width, heads
+        self.drop = nn.Dropout(0.0)
+
+    def _attn(self, q, k, v):
+        scale = 1.0 / math.sqrt(math.sqrt(self.width // self.heads))
+        w = torch.matmul(q * scale, k * scale)
+        mask = torch.ones(q.size(-2), k.size(-1), device=w.device).tril()
+        w = w * mask + -1e9 * (1 - mask)
+        w = F.softmax(w, dim=-1)
+        w = self.drop(w)
+        return torch.matmul(w, v)
+
+    def split(self, x, k=False):
+        x = x.view(*x.size()[:-1], self.heads, x.size(-1) // self.heads)
+        return x.permute(0, 2, 3, 1) if k else x.permute(0, 2, 1, 3)
+
+    def forward(self, q, k, v):
+        return self._attn(self.split(q), self.split(k, k=True), self.split(v))
+'''
+
+_CHANNEL_FIRST_COPIED_TRANSPOSE = '''
+import torch
+from torch import nn
+
+
+class PixelAttention(nn.Module):
+    def __init__(self, ch=16):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, ch)
+        self.q = nn.Conv2d(ch, ch, 1)
+        self.k = nn.Conv2d(ch, ch, 1)
+        self.v = nn.Conv2d(ch, ch, 1)
+        self.out = nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, c, hh, ww = q.shape
+        q = q.reshape(b, c, hh * ww).permute(0, 2, 1).contiguous()
+        k = k.reshape(b, c, hh * ww).contiguous()
+        w = torch.bmm(q, k) * (int(c) ** (-0.5))
+        w = torch.nn.functional.softmax(w, dim=2)
+        v = v.reshape(b, c, hh * ww)
+        w = w.permute(0, 2, 1).contiguous()
+        o = torch.bmm(v, w).reshape(b, c, hh, ww)
+        return x + self.out(o)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _KEY_TIMES_SCALE,
+        expect={"qualname": "Factored._attn", "scale": "scale"},
+        run='''
+m = Factored().eval()
+q, k, v = torch.randn(2, 7, 32, requires_grad=True), torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+out = m(q, k, v)
+leaves = [q]
+''',
+        name="s27_key_times_scale_with_a_mask_from_the_key_size",
+    ),
+    Fuse(
+        _CHANNEL_FIRST_COPIED_TRANSPOSE,
+        expect={"qualname": "PixelAttention.forward"},
+        run='''
+m = PixelAttention().eval()
+x = torch.randn(2, 16, 3, 4, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s27_channel_first_transpose_made_contiguous",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # a learned temperature on the key side is a tensor factor, named as such (not the key)
+        _KEY_TIMES_SCALE.replace("k * scale)", "k * torch.exp(self.temp))").replace(
+            "        self.drop = nn.Dropout(0.0)", "        self.drop = nn.Dropout(0.0)\n        self.temp = nn.Parameter(torch.zeros(()))"),
+        reason="the scale `torch.exp(self.temp)` is a tensor",
+        name="s27_key_times_a_learned_temperature",
+    ),
+    Keep(
+        # the transposed probabilities are returned too: the fused op does not produce them
+        _CHANNEL_FIRST_COPIED_TRANSPOSE.replace("        return x + self.out(o)", "        return x + self.out(o), w"),
+        reason="intermediate `w` is used after the attention",
+        name="s27_channel_first_transposed_probabilities_returned",
     ),
 ]
