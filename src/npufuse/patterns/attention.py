@@ -1170,7 +1170,7 @@ class _Matcher:
         if len(node.args) == 1 and not node.keywords and isinstance(node.func, (ast.Attribute, Ref)):
             ctor = self._module_attr_ctor(node.func)
             attr = self.src(node.func)
-            known = ctor is not None and self.module.canonical(ctor.func) == "torch.nn.Dropout"
+            known = ctor is not None and (self.module.canonical(ctor.func) == "torch.nn.Dropout" or _repo_dropout_subclass(self, ctor))
             # a dropout module whose construction is not visible (passed in, built elsewhere): by name
             if known or (ctor is None and "drop" in attr.lower()):
                 p = ast.Attribute(value=node.func, attr="p", ctx=ast.Load())
@@ -8151,5 +8151,104 @@ AttentionPattern.KEEP += [
         _CHANNEL_FIRST_COPIED_TRANSPOSE.replace("        return x + self.out(o)", "        return x + self.out(o), w"),
         reason="intermediate `w` is used after the attention",
         name="s27_channel_first_transposed_probabilities_returned",
+    ),
+]
+
+
+# --- s27 attention pass: a repo's own Dropout class (corenet's ``class Dropout(nn.Dropout)``) is nn.Dropout ---
+
+
+def _torch_nn_aliases(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(names bound to the ``torch.nn`` module, names bound to ``torch.nn.Dropout``) by the file's imports."""
+    mods, drop = set(), set()
+    for st in tree.body:
+        if isinstance(st, ast.Import):
+            for a in st.names:
+                if a.name == "torch.nn" and a.asname:
+                    mods.add(a.asname)
+                elif a.name in ("torch", "torch.nn") and not a.asname:
+                    mods.add("torch.nn")
+        elif isinstance(st, ast.ImportFrom) and st.level == 0:
+            for a in st.names:
+                if st.module == "torch" and a.name == "nn":
+                    mods.add(a.asname or "nn")
+                elif st.module in ("torch.nn", "torch.nn.modules.dropout") and a.name == "Dropout":
+                    drop.add(a.asname or "Dropout")
+    return mods, drop
+
+
+def _repo_dropout_subclass(matcher: "_Matcher", ctor: ast.Call) -> bool:
+    """The module is built by a class of the repo that subclasses ``torch.nn.Dropout`` (resolved by that file's
+    imports) and defines no ``forward`` / ``__call__`` of its own: calling it is nn.Dropout's forward, with the
+    ``p`` and ``training`` the fused call reads off the module at run time."""
+    name = dotted(ctor.func)
+    if not name or "." in name:
+        return False
+    from npufuse.scan import repo_facts
+
+    found = repo_facts.definition(matcher.module, name)
+    if found is None or not isinstance(found.node, ast.ClassDef) or found.node.decorator_list:
+        return False
+    cls = found.node
+    if any(isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)) and st.name in ("forward", "__call__") for st in cls.body):
+        return False
+    mods, drop = _torch_nn_aliases(found.tree)
+    for base in cls.bases:
+        text = dotted(base) or ""
+        head, _, last = text.rpartition(".")
+        if (last == "Dropout" and head in mods) or (not head and text in drop):
+            return True
+    return False
+
+
+_REPO_DROPOUT_CLASS = '''
+import torch
+from torch import nn
+
+
+class Dropout(nn.Dropout):
+    def __init__(self, p=0.5, inplace=False, *args, **kwargs):
+        super().__init__(p=p, inplace=inplace)
+
+
+class SingleHead(nn.Module):
+    def __init__(self, dim=16, p=0.0):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.attn_dropout = Dropout(p=p)
+        self.scale = dim ** -0.5
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = q.unflatten(-1, (2, -1)).transpose(1, 2)
+        k = k.unflatten(-1, (2, -1)).transpose(1, 2)
+        v = v.unflatten(-1, (2, -1)).transpose(1, 2)
+        attn = torch.matmul(q * self.scale, k.transpose(-1, -2))
+        attn = torch.softmax(attn, dim=-1)
+        attn = self.attn_dropout(attn)
+        return torch.matmul(attn, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _REPO_DROPOUT_CLASS,
+        expect={"qualname": "SingleHead.forward", "dropout": "self.attn_dropout.p"},
+        run='''
+m = SingleHead().eval()
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s27_repo_dropout_subclass_without_forward",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the repo's class overrides forward: it is not nn.Dropout's behaviour whatever its base
+        _REPO_DROPOUT_CLASS.replace("        super().__init__(p=p, inplace=inplace)\n",
+                                    "        super().__init__(p=p, inplace=inplace)\n\n    def forward(self, x):\n        return super().forward(x) * 0.5\n"),
+        reason="modified after softmax (`self.attn_dropout(attn)`)",
+        name="s27_repo_dropout_subclass_overriding_forward",
     ),
 ]
