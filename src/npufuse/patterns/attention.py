@@ -2746,6 +2746,10 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
             ctor = _self_attr_ctor(module, scope.class_name, n.attr)
             if ctor is not None and module.canonical(ctor.func) in _LEARNED_CTORS:
                 return f"`self.{n.attr}`, a learned {module.canonical(ctor.func).rpartition('.')[2]} (graded values)"
+            if ctor is None:
+                registered = _buffer_built_elsewhere(module, n.attr)  # s27: composer's ALiBi surgery
+                if registered:
+                    return registered
         name = n.name if isinstance(n, Ref) and n.idx == -1 else n.id if isinstance(n, ast.Name) else None
         if name and name != "self":
             for stmt, value in scope.assignments.get(name, []):
@@ -8250,5 +8254,129 @@ AttentionPattern.KEEP += [
                                     "        super().__init__(p=p, inplace=inplace)\n\n    def forward(self, x):\n        return super().forward(x) * 0.5\n"),
         reason="modified after softmax (`self.attn_dropout(attn)`)",
         name="s27_repo_dropout_subclass_overriding_forward",
+    ),
+]
+
+
+# --- s27 attention pass: a buffer the class never builds, registered on it by a function of the repo ---
+
+_REGISTERED_BUFFERS: dict[tuple[str, str, int], tuple[list[str], str | None]] = {}
+
+
+def _registers(call: ast.AST, attr: str) -> bool:
+    """``m.register_buffer("<attr>", v)`` or ``setattr(m, "<attr>", v)``."""
+    if not isinstance(call, ast.Call):
+        return False
+    if isinstance(call.func, ast.Attribute) and call.func.attr == "register_buffer" and len(call.args) >= 2:
+        return const_value(call.args[0]) == attr
+    return isinstance(call.func, ast.Name) and call.func.id == "setattr" and len(call.args) == 3 and const_value(call.args[1]) == attr
+
+
+def _buffer_built_elsewhere(module: ModuleInfo, attr: str) -> str | None:
+    """Evidence that ``self.<attr>``, which the class itself never assigns, is a graded bias: a function of this
+    file or of another file of the repo registers it (``module.register_buffer("alibi", alibi)``, composer's
+    ALiBi surgery on HF BERT) and builds its values from token positions (``arange`` used as values, no mask
+    fill). None where no such function is found (the term's values are then checked at run time)."""
+    from npufuse.scan import repo_facts
+
+    root = repo_facts.repo_root(module)
+    # keyed by the scan's file listing (repo_facts.reset() starts a new one): a later scan re-reads the repo
+    files = repo_facts._repo_py_files(root) if root is not None else []
+    key = (str(root), attr, id(files))
+    if root is not None and key in _REGISTERED_BUFFERS:
+        repo_facts._depends(root, module.path)
+        return _REGISTERED_BUFFERS[key][1]
+    trees: list[tuple[str, ast.Module | None]] = [(module.path, module.tree)]
+    if root is not None:
+        repo_facts._depends(root, module.path)  # the answer reads other files of the repo
+        needle = (f"'{attr}'", f'"{attr}"')
+        for rel in files:
+            if rel == module.path:
+                continue
+            text = repo_facts._repo_text(root, rel)
+            if text and ("register_buffer" in text or "setattr" in text) and any(q in text for q in needle):
+                trees.append((rel, repo_facts._parse_repo_file(root, rel)))
+    found = None
+    for rel, tree in trees:
+        if tree is None:
+            continue
+        for fn in fast_walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(_registers(c, attr) for c in fast_walk(fn)):
+                grade = _class_grades(module, fn)
+                if grade:
+                    found = f"`self.{attr}`, a buffer registered by `{fn.name}` ({rel}), which builds it from {grade}"
+                    break
+        if found:
+            break
+    if root is not None:
+        if len(_REGISTERED_BUFFERS) > 4096:
+            _REGISTERED_BUFFERS.clear()
+        _REGISTERED_BUFFERS[key] = (files, found)  # the listing is held so its id is not reused
+    return found
+
+
+# --- s27 examples: a buffer the class never builds, registered on it by a function (composer's ALiBi surgery):
+# built from token positions it is a graded bias (refused with the bias reason); built as a -inf mask it is a
+# mask whose values the fused branch checks at run time ---
+_REGISTERED_BIAS = '''
+import math
+import torch
+from torch import nn
+
+
+def add_linear_bias(module, n_heads, max_len):
+    pos = torch.arange(max_len)
+    rel = (pos[None, :] - pos[:, None]).abs()
+    slopes = torch.tensor([2.0 ** (-(i + 1)) for i in range(n_heads)])
+    module.register_buffer("lin_bias", (slopes[:, None, None] * -rel).unsqueeze(0))
+    return module
+
+
+class SelfAttn(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x, pad=None, head_mask=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.hd)
+        if pad is not None:
+            s = s + pad
+        s = s + self.lin_bias[:, :, :n, :n]
+        p = self.drop(nn.functional.softmax(s, dim=-1))
+        if head_mask is not None:
+            p = p * head_mask
+        return torch.matmul(p, v)
+'''
+
+_REGISTERED_MASK = _REGISTERED_BIAS.replace('''    pos = torch.arange(max_len)
+    rel = (pos[None, :] - pos[:, None]).abs()
+    slopes = torch.tensor([2.0 ** (-(i + 1)) for i in range(n_heads)])
+    module.register_buffer("lin_bias", (slopes[:, None, None] * -rel).unsqueeze(0))
+''', '''    module.register_buffer("lin_bias", torch.full((max_len, max_len), float("-inf")).triu(1)[None, None])
+''')
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _REGISTERED_MASK,
+        expect={"qualname": "SelfAttn.forward"},
+        run='''
+m = add_linear_bias(SelfAttn().eval(), 2, 8)
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s27_registered_buffer_built_as_a_mask",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        _REGISTERED_BIAS,
+        reason="a buffer registered by `add_linear_bias`",
+        name="s27_registered_buffer_built_from_positions",
     ),
 ]
