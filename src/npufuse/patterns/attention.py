@@ -2001,6 +2001,7 @@ class _Matcher:
 
     # -- scale and masks
     def add_scale(self, factor: Any, divide: bool, chain: Chain) -> None:
+        factor = _host_number_in_a_tensor(self, factor, chain)  # s27: GPT-2's ``torch.full([], d ** 0.5, dtype=..)``
         text = self.src(factor)
         for n in walk_sym(factor):
             if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith("torch.finfo"):
@@ -2166,7 +2167,7 @@ class _Matcher:
 
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
-        fill = deref(fill)
+        fill = _without_device_moves(self, deref(fill))  # s27: GPT-2's ``torch.tensor(finfo.min, dtype=..).to(device)``
         if isinstance(fill, ast.Call) and not self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like", "torch.scalar_tensor"):
             # ``max_neg_value(t)`` with ``def max_neg_value(t): return -torch.finfo(t.dtype).max``: the helper's value
             fill = _helper_returned_value(self, fill) or fill
@@ -8378,5 +8379,111 @@ AttentionPattern.KEEP += [
         _REGISTERED_BIAS,
         reason="a buffer registered by `add_linear_bias`",
         name="s27_registered_buffer_built_from_positions",
+    ),
+]
+
+
+# --- s27 attention pass: a fill value moved to a device / cast keeps its value ---
+
+
+def _without_device_moves(matcher: "_Matcher", fill: Any) -> Any:
+    """``fill`` without ``.to(...)`` / ``.type(...)`` / ``.float()``-style casts of a value (through local names):
+    GPT-2's ``mask_value = torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype).to(w.device)`` is finfo.min.
+    A cast to a narrower float type may round a large negative value, but never up to a non-masking one."""
+    for _ in range(6):
+        if isinstance(fill, ast.Call) and matcher.method(fill, "to", "type", "float", "half", "bfloat16", "double", "type_as"):
+            fill = deref(fill.func.value)
+        else:
+            break
+    return fill
+
+
+# --- s27 attention pass: a scale wrapped in a 0-d tensor built from a Python number ---
+
+
+def _host_number_in_a_tensor(matcher: "_Matcher", factor: Any, chain: Chain) -> Any:
+    """The Python number inside ``torch.full([], x, ...)`` / ``torch.tensor(x, ...)`` / ``torch.scalar_tensor(x, ...)``
+    (old GPT-2 / GPT-J ``w / torch.full([], v.size(-1) ** 0.5, dtype=w.dtype, device=w.device)``): the value is
+    known on the host before the tensor is made, so the fused call takes ``x`` itself (no device read, no sync);
+    ``factor`` unchanged for anything else."""
+    f = deref(factor)
+    if not isinstance(f, ast.Call):
+        return factor
+    fn = matcher._fn(f)
+    if fn == "torch.full" and len(f.args) >= 2 and isinstance(f.args[0], (ast.List, ast.Tuple)) and not f.args[0].elts:
+        inner = f.args[1]
+    elif fn in ("torch.tensor", "torch.scalar_tensor") and len(f.args) == 1:
+        inner = f.args[0]
+    else:
+        return factor
+    if not _scalar_valued(matcher, inner):
+        return factor
+    chain.notes.append(f"the scale `{matcher.src(f)}` is a 0-d tensor made from the Python number `{matcher.src(inner)}`: "
+                       "the fused call takes that number (the eager code rounds it to the tensor's dtype first)")
+    return inner
+
+
+# --- s27 examples: old GPT-2 / GPT-J ``_attn``: the scale a 0-d tensor made from a Python number, the fill
+# ``torch.tensor(finfo.min, dtype=..).to(device)`` (a masking value moved to the device), a head mask under a flag ---
+_GPT2_OLD_ATTN = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, n=16, heads=2, p=0.0):
+        super().__init__()
+        self.register_buffer("causal", torch.tril(torch.ones(n, n, dtype=torch.bool)).view(1, 1, n, n), persistent=False)
+        self.heads = heads
+        self.drop = nn.Dropout(p)
+
+    def _attn(self, query, key, value, attention_mask=None, head_mask=None):
+        w = torch.matmul(query, key.transpose(-1, -2))
+        w = w / torch.full([], value.size(-1) ** 0.5, dtype=w.dtype, device=w.device)
+        qlen, klen = query.size(-2), key.size(-2)
+        causal_mask = self.causal[:, :, klen - qlen : klen, :klen]
+        mask_value = torch.finfo(w.dtype).min
+        mask_value = torch.tensor(mask_value, dtype=w.dtype).to(w.device)
+        w = torch.where(causal_mask, w.to(w.dtype), mask_value)
+        if attention_mask is not None:
+            w = w + attention_mask
+        w = nn.functional.softmax(w, dim=-1)
+        w = w.type(value.dtype)
+        w = self.drop(w)
+        if head_mask is not None:
+            w = w * head_mask
+        out = torch.matmul(w, value)
+        return out
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _GPT2_OLD_ATTN,
+        expect={"qualname": "Block._attn", "scale": "1.0 / (value.size(-1) ** 0.5)"},
+        run='''
+m = Block().eval()
+q, k, v = torch.randn(2, 2, 6, 8, requires_grad=True), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+pad = torch.zeros(2, 1, 1, 6)
+pad[1, ..., 4:] = torch.finfo(torch.float32).min
+out = (m._attn(q, k, v), m._attn(q, k, v, attention_mask=pad))
+leaves = [q]
+''',
+        name="s27_gpt2_scale_in_a_0d_tensor_fill_moved_to_the_device",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the fill is a tensor read off the scores' values, moved to the device: not a masking value by construction
+        _GPT2_OLD_ATTN.replace("mask_value = torch.finfo(w.dtype).min", "mask_value = w.amin()"),
+        reason="torch.where on the scores npufuse does not convert",
+        name="s27_gpt2_fill_from_the_scores_moved_to_the_device",
+    ),
+    Keep(
+        # a 0-d tensor made from a tensor's values is a device value: the scale refusal stands
+        _GPT2_OLD_ATTN.replace("torch.full([], value.size(-1) ** 0.5, dtype=w.dtype, device=w.device)",
+                               "torch.full([], value.std().item(), dtype=w.dtype, device=w.device)"),
+        reason="is a tensor",
+        name="s27_gpt2_scale_tensor_from_tensor_values",
     ),
 ]
