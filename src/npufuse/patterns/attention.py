@@ -2003,7 +2003,8 @@ class _Matcher:
     def add_scale(self, factor: Any, divide: bool, chain: Chain) -> None:
         factor = _host_number_in_a_tensor(self, factor, chain)  # s27: GPT-2's ``torch.full([], d ** 0.5, dtype=..)``
         text = self.src(factor)
-        for n in walk_sym(factor):
+        # s27: a number by construction (``keys.shape[-1] ** 0.5`` where keys = torch.cat(..)) reads tensor metadata only
+        for n in (() if _scalar_valued(self, factor) else walk_sym(factor)):
             if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith("torch.finfo"):
                 raise Miss(
                     f"the scale `{text}` is a tensor: npu_fusion_attention takes a Python float, and converting it "
@@ -8485,5 +8486,56 @@ AttentionPattern.KEEP += [
                                "torch.full([], value.std().item(), dtype=w.dtype, device=w.device)"),
         reason="is a tensor",
         name="s27_gpt2_scale_tensor_from_tensor_values",
+    ),
+]
+
+
+# --- s27 example: a scale that reads only the shape of a concatenated key (``keys.shape[-1] ** 0.5``) is a number,
+# not a tensor (the refusal named it a tensor needing a host sync) ---
+_SCALE_FROM_A_CONCATENATED_KEY = '''
+import math
+import torch
+from torch import nn
+
+
+class CachedAttention(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.register_buffer("cache_k", None, persistent=False)
+
+    def forward(self, x, past_k=None):
+        b, n, _ = x.shape
+        q, keys, values = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        if past_k is not None:
+            keys = torch.cat([past_k, keys], dim=2)
+            values = torch.cat([past_k, values], dim=2)
+        scores = q @ keys.transpose(2, 3)
+        w = torch.softmax(scores / keys.shape[-1] ** 0.5, dim=-1)
+        return w @ values
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SCALE_FROM_A_CONCATENATED_KEY,
+        expect={"qualname": "CachedAttention.forward", "scale": "1.0 / (keys.shape[-1] ** 0.5)"},
+        run='''
+m = CachedAttention().eval()
+x = torch.randn(2, 5, 16, requires_grad=True)
+past = torch.randn(2, 2, 3, 8)
+out = (m(x), m(x, past_k=past))
+leaves = [x]
+''',
+        name="s27_scale_from_the_shape_of_a_concatenated_key",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the divisor reads the keys' values: a device tensor, refused
+        _SCALE_FROM_A_CONCATENATED_KEY.replace("scores / keys.shape[-1] ** 0.5", "scores / keys.abs().amax()"),
+        reason="is a tensor",
+        name="s27_scale_from_the_values_of_the_key",
     ),
 ]
