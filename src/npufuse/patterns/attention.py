@@ -8265,13 +8265,17 @@ AttentionPattern.KEEP += [
 _REGISTERED_BUFFERS: dict[tuple[str, str, int], tuple[list[str], str | None]] = {}
 
 
-def _registers(call: ast.AST, attr: str) -> bool:
-    """``m.register_buffer("<attr>", v)`` or ``setattr(m, "<attr>", v)``."""
+def _registers(call: ast.AST, attr: str, params: set[str]) -> bool:
+    """``m.register_buffer("<attr>", v)`` or ``setattr(m, "<attr>", v)`` on ``m`` a parameter of the function
+    other than self: a function that adds the buffer to a module handed to it (composer's surgery). A class's own
+    ``self.register_buffer`` is about that class, never about another class whose attribute shares the name."""
     if not isinstance(call, ast.Call):
         return False
     if isinstance(call.func, ast.Attribute) and call.func.attr == "register_buffer" and len(call.args) >= 2:
-        return const_value(call.args[0]) == attr
-    return isinstance(call.func, ast.Name) and call.func.id == "setattr" and len(call.args) == 3 and const_value(call.args[1]) == attr
+        target = call.func.value
+        return const_value(call.args[0]) == attr and isinstance(target, ast.Name) and target.id in params
+    return isinstance(call.func, ast.Name) and call.func.id == "setattr" and len(call.args) == 3 \
+        and const_value(call.args[1]) == attr and isinstance(call.args[0], ast.Name) and call.args[0].id in params
 
 
 def _buffer_built_elsewhere(module: ModuleInfo, attr: str) -> str | None:
@@ -8303,7 +8307,10 @@ def _buffer_built_elsewhere(module: ModuleInfo, attr: str) -> str | None:
         if tree is None:
             continue
         for fn in fast_walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(_registers(c, attr) for c in fast_walk(fn)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+            if any(_registers(c, attr, params) for c in fast_walk(fn)):
                 grade = _class_grades(module, fn)
                 if grade:
                     found = f"`self.{attr}`, a buffer registered by `{fn.name}` ({rel}), which builds it from {grade}"
@@ -8537,5 +8544,51 @@ AttentionPattern.KEEP += [
         _SCALE_FROM_A_CONCATENATED_KEY.replace("scores / keys.shape[-1] ** 0.5", "scores / keys.abs().amax()"),
         reason="is a tensor",
         name="s27_scale_from_the_values_of_the_key",
+    ),
+]
+
+
+# another class registering a same-named buffer on itself is no evidence about this class's buffer (llama2.c's
+# ``self.mask`` -inf triangle beside an unrelated class's position buffer of the same name)
+_SAME_NAME_BUFFER_OF_ANOTHER_CLASS = '''
+import math
+import torch
+from torch import nn
+
+
+class Positions(nn.Module):
+    def __init__(self, n=8):
+        super().__init__()
+        self.register_buffer("mask", torch.arange(n)[None, :] - torch.arange(n)[:, None], persistent=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=16, heads=2, n=8):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        mask = torch.full((1, 1, n, n), float("-inf"))
+        self.register_buffer("mask", torch.triu(mask, diagonal=1))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.hd)
+        scores = scores + self.mask[:, :, :s, :s]
+        scores = torch.softmax(scores.float(), dim=-1).type_as(q)
+        return torch.matmul(scores, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SAME_NAME_BUFFER_OF_ANOTHER_CLASS,
+        expect={"qualname": "Attention.forward"},
+        run='''
+m = Attention().eval()
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s27_own_mask_buffer_beside_another_class_position_buffer",
     ),
 ]
