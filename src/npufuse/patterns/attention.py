@@ -1170,7 +1170,7 @@ class _Matcher:
         if len(node.args) == 1 and not node.keywords and isinstance(node.func, (ast.Attribute, Ref)):
             ctor = self._module_attr_ctor(node.func)
             attr = self.src(node.func)
-            known = ctor is not None and self.module.canonical(ctor.func) == "torch.nn.Dropout"
+            known = ctor is not None and (self.module.canonical(ctor.func) == "torch.nn.Dropout" or _repo_dropout_subclass(self, ctor))
             # a dropout module whose construction is not visible (passed in, built elsewhere): by name
             if known or (ctor is None and "drop" in attr.lower()):
                 p = ast.Attribute(value=node.func, attr="p", ctx=ast.Load())
@@ -1285,6 +1285,7 @@ class _Matcher:
             if n.idx >= 0:
                 chain.seen.add(n.idx)
             n = n.value
+        n = _through_layout_copies(self, n, chain)  # s27: ``attn.permute(0, 2, 1).contiguous()`` (VAR / LTX-2 VAE blocks)
         if self.method(n, "permute") and tuple(const_value(x) for x in n.args) == (0, 2, 1):
             return n.func.value
         if self.method(n, "transpose") and len(n.args) == 2 and {const_value(x) for x in n.args} in ({1, 2}, {-1, -2}):
@@ -1377,6 +1378,10 @@ class _Matcher:
                 hoisted = _hoist_common_call(self, node)
                 if hoisted is not None:
                     node = hoisted  # ``if m: w = softmax(masked(w)) else: w = softmax(w)``: one softmax of a conditional
+                    continue
+                gated = _gated_probability_step(self, node, chain)
+                if gated is not None:
+                    node = gated  # ``if head_mask is not None: p = p * head_mask``: the fused call runs where it is None
                     continue
                 if self._qk_softmax(node):
                     raise Miss(
@@ -1628,7 +1633,7 @@ class _Matcher:
         """FlexLLMGen / OPT-style: the [b*np, sq, sk] product viewed as [b, np, sq, sk] for the mask, then
         viewed back to [b*np, sq, sk] before the softmax (Megatron views the probabilities back instead).
         The same heads-in-batch reading; the 4-D view below it is then required (match checks it)."""
-        if not (getattr(self, "three_d", False) and not chain.heads_in_batch and stop is None
+        if not (getattr(self, "three_d", False) and not chain.heads_in_batch and (stop is None or _round_trip_in_branch(self, node, stop))
                 and self.method(node, "view", "reshape") and self._arity(node) == 3):
             return False
         chain.heads_in_batch = True
@@ -1996,8 +2001,10 @@ class _Matcher:
 
     # -- scale and masks
     def add_scale(self, factor: Any, divide: bool, chain: Chain) -> None:
+        factor = _host_number_in_a_tensor(self, factor, chain)  # s27: GPT-2's ``torch.full([], d ** 0.5, dtype=..)``
         text = self.src(factor)
-        for n in walk_sym(factor):
+        # s27: a number by construction (``keys.shape[-1] ** 0.5`` where keys = torch.cat(..)) reads tensor metadata only
+        for n in (() if _scalar_valued(self, factor) else walk_sym(factor)):
             if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith("torch.finfo"):
                 raise Miss(
                     f"the scale `{text}` is a tensor: npu_fusion_attention takes a Python float, and converting it "
@@ -2161,7 +2168,7 @@ class _Matcher:
 
     def _fill_ok(self, fill: Any) -> tuple[bool, bool]:
         """(is a masking value, is finite)."""
-        fill = deref(fill)
+        fill = _without_device_moves(self, deref(fill))  # s27: GPT-2's ``torch.tensor(finfo.min, dtype=..).to(device)``
         if isinstance(fill, ast.Call) and not self._fn(fill) in ("torch.full", "torch.tensor", "torch.full_like", "torch.scalar_tensor"):
             # ``max_neg_value(t)`` with ``def max_neg_value(t): return -torch.finfo(t.dtype).max``: the helper's value
             fill = _helper_returned_value(self, fill) or fill
@@ -2308,6 +2315,8 @@ class _Matcher:
             if isinstance(kt_d, ast.BinOp) and isinstance(kt_d.op, (ast.Mult, ast.Div)):
                 left_t = self._has_tensor_op(kt_d.left)
                 factor, base = (kt_d.right, kt_d.left) if left_t or isinstance(kt_d.op, ast.Div) else (kt_d.left, kt_d.right)
+                if factor is kt_d.left and _number_on_the_right(self, kt_d):
+                    factor, base = kt_d.right, kt_d.left  # s27: jukebox's ``k * scale`` with k a parameter: the number is the factor
                 self.add_scale(factor, isinstance(kt_d.op, ast.Div), chain)
                 kt = base
                 continue
@@ -2739,6 +2748,10 @@ def graded_evidence(module: ModuleInfo, scope: Scope, node: Any, line: int, dept
             ctor = _self_attr_ctor(module, scope.class_name, n.attr)
             if ctor is not None and module.canonical(ctor.func) in _LEARNED_CTORS:
                 return f"`self.{n.attr}`, a learned {module.canonical(ctor.func).rpartition('.')[2]} (graded values)"
+            if ctor is None:
+                registered = _buffer_built_elsewhere(module, n.attr)  # s27: composer's ALiBi surgery
+                if registered:
+                    return registered
         name = n.name if isinstance(n, Ref) and n.idx == -1 else n.id if isinstance(n, ast.Name) else None
         if name and name != "self":
             for stmt, value in scope.assignments.get(name, []):
@@ -3174,6 +3187,7 @@ class AttentionPattern(Pattern):
         pv_nodes = {id(n) for n in fast_walk(node)}
         in_final = {n.id for n in fast_walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in pv_nodes}
         none_probs: list[str] = []
+        none_gated: list[str] = []  # probabilities returned under a flag: None where the fused call runs (s27)
         post: set[int] = set()  # statements run as written after the fused call (their results are read later)
         risks = list(chain.risks)
         for name in sorted(internal):
@@ -3209,6 +3223,13 @@ class AttentionPattern(Pattern):
                     # still be an input of the call)
                     post.add(final.idx)
                     continue
+            gated_weights = _flag_gated_weights(matcher, final, chain, s)
+            if gated_weights is not None:
+                # BART's ``if output_attentions: w4 = w.view(4-D) ... else: w4 = None``: the fused call runs where the flag
+                # is off (the name is None there, as the original sets it); the original code where it is on
+                chain.excluded.append(gated_weights)
+                none_gated.append(name)
+                continue
             what = "the attention probabilities" if is_probs else f"intermediate `{name}`"
             return NearMiss(
                 self.id, scope.qualname, span_line, end_line,
@@ -3411,6 +3432,8 @@ class AttentionPattern(Pattern):
             call = f"{call}.transpose(1, 2)"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
+        for name in none_gated:
+            lines.append(f"{name} = None  # as the original where the flag is off (the fused call runs only there)")
         if post:
             # the result first, then the statements whose results are read later (the site statement itself may
             # read them: ``return out, k``), then the site statement
@@ -7067,13 +7090,6 @@ AttentionPattern.KEEP += [
         name="helper_fill_not_a_large_negative",
     ),
     Keep(
-        # a step on the probabilities under a flag (BERT's head mask): refused (a value-checked ALiBi term beside
-        # it made composer's ALiBi surgery a candidate whose fused branch never runs)
-        _GATED_PROBS,
-        reason="modified after softmax under",
-        name="probabilities_step_under_a_test_on_the_probabilities",
-    ),
-    Keep(
         # a read of the probabilities under a flag the chain computes
         _GATED_READ.replace("if record or self.keep_map:", "if record or scores.amax() > 1:"),
         reason="used at line",
@@ -7185,7 +7201,9 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
     attn_output = torch.matmul(attn_weights, value)
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 ''',
-        reason="modified after softmax",
+        # s27: the head-mask step alone is a run-time guard now; the probabilities returned with no sign a
+        # caller takes None are what refuses it
+        reason="are returned to the callers",
     ),
 ]
 
@@ -7809,5 +7827,791 @@ AttentionPattern.KEEP += [
                                          "        else:\n            w = F.softmax(w, dim=-1).type(torch.float16)"),
         reason="attention probabilities are modified after softmax under `if self.mask`",
         name="different_softmax_calls_on_the_branches_of_a_flag",
+    ),
+]
+
+
+# --- s27 attention pass: a step on the probabilities under a flag (BERT / OPT / BART ``head_mask``) ---
+
+
+def _gated_probability_step(matcher: "_Matcher", node: Cond, chain: Chain) -> Any | None:
+    """The plain branch of ``if <flag>: p = f(p)`` on the probabilities, where ``f(p)`` is computed from the
+    other branch's value ``p`` (HF's ``if head_mask is not None: probs = probs * head_mask``) and the test is a
+    pure flag computing no tensor. The step is recorded as excluded: the fused call runs where the flag leaves
+    the probabilities alone, the original code (verbatim) where it does not -- whether a head mask is passed is
+    a run-time fact, never a static one. None for any other ``if``."""
+    a, b = node.body, node.orelse
+    if isinstance(a, Undef) or isinstance(b, Undef):
+        return None
+    if matcher._derived(a, b):
+        step, plain, neg = a, b, False
+    elif matcher._derived(b, a):
+        step, plain, neg = b, a, True
+    else:
+        return None
+    if _heavy(node.test, through_meta=False) or not _pure_test(matcher, node.test):
+        return None  # a test on the probabilities' own values (or a call) is not a flag the guard can re-read
+    if not matcher._qk_softmax(plain):
+        return None
+    chain.excluded.append((node.test, neg, f"`{matcher.src(deref(step))}` on the probabilities"))
+    return plain
+
+
+# --- s27 attention pass: the 3-D scores' 4-D round trip for the mask inside the mask's own branch (BART / CLIP / fairseq) ---
+
+
+def _round_trip_in_branch(matcher: "_Matcher", node: Any, stop: Any) -> bool:
+    """``if mask is not None: w = w.view(b, h, sq, sk) + mask; w = w.view(b * h, sq, sk)``: inside a branch of
+    the scores (``stop`` the [b*h, sq, sk] product the other branch keeps), a 3-D view whose value holds a 4-D
+    view of ``stop`` itself. Both views are in the branch, so the branch's result has the product's layout and
+    the branch's terms apply to the 4-D scores: the heads-in-batch reading of the unconditional spelling."""
+    if not (matcher.method(node, "view", "reshape") and matcher._arity(node) == 3):
+        return False
+    for n in matcher._until(node.func.value, stop):
+        if matcher.method(n, "view", "reshape") and matcher._arity(n) == 4 and (n.func.value is stop or deref(n.func.value) is deref(stop)):
+            return True
+    return False
+
+
+# --- s27 attention pass: the probabilities exposed under a flag (BART / CLIP ``output_attentions``) ---
+
+
+def _flag_gated_weights(matcher: "_Matcher", final: Any, chain: Chain, s: int) -> tuple[Any, bool, str] | None:
+    """(test, negated, step) where a name live after the site holds ``<the probabilities, possibly re-viewed> if
+    <flag> else None`` (BART's ``if output_attentions: w4 = w.view(b, h, sq, sk); w = w4.view(b * h, sq, sk) else:
+    w4 = None``) and the flag is a pure test computing no tensor that no statement of the span assigns: the
+    fused call runs where the name is None (the caller asked for no weights), the original code elsewhere.
+    None for any other value."""
+    node = final.value if isinstance(final, Ref) else final
+    if not isinstance(node, Cond) or isinstance(node.body, Undef) or isinstance(node.orelse, Undef):
+        return None
+    none = [const_value(deref(x)) is None and isinstance(deref(x), ast.Constant) for x in (node.body, node.orelse)]
+    if none.count(True) != 1:
+        return None
+    shown = node.orelse if none[0] else node.body
+    for _ in range(8):  # through views, casts and detach to the probabilities themselves
+        if id(shown) in chain.probs_objs or id(deref(shown)) in chain.probs_objs:
+            break
+        shown = deref(shown)
+        if not (matcher.method(shown, "view", "reshape", "detach", *_CASTS) and isinstance(shown, ast.Call)):
+            return None
+        shown = shown.func.value
+    else:
+        return None
+    test = node.test
+    if _heavy(test, through_meta=False) or not _pure_test(matcher, test):
+        return None
+    if any(isinstance(n, Ref) and n.idx >= s for n in walk_sym(test)):
+        return None  # the flag is computed inside the site: a guard before it could not read it
+    exposed = node.orelse if none[0] else node.body
+    # negated (the convention of ``Chain.excluded``): the fused call runs where the test is true, i.e. None is the body
+    return (test, none[0], f"`{matcher.src(deref(exposed))}` (the probabilities) kept for the callers")
+
+
+# --- s27 examples: a per-head step under a flag, the mask's 4-D round trip inside its branch, weights exposed
+# under a flag (the encoder-decoder spelling of BART / CLIP / fairseq); the step, the mask and the weights are
+# optional run-time inputs, so each is a guard, not a refusal ---
+_FOLDED_HEADS_OPTIONAL_STEPS = '''
+import torch
+from torch import nn
+
+
+class EncDecAttention(nn.Module):
+    def __init__(self, width=32, heads=4, p=0.0):
+        super().__init__()
+        self.heads = heads
+        self.head_width = width // heads
+        self.mul = self.head_width ** -0.5
+        self.p = p
+        self.wq = nn.Linear(width, width)
+        self.wk = nn.Linear(width, width)
+        self.wv = nn.Linear(width, width)
+        self.wo = nn.Linear(width, width)
+
+    def split_heads(self, t, n, b):
+        return t.view(b, n, self.heads, self.head_width).transpose(1, 2).contiguous()
+
+    def forward(self, x, memory=None, pad_bias=None, per_head=None, keep_weights=False):
+        b, n, width = x.size()
+        src = x if memory is None else memory
+        q = self.wq(x) * self.mul
+        k = self.split_heads(self.wk(src), -1, b)
+        v = self.split_heads(self.wv(src), -1, b)
+        folded = (b * self.heads, -1, self.head_width)
+        q = self.split_heads(q, n, b).view(*folded)
+        k = k.view(*folded)
+        v = v.view(*folded)
+        m = k.size(1)
+        w = torch.bmm(q, k.transpose(1, 2))
+        if w.size() != (b * self.heads, n, m):
+            raise ValueError("bad size")
+        if pad_bias is not None:
+            w = w.view(b, self.heads, n, m) + pad_bias
+            w = w.view(b * self.heads, n, m)
+        w = nn.functional.softmax(w, dim=-1)
+        if per_head is not None:
+            w = per_head.view(1, -1, 1, 1) * w.view(b, self.heads, n, m)
+            w = w.view(b * self.heads, n, m)
+        if keep_weights:
+            shown = w.view(b, self.heads, n, m)
+            w = shown.view(b * self.heads, n, m)
+        else:
+            shown = None
+        w = nn.functional.dropout(w, p=self.p, training=self.training)
+        o = torch.bmm(w, v)
+        o = o.view(b, self.heads, n, self.head_width).transpose(1, 2).reshape(b, n, width)
+        return self.wo(o), shown
+'''
+
+_GATED_PROBS_RUN = '''
+q, k, v = torch.randn(2, 2, 5, 8, requires_grad=True), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+pad = torch.zeros(2, 1, 1, 5)
+pad[0, ..., 3:] = torch.finfo(torch.float32).min
+heads = torch.tensor([1.0, 0.5]).view(1, 2, 1, 1)
+m = SelfAttention()
+out = (m(q, k, v), m(q, k, v, bias_mask=pad), m(q, k, v, head_mask=heads), m(q, k, v, bias_mask=pad, head_mask=heads))
+leaves = [q]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _FOLDED_HEADS_OPTIONAL_STEPS,
+        expect={"qualname": "EncDecAttention.forward", "scale": "1.0"},
+        run='''
+torch.manual_seed(0)
+m = EncDecAttention().eval()
+x, mem = torch.randn(2, 5, 32, requires_grad=True), torch.randn(2, 7, 32)
+pad = torch.zeros(2, 1, 5, 7)
+pad[1, ..., 5:] = torch.finfo(torch.float32).min
+heads = torch.tensor([1.0, 0.0, 0.5, 1.0])
+out = (m(x), m(x, mem, pad_bias=pad), m(x, mem, per_head=heads), m(x, pad_bias=pad[..., :5], keep_weights=True))
+leaves = [x]
+''',
+        name="s27_folded_heads_mask_round_trip_in_its_branch_head_mask_and_weights_under_flags",
+    ),
+    Fuse(
+        # BERT's ``if head_mask is not None: probs = probs * head_mask``: a guard (the fused call where no head mask is given)
+        _GATED_PROBS,
+        expect={"qualname": "SelfAttention.forward"},
+        run=_GATED_PROBS_RUN,
+        name="s27_probabilities_step_under_a_flag_guarded",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the step's test reads the probabilities themselves: not a flag a guard re-reads before the chain
+        _GATED_PROBS.replace("if head_mask is not None:", "if head_mask is not None and bool(probs.amax() > 0.5):"),
+        reason="modified after softmax under",
+        name="s27_probabilities_step_under_a_test_on_the_probabilities",
+    ),
+    Keep(
+        # the 3-D view back inside the branch without the 4-D view of the product there: the mask's head grouping
+        # is not visible
+        _FOLDED_HEADS_OPTIONAL_STEPS.replace("w = w.view(b, self.heads, n, m) + pad_bias", "w = w + pad_bias"),
+        reason="unsupported operation on the attention scores",
+        name="s27_branch_views_back_without_the_4d_view",
+    ),
+    Keep(
+        # the weights are exposed under a test on the scores' values: no flag to guard on
+        _FOLDED_HEADS_OPTIONAL_STEPS.replace("if keep_weights:", "if keep_weights or bool(w.amax() > 0.9):"),
+        reason="intermediate `shown` is used after the attention",
+        name="s27_weights_exposed_under_a_test_on_the_probabilities",
+    ),
+]
+
+
+# --- s27 attention pass: a transpose wrapped in a copy (``P.permute(0, 2, 1).contiguous()`` before bmm(v, Pᵀ)) ---
+
+
+def _through_layout_copies(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
+    """``node`` without ``.contiguous()`` / ``.clone()`` calls (through local assignments): they copy the
+    layout, not the values, so ``X.permute(0, 2, 1).contiguous()`` is still Xᵀ for the product."""
+    n = node
+    for _ in range(6):
+        if not (isinstance(n, ast.Call) and matcher.method(n, "contiguous", "clone") and not n.args and not n.keywords):
+            return n
+        n = n.func.value
+        while isinstance(n, Ref) and n.value is not None and not isinstance(n.value, (Opaque, Cond)):
+            if n.idx >= 0:
+                chain.seen.add(n.idx)
+            n = n.value
+    return n
+
+
+# --- s27 attention pass: which side of ``k * scale`` is the number ---
+
+
+def _scalar_valued(matcher: "_Matcher", node: Any, depth: int = 0) -> bool:
+    """``node`` is a Python number by construction: literals, ``math`` functions, ``self.<attr>`` reads, tensor
+    metadata (``x.shape[-1]``, ``x.size(-1)``) and arithmetic on those, through local assignments. A parameter or
+    any tensor computation is not (unknown), so ``k * scale`` takes ``scale`` as the factor and ``k`` as the key."""
+    if depth > 8:
+        return False
+    n = deref(node)
+    if isinstance(n, ast.Constant):
+        return type(n.value) in (int, float)
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd)):
+        return _scalar_valued(matcher, n.operand, depth + 1)
+    if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Pow)):
+        return _scalar_valued(matcher, n.left, depth + 1) and _scalar_valued(matcher, n.right, depth + 1)
+    if isinstance(n, ast.Attribute) and matcher.src(n.value) in ("self", "cls"):
+        return True
+    if isinstance(n, ast.Subscript) and isinstance(deref(n.value), ast.Attribute) and deref(n.value).attr == "shape":
+        return True
+    if isinstance(n, ast.Call):
+        fn = matcher._fn(n) or ""
+        if fn.startswith("math.") and all(_scalar_valued(matcher, a, depth + 1) for a in n.args):
+            return True
+        if matcher.method(n, "size") and len(n.args) == 1:
+            return True
+        if fn in ("float", "int") and len(n.args) == 1:
+            return _scalar_valued(matcher, n.args[0], depth + 1)
+    return False
+
+
+def _number_on_the_right(matcher: "_Matcher", prod: ast.BinOp) -> bool:
+    """In ``left * right`` on the key side, the right operand is the factor: it is a number and the left is not,
+    or the left is a bare parameter (the key itself) and the right is an expression (``k * torch.exp(t)``)."""
+    left, right = prod.left, prod.right
+    if _scalar_valued(matcher, left):
+        return False
+    if _scalar_valued(matcher, right):
+        return True
+    bare = [isinstance(deref(x), Ref) and deref(x).idx == -1 for x in (left, right)]
+    return bare[0] and not bare[1]
+
+
+# --- s27 examples: the number of ``k * scale`` is the factor (a key parameter whose size builds the mask is not a
+# scale: jukebox's ``matmul(q * scale, k * scale)``); a transpose copied by ``.contiguous()`` before bmm(v, Pᵀ) ---
+_KEY_TIMES_SCALE = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Factored(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.width, self.heads = width, heads
+        self.drop = nn.Dropout(0.0)
+
+    def _attn(self, q, k, v):
+        scale = 1.0 / math.sqrt(math.sqrt(self.width // self.heads))
+        w = torch.matmul(q * scale, k * scale)
+        mask = torch.ones(q.size(-2), k.size(-1), device=w.device).tril()
+        w = w * mask + -1e9 * (1 - mask)
+        w = F.softmax(w, dim=-1)
+        w = self.drop(w)
+        return torch.matmul(w, v)
+
+    def split(self, x, k=False):
+        x = x.view(*x.size()[:-1], self.heads, x.size(-1) // self.heads)
+        return x.permute(0, 2, 3, 1) if k else x.permute(0, 2, 1, 3)
+
+    def forward(self, q, k, v):
+        return self._attn(self.split(q), self.split(k, k=True), self.split(v))
+'''
+
+_CHANNEL_FIRST_COPIED_TRANSPOSE = '''
+import torch
+from torch import nn
+
+
+class PixelAttention(nn.Module):
+    def __init__(self, ch=16):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, ch)
+        self.q = nn.Conv2d(ch, ch, 1)
+        self.k = nn.Conv2d(ch, ch, 1)
+        self.v = nn.Conv2d(ch, ch, 1)
+        self.out = nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, c, hh, ww = q.shape
+        q = q.reshape(b, c, hh * ww).permute(0, 2, 1).contiguous()
+        k = k.reshape(b, c, hh * ww).contiguous()
+        w = torch.bmm(q, k) * (int(c) ** (-0.5))
+        w = torch.nn.functional.softmax(w, dim=2)
+        v = v.reshape(b, c, hh * ww)
+        w = w.permute(0, 2, 1).contiguous()
+        o = torch.bmm(v, w).reshape(b, c, hh, ww)
+        return x + self.out(o)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _KEY_TIMES_SCALE,
+        expect={"qualname": "Factored._attn", "scale": "scale"},
+        run='''
+m = Factored().eval()
+q, k, v = torch.randn(2, 7, 32, requires_grad=True), torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+out = m(q, k, v)
+leaves = [q]
+''',
+        name="s27_key_times_scale_with_a_mask_from_the_key_size",
+    ),
+    Fuse(
+        _CHANNEL_FIRST_COPIED_TRANSPOSE,
+        expect={"qualname": "PixelAttention.forward"},
+        run='''
+m = PixelAttention().eval()
+x = torch.randn(2, 16, 3, 4, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s27_channel_first_transpose_made_contiguous",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # a learned temperature on the key side is a tensor factor, named as such (not the key)
+        _KEY_TIMES_SCALE.replace("k * scale)", "k * torch.exp(self.temp))").replace(
+            "        self.drop = nn.Dropout(0.0)", "        self.drop = nn.Dropout(0.0)\n        self.temp = nn.Parameter(torch.zeros(()))"),
+        reason="the scale `torch.exp(self.temp)` is a tensor",
+        name="s27_key_times_a_learned_temperature",
+    ),
+    Keep(
+        # the transposed probabilities are returned too: the fused op does not produce them
+        _CHANNEL_FIRST_COPIED_TRANSPOSE.replace("        return x + self.out(o)", "        return x + self.out(o), w"),
+        reason="intermediate `w` is used after the attention",
+        name="s27_channel_first_transposed_probabilities_returned",
+    ),
+]
+
+
+# --- s27 attention pass: a repo's own Dropout class (corenet's ``class Dropout(nn.Dropout)``) is nn.Dropout ---
+
+
+def _torch_nn_aliases(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(names bound to the ``torch.nn`` module, names bound to ``torch.nn.Dropout``) by the file's imports."""
+    mods, drop = set(), set()
+    for st in tree.body:
+        if isinstance(st, ast.Import):
+            for a in st.names:
+                if a.name == "torch.nn" and a.asname:
+                    mods.add(a.asname)
+                elif a.name in ("torch", "torch.nn") and not a.asname:
+                    mods.add("torch.nn")
+        elif isinstance(st, ast.ImportFrom) and st.level == 0:
+            for a in st.names:
+                if st.module == "torch" and a.name == "nn":
+                    mods.add(a.asname or "nn")
+                elif st.module in ("torch.nn", "torch.nn.modules.dropout") and a.name == "Dropout":
+                    drop.add(a.asname or "Dropout")
+    return mods, drop
+
+
+def _repo_dropout_subclass(matcher: "_Matcher", ctor: ast.Call) -> bool:
+    """The module is built by a class of the repo that subclasses ``torch.nn.Dropout`` (resolved by that file's
+    imports) and defines no ``forward`` / ``__call__`` of its own: calling it is nn.Dropout's forward, with the
+    ``p`` and ``training`` the fused call reads off the module at run time."""
+    name = dotted(ctor.func)
+    if not name or "." in name:
+        return False
+    from npufuse.scan import repo_facts
+
+    found = repo_facts.definition(matcher.module, name)
+    if found is None or not isinstance(found.node, ast.ClassDef) or found.node.decorator_list:
+        return False
+    cls = found.node
+    if any(isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)) and st.name in ("forward", "__call__") for st in cls.body):
+        return False
+    mods, drop = _torch_nn_aliases(found.tree)
+    for base in cls.bases:
+        text = dotted(base) or ""
+        head, _, last = text.rpartition(".")
+        if (last == "Dropout" and head in mods) or (not head and text in drop):
+            return True
+    return False
+
+
+_REPO_DROPOUT_CLASS = '''
+import torch
+from torch import nn
+
+
+class Dropout(nn.Dropout):
+    def __init__(self, p=0.5, inplace=False, *args, **kwargs):
+        super().__init__(p=p, inplace=inplace)
+
+
+class SingleHead(nn.Module):
+    def __init__(self, dim=16, p=0.0):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.attn_dropout = Dropout(p=p)
+        self.scale = dim ** -0.5
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = q.unflatten(-1, (2, -1)).transpose(1, 2)
+        k = k.unflatten(-1, (2, -1)).transpose(1, 2)
+        v = v.unflatten(-1, (2, -1)).transpose(1, 2)
+        attn = torch.matmul(q * self.scale, k.transpose(-1, -2))
+        attn = torch.softmax(attn, dim=-1)
+        attn = self.attn_dropout(attn)
+        return torch.matmul(attn, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _REPO_DROPOUT_CLASS,
+        expect={"qualname": "SingleHead.forward", "dropout": "self.attn_dropout.p"},
+        run='''
+m = SingleHead().eval()
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s27_repo_dropout_subclass_without_forward",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the repo's class overrides forward: it is not nn.Dropout's behaviour whatever its base
+        _REPO_DROPOUT_CLASS.replace("        super().__init__(p=p, inplace=inplace)\n",
+                                    "        super().__init__(p=p, inplace=inplace)\n\n    def forward(self, x):\n        return super().forward(x) * 0.5\n"),
+        reason="modified after softmax (`self.attn_dropout(attn)`)",
+        name="s27_repo_dropout_subclass_overriding_forward",
+    ),
+]
+
+
+# --- s27 attention pass: a buffer the class never builds, registered on it by a function of the repo ---
+
+_REGISTERED_BUFFERS: dict[tuple[str, str, int], tuple[list[str], str | None]] = {}
+
+
+def _registers(call: ast.AST, attr: str, params: set[str]) -> bool:
+    """``m.register_buffer("<attr>", v)`` or ``setattr(m, "<attr>", v)`` on ``m`` a parameter of the function
+    other than self: a function that adds the buffer to a module handed to it (composer's surgery). A class's own
+    ``self.register_buffer`` is about that class, never about another class whose attribute shares the name."""
+    if not isinstance(call, ast.Call):
+        return False
+    if isinstance(call.func, ast.Attribute) and call.func.attr == "register_buffer" and len(call.args) >= 2:
+        target = call.func.value
+        return const_value(call.args[0]) == attr and isinstance(target, ast.Name) and target.id in params
+    return isinstance(call.func, ast.Name) and call.func.id == "setattr" and len(call.args) == 3 \
+        and const_value(call.args[1]) == attr and isinstance(call.args[0], ast.Name) and call.args[0].id in params
+
+
+def _buffer_built_elsewhere(module: ModuleInfo, attr: str) -> str | None:
+    """Evidence that ``self.<attr>``, which the class itself never assigns, is a graded bias: a function of this
+    file or of another file of the repo registers it (``module.register_buffer("alibi", alibi)``, composer's
+    ALiBi surgery on HF BERT) and builds its values from token positions (``arange`` used as values, no mask
+    fill). None where no such function is found (the term's values are then checked at run time)."""
+    from npufuse.scan import repo_facts
+
+    root = repo_facts.repo_root(module)
+    # keyed by the scan's file listing (repo_facts.reset() starts a new one): a later scan re-reads the repo
+    files = repo_facts._repo_py_files(root) if root is not None else []
+    key = (str(root), attr, id(files))
+    if root is not None and key in _REGISTERED_BUFFERS:
+        repo_facts._depends(root, module.path)
+        return _REGISTERED_BUFFERS[key][1]
+    trees: list[tuple[str, ast.Module | None]] = [(module.path, module.tree)]
+    if root is not None:
+        repo_facts._depends(root, module.path)  # the answer reads other files of the repo
+        needle = (f"'{attr}'", f'"{attr}"')
+        for rel in files:
+            if rel == module.path:
+                continue
+            text = repo_facts._repo_text(root, rel)
+            if text and ("register_buffer" in text or "setattr" in text) and any(q in text for q in needle):
+                trees.append((rel, repo_facts._parse_repo_file(root, rel)))
+    found = None
+    for rel, tree in trees:
+        if tree is None:
+            continue
+        for fn in fast_walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+            if any(_registers(c, attr, params) for c in fast_walk(fn)):
+                grade = _class_grades(module, fn)
+                if grade:
+                    found = f"`self.{attr}`, a buffer registered by `{fn.name}` ({rel}), which builds it from {grade}"
+                    break
+        if found:
+            break
+    if root is not None:
+        if len(_REGISTERED_BUFFERS) > 4096:
+            _REGISTERED_BUFFERS.clear()
+        _REGISTERED_BUFFERS[key] = (files, found)  # the listing is held so its id is not reused
+    return found
+
+
+# --- s27 examples: a buffer the class never builds, registered on it by a function (composer's ALiBi surgery):
+# built from token positions it is a graded bias (refused with the bias reason); built as a -inf mask it is a
+# mask whose values the fused branch checks at run time ---
+_REGISTERED_BIAS = '''
+import math
+import torch
+from torch import nn
+
+
+def add_linear_bias(module, n_heads, max_len):
+    pos = torch.arange(max_len)
+    rel = (pos[None, :] - pos[:, None]).abs()
+    slopes = torch.tensor([2.0 ** (-(i + 1)) for i in range(n_heads)])
+    module.register_buffer("lin_bias", (slopes[:, None, None] * -rel).unsqueeze(0))
+    return module
+
+
+class SelfAttn(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x, pad=None, head_mask=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.hd)
+        if pad is not None:
+            s = s + pad
+        s = s + self.lin_bias[:, :, :n, :n]
+        p = self.drop(nn.functional.softmax(s, dim=-1))
+        if head_mask is not None:
+            p = p * head_mask
+        return torch.matmul(p, v)
+'''
+
+_REGISTERED_MASK = _REGISTERED_BIAS.replace('''    pos = torch.arange(max_len)
+    rel = (pos[None, :] - pos[:, None]).abs()
+    slopes = torch.tensor([2.0 ** (-(i + 1)) for i in range(n_heads)])
+    module.register_buffer("lin_bias", (slopes[:, None, None] * -rel).unsqueeze(0))
+''', '''    module.register_buffer("lin_bias", torch.full((max_len, max_len), float("-inf")).triu(1)[None, None])
+''')
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _REGISTERED_MASK,
+        expect={"qualname": "SelfAttn.forward"},
+        run='''
+m = add_linear_bias(SelfAttn().eval(), 2, 8)
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s27_registered_buffer_built_as_a_mask",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        _REGISTERED_BIAS,
+        reason="a buffer registered by `add_linear_bias`",
+        name="s27_registered_buffer_built_from_positions",
+    ),
+]
+
+
+# --- s27 attention pass: a fill value moved to a device / cast keeps its value ---
+
+
+def _without_device_moves(matcher: "_Matcher", fill: Any) -> Any:
+    """``fill`` without ``.to(...)`` / ``.type(...)`` / ``.float()``-style casts of a value (through local names):
+    GPT-2's ``mask_value = torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype).to(w.device)`` is finfo.min.
+    A cast to a narrower float type may round a large negative value, but never up to a non-masking one."""
+    for _ in range(6):
+        if isinstance(fill, ast.Call) and matcher.method(fill, "to", "type", "float", "half", "bfloat16", "double", "type_as"):
+            fill = deref(fill.func.value)
+        else:
+            break
+    return fill
+
+
+# --- s27 attention pass: a scale wrapped in a 0-d tensor built from a Python number ---
+
+
+def _host_number_in_a_tensor(matcher: "_Matcher", factor: Any, chain: Chain) -> Any:
+    """The Python number inside ``torch.full([], x, ...)`` / ``torch.tensor(x, ...)`` / ``torch.scalar_tensor(x, ...)``
+    (old GPT-2 / GPT-J ``w / torch.full([], v.size(-1) ** 0.5, dtype=w.dtype, device=w.device)``): the value is
+    known on the host before the tensor is made, so the fused call takes ``x`` itself (no device read, no sync);
+    ``factor`` unchanged for anything else."""
+    f = deref(factor)
+    if not isinstance(f, ast.Call):
+        return factor
+    fn = matcher._fn(f)
+    if fn == "torch.full" and len(f.args) >= 2 and isinstance(f.args[0], (ast.List, ast.Tuple)) and not f.args[0].elts:
+        inner = f.args[1]
+    elif fn in ("torch.tensor", "torch.scalar_tensor") and len(f.args) == 1:
+        inner = f.args[0]
+    else:
+        return factor
+    if not _scalar_valued(matcher, inner):
+        return factor
+    chain.notes.append(f"the scale `{matcher.src(f)}` is a 0-d tensor made from the Python number `{matcher.src(inner)}`: "
+                       "the fused call takes that number (the eager code rounds it to the tensor's dtype first)")
+    return inner
+
+
+# --- s27 examples: old GPT-2 / GPT-J ``_attn``: the scale a 0-d tensor made from a Python number, the fill
+# ``torch.tensor(finfo.min, dtype=..).to(device)`` (a masking value moved to the device), a head mask under a flag ---
+_GPT2_OLD_ATTN = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, n=16, heads=2, p=0.0):
+        super().__init__()
+        self.register_buffer("causal", torch.tril(torch.ones(n, n, dtype=torch.bool)).view(1, 1, n, n), persistent=False)
+        self.heads = heads
+        self.drop = nn.Dropout(p)
+
+    def _attn(self, query, key, value, attention_mask=None, head_mask=None):
+        w = torch.matmul(query, key.transpose(-1, -2))
+        w = w / torch.full([], value.size(-1) ** 0.5, dtype=w.dtype, device=w.device)
+        qlen, klen = query.size(-2), key.size(-2)
+        causal_mask = self.causal[:, :, klen - qlen : klen, :klen]
+        mask_value = torch.finfo(w.dtype).min
+        mask_value = torch.tensor(mask_value, dtype=w.dtype).to(w.device)
+        w = torch.where(causal_mask, w.to(w.dtype), mask_value)
+        if attention_mask is not None:
+            w = w + attention_mask
+        w = nn.functional.softmax(w, dim=-1)
+        w = w.type(value.dtype)
+        w = self.drop(w)
+        if head_mask is not None:
+            w = w * head_mask
+        out = torch.matmul(w, value)
+        return out
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _GPT2_OLD_ATTN,
+        expect={"qualname": "Block._attn", "scale": "1.0 / (value.size(-1) ** 0.5)"},
+        run='''
+m = Block().eval()
+q, k, v = torch.randn(2, 2, 6, 8, requires_grad=True), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+pad = torch.zeros(2, 1, 1, 6)
+pad[1, ..., 4:] = torch.finfo(torch.float32).min
+out = (m._attn(q, k, v), m._attn(q, k, v, attention_mask=pad))
+leaves = [q]
+''',
+        name="s27_gpt2_scale_in_a_0d_tensor_fill_moved_to_the_device",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the fill is a tensor read off the scores' values, moved to the device: not a masking value by construction
+        _GPT2_OLD_ATTN.replace("mask_value = torch.finfo(w.dtype).min", "mask_value = w.amin()"),
+        reason="torch.where on the scores npufuse does not convert",
+        name="s27_gpt2_fill_from_the_scores_moved_to_the_device",
+    ),
+    Keep(
+        # a 0-d tensor made from a tensor's values is a device value: the scale refusal stands
+        _GPT2_OLD_ATTN.replace("torch.full([], value.size(-1) ** 0.5, dtype=w.dtype, device=w.device)",
+                               "torch.full([], value.std().item(), dtype=w.dtype, device=w.device)"),
+        reason="is a tensor",
+        name="s27_gpt2_scale_tensor_from_tensor_values",
+    ),
+]
+
+
+# --- s27 example: a scale that reads only the shape of a concatenated key (``keys.shape[-1] ** 0.5``) is a number,
+# not a tensor (the refusal named it a tensor needing a host sync) ---
+_SCALE_FROM_A_CONCATENATED_KEY = '''
+import math
+import torch
+from torch import nn
+
+
+class CachedAttention(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.register_buffer("cache_k", None, persistent=False)
+
+    def forward(self, x, past_k=None):
+        b, n, _ = x.shape
+        q, keys, values = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        if past_k is not None:
+            keys = torch.cat([past_k, keys], dim=2)
+            values = torch.cat([past_k, values], dim=2)
+        scores = q @ keys.transpose(2, 3)
+        w = torch.softmax(scores / keys.shape[-1] ** 0.5, dim=-1)
+        return w @ values
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SCALE_FROM_A_CONCATENATED_KEY,
+        expect={"qualname": "CachedAttention.forward", "scale": "1.0 / (keys.shape[-1] ** 0.5)"},
+        run='''
+m = CachedAttention().eval()
+x = torch.randn(2, 5, 16, requires_grad=True)
+past = torch.randn(2, 2, 3, 8)
+out = (m(x), m(x, past_k=past))
+leaves = [x]
+''',
+        name="s27_scale_from_the_shape_of_a_concatenated_key",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the divisor reads the keys' values: a device tensor, refused
+        _SCALE_FROM_A_CONCATENATED_KEY.replace("scores / keys.shape[-1] ** 0.5", "scores / keys.abs().amax()"),
+        reason="is a tensor",
+        name="s27_scale_from_the_values_of_the_key",
+    ),
+]
+
+
+# another class registering a same-named buffer on itself is no evidence about this class's buffer (llama2.c's
+# ``self.mask`` -inf triangle beside an unrelated class's position buffer of the same name)
+_SAME_NAME_BUFFER_OF_ANOTHER_CLASS = '''
+import math
+import torch
+from torch import nn
+
+
+class Positions(nn.Module):
+    def __init__(self, n=8):
+        super().__init__()
+        self.register_buffer("mask", torch.arange(n)[None, :] - torch.arange(n)[:, None], persistent=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=16, heads=2, n=8):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        mask = torch.full((1, 1, n, n), float("-inf"))
+        self.register_buffer("mask", torch.triu(mask, diagonal=1))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.hd)
+        scores = scores + self.mask[:, :, :s, :s]
+        scores = torch.softmax(scores.float(), dim=-1).type_as(q)
+        return torch.matmul(scores, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _SAME_NAME_BUFFER_OF_ANOTHER_CLASS,
+        expect={"qualname": "Attention.forward"},
+        run='''
+m = Attention().eval()
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s27_own_mask_buffer_beside_another_class_position_buffer",
     ),
 ]
