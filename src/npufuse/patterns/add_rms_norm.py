@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
@@ -2638,6 +2638,21 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
     so it must not read the sum, its aliases or anything the add or the ``if`` assigns."""
     if "if " not in S.scope_text(module, scope):
         return
+    for stmt, ops, s_name, aliases, gap, after in _sums_then_statement(module, scope):
+        if not (isinstance(gap, ast.If) and not gap.orelse and _pure_test(gap.test)):
+            continue
+        written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
+        if S.names_read(gap.test) & written:
+            continue
+        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name) for n in fast_walk(gap)):
+            continue  # the if's body normalises the sum itself: that is the site (a wrapper), one per add
+        yield from _norm_of_sum(module, scope, after, s_name,
+                                lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
+
+
+def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], ast.stmt, ast.stmt]]:
+    """Each ``<name> = <residual sum>`` of ``scope`` with its aliases, the statement after them and the
+    one after that (where the norm must be): ``(sum, operands, name, aliases, next, after)``."""
     idx = S.stmt_index(scope)
     for stmt in idx.stmts:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
@@ -2652,29 +2667,24 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         while j < len(block) and _is_alias(block[j], s_name):
             aliases.append(block[j])
             j += 1
-        if j + 1 >= len(block):
-            continue
-        gap = block[j]
-        if not (isinstance(gap, ast.If) and not gap.orelse and _pure_test(gap.test)):
-            continue
-        written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
-        if S.names_read(gap.test) & written:
-            continue
-        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name) for n in fast_walk(gap)):
-            continue  # the if's body normalises the sum itself: that is the site (a wrapper), one per add
-        nstmt, wrapper = _norm_stmt(block[j + 1])
-        if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
-            continue
-        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
-                nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
-                if nc is None:
-                    continue
-                if nc.kind == "not_rms":
-                    yield nstmt, nc.reason
-                else:
-                    yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap)
-                break
+        if j + 1 < len(block):
+            yield stmt, ops, s_name, aliases, block[j], block[j + 1]
+
+
+def _norm_of_sum(module: ModuleInfo, scope: Scope, after: ast.stmt, s_name: str,
+                 make: Callable[[ast.stmt, Any], "_Site"]) -> Iterator[tuple[ast.stmt, "_Site | str"]]:
+    """The site (``make(norm statement, norm call)``) or the near-miss reason where ``after`` is a simple
+    statement normalising the sum ``s_name`` (the first call of it, outermost first)."""
+    nstmt, wrapper = _norm_stmt(after)
+    if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
+        return
+    for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+        if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+            nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
+            if nc is None:
+                continue
+            yield (nstmt, nc.reason) if nc.kind == "not_rms" else (nstmt, make(nstmt, nc))
+            return
 
 
 _GAP_IF = '''
@@ -2761,42 +2771,15 @@ def _cast_stmt_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stm
     text = S.scope_text(module, scope)
     if not any(w in text for w in (".float()", ".to(", ".half()", ".bfloat16()", ".type_as(", ".double()")):
         return
-    idx = S.stmt_index(scope)
-    for stmt in idx.stmts:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-            continue
-        ops = _operands(module, stmt.value)
-        if ops is None or isinstance(ops, str):
-            continue
-        s_name = stmt.targets[0].id
-        block, i = idx.block[id(stmt)]
-        j = i + 1
-        aliases: list[ast.stmt] = []
-        while j < len(block) and _is_alias(block[j], s_name):
-            aliases.append(block[j])
-            j += 1
-        if j + 1 >= len(block):
-            continue
-        cast = block[j]
+    for stmt, ops, s_name, aliases, cast, after in _sums_then_statement(module, scope):
         if not (isinstance(cast, ast.Assign) and len(cast.targets) == 1 and isinstance(cast.targets[0], ast.Name)
                 and cast.targets[0].id == s_name):
             continue
         target = _cast_target_code(module, cast.value, s_name)
         if target is None:
             continue
-        nstmt, wrapper = _norm_stmt(block[j + 1])
-        if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
-            continue
-        for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
-                nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
-                if nc is None:
-                    continue
-                if nc.kind == "not_rms":
-                    yield nstmt, nc.reason
-                else:
-                    yield nstmt, _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, cast=(cast, target))
-                break
+        yield from _norm_of_sum(module, scope, after, s_name,
+                                lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, cast=(cast, target)))
 
 
 _CAST_STMT = '''
