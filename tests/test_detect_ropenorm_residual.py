@@ -34,8 +34,10 @@ def test_the_residual_returned_is_the_sum_of_the_fused_op():
     fused = findings[0].fused
     assert "_npu_normed, _npu_rstd, x = torch_npu.npu_add_rms_norm(x, residual, weight, epsilon=self.eps)" in fused
     assert fused.index("residual = x") > fused.index("npu_add_rms_norm")
-    # the cast to the input dtype right after the norm is part of the span: the fused output is in x's dtype
-    assert findings[0].end_line - findings[0].line == 7
+    # the cast to the input dtype right after the norm is part of the span (the fused output is in x's
+    # dtype), and so is the `input_dtype = x.dtype` read before the add: the plan keeps it in place (s27)
+    assert (findings[0].line, findings[0].end_line) == (10, 18)
+    assert fused.startswith("input_dtype = x.dtype\n") and "input_dtype == x.dtype" in fused
 
 
 def test_an_add_without_alias_and_without_cast_is_still_one_site():
