@@ -48,10 +48,9 @@ CLASSES: dict[str, dict[str, list[tuple[str, str]]]] = {
         "fuse": [("fused_optimizer", "adadelta"), ("fused_optimizer", "rmsprop_module_alias_centered"),
                  ("fused_optimizer", "param_groups_passed_as_an_argument"),
                  ("fused_optimizer", "params_from_a_helper_of_another_file"),
-                 ("fused_optimizer", "s27_two_tensors_listed")],
+                 ("fused_optimizer", "s27_two_tensors_listed"), ("fused_optimizer", "s27_single_parameter_attribute")],
         "keep": [("fused_optimizer", "adagrad_has_no_fused_class"), ("fused_optimizer", "fsdp_wrapped_model"),
-                 ("fused_optimizer", "returned_optimizer_zero_grad_set_to_none"),
-                 ("fused_optimizer", "s27_single_parameter_attribute")],
+                 ("fused_optimizer", "returned_optimizer_zero_grad_set_to_none")],
     },
     "6 config-driven activations": {
         "fuse": [("swiglu", "config_activation_func_halves_silu"), ("swiglu", "activation_chosen_by_a_flag"),

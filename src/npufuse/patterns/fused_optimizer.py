@@ -1652,9 +1652,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     reason = _s25_blocker(module, scope, stmt, call, model)
     if reason is not None:
         return miss(reason)
-    reason = _s27_single_tensor(module, scope, stmt, call)
-    if reason is not None:
-        return miss(reason)
+    # one tensor: correct but of little value; said in the notes, not refused (the report ranks it)
+    single = _s27_single_tensor(module, scope, stmt, call)
     if guard is None:
         return miss(why)
     if plan.runtime is not None:
@@ -1757,6 +1756,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         notes.append(f"dropped from the fused call: {', '.join(dropped)} (it picks torch.optim's implementation or "
                      "states a default; the fused class computes the same update without it)")
     notes += plan.notes + fix.notes()
+    if single is not None:
+        notes.append("low value: " + single)
+        params["single_tensor"] = True
     for fn, ln, call_line in ran_before:
         notes.append(f"`{fn}` re-allocates parameters or grads (line {ln}) but runs only at line {call_line}, before the "
                      "optimizer is built (the fused class reads its parameters at construction and its first step)")
@@ -4075,7 +4077,7 @@ def _s27_single_tensor(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: a
     return (f"the optimizer updates one tensor (`{segment(module, element)[:40]}`): torch_npu fused optimizers gain by "
             "combining many parameter tensors into one buffer per dtype, and over a single tensor they run the same "
             "element-wise steps as torch.optim (plus a copy of the tensor and its states at the first step); "
-            "nothing to fuse")
+            "the swap is exact but saves next to nothing")
 
 _S27_SAC_TEMPERATURE = _NET + '''
 
@@ -4113,9 +4115,10 @@ def build(model):
     return torch.optim.SGD([model.fc1.weight, model.fc2.weight], lr=1e-2, momentum=0.9)
 '''
 
-FusedOptimizer.KEEP += [
-    Keep(_S27_SAC_TEMPERATURE, reason="the optimizer updates one tensor (`self.log_alpha`)", name="s27_single_parameter_attribute"),
-    Keep(_S27_LATENT, reason="the optimizer updates one tensor (`latent`)", name="s27_single_latent_tensor"),
+# one tensor: exact, so a candidate (a labeller's `fuse`), with the low value said in its notes
+FusedOptimizer.FUSE += [
+    Fuse(_S27_SAC_TEMPERATURE, expect={"optimizer": "torch.optim.Adam", "single_tensor": True}, name="s27_single_parameter_attribute"),
+    Fuse(_S27_LATENT, expect={"optimizer": "torch.optim.SGD", "single_tensor": True}, name="s27_single_latent_tensor"),
 ]
 FusedOptimizer.FUSE += [
     Fuse(_S27_TWO_TENSORS, name="s27_two_tensors_listed", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}),
