@@ -1,0 +1,23 @@
+"""s28 norms pass (issue 14, held-out 5 development data): the classes this pass handled, with
+their counts asserted (the pattern examples check detection, reasons and the emulated rewrite)."""
+
+from __future__ import annotations
+
+from npufuse.patterns import rms_norm as rms
+from tests.pattern_harness import detect_all
+
+PATTERN = rms.RmsNorm()
+
+
+def test_cast_of_a_full_norm_helper_call_is_not_a_second_site() -> None:
+    findings, _ = detect_all(PATTERN, rms._S28_CAST_OF_HELPER)
+    assert [f.qualname for f in findings] == ["Projector.offset_norm"]
+
+
+def test_a_factor_outside_the_helper_call_is_still_its_own_site() -> None:
+    # a weightless helper: the caller's product with the weight is the finding (Meta's _norm style)
+    code = rms._S28_CAST_OF_HELPER.replace("        out = out * (1.0 + weight.float())\n", "")
+    code = code.replace("self.offset_norm(x.float(), self.norm_w).to(torch.bfloat16)",
+                        "self.offset_norm(x.float(), self.norm_w).to(torch.bfloat16) * self.norm_w")
+    findings, _ = detect_all(PATTERN, code)
+    assert "Projector.forward" in [f.qualname for f in findings]
