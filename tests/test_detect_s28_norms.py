@@ -21,3 +21,14 @@ def test_a_factor_outside_the_helper_call_is_still_its_own_site() -> None:
                         "self.offset_norm(x.float(), self.norm_w).to(torch.bfloat16) * self.norm_w")
     findings, _ = detect_all(PATTERN, code)
     assert "Projector.forward" in [f.qualname for f in findings]
+
+
+def test_named_norm_binding_is_taken_into_the_span_only_when_read_nowhere_else() -> None:
+    code = rms._S28_NAMED_NORM.split("class PlainRootNorm")[0]
+    findings, _ = detect_all(PATTERN, code)
+    assert [(f.line, f.end_line) for f in findings] == [(14, 16)]
+    # the norm is also returned: its statement stays before the span (run on both paths)
+    kept = code.replace("        return unit * self.gain", "        return unit * self.gain, n")
+    findings, _ = detect_all(PATTERN, kept)
+    assert [(f.line, f.end_line) for f in findings] == [(15, 16)]
+    assert "vector_norm" not in findings[0].fused

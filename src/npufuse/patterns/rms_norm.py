@@ -4763,7 +4763,14 @@ def _cast_of_full_norm_helper(module: ModuleInfo, scope: Scope, node: ast.expr, 
         if stmt is None or value is node:
             return False
         node, ctx, cast = value, vctx, True
-    return cast and isinstance(node, ast.Call) and _is_full_norm_helper(module, ctx.scope, node)
+    if not (cast and isinstance(node, ast.Call)):
+        return False
+    callee = S.resolve_callee(module, node, S.Ctx(ctx.scope, node.lineno))
+    hscope = S.scope_of(module, callee[0]) if callee is not None else None
+    if hscope is None or hscope is scope or _import_fallback_def(module, hscope):
+        return False  # an import fallback's callers are its sites (see _import_fallback_def)
+    # a weightless helper (Meta's ``_norm``) is covered by its callers' findings instead
+    return any(r.finding is not None and r.finding.variant != "no_weight" for r in scope_results(module, hscope))
 
 
 _S28_CAST_OF_HELPER = '''
@@ -4796,4 +4803,77 @@ RmsNorm.FUSE += [
          run="m = Projector(16)\nwith torch.no_grad():\n    m.norm_w.normal_()\nx = torch.randn(2, 3, 16, requires_grad=True)\n"
              "out = m(x)\nleaves = [x, m.norm_w]\n",
          name="s28_cast_of_a_helper_call_is_the_helpers_site"),
+]
+
+
+# --- s28 norms: x / (n * s + eps) with the norm bound to a name first, and weightless (see
+# _library_norm._s28_eps_added_named_norm; held-out 5 RWKV-v1 RMSNorm/FixedNorm shapes, own code) ---
+
+_S28_NAMED_NORM = '''
+import torch
+from torch import nn
+
+
+class ScaledRootNorm(nn.Module):
+    def __init__(self, width, eps=1e-8):
+        super().__init__()
+        self.inv_root = width ** (-1 / 2)
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, h):
+        n = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+        unit = h / (n * self.inv_root + self.eps)
+        return unit * self.gain
+
+
+class PlainRootNorm(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.inv_root = width ** (-1 / 2)
+
+    def forward(self, h):
+        n = h.norm(p=2, dim=-1, keepdim=True)
+        out = h / (self.inv_root * n + 1e-10)
+        return out
+'''
+
+_S28_NAMED_RUN = '''
+m = {cls}(24){cast}
+{init}x = torch.randn(2, 7, 24{dtype}, requires_grad=True)
+out = m(x)
+leaves = [x{leaves}]
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S28_NAMED_NORM, expect={"variant": "l2_norm_eps_added", "qualname": "ScaledRootNorm.forward", "eps": "self.eps",
+                                  "x": "h", "weight": "(self.gain)", "line": 14, "end_line": 16},
+         run=_S28_NAMED_RUN.format(cls="ScaledRootNorm", cast="", dtype="", leaves=", m.gain",
+                                   init="with torch.no_grad():\n    m.gain.normal_()\n"),
+         name="s28_eps_added_to_a_named_norm_with_gain"),
+    Fuse(_S28_NAMED_NORM.split("class ScaledRootNorm")[0] + "class PlainRootNorm" + _S28_NAMED_NORM.split("class PlainRootNorm")[1],
+         expect={"variant": "l2_norm_eps_added", "qualname": "PlainRootNorm.forward", "eps": "1e-10", "weight": "1.0",
+                 "line": 12, "end_line": 13},
+         run=_S28_NAMED_RUN.format(cls="PlainRootNorm", cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", leaves="", init=""),
+         name="s28_eps_added_weightless_bf16"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # no d-power on the named norm: h / (||h|| + eps) * g is an L2 normalisation with a gain
+        _S28_NAMED_NORM.split("class PlainRootNorm")[0].replace("n * self.inv_root + self.eps", "n + self.eps"),
+        reason="without a sqrt(d) factor",
+        name="s28_named_norm_without_d_power_is_scalenorm",
+    ),
+    Keep(
+        # the weightless form without the d-power is a bare unit vector (cosine features): no site at all
+        "import torch\n\n\ndef unit(h):\n    n = h.norm(p=2, dim=-1, keepdim=True)\n    out = h / (n + 1e-10)\n    return out\n",
+        name="s28_named_norm_bare_unit_vector",
+    ),
+    Keep(
+        # the operand changes between the norm and the quotient: the norm is not of the divided value
+        _S28_NAMED_NORM.split("class PlainRootNorm")[0].replace(
+            "        unit = h / (n * self.inv_root + self.eps)", "        h = h * 2\n        unit = h / (n * self.inv_root + self.eps)"),
+        name="s28_named_norm_of_an_older_operand",
+    ),
 ]
