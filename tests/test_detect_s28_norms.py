@@ -32,3 +32,17 @@ def test_named_norm_binding_is_taken_into_the_span_only_when_read_nowhere_else()
     findings, _ = detect_all(PATTERN, kept)
     assert [(f.line, f.end_line) for f in findings] == [(15, 16)]
     assert "vector_norm" not in findings[0].fused
+
+
+def test_reference_also_timed_in_the_checking_function_stays_a_reference() -> None:
+    code = rms._S28_REFERENCE + "    for _ in range(3):\n        reference_rmsnorm(x, w, eps)\n"
+    findings, misses = detect_all(PATTERN, code)
+    assert not findings
+    assert any(m.qualname == "reference_rmsnorm" and m.reason.startswith("reference implementation") for m in misses)
+
+
+def test_reference_whose_result_is_only_printed_is_a_site() -> None:
+    # no closeness check reads the result: nothing shows it is a test reference
+    code = rms._S28_REFERENCE.replace("    assert torch.allclose(got, want, atol=1e-2)\n", "    print(got, want)\n")
+    findings, _ = detect_all(PATTERN, code)
+    assert [f.qualname for f in findings] == ["reference_rmsnorm"]
