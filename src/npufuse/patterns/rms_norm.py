@@ -4980,3 +4980,18 @@ def _s28_unless_reference(module: ModuleInfo, scope: Scope, r: Result) -> Result
         return r
     reason = _s28_reference_check(module, scope)
     return r if reason is None else NearMiss("rms_norm", scope.qualname, r.line, r.end_line, reason)
+
+
+# --- s28 norms: F.normalize times d ** -0.5 stays a near miss (held-out 5 zeta SimpleRMSNorm) ---
+# Mathematically rms_norm(x) / d, but d ** -0.5 is also the usual attention temperature: the same
+# text is cosine-similarity attention on q, which the labels (and npufuse) treat as an L2
+# normalisation. Only a sqrt(d) gain shows a norm layer (see the l2_normalize Fuse examples).
+RmsNorm.KEEP += [
+    Keep(
+        "import torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n\nclass CosineQuery(nn.Module):\n"
+        "    def __init__(self, dim_head):\n        super().__init__()\n        self.scale = dim_head ** -0.5\n\n"
+        "    def forward(self, q):\n        return F.normalize(q, dim=-1) * self.scale\n",
+        reason="without a sqrt(d) factor",
+        name="s28_f_normalize_times_inverse_sqrt_d_is_cosine_scaling",
+    ),
+]
