@@ -4,6 +4,7 @@ code executed under the emulator against the original (the example is the test).
 from __future__ import annotations
 
 import linecache
+import sys
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -146,3 +147,26 @@ def check_replacement_matches(pattern: Pattern, example: Any) -> None:
         assert a == b
     assert min(facts["cos_out"], default=1.0) >= 0.9999, facts["cos_out"]
     assert min(facts["cos_grad"], default=1.0) >= 0.9999, facts["cos_grad"]
+
+
+def install_stand_in_modules(monkeypatch: pytest.MonkeyPatch, contents: dict[str, dict[str, Any]]) -> dict[str, types.ModuleType]:
+    """Register small stand-ins for uninstalled libraries (timm, apex, xformers) in ``sys.modules``
+    for one test: ``contents`` maps a dotted module name to the attributes it holds; every parent
+    package is created too and holds its children as attributes, so ``import a.b`` and ``from a.b
+    import X`` both resolve. ``monkeypatch`` undoes it after the test."""
+    mods: dict[str, types.ModuleType] = {}
+    for dotted_name in contents:
+        parts = dotted_name.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            mods.setdefault(name, types.ModuleType(name))
+    for name, attrs in contents.items():
+        for attr, value in attrs.items():
+            setattr(mods[name], attr, value)
+    for name, mod in mods.items():
+        if "." in name:
+            parent, child = name.rsplit(".", 1)
+            setattr(mods[parent], child, mod)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return mods

@@ -10,7 +10,6 @@ package as the real ones have (the swap checks it at run time)."""
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from apply_support import scan
 from npufuse import emulate
 from npufuse.patterns import rms_norm as R
 from npufuse.rewrite.codegen import splice
-from tests.pattern_harness import _exec, detect_all
+from tests.pattern_harness import _exec, detect_all, install_stand_in_modules
 
 
 def _reference_rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, dims: int) -> torch.Tensor:
@@ -76,15 +75,10 @@ class _ApexMixedFusedRMSNorm(_ApexFusedRMSNorm):
 def libraries(monkeypatch: pytest.MonkeyPatch) -> None:
     _XformersRMSNorm.__module__ = "xformers.ops.rmsnorm"
     _ApexFusedRMSNorm.__module__ = _ApexMixedFusedRMSNorm.__module__ = "apex.normalization.fused_layer_norm"
-    xf, xf_ops = types.ModuleType("xformers"), types.ModuleType("xformers.ops")
-    xf_ops.RMSNorm = _XformersRMSNorm  # type: ignore[attr-defined]
-    xf.ops = xf_ops  # type: ignore[attr-defined]
-    apex, apex_norm = types.ModuleType("apex"), types.ModuleType("apex.normalization")
-    apex_norm.FusedRMSNorm = _ApexFusedRMSNorm  # type: ignore[attr-defined]
-    apex_norm.MixedFusedRMSNorm = _ApexMixedFusedRMSNorm  # type: ignore[attr-defined]
-    apex.normalization = apex_norm  # type: ignore[attr-defined]
-    for name, mod in (("xformers", xf), ("xformers.ops", xf_ops), ("apex", apex), ("apex.normalization", apex_norm)):
-        monkeypatch.setitem(sys.modules, name, mod)
+    install_stand_in_modules(monkeypatch, {
+        "xformers.ops": {"RMSNorm": _XformersRMSNorm},
+        "apex.normalization": {"FusedRMSNorm": _ApexFusedRMSNorm, "MixedFusedRMSNorm": _ApexMixedFusedRMSNorm},
+    })
 
 
 _XFORMERS_BLOCK = '''

@@ -11,7 +11,6 @@ the classes' ``__module__`` in timm's package as the real ones have (the swap ch
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from npufuse import emulate
 from npufuse.patterns import _library_norm as L
 from npufuse.patterns import rms_norm as R
 from npufuse.rewrite.codegen import splice
-from tests.pattern_harness import _exec, detect_all
+from tests.pattern_harness import _exec, detect_all, install_stand_in_modules
 
 
 def _timm_rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -55,15 +54,8 @@ _TimmRmsNormFp32.__name__ = "RmsNormFp32"
 @pytest.fixture()
 def timm(monkeypatch: pytest.MonkeyPatch) -> None:
     _TimmRmsNorm.__module__ = _TimmRmsNormFp32.__module__ = "timm.layers.norm"
-    mods = {n: types.ModuleType(n) for n in ("timm", "timm.layers", "timm.models", "timm.models.vision_transformer")}
-    for n in ("timm.layers", "timm.models.vision_transformer"):
-        mods[n].RmsNorm = _TimmRmsNorm  # type: ignore[attr-defined]
-        mods[n].RmsNormFp32 = _TimmRmsNormFp32  # type: ignore[attr-defined]
-    mods["timm"].layers = mods["timm.layers"]  # type: ignore[attr-defined]
-    mods["timm"].models = mods["timm.models"]  # type: ignore[attr-defined]
-    mods["timm.models"].vision_transformer = mods["timm.models.vision_transformer"]  # type: ignore[attr-defined]
-    for name, mod in mods.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    norms = {"RmsNorm": _TimmRmsNorm, "RmsNormFp32": _TimmRmsNormFp32}
+    install_stand_in_modules(monkeypatch, {"timm.layers": norms, "timm.models.vision_transformer": norms})
 
 
 _TIMM_BLOCK = '''

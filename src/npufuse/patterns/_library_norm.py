@@ -929,6 +929,9 @@ def eps_added_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> 
         if not isinstance(div.op, ast.Div):
             continue
         found = _eps_added_norm(module, div.right)
+        lead: ast.stmt | None = None
+        if found is None:
+            found, lead = _s28_eps_added_named_norm(module, scope, div)
         if found is None:
             continue
         x, s_factors, eps = found
@@ -953,7 +956,11 @@ def eps_added_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> 
         if isinstance(stmt, ast.Assign) and stmt.value is div and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
             # ``y = x / (...)`` then ``g * y`` on the next statement
             nxt, use = _next_reader(idx, stmt)
-            if use is None:
+            if use is None or (s_factors and _mul_chain(nxt, use) is None):  # type: ignore[arg-type]
+                if s_factors and use is not None:
+                    # weightless ``y = x / (||x|| * s + eps)`` (s28): the quotient itself is the norm
+                    yield from _eps_added_finding(module, scope, T, init, stmt, None, div, [], x, s_factors, eps,
+                                                  lead=_s28_lead(idx, scope, lead, stmt, stmt, div))
                 continue
             prev, stmt, unit = stmt, nxt, use
         chain = _mul_chain(stmt, unit)
@@ -963,17 +970,21 @@ def eps_added_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> 
         if any(f is unit and inv for f, inv in factors):
             continue
         rest = [(f, inv) for f, inv in factors if f is not unit]
-        yield from _eps_added_finding(module, scope, T, init, stmt, prev, node, rest, x, s_factors, eps)
+        yield from _eps_added_finding(module, scope, T, init, stmt, prev, node, rest, x, s_factors, eps,
+                                      lead=_s28_lead(idx, scope, lead, prev or stmt, stmt, node))
 
 
 def _eps_added_finding(module: ModuleInfo, scope: Scope, T: str, init: dict, stmt: ast.stmt, prev: ast.stmt | None, node: ast.expr,
-                       rest: list[tuple[ast.expr, bool]], x: ast.expr, s_factors: list[tuple[ast.expr, bool]], eps: ast.expr) -> Iterator[Result]:
-    """The finding (or near miss) for ``node``, the product ``x / (||x|| * s + eps)`` times the ``rest`` factors."""
+                       rest: list[tuple[ast.expr, bool]], x: ast.expr, s_factors: list[tuple[ast.expr, bool]], eps: ast.expr,
+                       lead: ast.stmt | None = None) -> Iterator[Result]:
+    """The finding (or near miss) for ``node``, the product ``x / (||x|| * s + eps)`` times the ``rest`` factors
+    (none: a weightless norm, when ``s`` scales the norm to the rms); ``lead`` is a statement binding the norm
+    that the span takes in (s28)."""
     for _once in (0,):
-        if not rest:
+        if not rest and not s_factors:
             continue  # a bare unit vector: no gain
         spelling = "x / (norm(x) * s + eps)"
-        powers = [(_root_power_any(module, f, init), inv) for f, inv in rest] + [(_root_power_any(module, f, init), not inv) for f, inv in s_factors]
+        powers = [(_s28_root_power(module, f, init), inv) for f, inv in rest] + [(_s28_root_power(module, f, init), not inv) for f, inv in s_factors]
         if 0.5 not in [(-p if inv else p) for p, inv in powers if p is not None]:
             yield _miss(scope, stmt, f"{spelling} times a gain without a sqrt(d) factor: an L2 normalisation (ScaleNorm), "
                                      "not an RMSNorm (npu_rms_norm divides by the root of the mean, ||x|| / sqrt(d))")
@@ -998,6 +1009,8 @@ def _eps_added_finding(module: ModuleInfo, scope: Scope, T: str, init: dict, stm
         after_expr = (f"(torch_npu.npu_rms_norm({xs_}, {xs_}.new_ones({xs_}.shape[-1]), epsilon={eps_arg})[0]"
                       f" * _npu_g).to({T}.result_type({xs_}, _npu_p))")
         first = prev if prev is not None and not scope.uses_after(prev.targets[0].id, stmt.end_lineno or stmt.lineno) else None  # type: ignore[attr-defined]
+        if lead is not None and (first is not None or prev is None):
+            first = lead  # the statement binding the norm, read only here (s28)
         fused = "\n".join([
             f"_npu_p = {P}",
             "# gamma = P / (s * sqrt(d)): the gain over the rms (||x|| = sqrt(d) * rms(x))",
@@ -1360,3 +1373,76 @@ def _hf_inline_finding(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: a
                "the input is bound where it stands (`_npu_x := ...`): evaluated once, in the original order"],
         training_ok=True,
     )
+
+
+# --- s28 norms: x / (n * s + eps) with the norm bound to a name first, and weightless (issue 14) ---
+#
+# ``norm_x = x.norm(2, dim=-1, keepdim=True); y = x / (norm_x * self.dd + 1e-12); return self.weight * y``
+# (RWKV-v1; ``self.dd = d ** (-1. / 2)``) and the same without the weight: the norm is read through a
+# name bound to it, as the rsqrt forms are read through theirs. ``s = d ** -0.5`` makes ``norm * s``
+# the rms, so the quotient is an RMS norm with eps added outside the root: npu_rms_norm with
+# eps' = (eps / (s * sqrt(d)))**2 inside it (``_EPS_ADDED_RISK`` states the difference: none on zero
+# rows, relative ~eps / rms elsewhere, at most 1.41x on rows whose rms is close to eps). A weightless
+# quotient is fused with a ones gamma. A bare unit vector ``x / (||x|| + eps)`` (no d-power: an L2
+# normalisation, not a norm layer) stays silent as before.
+
+def _s28_eps_added_named_norm(module: ModuleInfo, scope: Scope, div: ast.BinOp) -> tuple[
+        tuple[ast.expr, list[tuple[ast.expr, bool]], ast.expr] | None, ast.stmt | None]:
+    """``_eps_added_norm`` of ``div``'s denominator where the norm factor is a local name bound
+    (unconditionally, before ``div``) to the 2-norm of the last dim: ((x, s factors, eps), the binding
+    statement), or (None, None)."""
+    den = div.right
+    if not (isinstance(den, ast.BinOp) and isinstance(den.op, ast.Add)):
+        return None, None
+    for prod, eps in ((den.left, den.right), (den.right, den.left)):
+        if not (_number(eps) is not None or dotted(eps) is not None):
+            continue
+        factors: list[tuple[ast.expr, bool]] = []
+        _flatten(prod, False, factors)
+        named: list[tuple[ast.expr, ast.expr, ast.stmt]] = []
+        for f, inv in factors:
+            if inv or not isinstance(f, ast.Name):
+                continue
+            value, _vctx, bound = S.follow(f, S.Ctx(scope, div.lineno))
+            x = canonical.l2_norm_operand(module, value) if bound is not None else None
+            if x is not None:
+                named.append((f, x, bound))
+        if len(named) != 1 or any(canonical.l2_norm_operand(module, f) is not None for f, _ in factors):
+            continue
+        f0, x, bound = named[0]
+        # the operand must still hold the normed value where the quotient reads it
+        if isinstance(x, ast.Name) and any(x.id in S.names_written(st) for st in S.stmt_index(scope).stmts
+                                           if bound.lineno < st.lineno < div.lineno):
+            continue
+        return (x, [(f, inv) for f, inv in factors if f is not f0], eps), bound
+    return None, None
+
+
+def _s28_lead(idx: S.StmtIndex, scope: Scope, lead: ast.stmt | None, head: ast.stmt, last: ast.stmt,
+              replaced: ast.expr) -> ast.stmt | None:
+    """``lead`` (the statement binding the norm) when it comes right before ``head`` in the same block
+    and its name is read nowhere after ``last`` nor in ``last`` outside the ``replaced`` expression: the
+    span takes it in; else None (it stays, run before the span on both paths)."""
+    if lead is None or not (isinstance(lead, ast.Assign) and len(lead.targets) == 1 and isinstance(lead.targets[0], ast.Name)):
+        return None
+    loc = idx.block.get(id(lead))
+    if loc is None or loc[1] + 1 >= len(loc[0]) or loc[0][loc[1] + 1] is not head:
+        return None
+    name = lead.targets[0].id
+    if scope.uses_after(name, last.end_lineno or last.lineno):
+        return None
+    inside = {id(n) for n in ast.walk(replaced)}
+    if any(isinstance(n, ast.Name) and n.id == name and id(n) not in inside for n in S.iter_exprs_topdown(last)):
+        return None
+    return lead
+
+
+def _s28_root_power(module: ModuleInfo, node: ast.expr, init: dict) -> float | None:
+    """``_root_power_any``, also through ``self.a`` whose ``__init__`` value is ``d ** (-1. / 2)``
+    (an exponent written as arithmetic)."""
+    p = _root_power_any(module, node, init)
+    if p is None and isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        value = init.get(node.attr)
+        if isinstance(value, ast.expr):
+            p = _root_power_any(module, value, init)
+    return p

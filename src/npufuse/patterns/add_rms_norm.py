@@ -2782,26 +2782,8 @@ def _cast_stmt_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stm
                                 lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, cast=(cast, target)))
 
 
-_CAST_STMT = '''
-import torch
-from torch import nn
-
-
-class PlainNorm(nn.Module):
-    def __init__(self, d, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
-class Layer(nn.Module):
+# the norm class is the LlamaRMSNorm text of ``_NORM_CHOSEN_BY_BRANCH`` (one source), renamed
+_CAST_STMT = _NORM_CHOSEN_BY_BRANCH.split("class DecoderLayer")[0].replace("HyRMSNorm", "PlainNorm").replace("hidden_size", "d") + '''class Layer(nn.Module):
     def __init__(self, d):
         super().__init__()
         self.attn = nn.Linear(d, d)
