@@ -1557,6 +1557,7 @@ class RopePattern(Pattern):
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
+                    and "concatenate(" not in st_text \
                     and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text):
                 continue
             if "lambda" in st_text:
@@ -1699,6 +1700,11 @@ class RopePattern(Pattern):
             if _method(node, "flatten", "view", "reshape", "view_as") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
+            if isinstance(node, ast.Call):
+                pairs = _cat_sub_pairs(node)  # ``cat([a*c - b*s, b*c + a*s, x_pass], -1)``: the rotated pair inside
+                if pairs:
+                    found.extend(pairs)
+                    return
             if isinstance(node, ast.Call) and _calls_view_as_real(node) and _named_complex_product(scope, node) is not None:
                 found.append(node)  # hkproj: ``x_rotated = xc * freqs; x_out = view_as_real(x_rotated)``
                 return
@@ -6741,5 +6747,109 @@ RopePattern.KEEP += [
         _BRANCH_BOUND_BOTH_PATHS.replace("torch.cat([-x_imag, x_real], dim=-1)", "torch.cat([x_imag, -x_real], dim=-1)"),
         reason="sign flipped",
         name="rotation_bound_on_both_paths_neither_verified",
+    ),
+]
+
+
+# --- s28 rope: the rotated pair inside a longer cat (``cat([a*c - b*s, b*c + a*s, x_pass], -1)``) -----------
+# recurrentgemma / JAX ports write partial rotary as ONE concatenation of the two rotated parts and the
+# pass-through part. ``cat([p, q, r], d) == cat([cat([p, q], d), r], d)`` exactly (for any d), so two
+# adjacent elements are matched as the two-element cat every rotation form knows (inline formula, named
+# parts), as a sub-node spanning those two elements: the fused call replaces that text only
+# (``cat([<fused>, x_pass], -1)``), the rest of the cat stays byte for byte.
+
+def _cat_sub_pairs(call: ast.Call) -> list[ast.Call]:
+    """Two-element cats over adjacent elements of a cat of three or more tensors whose pair is a rotation
+    shape (the written-out formula or two named parts); [] for anything else."""
+    fn = ast.unparse(call.func)
+    if isinstance(call.func, ast.Name):
+        fn = _TORCH_IMPORTS.get().get(fn, fn)
+    if fn not in _CAT or not call.args or not isinstance(call.args[0], (ast.List, ast.Tuple)):
+        return []
+    elts = call.args[0].elts
+    if len(elts) < 3 or any(isinstance(e, ast.Starred) for e in elts):
+        return []
+    out: list[ast.Call] = []
+    i = 0
+    while i + 1 < len(elts):
+        a, b = elts[i], elts[i + 1]
+        seq = type(call.args[0])(elts=[a, b], ctx=ast.Load())
+        sub = ast.Call(func=call.func, args=[seq, *call.args[1:]], keywords=call.keywords)
+        for n in (seq, sub):
+            n.lineno, n.col_offset = a.lineno, a.col_offset
+            n.end_lineno, n.end_col_offset = b.end_lineno, b.end_col_offset
+        if _pair_formula(sub) is not None or _named_pair(sub) is not None:
+            out.append(sub)
+            i += 2
+            continue
+        i += 1
+    return out
+
+
+# own reproducer: the first half of each head rotated (positions per batch row, BSND), its halves' rotated
+# parts and the untouched second half concatenated in one call
+_CAT_WITH_PASS = '''
+import torch
+
+
+def rotate_first_half(inputs, positions, max_wavelength: int = 10_000):
+    b, t = positions.shape
+    x_rot, x_pass = torch.chunk(inputs, 2, dim=-1)
+    positions = positions.reshape(b, t, 1, 1)
+    freq = torch.arange(x_rot.shape[-1] // 2, device=inputs.device)
+    inv = 1.0 / max_wavelength ** (2 * freq / x_rot.shape[-1])
+    angle = positions * inv
+    sin = torch.sin(angle).type_as(inputs)
+    cos = torch.cos(angle).type_as(inputs)
+    lo, hi = torch.chunk(x_rot, 2, dim=-1)
+    part_a = lo * cos - hi * sin
+    part_b = hi * cos + lo * sin
+    return torch.concatenate([part_a, part_b, x_pass], dim=-1)
+'''
+
+# the same written inline, the pass-through part first
+_CAT_WITH_PASS_INLINE = '''
+import torch
+
+
+def rotate_tail(x, cos, sin, n_pass: int):
+    x_pass, x_rot = x[..., :n_pass], x[..., n_pass:]
+    h = x_rot.shape[-1] // 2
+    a, b = x_rot[..., :h], x_rot[..., h:]
+    return torch.cat((x_pass, a * cos - b * sin, b * cos + a * sin), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotated_parts_and_pass_through_in_one_cat",
+        code=_CAT_WITH_PASS,
+        expect={"qualname": "rotate_first_half", "mode": "half"},
+        run='''
+pos = torch.stack([torch.arange(6), torch.arange(6) + 3]).float()
+x = torch.randn(2, 6, 3, 16).requires_grad_()
+out = rotate_first_half(x, pos)
+leaves = [x]
+''',
+    ),
+    Fuse(
+        name="pass_through_then_rotated_parts_inline_in_one_cat",
+        code=_CAT_WITH_PASS_INLINE,
+        expect={"qualname": "rotate_tail", "mode": "half"},
+        run='''
+ang = torch.outer(torch.arange(5).float(), 1.0 / (10000 ** (torch.arange(0, 6, 2).float() / 6)))
+x = torch.randn(2, 3, 5, 10).requires_grad_()
+out = rotate_tail(x, ang.cos(), ang.sin(), 4)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the two rotated parts cast to different dtypes: joined, they have no one dtype the fused call could give
+        _CAT_WITH_PASS.replace("part_a = lo * cos - hi * sin", "part_a = (lo * cos - hi * sin).float()")
+        .replace("part_b = hi * cos + lo * sin", "part_b = (hi * cos + lo * sin).half()"),
+        reason="cast differently",
+        name="rotated_parts_in_one_cat_cast_differently",
     ),
 ]
