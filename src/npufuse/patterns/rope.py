@@ -149,6 +149,9 @@ class _Rotation:
     # the rotation is a name bound on a branch of stable ``if`` tests (bert4torch's ``if rank == 'adjacent':
     # x2 = <pairs> elif ...: x2 = <halves>``): the path condition of the binding that reaches the site
     path_if: str | None = None
+    # the helper verified for an even last dim (its odd-dim branch pruned): ``only_if`` tests x alone
+    # (``x.shape[-1] % 2 == 0``), so it combines with the interleave run-time table check like rank4_only
+    x_only: bool = False
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -776,6 +779,8 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         rot = _rank4_branch_rotation(module, fn, pname) or rot
     if rot.kind is None and filled is None:
         rot = _split_checked_helper(module, node, hscope, rets[0].value, is_param, pname) or rot
+    if rot.kind is None and isinstance(fn, ast.FunctionDef) and filled is None:
+        rot = _even_dim_rotation(module, fn, pname) or rot
     rot.name = name
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
@@ -2084,12 +2089,12 @@ class RopePattern(Pattern):
                         continue
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
                     if isinstance(m, str) and rot.kind == "interleave" and m.startswith(_BATCH_REASON) \
-                            and rot.half_if is None and (rot.only_if is None or rot.rank4_only) and rot.mode_expr is None:
+                            and rot.half_if is None and (rot.only_if is None or rot.rank4_only or rot.x_only) and rot.mode_expr is None:
                         m = self._interleave_checked(module, scope, node, x, cos, sin, m)
                     if isinstance(m, _Match) and rot.upcast:
                         # eager: x*cos + R(x).float()*sin is at least fp32: the fused dtype is widened the same way
                         m.x_dtype, m.widen = None, "torch.float32"
-                    if isinstance(m, _Match) and rot.only_if is not None and rot.rank4_only and m.only_if is not None:
+                    if isinstance(m, _Match) and rot.only_if is not None and (rot.rank4_only or rot.x_only) and m.only_if is not None:
                         m.only_if, m.only_note = f"{rot.only_if} and ({m.only_if})", f"{rot.other}; {m.only_note}"
                     elif isinstance(m, _Match) and rot.only_if is not None:
                         m.only_if, m.only_note = rot.only_if, rot.other
@@ -6851,5 +6856,204 @@ RopePattern.KEEP += [
         .replace("part_b = hi * cos + lo * sin", "part_b = (hi * cos + lo * sin).half()"),
         reason="cast differently",
         name="rotated_parts_in_one_cat_cast_differently",
+    ),
+]
+
+
+
+# --- s28 rope: a rotation helper verified for an even last dim (its odd-dim branch pruned) ----------------
+# Cerebras' ``rotate_every_two`` supports an odd head dim: ``if head_dim % 2: <pass the last element
+# through>`` and ``cat((<stack(-x2, x1)>.flatten(-2), x[..., :0]), -1)``. npu_rotary_mul takes an even last
+# dim only (spec 4.1), so the helper is read as it runs for an even one: every leading-level ``if`` on the
+# parity of the argument's last dim takes the branch an even dim takes, and a cat operand that is an empty
+# last-dim slice (``t[..., :0]``) is dropped; the rest is verified as any helper is. The verdict holds where
+# ``x.shape[-1] % 2 == 0``, checked at run time (an odd dim runs the original code).
+
+def _last_dim_of(node: ast.expr, pname: str) -> bool:
+    """``x.shape[-1]`` / ``x.size(-1)`` / ``x.size()[-1]`` / ``x.shape[x.dim() - 1]``-free forms on the parameter."""
+    if isinstance(node, ast.Subscript) and _is_int(node.slice, -1):
+        base = node.value
+        if isinstance(base, ast.Attribute) and base.attr == "shape":
+            return isinstance(base.value, ast.Name) and base.value.id == pname
+        if _method(base, "size") and not base.args:
+            return isinstance(base.func.value, ast.Name) and base.func.value.id == pname
+        return False
+    return _method(node, "size") and len(node.args) == 1 and _is_int(node.args[0], -1) \
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == pname
+
+
+def _parity_value(test: ast.expr, pname: str, values: dict[str, ast.expr]) -> bool | None:
+    """The value ``test`` has where the parameter's last dim is even (``D % 2`` -> False, ``D % 2 == 0`` ->
+    True, ``not D % 2`` -> True, ...), names read through ``values`` (bound once in the helper); None where
+    ``test`` is no parity test of that dim."""
+    def resolved(n: ast.expr) -> ast.expr:
+        for _ in range(4):
+            if isinstance(n, ast.Name) and n.id in values:
+                n = values[n.id]
+        return n
+
+    def is_mod2(n: ast.expr) -> bool:
+        n = resolved(n)
+        return isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and _is_int(n.right, 2) and _last_dim_of(resolved(n.left), pname)
+
+    test = resolved(test)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _parity_value(test.operand, pname, values)
+        return None if inner is None else not inner
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "bool" and len(test.args) == 1:
+        return _parity_value(test.args[0], pname, values)
+    if is_mod2(test):
+        return False  # D % 2 == 0: falsy
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and is_mod2(test.left):
+        k = const_value(test.comparators[0])
+        if type(k) is not int:
+            return None
+        op = test.ops[0]
+        if isinstance(op, ast.Eq):
+            return k == 0
+        if isinstance(op, ast.NotEq):
+            return k != 0
+        if isinstance(op, ast.Gt):
+            return 0 > k
+        return None
+    return None
+
+
+def _empty_last_dim_slice(node: ast.expr) -> bool:
+    """``t[..., :0]`` (or ``t[..., 0:0]``): an empty slice of the last dim."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2):
+        return False
+    lead, sl = node.slice.elts
+    return isinstance(lead, ast.Constant) and lead.value is Ellipsis and isinstance(sl, ast.Slice) and sl.step is None \
+        and _is_int(sl.upper, 0) and (sl.lower is None or _is_int(sl.lower, 0))
+
+
+def _even_dim_rotation(module: ModuleInfo, fn: ast.FunctionDef, pname: str) -> _Rotation | None:
+    """The helper's verdict where its argument's last dim is even (see the block comment); None where it has
+    no parity ``if`` or is still no rotation."""
+    if "% 2" not in segment(module, fn):
+        return None
+    stores: dict[str, int] = {}
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            stores[n.id] = stores.get(n.id, 0) + 1
+    values = {st.targets[0].id: st.value for st in fn.body
+              if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+              and stores.get(st.targets[0].id) == 1}
+    body: list[ast.stmt] = []
+    pruned = False
+    for st in fn.body:
+        val = _parity_value(st.test, pname, values) if isinstance(st, ast.If) else None
+        if val is None:
+            body.append(st)
+            continue
+        body.extend(st.body if val else st.orelse)
+        pruned = True
+    if not pruned or not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    ret = body[-1].value
+    if isinstance(ret, ast.Call) and _pair_of(ret, _CAT) is not None:
+        a, b = _pair_of(ret, _CAT)  # type: ignore[misc]
+        singles = {t.targets[0].id: t.value for t in body
+                   if isinstance(t, ast.Assign) and len(t.targets) == 1 and isinstance(t.targets[0], ast.Name)}
+        counts: dict[str, int] = {}
+        for t in body:
+            for n in fast_walk(t):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    counts[n.id] = counts.get(n.id, 0) + 1
+
+        def empty(e: ast.expr) -> bool:
+            if isinstance(e, ast.Name) and counts.get(e.id) == 1 and e.id in singles:
+                e = singles[e.id]
+            return _empty_last_dim_slice(e)
+
+        if empty(b) and not empty(a):
+            body[-1] = ast.Return(value=a)
+        elif empty(a) and not empty(b):
+            body[-1] = ast.Return(value=b)
+    special = ast.FunctionDef(name=fn.name, args=fn.args, body=body, decorator_list=[], returns=None, type_params=[])
+    try:
+        other = ModuleInfo.from_source(module.path, ast.unparse(ast.fix_missing_locations(ast.Module(body=[special], type_ignores=[]))))
+    except (Exception, RecursionError):
+        return None
+    hscope = next((sc for sc in other.scopes if sc.qualname == fn.name), None)
+    rets = [n for n in fast_walk(other.tree) if isinstance(n, ast.Return) and n.value is not None]
+    if hscope is None or len(rets) != 1:
+        return None
+
+    def is_param(n: ast.AST) -> bool:
+        return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
+
+    rot = _rotation_expr(hscope, rets[0].value, is_param, other)
+    if rot.kind is None and rot.reason:
+        return _Rotation(None, f"{rot.reason} (helper `{fn.name}` read for an even last dim)")
+    if rot.kind is None or rot.mode_expr or rot.only_if or rot.half_if:
+        return None
+    rot.split_only_if, rot.x_only = "{x}.shape[-1] % 2 == 0", True
+    rot.other = f"an odd last dim keeps the original code (`{fn.name}` handles it on a branch; npu_rotary_mul takes an even one)"
+    return rot
+
+
+
+# own reproducer: a lane-pair rotation helper that also takes an odd head dim (the last lane passed through),
+# applied by an autograd.Function whose backward is written out (the fused forward keeps it: same math)
+_ODD_DIM_HELPER = '''
+import torch
+
+
+def turn_pairs(t):
+    d = t.size(-1)
+    is_odd = d % 2 == 1
+    even, odd = t[..., 0::2], t[..., 1::2]
+    tail = t[..., :0]
+    if is_odd:
+        tail = even[..., -1:]
+        even = even[..., :-1]
+    else:
+        pass
+    t = torch.stack((-odd, even), dim=-1)
+    return torch.cat((t.flatten(-2), tail), dim=-1)
+
+
+class PairRotation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, sin, cos):
+        ctx.save_for_backward(sin, cos)
+        return t * cos + turn_pairs(t) * sin
+
+    @staticmethod
+    def backward(ctx, grad):
+        sin, cos = ctx.saved_tensors
+        return grad * cos - turn_pairs(grad * sin), None, None
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="pair_helper_with_an_odd_dim_branch",
+        code=_ODD_DIM_HELPER,
+        expect={"qualname": "PairRotation.forward", "mode": "interleave", "variant": "interleave_tables_checked"},
+        run='''
+def tables(S, D):
+    ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D // 2 * 2, 2).float() / D)))
+    c, s = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    if D % 2:
+        c, s = torch.cat((c, torch.ones(S, 1)), -1), torch.cat((s, torch.zeros(S, 1)), -1)
+    return c[None, :, None, :], s[None, :, None, :]
+x8 = torch.randn(2, 5, 3, 8).requires_grad_()
+x7 = torch.randn(2, 5, 3, 7).requires_grad_()
+c8, s8 = tables(5, 8)
+c7, s7 = tables(5, 7)
+out = (PairRotation.apply(x8, s8, c8), PairRotation.apply(x7, s7, c7))
+leaves = [x8, x7]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # on the even path the pair is (odd, -even): the rotation by -angle, not what cos/sin ask for
+        _ODD_DIM_HELPER.replace("torch.stack((-odd, even), dim=-1)", "torch.stack((odd, -even), dim=-1)"),
+        reason="sign flipped",
+        name="pair_helper_with_an_odd_dim_branch_sign_flipped",
     ),
 ]
