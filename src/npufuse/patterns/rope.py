@@ -1010,6 +1010,7 @@ class _Match:
     # run time; see _merged_lead_rank_ok): the fused call reshapes x/cos/sin to 4-D and restores x's axes
     merge_lead: bool = False
     table_rank_check: str = ""  # the run-time ``cos.dim() <= 4`` of the interleave check, widened when merging
+    extra_risks: list = field(default_factory=list)  # Risk entries this form adds (a float64 rotation computed in fp32)
 
 
 @dataclass
@@ -1041,7 +1042,7 @@ def _pairs_view(node: ast.AST) -> bool:
     return False
 
 
-def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, str | None] | str:
+def _complex_pairs(scope: Scope, pairs: ast.expr, line: int, allow_f64: bool = False) -> tuple[ast.expr, str | None] | str:
     """(x, cast) when ``view_as_complex(pairs)`` reads lane pairs of x: ``pairs`` is (through local
     names and float casts) ``x.reshape(..., 2)`` / ``x.view(..., 2)`` — a trailing 2 on a view groups
     consecutive elements, the lanes (2i, 2i+1) of an even last dim. A name rebound on several paths
@@ -1077,6 +1078,8 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
     if _is_float_cast(x):
         cast = "float32"
     if _method(x, "double") or (_method(x, "to", "type") and x.args and ast.unparse(x.args[0]) in ("torch.float64", "torch.double")):
+        if allow_f64:
+            return x, "float64"  # the caller fuses it in fp32 under a run-time dtype check (_float64_in_fp32) or refuses
         return (f"complex rope computed in float64 (`{ast.unparse(x)}`): npu_rotary_mul takes fp16/bf16/fp32 only, "
                 "and computing in fp32 instead would change the numbers this code asks for")
     return x, (cast if certain else None)
@@ -2214,7 +2217,7 @@ class RopePattern(Pattern):
             val = _complex_value(module, scope, xc)
             if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
                 continue
-            got = _complex_pairs(scope, val.args[0], val.lineno)
+            got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
             if isinstance(got, str):
                 return got
             x, cast = got
@@ -2222,7 +2225,7 @@ class RopePattern(Pattern):
             if not finfo.batch_free or post:
                 m = self._complex_checked(module, node, x, xc, freqs, cast)
                 m.post = post
-                return m
+                return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
             tag = _ident(segment(module, freqs))
@@ -2232,12 +2235,13 @@ class RopePattern(Pattern):
                 f"{sin} = {f_src}.imag.repeat_interleave(2, dim=-1)",
             ]
             cinfo = _CosInfo(batch_free=True, layout=finfo.layout or "batch-independent")
-            return _Match(
+            m = _Match(
                 node=node, mode="complex", x=x, cos=cos, sin=sin, cos_node=None, sin_node=None,
                 # view_as_real(xc) is xc's float pairs again: a free view of the tensor already cast
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
+            return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
         return _complex_parameter_product(self, module, scope, node, prod, post)
 
     @staticmethod
@@ -2287,13 +2291,17 @@ class RopePattern(Pattern):
             val = _resolve(scope, xc)
             if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
                 continue
-            got = _complex_pairs(scope, val.args[0], val.lineno)
+            got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
             if isinstance(got, str):
                 return got
             x, cast = got
             # the freqs' layout is what it is at the product's line: the run-time check decides (batch, rank)
             m = self._complex_checked(module, node, x, xc, freqs, cast)
             m.post, m.freqs = ".unflatten(-1, (-1, 2))", freqs
+            if cast == "float64":
+                m = _float64_in_fp32(module, scope, m, x, val.lineno, node)  # type: ignore[assignment]
+                if isinstance(m, str):
+                    return m
             name = node.args[0].id  # type: ignore[attr-defined]
             here = _stmt_of(scope, node)
             if here is not None and here[1] > 0 and here[0][here[1] - 1] is prod_stmt and not scope.uses_after(name, node.lineno):
@@ -2466,6 +2474,7 @@ class RopePattern(Pattern):
         if any(isinstance(_resolve(scope, m.x), ast.Subscript) for m in all_matches):
             risks.append(Risk("non_contiguous", "the rotated tensor is a slice view (partial rotary): a strided input"))
         risks.append(Risk("other", "npu_rotary_mul saves x for backward even when cos/sin need no grad: slightly more activation memory than the eager code"))
+        risks.extend(r for m in all_matches for r in m.extra_risks if r not in risks)
         if mode == "complex":
             notes.append("complex form: cos/sin are rebuilt from freqs_cis each call (real/imag, repeat_interleave(2)); precompute them once per step to save two small kernels")
         outside = self._rotation_outside(scope, all_matches, items[0][1].lineno)
@@ -3956,12 +3965,29 @@ leaves = [t]
     ),
 ]
 
+RopePattern.FUSE += [
+    Fuse(
+        # the complex product asked for in float64: the op takes fp16/bf16/fp32 only, so it rotates in fp32 where
+        # the tensor before the upcast is fp16/bf16/fp32 (s28: a numerics risk); a float64 input keeps the original
+        _MISTRAL_TOKENS.replace("xq.float().reshape", "xq.to(torch.float64).reshape").replace("xk.float().reshape", "xk.double().reshape"),
+        name="complex_in_float64",
+        expect={"mode": "complex", "qualname": "apply_rotary_emb"},
+        run='''
+xq = torch.randn(2, 7, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 7, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+f = precompute_freqs_cis(16, 7, 10000.0)
+out = (apply_rotary_emb(xq, xk, f), apply_rotary_emb(xq.double(), xk.double(), f))  # a float64 model: the original runs
+leaves = [xq, xk]
+''',
+    ),
+]
+
 RopePattern.KEEP += [
     Keep(
-        # the complex product asked for in float64: the op takes fp16/bf16/fp32 only
-        _MISTRAL_TOKENS.replace("xq.float().reshape", "xq.to(torch.float64).reshape").replace("xk.float().reshape", "xk.double().reshape"),
-        reason="computed in float64",
-        name="complex_in_float64",
+        # the tensor before the float64 upcast is a call's result: it cannot be read again for the run-time dtype test
+        _MISTRAL_TOKENS.replace("xq.float().reshape", "torch.tanh(xq).double().reshape").replace("xk.float().reshape", "torch.tanh(xk).double().reshape"),
+        reason="cannot be read again at the site",
+        name="complex_in_float64_of_a_call",
     ),
 ]
 
@@ -4455,12 +4481,30 @@ leaves = [x]
     ),
 ]
 
+RopePattern.FUSE += [
+    Fuse(
+        # Wan2.1 as written: the tokens are cast to float64 before the complex view; rotated in fp32 where the
+        # tokens are fp16/bf16/fp32 (s28: a numerics risk), the float64 result given back
+        _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)"),
+        name="per_sample_axis_freqs_float64",
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked", "qualname": "rope_apply"},
+        run='''
+x = torch.randn(2, 30, 4, 24, dtype=torch.bfloat16, requires_grad=True)
+grid = torch.tensor([[2, 3, 4], [1, 3, 5]])
+out = (rope_apply(x, grid, rope_params(8, 24, dtype=torch.float64)), rope_apply(x.double(), grid, rope_params(8, 24, dtype=torch.float64)))
+leaves = [x]
+''',
+    ),
+]
+
 RopePattern.KEEP += [
     Keep(
-        # Wan2.1 as written: the tokens are cast to float64 before the complex view
-        _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)"),
-        reason="complex rope computed in float64",
-        name="per_sample_axis_freqs_float64",
+        # the tokens' name is rebound between the upcast and the site: the run-time dtype test would read another tensor
+        _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)")
+        .replace("        x_i = torch.view_as_real(x_i * freqs_i).flatten(2)\n",
+                 "        x = x * 1\n        x_i = torch.view_as_real(x_i * freqs_i).flatten(2)\n"),
+        reason="cannot be read again at the site",
+        name="per_sample_axis_freqs_float64_tokens_rebound",
     ),
 ]
 
@@ -4914,7 +4958,7 @@ RopePattern.KEEP += [
 ]
 
 # ``view_as_real(xc * freqs).flatten(2)`` on [b, s, n, d/2, 2] pairs: the lanes and then the heads merged
-# (the token layout [b, s, n*d] back, Wan-like); in float64 it stays a near miss that says so
+# (the token layout [b, s, n*d] back, Wan-like); in float64 it is rotated in fp32 (s28, a numerics risk)
 _COMPLEX_FLATTEN_HEADS = '''
 import torch
 
@@ -4942,12 +4986,22 @@ leaves = [x]
     ),
 ]
 
-RopePattern.KEEP += [
-    Keep(
+RopePattern.FUSE += [
+    Fuse(
         _COMPLEX_FLATTEN_HEADS.replace("x.float().reshape", "x.to(torch.float64).reshape"),
-        reason="complex rope computed in float64",
         name="complex_flatten_heads_too_float64",
+        expect={"mode": "complex", "freqs": "freqs", "line": 9},
+        run='''
+ang = torch.outer(torch.arange(6).double(), 1.0 / 10000 ** (torch.arange(0, 8, 2).double() / 8))
+freqs = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+x = torch.randn(2, 6, 3 * 8, dtype=torch.bfloat16, requires_grad=True)
+out = rope_tokens(x, freqs, 8)
+leaves = [x]
+''',
     ),
+]
+
+RopePattern.KEEP += [
     Keep(
         # flatten(4) of the 5-D real view keeps every axis: no lane merge, not the rotation's output
         _COMPLEX_FLATTEN_HEADS.replace(".flatten(2)", ".flatten(4)"),
@@ -5674,7 +5728,7 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
         val = _complex_value(module, scope, xc)  # (names in the product resolve to their bindings before its line)
         if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
             continue
-        got = _complex_pairs(scope, val.args[0], val.lineno)
+        got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
         if isinstance(got, str):
             return got
         if name.id not in _bound_names(stmt) and _read_before_rebound(scope, name.id, stmt.end_lineno or stmt.lineno):
@@ -5684,7 +5738,7 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
         x, cast = got
         m = pat._complex_checked(module, node, x, xc, freqs, cast)
         m.post, m.freqs, m.absorb = post, freqs, [prev]
-        return m
+        return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
     return None
 
 
@@ -7057,3 +7111,51 @@ RopePattern.KEEP += [
         name="pair_helper_with_an_odd_dim_branch_sign_flipped",
     ),
 ]
+
+
+
+# --- s28 rope: a complex rope asked for in float64 (Wan-style ``x.to(torch.float64)``), fused in fp32 -------------
+# npu_rotary_mul takes fp16/bf16/fp32 only (spec 4.1). Where the tensor before the upcast is one of those, its values
+# are exact in fp32: the fused call rotates in fp32 (the widest dtype the op takes; cos/sin taken from the float64 or
+# complex128 tables as fp32) and gives the float64 result back, so the code after it sees the dtype it saw. The
+# rotation's precision changes (fp32 rounding, ~1e-7 relative, instead of float64): stated as a numerics risk.
+# Where the tensor is float64 itself (a float64 model), fp32 would drop bits of the input: the run-time check leaves
+# it to the original code. Ports to Ascend fused these sites the same way (complex64 tables on NPU).
+
+def _plain_read(node: ast.expr) -> bool:
+    """Names, attributes, subscripts, slices and constants only: safe to evaluate again for a dtype test."""
+    return all(isinstance(n, (ast.Name, ast.Attribute, ast.Subscript, ast.Slice, ast.Tuple, ast.Constant, ast.Load,
+                              ast.UnaryOp, ast.USub, ast.BinOp, ast.operator)) for n in fast_walk(node))
+
+
+def _float64_in_fp32(module: ModuleInfo, scope: Scope, m: "_Match", x_cast: ast.expr, cast_line: int, node: ast.AST) -> "_Match | str":
+    """``m`` (a complex-form match whose lane pairs come from ``x_cast`` = ``t.to(torch.float64)``) computed in fp32
+    where ``t`` is fp16/bf16/fp32 at run time; the refusal reason where ``t`` cannot be read again at the site."""
+    t = strip_casts(x_cast)[0]
+    refusal = (f"complex rope computed in float64 (`{ast.unparse(x_cast)}`): npu_rotary_mul takes fp16/bf16/fp32 only, and "
+               "the tensor before the upcast cannot be read again at the site to check it is one of those")
+    if t is x_cast or not _plain_read(t):
+        return refusal
+    site_line = getattr(node, "lineno", cast_line)
+    for n in fast_walk(t):
+        if isinstance(n, ast.Name) and any(cast_line <= st.lineno <= site_line and st.lineno != site_line
+                                           for st, _v in scope.assignments.get(n.id, [])):
+            return refusal  # rebound between the upcast and the site: the test would read another tensor
+    t_src = _atom(segment(module, t))
+    cos, sin = m.cos, m.sin
+    if _is_name(m.x_text) and "." not in m.x_text:
+        m.prep = m.prep + [f"{m.x_text}, {cos}, {sin} = {m.x_text}.float(), {cos}.float(), {sin}.float()  # float64 asked for: "
+                           "npu_rotary_mul takes fp16/bf16/fp32, fp32 is the widest"]
+    else:
+        m.prep = m.prep + [f"{cos}, {sin} = {cos}.float(), {sin}.float()  # float64 asked for: npu_rotary_mul takes fp16/bf16/fp32, fp32 is the widest"]
+        m.x_text = f"{_atom(m.x_text)}.float()"
+    m.x_dtype, m.cs_dtype = "float32", "float32"
+    check = f"{t_src}.dtype in (torch.float16, torch.bfloat16, torch.float32)"
+    m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
+    m.only_note = (m.only_note + "; " if m.only_note else "") + (
+        f"a float64 `{t_src}` (a float64 model) keeps the original code (fp32 would drop bits of its input)")
+    m.post = m.post + ".to(torch.float64)"
+    m.extra_risks = m.extra_risks + [Risk("numerics", f"the original rotates in float64 (`{ast.unparse(x_cast)}`); npu_rotary_mul takes "
+                                          "fp16/bf16/fp32 only, so the fused call rotates in fp32 and casts the result back to "
+                                          "float64: values differ from the original by fp32 rounding (~1e-7 relative)")]
+    return m
