@@ -26,3 +26,34 @@ def test_index_put_replacement_that_does_not_parse_is_no_candidate(monkeypatch: 
     findings, misses = detect_all(affinity_index_put.AffinityIndexPut(), affinity_index_put._MULTILINE_MASK)
     assert findings == []
     assert any("parses" in m.reason for m in misses)
+
+
+def test_bound_names_are_what_a_statement_binds_in_its_own_scope() -> None:
+    """dataflow.bound_names: targets, nested blocks, walrus, loop/with targets, del, imports and except names;
+    a def's or class's own name but not the names its body binds (its own scope), nor a lambda's parameters."""
+    import ast
+
+    from npufuse.scan.dataflow import bound_names, stored_name
+
+    stmt = ast.parse(
+        "if c:\n"
+        "    a, (b, *d) = f()\n"
+        "    for i in range(3):\n"
+        "        e += (w := i)\n"
+        "    with g() as h:\n"
+        "        del k\n"
+        "    import os.path as osp, sys\n"
+        "    try:\n"
+        "        pass\n"
+        "    except E as err:\n"
+        "        pass\n"
+        "    def inner(p):\n"
+        "        hidden = p\n"
+        "    class C:\n"
+        "        attr = 1\n"
+        "    fn = lambda q: q\n"
+        "    x.y = z[0]\n"
+    ).body[0]
+    assert bound_names(stmt) == {"a", "b", "d", "i", "e", "w", "h", "k", "osp", "sys", "err", "inner", "C", "fn"}
+    assert stored_name(ast.parse("v = 1").body[0].targets[0]) == "v"  # type: ignore[attr-defined]
+    assert stored_name(ast.parse("v").body[0].value) is None  # type: ignore[attr-defined]
