@@ -31,7 +31,7 @@ from typing import Any, Iterable
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
+from npufuse.scan.dataflow import ModuleInfo, Scope, bound_names, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
@@ -5713,7 +5713,7 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
     block, i, stmt = here
     # the product's statement: the last one of this block before the site binding the name (llama-style code
     # computes q's and k's products first, then both real views: the run takes the products together)
-    j = next((j for j in range(i - 1, -1, -1) if name.id in _bound_names(block[j])), None)
+    j = next((j for j in range(i - 1, -1, -1) if name.id in bound_names(block[j])), None)
     if j is None:
         return None
     prev = block[j]
@@ -5721,7 +5721,7 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
             and prev.targets[0].id == name.id and isinstance(prev.value, ast.BinOp) and isinstance(prev.value.op, ast.Mult)):
         return None
     prod = prev.value
-    between = set().union(*(_bound_names(st) for st in block[j + 1 : i])) if j + 1 < i else set()
+    between = set().union(*(bound_names(st) for st in block[j + 1 : i])) if j + 1 < i else set()
     if any(isinstance(n, ast.Name) and n.id in between for n in ast.walk(prod)):
         return None  # an operand of the product is rebound before the site: the fused call would read another value
     for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
@@ -5731,7 +5731,7 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
         got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
         if isinstance(got, str):
             return got
-        if name.id not in _bound_names(stmt) and _read_before_rebound(scope, name.id, stmt.end_lineno or stmt.lineno):
+        if name.id not in bound_names(stmt) and _read_before_rebound(scope, name.id, stmt.end_lineno or stmt.lineno):
             # the fused path drops the product: a later read of the name would see the unrotated value
             return (f"complex rope whose product `{segment(module, prev)}` is read again after "
                     f"`{segment(module, node)}`: the fused call cannot replace it")
@@ -6207,7 +6207,8 @@ def _complex_value(module: ModuleInfo, scope: Scope, xc: ast.expr) -> ast.expr:
 
 
 # the complex numbers made by a one-line helper (nested def; a method), the product bound or inline
-_COMPLEX_BY_HELPER = '''
+# the toy module both complex-helper examples share: q and k made complex by a nested helper, rotated by f
+_COMPLEX_HELPER_FN = '''
 import torch
 
 
@@ -6220,7 +6221,9 @@ def spin(q, k, f):
     q_out = torch.view_as_real(qc * f).flatten(3)
     k_out = torch.view_as_real(kc * f).flatten(3)
     return q_out.type_as(q), k_out.type_as(k)
+'''
 
+_COMPLEX_BY_HELPER = _COMPLEX_HELPER_FN + '''
 
 class Spin:
     def to_c(self, t):
@@ -6232,17 +6235,21 @@ class Spin:
         return torch.view_as_real(z).flatten(-2).type_as(q)
 '''
 
-RopePattern.FUSE += [
-    Fuse(
-        name="complex_made_by_a_helper",
-        code=_COMPLEX_BY_HELPER,
-        expect={"mode": "complex", "qualname": "spin"},
-        run='''
+# their run: [B, S, N, D] q and k, f a [1, S, 1, D/2] complex table
+_COMPLEX_HELPER_RUN = '''
 S, D = 5, 8
 ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
 f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
 q = torch.randn(2, S, 3, D, requires_grad=True)
 k = torch.randn(2, S, 3, D, requires_grad=True)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_made_by_a_helper",
+        code=_COMPLEX_BY_HELPER,
+        expect={"mode": "complex", "qualname": "spin"},
+        run=_COMPLEX_HELPER_RUN + '''
 out = (spin(q, k, f), Spin().forward(q, f), Spin().forward(q.to(torch.bfloat16), f))
 leaves = [q, k]
 ''',
@@ -6260,44 +6267,19 @@ RopePattern.KEEP += [
 ]
 
 
-def _bound_names(stmt: ast.stmt) -> set[str]:
-    """Names a statement binds anywhere in it (targets, nested blocks, walrus, loop variables)."""
-    out = set()
-    for n in ast.walk(stmt):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
-            out.add(n.id)
-    return out
-
-
 # both products first, then both real views (the products' statements go with the sites as one run)
-_COMPLEX_PRODUCTS_FIRST = '''
-import torch
-
-
-def apply(q, k, f):
-    def cplx(t):
-        return torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
-
-    qc = cplx(q)
-    kc = cplx(k)
-    qr = qc * f
-    kr = kc * f
-    qr = torch.view_as_real(qr).flatten(-2)
-    kr = torch.view_as_real(kr).flatten(-2)
-    return qr.type_as(q), kr.type_as(k)
-'''
+_COMPLEX_PRODUCTS_FIRST = _COMPLEX_HELPER_FN.replace("def spin(", "def apply(").replace(
+    "    q_out = torch.view_as_real(qc * f).flatten(3)\n    k_out = torch.view_as_real(kc * f).flatten(3)\n"
+    "    return q_out.type_as(q), k_out.type_as(k)\n",
+    "    qr = qc * f\n    kr = kc * f\n    qr = torch.view_as_real(qr).flatten(-2)\n    kr = torch.view_as_real(kr).flatten(-2)\n"
+    "    return qr.type_as(q), kr.type_as(k)\n")
 
 RopePattern.FUSE += [
     Fuse(
         name="complex_products_first_then_real_views",
         code=_COMPLEX_PRODUCTS_FIRST,
         expect={"mode": "complex", "qualname": "apply"},
-        run='''
-S, D = 5, 8
-ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
-f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
-q = torch.randn(2, S, 3, D, requires_grad=True)
-k = torch.randn(2, S, 3, D, requires_grad=True)
+        run=_COMPLEX_HELPER_RUN + '''
 out = (apply(q, k, f), apply(q.to(torch.bfloat16), k, f[:, :, :, :]))
 leaves = [q, k]
 ''',
