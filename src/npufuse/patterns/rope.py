@@ -782,6 +782,11 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
     if rot.kind is None and isinstance(fn, ast.FunctionDef) and filled is None:
         rot = _even_dim_rotation(module, fn, pname) or rot
     rot.name = name
+    if rot.kind is None and not rot.reason and isinstance(fn, ast.FunctionDef):
+        foreign = _foreign_framework(module, fn)
+        if foreign is not None:
+            rot.reason = (f"helper `{name}` is {foreign[0]} code (`{foreign[1]}`), not PyTorch: npu_rotary_mul replaces "
+                          "torch code only")
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
     return rot
@@ -7141,3 +7146,62 @@ def _float64_in_fp32(module: ModuleInfo, scope: Scope, m: "_Match", x_cast: ast.
                                           "fp16/bf16/fp32 only, so the fused call rotates in fp32 and casts the result back to "
                                           "float64: values differ from the original by fp32 rounding (~1e-7 relative)")]
     return m
+
+
+
+# --- s28 rope: a rotation helper written in another framework (TF / JAX / NumPy ports next to the torch model) --
+# Hugging Face's modeling_tf_* / modeling_flax_* files hold ``rotate_half`` / ``rotate_every_two`` built with
+# ``tf.concat`` / ``jnp.stack``: the rotation is the standard one, but not torch code. The near miss says that,
+# not that the helper computes something else.
+
+_FOREIGN_ROOTS = {"tensorflow": "TensorFlow", "jax": "JAX", "flax": "JAX", "numpy": "NumPy", "mindspore": "MindSpore",
+                  "paddle": "Paddle"}
+_JOIN_CALLS = ("cat", "concat", "concatenate", "stack", "split", "reshape")
+
+
+def _foreign_framework(module: ModuleInfo, fn: ast.FunctionDef) -> tuple[str, str] | None:
+    """(framework, call) where the helper joins or splits its halves with another framework's calls and none
+    of torch's; None otherwise."""
+    found = None
+    for n in fast_walk(fn):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _JOIN_CALLS):
+            continue
+        name = module.canonical(n.func) or ""
+        root = name.split(".")[0]
+        if root == "torch":
+            return None
+        if root in _FOREIGN_ROOTS and found is None:
+            found = (_FOREIGN_ROOTS[root], dotted(n.func) or name)
+    return found
+
+
+_TF_ROTATE_HALF = '''
+import tensorflow as tf
+
+
+def rotate_half(x):
+    x1, x2 = tf.split(x, 2, axis=-1)
+    return tf.concat((-x2, x1), axis=-1)
+
+
+def apply_rotary_pos_emb(x, cos, sin):
+    return (x * cos) + (rotate_half(x) * sin)
+'''
+
+_JAX_ROTATE_PAIRS = '''
+import jax.numpy as jnp
+
+
+def rotate_every_two(t):
+    r = jnp.stack((-t[:, :, :, 1::2], t[:, :, :, ::2]), axis=-1)
+    return r.reshape(r.shape[:-2] + (-1,))
+
+
+def apply_rotary_pos_emb(t, cos, sin):
+    return (t * cos) + (rotate_every_two(t) * sin)
+'''
+
+RopePattern.KEEP += [
+    Keep(_TF_ROTATE_HALF, reason="is TensorFlow code (`tf.split`), not PyTorch", name="tensorflow_rotate_half_helper"),
+    Keep(_JAX_ROTATE_PAIRS, reason="is JAX code (`jnp.stack`), not PyTorch", name="jax_rotate_every_two_helper"),
+]
