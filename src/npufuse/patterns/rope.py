@@ -7107,7 +7107,7 @@ RopePattern.KEEP += [
 # complex128 tables as fp32) and gives the float64 result back, so the code after it sees the dtype it saw. The
 # rotation's precision changes (fp32 rounding, ~1e-7 relative, instead of float64): stated as a numerics risk.
 # Where the tensor is float64 itself (a float64 model), fp32 would drop bits of the input: the run-time check leaves
-# it to the original code. Ports to Ascend fused these sites the same way (complex64 tables on NPU).
+# it to the original code.
 
 def _plain_read(node: ast.expr) -> bool:
     """Names, attributes, subscripts, slices and constants only: safe to evaluate again for a dtype test."""
