@@ -6807,13 +6807,17 @@ RopePattern.KEEP += [
 def _cat_sub_pairs(call: ast.Call) -> list[ast.Call]:
     """Two-element cats over adjacent elements of a cat of three or more tensors whose pair is a rotation
     shape (the written-out formula or two named parts); [] for anything else."""
-    fn = ast.unparse(call.func)
-    if isinstance(call.func, ast.Name):
-        fn = _TORCH_IMPORTS.get().get(fn, fn)
-    if fn not in _CAT or not call.args or not isinstance(call.args[0], (ast.List, ast.Tuple)):
+    f = call.func
+    # cheap tests first: this runs on every call of a statement that may hold a rotation
+    if not ((isinstance(f, ast.Attribute) and f.attr in ("cat", "concat", "concatenate")) or isinstance(f, ast.Name)):
         return []
+    if not call.args or not isinstance(call.args[0], (ast.List, ast.Tuple)) or len(call.args[0].elts) < 3:
+        return []
+    fn = ast.unparse(f)
+    if isinstance(f, ast.Name):
+        fn = _TORCH_IMPORTS.get().get(fn, fn)
     elts = call.args[0].elts
-    if len(elts) < 3 or any(isinstance(e, ast.Starred) for e in elts):
+    if fn not in _CAT or any(isinstance(e, ast.Starred) for e in elts):
         return []
     out: list[ast.Call] = []
     i = 0
