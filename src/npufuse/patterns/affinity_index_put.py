@@ -24,7 +24,7 @@ import ast
 import copy
 from typing import Any, Iterable, Optional
 
-from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk, parsed_code
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, replace_segments, segment
 from npufuse.scan.value import symbolic
 
@@ -465,8 +465,10 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         return None  # cannot tell a mask from an integer index: not reported
     if _is_numpy(module, scope, target_node, line):
         return NearMiss(_ID, scope.qualname, line, end, f"`{target}` is a numpy array, not a torch tensor")
-    mask_text = segment(module, mask)
-    value_text = segment(module, value)
+    # operands as code: a mask/value written over several lines is bracketed (bare continuation lines do not parse)
+    mask_text = _code_text(module, mask)
+    value_text = _code_text(module, value)
+    target = _bracketed(target)
     gathered = _gathered(module, value, mask)
     if aug is not None:
         op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(aug)]
@@ -546,10 +548,26 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         notes.append(f"`{mask_text[:40]}` is a mask by its name or `~`, but its dtype is not visible here: the fused "
                      "branch checks `dtype == torch.bool` at run time (no host sync) and keeps the IndexPut otherwise")
     variant = ("aug_" if aug is not None else "") + form + ("_rank_aligned" if not same else "") + ("_dtype_checked" if checked else "")
+    fused = "\n".join(lines) + "\n"
+    if parsed_code(fused) is None:
+        # a replacement npufuse cannot write as valid code is no candidate (the renderer would fail on it)
+        return NearMiss(_ID, scope.qualname, line, end, "npufuse could not write this assignment's replacement as code "
+                        "that parses (an operand's source does not stand on its own): left as is")
     return Finding(
-        pattern=_ID, qualname=scope.qualname, line=line, end_line=end, params=params, fused="\n".join(lines) + "\n",
+        pattern=_ID, qualname=scope.qualname, line=line, end_line=end, params=params, fused=fused,
         guard_tensor=target, confidence="high" if same and not checked else "medium", variant=variant, risks=risks, notes=notes,
     )
+
+
+def _bracketed(text: str) -> str:
+    """``text`` in parentheses when it spans lines: a continuation line of a multi-line operand only
+    parses inside the brackets it was written in (``x[\n  a\n  >= b\n] = 0``'s mask)."""
+    return f"({text})" if "\n" in text else text
+
+
+def _code_text(module: ModuleInfo, node: ast.expr) -> str:
+    """The source of ``node`` as an expression that stands on its own in generated code."""
+    return _bracketed(segment(module, node))
 
 
 def _gathered(module: ModuleInfo, value: ast.expr, mask: ast.expr) -> Optional[str]:
@@ -938,6 +956,28 @@ def channel_mask(mask, unmasked_channel_indices: list | None = None):
     return mask
 '''
 
+# --- s28: a mask (and a value) written over several lines inside the subscript's brackets ---------
+# (a synthetic-dataset style: positions past each row's valid count are zeroed). The operand's
+# continuation lines parse only inside brackets: the replacement brackets a multi-line operand.
+_MULTILINE_MASK = '''\
+import torch
+
+
+def pad_past_valid(idx, n, m, k, valid):
+    pos = torch.arange(k).reshape(
+        1, 1, -1
+    )
+    idx[
+        pos
+        >= valid.reshape(
+            n, m, 1
+        )
+    ] = (
+        0
+    )
+    return idx
+'''
+
 AffinityIndexPut.FUSE = [
     Fuse(_HF_LABELS, name="hf_labels_pad_to_ignore_index", expect={
         "target": "labels", "mask": "labels == pad_token_id", "value": "-100", "form": "masked_fill",
@@ -974,6 +1014,8 @@ AffinityIndexPut.FUSE = [
         "target": "pred_probs[0]", "mask": "~keep", "value": "0.0", "form": "masked_fill"}),
     Fuse(_LEADING_SLICE, name="kyutai_mask_after_leading_slice", expect={
         "target": "current", "mask": "positions == 0", "form": "masked_fill", "mask_first_dim": 1}),
+    Fuse(_MULTILINE_MASK, name="mask_over_several_lines_bracketed", expect={
+        "target": "idx", "form": "masked_fill", "variant": "masked_fill_rank_aligned"}),
 ]
 
 AffinityIndexPut.KEEP = [
@@ -1021,6 +1063,9 @@ CHECKS: dict[str, str] = {
     ),
     "mask_moved_to_device_stays_bool": "out = mark_padding(torch.randint(0, 4, (3, 7)), 0)",
     "sam3_constant_index_view_target": "out = suppress(torch.rand(2, 6), torch.rand(6) > 0.4)",
+    "mask_over_several_lines_bracketed": (
+        "v = torch.randint(1, 5, (3, 2))\nout = pad_past_valid(torch.randint(1, 9, (3, 2, 5)), 3, 2, 5, v)"
+    ),
     "kyutai_mask_after_leading_slice": (
         "out = set_bos(torch.randint(0, 9, (2, 5, 3)), torch.tensor([0, 1, 0, 2, 3]), 7)"
     ),

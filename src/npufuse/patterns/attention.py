@@ -137,13 +137,17 @@ def _assigned_names(stmts: Iterable[ast.stmt]) -> set[str]:
     return out
 
 
+from npufuse.scan.dataflow import stored_name  # noqa: E402  (here, beside its one use: s28 shared binding test)
+
+
 def _visit_assigned(node: ast.AST, out: set[str]) -> None:
     # module level, not a closure: a recursive closure is a reference cycle per call
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         out.add(node.name)
         return
-    if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-        out.add(node.id)
+    name = stored_name(node)
+    if name is not None:
+        out.add(name)
     for child in child_nodes(node):
         _visit_assigned(child, out)
 

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
+from npufuse.scan.dataflow import ModuleInfo, Scope, bound_names, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
@@ -149,6 +149,9 @@ class _Rotation:
     # the rotation is a name bound on a branch of stable ``if`` tests (bert4torch's ``if rank == 'adjacent':
     # x2 = <pairs> elif ...: x2 = <halves>``): the path condition of the binding that reaches the site
     path_if: str | None = None
+    # the helper verified for an even last dim (its odd-dim branch pruned): ``only_if`` tests x alone
+    # (``x.shape[-1] % 2 == 0``), so it combines with the interleave run-time table check like rank4_only
+    x_only: bool = False
 
 
 def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.FunctionDef | None, str]:
@@ -776,7 +779,14 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         rot = _rank4_branch_rotation(module, fn, pname) or rot
     if rot.kind is None and filled is None:
         rot = _split_checked_helper(module, node, hscope, rets[0].value, is_param, pname) or rot
+    if rot.kind is None and isinstance(fn, ast.FunctionDef) and filled is None:
+        rot = _even_dim_rotation(module, fn, pname) or rot
     rot.name = name
+    if rot.kind is None and not rot.reason and isinstance(fn, ast.FunctionDef):
+        foreign = _foreign_framework(module, fn)
+        if foreign is not None:
+            rot.reason = (f"helper `{name}` is {foreign[0]} code (`{foreign[1]}`), not PyTorch: npu_rotary_mul replaces "
+                          "torch code only")
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
     return rot
@@ -1005,6 +1015,7 @@ class _Match:
     # run time; see _merged_lead_rank_ok): the fused call reshapes x/cos/sin to 4-D and restores x's axes
     merge_lead: bool = False
     table_rank_check: str = ""  # the run-time ``cos.dim() <= 4`` of the interleave check, widened when merging
+    extra_risks: list = field(default_factory=list)  # Risk entries this form adds (a float64 rotation computed in fp32)
 
 
 @dataclass
@@ -1036,7 +1047,7 @@ def _pairs_view(node: ast.AST) -> bool:
     return False
 
 
-def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, str | None] | str:
+def _complex_pairs(scope: Scope, pairs: ast.expr, line: int, allow_f64: bool = False) -> tuple[ast.expr, str | None] | str:
     """(x, cast) when ``view_as_complex(pairs)`` reads lane pairs of x: ``pairs`` is (through local
     names and float casts) ``x.reshape(..., 2)`` / ``x.view(..., 2)`` — a trailing 2 on a view groups
     consecutive elements, the lanes (2i, 2i+1) of an even last dim. A name rebound on several paths
@@ -1072,6 +1083,8 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int) -> tuple[ast.expr, 
     if _is_float_cast(x):
         cast = "float32"
     if _method(x, "double") or (_method(x, "to", "type") and x.args and ast.unparse(x.args[0]) in ("torch.float64", "torch.double")):
+        if allow_f64:
+            return x, "float64"  # the caller fuses it in fp32 under a run-time dtype check (_float64_in_fp32) or refuses
         return (f"complex rope computed in float64 (`{ast.unparse(x)}`): npu_rotary_mul takes fp16/bf16/fp32 only, "
                 "and computing in fp32 instead would change the numbers this code asks for")
     return x, (cast if certain else None)
@@ -1557,6 +1570,7 @@ class RopePattern(Pattern):
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
+                    and "concatenate(" not in st_text \
                     and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text):
                 continue
             if "lambda" in st_text:
@@ -1699,6 +1713,11 @@ class RopePattern(Pattern):
             if _method(node, "flatten", "view", "reshape", "view_as") and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func).endswith("view_as_real"):
                 found.append(node)
                 return
+            if isinstance(node, ast.Call):
+                pairs = _cat_sub_pairs(node)  # ``cat([a*c - b*s, b*c + a*s, x_pass], -1)``: the rotated pair inside
+                if pairs:
+                    found.extend(pairs)
+                    return
             if isinstance(node, ast.Call) and _calls_view_as_real(node) and _named_complex_product(scope, node) is not None:
                 found.append(node)  # hkproj: ``x_rotated = xc * freqs; x_out = view_as_real(x_rotated)``
                 return
@@ -2078,12 +2097,12 @@ class RopePattern(Pattern):
                         continue
                     m = self._build_real(module, scope, node, rot.kind, x, cos, sin)
                     if isinstance(m, str) and rot.kind == "interleave" and m.startswith(_BATCH_REASON) \
-                            and rot.half_if is None and (rot.only_if is None or rot.rank4_only) and rot.mode_expr is None:
+                            and rot.half_if is None and (rot.only_if is None or rot.rank4_only or rot.x_only) and rot.mode_expr is None:
                         m = self._interleave_checked(module, scope, node, x, cos, sin, m)
                     if isinstance(m, _Match) and rot.upcast:
                         # eager: x*cos + R(x).float()*sin is at least fp32: the fused dtype is widened the same way
                         m.x_dtype, m.widen = None, "torch.float32"
-                    if isinstance(m, _Match) and rot.only_if is not None and rot.rank4_only and m.only_if is not None:
+                    if isinstance(m, _Match) and rot.only_if is not None and (rot.rank4_only or rot.x_only) and m.only_if is not None:
                         m.only_if, m.only_note = f"{rot.only_if} and ({m.only_if})", f"{rot.other}; {m.only_note}"
                     elif isinstance(m, _Match) and rot.only_if is not None:
                         m.only_if, m.only_note = rot.only_if, rot.other
@@ -2203,7 +2222,7 @@ class RopePattern(Pattern):
             val = _complex_value(module, scope, xc)
             if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
                 continue
-            got = _complex_pairs(scope, val.args[0], val.lineno)
+            got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
             if isinstance(got, str):
                 return got
             x, cast = got
@@ -2211,7 +2230,7 @@ class RopePattern(Pattern):
             if not finfo.batch_free or post:
                 m = self._complex_checked(module, node, x, xc, freqs, cast)
                 m.post = post
-                return m
+                return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
             tag = _ident(segment(module, freqs))
@@ -2221,12 +2240,13 @@ class RopePattern(Pattern):
                 f"{sin} = {f_src}.imag.repeat_interleave(2, dim=-1)",
             ]
             cinfo = _CosInfo(batch_free=True, layout=finfo.layout or "batch-independent")
-            return _Match(
+            m = _Match(
                 node=node, mode="complex", x=x, cos=cos, sin=sin, cos_node=None, sin_node=None,
                 # view_as_real(xc) is xc's float pairs again: a free view of the tensor already cast
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
+            return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
         return _complex_parameter_product(self, module, scope, node, prod, post)
 
     @staticmethod
@@ -2276,13 +2296,17 @@ class RopePattern(Pattern):
             val = _resolve(scope, xc)
             if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
                 continue
-            got = _complex_pairs(scope, val.args[0], val.lineno)
+            got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
             if isinstance(got, str):
                 return got
             x, cast = got
             # the freqs' layout is what it is at the product's line: the run-time check decides (batch, rank)
             m = self._complex_checked(module, node, x, xc, freqs, cast)
             m.post, m.freqs = ".unflatten(-1, (-1, 2))", freqs
+            if cast == "float64":
+                m = _float64_in_fp32(module, scope, m, x, val.lineno, node)  # type: ignore[assignment]
+                if isinstance(m, str):
+                    return m
             name = node.args[0].id  # type: ignore[attr-defined]
             here = _stmt_of(scope, node)
             if here is not None and here[1] > 0 and here[0][here[1] - 1] is prod_stmt and not scope.uses_after(name, node.lineno):
@@ -2455,6 +2479,7 @@ class RopePattern(Pattern):
         if any(isinstance(_resolve(scope, m.x), ast.Subscript) for m in all_matches):
             risks.append(Risk("non_contiguous", "the rotated tensor is a slice view (partial rotary): a strided input"))
         risks.append(Risk("other", "npu_rotary_mul saves x for backward even when cos/sin need no grad: slightly more activation memory than the eager code"))
+        risks.extend(r for m in all_matches for r in m.extra_risks if r not in risks)
         if mode == "complex":
             notes.append("complex form: cos/sin are rebuilt from freqs_cis each call (real/imag, repeat_interleave(2)); precompute them once per step to save two small kernels")
         outside = self._rotation_outside(scope, all_matches, items[0][1].lineno)
@@ -3945,12 +3970,29 @@ leaves = [t]
     ),
 ]
 
+RopePattern.FUSE += [
+    Fuse(
+        # the complex product asked for in float64: the op takes fp16/bf16/fp32 only, so it rotates in fp32 where
+        # the tensor before the upcast is fp16/bf16/fp32 (s28: a numerics risk); a float64 input keeps the original
+        _MISTRAL_TOKENS.replace("xq.float().reshape", "xq.to(torch.float64).reshape").replace("xk.float().reshape", "xk.double().reshape"),
+        name="complex_in_float64",
+        expect={"mode": "complex", "qualname": "apply_rotary_emb"},
+        run='''
+xq = torch.randn(2, 7, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(2, 7, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+f = precompute_freqs_cis(16, 7, 10000.0)
+out = (apply_rotary_emb(xq, xk, f), apply_rotary_emb(xq.double(), xk.double(), f))  # a float64 model: the original runs
+leaves = [xq, xk]
+''',
+    ),
+]
+
 RopePattern.KEEP += [
     Keep(
-        # the complex product asked for in float64: the op takes fp16/bf16/fp32 only
-        _MISTRAL_TOKENS.replace("xq.float().reshape", "xq.to(torch.float64).reshape").replace("xk.float().reshape", "xk.double().reshape"),
-        reason="computed in float64",
-        name="complex_in_float64",
+        # the tensor before the float64 upcast is a call's result: it cannot be read again for the run-time dtype test
+        _MISTRAL_TOKENS.replace("xq.float().reshape", "torch.tanh(xq).double().reshape").replace("xk.float().reshape", "torch.tanh(xk).double().reshape"),
+        reason="cannot be read again at the site",
+        name="complex_in_float64_of_a_call",
     ),
 ]
 
@@ -4444,12 +4486,30 @@ leaves = [x]
     ),
 ]
 
+RopePattern.FUSE += [
+    Fuse(
+        # Wan2.1 as written: the tokens are cast to float64 before the complex view; rotated in fp32 where the
+        # tokens are fp16/bf16/fp32 (s28: a numerics risk), the float64 result given back
+        _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)"),
+        name="per_sample_axis_freqs_float64",
+        expect={"mode": "complex", "variant": "complex_freqs_cis_checked", "qualname": "rope_apply"},
+        run='''
+x = torch.randn(2, 30, 4, 24, dtype=torch.bfloat16, requires_grad=True)
+grid = torch.tensor([[2, 3, 4], [1, 3, 5]])
+out = (rope_apply(x, grid, rope_params(8, 24, dtype=torch.float64)), rope_apply(x.double(), grid, rope_params(8, 24, dtype=torch.float64)))
+leaves = [x]
+''',
+    ),
+]
+
 RopePattern.KEEP += [
     Keep(
-        # Wan2.1 as written: the tokens are cast to float64 before the complex view
-        _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)"),
-        reason="complex rope computed in float64",
-        name="per_sample_axis_freqs_float64",
+        # the tokens' name is rebound between the upcast and the site: the run-time dtype test would read another tensor
+        _PER_SAMPLE_AXES.replace("x[i, :seq_len].float()", "x[i, :seq_len].to(torch.float64)")
+        .replace("        x_i = torch.view_as_real(x_i * freqs_i).flatten(2)\n",
+                 "        x = x * 1\n        x_i = torch.view_as_real(x_i * freqs_i).flatten(2)\n"),
+        reason="cannot be read again at the site",
+        name="per_sample_axis_freqs_float64_tokens_rebound",
     ),
 ]
 
@@ -4903,7 +4963,7 @@ RopePattern.KEEP += [
 ]
 
 # ``view_as_real(xc * freqs).flatten(2)`` on [b, s, n, d/2, 2] pairs: the lanes and then the heads merged
-# (the token layout [b, s, n*d] back, Wan-like); in float64 it stays a near miss that says so
+# (the token layout [b, s, n*d] back, Wan-like); in float64 it is rotated in fp32 (s28, a numerics risk)
 _COMPLEX_FLATTEN_HEADS = '''
 import torch
 
@@ -4931,12 +4991,22 @@ leaves = [x]
     ),
 ]
 
-RopePattern.KEEP += [
-    Keep(
+RopePattern.FUSE += [
+    Fuse(
         _COMPLEX_FLATTEN_HEADS.replace("x.float().reshape", "x.to(torch.float64).reshape"),
-        reason="complex rope computed in float64",
         name="complex_flatten_heads_too_float64",
+        expect={"mode": "complex", "freqs": "freqs", "line": 9},
+        run='''
+ang = torch.outer(torch.arange(6).double(), 1.0 / 10000 ** (torch.arange(0, 8, 2).double() / 8))
+freqs = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+x = torch.randn(2, 6, 3 * 8, dtype=torch.bfloat16, requires_grad=True)
+out = rope_tokens(x, freqs, 8)
+leaves = [x]
+''',
     ),
+]
+
+RopePattern.KEEP += [
     Keep(
         # flatten(4) of the 5-D real view keeps every axis: no lane merge, not the rotation's output
         _COMPLEX_FLATTEN_HEADS.replace(".flatten(2)", ".flatten(4)"),
@@ -5648,7 +5718,7 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
     block, i, stmt = here
     # the product's statement: the last one of this block before the site binding the name (llama-style code
     # computes q's and k's products first, then both real views: the run takes the products together)
-    j = next((j for j in range(i - 1, -1, -1) if name.id in _bound_names(block[j])), None)
+    j = next((j for j in range(i - 1, -1, -1) if name.id in bound_names(block[j])), None)
     if j is None:
         return None
     prev = block[j]
@@ -5656,24 +5726,24 @@ def _rebound_complex_product(pat: "RopePattern", module: ModuleInfo, scope: Scop
             and prev.targets[0].id == name.id and isinstance(prev.value, ast.BinOp) and isinstance(prev.value.op, ast.Mult)):
         return None
     prod = prev.value
-    between = set().union(*(_bound_names(st) for st in block[j + 1 : i])) if j + 1 < i else set()
+    between = set().union(*(bound_names(st) for st in block[j + 1 : i])) if j + 1 < i else set()
     if any(isinstance(n, ast.Name) and n.id in between for n in ast.walk(prod)):
         return None  # an operand of the product is rebound before the site: the fused call would read another value
     for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
         val = _complex_value(module, scope, xc)  # (names in the product resolve to their bindings before its line)
         if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
             continue
-        got = _complex_pairs(scope, val.args[0], val.lineno)
+        got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
         if isinstance(got, str):
             return got
-        if name.id not in _bound_names(stmt) and _read_before_rebound(scope, name.id, stmt.end_lineno or stmt.lineno):
+        if name.id not in bound_names(stmt) and _read_before_rebound(scope, name.id, stmt.end_lineno or stmt.lineno):
             # the fused path drops the product: a later read of the name would see the unrotated value
             return (f"complex rope whose product `{segment(module, prev)}` is read again after "
                     f"`{segment(module, node)}`: the fused call cannot replace it")
         x, cast = got
         m = pat._complex_checked(module, node, x, xc, freqs, cast)
         m.post, m.freqs, m.absorb = post, freqs, [prev]
-        return m
+        return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
     return None
 
 
@@ -6142,7 +6212,8 @@ def _complex_value(module: ModuleInfo, scope: Scope, xc: ast.expr) -> ast.expr:
 
 
 # the complex numbers made by a one-line helper (nested def; a method), the product bound or inline
-_COMPLEX_BY_HELPER = '''
+# the toy module both complex-helper examples share: q and k made complex by a nested helper, rotated by f
+_COMPLEX_HELPER_FN = '''
 import torch
 
 
@@ -6155,7 +6226,9 @@ def spin(q, k, f):
     q_out = torch.view_as_real(qc * f).flatten(3)
     k_out = torch.view_as_real(kc * f).flatten(3)
     return q_out.type_as(q), k_out.type_as(k)
+'''
 
+_COMPLEX_BY_HELPER = _COMPLEX_HELPER_FN + '''
 
 class Spin:
     def to_c(self, t):
@@ -6167,17 +6240,21 @@ class Spin:
         return torch.view_as_real(z).flatten(-2).type_as(q)
 '''
 
-RopePattern.FUSE += [
-    Fuse(
-        name="complex_made_by_a_helper",
-        code=_COMPLEX_BY_HELPER,
-        expect={"mode": "complex", "qualname": "spin"},
-        run='''
+# their run: [B, S, N, D] q and k, f a [1, S, 1, D/2] complex table
+_COMPLEX_HELPER_RUN = '''
 S, D = 5, 8
 ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
 f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
 q = torch.randn(2, S, 3, D, requires_grad=True)
 k = torch.randn(2, S, 3, D, requires_grad=True)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_made_by_a_helper",
+        code=_COMPLEX_BY_HELPER,
+        expect={"mode": "complex", "qualname": "spin"},
+        run=_COMPLEX_HELPER_RUN + '''
 out = (spin(q, k, f), Spin().forward(q, f), Spin().forward(q.to(torch.bfloat16), f))
 leaves = [q, k]
 ''',
@@ -6195,44 +6272,19 @@ RopePattern.KEEP += [
 ]
 
 
-def _bound_names(stmt: ast.stmt) -> set[str]:
-    """Names a statement binds anywhere in it (targets, nested blocks, walrus, loop variables)."""
-    out = set()
-    for n in ast.walk(stmt):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
-            out.add(n.id)
-    return out
-
-
 # both products first, then both real views (the products' statements go with the sites as one run)
-_COMPLEX_PRODUCTS_FIRST = '''
-import torch
-
-
-def apply(q, k, f):
-    def cplx(t):
-        return torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
-
-    qc = cplx(q)
-    kc = cplx(k)
-    qr = qc * f
-    kr = kc * f
-    qr = torch.view_as_real(qr).flatten(-2)
-    kr = torch.view_as_real(kr).flatten(-2)
-    return qr.type_as(q), kr.type_as(k)
-'''
+_COMPLEX_PRODUCTS_FIRST = _COMPLEX_HELPER_FN.replace("def spin(", "def apply(").replace(
+    "    q_out = torch.view_as_real(qc * f).flatten(3)\n    k_out = torch.view_as_real(kc * f).flatten(3)\n"
+    "    return q_out.type_as(q), k_out.type_as(k)\n",
+    "    qr = qc * f\n    kr = kc * f\n    qr = torch.view_as_real(qr).flatten(-2)\n    kr = torch.view_as_real(kr).flatten(-2)\n"
+    "    return qr.type_as(q), kr.type_as(k)\n")
 
 RopePattern.FUSE += [
     Fuse(
         name="complex_products_first_then_real_views",
         code=_COMPLEX_PRODUCTS_FIRST,
         expect={"mode": "complex", "qualname": "apply"},
-        run='''
-S, D = 5, 8
-ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
-f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
-q = torch.randn(2, S, 3, D, requires_grad=True)
-k = torch.randn(2, S, 3, D, requires_grad=True)
+        run=_COMPLEX_HELPER_RUN + '''
 out = (apply(q, k, f), apply(q.to(torch.bfloat16), k, f[:, :, :, :]))
 leaves = [q, k]
 ''',
@@ -6742,4 +6794,418 @@ RopePattern.KEEP += [
         reason="sign flipped",
         name="rotation_bound_on_both_paths_neither_verified",
     ),
+]
+
+
+# --- s28 rope: the rotated pair inside a longer cat (``cat([a*c - b*s, b*c + a*s, x_pass], -1)``) -----------
+# recurrentgemma / JAX ports write partial rotary as ONE concatenation of the two rotated parts and the
+# pass-through part. ``cat([p, q, r], d) == cat([cat([p, q], d), r], d)`` exactly (for any d), so two
+# adjacent elements are matched as the two-element cat every rotation form knows (inline formula, named
+# parts), as a sub-node spanning those two elements: the fused call replaces that text only
+# (``cat([<fused>, x_pass], -1)``), the rest of the cat stays byte for byte.
+
+def _cat_sub_pairs(call: ast.Call) -> list[ast.Call]:
+    """Two-element cats over adjacent elements of a cat of three or more tensors whose pair is a rotation
+    shape (the written-out formula or two named parts); [] for anything else."""
+    f = call.func
+    # cheap tests first: this runs on every call of a statement that may hold a rotation
+    if not ((isinstance(f, ast.Attribute) and f.attr in ("cat", "concat", "concatenate")) or isinstance(f, ast.Name)):
+        return []
+    if not call.args or not isinstance(call.args[0], (ast.List, ast.Tuple)) or len(call.args[0].elts) < 3:
+        return []
+    fn = ast.unparse(f)
+    if isinstance(f, ast.Name):
+        fn = _TORCH_IMPORTS.get().get(fn, fn)
+    elts = call.args[0].elts
+    if fn not in _CAT or any(isinstance(e, ast.Starred) for e in elts):
+        return []
+    out: list[ast.Call] = []
+    i = 0
+    while i + 1 < len(elts):
+        a, b = elts[i], elts[i + 1]
+        seq = type(call.args[0])(elts=[a, b], ctx=ast.Load())
+        sub = ast.Call(func=call.func, args=[seq, *call.args[1:]], keywords=call.keywords)
+        for n in (seq, sub):
+            n.lineno, n.col_offset = a.lineno, a.col_offset
+            n.end_lineno, n.end_col_offset = b.end_lineno, b.end_col_offset
+        if _pair_formula(sub) is not None or _named_pair(sub) is not None:
+            out.append(sub)
+            i += 2
+            continue
+        i += 1
+    return out
+
+
+# own reproducer: the first half of each head rotated (positions per batch row, BSND), its halves' rotated
+# parts and the untouched second half concatenated in one call
+_CAT_WITH_PASS = '''
+import torch
+
+
+def rotate_first_half(inputs, positions, max_wavelength: int = 10_000):
+    b, t = positions.shape
+    x_rot, x_pass = torch.chunk(inputs, 2, dim=-1)
+    positions = positions.reshape(b, t, 1, 1)
+    freq = torch.arange(x_rot.shape[-1] // 2, device=inputs.device)
+    inv = 1.0 / max_wavelength ** (2 * freq / x_rot.shape[-1])
+    angle = positions * inv
+    sin = torch.sin(angle).type_as(inputs)
+    cos = torch.cos(angle).type_as(inputs)
+    lo, hi = torch.chunk(x_rot, 2, dim=-1)
+    part_a = lo * cos - hi * sin
+    part_b = hi * cos + lo * sin
+    return torch.concatenate([part_a, part_b, x_pass], dim=-1)
+'''
+
+# the same written inline, the pass-through part first
+_CAT_WITH_PASS_INLINE = '''
+import torch
+
+
+def rotate_tail(x, cos, sin, n_pass: int):
+    x_pass, x_rot = x[..., :n_pass], x[..., n_pass:]
+    h = x_rot.shape[-1] // 2
+    a, b = x_rot[..., :h], x_rot[..., h:]
+    return torch.cat((x_pass, a * cos - b * sin, b * cos + a * sin), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotated_parts_and_pass_through_in_one_cat",
+        code=_CAT_WITH_PASS,
+        expect={"qualname": "rotate_first_half", "mode": "half"},
+        run='''
+pos = torch.stack([torch.arange(6), torch.arange(6) + 3]).float()
+x = torch.randn(2, 6, 3, 16).requires_grad_()
+out = rotate_first_half(x, pos)
+leaves = [x]
+''',
+    ),
+    Fuse(
+        name="pass_through_then_rotated_parts_inline_in_one_cat",
+        code=_CAT_WITH_PASS_INLINE,
+        expect={"qualname": "rotate_tail", "mode": "half"},
+        run='''
+ang = torch.outer(torch.arange(5).float(), 1.0 / (10000 ** (torch.arange(0, 6, 2).float() / 6)))
+x = torch.randn(2, 3, 5, 10).requires_grad_()
+out = rotate_tail(x, ang.cos(), ang.sin(), 4)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the two rotated parts cast to different dtypes: joined, they have no one dtype the fused call could give
+        _CAT_WITH_PASS.replace("part_a = lo * cos - hi * sin", "part_a = (lo * cos - hi * sin).float()")
+        .replace("part_b = hi * cos + lo * sin", "part_b = (hi * cos + lo * sin).half()"),
+        reason="cast differently",
+        name="rotated_parts_in_one_cat_cast_differently",
+    ),
+]
+
+
+
+# --- s28 rope: a rotation helper verified for an even last dim (its odd-dim branch pruned) ----------------
+# Cerebras' ``rotate_every_two`` supports an odd head dim: ``if head_dim % 2: <pass the last element
+# through>`` and ``cat((<stack(-x2, x1)>.flatten(-2), x[..., :0]), -1)``. npu_rotary_mul takes an even last
+# dim only (spec 4.1), so the helper is read as it runs for an even one: every leading-level ``if`` on the
+# parity of the argument's last dim takes the branch an even dim takes, and a cat operand that is an empty
+# last-dim slice (``t[..., :0]``) is dropped; the rest is verified as any helper is. The verdict holds where
+# ``x.shape[-1] % 2 == 0``, checked at run time (an odd dim runs the original code).
+
+def _last_dim_of(node: ast.expr, pname: str) -> bool:
+    """``x.shape[-1]`` / ``x.size(-1)`` / ``x.size()[-1]`` / ``x.shape[x.dim() - 1]``-free forms on the parameter."""
+    if isinstance(node, ast.Subscript) and _is_int(node.slice, -1):
+        base = node.value
+        if isinstance(base, ast.Attribute) and base.attr == "shape":
+            return isinstance(base.value, ast.Name) and base.value.id == pname
+        if _method(base, "size") and not base.args:
+            return isinstance(base.func.value, ast.Name) and base.func.value.id == pname
+        return False
+    return _method(node, "size") and len(node.args) == 1 and _is_int(node.args[0], -1) \
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == pname
+
+
+def _parity_value(test: ast.expr, pname: str, values: dict[str, ast.expr]) -> bool | None:
+    """The value ``test`` has where the parameter's last dim is even (``D % 2`` -> False, ``D % 2 == 0`` ->
+    True, ``not D % 2`` -> True, ...), names read through ``values`` (bound once in the helper); None where
+    ``test`` is no parity test of that dim."""
+    def resolved(n: ast.expr) -> ast.expr:
+        for _ in range(4):
+            if isinstance(n, ast.Name) and n.id in values:
+                n = values[n.id]
+        return n
+
+    def is_mod2(n: ast.expr) -> bool:
+        n = resolved(n)
+        return isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and _is_int(n.right, 2) and _last_dim_of(resolved(n.left), pname)
+
+    test = resolved(test)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _parity_value(test.operand, pname, values)
+        return None if inner is None else not inner
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "bool" and len(test.args) == 1:
+        return _parity_value(test.args[0], pname, values)
+    if is_mod2(test):
+        return False  # D % 2 == 0: falsy
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and is_mod2(test.left):
+        k = const_value(test.comparators[0])
+        if type(k) is not int:
+            return None
+        op = test.ops[0]
+        if isinstance(op, ast.Eq):
+            return k == 0
+        if isinstance(op, ast.NotEq):
+            return k != 0
+        if isinstance(op, ast.Gt):
+            return 0 > k
+        return None
+    return None
+
+
+def _empty_last_dim_slice(node: ast.expr) -> bool:
+    """``t[..., :0]`` (or ``t[..., 0:0]``): an empty slice of the last dim."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2):
+        return False
+    lead, sl = node.slice.elts
+    return isinstance(lead, ast.Constant) and lead.value is Ellipsis and isinstance(sl, ast.Slice) and sl.step is None \
+        and _is_int(sl.upper, 0) and (sl.lower is None or _is_int(sl.lower, 0))
+
+
+def _even_dim_rotation(module: ModuleInfo, fn: ast.FunctionDef, pname: str) -> _Rotation | None:
+    """The helper's verdict where its argument's last dim is even (see the block comment); None where it has
+    no parity ``if`` or is still no rotation."""
+    if "% 2" not in segment(module, fn):
+        return None
+    stores: dict[str, int] = {}
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            stores[n.id] = stores.get(n.id, 0) + 1
+    values = {st.targets[0].id: st.value for st in fn.body
+              if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+              and stores.get(st.targets[0].id) == 1}
+    body: list[ast.stmt] = []
+    pruned = False
+    for st in fn.body:
+        val = _parity_value(st.test, pname, values) if isinstance(st, ast.If) else None
+        if val is None:
+            body.append(st)
+            continue
+        body.extend(st.body if val else st.orelse)
+        pruned = True
+    if not pruned or not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    ret = body[-1].value
+    if isinstance(ret, ast.Call) and _pair_of(ret, _CAT) is not None:
+        a, b = _pair_of(ret, _CAT)  # type: ignore[misc]
+        singles = {t.targets[0].id: t.value for t in body
+                   if isinstance(t, ast.Assign) and len(t.targets) == 1 and isinstance(t.targets[0], ast.Name)}
+        counts: dict[str, int] = {}
+        for t in body:
+            for n in fast_walk(t):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    counts[n.id] = counts.get(n.id, 0) + 1
+
+        def empty(e: ast.expr) -> bool:
+            if isinstance(e, ast.Name) and counts.get(e.id) == 1 and e.id in singles:
+                e = singles[e.id]
+            return _empty_last_dim_slice(e)
+
+        if empty(b) and not empty(a):
+            body[-1] = ast.Return(value=a)
+        elif empty(a) and not empty(b):
+            body[-1] = ast.Return(value=b)
+    special = ast.FunctionDef(name=fn.name, args=fn.args, body=body, decorator_list=[], returns=None, type_params=[])
+    try:
+        other = ModuleInfo.from_source(module.path, ast.unparse(ast.fix_missing_locations(ast.Module(body=[special], type_ignores=[]))))
+    except (Exception, RecursionError):
+        return None
+    hscope = next((sc for sc in other.scopes if sc.qualname == fn.name), None)
+    rets = [n for n in fast_walk(other.tree) if isinstance(n, ast.Return) and n.value is not None]
+    if hscope is None or len(rets) != 1:
+        return None
+
+    def is_param(n: ast.AST) -> bool:
+        return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
+
+    rot = _rotation_expr(hscope, rets[0].value, is_param, other)
+    if rot.kind is None and rot.reason:
+        return _Rotation(None, f"{rot.reason} (helper `{fn.name}` read for an even last dim)")
+    if rot.kind is None or rot.mode_expr or rot.only_if or rot.half_if:
+        return None
+    rot.split_only_if, rot.x_only = "{x}.shape[-1] % 2 == 0", True
+    rot.other = f"an odd last dim keeps the original code (`{fn.name}` handles it on a branch; npu_rotary_mul takes an even one)"
+    return rot
+
+
+
+# own reproducer: a lane-pair rotation helper that also takes an odd head dim (the last lane passed through),
+# applied by an autograd.Function whose backward is written out (the fused forward keeps it: same math)
+_ODD_DIM_HELPER = '''
+import torch
+
+
+def turn_pairs(t):
+    d = t.size(-1)
+    is_odd = d % 2 == 1
+    even, odd = t[..., 0::2], t[..., 1::2]
+    tail = t[..., :0]
+    if is_odd:
+        tail = even[..., -1:]
+        even = even[..., :-1]
+    else:
+        pass
+    t = torch.stack((-odd, even), dim=-1)
+    return torch.cat((t.flatten(-2), tail), dim=-1)
+
+
+class PairRotation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, sin, cos):
+        ctx.save_for_backward(sin, cos)
+        return t * cos + turn_pairs(t) * sin
+
+    @staticmethod
+    def backward(ctx, grad):
+        sin, cos = ctx.saved_tensors
+        return grad * cos - turn_pairs(grad * sin), None, None
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="pair_helper_with_an_odd_dim_branch",
+        code=_ODD_DIM_HELPER,
+        expect={"qualname": "PairRotation.forward", "mode": "interleave", "variant": "interleave_tables_checked"},
+        run='''
+def tables(S, D):
+    ang = torch.outer(torch.arange(S).float(), 1.0 / (10000 ** (torch.arange(0, D // 2 * 2, 2).float() / D)))
+    c, s = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    if D % 2:
+        c, s = torch.cat((c, torch.ones(S, 1)), -1), torch.cat((s, torch.zeros(S, 1)), -1)
+    return c[None, :, None, :], s[None, :, None, :]
+x8 = torch.randn(2, 5, 3, 8).requires_grad_()
+x7 = torch.randn(2, 5, 3, 7).requires_grad_()
+c8, s8 = tables(5, 8)
+c7, s7 = tables(5, 7)
+out = (PairRotation.apply(x8, s8, c8), PairRotation.apply(x7, s7, c7))
+leaves = [x8, x7]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # on the even path the pair is (odd, -even): the rotation by -angle, not what cos/sin ask for
+        _ODD_DIM_HELPER.replace("torch.stack((-odd, even), dim=-1)", "torch.stack((odd, -even), dim=-1)"),
+        reason="sign flipped",
+        name="pair_helper_with_an_odd_dim_branch_sign_flipped",
+    ),
+]
+
+
+
+# --- s28 rope: a complex rope asked for in float64 (Wan-style ``x.to(torch.float64)``), fused in fp32 -------------
+# npu_rotary_mul takes fp16/bf16/fp32 only (spec 4.1). Where the tensor before the upcast is one of those, its values
+# are exact in fp32: the fused call rotates in fp32 (the widest dtype the op takes; cos/sin taken from the float64 or
+# complex128 tables as fp32) and gives the float64 result back, so the code after it sees the dtype it saw. The
+# rotation's precision changes (fp32 rounding, ~1e-7 relative, instead of float64): stated as a numerics risk.
+# Where the tensor is float64 itself (a float64 model), fp32 would drop bits of the input: the run-time check leaves
+# it to the original code.
+
+def _plain_read(node: ast.expr) -> bool:
+    """Names, attributes, subscripts, slices and constants only: safe to evaluate again for a dtype test."""
+    return all(isinstance(n, (ast.Name, ast.Attribute, ast.Subscript, ast.Slice, ast.Tuple, ast.Constant, ast.Load,
+                              ast.UnaryOp, ast.USub, ast.BinOp, ast.operator)) for n in fast_walk(node))
+
+
+def _float64_in_fp32(module: ModuleInfo, scope: Scope, m: "_Match", x_cast: ast.expr, cast_line: int, node: ast.AST) -> "_Match | str":
+    """``m`` (a complex-form match whose lane pairs come from ``x_cast`` = ``t.to(torch.float64)``) computed in fp32
+    where ``t`` is fp16/bf16/fp32 at run time; the refusal reason where ``t`` cannot be read again at the site."""
+    t = strip_casts(x_cast)[0]
+    refusal = (f"complex rope computed in float64 (`{ast.unparse(x_cast)}`): npu_rotary_mul takes fp16/bf16/fp32 only, and "
+               "the tensor before the upcast cannot be read again at the site to check it is one of those")
+    if t is x_cast or not _plain_read(t):
+        return refusal
+    site_line = getattr(node, "lineno", cast_line)
+    for n in fast_walk(t):
+        if isinstance(n, ast.Name) and any(cast_line <= st.lineno <= site_line and st.lineno != site_line
+                                           for st, _v in scope.assignments.get(n.id, [])):
+            return refusal  # rebound between the upcast and the site: the test would read another tensor
+    t_src = _atom(segment(module, t))
+    cos, sin = m.cos, m.sin
+    if _is_name(m.x_text) and "." not in m.x_text:
+        m.prep = m.prep + [f"{m.x_text}, {cos}, {sin} = {m.x_text}.float(), {cos}.float(), {sin}.float()  # float64 asked for: "
+                           "npu_rotary_mul takes fp16/bf16/fp32, fp32 is the widest"]
+    else:
+        m.prep = m.prep + [f"{cos}, {sin} = {cos}.float(), {sin}.float()  # float64 asked for: npu_rotary_mul takes fp16/bf16/fp32, fp32 is the widest"]
+        m.x_text = f"{_atom(m.x_text)}.float()"
+    m.x_dtype, m.cs_dtype = "float32", "float32"
+    check = f"{t_src}.dtype in (torch.float16, torch.bfloat16, torch.float32)"
+    m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
+    m.only_note = (m.only_note + "; " if m.only_note else "") + (
+        f"a float64 `{t_src}` (a float64 model) keeps the original code (fp32 would drop bits of its input)")
+    m.post = m.post + ".to(torch.float64)"
+    m.extra_risks = m.extra_risks + [Risk("numerics", f"the original rotates in float64 (`{ast.unparse(x_cast)}`); npu_rotary_mul takes "
+                                          "fp16/bf16/fp32 only, so the fused call rotates in fp32 and casts the result back to "
+                                          "float64: values differ from the original by fp32 rounding (~1e-7 relative)")]
+    return m
+
+
+
+# --- s28 rope: a rotation helper written in another framework (TF / JAX / NumPy ports next to the torch model) --
+# Hugging Face's modeling_tf_* / modeling_flax_* files hold ``rotate_half`` / ``rotate_every_two`` built with
+# ``tf.concat`` / ``jnp.stack``: the rotation is the standard one, but not torch code. The near miss says that,
+# not that the helper computes something else.
+
+_FOREIGN_ROOTS = {"tensorflow": "TensorFlow", "jax": "JAX", "flax": "JAX", "numpy": "NumPy", "mindspore": "MindSpore",
+                  "paddle": "Paddle"}
+_JOIN_CALLS = ("cat", "concat", "concatenate", "stack", "split", "reshape")
+
+
+def _foreign_framework(module: ModuleInfo, fn: ast.FunctionDef) -> tuple[str, str] | None:
+    """(framework, call) where the helper joins or splits its halves with another framework's calls and none
+    of torch's; None otherwise."""
+    found = None
+    for n in fast_walk(fn):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _JOIN_CALLS):
+            continue
+        name = module.canonical(n.func) or ""
+        root = name.split(".")[0]
+        if root == "torch":
+            return None
+        if root in _FOREIGN_ROOTS and found is None:
+            found = (_FOREIGN_ROOTS[root], dotted(n.func) or name)
+    return found
+
+
+_TF_ROTATE_HALF = '''
+import tensorflow as tf
+
+
+def rotate_half(x):
+    x1, x2 = tf.split(x, 2, axis=-1)
+    return tf.concat((-x2, x1), axis=-1)
+
+
+def apply_rotary_pos_emb(x, cos, sin):
+    return (x * cos) + (rotate_half(x) * sin)
+'''
+
+_JAX_ROTATE_PAIRS = '''
+import jax.numpy as jnp
+
+
+def rotate_every_two(t):
+    r = jnp.stack((-t[:, :, :, 1::2], t[:, :, :, ::2]), axis=-1)
+    return r.reshape(r.shape[:-2] + (-1,))
+
+
+def apply_rotary_pos_emb(t, cos, sin):
+    return (t * cos) + (rotate_every_two(t) * sin)
+'''
+
+RopePattern.KEEP += [
+    Keep(_TF_ROTATE_HALF, reason="is TensorFlow code (`tf.split`), not PyTorch", name="tensorflow_rotate_half_helper"),
+    Keep(_JAX_ROTATE_PAIRS, reason="is JAX code (`jnp.stack`), not PyTorch", name="jax_rotate_every_two_helper"),
 ]

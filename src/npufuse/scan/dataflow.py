@@ -716,3 +716,40 @@ def scope_text(module: "ModuleInfo", scope: "Scope") -> str:
     if cached is None:  # asked by several detectors per scope: cut once
         cached = scope.__dict__["_segment_text"] = segment(module, scope.node)
     return cached
+
+
+# --- s28: the names a statement binds (shared by the detectors' "rebound between" checks) -------------------
+
+def stored_name(node: ast.AST) -> str | None:
+    """The name ``node`` binds or deletes: a ``Name`` in Store/Del context (an assignment, augmented or
+    annotated target, a ``for`` / ``with`` / comprehension target, a walrus, ``del``); else None."""
+    if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return node.id
+    return None
+
+
+def bound_names(stmt: ast.stmt) -> set[str]:
+    """Every name ``stmt`` binds or deletes in the scope it runs in: Store/Del names anywhere in it (nested
+    blocks, walrus, loop/with targets), a def's or class's own name (not the names bound in its body: its own
+    scope), import aliases and ``except ... as`` names."""
+    out: set[str] = set()
+    _collect_bound(stmt, out)
+    return out
+
+
+def _collect_bound(node: ast.AST, out: set[str]) -> None:
+    # module level, not a closure: a recursive closure is a reference cycle per call
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        out.add(node.name)
+        return
+    if isinstance(node, ast.Lambda):
+        return  # its parameters bind in the lambda's own scope
+    name = stored_name(node)
+    if name is not None:
+        out.add(name)
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+        out.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
+    elif isinstance(node, ast.ExceptHandler) and node.name:
+        out.add(node.name)
+    for child in child_nodes(node):
+        _collect_bound(child, out)
