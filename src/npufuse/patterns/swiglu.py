@@ -814,7 +814,9 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                     # can be the gate pair, taken as two operands (the parts stay as written).
                     # chunk makes every part ceil(n/k) long except the last, which may be shorter.
                     return (S.key(recv, bctx), recv, bctx, dim, idx % k, "part", idx % k < k - 1)
-                if meth in ("chunk", "tensor_split"):
+                if meth == "tensor_split" and _s28_one_index(size) and -2 <= idx < 2:
+                    equal = False  # split at one index: two parts, halves when the index is half the dim (checked at run time)
+                elif meth in ("chunk", "tensor_split"):
                     if const_value(size) != 2:
                         raise GateMiss(f"split into {ast.unparse(size) if size is not None else '?'} parts, not two halves")
                     equal = meth == "chunk"
@@ -1162,6 +1164,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         raise GateMiss("gate and up are halves of different tensors")
     ia = _projection_input(a, actx, module)
     ib = _projection_input(b, ctx, module)
+    if ia is None or ib is None or ia != ib:
+        ia, ib = _s28_weight_held_input(a, actx, b, ctx) or (ia, ib)
     if (ia is None or ib is None or ia != ib) and act.kind in (SILU, CONFIG) + GELU_KINDS:
         biased = _biased_halves(module, a, actx, b, ctx)
         if biased is not None:
@@ -1640,6 +1644,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     guard = _guard(module, g0, plan)
     if guard is None:
         return miss("no input tensor live before the site to guard the fused branch on")
+    half_check: str | None = None
     kept = [S.stmt_source(module, s) for s in (branch.kept if branch else plan.kept)]
     kept_first, kept = (kept, []) if g0.shape_checked and branch is None else ([], kept)  # before the shape check
     try:
@@ -1670,10 +1675,17 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             fused = "\n".join([f"if {ga}.shape == {gb}.shape:", S.indent(fused),
                                "else:  # operands that broadcast: the original code",
                                S.indent(S.block_source(module, plan.stmts))])
+        half_check = _s28_half_size_check(module, g0, plan) if not g0.shape_checked and not g0.caller_lines else None
+        if half_check is not None:
+            fused = "\n".join([f"if {half_check}:", S.indent(fused),
+                               "else:  # the split size is not half the dim: the original code",
+                               S.indent(S.block_source(module, plan.stmts))])
     except S.RenderError as e:
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
+    if half_check is not None:
+        _s28_note_half_check(params, risks, notes, half_check)
     if g0.shape_checked:
         notes.append(_ELEMENTWISE_NOTE if g0.elementwise else
                      _CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
@@ -5820,4 +5832,225 @@ Swiglu.KEEP += [
     # the default is a sigmoid (a Dauphin GLU) and nothing offers silu/gelu: a near miss, as for `act or nn.Sigmoid()`
     Keep(_S27_ACT_LAYER_OR_DEFAULT.replace('nn.GELU(approximate="tanh")', "nn.Sigmoid()"), reason="defaults to sigmoid",
          name="s27_caller_class_instance_or_sigmoid_default"),
+]
+
+
+# --- s28 glu: a projection's input found by dataflow, not by which side of the matmul it is on ---
+
+
+def _s28_matmul_sides(node: ast.expr, ctx: S.Ctx) -> tuple[ast.expr, ast.expr, S.Ctx] | None:
+    """(the matrix on the left, the one on the right, ctx) of ``L.mm(R)`` / ``L.matmul(R)`` (a
+    method of one argument, not ``torch.mm``) or ``L @ R``, after following names and casts."""
+    n, c = S.peel(node, ctx)
+    while S.is_cast(n):
+        n = n.func.value  # type: ignore[union-attr]
+        n, c = S.peel(n, c)
+    if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
+        return n.left, n.right, c
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("mm", "matmul") \
+            and len(n.args) == 1 and not isinstance(n.args[0], ast.Starred) and not n.keywords \
+            and not (isinstance(n.func.value, ast.Name) and n.func.value.id in ("torch", "th")):
+        return n.func.value, n.args[0], c
+    return None
+
+
+def _s28_held_state(node: ast.expr) -> bool:
+    """An attribute chain (``self.w1``, ``layer_weight.gate_proj``): state an object holds, as weights
+    are; never a value the function computes (a call, an arithmetic result, a plain local)."""
+    if not isinstance(node, ast.Attribute):
+        return False
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+def _s28_weight_held_input(a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> tuple[str, str] | None:
+    """Gate and up as ``W1.mm(x)`` and ``W3.mm(x)`` (lightllm's weight objects, ``self.w1 @ x``): the
+    projections' input is the operand the two matmuls share, whichever side it is written on; the
+    other operands are two different attributes an object holds (weights). ``_projection_input``
+    reads the receiver of ``.mm`` as the input (``x.mm(w)``), which makes these look like products of
+    two inputs. (key, key) of the shared right operand, or None. The shapes of the two products are
+    equal whenever the two weights have one shape; the fused op is exact for any two equal-shape
+    operands (it concatenates them and splits them back along one dim)."""
+    sa, sb = _s28_matmul_sides(a, actx), _s28_matmul_sides(b, ctx)
+    if sa is None or sb is None:
+        return None
+    (la, ra, ca), (lb, rb, cb) = sa, sb
+    if not (_s28_held_state(la) and _s28_held_state(lb)) or ast.dump(la) == ast.dump(lb):
+        return None
+    if _s28_held_state(ra) or _s28_held_state(rb):
+        return None  # state on both sides: nothing says which one is the input
+    ka, kb = S.key(ra, ca), S.key(rb, cb)
+    return (ka, kb) if ka == kb else None
+
+
+# --- s28 glu: a split by a symbolic size, its halves checked at run time ---
+
+
+def _s28_one_index(size: ast.expr | None) -> bool:
+    """``(n,)`` / ``[n]``: one split index, so ``tensor_split`` makes exactly two parts."""
+    return isinstance(size, (ast.Tuple, ast.List)) and len(size.elts) == 1 and not isinstance(size.elts[0], ast.Starred)
+
+
+def _s28_split_size(module: ModuleInfo, g: Gate) -> tuple[ast.expr, S.Ctx, int] | None:
+    """The size of the first part of the halves' split when it is symbolic: ``n`` of ``T.split(n, d)``,
+    of ``torch.tensor_split(T, (n,), d)`` or of ``T[..., :n]`` / ``T[..., n:]``, and the line of the split."""
+    h = g.halves
+    if h is None or h.equal:
+        return None
+    n, c = S.peel(g.a.node, g.a.ctx)
+    if not isinstance(n, ast.Subscript):
+        return None
+    if h.how == "slice":
+        sl = n.slice.elts[-1] if isinstance(n.slice, ast.Tuple) else n.slice
+        if not isinstance(sl, ast.Slice) or sl.step is not None:
+            return None
+        bound = sl.upper if sl.lower is None else sl.lower if sl.upper is None else None
+        return (bound, c, n.lineno) if bound is not None and const_value(bound) is ... else None
+    base, bctx = S.peel(n.value, c)
+    if not isinstance(base, ast.Call):
+        return None
+    fname = module.call_name(base)
+    meth = base.func.attr if isinstance(base.func, ast.Attribute) else None
+    if fname in ("torch.split", "torch.tensor_split"):
+        rest, meth = list(base.args[1:]), fname.split(".")[-1]
+    elif meth in ("split", "tensor_split"):
+        rest = list(base.args)
+    else:
+        return None
+    size = rest[0] if rest else S.arg(base, "split_size_or_sections" if meth == "split" else "indices_or_sections", None)
+    if meth == "tensor_split" and _s28_one_index(size):
+        size = size.elts[0]  # type: ignore[union-attr]
+    elif meth != "split" or size is None or isinstance(size, (ast.Tuple, ast.List)):
+        return None
+    return (size, bctx, base.lineno) if size is not None and const_value(size) is ... else None
+
+
+def _s28_half_size_check(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:
+    """``T.shape[d] == 2 * (n)`` for halves split by a symbolic size (``split(self.up_proj_dim, -1)``,
+    ``tensor_split(T, (n,), -1)``, ``T[..., :n]``): the fused op halves T, so it is exact only when n
+    is half of T's dim; the scan cannot know n, the run can (a host-side shape, no sync). None when
+    the sizes are provably equal, or when T or n is not a value readable before the span (then the
+    finding keeps its stated layout risk)."""
+    found = _s28_split_size(module, g)
+    h = g.halves
+    if found is None or h is None:
+        return None
+    size, sctx, at = found
+    # the check runs before the span: a name the span rebinds before the split holds another value there
+    written = set().union(*(S.names_written(st) for st in plan.stmts if st.lineno < at))
+    for e in (h.tensor, size):
+        if any(isinstance(x, ast.Name) and x.id in written for x in fast_walk(e)):
+            return None  # rebound inside the span: its value at the span's start is another one
+        if any(isinstance(x, ast.Call) for x in fast_walk(e)):
+            return None  # checking it would compute it a second time
+    try:
+        t = S.render(module, h.tensor, h.ctx, plan)
+        n = S.render(module, size, sctx, plan)
+        d = S.render(module, h.dim, h.dim_ctx, plan)
+    except S.RenderError:
+        return None
+    if not all(p.isidentifier() for p in t.split(".")):
+        return None
+    return f"{t}.shape[{d}] == 2 * ({n})"
+
+
+def _s28_note_half_check(params: dict[str, Any], risks: list[Risk], notes: list[str], check: str) -> None:
+    params["halves_checked"] = check
+    risks[:] = [r for r in risks if not (r.kind == "layout" and "symbolic size" in r.detail)]
+    notes.append(f"split by a symbolic size: the fused op runs when `{check}` (two equal halves), the original code otherwise")
+
+
+# weight objects with a ``.mm`` method and a split at a symbolic index: examples (s28)
+_S28_WEIGHT_MM = '''
+import torch
+import torch.nn.functional as F
+
+
+class Weight:
+    """A loaded weight with its own matmul (inference engines keep these outside nn.Module)."""
+
+    def __init__(self, d, h):
+        self.weight = torch.randn(d, h, requires_grad=True)
+
+    def mm(self, x):
+        return x @ self.weight
+
+
+class LayerWeight:
+    def __init__(self, d, h):
+        self.gate_proj, self.up_proj, self.down_proj = Weight(d, h), Weight(d, h), Weight(h, d)
+
+
+class LayerInfer:
+    def __init__(self, d):
+        self.embed_dim = d
+
+    def ffn(self, hidden, layer_weight):
+        hidden = hidden.view(-1, self.embed_dim)
+        gate = layer_weight.gate_proj.mm(hidden.view(-1, self.embed_dim))
+        up = layer_weight.up_proj.mm(hidden.view(-1, self.embed_dim))
+        out = F.silu(gate) * up
+        return layer_weight.down_proj.mm(out)
+'''
+
+_RUN_S28_WEIGHT_MM = '''
+w = LayerWeight(8, 6)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = LayerInfer(8).ffn(x, w)
+leaves = [x, w.gate_proj.weight, w.up_proj.weight]
+'''
+
+_S28_SPLIT_AT = '''
+import torch
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d, h, extra=0):
+        super().__init__()
+        self.up_proj_dim = h
+        self.proj_up_gate_z = nn.Linear(d, 2 * h + extra)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        x = self.proj_up_gate_z(x)
+        gate, z = torch.tensor_split(x, (self.up_proj_dim,), dim=-1)
+        x = self.act_fn(gate) * z
+        return x
+'''
+
+# the second module splits 1 + 5 features at index 1: not halves (silu(gate) broadcasts over z), so
+# the run-time check takes the original code there
+_RUN_S28_SPLIT_AT = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [FeedForward(8, 6), FeedForward(8, 1, extra=4)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.proj_up_gate_z.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # `W.mm(x)` on weight objects: the input is the operand both matmuls share, whichever side it is on
+    Fuse(_S28_WEIGHT_MM, expect={"activation": "silu", "gate": "gate", "up": "up", "source": "two_projections"},
+         run=_RUN_S28_WEIGHT_MM, name="s28_weight_objects_mm_of_one_input"),
+    # tensor_split at a symbolic index: halves only when the index is half the dim, checked at run time
+    Fuse(_S28_SPLIT_AT, expect={"split": "tensor_split", "halves_checked": "x.shape[-1] == 2 * (self.up_proj_dim)"},
+         run=_RUN_S28_SPLIT_AT, name="s28_tensor_split_at_a_symbolic_index"),
+]
+
+Swiglu.KEEP += [
+    # the two weight objects multiply two different inputs: a gated output, not a GLU MLP
+    Keep(_S28_WEIGHT_MM.replace("up = layer_weight.up_proj.mm(hidden.view(-1, self.embed_dim))",
+                                "up = layer_weight.up_proj.mm(hidden.view(-1, self.embed_dim).cumsum(0))"),
+         reason="not projections of one input", name="s28_weight_objects_mm_of_two_inputs"),
+    # one weight, two inputs (`a.mm(w)`-style with the weight on the right of both): no shared input
+    Keep(_S28_WEIGHT_MM.replace("gate = layer_weight.gate_proj.mm(hidden.view(-1, self.embed_dim))",
+                                "gate = hidden.cumsum(0).mm(layer_weight.up_proj.weight)").replace(
+                                "up = layer_weight.up_proj.mm(hidden.view(-1, self.embed_dim))",
+                                "up = hidden.mm(layer_weight.up_proj.weight)"),
+         reason="not projections of one input", name="s28_one_weight_two_inputs"),
+    # two split indices: three parts, not two halves
+    Keep(_S28_SPLIT_AT.replace("gate, z = torch.tensor_split(x, (self.up_proj_dim,), dim=-1)",
+                               "gate, z, _ = torch.tensor_split(x, (self.up_proj_dim, 2 * self.up_proj_dim), dim=-1)"),
+         reason="not two halves", name="s28_tensor_split_at_two_indices"),
 ]
