@@ -357,7 +357,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k2 is not None:
                 return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
         return _inherited_act(module, f, gate, ctx)
-    if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2:
+    if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2 \
+            and f.attr != "forward":  # s28: `self.up_proj.forward(x)` is the module's own call, not a callable it holds
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
     if isinstance(f, ast.Name):
@@ -1428,6 +1429,10 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         if not (S.simple_stmt(stmt) or aug is not None) or getattr(stmt, "value", None) is None:
             continue
         if not any(w in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno] for w in _PRODUCT_WORDS):
+            continue
+        branched = _s28_branch_act_results(module, scope, stmt)
+        if branched is not None:
+            results.extend(branched)
             continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
@@ -6053,4 +6058,269 @@ Swiglu.KEEP += [
     Keep(_S28_SPLIT_AT.replace("gate, z = torch.tensor_split(x, (self.up_proj_dim,), dim=-1)",
                                "gate, z, _ = torch.tensor_split(x, (self.up_proj_dim, 2 * self.up_proj_dim), dim=-1)"),
          reason="not two halves", name="s28_tensor_split_at_two_indices"),
+]
+
+
+# --- s28 glu: the activation chosen by an if/elif chain of assignments, the product after it ---
+
+
+@dataclass
+class _S28Arm:
+    test: ast.expr | None  # None: the else arm
+    body: list[ast.stmt]
+    act: Act | None  # the arm's `y = act(g)` when it is one
+    gate: Gate | None  # the product the arm's activation makes, when it is a GLU
+
+
+def _s28_chain_arms(node: ast.If) -> list[tuple[ast.expr | None, list[ast.stmt]]]:
+    arms: list[tuple[ast.expr | None, list[ast.stmt]]] = []
+    cur = node
+    while True:
+        arms.append((cur.test, cur.body))
+        if len(cur.orelse) == 1 and isinstance(cur.orelse[0], ast.If):
+            cur = cur.orelse[0]
+            continue
+        if cur.orelse:
+            arms.append((None, cur.orelse))
+        return arms
+
+
+def _s28_product_of(stmt: ast.stmt) -> tuple[ast.Name, ast.expr, ast.expr] | None:
+    """(the activated name, the other factor, the product node) of ``y *= b`` / ``t = y * b`` /
+    ``t = b * y`` (the whole value)."""
+    if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Mult) and isinstance(stmt.target, ast.Name):
+        prod = _augassign_product(stmt)
+        assert prod is not None
+        return prod.left, stmt.value, prod  # type: ignore[return-value]
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.value, ast.BinOp) and isinstance(stmt.value.op, ast.Mult):
+        v = stmt.value
+        for y, b in ((v.left, v.right), (v.right, v.left)):
+            if isinstance(y, ast.Name):
+                return y, b, v
+    return None
+
+
+def _s28_branch_act_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> list[GateResult] | None:
+    """exllamav2 / DeepSpeed: ``if cfg == "silu": y = F.silu(g) elif cfg == "gelu": y = F.gelu(g, ...)``,
+    (other statements), then ``y *= up``. Each arm is a gated product of its own activation; the
+    rewrite keeps the chain and puts each arm's fused product in it (silu -> npu_swiglu, gelu ->
+    npu_geglu; any other arm, and the no-arm path, runs the original statements), so every test is
+    evaluated where it was and the statements between run once on every path, in their order. None
+    when the statement is no such product (the ordinary scan then reads it)."""
+    prod = _s28_product_of(stmt)
+    if prod is None:
+        return None
+    y, b, node = prod
+    idx = S.stmt_index(scope)
+    body, i = idx.block.get(id(stmt), (None, -1))
+    if body is None:
+        return None
+    chain_at = None
+    for j in range(i - 1, -1, -1):
+        if isinstance(body[j], ast.If) and y.id in set().union(*(S.names_written(st) for _, arm in _s28_chain_arms(body[j]) for st in arm)):
+            chain_at = j
+            break
+        if y.id in S.names_written(body[j]) or any(isinstance(n, ast.Name) and n.id == y.id for n in fast_walk(body[j])):
+            return None  # y written or read between: not the chain's value alone
+    if chain_at is None:
+        return None
+    chain = body[chain_at]
+    between = body[chain_at + 1 : i]
+    assert isinstance(chain, ast.If)
+    arms: list[_S28Arm] = []
+    gate_key: str | None = None
+    for test, arm in _s28_chain_arms(chain):
+        st0 = arm[0]
+        if len(arm) == 1 and isinstance(st0, ast.Raise):
+            arms.append(_S28Arm(test, arm, None, None))
+            continue
+        if not (len(arm) == 1 and isinstance(st0, ast.Assign) and len(st0.targets) == 1 and isinstance(st0.targets[0], ast.Name)
+                and st0.targets[0].id == y.id and isinstance(st0.value, ast.Call)):
+            return None  # an arm doing anything else: not an activation chosen by the chain
+        act = classify_call(module, st0.value, S.Ctx(scope, st0.lineno))
+        if act is None or act.gate is None:
+            return None
+        k = S.key(act.gate, S.Ctx(scope, st0.lineno))
+        if gate_key is not None and k != gate_key:
+            return None  # arms activating different tensors
+        gate_key = k
+        arms.append(_S28Arm(test, arm, act, None))
+    acts = [a for a in arms if a.act is not None]
+    if len(acts) < 2 and not (len(acts) == 1 and len(arms) == 1):
+        return None
+    # the activated tensor and the other factor's names must hold, at the product, what they held in the arms
+    moved_reads = {n.id for a in acts for n in fast_walk(a.act.gate) if isinstance(n, ast.Name)}  # type: ignore[union-attr]
+    written_between = set().union(*(S.names_written(st) for st in between)) if between else set()
+    if moved_reads & written_between or any(isinstance(n, (ast.Yield, ast.Await, ast.NamedExpr)) for st in between for n in fast_walk(st)):
+        return None
+    ctx = S.Ctx(scope, stmt.lineno)
+    pat_kinds = (SILU,) + GELU_KINDS
+    for a in arms:
+        if a.act is None or a.act.kind not in pat_kinds:
+            continue
+        synth = ast.BinOp(left=a.body[0].value, op=ast.Mult(), right=b, lineno=stmt.lineno, col_offset=0,  # type: ignore[attr-defined]
+                          end_lineno=stmt.end_lineno, end_col_offset=0)
+        try:
+            g = find_gate(module, synth, ctx)
+        except GateMiss as e:
+            pat = owner(a.act) or "swiglu"
+            return [GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, chain.lineno, stmt.end_lineno or stmt.lineno,
+                                                        f"activation chosen by an if/elif chain, then `{ast.unparse(node)}`: {e.reason}"))]
+        if g is None or g.act.kind != a.act.kind or g.shape_checked or g.caller_lines or g.inline_guard is not None:
+            return None
+        a.gate = g
+    fusable = [a for a in arms if a.gate is not None]
+    if not fusable:
+        return None
+    halves_t = fusable[0].gate.halves  # type: ignore[union-attr]
+    if halves_t is not None:
+        # the fused op reads the split tensor at the product: it must still hold the split's value there
+        tn = {n.id for n in fast_walk(halves_t.tensor) if isinstance(n, ast.Name)}
+        if tn & (written_between | {y.id}):
+            return None
+    done = S.already_fused(module, scope, stmt)
+    pat = "swiglu" if any(a.act.kind == SILU for a in fusable) else "geglu"  # type: ignore[union-attr]
+    if done:
+        return [GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, chain.lineno, stmt.end_lineno or stmt.lineno, done))]
+    try:
+        text = _s28_branch_act_fused(module, chain, arms, between, stmt, node)
+    except S.RenderError as e:
+        return [GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, chain.lineno, stmt.end_lineno or stmt.lineno,
+                                                    f"cannot express the replacement at the site: {e}"))]
+    g0 = fusable[0].gate
+    assert g0 is not None
+    guard = g0.halves.tensor if g0.halves is not None else g0.a.node
+    if not isinstance(guard, ast.Name):
+        guard = g0.a.node
+    if not isinstance(guard, ast.Name) or guard.id in written_between:
+        return None
+    kinds = sorted({a.act.kind for a in fusable})  # type: ignore[union-attr]
+    params: dict[str, Any] = {
+        "activation": "branch",
+        "activation_source": "; ".join(f"{ast.unparse(a.test) if a.test is not None else 'else'}: {ast.unparse(a.body[0].value)}"  # type: ignore[attr-defined]
+                                       for a in arms if a.act is not None),
+        "activation_kernels": 1,
+        "conditional": True,
+        "branch_kinds": kinds,
+        "gate": ast.unparse(g0.a.node),
+        "up": ast.unparse(g0.b.node),
+        "source": "split" if g0.halves is not None else "two_projections",
+        "dispatches_to": sorted({"swiglu" if k == SILU else "geglu" for k in kinds}),
+    }
+    risks, notes = _risks(g0, pat)
+    notes.append("activation chosen by an if/elif chain of assignments before the product: each arm computing silu or gelu "
+                 "runs its fused op in place of the activation and the product; other arms and the no-arm path run the "
+                 f"original statements (lines {chain.lineno}-{stmt.end_lineno or stmt.lineno} restructured: the statements "
+                 "between the chain and the product are repeated in each arm, run once on every path)")
+    f = Finding(pattern=pat, qualname=scope.qualname, line=chain.lineno, end_line=stmt.end_lineno or stmt.lineno, params=params,
+                fused=text, guard_tensor=guard.id, confidence="medium", variant="branch_chosen_activation", risks=risks,
+                notes=notes, training_ok=True)
+    return [GateResult(stmt, pat, finding=f)]
+
+
+def _s28_branch_act_fused(module: ModuleInfo, chain: ast.If, arms: list[_S28Arm], between: list[ast.stmt],
+                          stmt: ast.stmt, node: ast.expr) -> str:
+    src = module.source
+    between_src = [S.block_source(module, between)] if between else []
+    out: list[str] = []
+    for k, a in enumerate(arms):
+        if a.test is None:
+            out.append("else:")
+        else:
+            seg = ast.get_source_segment(src, a.test)
+            if seg is None or "\n" in seg:
+                seg = ast.unparse(a.test)
+            out.append(f"{'if' if k == 0 else 'elif'} {seg}:")
+        if a.gate is not None:
+            kind = a.act.kind  # type: ignore[union-attr]
+            ak = approx_code_of(module, a.gate.act, kind, None) if kind in GELU_KINDS else None  # type: ignore[arg-type]
+            fused = fused_expr(module, a.gate, SILU if kind == SILU else kind, None, ak)  # type: ignore[arg-type]
+            root = _s28_splice_root(module, stmt, node, fused)
+            out.append(S.indent("\n".join(between_src + [root])))
+        elif isinstance(a.body[0], ast.Raise):
+            out.append(S.indent(S.block_source(module, a.body)))
+        else:
+            out.append(S.indent("\n".join([S.block_source(module, a.body)] + between_src + [S.stmt_source(module, stmt)])))
+    if arms[-1].test is not None:
+        out.append("else:  # no arm taken: the original statements")
+        out.append(S.indent("\n".join(between_src + [S.stmt_source(module, stmt)])))
+    return "\n".join(out)
+
+
+def _s28_splice_root(module: ModuleInfo, stmt: ast.stmt, node: ast.expr, fused: str) -> str:
+    if isinstance(stmt, ast.AugAssign):
+        return f"{ast.unparse(stmt.target)} = {fused}"
+    return S.splice(module, stmt, [(node, fused)])
+
+
+_S28_BRANCH_ACT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    """exllamav2-style: the activation picked by an if/elif chain, up projected after it, in-place product."""
+
+    def __init__(self, d, h, act="silu"):
+        super().__init__()
+        self.act = act
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        gate = self.gate_proj.forward(x)
+        if self.act == "silu":
+            y = F.silu(gate)
+        elif self.act == "gelu":
+            y = F.gelu(gate, approximate="tanh")
+        elif self.act == "leaky":
+            y = F.leaky_relu(gate)
+        up = self.up_proj.forward(x)
+        y *= up
+        y.clamp_(min=-65504.0, max=65504.0)
+        return self.down_proj(y)
+
+
+def mlp_fallback(x, w, kind):
+    """DeepSpeed-style: halves of one projection, an enum-like switch, a raising else."""
+    tmp = torch.matmul(x, w)
+    up, gate = tmp.chunk(2, dim=-1)
+    if kind == 1:
+        inter = F.gelu(gate)
+    elif kind == 2:
+        inter = F.silu(gate)
+    else:
+        raise ValueError(f"activation {kind} not implemented")
+    inter = inter * up
+    return inter
+'''
+
+_RUN_S28_BRANCH_ACT = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+w = torch.randn(8, 12, requires_grad=True)
+ms = [MLP(8, 6, "silu"), MLP(8, 6, "gelu"), MLP(8, 6, "leaky")]
+out = tuple(m(x) for m in ms) + (mlp_fallback(x, w, 1), mlp_fallback(x, w, 2))
+leaves = [x, w] + [m.gate_proj.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # each silu/gelu arm of the chain runs its fused op; the leaky_relu arm and the no-arm path the original code
+    Fuse(_S28_BRANCH_ACT, expect={"qualname": "MLP.forward", "activation": "branch", "branch_kinds": ["gelu_tanh", "silu"],
+                                  "dispatches_to": ["geglu", "swiglu"]},
+         run=_RUN_S28_BRANCH_ACT, name="s28_activation_chosen_by_an_if_elif_chain"),
+]
+
+Swiglu.KEEP += [
+    # the arms activate different tensors: no one gate
+    Keep(_S28_BRANCH_ACT.split("def mlp_fallback")[0].replace('y = F.gelu(gate, approximate="tanh")', 'y = F.gelu(x, approximate="tanh")'),
+         reason="", name="s28_chain_arms_activating_different_tensors"),
+    # the gate and the other factor are projections of two inputs: a gated output
+    Keep(_S28_BRANCH_ACT.split("def mlp_fallback")[0].replace("up = self.up_proj.forward(x)", "up = self.up_proj.forward(x.flip(1))"),
+         reason="activation chosen by an if/elif chain", name="s28_chain_then_product_of_two_inputs"),
+    # the activated name is read between the chain and the product (a saved activation): the product alone stays
+    Keep(_S28_BRANCH_ACT.split("def mlp_fallback")[0].replace("        up = self.up_proj.forward(x)\n",
+                                                             "        up = self.up_proj.forward(x)\n        self.saved = y\n"),
+         reason="", name="s28_chain_value_read_before_the_product"),
 ]
