@@ -1166,7 +1166,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
     ia = _projection_input(a, actx, module)
     ib = _projection_input(b, ctx, module)
     if ia is None or ib is None or ia != ib:
-        ia, ib = _s28_weight_held_input(a, actx, b, ctx) or (ia, ib)
+        ia, ib = _s28_weight_held_input(a, actx, b, ctx) or _s28_same_shard_input(module, a, actx, b, ctx) or (ia, ib)
     if (ia is None or ib is None or ia != ib) and act.kind in (SILU, CONFIG) + GELU_KINDS:
         biased = _biased_halves(module, a, actx, b, ctx)
         if biased is not None:
@@ -1649,6 +1649,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     guard = _guard(module, g0, plan)
     if guard is None:
         return miss("no input tensor live before the site to guard the fused branch on")
+    guard = _s28_element_guard(g0, guard, plan)
     half_check: str | None = None
     kept = [S.stmt_source(module, s) for s in (branch.kept if branch else plan.kept)]
     kept_first, kept = (kept, []) if g0.shape_checked and branch is None else ([], kept)  # before the shape check
@@ -6192,7 +6193,8 @@ def _s28_branch_act_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt) ->
     guard = g0.halves.tensor if g0.halves is not None else g0.a.node
     if not isinstance(guard, ast.Name):
         guard = g0.a.node
-    if not isinstance(guard, ast.Name) or guard.id in written_between:
+    # a tensor live at the chain: a name or a subscript of names (`gate[idx]`), nothing computed
+    if any(isinstance(n, ast.Call) or isinstance(n, ast.Name) and n.id in written_between for n in fast_walk(guard)):
         return None
     kinds = sorted({a.act.kind for a in fusable})  # type: ignore[union-attr]
     params: dict[str, Any] = {
@@ -6213,7 +6215,7 @@ def _s28_branch_act_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt) ->
                  f"original statements (lines {chain.lineno}-{stmt.end_lineno or stmt.lineno} restructured: the statements "
                  "between the chain and the product are repeated in each arm, run once on every path)")
     f = Finding(pattern=pat, qualname=scope.qualname, line=chain.lineno, end_line=stmt.end_lineno or stmt.lineno, params=params,
-                fused=text, guard_tensor=guard.id, confidence="medium", variant="branch_chosen_activation", risks=risks,
+                fused=text, guard_tensor=ast.unparse(guard), confidence="medium", variant="branch_chosen_activation", risks=risks,
                 notes=notes, training_ok=True)
     return [GateResult(stmt, pat, finding=f)]
 
@@ -6324,3 +6326,86 @@ Swiglu.KEEP += [
                                                              "        up = self.up_proj.forward(x)\n        self.saved = y\n"),
          reason="", name="s28_chain_value_read_before_the_product"),
 ]
+
+
+def _s28_same_shard_input(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> tuple[str, str] | None:
+    """``gate[idx]`` and ``up[idx]`` with ``gate``/``up`` two projections of one input returning one output
+    per device (exllamav2's ``forward_tp(x, output_split=True)``): element ``idx`` of each is that shard's
+    projection of the input, so the pair is a GLU's gate and up. Only a variable index (a loop's shard),
+    the same on both; a constant index is read elsewhere (``self.w(x)[0]``: (output, bias) tuples)."""
+    na, ca = S.peel(a, actx)
+    nb, cb = S.peel(b, ctx)
+    if not (isinstance(na, ast.Subscript) and isinstance(nb, ast.Subscript)):
+        return None
+    if not (isinstance(na.slice, ast.Name) and isinstance(nb.slice, ast.Name)) or S.key(na.slice, ca) != S.key(nb.slice, cb):
+        return None
+    if S.key(na.value, ca) == S.key(nb.value, cb):
+        return None  # one list indexed twice at one index: one value, not a pair
+    va, vca = S.peel(na.value, ca)
+    vb, vcb = S.peel(nb.value, cb)
+    if not (isinstance(va, ast.Call) and isinstance(vb, ast.Call)):
+        return None
+    ka, kb = _projection_input(va, vca, module), _projection_input(vb, vcb, module)
+    return (ka, kb) if ka is not None and ka == kb else None
+
+
+_S28_SHARDS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShardedLinear(nn.Module):
+    """One weight shard per device; forward_tp returns one output per shard."""
+
+    def __init__(self, d, h, shards=2):
+        super().__init__()
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(d, h // shards)) for _ in range(shards)])
+
+    def forward_tp(self, x, output_split=True):
+        return [x[i] @ w for i, w in enumerate(self.w)]
+
+
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = ShardedLinear(d, h)
+        self.up_proj = ShardedLinear(d, h)
+
+    def forward_tp(self, post_norm):
+        gate = self.gate_proj.forward_tp(post_norm, output_split=True)
+        up = self.up_proj.forward_tp(post_norm, output_split=True)
+        outputs = []
+        for idx in range(len(post_norm)):
+            outputs.append(F.silu(gate[idx]) * up[idx])
+        return outputs
+'''
+
+_RUN_S28_SHARDS = '''
+m = MLP(8, 12)
+x = [torch.randn(3, 8, requires_grad=True) for _ in range(2)]
+out = tuple(m.forward_tp(x))
+leaves = x + [m.gate_proj.w[0], m.up_proj.w[1]]
+'''
+
+Swiglu.FUSE += [
+    # element idx of two per-shard projection lists of one input: that shard's gate and up
+    Fuse(_S28_SHARDS, expect={"gate": "gate[idx]", "up": "up[idx]", "source": "two_projections"}, run=_RUN_S28_SHARDS,
+         name="s28_same_shard_of_two_split_projections"),
+]
+
+Swiglu.KEEP += [
+    # two different shards: not one shard's pair
+    Keep(_S28_SHARDS.replace("for idx in range(len(post_norm)):", "for idx, jdx in ((0, 1), (1, 0)):").replace(
+        "* up[idx]", "* up[jdx]"), reason="not projections of one input", name="s28_different_shards_of_two_projections"),
+]
+
+
+def _s28_element_guard(g: Gate, guard: str, plan: S.SpanPlan) -> str:
+    """``gate[idx]`` rather than ``gate`` when the guard name is a per-shard list the operand indexes: the
+    switch tests a tensor's device, and a list has none (the fused branch would never run)."""
+    n = g.a.node
+    if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == guard and isinstance(n.slice, ast.Name) \
+            and not plan.kept_writes_after(n.slice.id, 0) and not any(n.slice.id in S.names_written(st) for st in plan.stmts):
+        return f"{guard}[{n.slice.id}]"
+    return guard
