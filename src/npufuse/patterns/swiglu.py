@@ -1185,6 +1185,11 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             callers = _caller_operands(module, a, actx, b, ctx)
             if isinstance(callers, list):
                 return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=callers)
+            if isinstance(callers, str) and ("unknown" in callers or _s28_passthrough_callers(module, a, actx, b, ctx)) \
+                    and _s28_glu_kernel(ctx.scope, node):
+                g = Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=[])
+                g.s28_kernel = callers  # type: ignore[attr-defined]
+                return g
             raise GateMiss(callers or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
             raise GateMiss(f"activation is a {act.kind}, not silu: npu_swiglu computes silu(gate) * up only "
@@ -1674,14 +1679,14 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             fused = "\n".join(kept + [branch.around(module, root) if branch else root])
         if g0.shape_checked:
             fused = _shape_checked_fused(module, g0, plan, fused, kept_first)
-        if g0.caller_lines:
+        if g0.caller_lines or getattr(g0, "s28_kernel", None):
             # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
             # torch.cat rejects; equal shapes (a host-side check, no sync) take the fused op
             ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g0.a, g0.b))
             fused = "\n".join([f"if {ga}.shape == {gb}.shape:", S.indent(fused),
                                "else:  # operands that broadcast: the original code",
                                S.indent(S.block_source(module, plan.stmts))])
-        half_check = _s28_half_size_check(module, g0, plan) if not g0.shape_checked and not g0.caller_lines else None
+        half_check = _s28_half_size_check(module, g0, plan) if not g0.shape_checked and g0.caller_lines is None else None
         if half_check is not None:
             fused = "\n".join([f"if {half_check}:", S.indent(fused),
                                "else:  # the split size is not half the dim: the original code",
@@ -1695,6 +1700,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     if g0.shape_checked:
         notes.append(_ELEMENTWISE_NOTE if g0.elementwise else
                      _CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
+    if getattr(g0, "s28_kernel", None):
+        _s28_note_kernel(params, risks, notes, scope, g0)
     if g0.caller_lines:
         params["operands_from_callers"] = list(g0.caller_lines)
         notes.append(f"gate and up are parameters of `{scope.qualname}`: every call of it in this module (line(s) "
@@ -6167,7 +6174,7 @@ def _s28_branch_act_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt) ->
             pat = owner(a.act) or "swiglu"
             return [GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, chain.lineno, stmt.end_lineno or stmt.lineno,
                                                         f"activation chosen by an if/elif chain, then `{ast.unparse(node)}`: {e.reason}"))]
-        if g is None or g.act.kind != a.act.kind or g.shape_checked or g.caller_lines or g.inline_guard is not None:
+        if g is None or g.act.kind != a.act.kind or g.shape_checked or g.caller_lines is not None or g.inline_guard is not None:
             return None
         a.gate = g
     fusable = [a for a in arms if a.gate is not None]
@@ -6409,3 +6416,116 @@ def _s28_element_guard(g: Gate, guard: str, plan: S.SpanPlan) -> str:
             and not plan.kept_writes_after(n.slice.id, 0) and not any(n.slice.id in S.names_written(st) for st in plan.stmts):
         return f"{guard}[{n.slice.id}]"
     return guard
+
+
+# --- s28 glu: a GLU kernel written as a plain function of (gate, up), its callers out of sight ---
+
+
+def _s28_glu_kernel(scope: Scope, node: ast.expr) -> bool:
+    """The function holding the product does nothing else: its body (docstring and asserts aside) is
+    ``return <the product>`` (Cerebras' ``glu_bivariate_base_fn``, litgpt's ``swiglu(e, g)``, a
+    ``SwiGLUActivation.forward(x1, x2)``). Such a function IS the gated activation, whoever calls it:
+    the fused op is exact for any two operands of one shape (checked at run time, original code
+    otherwise), so what its callers pass decides only whether it pays (a torch.cat copy), not
+    whether it is right."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str))
+            and not isinstance(st, ast.Assert)]
+    return len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is node
+
+
+def _s28_note_kernel(params: dict[str, Any], risks: list[Risk], notes: list[str], scope: Scope, g: Gate) -> None:
+    params["glu_kernel"] = True
+    risks.append(Risk("other", f"`{scope.qualname}` is a GLU kernel whose callers npufuse cannot see "
+                               f"({g.s28_kernel.split(':')[0]}): if a caller passes two values that are not "  # type: ignore[attr-defined]
+                               "projections of one input (a gated output), the fused op is still exact but adds a "
+                               "torch.cat copy for little gain"))
+    notes.append(f"`{scope.qualname}` only returns the gated product of its two parameters: the fused op replaces its body "
+                 "when both have one shape, the original code otherwise")
+
+
+def _s28_passthrough_callers(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> bool:
+    """Every call of the kernel passes gate and up straight through from its own caller's parameters,
+    in a wrapper that only returns that call (Cerebras' ``def swiglu(x1, x2): return
+    glu_bivariate_base_fn(x1, x2, F.silu)``): the values come from the wrappers' callers, which this
+    check does not follow, so they are as unknown as when nothing calls the kernel here."""
+    pa, pb = _param_operand(a, actx), _param_operand(b, ctx)
+    fn = ctx.scope.node
+    if pa is None or pb is None or module.functions.get(getattr(fn, "name", "")) is not fn:
+        return False
+    calls, other = _call_sites(module, fn, False, None)
+    if other is not None or not calls:
+        return False
+    for call, sc in calls:
+        hctx = S.bind_call(module, call, fn, S.Ctx(sc, call.lineno), False)
+        if hctx is None or pa not in hctx.bind or pb not in hctx.bind:
+            return False
+        (ga, _), (ub, _) = hctx.bind[pa], hctx.bind[pb]
+        if not (isinstance(ga, ast.Name) and isinstance(ub, ast.Name) and ga.id in sc.args and ub.id in sc.args and ga.id != ub.id):
+            return False
+        w = sc.node
+        body = [st for st in getattr(w, "body", []) if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+        if not (len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is call):
+            return False
+        if S.definition(S.Ctx(sc, call.lineno), ga.id) is not None or S.definition(S.Ctx(sc, call.lineno), ub.id) is not None:
+            return False
+    return True
+
+
+_S28_GLU_KERNEL = '''
+import torch
+from torch import nn
+
+
+def glu_base(x1, x2, activation_fn):
+    assert x1.shape == x2.shape, "GLU inputs must have one shape"
+    return x1 * activation_fn(x2)
+
+
+def geglu(x1, x2):
+    return glu_base(x1, x2, nn.functional.gelu)
+
+
+def swiglu(x1, x2):
+    return glu_base(x1, x2, nn.functional.silu)
+
+
+def reglu(x1, x2):
+    return glu_base(x1, x2, nn.functional.relu)
+
+
+class SwiGLUActivation(nn.Module):
+    def forward(self, x1, x2):
+        return x1 * nn.functional.silu(x2)
+
+
+ACTIVATIONS = {"geglu": geglu, "swiglu": swiglu, "reglu": reglu}
+'''
+
+_RUN_S28_GLU_KERNEL = '''
+a = torch.randn(2, 3, 6, requires_grad=True)
+b = torch.randn(2, 3, 6, requires_grad=True)
+c = torch.randn(2, 3, 1, requires_grad=True)
+out = tuple(ACTIVATIONS[k](a, b) for k in ("geglu", "swiglu", "reglu")) + (SwiGLUActivation()(a, b), SwiGLUActivation()(a, c))
+leaves = [a, b, c]
+'''
+
+Swiglu.FUSE += [
+    # a function that only returns act(x2) * x1 of its parameters is the GLU itself, whoever calls it: fused
+    # under a shape check (the last call broadcasts a [.., 1] operand and runs the original code)
+    Fuse(_S28_GLU_KERNEL, expect={"qualname": "glu_base", "glu_kernel": True, "dispatches_to": ["swiglu", "geglu"]},
+         run=_RUN_S28_GLU_KERNEL, name="s28_glu_kernel_function_with_callers_out_of_sight"),
+    Fuse(_S28_GLU_KERNEL.split("def glu_base")[0] + "class SwiGLUActivation" + _S28_GLU_KERNEL.split("class SwiGLUActivation")[1],
+         expect={"qualname": "SwiGLUActivation.forward", "glu_kernel": True, "activation": "silu"},
+         name="s28_glu_kernel_module_forward"),
+]
+
+Swiglu.KEEP += [
+    # more than the product in the function: no kernel by itself, so the callers' values decide, and they are unknown
+    Keep((_S28_GLU_KERNEL.split("def glu_base")[0] + "class SwiGLUActivation" + _S28_GLU_KERNEL.split("class SwiGLUActivation")[1]).replace(
+        "        return x1 * nn.functional.silu(x2)",
+                                 "        print(x1.norm())\n        return x1 * nn.functional.silu(x2)"),
+         reason="unknown", name="s28_more_than_the_product_with_unknown_callers"),
+]
