@@ -52,3 +52,43 @@ def test_split_of_an_inline_projection_keeps_the_stated_risk() -> None:
     (f,) = detect_all(Swiglu(), code)[0]
     assert not f.fused.startswith("if ")
     assert any(r.kind == "layout" and "symbolic size" in r.detail for r in f.risks)
+
+
+def test_branch_chain_repeats_the_statements_between_once_per_path() -> None:
+    from npufuse.patterns.swiglu import _S28_BRANCH_ACT
+
+    findings, _ = detect_all(Swiglu(), _S28_BRANCH_ACT)
+    f = next(f for f in findings if f.qualname == "MLP.forward")
+    lines = f.fused.splitlines()
+    # every arm and the no-arm path project `up` exactly once, after the test that chose it
+    assert [ln.strip() for ln in lines].count("up = self.up_proj.forward(x)") == 4
+    assert lines[0] == 'if self.act == "silu":' and lines[-3].startswith("else:")
+    assert lines[-1].strip() == "y *= up"  # no arm taken: the original product (y unbound, as before)
+    assert f.params["dispatches_to"] == ["geglu", "swiglu"]
+
+
+def test_branch_chain_gelu_only_is_filed_under_geglu() -> None:
+    from npufuse.patterns.swiglu import _S28_BRANCH_ACT
+
+    code = _S28_BRANCH_ACT.split("def mlp_fallback")[0].replace("y = F.silu(gate)", "y = F.gelu(gate)")
+    assert not detect_all(Swiglu(), code)[0]
+    (f,) = detect_all(Geglu(), code)[0]
+    assert f.params["branch_kinds"] == ["gelu", "gelu_tanh"]
+    assert "approximate=0" in f.fused and "approximate=1" in f.fused
+
+
+def test_branch_chain_with_the_gate_rebound_between_is_left_alone() -> None:
+    from npufuse.patterns.swiglu import _S28_BRANCH_ACT
+
+    code = _S28_BRANCH_ACT.split("def mlp_fallback")[0].replace(
+        "        up = self.up_proj.forward(x)\n", "        up = self.up_proj.forward(x)\n        gate = gate * 2\n")
+    assert not [f for f in detect_all(Swiglu(), code)[0] if f.params.get("activation") == "branch"]
+
+
+def test_glu_kernel_is_fused_under_a_shape_check_with_a_stated_risk() -> None:
+    from npufuse.patterns.swiglu import _S28_GLU_KERNEL
+
+    findings, _ = detect_all(Swiglu(), _S28_GLU_KERNEL)
+    f = next(f for f in findings if f.qualname == "SwiGLUActivation.forward")
+    assert f.fused.splitlines()[0] == "if x2.shape == x1.shape:"
+    assert any("callers npufuse cannot see" in r.detail for r in f.risks)

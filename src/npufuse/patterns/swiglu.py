@@ -6093,19 +6093,17 @@ def _s28_chain_arms(node: ast.If) -> list[tuple[ast.expr | None, list[ast.stmt]]
         return arms
 
 
-def _s28_product_of(stmt: ast.stmt) -> tuple[ast.Name, ast.expr, ast.expr] | None:
-    """(the activated name, the other factor, the product node) of ``y *= b`` / ``t = y * b`` /
-    ``t = b * y`` (the whole value)."""
+def _s28_product_of(stmt: ast.stmt) -> list[tuple[ast.Name, ast.expr, ast.expr]]:
+    """(the activated name, the other factor, the product node) readings of ``y *= b`` / ``t = y * b`` /
+    ``t = b * y`` (the whole value): each Name factor may be the one the chain assigned."""
     if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Mult) and isinstance(stmt.target, ast.Name):
         prod = _augassign_product(stmt)
         assert prod is not None
-        return prod.left, stmt.value, prod  # type: ignore[return-value]
+        return [(prod.left, stmt.value, prod)]  # type: ignore[list-item]
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.value, ast.BinOp) and isinstance(stmt.value.op, ast.Mult):
         v = stmt.value
-        for y, b in ((v.left, v.right), (v.right, v.left)):
-            if isinstance(y, ast.Name):
-                return y, b, v
-    return None
+        return [(y, b, v) for y, b in ((v.left, v.right), (v.right, v.left)) if isinstance(y, ast.Name)]
+    return []
 
 
 def _s28_branch_act_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> list[GateResult] | None:
@@ -6115,21 +6113,20 @@ def _s28_branch_act_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt) ->
     npu_geglu; any other arm, and the no-arm path, runs the original statements), so every test is
     evaluated where it was and the statements between run once on every path, in their order. None
     when the statement is no such product (the ordinary scan then reads it)."""
-    prod = _s28_product_of(stmt)
-    if prod is None:
-        return None
-    y, b, node = prod
     idx = S.stmt_index(scope)
     body, i = idx.block.get(id(stmt), (None, -1))
     if body is None:
         return None
     chain_at = None
-    for j in range(i - 1, -1, -1):
-        if isinstance(body[j], ast.If) and y.id in set().union(*(S.names_written(st) for _, arm in _s28_chain_arms(body[j]) for st in arm)):
-            chain_at = j
+    for y, b, node in _s28_product_of(stmt):
+        for j in range(i - 1, -1, -1):
+            if isinstance(body[j], ast.If) and y.id in set().union(*(S.names_written(st) for _, arm in _s28_chain_arms(body[j]) for st in arm)):
+                chain_at = j
+                break
+            if y.id in S.names_written(body[j]) or any(isinstance(n, ast.Name) and n.id == y.id for n in fast_walk(body[j])):
+                break  # y written or read between: not the chain's value alone
+        if chain_at is not None:
             break
-        if y.id in S.names_written(body[j]) or any(isinstance(n, ast.Name) and n.id == y.id for n in fast_walk(body[j])):
-            return None  # y written or read between: not the chain's value alone
     if chain_at is None:
         return None
     chain = body[chain_at]
@@ -6302,7 +6299,7 @@ def mlp_fallback(x, w, kind):
         inter = F.silu(gate)
     else:
         raise ValueError(f"activation {kind} not implemented")
-    inter = inter * up
+    inter = up * inter
     return inter
 '''
 
