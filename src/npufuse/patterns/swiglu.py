@@ -3546,13 +3546,25 @@ Swiglu.KEEP += [
     # projections of two different inputs (cross-attention-like gating)
     Keep(_GATING_HELPER.replace("def forward(self, x):", "def forward(self, x, ctx):").replace("self.w3(x)))", "self.w3(ctx)))"),
          reason="not projections of one input", name="gating_helper_projections_of_two_inputs"),
-    # no call in the module: the operands come from elsewhere (an operator library's forward)
-    Keep(_GATING_HELPER.replace("self._gating(self.w1(x), self.w3(x))", "self.w1(x)"),
+    # no call in the module: the operands come from elsewhere (an operator library's forward); the helper
+    # does more than the product (s28: one that only returns it is the GLU kernel itself, fused, see below)
+    Keep(_GATING_HELPER.replace("self._gating(self.w1(x), self.w3(x))", "self.w1(x)").replace(
+        "        return F.silu(x1) * x3", "        self.last = x3\n        return F.silu(x1) * x3"),
          reason="no call in this module passes them", name="gating_helper_without_callers"),
     # the helper handed on as a callable: its callers are unknown
     Keep(_GATING_HELPER.replace("return self.w2(self._gating(self.w1(x), self.w3(x)))",
+                                "fn = self._gating\n        return self.w2(fn(self.w1(x), self.w3(x)))").replace(
+        "        return F.silu(x1) * x3", "        self.last = x3\n        return F.silu(x1) * x3"),
+         reason="also referenced without a direct call (line 19)", name="gating_helper_passed_as_a_callable"),
+]
+
+Swiglu.FUSE += [
+    # s28: the same helpers reduced to `return act(x1) * x3` are GLU kernels: fused under a shape check
+    Fuse(_GATING_HELPER.replace("self._gating(self.w1(x), self.w3(x))", "self.w1(x)"),
+         expect={"glu_kernel": True}, name="s28_gating_kernel_without_callers"),
+    Fuse(_GATING_HELPER.replace("return self.w2(self._gating(self.w1(x), self.w3(x)))",
                                 "fn = self._gating\n        return self.w2(fn(self.w1(x), self.w3(x)))"),
-         reason="also referenced without a direct call (line 18)", name="gating_helper_passed_as_a_callable"),
+         expect={"glu_kernel": True}, run=_RUN_GATING, name="s28_gating_kernel_passed_as_a_callable"),
 ]
 
 
