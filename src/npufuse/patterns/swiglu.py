@@ -6131,7 +6131,7 @@ def _s28_branch_act_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt) ->
         return None
     chain_at = None
     for y, b, node in _s28_product_of(stmt):
-        for j in range(i - 1, -1, -1):
+        for j in range(i - 1, max(i - 9, -1), -1):  # the chain a few statements back at most: bounded work per product
             if isinstance(body[j], ast.If) and y.id in set().union(*(S.names_written(st) for _, arm in _s28_chain_arms(body[j]) for st in arm)):
                 chain_at = j
                 break
