@@ -700,3 +700,12 @@ Geglu.FUSE += [
          run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (TanhGLU(8, 6)(x), TanhGLU(8, 6, sparsity=0.5)(x))\nleaves = [x]\n",
          name="s26_tanh_gate_sparsified_under_condition"),
 ]
+
+
+# --- s28: gelu(tanh) over two weight objects' `.mm` of one input (inference engines) ---
+
+Geglu.FUSE += [
+    Fuse(G._S28_WEIGHT_MM.replace("out = F.silu(gate) * up", 'out = F.gelu(gate, approximate="tanh") * up'),
+         expect={"activation": "gelu_tanh", "approximate": 1, "activate_left": True, "gate": "gate", "up": "up"},
+         run=G._RUN_S28_WEIGHT_MM, name="s28_weight_objects_mm_gelu_tanh"),
+]

@@ -357,7 +357,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if k2 is not None:
                 return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
         return _inherited_act(module, f, gate, ctx)
-    if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2:
+    if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2 \
+            and f.attr != "forward":  # s28: `self.up_proj.forward(x)` is the module's own call, not a callable it holds
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
     if isinstance(f, ast.Name):
@@ -814,7 +815,9 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                     # can be the gate pair, taken as two operands (the parts stay as written).
                     # chunk makes every part ceil(n/k) long except the last, which may be shorter.
                     return (S.key(recv, bctx), recv, bctx, dim, idx % k, "part", idx % k < k - 1)
-                if meth in ("chunk", "tensor_split"):
+                if meth == "tensor_split" and _s28_one_index(size) and -2 <= idx < 2:
+                    equal = False  # split at one index: two parts, halves when the index is half the dim (checked at run time)
+                elif meth in ("chunk", "tensor_split"):
                     if const_value(size) != 2:
                         raise GateMiss(f"split into {ast.unparse(size) if size is not None else '?'} parts, not two halves")
                     equal = meth == "chunk"
@@ -1162,6 +1165,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         raise GateMiss("gate and up are halves of different tensors")
     ia = _projection_input(a, actx, module)
     ib = _projection_input(b, ctx, module)
+    if ia is None or ib is None or ia != ib:
+        ia, ib = _s28_weight_held_input(a, actx, b, ctx) or _s28_same_shard_input(module, a, actx, b, ctx) or (ia, ib)
     if (ia is None or ib is None or ia != ib) and act.kind in (SILU, CONFIG) + GELU_KINDS:
         biased = _biased_halves(module, a, actx, b, ctx)
         if biased is not None:
@@ -1180,6 +1185,11 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             callers = _caller_operands(module, a, actx, b, ctx)
             if isinstance(callers, list):
                 return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=callers)
+            if isinstance(callers, str) and ("unknown" in callers or _s28_passthrough_callers(module, a, actx, b, ctx)) \
+                    and _s28_glu_kernel(ctx.scope, node):
+                g = Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=[])
+                g.s28_kernel = callers  # type: ignore[attr-defined]
+                return g
             raise GateMiss(callers or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
             raise GateMiss(f"activation is a {act.kind}, not silu: npu_swiglu computes silu(gate) * up only "
@@ -1425,6 +1435,10 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
             continue
         if not any(w in ln for ln in lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno] for w in _PRODUCT_WORDS):
             continue
+        branched = _s28_branch_act_results(module, scope, stmt)
+        if branched is not None:
+            results.extend(branched)
+            continue
         gates: list[Gate] = []
         misses: list[tuple[str, str]] = []
         inside: list[ast.AST] = []
@@ -1640,6 +1654,8 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     guard = _guard(module, g0, plan)
     if guard is None:
         return miss("no input tensor live before the site to guard the fused branch on")
+    guard = _s28_element_guard(g0, guard, plan)
+    half_check: str | None = None
     kept = [S.stmt_source(module, s) for s in (branch.kept if branch else plan.kept)]
     kept_first, kept = (kept, []) if g0.shape_checked and branch is None else ([], kept)  # before the shape check
     try:
@@ -1663,20 +1679,29 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             fused = "\n".join(kept + [branch.around(module, root) if branch else root])
         if g0.shape_checked:
             fused = _shape_checked_fused(module, g0, plan, fused, kept_first)
-        if g0.caller_lines:
+        if g0.caller_lines or getattr(g0, "s28_kernel", None):
             # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
             # torch.cat rejects; equal shapes (a host-side check, no sync) take the fused op
             ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g0.a, g0.b))
             fused = "\n".join([f"if {ga}.shape == {gb}.shape:", S.indent(fused),
                                "else:  # operands that broadcast: the original code",
                                S.indent(S.block_source(module, plan.stmts))])
+        half_check = _s28_half_size_check(module, g0, plan) if not g0.shape_checked and g0.caller_lines is None else None
+        if half_check is not None:
+            fused = "\n".join([f"if {half_check}:", S.indent(fused),
+                               "else:  # the split size is not half the dim: the original code",
+                               S.indent(S.block_source(module, plan.stmts))])
     except S.RenderError as e:
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
+    if half_check is not None:
+        _s28_note_half_check(params, risks, notes, half_check)
     if g0.shape_checked:
         notes.append(_ELEMENTWISE_NOTE if g0.elementwise else
                      _CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
+    if getattr(g0, "s28_kernel", None):
+        _s28_note_kernel(params, risks, notes, scope, g0)
     if g0.caller_lines:
         params["operands_from_callers"] = list(g0.caller_lines)
         notes.append(f"gate and up are parameters of `{scope.qualname}`: every call of it in this module (line(s) "
@@ -3521,13 +3546,25 @@ Swiglu.KEEP += [
     # projections of two different inputs (cross-attention-like gating)
     Keep(_GATING_HELPER.replace("def forward(self, x):", "def forward(self, x, ctx):").replace("self.w3(x)))", "self.w3(ctx)))"),
          reason="not projections of one input", name="gating_helper_projections_of_two_inputs"),
-    # no call in the module: the operands come from elsewhere (an operator library's forward)
-    Keep(_GATING_HELPER.replace("self._gating(self.w1(x), self.w3(x))", "self.w1(x)"),
+    # no call in the module: the operands come from elsewhere (an operator library's forward); the helper
+    # does more than the product (s28: one that only returns it is the GLU kernel itself, fused, see below)
+    Keep(_GATING_HELPER.replace("self._gating(self.w1(x), self.w3(x))", "self.w1(x)").replace(
+        "        return F.silu(x1) * x3", "        self.last = x3\n        return F.silu(x1) * x3"),
          reason="no call in this module passes them", name="gating_helper_without_callers"),
     # the helper handed on as a callable: its callers are unknown
     Keep(_GATING_HELPER.replace("return self.w2(self._gating(self.w1(x), self.w3(x)))",
+                                "fn = self._gating\n        return self.w2(fn(self.w1(x), self.w3(x)))").replace(
+        "        return F.silu(x1) * x3", "        self.last = x3\n        return F.silu(x1) * x3"),
+         reason="also referenced without a direct call (line 19)", name="gating_helper_passed_as_a_callable"),
+]
+
+Swiglu.FUSE += [
+    # s28: the same helpers reduced to `return act(x1) * x3` are GLU kernels: fused under a shape check
+    Fuse(_GATING_HELPER.replace("self._gating(self.w1(x), self.w3(x))", "self.w1(x)"),
+         expect={"glu_kernel": True}, name="s28_gating_kernel_without_callers"),
+    Fuse(_GATING_HELPER.replace("return self.w2(self._gating(self.w1(x), self.w3(x)))",
                                 "fn = self._gating\n        return self.w2(fn(self.w1(x), self.w3(x)))"),
-         reason="also referenced without a direct call (line 18)", name="gating_helper_passed_as_a_callable"),
+         expect={"glu_kernel": True}, run=_RUN_GATING, name="s28_gating_kernel_passed_as_a_callable"),
 ]
 
 
@@ -5820,4 +5857,684 @@ Swiglu.KEEP += [
     # the default is a sigmoid (a Dauphin GLU) and nothing offers silu/gelu: a near miss, as for `act or nn.Sigmoid()`
     Keep(_S27_ACT_LAYER_OR_DEFAULT.replace('nn.GELU(approximate="tanh")', "nn.Sigmoid()"), reason="defaults to sigmoid",
          name="s27_caller_class_instance_or_sigmoid_default"),
+]
+
+
+# --- s28 glu: a projection's input found by dataflow, not by which side of the matmul it is on ---
+
+
+def _s28_matmul_sides(node: ast.expr, ctx: S.Ctx) -> tuple[ast.expr, ast.expr, S.Ctx] | None:
+    """(the matrix on the left, the one on the right, ctx) of ``L.mm(R)`` / ``L.matmul(R)`` (a
+    method of one argument, not ``torch.mm``) or ``L @ R``, after following names and casts."""
+    n, c = S.peel(node, ctx)
+    while S.is_cast(n):
+        n = n.func.value  # type: ignore[union-attr]
+        n, c = S.peel(n, c)
+    if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
+        return n.left, n.right, c
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("mm", "matmul") \
+            and len(n.args) == 1 and not isinstance(n.args[0], ast.Starred) and not n.keywords \
+            and not (isinstance(n.func.value, ast.Name) and n.func.value.id in ("torch", "th")):
+        return n.func.value, n.args[0], c
+    return None
+
+
+def _s28_held_state(node: ast.expr) -> bool:
+    """An attribute chain (``self.w1``, ``layer_weight.gate_proj``): state an object holds, as weights
+    are; never a value the function computes (a call, an arithmetic result, a plain local)."""
+    if not isinstance(node, ast.Attribute):
+        return False
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+def _s28_weight_held_input(a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> tuple[str, str] | None:
+    """Gate and up as ``W1.mm(x)`` and ``W3.mm(x)`` (lightllm's weight objects, ``self.w1 @ x``): the
+    projections' input is the operand the two matmuls share, whichever side it is written on; the
+    other operands are two different attributes an object holds (weights). ``_projection_input``
+    reads the receiver of ``.mm`` as the input (``x.mm(w)``), which makes these look like products of
+    two inputs. (key, key) of the shared right operand, or None. The shapes of the two products are
+    equal whenever the two weights have one shape; the fused op is exact for any two equal-shape
+    operands (it concatenates them and splits them back along one dim)."""
+    sa, sb = _s28_matmul_sides(a, actx), _s28_matmul_sides(b, ctx)
+    if sa is None or sb is None:
+        return None
+    (la, ra, ca), (lb, rb, cb) = sa, sb
+    if not (_s28_held_state(la) and _s28_held_state(lb)) or ast.dump(la) == ast.dump(lb):
+        return None
+    if _s28_held_state(ra) or _s28_held_state(rb):
+        return None  # state on both sides: nothing says which one is the input
+    ka, kb = S.key(ra, ca), S.key(rb, cb)
+    return (ka, kb) if ka == kb else None
+
+
+# --- s28 glu: a split by a symbolic size, its halves checked at run time ---
+
+
+def _s28_one_index(size: ast.expr | None) -> bool:
+    """``(n,)`` / ``[n]``: one split index, so ``tensor_split`` makes exactly two parts."""
+    return isinstance(size, (ast.Tuple, ast.List)) and len(size.elts) == 1 and not isinstance(size.elts[0], ast.Starred)
+
+
+def _s28_split_size(module: ModuleInfo, g: Gate) -> tuple[ast.expr, S.Ctx, int] | None:
+    """The size of the first part of the halves' split when it is symbolic: ``n`` of ``T.split(n, d)``,
+    of ``torch.tensor_split(T, (n,), d)`` or of ``T[..., :n]`` / ``T[..., n:]``, and the line of the split."""
+    h = g.halves
+    if h is None or h.equal:
+        return None
+    n, c = S.peel(g.a.node, g.a.ctx)
+    if not isinstance(n, ast.Subscript):
+        return None
+    if h.how == "slice":
+        sl = n.slice.elts[-1] if isinstance(n.slice, ast.Tuple) else n.slice
+        if not isinstance(sl, ast.Slice) or sl.step is not None:
+            return None
+        bound = sl.upper if sl.lower is None else sl.lower if sl.upper is None else None
+        return (bound, c, n.lineno) if bound is not None and const_value(bound) is ... else None
+    base, bctx = S.peel(n.value, c)
+    if not isinstance(base, ast.Call):
+        return None
+    fname = module.call_name(base)
+    meth = base.func.attr if isinstance(base.func, ast.Attribute) else None
+    if fname in ("torch.split", "torch.tensor_split"):
+        rest, meth = list(base.args[1:]), fname.split(".")[-1]
+    elif meth in ("split", "tensor_split"):
+        rest = list(base.args)
+    else:
+        return None
+    size = rest[0] if rest else S.arg(base, "split_size_or_sections" if meth == "split" else "indices_or_sections", None)
+    if meth == "tensor_split" and _s28_one_index(size):
+        size = size.elts[0]  # type: ignore[union-attr]
+    elif meth != "split" or size is None or isinstance(size, (ast.Tuple, ast.List)):
+        return None
+    return (size, bctx, base.lineno) if size is not None and const_value(size) is ... else None
+
+
+def _s28_half_size_check(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:
+    """``T.shape[d] == 2 * (n)`` for halves split by a symbolic size (``split(self.up_proj_dim, -1)``,
+    ``tensor_split(T, (n,), -1)``, ``T[..., :n]``): the fused op halves T, so it is exact only when n
+    is half of T's dim; the scan cannot know n, the run can (a host-side shape, no sync). None when
+    the sizes are provably equal, or when T or n is not a value readable before the span (then the
+    finding keeps its stated layout risk)."""
+    found = _s28_split_size(module, g)
+    h = g.halves
+    if found is None or h is None:
+        return None
+    size, sctx, at = found
+    # the check runs before the span: a name the span rebinds before the split holds another value there
+    written = set().union(*(S.names_written(st) for st in plan.stmts if st.lineno < at))
+    for e in (h.tensor, size):
+        if any(isinstance(x, ast.Name) and x.id in written for x in fast_walk(e)):
+            return None  # rebound inside the span: its value at the span's start is another one
+        if any(isinstance(x, ast.Call) for x in fast_walk(e)):
+            return None  # checking it would compute it a second time
+    try:
+        t = S.render(module, h.tensor, h.ctx, plan)
+        n = S.render(module, size, sctx, plan)
+        d = S.render(module, h.dim, h.dim_ctx, plan)
+    except S.RenderError:
+        return None
+    if not all(p.isidentifier() for p in t.split(".")):
+        return None
+    return f"{t}.shape[{d}] == 2 * ({n})"
+
+
+def _s28_note_half_check(params: dict[str, Any], risks: list[Risk], notes: list[str], check: str) -> None:
+    params["halves_checked"] = check
+    risks[:] = [r for r in risks if not (r.kind == "layout" and "symbolic size" in r.detail)]
+    notes.append(f"split by a symbolic size: the fused op runs when `{check}` (two equal halves), the original code otherwise")
+
+
+# weight objects with a ``.mm`` method and a split at a symbolic index: examples (s28)
+_S28_WEIGHT_MM = '''
+import torch
+import torch.nn.functional as F
+
+
+class Weight:
+    """A loaded weight with its own matmul (inference engines keep these outside nn.Module)."""
+
+    def __init__(self, d, h):
+        self.weight = torch.randn(d, h, requires_grad=True)
+
+    def mm(self, x):
+        return x @ self.weight
+
+
+class LayerWeight:
+    def __init__(self, d, h):
+        self.gate_proj, self.up_proj, self.down_proj = Weight(d, h), Weight(d, h), Weight(h, d)
+
+
+class LayerInfer:
+    def __init__(self, d):
+        self.embed_dim = d
+
+    def ffn(self, hidden, layer_weight):
+        hidden = hidden.view(-1, self.embed_dim)
+        gate = layer_weight.gate_proj.mm(hidden.view(-1, self.embed_dim))
+        up = layer_weight.up_proj.mm(hidden.view(-1, self.embed_dim))
+        out = F.silu(gate) * up
+        return layer_weight.down_proj.mm(out)
+'''
+
+_RUN_S28_WEIGHT_MM = '''
+w = LayerWeight(8, 6)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = LayerInfer(8).ffn(x, w)
+leaves = [x, w.gate_proj.weight, w.up_proj.weight]
+'''
+
+_S28_SPLIT_AT = '''
+import torch
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d, h, extra=0):
+        super().__init__()
+        self.up_proj_dim = h
+        self.proj_up_gate_z = nn.Linear(d, 2 * h + extra)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        x = self.proj_up_gate_z(x)
+        gate, z = torch.tensor_split(x, (self.up_proj_dim,), dim=-1)
+        x = self.act_fn(gate) * z
+        return x
+'''
+
+# the second module splits 1 + 5 features at index 1: not halves (silu(gate) broadcasts over z), so
+# the run-time check takes the original code there
+_RUN_S28_SPLIT_AT = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [FeedForward(8, 6), FeedForward(8, 1, extra=4)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.proj_up_gate_z.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # `W.mm(x)` on weight objects: the input is the operand both matmuls share, whichever side it is on
+    Fuse(_S28_WEIGHT_MM, expect={"activation": "silu", "gate": "gate", "up": "up", "source": "two_projections"},
+         run=_RUN_S28_WEIGHT_MM, name="s28_weight_objects_mm_of_one_input"),
+    # tensor_split at a symbolic index: halves only when the index is half the dim, checked at run time
+    Fuse(_S28_SPLIT_AT, expect={"split": "tensor_split", "halves_checked": "x.shape[-1] == 2 * (self.up_proj_dim)"},
+         run=_RUN_S28_SPLIT_AT, name="s28_tensor_split_at_a_symbolic_index"),
+]
+
+Swiglu.KEEP += [
+    # the two weight objects multiply two different inputs: a gated output, not a GLU MLP
+    Keep(_S28_WEIGHT_MM.replace("up = layer_weight.up_proj.mm(hidden.view(-1, self.embed_dim))",
+                                "up = layer_weight.up_proj.mm(hidden.view(-1, self.embed_dim).cumsum(0))"),
+         reason="not projections of one input", name="s28_weight_objects_mm_of_two_inputs"),
+    # one weight, two inputs (`a.mm(w)`-style with the weight on the right of both): no shared input
+    Keep(_S28_WEIGHT_MM.replace("gate = layer_weight.gate_proj.mm(hidden.view(-1, self.embed_dim))",
+                                "gate = hidden.cumsum(0).mm(layer_weight.up_proj.weight)").replace(
+                                "up = layer_weight.up_proj.mm(hidden.view(-1, self.embed_dim))",
+                                "up = hidden.mm(layer_weight.up_proj.weight)"),
+         reason="not projections of one input", name="s28_one_weight_two_inputs"),
+    # two split indices: three parts, not two halves
+    Keep(_S28_SPLIT_AT.replace("gate, z = torch.tensor_split(x, (self.up_proj_dim,), dim=-1)",
+                               "gate, z, _ = torch.tensor_split(x, (self.up_proj_dim, 2 * self.up_proj_dim), dim=-1)"),
+         reason="not two halves", name="s28_tensor_split_at_two_indices"),
+]
+
+
+# --- s28 glu: the activation chosen by an if/elif chain of assignments, the product after it ---
+
+
+@dataclass
+class _S28Arm:
+    test: ast.expr | None  # None: the else arm
+    body: list[ast.stmt]
+    act: Act | None  # the arm's `y = act(g)` when it is one
+    gate: Gate | None  # the product the arm's activation makes, when it is a GLU
+
+
+def _s28_chain_arms(node: ast.If) -> list[tuple[ast.expr | None, list[ast.stmt]]]:
+    arms: list[tuple[ast.expr | None, list[ast.stmt]]] = []
+    cur = node
+    while True:
+        arms.append((cur.test, cur.body))
+        if len(cur.orelse) == 1 and isinstance(cur.orelse[0], ast.If):
+            cur = cur.orelse[0]
+            continue
+        if cur.orelse:
+            arms.append((None, cur.orelse))
+        return arms
+
+
+def _s28_product_of(stmt: ast.stmt) -> list[tuple[ast.Name, ast.expr, ast.expr]]:
+    """(the activated name, the other factor, the product node) readings of ``y *= b`` / ``t = y * b`` /
+    ``t = b * y`` (the whole value): each Name factor may be the one the chain assigned."""
+    if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Mult) and isinstance(stmt.target, ast.Name):
+        prod = _augassign_product(stmt)
+        assert prod is not None
+        return [(prod.left, stmt.value, prod)]  # type: ignore[list-item]
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.value, ast.BinOp) and isinstance(stmt.value.op, ast.Mult):
+        v = stmt.value
+        return [(y, b, v) for y, b in ((v.left, v.right), (v.right, v.left)) if isinstance(y, ast.Name)]
+    return []
+
+
+def _s28_branch_act_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> list[GateResult] | None:
+    """exllamav2 / DeepSpeed: ``if cfg == "silu": y = F.silu(g) elif cfg == "gelu": y = F.gelu(g, ...)``,
+    (other statements), then ``y *= up``. Each arm is a gated product of its own activation; the
+    rewrite keeps the chain and puts each arm's fused product in it (silu -> npu_swiglu, gelu ->
+    npu_geglu; any other arm, and the no-arm path, runs the original statements), so every test is
+    evaluated where it was and the statements between run once on every path, in their order. None
+    when the statement is no such product (the ordinary scan then reads it)."""
+    idx = S.stmt_index(scope)
+    body, i = idx.block.get(id(stmt), (None, -1))
+    if body is None:
+        return None
+    chain_at = None
+    for y, b, node in _s28_product_of(stmt):
+        for j in range(i - 1, max(i - 9, -1), -1):  # the chain a few statements back at most: bounded work per product
+            if isinstance(body[j], ast.If) and y.id in set().union(*(S.names_written(st) for _, arm in _s28_chain_arms(body[j]) for st in arm)):
+                chain_at = j
+                break
+            if y.id in S.names_written(body[j]) or any(isinstance(n, ast.Name) and n.id == y.id for n in fast_walk(body[j])):
+                break  # y written or read between: not the chain's value alone
+        if chain_at is not None:
+            break
+    if chain_at is None:
+        return None
+    chain = body[chain_at]
+    between = body[chain_at + 1 : i]
+    assert isinstance(chain, ast.If)
+    arms: list[_S28Arm] = []
+    gate_key: str | None = None
+    for test, arm in _s28_chain_arms(chain):
+        st0 = arm[0]
+        if len(arm) == 1 and isinstance(st0, ast.Raise):
+            arms.append(_S28Arm(test, arm, None, None))
+            continue
+        if not (len(arm) == 1 and isinstance(st0, ast.Assign) and len(st0.targets) == 1 and isinstance(st0.targets[0], ast.Name)
+                and st0.targets[0].id == y.id and isinstance(st0.value, ast.Call)):
+            return None  # an arm doing anything else: not an activation chosen by the chain
+        act = classify_call(module, st0.value, S.Ctx(scope, st0.lineno))
+        if act is None or act.gate is None:
+            return None
+        k = S.key(act.gate, S.Ctx(scope, st0.lineno))
+        if gate_key is not None and k != gate_key:
+            return None  # arms activating different tensors
+        gate_key = k
+        arms.append(_S28Arm(test, arm, act, None))
+    acts = [a for a in arms if a.act is not None]
+    if len(acts) < 2 and not (len(acts) == 1 and len(arms) == 1):
+        return None
+    # the activated tensor and the other factor's names must hold, at the product, what they held in the arms
+    moved_reads = {n.id for a in acts for n in fast_walk(a.act.gate) if isinstance(n, ast.Name)}  # type: ignore[union-attr]
+    written_between = set().union(*(S.names_written(st) for st in between)) if between else set()
+    if moved_reads & written_between or any(isinstance(n, (ast.Yield, ast.Await, ast.NamedExpr)) for st in between for n in fast_walk(st)):
+        return None
+    ctx = S.Ctx(scope, stmt.lineno)
+    pat_kinds = (SILU,) + GELU_KINDS
+    for a in arms:
+        if a.act is None or a.act.kind not in pat_kinds:
+            continue
+        synth = ast.BinOp(left=a.body[0].value, op=ast.Mult(), right=b, lineno=stmt.lineno, col_offset=0,  # type: ignore[attr-defined]
+                          end_lineno=stmt.end_lineno, end_col_offset=0)
+        try:
+            g = find_gate(module, synth, ctx)
+        except GateMiss as e:
+            pat = owner(a.act) or "swiglu"
+            return [GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, chain.lineno, stmt.end_lineno or stmt.lineno,
+                                                        f"activation chosen by an if/elif chain, then `{ast.unparse(node)}`: {e.reason}"))]
+        if g is None or g.act.kind != a.act.kind or g.shape_checked or g.caller_lines is not None or g.inline_guard is not None:
+            return None
+        a.gate = g
+    fusable = [a for a in arms if a.gate is not None]
+    if not fusable:
+        return None
+    halves_t = fusable[0].gate.halves  # type: ignore[union-attr]
+    if halves_t is not None:
+        # the fused op reads the split tensor at the product: it must still hold the split's value there
+        tn = {n.id for n in fast_walk(halves_t.tensor) if isinstance(n, ast.Name)}
+        if tn & (written_between | {y.id}):
+            return None
+    done = S.already_fused(module, scope, stmt)
+    pat = "swiglu" if any(a.act.kind == SILU for a in fusable) else "geglu"  # type: ignore[union-attr]
+    if done:
+        return [GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, chain.lineno, stmt.end_lineno or stmt.lineno, done))]
+    try:
+        text = _s28_branch_act_fused(module, chain, arms, between, stmt, node)
+    except S.RenderError as e:
+        return [GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, chain.lineno, stmt.end_lineno or stmt.lineno,
+                                                    f"cannot express the replacement at the site: {e}"))]
+    g0 = fusable[0].gate
+    assert g0 is not None
+    guard = g0.halves.tensor if g0.halves is not None else g0.a.node
+    if not isinstance(guard, ast.Name):
+        guard = g0.a.node
+    # a tensor live at the chain: a name or a subscript of names (`gate[idx]`), nothing computed
+    if any(isinstance(n, ast.Call) or isinstance(n, ast.Name) and n.id in written_between for n in fast_walk(guard)):
+        return None
+    kinds = sorted({a.act.kind for a in fusable})  # type: ignore[union-attr]
+    params: dict[str, Any] = {
+        "activation": "branch",
+        "activation_source": "; ".join(f"{ast.unparse(a.test) if a.test is not None else 'else'}: {ast.unparse(a.body[0].value)}"  # type: ignore[attr-defined]
+                                       for a in arms if a.act is not None),
+        "activation_kernels": 1,
+        "conditional": True,
+        "branch_kinds": kinds,
+        "gate": ast.unparse(g0.a.node),
+        "up": ast.unparse(g0.b.node),
+        "source": "split" if g0.halves is not None else "two_projections",
+        "dispatches_to": sorted({"swiglu" if k == SILU else "geglu" for k in kinds}),
+    }
+    risks, notes = _risks(g0, pat)
+    notes.append("activation chosen by an if/elif chain of assignments before the product: each arm computing silu or gelu "
+                 "runs its fused op in place of the activation and the product; other arms and the no-arm path run the "
+                 f"original statements (lines {chain.lineno}-{stmt.end_lineno or stmt.lineno} restructured: the statements "
+                 "between the chain and the product are repeated in each arm, run once on every path)")
+    f = Finding(pattern=pat, qualname=scope.qualname, line=chain.lineno, end_line=stmt.end_lineno or stmt.lineno, params=params,
+                fused=text, guard_tensor=ast.unparse(guard), confidence="medium", variant="branch_chosen_activation", risks=risks,
+                notes=notes, training_ok=True)
+    return [GateResult(stmt, pat, finding=f)]
+
+
+def _s28_branch_act_fused(module: ModuleInfo, chain: ast.If, arms: list[_S28Arm], between: list[ast.stmt],
+                          stmt: ast.stmt, node: ast.expr) -> str:
+    src = module.source
+    between_src = [S.block_source(module, between)] if between else []
+    out: list[str] = []
+    for k, a in enumerate(arms):
+        if a.test is None:
+            out.append("else:")
+        else:
+            seg = ast.get_source_segment(src, a.test)
+            if seg is None or "\n" in seg:
+                seg = ast.unparse(a.test)
+            out.append(f"{'if' if k == 0 else 'elif'} {seg}:")
+        if a.gate is not None:
+            kind = a.act.kind  # type: ignore[union-attr]
+            ak = approx_code_of(module, a.gate.act, kind, None) if kind in GELU_KINDS else None  # type: ignore[arg-type]
+            fused = fused_expr(module, a.gate, SILU if kind == SILU else kind, None, ak)  # type: ignore[arg-type]
+            root = _s28_splice_root(module, stmt, node, fused)
+            out.append(S.indent("\n".join(between_src + [root])))
+        elif isinstance(a.body[0], ast.Raise):
+            out.append(S.indent(S.block_source(module, a.body)))
+        else:
+            out.append(S.indent("\n".join([S.block_source(module, a.body)] + between_src + [S.stmt_source(module, stmt)])))
+    if arms[-1].test is not None:
+        out.append("else:  # no arm taken: the original statements")
+        out.append(S.indent("\n".join(between_src + [S.stmt_source(module, stmt)])))
+    return "\n".join(out)
+
+
+def _s28_splice_root(module: ModuleInfo, stmt: ast.stmt, node: ast.expr, fused: str) -> str:
+    if isinstance(stmt, ast.AugAssign):
+        return f"{ast.unparse(stmt.target)} = {fused}"
+    return S.splice(module, stmt, [(node, fused)])
+
+
+_S28_BRANCH_ACT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    """exllamav2-style: the activation picked by an if/elif chain, up projected after it, in-place product."""
+
+    def __init__(self, d, h, act="silu"):
+        super().__init__()
+        self.act = act
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        gate = self.gate_proj.forward(x)
+        if self.act == "silu":
+            y = F.silu(gate)
+        elif self.act == "gelu":
+            y = F.gelu(gate, approximate="tanh")
+        elif self.act == "leaky":
+            y = F.leaky_relu(gate)
+        up = self.up_proj.forward(x)
+        y *= up
+        y.clamp_(min=-65504.0, max=65504.0)
+        return self.down_proj(y)
+
+
+def mlp_fallback(x, w, kind):
+    """DeepSpeed-style: halves of one projection, an enum-like switch, a raising else."""
+    tmp = torch.matmul(x, w)
+    up, gate = tmp.chunk(2, dim=-1)
+    if kind == 1:
+        inter = F.gelu(gate)
+    elif kind == 2:
+        inter = F.silu(gate)
+    else:
+        raise ValueError(f"activation {kind} not implemented")
+    inter = up * inter
+    return inter
+'''
+
+_RUN_S28_BRANCH_ACT = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+w = torch.randn(8, 12, requires_grad=True)
+ms = [MLP(8, 6, "silu"), MLP(8, 6, "gelu"), MLP(8, 6, "leaky")]
+out = tuple(m(x) for m in ms) + (mlp_fallback(x, w, 1), mlp_fallback(x, w, 2))
+leaves = [x, w] + [m.gate_proj.weight for m in ms]
+'''
+
+Swiglu.FUSE += [
+    # each silu/gelu arm of the chain runs its fused op; the leaky_relu arm and the no-arm path the original code
+    Fuse(_S28_BRANCH_ACT, expect={"qualname": "MLP.forward", "activation": "branch", "branch_kinds": ["gelu_tanh", "silu"],
+                                  "dispatches_to": ["geglu", "swiglu"]},
+         run=_RUN_S28_BRANCH_ACT, name="s28_activation_chosen_by_an_if_elif_chain"),
+]
+
+Swiglu.KEEP += [
+    # the arms activate different tensors: no one gate
+    Keep(_S28_BRANCH_ACT.split("def mlp_fallback")[0].replace('y = F.gelu(gate, approximate="tanh")', 'y = F.gelu(x, approximate="tanh")'),
+         reason="", name="s28_chain_arms_activating_different_tensors"),
+    # the gate and the other factor are projections of two inputs: a gated output
+    Keep(_S28_BRANCH_ACT.split("def mlp_fallback")[0].replace("up = self.up_proj.forward(x)", "up = self.up_proj.forward(x.flip(1))"),
+         reason="activation chosen by an if/elif chain", name="s28_chain_then_product_of_two_inputs"),
+    # the activated name is read between the chain and the product (a saved activation): the product alone stays
+    Keep(_S28_BRANCH_ACT.split("def mlp_fallback")[0].replace("        up = self.up_proj.forward(x)\n",
+                                                             "        up = self.up_proj.forward(x)\n        self.saved = y\n"),
+         reason="", name="s28_chain_value_read_before_the_product"),
+]
+
+
+def _s28_same_shard_input(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> tuple[str, str] | None:
+    """``gate[idx]`` and ``up[idx]`` with ``gate``/``up`` two projections of one input returning one output
+    per device (exllamav2's ``forward_tp(x, output_split=True)``): element ``idx`` of each is that shard's
+    projection of the input, so the pair is a GLU's gate and up. Only a variable index (a loop's shard),
+    the same on both; a constant index is read elsewhere (``self.w(x)[0]``: (output, bias) tuples)."""
+    na, ca = S.peel(a, actx)
+    nb, cb = S.peel(b, ctx)
+    if not (isinstance(na, ast.Subscript) and isinstance(nb, ast.Subscript)):
+        return None
+    if not (isinstance(na.slice, ast.Name) and isinstance(nb.slice, ast.Name)) or S.key(na.slice, ca) != S.key(nb.slice, cb):
+        return None
+    if S.key(na.value, ca) == S.key(nb.value, cb):
+        return None  # one list indexed twice at one index: one value, not a pair
+    va, vca = S.peel(na.value, ca)
+    vb, vcb = S.peel(nb.value, cb)
+    if not (isinstance(va, ast.Call) and isinstance(vb, ast.Call)):
+        return None
+    ka, kb = _projection_input(va, vca, module), _projection_input(vb, vcb, module)
+    return (ka, kb) if ka is not None and ka == kb else None
+
+
+_S28_SHARDS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShardedLinear(nn.Module):
+    """One weight shard per device; forward_tp returns one output per shard."""
+
+    def __init__(self, d, h, shards=2):
+        super().__init__()
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(d, h // shards)) for _ in range(shards)])
+
+    def forward_tp(self, x, output_split=True):
+        return [x[i] @ w for i, w in enumerate(self.w)]
+
+
+class MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj = ShardedLinear(d, h)
+        self.up_proj = ShardedLinear(d, h)
+
+    def forward_tp(self, post_norm):
+        gate = self.gate_proj.forward_tp(post_norm, output_split=True)
+        up = self.up_proj.forward_tp(post_norm, output_split=True)
+        outputs = []
+        for idx in range(len(post_norm)):
+            outputs.append(F.silu(gate[idx]) * up[idx])
+        return outputs
+'''
+
+_RUN_S28_SHARDS = '''
+m = MLP(8, 12)
+x = [torch.randn(3, 8, requires_grad=True) for _ in range(2)]
+out = tuple(m.forward_tp(x))
+leaves = x + [m.gate_proj.w[0], m.up_proj.w[1]]
+'''
+
+Swiglu.FUSE += [
+    # element idx of two per-shard projection lists of one input: that shard's gate and up
+    Fuse(_S28_SHARDS, expect={"gate": "gate[idx]", "up": "up[idx]", "source": "two_projections"}, run=_RUN_S28_SHARDS,
+         name="s28_same_shard_of_two_split_projections"),
+]
+
+Swiglu.KEEP += [
+    # two different shards: not one shard's pair
+    Keep(_S28_SHARDS.replace("for idx in range(len(post_norm)):", "for idx, jdx in ((0, 1), (1, 0)):").replace(
+        "* up[idx]", "* up[jdx]"), reason="not projections of one input", name="s28_different_shards_of_two_projections"),
+]
+
+
+def _s28_element_guard(g: Gate, guard: str, plan: S.SpanPlan) -> str:
+    """``gate[idx]`` rather than ``gate`` when the guard name is a per-shard list the operand indexes: the
+    switch tests a tensor's device, and a list has none (the fused branch would never run)."""
+    n = g.a.node
+    if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == guard and isinstance(n.slice, ast.Name) \
+            and not plan.kept_writes_after(n.slice.id, 0) and not any(n.slice.id in S.names_written(st) for st in plan.stmts):
+        return f"{guard}[{n.slice.id}]"
+    return guard
+
+
+# --- s28 glu: a GLU kernel written as a plain function of (gate, up), its callers out of sight ---
+
+
+def _s28_glu_kernel(scope: Scope, node: ast.expr) -> bool:
+    """The function holding the product does nothing else: its body (docstring and asserts aside) is
+    ``return <the product>`` (Cerebras' ``glu_bivariate_base_fn``, litgpt's ``swiglu(e, g)``, a
+    ``SwiGLUActivation.forward(x1, x2)``). Such a function IS the gated activation, whoever calls it:
+    the fused op is exact for any two operands of one shape (checked at run time, original code
+    otherwise), so what its callers pass decides only whether it pays (a torch.cat copy), not
+    whether it is right."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str))
+            and not isinstance(st, ast.Assert)]
+    return len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is node
+
+
+def _s28_note_kernel(params: dict[str, Any], risks: list[Risk], notes: list[str], scope: Scope, g: Gate) -> None:
+    params["glu_kernel"] = True
+    risks.append(Risk("other", f"`{scope.qualname}` is a GLU kernel whose callers npufuse cannot see "
+                               f"({g.s28_kernel.split(':')[0]}): if a caller passes two values that are not "  # type: ignore[attr-defined]
+                               "projections of one input (a gated output), the fused op is still exact but adds a "
+                               "torch.cat copy for little gain"))
+    notes.append(f"`{scope.qualname}` only returns the gated product of its two parameters: the fused op replaces its body "
+                 "when both have one shape, the original code otherwise")
+
+
+def _s28_passthrough_callers(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> bool:
+    """Every call of the kernel passes gate and up straight through from its own caller's parameters,
+    in a wrapper that returns that call (Cerebras' ``def swiglu(x1, x2): return
+    glu_bivariate_base_fn(x1, x2, F.silu)``): the values come from the wrappers' callers, which this
+    check does not follow, so they are as unknown as when nothing calls the kernel here."""
+    pa, pb = _param_operand(a, actx), _param_operand(b, ctx)
+    fn = ctx.scope.node
+    if pa is None or pb is None or module.functions.get(getattr(fn, "name", "")) is not fn:
+        return False
+    calls, other = _call_sites(module, fn, False, None)
+    if other is not None or not calls:
+        return False
+    for call, sc in calls:
+        hctx = S.bind_call(module, call, fn, S.Ctx(sc, call.lineno), False)
+        if hctx is None or pa not in hctx.bind or pb not in hctx.bind:
+            return False
+        (ga, _), (ub, _) = hctx.bind[pa], hctx.bind[pb]
+        if not (isinstance(ga, ast.Name) and isinstance(ub, ast.Name) and ga.id in sc.args and ub.id in sc.args and ga.id != ub.id):
+            return False
+        w = sc.node
+        body = getattr(w, "body", [])
+        if not (body and isinstance(body[-1], ast.Return) and body[-1].value is call):
+            return False  # the wrapper returns the kernel's result as it is (Cerebras' liglu binds a lambda first)
+        if S.definition(S.Ctx(sc, call.lineno), ga.id) is not None or S.definition(S.Ctx(sc, call.lineno), ub.id) is not None:
+            return False
+    return True
+
+
+_S28_GLU_KERNEL = '''
+import torch
+from torch import nn
+
+
+def glu_base(x1, x2, activation_fn):
+    assert x1.shape == x2.shape, "GLU inputs must have one shape"
+    return x1 * activation_fn(x2)
+
+
+def geglu(x1, x2):
+    return glu_base(x1, x2, nn.functional.gelu)
+
+
+def swiglu(x1, x2):
+    return glu_base(x1, x2, nn.functional.silu)
+
+
+def reglu(x1, x2):
+    return glu_base(x1, x2, nn.functional.relu)
+
+
+class SwiGLUActivation(nn.Module):
+    def forward(self, x1, x2):
+        return x1 * nn.functional.silu(x2)
+
+
+ACTIVATIONS = {"geglu": geglu, "swiglu": swiglu, "reglu": reglu}
+'''
+
+_RUN_S28_GLU_KERNEL = '''
+a = torch.randn(2, 3, 6, requires_grad=True)
+b = torch.randn(2, 3, 6, requires_grad=True)
+c = torch.randn(2, 3, 1, requires_grad=True)
+out = tuple(ACTIVATIONS[k](a, b) for k in ("geglu", "swiglu", "reglu")) + (SwiGLUActivation()(a, b), SwiGLUActivation()(a, c))
+leaves = [a, b, c]
+'''
+
+Swiglu.FUSE += [
+    # a function that only returns act(x2) * x1 of its parameters is the GLU itself, whoever calls it: fused
+    # under a shape check (the last call broadcasts a [.., 1] operand and runs the original code)
+    Fuse(_S28_GLU_KERNEL, expect={"qualname": "glu_base", "glu_kernel": True, "dispatches_to": ["swiglu", "geglu"]},
+         run=_RUN_S28_GLU_KERNEL, name="s28_glu_kernel_function_with_callers_out_of_sight"),
+    Fuse(_S28_GLU_KERNEL.split("def glu_base")[0] + "class SwiGLUActivation" + _S28_GLU_KERNEL.split("class SwiGLUActivation")[1],
+         expect={"qualname": "SwiGLUActivation.forward", "glu_kernel": True, "activation": "silu"},
+         name="s28_glu_kernel_module_forward"),
+]
+
+Swiglu.KEEP += [
+    # more than the product in the function: no kernel by itself, so the callers' values decide, and they are unknown
+    Keep((_S28_GLU_KERNEL.split("def glu_base")[0] + "class SwiGLUActivation" + _S28_GLU_KERNEL.split("class SwiGLUActivation")[1]).replace(
+        "        return x1 * nn.functional.silu(x2)",
+                                 "        print(x1.norm())\n        return x1 * nn.functional.silu(x2)"),
+         reason="unknown", name="s28_more_than_the_product_with_unknown_callers"),
 ]
