@@ -924,6 +924,8 @@ class Operand:
     # a 3-D [B, S, D] key/value shared by every query head (PaLM's multi-query einsum
     # ``b h i d, b j d -> b h i j``): the fused call takes it with a head axis of size 1 inserted
     heads_added: bool = False
+    # s28: the rank an einsum's subscripts give the operand (no ellipsis): the fold of 5-D q/k/v reads it
+    rank: int | None = None
 
 
 @dataclass
@@ -967,6 +969,8 @@ class Chain:
     # (test, risk): conditions the fused call needs (a softmax module that builds its own mask when given
     # none runs the original code then)
     requires: list[tuple[Any, str]] = field(default_factory=list)
+    # s28: an einsum P@V whose output is a permutation of [batch.., Sq, D]: the fused result is permuted to it
+    out_perm: tuple[int, ...] | None = None
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1225,6 +1229,7 @@ class _Matcher:
         for p_node, v_node, p_sub in ((pv.a, pv.b, c.a if c else ""), (pv.b, pv.a, c.b if c else "")):
             chain = Chain()
             self.three_d = len(p_sub) == 3
+            self.s28_rank = len(p_sub)  # s28: 5-D probabilities have their key axis at 4
             scores = self.peel_probs(p_node, chain)
             if scores is not None and _heavy(scores, through_meta=False):
                 break
@@ -1233,6 +1238,8 @@ class _Matcher:
         if c is None:
             raise Miss(f"einsum for P@V with an equation npufuse does not parse (`{self.src(pv.spec)}`)")
         v_sub = c.b if p_node is pv.a else c.a
+        if _s28_pv_einsum_permuted(self, pv, c, p_sub, v_sub, v_node, chain):  # s28: any order of the axes, 5-D folded
+            return _s28_einsum_tail(self, scores, chain, len(p_sub))
         if len(p_sub) not in (3, 4):
             raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
         if chain.p_transposed:  # P reaches the einsum as Pᵀ: its subscripts name [.., j, i]
@@ -1408,7 +1415,7 @@ class _Matcher:
                 dim_v = const_value(dim) if dim is not None else None
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
-                if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 3):  # the key axis: last of 3-D / 4-D scores
+                if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 4 if getattr(self, "s28_rank", 4) == 5 else 3):  # the key axis: last of 3-D / 4-D scores
                     raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim npufuse converts (scores laid out [.., Sq, Skv]; "
                                "keys on another axis, as in sequence-first [Sq, Skv, B, N] scores, are not converted)")
                 if dtype is not None:
@@ -2359,6 +2366,8 @@ class _Matcher:
         if c is None:
             raise Miss(f"einsum for Q@Kᵀ with an equation npufuse does not parse (`{self.src(mm.spec)}`)")
         eq = f"{c.a},{c.b}->{c.out}"
+        if _s28_qk_einsum_permuted(self, mm, c, chain):  # s28: q/k in any order of their axes, 5-D folded
+            return
         if len(c.out) not in (3, 4):
             raise Miss(f"einsum `{eq}` makes {len(c.out)}-D scores (npu_fusion_attention takes 4-D, or 3-D as one head)")
         if len(c.summed) != 1:
@@ -3093,7 +3102,7 @@ class AttentionPattern(Pattern):
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
             operands = (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t))
-            ranks = [static_rank(scope, op.leaf, block[0].lineno) for _t, op, _x in operands]
+            ranks = [op.rank if op.rank is not None else static_rank(scope, op.leaf, block[0].lineno) for _t, op, _x in operands]
             # 5-D [B, N, W, S, D] (Hiera's windows): every leading dim is a batch dim of the matmuls, so the
             # first two fold into one; a mask would have to be folded alike, which npufuse does not do
             if ranks == [3, 3, 3] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
@@ -3430,6 +3439,8 @@ class AttentionPattern(Pattern):
             call = f"{call}.unflatten(0, {atom(q_n)}.shape[:2])"
         if layout != chain.out_layout and not three_d:
             call = f"{call}.transpose(1, 2)"
+        if chain.out_perm is not None:  # s28: the einsum's output order of [batch.., Sq, D]
+            call = f"{call}.permute({', '.join(map(str, chain.out_perm))})"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
         for name in none_gated:
@@ -8613,5 +8624,238 @@ out = m(x)
 leaves = [x]
 ''',
         name="s27_own_mask_buffer_beside_another_class_position_buffer",
+    ),
+]
+
+
+# =============================================================================================
+# --- s28 einsum layout normalisation ---
+# An einsum names its axes, so its layout is a permutation of them: q/k/v written channel-first
+# (EDM2's ``nhcq,nhck->nhqk``, SuperGlue's ``bdhn,bdhm->bhnm``) or with a third batch axis (MSA column
+# attention ``bqihd,bkihd->bihqk``) are BNSD after a ``permute`` of the axes the equation names, the
+# 5-D ones with their two leading batch axes then folded into one (as Hiera's windows are). Read only
+# where the scores come out [batch.., Sq, Skv] (the softmax and any mask then see the usual order),
+# every operand carries exactly those batch axes plus its own sequence and feature axis, and the
+# equation has no ``...`` (whose rank the text does not say). The fused result is permuted back to
+# the order the P@V equation writes.
+# =============================================================================================
+def _s28_equation_text(spec: Any) -> str | None:
+    """The einsum equation as written, when it is a literal (an f-string without placeholders too)."""
+    if isinstance(spec, ast.JoinedStr):
+        if not all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in spec.values):
+            return None
+        return "".join(v.value for v in spec.values)  # type: ignore[union-attr]
+    text = const_value(spec)
+    return text if isinstance(text, str) else None
+
+
+def _s28_plain_equation(spec: Any) -> bool:
+    """A literal equation without ``...``: every operand's rank is the count of its letters."""
+    text = _s28_equation_text(spec)
+    return text is not None and "..." not in text
+
+
+def _s28_permuted_operand(m: "_Matcher", node: Any, role: str, sub: str, order: str, chain: Chain) -> Operand:
+    """The einsum operand ``node`` whose axes ``sub`` names, as a BNSD operand in the letter order
+    ``order``: peeled as any operand (scale factors, layout copies), then permuted."""
+    op = m.peel_operand(node, role, "BNSD", chain)
+    if op.repeat is not None:
+        raise Miss(f"the {role} heads are repeated beside an einsum laid out `{sub}`: npufuse reads GQA repeats of BNSD/BSND operands only")
+    perm = [sub.index(x) for x in order]
+    if op.layout == "BSND":
+        # peeling went through a swap of axes 1 and 2: the einsum's operand is ``leaf.transpose(1, 2)``
+        swap = list(range(len(sub)))
+        swap[1], swap[2] = 2, 1
+        perm = [swap[p] for p in perm]
+    leaf = op.leaf
+    if perm != list(range(len(sub))):
+        leaf = ast.Call(func=ast.Attribute(value=leaf, attr="permute", ctx=ast.Load()), args=[ast.Constant(p) for p in perm], keywords=[])
+    return Operand(leaf, "BNSD", None, rank=len(sub))
+
+
+def _s28_qk_einsum_permuted(m: "_Matcher", mm: Product, c: Contraction, chain: Chain) -> bool:
+    """Q@Kᵀ as an einsum whose scores are [batch.., Sq, Skv] (2 or 3 batch axes) and whose q / k are
+    any order of [batch.., S, D]: read with both permuted to BNSD. False (nothing recorded) where the
+    BNSD/BSND reading applies or the equation is not of that form."""
+    n_out = len(c.out)
+    if n_out not in (4, 5) or len(c.summed) != 1 or not _s28_plain_equation(mm.spec):
+        return False
+    i, j = c.out[-2], c.out[-1]
+    if j in c.b_free and i in c.a_free:
+        q_node, k_node, qs, ks = mm.a, mm.b, c.a, c.b
+    elif j in c.a_free and i in c.b_free:
+        q_node, k_node, qs, ks = mm.b, mm.a, c.b, c.a
+    else:
+        return False
+    batch, d = c.out[:-2], c.summed
+    if len(qs) != n_out or len(ks) != n_out or set(batch) != set(c.batch):
+        return False
+    if n_out == 4 and _layout_of(qs, batch[0], batch[1], i, d) and _layout_of(ks, batch[0], batch[1], j, d):
+        return False  # BNSD / BSND: _qk_einsum's own reading
+    chain.q = _s28_permuted_operand(m, q_node, "q", qs, batch + i + d, chain)
+    chain.k = _s28_permuted_operand(m, k_node, "k", ks, batch + j + d, chain)
+    chain.spelling.append("einsum")
+    chain.notes.append(f"einsum `{c.a},{c.b}->{c.out}`: q and k are permuted to BNSD (the equation names their axes)"
+                       + ("; the two leading batch axes are folded into one for the 4-D call" if n_out == 5 else ""))
+    return True
+
+
+def _s28_pv_einsum_permuted(m: "_Matcher", pv: Product, c: Contraction | None, p_sub: str, v_sub: str, v_node: Any, chain: Chain) -> bool:
+    """P@V as an einsum over [batch.., Sq, Skv] probabilities (2 or 3 batch axes) with v and the output
+    any order of [batch.., S, D]: v permuted to BNSD, the fused result permuted to the output's
+    order. False (nothing recorded) where the BNSD/BSND reading applies or the form differs."""
+    n = len(p_sub)
+    if c is None or n not in (4, 5) or chain.p_transposed or not _s28_plain_equation(pv.spec):
+        return False
+    batch, i, j = p_sub[:-2], p_sub[-2], p_sub[-1]
+    if c.summed != j:
+        return False
+    d_letters = [x for x in v_sub if x not in p_sub]
+    if len(d_letters) != 1 or len(v_sub) != n or set(v_sub) != set(batch) | {j, d_letters[0]}:
+        return False
+    d = d_letters[0]
+    if len(c.out) != n or set(c.out) != set(batch) | {i, d}:
+        return False
+    if n == 4 and _layout_of(c.out, batch[0], batch[1], i, d) and _layout_of(v_sub, batch[0], batch[1], j, d):
+        return False  # BNSD / BSND: _match_einsum's own reading
+    chain.v = _s28_permuted_operand(m, v_node, "v", v_sub, batch + j + d, chain)
+    canon = batch + i + d
+    perm = tuple(canon.index(x) for x in c.out)
+    chain.out_layout = "BNSD"
+    chain.out_perm = perm if perm != tuple(range(n)) else None
+    return True
+
+
+def _s28_einsum_tail(m: "_Matcher", scores: Any, chain: Chain, rank: int) -> Chain:
+    """The rest of _match_einsum for a permuted P@V: the scores' chain, and q/k of the probabilities' rank."""
+    chain.spelling.append("einsum")
+    m.peel_scores(scores, chain, stop=None, cond=None)
+    if chain.q is None or chain.k is None:
+        raise Miss("no Q@Kᵀ product found under the softmax")
+    if chain.q.layout == "3D" or (chain.q.rank or 4) != rank or (chain.k.rank or 4) != rank:
+        raise Miss("the scores and the probabilities' product disagree on the rank")
+    if chain.head_axis != chain.head_axis_removed:
+        raise Miss("the probabilities are squeezed on axis 1 for P@V but the scores were not unsqueezed there")
+    return chain
+
+
+# s28 examples: a channel-first diffusion block (q/k/v [n, h, c, q] from one unbound projection), keypoint
+# attention on [b, d, h, n] tensors returning the probabilities' discarded twin, and an MSA column attention whose
+# q/k/v are [b, seq, col, h, d] with the column axis an extra batch axis (folded)
+_S28_CHANNEL_FIRST = '''
+import numpy as np
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, channels=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Conv2d(channels, channels * 3, 1)
+
+    def forward(self, x):
+        y = self.qkv(x)
+        y = y.reshape(y.shape[0], self.heads, -1, 3, y.shape[2] * y.shape[3])
+        q, k, v = y.unbind(3)
+        w = torch.einsum("nhcq,nhck->nhqk", q, k / np.sqrt(q.shape[2])).softmax(dim=3)
+        y = torch.einsum("nhqk,nhck->nhcq", w, v)
+        return y.reshape(*x.shape)
+'''
+
+_S28_KEYPOINTS = '''
+import torch
+
+
+def attention(query, key, value):
+    dim = query.shape[1]
+    scores = torch.einsum("bdhn,bdhm->bhnm", query, key) / dim ** 0.5
+    prob = torch.nn.functional.softmax(scores, dim=-1)
+    return torch.einsum("bhnm,bdhm->bdhn", prob, value)
+'''
+
+_S28_MSA_COLUMN = '''
+import torch
+import torch.nn.functional as F
+from torch import nn, einsum
+
+
+class ColumnAttention(nn.Module):
+    def __init__(self, d=16, h=2, dim=8):
+        super().__init__()
+        self.h, self.dim = h, dim
+        self.to_q = nn.Linear(d, h * dim, bias=False)
+        self.to_k = nn.Linear(d, h * dim, bias=False)
+        self.to_v = nn.Linear(d, h * dim, bias=False)
+        self.scaling = 1 / dim ** 0.5
+
+    def forward(self, msa):
+        B, N, L = msa.shape[:3]
+        query = self.to_q(msa).reshape(B, N, L, self.h, self.dim)
+        key = self.to_k(msa).reshape(B, N, L, self.h, self.dim)
+        value = self.to_v(msa).reshape(B, N, L, self.h, self.dim)
+        query = query * self.scaling
+        attn = einsum("bqihd,bkihd->bihqk", query, key)
+        attn = F.softmax(attn, dim=-1)
+        out = einsum("bihqk,bkihd->bqihd", attn, value)
+        return out.reshape(B, N, L, -1)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S28_CHANNEL_FIRST,
+        expect={"qualname": "Block.forward", "layout": "BNSD", "mask_kind": "none"},
+        run='''
+m = Block()
+x = torch.randn(2, 16, 3, 4, requires_grad=True)
+out = m(x)
+leaves = [x, m.qkv.weight]
+''',
+        name="s28_einsum_channel_first_permuted_to_bnsd",
+    ),
+    Fuse(
+        _S28_KEYPOINTS,
+        expect={"qualname": "attention", "layout": "BNSD", "mask_kind": "none"},
+        run='''
+q, k, v = (torch.randn(2, 8, 2, n, requires_grad=True) for n in (5, 7, 7))
+out = attention(q, k, v)
+leaves = [q, k, v]
+''',
+        name="s28_einsum_feature_axis_first_permuted_to_bnsd",
+    ),
+    Fuse(
+        _S28_MSA_COLUMN,
+        expect={"qualname": "ColumnAttention.forward", "layout": "BNSD", "mask_kind": "none", "scale": "self.scaling"},
+        run='''
+m = ColumnAttention()
+x = torch.randn(2, 5, 3, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.to_q.weight]
+''',
+        name="s28_einsum_5d_column_axis_folded_into_batch",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the softmax runs over the query axis of 5-D scores (axis 3): not the key axis
+        _S28_MSA_COLUMN.replace("F.softmax(attn, dim=-1)", "F.softmax(attn, dim=3)"),
+        reason="softmax over dim 3, not the last (key) dim",
+        name="s28_einsum_5d_softmax_over_queries",
+    ),
+    Keep(
+        # a padding mask beside 5-D scores: npufuse folds q/k/v, not masks
+        _S28_MSA_COLUMN.replace('attn = F.softmax(attn, dim=-1)',
+                                'attn = attn.masked_fill(msa[None, :, :, :1, 0].permute(0, 3, 2, 1)[..., None] > 0, -10000.0)\n'
+                                '        attn = F.softmax(attn, dim=-1)'),
+        reason="a mask beside 5-D q/k/v is not folded",
+        name="s28_einsum_5d_with_mask_not_folded",
+    ),
+    Keep(
+        # the value's feature axis sits between batch axes and the output drops the column axis: the
+        # value carries letters the probabilities do not (a contraction over more than the keys)
+        _S28_KEYPOINTS.replace('"bhnm,bdhm->bdhn", prob, value', '"bhnm,bdhm->bdn", prob, value'),
+        reason="",
+        name="s28_einsum_output_sums_the_heads",
     ),
 ]
