@@ -475,6 +475,8 @@ class Renderer:
         values = [after.get(n) for n in self.interp.assigned[idx]]
         if not values or any(v is None or _heavy(v, through_meta=False) for v in values):
             return False
+        # s28: the names map to this statement's own references: what it reads is in their values
+        values = [v.value if isinstance(v, Ref) and v.idx == idx and v.value is not None and not isinstance(v.value, Opaque) else v for v in values]
         deps = {d.idx for v in values for d in _direct_refs(v) if self.start <= d.idx < idx}
         if not all(self._bindable(d, depth + 1) for d in deps):
             return False
@@ -2064,8 +2066,11 @@ class _Matcher:
         # miss); built from -inf / finfo.min -> a 0/-inf mask; anything else -> its values are checked at run time
         evidence = graded_evidence(self.module, self.scope, term, self._line)
         if evidence:
-            raise Miss(bias_reason(self.src(term), evidence))
+            _s28_take_bias(self, term, chain, cond)  # s28: a bias goes to pse (q pre-scaled, scale 1.0)
+            return
         module_call = next((n for n in walk_values(term) if isinstance(n, ast.Call) and _is_self_attr(n.func)), None)
+        if module_call is not None and _s28_module_bias(self, term, chain, cond):  # s28: a module's bias goes to pse too
+            return
         if module_call is not None:
             # a term a module computes (gpt-neox ``rpe = self.rpe(sq, sk)``) is a learned bias, not a 0/-inf mask; its
             # values could only be checked after computing it, and the original code would compute it again
@@ -3324,6 +3329,9 @@ class AttentionPattern(Pattern):
         value_check: str | None = None  # run-time condition for binarising additive masks (issue 14, class 3)
         value_split = 0
         mask_kind, sparse = "none", 0
+        s28_pse = _s28_pse_lines(r, chain, scale, q_n, three_d)  # s28: float biases -> pse (removed from chain.masks)
+        if isinstance(s28_pse, str):
+            return NearMiss(self.id, scope.qualname, span_line, end_line, s28_pse)
         causal_terms = [m for m in chain.masks if m.causal]
         try:
             if sole_causal:
@@ -3361,6 +3369,9 @@ class AttentionPattern(Pattern):
                     risks.append(Risk("numerics", "the additive float mask (built here from -inf/finfo.min or a causal triangle) is converted with `mask < 0` (True = masked): exact for such 0/−inf masks"))
                 if any(m.causal for m in chain.masks):
                     chain.notes.append("the causal mask is passed explicitly (sparse_mode 0): it is combined with another mask or conditional")
+            if s28_pse is not None:
+                mask_kind = "pse" if mask_kind == "none" else f"{mask_kind}+pse"
+                risks += s28_pse[1]
             test_texts = [r.text(m.cond) for m in chain.masks if m.cond is not None]
             if chain.excluded:
                 # the fused call runs where none of the excluded branches (soft-capping) is taken
@@ -3395,6 +3406,11 @@ class AttentionPattern(Pattern):
                                                "the fused call runs there; under the other value of the equation the original code runs"))
         except Miss as miss:
             return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+        if s28_pse is not None:
+            # s28: built after any value check's split, so a fallback to the original never computes the bias twice
+            lines += s28_pse[0]
+            kwargs.append(("pse", "_npufuse_pse"))
+            q_a, scale = f"({atom(q_a)} * {atom(scale)})" if scale != "1.0" else q_a, "1.0"
         kwargs.append(("scale", scale))
         # dropout
         dropout_text = "none"
@@ -3485,6 +3501,8 @@ class AttentionPattern(Pattern):
             "head_dim": d,
             "mask_values_checked": values_checked,
         }
+        if s28_pse is not None:
+            params["pse"] = s28_pse[2]
         if chain.softmax_dtype:
             params["softmax_dtype"] = chain.softmax_dtype
         if d is None:
@@ -8857,5 +8875,331 @@ AttentionPattern.KEEP += [
         _S28_KEYPOINTS.replace('"bhnm,bdhm->bdhn", prob, value', '"bhnm,bdhm->bdn", prob, value'),
         reason="",
         name="s28_einsum_output_sums_the_heads",
+    ),
+]
+
+
+# =============================================================================================
+# --- s28 float biases as pse ---
+# A float term added to the scores that is not a 0/-inf mask (a relative-position bias, a protein pair
+# bias, a learned table, a module's output) is exactly npu_fusion_attention's ``pse``. What kept it a
+# near miss is where the op applies the scale: spec §5.1 says ``scale*(QKᵀ + pse)``, the 2.14 example
+# ``scale*QKᵀ + pse`` (UNCERTAIN). Both agree when scale is 1.0, so the fused call gets q multiplied by
+# the scale and scale=1.0: ``(q·s)Kᵀ + pse`` is ``s·QKᵀ + pse`` under either reading. A bias added
+# before a scale factor (``(QKᵀ + b) * s``) is passed multiplied by the factors applied after it
+# (the walk from the softmax down records the outer factors first). The bias is expanded to the
+# scores' shape ([B, N, Sq, Skv], a shape the op takes) and cast to q's dtype (autocast's when on).
+# =============================================================================================
+@dataclass
+class _S28Bias(MaskTerm):
+    n_num: int = 0  # how many of chain.scale_num / scale_den were applied after the bias was added
+    n_den: int = 0
+
+
+def _s28_take_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> None:
+    """Record the additive float bias ``term`` (under ``cond``) for pse, with the scale factors already
+    walked (those applied after it)."""
+    chain.masks.append(_S28Bias("bias", term, cond[0] if cond else None, cond[1] if cond else False,
+                                n_num=len(chain.scale_num), n_den=len(chain.scale_den)))
+
+
+def _s28_module_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> bool:
+    """A term a module computes (gpt-neox's ``rpe = self.rpe(sq, sk)``): a learned bias, pse too. Not where the
+    term reads the scores themselves (then it is a transform of them, not a bias)."""
+    if any(isinstance(n, ast.Call) and m.is_matmul(n) is not None for n in walk_values(term)):
+        return False
+    _s28_take_bias(m, term, chain, cond)
+    return True
+
+
+def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: bool) -> tuple[list[str], list[Risk], str] | str | None:
+    """Statements building ``_npufuse_pse`` from the chain's bias terms (taken out of chain.masks), the
+    risks, and the pse's description; a near-miss reason where the layout has no pse npufuse builds;
+    None without bias terms."""
+    biases = [t for t in chain.masks if isinstance(t, _S28Bias)]
+    if not biases:
+        return None
+    if chain.heads_in_batch or chain.q_transposed or chain.k_transposed or chain.v_transposed or r.scores_shape is None:
+        return ("a float bias is added to the scores: npufuse passes it as npu_fusion_attention's `pse` only where the scores' "
+                "shape is plain ([B, N, Sq, Skv] from BNSD/BSND q/k, or one-head [B, Sq, Skv]), not in this layout")
+    chain.masks = [t for t in chain.masks if not isinstance(t, _S28Bias)]
+    lines = ["_npufuse_pse = None"]
+    descs: list[str] = []
+    for b in biases:
+        t = atom(r.text(b.node))
+        after = [atom(r.text(x)) for x in chain.scale_num[:b.n_num]]
+        below = [atom(r.text(x)) for x in chain.scale_den[:b.n_den]]
+        term = " * ".join([t] + after) + "".join(f" / {x}" for x in below)
+        descs.append(term)
+        # the term written once (a module call in it runs once): the first one starts the sum
+        add = [f"_npufuse_pse = {term}"] if not descs[:-1] and b.cond is None else \
+            [f"_npufuse_b = {term}", "_npufuse_pse = _npufuse_b if _npufuse_pse is None else _npufuse_pse + _npufuse_b"]
+        if b.cond is not None:
+            c = atom(r.text(b.cond))
+            lines += [f"if {'not ' + c if b.negate_cond else c}:"] + [f"    {x}" for x in add]
+        else:
+            lines += add
+    shape = r.scores_shape
+    pse = f"_npufuse_pse.to({atom(q_n)}.dtype).expand({shape})" + (".unsqueeze(1)" if three_d else "")
+    lines += ["if _npufuse_pse is not None:",
+              f"    _npufuse_pse = _npufuse_autocast({q_n}, {pse}.contiguous())[1]  # pse: q's dtype (autocast's when on), [B, N, Sq, Skv]"]
+    risks = [Risk("numerics", "the float bias added to the scores is passed as npu_fusion_attention's `pse` in q's dtype "
+                              "(the original adds it in the scores' promoted dtype); q is multiplied by the scale and the call gets "
+                              f"scale=1.0 (was {scale}), so the result does not depend on where the op applies its scale to pse (spec §5.1 UNCERTAIN)"),
+             Risk("other", "pse is expanded to the full [B, N, Sq, Skv] scores shape (B·N·Sq·Skv elements in q's dtype)")]
+    chain.notes.append("float bias(es) passed as pse; q pre-multiplied by the scale, scale=1.0")
+    return lines, risks, " + ".join(descs)
+
+
+# s28 examples for pse: a learned relative-position table (an Embedding indexed by offsets) added after the
+# scale; a learned table added BEFORE the scale (the bias is scaled too); a pair bias projected by a module
+# and added to einsum scores whose q was pre-scaled; an optional module-computed bias under a parameter test
+_S28_RELATIVE_BIAS = '''
+import math
+import torch
+import torch.nn as nn
+
+
+class RelativeAttention(nn.Module):
+    def __init__(self, dim=16, heads=2, n=8):
+        super().__init__()
+        self.heads, self.hd, self.n = heads, dim // heads, n
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.rel = nn.Embedding(2 * n, heads)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(s, device=x.device)
+        bias = self.rel(pos[None, :] - pos[:, None] + self.n).permute(2, 0, 1).unsqueeze(0)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.hd)
+        scores = scores + bias
+        probs = scores.softmax(dim=-1)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+'''
+
+_S28_BIAS_BEFORE_SCALE = '''
+import math
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TableAttention(nn.Module):
+    def __init__(self, dim=16, heads=2, n=8):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.table = nn.Parameter(torch.randn(1, heads, n, n))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        scores = scores + self.table[:, :, :s, :s]
+        scores = scores / math.sqrt(self.hd)
+        probs = F.softmax(scores, dim=-1)
+        return torch.matmul(probs, v)
+'''
+
+_S28_PAIR_BIAS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class PairBiasAttention(nn.Module):
+    def __init__(self, d=16, h=2, dim=8, dp=4):
+        super().__init__()
+        self.h, self.dim = h, dim
+        self.to_q = nn.Linear(d, h * dim)
+        self.to_k = nn.Linear(d, h * dim)
+        self.to_v = nn.Linear(d, h * dim)
+        self.to_b = nn.Linear(dp, h, bias=False)
+        self.to_g = nn.Linear(d, h * dim)
+        self.scaling = dim ** -0.5
+
+    def forward(self, x, pair):
+        B, L = x.shape[:2]
+        q = self.to_q(x).reshape(B, L, self.h, self.dim)
+        k = self.to_k(x).reshape(B, L, self.h, self.dim)
+        v = self.to_v(x).reshape(B, L, self.h, self.dim)
+        bias = self.to_b(pair).permute(0, 3, 1, 2)
+        gate = torch.sigmoid(self.to_g(x))
+        q = q * self.scaling
+        attn = torch.einsum("bqhd,bkhd->bhqk", q, k)
+        attn = attn + bias
+        attn = F.softmax(attn, dim=-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", attn, v).reshape(B, L, -1)
+        return gate * out
+'''
+
+_S28_OPTIONAL_MODULE_BIAS = '''
+import math
+import torch
+import torch.nn as nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=16, heads=2, n=8, rel=True):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.rel = nn.Embedding(n, heads) if rel else None
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        bias = self.rel(torch.arange(s, device=x.device)).t() if self.rel is not None else None
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.hd ** -0.5
+        if bias is not None:
+            scores = scores + bias[None, :, None, :]
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S28_RELATIVE_BIAS,
+        expect={"qualname": "RelativeAttention.forward", "mask_kind": "pse", "pse": "bias", "scale": "1.0"},
+        run='''
+m = RelativeAttention()
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.rel.weight]
+''',
+        name="s28_relative_position_bias_as_pse",
+    ),
+    Fuse(
+        _S28_BIAS_BEFORE_SCALE,
+        expect={"qualname": "TableAttention.forward", "mask_kind": "pse", "pse": "self.table[:, :, :s, :s] / math.sqrt(self.hd)"},
+        run='''
+m = TableAttention()
+with torch.no_grad():
+    m.table.mul_(3.0)
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.table]
+''',
+        name="s28_bias_added_before_the_scale_is_scaled_in_pse",
+    ),
+    Fuse(
+        _S28_PAIR_BIAS,
+        expect={"qualname": "PairBiasAttention.forward", "mask_kind": "pse", "layout": "BSND"},
+        run='''
+m = PairBiasAttention()
+x = torch.randn(2, 5, 16, requires_grad=True)
+pair = torch.randn(2, 5, 5, 4, requires_grad=True)
+out = m(x, pair)
+leaves = [x, pair, m.to_b.weight]
+''',
+        name="s28_pair_bias_from_a_projection_as_pse",
+    ),
+    Fuse(
+        _S28_OPTIONAL_MODULE_BIAS,
+        expect={"qualname": "Attention.forward", "mask_kind": "pse"},
+        run='''
+for rel in (True, False):
+    m = Attention(rel=rel)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    out = m(x)
+leaves = [x]
+''',
+        name="s28_optional_module_bias_as_pse",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # channel-first one-head scores [B, D, S] (bmm(qᵀ, k)): npufuse builds no pse for that layout
+        '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, c=8, n=16):
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(1, n, n))
+
+    def forward(self, q, k, v):
+        b, c, s = q.shape
+        w = torch.bmm(q.permute(0, 2, 1), k) * c ** -0.5
+        w = w + self.table[:, :s, :s]
+        w = torch.softmax(w, dim=2)
+        return torch.bmm(v, w.permute(0, 2, 1))
+''',
+        reason="npufuse passes it as npu_fusion_attention's `pse` only where the scores' shape is plain",
+        name="s28_bias_beside_channel_first_scores",
+    ),
+    Keep(
+        # the bias multiplies the scores (a gate), it is not added: no pse, no mask
+        _S28_RELATIVE_BIAS.replace("scores = scores + bias", "scores = scores * bias"),
+        reason="tensor",
+        name="s28_bias_multiplied_not_added",
+    ),
+]
+
+
+# s28: four earlier Keep examples refused a float bias only because of pse's scale placement; with q
+# pre-scaled and scale=1.0 they are exact, so they are Fuse examples now (each checked end to end)
+_S28_NOW_FUSED = {"bias_module_always_on_scores", "learned_bias_added_under_a_flag", "learned_bias_added_always",
+                  "s27_registered_buffer_built_from_positions"}
+_S28_FORMER_KEEP = {k.name: k.code for k in AttentionPattern.KEEP if k.name in _S28_NOW_FUSED}
+AttentionPattern.KEEP[:] = [k for k in AttentionPattern.KEEP if k.name not in _S28_NOW_FUSED]
+AttentionPattern.FUSE += [
+    Fuse(
+        _S28_FORMER_KEEP["bias_module_always_on_scores"],
+        expect={"qualname": "Attn.forward", "mask_kind": "pse", "pse": "self.rel(q.shape[-2], k.shape[-2])"},
+        run='''
+class Table(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.randn(1, 2, 6, 6))
+
+    def forward(self, sq, sk):
+        return self.t[:, :, :sq, :sk]
+
+
+m = Attn(Table())
+q, k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(3))
+out = m(q, k, v)
+leaves = [q, k, v, m.rel.t]
+''',
+        name="s28_bias_module_always_on_scores_as_pse",
+    ),
+    Fuse(
+        _S28_FORMER_KEEP["learned_bias_added_under_a_flag"],
+        expect={"qualname": "RelAttention.forward", "mask_kind": "pse"},
+        run='''
+q, k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(3))
+out = (RelAttention()(q, k, v), RelAttention(relative=False)(q, k, v))
+leaves = [q, k, v]
+''',
+        name="s28_learned_bias_added_under_a_flag_as_pse",
+    ),
+    Fuse(
+        _S28_FORMER_KEEP["learned_bias_added_always"],
+        expect={"qualname": "RelAttention.forward", "mask_kind": "pse"},
+        run='''
+m = RelAttention()
+q, k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(3))
+out = m(q, k, v)
+leaves = [q, k, v, m.distance.weight]
+''',
+        name="s28_learned_bias_added_always_as_pse",
+    ),
+    Fuse(
+        _S28_FORMER_KEEP["s27_registered_buffer_built_from_positions"],
+        expect={"qualname": "SelfAttn.forward", "pse": "self.lin_bias[:, :, :n, :n]"},
+        run='''
+m = add_linear_bias(SelfAttn().eval(), 2, 8)
+x = torch.randn(2, 6, 16, requires_grad=True)
+pad = torch.zeros(2, 1, 1, 6)
+pad[1, ..., 4:] = float("-inf")
+out = (m(x), m(x, pad=pad))
+leaves = [x]
+''',
+        name="s28_registered_position_buffer_as_pse",
     ),
 ]
