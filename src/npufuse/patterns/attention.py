@@ -3119,6 +3119,8 @@ class AttentionPattern(Pattern):
                 ranks = [None, None, None]
             folded = ranks == [5, 5, 5] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
                 and (not chain.masks or sole_causal)
+            if not folded and _s28_fold_unknown_ranks(chain, operands, ranks, sole_causal):  # s28: k/v rank checked at run time
+                folded, ranks = True, [5, 5, 5]
             for (tag, op, text), rank in zip(operands, ranks):
                 if not folded and rank is not None and rank != (3 if op.heads_added else 4):
                     extra = " (a mask beside 5-D q/k/v is not folded)" if rank == 5 and chain.masks else ""
@@ -9201,5 +9203,66 @@ out = (m(x), m(x, pad=pad))
 leaves = [x]
 ''',
         name="s28_registered_position_buffer_as_pse",
+    ),
+]
+
+
+# --- s28 5-D fold with k/v ranks unknown statically ---
+# Hiera's q is 5-D by its view, while k and v come out of a tuple unpacking the rank reader does not
+# follow: the fold is exact when k and v are 5-D with q's three leading dims (batch, heads, windows),
+# which a run-time test checks (two shape reads); elsewhere the original code runs.
+def _s28_fold_unknown_ranks(chain: Chain, operands: Any, ranks: list[int | None], sole_causal: bool) -> bool:
+    if ranks[0] != 5 or any(r not in (None, 5) for r in ranks[1:]) or (chain.masks and not sole_causal):
+        return False
+    if not all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands):
+        return False
+    (_, _, q), (_, _, k), (_, _, v) = operands
+    test = " and ".join([f"{atom(x)}.dim() == 5" for x, r in ((k, ranks[1]), (v, ranks[2])) if r is None]
+                        + [f"{atom(k)}.shape[:3] == {atom(q)}.shape[:3] == {atom(v)}.shape[:3]"])
+    chain.requires.append((ast.parse(test, mode="eval").body,
+                           f"q is 5-D [B, N, W, S, D] and the ranks of k/v are not evident here: the fused call (the first two dims folded) "
+                           f"runs where `{test}`; the original code runs otherwise"))
+    return True
+
+
+_S28_WINDOWED_TUPLE = '''
+import torch
+import torch.nn as nn
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, dim=16, heads=2, windows=2, q_stride=1):
+        super().__init__()
+        self.heads, self.windows, self.q_stride = heads, windows, q_stride
+        self.head_dim = dim // heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        qkv = self.qkv(x).reshape(B, -1, self.windows, 3, self.heads, self.head_dim).permute(3, 0, 4, 2, 1, 5)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.q_stride > 1:
+            q = q.view(B, self.heads, self.windows, self.q_stride, -1, self.head_dim).max(dim=3).values
+        attn = (q * self.scale) @ k.transpose(-1, -2)
+        attn = attn.softmax(dim=-1)
+        x = attn @ v
+        return x.transpose(1, 3).reshape(B, -1, self.heads * self.head_dim)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S28_WINDOWED_TUPLE,
+        expect={"qualname": "WindowAttention.forward", "layout": "BNSD", "scale": "self.scale"},
+        run='''
+out = []
+for stride in (1, 2):
+    m = WindowAttention(q_stride=stride)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    out.append(m(x))
+out = tuple(out)
+leaves = [x]
+''',
+        name="s28_5d_query_beside_keys_of_unknown_rank_folded_under_a_check",
     ),
 ]
