@@ -1900,6 +1900,10 @@ class _Matcher:
                 beta = keyword(node, "beta")
                 raise Miss(f"`baddbmm` adds its input to the scores (beta={self.src(beta) if beta is not None else '1'}, e.g. an ALiBi bias): "
                            "a float term npufuse does not convert to a mask")
+            floor = _s28_floor_clamp(self, node, chain)  # s28: a floor at a large negative value only touches masked logits
+            if floor is not None:
+                node = floor
+                continue
             if self._capping(node):
                 raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}` (logit soft-capping / clamping): "
                            "npu_fusion_attention has no such step")
@@ -9344,5 +9348,113 @@ AttentionPattern.KEEP += [
         '__all__ = ["attention"]\n' + _S28_DOCSTRING_MENTION,
         reason="nothing shows a caller accepts None",
         name="s28_probabilities_returned_by_an_exported_function",
+    ),
+]
+
+
+# --- s28 floor clamps of the scores ---
+# ``torch.max(scores, torch.tensor(finfo.min))`` (Megatron's ALiBi path), ``torch.max(scores, torch.tensor(-10000))``
+# (TencentPretrain's scaled softmax), ``scores.clamp(min=-1e4)``: a floor C <= -1e4 changes only logits already
+# below C, whose softmax weight underflows to 0 either way (exp(C - row max) is 0 in fp32 once the row max is
+# ~100 above C, in fp16/bf16 sooner) -- except in a row with no logit above it (a fully masked row), where the
+# original spreads the weight uniformly and the fused op's value is not pinned down (spec §14): a stated risk.
+# The value is proven (literal, finfo.min, -inf), never guessed; a ceiling (``max=``) is capping and stays refused.
+def _s28_floor_clamp(m: "_Matcher", node: Any, chain: Chain) -> Any:
+    """The clamped scores of a floor clamp at a large negative value, else None."""
+    if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
+        return None
+    fn = (m._fn(node) or "").rpartition(".")[2] if not isinstance(node.func, ast.Attribute) or m._fn(node) else ""
+    method = node.func.attr if isinstance(node.func, ast.Attribute) and not m._fn(node) else ""
+    kw = {k.arg: k.value for k in node.keywords}
+    x = floor = None
+    if fn in ("max", "maximum") and len(node.args) == 2 and not kw:
+        a, b = node.args
+        x, floor = (a, b) if _heavy(a, through_meta=False) and not _heavy(b, through_meta=False) else (b, a) \
+            if _heavy(b, through_meta=False) and not _heavy(a, through_meta=False) else (None, None)
+        if floor is not None and isinstance(const_value(floor), (int, float)):
+            return None  # torch.max(x, int) is a reduction over a dim, not a clamp
+    elif fn in ("clamp", "clip", "clamp_min") and node.args and _heavy(node.args[0], through_meta=False):
+        x = node.args[0]
+        floor = node.args[1] if len(node.args) > 1 else kw.get("min")
+        if len(node.args) > 2 or kw.get("max") is not None or (fn != "clamp_min" and len(node.args) > 2):
+            return None
+    elif method in ("clamp", "clip", "clamp_min") and isinstance(node.func, ast.Attribute):
+        x = node.func.value
+        floor = node.args[0] if node.args else kw.get("min")
+        if len(node.args) > 1 or kw.get("max") is not None:
+            return None
+    if x is None or floor is None:
+        return None
+    ok, finite = m._fill_ok(floor)
+    if not ok:
+        return None
+    chain.risks.append(Risk("numerics", f"`{m.src(node)}` floors the scores at a large negative value: it only changes logits whose softmax weight "
+                                        "is 0 either way, except in fully masked rows (the original gives them uniform weights; the fused op's "
+                                        "value there is not pinned down, spec §14)"))
+    chain.notes.append(f"the floor clamp `{m.src(node)}` is dropped: it acts on masked logits only")
+    return x
+
+
+_S28_FLOOR_CLAMP = '''
+import math
+import torch
+from torch import nn
+
+
+class AlibiFloor(nn.Module):
+    def forward(self, q, k, v, mask):
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        scores = scores + mask
+        scores = torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S28_FLOOR_CLAMP,
+        expect={"qualname": "AlibiFloor.forward", "mask_kind": "additive_float"},
+        run='''
+q, k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(3))
+mask = torch.zeros(2, 1, 6, 6)
+mask[1, ..., 4:] = float("-inf")
+out = AlibiFloor()(q, k, v, mask)
+leaves = [q, k, v]
+''',
+        name="s28_floor_clamp_at_finfo_min_dropped",
+    ),
+    Fuse(
+        _S28_FLOOR_CLAMP.replace("scores = torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))",
+                                 "scores = scores.clamp(min=-10000.0)"),
+        expect={"qualname": "AlibiFloor.forward"},
+        run='''
+q, k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(3))
+mask = torch.zeros(2, 1, 6, 6)
+mask[0, ..., 3:] = -1e9
+out = AlibiFloor()(q, k, v, mask)
+leaves = [q, k, v]
+''',
+        name="s28_floor_clamp_at_minus_1e4_dropped",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # a floor at -5 changes real logits: soft clamping, not a mask
+        _S28_FLOOR_CLAMP.replace("torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))", "scores.clamp(min=-5.0)"),
+        reason="logit soft-capping / clamping",
+        name="s28_floor_clamp_at_a_small_value",
+    ),
+    Keep(
+        # torch.max with an int is a reduction over a dim, not a clamp
+        _S28_FLOOR_CLAMP.replace("torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))", "torch.max(scores, -1)[0]"),
+        reason="",
+        name="s28_torch_max_reduction_is_not_a_floor",
+    ),
+    Keep(
+        # a ceiling as well as the floor: capping
+        _S28_FLOOR_CLAMP.replace("torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))", "scores.clamp(min=-1e4, max=50.0)"),
+        reason="logit soft-capping / clamping",
+        name="s28_clamp_with_a_ceiling",
     ),
 ]
