@@ -8912,8 +8912,8 @@ def _s28_take_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool
 def _s28_module_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> bool:
     """A term a module computes (gpt-neox's ``rpe = self.rpe(sq, sk)``): a learned bias, pse too. Not where the
     term reads the scores themselves (then it is a transform of them, not a bias)."""
-    if any(isinstance(n, ast.Call) and m.is_matmul(n) is not None for n in walk_values(term)):
-        return False
+    if _heavy(term) or any(isinstance(n, ast.Call) and m.is_matmul(n) is not None for n in walk_values(term)):
+        return False  # it reads the scores (``rel.reshape_as(scores)``): the earlier reading (a branch the fused call skips) stays
     _s28_take_bias(m, term, chain, cond)
     return True
 
@@ -9456,5 +9456,46 @@ AttentionPattern.KEEP += [
         _S28_FLOOR_CLAMP.replace("torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))", "scores.clamp(min=-1e4, max=50.0)"),
         reason="logit soft-capping / clamping",
         name="s28_clamp_with_a_ceiling",
+    ),
+]
+
+
+# s28: a module's term that reads the scores (``rel.reshape_as(scores)``) is no pse: it keeps the earlier reading
+# (the fused call runs where the flag leaves the term out, the original code where it adds it)
+_S28_TERM_READS_THE_SCORES = '''
+import torch
+from torch import nn
+
+
+class SamLike(nn.Module):
+    def __init__(self, dim=16, heads=2, use_rel_pos=False):
+        super().__init__()
+        self.heads, self.scale, self.use_rel_pos = heads, (dim // heads) ** -0.5, use_rel_pos
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.rel = nn.Linear(dim // heads, 1)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        query, key, value = qkv.reshape(3, b * self.heads, n, -1).unbind(0)
+        attn = (query * self.scale) @ key.transpose(-2, -1)
+        if self.use_rel_pos:
+            rel = self.rel(query).expand(-1, -1, n)
+            rel = rel.reshape_as(attn)
+            attn = attn + rel
+        attn = torch.softmax(attn, dim=-1)
+        return attn @ value
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S28_TERM_READS_THE_SCORES,
+        expect={"qualname": "SamLike.forward"},
+        run='''
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (SamLike()(x), SamLike(use_rel_pos=True)(x))
+leaves = [x]
+''',
+        name="s28_module_term_reading_the_scores_is_not_a_pse",
     ),
 ]
