@@ -110,3 +110,20 @@ def attend(q, k, v, early, late):
     # early/late are parameters: their values are checked at run time as masks (no graded evidence) -- the pse
     # path takes only terms proven to be biases, so nothing here becomes pse
     assert all("pse" not in f.params for f in findings), [f.params for f in findings]
+
+
+def test_pse_replacement_does_not_depend_on_where_the_op_applies_its_scale(monkeypatch) -> None:
+    # spec §5.1 leaves pse's scale placement UNCERTAIN: the emulator adds pse before the scale by default;
+    # forced to add it after, the rewritten examples (a bias after the scale and one before it) still match
+    import npufuse.emulate.attention as emulated
+
+    real = emulated._attend
+
+    def after_scale(*args, **kwargs):
+        kwargs["pse_before_scale"] = False
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(emulated, "_attend", after_scale)
+    for name in ("s28_relative_position_bias_as_pse", "s28_bias_added_before_the_scale_is_scaled_in_pse"):
+        example = next(f for f in AttentionPattern.FUSE if f.name == name)
+        check_replacement_matches(AttentionPattern(), example)
