@@ -127,3 +127,35 @@ def test_pse_replacement_does_not_depend_on_where_the_op_applies_its_scale(monke
     for name in ("s28_relative_position_bias_as_pse", "s28_bias_added_before_the_scale_is_scaled_in_pse"):
         example = next(f for f in AttentionPattern.FUSE if f.name == name)
         check_replacement_matches(AttentionPattern(), example)
+
+
+_FOLDED_HEADS_RPE = '''
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, heads=2, use_rpe=False):
+        super().__init__()
+        self.np, self.use_rpe = heads, use_rpe
+        self.rpe = nn.Linear(1, heads)
+
+    def forward(self, q, k, v):
+        b, sq, sk = q.shape[0] // self.np, q.shape[1], k.shape[1]
+        scores = torch.bmm(q, k.transpose(1, 2)) * 0.125
+        scores = scores.view(b, self.np, sq, sk)
+        if self.use_rpe:
+            scores = scores + self.rpe(torch.ones(sq, sk, 1)).permute(2, 0, 1)
+        probs = torch.softmax(scores, dim=-1)
+        probs = probs.view(b * self.np, sq, sk)
+        return torch.bmm(probs, v)
+'''
+
+
+def test_module_bias_on_folded_heads_keeps_the_flag_exclusion() -> None:
+    # Megatron's [b*np, sq, sk] scores viewed 4-D: no pse is built there, so a module's term under a flag keeps
+    # the earlier reading (the fused call runs where the flag is off) instead of becoming a near miss
+    findings, misses = detect_all(AttentionPattern(), _FOLDED_HEADS_RPE)
+    assert len(findings) == 1, [m.reason for m in misses]
+    assert "pse" not in findings[0].params
+    assert "self.use_rpe" in findings[0].fused

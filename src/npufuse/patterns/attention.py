@@ -8900,6 +8900,9 @@ AttentionPattern.KEEP += [
 class _S28Bias(MaskTerm):
     n_num: int = 0  # how many of chain.scale_num / scale_den were applied after the bias was added
     n_den: int = 0
+    # a module's term under a cheap condition: where no pse can be built, the earlier reading (the fused call
+    # runs where the condition leaves the term out) still applies
+    exclude_instead: bool = False
 
 
 def _s28_take_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> None:
@@ -8915,6 +8918,7 @@ def _s28_module_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bo
     if _heavy(term) or any(isinstance(n, ast.Call) and m.is_matmul(n) is not None for n in walk_values(term)):
         return False  # it reads the scores (``rel.reshape_as(scores)``): the earlier reading (a branch the fused call skips) stays
     _s28_take_bias(m, term, chain, cond)
+    chain.masks[-1].exclude_instead = cond is not None and not _heavy(cond[0], through_meta=False)  # type: ignore[attr-defined]
     return True
 
 
@@ -8926,6 +8930,12 @@ def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: b
     if not biases:
         return None
     if chain.heads_in_batch or chain.q_transposed or chain.k_transposed or chain.v_transposed or r.scores_shape is None:
+        if all(b.exclude_instead for b in biases):
+            # gpt-neox's ``if self.pos_emb == "rpe": scores += self.rpe(..)`` on Megatron's folded scores: no pse here, so
+            # the fused call runs where the condition leaves the term out (the original code where it adds it)
+            chain.masks = [t for t in chain.masks if not isinstance(t, _S28Bias)]
+            chain.excluded += [(b.cond, b.negate_cond, f"+ {r.text(b.node)}") for b in biases]
+            return None
         return ("a float bias is added to the scores: npufuse passes it as npu_fusion_attention's `pse` only where the scores' "
                 "shape is plain ([B, N, Sq, Skv] from BNSD/BSND q/k, or one-head [B, Sq, Skv]), not in this layout")
     chain.masks = [t for t in chain.masks if not isinstance(t, _S28Bias)]
