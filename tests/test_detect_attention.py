@@ -103,8 +103,9 @@ CAUSAL = 'torch.full((s, s), float("-inf")).triu(1)'
 @pytest.mark.parametrize("name", ["mask", "attn_bias", "position_bias", "m"])
 def test_a_term_built_from_positions_is_a_bias_whatever_its_name(name):
     findings, misses = detect_all(ATTENTION, BUILT.replace("NAME", name).replace("BUILD", ALIBI))
-    assert not findings
-    assert any("token positions" in m.reason and "float bias" in m.reason for m in misses)
+    # s28: a bias is passed as pse (q pre-scaled, scale 1.0), never binarised as a mask
+    assert findings and findings[0].params["mask_kind"] == "pse" and findings[0].params["pse"] == name
+    assert "< 0" not in findings[0].fused and "atten_mask" not in findings[0].fused
 
 
 @pytest.mark.parametrize("name", ["mask", "attn_bias", "position_bias", "m"])
@@ -284,15 +285,17 @@ class Attn(nn.Module):
 
 def test_a_module_or_helper_of_the_file_tells_bias_from_mask_by_what_it_builds():
     findings, misses = detect_all(ATTENTION, MODULES)
-    assert [f.qualname for f in findings] == ["Attn.masked"]  # positions compared and filled with -inf: a mask
-    assert any(m.qualname == "Attn.biased" and "RelPosBias" in m.reason and "float bias" in m.reason for m in misses)
+    kinds = {f.qualname: f.params["mask_kind"] for f in findings}
+    assert kinds["Attn.masked"] != "pse"  # positions compared and filled with -inf: a mask
+    assert kinds["Attn.biased"] == "pse"  # s28: graded values from the module: a bias, passed as pse
 
 
 def test_a_bias_with_a_causal_fill_is_still_a_bias():
     # ALiBi with the causal positions filled with -inf: graded values plus -inf, never a 0/-inf mask
     build = 'torch.arange(s)[None, :].float().masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))'
     findings, misses = detect_all(ATTENTION, BUILT.replace("NAME", "mask").replace("BUILD", build))
-    assert not findings and any("token positions" in m.reason for m in misses)
+    # s28: the whole term (graded values and -inf) is the pse; never binarised with `< 0`
+    assert findings and findings[0].params["mask_kind"] == "pse" and "< 0" not in findings[0].fused
 
 
 # -- canonical layer: einsum equations with a conditional placeholder ------------------------------

@@ -50,7 +50,6 @@ def test_module_building_its_own_mask_needs_one() -> None:
     ("megatron_softmax_module_additive_mask_func", "`attention_mask_func` (example.py:"),
     ("megatron_softmax_module_mask_func_from_caller", "`mask_func` is passed into `CoreAttention.__init__` by its callers"),
     ("megatron_softmax_module_other_forward", "its forward is not read as a dropout, nor as scale -> mask function -> softmax"),
-    ("bias_module_always_on_scores", "an additive term computed by a module (`self.rel("),
 ])
 def test_softmax_module_near_misses_say_why(name: str, reason: str) -> None:
     findings, misses = detect_all(PATTERN, _example(name).code)

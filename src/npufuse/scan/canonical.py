@@ -692,7 +692,7 @@ def product(node: ast.AST, callee: Callable[[ast.Call], str | None]) -> Product 
     name = callee(node)
     if name in MATMUL_NAMES and len(node.args) == 2:
         return Product(node.args[0], node.args[1], "bmm" if name == "torch.bmm" else "matmul")
-    if name == "torch.einsum":
+    if name == "torch.einsum" or name in EINSUM_EQUIVALENTS:  # s28: opt_einsum's contract is the same product
         if len(node.args) == 3:
             a, b = node.args[1], node.args[2]
         elif len(node.args) == 2 and isinstance(node.args[1], (ast.List, ast.Tuple)) and len(node.args[1].elts) == 2 \
@@ -1464,3 +1464,10 @@ def module_constant(module: ModuleInfo, name: str) -> ast.expr | None:
                  and not re.search(r"\bglobal\b[^\n]*\b" + re.escape(k) + r"\b", module.source)}
         module.__dict__["_npufuse_module_constants"] = table
     return table.get(name)
+
+
+# --- s28 attention ---
+# Callables that compute exactly ``torch.einsum(equation, a, b)`` for torch tensors with an explicit
+# output: opt_einsum's ``contract`` (its torch backend runs torch.einsum / tensordot on the same
+# equation; protein-structure code imports it as ``einsum``). Read by :func:`product`.
+EINSUM_EQUIVALENTS = frozenset({"opt_einsum.contract"})
