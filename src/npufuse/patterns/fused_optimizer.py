@@ -4323,3 +4323,90 @@ def _s28_injected_class(module: ModuleInfo, scope: Scope, stmt: ast.stmt
 # a name without it (`self.opt_cls`) is not found: a known gap, said in bench/DETECTION.md.
 _S28_INJECTED_WORD = "optim"
 FusedOptimizer.SCOPE_WORDS = (*FusedOptimizer.SCOPE_WORDS, _S28_INJECTED_WORD)
+
+# s28 examples: an injected class, found by its value (bindings and defaults), guarded at run time
+_S28_INJECTED_BASE = '''\
+import torch as th
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class BaseModel(nn.Module):
+    def __init__(self, optimizer_class=th.optim.Adam, optimizer_kwargs=None):
+        super().__init__()
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = optimizer_kwargs if optimizer_kwargs is not None else {}
+
+
+class Policy(BaseModel):
+    def __init__(self, optimizer_class=th.optim.Adam, optimizer_kwargs=None):
+        super().__init__(optimizer_class=optimizer_class, optimizer_kwargs=optimizer_kwargs)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self._build(3e-3)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+    def _build(self, lr):
+        self.optimizer = self.optimizer_class(self.parameters(), lr=lr, **self.optimizer_kwargs)
+'''
+
+_S28_POLICY_RUN = '''\
+model = Policy({args})
+x, y = th.randn(6, 8), th.randn(6, 4)
+for _ in range(3):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    model.optimizer.step()
+    model.optimizer.zero_grad()
+out = tuple(p.detach().clone() for p in model.parameters())
+'''
+
+_S28_PARAM_DEFAULT = _NET + '''
+
+def build(model, optimizer_cls=torch.optim.AdamW, lr=1e-2):
+    return optimizer_cls(model.parameters(), lr=lr, weight_decay=0.1)
+'''
+
+_S28_CLASS_ATTRIBUTE = _NET + '''
+
+class Trainer:
+    optim_class = torch.optim.SGD
+
+    def __init__(self, model):
+        self.model = model
+
+    def make(self):
+        return self.optim_class(self.model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def build(model):
+    return Trainer(model).make()
+'''
+
+FusedOptimizer.FUSE += [
+    # the default (Adam) runs the fused class; `self.optimizer_class is th.optim.Adam` is the test
+    Fuse(_S28_INJECTED_BASE, name="s28_injected_class_default_through_base", run=_S28_POLICY_RUN.format(args=""),
+         expect={"optimizer": "torch.optim.Adam", "class_chosen_at_run_time": "self.optimizer_class is th.optim.Adam",
+                 "guard": "fresh_generator_kwargs_checked_class_checked"}),
+    Fuse(_S28_PARAM_DEFAULT, name="s28_parameter_default_class", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW", "class_chosen_at_run_time": "optimizer_cls is torch.optim.AdamW"}),
+    Fuse(_S28_CLASS_ATTRIBUTE, name="s28_class_attribute_class", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.SGD", "class_chosen_at_run_time": "self.optim_class is torch.optim.SGD"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the bindings name two torch.optim classes: each has its own arguments, no single fused class
+    Keep(_S28_CLASS_ATTRIBUTE.replace("    def make(self):", "    def use_adam(self):\n        self.optim_class = torch.optim.Adam\n\n"
+                                      "    def make(self):"),
+         reason="its bindings/defaults name several torch.optim classes", name="s28_injected_two_classes"),
+    # a default that is not a torch.optim class (a repo's own optimizer): nothing to swap, no near miss
+    Keep(_S28_PARAM_DEFAULT.replace("optimizer_cls=torch.optim.AdamW", "optimizer_cls=None"), name="s28_parameter_default_none"),
+    # a parameter re-bound in the function is not the injected default any more
+    Keep(_S28_PARAM_DEFAULT.replace("    return optimizer_cls(", "    optimizer_cls = make_optimizer_class()\n    return optimizer_cls("),
+         name="s28_parameter_rebound"),
+    # an injected construction goes through the same argument rules as a named one
+    Keep(_S28_PARAM_DEFAULT.replace("weight_decay=0.1)", "weight_decay=0.1, maximize=True)"),
+         reason="changes what torch.optim computes", name="s28_parameter_default_unsupported_keyword"),
+]
