@@ -128,6 +128,8 @@ class FusedOptimizer(Pattern):
                 yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             if not calls:
                 built = _chosen_construction(module, scope, stmt)
+                if built is None:
+                    built = _s28_injected_class(module, scope, stmt)
                 if isinstance(built, NearMiss):
                     yield built
                 elif built is not None:
@@ -4129,4 +4131,282 @@ def build(model):
     group = {"params": list(model.parameters()), "weight_decay": 0.0}
     return torch.optim.SGD([group], lr=1e-2, momentum=0.9)
 ''', name="s27_one_group_dict_listed", run=_TRAIN_RUN, expect={"optimizer": "torch.optim.SGD"}),
+]
+
+
+# --- s28 injected optimizer classes (issue 14 class 5 recall) -----------------------------------
+# stable-baselines3 builds `self.optimizer = self.optimizer_class(self.parameters(), lr=..., **self.optimizer_kwargs)`
+# where a base class's __init__ stores `self.optimizer_class = optimizer_class` from a parameter
+# defaulting to `th.optim.Adam` (A2C passes RMSprop); other code writes `def build(model,
+# optimizer_cls=torch.optim.AdamW): return optimizer_cls(...)` or a class attribute
+# `optimizer_class = torch.optim.Adam` that subclasses override. The class is known at run time
+# only, so the construction is a candidate whose guard tests it (`self.optimizer_class is
+# th.optim.Adam`): the fused class runs only where torch.optim's default was chosen; any other
+# class keeps the original call. Evidence that it is an optimizer class is its value (a default or
+# a binding to a torch.optim class, followed through the class's bases in other files), never its name.
+
+_S28_BASE_DEPTH = 4
+
+
+def _s28_import_aliases(tree: ast.Module) -> dict[str, str]:
+    """local name -> dotted import target, for a file other than the scanned one."""
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    out[a.asname] = a.name
+                else:
+                    out[a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+def _s28_kind(expr: Optional[ast.AST], aliases: dict[str, str]) -> Optional[str]:
+    """The torch.optim class ``expr`` names (with that file's imports), "" for another class-like
+    name, None for anything else (a call, a constant)."""
+    name = dotted(expr) if isinstance(expr, (ast.Name, ast.Attribute)) else None
+    if not name:
+        return None
+    head, _, rest = name.partition(".")
+    full = (f"{aliases[head]}.{rest}" if rest else aliases[head]) if head in aliases else name
+    kind = _CANONICAL.get(full)
+    if kind is not None:
+        return kind
+    return "" if full.startswith("torch.optim.") or full[:1].isupper() or "." in full else None
+
+
+def _s28_default(fn: ast.AST, param: str) -> Optional[ast.expr]:
+    """The default value of parameter ``param`` of function ``fn`` (None: no default, or no such parameter)."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    a = fn.args
+    positional = [*a.posonlyargs, *a.args]
+    for arg, default in zip(positional[len(positional) - len(a.defaults):], a.defaults):
+        if arg.arg == param:
+            return default
+    for arg, kw_default in zip(a.kwonlyargs, a.kw_defaults):
+        if arg.arg == param:
+            return kw_default
+    return None
+
+
+def _s28_class_values(module: ModuleInfo, cls: ast.ClassDef, attr: str) -> tuple[list[str], bool]:
+    """(the torch.optim kinds ``self.<attr>`` can hold by the bindings of ``cls`` and its bases,
+    whether some binding is something else or unknown). A binding ``self.attr = p`` from a method
+    parameter counts that parameter's default, and the defaults of the parameters that subclasses
+    in the chain hand to ``super().__init__(attr=q)`` / positionally to that parameter."""
+    from npufuse.scan import repo_facts
+
+    kinds: list[str] = []
+    other = False
+    chain: list[tuple[ast.ClassDef, dict[str, str], Optional[ast.Module], str]] = [(cls, dict(module.aliases), module.tree, module.path)]
+    seen: set[int] = set()
+    handed: list[tuple[ast.expr, dict[str, str]]] = []  # defaults handed down to a base's __init__ parameter
+    i = 0
+    while i < len(chain) and i < _S28_BASE_DEPTH:
+        node, aliases, tree, rel = chain[i]
+        i += 1
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for st in node.body:
+            if isinstance(st, (ast.Assign, ast.AnnAssign)) and st.value is not None:
+                targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+                if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
+                    k = _s28_kind(st.value, aliases)
+                    kinds.append(k) if k else None
+                    other = other or not k
+            if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for n in ast.walk(st):
+                if isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                                                     and t.value.id == "self" for t in n.targets):
+                    value = n.value
+                    if isinstance(value, ast.Name) and value.id in [x.arg for x in (*st.args.posonlyargs, *st.args.args, *st.args.kwonlyargs)]:
+                        d = _s28_default(st, value.id)
+                        values = [(d, aliases)] if d is not None else []
+                        values += [h for h in handed]  # what subclasses pass for it
+                        if not values:
+                            other = True
+                        for v, al in values:
+                            k = _s28_kind(v, al)
+                            kinds.append(k) if k else None
+                            other = other or not k
+                    else:
+                        k = _s28_kind(value, aliases)
+                        kinds.append(k) if k else None
+                        other = other or not k
+                # `super().__init__(..., attr=p)` with p a parameter of this method: its default goes down
+                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__"
+                        and isinstance(n.func.value, ast.Call) and isinstance(n.func.value.func, ast.Name)
+                        and n.func.value.func.id == "super"):
+                    for k in n.keywords:
+                        if k.arg == attr and isinstance(k.value, ast.Name):
+                            d = _s28_default(st, k.value.id)
+                            if d is not None:
+                                handed.append((d, aliases))
+        for base in node.bases:
+            name = dotted(base)
+            if not name or tree is None:
+                continue
+            local = next((b for b in tree.body if isinstance(b, ast.ClassDef) and b.name == name), None)
+            if local is not None:
+                chain.append((local, aliases, tree, rel))
+                continue
+            found = repo_facts.definition(module, name) if rel == module.path else None
+            if found is not None and isinstance(found.node, ast.ClassDef):
+                chain.append((found.node, _s28_import_aliases(found.tree), found.tree, found.rel))
+    return kinds, other
+
+
+def _s28_torch_test(module: ModuleInfo, kind: str) -> Optional[str]:
+    """An expression naming torch.optim.<kind> with this file's own imports (None: none reaches it)."""
+    for local, full in sorted(module.aliases.items()):
+        if full == "torch":
+            return f"{local}.optim.{kind}"
+    for local, full in sorted(module.aliases.items()):
+        if full == "torch.optim":
+            return f"{local}.{kind}"
+        if _CANONICAL.get(full) == kind:
+            return local
+    return None
+
+
+def _s28_injected_class(module: ModuleInfo, scope: Scope, stmt: ast.stmt
+                        ) -> Optional[Union[NearMiss, tuple[ast.Call, str, str]]]:
+    """(call, torch.optim class, run-time test) of a construction through ``self.<attr>(...)`` or a
+    parameter of the function, whose value by its bindings/defaults is one fusable torch.optim class
+    (the test picks the fused class only for it); a NearMiss when it can be several; None otherwise."""
+    for call in fast_walk(stmt):
+        if not isinstance(call, ast.Call):
+            continue
+        func = call.func
+        kinds: list[str] = []
+        other = False
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self" and scope.class_name:
+            cls = module.classes.get(scope.class_name) or next(
+                (c for c in module.tree.body if isinstance(c, ast.ClassDef) and c.name == scope.class_name), None)
+            if cls is None:
+                continue
+            kinds, other = _s28_class_values(module, cls, func.attr)
+        elif isinstance(func, ast.Name) and func.id in scope.args and not scope.assignments.get(func.id):
+            d = _s28_default(scope.node, func.id)
+            k = _s28_kind(d, module.aliases)
+            if k:
+                kinds = [k]
+        if not kinds:
+            continue
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        text = segment(module, func)
+        fusable = sorted(set(kinds))
+        if len(fusable) > 1:
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"the optimizer class `{text}` is injected (its bindings/defaults name several torch.optim classes: "
+                            f"{', '.join(fusable)}), each with its own arguments: torch_npu.optim's counterpart could take "
+                            "the place of the one that runs by hand once the constraints hold")
+        kind = fusable[0]
+        test = _s28_torch_test(module, kind)
+        if test is None:
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"the optimizer class `{text}` is injected (torch.optim.{kind} by default) and this file imports "
+                            "no name the guard could test it against (`import torch`)")
+        return call, kind, f"{text} is {test}"
+    return None
+
+
+# The scope of an injected construction holds no torch.optim class name (`self.optimizer_class(...)`
+# in `_build`): the gate also opens on "optim", which such attributes and parameters are spelled
+# with in the code we measured (optimizer_class, optimizer_cls, optim_cls). A class injected under
+# a name without it (`self.opt_cls`) is not found: a known gap, said in bench/DETECTION.md.
+_S28_INJECTED_WORD = "optim"
+FusedOptimizer.SCOPE_WORDS = (*FusedOptimizer.SCOPE_WORDS, _S28_INJECTED_WORD)
+
+# s28 examples: an injected class, found by its value (bindings and defaults), guarded at run time
+_S28_INJECTED_BASE = '''\
+import torch as th
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class BaseModel(nn.Module):
+    def __init__(self, optimizer_class=th.optim.Adam, optimizer_kwargs=None):
+        super().__init__()
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = optimizer_kwargs if optimizer_kwargs is not None else {}
+
+
+class Policy(BaseModel):
+    def __init__(self, optimizer_class=th.optim.Adam, optimizer_kwargs=None):
+        super().__init__(optimizer_class=optimizer_class, optimizer_kwargs=optimizer_kwargs)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self._build(3e-3)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+    def _build(self, lr):
+        self.optimizer = self.optimizer_class(self.parameters(), lr=lr, **self.optimizer_kwargs)
+'''
+
+_S28_POLICY_RUN = '''\
+model = Policy({args})
+x, y = th.randn(6, 8), th.randn(6, 4)
+for _ in range(3):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    model.optimizer.step()
+    model.optimizer.zero_grad()
+out = tuple(p.detach().clone() for p in model.parameters())
+'''
+
+_S28_PARAM_DEFAULT = _NET + '''
+
+def build(model, optimizer_cls=torch.optim.AdamW, lr=1e-2):
+    return optimizer_cls(model.parameters(), lr=lr, weight_decay=0.1)
+'''
+
+_S28_CLASS_ATTRIBUTE = _NET + '''
+
+class Trainer:
+    optim_class = torch.optim.SGD
+
+    def __init__(self, model):
+        self.model = model
+
+    def make(self):
+        return self.optim_class(self.model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def build(model):
+    return Trainer(model).make()
+'''
+
+FusedOptimizer.FUSE += [
+    # the default (Adam) runs the fused class; `self.optimizer_class is th.optim.Adam` is the test
+    Fuse(_S28_INJECTED_BASE, name="s28_injected_class_default_through_base", run=_S28_POLICY_RUN.format(args=""),
+         expect={"optimizer": "torch.optim.Adam", "class_chosen_at_run_time": "self.optimizer_class is th.optim.Adam",
+                 "guard": "fresh_generator_kwargs_checked_class_checked"}),
+    Fuse(_S28_PARAM_DEFAULT, name="s28_parameter_default_class", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW", "class_chosen_at_run_time": "optimizer_cls is torch.optim.AdamW"}),
+    Fuse(_S28_CLASS_ATTRIBUTE, name="s28_class_attribute_class", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.SGD", "class_chosen_at_run_time": "self.optim_class is torch.optim.SGD"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the bindings name two torch.optim classes: each has its own arguments, no single fused class
+    Keep(_S28_CLASS_ATTRIBUTE.replace("    def make(self):", "    def use_adam(self):\n        self.optim_class = torch.optim.Adam\n\n"
+                                      "    def make(self):"),
+         reason="its bindings/defaults name several torch.optim classes", name="s28_injected_two_classes"),
+    # a default that is not a torch.optim class (a repo's own optimizer): nothing to swap, no near miss
+    Keep(_S28_PARAM_DEFAULT.replace("optimizer_cls=torch.optim.AdamW", "optimizer_cls=None"), name="s28_parameter_default_none"),
+    # a parameter re-bound in the function is not the injected default any more
+    Keep(_S28_PARAM_DEFAULT.replace("    return optimizer_cls(", "    optimizer_cls = make_optimizer_class()\n    return optimizer_cls("),
+         name="s28_parameter_rebound"),
+    # an injected construction goes through the same argument rules as a named one
+    Keep(_S28_PARAM_DEFAULT.replace("weight_decay=0.1)", "weight_decay=0.1, maximize=True)"),
+         reason="changes what torch.optim computes", name="s28_parameter_default_unsupported_keyword"),
 ]

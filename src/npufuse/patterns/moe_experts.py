@@ -8939,7 +8939,9 @@ leaves = [x, layer.experts[2].up.weight, layer.gate.proj.weight]
 '''
 
 # top-2 by a -inf scatter and a softmax, the experts stacked on dim -2, the weighted sum as a method
-_S26_DENSE_NEG_INF = _HEAD + '''
+# one toy module for the dense forms: an FFN expert and a top-k router; each example replaces the
+# forward's routing/mixing body (and the activation / class names where the example says so)
+_S26_DENSE_TEMPLATE = _HEAD + '''
 class FFN(nn.Module):
     def __init__(self, d, h):
         super().__init__()
@@ -8959,13 +8961,16 @@ class DenseTopK(nn.Module):
 
     def forward(self, x):
         logits = self.router(x)
+<MIX>'''
+
+_S26_DENSE_NEG_INF = _S26_DENSE_TEMPLATE.replace("<MIX>", '''\
         top, idx = logits.topk(self.k, dim=-1)
         sparse = torch.full_like(logits, float("-inf")).scatter(-1, idx, top)
         gates = sparse.softmax(dim=-1)
         outs = [self.experts[i](x) for i in range(len(self.experts))]
         stacked = torch.stack(outs, dim=-2)
         return (stacked * gates.unsqueeze(-1)).sum(dim=-2)
-'''
+''')
 
 MoeExperts.FUSE += [
     Fuse(_S26_DENSE_GATE, name="s26_dense_experts_top1_gate_module_nan_guard", run=_S26_DENSE_GATE_RUN,
@@ -9240,33 +9245,15 @@ def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
     return None
 
 
-_S26_DENSE_LOOP = _HEAD + '''
-class FFN(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.up = nn.Linear(d, h, bias=False)
-        self.down = nn.Linear(h, d, bias=False)
-
-    def forward(self, x):
-        return self.down(F.relu(self.up(x)))
-
-
-class MaskedDense(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
-        self.gate = nn.Linear(d, n, bias=False)
-        self.k = k
-
-    def forward(self, x):
-        logits = self.gate(x)
+_S26_DENSE_LOOP = _S26_DENSE_TEMPLATE.replace("F.silu", "F.relu").replace("DenseTopK", "MaskedDense").replace(
+    "self.router", "self.gate").replace("<MIX>", '''\
         kth = logits.topk(self.k, dim=-1).values[..., -1:]
         weights = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
         out = torch.zeros_like(x)
         for i, expert in enumerate(self.experts):
             out += weights[..., i:i + 1] * expert(x)
         return out
-'''
+''')
 
 MoeExperts.FUSE += [
     Fuse(_S26_DENSE_LOOP, name="s26_dense_loop_masked_fill_topk", run='''\

@@ -119,6 +119,7 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
         # gets the model as an argument and calls `model.configure_optimizers(...)`, importing nothing)
         unique = bool(b.cls) and defined.get(b.function) == {b.rel}
         for rel in sorted(texts):
+            unique = unique or _s28_nearest_definer(rel, b, defined.get(b.function, set()))
             if rel == b.rel or b.function not in texts[rel] or (b.module not in texts[rel] and not unique):
                 continue
             if rel not in trees:
@@ -316,6 +317,9 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
                 return True, text, None, False
             risk = risk or (f"{text}; that wrapping is chosen at run time (the condition at {rel}:{cond}): run the fused "
                             "branch only where it is not taken (switch the fused optimizer off for those runs)")
+    held = _s28_holder_zero_grad(tree, rel, b, models, via)
+    if held is not None:
+        return held
     if risk is not None:
         return False, risk, None, False
     return None
@@ -1361,3 +1365,117 @@ def _s27_shards_holder(tree: ast.Module, node: ast.Call, recv: Optional[str], mo
     if not recv or not any(m == recv or m.startswith(recv + ".") for m in models):
         return False
     return any(isinstance(s, ast.Expr) and s.value is node for s in ast.walk(tree))
+
+
+# --- s28: grads freed through an object that holds the model (issue 14 class 5 precision) -------
+# minGPT-style trainers call `raw_model.configure_optimizers(config)` with
+# `raw_model = model.module if hasattr(model, "module") else model` and then `model.zero_grad()`;
+# diamond builds `configure_opt(getattr(self.agent, name))` and calls `self.agent.zero_grad()`.
+# nn.Module.zero_grad() recurses into every submodule, so the zero_grad of an object that IS the
+# model or HOLDS it (an attribute chain above it, the object given to `getattr`, a name the model
+# was bound from) frees the model's grads: the same near miss as a zero_grad on the model itself,
+# without a fix (the fused branch cannot reach that object from the builder's file).
+
+def _s28_value_names(expr: ast.AST) -> set[str]:
+    """Dotted names ``expr`` evaluates to or reads an attribute of (its holders), through
+    conditional expressions, ``a or b`` and ``getattr(X, ...)``; ``self``/``cls`` alone are not
+    objects of interest (their zero_grad is their own method)."""
+    out: set[str] = set()
+    if isinstance(expr, ast.IfExp):
+        return _s28_value_names(expr.body) | _s28_value_names(expr.orelse)
+    if isinstance(expr, ast.BoolOp):
+        for v in expr.values:
+            out |= _s28_value_names(v)
+        return out
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr" and expr.args:
+        expr = expr.args[0]
+    name = dotted(expr)
+    if not name:
+        return out
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if prefix not in ("self", "cls"):
+            out.add(prefix)
+    return out
+
+
+def _s28_unit_of(tree: ast.Module, line: int) -> Optional[ast.AST]:
+    """The module-level function or method of a module-level class holding ``line``."""
+    for node in tree.body:
+        members = node.body if isinstance(node, ast.ClassDef) else [node]
+        for m in members:
+            if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.lineno <= line <= (m.end_lineno or m.lineno):
+                return m
+    return None
+
+
+def _s28_holder_zero_grad(tree: ast.Module, rel: str, b: "_Builder", models: set[str], via: str
+                          ) -> Optional[tuple[bool, str, Optional[str], bool]]:
+    units: dict[int, ast.AST] = {}
+    holders: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _refers(node.func, b.function):
+            exprs = [*node.args, *(k.value for k in node.keywords if k.arg)]
+            if isinstance(node.func, ast.Attribute):
+                exprs.append(node.func.value)
+            for e in exprs:
+                holders |= _s28_value_names(e)
+            unit = _s28_unit_of(tree, node.lineno)
+            if unit is not None:
+                units[id(unit)] = unit
+    if not holders:
+        return None
+    # names the model (or what holds it) was bound from, in the builder call's own function
+    for _ in range(3):
+        grown = set(holders)
+        for unit in units.values():
+            for n in ast.walk(unit):
+                if not isinstance(n, ast.Assign):
+                    continue
+                for t in n.targets:
+                    pairs = (list(zip(t.elts, n.value.elts)) if isinstance(t, (ast.Tuple, ast.List)) and isinstance(n.value, (ast.Tuple, ast.List))
+                             and len(t.elts) == len(n.value.elts) else [(t, n.value)])
+                    for target, value in pairs:
+                        if dotted(target) in holders:
+                            grown |= _s28_value_names(value)
+        if grown == holders:
+            break
+        holders = grown
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "zero_grad"):
+            continue
+        recv = dotted(node.func.value)
+        if not recv or recv in models or recv not in holders:
+            continue
+        if "." not in recv and not any(u.lineno <= node.lineno <= (u.end_lineno or u.lineno) for u in units.values()):
+            continue  # a local name of another function: another object
+        flag = next((k.value for k in node.keywords if k.arg == "set_to_none"), node.args[0] if node.args else None)
+        if flag is not None and isinstance(flag, ast.Constant) and flag.value is False:
+            continue
+        return True, (f"`{recv}.zero_grad({'' if flag is None else 'set_to_none=...'})` at {rel}:{node.lineno} on an object "
+                      f"that is or holds the model whose parameters the optimizer takes ({via}): nn.Module.zero_grad() "
+                      "recurses into every submodule and sets their grads to None"
+                      f"{' (torch >= 2.0 default)' if flag is None else ''}, so the next backward allocates new ones "
+                      "outside the fused optimizer's flat buffer and its update silently uses stale grads; pass "
+                      "set_to_none=False there"), None, flag is not None
+    return None
+
+
+def _s28_nearest_definer(rel: str, b: "_Builder", definers: set[str]) -> bool:
+    """A method defined in several files of the repo (RWKV-LM's RWKV-v1/src/model.py and
+    RWKV-v4/src/model.py both define ``GPT.configure_optimizers``): the driving file ``rel``
+    reaches the builder's definition when that file shares strictly more folders with it than
+    with every other definition (a trainer beside its model.py, handed the model as an argument)."""
+    if not b.cls or b.rel not in definers or len(definers) < 2:
+        return False
+
+    def shared(a: str, c: str) -> int:
+        pa, pc = PurePosixPath(a).parent.parts, PurePosixPath(c).parent.parts
+        n = 0
+        while n < min(len(pa), len(pc)) and pa[n] == pc[n]:
+            n += 1
+        return n
+
+    mine = shared(rel, b.rel)
+    return mine > 0 and all(shared(rel, d) < mine for d in definers if d != b.rel)
