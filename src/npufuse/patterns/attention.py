@@ -8318,12 +8318,10 @@ def _buffer_built_elsewhere(module: ModuleInfo, attr: str) -> str | None:
     trees: list[tuple[str, ast.Module | None]] = [(module.path, module.tree)]
     if root is not None:
         repo_facts._depends(root, module.path)  # the answer reads other files of the repo
-        needle = (f"'{attr}'", f'"{attr}"')
         for rel in files:
             if rel == module.path:
                 continue
-            text = repo_facts._repo_text(root, rel)
-            if text and ("register_buffer" in text or "setattr" in text) and any(q in text for q in needle):
+            if repo_facts.holds_quoted(root, rel, attr, ("register_buffer", "setattr")):  # the text test below, once per file
                 trees.append((rel, repo_facts._parse_repo_file(root, rel)))
     found = None
     for rel, tree in trees:
