@@ -8327,11 +8327,9 @@ def _buffer_built_elsewhere(module: ModuleInfo, attr: str) -> str | None:
     for rel, tree in trees:
         if tree is None:
             continue
-        for fn in fast_walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
-            if any(_registers(c, attr, params) for c in fast_walk(fn)):
+        # each function with the calls of it that may register an attribute, indexed once per tree
+        for fn, params, calls in repo_facts.registering_calls(tree, module if tree is module.tree else None):
+            if any(_registers(c, attr, params) for c in calls):
                 grade = _class_grades(module, fn)
                 if grade:
                     found = f"`self.{attr}`, a buffer registered by `{fn.name}` ({rel}), which builds it from {grade}"

@@ -1401,3 +1401,43 @@ def holds_quoted(root: Path, rel: str, word: str, needs: tuple[str, ...]) -> boo
 
 def _s28_reset_quoted() -> None:
     _QUOTED.clear()
+    _REGISTERING.clear()
+
+
+# Per tree: each function (``fast_walk`` order) with its parameters less self/cls and, in
+# ``fast_walk`` order, the calls in it that may set an attribute of another object
+# (``m.register_buffer(a, b, ...)``, ``setattr(a, b, c)``): a search for the function that
+# registers one attribute asked it of every call of every function, once per attribute.
+_REGISTERING: dict[int, tuple[ast.Module, list[tuple[ast.AST, set[str], list[ast.Call]]]]] = {}
+
+
+def registering_calls(tree: ast.Module, owner: Any = None) -> list[tuple[ast.AST, set[str], list[ast.Call]]]:
+    """The index above for ``tree``, kept on ``owner`` (the scanned file's ModuleInfo, freed
+    with it) or, for another file's tree, until the next scan (the tree is held with its entry,
+    so its id is not reused meanwhile)."""
+    if owner is not None:
+        got = owner.__dict__.get("_npufuse_registering_calls")
+        if got is None:
+            got = owner.__dict__["_npufuse_registering_calls"] = _registering_index(tree)
+        return got
+    entry = _REGISTERING.get(id(tree))
+    if entry is None or entry[0] is not tree:
+        if len(_REGISTERING) > 512:
+            _REGISTERING.clear()
+        entry = _REGISTERING[id(tree)] = (tree, _registering_index(tree))
+    return entry[1]
+
+
+def _registering_index(tree: ast.Module) -> list[tuple[ast.AST, set[str], list[ast.Call]]]:
+    from npufuse.scan.dataflow import fast_walk
+
+    out: list[tuple[ast.AST, set[str], list[ast.Call]]] = []
+    for fn in fast_walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+        calls = [c for c in fast_walk(fn) if isinstance(c, ast.Call) and (
+            (isinstance(c.func, ast.Attribute) and c.func.attr == "register_buffer" and len(c.args) >= 2)
+            or (isinstance(c.func, ast.Name) and c.func.id == "setattr" and len(c.args) == 3))]
+        out.append((fn, params, calls))
+    return out
