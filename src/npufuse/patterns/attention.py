@@ -8357,22 +8357,18 @@ def _buffer_built_elsewhere(module: ModuleInfo, attr: str) -> str | None:
     trees: list[tuple[str, ast.Module | None]] = [(module.path, module.tree)]
     if root is not None:
         repo_facts._depends(root, module.path)  # the answer reads other files of the repo
-        needle = (f"'{attr}'", f'"{attr}"')
         for rel in files:
             if rel == module.path:
                 continue
-            text = repo_facts._repo_text(root, rel)
-            if text and ("register_buffer" in text or "setattr" in text) and any(q in text for q in needle):
+            if repo_facts.holds_quoted(root, rel, attr, ("register_buffer", "setattr")):  # the text test below, once per file
                 trees.append((rel, repo_facts._parse_repo_file(root, rel)))
     found = None
     for rel, tree in trees:
         if tree is None:
             continue
-        for fn in fast_walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
-            if any(_registers(c, attr, params) for c in fast_walk(fn)):
+        # each function with the calls of it that may register an attribute, indexed once per tree
+        for fn, params, calls in repo_facts.registering_calls(tree, module if tree is module.tree else None):
+            if any(_registers(c, attr, params) for c in calls):
                 grade = _class_grades(module, fn)
                 if grade:
                     found = f"`self.{attr}`, a buffer registered by `{fn.name}` ({rel}), which builds it from {grade}"
