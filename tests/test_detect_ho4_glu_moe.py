@@ -53,14 +53,22 @@ def test_an_activation_assigned_in_init_branches_is_dispatched_at_run_time_not_t
     assert params["dispatches_to"] == ["swiglu", "geglu"]
 
 
-def test_an_activation_function_parameter_outside_a_glu_is_not_even_a_near_miss():
+def test_a_glu_kernel_taking_its_activation_as_a_parameter_is_fused_only_behind_run_time_checks():
+    # s28: a function whose whole body is `act(a) * b` of its parameters is the GLU itself (library
+    # kernels such as a bivariate-GLU helper); its callers are out of sight, so both the activation
+    # and the shapes are checked where it runs, and the original body is the fallback
     from pattern_harness import detect_all
 
     from npufuse.patterns.registry import get_pattern as get
 
     code = "import torch\n\ndef f(act, x, y):\n    return act(x) * y\n"
     findings, misses = detect_all(get("swiglu"), code)
-    assert findings == [] and misses == []
+    assert misses == [] and len(findings) == 1
+    params = findings[0].params
+    assert params["glu_kernel"] is True and params["runtime_check"] == "activation type"
+    assert params["activation_source"] == "act (a parameter of the function)"
+    fused = findings[0].fused
+    assert fused.startswith("if x.shape == y.shape:") and "return act(x) * y" in fused
 
 
 def test_gate_and_up_indexed_out_of_one_pair_are_found_in_both_layouts_and_written_as_mul_calls():
