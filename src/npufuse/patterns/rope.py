@@ -5504,18 +5504,10 @@ def _rank4_test(test: ast.expr, pname: str) -> bool:
     return isinstance(left, ast.Name) and left.id == pname
 
 
-def _rank4_branch_rotation(module: ModuleInfo, fn: ast.FunctionDef, pname: str) -> _Rotation | None:
-    """ModelCenter's ``rotate_every_two``: ``if x.dim() == 4: x1 = x[:, :, :, ::2]; x2 = ... else: x1 = x[:, :, ::2] ...``
-    then one return. The ``x.dim() == 4`` branch is verified on its own (the helper rewritten with that branch's
-    statements in place of the ``if``); the verdict holds where x is 4-D, the other ranks keep the original code.
-    Only assignments in both branches, one leading-level ``if``; None otherwise."""
-    ifs = [st for st in fn.body if isinstance(st, ast.If)]
-    if len(ifs) != 1 or not ifs[0].orelse or not _rank4_test(ifs[0].test, pname):
-        return None
-    branch = ifs[0]
-    if not all(isinstance(st, ast.Assign) for st in branch.body + branch.orelse):
-        return None
-    body = [st2 for st in fn.body for st2 in (branch.body if st is branch else [st])]
+def _specialised_helper_rotation(module: ModuleInfo, fn: ast.FunctionDef, body: list[ast.stmt], pname: str) -> _Rotation | None:
+    """The rotation ``fn`` computes when its body is ``body`` (one branch of it kept: a rank or a parity
+    test decided): the helper is re-read as a one-function module and its single return interpreted;
+    None when it does not parse back or has not exactly one value return."""
     special = ast.FunctionDef(name=fn.name, args=fn.args, body=body, decorator_list=[], returns=None, type_params=[])
     try:
         other = ModuleInfo.from_source(module.path, ast.unparse(ast.fix_missing_locations(ast.Module(body=[special], type_ignores=[]))))
@@ -5529,7 +5521,24 @@ def _rank4_branch_rotation(module: ModuleInfo, fn: ast.FunctionDef, pname: str) 
     def is_param(n: ast.AST) -> bool:
         return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
 
-    rot = _rotation_expr(hscope, rets[0].value, is_param, other)
+    return _rotation_expr(hscope, rets[0].value, is_param, other)
+
+
+def _rank4_branch_rotation(module: ModuleInfo, fn: ast.FunctionDef, pname: str) -> _Rotation | None:
+    """ModelCenter's ``rotate_every_two``: ``if x.dim() == 4: x1 = x[:, :, :, ::2]; x2 = ... else: x1 = x[:, :, ::2] ...``
+    then one return. The ``x.dim() == 4`` branch is verified on its own (the helper rewritten with that branch's
+    statements in place of the ``if``); the verdict holds where x is 4-D, the other ranks keep the original code.
+    Only assignments in both branches, one leading-level ``if``; None otherwise."""
+    ifs = [st for st in fn.body if isinstance(st, ast.If)]
+    if len(ifs) != 1 or not ifs[0].orelse or not _rank4_test(ifs[0].test, pname):
+        return None
+    branch = ifs[0]
+    if not all(isinstance(st, ast.Assign) for st in branch.body + branch.orelse):
+        return None
+    body = [st2 for st in fn.body for st2 in (branch.body if st is branch else [st])]
+    rot = _specialised_helper_rotation(module, fn, body, pname)
+    if rot is None:
+        return None
     if rot.kind is None or rot.mode_expr or rot.only_if or rot.half_if:
         return None
     rot.rank4_only = True
@@ -7016,20 +7025,9 @@ def _even_dim_rotation(module: ModuleInfo, fn: ast.FunctionDef, pname: str) -> _
             body[-1] = ast.Return(value=a)
         elif empty(a) and not empty(b):
             body[-1] = ast.Return(value=b)
-    special = ast.FunctionDef(name=fn.name, args=fn.args, body=body, decorator_list=[], returns=None, type_params=[])
-    try:
-        other = ModuleInfo.from_source(module.path, ast.unparse(ast.fix_missing_locations(ast.Module(body=[special], type_ignores=[]))))
-    except (Exception, RecursionError):
+    rot = _specialised_helper_rotation(module, fn, body, pname)
+    if rot is None:
         return None
-    hscope = next((sc for sc in other.scopes if sc.qualname == fn.name), None)
-    rets = [n for n in fast_walk(other.tree) if isinstance(n, ast.Return) and n.value is not None]
-    if hscope is None or len(rets) != 1:
-        return None
-
-    def is_param(n: ast.AST) -> bool:
-        return isinstance(n, ast.Name) and n.id == pname and hscope.definition(pname, n.lineno) is None
-
-    rot = _rotation_expr(hscope, rets[0].value, is_param, other)
     if rot.kind is None and rot.reason:
         return _Rotation(None, f"{rot.reason} (helper `{fn.name}` read for an even last dim)")
     if rot.kind is None or rot.mode_expr or rot.only_if or rot.half_if:
