@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
-from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line
+from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line, stored_name
 from npufuse.scan.value import estimate, symbolic
 
 MATMULS = {"torch.matmul", "torch.bmm"}
@@ -135,9 +135,6 @@ def _assigned_names(stmts: Iterable[ast.stmt]) -> set[str]:
     for s in stmts:
         _visit_assigned(s, out)
     return out
-
-
-from npufuse.scan.dataflow import stored_name  # noqa: E402  (here, beside its one use: s28 shared binding test)
 
 
 def _visit_assigned(node: ast.AST, out: set[str]) -> None:
