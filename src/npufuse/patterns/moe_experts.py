@@ -1819,6 +1819,10 @@ class _Eval:
             return self.ev(test.func.value).kind in ("tokmask", "flatmask")
         if isinstance(test, ast.Call) and _canon(self.m, test.func) == "torch.any" and len(test.args) == 1 and not test.keywords:
             return self.ev(test.args[0]).kind in ("tokmask", "flatmask")
+        if isinstance(test, ast.Call) and not test.args and not test.keywords and isinstance(test.func, ast.Attribute) \
+                and test.func.attr in ("sum", "count_nonzero"):
+            # `if mask.sum():`: a bool mask's count is truthy iff some token picked this expert
+            return self.ev(test.func.value).kind in ("tokmask", "flatmask")
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
                 and const_value(test.comparators[0]) == 0 and isinstance(test.left, ast.Call) and not test.left.args \
                 and isinstance(test.left.func, ast.Attribute) and test.left.func.attr in ("sum", "count_nonzero"):
@@ -5586,6 +5590,27 @@ MoeExperts.KEEP += [
          reason="not recognised as the routing weight", name="weights_not_shaped_like_indices"),
 ]
 
+
+# `if mask.sum():` / `if mask.count_nonzero():`: the count of the bool mask is truthy iff some token
+# chose the expert, the same skip of idle experts as `if mask.any():` (the fused path handles them)
+_S30_BARE_COUNT_GUARD = _GUARD_ZERO_ELSE.replace(
+    "            elif self.training:\n                y[0, 0] += 0 * sum(p.sum() for p in expert.parameters())\n", "")
+
+MoeExperts.FUSE += [
+    Fuse(_S30_BARE_COUNT_GUARD.replace("if mask.any():", "if mask.sum():"), name="s30_bare_count_skip_guard",
+         run=_GUARD_ZERO_ELSE_RUN, expect={"indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+    Fuse(_S30_BARE_COUNT_GUARD.replace("if mask.any():", "if mask.count_nonzero():"), name="s30_bare_count_nonzero_skip_guard",
+         run=_GUARD_ZERO_ELSE_RUN, expect={"indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+]
+
+MoeExperts.KEEP += [
+    # a threshold above zero skips experts that did receive tokens: their rows would stay zero
+    Keep(_S30_BARE_COUNT_GUARD.replace("if mask.any():", "if mask.sum() > 1:"),
+         reason="conditional code inside the expert loop", name="s30_count_guard_above_one"),
+    # the sum of the routing weights (not a bool count) is no emptiness test
+    Keep(_S30_BARE_COUNT_GUARD.replace("if mask.any():", "if topk_weight.sum():"),
+         reason="conditional code inside the expert loop", name="s30_weight_sum_guard"),
+]
 
 # -- split loops: the split bound back to the tokens' name, the activation passed into __init__ ------
 
