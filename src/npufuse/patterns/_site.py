@@ -581,6 +581,9 @@ def _is_cheap(stmt: ast.stmt) -> bool:
     return False
 
 
+OTHER_BLOCK = "part of the computation is in another block (control flow)"
+
+
 def plan_span(scope: Scope, root: ast.stmt, trace: Trace, reads: set[str] | None = None) -> SpanPlan | str:
     """Whole statements in ``root``'s block covering every traced statement, or why not.
 
@@ -602,7 +605,7 @@ def plan_span(scope: Scope, root: ast.stmt, trace: Trace, reads: set[str] | None
         while cur is not None and idx.block.get(id(cur), (None, 0))[0] is not block:
             cur = idx.parent.get(id(cur))
         if cur is None:
-            return "part of the computation is in another block (control flow)"
+            return OTHER_BLOCK
         i = idx.block[id(cur)][1]
         if i > end:
             return "part of the computation comes after its result"

@@ -709,3 +709,12 @@ Geglu.FUSE += [
          expect={"activation": "gelu_tanh", "approximate": 1, "activate_left": True, "gate": "gate", "up": "up"},
          run=G._RUN_S28_WEIGHT_MM, name="s28_weight_objects_mm_gelu_tanh"),
 ]
+
+
+# --- s30: halves split in an enclosing block, the gelu product in a nested option branch ---------
+
+Geglu.FUSE += [
+    # swiglu's example: its `if activation == "gelu":` branch is the geglu site
+    Fuse(G._S30_OUTER_SPLIT, expect={"approximate": 0, "qualname": "experts_forward"}, run=G._RUN_S30_OUTER_SPLIT,
+         name="s30_split_in_an_enclosing_block"),
+]

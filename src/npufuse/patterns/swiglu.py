@@ -1541,9 +1541,10 @@ def _optional_gate(scope: Scope, stmt: ast.stmt, g: Gate) -> str | None:
     FeedForward / LoRA experts with an optional up projection): the true reason it is not
     rewritten, or None when the product is not such an optional gate."""
     names = [n for n in (g.node.left, g.node.right) if isinstance(n, ast.Name)] if isinstance(g.node, ast.BinOp) else []
-    if not names:
-        return None
-    d = S.definition(S.Ctx(scope, stmt.lineno), names[0].id)
+    # the name the activation was assigned to (its definition holds the activated operand): the
+    # other factor's name (`up` of `gate, up = h.split(...)`, `gelu(gate) * up`) is no activation
+    defs = [S.definition(S.Ctx(scope, stmt.lineno), n.id) for n in names]
+    d = next((x for x in defs if x is not None and x[1] is not None and any(n is g.a.node for n in fast_walk(x[1]))), None)
     if d is None:
         return None
     parent = next((n for n in fast_walk(scope.node) if isinstance(n, ast.If) and any(x is stmt for x in n.body)), None)
@@ -1614,6 +1615,39 @@ def _optional_plan(module: ModuleInfo, scope: Scope, stmt: ast.stmt, g: Gate, tr
     return render_plan, _OptionalBranch(parent, stmt, list(plan.dropped), list(plan.kept))
 
 
+def _outer_split(scope: Scope, stmt: ast.stmt, g: Gate, trace: S.Trace) -> S.Trace | None:
+    """``gate, up = h.split(...)`` in an enclosing block, the product in a nested branch
+    (``if act == GELU: out = gelu(gate) * up else: out = silu(gate) * up``): the trace without
+    that split, which stays where it is written (a view, no kernel; its names keep their values).
+    The fused op reads the split tensor itself, so its name must hold at the product the value
+    the split read (no assignment in between), and every statement left out must be such a
+    split of an enclosing block. None when the trace has anything else outside the product's block."""
+    if g.halves is None or not isinstance(g.halves.tensor, ast.Name):
+        return None
+    idx = S.stmt_index(scope)
+    enclosing = {id(idx.block[id(a)][0]) for a in [stmt, *S.ancestors(idx, stmt)] if id(a) in idx.block}
+    own = idx.block.get(id(stmt), (None, 0))[0]
+    inner = S.Trace(conditional=list(trace.conditional))
+    left_out = 0
+    for key, t in trace.stmts.items():
+        loc = idx.block.get(id(t))
+        if loc is None:
+            return None
+        if loc[0] is own or any(a is stmt for a in S.ancestors(idx, t)):
+            inner.stmts[key] = t
+            continue
+        if id(loc[0]) not in enclosing or not S._is_cheap(t) or not isinstance(t, ast.Assign):
+            return None
+        name = g.halves.tensor.id
+        if name not in S.names_read(t.value) or name in S.names_written(t):
+            return None
+        at_split, at_product = S.definition(S.Ctx(scope, t.lineno), name), S.definition(S.Ctx(scope, stmt.lineno), name)
+        if at_split is None or at_product is None or at_split[0] is not at_product[0]:
+            return None
+        left_out += 1
+    return inner if left_out else None
+
+
 def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[Gate]) -> list[GateResult]:
     pat = owner(gates[0].act) or "swiglu"
 
@@ -1637,6 +1671,10 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
     for g in gates:
         trace.stmts.update(g.trace.stmts)
     plan = S.plan_span(scope, stmt, trace)
+    if plan == S.OTHER_BLOCK:
+        outer = _outer_split(scope, stmt, g0, trace)
+        if outer is not None:
+            plan = S.plan_span(scope, stmt, outer)
     branch: _OptionalBranch | None = None
     if isinstance(plan, str):
         optional = _optional_gate(scope, stmt, g0)
@@ -5409,7 +5447,8 @@ def _independent(e: ast.expr, ctx: S.Ctx, avoid: set[str], depth: int = 0) -> bo
     if depth > 3:
         return False
     for n in fast_walk(e):
-        if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Attribute) and n.func.attr in ("to", "float", "half", "bfloat16", "type_as")):
+        if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Attribute) and n.func.attr in ("to", "float", "half", "bfloat16", "type_as")) \
+                and not _own_value_call(n):
             return False
         if isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
             return False
@@ -5423,6 +5462,15 @@ def _independent(e: ast.expr, ctx: S.Ctx, avoid: set[str], depth: int = 0) -> bo
         if d is not None and (d[1] is None or not _independent(d[1], ctx.at(d[0].lineno), avoid, depth + 1)):
             return False
     return True
+
+
+def _own_value_call(call: ast.Call) -> bool:
+    """``self.gate_scale()``: a call without arguments of a module attribute (nGPT's ``Scale``
+    submodule returning its parameter times a constant). It can read none of the product's
+    operands (it is passed nothing), and it stays where it is written (the transforms are outside
+    the replaced span), so it runs exactly as often as before."""
+    return not call.args and not call.keywords and isinstance(call.func, ast.Attribute) \
+        and (dotted(call.func) or "").startswith("self.")
 
 
 def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str], scales: list[tuple[ast.expr, S.Ctx]] | None = None) -> ast.expr | None:
@@ -5606,6 +5654,108 @@ Swiglu.KEEP += [
          reason="computed inside the activation or product", name="s27_scaled_projections_grouped_in_the_product"),
 ]
 
+
+_S30_SCALE_CALL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Scale(nn.Module):
+    """A learned per-channel scale, read by calling the module with no input."""
+
+    def __init__(self, h, init=1.0, scale=1.0):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(h) + 0.5)
+        self.forward_scale = init / scale
+
+    def forward(self):
+        return self.scale * self.forward_scale
+
+
+class ScaleCallGLU(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.dim = d
+        self.to_hidden = nn.Linear(d, h, bias=False)
+        self.to_gate = nn.Linear(d, h, bias=False)
+        self.hidden_scale = Scale(h)
+        self.gate_scale = Scale(h)
+
+    def forward(self, x):
+        hidden, gate = self.to_hidden(x), self.to_gate(x)
+        hidden = hidden * self.hidden_scale()
+        gate = gate * self.gate_scale() * (self.dim ** 0.5)
+        hidden = F.silu(gate) * hidden
+        return hidden
+'''
+
+_RUN_S30_SCALE_CALL = '''
+m = ScaleCallGLU(8, 6)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.to_gate.weight, m.gate_scale.scale]
+'''
+
+Swiglu.FUSE += [
+    # a scale read by calling a submodule with no arguments (`self.gate_scale()`, nGPT's Scale): it is
+    # passed nothing, so it reads none of the operands; it stays as written (outside the fused span)
+    Fuse(_S30_SCALE_CALL, expect={"activation": "silu", "gate": "gate", "up": "hidden", "qualname": "ScaleCallGLU.forward"},
+         run=_RUN_S30_SCALE_CALL, name="s30_scale_from_a_module_call_without_arguments"),
+]
+
+Swiglu.KEEP += [
+    # the "scale" call is passed the projection itself: it may compute anything from it
+    Keep(_S30_SCALE_CALL.replace("def forward(self):\n        return self.scale", "def forward(self, t):\n        return t * self.scale")
+         .replace("hidden * self.hidden_scale()", "self.hidden_scale(hidden)"),
+         reason="not projections of one input", name="s30_scale_call_passed_the_projection"),
+]
+
+# the halves split once in the loop body, the product in a nested branch on an option
+# (`if activation == GELU: gelu(gate) * up else: silu(gate) * up`): the split stays where it is
+_S30_OUTER_SPLIT = '''
+import torch
+import torch.nn.functional as F
+
+
+def experts_forward(x, w1, w2, activation, gated):
+    out = []
+    for e in range(w1.shape[0]):
+        h = x @ w1[e].t()
+        if gated:
+            gate, up = h.split([w1.shape[1] // 2, w1.shape[1] // 2], dim=-1)
+            if activation == "gelu":
+                act_out = F.gelu(gate) * up
+            else:
+                act_out = F.silu(gate) * up
+        else:
+            act_out = F.silu(h)
+        out.append(act_out @ w2[e].t())
+    return torch.stack(out)
+'''
+
+_RUN_S30_OUTER_SPLIT = '''
+x = torch.randn(5, 8, requires_grad=True)
+w1 = torch.randn(3, 12, 8, requires_grad=True)
+w2 = torch.randn(3, 8, 6, requires_grad=True)
+out = (experts_forward(x, w1, w2, "gelu", True), experts_forward(x, w1, w2, "silu", True))
+leaves = [x, w1, w2]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S30_OUTER_SPLIT, expect={"activation": "silu", "gate": "gate", "up": "up", "qualname": "experts_forward"},
+         run=_RUN_S30_OUTER_SPLIT, name="s30_split_in_an_enclosing_block"),
+]
+
+Swiglu.KEEP += [
+    # the split tensor changes between the split and the product: the fused op would read the new value
+    Keep(_S30_OUTER_SPLIT.replace("            if activation == \"gelu\":", "            h = h * 2\n            if activation == \"gelu\":"),
+         reason="in another block", name="s30_split_tensor_reassigned_before_the_nested_product"),
+    # the enclosing statement is no split (a kernel): it cannot stay behind while the product is fused
+    Keep(_S30_OUTER_SPLIT.replace("gate, up = h.split([w1.shape[1] // 2, w1.shape[1] // 2], dim=-1)",
+                                  "gate, up = torch.tanh(h).split([w1.shape[1] // 2, w1.shape[1] // 2], dim=-1)"),
+         name="s30_outer_split_of_an_expression"),
+]
 
 def _non_torch_reason(module: ModuleInfo) -> str | None:
     """A file that imports nothing from torch (JAX, TensorFlow, MLX ports of the same model sit
