@@ -1883,7 +1883,14 @@ def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
         if not g.halves.equal:
             risks.append(Risk("layout", f"{g.halves.how} with a symbolic size: the fused op needs two equal halves "
                                         "(the split size must be half of the dim)"))
-        risks.append(Risk("non_contiguous", "the split tensor is passed whole; .contiguous() is a no-op for a projection output"))
+        if pat == "swiglu" and g.halves.gate_index == 0:
+            # fused_expr passes `t.contiguous()`: npu_swiglu is not contiguous-tolerant (spec 3.1)
+            risks.append(Risk("non_contiguous", "the split tensor is passed whole through .contiguous() (npu_swiglu is not "
+                                                "contiguous-tolerant): no copy when it is already contiguous (a projection "
+                                                "output is), a copy of the whole tensor when it is a strided view"))
+        elif pat != "swiglu":
+            risks.append(Risk("non_contiguous", "the split tensor is passed whole as it is (no .contiguous()): a strided "
+                                                "view reaches npu_geglu strided"))
     if g.act.moved:
         risks.append(Risk("other", "the activation's result is moved with .to(device=...) before the product; the fused op "
                                    "concatenates gate and up, so both must already be on one device (torch.cat raises "
