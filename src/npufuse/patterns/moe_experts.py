@@ -1984,6 +1984,9 @@ class _Eval:
             return base
         if base.kind == "flatmask" and [self._part_kind(p) for p in parts] == ["tok"]:
             return V("slotmask")  # (indices == e)[rows]: each selected token's top-k slots of e
+        if base.kind == "flatmask" and [self._part_kind(p) for p in parts] == ["tokmask"] and base.args \
+                and base.args[0] == self.tok_indices:
+            return V("slotmask")  # (indices == e)[(indices == e).any(-1)]: the same rows, picked by the token mask
         if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
             return V("tok")
         if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
@@ -2134,6 +2137,11 @@ class _Eval:
             if attr == "argmax" and recv.kind == "slotmask" and const_value(keyword(node, "dim", 0)) == -1 \
                     and const_value(keyword(node, "keepdim", 1)) is True:
                 return V("kpos_col")  # the slot of expert e in each selected token's top-k (one slot: top-k is distinct)
+            if attr == "argmax" and recv.kind == "slotmask" and const_value(keyword(node, "dim", 0)) == -1 \
+                    and keyword(node, "keepdim", 1) is None:
+                return V("kpos_row")  # the same slots as an [n] row (unsqueeze(-1) gives the column gather takes)
+            if attr == "unsqueeze" and recv.kind == "kpos_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
+                return V("kpos_col")
             if attr == "gather" and recv.kind == "x" and self._gather_slot(node, first=0):
                 self._set_probs(recv.args[0])
                 return V("rw_col")
@@ -5610,6 +5618,74 @@ MoeExperts.KEEP += [
     # the sum of the routing weights (not a bool count) is no emptiness test
     Keep(_S30_BARE_COUNT_GUARD.replace("if mask.any():", "if topk_weight.sum():"),
          reason="conditional code inside the expert loop", name="s30_weight_sum_guard"),
+]
+
+# the slot of the expert in each selected token's top-k found with argmax (no keepdim) over the
+# indices' own mask picked by the token mask, the weight gathered there: with distinct top-k indices
+# that is the one routing weight of the pair (token, expert)
+_S30_ARGMAX_SLOT = _HEAD + '''
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, d, num_experts, k):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(d, num_experts, bias=False)
+
+    def forward(self, x):
+        logits, idx = torch.topk(self.gate(x), self.k, dim=-1)
+        return F.softmax(logits, dim=-1), idx
+
+
+class MixtureOfExperts(nn.Module):
+    def __init__(self, d, h, num_experts, k):
+        super().__init__()
+        self.num_experts = num_experts
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(num_experts)])
+        self.router = TopKRouter(d, num_experts, k)
+
+    def forward(self, x):
+        router_weights, expert_indices = self.router(x)
+        output = torch.zeros_like(x)
+        for expert_idx in range(self.num_experts):
+            expert_mask = (expert_indices == expert_idx).any(dim=-1)
+            if expert_mask.any():
+                expert_output = self.experts[expert_idx](x[expert_mask])
+                mask_for_expert = (expert_indices == expert_idx)
+                positions = mask_for_expert[expert_mask].float().argmax(dim=-1)
+                expert_weights = router_weights[expert_mask].gather(-1, positions.unsqueeze(-1)).squeeze(-1)
+                output[expert_mask] += expert_weights.unsqueeze(-1) * expert_output
+        return output
+'''
+
+_S30_ARGMAX_SLOT_RUN = '''\
+moe = MixtureOfExperts(16, 24, 6, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.router.gate.weight, moe.experts[0].up.weight, moe.experts[5].down.bias]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S30_ARGMAX_SLOT, name="s30_argmax_slot_under_the_token_mask", run=_S30_ARGMAX_SLOT_RUN, expect={
+        "layout": "expert_modules", "indices": "expert_indices", "probs": "router_weights", "output": "output"}),
+]
+
+MoeExperts.KEEP += [
+    # the slots are found in another index tensor's mask: not the slot of this token's weight
+    Keep(_S30_ARGMAX_SLOT.replace("mask_for_expert = (expert_indices == expert_idx)",
+                                  "mask_for_expert = (expert_indices.flip(-1) == expert_idx)"),
+         reason="not recognised as the routing weight", name="s30_argmax_slot_of_other_indices"),
+    # argmax over the token axis: one position for every token, not each token's slot
+    Keep(_S30_ARGMAX_SLOT.replace(".float().argmax(dim=-1)", ".float().argmax(dim=0)"),
+         reason="not recognised as the routing weight", name="s30_argmax_over_the_tokens"),
 ]
 
 # -- split loops: the split bound back to the tokens' name, the activation passed into __init__ ------
