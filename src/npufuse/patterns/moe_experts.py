@@ -140,6 +140,7 @@ class _Site:
     dense_gates: str = ""  # weights are gates[mask, e] of dense [.., E] gates: probs = gates.gather(-1, indices)
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
     zero_link: str = ""  # the dropped else of a skip guard that added 0 * (...) to the output
+    option_guards: list[str] = field(default_factory=list)  # `not (<option test>)`: the fused text's path (s30)
     column_rows: bool = False  # opaque experts called on [n, 1, H] rows (x[idx] with idx an [n, 1] column)
     lead_rows: bool = False  # opaque experts called on [1, n, H] rows (x[sel].unsqueeze(0))
     count_bound: str = ""  # sorted_counts in range(E) over split pieces: only the first E groups run
@@ -1456,7 +1457,21 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     ev = _Eval(module, scope, loop)
     ev.run_header()
     ev.run_body(loop.body)
-    return ev.finish(block, i)
+    site = ev.finish(block, i)
+    if site is not None and ev.option_guards:
+        _check_option_names(scope, site, loop, ev.option_guards)
+        site.option_guards = list(ev.option_guards)
+    return site
+
+
+def _check_option_names(scope: Scope, site: _Site, loop: ast.For, guards: list[str]) -> None:
+    """The option guards are evaluated where the fused span starts: every name they read must
+    hold there the value the loop saw (assigned before the span, or never: an argument)."""
+    for name in sorted({n.id for g in guards for n in fast_walk(ast.parse(g, mode="eval")) if isinstance(n, ast.Name)}):
+        for stmt, _ in scope.assignments.get(name, []):
+            if site.first_line <= stmt.lineno <= (loop.end_lineno or loop.lineno):
+                raise _Miss(f"the option `{name}` the expert loop tests is assigned inside the fused span (line "
+                            f"{stmt.lineno}): the guard cannot read it before the span")
 
 
 class _Eval:
@@ -1492,6 +1507,7 @@ class _Eval:
         self.start_name = ""  # counts loop: running start offset
         self.sentinel = ""  # `if expert_idx == <sentinel>: continue`
         self.local_start = ""  # range(start, end): the first global index of this rank's experts
+        self.option_guards: list[str] = []  # loop-invariant option tests whose off path the analysis took
         self.skip_empty = False  # experts without tokens are not called (a skip guard, or only hit experts visited)
         self.device_moves: set[str] = set()  # names rebound to themselves on another device inside the loop
         self.zero_link = ""  # the else of a skip guard that only adds 0 * (...) to the output (dropped)
@@ -1678,6 +1694,12 @@ class _Eval:
                 self.zero_link = ast.unparse(s.orelse[0])[:80]
             self.run_body(s.body)
             return
+        if isinstance(s, ast.If) and self.expert_init is None and self._loop_invariant_option(s.test):
+            # an option of the whole call (`if fc1_smooth_scale is not None:`, `if self.use_bias:`): the
+            # fused text follows the path where it is off, and its guard runs it only when it is
+            self.option_guards.append(f"not ({segment(self.m, s.test)})")
+            self.run_body(s.orelse)
+            return
         if isinstance(s, ast.If):
             # `if top_x.shape[0] == 0: continue`, `if expert_idx == self.num_experts: continue`
             if s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body):
@@ -1809,6 +1831,17 @@ class _Eval:
             self.skip_empty = True
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _loop_invariant_option(self, test: ast.expr) -> bool:
+        """An option test: names, attributes, constants, comparisons and boolean logic only, over
+        names the loop never assigns (function arguments, module attributes, enum members)."""
+        allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
+                   ast.cmpop, ast.boolop, ast.Not)
+        if not all(isinstance(n, allowed) for n in fast_walk(test)):
+            return False
+        written = {n.id for n in fast_walk(self.loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        names = {n.id for n in fast_walk(test) if isinstance(n, ast.Name)}
+        return bool(names) and not (names & (written | self.eidx))
 
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
@@ -3711,7 +3744,8 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         end_line=site.last_line,
         params=params,
         fused=_fused_text(site),
-        guard_tensor=site.tokens,
+        # option guards: the original loop runs whenever an option the fused text left out is on
+        guard_tensor=site.tokens if not site.option_guards else f"{site.tokens} if {' and '.join(site.option_guards)} else None",
         confidence="high" if mlp.act.kind == "silu" and mlp.gated else "medium",
         variant=variant,
         risks=risks,
@@ -5686,6 +5720,42 @@ MoeExperts.KEEP += [
     # argmax over the token axis: one position for every token, not each token's slot
     Keep(_S30_ARGMAX_SLOT.replace(".float().argmax(dim=-1)", ".float().argmax(dim=0)"),
          reason="not recognised as the routing weight", name="s30_argmax_over_the_tokens"),
+]
+
+# an option of the call inside the expert loop (a per-expert weight scale when one is set): the
+# fused text follows the path where it is off; its guard runs the original loop when it is on
+_S30_OPTION = _S30_BARE_COUNT_GUARD.replace("if mask.any():", "if mask.sum():").replace(
+    "        self.k, self.norm = k, norm\n", "        self.k, self.norm = k, norm\n        self.expert_scale = None\n").replace(
+    "                weight = topk_weight[mask].view(-1, 1)\n",
+    "                weight = topk_weight[mask].view(-1, 1)\n                if self.expert_scale is not None:\n"
+    "                    weight = weight * self.expert_scale[i]\n")
+
+_S30_OPTION_RUN = _GUARD_ZERO_ELSE_RUN + '''\
+scaled = MoeBlock(16, 24, 6, 2, True)
+scaled.expert_scale = torch.rand(6)
+out = (out, scaled(x))
+leaves = leaves + [scaled.gate.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S30_OPTION, name="s30_option_branch_in_the_loop_guarded", run=_S30_OPTION_RUN, expect={
+        "indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+    # an if/elif chain of options: both tests are off on the fused path
+    Fuse(_S30_OPTION.replace("                    weight = weight * self.expert_scale[i]\n",
+                             "                    weight = weight * self.expert_scale[i]\n                elif self.k == 1:\n"
+                             "                    weight = torch.ones_like(weight)\n"),
+         name="s30_option_elif_chain_guarded", run=_S30_OPTION_RUN, expect={"probs": "topk_weight"}),
+]
+
+MoeExperts.KEEP += [
+    # the "option" is rebound by the loop (per expert): not one value a guard can read before it
+    Keep(_S30_OPTION.replace("            mask = (topk_idx == i)\n",
+                             "            mask = (topk_idx == i)\n            scale = self.expert_scale\n")
+         .replace("if self.expert_scale is not None:", "if scale is not None:").replace("self.expert_scale[i]", "scale[i]"),
+         reason="conditional code inside the expert loop", name="s30_option_rebound_inside_the_loop"),
+    # the test reads a value the loop computes (not an option of the call): no off path to take
+    Keep(_S30_OPTION.replace("if self.expert_scale is not None:", "if weight.max() > 0.5:"),
+         reason="conditional code inside the expert loop", name="s30_test_on_a_loop_value"),
 ]
 
 # -- split loops: the split bound back to the tokens' name, the activation passed into __init__ ------
@@ -8435,7 +8505,7 @@ def _index_branch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     ev.run_header()
     ev.run_body(synth.body)
     site = ev.finish(block[:i] + [synth] + block[i + 1:], i)
-    if site is None or site.routing != "mask_where" or not site.out_name:
+    if site is None or site.routing != "mask_where" or not site.out_name or ev.option_guards:
         return None
     out = site.out_name
     # the dense half may only add into the accumulator (and bind its own names): then adding it after the fused
