@@ -93,6 +93,9 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
+    from npufuse.scan import repo_symbols
+
+    symbols = repo_symbols.shared(root, files, max_bytes)
     builders: dict[tuple[str, str], _Builder] = {}
     for o, h in hits:
         if (o.file, h.finding.qualname) not in builders:
@@ -137,7 +140,7 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             reach = b.cls if b.cls else b.function
             if not unique and (not found or not ("*" in names_ or reach in names_)):
                 continue
-            verdict = _verdict(tree, rel, b)
+            verdict = _verdict(tree, rel, b, symbols)
             if verdict is None:
                 continue
             blocked, text, fix, explicit = verdict
@@ -243,7 +246,7 @@ def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
     return out
 
 
-def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, str, Optional[str], bool]]:
+def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Optional[tuple[bool, str, Optional[str], bool]]:
     """(blocks?, reason or risk text, fix, explicit) of the facts ``rel`` holds about the optimizer ``b``
     builds. ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
     zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`); ``explicit``: that
@@ -320,8 +323,42 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder) -> Optional[tuple[bool, st
     held = _s28_holder_zero_grad(tree, rel, b, models, via)
     if held is not None:
         return held
+    freed = _s30_handed_to_freeing(symbols, rel, tree, models) if symbols is not None and models else None
+    if freed is not None:
+        return True, (f"{freed} of the model whose parameters the optimizer this builds takes ({via}): the next backward "
+                      "allocates new grads outside the fused optimizer's flat buffer and its update silently uses stale "
+                      "ones; torch.optim handles freed grads"), None, False
     if risk is not None:
         return False, risk, None, False
+    return None
+
+
+def _s30_handed_to_freeing(symbols: Any, rel: str, tree: ast.Module, models: set[str]) -> Optional[str]:
+    """Where the file that calls an optimizer builder hands the model the builder got to a function
+    (of any file of the repo) that frees or re-allocates its parameters' grads (SlowFast's training
+    loop calls ``contrastive_parameter_surgery(model, ...)``, which sets ``p.grad = None`` for some of
+    ``model.named_parameters()``): the text naming the call and the free. One call deep; methods
+    (which work on their own object) are not followed."""
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call) or not isinstance(call.func, (ast.Name, ast.Attribute)):
+            continue
+        passed = [i for i, a in enumerate(call.args) if dotted(a) in models]
+        named = [k.arg for k in call.keywords if k.arg and dotted(k.value) in models]
+        if not passed and not named:
+            continue
+        sym = symbols.resolve_node(rel, call.func)
+        fn = sym.node
+        if sym.kind != "function" or "." in sym.qualname or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+        got = {params[i] for i in passed if i < len(params)} | {k for k in named if k in params or k in {a.arg for a in fn.args.kwonlyargs}}
+        if not got:
+            continue
+        derived = _derived(fn, got)
+        hit = _frees(fn, lambda _fn, recv: recv.split(".")[0] in derived)
+        if hit is not None:
+            what, line = hit
+            return f"`{dotted(call.func)}` ({rel}:{call.lineno}) is handed the model and {what} ({sym.file}:{line})"
     return None
 
 
