@@ -5,6 +5,7 @@ built, and lets through everything the AST test (probe_worthy) could accept."""
 
 from __future__ import annotations
 
+import ast
 import textwrap
 
 import pytest
@@ -67,3 +68,54 @@ def test_the_text_gate_is_open_with_the_gates_off(monkeypatch) -> None:
     m, s = _scope(_SUBMODULE_ONLY, "Block.forward")
     monkeypatch.setattr(engine, "SCOPE_GATES", False)
     assert P._may_name_stat_or_root(m, s)
+
+
+# --- repo_facts._registering_index: one walk per tree, the lists one walk per function gave ---
+
+_NESTED_REGISTERING = '''
+def outer(m, n=None):
+    def inner(a):
+        setattr(a, "x", 1)
+        def deepest(b):
+            b.register_buffer("y", 2)
+        m.register_buffer("z", 3)
+    setattr(m, "w", 4)
+    return lambda q: setattr(q, "v", 5)
+
+class C:
+    def __init__(self):
+        self.register_buffer("own", 0)
+        getattr(self, "ignored")
+        setattr(self, "too_few")
+
+async def later(m, *, k):
+    m.register_buffer("late", k)
+'''
+
+
+def _per_function_walks(tree):
+    from npufuse.scan.dataflow import fast_walk
+
+    out = []
+    for fn in fast_walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = fn.args
+            calls = [c for c in fast_walk(fn) if isinstance(c, ast.Call) and (
+                (isinstance(c.func, ast.Attribute) and c.func.attr == "register_buffer" and len(c.args) >= 2)
+                or (isinstance(c.func, ast.Name) and c.func.id == "setattr" and len(c.args) == 3))]
+            out.append((fn, {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs} - {"self", "cls"}, calls))
+    return out
+
+
+def test_the_registering_index_equals_one_walk_per_function() -> None:
+    from npufuse.scan import repo_facts
+
+    tree = ast.parse(_NESTED_REGISTERING)
+    got = repo_facts._registering_index(tree)
+    want = _per_function_walks(tree)
+    assert [(f, p, [id(c) for c in calls]) for f, p, calls in got] == [(f, p, [id(c) for c in calls]) for f, p, calls in want]
+    by_name = {f.name: calls for f, _p, calls in got}
+    # a call inside nested defs (or a lambda) is listed for each def around it
+    assert len(by_name["outer"]) == 5 and len(by_name["inner"]) == 3 and len(by_name["deepest"]) == 1
+    assert len(by_name["__init__"]) == 1  # setattr with two arguments is no registering call
+    assert len(by_name["later"]) == 1
