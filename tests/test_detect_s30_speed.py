@@ -6,19 +6,12 @@ built, and lets through everything the AST test (probe_worthy) could accept."""
 from __future__ import annotations
 
 import ast
-import textwrap
 
 import pytest
 
 from npufuse.scan import engine
 from npufuse.scan import numeric_probe as P
-from npufuse.scan.dataflow import ModuleInfo
-
-
-def _scope(code: str, qual: str):
-    m = ModuleInfo.from_source("m.py", textwrap.dedent(code))
-    s = next(s for s in m.scopes if s.qualname == qual)
-    return m, s
+from test_detect_s27_probe import _scope  # the module and scope of a code sample
 
 
 _SUBMODULE_ONLY = '''
