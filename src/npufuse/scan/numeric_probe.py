@@ -20,6 +20,7 @@ torch is imported only when a probe actually runs (the scan otherwise never pays
 from __future__ import annotations
 
 import ast
+import re
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -1349,12 +1350,38 @@ def _called_names(module: ModuleInfo, fn: ast.FunctionDef, scope: Any = None) ->
     return out
 
 
+#: ``self.norm`` is a submodule, not the statistic (as in :func:`_called_names`)
+_STAT_OR_ROOT_TOKEN = re.compile(r"(?<![\w])(?:%s|(?<!self\.)norm)(?![\w])|\*\*" % "|".join(sorted((_STAT_NAMES | _ROOT_NAMES) - {"norm"})))
+
+
+def _may_name_stat_or_root(module: ModuleInfo, scope: Any) -> bool:
+    """A necessary condition of both ways :func:`probe_worthy` accepts (each needs a name of
+    _STAT_NAMES or _ROOT_NAMES, or a ``**``, among :func:`_called_names`), read from the text
+    instead of the AST: one of those names as a whole identifier, a ``**``, or an import alias
+    whose target ends in one. The word gates let every scope that says ``layernorm`` or
+    ``self.norm`` through ("norm" is a statistic word and a root word); this turns most of them
+    away before the scope's node index is built. Text outside ASCII is left to the AST test (an
+    identifier there may be a decomposed spelling of a name)."""
+    from npufuse.scan import engine
+
+    if not engine.SCOPE_GATES:
+        return True
+    text = engine.gate_text(module, scope)
+    if not text.isascii() or _STAT_OR_ROOT_TOKEN.search(text):
+        return True
+    wanted = _STAT_NAMES | _ROOT_NAMES
+    return any(target.rsplit(".", 1)[-1] in wanted and re.search(rf"(?<![\w]){re.escape(local)}(?![\w])", text)
+               for local, target in module.aliases.items())
+
+
 def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
     """Gates (1) and (2): the scope's text holds a statistic word and a root word, and its code
     names a statistic (mean, sum, var, a norm) and a root (sqrt, rsqrt, pow, ``**``, a norm)."""
     from npufuse.scan import engine
 
     if not (engine.scope_holds_words(module, scope, STAT_WORDS) and engine.scope_holds_words(module, scope, ROOT_WORDS)):
+        return False
+    if not _may_name_stat_or_root(module, scope):
         return False
     names = _called_names(module, fn, scope)
     if names & _STAT_NAMES and names & (_ROOT_NAMES | {"**"}):

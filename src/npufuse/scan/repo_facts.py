@@ -1585,15 +1585,41 @@ def registering_calls(tree: ast.Module, owner: Any = None) -> list[tuple[ast.AST
 
 
 def _registering_index(tree: ast.Module) -> list[tuple[ast.AST, set[str], list[ast.Call]]]:
-    from npufuse.scan.dataflow import fast_walk
+    """One breadth-first walk of ``tree`` (``fast_walk``'s order), each node carrying the call
+    lists of the functions around it: a registering call joins each of them. The nodes of a
+    subtree come in the same order in the walk of the tree as in a walk of the subtree (by
+    depth, then by their parents' order), so each list is in ``fast_walk(fn)`` order -- what
+    one walk per function gave, without walking a nested function's body once per def around it."""
+    from npufuse.scan.dataflow import child_fields
 
     out: list[tuple[ast.AST, set[str], list[ast.Call]]] = []
-    for fn in fast_walk(tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
-        calls = [c for c in fast_walk(fn) if isinstance(c, ast.Call) and (
-            (isinstance(c.func, ast.Attribute) and c.func.attr == "register_buffer" and len(c.args) >= 2)
-            or (isinstance(c.func, ast.Name) and c.func.id == "setattr" and len(c.args) == 3))]
-        out.append((fn, params, calls))
+    todo: list[ast.AST] = [tree]
+    around: list[tuple[list[ast.Call], ...]] = [()]  # around[i]: the call lists of todo[i]'s enclosing functions
+    AST, Call, Attribute, Name = ast.AST, ast.Call, ast.Attribute, ast.Name
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    i = 0
+    while i < len(todo):
+        n, lists = todo[i], around[i]
+        i += 1
+        if isinstance(n, functions):
+            a = n.args
+            calls: list[ast.Call] = []
+            out.append((n, {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs} - {"self", "cls"}, calls))
+            lists = (*lists, calls)
+        elif lists and isinstance(n, Call):
+            f = n.func
+            if (isinstance(f, Attribute) and f.attr == "register_buffer" and len(n.args) >= 2) or (
+                    isinstance(f, Name) and f.id == "setattr" and len(n.args) == 3):
+                for calls in lists:
+                    calls.append(n)
+        for name in child_fields(type(n)):
+            v = getattr(n, name, None)
+            if type(v) is list:
+                for x in v:
+                    if isinstance(x, AST):
+                        todo.append(x)
+                        around.append(lists)
+            elif isinstance(v, AST):
+                todo.append(v)
+                around.append(lists)
     return out
