@@ -974,6 +974,9 @@ class Chain:
     requires: list[tuple[Any, str]] = field(default_factory=list)
     # s28: an einsum P@V whose output is a permutation of [batch.., Sq, D]: the fused result is permuted to it
     out_perm: tuple[int, ...] | None = None
+    # s30: the probabilities multiplied / divided by a number after the softmax (``softmax(e) / c``): the product with
+    # v is linear, so the factor moves onto the fused output: (factor, divide)
+    out_factor: tuple[Any, bool] | None = None
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1432,6 +1435,10 @@ class _Matcher:
             zeroed = self._zeroed_masked_probs(node, chain)
             if zeroed is not None:
                 node = zeroed
+                continue
+            scaled = _s30_scaled_probabilities(self, node, chain)
+            if scaled is not None:
+                node = scaled
                 continue
             if self._qk_softmax(node):
                 self._sink_column(node)
@@ -3496,6 +3503,13 @@ class AttentionPattern(Pattern):
             call = f"{call}.transpose(1, 2)"
         if chain.out_perm is not None:  # s28: the einsum's output order of [batch.., Sq, D]
             call = f"{call}.permute({', '.join(map(str, chain.out_perm))})"
+        if chain.out_factor is not None:
+            # s30: (P / c) @ V = (P @ V) / c (dropout too is linear in P): the factor applied to the fused output
+            try:
+                factor_text = r.text(chain.out_factor[0])
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+            call = f"{call} {'/' if chain.out_factor[1] else '*'} {atom(factor_text)}"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
         for name in none_gated:
@@ -10013,5 +10027,65 @@ AttentionPattern.KEEP += [
         _S30_PROBS_RETURNED_UNDER_A_FLAG.replace("if self.output_attention:", "if L > 4:"),
         reason="are returned to the callers",
         name="s30_probabilities_returned_under_a_test_on_the_inputs",
+    ),
+]
+
+
+# --- s30: probabilities scaled by a number after the softmax (Time-Series-Library ``softmax(energy) / scaling``) ---
+def _s30_scaled_probabilities(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
+    """The probabilities of ``P / c`` / ``P * c`` / ``c * P`` with ``c`` a Python number by construction (recorded in
+    ``chain.out_factor``), else None. softmax(S) / c @ V = (softmax(S) @ V) / c, and dropout commutes with a
+    constant factor, so npu_fusion_attention (whose softmax is normalised, spec) computes it with the factor on
+    its output. A tensor factor (a head mask, a learned weight) is not taken."""
+    if chain.out_factor is not None or not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult))):
+        return None
+    pairs = [(node.left, node.right)] if isinstance(node.op, ast.Div) else [(node.left, node.right), (node.right, node.left)]
+    for probs, factor in pairs:
+        if _heavy(probs, through_meta=False) and not _heavy(factor, through_meta=False) and _scalar_valued(matcher, factor):
+            chain.out_factor = (factor, isinstance(node.op, ast.Div))
+            return probs
+    return None
+
+
+_S30_PROBS_DIVIDED_AFTER_SOFTMAX = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, emb_size=16, num_heads=2, dropout=0.0):
+        super().__init__()
+        self.emb_size, self.num_heads = emb_size, num_heads
+        self.att_drop = nn.Dropout(dropout)
+
+    def forward(self, queries, keys, values):
+        energy = torch.einsum('bhqd, bhkd -> bhqk', queries, keys)
+        scaling = self.emb_size ** (1 / 2)
+        att = F.softmax(energy, dim=-1) / scaling
+        att = self.att_drop(att)
+        return torch.einsum('bhal, bhlv -> bhav ', att, values)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_PROBS_DIVIDED_AFTER_SOFTMAX,
+        expect={"qualname": "MultiHeadAttention.forward", "scale": "1.0"},
+        run='''
+q, k, v = torch.randn(2, 2, 5, 8, requires_grad=True), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+out = MultiHeadAttention()(q, k, v)
+leaves = [q]
+''',
+        name="s30_probabilities_divided_by_a_number_after_softmax",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # divided by a caller's value (possibly a per-position tensor): not a number the output can take instead
+        _S30_PROBS_DIVIDED_AFTER_SOFTMAX.replace("def forward(self, queries, keys, values):", "def forward(self, queries, keys, values, norm):")
+                                        .replace("F.softmax(energy, dim=-1) / scaling", "F.softmax(energy, dim=-1) / norm"),
+        reason="modified after softmax",
+        name="s30_probabilities_divided_by_a_callers_value",
     ),
 ]
