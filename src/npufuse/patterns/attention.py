@@ -3012,6 +3012,8 @@ class AttentionPattern(Pattern):
                     res = self._site(module, scope, interp, i, stmt, node, pv)
                     if res is not None:
                         yield res
+        if not anchors:
+            yield from _s30_foreign_operator_attention(self.id, module, scope)
 
     @staticmethod
     def _scores_shape(chain: Chain, q_t: str, k_t: str) -> str | None:
@@ -10087,5 +10089,60 @@ AttentionPattern.KEEP += [
                                         .replace("F.softmax(energy, dim=-1) / scaling", "F.softmax(energy, dim=-1) / norm"),
         reason="modified after softmax",
         name="s30_probabilities_divided_by_a_callers_value",
+    ),
+]
+
+
+# --- s30: attention written with a repository's own operator module (shark-ai's ``ops.matmul`` / ``ops.softmax``) ---
+_FOREIGN_ROOTS_SKIPPED = ("torch", "numpy", "np", "jax", "tensorflow", "tf", "mindspore", "paddle")
+
+
+def _s30_foreign_operator_attention(pattern_id: str, module: ModuleInfo, scope: Scope) -> Iterator[NearMiss]:
+    """``w = ops.softmax(ops.matmul(q, kᵀ) ..); out = ops.matmul(w, v)`` where ``ops`` is an imported module that
+    is not torch (nor numpy & co.): softmax attention in another library's / the project's own operators. Their ``matmul`` / ``softmax`` are
+    whatever that module defines for the tensor types it takes (sharktank's are dispatched on the argument types:
+    sharded, quantised, replicated tensors), so a torch_npu call on plain tensors is not a drop-in replacement:
+    a near miss naming the module, never a candidate."""
+    softmaxed: dict[str, tuple[int, str]] = {}
+    for _block, _i, stmt in scope.statements():
+        # the statement's own expressions (nested statements come on their own)
+        own = [c for f in child_fields(type(stmt)) for v in ([getattr(stmt, f, None)] if not isinstance(getattr(stmt, f, None), list) else getattr(stmt, f))
+               if isinstance(v, ast.expr) for c in fast_walk(v)]
+        for call in own:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)):
+                continue
+            owner = module.canonical(call.func.value) or ""
+            if owner.split(".")[0] in _FOREIGN_ROOTS_SKIPPED or owner == call.func.value.id or owner in ("self", "cls"):
+                continue  # torch & co. (read by the pattern itself), or a local / parameter object, not an imported module
+            if call.func.attr == "softmax" and isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+                    and isinstance(stmt.targets[0], ast.Name) and call is stmt.value:
+                softmaxed[stmt.targets[0].id] = (stmt.lineno, owner)
+            elif call.func.attr in ("matmul", "bmm", "einsum") and any(
+                    isinstance(a, ast.Name) and a.id in softmaxed and softmaxed[a.id][1] == owner for a in call.args):
+                name = next(a.id for a in call.args if isinstance(a, ast.Name) and a.id in softmaxed)
+                yield NearMiss(pattern_id, scope.qualname, softmaxed[name][0], stmt.end_lineno or stmt.lineno,
+                               f"softmax attention written with `{owner}.softmax` / `{owner}.{call.func.attr}`, operators of the "
+                               f"module `{owner}` (not torch): what they compute for the tensor types they accept "
+                               "is defined there (a dispatch on argument types, e.g. sharded or quantised tensors, would be "
+                               "bypassed), so npufuse does not replace them with an npu_fusion_attention call on plain tensors")
+
+
+AttentionPattern.KEEP += [
+    Keep(
+        '''
+import math
+import torch
+from mylib import ops
+
+
+def attention_decomposed(q, k, v, scale=None):
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    w = ops.matmul(q, k.transpose(-2, -1)) * scale
+    w = ops.softmax(w, dim=-1)
+    return ops.matmul(w, v)
+''',
+        reason="operators of the module `mylib.ops` (not torch)",
+        name="s30_attention_in_another_modules_operators",
     ),
 ]
