@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
+from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line, stored_name
 from npufuse.scan.value import estimate, symbolic
 
@@ -1049,6 +1049,10 @@ class _Matcher:
         (``kv_eq = 'b j d' if k.ndim == 3 else 'b h j d'``) read as the variant whose placeholder
         carries the most axes (every operand with its own heads: the plain attention layout); the
         variant is recorded so the fused call runs only under its condition. Anything else unchanged."""
+        if getattr(self, "s30_ellipsis_one", False) and prod is not None and prod.kind == "einsum":
+            narrowed = _s30_one_batch_axis_subscripts(prod.spec)
+            if narrowed is not None:
+                return Product(prod.a, prod.b, prod.kind, narrowed, prod.alpha, prod.spec)
         if prod is None or prod.kind != "einsum" or prod.subs is not None:
             return prod
         variants = equation_variants(prod.spec, self._assigned_once)
@@ -2223,6 +2227,11 @@ class _Matcher:
             return True, False
         if ".finfo(" in text and (text.endswith(".min") or text.startswith("-") and text.endswith(".max")):
             return True, True
+        # s30: timesfm's ``-torch.finfo(dtype).max / 2``: the dtype's lowest value over a small constant is still at most
+        # -16376 (fp16's 65504 / 4) in every float dtype, far below any logit
+        halved = re.fullmatch(r"\(?(-[\w.]+\.finfo\([^()]*(\([^()]*\))?[^()]*\)\.max|[\w.]+\.finfo\([^()]*(\([^()]*\))?[^()]*\)\.min)\)?/(\d+(\.\d*)?)", text)
+        if halved and 1 <= float(halved.group(4)) <= 4:
+            return True, True
         v = const_value(fill)
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             v = _folded_fill(self.module, fill)  # ``float("-1e20")``, ``-10 ** 9``, ``-1 * math.inf``: the value decides
@@ -3069,7 +3078,8 @@ class AttentionPattern(Pattern):
                 return None
             return self._finding(module, scope, interp, matcher, chain, e, stmt, node)
         except Miss as miss:
-            return NearMiss(self.id, scope.qualname, line, end, str(miss))
+            narrowed = _s30_ellipsis_as_one_axis(self, module, scope, interp, e, stmt, node, pv, str(miss))
+            return narrowed if narrowed is not None else NearMiss(self.id, scope.qualname, line, end, str(miss))
 
     # -- building the finding ---------------------------------------------------------------
     def _finding(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, matcher: _Matcher, chain: Chain, e: int, stmt: ast.stmt, node: ast.AST) -> Finding | NearMiss:
@@ -10144,5 +10154,81 @@ def attention_decomposed(q, k, v, scale=None):
 ''',
         reason="operators of the module `mylib.ops` (not torch)",
         name="s30_attention_in_another_modules_operators",
+    ),
+]
+
+
+# --- s30: an einsum ``...`` read as one batch axis (timesfm ``"...qhd,...khd->...hqk"``) under a run-time rank check ---
+def _s30_one_batch_axis_subscripts(spec: Any) -> Contraction | None:
+    """The equation's contraction with its ``...`` read as ONE batch axis (``B``), where it has one and no ``B``."""
+    text = const_value(spec) if spec is not None else None
+    if not isinstance(text, str) or "..." not in text or "B" in text:
+        return None
+    return contraction(einsum_subscripts(ast.Constant(text.replace("...", "B"))))
+
+
+def _s30_ellipsis_as_one_axis(pattern: "AttentionPattern", module: ModuleInfo, scope: Scope, interp: "BlockInterp", e: int,
+                              stmt: ast.stmt, node: ast.AST, pv: Product, reason: str) -> Result | None:
+    """Where reading an einsum's ``...`` as two batch axes (``b h``) made 5-D operands, the site read again with it
+    as one (``...qhd`` = [B, S, N, D]): the fused call then runs under a run-time check that q, k and v are 4-D (the
+    rank the text does not state); the original code runs otherwise. Where that reading stops at another step, its
+    near miss; None where it does not apply (the first reason stands)."""
+    if "5-D" not in reason or _s30_one_batch_axis_subscripts(pv.spec) is None:
+        return None
+    matcher = _Matcher(module, scope, interp, interp.block[0].lineno)
+    matcher.site_line = stmt.lineno
+    matcher.s30_ellipsis_one = True
+    pv = matcher.resolved(pv) or pv
+    env = interp.before[e]
+    sym_pv = Product(interp.sym(pv.a, env), interp.sym(pv.b, env), pv.kind, pv.subs, None, pv.spec)
+    try:
+        chain = matcher.match(sym_pv, node)
+    except Miss as miss:
+        # read as 4-D the site stops at a step of its own: that is the reason to give
+        return NearMiss(pattern.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+    if chain is None or chain.q is None or chain.k is None or chain.v is None:
+        return None
+    ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=op.leaf, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
+                         ops=[ast.Eq()], comparators=[ast.Constant(4)]) for op in (chain.q, chain.k, chain.v)]
+    chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
+                           f"the einsum `{const_value(pv.spec)}` is read with `...` as one batch axis (4-D q/k/v): checked at run "
+                           "time; inputs of another rank run the original code"))
+    return pattern._finding(module, scope, interp, matcher, chain, e, stmt, node)
+
+
+_S30_ELLIPSIS_ONE_BATCH_AXIS = '''
+import torch
+import torch.nn.functional as F
+
+
+def _dot_product_attention(query, key, value, mask=None):
+    attn_weights = torch.einsum("...qhd,...khd->...hqk", query, key)
+    if mask is not None:
+        attn_weights = torch.where(mask, attn_weights, -torch.finfo(attn_weights.dtype).max / 2)
+    attn_weights = F.softmax(attn_weights, dim=-1)
+    return torch.einsum("...hqk,...khd->...qhd", attn_weights, value)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_ELLIPSIS_ONE_BATCH_AXIS,
+        expect={"qualname": "_dot_product_attention", "layout": "BSND", "mask_kind": "bool_keep"},
+        run='''
+q, k, v = torch.randn(2, 5, 2, 8, requires_grad=True), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+keep = torch.ones(2, 1, 5, 6, dtype=torch.bool)
+keep[1, ..., 4:] = False
+out = (_dot_product_attention(q, k, v), _dot_product_attention(q, k, v, keep), _dot_product_attention(q[None], k[None], v[None]))
+leaves = [q]
+''',
+        name="s30_einsum_ellipsis_as_one_batch_axis_rank_checked",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the lowest value over 100 is -655 in fp16: not a masking value (masked logits would still weigh)
+        _S30_ELLIPSIS_ONE_BATCH_AXIS.replace("-torch.finfo(attn_weights.dtype).max / 2", "-torch.finfo(attn_weights.dtype).max / 100"),
+        reason="masked with `-torch.finfo(attn_weights.dtype).max / 100`, not −inf or a large negative",
+        name="s30_einsum_ellipsis_fill_not_a_mask_value",
     ),
 ]
