@@ -3005,6 +3005,8 @@ class AttentionPattern(Pattern):
         # no softmax, no eager attention: skip the scope without walking it
         if not ("@" in text or "matmul" in text or "bmm" in text or "einsum" in text):
             return
+        if scope.class_name is not None and "self." in text and not module.__dict__.get("_npufuse_s30_inlined"):
+            yield from _s30_inlined_method_sites(self, module, scope)  # s30: the softmax may be in the called method
         if "softmax" not in text.lower() and not self._class_builds_softmax(module, scope):
             return
         blocks: dict[int, list[ast.stmt]] = {}
@@ -10230,5 +10232,187 @@ AttentionPattern.KEEP += [
         _S30_ELLIPSIS_ONE_BATCH_AXIS.replace("-torch.finfo(attn_weights.dtype).max / 2", "-torch.finfo(attn_weights.dtype).max / 100"),
         reason="masked with `-torch.finfo(attn_weights.dtype).max / 100`, not −inf or a large negative",
         name="s30_einsum_ellipsis_fill_not_a_mask_value",
+    ),
+]
+
+
+# --- s30: scores made in one method, mask + softmax + @V in another of the class (SANM / wenet ``forward_attention``) ---
+def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, scope: Scope) -> Iterator[Finding]:
+    """``scores = torch.matmul(q, kᵀ)`` then ``out = self.forward_attention(v, scores, mask)`` in the caller, the mask,
+    softmax, dropout and @V in the called method of the same class: the call is read with the method's body inlined
+    (its parameters bound to the arguments, its locals renamed where the caller uses the name, its one final
+    ``return`` assigning the caller's name), and an attention found across the two becomes a candidate of the
+    caller whose fused branch runs that inlined code with the fused call in it; the fallback is the caller's code
+    as written (the method call). Only top-level assignments of the caller's body, methods with plain parameters,
+    one return at the end and no nested functions are read."""
+    cls = module.classes.get(scope.class_name) if scope.class_name else None
+    fn = scope.node
+    if cls is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return
+    methods = {m.name: m for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    products: set[str] = set()
+    for st in fn.body:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            if product(st.value, module.call_name) is not None:
+                products.add(st.targets[0].id)
+            else:
+                products.discard(st.targets[0].id)
+        call = st.value if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == "self" and call.func.attr in methods and call.func.attr != fn.name):
+            continue
+        if not any(isinstance(a, ast.Name) and a.id in products for a in call.args):
+            continue
+        inlined = _s30_inline(module, fn, st, methods[call.func.attr])
+        if inlined is None:
+            continue
+        text, first, last = inlined
+        try:
+            synthetic = ModuleInfo.from_source(module.path, text)
+        except SyntaxError:
+            continue
+        synthetic.__dict__["_npufuse_s30_inlined"] = True
+        twin = next((sc for sc in synthetic.scopes if sc.qualname == scope.qualname), None)
+        if twin is None:
+            continue
+        for res in pattern.detect(synthetic, twin):
+            if not isinstance(res, Finding) or res.end_line < first or res.end_line > last or res.line > first \
+                    or not any(b.end_lineno == res.end_line for b in twin.node.body):
+                continue  # the site must end at a statement of the caller's own block (the rest follows it there)
+            lines = synthetic.lines
+            indent = len(lines[first - 1]) - len(lines[first - 1].lstrip())
+            after = "".join(ln[indent:] if ln.strip() else ln for ln in lines[res.end_line:last]).rstrip("\n")
+            fused = res.fused + ("\n" + after if after else "")
+            try:
+                ast.parse(fused)
+            except SyntaxError:
+                continue
+            note = (f"the scores are made here and passed to `self.{call.func.attr}` (mask, softmax, @V): the fused branch runs "
+                    "that method's body inlined with the fused call in it; the fallback is the call as written")
+            yield Finding(res.pattern, res.qualname, res.line, st.end_lineno or st.lineno, res.params, fused, res.guard_tensor,
+                          res.confidence, res.variant, list(res.risks), [*res.notes, note], res.training_ok)
+
+
+def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast.FunctionDef) -> tuple[str, int, int] | None:
+    """The module's source with ``st`` (``name = self.m(args)``) replaced by ``m``'s body (parameters bound, locals
+    renamed away from the caller's names, the final ``return e`` as ``name = e``), and the inlined lines' range;
+    None where the method is not of that simple form."""
+    call = st.value
+    a = method.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or not a.args or a.args[0].arg != "self" or call.keywords \
+            or any(isinstance(x, ast.Starred) for x in call.args):
+        return None
+    params = [p.arg for p in a.args[1:]]
+    if len(call.args) > len(params) or len(call.args) < len(params) - len(a.defaults):
+        return None
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
+    body = [b for b in method.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]  # docstring
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None \
+            or sum(isinstance(n, ast.Return) for n in ast.walk(method)) != 1 \
+            or any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Yield, ast.YieldFrom, ast.Global, ast.Nonlocal))
+                   for b in body for n in ast.walk(b)):
+        return None
+    caller_names = {n.id for n in ast.walk(caller) if isinstance(n, ast.Name)} | {x.arg for x in ast.walk(caller.args) if isinstance(x, ast.arg)}
+    local = set(params) | {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    given = {p: (call.args[i] if i < len(call.args) else defaults[p]) for i, p in enumerate(params)}
+    stored = _stored_names(body)
+    rename = {n: f"_{method.name}_{n}" for n in local if n in caller_names}
+    # a parameter the method never reassigns, given a plain name, is that name (no binding statement in between)
+    rename.update({p: given[p].id for p in params if isinstance(given[p], ast.Name) and p not in stored})
+
+    class _Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            return ast.copy_location(ast.Name(rename.get(node.id, node.id), node.ctx), node)
+
+    stmts: list[ast.stmt] = []
+    for p in params:
+        target = rename.get(p, p)
+        if isinstance(given[p], ast.Name) and given[p].id == target:
+            continue
+        stmts.append(ast.Assign(targets=[ast.Name(target, ast.Store())], value=given[p], lineno=0))
+    for b in body[:-1]:
+        stmts.append(_Rename().visit(copy.deepcopy(b)))
+    stmts.append(ast.Assign(targets=[st.targets[0]], value=_Rename().visit(copy.deepcopy(body[-1].value)), lineno=0))
+    lines = module.lines
+    start, end = st.lineno, st.end_lineno or st.lineno
+    indent = lines[start - 1][: len(lines[start - 1]) - len(lines[start - 1].lstrip())]
+    new = "".join(indent + ln + "\n" for x in stmts for ln in ast.unparse(ast.fix_missing_locations(x)).splitlines())
+    text = "".join(lines[: start - 1]) + new + "".join(lines[end:])
+    return text, start, start + new.count("\n") - 1
+
+
+def _stored_names(body: list[ast.stmt]) -> set[str]:
+    return {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+_S30_SCORES_PASSED_TO_A_METHOD = '''
+import torch
+from torch import nn
+
+
+class MultiHeadedAttentionSANM(nn.Module):
+    def __init__(self, n_head=2, n_feat=16, dropout_rate=0.0):
+        super().__init__()
+        self.d_k, self.h = n_feat // n_head, n_head
+        self.linear_q_k_v = nn.Linear(n_feat, 3 * n_feat)
+        self.linear_out = nn.Linear(n_feat, n_feat)
+        self.dropout = nn.Dropout(p=dropout_rate)
+
+    def forward_qkv(self, x):
+        b, t, d = x.size()
+        q, k, v = torch.split(self.linear_q_k_v(x), int(self.h * self.d_k), dim=-1)
+        q_h = torch.reshape(q, (b, t, self.h, self.d_k)).transpose(1, 2)
+        k_h = torch.reshape(k, (b, t, self.h, self.d_k)).transpose(1, 2)
+        v_h = torch.reshape(v, (b, t, self.h, self.d_k)).transpose(1, 2)
+        return q_h, k_h, v_h, v
+
+    def forward_attention(self, value, scores, mask):
+        """The context vector."""
+        n_batch = value.size(0)
+        if mask is not None:
+            mask = mask.unsqueeze(1).eq(0)
+            scores = scores.masked_fill(mask, -float("inf"))
+            attn = torch.softmax(scores, dim=-1).masked_fill(mask, 0.0)
+        else:
+            attn = torch.softmax(scores, dim=-1)
+        p_attn = self.dropout(attn)
+        x = torch.matmul(p_attn, value)
+        x = x.transpose(1, 2).contiguous().view(n_batch, -1, self.h * self.d_k)
+        return self.linear_out(x)
+
+    def forward(self, x, mask):
+        q_h, k_h, v_h, v = self.forward_qkv(x)
+        q_h = q_h * self.d_k ** (-0.5)
+        scores = torch.matmul(q_h, k_h.transpose(-2, -1))
+        att_outs = self.forward_attention(v_h, scores, mask)
+        return att_outs + x
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_SCORES_PASSED_TO_A_METHOD,
+        expect={"qualname": "MultiHeadedAttentionSANM.forward", "scale": "self.d_k ** (-0.5)"},
+        run='''
+m = MultiHeadedAttentionSANM().eval()
+x = torch.randn(2, 5, 16, requires_grad=True)
+keep = torch.ones(2, 1, 5)
+keep[1, :, 3:] = 0
+out = (m(x, None), m(x, keep))
+leaves = [x]
+''',
+        name="s30_scores_passed_to_a_method_of_the_class_inlined",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the method returns early on one path: its body is not inlined (one return at the end only)
+        _S30_SCORES_PASSED_TO_A_METHOD.replace('''        n_batch = value.size(0)
+''', '''        n_batch = value.size(0)
+        if n_batch == 0:
+            return value
+'''),
+        reason="made by a caller",
+        name="s30_scores_passed_to_a_method_returning_early",
     ),
 ]
