@@ -10186,7 +10186,10 @@ def _s30_ellipsis_as_one_axis(pattern: "AttentionPattern", module: ModuleInfo, s
     try:
         chain = matcher.match(sym_pv, node)
     except Miss as miss:
-        # read as 4-D the site stops at a step of its own: that is the reason to give
+        # read as 4-D the site stops at a step of its own: that is the reason to give; a rank / layout disagreement
+        # is the one-axis reading's own doing (ESMFold's ``...qc`` scores hold the heads in ``...``): the first reason stands
+        if re.search(r"\b\d-D\b|\brank\b|layout", str(miss)):
+            return None
         return NearMiss(pattern.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
     if chain is None or chain.q is None or chain.k is None or chain.v is None:
         return None
