@@ -9852,7 +9852,7 @@ AttentionPattern.KEEP += [
         # the fp32 softmax is chosen by the scores' values (a device read), not by a flag a guard reads for free
         _S30_MEGATRON_FP32_SOFTMAX_FLAG.replace("if self.attention_softmax_in_fp32:", "if attention_scores.abs().amax() > 1e4:"),
         reason="modified after softmax under `if attention_scores.abs().amax()",
-        name="s30_fp32_softmax_flag_with_a_scaled_input",
+        name="s30_fp32_softmax_chosen_by_the_scores_values",
     ),
 ]
 
