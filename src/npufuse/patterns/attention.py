@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.canonical import Contraction, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
+from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line, stored_name
 from npufuse.scan.value import estimate, symbolic
 
@@ -974,6 +974,9 @@ class Chain:
     requires: list[tuple[Any, str]] = field(default_factory=list)
     # s28: an einsum P@V whose output is a permutation of [batch.., Sq, D]: the fused result is permuted to it
     out_perm: tuple[int, ...] | None = None
+    # s30: the probabilities multiplied / divided by a number after the softmax (``softmax(e) / c``): the product with
+    # v is linear, so the factor moves onto the fused output: (factor, divide)
+    out_factor: tuple[Any, bool] | None = None
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1046,6 +1049,10 @@ class _Matcher:
         (``kv_eq = 'b j d' if k.ndim == 3 else 'b h j d'``) read as the variant whose placeholder
         carries the most axes (every operand with its own heads: the plain attention layout); the
         variant is recorded so the fused call runs only under its condition. Anything else unchanged."""
+        if getattr(self, "s30_ellipsis_one", False) and prod is not None and prod.kind == "einsum":
+            narrowed = _s30_one_batch_axis_subscripts(prod.spec)
+            if narrowed is not None:
+                return Product(prod.a, prod.b, prod.kind, narrowed, prod.alpha, prod.spec)
         if prod is None or prod.kind != "einsum" or prod.subs is not None:
             return prod
         variants = equation_variants(prod.spec, self._assigned_once)
@@ -1385,6 +1392,10 @@ class _Matcher:
                     chain.excluded.append((node.test, neg, f"`{self._first_diff(other, taken)}` on the probabilities"))
                     node = taken
                     continue
+                recast = _s30_cast_back_branch(self, node, chain)
+                if recast is not None:
+                    node = recast  # ``if fp32: p = softmax(s.float()).half() else: p = softmax(s)``: the op's softmax is fp32
+                    continue
                 hoisted = _hoist_common_call(self, node)
                 if hoisted is not None:
                     node = hoisted  # ``if m: w = softmax(masked(w)) else: w = softmax(w)``: one softmax of a conditional
@@ -1428,6 +1439,10 @@ class _Matcher:
             zeroed = self._zeroed_masked_probs(node, chain)
             if zeroed is not None:
                 node = zeroed
+                continue
+            scaled = _s30_scaled_probabilities(self, node, chain)
+            if scaled is not None:
+                node = scaled
                 continue
             if self._qk_softmax(node):
                 self._sink_column(node)
@@ -1746,7 +1761,8 @@ class _Matcher:
             if stop is not None and node is stop:
                 return
             node = deref(node, chain.seen)
-            if stop is not None and node is stop:
+            # s30: a branch ``else: s2 = s`` reads the base through its own reference to the same value
+            if stop is not None and (node is stop or node is deref(stop)):
                 return
             if isinstance(node, InPlace):
                 raise Miss(node.reason())
@@ -1767,6 +1783,10 @@ class _Matcher:
                 chain.scores_view = node
                 node = node.func.value
                 continue
+            if isinstance(node, ast.IfExp) and not _heavy(node.test, through_meta=False) \
+                    and self._reaches(node.body, stop) and self._reaches(node.orelse, stop):
+                # s30: ``s = (s + self.rel_pos(..)) if self.use_rel_pos else s``: the expression form of an ``if``
+                node = Cond(test=node.test, body=node.body, orelse=node.orelse)
             if isinstance(node, Cond):
                 a, b = node.body, node.orelse
                 if isinstance(a, Undef) or isinstance(b, Undef):
@@ -1826,6 +1846,13 @@ class _Matcher:
                 base, m_node, fill = multiplicative
                 self.add_keep01(m_node, fill, chain, cond)
                 node = base
+                continue
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and self._reaches(node.left, stop) \
+                    and not self._reaches(node.right, stop):
+                # s30: CodeGeeX ``s - mask * 10000.0``: the term subtracted is the negated term added (its values
+                # decide, as for any additive term: a 0/-inf-like mask checked at run time, or a bias)
+                self.add_additive(ast.UnaryOp(op=ast.USub(), operand=node.right), chain, cond)
+                node = node.left
                 continue
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
                 left_qk, right_qk = self._reaches(node.left, stop), self._reaches(node.right, stop)
@@ -1914,6 +1941,7 @@ class _Matcher:
                 chain.spelling.append("helper_inlined")
                 node = Cond(test=inlined.test, body=inlined.body, orelse=inlined.orelse) if isinstance(inlined, ast.IfExp) else inlined
                 continue
+            _s30_helper_writing_into_the_scores(self, node, stop)
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
         raise Miss("attention score chain too long to follow")
 
@@ -2015,16 +2043,19 @@ class _Matcher:
 
     # -- scale and masks
     def add_scale(self, factor: Any, divide: bool, chain: Chain) -> None:
-        factor = _host_number_in_a_tensor(self, factor, chain)  # s27: GPT-2's ``torch.full([], d ** 0.5, dtype=..)``
         text = self.src(factor)
+        factor = _s30_scale_branches(self, factor, chain)
+        host = _host_number_in_a_tensor(self, factor, chain)  # s27: GPT-2's ``torch.full([], d ** 0.5, dtype=..)``
+        computed_on_host, factor = host is not factor and not _scalar_valued(self, host), host
         # s27: a number by construction (``keys.shape[-1] ** 0.5`` where keys = torch.cat(..)) reads tensor metadata only
-        for n in (() if _scalar_valued(self, factor) else walk_sym(factor)):
+        for n in (() if computed_on_host or _scalar_valued(self, factor) else walk_sym(factor)):
             if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith("torch.finfo"):
                 raise Miss(
                     f"the scale `{text}` is a tensor: npu_fusion_attention takes a Python float, and converting it "
                     "would add a host sync"
                 )
-            if self.method(n, "exp", "sigmoid") or isinstance(n, ast.Call) and self.method(n, "item"):
+            if self.method(n, "exp", "sigmoid") or isinstance(n, ast.Call) and self.method(n, "item") \
+                    or _s30_tensor_statistic(self, n):
                 raise Miss(f"the scale `{text}` is a tensor (learned / computed): npu_fusion_attention takes a Python float")
 
         param = self._factor_param(factor)
@@ -2196,6 +2227,11 @@ class _Matcher:
             return True, False
         if ".finfo(" in text and (text.endswith(".min") or text.startswith("-") and text.endswith(".max")):
             return True, True
+        # s30: timesfm's ``-torch.finfo(dtype).max / 2``: the dtype's lowest value over a small constant is still at most
+        # -16376 (fp16's 65504 / 4) in every float dtype, far below any logit
+        halved = re.fullmatch(r"\(?(-[\w.]+\.finfo\([^()]*(\([^()]*\))?[^()]*\)\.max|[\w.]+\.finfo\([^()]*(\([^()]*\))?[^()]*\)\.min)\)?/(\d+(\.\d*)?)", text)
+        if halved and 1 <= float(halved.group(4)) <= 4:
+            return True, True
         v = const_value(fill)
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             v = _folded_fill(self.module, fill)  # ``float("-1e20")``, ``-10 ** 9``, ``-1 * math.inf``: the value decides
@@ -2324,6 +2360,8 @@ class _Matcher:
                 self.add_scale(mm.alpha, False, chain)
             kind = "bmm"
         layout = "3D" if kind == "bmm" else "BNSD"
+        if kind == "matmul" and getattr(self, "three_d", False) and static_rank(self.scope, a, self._line) == 3:
+            layout = "3D"  # s30: CodeGeeX's ``torch.matmul`` of [b*np, s, hn] views beside a bmm with v: a 3-D product
         chain.spelling.append(kind)
         chain.q = self.peel_operand(a, "q", layout, chain)
         kt = b
@@ -2967,6 +3005,8 @@ class AttentionPattern(Pattern):
         # no softmax, no eager attention: skip the scope without walking it
         if not ("@" in text or "matmul" in text or "bmm" in text or "einsum" in text):
             return
+        if scope.class_name is not None and "self." in text and not module.__dict__.get("_npufuse_s30_inlined"):
+            yield from _s30_inlined_method_sites(self, module, scope)  # s30: the softmax may be in the called method
         if "softmax" not in text.lower() and not self._class_builds_softmax(module, scope):
             return
         blocks: dict[int, list[ast.stmt]] = {}
@@ -2983,6 +3023,8 @@ class AttentionPattern(Pattern):
                     res = self._site(module, scope, interp, i, stmt, node, pv)
                     if res is not None:
                         yield res
+        if not anchors:
+            yield from _s30_foreign_operator_attention(self.id, module, scope)
 
     @staticmethod
     def _scores_shape(chain: Chain, q_t: str, k_t: str) -> str | None:
@@ -3038,7 +3080,8 @@ class AttentionPattern(Pattern):
                 return None
             return self._finding(module, scope, interp, matcher, chain, e, stmt, node)
         except Miss as miss:
-            return NearMiss(self.id, scope.qualname, line, end, str(miss))
+            narrowed = _s30_ellipsis_as_one_axis(self, module, scope, interp, e, stmt, node, pv, str(miss))
+            return narrowed if narrowed is not None else NearMiss(self.id, scope.qualname, line, end, str(miss))
 
     # -- building the finding ---------------------------------------------------------------
     def _finding(self, module: ModuleInfo, scope: Scope, interp: BlockInterp, matcher: _Matcher, chain: Chain, e: int, stmt: ast.stmt, node: ast.AST) -> Finding | NearMiss:
@@ -3222,6 +3265,13 @@ class AttentionPattern(Pattern):
                 continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
+                flag_read = _s30_probs_read_under_flag(scope, name, end_line)
+                if flag_read is not None:
+                    # s30: ``if self.output_attention: return V, A  else: return V, None``: the callers get the probabilities
+                    # only where the flag asks for them: the fused call runs where it does not (a run-time check)
+                    chain.excluded.append((*flag_read, f"`{name}` returned to the callers"))
+                    none_gated.append(name)
+                    continue
                 if not _weights_may_be_none(module, scope, name, end_line) and not probs_discarded_by_callers(module, scope, name):
                     # DINO's ``return x, attn`` read by ``get_last_selfattention``: a caller relies on the probabilities
                     return NearMiss(
@@ -3393,7 +3443,10 @@ class AttentionPattern(Pattern):
                                                "(soft-capped models such as Gemma 2, a bias module such as ALiBi), the original code runs"))
             if chain.requires:
                 # conditions the fused call needs (a softmax module building its own mask when given none)
+                # s30: the guard runs before q is bound to a temporary: the scores' dtype read there is the q expression's
+                meta_base, r.meta_base = r.meta_base, q_t
                 need = [atom(r.text(t)) for t, _why in chain.requires]
+                r.meta_base = meta_base
                 if value_check is not None:
                     need.append(value_check)
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
@@ -3464,6 +3517,13 @@ class AttentionPattern(Pattern):
             call = f"{call}.transpose(1, 2)"
         if chain.out_perm is not None:  # s28: the einsum's output order of [batch.., Sq, D]
             call = f"{call}.permute({', '.join(map(str, chain.out_perm))})"
+        if chain.out_factor is not None:
+            # s30: (P / c) @ V = (P @ V) / c (dropout too is linear in P): the factor applied to the fused output
+            try:
+                factor_text = r.text(chain.out_factor[0])
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+            call = f"{call} {'/' if chain.out_factor[1] else '*'} {atom(factor_text)}"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
         for name in none_gated:
@@ -8468,22 +8528,105 @@ def _host_number_in_a_tensor(matcher: "_Matcher", factor: Any, chain: Chain) -> 
     """The Python number inside ``torch.full([], x, ...)`` / ``torch.tensor(x, ...)`` / ``torch.scalar_tensor(x, ...)``
     (old GPT-2 / GPT-J ``w / torch.full([], v.size(-1) ** 0.5, dtype=w.dtype, device=w.device)``): the value is
     known on the host before the tensor is made, so the fused call takes ``x`` itself (no device read, no sync);
-    ``factor`` unchanged for anything else."""
+    ``factor`` unchanged for anything else.
+
+    s30: where the tensor is made in a dtype the text does not pin to fp32 / fp64 (``dtype=q.dtype``: bf16 rounds
+    sqrt(128) to 11.3125), or math runs on it (``torch.sqrt(torch.tensor(d, dtype=q.dtype, device=dev))``), the
+    value is that same expression computed on the CPU and read back with ``float(..)``: the eager code's rounding
+    exactly, and still no device read (a CPU tensor's value is on the host)."""
     f = deref(factor)
-    if not isinstance(f, ast.Call):
+    inner = _host_tensor_number(matcher, f)
+    if inner is None:
         return factor
+    if f is inner[0] and not inner[1]:
+        value = inner[0].args[1] if matcher._fn(f) == "torch.full" else inner[0].args[0]
+        chain.notes.append(f"the scale `{matcher.src(f)}` is a 0-d tensor made from the Python number `{matcher.src(value)}`: "
+                           "the fused call takes that number")
+        return value
+    chain.notes.append(f"the scale `{matcher.src(f)}` is computed from a Python number in a 0-d tensor: the fused call takes "
+                       "its value computed the same way on the CPU (`float(..)` of a CPU tensor: the eager code's dtype "
+                       "rounding, no device read)")
+    return ast.Call(func=ast.Name("float", ast.Load()), args=[_on_the_cpu(matcher, f)], keywords=[])
+
+
+def _s30_scale_branches(matcher: "_Matcher", factor: Any, chain: Chain) -> Any:
+    """A scale chosen by a flag (``s = torch.tensor(1 / math.sqrt(d)) if scale is None else scale``, GPT-SoVITS):
+    where both branches are numbers (Python numbers, or ones wrapped in a 0-d tensor), the choice of their host
+    values; where one is a parameter of unknown type (a caller's tensor), the fused call runs only where the number
+    is chosen (``Chain.excluded``: a run-time check of the flag) and takes that number. ``factor`` unchanged otherwise."""
+    c = deref(factor)
+    if not isinstance(c, Cond) or isinstance(c.body, Undef) or isinstance(c.orelse, Undef) \
+            or _heavy(c.test, through_meta=False) or any(isinstance(n, ast.Call) for n in walk_sym(c.test)):
+        return factor
+    number = [_scalar_valued(matcher, x) or _host_tensor_number(matcher, x) is not None for x in (c.body, c.orelse)]
+    if all(number):
+        return ast.IfExp(test=c.test, body=_host_number_in_a_tensor(matcher, c.body, chain),
+                         orelse=_host_number_in_a_tensor(matcher, c.orelse, chain))
+    param = [isinstance(deref(x), Ref) and deref(x).idx == -1 for x in (c.body, c.orelse)]
+    if number[0] and param[1] or number[1] and param[0]:
+        chosen, other, neg = (c.body, c.orelse, True) if number[0] else (c.orelse, c.body, False)
+        chain.excluded.append((c.test, neg, f"`{matcher.src(other)}` (a caller's value, possibly a tensor) as the scale"))
+        return _host_number_in_a_tensor(matcher, chosen, chain)
+    return factor
+
+
+_TENSOR_STATISTICS = frozenset(("std", "var", "mean", "sum", "norm", "amax", "amin", "abs", "logsumexp"))
+
+
+def _s30_tensor_statistic(matcher: "_Matcher", n: Any) -> bool:
+    """``query.std()`` / ``k.abs().amax()``: a method that only a tensor has, on a value that is not a number: a
+    device value (the scale refusal's tensor check missed method calls, taking ``query.std() / d`` for a number)."""
+    return isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _TENSOR_STATISTICS \
+        and not (matcher._fn(n) or "").startswith(("math.", "torch.", "np.", "numpy.")) and not _scalar_valued(matcher, n.func.value)
+
+
+_HOST_TENSOR_MATH = frozenset(("sqrt", "rsqrt", "reciprocal"))
+_WIDE_FLOAT_DTYPES = frozenset(("torch.float32", "torch.float", "torch.float64", "torch.double"))
+
+
+def _host_tensor_number(matcher: "_Matcher", f: Any, depth: int = 0) -> tuple[Any, bool] | None:
+    """``f`` is a 0-d tensor made from a Python number, possibly with ``sqrt`` / ``rsqrt`` / ``reciprocal`` or
+    arithmetic with numbers applied: (the constructor call when ``f`` is one, else ``f``; whether its value may
+    differ from the Python number's: a dtype not pinned to fp32/fp64, or math on the tensor). None otherwise."""
+    f = deref(f)
+    if depth > 6 or not isinstance(f, ast.Call) and not isinstance(f, ast.BinOp):
+        return None
+    if isinstance(f, ast.BinOp):
+        if not isinstance(f.op, (ast.Mult, ast.Div, ast.Add, ast.Sub, ast.Pow)):
+            return None
+        sides = [_host_tensor_number(matcher, x, depth + 1) if not _scalar_valued(matcher, x) else "number" for x in (f.left, f.right)]
+        if None in sides or sides == ["number", "number"]:
+            return None
+        return f, True
     fn = matcher._fn(f)
     if fn == "torch.full" and len(f.args) >= 2 and isinstance(f.args[0], (ast.List, ast.Tuple)) and not f.args[0].elts:
-        inner = f.args[1]
+        number = f.args[1]
     elif fn in ("torch.tensor", "torch.scalar_tensor") and len(f.args) == 1:
-        inner = f.args[0]
+        number = f.args[0]
     else:
-        return factor
-    if not _scalar_valued(matcher, inner):
-        return factor
-    chain.notes.append(f"the scale `{matcher.src(f)}` is a 0-d tensor made from the Python number `{matcher.src(inner)}`: "
-                       "the fused call takes that number (the eager code rounds it to the tensor's dtype first)")
-    return inner
+        operand = f.args[0] if (fn or "").startswith("torch.") and fn.rpartition(".")[2] in _HOST_TENSOR_MATH and len(f.args) == 1 \
+            else f.func.value if isinstance(f.func, ast.Attribute) and f.func.attr in _HOST_TENSOR_MATH and not f.args else None
+        if operand is None or f.keywords or _host_tensor_number(matcher, operand, depth + 1) is None:
+            return None
+        return f, True
+    if not _scalar_valued(matcher, number):
+        return None
+    dtype = keyword(f, "dtype", 99)
+    return f, dtype is not None and matcher.src(dtype) not in _WIDE_FLOAT_DTYPES
+
+
+def _on_the_cpu(matcher: "_Matcher", f: Any) -> Any:
+    """A copy of the host-number tensor expression ``f`` whose tensors are made on the CPU (``device=`` replaced)."""
+    f = deref(f)
+    if isinstance(f, ast.BinOp):
+        return ast.BinOp(left=_on_the_cpu(matcher, f.left) if not _scalar_valued(matcher, f.left) else f.left, op=f.op,
+                         right=_on_the_cpu(matcher, f.right) if not _scalar_valued(matcher, f.right) else f.right)
+    if matcher._fn(f) in ("torch.full", "torch.tensor", "torch.scalar_tensor"):
+        keywords = [k for k in f.keywords if k.arg != "device"] + [ast.keyword(arg="device", value=ast.Constant("cpu"))]
+        return ast.Call(func=f.func, args=list(f.args), keywords=keywords)
+    if isinstance(f.func, ast.Attribute) and not f.args and not ((matcher._fn(f) or "").startswith("torch.")):
+        return ast.Call(func=ast.Attribute(value=_on_the_cpu(matcher, f.func.value), attr=f.func.attr, ctx=ast.Load()), args=[], keywords=[])
+    return ast.Call(func=f.func, args=[_on_the_cpu(matcher, f.args[0])], keywords=[])
 
 
 # --- s27 examples: old GPT-2 / GPT-J ``_attn``: the scale a 0-d tensor made from a Python number, the fill
@@ -8522,7 +8665,7 @@ class Block(nn.Module):
 AttentionPattern.FUSE += [
     Fuse(
         _GPT2_OLD_ATTN,
-        expect={"qualname": "Block._attn", "scale": "1.0 / (value.size(-1) ** 0.5)"},
+        expect={"qualname": "Block._attn", "scale": "1.0 / float(torch.full([], value.size(-1) ** 0.5, dtype=query.dtype, device='cpu'))"},
         run='''
 m = Block().eval()
 q, k, v = torch.randn(2, 2, 6, 8, requires_grad=True), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
@@ -9504,5 +9647,775 @@ out = (SamLike()(x), SamLike(use_rel_pos=True)(x))
 leaves = [x]
 ''',
         name="s28_module_term_reading_the_scores_is_not_a_pse",
+    ),
+]
+
+
+# --- s30 attention pass: a scale computed from a Python number in a 0-d tensor of the query's dtype
+# (``torch.sqrt(torch.tensor(hd, dtype=Q.dtype, device=dev))``: bf16 rounds sqrt(12) to 3.46875), taken as the same
+# expression on the CPU; an ``else: s2 = s`` branch that keeps the scores under another name ---
+_S30_SQRT_OF_A_HOST_TENSOR = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=24, head_dim=12, causal=True):
+        super().__init__()
+        self.nheads, self.head_dim, self.causal, self.device = dim // head_dim, head_dim, causal, "cpu"
+        self.Wq, self.Wk, self.Wv = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        Q = self.Wq(x).view(B, S, self.nheads, self.head_dim).transpose(1, 2)
+        K = self.Wk(x).view(B, S, self.nheads, self.head_dim).transpose(1, 2)
+        V = self.Wv(x).view(B, S, self.nheads, self.head_dim).transpose(1, 2)
+        scale = torch.sqrt(torch.tensor(self.head_dim, dtype=Q.dtype, device=self.device))
+        logits = (Q @ K.transpose(-2, -1)) / scale
+        if self.causal:
+            mask = torch.triu(torch.ones_like(logits), diagonal=1).bool()
+            logits_masked = logits.masked_fill(mask, float('-inf'))
+        else:
+            logits_masked = logits
+        A = F.softmax(logits_masked, dim=-1)
+        return torch.einsum('bnxy,bnyd->bnxd', A, V)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_SQRT_OF_A_HOST_TENSOR,
+        expect={"qualname": "Attention.forward", "mask_conditions": ["self.causal"],
+                "scale": "1.0 / float(torch.sqrt(torch.tensor(self.head_dim, dtype=Q.dtype, device='cpu')))"},
+        run='''
+x = torch.randn(2, 5, 24, requires_grad=True)
+out = (Attention()(x), Attention(causal=False)(x))
+leaves = [x]
+''',
+        name="s30_scale_sqrt_of_a_host_number_tensor",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the tensor is multiplied by a statistic of the query's values: a device tensor, not a host number
+        _S30_SQRT_OF_A_HOST_TENSOR.replace("device=self.device))", "device=self.device) * Q.abs().mean())"),
+        reason="is a tensor",
+        name="s30_scale_sqrt_of_a_tensor_times_a_device_value",
+    ),
+]
+
+
+# a scale chosen by the caller's optional argument: the default is a Python number wrapped in a 0-d tensor, the
+# caller's value may be a tensor: the fused call runs where the default is taken (GPT-SoVITS' hand-written SDPA)
+_S30_DEFAULT_SCALE_OR_THE_CALLERS = '''
+import math
+from typing import Optional
+
+import torch
+
+
+def sdpa(query, key, value, attn_mask=None, scale: Optional[torch.Tensor] = None):
+    B, H, L, S = query.size(0), query.size(1), query.size(-2), key.size(-2)
+    if scale is None:
+        scale_factor = torch.tensor(1 / math.sqrt(query.size(-1)))
+    else:
+        scale_factor = scale
+    attn_weight = query @ key.transpose(-2, -1) * scale_factor
+    if attn_mask is not None:
+        attn_weight = attn_weight.masked_fill(attn_mask, float("-inf"))
+    attn_weight = torch.softmax(attn_weight, dim=-1)
+    return attn_weight @ value
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_DEFAULT_SCALE_OR_THE_CALLERS,
+        expect={"qualname": "sdpa", "scale": "1 / math.sqrt(query.size(-1))"},
+        run='''
+q, k, v = torch.randn(2, 2, 5, 8, requires_grad=True), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+out = (sdpa(q, k, v), sdpa(q, k, v, causal), sdpa(q, k, v, scale=torch.tensor(0.3)))
+leaves = [q]
+''',
+        name="s30_default_scale_in_a_tensor_or_the_callers_scale",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the default itself reads the query's values: no branch of the scale is a host number
+        _S30_DEFAULT_SCALE_OR_THE_CALLERS.replace("torch.tensor(1 / math.sqrt(query.size(-1)))", "query.std() / math.sqrt(query.size(-1))"),
+        reason="is a tensor",
+        name="s30_default_scale_from_the_query_values",
+    ),
+]
+
+
+# --- s30: a softmax computed in fp32 and cast back under a flag (Megatron / CodeGeeX ``attention_softmax_in_fp32``) ---
+_FIXED_CAST_TARGETS = {"half": "torch.float16", "bfloat16": "torch.bfloat16", "float": "torch.float32"}
+
+
+def _s30_cast_back_branch(matcher: "_Matcher", node: Cond, chain: Chain) -> Any:
+    """``if flag: p = softmax(s.float()).half() else: p = softmax(s)``: one branch is the other's call with its result
+    cast (and its input cast): npu_fusion_attention's softmax accumulates in fp32 (spec) and returns the input's
+    dtype, so both branches are the fused call where the cast lands on the scores' own dtype. A cast to a fixed
+    dtype (``.half()``) is checked at run time (the flag off, or the scores already in that dtype; the original code
+    runs otherwise); a cast back to the scores' dtype (``.type_as(s)``) needs no check. Returns the conditional with
+    the outer cast dropped, for the common call to be hoisted; None where the branches differ otherwise."""
+    if _heavy(node.test, through_meta=False) or not _pure_test(matcher, node.test):
+        return None
+    for casted, other, on_body in ((node.body, node.orelse, True), (node.orelse, node.body, False)):
+        c = deref(casted)
+        if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in _CASTS - {"contiguous"}):
+            continue
+        inner = deref(c.func.value)
+        if not isinstance(inner, ast.Call) or matcher.method(inner, *_CASTS):
+            continue
+        trial = Cond(test=node.test, body=inner if on_body else other, orelse=other if on_body else inner)
+        if _hoist_common_call(matcher, trial) is None:
+            continue
+        target = _FIXED_CAST_TARGETS.get(c.func.attr) if not c.args and not c.keywords else None
+        arg = c.args[0] if len(c.args) == 1 and not c.keywords else None
+        if target is None and arg is not None and isinstance(deref(arg), ast.Attribute) and deref(arg).attr == "dtype":
+            arg = deref(arg).value
+        if target is None and arg is not None and _heavy(arg, through_meta=False):
+            return trial  # ``.type_as(s)`` / ``.to(s.dtype)``: back to the scores' dtype, the fused op's output dtype
+        if target is None and arg is not None and matcher.src(arg) in _FIXED_DTYPE_NAMES:
+            target = _FIXED_DTYPE_NAMES[matcher.src(arg)]
+        scores = next((a for a in (deref(other).args if isinstance(deref(other), ast.Call) else []) if _heavy(a, through_meta=False)), None)
+        if target is None or scores is None:
+            return None
+        same = ast.Compare(left=ast.Attribute(value=scores, attr="dtype", ctx=ast.Load()), ops=[ast.Eq()],
+                           comparators=[ast.parse(target, mode="eval").body])
+        flag_off = ast.UnaryOp(op=ast.Not(), operand=node.test) if on_body else node.test
+        chain.requires.append((ast.BoolOp(op=ast.Or(), values=[flag_off, same]),
+                               f"the probabilities are cast to {target} after an fp32 softmax under `if {matcher.src(node.test)}`: "
+                               f"the fused op's softmax accumulates in fp32 and returns the scores' dtype, so the fused call runs "
+                               f"where the flag is off or the scores are already {target}; the original code runs otherwise"))
+        return trial
+    return None
+
+
+_FIXED_DTYPE_NAMES = {"torch.float16": "torch.float16", "torch.half": "torch.float16", "torch.bfloat16": "torch.bfloat16",
+                      "torch.float32": "torch.float32", "torch.float": "torch.float32"}
+
+
+# Megatron / CodeGeeX: a 3-D ``torch.matmul`` of [b*np, s, hn] views (bmm with v), a bool mask subtracted times
+# 10000 (its values checked at run time), the softmax in fp32 cast to half under a flag (checked: flag off or half scores)
+_S30_MEGATRON_FP32_SOFTMAX_FLAG = '''
+import torch
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, heads=2, hn=8, fp32=False):
+        super().__init__()
+        self.np, self.hn, self.norm_factor, self.attention_softmax_in_fp32 = heads, hn, hn ** 0.5, fp32
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask):
+        # [s, b, np, hn] in; [b, np, sq, hn] out
+        output_size = (query_layer.size(1), query_layer.size(2), query_layer.size(0), key_layer.size(0))
+        query_layer = query_layer.contiguous().view(output_size[2], output_size[0] * output_size[1], -1)
+        key_layer = key_layer.contiguous().view(output_size[3], output_size[0] * output_size[1], -1)
+        matmul_result = torch.matmul(query_layer.transpose(0, 1),
+                                     key_layer.transpose(0, 1).transpose(1, 2)) / self.norm_factor
+        attention_scores = matmul_result.view(*output_size)
+        attention_scores = attention_scores - attention_mask * 10000.0
+        if self.attention_softmax_in_fp32:
+            attention_probs = self.softmax(attention_scores.float()).half()
+        else:
+            attention_probs = self.softmax(attention_scores)
+        value_layer = value_layer.contiguous().view(value_layer.size(0), output_size[0] * output_size[1], -1)
+        attention_probs = attention_probs.view(output_size[0] * output_size[1], output_size[2], -1)
+        context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
+        return context_layer.view(output_size[0], output_size[1], output_size[2], -1)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_MEGATRON_FP32_SOFTMAX_FLAG,
+        expect={"qualname": "SelfAttention.forward", "layout": "3D (bmm) -> BNSD with N=1"},
+        run='''
+q, k, v = torch.randn(5, 2, 2, 8, requires_grad=True), torch.randn(5, 2, 2, 8), torch.randn(5, 2, 2, 8)
+causal = torch.ones(5, 5, dtype=torch.bool).triu(1)[None, None]
+out = SelfAttention()(q, k, v, causal)
+leaves = [q]
+''',
+        name="s30_megatron_3d_matmul_subtracted_mask_fp32_softmax_flag",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the fp32 softmax is chosen by the scores' values (a device read), not by a flag a guard reads for free
+        _S30_MEGATRON_FP32_SOFTMAX_FLAG.replace("if self.attention_softmax_in_fp32:", "if attention_scores.abs().amax() > 1e4:"),
+        reason="modified after softmax under `if attention_scores.abs().amax()",
+        name="s30_fp32_softmax_chosen_by_the_scores_values",
+    ),
+]
+
+
+# --- s30: a helper given the scores that writes into them in place (MViT's ``cal_rel_pos_spatial``) ---
+def _s30_helper_writing_into_the_scores(matcher: "_Matcher", node: Any, stop: Any) -> None:
+    """Raises the near miss naming it when ``node`` calls a function of the repo, given the scores as an argument,
+    whose body assigns into a slice of that parameter (``attn[:, :, i:, i:] = attn[..].view(..) + rel``): the term
+    is added in place to part of the scores, not returned as a bias the fused call could take as ``pse``."""
+    from npufuse.scan import repo_facts
+
+    callee = node.func if isinstance(node, ast.Call) else None
+    name = callee.id if isinstance(callee, ast.Name) else callee.name if isinstance(callee, Ref) and callee.idx == -1 else None
+    if name is None:
+        return
+    index = next((i for i, a in enumerate(node.args) if matcher._reaches(a, stop)), None)
+    if index is None:
+        return
+    d = repo_facts.definition(matcher.module, name)
+    fn = d.node if d is not None else None
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or index >= len(fn.args.args):
+        return
+    param = fn.args.args[index].arg
+    for stmt in ast.walk(fn):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AugAssign) else []
+        for t in targets:
+            base = t
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if t is not base and isinstance(base, ast.Name) and base.id == param:
+                raise Miss(f"the scores are passed to `{name}` ({d.rel}:{fn.lineno}), which writes into them in place "
+                           f"(line {stmt.lineno}: `{' '.join(ast.unparse(t).split())[:60]} = ...`): the term it adds to part of the "
+                           "scores is not returned as a separate bias npu_fusion_attention could take as `pse`")
+
+
+# a module's relative-position bias added in a conditional expression before the scale (StyleTTS2 / audio-diffusion
+# ``AttentionBase``): the expression ``if`` reads as the statement one, the bias goes to pse scaled
+_S30_BIAS_IN_AN_IF_EXPRESSION = '''
+import torch
+from torch import nn
+
+
+class RelPos(nn.Module):
+    def __init__(self, heads=2, n=16):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(heads, 2 * n))
+
+    def forward(self, i, j):
+        pos = torch.arange(j)[None, :] - torch.arange(i)[:, None] + j
+        return self.table[:, pos][None]
+
+
+class AttentionBase(nn.Module):
+    def __init__(self, heads=2, head_features=8, use_rel_pos=True):
+        super().__init__()
+        self.scale, self.num_heads, self.use_rel_pos = head_features ** -0.5, heads, use_rel_pos
+        self.rel_pos = RelPos(heads)
+
+    def forward(self, q, k, v):
+        sim = torch.einsum("b h n d, b h m d -> b h n m", q, k)
+        sim = (sim + self.rel_pos(*sim.shape[-2:])) if self.use_rel_pos else sim
+        sim = sim * self.scale
+        attn = sim.softmax(dim=-1)
+        return torch.einsum("b h n m, b h m d -> b h n d", attn, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_BIAS_IN_AN_IF_EXPRESSION,
+        expect={"qualname": "AttentionBase.forward", "mask_kind": "pse"},
+        run='''
+q, k, v = torch.randn(2, 2, 5, 8, requires_grad=True), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+out = (AttentionBase()(q, k, v), AttentionBase(use_rel_pos=False)(q, k, v))
+leaves = [q]
+''',
+        name="s30_module_bias_in_a_conditional_expression",
+    ),
+]
+
+# a function of the file given the scores that adds its term into a slice of them in place (MViT's
+# ``cal_rel_pos_temporal``): refused, naming the write
+_S30_HELPER_WRITES_INTO_THE_SCORES = '''
+import torch
+from torch import nn
+
+
+def add_rel_pos(attn, q, rel):
+    sp = 1
+    attn[:, :, sp:, sp:] = attn[:, :, sp:, sp:] + torch.einsum("bhqd,kd->bhqk", q[:, :, sp:], rel)
+    return attn
+
+
+class MultiScaleAttention(nn.Module):
+    def __init__(self, dim=16, heads=2, n=6):
+        super().__init__()
+        self.scale, self.rel = (dim // heads) ** -0.5, nn.Parameter(torch.randn(n - 1, dim // heads))
+
+    def forward(self, q, k, v):
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        attn = add_rel_pos(attn, q, self.rel)
+        attn = attn.softmax(dim=-1)
+        return attn @ v
+'''
+
+AttentionPattern.KEEP += [
+    Keep(
+        _S30_HELPER_WRITES_INTO_THE_SCORES,
+        reason="passed to `add_rel_pos` (example.py:6), which writes into them in place (line 8",
+        name="s30_helper_writing_a_term_into_the_scores",
+    ),
+]
+
+
+# --- s30: probabilities returned only under a flag (Time-Series-Library ``if self.output_attention: return V, A``) ---
+def _s30_probs_read_under_flag(scope: Scope, name: str, after: int) -> tuple[ast.expr, bool] | None:
+    """(test, negated) where every read of ``name`` after line ``after`` sits in the same branch of ``if test`` /
+    ``x if test else y`` and the test is a flag the fused branch can read before the site: ``self.<attr>`` or a
+    parameter the function never reassigns, possibly under ``not`` (the ``Chain.excluded`` convention: negated means
+    the reads are in the else branch). None otherwise."""
+    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    if not loads:
+        return None
+    parents = scope.__dict__.get("_npufuse_parents")
+    if parents is None:
+        parents = scope.__dict__["_npufuse_parents"] = _parents(scope.node)
+    found: set[tuple[str, bool]] = set()
+    test_node = None
+    for load in loads:
+        up, child = parents.get(id(load)), load
+        while up is not None and up is not scope.node and not (isinstance(up, (ast.If, ast.IfExp)) and child is not up.test):
+            up, child = parents.get(id(up)), up
+        if up is None or up is scope.node:
+            return None
+        in_body = child in up.body if isinstance(up, ast.If) else child is up.body
+        flag = up.test.operand if isinstance(up.test, ast.UnaryOp) and isinstance(up.test.op, ast.Not) else up.test
+        own = isinstance(flag, ast.Attribute) and isinstance(flag.value, ast.Name) and flag.value.id == "self"
+        param = isinstance(flag, ast.Name) and flag.id in scope.args and not scope.assignments.get(flag.id)
+        if not (own or param):
+            return None
+        found.add((ast.dump(up.test), not in_body))
+        test_node = up.test
+    if len(found) != 1 or test_node is None:
+        return None
+    return test_node, next(iter(found))[1]
+
+
+_S30_PROBS_RETURNED_UNDER_A_FLAG = '''
+import torch
+from torch import nn
+
+
+class FullAttention(nn.Module):
+    def __init__(self, scale=None, output_attention=False):
+        super().__init__()
+        self.scale, self.output_attention = scale, output_attention
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, queries, keys, values):
+        B, L, H, E = queries.shape
+        scale = self.scale or 1. / E ** 0.5
+        scores = torch.einsum("blhe,bshe->bhls", queries, keys)
+        A = self.dropout(torch.softmax(scale * scores, dim=-1))
+        V = torch.einsum("bhls,bshd->blhd", A, values)
+        if self.output_attention:
+            return (V.contiguous(), A)
+        else:
+            return (V.contiguous(), None)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_PROBS_RETURNED_UNDER_A_FLAG,
+        expect={"qualname": "FullAttention.forward", "layout": "BSND"},
+        run='''
+q, k, v = torch.randn(2, 5, 2, 8, requires_grad=True), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+out = (FullAttention()(q, k, v)[0], *FullAttention(output_attention=True)(q, k, v))
+leaves = [q]
+''',
+        name="s30_probabilities_returned_only_under_a_flag",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # returned where the input is long: a test on the inputs, not a flag the callers set; a caller may read them
+        _S30_PROBS_RETURNED_UNDER_A_FLAG.replace("if self.output_attention:", "if L > 4:"),
+        reason="are returned to the callers",
+        name="s30_probabilities_returned_under_a_test_on_the_inputs",
+    ),
+]
+
+
+# --- s30: probabilities scaled by a number after the softmax (Time-Series-Library ``softmax(energy) / scaling``) ---
+def _s30_scaled_probabilities(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
+    """The probabilities of ``P / c`` / ``P * c`` / ``c * P`` with ``c`` a Python number by construction (recorded in
+    ``chain.out_factor``), else None. softmax(S) / c @ V = (softmax(S) @ V) / c, and dropout commutes with a
+    constant factor, so npu_fusion_attention (whose softmax is normalised, spec) computes it with the factor on
+    its output. A tensor factor (a head mask, a learned weight) is not taken."""
+    if chain.out_factor is not None or not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult))):
+        return None
+    pairs = [(node.left, node.right)] if isinstance(node.op, ast.Div) else [(node.left, node.right), (node.right, node.left)]
+    for probs, factor in pairs:
+        if _heavy(probs, through_meta=False) and not _heavy(factor, through_meta=False) and _scalar_valued(matcher, factor):
+            chain.out_factor = (factor, isinstance(node.op, ast.Div))
+            return probs
+    return None
+
+
+_S30_PROBS_DIVIDED_AFTER_SOFTMAX = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, emb_size=16, num_heads=2, dropout=0.0):
+        super().__init__()
+        self.emb_size, self.num_heads = emb_size, num_heads
+        self.att_drop = nn.Dropout(dropout)
+
+    def forward(self, queries, keys, values):
+        energy = torch.einsum('bhqd, bhkd -> bhqk', queries, keys)
+        scaling = self.emb_size ** (1 / 2)
+        att = F.softmax(energy, dim=-1) / scaling
+        att = self.att_drop(att)
+        return torch.einsum('bhal, bhlv -> bhav ', att, values)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_PROBS_DIVIDED_AFTER_SOFTMAX,
+        expect={"qualname": "MultiHeadAttention.forward", "scale": "1.0"},
+        run='''
+q, k, v = torch.randn(2, 2, 5, 8, requires_grad=True), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+out = MultiHeadAttention()(q, k, v)
+leaves = [q]
+''',
+        name="s30_probabilities_divided_by_a_number_after_softmax",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # divided by a caller's value (possibly a per-position tensor): not a number the output can take instead
+        _S30_PROBS_DIVIDED_AFTER_SOFTMAX.replace("def forward(self, queries, keys, values):", "def forward(self, queries, keys, values, norm):")
+                                        .replace("F.softmax(energy, dim=-1) / scaling", "F.softmax(energy, dim=-1) / norm"),
+        reason="modified after softmax",
+        name="s30_probabilities_divided_by_a_callers_value",
+    ),
+]
+
+
+# --- s30: attention written with a repository's own operator module (shark-ai's ``ops.matmul`` / ``ops.softmax``) ---
+_FOREIGN_ROOTS_SKIPPED = ("torch", "numpy", "np", "jax", "tensorflow", "tf", "mindspore", "paddle")
+
+
+def _s30_foreign_operator_attention(pattern_id: str, module: ModuleInfo, scope: Scope) -> Iterator[NearMiss]:
+    """``w = ops.softmax(ops.matmul(q, kᵀ) ..); out = ops.matmul(w, v)`` where ``ops`` is an imported module that
+    is not torch (nor numpy & co.): softmax attention in another library's / the project's own operators. Their ``matmul`` / ``softmax`` are
+    whatever that module defines for the tensor types it takes (sharktank's are dispatched on the argument types:
+    sharded, quantised, replicated tensors), so a torch_npu call on plain tensors is not a drop-in replacement:
+    a near miss naming the module, never a candidate."""
+    softmaxed: dict[str, tuple[int, str]] = {}
+    for _block, _i, stmt in scope.statements():
+        # the statement's own expressions (nested statements come on their own)
+        own = [c for f in child_fields(type(stmt)) for v in ([getattr(stmt, f, None)] if not isinstance(getattr(stmt, f, None), list) else getattr(stmt, f))
+               if isinstance(v, ast.expr) for c in fast_walk(v)]
+        for call in own:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)):
+                continue
+            owner = module.canonical(call.func.value) or ""
+            if owner.split(".")[0] in _FOREIGN_ROOTS_SKIPPED or owner == call.func.value.id or owner in ("self", "cls"):
+                continue  # torch & co. (read by the pattern itself), or a local / parameter object, not an imported module
+            if call.func.attr == "softmax" and isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+                    and isinstance(stmt.targets[0], ast.Name) and call is stmt.value:
+                softmaxed[stmt.targets[0].id] = (stmt.lineno, owner)
+            elif call.func.attr in ("matmul", "bmm", "einsum") and any(
+                    isinstance(a, ast.Name) and a.id in softmaxed and softmaxed[a.id][1] == owner for a in call.args):
+                name = next(a.id for a in call.args if isinstance(a, ast.Name) and a.id in softmaxed)
+                yield NearMiss(pattern_id, scope.qualname, softmaxed[name][0], stmt.end_lineno or stmt.lineno,
+                               f"softmax attention written with `{owner}.softmax` / `{owner}.{call.func.attr}`, operators of the "
+                               f"module `{owner}` (not torch): what they compute for the tensor types they accept "
+                               "is defined there (a dispatch on argument types, e.g. sharded or quantised tensors, would be "
+                               "bypassed), so npufuse does not replace them with an npu_fusion_attention call on plain tensors")
+
+
+AttentionPattern.KEEP += [
+    Keep(
+        '''
+import math
+import torch
+from mylib import ops
+
+
+def attention_decomposed(q, k, v, scale=None):
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    w = ops.matmul(q, k.transpose(-2, -1)) * scale
+    w = ops.softmax(w, dim=-1)
+    return ops.matmul(w, v)
+''',
+        reason="operators of the module `mylib.ops` (not torch)",
+        name="s30_attention_in_another_modules_operators",
+    ),
+]
+
+
+# --- s30: an einsum ``...`` read as one batch axis (timesfm ``"...qhd,...khd->...hqk"``) under a run-time rank check ---
+def _s30_one_batch_axis_subscripts(spec: Any) -> Contraction | None:
+    """The equation's contraction with its ``...`` read as ONE batch axis (``B``), where it has one and no ``B``."""
+    text = const_value(spec) if spec is not None else None
+    if not isinstance(text, str) or "..." not in text or "B" in text:
+        return None
+    return contraction(einsum_subscripts(ast.Constant(text.replace("...", "B"))))
+
+
+def _s30_ellipsis_as_one_axis(pattern: "AttentionPattern", module: ModuleInfo, scope: Scope, interp: "BlockInterp", e: int,
+                              stmt: ast.stmt, node: ast.AST, pv: Product, reason: str) -> Result | None:
+    """Where reading an einsum's ``...`` as two batch axes (``b h``) made 5-D operands, the site read again with it
+    as one (``...qhd`` = [B, S, N, D]): the fused call then runs under a run-time check that q, k and v are 4-D (the
+    rank the text does not state); the original code runs otherwise. Where that reading stops at another step, its
+    near miss; None where it does not apply (the first reason stands)."""
+    if "5-D" not in reason or _s30_one_batch_axis_subscripts(pv.spec) is None:
+        return None
+    matcher = _Matcher(module, scope, interp, interp.block[0].lineno)
+    matcher.site_line = stmt.lineno
+    matcher.s30_ellipsis_one = True
+    pv = matcher.resolved(pv) or pv
+    env = interp.before[e]
+    sym_pv = Product(interp.sym(pv.a, env), interp.sym(pv.b, env), pv.kind, pv.subs, None, pv.spec)
+    try:
+        chain = matcher.match(sym_pv, node)
+    except Miss as miss:
+        # read as 4-D the site stops at a step of its own: that is the reason to give; a rank / layout disagreement
+        # is the one-axis reading's own doing (ESMFold's ``...qc`` scores hold the heads in ``...``): the first reason stands
+        if re.search(r"\b\d-D\b|\brank\b|layout", str(miss)):
+            return None
+        return NearMiss(pattern.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+    if chain is None or chain.q is None or chain.k is None or chain.v is None:
+        return None
+    ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=op.leaf, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
+                         ops=[ast.Eq()], comparators=[ast.Constant(4)]) for op in (chain.q, chain.k, chain.v)]
+    chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
+                           f"the einsum `{const_value(pv.spec)}` is read with `...` as one batch axis (4-D q/k/v): checked at run "
+                           "time; inputs of another rank run the original code"))
+    return pattern._finding(module, scope, interp, matcher, chain, e, stmt, node)
+
+
+_S30_ELLIPSIS_ONE_BATCH_AXIS = '''
+import torch
+import torch.nn.functional as F
+
+
+def _dot_product_attention(query, key, value, mask=None):
+    attn_weights = torch.einsum("...qhd,...khd->...hqk", query, key)
+    if mask is not None:
+        attn_weights = torch.where(mask, attn_weights, -torch.finfo(attn_weights.dtype).max / 2)
+    attn_weights = F.softmax(attn_weights, dim=-1)
+    return torch.einsum("...hqk,...khd->...qhd", attn_weights, value)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_ELLIPSIS_ONE_BATCH_AXIS,
+        expect={"qualname": "_dot_product_attention", "layout": "BSND", "mask_kind": "bool_keep"},
+        run='''
+q, k, v = torch.randn(2, 5, 2, 8, requires_grad=True), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+keep = torch.ones(2, 1, 5, 6, dtype=torch.bool)
+keep[1, ..., 4:] = False
+out = (_dot_product_attention(q, k, v), _dot_product_attention(q, k, v, keep), _dot_product_attention(q[None], k[None], v[None]))
+leaves = [q]
+''',
+        name="s30_einsum_ellipsis_as_one_batch_axis_rank_checked",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the lowest value over 100 is -655 in fp16: not a masking value (masked logits would still weigh)
+        _S30_ELLIPSIS_ONE_BATCH_AXIS.replace("-torch.finfo(attn_weights.dtype).max / 2", "-torch.finfo(attn_weights.dtype).max / 100"),
+        reason="masked with `-torch.finfo(attn_weights.dtype).max / 100`, not −inf or a large negative",
+        name="s30_einsum_ellipsis_fill_not_a_mask_value",
+    ),
+]
+
+
+# --- s30: scores made in one method, mask + softmax + @V in another of the class (SANM / wenet ``forward_attention``) ---
+def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, scope: Scope) -> Iterator[Finding]:
+    """``scores = torch.matmul(q, kᵀ)`` then ``out = self.forward_attention(v, scores, mask)`` in the caller, the mask,
+    softmax, dropout and @V in the called method of the same class: the call is read with the method's body inlined
+    (its parameters bound to the arguments, its locals renamed where the caller uses the name, its one final
+    ``return`` assigning the caller's name), and an attention found across the two becomes a candidate of the
+    caller whose fused branch runs that inlined code with the fused call in it; the fallback is the caller's code
+    as written (the method call). Only top-level assignments of the caller's body, methods with plain parameters,
+    one return at the end and no nested functions are read."""
+    cls = module.classes.get(scope.class_name) if scope.class_name else None
+    fn = scope.node
+    if cls is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return
+    methods = {m.name: m for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    products: set[str] = set()
+    for st in fn.body:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            if product(st.value, module.call_name) is not None:
+                products.add(st.targets[0].id)
+            else:
+                products.discard(st.targets[0].id)
+        call = st.value if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == "self" and call.func.attr in methods and call.func.attr != fn.name):
+            continue
+        if not any(isinstance(a, ast.Name) and a.id in products for a in call.args):
+            continue
+        inlined = _s30_inline(module, fn, st, methods[call.func.attr])
+        if inlined is None:
+            continue
+        text, first, last = inlined
+        try:
+            synthetic = ModuleInfo.from_source(module.path, text)
+        except SyntaxError:
+            continue
+        synthetic.__dict__["_npufuse_s30_inlined"] = True
+        twin = next((sc for sc in synthetic.scopes if sc.qualname == scope.qualname), None)
+        if twin is None:
+            continue
+        for res in pattern.detect(synthetic, twin):
+            if not isinstance(res, Finding) or res.end_line < first or res.end_line > last or res.line > first \
+                    or not any(b.end_lineno == res.end_line for b in twin.node.body):
+                continue  # the site must end at a statement of the caller's own block (the rest follows it there)
+            lines = synthetic.lines
+            indent = len(lines[first - 1]) - len(lines[first - 1].lstrip())
+            after = "".join(ln[indent:] if ln.strip() else ln for ln in lines[res.end_line:last]).rstrip("\n")
+            fused = res.fused + ("\n" + after if after else "")
+            try:
+                ast.parse(fused)
+            except SyntaxError:
+                continue
+            note = (f"the scores are made here and passed to `self.{call.func.attr}` (mask, softmax, @V): the fused branch runs "
+                    "that method's body inlined with the fused call in it; the fallback is the call as written")
+            yield Finding(res.pattern, res.qualname, res.line, st.end_lineno or st.lineno, res.params, fused, res.guard_tensor,
+                          res.confidence, res.variant, list(res.risks), [*res.notes, note], res.training_ok)
+
+
+def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast.FunctionDef) -> tuple[str, int, int] | None:
+    """The module's source with ``st`` (``name = self.m(args)``) replaced by ``m``'s body (parameters bound, locals
+    renamed away from the caller's names, the final ``return e`` as ``name = e``), and the inlined lines' range;
+    None where the method is not of that simple form."""
+    call = st.value
+    a = method.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or not a.args or a.args[0].arg != "self" or call.keywords \
+            or any(isinstance(x, ast.Starred) for x in call.args):
+        return None
+    params = [p.arg for p in a.args[1:]]
+    if len(call.args) > len(params) or len(call.args) < len(params) - len(a.defaults):
+        return None
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
+    body = [b for b in method.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]  # docstring
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None \
+            or sum(isinstance(n, ast.Return) for n in ast.walk(method)) != 1 \
+            or any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Yield, ast.YieldFrom, ast.Global, ast.Nonlocal))
+                   for b in body for n in ast.walk(b)):
+        return None
+    caller_names = {n.id for n in ast.walk(caller) if isinstance(n, ast.Name)} | {x.arg for x in ast.walk(caller.args) if isinstance(x, ast.arg)}
+    local = set(params) | {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    given = {p: (call.args[i] if i < len(call.args) else defaults[p]) for i, p in enumerate(params)}
+    stored = _stored_names(body)
+    rename = {n: f"_{method.name}_{n}" for n in local if n in caller_names}
+    # a parameter the method never reassigns, given a plain name, is that name (no binding statement in between)
+    rename.update({p: given[p].id for p in params if isinstance(given[p], ast.Name) and p not in stored})
+
+    class _Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            return ast.copy_location(ast.Name(rename.get(node.id, node.id), node.ctx), node)
+
+    stmts: list[ast.stmt] = []
+    for p in params:
+        target = rename.get(p, p)
+        if isinstance(given[p], ast.Name) and given[p].id == target:
+            continue
+        stmts.append(ast.Assign(targets=[ast.Name(target, ast.Store())], value=given[p], lineno=0))
+    for b in body[:-1]:
+        stmts.append(_Rename().visit(copy.deepcopy(b)))
+    stmts.append(ast.Assign(targets=[st.targets[0]], value=_Rename().visit(copy.deepcopy(body[-1].value)), lineno=0))
+    lines = module.lines
+    start, end = st.lineno, st.end_lineno or st.lineno
+    indent = lines[start - 1][: len(lines[start - 1]) - len(lines[start - 1].lstrip())]
+    new = "".join(indent + ln + "\n" for x in stmts for ln in ast.unparse(ast.fix_missing_locations(x)).splitlines())
+    text = "".join(lines[: start - 1]) + new + "".join(lines[end:])
+    return text, start, start + new.count("\n") - 1
+
+
+def _stored_names(body: list[ast.stmt]) -> set[str]:
+    return {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+_S30_SCORES_PASSED_TO_A_METHOD = '''
+import torch
+from torch import nn
+
+
+class MultiHeadedAttentionSANM(nn.Module):
+    def __init__(self, n_head=2, n_feat=16, dropout_rate=0.0):
+        super().__init__()
+        self.d_k, self.h = n_feat // n_head, n_head
+        self.linear_q_k_v = nn.Linear(n_feat, 3 * n_feat)
+        self.linear_out = nn.Linear(n_feat, n_feat)
+        self.dropout = nn.Dropout(p=dropout_rate)
+
+    def forward_qkv(self, x):
+        b, t, d = x.size()
+        q, k, v = torch.split(self.linear_q_k_v(x), int(self.h * self.d_k), dim=-1)
+        q_h = torch.reshape(q, (b, t, self.h, self.d_k)).transpose(1, 2)
+        k_h = torch.reshape(k, (b, t, self.h, self.d_k)).transpose(1, 2)
+        v_h = torch.reshape(v, (b, t, self.h, self.d_k)).transpose(1, 2)
+        return q_h, k_h, v_h, v
+
+    def forward_attention(self, value, scores, mask):
+        """The context vector."""
+        n_batch = value.size(0)
+        if mask is not None:
+            mask = mask.unsqueeze(1).eq(0)
+            scores = scores.masked_fill(mask, -float("inf"))
+            attn = torch.softmax(scores, dim=-1).masked_fill(mask, 0.0)
+        else:
+            attn = torch.softmax(scores, dim=-1)
+        p_attn = self.dropout(attn)
+        x = torch.matmul(p_attn, value)
+        x = x.transpose(1, 2).contiguous().view(n_batch, -1, self.h * self.d_k)
+        return self.linear_out(x)
+
+    def forward(self, x, mask):
+        q_h, k_h, v_h, v = self.forward_qkv(x)
+        q_h = q_h * self.d_k ** (-0.5)
+        scores = torch.matmul(q_h, k_h.transpose(-2, -1))
+        att_outs = self.forward_attention(v_h, scores, mask)
+        return att_outs + x
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S30_SCORES_PASSED_TO_A_METHOD,
+        expect={"qualname": "MultiHeadedAttentionSANM.forward", "scale": "self.d_k ** (-0.5)"},
+        run='''
+m = MultiHeadedAttentionSANM().eval()
+x = torch.randn(2, 5, 16, requires_grad=True)
+keep = torch.ones(2, 1, 5)
+keep[1, :, 3:] = 0
+out = (m(x, None), m(x, keep))
+leaves = [x]
+''',
+        name="s30_scores_passed_to_a_method_of_the_class_inlined",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the method returns early on one path: its body is not inlined (one return at the end only)
+        _S30_SCORES_PASSED_TO_A_METHOD.replace('''        n_batch = value.size(0)
+''', '''        n_batch = value.size(0)
+        if n_batch == 0:
+            return value
+'''),
+        reason="made by a caller",
+        name="s30_scores_passed_to_a_method_returning_early",
     ),
 ]
