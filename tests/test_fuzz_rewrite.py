@@ -204,7 +204,9 @@ def spans_and_edits(draw):
         edits.append(SiteEdit(line, end, fused, guard, draw(st.sampled_from(["rms_norm", "swiglu", "rope"])), tag=f"e{k}"))
         header = getattr(node, "lineno", 0) if not isinstance(node, ast.Module) else 0
         decorated = any(getattr(s, "decorator_list", None) for s in block[i : j + 1])
-        if (_own_lines(block, i, j, header) and not decorated and fused.strip() and guard != "("
+        # an ``elif`` heads its parent's else block but is no statement of its own line: never rewritten
+        elif_head = text.splitlines()[line - 1].lstrip().startswith("elif")
+        if (_own_lines(block, i, j, header) and not decorated and not elif_head and fused.strip() and guard != "("
                 and fused != "x = (" and "\t" not in text):
             must.add(f"e{k}")
     return text, edits, must

@@ -249,3 +249,12 @@ def test_earlier_edits_win_an_overlap():
     out = rewrite_source(src, [edit(6, 7, tag="first"), edit(5, 6, tag="second")])
     assert [e.tag for e in out.applied] == ["first"]
     assert "overlaps site first (lines 6-7)" in out.skipped[0][1]
+
+
+def test_a_span_starting_at_an_elif_is_skipped_saying_so():
+    # found by the rewrite fuzzer: an ``elif`` is the ``if`` above it's else branch, no statement of its own
+    src = ("import torch\n\n\ndef f(x, kind):\n    if kind == 'a':\n        y = x + 1\n"
+           "    elif kind == 'b':\n        y = x * 2\n    else:\n        y = x\n    return y\n")
+    out = rewrite_source(src, [edit(7, 10, "y = x", tag="elif")])
+    assert out.text == src and not out.applied
+    assert out.skipped[0][1] == "line 7 is an `elif` branch of the `if` above it, not a statement of its own block"

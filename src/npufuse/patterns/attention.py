@@ -8558,7 +8558,13 @@ def _s30_scale_branches(matcher: "_Matcher", factor: Any, chain: Chain) -> Any:
     if not isinstance(c, Cond) or isinstance(c.body, Undef) or isinstance(c.orelse, Undef) \
             or _heavy(c.test, through_meta=False) or any(isinstance(n, ast.Call) for n in walk_sym(c.test)):
         return factor
-    number = [_scalar_valued(matcher, x) or _host_tensor_number(matcher, x) is not None for x in (c.body, c.orelse)]
+    scalar = [_scalar_valued(matcher, x) for x in (c.body, c.orelse)]
+    number = [scalar[i] or _host_tensor_number(matcher, x) is not None for i, x in enumerate((c.body, c.orelse))]
+    if all(scalar) or not any(n and not s for n, s in zip(number, scalar)):
+        # no branch is a number wrapped in a tensor: the value the name holds at the span start is what the
+        # original multiplies by (``if scaling is None: scaling = query.size(-1) ** -0.5``, transformers' eager
+        # attention), read as any other scale
+        return factor
     if all(number):
         return ast.IfExp(test=c.test, body=_host_number_in_a_tensor(matcher, c.body, chain),
                          orelse=_host_number_in_a_tensor(matcher, c.orelse, chain))

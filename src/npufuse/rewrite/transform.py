@@ -368,6 +368,16 @@ class _MarkedCollector(cst.CSTVisitor):
             self.nodes.append(node)
 
 
+def _not_a_block_statement(source: str, line: int) -> str:
+    """Why no statement of an indented block starts at ``line`` (said of the line as written)."""
+    lines = source.splitlines()
+    text = lines[line - 1].lstrip() if 0 < line <= len(lines) else ""
+    if text.startswith("elif ") or text.startswith("elif("):
+        # an ``elif`` is the else branch of the ``if`` above it: no block of its own to put a switch in
+        return f"line {line} is an `elif` branch of the `if` above it, not a statement of its own block"
+    return f"line {line} does not start a statement of an indented block (one-line `if x: ...` bodies are not rewritten)"
+
+
 def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) -> RewriteOutcome:
     """Apply ``edits`` to ``source``; unparseable source raises ``cst.ParserSyntaxError``, source
     nesting too deep for libcst :class:`nesting.TooDeep` (nothing parsed, nothing changed)."""
@@ -388,7 +398,7 @@ def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) 
         if e in why:
             outcome.skipped.append((e, why[e]))
         elif e not in rewriter.applied:
-            outcome.skipped.append((e, rewriter.reasons.get(e, f"line {e.line} does not start a statement of an indented block (one-line `if x: ...` bodies are not rewritten)")))
+            outcome.skipped.append((e, rewriter.reasons.get(e, _not_a_block_statement(source, e.line))))
     if not rewriter.applied:
         return outcome
     with_torch = False
