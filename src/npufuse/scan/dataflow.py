@@ -42,6 +42,73 @@ def dotted(node: ast.AST | None) -> str | None:
     return None
 
 
+# Module imports respelled in the tree the way detectors match them (issue 14: one canonical layer instead of
+# each detector checking ``torch.`` / ``th.`` itself). ``F`` and ``nn`` are left as they are (every detector
+# reads them); other aliases of those modules become the dotted path, which needs no binding but ``torch``.
+_CANONICAL_SPELLING = {"torch": "torch", "torch.nn.functional": "torch.nn.functional", "torch.nn": "torch.nn"}
+_USUAL_ALIAS = {"torch.nn.functional": "F", "torch.nn": "nn"}
+
+
+def canonicalise_module_aliases(tree: ast.Module) -> dict[str, str]:
+    """Respell, in ``tree``, the names a module-level ``import torch as th`` (``import torch.nn.functional as
+    fn``, ``import torch.nn as tnn``) binds, as ``torch`` (``torch.nn.functional``, ``torch.nn``), so
+    ``th.cat(..)`` reads as ``torch.cat(..)`` to every detector. Only read positions (``Load``) change, each
+    node keeping its position, so the quoted source still says ``th`` (which the module binds) and code a
+    detector prints from the tree says ``torch`` (which the rewrite's prelude imports where the module does
+    not). Done only where it cannot change a meaning: the alias is bound by that import alone, and ``torch``
+    by nothing but ``import torch``. Returns {alias: dotted name} of what it respelled; a tree already
+    canonical is left alone."""
+    wanted: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in _CANONICAL_SPELLING and a.asname and a.asname not in (a.name, _USUAL_ALIAS.get(a.name)):
+                    wanted[a.asname] = a.name
+    if not wanted:
+        return {}
+    bound: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.setdefault(node.id, []).append("store")
+        elif isinstance(node, ast.arg):
+            bound.setdefault(node.arg, []).append("arg")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.setdefault(node.name, []).append("def")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                bound.setdefault(a.asname or a.name.split(".")[0], []).append(f"import {a.name if a.asname else a.name.split('.')[0]}")
+        elif isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                bound.setdefault(a.asname or a.name, []).append(f"from {node.module}")
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            for n in node.names:
+                bound.setdefault(n, []).append("global")
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.setdefault(node.name, []).append("except")
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            bound.setdefault(node.name, []).append("match")
+    if any(b != "import torch" for b in bound.get("torch", [])):
+        return {}  # ``torch`` means something else somewhere in this module
+    mapping = {alias: module for alias, module in wanted.items() if bound.get(alias) == [f"import {module}"]}
+    if not mapping:
+        return {}
+
+    class Respell(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.AST:
+            if not isinstance(node.ctx, ast.Load) or node.id not in mapping:
+                return node
+            parts = mapping[node.id].split(".")
+            new: ast.expr = ast.Name(parts[0], ast.Load())
+            for attr in parts[1:]:
+                new = ast.Attribute(new, attr, ast.Load())
+            for n in ast.walk(new):
+                ast.copy_location(n, node)
+            return new
+
+    Respell().visit(tree)
+    return mapping
+
+
 def source_of(module: "ModuleInfo", node: ast.AST) -> str:
     """The exact source text of ``node`` (what the report and templates quote)."""
     return ast.get_source_segment(module.source, node) or ast.unparse(node)
@@ -265,6 +332,7 @@ class ModuleInfo:
     @classmethod
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
         tree = tree if tree is not None else ast.parse(source)
+        canonicalise_module_aliases(tree)
         info = cls(path=path, source=source, tree=tree)
         info._index()
         return info
