@@ -94,3 +94,80 @@ def test_examples_written_with_th_only_are_found_and_replaced_right(pattern, exa
     assert len(got) == len(want)
     for a, b in zip(want, got):
         assert a.dtype == b.dtype and a.shape == b.shape and cosine(a.float(), b.float()) >= 0.9999
+
+
+# --- tensor functions read as methods (and the few the detectors match as functions, the other way) ---
+from npufuse.scan.dataflow import _TENSOR_FIRST_FUNCTIONS, canonicalise_tensor_functions  # noqa: E402
+
+
+@pytest.mark.parametrize("src, text", [
+    ("import torch\ny = torch.unsqueeze(torch.transpose(b, -1, -2), 1)\n", "y = b.transpose(-1, -2).unsqueeze(1)"),
+    ("import torch\nz = torch.softmax(x, dim=-1, dtype=torch.float32)\n", "z = x.softmax(dim=-1, dtype=torch.float32)"),
+    ("import torch\ng = h.sigmoid() * h\n", "g = torch.sigmoid(h) * h"),
+    ("import torch\np = a.bmm(b)\n", "p = torch.bmm(a, b)"),
+])
+def test_tensor_functions_read_as_the_detectors_spelling(src, text):
+    tree = ast.parse(src)
+    assert canonicalise_tensor_functions(tree) >= 1
+    assert text in ast.unparse(tree)
+    call = tree.body[1].value
+    assert ast.get_source_segment(src, call) == src.splitlines()[1].split(" = ", 1)[1]  # the quote is the user's code
+
+
+@pytest.mark.parametrize("src", [
+    "import torch\ny = torch.sum([1, 2])\n",  # not a tensor first
+    "import torch\ny = torch.pow(2.0, x)\n",  # a number may come first: not respelled
+    "import torch\ny = torch.transpose(input=x, dim0=0, dim1=1)\n",
+    "import torch\ny = torch.reshape(*args)\n",
+    "import torch\ny = self.sigmoid()\n",  # a module's own method
+    "import torch\n\n\ndef f(torch):\n    return torch.unsqueeze(x, 0)\n",  # torch is something else here
+])
+def test_tensor_functions_left_alone_where_the_method_could_differ(src):
+    tree = ast.parse(src)
+    assert canonicalise_tensor_functions(tree) == 0
+    assert ast.dump(tree) == ast.dump(ast.parse(src))
+
+
+def _as_functions(code: str) -> str | None:
+    """The example with each ``x.unsqueeze(..)``-like method written ``torch.unsqueeze(x, ..)``."""
+    tree = ast.parse(code)
+    hits = 0
+
+    class Spell(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            nonlocal hits
+            self.generic_visit(node)
+            f = node.func
+            root = f.value if isinstance(f, ast.Attribute) else None
+            while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            if isinstance(f, ast.Attribute) and f.attr in _TENSOR_FIRST_FUNCTIONS \
+                    and not (isinstance(root, ast.Name) and root.id in ("torch", "self", "F", "nn", "np", "math")):
+                if any(k.arg is None for k in node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
+                    return node
+                hits += 1
+                args = node.args
+                if f.attr in ("reshape", "permute", "tile", "flip") and len(args) > 1:
+                    args = [ast.Tuple(list(args), ast.Load())]  # x.reshape(a, b) is torch.reshape(x, (a, b))
+                return ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), f.attr, ast.Load()), [f.value, *args], node.keywords)
+            return node
+
+    tree = Spell().visit(tree)
+    return ast.unparse(ast.fix_missing_locations(tree)) + "\n" if hits else None
+
+
+FUNCTION_CASES = [pytest.param(p, ex, id=f"{p.id}-{ex.name or i}") for p in all_patterns() if p.id in ("rope", "moe_experts", "attention")
+                  for i, ex in [(i, ex) for i, ex in enumerate(p.FUSE) if ex.run and _as_functions(ex.code)][:6]]
+
+
+@pytest.mark.parametrize("pattern, example", FUNCTION_CASES)
+def test_examples_written_with_torch_functions_are_found_and_replaced_right(pattern, example):
+    code = _as_functions(example.code)
+    findings, misses = detect_all(pattern, code)
+    assert findings, f"not found once written with torch.f(x, ..): {[m.reason for m in misses]}"
+    want = _run_apart(code, "import torch\n" + example.run, "original")
+    with emulate.install() as emu:
+        got = _run_apart(splice(code, findings), "import torch\n" + example.run, "rewritten")
+    assert sum(emu.calls.values()) >= 1, "the fused branch did not run"
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype and a.shape == b.shape and cosine(a.float(), b.float()) >= 0.9999

@@ -105,8 +105,85 @@ def canonicalise_module_aliases(tree: ast.Module) -> dict[str, str]:
                 ast.copy_location(n, node)
             return new
 
-    Respell().visit(tree)
+    try:
+        Respell().visit(tree)
+    except RecursionError:
+        pass  # code nested too deep to walk recursively: each respelling made so far is complete on its own
     return mapping
+
+
+# ``torch.f(x, ...)`` that is exactly ``x.f(...)``: every such function requires a tensor first argument (a
+# Python number there raises), so the method spelling computes the same. Not in the list: functions that take
+# a number first (``pow``, ``add``, ``mul``, ``sub``, ``div``, ``where``), have no method (``cat``, ``stack``,
+# ``einsum``), whose one-argument form means something else (``repeat_interleave(repeats)``), and those some
+# detector matches and quotes in its function spelling (``split`` for MoE token groups; ``exp`` / ``sqrt`` /
+# ``rsqrt`` in a quoted attention scale; ``sigmoid`` / ``bmm`` / ``baddbmm``, respelled the other way below).
+_TENSOR_FIRST_FUNCTIONS = frozenset((
+    "unsqueeze", "squeeze", "transpose", "reshape", "flatten", "unflatten", "chunk", "permute", "narrow", "roll", "neg",
+    "negative", "unbind", "movedim", "swapaxes", "flip", "index_select", "gather", "masked_fill", "softmax", "log_softmax",
+    "square", "cumsum", "tile", "triu", "tril", "clone", "detach", "argsort", "topk", "amax", "amin", "sum", "mean", "var",
+))
+
+
+def canonicalise_tensor_functions(tree: ast.Module) -> int:
+    """Respell, in ``tree``, ``torch.unsqueeze(x, 1)`` as ``x.unsqueeze(1)`` and ``y.sigmoid()`` as
+    ``torch.sigmoid(y)`` (the spellings detectors match), each new node at the call's position (the quoted
+    source is unchanged; ``torch.matmul`` and ``@`` are both read by the detectors and left as written).
+    Only calls of ``torch`` itself (after :func:`canonicalise_module_aliases`), with positional tensor first
+    argument and no ``out=`` / ``input=`` / ``**``; only where ``torch`` is bound by nothing but ``import torch``.
+    Returns how many calls it respelled."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "torch" and not isinstance(node.ctx, ast.Load) \
+                or isinstance(node, ast.arg) and node.arg == "torch" \
+                or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "torch":
+            return 0
+    count = 0
+
+    class Respell(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            nonlocal count
+            self.generic_visit(node)
+            f = node.func
+            if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch" and node.args) \
+                    or isinstance(node.args[0], ast.Starred) or any(k.arg in (None, "out", "input") for k in node.keywords):
+                return node
+            if f.attr in _TENSOR_FIRST_FUNCTIONS and not isinstance(node.args[0], (ast.Constant, ast.List, ast.Tuple)):
+                # (sigmoid / bmm / baddbmm go the other way: see _TENSOR_METHODS_AS_FUNCTIONS)
+                count += 1
+                method = ast.copy_location(ast.Attribute(node.args[0], f.attr, ast.Load()), node)
+                return ast.copy_location(ast.Call(method, node.args[1:], node.keywords), node)
+            return node
+
+        def visit_Call_method(self, node: ast.Call) -> ast.AST:
+            nonlocal count
+            f = node.func
+            want = _TENSOR_METHODS_AS_FUNCTIONS.get(f.attr) if isinstance(f, ast.Attribute) else None
+            if want is None or len(node.args) != want or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+                return node
+            root = f.value
+            while isinstance(root, (ast.Attribute, ast.Subscript)):
+                root = root.value
+            if isinstance(root, ast.Name) and (root.id in ("self", "cls", "torch", "F", "nn", "math", "np", "numpy") or root.id[:1].isupper()):
+                return node  # a module's own method, or a library's function: not a tensor method
+            count += 1
+            fn = ast.copy_location(ast.Attribute(ast.copy_location(ast.Name("torch", ast.Load()), node), f.attr, ast.Load()), node)
+            return ast.copy_location(ast.Call(fn, [f.value, *node.args], []), node)
+
+    class RespellMethods(Respell):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            node = super().visit_Call(node)
+            return self.visit_Call_method(node) if isinstance(node, ast.Call) else node
+
+    try:
+        RespellMethods().visit(tree)
+    except RecursionError:
+        pass  # code nested too deep to walk recursively: each respelling made so far is complete on its own
+    return count
+
+
+# tensor methods some detectors match only as ``torch.f(x, ..)`` (the gate's ``torch.sigmoid``, attention's
+# ``torch.bmm``): method name -> its positional argument count; the receiver is the function's first argument
+_TENSOR_METHODS_AS_FUNCTIONS = {"sigmoid": 0, "bmm": 1, "baddbmm": 2}
 
 
 def source_of(module: "ModuleInfo", node: ast.AST) -> str:
@@ -333,6 +410,7 @@ class ModuleInfo:
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
         tree = tree if tree is not None else ast.parse(source)
         canonicalise_module_aliases(tree)
+        canonicalise_tensor_functions(tree)
         info = cls(path=path, source=source, tree=tree)
         info._index()
         return info
