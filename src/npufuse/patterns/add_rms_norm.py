@@ -161,16 +161,24 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
     if not call.args or isinstance(call.args[0], ast.Starred) or S.definition(ctx, f.id) is not None:
         return None
     fn = module.helper(f.id)
+    home, where = module, ""  # the file defining the helper
+    if fn is None:
+        found = _repo_norm_helper(module, f.id)
+        if found is not None:
+            home, fn = found
+            where = f" (from {home.path})"
     if not isinstance(fn, ast.FunctionDef):
         return None
     ret = R._helper_return(fn)
     params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
-    nscope = S.scope_of(module, fn)
+    nscope = S.scope_of(home, fn)
     if ret is None or ret.value is None or nscope is None or not params:
         return None
     defaults = dict(zip(params[len(params) - len(fn.args.defaults):], fn.args.defaults))
     value = ret.value
     if isinstance(value, ast.Call) and canonical.api(module, value.func) == "torch.nn.functional.rms_norm":
+        if home is not module:
+            return None  # its weight and eps would be read as text of the other file
         if len(call.args) != 1 or call.keywords or any(p not in defaults for p in params[1:]):
             return None
         from npufuse.scan.dataflow import keyword
@@ -188,17 +196,86 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
         nc.call = call
         return nc
     # the helper's parameters bound to this call's arguments (``rms_norm(h, self.w, self.eps)``)
-    hctx = S.bind_call(module, call, fn, ctx, False)
+    hctx = S.bind_call(home, call, fn, ctx, False)
     if hctx is None:
         return None
+    # an inline sum (``rms_norm(h + attn(h), eps)``) is read as the name the fused code binds it to:
+    # the helper's reads of its input (``input_dtype = x.dtype``) must not evaluate the sum again
+    hctx.bind[params[0]] = (_norm_input(call.args[0]), ctx)
     try:
         m = R.parse_norm(module, value, hctx.at(ret.lineno))
     except R.NoMatch:
         return None
     except R.Miss as e:
         kind = "is not RMSNorm" if "mean subtracted" in e.reason else "cannot be fused"
-        return NormCall(call, f.id, "not_rms", reason=f"norm {f.id} {kind}: {e.reason}", cls=f.id)
-    return NormCall(call, f.id, "rms", match=m, cls=f.id)
+        return NormCall(call, f.id, "not_rms", reason=f"norm {f.id}{where} {kind}: {e.reason}", cls=f.id)
+    return NormCall(call, f.id, "rms", match=m, cls=f.id + where)
+
+
+# -- s31: a norm helper imported from another file of the repository ------------------------------
+# HRM's ``from models.layers import rms_norm`` then ``rms_norm(h + self.attn(h), variance_epsilon=eps)``:
+# the helper is read in its own file with its parameters bound to this call's arguments. The matcher
+# resolves the helper's names through this file's imports and the replacement spells them here
+# (a helper's code is rendered as text, its parameters as this call's arguments), so every name the
+# helper reads without binding it must mean the same in both files: a builtin, or an import both
+# files spell alike (``torch``); a helper reading another name of its file (a constant, another
+# helper) is not followed.
+
+_BUILTIN_NAMES = frozenset(dir(__import__("builtins")))
+
+
+def _repo_norm_helper(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.FunctionDef] | None:
+    """(its file, its def) for a plain function ``name`` this file imports from another file of the
+    repository, whose free names mean the same here; None otherwise."""
+    from npufuse.scan import repo_facts
+
+    if name in module.classes:
+        return None
+    target = module.aliases.get(name)
+    relative = any(isinstance(n, ast.ImportFrom) and n.level and any((a.asname or a.name) == name for a in n.names)
+                   for n in module.tree.body)
+    if target is None and not relative:
+        return None  # not imported: asking other files would only cost
+    cache = module.__dict__.setdefault("_npufuse_norm_helpers", {})
+    if name in cache:
+        return cache[name]
+    cache[name] = None
+    root = repo_facts.repo_root(module)
+    if root is None:
+        return None
+    if target is not None:
+        # an absolute import: only a package of this repository (asking about a library would mark
+        # the file as depending on other files for nothing)
+        head = target.split(".")[0]
+        try:
+            if not ((root / head).is_dir() or (root / f"{head}.py").is_file()):
+                return None
+        except OSError:
+            return None
+    d = repo_facts.definition(module, name)
+    if d is None or d.rel == module.path or not isinstance(d.node, ast.FunctionDef) or d.node.decorator_list:
+        return None
+    text = repo_facts._repo_text(root, d.rel)
+    if text is None:
+        return None
+    try:
+        other = ModuleInfo.from_source(d.rel, text, d.tree)
+    except (Exception, RecursionError):
+        return None
+    repo_facts.attach_root(other, root)
+    fn = d.node
+    a = fn.args
+    bound = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)} | {p.arg for p in (a.vararg, a.kwarg) if p is not None}
+    bound |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    bound |= {n.name for n in ast.walk(fn) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and hasattr(n, "name")}
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound:
+            here, there = module.aliases.get(n.id), other.aliases.get(n.id)
+            mine = n.id in other.functions or n.id in other.classes or n.id in module.functions or n.id in module.classes
+            if mine or (there is None and n.id not in _BUILTIN_NAMES) or here != there:
+                return None
+    cache[name] = (other, fn)
+    return cache[name]
 
 
 def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
@@ -2815,4 +2892,54 @@ AddRmsNorm.KEEP += [
     Keep(_CAST_STMT.replace("hidden_states.to(self.post_attention_layernorm.weight.dtype)\n        hidden_states = self.post",
                             "hidden_states.to(residual.dtype)\n        hidden_states = self.post"),
          name="cast_stmt_to_a_local_dtype"),
+]
+
+
+# -- s31: a post-norm block whose norm helper takes the inline sum and eps as a keyword ------------
+# (HRM: ``h = rms_norm(h + self.attn(h), variance_epsilon=self.norm_eps)``). The helper's reads of
+# its input (``input_dtype = x.dtype``) are read as the sum's name, so the sum is evaluated once.
+
+_S31_POST_NORM_HELPER = '''
+import torch
+from torch import nn
+
+
+def rms_norm(hidden_states: torch.Tensor, variance_epsilon: float) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.square().mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + variance_epsilon)
+    return hidden_states.to(input_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.self_attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.norm_eps = eps
+
+    def forward(self, hidden_states):
+        hidden_states = rms_norm(hidden_states + self.self_attn(hidden_states), variance_epsilon=self.norm_eps)
+        hidden_states = rms_norm(self.mlp(hidden_states) + hidden_states, variance_epsilon=self.norm_eps)
+        return hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S31_POST_NORM_HELPER, expect={"variant": "inline_sum", "norm": "rms_norm", "eps": "self.norm_eps", "weight": None,
+                                        "sum": None, "line": 22, "end_line": 22},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s31_post_norm_helper_eps_keyword_inference_bf16"),
+    Fuse(_S31_POST_NORM_HELPER, expect={"norm": "rms_norm"}, run=_run_block("Block(32)"),
+         name="s31_post_norm_helper_eps_keyword_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # the helper subtracts the mean: a LayerNorm, whatever its name
+    Keep(_S31_POST_NORM_HELPER.replace("    variance = hidden_states.square().mean(-1, keepdim=True)\n",
+                                       "    hidden_states = hidden_states - hidden_states.mean(-1, keepdim=True)\n"
+                                       "    variance = hidden_states.square().mean(-1, keepdim=True)\n"),
+         reason="is not RMSNorm", name="s31_post_norm_helper_subtracting_the_mean"),
+    # eps added outside the root (x / (rms + eps)): not the op's formula
+    Keep(_S31_POST_NORM_HELPER.replace("torch.rsqrt(variance + variance_epsilon)", "(1.0 / (variance.sqrt() + variance_epsilon))"),
+         name="s31_post_norm_helper_eps_outside_the_root"),
 ]
