@@ -121,3 +121,262 @@ def test_norm_helper_imported_from_another_file_is_read_there(tmp_path: Path) ->
     assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+# -- norm classes defined in another file of the repository --------------------------------------
+
+_NORMS = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FLOOR = 1e-6
+
+
+class Norm(nn.Module):
+    """Gemma-style (1 + weight), whatever its name says."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        return (output * (1.0 + self.weight.float())).type_as(x)
+
+
+class LibNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """A LayerNorm under an RMSNorm name."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight + self.bias
+
+
+class FlooredRMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + FLOOR) * self.weight
+'''
+
+_BLOCKS = '''\
+import torch
+from torch import nn
+
+from pkg.norms import Norm, LibNorm
+from .norms import RMSNorm, FlooredRMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.attn_norm = Norm(d)
+        self.ffn_norm = Norm(d)
+
+    def forward(self, x):
+        h = x + self.attn(self.attn_norm(x))
+        out = h + self.mlp(self.ffn_norm(h))
+        return out
+
+
+class LibBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm = LibNorm(d, eps=1e-5)
+
+    def forward(self, x):
+        h = x + self.attn(x)
+        return self.norm(h)
+
+
+class LnBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm = RMSNorm(d)
+
+    def forward(self, x):
+        h = x + self.attn(x)
+        return self.norm(h)
+
+
+class FlooredBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm = FlooredRMSNorm(d)
+
+    def forward(self, x):
+        h = x + self.attn(x)
+        return self.norm(h)
+'''
+
+
+def _run_blocks(mod: types.ModuleType) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    outs = []
+    for cls in (mod.Block, mod.LibBlock):
+        blk = cls(32)
+        with torch.no_grad():
+            for p in blk.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        x = torch.randn(2, 5, 32)
+        with torch.no_grad():
+            outs.append(blk.to(torch.bfloat16)(x.to(torch.bfloat16)))
+        outs.append(blk.float()(x))  # grad enabled: the add, then npu_rms_norm
+    return outs
+
+
+def test_norm_class_from_another_file_is_read_there(tmp_path: Path) -> None:
+    files = {"pkg/__init__.py": "", "pkg/norms.py": _NORMS, "pkg/blocks.py": _BLOCKS}
+    ref = _run_blocks(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.blocks"))
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = {c["qualname"]: c for c in data["candidates"] if c["pattern"] == "add_rms_norm"}
+    assert set(cands) - {"FlooredBlock.forward"} == {"Block.forward", "LibBlock.forward"}, (sorted(cands), data["near_misses"])
+    # read, not assumed: the (1 + weight) offset and eps of the class's own code, high confidence
+    blk = cands["Block.forward"]
+    assert blk["params"]["norm_class"] == "Norm (from pkg/norms.py)" and blk["confidence"] == "high"
+    assert blk["params"]["weight_offset"] == 1 and blk["params"]["eps"] == "self.ffn_norm.eps"
+    assert cands["LibBlock.forward"]["variant"] == "library_norm"
+    near = {m["qualname"]: m["reason"] for m in data["near_misses"] if m["pattern"] == "add_rms_norm"}
+    # the LayerNorm named RMSNorm is no longer taken on its name
+    assert "mean subtracted" in near.get("LnBlock.forward", ""), near
+    # a class reading a constant of its own file is not followed; its name still says RMSNorm,
+    # so the unverified reading (medium confidence, checked at run time) stands as before
+    assert cands["FlooredBlock.forward"]["confidence"] == "medium" and cands["FlooredBlock.forward"]["variant"] == "external_norm"
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        outs = _run_blocks(_import_fresh(root, "pkg.blocks"))
+    assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
+    for a, b in zip(ref, outs):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+# -- a norm factory of another file (torchtitan / cosmos ``create_norm``), a compiled method, and the
+# add that ends an optional branch before the norm ------------------------------------------------
+
+_FACTORY = '''\
+import torch
+import torch.nn as nn
+
+
+def create_norm(norm_type: str, dim: int, eps: float = 1e-6):
+    norm_type = norm_type.lower()
+    if norm_type == "layernorm":
+        return nn.LayerNorm(dim, eps=eps, bias=False)
+    elif norm_type == "rmsnorm":
+        return RMSNorm(dim, eps=eps, compile=False)
+    else:
+        raise NotImplementedError(norm_type)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, compile: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.rmsnorm_fn = torch.compile(self.compute_rmsnorm, fullgraph=True) if compile else self.compute_rmsnorm
+
+    @staticmethod
+    def compute_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float):
+        def _norm(x, eps):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+        output = _norm(x.float(), eps).type_as(x)
+        return output * weight
+
+    def forward(self, x: torch.Tensor):
+        return self.rmsnorm_fn(x, self.weight, self.eps)
+'''
+
+_FACTORY_BLOCK = '''\
+import torch
+from torch import nn
+
+from pkg.normalization import create_norm
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim, norm_type="rmsnorm", cross=False):
+        super().__init__()
+        self.attention = nn.Linear(dim, dim)
+        self.has_cross_attention = cross
+        self.cross_attention = nn.Linear(dim, dim)
+        self.cross_attention_norm = create_norm(norm_type, dim=dim, eps=1e-5)
+        self.feed_forward = nn.Linear(dim, dim)
+        self.attention_norm = create_norm(norm_type, dim=dim, eps=1e-5)
+        self.ffn_norm = create_norm(norm_type, dim=dim, eps=1e-5)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        if self.has_cross_attention:
+            h = h + self.cross_attention(self.cross_attention_norm(h))
+        out = h + self.feed_forward(self.ffn_norm(h))
+        return out
+'''
+
+
+def _run_factory(mod: types.ModuleType) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    outs = []
+    for kw in ({"cross": True}, {"cross": False}, {"cross": True, "norm_type": "layernorm"}):
+        blk = mod.TransformerBlock(32, **kw)
+        with torch.no_grad():
+            for p in blk.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        x = torch.randn(2, 5, 32)
+        with torch.no_grad():
+            outs.append(blk.to(torch.bfloat16)(x.to(torch.bfloat16)))
+        outs.append(blk.float()(x))
+    return outs
+
+
+def test_norm_factory_of_another_file_with_a_run_time_type_check(tmp_path: Path) -> None:
+    files = {"pkg/__init__.py": "", "pkg/normalization.py": _FACTORY, "pkg/model.py": _FACTORY_BLOCK}
+    ref = _run_factory(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    # the add before the optional branch (normalised inside it), and the add ending the branch
+    # (normalised after it): two sites sharing the ``if``, one rewritten at a time
+    assert [(c["line"], c["end_line"]) for c in cands] == [(19, 21), (20, 22)], data["near_misses"]
+    tail = cands[1]
+    assert 'type(self.ffn_norm).__module__ == "pkg.normalization"' in tail["params"]["condition"]
+    assert tail["params"]["norm_class"] == "RMSNorm (returned by create_norm(...) (from pkg/normalization.py))"
+    for cid in (str(c["id"]) for c in cands):
+        work = make_repo(tmp_path / f"repo{cid}", files)
+        scan(work, patterns=[AddRmsNorm()])
+        assert npufuse("apply", "--accept", cid, "--state-dir", str(work / ".npufuse")) == 0
+        with emulate.install() as emu:
+            outs = _run_factory(_import_fresh(work, "pkg.model"))
+        # bf16 inference with the RMSNorm of the factory, the cross-attention branch taken: fused
+        assert emu.calls["npu_add_rms_norm"] == 1, (cid, emu.calls)
+        for a, b in zip(ref, outs):
+            assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -52,6 +52,9 @@ class NormCall:
     eps: str = ""
     ones: bool = False  # no weight (``F.rms_norm(x, (d,))``): npu_add_rms_norm gets ones of x1's last dim
     conditions: list[str] = field(default_factory=list)  # run-time checks for the fused code (else the original)
+    # s31: the file view the norm was read in when its class is in another file of the repository
+    # (this file with that class added): the replacement is planned in it
+    home: ModuleInfo | None = None
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -72,7 +75,7 @@ def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[st
     return f"{mod}.weight", eps_or_default(f"{mod}.eps", T)
 
 
-def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str) -> tuple[str, str] | None:
+def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign: bool = False) -> tuple[str, str] | None:
     """(gamma, eps) when a norm class's forward is ``return F.rms_norm(x, shape, self.w, self.eps)``
     (DeepSeek-V3's RMSNorm), with ``self`` read as ``mod``; None otherwise."""
     from npufuse.scan import canonical
@@ -102,7 +105,8 @@ def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str) -> tupl
     if eps is None or const_value(eps) is None:
         return gamma, float32_eps(T)
     if isinstance(const_value(eps), (int, float)):
-        return gamma, S.source_of(module, eps)
+        # ``foreign``: the forward is another file's code, whose text is not this module's
+        return gamma, ast.unparse(eps) if foreign else S.source_of(module, eps)
     e = as_mod(eps)
     if e is None:
         return None
@@ -224,19 +228,19 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
 _BUILTIN_NAMES = frozenset(dir(__import__("builtins")))
 
 
-def _repo_norm_helper(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.FunctionDef] | None:
-    """(its file, its def) for a plain function ``name`` this file imports from another file of the
-    repository, whose free names mean the same here; None otherwise."""
+def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.AST] | None:
+    """(its file, its definition) for a top-level def or class ``name`` that this file imports from
+    another file of the repository; None otherwise (cached per file)."""
     from npufuse.scan import repo_facts
 
-    if name in module.classes:
+    if name in module.classes or name in module.functions:
         return None
     target = module.aliases.get(name)
     relative = any(isinstance(n, ast.ImportFrom) and n.level and any((a.asname or a.name) == name for a in n.names)
                    for n in module.tree.body)
     if target is None and not relative:
         return None  # not imported: asking other files would only cost
-    cache = module.__dict__.setdefault("_npufuse_norm_helpers", {})
+    cache = module.__dict__.setdefault("_npufuse_norm_foreign", {})
     if name in cache:
         return cache[name]
     cache[name] = None
@@ -253,7 +257,7 @@ def _repo_norm_helper(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.Fu
         except OSError:
             return None
     d = repo_facts.definition(module, name)
-    if d is None or d.rel == module.path or not isinstance(d.node, ast.FunctionDef) or d.node.decorator_list:
+    if d is None or d.rel == module.path or not isinstance(d.node, (ast.FunctionDef, ast.ClassDef)) or d.node.decorator_list:
         return None
     text = repo_facts._repo_text(root, d.rel)
     if text is None:
@@ -263,19 +267,173 @@ def _repo_norm_helper(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.Fu
     except (Exception, RecursionError):
         return None
     repo_facts.attach_root(other, root)
-    fn = d.node
-    a = fn.args
-    bound = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)} | {p.arg for p in (a.vararg, a.kwarg) if p is not None}
-    bound |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    bound |= {n.name for n in ast.walk(fn) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and hasattr(n, "name")}
-    for n in ast.walk(fn):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound:
-            here, there = module.aliases.get(n.id), other.aliases.get(n.id)
-            mine = n.id in other.functions or n.id in other.classes or n.id in module.functions or n.id in module.classes
-            if mine or (there is None and n.id not in _BUILTIN_NAMES) or here != there:
-                return None
-    cache[name] = (other, fn)
+    cache[name] = (other, d.node)
     return cache[name]
+
+
+def _free_names(module: ModuleInfo, other: ModuleInfo, node: ast.AST) -> dict[str, str] | None:
+    """The import aliases ``node`` (code of ``other``) reads that this file does not bind (to be
+    borrowed while reading it), or None when a name it reads means something else here or is
+    another definition of its file (a constant, a helper: not followed)."""
+    bound = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    bound |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    bound |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    top_here = {t.id for st in module.tree.body if isinstance(st, (ast.Assign, ast.AnnAssign))
+                for t in (st.targets if isinstance(st, ast.Assign) else [st.target]) if isinstance(t, ast.Name)}
+    borrowed: dict[str, str] = {}
+    for n in ast.walk(node):
+        if not (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)) or n.id in bound:
+            continue
+        if n.id in other.functions or n.id in other.classes:
+            return None
+        there = other.aliases.get(n.id)
+        if there is None:
+            if n.id not in _BUILTIN_NAMES or any(n.id in names for names in (module.aliases, module.functions, module.classes, top_here)):
+                return None
+            continue
+        if n.id in module.aliases:
+            if module.aliases[n.id] != there:
+                return None
+        elif n.id in module.functions or n.id in module.classes or n.id in top_here:
+            return None
+        else:
+            borrowed[n.id] = there
+    return borrowed
+
+
+def _repo_norm_helper(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.FunctionDef] | None:
+    """(its file, its def) for a plain function ``name`` this file imports from another file of the
+    repository, every name it reads meaning the same here; None otherwise."""
+    found = _foreign_definition(module, name)
+    if found is None or not isinstance(found[1], ast.FunctionDef):
+        return None
+    other, fn = found
+    if _free_names(module, other, fn) != {}:
+        return None  # the rendered helper code would name something this file lacks or means otherwise
+    return other, fn
+
+
+def _repo_norm_class(module: ModuleInfo, func: ast.expr) -> tuple[ModuleInfo, str, str] | None:
+    """A norm class built as ``Cls(...)`` that this file imports from another file of the repository:
+    (this file with the class added, the class's name, its file). The class's code reads its imports
+    (``torch``, ``nn``) as its file does; names this file does not bind are borrowed for the reading
+    (the replacement is checked not to name them), any other difference refuses."""
+    if not isinstance(func, ast.Name):
+        return None
+    found = _foreign_definition(module, func.id)
+    if found is None or not isinstance(found[1], ast.ClassDef):
+        return None
+    other, cls = found
+    if cls.name in module.classes or any(not _plain_module_base(other, b) for b in cls.bases) or cls.keywords:
+        return None  # inherited methods would be read from this file, or not at all
+    home = _home_with(module, other, cls)
+    return (home, cls.name, other.path) if home is not None else None
+
+
+def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef) -> ModuleInfo | None:
+    """This file with ``cls`` (a class of ``other``) added, to read the class as if it were here."""
+    if cls.name in module.classes or any(not _plain_module_base(other, b) for b in cls.bases) or cls.keywords:
+        return None  # inherited methods would be read from this file, or not at all
+    borrowed = _free_names(module, other, cls)
+    if borrowed is None:
+        return None
+    cache = module.__dict__.setdefault("_npufuse_norm_homes", {})
+    key = id(cls)
+    if key not in cache:
+        from dataclasses import replace
+
+        from npufuse.scan import repo_facts
+
+        own = {id(n) for n in ast.walk(cls)}
+        scopes = [sc for sc in other.scopes if id(sc.node) in own]
+        for sc in scopes:
+            # the text a scope's readers cache on it is read now, from its own file (the view's
+            # source is this file's)
+            S.scope_text(other, sc)
+            R._root_lines(other, sc)
+            if getattr(sc.node, "name", "") == "forward":
+                R.scope_results(other, sc)  # the rms_norm verdict on the forward, in its own file
+        home = replace(module, aliases={**borrowed, **module.aliases}, classes={**module.classes, cls.name: cls},
+                       scopes=[*module.scopes, *scopes])
+        home.__dict__["_npufuse_borrowed"] = frozenset(borrowed)
+        root = repo_facts.repo_root(module)
+        if root is not None:
+            repo_facts.attach_root(home, root)
+        cache[key] = home
+    return cache[key]
+
+
+def _factory_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Call) -> NormCall | None:
+    """``self.norm = create_norm(cfg.norm_type, dim, eps=eps)`` (torchtitan and its copies): a
+    function of this file or of another file of the repository whose returns construct norm classes
+    chosen by its arguments. When exactly one of them is an RMSNorm class of the factory's file (read
+    there) and the others are LayerNorm-like library modules, the fused code runs where the
+    attribute's run-time type is that class, and the original statements otherwise."""
+    f = call.func
+    func = value.func
+    if not (isinstance(f, ast.Attribute) and isinstance(func, ast.Name)):
+        return None
+    if func.id in module.functions:
+        other, fn, modname, where = module, module.functions[func.id], "", ""
+    else:
+        found = _foreign_definition(module, func.id)
+        target = module.aliases.get(func.id)
+        if found is None or not isinstance(found[1], ast.FunctionDef) or target is None:
+            return None  # (a relative import: the class's module name is not known here)
+        other, fn = found
+        modname, where = target.rsplit(".", 1)[0], f" (from {other.path})"
+    returns = [n.value for n in _own_nodes(fn) if isinstance(n, ast.Return)]
+    if not returns or not all(isinstance(v, ast.Call) for v in returns):
+        return None
+    chosen: set[str] = set()
+    for v in returns:
+        if (other.canonical(v.func) or "") in _LAYER_NORMS:
+            continue
+        if not (isinstance(v.func, ast.Name) and v.func.id in other.classes):
+            return None  # a module npufuse does not read here (a library RMSNorm, an imported class)
+        chosen.add(v.func.id)
+    if len(chosen) != 1:
+        return None
+    cname = chosen.pop()
+    home = module if other is module else _home_with(module, other, other.classes[cname])
+    if home is None:
+        return None
+    nc = _class_norm_call(home, call, ctx, cname, where)
+    if nc is None or nc.kind == "not_rms":
+        return None
+    mod = f"self.{f.attr}"
+    guard = (f"type({mod}) is {cname}" if other is module
+             else f'type({mod}).__qualname__ == "{cname}" and type({mod}).__module__ == "{modname}"')
+    nc.conditions = [*nc.conditions, guard]
+    nc.home = home if home is not module else None
+    nc.cls = f"{cname} (returned by {func.id}(...){where})"
+    return nc
+
+
+def _mean_subtracted(module: ModuleInfo, cls: str) -> str | None:
+    """The rms_norm detector's reason when the forward of ``cls`` subtracts the mean (a LayerNorm),
+    as found in the class's own file (:func:`_repo_norm_class` reads it there first)."""
+    fwd = S.method(module, cls, "forward")
+    sc = S.scope_of(module, fwd) if fwd is not None else None
+    results = sc.__dict__.get("_npufuse_rms") if sc is not None else None
+    for r in results or []:
+        if r.miss is not None and "mean subtracted" in r.miss.reason:
+            return r.miss.reason
+    return None
+
+
+def _own_nodes(fn: ast.FunctionDef) -> Iterator[ast.AST]:
+    """The nodes of ``fn``'s body outside nested functions, classes and lambdas."""
+    todo: list[ast.AST] = list(fn.body)
+    while todo:
+        n = todo.pop()
+        yield n
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(n))
+
+
+def _plain_module_base(module: ModuleInfo, base: ast.expr) -> bool:
+    return (module.canonical(base) or "") in ("torch.nn.Module", "torch.nn.modules.module.Module")
 
 
 def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
@@ -339,34 +497,23 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
                         eps=eps_or_default(f"{mod}.eps", T),
                         conditions=[f"{mod}.weight is not None"])
     if cls in module.classes:
-        fwd = S.method(module, cls, "forward")
-        lib_fwd = _library_forward(module, fwd, f"self.{f.attr}") if fwd is not None else None
-        if lib_fwd is not None:
-            return NormCall(call, f.attr, "library", cls=cls, gamma=lib_fwd[0], eps=lib_fwd[1])
-        if fwd is None:
-            return None
-        ret = S.helper_return(fwd)
-        nscope = S.scope_of(module, fwd)
-        params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
-        if ret is None or nscope is None or len(params) < 2:
-            return None
-        defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
-        hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
-        bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (_norm_input(call.args[0]), ctx)}
-        for p in params[2:]:
-            if p not in defaults:
-                return None
-            bind[p] = (defaults[p], hctx)
-        hctx.bind = bind
-        try:
-            m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
-        except R.NoMatch:
-            return None
-        except R.Miss as e:
-            if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
-                return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({cls}: {e.reason})", cls=cls)
-            return NormCall(call, f.attr, "not_rms", reason=f"norm {cls} cannot be fused: {e.reason}", cls=cls)
-        return NormCall(call, f.attr, "rms", match=m, cls=cls)
+        return _class_norm_call(module, call, ctx, cls)
+    foreign = _repo_norm_class(module, value.func)
+    if foreign is not None:
+        # a class of another file of the repository, read there (s31): its verdict replaces the
+        # assumption a name would give
+        home, real, rel = foreign
+        nc = _class_norm_call(home, call, ctx, real, f" (from {rel})")
+        if nc is not None:
+            nc.home = home if nc.kind != "not_rms" else None
+            return nc
+        layer_norm = _mean_subtracted(home, real)
+        if layer_norm is not None:
+            # read in its file, the forward subtracts the mean: no name makes it an RMSNorm
+            return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({real} (from {rel}): {layer_norm})", cls=real)
+    factory = _factory_norm(module, call, ctx, value)
+    if factory is not None:
+        return factory
     if _RMS_NAME.search(cls.split(".")[-1]):
         return NormCall(call, f.attr, "external", cls=cls)
     chosen = _chosen_classes(module, scope.class_name, value.func)
@@ -375,6 +522,42 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # defined elsewhere: the same assumptions as one external class (checked at run time)
         return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
     return None
+
+
+def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "") -> NormCall | None:
+    """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
+    ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
+    sum. ``where`` names the other file a repository class comes from (for reasons)."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    fwd = S.method(module, cls, "forward")
+    lib_fwd = _library_forward(module, fwd, f"self.{f.attr}", foreign=bool(where)) if fwd is not None else None
+    if lib_fwd is not None:
+        return NormCall(call, f.attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
+    if fwd is None:
+        return None
+    ret = S.helper_return(fwd)
+    nscope = S.scope_of(module, fwd)
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if ret is None or nscope is None or len(params) < 2:
+        return None
+    defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
+    hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
+    bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (_norm_input(call.args[0]), ctx)}
+    for p in params[2:]:
+        if p not in defaults:
+            return None
+        bind[p] = (defaults[p], hctx)
+    hctx.bind = bind
+    try:
+        m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
+    except R.NoMatch:
+        return None
+    except R.Miss as e:
+        if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
+            return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
+        return NormCall(call, f.attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
+    return NormCall(call, f.attr, "rms", match=m, cls=cls + where)
 
 
 def _loop_unpacked(scope: Scope, name: str) -> str | None:
@@ -455,6 +638,10 @@ class _Site:
     # s27: ``h = r + y; residual = h; h = h.to(<dtype>)`` then the norm of ``h``: the cast statement and
     # its target dtype as code; npu_add_rms_norm runs only where the cast changes nothing
     cast: tuple[ast.stmt, str] | None = None
+    # s31: ``if <test>: ...; h = h + ca(...)`` then the norm of ``h`` after the ``if`` (a block adding an
+    # optional cross-attention): the ``if`` whose body ends with the add; the norm statement is taken
+    # into both branches, fused where the body ran
+    tail_if: ast.If | None = None
 
     @property
     def last(self) -> ast.stmt:
@@ -758,17 +945,39 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     if conditions:
         block, i = S.stmt_index(scope).block[id(site.add)]
         j = next((k for k in range(i, len(block)) if block[k] is site.last), None)
-        if j is None:
+        if site.tail_if is not None and not site.aliases:
+            original = "\n".join([S.stmt_source(module, site.add), S.stmt_source(module, site.norm_stmt)])
+        elif j is None:
             return "the norm is not in the add's block"
-        body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, block[i : j + 1]))]
+        else:
+            original = S.block_source(module, block[i : j + 1])
+        body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(body)), "else:", S.indent(original)]
         params["condition"] = " and ".join(conditions)
+    first_line = site.add.lineno
+    if site.tail_if is not None:
+        # the statements before the add run as written, then the fused add + norm; where the body
+        # does not run, the norm statement as written
+        t = site.tail_if
+        before = t.body[:-1]
+        taken = ([S.block_source(module, before)] if before else []) + ["\n".join(body)]
+        body = [f"if {S.source_of(module, t.test)}:", S.indent("\n".join(taken))]
+        # an ``else``/``elif`` runs as written, then the norm statement
+        other = ([S.block_source(module, t.orelse)] if t.orelse else []) + [S.stmt_source(module, site.norm_stmt)]
+        body += ["else:", S.indent("\n".join(other))]
+        first_line = t.lineno
+    borrowed = module.__dict__.get("_npufuse_borrowed")
+    if borrowed:
+        # the norm class's file imports names this file does not: the replacement may not use them
+        named = {n.id for n in ast.walk(ast.parse("\n".join(body))) if isinstance(n, ast.Name)} & borrowed
+        if named:
+            return f"the replacement would name {', '.join(sorted(named))}, which only the norm class's file imports"
     params.update({"x1": S.source_of(module, site.x1), "x2": S.source_of(module, site.x2), "sum": site.sum_name,
                    "norm": S.source_of(module, m.call.func), "norm_class": m.cls,
                    "residual_aliases": [a.targets[0].id for a in site.aliases]})  # type: ignore[attr-defined]
     return Finding(
         pattern="add_rms_norm",
         qualname=scope.qualname,
-        line=site.add.lineno,
+        line=first_line,
         end_line=site.last.end_lineno or site.last.lineno,
         params=params,
         fused="\n".join(body),
@@ -1020,15 +1229,15 @@ class AddRmsNorm(Pattern):
         if not scope.class_name:
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
-                           *_gap_sites(module, scope), *_cast_stmt_sites(module, scope)]:
-            first = site.add if isinstance(site, _Site) else stmt
+                           *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope)]:
+            first = (site.tail_if or site.add) if isinstance(site, _Site) else stmt
             if isinstance(site, str):
                 yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
                 continue
             if site.nc.kind == "not_rms":
                 yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
                 continue
-            r = _build(module, scope, site)
+            r = _build(site.nc.home or module, scope, site)
             if isinstance(r, str):
                 yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
             else:
@@ -2727,6 +2936,32 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
                                 lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
 
 
+def _tail_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """``if <test>: ... h = <residual sum>`` then, right after the ``if``, the norm of ``h`` (an
+    optional cross-attention or adapter adding into the stream before the next norm). The norm
+    statement moves into both branches: after the add (fused) where the body runs, as written
+    after the ``else`` (or nothing) otherwise; the test is evaluated once, where it was."""
+    if "if " not in S.scope_text(module, scope):
+        return
+    idx = S.stmt_index(scope)
+    for t in idx.stmts:
+        if not (isinstance(t, ast.If) and t.body):
+            continue
+        add = t.body[-1]
+        if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name)):
+            continue
+        ops = _operands(module, add.value)
+        if ops is None or isinstance(ops, str):
+            continue
+        block, i = idx.block[id(t)]
+        s_name = add.targets[0].id
+        if i + 1 >= len(block) or s_name not in S.names_read(add.value):
+            continue  # the stream must flow on through the branch (``h = h + a``), as it does around it
+        yield from _norm_of_sum(module, scope, block[i + 1], s_name,
+                                lambda nstmt, nc, t=t, add=add, ops=ops, s_name=s_name:
+                                _Site(add, [], nstmt, nc, ops[0], ops[1], s_name, tail_if=t))
+
+
 def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], ast.stmt, ast.stmt]]:
     """Each ``<name> = <residual sum>`` of ``scope`` with its aliases, the statement after them and the
     one after that (where the norm must be): ``(sum, operands, name, aliases, next, after)``."""
@@ -2942,4 +3177,84 @@ AddRmsNorm.KEEP += [
     # eps added outside the root (x / (rms + eps)): not the op's formula
     Keep(_S31_POST_NORM_HELPER.replace("torch.rsqrt(variance + variance_epsilon)", "(1.0 / (variance.sqrt() + variance_epsilon))"),
          name="s31_post_norm_helper_eps_outside_the_root"),
+]
+
+
+# -- s31: a norm factory (torchtitan's ``create_norm``: the class chosen by a string at run time), a
+# method held through ``torch.compile``, and an add ending an optional branch before the norm ------
+
+_S31_FACTORY = '''
+import torch
+import torch.nn as nn
+
+
+def build_norm(kind, dim, eps=1e-6):
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    return ScaledRMS(dim, eps=eps)
+
+
+class ScaledRMS(nn.Module):
+    def __init__(self, dim, eps=1e-6, compiled=False):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.fn = torch.compile(self.compute) if compiled else self.compute
+
+    def compute(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.scale
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d, kind="rms", adapter=True):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.adapter = nn.Linear(d, d) if adapter else None
+        self.mlp = nn.Linear(d, d)
+        self.norm = build_norm(kind, d, eps=1e-5)
+
+    def forward(self, x):
+        h = x + self.mix(x)
+        if self.adapter is not None:
+            a = self.adapter(h)
+            h = h + a
+        return h + self.mlp(self.norm(h))
+'''
+
+_S31_FACTORY_RUN = '''
+outs = []
+for kw in ({{}}, {{"adapter": False}}, {{"kind": "layernorm"}}):
+    blk = Block(32, **kw){cast}
+    x = torch.randn(2, 5, 32{dtype})
+    with torch.no_grad():
+        outs.append(blk(x))
+    outs.append(blk(x))
+out = tuple(outs)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S31_FACTORY, expect={"line": 36, "end_line": 39, "sum": "h", "x1": "h", "x2": "a", "norm": "self.norm",
+                               "condition": "type(self.norm) is ScaledRMS", "norm_class": "ScaledRMS (returned by build_norm(...))"},
+         run=_S31_FACTORY_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="s31_factory_norm_after_optional_branch_bf16"),
+    Fuse(_S31_FACTORY, expect={"norm": "self.norm"}, run=_S31_FACTORY_RUN.format(cast="", dtype=""),
+         name="s31_factory_norm_after_optional_branch_fp32"),
+]
+
+AddRmsNorm.KEEP += [
+    # the factory may return two RMS classes: which one runs is not known (no site, no guess)
+    Keep(_S31_FACTORY.replace('        return nn.LayerNorm(dim, eps=eps)', '        return OtherRMS(dim)')
+         + "\n\nclass OtherRMS(ScaledRMS):\n    pass\n", name="s31_factory_of_two_rms_classes"),
+    # the compiled attribute is rebound after construction: the method it holds is not known
+    Keep(_S31_FACTORY.replace("    def forward(self, x):\n        return self.fn(x)",
+                              "    def forward(self, x):\n        return self.fn(x)\n\n    def use(self, f):\n        self.fn = f"),
+         name="s31_held_method_rebound"),
+    # the branch ends with another statement after the add: the norm does not directly follow it
+    Keep(_S31_FACTORY.replace("            h = h + a\n", "            h = h + a\n            a = None\n"),
+         name="s31_optional_branch_not_ending_in_the_add"),
+    # a factory returning a LayerNorm-only set: the norm is never RMS
+    Keep(_S31_FACTORY.replace("    return ScaledRMS(dim, eps=eps)", "    return nn.LayerNorm(dim)"), name="s31_factory_of_layernorms"),
 ]
