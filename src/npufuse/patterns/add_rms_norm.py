@@ -422,6 +422,64 @@ def _mean_subtracted(module: ModuleInfo, cls: str) -> str | None:
     return None
 
 
+def _default_class(module: ModuleInfo, class_name: str | None, name: str) -> ast.expr | None:
+    """The class a constructor parameter ``name`` of ``__init__`` holds unless the caller passes
+    another: its default (``norm_layer=RMSNorm``), or the fallback of its one rebinding
+    ``norm_layer = norm_layer or RMSNorm`` (default None); None when it is rebound otherwise."""
+    init = S.method(module, class_name, "__init__")
+    params = S.init_params(module, class_name)
+    if init is None or name not in params:
+        return None
+    value = params[name]
+    rebinds = [st for st in S._stmts_in(init.body) if name in S.names_written(st)]
+    if rebinds:
+        st = rebinds[0]
+        if not (len(rebinds) == 1 and isinstance(st, ast.Assign) and isinstance(st.value, ast.BoolOp)
+                and isinstance(st.value.op, ast.Or) and len(st.value.values) == 2
+                and isinstance(st.value.values[0], ast.Name) and st.value.values[0].id == name
+                and (value is None or (isinstance(value, ast.Constant) and value.value is None))):
+            return None
+        value = st.value.values[1]
+    return value if isinstance(value, (ast.Name, ast.Attribute)) and dotted(value) else None
+
+
+def _default_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, value: ast.Call) -> NormCall | None:
+    """``self.norm = norm_layer(dim)`` with ``norm_layer`` a constructor parameter defaulting to a
+    class (timm / lucidrains blocks, ``norm_klass=RMSNorm``): the caller may pass another class, so
+    the fused code runs where the attribute's run-time type is the default one, read as such; a
+    LayerNorm default is a near miss."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(value.func, ast.Name)):
+        return None
+    default = _default_class(module, scope.class_name, value.func.id)
+    if default is None:
+        return None
+    mod = f"self.{f.attr}"
+    T = S.torch_name(module) or "torch"
+    canon = module.canonical(default) or ""
+    name = dotted(default) or ""
+    if canon in _LAYER_NORMS:
+        return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm by default ({name}: mean subtracted; "
+                                                        f"`{value.func.id}` is a constructor parameter)")
+    if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
+        return NormCall(call, f.attr, "library", cls=name, gamma=f"{mod}.weight", eps=eps_or_default(f"{mod}.eps", T),
+                        conditions=[f"type({mod}) is {name}", f"{mod}.weight is not None"])
+    if name in module.classes:
+        nc = _class_norm_call(module, call, ctx, name)
+    elif isinstance(default, ast.Name) and (foreign := _repo_norm_class(module, default)) is not None:
+        home, real, rel = foreign
+        nc = _class_norm_call(home, call, ctx, real, f" (from {rel})")
+        if nc is not None and nc.kind != "not_rms":
+            nc.home = home
+    else:
+        return None
+    if nc is None or nc.kind == "not_rms":
+        return None  # another class may be passed: a refusal of the default says little
+    nc.conditions = [*nc.conditions, f"type({mod}) is {name}"]
+    nc.cls = f"{nc.cls} (default of `{value.func.id}`)"
+    return nc
+
+
 def _own_nodes(fn: ast.FunctionDef) -> Iterator[ast.AST]:
     """The nodes of ``fn``'s body outside nested functions, classes and lambdas."""
     todo: list[ast.AST] = list(fn.body)
@@ -514,6 +572,9 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     factory = _factory_norm(module, call, ctx, value)
     if factory is not None:
         return factory
+    by_default = _default_class_norm(module, scope, call, ctx, value)
+    if by_default is not None:
+        return by_default
     if _RMS_NAME.search(cls.split(".")[-1]):
         return NormCall(call, f.attr, "external", cls=cls)
     chosen = _chosen_classes(module, scope.class_name, value.func)
@@ -3257,4 +3318,68 @@ AddRmsNorm.KEEP += [
          name="s31_optional_branch_not_ending_in_the_add"),
     # a factory returning a LayerNorm-only set: the norm is never RMS
     Keep(_S31_FACTORY.replace("    return ScaledRMS(dim, eps=eps)", "    return nn.LayerNorm(dim)"), name="s31_factory_of_layernorms"),
+]
+
+
+# -- s31: the norm class a constructor parameter holds (``norm_layer=RMSNorm``, ``norm_klass``) ------
+
+_S31_NORM_LAYER = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.g
+
+
+class Block(nn.Module):
+    def __init__(self, d, norm_layer=RMSNorm):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.norm1 = norm_layer(d)
+        self.norm2 = norm_layer(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        x = x + self.mlp(self.norm2(x))
+        return x
+'''
+
+_S31_NORM_LAYER_RUN = '''
+outs = []
+for blk in (Block(32){cast}, Block(32, norm_layer=nn.LayerNorm){cast}):
+    x = torch.randn(2, 5, 32{dtype})
+    with torch.no_grad():
+        outs.append(blk(x))
+out = tuple(outs)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S31_NORM_LAYER, expect={"condition": "type(self.norm2) is RMSNorm", "weight": "self.norm2.g", "line": 25, "end_line": 26},
+         run=_S31_NORM_LAYER_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="s31_norm_layer_parameter_default_bf16"),
+    Fuse(_S31_NORM_LAYER.replace("def __init__(self, d, norm_layer=RMSNorm):\n        super().__init__()\n",
+                                 "def __init__(self, d, norm_layer=None):\n        super().__init__()\n        norm_layer = norm_layer or RMSNorm\n"),
+         expect={"condition": "type(self.norm2) is RMSNorm"}, run=_S31_NORM_LAYER_RUN.format(cast="", dtype=""),
+         name="s31_norm_layer_parameter_or_default_fp32"),
+    Fuse(_S31_NORM_LAYER.replace("norm_layer=RMSNorm", "norm_layer=nn.RMSNorm"),
+         expect={"variant": "library_norm", "condition": "type(self.norm2) is nn.RMSNorm and self.norm2.weight is not None"},
+         run=_S31_NORM_LAYER_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="s31_norm_layer_parameter_library_default"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(_S31_NORM_LAYER.replace("norm_layer=RMSNorm", "norm_layer=nn.LayerNorm"), reason="not RMSNorm by default",
+         name="s31_norm_layer_parameter_layernorm_default"),
+    # rebound by a choice the detector does not read: which class is built is not known
+    Keep(_S31_NORM_LAYER.replace("        super().__init__()\n        self.attn",
+                                 "        super().__init__()\n        if d > 64:\n            norm_layer = nn.LayerNorm\n        self.attn"),
+         name="s31_norm_layer_parameter_rebound"),
 ]
