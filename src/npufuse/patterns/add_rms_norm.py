@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _site as S
@@ -44,7 +45,7 @@ _OFFSET_NAME = re.compile(r"gemma|qwen3_?5|qwen3_?next", re.IGNORECASE)
 class NormCall:
     call: ast.Call  # self.<attr>(x)
     attr: str
-    kind: str  # "rms" | "external" | "not_rms"
+    kind: str  # "rms" | "library" | "l2" | "external" | "not_rms"
     match: R.Match | None = None
     reason: str = ""
     cls: str = ""
@@ -250,9 +251,11 @@ def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.
     if target is not None:
         # an absolute import: only a package of this repository (asking about a library would mark
         # the file as depending on other files for nothing)
+        # (at the root or in a folder above the importing file, as repo_facts.definition looks)
         head = target.split(".")[0]
         try:
-            if not ((root / head).is_dir() or (root / f"{head}.py").is_file()):
+            folders = [root, *(root / p for p in PurePosixPath(module.path).parents if str(p) != ".")]
+            if not any((d / head).is_dir() or (d / f"{head}.py").is_file() for d in folders):
                 return None
         except OSError:
             return None
@@ -365,10 +368,10 @@ def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef) -> Modu
 
 def _factory_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Call) -> NormCall | None:
     """``self.norm = create_norm(cfg.norm_type, dim, eps=eps)`` (torchtitan and its copies): a
-    function of this file or of another file of the repository whose returns construct norm classes
-    chosen by its arguments. When exactly one of them is an RMSNorm class of the factory's file (read
-    there) and the others are LayerNorm-like library modules, the fused code runs where the
-    attribute's run-time type is that class, and the original statements otherwise."""
+    function of this file or of another file of the repository whose returns construct norm modules
+    chosen by its arguments. When exactly one class of the factory's file it constructs reads as an
+    RMSNorm (in that file), the fused code runs where the attribute's run-time type is that class,
+    and the original statements otherwise (a LayerNorm, a kernel-backed RMSNorm, anything else)."""
     f = call.func
     func = value.func
     if not (isinstance(f, ast.Attribute) and isinstance(func, ast.Name)):
@@ -383,24 +386,18 @@ def _factory_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Cal
         other, fn = found
         modname, where = target.rsplit(".", 1)[0], f" (from {other.path})"
     returns = [n.value for n in _own_nodes(fn) if isinstance(n, ast.Return)]
-    if not returns or not all(isinstance(v, ast.Call) for v in returns):
-        return None
-    chosen: set[str] = set()
-    for v in returns:
-        if (other.canonical(v.func) or "") in _LAYER_NORMS:
-            continue
-        if not (isinstance(v.func, ast.Name) and v.func.id in other.classes):
-            return None  # a module npufuse does not read here (a library RMSNorm, an imported class)
-        chosen.add(v.func.id)
-    if len(chosen) != 1:
-        return None
-    cname = chosen.pop()
-    home = module if other is module else _home_with(module, other, other.classes[cname])
-    if home is None:
-        return None
-    nc = _class_norm_call(home, call, ctx, cname, where)
-    if nc is None or nc.kind == "not_rms":
-        return None
+    # the classes of the factory's file it constructs; whatever else it returns (a library module, a
+    # kernel wrapper) fails the run-time type check and runs the original call
+    built = sorted({v.func.id for v in returns if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in other.classes})
+    read: list[tuple[str, ModuleInfo, NormCall]] = []
+    for cname in built[:4]:
+        home = module if other is module else _home_with(module, other, other.classes[cname])
+        nc = _class_norm_call(home, call, ctx, cname, where) if home is not None else None
+        if nc is not None and nc.kind != "not_rms" and home is not None:
+            read.append((cname, home, nc))
+    if len(read) != 1:
+        return None  # none read as an RMSNorm, or several (each would need its own fused code)
+    cname, home, nc = read[0]
     mod = f"self.{f.attr}"
     guard = (f"type({mod}) is {cname}" if other is module
              else f'type({mod}).__qualname__ == "{cname}" and type({mod}).__module__ == "{modname}"')
@@ -613,12 +610,64 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     try:
         m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
     except R.NoMatch:
-        return None
+        return _l2_class_norm(module, call, cls, fwd, where)
     except R.Miss as e:
         if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
             return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
         return NormCall(call, f.attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
     return NormCall(call, f.attr, "rms", match=m, cls=cls + where)
+
+
+def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str) -> NormCall | None:
+    """A norm class whose forward is ``return F.normalize(x, dim=-1) * <gain>`` with a sqrt(d) factor
+    in the gain (lucidrains: ``F.normalize(x, dim=-1) * self.scale * self.gamma``, ``self.scale =
+    dim ** 0.5``): x / ||x|| * P = x / rms(x) * (P / sqrt(d)), an RMSNorm whose eps is a clamp on
+    the norm. The gain's factors must be reads of the module (``self.<attr>``) or constants."""
+    from npufuse.patterns._library_norm import _flatten as flatten_factors
+    from npufuse.scan import canonical
+
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    ret = S.helper_return(fwd)
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if ret is None or ret.value is None or len(params) != 2 or fwd.args.vararg or fwd.args.kwonlyargs or fwd.args.kwarg \
+            or len(fwd.body) - isinstance(fwd.body[0], ast.Expr) != 1:
+        return None  # only ``return <product>`` (a docstring allowed)
+    me, x = params
+    factors: list[tuple[ast.expr, bool]] = []
+    flatten_factors(ret.value, False, factors)
+    units = [(n, l2) for n, inv in factors for l2 in [canonical.l2_normalize_of(module, n)] if l2 is not None and not inv]
+    if len(units) != 1 or not (isinstance(units[0][1].x, ast.Name) and units[0][1].x.id == x):
+        return None
+    unit, l2 = units[0]
+    rest = [(n, inv) for n, inv in factors if n is not unit]
+    mod = f"self.{f.attr}"
+
+    def as_site(n: ast.expr) -> str | None:
+        """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
+        if isinstance(n, ast.Constant) and type(n.value) in (int, float):
+            return repr(n.value)
+        d = dotted(n)
+        if d is not None and d.startswith(me + ".") and d.count(".") == 1:
+            return mod + d[len(me):]
+        return None
+
+    texts = [as_site(n) for n, _ in rest]
+    init = S.init_assignments(module, cls)
+    powers = [canonical.root_power(module, n, init.get) for n, _ in rest]
+    signed = [pw if not inv else -pw for (n, inv), pw in zip(rest, powers) if pw is not None]
+    if not rest or None in texts or 0.5 not in signed:
+        return None  # no sqrt(d) gain (an L2 normalisation) or a factor computed otherwise
+    num = " * ".join(f"({t})" for t, (_, inv) in zip(texts, rest) if not inv) or "1.0"
+    den = [f"({t})" for t, (_, inv) in zip(texts, rest) if inv]
+    gain = num if not den else f"{num} / ({' * '.join(den)})"
+    eps = "1e-12"
+    if l2.eps is not None:
+        v = l2.eps.value if isinstance(l2.eps, ast.Constant) else None
+        if type(v) not in (int, float):
+            return None
+        eps = repr(v)
+    return NormCall(call, f.attr, "l2", cls=cls + where, gamma=gain, eps=eps)
 
 
 def _loop_unpacked(scope: Scope, name: str) -> str | None:
@@ -946,6 +995,25 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         params = {"eps": eps, "weight": None if m.ones else gamma, "weight_offset": 0, "upcast": "float32", "output_dtype": "input"}
         variant = "library_norm"
         weight_base = gamma
+    elif m.kind == "l2":
+        # x / ||x|| * P (lucidrains' RMSNorm): an RMSNorm with gamma P / sqrt(d) whose eps clamps the
+        # norm; the gain may broadcast (per head): fused only where it is one value per feature
+        from npufuse.patterns._library_norm import _CLAMP_RISK
+
+        confidence = "medium"
+        root = f"({x1}.shape[-1] ** 0.5)"
+        gamma = f"{T}.ones({x1}.shape[-1], dtype={T}.float32, device={x1}.device) * ({m.gamma}) / {root}"
+        eps = f"float(({m.eps}) / {root}) ** 2"
+        out_code = f"{T}.result_type({s_name}, {m.gamma})"
+        train_norm = ""  # the module itself in training
+        norm_pre = []
+        conditions.append(f"{T}.as_tensor({m.gamma}).dim() <= 1")
+        params = {"eps": m.eps, "eps_rule": "clamp on the norm", "weight": m.gamma, "weight_offset": 0, "upcast": None,
+                  "output_dtype": "result_type(input, gain)"}
+        risks.append(_CLAMP_RISK)
+        notes.append(f"{m.cls}: F.normalize(x, dim=-1) times a sqrt(d) gain is x / rms(x) * gain / sqrt(d); "
+                     "training keeps the module call, only inference is fused")
+        variant = "l2_normalize_norm"
     else:
         confidence = "medium"
         mod = f"self.{m.attr}"
@@ -3306,9 +3374,12 @@ AddRmsNorm.FUSE += [
 ]
 
 AddRmsNorm.KEEP += [
-    # the factory may return two RMS classes: which one runs is not known (no site, no guess)
+    # the factory may return two RMS classes read here: each would need its own fused code (not built)
     Keep(_S31_FACTORY.replace('        return nn.LayerNorm(dim, eps=eps)', '        return OtherRMS(dim)')
-         + "\n\nclass OtherRMS(ScaledRMS):\n    pass\n", name="s31_factory_of_two_rms_classes"),
+         + ("\n\nclass OtherRMS(nn.Module):\n    def __init__(self, dim):\n        super().__init__()\n"
+            "        self.w = nn.Parameter(torch.ones(dim))\n\n    def forward(self, x):\n"
+            "        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w\n"),
+         name="s31_factory_of_two_rms_classes"),
     # the compiled attribute is rebound after construction: the method it holds is not known
     Keep(_S31_FACTORY.replace("    def forward(self, x):\n        return self.fn(x)",
                               "    def forward(self, x):\n        return self.fn(x)\n\n    def use(self, f):\n        self.fn = f"),
@@ -3375,6 +3446,15 @@ AddRmsNorm.FUSE += [
          name="s31_norm_layer_parameter_library_default"),
 ]
 
+AddRmsNorm.FUSE += [
+    # a subclass without its own forward (or any module the factory gets elsewhere) fails the exact
+    # type check: the class read is the one fused
+    Fuse(_S31_FACTORY.replace('        return nn.LayerNorm(dim, eps=eps)', '        return OtherRMS(dim)')
+         + "\n\nclass OtherRMS(ScaledRMS):\n    pass\n",
+         expect={"condition": "type(self.norm) is ScaledRMS"}, run=_S31_FACTORY_RUN.format(cast="", dtype=""),
+         name="s31_factory_with_a_subclass"),
+]
+
 AddRmsNorm.KEEP += [
     Keep(_S31_NORM_LAYER.replace("norm_layer=RMSNorm", "norm_layer=nn.LayerNorm"), reason="not RMSNorm by default",
          name="s31_norm_layer_parameter_layernorm_default"),
@@ -3382,4 +3462,62 @@ AddRmsNorm.KEEP += [
     Keep(_S31_NORM_LAYER.replace("        super().__init__()\n        self.attn",
                                  "        super().__init__()\n        if d > 64:\n            norm_layer = nn.LayerNorm\n        self.attn"),
          name="s31_norm_layer_parameter_rebound"),
+]
+
+
+# -- s31: lucidrains' RMSNorm, ``F.normalize(x, dim=-1) * self.scale * self.gamma`` (scale = sqrt(d)) --
+
+_S31_L2_NORM = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1) * self.scale * self.gamma
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.ff = nn.Linear(dim, dim)
+        self.ff_norm = RMSNorm(dim)
+
+    def forward(self, x):
+        x = self.attn(x) + x
+        return self.ff(self.ff_norm(x)) + x
+'''
+
+_S31_L2_RUN = '''
+blk = Block(32){cast}
+with torch.no_grad():
+    blk.ff_norm.gamma.add_(0.1 * torch.randn(32{dtype}))
+    x = torch.randn(2, 5, 32{dtype})
+    out = blk(x)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S31_L2_NORM, expect={"variant": "l2_normalize_norm", "weight": "(self.ff_norm.scale) * (self.ff_norm.gamma)", "eps": "1e-12",
+                               "confidence": "medium", "line": 25, "end_line": 26},
+         run=_S31_L2_RUN.format(cast="", dtype=""), name="s31_l2_normalize_norm_class_fp32"),
+    Fuse(_S31_L2_NORM, expect={"condition": "torch.as_tensor((self.ff_norm.scale) * (self.ff_norm.gamma)).dim() <= 1"},
+         run=_S31_L2_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"), name="s31_l2_normalize_norm_class_bf16"),
+    Fuse(_S31_L2_NORM.replace("F.normalize(x, dim=-1) * self.scale * self.gamma", "self.gamma * F.normalize(x, dim=-1, eps=1e-6) / self.inv")
+         .replace("self.scale = dim ** 0.5", "self.inv = dim ** -0.5"),
+         expect={"weight": "(self.ff_norm.gamma) / ((self.ff_norm.inv))", "eps": "1e-06"},
+         run=_S31_L2_RUN.format(cast="", dtype=""), name="s31_l2_normalize_norm_class_divided_gain"),
+]
+
+AddRmsNorm.KEEP += [
+    # no sqrt(d) in the gain: an L2 normalisation (ScaleNorm-like), not an RMSNorm
+    Keep(_S31_L2_NORM.replace("self.scale = dim ** 0.5", "self.scale = 10.0"), name="s31_l2_normalize_without_sqrt_d"),
+    # a gain computed from the input: not a module read
+    Keep(_S31_L2_NORM.replace("* self.scale * self.gamma", "* self.scale * x.sigmoid()"), name="s31_l2_normalize_input_gain"),
 ]
