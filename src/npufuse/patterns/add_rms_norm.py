@@ -561,6 +561,11 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         nc = _class_norm_call(home, call, ctx, real, f" (from {rel})")
         if nc is not None:
             nc.home = home if nc.kind != "not_rms" else None
+            if nc.kind != "not_rms":
+                # ``__init__`` may build the attribute otherwise on another path (LightningDiT: a
+                # LayerNorm unless a flag is set; the last assignment is the one read): the fused
+                # code runs where the attribute is an instance of exactly this class
+                nc.conditions = [*nc.conditions, f"type(self.{f.attr}) is {value.func.id}"]  # type: ignore[attr-defined]
             return nc
         layer_norm = _mean_subtracted(home, real)
         if layer_norm is not None:
@@ -2524,29 +2529,11 @@ def _flag_chosen_local_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
 
 def _local_class_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str) -> NormCall | None:
     """The NormCall for ``self.<attr>(x)`` read through the forward of the module class ``cls`` (as
-    :func:`_norm_call` reads a class built unconditionally)."""
-    f = call.func
-    fwd = S.method(module, cls, "forward")
-    if fwd is None or not isinstance(f, ast.Attribute) or len(call.args) != 1:
+    :func:`_norm_call` reads a class built unconditionally); None unless it reads as hand-written RMS."""
+    if not isinstance(call.func, ast.Attribute) or len(call.args) != 1:
         return None
-    ret = S.helper_return(fwd)
-    nscope = S.scope_of(module, fwd)
-    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
-    if ret is None or nscope is None or len(params) < 2:
-        return None
-    defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
-    hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
-    bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (call.args[0], ctx)}
-    for p in params[2:]:
-        if p not in defaults:
-            return None
-        bind[p] = (defaults[p], hctx)
-    hctx.bind = bind
-    try:
-        m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
-    except (R.NoMatch, R.Miss):
-        return None
-    return NormCall(call, f.attr, "rms", match=m, cls=cls)
+    nc = _class_norm_call(module, call, ctx, cls)
+    return nc if nc is not None and nc.kind == "rms" else None
 
 
 # --- a norm attribute built by one of several branches of __init__ (held-out 4) ---------------------
