@@ -343,6 +343,7 @@ class Block(nn.Module):
     got = sorted((c["pattern"], c["file"], c["line"]) for c in result.candidates)
     assert got == [("add_rms_norm", "pkg/model.py", 14), ("rms_norm", "pkg/norms.py", 16)]
     add = next(c for c in result.candidates if c["pattern"] == "add_rms_norm")
-    # defined in another file: HF semantics assumed, checked where it runs (its gain is `.scale`,
-    # so on a real run the original statements are taken)
-    assert add["confidence"] == "medium" and 'getattr(self.rms_2, "dim", -1) == -1' in add["replacement"]
+    # defined in another file of the repository: read there (s31), its gain `.scale` and its dim
+    # attribute checked where it runs, instead of HF semantics assumed
+    assert add["confidence"] == "high" and add["params"]["weight"] == "self.rms_2.scale", add["params"]
+    assert "self.rms_2.dim == -1" in add["params"]["condition"]

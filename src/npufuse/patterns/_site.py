@@ -938,12 +938,46 @@ def resolve_callee(module: ModuleInfo, call: ast.Call, ctx: Ctx) -> tuple[ast.Fu
         m = method(module, ctx.scope.class_name, f.attr)
         if m is not None:
             return m, True
-        return None
+        return _method_held(module, ctx.scope.class_name, f.attr)
     if isinstance(f, ast.Name) and f.id not in ctx.bind and definition(ctx, f.id) is None:
         fn = module.helper(f.id)
         if isinstance(fn, ast.FunctionDef):
             return fn, False
     return None
+
+
+def _method_held(module: ModuleInfo, class_name: str, attr: str) -> tuple[ast.FunctionDef, bool] | None:
+    """The method an attribute holds: ``__init__`` sets ``self.<attr>`` once to ``self.m``, to
+    ``torch.compile(self.m, ...)`` (the same function, compiled) or to a conditional choosing
+    between those for one ``m`` (cosmos / torchtitan ``RMSNorm``: ``self.rmsnorm_fn =
+    torch.compile(self.compute_rmsnorm, fullgraph=True) if compile else self.compute_rmsnorm``), and
+    no other method of the class assigns it. A staticmethod is called without ``self``."""
+    value = init_assignments(module, class_name).get(attr)
+    if value is None:
+        return None
+
+    def held(v: ast.expr) -> str | None:
+        if isinstance(v, ast.Call) and module.canonical(v.func) == "torch.compile" and v.args \
+                and not isinstance(v.args[0], ast.Starred):
+            v = v.args[0]
+        d = dotted(v)
+        return d[5:] if d is not None and d.startswith("self.") and d.count(".") == 1 else None
+
+    names = {held(v) for v in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))}
+    if len(names) != 1 or None in names:
+        return None
+    fn = method(module, class_name, names.pop())  # type: ignore[arg-type]
+    if fn is None:
+        return None
+    for item in module.classes[class_name].body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name != "__init__":
+            for n in ast.walk(item):
+                if isinstance(n, ast.Attribute) and n.attr == attr and not isinstance(n.ctx, ast.Load):
+                    return None  # rebound after construction
+    static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+    if fn.decorator_list and not static:
+        return None
+    return fn, not static
 
 
 # --- norms (s25): a read in another branch of a non-repeated if never sees the span's value -----

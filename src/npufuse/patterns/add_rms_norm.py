@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _site as S
@@ -44,7 +45,7 @@ _OFFSET_NAME = re.compile(r"gemma|qwen3_?5|qwen3_?next", re.IGNORECASE)
 class NormCall:
     call: ast.Call  # self.<attr>(x)
     attr: str
-    kind: str  # "rms" | "external" | "not_rms"
+    kind: str  # "rms" | "library" | "l2" | "external" | "not_rms"
     match: R.Match | None = None
     reason: str = ""
     cls: str = ""
@@ -52,6 +53,9 @@ class NormCall:
     eps: str = ""
     ones: bool = False  # no weight (``F.rms_norm(x, (d,))``): npu_add_rms_norm gets ones of x1's last dim
     conditions: list[str] = field(default_factory=list)  # run-time checks for the fused code (else the original)
+    # s31: the file view the norm was read in when its class is in another file of the repository
+    # (this file with that class added): the replacement is planned in it
+    home: ModuleInfo | None = None
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -72,7 +76,7 @@ def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[st
     return f"{mod}.weight", eps_or_default(f"{mod}.eps", T)
 
 
-def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str) -> tuple[str, str] | None:
+def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign: bool = False) -> tuple[str, str] | None:
     """(gamma, eps) when a norm class's forward is ``return F.rms_norm(x, shape, self.w, self.eps)``
     (DeepSeek-V3's RMSNorm), with ``self`` read as ``mod``; None otherwise."""
     from npufuse.scan import canonical
@@ -102,7 +106,8 @@ def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str) -> tupl
     if eps is None or const_value(eps) is None:
         return gamma, float32_eps(T)
     if isinstance(const_value(eps), (int, float)):
-        return gamma, S.source_of(module, eps)
+        # ``foreign``: the forward is another file's code, whose text is not this module's
+        return gamma, ast.unparse(eps) if foreign else S.source_of(module, eps)
     e = as_mod(eps)
     if e is None:
         return None
@@ -161,16 +166,24 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
     if not call.args or isinstance(call.args[0], ast.Starred) or S.definition(ctx, f.id) is not None:
         return None
     fn = module.helper(f.id)
+    home, where = module, ""  # the file defining the helper
+    if fn is None:
+        found = _repo_norm_helper(module, f.id)
+        if found is not None:
+            home, fn = found
+            where = f" (from {home.path})"
     if not isinstance(fn, ast.FunctionDef):
         return None
     ret = R._helper_return(fn)
     params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
-    nscope = S.scope_of(module, fn)
+    nscope = S.scope_of(home, fn)
     if ret is None or ret.value is None or nscope is None or not params:
         return None
     defaults = dict(zip(params[len(params) - len(fn.args.defaults):], fn.args.defaults))
     value = ret.value
     if isinstance(value, ast.Call) and canonical.api(module, value.func) == "torch.nn.functional.rms_norm":
+        if home is not module:
+            return None  # its weight and eps would be read as text of the other file
         if len(call.args) != 1 or call.keywords or any(p not in defaults for p in params[1:]):
             return None
         from npufuse.scan.dataflow import keyword
@@ -188,17 +201,294 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
         nc.call = call
         return nc
     # the helper's parameters bound to this call's arguments (``rms_norm(h, self.w, self.eps)``)
-    hctx = S.bind_call(module, call, fn, ctx, False)
+    hctx = S.bind_call(home, call, fn, ctx, False)
     if hctx is None:
         return None
+    # an inline sum (``rms_norm(h + attn(h), eps)``) is read as the name the fused code binds it to:
+    # the helper's reads of its input (``input_dtype = x.dtype``) must not evaluate the sum again
+    hctx.bind[params[0]] = (_norm_input(call.args[0]), ctx)
     try:
         m = R.parse_norm(module, value, hctx.at(ret.lineno))
     except R.NoMatch:
         return None
     except R.Miss as e:
         kind = "is not RMSNorm" if "mean subtracted" in e.reason else "cannot be fused"
-        return NormCall(call, f.id, "not_rms", reason=f"norm {f.id} {kind}: {e.reason}", cls=f.id)
-    return NormCall(call, f.id, "rms", match=m, cls=f.id)
+        return NormCall(call, f.id, "not_rms", reason=f"norm {f.id}{where} {kind}: {e.reason}", cls=f.id)
+    return NormCall(call, f.id, "rms", match=m, cls=f.id + where)
+
+
+# -- s31: a norm helper imported from another file of the repository ------------------------------
+# HRM's ``from models.layers import rms_norm`` then ``rms_norm(h + self.attn(h), variance_epsilon=eps)``:
+# the helper is read in its own file with its parameters bound to this call's arguments. The matcher
+# resolves the helper's names through this file's imports and the replacement spells them here
+# (a helper's code is rendered as text, its parameters as this call's arguments), so every name the
+# helper reads without binding it must mean the same in both files: a builtin, or an import both
+# files spell alike (``torch``); a helper reading another name of its file (a constant, another
+# helper) is not followed.
+
+_BUILTIN_NAMES = frozenset(dir(__import__("builtins")))
+
+
+def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.AST] | None:
+    """(its file, its definition) for a top-level def or class ``name`` that this file imports from
+    another file of the repository; None otherwise (cached per file)."""
+    from npufuse.scan import repo_facts
+
+    if name in module.classes or name in module.functions:
+        return None
+    target = module.aliases.get(name)
+    relative = any(isinstance(n, ast.ImportFrom) and n.level and any((a.asname or a.name) == name for a in n.names)
+                   for n in module.tree.body)
+    if target is None and not relative:
+        return None  # not imported: asking other files would only cost
+    cache = module.__dict__.setdefault("_npufuse_norm_foreign", {})
+    if name in cache:
+        return cache[name]
+    cache[name] = None
+    root = repo_facts.repo_root(module)
+    if root is None:
+        return None
+    if target is not None:
+        # an absolute import: only a package of this repository (asking about a library would mark
+        # the file as depending on other files for nothing)
+        # (at the root or in a folder above the importing file, as repo_facts.definition looks)
+        head = target.split(".")[0]
+        try:
+            folders = [root, *(root / p for p in PurePosixPath(module.path).parents if str(p) != ".")]
+            if not any((d / head).is_dir() or (d / f"{head}.py").is_file() for d in folders):
+                return None
+        except OSError:
+            return None
+    d = repo_facts.definition(module, name)
+    if d is None or d.rel == module.path or not isinstance(d.node, (ast.FunctionDef, ast.ClassDef)) or d.node.decorator_list:
+        return None
+    text = repo_facts._repo_text(root, d.rel)
+    if text is None:
+        return None
+    try:
+        other = ModuleInfo.from_source(d.rel, text, d.tree)
+    except (Exception, RecursionError):
+        return None
+    repo_facts.attach_root(other, root)
+    cache[name] = (other, d.node)
+    return cache[name]
+
+
+def _free_names(module: ModuleInfo, other: ModuleInfo, node: ast.AST) -> dict[str, str] | None:
+    """The import aliases ``node`` (code of ``other``) reads that this file does not bind (to be
+    borrowed while reading it), or None when a name it reads means something else here or is
+    another definition of its file (a constant, a helper: not followed)."""
+    bound = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    bound |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    bound |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    top_here = {t.id for st in module.tree.body if isinstance(st, (ast.Assign, ast.AnnAssign))
+                for t in (st.targets if isinstance(st, ast.Assign) else [st.target]) if isinstance(t, ast.Name)}
+    borrowed: dict[str, str] = {}
+    for n in ast.walk(node):
+        if not (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)) or n.id in bound:
+            continue
+        if n.id in other.functions or n.id in other.classes:
+            return None
+        there = other.aliases.get(n.id)
+        if there is None:
+            if n.id not in _BUILTIN_NAMES or any(n.id in names for names in (module.aliases, module.functions, module.classes, top_here)):
+                return None
+            continue
+        if n.id in module.aliases:
+            if module.aliases[n.id] != there:
+                return None
+        elif n.id in module.functions or n.id in module.classes or n.id in top_here:
+            return None
+        else:
+            borrowed[n.id] = there
+    return borrowed
+
+
+def _repo_norm_helper(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.FunctionDef] | None:
+    """(its file, its def) for a plain function ``name`` this file imports from another file of the
+    repository, every name it reads meaning the same here; None otherwise."""
+    found = _foreign_definition(module, name)
+    if found is None or not isinstance(found[1], ast.FunctionDef):
+        return None
+    other, fn = found
+    if _free_names(module, other, fn) != {}:
+        return None  # the rendered helper code would name something this file lacks or means otherwise
+    return other, fn
+
+
+def _repo_norm_class(module: ModuleInfo, func: ast.expr) -> tuple[ModuleInfo, str, str] | None:
+    """A norm class built as ``Cls(...)`` that this file imports from another file of the repository:
+    (this file with the class added, the class's name, its file). The class's code reads its imports
+    (``torch``, ``nn``) as its file does; names this file does not bind are borrowed for the reading
+    (the replacement is checked not to name them), any other difference refuses."""
+    if not isinstance(func, ast.Name):
+        return None
+    found = _foreign_definition(module, func.id)
+    if found is None or not isinstance(found[1], ast.ClassDef):
+        return None
+    other, cls = found
+    if cls.name in module.classes or any(not _plain_module_base(other, b) for b in cls.bases) or cls.keywords:
+        return None  # inherited methods would be read from this file, or not at all
+    home = _home_with(module, other, cls)
+    return (home, cls.name, other.path) if home is not None else None
+
+
+def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef) -> ModuleInfo | None:
+    """This file with ``cls`` (a class of ``other``) added, to read the class as if it were here."""
+    if cls.name in module.classes or any(not _plain_module_base(other, b) for b in cls.bases) or cls.keywords:
+        return None  # inherited methods would be read from this file, or not at all
+    borrowed = _free_names(module, other, cls)
+    if borrowed is None:
+        return None
+    cache = module.__dict__.setdefault("_npufuse_norm_homes", {})
+    key = id(cls)
+    if key not in cache:
+        from dataclasses import replace
+
+        from npufuse.scan import repo_facts
+
+        own = {id(n) for n in ast.walk(cls)}
+        scopes = [sc for sc in other.scopes if id(sc.node) in own]
+        for sc in scopes:
+            # the text a scope's readers cache on it is read now, from its own file (the view's
+            # source is this file's)
+            S.scope_text(other, sc)
+            R._root_lines(other, sc)
+            if getattr(sc.node, "name", "") == "forward":
+                R.scope_results(other, sc)  # the rms_norm verdict on the forward, in its own file
+        home = replace(module, aliases={**borrowed, **module.aliases}, classes={**module.classes, cls.name: cls},
+                       scopes=[*module.scopes, *scopes])
+        home.__dict__["_npufuse_borrowed"] = frozenset(borrowed)
+        root = repo_facts.repo_root(module)
+        if root is not None:
+            repo_facts.attach_root(home, root)
+        cache[key] = home
+    return cache[key]
+
+
+def _factory_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Call) -> NormCall | None:
+    """``self.norm = create_norm(cfg.norm_type, dim, eps=eps)`` (torchtitan and its copies): a
+    function of this file or of another file of the repository whose returns construct norm modules
+    chosen by its arguments. When exactly one class of the factory's file it constructs reads as an
+    RMSNorm (in that file), the fused code runs where the attribute's run-time type is that class,
+    and the original statements otherwise (a LayerNorm, a kernel-backed RMSNorm, anything else)."""
+    f = call.func
+    func = value.func
+    if not (isinstance(f, ast.Attribute) and isinstance(func, ast.Name)):
+        return None
+    if func.id in module.functions:
+        other, fn, modname, where = module, module.functions[func.id], "", ""
+    else:
+        found = _foreign_definition(module, func.id)
+        target = module.aliases.get(func.id)
+        if found is None or not isinstance(found[1], ast.FunctionDef) or target is None:
+            return None  # (a relative import: the class's module name is not known here)
+        other, fn = found
+        modname, where = target.rsplit(".", 1)[0], f" (from {other.path})"
+    returns = [n.value for n in _own_nodes(fn) if isinstance(n, ast.Return)]
+    # the classes of the factory's file it constructs; whatever else it returns (a library module, a
+    # kernel wrapper) fails the run-time type check and runs the original call
+    built = sorted({v.func.id for v in returns if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in other.classes})
+    read: list[tuple[str, ModuleInfo, NormCall]] = []
+    for cname in built[:4]:
+        home = module if other is module else _home_with(module, other, other.classes[cname])
+        nc = _class_norm_call(home, call, ctx, cname, where) if home is not None else None
+        if nc is not None and nc.kind != "not_rms" and home is not None:
+            read.append((cname, home, nc))
+    if len(read) != 1:
+        return None  # none read as an RMSNorm, or several (each would need its own fused code)
+    cname, home, nc = read[0]
+    mod = f"self.{f.attr}"
+    guard = (f"type({mod}) is {cname}" if other is module
+             else f'type({mod}).__qualname__ == "{cname}" and type({mod}).__module__ == "{modname}"')
+    nc.conditions = [*nc.conditions, guard]
+    nc.home = home if home is not module else None
+    nc.cls = f"{cname} (returned by {func.id}(...){where})"
+    return nc
+
+
+def _mean_subtracted(module: ModuleInfo, cls: str) -> str | None:
+    """The rms_norm detector's reason when the forward of ``cls`` subtracts the mean (a LayerNorm),
+    as found in the class's own file (:func:`_repo_norm_class` reads it there first)."""
+    fwd = S.method(module, cls, "forward")
+    sc = S.scope_of(module, fwd) if fwd is not None else None
+    results = sc.__dict__.get("_npufuse_rms") if sc is not None else None
+    for r in results or []:
+        if r.miss is not None and "mean subtracted" in r.miss.reason:
+            return r.miss.reason
+    return None
+
+
+def _default_class(module: ModuleInfo, class_name: str | None, name: str) -> ast.expr | None:
+    """The class a constructor parameter ``name`` of ``__init__`` holds unless the caller passes
+    another: its default (``norm_layer=RMSNorm``), or the fallback of its one rebinding
+    ``norm_layer = norm_layer or RMSNorm`` (default None); None when it is rebound otherwise."""
+    init = S.method(module, class_name, "__init__")
+    params = S.init_params(module, class_name)
+    if init is None or name not in params:
+        return None
+    value = params[name]
+    rebinds = [st for st in S._stmts_in(init.body) if name in S.names_written(st)]
+    if rebinds:
+        st = rebinds[0]
+        if not (len(rebinds) == 1 and isinstance(st, ast.Assign) and isinstance(st.value, ast.BoolOp)
+                and isinstance(st.value.op, ast.Or) and len(st.value.values) == 2
+                and isinstance(st.value.values[0], ast.Name) and st.value.values[0].id == name
+                and (value is None or (isinstance(value, ast.Constant) and value.value is None))):
+            return None
+        value = st.value.values[1]
+    return value if isinstance(value, (ast.Name, ast.Attribute)) and dotted(value) else None
+
+
+def _default_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, value: ast.Call) -> NormCall | None:
+    """``self.norm = norm_layer(dim)`` with ``norm_layer`` a constructor parameter defaulting to a
+    class (timm / lucidrains blocks, ``norm_klass=RMSNorm``): the caller may pass another class, so
+    the fused code runs where the attribute's run-time type is the default one, read as such; a
+    LayerNorm default is a near miss."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(value.func, ast.Name)):
+        return None
+    default = _default_class(module, scope.class_name, value.func.id)
+    if default is None:
+        return None
+    mod = f"self.{f.attr}"
+    T = S.torch_name(module) or "torch"
+    canon = module.canonical(default) or ""
+    name = dotted(default) or ""
+    if canon in _LAYER_NORMS:
+        return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm by default ({name}: mean subtracted; "
+                                                        f"`{value.func.id}` is a constructor parameter)")
+    if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
+        return NormCall(call, f.attr, "library", cls=name, gamma=f"{mod}.weight", eps=eps_or_default(f"{mod}.eps", T),
+                        conditions=[f"type({mod}) is {name}", f"{mod}.weight is not None"])
+    if name in module.classes:
+        nc = _class_norm_call(module, call, ctx, name)
+    elif isinstance(default, ast.Name) and (foreign := _repo_norm_class(module, default)) is not None:
+        home, real, rel = foreign
+        nc = _class_norm_call(home, call, ctx, real, f" (from {rel})")
+        if nc is not None and nc.kind != "not_rms":
+            nc.home = home
+    else:
+        return None
+    if nc is None or nc.kind == "not_rms":
+        return None  # another class may be passed: a refusal of the default says little
+    nc.conditions = [*nc.conditions, f"type({mod}) is {name}"]
+    nc.cls = f"{nc.cls} (default of `{value.func.id}`)"
+    return nc
+
+
+def _own_nodes(fn: ast.FunctionDef) -> Iterator[ast.AST]:
+    """The nodes of ``fn``'s body outside nested functions, classes and lambdas."""
+    todo: list[ast.AST] = list(fn.body)
+    while todo:
+        n = todo.pop()
+        yield n
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(n))
+
+
+def _plain_module_base(module: ModuleInfo, base: ast.expr) -> bool:
+    return (module.canonical(base) or "") in ("torch.nn.Module", "torch.nn.modules.module.Module")
 
 
 def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
@@ -262,34 +552,31 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
                         eps=eps_or_default(f"{mod}.eps", T),
                         conditions=[f"{mod}.weight is not None"])
     if cls in module.classes:
-        fwd = S.method(module, cls, "forward")
-        lib_fwd = _library_forward(module, fwd, f"self.{f.attr}") if fwd is not None else None
-        if lib_fwd is not None:
-            return NormCall(call, f.attr, "library", cls=cls, gamma=lib_fwd[0], eps=lib_fwd[1])
-        if fwd is None:
-            return None
-        ret = S.helper_return(fwd)
-        nscope = S.scope_of(module, fwd)
-        params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
-        if ret is None or nscope is None or len(params) < 2:
-            return None
-        defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
-        hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
-        bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (_norm_input(call.args[0]), ctx)}
-        for p in params[2:]:
-            if p not in defaults:
-                return None
-            bind[p] = (defaults[p], hctx)
-        hctx.bind = bind
-        try:
-            m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
-        except R.NoMatch:
-            return None
-        except R.Miss as e:
-            if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
-                return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({cls}: {e.reason})", cls=cls)
-            return NormCall(call, f.attr, "not_rms", reason=f"norm {cls} cannot be fused: {e.reason}", cls=cls)
-        return NormCall(call, f.attr, "rms", match=m, cls=cls)
+        return _class_norm_call(module, call, ctx, cls)
+    foreign = _repo_norm_class(module, value.func)
+    if foreign is not None:
+        # a class of another file of the repository, read there (s31): its verdict replaces the
+        # assumption a name would give
+        home, real, rel = foreign
+        nc = _class_norm_call(home, call, ctx, real, f" (from {rel})")
+        if nc is not None:
+            nc.home = home if nc.kind != "not_rms" else None
+            if nc.kind != "not_rms":
+                # ``__init__`` may build the attribute otherwise on another path (LightningDiT: a
+                # LayerNorm unless a flag is set; the last assignment is the one read): the fused
+                # code runs where the attribute is an instance of exactly this class
+                nc.conditions = [*nc.conditions, f"type(self.{f.attr}) is {value.func.id}"]  # type: ignore[attr-defined]
+            return nc
+        layer_norm = _mean_subtracted(home, real)
+        if layer_norm is not None:
+            # read in its file, the forward subtracts the mean: no name makes it an RMSNorm
+            return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({real} (from {rel}): {layer_norm})", cls=real)
+    factory = _factory_norm(module, call, ctx, value)
+    if factory is not None:
+        return factory
+    by_default = _default_class_norm(module, scope, call, ctx, value)
+    if by_default is not None:
+        return by_default
     if _RMS_NAME.search(cls.split(".")[-1]):
         return NormCall(call, f.attr, "external", cls=cls)
     chosen = _chosen_classes(module, scope.class_name, value.func)
@@ -298,6 +585,94 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # defined elsewhere: the same assumptions as one external class (checked at run time)
         return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
     return None
+
+
+def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "") -> NormCall | None:
+    """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
+    ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
+    sum. ``where`` names the other file a repository class comes from (for reasons)."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    fwd = S.method(module, cls, "forward")
+    lib_fwd = _library_forward(module, fwd, f"self.{f.attr}", foreign=bool(where)) if fwd is not None else None
+    if lib_fwd is not None:
+        return NormCall(call, f.attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
+    if fwd is None:
+        return None
+    ret = S.helper_return(fwd)
+    nscope = S.scope_of(module, fwd)
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if ret is None or nscope is None or len(params) < 2:
+        return None
+    defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
+    hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
+    bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (_norm_input(call.args[0]), ctx)}
+    for p in params[2:]:
+        if p not in defaults:
+            return None
+        bind[p] = (defaults[p], hctx)
+    hctx.bind = bind
+    try:
+        m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
+    except R.NoMatch:
+        return _l2_class_norm(module, call, cls, fwd, where)
+    except R.Miss as e:
+        if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
+            return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
+        return NormCall(call, f.attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
+    return NormCall(call, f.attr, "rms", match=m, cls=cls + where)
+
+
+def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str) -> NormCall | None:
+    """A norm class whose forward is ``return F.normalize(x, dim=-1) * <gain>`` with a sqrt(d) factor
+    in the gain (lucidrains: ``F.normalize(x, dim=-1) * self.scale * self.gamma``, ``self.scale =
+    dim ** 0.5``): x / ||x|| * P = x / rms(x) * (P / sqrt(d)), an RMSNorm whose eps is a clamp on
+    the norm. The gain's factors must be reads of the module (``self.<attr>``) or constants."""
+    from npufuse.patterns._library_norm import _flatten as flatten_factors
+    from npufuse.scan import canonical
+
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    ret = S.helper_return(fwd)
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if ret is None or ret.value is None or len(params) != 2 or fwd.args.vararg or fwd.args.kwonlyargs or fwd.args.kwarg \
+            or len(fwd.body) - isinstance(fwd.body[0], ast.Expr) != 1:
+        return None  # only ``return <product>`` (a docstring allowed)
+    me, x = params
+    factors: list[tuple[ast.expr, bool]] = []
+    flatten_factors(ret.value, False, factors)
+    units = [(n, l2) for n, inv in factors for l2 in [canonical.l2_normalize_of(module, n)] if l2 is not None and not inv]
+    if len(units) != 1 or not (isinstance(units[0][1].x, ast.Name) and units[0][1].x.id == x):
+        return None
+    unit, l2 = units[0]
+    rest = [(n, inv) for n, inv in factors if n is not unit]
+    mod = f"self.{f.attr}"
+
+    def as_site(n: ast.expr) -> str | None:
+        """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
+        if isinstance(n, ast.Constant) and type(n.value) in (int, float):
+            return repr(n.value)
+        d = dotted(n)
+        if d is not None and d.startswith(me + ".") and d.count(".") == 1:
+            return mod + d[len(me):]
+        return None
+
+    texts = [as_site(n) for n, _ in rest]
+    init = S.init_assignments(module, cls)
+    powers = [canonical.root_power(module, n, init.get) for n, _ in rest]
+    signed = [pw if not inv else -pw for (n, inv), pw in zip(rest, powers) if pw is not None]
+    if not rest or None in texts or 0.5 not in signed:
+        return None  # no sqrt(d) gain (an L2 normalisation) or a factor computed otherwise
+    num = " * ".join(f"({t})" for t, (_, inv) in zip(texts, rest) if not inv) or "1.0"
+    den = [f"({t})" for t, (_, inv) in zip(texts, rest) if inv]
+    gain = num if not den else f"{num} / ({' * '.join(den)})"
+    eps = "1e-12"
+    if l2.eps is not None:
+        v = l2.eps.value if isinstance(l2.eps, ast.Constant) else None
+        if type(v) not in (int, float):
+            return None
+        eps = repr(v)
+    return NormCall(call, f.attr, "l2", cls=cls + where, gamma=gain, eps=eps)
 
 
 def _loop_unpacked(scope: Scope, name: str) -> str | None:
@@ -378,6 +753,10 @@ class _Site:
     # s27: ``h = r + y; residual = h; h = h.to(<dtype>)`` then the norm of ``h``: the cast statement and
     # its target dtype as code; npu_add_rms_norm runs only where the cast changes nothing
     cast: tuple[ast.stmt, str] | None = None
+    # s31: ``if <test>: ...; h = h + ca(...)`` then the norm of ``h`` after the ``if`` (a block adding an
+    # optional cross-attention): the ``if`` whose body ends with the add; the norm statement is taken
+    # into both branches, fused where the body ran
+    tail_if: ast.If | None = None
 
     @property
     def last(self) -> ast.stmt:
@@ -621,6 +1000,25 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         params = {"eps": eps, "weight": None if m.ones else gamma, "weight_offset": 0, "upcast": "float32", "output_dtype": "input"}
         variant = "library_norm"
         weight_base = gamma
+    elif m.kind == "l2":
+        # x / ||x|| * P (lucidrains' RMSNorm): an RMSNorm with gamma P / sqrt(d) whose eps clamps the
+        # norm; the gain may broadcast (per head): fused only where it is one value per feature
+        from npufuse.patterns._library_norm import _CLAMP_RISK
+
+        confidence = "medium"
+        root = f"({x1}.shape[-1] ** 0.5)"
+        gamma = f"{T}.ones({x1}.shape[-1], dtype={T}.float32, device={x1}.device) * ({m.gamma}) / {root}"
+        eps = f"float(({m.eps}) / {root}) ** 2"
+        out_code = f"{T}.result_type({s_name}, {m.gamma})"
+        train_norm = ""  # the module itself in training
+        norm_pre = []
+        conditions.append(f"{T}.as_tensor({m.gamma}).dim() <= 1")
+        params = {"eps": m.eps, "eps_rule": "clamp on the norm", "weight": m.gamma, "weight_offset": 0, "upcast": None,
+                  "output_dtype": "result_type(input, gain)"}
+        risks.append(_CLAMP_RISK)
+        notes.append(f"{m.cls}: F.normalize(x, dim=-1) times a sqrt(d) gain is x / rms(x) * gain / sqrt(d); "
+                     "training keeps the module call, only inference is fused")
+        variant = "l2_normalize_norm"
     else:
         confidence = "medium"
         mod = f"self.{m.attr}"
@@ -681,17 +1079,39 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     if conditions:
         block, i = S.stmt_index(scope).block[id(site.add)]
         j = next((k for k in range(i, len(block)) if block[k] is site.last), None)
-        if j is None:
+        if site.tail_if is not None and not site.aliases:
+            original = "\n".join([S.stmt_source(module, site.add), S.stmt_source(module, site.norm_stmt)])
+        elif j is None:
             return "the norm is not in the add's block"
-        body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, block[i : j + 1]))]
+        else:
+            original = S.block_source(module, block[i : j + 1])
+        body = [f"if {' and '.join(conditions)}:", S.indent("\n".join(body)), "else:", S.indent(original)]
         params["condition"] = " and ".join(conditions)
+    first_line = site.add.lineno
+    if site.tail_if is not None:
+        # the statements before the add run as written, then the fused add + norm; where the body
+        # does not run, the norm statement as written
+        t = site.tail_if
+        before = t.body[:-1]
+        taken = ([S.block_source(module, before)] if before else []) + ["\n".join(body)]
+        body = [f"if {S.source_of(module, t.test)}:", S.indent("\n".join(taken))]
+        # an ``else``/``elif`` runs as written, then the norm statement
+        other = ([S.block_source(module, t.orelse)] if t.orelse else []) + [S.stmt_source(module, site.norm_stmt)]
+        body += ["else:", S.indent("\n".join(other))]
+        first_line = t.lineno
+    borrowed = module.__dict__.get("_npufuse_borrowed")
+    if borrowed:
+        # the norm class's file imports names this file does not: the replacement may not use them
+        named = {n.id for n in ast.walk(ast.parse("\n".join(body))) if isinstance(n, ast.Name)} & borrowed
+        if named:
+            return f"the replacement would name {', '.join(sorted(named))}, which only the norm class's file imports"
     params.update({"x1": S.source_of(module, site.x1), "x2": S.source_of(module, site.x2), "sum": site.sum_name,
                    "norm": S.source_of(module, m.call.func), "norm_class": m.cls,
                    "residual_aliases": [a.targets[0].id for a in site.aliases]})  # type: ignore[attr-defined]
     return Finding(
         pattern="add_rms_norm",
         qualname=scope.qualname,
-        line=site.add.lineno,
+        line=first_line,
         end_line=site.last.end_lineno or site.last.lineno,
         params=params,
         fused="\n".join(body),
@@ -943,15 +1363,15 @@ class AddRmsNorm(Pattern):
         if not scope.class_name:
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
-                           *_gap_sites(module, scope), *_cast_stmt_sites(module, scope)]:
-            first = site.add if isinstance(site, _Site) else stmt
+                           *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope)]:
+            first = (site.tail_if or site.add) if isinstance(site, _Site) else stmt
             if isinstance(site, str):
                 yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
                 continue
             if site.nc.kind == "not_rms":
                 yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
                 continue
-            r = _build(module, scope, site)
+            r = _build(site.nc.home or module, scope, site)
             if isinstance(r, str):
                 yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
             else:
@@ -2109,29 +2529,11 @@ def _flag_chosen_local_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
 
 def _local_class_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str) -> NormCall | None:
     """The NormCall for ``self.<attr>(x)`` read through the forward of the module class ``cls`` (as
-    :func:`_norm_call` reads a class built unconditionally)."""
-    f = call.func
-    fwd = S.method(module, cls, "forward")
-    if fwd is None or not isinstance(f, ast.Attribute) or len(call.args) != 1:
+    :func:`_norm_call` reads a class built unconditionally); None unless it reads as hand-written RMS."""
+    if not isinstance(call.func, ast.Attribute) or len(call.args) != 1:
         return None
-    ret = S.helper_return(fwd)
-    nscope = S.scope_of(module, fwd)
-    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
-    if ret is None or nscope is None or len(params) < 2:
-        return None
-    defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
-    hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
-    bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (call.args[0], ctx)}
-    for p in params[2:]:
-        if p not in defaults:
-            return None
-        bind[p] = (defaults[p], hctx)
-    hctx.bind = bind
-    try:
-        m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
-    except (R.NoMatch, R.Miss):
-        return None
-    return NormCall(call, f.attr, "rms", match=m, cls=cls)
+    nc = _class_norm_call(module, call, ctx, cls)
+    return nc if nc is not None and nc.kind == "rms" else None
 
 
 # --- a norm attribute built by one of several branches of __init__ (held-out 4) ---------------------
@@ -2650,6 +3052,32 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
                                 lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
 
 
+def _tail_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """``if <test>: ... h = <residual sum>`` then, right after the ``if``, the norm of ``h`` (an
+    optional cross-attention or adapter adding into the stream before the next norm). The norm
+    statement moves into both branches: after the add (fused) where the body runs, as written
+    after the ``else`` (or nothing) otherwise; the test is evaluated once, where it was."""
+    if "if " not in S.scope_text(module, scope):
+        return
+    idx = S.stmt_index(scope)
+    for t in idx.stmts:
+        if not (isinstance(t, ast.If) and t.body):
+            continue
+        add = t.body[-1]
+        if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name)):
+            continue
+        ops = _operands(module, add.value)
+        if ops is None or isinstance(ops, str):
+            continue
+        block, i = idx.block[id(t)]
+        s_name = add.targets[0].id
+        if i + 1 >= len(block) or s_name not in S.names_read(add.value):
+            continue  # the stream must flow on through the branch (``h = h + a``), as it does around it
+        yield from _norm_of_sum(module, scope, block[i + 1], s_name,
+                                lambda nstmt, nc, t=t, add=add, ops=ops, s_name=s_name:
+                                _Site(add, [], nstmt, nc, ops[0], ops[1], s_name, tail_if=t))
+
+
 def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], ast.stmt, ast.stmt]]:
     """Each ``<name> = <residual sum>`` of ``scope`` with its aliases, the statement after them and the
     one after that (where the norm must be): ``(sum, operands, name, aliases, next, after)``."""
@@ -2815,4 +3243,268 @@ AddRmsNorm.KEEP += [
     Keep(_CAST_STMT.replace("hidden_states.to(self.post_attention_layernorm.weight.dtype)\n        hidden_states = self.post",
                             "hidden_states.to(residual.dtype)\n        hidden_states = self.post"),
          name="cast_stmt_to_a_local_dtype"),
+]
+
+
+# -- s31: a post-norm block whose norm helper takes the inline sum and eps as a keyword ------------
+# (HRM: ``h = rms_norm(h + self.attn(h), variance_epsilon=self.norm_eps)``). The helper's reads of
+# its input (``input_dtype = x.dtype``) are read as the sum's name, so the sum is evaluated once.
+
+_S31_POST_NORM_HELPER = '''
+import torch
+from torch import nn
+
+
+def rms_norm(hidden_states: torch.Tensor, variance_epsilon: float) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.square().mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + variance_epsilon)
+    return hidden_states.to(input_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.self_attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.norm_eps = eps
+
+    def forward(self, hidden_states):
+        hidden_states = rms_norm(hidden_states + self.self_attn(hidden_states), variance_epsilon=self.norm_eps)
+        hidden_states = rms_norm(self.mlp(hidden_states) + hidden_states, variance_epsilon=self.norm_eps)
+        return hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S31_POST_NORM_HELPER, expect={"variant": "inline_sum", "norm": "rms_norm", "eps": "self.norm_eps", "weight": None,
+                                        "sum": None, "line": 22, "end_line": 22},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s31_post_norm_helper_eps_keyword_inference_bf16"),
+    Fuse(_S31_POST_NORM_HELPER, expect={"norm": "rms_norm"}, run=_run_block("Block(32)"),
+         name="s31_post_norm_helper_eps_keyword_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # the helper subtracts the mean: a LayerNorm, whatever its name
+    Keep(_S31_POST_NORM_HELPER.replace("    variance = hidden_states.square().mean(-1, keepdim=True)\n",
+                                       "    hidden_states = hidden_states - hidden_states.mean(-1, keepdim=True)\n"
+                                       "    variance = hidden_states.square().mean(-1, keepdim=True)\n"),
+         reason="is not RMSNorm", name="s31_post_norm_helper_subtracting_the_mean"),
+    # eps added outside the root (x / (rms + eps)): not the op's formula
+    Keep(_S31_POST_NORM_HELPER.replace("torch.rsqrt(variance + variance_epsilon)", "(1.0 / (variance.sqrt() + variance_epsilon))"),
+         name="s31_post_norm_helper_eps_outside_the_root"),
+]
+
+
+# -- s31: a norm factory (torchtitan's ``create_norm``: the class chosen by a string at run time), a
+# method held through ``torch.compile``, and an add ending an optional branch before the norm ------
+
+_S31_FACTORY = '''
+import torch
+import torch.nn as nn
+
+
+def build_norm(kind, dim, eps=1e-6):
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    return ScaledRMS(dim, eps=eps)
+
+
+class ScaledRMS(nn.Module):
+    def __init__(self, dim, eps=1e-6, compiled=False):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.fn = torch.compile(self.compute) if compiled else self.compute
+
+    def compute(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.scale
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d, kind="rms", adapter=True):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.adapter = nn.Linear(d, d) if adapter else None
+        self.mlp = nn.Linear(d, d)
+        self.norm = build_norm(kind, d, eps=1e-5)
+
+    def forward(self, x):
+        h = x + self.mix(x)
+        if self.adapter is not None:
+            a = self.adapter(h)
+            h = h + a
+        return h + self.mlp(self.norm(h))
+'''
+
+_S31_FACTORY_RUN = '''
+outs = []
+for kw in ({{}}, {{"adapter": False}}, {{"kind": "layernorm"}}):
+    blk = Block(32, **kw){cast}
+    x = torch.randn(2, 5, 32{dtype})
+    with torch.no_grad():
+        outs.append(blk(x))
+    outs.append(blk(x))
+out = tuple(outs)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S31_FACTORY, expect={"line": 36, "end_line": 39, "sum": "h", "x1": "h", "x2": "a", "norm": "self.norm",
+                               "condition": "type(self.norm) is ScaledRMS", "norm_class": "ScaledRMS (returned by build_norm(...))"},
+         run=_S31_FACTORY_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="s31_factory_norm_after_optional_branch_bf16"),
+    Fuse(_S31_FACTORY, expect={"norm": "self.norm"}, run=_S31_FACTORY_RUN.format(cast="", dtype=""),
+         name="s31_factory_norm_after_optional_branch_fp32"),
+]
+
+AddRmsNorm.KEEP += [
+    # the factory may return two RMS classes read here: each would need its own fused code (not built)
+    Keep(_S31_FACTORY.replace('        return nn.LayerNorm(dim, eps=eps)', '        return OtherRMS(dim)')
+         + ("\n\nclass OtherRMS(nn.Module):\n    def __init__(self, dim):\n        super().__init__()\n"
+            "        self.w = nn.Parameter(torch.ones(dim))\n\n    def forward(self, x):\n"
+            "        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w\n"),
+         name="s31_factory_of_two_rms_classes"),
+    # the compiled attribute is rebound after construction: the method it holds is not known
+    Keep(_S31_FACTORY.replace("    def forward(self, x):\n        return self.fn(x)",
+                              "    def forward(self, x):\n        return self.fn(x)\n\n    def use(self, f):\n        self.fn = f"),
+         name="s31_held_method_rebound"),
+    # the branch ends with another statement after the add: the norm does not directly follow it
+    Keep(_S31_FACTORY.replace("            h = h + a\n", "            h = h + a\n            a = None\n"),
+         name="s31_optional_branch_not_ending_in_the_add"),
+    # a factory returning a LayerNorm-only set: the norm is never RMS
+    Keep(_S31_FACTORY.replace("    return ScaledRMS(dim, eps=eps)", "    return nn.LayerNorm(dim)"), name="s31_factory_of_layernorms"),
+]
+
+
+# -- s31: the norm class a constructor parameter holds (``norm_layer=RMSNorm``, ``norm_klass``) ------
+
+_S31_NORM_LAYER = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.g
+
+
+class Block(nn.Module):
+    def __init__(self, d, norm_layer=RMSNorm):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.norm1 = norm_layer(d)
+        self.norm2 = norm_layer(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        x = x + self.mlp(self.norm2(x))
+        return x
+'''
+
+_S31_NORM_LAYER_RUN = '''
+outs = []
+for blk in (Block(32){cast}, Block(32, norm_layer=nn.LayerNorm){cast}):
+    x = torch.randn(2, 5, 32{dtype})
+    with torch.no_grad():
+        outs.append(blk(x))
+out = tuple(outs)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S31_NORM_LAYER, expect={"condition": "type(self.norm2) is RMSNorm", "weight": "self.norm2.g", "line": 25, "end_line": 26},
+         run=_S31_NORM_LAYER_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="s31_norm_layer_parameter_default_bf16"),
+    Fuse(_S31_NORM_LAYER.replace("def __init__(self, d, norm_layer=RMSNorm):\n        super().__init__()\n",
+                                 "def __init__(self, d, norm_layer=None):\n        super().__init__()\n        norm_layer = norm_layer or RMSNorm\n"),
+         expect={"condition": "type(self.norm2) is RMSNorm"}, run=_S31_NORM_LAYER_RUN.format(cast="", dtype=""),
+         name="s31_norm_layer_parameter_or_default_fp32"),
+    Fuse(_S31_NORM_LAYER.replace("norm_layer=RMSNorm", "norm_layer=nn.RMSNorm"),
+         expect={"variant": "library_norm", "condition": "type(self.norm2) is nn.RMSNorm and self.norm2.weight is not None"},
+         run=_S31_NORM_LAYER_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"),
+         name="s31_norm_layer_parameter_library_default"),
+]
+
+AddRmsNorm.FUSE += [
+    # a subclass without its own forward (or any module the factory gets elsewhere) fails the exact
+    # type check: the class read is the one fused
+    Fuse(_S31_FACTORY.replace('        return nn.LayerNorm(dim, eps=eps)', '        return OtherRMS(dim)')
+         + "\n\nclass OtherRMS(ScaledRMS):\n    pass\n",
+         expect={"condition": "type(self.norm) is ScaledRMS"}, run=_S31_FACTORY_RUN.format(cast="", dtype=""),
+         name="s31_factory_with_a_subclass"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(_S31_NORM_LAYER.replace("norm_layer=RMSNorm", "norm_layer=nn.LayerNorm"), reason="not RMSNorm by default",
+         name="s31_norm_layer_parameter_layernorm_default"),
+    # rebound by a choice the detector does not read: which class is built is not known
+    Keep(_S31_NORM_LAYER.replace("        super().__init__()\n        self.attn",
+                                 "        super().__init__()\n        if d > 64:\n            norm_layer = nn.LayerNorm\n        self.attn"),
+         name="s31_norm_layer_parameter_rebound"),
+]
+
+
+# -- s31: lucidrains' RMSNorm, ``F.normalize(x, dim=-1) * self.scale * self.gamma`` (scale = sqrt(d)) --
+
+_S31_L2_NORM = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1) * self.scale * self.gamma
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.ff = nn.Linear(dim, dim)
+        self.ff_norm = RMSNorm(dim)
+
+    def forward(self, x):
+        x = self.attn(x) + x
+        return self.ff(self.ff_norm(x)) + x
+'''
+
+_S31_L2_RUN = '''
+blk = Block(32){cast}
+with torch.no_grad():
+    blk.ff_norm.gamma.add_(0.1 * torch.randn(32{dtype}))
+    x = torch.randn(2, 5, 32{dtype})
+    out = blk(x)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S31_L2_NORM, expect={"variant": "l2_normalize_norm", "weight": "(self.ff_norm.scale) * (self.ff_norm.gamma)", "eps": "1e-12",
+                               "confidence": "medium", "line": 25, "end_line": 26},
+         run=_S31_L2_RUN.format(cast="", dtype=""), name="s31_l2_normalize_norm_class_fp32"),
+    Fuse(_S31_L2_NORM, expect={"condition": "torch.as_tensor((self.ff_norm.scale) * (self.ff_norm.gamma)).dim() <= 1"},
+         run=_S31_L2_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16"), name="s31_l2_normalize_norm_class_bf16"),
+    Fuse(_S31_L2_NORM.replace("F.normalize(x, dim=-1) * self.scale * self.gamma", "self.gamma * F.normalize(x, dim=-1, eps=1e-6) / self.inv")
+         .replace("self.scale = dim ** 0.5", "self.inv = dim ** -0.5"),
+         expect={"weight": "(self.ff_norm.gamma) / ((self.ff_norm.inv))", "eps": "1e-06"},
+         run=_S31_L2_RUN.format(cast="", dtype=""), name="s31_l2_normalize_norm_class_divided_gain"),
+]
+
+AddRmsNorm.KEEP += [
+    # no sqrt(d) in the gain: an L2 normalisation (ScaleNorm-like), not an RMSNorm
+    Keep(_S31_L2_NORM.replace("self.scale = dim ** 0.5", "self.scale = 10.0"), name="s31_l2_normalize_without_sqrt_d"),
+    # a gain computed from the input: not a module read
+    Keep(_S31_L2_NORM.replace("* self.scale * self.gamma", "* self.scale * x.sigmoid()"), name="s31_l2_normalize_input_gain"),
 ]
