@@ -3190,6 +3190,7 @@ class AttentionPattern(Pattern):
         # and no other statement of the span before them touches what they assign (Renderer._bindable)
         bound_lines: list[str] = []
         run_as_written: set[int] = set()  # other statements of the span the fused branch runs as written, before the call
+        dropped: set[str] = set()  # names of statements left off the fused branch (metadata of intermediates)
         for j in range(s, e):
             if j in steps and j not in kept and j not in r.bound:
                 internal |= interp.assigned[j]
@@ -3203,10 +3204,13 @@ class AttentionPattern(Pattern):
             # names assigned by earlier steps only: a later step's rebinding is not what this statement reads
             internal_here = set().union(*(interp.assigned[i] for i in range(s, j) if i in steps and i not in kept and i not in r.bound))
             reads = {n.id for n in fast_walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-            reads_internal = reads & internal_here
+            reads_internal = reads & (internal_here | dropped)
             if reads_internal and self._meta_only(other, reads_internal) and not any(
                     scope.uses_after(name, end_line) for name in interp.assigned[j]) and not interp.assigned[j] & r.emitted:
-                continue  # ``dtype = scores.dtype`` read by a cast step only: nothing of it is needed on the fused branch
+                # ``dtype = scores.dtype`` read by a cast step only: nothing of it is needed on the fused branch; a
+                # later statement run as written that reads it is then reading an intermediate (s31: it ran unbound)
+                dropped |= interp.assigned[j]
+                continue
             if reads_internal:
                 if _is_check(other):
                     continue  # a shape assert on an intermediate: the fused op checks shapes itself
@@ -10423,5 +10427,40 @@ AttentionPattern.KEEP += [
 '''),
         reason="made by a caller",
         name="s30_scores_passed_to_a_method_returning_early",
+    ),
+]
+
+
+# s31 (found by bench/detect_spellings.py): a statement left off the fused branch because it reads only an
+# intermediate's metadata (``h = torch.tensor(d, dtype=Q.dtype)``, Q made inside the span) is read by another
+# statement the fused branch runs as written (``scale = torch.sqrt(h)``): that one read ``h`` unbound there
+AttentionPattern.KEEP += [
+    Keep(
+        '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=24, head_dim=12):
+        super().__init__()
+        self.nheads, self.head_dim = dim // head_dim, head_dim
+        self.Wq, self.Wk, self.Wv = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        q = self.Wq(x).view(B, S, self.nheads, self.head_dim)
+        Q = q.transpose(1, 2)
+        K = self.Wk(x).view(B, S, self.nheads, self.head_dim).transpose(1, 2)
+        V = self.Wv(x).view(B, S, self.nheads, self.head_dim).transpose(1, 2)
+        d = torch.tensor(self.head_dim, dtype=Q.dtype, device="cpu")
+        scale = torch.sqrt(d)
+        logits = Q @ K.transpose(-2, -1) / scale
+        A = F.softmax(logits, dim=-1)
+        return A @ V
+''',
+        reason="uses intermediate `d`",
+        name="s31_metadata_statement_read_by_a_statement_run_as_written",
     ),
 ]
