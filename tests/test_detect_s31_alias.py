@@ -171,3 +171,26 @@ def test_examples_written_with_torch_functions_are_found_and_replaced_right(patt
     assert sum(emu.calls.values()) >= 1, "the fused branch did not run"
     for a, b in zip(want, got):
         assert a.dtype == b.dtype and a.shape == b.shape and cosine(a.float(), b.float()) >= 0.9999
+
+
+def test_heads_folded_into_the_batch_with_operands_not_read_as_3d_is_a_near_miss_not_a_crash():
+    # Megatron's bmm attention written with torch.transpose(..) functions and read without the canonical layer
+    # (a spelling the layer does not cover reaches the detector like this): the detector raised UnboundLocalError
+    # (bench/detect_spellings.py); now a near miss with the reason
+    attention = next(p for p in all_patterns() if p.id == "attention")
+    example = next(e for e in attention.FUSE if e.name == "s30_megatron_3d_matmul_subtracted_mask_fp32_softmax_flag")
+    tree = ast.parse(example.code)
+
+    class AsFunctions(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            self.generic_visit(node)
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "transpose":
+                return ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "transpose", ast.Load()), [f.value, *node.args], [])
+            return node
+
+    code = ast.unparse(ast.fix_missing_locations(AsFunctions().visit(tree))) + "\n"
+    module = ModuleInfo(path="m.py", source=code, tree=ast.parse(code))
+    module._index()
+    results = [r for scope in module.scopes for r in attention.detect(module, scope)]
+    assert any("not read as 3-D" in getattr(r, "reason", "") for r in results), results

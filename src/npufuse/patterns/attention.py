@@ -3413,6 +3413,11 @@ class AttentionPattern(Pattern):
                                                   "(True = masked): exact where m holds only 0 and 1" + (" (checked at run time: a fractional m runs the original code)" if checks else "")
                                                   + "; masked logits were a finite -C, so fully masked rows may differ (the original averages v uniformly; the fused op's value there is not pinned down, spec §14)"))
                 lines += mask_lines
+                if chain.heads_in_batch and not three_d:
+                    # s31: the mask folding below is written for 3-D [b*np, s, d] operands (Megatron's bmm form)
+                    return NearMiss(self.id, scope.qualname, span_line, end_line,
+                                    "the mask is broadcast over heads folded into the batch, but q/k/v were not read as 3-D "
+                                    "[batch*heads, S, D] operands: npufuse does not fold the mask for this layout")
                 if chain.heads_in_batch:
                     # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
                     sk = f"{atom(k_3)}.shape[1]"
