@@ -2964,11 +2964,17 @@ def _caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -
         text = scope_text(module, caller)
         if not any(w in text for w in words):
             continue
-        calls = caller.nodes().get(ast.Call, ()) if lines is None else calls_on_lines(caller.node, lines)
+        # s31: a local the caller binds to this function (``interface = eager_attention_forward``, maybe chosen
+        # by a flag) calls it under any name, not only HF's ``attention_interface`` (the call's line need not
+        # hold a word, so such a caller is walked whole)
+        aliases = {name for name, defs in caller.assignments.items()
+                   if any(isinstance(n, ast.Name) and n.id == fn.name for _, v in defs for n in fast_walk(v))} \
+            if fn.name != "forward" and not scope.class_name else set()
+        calls = caller.nodes().get(ast.Call, ()) if lines is None or aliases else calls_on_lines(caller.node, lines)
         for node in calls:  # the calls of fast_walk(caller.node), in order
             f = node.func
             # attention_interface stands for an eager module-level function (HF's dispatch), never a method
-            direct = (isinstance(f, ast.Name) and f.id in words and f.id not in attrs) or (
+            direct = (isinstance(f, ast.Name) and (f.id in words or f.id in aliases) and f.id not in attrs) or (
                 isinstance(f, ast.Attribute) and f.attr in words and isinstance(f.value, ast.Name) and f.value.id == "self")
             if not direct:
                 continue
@@ -10467,5 +10473,18 @@ class Attention(nn.Module):
 ''',
         reason="uses intermediate `d`",
         name="s31_metadata_statement_read_by_a_statement_run_as_written",
+    ),
+]
+
+
+# s31 (found by bench/detect_spellings.py, local names renamed): the caller holds the eager function under a name
+# of its own (not HF's ``attention_interface``) and passes a float bias through it
+AttentionPattern.KEEP += [
+    Keep(
+        next(k.code for k in AttentionPattern.KEEP if k.name == "caller_passes_position_bias_as_mask")
+        .replace("attention_interface = eager_attention_forward", "attend = eager_attention_forward if self.eager else None")
+        .replace("return attention_interface(self,", "return attend(self,"),
+        reason="float bias",
+        name="s31_caller_holds_the_eager_function_under_its_own_name",
     ),
 ]

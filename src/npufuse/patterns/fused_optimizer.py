@@ -3665,6 +3665,52 @@ def _is_model_receiver(value: ast.expr, model: str) -> bool:
     return bool(recv and model) and (recv == model or model.startswith(recv + ".") or recv.startswith(model + "."))
 
 
+def _handed_to_the_site(roots: list[ast.AST], value: ast.expr, scope: Scope, model: str) -> bool:
+    """``value`` (a name, in some function of the region) is passed to the site's function as the parameter the
+    model comes from: ``site(v)``, ``Process(target=site, args=(v,))``, ``mp.spawn(site, args=(v,))`` (spawn
+    passes the rank first), ``Thread(target=site, kwargs={"model": v})``. s31: a hogwild ``net.share_memory()``
+    in ``main`` whose ``net`` reaches ``train(model)`` was missed because the two names differ."""
+    fn = scope.node
+    recv = dotted(value)
+    if not recv or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if params[:1] in (["self"], ["cls"]):
+        params = params[1:]
+    name = fn.name
+
+    def names_site(e: Optional[ast.expr]) -> bool:
+        d = dotted(e) if e is not None else None
+        return bool(d) and d.split(".")[-1] == name
+
+    def param_for(args: list[ast.expr], kwargs: list[tuple[Optional[str], ast.expr]], offset: int = 0) -> Optional[str]:
+        for i, a in enumerate(args):
+            if dotted(a) == recv and 0 <= i + offset < len(params):
+                return params[i + offset]
+        return next((k for k, v in kwargs if k in params and dotted(v) == recv), None)
+
+    for root in roots:
+        for c in fast_walk(root):
+            if not isinstance(c, ast.Call):
+                continue
+            got: Optional[str] = None
+            if names_site(c.func):
+                got = param_for(list(c.args), [(k.arg, k.value) for k in c.keywords])
+            else:
+                target = keyword(c, "target")
+                spawned = (dotted(c.func) or "").split(".")[-1] == "spawn" and c.args and names_site(c.args[0])
+                if names_site(target) or spawned:
+                    packed = keyword(c, "args")
+                    args = list(packed.elts) if isinstance(packed, (ast.Tuple, ast.List)) else []
+                    kw = keyword(c, "kwargs")
+                    kwargs = [(k.value if isinstance(k, ast.Constant) else None, v) for k, v in zip(kw.keys, kw.values)] \
+                        if isinstance(kw, ast.Dict) else []
+                    got = param_for(args, kwargs, 1 if spawned else 0)
+            if got is not None and _is_model_receiver(ast.Name(got, ast.Load()), model):
+                return True
+    return False
+
+
 def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, model: str) -> Optional[str]:
     """Why the fused class cannot take this construction over (the classes above), else None."""
     src = module.source
@@ -3687,7 +3733,8 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
                 site_tests = _enclosing_tests(module.tree, stmt.lineno) if site_tests is None else site_tests
                 if _excluded_branch(site_tests, _enclosing_tests(module.tree, n.lineno)):
                     continue
-            if attr == "share_memory" and not n.args and "share_memory" in src and _is_model_receiver(n.func.value, model):
+            if attr == "share_memory" and not n.args and "share_memory" in src and (
+                    _is_model_receiver(n.func.value, model) or _handed_to_the_site(roots, n.func.value, scope, model)):
                 return (f"`{segment(module, n.func.value)[:40]}.share_memory()` (line {n.lineno}): hogwild processes share "
                         "the parameters' storage, and the fused optimizer re-points every parameter into its own flat "
                         "buffer at the first step, so the processes would stop sharing them")
@@ -4409,4 +4456,33 @@ FusedOptimizer.KEEP += [
     # an injected construction goes through the same argument rules as a named one
     Keep(_S28_PARAM_DEFAULT.replace("weight_decay=0.1)", "weight_decay=0.1, maximize=True)"),
          reason="changes what torch.optim computes", name="s28_parameter_default_unsupported_keyword"),
+]
+
+
+# s31 (found by bench/detect_spellings.py, local names renamed): the shared model reaches the optimizer's
+# function under another name, through the process's args / spawn / a direct call; a model shared but never
+# handed to the site's function does not block it
+_S31_SHARED_UNDER_ANOTHER_NAME = _S25_SHARED_MODEL.replace('''    model = Net()
+    model.share_memory()
+    return [torch.multiprocessing.Process(target=worker, args=(model,)) for _ in range(workers)]''', '''    net = Net()
+    net.share_memory()
+    return [torch.multiprocessing.Process(target=worker, args=(net,)) for _ in range(workers)]''')
+
+FusedOptimizer.KEEP += [
+    Keep(_S31_SHARED_UNDER_ANOTHER_NAME, reason="`net.share_memory()` (line", name="s31_hogwild_model_shared_under_another_name"),
+    Keep(_S25_SHARED_MODEL.replace('''def worker(model, steps=3):''', '''def worker(rank, model, steps=3):''').replace('''    model = Net()
+    model.share_memory()
+    return [torch.multiprocessing.Process(target=worker, args=(model,)) for _ in range(workers)]''', '''    shared = Net()
+    shared.share_memory()
+    torch.multiprocessing.spawn(worker, args=(shared,), nprocs=workers)'''),
+         reason="`shared.share_memory()` (line", name="s31_hogwild_model_shared_through_spawn"),
+]
+
+FusedOptimizer.FUSE += [
+    Fuse(_S25_SHARED_MODEL.replace('''    model = Net()
+    model.share_memory()
+    return [torch.multiprocessing.Process(target=worker, args=(model,)) for _ in range(workers)]''', '''    model, teacher = Net(), Net()
+    teacher.share_memory()
+    return [torch.multiprocessing.Process(target=worker, args=(model,)) for _ in range(workers)]'''),
+         name="s31_another_model_shared_not_handed_to_the_site"),
 ]
