@@ -3611,6 +3611,17 @@ def _region_roots(module: ModuleInfo, qualname: str) -> list[ast.AST]:
     return [r for n in order for r in units.units[n].roots]
 
 
+def _local_definition(module: ModuleInfo, name: str, line: int) -> Optional[ast.expr]:
+    """The value last assigned to local ``name`` before ``line`` in the innermost function holding that line."""
+    best: Optional[Scope] = None
+    for sc in module.scopes:
+        node = sc.node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            if best is None or node.lineno >= best.node.lineno:
+                best = sc
+    return best.definition(name, line) if best is not None else None
+
+
 def _wide_tensor_value(module: ModuleInfo, value: Optional[ast.AST]) -> Optional[str]:
     """Why ``value`` (an expression a params list holds) is a float64/complex tensor, else None."""
     if not isinstance(value, ast.Call):
@@ -3623,10 +3634,14 @@ def _wide_tensor_value(module: ModuleInfo, value: Optional[ast.AST]) -> Optional
     dtype = next((k.value for k in value.keywords if k.arg == "dtype"), None)
     if dtype is not None:
         return f"`{segment(module, value)[:60]}` is {segment(module, dtype)}" if _is_wide_dtype(dtype) else None
-    if name in ("torch.tensor", "torch.as_tensor") and value.args and isinstance(value.args[0], ast.Call):
-        inner = module.canonical(value.args[0].func) or ""
+    data = value.args[0] if value.args else None
+    if isinstance(data, ast.Name):
+        # s31: the number named first (``a = np.log(x); torch.tensor(a)``): read where it was assigned
+        data = _local_definition(module, data.id, value.lineno)
+    if name in ("torch.tensor", "torch.as_tensor") and isinstance(data, ast.Call):
+        inner = module.canonical(data.func) or ""
         if inner.startswith("numpy.") and inner.split(".")[-1] not in _NUMPY_FLOAT_CTORS:
-            return (f"`{segment(module, value)[:60]}` is float64 (numpy computes `{segment(module, value.args[0])[:40]}` "
+            return (f"`{segment(module, value)[:60]}` is float64 (numpy computes `{segment(module, data)[:40]}` "
                     "in float64 and torch.tensor keeps that dtype)")
     return None
 
@@ -4517,4 +4532,9 @@ FusedOptimizer.KEEP += [
 FusedOptimizer.KEEP += [
     Keep(_KEEP_FIXTURE_BF16.replace("        model = Net()\n        return model.to(torch.bfloat16)", "        net = Net()\n        return net.to(torch.bfloat16)"),
          reason="bf16 parameters unsupported", name="s31_pytest_fixture_returns_its_local_cast_to_bf16"),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_S25_NUMPY_SCALAR.replace("self.log_alpha = torch.tensor(np.log(init_alpha))", "log_init = np.log(init_alpha)\n        self.log_alpha = torch.tensor(log_init)"),
+         reason="is float64 (numpy computes `np.log(init_alpha)`", name="s31_numpy_number_named_before_the_tensor"),
 ]
