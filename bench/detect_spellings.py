@@ -193,7 +193,7 @@ def square_spellings(tree: ast.Module) -> ast.Module | None:
 # tensor methods that have a torch function of the same name taking the tensor first
 _METHOD_FUNCS = frozenset(("softmax", "sigmoid", "rsqrt", "sqrt", "exp", "tanh", "matmul", "bmm", "mean", "sum", "cat", "chunk",
                            "split", "transpose", "reshape", "unsqueeze", "masked_fill", "where", "einsum", "baddbmm", "stack",
-                           "flatten", "square", "neg", "abs", "pow", "mul", "add", "sin", "cos", "outer", "view_as_complex",
+                           "flatten", "square", "neg", "abs", "pow", "mul", "add", "sin", "cos", "outer", "view_as_complex", "permute", "tile", "flip",
                            "view_as_real", "polar", "clamp", "var", "narrow", "roll", "gather", "topk", "index_select"))
 _FUNC_TO_METHOD = frozenset(("softmax", "sigmoid", "rsqrt", "sqrt", "exp", "tanh", "matmul", "bmm", "mean", "sum", "chunk", "split",
                              "transpose", "reshape", "unsqueeze", "masked_fill", "flatten", "neg", "pow", "mul", "add", "sin", "cos",
@@ -256,7 +256,10 @@ def methods_as_functions(tree: ast.Module) -> ast.Module | None:
             if any(k.arg is None for k in node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
                 return node
             Spell.hits += 1
-            return ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), f.attr, ast.Load()), [recv, *node.args], node.keywords), node)
+            args = node.args
+            if f.attr in ("reshape", "permute", "tile", "flip") and len(args) > 1:
+                args = [ast.Tuple(list(args), ast.Load())]  # x.reshape(a, b) is torch.reshape(x, (a, b))
+            return ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), f.attr, ast.Load()), [recv, *args], node.keywords), node)
 
     if not _torch_aliases(tree):
         return None
@@ -354,6 +357,68 @@ def _hoistable(value: ast.expr) -> tuple[ast.AST, str, int | None] | None:
     return None
 
 
+def view_as_reshape(tree: ast.Module) -> ast.Module | None:
+    """``x.view(a, b)`` written ``x.reshape(a, b)`` (same values; reshape copies only where view would fail)."""
+
+    class Spell(ast.NodeTransformer):
+        hits = 0
+
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            self.generic_visit(node)
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "view" and node.args and not node.keywords \
+                    and not any(isinstance(a, ast.Attribute) and a.attr.endswith(("float32", "float16", "bfloat16", "int8", "uint8"))
+                                or isinstance(a, ast.Attribute) and a.attr == "dtype" for a in node.args):
+                Spell.hits += 1
+                node.func = ast.Attribute(f.value, "reshape", ast.Load())
+            return node
+
+    new = Spell().visit(tree)
+    return new if Spell.hits else None
+
+
+def softmax_spellings(tree: ast.Module) -> ast.Module | None:
+    """``F.softmax(x, dim=d)`` / ``nn.functional.softmax`` written ``torch.softmax(x, dim=d)`` and ``x.softmax(d)``
+    written ``torch.softmax(x, d)`` (the same function)."""
+
+    class Spell(ast.NodeTransformer):
+        hits = 0
+
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            self.generic_visit(node)
+            f = node.func
+            if not (isinstance(f, ast.Attribute) and f.attr == "softmax") or any(k.arg in (None, "_stacklevel") for k in node.keywords):
+                return node
+            head = ast.unparse(f.value)
+            if head in ("F", "nn.functional", "torch.nn.functional") and node.args:
+                Spell.hits += 1
+                node.func = ast.parse("torch.softmax", mode="eval").body
+            return node
+
+    if not _torch_aliases(tree):
+        return None
+    new = Spell().visit(tree)
+    return new if Spell.hits else None
+
+
+def transpose_axes_swapped(tree: ast.Module) -> ast.Module | None:
+    """``x.transpose(-2, -1)`` written ``x.transpose(-1, -2)`` (a transpose of two axes is symmetric)."""
+
+    class Spell(ast.NodeTransformer):
+        hits = 0
+
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            self.generic_visit(node)
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in ("transpose", "swapaxes") and len(node.args) == 2 and not node.keywords:
+                Spell.hits += 1
+                node.args = [node.args[1], node.args[0]]
+            return node
+
+    new = Spell().visit(tree)
+    return new if Spell.hits else None
+
+
 def unparsed(tree: ast.Module) -> ast.Module | None:
     """The same program, printed by ``ast.unparse`` (the baseline of every other transform's formatting)."""
     return tree
@@ -369,6 +434,9 @@ TRANSFORMS: dict[str, Callable[[ast.Module], ast.Module | None]] = {
     "methods_as_functions": methods_as_functions,
     "dim_as_keyword": dim_as_keyword,
     "hoisted_temporaries": hoisted_temporaries,
+    "view_as_reshape": view_as_reshape,
+    "softmax_spellings": softmax_spellings,
+    "transpose_axes_swapped": transpose_axes_swapped,
 }
 
 

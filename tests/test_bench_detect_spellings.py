@@ -22,19 +22,23 @@ def norm(x, w, eps=1e-6):
     y = x * torch.rsqrt(v + eps)
     z = w * y
     a = F.silu(z) @ w.unsqueeze(-1)
-    return torch.cat([a, z ** 2], -1).softmax(-1)
+    b = F.softmax(a.view(-1, 1).transpose(-2, -1), dim=-1)
+    return torch.cat([a, z ** 2, b.reshape(-1, 1)], -1).softmax(-1)
 '''
 RUN = "x = torch.randn(3, 4, requires_grad=True)\nw = torch.randn(4)\nleaves = [x]\nout = norm(x, w)\n"
 
 EXPECTED = {
     "torch_as_th": ["import torch as th", "th.rsqrt(", "th.cat("],
     "functional_spelled_out": ["torch.nn.functional.silu("],
-    "renamed_locals": ["v0 = ", "v1 = ", "v2 = ", "v3 = "],
+    "renamed_locals": ["v0 = ", "v1 = ", "v2 = ", "v3 = ", "v4 = "],
     "square_spellings": ["x * x", "torch.square(z)"],
     "functions_as_methods": ["(v + eps).rsqrt()"],
     "methods_as_functions": ["torch.matmul(", "torch.softmax(torch.cat("],
     "dim_as_keyword": ["mean(dim=-1, keepdim=True)", "dim=-1)"],
     "hoisted_temporaries": ["h0 = "],
+    "view_as_reshape": ["a.reshape(-1, 1)"],
+    "softmax_spellings": ["torch.softmax(a.view"],
+    "transpose_axes_swapped": [".transpose(-1, -2)"],
 }
 
 
