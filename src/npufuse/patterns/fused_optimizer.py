@@ -376,8 +376,14 @@ def _step_receivers(module: ModuleInfo) -> frozenset[str]:
 
 
 # Parts of identifiers that name parameter sharding/flattening (`FSDP`, `fully_shard`,
-# `DeepSpeedPlugin`, `get_active_deepspeed_plugin`, `DistributedConfig(fsdp_size=...)`).
-_SHARDING_PARTS = ("fsdp", "deepspeed", "fullyshard", "fully_shard", "zero_optimization", "zeroredundancy", "flatparameter")
+# `DeepSpeedPlugin`, `get_active_deepspeed_plugin`, `DistributedConfig(fsdp_size=...)`), and
+# torchrec's model-parallel path: `DistributedModelParallel` shards tables into ShardedTensors,
+# `apply_optimizer_in_backward` runs an optimizer per parameter inside backward, and
+# `KeyedOptimizerWrapper(params, optim_factory)` builds the optimizer from a factory over a dict of
+# sharded/filtered params: none of them steps a flat-buffer fused optimizer over the original tensors.
+_TORCHREC_PARTS = ("distributedmodelparallel", "optimizer_in_backward", "keyedoptimizer", "shardedtensor")
+_SHARDING_PARTS = ("fsdp", "deepspeed", "fullyshard", "fully_shard", "zero_optimization", "zeroredundancy", "flatparameter",
+                   *_TORCHREC_PARTS)
 
 
 def _sharding_identifier(module: ModuleInfo, node: ast.AST) -> Optional[str]:
@@ -1128,6 +1134,10 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     counts in the ``near`` tiers (code that surely runs with this optimizer). ``bf16_checked``:
     bf16 casts do not block, the guard checks the trainable parameters' dtypes at run time."""
     if facts.sharding is not None and not sharding_guarded:
+        if any(s in facts.sharding[1].lower() for s in _TORCHREC_PARTS):
+            return (f"parameters sharded or stepped inside backward by torchrec's model-parallel path (`{facts.sharding[1]}` "
+                    f"at line {facts.sharding[0]}): the optimizer is built from a factory over sharded/filtered "
+                    "params, and a flat-buffer fused optimizer's combined buffers would not be those tensors")
         return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line "
                 f"{facts.sharding[0]}): the fused optimizer's combined buffers would go stale")
     if prepared is not None and near and facts.zero_grad_calls and not (fix is not None and fix.accelerate):
@@ -1600,6 +1610,21 @@ def _without_lines(module: ModuleInfo, facts: _FileFacts, lines: set[int]) -> _F
     return out
 
 
+def _lambda_parameters_read(stmt: ast.stmt, call: ast.Call) -> set[str]:
+    """The parameters of a lambda in ``stmt`` around ``call`` that the call's arguments read
+    (`lambda params: torch.optim.SGD(params, lr=lr)`): names the statement-level guard never sees."""
+    if not any(isinstance(n, ast.Lambda) for n in fast_walk(stmt)):
+        return set()
+    read = {n.id for a in (*call.args, *(k.value for k in call.keywords)) for n in fast_walk(a) if isinstance(n, ast.Name)}
+    found: set[str] = set()
+    for lam in (n for n in fast_walk(stmt) if isinstance(n, ast.Lambda)):
+        if any(n is call for n in fast_walk(lam.body)):
+            a = lam.args
+            names = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, *(v for v in (a.vararg, a.kwarg) if v))}
+            found |= names & read
+    return found
+
+
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
           tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False,
           chosen_class: Optional[tuple[str, str]] = None) -> Result:
@@ -1628,6 +1653,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     plan = _KeywordPlan(module, scope, call, line, accepted, fused_cls)
     if plan.reason is not None:
         return miss(plan.reason)
+    bound = _lambda_parameters_read(stmt, call)
+    if bound:
+        return miss(f"the optimizer is built inside a lambda from its own parameter(s) ({', '.join(sorted(bound))}): "
+                    "an optimizer factory whose caller supplies the params; the guard that checks them is a statement "
+                    "around the construction and cannot read a lambda's parameters (a def factory can be rewritten)")
     if any(isinstance(a, ast.Starred) for a in call.args):
         return miss("positional arguments passed through `*args`: cannot check them against the fused class")
     if len(call.args) > 1 + len(accepted):
@@ -4409,4 +4439,66 @@ FusedOptimizer.KEEP += [
     # an injected construction goes through the same argument rules as a named one
     Keep(_S28_PARAM_DEFAULT.replace("weight_decay=0.1)", "weight_decay=0.1, maximize=True)"),
          reason="changes what torch.optim computes", name="s28_parameter_default_unsupported_keyword"),
+]
+
+
+# -- s31: torchrec's model-parallel path (DistributedModelParallel, in-backward optimizers) ----------
+# torchrec shards embedding tables into ShardedTensors, steps them with optimizers applied inside
+# backward (`apply_optimizer_in_backward`), and builds the dense optimizer from a factory over a dict of
+# the remaining params (`KeyedOptimizerWrapper(params, optim_factory)`): the factory's torch.optim class
+# never sees the module's own parameter tensors as a list it owns, so a flat-buffer fused class is wrong.
+
+_S31_TORCHREC_FACTORY = _NET + '''
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+
+def dense_factory(lr):
+    def make(params):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    return make
+
+
+def shard(model, device, lr):
+    model = DistributedModelParallel(module=model, device=device)
+    return model, KeyedOptimizerWrapper(dict(model.named_parameters()), dense_factory(lr))
+'''
+
+_S31_IN_BACKWARD = _NET + '''
+from torch.distributed.optim import _apply_optimizer_in_backward
+
+
+def build(model, lr=1e-2):
+    _apply_optimizer_in_backward(torch.optim.SGD, model.embedding.parameters(), {"lr": lr})
+    return torch.optim.Adam(model.parameters(), lr=lr)
+'''
+
+# near miss: the same factory shape on a model nothing shards (DataParallel replicates, the
+# parameters stay the module's own tensors)
+_S31_PLAIN_FACTORY = _NET + '''
+
+def dense_factory(lr):
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def build(model, lr=1e-2):
+    wrapped = torch.nn.DataParallel(model)
+    return dense_factory(lr)(wrapped.parameters())
+'''
+
+# a factory written as a def is rewritten (the guard is a statement inside it, where `params` is bound)
+_S31_DEF_FACTORY = _S31_PLAIN_FACTORY.replace("    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)",
+                                              "    def make(params):\n        return torch.optim.SGD(params, lr=lr, momentum=0.9)\n\n    return make")
+
+FusedOptimizer.FUSE += [
+    Fuse(_S31_DEF_FACTORY, name="s31_def_factory_on_unsharded_model", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.SGD"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_S31_TORCHREC_FACTORY, reason="torchrec's model-parallel path", name="s31_torchrec_keyed_optimizer_factory"),
+    Keep(_S31_IN_BACKWARD, reason="torchrec's model-parallel path", name="s31_optimizer_applied_in_backward"),
+    # the lambda's parameter is the params: a guard hoisted out of the lambda would read an unbound name
+    Keep(_S31_PLAIN_FACTORY, reason="built inside a lambda from its own parameter", name="s31_factory_lambda_params"),
 ]
