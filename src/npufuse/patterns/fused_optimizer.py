@@ -703,6 +703,15 @@ def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
         return False
     if isinstance(node, (ast.List, ast.Tuple, ast.ListComp)):
         return True
+    if isinstance(node, ast.BinOp):
+        # `[latent] + noises`: list.__add__/tuple.__add__ take only their own type (a generator on
+        # the right raises TypeError), so a list/tuple on the left makes a list/tuple or nothing;
+        # `[p] * n` repeats one. An unknown left operand may define its own `+`: not evidence
+        if isinstance(node.op, ast.Add):
+            return _list_valued(module, scope, node.left, line, depth + 1)
+        if isinstance(node.op, ast.Mult):
+            return any(_list_valued(module, scope, side, line, depth + 1) for side in (node.left, node.right))
+        return False
     if isinstance(node, ast.Call):
         name = dotted(node.func) or ""
         if name in _LIST_BUILDERS and name not in module.aliases and name not in module.functions:
@@ -3924,12 +3933,23 @@ def _self_attribute_list(module: ModuleInfo, scope: Scope, node: ast.Attribute, 
                 elif isinstance(t, (ast.Tuple, ast.List)) and any(dotted(e) == name for e in t.elts):
                     return False
         elif isinstance(n, (ast.AugAssign, ast.AnnAssign)) and dotted(n.target) == name:
-            if isinstance(n, ast.AugAssign) or n.value is None:
+            if isinstance(n, ast.AugAssign):
+                # `self.params += list(mixer.parameters())` on a list extends it in place (a tuple
+                # target takes only a tuple, else TypeError): still a list/tuple; other operators are not
+                if not isinstance(n.op, (ast.Add, ast.Mult)):
+                    return False
+                continue
+            if n.value is None:
                 return False
             values.append(n.value)
-    return bool(values) and all(isinstance(v, (ast.List, ast.Tuple, ast.ListComp)) or (
-        isinstance(v, ast.Call) and dotted(v.func) in _LIST_BUILDERS and dotted(v.func) not in module.functions)
-        for v in values)
+
+    def listy(v: ast.AST) -> bool:
+        if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Add):
+            return listy(v.left)  # list.__add__ takes only a list: a list or TypeError
+        return isinstance(v, (ast.List, ast.Tuple, ast.ListComp)) or (
+            isinstance(v, ast.Call) and dotted(v.func) in _LIST_BUILDERS and dotted(v.func) not in module.functions)
+
+    return bool(values) and all(listy(v) for v in values)
 
 
 _S25_WRAPPER_LIST_ATTRIBUTE = _NET + '''
@@ -4501,4 +4521,45 @@ FusedOptimizer.KEEP += [
     Keep(_S31_IN_BACKWARD, reason="torchrec's model-parallel path", name="s31_optimizer_applied_in_backward"),
     # the lambda's parameter is the params: a guard hoisted out of the lambda would read an unbound name
     Keep(_S31_PLAIN_FACTORY, reason="built inside a lambda from its own parameter", name="s31_factory_lambda_params"),
+]
+
+
+# -- s31: list-ness of params built with `+` ------------------------------------------------------------
+# `[latent] + noises` and `self.params = list(a.parameters()); self.params += list(b.parameters())`:
+# list.__add__ takes only a list (a generator raises TypeError) and `+=` extends a list in place, so the
+# value is a list the guard can read without consuming it. An unknown left operand may define its own `+`.
+
+_S31_CONCATENATED = _NET + '''
+
+def build(model, lr=1e-2):
+    rest = list(model.fc1.parameters()) + list(model.ln.parameters())
+    return torch.optim.Adam([model.fc2.weight] + rest + [model.fc2.bias], lr=lr)
+'''
+
+_S31_EXTENDED_ATTRIBUTE = _NET + '''
+
+class Learner:
+    def __init__(self, agent, mixer=None, lr=1e-2):
+        self.params = list(agent.parameters())
+        if mixer is not None:
+            self.params += list(mixer.parameters())
+        self.optimiser = torch.optim.RMSprop(params=self.params, lr=lr, alpha=0.99, eps=1e-5)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S31_CONCATENATED, name="s31_params_list_concatenated", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.Adam"}),
+    Fuse(_S31_EXTENDED_ATTRIBUTE, name="s31_params_attribute_extended_in_place",
+         run="model = Net()\nopt = Learner(model).optimiser\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.RMSprop", "params": "self.params"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the left operand is a helper's result (a generator's `+` would raise, but a helper may return
+    # any type with its own `+`): no evidence that the sum is re-iterable
+    Keep(_NET + "\n\ndef build(head, tail, lr=1e-2):\n    return torch.optim.Adam(head + [p for p in tail], lr=lr)\n",
+         reason="which may be a one-shot iterator", name="s31_params_sum_with_unknown_left_operand"),
+    # `self.params |= ...` is no list operation: the attribute's type is unknown
+    Keep(_S31_EXTENDED_ATTRIBUTE.replace("self.params += list(", "self.params |= set("),
+         reason="the params come from `self.params`, which may be a one-shot iterator", name="s31_params_attribute_other_operator"),
 ]
