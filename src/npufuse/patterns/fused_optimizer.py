@@ -1108,6 +1108,16 @@ def _run_time_dtype_casts(module: ModuleInfo, tiers: tuple[_FileFacts, ...], mod
     return out
 
 
+def _bf16_only_conditional_before(scope: Scope, stmt: ast.stmt, hits: list[tuple[int, str]]) -> bool:
+    """Are all ``hits`` (bf16 casts/loads of the model) statements of ``scope`` itself, before
+    ``stmt``, each under an ``if`` of that scope (so some runs keep fp32/fp16 parameters)?"""
+    if not hits or not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    ifs = [n for n in fast_walk(scope.node) if isinstance(n, ast.If)]
+    return all(ln < stmt.lineno and _in_scope(scope, ln) and any(i.lineno < ln <= (i.end_lineno or i.lineno) for i in ifs)
+               for ln, _r in hits)
+
+
 def _concerns(recv: str, model: str) -> bool:
     """May a cast of ``recv`` ("" : of whatever is loaded) concern ``model``'s parameters?"""
     return not recv or not model or recv == model or recv.split(".")[0] in (model, model.split(".")[0]) or "model" in recv.lower()
@@ -1686,8 +1696,13 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         ran_before = []
     sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
                     if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
+    # `if args.bf16: model = model.to(torch.bfloat16)` before the construction, in its own scope: whether
+    # a run casts is a run-time fact the guard reads (every trainable parameter fp32/fp16), not a reason
+    # to refuse every run; a cast after it, elsewhere, or unconditional still refuses
+    bf16_when = bool(model) and _bf16_only_conditional_before(scope, stmt, [h for t in tiers for h in _bf16_hits(t, model)])
     for n, facts in enumerate(tiers):
-        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix, sharding_guarded=sharded_when is not None)
+        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft or bf16_when, fix=fix,
+                          sharding_guarded=sharded_when is not None)
         if reason is not None:
             return miss(reason)
     reason = _s25_blocker(module, scope, stmt, call, model)
@@ -1709,7 +1724,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
         guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
-    dtype_checked = peft and any(_bf16_hits(t, model) for t in tiers)
+    dtype_checked = (peft and any(_bf16_hits(t, model) for t in tiers)) or bf16_when
     chosen = _run_time_dtype_casts(module, tiers, model)
     if chosen:
         ln, recv, name = chosen[0]
@@ -1787,6 +1802,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         notes.append(f"`{chosen[0][1]}.to({chosen[0][2]})` (line {chosen[0][0]}) casts the model to a dtype chosen at run time "
                      "(bfloat16 in some runs): the guard checks that every trainable parameter is fp32/fp16, else the "
                      "original optimizer runs")
+    elif dtype_checked and not peft:
+        notes.append("the model is cast to bfloat16 under a condition before the optimizer is built (in some runs): the "
+                     "guard checks that every trainable parameter is fp32/fp16, else the original optimizer runs")
     elif dtype_checked:
         notes.append(f"`{model}` is a peft model over a bf16 base: the frozen base never gets grads (the fused class "
                      "only takes params with grads), peft upcasts adapters to fp32; the guard also checks at run time "
@@ -4562,4 +4580,34 @@ FusedOptimizer.KEEP += [
     # `self.params |= ...` is no list operation: the attribute's type is unknown
     Keep(_S31_EXTENDED_ATTRIBUTE.replace("self.params += list(", "self.params |= set("),
          reason="the params come from `self.params`, which may be a one-shot iterator", name="s31_params_attribute_other_operator"),
+]
+
+
+# -- s31: a bf16 cast under a condition before the construction: a run-time dtype guard --------------------
+# `if main_module_bf16: model = model.to(torch.bfloat16)` then the optimizer: the runs that cast keep
+# torch.optim (the guard reads every trainable parameter's dtype), the fp32 runs get the fused class.
+
+_S31_CONDITIONAL_BF16 = _NET + '''
+
+def build(model, use_bf16=False, lr=1e-2):
+    if use_bf16:
+        model = model.to(torch.bfloat16)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S31_CONDITIONAL_BF16, name="s31_bf16_cast_under_a_condition_before", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator_trainable_dtypes_checked"}),
+]
+
+FusedOptimizer.KEEP += [
+    # cast after the construction: the guard ran before it, the fused class would meet bf16 params
+    Keep(_S31_CONDITIONAL_BF16.replace("    if use_bf16:\n        model = model.to(torch.bfloat16)\n    return torch.optim.AdamW(",
+                                       "    opt = torch.optim.AdamW(").replace("weight_decay=0.1)\n",
+                                                                        "weight_decay=0.1)\n    if use_bf16:\n        model.to(torch.bfloat16)\n    return opt\n"),
+         reason="bf16 parameters unsupported", name="s31_bf16_cast_under_a_condition_after"),
+    # unconditional cast before it: every run has bf16 params, nothing for a guard to choose
+    Keep(_S31_CONDITIONAL_BF16.replace("    if use_bf16:\n        model = model.to(torch.bfloat16)\n",
+                                       "    model = model.to(torch.bfloat16)\n"),
+         reason="bf16 parameters unsupported", name="s31_bf16_cast_unconditional_before"),
 ]
