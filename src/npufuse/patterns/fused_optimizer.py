@@ -1110,12 +1110,24 @@ def _run_time_dtype_casts(module: ModuleInfo, tiers: tuple[_FileFacts, ...], mod
 
 def _bf16_only_conditional_before(scope: Scope, stmt: ast.stmt, hits: list[tuple[int, str]]) -> bool:
     """Are all ``hits`` (bf16 casts/loads of the model) statements of ``scope`` itself, before
-    ``stmt``, each under an ``if`` of that scope (so some runs keep fp32/fp16 parameters)?"""
-    if not hits or not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    ``stmt``, each in the body of an ``if <flag>:`` of that scope whose flag is a parameter of the
+    function defaulting to False/None/0 (`def train(..., main_module_bf16: bool = False)`)? The runs
+    that cast keep torch.optim through the guard; a flag that is on by default (or read from a
+    config npufuse does not evaluate) would leave the fused branch dead in the default run."""
+    fn = scope.node
+    if not hits or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
-    ifs = [n for n in fast_walk(scope.node) if isinstance(n, ast.If)]
-    return all(ln < stmt.lineno and _in_scope(scope, ln) and any(i.lineno < ln <= (i.end_lineno or i.lineno) for i in ifs)
-               for ln, _r in hits)
+    a = fn.args
+    positional = [*a.posonlyargs, *a.args]
+    defaults = {x.arg: d for x, d in zip(positional[len(positional) - len(a.defaults):], a.defaults)}
+    defaults |= {x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None}
+    off = {n for n, d in defaults.items() if isinstance(d, ast.Constant) and not d.value}
+    ifs = [n for n in fast_walk(fn) if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id in off
+           and not any(isinstance(t, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+               isinstance(x, ast.Name) and x.id == n.test.id for x in fast_walk(t)) and t.lineno < n.lineno
+               for t in fast_walk(fn) if isinstance(t, ast.stmt) and not isinstance(t, (ast.FunctionDef, ast.AsyncFunctionDef)))]
+    return all(ln < stmt.lineno and _in_scope(scope, ln) and any(
+        i.body[0].lineno <= ln <= (i.body[-1].end_lineno or i.body[-1].lineno) for i in ifs) for ln, _r in hits)
 
 
 def _concerns(recv: str, model: str) -> bool:
@@ -1696,9 +1708,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         ran_before = []
     sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
                     if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
-    # `if args.bf16: model = model.to(torch.bfloat16)` before the construction, in its own scope: whether
-    # a run casts is a run-time fact the guard reads (every trainable parameter fp32/fp16), not a reason
-    # to refuse every run; a cast after it, elsewhere, or unconditional still refuses
+    # `if use_bf16: model = model.to(torch.bfloat16)` before the construction, in its own scope, under a
+    # parameter that is off by default: whether a run casts is a run-time fact the guard reads (every
+    # trainable parameter fp32/fp16); a cast after it, elsewhere, unconditional or on by default refuses
     bf16_when = bool(model) and _bf16_only_conditional_before(scope, stmt, [h for t in tiers for h in _bf16_hits(t, model)])
     for n, facts in enumerate(tiers):
         reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft or bf16_when, fix=fix,
@@ -4584,7 +4596,8 @@ FusedOptimizer.KEEP += [
 
 
 # -- s31: a bf16 cast under a condition before the construction: a run-time dtype guard --------------------
-# `if main_module_bf16: model = model.to(torch.bfloat16)` then the optimizer: the runs that cast keep
+# `if main_module_bf16: model = model.to(torch.bfloat16)` (a parameter defaulting to False) then the
+# optimizer: the runs that cast keep
 # torch.optim (the guard reads every trainable parameter's dtype), the fp32 runs get the fused class.
 
 _S31_CONDITIONAL_BF16 = _NET + '''
@@ -4606,6 +4619,9 @@ FusedOptimizer.KEEP += [
                                        "    opt = torch.optim.AdamW(").replace("weight_decay=0.1)\n",
                                                                         "weight_decay=0.1)\n    if use_bf16:\n        model.to(torch.bfloat16)\n    return opt\n"),
          reason="bf16 parameters unsupported", name="s31_bf16_cast_under_a_condition_after"),
+    # the flag is on by default: the default run casts, the fused branch would be dead there
+    Keep(_S31_CONDITIONAL_BF16.replace("use_bf16=False", "use_bf16=True"),
+         reason="bf16 parameters unsupported", name="s31_bf16_cast_under_a_flag_on_by_default"),
     # unconditional cast before it: every run has bf16 params, nothing for a guard to choose
     Keep(_S31_CONDITIONAL_BF16.replace("    if use_bf16:\n        model = model.to(torch.bfloat16)\n",
                                        "    model = model.to(torch.bfloat16)\n"),
