@@ -392,8 +392,14 @@ def _step_receivers(module: ModuleInfo) -> frozenset[str]:
 
 
 # Parts of identifiers that name parameter sharding/flattening (`FSDP`, `fully_shard`,
-# `DeepSpeedPlugin`, `get_active_deepspeed_plugin`, `DistributedConfig(fsdp_size=...)`).
-_SHARDING_PARTS = ("fsdp", "deepspeed", "fullyshard", "fully_shard", "zero_optimization", "zeroredundancy", "flatparameter")
+# `DeepSpeedPlugin`, `get_active_deepspeed_plugin`, `DistributedConfig(fsdp_size=...)`), and
+# torchrec's model-parallel path: `DistributedModelParallel` shards tables into ShardedTensors,
+# `apply_optimizer_in_backward` runs an optimizer per parameter inside backward, and
+# `KeyedOptimizerWrapper(params, optim_factory)` builds the optimizer from a factory over a dict of
+# sharded/filtered params: none of them steps a flat-buffer fused optimizer over the original tensors.
+_TORCHREC_PARTS = ("distributedmodelparallel", "optimizer_in_backward", "keyedoptimizer", "shardedtensor")
+_SHARDING_PARTS = ("fsdp", "deepspeed", "fullyshard", "fully_shard", "zero_optimization", "zeroredundancy", "flatparameter",
+                   *_TORCHREC_PARTS)
 
 
 def _sharding_identifier(module: ModuleInfo, node: ast.AST) -> Optional[str]:
@@ -713,6 +719,15 @@ def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
         return False
     if isinstance(node, (ast.List, ast.Tuple, ast.ListComp)):
         return True
+    if isinstance(node, ast.BinOp):
+        # `[latent] + noises`: list.__add__/tuple.__add__ take only their own type (a generator on
+        # the right raises TypeError), so a list/tuple on the left makes a list/tuple or nothing;
+        # `[p] * n` repeats one. An unknown left operand may define its own `+`: not evidence
+        if isinstance(node.op, ast.Add):
+            return _list_valued(module, scope, node.left, line, depth + 1)
+        if isinstance(node.op, ast.Mult):
+            return any(_list_valued(module, scope, side, line, depth + 1) for side in (node.left, node.right))
+        return False
     if isinstance(node, ast.Call):
         name = dotted(node.func) or ""
         if name in _LIST_BUILDERS and name not in module.aliases and name not in module.functions:
@@ -1109,6 +1124,28 @@ def _run_time_dtype_casts(module: ModuleInfo, tiers: tuple[_FileFacts, ...], mod
     return out
 
 
+def _bf16_only_conditional_before(scope: Scope, stmt: ast.stmt, hits: list[tuple[int, str]]) -> bool:
+    """Are all ``hits`` (bf16 casts/loads of the model) statements of ``scope`` itself, before
+    ``stmt``, each in the body of an ``if <flag>:`` of that scope whose flag is a parameter of the
+    function defaulting to False/None/0 (`def train(..., main_module_bf16: bool = False)`)? The runs
+    that cast keep torch.optim through the guard; a flag that is on by default (or read from a
+    config npufuse does not evaluate) would leave the fused branch dead in the default run."""
+    fn = scope.node
+    if not hits or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    a = fn.args
+    positional = [*a.posonlyargs, *a.args]
+    defaults = {x.arg: d for x, d in zip(positional[len(positional) - len(a.defaults):], a.defaults)}
+    defaults |= {x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None}
+    off = {n for n, d in defaults.items() if isinstance(d, ast.Constant) and not d.value}
+    ifs = [n for n in fast_walk(fn) if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id in off
+           and not any(isinstance(t, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+               isinstance(x, ast.Name) and x.id == n.test.id for x in fast_walk(t)) and t.lineno < n.lineno
+               for t in fast_walk(fn) if isinstance(t, ast.stmt) and not isinstance(t, (ast.FunctionDef, ast.AsyncFunctionDef)))]
+    return all(ln < stmt.lineno and _in_scope(scope, ln) and any(
+        i.body[0].lineno <= ln <= (i.body[-1].end_lineno or i.body[-1].lineno) for i in ifs) for ln, _r in hits)
+
+
 def _concerns(recv: str, model: str) -> bool:
     """May a cast of ``recv`` ("" : of whatever is loaded) concern ``model``'s parameters?"""
     return not recv or not model or recv == model or recv.split(".")[0] in (model, model.split(".")[0]) or "model" in recv.lower()
@@ -1144,6 +1181,10 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     counts in the ``near`` tiers (code that surely runs with this optimizer). ``bf16_checked``:
     bf16 casts do not block, the guard checks the trainable parameters' dtypes at run time."""
     if facts.sharding is not None and not sharding_guarded:
+        if any(s in facts.sharding[1].lower() for s in _TORCHREC_PARTS):
+            return (f"parameters sharded or stepped inside backward by torchrec's model-parallel path (`{facts.sharding[1]}` "
+                    f"at line {facts.sharding[0]}): the optimizer is built from a factory over sharded/filtered "
+                    "params, and a flat-buffer fused optimizer's combined buffers would not be those tensors")
         return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line "
                 f"{facts.sharding[0]}): the fused optimizer's combined buffers would go stale")
     if prepared is not None and near and facts.zero_grad_calls and not (fix is not None and fix.accelerate):
@@ -1619,6 +1660,21 @@ def _without_lines(module: ModuleInfo, facts: _FileFacts, lines: set[int]) -> _F
     return out
 
 
+def _lambda_parameters_read(stmt: ast.stmt, call: ast.Call) -> set[str]:
+    """The parameters of a lambda in ``stmt`` around ``call`` that the call's arguments read
+    (`lambda params: torch.optim.SGD(params, lr=lr)`): names the statement-level guard never sees."""
+    if not any(isinstance(n, ast.Lambda) for n in fast_walk(stmt)):
+        return set()
+    read = {n.id for a in (*call.args, *(k.value for k in call.keywords)) for n in fast_walk(a) if isinstance(n, ast.Name)}
+    found: set[str] = set()
+    for lam in (n for n in fast_walk(stmt) if isinstance(n, ast.Lambda)):
+        if any(n is call for n in fast_walk(lam.body)):
+            a = lam.args
+            names = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, *(v for v in (a.vararg, a.kwarg) if v))}
+            found |= names & read
+    return found
+
+
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
           tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False,
           chosen_class: Optional[tuple[str, str]] = None) -> Result:
@@ -1647,6 +1703,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     plan = _KeywordPlan(module, scope, call, line, accepted, fused_cls)
     if plan.reason is not None:
         return miss(plan.reason)
+    bound = _lambda_parameters_read(stmt, call)
+    if bound:
+        return miss(f"the optimizer is built inside a lambda from its own parameter(s) ({', '.join(sorted(bound))}): "
+                    "an optimizer factory whose caller supplies the params; the guard that checks them is a statement "
+                    "around the construction and cannot read a lambda's parameters (a def factory can be rewritten)")
     if any(isinstance(a, ast.Starred) for a in call.args):
         return miss("positional arguments passed through `*args`: cannot check them against the fused class")
     if len(call.args) > 1 + len(accepted):
@@ -1666,8 +1727,13 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         ran_before = []
     sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
                     if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
+    # `if use_bf16: model = model.to(torch.bfloat16)` before the construction, in its own scope, under a
+    # parameter that is off by default: whether a run casts is a run-time fact the guard reads (every
+    # trainable parameter fp32/fp16); a cast after it, elsewhere, unconditional or on by default refuses
+    bf16_when = bool(model) and _bf16_only_conditional_before(scope, stmt, [h for t in tiers for h in _bf16_hits(t, model)])
     for n, facts in enumerate(tiers):
-        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft, fix=fix, sharding_guarded=sharded_when is not None)
+        reason = _blocker(facts, model, prepared, near=n < 2, bf16_checked=peft or bf16_when, fix=fix,
+                          sharding_guarded=sharded_when is not None)
         if reason is not None:
             return miss(reason)
     reason = _s25_blocker(module, scope, stmt, call, model)
@@ -1689,7 +1755,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
         guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
-    dtype_checked = peft and any(_bf16_hits(t, model) for t in tiers)
+    dtype_checked = (peft and any(_bf16_hits(t, model) for t in tiers)) or bf16_when
     chosen = _run_time_dtype_casts(module, tiers, model)
     if chosen:
         ln, recv, name = chosen[0]
@@ -1767,6 +1833,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         notes.append(f"`{chosen[0][1]}.to({chosen[0][2]})` (line {chosen[0][0]}) casts the model to a dtype chosen at run time "
                      "(bfloat16 in some runs): the guard checks that every trainable parameter is fp32/fp16, else the "
                      "original optimizer runs")
+    elif dtype_checked and not peft:
+        notes.append("the model is cast to bfloat16 under a condition before the optimizer is built (in some runs): the "
+                     "guard checks that every trainable parameter is fp32/fp16, else the original optimizer runs")
     elif dtype_checked:
         notes.append(f"`{model}` is a peft model over a bf16 base: the frozen base never gets grads (the fused class "
                      "only takes params with grads), peft upcasts adapters to fp32; the guard also checks at run time "
@@ -3975,12 +4044,23 @@ def _self_attribute_list(module: ModuleInfo, scope: Scope, node: ast.Attribute, 
                 elif isinstance(t, (ast.Tuple, ast.List)) and any(dotted(e) == name for e in t.elts):
                     return False
         elif isinstance(n, (ast.AugAssign, ast.AnnAssign)) and dotted(n.target) == name:
-            if isinstance(n, ast.AugAssign) or n.value is None:
+            if isinstance(n, ast.AugAssign):
+                # `self.params += list(mixer.parameters())` on a list extends it in place (a tuple
+                # target takes only a tuple, else TypeError): still a list/tuple; other operators are not
+                if not isinstance(n.op, (ast.Add, ast.Mult)):
+                    return False
+                continue
+            if n.value is None:
                 return False
             values.append(n.value)
-    return bool(values) and all(isinstance(v, (ast.List, ast.Tuple, ast.ListComp)) or (
-        isinstance(v, ast.Call) and dotted(v.func) in _LIST_BUILDERS and dotted(v.func) not in module.functions)
-        for v in values)
+
+    def listy(v: ast.AST) -> bool:
+        if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Add):
+            return listy(v.left)  # list.__add__ takes only a list: a list or TypeError
+        return isinstance(v, (ast.List, ast.Tuple, ast.ListComp)) or (
+            isinstance(v, ast.Call) and dotted(v.func) in _LIST_BUILDERS and dotted(v.func) not in module.functions)
+
+    return bool(values) and all(listy(v) for v in values)
 
 
 _S25_WRAPPER_LIST_ATTRIBUTE = _NET + '''
@@ -4537,4 +4617,140 @@ FusedOptimizer.KEEP += [
 FusedOptimizer.KEEP += [
     Keep(_S25_NUMPY_SCALAR.replace("self.log_alpha = torch.tensor(np.log(init_alpha))", "log_init = np.log(init_alpha)\n        self.log_alpha = torch.tensor(log_init)"),
          reason="is float64 (numpy computes `np.log(init_alpha)`", name="s31_numpy_number_named_before_the_tensor"),
+]
+
+# -- s31: torchrec's model-parallel path (DistributedModelParallel, in-backward optimizers) ----------
+# torchrec shards embedding tables into ShardedTensors, steps them with optimizers applied inside
+# backward (`apply_optimizer_in_backward`), and builds the dense optimizer from a factory over a dict of
+# the remaining params (`KeyedOptimizerWrapper(params, optim_factory)`): the factory's torch.optim class
+# never sees the module's own parameter tensors as a list it owns, so a flat-buffer fused class is wrong.
+
+_S31_TORCHREC_FACTORY = _NET + '''
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+
+def dense_factory(lr):
+    def make(params):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    return make
+
+
+def shard(model, device, lr):
+    model = DistributedModelParallel(module=model, device=device)
+    return model, KeyedOptimizerWrapper(dict(model.named_parameters()), dense_factory(lr))
+'''
+
+_S31_IN_BACKWARD = _NET + '''
+from torch.distributed.optim import _apply_optimizer_in_backward
+
+
+def build(model, lr=1e-2):
+    _apply_optimizer_in_backward(torch.optim.SGD, model.embedding.parameters(), {"lr": lr})
+    return torch.optim.Adam(model.parameters(), lr=lr)
+'''
+
+# near miss: the same factory shape on a model nothing shards (DataParallel replicates, the
+# parameters stay the module's own tensors)
+_S31_PLAIN_FACTORY = _NET + '''
+
+def dense_factory(lr):
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def build(model, lr=1e-2):
+    wrapped = torch.nn.DataParallel(model)
+    return dense_factory(lr)(wrapped.parameters())
+'''
+
+# a factory written as a def is rewritten (the guard is a statement inside it, where `params` is bound)
+_S31_DEF_FACTORY = _S31_PLAIN_FACTORY.replace("    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)",
+                                              "    def make(params):\n        return torch.optim.SGD(params, lr=lr, momentum=0.9)\n\n    return make")
+
+FusedOptimizer.FUSE += [
+    Fuse(_S31_DEF_FACTORY, name="s31_def_factory_on_unsharded_model", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.SGD"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_S31_TORCHREC_FACTORY, reason="torchrec's model-parallel path", name="s31_torchrec_keyed_optimizer_factory"),
+    Keep(_S31_IN_BACKWARD, reason="torchrec's model-parallel path", name="s31_optimizer_applied_in_backward"),
+    # the lambda's parameter is the params: a guard hoisted out of the lambda would read an unbound name
+    Keep(_S31_PLAIN_FACTORY, reason="built inside a lambda from its own parameter", name="s31_factory_lambda_params"),
+]
+
+
+# -- s31: list-ness of params built with `+` ------------------------------------------------------------
+# `[latent] + noises` and `self.params = list(a.parameters()); self.params += list(b.parameters())`:
+# list.__add__ takes only a list (a generator raises TypeError) and `+=` extends a list in place, so the
+# value is a list the guard can read without consuming it. An unknown left operand may define its own `+`.
+
+_S31_CONCATENATED = _NET + '''
+
+def build(model, lr=1e-2):
+    rest = list(model.fc1.parameters()) + list(model.ln.parameters())
+    return torch.optim.Adam([model.fc2.weight] + rest + [model.fc2.bias], lr=lr)
+'''
+
+_S31_EXTENDED_ATTRIBUTE = _NET + '''
+
+class Learner:
+    def __init__(self, agent, mixer=None, lr=1e-2):
+        self.params = list(agent.parameters())
+        if mixer is not None:
+            self.params += list(mixer.parameters())
+        self.optimiser = torch.optim.RMSprop(params=self.params, lr=lr, alpha=0.99, eps=1e-5)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S31_CONCATENATED, name="s31_params_list_concatenated", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.Adam"}),
+    Fuse(_S31_EXTENDED_ATTRIBUTE, name="s31_params_attribute_extended_in_place",
+         run="model = Net()\nopt = Learner(model).optimiser\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.RMSprop", "params": "self.params"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the left operand is a helper's result (a generator's `+` would raise, but a helper may return
+    # any type with its own `+`): no evidence that the sum is re-iterable
+    Keep(_NET + "\n\ndef build(head, tail, lr=1e-2):\n    return torch.optim.Adam(head + [p for p in tail], lr=lr)\n",
+         reason="which may be a one-shot iterator", name="s31_params_sum_with_unknown_left_operand"),
+    # `self.params |= ...` is no list operation: the attribute's type is unknown
+    Keep(_S31_EXTENDED_ATTRIBUTE.replace("self.params += list(", "self.params |= set("),
+         reason="the params come from `self.params`, which may be a one-shot iterator", name="s31_params_attribute_other_operator"),
+]
+
+
+# -- s31: a bf16 cast under a condition before the construction: a run-time dtype guard --------------------
+# `if main_module_bf16: model = model.to(torch.bfloat16)` (a parameter defaulting to False) then the
+# optimizer: the runs that cast keep
+# torch.optim (the guard reads every trainable parameter's dtype), the fp32 runs get the fused class.
+
+_S31_CONDITIONAL_BF16 = _NET + '''
+
+def build(model, use_bf16=False, lr=1e-2):
+    if use_bf16:
+        model = model.to(torch.bfloat16)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S31_CONDITIONAL_BF16, name="s31_bf16_cast_under_a_condition_before", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator_trainable_dtypes_checked"}),
+]
+
+FusedOptimizer.KEEP += [
+    # cast after the construction: the guard ran before it, the fused class would meet bf16 params
+    Keep(_S31_CONDITIONAL_BF16.replace("    if use_bf16:\n        model = model.to(torch.bfloat16)\n    return torch.optim.AdamW(",
+                                       "    opt = torch.optim.AdamW(").replace("weight_decay=0.1)\n",
+                                                                        "weight_decay=0.1)\n    if use_bf16:\n        model.to(torch.bfloat16)\n    return opt\n"),
+         reason="bf16 parameters unsupported", name="s31_bf16_cast_under_a_condition_after"),
+    # the flag is on by default: the default run casts, the fused branch would be dead there
+    Keep(_S31_CONDITIONAL_BF16.replace("use_bf16=False", "use_bf16=True"),
+         reason="bf16 parameters unsupported", name="s31_bf16_cast_under_a_flag_on_by_default"),
+    # unconditional cast before it: every run has bf16 params, nothing for a guard to choose
+    Keep(_S31_CONDITIONAL_BF16.replace("    if use_bf16:\n        model = model.to(torch.bfloat16)\n",
+                                       "    model = model.to(torch.bfloat16)\n"),
+         reason="bf16 parameters unsupported", name="s31_bf16_cast_unconditional_before"),
 ]
