@@ -787,6 +787,17 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         if foreign is not None:
             rot.reason = (f"helper `{name}` is {foreign[0]} code (`{foreign[1]}`), not PyTorch: npu_rotary_mul replaces "
                           "torch code only")
+    if rot.kind is None and not rot.reason and isinstance(fn, ast.FunctionDef):
+        # s31: a spelling the matchers above do not read (``x.view(.., 2, d // 2).unbind(-2)`` halves, a buffer
+        # filled by slices, ...) is evaluated on sampled inputs by the numeric probe (allowlisted torch only)
+        from npufuse.scan import numeric_probe
+
+        proof = numeric_probe.prove_rotation(module, fn, module.classes.get(hscope.class_name or "") if hscope.class_name else None)
+        if proof.kind in ("half", "interleave"):
+            return _Rotation(proof.kind, "", name)
+        if proof.kind == "other" and "rot" in name.lower():
+            rot.reason = (f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved "
+                          f"stack(-x_odd, x_even) (evaluated on sampled inputs: {proof.reason})")
     if rot.kind is None and not rot.reason and ("rot" in name.lower()):
         rot.reason = f"helper `{name}` does not compute the standard rotate_half cat(-x2, x1) nor the interleaved stack(-x_odd, x_even)"
     return rot
@@ -7206,4 +7217,72 @@ def apply_rotary_pos_emb(t, cos, sin):
 RopePattern.KEEP += [
     Keep(_TF_ROTATE_HALF, reason="is TensorFlow code (`tf.split`), not PyTorch", name="tensorflow_rotate_half_helper"),
     Keep(_JAX_ROTATE_PAIRS, reason="is JAX code (`jnp.stack`), not PyTorch", name="jax_rotate_every_two_helper"),
+]
+
+
+# s31: rotation helpers in spellings no matcher reads, proved by evaluating them (numeric_probe.prove_rotation):
+# TransformerEngine's halves from a [.., 2, d/2] view unbound; pairs from a [.., d/2, 2] reshape spread with *shape
+_S31_TE_HALVES = '''
+import torch
+
+
+def _rotate_half_te(x: torch.Tensor) -> torch.Tensor:
+    x = x.view(x.shape[:-1] + torch.Size((2, x.shape[-1] // 2)))
+    x1, x2 = x.unbind(dim=-2)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(t, cos_freqs, sin_freqs):
+    return (t * cos_freqs) + (_rotate_half_te(t) * sin_freqs)
+'''
+
+_S31_PAIRS_RESHAPED = '''
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):
+    def rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        x_reshaped = x.reshape(*x.shape[:-1], -1, 2)
+        x1 = x_reshaped[..., 0]
+        x2 = x_reshaped[..., 1]
+        return torch.stack((-x2, x1), dim=-1).reshape(*x.shape)
+
+    def forward(self, q, cos, sin):
+        return q * cos + self.rotate_half(q) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="s31_rotate_half_of_an_unbound_view_proved_by_evaluation",
+        code=_S31_TE_HALVES,
+        expect={"mode": "half"},
+        run='''
+t = torch.randn(2, 6, 3, 16, requires_grad=True)
+ang = torch.randn(6, 1, 8)
+cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+out = apply_rotary(t, cos, sin)
+leaves = [t]
+''',
+    ),
+    Fuse(
+        name="s31_interleaved_pairs_of_a_spread_reshape_proved_by_evaluation",
+        code=_S31_PAIRS_RESHAPED,
+        expect={"mode": "interleave"},
+        run='''
+q = torch.randn(2, 3, 6, 16, requires_grad=True)
+ang = torch.randn(1, 1, 6, 8)
+cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+out = Rotary()(q, cos, sin)
+leaves = [q]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    # the same helpers with the sign on the other half: evaluated, they compute neither rotation
+    Keep(_S31_TE_HALVES.replace("torch.cat((-x2, x1), dim=-1)", "torch.cat((x2, -x1), dim=-1)"),
+         reason="evaluated on sampled inputs", name="s31_unbound_view_helper_with_the_sign_swapped"),
+    Keep(_S31_PAIRS_RESHAPED.replace("torch.stack((-x2, x1), dim=-1)", "torch.stack((-x1, x2), dim=-1)"),
+         reason="evaluated on sampled inputs", name="s31_spread_reshape_helper_that_is_no_rotation"),
 ]

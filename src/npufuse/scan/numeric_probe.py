@@ -105,7 +105,7 @@ clamp clamp_min clamp_max clip maximum minimum max min amax amin where cat conca
 std var_mean std_mean reciprocal tanh sigmoid matmul einsum ones ones_like zeros zeros_like full
 full_like arange finfo promote_types is_tensor is_floating_point softmax erf cumsum prod
 unsqueeze squeeze reshape transpose permute flatten chunk split unbind rms_norm layer_norm empty
-mm bmm argmax argmin tensor linspace square_ float_power
+mm bmm argmax argmin tensor linspace square_ float_power Size roll flip narrow negative movedim swapaxes
 """.split())
 _INIT_FILLS = frozenset(("ones_", "zeros_", "normal_", "uniform_", "constant_", "trunc_normal_", "xavier_uniform_"))
 _TORCH_CONSTANT_FALSE = frozenset(("torch.is_autocast_enabled", "torch.jit.is_scripting", "torch.jit.is_tracing",
@@ -126,6 +126,7 @@ squeeze transpose permute contiguous size dim numel norm var std chunk split unb
 expand_as exp log sigmoid tanh max min amax amin reciprocal detach clone new_ones new_zeros
 softmax matmul t is_floating_point square_ pow_ rsqrt_ sqrt_ masked_fill eq ne gt lt ge le
 bool long int repeat repeat_interleave argmax argmin mm bmm float_power new_full new_empty
+roll flip narrow unflatten movedim swapaxes negative
 """.split())
 _TENSOR_ATTRS = frozenset(("shape", "dtype", "ndim", "device", "T", "is_cuda", "requires_grad"))
 _BUILTINS = frozenset(("len", "int", "float", "min", "max", "tuple", "list", "isinstance", "range",
@@ -579,7 +580,13 @@ class Interpreter:
         args: list[Any] = []
         for a in node.args:
             if isinstance(a, ast.Starred):
-                raise Unknown("a *args call")
+                # s31: ``x.reshape(*x.shape[:-1], -1, 2)``: a tuple / list / torch.Size of plain values spread
+                spread = self.expr(a.value, env)
+                if not isinstance(spread, (tuple, list, self.torch.Size)) or len(spread) > 16 \
+                        or any(isinstance(v, (Opaque, Func, Obj)) for v in spread):
+                    raise Unknown("a *args call")
+                args.extend(spread)
+                continue
             args.append(self.expr(a, env))
         kwargs: dict[str, Any] = {}
         for k in node.keywords:
@@ -1616,3 +1623,72 @@ def _relative_imports(module: ModuleInfo) -> set[str]:
                for a in n.names if a.name != "*"}
         module.__dict__["_npufuse_relative_imports"] = got
     return got
+
+
+# --- s31: rotation helpers proved by evaluation ------------------------------------------------
+
+
+@dataclass
+class RotationProof:
+    """What a one-tensor helper computes: ``half`` (``cat(-x2, x1)``), ``interleave``
+    (``stack(-x_odd, x_even).flatten``), ``other`` (it ran and computes something else), ``unknown``
+    (it could not be evaluated: ``reason`` says why) or ``deferred`` (left to the parent process)."""
+
+    kind: str
+    reason: str = ""
+
+
+def prove_rotation(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RotationProof:
+    """Evaluate ``fn(x)`` on sampled 4-D inputs of two widths and compare it with the two rotations
+    npu_rotary_mul knows. Every spelling of rotate_half (halves by chunk/split/slices/unbind of a view,
+    einops, filled buffers) reads the same here; a result of another dtype than the input's, or one that
+    matches on one width only, is ``other``."""
+    reason = static_gate(module, fn, cls)
+    if reason is None:
+        reason = structural_gate(module, fn, cls)
+    if reason is not None:
+        return RotationProof("unknown", reason)
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    is_method = cls is not None and not _is_static(fn)
+    if is_method:
+        params = params[1:]
+    if len(params) - len(a.defaults) != 1 or any(d is None for d in a.kw_defaults):
+        return RotationProof("unknown", "the helper takes other arguments without defaults than the tensor")
+    if _deferred(module):
+        return RotationProof("deferred", "left to the parent process, which imports torch once for the scan")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _prove_rotation(module, fn, cls if is_method else None)
+    except Unknown as e:
+        return RotationProof("unknown", e.reason)
+    except RecursionError:
+        return RotationProof("unknown", "recursion")
+    except Exception as e:  # torch raising on a sampled value the interpreter did not anticipate
+        return RotationProof("unknown", f"evaluation raised {type(e).__name__}")
+
+
+def _prove_rotation(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RotationProof:
+    t = torch_module()
+    kinds = set()
+    for seed, (width, dtype) in enumerate(((8, t.float64), (12, t.float64), (8, t.float32))):
+        gen = t.Generator().manual_seed(4321 + seed)
+        x = t.randn(2, 3, 5, width, generator=gen, dtype=dtype)
+        obj = Obj(cls) if cls is not None else None  # a helper reading state of self is Unknown (no attrs)
+        out = Interpreter(module).call_function(fn, [x], {}, obj)
+        if not isinstance(out, t.Tensor) or out.shape != x.shape:
+            return RotationProof("other", "the result is not a tensor of the input's shape")
+        if out.dtype != x.dtype:
+            return RotationProof("other", f"the result is {out.dtype} for a {x.dtype} input")
+        x1, x2 = x[..., : width // 2], x[..., width // 2 :]
+        half = t.cat((-x2, x1), dim=-1)
+        inter = t.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        tol = dict(rtol=0, atol=0) if dtype == t.float64 else dict(rtol=1e-6, atol=1e-6)
+        found = {k for k, ref in (("half", half), ("interleave", inter)) if t.allclose(out, ref, **tol)}
+        if len(found) != 1:
+            return RotationProof("other", "it computes neither cat(-x2, x1) nor stack(-x_odd, x_even) on sampled inputs")
+        kinds |= found
+    if len(kinds) != 1:
+        return RotationProof("other", "it computes different rotations on different widths")
+    return RotationProof(kinds.pop())
