@@ -165,8 +165,12 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling):
 class Attn:
     def forward(self, q, k, v, slopes):
         position_bias = slopes[:, None, None] * torch.arange(q.shape[-2])[None, None, :]  # graded: a bias by its dataflow
-        attention_interface = eager_attention_forward
+        # HF's dispatch through a registry (the caller never names the eager function: found by the word)
+        attention_interface = ATTENTION_FUNCTIONS[self.impl]
         return attention_interface(self, q, k, v, position_bias, 0.1)
+
+
+ATTENTION_FUNCTIONS = {"eager": eager_attention_forward}
 ''',
     '''import torch
 # é non-ASCII: ünïcode lines between the code (segment columns are bytes)

@@ -125,59 +125,57 @@ _TENSOR_FIRST_FUNCTIONS = frozenset((
 ))
 
 
-def canonicalise_tensor_functions(tree: ast.Module) -> int:
+_TENSOR_CALL_TEXT = re.compile(r"\btorch\s*\.\s*(?:" + "|".join(sorted(_TENSOR_FIRST_FUNCTIONS)) + r")\s*\(|\.\s*(?:sigmoid|bmm|baddbmm)\s*\(")
+
+
+def canonicalise_tensor_functions(tree: ast.Module, source: str | None = None) -> int:
     """Respell, in ``tree``, ``torch.unsqueeze(x, 1)`` as ``x.unsqueeze(1)`` and ``y.sigmoid()`` as
-    ``torch.sigmoid(y)`` (the spellings detectors match), each new node at the call's position (the quoted
-    source is unchanged; ``torch.matmul`` and ``@`` are both read by the detectors and left as written).
-    Only calls of ``torch`` itself (after :func:`canonicalise_module_aliases`), with positional tensor first
-    argument and no ``out=`` / ``input=`` / ``**``; only where ``torch`` is bound by nothing but ``import torch``.
-    Returns how many calls it respelled."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == "torch" and not isinstance(node.ctx, ast.Load) \
-                or isinstance(node, ast.arg) and node.arg == "torch" \
-                or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "torch":
-            return 0
+    ``torch.sigmoid(y)`` (the spellings detectors match). Each call node is changed in place (its func and
+    arguments), so it keeps its position and the quoted source is unchanged; ``torch.matmul`` and ``@`` are
+    both read by the detectors and left as written. Only calls of ``torch`` itself (after
+    :func:`canonicalise_module_aliases`), with positional tensor first argument and no ``out=`` / ``input=`` /
+    ``**``; only where ``torch`` is bound by nothing but ``import torch``. ``source``: the tree's text, a
+    cheap gate (no such call in the text: nothing to walk). Returns how many calls it respelled."""
+    if source is not None and _TENSOR_CALL_TEXT.search(source) is None:
+        return 0
+    calls: list[ast.Call] = []
+    for node in fast_walk(tree):
+        t = type(node)
+        if t is ast.Call:
+            calls.append(node)  # type: ignore[arg-type]
+        elif t is ast.Name:
+            if node.id == "torch" and type(node.ctx) is not ast.Load:  # type: ignore[attr-defined]
+                return 0
+        elif t is ast.arg:
+            if node.arg == "torch":  # type: ignore[attr-defined]
+                return 0
+        elif t is ast.FunctionDef or t is ast.AsyncFunctionDef or t is ast.ClassDef:
+            if node.name == "torch":  # type: ignore[attr-defined]
+                return 0
     count = 0
-
-    class Respell(ast.NodeTransformer):
-        def visit_Call(self, node: ast.Call) -> ast.AST:
-            nonlocal count
-            self.generic_visit(node)
-            f = node.func
-            if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch" and node.args) \
-                    or isinstance(node.args[0], ast.Starred) or any(k.arg in (None, "out", "input") for k in node.keywords):
-                return node
-            if f.attr in _TENSOR_FIRST_FUNCTIONS and not isinstance(node.args[0], (ast.Constant, ast.List, ast.Tuple)):
-                # (sigmoid / bmm / baddbmm go the other way: see _TENSOR_METHODS_AS_FUNCTIONS)
-                count += 1
-                method = ast.copy_location(ast.Attribute(node.args[0], f.attr, ast.Load()), node)
-                return ast.copy_location(ast.Call(method, node.args[1:], node.keywords), node)
-            return node
-
-        def visit_Call_method(self, node: ast.Call) -> ast.AST:
-            nonlocal count
-            f = node.func
-            want = _TENSOR_METHODS_AS_FUNCTIONS.get(f.attr) if isinstance(f, ast.Attribute) else None
-            if want is None or len(node.args) != want or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-                return node
-            root = f.value
-            while isinstance(root, (ast.Attribute, ast.Subscript)):
-                root = root.value
-            if isinstance(root, ast.Name) and (root.id in ("self", "cls", "torch", "F", "nn", "math", "np", "numpy") or root.id[:1].isupper()):
-                return node  # a module's own method, or a library's function: not a tensor method
+    for node in calls:  # each call changed in place: nested calls stay the same objects in their parents
+        f = node.func
+        if type(f) is not ast.Attribute:
+            continue
+        if type(f.value) is ast.Name and f.value.id == "torch":
+            if not node.args or isinstance(node.args[0], (ast.Starred, ast.Constant, ast.List, ast.Tuple)) \
+                    or f.attr not in _TENSOR_FIRST_FUNCTIONS or any(k.arg in (None, "out", "input") for k in node.keywords):
+                continue
+            method = ast.copy_location(ast.Attribute(node.args[0], f.attr, ast.Load()), node)
+            node.func, node.args = method, node.args[1:]
             count += 1
-            fn = ast.copy_location(ast.Attribute(ast.copy_location(ast.Name("torch", ast.Load()), node), f.attr, ast.Load()), node)
-            return ast.copy_location(ast.Call(fn, [f.value, *node.args], []), node)
-
-    class RespellMethods(Respell):
-        def visit_Call(self, node: ast.Call) -> ast.AST:
-            node = super().visit_Call(node)
-            return self.visit_Call_method(node) if isinstance(node, ast.Call) else node
-
-    try:
-        RespellMethods().visit(tree)
-    except RecursionError:
-        pass  # code nested too deep to walk recursively: each respelling made so far is complete on its own
+            continue
+        want = _TENSOR_METHODS_AS_FUNCTIONS.get(f.attr)
+        if want is None or len(node.args) != want or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+            continue
+        root = f.value
+        while isinstance(root, (ast.Attribute, ast.Subscript)):
+            root = root.value
+        if isinstance(root, ast.Name) and (root.id in ("self", "cls", "torch", "F", "nn", "math", "np", "numpy") or root.id[:1].isupper()):
+            continue  # a module's own method, or a library's function: not a tensor method
+        fn = ast.copy_location(ast.Attribute(ast.copy_location(ast.Name("torch", ast.Load()), node), f.attr, ast.Load()), node)
+        node.func, node.args = fn, [f.value, *node.args]
+        count += 1
     return count
 
 
@@ -409,8 +407,9 @@ class ModuleInfo:
     @classmethod
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
         tree = tree if tree is not None else ast.parse(source)
-        canonicalise_module_aliases(tree)
-        canonicalise_tensor_functions(tree)
+        aliased = canonicalise_module_aliases(tree)
+        # the text gate reads ``torch.``: a module that spells it ``th.`` is walked without it
+        canonicalise_tensor_functions(tree, None if aliased else source)
         info = cls(path=path, source=source, tree=tree)
         info._index()
         return info
