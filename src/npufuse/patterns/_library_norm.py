@@ -354,6 +354,8 @@ def _swap_helper(T: str) -> str:
 def _ctor_call(module: ModuleInfo, call: ast.Call) -> str | None:
     """The class a call constructs when it is PyTorch's RMSNorm (or a subclass of this module
     without forward nor __init__ of its own: one with an ``__init__`` is swapped there)."""
+    if isinstance(call.func, ast.Call):
+        return None  # ``nn.RMSNorm(d)(x)`` calls the module the inner call builds: that one is the construction
     if canonical.api(module, call.func) == RMS_NORM_CLASS:
         return "nn.RMSNorm"
     name = dotted(call.func)

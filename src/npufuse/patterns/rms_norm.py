@@ -4995,3 +4995,30 @@ RmsNorm.KEEP += [
         name="s28_f_normalize_times_inverse_sqrt_d_is_cosine_scaling",
     ),
 ]
+
+
+# --- s32: a module built and called in one expression (pytorch/executorch's reference ops) -------
+# ``nn.RMSNorm(shape, eps=eps)(x)``: the inner call is the construction (swapped); the outer call
+# only calls it. Both were once read as constructions and spliced on top of each other, which
+# produced code that does not parse (a render error instead of a candidate).
+_S32_BUILT_AND_CALLED = '''\
+import torch
+from torch import nn
+
+
+def rms_norm(X: torch.Tensor, normalized_shape: tuple, W: torch.Tensor, eps: float) -> torch.Tensor:
+    return W * nn.RMSNorm(list(normalized_shape), eps=eps, dtype=X.dtype)(X)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S32_BUILT_AND_CALLED, expect={"variant": "nn_rmsnorm", "constructions": 1},
+         run="x = torch.randn(3, 16, requires_grad=True)\nw = torch.randn(16, requires_grad=True)\n"
+             "out = rms_norm(x, (16,), w, 1e-6)\nleaves = [x, w]\n",
+         name="s32_module_built_and_called_in_one_expression"),
+]
+
+RmsNorm.KEEP += [
+    # near miss: a LayerNorm built and called the same way is no RMSNorm
+    Keep(_S32_BUILT_AND_CALLED.replace("nn.RMSNorm(", "nn.LayerNorm("), reason="",
+         name="s32_layer_norm_built_and_called_in_one_expression"),
+]
