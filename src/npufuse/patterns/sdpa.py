@@ -181,12 +181,17 @@ class SdpaPattern(Pattern):
             layout = "BSND"
         lines: list[str] = []
         names: dict[str, str] = {}
-        for tag, text in (("q", q_src), ("k", k_src), ("v", v_src)):
+        # operands bound before the run-time check whose text is the call's own: the original run
+        # in the check's else reads the bound name (each expression is evaluated once, as written)
+        bound: list[tuple[ast.AST, str]] = []
+        for tag, text, node in (("q", q_src, q), ("k", k_src, k), ("v", v_src, v)):
             if is_simple(text):
                 names[tag] = text
             else:
                 names[tag] = f"_npufuse_{tag}"
                 lines.append(f"_npufuse_{tag} = {text}")
+                if text == segment(module, node):
+                    bound.append((node, names[tag]))
         qn, kn, vn = names["q"], names["k"], names["v"]
         n_qkv = len(lines)  # the lines binding q/k/v: the head-dim check below reads them
         if layout == "BNSD":
@@ -214,6 +219,7 @@ class SdpaPattern(Pattern):
                 if not is_simple(m_src):
                     lines.append(f"_npufuse_attn_mask = {m_src}")
                     m_src = "_npufuse_attn_mask"
+                    bound.append((mask, m_src))
                 value_check = additive_mask_exact(m_src, maybe_bool=kind == "unknown", maybe_none=maybe_none)
                 risks.append(Risk("host_sync", VALUE_CHECK_RISK))
             if kind == "bool":
@@ -290,11 +296,16 @@ class SdpaPattern(Pattern):
         # npu_fusion_attention takes Dk >= Dv only (SDPA any Dv): where v's head dim exceeds k's the
         # original runs (two shape reads; a value head wider than the key's is rare but real)
         dv_check = f"{atom(vn)}.shape[-1] <= {atom(kn)}.shape[-1]"
+        original = block_source(module, block[start : i + 1])
+        if bound and start == i:
+            # no statement dropped before the call: its operands are what the bindings above hold
+            # (a mask built by a module call ran twice on the fallback path, HO8 moe_attention)
+            original = replace_segments(module, stmt, bound)
         if value_check is not None:
             split = next(n for n, ln in enumerate(lines) if ln.startswith("_npufuse_mask = "))
-            lines = checked_body(lines[:split], lines[split:], f"({value_check}) and {dv_check}", block_source(module, block[start : i + 1]))
+            lines = checked_body(lines[:split], lines[split:], f"({value_check}) and {dv_check}", original)
         else:
-            lines = checked_body(lines[:n_qkv], lines[n_qkv:], dv_check, block_source(module, block[start : i + 1]))
+            lines = checked_body(lines[:n_qkv], lines[n_qkv:], dv_check, original)
         notes.append("npu_fusion_attention needs v's head dim <= k's (SDPA takes any): checked at run time, else the original runs")
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         params: dict[str, Any] = {
@@ -937,5 +948,56 @@ SdpaPattern.KEEP += [
         _SDPA_ALIAS.replace("dropout_p=0.0)\n        return out", "dropout_p=0.0, is_causal=True)\n        return out"),
         reason="both attn_mask and is_causal=True are set",
         name="sdpa_alias_with_mask_and_is_causal",
+    ),
+]
+
+
+# --- s32: a mask (or q/k/v) built by a call, checked at run time: evaluated once ------------------
+# The value check binds the mask before the `if`; the original in its else read the call again
+# (HO8 moe_attention: `attn_mask=self.get_mask_tensor(n, mask)`, a near miss "called more often").
+# The else now reads the bound name: one evaluation on either path.
+_S32_MASK_FROM_A_METHOD = '''\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def get_mask_tensor(self, n, mask):
+        return mask[:, None, None, :n]
+
+    def forward(self, x, mask):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        res = F.scaled_dot_product_attention(q, k, v, attn_mask=self.get_mask_tensor(t, mask))
+        return res.transpose(1, 2).reshape(b, t, c)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        _S32_MASK_FROM_A_METHOD,
+        name="s32_mask_from_a_method_evaluated_once",
+        expect={"qualname": "Attn.forward"},
+        run='''
+m = Attn(32, 4)
+x = torch.randn(2, 6, 32, requires_grad=True)
+mask = torch.rand(2, 6) > 0.4
+mask[:, 0] = True
+out = m(x, mask)
+leaves = [x]
+''',
+    ),
+]
+
+SdpaPattern.KEEP += [
+    Keep(
+        _S32_MASK_FROM_A_METHOD.replace("self.get_mask_tensor(t, mask))", "self.get_mask_tensor(t, mask), is_causal=True)"),
+        reason="both attn_mask and is_causal=True are set",
+        name="s32_mask_from_a_method_and_is_causal",
     ),
 ]
