@@ -89,6 +89,32 @@ def _resolve(scope: Scope, node: ast.expr) -> ast.expr:
     return node
 
 
+# Tensor methods whose result is a tensor whenever the call succeeds (the original statement would
+# fail on None before the mask is read): a mask built with them is never None.
+_TENSOR_METHODS = frozenset((
+    "to", "float", "half", "bfloat16", "bool", "long", "int", "type", "type_as", "masked_fill", "logical_not",
+    "logical_and", "logical_or", "unsqueeze", "squeeze", "view", "reshape", "expand", "expand_as", "repeat",
+    "repeat_interleave", "contiguous", "transpose", "permute", "flatten", "clone", "detach", "eq", "ne", "lt",
+    "le", "gt", "ge", "tril", "triu", "new_zeros", "new_ones", "new_full", "masked_fill_", "fill_", "__invert__",
+))
+
+
+def _tensor_valued(module: ModuleInfo, value: ast.expr) -> bool:
+    """``value`` is a tensor whenever it evaluates: an operator, a subscript (not of a tuple), a
+    torch function or a tensor method. A call of anything else (the repository's own helpers) may
+    return None."""
+    if isinstance(value, (ast.Compare, ast.UnaryOp, ast.BinOp)):
+        return True
+    if isinstance(value, ast.Subscript):
+        return not isinstance(value.value, ast.Tuple)
+    if isinstance(value, ast.Call):
+        name = module.canonical(value.func) or ""
+        if name.startswith("torch."):
+            return True
+        return isinstance(value.func, ast.Attribute) and value.func.attr in _TENSOR_METHODS
+    return False
+
+
 class SdpaPattern(Pattern):
     id = "sdpa"
     api = "torch_npu.npu_fusion_attention"
@@ -213,7 +239,7 @@ class SdpaPattern(Pattern):
             if evidence:
                 return miss(f"attn_mask: {bias_reason(segment(module, mask), evidence)}")
             m_src = segment(module, mask)
-            maybe_none = not self._certainly_tensor(scope, mask, block)
+            maybe_none = not self._certainly_tensor(module, scope, mask, block)
             if kind in ("float_unverified", "unknown"):
                 # the values decide whether `mask < 0` is exact: checked at run time (issue 14, class 3)
                 if not is_simple(m_src):
@@ -373,19 +399,20 @@ class SdpaPattern(Pattern):
         return "unknown"
 
     @staticmethod
-    def _certainly_tensor(scope: Scope, mask: ast.expr, block: list[ast.stmt]) -> bool:
-        """False when the mask may be None at run time: a parameter, or a name whose last assignment
-        is conditional (inside an ``if``) or not a tensor expression."""
-        tensorish = (ast.Call, ast.Compare, ast.UnaryOp, ast.BinOp, ast.Subscript)
+    def _certainly_tensor(module: ModuleInfo, scope: Scope, mask: ast.expr, block: list[ast.stmt]) -> bool:
+        """False when the mask may be None at run time: a parameter, a name whose last assignment
+        is conditional (inside an ``if``) or not a tensor expression, or the result of a call that
+        may return None (a repository function or method: diffusers' ``prepare_attention_mask``
+        hands a None mask back as it is)."""
         if not isinstance(mask, ast.Name):
-            return isinstance(mask, tensorish)
+            return _tensor_valued(module, mask)
         last = None
         for stmt, value in scope.assignments.get(mask.id, []):
             if stmt.lineno < mask.lineno:
                 last = (stmt, value)
         if last is None or not any(last[0] is b for b in block):
             return False
-        return isinstance(last[1], tensorish) and not (isinstance(last[1], ast.Subscript) and isinstance(last[1].value, ast.Tuple))
+        return _tensor_valued(module, last[1])
 
     @staticmethod
     def _bsnd_inner(module: ModuleInfo, node: ast.expr) -> str | None:
@@ -999,5 +1026,62 @@ SdpaPattern.KEEP += [
         _S32_MASK_FROM_A_METHOD.replace("self.get_mask_tensor(t, mask))", "self.get_mask_tensor(t, mask), is_causal=True)"),
         reason="both attn_mask and is_causal=True are set",
         name="s32_mask_from_a_method_and_is_causal",
+    ),
+]
+
+
+# --- s32: a mask returned by the repository's own helper may be None -----------------------------
+# diffusers-style processors: ``attention_mask = attn.prepare_attention_mask(attention_mask, ...)``
+# hands None back as it is. A call of anything but a torch function or a tensor method is no proof
+# of a tensor: the run-time mask check starts with ``is None`` (it read ``.dtype`` of None before,
+# an AttributeError on every mask-less call; found by the s32 precision audit).
+_S32_MASK_FROM_A_HELPER = '''\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def prepare_attention_mask(self, attention_mask, batch_size):
+        if attention_mask is None:
+            return attention_mask
+        return attention_mask[:batch_size, None, None, :]
+
+
+class Processor:
+    def __call__(self, attn, hidden_states, attention_mask=None):
+        b, t, c = hidden_states.shape
+        attention_mask = attn.prepare_attention_mask(attention_mask, b)
+        q, k, v = attn.qkv(hidden_states).view(b, t, 3, attn.heads, c // attn.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        return out.transpose(1, 2).reshape(b, t, c)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        _S32_MASK_FROM_A_HELPER,
+        name="s32_mask_from_a_helper_that_may_return_none",
+        expect={"qualname": "Processor.__call__"},
+        run='''
+attn = Attention(32, 4)
+x = torch.randn(2, 6, 32, requires_grad=True)
+mask = torch.rand(2, 6) > 0.4
+mask[:, 0] = True
+out = (Processor()(attn, x), Processor()(attn, x, mask))
+leaves = [x]
+''',
+    ),
+]
+
+SdpaPattern.KEEP += [
+    Keep(
+        _S32_MASK_FROM_A_HELPER.replace("is_causal=False)", "is_causal=True)"),
+        reason="both attn_mask and is_causal=True are set",
+        name="s32_mask_from_a_helper_and_is_causal",
     ),
 ]
