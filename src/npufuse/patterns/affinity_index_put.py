@@ -46,7 +46,7 @@ _SHAPE_METHODS = {"unsqueeze", "expand", "expand_as", "view", "reshape", "clone"
                   "flatten", "squeeze", "permute", "repeat", "repeat_interleave", "detach", "to", "cpu", "cuda", "npu",
                   "flip", "roll", "tril", "triu", "narrow", "view_as", "reshape_as"}
 _CREATORS = {"torch.zeros", "torch.ones", "torch.full", "torch.zeros_like", "torch.ones_like", "torch.full_like",
-             "torch.empty", "torch.empty_like", "torch.tensor", "torch.as_tensor"}
+             "torch.empty", "torch.empty_like", "torch.tensor", "torch.as_tensor", "torch.eye"}
 _INF_NAMES = {"inf", "Inf", "INF", "infinity"}
 
 
@@ -99,6 +99,68 @@ def _device_only(call: ast.Call) -> bool:
         if not (isinstance(a, ast.Attribute) and a.attr == "device") and not isinstance(const_value(a), str):
             return False  # x.to(dtype), x.to(other), x.to(torch.float32): may change the dtype
     return bool(call.args or call.keywords) and all(k.arg in ("device", "non_blocking", "copy") for k in call.keywords)
+
+
+# torch functions that build a tensor on the CPU unless given ``device=`` (the *_like ones follow their input)
+_HOST_CREATORS = {"torch.zeros", "torch.ones", "torch.full", "torch.empty", "torch.tensor", "torch.as_tensor", "torch.eye",
+                  "torch.arange", "torch.rand", "torch.randn", "torch.randint", "torch.linspace", "torch.from_numpy",
+                  "torch.BoolTensor", "torch.LongTensor", "torch.FloatTensor", "torch.ByteTensor"}
+
+
+def placement_unproved(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> str | None:
+    """Why the mask may not be a torch tensor on the target's device (None: nothing says so). Indexing
+    takes a numpy mask and a CPU mask for a device tensor; ``masked_fill_`` takes neither (TypeError,
+    "expected self and mask to be on the same device"): numpy calls anywhere in the mask's making
+    (through its local definitions), or a mask that is itself a torch constructor without
+    ``device=`` or a ``.cpu()`` result (a CPU tensor combined with a device tensor would already
+    fail in the original, so only the mask's own spine counts)."""
+    why = _numpy_made(module, scope, node, line, 0)
+    return why if why is not None else _host_spine(module, scope, node, line, 0)
+
+
+def _numpy_made(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int) -> str | None:
+    if depth > 6:
+        return None
+    for n in fast_walk(node):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or dotted(n.func) or ""
+            if name.startswith(("numpy.", "np.")) or (isinstance(n.func, ast.Attribute) and n.func.attr == "numpy"):
+                return f"`{segment(module, n)[:40]}` is a numpy array"
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            value = scope.definition(n.id, line)
+            if value is not None and value is not node:
+                why = _numpy_made(module, scope, value, getattr(value, "lineno", line), depth + 1)
+                if why is not None:
+                    return why
+    return None
+
+
+def _host_spine(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int) -> str | None:
+    while depth <= 8:
+        depth += 1
+        if isinstance(node, ast.UnaryOp):
+            node = node.operand
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Name):
+            value = scope.definition(node.id, line)
+            if value is None:
+                return None
+            node, line = value, getattr(value, "lineno", line)
+        elif isinstance(node, ast.Call):
+            name = module.canonical(node.func) or ""
+            if name in _HOST_CREATORS:
+                return None if keyword(node, "device") is not None else f"`{segment(module, node)[:40]}` is built on the CPU (no device=)"
+            if not isinstance(node.func, ast.Attribute) or name.startswith("torch."):
+                return None
+            if node.func.attr == "cpu":
+                return f"`{segment(module, node)[:40]}` is moved to the host"
+            if node.func.attr in ("to", "cuda", "npu"):
+                return None  # moved: to a device (or cast; either way not provably on the host)
+            node = node.func.value  # a tensor method keeps its receiver's device
+        else:
+            return None
+    return None
 
 
 def mask_like(node: ast.AST, scope: Optional[Scope] = None) -> bool:
@@ -494,7 +556,9 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                         "selected element (masked scatter, e.g. image features into embeddings), which no "
                         "elementwise rewrite reproduces")
     same = lead == 0 and same_shape_as(module, scope, mask, target, line)
-    mask_var = mask_text if same and not checked else f"{P}mask"  # used once: inline unless aligned or checked
+    # a numpy or host mask: masked_fill_/where reject it where indexing took it (checked at run time)
+    placed = placement_unproved(module, scope, mask, line)
+    mask_var = mask_text if same and not checked and placed is None else f"{P}mask"  # used once: inline unless aligned or checked
     lines = []
     if mask_var != mask_text:
         lines.append(f"{P}mask = {mask_text}")
@@ -511,12 +575,16 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         body.append(f"{target}.masked_fill_({mask_var}, {elem})")
     else:
         body.append(f"{target}.copy_(torch.where({mask_var}, ({elem}).to({target}.dtype), {target}))")
-    if checked:
-        # the mask's dtype is only known at run time (a metadata check, no host sync): integer positions keep
-        # the original IndexPut, with the index evaluated once
-        lines.append(f"if {P}mask.dtype == torch.bool:")
+    if checked or placed is not None:
+        # the mask's dtype (or kind and device) is only known at run time (a metadata check, no host sync):
+        # anything else keeps the original IndexPut, with the index evaluated once
+        tests = [f"isinstance({P}mask, torch.Tensor)", f"{P}mask.device == {target}.device"] if placed is not None else []
+        if checked:
+            tests.append(f"{P}mask.dtype == torch.bool")
+        lines.append(f"if {' and '.join(tests)}:")
         lines += ["    " + b for b in body]
-        lines.append("else:  # integer positions after all: the original IndexPut")
+        lines.append("else:  # " + ("integer positions after all" if placed is None else "a numpy or host mask, or integer positions")
+                     + ": the original IndexPut")
         lines += ["    " + ln for ln in replace_segments(module, stmt, [(mask, f"{P}mask")]).splitlines()]
     else:
         lines += body
@@ -531,6 +599,8 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
     }
     if checked:
         params["mask_dtype"] = "checked_at_runtime"
+    if placed is not None:
+        params["mask_placement"] = "checked_at_runtime"
     if lead:
         params["mask_first_dim"] = lead
     risks = [Risk("other", "if this code runs on CPU tensors (data collators, preprocessing) the guard keeps the "
@@ -547,7 +617,11 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
     if checked:
         notes.append(f"`{mask_text[:40]}` is a mask by its name or `~`, but its dtype is not visible here: the fused "
                      "branch checks `dtype == torch.bool` at run time (no host sync) and keeps the IndexPut otherwise")
-    variant = ("aug_" if aug is not None else "") + form + ("_rank_aligned" if not same else "") + ("_dtype_checked" if checked else "")
+    if placed is not None:
+        notes.append(f"{placed}: indexing takes it, masked_fill_/where need a torch tensor on {target}'s device, so the "
+                     "fused branch checks both at run time (no host sync) and keeps the IndexPut otherwise")
+    variant = ("aug_" if aug is not None else "") + form + ("_rank_aligned" if not same else "") + ("_dtype_checked" if checked else "") \
+        + ("_placement_checked" if placed is not None else "")
     fused = "\n".join(lines) + "\n"
     if parsed_code(fused) is None:
         # a replacement npufuse cannot write as valid code is no candidate (the renderer would fail on it)
@@ -1074,3 +1148,46 @@ CHECKS: dict[str, str] = {
         "out = torch_mask_tokens(ids, special, 4, 100)"
     ),
 }
+
+
+# --- s32: a numpy or host mask (the s32 precision audit) -------------------------------------------
+# ``t[:, reset_idx, :] = 0`` with ``reset_idx = np.array(lens) % k == 0`` (a numpy bool array) and
+# ``edge_mask[~torch.eye(n, dtype=torch.bool)] = 0`` with edge_mask on the device: indexing takes a
+# numpy or CPU mask, masked_fill_ raises (TypeError / "expected self and mask to be on the same
+# device"). The fused branch checks the mask is a torch tensor on the target's device at run time.
+# (The numpy case never takes the fused branch, so it is tested in tests/test_detect_s32_placement.py
+# rather than as a Fuse example, whose CHECKS run must execute the fused branch.)
+_S32_HOST_EYE = '''\
+import torch
+
+
+def sequential_edges(n, device):
+    edge_mask = torch.ones((n, n), device=device)
+    edge_mask[~torch.eye(edge_mask.shape[0], dtype=torch.bool)] = 0
+    return edge_mask.flatten()
+'''
+
+_S32_NUMPY_MASK = '''\
+import numpy as np
+import torch
+
+
+def reset_states(states, search_lens, horizon):
+    reset_idx = np.array(search_lens) % horizon == 0
+    states[1][:, reset_idx, :] = 0
+    return states
+'''
+
+AffinityIndexPut.FUSE += [
+    Fuse(_S32_HOST_EYE, name="s32_host_eye_mask_placement_checked", expect={
+        "form": "masked_fill", "mask_placement": "checked_at_runtime", "variant": "masked_fill_rank_aligned_placement_checked"}),
+]
+
+AffinityIndexPut.KEEP += [
+    # near miss: the target itself is numpy (no torch kernel at all)
+    Keep(_S32_NUMPY_MASK.replace("    states[1][:, reset_idx, :] = 0\n",
+                                 "    table = np.zeros((3, len(search_lens)))\n    table[:, reset_idx] = 0\n"),
+         reason="is a numpy array, not a torch tensor", name="s32_numpy_target_and_mask"),
+]
+
+CHECKS["s32_host_eye_mask_placement_checked"] = "out = sequential_edges(5, 'cpu')"
