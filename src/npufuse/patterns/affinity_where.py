@@ -213,6 +213,11 @@ _UNSAFE_FUNCS = {"exp", "expm1", "log", "log1p", "log2", "log10", "pow", "sqrt",
                  "true_divide", "tan", "atanh", "logit", "erfinv", "divide", "float_power"}
 
 
+# tensor methods whose result holds the receiver's values (a cast to a float dtype keeps ±inf/NaN)
+_SAME_VALUES = ("to", "expand", "expand_as", "float", "double", "half", "bfloat16", "type", "type_as", "cuda", "cpu",
+                "npu", "detach", "clone", "contiguous", "repeat", "view", "reshape", "unsqueeze")
+
+
 def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
     """±inf, NaN, the dtype's finfo min/max, or |constant| >= 1e4 (inf in fp16): a - b overflows."""
     if depth > 6:
@@ -232,10 +237,10 @@ def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
     if isinstance(node, ast.Call):
         name = module.canonical(node.func) or ""
         if name in ("torch.full", "torch.full_like", "torch.tensor", "torch.as_tensor") or (
-            isinstance(node.func, ast.Attribute) and node.func.attr in ("new_full", "fill_", "masked_fill", "to", "expand", "expand_as")
+            isinstance(node.func, ast.Attribute) and node.func.attr in ("new_full", "fill_", "masked_fill", *_SAME_VALUES)
         ):
             args = [*node.args, *(k.value for k in node.keywords)]
-            if isinstance(node.func, ast.Attribute) and node.func.attr in ("to", "expand", "expand_as"):
+            if isinstance(node.func, ast.Attribute) and node.func.attr in _SAME_VALUES:
                 args = [node.func.value]
             return any(_is_extreme(module, scope, a, line, depth + 1) for a in args)
     return False
@@ -690,3 +695,20 @@ CHECKS: dict[str, str] = {
         "m = torch.rand(3, 6) > 0.5\nm[0] = True\nx = torch.randn(3, 6, requires_grad=True)\nout = safe_counts(x, m)\nleaves = [x]"
     ),
 }
+
+
+# --- s32: an infinite tensor cast before use (ReChorus-style listwise losses, the s32 precision audit) ---
+# ``torch.where(m, pred, torch.tensor(float("Inf")).float().to(device))``: the .float() hid the inf from
+# the extreme-value check and the lerp form gave NaN everywhere (inf * 0).
+_S32_INF_CAST = '''\
+import torch
+
+
+def hard_positive_scores(prediction, pos_mask, mask):
+    return torch.where(pos_mask * mask == 1, prediction, torch.tensor(float("Inf")).float().to(prediction.device))
+'''
+
+AffinityWhere.KEEP += [
+    Keep(_S32_INF_CAST, reason="not inf-safe", name="s32_inf_tensor_cast_before_use"),
+    Keep(_S32_INF_CAST.replace(", torch.tensor(", ", -torch.tensor("), reason="not inf-safe", name="s32_minus_inf_tensor_cast_before_use"),
+]
