@@ -977,12 +977,40 @@ def _param_default(scope: Scope, name: str) -> str | None:
 
 def _broadcast_helper(fn: ast.FunctionDef) -> bool:
     """Meta's ``reshape_for_broadcast``: ``shape = [d if i == 1 or i == ndim - 1 else 1 ...]``;
-    ``return freqs.view(*shape)`` — every dim but S and D becomes 1 (batch-independent)."""
+    ``return freqs.view(*shape)`` — every dim but S (dim 1) and D becomes 1 (batch-independent,
+    1S1D for BSND x). One shape, kept dims 1 and the last only: a helper that chooses among shapes
+    (rope-vit's ``i >= ndim - 2`` / ``i >= ndim - 3`` branches keep a per-head table [1, H, S, D/2],
+    which npu_rotary_mul's interleave mode rejects) is not this one, so its layout is not known."""
     comps = [n for n in fast_walk(fn) if isinstance(n, ast.ListComp)]
     rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
-    if not comps or len(rets) != 1 or not _method(rets[0].value, "view", "reshape"):
+    if len(comps) != 1 or len(rets) != 1 or not _method(rets[0].value, "view", "reshape"):
         return False
-    return any(isinstance(c.elt, ast.IfExp) and const_value(c.elt.orelse) == 1 for c in comps)
+    if any(isinstance(n, (ast.If, ast.IfExp)) for n in fn.body if not isinstance(n, ast.Assert)) or \
+            any(isinstance(n, ast.If) for n in fast_walk(fn)):
+        return False
+    elt = comps[0].elt
+    if not (isinstance(elt, ast.IfExp) and const_value(elt.orelse) == 1):
+        return False
+    return _keeps_dim_1_and_last(elt.test)
+
+
+def _keeps_dim_1_and_last(test: ast.expr) -> bool:
+    """``i == 1 or i == ndim - 1`` (either order, either side of ``==``): the comprehension keeps
+    the sequence dim of a BSND x and the last dim, nothing else."""
+    if not (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and len(test.values) == 2):
+        return False
+    kept = []
+    for cmp in test.values:
+        if not (isinstance(cmp, ast.Compare) and len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq)):
+            return False
+        other = cmp.comparators[0] if isinstance(cmp.left, ast.Name) else cmp.left
+        if const_value(other) == 1:
+            kept.append("1")
+        elif isinstance(other, ast.BinOp) and isinstance(other.op, ast.Sub) and const_value(other.right) == 1:
+            kept.append("last")
+        else:
+            return False
+    return sorted(kept) == ["1", "last"]
 
 
 # -- matching one expression ------------------------------------------------------------------------
@@ -7285,4 +7313,47 @@ RopePattern.KEEP += [
          reason="evaluated on sampled inputs", name="s31_unbound_view_helper_with_the_sign_swapped"),
     Keep(_S31_PAIRS_RESHAPED.replace("torch.stack((-x2, x1), dim=-1)", "torch.stack((-x1, x2), dim=-1)"),
          reason="evaluated on sampled inputs", name="s31_spread_reshape_helper_that_is_no_rotation"),
+]
+
+
+# --- s32: a broadcast helper that chooses among table shapes (the s32 precision audit) ------------
+# rope-vit's reshape_for_broadcast keeps the last two dims of a [S, D/2] table (11SD) or the last
+# three of a per-head [H, S, D/2] one (1HSD): npufuse read it as Meta's helper (1S1D, one shape) and
+# emitted an unchecked interleave call, which the op rejects for the per-head table. Only a helper
+# with one shape keeping dims 1 and the last is Meta's; any other gets the run-time layout check.
+_S32_BRANCHING_BROADCAST = '''\
+import torch
+
+
+def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor):
+    ndim = x.ndim
+    if freqs_cis.shape == (x.shape[-2], x.shape[-1]):
+        shape = [d if i >= ndim - 2 else 1 for i, d in enumerate(x.shape)]
+    elif freqs_cis.shape == (x.shape[-3], x.shape[-2], x.shape[-1]):
+        shape = [d if i >= ndim - 3 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis.view(*shape)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = reshape_for_broadcast(freqs_cis, xq_)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+'''
+
+RopePattern.FUSE += [
+    Fuse(_S32_BRANCHING_BROADCAST, name="s32_broadcast_helper_choosing_table_shapes_checked",
+         expect={"variant": "complex_freqs_cis_checked", "mode": "complex"},
+         # a shared [S, D/2] table (fused) and a per-head [H, S, D/2] one (the original runs)
+         run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+shared = torch.polar(torch.ones_like(ang), ang)
+per_head = torch.polar(torch.ones(3, 6, 8), torch.rand(3, 6, 8))
+xq = torch.randn(2, 3, 6, 16, requires_grad=True)
+xk = torch.randn(2, 3, 6, 16, requires_grad=True)
+out = (*apply_rotary_emb(xq, xk, shared), *apply_rotary_emb(xq, xk, per_head))
+leaves = [xq, xk]
+'''),
 ]
