@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
+from npufuse.patterns import _attention_s32
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -431,6 +432,7 @@ class Renderer:
         # the site (``k`` returned for a cache: the fused op does not produce it, so it is computed as before)
         self.bound: set[int] = set()
         self.live_after: Any = None  # (Ref) -> bool: the name's value at the site, read after it
+        self.pse_products: set[int] = set()  # s32: products of pse terms, rendered as written (Chain.pse_products)
 
     def text(self, node: Any) -> str:
         return ast.unparse(self._ast(node))
@@ -474,7 +476,7 @@ class Renderer:
             return False
         after = self.interp.before[idx + 1] if idx + 1 < len(self.interp.block) else self.interp.after
         values = [after.get(n) for n in self.interp.assigned[idx]]
-        if not values or any(v is None or _heavy(v, through_meta=False) for v in values):
+        if not values or any(v is None or _s32_heavy_beyond(v, self.pse_products) for v in values):
             return False
         # s28: the names map to this statement's own references: what it reads is in their values
         values = [v.value if isinstance(v, Ref) and v.idx == idx and v.value is not None and not isinstance(v.value, Opaque) else v for v in values]
@@ -501,7 +503,7 @@ class Renderer:
         raise Miss(f"`{ast.unparse(_plain(node))}` reads the attention scores' size in a way npufuse does not render")
 
     def _inline(self, value: Any) -> ast.expr:
-        if _heavy(value, through_meta=False):
+        if _s32_heavy_beyond(value, self.pse_products):
             raise Miss(f"an input of the fused call (mask / scale) is computed from the attention scores themselves (`{ast.unparse(_plain(value))[:80]}`)")
         inner = self._ast(value)
         text = ast.unparse(inner)
@@ -597,6 +599,19 @@ def _direct_refs(node: Any) -> Iterator[Ref]:
 # the last name of a product's callee, however torch is imported (``th.matmul``, ``from torch import
 # einsum``, ``q.matmul(k)``): a value computed through one of these is heavy
 _PRODUCT_CALLS = {"matmul", "einsum", "bmm", "baddbmm"}
+
+
+def _s32_products(node: Any) -> list[Any]:
+    """The matrix products computing ``node`` (through the names it reads; metadata reads not crossed)."""
+    return [n for n in walk_values(node) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult)
+            or isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").rpartition(".")[2] in _PRODUCT_CALLS]
+
+
+def _s32_heavy_beyond(node: Any, allowed: set[int]) -> bool:
+    """``_heavy(node, through_meta=False)`` not counting the products in ``allowed`` (a pse's own products)."""
+    if not allowed:
+        return _heavy(node, through_meta=False)
+    return any(id(n) not in allowed for n in _s32_products(node))
 
 
 def _heavy(node: Any, through_meta: bool = True) -> bool:
@@ -977,6 +992,9 @@ class Chain:
     # s30: the probabilities multiplied / divided by a number after the softmax (``softmax(e) / c``): the product with
     # v is linear, so the factor moves onto the fused output: (factor, divide)
     out_factor: tuple[Any, bool] | None = None
+    # s32: ids of the products inside float biases taken as pse (Transformer-XL's positional scores ``(q + v_bias) @ pᵀ``,
+    # BERT's ``relative_key`` einsum): computed as written on the fused branch, they are not the attention scores
+    pse_products: set[int] = field(default_factory=set)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1813,7 +1831,8 @@ class _Matcher:
                         chain.excluded.append((node.test, neg, self.src(opaque)))
                         node = base
                         continue
-                    self.peel_scores(branch, chain, stop=base, cond=(node.test, neg))
+                    # s32: under the outer branch's condition too (an ``elif`` adds its term only where the ``if`` did not)
+                    self.peel_scores(branch, chain, stop=base, cond=_and_cond(cond, (node.test, neg)))
                     node = base
                     continue
                 base = self._common_base(a, b, stop)
@@ -1868,6 +1887,14 @@ class _Matcher:
                         chain.spelling.append("summed_products")
                         self.parse_qk(prod.a, prod, chain)
                         return
+                    positional = _s32_positional_scores(self, node, stop)
+                    if positional is not None:
+                        # s32: Transformer-XL / Conformer ``(q + u) @ kᵀ + shift((q + v) @ pᵀ)``: the second term is a float
+                        # bias of its own product (pse, computed as written on the fused branch)
+                        node, term = positional
+                        _s28_take_bias(self, term, chain, cond)
+                        chain.spelling.append("positional_scores_as_pse")
+                        continue
                     for side in (node.left, node.right):
                         if self.is_matmul(deref(side, chain.seen)) is None:
                             helper = next((c for c in walk_values(side) if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, Ref))
@@ -3039,8 +3066,17 @@ class AttentionPattern(Pattern):
         Skv is k's sequence axis (3-D multi-query keys included). None elsewhere (channel-first
         keys, heads folded into the batch, 5-D windows): such reads keep their near miss."""
         assert chain.q and chain.k
-        if chain.k_transposed or chain.q_transposed or chain.heads_in_batch or chain.q.heads_added or chain.q.layout != chain.k.layout:
+        if chain.k_transposed or chain.q_transposed or chain.heads_in_batch or chain.q.heads_added:
             return None
+        if chain.q.layout != chain.k.layout:
+            # s32: one BSND, the other BNSD (Conformer's ``(q + u).transpose(1, 2)`` beside a permuted k): B, N, Sq read
+            # off q's axes, Skv off k's sequence axis
+            kv_seq = {"BNSD": "shape[-2]", "BSND": "shape[1]"}.get(chain.k.layout)
+            if kv_seq is None or chain.q.layout not in ("BNSD", "BSND"):
+                return None
+            if chain.q.layout == "BNSD":
+                return f"torch.Size((*{atom(q_t)}.shape[:-1], {atom(k_t)}.{kv_seq}))"
+            return f"torch.Size(({atom(q_t)}.shape[0], {atom(q_t)}.shape[2], {atom(q_t)}.shape[1], {atom(k_t)}.{kv_seq}))"
         if chain.q.layout in ("BNSD", "3D"):
             return f"torch.Size((*{atom(q_t)}.shape[:-1], {atom(k_t)}.shape[-2]))"
         if chain.q.layout == "BSND":
@@ -3113,6 +3149,7 @@ class AttentionPattern(Pattern):
                 if bias:
                     return NearMiss(self.id, scope.qualname, span_line, end_line, bias)
         r = Renderer(module, interp, s, matcher.repeat_of)
+        r.pse_products = chain.pse_products
         r.live_after = lambda ref: interp.before[e].get(ref.name) is ref and scope.uses_after(ref.name, end_line)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
@@ -7463,6 +7500,25 @@ def _dead_or_passed_up(module: ModuleInfo, caller: Scope, var: str, depth: int, 
     return _result_element_discarded(module, caller, ret[0], ret[1], depth + 1, seen)
 
 
+def _s32_stored_on_self_unread(module: ModuleInfo, caller: Scope, parents: dict[int, ast.AST], call: ast.Call, length: int,
+                               index: int) -> bool:
+    """The call's result element ``index`` is unpacked into ``self.<attr>`` of the caller's class, and nothing in
+    the repository can read that attribute (``_attention_s32.member_may_be_read``)."""
+    stmt = parents.get(id(call))
+    fn = caller.node
+    if caller.class_name is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+        return False
+    if not (isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1):
+        return False
+    target = stmt.targets[0]
+    if not isinstance(target, (ast.Tuple, ast.List)) or len(target.elts) != length or any(isinstance(e, ast.Starred) for e in target.elts):
+        return False
+    element = target.elts[index]
+    if not (isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name) and element.value.id == fn.args.args[0].arg):
+        return False
+    return _attention_s32.member_may_be_read(module, caller.class_name, element.attr) is None
+
+
 def _holders(module: ModuleInfo, class_name: str) -> tuple[set[str], set[str], int] | None:
     """(attributes holding one instance, attributes holding a ModuleList of instances, constructor mentions
     accounted for) of ``class_name`` in this file; None when an instance is made any other way."""
@@ -7482,7 +7538,7 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
     word = scope.class_name if is_forward else fn.name
     if word is None or fn.decorator_list:
         return False
-    mentions = len(re.findall(r"\b" + re.escape(word) + r"\b", _s28_source_without_prose(module)))  # s28: not docstrings/comments
+    mentions = _attention_s32.code_mentions(module, word)  # s28: not docstrings/comments; s32: nor messages in strings
     accounted = 1 + len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", module.source))  # the definition, ``super(Cls, self)``
     ones: set[str] = set()
     many: set[str] = set()
@@ -7537,7 +7593,11 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
             if parents is None:
                 parents = _parents(caller.node)
             var = _call_statement_target(parents, node, length, index)
-            if var is None or not _dead_or_passed_up(module, caller, var.id, depth, seen):
+            if var is None:
+                # s32: VITS / Glow-TTS ``x, self.attn = self.attention(q, k, v)``: kept on the module, never read
+                if not _s32_stored_on_self_unread(module, caller, parents, node, length, index):
+                    return False
+            elif not _dead_or_passed_up(module, caller, var.id, depth, seen):
                 return False
             calls += 1
             if not is_forward:
@@ -7548,6 +7608,10 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
     root = repo_facts.repo_root(module)
     if root is not None:
         repo_facts._depends(root, module.path)  # the answer reads the other files of the repository
+        if scope.class_name is not None and not is_forward:
+            # s32: a method is reached from another file only through an attribute ``<obj>.word`` (or the name
+            # as a string); the word in prose, in an import path or as ``self.word`` of an unrelated class is not one
+            return _attention_s32.member_may_be_read(module, scope.class_name, word, this_file=False) is None
         pattern = re.compile(r"\b" + re.escape(word) + r"\b")
         for rel in repo_facts._repo_py_files(root):
             if rel == module.path:
@@ -9071,6 +9135,7 @@ def _s28_take_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool
     walked (those applied after it)."""
     chain.masks.append(_S28Bias("bias", term, cond[0] if cond else None, cond[1] if cond else False,
                                 n_num=len(chain.scale_num), n_den=len(chain.scale_den)))
+    chain.pse_products.update(id(n) for n in _s32_products(term))  # s32: a positional product is part of the bias
 
 
 def _s28_module_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> bool:
@@ -10488,3 +10553,300 @@ AttentionPattern.KEEP += [
         name="s31_caller_holds_the_eager_function_under_its_own_name",
     ),
 ]
+
+
+# --- s32: returned probabilities stored on the module and never read -------------------------------------------
+# VITS / Glow-TTS / Matcha ``x, self.attn = self.attention(q, k, v, mask=attn_mask)``: the probabilities are kept
+# on the module, and nothing reads ``self.attn``. Proven over the repository (``_attention_s32``): every load of
+# the attribute is ``self.attn`` of a class unrelated to this one (here the block's own ``self.attn(x)``
+# module), no string names it, no notebook writes ``.attn``. The word in an assert message is no mention of the
+# method (the mention count reads code, not messages).
+_S32_STORED_PROBS = '''
+import math
+import torch
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, channels, n_heads, p_dropout=0.0):
+        super().__init__()
+        self.n_heads, self.k_channels = n_heads, channels // n_heads
+        self.attn = None
+        self.conv_q = nn.Conv1d(channels, channels, 1)
+        self.conv_k = nn.Conv1d(channels, channels, 1)
+        self.conv_v = nn.Conv1d(channels, channels, 1)
+        self.conv_o = nn.Conv1d(channels, channels, 1)
+        self.drop = nn.Dropout(p_dropout)
+
+    def forward(self, x, c, attn_mask=None):
+        q, k, v = self.conv_q(x), self.conv_k(c), self.conv_v(c)
+        x, self.attn = self.attention(q, k, v, mask=attn_mask)
+        return self.conv_o(x)
+
+    def attention(self, query, key, value, mask=None):
+        b, d, t_s, t_t = (*key.size(), query.size(2))
+        assert d % self.n_heads == 0, "channels must split evenly for self-attention"
+        query = query.view(b, self.n_heads, self.k_channels, t_t).transpose(2, 3)
+        key = key.view(b, self.n_heads, self.k_channels, t_s).transpose(2, 3)
+        value = value.view(b, self.n_heads, self.k_channels, t_s).transpose(2, 3)
+        scores = torch.matmul(query / math.sqrt(self.k_channels), key.transpose(-2, -1))
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e4)
+        p_attn = torch.softmax(scores, dim=-1)
+        p_attn = self.drop(p_attn)
+        output = torch.matmul(p_attn, value)
+        output = output.transpose(2, 3).contiguous().view(b, d, t_t)
+        return output, p_attn
+
+
+class Block(nn.Module):
+    def __init__(self, channels, n_heads):
+        super().__init__()
+        self.attn = MultiHeadAttention(channels, n_heads)
+        self.norm = nn.GroupNorm(1, channels)
+
+    def forward(self, x, mask):
+        return self.norm(x + self.attn(x, x, mask))
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S32_STORED_PROBS,
+        expect={"qualname": "MultiHeadAttention.attention", "mask_kind": "bool_masked", "returns_probs": "p_attn"},
+        run='''
+m = Block(16, 2)
+x = torch.randn(2, 16, 5, requires_grad=True)
+keep = torch.ones(2, 1, 5, 5)
+keep[1, :, :, 3:] = 0
+out = m(x, keep) * torch.randn(2, 16, 5)
+leaves = [x]
+''',
+        name="s32_probabilities_stored_on_the_module_never_read",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the class reads the stored map back (a plot helper): the probabilities must exist
+        _S32_STORED_PROBS.replace("        return output, p_attn\n",
+                                  "        return output, p_attn\n\n    def attention_map(self):\n        return self.attn\n"),
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_read_back_by_the_class",
+    ),
+    Keep(
+        # another object's ``.attn`` is read: it may be this module's stored map
+        _S32_STORED_PROBS + "\n\ndef maps(blocks):\n    return [blk.attn.attn for blk in blocks]\n",
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_read_through_another_object",
+    ),
+    Keep(
+        # a subclass reads it (``self.attn`` of a descendant is this module's attribute)
+        _S32_STORED_PROBS + "\n\nclass Logged(MultiHeadAttention):\n    def last(self):\n        return self.attn\n",
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_read_by_a_subclass",
+    ),
+    Keep(
+        # named as a string (getattr / a hook key): a read npufuse cannot follow
+        _S32_STORED_PROBS + "\n\ndef grab(m):\n    return getattr(m, 'attn')\n",
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_named_as_a_string",
+    ),
+]
+
+
+# --- s32: positional scores added to the content scores (Transformer-XL / Conformer relative attention) --------
+# ``content = (q + u) @ kᵀ``, ``pos = rel_shift((q + v) @ pᵀ)``, ``softmax((content + pos) / √d)``: exactly one side of
+# the sum is a plain product (the attention scores: q and k for the fused call); the other is a float bias built
+# by its own product. softmax(s·QKᵀ + s·pos) is the fused call with q pre-scaled, pse = pos · s and scale 1.0
+# (exact whatever the op's pse placement, spec §5.1); the positional product and its shift run as written on the
+# fused branch, and autograd reaches q through pse too. Refused: two plain products (which is the key is not
+# shown), a term that reads the content product itself (a transform of the scores, not a bias).
+def _s32_positional_scores(m: "_Matcher", node: ast.BinOp, stop: Any) -> tuple[Any, Any] | None:
+    """(the scores side, the positional term) of ``a + b`` read as above, else None."""
+    if stop is not None:
+        return None
+    plain = [side for side in (node.left, node.right) if m.is_matmul(deref(side)) is not None]
+    if len(plain) == 2:
+        # BERT's ``relative_key``: ``einsum("bhld,lrd->bhlr", q, table)``: a product against a table with none of the
+        # scores' batch axes is the bias; the other product holds the keys
+        tables = [side for side in plain if _s32_table_product(m.is_matmul(deref(side)))]
+        if len(tables) != 1:
+            return None
+        plain = [side for side in plain if side is not tables[0]]
+    if len(plain) != 1:
+        return None
+    scores = plain[0]
+    term = node.right if scores is node.left else node.left
+    product = deref(scores)
+    if any(n is product for n in walk_values(term)) or not _s32_products(term):
+        return None
+    return scores, term
+
+
+_S32_POSITIONAL_SCORES = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rel_shift(x):
+    b, h, i, j = x.shape
+    x = F.pad(x, (1, 0))
+    x = x.view(b, h, j + 1, i)
+    return x[:, :, 1:].view(b, h, i, j)
+
+
+class RelPosSelfAttention(nn.Module):
+    def __init__(self, dim=16, heads=2, p=0.0):
+        super().__init__()
+        self.h, self.dk = heads, dim // heads
+        self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.to_p = nn.Linear(dim, dim, bias=False)
+        self.pos_u = nn.Parameter(torch.randn(heads, dim // heads))
+        self.pos_v = nn.Parameter(torch.randn(heads, dim // heads))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, pos_emb, pad_mask=None):
+        b, t, _ = x.shape
+        q = self.to_q(x).view(b, t, self.h, self.dk)
+        k = self.to_k(x).view(b, t, self.h, self.dk).transpose(1, 2)
+        v = self.to_v(x).view(b, t, self.h, self.dk).transpose(1, 2)
+        p = self.to_p(pos_emb).view(pos_emb.shape[0], -1, self.h, self.dk).transpose(1, 2)
+        ac = torch.einsum("bhid,bhjd->bhij", (q + self.pos_u).transpose(1, 2), k)
+        bd = rel_shift(torch.matmul((q + self.pos_v).transpose(1, 2), p.transpose(-2, -1)))
+        scores = (ac + bd) * self.dk ** -0.5
+        if pad_mask is not None:
+            scores = scores.masked_fill(pad_mask[:, None, None, :], float("-inf"))
+        attn = self.drop(scores.softmax(dim=-1))
+        return (attn @ v).transpose(1, 2).reshape(b, t, -1)
+'''
+
+_S32_RELATIVE_KEY = '''
+import math
+import torch
+from torch import nn
+
+
+class RelativeKeyAttention(nn.Module):
+    def __init__(self, dim=16, heads=2, max_pos=16):
+        super().__init__()
+        self.heads, self.hd, self.max_pos = heads, dim // heads, max_pos
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.distance = nn.Embedding(2 * max_pos - 1, dim // heads)
+
+    def forward(self, x, additive_mask=None):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        pos = torch.arange(s, device=x.device)
+        emb = self.distance(pos[:, None] - pos[None, :] + self.max_pos - 1).to(q.dtype)
+        scores = scores + torch.einsum("bhld,lrd->bhlr", q, emb)
+        scores = scores / math.sqrt(self.hd)
+        if additive_mask is not None:
+            scores = scores + additive_mask
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, v).permute(0, 2, 1, 3).reshape(b, s, -1)
+'''
+
+_S32_ELIF_BIASES = '''
+import math
+import torch
+from torch import nn
+
+
+class Att(nn.Module):
+    def __init__(self, dim=16, heads=2, n=8):
+        super().__init__()
+        self.heads, self.hd, self.n = heads, dim // heads, n
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.rel_a = nn.Embedding(2 * n, heads)
+        self.rel_b = nn.Embedding(2 * n, heads)
+        self.use_a = True
+        self.use_b = True
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(s, device=x.device)
+        rel = pos[None, :] - pos[:, None] + self.n
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        if self.use_a:
+            scores = scores + self.rel_a(rel).permute(2, 0, 1).unsqueeze(0)
+        elif self.use_b:
+            scores = scores + self.rel_b(rel).permute(2, 0, 1).unsqueeze(0)
+        scores = scores / math.sqrt(self.hd)
+        probs = scores.softmax(dim=-1)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # content scores (einsum) + rel-shifted positional scores (matmul) scaled together: pse = bd · scale
+        _S32_POSITIONAL_SCORES,
+        expect={"qualname": "RelPosSelfAttention.forward", "mask_kind": "bool_masked+pse"},
+        run='''
+m = RelPosSelfAttention()
+x = torch.randn(2, 5, 16, requires_grad=True)
+pos = torch.randn(1, 5, 16, requires_grad=True)
+pad = torch.zeros(2, 5, dtype=torch.bool)
+pad[1, 3:] = True
+out = m(x, pos, pad)
+leaves = [x, pos]
+''',
+        name="s32_positional_scores_added_to_content_scores_as_pse",
+    ),
+    Fuse(
+        # BERT ``relative_key``: q against a distance table, an einsum of its own: pse
+        _S32_RELATIVE_KEY,
+        expect={"qualname": "RelativeKeyAttention.forward"},
+        run='''
+m = RelativeKeyAttention()
+x = torch.randn(2, 6, 16, requires_grad=True)
+keep = torch.ones(2, 1, 1, 6)
+keep[0, ..., 4:] = 0
+out = (m(x, (1.0 - keep) * -10000.0), m(x))
+leaves = [x]
+''',
+        name="s32_relative_key_product_as_pse",
+    ),
+    Fuse(
+        # ``if a: + bias_a  elif b: + bias_b``: bias_b only where a is false (both flags on here)
+        _S32_ELIF_BIASES,
+        expect={"qualname": "Att.forward"},
+        run='''
+m = Att()
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s32_elif_bias_added_only_where_the_if_is_false",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # two plain products summed: which one holds the keys is not shown
+        _S32_POSITIONAL_SCORES.replace("bd = rel_shift(torch.matmul(", "bd = (torch.matmul(")
+        .replace("p.transpose(-2, -1)))", "p.transpose(-2, -1)))"),
+        reason="scores added to scores",
+        name="s32_two_plain_products_summed",
+    ),
+    Keep(
+        # the second term is a transform of the content scores themselves, not a bias of its own product
+        _S32_POSITIONAL_SCORES.replace("bd = rel_shift(torch.matmul((q + self.pos_v).transpose(1, 2), p.transpose(-2, -1)))",
+                                       "bd = rel_shift(ac)"),
+        reason="a function given the scores as an argument",
+        name="s32_shifted_content_scores_added_to_themselves",
+    ),
+]
+
+
+def _s32_table_product(prod: Any) -> bool:
+    """An einsum (literal equation, no ``...``) whose output has two or more leading batch axes that one operand
+    does not carry at all (a position table shared over batch and heads)."""
+    if prod is None or prod.kind != "einsum" or prod.subs is None or not _s28_plain_equation(prod.spec):
+        return False
+    c = prod.subs
+    lead = c.out[:-2]
+    return len(lead) >= 2 and any(not set(lead) & set(op) for op in (c.a, c.b))
