@@ -8941,6 +8941,12 @@ def _s28_qk_einsum_permuted(m: "_Matcher", mm: Product, c: Contraction, chain: C
         return False
     if n_out == 4 and _layout_of(qs, batch[0], batch[1], i, d) and _layout_of(ks, batch[0], batch[1], j, d):
         return False  # BNSD / BSND: _qk_einsum's own reading
+    if qs[-1] != d:
+        sdpa_line = _s32_query_read_by_sdpa(m, q_node)
+        if sdpa_line is not None:
+            raise Miss(f"einsum `{c.a},{c.b}->{c.out}` contracts q's axis {qs.index(d)}, but q is also the query of "
+                       f"F.scaled_dot_product_attention (line {sdpa_line}), which reads its last axis as the head dim: the einsum "
+                       "attends over the other axis (a channel map whose head dim for the fused call would be the sequence length)")
     chain.q = _s28_permuted_operand(m, q_node, "q", qs, batch + i + d, chain)
     chain.k = _s28_permuted_operand(m, k_node, "k", ks, batch + j + d, chain)
     chain.spelling.append("einsum")
@@ -10850,3 +10856,181 @@ def _s32_table_product(prod: Any) -> bool:
     c = prod.subs
     lead = c.out[:-2]
     return len(lead) >= 2 and any(not set(lead) & set(op) for op in (c.a, c.b))
+
+
+# --- s32: an einsum contracting the axis SDPA reads as the sequence (channel attention, not a layout) ----------
+# The s28 reading takes any einsum order of [batch.., S, D] as a permutation of BNSD: right for channel-first
+# code (EDM's ``ncq,nck->nqk``), where the contracted axis holds the channels. The same equation on q laid out
+# [B, H, L, D] (``bhlt,bhls->bhts``) contracts the sequence: a D×D channel map whose "head dim" for the fused call
+# would be the sequence length (npu_fusion_attention takes D ≤ 768), not the attention the module's other path
+# computes. Evidence, never names: q (the same variable, or the argument a caller passes for it) is also the query
+# of ``F.scaled_dot_product_attention``, which reads its last axis as the head dim.
+_SDPA_NAMES = ("scaled_dot_product_attention",)
+
+
+def _s32_sdpa_query_params(fn: ast.AST) -> dict[int, int]:
+    """{position of a parameter of ``fn`` (self excluded) -> line} for parameters passed as the query of an SDPA call in it."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return {}
+    params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+    if params and params[0] in ("self", "cls"):
+        params = params[1:]
+    found: dict[int, int] = {}
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Call) and (dotted(n.func) or "").rpartition(".")[2] in _SDPA_NAMES and n.args \
+                and isinstance(n.args[0], ast.Name) and n.args[0].id in params:
+            found.setdefault(params.index(n.args[0].id), n.lineno)
+    return found
+
+
+def _s32_query_read_by_sdpa(m: "_Matcher", q_node: Any) -> int | None:
+    """The line of an SDPA call whose query is the einsum's q (see above), else None."""
+    target = deref(q_node)
+    for j, stmt in enumerate(m.interp.block):  # the same function: ``if self.flash: F.sdpa(q, ..) else: <einsum>``
+        for n in fast_walk(stmt):
+            if isinstance(n, ast.Call) and (dotted(n.func) or "").rpartition(".")[2] in _SDPA_NAMES and n.args \
+                    and isinstance(n.args[0], ast.Name):
+                value = m.interp.before[j].get(n.args[0].id)
+                if value is not None and (value is q_node or deref(value) is target):
+                    return n.lineno
+    ref = q_node
+    while isinstance(ref, Ref) and ref.idx >= 0 and isinstance(ref.value, Ref):
+        ref = ref.value
+    if not isinstance(ref, Ref):
+        return None
+    fn = m.scope.node
+    stores = m.scope.assignments.get(ref.name, [])
+    if len(stores) <= 1:
+        # the site is inside a branch (its block is the branch): the name holds one value in the whole function
+        after = stores[0][0].lineno if stores else 0
+        for n in fast_walk(fn):
+            if isinstance(n, ast.Call) and (dotted(n.func) or "").rpartition(".")[2] in _SDPA_NAMES and n.args \
+                    and isinstance(n.args[0], ast.Name) and n.args[0].id == ref.name and n.lineno > after:
+                return n.lineno
+    if ref.idx != -1 or m.scope.class_name is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    params = [a.arg for a in fn.args.posonlyargs + fn.args.args][1:]
+    if ref.name not in params:
+        return None
+    pos = params.index(ref.name)
+    cls = m.module.classes.get(m.scope.class_name)
+    if cls is None:
+        return None
+    methods = {f.name: f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    sdpa_methods = {name: q for name, f in methods.items() if name != fn.name for q in [_s32_sdpa_query_params(f)] if q}
+    if not sdpa_methods:
+        return None
+    # a method of the class hands the same variable to this function and, as the query, to a sibling calling SDPA
+    for f in methods.values():
+        mine: set[str] = set()
+        theirs: dict[str, int] = {}
+        for n in fast_walk(f):
+            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+                    and n.func.value.id == "self"):
+                continue
+            if n.func.attr == fn.name and len(n.args) > pos and isinstance(n.args[pos], ast.Name):
+                mine.add(n.args[pos].id)
+            for at, line in sdpa_methods.get(n.func.attr, {}).items():
+                if len(n.args) > at and isinstance(n.args[at], ast.Name):
+                    theirs.setdefault(n.args[at].id, line)
+        shared = sorted(mine & set(theirs))
+        if shared:
+            return theirs[shared[0]]
+    return None
+
+
+_S32_CHANNEL_MAP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class HeadsAttention(nn.Module):
+    def __init__(self, heads=2, head_dim=8, flash=False):
+        super().__init__()
+        self.heads, self.head_dim, self.flash = heads, head_dim, flash
+        self.scale = head_dim ** -0.5
+
+    def split(self, x):
+        b, n, _ = x.shape
+        return x.view(b, n, self.heads, self.head_dim).permute(0, 2, 1, 3)
+
+    def forward(self, q, k, v):
+        q, k, v = self.split(q), self.split(k), self.split(v)
+        if self.flash:
+            out = self.fast(q, k, v)
+        else:
+            out = self.slow(q, k, v)
+        return out.permute(0, 2, 1, 3).flatten(2)
+
+    def slow(self, q, k, v):
+        sim = torch.einsum("bhnc,bhnd->bhcd", q, k) * self.scale
+        attn = sim.softmax(dim=-1)
+        return torch.einsum("bhcd,bhnd->bhnc", attn, v)
+
+    def fast(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+'''
+
+_S32_CHANNEL_FIRST_WITH_SDPA = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ConvAttention(nn.Module):
+    def __init__(self, channels=16, heads=2, flash=False):
+        super().__init__()
+        self.heads, self.flash = heads, flash
+        self.qkv = nn.Conv1d(channels, 3 * channels, 1)
+
+    def forward(self, x):
+        b, c, t = x.shape
+        q, k, v = self.qkv(x).reshape(b, self.heads, 3 * c // self.heads, t).chunk(3, dim=2)
+        if self.flash:
+            out = F.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)).transpose(-1, -2)
+        else:
+            w = torch.einsum("bhcq,bhck->bhqk", q, k) * (c // self.heads) ** -0.5
+            w = w.softmax(dim=-1)
+            out = torch.einsum("bhqk,bhck->bhcq", w, v)
+        return out.reshape(b, c, t)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # channel-first q/k/v [b, h, c, t]: SDPA gets them transposed (not the same variable): the einsum's layout
+        # reading stands
+        _S32_CHANNEL_FIRST_WITH_SDPA,
+        expect={"qualname": "ConvAttention.forward"},
+        run='''
+m = ConvAttention()
+x = torch.randn(2, 16, 5, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s32_channel_first_einsum_beside_sdpa_on_transposed_operands",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the sibling path hands the same q to SDPA as [b, h, n, d]: the einsum contracts n (a d×d channel map)
+        _S32_CHANNEL_MAP,
+        reason="which reads its last axis as the head dim",
+        name="s32_einsum_contracting_the_sequence_of_an_sdpa_query",
+    ),
+    Keep(
+        # the same, with both paths in one function
+        _S32_CHANNEL_MAP.split("    def forward")[0] + '''    def forward(self, q, k, v):
+        q, k, v = self.split(q), self.split(k), self.split(v)
+        if self.flash:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            sim = torch.einsum("bhnc,bhnd->bhcd", q, k) * self.scale
+            out = torch.einsum("bhcd,bhnd->bhnc", sim.softmax(dim=-1), v)
+        return out.permute(0, 2, 1, 3).flatten(2)
+''',
+        reason="which reads its last axis as the head dim",
+        name="s32_einsum_contracting_the_sequence_of_an_sdpa_query_same_function",
+    ),
+]
