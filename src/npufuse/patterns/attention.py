@@ -7489,6 +7489,8 @@ def _dead_or_passed_up(module: ModuleInfo, caller: Scope, var: str, depth: int, 
     loads = caller.name_loads().get(var, ())
     if not loads:
         return True
+    if _s32_only_stored_on_self_unread(module, caller, var, loads):
+        return True  # s32: ``x, attn = self.attention(..); self.attn_map = attn``, the attribute never read
     ret = _returned_index(caller.node, var)
     if ret is None:
         return False
@@ -7498,6 +7500,25 @@ def _dead_or_passed_up(module: ModuleInfo, caller: Scope, var: str, depth: int, 
         if not (isinstance(up, ast.Tuple) and isinstance(parents.get(id(up)), ast.Return)):
             return False
     return _result_element_discarded(module, caller, ret[0], ret[1], depth + 1, seen)
+
+
+def _s32_only_stored_on_self_unread(module: ModuleInfo, caller: Scope, var: str, loads: Iterable[ast.AST]) -> bool:
+    """Every read of ``var`` in the method ``caller`` is the whole value of ``self.<attr> = var``, and nothing in the
+    repository can read those attributes."""
+    fn = caller.node
+    if caller.class_name is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+        return False
+    parents = _parents(fn)
+    attrs: set[str] = set()
+    for n in loads:
+        stmt = parents.get(id(n))
+        if not (isinstance(stmt, ast.Assign) and stmt.value is n and len(stmt.targets) == 1):
+            return False
+        t = stmt.targets[0]
+        if not (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == fn.args.args[0].arg):
+            return False
+        attrs.add(t.attr)
+    return bool(attrs) and all(_attention_s32.member_may_be_read(module, caller.class_name, a) is None for a in sorted(attrs))
 
 
 def _s32_stored_on_self_unread(module: ModuleInfo, caller: Scope, parents: dict[int, ast.AST], call: ast.Call, length: int,
@@ -11032,5 +11053,27 @@ AttentionPattern.KEEP += [
 ''',
         reason="which reads its last axis as the head dim",
         name="s32_einsum_contracting_the_sequence_of_an_sdpa_query_same_function",
+    ),
+]
+
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # unpacked into a local, then kept on the module: the attribute is never read either
+        _S32_STORED_PROBS.replace("        x, self.attn = self.attention(q, k, v, mask=attn_mask)\n",
+                                  "        x, weights = self.attention(q, k, v, mask=attn_mask)\n        self.attn = weights\n"),
+        expect={"qualname": "MultiHeadAttention.attention", "returns_probs": "p_attn"},
+        name="s32_probabilities_unpacked_then_stored_on_the_module",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the local is stored and also logged: a read
+        _S32_STORED_PROBS.replace("        x, self.attn = self.attention(q, k, v, mask=attn_mask)\n",
+                                  "        x, weights = self.attention(q, k, v, mask=attn_mask)\n        self.attn = weights\n"
+                                  "        print(weights.mean())\n"),
+        reason="nothing shows a caller accepts None",
+        name="s32_probabilities_unpacked_stored_and_logged",
     ),
 ]
