@@ -15,7 +15,7 @@ import ast
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 _CLASS_HEADER = re.compile(r"^[ \t]*class[ \t]+(\w+)[ \t]*\(([^)]*)\)", re.MULTILINE)
 _NOTEBOOK_SKIP = {".git", "__pycache__", ".venv", "venv", "node_modules", "site-packages", ".ipynb_checkpoints"}
@@ -51,28 +51,33 @@ def _related(bases: dict[str, set[str]], cls: str) -> set[str]:
     return up | down | {cls}
 
 
-def _possible_reads(tree: ast.AST, member: str, related: set[str], skip: set[int]) -> Optional[int]:
-    """The line of the first node of ``tree`` that may read ``<obj>.<member>`` of a class in ``related``, else None.
-    ``skip``: ids of nodes already accounted for (the call sites the caller checked itself)."""
+def _possible_reads(tree: ast.AST, member: str, related: Callable[[], set[str]]) -> Optional[int]:
+    """The line of the first node of ``tree`` that may read ``<obj>.<member>`` of a class in ``related()`` (the
+    class, its ancestors and descendants; computed only when a ``self.<member>`` load needs it), else None."""
     def visit(node: ast.AST, cls: Optional[str], self_name: Optional[str]) -> Optional[int]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ClassDef):
                 found = visit(child, child.name, None)
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                first = child.args.posonlyargs + child.args.args
-                static = any(isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod") for d in child.decorator_list)
-                found = visit(child, cls, first[0].arg if cls is not None and first and not static else None)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                args = child.args
+                params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                if isinstance(node, ast.ClassDef) and not isinstance(child, ast.Lambda):
+                    static = any(isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod") for d in child.decorator_list)
+                    inner = params[0] if params and not static else None  # a method: its first parameter is the instance
+                else:
+                    inner = self_name if self_name not in params else None  # a closure sees the method's instance
+                found = visit(child, cls, inner)
             else:
                 found = None
-                if id(child) not in skip:
-                    if isinstance(child, ast.Attribute) and child.attr == member and (
-                            isinstance(child.ctx, ast.Load) or isinstance(node, ast.AugAssign) and node.target is child):
-                        own = isinstance(child.value, ast.Name) and self_name is not None and child.value.id == self_name
-                        if not own or cls in related:
-                            return child.lineno
-                    elif isinstance(child, ast.Constant) and child.value == member and not isinstance(node, ast.Expr):
-                        return child.lineno  # getattr(m, "attn"), a hook or dict key naming the member
-                found = visit(child, cls, self_name)
+                if isinstance(child, ast.Attribute) and child.attr == member and (
+                        isinstance(child.ctx, ast.Load) or isinstance(node, ast.AugAssign) and node.target is child):
+                    own = isinstance(child.value, ast.Name) and self_name is not None and child.value.id == self_name
+                    if not own or cls in related():
+                        return child.lineno
+                elif isinstance(child, ast.Constant) and child.value == member and not isinstance(node, ast.Expr):
+                    return child.lineno  # getattr(m, "attn"), a hook or dict key naming the member
+                if found is None:
+                    found = visit(child, cls, self_name)
             if found is not None:
                 return found
         return None
@@ -114,9 +119,14 @@ def member_may_be_read(module: Any, class_name: str, member: str, this_file: boo
             if text is None:
                 return rel  # unreadable: it may read the member
             others.append((rel, text))
-    bases = _bases_by_class([module.source] + [text for _rel, text in others])
-    related = _related(bases, class_name)
-    line = _possible_reads(module.tree, member, related, set()) if this_file else None
+    memo: list[set[str]] = []
+
+    def related() -> set[str]:
+        if not memo:
+            memo.append(_related(_bases_by_class([module.source] + [text for _rel, text in others]), class_name))
+        return memo[0]
+
+    line = _possible_reads(module.tree, member, related) if this_file else None
     if line is not None:
         return f"{module.path}:{line}"
     for rel, text in others:
@@ -126,7 +136,7 @@ def member_may_be_read(module: Any, class_name: str, member: str, this_file: boo
             tree = ast.parse(text)
         except (SyntaxError, ValueError, RecursionError):
             return rel
-        line = _possible_reads(tree, member, related, set())
+        line = _possible_reads(tree, member, related)
         if line is not None:
             return f"{rel}:{line}"
     if root is not None and _notebook_mentions(root, member):
