@@ -10854,8 +10854,7 @@ leaves = [x]
 AttentionPattern.KEEP += [
     Keep(
         # two plain products summed: which one holds the keys is not shown
-        _S32_POSITIONAL_SCORES.replace("bd = rel_shift(torch.matmul(", "bd = (torch.matmul(")
-        .replace("p.transpose(-2, -1)))", "p.transpose(-2, -1)))"),
+        _S32_POSITIONAL_SCORES.replace("bd = rel_shift(torch.matmul(", "bd = (torch.matmul("),
         reason="scores added to scores",
         name="s32_two_plain_products_summed",
     ),
