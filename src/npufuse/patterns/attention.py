@@ -551,6 +551,12 @@ class Renderer:
             args = [ast.parse(self.scores_shape, mode="eval").body] + [self._ast(a) for a in node.args[1:]]
             return ast.Call(func=ast.Attribute(value=ast.Name("torch", ast.Load()), attr=fn, ctx=ast.Load()), args=args,
                             keywords=[ast.keyword(arg=k, value=v) for k, v in kws.items()])
+        # s32: ``mask.view_as(scores)`` / ``reshape_as`` reads only the scores' shape: ``mask.view(<scores' shape>)``
+        if self.scores_shape is not None and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("view_as", "reshape_as") and len(node.args) == 1 and not node.keywords \
+                and self._is_scores_step(node.args[0]):
+            return ast.Call(func=ast.Attribute(value=self._ast(node.func.value), attr=node.func.attr[:-3], ctx=ast.Load()),
+                            args=[ast.parse(self.scores_shape, mode="eval").body], keywords=[])
         # mask.expand_as(scores) / mask.type_as(scores): the broadcast is the shape step's business and
         # the dtype does not change the sign the bool conversion reads
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("expand_as", "type_as") and len(node.args) == 1 and _heavy(node.args[0]):
@@ -11074,5 +11080,47 @@ AttentionPattern.KEEP += [
                                   "        print(weights.mean())\n"),
         reason="nothing shows a caller accepts None",
         name="s32_probabilities_unpacked_stored_and_logged",
+    ),
+]
+
+
+# s32: the mask reshaped to the scores' shape by ``view_as(scores)`` (FuxiCTR's helper) reads only that shape, which
+# the fused branch has from q and k; the scores are optionally scaled (``if scale:``) before
+_S32_MASK_VIEW_AS_SCORES = '''
+import torch
+from torch import nn
+
+
+class ScaledDotProductAttention(nn.Module):
+    def __init__(self, dropout_rate=0.0):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout_rate) if dropout_rate > 0 else None
+
+    def forward(self, Q, K, V, scale=None, mask=None):
+        scores = torch.matmul(Q, K.transpose(-1, -2))
+        if scale:
+            scores = scores / scale
+        if mask is not None:
+            mask = mask.view_as(scores)
+            scores = scores.masked_fill_(mask.float() == 0, -1.e9)
+        attention = scores.softmax(dim=-1)
+        if self.dropout is not None:
+            attention = self.dropout(attention)
+        return torch.matmul(attention, V)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S32_MASK_VIEW_AS_SCORES,
+        expect={"qualname": "ScaledDotProductAttention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = ScaledDotProductAttention()
+q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(2, 1, 5, 5).expand(2, 2, 5, 5).contiguous()
+keep[1, :, :, 3:] = 0
+out = (m(q, k, v, 8 ** 0.5, keep), m(q, k, v))
+leaves = [q, k, v]
+''',
+        name="s32_mask_viewed_as_the_scores",
     ),
 ]
