@@ -77,3 +77,87 @@ def test_positional_scores_pse_is_scaled_and_computed_on_the_fused_branch() -> N
 def test_elif_bias_condition_excludes_the_if_branch() -> None:
     findings, _ = detect_all(AttentionPattern(), _S32_ELIF_BIASES)
     assert "if (not self.use_a and self.use_b):" in findings[0].fused
+
+
+_HELPER = '''import torch
+from torch import nn
+
+
+class DotAttention(nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, q, k, v, scale=None, mask=None):
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if scale:
+            scores = scores / scale
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        attention = self.drop(scores.softmax(dim=-1))
+        return torch.matmul(attention, v), attention
+'''
+
+_USER_A = '''from torch import nn
+
+from pkg.layers import DotAttention
+
+
+class TargetAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = DotAttention()
+
+    def forward(self, q, k, v, mask=None):
+        out, _ = self.att(q, k, v, scale=8 ** 0.5, mask=mask)
+        return out.sum(dim=1)
+'''
+
+_USER_B = '''from torch import nn
+
+from pkg.layers.attention import DotAttention
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, heads):
+        super().__init__()
+        self.blocks = nn.ModuleList([DotAttention() for _ in range(heads)])
+        self.dot = DotAttention(0.1)
+
+    def forward(self, x):
+        out, weights = self.dot(x, x, x)
+        return out
+'''
+
+
+def _cross_file(tmp_path: Path, user_b: str) -> tuple[list[dict], list[str]]:
+    root = _repo(tmp_path, {"pkg/__init__.py": "", "pkg/layers/__init__.py": "from .attention import *\n",
+                            "pkg/layers/attention.py": _HELPER, "pkg/models/target.py": _USER_A, "pkg/models/selfatt.py": user_b})
+    res = scan_repo(root, jobs=1, only=["attention"])
+    hits = [c for c in res.candidates if c["file"] == "pkg/layers/attention.py"]
+    return hits, [n["reason"] for n in res.near_misses if n["file"] == "pkg/layers/attention.py"]
+
+
+def test_helper_class_whose_callers_in_other_files_discard_the_probabilities(tmp_path: Path) -> None:
+    hits, reasons = _cross_file(tmp_path, _USER_B.replace("        self.blocks = nn.ModuleList([DotAttention() for _ in range(heads)])\n", ""))
+    assert len(hits) == 1, reasons
+    assert hits[0]["params"]["returns_probs"] == "attention"
+
+
+@pytest.mark.parametrize("change", [
+    ("        return out\n", "        return out, weights\n"),  # handed up to callers nothing checks here
+    ("        return out\n", "        self.log(weights)\n        return out\n"),  # read
+    ("from pkg.layers.attention import DotAttention", "from pkg.layers.attention import DotAttention as DA"),  # renamed
+    ("        out, weights = self.dot(x, x, x)\n", "        out, weights = self.dot.forward(x, x, x)\n"),  # another call path
+])
+def test_helper_class_with_a_caller_in_another_file_that_may_read_them(tmp_path: Path, change: tuple[str, str]) -> None:
+    user_b = _USER_B.replace("        self.blocks = nn.ModuleList([DotAttention() for _ in range(heads)])\n", "").replace(*change)
+    hits, reasons = _cross_file(tmp_path, user_b)
+    assert not hits
+    assert any("returned to the callers" in r for r in reasons), reasons
+
+
+def test_helper_class_held_in_a_module_list_never_called_is_no_proof_of_a_use(tmp_path: Path) -> None:
+    # a ModuleList of instances iterated nowhere: its mentions are accounted (constructions), nothing reads them
+    hits, reasons = _cross_file(tmp_path, _USER_B)
+    assert len(hits) == 1, reasons

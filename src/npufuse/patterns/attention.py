@@ -7524,7 +7524,7 @@ def _s32_only_stored_on_self_unread(module: ModuleInfo, caller: Scope, var: str,
         if not (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == fn.args.args[0].arg):
             return False
         attrs.add(t.attr)
-    return bool(attrs) and all(_attention_s32.member_may_be_read(module, caller.class_name, a) is None for a in sorted(attrs))
+    return bool(attrs) and all(_s32_attribute_dead(module, caller.class_name, a) for a in sorted(attrs))
 
 
 def _s32_stored_on_self_unread(module: ModuleInfo, caller: Scope, parents: dict[int, ast.AST], call: ast.Call, length: int,
@@ -7543,7 +7543,19 @@ def _s32_stored_on_self_unread(module: ModuleInfo, caller: Scope, parents: dict[
     element = target.elts[index]
     if not (isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name) and element.value.id == fn.args.args[0].arg):
         return False
-    return _attention_s32.member_may_be_read(module, caller.class_name, element.attr) is None
+    return _s32_attribute_dead(module, caller.class_name, element.attr)
+
+
+def _s32_attribute_dead(module: ModuleInfo, class_name: str, attr: str) -> bool:
+    """The class declares ``self.<attr> = None`` (its readers must already take None: the fused branch leaves None there)
+    and nothing in the repository can read the attribute. A store without that declaration stays a possible read by
+    code outside the repository (a plot of ``model.last_weights``)."""
+    cls = module.classes.get(class_name)
+    declared = cls is not None and any(
+        isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value is None
+        and any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == "self" for t in n.targets)
+        for n in ast.walk(cls))
+    return declared and _attention_s32.member_may_be_read(module, class_name, attr) is None
 
 
 def _holders(module: ModuleInfo, class_name: str) -> tuple[set[str], set[str], int] | None:
@@ -7556,29 +7568,11 @@ def _holders(module: ModuleInfo, class_name: str) -> tuple[set[str], set[str], i
     return ones, many, len(single.findall(module.source)) + len(listed.findall(module.source))
 
 
-def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, length: int, depth: int, seen: set[int]) -> bool:
-    fn = scope.node
-    if depth > 2 or id(fn) in seen or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return False
-    seen.add(id(fn))
-    is_forward = fn.name == "forward" and scope.class_name is not None
-    word = scope.class_name if is_forward else fn.name
-    if word is None or fn.decorator_list:
-        return False
-    mentions = _attention_s32.code_mentions(module, word)  # s28: not docstrings/comments; s32: nor messages in strings
-    accounted = 1 + len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", module.source))  # the definition, ``super(Cls, self)``
-    ones: set[str] = set()
-    many: set[str] = set()
-    if is_forward:
-        held = _holders(module, word)
-        if held is None:
-            return False
-        ones, many, made = held
-        accounted += made
-        # ``forward`` is called through the holders: the word ``forward`` elsewhere (``.forward(``) is another call path
-        if re.search(r"\.forward\s*\(", module.source):
-            return False
-    calls = 0
+def _discarding_calls(module: ModuleInfo, scope: Scope, word: str, is_forward: bool, ones: set[str], many: set[str], index: int,
+                      length: int, depth: int, seen: set[int]) -> tuple[int, int] | None:
+    """(calls of ``scope`` in ``module``, mentions of ``word`` they account for) where every call's result element
+    ``index`` is unpacked into a name never read (or passed up, see _dead_or_passed_up); None where one may be read."""
+    calls = accounted = 0
     for caller in module.scopes:
         if not isinstance(caller.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or caller is scope:
             continue
@@ -7607,7 +7601,7 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
                     if not (isinstance(up, ast.Call) and up.func is node) and not (
                             node.attr in many and (isinstance(up, ast.For) or isinstance(up, ast.Call) and isinstance(up.func, ast.Name)
                                                    and up.func.id == "enumerate" and isinstance(parents.get(id(up)), ast.For))):
-                        return False
+                        return None
                 continue
             f = node.func
             direct = (is_forward and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
@@ -7623,14 +7617,44 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
             if var is None:
                 # s32: VITS / Glow-TTS ``x, self.attn = self.attention(q, k, v)``: kept on the module, never read
                 if not _s32_stored_on_self_unread(module, caller, parents, node, length, index):
-                    return False
+                    return None
             elif not _dead_or_passed_up(module, caller, var.id, depth, seen):
-                return False
+                return None
             calls += 1
             if not is_forward:
                 accounted += 1
-    if calls == 0 or mentions != accounted:
-        return False  # no caller seen, or the name is used some other way (passed, subclassed, exported in __all__)
+    return calls, accounted
+
+
+def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, length: int, depth: int, seen: set[int]) -> bool:
+    fn = scope.node
+    if depth > 2 or id(fn) in seen or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    seen.add(id(fn))
+    is_forward = fn.name == "forward" and scope.class_name is not None
+    word = scope.class_name if is_forward else fn.name
+    if word is None or fn.decorator_list:
+        return False
+    mentions = _attention_s32.code_mentions(module, word)  # s28: not docstrings/comments; s32: nor messages in strings
+    accounted = 1 + len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", module.source))  # the definition, ``super(Cls, self)``
+    ones: set[str] = set()
+    many: set[str] = set()
+    if is_forward:
+        held = _holders(module, word)
+        if held is None:
+            return False
+        ones, many, made = held
+        accounted += made
+        # ``forward`` is called through the holders: the word ``forward`` elsewhere (``.forward(``) is another call path
+        if re.search(r"\.forward\s*\(", module.source):
+            return False
+    found = _discarding_calls(module, scope, word, is_forward, ones, many, index, length, depth, seen)
+    if found is None:
+        return False
+    calls, made_by_calls = found
+    accounted += made_by_calls
+    if mentions != accounted:
+        return False  # the name is used some other way (passed, subclassed, exported in __all__)
     from npufuse.scan import repo_facts
     root = repo_facts.repo_root(module)
     if root is not None:
@@ -7638,15 +7662,60 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
         if scope.class_name is not None and not is_forward:
             # s32: a method is reached from another file only through an attribute ``<obj>.word`` (or the name
             # as a string); the word in prose, in an import path or as ``self.word`` of an unrelated class is not one
-            return _attention_s32.member_may_be_read(module, scope.class_name, word, this_file=False) is None
+            return calls > 0 and _attention_s32.member_may_be_read(module, scope.class_name, word, this_file=False) is None
         pattern = re.compile(r"\b" + re.escape(word) + r"\b")
         for rel in repo_facts._repo_py_files(root):
             if rel == module.path:
                 continue
             text = repo_facts._repo_text(root, rel)
-            if text is None or pattern.search(text):
-                return False  # another file may call it and read the element
-    return True
+            if text is None:
+                return False
+            if pattern.search(text):
+                # s32: another file importing the class / function is proven the same way (its calls discard the element)
+                more = _s32_other_file_discards(root, rel, text, scope, word, is_forward, index, length, depth, seen)
+                if more is None:
+                    return False  # another file may call it and read the element
+                calls += more
+    return calls > 0  # no caller seen: nothing shows what callers do
+
+
+def _s32_other_file_discards(root: Any, rel: str, text: str, scope: Scope, word: str, is_forward: bool, index: int, length: int,
+                             depth: int, seen: set[int]) -> int | None:
+    """The calls of ``scope`` in the repository file ``rel`` when each one discards the result element ``index`` and every
+    other mention of ``word`` there is an import of it under its own name (or a module path); None otherwise."""
+    from npufuse.scan import repo_facts
+
+    try:
+        other = ModuleInfo.from_source(rel, text)
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    repo_facts.attach_root(other, root)  # its callers' own callers are proven over the repository too
+    word_re = re.compile(r"\b" + re.escape(word) + r"\b")
+    accounted = len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", other.source))
+    for node in ast.walk(other.tree):
+        if isinstance(node, ast.Import) and any(word_re.search(a.name) or a.asname == word for a in node.names):
+            return None  # ``import pkg.word as w``: uses under another name
+        if isinstance(node, ast.ImportFrom):
+            accounted += len(word_re.findall(node.module or ""))
+            for a in node.names:
+                if a.name == word and a.asname not in (None, word):
+                    return None  # ``from x import Word as W``: uses under another name
+                accounted += len(word_re.findall(a.name)) + (a.asname == word)
+    ones: set[str] = set()
+    many: set[str] = set()
+    if is_forward:
+        held = _holders(other, word)
+        if held is None or re.search(r"\.forward\s*\(", other.source):
+            return None
+        ones, many, made = held
+        accounted += made
+    found = _discarding_calls(other, scope, word, is_forward, ones, many, index, length, depth, seen)
+    if found is None:
+        return None
+    calls, made_by_calls = found
+    if _attention_s32.code_mentions(other, word) != accounted + made_by_calls:
+        return None
+    return calls
 
 
 def probs_discarded_by_callers(module: ModuleInfo, scope: Scope, name: str) -> bool:
@@ -10589,7 +10658,8 @@ AttentionPattern.KEEP += [
 
 
 # --- s32: returned probabilities stored on the module and never read -------------------------------------------
-# VITS / Glow-TTS / Matcha ``x, self.attn = self.attention(q, k, v, mask=attn_mask)``: the probabilities are kept
+# VITS / Glow-TTS / Matcha ``x, self.attn = self.attention(q, k, v, mask=attn_mask)`` with ``self.attn = None`` in
+# ``__init__`` (the attribute is declared None-able: its readers take None): the probabilities are kept
 # on the module, and nothing reads ``self.attn``. Proven over the repository (``_attention_s32``): every load of
 # the attribute is ``self.attn`` of a class unrelated to this one (here the block's own ``self.attn(x)``
 # module), no string names it, no notebook writes ``.attn``. The word in an assert message is no mention of the
@@ -11122,5 +11192,16 @@ out = (m(q, k, v, 8 ** 0.5, keep), m(q, k, v))
 leaves = [q, k, v]
 ''',
         name="s32_mask_viewed_as_the_scores",
+    ),
+]
+
+
+AttentionPattern.KEEP += [
+    Keep(
+        # stored without ``self.attn = None`` anywhere in the class: nothing says its readers (outside the repository,
+        # a plot of the stored map) take None
+        _S32_STORED_PROBS.replace("        self.attn = None\n", ""),
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_never_declared_none",
     ),
 ]
