@@ -161,3 +161,12 @@ def test_helper_class_held_in_a_module_list_never_called_is_no_proof_of_a_use(tm
     # a ModuleList of instances iterated nowhere: its mentions are accounted (constructions), nothing reads them
     hits, reasons = _cross_file(tmp_path, _USER_B)
     assert len(hits) == 1, reasons
+
+
+def test_permuted_einsum_head_dim_is_checked_at_run_time() -> None:
+    from npufuse.patterns.attention import _S32_CHANNEL_FIRST_WITH_SDPA
+
+    findings, _ = detect_all(AttentionPattern(), _S32_CHANNEL_FIRST_WITH_SDPA)
+    # the contracted axis is q's axis 2 as written: the fused call runs only where it fits the op's D <= 768
+    assert findings[0].fused.splitlines()[0] == "if (q.permute(0, 1, 3, 2).shape[-1] <= 768):"
+    assert any("D ≤ 768" in r.detail for r in findings[0].risks)

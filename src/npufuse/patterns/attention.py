@@ -9045,6 +9045,13 @@ def _s28_qk_einsum_permuted(m: "_Matcher", mm: Product, c: Contraction, chain: C
                        "attends over the other axis (a channel map whose head dim for the fused call would be the sequence length)")
     chain.q = _s28_permuted_operand(m, q_node, "q", qs, batch + i + d, chain)
     chain.k = _s28_permuted_operand(m, k_node, "k", ks, batch + j + d, chain)
+    if qs[-1] != d:
+        # s32: the contracted axis is not q's last one as written: nothing bounds its size by a head dim (a channel
+        # axis, or a sequence in a channel map): the fused call runs where it is within the op's D ≤ 768
+        width = ast.Subscript(value=ast.Attribute(value=chain.q.leaf, attr="shape", ctx=ast.Load()), slice=ast.Constant(-1), ctx=ast.Load())
+        chain.requires.append((ast.Compare(left=width, ops=[ast.LtE()], comparators=[ast.Constant(MAX_HEAD_DIM)]),
+                               f"the einsum contracts q's axis {qs.index(d)} (`{d}`), read as the head dim: npu_fusion_attention takes "
+                               f"D ≤ {MAX_HEAD_DIM}, checked at run time; wider inputs run the original code"))
     chain.spelling.append("einsum")
     chain.notes.append(f"einsum `{c.a},{c.b}->{c.out}`: q and k are permuted to BNSD (the equation names their axes)"
                        + ("; the two leading batch axes are folded into one for the 4-D call" if n_out == 5 else ""))
