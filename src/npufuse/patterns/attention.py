@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
+from npufuse.patterns import _attention_s32
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -431,6 +432,7 @@ class Renderer:
         # the site (``k`` returned for a cache: the fused op does not produce it, so it is computed as before)
         self.bound: set[int] = set()
         self.live_after: Any = None  # (Ref) -> bool: the name's value at the site, read after it
+        self.pse_products: set[int] = set()  # s32: products of pse terms, rendered as written (Chain.pse_products)
 
     def text(self, node: Any) -> str:
         return ast.unparse(self._ast(node))
@@ -474,7 +476,7 @@ class Renderer:
             return False
         after = self.interp.before[idx + 1] if idx + 1 < len(self.interp.block) else self.interp.after
         values = [after.get(n) for n in self.interp.assigned[idx]]
-        if not values or any(v is None or _heavy(v, through_meta=False) for v in values):
+        if not values or any(v is None or _s32_heavy_beyond(v, self.pse_products) for v in values):
             return False
         # s28: the names map to this statement's own references: what it reads is in their values
         values = [v.value if isinstance(v, Ref) and v.idx == idx and v.value is not None and not isinstance(v.value, Opaque) else v for v in values]
@@ -501,7 +503,7 @@ class Renderer:
         raise Miss(f"`{ast.unparse(_plain(node))}` reads the attention scores' size in a way npufuse does not render")
 
     def _inline(self, value: Any) -> ast.expr:
-        if _heavy(value, through_meta=False):
+        if _s32_heavy_beyond(value, self.pse_products):
             raise Miss(f"an input of the fused call (mask / scale) is computed from the attention scores themselves (`{ast.unparse(_plain(value))[:80]}`)")
         inner = self._ast(value)
         text = ast.unparse(inner)
@@ -549,6 +551,12 @@ class Renderer:
             args = [ast.parse(self.scores_shape, mode="eval").body] + [self._ast(a) for a in node.args[1:]]
             return ast.Call(func=ast.Attribute(value=ast.Name("torch", ast.Load()), attr=fn, ctx=ast.Load()), args=args,
                             keywords=[ast.keyword(arg=k, value=v) for k, v in kws.items()])
+        # s32: ``mask.view_as(scores)`` / ``reshape_as`` reads only the scores' shape: ``mask.view(<scores' shape>)``
+        if self.scores_shape is not None and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("view_as", "reshape_as") and len(node.args) == 1 and not node.keywords \
+                and self._is_scores_step(node.args[0]):
+            return ast.Call(func=ast.Attribute(value=self._ast(node.func.value), attr=node.func.attr[:-3], ctx=ast.Load()),
+                            args=[ast.parse(self.scores_shape, mode="eval").body], keywords=[])
         # mask.expand_as(scores) / mask.type_as(scores): the broadcast is the shape step's business and
         # the dtype does not change the sign the bool conversion reads
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("expand_as", "type_as") and len(node.args) == 1 and _heavy(node.args[0]):
@@ -597,6 +605,19 @@ def _direct_refs(node: Any) -> Iterator[Ref]:
 # the last name of a product's callee, however torch is imported (``th.matmul``, ``from torch import
 # einsum``, ``q.matmul(k)``): a value computed through one of these is heavy
 _PRODUCT_CALLS = {"matmul", "einsum", "bmm", "baddbmm"}
+
+
+def _s32_products(node: Any) -> list[Any]:
+    """The matrix products computing ``node`` (through the names it reads; metadata reads not crossed)."""
+    return [n for n in walk_values(node) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult)
+            or isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").rpartition(".")[2] in _PRODUCT_CALLS]
+
+
+def _s32_heavy_beyond(node: Any, allowed: set[int]) -> bool:
+    """``_heavy(node, through_meta=False)`` not counting the products in ``allowed`` (a pse's own products)."""
+    if not allowed:
+        return _heavy(node, through_meta=False)
+    return any(id(n) not in allowed for n in _s32_products(node))
 
 
 def _heavy(node: Any, through_meta: bool = True) -> bool:
@@ -977,6 +998,9 @@ class Chain:
     # s30: the probabilities multiplied / divided by a number after the softmax (``softmax(e) / c``): the product with
     # v is linear, so the factor moves onto the fused output: (factor, divide)
     out_factor: tuple[Any, bool] | None = None
+    # s32: ids of the products inside float biases taken as pse (Transformer-XL's positional scores ``(q + v_bias) @ pᵀ``,
+    # BERT's ``relative_key`` einsum): computed as written on the fused branch, they are not the attention scores
+    pse_products: set[int] = field(default_factory=set)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1813,7 +1837,8 @@ class _Matcher:
                         chain.excluded.append((node.test, neg, self.src(opaque)))
                         node = base
                         continue
-                    self.peel_scores(branch, chain, stop=base, cond=(node.test, neg))
+                    # s32: under the outer branch's condition too (an ``elif`` adds its term only where the ``if`` did not)
+                    self.peel_scores(branch, chain, stop=base, cond=_and_cond(cond, (node.test, neg)))
                     node = base
                     continue
                 base = self._common_base(a, b, stop)
@@ -1868,6 +1893,14 @@ class _Matcher:
                         chain.spelling.append("summed_products")
                         self.parse_qk(prod.a, prod, chain)
                         return
+                    positional = _s32_positional_scores(self, node, stop)
+                    if positional is not None:
+                        # s32: Transformer-XL / Conformer ``(q + u) @ kᵀ + shift((q + v) @ pᵀ)``: the second term is a float
+                        # bias of its own product (pse, computed as written on the fused branch)
+                        node, term = positional
+                        _s28_take_bias(self, term, chain, cond)
+                        chain.spelling.append("positional_scores_as_pse")
+                        continue
                     for side in (node.left, node.right):
                         if self.is_matmul(deref(side, chain.seen)) is None:
                             helper = next((c for c in walk_values(side) if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, Ref))
@@ -3039,8 +3072,17 @@ class AttentionPattern(Pattern):
         Skv is k's sequence axis (3-D multi-query keys included). None elsewhere (channel-first
         keys, heads folded into the batch, 5-D windows): such reads keep their near miss."""
         assert chain.q and chain.k
-        if chain.k_transposed or chain.q_transposed or chain.heads_in_batch or chain.q.heads_added or chain.q.layout != chain.k.layout:
+        if chain.k_transposed or chain.q_transposed or chain.heads_in_batch or chain.q.heads_added:
             return None
+        if chain.q.layout != chain.k.layout:
+            # s32: one BSND, the other BNSD (Conformer's ``(q + u).transpose(1, 2)`` beside a permuted k): B, N, Sq read
+            # off q's axes, Skv off k's sequence axis
+            kv_seq = {"BNSD": "shape[-2]", "BSND": "shape[1]"}.get(chain.k.layout)
+            if kv_seq is None or chain.q.layout not in ("BNSD", "BSND"):
+                return None
+            if chain.q.layout == "BNSD":
+                return f"torch.Size((*{atom(q_t)}.shape[:-1], {atom(k_t)}.{kv_seq}))"
+            return f"torch.Size(({atom(q_t)}.shape[0], {atom(q_t)}.shape[2], {atom(q_t)}.shape[1], {atom(k_t)}.{kv_seq}))"
         if chain.q.layout in ("BNSD", "3D"):
             return f"torch.Size((*{atom(q_t)}.shape[:-1], {atom(k_t)}.shape[-2]))"
         if chain.q.layout == "BSND":
@@ -3113,6 +3155,7 @@ class AttentionPattern(Pattern):
                 if bias:
                     return NearMiss(self.id, scope.qualname, span_line, end_line, bias)
         r = Renderer(module, interp, s, matcher.repeat_of)
+        r.pse_products = chain.pse_products
         r.live_after = lambda ref: interp.before[e].get(ref.name) is ref and scope.uses_after(ref.name, end_line)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
@@ -7452,6 +7495,8 @@ def _dead_or_passed_up(module: ModuleInfo, caller: Scope, var: str, depth: int, 
     loads = caller.name_loads().get(var, ())
     if not loads:
         return True
+    if _s32_only_stored_on_self_unread(module, caller, var, loads):
+        return True  # s32: ``x, attn = self.attention(..); self.attn_map = attn``, the attribute never read
     ret = _returned_index(caller.node, var)
     if ret is None:
         return False
@@ -7461,6 +7506,56 @@ def _dead_or_passed_up(module: ModuleInfo, caller: Scope, var: str, depth: int, 
         if not (isinstance(up, ast.Tuple) and isinstance(parents.get(id(up)), ast.Return)):
             return False
     return _result_element_discarded(module, caller, ret[0], ret[1], depth + 1, seen)
+
+
+def _s32_only_stored_on_self_unread(module: ModuleInfo, caller: Scope, var: str, loads: Iterable[ast.AST]) -> bool:
+    """Every read of ``var`` in the method ``caller`` is the whole value of ``self.<attr> = var``, and nothing in the
+    repository can read those attributes."""
+    fn = caller.node
+    if caller.class_name is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+        return False
+    parents = _parents(fn)
+    attrs: set[str] = set()
+    for n in loads:
+        stmt = parents.get(id(n))
+        if not (isinstance(stmt, ast.Assign) and stmt.value is n and len(stmt.targets) == 1):
+            return False
+        t = stmt.targets[0]
+        if not (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == fn.args.args[0].arg):
+            return False
+        attrs.add(t.attr)
+    return bool(attrs) and all(_s32_attribute_dead(module, caller.class_name, a) for a in sorted(attrs))
+
+
+def _s32_stored_on_self_unread(module: ModuleInfo, caller: Scope, parents: dict[int, ast.AST], call: ast.Call, length: int,
+                               index: int) -> bool:
+    """The call's result element ``index`` is unpacked into ``self.<attr>`` of the caller's class, and nothing in
+    the repository can read that attribute (``_attention_s32.member_may_be_read``)."""
+    stmt = parents.get(id(call))
+    fn = caller.node
+    if caller.class_name is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+        return False
+    if not (isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1):
+        return False
+    target = stmt.targets[0]
+    if not isinstance(target, (ast.Tuple, ast.List)) or len(target.elts) != length or any(isinstance(e, ast.Starred) for e in target.elts):
+        return False
+    element = target.elts[index]
+    if not (isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name) and element.value.id == fn.args.args[0].arg):
+        return False
+    return _s32_attribute_dead(module, caller.class_name, element.attr)
+
+
+def _s32_attribute_dead(module: ModuleInfo, class_name: str, attr: str) -> bool:
+    """The class declares ``self.<attr> = None`` (its readers must already take None: the fused branch leaves None there)
+    and nothing in the repository can read the attribute. A store without that declaration stays a possible read by
+    code outside the repository (a plot of ``model.last_weights``)."""
+    cls = module.classes.get(class_name)
+    declared = cls is not None and any(
+        isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value is None
+        and any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == "self" for t in n.targets)
+        for n in ast.walk(cls))
+    return declared and _attention_s32.member_may_be_read(module, class_name, attr) is None
 
 
 def _holders(module: ModuleInfo, class_name: str) -> tuple[set[str], set[str], int] | None:
@@ -7473,29 +7568,11 @@ def _holders(module: ModuleInfo, class_name: str) -> tuple[set[str], set[str], i
     return ones, many, len(single.findall(module.source)) + len(listed.findall(module.source))
 
 
-def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, length: int, depth: int, seen: set[int]) -> bool:
-    fn = scope.node
-    if depth > 2 or id(fn) in seen or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return False
-    seen.add(id(fn))
-    is_forward = fn.name == "forward" and scope.class_name is not None
-    word = scope.class_name if is_forward else fn.name
-    if word is None or fn.decorator_list:
-        return False
-    mentions = len(re.findall(r"\b" + re.escape(word) + r"\b", _s28_source_without_prose(module)))  # s28: not docstrings/comments
-    accounted = 1 + len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", module.source))  # the definition, ``super(Cls, self)``
-    ones: set[str] = set()
-    many: set[str] = set()
-    if is_forward:
-        held = _holders(module, word)
-        if held is None:
-            return False
-        ones, many, made = held
-        accounted += made
-        # ``forward`` is called through the holders: the word ``forward`` elsewhere (``.forward(``) is another call path
-        if re.search(r"\.forward\s*\(", module.source):
-            return False
-    calls = 0
+def _discarding_calls(module: ModuleInfo, scope: Scope, word: str, is_forward: bool, ones: set[str], many: set[str], index: int,
+                      length: int, depth: int, seen: set[int]) -> tuple[int, int] | None:
+    """(calls of ``scope`` in ``module``, mentions of ``word`` they account for) where every call's result element
+    ``index`` is unpacked into a name never read (or passed up, see _dead_or_passed_up); None where one may be read."""
+    calls = accounted = 0
     for caller in module.scopes:
         if not isinstance(caller.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or caller is scope:
             continue
@@ -7524,7 +7601,7 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
                     if not (isinstance(up, ast.Call) and up.func is node) and not (
                             node.attr in many and (isinstance(up, ast.For) or isinstance(up, ast.Call) and isinstance(up.func, ast.Name)
                                                    and up.func.id == "enumerate" and isinstance(parents.get(id(up)), ast.For))):
-                        return False
+                        return None
                 continue
             f = node.func
             direct = (is_forward and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
@@ -7537,25 +7614,108 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
             if parents is None:
                 parents = _parents(caller.node)
             var = _call_statement_target(parents, node, length, index)
-            if var is None or not _dead_or_passed_up(module, caller, var.id, depth, seen):
-                return False
+            if var is None:
+                # s32: VITS / Glow-TTS ``x, self.attn = self.attention(q, k, v)``: kept on the module, never read
+                if not _s32_stored_on_self_unread(module, caller, parents, node, length, index):
+                    return None
+            elif not _dead_or_passed_up(module, caller, var.id, depth, seen):
+                return None
             calls += 1
             if not is_forward:
                 accounted += 1
-    if calls == 0 or mentions != accounted:
-        return False  # no caller seen, or the name is used some other way (passed, subclassed, exported in __all__)
+    return calls, accounted
+
+
+def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, length: int, depth: int, seen: set[int]) -> bool:
+    fn = scope.node
+    if depth > 2 or id(fn) in seen or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    seen.add(id(fn))
+    is_forward = fn.name == "forward" and scope.class_name is not None
+    word = scope.class_name if is_forward else fn.name
+    if word is None or fn.decorator_list:
+        return False
+    mentions = _attention_s32.code_mentions(module, word)  # s28: not docstrings/comments; s32: nor messages in strings
+    accounted = 1 + len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", module.source))  # the definition, ``super(Cls, self)``
+    ones: set[str] = set()
+    many: set[str] = set()
+    if is_forward:
+        held = _holders(module, word)
+        if held is None:
+            return False
+        ones, many, made = held
+        accounted += made
+        # ``forward`` is called through the holders: the word ``forward`` elsewhere (``.forward(``) is another call path
+        if re.search(r"\.forward\s*\(", module.source):
+            return False
+    found = _discarding_calls(module, scope, word, is_forward, ones, many, index, length, depth, seen)
+    if found is None:
+        return False
+    calls, made_by_calls = found
+    accounted += made_by_calls
+    if mentions != accounted:
+        return False  # the name is used some other way (passed, subclassed, exported in __all__)
     from npufuse.scan import repo_facts
     root = repo_facts.repo_root(module)
     if root is not None:
         repo_facts._depends(root, module.path)  # the answer reads the other files of the repository
+        if scope.class_name is not None and not is_forward:
+            # s32: a method is reached from another file only through an attribute ``<obj>.word`` (or the name
+            # as a string); the word in prose, in an import path or as ``self.word`` of an unrelated class is not one
+            return calls > 0 and _attention_s32.member_may_be_read(module, scope.class_name, word, this_file=False) is None
         pattern = re.compile(r"\b" + re.escape(word) + r"\b")
         for rel in repo_facts._repo_py_files(root):
             if rel == module.path:
                 continue
             text = repo_facts._repo_text(root, rel)
-            if text is None or pattern.search(text):
-                return False  # another file may call it and read the element
-    return True
+            if text is None:
+                return False
+            if pattern.search(text):
+                # s32: another file importing the class / function is proven the same way (its calls discard the element)
+                more = _s32_other_file_discards(root, rel, text, scope, word, is_forward, index, length, depth, seen)
+                if more is None:
+                    return False  # another file may call it and read the element
+                calls += more
+    return calls > 0  # no caller seen: nothing shows what callers do
+
+
+def _s32_other_file_discards(root: Any, rel: str, text: str, scope: Scope, word: str, is_forward: bool, index: int, length: int,
+                             depth: int, seen: set[int]) -> int | None:
+    """The calls of ``scope`` in the repository file ``rel`` when each one discards the result element ``index`` and every
+    other mention of ``word`` there is an import of it under its own name (or a module path); None otherwise."""
+    from npufuse.scan import repo_facts
+
+    try:
+        other = ModuleInfo.from_source(rel, text)
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    repo_facts.attach_root(other, root)  # its callers' own callers are proven over the repository too
+    word_re = re.compile(r"\b" + re.escape(word) + r"\b")
+    accounted = len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", other.source))
+    for node in ast.walk(other.tree):
+        if isinstance(node, ast.Import) and any(word_re.search(a.name) or a.asname == word for a in node.names):
+            return None  # ``import pkg.word as w``: uses under another name
+        if isinstance(node, ast.ImportFrom):
+            accounted += len(word_re.findall(node.module or ""))
+            for a in node.names:
+                if a.name == word and a.asname not in (None, word):
+                    return None  # ``from x import Word as W``: uses under another name
+                accounted += len(word_re.findall(a.name)) + (a.asname == word)
+    ones: set[str] = set()
+    many: set[str] = set()
+    if is_forward:
+        held = _holders(other, word)
+        if held is None or re.search(r"\.forward\s*\(", other.source):
+            return None
+        ones, many, made = held
+        accounted += made
+    found = _discarding_calls(other, scope, word, is_forward, ones, many, index, length, depth, seen)
+    if found is None:
+        return None
+    calls, made_by_calls = found
+    if _attention_s32.code_mentions(other, word) != accounted + made_by_calls:
+        return None
+    return calls
 
 
 def probs_discarded_by_callers(module: ModuleInfo, scope: Scope, name: str) -> bool:
@@ -8877,8 +9037,21 @@ def _s28_qk_einsum_permuted(m: "_Matcher", mm: Product, c: Contraction, chain: C
         return False
     if n_out == 4 and _layout_of(qs, batch[0], batch[1], i, d) and _layout_of(ks, batch[0], batch[1], j, d):
         return False  # BNSD / BSND: _qk_einsum's own reading
+    if qs[-1] != d:
+        sdpa_line = _s32_query_read_by_sdpa(m, q_node)
+        if sdpa_line is not None:
+            raise Miss(f"einsum `{c.a},{c.b}->{c.out}` contracts q's axis {qs.index(d)}, but q is also the query of "
+                       f"F.scaled_dot_product_attention (line {sdpa_line}), which reads its last axis as the head dim: the einsum "
+                       "attends over the other axis (a channel map whose head dim for the fused call would be the sequence length)")
     chain.q = _s28_permuted_operand(m, q_node, "q", qs, batch + i + d, chain)
     chain.k = _s28_permuted_operand(m, k_node, "k", ks, batch + j + d, chain)
+    if qs[-1] != d:
+        # s32: the contracted axis is not q's last one as written: nothing bounds its size by a head dim (a channel
+        # axis, or a sequence in a channel map): the fused call runs where it is within the op's D ≤ 768
+        width = ast.Subscript(value=ast.Attribute(value=chain.q.leaf, attr="shape", ctx=ast.Load()), slice=ast.Constant(-1), ctx=ast.Load())
+        chain.requires.append((ast.Compare(left=width, ops=[ast.LtE()], comparators=[ast.Constant(MAX_HEAD_DIM)]),
+                               f"the einsum contracts q's axis {qs.index(d)} (`{d}`), read as the head dim: npu_fusion_attention takes "
+                               f"D ≤ {MAX_HEAD_DIM}, checked at run time; wider inputs run the original code"))
     chain.spelling.append("einsum")
     chain.notes.append(f"einsum `{c.a},{c.b}->{c.out}`: q and k are permuted to BNSD (the equation names their axes)"
                        + ("; the two leading batch axes are folded into one for the 4-D call" if n_out == 5 else ""))
@@ -9071,6 +9244,7 @@ def _s28_take_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool
     walked (those applied after it)."""
     chain.masks.append(_S28Bias("bias", term, cond[0] if cond else None, cond[1] if cond else False,
                                 n_num=len(chain.scale_num), n_den=len(chain.scale_den)))
+    chain.pse_products.update(id(n) for n in _s32_products(term))  # s32: a positional product is part of the bias
 
 
 def _s28_module_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bool] | None) -> bool:
@@ -10486,5 +10660,555 @@ AttentionPattern.KEEP += [
         .replace("return attention_interface(self,", "return attend(self,"),
         reason="float bias",
         name="s31_caller_holds_the_eager_function_under_its_own_name",
+    ),
+]
+
+
+# --- s32: returned probabilities stored on the module and never read -------------------------------------------
+# VITS / Glow-TTS / Matcha ``x, self.attn = self.attention(q, k, v, mask=attn_mask)`` with ``self.attn = None`` in
+# ``__init__`` (the attribute is declared None-able: its readers take None): the probabilities are kept
+# on the module, and nothing reads ``self.attn``. Proven over the repository (``_attention_s32``): every load of
+# the attribute is ``self.attn`` of a class unrelated to this one (here the block's own ``self.attn(x)``
+# module), no string names it, no notebook writes ``.attn``. The word in an assert message is no mention of the
+# method (the mention count reads code, not messages).
+_S32_STORED_PROBS = '''
+import math
+import torch
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, channels, n_heads, p_dropout=0.0):
+        super().__init__()
+        self.n_heads, self.k_channels = n_heads, channels // n_heads
+        self.attn = None
+        self.conv_q = nn.Conv1d(channels, channels, 1)
+        self.conv_k = nn.Conv1d(channels, channels, 1)
+        self.conv_v = nn.Conv1d(channels, channels, 1)
+        self.conv_o = nn.Conv1d(channels, channels, 1)
+        self.drop = nn.Dropout(p_dropout)
+
+    def forward(self, x, c, attn_mask=None):
+        q, k, v = self.conv_q(x), self.conv_k(c), self.conv_v(c)
+        x, self.attn = self.attention(q, k, v, mask=attn_mask)
+        return self.conv_o(x)
+
+    def attention(self, query, key, value, mask=None):
+        b, d, t_s, t_t = (*key.size(), query.size(2))
+        assert d % self.n_heads == 0, "channels must split evenly for self-attention"
+        query = query.view(b, self.n_heads, self.k_channels, t_t).transpose(2, 3)
+        key = key.view(b, self.n_heads, self.k_channels, t_s).transpose(2, 3)
+        value = value.view(b, self.n_heads, self.k_channels, t_s).transpose(2, 3)
+        scores = torch.matmul(query / math.sqrt(self.k_channels), key.transpose(-2, -1))
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e4)
+        p_attn = torch.softmax(scores, dim=-1)
+        p_attn = self.drop(p_attn)
+        output = torch.matmul(p_attn, value)
+        output = output.transpose(2, 3).contiguous().view(b, d, t_t)
+        return output, p_attn
+
+
+class Block(nn.Module):
+    def __init__(self, channels, n_heads):
+        super().__init__()
+        self.attn = MultiHeadAttention(channels, n_heads)
+        self.norm = nn.GroupNorm(1, channels)
+
+    def forward(self, x, mask):
+        return self.norm(x + self.attn(x, x, mask))
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S32_STORED_PROBS,
+        expect={"qualname": "MultiHeadAttention.attention", "mask_kind": "bool_masked", "returns_probs": "p_attn"},
+        run='''
+m = Block(16, 2)
+x = torch.randn(2, 16, 5, requires_grad=True)
+keep = torch.ones(2, 1, 5, 5)
+keep[1, :, :, 3:] = 0
+out = m(x, keep) * torch.randn(2, 16, 5)
+leaves = [x]
+''',
+        name="s32_probabilities_stored_on_the_module_never_read",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the class reads the stored map back (a plot helper): the probabilities must exist
+        _S32_STORED_PROBS.replace("        return output, p_attn\n",
+                                  "        return output, p_attn\n\n    def attention_map(self):\n        return self.attn\n"),
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_read_back_by_the_class",
+    ),
+    Keep(
+        # another object's ``.attn`` is read: it may be this module's stored map
+        _S32_STORED_PROBS + "\n\ndef maps(blocks):\n    return [blk.attn.attn for blk in blocks]\n",
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_read_through_another_object",
+    ),
+    Keep(
+        # a subclass reads it (``self.attn`` of a descendant is this module's attribute)
+        _S32_STORED_PROBS + "\n\nclass Logged(MultiHeadAttention):\n    def last(self):\n        return self.attn\n",
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_read_by_a_subclass",
+    ),
+    Keep(
+        # named as a string (getattr / a hook key): a read npufuse cannot follow
+        _S32_STORED_PROBS + "\n\ndef grab(m):\n    return getattr(m, 'attn')\n",
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_named_as_a_string",
+    ),
+]
+
+
+# --- s32: positional scores added to the content scores (Transformer-XL / Conformer relative attention) --------
+# ``content = (q + u) @ kᵀ``, ``pos = rel_shift((q + v) @ pᵀ)``, ``softmax((content + pos) / √d)``: exactly one side of
+# the sum is a plain product (the attention scores: q and k for the fused call); the other is a float bias built
+# by its own product. softmax(s·QKᵀ + s·pos) is the fused call with q pre-scaled, pse = pos · s and scale 1.0
+# (exact whatever the op's pse placement, spec §5.1); the positional product and its shift run as written on the
+# fused branch, and autograd reaches q through pse too. Refused: two plain products (which is the key is not
+# shown), a term that reads the content product itself (a transform of the scores, not a bias).
+def _s32_positional_scores(m: "_Matcher", node: ast.BinOp, stop: Any) -> tuple[Any, Any] | None:
+    """(the scores side, the positional term) of ``a + b`` read as above, else None."""
+    if stop is not None:
+        return None
+    plain = [side for side in (node.left, node.right) if m.is_matmul(deref(side)) is not None]
+    if len(plain) == 2:
+        # BERT's ``relative_key``: ``einsum("bhld,lrd->bhlr", q, table)``: a product against a table with none of the
+        # scores' batch axes is the bias; the other product holds the keys
+        tables = [side for side in plain if _s32_table_product(m.is_matmul(deref(side)))]
+        if len(tables) != 1:
+            return None
+        plain = [side for side in plain if side is not tables[0]]
+    if len(plain) != 1:
+        return None
+    scores = plain[0]
+    term = node.right if scores is node.left else node.left
+    product = deref(scores)
+    if any(n is product for n in walk_values(term)) or not _s32_products(term):
+        return None
+    return scores, term
+
+
+_S32_POSITIONAL_SCORES = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rel_shift(x):
+    b, h, i, j = x.shape
+    x = F.pad(x, (1, 0))
+    x = x.view(b, h, j + 1, i)
+    return x[:, :, 1:].view(b, h, i, j)
+
+
+class RelPosSelfAttention(nn.Module):
+    def __init__(self, dim=16, heads=2, p=0.0):
+        super().__init__()
+        self.h, self.dk = heads, dim // heads
+        self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.to_p = nn.Linear(dim, dim, bias=False)
+        self.pos_u = nn.Parameter(torch.randn(heads, dim // heads))
+        self.pos_v = nn.Parameter(torch.randn(heads, dim // heads))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, pos_emb, pad_mask=None):
+        b, t, _ = x.shape
+        q = self.to_q(x).view(b, t, self.h, self.dk)
+        k = self.to_k(x).view(b, t, self.h, self.dk).transpose(1, 2)
+        v = self.to_v(x).view(b, t, self.h, self.dk).transpose(1, 2)
+        p = self.to_p(pos_emb).view(pos_emb.shape[0], -1, self.h, self.dk).transpose(1, 2)
+        ac = torch.einsum("bhid,bhjd->bhij", (q + self.pos_u).transpose(1, 2), k)
+        bd = rel_shift(torch.matmul((q + self.pos_v).transpose(1, 2), p.transpose(-2, -1)))
+        scores = (ac + bd) * self.dk ** -0.5
+        if pad_mask is not None:
+            scores = scores.masked_fill(pad_mask[:, None, None, :], float("-inf"))
+        attn = self.drop(scores.softmax(dim=-1))
+        return (attn @ v).transpose(1, 2).reshape(b, t, -1)
+'''
+
+_S32_RELATIVE_KEY = '''
+import math
+import torch
+from torch import nn
+
+
+class RelativeKeyAttention(nn.Module):
+    def __init__(self, dim=16, heads=2, max_pos=16):
+        super().__init__()
+        self.heads, self.hd, self.max_pos = heads, dim // heads, max_pos
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.distance = nn.Embedding(2 * max_pos - 1, dim // heads)
+
+    def forward(self, x, additive_mask=None):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        pos = torch.arange(s, device=x.device)
+        emb = self.distance(pos[:, None] - pos[None, :] + self.max_pos - 1).to(q.dtype)
+        scores = scores + torch.einsum("bhld,lrd->bhlr", q, emb)
+        scores = scores / math.sqrt(self.hd)
+        if additive_mask is not None:
+            scores = scores + additive_mask
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, v).permute(0, 2, 1, 3).reshape(b, s, -1)
+'''
+
+_S32_ELIF_BIASES = '''
+import math
+import torch
+from torch import nn
+
+
+class Att(nn.Module):
+    def __init__(self, dim=16, heads=2, n=8):
+        super().__init__()
+        self.heads, self.hd, self.n = heads, dim // heads, n
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.rel_a = nn.Embedding(2 * n, heads)
+        self.rel_b = nn.Embedding(2 * n, heads)
+        self.use_a = True
+        self.use_b = True
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(s, device=x.device)
+        rel = pos[None, :] - pos[:, None] + self.n
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        if self.use_a:
+            scores = scores + self.rel_a(rel).permute(2, 0, 1).unsqueeze(0)
+        elif self.use_b:
+            scores = scores + self.rel_b(rel).permute(2, 0, 1).unsqueeze(0)
+        scores = scores / math.sqrt(self.hd)
+        probs = scores.softmax(dim=-1)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # content scores (einsum) + rel-shifted positional scores (matmul) scaled together: pse = bd · scale
+        _S32_POSITIONAL_SCORES,
+        expect={"qualname": "RelPosSelfAttention.forward", "mask_kind": "bool_masked+pse"},
+        run='''
+m = RelPosSelfAttention()
+x = torch.randn(2, 5, 16, requires_grad=True)
+pos = torch.randn(1, 5, 16, requires_grad=True)
+pad = torch.zeros(2, 5, dtype=torch.bool)
+pad[1, 3:] = True
+out = m(x, pos, pad)
+leaves = [x, pos]
+''',
+        name="s32_positional_scores_added_to_content_scores_as_pse",
+    ),
+    Fuse(
+        # BERT ``relative_key``: q against a distance table, an einsum of its own: pse
+        _S32_RELATIVE_KEY,
+        expect={"qualname": "RelativeKeyAttention.forward"},
+        run='''
+m = RelativeKeyAttention()
+x = torch.randn(2, 6, 16, requires_grad=True)
+keep = torch.ones(2, 1, 1, 6)
+keep[0, ..., 4:] = 0
+out = (m(x, (1.0 - keep) * -10000.0), m(x))
+leaves = [x]
+''',
+        name="s32_relative_key_product_as_pse",
+    ),
+    Fuse(
+        # ``if a: + bias_a  elif b: + bias_b``: bias_b only where a is false (both flags on here)
+        _S32_ELIF_BIASES,
+        expect={"qualname": "Att.forward"},
+        run='''
+m = Att()
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s32_elif_bias_added_only_where_the_if_is_false",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # two plain products summed: which one holds the keys is not shown
+        _S32_POSITIONAL_SCORES.replace("bd = rel_shift(torch.matmul(", "bd = (torch.matmul("),
+        reason="scores added to scores",
+        name="s32_two_plain_products_summed",
+    ),
+    Keep(
+        # the second term is a transform of the content scores themselves, not a bias of its own product
+        _S32_POSITIONAL_SCORES.replace("bd = rel_shift(torch.matmul((q + self.pos_v).transpose(1, 2), p.transpose(-2, -1)))",
+                                       "bd = rel_shift(ac)"),
+        reason="a function given the scores as an argument",
+        name="s32_shifted_content_scores_added_to_themselves",
+    ),
+]
+
+
+def _s32_table_product(prod: Any) -> bool:
+    """An einsum (literal equation, no ``...``) whose output has two or more leading batch axes that one operand
+    does not carry at all (a position table shared over batch and heads)."""
+    if prod is None or prod.kind != "einsum" or prod.subs is None or not _s28_plain_equation(prod.spec):
+        return False
+    c = prod.subs
+    lead = c.out[:-2]
+    return len(lead) >= 2 and any(not set(lead) & set(op) for op in (c.a, c.b))
+
+
+# --- s32: an einsum contracting the axis SDPA reads as the sequence (channel attention, not a layout) ----------
+# The s28 reading takes any einsum order of [batch.., S, D] as a permutation of BNSD: right for channel-first
+# code (EDM's ``ncq,nck->nqk``), where the contracted axis holds the channels. The same equation on q laid out
+# [B, H, L, D] (``bhlt,bhls->bhts``) contracts the sequence: a D×D channel map whose "head dim" for the fused call
+# would be the sequence length (npu_fusion_attention takes D ≤ 768), not the attention the module's other path
+# computes. Evidence, never names: q (the same variable, or the argument a caller passes for it) is also the query
+# of ``F.scaled_dot_product_attention``, which reads its last axis as the head dim.
+_SDPA_NAMES = ("scaled_dot_product_attention",)
+
+
+def _s32_sdpa_query_params(fn: ast.AST) -> dict[int, int]:
+    """{position of a parameter of ``fn`` (self excluded) -> line} for parameters passed as the query of an SDPA call in it."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return {}
+    params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+    if params and params[0] in ("self", "cls"):
+        params = params[1:]
+    found: dict[int, int] = {}
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Call) and (dotted(n.func) or "").rpartition(".")[2] in _SDPA_NAMES and n.args \
+                and isinstance(n.args[0], ast.Name) and n.args[0].id in params:
+            found.setdefault(params.index(n.args[0].id), n.lineno)
+    return found
+
+
+def _s32_query_read_by_sdpa(m: "_Matcher", q_node: Any) -> int | None:
+    """The line of an SDPA call whose query is the einsum's q (see above), else None."""
+    target = deref(q_node)
+    for j, stmt in enumerate(m.interp.block):  # the same function: ``if self.flash: F.sdpa(q, ..) else: <einsum>``
+        for n in fast_walk(stmt):
+            if isinstance(n, ast.Call) and (dotted(n.func) or "").rpartition(".")[2] in _SDPA_NAMES and n.args \
+                    and isinstance(n.args[0], ast.Name):
+                value = m.interp.before[j].get(n.args[0].id)
+                if value is not None and (value is q_node or deref(value) is target):
+                    return n.lineno
+    ref = q_node
+    while isinstance(ref, Ref) and ref.idx >= 0 and isinstance(ref.value, Ref):
+        ref = ref.value
+    if not isinstance(ref, Ref):
+        return None
+    fn = m.scope.node
+    stores = m.scope.assignments.get(ref.name, [])
+    if len(stores) <= 1:
+        # the site is inside a branch (its block is the branch): the name holds one value in the whole function
+        after = stores[0][0].lineno if stores else 0
+        for n in fast_walk(fn):
+            if isinstance(n, ast.Call) and (dotted(n.func) or "").rpartition(".")[2] in _SDPA_NAMES and n.args \
+                    and isinstance(n.args[0], ast.Name) and n.args[0].id == ref.name and n.lineno > after:
+                return n.lineno
+    if ref.idx != -1 or m.scope.class_name is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    params = [a.arg for a in fn.args.posonlyargs + fn.args.args][1:]
+    if ref.name not in params:
+        return None
+    pos = params.index(ref.name)
+    cls = m.module.classes.get(m.scope.class_name)
+    if cls is None:
+        return None
+    methods = {f.name: f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    sdpa_methods = {name: q for name, f in methods.items() if name != fn.name for q in [_s32_sdpa_query_params(f)] if q}
+    if not sdpa_methods:
+        return None
+    # a method of the class hands the same variable to this function and, as the query, to a sibling calling SDPA
+    for f in methods.values():
+        mine: set[str] = set()
+        theirs: dict[str, int] = {}
+        for n in fast_walk(f):
+            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+                    and n.func.value.id == "self"):
+                continue
+            if n.func.attr == fn.name and len(n.args) > pos and isinstance(n.args[pos], ast.Name):
+                mine.add(n.args[pos].id)
+            for at, line in sdpa_methods.get(n.func.attr, {}).items():
+                if len(n.args) > at and isinstance(n.args[at], ast.Name):
+                    theirs.setdefault(n.args[at].id, line)
+        shared = sorted(mine & set(theirs))
+        if shared:
+            return theirs[shared[0]]
+    return None
+
+
+_S32_CHANNEL_MAP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class HeadsAttention(nn.Module):
+    def __init__(self, heads=2, head_dim=8, flash=False):
+        super().__init__()
+        self.heads, self.head_dim, self.flash = heads, head_dim, flash
+        self.scale = head_dim ** -0.5
+
+    def split(self, x):
+        b, n, _ = x.shape
+        return x.view(b, n, self.heads, self.head_dim).permute(0, 2, 1, 3)
+
+    def forward(self, q, k, v):
+        q, k, v = self.split(q), self.split(k), self.split(v)
+        if self.flash:
+            out = self.fast(q, k, v)
+        else:
+            out = self.slow(q, k, v)
+        return out.permute(0, 2, 1, 3).flatten(2)
+
+    def slow(self, q, k, v):
+        sim = torch.einsum("bhnc,bhnd->bhcd", q, k) * self.scale
+        attn = sim.softmax(dim=-1)
+        return torch.einsum("bhcd,bhnd->bhnc", attn, v)
+
+    def fast(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+'''
+
+_S32_CHANNEL_FIRST_WITH_SDPA = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ConvAttention(nn.Module):
+    def __init__(self, channels=16, heads=2, flash=False):
+        super().__init__()
+        self.heads, self.flash = heads, flash
+        self.qkv = nn.Conv1d(channels, 3 * channels, 1)
+
+    def forward(self, x):
+        b, c, t = x.shape
+        q, k, v = self.qkv(x).reshape(b, self.heads, 3 * c // self.heads, t).chunk(3, dim=2)
+        if self.flash:
+            out = F.scaled_dot_product_attention(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)).transpose(-1, -2)
+        else:
+            w = torch.einsum("bhcq,bhck->bhqk", q, k) * (c // self.heads) ** -0.5
+            w = w.softmax(dim=-1)
+            out = torch.einsum("bhqk,bhck->bhcq", w, v)
+        return out.reshape(b, c, t)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # channel-first q/k/v [b, h, c, t]: SDPA gets them transposed (not the same variable): the einsum's layout
+        # reading stands
+        _S32_CHANNEL_FIRST_WITH_SDPA,
+        expect={"qualname": "ConvAttention.forward"},
+        run='''
+m = ConvAttention()
+x = torch.randn(2, 16, 5, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+        name="s32_channel_first_einsum_beside_sdpa_on_transposed_operands",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the sibling path hands the same q to SDPA as [b, h, n, d]: the einsum contracts n (a d×d channel map)
+        _S32_CHANNEL_MAP,
+        reason="which reads its last axis as the head dim",
+        name="s32_einsum_contracting_the_sequence_of_an_sdpa_query",
+    ),
+    Keep(
+        # the same, with both paths in one function
+        _S32_CHANNEL_MAP.split("    def forward")[0] + '''    def forward(self, q, k, v):
+        q, k, v = self.split(q), self.split(k), self.split(v)
+        if self.flash:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            sim = torch.einsum("bhnc,bhnd->bhcd", q, k) * self.scale
+            out = torch.einsum("bhcd,bhnd->bhnc", sim.softmax(dim=-1), v)
+        return out.permute(0, 2, 1, 3).flatten(2)
+''',
+        reason="which reads its last axis as the head dim",
+        name="s32_einsum_contracting_the_sequence_of_an_sdpa_query_same_function",
+    ),
+]
+
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # unpacked into a local, then kept on the module: the attribute is never read either
+        _S32_STORED_PROBS.replace("        x, self.attn = self.attention(q, k, v, mask=attn_mask)\n",
+                                  "        x, weights = self.attention(q, k, v, mask=attn_mask)\n        self.attn = weights\n"),
+        expect={"qualname": "MultiHeadAttention.attention", "returns_probs": "p_attn"},
+        name="s32_probabilities_unpacked_then_stored_on_the_module",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the local is stored and also logged: a read
+        _S32_STORED_PROBS.replace("        x, self.attn = self.attention(q, k, v, mask=attn_mask)\n",
+                                  "        x, weights = self.attention(q, k, v, mask=attn_mask)\n        self.attn = weights\n"
+                                  "        print(weights.mean())\n"),
+        reason="nothing shows a caller accepts None",
+        name="s32_probabilities_unpacked_stored_and_logged",
+    ),
+]
+
+
+# s32: the mask reshaped to the scores' shape by ``view_as(scores)`` (FuxiCTR's helper) reads only that shape, which
+# the fused branch has from q and k; the scores are optionally scaled (``if scale:``) before
+_S32_MASK_VIEW_AS_SCORES = '''
+import torch
+from torch import nn
+
+
+class ScaledDotProductAttention(nn.Module):
+    def __init__(self, dropout_rate=0.0):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout_rate) if dropout_rate > 0 else None
+
+    def forward(self, Q, K, V, scale=None, mask=None):
+        scores = torch.matmul(Q, K.transpose(-1, -2))
+        if scale:
+            scores = scores / scale
+        if mask is not None:
+            mask = mask.view_as(scores)
+            scores = scores.masked_fill_(mask.float() == 0, -1.e9)
+        attention = scores.softmax(dim=-1)
+        if self.dropout is not None:
+            attention = self.dropout(attention)
+        return torch.matmul(attention, V)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S32_MASK_VIEW_AS_SCORES,
+        expect={"qualname": "ScaledDotProductAttention.forward", "mask_kind": "bool_masked"},
+        run='''
+m = ScaledDotProductAttention()
+q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(2, 1, 5, 5).expand(2, 2, 5, 5).contiguous()
+keep[1, :, :, 3:] = 0
+out = (m(q, k, v, 8 ** 0.5, keep), m(q, k, v))
+leaves = [q, k, v]
+''',
+        name="s32_mask_viewed_as_the_scores",
+    ),
+]
+
+
+AttentionPattern.KEEP += [
+    Keep(
+        # stored without ``self.attn = None`` anywhere in the class: nothing says its readers (outside the repository,
+        # a plot of the stored map) take None
+        _S32_STORED_PROBS.replace("        self.attn = None\n", ""),
+        reason="nothing shows a caller accepts None",
+        name="s32_stored_probabilities_never_declared_none",
     ),
 ]
