@@ -163,7 +163,11 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
 
     f = call.func
     assert isinstance(f, ast.Name)
-    if not call.args or isinstance(call.args[0], ast.Starred) or S.definition(ctx, f.id) is not None:
+    if (call.args and isinstance(call.args[0], ast.Starred)) or S.definition(ctx, f.id) is not None:
+        return None
+    # the input: the first positional argument, or the keyword naming the helper's first parameter
+    arg = call.args[0] if call.args else _helper_keyword_input(module, call)
+    if arg is None:
         return None
     fn = module.helper(f.id)
     home, where = module, ""  # the file defining the helper
@@ -206,7 +210,7 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
         return None
     # an inline sum (``rms_norm(h + attn(h), eps)``) is read as the name the fused code binds it to:
     # the helper's reads of its input (``input_dtype = x.dtype``) must not evaluate the sum again
-    hctx.bind[params[0]] = (_norm_input(call.args[0]), ctx)
+    hctx.bind[params[0]] = (_norm_input(arg), ctx)
     try:
         m = R.parse_norm(module, value, hctx.at(ret.lineno))
     except R.NoMatch:
@@ -775,10 +779,34 @@ class _Site:
                           S.indent(S.splice(module, st, rep(call)))])
 
 
-def _sum_arg(call: ast.Call, name: str) -> bool:
-    """The call's input (first positional argument, or ``input=``) is the name ``name``."""
+def _sum_arg(call: ast.Call, name: str, module: ModuleInfo | None = None) -> bool:
+    """The call's input (first positional argument, ``input=``, or for a norm helper of this or
+    another file of the repository the keyword naming the helper's first parameter) is the name
+    ``name``."""
     first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "input"), None)
+    if first is None and module is not None and isinstance(call.func, ast.Name):
+        # TriForce: ``RMSNorm(hidden_states=hidden_states, layernorm_variance_epsilon=..., layernorm_weight=...)``
+        # (a helper of another file called with keywords only): the keyword that binds its input
+        first = _helper_keyword_input(module, call)
     return isinstance(first, ast.Name) and first.id == name
+
+
+def _helper_keyword_input(module: ModuleInfo, call: ast.Call) -> ast.expr | None:
+    """The argument bound to the first parameter of the plain function ``call`` names (a def of
+    this file, or one this file imports from another file of the repository), where the call passes
+    it by keyword; None otherwise."""
+    if call.args or not isinstance(call.func, ast.Name) or not any(isinstance(k.value, ast.Name) for k in call.keywords):
+        return None  # the cheap test first: only a keyword holding a name can be the sum
+    fn = module.helper(call.func.id)
+    if fn is None:
+        found = _foreign_definition(module, call.func.id)
+        fn = found[1] if found is not None else None
+    if not isinstance(fn, ast.FunctionDef):
+        return None
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if not params or fn.args.posonlyargs:
+        return None
+    return next((k.value for k in call.keywords if k.arg == params[0]), None)
 
 
 def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
@@ -825,7 +853,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                         yield fork_stmt, _Site(stmt, aliases, fork_stmt, fork_nc, ops[0], ops[1], s_name, None, fork_if, fork_else)
                 if nstmt is not None and S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None:
                     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-                        if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+                        if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
                             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
                             if nc is None:
                                 continue
@@ -866,7 +894,7 @@ def _fork(module: ModuleInfo, scope: Scope, stmt: ast.stmt, s_name: str) -> tupl
     for st in (stmt.body[0], stmt.orelse[0]):
         if not (S.simple_stmt(st) and getattr(st, "value", None) is not None):
             return None
-        calls = [n for n in S.iter_exprs_topdown(st.value) if isinstance(n, ast.Call) and _sum_arg(n, s_name)]  # type: ignore[attr-defined]
+        calls = [n for n in S.iter_exprs_topdown(st.value) if isinstance(n, ast.Call) and _sum_arg(n, s_name, module)]  # type: ignore[attr-defined]
         if not calls:
             return None
         found.append((st, calls[0]))
@@ -971,7 +999,12 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
             # when the condition holds, the original statements otherwise
             conditions.append(p.condition)
         if m.match.weights:
-            w = R.analyse_weight(module, m.match.weights[0])
+            try:
+                w = R.analyse_weight(module, m.match.weights[0])
+            except R.Miss as e:
+                return f"norm {m.cls} cannot be fused: {e.reason}"
+            except R.NoMatch:
+                return f"norm {m.cls} cannot be fused"
             gamma = S.render(module, w.node, w.ctx, None)
             weight_base = S.render(module, w.base, w.base_ctx, None)
             if isinstance(w.node, ast.IfExp):
@@ -2836,7 +2869,7 @@ def _branch_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.st
         if not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
             continue
         for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+            if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
                 nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
                 if nc is None:
                     continue
@@ -3046,7 +3079,7 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
         if S.names_read(gap.test) & written:
             continue
-        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name) for n in fast_walk(gap)):
+        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name, module) for n in fast_walk(gap)):
             continue  # the if's body normalises the sum itself: that is the site (a wrapper), one per add
         yield from _norm_of_sum(module, scope, after, s_name,
                                 lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
@@ -3107,7 +3140,7 @@ def _norm_of_sum(module: ModuleInfo, scope: Scope, after: ast.stmt, s_name: str,
     if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
         return
     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-        if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+        if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
             if nc is None:
                 continue
@@ -3507,4 +3540,94 @@ AddRmsNorm.KEEP += [
     Keep(_S31_L2_NORM.replace("self.scale = dim ** 0.5", "self.scale = 10.0"), name="s31_l2_normalize_without_sqrt_d"),
     # a gain computed from the input: not a module read
     Keep(_S31_L2_NORM.replace("* self.scale * self.gamma", "* self.scale * x.sigmoid()"), name="s31_l2_normalize_input_gain"),
+]
+
+
+# -- s32: a functional norm called with keywords only, its weight read through the layer list ------
+# (TriForce's decoder methods: ``hidden_states = RMSNorm(hidden_states=hidden_states,
+# layernorm_variance_epsilon=self.layers[i].eps, layernorm_weight=self.layers[i].weight)``): the sum is
+# the argument bound to the helper's first parameter, whatever the call names it; a weight read as an
+# attribute through indexed containers is one tensor, read twice alike.
+
+_S32_KEYWORD_HELPER = '''
+import torch
+from torch import nn
+
+
+def RMSNorm(hidden_states, layernorm_variance_epsilon, layernorm_weight):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + layernorm_variance_epsilon)
+    hidden_states = layernorm_weight * hidden_states.to(input_dtype)
+    return hidden_states
+
+
+class LayerWeights(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.wo = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.post_attention_layernorm_weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.post_attention_layernorm_variance_epsilon = 1e-6
+
+
+class Decoder(nn.Module):
+    def __init__(self, d, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])
+
+    def layer_compute(self, layer_idx, hidden_states):
+        residual = hidden_states
+        hidden_states = self.layers[layer_idx].wo(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = RMSNorm(
+            hidden_states=hidden_states,
+            layernorm_variance_epsilon=self.layers[layer_idx].post_attention_layernorm_variance_epsilon,
+            layernorm_weight=self.layers[layer_idx].post_attention_layernorm_weight,
+        )
+        hidden_states = self.layers[layer_idx].mlp(hidden_states)
+        return residual + hidden_states
+
+    def forward(self, x):
+        for i in range(len(self.layers)):
+            x = self.layer_compute(i, x)
+        return x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S32_KEYWORD_HELPER, expect={"variant": "residual_then_norm", "norm": "RMSNorm", "sum": "hidden_states",
+                                      "residual_aliases": ["residual"], "line": 32, "end_line": 38,
+                                      "eps": "self.layers[layer_idx].post_attention_layernorm_variance_epsilon"},
+         run=_run_block("Decoder(32)", bf16=True, train=False), name="s32_keyword_only_norm_helper_inference_bf16"),
+    Fuse(_S32_KEYWORD_HELPER, expect={"norm_class": "RMSNorm"},
+         run=_run_block("Decoder(32)", leaves="[x, blk.layers[0].post_attention_layernorm_weight]"),
+         name="s32_keyword_only_norm_helper_training"),
+    # keywords in another order, the weight read through a constant index
+    Fuse(_S32_KEYWORD_HELPER.replace(
+        "            hidden_states=hidden_states,\n            layernorm_variance_epsilon=self.layers[layer_idx].post_attention_layernorm_variance_epsilon,\n"
+        "            layernorm_weight=self.layers[layer_idx].post_attention_layernorm_weight,\n",
+        "            layernorm_weight=self.layers[0].post_attention_layernorm_weight,\n            hidden_states=hidden_states,\n"
+        "            layernorm_variance_epsilon=1e-6,\n"),
+        expect={"eps": "1e-06"}, run=_run_block("Decoder(32)", bf16=True, train=False),
+        name="s32_keyword_only_norm_helper_reordered_constant_index"),
+]
+
+AddRmsNorm.KEEP += [
+    # the sum is passed as the weight, another tensor is the input: not the norm of the sum
+    Keep(_S32_KEYWORD_HELPER.replace("            hidden_states=hidden_states,\n", "            hidden_states=self.layers[layer_idx].wo.weight,\n")
+         .replace("layernorm_weight=self.layers[layer_idx].post_attention_layernorm_weight,", "layernorm_weight=hidden_states,"),
+         name="s32_keyword_helper_sum_as_the_weight"),
+    # the helper subtracts the mean: a LayerNorm whatever its name
+    Keep(_S32_KEYWORD_HELPER.replace("    variance = hidden_states.pow(2).mean(-1, keepdim=True)\n",
+                                     "    hidden_states = hidden_states - hidden_states.mean(-1, keepdim=True)\n"
+                                     "    variance = hidden_states.pow(2).mean(-1, keepdim=True)\n"),
+         reason="is not RMSNorm", name="s32_keyword_helper_subtracting_the_mean"),
+    # the weight is a row of a tensor (``scale[layer_idx]``, a per-call modulation table): not one read gamma
+    Keep(_S32_KEYWORD_HELPER.replace("layernorm_weight=self.layers[layer_idx].post_attention_layernorm_weight,",
+                                     "layernorm_weight=self.scales[layer_idx],")
+         .replace("        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])\n",
+                  "        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])\n        self.scales = nn.Parameter(torch.ones(n, d))\n"),
+         reason="is not a parameter", name="s32_keyword_helper_weight_row_of_a_table"),
 ]

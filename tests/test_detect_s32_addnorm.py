@@ -1,0 +1,124 @@
+"""s32 add_rms_norm pass (HO8 development data): TriForce's decoder methods call a functional RMSNorm of
+another file with keywords only (``RMSNorm(hidden_states=h, layernorm_variance_epsilon=...,
+layernorm_weight=self.layers[i].w)``). The sum is the argument bound to the helper's first parameter
+in its own file; the rewrite is run under the emulator against the original."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from apply_support import make_repo, npufuse, scan
+from npufuse import emulate
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+_OPS = '''\
+import torch
+
+
+def RMSNorm(hidden_states, layernorm_variance_epsilon, layernorm_weight):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + layernorm_variance_epsilon)
+    hidden_states = layernorm_weight * hidden_states.to(input_dtype)
+    return hidden_states
+
+
+def LayerNorm(hidden_states, layernorm_variance_epsilon, layernorm_weight):
+    hidden_states = hidden_states - hidden_states.mean(-1, keepdim=True)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return layernorm_weight * (hidden_states * torch.rsqrt(variance + layernorm_variance_epsilon))
+'''
+
+_MODEL = '''\
+import torch
+from torch import nn
+
+from .ops import RMSNorm, LayerNorm
+
+
+class LayerWeights(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.wo = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.post_weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.post_eps = 1e-6
+
+
+class Decoder(nn.Module):
+    def __init__(self, d, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])
+
+    def layer_compute(self, layer_idx, hidden_states):
+        residual = hidden_states
+        hidden_states = self.layers[layer_idx].wo(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = RMSNorm(
+            hidden_states=hidden_states,
+            layernorm_variance_epsilon=self.layers[layer_idx].post_eps,
+            layernorm_weight=self.layers[layer_idx].post_weight,
+        )
+        hidden_states = self.layers[layer_idx].mlp(hidden_states)
+        return residual + hidden_states
+
+    def layer_ln(self, layer_idx, hidden_states):
+        hidden_states = hidden_states + self.layers[layer_idx].wo(hidden_states)
+        return LayerNorm(hidden_states=hidden_states, layernorm_variance_epsilon=1e-5,
+                         layernorm_weight=self.layers[layer_idx].post_weight)
+
+    def forward(self, x):
+        for i in range(len(self.layers)):
+            x = self.layer_compute(i, x)
+        return x
+'''
+
+
+def _import_fresh(root: Path, name: str) -> types.ModuleType:
+    sys.path.insert(0, str(root))
+    try:
+        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
+            del sys.modules[key]
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(root))
+        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
+            del sys.modules[key]
+
+
+def _run(mod: types.ModuleType) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    dec = mod.Decoder(32).to(torch.bfloat16)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        inference = dec(x)
+    train = dec.float()(x.float())
+    return [inference, train]
+
+
+def test_keyword_only_norm_helper_of_another_file(tmp_path: Path) -> None:
+    files = {"pkg/__init__.py": "", "pkg/ops.py": _OPS, "pkg/model.py": _MODEL}
+    ref = _run(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert [(c["qualname"], c["line"]) for c in cands] == [("Decoder.layer_compute", 24)], data["near_misses"]
+    assert cands[0]["params"]["eps"] == "self.layers[layer_idx].post_eps"
+    assert cands[0]["params"]["norm_class"] == "RMSNorm (from pkg/ops.py)"
+    # the mean-subtracting helper, called the same way, is refused with the reason found in its file
+    ln = [m for m in data["near_misses"] if m["qualname"] == "Decoder.layer_ln"]
+    assert ln and "pkg/ops.py" in ln[0]["reason"] and "is not RMSNorm" in ln[0]["reason"], data["near_misses"]
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    assert "npu_add_rms_norm" in (root / "pkg" / "model.py").read_text(encoding="utf-8")
+    with emulate.install() as emu:
+        outs = _run(_import_fresh(root, "pkg.model"))
+    assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
+    for a, b in zip(ref, outs):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
