@@ -122,3 +122,115 @@ def test_keyword_only_norm_helper_of_another_file(tmp_path: Path) -> None:
     assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+# -- a decoder loop over the layers of a model built from another file ------------------------------
+
+_MODELING = '''\
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d, rms=True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d)
+        self.self_attn = nn.Linear(d, d)
+        self.post_attention_layernorm = RMSNorm(d) if rms else nn.LayerNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+
+class LnLayer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.self_attn = nn.Linear(d, d)
+        self.post_attention_layernorm = nn.LayerNorm(d)
+
+
+class Model(nn.Module):
+    def __init__(self, d, n=2, rms=True):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(n):
+            self.layers.append(DecoderLayer(d, rms))
+        self.ln_layers = nn.ModuleList([LnLayer(d) for _ in range(n)])
+'''
+
+_RUNNER = '''\
+import torch
+from torch import nn
+
+from .modeling import Model
+
+
+class Runner(nn.Module):
+    def __init__(self, d, rms=True):
+        super().__init__()
+        self.model = Model(d, rms=rms)
+
+    def forward(self, hidden_states):
+        for i, decode_layer in enumerate(self.model.layers):
+            residual = hidden_states
+            hidden_states = decode_layer.input_layernorm(hidden_states)
+            hidden_states = decode_layer.self_attn(hidden_states)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = decode_layer.post_attention_layernorm(hidden_states)
+            hidden_states = decode_layer.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+        return hidden_states
+
+    def layer_norm_loop(self, hidden_states):
+        for layer in self.model.ln_layers:
+            hidden_states = hidden_states + layer.self_attn(hidden_states)
+            hidden_states = layer.post_attention_layernorm(hidden_states)
+        return hidden_states
+'''
+
+
+def _run_runner(mod: types.ModuleType) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    outs = []
+    for rms in (True, False):
+        run = mod.Runner(32, rms=rms).to(torch.bfloat16)
+        x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+        with torch.no_grad():
+            outs.append(run(x))
+        outs.append(run.float()(x.float()))
+    return outs
+
+
+def test_decoder_loop_over_layers_of_a_model_of_another_file(tmp_path: Path) -> None:
+    files = {"pkg/__init__.py": "", "pkg/modeling.py": _MODELING, "pkg/runner.py": _RUNNER}
+    ref = _run_runner(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.runner"))
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm" and c["file"] == "pkg/runner.py"]
+    assert [(c["qualname"], c["line"]) for c in cands] == [("Runner.forward", 17)], data["near_misses"]
+    p = cands[0]["params"]
+    assert p["norm"] == "decode_layer.post_attention_layernorm" and p["norm_class"] == "RMSNorm (from pkg/modeling.py)", p
+    assert 'type(decode_layer.post_attention_layernorm).__qualname__ == "RMSNorm"' in p["condition"], p
+    ln = [m for m in data["near_misses"] if m["qualname"] == "Runner.layer_norm_loop"]
+    assert ln and "nn.LayerNorm" in ln[0]["reason"] and "pkg/modeling.py" in ln[0]["reason"], data["near_misses"]
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    assert "npu_add_rms_norm" in (root / "pkg" / "runner.py").read_text(encoding="utf-8")
+    with emulate.install() as emu:
+        outs = _run_runner(_import_fresh(root, "pkg.runner"))
+    # two layers fused in inference with the RMSNorm; the LayerNorm built by the flag runs the original
+    assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
+    for a, b in zip(ref, outs):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -56,6 +56,8 @@ class NormCall:
     # s31: the file view the norm was read in when its class is in another file of the repository
     # (this file with that class added): the replacement is planned in it
     home: ModuleInfo | None = None
+    # s32: the norm module's expression when it is not ``self.<attr>`` (``layer.post_attention_layernorm``)
+    mod: str = ""
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -512,6 +514,8 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
                             reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse does not read which "
                                    "module each position of the list holds")
         return _function_norm(module, call, ctx)
+    if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return _member_norm(module, scope, call, ctx)
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
         return None
     if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
@@ -591,6 +595,205 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     return None
 
 
+# -- s32: the norm of another layer object (a decoder loop unrolling its layers) ----------------------
+# ``for layer in self.model.layers: ... h = residual + h; residual = h; h = layer.post_attention_layernorm(h)``
+# (fiddler's and ktransformers' Ascend decoder loops, TriForce's ``self.layers[i]``): the add is in the
+# runner's method, the norm a module of a layer object. The object's class is followed through
+# ``__init__`` constructions (``self.model = Model(cfg)``, ``self.layers = nn.ModuleList([Layer(...) for
+# ...])``), in this file or, for a class imported from another file of the repository, in that file;
+# the layer class's ``__init__`` says what the norm attribute is. The fused code runs where the norm's
+# run-time type is the class read (lists can change after ``__init__``; a flag may build another class).
+
+_Owner = tuple[ModuleInfo, str]  # a class (its name) and the file defining it
+
+
+def _class_named(file: ModuleInfo, name: str) -> _Owner | None:
+    """The class ``name`` means in ``file``: one of its own, or one it imports from another file of the
+    repository (read there)."""
+    if name in file.classes:
+        return file, name
+    found = _foreign_definition(file, name)
+    if found is not None and isinstance(found[1], ast.ClassDef):
+        return found[0], found[1].name
+    return None
+
+
+def _attr_class(owner: _Owner, attr: str) -> _Owner | None:
+    """The class of ``self.<attr>`` of ``owner``: its ``__init__`` builds it as ``Cls(...)``."""
+    file, cls = owner
+    value = S.init_assignments(file, cls).get(attr)
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        return _class_named(file, value.func.id)
+    return None
+
+
+def _list_element_class(owner: _Owner, attr: str) -> _Owner | None:
+    """The class of every element of ``self.<attr>`` of ``owner`` when its ``__init__`` builds it as
+    ``nn.ModuleList([Cls(...) for ...])`` / ``nn.ModuleList(Cls(...) for ...)`` / ``nn.ModuleList([Cls(...), ...])``
+    (``nn.Sequential(*...)`` alike) or fills an empty list by ``append(Cls(...))``; None otherwise."""
+    file, class_name = owner
+    value = S.init_assignments(file, class_name).get(attr)
+    if not (isinstance(value, ast.Call) and file.canonical(value.func) in ("torch.nn.ModuleList", "torch.nn.Sequential")
+            and len(value.args) <= 1 and not value.keywords):
+        return None
+    elts: list[ast.expr] = []
+    if value.args:
+        arg = value.args[0]
+        if isinstance(arg, ast.Starred):
+            arg = arg.value
+        if isinstance(arg, (ast.ListComp, ast.GeneratorExp)):
+            elts = [arg.elt]
+        elif isinstance(arg, (ast.List, ast.Tuple)) and arg.elts:
+            elts = list(arg.elts)
+        else:
+            return None
+    # ``self.layers = nn.ModuleList()`` then ``self.layers.append(Cls(...))`` in a loop of ``__init__``
+    init = S.method(file, class_name, "__init__")
+    for n in fast_walk(init) if init is not None else ():
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and dotted(n.func.value) == f"self.{attr}":
+            if n.func.attr != "append" or len(n.args) != 1:
+                return None  # extend / insert: not read
+            elts.append(n.args[0])
+        elif isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and dotted(n.value) == f"self.{attr}":
+            return None
+    names = {e.func.id if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) else None for e in elts}
+    if len(names) != 1 or None in names:
+        return None
+    return _class_named(file, names.pop())  # type: ignore[arg-type]
+
+
+def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int = 0) -> _Owner | None:
+    """The class the object ``node`` is an instance of, followed from ``self`` through attributes built
+    in ``__init__`` and elements of layer lists: ``self.model.layers[i]``, the name a ``for`` over such a
+    list (``enumerate`` included) binds, ``layer = self.layers[i]``; a name must be bound once in the scope."""
+    if depth > 6:
+        return None
+    if isinstance(node, ast.Name) and node.id == "self":
+        return (module, scope.class_name) if scope.class_name in module.classes else None
+    if isinstance(node, ast.Attribute):
+        owner = _object_class(module, scope, node.value, depth + 1)
+        return _attr_class(owner, node.attr) if owner is not None else None
+    if isinstance(node, ast.Subscript):
+        idx = node.slice
+        if not (isinstance(node.value, ast.Attribute) and (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int))):
+            return None
+        owner = _object_class(module, scope, node.value.value, depth + 1)
+        return _list_element_class(owner, node.value.attr) if owner is not None else None
+    if not isinstance(node, ast.Name):
+        return None
+    bound = scope.assignments.get(node.id, [])
+    loops = [lp for lp in scope.nodes().get(ast.For, []) if node.id in {n.id for n in ast.walk(lp.target) if isinstance(n, ast.Name)}]  # type: ignore[attr-defined]
+    args = scope.node.args if isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)} if args is not None else set()
+    if len(bound) + len(loops) != 1 or node.id in params:
+        return None
+    if bound:
+        value = bound[0][1]
+        return _object_class(module, scope, value, depth + 1) if isinstance(value, (ast.Subscript, ast.Attribute)) else None
+    loop = loops[0]
+    it, target = loop.iter, loop.target  # type: ignore[attr-defined]
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1 and not it.keywords:
+        if not (isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name)
+                and target.elts[1].id == node.id):
+            return None
+        it = it.args[0]
+    elif not (isinstance(target, ast.Name) and target.id == node.id):
+        return None
+    if isinstance(it, ast.Attribute):
+        owner = _object_class(module, scope, it.value, depth + 1)
+        return _list_element_class(owner, it.attr) if owner is not None else None
+    return None
+
+
+def _type_guard(module: ModuleInfo, mod: str, ctor: ast.expr, file: ModuleInfo) -> str:
+    """The run-time check that ``mod`` is an instance of exactly the class ``ctor`` names in ``file``:
+    ``type(m) is Cls`` where this file can name it, else its name and the file its forward comes from."""
+    if file is module:
+        return f"type({mod}) is {S.source_of(module, ctor)}"
+    name = dotted(ctor) or ""
+    return (f'type({mod}).__qualname__ == "{name}" and getattr(getattr(type({mod}).forward, "__code__", None), '
+            f'"co_filename", "").replace("\\\\", "/").endswith("/{file.path}")')
+
+
+def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``<layer>.<attr>(s)``: a norm module of another object (see above)."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred) or "norm" not in S.scope_text(module, scope).lower():
+        return None
+    root: ast.expr = f
+    while isinstance(root, (ast.Attribute, ast.Subscript)):
+        root = root.value
+    if not isinstance(root, ast.Name) or root.id in module.aliases or root.id in module.classes or root.id in module.functions:
+        return None  # a library function (``torch.linalg.norm``, ``np.linalg.norm``), not a module of an object
+    owner = _object_class(module, scope, f.value)
+    recv = S.source_of(module, f.value)
+    if owner is None:
+        if "norm" in f.attr.lower():
+            return NormCall(call, f.attr, "not_rms", cls=f.attr,
+                            reason=f"`{recv}.{f.attr}` is a module of `{recv}`, whose class npufuse does not resolve (from "
+                                   "`self` through `__init__` constructions and layer lists built from one class): what the "
+                                   "norm is stays unknown")
+        return None
+    file, owner_cls = owner
+    value = S.init_assignments(file, owner_cls).get(f.attr)
+    # ``RMSNorm(d) if cfg.rms else nn.LayerNorm(d)``: each side read; the guard picks the one read
+    ctors = [v for v in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))
+             if not (isinstance(v, ast.Constant) and v.value is None)]
+    if not ctors or not all(isinstance(v, ast.Call) and dotted(v.func) for v in ctors):
+        return None
+    mod = S.source_of(module, f)
+    where = f" (from {file.path})" if file is not module else ""
+    found: list[NormCall] = []
+    for ctor in ctors:
+        nc = _member_ctor_norm(module, call, ctx, file, ctor, mod, where)  # type: ignore[arg-type]
+        if nc is None:
+            return None  # a side npufuse cannot read: which one runs decides nothing then
+        found.append(nc)
+    rms = [nc for nc in found if nc.kind != "not_rms"]
+    if len(rms) > 1:
+        return None
+    if not rms:
+        return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({'; '.join(nc.reason for nc in found)}; `{mod}`, built in "
+                                                         f"{owner_cls}.__init__{where})")
+    return rms[0]
+
+
+def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleInfo, ctor: ast.Call, mod: str,
+                      where: str) -> NormCall | None:
+    """What the norm module ``mod`` built by ``ctor`` (code of ``file``) is, its fused code guarded on its
+    run-time type; a ``not_rms`` NormCall for a LayerNorm; None when npufuse cannot read it."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    canon = file.canonical(ctor.func) or ""
+    if canon in _LAYER_NORMS:
+        return NormCall(call, f.attr, "not_rms", reason=f"{canon.replace('torch.nn.', 'nn.')}: mean subtracted")
+    T = S.torch_name(module)
+    if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
+        if T is None:
+            return None  # the guard names torch.nn.RMSNorm
+        lib = _library_gamma_eps(file, mod, ctor) if file is module else None
+        if lib is None:
+            if file is module:
+                return None
+            # built in another file: its weight and eps are the instance's
+            lib = (f"{mod}.weight", eps_or_default(f"{mod}.eps", T))
+        return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1], mod=mod,
+                        conditions=[f"type({mod}) is {T}.nn.RMSNorm", f"{mod}.weight is not None"])
+    cls = dotted(ctor.func) or ""
+    if cls not in file.classes:
+        return None
+    home = module if file is module else _home_with(module, file, file.classes[cls])
+    if home is None:
+        return None
+    nc = _class_norm_call(home, call, ctx, cls, where)
+    if nc is not None and nc.kind != "not_rms":
+        nc.conditions = [*nc.conditions, _type_guard(module, mod, ctor.func, file)]
+        nc.mod = mod
+        nc.home = home if home is not module else None
+    return nc
+
+
 def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "") -> NormCall | None:
     """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
     ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
@@ -598,7 +801,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     f = call.func
     assert isinstance(f, ast.Attribute)
     fwd = S.method(module, cls, "forward")
-    lib_fwd = _library_forward(module, fwd, f"self.{f.attr}", foreign=bool(where)) if fwd is not None else None
+    mod = f"self.{f.attr}" if isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
+    lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
     if lib_fwd is not None:
         return NormCall(call, f.attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
@@ -650,7 +854,7 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
         return None
     unit, l2 = units[0]
     rest = [(n, inv) for n, inv in factors if n is not unit]
-    mod = f"self.{f.attr}"
+    mod = f"self.{f.attr}" if isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
 
     def as_site(n: ast.expr) -> str | None:
         """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
@@ -1054,7 +1258,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         variant = "l2_normalize_norm"
     else:
         confidence = "medium"
-        mod = f"self.{m.attr}"
+        mod = m.mod or f"self.{m.attr}"
         offset = 1 if _OFFSET_NAME.search(m.cls) else 0
         gamma = f"(1.0 + {mod}.weight.float())" if offset else f"{mod}.weight"
         eps = f'({mod}.variance_epsilon if hasattr({mod}, "variance_epsilon") else {mod}.eps)'
@@ -3630,4 +3834,115 @@ AddRmsNorm.KEEP += [
          .replace("        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])\n",
                   "        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])\n        self.scales = nn.Parameter(torch.ones(n, d))\n"),
          reason="is not a parameter", name="s32_keyword_helper_weight_row_of_a_table"),
+]
+
+
+# -- s32: the norm of another layer object, in a decoder loop that unrolls the layers -----------------
+
+_S32_DECODER_LOOP = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).type_as(x) * self.weight
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d)
+        self.self_attn = nn.Linear(d, d)
+        self.post_attention_layernorm = RMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+
+class Model(nn.Module):
+    def __init__(self, d, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])
+
+    def forward(self, hidden_states):
+        for i, layer in enumerate(self.layers):
+            residual = hidden_states
+            hidden_states = layer.input_layernorm(hidden_states)
+            hidden_states = layer.self_attn(hidden_states)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = layer.post_attention_layernorm(hidden_states)
+            hidden_states = layer.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+        return hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S32_DECODER_LOOP, expect={"variant": "residual_then_norm", "norm": "layer.post_attention_layernorm", "eps": "layer.post_attention_layernorm.eps",
+                                    "condition": "type(layer.post_attention_layernorm) is RMSNorm", "line": 36, "end_line": 38},
+         run=_run_block("Model(32)", bf16=True, train=False), name="s32_decoder_loop_member_norm_inference_bf16"),
+    Fuse(_S32_DECODER_LOOP, expect={"norm_class": "RMSNorm"},
+         run=_run_block("Model(32)", leaves="[x, blk.layers[1].post_attention_layernorm.weight]"),
+         name="s32_decoder_loop_member_norm_training"),
+    # the layer indexed from the list, PyTorch's nn.RMSNorm
+    Fuse(_S32_DECODER_LOOP.replace("for i, layer in enumerate(self.layers):", "for i in range(len(self.layers)):")
+         .replace("layer.", "self.layers[i].")
+         .replace("self.post_attention_layernorm = RMSNorm(d)", "self.post_attention_layernorm = nn.RMSNorm(d, eps=1e-5)"),
+         expect={"variant": "library_norm", "weight": "self.layers[i].post_attention_layernorm.weight", "eps": "1e-5",
+                 "condition": "type(self.layers[i].post_attention_layernorm) is torch.nn.RMSNorm and self.layers[i].post_attention_layernorm.weight is not None"},
+         run=_run_block("Model(32)", bf16=True, train=False), name="s32_indexed_layer_library_norm_inference_bf16"),
+    # the layer bound from the list by index, a generator ModuleList
+    Fuse(_S32_DECODER_LOOP.replace("for i, layer in enumerate(self.layers):", "for i in range(len(self.layers)):\n            layer = self.layers[i]")
+         .replace("nn.ModuleList([DecoderLayer(d) for _ in range(n)])", "nn.ModuleList(DecoderLayer(d) for _ in range(n))"),
+         expect={"norm": "layer.post_attention_layernorm"}, run=_run_block("Model(32)"), name="s32_layer_bound_by_index_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # the layer's norm is a LayerNorm
+    Keep(_S32_DECODER_LOOP.replace("self.post_attention_layernorm = RMSNorm(d)", "self.post_attention_layernorm = nn.LayerNorm(d)"),
+         reason="is not RMSNorm", name="s32_decoder_loop_member_layernorm"),
+    # layers of two classes: which one a position holds is not read
+    Keep(_S32_DECODER_LOOP.replace("nn.ModuleList([DecoderLayer(d) for _ in range(n)])", "nn.ModuleList([DecoderLayer(d), OtherLayer(d)])")
+         + "\n\nclass OtherLayer(nn.Module):\n    def __init__(self, d):\n        super().__init__()\n"
+           "        self.input_layernorm = nn.LayerNorm(d)\n        self.self_attn = nn.Linear(d, d)\n"
+           "        self.post_attention_layernorm = nn.LayerNorm(d)\n        self.mlp = nn.Linear(d, d)\n",
+         name="s32_decoder_loop_layers_of_two_classes"),
+    # the loop name is rebound inside the loop: not the list's element
+    Keep(_S32_DECODER_LOOP.replace("            residual = hidden_states\n            hidden_states = layer.post_attention_layernorm",
+                                   "            residual = hidden_states\n            layer = self.other\n            hidden_states = layer.post_attention_layernorm")
+         .replace("        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])\n",
+                  "        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])\n        self.other = DecoderLayer(d)\n"),
+         name="s32_decoder_loop_name_rebound"),
+]
+
+AddRmsNorm.KEEP += [
+    # the layers come from elsewhere (a model passed in): what the norm is stays unknown, said as such
+    Keep(_S32_DECODER_LOOP.replace("    def forward(self, hidden_states):\n        for i, layer in enumerate(self.layers):",
+                                   "    def forward(self, hidden_states, model):\n        for i, layer in enumerate(model.layers):"),
+         reason="whose class npufuse does not resolve", name="s32_decoder_loop_layers_of_another_model"),
+    # a library norm of the sum (an L2 norm, not a module of an object): nothing to say
+    Keep(_S32_DECODER_LOOP.replace("hidden_states = layer.post_attention_layernorm(hidden_states)",
+                                   "hidden_states = hidden_states / torch.linalg.norm(hidden_states)"),
+         name="s32_decoder_loop_library_function_of_the_sum"),
+]
+
+AddRmsNorm.FUSE += [
+    # the list filled by ``append`` in ``__init__``'s loop
+    Fuse(_S32_DECODER_LOOP.replace("        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])\n",
+                                   "        self.layers = nn.ModuleList()\n        for _ in range(n):\n            self.layers.append(DecoderLayer(d))\n"),
+         expect={"condition": "type(layer.post_attention_layernorm) is RMSNorm"}, run=_run_block("Model(32)", bf16=True, train=False),
+         name="s32_decoder_loop_list_filled_by_append"),
+]
+
+AddRmsNorm.KEEP += [
+    # one appended layer of another class (a LayerNorm inside): the element class is not one
+    Keep(_S32_DECODER_LOOP.replace("        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])\n",
+                                   "        self.layers = nn.ModuleList()\n        for _ in range(n):\n            self.layers.append(DecoderLayer(d))\n"
+                                   "        self.layers.append(nn.TransformerEncoderLayer(d, 1))\n"),
+         reason="whose class npufuse does not resolve", name="s32_decoder_loop_list_appended_two_classes"),
 ]
