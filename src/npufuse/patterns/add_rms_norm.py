@@ -506,13 +506,22 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     if canonical.api(module, f) == "torch.nn.functional.rms_norm":
         return _functional_norm(module, call, "F.rms_norm")
     if isinstance(f, ast.Name):
+        # lucidrains: ``for attn_norm, attn, ff_norm, ff in self.layers:``: the construction at the
+        # name's position of every element, read in ``__init__`` (s32)
+        found = _unpacked_ctor(module, scope, f.id) if len(call.args) == 1 and not call.keywords else None
+        if found is not None:
+            file, ctor, lst = found
+            where = f" (from {file.path})" if file is not module else ""
+            nc = _norm_of_ctor(module, call, ctx, file, ctor, f.id, where, f"unpacked from `{lst}`")
+            if nc is not None:
+                return nc
         unpacked = _loop_unpacked(scope, f.id)
-        if unpacked is not None and "norm" in f.id.lower():
-            # lucidrains: ``for attn_norm, attn, ff_norm, ff in self.layers:`` -- a near miss saying so
-            # (the name only picks what to report; which module it is stays unknown)
-            return NormCall(call, f.id, "not_rms", cls=f.id,
-                            reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse does not read which "
-                                   "module each position of the list holds")
+        if unpacked is not None:
+            if "norm" in f.id.lower():
+                # a near miss saying so (the name only picks what to report; which module it is stays unknown)
+                return NormCall(call, f.id, "not_rms", cls=f.id,
+                                reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse could not read which "
+                                       "module that position of the list holds (each element a list of the same constructions in `__init__`)")
         return _function_norm(module, call, ctx)
     if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
         return _member_norm(module, scope, call, ctx)
@@ -627,10 +636,10 @@ def _attr_class(owner: _Owner, attr: str) -> _Owner | None:
     return None
 
 
-def _list_element_class(owner: _Owner, attr: str) -> _Owner | None:
-    """The class of every element of ``self.<attr>`` of ``owner`` when its ``__init__`` builds it as
-    ``nn.ModuleList([Cls(...) for ...])`` / ``nn.ModuleList(Cls(...) for ...)`` / ``nn.ModuleList([Cls(...), ...])``
-    (``nn.Sequential(*...)`` alike) or fills an empty list by ``append(Cls(...))``; None otherwise."""
+def _list_elements(owner: _Owner, attr: str) -> list[ast.expr] | None:
+    """The element constructions of ``self.<attr>`` of ``owner`` when its ``__init__`` builds it as
+    ``nn.ModuleList([X for ...])`` / ``nn.ModuleList(X for ...)`` / ``nn.ModuleList([X, Y])`` (``nn.Sequential(*...)``
+    alike) or fills an empty list by ``append(X)``; None when it is built otherwise or changed by other means."""
     file, class_name = owner
     value = S.init_assignments(file, class_name).get(attr)
     if not (isinstance(value, ast.Call) and file.canonical(value.func) in ("torch.nn.ModuleList", "torch.nn.Sequential")
@@ -643,11 +652,11 @@ def _list_element_class(owner: _Owner, attr: str) -> _Owner | None:
             arg = arg.value
         if isinstance(arg, (ast.ListComp, ast.GeneratorExp)):
             elts = [arg.elt]
-        elif isinstance(arg, (ast.List, ast.Tuple)) and arg.elts:
-            elts = list(arg.elts)
+        elif isinstance(arg, (ast.List, ast.Tuple)):
+            elts = list(arg.elts)  # ``nn.ModuleList([])``: filled below
         else:
             return None
-    # ``self.layers = nn.ModuleList()`` then ``self.layers.append(Cls(...))`` in a loop of ``__init__``
+    # ``self.layers = nn.ModuleList()`` then ``self.layers.append(X)`` in a loop of ``__init__``
     init = S.method(file, class_name, "__init__")
     for n in fast_walk(init) if init is not None else ():
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and dotted(n.func.value) == f"self.{attr}":
@@ -656,10 +665,50 @@ def _list_element_class(owner: _Owner, attr: str) -> _Owner | None:
             elts.append(n.args[0])
         elif isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and dotted(n.value) == f"self.{attr}":
             return None
-    names = {e.func.id if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) else None for e in elts}
+    return elts or None
+
+
+def _list_element_class(owner: _Owner, attr: str) -> _Owner | None:
+    """The class of every element of the layer list ``self.<attr>`` of ``owner`` (:func:`_list_elements`),
+    when they are all constructions of one class."""
+    elts = _list_elements(owner, attr)
+    names = {e.func.id if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) else None for e in elts or ()}
     if len(names) != 1 or None in names:
         return None
-    return _class_named(file, names.pop())  # type: ignore[arg-type]
+    return _class_named(owner[0], names.pop())  # type: ignore[arg-type]
+
+
+def _unpacked_ctor(module: ModuleInfo, scope: Scope, name: str) -> tuple[ModuleInfo, ast.expr, str] | None:
+    """lucidrains' layers: ``for attn_norm, attn, ff_norm, ff in self.layers:`` over a list whose every
+    element is ``nn.ModuleList([RMSNorm(dim), Attention(...), RMSNorm(dim), FeedForward(...)])``: (the
+    file, the construction at ``name``'s position, the list's expression) when every element builds the
+    same thing there and ``name`` is bound nowhere else in the scope."""
+    loops = [lp for lp in scope.nodes().get(ast.For, []) if name in {n.id for n in ast.walk(lp.target) if isinstance(n, ast.Name)}]  # type: ignore[attr-defined]
+    if len(loops) != 1 or any(st is not loops[0] for st, _v in scope.assignments.get(name, [])):
+        return None
+    it, target = loops[0].iter, loops[0].target  # type: ignore[attr-defined]
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1 \
+            and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+        it, target = it.args[0], target.elts[1]
+    if not (isinstance(target, ast.Tuple) and isinstance(it, ast.Attribute)):
+        return None
+    pos = [k for k, e in enumerate(target.elts) if isinstance(e, ast.Name) and e.id == name]
+    owner = _object_class(module, scope, it.value)
+    elts = _list_elements(owner, it.attr) if owner is not None and len(pos) == 1 else None
+    if not elts:
+        return None
+    built: set[str] = set()
+    ctor: ast.expr | None = None
+    for e in elts:
+        if not (isinstance(e, ast.Call) and owner[0].canonical(e.func) in ("torch.nn.ModuleList", "torch.nn.Sequential")  # type: ignore[index]
+                and len(e.args) == 1 and isinstance(e.args[0], (ast.List, ast.Tuple))
+                and len(e.args[0].elts) == len(target.elts) and not any(isinstance(x, ast.Starred) for x in e.args[0].elts)):
+            return None
+        ctor = e.args[0].elts[pos[0]]
+        built.add(ast.dump(ctor))
+    if len(built) != 1 or ctor is None:
+        return None
+    return owner[0], ctor, ast.unparse(it)  # type: ignore[index]
 
 
 def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int = 0) -> _Owner | None:
@@ -737,13 +786,21 @@ def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -
         return None
     file, owner_cls = owner
     value = S.init_assignments(file, owner_cls).get(f.attr)
+    where = f" (from {file.path})" if file is not module else ""
+    return _norm_of_ctor(module, call, ctx, file, value, S.source_of(module, f), where, f"built in {owner_cls}.__init__") if value is not None else None
+
+
+def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleInfo, value: ast.expr, mod: str, where: str,
+                  origin: str) -> NormCall | None:
+    """What the module ``mod`` (called by ``call``) is, ``value`` (code of ``file``) building it; ``origin``
+    says where, for reasons."""
     # ``RMSNorm(d) if cfg.rms else nn.LayerNorm(d)``: each side read; the guard picks the one read
     ctors = [v for v in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))
              if not (isinstance(v, ast.Constant) and v.value is None)]
     if not ctors or not all(isinstance(v, ast.Call) and dotted(v.func) for v in ctors):
         return None
-    mod = S.source_of(module, f)
-    where = f" (from {file.path})" if file is not module else ""
+    f = call.func
+    attr = f.attr if isinstance(f, ast.Attribute) else f.id  # type: ignore[union-attr]
     found: list[NormCall] = []
     for ctor in ctors:
         nc = _member_ctor_norm(module, call, ctx, file, ctor, mod, where)  # type: ignore[arg-type]
@@ -754,8 +811,7 @@ def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -
     if len(rms) > 1:
         return None
     if not rms:
-        return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({'; '.join(nc.reason for nc in found)}; `{mod}`, built in "
-                                                         f"{owner_cls}.__init__{where})")
+        return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({'; '.join(nc.reason for nc in found)}; `{mod}`, {origin}{where})")
     return rms[0]
 
 
@@ -764,10 +820,10 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
     """What the norm module ``mod`` built by ``ctor`` (code of ``file``) is, its fused code guarded on its
     run-time type; a ``not_rms`` NormCall for a LayerNorm; None when npufuse cannot read it."""
     f = call.func
-    assert isinstance(f, ast.Attribute)
+    attr = f.attr if isinstance(f, ast.Attribute) else f.id  # type: ignore[union-attr]
     canon = file.canonical(ctor.func) or ""
     if canon in _LAYER_NORMS:
-        return NormCall(call, f.attr, "not_rms", reason=f"{canon.replace('torch.nn.', 'nn.')}: mean subtracted")
+        return NormCall(call, attr, "not_rms", reason=f"{canon.replace('torch.nn.', 'nn.')}: mean subtracted")
     T = S.torch_name(module)
     if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
         if T is None:
@@ -778,7 +834,7 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
                 return None
             # built in another file: its weight and eps are the instance's
             lib = (f"{mod}.weight", eps_or_default(f"{mod}.eps", T))
-        return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1], mod=mod,
+        return NormCall(call, attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1], mod=mod,
                         conditions=[f"type({mod}) is {T}.nn.RMSNorm", f"{mod}.weight is not None"])
     cls = dotted(ctor.func) or ""
     if cls not in file.classes:
@@ -799,12 +855,13 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
     sum. ``where`` names the other file a repository class comes from (for reasons)."""
     f = call.func
-    assert isinstance(f, ast.Attribute)
+    assert isinstance(f, (ast.Attribute, ast.Name))
+    attr = f.attr if isinstance(f, ast.Attribute) else f.id  # a Name: the module unpacked from a layer list (s32)
     fwd = S.method(module, cls, "forward")
-    mod = f"self.{f.attr}" if isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
+    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
     if lib_fwd is not None:
-        return NormCall(call, f.attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
+        return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
         return None
     ret = S.helper_return(fwd)
@@ -826,9 +883,9 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         return _l2_class_norm(module, call, cls, fwd, where)
     except R.Miss as e:
         if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
-            return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
-        return NormCall(call, f.attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
-    return NormCall(call, f.attr, "rms", match=m, cls=cls + where)
+            return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
+        return NormCall(call, attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
+    return NormCall(call, attr, "rms", match=m, cls=cls + where)
 
 
 def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str) -> NormCall | None:
@@ -840,7 +897,8 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
     from npufuse.scan import canonical
 
     f = call.func
-    assert isinstance(f, ast.Attribute)
+    assert isinstance(f, (ast.Attribute, ast.Name))
+    attr = f.attr if isinstance(f, ast.Attribute) else f.id
     ret = S.helper_return(fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     if ret is None or ret.value is None or len(params) != 2 or fwd.args.vararg or fwd.args.kwonlyargs or fwd.args.kwarg \
@@ -854,7 +912,7 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
         return None
     unit, l2 = units[0]
     rest = [(n, inv) for n, inv in factors if n is not unit]
-    mod = f"self.{f.attr}" if isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
+    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
 
     def as_site(n: ast.expr) -> str | None:
         """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
@@ -880,7 +938,7 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
         if type(v) not in (int, float):
             return None
         eps = repr(v)
-    return NormCall(call, f.attr, "l2", cls=cls + where, gamma=gain, eps=eps)
+    return NormCall(call, attr, "l2", cls=cls + where, gamma=gain, eps=eps)
 
 
 def _loop_unpacked(scope: Scope, name: str) -> str | None:
@@ -2546,8 +2604,9 @@ AddRmsNorm.FUSE += [
 
 AddRmsNorm.KEEP += [
     Keep(
-        # lucidrains: the norms are unpacked from a ModuleList in the loop; which module sits at each position
-        # is not read: a near miss saying so (not a silent skip)
+        # lucidrains: the norms are unpacked from a ModuleList in the loop; where the list comes from a
+        # function (not read), which module sits at each position is unknown: a near miss saying so (not a
+        # silent skip). Built in ``__init__`` it is read (s32, ``s32_unpacked_*``)
         '''
 import torch
 from torch import nn
@@ -2562,10 +2621,14 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.g
 
 
+def make_layers(dim, depth):
+    return nn.ModuleList([nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), RMSNorm(dim), nn.Linear(dim, dim)]) for _ in range(depth)])
+
+
 class Transformer(nn.Module):
     def __init__(self, dim, depth):
         super().__init__()
-        self.layers = nn.ModuleList([nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), RMSNorm(dim), nn.Linear(dim, dim)]) for _ in range(depth)])
+        self.layers = make_layers(dim, depth)
 
     def forward(self, x):
         for attn_norm, attn, ff_norm, ff in self.layers:
@@ -3945,4 +4008,70 @@ AddRmsNorm.KEEP += [
                                    "        self.layers = nn.ModuleList()\n        for _ in range(n):\n            self.layers.append(DecoderLayer(d))\n"
                                    "        self.layers.append(nn.TransformerEncoderLayer(d, 1))\n"),
          reason="whose class npufuse does not resolve", name="s32_decoder_loop_list_appended_two_classes"),
+]
+
+
+# -- s32: lucidrains' layer lists, the norm unpacked by position (``for attn_norm, attn, ff_norm, ff in self.layers``)
+
+_S32_UNPACKED = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.g
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim, depth=2):
+        super().__init__()
+        self.layers = nn.ModuleList([])
+        for _ in range(depth):
+            self.layers.append(nn.ModuleList([
+                RMSNorm(dim),
+                nn.Linear(dim, dim),
+                RMSNorm(dim),
+                nn.Linear(dim, dim),
+            ]))
+
+    def forward(self, x):
+        for attn_norm, attn, ff_norm, ff in self.layers:
+            x = attn(attn_norm(x)) + x
+            x = ff(ff_norm(x)) + x
+        return x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S32_UNPACKED, expect={"norm": "ff_norm", "weight": "ff_norm.g", "eps": "ff_norm.eps", "x1": "attn(attn_norm(x))", "x2": "x",
+                                "condition": "type(ff_norm) is RMSNorm", "line": 30, "end_line": 31},
+         run=_run_block("Transformer(32)", bf16=True, train=False), name="s32_unpacked_layer_norm_inference_bf16"),
+    Fuse(_S32_UNPACKED, expect={"norm_class": "RMSNorm"}, run=_run_block("Transformer(32)", leaves="[x, blk.layers[0][2].g]"),
+         name="s32_unpacked_layer_norm_training"),
+    # a list comprehension of lists, enumerate, nn.RMSNorm
+    Fuse(_S32_UNPACKED.replace("        self.layers = nn.ModuleList([])\n        for _ in range(depth):\n            self.layers.append(nn.ModuleList([\n",
+                               "        self.layers = nn.ModuleList([nn.ModuleList([\n")
+         .replace("                nn.Linear(dim, dim),\n            ]))\n", "                nn.Linear(dim, dim),\n            ]) for _ in range(depth)])\n")
+         .replace("                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ])", "                nn.RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ])")
+         .replace("for attn_norm, attn, ff_norm, ff in self.layers:", "for i, (attn_norm, attn, ff_norm, ff) in enumerate(self.layers):"),
+         expect={"variant": "library_norm", "weight": "ff_norm.weight", "condition": "type(ff_norm) is torch.nn.RMSNorm and ff_norm.weight is not None"},
+         run=_run_block("Transformer(32)", bf16=True, train=False), name="s32_unpacked_library_norm_comprehension_enumerate"),
+]
+
+AddRmsNorm.KEEP += [
+    # a LayerNorm at that position
+    Keep(_S32_UNPACKED.replace("                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ]))",
+                               "                nn.LayerNorm(dim),\n                nn.Linear(dim, dim),\n            ]))"),
+         reason="is not RMSNorm", name="s32_unpacked_layer_norm_is_a_layernorm"),
+    # the elements differ at that position: which one a layer holds is not one construction
+    Keep(_S32_UNPACKED.replace("        for _ in range(depth):\n", "        for k in range(depth):\n")
+         .replace("                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ]))",
+                  "                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ]))\n"
+                  "        self.layers.append(nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), nn.LayerNorm(dim), nn.Linear(dim, dim)]))"),
+         reason="could not read which module that position", name="s32_unpacked_positions_differ"),
 ]
