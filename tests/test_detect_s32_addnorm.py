@@ -5,8 +5,6 @@ in its own file; the rewrite is run under the emulator against the original."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 from apply_support import make_repo, npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from test_detect_s31_addnorm import _import_fresh
 
 _OPS = '''\
 import torch
@@ -81,31 +80,25 @@ class Decoder(nn.Module):
 '''
 
 
-def _import_fresh(root: Path, name: str) -> types.ModuleType:
-    sys.path.insert(0, str(root))
-    try:
-        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
-            del sys.modules[key]
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(root))
-        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
-            del sys.modules[key]
+def _run(mods: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """Each module in bf16 without grad (npu_add_rms_norm), then in fp32 with grad (the add, npu_rms_norm)."""
+    outs = []
+    for m in mods:
+        x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+        with torch.no_grad():
+            outs.append(m.to(torch.bfloat16)(x))
+        outs.append(m.float()(x.float()))
+    return outs
 
 
-def _run(mod: types.ModuleType) -> list[torch.Tensor]:
+def _decoders(mod: types.ModuleType) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    dec = mod.Decoder(32).to(torch.bfloat16)
-    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
-    with torch.no_grad():
-        inference = dec(x)
-    train = dec.float()(x.float())
-    return [inference, train]
+    return _run([mod.Decoder(32)])
 
 
 def test_keyword_only_norm_helper_of_another_file(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/ops.py": _OPS, "pkg/model.py": _MODEL}
-    ref = _run(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = _decoders(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -118,7 +111,7 @@ def test_keyword_only_norm_helper_of_another_file(tmp_path: Path) -> None:
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     assert "npu_add_rms_norm" in (root / "pkg" / "model.py").read_text(encoding="utf-8")
     with emulate.install() as emu:
-        outs = _run(_import_fresh(root, "pkg.model"))
+        outs = _decoders(_import_fresh(root, "pkg.model"))
     assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -204,14 +197,7 @@ class Runner(nn.Module):
 
 def _run_runner(mod: types.ModuleType) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    outs = []
-    for rms in (True, False):
-        run = mod.Runner(32, rms=rms).to(torch.bfloat16)
-        x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
-        with torch.no_grad():
-            outs.append(run(x))
-        outs.append(run.float()(x.float()))
-    return outs
+    return _run([mod.Runner(32, rms=True), mod.Runner(32, rms=False)])
 
 
 def test_decoder_loop_over_layers_of_a_model_of_another_file(tmp_path: Path) -> None:

@@ -515,6 +515,11 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
             nc = _norm_of_ctor(module, call, ctx, file, ctor, f.id, where, f"unpacked from `{lst}`")
             if nc is not None:
                 return nc
+            if "norm" in f.id.lower():
+                text = ast.unparse(ctor)
+                return NormCall(call, f.id, "not_rms", cls=f.id,
+                                reason=f"`{f.id}` is unpacked from `{lst}` in a loop, built as `{text[:80]}`{where}: npufuse does not "
+                                       "read that construction as a norm module whose forward it can follow")
         unpacked = _loop_unpacked(scope, f.id)
         if unpacked is not None:
             if "norm" in f.id.lower():
