@@ -530,6 +530,8 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         return _function_norm(module, call, ctx)
     if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
         return _member_norm(module, scope, call, ctx)
+    if isinstance(f, ast.Subscript):
+        return _indexed_norm(module, scope, call, ctx)
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
         return None
     if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
@@ -805,7 +807,7 @@ def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleIn
     if not ctors or not all(isinstance(v, ast.Call) and dotted(v.func) for v in ctors):
         return None
     f = call.func
-    attr = f.attr if isinstance(f, ast.Attribute) else f.id  # type: ignore[union-attr]
+    attr = _callee_name(f)
     found: list[NormCall] = []
     for ctor in ctors:
         nc = _member_ctor_norm(module, call, ctx, file, ctor, mod, where)  # type: ignore[arg-type]
@@ -825,7 +827,7 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
     """What the norm module ``mod`` built by ``ctor`` (code of ``file``) is, its fused code guarded on its
     run-time type; a ``not_rms`` NormCall for a LayerNorm; None when npufuse cannot read it."""
     f = call.func
-    attr = f.attr if isinstance(f, ast.Attribute) else f.id  # type: ignore[union-attr]
+    attr = _callee_name(f)
     canon = file.canonical(ctor.func) or ""
     if canon in _LAYER_NORMS:
         return NormCall(call, attr, "not_rms", reason=f"{canon.replace('torch.nn.', 'nn.')}: mean subtracted")
@@ -855,13 +857,38 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
     return nc
 
 
+def _callee_name(f: ast.expr) -> str:
+    """The name a norm call's callee goes by in reasons: ``self.norm`` -> ``norm``, ``ff_norm``,
+    ``self.norms[i]`` -> ``norms``."""
+    while isinstance(f, ast.Subscript):
+        f = f.value
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ast.unparse(f)
+
+
+def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``self.norms[i](h)`` (VITS' ``self.norm_layers_1[i](x + y)``, XLM's ``self.layer_norm2[i]``): a list of
+    norms of ``__init__``, every element the same construction, read like a member norm (s32)."""
+    f = call.func
+    assert isinstance(f, ast.Subscript)
+    lst, idx = f.value, f.slice
+    if not (isinstance(lst, ast.Attribute) and (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int))
+            and len(call.args) == 1 and not call.keywords and not isinstance(call.args[0], ast.Starred)):
+        return None
+    owner = _object_class(module, scope, lst.value)
+    elts = _list_elements(owner, lst.attr) if owner is not None else None
+    if not elts or len({ast.dump(e) for e in elts}) != 1:
+        return None
+    file = owner[0]  # type: ignore[index]
+    where = f" (from {file.path})" if file is not module else ""
+    return _norm_of_ctor(module, call, ctx, file, elts[0], S.source_of(module, f), where, f"an element of `{ast.unparse(lst)}`")
+
+
 def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "") -> NormCall | None:
     """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
     ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
     sum. ``where`` names the other file a repository class comes from (for reasons)."""
     f = call.func
-    assert isinstance(f, (ast.Attribute, ast.Name))
-    attr = f.attr if isinstance(f, ast.Attribute) else f.id  # a Name: the module unpacked from a layer list (s32)
+    attr = _callee_name(f)  # s32: a Name (unpacked from a layer list) or a Subscript (``self.norms[i]``) too
     fwd = S.method(module, cls, "forward")
     mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
@@ -902,8 +929,7 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
     from npufuse.scan import canonical
 
     f = call.func
-    assert isinstance(f, (ast.Attribute, ast.Name))
-    attr = f.attr if isinstance(f, ast.Attribute) else f.id
+    attr = _callee_name(f)
     ret = S.helper_return(fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     if ret is None or ret.value is None or len(params) != 2 or fwd.args.vararg or fwd.args.kwonlyargs or fwd.args.kwarg \
@@ -1087,7 +1113,7 @@ def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
     return stmt, None
 
 
-_INLINE_SUM = re.compile(r"\w\([^()\n]*\+")
+_INLINE_SUM = re.compile(r"[\w\]]\([^()\n]*\+")  # ``norm(x + y)``, ``self.norms[i](x + y)``
 
 
 def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
@@ -4079,4 +4105,57 @@ AddRmsNorm.KEEP += [
                   "                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ]))\n"
                   "        self.layers.append(nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), nn.LayerNorm(dim), nn.Linear(dim, dim)]))"),
          reason="could not read which module that position", name="s32_unpacked_positions_differ"),
+]
+
+
+# -- s32: a list of norms indexed in the loop (VITS' post-norm ``x = self.norm_layers_1[i](x + y)``) ---
+
+_S32_INDEXED_NORMS = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class Encoder(nn.Module):
+    def __init__(self, dim, n_layers=2):
+        super().__init__()
+        self.n_layers = n_layers
+        self.attn_layers = nn.ModuleList()
+        self.norm_layers_1 = nn.ModuleList()
+        for _ in range(n_layers):
+            self.attn_layers.append(nn.Linear(dim, dim))
+            self.norm_layers_1.append(RMSNorm(dim))
+
+    def forward(self, x):
+        for i in range(self.n_layers):
+            y = self.attn_layers[i](x)
+            x = self.norm_layers_1[i](x + y)
+        return x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S32_INDEXED_NORMS, expect={"variant": "inline_sum", "norm": "self.norm_layers_1[i]", "weight": "self.norm_layers_1[i].weight",
+                                     "condition": "type(self.norm_layers_1[i]) is RMSNorm", "line": 29, "end_line": 29},
+         run=_run_block("Encoder(32)", bf16=True, train=False), name="s32_indexed_norm_list_inline_sum_inference_bf16"),
+    Fuse(_S32_INDEXED_NORMS, expect={"norm_class": "RMSNorm"}, run=_run_block("Encoder(32)", leaves="[x, blk.norm_layers_1[1].weight]"),
+         name="s32_indexed_norm_list_inline_sum_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # VITS' norms are LayerNorms
+    Keep(_S32_INDEXED_NORMS.replace("self.norm_layers_1.append(RMSNorm(dim))", "self.norm_layers_1.append(nn.LayerNorm(dim))"),
+         reason="is not RMSNorm", name="s32_indexed_norm_list_of_layernorms"),
+    # the list holds two constructions: which one an index reaches is not read
+    Keep(_S32_INDEXED_NORMS.replace("            self.norm_layers_1.append(RMSNorm(dim))\n",
+                                    "            self.norm_layers_1.append(RMSNorm(dim))\n        self.norm_layers_1.append(nn.LayerNorm(dim))\n"),
+         name="s32_indexed_norm_list_of_two_constructions"),
 ]
