@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -91,6 +92,18 @@ def _run(mods: list[torch.nn.Module]) -> list[torch.Tensor]:
     return outs
 
 
+def _apply_and_compare(root: Path, name: str, run: Callable[[types.ModuleType], list[torch.Tensor]], ref: list[torch.Tensor],
+                       fused: int) -> None:
+    """Accept every candidate, then run the rewritten module under the emulator against ``ref``."""
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    assert "npu_add_rms_norm" in (root / (name.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+    with emulate.install() as emu:
+        outs = run(_import_fresh(root, name))
+    assert emu.calls["npu_add_rms_norm"] == fused, emu.calls
+    for a, b in zip(ref, outs):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
 def _decoders(mod: types.ModuleType) -> list[torch.Tensor]:
     torch.manual_seed(0)
     return _run([mod.Decoder(32)])
@@ -108,13 +121,7 @@ def test_keyword_only_norm_helper_of_another_file(tmp_path: Path) -> None:
     # the mean-subtracting helper, called the same way, is refused with the reason found in its file
     ln = [m for m in data["near_misses"] if m["qualname"] == "Decoder.layer_ln"]
     assert ln and "pkg/ops.py" in ln[0]["reason"] and "is not RMSNorm" in ln[0]["reason"], data["near_misses"]
-    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
-    assert "npu_add_rms_norm" in (root / "pkg" / "model.py").read_text(encoding="utf-8")
-    with emulate.install() as emu:
-        outs = _decoders(_import_fresh(root, "pkg.model"))
-    assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
-    for a, b in zip(ref, outs):
-        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    _apply_and_compare(root, "pkg.model", _decoders, ref, fused=2)
 
 
 # -- a decoder loop over the layers of a model built from another file ------------------------------
@@ -212,11 +219,5 @@ def test_decoder_loop_over_layers_of_a_model_of_another_file(tmp_path: Path) -> 
     assert 'type(decode_layer.post_attention_layernorm).__qualname__ == "RMSNorm"' in p["condition"], p
     ln = [m for m in data["near_misses"] if m["qualname"] == "Runner.layer_norm_loop"]
     assert ln and "nn.LayerNorm" in ln[0]["reason"] and "pkg/modeling.py" in ln[0]["reason"], data["near_misses"]
-    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
-    assert "npu_add_rms_norm" in (root / "pkg" / "runner.py").read_text(encoding="utf-8")
-    with emulate.install() as emu:
-        outs = _run_runner(_import_fresh(root, "pkg.runner"))
     # two layers fused in inference with the RMSNorm; the LayerNorm built by the flag runs the original
-    assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
-    for a, b in zip(ref, outs):
-        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    _apply_and_compare(root, "pkg.runner", _run_runner, ref, fused=2)
