@@ -56,6 +56,8 @@ class NormCall:
     # s31: the file view the norm was read in when its class is in another file of the repository
     # (this file with that class added): the replacement is planned in it
     home: ModuleInfo | None = None
+    # s32: the norm module's expression when it is not ``self.<attr>`` (``layer.post_attention_layernorm``)
+    mod: str = ""
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -163,7 +165,11 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
 
     f = call.func
     assert isinstance(f, ast.Name)
-    if not call.args or isinstance(call.args[0], ast.Starred) or S.definition(ctx, f.id) is not None:
+    if (call.args and isinstance(call.args[0], ast.Starred)) or S.definition(ctx, f.id) is not None:
+        return None
+    # the input: the first positional argument, or the keyword naming the helper's first parameter
+    arg = call.args[0] if call.args else _helper_keyword_input(module, call)
+    if arg is None:
         return None
     fn = module.helper(f.id)
     home, where = module, ""  # the file defining the helper
@@ -206,7 +212,7 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
         return None
     # an inline sum (``rms_norm(h + attn(h), eps)``) is read as the name the fused code binds it to:
     # the helper's reads of its input (``input_dtype = x.dtype``) must not evaluate the sum again
-    hctx.bind[params[0]] = (_norm_input(call.args[0]), ctx)
+    hctx.bind[params[0]] = (_norm_input(arg), ctx)
     try:
         m = R.parse_norm(module, value, hctx.at(ret.lineno))
     except R.NoMatch:
@@ -500,14 +506,32 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     if canonical.api(module, f) == "torch.nn.functional.rms_norm":
         return _functional_norm(module, call, "F.rms_norm")
     if isinstance(f, ast.Name):
+        # lucidrains: ``for attn_norm, attn, ff_norm, ff in self.layers:``: the construction at the
+        # name's position of every element, read in ``__init__`` (s32)
+        found = _unpacked_ctor(module, scope, f.id) if len(call.args) == 1 and not call.keywords else None
+        if found is not None:
+            file, ctor, lst = found
+            where = f" (from {file.path})" if file is not module else ""
+            nc = _norm_of_ctor(module, call, ctx, file, ctor, f.id, where, f"unpacked from `{lst}`")
+            if nc is not None:
+                return nc
+            if "norm" in f.id.lower():
+                text = ast.unparse(ctor)
+                return NormCall(call, f.id, "not_rms", cls=f.id,
+                                reason=f"`{f.id}` is unpacked from `{lst}` in a loop, built as `{text[:80]}`{where}: npufuse does not "
+                                       "read that construction as a norm module whose forward it can follow")
         unpacked = _loop_unpacked(scope, f.id)
-        if unpacked is not None and "norm" in f.id.lower():
-            # lucidrains: ``for attn_norm, attn, ff_norm, ff in self.layers:`` -- a near miss saying so
-            # (the name only picks what to report; which module it is stays unknown)
-            return NormCall(call, f.id, "not_rms", cls=f.id,
-                            reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse does not read which "
-                                   "module each position of the list holds")
+        if unpacked is not None:
+            if "norm" in f.id.lower():
+                # a near miss saying so (the name only picks what to report; which module it is stays unknown)
+                return NormCall(call, f.id, "not_rms", cls=f.id,
+                                reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse could not read which "
+                                       "module that position of the list holds (each element a list of the same constructions in `__init__`)")
         return _function_norm(module, call, ctx)
+    if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return _member_norm(module, scope, call, ctx)
+    if isinstance(f, ast.Subscript):
+        return _indexed_norm(module, scope, call, ctx)
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
         return None
     if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
@@ -587,16 +611,289 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     return None
 
 
+# -- s32: the norm of another layer object (a decoder loop unrolling its layers) ----------------------
+# ``for layer in self.model.layers: ... h = residual + h; residual = h; h = layer.post_attention_layernorm(h)``
+# (fiddler's and ktransformers' Ascend decoder loops, TriForce's ``self.layers[i]``): the add is in the
+# runner's method, the norm a module of a layer object. The object's class is followed through
+# ``__init__`` constructions (``self.model = Model(cfg)``, ``self.layers = nn.ModuleList([Layer(...) for
+# ...])``), in this file or, for a class imported from another file of the repository, in that file;
+# the layer class's ``__init__`` says what the norm attribute is. The fused code runs where the norm's
+# run-time type is the class read (lists can change after ``__init__``; a flag may build another class).
+
+_Owner = tuple[ModuleInfo, str]  # a class (its name) and the file defining it
+
+
+def _class_named(file: ModuleInfo, name: str) -> _Owner | None:
+    """The class ``name`` means in ``file``: one of its own, or one it imports from another file of the
+    repository (read there)."""
+    if name in file.classes:
+        return file, name
+    found = _foreign_definition(file, name)
+    if found is not None and isinstance(found[1], ast.ClassDef):
+        return found[0], found[1].name
+    return None
+
+
+def _attr_class(owner: _Owner, attr: str) -> _Owner | None:
+    """The class of ``self.<attr>`` of ``owner``: its ``__init__`` builds it as ``Cls(...)``."""
+    file, cls = owner
+    value = S.init_assignments(file, cls).get(attr)
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        return _class_named(file, value.func.id)
+    return None
+
+
+def _list_elements(owner: _Owner, attr: str) -> list[ast.expr] | None:
+    """The element constructions of ``self.<attr>`` of ``owner`` when its ``__init__`` builds it as
+    ``nn.ModuleList([X for ...])`` / ``nn.ModuleList(X for ...)`` / ``nn.ModuleList([X, Y])`` (``nn.Sequential(*...)``
+    alike) or fills an empty list by ``append(X)``; None when it is built otherwise or changed by other means."""
+    file, class_name = owner
+    value = S.init_assignments(file, class_name).get(attr)
+    if not (isinstance(value, ast.Call) and file.canonical(value.func) in ("torch.nn.ModuleList", "torch.nn.Sequential")
+            and len(value.args) <= 1 and not value.keywords):
+        return None
+    elts: list[ast.expr] = []
+    if value.args:
+        arg = value.args[0]
+        if isinstance(arg, ast.Starred):
+            arg = arg.value
+        if isinstance(arg, (ast.ListComp, ast.GeneratorExp)):
+            elts = [arg.elt]
+        elif isinstance(arg, (ast.List, ast.Tuple)):
+            elts = list(arg.elts)  # ``nn.ModuleList([])``: filled below
+        else:
+            return None
+    # ``self.layers = nn.ModuleList()`` then ``self.layers.append(X)`` in a loop of ``__init__``
+    init = S.method(file, class_name, "__init__")
+    for n in fast_walk(init) if init is not None else ():
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and dotted(n.func.value) == f"self.{attr}":
+            if n.func.attr != "append" or len(n.args) != 1:
+                return None  # extend / insert: not read
+            elts.append(n.args[0])
+        elif isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and dotted(n.value) == f"self.{attr}":
+            return None
+    return elts or None
+
+
+def _list_element_class(owner: _Owner, attr: str) -> _Owner | None:
+    """The class of every element of the layer list ``self.<attr>`` of ``owner`` (:func:`_list_elements`),
+    when they are all constructions of one class."""
+    elts = _list_elements(owner, attr)
+    names = {e.func.id if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) else None for e in elts or ()}
+    if len(names) != 1 or None in names:
+        return None
+    return _class_named(owner[0], names.pop())  # type: ignore[arg-type]
+
+
+def _unpacked_ctor(module: ModuleInfo, scope: Scope, name: str) -> tuple[ModuleInfo, ast.expr, str] | None:
+    """lucidrains' layers: ``for attn_norm, attn, ff_norm, ff in self.layers:`` over a list whose every
+    element is ``nn.ModuleList([RMSNorm(dim), Attention(...), RMSNorm(dim), FeedForward(...)])``: (the
+    file, the construction at ``name``'s position, the list's expression) when every element builds the
+    same thing there and ``name`` is bound nowhere else in the scope."""
+    loops = [lp for lp in scope.nodes().get(ast.For, []) if name in {n.id for n in ast.walk(lp.target) if isinstance(n, ast.Name)}]  # type: ignore[attr-defined]
+    if len(loops) != 1 or any(st is not loops[0] for st, _v in scope.assignments.get(name, [])):
+        return None
+    it, target = loops[0].iter, loops[0].target  # type: ignore[attr-defined]
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1 \
+            and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+        it, target = it.args[0], target.elts[1]
+    if not (isinstance(target, ast.Tuple) and isinstance(it, ast.Attribute)):
+        return None
+    pos = [k for k, e in enumerate(target.elts) if isinstance(e, ast.Name) and e.id == name]
+    owner = _object_class(module, scope, it.value)
+    elts = _list_elements(owner, it.attr) if owner is not None and len(pos) == 1 else None
+    if not elts:
+        return None
+    built: set[str] = set()
+    ctor: ast.expr | None = None
+    for e in elts:
+        if not (isinstance(e, ast.Call) and owner[0].canonical(e.func) in ("torch.nn.ModuleList", "torch.nn.Sequential")  # type: ignore[index]
+                and len(e.args) == 1 and isinstance(e.args[0], (ast.List, ast.Tuple))
+                and len(e.args[0].elts) == len(target.elts) and not any(isinstance(x, ast.Starred) for x in e.args[0].elts)):
+            return None
+        ctor = e.args[0].elts[pos[0]]
+        built.add(ast.dump(ctor))
+    if len(built) != 1 or ctor is None:
+        return None
+    return owner[0], ctor, ast.unparse(it)  # type: ignore[index]
+
+
+def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int = 0) -> _Owner | None:
+    """The class the object ``node`` is an instance of, followed from ``self`` through attributes built
+    in ``__init__`` and elements of layer lists: ``self.model.layers[i]``, the name a ``for`` over such a
+    list (``enumerate`` included) binds, ``layer = self.layers[i]``; a name must be bound once in the scope."""
+    if depth > 6:
+        return None
+    if isinstance(node, ast.Name) and node.id == "self":
+        return (module, scope.class_name) if scope.class_name in module.classes else None
+    if isinstance(node, ast.Attribute):
+        owner = _object_class(module, scope, node.value, depth + 1)
+        return _attr_class(owner, node.attr) if owner is not None else None
+    if isinstance(node, ast.Subscript):
+        idx = node.slice
+        if not (isinstance(node.value, ast.Attribute) and (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int))):
+            return None
+        owner = _object_class(module, scope, node.value.value, depth + 1)
+        return _list_element_class(owner, node.value.attr) if owner is not None else None
+    if not isinstance(node, ast.Name):
+        return None
+    bound = scope.assignments.get(node.id, [])
+    loops = [lp for lp in scope.nodes().get(ast.For, []) if node.id in {n.id for n in ast.walk(lp.target) if isinstance(n, ast.Name)}]  # type: ignore[attr-defined]
+    args = scope.node.args if isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)} if args is not None else set()
+    if len(bound) + len(loops) != 1 or node.id in params:
+        return None
+    if bound:
+        value = bound[0][1]
+        return _object_class(module, scope, value, depth + 1) if isinstance(value, (ast.Subscript, ast.Attribute)) else None
+    loop = loops[0]
+    it, target = loop.iter, loop.target  # type: ignore[attr-defined]
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1 and not it.keywords:
+        if not (isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name)
+                and target.elts[1].id == node.id):
+            return None
+        it = it.args[0]
+    elif not (isinstance(target, ast.Name) and target.id == node.id):
+        return None
+    if isinstance(it, ast.Attribute):
+        owner = _object_class(module, scope, it.value, depth + 1)
+        return _list_element_class(owner, it.attr) if owner is not None else None
+    return None
+
+
+def _type_guard(module: ModuleInfo, mod: str, ctor: ast.expr, file: ModuleInfo) -> str:
+    """The run-time check that ``mod`` is an instance of exactly the class ``ctor`` names in ``file``:
+    ``type(m) is Cls`` where this file can name it, else its name and the file its forward comes from."""
+    if file is module:
+        return f"type({mod}) is {S.source_of(module, ctor)}"
+    name = dotted(ctor) or ""
+    return (f'type({mod}).__qualname__ == "{name}" and getattr(getattr(type({mod}).forward, "__code__", None), '
+            f'"co_filename", "").replace("\\\\", "/").endswith("/{file.path}")')
+
+
+def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``<layer>.<attr>(s)``: a norm module of another object (see above)."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred) or "norm" not in S.scope_text(module, scope).lower():
+        return None
+    root: ast.expr = f
+    while isinstance(root, (ast.Attribute, ast.Subscript)):
+        root = root.value
+    if not isinstance(root, ast.Name) or root.id in module.aliases or root.id in module.classes or root.id in module.functions:
+        return None  # a library function (``torch.linalg.norm``, ``np.linalg.norm``), not a module of an object
+    owner = _object_class(module, scope, f.value)
+    recv = S.source_of(module, f.value)
+    if owner is None:
+        if "norm" in f.attr.lower():
+            return NormCall(call, f.attr, "not_rms", cls=f.attr,
+                            reason=f"`{recv}.{f.attr}` is a module of `{recv}`, whose class npufuse does not resolve (from "
+                                   "`self` through `__init__` constructions and layer lists built from one class): what the "
+                                   "norm is stays unknown")
+        return None
+    file, owner_cls = owner
+    value = S.init_assignments(file, owner_cls).get(f.attr)
+    where = f" (from {file.path})" if file is not module else ""
+    return _norm_of_ctor(module, call, ctx, file, value, S.source_of(module, f), where, f"built in {owner_cls}.__init__") if value is not None else None
+
+
+def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleInfo, value: ast.expr, mod: str, where: str,
+                  origin: str) -> NormCall | None:
+    """What the module ``mod`` (called by ``call``) is, ``value`` (code of ``file``) building it; ``origin``
+    says where, for reasons."""
+    # ``RMSNorm(d) if cfg.rms else nn.LayerNorm(d)``: each side read; the guard picks the one read
+    ctors = [v for v in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))
+             if not (isinstance(v, ast.Constant) and v.value is None)]
+    if not ctors or not all(isinstance(v, ast.Call) and dotted(v.func) for v in ctors):
+        return None
+    f = call.func
+    attr = _callee_name(f)
+    found: list[NormCall] = []
+    for ctor in ctors:
+        nc = _member_ctor_norm(module, call, ctx, file, ctor, mod, where)  # type: ignore[arg-type]
+        if nc is None:
+            return None  # a side npufuse cannot read: which one runs decides nothing then
+        found.append(nc)
+    rms = [nc for nc in found if nc.kind != "not_rms"]
+    if len(rms) > 1:
+        return None
+    if not rms:
+        return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({'; '.join(nc.reason for nc in found)}; `{mod}`, {origin}{where})")
+    return rms[0]
+
+
+def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleInfo, ctor: ast.Call, mod: str,
+                      where: str) -> NormCall | None:
+    """What the norm module ``mod`` built by ``ctor`` (code of ``file``) is, its fused code guarded on its
+    run-time type; a ``not_rms`` NormCall for a LayerNorm; None when npufuse cannot read it."""
+    f = call.func
+    attr = _callee_name(f)
+    canon = file.canonical(ctor.func) or ""
+    if canon in _LAYER_NORMS:
+        return NormCall(call, attr, "not_rms", reason=f"{canon.replace('torch.nn.', 'nn.')}: mean subtracted")
+    T = S.torch_name(module)
+    if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
+        if T is None:
+            return None  # the guard names torch.nn.RMSNorm
+        lib = _library_gamma_eps(file, mod, ctor) if file is module else None
+        if lib is None:
+            if file is module:
+                return None
+            # built in another file: its weight and eps are the instance's
+            lib = (f"{mod}.weight", eps_or_default(f"{mod}.eps", T))
+        return NormCall(call, attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1], mod=mod,
+                        conditions=[f"type({mod}) is {T}.nn.RMSNorm", f"{mod}.weight is not None"])
+    cls = dotted(ctor.func) or ""
+    if cls not in file.classes:
+        return None
+    home = module if file is module else _home_with(module, file, file.classes[cls])
+    if home is None:
+        return None
+    nc = _class_norm_call(home, call, ctx, cls, where)
+    if nc is not None and nc.kind != "not_rms":
+        nc.conditions = [*nc.conditions, _type_guard(module, mod, ctor.func, file)]
+        nc.mod = mod
+        nc.home = home if home is not module else None
+    return nc
+
+
+def _callee_name(f: ast.expr) -> str:
+    """The name a norm call's callee goes by in reasons: ``self.norm`` -> ``norm``, ``ff_norm``,
+    ``self.norms[i]`` -> ``norms``."""
+    while isinstance(f, ast.Subscript):
+        f = f.value
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ast.unparse(f)
+
+
+def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``self.norms[i](h)`` (VITS' ``self.norm_layers_1[i](x + y)``, XLM's ``self.layer_norm2[i]``): a list of
+    norms of ``__init__``, every element the same construction, read like a member norm (s32)."""
+    f = call.func
+    assert isinstance(f, ast.Subscript)
+    lst, idx = f.value, f.slice
+    if not (isinstance(lst, ast.Attribute) and (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int))
+            and len(call.args) == 1 and not call.keywords and not isinstance(call.args[0], ast.Starred)):
+        return None
+    owner = _object_class(module, scope, lst.value)
+    elts = _list_elements(owner, lst.attr) if owner is not None else None
+    if not elts or len({ast.dump(e) for e in elts}) != 1:
+        return None
+    file = owner[0]  # type: ignore[index]
+    where = f" (from {file.path})" if file is not module else ""
+    return _norm_of_ctor(module, call, ctx, file, elts[0], S.source_of(module, f), where, f"an element of `{ast.unparse(lst)}`")
+
+
 def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "") -> NormCall | None:
     """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
     ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
     sum. ``where`` names the other file a repository class comes from (for reasons)."""
     f = call.func
-    assert isinstance(f, ast.Attribute)
+    attr = _callee_name(f)  # s32: a Name (unpacked from a layer list) or a Subscript (``self.norms[i]``) too
     fwd = S.method(module, cls, "forward")
-    lib_fwd = _library_forward(module, fwd, f"self.{f.attr}", foreign=bool(where)) if fwd is not None else None
+    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
+    lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
     if lib_fwd is not None:
-        return NormCall(call, f.attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
+        return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
         return None
     ret = S.helper_return(fwd)
@@ -618,9 +915,9 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         return _l2_class_norm(module, call, cls, fwd, where)
     except R.Miss as e:
         if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
-            return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
-        return NormCall(call, f.attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
-    return NormCall(call, f.attr, "rms", match=m, cls=cls + where)
+            return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
+        return NormCall(call, attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
+    return NormCall(call, attr, "rms", match=m, cls=cls + where)
 
 
 def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str) -> NormCall | None:
@@ -632,7 +929,7 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
     from npufuse.scan import canonical
 
     f = call.func
-    assert isinstance(f, ast.Attribute)
+    attr = _callee_name(f)
     ret = S.helper_return(fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     if ret is None or ret.value is None or len(params) != 2 or fwd.args.vararg or fwd.args.kwonlyargs or fwd.args.kwarg \
@@ -646,7 +943,7 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
         return None
     unit, l2 = units[0]
     rest = [(n, inv) for n, inv in factors if n is not unit]
-    mod = f"self.{f.attr}"
+    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
 
     def as_site(n: ast.expr) -> str | None:
         """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
@@ -672,7 +969,7 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
         if type(v) not in (int, float):
             return None
         eps = repr(v)
-    return NormCall(call, f.attr, "l2", cls=cls + where, gamma=gain, eps=eps)
+    return NormCall(call, attr, "l2", cls=cls + where, gamma=gain, eps=eps)
 
 
 def _loop_unpacked(scope: Scope, name: str) -> str | None:
@@ -775,10 +1072,34 @@ class _Site:
                           S.indent(S.splice(module, st, rep(call)))])
 
 
-def _sum_arg(call: ast.Call, name: str) -> bool:
-    """The call's input (first positional argument, or ``input=``) is the name ``name``."""
+def _sum_arg(call: ast.Call, name: str, module: ModuleInfo | None = None) -> bool:
+    """The call's input (first positional argument, ``input=``, or for a norm helper of this or
+    another file of the repository the keyword naming the helper's first parameter) is the name
+    ``name``."""
     first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "input"), None)
+    if first is None and module is not None and isinstance(call.func, ast.Name):
+        # TriForce: ``RMSNorm(hidden_states=hidden_states, layernorm_variance_epsilon=..., layernorm_weight=...)``
+        # (a helper of another file called with keywords only): the keyword that binds its input
+        first = _helper_keyword_input(module, call)
     return isinstance(first, ast.Name) and first.id == name
+
+
+def _helper_keyword_input(module: ModuleInfo, call: ast.Call) -> ast.expr | None:
+    """The argument bound to the first parameter of the plain function ``call`` names (a def of
+    this file, or one this file imports from another file of the repository), where the call passes
+    it by keyword; None otherwise."""
+    if call.args or not isinstance(call.func, ast.Name) or not any(isinstance(k.value, ast.Name) for k in call.keywords):
+        return None  # the cheap test first: only a keyword holding a name can be the sum
+    fn = module.helper(call.func.id)
+    if fn is None:
+        found = _foreign_definition(module, call.func.id)
+        fn = found[1] if found is not None else None
+    if not isinstance(fn, ast.FunctionDef):
+        return None
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if not params or fn.args.posonlyargs:
+        return None
+    return next((k.value for k in call.keywords if k.arg == params[0]), None)
 
 
 def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
@@ -792,7 +1113,7 @@ def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
     return stmt, None
 
 
-_INLINE_SUM = re.compile(r"\w\([^()\n]*\+")
+_INLINE_SUM = re.compile(r"[\w\]]\([^()\n]*\+")  # ``norm(x + y)``, ``self.norms[i](x + y)``
 
 
 def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
@@ -825,7 +1146,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                         yield fork_stmt, _Site(stmt, aliases, fork_stmt, fork_nc, ops[0], ops[1], s_name, None, fork_if, fork_else)
                 if nstmt is not None and S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None:
                     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-                        if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+                        if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
                             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
                             if nc is None:
                                 continue
@@ -866,7 +1187,7 @@ def _fork(module: ModuleInfo, scope: Scope, stmt: ast.stmt, s_name: str) -> tupl
     for st in (stmt.body[0], stmt.orelse[0]):
         if not (S.simple_stmt(st) and getattr(st, "value", None) is not None):
             return None
-        calls = [n for n in S.iter_exprs_topdown(st.value) if isinstance(n, ast.Call) and _sum_arg(n, s_name)]  # type: ignore[attr-defined]
+        calls = [n for n in S.iter_exprs_topdown(st.value) if isinstance(n, ast.Call) and _sum_arg(n, s_name, module)]  # type: ignore[attr-defined]
         if not calls:
             return None
         found.append((st, calls[0]))
@@ -971,7 +1292,12 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
             # when the condition holds, the original statements otherwise
             conditions.append(p.condition)
         if m.match.weights:
-            w = R.analyse_weight(module, m.match.weights[0])
+            try:
+                w = R.analyse_weight(module, m.match.weights[0])
+            except R.Miss as e:
+                return f"norm {m.cls} cannot be fused: {e.reason}"
+            except R.NoMatch:
+                return f"norm {m.cls} cannot be fused"
             gamma = S.render(module, w.node, w.ctx, None)
             weight_base = S.render(module, w.base, w.base_ctx, None)
             if isinstance(w.node, ast.IfExp):
@@ -1021,7 +1347,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         variant = "l2_normalize_norm"
     else:
         confidence = "medium"
-        mod = f"self.{m.attr}"
+        mod = m.mod or f"self.{m.attr}"
         offset = 1 if _OFFSET_NAME.search(m.cls) else 0
         gamma = f"(1.0 + {mod}.weight.float())" if offset else f"{mod}.weight"
         eps = f'({mod}.variance_epsilon if hasattr({mod}, "variance_epsilon") else {mod}.eps)'
@@ -2309,8 +2635,9 @@ AddRmsNorm.FUSE += [
 
 AddRmsNorm.KEEP += [
     Keep(
-        # lucidrains: the norms are unpacked from a ModuleList in the loop; which module sits at each position
-        # is not read: a near miss saying so (not a silent skip)
+        # lucidrains: the norms are unpacked from a ModuleList in the loop; where the list comes from a
+        # function (not read), which module sits at each position is unknown: a near miss saying so (not a
+        # silent skip). Built in ``__init__`` it is read (s32, ``s32_unpacked_*``)
         '''
 import torch
 from torch import nn
@@ -2325,10 +2652,14 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.g
 
 
+def make_layers(dim, depth):
+    return nn.ModuleList([nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), RMSNorm(dim), nn.Linear(dim, dim)]) for _ in range(depth)])
+
+
 class Transformer(nn.Module):
     def __init__(self, dim, depth):
         super().__init__()
-        self.layers = nn.ModuleList([nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), RMSNorm(dim), nn.Linear(dim, dim)]) for _ in range(depth)])
+        self.layers = make_layers(dim, depth)
 
     def forward(self, x):
         for attn_norm, attn, ff_norm, ff in self.layers:
@@ -2836,7 +3167,7 @@ def _branch_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.st
         if not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
             continue
         for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-            if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+            if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
                 nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
                 if nc is None:
                     continue
@@ -3046,7 +3377,7 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
         if S.names_read(gap.test) & written:
             continue
-        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name) for n in fast_walk(gap)):
+        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name, module) for n in fast_walk(gap)):
             continue  # the if's body normalises the sum itself: that is the site (a wrapper), one per add
         yield from _norm_of_sum(module, scope, after, s_name,
                                 lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
@@ -3107,7 +3438,7 @@ def _norm_of_sum(module: ModuleInfo, scope: Scope, after: ast.stmt, s_name: str,
     if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
         return
     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
-        if isinstance(node, ast.Call) and _sum_arg(node, s_name):
+        if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
             if nc is None:
                 continue
@@ -3507,4 +3838,324 @@ AddRmsNorm.KEEP += [
     Keep(_S31_L2_NORM.replace("self.scale = dim ** 0.5", "self.scale = 10.0"), name="s31_l2_normalize_without_sqrt_d"),
     # a gain computed from the input: not a module read
     Keep(_S31_L2_NORM.replace("* self.scale * self.gamma", "* self.scale * x.sigmoid()"), name="s31_l2_normalize_input_gain"),
+]
+
+
+# -- s32: a functional norm called with keywords only, its weight read through the layer list ------
+# (TriForce's decoder methods: ``hidden_states = RMSNorm(hidden_states=hidden_states,
+# layernorm_variance_epsilon=self.layers[i].eps, layernorm_weight=self.layers[i].weight)``): the sum is
+# the argument bound to the helper's first parameter, whatever the call names it; a weight read as an
+# attribute through indexed containers is one tensor, read twice alike.
+
+_S32_KEYWORD_HELPER = '''
+import torch
+from torch import nn
+
+
+def RMSNorm(hidden_states, layernorm_variance_epsilon, layernorm_weight):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + layernorm_variance_epsilon)
+    hidden_states = layernorm_weight * hidden_states.to(input_dtype)
+    return hidden_states
+
+
+class LayerWeights(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.wo = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.post_attention_layernorm_weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.post_attention_layernorm_variance_epsilon = 1e-6
+
+
+class Decoder(nn.Module):
+    def __init__(self, d, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])
+
+    def layer_compute(self, layer_idx, hidden_states):
+        residual = hidden_states
+        hidden_states = self.layers[layer_idx].wo(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = RMSNorm(
+            hidden_states=hidden_states,
+            layernorm_variance_epsilon=self.layers[layer_idx].post_attention_layernorm_variance_epsilon,
+            layernorm_weight=self.layers[layer_idx].post_attention_layernorm_weight,
+        )
+        hidden_states = self.layers[layer_idx].mlp(hidden_states)
+        return residual + hidden_states
+
+    def forward(self, x):
+        for i in range(len(self.layers)):
+            x = self.layer_compute(i, x)
+        return x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S32_KEYWORD_HELPER, expect={"variant": "residual_then_norm", "norm": "RMSNorm", "sum": "hidden_states",
+                                      "residual_aliases": ["residual"], "line": 32, "end_line": 38,
+                                      "eps": "self.layers[layer_idx].post_attention_layernorm_variance_epsilon"},
+         run=_run_block("Decoder(32)", bf16=True, train=False), name="s32_keyword_only_norm_helper_inference_bf16"),
+    Fuse(_S32_KEYWORD_HELPER, expect={"norm_class": "RMSNorm"},
+         run=_run_block("Decoder(32)", leaves="[x, blk.layers[0].post_attention_layernorm_weight]"),
+         name="s32_keyword_only_norm_helper_training"),
+    # keywords in another order, the weight read through a constant index
+    Fuse(_S32_KEYWORD_HELPER.replace(
+        "            hidden_states=hidden_states,\n            layernorm_variance_epsilon=self.layers[layer_idx].post_attention_layernorm_variance_epsilon,\n"
+        "            layernorm_weight=self.layers[layer_idx].post_attention_layernorm_weight,\n",
+        "            layernorm_weight=self.layers[0].post_attention_layernorm_weight,\n            hidden_states=hidden_states,\n"
+        "            layernorm_variance_epsilon=1e-6,\n"),
+        expect={"eps": "1e-06"}, run=_run_block("Decoder(32)", bf16=True, train=False),
+        name="s32_keyword_only_norm_helper_reordered_constant_index"),
+]
+
+AddRmsNorm.KEEP += [
+    # the sum is passed as the weight, another tensor is the input: not the norm of the sum
+    Keep(_S32_KEYWORD_HELPER.replace("            hidden_states=hidden_states,\n", "            hidden_states=self.layers[layer_idx].wo.weight,\n")
+         .replace("layernorm_weight=self.layers[layer_idx].post_attention_layernorm_weight,", "layernorm_weight=hidden_states,"),
+         name="s32_keyword_helper_sum_as_the_weight"),
+    # the helper subtracts the mean: a LayerNorm whatever its name
+    Keep(_S32_KEYWORD_HELPER.replace("    variance = hidden_states.pow(2).mean(-1, keepdim=True)\n",
+                                     "    hidden_states = hidden_states - hidden_states.mean(-1, keepdim=True)\n"
+                                     "    variance = hidden_states.pow(2).mean(-1, keepdim=True)\n"),
+         reason="is not RMSNorm", name="s32_keyword_helper_subtracting_the_mean"),
+    # the weight is a row of a tensor (``scale[layer_idx]``, a per-call modulation table): not one read gamma
+    Keep(_S32_KEYWORD_HELPER.replace("layernorm_weight=self.layers[layer_idx].post_attention_layernorm_weight,",
+                                     "layernorm_weight=self.scales[layer_idx],")
+         .replace("        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])\n",
+                  "        self.layers = nn.ModuleList([LayerWeights(d) for _ in range(n)])\n        self.scales = nn.Parameter(torch.ones(n, d))\n"),
+         reason="is not a parameter", name="s32_keyword_helper_weight_row_of_a_table"),
+]
+
+
+# -- s32: the norm of another layer object, in a decoder loop that unrolls the layers -----------------
+
+_S32_DECODER_LOOP = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).type_as(x) * self.weight
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d)
+        self.self_attn = nn.Linear(d, d)
+        self.post_attention_layernorm = RMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+
+class Model(nn.Module):
+    def __init__(self, d, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])
+
+    def forward(self, hidden_states):
+        for i, layer in enumerate(self.layers):
+            residual = hidden_states
+            hidden_states = layer.input_layernorm(hidden_states)
+            hidden_states = layer.self_attn(hidden_states)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = layer.post_attention_layernorm(hidden_states)
+            hidden_states = layer.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+        return hidden_states
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S32_DECODER_LOOP, expect={"variant": "residual_then_norm", "norm": "layer.post_attention_layernorm", "eps": "layer.post_attention_layernorm.eps",
+                                    "condition": "type(layer.post_attention_layernorm) is RMSNorm", "line": 36, "end_line": 38},
+         run=_run_block("Model(32)", bf16=True, train=False), name="s32_decoder_loop_member_norm_inference_bf16"),
+    Fuse(_S32_DECODER_LOOP, expect={"norm_class": "RMSNorm"},
+         run=_run_block("Model(32)", leaves="[x, blk.layers[1].post_attention_layernorm.weight]"),
+         name="s32_decoder_loop_member_norm_training"),
+    # the layer indexed from the list, PyTorch's nn.RMSNorm
+    Fuse(_S32_DECODER_LOOP.replace("for i, layer in enumerate(self.layers):", "for i in range(len(self.layers)):")
+         .replace("layer.", "self.layers[i].")
+         .replace("self.post_attention_layernorm = RMSNorm(d)", "self.post_attention_layernorm = nn.RMSNorm(d, eps=1e-5)"),
+         expect={"variant": "library_norm", "weight": "self.layers[i].post_attention_layernorm.weight", "eps": "1e-5",
+                 "condition": "type(self.layers[i].post_attention_layernorm) is torch.nn.RMSNorm and self.layers[i].post_attention_layernorm.weight is not None"},
+         run=_run_block("Model(32)", bf16=True, train=False), name="s32_indexed_layer_library_norm_inference_bf16"),
+    # the layer bound from the list by index, a generator ModuleList
+    Fuse(_S32_DECODER_LOOP.replace("for i, layer in enumerate(self.layers):", "for i in range(len(self.layers)):\n            layer = self.layers[i]")
+         .replace("nn.ModuleList([DecoderLayer(d) for _ in range(n)])", "nn.ModuleList(DecoderLayer(d) for _ in range(n))"),
+         expect={"norm": "layer.post_attention_layernorm"}, run=_run_block("Model(32)"), name="s32_layer_bound_by_index_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # the layer's norm is a LayerNorm
+    Keep(_S32_DECODER_LOOP.replace("self.post_attention_layernorm = RMSNorm(d)", "self.post_attention_layernorm = nn.LayerNorm(d)"),
+         reason="is not RMSNorm", name="s32_decoder_loop_member_layernorm"),
+    # layers of two classes: which one a position holds is not read
+    Keep(_S32_DECODER_LOOP.replace("nn.ModuleList([DecoderLayer(d) for _ in range(n)])", "nn.ModuleList([DecoderLayer(d), OtherLayer(d)])")
+         + "\n\nclass OtherLayer(nn.Module):\n    def __init__(self, d):\n        super().__init__()\n"
+           "        self.input_layernorm = nn.LayerNorm(d)\n        self.self_attn = nn.Linear(d, d)\n"
+           "        self.post_attention_layernorm = nn.LayerNorm(d)\n        self.mlp = nn.Linear(d, d)\n",
+         name="s32_decoder_loop_layers_of_two_classes"),
+    # the loop name is rebound inside the loop: not the list's element
+    Keep(_S32_DECODER_LOOP.replace("            residual = hidden_states\n            hidden_states = layer.post_attention_layernorm",
+                                   "            residual = hidden_states\n            layer = self.other\n            hidden_states = layer.post_attention_layernorm")
+         .replace("        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])\n",
+                  "        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])\n        self.other = DecoderLayer(d)\n"),
+         name="s32_decoder_loop_name_rebound"),
+]
+
+AddRmsNorm.KEEP += [
+    # the layers come from elsewhere (a model passed in): what the norm is stays unknown, said as such
+    Keep(_S32_DECODER_LOOP.replace("    def forward(self, hidden_states):\n        for i, layer in enumerate(self.layers):",
+                                   "    def forward(self, hidden_states, model):\n        for i, layer in enumerate(model.layers):"),
+         reason="whose class npufuse does not resolve", name="s32_decoder_loop_layers_of_another_model"),
+    # a library norm of the sum (an L2 norm, not a module of an object): nothing to say
+    Keep(_S32_DECODER_LOOP.replace("hidden_states = layer.post_attention_layernorm(hidden_states)",
+                                   "hidden_states = hidden_states / torch.linalg.norm(hidden_states)"),
+         name="s32_decoder_loop_library_function_of_the_sum"),
+]
+
+AddRmsNorm.FUSE += [
+    # the list filled by ``append`` in ``__init__``'s loop
+    Fuse(_S32_DECODER_LOOP.replace("        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])\n",
+                                   "        self.layers = nn.ModuleList()\n        for _ in range(n):\n            self.layers.append(DecoderLayer(d))\n"),
+         expect={"condition": "type(layer.post_attention_layernorm) is RMSNorm"}, run=_run_block("Model(32)", bf16=True, train=False),
+         name="s32_decoder_loop_list_filled_by_append"),
+]
+
+AddRmsNorm.KEEP += [
+    # one appended layer of another class (a LayerNorm inside): the element class is not one
+    Keep(_S32_DECODER_LOOP.replace("        self.layers = nn.ModuleList([DecoderLayer(d) for _ in range(n)])\n",
+                                   "        self.layers = nn.ModuleList()\n        for _ in range(n):\n            self.layers.append(DecoderLayer(d))\n"
+                                   "        self.layers.append(nn.TransformerEncoderLayer(d, 1))\n"),
+         reason="whose class npufuse does not resolve", name="s32_decoder_loop_list_appended_two_classes"),
+]
+
+
+# -- s32: lucidrains' layer lists, the norm unpacked by position (``for attn_norm, attn, ff_norm, ff in self.layers``)
+
+_S32_UNPACKED = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.g
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim, depth=2):
+        super().__init__()
+        self.layers = nn.ModuleList([])
+        for _ in range(depth):
+            self.layers.append(nn.ModuleList([
+                RMSNorm(dim),
+                nn.Linear(dim, dim),
+                RMSNorm(dim),
+                nn.Linear(dim, dim),
+            ]))
+
+    def forward(self, x):
+        for attn_norm, attn, ff_norm, ff in self.layers:
+            x = attn(attn_norm(x)) + x
+            x = ff(ff_norm(x)) + x
+        return x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S32_UNPACKED, expect={"norm": "ff_norm", "weight": "ff_norm.g", "eps": "ff_norm.eps", "x1": "attn(attn_norm(x))", "x2": "x",
+                                "condition": "type(ff_norm) is RMSNorm", "line": 30, "end_line": 31},
+         run=_run_block("Transformer(32)", bf16=True, train=False), name="s32_unpacked_layer_norm_inference_bf16"),
+    Fuse(_S32_UNPACKED, expect={"norm_class": "RMSNorm"}, run=_run_block("Transformer(32)", leaves="[x, blk.layers[0][2].g]"),
+         name="s32_unpacked_layer_norm_training"),
+    # a list comprehension of lists, enumerate, nn.RMSNorm
+    Fuse(_S32_UNPACKED.replace("        self.layers = nn.ModuleList([])\n        for _ in range(depth):\n            self.layers.append(nn.ModuleList([\n",
+                               "        self.layers = nn.ModuleList([nn.ModuleList([\n")
+         .replace("                nn.Linear(dim, dim),\n            ]))\n", "                nn.Linear(dim, dim),\n            ]) for _ in range(depth)])\n")
+         .replace("                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ])", "                nn.RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ])")
+         .replace("for attn_norm, attn, ff_norm, ff in self.layers:", "for i, (attn_norm, attn, ff_norm, ff) in enumerate(self.layers):"),
+         expect={"variant": "library_norm", "weight": "ff_norm.weight", "condition": "type(ff_norm) is torch.nn.RMSNorm and ff_norm.weight is not None"},
+         run=_run_block("Transformer(32)", bf16=True, train=False), name="s32_unpacked_library_norm_comprehension_enumerate"),
+]
+
+AddRmsNorm.KEEP += [
+    # a LayerNorm at that position
+    Keep(_S32_UNPACKED.replace("                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ]))",
+                               "                nn.LayerNorm(dim),\n                nn.Linear(dim, dim),\n            ]))"),
+         reason="is not RMSNorm", name="s32_unpacked_layer_norm_is_a_layernorm"),
+    # the elements differ at that position: which one a layer holds is not one construction
+    Keep(_S32_UNPACKED.replace("        for _ in range(depth):\n", "        for k in range(depth):\n")
+         .replace("                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ]))",
+                  "                RMSNorm(dim),\n                nn.Linear(dim, dim),\n            ]))\n"
+                  "        self.layers.append(nn.ModuleList([RMSNorm(dim), nn.Linear(dim, dim), nn.LayerNorm(dim), nn.Linear(dim, dim)]))"),
+         reason="could not read which module that position", name="s32_unpacked_positions_differ"),
+]
+
+
+# -- s32: a list of norms indexed in the loop (VITS' post-norm ``x = self.norm_layers_1[i](x + y)``) ---
+
+_S32_INDEXED_NORMS = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class Encoder(nn.Module):
+    def __init__(self, dim, n_layers=2):
+        super().__init__()
+        self.n_layers = n_layers
+        self.attn_layers = nn.ModuleList()
+        self.norm_layers_1 = nn.ModuleList()
+        for _ in range(n_layers):
+            self.attn_layers.append(nn.Linear(dim, dim))
+            self.norm_layers_1.append(RMSNorm(dim))
+
+    def forward(self, x):
+        for i in range(self.n_layers):
+            y = self.attn_layers[i](x)
+            x = self.norm_layers_1[i](x + y)
+        return x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S32_INDEXED_NORMS, expect={"variant": "inline_sum", "norm": "self.norm_layers_1[i]", "weight": "self.norm_layers_1[i].weight",
+                                     "condition": "type(self.norm_layers_1[i]) is RMSNorm", "line": 29, "end_line": 29},
+         run=_run_block("Encoder(32)", bf16=True, train=False), name="s32_indexed_norm_list_inline_sum_inference_bf16"),
+    Fuse(_S32_INDEXED_NORMS, expect={"norm_class": "RMSNorm"}, run=_run_block("Encoder(32)", leaves="[x, blk.norm_layers_1[1].weight]"),
+         name="s32_indexed_norm_list_inline_sum_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # VITS' norms are LayerNorms
+    Keep(_S32_INDEXED_NORMS.replace("self.norm_layers_1.append(RMSNorm(dim))", "self.norm_layers_1.append(nn.LayerNorm(dim))"),
+         reason="is not RMSNorm", name="s32_indexed_norm_list_of_layernorms"),
+    # the list holds two constructions: which one an index reaches is not read
+    Keep(_S32_INDEXED_NORMS.replace("            self.norm_layers_1.append(RMSNorm(dim))\n",
+                                    "            self.norm_layers_1.append(RMSNorm(dim))\n        self.norm_layers_1.append(nn.LayerNorm(dim))\n"),
+         name="s32_indexed_norm_list_of_two_constructions"),
 ]

@@ -872,7 +872,7 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
             same = all(p.dtype == D_F32 for p in parts)
             dt = D_F32 if same else ("like", inner, ictx)
         return Weight(node, ctx, inner, ictx, 0, dt, conditional=True)
-    if not (isinstance(inner, (ast.Name, ast.Attribute)) and dotted(inner)):
+    if not (isinstance(inner, (ast.Name, ast.Attribute)) and (dotted(inner) or _indexed_attribute(inner))):
         if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("view", "reshape"):
             # FalconH1/Mamba2 gated norms: x viewed as (groups, group_size), the weight viewed to match
             raise Miss(f"grouped norm: the weight is reshaped (`{ast.unparse(op.node)}`) to normalize per group; "
@@ -881,6 +881,28 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
     if dt is None:
         dt = ("like", inner, ictx)
     return Weight(node, ctx, inner, ictx, offset, dt)
+
+
+def _indexed_attribute(node: ast.expr) -> bool:
+    """An attribute read through indexed containers, ``self.layers[layer_idx].post_attention_layernorm_weight``
+    (TriForce passes each layer's weight to a functional norm this way): names, attributes and
+    subscripts by a name or an integer, ending in an attribute. Reading it twice reads the same
+    tensor; a subscript at the end (``scale[0]``, a row of a modulation) is not taken."""
+    if not isinstance(node, ast.Attribute):
+        return False
+    cur: ast.expr = node.value
+    indexed = False
+    while True:
+        if isinstance(cur, ast.Attribute):
+            cur = cur.value
+        elif isinstance(cur, ast.Subscript):
+            idx = cur.slice
+            if not (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int)):
+                return False
+            indexed = True
+            cur = cur.value
+        else:
+            return indexed and isinstance(cur, ast.Name)
 
 
 @dataclass
