@@ -1254,6 +1254,35 @@ ZERO_IN_PLACE_OPT_IN = (
     "not released between steps)")
 
 
+# accelerate's launcher (`accelerate launch --config_file x.yaml`) tells the Accelerator to wrap the
+# model and the optimizer in DeepSpeed, FSDP or Megatron-LM through these environment variables; the
+# code itself only calls `accelerator.prepare(model, optimizer)`. Those engines flatten the parameters
+# or re-assign `.grad` every step behind the optimizer (ZeRO hands the wrapped optimizer fp32
+# partitions), so the flat-buffer fused class would update stale buffers: such runs keep torch.optim.
+# accelerate reads them with str_to_bool (y/yes/t/true/on/1); a plugin passed in code
+# (`Accelerator(deepspeed_plugin=...)`) is sharding the detector sees in the file.
+ACCELERATE_SHARDING_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM")
+_ACCELERATE_SHARDED_LAUNCH = ("any(_npufuse_os.environ.get(_k, '').strip().lower() in ('1', 'true', 'yes', 'y', 'on', 't') "
+                              f"for _k in {ACCELERATE_SHARDING_ENV!r})")
+ACCELERATE_LAUNCH_NOTE = ("the optimizer goes through accelerate's prepare: the guard keeps torch.optim for runs that "
+                          "`accelerate launch` configures for DeepSpeed, FSDP or Megatron-LM (" + ", ".join(ACCELERATE_SHARDING_ENV)
+                          + " set), which flatten or re-assign the parameters and grads behind the optimizer")
+
+
+def accelerate_launch_guard(guard: str) -> str:
+    """``guard`` made None for runs that accelerate's launcher configures for DeepSpeed/FSDP/Megatron
+    (read from the environment when the optimizer is built; ``_npufuse_os`` is the rewrite's prelude's
+    ``os``). Also used by npufuse.scan.repo_facts when the ``prepare`` is in another file."""
+    return f"({guard}) if not {_ACCELERATE_SHARDED_LAUNCH} else None"
+
+
+def guard_model(guard: str) -> Optional[str]:
+    """The model whose fresh ``parameters()`` generator a guard reads (``next(M.parameters(), None)``,
+    possibly wrapped in run-time conditions: ``(next(M.parameters(), None)) if ... else None``)."""
+    m = re.match(r"\(*next\(([A-Za-z_][\w.]*)\.parameters\(\), None\)", guard)
+    return m.group(1) if m else None
+
+
 def zero_in_place(target: str) -> str:
     """The expression bound to ``<target>.zero_grad`` in the fused branch (``target``: the optimizer
     or a module; its zero_grad is called with set_to_none=False whatever the caller asks)."""
@@ -1755,6 +1784,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
         guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
+    if prepared is not None:
+        # s32: accelerate's launcher picks DeepSpeed/FSDP/Megatron from a config file the code never names
+        guard = accelerate_launch_guard(guard)
     dtype_checked = (peft and any(_bf16_hits(t, model) for t in tiers)) or bf16_when
     chosen = _run_time_dtype_casts(module, tiers, model)
     if chosen:
@@ -1829,6 +1861,10 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
            else "materialises the params iterable once into a list (walrus) so both branches see the same parameters; "
            "param-group dicts passed this way keep the original optimizer"),
     ]
+    if prepared is not None:
+        params["guard"] += "_accelerate_launch_checked"
+        params["accelerate_prepare"] = f"line {prepared[0]}"
+        notes.append(ACCELERATE_LAUNCH_NOTE)
     if chosen:
         notes.append(f"`{chosen[0][1]}.to({chosen[0][2]})` (line {chosen[0][0]}) casts the model to a dtype chosen at run time "
                      "(bfloat16 in some runs): the guard checks that every trainable parameter is fp32/fp16, else the "
@@ -4753,4 +4789,66 @@ FusedOptimizer.KEEP += [
     Keep(_S31_CONDITIONAL_BF16.replace("    if use_bf16:\n        model = model.to(torch.bfloat16)\n",
                                        "    model = model.to(torch.bfloat16)\n"),
          reason="bf16 parameters unsupported", name="s31_bf16_cast_unconditional_before"),
+]
+
+
+# -- s32: accelerate's launcher chooses DeepSpeed/FSDP/Megatron outside the code ---------------------
+# `accelerate launch --config_file cfg.yaml train.py` with `distributed_type: DEEPSPEED` (MC-SMoE's
+# scripts) wraps the prepared optimizer in ZeRO, which hands it fp32 partitions and re-assigns their
+# grads every step; nothing in train.py says so. The candidate's guard reads the launcher's
+# environment (ACCELERATE_USE_DEEPSPEED / _FSDP / _MEGATRON_LM) where the optimizer is built: those runs
+# keep torch.optim. (A repository whose every accelerate config shards is a near miss: repo_facts,
+# tests/test_detect_s32_optim_accelerate.py.) Here `Accelerator` stands in for accelerate's, with
+# `prepare_optimizer` alone and accumulation, a spelling the labelled sets do not have.
+
+_S32_PREPARE_OPTIMIZER = _NET + '''
+from torch import optim
+
+
+class _AcceleratedOptimizer:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none=None):
+        self.optimizer.zero_grad(**({} if set_to_none is None else {"set_to_none": set_to_none}))
+
+
+class Accelerator:
+    def __init__(self, gradient_accumulation_steps=1):
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+
+    def prepare_optimizer(self, optimizer):
+        return _AcceleratedOptimizer(optimizer)
+
+
+def fit(net, batches, lr=0.05):
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    sgd = optim.SGD(net.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    sgd = accelerator.prepare_optimizer(sgd)
+    for i, (x, y) in enumerate(batches):
+        F.mse_loss(net(x), y).backward()
+        if (i + 1) % accelerator.gradient_accumulation_steps == 0:
+            sgd.step()
+            sgd.zero_grad()
+    return tuple(p.detach().clone() for p in net.parameters())
+'''
+
+_S32_FIT_RUN = "out = fit(Net(), [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(4)])\n"
+
+FusedOptimizer.FUSE += [
+    Fuse(_S32_PREPARE_OPTIMIZER, name="s32_accelerate_prepare_optimizer_launch_guarded", run=_S32_FIT_RUN,
+         expect={"optimizer": "torch.optim.SGD", "guard": "fresh_generator_accelerate_launch_checked",
+                 "accelerate_prepare": "line 41", "qualname": "fit"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the sharding engine chosen in code, as a plugin of the Accelerator: refused outright
+    Keep(_S32_PREPARE_OPTIMIZER.replace("    def __init__(self, gradient_accumulation_steps=1):\n",
+                                        "    def __init__(self, gradient_accumulation_steps=1, fsdp_plugin=None):\n")
+         .replace("Accelerator(gradient_accumulation_steps=2)",
+                  "Accelerator(gradient_accumulation_steps=2, fsdp_plugin=dict(sharding_strategy=1))"),
+         reason="parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO", name="s32_accelerate_fsdp_plugin_in_code"),
 ]
