@@ -139,3 +139,52 @@ def test_guard_reads_the_launchers_environment(monkeypatch: pytest.MonkeyPatch, 
     got = eval(guard, {"_npufuse_os": os, "model": model})
     assert (got is not None) is fused
     assert guard_model(guard) == "model"
+
+
+# -- the same for a LightningModule: the Trainer's strategy, read where configure_optimizers builds it ----------
+
+class FSDPStrategy:  # the names Lightning's strategies have (only the class name is read)
+    pass
+
+
+class DDPStrategy:
+    pass
+
+
+class DeepSpeedPlugin:  # pytorch_lightning 1.2-1.5: `trainer.training_type_plugin`
+    pass
+
+
+class _Trainer:
+    def __init__(self, strategy=None, plugin=None):
+        if strategy is not None:
+            self.strategy = strategy
+        if plugin is not None:
+            self.training_type_plugin = plugin
+
+
+class _Module(torch.nn.Linear):
+    def __init__(self, trainer=None, old_style=False):
+        super().__init__(2, 2)
+        if old_style:
+            self.trainer = trainer  # Lightning 1.0: a plain attribute
+        else:
+            self._trainer = trainer
+
+
+@pytest.mark.parametrize("trainer, old_style, fused", [
+    (None, False, True),  # configure_optimizers called by hand
+    (_Trainer(DDPStrategy()), False, True),
+    (_Trainer(FSDPStrategy()), False, False),
+    (_Trainer(plugin=DeepSpeedPlugin()), False, False),
+    (_Trainer(FSDPStrategy()), True, False),
+    (_Trainer(DDPStrategy()), True, True),
+])
+def test_lightning_guard_reads_the_attached_trainers_strategy(trainer, old_style: bool, fused: bool) -> None:
+    from npufuse.patterns.fused_optimizer import lightning_strategy_guard
+
+    module = _Module(trainer, old_style)
+    guard = lightning_strategy_guard("next(self.parameters(), None)", "self")
+    got = eval(guard, {"self": module})
+    assert (got is not None) is fused
+    assert guard_model(guard) == "self"

@@ -1790,6 +1790,10 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if prepared is not None:
         # s32: accelerate's launcher picks DeepSpeed/FSDP/Megatron from a config file the code never names
         guard = accelerate_launch_guard(guard)
+    lightning_self = _s32_lightning_self(module, scope)
+    if lightning_self is not None:
+        # s32: a LightningModule's optimizer runs under the Trainer's strategy, often a run-time value
+        guard = lightning_strategy_guard(guard, lightning_self)
     dtype_checked = (peft and any(_bf16_hits(t, model) for t in tiers)) or bf16_when
     chosen = _run_time_dtype_casts(module, tiers, model)
     if chosen:
@@ -1864,6 +1868,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
            else "materialises the params iterable once into a list (walrus) so both branches see the same parameters; "
            "param-group dicts passed this way keep the original optimizer"),
     ]
+    if lightning_self is not None:
+        params["guard"] += "_lightning_strategy_checked"
+        notes.append("built in a LightningModule: the guard keeps torch.optim when the attached Trainer's strategy "
+                     f"shards ({', '.join(_LIGHTNING_SHARDED_WORDS)} in its class name: FSDP/DeepSpeed/model-parallel "
+                     "strategies flatten or re-assign the parameters and grads behind the optimizer)")
     if prepared is not None:
         params["guard"] += "_accelerate_launch_checked"
         params["accelerate_prepare"] = f"line {prepared[0]}"
@@ -5117,4 +5126,84 @@ FusedOptimizer.KEEP += [
         "    trainer = Trainer(model=model, train_dataloader=loader, optimizers=optimizer, max_duration=max_duration)\n",
         "    trainer = hydra.utils.instantiate(cfg.trainer, model=model, train_dataloader=loader, optimizers=optimizer)\n"),
          reason="handed to `hydra.utils.instantiate` (optimizers=", name="s32_handed_to_a_trainer_built_from_config"),
+]
+
+
+# -- s32: a LightningModule's optimizer under a strategy chosen at run time ----------------------------------
+# `Trainer(strategy=args.strategy)` (WhisperSpeech's `--strategy`, default "ddp"), strategies from hydra
+# configs: FSDPStrategy / DeepSpeedStrategy wrap the module before `configure_optimizers` is called and then
+# flatten or re-assign its parameters and grads behind the optimizer. A strategy written as a literal is a
+# near miss already; any other is read where the optimizer is built: Lightning attaches the Trainer before it
+# calls configure_optimizers (`self._trainer`; `self.trainer` in Lightning 1.0, `training_type_plugin` before
+# `strategy`). Called by hand (no Trainer), the fused class runs.
+_LIGHTNING_SHARDED_WORDS = ("DeepSpeed", "FSDP", "Shard", "ModelParallel")
+
+
+def lightning_strategy_guard(guard: str, me: str) -> str:
+    """``guard`` made None when the Trainer attached to LightningModule ``me`` has a sharding strategy."""
+    return (f"({guard}) if (lambda _t: not any(_w in type(getattr(_t, 'strategy', None) or getattr(_t, 'training_type_plugin', None)).__name__ "
+            f"for _w in {_LIGHTNING_SHARDED_WORDS!r}))(getattr({me}, '_trainer', None) or vars({me}).get('trainer')) else None")
+
+
+def _s32_lightning_self(module: ModuleInfo, scope: Scope) -> Optional[str]:
+    """The name of the method's first parameter when the scope is a method of a LightningModule subclass
+    (its bases followed through the classes of this file); None otherwise."""
+    fn = scope.node
+    if not scope.class_name or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args \
+            or any(isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod") for d in fn.decorator_list):
+        return None
+    name: Optional[str] = scope.class_name
+    seen: set[str] = set()
+    while name and name not in seen:
+        seen.add(name)
+        cls = next((c for c in module.tree.body if isinstance(c, ast.ClassDef) and c.name == name), None)
+        if cls is None:
+            return None
+        name = None
+        for base in cls.bases:
+            canon = module.canonical(base) or dotted(base) or ""
+            if canon.split(".")[-1] == "LightningModule" and canon.split(".")[0] in ("lightning", "pytorch_lightning"):
+                return fn.args.args[0].arg
+            if isinstance(base, ast.Name) and name is None:
+                name = base.id
+    return None
+
+
+_S32_LIGHTNING_RUNTIME_STRATEGY = _NET + '''
+import argparse
+
+import pytorch_lightning as pl
+
+
+class Base(pl.LightningModule):
+    def __init__(self, lr=1e-3):
+        super().__init__()
+        self.net = Net()
+        self.lr = lr
+
+
+class Task(Base):
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.net.parameters(), lr=self.lr, betas=(0.9, 0.95))
+        return [opt], []
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="ddp")
+    args = parser.parse_args()
+    pl.Trainer(strategy=args.strategy, precision="16-mixed").fit(Task())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S32_LIGHTNING_RUNTIME_STRATEGY, name="s32_lightning_strategy_chosen_at_run_time",
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator_lightning_strategy_checked",
+                 "qualname": "Task.configure_optimizers"}),
+]
+
+FusedOptimizer.KEEP += [
+    # a strategy object written in the code: sharding seen statically
+    Keep(_S32_LIGHTNING_RUNTIME_STRATEGY.replace("pl.Trainer(strategy=args.strategy,",
+                                                 "pl.Trainer(strategy=pl.strategies.FSDPStrategy(),"),
+         reason="parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO", name="s32_lightning_fsdp_strategy_object"),
 ]
