@@ -130,12 +130,15 @@ class FusedOptimizer(Pattern):
                 built = _chosen_construction(module, scope, stmt)
                 if built is None:
                     built = _s28_injected_class(module, scope, stmt)
+                looked_up = _s32_class_lookup(module, stmt) if built is None else None
                 if isinstance(built, NearMiss):
                     yield built
                 elif built is not None:
                     call, kind, test = built
                     yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=self.zero_grad_in_place,
                                 chosen_class=(kind, test))
+                elif looked_up is not None:
+                    yield _s32_looked_up_site(module, scope, stmt, *looked_up, in_place=self.zero_grad_in_place)
                 else:
                     chosen = (_class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
                               or _looked_up_by_name(module, scope, stmt))
@@ -160,7 +163,7 @@ def _relevant(module: ModuleInfo) -> bool:
     if cached is None:
         src = module.source
         cached = module.__dict__["_npufuse_optim_relevant"] = (any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)) \
-            or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src
+            or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src or (_CALLED_LOOKUP_WORD in src and "optim" in src)
     return bool(cached)
 
 
@@ -1254,6 +1257,35 @@ ZERO_IN_PLACE_OPT_IN = (
     "not released between steps)")
 
 
+# accelerate's launcher (`accelerate launch --config_file x.yaml`) tells the Accelerator to wrap the
+# model and the optimizer in DeepSpeed, FSDP or Megatron-LM through these environment variables; the
+# code itself only calls `accelerator.prepare(model, optimizer)`. Those engines flatten the parameters
+# or re-assign `.grad` every step behind the optimizer (ZeRO hands the wrapped optimizer fp32
+# partitions), so the flat-buffer fused class would update stale buffers: such runs keep torch.optim.
+# accelerate reads them with str_to_bool (y/yes/t/true/on/1); a plugin passed in code
+# (`Accelerator(deepspeed_plugin=...)`) is sharding the detector sees in the file.
+ACCELERATE_SHARDING_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM")
+_ACCELERATE_SHARDED_LAUNCH = ("any(_npufuse_os.environ.get(_k, '').strip().lower() in ('1', 'true', 'yes', 'y', 'on', 't') "
+                              f"for _k in {ACCELERATE_SHARDING_ENV!r})")
+ACCELERATE_LAUNCH_NOTE = ("the optimizer goes through accelerate's prepare: the guard keeps torch.optim for runs that "
+                          "`accelerate launch` configures for DeepSpeed, FSDP or Megatron-LM (" + ", ".join(ACCELERATE_SHARDING_ENV)
+                          + " set), which flatten or re-assign the parameters and grads behind the optimizer")
+
+
+def accelerate_launch_guard(guard: str) -> str:
+    """``guard`` made None for runs that accelerate's launcher configures for DeepSpeed/FSDP/Megatron
+    (read from the environment when the optimizer is built; ``_npufuse_os`` is the rewrite's prelude's
+    ``os``). Also used by npufuse.scan.repo_facts when the ``prepare`` is in another file."""
+    return f"({guard}) if not {_ACCELERATE_SHARDED_LAUNCH} else None"
+
+
+def guard_model(guard: str) -> Optional[str]:
+    """The model whose fresh ``parameters()`` generator a guard reads (``next(M.parameters(), None)``,
+    possibly wrapped in run-time conditions: ``(next(M.parameters(), None)) if ... else None``)."""
+    m = re.match(r"\(*next\(([A-Za-z_][\w.]*)\.parameters\(\), None\)", guard)
+    return m.group(1) if m else None
+
+
 def zero_in_place(target: str) -> str:
     """The expression bound to ``<target>.zero_grad`` in the fused branch (``target``: the optimizer
     or a module; its zero_grad is called with set_to_none=False whatever the caller asks)."""
@@ -1755,6 +1787,13 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
         guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
+    if prepared is not None:
+        # s32: accelerate's launcher picks DeepSpeed/FSDP/Megatron from a config file the code never names
+        guard = accelerate_launch_guard(guard)
+    lightning_self = _s32_lightning_self(module, scope)
+    if lightning_self is not None:
+        # s32: a LightningModule's optimizer runs under the Trainer's strategy, often a run-time value
+        guard = lightning_strategy_guard(guard, lightning_self)
     dtype_checked = (peft and any(_bf16_hits(t, model) for t in tiers)) or bf16_when
     chosen = _run_time_dtype_casts(module, tiers, model)
     if chosen:
@@ -1829,6 +1868,15 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
            else "materialises the params iterable once into a list (walrus) so both branches see the same parameters; "
            "param-group dicts passed this way keep the original optimizer"),
     ]
+    if lightning_self is not None:
+        params["guard"] += "_lightning_strategy_checked"
+        notes.append("built in a LightningModule: the guard keeps torch.optim when the attached Trainer's strategy "
+                     f"shards ({', '.join(_LIGHTNING_SHARDED_WORDS)} in its class name: FSDP/DeepSpeed/model-parallel "
+                     "strategies flatten or re-assign the parameters and grads behind the optimizer)")
+    if prepared is not None:
+        params["guard"] += "_accelerate_launch_checked"
+        params["accelerate_prepare"] = f"line {prepared[0]}"
+        notes.append(ACCELERATE_LAUNCH_NOTE)
     if chosen:
         notes.append(f"`{chosen[0][1]}.to({chosen[0][2]})` (line {chosen[0][0]}) casts the model to a dtype chosen at run time "
                      "(bfloat16 in some runs): the guard checks that every trainable parameter is fp32/fp16, else the "
@@ -3853,6 +3901,16 @@ def _s25_blocker(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Cal
                             "Trainer calls model.zero_grad() (set_to_none=True on torch >= 2.0) and accelerate's "
                             "AcceleratedOptimizer.zero_grad() passes set_to_none=True: the grads are freed and "
                             "re-allocated outside the fused optimizer's flat buffer (or ValueError)")
+                if k.arg == "optimizers" and names and any(dotted(e) in names for e in fast_walk(k.value)):
+                    # s32: another framework's trainer (mosaicml composer's `Trainer(optimizers=...)`, a trainer
+                    # built by `hydra.utils.instantiate(cfg.trainer, optimizers=...)`) drives it
+                    driver = _s32_external_driver(module, n)
+                    if driver is not None:
+                        return (f"handed to `{driver}` (optimizers=, line {n.lineno}), a trainer from outside the "
+                                "repository: it clears the grads (composer and the Hugging Face Trainer free them: "
+                                "set_to_none=True), chooses the precision and may shard the parameters (FSDP from its "
+                                "config) behind the optimizer; npufuse cannot check that code, and the flat-buffer fused "
+                                "class breaks under any of those")
                 if k.arg == "strategy" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str) \
                         and any(s in k.value.value.lower() for s in ("deepspeed", "fsdp")):
                     return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`strategy={k.value.value!r}` at "
@@ -4138,7 +4196,7 @@ def build(model, name="AdamW", lr=1e-3):
 '''
 
 FusedOptimizer.KEEP += [
-    Keep(_S25_BY_NAME, reason="looked up by name at run time (`getattr(torch.optim, name)`)", name="s25_class_looked_up_by_name"),
+    # (s32: `getattr(torch.optim, name)(...)` called at once is a guarded candidate: see the s32 examples)
     Keep(_S25_BY_NAME.replace("    return getattr(torch.optim, name)(model.parameters(), lr=lr)",
                               "    cls = getattr(torch.optim, name)\n    return cls(model.parameters(), lr=lr)"),
          reason="looked up by name at run time", name="s25_class_looked_up_by_name_then_called"),
@@ -4753,4 +4811,399 @@ FusedOptimizer.KEEP += [
     Keep(_S31_CONDITIONAL_BF16.replace("    if use_bf16:\n        model = model.to(torch.bfloat16)\n",
                                        "    model = model.to(torch.bfloat16)\n"),
          reason="bf16 parameters unsupported", name="s31_bf16_cast_unconditional_before"),
+]
+
+
+# -- s32: accelerate's launcher chooses DeepSpeed/FSDP/Megatron outside the code ---------------------
+# `accelerate launch --config_file cfg.yaml train.py` with `distributed_type: DEEPSPEED` (MC-SMoE's
+# scripts) wraps the prepared optimizer in ZeRO, which hands it fp32 partitions and re-assigns their
+# grads every step; nothing in train.py says so. The candidate's guard reads the launcher's
+# environment (ACCELERATE_USE_DEEPSPEED / _FSDP / _MEGATRON_LM) where the optimizer is built: those runs
+# keep torch.optim. (A repository whose every accelerate config shards is a near miss: repo_facts,
+# tests/test_detect_s32_optim_accelerate.py.) Here `Accelerator` stands in for accelerate's, with
+# `prepare_optimizer` alone and accumulation, a spelling the labelled sets do not have.
+
+_S32_PREPARE_OPTIMIZER = _NET + '''
+from torch import optim
+
+
+class _AcceleratedOptimizer:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none=None):
+        self.optimizer.zero_grad(**({} if set_to_none is None else {"set_to_none": set_to_none}))
+
+
+class Accelerator:
+    def __init__(self, gradient_accumulation_steps=1):
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+
+    def prepare_optimizer(self, optimizer):
+        return _AcceleratedOptimizer(optimizer)
+
+
+def fit(net, batches, lr=0.05):
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    sgd = optim.SGD(net.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    sgd = accelerator.prepare_optimizer(sgd)
+    for i, (x, y) in enumerate(batches):
+        F.mse_loss(net(x), y).backward()
+        if (i + 1) % accelerator.gradient_accumulation_steps == 0:
+            sgd.step()
+            sgd.zero_grad()
+    return tuple(p.detach().clone() for p in net.parameters())
+'''
+
+_S32_FIT_RUN = "out = fit(Net(), [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(4)])\n"
+
+FusedOptimizer.FUSE += [
+    Fuse(_S32_PREPARE_OPTIMIZER, name="s32_accelerate_prepare_optimizer_launch_guarded", run=_S32_FIT_RUN,
+         expect={"optimizer": "torch.optim.SGD", "guard": "fresh_generator_accelerate_launch_checked",
+                 "accelerate_prepare": "line 41", "qualname": "fit"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the sharding engine chosen in code, as a plugin of the Accelerator: refused outright
+    Keep(_S32_PREPARE_OPTIMIZER.replace("    def __init__(self, gradient_accumulation_steps=1):\n",
+                                        "    def __init__(self, gradient_accumulation_steps=1, fsdp_plugin=None):\n")
+         .replace("Accelerator(gradient_accumulation_steps=2)",
+                  "Accelerator(gradient_accumulation_steps=2, fsdp_plugin=dict(sharding_strategy=1))"),
+         reason="parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO", name="s32_accelerate_fsdp_plugin_in_code"),
+]
+
+
+# -- s32: a torch.optim class looked up at run time, then called ------------------------------------------
+# `getattr(torch.optim, name)(params, lr=lr)` (FuxiCTR's get_optimizer), `resolve_optimizer(name)(params,
+# lr=lr)` where resolve_optimizer (any file of the repo) only returns entries of a dict literal of torch.optim
+# classes (rsl_rl's PPO / Distillation). Every fusable class has a fused counterpart with the same
+# constructor (spec §10), so the class need not be known here: the guard evaluates the lookup (a getattr on
+# torch.optim, or a function proved to be a pure lookup) and runs the fused branch only when it yields one of
+# the torch.optim classes whose fused counterpart takes every argument written; the fused call is that
+# counterpart, `torch_npu.optim.NpuFused<Name>`. Any other class (Adagrad, a third-party one, a name that
+# raises) runs the original statement, which also raises where it did.
+
+# the scope's text gate: the construction calls a call's result (`resolve(name)(params, ...)`)
+_CALLED_LOOKUP_WORD = ")("
+FusedOptimizer.SCOPE_WORDS = (*FusedOptimizer.SCOPE_WORDS, _CALLED_LOOKUP_WORD)
+_LOOKUP_STATEMENTS = (ast.Expr, ast.Assign, ast.AnnAssign, ast.If, ast.Return, ast.Raise, ast.Pass)
+
+
+def _s32_class_lookup(module: ModuleInfo, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, tuple[str, ...]]]:
+    """(construction call, lookup expression's text, torch.optim classes it may yield) where the statement
+    calls the result of a run-time class lookup: ``getattr(torch.optim, <non-constant>)(...)`` or
+    ``F(...)(...)`` with ``F`` a function of this file or the repo that :func:`_s32_pure_lookup` proves."""
+    if _CALLED_LOOKUP_WORD not in segment(module, stmt) and _BY_NAME_WORD not in segment(module, stmt):
+        return None
+    for call in fast_walk(stmt):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Call)):
+            continue
+        inner = call.func
+        if (isinstance(inner.func, ast.Name) and inner.func.id == "getattr" and len(inner.args) == 2 and not inner.keywords
+                and "getattr" not in module.aliases and module.canonical(inner.args[0]) == "torch.optim"
+                and not isinstance(inner.args[1], ast.Constant) and _side_effect_free(inner.args[1])):
+            return call, segment(module, inner), tuple(_OPTIMIZERS)
+        if isinstance(inner.func, ast.Name) and all(_side_effect_free(a) for a in [*inner.args, *(k.value for k in inner.keywords)]):
+            kinds = _s32_lookup_function(module, inner.func.id)
+            if kinds:
+                return call, segment(module, inner), kinds
+    return None
+
+
+def _s32_lookup_function(module: ModuleInfo, name: str) -> tuple[str, ...]:
+    """The torch.optim classes a function named ``name`` (defined in this file, or imported from a file of
+    the repo) may return, when its body is a pure lookup (:func:`_s32_pure_lookup`); () otherwise."""
+    fn = next((n for n in module.tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name), None)
+    if fn is None:
+        from npufuse.scan import repo_facts
+
+        found = repo_facts.definition(module, name)
+        fn = found.node if found is not None and isinstance(found.node, ast.FunctionDef) else None
+    return _s32_pure_lookup(fn) if isinstance(fn, ast.FunctionDef) else ()
+
+
+def _s32_optim_class(node: ast.AST) -> Optional[str]:
+    """``torch.optim.Adam`` / ``optim.Adam`` / ``torch.optim.adam.Adam``: the class name."""
+    text = dotted(node) or ""
+    parts = text.split(".")
+    if len(parts) >= 2 and (parts[:2] == ["torch", "optim"] or parts[0] == "optim") and parts[-1] in (*_OPTIMIZERS, *_NO_FUSED):
+        return parts[-1]
+    return None
+
+
+def _s32_pure_lookup(fn: ast.FunctionDef) -> tuple[str, ...]:
+    """The fusable torch.optim classes ``fn`` may return when it does nothing but look a class up: its
+    statements are a docstring, names bound to dict literals of torch.optim classes or to string methods
+    of names (``name = name.lower()``), ``if`` tests, ``raise``, and returns of a torch.optim class or of a
+    subscript / ``.get`` of such a dict. Anything else (a call with effects, a loop, another return) -> ()."""
+    dicts: dict[str, list[str]] = {}
+    returned: set[str] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not fn:
+            return ()
+        if isinstance(node, ast.stmt) and node is not fn and not isinstance(node, _LOOKUP_STATEMENTS):
+            return ()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            v = node.value
+            if isinstance(v, ast.Dict) and v.values and all(k is not None for k in v.keys):
+                kinds = [_s32_optim_class(x) for x in v.values]
+                if not all(kinds):
+                    return ()
+                dicts[node.targets[0].id] = kinds  # type: ignore[assignment]
+            elif not (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and isinstance(v.func.value, ast.Name)
+                      and v.func.attr in ("lower", "upper", "strip", "casefold") and not v.args):
+                return ()
+        elif isinstance(node, ast.AnnAssign):
+            return ()
+        elif isinstance(node, ast.Expr) and not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            return ()
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Return):
+            continue
+        v = node.value
+        kind = _s32_optim_class(v) if v is not None else None
+        if kind is not None:
+            returned.add(kind)
+        elif isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and v.value.id in dicts:
+            returned |= set(dicts[v.value.id])
+        elif (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "get"
+              and isinstance(v.func.value, ast.Name) and v.func.value.id in dicts and len(v.args) == 1):
+            returned |= set(dicts[v.func.value.id])
+        else:
+            return ()
+    # calls other than the string methods above (the `if` tests may hold `x in d`, `isinstance`...): none
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute) and node.func.attr in ("lower", "upper", "strip", "casefold", "get", "keys")) \
+                and not (isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "list", "ValueError", "KeyError", "NotImplementedError", "TypeError")):
+            return ()
+    return tuple(k for k in _OPTIMIZERS if k in returned)
+
+
+def _s32_looked_up_site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, lookup: str, kinds: tuple[str, ...],
+                        in_place: bool = False) -> Result:
+    """The construction through a run-time class lookup (:func:`_s32_class_lookup`) as a candidate whose guard
+    checks which torch.optim class the lookup yields, or a near miss."""
+    line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+    # the classes whose fused counterpart takes every argument as written (NpuFusedSGD has no lr default)
+    usable = tuple(k for k in kinds
+                   if _KeywordPlan(module, scope, call, line, _OPTIMIZERS[k][1], _OPTIMIZERS[k][0]).reason is None
+                   and len(call.args) <= 1 + len(_OPTIMIZERS[k][1]) and not (k == "SGD" and keyword(call, "lr", 1) is None))
+    if not usable:
+        return NearMiss(_ID, scope.qualname, line, end,
+                        f"the optimizer class is looked up at run time (`{lookup[:60]}`) and no fused counterpart of the "
+                        "torch.optim classes it may yield takes the arguments written")
+    names = ", ".join(repr(k) for k in usable)
+    test = (f"(lambda _cls: getattr(_cls, '__module__', '').startswith('torch.optim') "
+            f"and getattr(_cls, '__name__', '') in ({names},))({lookup})")
+    result = _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=in_place,
+                   chosen_class=(usable[0], test))
+    if not isinstance(result, Finding):
+        return result
+    written = f"torch_npu.optim.{_OPTIMIZERS[usable[0]][0]}"
+    if result.fused.count(written) != 1:
+        return NearMiss(_ID, scope.qualname, line, end, f"`{written}` is already written in the statement")
+    result.fused = result.fused.replace(written, f"getattr(torch_npu.optim, 'NpuFused' + {lookup}.__name__)")
+    result.params["optimizer"] = "torch.optim." + "|".join(usable)
+    result.params["fused_class"] = "torch_npu.optim." + "|".join(_OPTIMIZERS[k][0] for k in usable)
+    result.params["class_looked_up"] = lookup
+    result.params.pop("class_chosen_at_run_time", None)
+    result.notes = [n for n in result.notes if not n.startswith("the optimizer class is chosen at run time")]
+    result.notes.append(f"the class is looked up at run time (`{lookup[:60]}`): the guard runs the fused counterpart "
+                        f"(torch_npu.optim.NpuFused<Name>) only when it yields torch.optim.{'/'.join(usable)}; any other "
+                        "class keeps the original call")
+    return result
+
+
+_S32_LOOKUP_RESOLVER = _NET + '''
+from itertools import chain
+
+
+def resolve_optimizer(name: str):
+    """The torch.optim class for a config name."""
+    table = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "rmsprop": torch.optim.RMSprop}
+    name = name.lower()
+    if name in table:
+        return table[name]
+    raise ValueError(f"unknown optimizer {name!r}: choose from {list(table.keys())}")
+
+
+class ActorCritic:
+    def __init__(self, actor, critic, optimizer="adam", lr=1e-2):
+        self.actor, self.critic = actor, critic
+        self.optimizer = resolve_optimizer(optimizer)(chain(self.actor.parameters(), self.critic.parameters()), lr=lr)
+
+    def update(self, x, y):
+        loss = F.mse_loss(self.actor(x) + self.critic(x), y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+'''
+
+_S32_LOOKUP_RUN = '''\
+agent = ActorCritic(Net(), Net(), optimizer="RMSprop")
+x, y = torch.randn(6, 8), torch.randn(6, 4)
+for _ in range(3):
+    agent.update(x, y)
+out = tuple(p.detach().clone() for p in [*agent.actor.parameters(), *agent.critic.parameters()])
+'''
+
+_S32_BY_NAME_TRY = _NET + '''
+
+def get_optimizer(optimizer, params, lr):
+    if isinstance(optimizer, str) and optimizer.lower() == "adam":
+        optimizer = "Adam"
+    try:
+        optimizer = getattr(torch.optim, optimizer)(params, lr=lr)
+    except AttributeError:
+        raise NotImplementedError(f"optimizer={optimizer} is not supported")
+    return optimizer
+
+
+def build(model, lr=1e-3):
+    return get_optimizer("adam", model.parameters(), lr)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S25_BY_NAME, name="s32_class_looked_up_by_name_called_at_once", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW|Adam|SGD|Adadelta|RMSprop", "class_looked_up": "getattr(torch.optim, name)",
+                 "qualname": "build"}),
+    Fuse(_S32_BY_NAME_TRY, name="s32_class_looked_up_by_name_inside_try", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW|Adam|SGD|Adadelta|RMSprop", "qualname": "get_optimizer",
+                 "guard": "materialised_list_class_checked"}),
+    Fuse(_S32_LOOKUP_RESOLVER, name="s32_class_from_a_pure_lookup_function", run=_S32_LOOKUP_RUN,
+         expect={"optimizer": "torch.optim.AdamW|Adam|SGD|RMSprop", "class_looked_up": "resolve_optimizer(optimizer)",
+                 "qualname": "ActorCritic.__init__"}),
+]
+
+FusedOptimizer.KEEP += [
+    # an argument no fused counterpart takes: the lookup cannot matter
+    Keep(_S25_BY_NAME.replace("(model.parameters(), lr=lr)", "(model.parameters(), lr=lr, maximize=True)"),
+         reason="no fused counterpart of the torch.optim classes it may yield takes the arguments written",
+         name="s32_class_looked_up_with_an_argument_no_fused_class_takes"),
+    # the lookup table holds a class that is not torch.optim's: not a pure torch.optim lookup, nothing claimed
+    Keep(_S32_LOOKUP_RESOLVER.replace('"rmsprop": torch.optim.RMSprop}', '"rmsprop": torch.optim.RMSprop, "lion": Lion}')
+         .replace("from itertools import chain\n", "from itertools import chain\nfrom lion_pytorch import Lion\n"),
+         name="s32_lookup_table_with_a_third_party_class"),
+    # the resolver logs (a call with effects): not proved a pure lookup, so it is not evaluated twice
+    Keep(_S32_LOOKUP_RESOLVER.replace("    name = name.lower()\n", "    name = name.lower()\n    print(f'optimizer: {name}')\n"),
+         name="s32_lookup_function_with_a_side_effect"),
+]
+
+
+# -- s32: an optimizer handed to another framework's trainer (`optimizers=`) --------------------------------
+
+def _s32_external_driver(module: ModuleInfo, call: ast.Call) -> Optional[str]:
+    """The dotted name of ``call``'s callee when it comes from a package outside the repository (not torch,
+    not a class or function of the repo): a framework whose training loop npufuse does not read."""
+    name = module.canonical(call.func) or ""
+    if not name or name.split(".")[0] in ("torch", "torch_npu") or "." not in name:
+        return None
+    from npufuse.scan import repo_facts
+
+    if repo_facts.repo_root(module) is None:
+        return name  # one file scanned alone: what it imports is outside it
+    return repo_facts.external_origin(module, name)
+
+
+_S32_COMPOSER = _NET + '''
+from composer import Trainer
+
+
+def train(model, loader, max_duration="1ep"):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    trainer = Trainer(model=model, train_dataloader=loader, optimizers=optimizer, max_duration=max_duration)
+    return trainer.fit()
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S32_COMPOSER, reason="handed to `composer.Trainer` (optimizers=, line 21), a trainer from outside the repository",
+         name="s32_handed_to_an_outside_trainer"),
+    Keep(_S32_COMPOSER.replace("from composer import Trainer\n", "import hydra\n").replace(
+        "    trainer = Trainer(model=model, train_dataloader=loader, optimizers=optimizer, max_duration=max_duration)\n",
+        "    trainer = hydra.utils.instantiate(cfg.trainer, model=model, train_dataloader=loader, optimizers=optimizer)\n"),
+         reason="handed to `hydra.utils.instantiate` (optimizers=", name="s32_handed_to_a_trainer_built_from_config"),
+]
+
+
+# -- s32: a LightningModule's optimizer under a strategy chosen at run time ----------------------------------
+# `Trainer(strategy=args.strategy)` (WhisperSpeech's `--strategy`, default "ddp"), strategies from hydra
+# configs: FSDPStrategy / DeepSpeedStrategy wrap the module before `configure_optimizers` is called and then
+# flatten or re-assign its parameters and grads behind the optimizer. A strategy written as a literal is a
+# near miss already; any other is read where the optimizer is built: Lightning attaches the Trainer before it
+# calls configure_optimizers (`self._trainer`; `self.trainer` in Lightning 1.0, `training_type_plugin` before
+# `strategy`). Called by hand (no Trainer), the fused class runs.
+_LIGHTNING_SHARDED_WORDS = ("DeepSpeed", "FSDP", "Shard", "ModelParallel")
+
+
+def lightning_strategy_guard(guard: str, me: str) -> str:
+    """``guard`` made None when the Trainer attached to LightningModule ``me`` has a sharding strategy."""
+    return (f"({guard}) if (lambda _t: not any(_w in type(getattr(_t, 'strategy', None) or getattr(_t, 'training_type_plugin', None)).__name__ "
+            f"for _w in {_LIGHTNING_SHARDED_WORDS!r}))(getattr({me}, '_trainer', None) or vars({me}).get('trainer')) else None")
+
+
+def _s32_lightning_self(module: ModuleInfo, scope: Scope) -> Optional[str]:
+    """The name of the method's first parameter when the scope is a method of a LightningModule subclass
+    (its bases followed through the classes of this file); None otherwise."""
+    fn = scope.node
+    if not scope.class_name or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args \
+            or any(isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod") for d in fn.decorator_list):
+        return None
+    name: Optional[str] = scope.class_name
+    seen: set[str] = set()
+    while name and name not in seen:
+        seen.add(name)
+        cls = next((c for c in module.tree.body if isinstance(c, ast.ClassDef) and c.name == name), None)
+        if cls is None:
+            return None
+        name = None
+        for base in cls.bases:
+            canon = module.canonical(base) or dotted(base) or ""
+            if canon.split(".")[-1] == "LightningModule" and canon.split(".")[0] in ("lightning", "pytorch_lightning"):
+                return fn.args.args[0].arg
+            if isinstance(base, ast.Name) and name is None:
+                name = base.id
+    return None
+
+
+_S32_LIGHTNING_RUNTIME_STRATEGY = _NET + '''
+import argparse
+
+import pytorch_lightning as pl
+
+
+class Base(pl.LightningModule):
+    def __init__(self, lr=1e-3):
+        super().__init__()
+        self.net = Net()
+        self.lr = lr
+
+
+class Task(Base):
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.net.parameters(), lr=self.lr, betas=(0.9, 0.95))
+        return [opt], []
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="ddp")
+    args = parser.parse_args()
+    pl.Trainer(strategy=args.strategy, precision="16-mixed").fit(Task())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S32_LIGHTNING_RUNTIME_STRATEGY, name="s32_lightning_strategy_chosen_at_run_time",
+         expect={"optimizer": "torch.optim.AdamW", "guard": "fresh_generator_lightning_strategy_checked",
+                 "qualname": "Task.configure_optimizers"}),
+]
+
+FusedOptimizer.KEEP += [
+    # a strategy object written in the code: sharding seen statically
+    Keep(_S32_LIGHTNING_RUNTIME_STRATEGY.replace("pl.Trainer(strategy=args.strategy,",
+                                                 "pl.Trainer(strategy=pl.strategies.FSDPStrategy(),"),
+         reason="parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO", name="s32_lightning_fsdp_strategy_object"),
 ]

@@ -2796,6 +2796,17 @@ class _Eval:
             start = j
             j -= 1
         if init is None and fresh_init_required:
+            earlier = next((st for st in reversed(block[:start]) if acc in _assigned([st])), None)
+            try:
+                allocated = earlier is not None and bool(self._init_dtype(earlier, acc))
+            except _Miss:
+                allocated = False  # not zeros/empty: the general reason below holds
+            if allocated and j >= 0:
+                # s32: allocated, but other statements sit between it and the loop (aiter's torch_moe:
+                # `out = torch.zeros(...)`, then `if fc1_scale is not None:` rescaling the weights)
+                raise _Miss(f"`{acc}` is allocated at line {earlier.lineno}, but other code (line {block[j].lineno}) sits "
+                            "between that allocation and the loop: npufuse replaces the allocation and the loop as one "
+                            "span, so nothing may come between them")
             raise _Miss(f"`{acc}` is not freshly allocated right before the loop: rows no expert writes would keep old values")
         if init is not None:
             site.out_dtype, site.out_mode = self._init_dtype(init, acc), "assign"
@@ -9563,4 +9574,21 @@ MoeExperts.KEEP += [
          reason="is moved to a device inside the loop (offloaded experts)", name="s27_stacked_weight_moved_in_loop"),
     Keep(_STACKED_ELLIPSIS_T.replace("rows @ self.gate[e, ...].T", "rows @ self.gate[e, ...].to(device=rows.device, dtype=rows.dtype).T"),
          reason="is moved to a device inside the loop", name="s27_stacked_weight_moved_and_cast_in_loop"),
+]
+
+
+# -- s32: a near-miss reason made true ------------------------------------------------------------------
+# aiter's reference `torch_moe`: `out = torch.zeros(...)`, then `if fc1_scale is not None:` rescales the
+# weights, then the expert loop writes `out[mask] = ...`. The accumulator IS freshly allocated (zeros);
+# what stops the rewrite is the other code between the allocation and the loop (the replacement spans
+# the allocation and the loop as one block). The reason says so instead of "not freshly allocated".
+MoeExperts.KEEP += [
+    Keep(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach()\n"),
+         reason="is allocated at line 29, but other code (line 30) sits between that allocation and the loop",
+         name="s32_accumulator_allocated_with_other_code_before_the_loop"),
+    # no allocation at all (the accumulator is a parameter): the general reason stays
+    Keep(_TOP1_MASK_3D.replace("    def forward(self, x):\n", "    def forward(self, x, out):\n")
+         .replace("        out = torch.zeros_like(x)\n", ""),
+         reason="`out` is not freshly allocated right before the loop", name="s32_accumulator_handed_in"),
 ]

@@ -60,6 +60,7 @@ def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict
     without it those are near misses whose reason names the option."""
     try:
         _apply(root, list(files), outcomes, near, max_bytes, zero_in_place)
+        _sharded_accelerate_launches(root, outcomes, near)
     except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
         return
 
@@ -145,12 +146,18 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
                 continue
             blocked, text, fix, explicit = verdict
             f = h.finding
+            # accelerate's prepare in the driving file: also guarded against sharded launches (below)
+            prepared_here = fix == "accelerate"
+            fix = "optimizer" if prepared_here else fix
             # an explicit set_to_none=True (or a flag) is the code's choice to free grads: zeroed in
             # place only on request; a free by default (`model.zero_grad()` on torch >= 2.0,
             # accelerate's prepared `zero_grad()`) is zeroed in place as fused_optimizer does in one file
             target = _zero_target(root, h, b, fix, max_bytes) if blocked and fix is not None else None
             if target is not None and (zero_in_place or not explicit):
                 _zero_in_place(o, h, fix, target, text)
+                if prepared_here:
+                    where_ = _re.search(r"accelerate's prepare \(([^)]*)\)", text)
+                    _guard_accelerate_launch(h, where_.group(1) if where_ else rel)
                 continue  # the fused branch now zeroes those grads in place (a risk says so); other files may still block
             if target is not None:  # explicit, without the option
                 from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
@@ -296,7 +303,7 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
                 return True, (f"the optimizer this builds ({via}) goes through accelerate's prepare ({rel}:{prepared}) and "
                               f"`{recv}.zero_grad()` is called ({rel}:{node.lineno}): AcceleratedOptimizer.zero_grad() passes "
                               "set_to_none=True and torch_npu fused optimizers raise ValueError on it; call "
-                              "zero_grad(set_to_none=False)"), "optimizer", False
+                              "zero_grad(set_to_none=False)"), "accelerate", False
         elif attr == "zero_grad" and recv in models:
             if flag is None or not (isinstance(flag, ast.Constant) and flag.value is False):
                 return True, (f"`{recv}.zero_grad({'' if flag is None else 'set_to_none=...'})` at {rel}:{node.lineno} on the "
@@ -376,10 +383,11 @@ def _zero_target(root: Path, h: Any, b: _Builder, fix: str, max_bytes: int) -> O
     if fix == "self":
         target: Optional[str] = "self"  # the driving file frees the grads of the object whose method builds the optimizer
     elif fix == "model":
-        guard = f.guard_tensor or ""
-        if not (guard.startswith("next(") and guard.endswith(".parameters(), None)")):
+        from npufuse.patterns.fused_optimizer import guard_model
+
+        target = guard_model(f.guard_tensor or "")
+        if target is None:
             return None
-        target = guard[len("next("):-len(".parameters(), None)")]
         fn = _builder_def(root, b, max_bytes)
         params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)} if fn is not None else set()
         if not (target.isidentifier() and ((b.cls and target == "self") or (not b.cls and target in params and target != "self"))):
@@ -414,6 +422,21 @@ def _zero_in_place(o: Any, h: Any, fix: str, target: str, text: str) -> None:
                         "fused optimizers raise ValueError on set_to_none=True and read grads from their flat buffer); a "
                         "parameter that gets no grad in some step is then updated with a zero grad (weight decay and "
                         "momentum still apply) where torch.optim would skip it"))
+
+
+def _guard_accelerate_launch(h: Any, where: str) -> None:
+    """The candidate's optimizer goes through accelerate's prepare in another file (``where``): its
+    guard also keeps torch.optim for runs ``accelerate launch`` configures for DeepSpeed/FSDP/Megatron
+    (as fused_optimizer does when the prepare is in the candidate's own file)."""
+    from npufuse.patterns.fused_optimizer import ACCELERATE_LAUNCH_NOTE, accelerate_launch_guard
+
+    f = h.finding
+    if "accelerate_prepare" in f.params:
+        return
+    f.guard_tensor = accelerate_launch_guard(f.guard_tensor)
+    f.params["accelerate_prepare"] = where
+    f.params["guard"] = str(f.params.get("guard", "")) + "_accelerate_launch_checked"
+    f.notes.append(ACCELERATE_LAUNCH_NOTE)  # (the precomputed body follows the `if` line: still valid)
 
 
 def _bound_name(fused: str) -> Optional[str]:
@@ -499,10 +522,12 @@ def _region(tree: ast.Module, qualname: str) -> Optional[list[ast.AST]]:
 
 def _handed_names(f: Any) -> set[str]:
     """The model whose parameters the guard reads and the names the optimizer is bound to."""
+    from npufuse.patterns.fused_optimizer import guard_model
+
     out: set[str] = set()
-    guard = f.guard_tensor or ""
-    if guard.startswith("next(") and ".parameters()" in guard:
-        out.add(guard[len("next("):guard.index(".parameters()")])
+    model = guard_model(f.guard_tensor or "")
+    if model:
+        out.add(model)
     name = _bound_name(f.fused) if isinstance(f.fused, str) else None
     if name and not name.startswith("_npufuse"):
         out.add(name)
@@ -563,6 +588,7 @@ def reset() -> None:
     _PARSED.clear()
     _PY_FILES.clear()
     _DEPENDENT.clear()
+    _LAUNCH_CONFIGS.clear()
     _s28_reset_quoted()
 
 
@@ -1623,3 +1649,68 @@ def _registering_index(tree: ast.Module) -> list[tuple[ast.AST, set[str], list[a
                 todo.append(v)
                 around.append(lists)
     return out
+
+
+# --- accelerate launch configurations of the repo (s32) ------------------------------------------
+# An accelerate-prepared optimizer runs under whatever `accelerate launch --config_file x.yaml` says:
+# `distributed_type: DEEPSPEED` / `FSDP` / `MEGATRON_LM` wraps it in an engine that flattens the
+# parameters or re-assigns their grads every step (the candidate's guard keeps torch.optim for such
+# runs: fused_optimizer.accelerate_launch_guard). When every accelerate configuration the repo ships
+# chooses one of those, the fused branch would never run in the repo's own launches: a near miss.
+
+_LAUNCH_SUFFIXES = (".yaml", ".yml", ".json")
+_LAUNCH_MAX_BYTES = 64 * 1024
+_DISTRIBUTED_TYPE = _re.compile(r"""(?<![\w-])["']?distributed_type["']?\s*:\s*["']?([A-Za-z_]+)""")
+_SHARDED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
+_LAUNCH_CONFIGS: dict[str, list[tuple[str, str]]] = {}
+
+
+def accelerate_launch_configs(root: Path) -> list[tuple[str, str]]:
+    """(file, distributed_type) of every accelerate launch configuration in the repo: a small YAML/JSON
+    file with a ``distributed_type`` key (accelerate's own key name), files of skipped folders left out."""
+    key = str(root)
+    if key not in _LAUNCH_CONFIGS:
+        out: list[tuple[str, str]] = []
+        seen = 0
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+            for name in sorted(filenames):
+                if not name.lower().endswith(_LAUNCH_SUFFIXES):
+                    continue
+                seen += 1
+                path = Path(dirpath) / name
+                try:
+                    if path.is_symlink() or path.stat().st_size > _LAUNCH_MAX_BYTES:
+                        continue
+                    text = path.read_text(encoding="utf-8", errors="replace")
+                except OSError:
+                    continue
+                m = _DISTRIBUTED_TYPE.search(text) if "distributed_type" in text else None
+                if m:
+                    out.append((path.relative_to(root).as_posix(), m.group(1).upper()))
+            if seen > 5000:
+                break
+        if len(_LAUNCH_CONFIGS) > 8:
+            _LAUNCH_CONFIGS.clear()
+        _LAUNCH_CONFIGS[key] = out
+    return _LAUNCH_CONFIGS[key]
+
+
+def _sharded_accelerate_launches(root: Path, outcomes: list[Any], near: list[dict[str, Any]]) -> None:
+    hits = [(o, h) for o in outcomes for h in o.hits
+            if h.finding.pattern == _PATTERN and "accelerate_prepare" in (h.finding.params or {})]
+    if not hits:
+        return
+    configs = accelerate_launch_configs(root)
+    if not configs or not all(kind in _SHARDED_TYPES for _rel, kind in configs):
+        return
+    named = ", ".join(f"{rel} (distributed_type: {kind})" for rel, kind in configs[:3]) + (", ..." if len(configs) > 3 else "")
+    for o, h in hits:
+        f = h.finding
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": (f"the optimizer goes through accelerate's prepare ({f.params['accelerate_prepare']}) and every "
+                                f"accelerate launch configuration in the repo chooses DeepSpeed, FSDP or Megatron-LM ({named}): "
+                                "that engine flattens the parameters or re-assigns their grads behind the optimizer, so the "
+                                "flat-buffer fused class cannot take over in the repo's own launches (a guarded rewrite would "
+                                "always run torch.optim)")})
