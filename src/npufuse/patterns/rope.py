@@ -2205,6 +2205,7 @@ class RopePattern(Pattern):
                 return self._match_named_complex(module, scope, node, *named)
             return self._match_complex_halves(module, scope, node)
         post = ""
+        rank_check: int | None = None  # x must have more dims than this for ``post`` to equal the original
         if _method(node, "view", "reshape"):
             # ``view_as_real(xc * f).view(b, s, h, d)`` (nanotron): the fused call gives view_as_real(..).flatten(-2),
             # the same elements in the same order, so the original view/reshape is applied to it unchanged
@@ -2219,7 +2220,13 @@ class RopePattern(Pattern):
         elif not _is_int(keyword(node, "start_dim", 0), 3, -2) and not self._merges_pair_axis(scope, node):
             k = self._merges_more_axes(scope, node)
             if k is None:
-                return None
+                k = self._flatten_of_rank_free_pairs(scope, node)
+                if k is None:
+                    return None
+                # ``reshape(*x.shape[:-1], -1, 2)`` has x's rank + 1 whatever x's rank (mistral-src's
+                # ``flatten(2)`` of [T, N, D] tokens): flatten(k) is the pair merge then flatten(k) where
+                # x has more than k dims; elsewhere (it would merge fewer axes) the original code runs
+                rank_check = k
             # ``view_as_real(xc * f).flatten(2)`` of [b, s, n, d/2, 2] (VeOmni's Wan): the lane pairs merged
             # and then the heads too; the fused call gives the first merge, the original flatten the rest
             post = f".flatten({k})"
@@ -2241,6 +2248,8 @@ class RopePattern(Pattern):
             if not finfo.batch_free or post:
                 m = self._complex_checked(module, node, x, xc, freqs, cast)
                 m.post = post
+                if rank_check is not None:
+                    m.only_if = f"{m.only_if} and {_atom(segment(module, xc))}.dim() > {rank_check}"
                 return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
@@ -2296,6 +2305,31 @@ class RopePattern(Pattern):
                 if _method(pairs, "reshape", "view") and not any(isinstance(a, ast.Starred) for a in pairs.args) \
                         and len(pairs.args) >= 3 and _is_int(pairs.args[-1], 2) and k <= len(pairs.args) - 2:
                     return k
+        return None
+
+    @staticmethod
+    def _flatten_of_rank_free_pairs(scope: Scope, node: ast.Call) -> int | None:
+        """k of ``view_as_real(xc * f).flatten(k)`` (k >= 0, no end dim) whose complex factor pairs the
+        lanes by ``reshape(*x.shape[:-1], -1, 2)`` / ``unflatten(-1, (-1, 2))``: a view whose rank is x's
+        rank + 1 at run time, not written here; None otherwise."""
+        k = const_value(keyword(node, "start_dim", 0))
+        real = node.func.value  # type: ignore[attr-defined]
+        if len(node.args) + len(node.keywords) != 1 or not (isinstance(k, int) and not isinstance(k, bool) and k >= 0) \
+                or not (isinstance(real, ast.Call) and len(real.args) == 1 and isinstance(real.args[0], ast.BinOp)
+                        and isinstance(real.args[0].op, ast.Mult)):
+            return None
+        for side in (real.args[0].left, real.args[0].right):
+            val = _resolve(scope, side)
+            if isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args:
+                pairs = _resolve(scope, val.args[0])
+                if _method(pairs, "unflatten") and _pairs_view(pairs):
+                    return k
+                if _method(pairs, "reshape", "view") and len(pairs.args) == 3 and _is_int(pairs.args[1], -1) and _is_int(pairs.args[2], 2):
+                    lead = pairs.args[0]
+                    if isinstance(lead, ast.Starred) and isinstance(lead.value, ast.Subscript) and isinstance(lead.value.slice, ast.Slice) \
+                            and lead.value.slice.lower is None and _is_int(lead.value.slice.upper, -1) and lead.value.slice.step is None \
+                            and isinstance(lead.value.value, ast.Attribute) and lead.value.value.attr == "shape":
+                        return k
         return None
 
     def _match_named_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call, prod_stmt: ast.Assign, prod: ast.BinOp) -> _Match | str | None:
@@ -3405,6 +3439,60 @@ xq = torch.randn(2, 7, 4, 16, requires_grad=True)
 out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
 leaves = [xq]
 ''',
+    ),
+    Fuse(
+        # s32 (mistral-src): the pair merge spelled ``flatten(2)``, a positive axis of a view whose rank is x's
+        # rank + 1 (``reshape(*x.shape[:-1], -1, 2)``): for [T, N, D] tokens it merges only the lane pairs
+        name="mistral_complex_tokens_flatten_positive_axis",
+        code=_MISTRAL_TOKENS.replace(".flatten(-2)", ".flatten(2)"),
+        expect={"variant": "complex_freqs_cis_checked", "mode": "complex", "qualname": "apply_rotary_emb"},
+        run='''
+xq = torch.randn(7, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(7, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(xq, xk, precompute_freqs_cis(16, 7, 10000.0))
+leaves = [xq, xk]
+''',
+    ),
+    Fuse(
+        # the same spelling on batched [B, T, N, D] input: flatten(2) merges the heads too ([B, T, N*D]), so the
+        # fused result is flattened the same way after the call
+        name="mistral_complex_flatten_positive_axis_merges_heads",
+        code=_MISTRAL_TOKENS.replace(".flatten(-2)", ".flatten(2)").replace("x.shape[:-1], -1, 2)", "x.shape[:-1], -1, 2)"),
+        expect={"variant": "complex_freqs_cis_checked"},
+        run='''
+xq = torch.randn(2, 7, 4, 16, requires_grad=True)
+out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
+leaves = [xq]
+''',
+    ),
+    Fuse(
+        # ``unflatten(-1, (-1, 2))`` pairs (rank x's + 1 as well) merged by ``flatten(3)`` of 4-D [B, S, N, D]
+        # input given tables [S, 1, D/2]: here flatten(3) is the pair merge itself
+        name="complex_unflatten_pairs_flatten_positive_axis",
+        code='''
+import torch
+
+
+def rope(x, freqs_cis):
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(xc * freqs_cis[:, None, :]).flatten(3).type_as(x)
+''',
+        expect={"variant": "complex_freqs_cis_checked", "qualname": "rope"},
+        run='''
+ang = torch.arange(5).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+x = torch.randn(2, 5, 3, 8, dtype=torch.float16, requires_grad=True)
+out = rope(x, torch.polar(torch.ones_like(ang), ang))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the pairs made of the two halves' lanes (``reshape(*x.shape[:-1], 2, -1)``: [.., 2, D/2]) are no lane
+        # pairs of x: view_as_complex of them is not the interleaved rotation
+        _MISTRAL_TOKENS.replace(".flatten(-2)", ".flatten(2)").replace("-1, 2))", "2, -1))"),
+        name="complex_flatten_positive_axis_pairs_not_lanes",
     ),
 ]
 
@@ -5970,6 +6058,36 @@ def _named_rotation_call(scope: Scope, name: ast.Name, x: ast.expr) -> ast.Call 
     return call
 
 
+def _helper_locals_inlined(hscope: Scope, tree: ast.expr, pname: str) -> ast.expr:
+    """``tree`` (an expression read in the helper) with each local name the helper binds once, by a plain
+    ``name = <expr>`` statement of its own body, replaced by that expression (labml's ``d_2 = self.d // 2``
+    before ``x[:, :, :, d_2:]``): what the call site can evaluate again. Names bound otherwise stay."""
+    body = getattr(hscope.node, "body", [])
+    params = {a.arg for a in getattr(getattr(hscope.node, "args", None), "args", [])}
+    for _ in range(4):
+        changed = False
+
+        class _Inline(ast.NodeTransformer):
+            def visit_Name(self, n: ast.Name) -> ast.AST:
+                nonlocal changed
+                if n.id in (pname, "self") or n.id in params:
+                    return n
+                binds = hscope.assignments.get(n.id, [])
+                if len(binds) != 1:
+                    return n
+                st, value = binds[0]
+                if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                        and any(st is b for b in body)):
+                    return n
+                changed = True
+                return copy.deepcopy(value)
+
+        tree = _Inline().visit(copy.deepcopy(tree))
+        if not changed:
+            break
+    return tree
+
+
 def _split_checked_helper(module: ModuleInfo, node: ast.Call, hscope: Scope, ret: ast.expr, is_param, pname: str) -> _Rotation | None:
     """The helper's return is a rotation when its halves may be cut at a split point read from
     ``self.<attr>`` / constants (called as ``self.f(x)`` from a method, so ``self`` is the same object at
@@ -5983,7 +6101,7 @@ def _split_checked_helper(module: ModuleInfo, node: ast.Call, hscope: Scope, ret
         return None
     checks = []
     for check in halves.split_checks:
-        tree = ast.parse(check, mode="eval").body
+        tree = _helper_locals_inlined(hscope, ast.parse(check, mode="eval").body, pname)
         if any(isinstance(n, ast.Name) and n.id not in (pname, "self") for n in ast.walk(tree)):
             return None  # only the parameter (the call's argument) and ``self`` can be read at the call site
         for n in ast.walk(tree):
@@ -6052,6 +6170,70 @@ RopePattern.KEEP += [
             "    def _swap(self, t):\n        a = t[..., : self.dim // 2]\n        b = t[..., self.dim // 2 :]\n        return torch.cat((-b, a), dim=-1)\n", "")
         + "\n\nHALF = 4\n\n\ndef swap(t):\n    return torch.cat((-t[..., HALF:], t[..., :HALF]), dim=-1)\n",
         name="free_helper_global_split",
+    ),
+]
+
+# s32 (labml's annotated RoPE, copied into matcha / chatterbox): [S, B, N, D] input, partial rotary on the first
+# ``self.d`` features, a helper whose split point is a local bound once from ``self.d`` and whose halves are cut
+# with explicit leading axes (``x[:, :, :, d_2:]``, the last axis of the 4-D tensor the op takes)
+_LABML_PARTIAL = '''
+import torch
+import torch.nn as nn
+
+
+class RotaryPositionalEmbeddings(nn.Module):
+    def __init__(self, d, base=10_000):
+        super().__init__()
+        self.base = base
+        self.d = int(d)
+        self.cos_cached = None
+        self.sin_cached = None
+
+    def _build_cache(self, x):
+        if self.cos_cached is not None and x.shape[0] <= self.cos_cached.shape[0]:
+            return
+        seq_len = x.shape[0]
+        theta = 1.0 / (self.base ** (torch.arange(0, self.d, 2).float() / self.d)).to(x.device)
+        seq_idx = torch.arange(seq_len, device=x.device).float()
+        idx_theta = torch.einsum("n,d->nd", seq_idx, theta)
+        idx_theta2 = torch.cat([idx_theta, idx_theta], dim=1)
+        self.cos_cached = idx_theta2.cos()[:, None, None, :]
+        self.sin_cached = idx_theta2.sin()[:, None, None, :]
+
+    def _neg_half(self, x):
+        d_2 = self.d // 2
+        return torch.cat([-x[:, :, :, d_2:], x[:, :, :, :d_2]], dim=-1)
+
+    def forward(self, x):
+        x = x.permute(2, 0, 1, 3)  # [B, H, T, D] -> [T, B, H, D]
+        self._build_cache(x)
+        x_rope, x_pass = x[..., : self.d], x[..., self.d :]
+        neg_half_x = self._neg_half(x_rope)
+        x_rope = (x_rope * self.cos_cached[: x.shape[0]]) + (neg_half_x * self.sin_cached[: x.shape[0]])
+        return torch.cat((x_rope, x_pass), dim=-1).permute(1, 2, 0, 3)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="labml_partial_rotary_local_split_point",
+        code=_LABML_PARTIAL,
+        expect={"mode": "half", "qualname": "RotaryPositionalEmbeddings.forward"},
+        run='''
+x = torch.randn(2, 3, 6, 16, requires_grad=True)
+m = RotaryPositionalEmbeddings(8)
+out = (m(x), RotaryPositionalEmbeddings(16)(x.to(torch.bfloat16)))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the local split point is rebound (``d_2 += 1``): no single expression the call site can evaluate, and the
+        # halves are not cut at D/2
+        _LABML_PARTIAL.replace("        d_2 = self.d // 2\n", "        d_2 = self.d // 2\n        d_2 += 1\n"),
+        reason="does not compute the standard rotate_half",
+        name="labml_split_point_rebound",
     ),
 ]
 
