@@ -166,12 +166,36 @@ def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.F
         origin = module.aliases.get(func.id)
         return None, f"{func.id}" + (f" (imported from {origin.rsplit('.', 1)[0]})" if origin else "")
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
-        cls = module.classes.get(scope.class_name or "") if func.value.id == "self" else module.classes.get(func.value.id)
+        cls = _enclosing_class(module, scope) if func.value.id == "self" else module.classes.get(func.value.id)
         if cls is not None:
             for node in cls.body:
                 if isinstance(node, ast.FunctionDef) and node.name == func.attr:
                     return node, f"{cls.name}.{func.attr}"
     return None, ast.unparse(func)
+
+
+def _module_classes(module: ModuleInfo) -> list[ast.ClassDef]:
+    """Every class the module defines at its top level or in its ``if``/``try`` blocks, each definition of a
+    name (``module.classes`` keeps the first: Pointcept's ``PointROPE`` is the CUDA wrapper under ``try:``
+    and the PyTorch fallback under ``except``). Cached per module."""
+    found = module.__dict__.get("_rope_all_classes")
+    if found is None:
+        found = module.__dict__["_rope_all_classes"] = [n for n in fast_walk(module.tree) if isinstance(n, ast.ClassDef)]
+    return found
+
+
+def _enclosing_class(module: ModuleInfo, scope: Scope) -> ast.ClassDef | None:
+    """The class definition whose body holds the method of ``scope`` (``self``'s class there), or the
+    module's class of that name."""
+    if not scope.class_name:
+        return None
+    first = module.classes.get(scope.class_name)
+    if first is not None and any(n is scope.node for n in first.body):
+        return first
+    for cls in _module_classes(module):
+        if cls.name == scope.class_name and any(n is scope.node for n in cls.body):
+            return cls
+    return first
 
 
 def _nested_def(scope: Scope, func: ast.Name) -> ast.FunctionDef | None:
@@ -572,9 +596,41 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         return dataclasses.replace(cache[key])
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
+    if rot.kind is None and not rot.reason:
+        rot = _split_checked_inline(scope, node, x, module) or rot
     rot.name = "inline"
     if rot.kind is not None and isinstance(node, ast.Name):
         return _on_its_branch(scope, node, rot, module, x)
+    return rot
+
+
+def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: ModuleInfo) -> _Rotation | None:
+    """The inline ``cat((-x2, x1), -1)`` (or a name bound to it) whose halves are cut at a split point
+    that is not provably x's last dim // 2 (wav2vec2-conformer's ``x[..., : self.head_size // 2]``, the
+    head size the caller viewed x with): the half rotation where ``x.shape[-1] == 2 * (split)`` holds at
+    run time, the original code elsewhere. The split point is re-read at the site, so only expressions
+    safe to evaluate again there are taken (``_split_point``)."""
+    halves = _Halves(scope, lambda n: same_expr(n, x), module)
+    halves.allow_split = True
+    rot = _rotation_of_halves(scope, node, lambda n: same_expr(n, x), halves)
+    if not halves.split_checks:
+        return None
+    for check in halves.split_checks:
+        # a split point read from x's own shape, other than the last dim's half that _Halves proves, is another
+        # dim of x (picotron's unpacked ``seq_length // 2``): a cut that is no rotation, not a run-time question
+        split = ast.parse(check, mode="eval").body.comparators[0].right  # type: ignore[attr-defined]
+        reads = [split] + [v for n in fast_walk(split) if isinstance(n, ast.Name) for _st, v in scope.assignments.get(n.id, [])]
+        for node_ in (n for r in reads for n in fast_walk(r)):
+            if (isinstance(node_, ast.Attribute) and node_.attr == "shape" and same_expr(node_.value, x)) \
+                    or (_method(node_, "size") and same_expr(node_.func.value, x)):
+                return None
+    if rot.kind is None and rot.reason:
+        return rot  # the halves of x at that split, combined the wrong way: say so
+    if rot.kind != "half":
+        return None
+    rot.upcast = halves.upcast
+    rot.only_if = " and ".join(halves.split_checks)
+    rot.other = "halves cut at a split point not provably half the last dim: the original code runs where it is not"
     return rot
 
 
@@ -792,7 +848,7 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         # filled by slices, ...) is evaluated on sampled inputs by the numeric probe (allowlisted torch only)
         from npufuse.scan import numeric_probe
 
-        proof = numeric_probe.prove_rotation(module, fn, module.classes.get(hscope.class_name or "") if hscope.class_name else None)
+        proof = numeric_probe.prove_rotation(module, fn, _enclosing_class(module, hscope) if hscope.class_name else None)
         if proof.kind in ("half", "interleave"):
             return _Rotation(proof.kind, "", name)
         if proof.kind == "other" and "rot" in name.lower():
@@ -1696,7 +1752,7 @@ class RopePattern(Pattern):
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()} \
                 | _relative_rotation_imports(module)
-            for cls in module.classes.values():
+            for cls in _module_classes(module):
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
             hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)")
         return hints
@@ -6227,7 +6283,124 @@ leaves = [x]
     ),
 ]
 
+# s32 (HF wav2vec2-conformer): the inline rotate_half cut at the head size the caller viewed x with
+# (``self.head_size // 2``), x rebound by the site itself, [S, B, N, D] after a transpose, S11D tables
+_CONFORMER_INLINE_SPLIT = '''
+import torch
+from torch import nn
+
+
+class ConformerSelfAttention(nn.Module):
+    def __init__(self, num_heads, head_size):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+
+    def _apply_rotary_embedding(self, hidden_states, relative_position_embeddings):
+        batch_size, sequence_length, hidden_size = hidden_states.size()
+        hidden_states = hidden_states.view(batch_size, sequence_length, self.num_heads, self.head_size)
+        cos = relative_position_embeddings[0, :sequence_length, ...]
+        sin = relative_position_embeddings[1, :sequence_length, ...]
+        hidden_states = hidden_states.transpose(0, 1)
+        rotated_states_begin = hidden_states[..., : self.head_size // 2]
+        rotated_states_end = hidden_states[..., self.head_size // 2 :]
+        rotated_states = torch.cat((-rotated_states_end, rotated_states_begin), dim=rotated_states_begin.ndim - 1)
+        hidden_states = (hidden_states * cos) + (rotated_states * sin)
+        hidden_states = hidden_states.transpose(0, 1)
+        return hidden_states.reshape(batch_size, sequence_length, self.num_heads * self.head_size)
+
+
+def tables(n, d):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.outer(torch.arange(n).float(), inv)
+    emb = torch.cat((f, f), dim=-1)
+    return torch.stack([emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]])
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="inline_rotate_half_cut_at_attribute_split",
+        code=_CONFORMER_INLINE_SPLIT,
+        expect={"mode": "half", "qualname": "ConformerSelfAttention._apply_rotary_embedding"},
+        run='''
+x = torch.randn(2, 5, 3 * 8, requires_grad=True)
+out = ConformerSelfAttention(3, 8)._apply_rotary_embedding(x, tables(7, 8))
+leaves = [x]
+''',
+    ),
+]
+
 RopePattern.KEEP += [
+    Keep(
+        # the same halves combined the wrong way round (cat(x2, -x1)): a rotation by the opposite angle
+        _CONFORMER_INLINE_SPLIT.replace("torch.cat((-rotated_states_end, rotated_states_begin)",
+                                        "torch.cat((rotated_states_end, -rotated_states_begin)"),
+        reason="sign flipped",
+        name="inline_rotate_half_cut_at_attribute_split_flipped",
+    ),
+]
+
+# s32 (Pointcept's PointROPE, croco-style): the class is defined twice, a CUDA extension wrapper under ``try:``
+# and the PyTorch fallback under ``except``; ``self.rotate_half`` is the fallback's own static method
+_TWICE_DEFINED_CLASS = '''
+import torch
+
+try:
+    from fast_rope_ext import rope_cuda
+
+    class PointRope(torch.nn.Module):
+        def forward(self, tokens, positions):
+            return rope_cuda(tokens, positions)
+
+except ImportError:
+
+    class PointRope(torch.nn.Module):
+        def __init__(self, freq=100.0):
+            super().__init__()
+            self.base = freq
+
+        def get_cos_sin(self, d, n):
+            inv = 1.0 / (self.base ** (torch.arange(0, d, 2).float() / d))
+            f = torch.outer(torch.arange(n).float(), inv)
+            f = torch.cat((f, f), dim=-1)
+            return f.cos(), f.sin()
+
+        @staticmethod
+        def rotate_half(x):
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+            return torch.cat((-x2, x1), dim=-1)
+
+        def apply_rope1d(self, tokens, pos1d, cos, sin):
+            cos = torch.nn.functional.embedding(pos1d, cos)[:, None, :, :]
+            sin = torch.nn.functional.embedding(pos1d, sin)[:, None, :, :]
+            return (tokens * cos) + (self.rotate_half(tokens) * sin)
+
+        def forward(self, tokens, positions):
+            cos, sin = self.get_cos_sin(tokens.size(3), int(positions.max()) + 1)
+            return self.apply_rope1d(tokens, positions, cos, sin)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_helper_of_class_defined_twice",
+        code=_TWICE_DEFINED_CLASS,
+        expect={"mode": "half", "qualname": "PointRope.apply_rope1d"},
+        run='''
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+pos = torch.tensor([[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]])
+out = PointRope()(x, pos)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the fallback's helper rotates the other way (cat(x2, -x1)): read in the class that holds the call
+        _TWICE_DEFINED_CLASS.replace("return torch.cat((-x2, x1), dim=-1)", "return torch.cat((x2, -x1), dim=-1)"),
+        reason="sign flipped",
+        name="rotation_helper_of_class_defined_twice_flipped",
+    ),
     Keep(
         # the local split point is rebound (``d_2 += 1``): no single expression the call site can evaluate, and the
         # halves are not cut at D/2
