@@ -1488,6 +1488,9 @@ def _complex_halves(scope: Scope, xc: ast.expr) -> ast.expr | None:
     if not (isinstance(v, ast.Call) and ast.unparse(v.func).endswith("view_as_complex") and len(v.args) == 1):
         return None
     st = _resolve(scope, v.args[0])
+    regrouped = _halves_regrouped_as_pairs(scope, st)
+    if regrouped is not None:
+        return regrouped
     if not (isinstance(st, ast.Call) and isinstance(st.func, ast.Attribute) and st.func.attr == "stack" and st.args
             and _is_int(keyword(st, "dim", 1), -1)):
         return None
@@ -1503,6 +1506,36 @@ def _complex_halves(scope: Scope, xc: ast.expr) -> ast.expr | None:
     n = rest[0] if rest else keyword(ch, "chunks")
     dim = rest[1] if len(rest) > 1 else keyword(ch, "dim")
     return t if _is_int(n, 2) and _is_int(dim, -1) else None
+
+
+def _halves_regrouped_as_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
+    """t of ``t.reshape(*t.shape[:-1], 2, -1).transpose(-2, -1)`` (also ``view``, ``unflatten(-1, (2, -1))``,
+    ``.contiguous()`` after it, through local names; AWQ's fused llama/qwen2 attention): the [.., D/2, 2]
+    pairs (t_i, t_{i + D/2}) of t's two halves, the complex numbers of gemma's ``stack(chunk(t, 2, -1), -1)``."""
+    for _ in range(4):
+        node = _resolve(scope, node)
+        if _method(node, "contiguous") and not node.args:
+            node = node.func.value
+            continue
+        break
+    if not (_method(node, "transpose") and len(node.args) == 2 and not node.keywords
+            and {const_value(a) for a in node.args} == {-1, -2}):
+        return None
+    grouped = _resolve(scope, node.func.value)
+    if _method(grouped, "unflatten") and len(grouped.args) == 2 and _is_int(grouped.args[0], -1) \
+            and isinstance(grouped.args[1], (ast.Tuple, ast.List)) and len(grouped.args[1].elts) == 2 \
+            and _is_int(grouped.args[1].elts[0], 2) and _is_int(grouped.args[1].elts[1], -1):
+        return grouped.func.value
+    if not (_method(grouped, "reshape", "view") and len(grouped.args) == 3 and _is_int(grouped.args[1], 2) and _is_int(grouped.args[2], -1)):
+        return None
+    lead, t = grouped.args[0], grouped.func.value
+    # ``*t.shape[:-1]`` of t or of t before a cast (``xq.float().reshape(*xq.shape[:-1], 2, -1)``)
+    if not (isinstance(lead, ast.Starred) and isinstance(lead.value, ast.Subscript) and isinstance(lead.value.slice, ast.Slice)
+            and lead.value.slice.lower is None and _is_int(lead.value.slice.upper, -1) and lead.value.slice.step is None
+            and isinstance(lead.value.value, ast.Attribute) and lead.value.value.attr == "shape"
+            and (same_expr(lead.value.value.value, t) or same_expr(lead.value.value.value, strip_casts(t)[0]))):
+        return None
+    return t
 
 
 def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
@@ -1589,6 +1622,20 @@ def _rotation_matrix_producer(module: ModuleInfo) -> str | None:
                 break
     module.__dict__["_rope_matrix_producer"] = found
     return found
+
+
+def _flush_unabsorbed(runs: list, pending: list) -> None:
+    """Sites whose part statements are not right before them (AWQ's ``xq_ = view_as_complex(..)`` with the
+    table lookups in between) become plain sites: the part statements stay where they are (the fused call
+    no longer reads them), instead of the sites being dropped without a word."""
+    for block, i, stmt, ms in pending:
+        for m in ms:
+            m.absorb = []
+        if runs and runs[-1][0] is block and runs[-1][1][-1][0] == i - 1:
+            runs[-1][1].append((i, stmt, ms))
+        else:
+            runs.append((block, [(i, stmt, ms)]))
+    pending.clear()
 
 
 class RopePattern(Pattern):
@@ -1706,6 +1753,8 @@ class RopePattern(Pattern):
                 # llama2.c computes the parts of q AND k first, then the two stacks: sites right after each
                 # other whose parts, all together, are the statements right before the first of them
                 group = pending if pending and pending[-1][0] is block and pending[-1][1] == i - 1 else []
+                if not group and pending:
+                    _flush_unabsorbed(runs, pending)  # (sites whose parts are not right before them: kept, see below)
                 ids = {id(a) for a in absorb} | {id(a) for _b, _j, _st, ms in group for m in ms for a in m.absorb}
                 first = group[0][1] if group else i
                 if first >= len(ids) and {id(b) for b in block[first - len(ids) : first]} == ids:
@@ -1729,6 +1778,8 @@ class RopePattern(Pattern):
                 runs[-1][1].append((i, stmt, matches))
             else:
                 runs.append((block, [(i, stmt, matches)]))
+        if pending:
+            _flush_unabsorbed(runs, pending)
         for _block, items in runs:
             _TORCH_IMPORTS.set(torch_imports)
             yield self._finding(module, scope, items)
@@ -6280,6 +6331,60 @@ m = RotaryPositionalEmbeddings(8)
 out = (m(x), RotaryPositionalEmbeddings(16)(x.to(torch.bfloat16)))
 leaves = [x]
 ''',
+    ),
+]
+
+# s32 (AWQ's fused llama / qwen2 attention): the complex numbers are the pairs (x_i, x_{i + D/2}) of the two halves,
+# regrouped by ``reshape(*x.shape[:-1], 2, -1).transpose(-2, -1)`` and ungrouped the same way after the product; the
+# table lookups sit between the complex views and the products (no statement right before the site to replace)
+_AWQ_HALVES_COMPLEX = '''
+import torch
+from torch import nn
+
+
+class RoPE(nn.Module):
+    def __init__(self, head_dim, max_seq_len):
+        super().__init__()
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2)[: (head_dim // 2)].float() / head_dim))
+        freqs = torch.outer(torch.arange(max_seq_len).float(), freqs)
+        self.freqs_cis = nn.Parameter(torch.polar(torch.ones_like(freqs), freqs), requires_grad=False)
+
+    @staticmethod
+    def reshape_for_broadcast(freqs_cis, x):
+        ndim = x.ndim
+        shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+        return freqs_cis.view(*shape)
+
+    def forward(self, xq, xk, start_pos: int, seqlen: int):
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], 2, -1).transpose(-2, -1).contiguous())
+        xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], 2, -1).transpose(-2, -1).contiguous())
+        freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
+        freqs_cis = self.reshape_for_broadcast(freqs_cis, xq_).to(xq_.device)
+        xq_out = torch.view_as_real(xq_ * freqs_cis).transpose(-2, -1).flatten(3)
+        xk_out = torch.view_as_real(xk_ * freqs_cis).transpose(-2, -1).flatten(3)
+        return xq_out.type_as(xq), xk_out.type_as(xk)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_pairs_of_halves_regrouped_by_transpose",
+        code=_AWQ_HALVES_COMPLEX,
+        expect={"mode": "half", "qualname": "RoPE.forward"},
+        run='''
+xq = torch.randn(2, 5, 4, 16, dtype=torch.float16, requires_grad=True)
+xk = torch.randn(2, 5, 2, 16, dtype=torch.float16, requires_grad=True)
+out = RoPE(16, 12)(xq, xk, 3, 5)
+leaves = [xq, xk]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the regrouping view is sized by another tensor (xk's leading dims for xq): not proven to pair xq's halves
+        _AWQ_HALVES_COMPLEX.replace("xq.float().reshape(*xq.shape[:-1], 2, -1)", "xq.float().reshape(*xk.shape[:-1], 2, -1)")
+        .replace("xk.float().reshape(*xk.shape[:-1], 2, -1)", "xk.float().reshape(*xq.shape[:-1], 2, -1)"),
+        name="complex_pairs_regrouped_by_other_tensor_shape",
     ),
 ]
 
