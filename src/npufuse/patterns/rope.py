@@ -6334,6 +6334,52 @@ leaves = [x]
     ),
 ]
 
+# s32 (k-diffusion's axial rope): the helper merges the pair axis by a starred unpacking of the shape
+# (``*shape, d, r = x.shape; x.view(*shape, d * r)``), read by the numeric probe; partial rotary between two
+# pass-through parts, tables with a scale factor
+_STARRED_MERGE_HELPER = '''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    *shape, d, r = x.shape
+    return x.view(*shape, d * r)
+
+
+def apply_rotary_emb(freqs, t, start_index=0, scale=1.0):
+    freqs = freqs.to(t)
+    rot_dim = freqs.shape[-1]
+    end_index = start_index + rot_dim
+    t_left, t, t_right = t[..., :start_index], t[..., start_index:end_index], t[..., end_index:]
+    t = (t * freqs.cos() * scale) + (rotate_half(t) * freqs.sin() * scale)
+    return torch.cat((t_left, t, t_right), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="helper_merges_pairs_by_starred_unpacking",
+        code=_STARRED_MERGE_HELPER,
+        expect={"mode": "interleave", "qualname": "apply_rotary_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+x = torch.randn(2, 3, 6, 12, requires_grad=True)
+out = apply_rotary_emb(ang.repeat_interleave(2, dim=-1), x, start_index=2)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the lanes stacked the other way (stack(x2, -x1)): a rotation by the opposite angle
+        _STARRED_MERGE_HELPER.replace("torch.stack((-x2, x1), dim=-1)", "torch.stack((x2, -x1), dim=-1)"),
+        reason="does not compute the standard rotate_half",
+        name="helper_merges_pairs_by_starred_unpacking_flipped",
+    ),
+]
+
 # s32 (AWQ's fused llama / qwen2 attention): the complex numbers are the pairs (x_i, x_{i + D/2}) of the two halves,
 # regrouped by ``reshape(*x.shape[:-1], 2, -1).transpose(-2, -1)`` and ungrouped the same way after the product; the
 # table lookups sit between the complex views and the products (no statement right before the site to replace)
