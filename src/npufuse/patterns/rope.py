@@ -167,10 +167,18 @@ def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.F
         return None, f"{func.id}" + (f" (imported from {origin.rsplit('.', 1)[0]})" if origin else "")
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
         cls = _enclosing_class(module, scope) if func.value.id == "self" else module.classes.get(func.value.id)
-        if cls is not None:
-            for node in cls.body:
+        # the class's own method, else the first one its in-module bases define (depth-first, left to right:
+        # Python's lookup order for single inheritance and simple mixins)
+        todo, seen = [cls] if cls is not None else [], set()
+        while todo:
+            c = todo.pop(0)
+            if id(c) in seen or len(seen) > 8:
+                continue
+            seen.add(id(c))
+            for node in c.body:
                 if isinstance(node, ast.FunctionDef) and node.name == func.attr:
-                    return node, f"{cls.name}.{func.attr}"
+                    return node, f"{c.name}.{func.attr}"
+            todo = [b for b in (module.classes.get(base.id) for base in c.bases if isinstance(base, ast.Name)) if b is not None] + todo
     return None, ast.unparse(func)
 
 
@@ -807,6 +815,11 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         if imported is not None:
             return imported
         if "rotate" in name.lower() or "rot" in name.lower():
+            if isinstance(node.func, ast.Name) and any(
+                    isinstance(st, ast.Assign) and isinstance(st.value, ast.Lambda)
+                    and any(isinstance(t, ast.Name) and t.id == node.func.id for t in st.targets) for st in module.tree.body):
+                return _Rotation(None, f"rotation helper `{name}` is a lambda bound at module level: npufuse verifies helpers "
+                                 "written with def only", name)
             return _Rotation(None, f"rotation helper `{name}` is not defined in this module: it cannot be verified", name)
         return _Rotation(None)
     hscope = _scope_of(module, fn)
@@ -1803,6 +1816,9 @@ class RopePattern(Pattern):
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()} \
                 | _relative_rotation_imports(module)
+            # (module-level ``rotate_half = lambda x: ...``: named so the near miss can say it is a lambda)
+            names |= {t.id for st in module.tree.body if isinstance(st, ast.Assign) and isinstance(st.value, ast.Lambda)
+                      for t in st.targets if isinstance(t, ast.Name) and "rot" in t.id.lower()}
             for cls in _module_classes(module):
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
             hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)")
@@ -6331,6 +6347,68 @@ m = RotaryPositionalEmbeddings(8)
 out = (m(x), RotaryPositionalEmbeddings(16)(x.to(torch.bfloat16)))
 leaves = [x]
 ''',
+    ),
+]
+
+# s32: the rotation helper is a method of a base class in the module (``self.rotate_half`` found by Python's
+# lookup through the bases), the rotating module a subclass
+_INHERITED_HELPER = '''
+import torch
+from torch import nn
+
+
+class RotaryBase(nn.Module):
+    def rotate_half(self, x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+
+class Mixin:
+    def scale(self):
+        return 1.0
+
+
+class Rotary(Mixin, RotaryBase):
+    def forward(self, x, cos, sin):
+        return x * cos + self.rotate_half(x) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_helper_inherited_from_base",
+        code=_INHERITED_HELPER,
+        expect={"mode": "half", "qualname": "Rotary.forward"},
+        run='''
+ang = torch.arange(5).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+emb = torch.cat((ang, ang), dim=-1)
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+out = Rotary()(x, emb.cos(), emb.sin())
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the subclass overrides the base's helper with one that is no rotation: the subclass's own method is read
+        _INHERITED_HELPER.replace("class Rotary(Mixin, RotaryBase):\n",
+                                  "class Rotary(Mixin, RotaryBase):\n    def rotate_half(self, x):\n        return torch.cat((x, x), dim=-1)\n\n"),
+        reason="does not compute the standard rotate_half",
+        name="rotation_helper_overridden_in_subclass",
+    ),
+    Keep(
+        # a module-level lambda: its body is not verified (npufuse reads def helpers)
+        '''
+import torch
+
+rotate_half = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+''',
+        reason="is a lambda bound at module level",
+        name="rotation_helper_module_lambda",
     ),
 ]
 
