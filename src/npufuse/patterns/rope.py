@@ -1117,9 +1117,30 @@ def _is_float_cast(node: ast.AST) -> bool:
     return _method(node, "float") or (_method(node, "to") and bool(node.args) and ast.unparse(node.args[0]).endswith("float32"))
 
 
+def _einops_pairs_source(node: ast.AST) -> ast.expr | None:
+    """t of ``rearrange(t, "... (d two) -> ... d two", two=2)`` (or ``(d 2) -> d 2``): the last dim cut into
+    [d, 2], consecutive elements paired like ``t.reshape(*t.shape[:-1], -1, 2)``; None otherwise."""
+    if not (isinstance(node, ast.Call) and (dotted(node.func) or "").split(".")[-1] == "rearrange" and len(node.args) == 2):
+        return None
+    pattern = const_value(node.args[1])
+    if not isinstance(pattern, str) or pattern.count("->") != 1:
+        return None
+    lhs, rhs = (side.replace("(", " ( ").replace(")", " ) ").split() for side in pattern.split("->"))
+    if len(lhs) < 4 or lhs[-4] != "(" or lhs[-1] != ")" or len(rhs) < 2 or rhs[-2:] != lhs[-3:-1] or lhs[:-4] != rhs[:-2] \
+            or "(" in lhs[:-4] or "(" in rhs[:-2]:
+        return None
+    two = lhs[-2]
+    if not (two == "2" or _is_int(keyword(node, two), 2)):
+        return None
+    return node.args[0]
+
+
 def _pairs_view(node: ast.AST) -> bool:
-    """``t.reshape(..., 2)`` / ``t.view(..., 2)`` / ``t.unflatten(-1, (-1, 2))``: consecutive elements paired."""
+    """``t.reshape(..., 2)`` / ``t.view(..., 2)`` / ``t.unflatten(-1, (-1, 2))`` / einops ``(d two) -> d two``:
+    consecutive elements paired."""
     if _method(node, "reshape", "view") and node.args and _is_int(node.args[-1], 2):
+        return True
+    if _einops_pairs_source(node) is not None:
         return True
     if _method(node, "unflatten") and len(node.args) == 2 and _is_int(node.args[0], -1):
         sizes = node.args[1]
@@ -1159,7 +1180,7 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int, allow_f64: bool = F
         break
     if not _pairs_view(node):
         return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
-    x = node.func.value
+    x = _einops_pairs_source(node) or node.func.value  # type: ignore[attr-defined]
     if _is_float_cast(x):
         cast = "float32"
     if _method(x, "double") or (_method(x, "to", "type") and x.args and ast.unparse(x.args[0]) in ("torch.float64", "torch.double")):
@@ -1168,6 +1189,11 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int, allow_f64: bool = F
         return (f"complex rope computed in float64 (`{ast.unparse(x)}`): npu_rotary_mul takes fp16/bf16/fp32 only, "
                 "and computing in fp32 instead would change the numbers this code asks for")
     return x, (cast if certain else None)
+
+
+def _is_view_as_complex(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and ((isinstance(node.func, ast.Attribute) and node.func.attr == "view_as_complex")
+                                           or (isinstance(node.func, ast.Name) and node.func.id == "view_as_complex"))
 
 
 def _calls_view_as_real(call: ast.Call) -> bool:
@@ -1855,6 +1881,10 @@ class RopePattern(Pattern):
             if isinstance(node, ast.Call) and _calls_view_as_real(node) and _named_complex_product(scope, node) is not None:
                 found.append(node)  # hkproj: ``x_rotated = xc * freqs; x_out = view_as_real(x_rotated)``
                 return
+            if isinstance(node, ast.Call) and _calls_view_as_real(node) and len(node.args) == 1 and isinstance(node.args[0], ast.BinOp) \
+                    and isinstance(node.args[0].op, ast.Mult) and any(_is_view_as_complex(_resolve(scope, f)) for f in (node.args[0].left, node.args[0].right)):
+                found.append(node)  # ``out = view_as_real(xc * f)`` merged back by a later statement (einops)
+                return
             for child in child_nodes(node):
                 visit(child)
 
@@ -2326,7 +2356,8 @@ class RopePattern(Pattern):
             named = _named_complex_product(scope, node)
             if named is not None:
                 return self._match_named_complex(module, scope, node, *named)
-            return self._match_complex_halves(module, scope, node)
+            halves = self._match_complex_halves(module, scope, node)
+            return halves if halves is not None else self._match_unmerged_complex(module, scope, node)
         post = ""
         rank_check: int | None = None  # x must have more dims than this for ``post`` to equal the original
         if _method(node, "view", "reshape"):
@@ -2480,6 +2511,26 @@ class RopePattern(Pattern):
             if here is not None and here[1] > 0 and here[0][here[1] - 1] is prod_stmt and not scope.uses_after(name, node.lineno):
                 m.absorb = [prod_stmt]
             return m
+        return None
+
+    def _match_unmerged_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
+        """``view_as_real(xc * f)`` with xc the complex lane pairs of x, left as [.., D/2, 2] for a later statement
+        to merge (einops ``rearrange(out, "... d two -> ... (d two)")``): the fused result is given that layout
+        back (``unflatten(-1, (-1, 2))``), the code after it is kept."""
+        prod = node.args[0]
+        if not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+            return None
+        for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+            val = _complex_value(module, scope, xc)
+            if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
+                continue
+            got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
+            if isinstance(got, str):
+                return got
+            x, cast = got
+            m = self._complex_checked(module, node, x, xc, freqs, cast)
+            m.post, m.freqs = ".unflatten(-1, (-1, 2))", freqs
+            return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
         return None
 
     def _match_complex_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
@@ -6347,6 +6398,44 @@ m = RotaryPositionalEmbeddings(8)
 out = (m(x), RotaryPositionalEmbeddings(16)(x.to(torch.bfloat16)))
 leaves = [x]
 ''',
+    ),
+]
+
+# s32: einops pairs around the complex product: ``rearrange(x, "... (d two) -> ... d two", two=2)`` makes the lane
+# pairs, ``view_as_real(xc * f)`` is left as [.., D/2, 2] and merged by a later ``rearrange(.., "... d two -> ... (d two)")``
+_EINOPS_COMPLEX = '''
+import torch
+from einops import rearrange
+
+
+def precompute(n, d):
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.outer(torch.arange(n).float(), freqs)
+    return torch.polar(torch.ones_like(ang), ang)
+
+
+def rope(x, freqs_cis):
+    xc = torch.view_as_complex(rearrange(x.float(), "... (d two) -> ... d two", two=2))
+    out = torch.view_as_real(xc * freqs_cis[:, None, :])
+    return rearrange(out, "... d two -> ... (d two)").type_as(x)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="einops_pairs_complex_merged_later",
+        code=_EINOPS_COMPLEX,
+        # einops is not a dependency: tests/test_detect_s32_rope.py runs this one under a minimal stand-in
+        expect={"mode": "complex", "qualname": "rope"},
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the einops view pairs the two halves' lanes ("(two d) -> d two"): x_i with x_{i+D/2}, but written as a
+        # strided regrouping this pattern does not read as lane pairs
+        _EINOPS_COMPLEX.replace('"... (d two) -> ... d two"', '"... (two d) -> ... d two"'),
+        reason="not formed by reshape",
+        name="einops_pairs_of_halves_not_lanes",
     ),
 ]
 
