@@ -1567,14 +1567,20 @@ def _halves_regrouped_as_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
         return grouped.func.value
     if not (_method(grouped, "reshape", "view") and len(grouped.args) == 3 and _is_int(grouped.args[1], 2) and _is_int(grouped.args[2], -1)):
         return None
-    lead, t = grouped.args[0], grouped.func.value
+    owner, t = _lead_shape_of(grouped.args[0]), grouped.func.value
     # ``*t.shape[:-1]`` of t or of t before a cast (``xq.float().reshape(*xq.shape[:-1], 2, -1)``)
-    if not (isinstance(lead, ast.Starred) and isinstance(lead.value, ast.Subscript) and isinstance(lead.value.slice, ast.Slice)
-            and lead.value.slice.lower is None and _is_int(lead.value.slice.upper, -1) and lead.value.slice.step is None
-            and isinstance(lead.value.value, ast.Attribute) and lead.value.value.attr == "shape"
-            and (same_expr(lead.value.value.value, t) or same_expr(lead.value.value.value, strip_casts(t)[0]))):
+    if owner is None or not (same_expr(owner, t) or same_expr(owner, strip_casts(t)[0])):
         return None
     return t
+
+
+def _lead_shape_of(node: ast.expr) -> ast.expr | None:
+    """t of the starred ``*t.shape[:-1]`` (all of t's dims but the last, whatever t's rank), else None."""
+    if isinstance(node, ast.Starred) and isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Slice) \
+            and node.value.slice.lower is None and _is_int(node.value.slice.upper, -1) and node.value.slice.step is None \
+            and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == "shape":
+        return node.value.value.value
+    return None
 
 
 def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
@@ -2478,12 +2484,9 @@ class RopePattern(Pattern):
                 pairs = _resolve(scope, val.args[0])
                 if _method(pairs, "unflatten") and _pairs_view(pairs):
                     return k
-                if _method(pairs, "reshape", "view") and len(pairs.args) == 3 and _is_int(pairs.args[1], -1) and _is_int(pairs.args[2], 2):
-                    lead = pairs.args[0]
-                    if isinstance(lead, ast.Starred) and isinstance(lead.value, ast.Subscript) and isinstance(lead.value.slice, ast.Slice) \
-                            and lead.value.slice.lower is None and _is_int(lead.value.slice.upper, -1) and lead.value.slice.step is None \
-                            and isinstance(lead.value.value, ast.Attribute) and lead.value.value.attr == "shape":
-                        return k
+                if _method(pairs, "reshape", "view") and len(pairs.args) == 3 and _is_int(pairs.args[1], -1) and _is_int(pairs.args[2], 2) \
+                        and _lead_shape_of(pairs.args[0]) is not None:
+                    return k
         return None
 
     def _match_named_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call, prod_stmt: ast.Assign, prod: ast.BinOp) -> _Match | str | None:
