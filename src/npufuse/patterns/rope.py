@@ -1669,11 +1669,63 @@ def _rotation_matrix_producer(module: ModuleInfo) -> str | None:
     return found
 
 
-def _flush_unabsorbed(runs: list, pending: list) -> None:
+def _read_names(m: "_Match") -> set[str]:
+    """The names the fused code of ``m`` reads (x, cos, sin and the statements preparing them)."""
+    out: set[str] = set()
+    for text in [m.x_text, m.cos, m.sin, *m.prep, *m.inner_prep]:
+        try:
+            tree = ast.parse(text.strip())
+        except SyntaxError:
+            return {"<unreadable>"}
+        out |= {n.id for n in fast_walk(tree) if isinstance(n, ast.Name) and not n.id.startswith("_npufuse_")}
+    return out
+
+
+def _rebound_since_parts(scope: Scope, node: ast.Call, m: "_Match") -> str | None:
+    """Why the fused call of the named parts ``cat([y1, y2])`` may not replace the site: it reads x and the
+    tables where the site is, while the parts read them at their own lines; a name the fused code reads (and
+    the site statement itself does not) bound again between the first part and the site holds another value
+    there. None where nothing is."""
+    y1, y2 = _named_pair(node)  # type: ignore[misc]
+    here = _stmt_of(scope, node)
+    if here is None:
+        return None
+    site = here[2]
+    # the binding of each part that reaches the site (the last one before it, as _match_named_halves reads)
+    starts = [max((st.lineno for st, _v in scope.assignments.get(y.id, []) if st.lineno < site.lineno), default=None) for y in (y1, y2)]
+    if None in starts:
+        return None
+    first = min(starts)  # type: ignore[type-var]
+    # (the names the replaced expression itself reads are read at the site by the original code too)
+    at_site = {n.id for n in fast_walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    for name in sorted(_read_names(m) - at_site):
+        later = [st.lineno for st, _v in scope.assignments.get(name, []) if first < st.lineno < site.lineno]
+        if later:
+            return (f"the rotated parts `{y1.id}`, `{y2.id}` are computed before `{name}` is bound again (line {later[0]}), "
+                    "and the fused call would read it at the site: not replaced")
+    return None
+
+
+def _flush_unabsorbed(runs: list, pending: list) -> list[tuple[ast.stmt, str]]:
     """Sites whose part statements are not right before them (AWQ's ``xq_ = view_as_complex(..)`` with the
     table lookups in between) become plain sites: the part statements stay where they are (the fused call
-    no longer reads them), instead of the sites being dropped without a word."""
+    no longer reads them), instead of the sites being dropped without a word. The fused call reads x and the
+    tables at the site, so a name among them bound by a statement between the parts and the site (it may hold
+    another value there) and not read by the replaced expression itself makes the site a near miss instead:
+    returned as (statement, reason)."""
+    refused: list[tuple[ast.stmt, str]] = []
     for block, i, stmt, ms in pending:
+        first = min((j for j, st in enumerate(block) for m in ms for a in m.absorb if a is st), default=i)
+        between = set().union(*(bound_names(st) for st in block[first:i])) if first < i else set()
+        # names the replaced expressions read are read at the site by the original code as well; the others it
+        # read only through the part statements, at their lines
+        at_site = {n.id for m in ms for n in fast_walk(m.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        rebound = sorted(between & (set().union(*(_read_names(m) for m in ms)) - at_site))
+        if rebound:
+            refused.append((stmt, f"the rotated parts are computed before `{rebound[0]}` is bound again (line "
+                                  f"{next(st.lineno for st in block[first:i] if rebound[0] in bound_names(st))}), and the "
+                                  "fused call would read it at the site: not replaced"))
+            continue
         for m in ms:
             m.absorb = []
         if runs and runs[-1][0] is block and runs[-1][1][-1][0] == i - 1:
@@ -1681,6 +1733,7 @@ def _flush_unabsorbed(runs: list, pending: list) -> None:
         else:
             runs.append((block, [(i, stmt, ms)]))
     pending.clear()
+    return refused
 
 
 class RopePattern(Pattern):
@@ -1799,7 +1852,9 @@ class RopePattern(Pattern):
                 # other whose parts, all together, are the statements right before the first of them
                 group = pending if pending and pending[-1][0] is block and pending[-1][1] == i - 1 else []
                 if not group and pending:
-                    _flush_unabsorbed(runs, pending)  # (sites whose parts are not right before them: kept, see below)
+                    # (sites whose parts are not right before them: kept where nothing they read is rebound since)
+                    for st, why in _flush_unabsorbed(runs, pending):
+                        yield NearMiss(self.id, scope.qualname, st.lineno, st.end_lineno or st.lineno, why)
                 ids = {id(a) for a in absorb} | {id(a) for _b, _j, _st, ms in group for m in ms for a in m.absorb}
                 first = group[0][1] if group else i
                 if first >= len(ids) and {id(b) for b in block[first - len(ids) : first]} == ids:
@@ -1824,7 +1879,8 @@ class RopePattern(Pattern):
             else:
                 runs.append((block, [(i, stmt, matches)]))
         if pending:
-            _flush_unabsorbed(runs, pending)
+            for st, why in _flush_unabsorbed(runs, pending):
+                yield NearMiss(self.id, scope.qualname, st.lineno, st.end_lineno or st.lineno, why)
         for _block, items in runs:
             _TORCH_IMPORTS.set(torch_imports)
             yield self._finding(module, scope, items)
@@ -1920,7 +1976,12 @@ class RopePattern(Pattern):
         if lp is not None:
             return self._match_lane_pairs(module, scope, node, *lp)
         if isinstance(node, ast.Call) and _named_pair(node) is not None:
-            return self._match_named_halves(module, scope, node)
+            res = self._match_named_halves(module, scope, node)
+            if isinstance(res, _Match):
+                moved = _rebound_since_parts(scope, node, res)
+                if moved is not None:
+                    return moved
+            return res
         pf = _pair_formula(node)
         if pf is not None:
             res = self._match_pairs(module, scope, node, *pf)
@@ -6401,6 +6462,45 @@ m = RotaryPositionalEmbeddings(8)
 out = (m(x), RotaryPositionalEmbeddings(16)(x.to(torch.bfloat16)))
 leaves = [x]
 ''',
+    ),
+]
+
+# s32: the named rotated parts are not the statements right before the joining cat (another statement between):
+# the fused call replaces the cat and reads x and the tables at the site, so nothing it reads may be bound again
+# since the parts were computed
+_PARTS_THEN_OTHER = '''
+import torch
+
+
+def rope_parts(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    n = x.shape[0]
+    return torch.cat([y1, y2], dim=-1), n
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="named_parts_not_right_before_the_cat",
+        code=_PARTS_THEN_OTHER,
+        expect={"mode": "half", "qualname": "rope_parts"},
+        run='''
+ang = torch.arange(5).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+out = rope_parts(x, ang.cos(), ang.sin())[0]
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the table is bound again between the parts and the cat: at the site ``cos`` is another tensor
+        _PARTS_THEN_OTHER.replace("    n = x.shape[0]\n", "    cos = cos * 2\n    n = x.shape[0]\n").replace(
+            "return torch.cat([y1, y2], dim=-1), n", "return torch.cat([y1, y2], dim=-1), n, cos"),
+        reason="is bound again",
+        name="named_parts_then_table_rebound",
     ),
 ]
 
