@@ -166,12 +166,44 @@ def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.F
         origin = module.aliases.get(func.id)
         return None, f"{func.id}" + (f" (imported from {origin.rsplit('.', 1)[0]})" if origin else "")
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
-        cls = module.classes.get(scope.class_name or "") if func.value.id == "self" else module.classes.get(func.value.id)
-        if cls is not None:
-            for node in cls.body:
+        cls = _enclosing_class(module, scope) if func.value.id == "self" else module.classes.get(func.value.id)
+        # the class's own method, else the first one its in-module bases define (depth-first, left to right:
+        # Python's lookup order for single inheritance and simple mixins)
+        todo, seen = [cls] if cls is not None else [], set()
+        while todo:
+            c = todo.pop(0)
+            if id(c) in seen or len(seen) > 8:
+                continue
+            seen.add(id(c))
+            for node in c.body:
                 if isinstance(node, ast.FunctionDef) and node.name == func.attr:
-                    return node, f"{cls.name}.{func.attr}"
+                    return node, f"{c.name}.{func.attr}"
+            todo = [b for b in (module.classes.get(base.id) for base in c.bases if isinstance(base, ast.Name)) if b is not None] + todo
     return None, ast.unparse(func)
+
+
+def _module_classes(module: ModuleInfo) -> list[ast.ClassDef]:
+    """Every class the module defines at its top level or in its ``if``/``try`` blocks, each definition of a
+    name (``module.classes`` keeps the first: Pointcept's ``PointROPE`` is the CUDA wrapper under ``try:``
+    and the PyTorch fallback under ``except``). Cached per module."""
+    found = module.__dict__.get("_rope_all_classes")
+    if found is None:
+        found = module.__dict__["_rope_all_classes"] = [n for n in fast_walk(module.tree) if isinstance(n, ast.ClassDef)]
+    return found
+
+
+def _enclosing_class(module: ModuleInfo, scope: Scope) -> ast.ClassDef | None:
+    """The class definition whose body holds the method of ``scope`` (``self``'s class there), or the
+    module's class of that name."""
+    if not scope.class_name:
+        return None
+    first = module.classes.get(scope.class_name)
+    if first is not None and any(n is scope.node for n in first.body):
+        return first
+    for cls in _module_classes(module):
+        if cls.name == scope.class_name and any(n is scope.node for n in cls.body):
+            return cls
+    return first
 
 
 def _nested_def(scope: Scope, func: ast.Name) -> ast.FunctionDef | None:
@@ -572,9 +604,41 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
         return dataclasses.replace(cache[key])
     # inline: torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     rot = _rotation_expr(scope, node, lambda n: same_expr(n, x), module)
+    if rot.kind is None and not rot.reason:
+        rot = _split_checked_inline(scope, node, x, module) or rot
     rot.name = "inline"
     if rot.kind is not None and isinstance(node, ast.Name):
         return _on_its_branch(scope, node, rot, module, x)
+    return rot
+
+
+def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: ModuleInfo) -> _Rotation | None:
+    """The inline ``cat((-x2, x1), -1)`` (or a name bound to it) whose halves are cut at a split point
+    that is not provably x's last dim // 2 (wav2vec2-conformer's ``x[..., : self.head_size // 2]``, the
+    head size the caller viewed x with): the half rotation where ``x.shape[-1] == 2 * (split)`` holds at
+    run time, the original code elsewhere. The split point is re-read at the site, so only expressions
+    safe to evaluate again there are taken (``_split_point``)."""
+    halves = _Halves(scope, lambda n: same_expr(n, x), module)
+    halves.allow_split = True
+    rot = _rotation_of_halves(scope, node, lambda n: same_expr(n, x), halves)
+    if not halves.split_checks:
+        return None
+    for check in halves.split_checks:
+        # a split point read from x's own shape, other than the last dim's half that _Halves proves, is another
+        # dim of x (picotron's unpacked ``seq_length // 2``): a cut that is no rotation, not a run-time question
+        split = ast.parse(check, mode="eval").body.comparators[0].right  # type: ignore[attr-defined]
+        reads = [split] + [v for n in fast_walk(split) if isinstance(n, ast.Name) for _st, v in scope.assignments.get(n.id, [])]
+        for node_ in (n for r in reads for n in fast_walk(r)):
+            if (isinstance(node_, ast.Attribute) and node_.attr == "shape" and same_expr(node_.value, x)) \
+                    or (_method(node_, "size") and same_expr(node_.func.value, x)):
+                return None
+    if rot.kind is None and rot.reason:
+        return rot  # the halves of x at that split, combined the wrong way: say so
+    if rot.kind != "half":
+        return None
+    rot.upcast = halves.upcast
+    rot.only_if = " and ".join(halves.split_checks)
+    rot.other = "halves cut at a split point not provably half the last dim: the original code runs where it is not"
     return rot
 
 
@@ -751,6 +815,11 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         if imported is not None:
             return imported
         if "rotate" in name.lower() or "rot" in name.lower():
+            if isinstance(node.func, ast.Name) and any(
+                    isinstance(st, ast.Assign) and isinstance(st.value, ast.Lambda)
+                    and any(isinstance(t, ast.Name) and t.id == node.func.id for t in st.targets) for st in module.tree.body):
+                return _Rotation(None, f"rotation helper `{name}` is a lambda bound at module level: npufuse verifies helpers "
+                                 "written with def only", name)
             return _Rotation(None, f"rotation helper `{name}` is not defined in this module: it cannot be verified", name)
         return _Rotation(None)
     hscope = _scope_of(module, fn)
@@ -792,7 +861,7 @@ def _rotation_helper(module: ModuleInfo, scope: Scope, node: ast.Call) -> _Rotat
         # filled by slices, ...) is evaluated on sampled inputs by the numeric probe (allowlisted torch only)
         from npufuse.scan import numeric_probe
 
-        proof = numeric_probe.prove_rotation(module, fn, module.classes.get(hscope.class_name or "") if hscope.class_name else None)
+        proof = numeric_probe.prove_rotation(module, fn, _enclosing_class(module, hscope) if hscope.class_name else None)
         if proof.kind in ("half", "interleave"):
             return _Rotation(proof.kind, "", name)
         if proof.kind == "other" and "rot" in name.lower():
@@ -1076,9 +1145,30 @@ def _is_float_cast(node: ast.AST) -> bool:
     return _method(node, "float") or (_method(node, "to") and bool(node.args) and ast.unparse(node.args[0]).endswith("float32"))
 
 
+def _einops_pairs_source(node: ast.AST) -> ast.expr | None:
+    """t of ``rearrange(t, "... (d two) -> ... d two", two=2)`` (or ``(d 2) -> d 2``): the last dim cut into
+    [d, 2], consecutive elements paired like ``t.reshape(*t.shape[:-1], -1, 2)``; None otherwise."""
+    if not (isinstance(node, ast.Call) and (dotted(node.func) or "").split(".")[-1] == "rearrange" and len(node.args) == 2):
+        return None
+    pattern = const_value(node.args[1])
+    if not isinstance(pattern, str) or pattern.count("->") != 1:
+        return None
+    lhs, rhs = (side.replace("(", " ( ").replace(")", " ) ").split() for side in pattern.split("->"))
+    if len(lhs) < 4 or lhs[-4] != "(" or lhs[-1] != ")" or len(rhs) < 2 or rhs[-2:] != lhs[-3:-1] or lhs[:-4] != rhs[:-2] \
+            or "(" in lhs[:-4] or "(" in rhs[:-2]:
+        return None
+    two = lhs[-2]
+    if not (two == "2" or _is_int(keyword(node, two), 2)):
+        return None
+    return node.args[0]
+
+
 def _pairs_view(node: ast.AST) -> bool:
-    """``t.reshape(..., 2)`` / ``t.view(..., 2)`` / ``t.unflatten(-1, (-1, 2))``: consecutive elements paired."""
+    """``t.reshape(..., 2)`` / ``t.view(..., 2)`` / ``t.unflatten(-1, (-1, 2))`` / einops ``(d two) -> d two``:
+    consecutive elements paired."""
     if _method(node, "reshape", "view") and node.args and _is_int(node.args[-1], 2):
+        return True
+    if _einops_pairs_source(node) is not None:
         return True
     if _method(node, "unflatten") and len(node.args) == 2 and _is_int(node.args[0], -1):
         sizes = node.args[1]
@@ -1118,7 +1208,7 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int, allow_f64: bool = F
         break
     if not _pairs_view(node):
         return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
-    x = node.func.value
+    x = _einops_pairs_source(node) or node.func.value  # type: ignore[attr-defined]
     if _is_float_cast(x):
         cast = "float32"
     if _method(x, "double") or (_method(x, "to", "type") and x.args and ast.unparse(x.args[0]) in ("torch.float64", "torch.double")):
@@ -1127,6 +1217,11 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int, allow_f64: bool = F
         return (f"complex rope computed in float64 (`{ast.unparse(x)}`): npu_rotary_mul takes fp16/bf16/fp32 only, "
                 "and computing in fp32 instead would change the numbers this code asks for")
     return x, (cast if certain else None)
+
+
+def _is_view_as_complex(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and ((isinstance(node.func, ast.Attribute) and node.func.attr == "view_as_complex")
+                                           or (isinstance(node.func, ast.Name) and node.func.id == "view_as_complex"))
 
 
 def _calls_view_as_real(call: ast.Call) -> bool:
@@ -1460,6 +1555,9 @@ def _complex_halves(scope: Scope, xc: ast.expr) -> ast.expr | None:
     if not (isinstance(v, ast.Call) and ast.unparse(v.func).endswith("view_as_complex") and len(v.args) == 1):
         return None
     st = _resolve(scope, v.args[0])
+    regrouped = _halves_regrouped_as_pairs(scope, st)
+    if regrouped is not None:
+        return regrouped
     if not (isinstance(st, ast.Call) and isinstance(st.func, ast.Attribute) and st.func.attr == "stack" and st.args
             and _is_int(keyword(st, "dim", 1), -1)):
         return None
@@ -1475,6 +1573,42 @@ def _complex_halves(scope: Scope, xc: ast.expr) -> ast.expr | None:
     n = rest[0] if rest else keyword(ch, "chunks")
     dim = rest[1] if len(rest) > 1 else keyword(ch, "dim")
     return t if _is_int(n, 2) and _is_int(dim, -1) else None
+
+
+def _halves_regrouped_as_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
+    """t of ``t.reshape(*t.shape[:-1], 2, -1).transpose(-2, -1)`` (also ``view``, ``unflatten(-1, (2, -1))``,
+    ``.contiguous()`` after it, through local names; AWQ's fused llama/qwen2 attention): the [.., D/2, 2]
+    pairs (t_i, t_{i + D/2}) of t's two halves, the complex numbers of gemma's ``stack(chunk(t, 2, -1), -1)``."""
+    for _ in range(4):
+        node = _resolve(scope, node)
+        if _method(node, "contiguous") and not node.args:
+            node = node.func.value
+            continue
+        break
+    if not (_method(node, "transpose") and len(node.args) == 2 and not node.keywords
+            and {const_value(a) for a in node.args} == {-1, -2}):
+        return None
+    grouped = _resolve(scope, node.func.value)
+    if _method(grouped, "unflatten") and len(grouped.args) == 2 and _is_int(grouped.args[0], -1) \
+            and isinstance(grouped.args[1], (ast.Tuple, ast.List)) and len(grouped.args[1].elts) == 2 \
+            and _is_int(grouped.args[1].elts[0], 2) and _is_int(grouped.args[1].elts[1], -1):
+        return grouped.func.value
+    if not (_method(grouped, "reshape", "view") and len(grouped.args) == 3 and _is_int(grouped.args[1], 2) and _is_int(grouped.args[2], -1)):
+        return None
+    owner, t = _lead_shape_of(grouped.args[0]), grouped.func.value
+    # ``*t.shape[:-1]`` of t or of t before a cast (``xq.float().reshape(*xq.shape[:-1], 2, -1)``)
+    if owner is None or not (same_expr(owner, t) or same_expr(owner, strip_casts(t)[0])):
+        return None
+    return t
+
+
+def _lead_shape_of(node: ast.expr) -> ast.expr | None:
+    """t of the starred ``*t.shape[:-1]`` (all of t's dims but the last, whatever t's rank), else None."""
+    if isinstance(node, ast.Starred) and isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Slice) \
+            and node.value.slice.lower is None and _is_int(node.value.slice.upper, -1) and node.value.slice.step is None \
+            and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == "shape":
+        return node.value.value.value
+    return None
 
 
 def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
@@ -1561,6 +1695,73 @@ def _rotation_matrix_producer(module: ModuleInfo) -> str | None:
                 break
     module.__dict__["_rope_matrix_producer"] = found
     return found
+
+
+def _read_names(m: "_Match") -> set[str]:
+    """The names the fused code of ``m`` reads (x, cos, sin and the statements preparing them)."""
+    out: set[str] = set()
+    for text in [m.x_text, m.cos, m.sin, *m.prep, *m.inner_prep]:
+        try:
+            tree = ast.parse(text.strip())
+        except SyntaxError:
+            return {"<unreadable>"}
+        out |= {n.id for n in fast_walk(tree) if isinstance(n, ast.Name) and not n.id.startswith("_npufuse_")}
+    return out
+
+
+def _rebound_since_parts(scope: Scope, node: ast.Call, m: "_Match") -> str | None:
+    """Why the fused call of the named parts ``cat([y1, y2])`` may not replace the site: it reads x and the
+    tables where the site is, while the parts read them at their own lines; a name the fused code reads (and
+    the site statement itself does not) bound again between the first part and the site holds another value
+    there. None where nothing is."""
+    y1, y2 = _named_pair(node)  # type: ignore[misc]
+    here = _stmt_of(scope, node)
+    if here is None:
+        return None
+    site = here[2]
+    # the binding of each part that reaches the site (the last one before it, as _match_named_halves reads)
+    starts = [max((st.lineno for st, _v in scope.assignments.get(y.id, []) if st.lineno < site.lineno), default=None) for y in (y1, y2)]
+    if None in starts:
+        return None
+    first = min(starts)  # type: ignore[type-var]
+    # (the names the replaced expression itself reads are read at the site by the original code too)
+    at_site = {n.id for n in fast_walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    for name in sorted(_read_names(m) - at_site):
+        later = [st.lineno for st, _v in scope.assignments.get(name, []) if first < st.lineno < site.lineno]
+        if later:
+            return (f"the rotated parts `{y1.id}`, `{y2.id}` are computed before `{name}` is bound again (line {later[0]}), "
+                    "and the fused call would read it at the site: not replaced")
+    return None
+
+
+def _flush_unabsorbed(runs: list, pending: list) -> list[tuple[ast.stmt, str]]:
+    """Sites whose part statements are not right before them (AWQ's ``xq_ = view_as_complex(..)`` with the
+    table lookups in between) become plain sites: the part statements stay where they are (the fused call
+    no longer reads them), instead of the sites being dropped without a word. The fused call reads x and the
+    tables at the site, so a name among them bound by a statement between the parts and the site (it may hold
+    another value there) and not read by the replaced expression itself makes the site a near miss instead:
+    returned as (statement, reason)."""
+    refused: list[tuple[ast.stmt, str]] = []
+    for block, i, stmt, ms in pending:
+        first = min((j for j, st in enumerate(block) for m in ms for a in m.absorb if a is st), default=i)
+        between = set().union(*(bound_names(st) for st in block[first:i])) if first < i else set()
+        # names the replaced expressions read are read at the site by the original code as well; the others it
+        # read only through the part statements, at their lines
+        at_site = {n.id for m in ms for n in fast_walk(m.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        rebound = sorted(between & (set().union(*(_read_names(m) for m in ms)) - at_site))
+        if rebound:
+            refused.append((stmt, f"the rotated parts are computed before `{rebound[0]}` is bound again (line "
+                                  f"{next(st.lineno for st in block[first:i] if rebound[0] in bound_names(st))}), and the "
+                                  "fused call would read it at the site: not replaced"))
+            continue
+        for m in ms:
+            m.absorb = []
+        if runs and runs[-1][0] is block and runs[-1][1][-1][0] == i - 1:
+            runs[-1][1].append((i, stmt, ms))
+        else:
+            runs.append((block, [(i, stmt, ms)]))
+    pending.clear()
+    return refused
 
 
 class RopePattern(Pattern):
@@ -1678,6 +1879,10 @@ class RopePattern(Pattern):
                 # llama2.c computes the parts of q AND k first, then the two stacks: sites right after each
                 # other whose parts, all together, are the statements right before the first of them
                 group = pending if pending and pending[-1][0] is block and pending[-1][1] == i - 1 else []
+                if not group and pending:
+                    # (sites whose parts are not right before them: kept where nothing they read is rebound since)
+                    for st, why in _flush_unabsorbed(runs, pending):
+                        yield NearMiss(self.id, scope.qualname, st.lineno, st.end_lineno or st.lineno, why)
                 ids = {id(a) for a in absorb} | {id(a) for _b, _j, _st, ms in group for m in ms for a in m.absorb}
                 first = group[0][1] if group else i
                 if first >= len(ids) and {id(b) for b in block[first - len(ids) : first]} == ids:
@@ -1701,6 +1906,9 @@ class RopePattern(Pattern):
                 runs[-1][1].append((i, stmt, matches))
             else:
                 runs.append((block, [(i, stmt, matches)]))
+        if pending:
+            for st, why in _flush_unabsorbed(runs, pending):
+                yield NearMiss(self.id, scope.qualname, st.lineno, st.end_lineno or st.lineno, why)
         for _block, items in runs:
             _TORCH_IMPORTS.set(torch_imports)
             yield self._finding(module, scope, items)
@@ -1724,7 +1932,10 @@ class RopePattern(Pattern):
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()} \
                 | _relative_rotation_imports(module)
-            for cls in module.classes.values():
+            # (module-level ``rotate_half = lambda x: ...``: named so the near miss can say it is a lambda)
+            names |= {t.id for st in module.tree.body if isinstance(st, ast.Assign) and isinstance(st.value, ast.Lambda)
+                      for t in st.targets if isinstance(t, ast.Name) and "rot" in t.id.lower()}
+            for cls in _module_classes(module):
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
             hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)")
         return hints
@@ -1760,6 +1971,10 @@ class RopePattern(Pattern):
             if isinstance(node, ast.Call) and _calls_view_as_real(node) and _named_complex_product(scope, node) is not None:
                 found.append(node)  # hkproj: ``x_rotated = xc * freqs; x_out = view_as_real(x_rotated)``
                 return
+            if isinstance(node, ast.Call) and _calls_view_as_real(node) and len(node.args) == 1 and isinstance(node.args[0], ast.BinOp) \
+                    and isinstance(node.args[0].op, ast.Mult) and any(_is_view_as_complex(_resolve(scope, f)) for f in (node.args[0].left, node.args[0].right)):
+                found.append(node)  # ``out = view_as_real(xc * f)`` merged back by a later statement (einops)
+                return
             for child in child_nodes(node):
                 visit(child)
 
@@ -1789,7 +2004,12 @@ class RopePattern(Pattern):
         if lp is not None:
             return self._match_lane_pairs(module, scope, node, *lp)
         if isinstance(node, ast.Call) and _named_pair(node) is not None:
-            return self._match_named_halves(module, scope, node)
+            res = self._match_named_halves(module, scope, node)
+            if isinstance(res, _Match):
+                moved = _rebound_since_parts(scope, node, res)
+                if moved is not None:
+                    return moved
+            return res
         pf = _pair_formula(node)
         if pf is not None:
             res = self._match_pairs(module, scope, node, *pf)
@@ -2231,8 +2451,10 @@ class RopePattern(Pattern):
             named = _named_complex_product(scope, node)
             if named is not None:
                 return self._match_named_complex(module, scope, node, *named)
-            return self._match_complex_halves(module, scope, node)
+            halves = self._match_complex_halves(module, scope, node)
+            return halves if halves is not None else self._match_unmerged_complex(module, scope, node)
         post = ""
+        rank_check: int | None = None  # x must have more dims than this for ``post`` to equal the original
         if _method(node, "view", "reshape"):
             # ``view_as_real(xc * f).view(b, s, h, d)`` (nanotron): the fused call gives view_as_real(..).flatten(-2),
             # the same elements in the same order, so the original view/reshape is applied to it unchanged
@@ -2247,7 +2469,13 @@ class RopePattern(Pattern):
         elif not _is_int(keyword(node, "start_dim", 0), 3, -2) and not self._merges_pair_axis(scope, node):
             k = self._merges_more_axes(scope, node)
             if k is None:
-                return None
+                k = self._flatten_of_rank_free_pairs(scope, node)
+                if k is None:
+                    return None
+                # ``reshape(*x.shape[:-1], -1, 2)`` has x's rank + 1 whatever x's rank (mistral-src's
+                # ``flatten(2)`` of [T, N, D] tokens): flatten(k) is the pair merge then flatten(k) where
+                # x has more than k dims; elsewhere (it would merge fewer axes) the original code runs
+                rank_check = k
             # ``view_as_real(xc * f).flatten(2)`` of [b, s, n, d/2, 2] (VeOmni's Wan): the lane pairs merged
             # and then the heads too; the fused call gives the first merge, the original flatten the rest
             post = f".flatten({k})"
@@ -2269,6 +2497,8 @@ class RopePattern(Pattern):
             if not finfo.batch_free or post:
                 m = self._complex_checked(module, node, x, xc, freqs, cast)
                 m.post = post
+                if rank_check is not None:
+                    m.only_if = f"{m.only_if} and {_atom(segment(module, xc))}.dim() > {rank_check}"
                 return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
@@ -2326,6 +2556,28 @@ class RopePattern(Pattern):
                     return k
         return None
 
+    @staticmethod
+    def _flatten_of_rank_free_pairs(scope: Scope, node: ast.Call) -> int | None:
+        """k of ``view_as_real(xc * f).flatten(k)`` (k >= 0, no end dim) whose complex factor pairs the
+        lanes by ``reshape(*x.shape[:-1], -1, 2)`` / ``unflatten(-1, (-1, 2))``: a view whose rank is x's
+        rank + 1 at run time, not written here; None otherwise."""
+        k = const_value(keyword(node, "start_dim", 0))
+        real = node.func.value  # type: ignore[attr-defined]
+        if len(node.args) + len(node.keywords) != 1 or not (isinstance(k, int) and not isinstance(k, bool) and k >= 0) \
+                or not (isinstance(real, ast.Call) and len(real.args) == 1 and isinstance(real.args[0], ast.BinOp)
+                        and isinstance(real.args[0].op, ast.Mult)):
+            return None
+        for side in (real.args[0].left, real.args[0].right):
+            val = _resolve(scope, side)
+            if isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args:
+                pairs = _resolve(scope, val.args[0])
+                if _method(pairs, "unflatten") and _pairs_view(pairs):
+                    return k
+                if _method(pairs, "reshape", "view") and len(pairs.args) == 3 and _is_int(pairs.args[1], -1) and _is_int(pairs.args[2], 2) \
+                        and _lead_shape_of(pairs.args[0]) is not None:
+                    return k
+        return None
+
     def _match_named_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call, prod_stmt: ast.Assign, prod: ast.BinOp) -> _Match | str | None:
         """hkproj: ``x_rotated = xc * freqs`` bound to a name, then ``view_as_real(x_rotated)`` [..., D/2, 2]
         (viewed back by a later statement, which is kept): the fused result is given the pairs layout back
@@ -2351,6 +2603,26 @@ class RopePattern(Pattern):
             if here is not None and here[1] > 0 and here[0][here[1] - 1] is prod_stmt and not scope.uses_after(name, node.lineno):
                 m.absorb = [prod_stmt]
             return m
+        return None
+
+    def _match_unmerged_complex(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
+        """``view_as_real(xc * f)`` with xc the complex lane pairs of x, left as [.., D/2, 2] for a later statement
+        to merge (einops ``rearrange(out, "... d two -> ... (d two)")``): the fused result is given that layout
+        back (``unflatten(-1, (-1, 2))``), the code after it is kept."""
+        prod = node.args[0]
+        if not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+            return None
+        for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
+            val = _complex_value(module, scope, xc)
+            if not (isinstance(val, ast.Call) and ast.unparse(val.func).endswith("view_as_complex") and val.args):
+                continue
+            got = _complex_pairs(scope, val.args[0], val.lineno, allow_f64=True)
+            if isinstance(got, str):
+                return got
+            x, cast = got
+            m = self._complex_checked(module, node, x, xc, freqs, cast)
+            m.post, m.freqs = ".unflatten(-1, (-1, 2))", freqs
+            return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
         return None
 
     def _match_complex_halves(self, module: ModuleInfo, scope: Scope, node: ast.Call) -> _Match | str | None:
@@ -3433,6 +3705,60 @@ xq = torch.randn(2, 7, 4, 16, requires_grad=True)
 out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
 leaves = [xq]
 ''',
+    ),
+    Fuse(
+        # s32 (mistral-src): the pair merge spelled ``flatten(2)``, a positive axis of a view whose rank is x's
+        # rank + 1 (``reshape(*x.shape[:-1], -1, 2)``): for [T, N, D] tokens it merges only the lane pairs
+        name="mistral_complex_tokens_flatten_positive_axis",
+        code=_MISTRAL_TOKENS.replace(".flatten(-2)", ".flatten(2)"),
+        expect={"variant": "complex_freqs_cis_checked", "mode": "complex", "qualname": "apply_rotary_emb"},
+        run='''
+xq = torch.randn(7, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+xk = torch.randn(7, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+out = apply_rotary_emb(xq, xk, precompute_freqs_cis(16, 7, 10000.0))
+leaves = [xq, xk]
+''',
+    ),
+    Fuse(
+        # the same spelling on batched [B, T, N, D] input: flatten(2) merges the heads too ([B, T, N*D]), so the
+        # fused result is flattened the same way after the call
+        name="mistral_complex_flatten_positive_axis_merges_heads",
+        code=_MISTRAL_TOKENS.replace(".flatten(-2)", ".flatten(2)").replace("x.shape[:-1], -1, 2)", "x.shape[:-1], -1, 2)"),
+        expect={"variant": "complex_freqs_cis_checked"},
+        run='''
+xq = torch.randn(2, 7, 4, 16, requires_grad=True)
+out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
+leaves = [xq]
+''',
+    ),
+    Fuse(
+        # ``unflatten(-1, (-1, 2))`` pairs (rank x's + 1 as well) merged by ``flatten(3)`` of 4-D [B, S, N, D]
+        # input given tables [S, 1, D/2]: here flatten(3) is the pair merge itself
+        name="complex_unflatten_pairs_flatten_positive_axis",
+        code='''
+import torch
+
+
+def rope(x, freqs_cis):
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(xc * freqs_cis[:, None, :]).flatten(3).type_as(x)
+''',
+        expect={"variant": "complex_freqs_cis_checked", "qualname": "rope"},
+        run='''
+ang = torch.arange(5).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+x = torch.randn(2, 5, 3, 8, dtype=torch.float16, requires_grad=True)
+out = rope(x, torch.polar(torch.ones_like(ang), ang))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the pairs made of the two halves' lanes (``reshape(*x.shape[:-1], 2, -1)``: [.., 2, D/2]) are no lane
+        # pairs of x: view_as_complex of them is not the interleaved rotation
+        _MISTRAL_TOKENS.replace(".flatten(-2)", ".flatten(2)").replace("-1, 2))", "2, -1))"),
+        name="complex_flatten_positive_axis_pairs_not_lanes",
     ),
 ]
 
@@ -5998,6 +6324,36 @@ def _named_rotation_call(scope: Scope, name: ast.Name, x: ast.expr) -> ast.Call 
     return call
 
 
+def _helper_locals_inlined(hscope: Scope, tree: ast.expr, pname: str) -> ast.expr:
+    """``tree`` (an expression read in the helper) with each local name the helper binds once, by a plain
+    ``name = <expr>`` statement of its own body, replaced by that expression (labml's ``d_2 = self.d // 2``
+    before ``x[:, :, :, d_2:]``): what the call site can evaluate again. Names bound otherwise stay."""
+    body = getattr(hscope.node, "body", [])
+    params = {a.arg for a in getattr(getattr(hscope.node, "args", None), "args", [])}
+    for _ in range(4):
+        changed = False
+
+        class _Inline(ast.NodeTransformer):
+            def visit_Name(self, n: ast.Name) -> ast.AST:
+                nonlocal changed
+                if n.id in (pname, "self") or n.id in params:
+                    return n
+                binds = hscope.assignments.get(n.id, [])
+                if len(binds) != 1:
+                    return n
+                st, value = binds[0]
+                if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                        and any(st is b for b in body)):
+                    return n
+                changed = True
+                return copy.deepcopy(value)
+
+        tree = _Inline().visit(copy.deepcopy(tree))
+        if not changed:
+            break
+    return tree
+
+
 def _split_checked_helper(module: ModuleInfo, node: ast.Call, hscope: Scope, ret: ast.expr, is_param, pname: str) -> _Rotation | None:
     """The helper's return is a rotation when its halves may be cut at a split point read from
     ``self.<attr>`` / constants (called as ``self.f(x)`` from a method, so ``self`` is the same object at
@@ -6011,7 +6367,7 @@ def _split_checked_helper(module: ModuleInfo, node: ast.Call, hscope: Scope, ret
         return None
     checks = []
     for check in halves.split_checks:
-        tree = ast.parse(check, mode="eval").body
+        tree = _helper_locals_inlined(hscope, ast.parse(check, mode="eval").body, pname)
         if any(isinstance(n, ast.Name) and n.id not in (pname, "self") for n in ast.walk(tree)):
             return None  # only the parameter (the call's argument) and ``self`` can be read at the call site
         for n in ast.walk(tree):
@@ -6080,6 +6436,426 @@ RopePattern.KEEP += [
             "    def _swap(self, t):\n        a = t[..., : self.dim // 2]\n        b = t[..., self.dim // 2 :]\n        return torch.cat((-b, a), dim=-1)\n", "")
         + "\n\nHALF = 4\n\n\ndef swap(t):\n    return torch.cat((-t[..., HALF:], t[..., :HALF]), dim=-1)\n",
         name="free_helper_global_split",
+    ),
+]
+
+# s32 (labml's annotated RoPE, copied into matcha / chatterbox): [S, B, N, D] input, partial rotary on the first
+# ``self.d`` features, a helper whose split point is a local bound once from ``self.d`` and whose halves are cut
+# with explicit leading axes (``x[:, :, :, d_2:]``, the last axis of the 4-D tensor the op takes)
+_LABML_PARTIAL = '''
+import torch
+import torch.nn as nn
+
+
+class RotaryPositionalEmbeddings(nn.Module):
+    def __init__(self, d, base=10_000):
+        super().__init__()
+        self.base = base
+        self.d = int(d)
+        self.cos_cached = None
+        self.sin_cached = None
+
+    def _build_cache(self, x):
+        if self.cos_cached is not None and x.shape[0] <= self.cos_cached.shape[0]:
+            return
+        seq_len = x.shape[0]
+        theta = 1.0 / (self.base ** (torch.arange(0, self.d, 2).float() / self.d)).to(x.device)
+        seq_idx = torch.arange(seq_len, device=x.device).float()
+        idx_theta = torch.einsum("n,d->nd", seq_idx, theta)
+        idx_theta2 = torch.cat([idx_theta, idx_theta], dim=1)
+        self.cos_cached = idx_theta2.cos()[:, None, None, :]
+        self.sin_cached = idx_theta2.sin()[:, None, None, :]
+
+    def _neg_half(self, x):
+        d_2 = self.d // 2
+        return torch.cat([-x[:, :, :, d_2:], x[:, :, :, :d_2]], dim=-1)
+
+    def forward(self, x):
+        x = x.permute(2, 0, 1, 3)  # [B, H, T, D] -> [T, B, H, D]
+        self._build_cache(x)
+        x_rope, x_pass = x[..., : self.d], x[..., self.d :]
+        neg_half_x = self._neg_half(x_rope)
+        x_rope = (x_rope * self.cos_cached[: x.shape[0]]) + (neg_half_x * self.sin_cached[: x.shape[0]])
+        return torch.cat((x_rope, x_pass), dim=-1).permute(1, 2, 0, 3)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="labml_partial_rotary_local_split_point",
+        code=_LABML_PARTIAL,
+        expect={"mode": "half", "qualname": "RotaryPositionalEmbeddings.forward"},
+        run='''
+x = torch.randn(2, 3, 6, 16, requires_grad=True)
+m = RotaryPositionalEmbeddings(8)
+out = (m(x), RotaryPositionalEmbeddings(16)(x.to(torch.bfloat16)))
+leaves = [x]
+''',
+    ),
+]
+
+# s32: the named rotated parts are not the statements right before the joining cat (another statement between):
+# the fused call replaces the cat and reads x and the tables at the site, so nothing it reads may be bound again
+# since the parts were computed
+_PARTS_THEN_OTHER = '''
+import torch
+
+
+def rope_parts(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    n = x.shape[0]
+    return torch.cat([y1, y2], dim=-1), n
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="named_parts_not_right_before_the_cat",
+        code=_PARTS_THEN_OTHER,
+        expect={"mode": "half", "qualname": "rope_parts"},
+        run='''
+ang = torch.arange(5).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+out = rope_parts(x, ang.cos(), ang.sin())[0]
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the table is bound again between the parts and the cat: at the site ``cos`` is another tensor
+        _PARTS_THEN_OTHER.replace("    n = x.shape[0]\n", "    cos = cos * 2\n    n = x.shape[0]\n").replace(
+            "return torch.cat([y1, y2], dim=-1), n", "return torch.cat([y1, y2], dim=-1), n, cos"),
+        reason="is bound again",
+        name="named_parts_then_table_rebound",
+    ),
+]
+
+# s32: einops pairs around the complex product: ``rearrange(x, "... (d two) -> ... d two", two=2)`` makes the lane
+# pairs, ``view_as_real(xc * f)`` is left as [.., D/2, 2] and merged by a later ``rearrange(.., "... d two -> ... (d two)")``
+_EINOPS_COMPLEX = '''
+import torch
+from einops import rearrange
+
+
+def precompute(n, d):
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.outer(torch.arange(n).float(), freqs)
+    return torch.polar(torch.ones_like(ang), ang)
+
+
+def rope(x, freqs_cis):
+    xc = torch.view_as_complex(rearrange(x.float(), "... (d two) -> ... d two", two=2))
+    out = torch.view_as_real(xc * freqs_cis[:, None, :])
+    return rearrange(out, "... d two -> ... (d two)").type_as(x)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="einops_pairs_complex_merged_later",
+        code=_EINOPS_COMPLEX,
+        # einops is not a dependency: tests/test_detect_s32_rope.py runs this one under a minimal stand-in
+        expect={"mode": "complex", "qualname": "rope"},
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the einops view pairs the two halves' lanes ("(two d) -> d two"): x_i with x_{i+D/2}, but written as a
+        # strided regrouping this pattern does not read as lane pairs
+        _EINOPS_COMPLEX.replace('"... (d two) -> ... d two"', '"... (two d) -> ... d two"'),
+        reason="not formed by reshape",
+        name="einops_pairs_of_halves_not_lanes",
+    ),
+]
+
+# s32: the rotation helper is a method of a base class in the module (``self.rotate_half`` found by Python's
+# lookup through the bases), the rotating module a subclass
+_INHERITED_HELPER = '''
+import torch
+from torch import nn
+
+
+class RotaryBase(nn.Module):
+    def rotate_half(self, x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+
+class Mixin:
+    def scale(self):
+        return 1.0
+
+
+class Rotary(Mixin, RotaryBase):
+    def forward(self, x, cos, sin):
+        return x * cos + self.rotate_half(x) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_helper_inherited_from_base",
+        code=_INHERITED_HELPER,
+        expect={"mode": "half", "qualname": "Rotary.forward"},
+        run='''
+ang = torch.arange(5).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+emb = torch.cat((ang, ang), dim=-1)
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+out = Rotary()(x, emb.cos(), emb.sin())
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the subclass overrides the base's helper with one that is no rotation: the subclass's own method is read
+        _INHERITED_HELPER.replace("class Rotary(Mixin, RotaryBase):\n",
+                                  "class Rotary(Mixin, RotaryBase):\n    def rotate_half(self, x):\n        return torch.cat((x, x), dim=-1)\n\n"),
+        reason="does not compute the standard rotate_half",
+        name="rotation_helper_overridden_in_subclass",
+    ),
+    Keep(
+        # a module-level lambda: its body is not verified (npufuse reads def helpers)
+        '''
+import torch
+
+rotate_half = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+''',
+        reason="is a lambda bound at module level",
+        name="rotation_helper_module_lambda",
+    ),
+]
+
+# s32 (k-diffusion's axial rope): the helper merges the pair axis by a starred unpacking of the shape
+# (``*shape, d, r = x.shape; x.view(*shape, d * r)``), read by the numeric probe; partial rotary between two
+# pass-through parts, tables with a scale factor
+_STARRED_MERGE_HELPER = '''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    *shape, d, r = x.shape
+    return x.view(*shape, d * r)
+
+
+def apply_rotary_emb(freqs, t, start_index=0, scale=1.0):
+    freqs = freqs.to(t)
+    rot_dim = freqs.shape[-1]
+    end_index = start_index + rot_dim
+    t_left, t, t_right = t[..., :start_index], t[..., start_index:end_index], t[..., end_index:]
+    t = (t * freqs.cos() * scale) + (rotate_half(t) * freqs.sin() * scale)
+    return torch.cat((t_left, t, t_right), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="helper_merges_pairs_by_starred_unpacking",
+        code=_STARRED_MERGE_HELPER,
+        expect={"mode": "interleave", "qualname": "apply_rotary_emb"},
+        run='''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+x = torch.randn(2, 3, 6, 12, requires_grad=True)
+out = apply_rotary_emb(ang.repeat_interleave(2, dim=-1), x, start_index=2)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the lanes stacked the other way (stack(x2, -x1)): a rotation by the opposite angle
+        _STARRED_MERGE_HELPER.replace("torch.stack((-x2, x1), dim=-1)", "torch.stack((x2, -x1), dim=-1)"),
+        reason="does not compute the standard rotate_half",
+        name="helper_merges_pairs_by_starred_unpacking_flipped",
+    ),
+]
+
+# s32 (AWQ's fused llama / qwen2 attention): the complex numbers are the pairs (x_i, x_{i + D/2}) of the two halves,
+# regrouped by ``reshape(*x.shape[:-1], 2, -1).transpose(-2, -1)`` and ungrouped the same way after the product; the
+# table lookups sit between the complex views and the products (no statement right before the site to replace)
+_AWQ_HALVES_COMPLEX = '''
+import torch
+from torch import nn
+
+
+class RoPE(nn.Module):
+    def __init__(self, head_dim, max_seq_len):
+        super().__init__()
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2)[: (head_dim // 2)].float() / head_dim))
+        freqs = torch.outer(torch.arange(max_seq_len).float(), freqs)
+        self.freqs_cis = nn.Parameter(torch.polar(torch.ones_like(freqs), freqs), requires_grad=False)
+
+    @staticmethod
+    def reshape_for_broadcast(freqs_cis, x):
+        ndim = x.ndim
+        shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+        return freqs_cis.view(*shape)
+
+    def forward(self, xq, xk, start_pos: int, seqlen: int):
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], 2, -1).transpose(-2, -1).contiguous())
+        xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], 2, -1).transpose(-2, -1).contiguous())
+        freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
+        freqs_cis = self.reshape_for_broadcast(freqs_cis, xq_).to(xq_.device)
+        xq_out = torch.view_as_real(xq_ * freqs_cis).transpose(-2, -1).flatten(3)
+        xk_out = torch.view_as_real(xk_ * freqs_cis).transpose(-2, -1).flatten(3)
+        return xq_out.type_as(xq), xk_out.type_as(xk)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="complex_pairs_of_halves_regrouped_by_transpose",
+        code=_AWQ_HALVES_COMPLEX,
+        expect={"mode": "half", "qualname": "RoPE.forward"},
+        run='''
+xq = torch.randn(2, 5, 4, 16, dtype=torch.float16, requires_grad=True)
+xk = torch.randn(2, 5, 2, 16, dtype=torch.float16, requires_grad=True)
+out = RoPE(16, 12)(xq, xk, 3, 5)
+leaves = [xq, xk]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the regrouping view is sized by another tensor (xk's leading dims for xq): not proven to pair xq's halves
+        _AWQ_HALVES_COMPLEX.replace("xq.float().reshape(*xq.shape[:-1], 2, -1)", "xq.float().reshape(*xk.shape[:-1], 2, -1)")
+        .replace("xk.float().reshape(*xk.shape[:-1], 2, -1)", "xk.float().reshape(*xq.shape[:-1], 2, -1)"),
+        name="complex_pairs_regrouped_by_other_tensor_shape",
+    ),
+]
+
+# s32 (HF wav2vec2-conformer): the inline rotate_half cut at the head size the caller viewed x with
+# (``self.head_size // 2``), x rebound by the site itself, [S, B, N, D] after a transpose, S11D tables
+_CONFORMER_INLINE_SPLIT = '''
+import torch
+from torch import nn
+
+
+class ConformerSelfAttention(nn.Module):
+    def __init__(self, num_heads, head_size):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+
+    def _apply_rotary_embedding(self, hidden_states, relative_position_embeddings):
+        batch_size, sequence_length, hidden_size = hidden_states.size()
+        hidden_states = hidden_states.view(batch_size, sequence_length, self.num_heads, self.head_size)
+        cos = relative_position_embeddings[0, :sequence_length, ...]
+        sin = relative_position_embeddings[1, :sequence_length, ...]
+        hidden_states = hidden_states.transpose(0, 1)
+        rotated_states_begin = hidden_states[..., : self.head_size // 2]
+        rotated_states_end = hidden_states[..., self.head_size // 2 :]
+        rotated_states = torch.cat((-rotated_states_end, rotated_states_begin), dim=rotated_states_begin.ndim - 1)
+        hidden_states = (hidden_states * cos) + (rotated_states * sin)
+        hidden_states = hidden_states.transpose(0, 1)
+        return hidden_states.reshape(batch_size, sequence_length, self.num_heads * self.head_size)
+
+
+def tables(n, d):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.outer(torch.arange(n).float(), inv)
+    emb = torch.cat((f, f), dim=-1)
+    return torch.stack([emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]])
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="inline_rotate_half_cut_at_attribute_split",
+        code=_CONFORMER_INLINE_SPLIT,
+        expect={"mode": "half", "qualname": "ConformerSelfAttention._apply_rotary_embedding"},
+        run='''
+x = torch.randn(2, 5, 3 * 8, requires_grad=True)
+out = ConformerSelfAttention(3, 8)._apply_rotary_embedding(x, tables(7, 8))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the same halves combined the wrong way round (cat(x2, -x1)): a rotation by the opposite angle
+        _CONFORMER_INLINE_SPLIT.replace("torch.cat((-rotated_states_end, rotated_states_begin)",
+                                        "torch.cat((rotated_states_end, -rotated_states_begin)"),
+        reason="sign flipped",
+        name="inline_rotate_half_cut_at_attribute_split_flipped",
+    ),
+]
+
+# s32 (Pointcept's PointROPE, croco-style): the class is defined twice, a CUDA extension wrapper under ``try:``
+# and the PyTorch fallback under ``except``; ``self.rotate_half`` is the fallback's own static method
+_TWICE_DEFINED_CLASS = '''
+import torch
+
+try:
+    from fast_rope_ext import rope_cuda
+
+    class PointRope(torch.nn.Module):
+        def forward(self, tokens, positions):
+            return rope_cuda(tokens, positions)
+
+except ImportError:
+
+    class PointRope(torch.nn.Module):
+        def __init__(self, freq=100.0):
+            super().__init__()
+            self.base = freq
+
+        def get_cos_sin(self, d, n):
+            inv = 1.0 / (self.base ** (torch.arange(0, d, 2).float() / d))
+            f = torch.outer(torch.arange(n).float(), inv)
+            f = torch.cat((f, f), dim=-1)
+            return f.cos(), f.sin()
+
+        @staticmethod
+        def rotate_half(x):
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+            return torch.cat((-x2, x1), dim=-1)
+
+        def apply_rope1d(self, tokens, pos1d, cos, sin):
+            cos = torch.nn.functional.embedding(pos1d, cos)[:, None, :, :]
+            sin = torch.nn.functional.embedding(pos1d, sin)[:, None, :, :]
+            return (tokens * cos) + (self.rotate_half(tokens) * sin)
+
+        def forward(self, tokens, positions):
+            cos, sin = self.get_cos_sin(tokens.size(3), int(positions.max()) + 1)
+            return self.apply_rope1d(tokens, positions, cos, sin)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="rotation_helper_of_class_defined_twice",
+        code=_TWICE_DEFINED_CLASS,
+        expect={"mode": "half", "qualname": "PointRope.apply_rope1d"},
+        run='''
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+pos = torch.tensor([[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]])
+out = PointRope()(x, pos)
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the fallback's helper rotates the other way (cat(x2, -x1)): read in the class that holds the call
+        _TWICE_DEFINED_CLASS.replace("return torch.cat((-x2, x1), dim=-1)", "return torch.cat((x2, -x1), dim=-1)"),
+        reason="sign flipped",
+        name="rotation_helper_of_class_defined_twice_flipped",
+    ),
+    Keep(
+        # the local split point is rebound (``d_2 += 1``): no single expression the call site can evaluate, and the
+        # halves are not cut at D/2
+        _LABML_PARTIAL.replace("        d_2 = self.d // 2\n", "        d_2 = self.d // 2\n        d_2 += 1\n"),
+        reason="does not compute the standard rotate_half",
+        name="labml_split_point_rebound",
     ),
 ]
 

@@ -374,9 +374,18 @@ class Interpreter:
             env[t.id] = v
         elif isinstance(t, (ast.Tuple, ast.List)):
             vals = list(self._plain(v)) if not isinstance(v, self.torch.Tensor) else list(v.unbind(0))
-            if len(vals) != len(t.elts) or any(isinstance(e, ast.Starred) for e in t.elts):
+            stars = [i for i, e in enumerate(t.elts) if isinstance(e, ast.Starred)]
+            if len(stars) == 1 and len(vals) >= len(t.elts) - 1:
+                # ``*shape, d, r = x.shape`` (k-diffusion): the starred name takes what the others leave, as a list
+                i, after = stars[0], len(t.elts) - stars[0] - 1
+                rest = vals[i : len(vals) - after]
+                vals = vals[:i] + [rest] + vals[len(vals) - after :]
+                t_elts = [e.value if isinstance(e, ast.Starred) else e for e in t.elts]
+            elif len(vals) != len(t.elts) or stars:
                 raise Unknown("unpacking mismatch")
-            for e, x in zip(t.elts, vals):
+            else:
+                t_elts = list(t.elts)
+            for e, x in zip(t_elts, vals):
                 self._assign(e, x, env)
         elif isinstance(t, ast.Attribute):
             obj = self.expr(t.value, env)
