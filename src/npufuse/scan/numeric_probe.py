@@ -852,15 +852,37 @@ def build_self(module: ModuleInfo, cls: ast.ClassDef, overrides: dict[str, Any] 
     a = init.args
     params = [*a.posonlyargs, *a.args][1:]
     n_def = len(a.defaults)
+    overrides = {k: (DIM // 2 if v is HALF_DIM else v) for k, v in (overrides or {}).items()}
     args: list[Any] = []
     for i, p in enumerate(params):
         if i >= len(params) - n_def:
             break
-        args.append(_dim_argument(p))
+        # an overridden required argument is passed by position too (positional-only ones must be)
+        args.append(overrides.pop(p.arg) if p.arg in overrides else _dim_argument(p))
     kwargs = {p.arg: _dim_argument(p) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None}
-    kwargs.update(overrides or {})
+    kwargs.update(overrides)
     it.call_function(init, args, kwargs, obj)
     return obj
+
+
+#: an override value: half the probe's dimension (a second dimension-like argument set apart from DIM)
+HALF_DIM = object()
+
+
+def other_dim_arguments(cls: ast.ClassDef | None, module: ModuleInfo) -> list[str]:
+    """Required int (or unannotated) constructor arguments after the first: the probe gives them
+    DIM like the first, which proves only the configuration where they equal the dimension (a
+    grouped norm with ``group_size == d`` is a whole RMSNorm)."""
+    if cls is None:
+        return []
+    init = next((fn for fn in _methods(module, cls) if fn.name == "__init__"), None)
+    if init is None:
+        return []
+    a = init.args
+    params = [*a.posonlyargs, *a.args][1:]
+    required = params[: len(params) - len(a.defaults)] + [p for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+    dims = [p.arg for p in required if (ast.unparse(p.annotation) if p.annotation is not None else "") in ("", "int", "Optional[int]", "int | None")]
+    return dims[1:]
 
 
 def _dim_argument(p: ast.arg) -> int:
@@ -993,6 +1015,22 @@ def prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | 
 
 
 def _explore(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RmsProof:
+    """:func:`_explore_configs`, and a proof must hold with the constructor's other dimension-like
+    arguments set apart from the dimension too (the probe gives them all DIM)."""
+    result = _explore_configs(module, fn, cls)
+    if result.kind == "proved":
+        for name in other_dim_arguments(cls, module)[:3]:
+            try:
+                alt = _proved_on_two_dims(module, fn, cls, {name: HALF_DIM})
+            except Unknown as e:
+                alt = RmsProof("unknown", e.reason)
+            if alt.kind != "proved":
+                return RmsProof("unknown", f"proved only where constructor argument `{name}` equals the normalised dimension "
+                                           f"(with it set to half the dimension: {alt.reason or alt.kind})")
+    return result
+
+
+def _explore_configs(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> RmsProof:
     """The constructor's defaults first, then each boolean flag flipped (up to 4): the first
     configuration proved wins (the forward's tests on those flags become run-time guards);
     otherwise the defaults' outcome is reported."""
