@@ -2629,7 +2629,8 @@ class RopePattern(Pattern):
         """gemma: ``xc = view_as_complex(stack(chunk(t, 2, -1), -1))`` pairs x_i with x_{i+D/2}, so
         ``view_as_real(xc * freqs)`` is the half rotation of t (cos = cat(freqs.real, freqs.real)) laid
         out as [..., D/2, 2] pairs of (first-half, second-half) lanes: the fused result is given that
-        layout back (``unflatten(-1, (2, -1)).transpose(-1, -2)``, a view), and the code after it is kept."""
+        layout back (``unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()``: the strides view_as_real gives, so a
+        later ``.view`` of it works), and the code after it is kept."""
         prod = node.args[0]
         assert isinstance(prod, ast.BinOp)
         for xc, freqs in ((prod.left, prod.right), (prod.right, prod.left)):
@@ -2646,7 +2647,9 @@ class RopePattern(Pattern):
             )
             m.inner_prep = [f"{cos} = torch.cat(({f_src}.real, {f_src}.real), dim=-1)  # complex pairs of the halves = rotate_half: cos of each half",
                             f"{sin} = torch.cat(({f_src}.imag, {f_src}.imag), dim=-1)"]
-            m.post = ".unflatten(-1, (2, -1)).transpose(-1, -2)"
+            # contiguous like view_as_real's result: a later .view / .view_as of it (a hoisted
+            # ``h = view_as_real(xc * f); out = h.view_as(x)``) fails on the transposed view
+            m.post = ".unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()"
             xc_val = _resolve(scope, xc)
             if isinstance(xc, ast.Name) and xc_val is not xc and not scope.uses_after(xc.id, node.lineno):
                 # ``x_ = view_as_complex(stack(chunk(..)))`` right before: the fused call replaces it (its stack copy too)
@@ -8132,4 +8135,26 @@ xk = torch.randn(2, 3, 6, 16, requires_grad=True)
 out = (*apply_rotary_emb(xq, xk, shared), *apply_rotary_emb(xq, xk, per_head))
 leaves = [xq, xk]
 '''),
+]
+
+
+# --- s32: the pairs-of-halves layout given back contiguous (spelling bench, hoisted temporaries) ---
+# ``h4 = view_as_real(xc * blended); out = h4.view_as(x)`` with xc the complex pairs of the two halves:
+# the fused result was handed back as a transposed view, and .view_as raised on it in the rewritten
+# program ("view size is not compatible with input tensor's size and stride").
+RopePattern.FUSE += [
+    Fuse(
+        _COMPLEX_VIEW_AS.replace("x.to(self.dtype).reshape(*x.shape[:-1], -1, 2)",
+                                 "x.to(self.dtype).reshape(*x.shape[:-1], 2, -1).transpose(-1, -2).contiguous()")
+        .replace("        out = torch.view_as_real(xc * blended).view_as(x)\n",
+                 "        pairs = torch.view_as_real(xc * blended)\n        out = pairs.view_as(x)\n"),
+        name="s32_pairs_of_halves_viewed_back_later",
+        expect={"mode": "half"},
+        run='''
+x = torch.randn(2, 6, 3, 16, requires_grad=True)
+m32 = Rotation(16, scale=0.75)
+out = (m32.rotate(x), m32.rotate(x, start=2), m32.rotate(x.transpose(1, 2), time_dim=2))
+leaves = [x]
+''',
+    ),
 ]
