@@ -278,11 +278,19 @@ def _is_literal(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool))
 
 
-def _tests_non_finite(module: ModuleInfo, cond: ast.AST) -> bool:
+def _tests_non_finite(module: ModuleInfo, cond: ast.AST, scope: Scope | None = None, line: int = 0, depth: int = 0) -> bool:
+    """The condition calls isnan/isinf/isfinite..., inline or in the local definitions of the names it
+    reads (``bad = torch.isnan(x); torch.where(bad, 0, x)``)."""
+    if depth > 6:
+        return False
     for n in fast_walk(cond):
         if isinstance(n, ast.Call):
             last = (module.canonical(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
             if last in ("isnan", "isinf", "isfinite", "isneginf", "isposinf"):
+                return True
+        elif scope is not None and isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            value = scope.definition(n.id, line)
+            if value is not None and value is not cond and _tests_non_finite(module, value, scope, getattr(value, "lineno", line), depth + 1):
                 return True
     return False
 
@@ -344,7 +352,7 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
     for side, text in ((a, texts[1]), (b, texts[2])):
         if is_bool_mask(module, scope, side, line):
             return miss(f"integer tensors: branch `{text[:40]}` is a boolean mask; torch.lerp takes floating point only")
-    if _tests_non_finite(module, cond):
+    if _tests_non_finite(module, cond, scope, line):
         return miss("the condition tests for NaN/inf, so the other branch is non-finite where it is not selected: lerp "
                     "would return NaN there (not inf-safe)")
     if _used_for_indexing(scope, stmt, call):
@@ -711,4 +719,10 @@ def hard_positive_scores(prediction, pos_mask, mask):
 AffinityWhere.KEEP += [
     Keep(_S32_INF_CAST, reason="not inf-safe", name="s32_inf_tensor_cast_before_use"),
     Keep(_S32_INF_CAST.replace(", torch.tensor(", ", -torch.tensor("), reason="not inf-safe", name="s32_minus_inf_tensor_cast_before_use"),
+]
+
+AffinityWhere.KEEP += [
+    # the NaN test bound to a name first (spelling bench, hoisted temporaries): still a NaN guard
+    Keep(_KEEP_NAN_GUARD.replace("return torch.where(torch.isnan(answer),", "bad = torch.isnan(answer)\n    return torch.where(bad,"),
+         reason="tests for NaN/inf", name="s32_isnan_guard_bound_to_a_name"),
 ]
