@@ -878,19 +878,31 @@ def other_dim_arguments(cls: ast.ClassDef | None, module: ModuleInfo) -> list[st
     init = next((fn for fn in _methods(module, cls) if fn.name == "__init__"), None)
     if init is None:
         return []
+    dims = [p.arg for p in required_init_args(init) if _annotation(p) in ("", *_DIM_ANNOTATIONS)]
+    return dims[1:]
+
+
+def required_init_args(init: ast.FunctionDef) -> list[ast.arg]:
+    """``__init__``'s arguments without a default, ``self`` left out (positional, then keyword-only)."""
     a = init.args
     params = [*a.posonlyargs, *a.args][1:]
-    required = params[: len(params) - len(a.defaults)] + [p for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
-    dims = [p.arg for p in required if (ast.unparse(p.annotation) if p.annotation is not None else "") in ("", "int", "Optional[int]", "int | None")]
-    return dims[1:]
+    return params[: len(params) - len(a.defaults)] + [p for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+
+
+#: annotations of a constructor argument the probe fills with a dimension (besides none at all)
+_DIM_ANNOTATIONS = ("int", "Optional[int]", "int | None")
+
+
+def _annotation(p: ast.arg) -> str:
+    return ast.unparse(p.annotation) if p.annotation is not None else ""
 
 
 def _dim_argument(p: ast.arg) -> int:
     """A constructor argument without default: a dimension (int, or not annotated) gets DIM."""
-    ann = ast.unparse(p.annotation) if p.annotation is not None else ""
+    ann = _annotation(p)
     if ann == "bool":
         return False  # a flag without default: False first, flipped by the exploration
-    if ann and ann not in ("int", "Optional[int]", "int | None"):
+    if ann and ann not in _DIM_ANNOTATIONS:
         raise Unknown(f"constructor argument `{p.arg}: {ann}` has no default")
     return DIM
 
@@ -1470,13 +1482,9 @@ def structural_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
             return "the class does not derive from nn.Module in this file"
         init = next((f for f in _methods(module, cls) if f.name == "__init__"), None)
         if init is not None:
-            ia = init.args
-            iparams = [*ia.posonlyargs, *ia.args][1:]
-            required = iparams[: len(iparams) - len(ia.defaults)] if ia.defaults else iparams
-            required = [*required, *(p for p, d in zip(ia.kwonlyargs, ia.kw_defaults) if d is None)]
-            for p in required:
-                ann = ast.unparse(p.annotation) if p.annotation is not None else ""
-                if ann and ann not in ("int", "Optional[int]", "int | None", "bool"):
+            for p in required_init_args(init):
+                ann = _annotation(p)
+                if ann and ann not in (*_DIM_ANNOTATIONS, "bool"):
                     return f"constructor argument `{p.arg}: {ann}` has no default"
     return None
 
