@@ -125,7 +125,6 @@ _TENSOR_FIRST_FUNCTIONS = frozenset((
 ))
 
 
-_TENSOR_CALL_TEXT = re.compile(r"\btorch\s*\.\s*(?:" + "|".join(sorted(_TENSOR_FIRST_FUNCTIONS)) + r")\s*\(|\.\s*(?:sigmoid|bmm|baddbmm)\s*\(")
 
 
 def canonicalise_tensor_functions(tree: ast.Module, source: str | None = None) -> int:
@@ -135,23 +134,20 @@ def canonicalise_tensor_functions(tree: ast.Module, source: str | None = None) -
     both read by the detectors and left as written. Only calls of ``torch`` itself (after
     :func:`canonicalise_module_aliases`), with positional tensor first argument and no ``out=`` / ``input=`` /
     ``**``; only where ``torch`` is bound by nothing but ``import torch``. ``source``: the tree's text, a
-    cheap gate (no such call in the text: nothing to walk). Returns how many calls it respelled."""
-    if source is not None and _TENSOR_CALL_TEXT.search(source) is None:
-        return 0
-    calls: list[ast.Call] = []
-    for node in fast_walk(tree):
-        t = type(node)
-        if t is ast.Call:
-            calls.append(node)  # type: ignore[arg-type]
-        elif t is ast.Name:
-            if node.id == "torch" and type(node.ctx) is not ast.Load:  # type: ignore[attr-defined]
-                return 0
-        elif t is ast.arg:
-            if node.arg == "torch":  # type: ignore[attr-defined]
-                return 0
-        elif t is ast.FunctionDef or t is ast.AsyncFunctionDef or t is ast.ClassDef:
-            if node.name == "torch":  # type: ignore[attr-defined]
-                return 0
+    cheap gate (no such call in the text: nothing to walk; else only the statements on the lines of such
+    text are walked). Returns how many calls it respelled."""
+    calls = None
+    if source is not None:
+        hits, binds = tensor_call_lines(source)
+        if not hits:
+            return 0
+        # (line numbers are newline counts unless a lone carriage return ends a line)
+        if not binds and ("\r" not in source or "\r" not in source.replace("\r\n", "")):
+            calls = _tensor_calls_on_lines(tree, hits)
+    if calls is None:
+        calls = _tensor_calls_everywhere(tree)
+        if calls is None:
+            return 0
     count = 0
     for node in calls:  # each call changed in place: nested calls stay the same objects in their parents
         f = node.func
@@ -178,6 +174,115 @@ def canonicalise_tensor_functions(tree: ast.Module, source: str | None = None) -
         count += 1
     return count
 
+
+# after a ``torch`` that is a name: ``torch`` where a statement could bind it (``torch = ..``, ``torch, x = ..``,
+# ``def f(torch)``, ``lambda torch:``, ``for torch in``, ``def torch(``, ``del torch``): followed by ``=`` (not ``==``),
+# ``:``, ``,``, a bracket, ``;``, ``in`` or the line's end. Prose in comments and docstrings mostly is not (``a torch
+# tensor``, ``torch's``). An import line (a doctest's too) binds it as the module
+_BINDS_TORCH_AFTER = re.compile(r"[ \t]*(?:(?!==)[=:,)\](;]|in\b|\\?\r?$)", re.MULTILINE)
+_IMPORT_LINE = re.compile(r"[ \t]*(?:(?:>>>|\.\.\.)[ \t]*)?(?:import|from)[ \t]")
+# after a ``torch`` that is a name: ``.f(`` of a function the respelling changes
+_TENSOR_FUNCTION_AFTER = re.compile(r"\s*\.\s*(?:" + "|".join(sorted(_TENSOR_FIRST_FUNCTIONS)) + r")\s*\(")
+
+
+def _is_word(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
+
+
+def tensor_call_lines(source: str) -> tuple[list[int], bool]:
+    """The line numbers (ascending, each once) of the text of a call the respelling may change (``torch.f(`` of a
+    function in ``_TENSOR_FIRST_FUNCTIONS``, ``.sigmoid(`` / ``.bmm(`` / ``.baddbmm(``; spaces and line breaks
+    allowed around the dot and before the parenthesis), and whether the text may bind ``torch``
+    other than by an import (``_BINDS_TORCH_AFTER``). Found with ``str.find``: a regex starting with ``\\b``
+    or ``\\.`` tries every position of the file (both regexes cost a third of an ``ast.parse``)."""
+    spots: list[int] = []
+    binds = False
+    find = source.find
+    pos = find("torch")
+    while pos >= 0:
+        end = pos + 5
+        if not (pos and _is_word(source[pos - 1])) and not (end < len(source) and _is_word(source[end])):
+            if _TENSOR_FUNCTION_AFTER.match(source, end):
+                spots.append(pos)
+            elif not binds and _BINDS_TORCH_AFTER.match(source, end) \
+                    and not _IMPORT_LINE.match(source, source.rfind("\n", 0, pos) + 1, pos):
+                binds = True
+        pos = find("torch", end)
+    for word in ("sigmoid", "bmm"):
+        pos = find(word)
+        while pos >= 0:
+            end = pos + len(word)
+            start = pos - 4 if word == "bmm" and source.startswith("badd", pos - 4) else pos
+            before = start - 1
+            while before >= 0 and source[before] in " \t\r\n\\":
+                before -= 1
+            if before >= 0 and source[before] == "." and not (end < len(source) and _is_word(source[end])):
+                after = end
+                while after < len(source) and source[after] in " \t\r\n\\":
+                    after += 1
+                if after < len(source) and source[after] == "(":
+                    spots.append(start)
+            pos = find(word, end)
+    spots.sort()
+    lines: list[int] = []
+    line, at = 1, 0
+    for p in spots:
+        line += source.count("\n", at, p)
+        at = p
+        if not lines or lines[-1] != line:
+            lines.append(line)
+    return lines, binds
+
+
+def _tensor_calls_everywhere(tree: ast.Module) -> list[ast.Call] | None:
+    """Every call of ``tree`` (one whole-tree walk), or None where ``torch`` is bound by something
+    other than an import (a name, an argument, a def): then no call of it is respelled."""
+    calls: list[ast.Call] = []
+    for node in fast_walk(tree):
+        t = type(node)
+        if t is ast.Call:
+            calls.append(node)  # type: ignore[arg-type]
+        elif t is ast.Name:
+            if node.id == "torch" and type(node.ctx) is not ast.Load:  # type: ignore[attr-defined]
+                return None
+        elif t is ast.arg:
+            if node.arg == "torch":  # type: ignore[attr-defined]
+                return None
+        elif t is ast.FunctionDef or t is ast.AsyncFunctionDef or t is ast.ClassDef:
+            if node.name == "torch":  # type: ignore[attr-defined]
+                return None
+    return calls
+
+
+def _tensor_calls_on_lines(tree: ast.Module, hits: list[int]) -> list[ast.Call]:
+    """The calls of the statements spanning one of the lines ``hits`` (ascending), found by walking the
+    statements and, of those, only the expressions of the ones spanning such a line: a whole-tree walk was
+    a third of an ``ast.parse``, and most statements hold no call the respelling changes."""
+    calls: list[ast.Call] = []
+    for stmt in _statements_bfs(tree):
+        t = type(stmt)
+        if t is ast.Module:
+            continue
+        lo = getattr(stmt, "lineno", None)
+        if lo is not None:  # (a match case has no position: its pattern and guard are walked)
+            k = bisect_left(hits, lo)
+            if k == len(hits) or hits[k] > (getattr(stmt, "end_lineno", None) or lo):
+                continue
+        names = _EXPRESSION_FIELDS.get(t)
+        if names is None:
+            names = _EXPRESSION_FIELDS[t] = tuple(f for f in child_fields(t) if f not in ("body", "handlers", "orelse", "finalbody", "cases"))
+        for name in names:
+            v = getattr(stmt, name, None)
+            for root in (v if type(v) is list else (v,)):
+                if isinstance(root, ast.AST):
+                    for n in fast_walk(root):
+                        if type(n) is ast.Call:
+                            calls.append(n)  # type: ignore[arg-type]
+    return calls
+
+
+# statement type -> its fields that hold expressions, not statement blocks
+_EXPRESSION_FIELDS: dict[type, tuple[str, ...]] = {}
 
 # tensor methods some detectors match only as ``torch.f(x, ..)`` (the gate's ``torch.sigmoid``, attention's
 # ``torch.bmm``): method name -> its positional argument count; the receiver is the function's first argument
