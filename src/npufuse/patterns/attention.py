@@ -798,6 +798,17 @@ def repeat_info(module: ModuleInfo, call: ast.AST) -> RepeatInfo | None:
     return None
 
 
+def repeated_tensor(module: ModuleInfo, call: ast.Call) -> ast.expr | None:
+    """The tensor a call :func:`repeat_info` reads repeats: the receiver of ``x.repeat_interleave(n, dim=h)``
+    / ``x.repeat(..)``, else the first argument (``torch.repeat_interleave(x, n, dim=h)``, ``repeat_kv(x, n)``).
+    (The first argument of the method form is the repeat count: taken for the tensor, it went into the
+    fused call as key and value.)"""
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr in ("repeat_interleave", "repeat") and module.call_name(call) != "torch.repeat_interleave":
+        return f.value
+    return call.args[0] if call.args and not isinstance(call.args[0], ast.Starred) else None
+
+
 def _repeat_helper_dim(fn: ast.FunctionDef) -> int | None:
     """HF/Meta ``repeat_kv``: ``x[:, :, None, :, :].expand(b, n_kv, n_rep, s, d)`` then
     ``.reshape(b, n_kv * n_rep, s, d)`` (directly or through a local) -> the head dim is the one

@@ -45,6 +45,7 @@ from npufuse.patterns.attention import (
     is_simple,
     mask_shape_lines,
     repeat_info,
+    repeated_tensor,
 )
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -425,8 +426,8 @@ class SdpaPattern(Pattern):
     def _strip_inline_repeat(module: ModuleInfo, node: ast.expr) -> tuple[str, str] | None:
         info = repeat_info(module, node)
         if info is not None and info.grouped and info.head_dim == 1 and isinstance(node, ast.Call):
-            inner = node.func.value if isinstance(node.func, ast.Attribute) and node.func.attr == "repeat_interleave" and module.call_name(node) != "torch.repeat_interleave" else node.args[0]
-            return segment(module, inner), info.n_rep
+            inner = repeated_tensor(module, node)
+            return (segment(module, inner), info.n_rep) if inner is not None else None
         return None
 
     def _repeat_before(self, module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, kname: str, vname: str, end: int) -> tuple[int, str, str, str] | None:
@@ -447,7 +448,7 @@ class SdpaPattern(Pattern):
                 if info is None or not info.grouped or info.head_dim != 1 or b.targets[0].id not in (kname, vname):
                     got = {}
                     break
-                inner = b.value.args[0] if isinstance(b.value, ast.Call) and b.value.args else None
+                inner = repeated_tensor(module, b.value) if isinstance(b.value, ast.Call) else None
                 if inner is None:
                     got = {}
                     break
@@ -510,6 +511,38 @@ class _Mod:
 '''
 
 SdpaPattern.FUSE = [
+    Fuse(
+        name="gpt_fast_repeat_interleave_method",
+        # gpt-fast / metavoice style GQA: the kv heads repeated with the METHOD form right before the call
+        # (its first argument is the repeat count, not the tensor: taken for the tensor, the fused call got
+        # ints as key and value; audit33)
+        code='''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, n_head=4, n_local_heads=2, head_dim=16):
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = n_head, n_local_heads, head_dim
+
+    def forward(self, q, k, v, mask):
+        k = k.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
+        v = v.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        return y
+''',
+        expect={"gqa": "self.n_head // self.n_local_heads", "k": "k", "v": "v"},
+        run='''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+k = torch.randn(2, 2, 8, 16, requires_grad=True)
+v = torch.randn(2, 2, 8, 16, requires_grad=True)
+keep = torch.ones(8, 8, dtype=torch.bool).tril()
+out = Attention()(q, k, v, keep)
+leaves = [q, k, v]
+''',
+    ),
     Fuse(
         name="hf_sdpa_attention_forward",
         # transformers integrations/sdpa_attention.py (simplified): run-time is_causal, scale may be None
