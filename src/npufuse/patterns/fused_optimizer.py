@@ -1814,12 +1814,27 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if text is None:
         return miss("the optimizer statement shares its line with other code")
     fused = _fused_text(module, stmt, call, fused_cls, kind, plan.drop)
+    # NpuFusedSGD has no lr default: torch.optim.SGD's is passed. Beside a ``**mapping`` it goes INTO the
+    # mapping, under the mapping's own keys (a keyword after it raised "got multiple values for keyword
+    # argument 'lr'" wherever the mapping holds lr: timm's opt_args always does; audit33)
+    splats = [k for k in call.keywords if k.arg is None]
+    lr_in_splat = kind == "SGD" and keyword(call, "lr", 1) is None and bool(splats)
+    if lr_in_splat and len(splats) > 1:
+        return miss("torch.optim.SGD's lr default would have to be merged into one of several `**` mappings")
     if plan.runtime is not None:
         mapping, _taken, filtered = plan.runtime
         star = re.compile(r"\*\*\s*" + re.escape(mapping) + r"(?![\w.])")
         if len(star.findall(fused)) != 1:
             return miss(f"`**{mapping}` is written more than once in the statement")
-        fused = star.sub(lambda _m: f"**{{_k: _v for _k, _v in {mapping}.items() if _k not in {filtered!r}}}", fused)
+        lr_first = "'lr': 1e-3, " if lr_in_splat else ""
+        fused = star.sub(lambda _m: f"**{{{lr_first}**{{_k: _v for _k, _v in {mapping}.items() if _k not in {filtered!r}}}}}"
+                         if lr_first else f"**{{_k: _v for _k, _v in {mapping}.items() if _k not in {filtered!r}}}", fused)
+    elif lr_in_splat:
+        written = segment(module, splats[0].value)
+        star = re.compile(r"\*\*\s*" + re.escape(written) + r"(?![\w.])")
+        if len(star.findall(fused)) != 1:
+            return miss(f"`**{written}` is written more than once in the statement")
+        fused = star.sub(lambda _m: f"**{{'lr': 1e-3, **{written}}}", fused)
     fused += fix.statements()
     lr_given = keyword(call, "lr", 1) is not None
     params = {
@@ -2137,7 +2152,7 @@ def _fused_text(module: ModuleInfo, stmt: ast.stmt, call: ast.Call, fused_cls: s
     f1 = offset(call.func.end_lineno or call.func.lineno, call.func.end_col_offset or 0)
     c1 = offset(call.end_lineno or call.lineno, call.end_col_offset or 0) - 1  # the closing parenthesis
     tail_add = b""
-    if kind == "SGD" and keyword(call, "lr", 1) is None:
+    if kind == "SGD" and keyword(call, "lr", 1) is None and not any(k.arg is None for k in call.keywords):  # (else: in the mapping)
         inside = blob[:c1].rstrip()
         tail_add = b" lr=1e-3" if inside.endswith(b",") or inside.endswith(b"(") else b", lr=1e-3"
     new = blob[:f0] + f"torch_npu.optim.{fused_cls}".encode() + blob[f1:c1] + tail_add + blob[c1:]
@@ -2313,6 +2328,18 @@ optimizer = None
 def build(model):
     global optimizer
     optimizer = torch.optim.SGD(model.parameters(), momentum=0.9)
+    return optimizer
+'''
+
+# timm's create_optimizer: the keyword arguments gathered in a dict that always holds lr (setdefault), no lr
+# keyword in the call: SGD's lr default must not be passed beside the mapping (TypeError: multiple values)
+_SGD_LR_IN_MAPPING = _NET + '''
+
+def build(model, lr=0.05, weight_decay=0.0, **kwargs):
+    opt_args = dict(weight_decay=weight_decay, **kwargs)
+    if lr is not None:
+        opt_args.setdefault('lr', lr)
+    optimizer = torch.optim.SGD(model.parameters(), momentum=0.9, nesterov=True, **opt_args)
     return optimizer
 '''
 
@@ -2662,6 +2689,8 @@ FusedOptimizer.FUSE = [
         "confidence": "medium"}),
     Fuse(_SGD_NO_LR, name="sgd_default_lr_made_explicit", run=_TRAIN_RUN, expect={
         "optimizer": "torch.optim.SGD", "lr_default_added": True, "args": {"momentum": "0.9"}}),
+    Fuse(_SGD_LR_IN_MAPPING, name="sgd_default_lr_merged_into_the_kwargs_mapping", run=_TRAIN_RUN, expect={
+        "optimizer": "torch.optim.SGD", "lr_default_added": True, "args": {"momentum": "0.9", "nesterov": "True"}}),
     Fuse(_OTHER_TESTS, name="other_tests_fsdp_and_bf16_do_not_count", run=_TRAIN_RUN, expect={
         "optimizer": "torch.optim.AdamW", "qualname": "build", "args": {"lr": "2e-3", "weight_decay": "0.0"}}),
     Fuse(_DATASET_ATTR, name="dataset_self_data_is_not_a_parameter", run=_TRAIN_RUN, expect={
