@@ -233,6 +233,23 @@ def test_risks_dynamic_shape_non_contiguous_host_sync(tmp_path):
     assert c["risk_level"] == "medium"
 
 
+def test_non_contiguous_note_names_only_what_the_replacement_copies(tmp_path):
+    """A ``.contiguous()`` in the replacement on other tensors does not copy these views: the note must
+    not say it does (audit33: llama3's BSND attention, whose output alone was made contiguous)."""
+    code = """
+    import torch.nn.functional as F
+
+
+    def attend(hidden, proj):
+        qq = proj(hidden).view(2, 16, 8, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qq, qq, qq)
+        return out
+    """
+    detail = _risks(_switch(tmp_path, {"m.py": code}, FakeSdpa()))["non_contiguous"]["detail"]
+    assert "`qq`" in detail and "passes it as it is" in detail and "makes it contiguous" not in detail
+    assert "makes it contiguous" in _risks(_switch(tmp_path, {"m.py": code.replace("qq", "q")}, FakeSdpa()))["non_contiguous"]["detail"]
+
+
 def test_varlen_arguments_are_dynamic_shapes(tmp_path):
     code = "import torch\n\n\ndef f(x, cu_seqlens):\n    x = x * torch.rsqrt(x)\n    return x\n"
     c = _switch(tmp_path, {"m.py": code})

@@ -257,12 +257,22 @@ def _non_contiguous(module: ModuleInfo, scope: Scope, finding: Finding) -> list[
                     continue
                 origin = _view_origin(module, value) or _view_origin(module, scope.resolve(value, getattr(value, "lineno", None)))
                 if origin:
-                    found.append(f"`{node.id}` (`{origin}`, line {value.lineno})")
+                    found.append((node.id, f"`{node.id}` (`{origin}`, line {value.lineno})"))
     if not found:
         return []
-    made = ".contiguous()" in finding.fused
-    tail = "the replacement makes it contiguous (one extra copy)" if made else "check the fused API accepts it, or the layout it names matches"
-    return [risk("non_contiguous", f"non-contiguous view feeding the site: {', '.join(found[:3])}; {tail}")]
+    # what the replacement does with each of them: ``.contiguous()`` on another tensor (the output's
+    # ``.transpose(1, 2).contiguous()``) does not copy these (a false "makes it contiguous" note; audit33)
+    code = "\n".join(ln.split("#", 1)[0] for ln in finding.fused.splitlines())
+    # (``q.contiguous()``, or after further views of it: ``q.transpose(1, 2).unsqueeze(1).contiguous()``)
+    made = [n for n, _ in found[:3]
+            if re.search(r"(?<![\w.])" + re.escape(n) + r"(?:\s*\.\s*\w+\s*\([^()]*\))*\s*\.\s*contiguous\s*\(\s*\)", code)]
+    if made and len(made) == len(found[:3]):
+        tail = "the replacement makes it contiguous (one extra copy)"
+    elif made:
+        tail = f"the replacement makes {', '.join(f'`{n}`' for n in made)} contiguous (one extra copy each); check the fused API accepts the others"
+    else:
+        tail = "the replacement passes it as it is: check the fused API accepts it, or the layout it names matches"
+    return [risk("non_contiguous", f"non-contiguous view feeding the site: {', '.join(t for _, t in found[:3])}; {tail}")]
 
 
 def _is_autocast(module: ModuleInfo, node: ast.AST) -> bool:
