@@ -293,3 +293,52 @@ def repo_definition(matcher: Any, name: str) -> Optional[repo_facts.Definition]:
         head, _, attr = name.partition(".")
         d = _module_attribute(matcher, head, attr)
     return d
+
+
+# the probabilities' NaN entries zeroed after the softmax (``P.masked_fill(torch.isnan(P), 0)``): a marker for
+# ``Chain.zero_masked``, whose rows are then the mask's fully masked rows (a softmax gives NaN exactly on a row of -inf)
+NAN_ROWS = ast.Name("_npufuse_nan_rows", ast.Load())
+
+
+def nan_zeroed_probs(matcher: Any, node: Any) -> Optional[Any]:
+    """P of ``P.masked_fill(torch.isnan(P), 0)`` / ``P.masked_fill(P.isnan(), 0.0)`` / ``torch.nan_to_num(P, nan=0.0)`` /
+    ``P.nan_to_num(0)`` (the same P on both sides); None for anything else."""
+    from npufuse.patterns.attention import deref
+
+    if not isinstance(node, ast.Call):
+        return None
+    name = matcher._fn(node)
+    if matcher.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2 and not node.keywords:
+        p, m, fill = node.func.value, node.args[0], node.args[1]
+    elif name == "torch.masked_fill" and len(node.args) == 3 and not node.keywords:
+        p, m, fill = node.args
+    elif name == "torch.nan_to_num" or matcher.method(node, "nan_to_num") and name != "torch.nan_to_num":
+        args = node.args[1:] if name == "torch.nan_to_num" else node.args
+        p = node.args[0] if name == "torch.nan_to_num" and node.args else node.func.value if name != "torch.nan_to_num" else None
+        nan = next((k.value for k in node.keywords if k.arg == "nan"), args[0] if args else ast.Constant(0.0))
+        if p is None or canonical.const_value(nan) not in (0, 0.0) or isinstance(canonical.const_value(nan), bool):
+            return None
+        return p
+    else:
+        return None
+    v = canonical.const_value(fill)
+    if v not in (0, 0.0) or isinstance(v, bool):
+        return None
+    m = deref(m)
+    if isinstance(m, ast.Call) and matcher._fn(m) == "torch.isnan" and len(m.args) == 1:
+        inner = m.args[0]
+    elif matcher.method(m, "isnan") and not m.args:
+        inner = m.func.value
+    else:
+        return None
+    return p if deref(inner) is deref(p) else None
+
+
+def may_fill_minus_inf(term: Any) -> bool:
+    """A mask term that can leave a score at -inf: a bool mask filled with an infinite value, or an additive term
+    (its 0/-inf values are checked, -inf included)."""
+    if term.kind == "additive":
+        return True
+    if term.kind in ("masked", "keep"):
+        return "inf" in (term.fill or "").lower()
+    return False

@@ -1743,6 +1743,11 @@ class _Matcher:
         were masked with (True = masked), which makes the zeroing touch only fully masked rows."""
         if getattr(chain, "zero_masked", None) is not None:
             return None
+        nan_zeroed = _attention_s33.nan_zeroed_probs(self, node)
+        if nan_zeroed is not None and self.softmax_of(deref(nan_zeroed, chain.seen)) is not None:
+            # s33: ReChorus ``P.masked_fill(torch.isnan(P), 0)``: NaN rows are the rows whose every score is -inf
+            chain.zero_masked = _attention_s33.NAN_ROWS  # type: ignore[attr-defined]
+            return nan_zeroed
         if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
             x, m, fill = node.func.value, node.args[0], node.args[1]
         elif isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3:
@@ -1762,6 +1767,16 @@ class _Matcher:
     def _check_zeroed_rows(self, chain: Chain, layout: str) -> None:
         m = getattr(chain, "zero_masked", None)
         if m is None:
+            return
+        if m is _attention_s33.NAN_ROWS:
+            if not any(_attention_s33.may_fill_minus_inf(t) for t in chain.masks):
+                # every masked score is finite (or nothing is masked): no row is all -inf, the zeroing never fires
+                chain.zero_masked = None  # type: ignore[attr-defined]
+                chain.notes.append("the NaN probabilities zeroed after softmax never occur here (masked scores are finite): the step is dropped")
+                return
+            if layout != "BNSD" or chain.heads_in_batch:
+                raise Miss(f"attention probabilities are zeroed where NaN after softmax with {layout} scores: npufuse "
+                           "zeroes the fully masked rows of a BNSD result only")
             return
         same = [t for t in chain.masks if t.kind == "masked" and t.cond is None and ast.dump(deref(t.node)) == ast.dump(deref(m))]
         if not same:
@@ -3592,7 +3607,15 @@ class AttentionPattern(Pattern):
             kwargs.append(("sparse_mode", str(sparse)))
         call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)
         zero_rows = getattr(chain, "zero_masked", None)
-        if zero_rows is not None:
+        if zero_rows is _attention_s33.NAN_ROWS:
+            # s33: the rows the original turned to NaN (every score -inf) and zeroed: the fully masked rows of the mask
+            if "_npufuse_mask" not in dict(kwargs).values():
+                return NearMiss(self.id, scope.qualname, span_line, end_line, "attention probabilities are zeroed where NaN after softmax "
+                                "beside a causal mask passed as sparse_mode: npufuse zeroes the fully masked rows of an explicit mask only")
+            lines.append("_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else "
+                         f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)  # rows the original zeroed (NaN: all -inf)")
+            call = f"{call}.masked_fill(_npufuse_rows, 0)"
+        elif zero_rows is not None:
             try:
                 # the original zeroes the probabilities of masked keys after the softmax: a no-op on rows
                 # with a key left (already 0 there), zeros on fully masked rows; the fused op's value on
@@ -11628,5 +11651,49 @@ AttentionPattern.KEEP += [
     def forward'''),
         reason="unsupported operation on the attention scores: `self.apply_sparse_mask(",
         name="s33_hook_that_changes_the_scores",
+    ),
+]
+
+
+# s33: ReChorus zeroes the NaN probabilities (rows whose every key was masked with -inf) after the softmax; with a
+# finite fill no row is NaN and the step is dropped
+_S33_NAN_ZEROED_ROWS = _S33_GLOBAL_MAX_SHIFT.replace(
+    "    scores = (scores - scores.max()).softmax(dim=-1)\n",
+    "    scores = (scores - scores.max()).softmax(dim=-1)\n    scores = scores.masked_fill(torch.isnan(scores), 0)\n")
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S33_NAN_ZEROED_ROWS,
+        expect={"qualname": "scaled_dot_product_attention"},
+        # a fully masked row (query 2 of batch 0) has NaN gradients in the original (softmax backward of a NaN row), so
+        # the gradients are compared on inputs without one
+        run='''
+q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(2, 1, 5, 5)
+keep[1, :, :, 3:] = 0
+full = keep.clone()
+full[0, :, 2, :] = 0
+out = (scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), 8, full),
+       scaled_dot_product_attention(q, k, v, 8, keep), scaled_dot_product_attention(q, k, v, 8))
+leaves = [q, k, v]
+''',
+        name="s33_nan_probabilities_zeroed_after_softmax",
+    ),
+    Fuse(
+        _S33_NAN_ZEROED_ROWS.replace("-np.inf", "-1e9").replace("scores.masked_fill(torch.isnan(scores), 0)",
+                                                                "torch.nan_to_num(scores, nan=0.0)"),
+        expect={"qualname": "scaled_dot_product_attention"},
+        name="s33_nan_zeroing_that_never_fires_with_a_finite_fill",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the NaN test reads the scores, not the probabilities it zeroes
+        _S33_NAN_ZEROED_ROWS.replace("    scores = (scores - scores.max()).softmax(dim=-1)\n    scores = scores.masked_fill(torch.isnan(scores), 0)\n",
+                                     "    probs = (scores - scores.max()).softmax(dim=-1)\n    probs = probs.masked_fill(torch.isnan(scores), 0)\n"
+                                     "    scores = probs\n"),
+        reason="modified after softmax",
+        name="s33_nan_test_on_another_tensor",
     ),
 ]
