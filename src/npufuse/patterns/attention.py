@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32
+from npufuse.patterns import _attention_s32, _attention_s33
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -993,6 +993,10 @@ class Chain:
     # shape), the probabilities viewed back to 3-D for the bmm with v
     heads_in_batch: bool = False
     scores_viewed: bool = False
+    # s33: the heads-in-batch reading came from a round trip inside a branch of the scores (fairseq-style
+    # ``if mask is not None: w = w.view(b, h, sq, sk).masked_fill(..); w = w.view(b * h, sq, sk)``): a further
+    # such branch below it (MegaTTS3's constraint mask, then the padding mask) is the same reading again
+    branch_round_trip: bool = False
     # gpt-neox gMLP: 3-D scores given a head axis for a 4-D softmax module (``w.unsqueeze(1)``) and the
     # probabilities squeezed back (``.squeeze(1)``) for the 3-D P@V
     head_axis: bool = False
@@ -1170,12 +1174,18 @@ class _Matcher:
             ctor = self._module_attr_ctor(node.func)
             if ctor is not None and self.module.canonical(ctor.func) == "torch.nn.Softmax" and len(node.args) == 1:
                 return node.args[0], keyword(ctor, "dim", 0), None
+            if ctor is not None and not (self.module.canonical(ctor.func) or "").startswith("torch."):
+                # s33: ``self.softmax = Softmax(i=-1)``, a class of the repository whose forward is a softmax
+                return _attention_s33.repo_softmax_module(self, node, ctor)
             return None
-        if self.method(node, "softmax") and name not in SOFTMAXES:
+        if self.method(node, "softmax") and name not in SOFTMAXES and not _attention_s33.module_receiver(self, node.func.value):
             return node.func.value, keyword(node, "dim", 0), keyword(node, "dtype", 1)
         if isinstance(node.func, ast.Call) and self.module.canonical(_plain(node.func.func)) == "torch.nn.Softmax" and len(node.args) == 1:
             # ``torch.nn.Softmax(dim=-1)(x)`` (GLM): the symbolic tree holds ``torch`` as a Ref, read through _plain
             return node.args[0], keyword(node.func, "dim", 0), None
+        if name not in SOFTMAXES and "softmax" in self.src(node.func).lower():
+            # s33: the repository's own softmax function (CS336's ``softmax(x, dim)``, fairseq's ``utils.softmax``)
+            return _attention_s33.repo_softmax(self, node)
         return None
 
     def _module_attr_ctor(self, func: Any) -> ast.Call | None:
@@ -1486,6 +1496,10 @@ class _Matcher:
             if pre is not None:
                 return pre
             self._opaque_normaliser(node)
+            unread = _attention_s33.unread_repo_softmax(self, node) if isinstance(node, ast.Call) and node.args \
+                and _heavy(node.args[0], through_meta=False) else None
+            if unread:
+                raise Miss(unread)
             return None
         return None
 
@@ -1693,10 +1707,18 @@ class _Matcher:
         """FlexLLMGen / OPT-style: the [b*np, sq, sk] product viewed as [b, np, sq, sk] for the mask, then
         viewed back to [b*np, sq, sk] before the softmax (Megatron views the probabilities back instead).
         The same heads-in-batch reading; the 4-D view below it is then required (match checks it)."""
-        if not (getattr(self, "three_d", False) and not chain.heads_in_batch and (stop is None or _round_trip_in_branch(self, node, stop))
-                and self.method(node, "view", "reshape") and self._arity(node) == 3):
+        if not (getattr(self, "three_d", False) and self.method(node, "view", "reshape") and self._arity(node) == 3):
+            return False
+        if chain.heads_in_batch:
+            # s33: another round trip inside a branch, below the first one's (its 4-D view is read again)
+            if not (chain.branch_round_trip and chain.scores_viewed and stop is not None and _round_trip_in_branch(self, node, stop)):
+                return False
+            chain.scores_viewed = False
+            return True
+        if not (stop is None or _round_trip_in_branch(self, node, stop)):
             return False
         chain.heads_in_batch = True
+        chain.branch_round_trip = stop is not None
         return True
 
     def _flag_scale(self, factor: Any, cond: tuple[Any, bool]) -> Any:
@@ -1732,6 +1754,11 @@ class _Matcher:
         were masked with (True = masked), which makes the zeroing touch only fully masked rows."""
         if getattr(chain, "zero_masked", None) is not None:
             return None
+        nan_zeroed = _attention_s33.nan_zeroed_probs(self, node)
+        if nan_zeroed is not None and self.softmax_of(deref(nan_zeroed, chain.seen)) is not None:
+            # s33: ReChorus ``P.masked_fill(torch.isnan(P), 0)``: NaN rows are the rows whose every score is -inf
+            chain.zero_masked = _attention_s33.NAN_ROWS  # type: ignore[attr-defined]
+            return nan_zeroed
         if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
             x, m, fill = node.func.value, node.args[0], node.args[1]
         elif isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3:
@@ -1751,6 +1778,16 @@ class _Matcher:
     def _check_zeroed_rows(self, chain: Chain, layout: str) -> None:
         m = getattr(chain, "zero_masked", None)
         if m is None:
+            return
+        if m is _attention_s33.NAN_ROWS:
+            if not any(_attention_s33.may_fill_minus_inf(t) for t in chain.masks):
+                # every masked score is finite (or nothing is masked): no row is all -inf, the zeroing never fires
+                chain.zero_masked = None  # type: ignore[attr-defined]
+                chain.notes.append("the NaN probabilities zeroed after softmax never occur here (masked scores are finite): the step is dropped")
+                return
+            if layout != "BNSD" or chain.heads_in_batch:
+                raise Miss(f"attention probabilities are zeroed where NaN after softmax with {layout} scores: npufuse "
+                           "zeroes the fully masked rows of a BNSD result only")
             return
         same = [t for t in chain.masks if t.kind == "masked" and t.cond is None and ast.dump(deref(t.node)) == ast.dump(deref(m))]
         if not same:
@@ -1815,7 +1852,7 @@ class _Matcher:
             if chain.heads_in_batch and not chain.scores_viewed and self.method(node, "view", "reshape") and self._arity(node) == 4:
                 # ... and the [b*np, sq, sk] product viewed as the [b, np, sq, sk] scores the masks apply to
                 chain.scores_viewed = True
-                chain.scores_view = node
+                chain.scores_view = chain.scores_view if chain.scores_view is not None else node
                 node = node.func.value
                 continue
             if isinstance(node, ast.IfExp) and not _heavy(node.test, through_meta=False) \
@@ -1985,6 +2022,10 @@ class _Matcher:
                 chain.spelling.append("helper_inlined")
                 node = Cond(test=inlined.test, body=inlined.body, orelse=inlined.orelse) if isinstance(inlined, ast.IfExp) else inlined
                 continue
+            passed = _attention_s33.identity_method(self, node, chain)
+            if passed is not None:
+                node = passed  # s33: fairseq's ``self.apply_sparse_mask(w, ..)`` hook, ``return w`` in this class
+                continue
             _s30_helper_writing_into_the_scores(self, node, stop)
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
         raise Miss("attention score chain too long to follow")
@@ -2029,7 +2070,8 @@ class _Matcher:
 
     def _row_max_of(self, node: Any, x: Any) -> bool:
         """``node`` is the last-dim max of ``x`` kept as a dim: ``x.amax(dim=-1, keepdim=True)`` (``.detach()``
-        optional), ``x.max(-1, keepdim=True).values`` / ``[0]``, ``torch.amax(x, -1, keepdim=True)``."""
+        optional), ``x.max(-1, keepdim=True).values`` / ``[0]``, ``torch.amax(x, -1, keepdim=True)``, or the max of
+        the whole tensor (``x.max()``, ``torch.amax(x)``)."""
         n = deref(node)
         if self.method(n, "detach"):
             n = deref(n.func.value)
@@ -2039,6 +2081,11 @@ class _Matcher:
             n = deref(n.value)
         if not isinstance(n, ast.Call):
             return False
+        if not n.keywords and (self.method(n, "amax", "max") and not n.args and self._fn(n) not in ("torch.amax", "torch.max")
+                               or self._fn(n) in ("torch.amax", "torch.max") and len(n.args) == 1):
+            # s33: ``scores - scores.max()`` (ReChorus): the max over the whole tensor is one number, the same shift
+            # for every row
+            return deref(n.func.value if not n.args else n.args[0]) is deref(x)
         if self.method(n, "amax", "max") and self._fn(n) not in ("torch.amax", "torch.max"):
             base, dim, keep = n.func.value, keyword(n, "dim", 0), keyword(n, "keepdim", 1)
         elif self._fn(n) in ("torch.amax", "torch.max") and n.args:
@@ -2333,12 +2380,15 @@ class _Matcher:
                 value = node.value
             if value is not None:
                 if isinstance(value, ast.Name):
-                    # ``bias = torch.tril(...).view(...)`` then ``self.register_buffer("bias", bias)``
+                    # ``bias = torch.tril(...).view(...)`` then ``self.register_buffer("bias", bias)``: read only when the
+                    # local is assigned once (GPT-Neo's local layers re-assign it to a banded ``bitwise_xor`` under a flag)
+                    local = value.id
                     for fn in fast_walk(cls):
                         if isinstance(fn, ast.FunctionDef) and any(n is node for n in fast_walk(fn)):
-                            for a in fast_walk(fn):
-                                if isinstance(a, ast.Assign) and any(isinstance(t, ast.Name) and t.id == value.id for t in a.targets):
-                                    value = a.value
+                            stores = [a.value for a in fast_walk(fn) if isinstance(a, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                                      and any(isinstance(t, ast.Name) and t.id == local for t in (a.targets if isinstance(a, ast.Assign) else [a.target]))]
+                            if len(stores) == 1 and stores[0] is not None:
+                                value = stores[0]
                             break
                 for sub in fast_walk(value):
                     if self._is_local_tri(sub, "tril", 0):
@@ -3463,7 +3513,7 @@ class AttentionPattern(Pattern):
                 mask_kind = "causal"
             elif chain.masks:
                 mask_lines, maybe_none = self._mask_lines(r, chain.masks)
-                checks = self._value_checks(r, chain.masks)
+                checks = self._value_checks(r, chain.masks, module, scope)
                 if checks:
                     value_split = len(lines)
                     value_check = " and ".join(checks) if len(checks) == 1 else " and ".join(f"({c})" for c in checks)
@@ -3568,7 +3618,15 @@ class AttentionPattern(Pattern):
             kwargs.append(("sparse_mode", str(sparse)))
         call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)
         zero_rows = getattr(chain, "zero_masked", None)
-        if zero_rows is not None:
+        if zero_rows is _attention_s33.NAN_ROWS:
+            # s33: the rows the original turned to NaN (every score -inf) and zeroed: the fully masked rows of the mask
+            if "_npufuse_mask" not in dict(kwargs).values():
+                return NearMiss(self.id, scope.qualname, span_line, end_line, "attention probabilities are zeroed where NaN after softmax "
+                                "beside a causal mask passed as sparse_mode: npufuse zeroes the fully masked rows of an explicit mask only")
+            lines.append("_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else "
+                         f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)  # rows the original zeroed (NaN: all -inf)")
+            call = f"{call}.masked_fill(_npufuse_rows, 0)"
+        elif zero_rows is not None:
             try:
                 # the original zeroes the probabilities of masked keys after the softmax: a no-op on rows
                 # with a key left (already 0 there), zeros on fully masked rows; the fused op's value on
@@ -3681,7 +3739,7 @@ class AttentionPattern(Pattern):
             text = ast.unparse(_plain(m.node))
         return f"{kind}: {text}"
 
-    def _value_checks(self, r: Renderer, masks: list[MaskTerm]) -> list[str]:
+    def _value_checks(self, r: Renderer, masks: list[MaskTerm], module: ModuleInfo, scope: Scope) -> list[str]:
         """Run-time conditions under which each additive term may be binarised with ``< 0``:
         none for a causal triangle or a mask built in view from -inf/finfo.min; else its values
         are checked (a tensor named ``mask`` may carry ALiBi or 0/1 values)."""
@@ -3699,6 +3757,10 @@ class AttentionPattern(Pattern):
             else:
                 t = r.text(m.node)
                 check = additive_mask_exact(t)
+                if _attention_s33.parameter_may_be_number(module, scope, deref(m.node)):
+                    # s33: proteina's ``_attn(q, k, v, b, mask)`` gets ``b = 0`` when there is no pair bias: ``(0 == 0).all()``
+                    # would raise, so the fused call runs only where the term is a tensor
+                    check = f"torch.is_tensor({atom(t)}) and {check}"
             if m.cond is not None:
                 c = r.text(m.cond)
                 check = f"{atom(c)} or {check}" if m.negate_cond else f"not {atom(c)} or {check}"
@@ -6125,11 +6187,12 @@ def decode(q, k, v, attn_bias=None):
         expect={"layout": "BNSD", "mask_values_checked": True},
             )
 )
-AttentionPattern.KEEP.append(
-    Keep(
+AttentionPattern.FUSE.append(
+    Fuse(
         name="einops_einsum_word_axis_names",
-        # einops names axes by words: ``"bh i d"`` is three axes to einops and four letters to torch; npufuse reads only
-        # one-letter names and says so instead of guessing
+        # einops names axes by words: ``"bh i d"`` is three axes to einops (four letters to torch); since s33 each word
+        # is read as one axis (``canonical.einops_equation_subscripts``), so this is a 3-D single-head product
+        # (until s32 a Keep: only one-letter names were read)
         code="""
 from einops import einsum
 
@@ -6138,7 +6201,22 @@ def attend(q, k, v):
     sim = einsum(q, k, "bh i d, bh j d -> bh i j") * 0.125
     return einsum(sim.softmax(dim=-1), v, "bh i j, bh j d -> bh i d")
 """,
-        reason="equation npufuse does not parse",
+        expect={"layout": "3D (bmm) -> BNSD with N=1"},
+    )
+)
+AttentionPattern.KEEP.append(
+    Keep(
+        name="einops_einsum_word_axis_names_over_the_query_axis",
+        # the words read as axes: the softmax is over ``i`` (the queries), not the keys
+        code="""
+from einops import einsum
+
+
+def attend(q, k, v):
+    sim = einsum(q, k, "bh i d, bh j d -> bh j i") * 0.125
+    return einsum(sim.softmax(dim=-1), v, "bh j i, bh j d -> bh i d")
+""",
+        reason="does not contract the probabilities' last (key) axis",
     )
 )
 
@@ -7098,15 +7176,21 @@ def _flag_chosen_softmax(matcher: "_Matcher", node: Any) -> tuple[ast.Call, Any,
 
 
 def _helper_returned_value(matcher: "_Matcher", call: ast.Call) -> ast.expr | None:
-    """The expression a function of the repo returns when its body is one ``return`` (docstring aside),
-    as written (its parameters unbound: only its kind of value is read, ``-finfo(...).max``); None for a
-    local callable or any other body."""
+    """The expression a function of the repo returns when its body is one ``return`` (docstring aside), or a
+    lambda bound once at module level returns, as written (its parameters unbound: only its kind of value is read,
+    ``-finfo(...).max``); None for a local callable or any other body."""
     func = call.func
     name = func.id if isinstance(func, ast.Name) else func.name if isinstance(func, Ref) and func.idx == -1 else None
     if name is None or matcher.scope.assignments.get(name):
         return None
     from npufuse.scan import repo_facts
 
+    if _attention_s33.is_parameter(matcher.scope, name):
+        return None  # a parameter of that name shadows the module's
+    bound = module_constant(matcher.module, name)
+    if isinstance(bound, ast.Lambda):
+        # s33: ``max_neg_value = lambda x: torch.finfo(x.dtype).min`` (proteina), a module-level name bound once
+        return bound.body
     found = repo_facts.definition(matcher.module, name)
     if found is None or not isinstance(found.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or found.node.decorator_list:
         return None
@@ -8493,11 +8577,10 @@ def _repo_dropout_subclass(matcher: "_Matcher", ctor: ast.Call) -> bool:
     imports) and defines no ``forward`` / ``__call__`` of its own: calling it is nn.Dropout's forward, with the
     ``p`` and ``training`` the fused call reads off the module at run time."""
     name = dotted(ctor.func)
-    if not name or "." in name:
+    if not name or name.count(".") > 1:
         return False
-    from npufuse.scan import repo_facts
-
-    found = repo_facts.definition(matcher.module, name)
+    # s33: ``layers.Dropout(p)`` with ``from uio2 import layers`` (a module of the repository) too
+    found = _attention_s33.repo_definition(matcher, name)
     if found is None or not isinstance(found.node, ast.ClassDef) or found.node.decorator_list:
         return False
     cls = found.node
@@ -11221,5 +11304,407 @@ AttentionPattern.KEEP += [
         _S32_STORED_PROBS.replace("        self.attn = None\n", ""),
         reason="nothing shows a caller accepts None",
         name="s32_stored_probabilities_never_declared_none",
+    ),
+]
+
+
+# --- s33: a softmax the repository writes itself (CS336-style ``softmax(x, dim)``, a ``Softmax`` module class,
+# fairseq's ``utils.softmax``), proven by ``canonical.softmax_body``; einops axis names longer than one letter ------
+_S33_OWN_SOFTMAX = '''
+import math
+import torch
+from torch import nn
+
+
+def softmax(inputs, dim=-1):
+    in_type = inputs.dtype
+    x = inputs.to(torch.float32)
+    m = x.amax(dim=dim, keepdim=True)
+    e = torch.exp(x - m)
+    return (e / e.sum(dim=dim, keepdim=True)).to(in_type)
+
+
+def scaled_dot_product_attention(Q, K, V, mask=None):
+    d_k = K.shape[-1]
+    scores = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = softmax(scores, dim=-1)
+    return torch.matmul(weights, V)
+'''
+
+_S33_SOFTMAX_MODULE = '''
+import math
+import torch
+from torch import nn
+
+
+class Softmax(nn.Module):
+    def __init__(self, i):
+        super().__init__()
+        self.i = i
+
+    def forward(self, x):
+        y = x - torch.max(x, dim=self.i, keepdim=True).values
+        y = y.exp_()
+        y /= torch.sum(y, dim=self.i, keepdim=True)
+        return y
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.softmax = Softmax(i=-1)
+
+    def forward(self, q, k, v, mask=None):
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        return self.softmax(scores) @ v
+'''
+
+_S33_FAIRSEQ_SOFTMAX = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def softmax(x, dim, onnx_trace=False):
+    if onnx_trace:
+        return F.softmax(x.float(), dim=dim)
+    else:
+        return F.softmax(x, dim=dim, dtype=torch.float32)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, heads, dropout=0.0):
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.onnx_trace = False
+
+    def forward(self, q, k, v):
+        bsz, tgt_len, dim = q.shape
+        head_dim = dim // self.heads
+        q = q.view(bsz, tgt_len, self.heads, head_dim).transpose(1, 2).reshape(bsz * self.heads, tgt_len, head_dim)
+        k = k.view(bsz, -1, self.heads, head_dim).transpose(1, 2).reshape(bsz * self.heads, -1, head_dim)
+        v = v.view(bsz, -1, self.heads, head_dim).transpose(1, 2).reshape(bsz * self.heads, -1, head_dim)
+        q = q * head_dim ** -0.5
+        attn_weights = torch.bmm(q, k.transpose(1, 2))
+        attn_weights_float = softmax(attn_weights, dim=-1, onnx_trace=self.onnx_trace)
+        attn_weights = attn_weights_float.type_as(attn_weights)
+        attn_probs = F.dropout(attn_weights, p=self.dropout, training=self.training)
+        attn = torch.bmm(attn_probs, v)
+        return attn.view(bsz, self.heads, tgt_len, head_dim)
+'''
+
+_S33_EINOPS_WORDS = '''
+import math
+import torch
+from einops import einsum
+
+
+def attention(Q, K, V, mask=None):
+    scores = einsum(Q, K, "... queries d_k, ... keys d_k -> ... queries keys") / math.sqrt(K.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return einsum(probs, V, "... queries keys, ... keys d_v -> ... queries d_v")
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S33_OWN_SOFTMAX,
+        expect={"qualname": "scaled_dot_product_attention", "mask_kind": "bool_masked"},
+        run='''
+q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+keep[1, :, :, 3:] = False
+out = (scaled_dot_product_attention(q, k, v, keep), scaled_dot_product_attention(q, k, v))
+leaves = [q, k, v]
+''',
+        name="s33_softmax_written_as_exp_over_sum_in_fp32",
+    ),
+    Fuse(
+        _S33_SOFTMAX_MODULE,
+        expect={"qualname": "Attention.forward"},
+        run='''
+m = Attention()
+q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+keep = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+keep[0, :, :, 4:] = False
+out = (m(q, k, v, keep), m(q, k, v))
+''',
+        name="s33_softmax_module_class_with_in_place_exp",
+    ),
+    Fuse(
+        _S33_FAIRSEQ_SOFTMAX,
+        expect={"qualname": "SelfAttention.forward", "softmax_dtype": "torch.float32"},
+        run='''
+m = SelfAttention(2)
+q, k, v = (torch.randn(2, 5, 16, requires_grad=True) for _ in range(3))
+out = m(q, k, v)
+leaves = [q, k, v]
+''',
+        name="s33_fairseq_softmax_helper_with_onnx_flag",
+    ),
+    Fuse(
+        _S33_EINOPS_WORDS,
+        expect={"qualname": "attention"},
+        name="s33_einops_einsum_with_word_axis_names",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # no max subtracted: exp overflows to inf (NaN probabilities) where torch's softmax is finite
+        _S33_OWN_SOFTMAX.replace('''    m = x.amax(dim=dim, keepdim=True)
+    e = torch.exp(x - m)''', '''    e = torch.exp(x)'''),
+        reason="whose body is not read as a softmax",
+        name="s33_unstable_exp_over_sum",
+    ),
+    Keep(
+        # a temperature inside the helper: not the plain softmax of the scores
+        _S33_OWN_SOFTMAX.replace("e = torch.exp(x - m)", "e = torch.exp((x - m) / 0.7)"),
+        reason="whose body is not read as a softmax",
+        name="s33_softmax_helper_with_a_temperature",
+    ),
+    Keep(
+        # the helper changes the caller's scores in place: the fused branch would not
+        _S33_OWN_SOFTMAX.replace('''    x = inputs.to(torch.float32)
+    m = x.amax(dim=dim, keepdim=True)
+    e = torch.exp(x - m)''', '''    x = inputs
+    x /= 1.0
+    m = x.amax(dim=dim, keepdim=True)
+    e = torch.exp(x - m)'''),
+        reason="whose body is not read as a softmax",
+        name="s33_softmax_helper_dividing_its_input_in_place",
+    ),
+    Keep(
+        # the sum without keepdim broadcasts over the wrong axis
+        _S33_OWN_SOFTMAX.replace("e.sum(dim=dim, keepdim=True)", "e.sum(dim=dim)"),
+        reason="whose body is not read as a softmax",
+        name="s33_softmax_helper_sum_without_keepdim",
+    ),
+    Keep(
+        # the module's axis is the query axis
+        _S33_SOFTMAX_MODULE.replace("Softmax(i=-1)", "Softmax(i=-2)"),
+        reason="softmax over dim -2",
+        name="s33_softmax_module_over_the_query_axis",
+    ),
+    Keep(
+        # the helper normalises another parameter than the one the call passes the scores to
+        _S33_OWN_SOFTMAX.replace("def softmax(inputs, dim=-1):", "def softmax(inputs, dim=-1, other=None):").replace(
+            "x = inputs.to(torch.float32)", "x = other.to(torch.float32)").replace("weights = softmax(scores, dim=-1)",
+                                                                                  "weights = softmax(scores, dim=-1, other=V)"),
+        reason="whose body is not read as a softmax",
+        name="s33_softmax_helper_of_another_argument",
+    ),
+]
+
+
+# s33: the masking value from a module-level lambda (proteina's ``max_neg_value = lambda x: torch.finfo(x.dtype).min``);
+# an additive term that is a parameter a caller may pass as the number 0 (``b = bias if exists(pair) else 0``)
+_S33_LAMBDA_FILL_AND_NUMBER_BIAS = '''
+import torch
+from torch import einsum, nn
+
+max_neg_value = lambda x: torch.finfo(x.dtype).min
+
+
+class PairBiasAttention(nn.Module):
+    def __init__(self, dim_head):
+        super().__init__()
+        self.scale = dim_head ** -0.5
+
+    def forward(self, q, k, v, pair=None, mask=None):
+        b = pair if pair is not None else 0
+        return self._attn(q, k, v, b, mask)
+
+    def _attn(self, q, k, v, b, mask):
+        sim = einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        if mask is not None:
+            sim = sim.masked_fill(~mask[:, None], max_neg_value(sim))
+        attn = torch.softmax(sim + b, dim=-1)
+        return einsum("b h i j, b h j d -> b h i d", attn, v)
+'''
+
+_S33_GLOBAL_MAX_SHIFT = '''
+import numpy as np
+import torch
+
+
+def scaled_dot_product_attention(q, k, v, d_k, mask=None):
+    scores = torch.matmul(q, k.transpose(-2, -1)) / d_k ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -np.inf)
+    scores = (scores - scores.max()).softmax(dim=-1)
+    return torch.matmul(scores, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S33_LAMBDA_FILL_AND_NUMBER_BIAS,
+        expect={"qualname": "PairBiasAttention._attn"},
+        run='''
+m = PairBiasAttention(8)
+q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+keep = torch.ones(2, 5, 5, dtype=torch.bool)
+keep[1, :, 3:] = False
+zero_one = torch.zeros(2, 2, 5, 5)
+zero_one[0, :, :, 4:] = float("-inf")
+out = (m(q, k, v, None, keep), m(q, k, v), m(q, k, v, zero_one, keep), m(q, k, v, torch.randn(2, 2, 5, 5)))
+''',
+        name="s33_lambda_mask_value_and_a_bias_parameter_that_may_be_zero",
+    ),
+    Fuse(
+        _S33_GLOBAL_MAX_SHIFT,
+        expect={"qualname": "scaled_dot_product_attention"},
+        run='''
+q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(2, 1, 5, 5)
+keep[1, :, :, 3:] = 0
+out = (scaled_dot_product_attention(q, k, v, 8, keep), scaled_dot_product_attention(q, k, v, 8))
+leaves = [q, k, v]
+''',
+        name="s33_whole_tensor_max_subtracted_before_softmax",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the max over the batch axis differs along the keys: not a shift of each row
+        _S33_GLOBAL_MAX_SHIFT.replace("(scores - scores.max())", "(scores - scores.max(dim=0, keepdim=True)[0])"),
+        reason="unsupported operation on the attention scores",
+        name="s33_batch_axis_max_subtracted_before_softmax",
+    ),
+    Keep(
+        # the lambda gives a small negative number: not a mask value
+        _S33_LAMBDA_FILL_AND_NUMBER_BIAS.replace("lambda x: torch.finfo(x.dtype).min", "lambda x: -1.0"),
+        reason="not −inf or a large negative value",
+        name="s33_lambda_mask_value_that_is_not_a_mask_value",
+    ),
+]
+
+
+# s33: fairseq-derived attention (MegaTTS3): the ``apply_sparse_mask`` hook that returns the scores in this class (a
+# subclass may override it: run-time guard), and two masks each applied inside its own view round trip
+_S33_FAIRSEQ_HOOK_TWO_ROUND_TRIPS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MultiheadAttention(nn.Module):
+    def __init__(self, embed_dim, num_heads, dropout=0.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.scaling = self.head_dim ** -0.5
+        self.dropout = dropout
+
+    def apply_sparse_mask(self, attn_weights, tgt_len, src_len, bsz):
+        return attn_weights
+
+    def forward(self, q, k, v, constraint_mask=None, key_padding_mask=None):
+        tgt_len, bsz, embed_dim = q.shape
+        src_len = k.shape[0]
+        q = (q * self.scaling).contiguous().view(tgt_len, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        k = k.contiguous().view(src_len, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        v = v.contiguous().view(src_len, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        attn_weights = torch.bmm(q, k.transpose(1, 2))
+        attn_weights = self.apply_sparse_mask(attn_weights, tgt_len, src_len, bsz)
+        if constraint_mask is not None:
+            attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len)
+            attn_weights = attn_weights.masked_fill(constraint_mask.unsqueeze(2).bool(), -1e8)
+            attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
+        if key_padding_mask is not None:
+            attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len)
+            attn_weights = attn_weights.masked_fill(key_padding_mask.unsqueeze(1).unsqueeze(2), -1e8)
+            attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
+        attn_weights_float = F.softmax(attn_weights, dim=-1, dtype=torch.float32)
+        attn_probs = F.dropout(attn_weights_float.type_as(attn_weights), p=self.dropout, training=self.training)
+        attn = torch.bmm(attn_probs, v)
+        return attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
+
+
+class Sparse(MultiheadAttention):
+    def apply_sparse_mask(self, attn_weights, tgt_len, src_len, bsz):
+        return attn_weights + 1.0
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S33_FAIRSEQ_HOOK_TWO_ROUND_TRIPS,
+        expect={"qualname": "MultiheadAttention.forward", "mask_kind": "bool_masked+bool_masked"},
+        run='''
+m, s = MultiheadAttention(16, 2), Sparse(16, 2)
+q, k, v = (torch.randn(5, 2, 16) for _ in range(3))
+pad = torch.zeros(2, 5, dtype=torch.bool)
+pad[1, 3:] = True
+con = torch.zeros(2, 2, 5)
+con[0, 1, 4] = 1
+out = (m(q, k, v), m(q, k, v, con, pad), m(q, k, v, None, pad), s(q, k, v, con, pad))
+''',
+        name="s33_fairseq_identity_hook_and_two_view_round_trips",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the hook changes the scores in this class
+        _S33_FAIRSEQ_HOOK_TWO_ROUND_TRIPS.replace('''    def apply_sparse_mask(self, attn_weights, tgt_len, src_len, bsz):
+        return attn_weights
+
+    def forward''', '''    def apply_sparse_mask(self, attn_weights, tgt_len, src_len, bsz):
+        return attn_weights * 0.5
+
+    def forward'''),
+        reason="unsupported operation on the attention scores: `self.apply_sparse_mask(",
+        name="s33_hook_that_changes_the_scores",
+    ),
+]
+
+
+# s33: ReChorus zeroes the NaN probabilities (rows whose every key was masked with -inf) after the softmax; with a
+# finite fill no row is NaN and the step is dropped
+_S33_NAN_ZEROED_ROWS = _S33_GLOBAL_MAX_SHIFT.replace(
+    "    scores = (scores - scores.max()).softmax(dim=-1)\n",
+    "    scores = (scores - scores.max()).softmax(dim=-1)\n    scores = scores.masked_fill(torch.isnan(scores), 0)\n")
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S33_NAN_ZEROED_ROWS,
+        expect={"qualname": "scaled_dot_product_attention"},
+        # a fully masked row (query 2 of batch 0) has NaN gradients in the original (softmax backward of a NaN row), so
+        # the gradients are compared on inputs without one
+        run='''
+q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(2, 1, 5, 5)
+keep[1, :, :, 3:] = 0
+full = keep.clone()
+full[0, :, 2, :] = 0
+out = (scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), 8, full),
+       scaled_dot_product_attention(q, k, v, 8, keep), scaled_dot_product_attention(q, k, v, 8))
+leaves = [q, k, v]
+''',
+        name="s33_nan_probabilities_zeroed_after_softmax",
+    ),
+    Fuse(
+        _S33_NAN_ZEROED_ROWS.replace("-np.inf", "-1e9").replace("scores.masked_fill(torch.isnan(scores), 0)",
+                                                                "torch.nan_to_num(scores, nan=0.0)"),
+        expect={"qualname": "scaled_dot_product_attention"},
+        name="s33_nan_zeroing_that_never_fires_with_a_finite_fill",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the NaN test reads the scores, not the probabilities it zeroes
+        _S33_NAN_ZEROED_ROWS.replace("    scores = (scores - scores.max()).softmax(dim=-1)\n    scores = scores.masked_fill(torch.isnan(scores), 0)\n",
+                                     "    probs = (scores - scores.max()).softmax(dim=-1)\n    probs = probs.masked_fill(torch.isnan(scores), 0)\n"
+                                     "    scores = probs\n"),
+        reason="modified after softmax",
+        name="s33_nan_test_on_another_tensor",
     ),
 ]

@@ -727,7 +727,20 @@ def einops_equation_subscripts(node: ast.AST | None) -> tuple[str, str, str] | N
         return None
     words = text.replace(",", " ").replace("->", " ").split()
     if not all(len(w) == 1 or w == "..." for w in words):
-        return None
+        # s33: einops axis names are words (``"... queries d_k, ... keys d_k -> ... queries keys"``, CS336 code):
+        # each distinct word is one axis, renamed to a letter the pattern does not use (never ``B``/``H``, which
+        # stand for ``...``); a grouping ``(h d)``, a digit axis or a non-identifier is not read
+        if text.count("->") != 1 or not all(w == "..." or w.isidentifier() and w.isascii() for w in words):
+            return None
+        free = [c for c in "abcdefghijklmnopqrstuvwxyzACDEFGIJKLMNOPQRSTUVWXYZ" if c not in words]
+        letters: dict[str, str] = {}
+        for w in words:
+            if len(w) > 1 and w != "..." and w not in letters:
+                if not free:
+                    return None
+                letters[w] = free.pop(0)
+        sides = [[" ".join(letters.get(w, w) for w in op.split()) for op in side.split(",")] for side in text.split("->")]
+        text = " -> ".join(", ".join(side) for side in sides)
     return einsum_subscripts(ast.Constant(text))
 
 
@@ -1471,3 +1484,293 @@ def module_constant(module: ModuleInfo, name: str) -> ast.expr | None:
 # output: opt_einsum's ``contract`` (its torch backend runs torch.einsum / tensordot on the same
 # equation; protein-structure code imports it as ``einsum``). Read by :func:`product`.
 EINSUM_EQUIVALENTS = frozenset({"opt_einsum.contract"})
+
+
+# --- s33 attention: a softmax written as a function or module of the repository ---
+# CS336-style code writes its own ``softmax(x, dim)`` (``e = exp(x - x.amax(dim, keepdim=True)); e / e.sum(dim,
+# keepdim=True)``), fairseq-style code wraps torch's (``F.softmax(x, dim=dim, dtype=torch.float32)``, one branch
+# per ``onnx_trace`` flag), OpenFold's ``softmax_no_cast`` runs it with autocast off. :func:`softmax_body` reads such
+# a body as "softmax of parameter X over dim D" or says nothing.
+
+
+@dataclass(frozen=True)
+class SoftmaxBody:
+    """A function body proven to return ``softmax(<input>, dim)``: ``input`` the parameter it normalises,
+    ``dim`` where the axis comes from (``("param", name)``, ``("self", attr)`` or ``("const", value)``),
+    ``float32`` when the result is float32 whatever the input dtype (``dtype=torch.float32``, ``x.float()``)."""
+
+    input: str
+    dim: tuple
+    float32: bool
+
+
+def _file_aliases(tree: ast.Module) -> dict[str, str]:
+    """{local name: dotted torch name} for the module-level imports of ``tree`` that bind a torch module or function."""
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+# decorators under which an eager call runs the body as written
+_EAGER_IDENTITY_DECORATORS = {"torch.jit.ignore", "torch.jit.unused", "torch.jit.script", "torch.compiler.disable", "torch._dynamo.disable"}
+_SB_F32 = {"torch.float32", "torch.float"}
+
+
+def softmax_body(fn: ast.AST | None, tree: ast.Module) -> SoftmaxBody | None:
+    """What ``fn`` (a function of ``tree``, or a module's ``forward(self, x)``) returns, when every path returns the
+    softmax of one parameter over one axis (a parameter, ``self.<attr>`` or a constant), written as torch's softmax
+    (``F.softmax`` / ``torch.softmax`` / ``x.softmax``) or as ``exp(x - max(x, d, keepdim=True)) / sum(.., d,
+    keepdim=True)`` (``amax`` / ``max(..)[0]`` / ``.values``; ``exp_`` and ``/=`` in place on a fresh tensor) or
+    ``exp(x - logsumexp(x, d, keepdim=True))``; casts to float32 and back to the input's dtype allowed, branches on
+    anything but changes of the input, ``with ..autocast(..)`` blocks. None for anything else: the unstable
+    ``exp(x) / exp(x).sum()`` (inf where torch's softmax is finite), a temperature, a mask, an in-place change
+    of the input, a reduction without ``keepdim``."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    names = _file_aliases(tree)
+    for dec in fn.decorator_list:
+        # ``@torch.jit.ignore`` (OpenFold's softmax_no_cast) and the like leave the eager call as written
+        written = dotted(dec.func if isinstance(dec, ast.Call) else dec) or ""
+        head, _, rest = written.partition(".")
+        if not written or names.get(head, head) + ("." + rest if rest else "") not in _EAGER_IDENTITY_DECORATORS:
+            return None
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    method = bool(params) and params[0] == "self"
+    data = params[1:] if method else params
+    if not data or a.vararg or a.kwarg:
+        return None
+    x = data[0]
+    IN = ("in",)
+
+    def api_of(f: ast.AST) -> str | None:
+        parts: list[str] = []
+        while isinstance(f, ast.Attribute):
+            parts.append(f.attr)
+            f = f.value
+        if not isinstance(f, ast.Name) or f.id not in names:
+            return None
+        return ".".join([names[f.id], *reversed(parts)]).replace("torch.nn.functional.functional", "torch.nn.functional")
+
+    def dim_ref(node: ast.AST | None) -> tuple | None:
+        if isinstance(node, ast.Name) and node.id in data[1:]:
+            return ("param", node.id)
+        if method and isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            return ("self", node.attr)
+        v = const_value(node) if node is not None else None
+        return ("const", v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def kw(call: ast.Call, name: str, pos: int) -> ast.AST | None:
+        for k in call.keywords:
+            if k.arg == name:
+                return k.value
+        return call.args[pos] if len(call.args) > pos else None
+
+    def keepdim(call: ast.Call, pos: int) -> bool:
+        return const_value(kw(call, "keepdim", pos)) is True
+
+    def is_f32(node: ast.AST | None) -> bool:
+        return node is not None and api_of(node) in _SB_F32
+
+    # a value: (term, float32, fresh): term a tuple, float32 its dtype is float32, fresh a tensor this body made
+    env: dict[str, tuple] = {x: (IN, False, False)}
+
+    def ev(node: ast.AST) -> tuple | None:
+        if isinstance(node, ast.Name):
+            return env.get(node.id)
+        if isinstance(node, ast.Subscript):
+            # ``x.max(d, keepdim=True)[0]``
+            inner = ev(node.value) if isinstance(node.value, ast.Call) else None
+            if inner is not None and inner[0][0] == "maxpair" and const_value(node.slice) == 0:
+                return (("max",) + inner[0][1:], inner[1], True)
+            return None
+        if isinstance(node, ast.Attribute):
+            inner = ev(node.value)
+            if inner is not None and inner[0][0] == "maxpair" and node.attr == "values":
+                return (("max",) + inner[0][1:], inner[1], True)
+            return None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Sub, ast.Div)):
+            left, right = ev(node.left), ev(node.right)
+            if left is None or right is None:
+                return None
+            return (("sub" if isinstance(node.op, ast.Sub) else "div", left[0], right[0]), left[1] or right[1], True)
+        if not isinstance(node, ast.Call):
+            return None
+        f = node.func
+        name = api_of(f)
+        if name is not None:
+            # torch.<fn>(t, ...)
+            if not node.args:
+                return None
+            t = ev(node.args[0])
+            op, call = name.rpartition(".")[2], ast.Call(func=f, args=node.args[1:], keywords=node.keywords)
+        elif isinstance(f, ast.Attribute):
+            t = ev(f.value)
+            op, call = f.attr, node
+        else:
+            return None
+        if t is None:
+            return None
+        term, f32, fresh = t
+        if name is not None and name.rpartition(".")[0] not in ("torch", "torch.nn.functional", "torch.special"):
+            return None
+        if op in ("float",) and not call.args and not call.keywords:
+            return (term, True, fresh)
+        if op in ("to", "type") and len(call.args) + len(call.keywords) == 1:
+            target = call.args[0] if call.args else call.keywords[0].value
+            if call.keywords and call.keywords[0].arg != "dtype":
+                return None
+            if is_f32(target):
+                return (term, True, fresh)
+            back = ev(target.value) if isinstance(target, ast.Attribute) and target.attr == "dtype" else None
+            if back is None and isinstance(target, ast.Name) and target.id in env and env[target.id][0] == ("dtype",):
+                back = (IN, False, False)
+            if back is not None and back[0] == IN and not back[1]:
+                return (term, False, fresh)
+            return None
+        if op == "type_as" and len(call.args) == 1 and not call.keywords:
+            other = ev(call.args[0])
+            return (term, False, fresh) if other is not None and other[0] == IN and not other[1] else None
+        if op in ("detach", "contiguous") and not call.args and not call.keywords:
+            return t
+        if op in ("amax", "max"):
+            # keepdim=True is required: ``max`` is then the reduction (values, indices), never the elementwise max
+            d = dim_ref(kw(call, "dim", 0))
+            if d is None or not keepdim(call, 1):
+                return None
+            return (("max" if op == "amax" else "maxpair", term, d), f32, True)
+        if op == "sum" or op == "logsumexp":
+            d = dim_ref(kw(call, "dim", 0))
+            if d is None or not keepdim(call, 1) or any(k.arg == "dtype" for k in call.keywords):
+                return None
+            return (("sum" if op == "sum" else "lse", term, d), f32, True)
+        if op == "exp" and not call.args and not call.keywords:
+            return (("exp", term), f32, True)
+        if op == "softmax":
+            d = dim_ref(kw(call, "dim", 0))
+            dt = kw(call, "dtype", 1)
+            if d is None or len(call.args) + len(call.keywords) > 2:
+                return None
+            if dt is not None and not is_f32(dt):
+                return None
+            return (("softmax", term, d), f32 or dt is not None, True)
+        return None
+
+    returns: list[tuple] = []
+
+    def run(body: list[ast.stmt]) -> str:
+        """Interpret ``body``: "ret" when it returns on every path, "fall" when it runs off its end, "bad" where a
+        statement is not read. Returned values collect into ``returns``."""
+        for st in body:
+            if isinstance(st, ast.Expr) and isinstance(const_value(st.value), str) or isinstance(st, (ast.Pass, ast.Assert)):
+                continue
+            if isinstance(st, ast.Return):
+                v = ev(st.value) if st.value is not None else None
+                if v is None:
+                    return "bad"
+                returns.append(v)
+                return "ret"
+            if isinstance(st, (ast.Expr, ast.Assign)) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Attribute) \
+                    and st.value.func.attr == "exp_" and isinstance(st.value.func.value, ast.Name) and not st.value.args \
+                    and (isinstance(st, ast.Expr) or len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+                # ``y.exp_()`` / ``y = y.exp_()``: in place, so only on a tensor this body made
+                old = env.get(st.value.func.value.id)
+                if old is None or not old[2]:
+                    return "bad"
+                for k in [k for k, v in env.items() if v is old]:
+                    env[k] = None
+                new = (("exp", old[0]), old[1], True)
+                env[st.value.func.value.id] = new
+                if isinstance(st, ast.Assign):
+                    env[st.targets[0].id] = new
+                continue
+            if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+                value = st.value
+                if isinstance(value, ast.Attribute) and value.attr == "dtype" and isinstance(value.value, ast.Name) and value.value.id == x:
+                    env[st.targets[0].id] = (("dtype",), False, False)  # ``in_type = x.dtype``, for the cast back
+                    continue
+                v = ev(value)
+                if v is None and _flag_value(value, env):
+                    v = (("flag",), False, False)  # ``on = deepspeed_is_installed and comm.is_initialized()``: for tests only
+                if v is None:
+                    return "bad"
+                env[st.targets[0].id] = v
+                continue
+            if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name) and isinstance(st.op, ast.Div):
+                old, right = env.get(st.target.id), ev(st.value)
+                if old is None or right is None or not old[2]:
+                    return "bad"  # in place on the caller's tensor (or on something unread)
+                for k in [k for k, v in env.items() if v is old]:
+                    env[k] = None  # other names of the same tensor: changed too, no longer read
+                env[st.target.id] = (("div", old[0], right[0]), old[1] or right[1], True)
+                continue
+            if isinstance(st, ast.With) and all(isinstance(i.context_expr, ast.Call) and (dotted(i.context_expr.func) or "").endswith("autocast")
+                                                 and i.optional_vars is None for i in st.items):
+                got = run(st.body)
+                if got != "fall":
+                    return got
+                continue
+            if isinstance(st, ast.If):
+                # a flag: whichever side runs must give the same value (checked on the returns and the names after);
+                # a test with a call other than a predicate might change something
+                if any(isinstance(n, ast.Call) and not (dotted(n.func) or "").rpartition(".")[2].startswith(("is_", "isinstance", "hasattr"))
+                       for n in ast.walk(st.test)) or any(isinstance(n, ast.NamedExpr) for n in ast.walk(st.test)):
+                    return "bad"
+                saved = dict(env)
+                got_body = run(st.body)
+                body_env = dict(env)
+                env.clear()
+                env.update(saved)
+                got_else = run(st.orelse)
+                if "bad" in (got_body, got_else):
+                    return "bad"
+                if got_body == got_else == "ret":
+                    return "ret"
+                if got_else == "ret":
+                    env.clear()
+                    env.update(body_env)
+                elif got_body == "fall":
+                    for k in set(body_env) | set(env):
+                        if body_env.get(k) != env.get(k):
+                            env[k] = None  # differs by side: not read after the if
+                continue
+            return "bad"
+        return "fall"
+
+    if run(list(fn.body)) != "ret" or not returns:
+        return None
+    first = returns[0]
+    if any(r[0] != first[0] or r[1] != first[1] for r in returns):
+        return None
+    term = first[0]
+    if term[0] == "softmax" and term[1] == IN:
+        return SoftmaxBody(x, term[2], first[1])
+    if term[0] == "div" and term[2][0] == "sum" and term[1] == term[2][1]:
+        e, d = term[1], term[2][2]
+        if e[0] == "exp" and e[1][0] == "sub" and e[1][1] == IN and e[1][2] == ("max", IN, d):
+            return SoftmaxBody(x, d, first[1])
+    if term[0] == "exp" and term[1][0] == "sub" and term[1][1] == IN and term[1][2][0] == "lse" and term[1][2][1] == IN:
+        return SoftmaxBody(x, term[1][2][2], first[1])
+    return None
+
+
+def _flag_value(value: ast.AST, env: dict) -> bool:
+    """A value that is no tensor of the body: names other than the body's tensors, constants, attributes, boolean
+    logic and comparisons, calls of predicates (``is_initialized()``) only."""
+    for n in ast.walk(value):
+        if isinstance(n, ast.Name) and n.id in env:
+            return False
+        if isinstance(n, ast.Call) and not (dotted(n.func) or "").rpartition(".")[2].startswith(("is_", "isinstance", "hasattr")):
+            return False
+        if not isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.BoolOp, ast.UnaryOp, ast.Compare, ast.Call, ast.Load,
+                              ast.boolop, ast.unaryop, ast.cmpop)):
+            return False
+    return True
+
