@@ -734,9 +734,12 @@ def mask_shape_lines(var: str, sq: str, maybe_none: bool, three_d: bool = False)
     [1,1,Sq,Skv], [Sq,Skv]): a padding mask [B,1,1,Skv] is expanded over the query rows, the op
     does not broadcast it (diffusers#14380)."""
     guard = f"{var} is not None and " if maybe_none else ""
+    lines = []
     if three_d:
-        return [f"if {guard}{var}.dim() == 3:", f"    {var} = {var}.unsqueeze(1)  # [B*N, Sq, Skv] -> [B*N, 1, Sq, Skv]"]
-    return [
+        # (a [B*N, 1, Skv] padding mask becomes [B*N, 1, 1, Skv]: expanded below like a 4-D one; audit33: Karlo's
+        # text mask was passed as it was, a shape the op rejects)
+        lines = [f"if {guard}{var}.dim() == 3:", f"    {var} = {var}.unsqueeze(1)  # [B*N, Sq, Skv] -> [B*N, 1, Sq, Skv]"]
+    return lines + [
         f"if {guard}{var}.dim() == 4 and {var}.shape[2] != {sq}:",
         f"    {var} = {var}.expand(-1, -1, {sq}, -1).contiguous()  # the op does not broadcast [B,1,1,Skv] over the query rows",
     ]
@@ -5725,6 +5728,56 @@ class QKVAttention(nn.Module):
 x = th.randn(2, 3 * 2 * 16, 10, requires_grad=True)
 out = QKVAttention()(x)
 leaves = [x]
+""",
+    ),
+    Fuse(
+        name="channel_first_einsum_padding_mask_per_folded_head",
+        # Karlo's QKVAttention: a [B, Skv] text padding mask (0 / -inf), padded and folded to [B*H, 1, Skv]:
+        # unsqueezed to [B*H, 1, 1, Skv], it must also be expanded over the query rows (the op takes
+        # [B,N,Sq,Skv] / [B,1,Sq,Skv], not [B,1,1,Skv]; audit33: the replacement passed it as it was)
+        code="""
+import math
+
+import torch as th
+import torch.nn.functional as F
+from torch import nn
+
+
+class QKVAttention(nn.Module):
+    def __init__(self, n_heads=2):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def forward(self, qkv, encoder_kv=None, mask=None):
+        bs, width, length = qkv.shape
+        ch = width // (3 * self.n_heads)
+        q, k, v = qkv.reshape(bs * self.n_heads, ch * 3, length).split(ch, dim=1)
+        if encoder_kv is not None:
+            ek, ev = encoder_kv.reshape(bs * self.n_heads, ch * 2, -1).split(ch, dim=1)
+            k = th.cat([ek, k], dim=-1)
+            v = th.cat([ev, v], dim=-1)
+        scale = 1 / math.sqrt(math.sqrt(ch))
+        weight = th.einsum("bct,bcs->bts", q * scale, k * scale)
+        if mask is not None:
+            mask = F.pad(mask, (0, length), value=0.0)
+            mask = (
+                mask.unsqueeze(1)
+                .expand(-1, self.n_heads, -1)
+                .reshape(bs * self.n_heads, 1, -1)
+            )
+            weight = weight + mask
+        weight = th.softmax(weight, dim=-1)
+        a = th.einsum("bts,bcs->bct", weight, v)
+        return a.reshape(bs, -1, length)
+""",
+        expect={"output_layout": "3D", "mask_kind": "additive_float"},
+        run="""
+x = th.randn(2, 3 * 2 * 16, 10, requires_grad=True)
+enc = th.randn(2, 2 * 2 * 16, 5, requires_grad=True)
+pad = th.zeros(2, 5)
+pad[0, 3:] = float("-inf")
+out = QKVAttention()(x, enc, pad)
+leaves = [x, enc]
 """,
     ),
 ]
