@@ -230,6 +230,9 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if dim is None:
         dim = S.arg(call, "axis", k)
     keepdim = S.arg(call, "keepdim", k + 1)
+    if keepdim is None:
+        # ``mean(-1, keepdims=True)``: torch's argument parser takes numpy's spelling as keepdim
+        keepdim = S.arg(call, "keepdims", None)
     if dim is None:
         raise Miss("mean over all elements, not over the last dim", rstd)
     if not S.is_last_dim_expr(dim):
@@ -5043,4 +5046,69 @@ RmsNorm.KEEP += [
     # near miss: a LayerNorm built and called the same way is no RMSNorm
     Keep(_S32_BUILT_AND_CALLED.replace("nn.RMSNorm(", "nn.LayerNorm("), reason="",
          name="s32_layer_norm_built_and_called_in_one_expression"),
+]
+
+
+# --- s33: attributes bound by one tuple assignment in ``__init__`` (MoDE's ``self.scale, self.eps = dim**-0.5, eps``) ---
+# x / clamp(||x|| * d ** -0.5, eps) * g: the norm times d ** -0.5 is the root mean square, read once
+# ``self.scale`` is paired with its own value of the tuple.
+_S33_TUPLE_BOUND_SCALE = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.scale, self.eps = dim**-0.5, eps
+        self.g = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = torch.norm(x, dim=-1, keepdim=True) * self.scale
+        return x / norm.clamp(min=self.eps) * self.g
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S33_TUPLE_BOUND_SCALE, expect={"source": "l2_normalize", "eps": "self.eps", "eps_rule": "clamp on the norm"},
+         run="m = RMSNorm(16)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.g]\n",
+         name="s33_scale_bound_by_a_tuple_assignment"),
+]
+
+RmsNorm.KEEP += [
+    # the tuple comes from a call: which value ``self.scale`` holds is not read, so no sqrt(d) factor is shown
+    Keep(_S33_TUPLE_BOUND_SCALE.replace("self.scale, self.eps = dim**-0.5, eps", "self.scale, self.eps = divmod(dim, eps)"),
+         name="s33_scale_unpacked_from_a_call"),
+]
+
+
+# --- s33: numpy's keyword spelling ``mean(-1, keepdims=True)`` (torch's argument parser takes ``keepdims``
+# and ``axis`` for ``keepdim`` and ``dim``) ---
+_S33_NUMPY_KEEPDIMS = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, embed_dim, eps=1e-6):
+        super(RMSNorm, self).__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(embed_dim))
+        self.eps = eps
+
+    def forward(self, x):
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        var = x.pow(2).mean(axis=-1, keepdims=True)
+        x = x * torch.rsqrt(var + self.eps)
+        return self.weight * x.to(input_dtype)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S33_NUMPY_KEEPDIMS, expect={"eps": "self.eps", "weight": "self.weight"},
+         run="m = RMSNorm(16)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.weight]\n",
+         name="s33_mean_with_numpy_keepdims"),
+]
+
+RmsNorm.KEEP += [
+    Keep(_S33_NUMPY_KEEPDIMS.replace("keepdims=True", "keepdims=False"), reason="without keepdim=True",
+         name="s33_mean_with_numpy_keepdims_false"),
 ]
