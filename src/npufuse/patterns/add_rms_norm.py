@@ -3452,21 +3452,8 @@ def _head_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _S
     branches the fork form (:func:`_sites`)."""
     if "if " not in S.scope_text(module, scope):
         return
-    idx = S.stmt_index(scope)
-    for stmt in idx.stmts:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-            continue
-        ops = _operands(module, stmt.value)
-        if ops is None or isinstance(ops, str):
-            continue
-        s_name = stmt.targets[0].id
-        block, i = idx.block[id(stmt)]
-        j = i + 1
-        aliases: list[ast.stmt] = []
-        while j < len(block) and _is_alias(block[j], s_name):
-            aliases.append(block[j])
-            j += 1
-        t = block[j] if j < len(block) else None
+    for stmt, ops, s_name, aliases, following in _sums_and_following(module, scope):
+        t = following[0] if following else None
         if not (isinstance(t, ast.If) and t.body and _pure_test(t.test)) or _norm_stmt(t)[1] is not None \
                 or _fork(module, scope, t, s_name) is not None:
             continue
@@ -3478,9 +3465,9 @@ def _head_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _S
                                 _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, head_if=t))
 
 
-def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], ast.stmt, ast.stmt]]:
-    """Each ``<name> = <residual sum>`` of ``scope`` with its aliases, the statement after them and the
-    one after that (where the norm must be): ``(sum, operands, name, aliases, next, after)``."""
+def _sums_and_following(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], list[ast.stmt]]]:
+    """Each ``<name> = <residual sum>`` of ``scope`` with its operands, its aliases and the statements of
+    its block after them: ``(sum, operands, name, aliases, following)``."""
     idx = S.stmt_index(scope)
     for stmt in idx.stmts:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
@@ -3495,8 +3482,15 @@ def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast
         while j < len(block) and _is_alias(block[j], s_name):
             aliases.append(block[j])
             j += 1
-        if j + 1 < len(block):
-            yield stmt, ops, s_name, aliases, block[j], block[j + 1]
+        yield stmt, ops, s_name, aliases, block[j:]
+
+
+def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], ast.stmt, ast.stmt]]:
+    """Each ``<name> = <residual sum>`` of ``scope`` with its aliases, the statement after them and the
+    one after that (where the norm must be): ``(sum, operands, name, aliases, next, after)``."""
+    for stmt, ops, s_name, aliases, following in _sums_and_following(module, scope):
+        if len(following) > 1:
+            yield stmt, ops, s_name, aliases, following[0], following[1]
 
 
 def _norm_of_sum(module: ModuleInfo, scope: Scope, after: ast.stmt, s_name: str,

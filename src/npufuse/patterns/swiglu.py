@@ -218,7 +218,8 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
                 k = GELU
             elif "sigmoid" in text and "1.702" in text:
                 k = QUICK_GELU
-            elif re.search(rf"\b{re.escape(p)}\b\s*\*\s*torch\.sigmoid\(\s*{re.escape(p)}\s*\)|sigmoid\(\s*{re.escape(p)}\s*\)\s*\*\s*{re.escape(p)}\b", text):
+            elif re.fullmatch(rf"{re.escape(p)}\s*\*\s*(?:[\w.]+\.)?sigmoid\(\s*{re.escape(p)}\s*\)|(?:[\w.]+\.)?sigmoid\(\s*{re.escape(p)}\s*\)\s*\*\s*{re.escape(p)}", text):
+                # the whole return is x * sigmoid(x) (s33: a search also took ``x * torch.sigmoid(x) * beta``, a scaled Swish)
                 k = SILU
         if k is None:
             return None
@@ -6773,4 +6774,7 @@ Swiglu.KEEP += [
     # near miss: the class is QuickGELU (x * sigmoid(1.702 x)), not SiLU
     Keep(_S33_INLINE_ACTIVATION_CLASS.replace("return X * torch.sigmoid(X)", "return X * torch.sigmoid(1.702 * X)"),
          name="s33_quick_gelu_class_built_and_called_inline"),
+    # near miss: a scaled SiLU (x * sigmoid(x) * c) is no npu_swiglu activation by itself
+    Keep(_S33_INLINE_ACTIVATION_CLASS.replace("return X * torch.sigmoid(X)", "return X * torch.sigmoid(X) * 1.6791767923989418"),
+         name="s33_scaled_silu_class_built_and_called_inline"),
 ]
