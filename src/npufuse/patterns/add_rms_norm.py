@@ -1321,7 +1321,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
                 return f"norm {m.cls} cannot be fused: {e.reason}"
             except R.NoMatch:
                 return f"norm {m.cls} cannot be fused"
-            gamma = S.render(module, w.node, w.ctx, None)
+            gamma = R.render_factor(module, w, None)
             weight_base = S.render(module, w.base, w.base_ctx, None)
             if isinstance(w.node, ast.IfExp):
                 gamma = "_npu_w"  # chosen by the plan's if/else (only one side evaluated)
@@ -1597,7 +1597,7 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         # npu_add_rms_norm takes gamma in x1's dtype: a weight of another dtype would be rounded
         # first (the original multiplies by it in its own precision), so that case is not fused
         conditions.append(f"{base}.dtype == {o.x1}.dtype")
-        gamma = base
+        gamma = f"{base}.reshape(-1)" if w.flatten else base
     else:
         gamma = f"{T}.ones({o.x1}.shape[-1], dtype={o.x1}.dtype, device={o.x1}.device)"
     eps = p.params["eps"]
@@ -4293,4 +4293,25 @@ AddRmsNorm.KEEP += [
          .replace("if self.cross:", "if x.dtype == torch.float32:")
          .replace("RMSNorm(dim, 1e-5) if rms_norm", "nn.LayerNorm(dim) if rms_norm"),
          reason="is not RMSNorm", name="s33_flag_chosen_between_mean_subtracting_norms"),
+]
+
+AddRmsNorm.FUSE += [
+    # recurrentgemma: the norm's weight broadcast by a [1, ..., 1, -1] view (its shape reads the norm's own input)
+    Fuse(R._S33_BROADCAST_VIEW_WEIGHT + '''
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.channel_pre_norm = RMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        raw_x = x
+        x = self.mix(x)
+        residual = x + raw_x
+        x = self.channel_pre_norm(residual)
+        return self.mlp(x) + residual
+''', expect={"norm": "self.channel_pre_norm", "weight": "self.channel_pre_norm.scale", "weight_offset": 1},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s33_norm_weight_broadcast_by_a_view_inference_bf16"),
 ]
