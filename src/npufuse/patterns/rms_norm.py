@@ -5110,6 +5110,10 @@ RmsNorm.KEEP += [
 ]
 
 
+# the s33 examples' run: an RMSNorm(16) over a [2, 3, 16] input, gradients to the input and ``weight``
+_S33_RUN_NORM = "m = RMSNorm(16)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.{weight}]\n"
+
+
 # --- s33: attributes bound by one tuple assignment in ``__init__`` (MoDE's ``self.scale, self.eps = dim**-0.5, eps``) ---
 # x / clamp(||x|| * d ** -0.5, eps) * g: the norm times d ** -0.5 is the root mean square, read once
 # ``self.scale`` is paired with its own value of the tuple.
@@ -5131,7 +5135,7 @@ class RMSNorm(nn.Module):
 
 RmsNorm.FUSE += [
     Fuse(_S33_TUPLE_BOUND_SCALE, expect={"source": "l2_normalize", "eps": "self.eps", "eps_rule": "clamp on the norm"},
-         run="m = RMSNorm(16)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.g]\n",
+         run=_S33_RUN_NORM.format(weight="g"),
          name="s33_scale_bound_by_a_tuple_assignment"),
 ]
 
@@ -5165,7 +5169,7 @@ class RMSNorm(nn.Module):
 
 RmsNorm.FUSE += [
     Fuse(_S33_NUMPY_KEEPDIMS, expect={"eps": "self.eps", "weight": "self.weight"},
-         run="m = RMSNorm(16)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.weight]\n",
+         run=_S33_RUN_NORM.format(weight="weight"),
          name="s33_mean_with_numpy_keepdims"),
 ]
 
@@ -5199,11 +5203,11 @@ class RMSNorm(nn.Module):
 
 RmsNorm.FUSE += [
     Fuse(_S33_BROADCAST_VIEW_WEIGHT, expect={"weight": "self.scale", "weight_offset": 1},
-         run="m = RMSNorm(16)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.scale]\n",
+         run=_S33_RUN_NORM.format(weight="scale"),
          name="s33_weight_broadcast_by_a_leading_ones_view"),
     Fuse(_S33_BROADCAST_VIEW_WEIGHT.replace("torch.reshape(self.scale, [1 for _ in range(x.ndim - 1)] + [-1])", "self.scale.view(1, 1, -1)"),
          expect={"weight": "self.scale", "weight_offset": 1},
-         run="m = RMSNorm(16)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.scale]\n",
+         run=_S33_RUN_NORM.format(weight="scale"),
          name="s33_weight_viewed_as_1_1_minus_1"),
 ]
 
