@@ -809,15 +809,28 @@ def init_assignments(module: ModuleInfo, class_name: str | None) -> dict[str, as
             for n in _stmts_in(item.body):
                 if isinstance(n, ast.Assign):
                     for t in n.targets:
-                        d = dotted(t)
-                        if d and d.startswith("self.") and d.count(".") == 1:
-                            out[d[5:]] = n.value
+                        for t_el, v_el in _paired_targets(t, n.value):
+                            d = dotted(t_el)
+                            if d and d.startswith("self.") and d.count(".") == 1:
+                                out[d[5:]] = v_el
                 elif isinstance(n, ast.AnnAssign) and n.value is not None:
                     d = dotted(n.target)
                     if d and d.startswith("self.") and d.count(".") == 1:
                         out[d[5:]] = n.value
     cached[class_name] = out
     return out
+
+
+def _paired_targets(target: ast.expr, value: ast.expr) -> list[tuple[ast.expr, ast.expr]]:
+    """(target, value) pairs of one assignment: ``self.a, self.b = X(), Y()`` (a tuple of targets
+    given a tuple of as many values, no starred element) pairs each target with its own value;
+    any other tuple target binds values npufuse does not read (an unpacked call result)."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        if not (isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts)
+                and not any(isinstance(e, ast.Starred) for e in (*target.elts, *value.elts))):
+            return []
+        return [p for t, v in zip(target.elts, value.elts) for p in _paired_targets(t, v)]
+    return [(target, value)]
 
 
 def _stmts_in(body: list[ast.stmt]) -> Iterator[ast.stmt]:

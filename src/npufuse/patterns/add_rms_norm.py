@@ -242,8 +242,14 @@ def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.
 
     if name in module.classes or name in module.functions:
         return None
-    target = module.aliases.get(name)
-    relative = any(isinstance(n, ast.ImportFrom) and n.level and any((a.asname or a.name) == name for a in n.names)
+    # s33: ``layers.UIOLayerNorm`` with ``from uio2 import layers`` (a class of a submodule the file imports)
+    head, dot, attr = name.partition(".")
+    if dot and ("." in attr or head in module.classes or head in module.functions):
+        return None
+    target = module.aliases.get(head)
+    if target is not None and dot:
+        target = f"{target}.{attr}"
+    relative = any(isinstance(n, ast.ImportFrom) and n.level and any((a.asname or a.name) == head for a in n.names)
                    for n in module.tree.body)
     if target is None and not relative:
         return None  # not imported: asking other files would only cost
@@ -327,9 +333,10 @@ def _repo_norm_class(module: ModuleInfo, func: ast.expr) -> tuple[ModuleInfo, st
     (this file with the class added, the class's name, its file). The class's code reads its imports
     (``torch``, ``nn``) as its file does; names this file does not bind are borrowed for the reading
     (the replacement is checked not to name them), any other difference refuses."""
-    if not isinstance(func, ast.Name):
+    name = dotted(func) if isinstance(func, (ast.Name, ast.Attribute)) else None
+    if name is None:
         return None
-    found = _foreign_definition(module, func.id)
+    found = _foreign_definition(module, name)
     if found is None or not isinstance(found[1], ast.ClassDef):
         return None
     other, cls = found
@@ -552,6 +559,10 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
             return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=f"{mod}.weight",
                             eps=eps_or_default(f"{mod}.eps", T),
                             conditions=[f"type({mod}).forward is {T}.nn.RMSNorm.forward", f"{mod}.weight is not None"])
+        if len(sides) == 2 and not lib:
+            # ``RMSNorm(d) if cfg.rms else nn.LayerNorm(d)`` with RMSNorm a class of this or another file
+            # of the repository: each side read, the fused code guarded on the run-time type of the one read
+            return _norm_of_ctor(module, call, ctx, module, value, f"self.{f.attr}", "", f"built in {scope.class_name}.__init__")
         value = sides[0] if len(sides) == 1 else None
     if not isinstance(value, ast.Call):
         return None
@@ -589,7 +600,7 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
                 # ``__init__`` may build the attribute otherwise on another path (LightningDiT: a
                 # LayerNorm unless a flag is set; the last assignment is the one read): the fused
                 # code runs where the attribute is an instance of exactly this class
-                nc.conditions = [*nc.conditions, f"type(self.{f.attr}) is {value.func.id}"]  # type: ignore[attr-defined]
+                nc.conditions = [*nc.conditions, f"type(self.{f.attr}) is {S.source_of(module, value.func)}"]
             return nc
         layer_norm = _mean_subtracted(home, real)
         if layer_norm is not None:
@@ -844,14 +855,21 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
         return NormCall(call, attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1], mod=mod,
                         conditions=[f"type({mod}) is {T}.nn.RMSNorm", f"{mod}.weight is not None"])
     cls = dotted(ctor.func) or ""
-    if cls not in file.classes:
+    # a class of ``file``, or one ``file`` imports from another file of the repository (s33: AMPLIFY's
+    # ``RMSNorm(d, eps) if config.rms_norm else nn.LayerNorm(d, eps)``, RMSNorm from ``.rmsnorm``)
+    owner = _class_named(file, cls) if cls else None
+    if owner is None:
         return None
-    home = module if file is module else _home_with(module, file, file.classes[cls])
+    cfile, cls = owner
+    if cfile is not file:
+        where = f" (from {cfile.path})"
+    home = module if cfile is module else _home_with(module, cfile, cfile.classes[cls])
     if home is None:
         return None
     nc = _class_norm_call(home, call, ctx, cls, where)
     if nc is not None and nc.kind != "not_rms":
-        nc.conditions = [*nc.conditions, _type_guard(module, mod, ctor.func, file)]
+        # this file names the class where it builds it; another file's class is told by its forward's file
+        nc.conditions = [*nc.conditions, _type_guard(module, mod, ctor.func, module if file is module else cfile)]
         nc.mod = mod
         nc.home = home if home is not module else None
     return nc
@@ -1054,9 +1072,14 @@ class _Site:
     # optional cross-attention): the ``if`` whose body ends with the add; the norm statement is taken
     # into both branches, fused where the body ran
     tail_if: ast.If | None = None
+    # s33: ``h = h + a`` then ``if <pure test>: y = norm(h); <more>`` (else optional): the ``if`` whose
+    # body the norm statement heads; the add moves into both branches, fused where the body runs
+    head_if: ast.If | None = None
 
     @property
     def last(self) -> ast.stmt:
+        if self.head_if is not None:
+            return self.head_if
         if self.fork is not None:
             return self.fork
         return self.wrapper if self.wrapper is not None else self.norm_stmt
@@ -1298,7 +1321,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
                 return f"norm {m.cls} cannot be fused: {e.reason}"
             except R.NoMatch:
                 return f"norm {m.cls} cannot be fused"
-            gamma = S.render(module, w.node, w.ctx, None)
+            gamma = R.render_factor(module, w, None)
             weight_base = S.render(module, w.base, w.base_ctx, None)
             if isinstance(w.node, ast.IfExp):
                 gamma = "_npu_w"  # chosen by the plan's if/else (only one side evaluated)
@@ -1407,6 +1430,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         j = next((k for k in range(i, len(block)) if block[k] is site.last), None)
         if site.tail_if is not None and not site.aliases:
             original = "\n".join([S.stmt_source(module, site.add), S.stmt_source(module, site.norm_stmt)])
+        elif site.head_if is not None:
+            original = "\n".join(S.stmt_source(module, st) for st in (site.add, *site.aliases, site.norm_stmt))
         elif j is None:
             return "the norm is not in the add's block"
         else:
@@ -1425,6 +1450,13 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         other = ([S.block_source(module, t.orelse)] if t.orelse else []) + [S.stmt_source(module, site.norm_stmt)]
         body += ["else:", S.indent("\n".join(other))]
         first_line = t.lineno
+    if site.head_if is not None:
+        # where the body runs: the fused add + norm, then the body's other statements as written;
+        # elsewhere the add (and its aliases) as written, then the ``else`` if any
+        h = site.head_if
+        taken = ["\n".join(body)] + ([S.block_source(module, h.body[1:])] if h.body[1:] else [])
+        other = [S.stmt_source(module, st) for st in (site.add, *site.aliases)] + ([S.block_source(module, h.orelse)] if h.orelse else [])
+        body = [f"if {S.source_of(module, h.test)}:", S.indent("\n".join(taken)), "else:", S.indent("\n".join(other))]
     borrowed = module.__dict__.get("_npufuse_borrowed")
     if borrowed:
         # the norm class's file imports names this file does not: the replacement may not use them
@@ -1565,7 +1597,7 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         # npu_add_rms_norm takes gamma in x1's dtype: a weight of another dtype would be rounded
         # first (the original multiplies by it in its own precision), so that case is not fused
         conditions.append(f"{base}.dtype == {o.x1}.dtype")
-        gamma = base
+        gamma = f"{base}.reshape(-1)" if w.flatten else base
     else:
         gamma = f"{T}.ones({o.x1}.shape[-1], dtype={o.x1}.dtype, device={o.x1}.device)"
     eps = p.params["eps"]
@@ -1689,7 +1721,8 @@ class AddRmsNorm(Pattern):
         if not scope.class_name:
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
-                           *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope)]:
+                           *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
+                           *_head_sites(module, scope)]:
             first = (site.tail_if or site.add) if isinstance(site, _Site) else stmt
             if isinstance(site, str):
                 yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
@@ -3409,9 +3442,32 @@ def _tail_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _S
                                 _Site(add, [], nstmt, nc, ops[0], ops[1], s_name, tail_if=t))
 
 
-def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], ast.stmt, ast.stmt]]:
-    """Each ``<name> = <residual sum>`` of ``scope`` with its aliases, the statement after them and the
-    one after that (where the norm must be): ``(sum, operands, name, aliases, next, after)``."""
+def _head_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    """``h = <residual sum>`` (and its aliases), then ``if <pure test>:`` whose body begins with the norm
+    of ``h`` and goes on (Unified-IO 2's decoder layer: ``x = x + inputs; if self.enable_xattention: y =
+    self.pre_cross_attention_norm(x); y = self.cross_attention(y, ...); ...``), with or without ``else``.
+    The add moves into both branches: fused with the norm where the body runs, as written (then the
+    ``else``) otherwise. The test then runs before the add, so it must not read what the add binds.
+    A one-statement body without ``else`` is the wrapper form and an if/else normalising in both
+    branches the fork form (:func:`_sites`)."""
+    if "if " not in S.scope_text(module, scope):
+        return
+    for stmt, ops, s_name, aliases, following in _sums_and_following(module, scope):
+        t = following[0] if following else None
+        if not (isinstance(t, ast.If) and t.body and _pure_test(t.test)) or _norm_stmt(t)[1] is not None \
+                or _fork(module, scope, t, s_name) is not None:
+            continue
+        written = {s_name} | {a.targets[0].id for a in aliases}  # type: ignore[attr-defined]
+        if S.names_read(t.test) & written:
+            continue
+        yield from _norm_of_sum(module, scope, t.body[0], s_name,
+                                lambda nstmt, nc, stmt=stmt, ops=ops, s_name=s_name, aliases=aliases, t=t:
+                                _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, head_if=t))
+
+
+def _sums_and_following(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], list[ast.stmt]]]:
+    """Each ``<name> = <residual sum>`` of ``scope`` with its operands, its aliases and the statements of
+    its block after them: ``(sum, operands, name, aliases, following)``."""
     idx = S.stmt_index(scope)
     for stmt in idx.stmts:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
@@ -3426,8 +3482,15 @@ def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast
         while j < len(block) and _is_alias(block[j], s_name):
             aliases.append(block[j])
             j += 1
-        if j + 1 < len(block):
-            yield stmt, ops, s_name, aliases, block[j], block[j + 1]
+        yield stmt, ops, s_name, aliases, block[j:]
+
+
+def _sums_then_statement(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.Assign, tuple, str, list[ast.stmt], ast.stmt, ast.stmt]]:
+    """Each ``<name> = <residual sum>`` of ``scope`` with its aliases, the statement after them and the
+    one after that (where the norm must be): ``(sum, operands, name, aliases, next, after)``."""
+    for stmt, ops, s_name, aliases, following in _sums_and_following(module, scope):
+        if len(following) > 1:
+            yield stmt, ops, s_name, aliases, following[0], following[1]
 
 
 def _norm_of_sum(module: ModuleInfo, scope: Scope, after: ast.stmt, s_name: str,
@@ -4158,4 +4221,97 @@ AddRmsNorm.KEEP += [
     Keep(_S32_INDEXED_NORMS.replace("            self.norm_layers_1.append(RMSNorm(dim))\n",
                                     "            self.norm_layers_1.append(RMSNorm(dim))\n        self.norm_layers_1.append(nn.LayerNorm(dim))\n"),
          name="s32_indexed_norm_list_of_two_constructions"),
+]
+
+
+# --- s33: a flag choosing between a class RMSNorm and nn.LayerNorm; the norm heading an if's body ---
+
+_S33_FLAG_AND_HEAD_IF = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        return self._norm(x.float()).type_as(x) * self.weight
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, dim, rms_norm=True, cross=True):
+        super().__init__()
+        self.cross = cross
+        self.attn = nn.Linear(dim, dim)
+        self.ffn_norm = RMSNorm(dim, 1e-5) if rms_norm else nn.LayerNorm(dim, 1e-5)
+        self.ffn = nn.Linear(dim, dim)
+        self.cross_norm = RMSNorm(dim)
+        self.cross_attn = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        x = x + self.ffn(self.ffn_norm(x))
+        x = self.ffn(x) + x
+        if self.cross:
+            y = self.cross_norm(x)
+            y = self.cross_attn(y)
+            x = y + x
+        return x
+'''
+
+_RUN_S33_FLAG_AND_HEAD_IF = '''
+x = torch.randn(2, 5, 32, requires_grad={grad})
+blocks = [EncoderBlock(32), EncoderBlock(32, rms_norm=False, cross=False)]
+{pre}out = tuple(b(x) for b in blocks)
+leaves = {leaves}
+'''
+
+AddRmsNorm.FUSE += [
+    # AMPLIFY: ``RMSNorm(d, eps) if config.rms_norm else nn.LayerNorm(d, eps)``: fused where the attribute is the RMSNorm
+    Fuse(_S33_FLAG_AND_HEAD_IF, expect={"norm": "self.ffn_norm", "condition": "type(self.ffn_norm) is RMSNorm", "line": 30, "end_line": 31},
+         run=_RUN_S33_FLAG_AND_HEAD_IF.format(grad=False, pre="torch.set_grad_enabled(False)\n", leaves="[]") + "torch.set_grad_enabled(True)\n",
+         name="s33_flag_chosen_class_or_layer_norm_inference"),
+    # Unified-IO 2: the norm heads the body of an ``if`` right after the add: the add moves into both branches
+    Fuse(_S33_FLAG_AND_HEAD_IF.replace("RMSNorm(dim, 1e-5) if rms_norm", "nn.LayerNorm(dim) if rms_norm"),
+         expect={"norm": "self.cross_norm", "sum": "x", "line": 32, "end_line": 36},
+         run=_RUN_S33_FLAG_AND_HEAD_IF.format(grad=True, pre="", leaves="[x, blocks[0].cross_norm.weight]"),
+         name="s33_norm_heading_an_if_body_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # the test reads the sum: it cannot run before the add
+    Keep(_S33_FLAG_AND_HEAD_IF.replace("        x = x + self.ffn(self.ffn_norm(x))\n", "")
+         .replace("if self.cross:", "if x.dtype == torch.float32:"), name="s33_if_test_reading_the_sum"),
+    # a flag choosing between two norms that subtract the mean
+    Keep(_S33_FLAG_AND_HEAD_IF.replace("        x = self.ffn(x) + x\n        if self.cross:\n", "        if self.cross:\n")
+         .replace("if self.cross:", "if x.dtype == torch.float32:")
+         .replace("RMSNorm(dim, 1e-5) if rms_norm", "nn.LayerNorm(dim) if rms_norm"),
+         reason="is not RMSNorm", name="s33_flag_chosen_between_mean_subtracting_norms"),
+]
+
+AddRmsNorm.FUSE += [
+    # recurrentgemma: the norm's weight broadcast by a [1, ..., 1, -1] view (its shape reads the norm's own input)
+    Fuse(R._S33_BROADCAST_VIEW_WEIGHT + '''
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.channel_pre_norm = RMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        raw_x = x
+        x = self.mix(x)
+        residual = x + raw_x
+        x = self.channel_pre_norm(residual)
+        return self.mlp(x) + residual
+''', expect={"norm": "self.channel_pre_norm", "weight": "self.channel_pre_norm.scale", "weight_offset": 1},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s33_norm_weight_broadcast_by_a_view_inference_bf16"),
 ]

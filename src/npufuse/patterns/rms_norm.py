@@ -230,6 +230,9 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
     if dim is None:
         dim = S.arg(call, "axis", k)
     keepdim = S.arg(call, "keepdim", k + 1)
+    if keepdim is None:
+        # ``mean(-1, keepdims=True)``: torch's argument parser takes numpy's spelling as keepdim
+        keepdim = S.arg(call, "keepdims", None)
     if dim is None:
         raise Miss("mean over all elements, not over the last dim", rstd)
     if not S.is_last_dim_expr(dim):
@@ -835,12 +838,59 @@ class Weight:
     offset: int
     dtype: tuple
     conditional: bool = False  # ``a if test else b``: the weight (or its ``1 +`` offset) chosen at run time
+    # s33: the weight viewed as ``[1, ..., 1, -1]`` to broadcast over the last dim (recurrentgemma's
+    # ``torch.reshape(self.scale, [1 for _ in range(x.ndim - 1)] + [-1])``): gamma is the factor flattened
+    flatten: bool = False
+    casts: bool = False  # a cast was peeled off the factor
+
+
+def render_factor(module: ModuleInfo, w: Weight, plan: S.SpanPlan | None) -> str:
+    """The weight factor as source at the site, as npu_rms_norm's gamma. A factor broadcast by a
+    ``[1, ..., 1, -1]`` view is given flat: built from the parameter itself (the view's shape may read
+    names of the norm's own code) unless casts sit between them, then the factor as written, flattened."""
+    if not w.flatten:
+        return S.render(module, w.node, w.ctx, plan)
+    if w.casts:
+        return f"({S.render(module, w.node, w.ctx, plan)}).reshape(-1)"
+    flat = f"{S.render(module, w.base, w.base_ctx, plan)}.reshape(-1)"
+    return f"({flat} + 1)" if w.offset else flat
+
+
+def _ones_then_minus_one(shape: list[ast.expr]) -> bool:
+    """A shape of 1s ending in -1: ``[1, 1, -1]``, ``[1 for _ in range(n)] + [-1]``, ``[1] * n + [-1]``,
+    ``(1,) * n + (-1,)`` (the leading 1s may be any number: the view only broadcasts over the last dim)."""
+    if len(shape) == 1 and isinstance(shape[0], (ast.List, ast.Tuple)):
+        shape = list(shape[0].elts)
+    elif len(shape) == 1 and isinstance(shape[0], ast.BinOp) and isinstance(shape[0].op, ast.Add):
+        head, tail = shape[0].left, shape[0].right
+        if not (isinstance(tail, (ast.List, ast.Tuple)) and len(tail.elts) == 1 and const_value(tail.elts[0]) == -1):
+            return False
+        if isinstance(head, ast.ListComp):
+            return const_value(head.elt) == 1 and len(head.generators) == 1 and not head.generators[0].ifs
+        if isinstance(head, ast.BinOp) and isinstance(head.op, ast.Mult):
+            seq = head.left if isinstance(head.left, (ast.List, ast.Tuple)) else head.right
+            return isinstance(seq, (ast.List, ast.Tuple)) and len(seq.elts) == 1 and const_value(seq.elts[0]) == 1
+        return isinstance(head, (ast.List, ast.Tuple)) and all(const_value(e) == 1 for e in head.elts)
+    return bool(shape) and const_value(shape[-1]) == -1 and all(const_value(e) == 1 for e in shape[:-1]) \
+        and not any(isinstance(e, ast.Starred) for e in shape)
+
+
+def _broadcast_view_of(module: ModuleInfo, node: ast.expr) -> ast.expr | None:
+    """The tensor of ``torch.reshape(t, [1, ..., 1, -1])`` / ``t.reshape(...)`` / ``t.view(...)`` with such a
+    shape, else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape")
+            and not node.keywords):
+        return None
+    if module.canonical(node.func) == "torch.reshape":
+        return node.args[0] if len(node.args) == 2 and _ones_then_minus_one(node.args[1:]) else None
+    return node.func.value if node.args and _ones_then_minus_one(list(node.args)) else None
 
 
 def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
     node, ctx = op.node, op.ctx
     inner, ictx = S.peel(node, ctx)
     dt: tuple | None = None
+    casts = S.is_cast(inner)
     # outer casts decide the factor's dtype
     while S.is_cast(inner):
         t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
@@ -858,6 +908,7 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
                 break
         else:
             raise Miss("weight factor is a sum that is not 1 + weight")
+    casts = casts or S.is_cast(inner)
     while S.is_cast(inner):
         t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
         if t is None:
@@ -865,7 +916,20 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
         if dt is None and t != ("same",):
             dt = t
         inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
-    if isinstance(inner, ast.IfExp) and not offset:
+    flatten = False
+    viewed = _broadcast_view_of(module, inner)
+    if viewed is not None:
+        flatten = True
+        inner, ictx = S.peel(viewed, ictx)
+        casts = casts or S.is_cast(inner)
+        while S.is_cast(inner):
+            t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
+            if t is None:
+                raise NoMatch
+            if dt is None and t != ("same",):
+                dt = t
+            inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
+    if isinstance(inner, ast.IfExp) and not offset and not flatten:
         # ``(1 + w) if add_unit_offset else w`` (litgpt, Gemma's branch): each side must be a weight
         parts = [analyse_weight(module, Op("mul", side, ictx)) for side in (inner.body, inner.orelse)]
         if dt is None:
@@ -880,7 +944,7 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
         raise Miss(f"weight `{ast.unparse(op.node)}` is not a parameter")
     if dt is None:
         dt = ("like", inner, ictx)
-    return Weight(node, ctx, inner, ictx, offset, dt)
+    return Weight(node, ctx, inner, ictx, offset, dt, flatten=flatten, casts=casts)
 
 
 def _indexed_attribute(node: ast.expr) -> bool:
@@ -997,7 +1061,7 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     try:
         x = x_src or S.render(module, core.x, core.xctx, plan)
         eps = S.render(module, core.eps, core.eps_ctx, plan)
-        g = S.render(module, w.node, w.ctx, plan)
+        g = render_factor(module, w, plan)
         w_base = S.render(module, w.base, w.base_ctx, plan)
         chosen: list[str] = []
         if isinstance(w.node, ast.IfExp):
@@ -5043,4 +5107,112 @@ RmsNorm.KEEP += [
     # near miss: a LayerNorm built and called the same way is no RMSNorm
     Keep(_S32_BUILT_AND_CALLED.replace("nn.RMSNorm(", "nn.LayerNorm("), reason="",
          name="s32_layer_norm_built_and_called_in_one_expression"),
+]
+
+
+# the s33 examples' run: an RMSNorm(16) over a [2, 3, 16] input, gradients to the input and ``weight``
+_S33_RUN_NORM = "m = RMSNorm(16)\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x, m.{weight}]\n"
+
+
+# --- s33: attributes bound by one tuple assignment in ``__init__`` (MoDE's ``self.scale, self.eps = dim**-0.5, eps``) ---
+# x / clamp(||x|| * d ** -0.5, eps) * g: the norm times d ** -0.5 is the root mean square, read once
+# ``self.scale`` is paired with its own value of the tuple.
+_S33_TUPLE_BOUND_SCALE = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.scale, self.eps = dim**-0.5, eps
+        self.g = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = torch.norm(x, dim=-1, keepdim=True) * self.scale
+        return x / norm.clamp(min=self.eps) * self.g
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S33_TUPLE_BOUND_SCALE, expect={"source": "l2_normalize", "eps": "self.eps", "eps_rule": "clamp on the norm"},
+         run=_S33_RUN_NORM.format(weight="g"),
+         name="s33_scale_bound_by_a_tuple_assignment"),
+]
+
+RmsNorm.KEEP += [
+    # the tuple comes from a call: which value ``self.scale`` holds is not read, so no sqrt(d) factor is shown
+    Keep(_S33_TUPLE_BOUND_SCALE.replace("self.scale, self.eps = dim**-0.5, eps", "self.scale, self.eps = divmod(dim, eps)"),
+         name="s33_scale_unpacked_from_a_call"),
+]
+
+
+# --- s33: numpy's keyword spelling ``mean(-1, keepdims=True)`` (torch's argument parser takes ``keepdims``
+# and ``axis`` for ``keepdim`` and ``dim``) ---
+_S33_NUMPY_KEEPDIMS = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, embed_dim, eps=1e-6):
+        super(RMSNorm, self).__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(embed_dim))
+        self.eps = eps
+
+    def forward(self, x):
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        var = x.pow(2).mean(axis=-1, keepdims=True)
+        x = x * torch.rsqrt(var + self.eps)
+        return self.weight * x.to(input_dtype)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S33_NUMPY_KEEPDIMS, expect={"eps": "self.eps", "weight": "self.weight"},
+         run=_S33_RUN_NORM.format(weight="weight"),
+         name="s33_mean_with_numpy_keepdims"),
+]
+
+RmsNorm.KEEP += [
+    Keep(_S33_NUMPY_KEEPDIMS.replace("keepdims=True", "keepdims=False"), reason="without keepdim=True",
+         name="s33_mean_with_numpy_keepdims_false"),
+]
+
+
+# --- s33: the weight viewed as [1, ..., 1, -1] to broadcast over the last dim (recurrentgemma) ---
+# A view that only adds leading 1s multiplies by the same per-feature values: gamma is the weight
+# itself (flattened); any other reshape still reads as a grouped norm.
+_S33_BROADCAST_VIEW_WEIGHT = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6):
+        super().__init__()
+        self.width = width
+        self.eps = eps
+        self.scale = nn.Parameter(0.1 * torch.randn([self.width]))
+
+    def forward(self, x):
+        var = torch.mean(torch.square(x), axis=-1, keepdims=True)
+        normed_x = x * torch.rsqrt(var + self.eps)
+        scale = torch.reshape(self.scale, [1 for _ in range(x.ndim - 1)] + [-1])
+        return normed_x * (scale + 1)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S33_BROADCAST_VIEW_WEIGHT, expect={"weight": "self.scale", "weight_offset": 1},
+         run=_S33_RUN_NORM.format(weight="scale"),
+         name="s33_weight_broadcast_by_a_leading_ones_view"),
+    Fuse(_S33_BROADCAST_VIEW_WEIGHT.replace("torch.reshape(self.scale, [1 for _ in range(x.ndim - 1)] + [-1])", "self.scale.view(1, 1, -1)"),
+         expect={"weight": "self.scale", "weight_offset": 1},
+         run=_S33_RUN_NORM.format(weight="scale"),
+         name="s33_weight_viewed_as_1_1_minus_1"),
+]
+
+RmsNorm.KEEP += [
+    # near miss: a view that moves the features off the last dim is a grouped norm's
+    Keep(_S33_BROADCAST_VIEW_WEIGHT.replace("[1 for _ in range(x.ndim - 1)] + [-1]", "[1, -1, 1]"), reason="the weight is reshaped",
+         name="s33_weight_viewed_off_the_last_dim"),
 ]

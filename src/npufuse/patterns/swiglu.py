@@ -218,7 +218,8 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
                 k = GELU
             elif "sigmoid" in text and "1.702" in text:
                 k = QUICK_GELU
-            elif re.search(rf"\b{re.escape(p)}\b\s*\*\s*torch\.sigmoid\(\s*{re.escape(p)}\s*\)|sigmoid\(\s*{re.escape(p)}\s*\)\s*\*\s*{re.escape(p)}\b", text):
+            elif re.fullmatch(rf"{re.escape(p)}\s*\*\s*(?:[\w.]+\.)?sigmoid\(\s*{re.escape(p)}\s*\)|(?:[\w.]+\.)?sigmoid\(\s*{re.escape(p)}\s*\)\s*\*\s*{re.escape(p)}", text):
+                # the whole return is x * sigmoid(x) (s33: a search also took ``x * torch.sigmoid(x) * beta``, a scaled Swish)
                 k = SILU
         if k is None:
             return None
@@ -281,6 +282,14 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         k = _module_act(module, f)
         if k is not None:
             return Act(k[0], gate, ctx, ast.unparse(f), obj=f, config_key=k[1] if k[0] == CONFIG else None, approx=k[1] if k[0] == GELU_DYN else None)
+    # ``SiLU()(x)`` (s33): a class of this module built and called in one expression, its forward an
+    # activation of its one input (a new object per call: nothing set after ``__init__`` can change it)
+    if isinstance(f, ast.Call) and not f.args and not f.keywords and isinstance(f.func, ast.Name) and f.func.id in module.classes \
+            and S.method(module, f.func.id, "__init__") is None:
+        ck = _class_act(module, f.func.id)
+        fwd = S.method(module, f.func.id, "forward")
+        if ck is not None and fwd is not None:
+            return Act(ck, gate, ctx, ast.unparse(f), kernels=_formula_kernels(module, fwd))
     if isinstance(f, ast.Attribute) and f.attr not in _TENSOR_METHODS and isinstance(f.value, ast.Name) and _foreign_receiver(module, f.value.id, ctx):
         # `layer.act(layer.gate(x)) * layer.up(x)` with `layer` a local or a parameter of a plain
         # function (not a method's own receiver, whose __init__ would say what it is): a callable
@@ -6694,4 +6703,78 @@ Swiglu.KEEP += [
         "        return x1 * nn.functional.silu(x2)",
                                  "        print(x1.norm())\n        return x1 * nn.functional.silu(x2)"),
          reason="unknown", name="s28_more_than_the_product_with_unknown_callers"),
+]
+
+
+# --- s33: modules bound by one tuple assignment in ``__init__`` (MoDE's SwishGLU) ---
+# ``self.act, self.project = nn.SiLU(), nn.Linear(d, 2 * h)``: each attribute paired with its own
+# construction; silu on the second half of the split (the halves swapped for npu_swiglu).
+_S33_TUPLE_BOUND_MODULES = '''
+import torch
+from torch import nn
+
+
+class SwishGLU(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.act, self.project = nn.SiLU(), nn.Linear(in_dim, 2 * out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        projected, gate = self.project(x).tensor_split(2, dim=-1)
+        return projected * self.act(gate)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S33_TUPLE_BOUND_MODULES, expect={"activation": "silu", "gate": "gate", "up": "projected", "order": "up_first"},
+         run="m = SwishGLU(8, 6)\nx = torch.randn(2, 3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.project.weight]\n",
+         name="s33_act_and_projection_bound_by_a_tuple_assignment"),
+]
+
+Swiglu.KEEP += [
+    # near miss: the tuple pairs ``self.act`` with a ReLU (a ReGLU, not npu_swiglu)
+    Keep(_S33_TUPLE_BOUND_MODULES.replace("self.act, self.project = nn.SiLU(), nn.Linear(in_dim, 2 * out_dim)",
+                                          "self.act, self.project = nn.ReLU(), nn.Linear(in_dim, 2 * out_dim)"),
+         name="s33_relu_bound_by_a_tuple_assignment"),
+]
+
+
+# --- s33: an activation class of the module built and called in one expression (``SiLU()(self.w1(X))``) ---
+_S33_INLINE_ACTIVATION_CLASS = '''
+import torch
+from torch import nn
+
+
+class SiLU(nn.Module):
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return X * torch.sigmoid(X)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff)
+        self.w2 = nn.Linear(d_ff, d_model)
+        self.w3 = nn.Linear(d_model, d_ff)
+
+    def forward(self, X: torch.Tensor, if_gated=True) -> torch.Tensor:
+        if if_gated:
+            return self.w2(SiLU()(self.w1(X)) * self.w3(X))
+        else:
+            return self.w2(SiLU()(self.w1(X)))
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S33_INLINE_ACTIVATION_CLASS, expect={"activation": "silu", "activation_source": "SiLU()", "gate": "self.w1(X)", "up": "self.w3(X)",
+                                               "line": 20, "end_line": 20},
+         run="m = SwiGLU(8, 6)\nx = torch.randn(2, 3, 8, requires_grad=True)\nout = (m(x), m(x, False))\nleaves = [x, m.w1.weight]\n",
+         name="s33_activation_class_built_and_called_inline"),
+]
+
+Swiglu.KEEP += [
+    # near miss: the class is QuickGELU (x * sigmoid(1.702 x)), not SiLU
+    Keep(_S33_INLINE_ACTIVATION_CLASS.replace("return X * torch.sigmoid(X)", "return X * torch.sigmoid(1.702 * X)"),
+         name="s33_quick_gelu_class_built_and_called_inline"),
+    # near miss: a scaled SiLU (x * sigmoid(x) * c) is no npu_swiglu activation by itself
+    Keep(_S33_INLINE_ACTIVATION_CLASS.replace("return X * torch.sigmoid(X)", "return X * torch.sigmoid(X) * 1.6791767923989418"),
+         name="s33_scaled_silu_class_built_and_called_inline"),
 ]

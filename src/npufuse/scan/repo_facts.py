@@ -643,18 +643,23 @@ def _parse_repo_file(root: Path, rel: str) -> Optional[ast.Module]:
 
 def _imported(tree: ast.Module, rel: str, name: str) -> Optional[tuple[str, str]]:
     """(module, attribute) a top-level import of ``tree`` binds ``name`` to (relative imports resolved
-    against ``rel``; ``import a.b as c`` with ``name`` ``c.X``)."""
+    against ``rel``; ``import a.b as c`` with ``name`` ``c.X``; ``from a import b`` with ``name`` ``b.X``:
+    X of the submodule ``a.b``)."""
     head, _, rest = name.partition(".")
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and not rest:
+        if isinstance(node, ast.ImportFrom) and (not rest or "." not in rest):
             for a in node.names:
-                if (a.asname or a.name) == name:
+                if (a.asname or a.name) == (head if rest else name):
                     if node.level == 0:
-                        return (node.module or "", a.name)
-                    base = PurePosixPath(rel).parent
-                    for _ in range(node.level - 1):
-                        base = base.parent
-                    parts = [p for p in base.parts if p not in ("", ".")] + ((node.module or "").split(".") if node.module else [])
+                        parts = (node.module or "").split(".") if node.module else []
+                    else:
+                        base = PurePosixPath(rel).parent
+                        for _ in range(node.level - 1):
+                            base = base.parent
+                        parts = [p for p in base.parts if p not in ("", ".")] + ((node.module or "").split(".") if node.module else [])
+                    if rest:
+                        # ``from pkg import layers`` then ``layers.X``: X of the submodule pkg.layers
+                        return (".".join([*parts, a.name]), rest)
                     return (".".join(parts), a.name)
         elif isinstance(node, ast.Import) and rest and "." not in rest:
             for a in node.names:
