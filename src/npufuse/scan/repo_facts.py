@@ -61,6 +61,7 @@ def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict
     try:
         _apply(root, list(files), outcomes, near, max_bytes, zero_in_place)
         _sharded_accelerate_launches(root, outcomes, near)
+        _s33_lightning_callbacks_free(root, list(files), outcomes, near, max_bytes)
     except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
         return
 
@@ -1714,3 +1715,78 @@ def _sharded_accelerate_launches(root: Path, outcomes: list[Any], near: list[dic
                                 "that engine flattens the parameters or re-assigns their grads behind the optimizer, so the "
                                 "flat-buffer fused class cannot take over in the repo's own launches (a guarded rewrite would "
                                 "always run torch.optim)")})
+
+
+def _s33_lightning_callbacks_free(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    """An optimizer built in a LightningModule method is driven by the Trainer, and the repository's
+    Lightning callbacks act on that module and its optimizers through their hooks' arguments
+    (``on_after_backward(self, trainer, pl_module)``, ``on_before_zero_grad(self, trainer, pl_module,
+    optimizer)``). A callback that frees the module's grads (``pl_module.zero_grad()``: nn.Module's
+    default is set_to_none=True on torch >= 2.0; proteina's NaN-skip callback) or replaces
+    ``trainer.optimizers`` with wrappers (NeMo's EMA callback: an ``EMAOptimizer`` that subclasses
+    torch.optim.Optimizer and inherits its zero_grad, which frees the wrapped param groups' grads)
+    makes the flat-buffer fused class update stale buffers: such candidates become near misses."""
+    hits = [(o, h) for o in outcomes for h in o.hits
+            if h.finding.pattern == _PATTERN and "_lightning_strategy_checked" in str((h.finding.params or {}).get("guard", ""))]
+    if not hits:
+        return
+    found: Optional[str] = None
+    for rel in files:
+        text = _read(root, rel, max_bytes)
+        if not text or "Callback" not in text or "lightning" not in text or ("zero_grad" not in text and ".optimizers" not in text):
+            continue
+        tree = _parse(text)
+        found = _s33_freeing_callback(tree, rel) if tree is not None else None
+        if found is not None:
+            break
+    if found is None:
+        return
+    for o, h in hits:
+        f = h.finding
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": f"the optimizer is built for Lightning's Trainer, and a Lightning callback of the repository {found}: "
+                               "the next backward allocates new grads outside the fused optimizer's flat buffer and its "
+                               "update silently uses stale ones (torch.optim handles freed grads)"})
+
+
+def _s33_freeing_callback(tree: ast.Module, rel: str) -> Optional[str]:
+    """What a Lightning ``Callback`` subclass of ``tree`` does to the grads of the module or the
+    optimizers its hooks are given (a clause of the near-miss reason), or None."""
+    classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+    for cls in classes.values():
+        if not any((dotted(b) or "").split(".")[-1] == "Callback" for b in cls.bases):
+            continue
+        for fn in cls.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.name.startswith("on_") or len(fn.args.args) < 3:
+                continue
+            names = [a.arg for a in fn.args.args]
+            trainer, module, optimizer = names[1], names[2], names[3] if len(names) > 3 else None
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "zero_grad" \
+                        and isinstance(node.func.value, ast.Name):
+                    flag = next((k.value for k in node.keywords if k.arg == "set_to_none"), node.args[0] if node.args else None)
+                    kept = isinstance(flag, ast.Constant) and flag.value is False
+                    freed = isinstance(flag, ast.Constant) and flag.value is True
+                    if node.func.value.id == module and not kept:
+                        return (f"(`{cls.name}.{fn.name}`, {rel}:{node.lineno}) calls `{module}.zero_grad()` on the LightningModule, "
+                                "which sets its parameters' grads to None (nn.Module's default on torch >= 2.0)")
+                    if node.func.value.id == optimizer and freed:
+                        return (f"(`{cls.name}.{fn.name}`, {rel}:{node.lineno}) calls `{optimizer}.zero_grad(set_to_none=True)` "
+                                "on the Trainer's optimizer")
+                if isinstance(node, ast.Assign) and any(
+                        isinstance(t, ast.Attribute) and t.attr == "optimizers" and isinstance(t.value, ast.Name) and t.value.id == trainer
+                        for t in node.targets):
+                    built = [c for c in ast.walk(node.value) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+                    wrapper = next((classes[c.func.id] for c in built if c.func.id in classes), None)
+                    if wrapper is not None and any((dotted(b) or "").endswith("Optimizer") for b in wrapper.bases) and not any(
+                            isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == "zero_grad" for m in wrapper.body):
+                        return (f"(`{cls.name}.{fn.name}`, {rel}:{node.lineno}) replaces `{trainer}.optimizers` with `{wrapper.name}` "
+                                f"wrappers, which Lightning then zeroes: `{wrapper.name}` inherits torch.optim.Optimizer.zero_grad, "
+                                "whose default set_to_none=True (torch >= 2.0) sets the wrapped param groups' grads to None")
+                    if built:
+                        return (f"(`{cls.name}.{fn.name}`, {rel}:{node.lineno}) replaces `{trainer}.optimizers` with "
+                                f"`{dotted(built[0].func) or 'other'}` objects that Lightning then steps and zeroes in the "
+                                "optimizer's place (npufuse does not check what they do to the grads; they may free them)")
+    return None
+
