@@ -700,7 +700,7 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # once (torch.optim lists each group's params too) and its first tensor is the guard
         return (f"(lambda ts: next(iter(ts), None) if all({_FUSABLE_DTYPE.format(t='t')} for t in ts "
                 f"if getattr(t, 'requires_grad', False)) else None)({first} := list({first}))"), ""
-    if _side_effect_free(params) and _list_valued(module, scope, params, stmt.lineno):
+    if (_side_effect_free(params) or _pure_listing_call(module, params)) and _list_valued(module, scope, params, stmt.lineno):
         # a list (or tuple) is read, not consumed: the guard iterates it afresh, and the
         # optimizer still gets every element. Its first element may be a param-group dict.
         e = segment(module, params)
@@ -773,7 +773,7 @@ def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
             return True
         fn = _local_function(module, scope, name)
         if fn is None:
-            return False
+            return _pure_listing_call(module, node)
         rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return)]
         fscope = next((s for s in module.scopes if s.node is fn), None)
         return bool(rets) and fscope is not None and all(
@@ -791,6 +791,19 @@ def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
     if isinstance(node, ast.Attribute):
         return _self_attribute_list(module, scope, node, depth)
     return False
+
+
+def _pure_listing_call(module: ModuleInfo, node: ast.AST) -> bool:
+    """``M.method()`` (no arguments, ``M`` a name or attribute path) where every definition of ``method`` in
+    the repository only builds fresh lists from its object's parameters and returns one
+    (:func:`npufuse.scan.repo_facts.pure_list_method`; ReChorus' ``model.customize_parameters()``): a list,
+    and calling it again for the guard gives the same tensors with no other effect."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args and not node.keywords
+            and _side_effect_free(node.func.value) and dotted(node.func.value)):
+        return False
+    from npufuse.scan import repo_facts
+
+    return repo_facts.pure_list_method(module, node.func.attr)
 
 
 def _local_function(module: ModuleInfo, scope: Scope, name: str) -> Optional[ast.AST]:
@@ -1918,8 +1931,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         "optimizer state: 'step' is a Python int in the fused class (a tensor in torch.optim); check checkpoint save/load",
         "the guard "
         + ("makes a fresh `" + model + ".parameters()` generator, so the user's iterator is never consumed" if model
-           else "materialises the params iterable once into a list (walrus) so both branches see the same parameters; "
-           "param-group dicts passed this way keep the original optimizer"),
+           else "reads the params as a list (an opaque iterable is materialised once into a list with a walrus, so both "
+           "branches see the same parameters); a param group whose params are not a list or tuple is not read by it"),
     ]
     if lightning_self is not None:
         params["guard"] += "_lightning_strategy_checked"
@@ -4959,11 +4972,40 @@ def _s32_class_lookup(module: ModuleInfo, stmt: ast.stmt) -> Optional[tuple[ast.
                 and "getattr" not in module.aliases and module.canonical(inner.args[0]) == "torch.optim"
                 and not isinstance(inner.args[1], ast.Constant) and _side_effect_free(inner.args[1])):
             return call, segment(module, inner), tuple(_OPTIMIZERS)
+        named = _s33_evaluated_optim_name(module, inner)
+        if named is not None:
+            # s33: `eval("torch.optim." + name)(...)` (ReChorus' BaseRunner): for a plain name it is
+            # `getattr(torch.optim, name)`; the guard reads it that way and without raising (a name that
+            # is not a torch.optim attribute gives None: the original statement runs, and raises where it did)
+            return call, f"getattr(torch.optim, str({segment(module, named)}), None)", tuple(_OPTIMIZERS)
         if isinstance(inner.func, ast.Name) and all(_side_effect_free(a) for a in [*inner.args, *(k.value for k in inner.keywords)]):
             kinds = _s32_lookup_function(module, inner.func.id)
             if kinds:
                 return call, segment(module, inner), kinds
     return None
+
+
+def _s33_evaluated_optim_name(module: ModuleInfo, lookup: ast.Call) -> Optional[ast.expr]:
+    """``X`` of ``eval("torch.optim." + X)``, ``eval("torch.optim.{}".format(X))`` or
+    ``eval(f"torch.optim.{X}")`` (``X`` side-effect free, ``eval`` the builtin, ``torch`` the module); None
+    for any other call."""
+    if not (isinstance(lookup.func, ast.Name) and lookup.func.id == "eval" and "eval" not in module.aliases
+            and len(lookup.args) == 1 and not lookup.keywords and module.aliases.get("torch") == "torch"):
+        return None
+    text, prefix = lookup.args[0], "torch.optim."
+    name: Optional[ast.expr] = None
+    if isinstance(text, ast.BinOp) and isinstance(text.op, ast.Add) and isinstance(text.left, ast.Constant) \
+            and text.left.value == prefix:
+        name = text.right
+    elif (isinstance(text, ast.Call) and isinstance(text.func, ast.Attribute) and text.func.attr == "format"
+          and isinstance(text.func.value, ast.Constant) and text.func.value.value == prefix + "{}"
+          and len(text.args) == 1 and not text.keywords):
+        name = text.args[0]
+    elif (isinstance(text, ast.JoinedStr) and len(text.values) == 2 and isinstance(text.values[0], ast.Constant)
+          and text.values[0].value == prefix and isinstance(text.values[1], ast.FormattedValue)
+          and text.values[1].conversion == -1 and text.values[1].format_spec is None):
+        name = text.values[1].value
+    return name if name is not None and _side_effect_free(name) else None
 
 
 def _s32_lookup_function(module: ModuleInfo, name: str) -> tuple[str, ...]:
@@ -5065,6 +5107,9 @@ def _s32_looked_up_site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: 
     result.params["class_looked_up"] = lookup
     result.params.pop("class_chosen_at_run_time", None)
     result.notes = [n for n in result.notes if not n.startswith("the optimizer class is chosen at run time")]
+    if lookup.startswith("getattr(torch.optim, str("):
+        result.notes.append("`eval(\"torch.optim.\" + <name>)` is read as `getattr(torch.optim, <name>)` (the same class for a "
+                            "plain name; any other string gives None in the guard, and the original statement runs)")
     result.notes.append(f"the class is looked up at run time (`{lookup[:60]}`): the guard runs the fused counterpart "
                         f"(torch_npu.optim.NpuFused<Name>) only when it yields torch.optim.{'/'.join(usable)}; any other "
                         "class keeps the original call")
@@ -5363,4 +5408,45 @@ FusedOptimizer.KEEP += [
     Keep(_S33_CREATE_GRAPH.replace("    loss.backward(create_graph=True)\n",
                                    "    second_order = True\n    torch.autograd.backward(loss, create_graph=second_order)\n"),
          reason="create_graph=True", name="s33_autograd_backward_create_graph_flag"),
+]
+
+
+# ReChorus' BaseRunner: `eval('torch.optim.{}'.format(self.optimizer_name))(model.customize_parameters(), ...)`
+# (the name from argparse, Adam by default). For a plain name eval gives getattr(torch.optim, name): a run-time
+# lookup like the s32 ones; the guard reads it without raising.
+_S33_EVAL_LOOKUP = _NET + '''
+
+class Runner:
+    def __init__(self, optimizer_name="Adam", lr=1e-2, l2=1e-4):
+        self.optimizer_name, self.learning_rate, self.l2 = optimizer_name, lr, l2
+
+    def build(self, model):
+        optimizer = eval('torch.optim.{}'.format(self.optimizer_name))(
+            model.parameters(), lr=self.learning_rate, weight_decay=self.l2)
+        return optimizer
+'''
+
+_S33_EVAL_RUN = '''\
+model = Net()
+opt = Runner("RMSprop").build(model)
+x, y = torch.randn(6, 8), torch.randn(6, 4)
+for _ in range(3):
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+out = tuple(p.detach().clone() for p in model.parameters())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S33_EVAL_LOOKUP, name="s33_eval_torch_optim_name_format", run=_S33_EVAL_RUN,
+         expect={"class_looked_up": "getattr(torch.optim, str(self.optimizer_name), None)", "qualname": "Runner.build"}),
+    Fuse(_S33_EVAL_LOOKUP.replace("eval('torch.optim.{}'.format(self.optimizer_name))", "eval('torch.optim.' + self.optimizer_name)"),
+         name="s33_eval_torch_optim_name_concatenated", run=_S33_EVAL_RUN,
+         expect={"class_looked_up": "getattr(torch.optim, str(self.optimizer_name), None)"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the params from a method of the model that nothing here (no repository) shows to be a pure list builder
+    Keep(_S33_EVAL_LOOKUP.replace("model.parameters(), lr=", "model.customize_parameters(), lr="),
+         reason="may be a one-shot iterator", name="s33_eval_lookup_params_from_unknown_method"),
 ]

@@ -590,6 +590,7 @@ def reset() -> None:
     _PY_FILES.clear()
     _DEPENDENT.clear()
     _LAUNCH_CONFIGS.clear()
+    _PURE_LIST_METHODS.clear()
     _s28_reset_quoted()
 
 
@@ -1790,3 +1791,87 @@ def _s33_freeing_callback(tree: ast.Module, rel: str) -> Optional[str]:
                                 "optimizer's place (npufuse does not check what they do to the grads; they may free them)")
     return None
 
+
+
+_PURE_LIST_METHODS: dict[tuple[str, str], bool] = {}
+# calls a parameter-listing method may make without an effect beyond its own fresh lists
+_LISTING_CALLS = frozenset({"named_parameters", "parameters", "append", "extend", "filter", "list", "len", "any", "all",
+                            "isinstance", "hasattr", "getattr", "id", "set", "add", "startswith", "endswith", "split"})
+
+
+def pure_list_method(module: Any, name: str) -> bool:
+    """s33: does every definition of a method ``name`` in the repository (at least one, each a method of a
+    module-level class, no function of that name) only build fresh lists from the object's parameters and
+    return one (ReChorus' ``customize_parameters``: ``[{'params': weight_p}, {'params': bias_p, ...}]``)?
+    Calling such a method twice gives the same tensors in fresh lists, with no other effect, so a guard may
+    read its own call's result. Bounded: at most 24 definitions; any unparsable file holding the text
+    ``def <name>(`` answers False."""
+    root = repo_root(module)
+    if root is None or not name.isidentifier():
+        return False
+    _depends(root, module.path)
+    key = (str(root), name)
+    if key not in _PURE_LIST_METHODS:
+        defs: Optional[list[ast.AST]] = []
+        needle = f"def {name}("
+        for rel in _repo_py_files(root):
+            text = _repo_text(root, rel)
+            if text is None or needle not in text:
+                continue
+            tree = _parse_repo_file(root, rel)
+            if tree is None or any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body):
+                defs = None
+                break
+            found = [m for c in tree.body if isinstance(c, ast.ClassDef) for m in c.body
+                     if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == name]
+            if not found or len(defs) + len(found) > 24:  # the text only in a nested def, or too many: unknown
+                defs = None
+                break
+            defs.extend(found)
+        if len(_PURE_LIST_METHODS) > 256:
+            _PURE_LIST_METHODS.clear()
+        _PURE_LIST_METHODS[key] = bool(defs) and all(_builds_parameter_lists(fn) for fn in defs or ())
+    return _PURE_LIST_METHODS[key]
+
+
+def _builds_parameter_lists(fn: ast.AST) -> bool:
+    """``fn`` binds names only to list literals/comprehensions (or loop/lambda variables), calls only
+    listing calls (:data:`_LISTING_CALLS`) on its own names and ``self``, assigns no attribute or
+    subscript, and every ``return`` gives a list literal/comprehension or a name bound only to one."""
+    if not isinstance(fn, ast.FunctionDef) or not fn.args.args or fn.decorator_list:
+        return False
+    lists: dict[str, bool] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Global, ast.Nonlocal, ast.Yield, ast.YieldFrom, ast.Await, ast.Delete, ast.AugAssign,
+                             ast.NamedExpr, ast.With, ast.Try, ast.ClassDef, ast.AsyncFunctionDef)) \
+                or (isinstance(node, ast.FunctionDef) and node is not fn):
+            return False
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                for n in ast.walk(t):
+                    if isinstance(n, (ast.Attribute, ast.Subscript, ast.Starred)):
+                        return False
+                    if isinstance(n, ast.Name):
+                        fresh = isinstance(node.value, (ast.List, ast.ListComp)) or (
+                            isinstance(node.value, ast.Tuple) and isinstance(t, ast.Tuple)
+                            and all(isinstance(v, (ast.List, ast.ListComp)) for v in node.value.elts))
+                        lists[n.id] = lists.get(n.id, True) and fresh
+        if isinstance(node, ast.Call):
+            callee = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id if isinstance(node.func, ast.Name) else None
+            if _is_super_call(node, fn.name) or (isinstance(node.func, ast.Name) and node.func.id == "super" and not node.args):
+                continue  # the base class's definition: one of the repo's definitions, checked too
+            if callee not in _LISTING_CALLS:
+                return False
+            if callee in ("append", "extend", "add") and not (
+                    isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id in lists):
+                return False  # only the method's own fresh lists grow
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return)]
+    return bool(returns) and all(isinstance(r.value, (ast.List, ast.ListComp)) or _is_super_call(r.value, fn.name) or (
+        isinstance(r.value, ast.Name) and lists.get(r.value.id, False)) for r in returns)
+
+
+def _is_super_call(node: Optional[ast.AST], name: str) -> bool:
+    """``super().<name>()`` without arguments."""
+    return (isinstance(node, ast.Call) and not node.args and not node.keywords and isinstance(node.func, ast.Attribute)
+            and node.func.attr == name and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Name)
+            and node.func.value.func.id == "super" and not node.func.value.args)
