@@ -62,6 +62,7 @@ def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict
         _apply(root, list(files), outcomes, near, max_bytes, zero_in_place)
         _sharded_accelerate_launches(root, outcomes, near)
         _s33_lightning_callbacks_free(root, list(files), outcomes, near, max_bytes)
+        _s33_bf16_from_every_caller(root, list(files), outcomes, near, max_bytes)
     except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
         return
 
@@ -1875,3 +1876,119 @@ def _is_super_call(node: Optional[ast.AST], name: str) -> bool:
     return (isinstance(node, ast.Call) and not node.args and not node.keywords and isinstance(node.func, ast.Attribute)
             and node.func.attr == name and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Name)
             and node.func.value.func.id == "super" and not node.func.value.args)
+
+
+def _s33_bf16_from_every_caller(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    """A candidate whose model is a parameter of its builder (``def train(model, ...)``, or ``self.model =
+    model`` in ``__init__``) is guarded at run time against bf16 parameters. Where every call of the builder
+    in the repository hands it a model the caller has just cast to bfloat16 (nanoGRPO's ``train.py``:
+    ``model = model.to(torch.bfloat16)`` then ``GRPO(model, ...)``), the fused branch never runs in the
+    repository's own code: a near miss naming the cast says so instead."""
+    from npufuse.patterns.fused_optimizer import guard_model
+    from npufuse.scan import repo_symbols
+
+    hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN and "requires_grad" in (h.finding.guard_tensor or "")]
+    if not hits:
+        return
+    symbols = repo_symbols.shared(root, files, max_bytes)
+    for o, h in hits:
+        f = h.finding
+        model = guard_model(f.guard_tensor or "")
+        tree, _why = symbols.tree(o.file)
+        if model is None or tree is None:
+            continue
+        callee, index, param = _s33_model_parameter(tree, f.qualname, model)
+        if callee is None:
+            continue
+        casts: list[str] = []
+        stem = PurePosixPath(o.file).stem
+        for rel in files:
+            text = _read(root, rel, max_bytes)
+            # another file reaches the builder through its module (imported by name or as module.callee)
+            if text is None or f"{callee}(" not in text or (rel != o.file and stem not in text):
+                continue
+            ctree = tree if rel == o.file else symbols.tree(rel)[0]
+            if ctree is None:
+                casts = []
+                break
+            found = _s33_bf16_handed(ctree, callee, index, param)
+            if found is None:
+                casts = []
+                break
+            casts += [f"{rel}:{ln}" for ln in found]
+        if not casts:
+            continue
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": f"every call of `{callee}` in the repository hands it a model just cast to bfloat16 ({', '.join(casts[:3])}): "
+                               "torch_npu fused optimizers take fp32/fp16 params only (TypeError at the first step), so the "
+                               "guarded fused branch would never run here (keep fp32 master weights to use it)"})
+
+
+def _s33_model_parameter(tree: ast.Module, qualname: str, model: str) -> tuple[Optional[str], int, str]:
+    """(name callers call, positional index, parameter name) of the builder parameter ``model`` comes from:
+    a module-level function's parameter, or a class's ``__init__`` parameter stored as ``self.<attr>``."""
+    parts = qualname.split(".")
+    top = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    fn: Optional[ast.AST] = None
+    callee = None
+    if len(parts) == 1 and isinstance(top.get(parts[0]), ast.FunctionDef):
+        fn, callee = top[parts[0]], parts[0]
+    elif len(parts) == 2 and parts[1] == "__init__" and isinstance(top.get(parts[0]), ast.ClassDef):
+        fn = next((m for m in top[parts[0]].body if isinstance(m, ast.FunctionDef) and m.name == "__init__"), None)
+        callee = parts[0]
+    if not isinstance(fn, ast.FunctionDef) or fn.args.vararg or fn.args.kwarg:
+        return None, 0, ""
+    names = [a.arg for a in fn.args.args]
+    offset = 1 if callee != parts[-1] else 0  # a method's self
+    param = model
+    if model.startswith("self.") and offset:
+        stored = [n.value.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                  and dotted(n.targets[0]) == model and isinstance(n.value, ast.Name)]
+        param = stored[0] if len(stored) == 1 else ""
+    if param not in names[offset:]:
+        return None, 0, ""
+    return callee, names.index(param) - offset, param
+
+
+def _s33_bf16_handed(tree: ast.Module, callee: str, index: int, param: str) -> Optional[list[int]]:
+    """Lines of the bf16 casts behind every call of ``callee`` in ``tree`` (a positional argument at
+    ``index`` or keyword ``param``, a name the caller's own body last bound, at its top level, to a
+    bfloat16 cast: ``m = m.to(torch.bfloat16)`` / ``.bfloat16()`` / ``.to(dtype=torch.bfloat16)``); None when
+    a call hands anything else (a different or unknown model: the guard decides at run time)."""
+    out: list[int] = []
+    bodies: list[list[ast.stmt]] = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for body in bodies:
+        for i, stmt in enumerate(body):
+            for call in _s33_own_nodes(stmt):
+                if not (isinstance(call, ast.Call) and (dotted(call.func) or "").split(".")[-1] == callee):
+                    continue
+                arg = call.args[index] if index < len(call.args) else next((k.value for k in call.keywords if k.arg == param), None)
+                if not isinstance(arg, ast.Name):
+                    return None
+                last = next((s for s in reversed(body[:i]) if isinstance(s, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == arg.id for t in s.targets)), None)
+                if last is None or not _s33_bf16_cast(last.value):
+                    return None
+                out.append(last.lineno)
+    return out
+
+
+def _s33_own_nodes(stmt: ast.stmt) -> Iterable[ast.AST]:
+    """The nodes of ``stmt`` outside the functions and classes it defines (their calls belong to their own bodies)."""
+    todo: list[ast.AST] = [stmt]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(c for c in ast.iter_child_nodes(node)
+                    if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)))
+
+
+def _s33_bf16_cast(value: ast.AST) -> bool:
+    """``x.to(torch.bfloat16)`` / ``x.to(dtype=torch.bfloat16)`` / ``x.bfloat16()`` (the outermost call)."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)):
+        return False
+    if value.func.attr == "bfloat16" and not value.args:
+        return True
+    return value.func.attr == "to" and any((dotted(a) or "") in ("torch.bfloat16", "bfloat16")
+                                           for a in [*value.args, *(k.value for k in value.keywords if k.arg == "dtype")])
