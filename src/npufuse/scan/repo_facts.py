@@ -47,7 +47,8 @@ from npufuse.scan.dataflow import dotted, names_bound_from
 
 _PATTERN = "fused_optimizer"
 # words a driving file must contain for this pass to parse it
-_WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shard", "DeepSpeed", "deepspeed", "Zero", "prepare")
+_WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shard", "DeepSpeed", "deepspeed", "Zero", "prepare",
+          "create_graph")
 _SHARDING_PARTS = ("fsdp", "fullyshard", "fully_shard", "deepspeed", "zeroredundancy")
 
 
@@ -314,6 +315,15 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
                               "the fused optimizer's flat buffer and its update silently uses stale grads (torch_npu fused "
                               "optimizers read grads only from that buffer and raise ValueError on zero_grad(set_to_none=True)); "
                               "pass set_to_none=False there"), ("self" if b.cls and recv in receivers else "model"), flag is not None
+        elif attr == "backward" and _s33_literal_create_graph(node, full):
+            # s33: the driving file's backward builds a graph of the grads (AdaHessian-style trainers)
+            text = (f"`{dotted(func) or attr}(create_graph=True)` at {rel}:{node.lineno}, in the file that drives the optimizer "
+                    f"this builds ({via}), runs the backward in grad mode, where autograd accumulates each grad out of "
+                    "place (`p.grad = p.grad + g`: a new grad tensor every step after the first), so the fused optimizer "
+                    "keeps updating from its combined grad buffer, which no longer receives the grads")
+            if cond is None:
+                return True, text, None, False
+            risk = risk or f"{text}; that backward runs under a condition (line {cond}): switch the fused optimizer off for those runs"
         elif attr == "share_memory" and recv in models:
             return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
                           f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
@@ -1992,3 +2002,11 @@ def _s33_bf16_cast(value: ast.AST) -> bool:
         return True
     return value.func.attr == "to" and any((dotted(a) or "") in ("torch.bfloat16", "bfloat16")
                                            for a in [*value.args, *(k.value for k in value.keywords if k.arg == "dtype")])
+
+
+def _s33_literal_create_graph(call: ast.Call, full: str) -> bool:
+    """``t.backward(create_graph=True)`` / ``torch.autograd.backward(ts, create_graph=True)`` with a literal true
+    (keyword, or the third / fourth positional argument)."""
+    position = 3 if full.endswith("autograd.backward") else 2
+    flag = next((k.value for k in call.keywords if k.arg == "create_graph"), call.args[position] if len(call.args) > position else None)
+    return isinstance(flag, ast.Constant) and bool(flag.value)
