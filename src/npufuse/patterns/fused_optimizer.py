@@ -233,6 +233,8 @@ class _FileFacts:
         self.module_zero_grad: list[tuple[int, str]] = []  # receiver.zero_grad() that is not an optimizer's
         self.grad_assign: Optional[int] = None
         self.grad_assigns: list[tuple[int, str]] = []  # (line, receiver) of every `X.grad = ...`
+        # (line, call text) of a backward that builds a graph of the grads (`loss.backward(create_graph=True)`)
+        self.create_graph: list[tuple[int, str]] = []
         # (line, flag source) of embeddings with sparse grads (`nn.EmbeddingBag(..., sparse=True)`)
         self.sparse: list[tuple[int, str]] = []
         self.flags: dict[int, ast.expr] = {}  # line -> the non-constant set_to_none of a zero_grad there
@@ -266,7 +268,8 @@ class _FileFacts:
             out.sharding_nodes.extend(f.sharding_nodes)
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
-            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts", "grad_assigns", "sparse"):
+            for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts", "grad_assigns", "sparse",
+                         "create_graph"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
             out.flags.update(f.flags)
@@ -318,6 +321,8 @@ class _FileFacts:
             elif flag is not None and not explicit_false and not isinstance(flag, ast.Constant):
                 self.set_to_none.append((node.lineno, recv))
                 self.flags[node.lineno] = flag
+        elif attr == "backward" and _builds_grad_graph(module, node, recv):
+            self.create_graph.append((node.lineno, f"{recv}.backward"))
         elif attr in ("prepare", "prepare_optimizer") and "accelerator" in recv.split(".")[-1].lower():
             args = [dotted(a.value if isinstance(a, ast.Starred) else a) or "" for a in node.args]
             self.prepared.append((node.lineno, recv, args))
@@ -348,6 +353,23 @@ class _FileFacts:
                     self.bf16.append((node.lineno, ""))
             if name == "set_default_dtype" and node.args and _is_bf16(node.args[0]):
                 self.bf16.append((node.lineno, ""))
+
+
+def _builds_grad_graph(module: ModuleInfo, node: ast.Call, recv: str) -> bool:
+    """Is ``node`` a backward asked to build a graph of the grads: ``t.backward(create_graph=True)``
+    (third positional of Tensor.backward), ``torch.autograd.backward(ts, create_graph=True)`` (fourth),
+    the flag a literal true or a name every binding in the file gives a literal true? Then autograd
+    runs in grad mode and accumulates each grad out of place (AccumulateGrad: ``grad = grad + new``),
+    so ``p.grad`` is a new tensor every step. ``torch.autograd.grad(create_graph=True)`` (gradient
+    penalties) returns the grads and never touches ``.grad``: not this. A flag handed in
+    (``create_graph=is_second_order``, timm's loss scaler) is not judged."""
+    flag = keyword(node, "create_graph", 3 if module.canonical(node.func) == "torch.autograd.backward" or recv.endswith("autograd") else 2)
+    if isinstance(flag, ast.Constant):
+        return bool(flag.value)
+    if isinstance(flag, ast.Name):
+        values = [v for sc in module.scopes for _st, v in sc.assignments.get(flag.id, [])]
+        return bool(values) and all(isinstance(v, ast.Constant) and v.value is True for v in values)
+    return False
 
 
 # calls that give sparse grads with `sparse=<true>` -> the position of that argument
@@ -642,6 +664,21 @@ def _model_of(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth:
     return None
 
 
+# A tensor dtype the fused classes take (bf16 raises TypeError at the first step); str(dtype): the
+# file need not import torch itself (`from torch.optim import AdamW`). ``{t}``: the tensor.
+_FUSABLE_DTYPE = "str({t}.dtype) in ('torch.float32', 'torch.float16')"
+
+# The guard of a params list (or tuple) that may hold param-group dicts, applied to that list: its
+# first tensor, or None (the original optimizer runs) when a tensor that can get a grad is not
+# fp32/fp16 (s33: the dtype is a run-time fact). A group whose params are not a list/tuple (a
+# generator) is never read: reading it would consume it.
+_GROUP_TENSORS = ("((g,) if not isinstance(g, dict) else g['params'] if isinstance(g.get('params'), (list, tuple)) "
+                  "else ())")
+_GROUPS_GUARD = (f"(lambda gs: next((t for g in gs for t in {_GROUP_TENSORS}), None) if all("
+                 f"{_FUSABLE_DTYPE.format(t='t')} for g in gs for t in {_GROUP_TENSORS} "
+                 "if getattr(t, 'requires_grad', False)) else None)")
+
+
 def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> tuple[Optional[str], str]:
     params = keyword(call, "params", 0)
     if params is None:
@@ -656,19 +693,18 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # group's generator is never touched (no tensor: the original runs)
         n = params.id
         # (a lambda: an assignment expression may not be a comprehension's iterable)
-        return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
-                f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({n} := list({n}))"), ""
+        return f"{_GROUPS_GUARD}({n} := list({n}))", ""
     first = _first_group_params(params)
     if first is not None:
         # ``[{"params": decay, ...}, ...]`` of opaque names: the first group's list is materialised
         # once (torch.optim lists each group's params too) and its first tensor is the guard
-        return f"next(iter(({first} := list({first}))), None)", ""
-    if _side_effect_free(params) and _list_valued(module, scope, params, stmt.lineno):
+        return (f"(lambda ts: next(iter(ts), None) if all({_FUSABLE_DTYPE.format(t='t')} for t in ts "
+                f"if getattr(t, 'requires_grad', False)) else None)({first} := list({first}))"), ""
+    if (_side_effect_free(params) or _pure_listing_call(module, params)) and _list_valued(module, scope, params, stmt.lineno):
         # a list (or tuple) is read, not consumed: the guard iterates it afresh, and the
         # optimizer still gets every element. Its first element may be a param-group dict.
         e = segment(module, params)
-        return (f"(lambda gs: next((t for g in gs for t in ((g,) if not isinstance(g, dict) else g['params'] "
-                f"if isinstance(g.get('params'), (list, tuple)) else ())), None))({e})"), ""
+        return f"{_GROUPS_GUARD}({e})", ""
     handed = _module_handed_to_helper(module, scope, params)
     if handed is None:
         # ``[{"params": helper(M, ...)}, {"params": helper(M, ...)}]``: the groups' helpers may be
@@ -737,7 +773,7 @@ def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
             return True
         fn = _local_function(module, scope, name)
         if fn is None:
-            return False
+            return _pure_listing_call(module, node)
         rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return)]
         fscope = next((s for s in module.scopes if s.node is fn), None)
         return bool(rets) and fscope is not None and all(
@@ -755,6 +791,19 @@ def _list_valued(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dep
     if isinstance(node, ast.Attribute):
         return _self_attribute_list(module, scope, node, depth)
     return False
+
+
+def _pure_listing_call(module: ModuleInfo, node: ast.AST) -> bool:
+    """``M.method()`` (no arguments, ``M`` a name or attribute path) where every definition of ``method`` in
+    the repository only builds fresh lists from its object's parameters and returns one
+    (:func:`npufuse.scan.repo_facts.pure_list_method`; ReChorus' ``model.customize_parameters()``): a list,
+    and calling it again for the guard gives the same tensors with no other effect."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args and not node.keywords
+            and _side_effect_free(node.func.value) and dotted(node.func.value)):
+        return False
+    from npufuse.scan import repo_facts
+
+    return repo_facts.pure_list_method(module, node.func.attr)
 
 
 def _local_function(module: ModuleInfo, scope: Scope, name: str) -> Optional[ast.AST]:
@@ -1230,6 +1279,11 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
         return (f"sparse gradients: an embedding built with sparse={flag or 'True'} (line {ln}) gets sparse grad tensors"
                 + (f" whenever `{flag}` is true (a run-time or configuration value)" if flag else "")
                 + "; torch_npu fused optimizers take dense grads only (every grad is copied into one dense flat buffer)")
+    if facts.create_graph:
+        ln, call = facts.create_graph[0]
+        return (f"`{call}(create_graph=True)` (line {ln}) runs the backward in grad mode, where autograd accumulates each "
+                "grad out of place (`p.grad = p.grad + g`: a new grad tensor every step after the first), so the fused "
+                "optimizer keeps updating from its combined grad buffer, which no longer receives the grads")
     if facts.grad_assign is not None:
         return (f"grads are re-allocated (`.grad = ...` at line {facts.grad_assign}): the fused optimizer keeps "
                 "updating from its combined grad buffer")
@@ -1803,12 +1857,20 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
                         "definition) after, or away from, the optimizer's construction; torch_npu fused optimizers take "
                         "fp32/fp16 params only (TypeError at the first step)")
         dtype_checked = True  # cast before the construction, in its scope: checked at run time below
-    if dtype_checked:
-        # a bf16 base under peft: fuse only if every parameter that can get a grad is fp32/fp16
-        # (peft's modules_to_save copies stay bf16; then the original optimizer runs). str(dtype):
-        # the file need not import torch itself (`from torch.optim import AdamW`).
-        guard = (f"{guard} if all(str(p.dtype) in ('torch.float32', 'torch.float16') "
-                 f"for p in {model}.parameters() if p.requires_grad) else None")
+    if model:
+        # s33: the parameters' dtype is a run-time fact wherever the model comes from a caller, a
+        # config or a checkpoint (a bf16 model handed to `train(model)`, `Net(cfg)` built with
+        # cfg["dtype"] = torch.bfloat16): fuse only if every parameter that can get a grad is
+        # fp32/fp16, else the original optimizer runs (the fused class raises TypeError on bf16 at
+        # its first step). Also a bf16 base under peft (modules_to_save copies stay bf16). str(dtype):
+        # the file need not import torch itself (`from torch.optim import AdamW`). The guard is
+        # parenthesised: it may already be a conditional expression (run-time launch/strategy tests).
+        test = f"all({_FUSABLE_DTYPE.format(t='p')} for p in {model}.parameters() if p.requires_grad)"
+        module_checked = f"isinstance({model}, torch.nn.Module)"
+        if module_checked in guard:
+            # a module handed to another file's helper: only an nn.Module has parameters() to read
+            test = f"{module_checked} and {test}"
+        guard = f"({guard}) if {test} else None"
     # -- the statement must own its lines (the span is whole lines) ------------------------------
     text = _statement_text(module, stmt)
     if text is None:
@@ -1854,7 +1916,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         Risk("other", "params without a grad at the first step are excluded from the combined buffers for good "
              "(layers unfrozen later are never updated); params/grads must never be re-allocated afterwards "
              "(.cpu()/.to(), new Parameter, p.grad = ..., load_state_dict into new tensors)"),
-        Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError); mixed fp32/fp16 params get one buffer each"),
+        Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError at the first step); mixed fp32/fp16 params "
+             "get one buffer each" + (": the guard checks the dtype of the trainable parameters it can read without consuming "
+                                      "an iterator when the optimizer "
+                                      "is built (else the original optimizer runs); a cast after that is not seen"
+                                      if "requires_grad" in guard else "")),
     ]
     risks += fix.risks()
     if tiers[2].uncalled_reallocation is not None:
@@ -1880,8 +1946,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         "optimizer state: 'step' is a Python int in the fused class (a tensor in torch.optim); check checkpoint save/load",
         "the guard "
         + ("makes a fresh `" + model + ".parameters()` generator, so the user's iterator is never consumed" if model
-           else "materialises the params iterable once into a list (walrus) so both branches see the same parameters; "
-           "param-group dicts passed this way keep the original optimizer"),
+           else "reads the params as a list (an opaque iterable is materialised once into a list with a walrus, so both "
+           "branches see the same parameters); a param group whose params are not a list or tuple is not read by it"),
     ]
     if lightning_self is not None:
         params["guard"] += "_lightning_strategy_checked"
@@ -4935,11 +5001,40 @@ def _s32_class_lookup(module: ModuleInfo, stmt: ast.stmt) -> Optional[tuple[ast.
                 and "getattr" not in module.aliases and module.canonical(inner.args[0]) == "torch.optim"
                 and not isinstance(inner.args[1], ast.Constant) and _side_effect_free(inner.args[1])):
             return call, segment(module, inner), tuple(_OPTIMIZERS)
+        named = _s33_evaluated_optim_name(module, inner)
+        if named is not None:
+            # s33: `eval("torch.optim." + name)(...)` (ReChorus' BaseRunner): for a plain name it is
+            # `getattr(torch.optim, name)`; the guard reads it that way and without raising (a name that
+            # is not a torch.optim attribute gives None: the original statement runs, and raises where it did)
+            return call, f"getattr(torch.optim, str({segment(module, named)}), None)", tuple(_OPTIMIZERS)
         if isinstance(inner.func, ast.Name) and all(_side_effect_free(a) for a in [*inner.args, *(k.value for k in inner.keywords)]):
             kinds = _s32_lookup_function(module, inner.func.id)
             if kinds:
                 return call, segment(module, inner), kinds
     return None
+
+
+def _s33_evaluated_optim_name(module: ModuleInfo, lookup: ast.Call) -> Optional[ast.expr]:
+    """``X`` of ``eval("torch.optim." + X)``, ``eval("torch.optim.{}".format(X))`` or
+    ``eval(f"torch.optim.{X}")`` (``X`` side-effect free, ``eval`` the builtin, ``torch`` the module); None
+    for any other call."""
+    if not (isinstance(lookup.func, ast.Name) and lookup.func.id == "eval" and "eval" not in module.aliases
+            and len(lookup.args) == 1 and not lookup.keywords and module.aliases.get("torch") == "torch"):
+        return None
+    text, prefix = lookup.args[0], "torch.optim."
+    name: Optional[ast.expr] = None
+    if isinstance(text, ast.BinOp) and isinstance(text.op, ast.Add) and isinstance(text.left, ast.Constant) \
+            and text.left.value == prefix:
+        name = text.right
+    elif (isinstance(text, ast.Call) and isinstance(text.func, ast.Attribute) and text.func.attr == "format"
+          and isinstance(text.func.value, ast.Constant) and text.func.value.value == prefix + "{}"
+          and len(text.args) == 1 and not text.keywords):
+        name = text.args[0]
+    elif (isinstance(text, ast.JoinedStr) and len(text.values) == 2 and isinstance(text.values[0], ast.Constant)
+          and text.values[0].value == prefix and isinstance(text.values[1], ast.FormattedValue)
+          and text.values[1].conversion == -1 and text.values[1].format_spec is None):
+        name = text.values[1].value
+    return name if name is not None and _side_effect_free(name) else None
 
 
 def _s32_lookup_function(module: ModuleInfo, name: str) -> tuple[str, ...]:
@@ -5041,6 +5136,9 @@ def _s32_looked_up_site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: 
     result.params["class_looked_up"] = lookup
     result.params.pop("class_chosen_at_run_time", None)
     result.notes = [n for n in result.notes if not n.startswith("the optimizer class is chosen at run time")]
+    if lookup.startswith("getattr(torch.optim, str("):
+        result.notes.append("`eval(\"torch.optim.\" + <name>)` is read as `getattr(torch.optim, <name>)` (the same class for a "
+                            "plain name; any other string gives None in the guard, and the original statement runs)")
     result.notes.append(f"the class is looked up at run time (`{lookup[:60]}`): the guard runs the fused counterpart "
                         f"(torch_npu.optim.NpuFused<Name>) only when it yields torch.optim.{'/'.join(usable)}; any other "
                         "class keeps the original call")
@@ -5235,4 +5333,149 @@ FusedOptimizer.KEEP += [
     Keep(_S32_LIGHTNING_RUNTIME_STRATEGY.replace("pl.Trainer(strategy=args.strategy,",
                                                  "pl.Trainer(strategy=pl.strategies.FSDPStrategy(),"),
          reason="parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO", name="s32_lightning_fsdp_strategy_object"),
+]
+
+
+# -- s33 (helper optim33): the parameters' dtype is a run-time fact; backward(create_graph=True) -------
+
+# The model comes from the caller (reasoning-from-scratch's `train_rlvr_grpo(model, ...)` over a Qwen3Model
+# whose layers take cfg["dtype"] = torch.bfloat16; nanoGRPO's trainer handed a model cast to bf16 in
+# another file): nothing here says its dtype, so the guard checks every trainable parameter when the
+# optimizer is built. The run trains an fp32 model (the fused class runs) and a bf16 one (the original
+# runs; without the check the fused class raises TypeError at its first step).
+_S33_MODEL_FROM_CALLER = _NET + '''
+
+def train(model, steps=3, lr=1e-2):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    x = torch.randn(6, 8, dtype=next(model.parameters()).dtype)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+    return model
+'''
+
+_S33_FP32_AND_BF16_RUN = '''\
+fp32 = train(Net())
+bf16 = train(Net().to(torch.bfloat16))
+out = tuple(p.detach().float().clone() for m in (fp32, bf16) for p in m.parameters())
+'''
+
+# the params themselves from the caller (an opaque iterable: the guard materialises it once and checks
+# every tensor that can get a grad, param-group dicts' lists included)
+_S33_PARAMS_FROM_CALLER = _NET + '''
+
+def fit(params, loss_fn, steps=3, lr=1e-2):
+    optimizer = torch.optim.Adam(params, lr=lr, weight_decay=1e-4)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        optimizer.step()
+'''
+
+_S33_PARAMS_RUN = '''\
+x = torch.randn(6, 8)
+fp32, bf16 = Net(), Net().to(torch.bfloat16)
+fit(fp32.parameters(), lambda: fp32(x).pow(2).mean())
+fit([{"params": list(bf16.parameters())}], lambda: bf16(x.to(torch.bfloat16)).float().pow(2).mean())
+out = tuple(p.detach().float().clone() for m in (fp32, bf16) for p in m.parameters())
+'''
+
+# AdaHessian's shared CIFAR loop: loss.backward(create_graph=True) for every optimizer it compares. In
+# grad mode AccumulateGrad adds out of place (`grad = grad + new`): every step after the first gives
+# each parameter a new grad tensor, which the fused class's combined grad buffer never sees.
+_S33_CREATE_GRAPH = _NET + '''
+import argparse
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--optimizer", default="sgd")
+args = parser.parse_args([])
+model = Net()
+if args.optimizer == "sgd":
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+else:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+for step in range(3):
+    loss = model(torch.randn(6, 8)).pow(2).mean()
+    loss.backward(create_graph=True)
+    optimizer.step()
+    optimizer.zero_grad()
+'''
+
+# a gradient penalty (WGAN-GP, R1): torch.autograd.grad(create_graph=True) returns the grads and
+# never touches `.grad`; the plain backward that follows accumulates in place
+_S33_GRADIENT_PENALTY = _NET + '''
+
+def build(model):
+    return torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.5, 0.9))
+
+
+def train(model, steps=3):
+    optimizer = build(model)
+    for _ in range(steps):
+        x = torch.randn(6, 8, requires_grad=True)
+        out = model(x)
+        g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = out.pow(2).mean() + 10 * (g.norm(2, dim=1) - 1).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S33_MODEL_FROM_CALLER, name="s33_model_from_caller_dtype_checked_at_run_time", run=_S33_FP32_AND_BF16_RUN,
+         expect={"optimizer": "torch.optim.AdamW", "qualname": "train"}),
+    Fuse(_S33_PARAMS_FROM_CALLER, name="s33_params_from_caller_dtype_checked_at_run_time", run=_S33_PARAMS_RUN,
+         expect={"optimizer": "torch.optim.Adam", "guard": "materialised_list", "qualname": "fit"}),
+    Fuse(_S33_GRADIENT_PENALTY, name="s33_autograd_grad_create_graph_does_not_touch_grads", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.Adam", "qualname": "build"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_S33_CREATE_GRAPH, reason="backward(create_graph=True)", name="s33_backward_create_graph_shared_loop"),
+    # the functional spelling, the flag bound to a name first
+    Keep(_S33_CREATE_GRAPH.replace("    loss.backward(create_graph=True)\n",
+                                   "    second_order = True\n    torch.autograd.backward(loss, create_graph=second_order)\n"),
+         reason="create_graph=True", name="s33_autograd_backward_create_graph_flag"),
+]
+
+
+# ReChorus' BaseRunner: `eval('torch.optim.{}'.format(self.optimizer_name))(model.customize_parameters(), ...)`
+# (the name from argparse, Adam by default). For a plain name eval gives getattr(torch.optim, name): a run-time
+# lookup like the s32 ones; the guard reads it without raising.
+_S33_EVAL_LOOKUP = _NET + '''
+
+class Runner:
+    def __init__(self, optimizer_name="Adam", lr=1e-2, l2=1e-4):
+        self.optimizer_name, self.learning_rate, self.l2 = optimizer_name, lr, l2
+
+    def build(self, model):
+        optimizer = eval('torch.optim.{}'.format(self.optimizer_name))(
+            model.parameters(), lr=self.learning_rate, weight_decay=self.l2)
+        return optimizer
+'''
+
+_S33_EVAL_RUN = '''\
+model = Net()
+opt = Runner("RMSprop").build(model)
+x, y = torch.randn(6, 8), torch.randn(6, 4)
+for _ in range(3):
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+out = tuple(p.detach().clone() for p in model.parameters())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S33_EVAL_LOOKUP, name="s33_eval_torch_optim_name_format", run=_S33_EVAL_RUN,
+         expect={"class_looked_up": "getattr(torch.optim, str(self.optimizer_name), None)", "qualname": "Runner.build"}),
+    Fuse(_S33_EVAL_LOOKUP.replace("eval('torch.optim.{}'.format(self.optimizer_name))", "eval('torch.optim.' + self.optimizer_name)"),
+         name="s33_eval_torch_optim_name_concatenated", run=_S33_EVAL_RUN,
+         expect={"class_looked_up": "getattr(torch.optim, str(self.optimizer_name), None)"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the params from a method of the model that nothing here (no repository) shows to be a pure list builder
+    Keep(_S33_EVAL_LOOKUP.replace("model.parameters(), lr=", "model.customize_parameters(), lr="),
+         reason="may be a one-shot iterator", name="s33_eval_lookup_params_from_unknown_method"),
 ]

@@ -47,7 +47,8 @@ from npufuse.scan.dataflow import dotted, names_bound_from
 
 _PATTERN = "fused_optimizer"
 # words a driving file must contain for this pass to parse it
-_WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shard", "DeepSpeed", "deepspeed", "Zero", "prepare")
+_WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shard", "DeepSpeed", "deepspeed", "Zero", "prepare",
+          "create_graph")
 _SHARDING_PARTS = ("fsdp", "fullyshard", "fully_shard", "deepspeed", "zeroredundancy")
 
 
@@ -61,6 +62,8 @@ def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict
     try:
         _apply(root, list(files), outcomes, near, max_bytes, zero_in_place)
         _sharded_accelerate_launches(root, outcomes, near)
+        _s33_lightning_callbacks_free(root, list(files), outcomes, near, max_bytes)
+        _s33_bf16_from_every_caller(root, list(files), outcomes, near, max_bytes)
     except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
         return
 
@@ -312,6 +315,15 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
                               "the fused optimizer's flat buffer and its update silently uses stale grads (torch_npu fused "
                               "optimizers read grads only from that buffer and raise ValueError on zero_grad(set_to_none=True)); "
                               "pass set_to_none=False there"), ("self" if b.cls and recv in receivers else "model"), flag is not None
+        elif attr == "backward" and _s33_literal_create_graph(node, full):
+            # s33: the driving file's backward builds a graph of the grads (AdaHessian-style trainers)
+            text = (f"`{dotted(func) or attr}(create_graph=True)` at {rel}:{node.lineno}, in the file that drives the optimizer "
+                    f"this builds ({via}), runs the backward in grad mode, where autograd accumulates each grad out of "
+                    "place (`p.grad = p.grad + g`: a new grad tensor every step after the first), so the fused optimizer "
+                    "keeps updating from its combined grad buffer, which no longer receives the grads")
+            if cond is None:
+                return True, text, None, False
+            risk = risk or f"{text}; that backward runs under a condition (line {cond}): switch the fused optimizer off for those runs"
         elif attr == "share_memory" and recv in models:
             return True, (f"`{recv}.share_memory()` at {rel}:{node.lineno}: the model's parameters are shared between "
                           f"processes (hogwild) and the optimizer is built per process ({via}); the fused optimizer re-points "
@@ -589,6 +601,7 @@ def reset() -> None:
     _PY_FILES.clear()
     _DEPENDENT.clear()
     _LAUNCH_CONFIGS.clear()
+    _PURE_LIST_METHODS.clear()
     _s28_reset_quoted()
 
 
@@ -1719,3 +1732,286 @@ def _sharded_accelerate_launches(root: Path, outcomes: list[Any], near: list[dic
                                 "that engine flattens the parameters or re-assigns their grads behind the optimizer, so the "
                                 "flat-buffer fused class cannot take over in the repo's own launches (a guarded rewrite would "
                                 "always run torch.optim)")})
+
+
+def _s33_lightning_callbacks_free(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    """An optimizer built in a LightningModule method is driven by the Trainer, and the repository's
+    Lightning callbacks act on that module and its optimizers through their hooks' arguments
+    (``on_after_backward(self, trainer, pl_module)``, ``on_before_zero_grad(self, trainer, pl_module,
+    optimizer)``). A callback that frees the module's grads (``pl_module.zero_grad()``: nn.Module's
+    default is set_to_none=True on torch >= 2.0; proteina's NaN-skip callback) or replaces
+    ``trainer.optimizers`` with wrappers (NeMo's EMA callback: an ``EMAOptimizer`` that subclasses
+    torch.optim.Optimizer and inherits its zero_grad, which frees the wrapped param groups' grads)
+    makes the flat-buffer fused class update stale buffers: such candidates become near misses."""
+    hits = [(o, h) for o in outcomes for h in o.hits
+            if h.finding.pattern == _PATTERN and "_lightning_strategy_checked" in str((h.finding.params or {}).get("guard", ""))]
+    if not hits:
+        return
+    found: Optional[str] = None
+    for rel in files:
+        text = _read(root, rel, max_bytes)
+        if not text or "Callback" not in text or "lightning" not in text or ("zero_grad" not in text and ".optimizers" not in text):
+            continue
+        tree = _parse(text)
+        found = _s33_freeing_callback(tree, rel) if tree is not None else None
+        if found is not None:
+            break
+    if found is None:
+        return
+    for o, h in hits:
+        f = h.finding
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": f"the optimizer is built for Lightning's Trainer, and a Lightning callback of the repository {found}: "
+                               "the next backward allocates new grads outside the fused optimizer's flat buffer and its "
+                               "update silently uses stale ones (torch.optim handles freed grads)"})
+
+
+def _s33_freeing_callback(tree: ast.Module, rel: str) -> Optional[str]:
+    """What a Lightning ``Callback`` subclass of ``tree`` does to the grads of the module or the
+    optimizers its hooks are given (a clause of the near-miss reason), or None."""
+    classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+    for cls in classes.values():
+        if not any((dotted(b) or "").split(".")[-1] == "Callback" for b in cls.bases):
+            continue
+        for fn in cls.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.name.startswith("on_") or len(fn.args.args) < 3:
+                continue
+            names = [a.arg for a in fn.args.args]
+            trainer, module, optimizer = names[1], names[2], names[3] if len(names) > 3 else None
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "zero_grad" \
+                        and isinstance(node.func.value, ast.Name):
+                    flag = next((k.value for k in node.keywords if k.arg == "set_to_none"), node.args[0] if node.args else None)
+                    kept = isinstance(flag, ast.Constant) and flag.value is False
+                    freed = isinstance(flag, ast.Constant) and flag.value is True
+                    if node.func.value.id == module and not kept:
+                        return (f"(`{cls.name}.{fn.name}`, {rel}:{node.lineno}) calls `{module}.zero_grad()` on the LightningModule, "
+                                "which sets its parameters' grads to None (nn.Module's default on torch >= 2.0)")
+                    if node.func.value.id == optimizer and freed:
+                        return (f"(`{cls.name}.{fn.name}`, {rel}:{node.lineno}) calls `{optimizer}.zero_grad(set_to_none=True)` "
+                                "on the Trainer's optimizer")
+                if isinstance(node, ast.Assign) and any(
+                        isinstance(t, ast.Attribute) and t.attr == "optimizers" and isinstance(t.value, ast.Name) and t.value.id == trainer
+                        for t in node.targets):
+                    built = [c for c in ast.walk(node.value) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+                    wrapper = next((classes[c.func.id] for c in built if c.func.id in classes), None)
+                    if wrapper is not None and any((dotted(b) or "").endswith("Optimizer") for b in wrapper.bases) and not any(
+                            isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == "zero_grad" for m in wrapper.body):
+                        return (f"(`{cls.name}.{fn.name}`, {rel}:{node.lineno}) replaces `{trainer}.optimizers` with `{wrapper.name}` "
+                                f"wrappers, which Lightning then zeroes: `{wrapper.name}` inherits torch.optim.Optimizer.zero_grad, "
+                                "whose default set_to_none=True (torch >= 2.0) sets the wrapped param groups' grads to None")
+                    if built:
+                        return (f"(`{cls.name}.{fn.name}`, {rel}:{node.lineno}) replaces `{trainer}.optimizers` with "
+                                f"`{dotted(built[0].func) or 'other'}` objects that Lightning then steps and zeroes in the "
+                                "optimizer's place (npufuse does not check what they do to the grads; they may free them)")
+    return None
+
+
+
+_PURE_LIST_METHODS: dict[tuple[str, str], bool] = {}
+# calls a parameter-listing method may make without an effect beyond its own fresh lists
+_LISTING_CALLS = frozenset({"named_parameters", "parameters", "append", "extend", "filter", "list", "len", "any", "all",
+                            "isinstance", "hasattr", "getattr", "id", "set", "add", "startswith", "endswith", "split"})
+
+
+def pure_list_method(module: Any, name: str) -> bool:
+    """s33: does every definition of a method ``name`` in the repository (at least one, each a method of a
+    module-level class, no function of that name) only build fresh lists from the object's parameters and
+    return one (ReChorus' ``customize_parameters``: ``[{'params': weight_p}, {'params': bias_p, ...}]``)?
+    Calling such a method twice gives the same tensors in fresh lists, with no other effect, so a guard may
+    read its own call's result. Bounded: at most 24 definitions; any unparsable file holding the text
+    ``def <name>(`` answers False."""
+    root = repo_root(module)
+    if root is None or not name.isidentifier():
+        return False
+    _depends(root, module.path)
+    key = (str(root), name)
+    if key not in _PURE_LIST_METHODS:
+        defs: Optional[list[ast.AST]] = []
+        needle = f"def {name}("
+        for rel in _repo_py_files(root):
+            text = _repo_text(root, rel)
+            if text is None or needle not in text:
+                continue
+            tree = _parse_repo_file(root, rel)
+            if tree is None or any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body):
+                defs = None
+                break
+            found = [m for c in tree.body if isinstance(c, ast.ClassDef) for m in c.body
+                     if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == name]
+            if not found or len(defs) + len(found) > 24:  # the text only in a nested def, or too many: unknown
+                defs = None
+                break
+            defs.extend(found)
+        if len(_PURE_LIST_METHODS) > 256:
+            _PURE_LIST_METHODS.clear()
+        _PURE_LIST_METHODS[key] = bool(defs) and all(_builds_parameter_lists(fn) for fn in defs or ())
+    return _PURE_LIST_METHODS[key]
+
+
+def _builds_parameter_lists(fn: ast.AST) -> bool:
+    """``fn`` binds names only to list literals/comprehensions (or loop/lambda variables), calls only
+    listing calls (:data:`_LISTING_CALLS`) on its own names and ``self``, assigns no attribute or
+    subscript, and every ``return`` gives a list literal/comprehension or a name bound only to one."""
+    if not isinstance(fn, ast.FunctionDef) or not fn.args.args or fn.decorator_list:
+        return False
+    lists: dict[str, bool] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Global, ast.Nonlocal, ast.Yield, ast.YieldFrom, ast.Await, ast.Delete, ast.AugAssign,
+                             ast.NamedExpr, ast.With, ast.Try, ast.ClassDef, ast.AsyncFunctionDef)) \
+                or (isinstance(node, ast.FunctionDef) and node is not fn):
+            return False
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                for n in ast.walk(t):
+                    if isinstance(n, (ast.Attribute, ast.Subscript, ast.Starred)):
+                        return False
+                    if isinstance(n, ast.Name):
+                        fresh = isinstance(node.value, (ast.List, ast.ListComp)) or (
+                            isinstance(node.value, ast.Tuple) and isinstance(t, ast.Tuple)
+                            and all(isinstance(v, (ast.List, ast.ListComp)) for v in node.value.elts))
+                        lists[n.id] = lists.get(n.id, True) and fresh
+        if isinstance(node, ast.Call):
+            callee = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id if isinstance(node.func, ast.Name) else None
+            if _is_super_call(node, fn.name) or (isinstance(node.func, ast.Name) and node.func.id == "super" and not node.args):
+                continue  # the base class's definition: one of the repo's definitions, checked too
+            if callee not in _LISTING_CALLS:
+                return False
+            if callee in ("append", "extend", "add") and not (
+                    isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id in lists):
+                return False  # only the method's own fresh lists grow
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return)]
+    return bool(returns) and all(isinstance(r.value, (ast.List, ast.ListComp)) or _is_super_call(r.value, fn.name) or (
+        isinstance(r.value, ast.Name) and lists.get(r.value.id, False)) for r in returns)
+
+
+def _is_super_call(node: Optional[ast.AST], name: str) -> bool:
+    """``super().<name>()`` without arguments."""
+    return (isinstance(node, ast.Call) and not node.args and not node.keywords and isinstance(node.func, ast.Attribute)
+            and node.func.attr == name and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Name)
+            and node.func.value.func.id == "super" and not node.func.value.args)
+
+
+def _s33_bf16_from_every_caller(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    """A candidate whose model is a parameter of its builder (``def train(model, ...)``, or ``self.model =
+    model`` in ``__init__``) is guarded at run time against bf16 parameters. Where every call of the builder
+    in the repository hands it a model the caller has just cast to bfloat16 (nanoGRPO's ``train.py``:
+    ``model = model.to(torch.bfloat16)`` then ``GRPO(model, ...)``), the fused branch never runs in the
+    repository's own code: a near miss naming the cast says so instead."""
+    from npufuse.patterns.fused_optimizer import guard_model
+    from npufuse.scan import repo_symbols
+
+    hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN and "requires_grad" in (h.finding.guard_tensor or "")]
+    if not hits:
+        return
+    symbols = repo_symbols.shared(root, files, max_bytes)
+    for o, h in hits:
+        f = h.finding
+        model = guard_model(f.guard_tensor or "")
+        tree, _why = symbols.tree(o.file)
+        if model is None or tree is None:
+            continue
+        callee, index, param = _s33_model_parameter(tree, f.qualname, model)
+        if callee is None:
+            continue
+        casts: list[str] = []
+        stem = PurePosixPath(o.file).stem
+        for rel in files:
+            text = _read(root, rel, max_bytes)
+            # another file reaches the builder through its module (imported by name or as module.callee)
+            if text is None or f"{callee}(" not in text or (rel != o.file and stem not in text):
+                continue
+            ctree = tree if rel == o.file else symbols.tree(rel)[0]
+            if ctree is None:
+                casts = []
+                break
+            found = _s33_bf16_handed(ctree, callee, index, param)
+            if found is None:
+                casts = []
+                break
+            casts += [f"{rel}:{ln}" for ln in found]
+        if not casts:
+            continue
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": f"every call of `{callee}` in the repository hands it a model just cast to bfloat16 ({', '.join(casts[:3])}): "
+                               "torch_npu fused optimizers take fp32/fp16 params only (TypeError at the first step), so the "
+                               "guarded fused branch would never run here (keep fp32 master weights to use it)"})
+
+
+def _s33_model_parameter(tree: ast.Module, qualname: str, model: str) -> tuple[Optional[str], int, str]:
+    """(name callers call, positional index, parameter name) of the builder parameter ``model`` comes from:
+    a module-level function's parameter, or a class's ``__init__`` parameter stored as ``self.<attr>``."""
+    parts = qualname.split(".")
+    top = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    fn: Optional[ast.AST] = None
+    callee = None
+    if len(parts) == 1 and isinstance(top.get(parts[0]), ast.FunctionDef):
+        fn, callee = top[parts[0]], parts[0]
+    elif len(parts) == 2 and parts[1] == "__init__" and isinstance(top.get(parts[0]), ast.ClassDef):
+        fn = next((m for m in top[parts[0]].body if isinstance(m, ast.FunctionDef) and m.name == "__init__"), None)
+        callee = parts[0]
+    if not isinstance(fn, ast.FunctionDef) or fn.args.vararg or fn.args.kwarg:
+        return None, 0, ""
+    names = [a.arg for a in fn.args.args]
+    offset = 1 if callee != parts[-1] else 0  # a method's self
+    param = model
+    if model.startswith("self.") and offset:
+        stored = [n.value.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                  and dotted(n.targets[0]) == model and isinstance(n.value, ast.Name)]
+        param = stored[0] if len(stored) == 1 else ""
+    if param not in names[offset:]:
+        return None, 0, ""
+    return callee, names.index(param) - offset, param
+
+
+def _s33_bf16_handed(tree: ast.Module, callee: str, index: int, param: str) -> Optional[list[int]]:
+    """Lines of the bf16 casts behind every call of ``callee`` in ``tree`` (a positional argument at
+    ``index`` or keyword ``param``, a name the caller's own body last bound, at its top level, to a
+    bfloat16 cast: ``m = m.to(torch.bfloat16)`` / ``.bfloat16()`` / ``.to(dtype=torch.bfloat16)``); None when
+    a call hands anything else (a different or unknown model: the guard decides at run time)."""
+    out: list[int] = []
+    bodies: list[list[ast.stmt]] = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for body in bodies:
+        for i, stmt in enumerate(body):
+            for call in _s33_own_nodes(stmt):
+                if not (isinstance(call, ast.Call) and (dotted(call.func) or "").split(".")[-1] == callee):
+                    continue
+                arg = call.args[index] if index < len(call.args) else next((k.value for k in call.keywords if k.arg == param), None)
+                if not isinstance(arg, ast.Name):
+                    return None
+                last = next((s for s in reversed(body[:i]) if isinstance(s, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == arg.id for t in s.targets)), None)
+                if last is None or not _s33_bf16_cast(last.value):
+                    return None
+                out.append(last.lineno)
+    return out
+
+
+def _s33_own_nodes(stmt: ast.stmt) -> Iterable[ast.AST]:
+    """The nodes of ``stmt`` outside the functions and classes it defines (their calls belong to their own bodies)."""
+    todo: list[ast.AST] = [stmt]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(c for c in ast.iter_child_nodes(node)
+                    if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)))
+
+
+def _s33_bf16_cast(value: ast.AST) -> bool:
+    """``x.to(torch.bfloat16)`` / ``x.to(dtype=torch.bfloat16)`` / ``x.bfloat16()`` (the outermost call)."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)):
+        return False
+    if value.func.attr == "bfloat16" and not value.args:
+        return True
+    return value.func.attr == "to" and any((dotted(a) or "") in ("torch.bfloat16", "bfloat16")
+                                           for a in [*value.args, *(k.value for k in value.keywords if k.arg == "dtype")])
+
+
+def _s33_literal_create_graph(call: ast.Call, full: str) -> bool:
+    """``t.backward(create_graph=True)`` / ``torch.autograd.backward(ts, create_graph=True)`` with a literal true
+    (keyword, or the third / fourth positional argument)."""
+    position = 3 if full.endswith("autograd.backward") else 2
+    flag = next((k.value for k in call.keywords if k.arg == "create_graph"), call.args[position] if len(call.args) > position else None)
+    return isinstance(flag, ast.Constant) and bool(flag.value)
