@@ -1914,7 +1914,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         Risk("other", "about 70% more device memory for the optimizer (msFmkTransplt's advice table): params, grads "
              "and states are copied into combined flat buffers at the first step"),
         Risk("other", "params without a grad at the first step are excluded from the combined buffers for good "
-             "(layers unfrozen later are never updated); params/grads must never be re-allocated afterwards "
+             "(never updated: layers unfrozen later, and parameters a step may leave unused: a submodule or stage drawn at "
+             "random per step, layer drop, MoE experts no token reached in the first batch); params/grads must never be re-allocated afterwards "
              "(.cpu()/.to(), new Parameter, p.grad = ..., load_state_dict into new tensors)"),
         Risk("dtype", "params must be float32 or float16 (bf16 raises TypeError at the first step); mixed fp32/fp16 params "
              "get one buffer each" + (": the guard checks the dtype of the trainable parameters it can read without consuming "
