@@ -690,9 +690,12 @@ def _sorted_operand(scope: Scope, name: str, line: int, bare_name: bool = False)
     else:
         return None
     f = call.func
-    if isinstance(f, ast.Attribute) and f.attr == want and not call.args:
+    # the dim may be given positionally: ``flat.sort(0)`` (a 1-D operand: 0 is its only dim); a second
+    # positional argument is ``descending``, so it refuses
+    if isinstance(f, ast.Attribute) and f.attr == want and (not call.args or len(call.args) == 1 and const_value(call.args[0]) in (0, -1)):
         src = f.value
-    elif (dotted(f) or "") in ((f"torch.{want}", want) if bare_name else (f"torch.{want}",)) and len(call.args) == 1:
+    elif (dotted(f) or "") in ((f"torch.{want}", want) if bare_name else (f"torch.{want}",)) \
+            and (len(call.args) == 1 or len(call.args) == 2 and const_value(call.args[1]) in (0, -1)):
         src = call.args[0]
     else:
         return None
@@ -701,11 +704,141 @@ def _sorted_operand(scope: Scope, name: str, line: int, bare_name: bool = False)
     return src
 
 
+def _sort_order_source(scope: Scope, name: str, line: int) -> Optional[tuple[str, int]]:
+    """:func:`_sort_order_of`, also with the flat indices bound to a name first (``flat = E.view(-1);
+    order = flat.argsort()``, ``E = E.flatten(); _, order = E.sort(0)``: ``E`` names the value the
+    flatten read), and the line of the statement that reads ``E``: from there to the combine ``E``
+    must keep its value for the fused call to read it again (a rebinding ``E = E.flatten()`` is
+    itself such a write)."""
+    src = _sorted_operand(scope, name, line)
+    defined = scope.definition(name, line)
+    read_at = getattr(defined, "lineno", line)
+    if isinstance(src, ast.Name):
+        src = scope.definition(src.id, read_at)
+        read_at = getattr(src, "lineno", read_at)
+    flat = _flat_of(src) if src is not None else None
+    return (flat, read_at) if flat is not None else None
+
+
+def _caller_text(helper: _HelperCall, node: ast.expr) -> Optional[ast.expr]:
+    """``node`` (an expression of the callee) as an expression the caller can evaluate: a constant,
+    ``self.<attr>`` of a method called on ``self``, or an untouched parameter (its argument)."""
+    if isinstance(node, ast.Name):
+        return _param_of(helper, node.id, helper.scope.node.body[-1].lineno)  # type: ignore[attr-defined]
+    names = [n for n in fast_walk(node) if isinstance(n, ast.Name)]
+    if all(n.id == "self" for n in names) and (helper.on_self or not names) \
+            and all(isinstance(n, (ast.Attribute, ast.Name, ast.Constant, ast.Load)) for n in fast_walk(node)):
+        return node
+    return None
+
+
 def _sort_order_of(scope: Scope, name: str, line: int) -> Optional[str]:
     """``E`` when ``name`` is the ascending sort order of the flattened expert indices
     (``_, order = E.flatten().sort()`` / ``torch.sort(E.view(-1))`` / ``E.flatten().argsort()``)."""
     src = _sorted_operand(scope, name, line)
     return _flat_of(src) if src is not None else None
+
+
+@dataclass(frozen=True)
+class _HelperCall:
+    """A call ``self.<method>(...)`` / ``<function>(...)`` of this module whose returned values are
+    read in the callee with its parameters bound to the caller's arguments."""
+
+    scope: Scope  # the callee's body
+    returned: tuple[ast.expr, ...]  # the elements of its one ``return a, b, c``
+    bind: dict[str, ast.expr]  # callee parameter -> the caller's argument
+    on_self: bool  # a method called on ``self``: ``self`` means the same object in both
+
+
+def _helper_call(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[_HelperCall]:
+    """The callee of ``call`` when it is a method of the caller's own class called on ``self`` (not
+    redefined by another class of this module: a subclass override would run instead) or a
+    module-level function, straight-line enough to read: one ``return`` (the last statement), no
+    ``*args`` / ``**kwargs``, every parameter given or defaulted."""
+    f = call.func
+    on_self = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and scope.class_name is not None
+    if on_self:
+        assert isinstance(f, ast.Attribute)
+        owners = [c for c in module.classes.values() if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == f.attr for n in c.body)]
+        if [c.name for c in owners] != [scope.class_name]:
+            return None
+        qual = next((c for c in module.scopes if c.class_name == scope.class_name and c.qualname.endswith(f".{f.attr}")
+                     and isinstance(c.node, ast.FunctionDef) and c.node.name == f.attr), None)
+    elif isinstance(f, ast.Name) and f.id in module.functions and not any(isinstance(n, ast.Starred) for n in call.args):
+        qual = next((c for c in module.scopes if c.node is module.functions[f.id]), None)
+    else:
+        return None
+    if qual is None or any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    fn = qual.node
+    assert isinstance(fn, ast.FunctionDef)
+    a = fn.args
+    if a.vararg or a.kwarg or fn.decorator_list and not all(dotted(d) in ("staticmethod", "torch.no_grad") for d in fn.decorator_list):
+        return None
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    if on_self:
+        if not params or any(dotted(d) == "staticmethod" for d in fn.decorator_list):
+            return None
+        params = params[1:]
+    if len(call.args) > len(params):
+        return None
+    bind: dict[str, ast.expr] = dict(zip(params, call.args))
+    for k in call.keywords:
+        if k.arg in bind or k.arg not in params + [p.arg for p in a.kwonlyargs]:
+            return None
+        bind[k.arg] = k.value  # type: ignore[index]
+    defaults = dict(zip([p.arg for p in (*a.posonlyargs, *a.args)][-len(a.defaults):] if a.defaults else [], a.defaults))
+    defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    for p in params + [p.arg for p in a.kwonlyargs]:
+        if p not in bind:
+            if p not in defaults:
+                return None
+            bind[p] = defaults[p]
+    returns = [n for n in fast_walk(fn) if isinstance(n, ast.Return)]
+    last = fn.body[-1] if fn.body else None
+    if len(returns) != 1 or returns[0] is not last or last.value is None \
+            or any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in fast_walk(fn)):
+        return None
+    value = last.value
+    elts = tuple(value.elts) if isinstance(value, ast.Tuple) else (value,)
+    return _HelperCall(qual, elts, bind, on_self)
+
+
+def _helper_output(module: ModuleInfo, scope: Scope, node: ast.expr) -> Optional[tuple[_HelperCall, ast.expr]]:
+    """``(callee, the returned expression)`` for one output of a helper call: ``node`` is what
+    :meth:`Scope.definition` gives for ``a, b, c = helper(...)`` (one element of its value) or for
+    ``a = helper(...)``."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call) and isinstance(const_value(node.slice), int):
+        call, k = node.value, const_value(node.slice)
+    elif isinstance(node, ast.Call):
+        call, k = node, None
+    else:
+        return None
+    helper = _helper_call(module, scope, call)
+    if helper is None:
+        return None
+    if k is None:
+        if len(helper.returned) != 1:
+            return None
+        k = 0
+    if not 0 <= k < len(helper.returned):
+        return None
+    out = helper.returned[k]
+    end = helper.scope.node.body[-1].lineno  # type: ignore[attr-defined]
+    if isinstance(out, ast.Name):
+        defined = helper.scope.definition(out.id, end)
+        if defined is None:
+            return None
+        out = defined
+    return helper, out
+
+
+def _param_of(helper: _HelperCall, name: str, line: int) -> Optional[ast.expr]:
+    """The caller's argument for callee name ``name`` when, at ``line`` in the callee, it still holds
+    the parameter as passed (never rebound before that line)."""
+    if name not in helper.bind or helper.scope.definition(name, line) is not None:
+        return None
+    return helper.bind[name]
 
 
 def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
@@ -741,13 +874,31 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         out = stmt.targets[0].id
     zeros = call.func.value.id  # type: ignore[union-attr]
     tdef = scope.definition(tok.id, stmt.lineno)
+    # the assignment (token index, weights, counts) may be computed by a helper of this module and returned
+    # (`tok, gates, counts = self._assign(weights, experts)`): read in the helper, its parameters bound
+    # to the caller's arguments
+    assigned_by = _helper_output(module, scope, tdef) if tdef is not None else None
+    helper: Optional[_HelperCall] = None
+    oscope, oline = scope, stmt.lineno  # where the sort order is read, and before which line
+    if assigned_by is not None:
+        helper, tdef = assigned_by
+        oscope, oline = helper.scope, helper.scope.node.body[-1].lineno  # type: ignore[attr-defined]
     if not (isinstance(tdef, ast.BinOp) and isinstance(tdef.op, ast.FloorDiv) and isinstance(tdef.left, ast.Name)):
         return None
     order, k_node = tdef.left.id, tdef.right
-    experts_idx = _sort_order_of(scope, order, stmt.lineno)
-    if experts_idx is None:
+    sorted_from = _sort_order_source(oscope, order, oline)
+    if sorted_from is None:
         raise _Miss(f"rows are added back at `{order} // {segment(module, k_node)}`, but `{order}` is not the ascending "
                     "sort order of the flattened expert indices (what npu_moe_token_permute computes)")
+    experts_idx, experts_line = sorted_from
+    call_line = stmt.lineno
+    if helper is not None:
+        call_line = getattr(scope.definition(tok.id, stmt.lineno), "lineno", stmt.lineno)
+        arg = _param_of(helper, experts_idx, experts_line)
+        k_arg = _caller_text(helper, k_node)
+        if not isinstance(arg, ast.Name) or k_arg is None:
+            return None  # the helper sorts something the caller did not pass as a plain name
+        experts_idx, experts_line, k_node = arg.id, call_line, k_arg
     # the weighting right before the combine: h = h * gates[:, None]
     j = i - 1
     while j >= 0 and not (isinstance(block[j], ast.Assign) and src.id in _assigned([block[j]])):
@@ -767,10 +918,29 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     if hidden is None or gate is None:
         raise _Miss("the rows added back by the sorted-order index are not the expert output times a routing weight")
     gdef = scope.definition(gate, mult.lineno)
+    weights_since = getattr(gdef, "lineno", mult.lineno) + 1
+    if helper is not None:
+        # the weights come out of the same helper call as the token index
+        gate_by = _helper_output(module, scope, gdef) if isinstance(gdef, ast.Subscript) else None
+        tcall = scope.definition(tok.id, stmt.lineno)
+        if gate_by is None or not (isinstance(tcall, ast.Subscript) and gdef.value is tcall.value):  # type: ignore[union-attr]
+            raise _Miss(f"the routing weight `{gate}` is not returned by the helper call that returns the token index `{tok.id}`")
+        gdef = gate_by[1]
     if not (isinstance(gdef, ast.Subscript) and isinstance(gdef.slice, ast.Name) and gdef.slice.id == order):
         raise _Miss(f"the routing weight `{gate}` is not the flat weights taken in the sorted order `{order}`")
     weights_node = gdef.value
     weights = _flat_of(weights_node) if not isinstance(weights_node, ast.Name) else weights_node.id
+    if helper is not None and weights is not None:
+        # in the helper: the flat weights of a parameter (`w = w.flatten(); gates = w[order]` or `w.flatten()[order]`)
+        wline = gdef.lineno
+        if isinstance(weights_node, ast.Name):
+            flat = oscope.definition(weights, wline)
+            if flat is not None:
+                wline = flat.lineno
+                weights = _flat_of(flat)
+        arg = _param_of(helper, weights, wline) if weights is not None else None
+        weights = arg.id if isinstance(arg, ast.Name) else None
+        weights_since = call_line
     if weights is None:
         raise _Miss(f"the routing weight `{gate}` is not the flat weights taken in the sorted order `{order}`")
     # the rows: walk back over h = f(h) to h = x[tok] / x.index_select(0, tok)
@@ -805,8 +975,10 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         meta = {id(n.value) for n in fast_walk(st) if isinstance(n, ast.Attribute) and n.attr in ("dtype", "device")}
         if hidden in _assigned([st]) or any(isinstance(n, ast.Name) and n.id == hidden and id(n) not in meta for n in fast_walk(st)):
             raise _Miss(f"`{ast.unparse(st)[:50]}` reads the weighted rows `{hidden}` before the combine")
-    for name, since in ((tok.id, gather.lineno), (order, gather.lineno), (gate, gather.lineno),
-                        (weights, gdef.lineno + 1), (experts_idx, tdef.lineno)):
+    checks = [(tok.id, gather.lineno), (gate, gather.lineno), (weights, weights_since), (experts_idx, experts_line)]
+    if helper is None:
+        checks.append((order, gather.lineno))  # (the helper's order is its own local)
+    for name, since in checks:
         d = next((a for a, _v in scope.assignments.get(name, []) if since <= a.lineno <= stmt.lineno), None)
         if d is not None:
             raise _Miss(f"`{name}` is reassigned between its use in the sorted dispatch and the combine")
@@ -6018,6 +6190,82 @@ MoeExperts.KEEP += [
     # the weights taken in another order than the rows: not the slot's weight
     Keep(_SORT_PERMUTE.replace("batch_gates = router_weights[sorted_scattered_idxs]", "batch_gates = router_weights[batch_index]"),
          reason="is not the flat weights taken in the sorted order", name="weights_in_another_order"),
+]
+
+# the assignment (token rows, their weights, the counts) computed by a helper and returned: a method of
+# the same class called on self (parameters rebound to their flat values, `.sort(0)`, the weights
+# indexed in the return statement), or a module-level function given keywords
+_SORT_PERMUTE_HELPER = _SORT_PERMUTE.replace('''    def forward(self, x, router_weights, selected_experts):
+        with torch.no_grad():
+            sorted_expert_idxs, sorted_scattered_idxs = selected_experts.flatten().sort()
+            expert_frequency = torch.bincount(sorted_expert_idxs, minlength=self.num_experts)
+        T = x.size(0)
+        batch_index = sorted_scattered_idxs // self.top_k
+        router_weights = router_weights.flatten()
+        batch_gates = router_weights[sorted_scattered_idxs]
+        x = x[batch_index]
+''', '''    def _assign(self, probs, experts):
+        experts = experts.flatten()
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        _, order = experts.sort(0)
+        rows = order // self.top_k
+        probs = probs.flatten()
+        return rows, probs[order], counts
+
+    def forward(self, x, router_weights, selected_experts):
+        T = x.size(0)
+        batch_index, batch_gates, expert_frequency = self._assign(router_weights, selected_experts)
+        x = x[batch_index]
+''')
+
+_SORT_PERMUTE_FUNCTION = _SORT_PERMUTE.replace("class MoE(nn.Module):", '''def route(weights, experts, k):
+    order = experts.view(-1).argsort()
+    return order // k, weights.view(-1)[order]
+
+
+class MoE(nn.Module):''').replace('''        batch_index = sorted_scattered_idxs // self.top_k
+        router_weights = router_weights.flatten()
+        batch_gates = router_weights[sorted_scattered_idxs]
+        x = x[batch_index]
+''', '''        tok, gates = route(weights=router_weights, experts=selected_experts, k=self.top_k)
+        h = x.index_select(0, tok)
+''').replace('''        x = self.experts(x, expert_frequency)
+        x = x * batch_gates.unsqueeze(-1)
+        zeros = torch.zeros((T, self.dim), dtype=x.dtype, device=x.device)
+        x = zeros.index_add(0, batch_index, x)
+        return x
+''', '''        h = self.experts(h, expert_frequency)
+        h = h * gates[:, None]
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, h)
+        return out
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_SORT_PERMUTE_HELPER, name="sort_permute_assignment_returned_by_a_method", run=_SORT_PERMUTE_RUN, expect={
+        "routing": "sort_permute", "tokens": "x", "indices": "selected_experts", "probs": "router_weights",
+        "top_k": "self.top_k", "output": "x"}),
+    Fuse(_SORT_PERMUTE_FUNCTION, name="sort_permute_assignment_returned_by_a_function", run=_SORT_PERMUTE_RUN, expect={
+        "routing": "sort_permute", "tokens": "x", "indices": "selected_experts", "probs": "router_weights",
+        "top_k": "self.top_k", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # a subclass in the module overrides the helper: `self._assign` may run either body
+    Keep(_SORT_PERMUTE_HELPER + '''
+
+class ReversedMoE(MoE):
+    def _assign(self, probs, experts):
+        experts = experts.flatten()
+        _, order = experts.sort(0, descending=True)
+        return order // self.top_k, probs.flatten()[order], torch.bincount(experts, minlength=self.num_experts)
+''', reason="at indices computed outside this function", name="sort_permute_helper_overridden_in_a_subclass"),
+    # the helper sorts descending: not the permute's order
+    Keep(_SORT_PERMUTE_HELPER.replace("_, order = experts.sort(0)", "_, order = experts.sort(0, descending=True)"),
+         reason="is not the ascending sort order", name="sort_permute_helper_sorts_descending"),
+    # the helper's weights are taken at the token rows, not at the slots
+    Keep(_SORT_PERMUTE_FUNCTION.replace("return order // k, weights.view(-1)[order]", "return order // k, weights.view(-1)[order // k]"),
+         reason="is not the flat weights taken in the sorted order", name="sort_permute_helper_weights_at_rows"),
 ]
 
 
