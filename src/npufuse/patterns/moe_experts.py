@@ -1012,6 +1012,9 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens have T rows and the "
              "weights one per slot; otherwise the code runs as written"),
     ]
+    if helper is not None and helper.on_self:
+        risks.append(Risk("other", f"the sort order is read in `{helper.scope.qualname}`; a subclass defined in another file "
+                          "that overrides it would compute another assignment (this module defines it once)"))
     notes = ["the gather of tokens in sorted-expert order becomes npu_moe_token_permute and the weighted index_add "
              "npu_moe_token_unpermute (both with autograd); the experts between them run as written; the sort order "
              "computed before stays (its counts still feed the experts)"]
