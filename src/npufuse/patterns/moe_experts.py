@@ -272,8 +272,8 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 slot_spans.append((slots.line, slots.end_line))
                 yield slots
                 continue
-        if any(a <= stmt.lineno <= b for a, b in slot_spans):
-            continue  # the inner loop of a per-token, per-slot site already reported
+        if any(a <= stmt.lineno <= b for a, b in slot_spans + covered):
+            continue  # the inner loop of a per-token, per-slot site (or of a sorted dispatch) already reported
         try:
             slot_outer = _slot_outer_site(module, scope, block, i, stmt)  # s26: slots outside, tokens in a comprehension
         except _Miss as miss:
@@ -852,10 +852,19 @@ def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in ("index_add", "index_add_")
                 and isinstance(call.func.value, ast.Name)):
             continue
+        first: Optional[_Miss] = None
         try:
             found = _sort_permute_site(module, scope, block, i, stmt, call)
         except _Miss as miss:
-            yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            found, first = None, miss
+        if found is None:
+            # the experts fill a buffer from the sorted rows (a loop, not a chain of statements on the rows)
+            try:
+                found = _sorted_pairs_site(module, scope, block, i, stmt, call)
+            except _Miss as miss:
+                first = miss  # it read further: the buffer form's difference is the one that matters
+        if found is None and first is not None:
+            yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(first))
             continue
         if found is not None:
             yield found
@@ -1021,6 +1030,202 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     return Finding(
         pattern=_ID, qualname=scope.qualname, line=gather.lineno, end_line=stmt.end_lineno or stmt.lineno, params=params,
         fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sort_permute", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _slot_token_index(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line: int) -> Optional[tuple[str, ast.expr]]:
+    """``(order, K)`` when ``node`` is the token row of each slot in the sort order: ``order // K``, or
+    ``R[order]`` / ``R.index_select(0, order)`` with ``R = torch.arange(N).repeat_interleave(K)`` (the
+    token of flat slot j is j // K: R[j] == j // K for every j < N * K, whatever N)."""
+    if isinstance(node, ast.Name):
+        node = scope.definition(node.id, line)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) and isinstance(node.left, ast.Name):
+        return node.left.id, node.right
+    base = order = None
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name):
+        base, order = node.value, node.slice.id
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "index_select" \
+            and len(node.args) == 2 and const_value(node.args[0]) == 0 and isinstance(node.args[1], ast.Name):
+        base, order = node.func.value, node.args[1].id
+    if base is None or order is None:
+        return None
+    if isinstance(base, ast.Name):
+        base = scope.definition(base.id, getattr(node, "lineno", line))
+    if not (isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "repeat_interleave"
+            and len(base.args) == 1 and not base.keywords and isinstance(base.func.value, ast.Call)
+            and _canon(module, base.func.value.func) == "torch.arange" and len(base.func.value.args) == 1):
+        return None
+    return order, base.args[0]
+
+
+def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
+                       call: ast.Call) -> Optional[Finding]:
+    """Flat (token, expert, weight) slots sorted by expert, the experts run on the sorted rows into a
+    buffer, then weighted and added back per token::
+
+        tok = torch.arange(T).repeat_interleave(K)        # (or order // K)
+        rows = x[tok]; order = torch.argsort(E.reshape(-1)); rows = rows[order]; tok = tok[order]
+        w = W.reshape(-1, 1)[order]
+        buf = torch.zeros_like(rows); <the experts fill buf from rows, segment by segment>
+        buf.mul_(w); out = torch.zeros_like(x); out.index_add_(0, tok, buf)
+
+    The sorted rows are npu_moe_token_permute(x, E) (rows of one expert contiguous, experts ascending:
+    the counts the code takes from the sorted ids are unchanged); the weighting and the index_add are
+    npu_moe_token_unpermute. What runs between (counts, the buffer, the expert loop) stays as written.
+    None where the function is not that shape."""
+    dim, tok, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
+    if not (dim is not None and const_value(dim) == 0 and isinstance(tok, ast.Name) and isinstance(src, ast.Name)):
+        return None
+    inplace = call.func.attr == "index_add_"  # type: ignore[union-attr]
+    out = ""
+    if isinstance(stmt, ast.Assign):
+        if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or inplace:
+            return None
+        out = stmt.targets[0].id
+    zeros = call.func.value.id  # type: ignore[union-attr]
+    buf = src.id
+    slot = _slot_token_index(module, scope, tok, stmt.lineno)
+    if slot is None:
+        return None
+    order, k_node = slot
+    sorted_from = _sort_order_source(scope, order, stmt.lineno)
+    if sorted_from is None:
+        return None
+    experts_idx, experts_line = sorted_from
+    # the weighting: buf.mul_(w) / buf = buf * w right before the combine (an allocation of the output between)
+    j = i - 1
+    while j >= 0 and not (buf in _assigned([block[j]]) or isinstance(block[j], ast.Expr) and isinstance(block[j].value, ast.Call)  # type: ignore[attr-defined]
+                          and isinstance(block[j].value.func, ast.Attribute) and block[j].value.func.attr == "mul_"  # type: ignore[attr-defined]
+                          and isinstance(block[j].value.func.value, ast.Name) and block[j].value.func.value.id == buf):  # type: ignore[attr-defined]
+        j -= 1
+    if j < 0:
+        return None
+    weighting = block[j]
+    if not isinstance(weighting, (ast.Expr, ast.Assign)):
+        return None  # the rows are last written in a block (`if ...:`): not read here
+    wv = weighting.value
+    if isinstance(weighting, ast.Expr) and isinstance(wv, ast.Call) and len(wv.args) == 1 and not wv.keywords:
+        gate_node = wv.args[0]
+    elif isinstance(weighting, ast.Assign) and len(weighting.targets) == 1 and isinstance(wv, ast.BinOp) and isinstance(wv.op, ast.Mult) \
+            and isinstance(wv.left, ast.Name) and wv.left.id == buf:
+        gate_node = wv.right
+    else:
+        return None
+    # the buffer: buf = torch.zeros_like(rows) / empty_like, rows the tokens gathered in the sort order
+    bdef = next(((a, v) for a, v in reversed(scope.assignments.get(buf, [])) if a.lineno < weighting.lineno), None)
+    if bdef is None or not (isinstance(bdef[1], ast.Call) and _canon(module, bdef[1].func) in ("torch.zeros_like", "torch.empty_like")
+                            and len(bdef[1].args) == 1 and isinstance(bdef[1].args[0], ast.Name)):
+        return None
+    rows = bdef[1].args[0].id  # type: ignore[attr-defined]
+    rdef_stmt = next((a for a, _v in reversed(scope.assignments.get(rows, [])) if a.lineno < bdef[0].lineno), None)
+    if rdef_stmt is None:
+        return None
+    rv = scope.definition(rows, rdef_stmt.lineno + 1)
+    gathers = [rdef_stmt]
+    tokens = None
+    if isinstance(rv, ast.Subscript) and isinstance(rv.value, ast.Name) and isinstance(rv.slice, ast.Name) and rv.slice.id == order:
+        # rows = rows0[order] with rows0 = x[R] (R the unsorted arange(T).repeat_interleave(K))
+        first = next((a for a, _v in reversed(scope.assignments.get(rv.value.id, [])) if a.lineno < rdef_stmt.lineno), None)
+        fv = scope.definition(rv.value.id, rdef_stmt.lineno)
+        if first is None or not (isinstance(fv, ast.Subscript) and isinstance(fv.value, ast.Name) and isinstance(fv.slice, ast.Name)):
+            return None
+        r0 = scope.definition(fv.slice.id, first.lineno)
+        if _slot_token_index(module, scope, ast.Subscript(value=fv.slice, slice=ast.Name(order, ast.Load()), ctx=ast.Load()),
+                             first.lineno) is None or not isinstance(r0, ast.Call):
+            return None
+        tokens = fv.value.id
+        gathers.insert(0, first)
+    elif isinstance(rv, ast.Subscript) and isinstance(rv.value, ast.Name):
+        again = _slot_token_index(module, scope, rv.slice, rdef_stmt.lineno)  # rows = x[order // K]
+        if again is None or again[0] != order:
+            return None
+        tokens = rv.value.id
+    if tokens is None or not all(g in block for g in gathers):
+        return None
+    # (the shape is this form's: a difference from here on is a near miss)
+    # the weights: W.reshape(-1, 1)[order] (through names), or a column of W.flatten()[order]
+    if isinstance(gate_node, ast.Name):
+        gate_node = scope.definition(gate_node.id, weighting.lineno)
+    if not (isinstance(gate_node, ast.Subscript) and isinstance(gate_node.slice, ast.Name) and gate_node.slice.id == order):
+        col = _gate_column_node(gate_node) if gate_node is not None else None
+        gate_node = scope.resolve(col, weighting.lineno) if col is not None else None
+        if not (isinstance(gate_node, ast.Subscript) and isinstance(gate_node.slice, ast.Name) and gate_node.slice.id == order):
+            raise _Miss(f"rows sorted by expert are added back per token, but the weight `{segment(module, weighting)[:50]}` is not "
+                        f"the flat routing weights taken in the sort order `{order}`")
+        flat = gate_node.value
+        weights = _flat_of(scope.resolve(flat, gate_node.lineno) if isinstance(flat, ast.Name) else flat)
+    else:
+        flat = gate_node.value
+        if isinstance(flat, ast.Name):
+            flat = scope.definition(flat.id, gate_node.lineno)
+        weights = _gate_column(flat) if flat is not None else None
+    if weights is None:
+        raise _Miss(f"rows sorted by expert are added back per token, but the weight `{segment(module, weighting)[:50]}` is not "
+                    f"the flat routing weights taken in the sort order `{order}`")
+    g0 = block.index(gathers[0])
+    span = block[g0 : i + 1]
+    k_ = segment(module, k_node)
+    e_ = experts_idx
+    # what runs between stays as written; it must not touch the names the fused calls read
+    keep = [st for st in span if st is not weighting and st is not stmt and st not in gathers]
+    if not all(isinstance(st, (ast.Assign, ast.AugAssign, ast.Expr, ast.For, ast.AnnAssign)) for st in keep):
+        return None
+    after_rows = block[block.index(gathers[-1]) + 1 : i]
+    for name in (tokens, e_, weights, buf, rows):
+        if any(a.lineno > gathers[-1].lineno and a.lineno < stmt.lineno for a, _v in scope.assignments.get(name, [])
+               if not (name == buf and (a is bdef[0] or a is weighting))):
+            raise _Miss(f"`{name}` is reassigned between the sorted gather and the combine")
+    for st in after_rows:
+        if st is weighting:
+            continue
+        if any(isinstance(n, ast.Name) and n.id == buf for n in fast_walk(st)) and st is not bdef[0] \
+                and not isinstance(st, ast.For):
+            raise _Miss(f"`{segment(module, st)[:50]}` reads the expert rows `{buf}` outside the expert loop")
+    for name, since in ((e_, experts_line), (weights, gathers[0].lineno)):
+        if any(since <= a.lineno <= stmt.lineno for a, _v in scope.assignments.get(name, [])):
+            raise _Miss(f"`{name}` is reassigned between the sorted dispatch and the combine")
+    end = stmt.end_lineno or stmt.lineno
+    if scope.uses_after(buf, end) and buf != out:
+        raise _Miss(f"`{buf}` (the expert rows in sorted order) is used after the combine; the fused layer does not produce it")
+    ind = "    "
+    body = [
+        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.dim() == 2 and {tokens}.shape[0] == {e_}.shape[0] "
+        f"and {weights}.numel() == {e_}.numel():",
+    ]
+    for st in span:
+        if st is gathers[-1]:
+            body.append(f"{ind}# the tokens gathered slot by slot in sorted-expert order are the permute")
+            body.append(f"{ind}{rows}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})")
+        elif st in gathers or st is weighting:
+            continue
+        elif st is stmt:
+            body.append(f"{ind}# weighting by the slot's routing weight and the index_add are the unpermute")
+            body.append(f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({buf}, {P}order, probs={weights}.reshape({e_}.shape).to({buf}.dtype))")
+            body.append(f"{ind}{zeros}.add_({P}y)" if inplace else f"{ind}{out} = {zeros} + {P}y")
+        else:
+            body.extend(ind + ln for ln in ast.unparse(st).splitlines())
+    body.append("else:  # other shapes: as written")
+    body.extend(ind + ln for st in span for ln in ast.unparse(st).splitlines())
+    params: dict[str, Any] = {
+        "num_experts": "(as the experts take them)", "top_k": k_, "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_down",
+        "routing": "sorted_pairs", "loop": "as written", "tokens": tokens, "indices": e_, "probs": weights,
+        "counts": None, "output": out or zeros, "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"the code's own sort of {e_} may order the rows of one expert differently than the permute (a "
+             "stable sort): equal only while the expert computation treats rows independently (no batch statistics)"),
+        Risk("dtype", f"the routing weights are cast to the rows' dtype for unpermute (the original multiplies `{buf}` "
+             "by them with type promotion)"),
+        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens are [T, H] and the "
+             "weights one per slot; otherwise the code runs as written"),
+    ]
+    notes = ["the tokens gathered slot by slot in sorted-expert order become npu_moe_token_permute and the weighted "
+             "index_add npu_moe_token_unpermute (both with autograd); the experts between them run as written"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=gathers[0].lineno, end_line=end, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sorted_pairs", risks=risks,
         notes=notes, training_ok=True,
     )
 
@@ -6193,6 +6398,85 @@ MoeExperts.KEEP += [
     # the weights taken in another order than the rows: not the slot's weight
     Keep(_SORT_PERMUTE.replace("batch_gates = router_weights[sorted_scattered_idxs]", "batch_gates = router_weights[batch_index]"),
          reason="is not the flat weights taken in the sorted order", name="weights_in_another_order"),
+]
+
+# flat slots sorted by expert, the experts filling a buffer segment by segment, weighted and added back per token
+_SORTED_PAIRS = _HEAD + '''
+class PairsMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(n)])
+        self.n, self.k = n, k
+
+    def forward(self, x):
+        probs, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        order = ids.view(-1).argsort()
+        tok = order // self.k
+        rows = x[tok]
+        counts = torch.bincount(ids.view(-1), minlength=self.n)
+        buf = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            buf[start:start + n] = self.experts[e](rows[start:start + n])
+            start += n
+        buf = buf * probs.flatten()[order][:, None]
+        out = torch.zeros_like(x)
+        out = out.index_add(0, tok, buf)
+        return out
+'''
+
+_SORTED_PAIRS_RUN = '''
+moe = PairsMoE(16, 24, 5, 2)
+x = torch.randn(11, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.router.weight, moe.experts[0][0].weight, moe.experts[3][2].bias]
+'''
+
+# the slot tokens as arange(T).repeat_interleave(K), gathered first and reordered with the other slot arrays
+# (names rebound), the weights a [T*K, 1] column reordered, the buffer weighted in place
+_SORTED_PAIRS_REPEATED = _SORTED_PAIRS.replace('''        order = ids.view(-1).argsort()
+        tok = order // self.k
+        rows = x[tok]
+        counts = torch.bincount(ids.view(-1), minlength=self.n)
+        buf = torch.empty_like(rows)
+''', '''        T, K = probs.shape
+        tok = torch.arange(T, device=x.device).repeat_interleave(K)
+        flat_ids = ids.reshape(-1)
+        w = probs.reshape(-1, 1)
+        rows = x[tok]
+        order = torch.argsort(flat_ids)
+        flat_ids = flat_ids[order]
+        tok = tok[order]
+        w = w[order]
+        rows = rows[order]
+        counts = torch.bincount(flat_ids, minlength=self.n)
+        buf = torch.zeros_like(rows)
+''').replace('''        buf = buf * probs.flatten()[order][:, None]
+        out = torch.zeros_like(x)
+        out = out.index_add(0, tok, buf)
+''', '''        buf.mul_(w)
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, buf)
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_SORTED_PAIRS, name="sorted_pairs_buffer_filled_by_segments", run=_SORTED_PAIRS_RUN, expect={
+        "routing": "sorted_pairs", "tokens": "x", "indices": "ids", "probs": "probs", "top_k": "self.k", "output": "out"}),
+    Fuse(_SORTED_PAIRS_REPEATED, name="sorted_pairs_arange_repeat_interleave_tokens", run=_SORTED_PAIRS_RUN, expect={
+        "routing": "sorted_pairs", "tokens": "x", "indices": "ids", "probs": "probs", "top_k": "K", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # the weights taken at the token rows, not at the sorted slots
+    Keep(_SORTED_PAIRS.replace("buf = buf * probs.flatten()[order][:, None]", "buf = buf * probs.flatten()[tok][:, None]"),
+         reason="is not the flat routing weights taken in the sort order", name="sorted_pairs_weights_at_token_rows"),
+    # sorted descending: not the permute's order
+    Keep(_SORTED_PAIRS.replace("order = ids.view(-1).argsort()", "order = ids.view(-1).argsort(descending=True)"),
+         reason="is not the ascending sort order", name="sorted_pairs_sorted_descending"),
+    # the weighted rows in sorted order are returned too: the fused layer does not produce them
+    Keep(_SORTED_PAIRS_REPEATED.replace("        return out\n", "        return out, buf\n"),
+         reason="is used after the combine", name="sorted_pairs_buffer_returned"),
 ]
 
 # the assignment (token rows, their weights, the counts) computed by a helper and returned: a method of
