@@ -870,8 +870,9 @@ def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
             yield found
 
 
-def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
-                       call: ast.Call) -> Optional[Finding]:
+def _index_add_combine(stmt: ast.stmt, call: ast.Call) -> Optional[tuple[ast.Name, ast.Name, bool, str, str]]:
+    """``(index, rows, in place, output name or "", buffer name)`` of ``buf.index_add_(0, idx, rows)`` /
+    ``out = buf.index_add(0, idx, rows)`` with plain names; None otherwise."""
     dim, tok, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
     if not (dim is not None and const_value(dim) == 0 and isinstance(tok, ast.Name) and isinstance(src, ast.Name)):
         return None
@@ -881,7 +882,27 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or inplace:
             return None
         out = stmt.targets[0].id
-    zeros = call.func.value.id  # type: ignore[union-attr]
+    return tok, src, inplace, out, call.func.value.id  # type: ignore[union-attr]
+
+
+def _sorted_rows_risks(e_: str, k_: str, rows: str, tokens_shape: str) -> list[Risk]:
+    """The risks of fusing rows the code sorted by expert itself (both sort-permute forms)."""
+    return [
+        Risk("other", f"the code's own sort of {e_} may order the rows of one expert differently than the permute (a "
+             "stable sort): equal only while the expert computation treats rows independently (no batch statistics)"),
+        Risk("dtype", f"the routing weights are cast to the rows' dtype for unpermute (the original multiplies `{rows}` "
+             "by them with type promotion)"),
+        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens {tokens_shape} and the "
+             "weights one per slot; otherwise the code runs as written"),
+    ]
+
+
+def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
+                       call: ast.Call) -> Optional[Finding]:
+    combine = _index_add_combine(stmt, call)
+    if combine is None:
+        return None
+    tok, src, inplace, out, zeros = combine
     tdef = scope.definition(tok.id, stmt.lineno)
     # the assignment (token index, weights, counts) may be computed by a helper of this module and returned
     # (`tok, gates, counts = self._assign(weights, experts)`): read in the helper, its parameters bound
@@ -1013,14 +1034,7 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         "routing": "sort_permute", "loop": "none", "tokens": tokens, "indices": e_, "probs": weights,
         "counts": None, "output": out or zeros, "output_dtype": None, "sentinel_index": None,
     }
-    risks = [
-        Risk("other", f"the code's own sort of {e_} may order the rows of one expert differently than the permute (a "
-             "stable sort): equal only while the expert computation treats rows independently (no batch statistics)"),
-        Risk("dtype", f"the routing weights are cast to the rows' dtype for unpermute (the original multiplies "
-             f"`{hidden} * {gate}` with type promotion)"),
-        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens have T rows and the "
-             "weights one per slot; otherwise the code runs as written"),
-    ]
+    risks = _sorted_rows_risks(e_, k_, hidden, "have T rows")
     if helper is not None and helper.on_self:
         risks.append(Risk("other", f"the sort order is read in `{helper.scope.qualname}`; a subclass defined in another file "
                           "that overrides it would compute another assignment (this module defines it once)"))
@@ -1074,16 +1088,10 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     the counts the code takes from the sorted ids are unchanged); the weighting and the index_add are
     npu_moe_token_unpermute. What runs between (counts, the buffer, the expert loop) stays as written.
     None where the function is not that shape."""
-    dim, tok, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
-    if not (dim is not None and const_value(dim) == 0 and isinstance(tok, ast.Name) and isinstance(src, ast.Name)):
+    combine = _index_add_combine(stmt, call)
+    if combine is None:
         return None
-    inplace = call.func.attr == "index_add_"  # type: ignore[union-attr]
-    out = ""
-    if isinstance(stmt, ast.Assign):
-        if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or inplace:
-            return None
-        out = stmt.targets[0].id
-    zeros = call.func.value.id  # type: ignore[union-attr]
+    tok, src, inplace, out, zeros = combine
     buf = src.id
     slot = _slot_token_index(module, scope, tok, stmt.lineno)
     if slot is None:
@@ -1213,14 +1221,7 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         "routing": "sorted_pairs", "loop": "as written", "tokens": tokens, "indices": e_, "probs": weights,
         "counts": None, "output": out or zeros, "output_dtype": None, "sentinel_index": None,
     }
-    risks = [
-        Risk("other", f"the code's own sort of {e_} may order the rows of one expert differently than the permute (a "
-             "stable sort): equal only while the expert computation treats rows independently (no batch statistics)"),
-        Risk("dtype", f"the routing weights are cast to the rows' dtype for unpermute (the original multiplies `{buf}` "
-             "by them with type promotion)"),
-        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens are [T, H] and the "
-             "weights one per slot; otherwise the code runs as written"),
-    ]
+    risks = _sorted_rows_risks(e_, k_, buf, "are [T, H]")
     notes = ["the tokens gathered slot by slot in sorted-expert order become npu_moe_token_permute and the weighted "
              "index_add npu_moe_token_unpermute (both with autograd); the experts between them run as written"]
     return Finding(
