@@ -1957,7 +1957,9 @@ class _Eval:
                 self.counts_name = inner.id
                 self.env[item_name] = V("count")
                 return
-            raise _Miss("enumerate loop over something that is neither the experts nor per-expert token counts")
+            # (counts are read from a name: `enumerate(counts.tolist())` / `.cpu().numpy()` written inline are not)
+            raise _Miss(f"enumerate loop over `{segment(m, inner)[:50]}`: neither the experts nor per-expert token counts "
+                        "bound to a name")
         if isinstance(it, ast.Call) and dotted(it.func) == "zip" and len(it.args) == 2 and not it.keywords \
                 and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts):
             # ``for mask, expert in zip(masks, self.experts)``: enumerate(self.experts) whose first
