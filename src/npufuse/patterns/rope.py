@@ -1229,6 +1229,30 @@ def _calls_view_as_real(call: ast.Call) -> bool:
     return (isinstance(f, ast.Attribute) and f.attr == "view_as_real") or (isinstance(f, ast.Name) and f.id == "view_as_real")
 
 
+def _sized_by_leading_dims(scope: Scope, table: ast.expr, x: ast.expr, pairs: ast.expr) -> ast.Call | None:
+    """The ``reshape`` / ``view`` (through names) that gives ``table`` x's first two dims as its first two
+    sizes (``cache.reshape(xs.shape[0], xs.shape[1], 1, d, 2)``, xs being x or its pairs view): a table
+    that varies with the batch by construction. None otherwise."""
+    r = _resolve(scope, table)
+    r = strip_casts(r)[0] if isinstance(r, ast.Call) else r  # (`.reshape(...).to(torch.float32)`)
+    if not (_method(r, "reshape", "view") and len(r.args) >= 3 and not any(isinstance(a, ast.Starred) for a in r.args)):
+        return None
+    x_base = strip_casts(x)[0]
+
+    def dim_of_x(node: ast.expr) -> int | None:
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            owner, k = node.value.value, const_value(node.slice)
+        elif _method(node, "size") and len(node.args) == 1:
+            owner, k = node.func.value, const_value(node.args[0])
+        else:
+            return None
+        seen = _resolve(scope, owner)
+        if seen is pairs or same_expr(strip_casts(owner)[0], x_base) or same_expr(strip_casts(seen)[0], x_base):
+            return k if isinstance(k, int) and not isinstance(k, bool) else None
+        return None
+    return r if (dim_of_x(r.args[0]), dim_of_x(r.args[1])) == (0, 1) else None
+
+
 def _keeps_lead_dim(scope: Scope, node: ast.expr) -> bool:
     """The table is built here by an indexing that keeps the caller's leading dim and inserts a
     broadcast axis after it (HF GPT-J's ``sin[:, :, None, :]`` of [B, S, D/2]): a batch-dependent
@@ -2303,6 +2327,12 @@ class RopePattern(Pattern):
             return None
         x_src = segment(module, x)
         c_src = segment(module, cache)
+        sized = _sized_by_leading_dims(scope, cache, x, xs)
+        if sized is not None:
+            # a layout written out here with x's batch dim (the batch is dim 0 or 1 of x in every layout
+            # npu_rotary_mul takes): refused like the other batch-dependent layouts seen in the function
+            return (f"{_BATCH_REASON} (`{c_src}` is reshaped here to x's two leading dims, `{segment(module, sized)[:60]}`): "
+                    "npu_rotary_mul's interleave mode takes only 11SD / 1S1D / S11D cos/sin (no per-batch positions)")
         tag = _ident(c_src)
         cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
         xv = f"_npufuse_{_ident(x_src)}_x"
@@ -3683,6 +3713,14 @@ out = apply_rotary_emb(x, precompute_freqs_cis(5, 8, dtype=torch.float16))
 leaves = [x]
 ''',
     ),
+]
+
+RopePattern.KEEP += [
+    # the cache reshaped here to x's batch and sequence dims (one row of positions per example, unified-io-2's
+    # per-example rope cache): a batch-dependent layout written out, refused like the others seen in the function
+    Keep(_GPT_FAST_PAIRS.replace("freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)",
+                                 "freqs_cis = freqs_cis.reshape(xshaped.shape[0], xshaped.shape[1], 1, xshaped.shape[3], 2).float()"),
+         reason="interleave mode with cos/sin that may depend on the batch", name="lane_pairs_cache_sized_by_the_batch"),
 ]
 
 RopePattern.KEEP += [
