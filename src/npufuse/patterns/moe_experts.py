@@ -272,8 +272,8 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 slot_spans.append((slots.line, slots.end_line))
                 yield slots
                 continue
-        if any(a <= stmt.lineno <= b for a, b in slot_spans):
-            continue  # the inner loop of a per-token, per-slot site already reported
+        if any(a <= stmt.lineno <= b for a, b in slot_spans + covered):
+            continue  # the inner loop of a per-token, per-slot site (or of a sorted dispatch) already reported
         try:
             slot_outer = _slot_outer_site(module, scope, block, i, stmt)  # s26: slots outside, tokens in a comprehension
         except _Miss as miss:
@@ -690,9 +690,12 @@ def _sorted_operand(scope: Scope, name: str, line: int, bare_name: bool = False)
     else:
         return None
     f = call.func
-    if isinstance(f, ast.Attribute) and f.attr == want and not call.args:
+    # the dim may be given positionally: ``flat.sort(0)`` (a 1-D operand: 0 is its only dim); a second
+    # positional argument is ``descending``, so it refuses
+    if isinstance(f, ast.Attribute) and f.attr == want and (not call.args or len(call.args) == 1 and const_value(call.args[0]) in (0, -1)):
         src = f.value
-    elif (dotted(f) or "") in ((f"torch.{want}", want) if bare_name else (f"torch.{want}",)) and len(call.args) == 1:
+    elif (dotted(f) or "") in ((f"torch.{want}", want) if bare_name else (f"torch.{want}",)) \
+            and (len(call.args) == 1 or len(call.args) == 2 and const_value(call.args[1]) in (0, -1)):
         src = call.args[0]
     else:
         return None
@@ -701,11 +704,141 @@ def _sorted_operand(scope: Scope, name: str, line: int, bare_name: bool = False)
     return src
 
 
+def _sort_order_source(scope: Scope, name: str, line: int) -> Optional[tuple[str, int]]:
+    """:func:`_sort_order_of`, also with the flat indices bound to a name first (``flat = E.view(-1);
+    order = flat.argsort()``, ``E = E.flatten(); _, order = E.sort(0)``: ``E`` names the value the
+    flatten read), and the line of the statement that reads ``E``: from there to the combine ``E``
+    must keep its value for the fused call to read it again (a rebinding ``E = E.flatten()`` is
+    itself such a write)."""
+    src = _sorted_operand(scope, name, line)
+    defined = scope.definition(name, line)
+    read_at = getattr(defined, "lineno", line)
+    if isinstance(src, ast.Name):
+        src = scope.definition(src.id, read_at)
+        read_at = getattr(src, "lineno", read_at)
+    flat = _flat_of(src) if src is not None else None
+    return (flat, read_at) if flat is not None else None
+
+
+def _caller_text(helper: _HelperCall, node: ast.expr) -> Optional[ast.expr]:
+    """``node`` (an expression of the callee) as an expression the caller can evaluate: a constant,
+    ``self.<attr>`` of a method called on ``self``, or an untouched parameter (its argument)."""
+    if isinstance(node, ast.Name):
+        return _param_of(helper, node.id, helper.scope.node.body[-1].lineno)  # type: ignore[attr-defined]
+    names = [n for n in fast_walk(node) if isinstance(n, ast.Name)]
+    if all(n.id == "self" for n in names) and (helper.on_self or not names) \
+            and all(isinstance(n, (ast.Attribute, ast.Name, ast.Constant, ast.Load)) for n in fast_walk(node)):
+        return node
+    return None
+
+
 def _sort_order_of(scope: Scope, name: str, line: int) -> Optional[str]:
     """``E`` when ``name`` is the ascending sort order of the flattened expert indices
     (``_, order = E.flatten().sort()`` / ``torch.sort(E.view(-1))`` / ``E.flatten().argsort()``)."""
     src = _sorted_operand(scope, name, line)
     return _flat_of(src) if src is not None else None
+
+
+@dataclass(frozen=True)
+class _HelperCall:
+    """A call ``self.<method>(...)`` / ``<function>(...)`` of this module whose returned values are
+    read in the callee with its parameters bound to the caller's arguments."""
+
+    scope: Scope  # the callee's body
+    returned: tuple[ast.expr, ...]  # the elements of its one ``return a, b, c``
+    bind: dict[str, ast.expr]  # callee parameter -> the caller's argument
+    on_self: bool  # a method called on ``self``: ``self`` means the same object in both
+
+
+def _helper_call(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[_HelperCall]:
+    """The callee of ``call`` when it is a method of the caller's own class called on ``self`` (not
+    redefined by another class of this module: a subclass override would run instead) or a
+    module-level function, straight-line enough to read: one ``return`` (the last statement), no
+    ``*args`` / ``**kwargs``, every parameter given or defaulted."""
+    f = call.func
+    on_self = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and scope.class_name is not None
+    if on_self:
+        assert isinstance(f, ast.Attribute)
+        owners = [c for c in module.classes.values() if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == f.attr for n in c.body)]
+        if [c.name for c in owners] != [scope.class_name]:
+            return None
+        qual = next((c for c in module.scopes if c.class_name == scope.class_name and c.qualname.endswith(f".{f.attr}")
+                     and isinstance(c.node, ast.FunctionDef) and c.node.name == f.attr), None)
+    elif isinstance(f, ast.Name) and f.id in module.functions and not any(isinstance(n, ast.Starred) for n in call.args):
+        qual = next((c for c in module.scopes if c.node is module.functions[f.id]), None)
+    else:
+        return None
+    if qual is None or any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    fn = qual.node
+    assert isinstance(fn, ast.FunctionDef)
+    a = fn.args
+    if a.vararg or a.kwarg or fn.decorator_list and not all(dotted(d) in ("staticmethod", "torch.no_grad") for d in fn.decorator_list):
+        return None
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    if on_self:
+        if not params or any(dotted(d) == "staticmethod" for d in fn.decorator_list):
+            return None
+        params = params[1:]
+    if len(call.args) > len(params):
+        return None
+    bind: dict[str, ast.expr] = dict(zip(params, call.args))
+    for k in call.keywords:
+        if k.arg in bind or k.arg not in params + [p.arg for p in a.kwonlyargs]:
+            return None
+        bind[k.arg] = k.value  # type: ignore[index]
+    defaults = dict(zip([p.arg for p in (*a.posonlyargs, *a.args)][-len(a.defaults):] if a.defaults else [], a.defaults))
+    defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    for p in params + [p.arg for p in a.kwonlyargs]:
+        if p not in bind:
+            if p not in defaults:
+                return None
+            bind[p] = defaults[p]
+    returns = [n for n in fast_walk(fn) if isinstance(n, ast.Return)]
+    last = fn.body[-1] if fn.body else None
+    if len(returns) != 1 or returns[0] is not last or last.value is None \
+            or any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in fast_walk(fn)):
+        return None
+    value = last.value
+    elts = tuple(value.elts) if isinstance(value, ast.Tuple) else (value,)
+    return _HelperCall(qual, elts, bind, on_self)
+
+
+def _helper_output(module: ModuleInfo, scope: Scope, node: ast.expr) -> Optional[tuple[_HelperCall, ast.expr]]:
+    """``(callee, the returned expression)`` for one output of a helper call: ``node`` is what
+    :meth:`Scope.definition` gives for ``a, b, c = helper(...)`` (one element of its value) or for
+    ``a = helper(...)``."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call) and isinstance(const_value(node.slice), int):
+        call, k = node.value, const_value(node.slice)
+    elif isinstance(node, ast.Call):
+        call, k = node, None
+    else:
+        return None
+    helper = _helper_call(module, scope, call)
+    if helper is None:
+        return None
+    if k is None:
+        if len(helper.returned) != 1:
+            return None
+        k = 0
+    if not 0 <= k < len(helper.returned):
+        return None
+    out = helper.returned[k]
+    end = helper.scope.node.body[-1].lineno  # type: ignore[attr-defined]
+    if isinstance(out, ast.Name):
+        defined = helper.scope.definition(out.id, end)
+        if defined is None:
+            return None
+        out = defined
+    return helper, out
+
+
+def _param_of(helper: _HelperCall, name: str, line: int) -> Optional[ast.expr]:
+    """The caller's argument for callee name ``name`` when, at ``line`` in the callee, it still holds
+    the parameter as passed (never rebound before that line)."""
+    if name not in helper.bind or helper.scope.definition(name, line) is not None:
+        return None
+    return helper.bind[name]
 
 
 def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
@@ -719,17 +852,27 @@ def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in ("index_add", "index_add_")
                 and isinstance(call.func.value, ast.Name)):
             continue
+        first: Optional[_Miss] = None
         try:
             found = _sort_permute_site(module, scope, block, i, stmt, call)
         except _Miss as miss:
-            yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+            found, first = None, miss
+        if found is None:
+            # the experts fill a buffer from the sorted rows (a loop, not a chain of statements on the rows)
+            try:
+                found = _sorted_pairs_site(module, scope, block, i, stmt, call)
+            except _Miss as miss:
+                first = miss  # it read further: the buffer form's difference is the one that matters
+        if found is None and first is not None:
+            yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(first))
             continue
         if found is not None:
             yield found
 
 
-def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
-                       call: ast.Call) -> Optional[Finding]:
+def _index_add_combine(stmt: ast.stmt, call: ast.Call) -> Optional[tuple[ast.Name, ast.Name, bool, str, str]]:
+    """``(index, rows, in place, output name or "", buffer name)`` of ``buf.index_add_(0, idx, rows)`` /
+    ``out = buf.index_add(0, idx, rows)`` with plain names; None otherwise."""
     dim, tok, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
     if not (dim is not None and const_value(dim) == 0 and isinstance(tok, ast.Name) and isinstance(src, ast.Name)):
         return None
@@ -739,15 +882,53 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or inplace:
             return None
         out = stmt.targets[0].id
-    zeros = call.func.value.id  # type: ignore[union-attr]
+    return tok, src, inplace, out, call.func.value.id  # type: ignore[union-attr]
+
+
+def _sorted_rows_risks(e_: str, k_: str, rows: str, tokens_shape: str) -> list[Risk]:
+    """The risks of fusing rows the code sorted by expert itself (both sort-permute forms)."""
+    return [
+        Risk("other", f"the code's own sort of {e_} may order the rows of one expert differently than the permute (a "
+             "stable sort): equal only while the expert computation treats rows independently (no batch statistics)"),
+        Risk("dtype", f"the routing weights are cast to the rows' dtype for unpermute (the original multiplies `{rows}` "
+             "by them with type promotion)"),
+        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens {tokens_shape} and the "
+             "weights one per slot; otherwise the code runs as written"),
+    ]
+
+
+def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
+                       call: ast.Call) -> Optional[Finding]:
+    combine = _index_add_combine(stmt, call)
+    if combine is None:
+        return None
+    tok, src, inplace, out, zeros = combine
     tdef = scope.definition(tok.id, stmt.lineno)
+    # the assignment (token index, weights, counts) may be computed by a helper of this module and returned
+    # (`tok, gates, counts = self._assign(weights, experts)`): read in the helper, its parameters bound
+    # to the caller's arguments
+    assigned_by = _helper_output(module, scope, tdef) if tdef is not None else None
+    helper: Optional[_HelperCall] = None
+    oscope, oline = scope, stmt.lineno  # where the sort order is read, and before which line
+    if assigned_by is not None:
+        helper, tdef = assigned_by
+        oscope, oline = helper.scope, helper.scope.node.body[-1].lineno  # type: ignore[attr-defined]
     if not (isinstance(tdef, ast.BinOp) and isinstance(tdef.op, ast.FloorDiv) and isinstance(tdef.left, ast.Name)):
         return None
     order, k_node = tdef.left.id, tdef.right
-    experts_idx = _sort_order_of(scope, order, stmt.lineno)
-    if experts_idx is None:
+    sorted_from = _sort_order_source(oscope, order, oline)
+    if sorted_from is None:
         raise _Miss(f"rows are added back at `{order} // {segment(module, k_node)}`, but `{order}` is not the ascending "
                     "sort order of the flattened expert indices (what npu_moe_token_permute computes)")
+    experts_idx, experts_line = sorted_from
+    call_line = stmt.lineno
+    if helper is not None:
+        call_line = getattr(scope.definition(tok.id, stmt.lineno), "lineno", stmt.lineno)
+        arg = _param_of(helper, experts_idx, experts_line)
+        k_arg = _caller_text(helper, k_node)
+        if not isinstance(arg, ast.Name) or k_arg is None:
+            return None  # the helper sorts something the caller did not pass as a plain name
+        experts_idx, experts_line, k_node = arg.id, call_line, k_arg
     # the weighting right before the combine: h = h * gates[:, None]
     j = i - 1
     while j >= 0 and not (isinstance(block[j], ast.Assign) and src.id in _assigned([block[j]])):
@@ -767,10 +948,29 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     if hidden is None or gate is None:
         raise _Miss("the rows added back by the sorted-order index are not the expert output times a routing weight")
     gdef = scope.definition(gate, mult.lineno)
+    weights_since = getattr(gdef, "lineno", mult.lineno) + 1
+    if helper is not None:
+        # the weights come out of the same helper call as the token index
+        gate_by = _helper_output(module, scope, gdef) if isinstance(gdef, ast.Subscript) else None
+        tcall = scope.definition(tok.id, stmt.lineno)
+        if gate_by is None or not (isinstance(tcall, ast.Subscript) and gdef.value is tcall.value):  # type: ignore[union-attr]
+            raise _Miss(f"the routing weight `{gate}` is not returned by the helper call that returns the token index `{tok.id}`")
+        gdef = gate_by[1]
     if not (isinstance(gdef, ast.Subscript) and isinstance(gdef.slice, ast.Name) and gdef.slice.id == order):
         raise _Miss(f"the routing weight `{gate}` is not the flat weights taken in the sorted order `{order}`")
     weights_node = gdef.value
     weights = _flat_of(weights_node) if not isinstance(weights_node, ast.Name) else weights_node.id
+    if helper is not None and weights is not None:
+        # in the helper: the flat weights of a parameter (`w = w.flatten(); gates = w[order]` or `w.flatten()[order]`)
+        wline = gdef.lineno
+        if isinstance(weights_node, ast.Name):
+            flat = oscope.definition(weights, wline)
+            if flat is not None:
+                wline = flat.lineno
+                weights = _flat_of(flat)
+        arg = _param_of(helper, weights, wline) if weights is not None else None
+        weights = arg.id if isinstance(arg, ast.Name) else None
+        weights_since = call_line
     if weights is None:
         raise _Miss(f"the routing weight `{gate}` is not the flat weights taken in the sorted order `{order}`")
     # the rows: walk back over h = f(h) to h = x[tok] / x.index_select(0, tok)
@@ -805,8 +1005,10 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         meta = {id(n.value) for n in fast_walk(st) if isinstance(n, ast.Attribute) and n.attr in ("dtype", "device")}
         if hidden in _assigned([st]) or any(isinstance(n, ast.Name) and n.id == hidden and id(n) not in meta for n in fast_walk(st)):
             raise _Miss(f"`{ast.unparse(st)[:50]}` reads the weighted rows `{hidden}` before the combine")
-    for name, since in ((tok.id, gather.lineno), (order, gather.lineno), (gate, gather.lineno),
-                        (weights, gdef.lineno + 1), (experts_idx, tdef.lineno)):
+    checks = [(tok.id, gather.lineno), (gate, gather.lineno), (weights, weights_since), (experts_idx, experts_line)]
+    if helper is None:
+        checks.append((order, gather.lineno))  # (the helper's order is its own local)
+    for name, since in checks:
         d = next((a for a, _v in scope.assignments.get(name, []) if since <= a.lineno <= stmt.lineno), None)
         if d is not None:
             raise _Miss(f"`{name}` is reassigned between its use in the sorted dispatch and the combine")
@@ -832,20 +1034,199 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         "routing": "sort_permute", "loop": "none", "tokens": tokens, "indices": e_, "probs": weights,
         "counts": None, "output": out or zeros, "output_dtype": None, "sentinel_index": None,
     }
-    risks = [
-        Risk("other", f"the code's own sort of {e_} may order the rows of one expert differently than the permute (a "
-             "stable sort): equal only while the expert computation treats rows independently (no batch statistics)"),
-        Risk("dtype", f"the routing weights are cast to the rows' dtype for unpermute (the original multiplies "
-             f"`{hidden} * {gate}` with type promotion)"),
-        Risk("other", f"the fused branch runs only when {e_} is [T, K] with K == {k_}, the tokens have T rows and the "
-             "weights one per slot; otherwise the code runs as written"),
-    ]
+    risks = _sorted_rows_risks(e_, k_, hidden, "have T rows")
+    if helper is not None and helper.on_self:
+        risks.append(Risk("other", f"the sort order is read in `{helper.scope.qualname}`; a subclass defined in another file "
+                          "that overrides it would compute another assignment (this module defines it once)"))
     notes = ["the gather of tokens in sorted-expert order becomes npu_moe_token_permute and the weighted index_add "
              "npu_moe_token_unpermute (both with autograd); the experts between them run as written; the sort order "
              "computed before stays (its counts still feed the experts)"]
     return Finding(
         pattern=_ID, qualname=scope.qualname, line=gather.lineno, end_line=stmt.end_lineno or stmt.lineno, params=params,
         fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sort_permute", risks=risks,
+        notes=notes, training_ok=True,
+    )
+
+
+def _slot_token_index(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line: int) -> Optional[tuple[str, ast.expr]]:
+    """``(order, K)`` when ``node`` is the token row of each slot in the sort order: ``order // K``, or
+    ``R[order]`` / ``R.index_select(0, order)`` with ``R = torch.arange(N).repeat_interleave(K)`` (the
+    token of flat slot j is j // K: R[j] == j // K for every j < N * K, whatever N)."""
+    if isinstance(node, ast.Name):
+        node = scope.definition(node.id, line)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) and isinstance(node.left, ast.Name):
+        return node.left.id, node.right
+    base = order = None
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name):
+        base, order = node.value, node.slice.id
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "index_select" \
+            and len(node.args) == 2 and const_value(node.args[0]) == 0 and isinstance(node.args[1], ast.Name):
+        base, order = node.func.value, node.args[1].id
+    if base is None or order is None:
+        return None
+    if isinstance(base, ast.Name):
+        base = scope.definition(base.id, getattr(node, "lineno", line))
+    if not (isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "repeat_interleave"
+            and len(base.args) == 1 and not base.keywords and isinstance(base.func.value, ast.Call)
+            and _canon(module, base.func.value.func) == "torch.arange" and len(base.func.value.args) == 1):
+        return None
+    return order, base.args[0]
+
+
+def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
+                       call: ast.Call) -> Optional[Finding]:
+    """Flat (token, expert, weight) slots sorted by expert, the experts run on the sorted rows into a
+    buffer, then weighted and added back per token::
+
+        tok = torch.arange(T).repeat_interleave(K)        # (or order // K)
+        rows = x[tok]; order = torch.argsort(E.reshape(-1)); rows = rows[order]; tok = tok[order]
+        w = W.reshape(-1, 1)[order]
+        buf = torch.zeros_like(rows); <the experts fill buf from rows, segment by segment>
+        buf.mul_(w); out = torch.zeros_like(x); out.index_add_(0, tok, buf)
+
+    The sorted rows are npu_moe_token_permute(x, E) (rows of one expert contiguous, experts ascending:
+    the counts the code takes from the sorted ids are unchanged); the weighting and the index_add are
+    npu_moe_token_unpermute. What runs between (counts, the buffer, the expert loop) stays as written.
+    None where the function is not that shape."""
+    combine = _index_add_combine(stmt, call)
+    if combine is None:
+        return None
+    tok, src, inplace, out, zeros = combine
+    buf = src.id
+    slot = _slot_token_index(module, scope, tok, stmt.lineno)
+    if slot is None:
+        return None
+    order, k_node = slot
+    sorted_from = _sort_order_source(scope, order, stmt.lineno)
+    if sorted_from is None:
+        return None
+    experts_idx, experts_line = sorted_from
+    # the weighting: buf.mul_(w) / buf = buf * w right before the combine (an allocation of the output between)
+    j = i - 1
+    while j >= 0 and not (buf in _assigned([block[j]]) or isinstance(block[j], ast.Expr) and isinstance(block[j].value, ast.Call)  # type: ignore[attr-defined]
+                          and isinstance(block[j].value.func, ast.Attribute) and block[j].value.func.attr == "mul_"  # type: ignore[attr-defined]
+                          and isinstance(block[j].value.func.value, ast.Name) and block[j].value.func.value.id == buf):  # type: ignore[attr-defined]
+        j -= 1
+    if j < 0:
+        return None
+    weighting = block[j]
+    if not isinstance(weighting, (ast.Expr, ast.Assign)):
+        return None  # the rows are last written in a block (`if ...:`): not read here
+    wv = weighting.value
+    if isinstance(weighting, ast.Expr) and isinstance(wv, ast.Call) and len(wv.args) == 1 and not wv.keywords:
+        gate_node = wv.args[0]
+    elif isinstance(weighting, ast.Assign) and len(weighting.targets) == 1 and isinstance(wv, ast.BinOp) and isinstance(wv.op, ast.Mult) \
+            and isinstance(wv.left, ast.Name) and wv.left.id == buf:
+        gate_node = wv.right
+    else:
+        return None
+    # the buffer: buf = torch.zeros_like(rows) / empty_like, rows the tokens gathered in the sort order
+    bdef = next(((a, v) for a, v in reversed(scope.assignments.get(buf, [])) if a.lineno < weighting.lineno), None)
+    if bdef is None or not (isinstance(bdef[1], ast.Call) and _canon(module, bdef[1].func) in ("torch.zeros_like", "torch.empty_like")
+                            and len(bdef[1].args) == 1 and isinstance(bdef[1].args[0], ast.Name)):
+        return None
+    rows = bdef[1].args[0].id  # type: ignore[attr-defined]
+    rdef_stmt = next((a for a, _v in reversed(scope.assignments.get(rows, [])) if a.lineno < bdef[0].lineno), None)
+    if rdef_stmt is None:
+        return None
+    rv = scope.definition(rows, rdef_stmt.lineno + 1)
+    gathers = [rdef_stmt]
+    tokens = None
+    if isinstance(rv, ast.Subscript) and isinstance(rv.value, ast.Name) and isinstance(rv.slice, ast.Name) and rv.slice.id == order:
+        # rows = rows0[order] with rows0 = x[R] (R the unsorted arange(T).repeat_interleave(K))
+        first = next((a for a, _v in reversed(scope.assignments.get(rv.value.id, [])) if a.lineno < rdef_stmt.lineno), None)
+        fv = scope.definition(rv.value.id, rdef_stmt.lineno)
+        if first is None or not (isinstance(fv, ast.Subscript) and isinstance(fv.value, ast.Name) and isinstance(fv.slice, ast.Name)):
+            return None
+        r0 = scope.definition(fv.slice.id, first.lineno)
+        if _slot_token_index(module, scope, ast.Subscript(value=fv.slice, slice=ast.Name(order, ast.Load()), ctx=ast.Load()),
+                             first.lineno) is None or not isinstance(r0, ast.Call):
+            return None
+        tokens = fv.value.id
+        gathers.insert(0, first)
+    elif isinstance(rv, ast.Subscript) and isinstance(rv.value, ast.Name):
+        again = _slot_token_index(module, scope, rv.slice, rdef_stmt.lineno)  # rows = x[order // K]
+        if again is None or again[0] != order:
+            return None
+        tokens = rv.value.id
+    if tokens is None or not all(g in block for g in gathers):
+        return None
+    # (the shape is this form's: a difference from here on is a near miss)
+    # the weights: W.reshape(-1, 1)[order] (through names), or a column of W.flatten()[order]
+    if isinstance(gate_node, ast.Name):
+        gate_node = scope.definition(gate_node.id, weighting.lineno)
+    if not (isinstance(gate_node, ast.Subscript) and isinstance(gate_node.slice, ast.Name) and gate_node.slice.id == order):
+        col = _gate_column_node(gate_node) if gate_node is not None else None
+        gate_node = scope.resolve(col, weighting.lineno) if col is not None else None
+        if not (isinstance(gate_node, ast.Subscript) and isinstance(gate_node.slice, ast.Name) and gate_node.slice.id == order):
+            raise _Miss(f"rows sorted by expert are added back per token, but the weight `{segment(module, weighting)[:50]}` is not "
+                        f"the flat routing weights taken in the sort order `{order}`")
+        flat = gate_node.value
+        weights = _flat_of(scope.resolve(flat, gate_node.lineno) if isinstance(flat, ast.Name) else flat)
+    else:
+        flat = gate_node.value
+        if isinstance(flat, ast.Name):
+            flat = scope.definition(flat.id, gate_node.lineno)
+        weights = _gate_column(flat) if flat is not None else None
+    if weights is None:
+        raise _Miss(f"rows sorted by expert are added back per token, but the weight `{segment(module, weighting)[:50]}` is not "
+                    f"the flat routing weights taken in the sort order `{order}`")
+    g0 = block.index(gathers[0])
+    span = block[g0 : i + 1]
+    k_ = segment(module, k_node)
+    e_ = experts_idx
+    # what runs between stays as written; it must not touch the names the fused calls read
+    keep = [st for st in span if st is not weighting and st is not stmt and st not in gathers]
+    if not all(isinstance(st, (ast.Assign, ast.AugAssign, ast.Expr, ast.For, ast.AnnAssign)) for st in keep):
+        return None
+    after_rows = block[block.index(gathers[-1]) + 1 : i]
+    for name in (tokens, e_, weights, buf, rows):
+        if any(a.lineno > gathers[-1].lineno and a.lineno < stmt.lineno for a, _v in scope.assignments.get(name, [])
+               if not (name == buf and (a is bdef[0] or a is weighting))):
+            raise _Miss(f"`{name}` is reassigned between the sorted gather and the combine")
+    for st in after_rows:
+        if st is weighting:
+            continue
+        if any(isinstance(n, ast.Name) and n.id == buf for n in fast_walk(st)) and st is not bdef[0] \
+                and not isinstance(st, ast.For):
+            raise _Miss(f"`{segment(module, st)[:50]}` reads the expert rows `{buf}` outside the expert loop")
+    for name, since in ((e_, experts_line), (weights, gathers[0].lineno)):
+        if any(since <= a.lineno <= stmt.lineno for a, _v in scope.assignments.get(name, [])):
+            raise _Miss(f"`{name}` is reassigned between the sorted dispatch and the combine")
+    end = stmt.end_lineno or stmt.lineno
+    if scope.uses_after(buf, end) and buf != out:
+        raise _Miss(f"`{buf}` (the expert rows in sorted order) is used after the combine; the fused layer does not produce it")
+    ind = "    "
+    body = [
+        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.dim() == 2 and {tokens}.shape[0] == {e_}.shape[0] "
+        f"and {weights}.numel() == {e_}.numel():",
+    ]
+    for st in span:
+        if st is gathers[-1]:
+            body.append(f"{ind}# the tokens gathered slot by slot in sorted-expert order are the permute")
+            body.append(f"{ind}{rows}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})")
+        elif st in gathers or st is weighting:
+            continue
+        elif st is stmt:
+            body.append(f"{ind}# weighting by the slot's routing weight and the index_add are the unpermute")
+            body.append(f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({buf}, {P}order, probs={weights}.reshape({e_}.shape).to({buf}.dtype))")
+            body.append(f"{ind}{zeros}.add_({P}y)" if inplace else f"{ind}{out} = {zeros} + {P}y")
+        else:
+            body.extend(ind + ln for ln in ast.unparse(st).splitlines())
+    body.append("else:  # other shapes: as written")
+    body.extend(ind + ln for st in span for ln in ast.unparse(st).splitlines())
+    params: dict[str, Any] = {
+        "num_experts": "(as the experts take them)", "top_k": k_, "layout": "expert_modules",
+        "weights": {}, "activation": "as written", "conditional": True, "routing_weights": "after_down",
+        "routing": "sorted_pairs", "loop": "as written", "tokens": tokens, "indices": e_, "probs": weights,
+        "counts": None, "output": out or zeros, "output_dtype": None, "sentinel_index": None,
+    }
+    risks = _sorted_rows_risks(e_, k_, buf, "are [T, H]")
+    notes = ["the tokens gathered slot by slot in sorted-expert order become npu_moe_token_permute and the weighted "
+             "index_add npu_moe_token_unpermute (both with autograd); the experts between them run as written"]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=gathers[0].lineno, end_line=end, params=params,
+        fused="\n".join(body) + "\n", guard_tensor=tokens, confidence="high", variant="sorted_pairs", risks=risks,
         notes=notes, training_ok=True,
     )
 
@@ -1576,7 +1957,9 @@ class _Eval:
                 self.counts_name = inner.id
                 self.env[item_name] = V("count")
                 return
-            raise _Miss("enumerate loop over something that is neither the experts nor per-expert token counts")
+            # (counts are read from a name: `enumerate(counts.tolist())` / `.cpu().numpy()` written inline are not)
+            raise _Miss(f"enumerate loop over `{segment(m, inner)[:50]}`: neither the experts nor per-expert token counts "
+                        "bound to a name")
         if isinstance(it, ast.Call) and dotted(it.func) == "zip" and len(it.args) == 2 and not it.keywords \
                 and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts):
             # ``for mask, expert in zip(masks, self.experts)``: enumerate(self.experts) whose first
@@ -6018,6 +6401,161 @@ MoeExperts.KEEP += [
     # the weights taken in another order than the rows: not the slot's weight
     Keep(_SORT_PERMUTE.replace("batch_gates = router_weights[sorted_scattered_idxs]", "batch_gates = router_weights[batch_index]"),
          reason="is not the flat weights taken in the sorted order", name="weights_in_another_order"),
+]
+
+# flat slots sorted by expert, the experts filling a buffer segment by segment, weighted and added back per token
+_SORTED_PAIRS = _HEAD + '''
+class PairsMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(n)])
+        self.n, self.k = n, k
+
+    def forward(self, x):
+        probs, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        order = ids.view(-1).argsort()
+        tok = order // self.k
+        rows = x[tok]
+        counts = torch.bincount(ids.view(-1), minlength=self.n)
+        buf = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            buf[start:start + n] = self.experts[e](rows[start:start + n])
+            start += n
+        buf = buf * probs.flatten()[order][:, None]
+        out = torch.zeros_like(x)
+        out = out.index_add(0, tok, buf)
+        return out
+'''
+
+_SORTED_PAIRS_RUN = '''
+moe = PairsMoE(16, 24, 5, 2)
+x = torch.randn(11, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.router.weight, moe.experts[0][0].weight, moe.experts[3][2].bias]
+'''
+
+# the slot tokens as arange(T).repeat_interleave(K), gathered first and reordered with the other slot arrays
+# (names rebound), the weights a [T*K, 1] column reordered, the buffer weighted in place
+_SORTED_PAIRS_REPEATED = _SORTED_PAIRS.replace('''        order = ids.view(-1).argsort()
+        tok = order // self.k
+        rows = x[tok]
+        counts = torch.bincount(ids.view(-1), minlength=self.n)
+        buf = torch.empty_like(rows)
+''', '''        T, K = probs.shape
+        tok = torch.arange(T, device=x.device).repeat_interleave(K)
+        flat_ids = ids.reshape(-1)
+        w = probs.reshape(-1, 1)
+        rows = x[tok]
+        order = torch.argsort(flat_ids)
+        flat_ids = flat_ids[order]
+        tok = tok[order]
+        w = w[order]
+        rows = rows[order]
+        counts = torch.bincount(flat_ids, minlength=self.n)
+        buf = torch.zeros_like(rows)
+''').replace('''        buf = buf * probs.flatten()[order][:, None]
+        out = torch.zeros_like(x)
+        out = out.index_add(0, tok, buf)
+''', '''        buf.mul_(w)
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, buf)
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_SORTED_PAIRS, name="sorted_pairs_buffer_filled_by_segments", run=_SORTED_PAIRS_RUN, expect={
+        "routing": "sorted_pairs", "tokens": "x", "indices": "ids", "probs": "probs", "top_k": "self.k", "output": "out"}),
+    Fuse(_SORTED_PAIRS_REPEATED, name="sorted_pairs_arange_repeat_interleave_tokens", run=_SORTED_PAIRS_RUN, expect={
+        "routing": "sorted_pairs", "tokens": "x", "indices": "ids", "probs": "probs", "top_k": "K", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # the weights taken at the token rows, not at the sorted slots
+    Keep(_SORTED_PAIRS.replace("buf = buf * probs.flatten()[order][:, None]", "buf = buf * probs.flatten()[tok][:, None]"),
+         reason="is not the flat routing weights taken in the sort order", name="sorted_pairs_weights_at_token_rows"),
+    # sorted descending: not the permute's order
+    Keep(_SORTED_PAIRS.replace("order = ids.view(-1).argsort()", "order = ids.view(-1).argsort(descending=True)"),
+         reason="is not the ascending sort order", name="sorted_pairs_sorted_descending"),
+    # the weighted rows in sorted order are returned too: the fused layer does not produce them
+    Keep(_SORTED_PAIRS_REPEATED.replace("        return out\n", "        return out, buf\n"),
+         reason="is used after the combine", name="sorted_pairs_buffer_returned"),
+]
+
+# the assignment (token rows, their weights, the counts) computed by a helper and returned: a method of
+# the same class called on self (parameters rebound to their flat values, `.sort(0)`, the weights
+# indexed in the return statement), or a module-level function given keywords
+_SORT_PERMUTE_HELPER = _SORT_PERMUTE.replace('''    def forward(self, x, router_weights, selected_experts):
+        with torch.no_grad():
+            sorted_expert_idxs, sorted_scattered_idxs = selected_experts.flatten().sort()
+            expert_frequency = torch.bincount(sorted_expert_idxs, minlength=self.num_experts)
+        T = x.size(0)
+        batch_index = sorted_scattered_idxs // self.top_k
+        router_weights = router_weights.flatten()
+        batch_gates = router_weights[sorted_scattered_idxs]
+        x = x[batch_index]
+''', '''    def _assign(self, probs, experts):
+        experts = experts.flatten()
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        _, order = experts.sort(0)
+        rows = order // self.top_k
+        probs = probs.flatten()
+        return rows, probs[order], counts
+
+    def forward(self, x, router_weights, selected_experts):
+        T = x.size(0)
+        batch_index, batch_gates, expert_frequency = self._assign(router_weights, selected_experts)
+        x = x[batch_index]
+''')
+
+_SORT_PERMUTE_FUNCTION = _SORT_PERMUTE.replace("class MoE(nn.Module):", '''def route(weights, experts, k):
+    order = experts.view(-1).argsort()
+    return order // k, weights.view(-1)[order]
+
+
+class MoE(nn.Module):''').replace('''        batch_index = sorted_scattered_idxs // self.top_k
+        router_weights = router_weights.flatten()
+        batch_gates = router_weights[sorted_scattered_idxs]
+        x = x[batch_index]
+''', '''        tok, gates = route(weights=router_weights, experts=selected_experts, k=self.top_k)
+        h = x.index_select(0, tok)
+''').replace('''        x = self.experts(x, expert_frequency)
+        x = x * batch_gates.unsqueeze(-1)
+        zeros = torch.zeros((T, self.dim), dtype=x.dtype, device=x.device)
+        x = zeros.index_add(0, batch_index, x)
+        return x
+''', '''        h = self.experts(h, expert_frequency)
+        h = h * gates[:, None]
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, h)
+        return out
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_SORT_PERMUTE_HELPER, name="sort_permute_assignment_returned_by_a_method", run=_SORT_PERMUTE_RUN, expect={
+        "routing": "sort_permute", "tokens": "x", "indices": "selected_experts", "probs": "router_weights",
+        "top_k": "self.top_k", "output": "x"}),
+    Fuse(_SORT_PERMUTE_FUNCTION, name="sort_permute_assignment_returned_by_a_function", run=_SORT_PERMUTE_RUN, expect={
+        "routing": "sort_permute", "tokens": "x", "indices": "selected_experts", "probs": "router_weights",
+        "top_k": "self.top_k", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # a subclass in the module overrides the helper: `self._assign` may run either body
+    Keep(_SORT_PERMUTE_HELPER + '''
+
+class ReversedMoE(MoE):
+    def _assign(self, probs, experts):
+        experts = experts.flatten()
+        _, order = experts.sort(0, descending=True)
+        return order // self.top_k, probs.flatten()[order], torch.bincount(experts, minlength=self.num_experts)
+''', reason="at indices computed outside this function", name="sort_permute_helper_overridden_in_a_subclass"),
+    # the helper sorts descending: not the permute's order
+    Keep(_SORT_PERMUTE_HELPER.replace("_, order = experts.sort(0)", "_, order = experts.sort(0, descending=True)"),
+         reason="is not the ascending sort order", name="sort_permute_helper_sorts_descending"),
+    # the helper's weights are taken at the token rows, not at the slots
+    Keep(_SORT_PERMUTE_FUNCTION.replace("return order // k, weights.view(-1)[order]", "return order // k, weights.view(-1)[order // k]"),
+         reason="is not the flat weights taken in the sorted order", name="sort_permute_helper_weights_at_rows"),
 ]
 
 

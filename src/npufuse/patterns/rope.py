@@ -1230,6 +1230,30 @@ def _calls_view_as_real(call: ast.Call) -> bool:
     return (isinstance(f, ast.Attribute) and f.attr == "view_as_real") or (isinstance(f, ast.Name) and f.id == "view_as_real")
 
 
+def _sized_by_leading_dims(scope: Scope, table: ast.expr, x: ast.expr, pairs: ast.expr) -> ast.Call | None:
+    """The ``reshape`` / ``view`` (through names) that gives ``table`` x's first two dims as its first two
+    sizes (``cache.reshape(xs.shape[0], xs.shape[1], 1, d, 2)``, xs being x or its pairs view): a table
+    that varies with the batch by construction. None otherwise."""
+    r = _resolve(scope, table)
+    r = strip_casts(r)[0] if isinstance(r, ast.Call) else r  # (`.reshape(...).to(torch.float32)`)
+    if not (_method(r, "reshape", "view") and len(r.args) >= 3 and not any(isinstance(a, ast.Starred) for a in r.args)):
+        return None
+    x_base = strip_casts(x)[0]
+
+    def dim_of_x(node: ast.expr) -> int | None:
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            owner, k = node.value.value, const_value(node.slice)
+        elif _method(node, "size") and len(node.args) == 1:
+            owner, k = node.func.value, const_value(node.args[0])
+        else:
+            return None
+        seen = _resolve(scope, owner)
+        if seen is pairs or same_expr(strip_casts(owner)[0], x_base) or same_expr(strip_casts(seen)[0], x_base):
+            return k if isinstance(k, int) and not isinstance(k, bool) else None
+        return None
+    return r if (dim_of_x(r.args[0]), dim_of_x(r.args[1])) == (0, 1) else None
+
+
 def _keeps_lead_dim(scope: Scope, node: ast.expr) -> bool:
     """The table is built here by an indexing that keeps the caller's leading dim and inserts a
     broadcast axis after it (HF GPT-J's ``sin[:, :, None, :]`` of [B, S, D/2]): a batch-dependent
@@ -1615,6 +1639,8 @@ def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
     """x of ``x.reshape(*x.shape[:-1], -1, 1, 2)`` (also ``view``, through a local name): each lane
     pair of x as a 1x2 row, ready to meet a per-pair 2x2 matrix (flux / lingua)."""
     p = _resolve(scope, node)
+    # a cast of the pairs view (``x.reshape(..., -1, 1, 2).to(torch.float32)``) casts every lane alike
+    p = strip_casts(p)[0] if isinstance(p, ast.Call) else p
     if not (_method(p, "reshape", "view") and len(p.args) == 4 and _is_int(p.args[-1], 2) and _is_int(p.args[-2], 1)
             and _is_int(p.args[-3], -1) and isinstance(p.args[0], ast.Starred)):
         return None
@@ -1625,6 +1651,23 @@ def _matrix_pairs(scope: Scope, node: ast.expr) -> ast.expr | None:
             and lead.slice.step is None and same_expr(strip_casts(lead.value.value)[0], strip_casts(x)[0])):
         return None
     return x
+
+
+def _pairs_cast_dtype(view: ast.Call) -> str | None:
+    """The dtype (as text) of the outermost cast on a pairs view: ``.float()`` / ``.half()`` /
+    ``.bfloat16()`` / ``.double()`` or ``.to(torch.<dtype>)``; None for any other cast (``type_as``,
+    ``.to(other)``), whose dtype is not known from the text."""
+    f = view.func
+    if not isinstance(f, ast.Attribute):
+        return None
+    named = {"float": "torch.float32", "half": "torch.float16", "bfloat16": "torch.bfloat16", "double": "torch.float64"}
+    if f.attr in named and not view.args and not view.keywords:
+        return named[f.attr]
+    if f.attr == "to" and len(view.args) == 1 and not view.keywords:
+        d = dotted(view.args[0]) or ""
+        if d in ("torch.float32", "torch.float", "torch.float16", "torch.half", "torch.bfloat16", "torch.float64", "torch.double"):
+            return d
+    return None
 
 
 def _matrix_formula(scope: Scope, node: ast.AST) -> tuple[ast.expr, ast.expr, ast.expr | None] | None:
@@ -2221,10 +2264,19 @@ class RopePattern(Pattern):
                     "([[cos, -sin], [sin, cos]]), so it is not known to be a rotation")
         x = _matrix_pairs(scope, pairs)
         assert x is not None
+        # the pairs view cast after the reshape (``x.reshape(..., -1, 1, 2).to(torch.float32)``): the eager
+        # product runs in that dtype (promoted with the matrix's)
+        pairs_dtype = None
+        view = _resolve(scope, pairs)
+        if isinstance(view, ast.Call) and strip_casts(view)[0] is not view:
+            pairs_dtype = _pairs_cast_dtype(view)
+            if pairs_dtype is None:
+                return (f"per-pair 2x2 matrix form: the pairs view is cast by `{segment(module, view)[len(segment(module, strip_casts(view)[0])):][:40]}`, "
+                        "whose dtype is not read here (only .float() / .half() / .bfloat16() / .to(torch.<dtype>))")
         x_src, f_src = segment(module, x), _atom(segment(module, mat))
         tag = _ident(x_src)
         cos, sin, xv, dt = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin", f"_npufuse_{tag}_x", f"_npufuse_{tag}_dtype"
-        lead = f"_npufuse_{tag}_lead"
+        lead, lift = f"_npufuse_{tag}_lead", f"_npufuse_{tag}_tokens"
         # only shapes are read before the branch: the tensors are made inside it, where the fused call runs
         base = strip_casts(x)[0]
         x_rank = f"{base.id}.dim()" if isinstance(base, ast.Name) else f"{xv}.dim()"
@@ -2232,18 +2284,22 @@ class RopePattern(Pattern):
         if not isinstance(base, ast.Name):
             prep.insert(0, f"{xv} = {x_src}")
         inner = ([] if not isinstance(base, ast.Name) else [f"{xv} = {x_src}  # the pairs (x_2i, x_2i+1) are the lanes of this tensor"]) + [
+            # [T, N, D] tokens (a matrix of at most 5 dims, checked): the product is the one of x[None], one batch of T
+            f"{lift} = {xv}.dim() == 3",
+            f"{xv} = {xv}[None] if {lift} else {xv}",
             f"{cos} = {f_src}[..., 0, 0].repeat_interleave(2, dim=-1)  # [[cos, -sin], [sin, cos]] per pair -> interleave-mode cos/sin",
             f"{sin} = {f_src}[..., 1, 0].repeat_interleave(2, dim=-1)",
             f"{cos}, {sin} = {cos}[(None,) * (4 - {cos}.dim())], {sin}[(None,) * (4 - {sin}.dim())]  # the broadcast of the eager product, made 4-D",
-            f"{dt} = torch.promote_types(torch.promote_types({xv}.dtype, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
+            f"{dt} = torch.promote_types(torch.promote_types({pairs_dtype or xv + '.dtype'}, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
         ]
         m = _Match(
             node=node, mode="interleave", x=x, cos=f"{cos}.to({dt})", sin=f"{sin}.to({dt})", cos_node=None, sin_node=None,
             x_text=f"{xv}.to({dt})", cos_info=_CosInfo(rank=4, batch_free=False, layout="from the per-pair rotation matrix; checked at run time"),
-            prep=prep, x_dtype="same", cs_dtype="same", suffix=".unflatten(-1, (-1, 2))",
+            prep=prep, x_dtype="same", cs_dtype="same", suffix=f"[(0,) if {lift} else ()].unflatten(-1, (-1, 2))",
         )
         m.inner_prep = inner
-        checks = [f"{x_rank} == 4"]
+        # x 3-D or 4-D; the matrix at most 2 dims above x, so that the product has x's dims (lifted to 4) plus the 2x2
+        checks = [f"{x_rank} in (3, 4)", f"{f_src}.dim() <= {x_rank} + 2"]
         if sum_dim is not None and not _is_int(sum_dim, -1):
             # ``.sum(k)`` sums the pair axis only when k is the last dim of the 6-D product (k == 5 for 4-D x)
             checks.append(f"{const_value(sum_dim)} == {x_rank} + 1")
@@ -2272,6 +2328,12 @@ class RopePattern(Pattern):
             return None
         x_src = segment(module, x)
         c_src = segment(module, cache)
+        sized = _sized_by_leading_dims(scope, cache, x, xs)
+        if sized is not None:
+            # a layout written out here with x's batch dim (the batch is dim 0 or 1 of x in every layout
+            # npu_rotary_mul takes): refused like the other batch-dependent layouts seen in the function
+            return (f"{_BATCH_REASON} (`{c_src}` is reshaped here to x's two leading dims, `{segment(module, sized)[:60]}`): "
+                    "npu_rotary_mul's interleave mode takes only 11SD / 1S1D / S11D cos/sin (no per-batch positions)")
         tag = _ident(c_src)
         cos, sin = f"_npufuse_{tag}_cos", f"_npufuse_{tag}_sin"
         xv = f"_npufuse_{_ident(x_src)}_x"
@@ -3655,6 +3717,14 @@ leaves = [x]
 ]
 
 RopePattern.KEEP += [
+    # the cache reshaped here to x's batch and sequence dims (one row of positions per example, unified-io-2's
+    # per-example rope cache): a batch-dependent layout written out, refused like the others seen in the function
+    Keep(_GPT_FAST_PAIRS.replace("freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)",
+                                 "freqs_cis = freqs_cis.reshape(xshaped.shape[0], xshaped.shape[1], 1, xshaped.shape[3], 2).float()"),
+         reason="interleave mode with cos/sin that may depend on the batch", name="lane_pairs_cache_sized_by_the_batch"),
+]
+
+RopePattern.KEEP += [
     Keep(
         # the second lane's sign flipped: not a rotation
         _GPT_FAST_PAIRS.replace("xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1]",
@@ -4056,6 +4126,55 @@ out = apply_rotary_emb(xq, xk, precompute_freqs_cis(16, 6))
 leaves = [xq, xk]
 ''',
     ),
+]
+
+# the matrix form on packed tokens [T, N, D] (one sequence per call, a per-token [T, 1, D/2, 2, 2] matrix built by a
+# module's forward), the pairs view cast after the reshape, the sum over the last dim
+_MATRIX_TOKENS = '''
+import torch
+from torch import nn
+
+
+class AxisRope(nn.Module):
+    def __init__(self, dim, max_pos=64, theta=10000.0):
+        super().__init__()
+        freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        self.register_buffer("angles", torch.outer(torch.arange(max_pos, dtype=freq.dtype), freq).float(), persistent=False)
+
+    def forward(self, pos):
+        a = self.angles[pos]
+        c, s = torch.cos(a), torch.sin(a)
+        m = torch.stack([c, -s, s, c], dim=-1)
+        return m.view(*m.shape[:-1], 2, 2).unsqueeze(-4)
+
+
+def rotate_tokens(x, rope):
+    pairs = x.reshape(*x.shape[:-1], -1, 1, 2).to(torch.float32)
+    out = (rope * pairs).sum(dim=-1)
+    return out.reshape(*x.shape).to(torch.bfloat16)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # [T, N, D] tokens are one batch of T: x[None] with the [1, T, 1, D] tables (1S1D), the leading 1 dropped after;
+        # the product runs in fp32 (the cast of the pairs view), bf16 x
+        name="rotation_matrix_packed_tokens_cast_pairs",
+        code=_MATRIX_TOKENS,
+        expect={"mode": "interleave", "variant": "rotation_matrix_pairs", "qualname": "rotate_tokens"},
+        run='''
+rope = AxisRope(16)(torch.arange(6))
+x = torch.randn(6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+x4 = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+out = (rotate_tokens(x, rope), rotate_tokens(x4, rope[None]))
+leaves = [x, x4]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    # the pairs view cast to another tensor's dtype: the product's dtype is not known from the text
+    Keep(_MATRIX_TOKENS.replace(".to(torch.float32)", ".type_as(rope)"), reason="whose dtype is not read here",
+         name="rotation_matrix_pairs_cast_type_as"),
 ]
 
 RopePattern.KEEP += [
