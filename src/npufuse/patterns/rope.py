@@ -2987,11 +2987,14 @@ class RopePattern(Pattern):
                 # interleave: B*N < 1000 (x's rows over the table's one long dim), read on the [.., D/2, 2] view
                 rank_ok += (f" and {base.id}.numel() // max({base.id}.shape[-1] * {base.id}.shape[-2], 1)"
                             f" < 1000 * max({m.cos}.shape[:-1], default=1)")
+            # the op's head-dim limit (spec §4.1), read at run time: a rotation of the hidden state before the
+            # head split rotates D = the model width (LTX-Video: 2048; audit33: the call the op rejects)
+            rank_ok += f" and {base.id}.shape[-1] * {base.id}.shape[-2] < {_MAX_D}"
             m.only_if = rank_ok if m.only_if is None else f"({m.only_if}) and {rank_ok}"
         elif isinstance(base, ast.Name):
             # (no merging of leading axes here: a rotation written with positive dims, ``cat(.., 3)``, which
             # _pair_of takes as the last dim of a 4-D x, is another computation on a 5-D x)
-            rank_ok = f"{base.id}.dim() <= 4"
+            rank_ok = f"{base.id}.dim() <= 4 and {base.id}.shape[-1] < {_MAX_D}"  # (the head-dim limit, as above)
             # the table as the original code names it (a prepared _npufuse_ table is bound later)
             table = m.cos if not m.cos.startswith("_npufuse_") else (m.cos_node.id if isinstance(m.cos_node, ast.Name) else "")
             limits = _lifted_limits(base.id, table, m.mode) if table else ""
