@@ -32,7 +32,7 @@ def test_summary_rows_are_read_and_miss_lines_ignored():
     assert head.startswith("3 of 4 repositories")
 
 
-@pytest.mark.parametrize("name, blind", [("detect_labels_heldout9b.json", True), ("detect_labels_heldout8.json", False)])
+@pytest.mark.parametrize("name, blind", [(detect_figures.BLIND[0], True), ("detect_labels_heldout8.json", False)])
 def test_only_blind_files_get_the_interval_table(name, blind):
     text = detect_figures.render_tables({name: detect_figures.parse_rows(SUMMARY)}, {name: False})
     assert "| rms_norm | 0.80 / 1.00 |" in text and "| rope | 1.00 / 0.25 |" in text

@@ -93,6 +93,15 @@ def test_different_norms_or_a_call_in_the_test_are_not_a_fork():
     calling_test = _FORKED_BLOCK.replace("if self.use_moe:", "if self.route(h):")
     base, _ = detect_all(AddRmsNorm(), _FORKED_BLOCK)
     add_line = base[0].line  # the residual add of the forked site
-    for code in (other_norm, calling_test):
-        findings, _ = detect_all(AddRmsNorm(), code)
-        assert [f.qualname for f in findings if f.line == add_line] == []
+    findings, _ = detect_all(AddRmsNorm(), calling_test)  # the test reads the sum: the add cannot move below it
+    assert [f.qualname for f in findings if f.line == add_line] == []
+    # different norms: not a fork; since s33 the add moves into both branches and is fused in the one whose
+    # first statement is the norm (the other branch adds as written)
+    findings, _ = detect_all(AddRmsNorm(), other_norm)
+    site = [f for f in findings if f.line == add_line]
+    assert len(site) == 1 and site[0].fused.count("torch_npu.npu_add_rms_norm(") == 1 and "self.attn_out_norm(h)" in site[0].fused
+    run = ("b = SandwichBlock(16)\nb2 = SandwichBlock(16, use_moe=True)\nwith torch.no_grad():\n"
+           "    b.ffn_norm.weight.normal_(); b2.ffn_norm.weight.normal_(); b.attn_out_norm.weight.normal_()\n"
+           "    x = torch.randn(2, 3, 16)\n    g = torch.randn(2, 1, 16)\n    out = (b(x, g), b2(x, g))\n")
+    facts = check_rewrite_runs(AddRmsNorm(), other_norm, run, site)
+    assert facts["all_calls"].get("npu_add_rms_norm") == 1 and min(facts["cos_out"]) >= 0.9999

@@ -717,9 +717,9 @@ def product(node: ast.AST, callee: Callable[[ast.Call], str | None]) -> Product 
 
 
 def einops_equation_subscripts(node: ast.AST | None) -> tuple[str, str, str] | None:
-    """(a, b, out) of an einops ``einsum`` pattern whose axis names are all one letter (or
-    ``...``); None for longer names (``"batch i d"`` is one axis ``batch`` to einops, three letters
-    to torch) and for anything :func:`einsum_subscripts` does not read."""
+    """(a, b, out) of an einops ``einsum`` pattern, each axis name one letter (or ``...``): a longer name is
+    one axis to einops (``"batch i d"``: three axes; torch would read seven letters) and is renamed to one
+    letter (s33); None for anything :func:`einsum_subscripts` does not read."""
     text = const_value(node)
     if isinstance(node, ast.JoinedStr) and all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in node.values):
         text = "".join(v.value for v in node.values)  # type: ignore[union-attr]
