@@ -890,15 +890,21 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
     node, ctx = op.node, op.ctx
     inner, ictx = S.peel(node, ctx)
     dt: tuple | None = None
-    casts = S.is_cast(inner)
-    # outer casts decide the factor's dtype
-    while S.is_cast(inner):
-        t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
-        if t is None:
-            raise NoMatch
-        if dt is None and t != ("same",):
-            dt = t
-        inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
+    casts = False
+
+    def peel_casts() -> None:
+        # the first cast met decides the factor's dtype
+        nonlocal casts, dt, inner, ictx
+        casts = casts or S.is_cast(inner)
+        while S.is_cast(inner):
+            t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
+            if t is None:
+                raise NoMatch
+            if dt is None and t != ("same",):
+                dt = t
+            inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
+
+    peel_casts()  # outer casts
     offset = 0
     if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add):
         for c, other in ((inner.left, inner.right), (inner.right, inner.left)):
@@ -908,27 +914,13 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
                 break
         else:
             raise Miss("weight factor is a sum that is not 1 + weight")
-    casts = casts or S.is_cast(inner)
-    while S.is_cast(inner):
-        t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
-        if t is None:
-            raise NoMatch
-        if dt is None and t != ("same",):
-            dt = t
-        inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
+    peel_casts()  # casts under the 1 + w
     flatten = False
     viewed = _broadcast_view_of(module, inner)
     if viewed is not None:
         flatten = True
         inner, ictx = S.peel(viewed, ictx)
-        casts = casts or S.is_cast(inner)
-        while S.is_cast(inner):
-            t = _cast_target(module, inner, ictx, None)  # type: ignore[arg-type]
-            if t is None:
-                raise NoMatch
-            if dt is None and t != ("same",):
-                dt = t
-            inner, ictx = S.peel(inner.func.value, ictx)  # type: ignore[union-attr]
+        peel_casts()  # (casts under the view too: ``w.float().view(1, 1, -1)``)
     if isinstance(inner, ast.IfExp) and not offset and not flatten:
         # ``(1 + w) if add_unit_offset else w`` (litgpt, Gemma's branch): each side must be a weight
         parts = [analyse_weight(module, Op("mul", side, ictx)) for side in (inner.body, inner.orelse)]

@@ -224,14 +224,19 @@ def tensor_call_lines(source: str) -> tuple[list[int], bool]:
                     spots.append(start)
             pos = find(word, end)
     spots.sort()
+    return lines_of_offsets(source, spots), binds
+
+
+def lines_of_offsets(source: str, offsets: list[int]) -> list[int]:
+    """The line numbers (1-based, each once, ascending) of ascending character offsets of ``source``."""
     lines: list[int] = []
     line, at = 1, 0
-    for p in spots:
+    for p in offsets:
         line += source.count("\n", at, p)
         at = p
         if not lines or lines[-1] != line:
             lines.append(line)
-    return lines, binds
+    return lines
 
 
 def _tensor_calls_everywhere(tree: ast.Module) -> list[ast.Call] | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from npufuse.rewrite.codegen import Switch, env_switch
 from npufuse.scan import config_shapes
-from npufuse.scan.dataflow import _CHILD_FIELDS, ModuleInfo, Scope, child_fields, dotted, folds_to_ascii
+from npufuse.scan.dataflow import _CHILD_FIELDS, ModuleInfo, Scope, child_fields, dotted, folds_to_ascii, lines_of_offsets
 
 # Cheap prefilter: a switch name mentions one of these (is_switch decides).
 SWITCH_NAME = re.compile(r"fus(e|ed|ion)|npu|ascend|flash|liger", re.IGNORECASE)
@@ -240,14 +240,7 @@ def _switch_word_lines(src: str, folds: bool = True) -> list[int] | None:
     if not src.isascii() and folds:
         starts += [m.start() for m in _NON_ASCII.finditer(src)]
         starts.sort()
-    out: list[int] = []
-    line, pos = 1, 0
-    for p in starts:
-        line += src.count("\n", pos, p)
-        pos = p
-        if not out or out[-1] != line:
-            out.append(line)
-    return out
+    return lines_of_offsets(src, starts)
 
 
 _AMP_CALL = re.compile(r"\b(?:autocast|GradScaler)\s*\(")
