@@ -182,6 +182,26 @@ def _helper_def(module: ModuleInfo, scope: Scope, func: ast.expr) -> tuple[ast.F
     return None, ast.unparse(func)
 
 
+def _conditional_tests(module: ModuleInfo, items: list[tuple[int, ast.stmt, list["_Match"]]]) -> list[str]:
+    """The tests of the conditional expressions a matched rotation sits in, as written (``(t)`` where it is
+    in the body, ``not (t)`` in the orelse), each once, in order."""
+    out: list[str] = []
+    for _i, stmt, matches in items:
+        value = getattr(stmt, "value", None)
+        if not matches or value is None:
+            continue
+        nodes = {id(m.node) for m in matches}
+        for cond in fast_walk(value):
+            if not isinstance(cond, ast.IfExp):
+                continue
+            for side, fmt in ((cond.body, "({})"), (cond.orelse, "not ({})")):
+                if any(id(n) in nodes for n in fast_walk(side)):
+                    text = fmt.format(segment(module, cond.test))
+                    if text not in out:
+                        out.append(text)
+    return out
+
+
 def _module_classes(module: ModuleInfo) -> list[ast.ClassDef]:
     """Every class the module defines at its top level or in its ``if``/``try`` blocks, each definition of a
     name (``module.classes`` keeps the first: Pointcept's ``PointROPE`` is the CUDA wrapper under ``try:``
@@ -2941,6 +2961,14 @@ class RopePattern(Pattern):
             params[local.kind] = local.text
             notes.append(f"the rotation is written in a {local.kind}: it becomes a local function `{fn}` holding the fused call "
                          "(the same closure over the enclosing names), called where the original computed it")
+        tests = _conditional_tests(module, items)
+        if tests:
+            # a rotation written in a conditional expression (``k_embed = <rot(k)> if k is not None else None``) is
+            # computed only where its test holds: the fused branch runs only where every such test holds, so the
+            # run-time checks never read the shape of a None operand (audit33: yarn's ReRoPE passes k=None)
+            guard = f"{_atom(guard)} if {' and '.join(tests)} else None"
+            notes.append("the rotations sit in conditional expressions: the fused branch runs only where "
+                         + " and ".join(f"`{t}`" for t in tests) + " hold; elsewhere the original code runs")
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=first_stmt.lineno, end_line=last_stmt.end_lineno or last_stmt.lineno,
             params=params, fused="\n".join(lines), guard_tensor=guard, confidence="high", variant=variant,
@@ -8280,3 +8308,35 @@ leaves = [x]
 ''',
     ),
 ]
+
+# --- audit33: rotations written in conditional expressions (a caller passes None for q or k) ---
+RopePattern.FUSE.append(
+    Fuse(
+        name="rotations_in_conditional_expressions",
+        # yarn's ReRoPE apply_rotary_pos_emb: each rotation under ``if x is not None else None`` and a caller that
+        # passes k=None: the fused branch runs only where both tests hold (its checks read k's shape)
+        code='''
+import torch
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    q_embed = (q * cos) + (rotate_half(q) * sin) if q is not None else None
+    k_embed = (k * cos) + (rotate_half(k) * sin) if k is not None else None
+    return q_embed, k_embed
+''',
+        expect={"mode": "half"},
+        run='''
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+k = torch.randn(2, 4, 6, 16, requires_grad=True)
+ang = torch.randn(1, 1, 6, 8).repeat(1, 1, 1, 2)
+both = apply_rotary_pos_emb(q, k, ang.cos(), ang.sin())
+out = (both[0], both[1], apply_rotary_pos_emb(q, None, ang.cos(), ang.sin())[0], apply_rotary_pos_emb(None, k, ang.cos(), ang.sin())[1])
+leaves = [q, k]
+''',
+    )
+)
