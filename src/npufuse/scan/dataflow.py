@@ -275,7 +275,7 @@ def _tensor_calls_on_lines(tree: ast.Module, hits: list[int]) -> list[ast.Call]:
                 continue
         names = _EXPRESSION_FIELDS.get(t)
         if names is None:
-            names = _EXPRESSION_FIELDS[t] = tuple(f for f in child_fields(t) if f not in ("body", "handlers", "orelse", "finalbody", "cases"))
+            names = _EXPRESSION_FIELDS[t] = tuple(f for f in child_fields(t) if f not in _BLOCK_NAMES)
         for name in names:
             v = getattr(stmt, name, None)
             for root in (v if type(v) is list else (v,)):
@@ -605,7 +605,7 @@ class ModuleInfo:
             else:
                 names = _BLOCK_FIELDS.get(type(node))
                 if names is None:
-                    names = _BLOCK_FIELDS[type(node)] = tuple(n for n in ("body", "handlers", "orelse", "finalbody", "cases") if n in type(node)._fields)
+                    names = _BLOCK_FIELDS[type(node)] = tuple(n for n in _BLOCK_NAMES if n in type(node)._fields)
                 for name in names:
                     block = getattr(node, name, None) or []
                     if name == "handlers" or name == "cases":  # except handlers, match cases: each holds a block
@@ -624,13 +624,15 @@ def _statements_bfs(tree: ast.Module) -> Iterator[ast.AST]:
         yield node
         names = fields.get(type(node))
         if names is None:
-            names = fields[type(node)] = tuple(n for n in ("body", "handlers", "orelse", "finalbody", "cases") if n in type(node)._fields)
+            names = fields[type(node)] = tuple(n for n in _BLOCK_NAMES if n in type(node)._fields)
         for name in names:
             block = getattr(node, name, None)
             if type(block) is list:
                 todo.extend(block)
 
 
+# the fields of a statement (or handler / match case) that hold statement blocks
+_BLOCK_NAMES = ("body", "handlers", "orelse", "finalbody", "cases")
 # node type -> its fields among body/handlers/orelse/finalbody/cases (most statements have none)
 _BLOCK_FIELDS: dict[type, tuple[str, ...]] = {}
 
@@ -925,13 +927,7 @@ def lines_with(module: "ModuleInfo", words: tuple[str, ...]) -> list[int] | None
         if not src.isascii() and (folds_to_ascii(module) or not all(w.isascii() for w in words)):
             starts += [m.start() for m in _NON_ASCII.finditer(src)]
         starts.sort()
-        out = []
-        line, pos = 1, 0
-        for p in starts:
-            line += src.count("\n", pos, p)
-            pos = p
-            if not out or out[-1] != line:
-                out.append(line)
+        out = lines_of_offsets(src, starts)
     cache[words] = out
     return out
 

@@ -243,6 +243,12 @@ def _view_origin(module: ModuleInfo, expr: ast.AST | None) -> str | None:
     return None
 
 
+def _fused_code(finding: Finding) -> str:
+    """The replacement's lines without their comments: generated code, so a regex over it is enough (no
+    second parse)."""
+    return "\n".join(ln.split("#", 1)[0] for ln in finding.fused.splitlines())
+
+
 def _non_contiguous(module: ModuleInfo, scope: Scope, finding: Finding) -> list[dict[str, Any]]:
     if scope.qualname == "<module>":
         return []
@@ -262,7 +268,7 @@ def _non_contiguous(module: ModuleInfo, scope: Scope, finding: Finding) -> list[
         return []
     # what the replacement does with each of them: ``.contiguous()`` on another tensor (the output's
     # ``.transpose(1, 2).contiguous()``) does not copy these (a false "makes it contiguous" note; audit33)
-    code = "\n".join(ln.split("#", 1)[0] for ln in finding.fused.splitlines())
+    code = _fused_code(finding)
     # (``q.contiguous()``, or after further views of it: ``q.transpose(1, 2).unsqueeze(1).contiguous()``)
     made = [n for n, _ in found[:3]
             if re.search(r"(?<![\w.])" + re.escape(n) + r"(?:\s*\.\s*\w+\s*\([^()]*\))*\s*\.\s*contiguous\s*\(\s*\)", code)]
@@ -302,8 +308,7 @@ _HOST_SYNC_CALL = re.compile(r"\.(" + "|".join(sorted(HOST_SYNC)) + r")\(\s*\)")
 
 
 def _host_sync(finding: Finding) -> list[dict[str, Any]]:
-    # generated code: a regex over its lines without their comments is enough (no second parse)
-    code = "\n".join(ln.split("#", 1)[0] for ln in finding.fused.splitlines())
+    code = _fused_code(finding)
     calls = sorted({f".{m.group(1)}()" for m in _HOST_SYNC_CALL.finditer(code)})
     if not calls:
         return []
