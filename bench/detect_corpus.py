@@ -421,10 +421,13 @@ def main(argv: list[str] | None = None) -> int:
     # a missed fuse label the scan did reach but left alone because the file already runs a torch_npu branch
     # there (an in-repo port's fallback): the detector found it; the scan rightly proposes nothing. Told
     # apart (counts only), not scored as found: the strict figure above stays the one reported
+    from npufuse.scan.engine import ALREADY_FUSED_BESIDE, ALREADY_REWRITTEN
+
+    already = (ALREADY_FUSED_BESIDE, ALREADY_REWRITTEN)
     beside = {}
     for p in patterns:
         n = sum(1 for s in tallies[p].missed
-                if any(m.pattern == p and m.overlaps(s) and r.startswith(_ALREADY_FUSED) for m, r in misses))
+                if any(m.pattern == p and m.overlaps(s) and r.startswith(already) for m, r in misses))
         if n:
             beside[p] = n
     if beside:
@@ -448,8 +451,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# the scan's near-miss reasons for a site whose file already holds the fused branch (engine._analyze_file)
-_ALREADY_FUSED = ("already has a torch_npu branch beside it", "already rewritten by npufuse")
 
 
 def _fmt(k: int, n: int) -> str:

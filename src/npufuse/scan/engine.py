@@ -209,6 +209,9 @@ def _valid_span(scope: Scope, line: int, end_line: int) -> bool:
 
 # apply's reason, word for word (rewrite/transform.py, `_several_statements`)
 _SHARED_LINE = "lines {}-{} share a line with other statements (`;`); split them first"
+# the near-miss reasons of a site whose code already runs the fused op (read by bench/detect_corpus.py)
+ALREADY_REWRITTEN = "already rewritten by npufuse"
+ALREADY_FUSED_BESIDE = "already has a torch_npu branch beside it"
 
 
 def _shares_line(scope: Scope, lines: list[str], line: int, end_line: int) -> bool:
@@ -477,11 +480,11 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                         continue
                     already = _inside(facts.npufuse_spans, r.line, r.end_line)
                     if already is not None:
-                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, "already rewritten by npufuse (inside its guarded `if`)")))
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, f"{ALREADY_REWRITTEN} (inside its guarded `if`)")))
                         continue
                     beside = _inside(facts.fused_spans, r.line, r.end_line)
                     if beside is not None:
-                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, f"already has a torch_npu branch beside it (the `if` at {beside}); this is its fallback")))
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, f"{ALREADY_FUSED_BESIDE} (the `if` at {beside}); this is its fallback")))
                         continue
                     try:
                         local = risks.local_risks(module, scope, r, pattern)
