@@ -207,25 +207,38 @@ def parameter_may_be_number(module: Any, scope: Any, node: Any) -> bool:
         return True
     method = bool(scope.class_name) and positional[:1] == ["self"]
     pos = positional.index(node.name) - (1 if method else 0) if node.name in positional else None
-    for caller in module.scopes:
-        if not isinstance(caller.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    for caller, call in _calls_by_callee(module).get(("self" if method else "", fn.name), ()):
+        arg = next((k.value for k in call.keywords if k.arg == node.name), None)
+        if arg is None and pos is not None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
+            arg = call.args[pos]
+        if arg is None:
             continue
-        for call in ast.walk(caller.node):
-            if not (isinstance(call, ast.Call) and (isinstance(call.func, ast.Attribute) and method and call.func.attr == fn.name
-                                                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
-                                                    or isinstance(call.func, ast.Name) and not method and call.func.id == fn.name)):
-                continue
-            arg = next((k.value for k in call.keywords if k.arg == node.name), None)
-            if arg is None and pos is not None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
-                arg = call.args[pos]
-            if arg is None:
-                continue
-            if _number(arg) or isinstance(arg, ast.IfExp) and (_number(arg.body) or _number(arg.orelse)):
-                return True
-            if isinstance(arg, ast.Name) and any(_number(v) or isinstance(v, ast.IfExp) and (_number(v.body) or _number(v.orelse))
-                                                 for _st, v in caller.assignments.get(arg.id, [])):
-                return True
+        if _number(arg) or isinstance(arg, ast.IfExp) and (_number(arg.body) or _number(arg.orelse)):
+            return True
+        if isinstance(arg, ast.Name) and any(_number(v) or isinstance(v, ast.IfExp) and (_number(v.body) or _number(v.orelse))
+                                             for _st, v in caller.assignments.get(arg.id, [])):
+            return True
     return False
+
+
+def _calls_by_callee(module: Any) -> dict[tuple[str, str], list[tuple[Any, ast.Call]]]:
+    """(caller scope, call) for every call in a function scope of ``module`` (nested defs included, as
+    ``ast.walk`` of the scope sees them), keyed ``("self", m)`` for ``self.m(..)`` and ``("", f)`` for ``f(..)``:
+    built once per module from the scopes' shared node index, instead of a walk of every scope per question."""
+    cached = module.__dict__.get("_npufuse_calls_by_callee")
+    if cached is None:
+        cached = {}
+        for caller in module.scopes:
+            if not isinstance(caller.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for call in caller.nodes().get(ast.Call, ()):
+                f = call.func
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                    cached.setdefault(("self", f.attr), []).append((caller, call))
+                elif isinstance(f, ast.Name):
+                    cached.setdefault(("", f.id), []).append((caller, call))
+        module.__dict__["_npufuse_calls_by_callee"] = cached
+    return cached
 
 
 def _number(node: Any) -> bool:
