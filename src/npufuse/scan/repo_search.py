@@ -529,6 +529,9 @@ def site_context(module: ModuleInfo, scope: Scope) -> SiteContext:
     return SiteContext(config_expr, args_expr, tuple(sorted(self_attrs)))
 
 
+_READS_SELF_CONFIG = re.compile(r"\bself\s*\.\s*config(?![\w])")
+
+
 def _self_attributes(module: ModuleInfo, cls: ast.ClassDef, depth: int = 3) -> set[str]:
     """``self.x`` assigned in the class (or a base class defined in the same module), or
     ``self.config`` read anywhere in it (HF models set it in a library base class). Walks the
@@ -536,7 +539,7 @@ def _self_attributes(module: ModuleInfo, cls: ast.ClassDef, depth: int = 3) -> s
     out: set[str] = set()
     lines = module.lines
     text = "".join(lines[cls.lineno - 1 : cls.end_lineno]) if cls.end_lineno else ""
-    if "self.config" in text:
+    if _READS_SELF_CONFIG.search(text):  # the attribute itself, not ``self.configure_optimizers``
         out.add("config")
     stack: list[ast.AST] = list(cls.body)
     while stack:

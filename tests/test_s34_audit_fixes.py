@@ -1,0 +1,45 @@
+"""s34 precision audit (bench/audit_s34_precision.json): the wrong replacements it found, one test per class.
+
+* A class whose text says ``self.configure_schedulers()`` does not hold ``self.config``: the new switch field
+  ``getattr(self.config, ...)`` raised AttributeError on NPU (DynamiCrafter's LightningModule)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from npufuse.scan.engine import scan_repo
+from scan_fakes import FakeRmsNorm
+
+_NORM_IN = """
+import torch
+from torch import nn
+
+
+class Norm(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, h):
+        self.{attr}()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h
+"""
+
+
+def _switch(tmp_path: Path, attr: str) -> dict:
+    (tmp_path / "norm.py").write_text(textwrap.dedent(_NORM_IN.format(attr=attr)), encoding="utf-8")
+    res = scan_repo(tmp_path, patterns=[FakeRmsNorm()], jobs=1)
+    assert len(res.candidates) == 1
+    return res.candidates[0]["switch"]
+
+
+def test_a_method_named_config_something_is_no_config_attribute(tmp_path: Path) -> None:
+    sw = _switch(tmp_path, "configure_schedulers")
+    assert sw["kind"] != "new_field" and "self.config" not in sw["expr"], sw
+
+
+def test_a_read_of_self_config_still_gives_the_config_field(tmp_path: Path) -> None:
+    sw = _switch(tmp_path, "config.validate")
+    assert sw["kind"] == "new_field" and sw["expr"].startswith("getattr(self.config,"), sw
