@@ -59,6 +59,15 @@ class AffinityWhere(Pattern):
                 if k == len(lines) or lines[k] > (stmt.end_lineno or stmt.lineno):
                     continue  # no line of the statement can hold a torch.where call
             calls = [n for n in fast_walk(stmt.value) if isinstance(n, ast.Call) and module.canonical(n.func) == "torch.where"]
+            written = next((c for c in calls if any(k.arg == "out" for k in c.keywords)), None)
+            if written is not None:
+                # ChatTTS's torch.where(cond, n, emb, out=emb if inplace else None): callers read `emb`
+                # afterwards, and the blend returns a new tensor
+                out = next(k.value for k in written.keywords if k.arg == "out")
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                               f"torch.where writes its result into `out={ast.unparse(out)}` (in place, for whoever holds that "
+                               "tensor); the fused blend returns a new tensor: rewrite by hand, copying into it")
+                continue
             blends = [c for c in calls if _operands(c) is not None]
             if not blends:
                 continue
@@ -643,6 +652,18 @@ def append_eos(input_ids, pad_token_id, first_pad):
     return torch.where(col < first_pad, unshifted, shifted)
 '''
 
+_KEEP_OUT = '''\
+import torch
+
+
+class Speaker(torch.nn.Module):
+    def apply(self, emb, spk, prompt_mask, inplace=True):
+        # ChatTTS: the blend is written into `emb` (out=), and the caller reads `emb`, not the return value
+        cond = prompt_mask.unsqueeze(-1)
+        out = torch.where(cond, spk.float(), emb, out=emb if inplace else None)
+        return out
+'''
+
 AffinityWhere.FUSE = [
     Fuse(_BBOX_CLIP, name="ascend_guide_bbox_clip", expect={
         "cond": "bboxes < min_xy", "a": "min_xy", "b": "bboxes", "cond_is_bool": True, "variant": "where_to_lerp"}),
@@ -670,6 +691,7 @@ AffinityWhere.KEEP = [
     Keep(_KEEP_BUCKETS, reason="integer tensors", name="t5_relative_position_bucket_through_abs_min"),
     Keep(_KEEP_PATCH_LENGTHS, reason="integer tensors", name="blt_lengths_modulo_annotated_int"),
     Keep(_KEEP_PADDED_IDS, reason="integer tensors", name="clvp_padded_input_ids"),
+    Keep(_KEEP_OUT, reason="writes its result into `out=", name="chattts_where_out_in_place"),
 ]
 
 CHECKS: dict[str, str] = {
