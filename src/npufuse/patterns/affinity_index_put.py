@@ -147,10 +147,22 @@ def _host_spine(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
             if value is None:
                 return None
             node, line = value, getattr(value, "lineno", line)
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+            # a & b of a host and a device tensor fails in the original too: a host operand makes a host mask
+            # (VideoMamba's bernoulli(torch.full(shape, 0.8)).bool() & masked_indices)
+            for side in (node.left, node.right):
+                why = _host_spine(module, scope, side, line, depth)
+                if why is not None:
+                    return why
+            return None
         elif isinstance(node, ast.Call):
             name = module.canonical(node.func) or ""
             if name in _HOST_CREATORS:
                 return None if keyword(node, "device") is not None else f"`{segment(module, node)[:40]}` is built on the CPU (no device=)"
+            if name.startswith("torch.") and keyword(node, "device") is None and node.args \
+                    and not isinstance(node.args[0], ast.Starred):
+                node = node.args[0]  # torch.bernoulli(p), torch.logical_not(m): made where their input is
+                continue
             if not isinstance(node.func, ast.Attribute) or name.startswith("torch."):
                 return None
             if node.func.attr == "cpu":
@@ -540,6 +552,12 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                             "a scalar nor gathered with the same mask")
         form, elem = "where", value_elem
     elif gathered is not None:
+        other = _not_elementwise(module, value)
+        if other is not None:
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"`{other[:50]}` on the gathered elements is not known to act element by element: evaluated over "
+                            "the whole tensor (what the where form does) it may differ, fail on rows the mask leaves out "
+                            "(a sampler on all-zero rows) or draw other random numbers")
         form, elem = "where", gathered
     elif is_scalar(module, scope, value, line):
         form, elem = "masked_fill", value_text
@@ -669,6 +687,38 @@ def _gathered(module: ModuleInfo, value: ast.expr, mask: ast.expr) -> Optional[s
         if isinstance(n, ast.Call) and (module.canonical(n.func) or "").startswith(("torch.rand", "torch.randint", "torch.randn")):
             ok = False  # a fresh random tensor of the selected size: shape changes without the mask
     return ast.unparse(new) if ok else None
+
+
+# calls that act element by element (torch functions and tensor methods by their last name): f(y[m]) equals
+# f(y)[m] for these, so the where form may evaluate them over the whole tensor
+_ELEMENTWISE = frozenset((
+    "abs", "neg", "negative", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt", "square",
+    "sigmoid", "tanh", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "erf", "erfc", "reciprocal",
+    "relu", "gelu", "silu", "softplus", "elu", "leaky_relu", "mish", "hardtanh", "logit", "sign", "sgn",
+    "floor", "ceil", "round", "trunc", "frac", "clamp", "clamp_min", "clamp_max", "clip", "nan_to_num",
+    "float", "half", "double", "bfloat16", "long", "int", "bool", "to", "type", "type_as", "detach", "clone",
+    "contiguous", "add", "sub", "mul", "div", "true_divide", "pow", "remainder", "fmod", "minimum", "maximum",
+    "where", "lerp", "logical_not", "logical_and", "logical_or", "logical_xor", "isnan", "isinf", "isfinite",
+    "eq", "ne", "lt", "le", "gt", "ge", "bitwise_not", "bitwise_and", "bitwise_or", "float_power", "xlogy",
+))
+
+
+def _not_elementwise(module: ModuleInfo, value: ast.expr) -> str | None:
+    """The first call in ``value`` not known to act element by element (a function of the repository, a
+    sampler, a reduction, a matmul), as text; None when every call is elementwise."""
+    for n in fast_walk(value):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or ""
+            if isinstance(n.func, ast.Attribute):
+                # a tensor method (y.exp()), or a function of an imported module: torch's only
+                spelled = dotted(n.func) or ""
+                imported = spelled.split(".", 1)[0] in module.aliases
+                ok = n.func.attr in _ELEMENTWISE and (not imported or name.startswith("torch."))
+            else:
+                ok = name.startswith("torch.") and name.rsplit(".", 1)[-1] in _ELEMENTWISE
+            if not ok:
+                return segment(module, n)
+    return None
 
 
 def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth: int = 0) -> bool:
@@ -1191,3 +1241,46 @@ AffinityIndexPut.KEEP += [
 ]
 
 CHECKS["s32_host_eye_mask_placement_checked"] = "out = sequential_edges(5, 'cpu')"
+
+
+# --- s34: a host mask made through torch functions and & (the s34 precision audit) ------------------
+# An MLM collator on the model's device draws its masks on the CPU: ``torch.bernoulli(torch.full(shape,
+# p))`` (bernoulli keeps its input's device) combined with ``&``. Indexing moves a host mask to the
+# target's device; masked_fill_/where do not, so the fused branch checks the placement at run time.
+_S34_BERNOULLI_HOST_MASK = '''\
+import torch
+
+
+def corrupt_tokens(token_ids, special, mask_id: int, p: float = 0.15):
+    masked = torch.bernoulli(torch.full(token_ids.shape, p)).bool() & ~special
+    token_ids[masked] = mask_id
+    return token_ids
+'''
+
+AffinityIndexPut.FUSE += [
+    Fuse(_S34_BERNOULLI_HOST_MASK, name="s34_bernoulli_host_mask_placement_checked", expect={
+        "form": "masked_fill", "mask_placement": "checked_at_runtime"}),
+]
+
+CHECKS["s34_bernoulli_host_mask_placement_checked"] = (
+    "torch.manual_seed(0)\nout = corrupt_tokens(torch.randint(5, 50, (3, 9)), torch.zeros(3, 9, dtype=torch.bool), 4)"
+)
+
+# x[m] = f(u[m]) with f a sampler of the repository: the where form would run it on every row, rows the
+# mask leaves out included (torch.multinomial raises on an all-zero row; any sampler draws other numbers)
+_S34_SAMPLER_ON_GATHERED = '''\
+import torch
+
+
+def draw(probs):
+    return torch.multinomial(probs.flatten(0, -2), 1).view(probs.shape[:-1])
+
+
+def jump(x_t, u, mask_jump):
+    x_t[mask_jump] = draw(u[mask_jump])
+    return x_t
+'''
+
+AffinityIndexPut.KEEP += [
+    Keep(_S34_SAMPLER_ON_GATHERED, reason="is not known to act element by element", name="s34_sampler_on_gathered_rows"),
+]
