@@ -43,3 +43,18 @@ def test_a_method_named_config_something_is_no_config_attribute(tmp_path: Path) 
 def test_a_read_of_self_config_still_gives_the_config_field(tmp_path: Path) -> None:
     sw = _switch(tmp_path, "config.validate")
     assert sw["kind"] == "new_field" and sw["expr"].startswith("getattr(self.config,"), sw
+
+
+# * npu_rotary_mul's interleave mode takes B*N < 1000 (spec 4.1): the lane-pair, regrouped and 2x2-matrix
+#   interleave forms read it at run time (fractalgen's AR rope ran on 64*256 patches x 8 heads).
+def test_interleave_pairs_check_the_rows_limit(tmp_path: Path) -> None:
+    from apply_support import scan
+    from npufuse.patterns import rope
+
+    example = next(f for f in rope.RopePattern.FUSE if f.name == "gpt_fast_lane_pairs_real_cache")
+    (tmp_path / "model.py").write_text(example.code, encoding="utf-8")
+    data = scan(tmp_path, patterns=[rope.RopePattern()])
+    fused = [c for c in data["candidates"] if c["variant"] == "interleaved_pairs_real_cache"]
+    assert fused, data["near_misses"]
+    code = fused[0]["replacement"]
+    assert ".numel() // max(" in code and "< 1000 * max(" in code, code

@@ -663,6 +663,13 @@ def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: Mod
     return rot
 
 
+def _interleave_rows_ok(x: str, seq: str) -> str:
+    """npu_rotary_mul's interleave mode takes B*N < 1000 (spec 4.1): x's rows (all dims but the last) over
+    the sequence length ``seq`` (the table's one long dim), as a run-time test on shapes. A fractal AR model
+    runs its rope on batch x patches rows (audit34: 64*256 x 8 heads): the original code runs there."""
+    return f"{x}.numel() // max({x}.shape[-1], 1) < 1000 * max({seq}, 1)"
+
+
 def _lifted_limits(x: str, cos: str, mode: str) -> str:
     """A run-time test that npu_rotary_mul's B/N limits hold for ``x`` and ``cos`` lifted to 4-D (spec
     4.1: half B < 1000 and N < 1000, interleave B*N < 1000), or "" where ``cos`` is an expression (it
@@ -2325,7 +2332,9 @@ class RopePattern(Pattern):
             checks.append(f"{const_value(sum_dim)} == {x_rank} + 1")
         # the matrix [..., D/2, 2, 2] gives cos [..., D]: 4-D and batch-independent (11SD/1S1D/S11D, what npu_rotary_mul's
         # interleave mode takes) is checked on its shape; the original code runs otherwise
-        m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)"
+        rows = base.id if isinstance(base, ast.Name) else xv
+        m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)" \
+            + f" and {_interleave_rows_ok(rows, f'max({lead}[1], {lead}[2])')}"
         m.only_note = f"the matrix is taken to be the rotation built by `{producer}`"
         m.matrix, m.producer = True, producer
         return m
@@ -2373,7 +2382,8 @@ class RopePattern(Pattern):
         # npu_rotary_mul takes a 4-D x and, in interleave mode, batch-independent cos/sin only (11SD/1S1D/S11D):
         # checked at run time, the original code runs otherwise
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
-                     f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+                     f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape"
+                     f" and {_interleave_rows_ok(xv, f'max({cos}.shape[:-1])')}")
         return m
 
     @staticmethod
@@ -2420,7 +2430,8 @@ class RopePattern(Pattern):
             prep=prep, x_dtype="same", cs_dtype="same", suffix=f".reshape({shape})",
         )
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
-                     f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape")
+                     f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape"
+                     f" and {_interleave_rows_ok(xv, f'max({cos}.shape[:-1])')}")
         return m
 
     def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:
