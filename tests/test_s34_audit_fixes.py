@@ -58,3 +58,22 @@ def test_interleave_pairs_check_the_rows_limit(tmp_path: Path) -> None:
     assert fused, data["near_misses"]
     code = fused[0]["replacement"]
     assert ".numel() // max(" in code and "< 1000 * max(" in code, code
+
+
+# * The fused optimizers combine and re-point the params' storage: FSDP2's DTensor params (and any tensor
+#   subclass: FSDP1's FlatParameter) keep torch.optim, checked at run time by every guard (blt builds its
+#   optimizer after fully_shard, with fp32 sharded params the dtype test alone let through).
+def test_optimizer_guard_refuses_tensor_subclass_params() -> None:
+    import torch
+
+    from npufuse.patterns import fused_optimizer
+
+    class DTensor(torch.Tensor):
+        pass
+
+    guard = eval(fused_optimizer._GROUPS_GUARD)  # the lambda the rewritten code applies to the params list
+    plain = torch.nn.Parameter(torch.zeros(3))
+    sharded = torch.zeros(3).as_subclass(DTensor).requires_grad_()
+    assert guard([plain]) is plain
+    assert guard([{"params": [plain]}, {"params": [sharded]}]) is None
+    assert guard([plain, torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)]) is None
