@@ -77,3 +77,15 @@ def test_optimizer_guard_refuses_tensor_subclass_params() -> None:
     assert guard([plain]) is plain
     assert guard([{"params": [plain]}, {"params": [sharded]}]) is None
     assert guard([plain, torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)]) is None
+
+
+# * A build script's environment variable is no switch for model code (ml-sigmoid-attention's vendored
+#   setup.py read FLASH_ATTENTION_FORCE_BUILD, which then guarded attention sites: off by default).
+def test_build_script_env_vars_are_no_switches(tmp_path: Path) -> None:
+    (tmp_path / "setup.py").write_text(
+        "import os\nfrom setuptools import setup\nFORCE = os.getenv('FLASH_ATTENTION_FORCE_BUILD', 'FALSE') == 'TRUE'\nsetup(name='x')\n",
+        encoding="utf-8")
+    (tmp_path / "run.py").write_text("import os\nUSE = os.getenv('USE_FLASH_ATTENTION', '0') == '1'\n", encoding="utf-8")
+    res = scan_repo(tmp_path, patterns=[FakeRmsNorm()], jobs=1)
+    names = [s["name"] for s in res.switches]
+    assert "FLASH_ATTENTION_FORCE_BUILD" not in names and "USE_FLASH_ATTENTION" in names, names

@@ -287,7 +287,13 @@ def file_facts(module: ModuleInfo) -> FileFacts:
             seen.add((line, what, kind))
             facts.existing.append({"file": path, "line": line, "what": what, "kind": kind, **extra})
 
+    # a build script's environment variables choose how extensions are built, not which code runs
+    # (flash-attn's FLASH_ATTENTION_FORCE_BUILD in a vendored setup.py: audit34)
+    build_script = path.rsplit("/", 1)[-1] == "setup.py" or "setuptools" in src or "cpp_extension" in src
+
     def switch(line: int, name: str, kind: str, value: Any = None, **extra: Any) -> None:
+        if kind == "env" and build_script:
+            return
         if SWITCH_NAME.search(name) and is_switch(name, kind, value):
             facts.switches.append({"file": path, "line": line, "name": name, "kind": kind, **extra})
 
