@@ -265,10 +265,26 @@ def _scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
 
 
 def _add_split_checks(m: "_Match", halves: _Halves) -> None:
-    """Halves cut at a run-time split point: fused only where it is x's last dim // 2."""
+    """Halves cut at a run-time split point: fused only where it is x's last dim // 2, or, for the halves of
+    a rotated prefix ``x[..., :u]`` (``_Halves.prefix``), where it is u // 2 and x is at least u wide: the
+    fused call then rotates that prefix (bound to a name inside the fused branch)."""
     if not halves.split_checks:
         return
-    check = " and ".join(halves.split_checks)
+    checks = list(halves.split_checks)
+    if halves.prefix is not None:
+        x_src, upper = halves.prefix
+        xa = _atom(x_src)
+        first_cut = f"{xa}.shape[-1] == 2 * ("
+        if not any(c.startswith(first_cut) for c in checks):
+            checks.append(f"{xa}.shape[-1] == ({upper})")  # the first half is x's own half: u is x's last dim
+        checks = [f"({upper}) == 2 * (" + c[len(first_cut):] if c.startswith(first_cut) else c for c in checks]
+        checks.append(f"{xa}.shape[-1] >= ({upper})")
+        rotated = f"_npufuse_{_ident(x_src)}_rotated"
+        bind = f"{rotated} = {m.x_text}[..., :{upper}]  # the rotated prefix whose halves the original cuts"
+        (m.inner_prep if m.anchor is not None else m.prep).append(bind)
+        m.x_text, m.rotary_dim = rotated, upper
+    checks = list(dict.fromkeys(checks))
+    check = " and ".join(checks)
     m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
     m.only_note = (m.only_note + "; " if m.only_note else "") + "halves cut at a run-time split point: fused where it is half the last dim"
 
@@ -303,6 +319,10 @@ class _Halves:
         # collected here (``x.shape[-1] == 2 * (h)``), the original code running elsewhere
         self.allow_split = False
         self.split_checks: list[str] = []
+        # (x, u) where the second half is written ``x[..., h:u]`` with u not provably x's last dim: the halves
+        # of the rotated prefix ``x[..., :u]`` (partial rotary cut as two slices, the tail joined after:
+        # mlx's RoPE ``x[..., dims // 2 : dims]``, k-diffusion's ``x[..., d : d * 2]``); only under allow_split
+        self.prefix: tuple[str, str] | None = None
 
     def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
         sl = sub.slice
@@ -340,6 +360,31 @@ class _Halves:
         if _method(size, "size") and size.args:
             return self.is_x(size.func.value) and _is_int(size.args[0], -1, 3)
         return False
+
+    def _is_last_dim(self, node: ast.expr | None) -> bool:
+        """``x.shape[-1]`` / ``x.size(-1)`` (or a local bound once to it) / ``d`` unpacked last from x's shape."""
+        if node is None:
+            return False
+        if self._unpacked_last_dim(node):
+            return True
+        size = _resolve(self.scope, node)
+        if isinstance(size, ast.Subscript) and isinstance(size.value, ast.Attribute) and size.value.attr == "shape":
+            return self.is_x(size.value.value) and _is_int(size.slice, -1)
+        return _method(size, "size") and len(size.args) == 1 and self.is_x(size.func.value) and _is_int(size.args[0], -1)
+
+    def _prefix_second(self, base: ast.expr, lower: ast.expr, upper: ast.expr) -> str | None:
+        """``x[..., h:u]``: the second half of the rotated prefix ``x[..., :u]``, fused where ``u == 2 * h``
+        and x is at least u wide (the first half's split point is compared with u too: _add_split_checks)."""
+        if not (_split_point(self.scope, lower) and _split_point(self.scope, upper)):
+            return None
+        key = (ast.unparse(base), ast.unparse(upper))
+        if self.prefix not in (None, key):
+            return None  # two prefixes (or two tensors): not the halves of one
+        self.prefix = key
+        check = f"({key[1]}) == 2 * ({ast.unparse(lower)})"
+        if check not in self.split_checks:
+            self.split_checks.append(check)
+        return "second"
 
     def _unpacked_last_dim(self, node: ast.expr) -> bool:
         """``d`` bound last by ``b, h, s, d = x.size()`` / ``= x.shape`` (picotron): x's last dim."""
@@ -395,16 +440,20 @@ class _Halves:
                 if sl is None:
                     return None
                 if sl.step is None:
-                    if sl.lower is None and self._is_half_point(sl.upper):
+                    lower = None if _is_int(sl.lower, 0) else sl.lower  # ``x[..., 0:h]`` is ``x[..., :h]``
+                    upper = None if lower is not None and self._is_last_dim(sl.upper) else sl.upper  # x[..., h:D]
+                    if lower is None and self._is_half_point(upper):
                         return "first"
-                    if sl.upper is None and self._is_half_point(sl.lower):
+                    if upper is None and self._is_half_point(lower):
                         return "second"
-                    h = sl.upper if sl.lower is None else sl.lower if sl.upper is None else None
+                    if self.allow_split and lower is not None and upper is not None:
+                        return self._prefix_second(base, lower, upper)
+                    h = upper if lower is None else lower if upper is None else None
                     if self.allow_split and h is not None and _split_point(self.scope, h):
                         check = f"{_atom(ast.unparse(base))}.shape[-1] == 2 * ({ast.unparse(h)})"
                         if check not in self.split_checks:
                             self.split_checks.append(check)
-                        return "first" if sl.lower is None else "second"
+                        return "first" if lower is None else "second"
                 elif _is_int(sl.step, 2) and sl.upper is None:
                     if sl.lower is None or _is_int(sl.lower, 0):
                         return "even"
@@ -642,8 +691,8 @@ def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: Mod
     halves = _Halves(scope, lambda n: same_expr(n, x), module)
     halves.allow_split = True
     rot = _rotation_of_halves(scope, node, lambda n: same_expr(n, x), halves)
-    if not halves.split_checks:
-        return None
+    if not halves.split_checks or halves.prefix is not None:
+        return None  # (halves of a prefix are no rotate_half of x: the widths differ from x's)
     for check in halves.split_checks:
         # a split point read from x's own shape, other than the last dim's half that _Halves proves, is another
         # dim of x (picotron's unpacked ``seq_length // 2``): a cut that is no rotation, not a run-time question
@@ -6516,7 +6565,7 @@ def _split_checked_helper(module: ModuleInfo, node: ast.Call, hscope: Scope, ret
     halves = _Halves(hscope, is_param, module)
     halves.allow_split = True
     rot = _rotation_of_halves(hscope, ret, is_param, halves)
-    if rot.kind != "half" or not halves.split_checks:
+    if rot.kind != "half" or not halves.split_checks or halves.prefix is not None:
         return None
     checks = []
     for check in halves.split_checks:
@@ -8340,3 +8389,79 @@ leaves = [q, k]
 ''',
     )
 )
+
+# s34: the halves of a rotated prefix cut as two slices with explicit bounds (partial rotary without a named
+# ``x_rot``): k-diffusion's ``x[..., :d], x[..., d : d * 2], x[..., d * 2 :]`` (d the tables' width), lightllm /
+# ColossalAI's kernel references ``x[..., 0 : dim // 2]`` / ``x[..., dim // 2 : dim]``, mlx's RoPE ported to torch
+# ``x[..., dims // 2 : dims]``. ``x[..., h:u]`` is the second half of ``x[..., :u]``: the fused call rotates that prefix
+# where ``u == 2 * h`` and x is at least u wide (checked at run time), the original code elsewhere; an explicit ``0``
+# start is no start, and an end that is x's own last dim is no end
+_PREFIX_HALVES = '''
+import torch
+
+
+def rotate_prefix(x, cos, sin):
+    d = cos.shape[-1]
+    x1, x2, x_pass = x[..., :d], x[..., d : d * 2], x[..., d * 2 :]
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    return torch.cat((y1, y2, x_pass), dim=-1)
+
+
+def rotate_heads(x, cos, sin):
+    b, h, s, dim = x.shape
+    x0 = x[..., 0 : dim // 2]
+    x1 = x[..., dim // 2 : dim]
+    o0 = x0 * cos - x1 * sin
+    o1 = x0 * sin + x1 * cos
+    return torch.cat((o0, o1), dim=-1)
+
+
+def rotate_first(x, cos, sin, rot: int):
+    x0 = x[..., 0 : rot // 2]
+    x1 = x[..., rot // 2 : rot]
+    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="s34_prefix_halves_cut_by_explicit_slices",
+        code=_PREFIX_HALVES,
+        expect={"mode": "half"},
+        run='''
+x = torch.randn(2, 3, 5, 16, requires_grad=True)
+ang = torch.randn(1, 1, 5, 4)
+full = torch.randn(1, 1, 5, 8)
+out = (rotate_prefix(x, ang.cos(), ang.sin()), rotate_heads(x, full.cos(), full.sin()),
+       rotate_first(x, ang.cos(), ang.sin(), 8), rotate_first(x, full.cos(), full.sin(), 16),
+       rotate_prefix(x.to(torch.bfloat16), full.cos(), full.sin()))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the second "half" is cut from another tensor: no rotation of one x
+        _PREFIX_HALVES.replace("def rotate_prefix(x, cos, sin):", "def rotate_prefix(x, k, cos, sin):")
+        .replace("x1, x2, x_pass = x[..., :d], x[..., d : d * 2], x[..., d * 2 :]", "x1, x2, x_pass = x[..., :d], k[..., d : d * 2], x[..., d * 2 :]")
+        .split("\n\n\ndef rotate_heads")[0] + "\n",
+        name="s34_prefix_halves_of_two_tensors",
+    ),
+    Keep(
+        # the end of the second slice is rebound in a loop: not a split point the fused code could read again
+        '''
+import torch
+
+
+def rotate_blocks(x, cos, sin):
+    d = cos.shape[-1]
+    outs = []
+    for end in (2 * d, 4 * d):
+        x1, x2 = x[..., end - 2 * d : end - d], x[..., end - d : end]
+        outs.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    return torch.cat(outs, dim=-1)
+''',
+        name="s34_prefix_halves_moving_window",
+    ),
+]

@@ -154,7 +154,10 @@ def _split_call(module: ModuleInfo, call: ast.expr) -> tuple[ast.expr, str] | No
 
 
 def _slice_half(node: ast.expr) -> tuple[ast.expr, int] | None:
-    """``x[..., :h]`` -> (x, 0), ``x[..., h:]`` -> (x, 1), also without the ellipsis on 1-D."""
+    """``x[..., :h]`` -> (x, 0), ``x[..., h:]`` -> (x, 1), also without the ellipsis on 1-D; an explicit
+    ``0`` start is no start (``x[..., 0:h]``), and ``x[..., h:u]`` is the second half of the prefix
+    ``x[..., :u]`` (partial rotary written as two slices: mlx's RoPE, k-diffusion's). A pre-classifier:
+    the caller proves where the split points are."""
     if not isinstance(node, ast.Subscript):
         return None
     sl = node.slice
@@ -164,9 +167,10 @@ def _slice_half(node: ast.expr) -> tuple[ast.expr, int] | None:
         sl = sl.elts[1]
     if not isinstance(sl, ast.Slice) or sl.step is not None:
         return None
-    if sl.lower is None and sl.upper is not None:
+    lower = None if sl.lower is not None and const_value(sl.lower) == 0 else sl.lower
+    if lower is None and sl.upper is not None:
         return node.value, 0
-    if sl.upper is None and sl.lower is not None:
+    if lower is not None:
         return node.value, 1
     return None
 
