@@ -534,11 +534,43 @@ class _Halves:
 _TORCH_IMPORTS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("_rope_torch_imports", default={})
 
 
-def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
-    """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)``."""
+def _unsqueezed_last(node: ast.expr) -> ast.expr | None:
+    """t of ``t[..., None]`` / ``t.unsqueeze(-1)`` / ``t.unsqueeze(dim=-1)`` (a new last axis of size 1)."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        e0, e1 = node.slice.elts
+        if isinstance(e0, ast.Constant) and e0.value is Ellipsis and isinstance(e1, ast.Constant) and e1.value is None:
+            return node.value
+    if _method(node, "unsqueeze") and len(node.args) + len(node.keywords) == 1 and _is_int(keyword(node, "dim", 0), -1):
+        return node.func.value
+    return None
+
+
+def _stack_as_cat(call: ast.Call) -> tuple[ast.expr, ast.expr] | None:
+    """(a, b) of ``torch.cat([a[..., None], b[..., None]], dim=-1)`` (or ``.unsqueeze(-1)``): the stack of a and b
+    on a new last axis, written as the cat of the two with that axis added (mlx's traditional RoPE ported to torch,
+    neuronx-distributed's polar rotation; DETR-style grids spell stacks the same way)."""
     fn = ast.unparse(call.func)
     if isinstance(call.func, ast.Name):
         fn = _TORCH_IMPORTS.get().get(fn, fn)
+    if fn not in _CAT or not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
+        return None
+    dim = keyword(call, "dim", 1)
+    if dim is None:
+        dim = keyword(call, "axis")
+    if not _is_int(dim, -1):  # (a positive dim is the new axis only at one rank)
+        return None
+    a, b = (_unsqueezed_last(e) for e in call.args[0].elts)
+    return (a, b) if a is not None and b is not None else None
+
+
+def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
+    """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)`` (also the stack written as
+    ``torch.cat([a[..., None], b[..., None]], -1)``)."""
+    fn = ast.unparse(call.func)
+    if isinstance(call.func, ast.Name):
+        fn = _TORCH_IMPORTS.get().get(fn, fn)
+    if names is _STACK and fn in _CAT:
+        return _stack_as_cat(call)
     if fn not in names and not (isinstance(call.func, ast.Attribute) and call.func.attr in {n.split(".")[-1] for n in names} and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch"):
         return None
     if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
@@ -8463,5 +8495,46 @@ def rotate_blocks(x, cos, sin):
     return torch.cat(outs, dim=-1)
 ''',
         name="s34_prefix_halves_moving_window",
+    ),
+]
+
+# s34: the stack of the rotated lane pairs written as the cat of the two with a new last axis added
+# (``cat([a.unsqueeze(-1), b.unsqueeze(-1)], -1)``: neuronx-distributed's polar rotation; ``cat([a[..., None],
+# b[..., None]], -1)``: mlx's traditional RoPE ported to torch), merged by flatten(-2): read as stack([a, b], -1)
+_STACK_AS_CAT = '''
+import torch
+
+
+def rotate_lanes(x, cos, sin):
+    real, imag = x[..., ::2], x[..., 1::2]
+    rot_real = real * cos - imag * sin
+    rot_imag = real * sin + imag * cos
+    return torch.cat([rot_real.unsqueeze(-1), rot_imag.unsqueeze(dim=-1)], dim=-1).flatten(-2)
+
+
+def rotate_lanes_inline(x, cos, sin):
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.cat(((a * cos - b * sin)[..., None], (a * sin + b * cos)[..., None]), -1).flatten(-2)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="s34_lane_stack_written_as_cat_of_unsqueezed",
+        code=_STACK_AS_CAT,
+        expect={"mode": "interleave"},
+        run='''
+x = torch.randn(2, 3, 5, 16, requires_grad=True)
+ang = torch.randn(1, 1, 5, 8)
+out = (rotate_lanes(x, ang.cos(), ang.sin()), rotate_lanes_inline(x, ang.cos(), ang.sin()))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the new axes joined along dim -2: flatten(-2) then gives cat(rot_real, rot_imag), the halves, not the pairs
+        _STACK_AS_CAT.split("\n\n\ndef rotate_lanes_inline")[0].replace("rot_imag.unsqueeze(dim=-1)], dim=-1)", "rot_imag.unsqueeze(dim=-1)], dim=-2)") + "\n",
+        name="s34_unsqueezed_parts_joined_on_another_axis",
     ),
 ]

@@ -567,6 +567,10 @@ def lane_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
             stmt, value = st, v
         if value is None:
             return None
+    if isinstance(value, ast.Subscript) and isinstance(value.value, (ast.Tuple, ast.List)) \
+            and type(const_value(value.slice)) is int and 0 <= const_value(value.slice) < len(value.value.elts):
+        # ``a, b = x[..., ::2], x[..., 1::2]`` is recorded as the tuple indexed by position: its element
+        value = value.value.elts[const_value(value.slice)]
     # a strided slice: the even / odd lanes
     if isinstance(value, ast.Subscript):
         sl = value.slice
