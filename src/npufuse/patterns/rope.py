@@ -610,8 +610,39 @@ def _rotation_expr(scope: Scope, expr: ast.expr, is_x, module: ModuleInfo | None
     return rot
 
 
+def _einops_list_merge(expr: ast.expr) -> tuple[str, ast.expr, ast.expr] | None:
+    """("stack", a, b) for einops ``rearrange([a, b], "r ... d -> ... (d r)", r=2)`` (einops stacks a list on a new
+    axis 0, then the pattern moves it inside the last dim as the inner factor: stack([a, b], -1).flatten(-2), the
+    lanes interleaved; uni2ts / toto's ``_rotate``), ("cat", a, b) for ``"r ... d -> ... (r d)"`` (cat([a, b], -1))."""
+    if not (isinstance(expr, ast.Call) and (dotted(expr.func) or "").split(".")[-1] == "rearrange" and len(expr.args) == 2):
+        return None
+    seq, pattern = expr.args
+    if not (isinstance(seq, (ast.List, ast.Tuple)) and len(seq.elts) == 2 and isinstance(const_value(pattern), str)):
+        return None
+    lhs, arrow, rhs = const_value(pattern).partition("->")
+    lt, rt = lhs.split(), rhs.replace("(", " ( ").replace(")", " ) ").split()
+    if not arrow or len(lt) < 3 or "(" in lhs or len(rt) != len(lt) + 2 or rt[-4] != "(" or rt[-1] != ")" or rt[:-4] != lt[1:-1]:
+        return None
+    axis, last = lt[0], lt[-1]
+    if not any(kw.arg == axis and const_value(kw.value) == 2 for kw in expr.keywords) and axis != "2":
+        return None
+    if rt[-3:-1] == [last, axis]:
+        return "stack", seq.elts[0], seq.elts[1]
+    if rt[-3:-1] == [axis, last]:
+        return "cat", seq.elts[0], seq.elts[1]
+    return None
+
+
 def _rotation_of_halves(scope: Scope, expr: ast.expr, is_x, halves: _Halves) -> _Rotation:
     expr = _resolve(scope, expr)
+    merged = _einops_list_merge(expr)
+    if merged is not None:
+        how, a, b = merged
+        ok, reason = _classify_pair(halves, a, b, ("first", "second") if how == "cat" else ("even", "odd"))
+        if ok:
+            return _Rotation("half" if how == "cat" else "interleave")
+        if reason:
+            return _Rotation(None, reason if how == "cat" else reason.replace("cat(", "stack("))
     # half: torch.cat((-x2, x1), dim=-1)
     if isinstance(expr, ast.Call):
         pair = _pair_of(expr, _CAT)
@@ -8536,5 +8567,61 @@ RopePattern.KEEP += [
         # the new axes joined along dim -2: flatten(-2) then gives cat(rot_real, rot_imag), the halves, not the pairs
         _STACK_AS_CAT.split("\n\n\ndef rotate_lanes_inline")[0].replace("rot_imag.unsqueeze(dim=-1)], dim=-1)", "rot_imag.unsqueeze(dim=-1)], dim=-2)") + "\n",
         name="s34_unsqueezed_parts_joined_on_another_axis",
+    ),
+]
+
+# s34: einops rotation helpers that cut the last dim with the 2-sized factor moved to the front and unpack it
+# (``x1, x2 = rearrange(x, "... (dim r) -> r ... dim", r=2)``: uni2ts / toto; CS336's ``(half_d xy) -> xy ... half_d``)
+# and join a list by einops (``rearrange([-x2, x1], "r ... dim -> ... (dim r)", r=2)``: einops stacks the list on a
+# new axis 0): inner factor = the even/odd lanes and their re-interleave, outer factor = the halves and their cat
+_EINOPS_FRONT_AXIS = '''
+import torch
+import torch.nn as nn
+from einops import rearrange
+
+
+class LaneRotary(nn.Module):
+    def __init__(self, dim, max_len=64):
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.outer(torch.arange(max_len).float(), inv).repeat_interleave(2, dim=-1)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    @staticmethod
+    def _turn(x):
+        x_even, x_odd = rearrange(x, "... (d two) -> two ... d", two=2)
+        return rearrange([-x_odd, x_even], "two ... d -> ... (d two)", two=2)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[-2], device=x.device)
+        return self.cos[pos].to(x.dtype) * x + self.sin[pos].to(x.dtype) * self._turn(x)
+
+
+def swap_halves(t):
+    lo, hi = rearrange(t, "... (two d) -> two ... d", two=2)
+    return rearrange((-hi, lo), "two ... d -> ... (two d)", two=2)
+
+
+def rotate(t, cos, sin):
+    return t * cos + swap_halves(t) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # einops is not a dependency: tests/test_detect_s34_rope.py runs this one under a minimal stand-in
+        name="s34_einops_pair_axis_unpacked_and_list_joined",
+        code=_EINOPS_FRONT_AXIS,
+        expect={"mode": "interleave", "qualname": "LaneRotary.forward"},
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the lanes joined back as two halves ("(two d)"): cat(-x_odd, x_even) is no rotation npu_rotary_mul computes
+        _EINOPS_FRONT_AXIS.split("\n\n\ndef swap_halves")[0].replace('return rearrange([-x_odd, x_even], "two ... d -> ... (d two)", two=2)',
+                                                                     'return rearrange([-x_odd, x_even], "two ... d -> ... (two d)", two=2)') + "\n",
+        reason="does not compute the standard rotate_half",
+        name="s34_einops_lanes_joined_as_halves",
     ),
 ]
