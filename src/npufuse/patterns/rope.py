@@ -2374,9 +2374,14 @@ class RopePattern(Pattern):
                 cos_info=_CosInfo(batch_free=False, layout="half-size tables of a layout not visible here, checked at run time"),
                 prep=prep, x_dtype=_dtype_token(scope, base), cs_dtype=None,
             )
-            m.only_if = (f"{_atom(x_text)}.dim() == 4 and {full[0]}.dim() == 4 and {full[0]}.shape[0] == 1 and ({full[0]}.shape[1] == 1 or "
-                         f"{full[0]}.shape[2] == 1) and {full[0]}.shape == {full[1]}.shape")
-            m.only_note = "cos/sin of a batch-dependent or non-4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
+            xa = _atom(x_text)
+            # x of 3 dims is lifted to one batch by the fused call (a [(b h), s, d] x puts b*h in N); interleave mode
+            # takes B*N < 1000: x's rows over the table's one long dim (spec 4.1; the op rejects larger calls)
+            m.only_if = (f"{xa}.dim() in (3, 4) and {full[0]}.dim() == 4 and {full[0]}.shape[0] == 1 and ({full[0]}.shape[1] == 1 or "
+                         f"{full[0]}.shape[2] == 1) and {full[0]}.shape == {full[1]}.shape"
+                         f" and {xa}.numel() // max({xa}.shape[-1], 1) < 1000 * max({full[0]}.shape[:3])")
+            m.only_note = ("cos/sin of a batch-dependent or non-4-D layout, or B*N of 1000 or more, keep the original code "
+                           "(npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D and B*N < 1000)")
         if _is_int(keyword(node, "start_dim", 0), 3):
             # flatten(3) merges the pair axis only for 4-D parts: the fused call is for 4-D x
             rank = f"{_atom(segment(module, strip_casts(base)[0]))}.dim() == 4"  # (a cast keeps the rank)
@@ -8556,8 +8561,13 @@ RopePattern.FUSE += [
         run='''
 x = torch.randn(2, 3, 5, 16, requires_grad=True)
 ang = torch.randn(1, 1, 5, 8)
-out = (rotate_lanes(x, ang.cos(), ang.sin()), rotate_lanes_inline(x, ang.cos(), ang.sin()))
-leaves = [x]
+# [(b h), s, d] tokens with [s, d/2] tables (lifted to one batch: 11SD), and B*N = 1000 (the op's interleave limit:
+# the original code runs there)
+tokens = torch.randn(6, 5, 16, requires_grad=True)
+wide = torch.randn(250, 4, 5, 8, requires_grad=True)
+out = (rotate_lanes(x, ang.cos(), ang.sin()), rotate_lanes_inline(x, ang.cos(), ang.sin()),
+       rotate_lanes(tokens, ang[0, 0].cos(), ang[0, 0].sin()), rotate_lanes(wide, ang[..., :4].cos(), ang[..., :4].sin()))
+leaves = [x, tokens, wide]
 ''',
     ),
 ]
