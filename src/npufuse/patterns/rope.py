@@ -2442,7 +2442,10 @@ class RopePattern(Pattern):
             checks.append(f"{const_value(sum_dim)} == {x_rank} + 1")
         # the matrix [..., D/2, 2, 2] gives cos [..., D]: 4-D and batch-independent (11SD/1S1D/S11D, what npu_rotary_mul's
         # interleave mode takes) is checked on its shape; the original code runs otherwise
-        m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)"
+        # and interleave mode's B*N < 1000: x's rows over the table's long dim (one of lead[1], lead[2]; x 3-D is one batch)
+        x_rows = base.id if isinstance(base, ast.Name) else xv
+        m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)" \
+            + f" and {x_rows}.numel() // max({x_rows}.shape[-1], 1) < 1000 * max({lead}[:3])"
         m.only_note = f"the matrix is taken to be the rotation built by `{producer}`"
         m.matrix, m.producer = True, producer
         return m
@@ -2886,8 +2889,10 @@ class RopePattern(Pattern):
             x_dtype=cast, cs_dtype=None, suffix=f"[(0,) if {lift} else ()]",
         )
         # complex128 freqs (or float64 x) make the eager product float64, a dtype npu_rotary_mul does not take
+        # interleave mode takes B*N < 1000 (spec 4.1): x's rows over the table's one long dim
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and ({cos}.shape[1] == 1 or "
-                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape and torch.float64 not in ({xv}.dtype, {cos}.dtype)")
+                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape and torch.float64 not in ({xv}.dtype, {cos}.dtype)"
+                     f" and {xv}.numel() // max({xv}.shape[-1], 1) < 1000 * max({cos}.shape[:3])")
         return m
 
     # ---------------------------------------------------------------------------------------------
@@ -3923,8 +3928,11 @@ leaves = [xq, xk]
         expect={"variant": "complex_freqs_cis_checked"},
         run='''
 xq = torch.randn(2, 7, 4, 16, requires_grad=True)
-out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
-leaves = [xq]
+# s34: B*N = 1000 ([250, S, 4, D] with 1S1D tables) is over npu_rotary_mul's interleave limit: the original code runs
+wide = torch.randn(250, 7, 4, 16, requires_grad=True)
+out = (apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0)),
+       apply_rotary_emb(wide, torch.randn(250, 7, 1, 16), precompute_freqs_cis(16, 7, 10000.0)))
+leaves = [xq, wide]
 ''',
     ),
     Fuse(
@@ -4258,8 +4266,9 @@ pe = rotation_matrices(torch.arange(6).float()[None], 16)[:, None]  # [1, 1, L, 
 xq = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
 xk = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
 pe_batched = rotation_matrices(torch.arange(12).float().view(2, 6), 16)[:, None]  # per-batch positions: original code
-out = (apply_rope(xq, xk, pe), apply_rope(xq, xk, pe_batched))
-leaves = [xq, xk]
+wide = torch.randn(250, 4, 6, 16, requires_grad=True)  # s34: B*N = 1000, over the interleave limit: original code
+out = (apply_rope(xq, xk, pe), apply_rope(xq, xk, pe_batched), apply_rope(wide, wide, pe))
+leaves = [xq, xk, wide]
 ''',
     ),
     Fuse(
