@@ -624,7 +624,7 @@ def _einops_list_merge(expr: ast.expr) -> tuple[str, ast.expr, ast.expr] | None:
     if not arrow or len(lt) < 3 or "(" in lhs or len(rt) != len(lt) + 2 or rt[-4] != "(" or rt[-1] != ")" or rt[:-4] != lt[1:-1]:
         return None
     axis, last = lt[0], lt[-1]
-    if not any(kw.arg == axis and const_value(kw.value) == 2 for kw in expr.keywords) and axis != "2":
+    if not any(kw.arg == axis and const_value(kw.value) == 2 for kw in expr.keywords):
         return None
     if rt[-3:-1] == [last, axis]:
         return "stack", seq.elts[0], seq.elts[1]
