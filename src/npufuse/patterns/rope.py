@@ -265,10 +265,26 @@ def _scope_of(module: ModuleInfo, fn: ast.AST) -> Scope | None:
 
 
 def _add_split_checks(m: "_Match", halves: _Halves) -> None:
-    """Halves cut at a run-time split point: fused only where it is x's last dim // 2."""
+    """Halves cut at a run-time split point: fused only where it is x's last dim // 2, or, for the halves of
+    a rotated prefix ``x[..., :u]`` (``_Halves.prefix``), where it is u // 2 and x is at least u wide: the
+    fused call then rotates that prefix (bound to a name inside the fused branch)."""
     if not halves.split_checks:
         return
-    check = " and ".join(halves.split_checks)
+    checks = list(halves.split_checks)
+    if halves.prefix is not None:
+        x_src, upper = halves.prefix
+        xa = _atom(x_src)
+        first_cut = f"{xa}.shape[-1] == 2 * ("
+        if not any(c.startswith(first_cut) for c in checks):
+            checks.append(f"{xa}.shape[-1] == ({upper})")  # the first half is x's own half: u is x's last dim
+        checks = [f"({upper}) == 2 * (" + c[len(first_cut):] if c.startswith(first_cut) else c for c in checks]
+        checks.append(f"{xa}.shape[-1] >= ({upper})")
+        rotated = f"_npufuse_{_ident(x_src)}_rotated"
+        bind = f"{rotated} = {m.x_text}[..., :{upper}]  # the rotated prefix whose halves the original cuts"
+        (m.inner_prep if m.anchor is not None else m.prep).append(bind)
+        m.x_text, m.rotary_dim = rotated, upper
+    checks = list(dict.fromkeys(checks))
+    check = " and ".join(checks)
     m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
     m.only_note = (m.only_note + "; " if m.only_note else "") + "halves cut at a run-time split point: fused where it is half the last dim"
 
@@ -303,6 +319,10 @@ class _Halves:
         # collected here (``x.shape[-1] == 2 * (h)``), the original code running elsewhere
         self.allow_split = False
         self.split_checks: list[str] = []
+        # (x, u) where the second half is written ``x[..., h:u]`` with u not provably x's last dim: the halves
+        # of the rotated prefix ``x[..., :u]`` (partial rotary cut as two slices, the tail joined after:
+        # mlx's RoPE ``x[..., dims // 2 : dims]``, k-diffusion's ``x[..., d : d * 2]``); only under allow_split
+        self.prefix: tuple[str, str] | None = None
 
     def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
         sl = sub.slice
@@ -340,6 +360,31 @@ class _Halves:
         if _method(size, "size") and size.args:
             return self.is_x(size.func.value) and _is_int(size.args[0], -1, 3)
         return False
+
+    def _is_last_dim(self, node: ast.expr | None) -> bool:
+        """``x.shape[-1]`` / ``x.size(-1)`` (or a local bound once to it) / ``d`` unpacked last from x's shape."""
+        if node is None:
+            return False
+        if self._unpacked_last_dim(node):
+            return True
+        size = _resolve(self.scope, node)
+        if isinstance(size, ast.Subscript) and isinstance(size.value, ast.Attribute) and size.value.attr == "shape":
+            return self.is_x(size.value.value) and _is_int(size.slice, -1)
+        return _method(size, "size") and len(size.args) == 1 and self.is_x(size.func.value) and _is_int(size.args[0], -1)
+
+    def _prefix_second(self, base: ast.expr, lower: ast.expr, upper: ast.expr) -> str | None:
+        """``x[..., h:u]``: the second half of the rotated prefix ``x[..., :u]``, fused where ``u == 2 * h``
+        and x is at least u wide (the first half's split point is compared with u too: _add_split_checks)."""
+        if not (_split_point(self.scope, lower) and _split_point(self.scope, upper)):
+            return None
+        key = (ast.unparse(base), ast.unparse(upper))
+        if self.prefix not in (None, key):
+            return None  # two prefixes (or two tensors): not the halves of one
+        self.prefix = key
+        check = f"({key[1]}) == 2 * ({ast.unparse(lower)})"
+        if check not in self.split_checks:
+            self.split_checks.append(check)
+        return "second"
 
     def _unpacked_last_dim(self, node: ast.expr) -> bool:
         """``d`` bound last by ``b, h, s, d = x.size()`` / ``= x.shape`` (picotron): x's last dim."""
@@ -395,16 +440,20 @@ class _Halves:
                 if sl is None:
                     return None
                 if sl.step is None:
-                    if sl.lower is None and self._is_half_point(sl.upper):
+                    lower = None if _is_int(sl.lower, 0) else sl.lower  # ``x[..., 0:h]`` is ``x[..., :h]``
+                    upper = None if lower is not None and self._is_last_dim(sl.upper) else sl.upper  # x[..., h:D]
+                    if lower is None and self._is_half_point(upper):
                         return "first"
-                    if sl.upper is None and self._is_half_point(sl.lower):
+                    if upper is None and self._is_half_point(lower):
                         return "second"
-                    h = sl.upper if sl.lower is None else sl.lower if sl.upper is None else None
+                    if self.allow_split and lower is not None and upper is not None:
+                        return self._prefix_second(base, lower, upper)
+                    h = upper if lower is None else lower if upper is None else None
                     if self.allow_split and h is not None and _split_point(self.scope, h):
                         check = f"{_atom(ast.unparse(base))}.shape[-1] == 2 * ({ast.unparse(h)})"
                         if check not in self.split_checks:
                             self.split_checks.append(check)
-                        return "first" if sl.lower is None else "second"
+                        return "first" if lower is None else "second"
                 elif _is_int(sl.step, 2) and sl.upper is None:
                     if sl.lower is None or _is_int(sl.lower, 0):
                         return "even"
@@ -485,11 +534,43 @@ class _Halves:
 _TORCH_IMPORTS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("_rope_torch_imports", default={})
 
 
-def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
-    """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)``."""
+def _unsqueezed_last(node: ast.expr) -> ast.expr | None:
+    """t of ``t[..., None]`` / ``t.unsqueeze(-1)`` / ``t.unsqueeze(dim=-1)`` (a new last axis of size 1)."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        e0, e1 = node.slice.elts
+        if isinstance(e0, ast.Constant) and e0.value is Ellipsis and isinstance(e1, ast.Constant) and e1.value is None:
+            return node.value
+    if _method(node, "unsqueeze") and len(node.args) + len(node.keywords) == 1 and _is_int(keyword(node, "dim", 0), -1):
+        return node.func.value
+    return None
+
+
+def _stack_as_cat(call: ast.Call) -> tuple[ast.expr, ast.expr] | None:
+    """(a, b) of ``torch.cat([a[..., None], b[..., None]], dim=-1)`` (or ``.unsqueeze(-1)``): the stack of a and b
+    on a new last axis, written as the cat of the two with that axis added (mlx's traditional RoPE ported to torch,
+    neuronx-distributed's polar rotation; DETR-style grids spell stacks the same way)."""
     fn = ast.unparse(call.func)
     if isinstance(call.func, ast.Name):
         fn = _TORCH_IMPORTS.get().get(fn, fn)
+    if fn not in _CAT or not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
+        return None
+    dim = keyword(call, "dim", 1)
+    if dim is None:
+        dim = keyword(call, "axis")
+    if not _is_int(dim, -1):  # (a positive dim is the new axis only at one rank)
+        return None
+    a, b = (_unsqueezed_last(e) for e in call.args[0].elts)
+    return (a, b) if a is not None and b is not None else None
+
+
+def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
+    """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)`` (also the stack written as
+    ``torch.cat([a[..., None], b[..., None]], -1)``)."""
+    fn = ast.unparse(call.func)
+    if isinstance(call.func, ast.Name):
+        fn = _TORCH_IMPORTS.get().get(fn, fn)
+    if names is _STACK and fn in _CAT:
+        return _stack_as_cat(call)
     if fn not in names and not (isinstance(call.func, ast.Attribute) and call.func.attr in {n.split(".")[-1] for n in names} and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch"):
         return None
     if not call.args or not isinstance(call.args[0], (ast.Tuple, ast.List)) or len(call.args[0].elts) != 2:
@@ -529,8 +610,39 @@ def _rotation_expr(scope: Scope, expr: ast.expr, is_x, module: ModuleInfo | None
     return rot
 
 
+def _einops_list_merge(expr: ast.expr) -> tuple[str, ast.expr, ast.expr] | None:
+    """("stack", a, b) for einops ``rearrange([a, b], "r ... d -> ... (d r)", r=2)`` (einops stacks a list on a new
+    axis 0, then the pattern moves it inside the last dim as the inner factor: stack([a, b], -1).flatten(-2), the
+    lanes interleaved; uni2ts / toto's ``_rotate``), ("cat", a, b) for ``"r ... d -> ... (r d)"`` (cat([a, b], -1))."""
+    if not (isinstance(expr, ast.Call) and (dotted(expr.func) or "").split(".")[-1] == "rearrange" and len(expr.args) == 2):
+        return None
+    seq, pattern = expr.args
+    if not (isinstance(seq, (ast.List, ast.Tuple)) and len(seq.elts) == 2 and isinstance(const_value(pattern), str)):
+        return None
+    lhs, arrow, rhs = const_value(pattern).partition("->")
+    lt, rt = lhs.split(), rhs.replace("(", " ( ").replace(")", " ) ").split()
+    if not arrow or len(lt) < 3 or "(" in lhs or len(rt) != len(lt) + 2 or rt[-4] != "(" or rt[-1] != ")" or rt[:-4] != lt[1:-1]:
+        return None
+    axis, last = lt[0], lt[-1]
+    if not any(kw.arg == axis and const_value(kw.value) == 2 for kw in expr.keywords):
+        return None
+    if rt[-3:-1] == [last, axis]:
+        return "stack", seq.elts[0], seq.elts[1]
+    if rt[-3:-1] == [axis, last]:
+        return "cat", seq.elts[0], seq.elts[1]
+    return None
+
+
 def _rotation_of_halves(scope: Scope, expr: ast.expr, is_x, halves: _Halves) -> _Rotation:
     expr = _resolve(scope, expr)
+    merged = _einops_list_merge(expr)
+    if merged is not None:
+        how, a, b = merged
+        ok, reason = _classify_pair(halves, a, b, ("first", "second") if how == "cat" else ("even", "odd"))
+        if ok:
+            return _Rotation("half" if how == "cat" else "interleave")
+        if reason:
+            return _Rotation(None, reason if how == "cat" else reason.replace("cat(", "stack("))
     # half: torch.cat((-x2, x1), dim=-1)
     if isinstance(expr, ast.Call):
         pair = _pair_of(expr, _CAT)
@@ -642,8 +754,8 @@ def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: Mod
     halves = _Halves(scope, lambda n: same_expr(n, x), module)
     halves.allow_split = True
     rot = _rotation_of_halves(scope, node, lambda n: same_expr(n, x), halves)
-    if not halves.split_checks:
-        return None
+    if not halves.split_checks or halves.prefix is not None:
+        return None  # (halves of a prefix are no rotate_half of x: the widths differ from x's)
     for check in halves.split_checks:
         # a split point read from x's own shape, other than the last dim's half that _Halves proves, is another
         # dim of x (picotron's unpacked ``seq_length // 2``): a cut that is no rotation, not a run-time question
@@ -2269,9 +2381,14 @@ class RopePattern(Pattern):
                 cos_info=_CosInfo(batch_free=False, layout="half-size tables of a layout not visible here, checked at run time"),
                 prep=prep, x_dtype=_dtype_token(scope, base), cs_dtype=None,
             )
-            m.only_if = (f"{_atom(x_text)}.dim() == 4 and {full[0]}.dim() == 4 and {full[0]}.shape[0] == 1 and ({full[0]}.shape[1] == 1 or "
-                         f"{full[0]}.shape[2] == 1) and {full[0]}.shape == {full[1]}.shape")
-            m.only_note = "cos/sin of a batch-dependent or non-4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
+            xa = _atom(x_text)
+            # x of 3 dims is lifted to one batch by the fused call (a [(b h), s, d] x puts b*h in N); interleave mode
+            # takes B*N < 1000: x's rows over the table's one long dim (spec 4.1; the op rejects larger calls)
+            m.only_if = (f"{xa}.dim() in (3, 4) and {full[0]}.dim() == 4 and {full[0]}.shape[0] == 1 and ({full[0]}.shape[1] == 1 or "
+                         f"{full[0]}.shape[2] == 1) and {full[0]}.shape == {full[1]}.shape"
+                         f" and {_interleave_rows_ok(xa, f'max({full[0]}.shape[:3])')}")
+            m.only_note = ("cos/sin of a batch-dependent or non-4-D layout, or B*N of 1000 or more, keep the original code "
+                           "(npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D and B*N < 1000)")
         if _is_int(keyword(node, "start_dim", 0), 3):
             # flatten(3) merges the pair axis only for 4-D parts: the fused call is for 4-D x
             rank = f"{_atom(segment(module, strip_casts(base)[0]))}.dim() == 4"  # (a cast keeps the rank)
@@ -2332,6 +2449,7 @@ class RopePattern(Pattern):
             checks.append(f"{const_value(sum_dim)} == {x_rank} + 1")
         # the matrix [..., D/2, 2, 2] gives cos [..., D]: 4-D and batch-independent (11SD/1S1D/S11D, what npu_rotary_mul's
         # interleave mode takes) is checked on its shape; the original code runs otherwise
+        # and interleave mode's B*N < 1000: x's rows over the table's long dim (one of lead[1], lead[2]; x 3-D is one batch)
         rows = base.id if isinstance(base, ast.Name) else xv
         m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)" \
             + f" and {_interleave_rows_ok(rows, f'max({lead}[1], {lead}[2])')}"
@@ -2780,8 +2898,10 @@ class RopePattern(Pattern):
             x_dtype=cast, cs_dtype=None, suffix=f"[(0,) if {lift} else ()]",
         )
         # complex128 freqs (or float64 x) make the eager product float64, a dtype npu_rotary_mul does not take
+        # interleave mode takes B*N < 1000 (spec 4.1): x's rows over the table's one long dim
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and ({cos}.shape[1] == 1 or "
-                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape and torch.float64 not in ({xv}.dtype, {cos}.dtype)")
+                     f"{cos}.shape[2] == 1) and {cos}.shape == {sin}.shape and torch.float64 not in ({xv}.dtype, {cos}.dtype)"
+                     f" and {_interleave_rows_ok(xv, f'max({cos}.shape[:3])')}")
         return m
 
     # ---------------------------------------------------------------------------------------------
@@ -3817,8 +3937,11 @@ leaves = [xq, xk]
         expect={"variant": "complex_freqs_cis_checked"},
         run='''
 xq = torch.randn(2, 7, 4, 16, requires_grad=True)
-out = apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0))
-leaves = [xq]
+# s34: B*N = 1000 ([250, S, 4, D] with 1S1D tables) is over npu_rotary_mul's interleave limit: the original code runs
+wide = torch.randn(250, 7, 4, 16, requires_grad=True)
+out = (apply_rotary_emb(xq, torch.randn(2, 7, 2, 16), precompute_freqs_cis(16, 7, 10000.0)),
+       apply_rotary_emb(wide, torch.randn(250, 7, 1, 16), precompute_freqs_cis(16, 7, 10000.0)))
+leaves = [xq, wide]
 ''',
     ),
     Fuse(
@@ -4152,8 +4275,9 @@ pe = rotation_matrices(torch.arange(6).float()[None], 16)[:, None]  # [1, 1, L, 
 xq = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
 xk = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True)
 pe_batched = rotation_matrices(torch.arange(12).float().view(2, 6), 16)[:, None]  # per-batch positions: original code
-out = (apply_rope(xq, xk, pe), apply_rope(xq, xk, pe_batched))
-leaves = [xq, xk]
+wide = torch.randn(250, 4, 6, 16, requires_grad=True)  # s34: B*N = 1000, over the interleave limit: original code
+out = (apply_rope(xq, xk, pe), apply_rope(xq, xk, pe_batched), apply_rope(wide, wide, pe))
+leaves = [xq, xk, wide]
 ''',
     ),
     Fuse(
@@ -6527,7 +6651,7 @@ def _split_checked_helper(module: ModuleInfo, node: ast.Call, hscope: Scope, ret
     halves = _Halves(hscope, is_param, module)
     halves.allow_split = True
     rot = _rotation_of_halves(hscope, ret, is_param, halves)
-    if rot.kind != "half" or not halves.split_checks:
+    if rot.kind != "half" or not halves.split_checks or halves.prefix is not None:
         return None
     checks = []
     for check in halves.split_checks:
@@ -8351,3 +8475,181 @@ leaves = [q, k]
 ''',
     )
 )
+
+# s34: the halves of a rotated prefix cut as two slices with explicit bounds (partial rotary without a named
+# ``x_rot``): k-diffusion's ``x[..., :d], x[..., d : d * 2], x[..., d * 2 :]`` (d the tables' width), lightllm /
+# ColossalAI's kernel references ``x[..., 0 : dim // 2]`` / ``x[..., dim // 2 : dim]``, mlx's RoPE ported to torch
+# ``x[..., dims // 2 : dims]``. ``x[..., h:u]`` is the second half of ``x[..., :u]``: the fused call rotates that prefix
+# where ``u == 2 * h`` and x is at least u wide (checked at run time), the original code elsewhere; an explicit ``0``
+# start is no start, and an end that is x's own last dim is no end
+_PREFIX_HALVES = '''
+import torch
+
+
+def rotate_prefix(x, cos, sin):
+    d = cos.shape[-1]
+    x1, x2, x_pass = x[..., :d], x[..., d : d * 2], x[..., d * 2 :]
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    return torch.cat((y1, y2, x_pass), dim=-1)
+
+
+def rotate_heads(x, cos, sin):
+    b, h, s, dim = x.shape
+    x0 = x[..., 0 : dim // 2]
+    x1 = x[..., dim // 2 : dim]
+    o0 = x0 * cos - x1 * sin
+    o1 = x0 * sin + x1 * cos
+    return torch.cat((o0, o1), dim=-1)
+
+
+def rotate_first(x, cos, sin, rot: int):
+    x0 = x[..., 0 : rot // 2]
+    x1 = x[..., rot // 2 : rot]
+    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="s34_prefix_halves_cut_by_explicit_slices",
+        code=_PREFIX_HALVES,
+        expect={"mode": "half"},
+        run='''
+x = torch.randn(2, 3, 5, 16, requires_grad=True)
+ang = torch.randn(1, 1, 5, 4)
+full = torch.randn(1, 1, 5, 8)
+out = (rotate_prefix(x, ang.cos(), ang.sin()), rotate_heads(x, full.cos(), full.sin()),
+       rotate_first(x, ang.cos(), ang.sin(), 8), rotate_first(x, full.cos(), full.sin(), 16),
+       rotate_prefix(x.to(torch.bfloat16), full.cos(), full.sin()))
+leaves = [x]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the second "half" is cut from another tensor: no rotation of one x
+        _PREFIX_HALVES.replace("def rotate_prefix(x, cos, sin):", "def rotate_prefix(x, k, cos, sin):")
+        .replace("x1, x2, x_pass = x[..., :d], x[..., d : d * 2], x[..., d * 2 :]", "x1, x2, x_pass = x[..., :d], k[..., d : d * 2], x[..., d * 2 :]")
+        .split("\n\n\ndef rotate_heads")[0] + "\n",
+        name="s34_prefix_halves_of_two_tensors",
+    ),
+    Keep(
+        # the end of the second slice is rebound in a loop: not a split point the fused code could read again
+        '''
+import torch
+
+
+def rotate_blocks(x, cos, sin):
+    d = cos.shape[-1]
+    outs = []
+    for end in (2 * d, 4 * d):
+        x1, x2 = x[..., end - 2 * d : end - d], x[..., end - d : end]
+        outs.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    return torch.cat(outs, dim=-1)
+''',
+        name="s34_prefix_halves_moving_window",
+    ),
+]
+
+# s34: the stack of the rotated lane pairs written as the cat of the two with a new last axis added
+# (``cat([a.unsqueeze(-1), b.unsqueeze(-1)], -1)``: neuronx-distributed's polar rotation; ``cat([a[..., None],
+# b[..., None]], -1)``: mlx's traditional RoPE ported to torch), merged by flatten(-2): read as stack([a, b], -1)
+_STACK_AS_CAT = '''
+import torch
+
+
+def rotate_lanes(x, cos, sin):
+    real, imag = x[..., ::2], x[..., 1::2]
+    rot_real = real * cos - imag * sin
+    rot_imag = real * sin + imag * cos
+    return torch.cat([rot_real.unsqueeze(-1), rot_imag.unsqueeze(dim=-1)], dim=-1).flatten(-2)
+
+
+def rotate_lanes_inline(x, cos, sin):
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.cat(((a * cos - b * sin)[..., None], (a * sin + b * cos)[..., None]), -1).flatten(-2)
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="s34_lane_stack_written_as_cat_of_unsqueezed",
+        code=_STACK_AS_CAT,
+        expect={"mode": "interleave"},
+        run='''
+x = torch.randn(2, 3, 5, 16, requires_grad=True)
+ang = torch.randn(1, 1, 5, 8)
+# [(b h), s, d] tokens with [s, d/2] tables (lifted to one batch: 11SD), and B*N = 1000 (the op's interleave limit:
+# the original code runs there)
+tokens = torch.randn(6, 5, 16, requires_grad=True)
+wide = torch.randn(250, 4, 5, 8, requires_grad=True)
+out = (rotate_lanes(x, ang.cos(), ang.sin()), rotate_lanes_inline(x, ang.cos(), ang.sin()),
+       rotate_lanes(tokens, ang[0, 0].cos(), ang[0, 0].sin()), rotate_lanes(wide, ang[..., :4].cos(), ang[..., :4].sin()))
+leaves = [x, tokens, wide]
+''',
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the new axes joined along dim -2: flatten(-2) then gives cat(rot_real, rot_imag), the halves, not the pairs
+        _STACK_AS_CAT.split("\n\n\ndef rotate_lanes_inline")[0].replace("rot_imag.unsqueeze(dim=-1)], dim=-1)", "rot_imag.unsqueeze(dim=-1)], dim=-2)") + "\n",
+        name="s34_unsqueezed_parts_joined_on_another_axis",
+    ),
+]
+
+# s34: einops rotation helpers that cut the last dim with the 2-sized factor moved to the front and unpack it
+# (``x1, x2 = rearrange(x, "... (dim r) -> r ... dim", r=2)``: uni2ts / toto; CS336's ``(half_d xy) -> xy ... half_d``)
+# and join a list by einops (``rearrange([-x2, x1], "r ... dim -> ... (dim r)", r=2)``: einops stacks the list on a
+# new axis 0): inner factor = the even/odd lanes and their re-interleave, outer factor = the halves and their cat
+_EINOPS_FRONT_AXIS = '''
+import torch
+import torch.nn as nn
+from einops import rearrange
+
+
+class LaneRotary(nn.Module):
+    def __init__(self, dim, max_len=64):
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.outer(torch.arange(max_len).float(), inv).repeat_interleave(2, dim=-1)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    @staticmethod
+    def _turn(x):
+        x_even, x_odd = rearrange(x, "... (d two) -> two ... d", two=2)
+        return rearrange([-x_odd, x_even], "two ... d -> ... (d two)", two=2)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[-2], device=x.device)
+        return self.cos[pos].to(x.dtype) * x + self.sin[pos].to(x.dtype) * self._turn(x)
+
+
+def swap_halves(t):
+    lo, hi = rearrange(t, "... (two d) -> two ... d", two=2)
+    return rearrange((-hi, lo), "two ... d -> ... (two d)", two=2)
+
+
+def rotate(t, cos, sin):
+    return t * cos + swap_halves(t) * sin
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        # einops is not a dependency: tests/test_detect_s34_rope.py runs this one under a minimal stand-in
+        name="s34_einops_pair_axis_unpacked_and_list_joined",
+        code=_EINOPS_FRONT_AXIS,
+        expect={"mode": "interleave", "qualname": "LaneRotary.forward"},
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the lanes joined back as two halves ("(two d)"): cat(-x_odd, x_even) is no rotation npu_rotary_mul computes
+        _EINOPS_FRONT_AXIS.split("\n\n\ndef swap_halves")[0].replace('return rearrange([-x_odd, x_even], "two ... d -> ... (d two)", two=2)',
+                                                                     'return rearrange([-x_odd, x_even], "two ... d -> ... (two d)", two=2)') + "\n",
+        reason="does not compute the standard rotate_half",
+        name="s34_einops_lanes_joined_as_halves",
+    ),
+]

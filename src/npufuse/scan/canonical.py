@@ -154,7 +154,10 @@ def _split_call(module: ModuleInfo, call: ast.expr) -> tuple[ast.expr, str] | No
 
 
 def _slice_half(node: ast.expr) -> tuple[ast.expr, int] | None:
-    """``x[..., :h]`` -> (x, 0), ``x[..., h:]`` -> (x, 1), also without the ellipsis on 1-D."""
+    """``x[..., :h]`` -> (x, 0), ``x[..., h:]`` -> (x, 1), also without the ellipsis on 1-D; an explicit
+    ``0`` start is no start (``x[..., 0:h]``), and ``x[..., h:u]`` is the second half of the prefix
+    ``x[..., :u]`` (partial rotary written as two slices: mlx's RoPE, k-diffusion's). A pre-classifier:
+    the caller proves where the split points are."""
     if not isinstance(node, ast.Subscript):
         return None
     sl = node.slice
@@ -164,9 +167,10 @@ def _slice_half(node: ast.expr) -> tuple[ast.expr, int] | None:
         sl = sl.elts[1]
     if not isinstance(sl, ast.Slice) or sl.step is not None:
         return None
-    if sl.lower is None and sl.upper is not None:
+    lower = None if sl.lower is not None and const_value(sl.lower) == 0 else sl.lower
+    if lower is None and sl.upper is not None:
         return node.value, 0
-    if sl.upper is None and sl.lower is not None:
+    if lower is not None:
         return node.value, 1
     return None
 
@@ -547,6 +551,36 @@ def _unbound_lanes(module: ModuleInfo, scope: Scope, call: ast.expr) -> tuple[as
     return None
 
 
+def _einops_tokens(pattern: str) -> tuple[list[str], list[str]] | None:
+    lhs, arrow, rhs = pattern.partition("->")
+    if not arrow:
+        return None
+    return lhs.replace("(", " ( ").replace(")", " ) ").split(), rhs.replace("(", " ( ").replace(")", " ) ").split()
+
+
+def _pair_axis_first(module: ModuleInfo, node: ast.expr) -> tuple[ast.expr, str] | None:
+    """(x, "halves" | "pairs") for einops ``rearrange(x, "... (d r) -> r ... d", r=2)``: x's last dim cut in two
+    with the 2-sized factor moved to the front, so that unpacking ``a, b = <it>`` (which iterates dim 0) gives the
+    two pieces: the even/odd lanes when the 2 is the inner factor (uni2ts / toto's ``(dim r) -> r ... dim``,
+    CS336's ``(half_d xy) -> xy ... half_d``), the halves when it is the outer one (``(r d) -> r ... d``)."""
+    if not (isinstance(node, ast.Call) and (api(module, node) == "einops.rearrange" or (isinstance(node.func, ast.Name) and node.func.id == "rearrange"))):
+        return None
+    if len(node.args) != 2 or not isinstance(node.args[1], ast.Constant) or not isinstance(node.args[1].value, str):
+        return None
+    toks = _einops_tokens(node.args[1].value)
+    if toks is None:
+        return None
+    lt, rt = toks
+    if len(lt) < 4 or lt[-4] != "(" or lt[-1] != ")" or "(" in lt[:-4] or len(rt) != len(lt) - 2:
+        return None
+    outer, inner = lt[-3], lt[-2]
+    two = {kw.arg for kw in node.keywords if const_value(kw.value) == 2}
+    for first, rest, kind in ((inner, outer, "pairs"), (outer, inner, "halves")):
+        if first in two and rest not in two and rt == [first] + lt[:-4] + [rest]:
+            return node.args[0], kind
+    return None
+
+
 def lane_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int | None = None) -> Lane | None:
     """Which half or lane pair of which tensor ``node`` holds, for every spelling :func:`half_of`
     knows plus strided slices (``x[..., ::2]`` / ``x[..., 1::2]``) and two-axis views unbound
@@ -563,6 +597,10 @@ def lane_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
             stmt, value = st, v
         if value is None:
             return None
+    if isinstance(value, ast.Subscript) and isinstance(value.value, (ast.Tuple, ast.List)) \
+            and type(const_value(value.slice)) is int and 0 <= const_value(value.slice) < len(value.value.elts):
+        # ``a, b = x[..., ::2], x[..., 1::2]`` is recorded as the tuple indexed by position: its element
+        value = value.value.elts[const_value(value.slice)]
     # a strided slice: the even / odd lanes
     if isinstance(value, ast.Subscript):
         sl = value.slice
@@ -579,6 +617,9 @@ def lane_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
             if isinstance(held, ast.Name):  # ``p = <view>.unbind(..); a = p[0]``
                 held = scope.resolve(held, getattr(value, "lineno", None), depth=1)
             inner = _unbound_lanes(module, scope, held)
+            if inner is None and _unpacks_two(stmt):  # ``a, b = rearrange(x, "... (d r) -> r ... d", r=2)``
+                first = _pair_axis_first(module, held)
+                inner = (first[0], first[1], "einops") if first is not None else None
             if inner is not None and (stmt is None or _unpacks_two(stmt) or not isinstance(stmt, ast.Assign)
                                       or not isinstance(stmt.targets[0], ast.Tuple)):
                 return Lane(inner[0], k, inner[1], inner[2])
