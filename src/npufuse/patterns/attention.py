@@ -11951,41 +11951,46 @@ class TokenAttention(nn.Module):
         return out.reshape(b, self.n_heads, out.shape[1], -1).transpose(1, 2).flatten(2)
 '''
 
-# one head on [B, T, C]: the rank proven by ``B, T, C = x.size()`` and the linear layers that keep it; a causal buffer
+# one head on [B, T, C]: the rank proven by ``b, t, c = x.size()`` and the linear layers that keep it; a padding mask
 _S34_MATMUL_3D_ONE_HEAD = '''
+import math
 import torch
 from torch import nn
 
 
-class Head(nn.Module):
-    def __init__(self, n_embd=32, head_size=8, block_size=16, dropout=0.0):
+class SingleHeadSelfAttention(nn.Module):
+    def __init__(self, d_model=32, d_head=8):
         super().__init__()
-        self.key = nn.Linear(n_embd, head_size, bias=False)
-        self.query = nn.Linear(n_embd, head_size, bias=False)
-        self.value = nn.Linear(n_embd, head_size, bias=False)
-        self.register_buffer("tril", torch.tril(torch.ones(block_size, block_size)))
-        self.dropout = nn.Dropout(dropout)
+        self.d_head = d_head
+        self.w_qs = nn.Linear(d_model, d_head)
+        self.w_ks = nn.Linear(d_model, d_head)
+        self.w_vs = nn.Linear(d_model, d_head)
 
-    def forward(self, x):
-        B, T, C = x.size()
-        k = self.key(x)
-        q = self.query(x)
-        wei = torch.matmul(q, k.transpose(1, 2)) * k.shape[-1] ** -0.5
-        wei = wei.masked_fill(self.tril[:T, :T] == 0, float("-inf"))
-        wei = torch.softmax(wei, dim=-1)
-        wei = self.dropout(wei)
-        v = self.value(x)
-        return torch.matmul(wei, v)
+    def forward(self, x, keep=None):
+        b, t, c = x.size()
+        q, k, v = self.w_qs(x), self.w_ks(x), self.w_vs(x)
+        att = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(self.d_head)
+        if keep is not None:
+            att = att.masked_fill(keep.unsqueeze(1) == 0, -1e9)
+        return torch.matmul(att.softmax(dim=-1), v)
 '''
+
+def _s34_run(module: str, *shapes: tuple[int, ...]) -> str:
+    """A Fuse example's ``run``: build ``module``, call it on random inputs of ``shapes``, compare their gradients."""
+    names = [f"x{i}" for i in range(len(shapes))]
+    made = "".join(f"{n} = torch.randn{shape}.requires_grad_()\n" for n, shape in zip(names, shapes))
+    return f"\nm = {module}\n{made}out = m({', '.join(names)})\nleaves = [{', '.join(names)}]\n"
 
 AttentionPattern.FUSE += [
     Fuse(
         _S34_MATMUL_3D_ONE_HEAD,
-        expect={"qualname": "Head.forward"},
+        expect={"qualname": "SingleHeadSelfAttention.forward"},
         run='''
-m = Head().eval()
+m = SingleHeadSelfAttention()
 x = torch.randn(2, 6, 32, requires_grad=True)
-out = m(x)
+keep = torch.ones(2, 6)
+keep[1, 4:] = 0
+out = (m(x, keep), m(x))
 leaves = [x]
 ''',
         name="s34_matmul_of_3d_one_head_rank_from_an_unpacked_size",
@@ -12019,35 +12024,19 @@ leaves = [q, k, v]
     Fuse(
         _S34_DEL_AFTER_SCORES,
         expect={"qualname": "CrossAttention.forward"},
-        run='''
-m = CrossAttention()
-x = torch.randn(2, 5, 32, requires_grad=True)
-out = m(x)
-leaves = [x]
-''',
+        run=_s34_run("CrossAttention()", (2, 5, 32)),
         name="s34_inputs_deleted_after_the_scores",
     ),
     Fuse(
         _S34_MATMUL_3D_RESHAPED,
         expect={"qualname": "EncoderAttention.forward"},
-        run='''
-m = EncoderAttention()
-x = torch.randn(2, 5, 32, requires_grad=True)
-out = m(x)
-leaves = [x]
-''',
+        run=_s34_run("EncoderAttention()", (2, 5, 32)),
         name="s34_matmul_of_3d_heads_in_batch",
     ),
     Fuse(
         _S34_MATMUL_3D_METHOD,
         expect={"qualname": "TokenAttention.forward"},
-        run='''
-m = TokenAttention().eval()
-x = torch.randn(2, 5, 32, requires_grad=True)
-y = torch.randn(2, 3, 32, requires_grad=True)
-out = m(x, y)
-leaves = [x, y]
-''',
+        run=_s34_run("TokenAttention().eval()", (2, 5, 32), (2, 3, 32)),
         name="s34_matmul_of_3d_folded_by_a_method",
     ),
 ]
@@ -12055,7 +12044,7 @@ leaves = [x, y]
 AttentionPattern.KEEP += [
     Keep(
         # x reassigned after its size is unpacked: the unpacking no longer proves what reaches the linear layers
-        _S34_MATMUL_3D_ONE_HEAD.replace("        k = self.key(x)\n", "        x = x.unsqueeze(1)\n        k = self.key(x)\n"),
+        _S34_MATMUL_3D_ONE_HEAD.replace("        q, k, v = self.w_qs(x)", "        x = x.unsqueeze(1)\n        q, k, v = self.w_qs(x)"),
         reason="not the last two",
         name="s34_matmul_rank_unproven_after_a_reassignment",
     ),
