@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -1243,9 +1243,29 @@ class _Matcher:
     def match(self, pv: Product, anchor: ast.AST) -> Chain | None:
         if pv.kind == "einsum":
             return self._match_einsum(pv)
+        if pv.kind in ("matmul", "@") and not getattr(self, "s34_3d", False) and _attention_s34.proven_3d(self, pv.b):
+            # s34: ``P @ v`` of 3-D tensors (heads folded into the batch, a single head): read as the bmm it is, the
+            # fused call guarded by the ranks; a reading that fails falls back to the 4-D one (multi-query: 4-D P, 3-D v)
+            self.s34_3d, miss_3d = True, None
+            try:
+                chain_3d = self.match(pv, anchor)
+            except Miss as miss:
+                chain_3d, miss_3d = None, miss
+            finally:
+                self.s34_3d = False
+            if chain_3d is not None:
+                return chain_3d
+            try:
+                return self.match_4d(pv, anchor)
+            except Miss as miss:
+                raise (miss_3d if miss_3d is not None and "not the last two" in str(miss) else miss) from None
+        return self.match_4d(pv, anchor)
+
+    def match_4d(self, pv: Product, anchor: ast.AST) -> Chain | None:
         p_node, v_node, kind = pv.a, pv.b, "bmm" if pv.kind == "baddbmm" else pv.kind
         chain = Chain()
-        self.three_d = kind == "bmm"
+        s34_3d = getattr(self, "s34_3d", False)
+        self.three_d = kind == "bmm" or s34_3d
         scores = self.peel_probs(p_node, chain)
         if scores is None and kind == "bmm":
             # bmm(v, Pᵀ) = (P @ vᵀ)ᵀ: the channel-first form of Chameleon / Janus / WavTokenizer attention blocks
@@ -1266,12 +1286,19 @@ class _Matcher:
             raise Miss(f"the P@V product is scaled (`alpha={self.src(pv.alpha)}`): npu_fusion_attention has no output scale")
         if chain.p_transposed:
             raise Miss("the probabilities reach P@V transposed in a product npufuse does not read as attention")
-        layout = "3D" if kind == "bmm" else "BNSD"
+        layout = "3D" if kind == "bmm" or s34_3d else "BNSD"
         chain.out_layout = layout
         chain.v = self.peel_operand(v_node, "v", layout, chain)
         self.peel_scores(scores, chain, stop=None, cond=None)
         if chain.q is None or chain.k is None:
             raise Miss("no Q@Kᵀ product found under the softmax")
+        if s34_3d:
+            ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=op.leaf, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
+                                 ops=[ast.Eq()], comparators=[ast.Constant(3)]) for op in (chain.q, chain.k, chain.v)
+                     if not isinstance(op.leaf, ast.Call)]  # a call inlined into the fused call is not evaluated twice
+            chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
+                                   "`@` / `torch.matmul` of tensors the code builds 3-D (heads folded into the batch, or one head) is read "
+                                   "as a bmm: the ranks are checked at run time; other ranks run the original code"))
         if chain.heads_in_batch and not chain.scores_viewed:
             raise Miss("the probabilities are re-viewed to 3-D for P@V but the scores were not a 4-D view of the 3-D Q@Kᵀ product")
         self._check_zeroed_rows(chain, layout)
@@ -1484,6 +1511,12 @@ class _Matcher:
                     chain.softmax_dtype = self.src(dtype)
                 chain.spelling.append("softmax")
                 return x
+            inlined = _attention_s34.inlined_helper_body(self, node)
+            if inlined is not None:
+                # s34: Uni-Mol / Graphormer ``softmax_dropout(s, p, training, mask=m, bias=b)``: the repository helper's body
+                chain.spelling.append("helper_inlined")
+                node = inlined
+                continue
             zeroed = self._zeroed_masked_probs(node, chain)
             if zeroed is not None:
                 node = zeroed
@@ -2457,7 +2490,9 @@ class _Matcher:
                 self.add_scale(mm.alpha, False, chain)
             kind = "bmm"
         layout = "3D" if kind == "bmm" else "BNSD"
-        if kind == "matmul" and getattr(self, "three_d", False) and static_rank(self.scope, a, self._line) == 3:
+        if kind in ("matmul", "@") and getattr(self, "s34_3d", False) and _attention_s34.proven_3d(self, a):
+            layout = "3D"  # s34: ``q @ k.transpose(1, 2)`` of 3-D q / k (rtdl's heads folded into the batch)
+        elif kind == "matmul" and getattr(self, "three_d", False) and static_rank(self.scope, a, self._line) == 3:
             layout = "3D"  # s30: CodeGeeX's ``torch.matmul`` of [b*np, s, hn] views beside a bmm with v: a 3-D product
         chain.spelling.append(kind)
         chain.q = self.peel_operand(a, "q", layout, chain)
@@ -2474,6 +2509,9 @@ class _Matcher:
                 continue
             if self.method(kt_d, "transpose") and len(kt_d.args) == 2:
                 dims = {const_value(x) for x in kt_d.args}
+                if dims == {1, 2} and kind in ("matmul", "@") and layout == "3D" and getattr(self, "s34_3d", False) \
+                        and not _attention_s34.proven_3d(self, kt_d.func.value):
+                    raise Miss("key transposed over dims [1, 2], not the last two (the key is not built 3-D where q is)")
                 if dims in ({-2, -1}, {2, 3}) or (layout == "3D" and dims in ({1, 2}, {-2, -1})):
                     chain.k = self.peel_operand(kt_d.func.value, "k", layout, chain)
                     return
@@ -3314,6 +3352,10 @@ class AttentionPattern(Pattern):
             if j in steps and j not in kept:
                 continue
             other = block[j]
+            if isinstance(other, ast.Delete) and all(isinstance(t, ast.Name) for t in other.targets):
+                # s34: ``del q, k`` once the scores are made (ldm CrossAttention, Uni-Mol): it frees memory, reads nothing the
+                # fused call needs; the fused branch keeps the names (the original reads them nowhere after: unbound there)
+                continue
             # names assigned by earlier steps only: a later step's rebinding is not what this statement reads
             internal_here = set().union(*(interp.assigned[i] for i in range(s, j) if i in steps and i not in kept and i not in r.bound))
             reads = {n.id for n in fast_walk(other) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
@@ -11759,5 +11801,279 @@ AttentionPattern.KEEP += [
                                      "    scores = probs\n"),
         reason="modified after softmax",
         name="s33_nan_test_on_another_tensor",
+    ),
+]
+
+
+# --- s34: repository helpers that wrap the softmax (mask / bias added, dropout after), run through; ``del q, k`` inside
+# the span; ``@`` / ``torch.matmul`` of 3-D tensors (heads folded into the batch) read as the bmm they are --------------
+_S34_SCRIPTED_SOFTMAX_DROPOUT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@torch.jit.script
+def softmax_dropout(input, dropout_prob: float, is_training: bool):
+    return F.dropout(F.softmax(input, -1), dropout_prob, is_training)
+
+
+class SelfMultiheadAttention(nn.Module):
+    def __init__(self, embed_dim=32, num_heads=4, dropout=0.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.scaling = self.head_dim ** -0.5
+        self.dropout = dropout
+        self.in_proj = nn.Linear(embed_dim, embed_dim * 3)
+
+    def forward(self, query, attn_bias):
+        n_node, n_graph, embed_dim = query.size()
+        q, k, v = self.in_proj(query).chunk(3, dim=-1)
+        q = q.contiguous().view(n_node, n_graph * self.num_heads, self.head_dim).transpose(0, 1)
+        k = k.contiguous().view(n_node, n_graph * self.num_heads, self.head_dim).transpose(0, 1)
+        v = v.contiguous().view(n_node, n_graph * self.num_heads, self.head_dim).transpose(0, 1)
+        attn_weights = torch.bmm(q * self.scaling, k.transpose(1, 2))
+        attn_weights = attn_weights + attn_bias
+        attn_probs = softmax_dropout(attn_weights, self.dropout, self.training)
+        attn = torch.bmm(attn_probs, v)
+        return attn.transpose(0, 1).contiguous().view(n_node, n_graph, embed_dim)
+'''
+
+# the mask filled in place under ``if mask is not None`` inside the helper, a softmax module built and called there
+_S34_MASKED_SOFTMAX_HELPER = '''
+import math
+import torch
+from torch import nn
+
+
+def masked_softmax(inp, mask=None):
+    if mask is not None:
+        inp.masked_fill_(mask, -10000.0)
+    return torch.nn.Softmax(dim=-1)(inp)
+
+
+class CoreAttention(nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, q, k, v, attention_mask=None):
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.size(-1))
+        probs = masked_softmax(scores, attention_mask)
+        probs = self.dropout(probs)
+        return torch.matmul(probs, v)
+'''
+
+# ldm's CrossAttention: the inputs deleted once the scores are made (memory), then the softmax
+_S34_DEL_AFTER_SCORES = '''
+import torch
+from torch import einsum, nn
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.scale = (dim // heads) ** -0.5
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(dim, dim, bias=False)
+        self.to_v = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        h = self.heads
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        q, k, v = (t.view(b, n, h, -1).transpose(1, 2) for t in (q, k, v))
+        sim = einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        del q, k
+        attn = sim.softmax(dim=-1)
+        out = einsum("b h i j, b h j d -> b h i d", attn, v)
+        return out.transpose(1, 2).reshape(b, n, -1)
+'''
+
+# heads folded into the batch by the code's own reshape: a 3-D ``torch.matmul`` with the key transposed over (1, 2)
+_S34_MATMUL_3D_RESHAPED = '''
+import torch
+from torch import nn
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, dim=32, num_heads=4):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+
+    def forward(self, hidden_states):
+        bsz, q_len, _ = hidden_states.size()
+        query_states = (self.q_proj(hidden_states) * self.scale).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2).reshape(bsz * self.num_heads, q_len, self.head_dim)
+        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2).reshape(bsz * self.num_heads, q_len, self.head_dim)
+        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2).reshape(bsz * self.num_heads, q_len, self.head_dim)
+        attn_weights = torch.matmul(query_states, key_states.transpose(1, 2))
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+        attn_output = torch.matmul(attn_weights, value_states)
+        attn_output = attn_output.view(bsz, self.num_heads, q_len, self.head_dim).transpose(1, 2)
+        return attn_output.reshape(bsz, q_len, -1)
+'''
+
+# the fold done by a method of the class (``self._split(x)`` returns a 3-size reshape), ``@`` for both products
+_S34_MATMUL_3D_METHOD = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TokenAttention(nn.Module):
+    def __init__(self, d=32, n_heads=4, dropout=0.0):
+        super().__init__()
+        self.W_q = nn.Linear(d, d)
+        self.W_kv = nn.Linear(d, 2 * d)
+        self.n_heads = n_heads
+        self.dropout = nn.Dropout(dropout)
+
+    def _split(self, x):
+        b, n, d = x.shape
+        return x.reshape(b, n, self.n_heads, d // self.n_heads).permute(0, 2, 1, 3).reshape(b * self.n_heads, n, d // self.n_heads)
+
+    def forward(self, x_q, x_kv):
+        q = self._split(self.W_q(x_q))
+        k, v = self.W_kv(x_kv).chunk(2, dim=-1)
+        k = self._split(k)
+        logits = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+        probs = self.dropout(F.softmax(logits, dim=-1))
+        out = probs @ self._split(v)
+        b = x_q.shape[0]
+        return out.reshape(b, self.n_heads, out.shape[1], -1).transpose(1, 2).flatten(2)
+'''
+
+# one head on [B, T, C]: the rank proven by ``b, t, c = x.size()`` and the linear layers that keep it; a padding mask
+_S34_MATMUL_3D_ONE_HEAD = '''
+import math
+import torch
+from torch import nn
+
+
+class SingleHeadSelfAttention(nn.Module):
+    def __init__(self, d_model=32, d_head=8):
+        super().__init__()
+        self.d_head = d_head
+        self.w_qs = nn.Linear(d_model, d_head)
+        self.w_ks = nn.Linear(d_model, d_head)
+        self.w_vs = nn.Linear(d_model, d_head)
+
+    def forward(self, x, keep=None):
+        b, t, c = x.size()
+        q, k, v = self.w_qs(x), self.w_ks(x), self.w_vs(x)
+        att = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(self.d_head)
+        if keep is not None:
+            att = att.masked_fill(keep.unsqueeze(1) == 0, -1e9)
+        return torch.matmul(att.softmax(dim=-1), v)
+'''
+
+def _s34_run(module: str, *shapes: tuple[int, ...]) -> str:
+    """A Fuse example's ``run``: build ``module``, call it on random inputs of ``shapes``, compare their gradients."""
+    names = [f"x{i}" for i in range(len(shapes))]
+    made = "".join(f"{n} = torch.randn{shape}.requires_grad_()\n" for n, shape in zip(names, shapes))
+    return f"\nm = {module}\n{made}out = m({', '.join(names)})\nleaves = [{', '.join(names)}]\n"
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S34_MATMUL_3D_ONE_HEAD,
+        expect={"qualname": "SingleHeadSelfAttention.forward"},
+        run='''
+m = SingleHeadSelfAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+keep = torch.ones(2, 6)
+keep[1, 4:] = 0
+out = (m(x, keep), m(x))
+leaves = [x]
+''',
+        name="s34_matmul_of_3d_one_head_rank_from_an_unpacked_size",
+    ),
+    Fuse(
+        _S34_SCRIPTED_SOFTMAX_DROPOUT,
+        expect={"qualname": "SelfMultiheadAttention.forward"},
+        run='''
+m = SelfMultiheadAttention().eval()
+x = torch.randn(5, 2, 32, requires_grad=True)
+bias = torch.zeros(8, 5, 5)
+bias[:, :, 3:] = float("-inf")  # a key-padding mask written as an additive 0 / -inf bias
+out = m(x, bias)
+leaves = [x]
+''',
+        name="s34_scripted_softmax_dropout_helper_with_an_additive_mask",
+    ),
+    Fuse(
+        _S34_MASKED_SOFTMAX_HELPER,
+        expect={"qualname": "CoreAttention.forward"},
+        run='''
+m = CoreAttention().eval()
+q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+mask = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
+mask[1, :, :, 3:] = True
+out = (m(q, k, v, mask), m(q, k, v))
+leaves = [q, k, v]
+''',
+        name="s34_masked_softmax_helper_filling_in_place",
+    ),
+    Fuse(
+        _S34_DEL_AFTER_SCORES,
+        expect={"qualname": "CrossAttention.forward"},
+        run=_s34_run("CrossAttention()", (2, 5, 32)),
+        name="s34_inputs_deleted_after_the_scores",
+    ),
+    Fuse(
+        _S34_MATMUL_3D_RESHAPED,
+        expect={"qualname": "EncoderAttention.forward"},
+        run=_s34_run("EncoderAttention()", (2, 5, 32)),
+        name="s34_matmul_of_3d_heads_in_batch",
+    ),
+    Fuse(
+        _S34_MATMUL_3D_METHOD,
+        expect={"qualname": "TokenAttention.forward"},
+        run=_s34_run("TokenAttention().eval()", (2, 5, 32), (2, 3, 32)),
+        name="s34_matmul_of_3d_folded_by_a_method",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # x reassigned after its size is unpacked: the unpacking no longer proves what reaches the linear layers
+        _S34_MATMUL_3D_ONE_HEAD.replace("        q, k, v = self.w_qs(x)", "        x = x.unsqueeze(1)\n        q, k, v = self.w_qs(x)"),
+        reason="not the last two",
+        name="s34_matmul_rank_unproven_after_a_reassignment",
+    ),
+    Keep(
+        # a helper that reads a module constant (a temperature): what it holds is not checked, the helper is not run through
+        _S34_SCRIPTED_SOFTMAX_DROPOUT.replace("F.softmax(input, -1)", "F.softmax(input * TEMPERATURE, -1)").replace(
+            "@torch.jit.script\n", "TEMPERATURE = 0.5\n\n\n@torch.jit.script\n"),
+        reason="whose body is not read as a softmax",
+        name="s34_softmax_dropout_helper_with_a_module_temperature",
+    ),
+    Keep(
+        # the helper's softmax runs over the query axis: run through, the chain refuses it as for inline code
+        _S34_MASKED_SOFTMAX_HELPER.replace("torch.nn.Softmax(dim=-1)(inp)", "torch.nn.Softmax(dim=-2)(inp)"),
+        reason="softmax over dim",
+        name="s34_masked_softmax_helper_over_the_query_axis",
+    ),
+    Keep(
+        # q / k are 4-D ([B, S, H, D] views): ``transpose(1, 2)`` swaps the sequence and the heads, not the key's last two
+        _S34_MATMUL_3D_RESHAPED.replace(
+            "key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2).reshape(bsz * self.num_heads, q_len, self.head_dim)",
+            "key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim)"),
+        reason="not the last two",
+        name="s34_matmul_transposing_heads_of_a_4d_key",
+    ),
+    Keep(
+        # the deleted key is the probabilities' input of another product after the softmax: still the intermediate rule
+        _S34_DEL_AFTER_SCORES.replace("        return out.transpose(1, 2).reshape(b, n, -1)\n",
+                                      "        return out.transpose(1, 2).reshape(b, n, -1), attn\n"),
+        reason="probabilities",
+        name="s34_inputs_deleted_but_probabilities_returned",
     ),
 ]

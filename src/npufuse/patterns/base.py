@@ -361,22 +361,58 @@ def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
         return None
     # the answer depends on the two texts alone: copied code (transformers' "Copied from" modules)
     # yields the same span and fused text in many files, and each was parsed, walked and unparsed
-    key = (text, f.fused)
+    pure = _pure_methods(module, f.qualname)
+    key = (text, f.fused, pure)
     found = _MORE_OFTEN.get(key, False)
     if found is False:
-        found = _called_more_often_in(text, f.fused)
+        found = _called_more_often_in(text, f.fused, pure)
         if len(_MORE_OFTEN) > 4096:
             _MORE_OFTEN.clear()
         _MORE_OFTEN[key] = found
     return found  # type: ignore[return-value]
 
 
-# (original span text, fused text) -> _called_more_often_in's answer, in this process
-_MORE_OFTEN: dict[tuple[str, str], str | None] = {}
+# (original span text, fused text, pure methods) -> _called_more_often_in's answer, in this process
+_MORE_OFTEN: dict[tuple[str, str, frozenset[str]], str | None] = {}
+
+# what a pure method may call: tensor views / shape reads, and a few builtins (anything else may be a module, a draw)
+_PURE_TENSOR_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "unsqueeze", "squeeze",
+                        "size", "dim", "expand", "expand_as", "view_as", "reshape_as", "chunk", "split", "unbind", "movedim"}
+_PURE_BUILTINS = {"len", "int", "tuple", "list", "range", "min", "max"}
 
 
-def _called_more_often_in(text: str, fused_text: str) -> str | None:
-    """:func:`_called_more_often` of an original span's text and the fused code."""
+def _pure_methods(module: "ModuleInfo", qualname: str) -> frozenset[str]:
+    """``self.<m>`` chains of the site's class whose method ``m`` (defined in the class, undecorated) calls nothing on
+    ``self``, stores nothing on ``self`` and draws nothing random (rtdl's ``_reshape``: views of its argument): calling
+    it twice gives the same value, so the fused branch's extra call costs work, never a different result. (s34)"""
+    from npufuse.scan.dataflow import dotted, fast_walk
+
+    cls = module.classes.get(qualname.rpartition(".")[0]) if "." in qualname else None
+    if cls is None:
+        return frozenset()
+    out = set()
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef) or fn.decorator_list or fn.name.startswith("__"):
+            continue
+        impure = False
+        for n in fast_walk(fn):
+            if isinstance(n, ast.Call):
+                f = n.func
+                impure = not (isinstance(f, ast.Name) and f.id in _PURE_BUILTINS
+                              or isinstance(f, ast.Attribute) and f.attr in _PURE_TENSOR_METHODS and (dotted(f) or "").partition(".")[0] != "self")
+            elif isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, ast.Store):
+                impure = True
+            elif isinstance(n, (ast.Global, ast.Nonlocal, ast.Yield, ast.YieldFrom, ast.Await)):
+                impure = True
+            if impure:
+                break
+        if not impure:
+            out.add(f"self.{fn.name}")
+    return frozenset(out)
+
+
+def _called_more_often_in(text: str, fused_text: str, pure: frozenset[str] = frozenset()) -> str | None:
+    """:func:`_called_more_often` of an original span's text and the fused code; calls of ``pure`` chains do not count."""
     import textwrap
 
     original = parsed_code(textwrap.dedent(text))
@@ -387,7 +423,7 @@ def _called_more_often_in(text: str, fused_text: str) -> str | None:
         return None
     # a call counts only where both make it: the same text has the same callee chain, so only
     # calls on a chain both hold are unparsed and counted (the rest would count 0 before)
-    common = frozenset(_self_chains(original) & _self_chains(fused))
+    common = frozenset(_self_chains(original) & _self_chains(fused)) - pure
     if not common:
         return None
     before = _module_calls(original, common)
