@@ -9,22 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from npufuse.patterns.fused_optimizer import FusedOptimizer
+from npufuse.patterns.fused_optimizer import _TRAIN_RUN, FusedOptimizer
 from pattern_harness import check_fuse_found, check_rewrite_runs, detect_all, example_cases
 
 PATTERN = FusedOptimizer()
 
-_RUN = '''\
-model = Net()
-opt = build(model)
-x, y = torch.randn(6, 8), torch.randn(6, 4)
-for _ in range(3):
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-out = tuple(p.detach().clone() for p in model.parameters())
-'''
+_RUN = _TRAIN_RUN  # build(model), three steps with a plain zero_grad(), the parameters out
 
 
 def _example(name: str):
