@@ -1515,12 +1515,23 @@ def _holds(module: ModuleInfo, scope: Scope, recv: str, model: str, line: int, s
     return bool(name) and name.startswith(recv + ".")
 
 
+# torch.optim modules whose classes take an optimizer, not parameters (schedulers, SWA's LR)
+_NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")
+
+
 def _other_optimizer_over(module: ModuleInfo, scope: Scope, model: str, stmt: ast.stmt) -> bool:
     """Does another statement of the file build an optimizer (a name that looks like one) from
     ``model``'s parameters? Binding ``model.zero_grad`` to set_to_none=False would change what that
-    one sees for parameters without a grad in a step (zeros instead of None)."""
+    one sees for parameters without a grad in a step (zeros instead of None). An object built on this
+    statement's optimizer (``StepLR(optimizer, ...)``, a warm-up or Lookahead wrapper) or a torch.optim
+    LR scheduler is no other optimizer: it reaches the parameters only through this one (s34)."""
+    own = _target_names(stmt)
     for n in fast_walk(module.tree):
         if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Return)) and n is not stmt and n.value is not None:
+            if isinstance(n.value, ast.Call) and (
+                    (module.canonical(n.value.func) or "").startswith(_NOT_OPTIMIZERS)
+                    or any(isinstance(a, ast.Name) and a.id in own for a in [*n.value.args, *(k.value for k in n.value.keywords)])):
+                continue
             if isinstance(n, ast.Return):
                 # `return Muon(model.parameters())`: a class constructed and handed out
                 head = (dotted(n.value.func) or "").rsplit(".", 1)[-1] if isinstance(n.value, ast.Call) else ""
@@ -5725,4 +5736,56 @@ FusedOptimizer.KEEP += [
     Keep(_S34_CONFIG_LOOKUP.replace('optimizer_fn(parameters, **optimizer_config["config"])',
                                     'optimizer_fn(parameters, maximize=True, **optimizer_config["config"])'),
          reason="no fused counterpart", name="s34_bound_lookup_with_an_argument_no_fused_class_takes"),
+]
+
+
+# -- s34: an LR scheduler on the optimizer is no second optimizer over the model --------------------------
+# transformer-xl's train.py (and its copies in fastmoe and Adan): `optimizer = optim.SGD(model.parameters(), ...)`,
+# `scheduler = optim.lr_scheduler.CosineAnnealingLR(optimizer, ...)`, `model.zero_grad()` in the loop; ConSinGAN's
+# `torch.optim.lr_scheduler.MultiStepLR(optimizer=optimizerD, milestones=...)`. The scheduler was read as another
+# optimizer over the model's parameters (built from `optimizer`, which takes them), so `model.zero_grad` was not
+# bound to zero in place and the site was refused.
+
+_S34_SCHEDULED = _NET + '''
+from torch import optim
+
+
+def build(model, lr=0.05, max_step=100):
+    optimizer = optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scheduler = optim.lr_scheduler.CosineAnnealingLR(optimizer, max_step, eta_min=0.0)
+    return optimizer, scheduler
+
+
+def train(model, steps=3):
+    optimizer, scheduler = build(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    for _ in range(steps):
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+'''
+
+_S34_SCHEDULED_RUN = '''\
+model = Net()
+train(model)
+out = tuple(p.detach().clone() for p in model.parameters())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S34_SCHEDULED, name="s34_lr_scheduler_on_the_optimizer_is_no_other_optimizer", run=_S34_SCHEDULED_RUN,
+         expect={"optimizer": "torch.optim.SGD", "qualname": "build"}),
+    Fuse(_S34_SCHEDULED.replace("    scheduler = optim.lr_scheduler.CosineAnnealingLR(optimizer, max_step, eta_min=0.0)\n",
+                                "    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer=optimizer, milestones=[50], gamma=0.1)\n"),
+         name="s34_lr_scheduler_by_keyword_is_no_other_optimizer", run=_S34_SCHEDULED_RUN,
+         expect={"optimizer": "torch.optim.SGD"}),
+]
+
+FusedOptimizer.KEEP += [
+    # a second torch.optim optimizer over the same model's parameters beside the scheduler: binding the model's
+    # zero_grad would change what that one sees, so the default free stays a blocker
+    Keep(_S34_SCHEDULED.replace("    return optimizer, scheduler\n",
+                                "    finetune = optim.Adam(model.parameters(), lr=lr)\n    return optimizer, scheduler, finetune\n")
+         .replace("    optimizer, scheduler = build(model)\n", "    optimizer, scheduler, _finetune = build(model)\n"),
+         reason="sets grads to None", name="s34_scheduler_beside_a_second_optimizer_over_the_model"),
 ]
