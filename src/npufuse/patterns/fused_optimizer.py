@@ -130,7 +130,7 @@ class FusedOptimizer(Pattern):
                 built = _chosen_construction(module, scope, stmt)
                 if built is None:
                     built = _s28_injected_class(module, scope, stmt)
-                looked_up = _s32_class_lookup(module, stmt) if built is None else None
+                looked_up = (_s32_class_lookup(module, stmt) or _s34_bound_lookup(module, scope, stmt)) if built is None else None
                 if isinstance(built, NearMiss):
                     yield built
                 elif built is not None:
@@ -1084,6 +1084,8 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
                             f"class named at the construction only; torch_npu.optim.{_OPTIMIZERS[kind][0]} could take its "
                             "place by hand once the constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no "
                             "set_to_none, fp32/fp16)")
+        if kind is not None and _s34_read_by_later_lookup(module, scope, stmt):
+            return None  # `cls = table[name]` then `cls(...)` later in this scope: that construction reports itself
         if kind is not None:
             return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
                             f"torch.optim.{kind} is handed around as a value (a registry or factory) and the optimizer is "
@@ -1516,12 +1518,23 @@ def _holds(module: ModuleInfo, scope: Scope, recv: str, model: str, line: int, s
     return bool(name) and name.startswith(recv + ".")
 
 
+# torch.optim modules whose classes take an optimizer, not parameters (schedulers, SWA's LR)
+_NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")
+
+
 def _other_optimizer_over(module: ModuleInfo, scope: Scope, model: str, stmt: ast.stmt) -> bool:
     """Does another statement of the file build an optimizer (a name that looks like one) from
     ``model``'s parameters? Binding ``model.zero_grad`` to set_to_none=False would change what that
-    one sees for parameters without a grad in a step (zeros instead of None)."""
+    one sees for parameters without a grad in a step (zeros instead of None). An object built on this
+    statement's optimizer (``StepLR(optimizer, ...)``, a warm-up or Lookahead wrapper) or a torch.optim
+    LR scheduler is no other optimizer: it reaches the parameters only through this one (s34)."""
+    own = _target_names(stmt)
     for n in fast_walk(module.tree):
         if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Return)) and n is not stmt and n.value is not None:
+            if isinstance(n.value, ast.Call) and (
+                    (module.canonical(n.value.func) or "").startswith(_NOT_OPTIMIZERS)
+                    or any(isinstance(a, ast.Name) and a.id in own for a in [*n.value.args, *(k.value for k in n.value.keywords)])):
+                continue
             if isinstance(n, ast.Return):
                 # `return Muon(model.parameters())`: a class constructed and handed out
                 head = (dotted(n.value.func) or "").rsplit(".", 1)[-1] if isinstance(n.value, ast.Call) else ""
@@ -1797,7 +1810,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         return miss(f"the optimizer is built inside a lambda from its own parameter(s) ({', '.join(sorted(bound))}): "
                     "an optimizer factory whose caller supplies the params; the guard that checks them is a statement "
                     "around the construction and cannot read a lambda's parameters (a def factory can be rewritten)")
-    if any(isinstance(a, ast.Starred) for a in call.args):
+    star_test = _s34_starred_test(module, call, accepted if chosen_class is None else _FEWEST_POSITIONAL)
+    if any(isinstance(a, ast.Starred) for a in call.args) and star_test is None:
         return miss("positional arguments passed through `*args`: cannot check them against the fused class")
     if len(call.args) > 1 + len(accepted):
         return miss("more positional arguments than the fused class takes")
@@ -1837,6 +1851,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         guard = f"({guard}) if set({mapping}).issubset({tuple(sorted(taken + filtered))!r}) else None"
     for _ln, test in flag_tests:
         guard = f"({guard}) if not ({test}) else None"
+    if star_test is not None:
+        # s34: the `*args` tuple must fit the positional slots the fused class has after those written
+        guard = f"({guard}) if {star_test} else None"
     if chosen_class is not None:
         # the class is chosen at run time: the fused class only where torch.optim's was chosen
         guard = f"({guard}) if {chosen_class[1]} else None"
@@ -1906,7 +1923,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         "optimizer": f"torch.optim.{kind}",
         "fused_class": f"torch_npu.optim.{fused_cls}",
         "args": {k.arg: segment(module, k.value) for k in call.keywords if k.arg and k.arg != "params" and k not in plan.drop}
-        | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0},
+        | {accepted[i - 1]: segment(module, a) for i, a in enumerate(call.args) if i > 0 and not isinstance(a, ast.Starred)},
         "params": segment(module, keyword(call, "params", 0)),  # type: ignore[arg-type]
         "param_groups": _is_groups(module, scope, keyword(call, "params", 0), stmt.lineno),  # type: ignore[arg-type]
         "guard": (("fresh_generator_trainable_dtypes_checked" if dtype_checked else "fresh_generator") if model else "materialised_list")
@@ -2006,6 +2023,12 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
                      f"`{chosen_class[1]}`; any other choice keeps its own class")
     if params["lr_default_added"]:
         notes.append("NpuFusedSGD has no lr default: torch.optim.SGD's lr=1e-3 is passed explicitly")
+    if star_test is not None:
+        params["starred_args"] = star_test
+        params["guard"] += "_starred_length_checked"
+        notes.append(f"positional arguments through `*` fill the same slots in torch.optim's and the fused class's "
+                     f"constructors (same positional order, spec §10); the guard checks `{star_test}` (a list or tuple "
+                     "that fits the fused class's positional parameters), else the original call runs")
     return Finding(
         pattern=_ID,
         qualname=scope.qualname,
@@ -4277,8 +4300,8 @@ def _looked_up_by_name(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Opti
         if isinstance(n.args[1], ast.Constant):
             return None  # `getattr(torch.optim, "AdamW")`: one class, spelt as a string; rare, left alone
         built = any(isinstance(c, ast.Call) and c.func is n for c in fast_walk(stmt)) or _called_later(scope, stmt) is not None
-        if not built:
-            return None
+        if not built or _s34_read_by_later_lookup(module, scope, stmt):
+            return None  # not built, or built later through the bound name: that construction reports itself
         fused = ", ".join(f"{k} -> {v[0]}" for k, v in _OPTIMIZERS.items())
         return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
                         f"the optimizer class is looked up by name at run time (`{segment(module, n)[:60]}`): npufuse "
@@ -4295,10 +4318,8 @@ def build(model, name="AdamW", lr=1e-3):
 '''
 
 FusedOptimizer.KEEP += [
-    # (s32: `getattr(torch.optim, name)(...)` called at once is a guarded candidate: see the s32 examples)
-    Keep(_S25_BY_NAME.replace("    return getattr(torch.optim, name)(model.parameters(), lr=lr)",
-                              "    cls = getattr(torch.optim, name)\n    return cls(model.parameters(), lr=lr)"),
-         reason="looked up by name at run time", name="s25_class_looked_up_by_name_then_called"),
+    # (s32: `getattr(torch.optim, name)(...)` called at once is a guarded candidate: see the s32 examples;
+    # s34: so is the lookup bound to a name and called later, `s34_getattr_lookup_bound_then_called`)
     Keep(_NET + '''
 import lightning as L
 
@@ -5482,4 +5503,292 @@ FusedOptimizer.KEEP += [
     # the params from a method of the model that nothing here (no repository) shows to be a pure list builder
     Keep(_S33_EVAL_LOOKUP.replace("model.parameters(), lr=", "model.customize_parameters(), lr="),
          reason="may be a one-shot iterator", name="s33_eval_lookup_params_from_unknown_method"),
+]
+
+
+# -- s34: a run-time class lookup bound to a name, called later ------------------------------------------
+# The s32 lookups called at once, bound to a name first: `optimizer_fn = getattr(torch.optim, optimizer_type)`
+# then `optimizer_fn(parameters, **config)` (stable-audio-tools), `optimizer = getattr(optim, optimizer)`
+# rebinding the config's string (equiformer_v2), `opt_func = optimizer_dict[optimizer_name]` over a dict of
+# torch.optim and third-party classes (Sophia), `Optimizer = {...}[name]` (a dict literal read at once). The
+# construction calls the bound name, so the guard tests that name's value (read once, no lookup evaluated
+# again): the fused counterpart `torch_npu.optim.NpuFused<Name>` runs only when the value is one of the
+# torch.optim classes whose fused counterpart takes the arguments written; any other class (a third-party
+# entry, a partial, a subclass of the repository) runs the original call.
+
+def _s34_table_kinds(module: ModuleInfo, table: ast.AST) -> tuple[str, ...]:
+    """The fusable torch.optim classes among the values of a dict literal (``{...}`` or ``dict(k=...)``)."""
+    if isinstance(table, ast.Dict):
+        values: list[ast.expr] = [v for v in table.values if v is not None]
+    elif isinstance(table, ast.Call) and isinstance(table.func, ast.Name) and table.func.id == "dict" and not table.args \
+            and "dict" not in module.aliases:
+        values = [k.value for k in table.keywords]
+    else:
+        return ()
+    found = {_CANONICAL.get(module.canonical(v) or "") for v in values if isinstance(v, (ast.Name, ast.Attribute))}
+    return tuple(k for k in _OPTIMIZERS if k in found)
+
+
+def _s34_module_binding(module: ModuleInfo, name: str) -> Optional[ast.expr]:
+    """The value of a module-level ``name = <value>`` (the last one), or None."""
+    value = None
+    for node in module.tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            value = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            value = node.value
+    return value
+
+
+def _s34_lookup_kinds(module: ModuleInfo, scope: Scope, value: ast.expr, line: int) -> tuple[tuple[str, ...], Optional[str]]:
+    """(fusable torch.optim classes the run-time lookup ``value`` may yield, the name of the table it reads or
+    None): ``getattr(torch.optim, <name>)``, ``eval("torch.optim." + <name>)``, a call of a pure lookup function
+    (:func:`_s32_pure_lookup`), a subscript or ``.get`` of a dict literal, or of a name bound to one in this
+    scope or at module level. ((), None) for anything else."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        if (value.func.id == "getattr" and "getattr" not in module.aliases and len(value.args) in (2, 3) and not value.keywords
+                and module.canonical(value.args[0]) == "torch.optim" and not isinstance(value.args[1], ast.Constant)):
+            return tuple(_OPTIMIZERS), None
+        if _s33_evaluated_optim_name(module, value) is not None:
+            return tuple(_OPTIMIZERS), None
+        if value.func.id not in ("getattr", "eval") and all(_side_effect_free(a) for a in [*value.args, *(k.value for k in value.keywords)]):
+            return _s32_lookup_function(module, value.func.id), None
+        return (), None
+    table: Optional[ast.AST] = None
+    if isinstance(value, ast.Subscript):
+        table = value.value
+    elif isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "get" and value.args:
+        table = value.func.value
+    table_name = table.id if isinstance(table, ast.Name) else None
+    if table_name is not None:
+        table = scope.definition(table_name, line) if table_name in scope.assignments else _s34_module_binding(module, table_name)
+    return (_s34_table_kinds(module, table), table_name) if table is not None else ((), None)
+
+
+def _s34_bound_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, tuple[str, ...]]]:
+    """(construction call, the name it calls, torch.optim classes that name may hold) where the statement calls
+    a local name last bound, before it, to a run-time class lookup (:func:`_s34_lookup_kinds`)."""
+    for call in fast_walk(stmt):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+            continue
+        name = call.func.id
+        if name in scope.args or name in module.aliases:
+            continue  # a parameter (an injected class: _s28_injected_class) or an import
+        value = scope.definition(name, stmt.lineno)
+        if value is None:
+            continue
+        kinds, _table = _s34_lookup_kinds(module, scope, value, stmt.lineno)
+        if kinds:
+            return call, name, kinds
+    return None
+
+
+def _s34_read_by_later_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> bool:
+    """Whether the lookup this statement binds (``cls = getattr(torch.optim, n)``, or a dict ``table = {...}``)
+    is what a later construction of this scope calls (:func:`_s34_bound_lookup`): that construction reports
+    itself, so this binding is no near miss of its own."""
+    targets = getattr(stmt, "targets", None) or ([stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+    if len(targets) != 1 or not isinstance(targets[0], ast.Name):
+        return False
+    bound = targets[0].id
+    for _b, _i, st in scope.statements():
+        if st.lineno <= (stmt.end_lineno or stmt.lineno) or not isinstance(st, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
+            continue
+        found = _s34_bound_lookup(module, scope, st)
+        if found is None:
+            continue
+        value = scope.definition(found[1], st.lineno)
+        if found[1] == bound or (value is not None and _s34_lookup_kinds(module, scope, value, st.lineno)[1] == bound):
+            return True
+    return False
+
+
+# the fewest positional parameters after params among the fused classes (NpuFusedAdadelta's four): the room a
+# `*args` tuple has where the class is only known at run time
+_FEWEST_POSITIONAL = min((v[1] for v in _OPTIMIZERS.values()), key=len)
+
+
+def _s34_starred_test(module: ModuleInfo, call: ast.Call, accepted: tuple[str, ...]) -> Optional[str]:
+    """The run-time test for one ``*name`` after the params and lr written positionally (``Cls(groups, lr,
+    *momentum, weight_decay=wd)``): the torch.optim classes and their fused counterparts take the same
+    positional parameters in the same order (spec §10; torch.optim's extra ones are keyword-only, or come after
+    them), so a list or tuple that fits the fused class's slots means the same in both. None when there is no
+    such single trailing ``*name`` (no test can be written)."""
+    starred = [i for i, a in enumerate(call.args) if isinstance(a, ast.Starred)]
+    if len(starred) != 1 or starred[0] != len(call.args) - 1 or starred[0] < 2:
+        return None
+    value = call.args[-1].value  # type: ignore[attr-defined]
+    if not isinstance(value, (ast.Name, ast.Attribute)) or not _side_effect_free(value):
+        return None
+    room = 1 + len(accepted) - starred[0]
+    text = segment(module, value)
+    return f"isinstance({text}, (tuple, list)) and len({text}) <= {room}"
+
+
+_S34_CONFIG_LOOKUP = _NET + '''
+
+def create_optimizer_from_config(optimizer_config, parameters):
+    """stable-audio-tools' spelling: the class named by the config, then called with the config's kwargs."""
+    optimizer_type = optimizer_config["type"]
+    optimizer_fn = getattr(torch.optim, optimizer_type)
+    optimizer = optimizer_fn(parameters, **optimizer_config["config"])
+    return optimizer
+
+
+def build(model):
+    return create_optimizer_from_config({"type": "AdamW", "config": {"lr": 1e-3, "weight_decay": 0.01}}, model.parameters())
+'''
+
+_S34_REBOUND_NAME = _NET + '''
+from torch import optim
+
+
+class Trainer:
+    """equiformer_v2's spelling: the config's string rebound to the class it names."""
+
+    def __init__(self, model, config):
+        self.model, self.config = model, config
+
+    def load_optimizer(self):
+        optimizer = self.config["optim"].get("optimizer", "AdamW")
+        optimizer = getattr(optim, optimizer)
+        decay = [p for n, p in self.model.named_parameters() if p.ndim > 1]
+        no_decay = [p for n, p in self.model.named_parameters() if p.ndim <= 1]
+        parameters = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = optimizer(parameters, lr=self.config["optim"]["lr_initial"])
+
+
+def build(model):
+    trainer = Trainer(model, {"optim": {"optimizer": "SGD", "lr_initial": 0.05}})
+    trainer.load_optimizer()
+    return trainer.optimizer
+'''
+
+_S34_TABLE_WITH_OTHERS = _NET + '''
+
+
+class SignSGD(torch.optim.Optimizer):
+    """The repository's own optimizer, listed beside torch.optim's."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99)):
+        super().__init__(params, dict(lr=lr, betas=betas))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+optimizer_dict = {"adamw": torch.optim.AdamW, "signsgd": SignSGD}
+
+
+def configure_optimizers(model, optimizer_name, learning_rate, betas):
+    """Sophia's spelling: a module-level table of torch.optim and repository classes."""
+    optim_groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                    {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt_func = optimizer_dict[optimizer_name]
+    optimizer = opt_func(optim_groups, lr=learning_rate, betas=betas)
+    return optimizer
+
+
+def build(model, name="adamw"):
+    return configure_optimizers(model, name, 1e-3, (0.9, 0.95))
+'''
+
+_S34_STARRED = _NET + '''
+
+def make_optimizer(name, groups, lr, weight_decay):
+    """A class from a dict literal read at once; SGD's momentum passed positionally through `*`."""
+    cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
+    extra = (0.9,) if cls is torch.optim.SGD else ()
+    return cls(groups, lr, *extra, weight_decay=weight_decay)
+
+
+def build(model, name="sgd"):
+    return make_optimizer(name, model.parameters(), 0.05, 1e-4)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S25_BY_NAME.replace("    return getattr(torch.optim, name)(model.parameters(), lr=lr)",
+                              "    cls = getattr(torch.optim, name)\n    return cls(model.parameters(), lr=lr)"),
+         name="s34_getattr_lookup_bound_then_called", run=_TRAIN_RUN,
+         expect={"class_looked_up": "cls", "optimizer": "torch.optim.AdamW|Adam|SGD|Adadelta|RMSprop", "qualname": "build"}),
+    Fuse(_S34_CONFIG_LOOKUP, name="s34_config_lookup_bound_then_called_with_config_kwargs", run=_TRAIN_RUN,
+         expect={"class_looked_up": "optimizer_fn", "qualname": "create_optimizer_from_config"}),
+    Fuse(_S34_REBOUND_NAME, name="s34_config_string_rebound_to_its_class", run=_TRAIN_RUN,
+         expect={"class_looked_up": "optimizer", "qualname": "Trainer.load_optimizer"}),
+    Fuse(_S34_TABLE_WITH_OTHERS, name="s34_module_table_with_a_repository_class", run=_TRAIN_RUN,
+         expect={"class_looked_up": "opt_func", "optimizer": "torch.optim.AdamW", "qualname": "configure_optimizers"}),
+    Fuse(_S34_TABLE_WITH_OTHERS.replace('def build(model, name="adamw")', 'def build(model, name="signsgd")'),
+         name="s34_table_entry_not_torch_is_guarded", expect={"class_looked_up": "opt_func"}),
+    Fuse(_S34_STARRED, name="s34_dict_literal_lookup_with_starred_positional", run=_TRAIN_RUN,
+         expect={"class_looked_up": "cls", "optimizer": "torch.optim.Adam|SGD",
+                 "starred_args": "isinstance(extra, (tuple, list)) and len(extra) <= 3"}),
+]
+
+FusedOptimizer.KEEP += [
+    # a table of the repository's classes only: no torch.optim class can be called through it
+    Keep(_S34_TABLE_WITH_OTHERS.replace('"adamw": torch.optim.AdamW, ', ""), name="s34_table_without_torch_optim_classes"),
+    # the `*` tuple fills the lr slot: NpuFusedSGD has no lr default, the slots cannot be checked as written
+    Keep(_S34_STARRED.replace("return cls(groups, lr, *extra, weight_decay=weight_decay)",
+                              "return cls(groups, *((lr,) + extra), weight_decay=weight_decay)"),
+         reason="positional arguments passed through `*args`", name="s34_starred_holding_lr"),
+    # an argument no fused counterpart takes: the bound lookup cannot matter
+    Keep(_S34_CONFIG_LOOKUP.replace('optimizer_fn(parameters, **optimizer_config["config"])',
+                                    'optimizer_fn(parameters, maximize=True, **optimizer_config["config"])'),
+         reason="no fused counterpart", name="s34_bound_lookup_with_an_argument_no_fused_class_takes"),
+]
+
+
+# -- s34: an LR scheduler on the optimizer is no second optimizer over the model --------------------------
+# transformer-xl's train.py (and its copies in fastmoe and Adan): `optimizer = optim.SGD(model.parameters(), ...)`,
+# `scheduler = optim.lr_scheduler.CosineAnnealingLR(optimizer, ...)`, `model.zero_grad()` in the loop; ConSinGAN's
+# `torch.optim.lr_scheduler.MultiStepLR(optimizer=optimizerD, milestones=...)`. The scheduler was read as another
+# optimizer over the model's parameters (built from `optimizer`, which takes them), so `model.zero_grad` was not
+# bound to zero in place and the site was refused.
+
+_S34_SCHEDULED = _NET + '''
+from torch import optim
+
+
+def build(model, lr=0.05, max_step=100):
+    optimizer = optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scheduler = optim.lr_scheduler.CosineAnnealingLR(optimizer, max_step, eta_min=0.0)
+    return optimizer, scheduler
+
+
+def train(model, steps=3):
+    optimizer, scheduler = build(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    for _ in range(steps):
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+'''
+
+_S34_SCHEDULED_RUN = '''\
+model = Net()
+train(model)
+out = tuple(p.detach().clone() for p in model.parameters())
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S34_SCHEDULED, name="s34_lr_scheduler_on_the_optimizer_is_no_other_optimizer", run=_S34_SCHEDULED_RUN,
+         expect={"optimizer": "torch.optim.SGD", "qualname": "build"}),
+    Fuse(_S34_SCHEDULED.replace("    scheduler = optim.lr_scheduler.CosineAnnealingLR(optimizer, max_step, eta_min=0.0)\n",
+                                "    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer=optimizer, milestones=[50], gamma=0.1)\n"),
+         name="s34_lr_scheduler_by_keyword_is_no_other_optimizer", run=_S34_SCHEDULED_RUN,
+         expect={"optimizer": "torch.optim.SGD"}),
+]
+
+FusedOptimizer.KEEP += [
+    # a second torch.optim optimizer over the same model's parameters beside the scheduler: binding the model's
+    # zero_grad would change what that one sees, so the default free stays a blocker
+    Keep(_S34_SCHEDULED.replace("    return optimizer, scheduler\n",
+                                "    finetune = optim.Adam(model.parameters(), lr=lr)\n    return optimizer, scheduler, finetune\n")
+         .replace("    optimizer, scheduler = build(model)\n", "    optimizer, scheduler, _finetune = build(model)\n"),
+         reason="sets grads to None", name="s34_scheduler_beside_a_second_optimizer_over_the_model"),
 ]
