@@ -2182,6 +2182,9 @@ class _Eval:
             dim, index, source = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
             if index is None or source is None or not (isinstance(dim, ast.Constant) and dim.value == 0):
                 raise _Miss(f"unrecognised accumulation `{ast.unparse(call)[:60]}`")
+            if self.ev(index).kind == "x" and isinstance(index, ast.Name):
+                raise _Miss(f"rows are added back at `{index.id}`, the values of `{self.ev(index).args[0]}` under this expert's "
+                            "mask: npufuse does not trace those values to the tokens routed to this expert")
             if self.ev(index).kind != "tok":
                 raise _Miss("not a token dispatch: rows are added back at an index that is not the expert's selected tokens")
             self.results.append(("accumulate", f.value.id, self.ev(_strip_casts(source)), None))
@@ -2213,7 +2216,23 @@ class _Eval:
         if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x", "tokmask", "flatmask"):
             self.skip_empty = True
             return
+        if self._empty_test(test):
+            self.skip_empty = True  # `if not bool(mask.any())`, `if mask.sum() == 0`, `if not m[e].any().item()`
+            return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _empty_test(self, test: ast.expr) -> bool:
+        """The negation of a :meth:`_nonempty_test`: ``not <nonempty>`` or ``<count> == 0`` / ``<= 0`` / ``< 1``
+        where ``<count> != 0`` is one (the same truth values: a count is a non-negative integer)."""
+        test = _strip_truth(test)
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            return self._nonempty_test(test.operand)
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and (
+                (isinstance(test.ops[0], (ast.Eq, ast.LtE)) and const_value(test.comparators[0]) == 0)
+                or (isinstance(test.ops[0], ast.Lt) and const_value(test.comparators[0]) == 1)):
+            nonzero = ast.Compare(left=test.left, ops=[ast.NotEq()], comparators=[ast.Constant(0)])
+            return self._nonempty_test(nonzero)
+        return False
 
     def _loop_invariant_option(self, test: ast.expr) -> bool:
         """An option test: names, attributes, constants, comparisons and boolean logic only, over
@@ -2229,20 +2248,23 @@ class _Eval:
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
         kinds = ("tok", "kpos", "x", "x_sorted", "tokmask", "flatmask", "flatcol", "flatrow")
-        if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "item" and not test.args:
-            test = test.func.value  # mask.any().item()
+        # masks of this expert's tokens: bool masks, and the 0/1 one-hot slice `expert_mask[e]`
+        masks = ("tokmask", "flatmask", "mask_e")
+        test = _strip_truth(test)  # mask.any().item(), bool(mask.any())
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
-            return self.ev(test.func.value).kind in ("tokmask", "flatmask")
+            return self.ev(test.func.value).kind in masks
         if isinstance(test, ast.Call) and _canon(self.m, test.func) == "torch.any" and len(test.args) == 1 and not test.keywords:
-            return self.ev(test.args[0]).kind in ("tokmask", "flatmask")
+            return self.ev(test.args[0]).kind in masks
         if isinstance(test, ast.Call) and not test.args and not test.keywords and isinstance(test.func, ast.Attribute) \
                 and test.func.attr in ("sum", "count_nonzero"):
             # `if mask.sum():`: a bool mask's count is truthy iff some token picked this expert
-            return self.ev(test.func.value).kind in ("tokmask", "flatmask")
+            return self.ev(test.func.value).kind in masks
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
-                and const_value(test.comparators[0]) == 0 and isinstance(test.left, ast.Call) and not test.left.args \
-                and isinstance(test.left.func, ast.Attribute) and test.left.func.attr in ("sum", "count_nonzero"):
-            return self.ev(test.left.func.value).kind in ("tokmask", "flatmask")  # a bool mask's count: > 0 iff any
+                and const_value(test.comparators[0]) == 0:
+            count = _strip_truth(test.left)  # mask.sum().item() > 0, int(mask.sum()) != 0
+            if isinstance(count, ast.Call) and not count.args and not count.keywords \
+                    and isinstance(count.func, ast.Attribute) and count.func.attr in ("sum", "count_nonzero"):
+                return self.ev(count.func.value).kind in masks  # a 0/1 mask's count: > 0 iff any
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
                 and const_value(test.comparators[0]) == 0:
             return self._size_kind(test.left) in kinds
@@ -2380,6 +2402,12 @@ class _Eval:
                 return V("x", (name,))  # hidden_states[(flat_idx == e).nonzero(), :]
             if kinds == ["tokmask"]:
                 return V("x", (name,))  # x[(indices == e).any(-1)]: the rows of the tokens routed to e, in order
+            if kinds == ["x"] and isinstance(sl, ast.Name):
+                # x[r] with r = rows[flat == e]: r holds values of another tensor picked by this expert's mask
+                # (a slot -> token map, an argsort order), which are not traced to the tokens it stands for
+                raise _Miss(f"rows are picked as `{ast.unparse(node)[:50]}` by `{sl.id}`, the values of "
+                            f"`{self.ev(sl).args[0]}` under this expert's mask: npufuse does not trace those values "
+                            "to the tokens routed to this expert")
             if kinds == ["tokmask", "eidx"]:
                 # dense gates [T, E] (zero outside the top-k): gates[t, e] is the weight of the slot of
                 # expert e in indices[t], i.e. gates.gather(-1, indices)[t, k]
@@ -3267,6 +3295,20 @@ class _Eval:
         if isinstance(f, ast.Attribute) and f.attr in ("new_zeros", "new_empty"):
             return segment(self.m, dt) if dt is not None else f"{segment(self.m, f.value)}.dtype"
         raise _Miss(f"`{acc}` starts from `{ast.unparse(value)[:50]}`, not zeros: rows no expert writes would differ")
+
+
+def _strip_truth(node: ast.expr) -> ast.expr:
+    """``t`` of ``bool(t)``, ``int(t)``, ``t.item()``, ``t.bool()`` (nested): conversions of a one-element
+    tensor that keep whether it is zero."""
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("bool", "int") \
+                and len(node.args) == 1 and not node.keywords:
+            node = node.args[0]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("item", "bool") \
+                and not node.args and not node.keywords:
+            node = node.func.value
+        else:
+            return node
 
 
 def _norm(text: str) -> str:
@@ -6046,6 +6088,64 @@ MoeExperts.KEEP += [
     # the sum of the routing weights (not a bool count) is no emptiness test
     Keep(_S30_BARE_COUNT_GUARD.replace("if mask.any():", "if topk_weight.sum():"),
          reason="conditional code inside the expert loop", name="s30_weight_sum_guard"),
+]
+
+# s34: `continue` guards written as the negation of an emptiness test, in the spellings of the mirrors
+# (lerobot / Zero2Hero `if mask.sum() == 0:`, ohara `if not bool(mask.any()):`, ktransformers
+# `if not expert_mask[expert_idx].any():` over the one-hot slice): experts without tokens are skipped,
+# which the fused path does for them (their groups are empty)
+_S34_CONTINUE_GUARD = _S30_BARE_COUNT_GUARD.replace(
+    """            if mask.any():
+                token_idx = mask.any(dim=-1).nonzero().flatten()
+                weight = topk_weight[mask].view(-1, 1)
+                y.index_add_(0, token_idx, (expert(x_flat[token_idx]) * weight).to(y.dtype))
+""", """            if mask.sum() == 0:
+                continue
+            token_idx = mask.any(dim=-1).nonzero().flatten()
+            weight = topk_weight[mask].view(-1, 1)
+            y.index_add_(0, token_idx, (expert(x_flat[token_idx]) * weight).to(y.dtype))
+""")
+_S34_ONE_HOT_SLICE_GUARD = _MIXTRAL_436.replace(
+    """            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.shape[0] == 0:
+                continue
+""", """            if not expert_mask[expert_idx].any():
+                continue
+            idx, top_x = torch.where(expert_mask[expert_idx])
+""")
+
+MoeExperts.FUSE += [
+    Fuse(_S34_CONTINUE_GUARD, name="s34_count_equals_zero_continue", run=_GUARD_ZERO_ELSE_RUN,
+         expect={"indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+    Fuse(_S34_CONTINUE_GUARD.replace("if mask.sum() == 0:", "if not bool(mask.any()):"), name="s34_not_bool_any_continue",
+         run=_GUARD_ZERO_ELSE_RUN, expect={"indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+    Fuse(_S34_CONTINUE_GUARD.replace("if mask.sum() == 0:", "if mask.sum().item() < 1:"), name="s34_count_item_below_one_continue",
+         run=_GUARD_ZERO_ELSE_RUN, expect={"indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+    Fuse(_S34_ONE_HOT_SLICE_GUARD, name="s34_one_hot_slice_not_any_continue", run=_MIXTRAL_RUN, expect={
+        "activation": "silu_gated", "routing_weights": "inside_expert", "loop": "range"}),
+]
+
+MoeExperts.KEEP += [
+    # one token is not none: experts that received exactly one token would be skipped
+    Keep(_S34_CONTINUE_GUARD.replace("if mask.sum() == 0:", "if mask.sum() == 1:"),
+         reason="the loop skips experts on `mask.sum() == 1`", name="s34_count_equals_one_continue"),
+    # the routing weights' sum is no emptiness test of this expert's tokens
+    Keep(_S34_CONTINUE_GUARD.replace("if mask.sum() == 0:", "if not bool(topk_weight.any()):"),
+         reason="the loop skips experts on `not bool(topk_weight.any())`", name="s34_not_any_of_weights_continue"),
+    # the one-hot slice of another expert (the next one) says nothing about this expert's tokens
+    Keep(_S34_ONE_HOT_SLICE_GUARD.replace("if not expert_mask[expert_idx].any():", "if not expert_mask[expert_idx - 1].any():"),
+         reason="the loop skips experts on", name="s34_other_experts_slice_continue"),
+    # rows picked through a slot -> token map (`rows[flat == e]`, rows = arange(T * K) // K): the values of
+    # another tensor under the expert's mask are not traced to the tokens (the near miss says so)
+    Keep(_S34_CONTINUE_GUARD.replace(
+        "        for i, expert in enumerate(self.experts):\n",
+        "        flat = topk_idx.reshape(-1)\n        slot_rows = torch.arange(flat.numel()) // self.k\n"
+        "        for i, expert in enumerate(self.experts):\n").replace(
+        "            mask = (topk_idx == i)\n            if mask.sum() == 0:\n                continue\n"
+        "            token_idx = mask.any(dim=-1).nonzero().flatten()\n",
+        "            mask = flat == i\n            if not bool(mask.any()):\n                continue\n"
+        "            token_idx = slot_rows[mask]\n"),
+         reason="npufuse does not trace those values to the tokens", name="s34_slot_map_rows"),
 ]
 
 # the slot of the expert in each selected token's top-k found with argmax (no keepdim) over the
@@ -10130,3 +10230,4 @@ MoeExperts.KEEP += [
          .replace("        out = torch.zeros_like(x)\n", ""),
          reason="`out` is not freshly allocated right before the loop", name="s32_accumulator_handed_in"),
 ]
+
