@@ -230,8 +230,16 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
     if _routing_text(module):
         yield from _routed_elsewhere(module, scope, covered)
     yield from _dispatcher_sites(module, scope)  # permute / unpermute halves of a token dispatcher
+    gather_spans: list[tuple[int, int]] = []
+    gathers = not quiet and _moe_words(module) and any(w in module.source for w in ("einsum(", "bmm(", "matmul(", " @ ", "sum(-1)", "sum(dim=-1)"))
     for block, i, stmt in scope.statements():
         if not isinstance(stmt, ast.For):
+            if gathers and isinstance(stmt, ast.Assign) and not any(a <= stmt.lineno <= b for a, b in gather_spans):
+                found = _gathered_weight_site(module, scope, block, i)  # s34: W[idx] + einsum / bmm
+                if found is not None:
+                    gather_spans.append((found.line, found.end_line))
+                    yield found
+                    continue
             if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp) and 0 < i < len(block) - 1:
                 found = _split_projection(module, scope, block, i)
                 if found is not None:
@@ -532,6 +540,337 @@ def _split_projection(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
     return Finding(
         pattern=_ID, qualname=scope.qualname, line=first, end_line=last, params=params, fused="\n".join(lines) + "\n",
         guard_tensor=x_text, confidence="high", variant="grouped_projection", risks=risks, notes=notes, training_ok=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# s34: per-(token, slot) weight gathers (`W[idx]` then einsum / bmm): one grouped matmul per projection
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Gathered:
+    """``g = W[idx]`` (``W[idx, :, :]``, ``W.to(x.dtype)[idx]``, optionally ``.transpose(-1, -2)``): one expert
+    weight matrix copied per routed (token, slot)."""
+
+    name: str
+    weight: ast.expr  # the stacked parameter as indexed (``self.w1`` or ``self.w1.to(x.dtype)``)
+    base: ast.expr  # the parameter itself (``self.w1``)
+    indices: str
+    transposed: bool  # the gathered view swaps the weight's two matrix dims
+    stmt: ast.Assign
+
+
+_GATHER_PROJ_CALLS = ("torch.einsum", "torch.bmm", "torch.matmul")
+
+
+def _gather_assign(module: ModuleInfo, stmt: ast.stmt) -> Optional[_Gathered]:
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    value, transposed = stmt.value, False
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("transpose", "swapaxes") \
+            and len(value.args) == 2 and not value.keywords \
+            and {const_value(a) for a in value.args} == {-1, -2}:
+        value, transposed = value.func.value, True
+    if not isinstance(value, ast.Subscript):
+        return None
+    parts = list(value.slice.elts) if isinstance(value.slice, ast.Tuple) else [value.slice]
+    if not isinstance(parts[0], ast.Name) or not all(
+            isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None for p in parts[1:]):
+        return None
+    weight = value.value
+    base = weight
+    if isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "to" and len(base.args) == 1 \
+            and not base.keywords and isinstance(base.args[0], ast.Attribute) and base.args[0].attr == "dtype":
+        base = base.func.value  # W.to(x.dtype)[idx]: a dtype cast of the whole stack, then the gather
+    if not (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "self"):
+        return None
+    return _Gathered(stmt.targets[0].id, weight, base, parts[0].id, transposed, stmt)
+
+
+def _einsum_letters(spec: str) -> Optional[tuple[list[str], str]]:
+    spec = spec.replace(" ", "")
+    if spec.count("->") != 1 or "." in spec:
+        return None
+    ins, out = spec.split("->")
+    operands = ins.split(",")
+    if not all(s.isalpha() and len(set(s)) == len(s) for s in operands + [out]):
+        return None
+    return operands, out
+
+
+def _slot_projection(module: ModuleInfo, node: ast.AST, gathered: dict[str, _Gathered],
+                     scope: Optional[Scope] = None) -> Optional[tuple[ast.expr, _Gathered, bool, str, int]]:
+    """``(a, gathered weight, per_slot, orientation, index dims)`` when ``node`` multiplies rows ``a`` with a gathered
+    weight: ``einsum('ti,taoi->tao', x, g)`` (any letters: the index dims lead g and the output, a is one row per
+    token or per slot, the contracted letter is one of g's two matrix dims) or ``bmm(a.unsqueeze(1), g).squeeze(1)``
+    (1-D indices). Orientation: ``in_out`` (a @ W[e]) or ``out_in`` (a @ W[e].T)."""
+    if isinstance(node, ast.Call) and _canon(module, node.func) == "torch.einsum" and len(node.args) == 3 and not node.keywords \
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) \
+            and isinstance(node.args[2], ast.Name) and node.args[2].id in gathered:
+        letters = _einsum_letters(node.args[0].value)
+        if letters is None:
+            return None
+        (a_l, g_l), out_l = letters
+        g = gathered[node.args[2].id]
+        r = len(g_l) - 2
+        if r not in (1, 2):
+            return None
+        idx_l, (p, q) = g_l[:r], (g_l[r], g_l[r + 1])
+        u0, u1 = (q, p) if g.transposed else (p, q)  # the letters of W[e]'s own two dims
+        c = a_l[-1]
+        if c not in (u0, u1) or c in idx_l:
+            return None
+        if a_l == idx_l + c:
+            per_slot = True
+        elif r == 2 and a_l == idx_l[0] + c:
+            per_slot = False  # one row per token, taken by each of its slots
+        else:
+            return None
+        other = u1 if c == u0 else u0
+        if out_l != idx_l + other:
+            return None
+        return node.args[1], g, per_slot, "in_out" if c == u0 else "out_in", r
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sum" \
+            and isinstance(node.func.value, ast.BinOp) and isinstance(node.func.value.op, ast.Mult) \
+            and [const_value(a) for a in node.args] + [const_value(k.value) for k in node.keywords if k.arg == "dim"] == [-1] \
+            and all(k.arg == "dim" for k in node.keywords):
+        # (g * a.unsqueeze(1).unsqueeze(1)).sum(-1): one row per token against [T, K, out, in] matrices;
+        # (g * a.unsqueeze(r)).sum(-1): one row per slot. The sum contracts the matrices' last dim
+        prod = node.func.value
+        for g_node, u in ((prod.left, prod.right), (prod.right, prod.left)):
+            if not (isinstance(g_node, ast.Name) and g_node.id in gathered):
+                continue
+            expanded = u
+            if isinstance(u, ast.Name) and scope is not None:
+                expanded = scope.definition(u.id, node.lineno)  # h_expanded = h.unsqueeze(1).unsqueeze(1)
+            dims: list[Any] = []
+            while isinstance(expanded, ast.Call) and isinstance(expanded.func, ast.Attribute) and expanded.func.attr == "unsqueeze" \
+                    and len(expanded.args) == 1 and not expanded.keywords:
+                dims.insert(0, const_value(expanded.args[0]))
+                expanded = expanded.func.value
+            g = gathered[g_node.id]
+            orient = "in_out" if g.transposed else "out_in"
+            if dims == [1, 1] and (expanded is not u or isinstance(u, ast.Call)):
+                return (expanded if u is not node else u), g, False, orient, 2  # type: ignore[return-value]
+            if len(dims) == 1 and dims[0] in (1, 2):
+                return expanded, g, True, orient, dims[0]  # type: ignore[return-value]
+        return None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "squeeze" \
+            and len(node.args) == 1 and const_value(node.args[0]) in (1, -2) and not node.keywords:
+        inner = node.func.value
+        if isinstance(inner, ast.Call) and _canon(module, inner.func) in ("torch.bmm", "torch.matmul") and len(inner.args) == 2 \
+                and not inner.keywords:
+            lhs, rhs = inner.args
+        elif isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.MatMult):
+            lhs, rhs = inner.left, inner.right
+        else:
+            return None
+        if not (isinstance(rhs, ast.Name) and rhs.id in gathered):
+            return None
+        if not (isinstance(lhs, ast.Call) and isinstance(lhs.func, ast.Attribute) and lhs.func.attr == "unsqueeze"
+                and len(lhs.args) == 1 and const_value(lhs.args[0]) in (1, -2) and not lhs.keywords):
+            return None
+        g = gathered[rhs.id]
+        # [T, 1, in] @ [T, p, q]: a @ W[e] (a @ W[e].T through a transposed gather), one expert per token
+        return lhs.func.value, g, True, "out_in" if g.transposed else "in_out", 1
+    return None
+
+
+_SLOT_MM_FUNCTION = f'''\
+def {P}slot_mm(a, w, ids, per_slot, original):
+    # y[t, k] = a[t] (per token) or a[t, k] (per slot) @ w[ids[t, k]]: the rows permuted by expert, one grouped
+    # matmul over the stacked weight, each result put back at its (token, slot); no weight matrix is copied
+    if a.shape[:-1] != (ids.shape if per_slot else ids.shape[:1]) \\
+            or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return original(a)  # rows the einsum / bmm broadcasts, or another dtype: the product as written
+    if per_slot:
+        {P}x, {P}order = torch_npu.npu_moe_token_permute(a.reshape(-1, a.shape[-1]), ids.reshape(-1))
+    else:
+        {P}x, {P}order = torch_npu.npu_moe_token_permute(a, ids.reshape(a.shape[0], -1))
+    {P}e = w.shape[0]
+    {P}counts = torch.histc(ids.flatten().float(), bins={P}e, min=0, max={P}e).to(torch.int64)
+    {P}y = {P}gmm({P}x, w.to({P}x.dtype), {P}counts)
+    return torch_npu.npu_moe_token_unpermute({P}y, {P}order).reshape(*ids.shape, -1)
+'''
+
+
+def _gathered_weight_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
+    """Per-(token, slot) weight gathers multiplied with the rows (gpt-fast's ``ConditionalFeedForward``:
+    ``w1_weights = self.w1[expert_indices]``, ``einsum('ti,taoi -> tao', x, w1_weights)``, ...; a top-1
+    ``bmm(x.unsqueeze(1), self.w_gate[idx]).squeeze(1)``): each projection becomes one grouped matmul over rows
+    permuted by expert (the result per (token, slot) as before), everything else runs as written."""
+    first = _gather_assign(module, block[i])
+    if first is None:
+        return None
+    gathered: dict[str, _Gathered] = {first.name: first}
+    # the span: the gathers (a later gather by the same indices joins: shark-ai gathers the down projection's
+    # matrices after the gate and up products) and the statements that read them
+    last = i
+    for k in range(i + 1, len(block)):
+        g = _gather_assign(module, block[k])
+        if g is not None and g.indices == first.indices and g.name not in gathered:
+            gathered[g.name] = g
+            last = k
+        elif any(isinstance(n, ast.Name) and n.id in gathered for n in fast_walk(block[k])):
+            last = k
+    names = set(gathered)
+    gather_ids = {id(g.stmt) for g in gathered.values()}
+    span = block[i:last + 1]
+    rest = [st for st in span if id(st) not in gather_ids]  # the statements kept (with the products swapped)
+    if not rest:
+        return None
+    projections: dict[int, tuple[ast.expr, _Gathered, bool, str, int]] = {}
+    inside: set[int] = set()
+    for st in rest:
+        for n in fast_walk(st):
+            proj = _slot_projection(module, n, gathered, scope)
+            if proj is not None and id(n) not in inside:
+                projections[id(n)] = proj
+                inside.update(id(m) for m in fast_walk(n) if isinstance(m, ast.Name) and m.id in names)
+    if not projections:
+        return None
+    first_line, end = span[0].lineno, span[-1].end_lineno or span[-1].lineno
+    stray = [n for st in rest for n in fast_walk(st) if isinstance(n, ast.Name) and n.id in names and id(n) not in inside]
+    if stray:
+        return NearMiss(_ID, scope.qualname, first_line, end, f"the gathered expert weight `{stray[0].id}` is read other "
+                        "than as the weight of an einsum / bmm over the rows (an einsum whose letters npufuse does not "
+                        "map to a per-(token, slot) matmul, or another use): the grouped matmul does not produce it")
+    used = {g.name for _, g, _, _, _ in projections.values()}
+    if used != names:
+        return None
+    for n in sorted(names):
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, first_line, end, f"the gathered expert weight `{n}` is used after the "
+                            "projections; the grouped matmul does not produce it")
+    dims = {r for _, _, _, _, r in projections.values()}
+    if len(dims) != 1:
+        return NearMiss(_ID, scope.qualname, first_line, end, "the gathered expert weights are multiplied as if the "
+                        "indices had different ranks")
+    idx, r = first.indices, next(iter(dims))
+    rebound = _assigned(rest) & ({idx} | names)
+    if rebound:
+        return NearMiss(_ID, scope.qualname, first_line, end, f"`{sorted(rebound)[0]}` is rebound between the gathers and "
+                        "the projections")
+    for a, _, _, _, _ in projections.values():
+        in_span = any(n is a for st in rest for n in fast_walk(st))
+        if not in_span and not (isinstance(a, ast.Name) and a.id not in _assigned(span)):
+            return None  # rows read through a name whose own value npufuse cannot place at the product
+    bases = sorted({segment(module, g.base) for g in gathered.values()})
+    via = {k: v for k, v in projections.items()}
+
+    class _Swap(ast.NodeTransformer):
+        def visit(self, node: ast.AST) -> ast.AST:  # type: ignore[override]
+            orig = pairs.get(id(node))
+            if orig is not None:
+                a, g, per_slot, orient, _ = via[id(orig)]
+                w = bound.get(id(g.weight), segment(module, g.weight))
+                w_text = f"{w}.transpose(1, 2)" if orient == "out_in" else w
+                call = ast.parse(f"{P}slot_mm(A, {w_text}, {idx}, {per_slot}, None)", mode="eval").body
+                # rows read through a name bound before (h_expanded = h.unsqueeze(1).unsqueeze(1)): h itself
+                call.args[0] = self.visit(clones[id(a)]) if id(a) in clones else copy.deepcopy(a)  # type: ignore[attr-defined]
+                call.args[4] = _original_product(orig, a)  # type: ignore[attr-defined]
+                return call
+            return self.generic_visit(node)
+
+    class _Rename(ast.NodeTransformer):
+        def __init__(self, target: ast.AST, name: str) -> None:
+            self.target, self.name = target, name
+
+        def visit(self, node: ast.AST) -> ast.AST:  # type: ignore[override]
+            return ast.Name(self.name, ast.Load()) if node is self.target else self.generic_visit(node)
+
+    # a stack cast before the gather (`self.w1.to(x.dtype)[idx]`) is bound once, as the gather evaluated it once
+    bound: dict[int, str] = {}
+    cast_lines: list[str] = []
+    for g in gathered.values():
+        if g.weight is not g.base:
+            bound[id(g.weight)] = f"{P}stack{len(cast_lines)}"
+            cast_lines.append(f"{bound[id(g.weight)]} = {segment(module, g.weight)}")
+
+    def _original_product(orig: ast.AST, a: ast.expr) -> ast.expr:
+        """``lambda _npufuse_a: <the product as written>``, the gathered names replaced by their gathers:
+        what the helper returns for rows it does not take (the product's own rows passed in)."""
+        product = copy.deepcopy(orig)
+        spots = {id(o): c for o, c in zip(fast_walk(orig), fast_walk(product))}
+
+        class _Fill(ast.NodeTransformer):
+            def visit(self, node: ast.AST) -> ast.AST:  # type: ignore[override]
+                if id(a) in spots and node is spots[id(a)]:
+                    return ast.Name(f"{P}a", ast.Load())  # (rows read through a name bound before: left as written)
+                if isinstance(node, ast.Name) and node.id in gathered:
+                    g = gathered[node.id]
+                    gather = copy.deepcopy(g.stmt.value)
+                    if id(g.weight) in bound:  # the cast stack, evaluated once before the products
+                        for o, c in zip(fast_walk(g.stmt.value), list(fast_walk(gather))):
+                            if o is g.weight:
+                                return _Rename(c, bound[id(g.weight)]).visit(gather)
+                    return gather
+                return self.generic_visit(node)
+
+        body = _Fill().visit(product)
+        args = ast.arguments(posonlyargs=[], args=[ast.arg(f"{P}a")], kwonlyargs=[], kw_defaults=[], defaults=[])
+        return ast.Lambda(args=args, body=body)  # type: ignore[arg-type]
+
+    body: list[str] = []
+    for st in rest:
+        clone = copy.deepcopy(st)
+        orig_nodes = list(fast_walk(st))
+        clone_nodes = list(fast_walk(clone))
+        pairs = {id(c): o for o, c in zip(orig_nodes, clone_nodes) if id(o) in via}
+        clones = {id(o): c for o, c in zip(orig_nodes, clone_nodes)}
+        body.append(ast.unparse(_Swap().visit(clone)))
+    checks = [f"{b}.dim() == 3" for b in bases] + [f"{bases[0]}.shape[0] == {b}.shape[0]" for b in bases[1:]] + [
+        f"{idx}.dim() == {r}", f"{idx}.dtype in (torch.int32, torch.int64)",
+        f"bool((({idx} >= 0) & ({idx} < {bases[0]}.shape[0])).all())"]
+    original = "\n".join("    " + ln for st in span for ln in ast.unparse(st).splitlines())
+    lines = [
+        _GMM_FUNCTION.rstrip("\n"),
+        _SLOT_MM_FUNCTION.rstrip("\n"),
+        f"if {' and '.join(checks)}:",
+        *("    " + ln for ln in cast_lines),
+        *("    " + ln for text in body for ln in text.splitlines()),
+        "else:  # other index shapes or dtypes, negative indices: as written",
+        original,
+    ]
+    tokens = next((a for a, _, per_slot, _, _ in projections.values() if isinstance(a, ast.Name)), None)
+    guard = tokens.id if tokens is not None else idx
+    params: dict[str, Any] = {
+        "num_experts": f"{bases[0]}.shape[0]",
+        "top_k": f"{idx}.shape[-1]" if r == 2 else "1",
+        "layout": "gathered_stacked",
+        "weights": {g.name: segment(module, g.base) for g in gathered.values()},
+        "activation": "as written between the projections",
+        "conditional": True,
+        "routing_weights": "outside",
+        "routing": "gathered_weights",
+        "loop": "none",
+        "tokens": guard,
+        "indices": idx,
+        "probs": None,
+        "counts": None,
+        "output": "",
+        "output_dtype": None,
+        "sentinel_index": None,
+        "projections": len(projections),
+    }
+    risks = [
+        Risk("dynamic_shape", "group sizes are counted on the device (histc over the expert indices); the rows are "
+             "permuted per projection by npu_moe_token_permute and put back per (token, slot) by npu_moe_token_unpermute"),
+        Risk("dtype", "npu_grouped_matmul takes fp16/bf16/fp32; the stacked weight is cast to the rows' dtype (the "
+             "einsum / bmm required them equal already); rows of another dtype, or rows that are not one per token "
+             "(or per slot) of the indices (a broadcast), run the product as written"),
+        Risk("other", "the fused branch runs for 3-D stacked weights and integer indices of the rank the einsum names, "
+             "all in [0, E) (one host sync checks it; a negative index, which W[idx] wraps, keeps the original)"),
+    ]
+    notes = [
+        "the gathered weights (one expert matrix copied per token and slot) are never built: each projection is one "
+        "grouped matmul of the rows sorted by expert; npu_grouped_matmul has no backward in torch_npu 2.14: the fused "
+        "text wraps it in an autograd.Function (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)",
+    ]
+    return Finding(
+        pattern=_ID, qualname=scope.qualname, line=first_line, end_line=end, params=params, fused="\n".join(lines) + "\n",
+        guard_tensor=guard, confidence="high", variant="gathered_weights", risks=risks, notes=notes, training_ok=True,
     )
 
 
@@ -2182,6 +2521,9 @@ class _Eval:
             dim, index, source = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
             if index is None or source is None or not (isinstance(dim, ast.Constant) and dim.value == 0):
                 raise _Miss(f"unrecognised accumulation `{ast.unparse(call)[:60]}`")
+            if self.ev(index).kind == "x" and isinstance(index, ast.Name):
+                raise _Miss(f"rows are added back at `{index.id}`, the values of `{self.ev(index).args[0]}` under this expert's "
+                            "mask: npufuse does not trace those values to the tokens routed to this expert")
             if self.ev(index).kind != "tok":
                 raise _Miss("not a token dispatch: rows are added back at an index that is not the expert's selected tokens")
             self.results.append(("accumulate", f.value.id, self.ev(_strip_casts(source)), None))
@@ -2213,7 +2555,23 @@ class _Eval:
         if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x", "tokmask", "flatmask"):
             self.skip_empty = True
             return
+        if self._empty_test(test):
+            self.skip_empty = True  # `if not bool(mask.any())`, `if mask.sum() == 0`, `if not m[e].any().item()`
+            return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _empty_test(self, test: ast.expr) -> bool:
+        """The negation of a :meth:`_nonempty_test`: ``not <nonempty>`` or ``<count> == 0`` / ``<= 0`` / ``< 1``
+        where ``<count> != 0`` is one (the same truth values: a count is a non-negative integer)."""
+        test = _strip_truth(test)
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            return self._nonempty_test(test.operand)
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and (
+                (isinstance(test.ops[0], (ast.Eq, ast.LtE)) and const_value(test.comparators[0]) == 0)
+                or (isinstance(test.ops[0], ast.Lt) and const_value(test.comparators[0]) == 1)):
+            nonzero = ast.Compare(left=test.left, ops=[ast.NotEq()], comparators=[ast.Constant(0)])
+            return self._nonempty_test(nonzero)
+        return False
 
     def _loop_invariant_option(self, test: ast.expr) -> bool:
         """An option test: names, attributes, constants, comparisons and boolean logic only, over
@@ -2229,20 +2587,23 @@ class _Eval:
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
         kinds = ("tok", "kpos", "x", "x_sorted", "tokmask", "flatmask", "flatcol", "flatrow")
-        if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "item" and not test.args:
-            test = test.func.value  # mask.any().item()
+        # masks of this expert's tokens: bool masks, and the 0/1 one-hot slice `expert_mask[e]`
+        masks = ("tokmask", "flatmask", "mask_e")
+        test = _strip_truth(test)  # mask.any().item(), bool(mask.any())
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
-            return self.ev(test.func.value).kind in ("tokmask", "flatmask")
+            return self.ev(test.func.value).kind in masks
         if isinstance(test, ast.Call) and _canon(self.m, test.func) == "torch.any" and len(test.args) == 1 and not test.keywords:
-            return self.ev(test.args[0]).kind in ("tokmask", "flatmask")
+            return self.ev(test.args[0]).kind in masks
         if isinstance(test, ast.Call) and not test.args and not test.keywords and isinstance(test.func, ast.Attribute) \
                 and test.func.attr in ("sum", "count_nonzero"):
             # `if mask.sum():`: a bool mask's count is truthy iff some token picked this expert
-            return self.ev(test.func.value).kind in ("tokmask", "flatmask")
+            return self.ev(test.func.value).kind in masks
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
-                and const_value(test.comparators[0]) == 0 and isinstance(test.left, ast.Call) and not test.left.args \
-                and isinstance(test.left.func, ast.Attribute) and test.left.func.attr in ("sum", "count_nonzero"):
-            return self.ev(test.left.func.value).kind in ("tokmask", "flatmask")  # a bool mask's count: > 0 iff any
+                and const_value(test.comparators[0]) == 0:
+            count = _strip_truth(test.left)  # mask.sum().item() > 0, int(mask.sum()) != 0
+            if isinstance(count, ast.Call) and not count.args and not count.keywords \
+                    and isinstance(count.func, ast.Attribute) and count.func.attr in ("sum", "count_nonzero"):
+                return self.ev(count.func.value).kind in masks  # a 0/1 mask's count: > 0 iff any
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
                 and const_value(test.comparators[0]) == 0:
             return self._size_kind(test.left) in kinds
@@ -2380,6 +2741,12 @@ class _Eval:
                 return V("x", (name,))  # hidden_states[(flat_idx == e).nonzero(), :]
             if kinds == ["tokmask"]:
                 return V("x", (name,))  # x[(indices == e).any(-1)]: the rows of the tokens routed to e, in order
+            if kinds == ["x"] and isinstance(sl, ast.Name):
+                # x[r] with r = rows[flat == e]: r holds values of another tensor picked by this expert's mask
+                # (a slot -> token map, an argsort order), which are not traced to the tokens it stands for
+                raise _Miss(f"rows are picked as `{ast.unparse(node)[:50]}` by `{sl.id}`, the values of "
+                            f"`{self.ev(sl).args[0]}` under this expert's mask: npufuse does not trace those values "
+                            "to the tokens routed to this expert")
             if kinds == ["tokmask", "eidx"]:
                 # dense gates [T, E] (zero outside the top-k): gates[t, e] is the weight of the slot of
                 # expert e in indices[t], i.e. gates.gather(-1, indices)[t, k]
@@ -3267,6 +3634,20 @@ class _Eval:
         if isinstance(f, ast.Attribute) and f.attr in ("new_zeros", "new_empty"):
             return segment(self.m, dt) if dt is not None else f"{segment(self.m, f.value)}.dtype"
         raise _Miss(f"`{acc}` starts from `{ast.unparse(value)[:50]}`, not zeros: rows no expert writes would differ")
+
+
+def _strip_truth(node: ast.expr) -> ast.expr:
+    """``t`` of ``bool(t)``, ``int(t)``, ``t.item()``, ``t.bool()`` (nested): conversions of a one-element
+    tensor that keep whether it is zero."""
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("bool", "int") \
+                and len(node.args) == 1 and not node.keywords:
+            node = node.args[0]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("item", "bool") \
+                and not node.args and not node.keywords:
+            node = node.func.value
+        else:
+            return node
 
 
 def _norm(text: str) -> str:
@@ -6046,6 +6427,64 @@ MoeExperts.KEEP += [
     # the sum of the routing weights (not a bool count) is no emptiness test
     Keep(_S30_BARE_COUNT_GUARD.replace("if mask.any():", "if topk_weight.sum():"),
          reason="conditional code inside the expert loop", name="s30_weight_sum_guard"),
+]
+
+# s34: `continue` guards written as the negation of an emptiness test, in the spellings of the mirrors
+# (lerobot / Zero2Hero `if mask.sum() == 0:`, ohara `if not bool(mask.any()):`, ktransformers
+# `if not expert_mask[expert_idx].any():` over the one-hot slice): experts without tokens are skipped,
+# which the fused path does for them (their groups are empty)
+_S34_CONTINUE_GUARD = _S30_BARE_COUNT_GUARD.replace(
+    """            if mask.any():
+                token_idx = mask.any(dim=-1).nonzero().flatten()
+                weight = topk_weight[mask].view(-1, 1)
+                y.index_add_(0, token_idx, (expert(x_flat[token_idx]) * weight).to(y.dtype))
+""", """            if mask.sum() == 0:
+                continue
+            token_idx = mask.any(dim=-1).nonzero().flatten()
+            weight = topk_weight[mask].view(-1, 1)
+            y.index_add_(0, token_idx, (expert(x_flat[token_idx]) * weight).to(y.dtype))
+""")
+_S34_ONE_HOT_SLICE_GUARD = _MIXTRAL_436.replace(
+    """            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.shape[0] == 0:
+                continue
+""", """            if not expert_mask[expert_idx].any():
+                continue
+            idx, top_x = torch.where(expert_mask[expert_idx])
+""")
+
+MoeExperts.FUSE += [
+    Fuse(_S34_CONTINUE_GUARD, name="s34_count_equals_zero_continue", run=_GUARD_ZERO_ELSE_RUN,
+         expect={"indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+    Fuse(_S34_CONTINUE_GUARD.replace("if mask.sum() == 0:", "if not bool(mask.any()):"), name="s34_not_bool_any_continue",
+         run=_GUARD_ZERO_ELSE_RUN, expect={"indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+    Fuse(_S34_CONTINUE_GUARD.replace("if mask.sum() == 0:", "if mask.sum().item() < 1:"), name="s34_count_item_below_one_continue",
+         run=_GUARD_ZERO_ELSE_RUN, expect={"indices": "topk_idx", "probs": "topk_weight", "output": "y"}),
+    Fuse(_S34_ONE_HOT_SLICE_GUARD, name="s34_one_hot_slice_not_any_continue", run=_MIXTRAL_RUN, expect={
+        "activation": "silu_gated", "routing_weights": "inside_expert", "loop": "range"}),
+]
+
+MoeExperts.KEEP += [
+    # one token is not none: experts that received exactly one token would be skipped
+    Keep(_S34_CONTINUE_GUARD.replace("if mask.sum() == 0:", "if mask.sum() == 1:"),
+         reason="the loop skips experts on `mask.sum() == 1`", name="s34_count_equals_one_continue"),
+    # the routing weights' sum is no emptiness test of this expert's tokens
+    Keep(_S34_CONTINUE_GUARD.replace("if mask.sum() == 0:", "if not bool(topk_weight.any()):"),
+         reason="the loop skips experts on `not bool(topk_weight.any())`", name="s34_not_any_of_weights_continue"),
+    # the one-hot slice of another expert (the next one) says nothing about this expert's tokens
+    Keep(_S34_ONE_HOT_SLICE_GUARD.replace("if not expert_mask[expert_idx].any():", "if not expert_mask[expert_idx - 1].any():"),
+         reason="the loop skips experts on", name="s34_other_experts_slice_continue"),
+    # rows picked through a slot -> token map (`rows[flat == e]`, rows = arange(T * K) // K): the values of
+    # another tensor under the expert's mask are not traced to the tokens (the near miss says so)
+    Keep(_S34_CONTINUE_GUARD.replace(
+        "        for i, expert in enumerate(self.experts):\n",
+        "        flat = topk_idx.reshape(-1)\n        slot_rows = torch.arange(flat.numel()) // self.k\n"
+        "        for i, expert in enumerate(self.experts):\n").replace(
+        "            mask = (topk_idx == i)\n            if mask.sum() == 0:\n                continue\n"
+        "            token_idx = mask.any(dim=-1).nonzero().flatten()\n",
+        "            mask = flat == i\n            if not bool(mask.any()):\n                continue\n"
+        "            token_idx = slot_rows[mask]\n"),
+         reason="npufuse does not trace those values to the tokens", name="s34_slot_map_rows"),
 ]
 
 # the slot of the expert in each selected token's top-k found with argmax (no keepdim) over the
@@ -10129,4 +10568,162 @@ MoeExperts.KEEP += [
     Keep(_TOP1_MASK_3D.replace("    def forward(self, x):\n", "    def forward(self, x, out):\n")
          .replace("        out = torch.zeros_like(x)\n", ""),
          reason="`out` is not freshly allocated right before the loop", name="s32_accumulator_handed_in"),
+]
+
+
+# s34: expert weights gathered per (token, slot) and multiplied with einsum / bmm (gpt-fast's
+# ConditionalFeedForward and its copies in executorch and Aria, a top-1 bmm SwiGLU): each projection is one
+# grouped matmul over the rows permuted by expert; the elementwise code between them runs as written
+_S34_GATHER_EINSUM_T = _HEAD + '''
+class CondFFN(nn.Module):
+    def __init__(self, n_exp, d, h):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n_exp, h, d) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(n_exp, d, h) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(n_exp, h, d) * 0.1)
+
+    def forward(self, x, expert_indices):
+        w1_weights = self.w1[expert_indices].transpose(-1, -2)  # [T, A, D, H]
+        w3_weights = self.w3[expert_indices].transpose(-1, -2)
+        w2_weights = self.w2[expert_indices]  # [T, A, D, H]
+        x1 = F.silu(torch.einsum("ti,taio -> tao", x, w1_weights))
+        x3 = torch.einsum("ti, taio -> tao", x, w3_weights)
+        expert_outs = torch.einsum("tao, taio -> tai", (x1 * x3), w2_weights)
+        return expert_outs
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, n_exp, d, h, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n_exp, bias=False)
+        self.cond_ffn = CondFFN(n_exp, d, h)
+        self.k = k
+
+    def forward(self, x):
+        x = x.view(-1, x.shape[-1])
+        scores = self.gate(x)
+        expert_weights = F.softmax(scores, dim=-1)
+        expert_weights, expert_indices = torch.topk(expert_weights, self.k, dim=-1)
+        expert_weights /= expert_weights.sum(dim=-1, keepdim=True)
+        expert_outs = self.cond_ffn(x, expert_indices)
+        return torch.einsum("tai,ta -> ti", expert_outs, expert_weights)
+'''
+
+_S34_GATHER_EINSUM_T_RUN = '''\
+moe = MoEFeedForward(5, 16, 24, 2)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.cond_ffn.w1, moe.cond_ffn.w2]
+'''
+
+# int8-style stacks cast to the rows' dtype before the gather, scales gathered per slot after each projection
+_S34_GATHER_CAST_SCALED = _HEAD + '''
+class ScaledExperts(nn.Module):
+    def __init__(self, n_exp, d, h):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n_exp, h, d) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(n_exp, d, h) * 0.1)
+        self.scales1 = nn.Parameter(torch.rand(n_exp, h) + 0.5)
+        self.scales2 = nn.Parameter(torch.rand(n_exp, d) + 0.5)
+
+    def forward(self, x, expert_indices):
+        w1_weights = self.w1.to(x.dtype)[expert_indices]
+        w2_weights = self.w2.to(x.dtype)[expert_indices]
+        x1 = F.gelu(torch.einsum("tc,tkhc->tkh", x, w1_weights) * self.scales1[expert_indices].to(x.dtype))
+        expert_outs = torch.einsum("tkh,tkdh->tkd", x1, w2_weights) * self.scales2[expert_indices].to(x.dtype)
+        return expert_outs
+'''
+
+_S34_GATHER_CAST_SCALED_RUN = '''\
+m = ScaledExperts(4, 16, 24)
+x = torch.randn(9, 16, requires_grad=True)
+idx = torch.randn(9, 4).topk(2, dim=-1).indices
+out = m(x, idx)
+leaves = [x, m.w1, m.w2, m.scales1]
+'''
+
+# top-1: one expert per token, [T, 1, in] @ [T, in, out] rows (bmm or @), weights gathered with trailing slices
+_S34_GATHER_BMM = _HEAD + '''
+class TopOneExperts(nn.Module):
+    def __init__(self, n_exp, d, h):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(n_exp, d, 2 * h) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(n_exp, h, d) * 0.1)
+
+    def forward(self, x, expert_ids):
+        w_in = self.w_in[expert_ids, :, :]
+        w_out = self.w_out[expert_ids]
+        gate, up = torch.bmm(x.unsqueeze(1), w_in).squeeze(1).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        return (hidden.unsqueeze(1) @ w_out).squeeze(1)
+'''
+
+_S34_GATHER_BMM_RUN = '''\
+m = TopOneExperts(3, 16, 24)
+x = torch.randn(10, 16, requires_grad=True)
+ids = torch.randint(0, 3, (10,))
+out = m(x, ids)
+leaves = [x, m.w_in, m.w_out]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S34_GATHER_EINSUM_T, name="s34_gathered_weights_transposed_einsum", run=_S34_GATHER_EINSUM_T_RUN, expect={
+        "layout": "gathered_stacked", "routing": "gathered_weights", "indices": "expert_indices", "projections": 3}),
+    Fuse(_S34_GATHER_CAST_SCALED, name="s34_gathered_cast_weights_scaled", run=_S34_GATHER_CAST_SCALED_RUN, expect={
+        "layout": "gathered_stacked", "indices": "expert_indices", "projections": 2}),
+    Fuse(_S34_GATHER_BMM, name="s34_gathered_weights_top1_bmm", run=_S34_GATHER_BMM_RUN, expect={
+        "layout": "gathered_stacked", "indices": "expert_ids", "top_k": "1", "projections": 2}),
+]
+
+MoeExperts.KEEP += [
+    # the gathered weights are returned too: the grouped matmul never builds them
+    Keep(_S34_GATHER_EINSUM_T.replace("        return expert_outs\n", "        return expert_outs, w2_weights\n"),
+         reason="`w2_weights` is read other than as the weight", name="s34_gathered_weights_returned"),
+    # the slots are summed inside the einsum ('...->to'): not a per-(token, slot) product of one expert matrix
+    Keep(_S34_GATHER_EINSUM_T.replace('torch.einsum("ti, taio -> tao", x, w3_weights)', 'torch.einsum("ti, taio -> to", x, w3_weights)'),
+         reason="is read other than as the weight of an einsum", name="s34_gathered_weights_slots_summed"),
+    # the indices change between the gathers and the products: the gathered matrices are not W[indices] any more
+    Keep(_S34_GATHER_EINSUM_T.replace("        x1 = F.silu(", "        expert_indices = expert_indices.flip(-1)\n        x1 = F.silu("),
+         reason="`expert_indices` is rebound between the gathers and the projections", name="s34_gathered_indices_rebound"),
+]
+
+# the products written as broadcast multiply + sum over the matrices' last dim (shark-ai's pre-gather FFN), the down
+# projection's matrices gathered after the gate / up products by the same indices
+_S34_GATHER_MUL_SUM = _HEAD + '''
+class PreGatherFFN(nn.Module):
+    def __init__(self, n_exp, d, h):
+        super().__init__()
+        self.ffn_gate = nn.Parameter(torch.randn(n_exp, h, d) * 0.1)
+        self.ffn_up = nn.Parameter(torch.randn(n_exp, h, d) * 0.1)
+        self.ffn_down = nn.Parameter(torch.randn(n_exp, d, h) * 0.1)
+
+    def forward(self, h, experts, expert_gate):
+        gate_w = self.ffn_gate[experts, :, :]
+        up_w = self.ffn_up[experts, :, :]
+        h_expanded = h.unsqueeze(1).unsqueeze(1)
+        gate_proj = (gate_w * h_expanded).sum(-1)
+        up_proj = (up_w * h_expanded).sum(dim=-1)
+        hidden = F.silu(gate_proj) * up_proj
+        down_w = self.ffn_down[experts, :, :]
+        t2 = (down_w * hidden.unsqueeze(2)).sum(-1)
+        return (t2 * expert_gate.unsqueeze(-1)).sum(1)
+'''
+
+_S34_GATHER_MUL_SUM_RUN = '''\
+m = PreGatherFFN(4, 16, 24)
+h = torch.randn(9, 16, requires_grad=True)
+w, e = torch.randn(9, 4).softmax(-1).topk(2, dim=-1)
+out = m(h, e, w)
+leaves = [h, m.ffn_gate, m.ffn_down]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S34_GATHER_MUL_SUM, name="s34_gathered_weights_multiply_sum", run=_S34_GATHER_MUL_SUM_RUN, expect={
+        "layout": "gathered_stacked", "indices": "experts", "projections": 3}),
+]
+
+MoeExperts.KEEP += [
+    # the rows broadcast against the slots' matrices at another dim (unsqueeze(0)): not one row per token
+    Keep(_S34_GATHER_MUL_SUM.replace("h_expanded = h.unsqueeze(1).unsqueeze(1)", "h_expanded = h.unsqueeze(0).unsqueeze(1)"),
+         reason="`gate_w` is read other than as the weight", name="s34_gathered_weights_other_broadcast"),
 ]
