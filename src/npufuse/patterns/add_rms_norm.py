@@ -116,6 +116,86 @@ def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign
     return gamma, eps_or_default(e, T)
 
 
+# Triton RMSNorm kernels of flash-attn (and mamba_ssm's copy): ``rms_norm_fn(x, weight, bias, residual=None,
+# ..., eps=1e-6, dropout_p=0.0, rowscale=None, prenorm=False, ...)``. With no bias, residual, second input,
+# dropout, row scale, prenorm or zero-centred weight it is ``x * rsqrt(mean(x^2) + eps) * weight`` computed
+# in float32 and returned in x's dtype: an RMSNorm. Norm modules keep the function as an attribute
+# (``self.rms_norm_fn = rms_norm_fn``: ProGen3, llm-foundry, OLMo-core) or call it by name.
+_TRITON_RMS_NORM_FNS = ("flash_attn.ops.triton.layer_norm.rms_norm_fn", "mamba_ssm.ops.triton.layer_norm.rms_norm_fn")
+# keywords that must be absent or hold these values for the call to be a plain RMSNorm
+_TRITON_PLAIN_KEYWORDS = {"bias": None, "residual": None, "x1": None, "weight1": None, "bias1": None, "dropout_p": 0,
+                          "rowscale": None, "prenorm": False, "zero_centered_weight": False, "out_dtype": None,
+                          "out": None, "residual_out": None}
+
+
+def _triton_rms_forward(module: ModuleInfo, fwd: ast.FunctionDef, cls: str, mod: str, foreign: bool) -> tuple[str, str] | None:
+    """(gamma, eps) when a norm class's forward returns flash-attn's Triton ``rms_norm_fn(x, self.w, None,
+    eps=...)`` as a plain RMSNorm of its input (optionally cast back to the input's dtype, read before
+    the call as ``name = x.dtype``), the function called by its imported name or through an attribute
+    ``__init__`` binds to it once; ``self`` read as ``mod``. None otherwise."""
+    from npufuse.scan import canonical
+    from npufuse.scan.dataflow import const_value
+
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if not body or len(params) < 2 or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    self_name, x_name = params[0], params[1]
+    dtype_names: set[str] = set()
+    for st in body[:-1]:  # only ``input_dtype = x.dtype`` reads may come first: x is normalised as given
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                and dotted(st.value) == f"{x_name}.dtype"):
+            return None
+        dtype_names.add(st.targets[0].id)
+    value = body[-1].value
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("to", "type_as") \
+            and len(value.args) == 1 and not value.keywords:
+        back = value.args[0]
+        # a cast back to the input's dtype changes nothing: the kernel returns x's dtype
+        if not (isinstance(back, ast.Name) and (back.id in dtype_names or back.id == x_name and value.func.attr == "type_as")
+                or dotted(back) == f"{x_name}.dtype"):
+            return None
+        value = value.func.value
+    if not isinstance(value, ast.Call) or any(isinstance(a, ast.Starred) for a in value.args) or len(value.args) > 3 \
+            or any(k.arg is None for k in value.keywords):
+        return None
+    func = value.func
+    name = canonical.api(module, func)
+    d = dotted(func)
+    if d is not None and d.startswith(self_name + ".") and d.count(".") == 1:
+        attr = d.split(".", 1)[1]
+        init = S.method(module, cls, "__init__")
+        bound = [st.value for st in (S._stmts_in(init.body) if init is not None else [])
+                 if isinstance(st, ast.Assign) and any(dotted(t) == f"self.{attr}" for t in st.targets)]
+        name = canonical.api(module, bound[0]) if len(bound) == 1 and isinstance(bound[0], ast.Name) else None
+    if name not in _TRITON_RMS_NORM_FNS:
+        return None
+    given = {k.arg: k.value for k in value.keywords}
+    for i, a in enumerate(value.args):
+        given[("x", "weight", "bias")[i]] = a
+    x, w, eps = given.pop("x", None), given.pop("weight", None), given.pop("eps", None)
+    if not (isinstance(x, ast.Name) and x.id == x_name) or w is None:
+        return None
+    for k, v in given.items():
+        if k == "residual_in_fp32":
+            continue  # no residual: nothing to keep in fp32
+        if k not in _TRITON_PLAIN_KEYWORDS or const_value(v) != _TRITON_PLAIN_KEYWORDS[k] \
+                or _TRITON_PLAIN_KEYWORDS[k] is None and not (isinstance(v, ast.Constant) and v.value is None):
+            return None
+    wd = dotted(w)
+    if wd is None or not wd.startswith(self_name + "."):
+        return None
+    gamma = mod + wd[len(self_name):]
+    if eps is None:
+        return gamma, "1e-6"  # rms_norm_fn's default
+    if isinstance(const_value(eps), (int, float)) and not isinstance(const_value(eps), bool):
+        return gamma, ast.unparse(eps) if foreign else S.source_of(module, eps)
+    ed = dotted(eps)
+    if ed is None or not ed.startswith(self_name + "."):
+        return None
+    return gamma, mod + ed[len(self_name):]
+
+
 def _eps_text(module: ModuleInfo, eps: ast.expr | None) -> str | None:
     """The epsilon argument for a library rms_norm's ``eps`` (None/absent: float32's, as PyTorch's kernel)."""
     from npufuse.scan.dataflow import const_value
@@ -910,6 +990,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     fwd = S.method(module, cls, "forward")
     mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
+    if lib_fwd is None and fwd is not None:
+        lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
     if lib_fwd is not None:
         return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
@@ -4314,4 +4396,92 @@ class Block(nn.Module):
         return self.mlp(x) + residual
 ''', expect={"norm": "self.channel_pre_norm", "weight": "self.channel_pre_norm.scale", "weight_offset": 1},
          run=_run_block("Block(32)", bf16=True, train=False), name="s33_norm_weight_broadcast_by_a_view_inference_bf16"),
+]
+
+# -- s34: norm modules whose forward is flash-attn's Triton ``rms_norm_fn`` (ProGen3, llm-foundry, OLMo-core,
+# mamba_ssm's copy): with no bias, residual, dropout or prenorm it is an RMSNorm of the input computed in fp32
+# and returned in the input's dtype; the add before it and that norm become npu_add_rms_norm (flash-attn does
+# not run on Ascend).
+
+_S34_TRITON_NORM = '''
+import torch
+from torch import nn
+from flash_attn.ops.triton.layer_norm import rms_norm_fn
+
+
+class TritonRMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+        self.rms_norm_fn = rms_norm_fn
+
+    def forward(self, x):
+        # Flash Attention expects a flat tensor
+        return self.rms_norm_fn(
+            x,
+            self.weight,
+            None,  # no bias
+            residual=None,
+            eps=self.eps,
+            dropout_p=0.0,
+            prenorm=False,
+            residual_in_fp32=False,
+        )
+
+
+class FusedRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        return rms_norm_fn(hidden_states, self.weight, bias=None, eps=1e-6).to(input_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm_2 = TritonRMSNorm(d)
+        self.ffn = nn.Linear(d, d)
+
+    def forward(self, x, a):
+        x = x + self.attn(a)
+        m = self.norm_2(x)
+        return x + self.ffn(m)
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.post_attention_layernorm = FusedRMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = residual + self.attn(hidden_states)
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S34_TRITON_NORM, expect={"norm": "self.norm_2", "weight": "self.norm_2.weight", "eps": "self.norm_2.eps"},
+         name="s34_triton_rms_norm_fn_through_an_attribute"),
+    Fuse(_S34_TRITON_NORM.replace("        x = x + self.attn(a)\n        m = self.norm_2(x)\n", "        m = self.norm_2(x)\n"),
+         expect={"norm": "self.post_attention_layernorm", "eps": "1e-6"},
+         name="s34_triton_rms_norm_fn_by_name_cast_back"),
+]
+
+AddRmsNorm.KEEP += [
+    # prenorm=True returns (y, residual) and a residual argument adds inside the kernel: not a plain norm
+    Keep(_S34_TRITON_NORM.split("class Layer")[0].replace("prenorm=False", "prenorm=True"), name="s34_triton_prenorm"),
+    Keep(_S34_TRITON_NORM.split("class Layer")[0].replace("residual=None", "residual=x"), name="s34_triton_residual_in_kernel"),
+    # dropout inside the kernel, and a norm whose input is cast first (the kernel sees another tensor)
+    Keep(_S34_TRITON_NORM.replace("dropout_p=0.0", "dropout_p=0.1")
+         .replace("        input_dtype = hidden_states.dtype\n", "        input_dtype = hidden_states.dtype\n        hidden_states = hidden_states.float()\n"),
+         name="s34_triton_dropout_and_cast_input"),
 ]
