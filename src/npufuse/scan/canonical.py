@@ -1093,21 +1093,9 @@ def inline_return_expression(fn: ast.FunctionDef | ast.AsyncFunctionDef, call: a
     if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or a.vararg or a.kwarg \
             or a.kwonlyargs or a.posonlyargs or not all(decorator_keeps_function(d) for d in fn.decorator_list):
         return None
-    params = [p.arg for p in a.args]
-    bound: dict[str, ast.expr] = {}
-    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
-    if len(call.args) > len(params) or any(isinstance(x, ast.Starred) for x in call.args):
+    bound = _bind_call(fn, call)  # type: ignore[arg-type]
+    if bound is None:
         return None
-    bound.update(zip(params, call.args))
-    for kw in call.keywords:
-        if kw.arg is None or kw.arg not in params or kw.arg in bound:
-            return None
-        bound[kw.arg] = kw.value
-    for p in params:
-        if p not in bound:
-            if p not in defaults:
-                return None
-            bound[p] = defaults[p]
     expr = body[0].value
     if any(isinstance(n, ast.Name) and n.id not in bound for n in ast.walk(expr)) \
             or any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.comprehension)) for n in ast.walk(expr)):
