@@ -1012,7 +1012,7 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     try:
         m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
     except R.NoMatch:
-        return _l2_class_norm(module, call, cls, fwd, where)
+        return _l2_class_norm(module, call, cls, fwd, where) or _clamp_class_norm(module, call, cls, fwd, where)
     except R.Miss as e:
         if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
             return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
@@ -1070,6 +1070,76 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
             return None
         eps = repr(v)
     return NormCall(call, attr, "l2", cls=cls + where, gamma=gain, eps=eps)
+
+
+def _clamp_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str) -> NormCall | None:
+    """A norm class whose forward is the two-statement clamp form (x-transformers' RMSNorm and its copies
+    in latent-diffusion, TTS, MoDE): ``n = torch.norm(x, dim=-1, keepdim=True) * S`` then ``return x /
+    n.clamp(min=eps) * P``. x / max(||x|| S, eps) * P = x / max(||x||, eps / S) * (P / S): the L2 form
+    (``_l2_class_norm``) with gain P / S and clamp eps / S, an RMSNorm when S or P holds the 1 / sqrt(d).
+    Every factor of S and P must be a read of the module (``self.<attr>``) or a number."""
+    from npufuse.patterns._library_norm import _flatten as flatten_factors
+    from npufuse.scan import canonical
+
+    f = call.func
+    attr = _callee_name(f)
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(params) != 2 or fwd.args.vararg or fwd.args.kwonlyargs or fwd.args.kwarg or len(body) != 2:
+        return None
+    first, ret = body
+    if not (isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Name)
+            and isinstance(ret, ast.Return) and ret.value is not None):
+        return None
+    me, x = params
+    n_name = first.targets[0].id
+    scale: list[tuple[ast.expr, bool]] = []
+    flatten_factors(first.value, False, scale)
+    l2 = [n for n, inv in scale if not inv and isinstance(canonical.l2_norm_operand(module, n), ast.Name)
+          and canonical.l2_norm_operand(module, n).id == x]  # type: ignore[union-attr]
+    if len(l2) != 1 or any(inv for n, inv in scale if n is l2[0]):
+        return None
+    scale = [(n, inv) for n, inv in scale if n is not l2[0]]
+    factors: list[tuple[ast.expr, bool]] = []
+    flatten_factors(ret.value, False, factors)
+    xs = [n for n, inv in factors if not inv and isinstance(n, ast.Name) and n.id == x]
+    clamps = [(n, c) for n, inv in factors if inv for c in [canonical.clamp_min_of(module, n)]
+              if c is not None and isinstance(c[0], ast.Name) and c[0].id == n_name]
+    if len(xs) != 1 or len(clamps) != 1:
+        return None
+    rest = [(n, inv) for n, inv in factors if n is not xs[0] and n is not clamps[0][0]]
+    if any(isinstance(n, ast.Name) and n.id in (x, n_name) for n, _ in rest):
+        return None
+    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
+
+    def as_site(n: ast.expr) -> str | None:
+        """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
+        if isinstance(n, ast.Constant) and type(n.value) in (int, float):
+            return repr(n.value)
+        d = dotted(n)
+        if d is not None and d.startswith(me + ".") and d.count(".") == 1:
+            return mod + d[len(me):]
+        return None
+
+    eps = as_site(clamps[0][1][1])
+    texts = [as_site(n) for n, _ in rest]
+    s_texts = [as_site(n) for n, _ in scale]
+    if eps is None or None in texts or None in s_texts:
+        return None
+    init = S.init_assignments(module, cls)
+    signed = [pw if not inv else -pw for n, inv in rest for pw in [canonical.root_power(module, n, init.get)] if pw is not None] + \
+             [-pw if not inv else pw for n, inv in scale for pw in [canonical.root_power(module, n, init.get)] if pw is not None]
+    if 0.5 not in signed:
+        return None  # no 1 / sqrt(d): an L2 normalisation with a gain, not an RMSNorm
+
+    def product(parts: list[tuple[str, bool]]) -> str:
+        num = " * ".join(f"({t})" for t, inv in parts if not inv) or "1.0"
+        den = [f"({t})" for t, inv in parts if inv]
+        return num if not den else f"{num} / ({' * '.join(den)})"
+
+    S_text = product([(t, inv) for t, (_, inv) in zip(s_texts, scale)])  # type: ignore[misc]
+    P_text = product([(t, inv) for t, (_, inv) in zip(texts, rest)])  # type: ignore[misc]
+    return NormCall(call, attr, "l2", cls=cls + where, gamma=f"({P_text}) / ({S_text})", eps=f"({eps}) / ({S_text})")
 
 
 def _loop_unpacked(scope: Scope, name: str) -> str | None:
@@ -4484,4 +4554,82 @@ AddRmsNorm.KEEP += [
     Keep(_S34_TRITON_NORM.replace("dropout_p=0.0", "dropout_p=0.1")
          .replace("        input_dtype = hidden_states.dtype\n", "        input_dtype = hidden_states.dtype\n        hidden_states = hidden_states.float()\n"),
          name="s34_triton_dropout_and_cast_input"),
+]
+
+# -- s34: the two-statement clamp RMSNorm (x-transformers' ``norm = torch.norm(x, dim=-1, keepdim=True) *
+# self.scale; return x / norm.clamp(min=self.eps) * self.g``, copied into latent-diffusion, stable-diffusion,
+# DynamiCrafter, coqui TTS, MoDE; RETRO's ``x.norm(keepdim=True, dim=-1)`` with the gain outside brackets)
+# read as a norm class after a residual add: gain P / S, clamp eps / S.
+
+_S34_CLAMP_NORM = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-8):
+        super().__init__()
+        self.scale = dim ** -0.5
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        norm = torch.norm(x, dim=-1, keepdim=True) * self.scale
+        return x / norm.clamp(min=self.eps) * self.g
+
+
+class RetroNorm(nn.Module):
+    def __init__(self, dim, *, eps = 1e-8):
+        super().__init__()
+        self.eps = eps
+        self.scale = dim ** -0.5
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        norm = x.norm(keepdim = True, dim = -1) * self.scale
+        return (x / norm.clamp(min = self.eps)) * self.gamma
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.norm2 = RMSNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(self.norm2(x))
+
+
+class PostNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fn = nn.Linear(dim, dim)
+        self.norm = RetroNorm(dim)
+
+    def forward(self, x):
+        out = self.fn(x) + x
+        return self.norm(out)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S34_CLAMP_NORM, expect={"norm": "self.norm2", "sum": "x"},
+         # (with grad enabled the l2 forms run the add and the module itself: npu_add_rms_norm has no backward)
+         run=_run_block("Block(32)", train=False, extra="with torch.no_grad():\n    blk.norm2.g.normal_()\n"),
+         name="s34_clamp_norm_class_inference"),
+    Fuse(_S34_CLAMP_NORM.replace("        x = x + self.attn(x)\n        return x + self.mlp(self.norm2(x))\n",
+                                 "        return self.mlp(self.norm2(x))\n"),
+         expect={"norm": "self.norm", "sum": "out"},
+         run=_run_block("PostNorm(32)", bf16=True, train=False), name="s34_clamp_norm_class_post_norm_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    # no 1 / sqrt(d) in the scale: an L2 normalisation with a gain (ScaleNorm), and a norm over dim 1
+    Keep(_S34_CLAMP_NORM.replace("self.scale = dim ** -0.5\n        self.eps = eps", "self.scale = 2.0\n        self.eps = eps")
+         .replace("x.norm(keepdim = True, dim = -1)", "x.norm(keepdim = True, dim = 1)"), name="s34_clamp_norm_without_sqrt_d_or_other_dim"),
+    # the clamp floors another tensor than the scaled norm
+    Keep(_S34_CLAMP_NORM.replace("return x / norm.clamp(min=self.eps) * self.g", "return x / x.clamp(min=self.eps) * self.g")
+         .replace("return (x / norm.clamp(min = self.eps)) * self.gamma", "return (x / norm.clamp(min = self.eps)) * x"),
+         name="s34_clamp_of_another_tensor"),
 ]
