@@ -1020,6 +1020,24 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
 
 
+def _module_read_text(n: ast.expr, me: str, mod: str) -> str | None:
+    """A gain factor of a norm class's forward with ``me`` (its ``self``) read as ``mod`` (the norm
+    attribute at the call site); None for anything but module reads (``self.<attr>``) and numbers."""
+    if isinstance(n, ast.Constant) and type(n.value) in (int, float):
+        return repr(n.value)
+    d = dotted(n)
+    if d is not None and d.startswith(me + ".") and d.count(".") == 1:
+        return mod + d[len(me):]
+    return None
+
+
+def _product_text(parts: list[tuple[str, bool]]) -> str:
+    """``a * b / (c * d)`` from (text, in the denominator) factors."""
+    num = " * ".join(f"({t})" for t, inv in parts if not inv) or "1.0"
+    den = [f"({t})" for t, inv in parts if inv]
+    return num if not den else f"{num} / ({' * '.join(den)})"
+
+
 def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str) -> NormCall | None:
     """A norm class whose forward is ``return F.normalize(x, dim=-1) * <gain>`` with a sqrt(d) factor
     in the gain (lucidrains: ``F.normalize(x, dim=-1) * self.scale * self.gamma``, ``self.scale =
@@ -1045,24 +1063,13 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
     rest = [(n, inv) for n, inv in factors if n is not unit]
     mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
 
-    def as_site(n: ast.expr) -> str | None:
-        """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
-        if isinstance(n, ast.Constant) and type(n.value) in (int, float):
-            return repr(n.value)
-        d = dotted(n)
-        if d is not None and d.startswith(me + ".") and d.count(".") == 1:
-            return mod + d[len(me):]
-        return None
-
-    texts = [as_site(n) for n, _ in rest]
+    texts = [_module_read_text(n, me, mod) for n, _ in rest]
     init = S.init_assignments(module, cls)
     powers = [canonical.root_power(module, n, init.get) for n, _ in rest]
     signed = [pw if not inv else -pw for (n, inv), pw in zip(rest, powers) if pw is not None]
     if not rest or None in texts or 0.5 not in signed:
         return None  # no sqrt(d) gain (an L2 normalisation) or a factor computed otherwise
-    num = " * ".join(f"({t})" for t, (_, inv) in zip(texts, rest) if not inv) or "1.0"
-    den = [f"({t})" for t, (_, inv) in zip(texts, rest) if inv]
-    gain = num if not den else f"{num} / ({' * '.join(den)})"
+    gain = _product_text([(t, inv) for t, (_, inv) in zip(texts, rest)])  # type: ignore[misc]
     eps = "1e-12"
     if l2.eps is not None:
         v = l2.eps.value if isinstance(l2.eps, ast.Constant) else None
@@ -1112,18 +1119,9 @@ def _clamp_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fun
         return None
     mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
 
-    def as_site(n: ast.expr) -> str | None:
-        """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
-        if isinstance(n, ast.Constant) and type(n.value) in (int, float):
-            return repr(n.value)
-        d = dotted(n)
-        if d is not None and d.startswith(me + ".") and d.count(".") == 1:
-            return mod + d[len(me):]
-        return None
-
-    eps = as_site(clamps[0][1][1])
-    texts = [as_site(n) for n, _ in rest]
-    s_texts = [as_site(n) for n, _ in scale]
+    eps = _module_read_text(clamps[0][1][1], me, mod)
+    texts = [_module_read_text(n, me, mod) for n, _ in rest]
+    s_texts = [_module_read_text(n, me, mod) for n, _ in scale]
     if eps is None or None in texts or None in s_texts:
         return None
     init = S.init_assignments(module, cls)
@@ -1131,14 +1129,8 @@ def _clamp_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fun
              [-pw if not inv else pw for n, inv in scale for pw in [canonical.root_power(module, n, init.get)] if pw is not None]
     if 0.5 not in signed:
         return None  # no 1 / sqrt(d): an L2 normalisation with a gain, not an RMSNorm
-
-    def product(parts: list[tuple[str, bool]]) -> str:
-        num = " * ".join(f"({t})" for t, inv in parts if not inv) or "1.0"
-        den = [f"({t})" for t, inv in parts if inv]
-        return num if not den else f"{num} / ({' * '.join(den)})"
-
-    S_text = product([(t, inv) for t, (_, inv) in zip(s_texts, scale)])  # type: ignore[misc]
-    P_text = product([(t, inv) for t, (_, inv) in zip(texts, rest)])  # type: ignore[misc]
+    S_text = _product_text([(t, inv) for t, (_, inv) in zip(s_texts, scale)])  # type: ignore[misc]
+    P_text = _product_text([(t, inv) for t, (_, inv) in zip(texts, rest)])  # type: ignore[misc]
     return NormCall(call, attr, "l2", cls=cls + where, gamma=f"({P_text}) / ({S_text})", eps=f"({eps}) / ({S_text})")
 
 
@@ -4561,22 +4553,7 @@ AddRmsNorm.KEEP += [
 # DynamiCrafter, coqui TTS, MoDE; RETRO's ``x.norm(keepdim=True, dim=-1)`` with the gain outside brackets)
 # read as a norm class after a residual add: gain P / S, clamp eps / S.
 
-_S34_CLAMP_NORM = '''
-import torch
-from torch import nn
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-8):
-        super().__init__()
-        self.scale = dim ** -0.5
-        self.eps = eps
-        self.g = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        norm = torch.norm(x, dim=-1, keepdim=True) * self.scale
-        return x / norm.clamp(min=self.eps) * self.g
-
+_S34_CLAMP_NORM = R._L2_NORM_CLAMP + '''
 
 class RetroNorm(nn.Module):
     def __init__(self, dim, *, eps = 1e-8):
