@@ -116,6 +116,86 @@ def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign
     return gamma, eps_or_default(e, T)
 
 
+# Triton RMSNorm kernels of flash-attn (and mamba_ssm's copy): ``rms_norm_fn(x, weight, bias, residual=None,
+# ..., eps=1e-6, dropout_p=0.0, rowscale=None, prenorm=False, ...)``. With no bias, residual, second input,
+# dropout, row scale, prenorm or zero-centred weight it is ``x * rsqrt(mean(x^2) + eps) * weight`` computed
+# in float32 and returned in x's dtype: an RMSNorm. Norm modules keep the function as an attribute
+# (``self.rms_norm_fn = rms_norm_fn``: ProGen3, llm-foundry, OLMo-core) or call it by name.
+_TRITON_RMS_NORM_FNS = ("flash_attn.ops.triton.layer_norm.rms_norm_fn", "mamba_ssm.ops.triton.layer_norm.rms_norm_fn")
+# keywords that must be absent or hold these values for the call to be a plain RMSNorm
+_TRITON_PLAIN_KEYWORDS = {"bias": None, "residual": None, "x1": None, "weight1": None, "bias1": None, "dropout_p": 0,
+                          "rowscale": None, "prenorm": False, "zero_centered_weight": False, "out_dtype": None,
+                          "out": None, "residual_out": None}
+
+
+def _triton_rms_forward(module: ModuleInfo, fwd: ast.FunctionDef, cls: str, mod: str, foreign: bool) -> tuple[str, str] | None:
+    """(gamma, eps) when a norm class's forward returns flash-attn's Triton ``rms_norm_fn(x, self.w, None,
+    eps=...)`` as a plain RMSNorm of its input (optionally cast back to the input's dtype, read before
+    the call as ``name = x.dtype``), the function called by its imported name or through an attribute
+    ``__init__`` binds to it once; ``self`` read as ``mod``. None otherwise."""
+    from npufuse.scan import canonical
+    from npufuse.scan.dataflow import const_value
+
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if not body or len(params) < 2 or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    self_name, x_name = params[0], params[1]
+    dtype_names: set[str] = set()
+    for st in body[:-1]:  # only ``input_dtype = x.dtype`` reads may come first: x is normalised as given
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                and dotted(st.value) == f"{x_name}.dtype"):
+            return None
+        dtype_names.add(st.targets[0].id)
+    value = body[-1].value
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("to", "type_as") \
+            and len(value.args) == 1 and not value.keywords:
+        back = value.args[0]
+        # a cast back to the input's dtype changes nothing: the kernel returns x's dtype
+        if not (isinstance(back, ast.Name) and (back.id in dtype_names or back.id == x_name and value.func.attr == "type_as")
+                or dotted(back) == f"{x_name}.dtype"):
+            return None
+        value = value.func.value
+    if not isinstance(value, ast.Call) or any(isinstance(a, ast.Starred) for a in value.args) or len(value.args) > 3 \
+            or any(k.arg is None for k in value.keywords):
+        return None
+    func = value.func
+    name = canonical.api(module, func)
+    d = dotted(func)
+    if d is not None and d.startswith(self_name + ".") and d.count(".") == 1:
+        attr = d.split(".", 1)[1]
+        init = S.method(module, cls, "__init__")
+        bound = [st.value for st in (S._stmts_in(init.body) if init is not None else [])
+                 if isinstance(st, ast.Assign) and any(dotted(t) == f"self.{attr}" for t in st.targets)]
+        name = canonical.api(module, bound[0]) if len(bound) == 1 and isinstance(bound[0], ast.Name) else None
+    if name not in _TRITON_RMS_NORM_FNS:
+        return None
+    given = {k.arg: k.value for k in value.keywords}
+    for i, a in enumerate(value.args):
+        given[("x", "weight", "bias")[i]] = a
+    x, w, eps = given.pop("x", None), given.pop("weight", None), given.pop("eps", None)
+    if not (isinstance(x, ast.Name) and x.id == x_name) or w is None:
+        return None
+    for k, v in given.items():
+        if k == "residual_in_fp32":
+            continue  # no residual: nothing to keep in fp32
+        if k not in _TRITON_PLAIN_KEYWORDS or const_value(v) != _TRITON_PLAIN_KEYWORDS[k] \
+                or _TRITON_PLAIN_KEYWORDS[k] is None and not (isinstance(v, ast.Constant) and v.value is None):
+            return None
+    wd = dotted(w)
+    if wd is None or not wd.startswith(self_name + "."):
+        return None
+    gamma = mod + wd[len(self_name):]
+    if eps is None:
+        return gamma, "1e-6"  # rms_norm_fn's default
+    if isinstance(const_value(eps), (int, float)) and not isinstance(const_value(eps), bool):
+        return gamma, ast.unparse(eps) if foreign else S.source_of(module, eps)
+    ed = dotted(eps)
+    if ed is None or not ed.startswith(self_name + "."):
+        return None
+    return gamma, mod + ed[len(self_name):]
+
+
 def _eps_text(module: ModuleInfo, eps: ast.expr | None) -> str | None:
     """The epsilon argument for a library rms_norm's ``eps`` (None/absent: float32's, as PyTorch's kernel)."""
     from npufuse.scan.dataflow import const_value
@@ -910,6 +990,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     fwd = S.method(module, cls, "forward")
     mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
+    if lib_fwd is None and fwd is not None:
+        lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
     if lib_fwd is not None:
         return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
@@ -930,12 +1012,30 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     try:
         m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
     except R.NoMatch:
-        return _l2_class_norm(module, call, cls, fwd, where)
+        return _l2_class_norm(module, call, cls, fwd, where) or _clamp_class_norm(module, call, cls, fwd, where)
     except R.Miss as e:
         if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
             return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
         return NormCall(call, attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
+
+
+def _module_read_text(n: ast.expr, me: str, mod: str) -> str | None:
+    """A gain factor of a norm class's forward with ``me`` (its ``self``) read as ``mod`` (the norm
+    attribute at the call site); None for anything but module reads (``self.<attr>``) and numbers."""
+    if isinstance(n, ast.Constant) and type(n.value) in (int, float):
+        return repr(n.value)
+    d = dotted(n)
+    if d is not None and d.startswith(me + ".") and d.count(".") == 1:
+        return mod + d[len(me):]
+    return None
+
+
+def _product_text(parts: list[tuple[str, bool]]) -> str:
+    """``a * b / (c * d)`` from (text, in the denominator) factors."""
+    num = " * ".join(f"({t})" for t, inv in parts if not inv) or "1.0"
+    den = [f"({t})" for t, inv in parts if inv]
+    return num if not den else f"{num} / ({' * '.join(den)})"
 
 
 def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str) -> NormCall | None:
@@ -963,24 +1063,13 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
     rest = [(n, inv) for n, inv in factors if n is not unit]
     mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
 
-    def as_site(n: ast.expr) -> str | None:
-        """The factor with ``self`` read as the norm attribute; None for anything but module reads and numbers."""
-        if isinstance(n, ast.Constant) and type(n.value) in (int, float):
-            return repr(n.value)
-        d = dotted(n)
-        if d is not None and d.startswith(me + ".") and d.count(".") == 1:
-            return mod + d[len(me):]
-        return None
-
-    texts = [as_site(n) for n, _ in rest]
+    texts = [_module_read_text(n, me, mod) for n, _ in rest]
     init = S.init_assignments(module, cls)
     powers = [canonical.root_power(module, n, init.get) for n, _ in rest]
     signed = [pw if not inv else -pw for (n, inv), pw in zip(rest, powers) if pw is not None]
     if not rest or None in texts or 0.5 not in signed:
         return None  # no sqrt(d) gain (an L2 normalisation) or a factor computed otherwise
-    num = " * ".join(f"({t})" for t, (_, inv) in zip(texts, rest) if not inv) or "1.0"
-    den = [f"({t})" for t, (_, inv) in zip(texts, rest) if inv]
-    gain = num if not den else f"{num} / ({' * '.join(den)})"
+    gain = _product_text([(t, inv) for t, (_, inv) in zip(texts, rest)])  # type: ignore[misc]
     eps = "1e-12"
     if l2.eps is not None:
         v = l2.eps.value if isinstance(l2.eps, ast.Constant) else None
@@ -988,6 +1077,61 @@ def _l2_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Functi
             return None
         eps = repr(v)
     return NormCall(call, attr, "l2", cls=cls + where, gamma=gain, eps=eps)
+
+
+def _clamp_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str) -> NormCall | None:
+    """A norm class whose forward is the two-statement clamp form (x-transformers' RMSNorm and its copies
+    in latent-diffusion, TTS, MoDE): ``n = torch.norm(x, dim=-1, keepdim=True) * S`` then ``return x /
+    n.clamp(min=eps) * P``. x / max(||x|| S, eps) * P = x / max(||x||, eps / S) * (P / S): the L2 form
+    (``_l2_class_norm``) with gain P / S and clamp eps / S, an RMSNorm when S or P holds the 1 / sqrt(d).
+    Every factor of S and P must be a read of the module (``self.<attr>``) or a number."""
+    from npufuse.patterns._library_norm import _flatten as flatten_factors
+    from npufuse.scan import canonical
+
+    f = call.func
+    attr = _callee_name(f)
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(params) != 2 or fwd.args.vararg or fwd.args.kwonlyargs or fwd.args.kwarg or len(body) != 2:
+        return None
+    first, ret = body
+    if not (isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Name)
+            and isinstance(ret, ast.Return) and ret.value is not None):
+        return None
+    me, x = params
+    n_name = first.targets[0].id
+    scale: list[tuple[ast.expr, bool]] = []
+    flatten_factors(first.value, False, scale)
+    l2 = [n for n, inv in scale if not inv and isinstance(canonical.l2_norm_operand(module, n), ast.Name)
+          and canonical.l2_norm_operand(module, n).id == x]  # type: ignore[union-attr]
+    if len(l2) != 1 or any(inv for n, inv in scale if n is l2[0]):
+        return None
+    scale = [(n, inv) for n, inv in scale if n is not l2[0]]
+    factors: list[tuple[ast.expr, bool]] = []
+    flatten_factors(ret.value, False, factors)
+    xs = [n for n, inv in factors if not inv and isinstance(n, ast.Name) and n.id == x]
+    clamps = [(n, c) for n, inv in factors if inv for c in [canonical.clamp_min_of(module, n)]
+              if c is not None and isinstance(c[0], ast.Name) and c[0].id == n_name]
+    if len(xs) != 1 or len(clamps) != 1:
+        return None
+    rest = [(n, inv) for n, inv in factors if n is not xs[0] and n is not clamps[0][0]]
+    if any(isinstance(n, ast.Name) and n.id in (x, n_name) for n, _ in rest):
+        return None
+    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
+
+    eps = _module_read_text(clamps[0][1][1], me, mod)
+    texts = [_module_read_text(n, me, mod) for n, _ in rest]
+    s_texts = [_module_read_text(n, me, mod) for n, _ in scale]
+    if eps is None or None in texts or None in s_texts:
+        return None
+    init = S.init_assignments(module, cls)
+    signed = [pw if not inv else -pw for n, inv in rest for pw in [canonical.root_power(module, n, init.get)] if pw is not None] + \
+             [-pw if not inv else pw for n, inv in scale for pw in [canonical.root_power(module, n, init.get)] if pw is not None]
+    if 0.5 not in signed:
+        return None  # no 1 / sqrt(d): an L2 normalisation with a gain, not an RMSNorm
+    S_text = _product_text([(t, inv) for t, (_, inv) in zip(s_texts, scale)])  # type: ignore[misc]
+    P_text = _product_text([(t, inv) for t, (_, inv) in zip(texts, rest)])  # type: ignore[misc]
+    return NormCall(call, attr, "l2", cls=cls + where, gamma=f"({P_text}) / ({S_text})", eps=f"({eps}) / ({S_text})")
 
 
 def _loop_unpacked(scope: Scope, name: str) -> str | None:
@@ -4314,4 +4458,155 @@ class Block(nn.Module):
         return self.mlp(x) + residual
 ''', expect={"norm": "self.channel_pre_norm", "weight": "self.channel_pre_norm.scale", "weight_offset": 1},
          run=_run_block("Block(32)", bf16=True, train=False), name="s33_norm_weight_broadcast_by_a_view_inference_bf16"),
+]
+
+# -- s34: norm modules whose forward is flash-attn's Triton ``rms_norm_fn`` (ProGen3, llm-foundry, OLMo-core,
+# mamba_ssm's copy): with no bias, residual, dropout or prenorm it is an RMSNorm of the input computed in fp32
+# and returned in the input's dtype; the add before it and that norm become npu_add_rms_norm (flash-attn does
+# not run on Ascend).
+
+_S34_TRITON_NORM = '''
+import torch
+from torch import nn
+from flash_attn.ops.triton.layer_norm import rms_norm_fn
+
+
+class TritonRMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+        self.rms_norm_fn = rms_norm_fn
+
+    def forward(self, x):
+        # Flash Attention expects a flat tensor
+        return self.rms_norm_fn(
+            x,
+            self.weight,
+            None,  # no bias
+            residual=None,
+            eps=self.eps,
+            dropout_p=0.0,
+            prenorm=False,
+            residual_in_fp32=False,
+        )
+
+
+class FusedRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        return rms_norm_fn(hidden_states, self.weight, bias=None, eps=1e-6).to(input_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm_2 = TritonRMSNorm(d)
+        self.ffn = nn.Linear(d, d)
+
+    def forward(self, x, a):
+        x = x + self.attn(a)
+        m = self.norm_2(x)
+        return x + self.ffn(m)
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.post_attention_layernorm = FusedRMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = residual + self.attn(hidden_states)
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S34_TRITON_NORM, expect={"norm": "self.norm_2", "weight": "self.norm_2.weight", "eps": "self.norm_2.eps"},
+         name="s34_triton_rms_norm_fn_through_an_attribute"),
+    Fuse(_S34_TRITON_NORM.replace("        x = x + self.attn(a)\n        m = self.norm_2(x)\n", "        m = self.norm_2(x)\n"),
+         expect={"norm": "self.post_attention_layernorm", "eps": "1e-6"},
+         name="s34_triton_rms_norm_fn_by_name_cast_back"),
+]
+
+AddRmsNorm.KEEP += [
+    # prenorm=True returns (y, residual) and a residual argument adds inside the kernel: not a plain norm
+    Keep(_S34_TRITON_NORM.split("class Layer")[0].replace("prenorm=False", "prenorm=True"), name="s34_triton_prenorm"),
+    Keep(_S34_TRITON_NORM.split("class Layer")[0].replace("residual=None", "residual=x"), name="s34_triton_residual_in_kernel"),
+    # dropout inside the kernel, and a norm whose input is cast first (the kernel sees another tensor)
+    Keep(_S34_TRITON_NORM.replace("dropout_p=0.0", "dropout_p=0.1")
+         .replace("        input_dtype = hidden_states.dtype\n", "        input_dtype = hidden_states.dtype\n        hidden_states = hidden_states.float()\n"),
+         name="s34_triton_dropout_and_cast_input"),
+]
+
+# -- s34: the two-statement clamp RMSNorm (x-transformers' ``norm = torch.norm(x, dim=-1, keepdim=True) *
+# self.scale; return x / norm.clamp(min=self.eps) * self.g``, copied into latent-diffusion, stable-diffusion,
+# DynamiCrafter, coqui TTS, MoDE; RETRO's ``x.norm(keepdim=True, dim=-1)`` with the gain outside brackets)
+# read as a norm class after a residual add: gain P / S, clamp eps / S.
+
+_S34_CLAMP_NORM = R._L2_NORM_CLAMP + '''
+
+class RetroNorm(nn.Module):
+    def __init__(self, dim, *, eps = 1e-8):
+        super().__init__()
+        self.eps = eps
+        self.scale = dim ** -0.5
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        norm = x.norm(keepdim = True, dim = -1) * self.scale
+        return (x / norm.clamp(min = self.eps)) * self.gamma
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.norm2 = RMSNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(self.norm2(x))
+
+
+class PostNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fn = nn.Linear(dim, dim)
+        self.norm = RetroNorm(dim)
+
+    def forward(self, x):
+        out = self.fn(x) + x
+        return self.norm(out)
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S34_CLAMP_NORM, expect={"norm": "self.norm2", "sum": "x"},
+         # (with grad enabled the l2 forms run the add and the module itself: npu_add_rms_norm has no backward)
+         run=_run_block("Block(32)", train=False, extra="with torch.no_grad():\n    blk.norm2.g.normal_()\n"),
+         name="s34_clamp_norm_class_inference"),
+    Fuse(_S34_CLAMP_NORM.replace("        x = x + self.attn(x)\n        return x + self.mlp(self.norm2(x))\n",
+                                 "        return self.mlp(self.norm2(x))\n"),
+         expect={"norm": "self.norm", "sum": "out"},
+         run=_run_block("PostNorm(32)", bf16=True, train=False), name="s34_clamp_norm_class_post_norm_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    # no 1 / sqrt(d) in the scale: an L2 normalisation with a gain (ScaleNorm), and a norm over dim 1
+    Keep(_S34_CLAMP_NORM.replace("self.scale = dim ** -0.5\n        self.eps = eps", "self.scale = 2.0\n        self.eps = eps")
+         .replace("x.norm(keepdim = True, dim = -1)", "x.norm(keepdim = True, dim = 1)"), name="s34_clamp_norm_without_sqrt_d_or_other_dim"),
+    # the clamp floors another tensor than the scaled norm
+    Keep(_S34_CLAMP_NORM.replace("return x / norm.clamp(min=self.eps) * self.g", "return x / x.clamp(min=self.eps) * self.g")
+         .replace("return (x / norm.clamp(min = self.eps)) * self.gamma", "return (x / norm.clamp(min = self.eps)) * x"),
+         name="s34_clamp_of_another_tensor"),
 ]

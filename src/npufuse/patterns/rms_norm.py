@@ -3320,6 +3320,80 @@ RmsNorm.KEEP += [
 ]
 
 
+# -- an L2 helper with defaulted parameters (s34): ``def l2norm(t, dim = -1, eps = 1e-12): return
+# F.normalize(t, dim = dim, eps = eps)`` (denoising-diffusion's karras_unet, pi-zero), ``def l2norm(t,
+# dim = -1): return F.normalize(t, dim = dim, p = 2)`` (vit-pytorch, x-transformers): the call is read
+# with its own arguments and the helper's defaults in place of the parameters, so ``l2norm(x)`` is a
+# last-dim normalisation with the default eps and ``l2norm(x, dim = 1)`` is not one.
+
+_L2_HELPER_DEFAULTS = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def l2norm(t, dim = -1, eps = 1e-6):
+    return F.normalize(t, dim = dim, eps = eps)
+
+
+def unit(t, dim = -1):
+    """unit vectors along dim"""
+    return F.normalize(t, p = 2, dim = dim)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, affine = True):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(dim)) if affine else 1.0
+
+    def forward(self, x):
+        return l2norm(x) * self.gamma * self.scale
+
+
+class ChanRMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return unit(x, dim = -1) * self.g * (x.shape[-1] ** 0.5)
+'''
+
+RmsNorm.FUSE += [
+    Fuse(
+        # eps comes from the helper's default (1e-6), dim from its default (-1); gamma may be a float
+        _L2_HELPER_DEFAULTS,
+        expect={"variant": "l2_normalize", "eps": "1e-6", "qualname": "RMSNorm.forward"},
+        run=("m = RMSNorm(16)\nplain = RMSNorm(16, affine = False)\nwith torch.no_grad():\n    m.gamma.normal_()\n"
+             "x = torch.randn(2, 5, 16, requires_grad=True)\nout = (m(x), plain(x))\nleaves = [x, m.gamma]\n"),
+        name="l2norm_helper_with_defaulted_dim_and_eps",
+    ),
+    Fuse(
+        # the dim passed by keyword at the call; the helper's own p = 2 (RMSNorm here normalises dim 1)
+        _L2_HELPER_DEFAULTS.replace("return l2norm(x) * self.gamma * self.scale", "return l2norm(x, 1) * self.gamma * self.scale"),
+        expect={"variant": "l2_normalize", "eps": "1e-12", "qualname": "ChanRMSNorm.forward"},
+        name="l2_helper_dim_passed_at_the_call",
+    ),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the same helpers asked for dim 1 (channels of NCHW) at the call: not a last-dim norm
+        _L2_HELPER_DEFAULTS.replace("return l2norm(x) * self.gamma * self.scale", "return l2norm(x, 1) * self.gamma * self.scale")
+                           .replace("return unit(x, dim = -1)", "return unit(x, dim = 1)"),
+        name="l2_helpers_called_on_another_dim",
+    ),
+    Keep(
+        # a default of p = 1 in the helper: an L1 normalisation
+        _L2_HELPER_DEFAULTS.replace("def unit(t, dim = -1):", "def unit(t, dim = -1, p = 1):")
+                           .replace("return F.normalize(t, p = 2, dim = dim)", "return F.normalize(t, p = p, dim = dim)")
+                           .replace("return l2norm(x) * self.gamma * self.scale", "return l2norm(x, 1) * self.gamma * self.scale"),
+        name="l2_helper_with_a_p1_default",
+    ),
+]
+
+
 # -- the norm returned in one branch of ifs after the computation (OLMo; issue 14) ---------------
 
 _RETURN_IN_BRANCHES = '''

@@ -1053,30 +1053,68 @@ def _normalize_last_dim(module: ModuleInfo, call: ast.Call) -> tuple[ast.expr, a
     return x, eps
 
 
+def _bind_call(fn: ast.FunctionDef, call: ast.Call) -> dict[str, ast.expr] | None:
+    """Each parameter of ``fn`` bound to the call's argument node, or to its default where the call
+    leaves it out; None for ``*``/``**`` anywhere, an unknown keyword or a parameter left unbound."""
+    a = fn.args
+    if a.vararg or a.kwarg or a.kwonlyargs or any(isinstance(x, ast.Starred) for x in call.args):
+        return None
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    if len(call.args) > len(params):
+        return None
+    bound: dict[str, ast.expr] = dict(zip(params, call.args))
+    for kw in call.keywords:
+        if kw.arg is None or kw.arg not in params[len(a.posonlyargs):] or kw.arg in bound:
+            return None
+        bound[kw.arg] = kw.value
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
+    for p in params:
+        if p not in bound:
+            if p not in defaults:
+                return None
+            bound[p] = defaults[p]
+    return bound
+
+
 def l2_normalize_of(module: ModuleInfo, call: ast.AST | None) -> L2Normalize | None:
     """The last-dim L2 normalisation a call computes: ``F.normalize(x, dim=-1)`` itself, or a call
-    ``h(x)`` of a module-level function whose body is only ``return F.normalize(<its one parameter>,
-    dim=-1[, p=2][, eps=<constant>])`` (docstring allowed)."""
+    ``h(x, ...)`` of a module-level function whose body is only ``return F.normalize(<a parameter>,
+    dim=..., p=..., eps=...)`` (docstring allowed), read with the call's arguments and the helper's
+    defaults in place of its parameters: ``def l2norm(t, dim=-1, eps=1e-12): return F.normalize(t,
+    dim=dim, eps=eps)`` called as ``l2norm(x)`` normalises x over the last dim; ``l2norm(x, dim=1)``
+    does not."""
     if not isinstance(call, ast.Call):
         return None
     direct = _normalize_last_dim(module, call)
     if direct is not None:
         return L2Normalize(direct[0], direct[1], None)
-    if not isinstance(call.func, ast.Name) or len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+    if not isinstance(call.func, ast.Name):
         return None
     fn = next((n for n in module.tree.body if isinstance(n, ast.FunctionDef) and n.name == call.func.id), None)
-    if fn is None or fn.decorator_list or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs:
+    if fn is None or fn.decorator_list:
         return None
-    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    if len(params) != 1 or len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
         return None
-    inner = _normalize_last_dim(module, body[0].value)
-    if inner is None or not (isinstance(inner[0], ast.Name) and inner[0].id == params[0]):
+    bound = _bind_call(fn, call)
+    if bound is None:
         return None
-    if inner[1] is not None and type(const_value(inner[1])) not in (int, float):
+    ret = body[0].value
+    operand = ret.args[0] if ret.args else _kw(ret, "input")
+    at_call = [*call.args, *(k.value for k in call.keywords)]
+    if not (isinstance(operand, ast.Name) and any(bound.get(operand.id) is n for n in at_call)):
+        return None  # the normalised tensor is one of the caller's arguments, never a default
+
+    class _Substitute(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.AST:
+            return bound.get(node.id, node)
+
+    inner = _normalize_last_dim(module, _Substitute().visit(copy.deepcopy(ret)))
+    if inner is None:
+        return None
+    if inner[1] is not None and type(const_value(inner[1])) not in (int, float) and not any(inner[1] is n for n in at_call):
         return None  # an eps read from the helper's scope cannot be written at the call
-    return L2Normalize(call.args[0], inner[1], fn.name)
+    return L2Normalize(inner[0], inner[1], fn.name)
 
 # --- attention: one-expression helpers inlined at their call ---
 # timm's ``maybe_add_mask(scores, mask)`` is ``return scores if mask is None else scores + mask``: a
@@ -1096,21 +1134,9 @@ def inline_return_expression(fn: ast.FunctionDef | ast.AsyncFunctionDef, call: a
     if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or a.vararg or a.kwarg \
             or a.kwonlyargs or a.posonlyargs or not all(decorator_keeps_function(d) for d in fn.decorator_list):
         return None
-    params = [p.arg for p in a.args]
-    bound: dict[str, ast.expr] = {}
-    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
-    if len(call.args) > len(params) or any(isinstance(x, ast.Starred) for x in call.args):
+    bound = _bind_call(fn, call)  # type: ignore[arg-type]
+    if bound is None:
         return None
-    bound.update(zip(params, call.args))
-    for kw in call.keywords:
-        if kw.arg is None or kw.arg not in params or kw.arg in bound:
-            return None
-        bound[kw.arg] = kw.value
-    for p in params:
-        if p not in bound:
-            if p not in defaults:
-                return None
-            bound[p] = defaults[p]
     expr = body[0].value
     if any(isinstance(n, ast.Name) and n.id not in bound for n in ast.walk(expr)) \
             or any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.comprehension)) for n in ast.walk(expr)):
